@@ -1,0 +1,60 @@
+# bastion: one command per task. Run as root on Debian 12 (apt-get installs what is missing).
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+UV_VERSION := 0.13.9
+TOOLS := .tools
+UV := $(TOOLS)/bin/uv
+VENV := .venv
+DEMO := .bastion
+export UV_PYTHON_DOWNLOADS := never
+export UV_PROJECT_ENVIRONMENT := $(VENV)
+
+.PHONY: help install system-deps run test lint typecheck unit bench clean
+
+help:
+	@echo "make run    set up, write a demo config under $(DEMO)/ if absent, and serve it"
+	@echo "make test   set up, lint, type-check and run the whole test suite"
+	@echo "make bench  run the benchmarks in bench/"
+
+system-deps:
+	@missing=""; \
+	command -v bwrap >/dev/null || missing="$$missing bubblewrap"; \
+	python3 -c 'import venv, ensurepip' 2>/dev/null || missing="$$missing python3-venv"; \
+	command -v mount >/dev/null || missing="$$missing mount"; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing system packages:$$missing"; \
+	  if [ "$$(id -u)" != 0 ]; then echo "run as root, or install:$$missing" >&2; exit 1; fi; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	fi
+
+$(UV):
+	python3 -m venv $(TOOLS)
+	$(TOOLS)/bin/python -m pip install --quiet --disable-pip-version-check uv==$(UV_VERSION)
+
+$(VENV)/.installed: pyproject.toml uv.lock $(UV)
+	$(UV) sync --frozen --python python3
+	@touch $@
+
+install: system-deps $(VENV)/.installed
+
+run: install
+	@if [ ! -f $(DEMO)/bastion.toml ]; then $(VENV)/bin/bastion init $(DEMO); fi
+	$(VENV)/bin/bastion serve --config $(DEMO)/bastion.toml --stdio
+
+lint: install
+	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/ruff format --check src tests bench
+
+typecheck: install
+	$(VENV)/bin/mypy
+
+unit: install
+	$(VENV)/bin/pytest -q
+
+test: lint typecheck unit
+
+bench: install
+	$(VENV)/bin/python bench/run_all.py
+
+clean:
+	rm -rf $(VENV) $(TOOLS) .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,112 @@
+"""The `bastion` command: init, serve, policy explain, audit verify.
+
+Every refusal is one line on stderr and a non-zero exit; no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from collections.abc import Sequence
+from typing import Final
+
+from bastion.config import CONFIG_ENV, load_config, resolve_config_path
+from bastion.safety.errors import BastionError, ConfigError
+
+EXIT_USAGE: Final = 2
+EXIT_CONFIG: Final = 78  # EX_CONFIG from sysexits.h
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="bastion", description="A kernel-isolated workbench for AI agents, over MCP.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    init = sub.add_parser("init", help="write a demo config and its folders into DIR")
+    init.add_argument("dir")
+
+    serve = sub.add_parser("serve", help="serve MCP")
+    serve.add_argument("--config", help=f"path to bastion.toml (or set {CONFIG_ENV})")
+    serve.add_argument("--stdio", action="store_true", required=True, help="serve over stdin/stdout")
+
+    policy = sub.add_parser("policy", help="inspect command policies")
+    policy_sub = policy.add_subparsers(dest="policy_command", required=True)
+    explain = policy_sub.add_parser("explain", help="print the decision for a command and the rule that made it")
+    explain.add_argument("--config", help=f"path to bastion.toml (or set {CONFIG_ENV})")
+    explain.add_argument("--workspace", help="workspace id (default: the config's default_workspace)")
+    explain.add_argument("argv", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
+
+    audit = sub.add_parser("audit", help="audit log tools")
+    audit_sub = audit.add_subparsers(dest="audit_command", required=True)
+    verify = audit_sub.add_parser("verify", help="check the hash chain of an audit log")
+    verify.add_argument("path")
+    return parser
+
+
+def _cmd_init(args: argparse.Namespace) -> int:
+    from bastion.demo import init_demo
+
+    path = init_demo(args.dir)
+    print(f"wrote {path}")
+    print(f"serve it with: bastion serve --config {path} --stdio")
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from bastion.serve import serve_stdio
+
+    config_path = resolve_config_path(args.config)
+    config = load_config(config_path)
+    return serve_stdio(config, config_path)
+
+
+def _cmd_policy_explain(args: argparse.Namespace) -> int:
+    from bastion.safety.commands import CommandPolicy
+
+    argv = list(args.argv)
+    if argv[:1] == ["--"]:
+        argv = argv[1:]
+    if not argv:
+        print("bastion: give the command after --, e.g. bastion policy explain --config X -- git status", file=sys.stderr)
+        return EXIT_USAGE
+    config = load_config(resolve_config_path(args.config))
+    workspace = config.workspace_by_id(args.workspace or config.default_workspace)
+    if workspace is None:
+        raise ConfigError(f"no workspace {args.workspace!r} in the config: use one of its [[workspace]] ids")
+    decision = CommandPolicy(workspace.policy).explain(shlex.join(argv))
+    verdict = "ALLOW" if decision.allowed else "DENY"
+    print(f"{verdict} {shlex.join(decision.argv) if decision.argv else shlex.join(argv)}")
+    print(f"rule: {decision.rule}")
+    if decision.reason:
+        print(f"reason: {decision.reason}")
+    return 0 if decision.allowed else 1
+
+
+def _cmd_audit_verify(args: argparse.Namespace) -> int:
+    from bastion.safety.audit import verify
+
+    report = verify(args.path)
+    if report.ok:
+        print(f"ok: {report.records} records, chain intact")
+        return 0
+    where = f"{report.file}:{report.line}" if report.file else args.path
+    print(f"BROKEN at {where}: {report.first_error}")
+    return 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    handlers = {
+        "init": _cmd_init,
+        "serve": _cmd_serve,
+        "policy": _cmd_policy_explain,
+        "audit": _cmd_audit_verify,
+    }
+    try:
+        return handlers[args.command](args)
+    except (ConfigError, BastionError) as exc:
+        print(f"bastion: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    except KeyboardInterrupt:
+        return 130
+

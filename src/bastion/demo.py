@@ -1,0 +1,95 @@
+"""`bastion init DIR`: write the demo configuration.
+
+The layout is a public contract (later features add to it, never move it):
+    DIR/bastion.toml   the config, commented
+    DIR/workspace/     host workspace `default`, conservative allow-list policy
+    DIR/inbox/         a folder for the organizer
+    DIR/state/         database and audit.jsonl (outside every workspace)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from bastion.safety.commands import DEMO_POLICY, ArgumentRule
+from bastion.safety.errors import ConfigError
+
+
+def _toml_list(items: tuple[str, ...]) -> str:
+    return "[" + ", ".join(json.dumps(item) for item in items) + "]"
+
+
+def _rule_toml(rule: ArgumentRule) -> str:
+    lines = ["[[workspace.policy.rules]]", f"command = {json.dumps(rule.command)}"]
+    if rule.when:
+        lines.append(f"when = {_toml_list(rule.when)}")
+    if rule.subcommands is not None:
+        lines.append(f"subcommands = {_toml_list(rule.subcommands)}")
+    if rule.deny_args:
+        lines.append(f"deny_args = {_toml_list(rule.deny_args)}")
+    return "\n".join(lines)
+
+
+def demo_config_text() -> str:
+    rules = "\n\n".join(_rule_toml(rule) for rule in DEMO_POLICY.rules)
+    return f"""\
+# bastion demo configuration, written by `bastion init`.
+# Relative paths are relative to this file's folder. Unknown keys are refused.
+
+# Database and audit log live here; never inside a workspace or inbox.
+state_dir = "state"
+# The workspace a tool acts on when the call names none.
+default_workspace = "default"
+log_level = "WARNING"
+
+[audit]
+# Append-only, hash-chained, fsync'd per record. `bastion audit verify state/audit.jsonl` checks it.
+fail_closed = true          # if a record cannot be written, the operation does not happen
+rotate_bytes = 67108864     # rotate at 64 MiB; the chain continues across files
+
+[redaction]
+# Extra regular expressions to scrub from every output and audit record.
+patterns = []
+
+# A host workspace: a real folder, bound read-write into a kernel sandbox
+# (no network, no home folder, system folders read-only), with a command policy on top.
+[[workspace]]
+id = "default"
+path = "workspace"
+timeout_s = 30
+max_output_bytes = 65536
+# Extra environment for commands (PATH, HOME and LANG are fixed). Values are redacted from output.
+env = {{}}
+
+[workspace.policy]
+# Deny wins. A command not in `allow` is refused. `bastion policy explain --config bastion.toml -- CMD` tells why.
+allow = {_toml_list(DEMO_POLICY.allow)}
+deny = {_toml_list(DEMO_POLICY.deny)}
+
+# Argument rules: tokens match in any order, long options also as --opt=value and abbreviated.
+{rules}
+
+# A folder for the file organizer.
+[[inbox]]
+id = "inbox"
+path = "inbox"
+"""
+
+
+def init_demo(directory: str | os.PathLike[str]) -> Path:
+    """Create the demo layout; never overwrite an existing config."""
+    root = Path(directory).absolute()
+    config = root / "bastion.toml"
+    if config.exists():
+        raise ConfigError(f"{config} already exists: remove it or choose another folder")
+    for sub in ("workspace", "inbox"):
+        (root / sub).mkdir(parents=True, exist_ok=True)
+    (root / "state").mkdir(mode=0o700, parents=True, exist_ok=True)
+    readme = root / "workspace" / "README.md"
+    if not readme.exists():
+        readme.write_text("# bastion demo workspace\n\nFiles an agent may read and change live here.\n")
+    with open(config, "x", encoding="utf-8") as handle:
+        handle.write(demo_config_text())
+    return config

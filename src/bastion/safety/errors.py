@@ -1,0 +1,84 @@
+"""The one error tree of bastion. Each subclass is chosen by what the caller must do.
+
+    BastionError (code, reason: short line for the client; detail: for the audit log only)
+    ├── InvalidRequest          INVALID_REQUEST   malformed input: fix the request
+    ├── PolicyDenied            POLICY_DENIED     a rule refused it: ask a human or do something else
+    ├── PathEscape              PATH_ESCAPE       the path leaves the jail
+    ├── NotFound                NOT_FOUND
+    ├── SandboxNotFound         SANDBOX_NOT_FOUND no such sandbox or workspace id
+    ├── Conflict                CONFLICT          the target exists; nothing is overwritten
+    ├── ResourceLimit           RESOURCE_LIMIT    a size or count bound was hit
+    ├── Timeout                 TIMEOUT
+    ├── Unavailable             UNAVAILABLE       a dependency (bubblewrap, the kernel feature) is missing
+    ├── AuditUnavailable        AUDIT_UNAVAILABLE the audit record could not be written: nothing ran
+    └── OperationFailed         OPERATION_FAILED  the OS refused for another reason
+    ConfigError (not a BastionError: it stops the server at start-up with one line)
+
+The tool layer turns a BastionError into an `OperationResult`; anything else is an
+internal error whose text stays on the server.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from bastion.safety.results import ResultCode
+
+
+class BastionError(Exception):
+    """Base of the errors a tool turns into a typed refusal."""
+
+    code: ClassVar[ResultCode] = ResultCode.OPERATION_FAILED
+
+    def __init__(self, reason: str, *, detail: str = "") -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.detail = detail
+
+
+class InvalidRequest(BastionError):
+    code = ResultCode.INVALID_REQUEST
+
+
+class PolicyDenied(BastionError):
+    code = ResultCode.POLICY_DENIED
+
+
+class PathEscape(BastionError):
+    code = ResultCode.PATH_ESCAPE
+
+
+class NotFound(BastionError):
+    code = ResultCode.NOT_FOUND
+
+
+class SandboxNotFound(BastionError):
+    code = ResultCode.SANDBOX_NOT_FOUND
+
+
+class Conflict(BastionError):
+    code = ResultCode.CONFLICT
+
+
+class ResourceLimit(BastionError):
+    code = ResultCode.RESOURCE_LIMIT
+
+
+class Timeout(BastionError):
+    code = ResultCode.TIMEOUT
+
+
+class Unavailable(BastionError):
+    code = ResultCode.UNAVAILABLE
+
+
+class AuditUnavailable(BastionError):
+    code = ResultCode.AUDIT_UNAVAILABLE
+
+
+class OperationFailed(BastionError):
+    code = ResultCode.OPERATION_FAILED
+
+
+class ConfigError(Exception):
+    """Invalid configuration: the server refuses to start, printing this one line."""

@@ -1,0 +1,131 @@
+"""Raw process spawning and bubblewrap argv building. DANGEROUS.
+
+This is the only module allowed to start processes (ruff's banned-api enforces
+it). Everything here trusts its arguments: callers pass argv that the safety
+core has already checked, and paths the config loader has already validated.
+The kernel boundary built here is what makes a command harmless, so a change
+to the bind list or the namespace flags is a security change: review it so.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+from bastion.safety.errors import Unavailable
+
+SANDBOX_WORKSPACE: Final = "/workspace"
+SANDBOX_PATH: Final = "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin"
+TMP_SIZE_BYTES: Final = 64 * 1024 * 1024
+AGENT_SOURCE: Final = (Path(__file__).parent / "_agent.py").read_text(encoding="utf-8")
+
+# System folders bound read-only. /etc is not bound whole: only what programs
+# need to start and name users, never shadow files, keys or the host's config.
+_RO_SYSTEM_DIRS: Final = ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32")
+_RO_ETC_FILES: Final = (
+    "/etc/ld.so.cache",
+    "/etc/ld.so.conf",
+    "/etc/ld.so.conf.d",
+    "/etc/alternatives",
+    "/etc/localtime",
+    "/etc/passwd",
+    "/etc/group",
+    "/etc/nsswitch.conf",
+    "/etc/mime.types",
+    "/etc/magic",
+    "/etc/magic.mime",
+    "/etc/gitconfig",
+)
+
+
+@dataclass(frozen=True)
+class SandboxSpec:
+    """What one warm sandbox sees and may do."""
+
+    workspace: str
+    read_only_binds: tuple[tuple[str, str], ...] = ()
+    tmp_size_bytes: int = TMP_SIZE_BYTES
+
+
+def bwrap_path() -> str:
+    found = shutil.which("bwrap")
+    if found is None:
+        raise Unavailable("bubblewrap (bwrap) is not installed: run 'make install' or 'apt-get install bubblewrap'")
+    return found
+
+
+def sandbox_python() -> str:
+    """An interpreter visible inside the sandbox for the agent.
+
+    Prefer the system's /usr/bin/python3 (already bound); else the server's own
+    base interpreter, whose install prefix is then bound read-only.
+    """
+    system = "/usr/bin/python3"
+    if os.access(system, os.X_OK):
+        return system
+    return os.path.realpath(sys.executable)
+
+
+def _bind_system(argv: list[str], python: str) -> None:
+    for path in _RO_SYSTEM_DIRS:
+        if os.path.islink(path):
+            argv += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            argv += ["--ro-bind", path, path]
+    for path in _RO_ETC_FILES:
+        if os.path.exists(path):
+            argv += ["--ro-bind", path, path]
+    if not python.startswith("/usr/"):
+        prefix = os.path.realpath(sys.base_prefix)
+        argv += ["--ro-bind", prefix, prefix]
+
+
+def build_bwrap_argv(spec: SandboxSpec, agent_fd: int, python: str) -> list[str]:
+    """The bubblewrap command line of a warm sandbox running the agent.
+
+    Namespaces: user (the agent's capabilities only reach the sandbox's own
+    namespaces), mount, PID, IPC, UTS, cgroup and network (loopback only).
+    """
+    argv = [bwrap_path(), "--unshare-all", "--unshare-user", "--uid", "0", "--gid", "0"]
+    argv += ["--die-with-parent", "--new-session", "--hostname", "bastion"]
+    # The agent keeps CAP_SYS_ADMIN (to make a PID namespace per command) and
+    # CAP_SETPCAP (to empty the bounding set), both confined to the sandbox's
+    # user namespace; each command drops every capability before exec.
+    argv += ["--cap-drop", "ALL", "--cap-add", "CAP_SYS_ADMIN", "--cap-add", "CAP_SETPCAP"]
+    _bind_system(argv, python)
+    argv += ["--proc", "/proc", "--dev", "/dev"]
+    argv += ["--size", str(spec.tmp_size_bytes), "--tmpfs", "/tmp"]
+    argv += ["--bind", spec.workspace, SANDBOX_WORKSPACE]
+    for source, dest in spec.read_only_binds:
+        argv += ["--ro-bind", source, dest]
+    argv += ["--chdir", SANDBOX_WORKSPACE, "--clearenv", "--setenv", "PATH", SANDBOX_PATH]
+    argv += ["--", python, "-I", "-S", "-c", AGENT_SOURCE, str(agent_fd)]
+    return argv
+
+
+def start_sandbox(spec: SandboxSpec) -> tuple[subprocess.Popen[bytes], socket.socket]:
+    """Start bwrap with the agent inside; return the process and the host's socket end."""
+    host_end, agent_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        argv = build_bwrap_argv(spec, agent_end.fileno(), sandbox_python())
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            pass_fds=(agent_end.fileno(),),
+            close_fds=True,
+            start_new_session=True,
+        )
+    except OSError as exc:
+        host_end.close()
+        raise Unavailable(f"cannot start bubblewrap: {exc.strerror}") from exc
+    finally:
+        agent_end.close()
+    return proc, host_end

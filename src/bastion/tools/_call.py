@@ -1,0 +1,98 @@
+"""Every tool call passes through `CallRunner`: audit, timing, and errors as data.
+
+Order (ARCHITECTURE principle 5): a mutating call first writes a `start` record
+and does not run if it cannot (fail-closed); then the operation; then an `end`
+record with the result code, before the result is returned. A read-only call
+writes only the `end` record, and its answer is withheld if that write fails.
+Any exception that is not a `BastionError` becomes INTERNAL_ERROR with an
+incident id: the traceback goes to the server log, never to the client.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Mapping
+
+from bastion.safety.audit import AuditLog
+from bastion.safety.errors import AuditUnavailable, BastionError
+from bastion.safety.results import OperationResult, ResultCode
+
+logger = logging.getLogger("bastion.tools")
+
+Operation = Callable[[], Awaitable[OperationResult]]
+
+
+class CallRunner:
+    """Runs one tool operation under the audit log."""
+
+    def __init__(self, audit: AuditLog, *, caller: str) -> None:
+        self.audit = audit
+        self.caller = caller
+
+    async def run(
+        self,
+        action: str,
+        arguments: Mapping[str, object],
+        operation: Operation,
+        *,
+        mutating: bool,
+        workspace: str | None = None,
+    ) -> OperationResult:
+        started = time.perf_counter()
+        call_id = uuid.uuid4().hex
+        base: dict[str, object] = {
+            "call": call_id,
+            "caller": self.caller,
+            "tool": action,
+            "workspace": workspace,
+            "args": dict(arguments),
+        }
+        if mutating:
+            try:
+                await self.audit.append_async({**base, "event": "start"})
+            except AuditUnavailable as exc:
+                return self._finish(OperationResult.failure(action, exc.code, exc.reason), started, None)
+        result, internal = await self._execute(action, operation)
+        end: dict[str, object] = {
+            **base,
+            "event": "end",
+            "code": result.code.value,
+            "reason": result.reason,
+            "duration_ms": round((time.perf_counter() - started) * 1000, 3),
+            "files": result.detail.get("files_touched", []),
+        }
+        if internal:
+            end["internal"] = internal
+        try:
+            audit_id = await self.audit.append_async(end)
+        except AuditUnavailable as exc:
+            reason = exc.reason if not mutating else f"{exc.reason} (the operation ran, its record is missing)"
+            return self._finish(OperationResult.failure(action, exc.code, reason), started, None)
+        return self._finish(result, started, audit_id)
+
+    async def refuse(self, action: str, arguments: Mapping[str, object], error: BastionError) -> OperationResult:
+        """Record and return a refusal made before the tool's own code ran (unknown tool, bad arguments)."""
+
+        async def fail() -> OperationResult:
+            raise error
+
+        return await self.run(action, arguments, fail, mutating=False)
+
+    async def _execute(self, action: str, operation: Operation) -> tuple[OperationResult, str | None]:
+        try:
+            return await operation(), None
+        except BastionError as exc:
+            # The client gets the code and one line; the detail is for the audit log only.
+            return OperationResult.failure(action, exc.code, exc.reason), exc.detail or None
+        except Exception as exc:
+            incident = uuid.uuid4().hex[:12]
+            logger.exception("internal error in %s (incident %s)", action, incident)
+            reason = f"internal error (incident {incident}); the server log has the details"
+            return OperationResult.failure(action, ResultCode.INTERNAL_ERROR, reason), f"{type(exc).__name__}: {exc}"
+
+    @staticmethod
+    def _finish(result: OperationResult, started: float, audit_id: str | None) -> OperationResult:
+        duration = round((time.perf_counter() - started) * 1000, 3)
+        return result.model_copy(update={"duration_ms": duration, "audit_id": audit_id})

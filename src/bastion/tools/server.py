@@ -1,0 +1,76 @@
+"""The MCP server: the SDK's `MCPServer` with bastion's call contract enforced.
+
+The SDK answers a bad argument or a crashed tool with free text; bastion answers
+every call, including those, with an `OperationResult`, and `isError` is true
+exactly when `ok` is false. Unknown arguments are refused rather than ignored,
+so a client that believes it can pass, say, an environment learns it cannot.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from mcp.server.mcpserver import Context, MCPServer
+from mcp.server.mcpserver.exceptions import ToolError, UnexpectedToolError
+from mcp_types import CallToolResult, InputRequiredResult, TextContent
+from pydantic import ValidationError
+
+from bastion.safety.errors import BastionError, InvalidRequest
+from bastion.safety.results import OperationResult, ResultCode
+from bastion.tools._call import CallRunner
+
+logger = logging.getLogger("bastion.server")
+
+_ARGUMENT_HINTS = {
+    "env": "the command environment is fixed by the administrator's config",
+}
+
+
+def to_call_result(result: OperationResult) -> CallToolResult:
+    """The wire form: the result as structured content and as one JSON text block."""
+    payload = result.model_dump(mode="json")
+    text = json.dumps(payload, ensure_ascii=False, indent=1)
+    return CallToolResult(content=[TextContent(type="text", text=text)], structured_content=payload, is_error=not result.ok)
+
+
+class InternalError(BastionError):
+    code = ResultCode.INTERNAL_ERROR
+
+
+class BastionServer(MCPServer[Any]):
+    """`MCPServer` whose every tool answer is an `OperationResult`."""
+
+    def __init__(self, runner: CallRunner, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.runner = runner
+
+    async def call_tool(
+        self, name: str, arguments: dict[str, Any], context: Context[Any, Any] | None = None
+    ) -> CallToolResult | InputRequiredResult:
+        tool = self._tool_manager.get_tool(name)
+        if tool is None:
+            error = InvalidRequest(f"unknown tool {name!r}: list the tools to see what this server offers")
+            return to_call_result(await self.runner.refuse(name, arguments, error))
+        known = set(tool.parameters.get("properties", {}))
+        unknown = sorted(set(arguments) - known)
+        if unknown:
+            hint = _ARGUMENT_HINTS.get(unknown[0], f"{name} takes {', '.join(sorted(known)) or 'no arguments'}")
+            error = InvalidRequest(f"unknown argument {unknown[0]!r}: {hint}")
+            return to_call_result(await self.runner.refuse(name, arguments, error))
+        try:
+            return await super().call_tool(name, arguments, context)
+        except UnexpectedToolError:
+            # Tools catch their own errors; reaching here is a bug in bastion, logged with its traceback.
+            logger.exception("tool %s failed outside its call runner", name)
+            error = InternalError("internal error; the server log has the details")
+            return to_call_result(await self.runner.refuse(name, arguments, error))
+        except ToolError as exc:
+            cause = exc.__cause__
+            if isinstance(cause, ValidationError):
+                fields = sorted({".".join(str(p) for p in err["loc"]) for err in cause.errors()})
+                error = InvalidRequest(f"invalid arguments: {', '.join(fields)}: check their types and limits")
+            else:
+                error = InvalidRequest("the tool refused the call")
+            return to_call_result(await self.runner.refuse(name, arguments, error))

@@ -1,0 +1,154 @@
+"""MCP wiring of the work tools: run_command, explain_command and the file tools.
+
+Wiring only: each tool names its arguments, hands an operation to the call
+runner, and returns what the runner returns. Decisions live in `bastion.safety`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from mcp_types import CallToolResult, ToolAnnotations
+from pydantic import Field
+
+from bastion.safety.results import OperationResult, ResultCode
+from bastion.tools._call import CallRunner
+from bastion.tools.server import BastionServer, to_call_result
+from bastion.workspaces import WorkspaceRegistry
+
+Result = Annotated[CallToolResult, OperationResult]
+SandboxId = Annotated[
+    str | None, Field(description="A sandbox or configured host workspace id; default: the server's default workspace.")
+]
+EncodingArg = Annotated[Literal["utf-8", "base64"], Field(description="utf-8 text (redacted) or base64 bytes.")]
+
+_READ_ONLY = ToolAnnotations(read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=False)
+_WRITES = ToolAnnotations(read_only_hint=False, destructive_hint=True, idempotent_hint=False, open_world_hint=False)
+
+
+def register_workbench(server: BastionServer, registry: WorkspaceRegistry, runner: CallRunner) -> None:
+    """Add the work tools to `server`."""
+
+    @server.tool(
+        name="run_command",
+        annotations=_WRITES,
+        description=(
+            "Run one command in a workspace. No shell runs: the command is split into words like a shell would "
+            "(quotes work), but pipes, redirections, ';', '&&', '$VAR' and globs are refused. The workspace's "
+            "policy decides which commands may run (use explain_command to ask). A non-zero exit status is "
+            "ok=true with the status in detail.exit_status."
+        ),
+    )
+    async def run_command(
+        command: Annotated[str, Field(description="The command line, e.g. \"git log --oneline -n 5\".")],
+        cwd: Annotated[str | None, Field(description="Working folder, relative to the workspace.")] = None,
+        timeout_s: Annotated[float | None, Field(description="Wall-clock limit; capped by config.")] = None,
+        sandbox_id: SandboxId = None,
+    ) -> Result:
+        workspace = registry.get_id(sandbox_id)
+
+        async def op() -> OperationResult:
+            out = await registry.get(sandbox_id).run(command, cwd=cwd, timeout_s=timeout_s)
+            detail: dict[str, object] = {
+                "exit_status": out.exit_status,
+                "stdout": out.stdout,
+                "stderr": out.stderr,
+                "truncated": out.truncated,
+                "argv": list(out.argv),
+                "cwd": out.cwd,
+            }
+            if out.timed_out:
+                return OperationResult.failure(
+                    "run_command", ResultCode.TIMEOUT, "the command hit its time limit and was killed", detail
+                )
+            code = ResultCode.OUTPUT_TRUNCATED if out.truncated else ResultCode.OK
+            return OperationResult.success("run_command", detail, code=code)
+
+        args = {"command": command, "cwd": cwd, "timeout_s": timeout_s}
+        return to_call_result(await runner.run("run_command", args, op, mutating=True, workspace=workspace))
+
+    @server.tool(
+        name="explain_command",
+        annotations=_READ_ONLY,
+        description="Say whether run_command would accept a command, and which rule decides. Runs nothing.",
+    )
+    async def explain_command(command: str, sandbox_id: SandboxId = None) -> Result:
+        workspace = registry.get_id(sandbox_id)
+
+        async def op() -> OperationResult:
+            decision = registry.get(sandbox_id).explain(command)
+            detail: dict[str, object] = {
+                "allowed": decision.allowed,
+                "rule": decision.rule,
+                "reason": decision.reason,
+                "argv": list(decision.argv),
+                "executable": decision.executable,
+            }
+            return OperationResult.success("explain_command", detail)
+
+        return to_call_result(
+            await runner.run("explain_command", {"command": command}, op, mutating=False, workspace=workspace)
+        )
+
+    @server.tool(
+        name="read_file",
+        annotations=_READ_ONLY,
+        description="Read a file of the workspace (path relative to it). Large files: page with offset and length.",
+    )
+    async def read_file(
+        path: str,
+        offset: Annotated[int, Field(ge=0)] = 0,
+        length: Annotated[int | None, Field(ge=1)] = None,
+        encoding: EncodingArg = "utf-8",
+        sandbox_id: SandboxId = None,
+    ) -> Result:
+        workspace = registry.get_id(sandbox_id)
+
+        async def op() -> OperationResult:
+            ws = registry.get(sandbox_id)
+            return OperationResult.success(
+                "read_file", ws.read_file(path, offset=offset, length=length, encoding=encoding)
+            )
+
+        args = {"path": path, "offset": offset, "length": length, "encoding": encoding}
+        return to_call_result(await runner.run("read_file", args, op, mutating=False, workspace=workspace))
+
+    @server.tool(
+        name="write_file",
+        annotations=_WRITES,
+        description=(
+            "Write a file of the workspace (path relative to it), creating missing folders. "
+            "Replaces the file's content unless append is true. Symlinks are never followed for writing."
+        ),
+    )
+    async def write_file(
+        path: str,
+        content: str,
+        encoding: EncodingArg = "utf-8",
+        append: bool = False,
+        sandbox_id: SandboxId = None,
+    ) -> Result:
+        workspace = registry.get_id(sandbox_id)
+
+        async def op() -> OperationResult:
+            detail = registry.get(sandbox_id).write_file(path, content, encoding=encoding, append=append)
+            detail["files_touched"] = [detail["path"]]
+            return OperationResult.success("write_file", detail)
+
+        args = {"path": path, "content": content, "encoding": encoding, "append": append}
+        return to_call_result(await runner.run("write_file", args, op, mutating=True, workspace=workspace))
+
+    @server.tool(
+        name="list_directory",
+        annotations=_READ_ONLY,
+        description="List a folder of the workspace. Symlinks are shown as symlinks, never followed.",
+    )
+    async def list_directory(path: str = ".", sandbox_id: SandboxId = None) -> Result:
+        workspace = registry.get_id(sandbox_id)
+
+        async def op() -> OperationResult:
+            return OperationResult.success("list_directory", registry.get(sandbox_id).list_directory(path))
+
+        return to_call_result(
+            await runner.run("list_directory", {"path": path}, op, mutating=False, workspace=workspace)
+        )
