@@ -43,7 +43,10 @@ def build_services(config: Config) -> Services:
     redactor = Redactor(extra_patterns=config.redaction.patterns, secret_values=config.secret_values())
     config.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     audit = AuditLog(
-        config.audit_path, redactor=redactor, rotate_bytes=config.audit.rotate_bytes, fail_closed=config.audit.fail_closed
+        config.audit_path,
+        redactor=redactor,
+        rotate_bytes=config.audit.rotate_bytes,
+        fail_closed=config.audit.fail_closed,
     )
     try:
         audit.open()

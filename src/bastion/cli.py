@@ -67,7 +67,7 @@ def _cmd_policy_explain(args: argparse.Namespace) -> int:
     if argv[:1] == ["--"]:
         argv = argv[1:]
     if not argv:
-        print("bastion: give the command after --, e.g. bastion policy explain --config X -- git status", file=sys.stderr)
+        print("bastion: give the command after --, e.g. 'bastion policy explain -- git status'", file=sys.stderr)
         return EXIT_USAGE
     config = load_config(resolve_config_path(args.config))
     workspace = config.workspace_by_id(args.workspace or config.default_workspace)
@@ -109,4 +109,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_CONFIG
     except KeyboardInterrupt:
         return 130
-

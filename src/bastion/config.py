@@ -138,19 +138,20 @@ def _check_semantics(config: Config) -> None:
     if config.workspace_by_id(config.default_workspace) is None:
         raise ConfigError(f"default_workspace {config.default_workspace!r} names no [[workspace]]: fix the id")
     home = Path(os.path.expanduser("~")).resolve()
-    for folder in (*config.workspace, *config.inbox):
-        kind = "workspace" if isinstance(folder, WorkspaceConfig) else "inbox"
-        if not folder.path.exists():
-            raise ConfigError(f"{kind} {folder.id!r} root {folder.path} does not exist: create it or fix the path")
-        if not folder.path.is_dir():
-            raise ConfigError(f"{kind} {folder.id!r} root {folder.path} is not a directory: point it at a folder")
-        real = folder.path.resolve()
-        if real == Path("/") or real == home:
-            raise ConfigError(f"{kind} {folder.id!r} root {real} is / or the home folder: use a dedicated folder")
+    folders: list[tuple[str, str, Path]] = [("workspace", ws.id, ws.path) for ws in config.workspace]
+    folders += [("inbox", ib.id, ib.path) for ib in config.inbox]
+    for kind, folder_id, folder_path in folders:
+        if not folder_path.exists():
+            raise ConfigError(f"{kind} {folder_id!r} root {folder_path} does not exist: create it or fix the path")
+        if not folder_path.is_dir():
+            raise ConfigError(f"{kind} {folder_id!r} root {folder_path} is not a directory: point it at a folder")
+        real = folder_path.resolve()
+        if real in (Path("/"), home):
+            raise ConfigError(f"{kind} {folder_id!r} root {real} is / or the home folder: use a dedicated folder")
         for name, guarded in (("audit log", config.audit_path), ("database", config.db_path)):
-            if _inside(guarded, folder.path):
+            if _inside(guarded, folder_path):
                 raise ConfigError(
-                    f"{name} {guarded} is inside {kind} {folder.id!r} ({folder.path}): move it out of the {kind}"
+                    f"{name} {guarded} is inside {kind} {folder_id!r} ({folder_path}): move it out of the {kind}"
                 )
     for ws in config.workspace:
         if not ws.policy.allow and not ws.policy.deny:

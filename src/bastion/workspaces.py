@@ -173,4 +173,3 @@ class WorkspaceRegistry:
     def close(self) -> None:
         for ws in self._workspaces.values():
             ws.close()
-

@@ -20,12 +20,17 @@ killed, the kernel kills every process left in its namespace, including
 setsid'd and double-forked ones: no survivors, by construction.
 """
 
+from __future__ import annotations
+
+import contextlib
 import ctypes
 import json
 import os
+import selectors
 import signal
 import socket
 import sys
+from typing import Any
 
 CLONE_NEWPID = 0x20000000
 PR_SET_PDEATHSIG = 1
@@ -48,7 +53,7 @@ class CapData(ctypes.Structure):
     _fields_ = (("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32))
 
 
-def drop_privileges():
+def drop_privileges() -> None:
     """Leave the command with no capability it could ever regain."""
     libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
     for cap in range(CAP_LAST + 1):
@@ -60,7 +65,7 @@ def drop_privileges():
         raise OSError(ctypes.get_errno(), "capset failed")
 
 
-def exec_command(req, out_fd, err_fd):
+def exec_command(req: dict[str, Any], out_fd: int, err_fd: int) -> None:
     """Runs in the grandchild (PID 1 of the command's namespace); never returns."""
     try:
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
@@ -74,7 +79,7 @@ def exec_command(req, out_fd, err_fd):
         signal.pthread_sigmask(signal.SIG_SETMASK, [])
         os.chdir(req["cwd"])
         drop_privileges()
-        os.execve(req["exe"], req["argv"], req["env"])
+        os.execve(req["exe"], req["argv"], req["env"])  # noqa: S606 - argv exec, never a shell
     except BaseException as exc:  # report and leave: nothing here may return into the agent
         try:
             os.write(2, f"bastion: cannot start {req['argv'][0]!r}: {exc}\n".encode(errors="replace"))
@@ -82,58 +87,88 @@ def exec_command(req, out_fd, err_fd):
             os._exit(127)
 
 
-def start(req, fds):
-    """Fork the intermediate; it makes a PID namespace and waits for the command."""
-    out_fd, err_fd = fds
+class Member:
+    """A pre-forked pair waiting for one command: the intermediate and, in a new
+    PID namespace, its PID 1, blocked on `sock` until it is told what to exec.
+    Forking ahead of time takes ~2 ms off every command's latency."""
+
+    def __init__(self, pid: int, sock: socket.socket) -> None:
+        self.pid = pid
+        self.sock = sock
+
+
+def spawn_member() -> Member:
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     pid = os.fork()
     if pid != 0:
-        os.close(out_fd)
-        os.close(err_fd)
-        return pid
+        theirs.close()
+        return Member(pid, ours)
     status = 127
     try:
+        ours.close()
         os.setsid()
         if libc.unshare(CLONE_NEWPID) != 0:
             raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWPID) failed")
         child = os.fork()
         if child == 0:
-            exec_command(req, out_fd, err_fd)
-        os.close(out_fd)
-        os.close(err_fd)
+            await_command(theirs)
+        theirs.close()
         _, raw = os.waitpid(child, 0)
         code = os.waitstatus_to_exitcode(raw)
         status = code if code >= 0 else 128 - code
-    except BaseException as exc:
-        try:
-            os.write(err_fd, f"bastion: sandbox agent failed: {exc}\n".encode(errors="replace"))
-        except OSError:
-            pass
-    os._exit(status)
+    finally:
+        os._exit(status)
 
 
-def send(sock, message):
+def await_command(sock: socket.socket) -> None:
+    """PID 1 of the command's namespace: wait for the request, then exec it. Never returns."""
+    try:
+        # Die with the intermediate, so killing it ends this namespace and all in it.
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        data, fds, _flags, _addr = socket.recv_fds(sock, MAX_MESSAGE_BYTES, 2)
+    except BaseException:
+        os._exit(127)
+    if not data or len(fds) != 2:
+        os._exit(0)
+    exec_command(json.loads(data), fds[0], fds[1])
+
+
+def send(sock: socket.socket, message: dict[str, Any]) -> None:
     try:
         sock.send(json.dumps(message).encode())
     except OSError:
         os._exit(0)
 
 
-def main():
+POOL_SIZE = 2
+
+
+class State:
+    def __init__(self) -> None:
+        self.running: dict[int, int] = {}  # intermediate pid -> request id
+        self.by_id: dict[int, int] = {}
+        self.pool: list[Member] = []
+
+
+def main() -> None:
     sock = socket.socket(fileno=int(sys.argv[1]))
     sock.setblocking(True)
     wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
-    running = {}  # intermediate pid -> request id
-    by_id = {}
-    import selectors
-
+    state = State()
     sel = selectors.DefaultSelector()
     sel.register(sock, selectors.EVENT_READ)
     sel.register(wake_r, selectors.EVENT_READ)
     send(sock, {"event": "ready", "pid": os.getpid()})
     while True:
-        for key, _ in sel.select():
+        # Refill the pool only when nothing is waiting, so a refill never delays a reply.
+        idle = len(state.pool) < POOL_SIZE
+        events = sel.select(timeout=0 if idle else None)
+        if not events and idle:
+            state.pool.append(spawn_member())
+            continue
+        for key, _ in events:
             if key.fileobj is sock:
                 try:
                     data, fds, _flags, _addr = socket.recv_fds(sock, MAX_MESSAGE_BYTES, 2)
@@ -141,39 +176,43 @@ def main():
                     continue
                 if not data:
                     os._exit(0)  # the host went away: the sandbox ends with it
-                handle(sock, json.loads(data), fds, running, by_id)
+                handle(sock, json.loads(data), fds, state)
             else:
-                try:
+                with contextlib.suppress(BlockingIOError):
                     os.read(wake_r, 4096)
-                except BlockingIOError:
-                    pass
-        reap(sock, running, by_id)
+        reap(sock, state)
 
 
-def handle(sock, req, fds, running, by_id):
-    if req.get("op") == "run":
-        if len(fds) != 2:
+def handle(sock: socket.socket, req: dict[str, Any], fds: list[int], state: State) -> None:
+    if req.get("op") == "run" and len(fds) == 2:
+        member = state.pool.pop(0) if state.pool else spawn_member()
+        try:
+            socket.send_fds(member.sock, [json.dumps(req).encode()], fds)
+        except OSError as exc:
+            send(sock, {"id": req.get("id"), "event": "error", "reason": f"cannot hand over the command: {exc}"})
+            os.kill(member.pid, signal.SIGKILL)
+        else:
+            state.running[member.pid] = req["id"]
+            state.by_id[req["id"]] = member.pid
+        finally:
+            member.sock.close()
             for fd in fds:
                 os.close(fd)
-            send(sock, {"id": req.get("id"), "event": "error", "reason": "run needs two fds"})
-            return
-        pid = start(req, fds)
-        running[pid] = req["id"]
-        by_id[req["id"]] = pid
     elif req.get("op") == "kill":
-        pid = by_id.get(req.get("id"))
+        pid = state.by_id.get(int(req.get("id", 0)))
         if pid is not None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
     else:
         for fd in fds:
             os.close(fd)
+        if req.get("op") == "run":
+            send(sock, {"id": req.get("id"), "event": "error", "reason": "run needs two fds"})
 
 
-def reap(sock, running, by_id):
-    while running:
+def reap(sock: socket.socket, state: State) -> None:
+    running, by_id = state.running, state.by_id
+    while True:
         try:
             pid, raw = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:

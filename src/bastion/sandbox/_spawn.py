@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import socket
-import subprocess
+import subprocess  # noqa: TID251 - this is the dangerous layer
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,7 +100,7 @@ def build_bwrap_argv(spec: SandboxSpec, agent_fd: int, python: str) -> list[str]
     argv += ["--cap-drop", "ALL", "--cap-add", "CAP_SYS_ADMIN", "--cap-add", "CAP_SETPCAP"]
     _bind_system(argv, python)
     argv += ["--proc", "/proc", "--dev", "/dev"]
-    argv += ["--size", str(spec.tmp_size_bytes), "--tmpfs", "/tmp"]
+    argv += ["--size", str(spec.tmp_size_bytes), "--tmpfs", "/tmp"]  # noqa: S108 - the sandbox's own tmpfs
     argv += ["--bind", spec.workspace, SANDBOX_WORKSPACE]
     for source, dest in spec.read_only_binds:
         argv += ["--ro-bind", source, dest]

@@ -13,7 +13,7 @@ import itertools
 import json
 import os
 import socket
-import subprocess
+import subprocess  # noqa: TID251 - only the Popen type; _spawn starts it
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final

@@ -32,7 +32,8 @@ def to_call_result(result: OperationResult) -> CallToolResult:
     """The wire form: the result as structured content and as one JSON text block."""
     payload = result.model_dump(mode="json")
     text = json.dumps(payload, ensure_ascii=False, indent=1)
-    return CallToolResult(content=[TextContent(type="text", text=text)], structured_content=payload, is_error=not result.ok)
+    content = [TextContent(type="text", text=text)]
+    return CallToolResult(content=content, structured_content=payload, is_error=not result.ok)
 
 
 class InternalError(BastionError):
@@ -64,8 +65,8 @@ class BastionServer(MCPServer[Any]):
         except UnexpectedToolError:
             # Tools catch their own errors; reaching here is a bug in bastion, logged with its traceback.
             logger.exception("tool %s failed outside its call runner", name)
-            error = InternalError("internal error; the server log has the details")
-            return to_call_result(await self.runner.refuse(name, arguments, error))
+            internal = InternalError("internal error; the server log has the details")
+            return to_call_result(await self.runner.refuse(name, arguments, internal))
         except ToolError as exc:
             cause = exc.__cause__
             if isinstance(cause, ValidationError):

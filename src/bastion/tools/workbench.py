@@ -40,7 +40,7 @@ def register_workbench(server: BastionServer, registry: WorkspaceRegistry, runne
         ),
     )
     async def run_command(
-        command: Annotated[str, Field(description="The command line, e.g. \"git log --oneline -n 5\".")],
+        command: Annotated[str, Field(description='The command line, e.g. "git log --oneline -n 5".')],
         cwd: Annotated[str | None, Field(description="Working folder, relative to the workspace.")] = None,
         timeout_s: Annotated[float | None, Field(description="Wall-clock limit; capped by config.")] = None,
         sandbox_id: SandboxId = None,

@@ -1,0 +1,630 @@
+"""The audit log: append-only, hash-chained JSONL, written before anything runs.
+
+What it guarantees:
+    * One JSON object per line (JSON escapes newlines, so a value cannot forge a line,
+      CWE-117), string values redacted and capped, each line at most `MAX_RECORD_BYTES`.
+    * Each record carries ``prev``, the SHA-256 of the previous line's bytes (without the
+      newline), and ``seq``, increasing by one; both continue across rotated files.
+    * Each record is on disk (fdatasync) before `AuditLog.append` returns. Any write or
+      sync error raises `AuditUnavailable` and the caller must not act (fail-closed); a
+      partly written line is truncated away, or the log refuses every later record.
+    * `verify` detects an edited, deleted, inserted or reordered record, a torn line,
+      and a missing rotated file.
+
+What it does not guarantee:
+    * Someone who can write the file (root, or this user) can rewrite the whole chain
+      consistently, or drop records from the end: only the head hash, anchored outside
+      this host, would catch that (future work). The last record is only protected once
+      a successor links to it.
+    * Redaction is best-effort (see `bastion.safety.redact`).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import logging
+import math
+import os
+import stat
+import threading
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Final, TypeAlias
+
+import anyio.to_thread
+
+from bastion.safety.errors import AuditUnavailable
+from bastion.safety.redact import Redactor
+
+JSONValue: TypeAlias = "str | int | float | bool | list[JSONValue] | dict[str, JSONValue] | None"
+
+MAX_ARG_CHARS: Final = 4096  # per string value in a record
+MAX_RECORD_BYTES: Final = 65_536  # per line, newline excluded
+MAX_KEY_CHARS: Final = 256
+MAX_DEPTH: Final = 32
+GENESIS: Final = "0" * 64
+CHAIN_FIELDS: Final = frozenset({"id", "seq", "ts", "prev"})
+
+_OPEN_FLAGS: Final = os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+_TAIL_READ_BYTES: Final = 64 * 1024
+
+_log = logging.getLogger("bastion.audit")
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyReport:
+    """What `verify` found: ``ok`` and the number of good records, or the first error and where."""
+
+    ok: bool
+    records: int
+    first_error: str | None = None
+    file: str | None = None
+    line: int | None = None
+
+
+@dataclass(slots=True)
+class _Pending:
+    body: dict[str, JSONValue]
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    done: bool = False
+    error: str | None = None
+
+
+@dataclass(slots=True, eq=False)
+class _AsyncPending:
+    record: Mapping[str, object]
+    event: anyio.Event = field(default_factory=anyio.Event)
+    pending: _Pending | None = None
+    exc: Exception | None = None
+    finished: bool = False
+    lead: bool = False
+
+
+class AuditLog:
+    """An append-only, hash-chained, fsynced audit log.
+
+    Args:
+        path: the log file; its directory must exist and should be writable only by us.
+        redactor: applied to every string in a record (keys included).
+        rotate_bytes: a file that would grow past this is renamed ``<name>.<N>``.
+        fail_closed: when False (dangerous, for development only) a record that could not
+            be written is logged as a warning to ``bastion.audit`` instead of raising.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        redactor: Redactor,
+        rotate_bytes: int = 64 * 1024 * 1024,
+        fail_closed: bool = True,
+    ) -> None:
+        self._path = Path(path)
+        self._redactor = redactor
+        self._rotate_bytes = rotate_bytes
+        self._fail_closed = fail_closed
+        self._fd: int | None = None
+        self._offset = 0
+        self._prev = GENESIS
+        self._seq = 0
+        self._broken: str | None = "audit log is not open"
+        self._cond = threading.Condition()
+        self._queue: list[_Pending] = []
+        self._writing = False
+        # Async group commit: one event loop's waiters, and whether one of them is leading.
+        self._async_queue: list[_AsyncPending] = []
+        self._async_leading = False
+
+    @property
+    def path(self) -> Path:
+        return self._path
+
+    def open(self) -> None:
+        """Open the log and continue its chain.
+
+        Raises:
+            AuditUnavailable: the file cannot be opened, is a symlink or not a regular file,
+                has another owner or link, is writable by others, or ends in a torn line.
+        """
+        with self._cond:
+            self._close_fd()
+            self._fd = _open_log(self._path, exclusive=False)
+            try:
+                size = os.fstat(self._fd).st_size
+                self._prev, self._seq = _chain_head(self._path, self._fd, size)
+            except BaseException:
+                self._close_fd()
+                raise
+            self._offset = size
+            self._broken = None
+
+    def close(self) -> None:
+        """Close the file; later appends raise until `open` is called again."""
+        with self._cond:
+            while self._writing:
+                self._cond.wait()
+            self._close_fd()
+            self._broken = "audit log is not open"
+
+    def append(self, record: Mapping[str, object]) -> str:
+        """Write one record durably and return its id.
+
+        String values are redacted and capped at `MAX_ARG_CHARS`; values of keys naming a
+        secret (``password``, ``*_TOKEN``...) are replaced whole.
+
+        Raises:
+            AuditUnavailable: the record is not on disk; the caller must not act.
+            ValueError: the record uses a reserved key (id, seq, ts, prev).
+        """
+        pending = self._prepare(record)
+        self._commit([pending])
+        return self._result(pending)
+
+    async def append_async(self, record: Mapping[str, object]) -> str:
+        """`append` off the event loop, with group commit.
+
+        Records that arrive while a batch is being written form the next batch: one
+        worker thread cleans and writes it with one fdatasync, then wakes every waiter.
+        Use one event loop per `AuditLog`. A cancelled caller's record may still be written.
+        """
+        waiter = _AsyncPending(record)
+        self._async_queue.append(waiter)
+        if not self._async_leading:
+            self._async_leading = waiter.lead = True
+        try:
+            while not waiter.lead:
+                await waiter.event.wait()
+                if waiter.finished:
+                    break
+            if not waiter.finished:
+                await self._lead_async()
+        except BaseException:
+            if waiter.lead and not waiter.finished:
+                self._pass_lead(exclude=waiter)
+            raise
+        if waiter.exc is not None:
+            raise waiter.exc
+        assert waiter.pending is not None
+        return self._result(waiter.pending)
+
+    async def _lead_async(self) -> None:
+        batch, self._async_queue = self._async_queue, []
+        try:
+            await anyio.to_thread.run_sync(self._prepare_and_commit, batch)
+        finally:
+            for waiter in batch:
+                if waiter.pending is None and waiter.exc is None:
+                    waiter.exc = AuditUnavailable("audit log unavailable: the write was interrupted; nothing was done")
+                waiter.finished = True
+                waiter.event.set()
+            self._pass_lead(exclude=None)
+
+    def _pass_lead(self, exclude: _AsyncPending | None) -> None:
+        for waiter in self._async_queue:
+            if waiter is not exclude:
+                waiter.lead = True
+                waiter.event.set()
+                return
+        self._async_leading = False
+
+    def _prepare_and_commit(self, batch: list[_AsyncPending]) -> None:
+        pendings = []
+        for waiter in batch:
+            try:
+                waiter.pending = self._prepare(waiter.record)
+            except Exception as exc:
+                waiter.exc = exc
+            else:
+                pendings.append(waiter.pending)
+        self._commit(pendings)
+
+    def _prepare(self, record: Mapping[str, object]) -> _Pending:
+        reserved = CHAIN_FIELDS.intersection(record)
+        if reserved:
+            raise ValueError(f"audit record uses reserved keys {sorted(reserved)}: rename them")
+        return _Pending({self._clean_key(k): self._clean(k, v, 0) for k, v in record.items()})
+
+    def _result(self, pending: _Pending) -> str:
+        if pending.error is None:
+            return pending.id
+        if self._fail_closed:
+            raise AuditUnavailable(pending.error)
+        _log.warning("%s (fail_closed is off: continuing)", pending.error)
+        return pending.id
+
+    # -- cleaning -------------------------------------------------------------
+
+    def _clean_key(self, key: object) -> str:
+        return self._cap(str(key), MAX_KEY_CHARS)
+
+    def _cap(self, text: str, limit: int) -> str:
+        kept, cut = self._redactor.redact_then_truncate(text, limit)
+        return f"{kept}…[truncated {len(text) - len(kept)} chars]" if cut else kept
+
+    def _clean(self, key: object, value: object, depth: int) -> JSONValue:
+        if value is None or isinstance(value, bool):
+            return value
+        if isinstance(key, str) and self._redactor.is_sensitive_key(key):
+            return "[REDACTED:credential]"
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float):
+            # JSON has no NaN or Infinity (RFC 8259 §6).
+            return value if math.isfinite(value) else str(value)
+        if depth >= MAX_DEPTH:
+            return "[nested too deep]"
+        if isinstance(value, Mapping):
+            return {self._clean_key(k): self._clean(k, v, depth + 1) for k, v in value.items()}
+        if isinstance(value, list | tuple | set | frozenset):
+            return [self._clean(None, v, depth + 1) for v in value]
+        if isinstance(value, bytes | bytearray):
+            value = bytes(value).decode("utf-8", "backslashreplace")
+        return self._cap(str(value), MAX_ARG_CHARS)
+
+    # -- writing --------------------------------------------------------------
+
+    def _commit(self, pendings: list[_Pending]) -> None:
+        """Return once every pending record is written and synced, or has failed."""
+        with self._cond:
+            self._queue.extend(pendings)
+            while self._writing and not all(p.done for p in pendings):
+                self._cond.wait()
+            lead = not all(p.done for p in pendings)
+            if lead:
+                # Leader: everything queued so far shares one write and one sync.
+                self._writing = True
+                batch, self._queue = self._queue, []
+        if lead:
+            try:
+                self._write_batch(batch)
+            except Exception as exc:
+                # Never leave a waiter without an answer.
+                self._broken = f"audit log broken: {exc}"
+                _log.exception("audit log write failed")
+                _finish([p for p in batch if not p.done], f"{self._broken}; nothing was done")
+            finally:
+                with self._cond:
+                    self._writing = False
+                    self._cond.notify_all()
+
+    def _write_batch(self, batch: list[_Pending]) -> None:
+        todo = batch
+        while todo:
+            if self._broken is not None or self._fd is None:
+                _finish(todo, f"{self._broken or 'audit log is not open'}; nothing was done")
+                return
+            lines: list[bytes] = []
+            prev, seq, size = self._prev, self._seq, 0
+            for p in todo:
+                line = _encode({**p.body, "id": p.id, "seq": seq, "ts": _now(), "prev": prev})
+                if self._offset + size + len(line) + 1 > self._rotate_bytes and self._offset + size > 0:
+                    break
+                lines.append(line)
+                prev, seq, size = hashlib.sha256(line).hexdigest(), seq + 1, size + len(line) + 1
+            segment, todo = todo[: len(lines)], todo[len(lines) :]
+            if segment:
+                error = self._write(b"\n".join(lines) + b"\n")
+                if error is not None:
+                    _finish(segment + todo, error)
+                    return
+                self._prev, self._seq, self._offset = prev, seq, self._offset + size
+                _finish(segment, None)
+            if todo:
+                try:
+                    self._rotate()
+                except (OSError, AuditUnavailable) as exc:
+                    reason = exc.strerror if isinstance(exc, OSError) else exc.reason
+                    self._broken = f"audit log rotation failed: {reason or exc}"
+                    _log.error("%s", self._broken)
+
+    def _write(self, data: bytes) -> str | None:
+        """Write and sync `data`; on failure undo it and return the error line."""
+        fd = self._fd
+        assert fd is not None
+        try:
+            view = memoryview(data)
+            while view:
+                n = os.write(fd, view)
+                if n <= 0:
+                    raise OSError(errno.EIO, "short write")
+                view = view[n:]
+            os.fdatasync(fd)
+        except OSError as exc:
+            message = f"audit log unavailable: {exc.strerror or exc}; nothing was done"
+            self._undo(fd)
+            return message
+        return None
+
+    def _undo(self, fd: int) -> None:
+        """Cut a partly written line so the next record links to the last durable one."""
+        try:
+            if os.fstat(fd).st_size != self._offset:
+                os.ftruncate(fd, self._offset)
+                os.fsync(fd)
+        except OSError as exc:
+            self._broken = f"audit log broken: a partial record could not be removed ({exc.strerror or exc})"
+            _log.error("%s: reopen after repairing %s", self._broken, self._path)
+
+    def _rotate(self) -> None:
+        fd = self._fd
+        assert fd is not None
+        index = max(_rotated(self._path), default=0) + 1
+        rotated = self._path.with_name(f"{self._path.name}.{index}")
+        st, lst = os.fstat(fd), os.lstat(self._path)
+        if (st.st_dev, st.st_ino) != (lst.st_dev, lst.st_ino):
+            raise OSError(errno.ESTALE, f"{self._path} was replaced by another file")
+        # link() fails with EEXIST, so an existing rotated file is never overwritten.
+        os.link(self._path, rotated, follow_symlinks=False)
+        os.unlink(self._path)
+        self._close_fd()
+        self._fd = _open_log(self._path, exclusive=True)
+        self._offset = 0
+        _sync_dir(self._path.parent)
+
+    def _close_fd(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
+
+
+def _finish(pendings: list[_Pending], error: str | None) -> None:
+    for p in pendings:
+        p.error = error
+        p.done = True
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def _encode(obj: dict[str, JSONValue]) -> bytes:
+    line = _dumps(obj)
+    if len(line) > MAX_RECORD_BYTES:
+        line = _shrink(obj)
+    return line
+
+
+def _dumps(obj: dict[str, JSONValue]) -> bytes:
+    text = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    # A lone surrogate cannot be UTF-8: write it as a JSON \\u escape instead.
+    return text.encode("utf-8", "backslashreplace")
+
+
+def _shrink(obj: dict[str, JSONValue]) -> bytes:
+    """Halve the largest strings until the line fits; drop the body as a last resort."""
+    body = {k: v for k, v in obj.items() if k not in CHAIN_FIELDS}
+    chain = {k: v for k, v in obj.items() if k in CHAIN_FIELDS}
+    for _ in range(256):
+        line = _dumps({**body, **chain})
+        if len(line) <= MAX_RECORD_BYTES:
+            return line
+        leaf = _largest_string(body)
+        if leaf is None or len(leaf[2]) < 128:
+            break
+        holder, key, text = leaf
+        keep = len(text) // 2
+        new = f"{text[:keep]}…[truncated {len(text) - keep} chars]"
+        if isinstance(holder, dict):
+            holder[str(key)] = new
+        else:
+            holder[int(key)] = new
+    keys: list[JSONValue] = [*sorted(body)[:64]]
+    note: dict[str, JSONValue] = {"record_too_large": True, "keys": keys}
+    return _dumps({**note, **chain})
+
+
+def _largest_string(
+    value: JSONValue,
+) -> tuple[dict[str, JSONValue] | list[JSONValue], str | int, str] | None:
+    best: tuple[dict[str, JSONValue] | list[JSONValue], str | int, str] | None = None
+    stack: list[JSONValue] = [value]
+    while stack:
+        node = stack.pop()
+        items: list[tuple[str | int, JSONValue]]
+        if isinstance(node, dict):
+            items = list(node.items())
+        elif isinstance(node, list):
+            items = list(enumerate(node))
+        else:
+            continue
+        for key, child in items:
+            if isinstance(child, str):
+                if best is None or len(child) > len(best[2]):
+                    best = (node, key, child)
+            else:
+                stack.append(child)
+    return best
+
+
+def _open_log(path: Path, *, exclusive: bool) -> int:
+    flags = _OPEN_FLAGS | os.O_NONBLOCK | (os.O_EXCL if exclusive else 0)
+    try:
+        # O_NONBLOCK: opening a FIFO must fail at once (ENXIO), not wait for a reader.
+        fd = os.open(path, flags, 0o600)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise AuditUnavailable(f"audit log {path} is a symlink: point the config at the real file") from None
+        if exc.errno == errno.ENXIO:
+            raise AuditUnavailable(f"audit log {path} is not a regular file: use a plain file") from None
+        raise AuditUnavailable(f"audit log {path} cannot be opened: {exc.strerror or exc}") from None
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+        st = os.fstat(fd)
+        problem = _file_problem(path, st)
+        if problem is not None and st.st_nlink == 2 and stat.S_ISREG(st.st_mode) and _finish_rotation(path, st):
+            os.close(fd)
+            return _open_log(path, exclusive=True)
+        if problem is not None:
+            raise AuditUnavailable(problem)
+        if not exclusive and st.st_size == 0:
+            _sync_dir(path.parent)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _file_problem(path: Path, st: os.stat_result) -> str | None:
+    if not stat.S_ISREG(st.st_mode):
+        return f"audit log {path} is not a regular file: use a plain file"
+    if st.st_uid != os.geteuid():
+        return f"audit log {path} is owned by uid {st.st_uid}, not {os.geteuid()}: chown it or choose another path"
+    if st.st_nlink != 1:
+        return f"audit log {path} has {st.st_nlink} hard links: remove the other links"
+    if st.st_mode & 0o022:
+        return f"audit log {path} is writable by group or others: chmod 600 it"
+    return None
+
+
+def _finish_rotation(path: Path, st: os.stat_result) -> bool:
+    """A crash between link() and unlink() leaves the log also linked as the newest rotated file."""
+    newest = max(_rotated(path), default=0)
+    if not newest:
+        return False
+    try:
+        rst = os.lstat(path.with_name(f"{path.name}.{newest}"))
+    except OSError:
+        return False
+    if (rst.st_dev, rst.st_ino) != (st.st_dev, st.st_ino):
+        return False
+    try:
+        os.unlink(path)
+    except OSError as exc:
+        raise AuditUnavailable(f"audit log {path} cannot finish a rotation: {exc.strerror or exc}") from None
+    return True
+
+
+def _sync_dir(directory: Path) -> None:
+    """Make a created or renamed entry durable (fsync(2): syncing the file is not enough)."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _chain_head(path: Path, fd: int, size: int) -> tuple[str, int]:
+    """The hash of the last line and the next seq, from this file or the newest rotated one."""
+    if size == 0:
+        newest = max(_rotated(path), default=0)
+        if not newest:
+            return GENESIS, 0
+        rotated = path.with_name(f"{path.name}.{newest}")
+        try:
+            rfd = os.open(rotated, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            raise AuditUnavailable(f"audit log {rotated} cannot be read: {exc.strerror or exc}") from None
+        try:
+            rsize = os.fstat(rfd).st_size
+            if rsize == 0:
+                raise AuditUnavailable(f"rotated audit log {rotated} is empty: run `bastion audit verify {path}`")
+            return _chain_head(rotated, rfd, rsize)
+        finally:
+            os.close(rfd)
+    line = _last_line(path, fd, size)
+    try:
+        seq = json.loads(line)["seq"]
+        if not isinstance(seq, int) or isinstance(seq, bool):
+            raise TypeError("seq is not an integer")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise AuditUnavailable(
+            f"audit log {path} ends in an unreadable record ({exc}): run `bastion audit verify {path}`"
+        ) from None
+    return hashlib.sha256(line).hexdigest(), seq + 1
+
+
+def _last_line(path: Path, fd: int, size: int) -> bytes:
+    if os.pread(fd, 1, size - 1) != b"\n":
+        raise AuditUnavailable(
+            f"audit log {path} ends in a torn record: run `bastion audit verify {path}` and move the file aside"
+        )
+    chunks: list[bytes] = []
+    pos = size - 1
+    while pos > 0:
+        step = min(_TAIL_READ_BYTES, pos)
+        pos -= step
+        chunk = os.pread(fd, step, pos)
+        nl = chunk.rfind(b"\n")
+        if nl != -1:
+            chunks.append(chunk[nl + 1 :])
+            break
+        chunks.append(chunk)
+    return b"".join(reversed(chunks))
+
+
+def _rotated(path: Path) -> list[int]:
+    """Indexes N of the existing ``<name>.N`` files."""
+    prefix = path.name + "."
+    try:
+        names = os.listdir(path.parent)
+    except OSError:
+        return []
+    out = []
+    for name in names:
+        suffix = name[len(prefix) :]
+        if name.startswith(prefix) and suffix.isascii() and suffix.isdigit() and not suffix.startswith("0"):
+            out.append(int(suffix))
+    return sorted(out)
+
+
+def verify(path: str | os.PathLike[str]) -> VerifyReport:
+    """Check the chain of a log and its rotated files (``name.1``, ``name.2``, ..., ``name``).
+
+    Detects edited, deleted, inserted or swapped records, torn lines and missing files;
+    not a consistent rewrite of the whole chain, nor records cut from the very end.
+    """
+    base = Path(path)
+    indexes = _rotated(base)
+    for expected, index in enumerate(indexes, 1):
+        if index != expected:
+            missing = base.with_name(f"{base.name}.{expected}")
+            return VerifyReport(False, 0, f"rotated file {missing} is missing", str(missing), None)
+    files = [base.with_name(f"{base.name}.{i}") for i in indexes] + [base]
+    prev, seq, records = GENESIS, 0, 0
+    previous_file: Path | None = None
+    for file in files:
+        try:
+            fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError as exc:
+            return VerifyReport(False, records, f"cannot open {file}: {exc.strerror or exc}", str(file), None)
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return VerifyReport(False, records, f"{file} is not a regular file", str(file), None)
+            for number, raw in enumerate(f, 1):
+                error = _check_line(raw, number, prev, seq, previous_file)
+                if error is not None:
+                    return VerifyReport(False, records, f"line {number}: {error}", str(file), number)
+                prev, seq, records = hashlib.sha256(raw[:-1]).hexdigest(), seq + 1, records + 1
+        previous_file = file
+    return VerifyReport(True, records)
+
+
+def _check_line(raw: bytes, number: int, prev: str, seq: int, previous_file: Path | None) -> str | None:
+    if not raw.endswith(b"\n"):
+        return "torn record: the last line has no newline (write interrupted or file truncated)"
+    try:
+        obj = json.loads(raw[:-1])
+    except ValueError as exc:
+        return f"not valid JSON ({exc})"
+    if not isinstance(obj, dict):
+        return "not a JSON object"
+    if not isinstance(obj.get("prev"), str) or not isinstance(obj.get("id"), str):
+        return "missing prev or id field"
+    if obj["prev"] != prev:
+        if number > 1:
+            where = f"line {number - 1}"
+        elif previous_file is not None:
+            where = f"the last line of {previous_file}"
+        else:
+            return "prev is not the genesis hash (earlier records or rotated files are missing)"
+        return f"prev hash does not match {where} (record edited, deleted or reordered)"
+    got = obj.get("seq")
+    if not isinstance(got, int) or isinstance(got, bool) or got != seq:
+        return f"seq {got!r} where {seq} was expected (records deleted or reordered)"
+    return None

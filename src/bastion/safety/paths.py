@@ -1,0 +1,704 @@
+"""Jailed file access beneath one workspace folder. THIS MODULE IS A SECURITY BOUNDARY.
+
+What it guarantees:
+
+- The object checked is the object used. The workspace root is opened once, at construction,
+  as an ``O_PATH`` directory fd that the `Jail` holds until `Jail.close`. Every later open is
+  ``openat2(root_fd, relative_path)`` (or relative to a directory fd obtained that way) with
+  ``RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS`` (see openat2(2)), so the kernel itself refuses,
+  during the one lookup that produces the fd we then read or write, any ``..``, absolute
+  symlink, symlink chain or /proc magic link that would leave the root. There is no
+  check-then-use race: a folder swapped for a symlink is judged by the kernel at the open
+  that counts, never by an earlier string check.
+- Paths are validated lexically before any syscall: NUL, control and invisible format
+  characters (bidi overrides, zero-width), backslashes, ``~``, absolute paths outside the
+  root (compared component by component, never by string prefix), ``..`` above the root and
+  over-long paths or names are refused. Nothing is URL-decoded or Unicode-normalised, so the
+  name checked is the name the kernel sees.
+- Only regular files are read or written: devices, FIFOs, sockets and folders are refused,
+  and a FIFO is never opened for I/O. A file with more than one hard link is refused unless
+  ``allow_hardlinks``, because a link to a file outside the workspace cannot be told apart
+  from a file inside. The last component of a write never follows a symlink, truncation
+  happens only after the opened file was checked, and missing parents are created one at a
+  time with ``mkdirat`` under held directory fds.
+- Names matching the secret-file patterns are refused for every operation.
+- Without openat2 (Linux < 5.6, or blocked by a seccomp filter) the jail refuses to start
+  (`Unavailable`); it never falls back to string checks.
+
+What it does not guarantee:
+
+- It does not stop a process running inside the workspace from creating symlinks, hard
+  links, FIFOs or device nodes there; it only makes using them unable to reach outside.
+- Content is not inspected: a secret pasted into ``notes.txt`` is read like any other text.
+- The secret-file rule matches names. A symlink with an innocent name pointing at a secret
+  file inside the workspace is caught on reads only on a best-effort basis (via /proc).
+- Bind mounts placed inside the workspace by an administrator are crossed.
+- Names returned by `Jail.list_dir` are returned as the kernel gives them; escaping them for
+  display is the caller's job.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fnmatch
+import os
+import platform
+import re
+import stat
+import unicodedata
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Final, Literal, final
+
+from bastion.safety.errors import (
+    BastionError,
+    ConfigError,
+    Conflict,
+    InvalidRequest,
+    NotFound,
+    OperationFailed,
+    PathEscape,
+    PolicyDenied,
+    ResourceLimit,
+    Unavailable,
+)
+
+MAX_PATH_CHARS: Final = 4096
+MAX_NAME_BYTES: Final = 255
+MAX_READ_BYTES: Final = 1_048_576
+MAX_WRITE_BYTES: Final = 10_485_760
+MAX_LIST_ENTRIES: Final = 10_000
+
+DEFAULT_SECRET_PATTERNS: Final[tuple[str, ...]] = (
+    ".env",
+    ".env.*",
+    "*.pem",
+    "*.key",
+    "id_rsa*",
+    "id_ed25519*",
+    "id_ecdsa*",
+    "id_dsa*",
+    ".ssh",
+    ".aws",
+    ".gnupg",
+    ".netrc",
+    ".git-credentials",
+    ".pgpass",
+    "*.kdbx",
+    "credentials.json",
+)
+
+EntryKind = Literal["file", "dir", "symlink", "other"]
+
+# include/uapi/linux/openat2.h
+_RESOLVE_NO_MAGICLINKS: Final = 0x02
+_RESOLVE_NO_SYMLINKS: Final = 0x04
+_RESOLVE_BENEATH: Final = 0x08
+_RESOLVE: Final = _RESOLVE_BENEATH | _RESOLVE_NO_MAGICLINKS
+
+# openat2 was added after the syscall tables were unified: it is 437 on every architecture
+# below (arch/x86/entry/syscalls/*.tbl, include/uapi/asm-generic/unistd.h). MIPS, alpha and
+# ia64 use other numbers and are refused rather than guessed.
+_SYS_OPENAT2: Final = 437
+_UNIFIED_TABLE_MACHINES: Final = frozenset(
+    {"x86_64", "amd64", "aarch64", "arm64", "i386", "i686", "armv7l", "armv6l", "riscv64", "ppc64le", "s390x"}
+)
+
+# openat2(2): EAGAIN means a concurrent rename made the kernel unsure a ".." stayed beneath
+# the root; retrying is the documented answer. Bounded so an attacker cannot spin us forever.
+_RETRIES: Final = 32
+
+# Control characters, invisible format characters (bidi overrides, zero-width), lone
+# surrogates (os.fsencode would turn them into arbitrary bytes) and line/paragraph separators.
+_REFUSED_CATEGORIES: Final = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
+
+_NEW_FILE_MODE: Final = 0o644
+_NEW_DIR_MODE: Final = 0o755
+
+
+class _OpenHow(ctypes.Structure):
+    """``struct open_how`` from include/uapi/linux/openat2.h."""
+
+    _fields_ = (("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64))
+
+
+_Openat2 = Callable[[int, bytes, int, int, int], int]
+
+
+def _load_openat2() -> _Openat2:
+    """Return a raw ``openat2`` caller returning the fd or ``-errno``, or raise `Unavailable`."""
+    machine = platform.machine().lower()
+    if machine not in _UNIFIED_TABLE_MACHINES:
+        raise Unavailable(f"openat2 is not known on machine type '{machine}': run bastion on x86_64 or aarch64 Linux")
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        syscall = libc.syscall
+    except (OSError, AttributeError) as exc:
+        raise Unavailable("the C library's syscall() is not available: run bastion on Linux") from exc
+    syscall.restype = ctypes.c_long
+    syscall.argtypes = (ctypes.c_long, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t)
+
+    def openat2(dirfd: int, path: bytes, flags: int, mode: int, resolve: int) -> int:
+        how = _OpenHow(flags, mode, resolve)
+        result = int(syscall(_SYS_OPENAT2, dirfd, path, ctypes.byref(how), ctypes.sizeof(how)))
+        return result if result >= 0 else -ctypes.get_errno()
+
+    return openat2
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class ReadResult:
+    """What `Jail.read` returns.
+
+    Attributes:
+        path: the normalized workspace-relative path.
+        data: the bytes read, at most the requested length.
+        size: the file size when it was opened.
+        eof: True when the read reached the end of the file.
+    """
+
+    path: str
+    data: bytes
+    size: int
+    eof: bool
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class WriteResult:
+    """What `Jail.write` returns.
+
+    Attributes:
+        path: the normalized workspace-relative path.
+        bytes_written: how many bytes were written.
+        created: True when the file did not exist before.
+    """
+
+    path: str
+    bytes_written: int
+    created: bool
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class DirEntry:
+    """One entry of `Jail.list_dir`; symlinks are reported as such, never followed.
+
+    Attributes:
+        name: the entry name as the kernel returns it.
+        kind: ``file``, ``dir``, ``symlink`` or ``other`` (device, FIFO, socket).
+        size: the size in bytes for files, 0 for everything else.
+    """
+
+    name: str
+    kind: EntryKind
+    size: int
+
+
+def _kind_of(mode: int) -> EntryKind:
+    if stat.S_ISREG(mode):
+        return "file"
+    if stat.S_ISDIR(mode):
+        return "dir"
+    if stat.S_ISLNK(mode):
+        return "symlink"
+    return "other"
+
+
+def _special_name(mode: int) -> str:
+    if stat.S_ISFIFO(mode):
+        return "a named pipe"
+    if stat.S_ISCHR(mode):
+        return "a character device"
+    if stat.S_ISBLK(mode):
+        return "a block device"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "a special file"
+
+
+class _NotAFolder(NotFound):
+    """ENOTDIR: a component that should be a folder is not; callers may re-word it."""
+
+
+def _compile_secret_patterns(patterns: Sequence[str]) -> tuple[tuple[str, re.Pattern[str]], ...]:
+    if isinstance(patterns, str):
+        raise ConfigError("secret_patterns is a single string: give a list of patterns")
+    compiled: list[tuple[str, re.Pattern[str]]] = []
+    for pattern in patterns:
+        if not isinstance(pattern, str) or not pattern or "/" in pattern:
+            raise ConfigError(f"secret pattern {pattern!r} must be a non-empty name without '/': fix the entry")
+        compiled.append((pattern, re.compile(fnmatch.translate(pattern), re.IGNORECASE)))
+    return tuple(compiled)
+
+
+def _error_from_os(exc: OSError, rel: str) -> BastionError:
+    """Map an errno to the error the caller can act on; the errno goes to the audit detail."""
+    code = exc.errno
+    detail = f"{rel}: {errno.errorcode.get(code or 0, str(code))} {exc.strerror}"
+    if code == errno.ENOENT:
+        return NotFound(f"'{rel}' does not exist: check the path with list_dir", detail=detail)
+    if code == errno.ENOTDIR:
+        return _NotAFolder(f"a parent of '{rel}' is not a folder: check the path with list_dir", detail=detail)
+    if code in (errno.EXDEV, errno.ELOOP):
+        return PathEscape(
+            f"'{rel}' goes through a symbolic link that leaves the workspace, loops or is a /proc link: "
+            "use a path inside the workspace",
+            detail=detail,
+        )
+    if code == errno.EISDIR:
+        return InvalidRequest(f"'{rel}' is a folder, not a regular file: use list_dir", detail=detail)
+    if code == errno.ENAMETOOLONG:
+        return InvalidRequest(f"'{rel}' is too long for the file system: use a shorter path", detail=detail)
+    if code == errno.ENXIO:
+        return PolicyDenied(f"'{rel}' is not a regular file: only regular files can be read or written", detail=detail)
+    if code == errno.EEXIST:
+        return Conflict(f"'{rel}' already exists: choose another name", detail=detail)
+    if code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return ResourceLimit(f"no space is left for '{rel}': free space or write less", detail=detail)
+    if code in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return OperationFailed(f"the operating system refused access to '{rel}': check its permissions", detail=detail)
+    return OperationFailed(
+        f"could not access '{rel}' ({exc.strerror}): try again or ask the administrator", detail=detail
+    )
+
+
+@final
+class Jail:
+    """File operations confined beneath one workspace folder, resolved by the kernel.
+
+    Every method validates the path lexically, refuses secret-file names, then opens through
+    ``openat2`` relative to the root fd held since construction. Not safe to `close` while
+    another thread is using the jail.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        secret_patterns: Sequence[str] = DEFAULT_SECRET_PATTERNS,
+        allow_hardlinks: bool = False,
+    ) -> None:
+        """Open the workspace root and keep its fd.
+
+        Args:
+            root: absolute path of an existing folder; resolved with realpath once, here.
+            secret_patterns: fnmatch patterns matched, ignoring case, against every path component.
+            allow_hardlinks: dangerous; read and write files with more than one hard link,
+                which may be links to files outside the workspace.
+
+        Raises:
+            InvalidRequest: the root is not absolute or not a folder.
+            NotFound: the root does not exist.
+            Unavailable: openat2 is missing or blocked.
+            ConfigError: a secret pattern is malformed.
+        """
+        self._fd = -1
+        self._secret = _compile_secret_patterns(secret_patterns)
+        self._allow_hardlinks = allow_hardlinks
+        self._openat2 = _load_openat2()
+        given = os.fspath(root)
+        if not isinstance(given, str) or "\x00" in given:
+            raise InvalidRequest("the workspace root must be a path string without NUL: fix the configuration")
+        if not os.path.isabs(given):
+            raise InvalidRequest(f"the workspace root '{given}' is not absolute: give an absolute path")
+        try:
+            real = os.path.realpath(given, strict=True)
+        except FileNotFoundError as exc:
+            raise NotFound(f"the workspace root '{given}' does not exist: create it first") from exc
+        except OSError as exc:
+            raise InvalidRequest(f"the workspace root '{given}' cannot be resolved ({exc.strerror}): fix it") from exc
+        try:
+            fd = os.open(real, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        except NotADirectoryError as exc:
+            raise InvalidRequest(f"the workspace root '{real}' is not a folder: give a folder") from exc
+        except FileNotFoundError as exc:
+            raise NotFound(f"the workspace root '{real}' does not exist: create it first") from exc
+        except OSError as exc:
+            raise InvalidRequest(f"the workspace root '{real}' cannot be opened ({exc.strerror}): fix it") from exc
+        probe = self._openat2(fd, b".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, 0, _RESOLVE)
+        if probe < 0:
+            os.close(fd)
+            raise Unavailable(
+                "openat2 is unavailable (Linux before 5.6, or blocked by seccomp): bastion needs it to confine paths",
+                detail=f"openat2 probe: {errno.errorcode.get(-probe, str(-probe))}",
+            )
+        os.close(probe)
+        self._fd = fd
+        self._root = real
+        self._root_parts: tuple[str, ...] = tuple(part for part in real.split("/") if part)
+
+    @property
+    def root(self) -> str:
+        """The real path of the workspace root, resolved once at construction."""
+        return self._root
+
+    def close(self) -> None:
+        """Close the root fd; further calls raise ValueError. Closing twice is harmless."""
+        if self._fd >= 0:
+            fd, self._fd = self._fd, -1
+            os.close(fd)
+
+    def __enter__(self) -> Jail:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def relative(self, path: str) -> str:
+        """Validate a path lexically and return it relative to the root, without touching the disk.
+
+        Args:
+            path: a workspace-relative path, or an absolute path lexically under the root.
+
+        Returns:
+            The normalized relative path (``.`` for the root): no ``..``, no empty components.
+
+        Raises:
+            InvalidRequest: empty, too long, control/invisible characters, backslash, name too long.
+            PathEscape: ``~``, an absolute path outside the root, or ``..`` above the root.
+        """
+        if not isinstance(path, str):
+            raise InvalidRequest("the path must be a string: pass a path relative to the workspace")
+        if not path:
+            raise InvalidRequest("the path is empty: use '.' for the workspace root")
+        if len(path) > MAX_PATH_CHARS:
+            raise InvalidRequest(f"the path is longer than {MAX_PATH_CHARS} characters: use a shorter path")
+        for char in path:
+            if char == "\\":
+                raise InvalidRequest("the path contains a backslash; backslashes are not path separators here: use '/'")
+            if unicodedata.category(char) in _REFUSED_CATEGORIES:
+                if char == "\x00":
+                    raise InvalidRequest("the path contains a NUL byte: remove it")
+                raise InvalidRequest(
+                    f"the path contains the control or invisible character U+{ord(char):04X}: remove it"
+                )
+        if path.startswith("~"):
+            raise PathEscape("no home-folder expansion here; use a path relative to the workspace")
+        parts = path.split("/")
+        for part in parts:
+            if len(part.encode("utf-8")) > MAX_NAME_BYTES:
+                raise InvalidRequest(f"a name in the path is longer than {MAX_NAME_BYTES} bytes: use a shorter name")
+        if path.startswith("/"):
+            absolute: list[str] = []
+            for part in parts:
+                if part == "..":
+                    if absolute:
+                        absolute.pop()
+                elif part not in ("", "."):
+                    absolute.append(part)
+            depth = len(self._root_parts)
+            if tuple(absolute[:depth]) != self._root_parts:
+                raise PathEscape("the absolute path is outside the workspace: use a path relative to the workspace")
+            return "/".join(absolute[depth:]) or "."
+        stack: list[str] = []
+        for part in parts:
+            if part == "..":
+                if not stack:
+                    raise PathEscape("the path climbs above the workspace with '..': use a path inside the workspace")
+                stack.pop()
+            elif part not in ("", "."):
+                stack.append(part)
+        return "/".join(stack) or "."
+
+    def read(self, path: str, *, offset: int = 0, length: int = MAX_READ_BYTES) -> ReadResult:
+        """Read part of a regular file beneath the root.
+
+        A final symlink is followed only while it stays beneath the root.
+
+        Args:
+            path: the file to read.
+            offset: byte offset to start at.
+            length: bytes wanted; capped at ``MAX_READ_BYTES``.
+
+        Returns:
+            The bytes and whether the end of the file was reached.
+
+        Raises:
+            BastionError: InvalidRequest, PathEscape, PolicyDenied (secret, not a regular file,
+                hard links), NotFound, OperationFailed.
+        """
+        rel = self._checked(path)
+        if offset < 0 or length < 0:
+            raise InvalidRequest("offset and length must not be negative: pass 0 or more")
+        length = min(length, MAX_READ_BYTES)
+        fd = self._open_regular(self._root_fd(), rel, rel, os.O_RDONLY, _RESOLVE)
+        try:
+            self._check_resolved_secret(fd, rel)
+            size = os.fstat(fd).st_size
+            chunks: list[bytes] = []
+            got = 0
+            while got < length:
+                chunk = os.pread(fd, length - got, offset + got)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                got += len(chunk)
+        except OSError as exc:
+            raise _error_from_os(exc, rel) from exc
+        finally:
+            os.close(fd)
+        return ReadResult(path=rel, data=b"".join(chunks), size=size, eof=got < length or offset + got >= size)
+
+    def write(self, path: str, data: bytes, *, append: bool = False, create_parents: bool = False) -> WriteResult:
+        """Write a regular file beneath the root, never through a final symlink.
+
+        Args:
+            path: the file to write; created with mode 0644 (minus umask) when missing.
+            data: at most ``MAX_WRITE_BYTES`` bytes.
+            append: add to the end instead of replacing the content.
+            create_parents: create missing parent folders, one ``mkdirat`` at a time.
+
+        Returns:
+            How many bytes were written and whether the file was created.
+
+        Raises:
+            BastionError: InvalidRequest, PathEscape, PolicyDenied (secret, symlink, not a
+                regular file, hard links), NotFound (missing parent), ResourceLimit, OperationFailed.
+        """
+        rel = self._checked(path)
+        if not isinstance(data, bytes):
+            raise InvalidRequest("the data must be bytes: encode the text first")
+        if len(data) > MAX_WRITE_BYTES:
+            raise ResourceLimit(
+                f"the data is {len(data)} bytes, over the {MAX_WRITE_BYTES} byte limit: write it in parts with append"
+            )
+        if rel == ".":
+            raise InvalidRequest("the workspace root is a folder: name a file inside it")
+        parent, _, name = rel.rpartition("/")
+        parent_fd = self._open_parent(parent, rel, create_parents)
+        try:
+            fd, created = self._open_for_write(parent_fd, name, rel, append)
+        finally:
+            os.close(parent_fd)
+        written = 0
+        try:
+            if not append and not created:
+                os.ftruncate(fd, 0)
+            view = memoryview(data)
+            while written < len(data):
+                written += os.write(fd, view[written:])
+        except OSError as exc:
+            raise _error_from_os(exc, rel) from exc
+        finally:
+            os.close(fd)
+        return WriteResult(path=rel, bytes_written=written, created=created)
+
+    def list_dir(self, path: str = ".") -> tuple[DirEntry, ...]:
+        """List a folder beneath the root, sorted by name; symlinks are reported, never followed.
+
+        Raises:
+            BastionError: InvalidRequest (not a folder), PathEscape, PolicyDenied, NotFound,
+                ResourceLimit (more than ``MAX_LIST_ENTRIES`` entries), OperationFailed.
+        """
+        rel = self._checked(path)
+        fd = self._open_dir(rel, os.O_RDONLY | os.O_DIRECTORY)
+        entries: list[DirEntry] = []
+        try:
+            with os.scandir(fd) as iterator:
+                for entry in iterator:
+                    if len(entries) >= MAX_LIST_ENTRIES:
+                        raise ResourceLimit(f"'{rel}' has more than {MAX_LIST_ENTRIES} entries: list a smaller folder")
+                    try:
+                        info = entry.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue
+                    kind = _kind_of(info.st_mode)
+                    entries.append(DirEntry(name=entry.name, kind=kind, size=info.st_size if kind == "file" else 0))
+        except OSError as exc:
+            raise _error_from_os(exc, rel) from exc
+        finally:
+            os.close(fd)
+        entries.sort(key=lambda entry: entry.name)
+        return tuple(entries)
+
+    def open_dir_fd(self, path: str) -> int:
+        """Open a folder beneath the root as an ``O_PATH`` fd, e.g. to use as a command's cwd.
+
+        Returns:
+            The fd; the caller must close it.
+
+        Raises:
+            BastionError: InvalidRequest (not a folder), PathEscape, PolicyDenied, NotFound.
+        """
+        return self._open_dir(self._checked(path), os.O_PATH | os.O_DIRECTORY)
+
+    def stat(self, path: str) -> os.stat_result:
+        """Stat an entry beneath the root; a final symlink is refused, not followed.
+
+        Raises:
+            BastionError: InvalidRequest, PathEscape, PolicyDenied (secret or symlink), NotFound.
+        """
+        rel = self._checked(path)
+        fd = self._open(self._root_fd(), rel, rel, os.O_PATH | os.O_NOFOLLOW)
+        try:
+            info = os.fstat(fd)
+        finally:
+            os.close(fd)
+        if stat.S_ISLNK(info.st_mode):
+            raise PolicyDenied(f"'{rel}' is a symbolic link and stat does not follow links: use list_dir to see it")
+        return info
+
+    def _root_fd(self) -> int:
+        if self._fd < 0:
+            raise ValueError("the jail is closed: create a new Jail")
+        return self._fd
+
+    def _checked(self, path: str) -> str:
+        rel = self.relative(path)
+        self._check_secret(rel)
+        return rel
+
+    def _check_secret(self, rel: str) -> None:
+        if rel == ".":
+            return
+        for name in rel.split("/"):
+            for pattern, regex in self._secret:
+                if regex.match(name):
+                    raise PolicyDenied(f"'{name}' matches the secret-file rule '{pattern}': ask the administrator")
+
+    def _check_resolved_secret(self, fd: int, rel: str) -> None:
+        # Best effort: /proc gives the name the fd was reached by, which differs from `rel`
+        # when an innocent-looking symlink inside the workspace points at a secret file.
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            return
+        prefix = self._root.rstrip("/") + "/"
+        if target.startswith(prefix) and target[len(prefix) :] != rel:
+            self._check_secret(target[len(prefix) :])
+
+    def _open(self, dirfd: int, path: str, rel: str, flags: int, *, mode: int = 0, resolve: int = _RESOLVE) -> int:
+        """openat2 with retries on EAGAIN/EINTR; raises the mapped BastionError."""
+        raw = os.fsencode(path)
+        for _ in range(_RETRIES):
+            result = self._openat2(dirfd, raw, flags | os.O_CLOEXEC, mode, resolve)
+            if result >= 0:
+                return result
+            code = -result
+            if code in (errno.EAGAIN, errno.EINTR):
+                continue
+            if code == errno.ENOSYS:
+                raise Unavailable("openat2 is unavailable on this kernel: bastion needs Linux 5.6 or newer")
+            raise _error_from_os(OSError(code, os.strerror(code), path), rel)
+        raise OperationFailed(f"'{rel}' kept being renamed while it was opened: try again", detail=f"{rel}: EAGAIN")
+
+    def _require_regular(self, info: os.stat_result, rel: str) -> None:
+        mode = info.st_mode
+        if stat.S_ISREG(mode):
+            if info.st_nlink > 1 and not self._allow_hardlinks:
+                raise PolicyDenied(
+                    f"'{rel}' has {info.st_nlink} hard links; a link to a file outside the workspace cannot be told "
+                    "apart: copy the file instead of linking it"
+                )
+            return
+        if stat.S_ISDIR(mode):
+            raise InvalidRequest(f"'{rel}' is a folder, not a regular file: use list_dir")
+        if stat.S_ISLNK(mode):
+            raise PolicyDenied(f"'{rel}' is a symbolic link and writes never follow links: write to its target")
+        raise PolicyDenied(
+            f"'{rel}' is not a regular file ({_special_name(mode)}): only regular files can be read or written"
+        )
+
+    def _open_regular(self, dirfd: int, name: str, rel: str, flags: int, resolve: int) -> int:
+        """Open a regular file with `flags`, checking it first through an O_PATH fd.
+
+        The O_PATH probe means a FIFO or device is never opened for I/O (no blocking, no
+        driver side effects); the fstat of the real fd, compared to the probe, is the check
+        that counts.
+        """
+        nofollow = flags & os.O_NOFOLLOW
+        probe = self._open(dirfd, name, rel, os.O_PATH | nofollow, resolve=resolve)
+        try:
+            before = os.fstat(probe)
+        finally:
+            os.close(probe)
+        self._require_regular(before, rel)
+        fd = self._open(dirfd, name, rel, flags | os.O_NONBLOCK | os.O_NOCTTY, resolve=resolve)
+        try:
+            after = os.fstat(fd)
+            if (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino):
+                raise OperationFailed(f"'{rel}' was replaced while it was opened: try again")
+            self._require_regular(after, rel)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _open_dir(self, rel: str, flags: int) -> int:
+        try:
+            return self._open(self._root_fd(), rel, rel, flags)
+        except _NotAFolder as exc:
+            raise InvalidRequest(f"'{rel}' or a parent of it is not a folder: check the path with list_dir") from exc
+
+    def _open_parent(self, parent: str, rel: str, create: bool) -> int:
+        root_fd = self._root_fd()
+        if not parent:
+            return self._open(root_fd, ".", rel, os.O_PATH | os.O_DIRECTORY)
+        try:
+            return self._open(root_fd, parent, rel, os.O_PATH | os.O_DIRECTORY)
+        except _NotAFolder:
+            raise
+        except NotFound as exc:
+            if not create:
+                raise NotFound(
+                    f"the folder '{parent}' does not exist: create it first or pass create_parents",
+                    detail=exc.detail,
+                ) from exc
+        return self._make_parents(parent, rel)
+
+    def _make_parents(self, parent: str, rel: str) -> int:
+        # Each missing folder is created with mkdirat under the fd of its parent, never by path
+        # string, and opened with RESOLVE_NO_SYMLINKS so a symlink planted in between is refused.
+        root_fd = self._root_fd()
+        current = self._open(root_fd, ".", rel, os.O_PATH | os.O_DIRECTORY)
+        parts = parent.split("/")
+        try:
+            for index, part in enumerate(parts):
+                prefix = "/".join(parts[: index + 1])
+                try:
+                    following = self._open(root_fd, prefix, rel, os.O_PATH | os.O_DIRECTORY)
+                except _NotAFolder:
+                    raise
+                except NotFound:
+                    try:
+                        os.mkdir(part, _NEW_DIR_MODE, dir_fd=current)
+                    except FileExistsError:
+                        pass
+                    except OSError as os_exc:
+                        raise _error_from_os(os_exc, rel) from os_exc
+                    following = self._open(
+                        current, part, rel, os.O_PATH | os.O_DIRECTORY, resolve=_RESOLVE | _RESOLVE_NO_SYMLINKS
+                    )
+                os.close(current)
+                current = following
+        except BaseException:
+            os.close(current)
+            raise
+        return current
+
+    def _open_for_write(self, parent_fd: int, name: str, rel: str, append: bool) -> tuple[int, bool]:
+        # The last component must not be a symlink at all (RESOLVE_NO_SYMLINKS + O_NOFOLLOW):
+        # a dangling link would otherwise make O_CREAT create its target. O_TRUNC is never
+        # used: truncation waits until the opened file has been checked (hard links!).
+        resolve = _RESOLVE | _RESOLVE_NO_SYMLINKS
+        flags = os.O_WRONLY | os.O_NOFOLLOW | (os.O_APPEND if append else 0)
+        for _ in range(_RETRIES):
+            try:
+                return self._open_regular(parent_fd, name, rel, flags, resolve), False
+            except _NotAFolder:
+                raise
+            except NotFound:
+                pass
+            try:
+                create = flags | os.O_CREAT | os.O_EXCL
+                fd = self._open(parent_fd, name, rel, create, mode=_NEW_FILE_MODE, resolve=resolve)
+            except Conflict:
+                continue
+            return fd, True
+        raise OperationFailed(f"'{rel}' kept appearing and disappearing while it was opened: try again")

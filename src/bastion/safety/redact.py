@@ -1,0 +1,342 @@
+"""Secret redaction and terminal sanitising for text that leaves a tool.
+
+Redaction is best-effort pattern matching, not a security boundary: it catches the
+credential formats listed in `_BUILTIN_RULES`, `key=value` pairs whose key names a
+secret, and the exact values an administrator configures. A secret in an unknown
+format, or encoded (base64, hex, split by the program), passes through.
+
+Order for output shown to a model or a human: `sanitize_terminal` first, then redact,
+so an escape sequence wedged inside a token cannot hide it from the patterns.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final
+
+from bastion.safety.errors import ConfigError
+
+# Values shorter than this are ignored: redacting every "abc" in output would mangle
+# it, and a secret that short is guessable anyway.
+MIN_SECRET_VALUE_CHARS: Final = 4
+# A stream holds back at least this much of an unfinished line; every built-in
+# pattern decides whether it matches within this many characters.
+STREAM_HOLD_CHARS: Final = 256
+# A stream never holds more than this; past it the held part is emitted redacted.
+STREAM_HOLD_CAP_CHARS: Final = 16 * 1024
+# Lookbehind context kept from already-emitted text, so a stream matches like `redact`.
+_CONTEXT_CHARS: Final = 64
+
+_SECRET_GROUPS: Final = ("secret", "secret2", "secret3")
+
+_KV_KEY: Final = (
+    r"(?:[A-Za-z0-9]+[_.-])*"
+    r"(?:password|passwd|passphrase|secret|token|api[_-]?key|apikey|access[_-]?key|secret[_-]?key"
+    r"|private[_-]?key|client[_-]?secret|auth[_-]?token|credentials?)"
+)
+# Separators use [ \t], never \s: no built-in pattern but the PEM one crosses a line,
+# which is what lets a stream emit every complete line at once.
+_KV_VALUE: Final = r"""(?:"(?P<secret>[^"\n]+)(?:"|\Z)|'(?P<secret2>[^'\n]+)(?:'|\Z)|(?P<secret3>[^\s"']+))"""
+
+# (kind, pattern). Earlier rules win when two matches start at the same place, so
+# vendor formats come before the generic key=value rule.
+_BUILTIN_RULES: Final[tuple[tuple[str, str, tuple[str, ...]], ...]] = (
+    (
+        "private_key",
+        r"(?s)-----BEGIN[ A-Z0-9]*PRIVATE KEY(?: BLOCK)?-----"
+        r"(?:.*?-----END[ A-Z0-9]*PRIVATE KEY(?: BLOCK)?-----|.*\Z)",
+        ("private key",),
+    ),
+    ("aws_access_key_id", r"(?<![A-Za-z0-9])(?:AKIA|ASIA)[A-Z0-9]{16}(?![A-Za-z0-9])", ("akia", "asia")),
+    (
+        "aws_secret_access_key",
+        r"(?i:aws_?secret_?(?:access_?)?key)[\"']?[ \t]{0,8}[:=][ \t]{0,8}[\"']?(?P<secret>[A-Za-z0-9/+=]{16,})",
+        ("secret",),
+    ),
+    (
+        "github_token",
+        r"(?<![A-Za-z0-9_])(?:gh[pousr]_[A-Za-z0-9]{20,}|github_pat_[A-Za-z0-9_]{20,})",
+        ("ghp_", "gho_", "ghu_", "ghs_", "ghr_", "github_pat_"),
+    ),
+    ("gitlab_token", r"(?<![A-Za-z0-9_-])glpat-[A-Za-z0-9_-]{20,}", ("glpat-",)),
+    ("slack_token", r"(?<![A-Za-z0-9_-])xox[abprs]-[A-Za-z0-9-]{10,}", ("xox",)),
+    ("slack_webhook", r"hooks\.slack\.com/services/(?P<secret>[A-Za-z0-9_/-]+)", ("hooks.slack.com/services/",)),
+    (
+        "stripe_key",
+        r"(?<![A-Za-z0-9_])(?:sk|rk)_live_[A-Za-z0-9]{10,}|(?<![A-Za-z0-9_])sk_test_[A-Za-z0-9]{10,}",
+        ("_live_", "sk_test_"),
+    ),
+    ("anthropic_key", r"(?<![A-Za-z0-9_-])sk-ant-[A-Za-z0-9_-]{20,}", ("sk-ant-",)),
+    ("openai_key", r"(?<![A-Za-z0-9_-])sk-(?:proj-|svcacct-|admin-)?[A-Za-z0-9_-]{20,}", ("sk-",)),
+    ("google_api_key", r"(?<![A-Za-z0-9_-])AIza[0-9A-Za-z_-]{35}", ("aiza",)),
+    # RFC 7519 §3: base64url header "{"... always encodes to eyJ; alg "none" has an empty signature.
+    ("jwt", r"(?<![A-Za-z0-9_-])eyJ[A-Za-z0-9_-]{5,}\.[A-Za-z0-9_-]{5,}\.[A-Za-z0-9_-]*", ("eyj",)),
+    (
+        "authorization",
+        r"(?i)(?<![A-Za-z0-9])(?:authorization[\"']?[ \t]{0,8}[:=][ \t]{0,8}[\"']?"
+        r"(?:(?:bearer|basic|token|bot)[ \t]{1,8})?(?P<secret>[A-Za-z0-9._~+/=-]{8,})"
+        r"|bearer[ \t]{1,8}(?P<secret2>[A-Za-z0-9._~+/=-]{16,}))",
+        ("authorization", "bearer"),
+    ),
+    (
+        "url_password",
+        r"(?i)\b[a-z][a-z0-9+.-]{0,20}://[^/\s:@'\"]{1,256}:(?P<secret>[^/\s@'\"]{1,256})@",
+        ("://",),
+    ),
+    (
+        "credential",
+        rf"(?i)(?<![A-Za-z0-9_.-]){_KV_KEY}(?![A-Za-z0-9])[\"']?[ \t]{{0,8}}[:=][ \t]{{0,8}}{_KV_VALUE}",
+        ("pass", "secret", "token", "key", "credential"),
+    ),
+)
+
+_SENSITIVE_KEY: Final = re.compile(rf"(?i)(?:^|[_.-]){_KV_KEY.removeprefix(r'(?:[A-Za-z0-9]+[_.-])*')}$")
+
+
+@dataclass(frozen=True, slots=True)
+class _Rule:
+    kind: str
+    regex: re.Pattern[str]
+    groups: tuple[str, ...]
+    # Lowercase substrings of which every match contains one: substring tests are far
+    # cheaper than running each regex, and most text contains none. Empty: always run.
+    needles: frozenset[str]
+
+
+def _rule(kind: str, regex: re.Pattern[str], needles: tuple[str, ...] = ()) -> _Rule:
+    return _Rule(kind, regex, tuple(g for g in _SECRET_GROUPS if g in regex.groupindex), frozenset(needles))
+
+
+_BUILTINS: Final = tuple(_rule(kind, re.compile(pattern), needles) for kind, pattern, needles in _BUILTIN_RULES)
+
+_ALL_NEEDLES: Final = tuple(sorted({n for rule in _BUILTINS for n in rule.needles}))
+_PEM_END: Final = re.compile(r"-----END[ A-Z0-9]*PRIVATE KEY(?: BLOCK)?-----")
+_WHITESPACE: Final = re.compile(r"\s")
+_PEM_TAIL_CHARS: Final = 80
+
+# (start, end, kind, start of the whole match, which may include a key before the secret)
+_Span = tuple[int, int, str, int]
+_MARKER: Final = re.compile(r"\[REDACTED:[a-z_]+\]")
+_MAX_MARKER_CHARS: Final = 40
+
+
+class Redactor:
+    """Replaces secrets in text with ``[REDACTED:<kind>]``.
+
+    Args:
+        extra_patterns: administrator regexes (kind ``custom``); if one has a named group
+            ``secret`` only that group is replaced. A stream catches a split match only
+            if it stays on one line and within `STREAM_HOLD_CHARS`.
+        secret_values: exact strings to replace (kind ``secret_value``); values shorter than
+            `MIN_SECRET_VALUE_CHARS` are ignored.
+
+    Raises:
+        ConfigError: an extra pattern does not compile.
+    """
+
+    def __init__(self, extra_patterns: Sequence[str] = (), secret_values: Sequence[str] = ()) -> None:
+        rules = list(_BUILTINS)
+        for i, pattern in enumerate(extra_patterns):
+            try:
+                rules.append(_rule("custom", re.compile(pattern)))
+            except (re.error, TypeError, ValueError) as exc:
+                raise ConfigError(f"redaction pattern {i} {pattern!r} is not a valid regex: {exc}") from None
+        values = sorted({v for v in secret_values if len(v) >= MIN_SECRET_VALUE_CHARS}, key=len, reverse=True)
+        if values:
+            rules.append(_rule("secret_value", re.compile("|".join(re.escape(v) for v in values))))
+        self._rules: tuple[_Rule, ...] = tuple(rules)
+        self._longest_value = len(values[0]) if values else 0
+
+    def redact(self, text: str) -> str:
+        """Return `text` with every recognised secret replaced."""
+        return _apply(text, self._spans(text, 0), 0, len(text))
+
+    def redact_then_truncate(self, text: str, max_chars: int) -> tuple[str, bool]:
+        """Redact, then keep at most `max_chars` characters.
+
+        Redacting first means the cut can never leave the prefix of a secret behind;
+        a cut that would split a ``[REDACTED:...]`` marker drops the whole marker.
+
+        Returns:
+            The text and whether it was cut.
+        """
+        red = self.redact(text)
+        if len(red) <= max_chars:
+            return red, False
+        cut = max(max_chars, 0)
+        for m in _MARKER.finditer(red, max(0, cut - _MAX_MARKER_CHARS), cut + _MAX_MARKER_CHARS):
+            if m.start() < cut < m.end():
+                cut = m.start()
+        return red[:cut], True
+
+    def is_sensitive_key(self, name: str) -> bool:
+        """True when a field called `name` holds a secret (``DB_PASSWORD``, ``api_key``...)."""
+        return _SENSITIVE_KEY.search(name) is not None
+
+    def stream(self) -> StreamRedactor:
+        """Start redacting a stream of chunks (one per command output stream)."""
+        return StreamRedactor(self)
+
+    def _spans(self, text: str, pos: int) -> list[_Span]:
+        found: list[tuple[int, int, int, int]] = []
+        lowered = text[pos:].lower()
+        present = {n for n in _ALL_NEEDLES if n in lowered}
+        for prio, rule in enumerate(self._rules):
+            if rule.needles and rule.needles.isdisjoint(present):
+                continue
+            for m in rule.regex.finditer(text, pos):
+                start, end = m.span()
+                for group in rule.groups:
+                    if m.group(group) is not None:
+                        start, end = m.span(group)
+                        break
+                if end > start:
+                    found.append((start, prio, end, m.start()))
+        found.sort()
+        merged: list[_Span] = []
+        for start, prio, end, match_start in found:
+            if merged and start < merged[-1][1]:
+                last = merged[-1]
+                merged[-1] = (last[0], max(last[1], end), last[2], min(last[3], match_start))
+            else:
+                merged.append((start, end, self._rules[prio].kind, match_start))
+        return merged
+
+    def _hold_chars(self) -> int:
+        return max(STREAM_HOLD_CHARS, self._longest_value)
+
+
+def _apply(text: str, spans: Sequence[_Span], start: int, end: int) -> str:
+    out: list[str] = []
+    pos = start
+    for s, e, kind, _ in spans:
+        if s >= end:
+            break
+        out.append(text[pos:s])
+        out.append(f"[REDACTED:{kind}]")
+        pos = e
+    out.append(text[pos:end])
+    return "".join(out)
+
+
+class StreamRedactor:
+    """Redacts a text stream chunk by chunk, holding back what a later chunk could complete.
+
+    The output of all `feed` calls plus `flush` equals `Redactor.redact` of the whole
+    text, for the built-in patterns and secret values, as long as no held part grows past
+    `STREAM_HOLD_CAP_CHARS`. Past the cap the held part is emitted redacted and an open
+    match is followed to its end (the PEM END line, or the next whitespace) and dropped.
+    """
+
+    def __init__(self, redactor: Redactor) -> None:
+        self._r = redactor
+        self._held = ""
+        self._ctx = ""
+        self._drop_until: re.Pattern[str] | None = None
+
+    def feed(self, chunk: str) -> str:
+        """Add `chunk`; return the text that is now safe to emit."""
+        self._held += chunk
+        if self._drop_until is not None and not self._drop():
+            return ""
+        buf = self._ctx + self._held
+        base = len(self._ctx)
+        spans = self._r._spans(buf, base)
+        cut = self._cut(buf, base, spans)
+        drop: re.Pattern[str] | None = None
+        if len(buf) - cut > STREAM_HOLD_CAP_CHARS:
+            if spans and spans[-1][1] == len(buf):
+                drop = _PEM_END if spans[-1][2] == "private_key" else _WHITESPACE
+                cut = len(buf)
+            else:
+                cut = _move_out_of_spans(len(buf) - self._r._hold_chars(), spans)
+        out = _apply(buf, spans, base, cut)
+        if cut > base:
+            self._ctx = buf[max(0, cut - _CONTEXT_CHARS) : cut]
+            self._held = buf[cut:]
+        if drop is not None:
+            self._drop_until = drop
+            # An END line may arrive split; the tail lets the search see all of it.
+            self._held = buf[-_PEM_TAIL_CHARS:] if drop is _PEM_END else ""
+        return out
+
+    def flush(self) -> str:
+        """Return the redacted remainder; the stream can be reused afterwards."""
+        out = ""
+        if self._drop_until is None:
+            buf = self._ctx + self._held
+            base = len(self._ctx)
+            out = _apply(buf, self._r._spans(buf, base), base, len(buf))
+        self._held = ""
+        self._ctx = ""
+        self._drop_until = None
+        return out
+
+    def _drop(self) -> bool:
+        """Discard the rest of an over-long match; False while its end is not in sight."""
+        assert self._drop_until is not None
+        m = self._drop_until.search(self._held)
+        if m is None:
+            self._held = self._held[-_PEM_TAIL_CHARS:] if self._drop_until is _PEM_END else ""
+            return False
+        end = m.end() if self._drop_until is _PEM_END else m.start()
+        self._ctx = (self._ctx + self._held[:end])[-_CONTEXT_CHARS:]
+        self._held = self._held[end:]
+        self._drop_until = None
+        return True
+
+    def _cut(self, buf: str, base: int, spans: Sequence[_Span]) -> int:
+        end = len(buf)
+        cut = max(buf.rfind("\n", base) + 1, end - self._r._hold_chars(), base)
+        if self._r._longest_value:
+            # A configured value may contain newlines: hold any unfinished prefix of it.
+            cut = max(min(cut, end - self._r._longest_value + 1), base)
+        while True:
+            before = cut
+            # Token formats are runs without whitespace: never split one, nor emit one that may go on.
+            while cut > base and not buf[cut - 1].isspace() and (cut == end or not buf[cut].isspace()):
+                cut -= 1
+            # Hold a match from its key on, so the next scan sees the key again.
+            for s, e, _, ms in spans:
+                if min(s, ms) < cut < e or (e == end and min(s, ms) < cut):
+                    cut = min(s, ms)
+            if cut == before:
+                return cut
+
+
+def _move_out_of_spans(cut: int, spans: Sequence[_Span]) -> int:
+    for s, e, _, ms in spans:
+        if min(s, ms) < cut < e:
+            return min(s, ms)
+    return cut
+
+
+# ECMA-48 §5.4 (CSI), §8.3.89 (OSC) and the string controls DCS/SOS/PM/APC; OSC 8 is
+# the hyperlink escape that makes shown text point somewhere else.
+_ESCAPES: Final = re.compile(
+    r"\x1b\[[0-?]*[ -/]*[@-~]"
+    r"|\x9b[0-?]*[ -/]*[@-~]"
+    r"|[\x1b]\][^\x07\x1b\x9c]*(?:\x07|\x1b\\|\x9c)"
+    r"|\x9d[^\x07\x1b\x9c]*(?:\x07|\x1b\\|\x9c)"
+    r"|\x1b[PX^_][^\x07\x1b\x9c]*(?:\x07|\x1b\\|\x9c)"
+    r"|[\x90\x98\x9e\x9f][^\x07\x1b\x9c]*(?:\x07|\x1b\\|\x9c)"
+    r"|\x1b[ -/]*[0-~]"
+)
+_CONTROLS: Final = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+# Trojan Source, CVE-2021-42574: overrides and isolates reorder what is displayed.
+_BIDI: Final = re.compile(r"[\u202a-\u202e\u2066-\u2069]")
+
+
+def sanitize_terminal(text: str) -> str:
+    """Make program output safe to display.
+
+    Removes complete escape sequences (CSI, OSC including OSC 8 hyperlinks, DCS/SOS/PM/APC,
+    other ESC sequences), turns CRLF into LF, and shows every other C0/C1 control, a lone
+    CR and DEL as ``\\xNN`` text and bidi overrides/isolates as ``\\uNNNN`` text, so no
+    ESC or CR reaches a terminal or can rewrite what was shown.
+    """
+    text = _ESCAPES.sub("", text).replace("\r\n", "\n")
+    text = _CONTROLS.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+    return _BIDI.sub(lambda m: f"\\u{ord(m.group()):04x}", text)

@@ -1,0 +1,491 @@
+"""The audit log: chain, verification, fail-closed writes (corpus entries A103, A104)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import anyio
+import pytest
+
+from bastion.safety import audit as audit_mod
+from bastion.safety.audit import GENESIS, MAX_ARG_CHARS, MAX_RECORD_BYTES, AuditLog, verify
+from bastion.safety.errors import AuditUnavailable
+from bastion.safety.redact import Redactor
+
+A104_INPUT = 'ls\n{"decision":"allowed","command":"rm -rf /"}'
+AWS_KEY_ID = "AKIAIOSFODNN7EXAMPLE"
+
+
+@pytest.fixture
+def log_path(tmp_path: Path) -> Path:
+    return tmp_path / "audit.jsonl"
+
+
+@pytest.fixture
+def log(log_path: Path) -> Iterator[AuditLog]:
+    audit = AuditLog(log_path, redactor=Redactor())
+    audit.open()
+    yield audit
+    audit.close()
+
+
+def _write(log: AuditLog, n: int) -> list[str]:
+    return [log.append({"action": "run_command", "command": f"echo {i}", "n": i}) for i in range(n)]
+
+
+def _lines(path: Path) -> list[bytes]:
+    return path.read_bytes().splitlines(keepends=True)
+
+
+def test_chain_verifies_over_many_records(log: AuditLog, log_path: Path) -> None:
+    ids = _write(log, 300)
+    report = verify(log_path)
+    assert report.ok, report.first_error
+    assert report.records == 300
+    first, last = json.loads(_lines(log_path)[0]), json.loads(_lines(log_path)[-1])
+    assert first["prev"] == GENESIS
+    assert first["seq"] == 0
+    assert last["seq"] == 299
+    assert last["id"] == ids[-1]
+    assert len(set(ids)) == 300
+    assert first["ts"].endswith("Z")
+
+
+def test_reopen_continues_the_chain(log: AuditLog, log_path: Path) -> None:
+    _write(log, 3)
+    log.close()
+    log.open()
+    _write(log, 3)
+    assert verify(log_path) == audit_mod.VerifyReport(True, 6)
+
+
+def test_verify_detects_an_edited_record(log: AuditLog, log_path: Path) -> None:
+    _write(log, 10)
+    lines = _lines(log_path)
+    lines[5] = lines[5].replace(b"echo 5", b"echo X")
+    log_path.write_bytes(b"".join(lines))
+    report = verify(log_path)
+    assert not report.ok
+    assert report.line == 7
+    assert report.first_error == "line 7: prev hash does not match line 6 (record edited, deleted or reordered)"
+
+
+def test_verify_detects_a_deleted_record(log: AuditLog, log_path: Path) -> None:
+    _write(log, 10)
+    lines = _lines(log_path)
+    del lines[4]
+    log_path.write_bytes(b"".join(lines))
+    report = verify(log_path)
+    assert not report.ok
+    assert report.line == 5
+    assert report.records == 4
+
+
+def test_verify_detects_swapped_records(log: AuditLog, log_path: Path) -> None:
+    _write(log, 10)
+    lines = _lines(log_path)
+    lines[3], lines[4] = lines[4], lines[3]
+    log_path.write_bytes(b"".join(lines))
+    report = verify(log_path)
+    assert not report.ok
+    assert report.line == 4
+
+
+def test_verify_detects_a_truncated_last_line(log: AuditLog, log_path: Path) -> None:
+    _write(log, 10)
+    data = log_path.read_bytes()
+    log_path.write_bytes(data[:-20])
+    report = verify(log_path)
+    assert not report.ok
+    assert report.line == 10
+    assert report.first_error is not None
+    assert "torn record" in report.first_error
+
+
+def test_verify_missing_file_is_an_error(tmp_path: Path) -> None:
+    report = verify(tmp_path / "nope.jsonl")
+    assert not report.ok
+    assert report.first_error is not None
+    assert "No such file" in report.first_error
+
+
+def test_open_refuses_a_log_ending_in_a_torn_record(log: AuditLog, log_path: Path) -> None:
+    _write(log, 2)
+    log.close()
+    with log_path.open("ab") as f:
+        f.write(b'{"half":')
+    with pytest.raises(AuditUnavailable, match="torn record"):
+        log.open()
+
+
+def test_rotation_keeps_the_chain_across_files(log_path: Path) -> None:
+    log = AuditLog(log_path, redactor=Redactor(), rotate_bytes=4000)
+    log.open()
+    _write(log, 60)
+    log.close()
+    rotated = sorted(p.name for p in log_path.parent.iterdir() if p.name != log_path.name)
+    assert len(rotated) >= 2
+    assert rotated[:2] == ["audit.jsonl.1", "audit.jsonl.2"]
+    assert all(p.stat().st_size <= 4000 for p in log_path.parent.iterdir())
+    report = verify(log_path)
+    assert report.ok, report.first_error
+    assert report.records == 60
+    first_of_current = json.loads(_lines(log_path)[0])
+    assert first_of_current["prev"] != GENESIS
+
+
+def test_verify_detects_a_missing_rotated_file(log_path: Path) -> None:
+    log = AuditLog(log_path, redactor=Redactor(), rotate_bytes=2000)
+    log.open()
+    _write(log, 40)
+    log.close()
+    log_path.with_name("audit.jsonl.2").unlink()
+    report = verify(log_path)
+    assert not report.ok
+    assert report.first_error is not None
+    assert "audit.jsonl.2 is missing" in report.first_error
+
+
+def test_open_finishes_an_interrupted_rotation(log: AuditLog, log_path: Path) -> None:
+    """A crash between link() and unlink() leaves two names; open completes the rotation."""
+    _write(log, 3)
+    log.close()
+    os.link(log_path, log_path.with_name("audit.jsonl.1"))
+    log.open()
+    _write(log, 2)
+    assert verify(log_path) == audit_mod.VerifyReport(True, 5)
+
+
+def test_a104_newline_in_command_cannot_forge_a_record(log: AuditLog, log_path: Path) -> None:
+    """A104 (CWE-117): the forged JSON stays inside one string of one line."""
+    log.append({"action": "run_command", "decision": "denied", "command": A104_INPUT})
+    lines = _lines(log_path)
+    assert len(lines) == 1
+    record = json.loads(lines[0])
+    assert record["decision"] == "denied"
+    assert record["command"] == A104_INPUT
+
+
+def test_unicode_line_separators_do_not_split_records(log: AuditLog, log_path: Path) -> None:
+    log.append({"command": "a\u2028b\u2029c\x85d\re\udcff"})
+    log.append({"command": "next"})
+    report = verify(log_path)
+    assert report.ok, report.first_error
+    assert report.records == 2
+
+
+def test_record_values_are_redacted_and_capped(log: AuditLog, log_path: Path) -> None:
+    log.append(
+        {
+            "command": f"echo {AWS_KEY_ID}",
+            "env": {"GITHUB_TOKEN": "plainvalue123", "HOME": "/root"},
+            "argv": ["x" * (MAX_ARG_CHARS + 10)],
+            "nested": {"deep": [{"k": f"password=hunter22 {AWS_KEY_ID}"}]},
+        }
+    )
+    raw = log_path.read_text()
+    assert AWS_KEY_ID not in raw
+    assert "plainvalue123" not in raw
+    assert "hunter22" not in raw
+    record = json.loads(raw)
+    assert record["env"] == {"GITHUB_TOKEN": "[REDACTED:credential]", "HOME": "/root"}
+    assert record["argv"][0] == "x" * MAX_ARG_CHARS + "…[truncated 10 chars]"
+
+
+def test_oversized_record_is_shrunk_to_the_line_limit(log: AuditLog, log_path: Path) -> None:
+    log.append({f"arg{i}": "y" * MAX_ARG_CHARS for i in range(40)})
+    log.append({"next": 1})
+    lines = _lines(log_path)
+    assert len(lines[0]) - 1 <= MAX_RECORD_BYTES
+    assert "truncated" in json.loads(lines[0])["arg0"]
+    assert verify(log_path).ok
+
+
+def test_reserved_keys_are_refused(log: AuditLog) -> None:
+    with pytest.raises(ValueError, match="reserved"):
+        log.append({"prev": GENESIS})
+
+
+def test_log_path_that_is_a_symlink_is_refused(tmp_path: Path) -> None:
+    """O_NOFOLLOW: a symlink planted at the log path is not followed, not even to a fresh file."""
+    target = tmp_path / "elsewhere"
+    link = tmp_path / "audit.jsonl"
+    link.symlink_to(target)
+    log = AuditLog(link, redactor=Redactor())
+    with pytest.raises(AuditUnavailable, match="is a symlink"):
+        log.open()
+    assert not target.exists()
+
+
+def test_log_path_that_is_a_fifo_is_refused(tmp_path: Path) -> None:
+    fifo = tmp_path / "audit.jsonl"
+    os.mkfifo(fifo)
+    log = AuditLog(fifo, redactor=Redactor())
+    with pytest.raises(AuditUnavailable, match="not a regular file"):
+        log.open()
+
+
+def test_log_with_a_second_hard_link_is_refused(log: AuditLog, log_path: Path) -> None:
+    _write(log, 1)
+    log.close()
+    os.link(log_path, log_path.with_name("copy"))
+    with pytest.raises(AuditUnavailable, match="hard links"):
+        log.open()
+
+
+def test_append_before_open_is_refused(log_path: Path) -> None:
+    with pytest.raises(AuditUnavailable, match="not open"):
+        AuditLog(log_path, redactor=Redactor()).append({"a": 1})
+
+
+def test_group_commit_8_writers_x_200(log_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    syncs = 0
+    real = os.fdatasync
+
+    def counting(fd: int) -> None:
+        nonlocal syncs
+        syncs += 1
+        real(fd)
+
+    monkeypatch.setattr(os, "fdatasync", counting)
+    log = AuditLog(log_path, redactor=Redactor())
+    log.open()
+
+    async def writer(w: int) -> None:
+        for i in range(200):
+            await log.append_async({"writer": w, "i": i})
+
+    async def main() -> None:
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                for w in range(8):
+                    tg.start_soon(writer, w)
+
+    anyio.run(main)
+    log.close()
+    report = verify(log_path)
+    assert report.ok, report.first_error
+    assert report.records == 1600
+    assert syncs <= 1600
+
+
+def test_async_bad_record_fails_alone(log: AuditLog, log_path: Path) -> None:
+    results: list[object] = []
+
+    async def one(record: dict[str, object]) -> None:
+        try:
+            results.append(await log.append_async(record))
+        except ValueError as exc:
+            results.append(exc)
+
+    async def main() -> None:
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                for i in range(5):
+                    tg.start_soon(one, {"seq": 1} if i == 2 else {"i": i})
+
+    anyio.run(main)
+    assert sum(isinstance(r, ValueError) for r in results) == 1
+    assert verify(log_path) == audit_mod.VerifyReport(True, 4)
+
+
+def _wait_for(predicate: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + 10
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.001)
+
+
+def test_group_commit_waiters_share_one_sync(log: AuditLog, log_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Records queued while a sync runs are written together and covered by one later sync."""
+    gate = threading.Event()
+    entered = threading.Event()
+    syncs = 0
+    real = os.fdatasync
+
+    def slow(fd: int) -> None:
+        nonlocal syncs
+        syncs += 1
+        if syncs == 1:
+            entered.set()
+            assert gate.wait(10)
+        real(fd)
+
+    monkeypatch.setattr(os, "fdatasync", slow)
+    threads = [threading.Thread(target=log.append, args=({"i": i},)) for i in range(6)]
+    threads[0].start()
+    assert entered.wait(10)
+    for t in threads[1:]:
+        t.start()
+    _wait_for(lambda: len(log._queue) == 5)
+    gate.set()
+    for t in threads:
+        t.join(10)
+    assert syncs == 2
+    assert verify(log_path) == audit_mod.VerifyReport(True, 6)
+
+
+def _fail(err: int) -> Callable[..., int]:
+    def failing(*args: object) -> int:
+        raise OSError(err, os.strerror(err))
+
+    return failing
+
+
+def test_write_error_fails_closed_and_keeps_the_chain(
+    log: AuditLog, log_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _write(log, 2)
+    monkeypatch.setattr(os, "write", _fail(errno.EIO))
+    with pytest.raises(AuditUnavailable, match=r"^audit log unavailable: Input/output error; nothing was done$"):
+        log.append({"command": "rm -rf /tmp/x"})
+    monkeypatch.undo()
+    _write(log, 2)
+    assert verify(log_path) == audit_mod.VerifyReport(True, 4)
+
+
+def test_partial_write_is_truncated_back(log: AuditLog, log_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _write(log, 2)
+    real = os.write
+    calls = 0
+
+    def half(fd: int, data: bytes) -> int:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            return real(fd, bytes(data[: len(data) // 2]))
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "write", half)
+    with pytest.raises(AuditUnavailable, match="No space left on device"):
+        log.append({"command": "x"})
+    monkeypatch.undo()
+    assert verify(log_path) == audit_mod.VerifyReport(True, 2)
+    _write(log, 1)
+    assert verify(log_path) == audit_mod.VerifyReport(True, 3)
+
+
+def test_fsync_error_fails_closed(log: AuditLog, log_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _write(log, 1)
+    monkeypatch.setattr(os, "fdatasync", _fail(errno.EIO))
+    with pytest.raises(AuditUnavailable):
+        log.append({"command": "x"})
+    monkeypatch.undo()
+    assert verify(log_path) == audit_mod.VerifyReport(True, 1)
+
+
+def test_unremovable_partial_line_breaks_the_log_until_reopened(
+    log: AuditLog, log_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _write(log, 1)
+    real = os.write
+
+    def half(fd: int, data: bytes) -> int:
+        real(fd, bytes(data[:10]))
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(os, "write", half)
+    monkeypatch.setattr(os, "ftruncate", _fail(errno.EROFS))
+    with pytest.raises(AuditUnavailable):
+        log.append({"command": "x"})
+    monkeypatch.undo()
+    with pytest.raises(AuditUnavailable, match="broken"):
+        log.append({"command": "y"})
+    log.close()
+    with pytest.raises(AuditUnavailable, match="torn record"):
+        log.open()
+
+
+def test_fail_open_mode_warns_and_returns_an_id(
+    log_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    log = AuditLog(log_path, redactor=Redactor(), fail_closed=False)
+    log.open()
+    monkeypatch.setattr(os, "write", _fail(errno.ENOSPC))
+    with caplog.at_level(logging.WARNING, logger="bastion.audit"):
+        record_id = log.append({"command": "x"})
+    assert len(record_id) == 32
+    assert "No space left on device" in caplog.text
+    log.close()
+
+
+# --- real filesystem faults (root only) ---------------------------------------------------
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+
+
+def _mount_tmpfs(where: Path, size: str) -> None:
+    where.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(where)], check=True)
+
+
+def _fill(write: Callable[[bytes], object], size: int) -> None:
+    while True:
+        write(b"\0" * size)
+
+
+def _umount(where: Path) -> None:
+    if subprocess.run(["umount", str(where)], check=False).returncode != 0:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+@pytest.mark.root
+@needs_root
+def test_a103_read_only_filesystem_fails_closed(tmp_path: Path) -> None:
+    """A103: on a read-only filesystem the log cannot be opened and nothing can be appended.
+
+    Linux refuses to remount read-only while a file is open for writing (EBUSY), so the
+    log is closed first; the in-flight write error path is covered by the EIO/ENOSPC tests.
+    """
+    mnt = tmp_path / "mnt"
+    _mount_tmpfs(mnt, "1m")
+    path = mnt / "audit.jsonl"
+    log = AuditLog(path, redactor=Redactor())
+    try:
+        log.open()
+        _write(log, 3)
+        log.close()
+        subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
+        with pytest.raises(AuditUnavailable, match="Read-only file system"):
+            log.open()
+        with pytest.raises(AuditUnavailable):
+            log.append({"command": "ls"})
+        assert verify(path) == audit_mod.VerifyReport(True, 3)
+    finally:
+        log.close()
+        _umount(mnt)
+
+
+@pytest.mark.root
+@needs_root
+def test_a103_full_filesystem_fails_closed_without_a_partial_line(tmp_path: Path) -> None:
+    """A103: ENOSPC mid-record raises AuditUnavailable and the partial line is cut away."""
+    mnt = tmp_path / "mnt"
+    _mount_tmpfs(mnt, "64k")
+    path = mnt / "audit.jsonl"
+    log = AuditLog(path, redactor=Redactor())
+    try:
+        log.open()
+        _write(log, 1)
+        with (mnt / "fill").open("wb", buffering=0) as f:
+            for size in (4096, 1):
+                with pytest.raises(OSError, match="No space left on device"):
+                    _fill(f.write, size)
+        written = 1
+        with pytest.raises(AuditUnavailable, match="No space left on device"):  # noqa: PT012
+            for _ in range(100):
+                log.append({"command": "x" * 300})
+                written += 1
+        assert verify(path) == audit_mod.VerifyReport(True, written)
+        assert path.read_bytes().endswith(b"\n")
+    finally:
+        log.close()
+        _umount(mnt)

@@ -1,0 +1,723 @@
+"""Regression tests for the jail: one per attack of ../shared/attack-corpus.json, named after it.
+
+Each docstring states the invariant and what the test does not prove. Everything happens
+under pytest's tmp_path: ``ws`` is the workspace root, ``outside`` a folder beside it.
+"""
+
+from __future__ import annotations
+
+import errno
+import fnmatch
+import json
+import os
+import stat
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from bastion.safety.errors import (
+    BastionError,
+    ConfigError,
+    InvalidRequest,
+    NotFound,
+    PathEscape,
+    PolicyDenied,
+    ResourceLimit,
+)
+from bastion.safety.paths import (
+    DEFAULT_SECRET_PATTERNS,
+    MAX_LIST_ENTRIES,
+    MAX_NAME_BYTES,
+    MAX_PATH_CHARS,
+    MAX_READ_BYTES,
+    MAX_WRITE_BYTES,
+    DirEntry,
+    Jail,
+)
+
+CORPUS_FILE = Path(__file__).resolve().parents[3] / "shared" / "attack-corpus.json"
+
+
+@pytest.fixture
+def ws(tmp_path: Path) -> Path:
+    root = tmp_path / "ws"
+    root.mkdir()
+    return root
+
+
+@pytest.fixture
+def outside(tmp_path: Path) -> Path:
+    folder = tmp_path / "outside"
+    folder.mkdir()
+    (folder / "secret.txt").write_text("OUTSIDE-SECRET")
+    return folder
+
+
+@pytest.fixture
+def jail(ws: Path) -> Iterator[Jail]:
+    with Jail(ws) as j:
+        yield j
+
+
+def _corpus_cases() -> list[tuple[str, str, str]]:
+    if not CORPUS_FILE.exists():
+        return []
+    cases = json.loads(CORPUS_FILE.read_text())
+    return [
+        (case["id"], case["input"], case["expect"])
+        for case in cases
+        if case["tool"] == "files.read" and isinstance(case["input"], str)
+    ]
+
+
+# --- the corpus, as data --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("case_id", "path", "expect"), _corpus_cases())
+def test_corpus_string_reads_are_refused_or_contained(
+    jail: Jail, ws: Path, tmp_path: Path, case_id: str, path: str, expect: str
+) -> None:
+    """Invariant: every plain-string read attack of the shared corpus raises a BastionError.
+
+    "contained" cases may only fail with NotFound (a literal name inside the jail). Does not
+    prove anything about attacks needing setup; those have their own tests below.
+    """
+    sibling = Path(str(ws) + "_sensitive_credentials")
+    sibling.mkdir()
+    (sibling / "secret.txt").write_text("SIBLING")
+    (ws / "README.md").write_text("readme")
+    (ws / ".env").write_text("TOKEN=1")
+    path = path.replace("{WORKSPACE}", str(ws))
+    with pytest.raises(BastionError) as info:
+        jail.read(path)
+    if expect == "contained":
+        assert isinstance(info.value, NotFound), case_id
+
+
+# --- path traversal -------------------------------------------------------------------
+
+
+def test_a001_dotdot_traversal_is_refused(jail: Jail) -> None:
+    """Invariant: '..' above the root is refused lexically, before any syscall.
+
+    Does not prove symlink-based escapes are refused (see the symlink tests).
+    """
+    with pytest.raises(PathEscape):
+        jail.read("../../../../etc/passwd")
+    with pytest.raises(PathEscape):
+        jail.relative("a/../../b")
+
+
+def test_dotdot_inside_the_root_is_normalized(jail: Jail, ws: Path) -> None:
+    """Invariant: '..' that stays inside is normalized lexically. Does not prove kernel '..' semantics."""
+    (ws / "b").write_text("bee")
+    assert jail.relative("a/../b") == "b"
+    assert jail.relative("./x//y/./") == "x/y"
+    assert jail.relative(".") == "."
+    assert jail.read("a/../b").data == b"bee"
+
+
+def test_a002_absolute_path_outside_is_refused(jail: Jail) -> None:
+    """Invariant: an absolute path outside the root is PathEscape. Does not test every prefix."""
+    with pytest.raises(PathEscape):
+        jail.read("/etc/passwd")
+    with pytest.raises(PathEscape):
+        jail.read("/")
+
+
+def test_absolute_path_inside_is_made_relative(jail: Jail, ws: Path) -> None:
+    """Invariant: an absolute path lexically under the root names the same file, relatively."""
+    (ws / "f.txt").write_text("f")
+    assert jail.relative(jail.root) == "."
+    assert jail.relative(f"{jail.root}/a/../f.txt") == "f.txt"
+    assert jail.read(f"{jail.root}/f.txt").data == b"f"
+    with pytest.raises(PathEscape):
+        jail.relative(f"{jail.root}/../x")
+
+
+def test_a004_tilde_is_not_expanded(jail: Jail) -> None:
+    """Invariant: a leading '~' is refused as PathEscape, whatever follows."""
+    with pytest.raises(PathEscape, match="no home-folder expansion"):
+        jail.read("~/.ssh/id_rsa")
+    with pytest.raises(PathEscape):
+        jail.read("~root/x")
+    assert jail.relative("a/~b") == "a/~b"
+
+
+def test_a005_sibling_sharing_the_root_prefix_is_refused(jail: Jail, ws: Path) -> None:
+    """Invariant: the root is compared component by component, never as a string prefix.
+
+    The sibling exists and is readable, so a startswith() check would have leaked it.
+    """
+    sibling = Path(str(ws) + "_sensitive_credentials")
+    sibling.mkdir()
+    (sibling / "secret.txt").write_text("SIBLING")
+    assert (sibling / "secret.txt").read_text() == "SIBLING"
+    with pytest.raises(PathEscape):
+        jail.read(f"{ws}_sensitive_credentials/secret.txt")
+
+
+# --- symlinks -------------------------------------------------------------------------
+
+
+def test_a007_symlink_to_outside_file_is_refused(jail: Jail, ws: Path) -> None:
+    """Invariant: a final symlink leaving the root is refused by openat2 (EXDEV).
+
+    Does not prove links inside the root are refused: they are followed, see below.
+    """
+    (ws / "leak").symlink_to("/etc/passwd")
+    with pytest.raises(PathEscape):
+        jail.read("leak")
+
+
+def test_symlink_inside_the_root_is_followed_for_reads(jail: Jail, ws: Path) -> None:
+    """Invariant: symlinks that stay beneath the root work for reads. Does not test writes."""
+    (ws / "real").mkdir()
+    (ws / "real" / "f.txt").write_text("inner")
+    (ws / "alias").symlink_to("real")
+    (ws / "flink").symlink_to("real/f.txt")
+    assert jail.read("alias/f.txt").data == b"inner"
+    assert jail.read("flink").data == b"inner"
+
+
+def test_a008_relative_symlink_to_ancestors_is_refused(jail: Jail, ws: Path) -> None:
+    """Invariant: a relative link climbing above the root fails in the kernel lookup."""
+    (ws / "up").symlink_to("../../..")
+    with pytest.raises(PathEscape):
+        jail.read("up/etc/passwd")
+    with pytest.raises(PathEscape):
+        jail.list_dir("up")
+
+
+def test_a010_dangling_symlink_write_creates_nothing_outside(jail: Jail, ws: Path, outside: Path) -> None:
+    """Invariant: a write never follows a final symlink, so nothing is created at its target.
+
+    Uses tmp_path/outside instead of /tmp/outside so tests do not share state.
+    """
+    target = outside / "created.txt"
+    (ws / "dangling").symlink_to(target)
+    with pytest.raises((PathEscape, PolicyDenied)):
+        jail.write("dangling", b"x")
+    with pytest.raises((PathEscape, PolicyDenied)):
+        jail.write("dangling", b"x", append=True)
+    assert not target.exists()
+    assert (ws / "dangling").is_symlink()
+
+
+def test_write_through_symlink_to_inside_file_is_refused(jail: Jail, ws: Path) -> None:
+    """Invariant: even a final link that stays inside is not written through (writes never follow)."""
+    (ws / "f.txt").write_text("orig")
+    (ws / "lnk").symlink_to("f.txt")
+    with pytest.raises(PolicyDenied):
+        jail.write("lnk", b"new")
+    assert (ws / "f.txt").read_text() == "orig"
+
+
+def test_a011_symlink_chain_is_refused(jail: Jail, ws: Path) -> None:
+    """Invariant: a chain a -> b -> /etc is refused at the absolute link, whatever the chain length."""
+    (ws / "a").symlink_to("b")
+    (ws / "b").symlink_to("/etc")
+    with pytest.raises(PathEscape):
+        jail.read("a/hostname")
+
+
+def test_symlink_loop_is_refused(jail: Jail, ws: Path) -> None:
+    """Invariant: a loop ends in an error, not a hang."""
+    (ws / "x").symlink_to("y")
+    (ws / "y").symlink_to("x")
+    with pytest.raises(PathEscape):
+        jail.read("x")
+
+
+def test_write_into_symlinked_folder_leaving_root_is_refused(jail: Jail, ws: Path, outside: Path) -> None:
+    """Invariant: an intermediate link leaving the root refuses writes; nothing is created outside."""
+    (ws / "out").symlink_to(outside)
+    with pytest.raises(PathEscape):
+        jail.write("out/new.txt", b"x")
+    with pytest.raises(PathEscape):
+        jail.write("out/deep/new.txt", b"x", create_parents=True)
+    assert sorted(p.name for p in outside.iterdir()) == ["secret.txt"]
+
+
+def test_a013_jail_refuses_symlink_swapped_after_check(jail: Jail, ws: Path) -> None:
+    """Invariant: while a thread swaps folder ``d`` with a symlink ``d -> /etc``, every read of
+    ``d/passwd`` either returns the inside content or raises a BastionError; it never returns
+    /etc/passwd.
+
+    Does not prove: that the race window was hit on any given run (scheduling decides), nor
+    anything about races on the root itself (the root fd is held, so there is none to win).
+    """
+    real_passwd = Path("/etc/passwd").read_bytes() if Path("/etc/passwd").exists() else None
+    (ws / "d").mkdir()
+    (ws / "d" / "passwd").write_text("inside")
+    stop = threading.Event()
+
+    def swap() -> None:
+        for _ in range(50_000):
+            if stop.is_set():
+                return
+            os.rename(ws / "d", ws / "d.real")
+            os.symlink("/etc", ws / "d")
+            os.unlink(ws / "d")
+            os.rename(ws / "d.real", ws / "d")
+
+    swapper = threading.Thread(target=swap, daemon=True)
+    outcomes = {"ok": 0, "refused": 0}
+    deadline = time.monotonic() + 0.5
+    swapper.start()
+    try:
+        for _ in range(100_000):
+            if time.monotonic() > deadline or not swapper.is_alive():
+                break
+            try:
+                data = jail.read("d/passwd").data
+            except BastionError:
+                outcomes["refused"] += 1
+                continue
+            assert data == b"inside"
+            assert data != real_passwd
+            outcomes["ok"] += 1
+    finally:
+        stop.set()
+        swapper.join(timeout=10)
+    assert not swapper.is_alive()
+    assert outcomes["ok"] + outcomes["refused"] > 0
+
+
+# --- special files --------------------------------------------------------------------
+
+
+def test_a014_proc_self_root_is_refused(jail: Jail) -> None:
+    """Invariant: /proc paths are absolute outside the root: PathEscape before any syscall."""
+    with pytest.raises(PathEscape):
+        jail.read("/proc/self/root/etc/passwd")
+
+
+def test_proc_magic_link_inside_root_is_refused(jail: Jail, ws: Path) -> None:
+    """Invariant: a symlink into /proc magic links is refused (absolute link: EXDEV)."""
+    (ws / "self").symlink_to("/proc/self/root")
+    with pytest.raises(PathEscape):
+        jail.read("self/etc/passwd")
+
+
+def test_a016_dev_zero_is_refused(jail: Jail) -> None:
+    """Invariant: /dev/zero is outside the root. Device nodes inside are tested separately."""
+    with pytest.raises(PathEscape):
+        jail.read("/dev/zero")
+
+
+def test_device_node_inside_root_is_refused(jail: Jail, ws: Path) -> None:
+    """Invariant: a character device inside the workspace is not read or written.
+
+    Skipped when this process may not create device nodes.
+    """
+    try:
+        os.mknod(ws / "zero", stat.S_IFCHR | 0o600, os.makedev(1, 5))
+    except PermissionError:
+        pytest.skip("cannot create device nodes here")
+    with pytest.raises(PolicyDenied, match="not a regular file"):
+        jail.read("zero")
+    with pytest.raises(PolicyDenied, match="not a regular file"):
+        jail.write("zero", b"x")
+
+
+def test_fifo_inside_root_is_refused_without_blocking(jail: Jail, ws: Path) -> None:
+    """Invariant: reading or writing a FIFO fails at once instead of blocking the server.
+
+    The work runs in a thread joined with a timeout, so a regression fails instead of hanging.
+    """
+    os.mkfifo(ws / "pipe")
+    errors: list[BaseException] = []
+
+    def attempt() -> None:
+        for op in (lambda: jail.read("pipe"), lambda: jail.write("pipe", b"x")):
+            try:
+                op()
+            except BaseException as exc:
+                errors.append(exc)
+
+    worker = threading.Thread(target=attempt, daemon=True)
+    worker.start()
+    worker.join(timeout=5)
+    assert not worker.is_alive(), "opening a FIFO blocked"
+    assert len(errors) == 2
+    assert all(isinstance(exc, PolicyDenied) for exc in errors)
+
+
+def test_folder_is_not_read_as_a_file(jail: Jail, ws: Path) -> None:
+    """Invariant: a folder is InvalidRequest for read and write."""
+    (ws / "sub").mkdir()
+    with pytest.raises(InvalidRequest):
+        jail.read("sub")
+    with pytest.raises(InvalidRequest):
+        jail.write("sub", b"x")
+    with pytest.raises(InvalidRequest):
+        jail.write(".", b"x")
+
+
+# --- characters and lengths -----------------------------------------------------------
+
+
+def test_a017_nul_byte_is_refused(jail: Jail) -> None:
+    """Invariant: NUL never reaches a syscall (which would truncate the path at it)."""
+    with pytest.raises(InvalidRequest, match="NUL"):
+        jail.read("notes.txt\x00../../etc/passwd")
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["a\nb", "a\rb", "a\x1bb", "evil\u202etxt.exe", "zero\u200bwidth", "a\u2028b", "bom\ufeff", "lone\ud800"],
+)
+def test_control_and_invisible_characters_are_refused(jail: Jail, path: str) -> None:
+    """Invariant: Cc, Cf (bidi, zero-width), Cs, Zl and Zp characters are refused lexically."""
+    with pytest.raises(InvalidRequest):
+        jail.relative(path)
+
+
+@pytest.mark.parametrize(
+    ("case_id", "name"),
+    [("a019", "．．／．．／etc／passwd"), ("a020", "a∕..∕..∕etc∕passwd"), ("a023", "%2e%2e%2f%2e%2e%2fetc%2fpasswd")],
+)
+def test_a019_a020_a023_lookalike_separators_are_literal_names(jail: Jail, ws: Path, case_id: str, name: str) -> None:
+    """Invariant: fullwidth, division-slash and percent-encoded names are one literal name inside
+    the root: NotFound when absent, the inside file when present.
+
+    Does not prove a later layer never normalizes them; this module never does.
+    """
+    with pytest.raises(NotFound):
+        jail.read(name)
+    assert jail.relative(name) == name
+    (ws / name).write_text(case_id)
+    assert jail.read(name).data == case_id.encode()
+
+
+def test_a025_overlong_name_write_is_refused(jail: Jail, ws: Path) -> None:
+    """Invariant: a 300-character name is refused before touching the disk; nothing is created."""
+    with pytest.raises(InvalidRequest):
+        jail.write("A" * 300, b"x")
+    with pytest.raises(InvalidRequest):
+        jail.relative("é" * 128)  # 256 UTF-8 bytes
+    assert jail.relative("A" * MAX_NAME_BYTES) == "A" * MAX_NAME_BYTES
+    assert list(ws.iterdir()) == []
+
+
+def test_overlong_path_is_refused(jail: Jail) -> None:
+    """Invariant: paths over MAX_PATH_CHARS characters are refused."""
+    with pytest.raises(InvalidRequest):
+        jail.relative("a/" * (MAX_PATH_CHARS // 2) + "b")
+
+
+def test_a026_colon_stream_name_is_a_literal_name(jail: Jail, ws: Path) -> None:
+    """Invariant: 'README.md:hidden_stream' is a literal name on Linux; it does not reach README.md."""
+    (ws / "README.md").write_text("readme")
+    with pytest.raises(NotFound):
+        jail.read("README.md:hidden_stream")
+
+
+def test_a028_unc_path_is_refused(jail: Jail) -> None:
+    """Invariant: any backslash is refused, so UNC paths never reach the file system."""
+    with pytest.raises(InvalidRequest, match="backslash"):
+        jail.read("\\\\attacker.example\\share\\x")
+    with pytest.raises(InvalidRequest):
+        jail.write("a\\b", b"x")
+
+
+def test_empty_path_is_refused(jail: Jail) -> None:
+    """Invariant: an empty path is a malformed request, not the root."""
+    with pytest.raises(InvalidRequest):
+        jail.relative("")
+
+
+# --- secrets and hard links -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "path", [".env", ".ENV", ".env.local", "sub/.env", "key.PEM", "server.key", ".ssh/config", "id_rsa.pub"]
+)
+def test_a029_secret_files_are_refused(jail: Jail, ws: Path, path: str) -> None:
+    """Invariant: a name matching a secret pattern (any component, any case) is refused for read
+    and write, whether or not the file exists. Does not inspect content.
+    """
+    with pytest.raises(PolicyDenied, match="secret-file rule"):
+        jail.read(path)
+    with pytest.raises(PolicyDenied, match="secret-file rule"):
+        jail.write(path, b"x", create_parents=True)
+    assert list(ws.iterdir()) == []
+
+
+def test_secret_reached_through_innocent_symlink_is_refused(jail: Jail, ws: Path) -> None:
+    """Invariant (best effort, via /proc): a read through a link to a secret name is refused."""
+    (ws / ".env").write_text("TOKEN=1")
+    (ws / "innocent.txt").symlink_to(".env")
+    with pytest.raises(PolicyDenied):
+        jail.read("innocent.txt")
+
+
+def test_secret_message_names_the_rule(jail: Jail) -> None:
+    """Invariant: the refusal says which name matched which rule and what to do."""
+    with pytest.raises(PolicyDenied) as info:
+        jail.read(".env")
+    assert info.value.reason == "'.env' matches the secret-file rule '.env': ask the administrator"
+
+
+def test_secret_patterns_are_configurable(ws: Path) -> None:
+    """Invariant: custom patterns replace the defaults; malformed ones stop the start-up."""
+    (ws / ".env").write_text("ok")
+    with Jail(ws, secret_patterns=("*.secret",)) as custom:
+        assert custom.read(".env").data == b"ok"
+        with pytest.raises(PolicyDenied):
+            custom.write("a.SECRET", b"x")
+    with pytest.raises(ConfigError):
+        Jail(ws, secret_patterns="*.secret")
+    with pytest.raises(ConfigError):
+        Jail(ws, secret_patterns=("a/b",))
+    assert ".env" in DEFAULT_SECRET_PATTERNS
+
+
+def test_hardlink_to_outside_file_is_refused(jail: Jail, ws: Path, outside: Path) -> None:
+    """Invariant: a file with more than one link is neither read nor written (or truncated).
+
+    Does not prove a single-link file was never linked before; nlink is a point-in-time count.
+    """
+    os.link(outside / "secret.txt", ws / "hl.txt")
+    with pytest.raises(PolicyDenied, match="hard links"):
+        jail.read("hl.txt")
+    with pytest.raises(PolicyDenied, match="hard links"):
+        jail.write("hl.txt", b"")
+    assert (outside / "secret.txt").read_text() == "OUTSIDE-SECRET"
+
+
+def test_hardlinks_allowed_when_opted_in(ws: Path, outside: Path) -> None:
+    """Invariant: allow_hardlinks (dangerous) lifts only the link-count rule."""
+    os.link(outside / "secret.txt", ws / "hl.txt")
+    with Jail(ws, allow_hardlinks=True) as permissive:
+        assert permissive.read("hl.txt").data == b"OUTSIDE-SECRET"
+
+
+# --- ordinary behaviour ---------------------------------------------------------------
+
+
+def test_read_offset_length_and_eof(jail: Jail, ws: Path) -> None:
+    """Invariant: offset/length select bytes; eof says whether the end was reached."""
+    (ws / "f.txt").write_bytes(b"0123456789")
+    head = jail.read("f.txt", length=4)
+    assert (head.data, head.size, head.eof, head.path) == (b"0123", 10, False, "f.txt")
+    tail = jail.read("f.txt", offset=6)
+    assert (tail.data, tail.eof) == (b"6789", True)
+    assert jail.read("f.txt", offset=50).data == b""
+    with pytest.raises(InvalidRequest):
+        jail.read("f.txt", offset=-1)
+
+
+def test_read_is_capped(jail: Jail, ws: Path) -> None:
+    """Invariant: no read returns more than MAX_READ_BYTES, whatever length is asked."""
+    (ws / "big").write_bytes(b"x" * (MAX_READ_BYTES + 10))
+    result = jail.read("big", length=MAX_READ_BYTES * 4)
+    assert len(result.data) == MAX_READ_BYTES
+    assert not result.eof
+
+
+def test_write_create_truncate_append(jail: Jail, ws: Path) -> None:
+    """Invariant: write creates, replaces, or appends, and reports which."""
+    first = jail.write("f.txt", b"hello world")
+    assert (first.created, first.bytes_written, first.path) == (True, 11, "f.txt")
+    second = jail.write("f.txt", b"bye")
+    assert second.created is False
+    assert (ws / "f.txt").read_bytes() == b"bye"
+    jail.write("f.txt", b"!", append=True)
+    assert (ws / "f.txt").read_bytes() == b"bye!"
+    assert stat.S_IMODE((ws / "f.txt").stat().st_mode) & 0o022 == 0
+
+
+def test_write_limit(jail: Jail, ws: Path) -> None:
+    """Invariant: more than MAX_WRITE_BYTES is refused before anything is created."""
+    with pytest.raises(ResourceLimit):
+        jail.write("big", b"x" * (MAX_WRITE_BYTES + 1))
+    assert not (ws / "big").exists()
+
+
+def test_write_parents(jail: Jail, ws: Path) -> None:
+    """Invariant: missing parents are an error unless create_parents, which creates them inside."""
+    with pytest.raises(NotFound, match="create_parents"):
+        jail.write("a/b/c.txt", b"x")
+    jail.write("a/b/c.txt", b"x", create_parents=True)
+    assert (ws / "a" / "b" / "c.txt").read_bytes() == b"x"
+    (ws / "file").write_text("")
+    with pytest.raises(NotFound):
+        jail.write("file/x.txt", b"x", create_parents=True)
+
+
+def test_write_parents_through_inner_symlink(jail: Jail, ws: Path) -> None:
+    """Invariant: an inner symlink that stays beneath the root may be a parent."""
+    (ws / "real").mkdir()
+    (ws / "alias").symlink_to("real")
+    jail.write("alias/new/x.txt", b"x", create_parents=True)
+    assert (ws / "real" / "new" / "x.txt").read_bytes() == b"x"
+
+
+def test_list_dir(jail: Jail, ws: Path) -> None:
+    """Invariant: entries are sorted, typed with lstat, and symlinks are never followed."""
+    (ws / "b.txt").write_text("12345")
+    (ws / "a").mkdir()
+    (ws / "leak").symlink_to("/etc/passwd")
+    os.mkfifo(ws / "p")
+    assert jail.list_dir() == (
+        DirEntry("a", "dir", 0),
+        DirEntry("b.txt", "file", 5),
+        DirEntry("leak", "symlink", 0),
+        DirEntry("p", "other", 0),
+    )
+    with pytest.raises(InvalidRequest):
+        jail.list_dir("b.txt")
+    with pytest.raises(PathEscape):
+        jail.list_dir("/etc")
+
+
+def test_list_dir_entry_cap(jail: Jail, ws: Path) -> None:
+    """Invariant: listing more than MAX_LIST_ENTRIES entries is a ResourceLimit, not a huge reply."""
+    big = ws / "big"
+    big.mkdir()
+    for index in range(MAX_LIST_ENTRIES + 1):
+        os.close(os.open(big / f"{index}", os.O_CREAT | os.O_WRONLY, 0o600))
+    with pytest.raises(ResourceLimit):
+        jail.list_dir("big")
+
+
+def test_stat_and_open_dir_fd(jail: Jail, ws: Path) -> None:
+    """Invariant: stat refuses a final symlink; open_dir_fd returns a folder fd beneath the root."""
+    (ws / "sub").mkdir()
+    (ws / "f.txt").write_text("abc")
+    (ws / "lnk").symlink_to("f.txt")
+    assert jail.stat("f.txt").st_size == 3
+    with pytest.raises(PolicyDenied):
+        jail.stat("lnk")
+    fd = jail.open_dir_fd("sub")
+    try:
+        assert os.path.samestat(os.fstat(fd), (ws / "sub").stat())
+    finally:
+        os.close(fd)
+    with pytest.raises(InvalidRequest):
+        jail.open_dir_fd("f.txt")
+    with pytest.raises(PathEscape):
+        jail.open_dir_fd("..")
+
+
+def test_root_validation(tmp_path: Path) -> None:
+    """Invariant: the root must be an existing absolute folder."""
+    with pytest.raises(InvalidRequest):
+        Jail("relative/root")
+    with pytest.raises(NotFound):
+        Jail(tmp_path / "missing")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(InvalidRequest):
+        Jail(tmp_path / "file")
+
+
+def test_root_is_resolved_once_and_closed_jail_refuses(tmp_path: Path) -> None:
+    """Invariant: a symlinked root is resolved at construction; a closed jail is unusable."""
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    jail = Jail(tmp_path / "link")
+    assert jail.root == str((tmp_path / "real").resolve())
+    jail.close()
+    jail.close()
+    with pytest.raises(ValueError, match="closed"):
+        jail.read("x")
+
+
+def test_root_fd_survives_rename_of_root(tmp_path: Path) -> None:
+    """Invariant: the jail keeps using the folder it opened, even if the path is renamed and
+    replaced. Does not prove absolute paths still map (they are lexical, by the old name).
+    """
+    (tmp_path / "ws").mkdir()
+    (tmp_path / "ws" / "f.txt").write_text("original")
+    with Jail(tmp_path / "ws") as jail:
+        os.rename(tmp_path / "ws", tmp_path / "moved")
+        (tmp_path / "ws").mkdir()
+        (tmp_path / "ws" / "f.txt").write_text("impostor")
+        assert jail.read("f.txt").data == b"original"
+
+
+def test_errno_constants_used_exist() -> None:
+    """Invariant: the errno names the module maps exist on this platform."""
+    assert {errno.EXDEV, errno.ELOOP, errno.ENOENT, errno.EAGAIN} == {18, 40, 2, 11}
+
+
+# --- properties -----------------------------------------------------------------------
+
+_SAFE_NAME = st.text(alphabet=st.sampled_from("abcXYZ019_-.é"), min_size=1, max_size=12).filter(
+    lambda name: name not in (".", "..")
+)
+
+
+@settings(max_examples=300, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    path=st.one_of(
+        st.text(max_size=200), st.lists(st.sampled_from(["..", ".", "", "a", "~", "\x00", "\\"])).map("/".join)
+    )
+)
+def test_relative_result_is_always_contained(jail: Jail, path: str) -> None:
+    """Invariant: relative() raises a BastionError or returns a relative path without '..' or NUL.
+
+    Does not prove the kernel open stays inside; that is openat2's job, tested above.
+    """
+    try:
+        rel = jail.relative(path)
+    except BastionError:
+        return
+    assert not rel.startswith("/")
+    assert ".." not in rel.split("/")
+    assert "\x00" not in rel
+    assert "" not in rel.split("/")
+
+
+@settings(max_examples=300, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(parts=st.lists(st.one_of(st.just(".."), st.just("."), _SAFE_NAME), min_size=1, max_size=12))
+def test_relative_escapes_iff_depth_goes_negative(jail: Jail, parts: list[str]) -> None:
+    """Invariant: a relative path escapes exactly when a depth count drops below zero, and
+    otherwise equals a reference stack normalization.
+    """
+    stack: list[str] = []
+    escapes = False
+    for part in parts:
+        if part == "..":
+            if not stack:
+                escapes = True
+                break
+            stack.pop()
+        elif part != ".":
+            stack.append(part)
+    path = "/".join(parts)
+    if escapes:
+        with pytest.raises(PathEscape):
+            jail.relative(path)
+    else:
+        assert jail.relative(path) == ("/".join(stack) or ".")
+
+
+def _is_secret(name: str) -> bool:
+    return any(fnmatch.fnmatchcase(name.lower(), pattern.lower()) for pattern in DEFAULT_SECRET_PATTERNS)
+
+
+@settings(max_examples=100, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    name=st.text(
+        alphabet=st.characters(categories=["L", "N"], include_characters="._- ", exclude_characters="/"),
+        min_size=1,
+        max_size=40,
+    ).filter(lambda name: name not in (".", "..") and not name.startswith("~") and not _is_secret(name)),
+    data=st.binary(max_size=4096),
+)
+def test_write_read_round_trip(jail: Jail, name: str, data: bytes) -> None:
+    """Invariant: what is written under a safe name reads back identically. Does not test races."""
+    written = jail.write(name, data)
+    assert written.bytes_written == len(data)
+    result = jail.read(name)
+    assert result.data == data
+    assert result.eof
+    assert result.size == len(data)
