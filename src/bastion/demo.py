@@ -22,13 +22,14 @@ def _toml_list(items: tuple[str, ...]) -> str:
 
 
 def _rule_toml(rule: ArgumentRule) -> str:
-    lines = ["[[workspace.policy.rules]]", f"command = {json.dumps(rule.command)}"]
-    if rule.when:
-        lines.append(f"when = {_toml_list(rule.when)}")
-    if rule.subcommands is not None:
-        lines.append(f"subcommands = {_toml_list(rule.subcommands)}")
-    if rule.deny_args:
-        lines.append(f"deny_args = {_toml_list(rule.deny_args)}")
+    lines = ["[[workspace.policy.rules]]"]
+    for key, value in rule.model_dump(exclude_defaults=True).items():
+        if isinstance(value, bool):
+            lines.append(f"{key} = {'true' if value else 'false'}")
+        elif isinstance(value, str):
+            lines.append(f"{key} = {json.dumps(value)}")
+        else:
+            lines.append(f"{key} = {_toml_list(tuple(value))}")
     return "\n".join(lines)
 
 

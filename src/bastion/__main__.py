@@ -1,0 +1,7 @@
+"""`python -m bastion` is the `bastion` command."""
+
+import sys
+
+from bastion.cli import main
+
+sys.exit(main())
