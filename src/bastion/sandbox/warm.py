@@ -144,6 +144,8 @@ class WarmSandbox:
         if self._proc is not None:
             self._proc.kill()
             self._proc.wait()
+            if self._proc.stderr is not None:
+                self._proc.stderr.close()
             self._proc = None
 
     async def run(

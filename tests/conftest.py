@@ -1,0 +1,47 @@
+"""Shared fixtures: a real demo config in a temp folder, and the real server built from it."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+from mcp import Client
+
+from bastion.app import Services, build_server, build_services
+from bastion.config import Config, load_config
+from bastion.demo import init_demo
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+def demo_config_path(tmp_path: Path) -> Path:
+    return init_demo(tmp_path / "demo")
+
+
+@pytest.fixture
+def demo_config(demo_config_path: Path) -> Config:
+    return load_config(demo_config_path)
+
+
+@pytest.fixture
+def workspace(demo_config: Config) -> Path:
+    return demo_config.workspace[0].path
+
+
+@pytest.fixture
+def services(demo_config: Config) -> Iterator[Services]:
+    built = build_services(demo_config)
+    yield built
+    built.close()
+
+
+@pytest.fixture
+async def client(services: Services) -> AsyncIterator[Client]:
+    """The SDK's real client, connected in-process to the real server (real sandbox, jail, audit)."""
+    async with Client(build_server(services, caller="test")) as connected:
+        yield connected

@@ -1,0 +1,80 @@
+"""End to end over stdio: `bastion serve --stdio` spawned exactly as the README's Claude Desktop snippet does."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mcp import Client, StdioServerParameters
+
+from bastion.safety.audit import verify
+from bastion.serve import client_snippet
+
+pytestmark = pytest.mark.anyio
+
+BASTION = Path(sys.executable).parent / "bastion"
+TOOLS = {"run_command", "explain_command", "read_file", "write_file", "list_directory"}
+
+
+def snippet_params(config_path: Path) -> StdioServerParameters:
+    entry = json.loads(client_snippet(str(config_path)))["mcpServers"]["bastion"]
+    command = entry["command"] if os.path.isabs(entry["command"]) else str(BASTION)
+    return StdioServerParameters(command=command, args=entry["args"])
+
+
+async def test_stdio_session_runs_tools_and_records_them(demo_config_path: Path) -> None:
+    """Invariant: over a real stdio transport every call answers an OperationResult, isError == not ok."""
+    params = snippet_params(demo_config_path)
+    assert params.args == ["serve", "--config", str(demo_config_path), "--stdio"]
+    async with Client(params) as client:
+        names = {tool.name for tool in (await client.list_tools()).tools}
+        assert names == TOOLS
+        calls = [
+            ("run_command", {"command": "echo 'hello; world'"}, True),
+            ("run_command", {"command": "echo hello; id"}, False),
+            ("write_file", {"path": "notes/a.txt", "content": "hi\n"}, True),
+            ("read_file", {"path": "notes/a.txt"}, True),
+            ("read_file", {"path": "../../etc/passwd"}, False),
+            ("list_directory", {"path": "notes"}, True),
+            ("explain_command", {"command": "rm -rf /"}, True),
+            ("run_command", {"command": "ls", "env": {"LD_PRELOAD": "/tmp/x.so"}}, False),
+            ("no_such_tool", {}, False),
+        ]
+        for name, args, expect_ok in calls:
+            result = await client.call_tool(name, args)
+            payload = result.structured_content
+            assert payload is not None, name
+            assert payload["ok"] is expect_ok, (name, payload)
+            assert result.is_error is (not payload["ok"])
+            assert "Traceback" not in json.dumps(payload)
+        echoed = await client.call_tool("run_command", {"command": "echo 'hello; world'"})
+        assert echoed.structured_content is not None
+        assert echoed.structured_content["detail"]["stdout"] == "hello; world\n"
+    report = verify(demo_config_path.parent / "state" / "audit.jsonl")
+    assert report.ok, report.first_error
+    assert report.records >= len(calls)
+
+
+async def test_bastion_config_env_replaces_flag(demo_config_path: Path) -> None:
+    env = {**os.environ, "BASTION_CONFIG": str(demo_config_path)}
+    params = StdioServerParameters(command=str(BASTION), args=["serve", "--stdio"], env=env)
+    async with Client(params) as client:
+        result = await client.call_tool("run_command", {"command": "pwd"})
+        assert result.structured_content is not None
+        assert result.structured_content["detail"]["stdout"] == "/workspace\n"
+
+
+def test_serve_without_config_exits_with_one_line(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "BASTION_CONFIG"}
+    proc = subprocess.run(
+        [str(BASTION), "serve", "--stdio"], env=env, capture_output=True, text=True, timeout=30, cwd=tmp_path
+    )
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1
+    assert "--config" in lines[0]
+    assert "BASTION_CONFIG" in lines[0]

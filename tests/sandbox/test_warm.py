@@ -1,0 +1,167 @@
+"""The warm bubblewrap sandbox: what a command inside can and cannot see or leave behind.
+
+These run real bubblewrap sandboxes; they prove the kernel boundary, not the policy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from bastion.sandbox._spawn import SANDBOX_PATH, SandboxSpec
+from bastion.sandbox.warm import RunOutcome, WarmSandbox
+
+pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
+
+ENV = {"PATH": SANDBOX_PATH, "HOME": "/workspace", "LANG": "C.UTF-8"}
+
+
+@pytest.fixture
+async def sandbox(tmp_path: Path) -> AsyncIterator[WarmSandbox]:
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    box = WarmSandbox(SandboxSpec(workspace=str(ws)))
+    yield box
+    box.close()
+
+
+async def sh(box: WarmSandbox, script: str, *, timeout_s: float = 10, cap: int = 65536) -> RunOutcome:
+    return await box.run(
+        "/bin/sh", ["sh", "-c", script], cwd="/workspace", env=ENV, timeout_s=timeout_s, max_output_bytes=cap
+    )
+
+
+def processes_with(marker: str) -> list[int]:
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if marker.encode() in cmdline:
+            found.append(int(pid))
+    return found
+
+
+async def test_timeout_kills_setsid_and_double_forked_processes(sandbox: WarmSandbox) -> None:
+    """Invariant: after a timeout no process the command started survives, however it detached."""
+    marker = "4242.25"
+    script = f"setsid sleep {marker} & (sleep {marker} &) ; nohup sleep {marker} >/dev/null 2>&1 & sleep {marker}"
+    started = time.monotonic()
+    outcome = await sh(sandbox, script, timeout_s=0.5)
+    assert outcome.timed_out
+    assert time.monotonic() - started < 5
+    assert processes_with(marker) == []
+
+
+async def test_normal_exit_leaves_no_background_process(sandbox: WarmSandbox) -> None:
+    marker = "4243.5"
+    outcome = await sh(sandbox, f"setsid sleep {marker} & echo started")
+    assert outcome.status == 0
+    assert outcome.stdout == b"started\n"
+    assert processes_with(marker) == []
+
+
+async def test_cancellation_kills_the_tree(sandbox: WarmSandbox) -> None:
+    marker = "4244.75"
+    task = asyncio.create_task(sh(sandbox, f"(sleep {marker} &) ; sleep {marker}"))
+    for _ in range(200):
+        if processes_with(marker):
+            break
+        await asyncio.sleep(0.01)
+    assert processes_with(marker)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    for _ in range(200):
+        if not processes_with(marker):
+            break
+        await asyncio.sleep(0.01)
+    assert processes_with(marker) == []
+
+
+async def test_command_has_no_capabilities_and_no_new_privs(sandbox: WarmSandbox) -> None:
+    outcome = await sh(sandbox, "grep -E '^(Cap(Inh|Prm|Eff|Bnd|Amb)|NoNewPrivs):' /proc/self/status")
+    fields = dict(line.split(":\t") for line in outcome.stdout.decode().splitlines())
+    assert fields.pop("NoNewPrivs") == "1"
+    assert set(fields.values()) == {"0000000000000000"}
+    assert len(fields) == 5
+
+
+async def test_no_network_but_loopback(sandbox: WarmSandbox) -> None:
+    """Invariant: a host service on loopback is unreachable from inside (own network namespace)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    try:
+        outcome = await sh(
+            sandbox,
+            f"cat /proc/net/dev | tail -n +3 | cut -d: -f1; (echo x > /dev/tcp/127.0.0.1/{port}) 2>&1 || echo refused",
+        )
+    finally:
+        listener.close()
+    lines = [line.strip() for line in outcome.stdout.decode().splitlines()]
+    assert lines[0] == "lo"
+    assert lines[-1] == "refused"
+
+
+async def test_host_secrets_and_home_are_not_visible(sandbox: WarmSandbox) -> None:
+    outcome = await sh(sandbox, "ls /root /home /etc/shadow /etc/ssh /var 2>&1; echo done")
+    text = outcome.stdout.decode()
+    assert text.count("No such file or directory") == 5
+    assert text.endswith("done\n")
+
+
+async def test_system_folders_are_read_only(sandbox: WarmSandbox) -> None:
+    outcome = await sh(sandbox, "touch /usr/bastion-probe 2>&1; touch /workspace/ok && echo wrote")
+    assert b"Read-only file system" in outcome.stdout
+    assert outcome.stdout.endswith(b"wrote\n")
+    assert not Path("/usr/bastion-probe").exists()
+
+
+async def test_tmp_is_size_capped(sandbox: WarmSandbox) -> None:
+    outcome = await sh(sandbox, "head -c 80000000 /dev/zero > /tmp/big; echo $?")
+    assert b"No space left on device" in outcome.stderr
+    assert outcome.stdout.rstrip().endswith(b"1")
+
+
+async def test_environment_is_exactly_what_was_given(sandbox: WarmSandbox) -> None:
+    outcome = await box_env(sandbox)
+    names = sorted(line.split("=", 1)[0] for line in outcome.splitlines())
+    assert names == ["HOME", "LANG", "PATH"]
+
+
+async def box_env(sandbox: WarmSandbox) -> str:
+    outcome = await sandbox.run(
+        "/usr/bin/env", ["env"], cwd="/workspace", env=ENV, timeout_s=10, max_output_bytes=65536
+    )
+    return outcome.stdout.decode()
+
+
+async def test_output_is_capped_and_counted(sandbox: WarmSandbox) -> None:
+    outcome = await sh(sandbox, "head -c 1000000 /dev/zero", cap=4096)
+    assert len(outcome.stdout) == 4096
+    assert outcome.stdout_total == 1_000_000
+    assert outcome.truncated
+
+
+async def test_concurrent_commands_run_in_parallel(sandbox: WarmSandbox) -> None:
+    started = time.monotonic()
+    results = await asyncio.gather(*(sh(sandbox, "sleep 0.5; echo $$") for _ in range(4)))
+    assert time.monotonic() - started < 1.8
+    assert [r.stdout for r in results] == [b"1\n"] * 4
+
+
+async def test_sandbox_restarts_after_being_closed(sandbox: WarmSandbox) -> None:
+    assert (await sh(sandbox, "echo one")).stdout == b"one\n"
+    sandbox.close()
+    assert (await sh(sandbox, "echo two")).stdout == b"two\n"

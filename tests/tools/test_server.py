@@ -1,0 +1,104 @@
+"""The call contract: every answer is an OperationResult; no traceback ever reaches a client."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from mcp import Client
+
+from bastion.app import Services, build_server
+from bastion.safety.audit import verify
+from bastion.workspaces import HostWorkspace
+
+pytestmark = pytest.mark.anyio
+
+SECRET_DETAIL = "boom: /srv/secret-internal-path"
+
+
+def _text(result: object) -> str:
+    return json.dumps([c.model_dump() for c in result.content]) + json.dumps(result.structured_content)  # type: ignore[attr-defined]
+
+
+async def test_internal_error_in_a_tool_is_an_internal_error_result(
+    services: Services, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A crash inside the tool's operation is INTERNAL_ERROR with an incident id; its text stays on the server."""
+
+    def explode(*_args: object, **_kwargs: object) -> None:
+        raise RuntimeError(SECRET_DETAIL)
+
+    monkeypatch.setattr(HostWorkspace, "read_file", explode)
+    async with Client(build_server(services, caller="test")) as client:
+        result = await client.call_tool("read_file", {"path": "README.md"})
+    payload = result.structured_content
+    assert payload is not None
+    assert result.is_error is True
+    assert payload["ok"] is False
+    assert payload["code"] == "INTERNAL_ERROR"
+    assert "incident" in payload["reason"]
+    assert SECRET_DETAIL not in _text(result)
+    assert "Traceback" not in _text(result)
+    assert verify(services.config.audit_path).ok
+
+
+async def test_crash_outside_the_call_runner_is_still_a_result(services: Services) -> None:
+    """Even a tool that raises past its runner (a bastion bug) answers INTERNAL_ERROR, not SDK free text."""
+    server = build_server(services, caller="test")
+
+    @server.tool(name="broken")
+    async def broken() -> str:
+        raise RuntimeError(SECRET_DETAIL)
+
+    async with Client(server) as client:
+        result = await client.call_tool("broken", {})
+    assert result.is_error is True
+    assert result.structured_content is not None
+    assert result.structured_content["code"] == "INTERNAL_ERROR"
+    assert SECRET_DETAIL not in _text(result)
+
+
+async def test_bad_argument_types_are_invalid_request(client: Client) -> None:
+    result = await client.call_tool("run_command", {"command": 42})
+    assert result.structured_content is not None
+    assert result.structured_content["code"] == "INVALID_REQUEST"
+    assert "command" in result.structured_content["reason"]
+    missing = await client.call_tool("read_file", {})
+    assert missing.structured_content is not None
+    assert missing.structured_content["code"] == "INVALID_REQUEST"
+
+
+async def test_unknown_argument_is_refused_not_ignored(client: Client) -> None:
+    result = await client.call_tool("run_command", {"command": "ls", "env": {"LD_PRELOAD": "/x.so"}})
+    assert result.structured_content is not None
+    assert result.structured_content["code"] == "INVALID_REQUEST"
+    assert "environment is fixed" in result.structured_content["reason"]
+    other = await client.call_tool("read_file", {"path": "README.md", "follow": True})
+    assert other.structured_content is not None
+    assert other.structured_content["code"] == "INVALID_REQUEST"
+
+
+async def test_unknown_workspace_is_sandbox_not_found(client: Client) -> None:
+    result = await client.call_tool("run_command", {"command": "ls", "sandbox_id": "nope"})
+    assert result.structured_content is not None
+    assert result.structured_content["code"] == "SANDBOX_NOT_FOUND"
+
+
+async def test_non_zero_exit_is_ok_with_status(client: Client, workspace: Path) -> None:
+    result = await client.call_tool("run_command", {"command": "ls no-such-file"})
+    payload = result.structured_content
+    assert payload is not None
+    assert payload["ok"] is True
+    assert result.is_error is False
+    assert payload["detail"]["exit_status"] == 2
+    assert "no-such-file" in payload["detail"]["stderr"]
+
+
+async def test_every_result_carries_its_audit_id(client: Client, services: Services) -> None:
+    result = await client.call_tool("explain_command", {"command": "git status"})
+    payload = result.structured_content
+    assert payload is not None
+    assert payload["detail"]["allowed"] is True
+    lines = services.config.audit_path.read_text().splitlines()
+    assert json.loads(lines[-1])["id"] == payload["audit_id"]
