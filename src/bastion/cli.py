@@ -34,7 +34,7 @@ def _parser() -> argparse.ArgumentParser:
     explain = policy_sub.add_parser("explain", help="print the decision for a command and the rule that made it")
     explain.add_argument("--config", help=f"path to bastion.toml (or set {CONFIG_ENV})")
     explain.add_argument("--workspace", help="workspace id (default: the config's default_workspace)")
-    explain.add_argument("argv", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
+    explain.add_argument("argv", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...] (or one quoted command line)")
 
     audit = sub.add_parser("audit", help="audit log tools")
     audit_sub = audit.add_subparsers(dest="audit_command", required=True)
@@ -73,9 +73,11 @@ def _cmd_policy_explain(args: argparse.Namespace) -> int:
     workspace = config.workspace_by_id(args.workspace or config.default_workspace)
     if workspace is None:
         raise ConfigError(f"no workspace {args.workspace!r} in the config: use one of its [[workspace]] ids")
-    decision = CommandPolicy(workspace.policy).explain(shlex.join(argv))
+    # One word is a command line as an agent would send it ("ls; id"); several are argv.
+    text = argv[0] if len(argv) == 1 else shlex.join(argv)
+    decision = CommandPolicy(workspace.policy).explain(text)
     verdict = "ALLOW" if decision.allowed else "DENY"
-    print(f"{verdict} {shlex.join(decision.argv) if decision.argv else shlex.join(argv)}")
+    print(f"{verdict} {shlex.join(decision.argv) if decision.argv else text}")
     print(f"rule: {decision.rule}")
     if decision.reason:
         print(f"reason: {decision.reason}")

@@ -1,0 +1,135 @@
+"""Start-up refusals: each bad config stops the server with one clear line and a non-zero exit."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bastion.cli import EXIT_CONFIG, main
+from bastion.config import load_config
+from bastion.demo import init_demo
+
+BASTION = Path(sys.executable).parent / "bastion"
+
+
+def _edit(config: Path, old: str, new: str) -> None:
+    text = config.read_text()
+    assert old in text, old
+    config.write_text(text.replace(old, new, 1))
+
+
+def _refusal(capsys: pytest.CaptureFixture[str], config: Path) -> str:
+    code = main(["serve", "--config", str(config), "--stdio"])
+    err = capsys.readouterr().err
+    assert code == EXIT_CONFIG
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+@pytest.fixture
+def config(tmp_path: Path) -> Path:
+    return init_demo(tmp_path / "demo")
+
+
+def test_demo_config_loads(config: Path) -> None:
+    loaded = load_config(config)
+    assert loaded.default_workspace == "default"
+    assert loaded.workspace[0].path == config.parent / "workspace"
+    assert loaded.audit_path == config.parent / "state" / "audit.jsonl"
+    assert loaded.inbox[0].path == config.parent / "inbox"
+
+
+def test_missing_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert "does not exist" in _refusal(capsys, tmp_path / "nope.toml")
+
+
+def test_invalid_toml(capsys: pytest.CaptureFixture[str], config: Path) -> None:
+    config.write_text("state_dir = [unclosed\n")
+    assert "not valid TOML" in _refusal(capsys, config)
+
+
+def test_unknown_key(capsys: pytest.CaptureFixture[str], config: Path) -> None:
+    _edit(config, 'log_level = "WARNING"', 'log_level = "WARNING"\nallow_everything = true')
+    assert "unknown key 'allow_everything'" in _refusal(capsys, config)
+
+
+def test_unknown_nested_key(capsys: pytest.CaptureFixture[str], config: Path) -> None:
+    _edit(config, "timeout_s = 30", "timeout_s = 30\nshell = true")
+    assert "unknown key 'workspace.0.shell'" in _refusal(capsys, config)
+
+
+def test_workspace_root_missing(capsys: pytest.CaptureFixture[str], config: Path) -> None:
+    _edit(config, 'path = "workspace"', 'path = "gone"')
+    assert "does not exist" in _refusal(capsys, config)
+
+
+def test_workspace_root_not_a_directory(capsys: pytest.CaptureFixture[str], config: Path) -> None:
+    (config.parent / "file").write_text("x")
+    _edit(config, 'path = "workspace"', 'path = "file"')
+    assert "is not a directory" in _refusal(capsys, config)
+
+
+def test_workspace_root_is_filesystem_root(capsys: pytest.CaptureFixture[str], config: Path) -> None:
+    _edit(config, 'path = "workspace"', 'path = "/"')
+    assert "home folder" in _refusal(capsys, config)
+
+
+def test_audit_log_inside_workspace(capsys: pytest.CaptureFixture[str], config: Path) -> None:
+    _edit(config, "fail_closed = true", 'fail_closed = true\npath = "workspace/audit.jsonl"')
+    line = _refusal(capsys, config)
+    assert "audit log" in line
+    assert "move it out of the workspace" in line
+
+
+def test_database_inside_workspace(capsys: pytest.CaptureFixture[str], config: Path) -> None:
+    _edit(config, 'state_dir = "state"', 'state_dir = "workspace/state"')
+    assert "inside workspace" in _refusal(capsys, config)
+
+
+def test_state_inside_inbox(capsys: pytest.CaptureFixture[str], config: Path) -> None:
+    _edit(config, 'state_dir = "state"', 'state_dir = "inbox/.state"')
+    assert "inside inbox" in _refusal(capsys, config)
+
+
+def test_invalid_redaction_regex(capsys: pytest.CaptureFixture[str], config: Path) -> None:
+    _edit(config, "patterns = []", 'patterns = ["(unclosed"]')
+    assert "not a valid regex" in _refusal(capsys, config)
+
+
+def test_policy_with_neither_allow_nor_deny(capsys: pytest.CaptureFixture[str], config: Path) -> None:
+    text = config.read_text()
+    start = text.index("allow = [")
+    end = text.index("\n", text.index("deny = ["))
+    config.write_text(text[:start] + text[end + 1 :])
+    assert "neither allow nor deny" in _refusal(capsys, config)
+
+
+@pytest.mark.parametrize("name", ["LD_PRELOAD", "GIT_SSH_COMMAND", "PYTHONPATH", "NODE_OPTIONS", "PATH"])
+def test_dangerous_environment_names_refused(capsys: pytest.CaptureFixture[str], config: Path, name: str) -> None:
+    _edit(config, "env = {}", f'env = {{ {name} = "x" }}')
+    assert name in _refusal(capsys, config)
+
+
+def test_default_workspace_must_exist(capsys: pytest.CaptureFixture[str], config: Path) -> None:
+    _edit(config, 'default_workspace = "default"', 'default_workspace = "other"')
+    assert "names no [[workspace]]" in _refusal(capsys, config)
+
+
+def test_refusal_through_the_real_command(config: Path) -> None:
+    config.write_text("nonsense = \n")
+    proc = subprocess.run(
+        [str(BASTION), "serve", "--config", str(config), "--stdio"], capture_output=True, text=True, timeout=30
+    )
+    assert proc.returncode == EXIT_CONFIG
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_init_never_overwrites(capsys: pytest.CaptureFixture[str], config: Path) -> None:
+    before = config.read_text()
+    assert main(["init", str(config.parent)]) == EXIT_CONFIG
+    assert "already exists" in capsys.readouterr().err
+    assert config.read_text() == before
