@@ -73,7 +73,8 @@ async def test_full_filesystem_refuses_mutation_and_runs_nothing(tmp_path: Path,
     try:
         async with Client(build_server(services, caller="test")) as client:
             ok = await client.call_tool("run_command", {"command": "true"})
-            assert ok.structured_content is not None and ok.structured_content["ok"] is True
+            assert ok.structured_content is not None
+            assert ok.structured_content["ok"] is True
             _fill(state_mount)
             # The log's last page may still have room for a few records: use it up.
             for _ in range(100):

@@ -66,19 +66,26 @@ def drop_privileges() -> None:
         raise OSError(ctypes.get_errno(), "capset failed")
 
 
+def prepare_member() -> None:
+    """Everything a command's PID 1 can do before it knows the command: off the latency path."""
+    # Die with the agent: then this namespace, and all in it, ends too.
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    for sig in (signal.SIGPIPE, signal.SIGCHLD, signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+    devnull = os.open("/dev/null", os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    drop_privileges()
+
+
 def exec_command(req: dict[str, Any], out_fd: int, err_fd: int) -> None:
-    """Runs in PID 1 of the command's namespace; never returns."""
+    """Runs in PID 1 of the command's namespace, already unprivileged; never returns."""
     try:
-        devnull = os.open("/dev/null", os.O_RDONLY)
-        os.dup2(devnull, 0)
         os.dup2(out_fd, 1)
         os.dup2(err_fd, 2)
         os.closerange(3, 65536)
-        for sig in (signal.SIGPIPE, signal.SIGCHLD, signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_DFL)
-        signal.pthread_sigmask(signal.SIG_SETMASK, [])
         os.chdir(req["cwd"])
-        drop_privileges()
         os.execve(req["exe"], req["argv"], req["env"])  # noqa: S606 - argv exec, never a shell
     except BaseException as exc:  # report and leave: nothing here may return into the agent
         try:
@@ -132,8 +139,7 @@ def spawn_member() -> Member:
 def await_command(sock: socket.socket) -> None:
     """PID 1 of the command's namespace: wait for the request, then exec it. Never returns."""
     try:
-        # Die with the agent: then this namespace, and all in it, ends too.
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        prepare_member()
         data, fds, _flags, _addr = socket.recv_fds(sock, MAX_MESSAGE_BYTES, 2)
     except BaseException:
         os._exit(127)
