@@ -95,18 +95,19 @@ class HostWorkspace:
         )
 
     def _clean(self, raw: bytes, *, cut: bool) -> str:
-        """Redact, then (if the capture was cut) drop the held-back tail, then sanitize.
+        """Neutralise terminal escapes, then redact, then (if the capture was cut) drop the held tail.
 
-        The stream redactor holds back any tail that could be the start of a
-        secret; when the output was cut, that tail is dropped rather than
-        flushed, so a cut never leaves half a secret behind.
+        Escapes go first so a secret split by one (``AKIA\\x1b[0m...``) is whole again
+        when the redactor sees it. The stream redactor holds back any tail that could
+        be the start of a secret; when the output was cut, that tail is dropped rather
+        than flushed, so a cut never leaves half a secret behind.
         """
-        text = codecs.decode(raw, "utf-8", errors="replace")
+        text = sanitize_terminal(codecs.decode(raw, "utf-8", errors="replace"))
         stream = self.redactor.stream()
         safe = stream.feed(text)
         if not cut:
             safe += stream.flush()
-        return sanitize_terminal(safe)
+        return safe
 
     def read_file(self, path: str, *, offset: int, length: int | None, encoding: Encoding) -> dict[str, object]:
         if offset < 0:

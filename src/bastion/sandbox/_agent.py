@@ -8,11 +8,14 @@ Why it exists: a fresh bwrap per command costs 4-6 ms; a resident agent that
 forks per command costs about 1-2 ms, and the sandbox's namespaces are made once.
 
 Protocol (one JSON object per SOCK_SEQPACKET message, fds via SCM_RIGHTS):
-  host -> agent  {"op": "run", "id": N, "exe": "/usr/bin/ls", "argv": [...], "cwd": "/workspace", "env": {...}}
-                 with two fds: the write ends of the stdout and stderr pipes.
-  host -> agent  {"op": "kill", "id": N}
-  agent -> host  {"id": N, "event": "exit", "status": S}   S: exit code, or 128 + signal number
-                 {"id": N, "event": "error", "reason": "..."}
+  agent -> host   {"event": "ready"}, once
+  agent -> host   {"event": "member", "pid": P} with one fd: a socket to a waiting member
+  host -> member  {"exe": "/usr/bin/ls", "argv": [...], "cwd": "/workspace", "env": {...}}
+                  with two fds: the write ends of the stdout and stderr pipes
+  host -> agent   {"op": "used", "pid": P}   (so the agent spawns a replacement)
+  host -> agent   {"op": "kill", "pid": P}
+  agent -> host   {"event": "exit", "pid": P, "status": S}   S: exit code, or 128 + signal number
+The host talks to a member directly: starting a command costs one hop, not two.
 
 Each command runs as PID 1 of a PID namespace of its own (made with a raw
 clone(CLONE_NEWPID) ahead of time and kept in a small pool), with every capability
@@ -160,9 +163,21 @@ POOL_SIZE = 2
 
 class State:
     def __init__(self) -> None:
-        self.running: dict[int, int] = {}  # PID 1 of the command (agent namespace) -> request id
-        self.by_id: dict[int, int] = {}
-        self.pool: list[Member] = []
+        self.handed: set[int] = set()  # members handed to the host, not yet reaped
+        self.spare = 0  # of those, how many the host has not used yet
+
+
+def hand_member(sock: socket.socket, state: State) -> None:
+    """Spawn a member and give its socket to the host, which talks to it directly."""
+    member = spawn_member()
+    try:
+        socket.send_fds(sock, [json.dumps({"event": "member", "pid": member.pid}).encode()], [member.sock.fileno()])
+    except OSError:
+        os._exit(0)  # the host went away: the sandbox ends with it
+    finally:
+        member.sock.close()
+    state.handed.add(member.pid)
+    state.spare += 1
 
 
 def main() -> None:
@@ -177,56 +192,39 @@ def main() -> None:
     sel.register(wake_r, selectors.EVENT_READ)
     send(sock, {"event": "ready", "pid": os.getpid()})
     while True:
-        # Refill the pool only when nothing is waiting, so a refill never delays a reply.
-        idle = len(state.pool) < POOL_SIZE
+        # Refill only when nothing is waiting, so a refill never delays a reply.
+        idle = state.spare < POOL_SIZE
         events = sel.select(timeout=0 if idle else None)
         if not events and idle:
-            state.pool.append(spawn_member())
+            hand_member(sock, state)
             continue
         for key, _ in events:
             if key.fileobj is sock:
                 try:
-                    data, fds, _flags, _addr = socket.recv_fds(sock, MAX_MESSAGE_BYTES, 2)
+                    data = sock.recv(MAX_MESSAGE_BYTES)
                 except InterruptedError:
                     continue
                 if not data:
                     os._exit(0)  # the host went away: the sandbox ends with it
-                handle(sock, json.loads(data), fds, state)
+                handle(json.loads(data), state)
             else:
                 with contextlib.suppress(BlockingIOError):
                     os.read(wake_r, 4096)
         reap(sock, state)
 
 
-def handle(sock: socket.socket, req: dict[str, Any], fds: list[int], state: State) -> None:
-    if req.get("op") == "run" and len(fds) == 2:
-        member = state.pool.pop(0) if state.pool else spawn_member()
-        try:
-            socket.send_fds(member.sock, [json.dumps(req).encode()], fds)
-        except OSError as exc:
-            send(sock, {"id": req.get("id"), "event": "error", "reason": f"cannot hand over the command: {exc}"})
-            os.kill(member.pid, signal.SIGKILL)
-        else:
-            state.running[member.pid] = req["id"]
-            state.by_id[req["id"]] = member.pid
-        finally:
-            member.sock.close()
-            for fd in fds:
-                os.close(fd)
+def handle(req: dict[str, Any], state: State) -> None:
+    pid = int(req.get("pid", 0))
+    if pid not in state.handed:
+        return
+    if req.get("op") == "used":
+        state.spare -= 1
     elif req.get("op") == "kill":
-        pid = state.by_id.get(int(req.get("id", 0)))
-        if pid is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-    else:
-        for fd in fds:
-            os.close(fd)
-        if req.get("op") == "run":
-            send(sock, {"id": req.get("id"), "event": "error", "reason": "run needs two fds"})
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def reap(sock: socket.socket, state: State) -> None:
-    running, by_id = state.running, state.by_id
     while True:
         try:
             pid, raw = os.waitpid(-1, os.WNOHANG)
@@ -234,12 +232,11 @@ def reap(sock: socket.socket, state: State) -> None:
             return
         if pid == 0:
             return
-        req_id = running.pop(pid, None)
-        if req_id is None:
+        if pid not in state.handed:
             continue
-        by_id.pop(req_id, None)
+        state.handed.discard(pid)
         code = os.waitstatus_to_exitcode(raw)
-        send(sock, {"id": req_id, "event": "exit", "status": code if code >= 0 else 128 - code})
+        send(sock, {"event": "exit", "pid": pid, "status": code if code >= 0 else 128 - code})
 
 
 if __name__ == "__main__":

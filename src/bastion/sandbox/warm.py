@@ -8,8 +8,8 @@ so nothing the command prints passes through the agent.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
-import itertools
 import json
 import os
 import socket
@@ -85,18 +85,21 @@ class WarmSandbox:
         self.spec = spec
         self._proc: subprocess.Popen[bytes] | None = None
         self._sock: socket.socket | None = None
-        self._ids = itertools.count(1)
+        self._members: collections.deque[tuple[int, socket.socket]] = collections.deque()
+        self._member_ready: asyncio.Event | None = None
         self._waiters: dict[int, asyncio.Future[int]] = {}
         self._start_lock = asyncio.Lock()
 
     @property
     def alive(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
+        return self._proc is not None and self._proc.poll() is None and self._sock is not None
 
     async def start(self) -> None:
         async with self._start_lock:
             if self.alive:
                 return
+            if self._proc is not None:
+                self.close()
             await self._start()
 
     async def _start(self) -> None:
@@ -114,29 +117,42 @@ class WarmSandbox:
             sock.close()
             raise Unavailable("sandbox failed to start: " + (err[-1] if err else "no reason given"))
         self._proc, self._sock = proc, sock
+        self._member_ready = asyncio.Event()
         loop.add_reader(sock.fileno(), self._on_message)
 
     def _on_message(self) -> None:
         assert self._sock is not None
         try:
-            data = self._sock.recv(MAX_MESSAGE_BYTES)
+            data, fds, _flags, _addr = socket.recv_fds(self._sock, MAX_MESSAGE_BYTES, 1)
         except BlockingIOError:
             return
         except OSError:
-            data = b""
+            data, fds = b"", []
         if not data:
+            for fd in fds:
+                os.close(fd)
             self._on_agent_gone()
             return
         msg = json.loads(data)
-        waiter = self._waiters.pop(msg.get("id"), None)
-        if waiter is not None and not waiter.done():
-            waiter.set_result(int(msg["status"]) if msg.get("event") == "exit" else 127)
+        if msg.get("event") == "member" and len(fds) == 1:
+            self._members.append((int(msg["pid"]), socket.socket(fileno=fds[0])))
+            if self._member_ready is not None:
+                self._member_ready.set()
+            return
+        for fd in fds:
+            os.close(fd)
+        waiter = self._waiters.pop(int(msg.get("pid", 0)), None)
+        if waiter is not None and not waiter.done() and msg.get("event") == "exit":
+            waiter.set_result(int(msg["status"]))
 
     def _on_agent_gone(self) -> None:
         if self._sock is not None:
-            asyncio.get_running_loop().remove_reader(self._sock.fileno())
+            with contextlib.suppress(RuntimeError):
+                asyncio.get_running_loop().remove_reader(self._sock.fileno())
             self._sock.close()
             self._sock = None
+        while self._members:
+            self._members.popleft()[1].close()
         for waiter in self._waiters.values():
             if not waiter.done():
                 waiter.set_exception(Unavailable("the sandbox ended while a command was running"))
@@ -147,6 +163,20 @@ class WarmSandbox:
             if self._proc.stderr is not None:
                 self._proc.stderr.close()
             self._proc = None
+
+    async def _take_member(self) -> tuple[int, socket.socket]:
+        while not self._members:
+            if self._member_ready is None or not self.alive:
+                raise Unavailable("the sandbox is not running")
+            self._member_ready.clear()
+            async with asyncio.timeout(START_TIMEOUT_S):
+                await self._member_ready.wait()
+        return self._members.popleft()
+
+    def _tell_agent(self, op: str, pid: int) -> None:
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.send(json.dumps({"op": op, "pid": pid}).encode())
 
     async def run(
         self,
@@ -160,24 +190,25 @@ class WarmSandbox:
     ) -> RunOutcome:
         """Run one command to completion; on timeout or cancellation its whole tree is killed."""
         await self.start()
-        assert self._sock is not None
-        req_id = next(self._ids)
-        out_r, out_w = os.pipe2(os.O_CLOEXEC)
-        err_r, err_w = os.pipe2(os.O_CLOEXEC)
+        pid, member = await self._take_member()
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[int] = loop.create_future()
-        self._waiters[req_id] = waiter
-        request = {"op": "run", "id": req_id, "exe": executable, "argv": list(argv), "cwd": cwd, "env": dict(env)}
+        self._waiters[pid] = waiter
+        out_r, out_w = os.pipe2(os.O_CLOEXEC)
+        err_r, err_w = os.pipe2(os.O_CLOEXEC)
+        request = {"exe": executable, "argv": list(argv), "cwd": cwd, "env": dict(env)}
         try:
-            socket.send_fds(self._sock, [json.dumps(request).encode()], [out_w, err_w])
+            socket.send_fds(member, [json.dumps(request).encode()], [out_w, err_w])
         except OSError as exc:
-            self._waiters.pop(req_id, None)
+            self._waiters.pop(pid, None)
             for fd in (out_r, err_r):
                 os.close(fd)
-            raise Unavailable(f"sandbox agent unreachable: {exc.strerror}") from exc
+            raise Unavailable(f"sandbox member unreachable: {exc.strerror}") from exc
         finally:
+            member.close()
             os.close(out_w)
             os.close(err_w)
+            self._tell_agent("used", pid)
         out, err = _Capture(out_r, max_output_bytes), _Capture(err_r, max_output_bytes)
         timed_out = cancelled = False
         status: int | None = None
@@ -189,28 +220,22 @@ class WarmSandbox:
             timed_out = True
         except asyncio.CancelledError:
             cancelled = True
-            self._kill(req_id)
+            self._tell_agent("kill", pid)
             out.close()
             err.close()
             raise
         finally:
             if timed_out:
-                self._kill(req_id)
+                self._tell_agent("kill", pid)
                 status = await self._await_exit(waiter)
                 out.close()
                 err.close()
         return RunOutcome(status, bytes(out.data), bytes(err.data), out.total, err.total, timed_out, cancelled)
 
-    def _kill(self, req_id: int) -> None:
-        if self._sock is None:
-            return
-        with contextlib.suppress(OSError):
-            self._sock.send(json.dumps({"op": "kill", "id": req_id}).encode())
-
     async def _await_exit(self, waiter: asyncio.Future[int]) -> int | None:
         try:
             async with asyncio.timeout(KILL_GRACE_S):
-                return await waiter
+                return await asyncio.shield(waiter)
         except TimeoutError:
             # The agent did not confirm the kill: end the whole sandbox, which ends every process in it.
             self.close()
@@ -218,7 +243,4 @@ class WarmSandbox:
 
     def close(self) -> None:
         """Kill the sandbox: its PID namespace dies, and with it every process inside."""
-        if self._sock is not None:
-            with contextlib.suppress(RuntimeError):
-                asyncio.get_running_loop().remove_reader(self._sock.fileno())
         self._on_agent_gone()

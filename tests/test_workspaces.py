@@ -1,0 +1,37 @@
+"""Host workspace output handling through the real tools: redaction, truncation, escapes."""
+
+from __future__ import annotations
+
+import pytest
+from mcp import Client
+
+pytestmark = pytest.mark.anyio
+
+AWS_KEY = "AKIAIOSFODNN7EXAMPLE"
+
+
+async def _run(client: Client, command: str) -> dict[str, object]:
+    result = await client.call_tool("run_command", {"command": command})
+    assert result.structured_content is not None
+    return result.structured_content
+
+
+async def test_secret_split_by_an_escape_sequence_is_still_redacted(client: Client) -> None:
+    """Invariant: escapes are removed before redaction, so they cannot hide a secret from it."""
+    payload = await _run(client, "printf 'AKIAIOSF\\033[0mODNN7EXAMPLE\\n'")
+    stdout = payload["detail"]["stdout"]  # type: ignore[index]
+    assert "\x1b" not in stdout
+    assert AWS_KEY not in stdout
+    assert "REDACTED" in stdout
+
+
+async def test_truncation_never_leaves_half_a_secret(client: Client, workspace: object) -> None:
+    """Invariant: a secret straddling the output cap leaves no prefix behind."""
+    # 65,536 is the demo's max_output_bytes; the key starts 10 bytes before the cut.
+    payload = await _run(client, f"printf '%065526d{AWS_KEY}tail' 0")
+    detail = payload["detail"]
+    assert payload["code"] == "OUTPUT_TRUNCATED"
+    assert payload["ok"] is True
+    stdout = detail["stdout"]  # type: ignore[index]
+    assert "AKIA" not in stdout
+    assert len(stdout) <= 65_536
