@@ -1,4 +1,4 @@
-"""Regression tests for the jail: one per attack of ../shared/attack-corpus.json, named after it.
+"""Regression tests for the jail: one per attack of tests/attacks/attack-corpus.json, named after it.
 
 Each docstring states the invariant and what the test does not prove. Everything happens
 under pytest's tmp_path: ``ws`` is the workspace root, ``outside`` a folder beside it.
@@ -40,7 +40,7 @@ from bastion.safety.paths import (
     Jail,
 )
 
-CORPUS_FILE = Path(__file__).resolve().parents[3] / "shared" / "attack-corpus.json"
+CORPUS_FILE = Path(__file__).resolve().parents[1] / "attacks" / "attack-corpus.json"
 
 
 @pytest.fixture

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from bastion.safety.errors import ConfigError
 from bastion.safety.redact import STREAM_HOLD_CAP_CHARS, Redactor, sanitize_terminal
 
-CORPUS = {e["id"]: e for e in json.loads(Path("/work/shared/attack-corpus.json").read_text())}
+CORPUS_FILE = Path(__file__).resolve().parents[1] / "attacks" / "attack-corpus.json"
+CORPUS = {e["id"]: e for e in json.loads(CORPUS_FILE.read_text())}
 
 AWS_KEY_ID = "AKIAIOSFODNN7EXAMPLE"
 AWS_SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"

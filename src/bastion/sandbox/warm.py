@@ -221,23 +221,27 @@ class WarmSandbox:
         except asyncio.CancelledError:
             cancelled = True
             self._tell_agent("kill", pid)
+            self._waiters.pop(pid, None)
+            waiter.cancel()
             out.close()
             err.close()
             raise
         finally:
             if timed_out:
                 self._tell_agent("kill", pid)
-                status = await self._await_exit(waiter)
+                status = await self._await_exit(pid, waiter)
                 out.close()
                 err.close()
         return RunOutcome(status, bytes(out.data), bytes(err.data), out.total, err.total, timed_out, cancelled)
 
-    async def _await_exit(self, waiter: asyncio.Future[int]) -> int | None:
+    async def _await_exit(self, pid: int, waiter: asyncio.Future[int]) -> int | None:
         try:
             async with asyncio.timeout(KILL_GRACE_S):
                 return await asyncio.shield(waiter)
         except TimeoutError:
             # The agent did not confirm the kill: end the whole sandbox, which ends every process in it.
+            self._waiters.pop(pid, None)
+            waiter.cancel()
             self.close()
             return None
 
