@@ -489,3 +489,26 @@ def test_a103_full_filesystem_fails_closed_without_a_partial_line(tmp_path: Path
     finally:
         log.close()
         _umount(mnt)
+
+
+def test_alone_append_async_writes_inline_and_chains(
+    log: AuditLog, log_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A caller alone writes on its own thread (no hop), and the chain is the same as any other write."""
+    threads: set[int] = set()
+    real = os.fdatasync
+
+    def record_thread(fd: int) -> None:
+        threads.add(threading.get_ident())
+        real(fd)
+
+    monkeypatch.setattr(os, "fdatasync", record_thread)
+
+    async def main() -> int:
+        for i in range(5):
+            await log.append_async({"i": i}, alone=True)
+        return threading.get_ident()
+
+    loop_thread = anyio.run(main)
+    assert threads == {loop_thread}
+    assert verify(log_path) == audit_mod.VerifyReport(True, 5)

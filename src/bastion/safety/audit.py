@@ -166,13 +166,19 @@ class AuditLog:
         self._commit([pending])
         return self._result(pending)
 
-    async def append_async(self, record: Mapping[str, object]) -> str:
+    async def append_async(self, record: Mapping[str, object], *, alone: bool = False) -> str:
         """`append` off the event loop, with group commit.
+
+        With ``alone=True`` (the caller knows no other call is in flight) and no batch
+        being written, the record is written inline: there is nothing to group it with,
+        and a thread hop costs more than the fdatasync it would hide.
 
         Records that arrive while a batch is being written form the next batch: one
         worker thread cleans and writes it with one fdatasync, then wakes every waiter.
         Use one event loop per `AuditLog`. A cancelled caller's record may still be written.
         """
+        if alone and not self._async_leading:
+            return self.append(record)
         waiter = _AsyncPending(record)
         self._async_queue.append(waiter)
         if not self._async_leading:
