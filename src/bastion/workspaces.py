@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import codecs
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Final, Literal
@@ -54,7 +55,12 @@ class HostWorkspace:
         return {"PATH": SANDBOX_PATH, "HOME": SANDBOX_WORKSPACE, "LANG": LANG, **self.config.env}
 
     def explain(self, command: str) -> Decision:
-        return self.policy.explain(command)
+        decision = self.policy.explain(command)
+        return dataclasses.replace(decision, argv=self._redact_argv(decision.argv))
+
+    def _redact_argv(self, argv: tuple[str, ...]) -> tuple[str, ...]:
+        # argv is echoed back to the client: a secret typed into a command is scrubbed like output.
+        return tuple(self.redactor.redact(arg) for arg in argv)
 
     def sandbox_cwd(self, cwd: str | None) -> str:
         """Map a workspace-relative cwd to its path inside the sandbox, checked by the jail."""
@@ -85,7 +91,7 @@ class HostWorkspace:
         stdout = self._clean(outcome.stdout, cut=outcome.stdout_total > len(outcome.stdout))
         stderr = self._clean(outcome.stderr, cut=outcome.stderr_total > len(outcome.stderr))
         return CommandOutput(
-            argv=approved.argv,
+            argv=self._redact_argv(approved.argv),
             cwd=cwd,
             exit_status=outcome.status,
             stdout=stdout,
