@@ -20,24 +20,30 @@ from mcp import Client, StdioServerParameters
 REPO = Path(__file__).resolve().parent.parent
 BASTION = REPO / ".venv" / "bin" / "bastion"
 PYTHON = REPO / ".venv" / "bin" / "python"
+WARMUP_CALLS = 30
 
 
-async def measure(params: StdioServerParameters, calls: int, warmup: int = 20) -> dict[str, float]:
-    out: dict[str, float] = {}
-    async with Client(params) as client:
+async def timed(client: Client, name: str, args: dict[str, object]) -> float:
+    started = time.perf_counter()
+    result = await client.call_tool(name, args)
+    elapsed = (time.perf_counter() - started) * 1000
+    if result.is_error:
+        raise SystemExit(f"{name} failed: {result.content}")
+    return elapsed
+
+
+async def measure(naive: StdioServerParameters, ours: StdioServerParameters, calls: int) -> dict[str, list[float]]:
+    """Both servers open at once; calls alternate, so both see the same machine noise."""
+    samples: dict[str, list[float]] = {}
+    async with Client(naive) as base, Client(ours) as bastion:
         for name, args in (("run_command", {"command": "true"}), ("read_file", {"path": "data4k.txt"})):
-            samples = []
-            for i in range(warmup + calls):
-                started = time.perf_counter()
-                result = await client.call_tool(name, args)
-                elapsed = (time.perf_counter() - started) * 1000
-                if result.is_error:
-                    raise SystemExit(f"{name} failed: {result.content}")
-                if i >= warmup:
-                    samples.append(elapsed)
-            out[name] = statistics.median(samples)
-            out[name + "_p90"] = statistics.quantiles(samples, n=10)[-1]
-    return out
+            for _ in range(WARMUP_CALLS):
+                await timed(base, name, args)
+                await timed(bastion, name, args)
+            for _ in range(calls):
+                samples.setdefault(f"naive {name}", []).append(await timed(base, name, args))
+                samples.setdefault(f"bastion {name}", []).append(await timed(bastion, name, args))
+    return samples
 
 
 def main() -> None:
@@ -54,16 +60,13 @@ def main() -> None:
         ours = StdioServerParameters(
             command=str(BASTION), args=["serve", "--config", str(demo / "bastion.toml"), "--stdio"]
         )
-        # Interleave the two servers to spread machine noise over both.
-        runs: dict[str, list[dict[str, float]]] = {"naive": [], "bastion": []}
-        for _ in range(2):
-            runs["naive"].append(anyio.run(measure, naive, args.calls // 2))
-            runs["bastion"].append(anyio.run(measure, ours, args.calls // 2))
+        samples = anyio.run(measure, naive, ours, args.calls)
+    print(f"{args.calls} alternating calls per figure after {WARMUP_CALLS} warm-up calls")
     print(f"{'figure':<24}{'naive ms':>10}{'bastion ms':>12}{'ratio':>8}{'target':>8}")
     ok = True
     for name, target in (("run_command", 2.5), ("read_file", 1.3)):
-        naive_ms = statistics.median(r[name] for r in runs["naive"])
-        ours_ms = statistics.median(r[name] for r in runs["bastion"])
+        naive_ms = statistics.median(samples[f"naive {name}"])
+        ours_ms = statistics.median(samples[f"bastion {name}"])
         ratio = ours_ms / naive_ms
         ok &= ratio <= target
         print(f"{name + ' p50':<24}{naive_ms:>10.3f}{ours_ms:>12.3f}{ratio:>7.2f}x{target:>7.1f}x")

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from bastion import __version__
@@ -58,20 +56,12 @@ def build_services(config: Config) -> Services:
 def build_server(services: Services, *, caller: str) -> BastionServer:
     runner = CallRunner(services.audit, caller=caller)
 
-    @contextlib.asynccontextmanager
-    async def lifespan(_: object) -> AsyncIterator[None]:
-        try:
-            yield None
-        finally:
-            services.registry.close()
-
     server = BastionServer(
         runner,
         name="bastion",
         version=__version__,
         instructions=INSTRUCTIONS,
         log_level=services.config.log_level,
-        lifespan=lifespan,
     )
     register_workbench(server, services.registry, runner)
     logging.getLogger("bastion").setLevel(services.config.log_level)

@@ -11,6 +11,7 @@ so an escape sequence wedged inside a token cannot hide it from the patterns.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ STREAM_HOLD_CHARS: Final = 256
 STREAM_HOLD_CAP_CHARS: Final = 16 * 1024
 # Lookbehind context kept from already-emitted text, so a stream matches like `redact`.
 _CONTEXT_CHARS: Final = 64
+_SHORT_CHARS: Final = 128
+_SHORT_CACHE_ENTRIES: Final = 4096
 
 _SECRET_GROUPS: Final = ("secret", "secret2", "secret3")
 
@@ -148,9 +151,17 @@ class Redactor:
             rules.append(_rule("secret_value", re.compile("|".join(re.escape(v) for v in values))))
         self._rules: tuple[_Rule, ...] = tuple(rules)
         self._longest_value = len(values[0]) if values else 0
+        # Audit records repeat the same short strings (tool names, codes, paths): a cache
+        # turns ~7 us of needle checks per string into a dictionary lookup.
+        self._redact_short = functools.lru_cache(maxsize=_SHORT_CACHE_ENTRIES)(self._redact_uncached)
 
     def redact(self, text: str) -> str:
         """Return `text` with every recognised secret replaced."""
+        if len(text) <= _SHORT_CHARS:
+            return self._redact_short(text)
+        return self._redact_uncached(text)
+
+    def _redact_uncached(self, text: str) -> str:
         return _apply(text, self._spans(text, 0), 0, len(text))
 
     def redact_then_truncate(self, text: str, max_chars: int) -> tuple[str, bool]:
