@@ -39,19 +39,18 @@ What it does not guarantee:
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import fnmatch
 import os
-import platform
 import re
 import stat
 import unicodedata
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Final, Literal, final
 
+from bastion.safety._openat2 import RESOLVE, RESOLVE_NO_SYMLINKS, load_openat2
 from bastion.safety.errors import (
     BastionError,
     ConfigError,
@@ -90,21 +89,8 @@ DEFAULT_SECRET_PATTERNS: Final[tuple[str, ...]] = (
     "credentials.json",
 )
 
+
 EntryKind = Literal["file", "dir", "symlink", "other"]
-
-# include/uapi/linux/openat2.h
-_RESOLVE_NO_MAGICLINKS: Final = 0x02
-_RESOLVE_NO_SYMLINKS: Final = 0x04
-_RESOLVE_BENEATH: Final = 0x08
-_RESOLVE: Final = _RESOLVE_BENEATH | _RESOLVE_NO_MAGICLINKS
-
-# openat2 was added after the syscall tables were unified: it is 437 on every architecture
-# below (arch/x86/entry/syscalls/*.tbl, include/uapi/asm-generic/unistd.h). MIPS, alpha and
-# ia64 use other numbers and are refused rather than guessed.
-_SYS_OPENAT2: Final = 437
-_UNIFIED_TABLE_MACHINES: Final = frozenset(
-    {"x86_64", "amd64", "aarch64", "arm64", "i386", "i686", "armv7l", "armv6l", "riscv64", "ppc64le", "s390x"}
-)
 
 # openat2(2): EAGAIN means a concurrent rename made the kernel unsure a ".." stayed beneath
 # the root; retrying is the documented answer. Bounded so an attacker cannot spin us forever.
@@ -116,36 +102,6 @@ _REFUSED_CATEGORIES: Final = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
 
 _NEW_FILE_MODE: Final = 0o644
 _NEW_DIR_MODE: Final = 0o755
-
-
-class _OpenHow(ctypes.Structure):
-    """``struct open_how`` from include/uapi/linux/openat2.h."""
-
-    _fields_ = (("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64))
-
-
-_Openat2 = Callable[[int, bytes, int, int, int], int]
-
-
-def _load_openat2() -> _Openat2:
-    """Return a raw ``openat2`` caller returning the fd or ``-errno``, or raise `Unavailable`."""
-    machine = platform.machine().lower()
-    if machine not in _UNIFIED_TABLE_MACHINES:
-        raise Unavailable(f"openat2 is not known on machine type '{machine}': run bastion on x86_64 or aarch64 Linux")
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        syscall = libc.syscall
-    except (OSError, AttributeError) as exc:
-        raise Unavailable("the C library's syscall() is not available: run bastion on Linux") from exc
-    syscall.restype = ctypes.c_long
-    syscall.argtypes = (ctypes.c_long, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t)
-
-    def openat2(dirfd: int, path: bytes, flags: int, mode: int, resolve: int) -> int:
-        how = _OpenHow(flags, mode, resolve)
-        result = int(syscall(_SYS_OPENAT2, dirfd, path, ctypes.byref(how), ctypes.sizeof(how)))
-        return result if result >= 0 else -ctypes.get_errno()
-
-    return openat2
 
 
 @final
@@ -299,7 +255,7 @@ class Jail:
         self._fd = -1
         self._secret = _compile_secret_patterns(secret_patterns)
         self._allow_hardlinks = allow_hardlinks
-        self._openat2 = _load_openat2()
+        self._openat2 = load_openat2()
         given = os.fspath(root)
         if not isinstance(given, str) or "\x00" in given:
             raise InvalidRequest("the workspace root must be a path string without NUL: fix the configuration")
@@ -319,7 +275,7 @@ class Jail:
             raise NotFound(f"the workspace root '{real}' does not exist: create it first") from exc
         except OSError as exc:
             raise InvalidRequest(f"the workspace root '{real}' cannot be opened ({exc.strerror}): fix it") from exc
-        probe = self._openat2(fd, b".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, 0, _RESOLVE)
+        probe = self._openat2(fd, b".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, 0, RESOLVE)
         if probe < 0:
             os.close(fd)
             raise Unavailable(
@@ -427,7 +383,7 @@ class Jail:
         if offset < 0 or length < 0:
             raise InvalidRequest("offset and length must not be negative: pass 0 or more")
         length = min(length, MAX_READ_BYTES)
-        fd = self._open_regular(self._root_fd(), rel, rel, os.O_RDONLY, _RESOLVE)
+        fd = self._open_regular(self._root_fd(), rel, rel, os.O_RDONLY, RESOLVE)
         try:
             self._check_resolved_secret(fd, rel)
             size = os.fstat(fd).st_size
@@ -573,7 +529,7 @@ class Jail:
         if target.startswith(prefix) and target[len(prefix) :] != rel:
             self._check_secret(target[len(prefix) :])
 
-    def _open(self, dirfd: int, path: str, rel: str, flags: int, *, mode: int = 0, resolve: int = _RESOLVE) -> int:
+    def _open(self, dirfd: int, path: str, rel: str, flags: int, *, mode: int = 0, resolve: int = RESOLVE) -> int:
         """openat2 with retries on EAGAIN/EINTR; raises the mapped BastionError."""
         raw = os.fsencode(path)
         for _ in range(_RETRIES):
@@ -673,7 +629,7 @@ class Jail:
                     except OSError as os_exc:
                         raise _error_from_os(os_exc, rel) from os_exc
                     following = self._open(
-                        current, part, rel, os.O_PATH | os.O_DIRECTORY, resolve=_RESOLVE | _RESOLVE_NO_SYMLINKS
+                        current, part, rel, os.O_PATH | os.O_DIRECTORY, resolve=RESOLVE | RESOLVE_NO_SYMLINKS
                     )
                 os.close(current)
                 current = following
@@ -686,7 +642,7 @@ class Jail:
         # The last component must not be a symlink at all (RESOLVE_NO_SYMLINKS + O_NOFOLLOW):
         # a dangling link would otherwise make O_CREAT create its target. O_TRUNC is never
         # used: truncation waits until the opened file has been checked (hard links!).
-        resolve = _RESOLVE | _RESOLVE_NO_SYMLINKS
+        resolve = RESOLVE | RESOLVE_NO_SYMLINKS
         flags = os.O_WRONLY | os.O_NOFOLLOW | (os.O_APPEND if append else 0)
         for _ in range(_RETRIES):
             try:
