@@ -18,7 +18,7 @@ def main() -> int:
     failed = []
     for script in SCRIPTS:
         print(f"== {script}", flush=True)
-        proc = subprocess.run([sys.executable, str(HERE / script)], stderr=subprocess.DEVNULL, check=False)
+        proc = subprocess.run([sys.executable, str(HERE / script)], check=False)
         if proc.returncode != 0:
             failed.append(script)
         print(flush=True)
