@@ -35,3 +35,21 @@ async def test_truncation_never_leaves_half_a_secret(client: Client, workspace: 
     stdout = detail["stdout"]  # type: ignore[index]
     assert "AKIA" not in stdout
     assert len(stdout) <= 65_536
+
+
+async def test_cwd_inside_the_workspace(client: Client, workspace: object) -> None:
+    await client.call_tool("run_command", {"command": "mkdir -p sub/dir"})
+    result = await client.call_tool("run_command", {"command": "pwd", "cwd": "sub/dir"})
+    assert result.structured_content is not None
+    assert result.structured_content["detail"]["stdout"] == "/workspace/sub/dir\n"
+
+
+@pytest.mark.parametrize(
+    ("cwd", "code"),
+    [("../..", "PATH_ESCAPE"), ("/etc", "PATH_ESCAPE"), ("missing", "NOT_FOUND"), ("README.md", "INVALID_REQUEST")],
+)
+async def test_cwd_outside_or_missing_is_refused(client: Client, cwd: str, code: str) -> None:
+    result = await client.call_tool("run_command", {"command": "pwd", "cwd": cwd})
+    assert result.structured_content is not None
+    assert result.structured_content["code"] == code
+    assert result.structured_content["detail"] == {}
