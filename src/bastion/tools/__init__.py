@@ -1,0 +1,5 @@
+"""MCP wiring: the server that enforces the call contract, and the tools on it."""
+
+from bastion.tools.server import BastionServer, to_call_result
+
+__all__ = ["BastionServer", "to_call_result"]
