@@ -31,7 +31,7 @@ _ARGUMENT_HINTS = {
 def to_call_result(result: OperationResult) -> CallToolResult:
     """The wire form: the result as structured content and as one JSON text block."""
     payload = result.model_dump(mode="json")
-    text = json.dumps(payload, ensure_ascii=False, indent=1)
+    text = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
     content = [TextContent(type="text", text=text)]
     return CallToolResult(content=content, structured_content=payload, is_error=not result.ok)
 
