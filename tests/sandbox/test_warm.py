@@ -165,3 +165,11 @@ async def test_sandbox_restarts_after_being_closed(sandbox: WarmSandbox) -> None
     assert (await sh(sandbox, "echo one")).stdout == b"one\n"
     sandbox.close()
     assert (await sh(sandbox, "echo two")).stdout == b"two\n"
+
+
+async def test_landlock_confines_writes_to_workspace_and_tmp(sandbox: WarmSandbox) -> None:
+    """Invariant: root inside the user namespace still cannot write bwrap's own tmpfs (/, /dev), only its trees."""
+    outcome = await sh(sandbox, "touch /dev/probe; mkdir /probe; touch /tmp/ok /workspace/ok && echo wrote")
+    errors = outcome.stderr.decode()
+    assert errors.count("Permission denied") == 2, errors
+    assert outcome.stdout == b"wrote\n"

@@ -1,7 +1,7 @@
 """The resident agent of a warm sandbox. DANGEROUS: it forks and execs.
 
 This file runs INSIDE the bubblewrap sandbox, started by `bastion.sandbox._spawn`
-as ``python3 -I -S -c <this source> <socket fd>``. It is standard library only and
+as ``python3 -I -S -c <landlock.py + this source> <socket fd> <writable dir>...``. It is standard library only and
 imports nothing from bastion: the sandbox sees no site-packages.
 
 Why it exists: a fresh bwrap per command costs 4-6 ms; a resident agent that
@@ -24,8 +24,6 @@ killed, the kernel kills every process left in its namespace, including
 setsid'd and double-forked ones: no survivors, by construction.
 """
 
-from __future__ import annotations
-
 import contextlib
 import ctypes
 import json
@@ -34,7 +32,11 @@ import selectors
 import signal
 import socket
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    # At run time `_spawn` prepends landlock.py's source to this file's, which defines it.
+    from bastion.sandbox.landlock import restrict
 
 CLONE_NEWPID = 0x20000000
 PR_SET_PDEATHSIG = 1
@@ -183,6 +185,9 @@ def hand_member(sock: socket.socket, state: State) -> None:
 def main() -> None:
     sock = socket.socket(fileno=int(sys.argv[1]))
     sock.setblocking(True)
+    # First, while single-threaded and before any member exists (members spawned
+    # earlier could not be signalled): writes only beneath the sandbox's own trees.
+    landlock = restrict(sys.argv[2:])
     wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
@@ -190,7 +195,7 @@ def main() -> None:
     sel = selectors.DefaultSelector()
     sel.register(sock, selectors.EVENT_READ)
     sel.register(wake_r, selectors.EVENT_READ)
-    send(sock, {"event": "ready", "pid": os.getpid()})
+    send(sock, {"event": "ready", "pid": os.getpid(), "landlock": landlock})
     while True:
         # Refill only when nothing is waiting, so a refill never delays a reply.
         idle = state.spare < POOL_SIZE

@@ -23,7 +23,11 @@ from bastion.safety.errors import Unavailable
 SANDBOX_WORKSPACE: Final = "/workspace"
 SANDBOX_PATH: Final = "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin"
 TMP_SIZE_BYTES: Final = 64 * 1024 * 1024
-AGENT_SOURCE: Final = (Path(__file__).parent / "_agent.py").read_text(encoding="utf-8")
+# The agent runs inside with no site-packages: Landlock's code travels with it, in front.
+AGENT_SOURCE: Final = "\n\n".join(
+    (Path(__file__).parent / name).read_text(encoding="utf-8") for name in ("landlock.py", "_agent.py")
+)
+TMP_DIR: Final = "/tmp"  # noqa: S108 - the sandbox's own tmpfs
 
 # System folders bound read-only. /etc is not bound whole: only what programs
 # need to start and name users, never shadow files, keys or the host's config.
@@ -100,12 +104,12 @@ def build_bwrap_argv(spec: SandboxSpec, agent_fd: int, python: str) -> list[str]
     argv += ["--cap-drop", "ALL", "--cap-add", "CAP_SYS_ADMIN", "--cap-add", "CAP_SETPCAP"]
     _bind_system(argv, python)
     argv += ["--proc", "/proc", "--dev", "/dev"]
-    argv += ["--size", str(spec.tmp_size_bytes), "--tmpfs", "/tmp"]  # noqa: S108 - the sandbox's own tmpfs
+    argv += ["--size", str(spec.tmp_size_bytes), "--tmpfs", TMP_DIR]
     argv += ["--bind", spec.workspace, SANDBOX_WORKSPACE]
     for source, dest in spec.read_only_binds:
         argv += ["--ro-bind", source, dest]
     argv += ["--chdir", SANDBOX_WORKSPACE, "--clearenv", "--setenv", "PATH", SANDBOX_PATH]
-    argv += ["--", python, "-I", "-S", "-c", AGENT_SOURCE, str(agent_fd)]
+    argv += ["--", python, "-I", "-S", "-c", AGENT_SOURCE, str(agent_fd), SANDBOX_WORKSPACE, TMP_DIR]
     return argv
 
 

@@ -11,6 +11,7 @@ import asyncio
 import collections
 import contextlib
 import json
+import logging
 import os
 import socket
 import subprocess  # noqa: TID251 - only the Popen type; _spawn starts it
@@ -20,6 +21,8 @@ from typing import Final
 
 from bastion.safety.errors import Unavailable
 from bastion.sandbox._spawn import SandboxSpec, start_sandbox
+
+logger = logging.getLogger("bastion.sandbox")
 
 START_TIMEOUT_S: Final = 10.0
 KILL_GRACE_S: Final = 5.0
@@ -116,6 +119,9 @@ class WarmSandbox:
             err = (proc.communicate()[1] or b"").decode(errors="replace").strip().splitlines()
             sock.close()
             raise Unavailable("sandbox failed to start: " + (err[-1] if err else "no reason given"))
+        landlock = json.loads(hello).get("landlock", {})
+        if landlock.get("warning"):
+            logger.warning("sandbox for %s: %s", self.spec.workspace, landlock["warning"])
         self._proc, self._sock = proc, sock
         self._member_ready = asyncio.Event()
         loop.add_reader(sock.fileno(), self._on_message)
