@@ -173,3 +173,12 @@ async def test_landlock_confines_writes_to_workspace_and_tmp(sandbox: WarmSandbo
     errors = outcome.stderr.decode()
     assert errors.count("Permission denied") == 2, errors
     assert outcome.stdout == b"wrote\n"
+
+
+async def test_seccomp_filter_is_on_for_commands(sandbox: WarmSandbox) -> None:
+    """Invariant: every command runs under the filter: no new user namespace, no mount."""
+    outcome = await sh(sandbox, "grep '^Seccomp:' /proc/self/status; unshare -U true 2>&1; echo unshare=$?")
+    text = outcome.stdout.decode()
+    assert "Seccomp:\t2" in text
+    assert "Operation not permitted" in text
+    assert "unshare=1" in text

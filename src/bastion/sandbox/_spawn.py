@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Final
 
 from bastion.safety.errors import Unavailable
+from bastion.sandbox.seccomp import write_filter_fd
 
 SANDBOX_WORKSPACE: Final = "/workspace"
 SANDBOX_PATH: Final = "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin"
@@ -90,7 +91,7 @@ def _bind_system(argv: list[str], python: str) -> None:
         argv += ["--ro-bind", prefix, prefix]
 
 
-def build_bwrap_argv(spec: SandboxSpec, agent_fd: int, python: str) -> list[str]:
+def build_bwrap_argv(spec: SandboxSpec, agent_fd: int, python: str, seccomp_fd: int) -> list[str]:
     """The bubblewrap command line of a warm sandbox running the agent.
 
     Namespaces: user (the agent's capabilities only reach the sandbox's own
@@ -109,21 +110,24 @@ def build_bwrap_argv(spec: SandboxSpec, agent_fd: int, python: str) -> list[str]
     for source, dest in spec.read_only_binds:
         argv += ["--ro-bind", source, dest]
     argv += ["--chdir", SANDBOX_WORKSPACE, "--clearenv", "--setenv", "PATH", SANDBOX_PATH]
+    # bwrap loads the filter just before it execs the agent: the agent and every command run under it.
+    argv += ["--seccomp", str(seccomp_fd)]
     argv += ["--", python, "-I", "-S", "-c", AGENT_SOURCE, str(agent_fd), SANDBOX_WORKSPACE, TMP_DIR]
     return argv
 
 
 def start_sandbox(spec: SandboxSpec) -> tuple[subprocess.Popen[bytes], socket.socket]:
     """Start bwrap with the agent inside; return the process and the host's socket end."""
+    seccomp_fd = write_filter_fd()
     host_end, agent_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
-        argv = build_bwrap_argv(spec, agent_end.fileno(), sandbox_python())
+        argv = build_bwrap_argv(spec, agent_end.fileno(), sandbox_python(), seccomp_fd)
         proc = subprocess.Popen(
             argv,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
-            pass_fds=(agent_end.fileno(),),
+            pass_fds=(agent_end.fileno(), seccomp_fd),
             close_fds=True,
             start_new_session=True,
         )
@@ -132,4 +136,5 @@ def start_sandbox(spec: SandboxSpec) -> tuple[subprocess.Popen[bytes], socket.so
         raise Unavailable(f"cannot start bubblewrap: {exc.strerror}") from exc
     finally:
         agent_end.close()
+        os.close(seccomp_fd)
     return proc, host_end

@@ -356,7 +356,10 @@ def _discover(base_name: str, mounts: list[_Mount], own: dict[str, str], created
         if mount.point in built:
             return built[mount.point]
         v2 = mount.fstype == "cgroup2"
-        parent = _parent_dir(mount, own.get("" if v2 else min(mount.super_options & V1_CONTROLLERS)))
+        own_path = own.get("" if v2 else min(mount.super_options & V1_CONTROLLERS))
+        if own_path is not None and own_path.endswith(f"/{base_name}-server"):
+            own_path = own_path.rsplit("/", 1)[0]  # already moved to our leaf by an earlier detect()
+        parent = _parent_dir(mount, own_path)
         if v2 and v2_has_all:
             _enable_v2_controllers(parent, base_name)
         base = os.path.join(parent, base_name)
@@ -515,7 +518,6 @@ class CgroupLayout:
                 continue
             except OSError as exc:
                 raise OperationFailed(f"cannot list {h.base}: {exc.strerror}") from exc
-        names.discard(f"{self.base_name}-server")
         return sorted(names)
 
     def open(self, name: str) -> SandboxCgroup:
@@ -566,8 +568,9 @@ class SandboxCgroup:
         """Move process ``pid`` (0: the calling process) into the group in every hierarchy.
 
         Its future children start inside. Children it forked before this call do
-        not follow: attach before the process starts work (or write 0 from the
-        child before exec).
+        not follow: attach before the process starts work (or call attach(0) in
+        the child before exec). If this raises, the process may already be in some
+        hierarchies: destroy the group.
 
         Raises:
             NotFound: the process or the group is gone.

@@ -16,8 +16,8 @@ feature then degrade, and the refusal reaches the client as a plain error):
   namespace hands a command a full capability set again, and with it the kernel
   attack surface that user namespaces expose (user_namespaces(7)). Entering other
   namespaces, setns(2), is denied too. clone3(2) fails with ENOSYS, because its
-  flags sit in a struct that seccomp cannot read (seccomp(2), "the filter cannot
-  dereference pointers"); glibc then falls back to clone(2), which is checked.
+  flags sit in a struct that seccomp cannot read (seccomp(2): a filter sees the
+  argument registers, not memory); glibc then falls back to clone(2), checked.
 - Reaching into other processes: ptrace(2), process_vm_readv/writev(2),
   pidfd_getfd(2) (copies another process's file descriptors).
 - Kernel surfaces that are a common road to a kernel exploit and that no build or
@@ -49,6 +49,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
+import functools
 import os
 from typing import Final, NamedTuple
 
@@ -264,6 +265,7 @@ def _add_denial(lib: _LibSeccomp, ctx: int, denial: Denial) -> None:
     _check(rc, f"add the rule for {denial.syscall}")
 
 
+@functools.cache  # the program is the same every time: compile it once per process
 def build_filter() -> bytes:
     """Compile the deny-list to classic BPF for ``bwrap --seccomp``.
 

@@ -1,0 +1,322 @@
+"""The cgroup boundary of a sandbox: limits hold, freeze stops, kill leaves nothing, destroy cleans every hierarchy.
+
+These use real cgroups under a base group of their own, bastion-test-<pid>, so they
+never touch a real server's groups; every group made here is destroyed, and the
+base removed, even when a test fails. They prove what the kernel enforces for a
+process attached before it starts work, not that the server attaches in time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from bastion.safety.errors import Conflict, InvalidRequest, NotFound, Unavailable
+from bastion.sandbox.cgroups import (
+    CgroupLayout,
+    Limits,
+    SandboxCgroup,
+    Usage,
+    _Hierarchy,
+    _own_dir,
+    _parse_mountinfo,
+    _parse_self_cgroup,
+    _Roles,
+)
+
+pytestmark = pytest.mark.root
+
+BASE_NAME = f"bastion-test-{os.getpid()}"
+MIB = 1024 * 1024
+UNLIMITED = Limits(memory_bytes=None, pids=None, cpu_cores=None)
+# The child waits for one line on stdin before it does anything, so it is in the group before it works.
+GATE = "import sys\nsys.stdin.readline()\n"
+KILL_TREE = "read go; setsid sleep 1000 & (sleep 1000 &); sleep 1000"
+
+MakeGroup = Callable[..., SandboxCgroup]
+Spawn = Callable[[SandboxCgroup, list[str]], subprocess.Popen[bytes]]
+
+
+@pytest.fixture(scope="module")
+def layout() -> Iterator[CgroupLayout]:
+    try:
+        found = CgroupLayout.detect(BASE_NAME)
+    except Unavailable as exc:
+        if os.geteuid() != 0:
+            pytest.skip(f"needs root or a delegated cgroup subtree (systemd Delegate=yes): {exc.reason}")
+        raise
+    try:
+        yield found
+    finally:
+        for name in found.existing():
+            found.open(name).destroy()
+        found.release()
+
+
+@pytest.fixture
+def make_group(layout: CgroupLayout, spawn: Spawn) -> Iterator[MakeGroup]:
+    """Groups destroyed at teardown. It depends on `spawn` so that groups go first, then processes are reaped."""
+    made: list[SandboxCgroup] = []
+
+    def make(limits: Limits = UNLIMITED, name: str | None = None, on: CgroupLayout = layout) -> SandboxCgroup:
+        group = on.create(name or f"t-{uuid.uuid4().hex[:12]}", limits)
+        made.append(group)
+        return group
+
+    yield make
+    for group in made:
+        group.destroy()
+
+
+@pytest.fixture
+def spawn() -> Iterator[Spawn]:
+    """Start argv (reading one gate line first), attach it, then open the gate."""
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start(group: SandboxCgroup, argv: list[str]) -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        procs.append(proc)
+        group.attach(proc.pid)
+        assert proc.stdin is not None
+        proc.stdin.write(b"go\n")
+        proc.stdin.flush()
+        return proc
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=5)
+        for pipe in (proc.stdin, proc.stdout):
+            if pipe is not None:
+                pipe.close()
+
+
+def python(code: str) -> list[str]:
+    return [sys.executable, "-I", "-S", "-c", GATE + code]
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float = 3.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
+def is_cgroup2(path: str) -> bool:
+    mounts = _parse_mountinfo(Path("/proc/self/mountinfo").read_text())
+    return any(m.point == path and m.fstype == "cgroup2" for m in mounts)
+
+
+def test_detect_finds_every_role(layout: CgroupLayout) -> None:
+    """memory, pids, cpu, freeze and kill each have a home; on a hybrid host freeze/kill are in the v2 mount."""
+    where = layout.locations
+    assert {"memory", "pids", "cpu", "cpu_usage", "freeze"} <= set(where)
+    if is_cgroup2("/sys/fs/cgroup/unified"):
+        assert layout.mode == "hybrid"
+        assert where["memory"] == f"/sys/fs/cgroup/memory/{BASE_NAME}"
+        assert where["pids"] == f"/sys/fs/cgroup/pids/{BASE_NAME}"
+        assert where["cpu"].startswith("/sys/fs/cgroup/cpu")
+        assert where["freeze"] == f"/sys/fs/cgroup/unified/{BASE_NAME}"
+        assert where["kill"] == f"/sys/fs/cgroup/unified/{BASE_NAME}"
+        assert layout.has_cgroup_kill
+    for path in where.values():
+        assert os.path.isdir(path)
+
+
+def test_memory_limit_oom_kills_a_256_mib_allocation(make_group: MakeGroup, spawn: Spawn) -> None:
+    """A 256 MiB allocation in a 64 MiB group dies by SIGKILL from the OOM killer, not by swapping."""
+    group = make_group(Limits(memory_bytes=64 * MIB, pids=None, cpu_cores=None))
+    proc = spawn(group, python("block = b'x' * (256 << 20)\nprint('survived')"))
+    assert proc.wait(timeout=10) == -9
+    assert group.oom_kills() >= 1
+
+
+def test_pids_limit_stops_a_fork_loop(make_group: MakeGroup, spawn: Spawn) -> None:
+    """A fork loop in a 16-task group gets EAGAIN at about 16 tasks; the group never exceeds 16."""
+    group = make_group(Limits(memory_bytes=None, pids=16, cpu_cores=None))
+    code = """
+import os, time
+forked = 0
+try:
+    while forked < 1000:
+        if os.fork() == 0:
+            time.sleep(30)
+            os._exit(0)
+        forked += 1
+except OSError as exc:
+    print(forked, exc.errno, flush=True)
+sys.stdin.readline()
+"""
+    proc = spawn(group, python(code))
+    assert proc.stdout is not None
+    forked, err = (int(field) for field in proc.stdout.readline().split())
+    assert err == errno.EAGAIN
+    assert 8 <= forked <= 15
+    assert group.usage().pids <= 16
+    group.kill()
+    assert proc.wait(timeout=5) == -9
+
+
+def test_cpu_limit_holds_a_busy_loop_to_a_fifth_of_a_core(make_group: MakeGroup, spawn: Spawn) -> None:
+    """At 0.2 cores, one second of busy looping gets about 0.2 s of CPU (bound 0.35 s)."""
+    group = make_group(Limits(memory_bytes=None, pids=None, cpu_cores=0.2))
+    before = group.usage().cpu_usec
+    proc = spawn(group, python("import time\nend = time.monotonic() + 1.0\nwhile time.monotonic() < end:\n    pass\n"))
+    assert proc.wait(timeout=10) == 0
+    used = group.usage().cpu_usec - before
+    assert 50_000 < used <= 350_000
+
+
+def test_freeze_stops_cpu_use_and_thaw_resumes_it(make_group: MakeGroup, spawn: Spawn) -> None:
+    """While frozen a busy loop gains under 20 ms of CPU in 300 ms; after thaw it runs again."""
+    group = make_group()
+    spawn(group, python("while True:\n    pass\n"))
+    wait_for(lambda: group.usage().cpu_usec > 20_000)
+    group.freeze()
+    assert group.usage().frozen
+    frozen_at = group.usage().cpu_usec
+    time.sleep(0.3)
+    thawed_at = group.usage().cpu_usec
+    assert thawed_at - frozen_at < 20_000
+    group.thaw()
+    assert not group.usage().frozen
+    wait_for(lambda: group.usage().cpu_usec - thawed_at > 50_000)
+
+
+def sleeps_in(group: SandboxCgroup) -> list[int]:
+    found = []
+    for pid in group.pids():
+        try:
+            if Path(f"/proc/{pid}/comm").read_text().strip() == "sleep":
+                found.append(pid)
+        except FileNotFoundError:
+            continue
+    return found
+
+
+def assert_tree_killed(group: SandboxCgroup, proc: subprocess.Popen[bytes]) -> None:
+    wait_for(lambda: len(sleeps_in(group)) >= 3)  # setsid'd, double-forked (orphaned), foreground
+    victims = group.pids()
+    group.kill()
+    assert group.pids() == []
+    assert proc.wait(timeout=5) == -9
+    for pid in victims:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        assert state in ("Z", "X"), f"pid {pid} survived in state {state}"
+    paths = group.paths
+    group.destroy()
+    assert not any(os.path.exists(path) for path in paths)
+
+
+def test_kill_ends_setsid_and_double_forked_children(make_group: MakeGroup, spawn: Spawn) -> None:
+    """cgroup.kill ends a tree that left the session and its parent; destroy removes the group everywhere."""
+    group = make_group()
+    assert_tree_killed(group, spawn(group, ["sh", "-c", KILL_TREE]))
+
+
+def test_kill_without_cgroup_kill_freezes_and_signals_each_pid(
+    layout: CgroupLayout, make_group: MakeGroup, spawn: Spawn
+) -> None:
+    """The fallback for kernels before 5.14 (freeze, SIGKILL each pid, thaw) also leaves nothing."""
+    old_kernel = CgroupLayout(layout.base_name, layout.mode, dataclasses.replace(layout._roles, cgroup_kill=False))
+    group = make_group(on=old_kernel)
+    assert_tree_killed(group, spawn(group, ["sh", "-c", KILL_TREE]))
+
+
+def test_existing_lists_a_leftover_and_create_refuses_its_name(layout: CgroupLayout, make_group: MakeGroup) -> None:
+    """A group left behind is found for crash recovery; creating it again is a Conflict, never a reuse."""
+    name = f"leftover-{uuid.uuid4().hex[:8]}"
+    make_group(name=name)
+    assert name in layout.existing()
+    with pytest.raises(Conflict):
+        layout.create(name, UNLIMITED)
+    assert layout.open(name).name == name
+
+
+def test_names_are_checked_and_missing_groups_are_not_found(layout: CgroupLayout) -> None:
+    """A name that could walk the tree is refused; opening a group that is not there is NotFound."""
+    for bad in ("../escape", "Upper", "", "a" * 65, "a/b"):
+        with pytest.raises(InvalidRequest):
+            layout.create(bad, UNLIMITED)
+    with pytest.raises(NotFound):
+        layout.open("never-made")
+
+
+def test_limits_refuse_nonsense() -> None:
+    with pytest.raises(InvalidRequest):
+        Limits(memory_bytes=0, pids=None, cpu_cores=None)
+    with pytest.raises(InvalidRequest):
+        Limits(memory_bytes=None, pids=-1, cpu_cores=None)
+    with pytest.raises(InvalidRequest):
+        Limits(memory_bytes=None, pids=None, cpu_cores=float("nan"))
+
+
+def test_pure_v2_files_are_written_in_the_v2_format(tmp_path: Path) -> None:
+    """The pure-v2 branch (not reachable on a hybrid host), against plain files laid out like cgroupfs."""
+    group_dir = tmp_path / "base" / "box"
+    group_dir.mkdir(parents=True)
+    files = {
+        "memory.max": "",
+        "memory.swap.max": "",
+        "pids.max": "",
+        "cpu.max": "",
+        "memory.current": "4096\n",
+        "pids.current": "3\n",
+        "cpu.stat": "usage_usec 1234\nuser_usec 1000\n",
+        "cgroup.events": "populated 1\nfrozen 0\n",
+        "memory.events": "low 0\nhigh 0\nmax 5\noom 2\noom_kill 2\n",
+    }
+    for name, text in files.items():
+        (group_dir / name).write_text(text)
+    v2 = _Hierarchy(2, str(tmp_path / "base"))
+    group = SandboxCgroup("box", _Roles(v2, v2, v2, v2, v2, v2, True, (v2,)))
+    group.set_limits(Limits(memory_bytes=64 * MIB, pids=16, cpu_cores=0.2))
+    assert (group_dir / "memory.max").read_text() == str(64 * MIB)
+    assert (group_dir / "memory.swap.max").read_text() == "0"
+    assert (group_dir / "pids.max").read_text() == "16"
+    assert (group_dir / "cpu.max").read_text() == "20000 100000"
+    assert group.usage() == Usage(memory_bytes=4096, pids=3, cpu_usec=1234, frozen=False)
+    assert group.oom_kills() == 2
+    for name in ("memory.max", "pids.max", "cpu.max"):
+        (group_dir / name).write_text("")
+    group.set_limits(UNLIMITED)
+    assert (group_dir / "memory.max").read_text() == "max"
+    assert (group_dir / "pids.max").read_text() == "max"
+    assert (group_dir / "cpu.max").read_text() == "max 100000"
+
+
+def test_mountinfo_and_own_cgroup_of_a_delegated_pure_v2_service() -> None:
+    """Parsing of a systemd host (pure v2) and of a mount whose root is not the hierarchy root."""
+    mountinfo = (
+        "24 1 0:22 / /sys/fs/cgroup rw,nosuid,nodev,noexec,relatime shared:9 - cgroup2 cgroup2 rw,nsdelegate\n"
+        "30 24 0:23 / /sys/fs/cgroup/with\\040space rw - cgroup cgroup rw,cpu,cpuacct\n"
+        "40 1 0:22 /system.slice /mnt/cg rw - cgroup2 cgroup2 rw\n"
+        "50 1 0:5 / /proc rw - proc proc rw\n"
+    )
+    mounts = _parse_mountinfo(mountinfo)
+    assert [(m.point, m.fstype) for m in mounts] == [
+        ("/sys/fs/cgroup", "cgroup2"),
+        ("/sys/fs/cgroup/with space", "cgroup"),
+        ("/mnt/cg", "cgroup2"),
+    ]
+    assert mounts[1].super_options >= {"cpu", "cpuacct"}
+    own = _parse_self_cgroup("0::/system.slice/bastion.service\n")
+    assert own == {"": "/system.slice/bastion.service"}
+    assert _own_dir(mounts[0], own[""]) == "/sys/fs/cgroup/system.slice/bastion.service"
+    assert _own_dir(mounts[2], own[""]) == "/mnt/cg/bastion.service"
+    assert _own_dir(mounts[2], "/user.slice/x") is None
+    hybrid = _parse_self_cgroup("4:memory:/a/b\n2:cpu,cpuacct:/\n1:name=systemd:/x\n0::/\n")
+    assert hybrid == {"memory": "/a/b", "cpu": "/", "cpuacct": "/", "": "/"}
