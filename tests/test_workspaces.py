@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from mcp import Client
+
+from bastion.app import build_server, build_services
+from bastion.config import load_config
 
 pytestmark = pytest.mark.anyio
 
@@ -53,3 +58,19 @@ async def test_cwd_outside_or_missing_is_refused(client: Client, cwd: str, code:
     assert result.structured_content is not None
     assert result.structured_content["code"] == code
     assert result.structured_content["detail"] == {}
+
+
+async def test_memory_hog_is_resource_limit(demo_config_path: Path) -> None:
+    """Invariant: a command past the workspace's memory limit is killed and reported RESOURCE_LIMIT."""
+    text = demo_config_path.read_text()
+    assert "memory_bytes = " in text
+    demo_config_path.write_text(text.replace("memory_bytes = 1073741824", "memory_bytes = 67108864"))
+    services = build_services(load_config(demo_config_path))
+    try:
+        async with Client(build_server(services, caller="test")) as client:
+            result = await client.call_tool("run_command", {"command": "sort /dev/zero", "timeout_s": 20})
+    finally:
+        services.close()
+    assert result.structured_content is not None
+    assert result.structured_content["code"] == "RESOURCE_LIMIT"
+    assert result.is_error is True

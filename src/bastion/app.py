@@ -8,8 +8,9 @@ from dataclasses import dataclass
 from bastion import __version__
 from bastion.config import Config
 from bastion.safety.audit import AuditLog
-from bastion.safety.errors import AuditUnavailable, ConfigError
+from bastion.safety.errors import AuditUnavailable, BastionError, ConfigError
 from bastion.safety.redact import Redactor
+from bastion.sandbox.cgroups import CgroupLayout
 from bastion.tools._call import CallRunner
 from bastion.tools.server import BastionServer
 from bastion.tools.workbench import register_workbench
@@ -50,7 +51,17 @@ def build_services(config: Config) -> Services:
         audit.open()
     except AuditUnavailable as exc:
         raise ConfigError(f"audit log {config.audit_path}: {exc.reason}") from None
-    return Services(config=config, redactor=redactor, audit=audit, registry=WorkspaceRegistry(config, redactor))
+    cgroups = None
+    if any(ws.use_cgroups for ws in config.workspace):
+        try:
+            cgroups = CgroupLayout.detect()
+        except BastionError as exc:
+            audit.close()
+            raise ConfigError(
+                f"cgroups: {exc.reason} (run as root or with a delegated cgroup; 'use_cgroups = false' disables limits)"
+            ) from None
+    registry = WorkspaceRegistry(config, redactor, cgroups)
+    return Services(config=config, redactor=redactor, audit=audit, registry=registry)
 
 
 def build_server(services: Services, *, caller: str) -> BastionServer:

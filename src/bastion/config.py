@@ -57,6 +57,14 @@ class RedactionConfig(_Model):
         return patterns
 
 
+class LimitsConfig(_Model):
+    """cgroup limits of a workspace's sandbox: all its commands together."""
+
+    memory_bytes: Annotated[int, Field(ge=16 * 1024 * 1024)] = 1024 * 1024 * 1024
+    pids: Annotated[int, Field(ge=8, le=1_000_000)] = 256
+    cpu_cores: Annotated[float, Field(gt=0, le=1024)] = 1.0
+
+
 class WorkspaceConfig(_Model):
     id: Annotated[str, Field(pattern=_ID_PATTERN)]
     path: Path
@@ -69,6 +77,9 @@ class WorkspaceConfig(_Model):
     """Name patterns the file tools refuse to read or write (fnmatch, case-insensitive)."""
     allow_hardlinks: bool = False
     """Dangerous: allows reading files with several hard links, one of which may be outside the workspace."""
+    limits: LimitsConfig = LimitsConfig()
+    use_cgroups: bool = True
+    """Dangerous when false: commands then run without memory, pids and CPU limits."""
 
     @field_validator("env")
     @classmethod

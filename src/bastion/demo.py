@@ -64,6 +64,12 @@ max_output_bytes = 65536
 # Extra environment for commands (PATH, HOME and LANG are fixed). Values are redacted from output.
 env = {{}}
 
+[workspace.limits]
+# cgroup limits of this workspace's sandbox, all its commands together.
+memory_bytes = 1073741824   # 1 GiB; past it the command is killed: RESOURCE_LIMIT
+pids = 256
+cpu_cores = 1.0
+
 [workspace.policy]
 # Deny wins. A command not in `allow` is refused. `bastion policy explain --config bastion.toml -- CMD` tells why.
 allow = {_toml_list(DEMO_POLICY.allow)}

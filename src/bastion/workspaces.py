@@ -20,6 +20,7 @@ from bastion.safety.errors import InvalidRequest, SandboxNotFound
 from bastion.safety.paths import MAX_READ_BYTES, Jail
 from bastion.safety.redact import Redactor, sanitize_terminal
 from bastion.sandbox._spawn import SANDBOX_PATH, SANDBOX_WORKSPACE, SandboxSpec
+from bastion.sandbox.cgroups import CgroupLayout, Limits
 from bastion.sandbox.warm import RunOutcome, WarmSandbox
 
 Encoding = Literal["utf-8", "base64"]
@@ -37,18 +38,23 @@ class CommandOutput:
     stderr: str
     truncated: bool
     timed_out: bool
+    oom_killed: bool
 
 
 class HostWorkspace:
     """One configured host folder: jail, policy and a warm kernel sandbox."""
 
-    def __init__(self, config: WorkspaceConfig, redactor: Redactor) -> None:
+    def __init__(self, config: WorkspaceConfig, redactor: Redactor, cgroups: CgroupLayout | None) -> None:
         self.config = config
         self.id = config.id
         self.policy = CommandPolicy(config.policy)
         self.jail = Jail(config.path, secret_patterns=config.secret_files, allow_hardlinks=config.allow_hardlinks)
         self.redactor = redactor
-        self.sandbox = WarmSandbox(SandboxSpec(workspace=self.jail.root))
+        limits = None
+        if config.use_cgroups:
+            lim = config.limits
+            limits = Limits(memory_bytes=lim.memory_bytes, pids=lim.pids, cpu_cores=lim.cpu_cores)
+        self.sandbox = WarmSandbox(SandboxSpec(workspace=self.jail.root), cgroups=cgroups, limits=limits)
 
     def environment(self) -> dict[str, str]:
         """Exactly PATH, HOME and LANG, plus the administrator's variables."""
@@ -98,6 +104,7 @@ class HostWorkspace:
             stderr=stderr,
             truncated=outcome.truncated,
             timed_out=outcome.timed_out,
+            oom_killed=outcome.oom_killed,
         )
 
     def _clean(self, raw: bytes, *, cut: bool) -> str:
@@ -162,9 +169,9 @@ class HostWorkspace:
 class WorkspaceRegistry:
     """The configured host workspaces, by id."""
 
-    def __init__(self, config: Config, redactor: Redactor) -> None:
+    def __init__(self, config: Config, redactor: Redactor, cgroups: CgroupLayout | None) -> None:
         self._default = config.default_workspace
-        self._workspaces = {ws.id: HostWorkspace(ws, redactor) for ws in config.workspace}
+        self._workspaces = {ws.id: HostWorkspace(ws, redactor, cgroups) for ws in config.workspace}
 
     def get_id(self, workspace_id: str | None) -> str:
         """The id a call is about, for the audit record (not checked here)."""

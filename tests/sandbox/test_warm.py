@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from bastion.sandbox._spawn import SANDBOX_PATH, SandboxSpec
+from bastion.sandbox.cgroups import CgroupLayout, Limits
 from bastion.sandbox.warm import RunOutcome, WarmSandbox
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
@@ -182,3 +183,40 @@ async def test_seccomp_filter_is_on_for_commands(sandbox: WarmSandbox) -> None:
     assert "Seccomp:\t2" in text
     assert "Operation not permitted" in text
     assert "unshare=1" in text
+
+
+@pytest.fixture
+async def limited(tmp_path: Path) -> AsyncIterator[WarmSandbox]:
+    ws = tmp_path / "limited"
+    ws.mkdir()
+    layout = CgroupLayout.detect(base_name=f"bastion-test-{os.getpid()}")
+    box = WarmSandbox(
+        SandboxSpec(workspace=str(ws)), cgroups=layout, limits=Limits(memory_bytes=96 << 20, pids=32, cpu_cores=1.0)
+    )
+    yield box
+    box.close()
+    layout.release()
+
+
+async def test_memory_hog_is_killed_and_reported(limited: WarmSandbox) -> None:
+    outcome = await sh(limited, "x=$(head -c 400000000 /dev/zero | tr '\\0' a); echo ${#x}")
+    assert outcome.oom_killed
+    assert outcome.status == 137
+
+
+async def test_fork_bomb_stops_at_the_pids_limit(limited: WarmSandbox) -> None:
+    outcome = await sh(limited, "for i in $(seq 60); do sleep 3 & done 2>&1; echo done", timeout_s=10)
+    assert b"Cannot fork" in outcome.stdout + outcome.stderr
+    assert not outcome.oom_killed
+    again = await sh(limited, "echo alive")
+    assert again.stdout == b"alive\n"
+
+
+async def test_close_removes_the_cgroup(limited: WarmSandbox) -> None:
+    await sh(limited, "true")
+    group = limited._group
+    assert group is not None
+    paths = group.paths
+    assert all(os.path.isdir(p) for p in paths)
+    limited.close()
+    assert not any(os.path.exists(p) for p in paths)

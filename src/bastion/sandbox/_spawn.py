@@ -56,6 +56,18 @@ class SandboxSpec:
     workspace: str
     read_only_binds: tuple[tuple[str, str], ...] = ()
     tmp_size_bytes: int = TMP_SIZE_BYTES
+    cgroup_procs: tuple[str, ...] = ()
+    """``cgroup.procs`` files bwrap must be inside before it starts, one per hierarchy."""
+
+
+# Joins the cgroups, then becomes bwrap (same pid), so bwrap and everything it forks
+# start inside: attaching bwrap's pid after spawn would miss the children it forks at
+# once. `echo` is the shell's builtin, so the shell itself moves ("0" = the writer).
+# Only our own paths and argv reach it, as positional parameters: nothing is parsed.
+_JOIN_CGROUPS: Final = """n=$1; shift
+while [ "$n" -gt 0 ]; do echo 0 > "$1" || exit 126; shift; n=$((n - 1)); done
+exec "$@"
+"""
 
 
 def bwrap_path() -> str:
@@ -122,6 +134,16 @@ def start_sandbox(spec: SandboxSpec) -> tuple[subprocess.Popen[bytes], socket.so
     host_end, agent_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         argv = build_bwrap_argv(spec, agent_end.fileno(), sandbox_python(), seccomp_fd)
+        if spec.cgroup_procs:
+            argv = [
+                "/bin/sh",
+                "-c",
+                _JOIN_CGROUPS,
+                "bastion-join",
+                str(len(spec.cgroup_procs)),
+                *spec.cgroup_procs,
+                *argv,
+            ]
         proc = subprocess.Popen(
             argv,
             stdin=subprocess.DEVNULL,

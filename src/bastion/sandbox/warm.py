@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
+import itertools
 import json
 import logging
 import os
@@ -19,12 +21,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from bastion.safety.errors import Unavailable
+from bastion.safety.errors import BastionError, Unavailable
 from bastion.sandbox._spawn import SandboxSpec, start_sandbox
+from bastion.sandbox.cgroups import CgroupLayout, Limits, SandboxCgroup
 
 logger = logging.getLogger("bastion.sandbox")
 
 START_TIMEOUT_S: Final = 10.0
+_GROUP_PREFIX: Final = "sb"
+_group_ids = itertools.count(1)
 KILL_GRACE_S: Final = 5.0
 READ_CHUNK_BYTES: Final = 65_536
 MAX_MESSAGE_BYTES: Final = 65_536
@@ -41,6 +46,7 @@ class RunOutcome:
     stderr_total: int
     timed_out: bool
     cancelled: bool = False
+    oom_killed: bool = False
 
     @property
     def truncated(self) -> bool:
@@ -84,8 +90,13 @@ class _Capture:
 class WarmSandbox:
     """One long-lived sandbox; commands in it run concurrently, each in its own PID namespace."""
 
-    def __init__(self, spec: SandboxSpec) -> None:
+    def __init__(self, spec: SandboxSpec, *, cgroups: CgroupLayout | None = None, limits: Limits | None = None) -> None:
+        if limits is not None and cgroups is None:
+            raise Unavailable("resource limits need cgroups, and none are available")
         self.spec = spec
+        self._cgroups = cgroups
+        self._limits = limits
+        self._group: SandboxCgroup | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._sock: socket.socket | None = None
         self._members: collections.deque[tuple[int, socket.socket]] = collections.deque()
@@ -105,8 +116,31 @@ class WarmSandbox:
                 self.close()
             await self._start()
 
+    def _make_group(self) -> SandboxSpec:
+        if self._cgroups is None or self._limits is None:
+            return self.spec
+        name = f"{_GROUP_PREFIX}-{os.getpid()}-{next(_group_ids)}"
+        self._group = self._cgroups.create(name, self._limits)
+        procs = tuple(os.path.join(path, "cgroup.procs") for path in self._group.paths)
+        return dataclasses.replace(self.spec, cgroup_procs=procs)
+
+    def _drop_group(self) -> None:
+        group, self._group = self._group, None
+        if group is not None:
+            try:
+                group.destroy()
+            except BastionError as exc:
+                logger.error("cgroup %s of %s not removed: %s", group.name, self.spec.workspace, exc.reason)
+
+    def _oom_kills(self) -> int:
+        return self._group.oom_kills() if self._group is not None else 0
+
     async def _start(self) -> None:
-        proc, sock = start_sandbox(self.spec)
+        try:
+            proc, sock = start_sandbox(self._make_group())
+        except BaseException:
+            self._drop_group()
+            raise
         sock.setblocking(False)
         loop = asyncio.get_running_loop()
         try:
@@ -118,6 +152,7 @@ class WarmSandbox:
             proc.kill()
             err = (proc.communicate()[1] or b"").decode(errors="replace").strip().splitlines()
             sock.close()
+            self._drop_group()
             raise Unavailable("sandbox failed to start: " + (err[-1] if err else "no reason given"))
         landlock = json.loads(hello).get("landlock", {})
         if landlock.get("warning"):
@@ -169,6 +204,7 @@ class WarmSandbox:
             if self._proc.stderr is not None:
                 self._proc.stderr.close()
             self._proc = None
+        self._drop_group()
 
     async def _take_member(self) -> tuple[int, socket.socket]:
         while not self._members:
@@ -196,6 +232,7 @@ class WarmSandbox:
     ) -> RunOutcome:
         """Run one command to completion; on timeout or cancellation its whole tree is killed."""
         await self.start()
+        ooms_before = self._oom_kills()
         pid, member = await self._take_member()
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[int] = loop.create_future()
@@ -238,7 +275,10 @@ class WarmSandbox:
                 status = await self._await_exit(pid, waiter)
                 out.close()
                 err.close()
-        return RunOutcome(status, bytes(out.data), bytes(err.data), out.total, err.total, timed_out, cancelled)
+        oom_killed = self._group is not None and self._oom_kills() > ooms_before
+        return RunOutcome(
+            status, bytes(out.data), bytes(err.data), out.total, err.total, timed_out, cancelled, oom_killed
+        )
 
     async def _await_exit(self, pid: int, waiter: asyncio.Future[int]) -> int | None:
         try:

@@ -57,6 +57,10 @@ def register_workbench(server: BastionServer, registry: WorkspaceRegistry, runne
                 "argv": list(out.argv),
                 "cwd": out.cwd,
             }
+            if out.oom_killed:
+                return OperationResult.failure(
+                    "run_command", ResultCode.RESOURCE_LIMIT, "the command ran out of memory and was killed", detail
+                )
             if out.timed_out:
                 return OperationResult.failure(
                     "run_command", ResultCode.TIMEOUT, "the command hit its time limit and was killed", detail
