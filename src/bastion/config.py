@@ -28,6 +28,16 @@ _ENV_NAME: Final = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # Variables that change how a program loads code; never settable through config.
 _FORBIDDEN_ENV_PREFIXES: Final = ("LD_", "GIT_", "PYTHON", "NODE_", "PERL", "RUBY", "BASH_", "DYLD_")
 _FIXED_ENV: Final = frozenset({"PATH", "HOME", "LANG"})
+SANDBOX_ID_PREFIX: Final = "sb-"
+
+
+def _checked_env(env: dict[str, str]) -> dict[str, str]:
+    for name in env:
+        if not _ENV_NAME.match(name):
+            raise ValueError(f"environment variable name {name!r} is not valid")
+        if name in _FIXED_ENV or name.upper().startswith(_FORBIDDEN_ENV_PREFIXES):
+            raise ValueError(f"environment variable {name!r} may not be set from config")
+    return env
 
 
 class _Model(BaseModel):
@@ -84,12 +94,42 @@ class WorkspaceConfig(_Model):
     @field_validator("env")
     @classmethod
     def _check_env(cls, env: dict[str, str]) -> dict[str, str]:
-        for name in env:
-            if not _ENV_NAME.match(name):
-                raise ValueError(f"environment variable name {name!r} is not valid")
-            if name in _FIXED_ENV or name.upper().startswith(_FORBIDDEN_ENV_PREFIXES):
-                raise ValueError(f"environment variable {name!r} may not be set from config")
-        return env
+        return _checked_env(env)
+
+    @field_validator("id")
+    @classmethod
+    def _check_id(cls, value: str) -> str:
+        if value.startswith(SANDBOX_ID_PREFIX):
+            raise ValueError(f"workspace id {value!r} starts with {SANDBOX_ID_PREFIX!r}, which names sandboxes")
+        return value
+
+
+class SandboxLimitsConfig(_Model):
+    """The administrator's ceiling for each sandbox, and its default; create_sandbox may only narrow it."""
+
+    memory_bytes: Annotated[int, Field(ge=16 * 1024 * 1024)] = 1024 * 1024 * 1024
+    pids: Annotated[int, Field(ge=8, le=1_000_000)] = 256
+    cpu_cores: Annotated[float, Field(gt=0, le=1024)] = 1.0
+    timeout_s: Annotated[float, Field(gt=0, le=3600)] = 60.0
+    max_output_bytes: Annotated[int, Field(ge=1024, le=16 * 1024 * 1024)] = 65_536
+
+
+class SandboxesConfig(_Model):
+    """Agent-created sandboxes: fresh workspaces under `<state_dir>/sandboxes/`."""
+
+    enabled: bool = True
+    max_sandboxes: Annotated[int, Field(ge=0, le=10_000)] = 16
+    idle_timeout_s: Annotated[float, Field(gt=0)] = 1800.0
+    lifetime_s: Annotated[float, Field(gt=0)] = 86_400.0
+    reap_interval_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
+    limits: SandboxLimitsConfig = SandboxLimitsConfig()
+    env: dict[str, str] = Field(default_factory=dict)
+    """Extra environment for sandbox commands. Values are redacted from output."""
+
+    @field_validator("env")
+    @classmethod
+    def _check_env(cls, env: dict[str, str]) -> dict[str, str]:
+        return _checked_env(env)
 
 
 class InboxConfig(_Model):
@@ -104,6 +144,7 @@ class Config(_Model):
     redaction: RedactionConfig = RedactionConfig()
     workspace: tuple[WorkspaceConfig, ...] = ()
     inbox: tuple[InboxConfig, ...] = ()
+    sandboxes: SandboxesConfig = SandboxesConfig()
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "WARNING"
 
     @property
@@ -118,7 +159,13 @@ class Config(_Model):
         return next((ws for ws in self.workspace if ws.id == workspace_id), None)
 
     def secret_values(self) -> tuple[str, ...]:
-        return tuple(value for ws in self.workspace for value in ws.env.values() if value)
+        values = [value for ws in self.workspace for value in ws.env.values()]
+        values += self.sandboxes.env.values()
+        return tuple(value for value in values if value)
+
+    @property
+    def sandboxes_dir(self) -> Path:
+        return self.state_dir / "sandboxes"
 
 
 def _absolute(base: Path, path: Path) -> Path:

@@ -78,6 +78,23 @@ deny = {_toml_list(DEMO_POLICY.deny)}
 # Argument rules: tokens match in any order, long options also as --opt=value and abbreviated.
 {rules}
 
+# Sandboxes an agent creates with create_sandbox: a fresh /workspace under state/sandboxes/,
+# any shell command inside (the kernel is the boundary), no network.
+[sandboxes]
+enabled = true
+max_sandboxes = 16
+idle_timeout_s = 1800       # closed after 30 min unused
+lifetime_s = 86400          # and after a day in any case
+# env = {{ NAME = "value" }}  # extra environment for sandbox commands; values are redacted from output
+
+[sandboxes.limits]
+# The ceiling and default for each sandbox; create_sandbox(limits=...) may only ask for less.
+memory_bytes = 1073741824   # 1 GiB
+pids = 256
+cpu_cores = 1.0
+timeout_s = 60              # per command
+max_output_bytes = 65536    # per stream, per command
+
 # A folder for the file organizer.
 [[inbox]]
 id = "inbox"

@@ -12,7 +12,7 @@ import codecs
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Final, Literal
+from typing import TYPE_CHECKING, Final, Literal
 
 from bastion.config import Config, WorkspaceConfig
 from bastion.safety.commands import ApprovedCommand, CommandPolicy, Decision
@@ -22,6 +22,9 @@ from bastion.safety.redact import Redactor, sanitize_terminal
 from bastion.sandbox._spawn import SANDBOX_PATH, SANDBOX_WORKSPACE, SandboxSpec
 from bastion.sandbox.cgroups import CgroupLayout, Limits
 from bastion.sandbox.warm import RunOutcome, WarmSandbox
+
+if TYPE_CHECKING:
+    from bastion.sandboxes import SandboxManager
 
 Encoding = Literal["utf-8", "base64"]
 LANG: Final = "C.UTF-8"
@@ -44,8 +47,17 @@ class CommandOutput:
 class HostWorkspace:
     """One configured host folder: jail, policy and a warm kernel sandbox."""
 
-    def __init__(self, config: WorkspaceConfig, redactor: Redactor, cgroups: CgroupLayout | None) -> None:
+    def __init__(
+        self, config: WorkspaceConfig, redactor: Redactor, cgroups: CgroupLayout | None, *, via_sh: bool = False
+    ) -> None:
+        """A workspace behind a warm sandbox.
+
+        Args:
+            via_sh: run commands as ``sh -c COMMAND`` (sandboxes, whose policy allows a shell)
+                instead of parsing them into argv without one (host workspaces).
+        """
         self.config = config
+        self.via_sh = via_sh
         self.id = config.id
         self.policy = CommandPolicy(config.policy)
         self.jail = Jail(config.path, secret_patterns=config.secret_files, allow_hardlinks=config.allow_hardlinks)
@@ -78,7 +90,7 @@ class HostWorkspace:
         return SANDBOX_WORKSPACE if relative in ("", ".") else f"{SANDBOX_WORKSPACE}/{relative}"
 
     async def run(self, command: str, *, cwd: str | None, timeout_s: float | None) -> CommandOutput:
-        approved: ApprovedCommand = self.policy.check(command)
+        approved = self.policy.check_script(command) if self.via_sh else self.policy.check(command)
         sandbox_cwd = self.sandbox_cwd(cwd)
         limit = self.config.timeout_s if timeout_s is None else min(timeout_s, self.config.timeout_s)
         if limit <= 0:
@@ -167,11 +179,15 @@ class HostWorkspace:
 
 
 class WorkspaceRegistry:
-    """The configured host workspaces, by id."""
+    """Where a work tool acts: a configured host workspace, or an agent's sandbox, by id."""
 
     def __init__(self, config: Config, redactor: Redactor, cgroups: CgroupLayout | None) -> None:
         self._default = config.default_workspace
         self._workspaces = {ws.id: HostWorkspace(ws, redactor, cgroups) for ws in config.workspace}
+        self.sandboxes: SandboxManager | None = None
+
+    def is_host(self, workspace_id: str) -> bool:
+        return workspace_id in self._workspaces
 
     def get_id(self, workspace_id: str | None) -> str:
         """The id a call is about, for the audit record (not checked here)."""
@@ -179,10 +195,12 @@ class WorkspaceRegistry:
 
     def get(self, workspace_id: str | None) -> HostWorkspace:
         key = workspace_id or self._default
-        try:
-            return self._workspaces[key]
-        except KeyError:
-            raise SandboxNotFound(f"no workspace or sandbox named {key!r}: list the configured ones") from None
+        host = self._workspaces.get(key)
+        if host is not None:
+            return host
+        if self.sandboxes is not None and self.sandboxes.owns(key):
+            return self.sandboxes.get(key).workspace
+        raise SandboxNotFound(f"no workspace or sandbox named {key!r}: see list_sandboxes or the config")
 
     def close(self) -> None:
         for ws in self._workspaces.values():

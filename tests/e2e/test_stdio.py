@@ -17,7 +17,20 @@ from bastion.serve import client_snippet
 pytestmark = pytest.mark.anyio
 
 BASTION = Path(sys.executable).parent / "bastion"
-TOOLS = {"run_command", "explain_command", "read_file", "write_file", "list_directory"}
+TOOLS = {
+    "run_command",
+    "explain_command",
+    "read_file",
+    "write_file",
+    "list_directory",
+    "create_sandbox",
+    "list_sandboxes",
+    "get_sandbox_status",
+    "pause_sandbox",
+    "resume_sandbox",
+    "close_sandbox",
+    "create_run_close",
+}
 
 
 def snippet_params(config_path: Path) -> StdioServerParameters:

@@ -30,6 +30,7 @@ from bastion.safety.errors import BastionError, InvalidRequest, NotFound, Policy
 FIXED_PATH: Final = "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin"
 MAX_COMMAND_CHARS: Final = 16_384
 MAX_ARGS: Final = 1_024
+MAX_SCRIPT_CHARS: Final = 65_536
 
 _FIXED_DIRS: Final = frozenset(FIXED_PATH.split(":"))
 
@@ -396,6 +397,25 @@ class CommandPolicy:
             NotFound: the command is allowed but is not on the fixed PATH.
         """
         return self._approve(_validate_argv(argv))
+
+    def check_script(self, script: str) -> ApprovedCommand:
+        """Approve a shell script to run as ``sh -c SCRIPT``, or raise.
+
+        For sandboxes, where the kernel is the boundary and a shell is the point: the
+        policy must allow ``sh`` (or ``*``). Only NUL is refused in the script, since
+        exec cannot carry it; newlines and every shell feature are the user's to use.
+
+        Raises:
+            InvalidRequest: the script is empty, too long, or contains NUL.
+            PolicyDenied: the policy does not allow ``sh``.
+        """
+        if not script.strip():
+            raise InvalidRequest("the command is empty: give a command to run")
+        if len(script) > MAX_SCRIPT_CHARS:
+            raise InvalidRequest(f"the command is longer than {MAX_SCRIPT_CHARS} characters: write a script file")
+        if "\0" in script:
+            raise InvalidRequest("the command contains NUL, which no program can receive: remove it")
+        return self._approve(("sh", "-c", script))
 
     def explain(self, command: str) -> Decision:
         """Say what `check` would decide and which rule decided; runs nothing and never raises.

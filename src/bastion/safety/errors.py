@@ -8,6 +8,7 @@
     ├── SandboxNotFound         SANDBOX_NOT_FOUND no such sandbox or workspace id
     ├── Conflict                CONFLICT          the target exists; nothing is overwritten
     ├── ResourceLimit           RESOURCE_LIMIT    a size or count bound was hit
+    ├── Forbidden               FORBIDDEN         not this caller's to do (e.g. closing a host workspace)
     ├── Timeout                 TIMEOUT
     ├── Unavailable             UNAVAILABLE       a dependency (bubblewrap, the kernel feature) is missing
     ├── AuditUnavailable        AUDIT_UNAVAILABLE the audit record could not be written: nothing ran
@@ -62,6 +63,10 @@ class Conflict(BastionError):
 
 class ResourceLimit(BastionError):
     code = ResultCode.RESOURCE_LIMIT
+
+
+class Forbidden(BastionError):
+    code = ResultCode.FORBIDDEN
 
 
 class Timeout(BastionError):

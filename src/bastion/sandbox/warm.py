@@ -21,9 +21,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from bastion.safety.errors import BastionError, Unavailable
+from bastion.safety.errors import BastionError, Conflict, Unavailable
 from bastion.sandbox._spawn import SandboxSpec, start_sandbox
-from bastion.sandbox.cgroups import CgroupLayout, Limits, SandboxCgroup
+from bastion.sandbox.cgroups import CgroupLayout, Limits, SandboxCgroup, Usage
 
 logger = logging.getLogger("bastion.sandbox")
 
@@ -97,12 +97,37 @@ class WarmSandbox:
         self._cgroups = cgroups
         self._limits = limits
         self._group: SandboxCgroup | None = None
+        self._paused = False
         self._proc: subprocess.Popen[bytes] | None = None
         self._sock: socket.socket | None = None
         self._members: collections.deque[tuple[int, socket.socket]] = collections.deque()
         self._member_ready: asyncio.Event | None = None
         self._waiters: dict[int, asyncio.Future[int]] = {}
         self._start_lock = asyncio.Lock()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def _require_group(self) -> SandboxCgroup:
+        if self._group is None or not self.alive:
+            raise Conflict("the sandbox is not running or has no cgroup: run a command in it first")
+        return self._group
+
+    def pause(self) -> None:
+        """Freeze every process of the sandbox (cgroup freezer): it uses no CPU until resumed."""
+        self._require_group().freeze()
+        self._paused = True
+
+    def resume(self) -> None:
+        self._require_group().thaw()
+        self._paused = False
+
+    def usage(self) -> Usage | None:
+        """Live memory, pids and CPU of the whole sandbox; None before it has started."""
+        if self._group is None or not self.alive:
+            return None
+        return self._group.usage()
 
     @property
     def alive(self) -> bool:
@@ -204,6 +229,7 @@ class WarmSandbox:
             if self._proc.stderr is not None:
                 self._proc.stderr.close()
             self._proc = None
+        self._paused = False
         self._drop_group()
 
     async def _take_member(self) -> tuple[int, socket.socket]:
@@ -231,6 +257,8 @@ class WarmSandbox:
         max_output_bytes: int,
     ) -> RunOutcome:
         """Run one command to completion; on timeout or cancellation its whole tree is killed."""
+        if self._paused:
+            raise Conflict("the sandbox is paused: resume it first")
         await self.start()
         ooms_before = self._oom_kills()
         pid, member = await self._take_member()

@@ -1,0 +1,235 @@
+"""Agent-created sandboxes: a fresh workspace per sandbox, its own warm kernel sandbox and cgroup.
+
+A sandbox's files live in `<state_dir>/sandboxes/<id>/workspace`, bound read-write at
+/workspace inside; commands run as ``sh -c`` (the kernel is the boundary, so the policy
+allows a shell); the file tools act from outside through the jail. Closing a sandbox
+reclaims everything: processes (its PID namespaces die), its cgroup, and its files.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import stat
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final
+
+from bastion.config import SANDBOX_ID_PREFIX, Config, LimitsConfig, SandboxLimitsConfig, WorkspaceConfig
+from bastion.safety.commands import CommandPolicyConfig
+from bastion.safety.errors import Conflict, InvalidRequest, PolicyDenied, ResourceLimit, SandboxNotFound
+from bastion.safety.redact import Redactor
+from bastion.sandbox.cgroups import CgroupLayout
+from bastion.workspaces import HostWorkspace
+
+_ID_HEX_BYTES: Final = 6
+_MAX_NAME_CHARS: Final = 64
+_SHELL_POLICY: Final = CommandPolicyConfig(allow=("*",))
+_NARROWABLE: Final = frozenset(SandboxLimitsConfig.model_fields)
+_DISK_WALK_MAX_ENTRIES: Final = 100_000
+
+
+@dataclass
+class Sandbox:
+    """One live sandbox and what the manager knows about it."""
+
+    id: str
+    name: str | None
+    owner: str
+    limits: SandboxLimitsConfig
+    root: Path
+    workspace: HostWorkspace
+    created_wall: float = field(default_factory=time.time)
+    created: float = field(default_factory=time.monotonic)
+    last_used: float = field(default_factory=time.monotonic)
+
+    def summary(self) -> dict[str, object]:
+        now = time.monotonic()
+        return {
+            "sandbox_id": self.id,
+            "name": self.name,
+            "state": "paused" if self.workspace.sandbox.paused else "running",
+            "age_s": round(now - self.created, 3),
+            "idle_s": round(now - self.last_used, 3),
+        }
+
+
+def narrow_limits(ceiling: SandboxLimitsConfig, requested: Mapping[str, object] | None) -> SandboxLimitsConfig:
+    """The ceiling, with each requested value taken if it is not above it.
+
+    Raises:
+        InvalidRequest: an unknown limit name or a value of the wrong type.
+        PolicyDenied: a value above the administrator's ceiling.
+    """
+    if not requested:
+        return ceiling
+    unknown = sorted(set(requested) - _NARROWABLE)
+    if unknown:
+        raise InvalidRequest(f"unknown limit {unknown[0]!r}: use {', '.join(sorted(_NARROWABLE))}")
+    try:
+        narrowed = SandboxLimitsConfig.model_validate({**ceiling.model_dump(), **requested})
+    except ValueError:
+        raise InvalidRequest(
+            "a limit has an invalid value: give positive numbers within the documented bounds"
+        ) from None
+    for key in requested:
+        asked, allowed = getattr(narrowed, key), getattr(ceiling, key)
+        if asked > allowed:
+            raise PolicyDenied(f"limit {key}={asked} is above the administrator's ceiling of {allowed}: ask for less")
+    return narrowed
+
+
+class SandboxManager:
+    """Creates, finds, pauses and closes sandboxes; closes idle ones when asked to reap."""
+
+    def __init__(self, config: Config, redactor: Redactor, cgroups: CgroupLayout | None) -> None:
+        self._config = config.sandboxes
+        self._dir = config.sandboxes_dir
+        self._redactor = redactor
+        self._cgroups = cgroups
+        self._boxes: dict[str, Sandbox] = {}
+
+    @property
+    def enabled(self) -> bool:
+        return self._config.enabled
+
+    def owns(self, sandbox_id: str) -> bool:
+        return sandbox_id in self._boxes
+
+    def get(self, sandbox_id: str) -> Sandbox:
+        box = self._boxes.get(sandbox_id)
+        if box is None:
+            raise SandboxNotFound(f"no sandbox {sandbox_id!r}: it was closed, or never existed (list_sandboxes)")
+        box.last_used = time.monotonic()
+        return box
+
+    def all(self) -> list[Sandbox]:
+        return sorted(self._boxes.values(), key=lambda box: box.created)
+
+    async def create(
+        self, *, owner: str, name: str | None = None, limits: Mapping[str, object] | None = None
+    ) -> Sandbox:
+        """Make a sandbox with a fresh, empty workspace and start it.
+
+        Raises:
+            PolicyDenied: sandboxes are disabled, or a limit is above the ceiling.
+            ResourceLimit: the maximum number of sandboxes is reached.
+        """
+        if not self._config.enabled:
+            raise PolicyDenied("sandboxes are disabled on this server: use a configured workspace")
+        if len(self._boxes) >= self._config.max_sandboxes:
+            raise ResourceLimit(f"{self._config.max_sandboxes} sandboxes are open: close one first")
+        if name is not None and (len(name) > _MAX_NAME_CHARS or not name.isprintable()):
+            raise InvalidRequest(f"name must be printable and at most {_MAX_NAME_CHARS} characters")
+        narrowed = narrow_limits(self._config.limits, limits)
+        sandbox_id = SANDBOX_ID_PREFIX + secrets.token_hex(_ID_HEX_BYTES)
+        root = self._dir / sandbox_id
+        self._dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        root.mkdir(mode=0o700)
+        (root / "workspace").mkdir(mode=0o755)
+        try:
+            config = self._workspace_config(sandbox_id, root, narrowed)
+            workspace = HostWorkspace(config, self._redactor, self._cgroups, via_sh=True)
+        except BaseException:
+            _remove_tree(root)
+            raise
+        box = Sandbox(id=sandbox_id, name=name, owner=owner, limits=narrowed, root=root, workspace=workspace)
+        self._boxes[sandbox_id] = box
+        try:
+            await workspace.sandbox.start()
+        except BaseException:
+            self.close(sandbox_id)
+            raise
+        return box
+
+    def _workspace_config(self, sandbox_id: str, root: Path, limits: SandboxLimitsConfig) -> WorkspaceConfig:
+        return WorkspaceConfig(
+            id=sandbox_id.replace(SANDBOX_ID_PREFIX, "s", 1),
+            path=root / "workspace",
+            policy=_SHELL_POLICY,
+            env=self._config.env,
+            timeout_s=limits.timeout_s,
+            max_output_bytes=limits.max_output_bytes,
+            limits=LimitsConfig(memory_bytes=limits.memory_bytes, pids=limits.pids, cpu_cores=limits.cpu_cores),
+            use_cgroups=self._cgroups is not None,
+        )
+
+    def status(self, sandbox_id: str) -> dict[str, object]:
+        box = self.get(sandbox_id)
+        usage = box.workspace.sandbox.usage()
+        detail = box.summary()
+        detail["created"] = round(box.created_wall, 3)
+        detail["limits"] = box.limits.model_dump()
+        detail["usage"] = {
+            "memory_bytes": usage.memory_bytes if usage else 0,
+            "pids": usage.pids if usage else 0,
+            "cpu_s": round(usage.cpu_usec / 1e6, 3) if usage else 0.0,
+            "disk_bytes": _disk_bytes(box.root / "workspace"),
+        }
+        return detail
+
+    def pause(self, sandbox_id: str) -> Sandbox:
+        box = self.get(sandbox_id)
+        if box.workspace.sandbox.paused:
+            raise Conflict(f"sandbox {sandbox_id} is already paused")
+        box.workspace.sandbox.pause()
+        return box
+
+    def resume(self, sandbox_id: str) -> Sandbox:
+        box = self.get(sandbox_id)
+        if not box.workspace.sandbox.paused:
+            raise Conflict(f"sandbox {sandbox_id} is not paused")
+        box.workspace.sandbox.resume()
+        return box
+
+    def close(self, sandbox_id: str) -> None:
+        """End every process, remove the cgroup and the files."""
+        box = self._boxes.pop(sandbox_id, None)
+        if box is None:
+            raise SandboxNotFound(f"no sandbox {sandbox_id!r}: it was closed, or never existed (list_sandboxes)")
+        box.workspace.close()
+        _remove_tree(box.root)
+
+    def reap(self) -> list[str]:
+        """Close sandboxes past their idle timeout or lifetime; return their ids."""
+        now = time.monotonic()
+        expired = [
+            box.id
+            for box in self._boxes.values()
+            if now - box.last_used > self._config.idle_timeout_s or now - box.created > self._config.lifetime_s
+        ]
+        for sandbox_id in expired:
+            self.close(sandbox_id)
+        return expired
+
+    def close_all(self) -> None:
+        for sandbox_id in list(self._boxes):
+            self.close(sandbox_id)
+
+
+def _remove_tree(root: Path) -> None:
+    # shutil.rmtree walks with directory fds and never follows a symlink on Linux
+    # (rmtree.avoids_symlink_attacks), so an agent's symlink cannot redirect it.
+    if not shutil.rmtree.avoids_symlink_attacks:  # noqa: TID251 - see above
+        raise OSError("this platform's rmtree can follow symlinks: refusing to delete sandbox files")
+    shutil.rmtree(root, ignore_errors=True)  # noqa: TID251 - fd-based, symlink-safe, on the state dir only
+
+
+def _disk_bytes(workspace: Path) -> int:
+    """Allocated bytes of the workspace, counted without following symlinks (bounded walk)."""
+    total = entries = 0
+    for _dirpath, dirnames, filenames, dirfd in os.fwalk(workspace, follow_symlinks=False):
+        for name in dirnames + filenames:
+            entries += 1
+            if entries > _DISK_WALK_MAX_ENTRIES:
+                return total
+            try:
+                st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
+            except OSError:
+                continue
+            if not stat.S_ISLNK(st.st_mode):
+                total += st.st_blocks * 512
+    return total

@@ -1,0 +1,170 @@
+"""MCP wiring of the sandbox lifecycle: create, list, status, pause, resume, close, create_run_close.
+
+Host workspaces are the administrator's: an agent may work in them but never
+pause or close them (FORBIDDEN).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from mcp_types import CallToolResult, ToolAnnotations
+from pydantic import BaseModel, ConfigDict, Field
+
+from bastion.safety.errors import Forbidden
+from bastion.safety.results import OperationResult, ResultCode
+from bastion.sandboxes import SandboxManager
+from bastion.tools._call import CallRunner
+from bastion.tools.server import BastionServer, to_call_result
+from bastion.workspaces import WorkspaceRegistry
+
+Result = Annotated[CallToolResult, OperationResult]
+SandboxIdArg = Annotated[str, Field(description="The sandbox id from create_sandbox, e.g. sb-1a2b3c4d5e6f.")]
+
+_MUTATES = ToolAnnotations(read_only_hint=False, destructive_hint=True, idempotent_hint=False, open_world_hint=False)
+_READS = ToolAnnotations(read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=False)
+
+
+class LimitsArg(BaseModel):
+    """Narrower limits than the administrator's ceiling; omitted ones take the ceiling."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    memory_bytes: int | None = None
+    pids: int | None = None
+    cpu_cores: float | None = None
+    timeout_s: float | None = None
+    max_output_bytes: int | None = None
+
+    def requested(self) -> dict[str, object]:
+        return {key: value for key, value in self.model_dump().items() if value is not None}
+
+
+def register_sandboxes(
+    server: BastionServer, manager: SandboxManager, registry: WorkspaceRegistry, runner: CallRunner
+) -> None:
+    """Add the sandbox lifecycle tools to `server`."""
+
+    def agent_owned(sandbox_id: str) -> None:
+        if registry.is_host(sandbox_id):
+            raise Forbidden(f"{sandbox_id!r} is a host workspace of the administrator: agents cannot pause or close it")
+
+    @server.tool(
+        name="create_sandbox",
+        annotations=_MUTATES,
+        description=(
+            "Create a disposable Linux sandbox with an empty /workspace. Inside, run_command runs any shell command "
+            "(sh -c); there is no network. Pass its sandbox_id to the work tools. Close it when done."
+        ),
+    )
+    async def create_sandbox(name: str | None = None, limits: LimitsArg | None = None) -> Result:
+        async def op() -> OperationResult:
+            box = await manager.create(owner=runner.caller, name=name, limits=limits.requested() if limits else None)
+            detail = {**box.summary(), "limits": box.limits.model_dump(), "workspace": "/workspace"}
+            return OperationResult.success("create_sandbox", detail)
+
+        args = {"name": name, "limits": limits.requested() if limits else None}
+        return to_call_result(await runner.run("create_sandbox", args, op, mutating=True))
+
+    @server.tool(name="list_sandboxes", annotations=_READS, description="List the open sandboxes.")
+    async def list_sandboxes() -> Result:
+        async def op() -> OperationResult:
+            return OperationResult.success("list_sandboxes", {"sandboxes": [box.summary() for box in manager.all()]})
+
+        return to_call_result(await runner.run("list_sandboxes", {}, op, mutating=False))
+
+    @server.tool(
+        name="get_sandbox_status",
+        annotations=_READS,
+        description="State, age, idle time, limits and live memory, CPU, process and disk use of a sandbox.",
+    )
+    async def get_sandbox_status(sandbox_id: SandboxIdArg) -> Result:
+        async def op() -> OperationResult:
+            agent_owned(sandbox_id)
+            return OperationResult.success("get_sandbox_status", manager.status(sandbox_id))
+
+        return to_call_result(
+            await runner.run("get_sandbox_status", {"sandbox_id": sandbox_id}, op, mutating=False, workspace=sandbox_id)
+        )
+
+    @server.tool(
+        name="pause_sandbox",
+        annotations=_MUTATES,
+        description="Freeze every process of a sandbox: it uses no CPU until resume_sandbox. Files stay reachable.",
+    )
+    async def pause_sandbox(sandbox_id: SandboxIdArg) -> Result:
+        async def op() -> OperationResult:
+            agent_owned(sandbox_id)
+            return OperationResult.success("pause_sandbox", manager.pause(sandbox_id).summary())
+
+        return to_call_result(
+            await runner.run("pause_sandbox", {"sandbox_id": sandbox_id}, op, mutating=True, workspace=sandbox_id)
+        )
+
+    @server.tool(name="resume_sandbox", annotations=_MUTATES, description="Thaw a paused sandbox.")
+    async def resume_sandbox(sandbox_id: SandboxIdArg) -> Result:
+        async def op() -> OperationResult:
+            agent_owned(sandbox_id)
+            return OperationResult.success("resume_sandbox", manager.resume(sandbox_id).summary())
+
+        return to_call_result(
+            await runner.run("resume_sandbox", {"sandbox_id": sandbox_id}, op, mutating=True, workspace=sandbox_id)
+        )
+
+    @server.tool(
+        name="close_sandbox",
+        annotations=_MUTATES,
+        description="End a sandbox: every process is killed and its files are deleted.",
+    )
+    async def close_sandbox(sandbox_id: SandboxIdArg) -> Result:
+        async def op() -> OperationResult:
+            agent_owned(sandbox_id)
+            manager.close(sandbox_id)
+            return OperationResult.success("close_sandbox", {"sandbox_id": sandbox_id, "state": "closed"})
+
+        return to_call_result(
+            await runner.run("close_sandbox", {"sandbox_id": sandbox_id}, op, mutating=True, workspace=sandbox_id)
+        )
+
+    @server.tool(
+        name="create_run_close",
+        annotations=_MUTATES,
+        description=(
+            "One-shot: create a sandbox, write `files` (path -> text) into /workspace, run `command` (sh -c), "
+            "return its output, and close the sandbox."
+        ),
+    )
+    async def create_run_close(
+        command: str,
+        files: dict[str, str] | None = None,
+        timeout_s: float | None = None,
+        limits: LimitsArg | None = None,
+    ) -> Result:
+        async def op() -> OperationResult:
+            box = await manager.create(owner=runner.caller, limits=limits.requested() if limits else None)
+            try:
+                for path, content in (files or {}).items():
+                    box.workspace.write_file(path, content, encoding="utf-8", append=False)
+                out = await box.workspace.run(command, cwd=None, timeout_s=timeout_s)
+            finally:
+                manager.close(box.id)
+            detail: dict[str, object] = {
+                "sandbox_id": box.id,
+                "exit_status": out.exit_status,
+                "stdout": out.stdout,
+                "stderr": out.stderr,
+                "truncated": out.truncated,
+            }
+            if out.oom_killed:
+                return OperationResult.failure(
+                    "create_run_close", ResultCode.RESOURCE_LIMIT, "the command ran out of memory", detail
+                )
+            if out.timed_out:
+                return OperationResult.failure(
+                    "create_run_close", ResultCode.TIMEOUT, "the command hit its time limit and was killed", detail
+                )
+            code = ResultCode.OUTPUT_TRUNCATED if out.truncated else ResultCode.OK
+            return OperationResult.success("create_run_close", detail, code=code)
+
+        args = {"command": command, "files": sorted(files or {}), "timeout_s": timeout_s}
+        return to_call_result(await runner.run("create_run_close", args, op, mutating=True))

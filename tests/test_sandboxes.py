@@ -1,0 +1,183 @@
+"""Agent-created sandboxes through the real tools: lifecycle, isolation, limits, reclaim."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import anyio
+import pytest
+from mcp import Client
+
+from bastion.app import Services, build_server, build_services
+from bastion.config import load_config
+
+pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
+
+
+async def call(client: Client, tool: str, **args: object) -> dict[str, object]:
+    result = await client.call_tool(tool, args)
+    payload = result.structured_content
+    assert payload is not None
+    assert result.is_error is (not payload["ok"])
+    return payload
+
+
+async def create(client: Client, **args: object) -> str:
+    payload = await call(client, "create_sandbox", **args)
+    assert payload["ok"], payload
+    sandbox_id = payload["detail"]["sandbox_id"]  # type: ignore[index]
+    assert isinstance(sandbox_id, str)
+    return sandbox_id
+
+
+async def sh(client: Client, sandbox_id: str, command: str, **args: object) -> dict[str, object]:
+    return await call(client, "run_command", command=command, sandbox_id=sandbox_id, **args)
+
+
+async def test_sandbox_runs_a_shell_and_shares_files_with_the_file_tools(client: Client) -> None:
+    box = await create(client, name="work")
+    out = await sh(client, box, "echo $((40 + 2)) | tr 2 7; uname -n")
+    assert out["detail"]["stdout"] == "47\nbastion\n"  # type: ignore[index]
+    wrote = await call(client, "write_file", path="src/a.txt", content="from outside\n", sandbox_id=box)
+    assert wrote["ok"]
+    inside = await sh(client, box, "cat src/a.txt; echo made inside > b.txt")
+    assert inside["detail"]["stdout"] == "from outside\n"  # type: ignore[index]
+    read = await call(client, "read_file", path="b.txt", sandbox_id=box)
+    assert read["detail"]["content"] == "made inside\n"  # type: ignore[index]
+    listed = await call(client, "list_sandboxes")
+    assert [s["sandbox_id"] for s in listed["detail"]["sandboxes"]] == [box]  # type: ignore[index]
+
+
+async def test_sandboxes_cannot_see_each_other_or_the_host(client: Client, services: Services) -> None:
+    """Invariant: another sandbox's files, the state folder, the repo and host secrets are invisible."""
+    a = await create(client)
+    b = await create(client)
+    await sh(client, a, "echo secret-of-a > mine.txt")
+    state = services.config.state_dir
+    repo = Path(__file__).resolve().parents[1]
+    probe = f"ls /workspace; ls {state} {repo} /etc/shadow /root 2>&1; find / -name mine.txt 2>/dev/null; echo end"
+    out = await sh(client, b, probe)
+    text = str(out["detail"]["stdout"])  # type: ignore[index]
+    assert "mine.txt" not in text
+    assert text.count("No such file or directory") == 4
+    assert text.endswith("end\n")
+
+
+async def test_pause_stops_cpu_and_refuses_commands(client: Client, services: Services) -> None:
+    box = await create(client)
+    workspace = services.sandboxes.get(box).workspace
+
+    async def spin() -> None:
+        await sh(client, box, "while :; do :; done", timeout_s=6)
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(spin)
+        await anyio.sleep(0.5)
+        paused = await call(client, "pause_sandbox", sandbox_id=box)
+        assert paused["detail"]["state"] == "paused"  # type: ignore[index]
+        usage = workspace.sandbox.usage()
+        assert usage is not None
+        before = usage.cpu_usec
+        await anyio.sleep(0.5)
+        after = workspace.sandbox.usage()
+        assert after is not None
+        assert after.cpu_usec - before < 20_000
+        refused = await sh(client, box, "true")
+        assert refused["code"] == "CONFLICT"
+        resumed = await call(client, "resume_sandbox", sandbox_id=box)
+        assert resumed["ok"]
+        await anyio.sleep(0.3)
+        later = workspace.sandbox.usage()
+        assert later is not None
+        assert later.cpu_usec - after.cpu_usec > 100_000
+        tasks.cancel_scope.cancel()
+
+
+async def test_close_reclaims_processes_cgroup_and_files(client: Client, services: Services) -> None:
+    box = await create(client)
+    await sh(client, box, "head -c 100000 /dev/urandom > blob")
+    root = services.config.sandboxes_dir / box
+    workspace = services.sandboxes.get(box).workspace
+    group = workspace.sandbox._group
+    assert group is not None
+    assert root.is_dir()
+    closed = await call(client, "close_sandbox", sandbox_id=box)
+    assert closed["ok"]
+    assert not root.exists()
+    assert not any(os.path.exists(p) for p in group.paths)
+    gone = await sh(client, box, "true")
+    assert gone["code"] == "SANDBOX_NOT_FOUND"
+
+
+async def test_status_reports_live_usage(client: Client) -> None:
+    box = await create(client)
+    await sh(client, box, "head -c 300000 /dev/zero > zeros")
+    status = await call(client, "get_sandbox_status", sandbox_id=box)
+    detail = status["detail"]
+    assert detail["state"] == "running"  # type: ignore[index]
+    usage = detail["usage"]  # type: ignore[index]
+    assert usage["disk_bytes"] >= 300_000
+    assert usage["memory_bytes"] > 0
+    assert usage["pids"] >= 1
+
+
+async def test_limits_narrow_but_never_exceed_the_ceiling(client: Client) -> None:
+    too_big = await call(client, "create_sandbox", limits={"memory_bytes": 64 * 1024**3})
+    assert too_big["code"] == "POLICY_DENIED"
+    box = await create(client, limits={"memory_bytes": 128 * 1024**2, "timeout_s": 1})
+    status = await call(client, "get_sandbox_status", sandbox_id=box)
+    assert status["detail"]["limits"]["memory_bytes"] == 128 * 1024**2  # type: ignore[index]
+    slow = await sh(client, box, "sleep 30")
+    assert slow["code"] == "TIMEOUT"
+    unknown = await call(client, "create_sandbox", limits={"disk_bytes": 1})
+    assert unknown["code"] == "INVALID_REQUEST"
+
+
+async def test_memory_hog_is_resource_limit(client: Client) -> None:
+    box = await create(client, limits={"memory_bytes": 96 * 1024**2})
+    out = await sh(client, box, "x=$(head -c 400000000 /dev/zero | tr '\\0' a); echo ${#x}", timeout_s=30)
+    assert out["code"] == "RESOURCE_LIMIT"
+
+
+async def test_host_workspace_cannot_be_paused_or_closed(client: Client) -> None:
+    for tool in ("pause_sandbox", "close_sandbox", "get_sandbox_status"):
+        refused = await call(client, tool, sandbox_id="default")
+        assert refused["code"] == "FORBIDDEN", tool
+
+
+async def test_quota_on_open_sandboxes(demo_config_path: Path) -> None:
+    text = demo_config_path.read_text()
+    assert "max_sandboxes = 16" in text
+    demo_config_path.write_text(text.replace("max_sandboxes = 16", "max_sandboxes = 2"))
+    services = build_services(load_config(demo_config_path))
+    try:
+        async with Client(build_server(services, caller="test")) as client:
+            await create(client)
+            await create(client)
+            third = await call(client, "create_sandbox")
+    finally:
+        services.close()
+    assert third["code"] == "RESOURCE_LIMIT"
+    assert list(services.config.sandboxes_dir.iterdir()) == []
+
+
+async def test_create_run_close_leaves_nothing(client: Client, services: Services) -> None:
+    out = await call(
+        client,
+        "create_run_close",
+        command="python3 -c 'print(6*7)' 2>/dev/null || cat in.txt",
+        files={"in.txt": "42\n"},
+    )
+    assert out["ok"], out
+    assert out["detail"]["stdout"] == "42\n"  # type: ignore[index]
+    assert list(services.config.sandboxes_dir.iterdir()) == []
+    assert (await call(client, "list_sandboxes"))["detail"]["sandboxes"] == []  # type: ignore[index]
+
+
+async def test_idle_sandboxes_are_reaped(client: Client, services: Services) -> None:
+    box = await create(client)
+    services.sandboxes.get(box).last_used = time.monotonic() - 10 * services.config.sandboxes.idle_timeout_s
+    assert services.sandboxes.reap() == [box]
+    assert (await sh(client, box, "true"))["code"] == "SANDBOX_NOT_FOUND"
