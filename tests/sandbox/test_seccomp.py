@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import json
+import marshal
 import os
 import shutil
 import socket
@@ -288,7 +289,7 @@ def test_agent_runs_a_command_under_the_filter(agent_sandbox: socket.socket) -> 
         "cwd": "/workspace",
         "env": {"PATH": "/usr/bin:/bin"},
     }
-    socket.send_fds(member, [json.dumps(request).encode()], [out_w, err_w])
+    socket.send_fds(member, [marshal.dumps(request)], [out_w, err_w])
     for fd in (out_w, err_w):
         os.close(fd)
     member.close()

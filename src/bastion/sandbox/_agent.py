@@ -7,7 +7,8 @@ imports nothing from bastion: the sandbox sees no site-packages.
 Why it exists: a fresh bwrap per command costs 4-6 ms; a resident agent that
 forks per command costs about 1-2 ms, and the sandbox's namespaces are made once.
 
-Protocol (one JSON object per SOCK_SEQPACKET message, fds via SCM_RIGHTS):
+Protocol (one object per SOCK_SEQPACKET message: marshal from the host, JSON from the
+agent; fds via SCM_RIGHTS):
   agent -> host   {"event": "ready"}, once
   agent -> host   {"event": "member", "pid": P} with one fd: a socket to a waiting member
   host -> member  {"exe": "/usr/bin/ls", "argv": [...], "cwd": "/workspace", "env": {...}}
@@ -24,17 +25,20 @@ killed, the kernel kills every process left in its namespace, including
 setsid'd and double-forked ones: no survivors, by construction.
 """
 
-import contextlib
 import ctypes
-import json
+import marshal
 import os
 import selectors
 import signal
 import socket
 import sys
-from typing import TYPE_CHECKING, Any
 
+# Every import here is paid at each sandbox start (json+re, contextlib and typing cost
+# ~25 ms together on a slow machine): the agent uses builtins and string annotations.
+TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from typing import Any
+
     # At run time `_spawn` prepends landlock.py's source to this file's, which defines it.
     from bastion.sandbox.landlock import restrict
 
@@ -84,7 +88,7 @@ def prepare_member() -> None:
     drop_privileges()
 
 
-def exec_command(req: dict[str, Any], out_fd: int, err_fd: int) -> None:
+def exec_command(req: "dict[str, Any]", out_fd: int, err_fd: int) -> None:
     """Runs in PID 1 of the command's namespace, already unprivileged; never returns."""
     try:
         os.dup2(out_fd, 1)
@@ -150,12 +154,29 @@ def await_command(sock: socket.socket) -> None:
         os._exit(127)
     if not data or len(fds) != 2:
         os._exit(0)
-    exec_command(json.loads(data), fds[0], fds[1])
+    exec_command(marshal.loads(data), fds[0], fds[1])  # noqa: S302 - written by the host only
 
 
-def send(sock: socket.socket, message: dict[str, Any]) -> None:
+def to_json(value: object) -> str:
+    """JSON for the agent's own small messages: the host parses them with json.loads.
+
+    Host-to-agent messages are marshal (builtin, no import cost); the other way is
+    JSON because the host must not unmarshal bytes from inside a sandbox.
+    """
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, str):
+        return '"' + "".join(c if " " <= c < "\x7f" and c not in '"\\' else f"\\u{ord(c):04x}" for c in value) + '"'
+    if isinstance(value, dict):
+        return "{" + ",".join(to_json(str(k)) + ":" + to_json(v) for k, v in value.items()) + "}"
+    return to_json(str(value))
+
+
+def send(sock: socket.socket, message: "dict[str, Any]") -> None:
     try:
-        sock.send(json.dumps(message).encode())
+        sock.send(to_json(message).encode())
     except OSError:
         os._exit(0)
 
@@ -173,7 +194,7 @@ def hand_member(sock: socket.socket, state: State) -> None:
     """Spawn a member and give its socket to the host, which talks to it directly."""
     member = spawn_member()
     try:
-        socket.send_fds(sock, [json.dumps({"event": "member", "pid": member.pid}).encode()], [member.sock.fileno()])
+        socket.send_fds(sock, [to_json({"event": "member", "pid": member.pid}).encode()], [member.sock.fileno()])
     except OSError:
         os._exit(0)  # the host went away: the sandbox ends with it
     finally:
@@ -211,22 +232,26 @@ def main() -> None:
                     continue
                 if not data:
                     os._exit(0)  # the host went away: the sandbox ends with it
-                handle(json.loads(data), state)
+                handle(marshal.loads(data), state)  # noqa: S302 - written by the host only
             else:
-                with contextlib.suppress(BlockingIOError):
+                try:  # noqa: SIM105 - contextlib would cost import time at every start
                     os.read(wake_r, 4096)
+                except BlockingIOError:
+                    pass
         reap(sock, state)
 
 
-def handle(req: dict[str, Any], state: State) -> None:
+def handle(req: "dict[str, Any]", state: State) -> None:
     pid = int(req.get("pid", 0))
     if pid not in state.handed:
         return
     if req.get("op") == "used":
         state.spare -= 1
     elif req.get("op") == "kill":
-        with contextlib.suppress(ProcessLookupError):
+        try:  # noqa: SIM105 - contextlib would cost import time at every start
             os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def reap(sock: socket.socket, state: State) -> None:

@@ -14,6 +14,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import marshal
 import os
 import socket
 import subprocess  # noqa: TID251 - only the Popen type; _spawn starts it
@@ -244,7 +245,7 @@ class WarmSandbox:
     def _tell_agent(self, op: str, pid: int) -> None:
         if self._sock is not None:
             with contextlib.suppress(OSError):
-                self._sock.send(json.dumps({"op": op, "pid": pid}).encode())
+                self._sock.send(marshal.dumps({"op": op, "pid": pid}))
 
     async def run(
         self,
@@ -269,7 +270,7 @@ class WarmSandbox:
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
         request = {"exe": executable, "argv": list(argv), "cwd": cwd, "env": dict(env)}
         try:
-            socket.send_fds(member, [json.dumps(request).encode()], [out_w, err_w])
+            socket.send_fds(member, [marshal.dumps(request)], [out_w, err_w])
         except OSError as exc:
             self._waiters.pop(pid, None)
             for fd in (out_r, err_r):
