@@ -172,7 +172,7 @@ async def test_create_run_close_leaves_nothing(client: Client, services: Service
     )
     assert out["ok"], out
     assert out["detail"]["stdout"] == "42\n"  # type: ignore[index]
-    assert list(services.config.sandboxes_dir.iterdir()) == []
+    assert not (services.config.sandboxes_dir / str(out["detail"]["sandbox_id"])).exists()  # type: ignore[index]
     assert (await call(client, "list_sandboxes"))["detail"]["sandboxes"] == []  # type: ignore[index]
 
 

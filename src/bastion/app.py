@@ -92,6 +92,7 @@ def build_server(services: Services, *, caller: str) -> BastionServer:
     async def lifespan(_: object) -> AsyncIterator[None]:
         # The idle reaper lives as long as the server does.
         async with anyio.create_task_group() as tasks:
+            services.sandboxes.refill_pool()
             tasks.start_soon(_reap_forever, services)
             try:
                 yield None

@@ -122,6 +122,8 @@ class SandboxesConfig(_Model):
     idle_timeout_s: Annotated[float, Field(gt=0)] = 1800.0
     lifetime_s: Annotated[float, Field(gt=0)] = 86_400.0
     reap_interval_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
+    warm_pool: Annotated[int, Field(ge=0, le=64)] = 1
+    """Sandboxes started ahead of time, so create_sandbox does not wait for one to boot."""
     limits: SandboxLimitsConfig = SandboxLimitsConfig()
     env: dict[str, str] = Field(default_factory=dict)
     """Extra environment for sandbox commands. Values are redacted from output."""

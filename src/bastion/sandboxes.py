@@ -8,6 +8,8 @@ reclaims everything: processes (its PID namespaces die), its cgroup, and its fil
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 import secrets
 import shutil
@@ -20,9 +22,18 @@ from typing import Final
 
 from bastion.config import SANDBOX_ID_PREFIX, Config, LimitsConfig, SandboxLimitsConfig, WorkspaceConfig
 from bastion.safety.commands import CommandPolicyConfig
-from bastion.safety.errors import Conflict, InvalidRequest, PolicyDenied, ResourceLimit, SandboxNotFound
+from bastion.safety.errors import (
+    BastionError,
+    Conflict,
+    InvalidRequest,
+    PolicyDenied,
+    ResourceLimit,
+    SandboxNotFound,
+)
 from bastion.safety.redact import Redactor
-from bastion.sandbox.cgroups import CgroupLayout
+from bastion.sandbox._spawn import SandboxSpec
+from bastion.sandbox.cgroups import CgroupLayout, Limits
+from bastion.sandbox.warm import WarmSandbox
 from bastion.workspaces import HostWorkspace
 
 _ID_HEX_BYTES: Final = 6
@@ -30,6 +41,8 @@ _MAX_NAME_CHARS: Final = 64
 _SHELL_POLICY: Final = CommandPolicyConfig(allow=("*",))
 _NARROWABLE: Final = frozenset(SandboxLimitsConfig.model_fields)
 _DISK_WALK_MAX_ENTRIES: Final = 100_000
+
+logger = logging.getLogger("bastion.sandboxes")
 
 
 @dataclass
@@ -82,8 +95,21 @@ def narrow_limits(ceiling: SandboxLimitsConfig, requested: Mapping[str, object] 
     return narrowed
 
 
+@dataclass
+class _Prepared:
+    """A started sandbox waiting in the warm pool for its create_sandbox call."""
+
+    id: str
+    root: Path
+    warm: WarmSandbox
+
+
 class SandboxManager:
-    """Creates, finds, pauses and closes sandboxes; closes idle ones when asked to reap."""
+    """Creates, finds, pauses and closes sandboxes; closes idle ones when asked to reap.
+
+    A small warm pool of started sandboxes (``warm_pool``) makes create_sandbox a handout
+    rather than a boot: starting bubblewrap and the agent takes tens of milliseconds.
+    """
 
     def __init__(self, config: Config, redactor: Redactor, cgroups: CgroupLayout | None) -> None:
         self._config = config.sandboxes
@@ -91,6 +117,9 @@ class SandboxManager:
         self._redactor = redactor
         self._cgroups = cgroups
         self._boxes: dict[str, Sandbox] = {}
+        self._pool: list[_Prepared] = []
+        self._starting: dict[str, _Prepared] = {}  # so close_all can end one mid-start
+        self._refill: asyncio.Task[None] | None = None
 
     @property
     def enabled(self) -> bool:
@@ -125,25 +154,55 @@ class SandboxManager:
         if name is not None and (len(name) > _MAX_NAME_CHARS or not name.isprintable()):
             raise InvalidRequest(f"name must be printable and at most {_MAX_NAME_CHARS} characters")
         narrowed = narrow_limits(self._config.limits, limits)
+        prepared = self._pool.pop() if self._pool else await self._prepare()
+        try:
+            config = self._workspace_config(prepared.id, prepared.root, narrowed)
+            workspace = HostWorkspace(config, self._redactor, self._cgroups, via_sh=True, sandbox=prepared.warm)
+        except BaseException:
+            prepared.warm.close()
+            _remove_tree(prepared.root)
+            raise
+        box = Sandbox(id=prepared.id, name=name, owner=owner, limits=narrowed, root=prepared.root, workspace=workspace)
+        self._boxes[box.id] = box
+        self.refill_pool()
+        return box
+
+    async def _prepare(self) -> _Prepared:
+        """A new sandbox: its folders, its cgroup at the ceiling's limits, bubblewrap and the agent started."""
         sandbox_id = SANDBOX_ID_PREFIX + secrets.token_hex(_ID_HEX_BYTES)
         root = self._dir / sandbox_id
         self._dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         root.mkdir(mode=0o700)
         (root / "workspace").mkdir(mode=0o755)
+        ceiling = self._config.limits
+        limits = None
+        if self._cgroups is not None:
+            limits = Limits(memory_bytes=ceiling.memory_bytes, pids=ceiling.pids, cpu_cores=ceiling.cpu_cores)
+        warm = WarmSandbox(SandboxSpec(workspace=str(root / "workspace")), cgroups=self._cgroups, limits=limits)
+        prepared = self._starting[sandbox_id] = _Prepared(sandbox_id, root, warm)
         try:
-            config = self._workspace_config(sandbox_id, root, narrowed)
-            workspace = HostWorkspace(config, self._redactor, self._cgroups, via_sh=True)
+            await warm.start()
         except BaseException:
+            warm.close()
             _remove_tree(root)
             raise
-        box = Sandbox(id=sandbox_id, name=name, owner=owner, limits=narrowed, root=root, workspace=workspace)
-        self._boxes[sandbox_id] = box
+        finally:
+            self._starting.pop(sandbox_id, None)
+        return prepared
+
+    def refill_pool(self) -> None:
+        """Start, in the background, the sandboxes the warm pool is missing."""
+        if not self._config.enabled or self._config.warm_pool == 0:
+            return
+        if self._refill is None or self._refill.done():
+            self._refill = asyncio.get_running_loop().create_task(self._fill())
+
+    async def _fill(self) -> None:
         try:
-            await workspace.sandbox.start()
-        except BaseException:
-            self.close(sandbox_id)
-            raise
-        return box
+            while len(self._pool) < self._config.warm_pool:
+                self._pool.append(await self._prepare())
+        except BastionError as exc:
+            logger.warning("warm pool not refilled: %s", exc.reason)
 
     def _workspace_config(self, sandbox_id: str, root: Path, limits: SandboxLimitsConfig) -> WorkspaceConfig:
         return WorkspaceConfig(
@@ -206,8 +265,15 @@ class SandboxManager:
         return expired
 
     def close_all(self) -> None:
+        if self._refill is not None:
+            self._refill.cancel()
         for sandbox_id in list(self._boxes):
             self.close(sandbox_id)
+        for prepared in [*self._pool, *self._starting.values()]:
+            prepared.warm.close()
+            _remove_tree(prepared.root)
+        self._pool.clear()
+        self._starting.clear()
 
 
 def _remove_tree(root: Path) -> None:

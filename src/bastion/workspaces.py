@@ -48,13 +48,21 @@ class HostWorkspace:
     """One configured host folder: jail, policy and a warm kernel sandbox."""
 
     def __init__(
-        self, config: WorkspaceConfig, redactor: Redactor, cgroups: CgroupLayout | None, *, via_sh: bool = False
+        self,
+        config: WorkspaceConfig,
+        redactor: Redactor,
+        cgroups: CgroupLayout | None,
+        *,
+        via_sh: bool = False,
+        sandbox: WarmSandbox | None = None,
     ) -> None:
         """A workspace behind a warm sandbox.
 
         Args:
             via_sh: run commands as ``sh -c COMMAND`` (sandboxes, whose policy allows a shell)
                 instead of parsing them into argv without one (host workspaces).
+            sandbox: an already started sandbox over ``config.path`` (from a warm pool);
+                its limits are set from ``config``.
         """
         self.config = config
         self.via_sh = via_sh
@@ -66,7 +74,11 @@ class HostWorkspace:
         if config.use_cgroups:
             lim = config.limits
             limits = Limits(memory_bytes=lim.memory_bytes, pids=lim.pids, cpu_cores=lim.cpu_cores)
-        self.sandbox = WarmSandbox(SandboxSpec(workspace=self.jail.root), cgroups=cgroups, limits=limits)
+        if sandbox is None:
+            sandbox = WarmSandbox(SandboxSpec(workspace=self.jail.root), cgroups=cgroups, limits=limits)
+        elif limits is not None:
+            sandbox.set_limits(limits)
+        self.sandbox = sandbox
 
     def environment(self) -> dict[str, str]:
         """Exactly PATH, HOME and LANG, plus the administrator's variables."""

@@ -107,9 +107,11 @@ _KEPT_MODE_BITS: Final = 0o7777 & ~(stat.S_ISUID | stat.S_ISGID)
 _MAX_NAME_BYTES: Final = 255
 _MAX_PATH_BYTES: Final = 4096
 _MAX_LINK_BYTES: Final = 4095
-# The decompressed tar stream holds content plus per member a header, a PAX header with
-# path, linkpath and mtime, and padding: this bounds everything a hostile header could add.
-_STREAM_BYTES_PER_ENTRY: Final = 4 * tarfile.BLOCKSIZE + 2 * _MAX_PATH_BYTES
+# The decompressed tar stream holds content plus, per member, a header, a PAX header with
+# path, linkpath and mtime, and padding; the slack covers read-ahead and the end blocks.
+# Together they bound what a hostile header could make `tarfile` read.
+_STREAM_BYTES_PER_ENTRY: Final = 5 * tarfile.BLOCKSIZE + 2 * _MAX_PATH_BYTES
+_STREAM_SLACK_BYTES: Final = 1 << 20
 _MTIME_LIMIT_S: Final = 2.0**40
 _CHUNK_BYTES: Final = 1 << 20
 _RETRIES: Final = 8
@@ -551,7 +553,7 @@ class _BoundedReader:
 
 
 def _extract(raw: BinaryIO, target_fd: int, info: SnapshotInfo) -> None:
-    limit = MAX_SNAPSHOT_BYTES + MAX_ENTRIES * _STREAM_BYTES_PER_ENTRY
+    limit = MAX_SNAPSHOT_BYTES + MAX_ENTRIES * _STREAM_BYTES_PER_ENTRY + _STREAM_SLACK_BYTES
     extractor = _Extractor(target_fd)
     try:
         with gzip.GzipFile(fileobj=raw, mode="rb") as stream:
@@ -683,7 +685,8 @@ class _Extractor:
         try:
             return os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
         except OSError as exc:
-            if exc.errno == errno.ELOOP:
+            # O_DIRECTORY | O_NOFOLLOW on a symlink fails with ENOTDIR or ELOOP: look at what is there.
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR) and _is_symlink(parent_fd, name):
                 raise PathEscape(
                     f"snapshot member '{rel}' would be written through the symlink '{prefix}': the snapshot is refused"
                 ) from exc
@@ -709,6 +712,13 @@ class _Extractor:
         for _, fd in self._chain[keep:]:
             os.close(fd)
         del self._chain[keep:]
+
+
+def _is_symlink(dir_fd: int, name: str) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
 
 
 def _duplicate(rel: str) -> OperationFailed:
@@ -879,9 +889,12 @@ def _load_info(dir_fd: int, snapshot_id: str) -> SnapshotInfo:
         raise NotFound(f"snapshot {snapshot_id} does not exist: list the snapshots to find its id") from exc
     except OSError as exc:
         raise OperationFailed(f"the record of snapshot {snapshot_id} cannot be opened: {exc.strerror}") from exc
-    with open(fd, "rb") as stream:
-        raw = stream.read(MAX_INFO_BYTES + 1)
     corrupt = OperationFailed(f"the record of snapshot {snapshot_id} is corrupt: delete the snapshot")
+    try:
+        with open(fd, "rb") as stream:
+            raw = stream.read(MAX_INFO_BYTES + 1)
+    except OSError as exc:
+        raise corrupt from exc
     if len(raw) > MAX_INFO_BYTES:
         raise corrupt
     try:

@@ -106,6 +106,14 @@ class WarmSandbox:
         self._waiters: dict[int, asyncio.Future[int]] = {}
         self._start_lock = asyncio.Lock()
 
+    def set_limits(self, limits: Limits) -> None:
+        """Change the limits, live if the sandbox runs (lowering memory below current use fails)."""
+        if self._cgroups is None:
+            raise Unavailable("resource limits need cgroups, and none are available")
+        self._limits = limits
+        if self._group is not None:
+            self._group.set_limits(limits)
+
     @property
     def paused(self) -> bool:
         return self._paused
@@ -167,25 +175,30 @@ class WarmSandbox:
         except BaseException:
             self._drop_group()
             raise
+        # Held at once, so close() can end a sandbox that is still starting.
+        self._proc, self._sock = proc, sock
         sock.setblocking(False)
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(START_TIMEOUT_S):
                 hello = await loop.sock_recv(sock, MAX_MESSAGE_BYTES)
-        except TimeoutError:
+        except (TimeoutError, OSError):
             hello = b""
         if not hello:
-            proc.kill()
-            err = (proc.communicate()[1] or b"").decode(errors="replace").strip().splitlines()
-            sock.close()
-            self._drop_group()
-            raise Unavailable("sandbox failed to start: " + (err[-1] if err else "no reason given"))
+            reason = self._stderr_tail(proc)
+            self._on_agent_gone()
+            raise Unavailable("sandbox failed to start: " + (reason or "no reason given"))
         landlock = json.loads(hello).get("landlock", {})
         if landlock.get("warning"):
             logger.warning("sandbox for %s: %s", self.spec.workspace, landlock["warning"])
-        self._proc, self._sock = proc, sock
         self._member_ready = asyncio.Event()
         loop.add_reader(sock.fileno(), self._on_message)
+
+    @staticmethod
+    def _stderr_tail(proc: subprocess.Popen[bytes]) -> str:
+        proc.kill()
+        lines = (proc.communicate()[1] or b"").decode(errors="replace").strip().splitlines()
+        return lines[-1] if lines else ""
 
     def _on_message(self) -> None:
         assert self._sock is not None
