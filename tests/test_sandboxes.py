@@ -181,3 +181,33 @@ async def test_idle_sandboxes_are_reaped(client: Client, services: Services) -> 
     services.sandboxes.get(box).last_used = time.monotonic() - 10 * services.config.sandboxes.idle_timeout_s
     assert services.sandboxes.reap() == [box]
     assert (await sh(client, box, "true"))["code"] == "SANDBOX_NOT_FOUND"
+
+
+async def test_snapshot_close_restore_round_trips(client: Client, services: Services) -> None:
+    """Invariant: a restored sandbox has byte-identical files with the same modes and symlinks."""
+    box = await create(client)
+    made = await sh(
+        client,
+        box,
+        "mkdir -p d/e && head -c 200000 /dev/urandom > d/e/blob && printf 'hi\\n' > run.sh && chmod 750 run.sh"
+        " && ln -s d/e/blob link && sha256sum d/e/blob run.sh && stat -c '%a %n' run.sh d",
+    )
+    before = made["detail"]["stdout"]  # type: ignore[index]
+    snap = await call(client, "snapshot_sandbox", sandbox_id=box, label="before close")
+    assert snap["ok"], snap
+    snapshot_id = snap["detail"]["snapshot_id"]  # type: ignore[index]
+    assert (await call(client, "close_sandbox", sandbox_id=box))["ok"]
+    restored = await call(client, "restore_sandbox", snapshot_id=snapshot_id)
+    assert restored["ok"], restored
+    new_box = restored["detail"]["sandbox_id"]  # type: ignore[index]
+    assert new_box != box
+    after = await sh(client, str(new_box), "sha256sum d/e/blob run.sh && stat -c '%a %n' run.sh d; readlink link")
+    assert after["detail"]["stdout"] == f"{before}d/e/blob\n"  # type: ignore[index]
+
+
+async def test_restore_unknown_snapshot(client: Client) -> None:
+    missing = await call(client, "restore_sandbox", snapshot_id="snap-0123456789abcdef")
+    assert missing["code"] == "NOT_FOUND"
+    bad = await call(client, "restore_sandbox", snapshot_id="../../etc")
+    assert bad["code"] == "INVALID_REQUEST"
+    assert (await call(client, "list_sandboxes"))["detail"]["sandboxes"] == []  # type: ignore[index]

@@ -9,6 +9,7 @@ reclaims everything: processes (its PID namespaces die), its cgroup, and its fil
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import secrets
@@ -19,6 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
+
+import anyio.to_thread
 
 from bastion.config import SANDBOX_ID_PREFIX, Config, LimitsConfig, SandboxLimitsConfig, WorkspaceConfig
 from bastion.safety.commands import CommandPolicyConfig
@@ -33,6 +36,7 @@ from bastion.safety.errors import (
 from bastion.safety.redact import Redactor
 from bastion.sandbox._spawn import SandboxSpec
 from bastion.sandbox.cgroups import CgroupLayout, Limits
+from bastion.sandbox.snapshot import SnapshotInfo, create_snapshot, list_snapshots, restore_snapshot
 from bastion.sandbox.warm import WarmSandbox
 from bastion.workspaces import HostWorkspace
 
@@ -114,6 +118,7 @@ class SandboxManager:
     def __init__(self, config: Config, redactor: Redactor, cgroups: CgroupLayout | None) -> None:
         self._config = config.sandboxes
         self._dir = config.sandboxes_dir
+        self._snapshots = config.state_dir / "snapshots"
         self._redactor = redactor
         self._cgroups = cgroups
         self._boxes: dict[str, Sandbox] = {}
@@ -243,6 +248,39 @@ class SandboxManager:
             raise Conflict(f"sandbox {sandbox_id} is not paused")
         box.workspace.sandbox.resume()
         return box
+
+    async def snapshot(self, sandbox_id: str, label: str | None) -> SnapshotInfo:
+        """Archive a sandbox's workspace (paused meanwhile, so the copy is consistent)."""
+        box = self.get(sandbox_id)
+        warm = box.workspace.sandbox
+        freeze = not warm.paused and warm.usage() is not None
+        if freeze:
+            warm.pause()
+        try:
+            metadata = {"sandbox_id": box.id, "owner": box.owner, "name": box.name or ""}
+            return await anyio.to_thread.run_sync(
+                functools.partial(
+                    create_snapshot, box.root / "workspace", self._snapshots, label=label, metadata=metadata
+                )
+            )
+        finally:
+            if freeze:
+                warm.resume()
+
+    async def restore(self, snapshot_id: str, *, owner: str) -> tuple[Sandbox, SnapshotInfo]:
+        """A new sandbox whose workspace is the snapshot's, byte for byte."""
+        box = await self.create(owner=owner)
+        try:
+            info = await anyio.to_thread.run_sync(
+                restore_snapshot, self._snapshots, snapshot_id, box.root / "workspace"
+            )
+        except BaseException:
+            self.close(box.id)
+            raise
+        return box, info
+
+    def snapshots(self) -> list[SnapshotInfo]:
+        return list_snapshots(self._snapshots)
 
     def close(self, sandbox_id: str) -> None:
         """End every process, remove the cgroup and the files."""

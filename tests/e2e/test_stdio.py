@@ -30,6 +30,8 @@ TOOLS = {
     "resume_sandbox",
     "close_sandbox",
     "create_run_close",
+    "snapshot_sandbox",
+    "restore_sandbox",
 }
 
 

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from bastion.safety.errors import Forbidden
 from bastion.safety.results import OperationResult, ResultCode
+from bastion.sandbox.snapshot import SnapshotInfo
 from bastion.sandboxes import SandboxManager
 from bastion.tools._call import CallRunner
 from bastion.tools.server import BastionServer, to_call_result
@@ -38,6 +39,19 @@ class LimitsArg(BaseModel):
 
     def requested(self) -> dict[str, object]:
         return {key: value for key, value in self.model_dump().items() if value is not None}
+
+
+def _snapshot_detail(info: SnapshotInfo) -> dict[str, object]:
+    return {
+        "snapshot_id": info.id,
+        "label": info.label,
+        "created": info.created,
+        "files": info.files,
+        "bytes": info.bytes,
+        "archive_bytes": info.archive_bytes,
+        "sha256": info.sha256,
+        "sandbox_id": info.metadata.get("sandbox_id"),
+    }
 
 
 def register_sandboxes(
@@ -125,6 +139,38 @@ def register_sandboxes(
         return to_call_result(
             await runner.run("close_sandbox", {"sandbox_id": sandbox_id}, op, mutating=True, workspace=sandbox_id)
         )
+
+    @server.tool(
+        name="snapshot_sandbox",
+        annotations=_MUTATES,
+        description=(
+            "Save a sandbox's /workspace (files, folders, symlinks, modes) to a compressed snapshot. "
+            "restore_sandbox makes a new sandbox from it."
+        ),
+    )
+    async def snapshot_sandbox(sandbox_id: SandboxIdArg, label: str | None = None) -> Result:
+        async def op() -> OperationResult:
+            agent_owned(sandbox_id)
+            info = await manager.snapshot(sandbox_id, label)
+            return OperationResult.success("snapshot_sandbox", _snapshot_detail(info))
+
+        args = {"sandbox_id": sandbox_id, "label": label}
+        return to_call_result(await runner.run("snapshot_sandbox", args, op, mutating=True, workspace=sandbox_id))
+
+    @server.tool(
+        name="restore_sandbox",
+        annotations=_MUTATES,
+        description="Create a new sandbox whose /workspace is a snapshot's, byte for byte.",
+    )
+    async def restore_sandbox(
+        snapshot_id: Annotated[str, Field(description="The id from snapshot_sandbox, e.g. snap-0123456789abcdef.")],
+    ) -> Result:
+        async def op() -> OperationResult:
+            box, info = await manager.restore(snapshot_id, owner=runner.caller)
+            detail = {**box.summary(), "snapshot": _snapshot_detail(info), "workspace": "/workspace"}
+            return OperationResult.success("restore_sandbox", detail)
+
+        return to_call_result(await runner.run("restore_sandbox", {"snapshot_id": snapshot_id}, op, mutating=True))
 
     @server.tool(
         name="create_run_close",
