@@ -1,0 +1,154 @@
+"""Sandbox figures (issue #3), each against a baseline measured in the same run.
+
+1. create_sandbox p50, server-side (SandboxManager.create, no MCP transport): from the warm
+   pool (the default) and cold (warm_pool = 0). Target <= 25 ms; anchors: E2B ~150 ms,
+   `srt -- true` measured on this machine 315 ms.
+2. run_command("true") in a warm sandbox over MCP stdio, against the naive unsandboxed
+   server of bench/naive_server.py, calls alternating. Target <= 1.5x.
+3. Density: 200 idle sandboxes at once: memory per idle sandbox (target <= 4 MiB beyond
+   the workspace files) and run_command("true") p50 with 200 idle against 1 (target <= 1.2x).
+
+Run: .venv/bin/python bench/bench_sandbox.py [--density N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import anyio
+from mcp import Client, StdioServerParameters
+
+from bastion.app import build_server, build_services
+from bastion.config import load_config
+
+REPO = Path(__file__).resolve().parent.parent
+BASTION = REPO / ".venv" / "bin" / "bastion"
+PYTHON = REPO / ".venv" / "bin" / "python"
+MIB = 1024 * 1024
+
+
+def demo(tmp: Path, *, warm_pool: int, max_sandboxes: int) -> Path:
+    subprocess.run([str(BASTION), "init", str(tmp / "demo")], check=True, capture_output=True)
+    config = tmp / "demo" / "bastion.toml"
+    text = config.read_text().replace("max_sandboxes = 16", f"max_sandboxes = {max_sandboxes}")
+    text = text.replace("lifetime_s = 86400", f"lifetime_s = 86400\nwarm_pool = {warm_pool}")
+    config.write_text(text)
+    return config
+
+
+def ms(samples: list[float]) -> float:
+    return statistics.median(samples) * 1000
+
+
+async def create_p50(config: Path, *, warm: bool, count: int = 30) -> float:
+    services = build_services(load_config(config))
+    samples = []
+    try:
+        for _ in range(count):
+            if warm:
+                services.sandboxes.refill_pool()
+                await anyio.sleep(0.25)  # an agent does not create sandboxes back to back
+            started = time.perf_counter()
+            box = await services.sandboxes.create(owner="bench")
+            samples.append(time.perf_counter() - started)
+            services.sandboxes.close(box.id)
+    finally:
+        services.close()
+    return ms(samples)
+
+
+async def stdio_ratio(config: Path, calls: int) -> tuple[float, float]:
+    naive = StdioServerParameters(command=str(PYTHON), args=[str(REPO / "bench" / "naive_server.py"), "/tmp"])
+    ours = StdioServerParameters(command=str(BASTION), args=["serve", "--config", str(config), "--stdio"])
+    base_s: list[float] = []
+    ours_s: list[float] = []
+    async with Client(naive) as base, Client(ours) as bastion:
+        created = await bastion.call_tool("create_sandbox", {})
+        assert created.structured_content is not None
+        box = created.structured_content["detail"]["sandbox_id"]
+        for i in range(calls + 30):
+            started = time.perf_counter()
+            await base.call_tool("run_command", {"command": "true"})
+            middle = time.perf_counter()
+            result = await bastion.call_tool("run_command", {"command": "true", "sandbox_id": box})
+            ended = time.perf_counter()
+            if result.is_error:
+                raise SystemExit(f"run_command failed: {result.content}")
+            if i >= 30:
+                base_s.append(middle - started)
+                ours_s.append(ended - middle)
+    return ms(base_s), ms(ours_s)
+
+
+def mem_available() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise SystemExit("no MemAvailable in /proc/meminfo")
+
+
+async def density(config: Path, count: int) -> tuple[float, float, float, float]:
+    services = build_services(load_config(config))
+    server = build_server(services, caller="bench")
+    try:
+        first = await services.sandboxes.create(owner="bench")
+        args = {"command": "true", "sandbox_id": first.id}
+        one = await timed_calls(server, args)
+        before = mem_available()
+        boxes = [await services.sandboxes.create(owner="bench") for _ in range(count - 1)]
+        await anyio.sleep(1.0)
+        after = mem_available()
+        cgroup_bytes = sum(u.memory_bytes for b in boxes if (u := b.workspace.sandbox.usage()) is not None)
+        many = await timed_calls(server, args)
+    finally:
+        services.close()
+    per_box = (before - after) / (count - 1)
+    return one, many, per_box, cgroup_bytes / (count - 1)
+
+
+async def timed_calls(server: object, args: dict[str, object], calls: int = 200) -> float:
+    samples = []
+    for i in range(calls + 20):
+        started = time.perf_counter()
+        await server.call_tool("run_command", args)  # type: ignore[attr-defined]
+        if i >= 20:
+            samples.append(time.perf_counter() - started)
+    return ms(samples)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--density", type=int, default=200)
+    parser.add_argument("--calls", type=int, default=300)
+    args = parser.parse_args()
+    ok = True
+    with tempfile.TemporaryDirectory(dir=REPO / "bench", prefix=".tmp-") as tmp:
+        pooled = demo(Path(tmp) / "pooled", warm_pool=1, max_sandboxes=args.density + 8)
+        cold = demo(Path(tmp) / "cold", warm_pool=0, max_sandboxes=8)
+        warm_ms = anyio.run(lambda: create_p50(pooled, warm=True))
+        cold_ms = anyio.run(lambda: create_p50(cold, warm=False))
+        print(f"create_sandbox p50, server-side: {warm_ms:.2f} ms from the warm pool, {cold_ms:.2f} ms cold")
+        print("  target <= 25 ms; anchors: E2B ~150 ms, srt -- true 315 ms on this machine")
+        ok &= warm_ms <= 25
+        base_ms, ours_ms = anyio.run(stdio_ratio, pooled, args.calls)
+        ratio = ours_ms / base_ms
+        ok &= ratio <= 1.5
+        print(f"run_command('true') p50 over stdio: naive {base_ms:.3f} ms, sandbox {ours_ms:.3f} ms, {ratio:.2f}x")
+        print("  target <= 1.5x")
+        one, many, per_box, per_cgroup = anyio.run(density, pooled, args.density)
+        print(f"density: {args.density} idle sandboxes")
+        print(f"  memory per idle sandbox: {per_box / MIB:.2f} MiB (MemAvailable), {per_cgroup / MIB:.2f} MiB (cgroup)")
+        print(f"  run_command('true') p50 in-process: {one:.3f} ms with 1, {many:.3f} ms with {args.density}")
+        print(f"  ratio {many / one:.2f}x; targets: <= 4 MiB per sandbox, <= 1.2x")
+        ok &= per_box <= 4 * MIB and many / one <= 1.2
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
