@@ -74,6 +74,8 @@ def build_services(config: Config) -> Services:
             ) from None
     registry = WorkspaceRegistry(config, redactor, cgroups)
     sandboxes = SandboxManager(config, redactor, cgroups)
+    for snapshot_id in sandboxes.recover():
+        logger.warning("a previous server left a sandbox: its workspace is snapshot %s", snapshot_id)
     registry.sandboxes = sandboxes
     return Services(config=config, redactor=redactor, audit=audit, registry=registry, sandboxes=sandboxes)
 

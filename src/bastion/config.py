@@ -122,6 +122,8 @@ class SandboxesConfig(_Model):
     idle_timeout_s: Annotated[float, Field(gt=0)] = 1800.0
     lifetime_s: Annotated[float, Field(gt=0)] = 86_400.0
     reap_interval_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
+    orphan_retention_s: Annotated[float, Field(gt=0)] = 7 * 86_400.0
+    """How long the workspaces of sandboxes left by a crashed server are kept, as snapshots."""
     warm_pool: Annotated[int, Field(ge=0, le=64)] = 1
     """Sandboxes started ahead of time, so create_sandbox does not wait for one to boot."""
     limits: SandboxLimitsConfig = SandboxLimitsConfig()

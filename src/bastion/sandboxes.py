@@ -36,7 +36,13 @@ from bastion.safety.errors import (
 from bastion.safety.redact import Redactor
 from bastion.sandbox._spawn import SandboxSpec
 from bastion.sandbox.cgroups import CgroupLayout, Limits
-from bastion.sandbox.snapshot import SnapshotInfo, create_snapshot, list_snapshots, restore_snapshot
+from bastion.sandbox.snapshot import (
+    SnapshotInfo,
+    create_snapshot,
+    delete_snapshot,
+    list_snapshots,
+    restore_snapshot,
+)
 from bastion.sandbox.warm import WarmSandbox
 from bastion.workspaces import HostWorkspace
 
@@ -281,6 +287,35 @@ class SandboxManager:
 
     def snapshots(self) -> list[SnapshotInfo]:
         return list_snapshots(self._snapshots)
+
+    def recover(self) -> list[str]:
+        """Clean what a crashed server left: its cgroups, and its sandboxes' folders, which
+        are kept as snapshots (label ``recovered``) until `orphan_retention_s` passes.
+
+        Processes need no cleaning: bwrap's --die-with-parent ended them with the server.
+        Returns the snapshot ids made.
+        """
+        if self._cgroups is not None:
+            for name in self._cgroups.existing():
+                owner_pid = name.split("-")[1] if name.count("-") == 2 else ""
+                if owner_pid.isdigit() and not os.path.exists(f"/proc/{owner_pid}"):
+                    self._cgroups.open(name).destroy()
+        made = []
+        if self._dir.is_dir():
+            for root in sorted(self._dir.iterdir()):
+                if not root.name.startswith(SANDBOX_ID_PREFIX) or root.name in self._boxes:
+                    continue
+                workspace = root / "workspace"
+                # An empty workspace (a warm-pool sandbox never handed out) has nothing to keep.
+                if workspace.is_dir() and not workspace.is_symlink() and any(workspace.iterdir()):
+                    metadata = {"sandbox_id": root.name, "recovered": "true"}
+                    made.append(create_snapshot(workspace, self._snapshots, label="recovered", metadata=metadata).id)
+                _remove_tree(root)
+        cutoff = time.time() - self._config.orphan_retention_s
+        for info in list_snapshots(self._snapshots):
+            if info.metadata.get("recovered") == "true" and info.created < cutoff:
+                delete_snapshot(self._snapshots, info.id)
+        return made
 
     def close(self, sandbox_id: str) -> None:
         """End every process, remove the cgroup and the files."""

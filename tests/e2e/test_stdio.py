@@ -32,6 +32,7 @@ TOOLS = {
     "create_run_close",
     "snapshot_sandbox",
     "restore_sandbox",
+    "list_snapshots",
 }
 
 

@@ -51,6 +51,7 @@ def _snapshot_detail(info: SnapshotInfo) -> dict[str, object]:
         "archive_bytes": info.archive_bytes,
         "sha256": info.sha256,
         "sandbox_id": info.metadata.get("sandbox_id"),
+        "recovered": info.metadata.get("recovered") == "true",
     }
 
 
@@ -171,6 +172,18 @@ def register_sandboxes(
             return OperationResult.success("restore_sandbox", detail)
 
         return to_call_result(await runner.run("restore_sandbox", {"snapshot_id": snapshot_id}, op, mutating=True))
+
+    @server.tool(
+        name="list_snapshots",
+        annotations=_READS,
+        description="List the snapshots, including those kept from sandboxes of a server that crashed.",
+    )
+    async def list_snapshots() -> Result:
+        async def op() -> OperationResult:
+            snapshots = [_snapshot_detail(info) for info in manager.snapshots()]
+            return OperationResult.success("list_snapshots", {"snapshots": snapshots})
+
+        return to_call_result(await runner.run("list_snapshots", {}, op, mutating=False))
 
     @server.tool(
         name="create_run_close",

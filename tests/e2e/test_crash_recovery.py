@@ -1,0 +1,78 @@
+"""A server killed with SIGKILL leaves no process behind, and the next one recovers its sandboxes."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import anyio
+import pytest
+from mcp import Client, StdioServerParameters
+
+from bastion.app import build_server, build_services
+from bastion.config import load_config
+from tests.e2e.test_stdio import BASTION
+
+pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
+
+
+def pids_with(marker: str) -> list[int]:
+    found = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                if marker.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    found.append(int(pid))
+            except OSError:
+                continue
+    return found
+
+
+async def test_killed_server_leaves_nothing_and_next_start_recovers(demo_config_path: Path) -> None:
+    """Invariant: after kill -9 of the server, no sandbox process survives; the next server
+    removes the orphan cgroup and folder and keeps the workspace as a restorable snapshot."""
+    params = StdioServerParameters(command=str(BASTION), args=["serve", "--config", str(demo_config_path), "--stdio"])
+    marker = str(demo_config_path)
+    seen: dict[str, str] = {}
+
+    async def create_then_kill_the_server() -> None:
+        async with Client(params) as client:
+            created = await client.call_tool("create_sandbox", {})
+            assert created.structured_content is not None
+            seen["box"] = created.structured_content["detail"]["sandbox_id"]
+            await client.call_tool("run_command", {"command": "echo survived > kept.txt", "sandbox_id": seen["box"]})
+            (server_pid,) = pids_with(marker)
+            os.kill(server_pid, signal.SIGKILL)
+            await client.call_tool("list_sandboxes", {})
+
+    with pytest.raises(BaseException):  # noqa: B017, PT011 - the transport breaks in whatever way it breaks
+        await create_then_kill_the_server()
+    box = seen["box"]
+    sandbox_marker = str(demo_config_path.parent / "state" / "sandboxes" / box)
+    for _ in range(100):
+        if not pids_with(sandbox_marker) and not pids_with(marker):
+            break
+        await anyio.sleep(0.05)
+    assert pids_with(marker) == []
+    assert pids_with(sandbox_marker) == []
+    config = load_config(demo_config_path)
+    sandbox_dir = config.sandboxes_dir / box
+    assert sandbox_dir.is_dir()
+    services = build_services(config)
+    try:
+        assert not sandbox_dir.exists()
+        async with Client(build_server(services, caller="test")) as client:
+            listed = await client.call_tool("list_snapshots", {})
+            assert listed.structured_content is not None
+            snapshots = listed.structured_content["detail"]["snapshots"]
+            (recovered,) = [s for s in snapshots if s["sandbox_id"] == box]
+            assert recovered["recovered"] is True
+            restored = await client.call_tool("restore_sandbox", {"snapshot_id": recovered["snapshot_id"]})
+            assert restored.structured_content is not None
+            new_box = restored.structured_content["detail"]["sandbox_id"]
+            out = await client.call_tool("run_command", {"command": "cat kept.txt", "sandbox_id": new_box})
+            assert out.structured_content is not None
+            assert out.structured_content["detail"]["stdout"] == "survived\n"
+    finally:
+        services.close()
