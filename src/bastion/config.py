@@ -29,6 +29,9 @@ _ENV_NAME: Final = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _FORBIDDEN_ENV_PREFIXES: Final = ("LD_", "GIT_", "PYTHON", "NODE_", "PERL", "RUBY", "BASH_", "DYLD_")
 _FIXED_ENV: Final = frozenset({"PATH", "HOME", "LANG"})
 SANDBOX_ID_PREFIX: Final = "sb-"
+_RESERVED_DESTS: Final = frozenset(
+    {"/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/proc", "/dev", "/tmp", "/workspace"}  # noqa: S108
+)
 
 
 def _checked_env(env: dict[str, str]) -> dict[str, str]:
@@ -114,6 +117,41 @@ class SandboxLimitsConfig(_Model):
     max_output_bytes: Annotated[int, Field(ge=1024, le=16 * 1024 * 1024)] = 65_536
 
 
+class ReadOnlyBind(_Model):
+    source: Path
+    """A host folder, shown read-only inside the sandbox."""
+    dest: str
+    """Where it appears inside, e.g. /data. Not a system folder, /workspace or /tmp."""
+
+    @field_validator("dest")
+    @classmethod
+    def _check_dest(cls, dest: str) -> str:
+        normal = os.path.normpath(dest)
+        if not normal.startswith("/") or normal != dest.rstrip("/") or dest == "/":
+            raise ValueError(f"dest {dest!r} must be an absolute, normalized path such as /data")
+        top = "/" + normal.split("/")[1]
+        if top in _RESERVED_DESTS:
+            raise ValueError(f"dest {dest!r} would shadow {top}: choose a new top-level folder such as /data")
+        return normal
+
+
+class TemplateConfig(_Model):
+    """A kind of sandbox an agent may ask for by name."""
+
+    name: Annotated[str, Field(pattern=_ID_PATTERN)]
+    read_only: tuple[ReadOnlyBind, ...] = ()
+    env: dict[str, str] = Field(default_factory=dict)
+    limits: SandboxLimitsConfig | None = None
+    """Defaults for this template; each must be within [sandboxes.limits]. Absent: the ceiling."""
+    policy: CommandPolicyConfig | None = None
+    """A stricter command policy; absent: any shell command (the kernel is the boundary)."""
+
+    @field_validator("env")
+    @classmethod
+    def _check_env(cls, env: dict[str, str]) -> dict[str, str]:
+        return _checked_env(env)
+
+
 class SandboxesConfig(_Model):
     """Agent-created sandboxes: fresh workspaces under `<state_dir>/sandboxes/`."""
 
@@ -149,6 +187,11 @@ class Config(_Model):
     workspace: tuple[WorkspaceConfig, ...] = ()
     inbox: tuple[InboxConfig, ...] = ()
     sandboxes: SandboxesConfig = SandboxesConfig()
+    template: tuple[TemplateConfig, ...] = ()
+
+    def template_by_name(self, name: str) -> TemplateConfig | None:
+        return next((t for t in self.template if t.name == name), None)
+
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "WARNING"
 
     @property
@@ -165,6 +208,7 @@ class Config(_Model):
     def secret_values(self) -> tuple[str, ...]:
         values = [value for ws in self.workspace for value in ws.env.values()]
         values += self.sandboxes.env.values()
+        values += [value for template in self.template for value in template.env.values()]
         return tuple(value for value in values if value)
 
     @property
@@ -179,11 +223,23 @@ def _absolute(base: Path, path: Path) -> Path:
 def _resolve_paths(raw: Config, base: Path) -> Config:
     workspaces = tuple(ws.model_copy(update={"path": _absolute(base, ws.path)}) for ws in raw.workspace)
     inboxes = tuple(ib.model_copy(update={"path": _absolute(base, ib.path)}) for ib in raw.inbox)
+    templates = tuple(
+        t.model_copy(
+            update={"read_only": tuple(b.model_copy(update={"source": _absolute(base, b.source)}) for b in t.read_only)}
+        )
+        for t in raw.template
+    )
     audit = raw.audit
     if audit.path is not None:
         audit = audit.model_copy(update={"path": _absolute(base, audit.path)})
     return raw.model_copy(
-        update={"state_dir": _absolute(base, raw.state_dir), "workspace": workspaces, "inbox": inboxes, "audit": audit}
+        update={
+            "state_dir": _absolute(base, raw.state_dir),
+            "workspace": workspaces,
+            "inbox": inboxes,
+            "audit": audit,
+            "template": templates,
+        }
     )
 
 
@@ -215,9 +271,31 @@ def _check_semantics(config: Config) -> None:
                 raise ConfigError(
                     f"{name} {guarded} is inside {kind} {folder_id!r} ({folder_path}): move it out of the {kind}"
                 )
+    _check_templates(config, home)
     for ws in config.workspace:
         if not ws.policy.allow and not ws.policy.deny:
             raise ConfigError(f"workspace {ws.id!r} policy has neither allow nor deny: list the commands it may run")
+
+
+def _check_templates(config: Config, home: Path) -> None:
+    names = [t.name for t in config.template]
+    if len(set(names)) != len(names):
+        raise ConfigError("two [[template]] entries share a name: give each a unique name")
+    ceiling = config.sandboxes.limits
+    for template in config.template:
+        if template.limits is not None:
+            for key, value in template.limits.model_dump().items():
+                if value > getattr(ceiling, key):
+                    raise ConfigError(
+                        f"template {template.name!r} limit {key}={value} is above [sandboxes.limits]: lower it"
+                    )
+        for bind in template.read_only:
+            where = f"template {template.name!r} read_only {bind.source}"
+            if not bind.source.is_dir():
+                raise ConfigError(f"{where} is not an existing folder: create it or fix the path")
+            real = bind.source.resolve()
+            if real in (Path("/"), home) or _inside(config.state_dir, real) or _inside(real, config.state_dir):
+                raise ConfigError(f"{where} is /, the home folder, or overlaps the state folder: bind a data folder")
 
 
 def _first_error(exc: ValidationError) -> str:

@@ -23,12 +23,20 @@ from typing import Final
 
 import anyio.to_thread
 
-from bastion.config import SANDBOX_ID_PREFIX, Config, LimitsConfig, SandboxLimitsConfig, WorkspaceConfig
+from bastion.config import (
+    SANDBOX_ID_PREFIX,
+    Config,
+    LimitsConfig,
+    SandboxLimitsConfig,
+    TemplateConfig,
+    WorkspaceConfig,
+)
 from bastion.safety.commands import CommandPolicyConfig
 from bastion.safety.errors import (
     BastionError,
     Conflict,
     InvalidRequest,
+    NotFound,
     PolicyDenied,
     ResourceLimit,
     SandboxNotFound,
@@ -65,6 +73,7 @@ class Sandbox:
     limits: SandboxLimitsConfig
     root: Path
     workspace: HostWorkspace
+    template: str = "default"
     created_wall: float = field(default_factory=time.time)
     created: float = field(default_factory=time.monotonic)
     last_used: float = field(default_factory=time.monotonic)
@@ -74,6 +83,7 @@ class Sandbox:
         return {
             "sandbox_id": self.id,
             "name": self.name,
+            "template": self.template,
             "state": "paused" if self.workspace.sandbox.paused else "running",
             "age_s": round(now - self.created, 3),
             "idle_s": round(now - self.last_used, 3),
@@ -123,6 +133,8 @@ class SandboxManager:
 
     def __init__(self, config: Config, redactor: Redactor, cgroups: CgroupLayout | None) -> None:
         self._config = config.sandboxes
+        self._templates = {t.name: t for t in config.template}
+        self._default_template = self._templates.get("default", TemplateConfig(name="default"))
         self._dir = config.sandboxes_dir
         self._snapshots = config.state_dir / "snapshots"
         self._redactor = redactor
@@ -150,13 +162,19 @@ class SandboxManager:
         return sorted(self._boxes.values(), key=lambda box: box.created)
 
     async def create(
-        self, *, owner: str, name: str | None = None, limits: Mapping[str, object] | None = None
+        self,
+        *,
+        owner: str,
+        name: str | None = None,
+        limits: Mapping[str, object] | None = None,
+        template: str | None = None,
     ) -> Sandbox:
         """Make a sandbox with a fresh, empty workspace and start it.
 
         Raises:
             PolicyDenied: sandboxes are disabled, or a limit is above the ceiling.
             ResourceLimit: the maximum number of sandboxes is reached.
+            NotFound: no such template.
         """
         if not self._config.enabled:
             raise PolicyDenied("sandboxes are disabled on this server: use a configured workspace")
@@ -164,21 +182,44 @@ class SandboxManager:
             raise ResourceLimit(f"{self._config.max_sandboxes} sandboxes are open: close one first")
         if name is not None and (len(name) > _MAX_NAME_CHARS or not name.isprintable()):
             raise InvalidRequest(f"name must be printable and at most {_MAX_NAME_CHARS} characters")
-        narrowed = narrow_limits(self._config.limits, limits)
-        prepared = self._pool.pop() if self._pool else await self._prepare()
+        chosen = self._template(template)
+        narrowed = narrow_limits(
+            self._config.limits, {**(chosen.limits.model_dump() if chosen.limits else {}), **(limits or {})}
+        )
+        binds = tuple((str(b.source), b.dest) for b in chosen.read_only)
+        # The pool's sandboxes have no extra binds: a template with some starts its own.
+        prepared = self._pool.pop() if self._pool and not binds else await self._prepare(binds)
         try:
-            config = self._workspace_config(prepared.id, prepared.root, narrowed)
-            workspace = HostWorkspace(config, self._redactor, self._cgroups, via_sh=True, sandbox=prepared.warm)
+            config = self._workspace_config(prepared.id, prepared.root, narrowed, chosen)
+            via_sh = chosen.policy is None
+            workspace = HostWorkspace(config, self._redactor, self._cgroups, via_sh=via_sh, sandbox=prepared.warm)
         except BaseException:
             prepared.warm.close()
             _remove_tree(prepared.root)
             raise
-        box = Sandbox(id=prepared.id, name=name, owner=owner, limits=narrowed, root=prepared.root, workspace=workspace)
+        box = Sandbox(
+            id=prepared.id,
+            name=name,
+            owner=owner,
+            limits=narrowed,
+            root=prepared.root,
+            workspace=workspace,
+            template=chosen.name,
+        )
         self._boxes[box.id] = box
         self.refill_pool()
         return box
 
-    async def _prepare(self) -> _Prepared:
+    def _template(self, name: str | None) -> TemplateConfig:
+        if name is None:
+            return self._default_template
+        found = self._templates.get(name)
+        if found is None:
+            known = ", ".join(sorted(self._templates)) or "none are configured"
+            raise NotFound(f"no sandbox template {name!r}: use one of {known}")
+        return found
+
+    async def _prepare(self, binds: tuple[tuple[str, str], ...] = ()) -> _Prepared:
         """A new sandbox: its folders, its cgroup at the ceiling's limits, bubblewrap and the agent started."""
         sandbox_id = SANDBOX_ID_PREFIX + secrets.token_hex(_ID_HEX_BYTES)
         root = self._dir / sandbox_id
@@ -189,7 +230,8 @@ class SandboxManager:
         limits = None
         if self._cgroups is not None:
             limits = Limits(memory_bytes=ceiling.memory_bytes, pids=ceiling.pids, cpu_cores=ceiling.cpu_cores)
-        warm = WarmSandbox(SandboxSpec(workspace=str(root / "workspace")), cgroups=self._cgroups, limits=limits)
+        spec = SandboxSpec(workspace=str(root / "workspace"), read_only_binds=binds)
+        warm = WarmSandbox(spec, cgroups=self._cgroups, limits=limits)
         prepared = self._starting[sandbox_id] = _Prepared(sandbox_id, root, warm)
         try:
             await warm.start()
@@ -215,12 +257,14 @@ class SandboxManager:
         except BastionError as exc:
             logger.warning("warm pool not refilled: %s", exc.reason)
 
-    def _workspace_config(self, sandbox_id: str, root: Path, limits: SandboxLimitsConfig) -> WorkspaceConfig:
+    def _workspace_config(
+        self, sandbox_id: str, root: Path, limits: SandboxLimitsConfig, template: TemplateConfig
+    ) -> WorkspaceConfig:
         return WorkspaceConfig(
             id=sandbox_id.replace(SANDBOX_ID_PREFIX, "s", 1),
             path=root / "workspace",
-            policy=_SHELL_POLICY,
-            env=self._config.env,
+            policy=template.policy or _SHELL_POLICY,
+            env={**self._config.env, **template.env},
             timeout_s=limits.timeout_s,
             max_output_bytes=limits.max_output_bytes,
             limits=LimitsConfig(memory_bytes=limits.memory_bytes, pids=limits.pids, cpu_cores=limits.cpu_cores),

@@ -72,13 +72,18 @@ def register_sandboxes(
             "(sh -c); there is no network. Pass its sandbox_id to the work tools. Close it when done."
         ),
     )
-    async def create_sandbox(name: str | None = None, limits: LimitsArg | None = None) -> Result:
+    async def create_sandbox(
+        template: Annotated[str | None, Field(description="A template configured by the administrator.")] = None,
+        name: str | None = None,
+        limits: LimitsArg | None = None,
+    ) -> Result:
         async def op() -> OperationResult:
-            box = await manager.create(owner=runner.caller, name=name, limits=limits.requested() if limits else None)
+            requested = limits.requested() if limits else None
+            box = await manager.create(owner=runner.caller, name=name, limits=requested, template=template)
             detail = {**box.summary(), "limits": box.limits.model_dump(), "workspace": "/workspace"}
             return OperationResult.success("create_sandbox", detail)
 
-        args = {"name": name, "limits": limits.requested() if limits else None}
+        args = {"template": template, "name": name, "limits": limits.requested() if limits else None}
         return to_call_result(await runner.run("create_sandbox", args, op, mutating=True))
 
     @server.tool(name="list_sandboxes", annotations=_READS, description="List the open sandboxes.")
