@@ -61,7 +61,11 @@ async def test_template_binds_inputs_read_only_with_env_and_limits(template_conf
             # The template's env value reached the command, and (like every configured value) is redacted.
             assert stdout.startswith("day,temp\nmon,12\n[REDACTED:secret_value]\n")
             assert "Read-only file system" in stdout
-            too_much = await client.call_tool("create_sandbox", {"template": "data", "limits": {"pids": 128}})
+            # Template limits are defaults; the administrator's [sandboxes.limits] stays the ceiling.
+            more = await client.call_tool("create_sandbox", {"template": "data", "limits": {"pids": 128}})
+            assert more.structured_content is not None
+            assert more.structured_content["detail"]["limits"]["pids"] == 128
+            too_much = await client.call_tool("create_sandbox", {"template": "data", "limits": {"pids": 512}})
             assert too_much.structured_content is not None
             assert too_much.structured_content["code"] == "POLICY_DENIED"
     finally:
