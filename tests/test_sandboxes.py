@@ -211,3 +211,21 @@ async def test_restore_unknown_snapshot(client: Client) -> None:
     bad = await call(client, "restore_sandbox", snapshot_id="../../etc")
     assert bad["code"] == "INVALID_REQUEST"
     assert (await call(client, "list_sandboxes"))["detail"]["sandboxes"] == []  # type: ignore[index]
+
+
+async def test_disk_quota_is_enospc_inside(client: Client, services: Services) -> None:
+    """Invariant: /workspace is a filesystem of disk_bytes: writing past it fails with ENOSPC inside."""
+    box = await create(client, limits={"disk_bytes": 32 * 1024**2})
+    out = await sh(client, box, "head -c 40000000 /dev/zero > big; echo status=$?")
+    detail = out["detail"]
+    assert "No space left on device" in str(detail["stderr"])  # type: ignore[index]
+    assert "status=1" in str(detail["stdout"])  # type: ignore[index]
+    status = await call(client, "get_sandbox_status", sandbox_id=box)
+    usage = status["detail"]["usage"]  # type: ignore[index]
+    assert usage["disk_quota_bytes"] == 32 * 1024**2
+    assert 24 * 1024**2 < usage["disk_bytes"] <= 32 * 1024**2  # ext4 keeps some blocks for itself
+    workspace = services.config.sandboxes_dir / box / "workspace"
+    assert os.path.ismount(workspace)
+    await call(client, "close_sandbox", sandbox_id=box)
+    assert not os.path.ismount(workspace)
+    assert str(workspace) not in Path("/proc/self/mounts").read_text()

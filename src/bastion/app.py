@@ -14,6 +14,7 @@ from bastion.config import Config
 from bastion.safety.audit import AuditLog
 from bastion.safety.errors import AuditUnavailable, BastionError, ConfigError
 from bastion.safety.redact import Redactor
+from bastion.sandbox._disk import quota_available
 from bastion.sandbox.cgroups import CgroupLayout
 from bastion.sandboxes import SandboxManager
 from bastion.tools._call import CallRunner
@@ -72,6 +73,11 @@ def build_services(config: Config) -> Services:
             raise ConfigError(
                 f"cgroups: {exc.reason} (run as root or with a delegated cgroup; 'use_cgroups = false' disables limits)"
             ) from None
+    if config.sandboxes.enabled and config.sandboxes.disk_quota:
+        reason = quota_available()
+        if reason is not None:
+            audit.close()
+            raise ConfigError(f"sandbox disk quota: {reason}: run as root or set [sandboxes] disk_quota = false")
     registry = WorkspaceRegistry(config, redactor, cgroups)
     sandboxes = SandboxManager(config, redactor, cgroups)
     for snapshot_id in sandboxes.recover():

@@ -115,6 +115,8 @@ class SandboxLimitsConfig(_Model):
     cpu_cores: Annotated[float, Field(gt=0, le=1024)] = 1.0
     timeout_s: Annotated[float, Field(gt=0, le=3600)] = 60.0
     max_output_bytes: Annotated[int, Field(ge=1024, le=16 * 1024 * 1024)] = 65_536
+    disk_bytes: Annotated[int, Field(ge=16 * 1024 * 1024, le=1024**4)] = 2 * 1024**3
+    """Size of /workspace: writes past it fail with ENOSPC inside (when disk_quota is on)."""
 
 
 class ReadOnlyBind(_Model):
@@ -160,6 +162,9 @@ class SandboxesConfig(_Model):
     idle_timeout_s: Annotated[float, Field(gt=0)] = 1800.0
     lifetime_s: Annotated[float, Field(gt=0)] = 86_400.0
     reap_interval_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
+    disk_quota: bool = True
+    """Give each sandbox's /workspace its own filesystem of `limits.disk_bytes` (needs root).
+    False (dangerous: one sandbox can fill the state folder's disk) keeps workspaces as plain folders."""
     orphan_retention_s: Annotated[float, Field(gt=0)] = 7 * 86_400.0
     """How long the workspaces of sandboxes left by a crashed server are kept, as snapshots."""
     warm_pool: Annotated[int, Field(ge=0, le=64)] = 1

@@ -94,6 +94,7 @@ pids = 256
 cpu_cores = 1.0
 timeout_s = 60              # per command
 max_output_bytes = 65536    # per stream, per command
+disk_bytes = 2147483648     # 2 GiB: /workspace is a filesystem of this size (needs root; see disk_quota)
 
 # A folder for the file organizer.
 [[inbox]]

@@ -42,6 +42,7 @@ from bastion.safety.errors import (
     SandboxNotFound,
 )
 from bastion.safety.redact import Redactor
+from bastion.sandbox._disk import drop_disk, make_disk, used_bytes
 from bastion.sandbox._spawn import SandboxSpec
 from bastion.sandbox.cgroups import CgroupLayout, Limits
 from bastion.sandbox.snapshot import (
@@ -59,6 +60,7 @@ _MAX_NAME_CHARS: Final = 64
 _SHELL_POLICY: Final = CommandPolicyConfig(allow=("*",))
 _NARROWABLE: Final = frozenset(SandboxLimitsConfig.model_fields)
 _DISK_WALK_MAX_ENTRIES: Final = 100_000
+_DISK_IMAGE: Final = "disk.img"
 
 logger = logging.getLogger("bastion.sandboxes")
 
@@ -187,15 +189,16 @@ class SandboxManager:
             self._config.limits, {**(chosen.limits.model_dump() if chosen.limits else {}), **(limits or {})}
         )
         binds = tuple((str(b.source), b.dest) for b in chosen.read_only)
-        # The pool's sandboxes have no extra binds: a template with some starts its own.
-        prepared = self._pool.pop() if self._pool and not binds else await self._prepare(binds)
+        # The pool's sandboxes have no extra binds and the ceiling's disk: others start their own.
+        standard = not binds and narrowed.disk_bytes == self._config.limits.disk_bytes
+        prepared = self._pool.pop() if self._pool and standard else await self._prepare(binds, narrowed.disk_bytes)
         try:
             config = self._workspace_config(prepared.id, prepared.root, narrowed, chosen)
             via_sh = chosen.policy is None
             workspace = HostWorkspace(config, self._redactor, self._cgroups, via_sh=via_sh, sandbox=prepared.warm)
         except BaseException:
             prepared.warm.close()
-            _remove_tree(prepared.root)
+            _discard(prepared.root)
             raise
         box = Sandbox(
             id=prepared.id,
@@ -219,13 +222,23 @@ class SandboxManager:
             raise NotFound(f"no sandbox template {name!r}: use one of {known}")
         return found
 
-    async def _prepare(self, binds: tuple[tuple[str, str], ...] = ()) -> _Prepared:
-        """A new sandbox: its folders, its cgroup at the ceiling's limits, bubblewrap and the agent started."""
+    async def _prepare(self, binds: tuple[tuple[str, str], ...] = (), disk_bytes: int | None = None) -> _Prepared:
+        """A new sandbox: its folders (its own filesystem with a quota), its cgroup at the
+        ceiling's limits, bubblewrap and the agent started."""
         sandbox_id = SANDBOX_ID_PREFIX + secrets.token_hex(_ID_HEX_BYTES)
         root = self._dir / sandbox_id
         self._dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         root.mkdir(mode=0o700)
-        (root / "workspace").mkdir(mode=0o755)
+        (root / "workspace").mkdir(mode=0o700)
+        if self._config.disk_quota:
+            size = disk_bytes or self._config.limits.disk_bytes
+            # Synchronous on purpose (~20 ms): a thread could still be mounting after
+            # close_all has run, leaving a mount behind. The pool pays it, off the request path.
+            try:
+                make_disk(root / _DISK_IMAGE, root / "workspace", size)
+            except BaseException:
+                _discard(root)
+                raise
         ceiling = self._config.limits
         limits = None
         if self._cgroups is not None:
@@ -237,7 +250,7 @@ class SandboxManager:
             await warm.start()
         except BaseException:
             warm.close()
-            _remove_tree(root)
+            _discard(root)
             raise
         finally:
             self._starting.pop(sandbox_id, None)
@@ -282,6 +295,7 @@ class SandboxManager:
             "pids": usage.pids if usage else 0,
             "cpu_s": round(usage.cpu_usec / 1e6, 3) if usage else 0.0,
             "disk_bytes": _disk_bytes(box.root / "workspace"),
+            "disk_quota_bytes": box.limits.disk_bytes if self._config.disk_quota else None,
         }
         return detail
 
@@ -354,7 +368,7 @@ class SandboxManager:
                 if workspace.is_dir() and not workspace.is_symlink() and any(workspace.iterdir()):
                     metadata = {"sandbox_id": root.name, "recovered": "true"}
                     made.append(create_snapshot(workspace, self._snapshots, label="recovered", metadata=metadata).id)
-                _remove_tree(root)
+                _discard(root)
         cutoff = time.time() - self._config.orphan_retention_s
         for info in list_snapshots(self._snapshots):
             if info.metadata.get("recovered") == "true" and info.created < cutoff:
@@ -367,7 +381,7 @@ class SandboxManager:
         if box is None:
             raise SandboxNotFound(f"no sandbox {sandbox_id!r}: it was closed, or never existed (list_sandboxes)")
         box.workspace.close()
-        _remove_tree(box.root)
+        _discard(box.root)
 
     def reap(self) -> list[str]:
         """Close sandboxes past their idle timeout or lifetime; return their ids."""
@@ -388,9 +402,15 @@ class SandboxManager:
             self.close(sandbox_id)
         for prepared in [*self._pool, *self._starting.values()]:
             prepared.warm.close()
-            _remove_tree(prepared.root)
+            _discard(prepared.root)
         self._pool.clear()
         self._starting.clear()
+
+
+def _discard(root: Path) -> None:
+    """Unmount a sandbox's workspace filesystem if it has one, then delete its folder."""
+    drop_disk(root / "workspace")
+    _remove_tree(root)
 
 
 def _remove_tree(root: Path) -> None:
@@ -403,6 +423,8 @@ def _remove_tree(root: Path) -> None:
 
 def _disk_bytes(workspace: Path) -> int:
     """Allocated bytes of the workspace, counted without following symlinks (bounded walk)."""
+    if os.path.ismount(workspace):
+        return used_bytes(workspace)
     total = entries = 0
     for _dirpath, dirnames, filenames, dirfd in os.fwalk(workspace, follow_symlinks=False):
         for name in dirnames + filenames:

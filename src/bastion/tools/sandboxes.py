@@ -36,6 +36,7 @@ class LimitsArg(BaseModel):
     cpu_cores: float | None = None
     timeout_s: float | None = None
     max_output_bytes: int | None = None
+    disk_bytes: int | None = None
 
     def requested(self) -> dict[str, object]:
         return {key: value for key, value in self.model_dump().items() if value is not None}
