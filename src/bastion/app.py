@@ -18,6 +18,7 @@ from bastion.sandbox._disk import quota_available
 from bastion.sandbox.cgroups import CgroupLayout
 from bastion.sandboxes import SandboxManager
 from bastion.tools._call import CallRunner
+from bastion.tools.processes import register_processes
 from bastion.tools.sandboxes import register_sandboxes
 from bastion.tools.server import BastionServer
 from bastion.tools.workbench import register_workbench
@@ -117,5 +118,6 @@ def build_server(services: Services, *, caller: str) -> BastionServer:
     )
     register_workbench(server, services.registry, runner)
     register_sandboxes(server, services.sandboxes, services.registry, runner)
+    register_processes(server, services.registry, runner)
     logging.getLogger("bastion").setLevel(services.config.log_level)
     return server

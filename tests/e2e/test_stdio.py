@@ -33,6 +33,10 @@ TOOLS = {
     "snapshot_sandbox",
     "restore_sandbox",
     "list_snapshots",
+    "list_processes",
+    "read_process_output",
+    "send_process_input",
+    "kill_process",
 }
 
 

@@ -12,7 +12,8 @@ agent; fds via SCM_RIGHTS):
   agent -> host   {"event": "ready"}, once
   agent -> host   {"event": "member", "pid": P} with one fd: a socket to a waiting member
   host -> member  {"exe": "/usr/bin/ls", "argv": [...], "cwd": "/workspace", "env": {...}}
-                  with two fds: the write ends of the stdout and stderr pipes
+                  with two or three fds: the write ends of the stdout and stderr pipes, and
+                  for a background process the read end of its stdin pipe (else stdin is /dev/null)
   host -> agent   {"op": "used", "pid": P}   (so the agent spawns a replacement)
   host -> agent   {"op": "kill", "pid": P}
   agent -> host   {"event": "exit", "pid": P, "status": S}   S: exit code, or 128 + signal number
@@ -88,11 +89,17 @@ def prepare_member() -> None:
     drop_privileges()
 
 
-def exec_command(req: "dict[str, Any]", out_fd: int, err_fd: int) -> None:
-    """Runs in PID 1 of the command's namespace, already unprivileged; never returns."""
+def exec_command(req: "dict[str, Any]", fds: "list[int]") -> None:
+    """Runs in PID 1 of the command's namespace, already unprivileged; never returns.
+
+    `fds`: stdout, stderr and optionally stdin (else stdin stays /dev/null). All are
+    at 3 or above: 0-2 are open when they arrive.
+    """
     try:
-        os.dup2(out_fd, 1)
-        os.dup2(err_fd, 2)
+        os.dup2(fds[0], 1)
+        os.dup2(fds[1], 2)
+        if len(fds) > 2:
+            os.dup2(fds[2], 0)
         os.closerange(3, 65536)
         os.chdir(req["cwd"])
         os.execve(req["exe"], req["argv"], req["env"])  # noqa: S606 - argv exec, never a shell
@@ -149,12 +156,12 @@ def await_command(sock: socket.socket) -> None:
     """PID 1 of the command's namespace: wait for the request, then exec it. Never returns."""
     try:
         prepare_member()
-        data, fds, _flags, _addr = socket.recv_fds(sock, MAX_MESSAGE_BYTES, 2)
+        data, fds, _flags, _addr = socket.recv_fds(sock, MAX_MESSAGE_BYTES, 3)
     except BaseException:
         os._exit(127)
-    if not data or len(fds) != 2:
+    if not data or len(fds) not in (2, 3):
         os._exit(0)
-    exec_command(marshal.loads(data), fds[0], fds[1])  # noqa: S302 - written by the host only
+    exec_command(marshal.loads(data), fds)  # noqa: S302 - written by the host only
 
 
 def to_json(value: object) -> str:

@@ -3,6 +3,11 @@
 The host side of the protocol described in `bastion.sandbox._agent`. Output is
 read by the host directly from pipes whose write ends were handed to the agent,
 so nothing the command prints passes through the agent.
+
+A command runs either to completion (`run`, with a time limit) or in the background
+(`spawn`): then it outlives the call, its stdin is a pipe from the host, and its output
+goes to bounded rings (`bastion.sandbox.processes`) until it exits, is killed (`kill`),
+or the sandbox closes.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Final
 from bastion.safety.errors import BastionError, Conflict, Unavailable
 from bastion.sandbox._spawn import SandboxSpec, start_sandbox
 from bastion.sandbox.cgroups import CgroupLayout, Limits, SandboxCgroup, Usage
+from bastion.sandbox.processes import BackgroundProcess, PipeCapture, RingCapture
 
 logger = logging.getLogger("bastion.sandbox")
 
@@ -32,7 +38,6 @@ START_TIMEOUT_S: Final = 10.0
 _GROUP_PREFIX: Final = "sb"
 _group_ids = itertools.count(1)
 KILL_GRACE_S: Final = 5.0
-READ_CHUNK_BYTES: Final = 65_536
 MAX_MESSAGE_BYTES: Final = 65_536
 
 
@@ -54,40 +59,6 @@ class RunOutcome:
         return self.stdout_total > len(self.stdout) or self.stderr_total > len(self.stderr)
 
 
-class _Capture:
-    """Reads one pipe to EOF, keeping at most `cap` bytes and counting the rest."""
-
-    def __init__(self, fd: int, cap: int) -> None:
-        self.fd = fd
-        self.cap = cap
-        self.data = bytearray()
-        self.total = 0
-        self.done = asyncio.get_running_loop().create_future()
-        os.set_blocking(fd, False)
-        asyncio.get_running_loop().add_reader(fd, self._on_readable)
-
-    def _on_readable(self) -> None:
-        try:
-            chunk = os.read(self.fd, READ_CHUNK_BYTES)
-        except BlockingIOError:
-            return
-        except OSError:
-            chunk = b""
-        if not chunk:
-            self.close()
-            return
-        self.total += len(chunk)
-        room = self.cap - len(self.data)
-        if room > 0:
-            self.data += chunk[:room]
-
-    def close(self) -> None:
-        if not self.done.done():
-            asyncio.get_running_loop().remove_reader(self.fd)
-            os.close(self.fd)
-            self.done.set_result(None)
-
-
 class WarmSandbox:
     """One long-lived sandbox; commands in it run concurrently, each in its own PID namespace."""
 
@@ -104,6 +75,7 @@ class WarmSandbox:
         self._members: collections.deque[tuple[int, socket.socket]] = collections.deque()
         self._member_ready: asyncio.Event | None = None
         self._waiters: dict[int, asyncio.Future[int]] = {}
+        self._background: dict[int, BackgroundProcess] = {}  # by pid inside the sandbox, until it exits
         self._start_lock = asyncio.Lock()
 
     def set_limits(self, limits: Limits) -> None:
@@ -221,6 +193,11 @@ class WarmSandbox:
             return
         for fd in fds:
             os.close(fd)
+        if msg.get("event") == "exit":
+            process = self._background.pop(int(msg.get("pid", 0)), None)
+            if process is not None:
+                process.finish(int(msg["status"]))
+                return
         waiter = self._waiters.pop(int(msg.get("pid", 0)), None)
         if waiter is not None and not waiter.done() and msg.get("event") == "exit":
             waiter.set_result(int(msg["status"]))
@@ -237,6 +214,9 @@ class WarmSandbox:
             if not waiter.done():
                 waiter.set_exception(Unavailable("the sandbox ended while a command was running"))
         self._waiters.clear()
+        while self._background:
+            # Its processes die with the sandbox; their pipes are closed here, their output stays readable.
+            self._background.popitem()[1].close()
         if self._proc is not None:
             self._proc.kill()
             self._proc.wait()
@@ -294,7 +274,7 @@ class WarmSandbox:
             os.close(out_w)
             os.close(err_w)
             self._tell_agent("used", pid)
-        out, err = _Capture(out_r, max_output_bytes), _Capture(err_r, max_output_bytes)
+        out, err = PipeCapture(out_r, max_output_bytes), PipeCapture(err_r, max_output_bytes)
         timed_out = cancelled = False
         status: int | None = None
         try:
@@ -332,6 +312,59 @@ class WarmSandbox:
             waiter.cancel()
             self.close()
             return None
+
+    async def spawn(
+        self,
+        executable: str,
+        argv: Sequence[str],
+        *,
+        cwd: str,
+        env: Mapping[str, str],
+        ring_bytes: int,
+    ) -> BackgroundProcess:
+        """Start a command in the background and return at once.
+
+        It runs, like any command, as PID 1 of its own PID namespace, with no time limit:
+        it ends when it exits, when `kill` ends it, or when the sandbox closes. Its stdin is
+        a pipe from the host; its stdout and stderr are read into rings of `ring_bytes` each.
+        """
+        if self._paused:
+            raise Conflict("the sandbox is paused: resume it first")
+        await self.start()
+        pid, member = await self._take_member()
+        out_r, out_w = os.pipe2(os.O_CLOEXEC)
+        err_r, err_w = os.pipe2(os.O_CLOEXEC)
+        in_r, in_w = os.pipe2(os.O_CLOEXEC)
+        request = {"exe": executable, "argv": list(argv), "cwd": cwd, "env": dict(env)}
+        try:
+            socket.send_fds(member, [marshal.dumps(request)], [out_w, err_w, in_r])
+        except OSError as exc:
+            for fd in (out_r, err_r, in_w):
+                os.close(fd)
+            raise Unavailable(f"sandbox member unreachable: {exc.strerror}") from exc
+        finally:
+            member.close()
+            for fd in (out_w, err_w, in_r):
+                os.close(fd)
+            self._tell_agent("used", pid)
+        # No await since the send: its exit message cannot have been handled yet.
+        process = BackgroundProcess(pid, argv, in_w, RingCapture(out_r, ring_bytes), RingCapture(err_r, ring_bytes))
+        self._background[pid] = process
+        return process
+
+    async def kill(self, process: BackgroundProcess) -> None:
+        """SIGKILL a background process's PID 1: its whole PID namespace dies with it."""
+        if process.exited:
+            return
+        if self._paused:
+            raise Conflict("the sandbox is paused: resume it first")
+        self._tell_agent("kill", process.agent_pid)
+        try:
+            async with asyncio.timeout(KILL_GRACE_S):
+                await process.wait_exit()
+        except TimeoutError:
+            # The agent did not confirm the kill: end the whole sandbox, which ends every process in it.
+            self.close()
 
     def close(self) -> None:
         """Kill the sandbox: its PID namespace dies, and with it every process inside."""

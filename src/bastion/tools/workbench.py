@@ -11,6 +11,7 @@ from typing import Annotated, Literal
 from mcp_types import CallToolResult, ToolAnnotations
 from pydantic import Field
 
+from bastion.safety.errors import InvalidRequest
 from bastion.safety.results import OperationResult, ResultCode
 from bastion.tools._call import CallRunner
 from bastion.tools.server import BastionServer, to_call_result
@@ -36,18 +37,32 @@ def register_workbench(server: BastionServer, registry: WorkspaceRegistry, runne
             "Run one command in a workspace. No shell runs: the command is split into words like a shell would "
             "(quotes work), but pipes, redirections, ';', '&&', '$VAR' and globs are refused. The workspace's "
             "policy decides which commands may run (use explain_command to ask). A non-zero exit status is "
-            "ok=true with the status in detail.exit_status."
+            "ok=true with the status in detail.exit_status. In a sandbox, background=true starts the command and "
+            "returns at once with its pid: it keeps running between calls (read_process_output, "
+            "send_process_input, kill_process, list_processes)."
         ),
     )
     async def run_command(
         command: Annotated[str, Field(description='The command line, e.g. "git log --oneline -n 5".')],
         cwd: Annotated[str | None, Field(description="Working folder, relative to the workspace.")] = None,
         timeout_s: Annotated[float | None, Field(description="Wall-clock limit; capped by config.")] = None,
+        background: Annotated[
+            bool,
+            Field(
+                description="Sandboxes only: start it and return at once with its pid; no time limit applies "
+                "(it ends when it exits, on kill_process, or when the sandbox closes). Its stdin is a pipe."
+            ),
+        ] = False,
         sandbox_id: SandboxId = None,
     ) -> Result:
         workspace = registry.get_id(sandbox_id)
 
         async def op() -> OperationResult:
+            if background:
+                if timeout_s is not None:
+                    raise InvalidRequest("timeout_s does not apply to a background process: kill_process ends it")
+                started = await registry.get(sandbox_id).start_background(command, cwd=cwd)
+                return OperationResult.success("run_command", started)
             out = await registry.get(sandbox_id).run(command, cwd=cwd, timeout_s=timeout_s)
             detail: dict[str, object] = {
                 "exit_status": out.exit_status,
@@ -68,7 +83,7 @@ def register_workbench(server: BastionServer, registry: WorkspaceRegistry, runne
             code = ResultCode.OUTPUT_TRUNCATED if out.truncated else ResultCode.OK
             return OperationResult.success("run_command", detail, code=code)
 
-        args = {"command": command, "cwd": cwd, "timeout_s": timeout_s}
+        args = {"command": command, "cwd": cwd, "timeout_s": timeout_s, "background": background}
         return to_call_result(await runner.run("run_command", args, op, mutating=True, workspace=workspace))
 
     @server.tool(

@@ -1,0 +1,240 @@
+"""Host side of a sandbox's pipes: output capture, and the records of background processes.
+
+A foreground command's output is read to EOF into a capped buffer (`PipeCapture`). A
+background process outlives the call that started it: its output is read as it comes
+into a ring that keeps the newest bytes (`RingCapture`), so the process never blocks on
+a full pipe and the host never holds more than the ring; its stdin is a pipe the host
+writes to (`BackgroundProcess.write`). Reading never blocks the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import os
+import time
+from collections.abc import Sequence
+from typing import Final
+
+from bastion.safety.errors import Conflict
+
+READ_CHUNK_BYTES: Final = 65_536
+
+
+class PipeCapture:
+    """Reads one pipe to EOF, keeping at most `cap` bytes and counting the rest."""
+
+    def __init__(self, fd: int, cap: int) -> None:
+        # Held, so close() works from outside the loop too (e.g. at server shutdown).
+        self._loop = asyncio.get_running_loop()
+        self.fd = fd
+        self.cap = cap
+        self.data = bytearray()
+        self.total = 0
+        self.closed = False
+        self.done: asyncio.Future[None] = self._loop.create_future()
+        os.set_blocking(fd, False)
+        self._loop.add_reader(fd, self._on_readable)
+
+    def _on_readable(self) -> None:
+        try:
+            chunk = os.read(self.fd, READ_CHUNK_BYTES)
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self.close()
+            return
+        self.total += len(chunk)
+        self._keep(chunk)
+
+    def _keep(self, chunk: bytes) -> None:
+        room = self.cap - len(self.data)
+        if room > 0:
+            self.data += chunk[:room]
+
+    def close(self) -> None:
+        """Stop reading and close the pipe (idempotent; `done` may have been cancelled by a waiter)."""
+        if self.closed:
+            return
+        self.closed = True
+        self._loop.remove_reader(self.fd)
+        os.close(self.fd)
+        if not self.done.done():
+            self.done.set_result(None)
+
+
+class RingCapture(PipeCapture):
+    """Reads one pipe as long as it is open, keeping its newest `cap` bytes.
+
+    Offsets count every byte the pipe ever gave: `start` is the offset of the oldest
+    byte still kept, `total` the offset just past the newest.
+    """
+
+    def __init__(self, fd: int, cap: int) -> None:
+        self._ring = bytearray()
+        super().__init__(fd, cap)
+
+    @property
+    def start(self) -> int:
+        return self.total - len(self._ring)
+
+    def _keep(self, chunk: bytes) -> None:
+        self._ring += chunk
+        excess = len(self._ring) - self.cap
+        if excess > 0:
+            del self._ring[:excess]  # O(1) at the front of a bytearray
+
+    def read(self, offset: int, limit: int) -> tuple[int, bytes]:
+        """At most `limit` bytes from `offset` (or from `start`, if that is later); and where they begin."""
+        begin = max(offset, self.start)
+        index = begin - self.start
+        return begin, bytes(self._ring[index : index + limit])
+
+
+class BackgroundProcess:
+    """A command running in the background of a sandbox, as the host sees it."""
+
+    def __init__(
+        self, agent_pid: int, argv: Sequence[str], stdin_fd: int, stdout: RingCapture, stderr: RingCapture
+    ) -> None:
+        self.agent_pid = agent_pid  # its pid in the sandbox's PID namespace (the agent's view)
+        self.argv = tuple(argv)
+        self.started = time.monotonic()
+        self.stdout = stdout
+        self.stderr = stderr
+        self.status: int | None = None  # exit code or 128 + signal; None if the sandbox ended first
+        self._stdin_fd: int | None = stdin_fd
+        self._exited = asyncio.Event()
+        self._write_lock = asyncio.Lock()
+        self._writable: asyncio.Future[None] | None = None
+        os.set_blocking(stdin_fd, False)
+
+    @property
+    def exited(self) -> bool:
+        return self._exited.is_set()
+
+    @property
+    def stdin_open(self) -> bool:
+        return self._stdin_fd is not None
+
+    def finish(self, status: int | None) -> None:
+        """Record the end of the process (first call wins); its input closes with it."""
+        if self.exited:
+            return
+        self.status = status
+        self._exited.set()
+        self.close_stdin()
+
+    async def wait_exit(self) -> None:
+        await self._exited.wait()
+
+    async def wait_output(self, timeout_s: float) -> None:
+        """Wait, at most `timeout_s`, for both output pipes to reach EOF (never cancels them)."""
+        pending = [c.done for c in (self.stdout, self.stderr) if not c.done.done()]
+        if pending:
+            await asyncio.wait(pending, timeout=timeout_s)
+
+    async def write(self, data: bytes, *, timeout_s: float) -> int:
+        """Write `data` to the process's stdin; return how many bytes went in before `timeout_s`.
+
+        Raises:
+            Conflict: its input is closed, or the process closed its end.
+        """
+        async with self._write_lock:
+            written = 0
+            try:
+                async with asyncio.timeout(timeout_s):
+                    while written < len(data):
+                        written += await self._write_some(memoryview(data)[written:])
+            except TimeoutError:
+                pass
+            return written
+
+    async def _write_some(self, data: memoryview) -> int:
+        fd = self._stdin_fd
+        if fd is None:
+            raise Conflict("the process's input is closed (it exited, or eof was sent)")
+        try:
+            return os.write(fd, data)
+        except BlockingIOError:
+            pass
+        except BrokenPipeError:
+            raise Conflict("the process closed its input") from None
+        loop = asyncio.get_running_loop()
+        self._writable = loop.create_future()
+        loop.add_writer(fd, self._on_writable)
+        try:
+            await self._writable
+        finally:
+            if self._stdin_fd == fd and self._writable is not None:
+                loop.remove_writer(fd)
+            self._writable = None
+        return 0
+
+    def _on_writable(self) -> None:
+        if self._writable is not None and not self._writable.done():
+            self._writable.set_result(None)
+
+    def close_stdin(self) -> None:
+        """Close the host's end of stdin: the process reads EOF."""
+        fd, self._stdin_fd = self._stdin_fd, None
+        if fd is None:
+            return
+        if self._writable is not None:
+            self._writable.get_loop().remove_writer(fd)
+            self._on_writable()
+            self._writable = None
+        os.close(fd)
+
+    def close(self) -> None:
+        """Release every host-side fd (the sandbox is ending); what was captured stays readable."""
+        self.finish(None)
+        self.stdout.close()
+        self.stderr.close()
+
+
+class OutputLog:
+    """Cleaned output of both streams in the order it was cleaned, keeping the newest `cap` characters.
+
+    Offsets count characters from the first one ever logged, across both streams, so one
+    offset says where a reader stopped in both.
+    """
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.start = 0
+        self.end = 0
+        self._chunks: collections.deque[tuple[int, int, str]] = collections.deque()  # (offset, stream, text)
+
+    def append(self, stream: int, text: str) -> None:
+        if not text:
+            return
+        self._chunks.append((self.end, stream, text))
+        self.end += len(text)
+        while self.end - self.start > self.cap:
+            offset, kind, chunk = self._chunks[0]
+            excess = self.end - self.cap - offset
+            if excess >= len(chunk):
+                self._chunks.popleft()
+                self.start = offset + len(chunk)
+            else:
+                self._chunks[0] = (offset + excess, kind, chunk[excess:])
+                self.start = offset + excess
+
+    def read(self, since: int, limit: int) -> tuple[int, tuple[str, str], int]:
+        """At most `limit` characters from `since` (or the oldest kept): (first offset, (stdout, stderr), next)."""
+        position = first = max(since, self.start)
+        parts: tuple[list[str], list[str]] = ([], [])
+        room = limit
+        for offset, kind, chunk in self._chunks:
+            if room <= 0:
+                break
+            if offset + len(chunk) <= position:
+                continue
+            piece = chunk[position - offset : position - offset + room]
+            parts[kind].append(piece)
+            position += len(piece)
+            room -= len(piece)
+        return first, ("".join(parts[0]), "".join(parts[1])), position
