@@ -188,13 +188,15 @@ def send(sock: socket.socket, message: "dict[str, Any]") -> None:
         os._exit(0)
 
 
-POOL_SIZE = 2
+POOL_SIZE = 1  # members waiting per sandbox: each idle one costs ~1 MiB, and 200 idle sandboxes add up
 
 
 class State:
     def __init__(self) -> None:
         self.handed: set[int] = set()  # members handed to the host, not yet reaped
-        self.spare = 0  # of those, how many the host has not used yet
+        # Of those, the ones the host has not used yet. A set, not a count: a member can exit
+        # (and be reaped) before the host's "used" arrives, and must leave the pool either way.
+        self.unused: set[int] = set()
 
 
 def hand_member(sock: socket.socket, state: State) -> None:
@@ -207,7 +209,7 @@ def hand_member(sock: socket.socket, state: State) -> None:
     finally:
         member.sock.close()
     state.handed.add(member.pid)
-    state.spare += 1
+    state.unused.add(member.pid)
 
 
 def main() -> None:
@@ -226,7 +228,7 @@ def main() -> None:
     send(sock, {"event": "ready", "pid": os.getpid(), "landlock": landlock})
     while True:
         # Refill only when nothing is waiting, so a refill never delays a reply.
-        idle = state.spare < POOL_SIZE
+        idle = len(state.unused) < POOL_SIZE
         events = sel.select(timeout=0 if idle else None)
         if not events and idle:
             hand_member(sock, state)
@@ -253,7 +255,7 @@ def handle(req: "dict[str, Any]", state: State) -> None:
     if pid not in state.handed:
         return
     if req.get("op") == "used":
-        state.spare -= 1
+        state.unused.discard(pid)
     elif req.get("op") == "kill":
         try:  # noqa: SIM105 - contextlib would cost import time at every start
             os.kill(pid, signal.SIGKILL)
@@ -272,6 +274,7 @@ def reap(sock: socket.socket, state: State) -> None:
         if pid not in state.handed:
             continue
         state.handed.discard(pid)
+        state.unused.discard(pid)
         code = os.waitstatus_to_exitcode(raw)
         send(sock, {"event": "exit", "pid": pid, "status": code if code >= 0 else 128 - code})
 
