@@ -9,7 +9,7 @@ DEMO := .bastion
 export UV_PYTHON_DOWNLOADS := never
 export UV_PROJECT_ENVIRONMENT := $(VENV)
 
-.PHONY: help install system-deps run test lint typecheck unit bench clean
+.PHONY: help install system-deps run test lint typecheck unit unprivileged bench clean
 
 help:
 	@echo "make run    set up, write a demo config under $(DEMO)/ if absent, and serve it"
@@ -51,10 +51,15 @@ typecheck: install
 unit: install
 	$(VENV)/bin/pytest -q
 
-test: lint typecheck unit
+# The sandbox tests again, as an unprivileged user in a delegated cgroup (needs root to set up).
+unprivileged: install
+	@if [ "$$(id -u)" = 0 ]; then bash scripts/test-unprivileged.sh; \
+	else echo "skipping the unprivileged pass: it needs root to create the user and the cgroup"; fi
+
+test: lint typecheck unit unprivileged
 
 bench: install
 	$(VENV)/bin/python bench/run_all.py
 
 clean:
-	rm -rf $(VENV) $(TOOLS) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(VENV)-unprivileged $(TOOLS) .mypy_cache .ruff_cache .pytest_cache

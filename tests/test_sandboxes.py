@@ -213,6 +213,7 @@ async def test_restore_unknown_snapshot(client: Client) -> None:
     assert (await call(client, "list_sandboxes"))["detail"]["sandboxes"] == []  # type: ignore[index]
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="the per-sandbox filesystem is mounted by root")
 async def test_disk_quota_is_enospc_inside(client: Client, services: Services) -> None:
     """Invariant: /workspace is a filesystem of disk_bytes: writing past it fails with ENOSPC inside."""
     box = await create(client, limits={"disk_bytes": 32 * 1024**2})
@@ -229,3 +230,11 @@ async def test_disk_quota_is_enospc_inside(client: Client, services: Services) -
     await call(client, "close_sandbox", sandbox_id=box)
     assert not os.path.ismount(workspace)
     assert str(workspace) not in Path("/proc/self/mounts").read_text()
+
+
+async def test_explain_in_a_sandbox_describes_the_shell(client: Client) -> None:
+    box = await create(client)
+    explained = await call(client, "explain_command", command="ls | wc -l", sandbox_id=box)
+    detail = explained["detail"]
+    assert detail["allowed"] is True  # type: ignore[index]
+    assert detail["argv"] == ["sh", "-c", "ls | wc -l"]  # type: ignore[index]

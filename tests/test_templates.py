@@ -110,3 +110,18 @@ def test_template_refusals(
     demo_config_path.write_text(demo_config_path.read_text() + extra.replace("{{", "{").replace("}}", "}"))
     assert main(["serve", "--config", str(demo_config_path), "--stdio"]) == EXIT_CONFIG
     assert message in capsys.readouterr().err
+
+
+def test_template_setting_some_limits_takes_the_ceiling_for_the_rest(demo_config_path: Path) -> None:
+    """A template that sets only memory keeps loading when the ceiling's other limits are lowered."""
+    text = demo_config_path.read_text().replace(
+        "pids = 256\ncpu_cores = 1.0\ntimeout_s = 60", "pids = 100\ncpu_cores = 1.0\ntimeout_s = 60"
+    )
+    assert "pids = 100" in text
+    extra = '\n[[template]]\nname = "small"\n[template.limits]\nmemory_bytes = 268435456\n'
+    demo_config_path.write_text(text + extra)
+    config = load_config(demo_config_path)
+    template = config.template_by_name("small")
+    assert template is not None
+    assert template.limits is not None
+    assert template.limits.pids is None

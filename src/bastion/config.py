@@ -119,6 +119,17 @@ class SandboxLimitsConfig(_Model):
     """Size of /workspace: writes past it fail with ENOSPC inside (when disk_quota is on)."""
 
 
+class TemplateLimitsConfig(_Model):
+    """A template's defaults; each one it sets must be within [sandboxes.limits], the rest are the ceiling's."""
+
+    memory_bytes: Annotated[int, Field(ge=16 * 1024 * 1024)] | None = None
+    pids: Annotated[int, Field(ge=8, le=1_000_000)] | None = None
+    cpu_cores: Annotated[float, Field(gt=0, le=1024)] | None = None
+    timeout_s: Annotated[float, Field(gt=0, le=3600)] | None = None
+    max_output_bytes: Annotated[int, Field(ge=1024, le=16 * 1024 * 1024)] | None = None
+    disk_bytes: Annotated[int, Field(ge=16 * 1024 * 1024, le=1024**4)] | None = None
+
+
 class ReadOnlyBind(_Model):
     source: Path
     """A host folder, shown read-only inside the sandbox."""
@@ -143,7 +154,7 @@ class TemplateConfig(_Model):
     name: Annotated[str, Field(pattern=_ID_PATTERN)]
     read_only: tuple[ReadOnlyBind, ...] = ()
     env: dict[str, str] = Field(default_factory=dict)
-    limits: SandboxLimitsConfig | None = None
+    limits: TemplateLimitsConfig | None = None
     """Defaults for this template; each must be within [sandboxes.limits]. Absent: the ceiling."""
     policy: CommandPolicyConfig | None = None
     """A stricter command policy; absent: any shell command (the kernel is the boundary)."""
@@ -289,7 +300,7 @@ def _check_templates(config: Config, home: Path) -> None:
     ceiling = config.sandboxes.limits
     for template in config.template:
         if template.limits is not None:
-            for key, value in template.limits.model_dump().items():
+            for key, value in template.limits.model_dump(exclude_none=True).items():
                 if value > getattr(ceiling, key):
                     raise ConfigError(
                         f"template {template.name!r} limit {key}={value} is above [sandboxes.limits]: lower it"

@@ -85,6 +85,7 @@ enabled = true
 max_sandboxes = 16
 idle_timeout_s = 1800       # closed after 30 min unused
 lifetime_s = 86400          # and after a day in any case
+disk_quota = true           # /workspace is its own filesystem of limits.disk_bytes (needs root)
 # env = {{ NAME = "value" }}  # extra environment for sandbox commands; values are redacted from output
 
 [sandboxes.limits]

@@ -42,7 +42,7 @@ from bastion.safety.errors import (
     SandboxNotFound,
 )
 from bastion.safety.redact import Redactor
-from bastion.sandbox._disk import drop_disk, make_disk, used_bytes
+from bastion.sandbox._disk import drop_disk, make_disk, mount_disk, used_bytes
 from bastion.sandbox._spawn import SandboxSpec
 from bastion.sandbox.cgroups import CgroupLayout, Limits
 from bastion.sandbox.snapshot import (
@@ -186,7 +186,8 @@ class SandboxManager:
             raise InvalidRequest(f"name must be printable and at most {_MAX_NAME_CHARS} characters")
         chosen = self._template(template)
         narrowed = narrow_limits(
-            self._config.limits, {**(chosen.limits.model_dump() if chosen.limits else {}), **(limits or {})}
+            self._config.limits,
+            {**(chosen.limits.model_dump(exclude_none=True) if chosen.limits else {}), **(limits or {})},
         )
         binds = tuple((str(b.source), b.dest) for b in chosen.read_only)
         # The pool's sandboxes have no extra binds and the ceiling's disk: others start their own.
@@ -364,6 +365,14 @@ class SandboxManager:
                 if not root.name.startswith(SANDBOX_ID_PREFIX) or root.name in self._boxes:
                     continue
                 workspace = root / "workspace"
+                image = root / _DISK_IMAGE
+                if image.is_file() and not os.path.ismount(workspace):
+                    # After a host reboot the image is no longer mounted: mount it to keep its files.
+                    try:
+                        mount_disk(image, workspace)
+                    except BastionError as exc:
+                        logger.error("sandbox %s left by a crash kept as is: %s", root.name, exc.reason)
+                        continue
                 # An empty workspace (a warm-pool sandbox never handed out) has nothing to keep.
                 if workspace.is_dir() and not workspace.is_symlink() and any(workspace.iterdir()):
                     metadata = {"sandbox_id": root.name, "recovered": "true"}

@@ -174,7 +174,7 @@ class HostWorkspace:
         return {"PATH": SANDBOX_PATH, "HOME": SANDBOX_WORKSPACE, "LANG": LANG, **self.config.env}
 
     def explain(self, command: str) -> Decision:
-        decision = self.policy.explain(command)
+        decision = self.policy.explain_script(command) if self.via_sh else self.policy.explain(command)
         return dataclasses.replace(decision, argv=self._redact_argv(decision.argv))
 
     def _redact_argv(self, argv: tuple[str, ...]) -> tuple[str, ...]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 from pathlib import Path
 
 import anyio
@@ -29,7 +30,8 @@ def pids_with(marker: str) -> list[int]:
     return found
 
 
-async def test_killed_server_leaves_nothing_and_next_start_recovers(demo_config_path: Path) -> None:
+@pytest.mark.parametrize("reboot", [False, True], ids=["crash", "crash-then-reboot"])
+async def test_killed_server_leaves_nothing_and_next_start_recovers(demo_config_path: Path, reboot: bool) -> None:
     """Invariant: after kill -9 of the server, no sandbox process survives; the next server
     removes the orphan cgroup and folder and keeps the workspace as a restorable snapshot."""
     params = StdioServerParameters(command=str(BASTION), args=["serve", "--config", str(demo_config_path), "--stdio"])
@@ -59,6 +61,11 @@ async def test_killed_server_leaves_nothing_and_next_start_recovers(demo_config_
     config = load_config(demo_config_path)
     sandbox_dir = config.sandboxes_dir / box
     assert sandbox_dir.is_dir()
+    if reboot:
+        if not os.path.ismount(sandbox_dir / "workspace"):
+            pytest.skip("no per-sandbox filesystem here (disk_quota is off): nothing is unmounted by a reboot")
+        # A reboot unmounts everything; the image file stays.
+        subprocess.run(["umount", str(sandbox_dir / "workspace")], check=True)
     services = build_services(config)
     try:
         assert not sandbox_dir.exists()

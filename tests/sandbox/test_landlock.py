@@ -162,6 +162,8 @@ print(json.dumps(r))
 
 
 def bwrap_argv(workspace: Path, source: str, mode: str) -> list[str]:
+    # The capabilities production's agent keeps (sandbox/_spawn.py), so the control runs
+    # behave the same whether the tests run as root or as an unprivileged user.
     return [
         "bwrap",
         "--unshare-all",
@@ -171,6 +173,10 @@ def bwrap_argv(workspace: Path, source: str, mode: str) -> list[str]:
         "--gid",
         "0",
         "--die-with-parent",
+        "--cap-add",
+        "CAP_SYS_ADMIN",
+        "--cap-add",
+        "CAP_SETPCAP",
         "--ro-bind",
         "/usr",
         "/usr",

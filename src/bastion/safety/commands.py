@@ -417,6 +417,17 @@ class CommandPolicy:
             raise InvalidRequest("the command contains NUL, which no program can receive: remove it")
         return self._approve(("sh", "-c", script))
 
+    def explain_script(self, script: str) -> Decision:
+        """Say what `check_script` would decide; runs nothing and never raises."""
+        try:
+            approved = self.check_script(script)
+        except BastionError as error:
+            return Decision(allowed=False, rule=error.detail or "script", reason=error.reason, argv=(), executable=None)
+        reason = "any shell command runs here: the kernel sandbox is the boundary"
+        return Decision(
+            allowed=True, rule=approved.rule, reason=reason, argv=approved.argv, executable=approved.executable
+        )
+
     def explain(self, command: str) -> Decision:
         """Say what `check` would decide and which rule decided; runs nothing and never raises.
 

@@ -63,6 +63,11 @@ def make_disk(image: Path, mountpoint: Path, size_bytes: int) -> None:
     os.chmod(mountpoint, 0o700)
 
 
+def mount_disk(image: Path, mountpoint: Path) -> None:
+    """Mount an existing image again (after a host reboot, to recover a sandbox's files)."""
+    _run(["mount", "-o", _MOUNT_OPTIONS, str(image), str(mountpoint)])
+
+
 def drop_disk(mountpoint: Path) -> None:
     """Unmount (lazily if busy). The image file goes with the sandbox's folder."""
     if os.path.ismount(mountpoint):
