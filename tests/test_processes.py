@@ -14,26 +14,11 @@ from bastion.app import Services
 from bastion.safety.redact import Redactor, sanitize_terminal
 from bastion.sandbox.processes import OutputLog
 from bastion.workspaces import RING_BYTES, OutputCleaner
+from tests.helpers import call, create, processes_with
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
 
 TICKER = "i=0; while :; do echo tick $i; i=$((i+1)); sleep 0.1; done"
-
-
-async def call(client: Client, tool: str, **args: object) -> dict[str, object]:
-    result = await client.call_tool(tool, args)
-    payload = result.structured_content
-    assert payload is not None
-    assert result.is_error is (not payload["ok"])
-    return payload
-
-
-async def create(client: Client) -> str:
-    payload = await call(client, "create_sandbox")
-    assert payload["ok"], payload
-    sandbox_id = payload["detail"]["sandbox_id"]  # type: ignore[index]
-    assert isinstance(sandbox_id, str)
-    return sandbox_id
 
 
 async def start(client: Client, box: str, command: str) -> int:
@@ -71,20 +56,6 @@ async def read_until_exit(client: Client, box: str, pid: int, *, limit_s: float 
             return text, detail
         assert time.monotonic() < deadline, detail
         await anyio.sleep(0.05)
-
-
-def processes_with(marker: str) -> list[int]:
-    found = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if marker.encode() in cmdline:
-            found.append(int(pid))
-    return found
 
 
 async def wait_for(marker: str, *, present: bool, count: int = 1) -> None:

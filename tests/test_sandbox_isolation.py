@@ -30,30 +30,11 @@ import pytest
 from mcp import Client
 
 from bastion.app import Services
+from tests.helpers import call, create, sh
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
 
 NO_SUCH_FILE = "No such file or directory"
-
-
-async def call(client: Client, tool: str, **args: object) -> dict[str, object]:
-    result = await client.call_tool(tool, args)
-    payload = result.structured_content
-    assert payload is not None
-    assert result.is_error is (not payload["ok"])
-    return payload
-
-
-async def create(client: Client, **args: object) -> str:
-    payload = await call(client, "create_sandbox", **args)
-    assert payload["ok"], payload
-    sandbox_id = payload["detail"]["sandbox_id"]  # type: ignore[index]
-    assert isinstance(sandbox_id, str)
-    return sandbox_id
-
-
-async def sh(client: Client, sandbox_id: str, command: str, **args: object) -> dict[str, object]:
-    return await call(client, "run_command", command=command, sandbox_id=sandbox_id, **args)
 
 
 def detail(payload: dict[str, object]) -> dict[str, Any]:

@@ -12,28 +12,9 @@ from mcp import Client
 
 from bastion.app import Services, build_server, build_services
 from bastion.config import load_config
+from tests.helpers import call, create, sh
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
-
-
-async def call(client: Client, tool: str, **args: object) -> dict[str, object]:
-    result = await client.call_tool(tool, args)
-    payload = result.structured_content
-    assert payload is not None
-    assert result.is_error is (not payload["ok"])
-    return payload
-
-
-async def create(client: Client, **args: object) -> str:
-    payload = await call(client, "create_sandbox", **args)
-    assert payload["ok"], payload
-    sandbox_id = payload["detail"]["sandbox_id"]  # type: ignore[index]
-    assert isinstance(sandbox_id, str)
-    return sandbox_id
-
-
-async def sh(client: Client, sandbox_id: str, command: str, **args: object) -> dict[str, object]:
-    return await call(client, "run_command", command=command, sandbox_id=sandbox_id, **args)
 
 
 async def test_sandbox_runs_a_shell_and_shares_files_with_the_file_tools(client: Client) -> None:

@@ -14,20 +14,9 @@ from mcp import Client, StdioServerParameters
 from bastion.app import build_server, build_services
 from bastion.config import load_config
 from tests.e2e.test_stdio import BASTION
+from tests.helpers import processes_with as pids_with
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
-
-
-def pids_with(marker: str) -> list[int]:
-    found = []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                if marker.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
-                    found.append(int(pid))
-            except OSError:
-                continue
-    return found
 
 
 @pytest.mark.parametrize("reboot", [False, True], ids=["crash", "crash-then-reboot"])

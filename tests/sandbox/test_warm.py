@@ -17,6 +17,7 @@ import pytest
 from bastion.sandbox._spawn import SANDBOX_PATH, SandboxSpec
 from bastion.sandbox.cgroups import CgroupLayout, Limits
 from bastion.sandbox.warm import RunOutcome, WarmSandbox
+from tests.helpers import processes_with
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
 
@@ -36,20 +37,6 @@ async def sh(box: WarmSandbox, script: str, *, timeout_s: float = 10, cap: int =
     return await box.run(
         "/bin/sh", ["sh", "-c", script], cwd="/workspace", env=ENV, timeout_s=timeout_s, max_output_bytes=cap
     )
-
-
-def processes_with(marker: str) -> list[int]:
-    found = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if marker.encode() in cmdline:
-            found.append(int(pid))
-    return found
 
 
 async def test_timeout_kills_setsid_and_double_forked_processes(sandbox: WarmSandbox) -> None:

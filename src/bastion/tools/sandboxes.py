@@ -12,11 +12,12 @@ from mcp_types import CallToolResult, ToolAnnotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from bastion.safety.errors import Forbidden
-from bastion.safety.results import OperationResult, ResultCode
+from bastion.safety.results import OperationResult
 from bastion.sandbox.snapshot import SnapshotInfo
 from bastion.sandboxes import SandboxManager
 from bastion.tools._call import CallRunner
 from bastion.tools.server import BastionServer, to_call_result
+from bastion.tools.workbench import command_result
 from bastion.workspaces import WorkspaceRegistry
 
 Result = Annotated[CallToolResult, OperationResult]
@@ -213,23 +214,7 @@ def register_sandboxes(
                 out = await box.workspace.run(command, cwd=None, timeout_s=timeout_s)
             finally:
                 manager.close(box.id)
-            detail: dict[str, object] = {
-                "sandbox_id": box.id,
-                "exit_status": out.exit_status,
-                "stdout": out.stdout,
-                "stderr": out.stderr,
-                "truncated": out.truncated,
-            }
-            if out.oom_killed:
-                return OperationResult.failure(
-                    "create_run_close", ResultCode.RESOURCE_LIMIT, "the command ran out of memory", detail
-                )
-            if out.timed_out:
-                return OperationResult.failure(
-                    "create_run_close", ResultCode.TIMEOUT, "the command hit its time limit and was killed", detail
-                )
-            code = ResultCode.OUTPUT_TRUNCATED if out.truncated else ResultCode.OK
-            return OperationResult.success("create_run_close", detail, code=code)
+            return command_result("create_run_close", out, {"sandbox_id": box.id})
 
         args = {"command": command, "files": sorted(files or {}), "timeout_s": timeout_s}
         return to_call_result(await runner.run("create_run_close", args, op, mutating=True))

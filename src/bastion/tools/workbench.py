@@ -15,7 +15,7 @@ from bastion.safety.errors import InvalidRequest
 from bastion.safety.results import OperationResult, ResultCode
 from bastion.tools._call import CallRunner
 from bastion.tools.server import BastionServer, to_call_result
-from bastion.workspaces import WorkspaceRegistry
+from bastion.workspaces import CommandOutput, WorkspaceRegistry
 
 Result = Annotated[CallToolResult, OperationResult]
 SandboxId = Annotated[
@@ -25,6 +25,27 @@ EncodingArg = Annotated[Literal["utf-8", "base64"], Field(description="utf-8 tex
 
 _READ_ONLY = ToolAnnotations(read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=False)
 _WRITES = ToolAnnotations(read_only_hint=False, destructive_hint=True, idempotent_hint=False, open_world_hint=False)
+
+
+def command_result(action: str, out: CommandOutput, extra: dict[str, object]) -> OperationResult:
+    """A finished command as a result: an OOM kill or a timeout is a failure, with the output so far."""
+    detail: dict[str, object] = {
+        **extra,
+        "exit_status": out.exit_status,
+        "stdout": out.stdout,
+        "stderr": out.stderr,
+        "truncated": out.truncated,
+    }
+    if out.oom_killed:
+        return OperationResult.failure(
+            action, ResultCode.RESOURCE_LIMIT, "the command ran out of memory and was killed", detail
+        )
+    if out.timed_out:
+        return OperationResult.failure(
+            action, ResultCode.TIMEOUT, "the command hit its time limit and was killed", detail
+        )
+    code = ResultCode.OUTPUT_TRUNCATED if out.truncated else ResultCode.OK
+    return OperationResult.success(action, detail, code=code)
 
 
 def register_workbench(server: BastionServer, registry: WorkspaceRegistry, runner: CallRunner) -> None:
@@ -64,24 +85,7 @@ def register_workbench(server: BastionServer, registry: WorkspaceRegistry, runne
                 started = await registry.get(sandbox_id).start_background(command, cwd=cwd)
                 return OperationResult.success("run_command", started)
             out = await registry.get(sandbox_id).run(command, cwd=cwd, timeout_s=timeout_s)
-            detail: dict[str, object] = {
-                "exit_status": out.exit_status,
-                "stdout": out.stdout,
-                "stderr": out.stderr,
-                "truncated": out.truncated,
-                "argv": list(out.argv),
-                "cwd": out.cwd,
-            }
-            if out.oom_killed:
-                return OperationResult.failure(
-                    "run_command", ResultCode.RESOURCE_LIMIT, "the command ran out of memory and was killed", detail
-                )
-            if out.timed_out:
-                return OperationResult.failure(
-                    "run_command", ResultCode.TIMEOUT, "the command hit its time limit and was killed", detail
-                )
-            code = ResultCode.OUTPUT_TRUNCATED if out.truncated else ResultCode.OK
-            return OperationResult.success("run_command", detail, code=code)
+            return command_result("run_command", out, {"argv": list(out.argv), "cwd": out.cwd})
 
         args = {"command": command, "cwd": cwd, "timeout_s": timeout_s, "background": background}
         return to_call_result(await runner.run("run_command", args, op, mutating=True, workspace=workspace))

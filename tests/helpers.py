@@ -1,0 +1,46 @@
+"""Small helpers shared by the tests that drive sandboxes through the real tools."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from mcp import Client
+
+
+async def call(client: Client, tool: str, **args: object) -> dict[str, object]:
+    """Call a tool; check the contract (isError == not ok) and return the OperationResult."""
+    result = await client.call_tool(tool, args)
+    payload = result.structured_content
+    assert payload is not None
+    assert result.is_error is (not payload["ok"])
+    return payload
+
+
+async def create(client: Client, **args: object) -> str:
+    """create_sandbox, and return the new sandbox's id."""
+    payload = await call(client, "create_sandbox", **args)
+    assert payload["ok"], payload
+    sandbox_id = payload["detail"]["sandbox_id"]  # type: ignore[index]
+    assert isinstance(sandbox_id, str)
+    return sandbox_id
+
+
+async def sh(client: Client, sandbox_id: str, command: str, **args: object) -> dict[str, object]:
+    """run_command in a sandbox."""
+    return await call(client, "run_command", command=command, sandbox_id=sandbox_id, **args)
+
+
+def processes_with(marker: str) -> list[int]:
+    """Host pids whose command line contains `marker` (to prove no process survived)."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if marker.encode() in cmdline:
+            found.append(int(pid))
+    return found
