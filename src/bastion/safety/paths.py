@@ -104,6 +104,35 @@ _NEW_FILE_MODE: Final = 0o644
 _NEW_DIR_MODE: Final = 0o755
 
 
+def unsafe_char(text: str) -> str | None:
+    """Describe the first character no path or file name may contain here, or None.
+
+    Backslashes (not separators on Linux, but UNC paths elsewhere), NUL, control and
+    invisible format characters, lone surrogates and Unicode line separators. The one
+    definition of it: the jail and the snapshot archive both use this.
+    """
+    for char in text:
+        if char == "\\":
+            return "a backslash (backslashes are not path separators here; use '/')"
+        if unicodedata.category(char) in _REFUSED_CATEGORIES:
+            return "a NUL byte" if char == "\x00" else f"the control or invisible character U+{ord(char):04X}"
+    return None
+
+
+def name_problem(name: str) -> str | None:
+    """Why `name` cannot be one path component, or None when it can (``..`` is the caller's to judge)."""
+    if name in ("", "."):
+        return "is empty or '.'"
+    if "/" in name:
+        return "contains a slash"
+    problem = unsafe_char(name)
+    if problem is not None:
+        return f"contains {problem}"
+    if len(name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
+        return f"is over {MAX_NAME_BYTES} bytes"
+    return None
+
+
 @final
 @dataclass(frozen=True, slots=True)
 class ReadResult:
@@ -325,15 +354,9 @@ class Jail:
             raise InvalidRequest("the path is empty: use '.' for the workspace root")
         if len(path) > MAX_PATH_CHARS:
             raise InvalidRequest(f"the path is longer than {MAX_PATH_CHARS} characters: use a shorter path")
-        for char in path:
-            if char == "\\":
-                raise InvalidRequest("the path contains a backslash; backslashes are not path separators here: use '/'")
-            if unicodedata.category(char) in _REFUSED_CATEGORIES:
-                if char == "\x00":
-                    raise InvalidRequest("the path contains a NUL byte: remove it")
-                raise InvalidRequest(
-                    f"the path contains the control or invisible character U+{ord(char):04X}: remove it"
-                )
+        problem = unsafe_char(path)
+        if problem is not None:
+            raise InvalidRequest(f"the path contains {problem}: remove it")
         if path.startswith("~"):
             raise PathEscape("no home-folder expansion here; use a path relative to the workspace")
         parts = path.split("/")

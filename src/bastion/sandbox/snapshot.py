@@ -72,7 +72,6 @@ import secrets
 import stat
 import tarfile
 import time
-import unicodedata
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -89,6 +88,7 @@ from bastion.safety.errors import (
     PolicyDenied,
     ResourceLimit,
 )
+from bastion.safety.paths import name_problem, unsafe_char
 
 MAX_SNAPSHOT_BYTES: Final = 2 * 1024**3
 MAX_ENTRIES: Final = 200_000
@@ -102,9 +102,7 @@ _INFO_NAME_RE: Final = re.compile(r"(snap-[0-9a-f]{16})\.json")
 _SHA256_RE: Final = re.compile(r"[0-9a-f]{64}")
 # Same classes as the jail refuses: control, invisible format (bidi, zero-width), lone
 # surrogates (names that are not UTF-8), line and paragraph separators.
-_REFUSED_CATEGORIES: Final = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
 _KEPT_MODE_BITS: Final = 0o7777 & ~(stat.S_ISUID | stat.S_ISGID)
-_MAX_NAME_BYTES: Final = 255
 _MAX_PATH_BYTES: Final = 4096
 _MAX_LINK_BYTES: Final = 4095
 # The decompressed tar stream holds content plus, per member, a header, a PAX header with
@@ -400,7 +398,7 @@ class _Archiver:
                     raise ResourceLimit(f"the workspace has more than {MAX_ENTRIES} entries: delete some first")
                 names.append(entry.name)
         for name in sorted(names):
-            if _name_problem(name) is not None:
+            if name_problem(name) is not None:
                 self.tally.skipped += 1
                 continue
             self._add_entry(dir_fd, name, prefix + name, depth)
@@ -737,7 +735,7 @@ def _member_parts(name: str) -> tuple[str, ...]:
     if len(parts) > MAX_DEPTH + 1:
         raise ResourceLimit(f"snapshot member {name!r} is nested over {MAX_DEPTH} folders deep: it cannot be restored")
     for part in parts:
-        problem = _name_problem(part)
+        problem = name_problem(part)
         if problem is not None:
             raise InvalidRequest(f"snapshot member {name!r} has a name that {problem}: the snapshot is refused")
     return parts
@@ -765,22 +763,6 @@ def _member_mtime(member: tarfile.TarInfo) -> float:
     if not math.isfinite(mtime) or abs(mtime) > _MTIME_LIMIT_S:
         raise OperationFailed(f"snapshot member {member.name!r} has an impossible mtime: the snapshot is corrupt")
     return mtime
-
-
-def _name_problem(name: str) -> str | None:
-    """Why `name` cannot be one path component in a snapshot, or None when it can."""
-    if name in ("", "."):
-        return "is empty or '.'"
-    for char in name:
-        if char == "\\":
-            return "contains a backslash"
-        if char == "/":
-            return "contains a slash"
-        if unicodedata.category(char) in _REFUSED_CATEGORIES:
-            return f"contains the control or invisible character U+{ord(char):04X}"
-    if len(name.encode("utf-8")) > _MAX_NAME_BYTES:
-        return f"is over {_MAX_NAME_BYTES} bytes"
-    return None
 
 
 def _link_problem(target: str) -> str | None:
@@ -811,8 +793,9 @@ def _check_label(label: str | None) -> None:
         return
     if not isinstance(label, str) or len(label) > MAX_LABEL_CHARS:
         raise InvalidRequest(f"the label must be text of at most {MAX_LABEL_CHARS} characters: shorten it")
-    if any(unicodedata.category(char) in _REFUSED_CATEGORIES for char in label):
-        raise InvalidRequest("the label contains a control or invisible character: remove it")
+    problem = unsafe_char(label)
+    if problem is not None:
+        raise InvalidRequest(f"the label contains {problem}: remove it")
 
 
 def _checked_metadata(metadata: Mapping[str, str]) -> dict[str, str]:

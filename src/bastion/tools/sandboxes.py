@@ -6,6 +6,7 @@ pause or close them (FORBIDDEN).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated
 
 from mcp_types import CallToolResult, ToolAnnotations
@@ -66,6 +67,18 @@ def register_sandboxes(
         if registry.is_host(sandbox_id):
             raise Forbidden(f"{sandbox_id!r} is a host workspace of the administrator: agents cannot pause or close it")
 
+    async def on_sandbox(
+        action: str, sandbox_id: str, act: Callable[[], dict[str, object]], *, mutating: bool = True
+    ) -> CallToolResult:
+        """One synchronous manager action on an agent's sandbox, under the call runner."""
+
+        async def op() -> OperationResult:
+            agent_owned(sandbox_id)
+            return OperationResult.success(action, act())
+
+        args = {"sandbox_id": sandbox_id}
+        return to_call_result(await runner.run(action, args, op, mutating=mutating, workspace=sandbox_id))
+
     @server.tool(
         name="create_sandbox",
         annotations=_MUTATES,
@@ -101,13 +114,7 @@ def register_sandboxes(
         description="State, age, idle time, limits and live memory, CPU, process and disk use of a sandbox.",
     )
     async def get_sandbox_status(sandbox_id: SandboxIdArg) -> Result:
-        async def op() -> OperationResult:
-            agent_owned(sandbox_id)
-            return OperationResult.success("get_sandbox_status", manager.status(sandbox_id))
-
-        return to_call_result(
-            await runner.run("get_sandbox_status", {"sandbox_id": sandbox_id}, op, mutating=False, workspace=sandbox_id)
-        )
+        return await on_sandbox("get_sandbox_status", sandbox_id, lambda: manager.status(sandbox_id), mutating=False)
 
     @server.tool(
         name="pause_sandbox",
@@ -115,23 +122,11 @@ def register_sandboxes(
         description="Freeze every process of a sandbox: it uses no CPU until resume_sandbox. Files stay reachable.",
     )
     async def pause_sandbox(sandbox_id: SandboxIdArg) -> Result:
-        async def op() -> OperationResult:
-            agent_owned(sandbox_id)
-            return OperationResult.success("pause_sandbox", manager.pause(sandbox_id).summary())
-
-        return to_call_result(
-            await runner.run("pause_sandbox", {"sandbox_id": sandbox_id}, op, mutating=True, workspace=sandbox_id)
-        )
+        return await on_sandbox("pause_sandbox", sandbox_id, lambda: manager.pause(sandbox_id).summary())
 
     @server.tool(name="resume_sandbox", annotations=_MUTATES, description="Thaw a paused sandbox.")
     async def resume_sandbox(sandbox_id: SandboxIdArg) -> Result:
-        async def op() -> OperationResult:
-            agent_owned(sandbox_id)
-            return OperationResult.success("resume_sandbox", manager.resume(sandbox_id).summary())
-
-        return to_call_result(
-            await runner.run("resume_sandbox", {"sandbox_id": sandbox_id}, op, mutating=True, workspace=sandbox_id)
-        )
+        return await on_sandbox("resume_sandbox", sandbox_id, lambda: manager.resume(sandbox_id).summary())
 
     @server.tool(
         name="close_sandbox",
@@ -139,14 +134,11 @@ def register_sandboxes(
         description="End a sandbox: every process is killed and its files are deleted.",
     )
     async def close_sandbox(sandbox_id: SandboxIdArg) -> Result:
-        async def op() -> OperationResult:
-            agent_owned(sandbox_id)
+        def close() -> dict[str, object]:
             manager.close(sandbox_id)
-            return OperationResult.success("close_sandbox", {"sandbox_id": sandbox_id, "state": "closed"})
+            return {"sandbox_id": sandbox_id, "state": "closed"}
 
-        return to_call_result(
-            await runner.run("close_sandbox", {"sandbox_id": sandbox_id}, op, mutating=True, workspace=sandbox_id)
-        )
+        return await on_sandbox("close_sandbox", sandbox_id, close)
 
     @server.tool(
         name="snapshot_sandbox",
