@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Final, TypeVar
 
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError, UnexpectedToolError
-from mcp_types import CallToolResult, InputRequiredResult, TextContent
+from mcp_types import CallToolResult, InputRequiredResult, TextContent, ToolAnnotations
 from pydantic import ValidationError
 
 from bastion.safety.errors import BastionError, InvalidRequest
@@ -22,6 +23,15 @@ from bastion.safety.results import OperationResult, ResultCode
 from bastion.tools._call import CallRunner
 
 logger = logging.getLogger("bastion.server")
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+# OAuth scopes name toolsets; a tool belongs to exactly one, declared where it is registered.
+WORKBENCH: Final = "workbench"
+ORGANIZER: Final = "organizer"
+GATEWAY_READ: Final = "gateway:read"
+GATEWAY_DEPLOY: Final = "gateway:deploy"
+SCOPES: Final = (WORKBENCH, ORGANIZER, GATEWAY_READ, GATEWAY_DEPLOY)
 
 _ARGUMENT_HINTS = {
     "env": "the command environment is fixed by the administrator's config",
@@ -46,6 +56,22 @@ class BastionServer(MCPServer[Any]):
     def __init__(self, runner: CallRunner, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.runner = runner
+        self.tool_scopes: dict[str, str] = {}
+        """Tool name -> the scope (toolset) a caller needs to see and call it."""
+
+    def tool(  # type: ignore[override]
+        self,
+        name: str,
+        *,
+        description: str,
+        annotations: ToolAnnotations | None = None,
+        scope: str = WORKBENCH,
+    ) -> Callable[[_F], _F]:
+        """Register a tool under its toolset's scope; every bastion tool names itself and says what it does."""
+        if scope not in SCOPES:
+            raise ValueError(f"unknown scope {scope!r}")
+        self.tool_scopes[name] = scope
+        return super().tool(name=name, description=description, annotations=annotations)
 
     async def call_tool(
         self, name: str, arguments: dict[str, Any], context: Context[Any, Any] | None = None
