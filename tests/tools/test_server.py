@@ -47,7 +47,7 @@ async def test_crash_outside_the_call_runner_is_still_a_result(services: Service
     """Even a tool that raises past its runner (a bastion bug) answers INTERNAL_ERROR, not SDK free text."""
     server = build_server(services, caller="test")
 
-    @server.tool(name="broken")
+    @server.tool(name="broken", description="Always crashes outside its call runner.")
     async def broken() -> str:
         raise RuntimeError(SECRET_DETAIL)
 
