@@ -5,6 +5,7 @@ UV_VERSION := 0.13.9
 TOOLS := .tools
 UV := $(TOOLS)/bin/uv
 VENV := .venv
+DATA_ENV := .venv-python-data
 DEMO := .bastion
 export UV_PYTHON_DOWNLOADS := never
 export UV_PROJECT_ENVIRONMENT := $(VENV)
@@ -35,10 +36,17 @@ $(VENV)/.installed: pyproject.toml uv.lock $(UV)
 	$(UV) sync --frozen --python python3
 	@touch $@
 
-install: system-deps $(VENV)/.installed
+# The demo's python-data sandbox template: a read-only venv on the system's Python (which
+# sandboxes see), with the pinned, hash-checked packages of templates/python-data.lock.
+$(DATA_ENV)/.installed: templates/python-data.lock $(UV)
+	$(UV) venv --quiet --allow-existing --python /usr/bin/python3 $(DATA_ENV)
+	$(UV) pip install --quiet --python $(DATA_ENV)/bin/python --require-hashes -r templates/python-data.lock
+	@touch $@
+
+install: system-deps $(VENV)/.installed $(DATA_ENV)/.installed
 
 run: install
-	@if [ ! -f $(DEMO)/bastion.toml ]; then $(VENV)/bin/bastion init $(DEMO); fi
+	@if [ ! -f $(DEMO)/bastion.toml ]; then $(VENV)/bin/bastion init $(DEMO) --python-env $(abspath $(DATA_ENV)); fi
 	$(VENV)/bin/bastion serve --config $(DEMO)/bastion.toml --stdio
 
 lint: install
@@ -62,4 +70,4 @@ bench: install
 	$(VENV)/bin/python bench/run_all.py
 
 clean:
-	rm -rf $(VENV) $(VENV)-unprivileged $(TOOLS) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(VENV)-unprivileged $(DATA_ENV) $(TOOLS) .mypy_cache .ruff_cache .pytest_cache

@@ -19,9 +19,13 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
+# The python-data template's environment, built by `make install`; without it the demo has no template.
+DATA_ENV = Path(__file__).resolve().parents[1] / ".venv-python-data"
+
+
 @pytest.fixture
 def demo_config_path(tmp_path: Path) -> Path:
-    path = init_demo(tmp_path / "demo")
+    path = init_demo(tmp_path / "demo", python_env=DATA_ENV if (DATA_ENV / "pyvenv.cfg").is_file() else None)
     if os.geteuid() != 0:
         # Unprivileged (scripts/test-unprivileged.sh): no mounts, so no per-sandbox filesystem.
         path.write_text(path.read_text().replace("disk_quota = true", "disk_quota = false"))

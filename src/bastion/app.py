@@ -5,12 +5,15 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import anyio
 
 from bastion import __version__
 from bastion.config import Config
+from bastion.gateway.client import GatewayClient
+from bastion.organizer import Organizer
+from bastion.safety.approvals import ApprovalQueue
 from bastion.safety.audit import AuditLog
 from bastion.safety.errors import AuditUnavailable, BastionError, ConfigError
 from bastion.safety.redact import Redactor
@@ -18,6 +21,9 @@ from bastion.sandbox._disk import quota_available
 from bastion.sandbox.cgroups import CgroupLayout
 from bastion.sandboxes import SandboxManager
 from bastion.tools._call import CallRunner
+from bastion.tools.code import register_code
+from bastion.tools.gateway import register_gateway
+from bastion.tools.organizer import Inboxes, register_organizer
 from bastion.tools.processes import register_processes
 from bastion.tools.sandboxes import register_sandboxes
 from bastion.tools.server import BastionServer
@@ -31,7 +37,8 @@ INSTRUCTIONS = (
     "Without sandbox_id, tools act on the administrator's host workspace, where commands run without a shell "
     "under an allow-list (explain_command tells whether one is allowed). create_sandbox gives you a disposable "
     "Linux sandbox where any shell command runs (no network); pass its sandbox_id to the work tools and close "
-    "it when done. Paths are relative to the workspace."
+    "it when done; execute_code runs Python there in a persistent context (figures come back as images). "
+    "Paths are relative to the workspace."
 )
 
 
@@ -44,8 +51,16 @@ class Services:
     audit: AuditLog
     registry: WorkspaceRegistry
     sandboxes: SandboxManager
+    approvals: ApprovalQueue | None = None
+    """The approval queue (`<state_dir>/bastion.db`); build_services always sets it."""
+    gateways: dict[str, GatewayClient] = field(default_factory=dict)
+    """Gateway name -> its SSH client (connections open on first use, close with the server's lifespan)."""
+    organizers: dict[str, Organizer] = field(default_factory=dict)
+    """Inbox id -> its organizer (journal recovered at start), in config order."""
 
     def close(self) -> None:
+        for organizer in self.organizers.values():
+            organizer.close()
         self.sandboxes.close_all()
         self.registry.close()
         self.audit.close()
@@ -65,6 +80,11 @@ def build_services(config: Config) -> Services:
         audit.open()
     except AuditUnavailable as exc:
         raise ConfigError(f"audit log {config.audit_path}: {exc.reason}") from None
+    try:
+        organizers = open_organizers(config)
+    except ConfigError:
+        audit.close()
+        raise
     cgroups = None
     if config.sandboxes.enabled or any(ws.use_cgroups for ws in config.workspace):
         try:
@@ -84,7 +104,38 @@ def build_services(config: Config) -> Services:
     for snapshot_id in sandboxes.recover():
         logger.warning("a previous server left a sandbox: its workspace is snapshot %s", snapshot_id)
     registry.sandboxes = sandboxes
-    return Services(config=config, redactor=redactor, audit=audit, registry=registry, sandboxes=sandboxes)
+    approvals = ApprovalQueue(config.db_path, webhook_url=config.approvals.webhook_url)
+    gateways = {gateway.name: GatewayClient(gateway, redactor) for gateway in config.gateway}
+    return Services(
+        config=config,
+        redactor=redactor,
+        audit=audit,
+        registry=registry,
+        sandboxes=sandboxes,
+        approvals=approvals,
+        gateways=gateways,
+        organizers=organizers,
+    )
+
+
+def open_organizers(config: Config) -> dict[str, Organizer]:
+    """One organizer per inbox, each after rolling back what a crash left unfinished in its journal."""
+    organizers: dict[str, Organizer] = {}
+    try:
+        for inbox in config.inbox:
+            try:
+                organizer = Organizer(inbox, config.state_dir)
+            except BastionError as exc:
+                raise ConfigError(f"inbox {inbox.id!r} ({inbox.path}): {exc.reason}") from None
+            organizers[inbox.id] = organizer
+            message = organizer.open()
+            if message is not None:
+                logger.warning("%s", message)
+    except BaseException:
+        for organizer in organizers.values():
+            organizer.close()
+        raise
+    return organizers
 
 
 async def _reap_forever(services: Services) -> None:
@@ -107,6 +158,9 @@ def build_server(services: Services, *, caller: str) -> BastionServer:
                 yield None
             finally:
                 tasks.cancel_scope.cancel()
+                for gateway in services.gateways.values():
+                    with anyio.CancelScope(shield=True):
+                        await gateway.close()
 
     server = BastionServer(
         runner,
@@ -117,7 +171,11 @@ def build_server(services: Services, *, caller: str) -> BastionServer:
         lifespan=lifespan,
     )
     register_workbench(server, services.registry, runner)
+    register_organizer(server, Inboxes(services.organizers), runner)
     register_sandboxes(server, services.sandboxes, services.registry, runner)
     register_processes(server, services.registry, runner)
+    register_code(server, services.sandboxes, services.registry, runner)
+    if services.approvals is not None:
+        register_gateway(server, services.gateways, services.approvals, services.config.approvals, runner)
     logging.getLogger("bastion").setLevel(services.config.log_level)
     return server

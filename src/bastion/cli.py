@@ -24,10 +24,18 @@ def _parser() -> argparse.ArgumentParser:
 
     init = sub.add_parser("init", help="write a demo config and its folders into DIR")
     init.add_argument("dir")
+    init.add_argument("--python-env", help="a venv on /usr/bin/python3 for the python-data sandbox template")
 
     serve = sub.add_parser("serve", help="serve MCP")
     serve.add_argument("--config", help=f"path to bastion.toml (or set {CONFIG_ENV})")
-    serve.add_argument("--stdio", action="store_true", required=True, help="serve over stdin/stdout")
+    transport = serve.add_mutually_exclusive_group(required=True)
+    transport.add_argument("--stdio", action="store_true", help="serve over stdin/stdout")
+    transport.add_argument("--http", action="store_true", help="serve Streamable HTTP at /mcp, with OAuth")
+    serve.add_argument("--listen", help="HOST:PORT to bind with --http (default: the config's [http] listen)")
+
+    from bastion.http.admin_cli import add_admin_parser
+
+    add_admin_parser(sub)
 
     policy = sub.add_parser("policy", help="inspect command policies")
     policy_sub = policy.add_subparsers(dest="policy_command", required=True)
@@ -40,13 +48,17 @@ def _parser() -> argparse.ArgumentParser:
     audit_sub = audit.add_subparsers(dest="audit_command", required=True)
     verify = audit_sub.add_parser("verify", help="check the hash chain of an audit log")
     verify.add_argument("path")
+
+    from bastion.gateway.cli import add_parsers as add_gateway_parsers
+
+    add_gateway_parsers(sub)
     return parser
 
 
 def _cmd_init(args: argparse.Namespace) -> int:
     from bastion.demo import init_demo
 
-    path = init_demo(args.dir)
+    path = init_demo(args.dir, python_env=args.python_env)
     print(f"wrote {path}")
     print(f"serve it with: bastion serve --config {path} --stdio")
     return 0
@@ -57,7 +69,17 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     config_path = resolve_config_path(args.config)
     config = load_config(config_path)
+    if args.http:
+        from bastion.serve import serve_http
+
+        return serve_http(config, config_path, args.listen)
     return serve_stdio(config, config_path)
+
+
+def _cmd_admin(args: argparse.Namespace) -> int:
+    from bastion.http.admin_cli import run_admin
+
+    return run_admin(args)
 
 
 def _cmd_policy_explain(args: argparse.Namespace) -> int:
@@ -96,13 +118,28 @@ def _cmd_audit_verify(args: argparse.Namespace) -> int:
     return 1
 
 
+def _cmd_gateway(args: argparse.Namespace) -> int:
+    from bastion.gateway.cli import run_gateway
+
+    return run_gateway(args)
+
+
+def _cmd_approvals(args: argparse.Namespace) -> int:
+    from bastion.gateway.cli import run_approvals
+
+    return run_approvals(args)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     handlers = {
         "init": _cmd_init,
         "serve": _cmd_serve,
+        "admin": _cmd_admin,
         "policy": _cmd_policy_explain,
         "audit": _cmd_audit_verify,
+        "gateway": _cmd_gateway,
+        "approvals": _cmd_approvals,
     }
     try:
         return handlers[args.command](args)

@@ -33,7 +33,25 @@ def _rule_toml(rule: ArgumentRule) -> str:
     return "\n".join(lines)
 
 
-def demo_config_text() -> str:
+def _template_toml(python_env: Path | None) -> str:
+    if python_env is None:
+        return """
+# A sandbox template with numpy, pandas and matplotlib: `make install` builds its environment
+# and `make run` writes this section; elsewhere, point python_env at a venv made on /usr/bin/python3.
+# [[template]]
+# name = "python-data"
+# python_env = "/path/to/.venv-python-data"
+"""
+    return f"""
+# The default sandbox template: execute_code and `python` see numpy, pandas and matplotlib from a
+# read-only virtual environment (built by `make install`); install_package adds to the sandbox's own.
+[[template]]
+name = "python-data"
+python_env = {json.dumps(str(python_env))}
+"""
+
+
+def demo_config_text(python_env: Path | None = None) -> str:
     rules = "\n\n".join(_rule_toml(rule) for rule in DEMO_POLICY.rules)
     return f"""\
 # bastion demo configuration, written by `bastion init`.
@@ -86,6 +104,7 @@ max_sandboxes = 16
 idle_timeout_s = 1800       # closed after 30 min unused
 lifetime_s = 86400          # and after a day in any case
 disk_quota = true           # /workspace is its own filesystem of limits.disk_bytes (needs root)
+default_template = {json.dumps("python-data" if python_env is not None else "default")}  # for create_sandbox()
 # env = {{ NAME = "value" }}  # extra environment for sandbox commands; values are redacted from output
 
 [sandboxes.limits]
@@ -97,15 +116,27 @@ timeout_s = 60              # per command
 max_output_bytes = 65536    # per stream, per command
 disk_bytes = 2147483648     # 2 GiB: /workspace is a filesystem of this size (needs root; see disk_quota)
 
+# `bastion serve --http`: Streamable HTTP at <public_url>/mcp, with the built-in OAuth 2.1 server.
+# The admin password is set with `bastion admin set-password` and kept (as a hash) in state/, never here.
+[http]
+public_url = "http://127.0.0.1:8765"   # what clients use; behind a reverse proxy: https://your.host
+listen = "127.0.0.1:8765"
+# tls_cert = "/etc/bastion/cert.pem"   # built-in TLS; or terminate TLS in a reverse proxy
+# tls_key = "/etc/bastion/key.pem"
+# extra_origins = ["http://localhost:6274"]   # the MCP Inspector's web UI
+
 # A folder for the file organizer.
 [[inbox]]
 id = "inbox"
 path = "inbox"
-"""
+{_template_toml(python_env)}"""
 
 
-def init_demo(directory: str | os.PathLike[str]) -> Path:
-    """Create the demo layout; never overwrite an existing config."""
+def init_demo(directory: str | os.PathLike[str], *, python_env: str | os.PathLike[str] | None = None) -> Path:
+    """Create the demo layout; never overwrite an existing config.
+
+    `python_env`: the python-data template's virtual environment, when one was built.
+    """
     root = Path(directory).absolute()
     config = root / "bastion.toml"
     if config.exists():
@@ -117,5 +148,5 @@ def init_demo(directory: str | os.PathLike[str]) -> Path:
     if not readme.exists():
         readme.write_text("# bastion demo workspace\n\nFiles an agent may read and change live here.\n")
     with open(config, "x", encoding="utf-8") as handle:
-        handle.write(demo_config_text())
+        handle.write(demo_config_text(Path(python_env).absolute() if python_env is not None else None))
     return config

@@ -23,7 +23,9 @@ from typing import Final
 
 import anyio.to_thread
 
+from bastion.code import OWN_VENV, CodeRunner
 from bastion.config import (
+    BASTION_OPT,
     SANDBOX_ID_PREFIX,
     Config,
     LimitsConfig,
@@ -56,6 +58,7 @@ from bastion.sandbox.warm import WarmSandbox
 from bastion.workspaces import HostWorkspace
 
 _ID_HEX_BYTES: Final = 6
+ENV_DEST: Final = f"{BASTION_OPT}/env"
 _MAX_NAME_CHARS: Final = 64
 _SHELL_POLICY: Final = CommandPolicyConfig(allow=("*",))
 _NARROWABLE: Final = frozenset(SandboxLimitsConfig.model_fields)
@@ -75,6 +78,7 @@ class Sandbox:
     limits: SandboxLimitsConfig
     root: Path
     workspace: HostWorkspace
+    code: CodeRunner
     template: str = "default"
     created_wall: float = field(default_factory=time.time)
     created: float = field(default_factory=time.monotonic)
@@ -136,7 +140,8 @@ class SandboxManager:
     def __init__(self, config: Config, redactor: Redactor, cgroups: CgroupLayout | None) -> None:
         self._config = config.sandboxes
         self._templates = {t.name: t for t in config.template}
-        self._default_template = self._templates.get("default", TemplateConfig(name="default"))
+        default = config.sandboxes.default_template
+        self._default_template = self._templates.get(default, TemplateConfig(name="default"))
         self._dir = config.sandboxes_dir
         self._snapshots = config.state_dir / "snapshots"
         self._redactor = redactor
@@ -189,14 +194,18 @@ class SandboxManager:
             self._config.limits,
             {**(chosen.limits.model_dump(exclude_none=True) if chosen.limits else {}), **(limits or {})},
         )
-        binds = tuple((str(b.source), b.dest) for b in chosen.read_only)
-        # The pool's sandboxes have no extra binds and the ceiling's disk: others start their own.
-        standard = not binds and narrowed.disk_bytes == self._config.limits.disk_bytes
+        binds = _binds(chosen)
+        # The pool's sandboxes have the default template's binds and the ceiling's disk: others start their own.
+        standard = binds == _binds(self._default_template) and narrowed.disk_bytes == self._config.limits.disk_bytes
         prepared = self._pool.pop() if self._pool and standard else await self._prepare(binds, narrowed.disk_bytes)
         try:
             config = self._workspace_config(prepared.id, prepared.root, narrowed, chosen)
             via_sh = chosen.policy is None
-            workspace = HostWorkspace(config, self._redactor, self._cgroups, via_sh=via_sh, sandbox=prepared.warm)
+            workspace = HostWorkspace(
+                config, self._redactor, self._cgroups, via_sh=via_sh, sandbox=prepared.warm, path_prefix=_path(chosen)
+            )
+            python_env = ENV_DEST if chosen.python_env is not None else None
+            code = CodeRunner(workspace, self._redactor, python_env=python_env)
         except BaseException:
             prepared.warm.close()
             _discard(prepared.root)
@@ -208,6 +217,7 @@ class SandboxManager:
             limits=narrowed,
             root=prepared.root,
             workspace=workspace,
+            code=code,
             template=chosen.name,
         )
         self._boxes[box.id] = box
@@ -267,7 +277,7 @@ class SandboxManager:
     async def _fill(self) -> None:
         try:
             while len(self._pool) < self._config.warm_pool:
-                self._pool.append(await self._prepare())
+                self._pool.append(await self._prepare(_binds(self._default_template)))
         except BastionError as exc:
             logger.warning("warm pool not refilled: %s", exc.reason)
 
@@ -414,6 +424,20 @@ class SandboxManager:
             _discard(prepared.root)
         self._pool.clear()
         self._starting.clear()
+
+
+def _binds(template: TemplateConfig) -> tuple[tuple[str, str], ...]:
+    """What a template's sandboxes see read-only beyond the system: its folders, its Python environment."""
+    binds = tuple((str(b.source), b.dest) for b in template.read_only)
+    if template.python_env is not None:
+        binds += ((str(template.python_env), ENV_DEST),)
+    return binds
+
+
+def _path(template: TemplateConfig) -> tuple[str, ...]:
+    """PATH entries ahead of the system's: the sandbox's own venv first, then the template's."""
+    own = (f"{OWN_VENV}/bin",)
+    return (*own, f"{ENV_DEST}/bin") if template.python_env is not None else own
 
 
 def _discard(root: Path) -> None:

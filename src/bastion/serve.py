@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import sys
@@ -10,6 +11,7 @@ import anyio
 
 from bastion.app import build_server, build_services
 from bastion.config import Config
+from bastion.safety.errors import ConfigError
 
 
 def client_snippet(config_path: str) -> str:
@@ -39,5 +41,76 @@ def serve_stdio(config: Config, config_path: str) -> int:
     try:
         anyio.run(server.run_stdio_async)
     finally:
+        services.close()
+    return 0
+
+
+
+def http_connect_help(mcp_url: str) -> str:
+    """How to point the usual clients at the HTTP endpoint."""
+    return (
+        f"bastion: MCP URL: {mcp_url}\n"
+        "bastion: a client opens a browser where you log in with the admin password and approve it:\n"
+        f"  Claude Code:    claude mcp add --transport http bastion {mcp_url}\n"
+        f"  Claude Desktop: Settings > Connectors > Add custom connector, URL {mcp_url}\n"
+        "                  (claude.ai and Claude Desktop connectors need a public https URL: see the README)\n"
+        f"  MCP Inspector:  npx @modelcontextprotocol/inspector, transport Streamable HTTP, URL {mcp_url}"
+    )
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def serve_http(config: Config, config_path: str, listen: str | None = None) -> int:
+    """Serve Streamable HTTP (and the authorization server) with uvicorn until interrupted."""
+    import uvicorn
+
+    from bastion.http.app import build_http_app, endpoints_for
+
+    http = config.http
+    endpoints = endpoints_for(config)
+    host, _, port = (listen or http.listen).rpartition(":")
+    host = host.strip("[]")
+    if not port.isdigit() or not host:
+        raise ConfigError(f"--listen {listen!r} must be HOST:PORT, e.g. 127.0.0.1:8765")
+    if not http.auth and not _is_loopback(host):
+        raise ConfigError("[http] auth = false is only allowed on a loopback listen address: turn auth on")
+    if (http.tls_cert is None) != (http.tls_key is None):
+        raise ConfigError("[http] tls_cert and tls_key go together: set both or neither")
+    if http.auth and not config.admin_hash_path.exists():
+        raise ConfigError(f"no admin password is set: run 'bastion admin set-password --config {config_path}' first")
+    services = build_services(config)
+    store = None
+    try:
+        server = build_server(services, caller="http")
+        built = build_http_app(services, server)
+        store = built.store
+        print(f"bastion: serving MCP over HTTP from {os.path.abspath(config_path)} on {host}:{port}", file=sys.stderr)
+        if not http.auth:
+            warning = "bastion: WARNING: [http] auth = false: anyone reaching this address can call every tool"
+            print(warning, file=sys.stderr)
+        print(http_connect_help(endpoints.resource), file=sys.stderr)
+        uv_config = uvicorn.Config(
+            built.app,
+            host=host,
+            port=int(port),
+            log_config=None,
+            access_log=False,
+            server_header=False,
+            lifespan="on",
+            ssl_certfile=str(http.tls_cert) if http.tls_cert else None,
+            ssl_keyfile=str(http.tls_key) if http.tls_key else None,
+            timeout_graceful_shutdown=2,
+        )
+        uvicorn.Server(uv_config).run()
+    finally:
+        if store is not None:
+            store.close()
         services.close()
     return 0

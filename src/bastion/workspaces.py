@@ -142,6 +142,7 @@ class HostWorkspace:
         *,
         via_sh: bool = False,
         sandbox: WarmSandbox | None = None,
+        path_prefix: tuple[str, ...] = (),
     ) -> None:
         """A workspace behind a warm sandbox.
 
@@ -150,10 +151,12 @@ class HostWorkspace:
                 instead of parsing them into argv without one (host workspaces).
             sandbox: an already started sandbox over ``config.path`` (from a warm pool);
                 its limits are set from ``config``.
+            path_prefix: folders inside the sandbox searched before the system's (its Python environments).
         """
         self.config = config
         self.via_sh = via_sh
         self.id = config.id
+        self._path = ":".join((*path_prefix, SANDBOX_PATH))
         self.policy = CommandPolicy(config.policy)
         self.jail = Jail(config.path, secret_patterns=config.secret_files, allow_hardlinks=config.allow_hardlinks)
         self.redactor = redactor
@@ -171,7 +174,7 @@ class HostWorkspace:
 
     def environment(self) -> dict[str, str]:
         """Exactly PATH, HOME and LANG, plus the administrator's variables."""
-        return {"PATH": SANDBOX_PATH, "HOME": SANDBOX_WORKSPACE, "LANG": LANG, **self.config.env}
+        return {"PATH": self._path, "HOME": SANDBOX_WORKSPACE, "LANG": LANG, **self.config.env}
 
     def explain(self, command: str) -> Decision:
         decision = self.policy.explain_script(command) if self.via_sh else self.policy.explain(command)
@@ -204,13 +207,30 @@ class HostWorkspace:
             timeout_s=limit,
             max_output_bytes=self.config.max_output_bytes,
         )
-        return self._render(approved, sandbox_cwd, outcome)
+        return self._render(approved.argv, sandbox_cwd, outcome)
 
-    def _render(self, approved: ApprovedCommand, cwd: str, outcome: RunOutcome) -> CommandOutput:
+    async def run_argv(self, executable: str, argv: tuple[str, ...], *, timeout_s: float | None) -> CommandOutput:
+        """Run a program the caller chose (an interpreter for execute_code) in a sandbox that allows a shell."""
+        if not self.via_sh:
+            raise PolicyDenied("this workspace runs only commands its policy allows: use run_command")
+        limit = self.config.timeout_s if timeout_s is None else min(timeout_s, self.config.timeout_s)
+        if limit <= 0:
+            raise InvalidRequest("timeout_s must be positive")
+        outcome = await self.sandbox.run(
+            executable,
+            argv,
+            cwd=SANDBOX_WORKSPACE,
+            env=self.environment(),
+            timeout_s=limit,
+            max_output_bytes=self.config.max_output_bytes,
+        )
+        return self._render(argv, SANDBOX_WORKSPACE, outcome)
+
+    def _render(self, argv: tuple[str, ...], cwd: str, outcome: RunOutcome) -> CommandOutput:
         stdout = self._clean(outcome.stdout, cut=outcome.stdout_total > len(outcome.stdout))
         stderr = self._clean(outcome.stderr, cut=outcome.stderr_total > len(outcome.stderr))
         return CommandOutput(
-            argv=self._redact_argv(approved.argv),
+            argv=self._redact_argv(argv),
             cwd=cwd,
             exit_status=outcome.status,
             stdout=stdout,

@@ -12,6 +12,8 @@
     ├── Timeout                 TIMEOUT
     ├── Unavailable             UNAVAILABLE       a dependency (bubblewrap, the kernel feature) is missing
     ├── AuditUnavailable        AUDIT_UNAVAILABLE the audit record could not be written: nothing ran
+    ├── NeedsApproval           NEEDS_APPROVAL    a human must approve first: present the approval id later
+    ├── ApprovalDenied          APPROVAL_DENIED   a human denied it, or the approval expired: it never runs
     └── OperationFailed         OPERATION_FAILED  the OS refused for another reason
     ConfigError (not a BastionError: it stops the server at start-up with one line)
 
@@ -79,6 +81,14 @@ class Unavailable(BastionError):
 
 class AuditUnavailable(BastionError):
     code = ResultCode.AUDIT_UNAVAILABLE
+
+
+class NeedsApproval(BastionError):
+    code = ResultCode.NEEDS_APPROVAL
+
+
+class ApprovalDenied(BastionError):
+    code = ResultCode.APPROVAL_DENIED
 
 
 class OperationFailed(BastionError):

@@ -23,7 +23,7 @@ import marshal
 import os
 import socket
 import subprocess  # noqa: TID251 - only the Popen type; _spawn starts it
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -138,7 +138,8 @@ class WarmSandbox:
             except BastionError as exc:
                 logger.error("cgroup %s of %s not removed: %s", group.name, self.spec.workspace, exc.reason)
 
-    def _oom_kills(self) -> int:
+    def oom_kills(self) -> int:
+        """How many processes of the sandbox the kernel has killed for memory so far."""
         return self._group.oom_kills() if self._group is not None else 0
 
     async def _start(self) -> None:
@@ -254,7 +255,7 @@ class WarmSandbox:
         if self._paused:
             raise Conflict("the sandbox is paused: resume it first")
         await self.start()
-        ooms_before = self._oom_kills()
+        ooms_before = self.oom_kills()
         pid, member = await self._take_member()
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[int] = loop.create_future()
@@ -297,7 +298,7 @@ class WarmSandbox:
                 status = await self._await_exit(pid, waiter)
                 out.close()
                 err.close()
-        oom_killed = self._group is not None and self._oom_kills() > ooms_before
+        oom_killed = self._group is not None and self.oom_kills() > ooms_before
         return RunOutcome(
             status, bytes(out.data), bytes(err.data), out.total, err.total, timed_out, cancelled, oom_killed
         )
@@ -321,12 +322,14 @@ class WarmSandbox:
         cwd: str,
         env: Mapping[str, str],
         ring_bytes: int,
+        stdout: Callable[[int], RingCapture] | None = None,
     ) -> BackgroundProcess:
         """Start a command in the background and return at once.
 
         It runs, like any command, as PID 1 of its own PID namespace, with no time limit:
         it ends when it exits, when `kill` ends it, or when the sandbox closes. Its stdin is
-        a pipe from the host; its stdout and stderr are read into rings of `ring_bytes` each.
+        a pipe from the host; its stdout and stderr are read into rings of `ring_bytes` each,
+        or its stdout by `stdout(fd)` when given (a reader of a protocol, such as a code context's).
         """
         if self._paused:
             raise Conflict("the sandbox is paused: resume it first")
@@ -348,7 +351,8 @@ class WarmSandbox:
                 os.close(fd)
             self._tell_agent("used", pid)
         # No await since the send: its exit message cannot have been handled yet.
-        process = BackgroundProcess(pid, argv, in_w, RingCapture(out_r, ring_bytes), RingCapture(err_r, ring_bytes))
+        out = stdout(out_r) if stdout is not None else RingCapture(out_r, ring_bytes)
+        process = BackgroundProcess(pid, argv, in_w, out, RingCapture(err_r, ring_bytes))
         self._background[pid] = process
         return process
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Final, TypeVar
 
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError, UnexpectedToolError
-from mcp_types import CallToolResult, InputRequiredResult, TextContent, ToolAnnotations
+from mcp_types import CallToolResult, ImageContent, InputRequiredResult, TextContent, ToolAnnotations
 from pydantic import ValidationError
 
 from bastion.safety.errors import BastionError, InvalidRequest
@@ -38,11 +38,11 @@ _ARGUMENT_HINTS = {
 }
 
 
-def to_call_result(result: OperationResult) -> CallToolResult:
-    """The wire form: the result as structured content and as one JSON text block."""
+def to_call_result(result: OperationResult, *, extra: Sequence[ImageContent] = ()) -> CallToolResult:
+    """The wire form: the result as structured content and as one JSON text block (then any images)."""
     payload = result.model_dump(mode="json")
     text = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
-    content = [TextContent(type="text", text=text)]
+    content: list[TextContent | ImageContent] = [TextContent(type="text", text=text), *extra]
     return CallToolResult(content=content, structured_content=payload, is_error=not result.ok)
 
 

@@ -1,0 +1,182 @@
+"""The SSH side of a gateway: one warm asyncssh connection per configured host.
+
+The host key is pinned from config (`host_key`): an unknown or changed key is refused
+(FORBIDDEN) before authentication, and no ~/.ssh file (config, known_hosts, agent, keys)
+is read. The client asks for no pty, no forwarding and sends no environment; the target's
+``restrict`` key option refuses those anyway. Only a `GatewayCommand` (a checked literal)
+is ever sent. Output is capped and redacted here whatever the target does.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Final
+
+import anyio
+import asyncssh
+
+from bastion.config import GatewayConfig
+from bastion.gateway.actions import GatewayCommand
+from bastion.safety.errors import Forbidden, PolicyDenied, Timeout, Unavailable
+from bastion.safety.redact import Redactor, sanitize_terminal
+
+logger = logging.getLogger("bastion.gateway")
+
+EXIT_REFUSED: Final = 126
+EXIT_TIMEOUT: Final = 124
+REFUSED_PREFIX: Final = "dispatch: refused: "
+_CHUNK: Final = 65536
+
+
+@dataclass(frozen=True)
+class GatewayOutput:
+    exit_status: int
+    stdout: str
+    stderr: str
+    truncated: bool
+
+
+class GatewayClient:
+    """Sends checked literals to one gateway over a reused SSH connection."""
+
+    def __init__(self, config: GatewayConfig, redactor: Redactor) -> None:
+        self.config = config
+        self.redactor = redactor
+        self._conn: asyncssh.SSHClientConnection | None = None
+        self._lock = anyio.Lock()
+
+    async def _connect(self) -> asyncssh.SSHClientConnection:
+        cfg = self.config
+        if cfg.host_key is None:
+            raise Forbidden(f"gateway {cfg.name!r} has no pinned host_key in config: add the target's host key")
+        try:
+            host_key = asyncssh.import_public_key(cfg.host_key)
+        except (asyncssh.KeyImportError, ValueError):
+            raise Forbidden(f"gateway {cfg.name!r} host_key cannot be read: fix it in config") from None
+        try:
+            client_key = asyncssh.read_private_key(str(cfg.key_path))
+        except (OSError, asyncssh.KeyImportError) as exc:
+            raise Unavailable(
+                f"gateway {cfg.name!r} key {cfg.key_path} cannot be read: run 'bastion gateway keygen'",
+                detail=str(exc),
+            ) from None
+        try:
+            with anyio.fail_after(cfg.connect_timeout_s):
+                return await asyncssh.connect(
+                    cfg.host,
+                    cfg.port,
+                    username=cfg.user,
+                    known_hosts=([host_key], [], []),
+                    client_keys=[client_key],
+                    config=None,
+                    agent_path=None,
+                    agent_forwarding=False,
+                    x11_forwarding=False,
+                    preferred_auth="publickey",
+                    password=None,
+                    kbdint_auth=False,
+                    gss_auth=False,
+                    connect_timeout=cfg.connect_timeout_s,
+                    keepalive_interval=30,
+                )
+        except asyncssh.HostKeyNotVerifiable as exc:
+            raise Forbidden(
+                f"gateway {cfg.name!r} presented a host key that is not the pinned one: refused",
+                detail=str(exc),
+            ) from None
+        except asyncssh.PermissionDenied as exc:
+            raise Forbidden(
+                f"gateway {cfg.name!r} refused bastion's key (check authorized_keys and from=)", detail=str(exc)
+            ) from None
+        except TimeoutError:
+            raise Timeout(f"gateway {cfg.name!r} did not answer within {cfg.connect_timeout_s:g} s") from None
+        except (OSError, asyncssh.Error) as exc:
+            raise Unavailable(f"gateway {cfg.name!r} cannot be reached", detail=str(exc)) from None
+
+    async def connection(self) -> asyncssh.SSHClientConnection:
+        """The warm connection, opened (or reopened) on demand."""
+        async with self._lock:
+            if self._conn is None or self._conn.is_closed():
+                self._conn = await self._connect()
+            return self._conn
+
+    async def call(self, command: GatewayCommand, *, retry: bool = False) -> GatewayOutput:
+        """Run one checked literal on the gateway; the target's dispatch decides whether it runs.
+
+        Args:
+            command: the checked literal.
+            retry: reconnect and send again once if the warm connection was dropped. Only for actions
+                that are safe to repeat: a dropped connection may hide a request that already ran.
+
+        Raises:
+            PolicyDenied: dispatch refused it (exit 126).
+            Timeout: no answer within call_timeout_s, or dispatch's own timeout.
+            Forbidden / Unavailable: the connection could not be made, or was lost.
+        """
+        conn = await self.connection()
+        try:
+            exit_status, out, err, truncated = await self._run(conn, command.literal)
+        except (asyncssh.ChannelOpenError, asyncssh.DisconnectError, OSError) as exc:
+            await self.close()
+            opened = not isinstance(exc, asyncssh.ChannelOpenError)
+            if opened and not retry:
+                raise Unavailable(
+                    f"gateway {self.config.name!r} dropped the connection; the action may or may not have run",
+                    detail=str(exc),
+                ) from None
+            # The session never opened (so nothing was sent), or the action is safe to repeat.
+            conn = await self.connection()
+            try:
+                exit_status, out, err, truncated = await self._run(conn, command.literal)
+            except (asyncssh.Error, OSError) as again:
+                await self.close()
+                raise Unavailable(f"gateway {self.config.name!r} failed twice", detail=str(again)) from None
+        stdout = self._clean(out)
+        stderr = self._clean(err)
+        if exit_status == EXIT_REFUSED and stderr.startswith(REFUSED_PREFIX):
+            reason = stderr[len(REFUSED_PREFIX) :].splitlines()[0]
+            raise PolicyDenied(f"gateway {self.config.name!r} refused it: {reason}")
+        if exit_status == EXIT_TIMEOUT and "dispatch: timeout" in stderr:
+            raise Timeout(f"the action ran past the gateway's time limit and was killed: {stderr.strip()[-200:]}")
+        return GatewayOutput(exit_status=exit_status, stdout=stdout, stderr=stderr, truncated=truncated)
+
+    async def _run(self, conn: asyncssh.SSHClientConnection, literal: str) -> tuple[int, bytes, bytes, bool]:
+        cap = self.config.max_output_bytes
+        process = await conn.create_process(literal, encoding=None, request_pty=False, stdin=asyncssh.DEVNULL)
+        buffers: dict[str, bytearray] = {"out": bytearray(), "err": bytearray()}
+        truncated = False
+
+        async def drain(name: str, stream: asyncssh.SSHReader[bytes]) -> None:
+            nonlocal truncated
+            while chunk := await stream.read(_CHUNK):
+                room = cap - len(buffers[name])
+                if len(chunk) > room:
+                    truncated = True
+                buffers[name] += chunk[: max(room, 0)]
+
+        try:
+            with anyio.fail_after(self.config.call_timeout_s):
+                async with anyio.create_task_group() as tasks:
+                    tasks.start_soon(drain, "out", process.stdout)
+                    tasks.start_soon(drain, "err", process.stderr)
+                await process.wait_closed()
+        except TimeoutError:
+            process.close()
+            raise Timeout(
+                f"gateway {self.config.name!r} gave no result within {self.config.call_timeout_s:g} s"
+            ) from None
+        status = process.exit_status
+        if status is None:
+            signal = process.exit_signal
+            status = 128 + 9 if signal else 255
+        return status, bytes(buffers["out"]), bytes(buffers["err"]), truncated
+
+    def _clean(self, data: bytes) -> str:
+        return self.redactor.redact(sanitize_terminal(data.decode("utf-8", errors="replace")))
+
+    async def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            await self._conn.wait_closed()
+            self._conn = None

@@ -1,0 +1,174 @@
+"""The administrator's pages: /admin (grants, revoke, revoke all) and /admin/approvals.
+
+SECURITY BOUNDARY. A session is a 256-bit cookie (`__Host-`, HttpOnly, Secure, SameSite=Strict) stored
+as a digest; every POST needs the session's CSRF token; the login form's CSRF token is bound to a
+browser cookie (no login CSRF). Logins share the rate limiter of the authorization flow.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any, Final
+
+import anyio
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from bastion.config import Config
+from bastion.http import pages
+from bastion.http.flow import BROWSER_COOKIE, LOGIN_FAILED, client_ip, single_params
+from bastion.http.password import AdminCredential
+from bastion.http.ratelimit import LoginLimiter
+from bastion.http.store import AuthStore
+
+SESSION_COOKIE: Final = "__Host-bastion-admin"
+MAX_FORM_BYTES: Final = 16 * 1024
+
+
+def _when(ts: float | None) -> str:
+    return "-" if ts is None else datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+class AdminPages:
+    def __init__(self, store: AuthStore, credential: AdminCredential, limiter: LoginLimiter, config: Config) -> None:
+        self.store = store
+        self.credential = credential
+        self.limiter = limiter
+        self.config = config
+        self._key = secrets.token_bytes(32)
+        self.approvals: Any = None
+        """The approval queue (bastion.safety.approvals), when the gateway provides one."""
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/admin", self.home, methods=["GET"]),
+            Route("/admin/login", self.login_get, methods=["GET"]),
+            Route("/admin/login", self.login_post, methods=["POST"]),
+            Route("/admin/logout", self._post(self.logout), methods=["POST"]),
+            Route("/admin/revoke", self._post(self.revoke), methods=["POST"]),
+        ]
+
+    # -- sessions and CSRF ----------------------------------------------------------------------------
+
+    def _login_csrf(self, browser: str) -> str:
+        return hmac.new(self._key, b"admin-login:" + browser.encode(), hashlib.sha256).hexdigest()
+
+    def session_csrf(self, request: Request) -> str | None:
+        session = request.cookies.get(SESSION_COOKIE)
+        return self.store.admin_session_csrf(session) if session else None
+
+    async def form(self, request: Request) -> dict[str, str] | None:
+        if request.headers.get("content-type", "").split(";")[0].strip() != "application/x-www-form-urlencoded":
+            return None
+        body = b""
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > MAX_FORM_BYTES:
+                return None
+        return single_params(body.decode("utf-8", "replace"))
+
+    def _post(self, handler: Callable[[Request, dict[str, str], str], Any]) -> Callable[[Request], Any]:
+        """Wrap a POST handler: a live session and its CSRF token, or 403."""
+
+        async def checked(request: Request) -> Response:
+            csrf = self.session_csrf(request)
+            form = await self.form(request)
+            if csrf is None or form is None or not hmac.compare_digest(form.get("csrf", ""), csrf):
+                return pages.error_page("This form is not valid for this browser (CSRF check failed).", status=403)
+            result: Response = await handler(request, form, csrf)
+            return result
+
+        return checked
+
+    # -- login ----------------------------------------------------------------------------------------
+
+    def _login_page(self, browser: str, *, message: str = "", status: int = 200) -> Response:
+        body = pages.login_form("/admin/login", {"csrf": self._login_csrf(browser)}, message=message)
+        return pages.page("bastion: administrator login", body, status=status)
+
+    async def login_get(self, request: Request) -> Response:
+        browser = request.cookies.get(BROWSER_COOKIE) or secrets.token_urlsafe(32)
+        response = self._login_page(browser)
+        response.set_cookie(BROWSER_COOKIE, browser, path="/", secure=True, httponly=True, samesite="strict")
+        return response
+
+    async def login_post(self, request: Request) -> Response:
+        browser = request.cookies.get(BROWSER_COOKIE, "")
+        form = await self.form(request)
+        if form is None or not browser or not hmac.compare_digest(form.get("csrf", ""), self._login_csrf(browser)):
+            return pages.error_page("This form is not valid for this browser (CSRF check failed).", status=403)
+        ip = client_ip(request)
+        wait = self.limiter.retry_after(ip)
+        if wait > 0:
+            return pages.too_many(wait, "")
+        if not await anyio.to_thread.run_sync(self.credential.verify, form.get("password", "")):
+            self.limiter.failure(ip)
+            return self._login_page(browser, message=LOGIN_FAILED, status=401)
+        self.limiter.success(ip)
+        session, _ = self.store.new_admin_session(self.config.http.admin_session_lifetime_s)
+        response = pages.see_other(request.query_params.get("next", "/admin") if _local(request) else "/admin")
+        response.set_cookie(
+            SESSION_COOKIE,
+            session,
+            path="/",
+            secure=True,
+            httponly=True,
+            samesite="strict",
+            max_age=int(self.config.http.admin_session_lifetime_s),
+        )
+        return response
+
+    async def logout(self, request: Request, form: dict[str, str], csrf: str) -> Response:
+        self.store.end_admin_session(request.cookies.get(SESSION_COOKIE, ""))
+        response = pages.see_other("/admin/login")
+        response.delete_cookie(SESSION_COOKIE, path="/", secure=True, httponly=True, samesite="strict")
+        return response
+
+    # -- pages ----------------------------------------------------------------------------------------
+
+    async def home(self, request: Request) -> Response:
+        csrf = self.session_csrf(request)
+        if csrf is None:
+            return pages.see_other("/admin/login")
+        rows = "".join(
+            f"<tr><td><code>{pages.esc(g.grant_id)}</code></td><td>{pages.esc(g.client_id)}</td>"
+            f"<td>{pages.esc(' '.join(g.scopes))}</td><td>{_when(g.created_at)}</td>"
+            f'<td><form method="post" action="/admin/revoke">{pages.hidden({"csrf": csrf, "grant": g.grant_id})}'
+            '<button type="submit">Revoke</button></form></td></tr>'
+            for g in self.store.grants()
+        )
+        table = (
+            "<table><tr><th>Grant</th><th>Client</th><th>Scopes</th><th>Since</th><th></th></tr>" + rows + "</table>"
+            if rows
+            else "<p>No client holds a grant.</p>"
+        )
+        approvals = '<p><a href="/admin/approvals">Pending approvals</a></p>' if self.approvals is not None else ""
+        body = (
+            f"{approvals}<h2>Active grants</h2>{table}"
+            f'<form method="post" action="/admin/revoke">{pages.hidden({"csrf": csrf, "grant": "*"})}'
+            '<p><button type="submit">Revoke all</button></p></form>'
+            f'<form method="post" action="/admin/logout">{pages.hidden({"csrf": csrf})}'
+            '<p><button type="submit">Log out</button></p></form>'
+        )
+        return pages.page("bastion: administration", body)
+
+    async def revoke(self, request: Request, form: dict[str, str], csrf: str) -> Response:
+        grant = form.get("grant", "")
+        if grant == "*":
+            self.store.revoke_everything("revoked by the administrator (revoke all)")
+            response = pages.see_other("/admin/login")
+            response.delete_cookie(SESSION_COOKIE, path="/", secure=True, httponly=True, samesite="strict")
+            return response
+        self.store.revoke_grant(grant, "revoked by the administrator")
+        return pages.see_other("/admin")
+
+
+def _local(request: Request) -> bool:
+    """Only same-site paths are followed after login (no open redirect)."""
+    target = request.query_params.get("next", "/admin")
+    return target.startswith("/admin") and "//" not in target and "\\" not in target

@@ -1,0 +1,244 @@
+"""Assemble the HTTP application: /mcp (the SDK's streamable transport), the authorization server, pages.
+
+Layers, outermost first:
+1. `HostGuard`: the Host header must name `public_url` (DNS-rebinding protection for every route; the
+   SDK's transport checks Host and Origin again for /mcp).
+2. `AccessLog`: method, path (never the query string, which could carry a token), status, address.
+3. The SDK's `AuthenticationMiddleware` with `BearerAuthBackend` over bastion's provider (the token is
+   looked up by its digest, checked for expiry, revocation and resource), and `AuthContextMiddleware`.
+4. Routes. /mcp: CORS for the configured origins, then `RequireToken` (401/403), then the SDK's app.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Final
+from urllib.parse import urlsplit
+
+import anyio
+from mcp.server.auth.middleware.auth_context import AuthContextMiddleware
+from mcp.server.auth.middleware.bearer_auth import BearerAuthBackend
+from mcp.server.auth.provider import ProviderTokenVerifier
+from mcp.server.auth.routes import cors_middleware
+from mcp.server.streamable_http_manager import StreamableHTTPASGIApp
+from mcp.server.transport_security import TransportSecuritySettings
+from pydantic import AnyHttpUrl
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.authentication import AuthenticationMiddleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from bastion.app import Services
+from bastion.config import Config
+from bastion.http.admin_pages import AdminPages
+from bastion.http.endpoints import (
+    Registration,
+    TokenEndpoint,
+    authorization_server_metadata,
+    protected_resource_metadata,
+)
+from bastion.http.flow import AuthorizationFlow
+from bastion.http.password import AdminCredential
+from bastion.http.provider import BastionAuthProvider, Endpoints
+from bastion.http.ratelimit import LoginLimiter
+from bastion.http.scopes import RequireToken, ScopeMiddleware
+from bastion.http.store import AuthStore
+from bastion.safety.errors import ConfigError
+from bastion.tools.server import SCOPES, BastionServer
+
+access_logger = logging.getLogger("bastion.http.access")
+PURGE_INTERVAL_S: Final = 300.0
+_MCP_HEADERS: Final = ["authorization", "content-type", "mcp-session-id", "mcp-protocol-version", "last-event-id"]
+
+
+def endpoints_for(config: Config) -> Endpoints:
+    if config.http.public_url is None:
+        raise ConfigError(
+            '[http] public_url is not set: add it to the config (e.g. public_url = "http://127.0.0.1:8765")'
+        )
+    return Endpoints(issuer=config.http.public_url, resource=f"{config.http.public_url}/mcp")
+
+
+def allowed_hosts(public_url: str) -> list[str]:
+    parts = urlsplit(public_url)
+    hosts = [parts.netloc]
+    if parts.port is None:
+        hosts.append(f"{parts.netloc}:{443 if parts.scheme == 'https' else 80}")
+    return hosts
+
+
+def origin_of(public_url: str) -> str:
+    parts = urlsplit(public_url)
+    return f"{parts.scheme}://{parts.netloc}"
+
+
+class HostGuard:
+    """421 for a Host that is not ours; 403 for a foreign Origin at /mcp (a rebinding or cross-site page)."""
+
+    def __init__(self, app: ASGIApp, hosts: list[str], origins: list[str]) -> None:
+        self.app = app
+        self.hosts = {h.lower() for h in hosts}
+        self.origins = set(origins)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers", ()))
+        host = headers.get(b"host", b"").decode("latin-1").lower()
+        if host not in self.hosts:
+            await _plain(send, 421, b"Misdirected Request: unknown Host\n")
+            return
+        origin = headers.get(b"origin")
+        if origin is not None and scope["path"].startswith("/mcp") and origin.decode("latin-1") not in self.origins:
+            await _plain(send, 403, b"Forbidden: Origin not allowed\n")
+            return
+        await self.app(scope, receive, send)
+
+
+async def _plain(send: Send, status: int, body: bytes) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"text/plain")]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class AccessLog:
+    """One line per request; the path only, so a token put in a query string never reaches a log."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not access_logger.isEnabledFor(logging.INFO):
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = 0
+
+        async def watch(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        finally:
+            client = scope.get("client") or ("-", 0)
+            access_logger.info(
+                "%s %s %s %d %.1fms",
+                client[0],
+                scope["method"],
+                scope["path"],
+                status,
+                (time.perf_counter() - started) * 1000,
+            )
+
+
+@dataclass
+class HttpApp:
+    app: ASGIApp
+    endpoints: Endpoints
+    store: AuthStore | None
+
+
+def build_http_app(services: Services, server: BastionServer) -> HttpApp:
+    """The ASGI app for `bastion serve --http`. The caller runs it (uvicorn) and closes `store`."""
+    config = services.config
+    endpoints = endpoints_for(config)
+    public_url = endpoints.issuer
+    hosts = allowed_hosts(public_url)
+    origins = [origin_of(public_url), *config.http.extra_origins]
+    security = TransportSecuritySettings(
+        enable_dns_rebinding_protection=True, allowed_hosts=hosts, allowed_origins=origins
+    )
+    server.streamable_http_app(streamable_http_path="/mcp", transport_security=security)
+    session_manager = server.session_manager
+    mcp_app: ASGIApp = StreamableHTTPASGIApp(session_manager)
+    routes: list[Route] = []
+    middleware: list[Middleware] = []
+    store: AuthStore | None = None
+    if config.http.auth:
+        store = AuthStore(config.db_path)
+        provider = BastionAuthProvider(store, config.http, endpoints)
+        credential = AdminCredential(config.admin_hash_path)
+        limiter = LoginLimiter(
+            free=config.http.login_failures_before_backoff,
+            max_s=config.http.login_backoff_max_s,
+            global_per_minute=config.http.global_login_failures_per_minute,
+        )
+        flow = AuthorizationFlow(provider, credential, limiter)
+        tokens = TokenEndpoint(provider)
+        registration = Registration(provider)
+        admin = AdminPages(store, credential, limiter, config)
+        as_meta = authorization_server_metadata(endpoints.issuer)
+        pr_meta = protected_resource_metadata(endpoints.issuer, endpoints.resource)
+        get_options = ["GET", "OPTIONS"]
+        post_options = ["POST", "OPTIONS"]
+        routes += [
+            Route(
+                "/.well-known/oauth-authorization-server",
+                cors_middleware(as_meta.handle, get_options),
+                methods=get_options,
+            ),
+            Route(
+                "/.well-known/oauth-protected-resource/mcp",
+                cors_middleware(pr_meta.handle, get_options),
+                methods=get_options,
+            ),
+            Route(
+                "/.well-known/oauth-protected-resource",
+                cors_middleware(pr_meta.handle, get_options),
+                methods=get_options,
+            ),
+            Route("/register", cors_middleware(registration.handle, post_options), methods=post_options),
+            Route("/token", cors_middleware(tokens.token, post_options), methods=post_options),
+            Route("/revoke", cors_middleware(tokens.revoke, post_options), methods=post_options),
+            Route("/authorize", flow.authorize, methods=["GET"]),
+            Route("/oauth/login", flow.login_get, methods=["GET"]),
+            Route("/oauth/login", flow.login_post, methods=["POST"]),
+            Route("/oauth/consent", flow.consent_get, methods=["GET"]),
+            Route("/oauth/consent", flow.consent_post, methods=["POST"]),
+            *admin.routes(),
+        ]
+        server.middleware.append(ScopeMiddleware(server))
+        mcp_app = RequireToken(
+            mcp_app,
+            tool_scopes=server.tool_scopes,
+            resource_metadata=endpoints.resource_metadata_url,
+            scopes=" ".join(SCOPES),
+        )
+        backend = BearerAuthBackend(ProviderTokenVerifier(provider), resource_server_url=AnyHttpUrl(endpoints.resource))  # type: ignore[arg-type]
+        middleware = [Middleware(AuthenticationMiddleware, backend=backend), Middleware(AuthContextMiddleware)]
+    mcp_endpoint = CORSMiddleware(
+        mcp_app,
+        allow_origins=origins,
+        allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
+        allow_headers=_MCP_HEADERS,
+        expose_headers=["WWW-Authenticate", "Mcp-Session-Id", "Mcp-Protocol-Version"],
+    )
+    routes.append(Route("/mcp", mcp_endpoint, methods=["GET", "POST", "DELETE", "OPTIONS"]))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        async with session_manager.run(), anyio.create_task_group() as tasks:
+            if store is not None:
+                tasks.start_soon(_purge_forever, store)
+            try:
+                yield
+            finally:
+                tasks.cancel_scope.cancel()
+
+    starlette = Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
+    return HttpApp(app=HostGuard(AccessLog(starlette), hosts, origins), endpoints=endpoints, store=store)
+
+
+async def _purge_forever(store: AuthStore) -> None:
+    while True:
+        await anyio.sleep(PURGE_INTERVAL_S)
+        store.purge_expired()

@@ -1,0 +1,116 @@
+"""HTML for the administrator's pages: login, consent, errors, admin. Every value is escaped.
+
+Headers on every page (RFC 9700 §4.16, MCP security best practices, consent UI): no framing
+(`frame-ancestors 'none'`, `X-Frame-Options: DENY`), no caching, no referrer, no scripts.
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Iterable, Mapping
+from typing import Final
+
+from starlette.responses import HTMLResponse, RedirectResponse, Response
+
+_CSP: Final = "default-src 'none'; style-src 'unsafe-inline'; frame-ancestors 'none'; base-uri 'none'"
+PAGE_HEADERS: Final = {
+    "Content-Security-Policy": _CSP,
+    "X-Frame-Options": "DENY",
+    "Cache-Control": "no-store",
+    "Pragma": "no-cache",
+    "Referrer-Policy": "no-referrer",
+    "X-Content-Type-Options": "nosniff",
+}
+_STYLE: Final = (
+    "body{font-family:system-ui,sans-serif;max-width:36rem;margin:3rem auto;padding:0 1rem;color:#222}"
+    "h1{font-size:1.4rem}.box{border:1px solid #ccc;border-radius:6px;padding:1rem;margin:1rem 0}"
+    ".warn{background:#fff4e5;border-color:#f0a030}.err{color:#a00}code{background:#f3f3f3;padding:0 .2rem}"
+    "button{font-size:1rem;padding:.4rem 1rem;margin-right:.5rem}table{border-collapse:collapse}"
+    "td,th{border:1px solid #ddd;padding:.3rem .5rem;text-align:left;vertical-align:top}"
+)
+
+SCOPE_TEXT: Final = {
+    "workbench": "Workbench: run commands and read and write files in workspaces and sandboxes",
+    "organizer": "Organizer: list, plan and move files in the inboxes",
+    "gateway:read": "Gateway (read): read-only actions on production hosts",
+    "gateway:deploy": "Gateway (deploy): deploy actions on production hosts (each may need approval)",
+}
+
+
+def esc(value: object) -> str:
+    return html.escape(str(value), quote=True)
+
+
+def page(title: str, body: str, *, status: int = 200, headers: Mapping[str, str] | None = None) -> HTMLResponse:
+    document = (
+        f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>{esc(title)}</title>'
+        f'<meta name="viewport" content="width=device-width"><style>{_STYLE}</style></head>'
+        f"<body><h1>{esc(title)}</h1>{body}</body></html>"
+    )
+    return HTMLResponse(document, status_code=status, headers={**PAGE_HEADERS, **(headers or {})})
+
+
+def error_page(message: str, *, status: int = 400) -> HTMLResponse:
+    """A refusal shown to the browser; never a redirect to a URI we could not trust."""
+    return page("bastion: request refused", f'<p class="err">{esc(message)}</p>', status=status)
+
+
+def see_other(url: str, headers: Mapping[str, str] | None = None) -> RedirectResponse:
+    """303 after a POST, so the browser never re-posts the form (RFC 9700 §4.12: never 307)."""
+    return RedirectResponse(url, status_code=303, headers={**PAGE_HEADERS, **(headers or {})})
+
+
+def hidden(fields: Mapping[str, str]) -> str:
+    return "".join(f'<input type="hidden" name="{esc(k)}" value="{esc(v)}">' for k, v in fields.items())
+
+
+def login_form(action: str, fields: Mapping[str, str], *, message: str = "", context: str = "") -> str:
+    note = f'<p class="err" role="alert">{esc(message)}</p>' if message else ""
+    return (
+        f"{context}{note}<form method="
+        f'"post" action="{esc(action)}">{hidden(fields)}'
+        '<p><label>Administrator password<br><input type="password" name="password" autocomplete="current-password"'
+        ' required autofocus size="30"></label></p><p><button type="submit">Log in</button></p></form>'
+    )
+
+
+def consent_body(
+    *,
+    client_name: str,
+    client_id: str,
+    redirect_host: str,
+    flagged: bool,
+    scopes: Iterable[str],
+    fields: Mapping[str, str],
+) -> str:
+    name = esc(client_name) if client_name else "<em>(no name given)</em>"
+    warn = (
+        '<div class="box warn"><strong>Check this address.</strong> It is not a loopback address or a known app: '
+        "approve only if you started this connection from it.</div>"
+        if flagged
+        else ""
+    )
+    boxes = "".join(
+        f'<p><label><input type="checkbox" name="scope" value="{esc(s)}" checked> {esc(SCOPE_TEXT.get(s, s))}'
+        f" (<code>{esc(s)}</code>)</label></p>"
+        for s in scopes
+    )
+    return (
+        f'<div class="box"><p>The application <strong>{name}</strong> asks for access to this bastion server.</p>'
+        f"<p>Client id: <code>{esc(client_id)}</code></p>"
+        f"<p>After your answer, your browser goes to: <strong>{esc(redirect_host)}</strong></p></div>{warn}"
+        f'<form method="post" action="/oauth/consent">{hidden(fields)}'
+        f"<p>Allow it to use (untick to narrow):</p>{boxes}"
+        '<p><button type="submit" name="decision" value="approve">Approve</button>'
+        '<button type="submit" name="decision" value="deny">Deny</button></p></form>'
+    )
+
+
+def too_many(retry_after: float, body: str) -> Response:
+    seconds = max(1, int(retry_after + 0.999))
+    return page(
+        "bastion: too many attempts",
+        f'<p class="err">Too many failed attempts. Try again in {seconds} s.</p>{body}',
+        status=429,
+        headers={"Retry-After": str(seconds)},
+    )

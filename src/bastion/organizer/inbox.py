@@ -1,0 +1,336 @@
+"""One inbox's organizer: list, plan, apply, move, undo and redo, serialized and journaled.
+
+Every change goes through `Mover.run` as one transaction; the history of undoable actions is
+the replay of the journal (see `bastion.organizer.journal`). Before a transaction starts,
+every file it will move is checked against what was recorded (inode, and for a plan size and
+mtime too) and every destination against being occupied; any difference refuses the whole
+action and nothing moves.
+"""
+
+from __future__ import annotations
+
+import stat
+import threading
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, Final
+
+from bastion.config import InboxConfig
+from bastion.organizer.folder import Dirs, Folder, split
+from bastion.organizer.journal import COMPACT_BYTES, Action, History, Journal, Kind, Move, Txn
+from bastion.organizer.mover import Mover
+from bastion.organizer.plan import Plan, assess, make_plan
+from bastion.organizer.rules import Hit, Rules, display_name, entry_kind
+from bastion.safety.errors import (
+    BastionError,
+    Conflict,
+    InvalidRequest,
+    NotFound,
+    PathEscape,
+    PolicyDenied,
+    ResourceLimit,
+)
+from bastion.safety.results import ResultCode
+
+MAX_PLANS: Final = 16
+MAX_LIST_ENTRIES: Final = 10_000
+_ERRORS: Final[dict[ResultCode, type[BastionError]]] = {
+    ResultCode.POLICY_DENIED: PolicyDenied,
+    ResultCode.INVALID_REQUEST: InvalidRequest,
+    ResultCode.PATH_ESCAPE: PathEscape,
+    ResultCode.CONFLICT: Conflict,
+}
+
+
+def _refuse(hit: Hit, what: str) -> BastionError:
+    error = _ERRORS.get(hit.code, PolicyDenied)
+    return error(f"{what} is {hit.reason} (rule '{hit.rule}'): the organizer never moves it", detail=hit.rule)
+
+
+def journal_path(state_dir: Path, inbox_id: str) -> Path:
+    return state_dir / "organizer" / inbox_id / "journal.jsonl"
+
+
+class Organizer:
+    """The organizer of one configured inbox. Thread-safe: every method holds one lock."""
+
+    def __init__(self, config: InboxConfig, state_dir: Path) -> None:
+        self.id = config.id
+        self.config = config
+        self.rules = Rules(config)
+        self.folder = Folder(config.path)
+        self.journal = Journal(journal_path(state_dir, config.id))
+        self._mover = Mover(self.folder, self.journal)
+        self._lock = threading.Lock()
+        self._plans: OrderedDict[str, Plan] = OrderedDict()
+        self.history = History()
+        self._next_txn = 1
+
+    def open(self) -> str | None:
+        """Read the journal and roll back a transaction a crash left unfinished.
+
+        Returns:
+            A one-line message when something was recovered, else None.
+
+        Raises:
+            ConfigError: the journal is damaged or held by another server.
+        """
+        with self._lock:
+            replay = self.journal.open()
+            message = None
+            if replay.pending is not None:
+                pending = replay.pending
+                kept = self._mover.recover(pending)
+                replay.history.finish(pending, kept)
+                message = (
+                    f"inbox {self.id!r}: rolled back an interrupted {pending.kind} of {len(pending.moves)} moves"
+                    + (f" ({len(kept)} could not be put back and stay undoable)" if kept else "")
+                )
+            self.history, self._next_txn = replay.history, replay.next_txn
+            if self.journal.size() > COMPACT_BYTES:
+                self.journal.compact(self.history, self._next_txn)
+            return message
+
+    def close(self) -> None:
+        with self._lock:
+            self.journal.close()
+            self.folder.close()
+
+    # -- read-only ---------------------------------------------------------------
+
+    def list_files(self, subdir: str = ".") -> dict[str, Any]:
+        with self._lock:
+            rel = self.folder.relative(subdir)
+            if rel == ".":
+                entries = [a.as_dict() for a in assess(self.folder, self.rules)]
+            else:
+                entries = [self._nested_entry(name, info.st_mode, info.st_size) for name, info in self.folder.scan(rel)]
+            truncated = len(entries) > MAX_LIST_ENTRIES
+            return {
+                "inbox": self.id,
+                "path": rel,
+                "entries": entries[:MAX_LIST_ENTRIES],
+                "truncated": truncated,
+                "can_undo": bool(self.history.done),
+                "can_redo": bool(self.history.undone),
+            }
+
+    def _nested_entry(self, name: str, mode: int, size: int) -> dict[str, Any]:
+        kind = entry_kind(mode)
+        entry: dict[str, Any] = {
+            "name": display_name(name),
+            "kind": kind,
+            "size": size if kind == "file" else 0,
+            "category": self.rules.category_of(name) if kind == "file" else None,
+            "would_move": False,
+        }
+        hit = self.rules.check(name, mode, protection_only=True)
+        if hit is not None:
+            entry.update(hit.as_dict())
+        else:
+            entry["reason"] = "only the top level of the inbox is organized"
+        return entry
+
+    def plan(self) -> dict[str, Any]:
+        with self._lock:
+            plan, detail = make_plan(assess(self.folder, self.rules), self.config.max_plan_moves)
+            self._plans[plan.plan_id] = plan
+            while len(self._plans) > MAX_PLANS:
+                self._plans.popitem(last=False)
+            return {"inbox": self.id, **detail}
+
+    # -- changes -----------------------------------------------------------------
+
+    def apply(self, plan_id: str) -> dict[str, Any]:
+        with self._lock:
+            plan = self._plans.pop(plan_id, None)
+            if plan is None:
+                raise NotFound(f"no plan {plan_id!r}: plans are single use; make one with plan_organize")
+            if not plan.moves:
+                return {"inbox": self.id, "plan_id": plan_id, "action_id": None, "moved": 0, "moves": []}
+            changed: list[str] = []
+            with Dirs(self.folder) as dirs:
+                for planned in plan.moves:
+                    parent, name = split(planned.src)
+                    info = self.folder.lstat_at(dirs.get(parent), name)
+                    seen = None if info is None else (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
+                    if seen != (planned.dev, planned.ino, planned.size, planned.mtime_ns):
+                        changed.append(planned.src)
+                if changed:
+                    raise Conflict(
+                        f"{len(changed)} of the plan's {len(plan.moves)} files changed, moved or vanished since it "
+                        f"was made (first: '{changed[0]}'): nothing was moved; make a new plan"
+                    )
+                mkdirs = self._check_destinations(dirs, [p.dst for p in plan.moves])
+            moves = tuple(Move(p.src, p.dst, p.dev, p.ino) for p in plan.moves)
+            action = self._run("apply", moves, mkdirs=mkdirs, plan_id=plan_id)
+            detail = self._done(action, moves, mkdirs)
+            return {"plan_id": plan_id, **detail}
+
+    def move(self, src: str, dest: str) -> dict[str, Any]:
+        with self._lock:
+            rel_src, rel_dst = self.folder.relative(src), self.folder.relative(dest)
+            if "." in (rel_src, rel_dst):
+                raise InvalidRequest("the inbox itself cannot be moved or replaced: name a file inside it")
+            if rel_dst == rel_src or rel_dst.startswith(rel_src + "/"):
+                raise InvalidRequest(f"'{rel_dst}' is '{rel_src}' or inside it: choose another destination")
+            info = self.folder.lstat(rel_src)
+            if info is None:
+                raise NotFound(f"'{rel_src}' does not exist: check the name with list_files")
+            hit = self.rules.check(split(rel_src)[1], info.st_mode, protection_only=True)
+            if hit is not None:
+                raise _refuse(hit, f"'{rel_src}'")
+            # Protection rules by name bind every component, e.g. no move into or out of .git/hooks.
+            for path in (rel_src, rel_dst):
+                for part in path.split("/"):
+                    hit = self.rules.check_name(part)
+                    if hit is not None:
+                        raise _refuse(hit, f"'{part}' in '{path}'")
+            with Dirs(self.folder) as dirs:
+                mkdirs = self._check_destinations(dirs, [rel_dst])
+            moves = (Move(rel_src, rel_dst, info.st_dev, info.st_ino),)
+            action = self._run("move", moves, mkdirs=mkdirs)
+            return self._done(action, moves, mkdirs)
+
+    def undo(self) -> dict[str, Any]:
+        with self._lock:
+            if not self.history.done:
+                raise NotFound("there is nothing to undo")
+            action = self.history.done[-1]
+            moves = tuple(m.reverse() for m in reversed(action.moves))
+            mkdirs = self._check_moves(moves, "undone")
+            self._run("undo", moves, mkdirs=mkdirs, rmdirs=action.created, action_id=action.id)
+            return {
+                "inbox": self.id,
+                "undone": _action_id(action),
+                "moved": len(moves),
+                "moves": [{"src": m.src, "dst": m.dst} for m in moves],
+                "files_touched": _touched(moves),
+                "can_undo": bool(self.history.done),
+                "can_redo": bool(self.history.undone),
+            }
+
+    def redo(self) -> dict[str, Any]:
+        with self._lock:
+            if not self.history.undone:
+                raise NotFound("there is nothing to redo")
+            action = self.history.undone[-1]
+            mkdirs = self._check_moves(action.moves, "redone")
+            self._run("redo", action.moves, mkdirs=mkdirs, action_id=action.id)
+            return {
+                "inbox": self.id,
+                "redone": _action_id(action),
+                "moved": len(action.moves),
+                "moves": [{"src": m.src, "dst": m.dst} for m in action.moves],
+                "files_touched": _touched(action.moves),
+                "can_undo": bool(self.history.done),
+                "can_redo": bool(self.history.undone),
+            }
+
+    # -- helpers -----------------------------------------------------------------
+
+    def _check_moves(self, moves: tuple[Move, ...], verb: str) -> tuple[str, ...]:
+        """Every source is still the same inode; every destination is free. Returns folders to create."""
+        with Dirs(self.folder) as dirs:
+            for move in moves:
+                parent, name = split(move.src)
+                try:
+                    info = self.folder.lstat_at(dirs.get(parent), name)
+                except NotFound:
+                    info = None
+                if info is None or (info.st_dev, info.st_ino) != (move.dev, move.ino):
+                    raise Conflict(
+                        f"'{move.src}' was moved, renamed or replaced since: nothing was {verb}; "
+                        "move it back by hand with move_file first"
+                    )
+            return self._check_destinations(dirs, [m.dst for m in moves])
+
+    def _check_destinations(self, dirs: Dirs, destinations: list[str]) -> tuple[str, ...]:
+        """Refuse an occupied destination or a parent that is a link; return the missing parents in order."""
+        missing: list[str] = []
+        looked: dict[str, bool] = {".": True}
+        for dst in destinations:
+            parent, name = split(dst)
+            if not self._parent_exists(parent, looked, missing):
+                continue
+            if self.folder.lstat_at(dirs.get(parent), name) is not None:
+                hit = self.rules.protection_hit("occupied_destination", f"'{dst}' exists")
+                raise Conflict(f"'{dst}' already exists: nothing is overwritten and nothing was moved", detail=hit.rule)
+        return tuple(missing)
+
+    def _parent_exists(self, rel: str, looked: dict[str, bool], missing: list[str]) -> bool:
+        """Whether folder `rel` exists (as a real folder); missing ones are added to `missing`."""
+        if rel in looked:
+            return looked[rel]
+        up = split(rel)[0]
+        exists = self._parent_exists(up, looked, missing) and self._is_folder(rel)
+        if not exists:
+            missing.append(rel)
+        looked[rel] = exists
+        return exists
+
+    def _is_folder(self, rel: str) -> bool:
+        info = self.folder.lstat(rel)
+        if info is None:
+            return False
+        if stat.S_ISLNK(info.st_mode):
+            hit = self.rules.protection_hit("outside_folder", f"'{rel}' is a symbolic link")
+            raise PathEscape(
+                f"the destination folder '{rel}' is a symbolic link: the organizer never follows links; "
+                "nothing was moved",
+                detail=hit.rule,
+            )
+        if not stat.S_ISDIR(info.st_mode):
+            raise Conflict(f"'{rel}' exists and is not a folder: nothing was moved")
+        return True
+
+    def _run(
+        self,
+        kind: Kind,
+        moves: tuple[Move, ...],
+        *,
+        mkdirs: tuple[str, ...] = (),
+        rmdirs: tuple[str, ...] = (),
+        plan_id: str | None = None,
+        action_id: int | None = None,
+    ) -> Action:
+        if len(moves) > 10_000:
+            raise ResourceLimit("an action may move at most 10000 entries")
+        number = self._next_txn
+        self._next_txn += 1
+        txn = Txn(
+            txn=number,
+            kind=kind,
+            action=action_id if action_id is not None else number,
+            moves=moves,
+            mkdirs=mkdirs,
+            rmdirs=rmdirs,
+            plan_id=plan_id,
+        )
+        applied, error = self._mover.run(txn)
+        self.history.finish(txn, applied)
+        if error is not None:
+            raise error
+        if kind in ("apply", "move"):
+            return self.history.done[-1]
+        return Action(txn.action, "move", moves)
+
+    def _done(self, action: Action, moves: tuple[Move, ...], mkdirs: tuple[str, ...]) -> dict[str, Any]:
+        return {
+            "inbox": self.id,
+            "action_id": _action_id(action),
+            "moved": len(moves),
+            "moves": [{"src": m.src, "dst": m.dst} for m in moves],
+            "created_folders": list(mkdirs),
+            "files_touched": _touched(moves),
+            "can_undo": True,
+            "can_redo": False,
+        }
+
+
+def _action_id(action: Action) -> str:
+    return f"action-{action.id}"
+
+
+def _touched(moves: tuple[Move, ...]) -> list[str]:
+    return [path for move in moves for path in (move.src, move.dst)]

@@ -1,0 +1,140 @@
+"""What the organizer moves where, and what it leaves alone.
+
+The rule set is the inbox's `skip` list from the config, whole. Protection rules bind every
+organizer tool; restraint rules bind only the planner. `Rules.protection` is derived by
+filtering that one list, so a rule can never be in force for the planner and forgotten by
+move_file.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+import stat
+import unicodedata
+from dataclasses import dataclass
+from typing import Final
+
+from bastion.config import InboxConfig, SkipKind, SkipRule
+from bastion.safety.paths import name_problem
+from bastion.safety.results import ResultCode
+
+# The code a refusal by a protection rule of each kind carries; pattern rules are POLICY_DENIED.
+_KIND_CODES: Final[dict[str, ResultCode]] = {
+    "symlink": ResultCode.POLICY_DENIED,
+    "special_file": ResultCode.POLICY_DENIED,
+    "unsafe_name": ResultCode.INVALID_REQUEST,
+    "outside_folder": ResultCode.PATH_ESCAPE,
+    "occupied_destination": ResultCode.CONFLICT,
+    "folder": ResultCode.POLICY_DENIED,
+}
+_ESCAPED_CATEGORIES: Final = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
+
+
+def display_name(name: str) -> str:
+    """A name safe to show: control and invisible characters, and undecodable bytes, escaped."""
+    out: list[str] = []
+    for char in name:
+        point = ord(char)
+        if 0xDC80 <= point <= 0xDCFF:  # os.fsdecode's surrogateescape for an undecodable byte
+            out.append(f"\\x{point - 0xDC00:02x}")
+        elif char == "\\" or unicodedata.category(char) in _ESCAPED_CATEGORIES:
+            out.append("\\\\" if char == "\\" else f"\\u{point:04x}")
+        else:
+            out.append(char)
+    return "".join(out)
+
+
+def entry_kind(mode: int) -> str:
+    if stat.S_ISREG(mode):
+        return "file"
+    if stat.S_ISDIR(mode):
+        return "folder"
+    if stat.S_ISLNK(mode):
+        return "symlink"
+    return "special"
+
+
+@dataclass(frozen=True, slots=True)
+class Hit:
+    """A skip rule that matched an entry, as reported to the client."""
+
+    rule: str
+    layer: str
+    code: ResultCode
+    reason: str
+
+    def as_dict(self) -> dict[str, str]:
+        return {"rule": self.rule, "layer": self.layer, "code": self.code.value, "reason": self.reason}
+
+
+def _hit(rule: SkipRule, reason: str = "") -> Hit:
+    if rule.layer == "restraint":
+        code = ResultCode.NEEDS_EXPLICIT_REQUEST
+    else:
+        code = _KIND_CODES[rule.kind] if rule.kind is not None else ResultCode.POLICY_DENIED
+    return Hit(rule=rule.id, layer=rule.layer, code=code, reason=reason or rule.reason)
+
+
+class Rules:
+    """Categories by extension plus the skip rules of one inbox."""
+
+    def __init__(self, config: InboxConfig) -> None:
+        self.categories: tuple[str, ...] = tuple(config.categories)
+        self._by_ext = {ext: folder for folder, exts in config.categories.items() for ext in exts}
+        self._longest = max((ext.count(".") + 1 for ext in self._by_ext), default=1)
+        # Protection first: when both layers match, the stronger one is what gets reported.
+        ordered = sorted(config.skip, key=lambda rule: rule.layer != "protection")
+        self.rules: tuple[SkipRule, ...] = tuple(ordered)
+        self.protection: tuple[SkipRule, ...] = tuple(rule for rule in self.rules if rule.layer == "protection")
+        self._patterns = {
+            rule.id: re.compile("|".join(fnmatch.translate(name) for name in rule.names), re.IGNORECASE)
+            for rule in self.rules
+            if rule.names
+        }
+        self._by_kind = {rule.kind: rule for rule in self.protection if rule.kind is not None}
+
+    def category_of(self, name: str) -> str | None:
+        """The category folder for a file name (longest extension first: "tar.gz" before "gz")."""
+        parts = name.lower().split(".")
+        if len(parts) < 2 or not parts[0]:
+            return None
+        for count in range(min(self._longest, len(parts) - 1), 0, -1):
+            folder = self._by_ext.get(".".join(parts[-count:]))
+            if folder is not None:
+                return folder
+        return None
+
+    def check(self, name: str, mode: int, *, protection_only: bool) -> Hit | None:
+        """The first skip rule matching an entry (its own name and lstat mode), or None."""
+        for rule in self.protection if protection_only else self.rules:
+            if self._matches(rule, name, mode):
+                return _hit(rule)
+        return None
+
+    def check_name(self, name: str) -> Hit | None:
+        """Protection rules that judge a name alone (a destination name that does not exist yet)."""
+        for rule in self.protection:
+            if rule.kind == "unsafe_name" and name_problem(name) is not None:
+                return _hit(rule)
+            pattern = self._patterns.get(rule.id)
+            if pattern is not None and pattern.match(name):
+                return _hit(rule)
+        return None
+
+    def protection_hit(self, kind: SkipKind, reason: str) -> Hit:
+        """The protection rule of a built-in kind (occupied destination, outside the folder)."""
+        return _hit(self._by_kind[kind], reason)
+
+    def _matches(self, rule: SkipRule, name: str, mode: int) -> bool:
+        kind = rule.kind
+        if kind == "symlink" and stat.S_ISLNK(mode):
+            return True
+        if kind == "special_file" and not (stat.S_ISREG(mode) or stat.S_ISDIR(mode) or stat.S_ISLNK(mode)):
+            return True
+        if kind == "unsafe_name" and name_problem(name) is not None:
+            return True
+        if kind == "folder" and stat.S_ISDIR(mode):
+            return True
+        pattern = self._patterns.get(rule.id)
+        return pattern is not None and pattern.match(name) is not None

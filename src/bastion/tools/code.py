@@ -1,0 +1,139 @@
+"""MCP wiring of code execution: execute_code and list_code_contexts.
+
+Wiring only: the contexts live in `bastion.code`; the sandbox is the boundary.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Annotated, Any, Literal
+
+from mcp.server.mcpserver import Context
+from mcp_types import CallToolResult, ImageContent, ToolAnnotations
+from pydantic import Field
+
+from bastion.code import CellResult
+from bastion.safety.errors import PolicyDenied
+from bastion.safety.results import OperationResult, ResultCode
+from bastion.sandboxes import SandboxManager
+from bastion.tools._call import CallRunner
+from bastion.tools.server import BastionServer, to_call_result
+from bastion.tools.workbench import command_result
+from bastion.workspaces import WorkspaceRegistry
+
+Result = Annotated[CallToolResult, OperationResult]
+
+_RUNS = ToolAnnotations(read_only_hint=False, destructive_hint=True, idempotent_hint=False, open_world_hint=False)
+_READS = ToolAnnotations(read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=False)
+
+
+def cell_result(result: CellResult, extra: dict[str, object]) -> OperationResult:
+    """A Python execution as a result: the agent's own exception is data (ok=true, detail.error)."""
+    detail: dict[str, object] = {
+        **extra,
+        "execution_count": result.execution_count,
+        "stdout": result.stdout,
+        "stderr": result.stderr,
+        "value": result.value,
+        "error": result.error,
+        "images": [
+            {
+                "index": i,
+                "mime_type": "image/png",
+                "width": image.width,
+                "height": image.height,
+                "bytes": len(image.png),
+            }
+            for i, image in enumerate(result.images)
+        ],
+        "truncated": result.truncated,
+        "context_state": "alive" if result.context_alive else "dead",
+    }
+    if result.oom_killed:
+        reason = "the context ran out of memory and was killed: run again with restart=true"
+        return OperationResult.failure("execute_code", ResultCode.RESOURCE_LIMIT, reason, detail)
+    if result.timed_out:
+        reason = (
+            "the code hit its time limit and was interrupted; the context is alive"
+            if result.context_alive
+            else "the code hit its time limit and did not stop: the context was killed (restart=true)"
+        )
+        return OperationResult.failure("execute_code", ResultCode.TIMEOUT, reason, detail)
+    if not result.context_alive and result.error is None:
+        reason = "the context ended while running the code (it exited or was killed): run again with restart=true"
+        return OperationResult.failure("execute_code", ResultCode.OPERATION_FAILED, reason, detail)
+    code = ResultCode.OUTPUT_TRUNCATED if result.truncated else ResultCode.OK
+    return OperationResult.success("execute_code", detail, code=code)
+
+
+def register_code(
+    server: BastionServer, manager: SandboxManager, registry: WorkspaceRegistry, runner: CallRunner
+) -> None:
+    """Add the code tools to `server`."""
+
+    def sandbox_only(sandbox_id: str) -> None:
+        if registry.is_host(sandbox_id):
+            raise PolicyDenied("code runs in sandboxes only: create_sandbox, then pass its sandbox_id")
+
+    @server.tool(
+        name="execute_code",
+        annotations=_RUNS,
+        description=(
+            "Run code in a sandbox. Python runs in a persistent context (like a notebook kernel): variables, "
+            "imports and open files stay between calls; the value of a last expression comes back in "
+            "detail.value, an exception with its traceback in detail.error (ok stays true: it is your code's "
+            "error), and matplotlib figures left open come back as PNG images. Several named contexts per "
+            "sandbox; restart=true starts one afresh. bash and node run once, like a command. On timeout the "
+            "code is interrupted (KeyboardInterrupt) and the context lives; if it does not stop, it is killed."
+        ),
+    )
+    async def execute_code(
+        code: Annotated[str, Field(description="The code to run.")],
+        sandbox_id: Annotated[str, Field(description="The sandbox id from create_sandbox.")],
+        ctx: Context,
+        language: Annotated[Literal["python", "bash", "node"], Field(description="Default: python.")] = "python",
+        context: Annotated[str, Field(description="Python only: the context's name.")] = "default",
+        restart: Annotated[bool, Field(description="Python only: kill the context first, start a fresh one.")] = False,
+        timeout_s: Annotated[float | None, Field(description="Wall-clock limit; capped by the sandbox's.")] = None,
+    ) -> Result:
+        images: list[ImageContent] = []
+        ticks = [0]
+
+        async def progress(tail: str) -> None:
+            ticks[0] += 1
+            await ctx.report_progress(ticks[0], None, tail)
+
+        async def op() -> OperationResult:
+            sandbox_only(sandbox_id)
+            box = manager.get(sandbox_id)
+            if language != "python":
+                out = await box.code.one_shot(language, code, timeout_s=timeout_s)
+                return command_result("execute_code", out, {"language": language})
+            result = await box.code.python(
+                code, context=context, restart=restart, timeout_s=timeout_s, progress=progress
+            )
+            images.extend(
+                ImageContent(type="image", data=base64.b64encode(image.png).decode("ascii"), mime_type="image/png")
+                for image in result.images
+            )
+            return cell_result(result, {"language": language, "context": context})
+
+        args: dict[str, Any] = {"code": code, "language": language, "context": context, "restart": restart}
+        args["timeout_s"] = timeout_s
+        result = await runner.run("execute_code", args, op, mutating=True, workspace=sandbox_id)
+        return to_call_result(result, extra=images)
+
+    @server.tool(
+        name="list_code_contexts",
+        annotations=_READS,
+        description="The Python contexts of a sandbox: name, state (idle, busy, dead), executions, age.",
+    )
+    async def list_code_contexts(
+        sandbox_id: Annotated[str, Field(description="The sandbox id from create_sandbox.")],
+    ) -> Result:
+        async def op() -> OperationResult:
+            sandbox_only(sandbox_id)
+            return OperationResult.success("list_code_contexts", {"contexts": manager.get(sandbox_id).code.contexts()})
+
+        args = {"sandbox_id": sandbox_id}
+        return to_call_result(await runner.run("list_code_contexts", args, op, mutating=False, workspace=sandbox_id))

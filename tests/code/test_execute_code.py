@@ -1,0 +1,231 @@
+"""execute_code through the real MCP client, in real sandboxes: persistent Python contexts,
+interrupt and kill on timeout, restart, named contexts, figures as PNG images, one-shot
+bash and node, memory limits, and a kernel that breaks the protocol."""
+
+from __future__ import annotations
+
+import base64
+import struct
+import zlib
+from typing import Any
+
+import pytest
+from mcp import Client
+from mcp_types import ImageContent
+
+from tests.conftest import DATA_ENV
+from tests.helpers import call, create
+
+pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
+
+needs_data_env = pytest.mark.skipif(
+    not (DATA_ENV / "pyvenv.cfg").is_file(), reason="the python-data environment is built by `make install`"
+)
+
+
+async def run(client: Client, sandbox_id: str, code: str, **args: object) -> dict[str, Any]:
+    return await call(client, "execute_code", code=code, sandbox_id=sandbox_id, **args)
+
+
+def decode_png(data: bytes) -> tuple[int, int, int]:
+    """Decode a PNG fully (chunk CRCs, zlib stream, scanline count); return width, height, bytes per pixel."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, idat, header = 8, b"", None
+    while pos < len(data):
+        (length,) = struct.unpack(">I", data[pos : pos + 4])
+        kind, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + length]
+        (crc,) = struct.unpack(">I", data[pos + 8 + length : pos + 12 + length])
+        assert zlib.crc32(kind + body) == crc, kind
+        if kind == b"IHDR":
+            header = struct.unpack(">IIBBBBB", body)
+        elif kind == b"IDAT":
+            idat += body
+        pos += 12 + length
+    assert header is not None
+    width, height, depth, color = header[:4]
+    channels = {0: 1, 2: 3, 4: 2, 6: 4}[color]
+    pixels = zlib.decompress(idat)
+    assert len(pixels) == height * (1 + width * channels * depth // 8)
+    return width, height, channels
+
+
+async def test_state_persists_between_calls(client: Client) -> None:
+    sandbox = await create(client)
+    first = await run(client, sandbox, "import json\nnotes = open('notes.txt', 'w')\nx = 20\nprint('hi')\nx + 1")
+    assert first["ok"], first
+    assert first["detail"]["value"] == "21"
+    assert first["detail"]["stdout"] == "hi\n"
+    assert first["detail"]["execution_count"] == 1
+    second = await run(client, sandbox, "notes.write(json.dumps({'x': x})); notes.close()\nx * 2")
+    assert second["detail"]["value"] == "40"
+    assert second["detail"]["execution_count"] == 2
+    read = await call(client, "read_file", path="notes.txt", sandbox_id=sandbox)
+    assert read["detail"]["content"] == '{"x": 20}'
+
+
+async def test_an_exception_is_data_with_the_agents_traceback(client: Client) -> None:
+    sandbox = await create(client)
+    result = await run(client, sandbox, "def f():\n    return 1 / 0\nprint('before')\nf()")
+    assert result["ok"]
+    assert result["code"] == "OK"
+    error = result["detail"]["error"]
+    assert error["type"] == "ZeroDivisionError"
+    assert 'File "<cell-1>", line 2, in f' in error["traceback"]
+    assert "return 1 / 0" in error["traceback"]
+    assert "run_cell" not in error["traceback"], "the kernel's own frames are not the agent's business"
+    assert result["detail"]["stdout"] == "before\n"
+    syntax = await run(client, sandbox, "def (:")
+    assert syntax["ok"]
+    assert syntax["detail"]["error"]["type"] == "SyntaxError"
+
+
+async def test_fd_level_output_of_children_is_captured_in_order(client: Client) -> None:
+    sandbox = await create(client)
+    code = "import os, subprocess, sys\nprint('a')\nsubprocess.run(['echo', 'b'])\nos.write(2, b'c\\n')\nprint('d')"
+    result = await run(client, sandbox, code)
+    assert result["detail"]["stdout"] == "a\nb\nd\n"
+    assert result["detail"]["stderr"] == "c\n"
+
+
+async def test_timeout_interrupts_and_keeps_the_context(client: Client) -> None:
+    sandbox = await create(client)
+    await run(client, sandbox, "kept = 'still here'")
+    result = await run(client, sandbox, "import time\nprint('started')\ntime.sleep(30)", timeout_s=0.5)
+    assert not result["ok"]
+    assert result["code"] == "TIMEOUT"
+    assert result["detail"]["context_state"] == "alive"
+    assert result["detail"]["error"]["type"] == "KeyboardInterrupt"
+    assert result["detail"]["stdout"] == "started\n"
+    after = await run(client, sandbox, "kept")
+    assert after["ok"]
+    assert after["detail"]["value"] == "'still here'"
+
+
+async def test_code_that_ignores_the_interrupt_is_killed_then_restarted(client: Client) -> None:
+    sandbox = await create(client)
+    await run(client, sandbox, "kept = 1")
+    stubborn = "import signal\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nwhile True: pass"
+    result = await run(client, sandbox, stubborn, timeout_s=0.3)
+    assert result["code"] == "TIMEOUT"
+    assert result["detail"]["context_state"] == "dead"
+    dead = await run(client, sandbox, "1")
+    assert dead["code"] == "CONFLICT"
+    assert "restart" in dead["reason"]
+    fresh = await run(client, sandbox, "'kept' in globals()", restart=True)
+    assert fresh["ok"]
+    assert fresh["detail"]["value"] == "False"
+    assert fresh["detail"]["execution_count"] == 1
+
+
+async def test_named_contexts_are_separate(client: Client) -> None:
+    sandbox = await create(client)
+    await run(client, sandbox, "x = 'one'", context="one")
+    await run(client, sandbox, "x = 'two'", context="two")
+    assert (await run(client, sandbox, "x", context="one"))["detail"]["value"] == "'one'"
+    assert (await run(client, sandbox, "x", context="two"))["detail"]["value"] == "'two'"
+    listed = await call(client, "list_code_contexts", sandbox_id=sandbox)
+    assert sorted(c["context"] for c in listed["detail"]["contexts"]) == ["one", "two"]
+    bad = await run(client, sandbox, "1", context="../x")
+    assert bad["code"] == "INVALID_REQUEST"
+
+
+@needs_data_env
+async def test_a_matplotlib_figure_comes_back_as_a_png_of_its_size(client: Client) -> None:
+    sandbox = await create(client)
+    code = (
+        "import matplotlib.pyplot as plt\nimport numpy as np\n"
+        "fig = plt.figure(figsize=(4, 3), dpi=100)\nplt.plot(np.arange(10) ** 2)\nplt.show()"
+    )
+    raw = await client.call_tool("execute_code", {"code": code, "sandbox_id": sandbox, "timeout_s": 60})
+    payload = raw.structured_content
+    assert payload is not None
+    assert payload["ok"], payload
+    images = [block for block in raw.content if isinstance(block, ImageContent)]
+    assert len(images) == 1
+    assert images[0].mime_type == "image/png"
+    width, height, _ = decode_png(base64.b64decode(images[0].data))
+    assert (width, height) == (400, 300)
+    assert payload["detail"]["images"][0]["width"] == 400
+    again = await client.call_tool("execute_code", {"code": "1", "sandbox_id": sandbox})
+    assert not [b for b in again.content if isinstance(b, ImageContent)], "figures are closed once returned"
+
+
+@needs_data_env
+async def test_the_template_packages_are_importable(client: Client) -> None:
+    sandbox = await create(client)
+    result = await run(client, sandbox, "import pandas as pd\npd.DataFrame({'a': [1, 2, 3]})['a'].sum()", timeout_s=60)
+    assert result["ok"], result
+    assert result["detail"]["value"] in ("6", "np.int64(6)")
+    command = "python -c 'import numpy; print(numpy.__name__)'"
+    shell = await call(client, "run_command", command=command, sandbox_id=sandbox)
+    assert shell["detail"]["stdout"] == "numpy\n"
+
+
+async def test_bash_and_node_run_once(client: Client) -> None:
+    sandbox = await create(client)
+    bash = await run(client, sandbox, "x=6; echo $((x * 7)) > out.txt; cat out.txt", language="bash")
+    assert bash["ok"]
+    assert bash["detail"]["stdout"] == "42\n"
+    assert bash["detail"]["exit_status"] == 0
+    node = await run(client, sandbox, "console.log(6 * 7)", language="node")
+    if node["code"] == "NOT_FOUND":
+        pytest.skip("node is not installed on this machine")
+    assert node["ok"]
+    assert node["detail"]["stdout"] == "42\n"
+    failing = await run(client, sandbox, "exit 3", language="bash")
+    assert failing["ok"]
+    assert failing["detail"]["exit_status"] == 3
+
+
+async def test_host_workspaces_run_no_code(client: Client) -> None:
+    result = await call(client, "execute_code", code="print(1)", sandbox_id="default")
+    assert result["code"] == "POLICY_DENIED"
+
+
+async def test_output_is_redacted_and_capped(client: Client) -> None:
+    sandbox = await create(client, limits={"max_output_bytes": 2048})
+    secret = "AKIA" + "ABCDEFGHIJKLMNOP"
+    result = await run(client, sandbox, f"print({secret[:8]!r} + {secret[8:]!r})\nprint('x' * 10000)\n{secret!r}")
+    assert secret not in str(result)
+    assert result["code"] == "OUTPUT_TRUNCATED"
+    assert result["detail"]["truncated"]
+    assert len(result["detail"]["stdout"]) <= 2048
+
+
+async def test_memory_is_bounded_by_the_sandbox(client: Client) -> None:
+    sandbox = await create(client, limits={"memory_bytes": 128 * 1024 * 1024})
+    result = await run(client, sandbox, "hog = bytearray(512 * 1024 * 1024)", timeout_s=30)
+    assert result["code"] == "RESOURCE_LIMIT", result
+    assert result["detail"]["context_state"] == "dead"
+    fresh = await run(client, sandbox, "2 + 2", restart=True)
+    assert fresh["detail"]["value"] == "4"
+
+
+async def test_a_kernel_that_breaks_the_protocol_is_ended(client: Client) -> None:
+    sandbox = await create(client)
+    # The protocol channel is a fd of the kernel's process: the agent's code can write to it.
+    code = (
+        "import os, time\nfor fd in range(3, 20):\n    try: os.write(fd, b'not json\\n')\n"
+        "    except OSError: pass\ntime.sleep(5)"
+    )
+    result = await run(client, sandbox, code, timeout_s=10)
+    assert not result["ok"]
+    assert result["detail"]["context_state"] == "dead"
+    after = await run(client, sandbox, "1", restart=True)
+    assert after["ok"]
+    assert after["detail"]["value"] == "1"
+
+
+async def test_long_running_code_reports_progress_with_its_output(client: Client) -> None:
+    sandbox = await create(client)
+    messages: list[str] = []
+
+    async def on_progress(progress: float, total: float | None, message: str | None) -> None:
+        messages.append(message or "")
+
+    code = "import time\nfor i in range(3):\n    print('step', i, flush=True)\n    time.sleep(0.8)"
+    raw = await client.call_tool("execute_code", {"code": code, "sandbox_id": sandbox}, progress_callback=on_progress)
+    assert raw.structured_content is not None
+    assert raw.structured_content["ok"]
+    assert messages, "no progress was reported"
+    assert "step 0" in messages[0]

@@ -1,0 +1,354 @@
+"""A production host in a temp folder: Debian's real OpenSSH server on a loopback port.
+
+`GatewayLab.start(root)` generates a host key, writes a bastion config with a gateway
+pointing at it, makes the gateway's key and the authorized_keys line with bastion's own
+CLI (`bastion gateway keygen`, `authorized-keys`, `dispatch-script`), writes a target-side
+dispatch.toml whose actions run a small test program, and starts `sshd -D` with that
+authorized_keys file. Keys exist only in the temp folder. Used by tests/gateway,
+tests/attacks/test_gateway_attacks.py and bench/bench_gateway.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SSHD = "/usr/sbin/sshd"
+USER = os.environ.get("USER") or "root"
+
+# The action program on the "production host": records every run, answers per verb.
+ACTION_PROGRAM = """\
+#!/usr/bin/python3 -I
+import json, os, sys, time
+verb = sys.argv[1]
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "actions.log"), "a") as log:
+    log.write(json.dumps({"argv": sys.argv[1:], "env": dict(os.environ), "tty": os.isatty(0) or os.isatty(1)}) + "\\n")
+if verb == "status":
+    print(f"{sys.argv[2]}: running")
+elif verb == "logs":
+    for i in range(int(sys.argv[3])):
+        print(f"{sys.argv[2]} log line {i}")
+elif verb == "deploy":
+    print(f"deployed {sys.argv[2]} {sys.argv[3]}")
+elif verb == "env":
+    print(json.dumps(dict(os.environ), sort_keys=True))
+elif verb == "big":
+    sys.stdout.write("x" * 300000)
+elif verb == "leak":
+    print("db password=hunter2-very-secret-value")
+elif verb == "fail":
+    print("about to fail", file=sys.stderr)
+    sys.exit(3)
+elif verb == "show":
+    print(open(sys.argv[2]).read().strip())
+elif verb == "sleep":
+    time.sleep(30)
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _bastion(*args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", "bastion", *args], capture_output=True, text=True, timeout=60, check=False
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"bastion {' '.join(args)} failed: {done.stderr.strip()}")
+    return done.stdout
+
+
+@dataclass
+class GatewayLab:
+    root: Path
+    port: int
+    host_key_line: str
+    config_path: Path
+    key_path: Path
+    authorized_line: str
+    process: subprocess.Popen[bytes] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def dispatch_log(self) -> Path:
+        return self.root / "target" / "dispatch.jsonl"
+
+    @property
+    def actions_log(self) -> Path:
+        return self.root / "target" / "actions.log"
+
+    @property
+    def sshd_log(self) -> Path:
+        return self.root / "sshd.log"
+
+    @property
+    def known_hosts(self) -> Path:
+        return self.root / "known_hosts"
+
+    def dispatch_records(self) -> list[dict[str, Any]]:
+        if not self.dispatch_log.exists():
+            return []
+        return [json.loads(line) for line in self.dispatch_log.read_text().splitlines()]
+
+    def action_runs(self) -> list[dict[str, Any]]:
+        if not self.actions_log.exists():
+            return []
+        return [json.loads(line) for line in self.actions_log.read_text().splitlines()]
+
+    def ssh_argv(self, *extra: str, agent: str = "none") -> list[str]:
+        """The raw OpenSSH client with the gateway key and the pinned host key, no user config."""
+        return [
+            "ssh",
+            "-F",
+            "/dev/null",
+            "-i",
+            str(self.key_path),
+            "-p",
+            str(self.port),
+            "-o",
+            "IdentitiesOnly=yes",
+            "-o",
+            f"IdentityAgent={agent}",
+            "-o",
+            "BatchMode=yes",
+            "-o",
+            "StrictHostKeyChecking=yes",
+            "-o",
+            f"UserKnownHostsFile={self.known_hosts}",
+            "-o",
+            "GlobalKnownHostsFile=/dev/null",
+            "-o",
+            "ConnectTimeout=10",
+            *extra,
+            f"{USER}@127.0.0.1",
+        ]
+
+    def ssh(
+        self, *command: str, options: tuple[str, ...] = (), timeout: float = 30, agent: str = "none"
+    ) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*self.ssh_argv(*options, agent=agent), *command], capture_output=True, text=True, timeout=timeout, check=False
+        )
+
+    def asyncssh_options(self) -> dict[str, Any]:
+        import asyncssh
+
+        return {
+            "port": self.port,
+            "username": USER,
+            "known_hosts": ([asyncssh.import_public_key(self.host_key_line)], [], []),
+            "client_keys": [asyncssh.read_private_key(str(self.key_path))],
+            "config": None,
+            "agent_path": None,
+        }
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+    @classmethod
+    def start(cls, root: Path) -> GatewayLab:
+        if not os.path.exists(SSHD):
+            raise RuntimeError("openssh-server is not installed: run 'make install'")
+        root.mkdir(parents=True, exist_ok=True)
+        root.chmod(0o755)
+        target = root / "target"
+        (target / "bin").mkdir(parents=True)
+        (target / "srv" / "biscuit").mkdir(parents=True)
+        (target / "srv" / "biscuit" / "VERSION").write_text("v1.0.0\n")
+        (root / "workspace").mkdir()
+        (root / "state").mkdir(mode=0o700)
+        subprocess.run(
+            ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(root / "host_ed25519")], check=True, timeout=30
+        )
+        host_key_line = " ".join((root / "host_ed25519.pub").read_text().split()[:2])
+        port = _free_port()
+
+        program = target / "bin" / "action"
+        program.write_text(ACTION_PROGRAM)
+        program.chmod(0o755)
+        dispatch = target / "dispatch.py"
+        _bastion("gateway", "dispatch-script", "--output", str(dispatch))
+        (target / "dispatch.toml").write_text(_dispatch_toml(target, program))
+
+        config_path = root / "bastion.toml"
+        config_path.write_text(_bastion_toml(port, host_key_line, target))
+        _bastion("gateway", "keygen", "--config", str(config_path), "biscuit")
+        line = _bastion("gateway", "authorized-keys", "--config", str(config_path), "biscuit").strip()
+        authorized = root / "authorized_keys"
+        authorized.write_text(line + "\n")
+        authorized.chmod(0o600)
+        (root / "known_hosts").write_text(f"[127.0.0.1]:{port} {host_key_line}\n")
+        (root / "sshd_config").write_text(_sshd_config(root, port, authorized))
+        Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
+
+        lab = cls(
+            root=root,
+            port=port,
+            host_key_line=host_key_line,
+            config_path=config_path,
+            key_path=root / "state" / "biscuit_ed25519",
+            authorized_line=line,
+        )
+        with (root / "sshd.log").open("wb") as log:
+            lab.process = subprocess.Popen([SSHD, "-D", "-e", "-f", str(root / "sshd_config")], stderr=log, stdout=log)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if lab.process.poll() is not None:
+                raise RuntimeError(f"sshd exited: {(root / 'sshd.log').read_text()[-2000:]}")
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                    return lab
+            except OSError:
+                time.sleep(0.05)
+        lab.stop()
+        raise RuntimeError("sshd did not start listening within 10 s")
+
+
+def _sshd_config(root: Path, port: int, authorized: Path) -> str:
+    return textwrap.dedent(f"""\
+        Port {port}
+        ListenAddress 127.0.0.1
+        HostKey {root / "host_ed25519"}
+        PidFile {root / "sshd.pid"}
+        AuthorizedKeysFile {authorized}
+        # The test folder sits under /tmp (world-writable): StrictModes would refuse the key file.
+        StrictModes no
+        PubkeyAuthentication yes
+        PasswordAuthentication no
+        KbdInteractiveAuthentication no
+        UsePAM no
+        PermitRootLogin prohibit-password
+        AllowUsers {USER}
+        # Deliberately accept client variables, to prove dispatch.py never passes them on.
+        AcceptEnv LANG LC_* BASTION_LEAK_*
+        Subsystem sftp internal-sftp
+        LogLevel DEBUG1
+        """)
+
+
+def _dispatch_toml(target: Path, program: Path) -> str:
+    project = '{ name = "project", kind = "project" }'
+    return textwrap.dedent(f"""\
+        root = "{target / "srv"}"
+        log = "{target / "dispatch.jsonl"}"
+        projects = ["biscuit"]
+        timeout_s = 5
+        max_output_bytes = 131072
+
+        [actions.status]
+        argv = ["{program}", "status", "{{project}}"]
+        args = [{project}]
+
+        [actions.logs]
+        argv = ["{program}", "logs", "{{project}}", "{{lines}}"]
+        args = [{project}, {{ name = "lines", pattern = "[0-9]{{1,4}}" }}]
+
+        [actions.deploy]
+        argv = ["{program}", "deploy", "{{project}}", "{{version}}"]
+        args = [{project}, {{ name = "version", pattern = "v[0-9]+[.][0-9]+[.][0-9]+" }}]
+
+        [actions.env]
+        argv = ["{program}", "env"]
+
+        [actions.big]
+        argv = ["{program}", "big"]
+
+        [actions.leak]
+        argv = ["{program}", "leak"]
+
+        [actions.fail]
+        argv = ["{program}", "fail"]
+
+        [actions.sleep]
+        argv = ["{program}", "sleep"]
+
+        [actions.show]
+        argv = ["{program}", "show", "{{path}}"]
+        args = [{{ name = "path", kind = "path" }}]
+        """)
+
+
+def _bastion_toml(port: int, host_key_line: str, target: Path) -> str:
+    project = '{ name = "project", pattern = "[a-z][a-z0-9-]{0,31}" }'
+    return textwrap.dedent(f"""\
+        state_dir = "state"
+        default_workspace = "default"
+
+        [[workspace]]
+        id = "default"
+        path = "workspace"
+        use_cgroups = false
+        [workspace.policy]
+        allow = ["ls"]
+
+        [sandboxes]
+        enabled = false
+
+        [approvals]
+        wait_s = 0
+        ttl_s = 600
+
+        [[gateway]]
+        name = "biscuit"
+        host = "127.0.0.1"
+        port = {port}
+        user = "{USER}"
+        key_path = "state/biscuit_ed25519"
+        host_key = "{host_key_line}"
+        from_addresses = ["127.0.0.1"]
+        remote_python = "/usr/bin/python3"
+        dispatch_path = "{target / "dispatch.py"}"
+        dispatch_config = "{target / "dispatch.toml"}"
+        connect_timeout_s = 10
+        call_timeout_s = 20
+        max_output_bytes = 65536
+
+        [[gateway.action]]
+        name = "status"
+        description = "Is the service up?"
+        approval = false
+        args = [{project}]
+
+        [[gateway.action]]
+        name = "logs"
+        approval = false
+        args = [{project}, {{ name = "lines", pattern = "[0-9]{{1,4}}" }}]
+
+        [[gateway.action]]
+        name = "deploy"
+        args = [{project}, {{ name = "version", pattern = "v[0-9]+[.][0-9]+[.][0-9]+" }}]
+
+        [[gateway.action]]
+        name = "big"
+        approval = false
+
+        [[gateway.action]]
+        name = "leak"
+        approval = false
+
+        [[gateway.action]]
+        name = "fail"
+        approval = false
+        """)
+
+
+def which(name: str) -> str | None:
+    return shutil.which(name)

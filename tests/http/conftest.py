@@ -1,0 +1,51 @@
+"""Fixtures: a live `bastion serve --http` per module, and fresh ones for tests that change its state."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from pathlib import Path
+
+import pytest
+
+from .live import Browser, LiveServer, live_server
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    """One live server shared by a module's tests (each test registers its own clients)."""
+    with live_server(tmp_path_factory.mktemp("http") / "demo") as live:
+        yield live
+
+
+@pytest.fixture
+def start_server(tmp_path: Path) -> Callable[..., AbstractContextManager[LiveServer]]:
+    """A fresh server, for tests that lock out logins or revoke everything."""
+    count = 0
+
+    def start(**kwargs: object) -> AbstractContextManager[LiveServer]:
+        nonlocal count
+        count += 1
+        return live_server(tmp_path / f"demo{count}", **kwargs)  # type: ignore[arg-type]
+
+    return start
+
+
+@pytest.fixture
+def browsers() -> Iterator[Callable[[LiveServer], Browser]]:
+    """Scripted browsers, closed at the end of the test."""
+    made: list[Browser] = []
+
+    def make(server: LiveServer) -> Browser:
+        browser = Browser(server)
+        made.append(browser)
+        return browser
+
+    yield make
+    for browser in made:
+        browser.close()

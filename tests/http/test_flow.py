@@ -1,0 +1,136 @@
+"""The whole OAuth flow with the `mcp` SDK's own client (`OAuthClientProvider`) against a live server.
+
+What this proves: a client that only knows the MCP URL discovers the authorization server (401 ->
+protected-resource metadata -> RFC 8414 metadata), registers, sends the administrator's browser through
+login and consent, redeems the code with PKCE, and calls tools over Streamable HTTP, on both protocol
+eras (the 2025-11-25 handshake with SSE, and 2026-07-28); when its access token dies it refreshes, the
+refresh token rotates, and a revoked grant is refused at once. What it does not prove: that other
+clients (claude.ai, Cursor) behave the same; the conformance and Inspector tests cover more.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import httpx2
+import pytest
+from mcp import Client
+from mcp.client.auth import OAuthClientProvider
+from mcp.client.streamable_http import streamable_http_client
+from mcp.shared.auth import AuthorizationCodeResult, OAuthClientInformationFull, OAuthClientMetadata, OAuthToken
+
+from tests.helpers import call
+
+from .live import Browser, LiveServer, callback_params
+
+pytestmark = pytest.mark.anyio
+
+
+class MemoryStorage:
+    def __init__(self) -> None:
+        self.tokens: OAuthToken | None = None
+        self.client_info: OAuthClientInformationFull | None = None
+
+    async def get_tokens(self) -> OAuthToken | None:
+        return self.tokens
+
+    async def set_tokens(self, tokens: OAuthToken) -> None:
+        self.tokens = tokens
+
+    async def get_client_info(self) -> OAuthClientInformationFull | None:
+        return self.client_info
+
+    async def set_client_info(self, client_info: OAuthClientInformationFull) -> None:
+        self.client_info = client_info
+
+
+def sdk_provider(
+    server: LiveServer, browser: Browser, storage: MemoryStorage, scope: str | None, log: list[str]
+) -> OAuthClientProvider:
+    location: dict[str, str] = {}
+
+    async def redirect_handler(url: str) -> None:
+        log.append(url)
+        location["value"] = await anyio.to_thread.run_sync(browser.approve, url)
+
+    async def callback_handler() -> AuthorizationCodeResult:
+        params = callback_params(location["value"])
+        return AuthorizationCodeResult(code=params["code"][0], state=params["state"][0], iss=params["iss"][0])
+
+    metadata = OAuthClientMetadata.model_validate(
+        {
+            "client_name": "sdk test client",
+            "redirect_uris": ["http://127.0.0.1/callback"],
+            "grant_types": ["authorization_code", "refresh_token"],
+            "response_types": ["code"],
+            "token_endpoint_auth_method": "none",
+            **({"scope": scope} if scope else {}),
+        }
+    )
+    return OAuthClientProvider(server.mcp_url, metadata, storage, redirect_handler, callback_handler)
+
+
+def _client(server: LiveServer, http: httpx2.AsyncClient, mode: str) -> Client:
+    return Client(streamable_http_client(server.mcp_url, http_client=http), mode=mode)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("mode", ["legacy", "2026-07-28"])
+async def test_sdk_client_full_flow(server: LiveServer, browsers: Callable[[LiveServer], Browser], mode: str) -> None:
+    storage, opened = MemoryStorage(), []
+    browser = browsers(server)
+    provider = sdk_provider(server, browser, storage, None, opened)
+    async with httpx2.AsyncClient(auth=provider, timeout=30) as http, _client(server, http, mode) as client:
+        tools = {tool.name for tool in (await client.list_tools()).tools}
+        assert {"run_command", "read_file", "list_directory"} <= tools
+        listing = await call(client, "list_directory")
+        assert listing["ok"], listing
+        ran = await call(client, "run_command", command="echo over-http")
+        assert ran["ok"] and "over-http" in ran["detail"]["stdout"], ran  # type: ignore[index]
+    assert len(opened) == 1 and opened[0].startswith(f"{server.base}/authorize?")
+    assert storage.tokens is not None and storage.tokens.refresh_token
+    first = storage.tokens
+
+    # The access token dies (clock moved on): the SDK refreshes, and the refresh token rotates.
+    with server.db() as db:
+        db.execute("UPDATE oauth_tokens SET expires_at = ? WHERE kind = 'access'", (time.time() - 1,))
+    provider.context.token_expiry_time = time.time() - 1  # the client's clock moved on too
+    async with httpx2.AsyncClient(auth=provider, timeout=30) as http, _client(server, http, mode) as client:
+        assert (await call(client, "list_directory"))["ok"]
+    assert storage.tokens.access_token != first.access_token
+    assert storage.tokens.refresh_token != first.refresh_token
+    assert len(opened) == 1, "a refresh must not send the administrator through the browser again"
+    with server.http() as raw:
+        reused = raw.post(
+            "/token",
+            data={"grant_type": "refresh_token", "refresh_token": first.refresh_token, "client_id": storage.client_info.client_id},  # type: ignore[union-attr]
+        )
+        assert reused.status_code == 400 and reused.json()["error"] == "invalid_grant"
+        # Reuse of the rotated token revoked the family: the current access token is dead too.
+        probe = raw.post("/mcp", json={}, headers={"Authorization": f"Bearer {storage.tokens.access_token}"})
+        assert probe.status_code == 401
+
+
+@pytest.mark.parametrize("mode", ["legacy", "2026-07-28"])
+async def test_scopes_narrowed_at_consent_limit_list_and_call(
+    server: LiveServer, browsers: Callable[[LiveServer], Browser], mode: str
+) -> None:
+    """A token for `organizer` only sees no workbench tool and cannot call one, on both eras."""
+    storage, opened = MemoryStorage(), []
+    browser = browsers(server)
+    provider = sdk_provider(server, browser, storage, "organizer", opened)
+    async with httpx2.AsyncClient(auth=provider, timeout=30) as http, _client(server, http, mode) as client:
+        names = {tool.name for tool in (await client.list_tools()).tools}
+        assert not names & {"run_command", "read_file", "list_directory", "write_file"}
+    assert storage.tokens is not None and storage.tokens.scope == "organizer"
+    token = storage.tokens.access_token
+    headers = {"Authorization": f"Bearer {token}", "Accept": "application/json, text/event-stream"}
+    body: dict[str, Any] = {"jsonrpc": "2.0", "id": 7, "method": "tools/call", "params": {"name": "run_command", "arguments": {"command": "id"}}}
+    with server.http() as raw:
+        refused = raw.post("/mcp", json=body, headers={**headers, "Mcp-Protocol-Version": "2026-07-28"})
+    assert refused.status_code == 403
+    challenge = refused.headers["www-authenticate"]
+    assert 'error="insufficient_scope"' in challenge and 'scope="workbench"' in challenge
+    assert f'resource_metadata="{server.base}/.well-known/oauth-protected-resource/mcp"' in challenge
