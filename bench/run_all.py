@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SCRIPTS = ("bench_stdio.py", "bench_audit.py", "bench_sandbox.py")
+SCRIPTS = ("bench_stdio.py", "bench_audit.py", "bench_sandbox.py", "bench_egress.py")
 
 
 def main() -> int:

@@ -451,29 +451,52 @@ CORPUS: list[dict[str, Any]] = json.loads(
     (Path(__file__).parent / "attacks" / "attack-corpus.json").read_text(encoding="utf-8")
 )
 SANDBOX_ENTRIES = [entry for entry in CORPUS if entry["tool"].startswith("sandbox.")]
-LATER_FEATURE = {
-    "sandbox.execute": "for execute_code, a later feature",
-    "sandbox.install_package": "for install_package, a later feature",
-}
 REFUSALS = frozenset({"INVALID_REQUEST", "POLICY_DENIED", "PATH_ESCAPE"})
+REPLAYED = frozenset({"sandbox.write_file", "sandbox.execute", "sandbox.install_package"})
 
 
 def test_corpus_has_sandbox_entries_this_file_knows() -> None:
-    """Invariant: every sandbox.* tool in the corpus is either replayed below or skipped with a reason."""
+    """Invariant: every sandbox.* tool in the corpus is replayed below."""
     assert SANDBOX_ENTRIES
-    assert {entry["tool"] for entry in SANDBOX_ENTRIES} <= {"sandbox.write_file", *LATER_FEATURE}
+    assert {entry["tool"] for entry in SANDBOX_ENTRIES} <= REPLAYED
 
 
 @pytest.mark.parametrize("entry", SANDBOX_ENTRIES, ids=[entry["id"] for entry in SANDBOX_ENTRIES])
 async def test_sandbox_corpus_entry_is_contained(entry: dict[str, Any], client: Client, services: Services) -> None:
-    """Invariant: a sandbox.write_file path with shell syntax is refused, or written under its literal
+    """Invariant: each entry is refused, or contained: the sandbox stays usable after it."""
+    box = await create(client)
+    if entry["tool"] == "sandbox.write_file":
+        await _replay_write(entry, client, services, box)
+    elif entry["tool"] == "sandbox.install_package":
+        result = await call(client, "install_package", name=entry["input"], sandbox_id=box)
+        assert result["code"] == "INVALID_REQUEST", result
+    else:
+        await _replay_execute(entry, client, box)
+    after = await call(client, "execute_code", code="6 * 7", sandbox_id=box, restart=True)
+    assert after["detail"]["value"] == "42", after
+
+
+async def _replay_execute(entry: dict[str, Any], client: Client, box: str) -> None:
+    """Reading the host's secrets finds nothing, the metadata service has no route, a memory bomb
+    fails inside the sandbox's limit, a busy loop is interrupted at its time limit."""
+    result = await call(client, "execute_code", code=entry["input"], sandbox_id=box, timeout_s=5)
+    error = result["detail"].get("error") or {}
+    if entry["id"] == "A110":
+        assert result["code"] == "TIMEOUT", result
+        assert result["detail"]["context_state"] == "alive"
+    elif result["code"] == "RESOURCE_LIMIT":
+        assert entry["note"] == "memory limit"
+    else:
+        assert result["ok"], result
+        assert error.get("type") in {"FileNotFoundError", "PermissionError", "URLError", "MemoryError"}, result
+    assert "root:" not in json.dumps(result)
+
+
+async def _replay_write(entry: dict[str, Any], client: Client, services: Services, box: str) -> None:
+    """A sandbox.write_file path with shell syntax is refused, or written under its literal
     name inside the sandbox's workspace: it is never run by a shell."""
-    if entry["tool"] in LATER_FEATURE:
-        pytest.skip(f"{entry['id']} ({entry['tool']}) is {LATER_FEATURE[entry['tool']]}")
-    assert entry["tool"] == "sandbox.write_file"
     value = entry["input"]
     assert set(value) == {"file_path", "content"}, value
-    box = await create(client)
     root = services.config.sandboxes_dir / box / "workspace"
     wrote = await call(client, "write_file", path=value["file_path"], content=value["content"], sandbox_id=box)
     if not wrote["ok"]:

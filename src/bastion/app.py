@@ -19,6 +19,7 @@ from bastion.safety.errors import AuditUnavailable, BastionError, ConfigError
 from bastion.safety.redact import Redactor
 from bastion.sandbox._disk import quota_available
 from bastion.sandbox.cgroups import CgroupLayout
+from bastion.sandbox.egress import EgressService
 from bastion.sandboxes import SandboxManager
 from bastion.tools._call import CallRunner
 from bastion.tools.code import register_code
@@ -62,6 +63,7 @@ class Services:
         for organizer in self.organizers.values():
             organizer.close()
         self.sandboxes.close_all()
+        self.sandboxes.close_egress()
         self.registry.close()
         self.audit.close()
 
@@ -100,7 +102,9 @@ def build_services(config: Config) -> Services:
             audit.close()
             raise ConfigError(f"sandbox disk quota: {reason}: run as root or set [sandboxes] disk_quota = false")
     registry = WorkspaceRegistry(config, redactor, cgroups)
-    sandboxes = SandboxManager(config, redactor, cgroups)
+    # One event loop thread serves every sandbox's egress proxy; it starts only if sandboxes are on.
+    egress = EgressService.from_config(audit, config.sandboxes.network) if config.sandboxes.enabled else None
+    sandboxes = SandboxManager(config, redactor, cgroups, egress)
     for snapshot_id in sandboxes.recover():
         logger.warning("a previous server left a sandbox: its workspace is snapshot %s", snapshot_id)
     registry.sandboxes = sandboxes
@@ -174,7 +178,7 @@ def build_server(services: Services, *, caller: str) -> BastionServer:
     register_organizer(server, Inboxes(services.organizers), runner)
     register_sandboxes(server, services.sandboxes, services.registry, runner)
     register_processes(server, services.registry, runner)
-    register_code(server, services.sandboxes, services.registry, runner)
+    register_code(server, services.sandboxes, services.registry, runner, services.config.sandboxes)
     if services.approvals is not None:
         register_gateway(server, services.gateways, services.approvals, services.config.approvals, runner)
     logging.getLogger("bastion").setLevel(services.config.log_level)

@@ -8,6 +8,7 @@ database inside a folder an agent can write.
 
 from __future__ import annotations
 
+import base64
 import ipaddress
 import os
 import re
@@ -430,6 +431,11 @@ class SandboxesConfig(_Model):
     False (dangerous: one sandbox can fill the state folder's disk) keeps workspaces as plain folders."""
     orphan_retention_s: Annotated[float, Field(gt=0)] = 7 * 86_400.0
     """How long the workspaces of sandboxes left by a crashed server are kept, as snapshots."""
+    pip_index_url: Annotated[str, Field(pattern=r"^https://[^\s/]+(/\S*)?$")] = "https://pypi.org/simple"
+    """install_package(manager='pip') installs from here; its host must be in [sandboxes.network] registry."""
+    npm_registry_url: Annotated[str, Field(pattern=r"^https://[^\s/]+(/\S*)?$")] = "https://registry.npmjs.org/"
+    install_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 300.0
+    """Wall-clock limit of one install_package call."""
     default_template: Annotated[str, Field(pattern=_ID_PATTERN)] = "default"
     """The template create_sandbox uses when the call names none ("default": no template's extras)."""
     warm_pool: Annotated[int, Field(ge=0, le=64)] = 1
@@ -635,7 +641,20 @@ class HttpConfig(_Model):
 _GATEWAY_NAME: Final = r"^[a-z][a-z0-9_]{0,31}$"
 _REMOTE_PATH: Final = re.compile(r"^/[A-Za-z0-9._/+-]{1,255}$")
 _FROM_ADDRESS: Final = re.compile(r"^!?[A-Za-z0-9.:/*?-]{1,253}$")
-_HOST_KEY: Final = re.compile(r"^(ssh-ed25519|ecdsa-sha2-nistp(256|384|521)|rsa-sha2-(256|512)|ssh-rsa) [A-Za-z0-9+/]+=*$")
+_HOST_KEY: Final = re.compile(
+    r"^(ssh-ed25519|ecdsa-sha2-nistp(256|384|521)|rsa-sha2-(256|512)|ssh-rsa) [A-Za-z0-9+/]+=*$"
+)
+
+
+def _blob_has_type(kind: str, blob: str) -> bool:
+    # An OpenSSH public key blob starts with its own type name (RFC 4253 section 6.6).
+    try:
+        data = base64.b64decode(blob, validate=True)
+    except ValueError:
+        return False
+    size = int.from_bytes(data[:4], "big")
+    name = data[4 : 4 + size].decode("ascii", errors="replace")
+    return name == kind or (kind.startswith("rsa-sha2-") and name == "ssh-rsa")
 
 
 class GatewayArgConfig(_Model):
@@ -715,7 +734,7 @@ class GatewayConfig(_Model):
         if value is None:
             return None
         key = " ".join(value.split()[:2])
-        if not _HOST_KEY.match(key):
+        if not _HOST_KEY.match(key) or not _blob_has_type(*key.split(" ")):
             raise ValueError("host_key must be 'TYPE BASE64' as in ssh-keyscan output, e.g. 'ssh-ed25519 AAAA...'")
         return key
 

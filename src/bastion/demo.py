@@ -5,6 +5,7 @@ The layout is a public contract (later features add to it, never move it):
     DIR/workspace/     host workspace `default`, conservative allow-list policy
     DIR/inbox/         a folder for the organizer
     DIR/state/         database and audit.jsonl (outside every workspace)
+    DIR/gateway/dispatch.toml  an example target-side config for the `biscuit` gateway (install it on the host)
 """
 
 from __future__ import annotations
@@ -31,6 +32,97 @@ def _rule_toml(rule: ArgumentRule) -> str:
         else:
             lines.append(f"{key} = {_toml_list(tuple(value))}")
     return "\n".join(lines)
+
+
+_GATEWAY_TOML = """
+# Human approval for gateway actions marked `approval = true`.
+[approvals]
+wait_s = 60          # a call waits this long for a decision (with progress), then returns NEEDS_APPROVAL + id
+ttl_s = 3600         # a request not approved and used within an hour expires and never runs
+# webhook_url = "https://chat.example.com/hooks/bastion"   # told of each new request (JSON POST)
+
+# A production host: bastion sends fixed action strings over SSH with a dedicated key, and the host's
+# authorized_keys forces every session into dispatch.py, which checks them again against its own
+# config (an example is in gateway/dispatch.toml). Harmless until a target exists: with no pinned
+# host_key, every call is refused. Install steps: README.md, "Production gateway".
+[[gateway]]
+name = "biscuit"                       # tools: biscuit_status, biscuit_logs, biscuit_deploy, ...
+host = "127.0.0.1"
+port = 22
+user = "bastion-gw"
+key_path = "state/gateway/biscuit_ed25519"   # `bastion gateway keygen --config bastion.toml biscuit`
+# host_key = "ssh-ed25519 AAAA..."     # the target's host key (ssh-keyscan -t ed25519 HOST); required
+from_addresses = ["127.0.0.1"]         # bastion's address as the target sees it (authorized_keys from=)
+remote_python = "/usr/bin/python3"
+dispatch_path = "/opt/bastion-gateway/dispatch.py"
+dispatch_config = "/etc/bastion-gateway/dispatch.toml"
+connect_timeout_s = 10
+call_timeout_s = 120
+max_output_bytes = 65536
+
+[[gateway.action]]
+name = "status"
+description = "Show whether the service is running."
+approval = false
+args = [{ name = "project", pattern = "[a-z][a-z0-9-]{0,31}" }]
+
+[[gateway.action]]
+name = "logs"
+description = "Show the service's last log lines."
+approval = false
+args = [{ name = "project", pattern = "[a-z][a-z0-9-]{0,31}" }, { name = "lines", pattern = "[0-9]{1,4}" }]
+
+[[gateway.action]]
+name = "deploy"
+description = "Deploy a released version."
+approval = true                        # the default: nothing reaches the host until a human approves
+args = [
+  { name = "project", pattern = "[a-z][a-z0-9-]{0,31}" },
+  { name = "version", pattern = "v[0-9]+[.][0-9]+[.][0-9]+", description = "a release tag such as v1.2.3" },
+]
+
+[[gateway.action]]
+name = "restart"
+description = "Restart the service."
+args = [{ name = "project", pattern = "[a-z][a-z0-9-]{0,31}" }]
+
+[[gateway.action]]
+name = "rollback"
+description = "Go back to the previous release."
+args = [{ name = "project", pattern = "[a-z][a-z0-9-]{0,31}" }]
+"""
+
+DISPATCH_EXAMPLE = """\
+# dispatch.toml: the TARGET host's own allowlist for bastion's gateway key (example from `bastion init`).
+# Install as /etc/bastion-gateway/dispatch.toml, owned by root, not writable by the gateway user.
+# dispatch.py runs only these actions, with these argv, whatever the client sends.
+root = "/srv"                                   # "path" arguments resolve beneath this (no .., no symlinks)
+log = "/var/log/bastion-gateway/dispatch.jsonl" # one fsync'd JSON line per request, allowed or refused
+projects = ["biscuit"]                          # the values a "project" argument may take
+timeout_s = 300                                 # the action's process group is killed after this
+max_output_bytes = 1048576                      # per stream
+
+# A token that is exactly "{name}" is replaced by that argument; nothing else is substituted, no shell runs.
+[actions.status]
+argv = ["/usr/bin/systemctl", "status", "--no-pager", "--", "{project}"]
+args = [{ name = "project", kind = "project" }]
+
+[actions.logs]
+argv = ["/usr/bin/journalctl", "--no-pager", "-n", "{lines}", "-u", "{project}"]
+args = [{ name = "project", kind = "project" }, { name = "lines", pattern = "[0-9]{1,4}" }]
+
+[actions.deploy]
+argv = ["/usr/local/bin/deploy-app", "{project}", "{version}"]
+args = [{ name = "project", kind = "project" }, { name = "version", pattern = "v[0-9]+[.][0-9]+[.][0-9]+" }]
+
+[actions.restart]
+argv = ["/usr/bin/systemctl", "restart", "--", "{project}"]
+args = [{ name = "project", kind = "project" }]
+
+[actions.rollback]
+argv = ["/usr/local/bin/deploy-app", "--rollback", "{project}"]
+args = [{ name = "project", kind = "project" }]
+"""
 
 
 def _template_toml(python_env: Path | None) -> str:
@@ -125,6 +217,7 @@ listen = "127.0.0.1:8765"
 # tls_key = "/etc/bastion/key.pem"
 # extra_origins = ["http://localhost:6274"]   # the MCP Inspector's web UI
 
+{_GATEWAY_TOML}
 # A folder for the file organizer.
 [[inbox]]
 id = "inbox"
@@ -147,6 +240,10 @@ def init_demo(directory: str | os.PathLike[str], *, python_env: str | os.PathLik
     readme = root / "workspace" / "README.md"
     if not readme.exists():
         readme.write_text("# bastion demo workspace\n\nFiles an agent may read and change live here.\n")
+    (root / "gateway").mkdir(exist_ok=True)
+    example = root / "gateway" / "dispatch.toml"
+    if not example.exists():
+        example.write_text(DISPATCH_EXAMPLE, encoding="utf-8")
     with open(config, "x", encoding="utf-8") as handle:
         handle.write(demo_config_text(Path(python_env).absolute() if python_env is not None else None))
     return config

@@ -9,14 +9,16 @@ reclaims everything: processes (its PID namespaces die), its cgroup, and its fil
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import os
 import secrets
 import shutil
 import stat
+import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
@@ -27,12 +29,16 @@ from bastion.code import OWN_VENV, CodeRunner
 from bastion.config import (
     BASTION_OPT,
     SANDBOX_ID_PREFIX,
+    AllowRule,
     Config,
     LimitsConfig,
     SandboxLimitsConfig,
     TemplateConfig,
     WorkspaceConfig,
+    narrow_allow,
+    parse_allow_rules,
 )
+from bastion.network import INSIDE_DIR, SandboxNetwork
 from bastion.safety.commands import CommandPolicyConfig
 from bastion.safety.errors import (
     BastionError,
@@ -47,6 +53,7 @@ from bastion.safety.redact import Redactor
 from bastion.sandbox._disk import drop_disk, make_disk, mount_disk, used_bytes
 from bastion.sandbox._spawn import SandboxSpec
 from bastion.sandbox.cgroups import CgroupLayout, Limits
+from bastion.sandbox.egress import EgressService
 from bastion.sandbox.snapshot import (
     SnapshotInfo,
     create_snapshot,
@@ -79,6 +86,7 @@ class Sandbox:
     root: Path
     workspace: HostWorkspace
     code: CodeRunner
+    network: SandboxNetwork
     template: str = "default"
     created_wall: float = field(default_factory=time.time)
     created: float = field(default_factory=time.monotonic)
@@ -93,6 +101,7 @@ class Sandbox:
             "state": "paused" if self.workspace.sandbox.paused else "running",
             "age_s": round(now - self.created, 3),
             "idle_s": round(now - self.last_used, 3),
+            "network": self.network.summary(),
         }
 
 
@@ -137,8 +146,13 @@ class SandboxManager:
     rather than a boot: starting bubblewrap and the agent takes tens of milliseconds.
     """
 
-    def __init__(self, config: Config, redactor: Redactor, cgroups: CgroupLayout | None) -> None:
+    def __init__(
+        self, config: Config, redactor: Redactor, cgroups: CgroupLayout | None, egress: EgressService | None = None
+    ) -> None:
         self._config = config.sandboxes
+        self._egress = egress
+        # Unix socket paths are short (108 bytes): the proxies' sockets live in a temp folder of their own.
+        self._net_dir: Path | None = None
         self._templates = {t.name: t for t in config.template}
         default = config.sandboxes.default_template
         self._default_template = self._templates.get(default, TemplateConfig(name="default"))
@@ -175,6 +189,7 @@ class SandboxManager:
         name: str | None = None,
         limits: Mapping[str, object] | None = None,
         template: str | None = None,
+        network_allow: Sequence[str] | None = None,
     ) -> Sandbox:
         """Make a sandbox with a fresh, empty workspace and start it.
 
@@ -182,6 +197,7 @@ class SandboxManager:
             PolicyDenied: sandboxes are disabled, or a limit is above the ceiling.
             ResourceLimit: the maximum number of sandboxes is reached.
             NotFound: no such template.
+            InvalidRequest: a malformed network rule.
         """
         if not self._config.enabled:
             raise PolicyDenied("sandboxes are disabled on this server: use a configured workspace")
@@ -194,10 +210,12 @@ class SandboxManager:
             self._config.limits,
             {**(chosen.limits.model_dump(exclude_none=True) if chosen.limits else {}), **(limits or {})},
         )
+        rules = self._network_rules(chosen, network_allow)
         binds = _binds(chosen)
         # The pool's sandboxes have the default template's binds and the ceiling's disk: others start their own.
         standard = binds == _binds(self._default_template) and narrowed.disk_bytes == self._config.limits.disk_bytes
         prepared = self._pool.pop() if self._pool and standard else await self._prepare(binds, narrowed.disk_bytes)
+        network = SandboxNetwork(prepared.id, self._socket_dir(prepared.id), self._egress, rules)
         try:
             config = self._workspace_config(prepared.id, prepared.root, narrowed, chosen)
             via_sh = chosen.policy is None
@@ -206,9 +224,11 @@ class SandboxManager:
             )
             python_env = ENV_DEST if chosen.python_env is not None else None
             code = CodeRunner(workspace, self._redactor, python_env=python_env)
+            await network.enable(workspace)
         except BaseException:
+            network.close()
             prepared.warm.close()
-            _discard(prepared.root)
+            self._discard_prepared(prepared.id, prepared.root)
             raise
         box = Sandbox(
             id=prepared.id,
@@ -218,11 +238,33 @@ class SandboxManager:
             root=prepared.root,
             workspace=workspace,
             code=code,
+            network=network,
             template=chosen.name,
         )
         self._boxes[box.id] = box
         self.refill_pool()
         return box
+
+    def _network_rules(self, template: TemplateConfig, requested: Sequence[str] | None) -> tuple[AllowRule, ...]:
+        """The template's allowlist, or the requested one, which must lie within the administrator's ceiling."""
+        if requested is None:
+            return parse_allow_rules(template.network_allow)
+        rules = narrow_allow(self._config.network.allow_rules, requested)
+        if rules and self._egress is None:
+            raise PolicyDenied("network egress is not available on this server")
+        return rules
+
+    def _socket_dir(self, sandbox_id: str) -> Path:
+        """The host folder a sandbox sees at /run/bastion, where its egress proxy listens."""
+        if self._net_dir is None:
+            self._net_dir = Path(tempfile.mkdtemp(prefix="bastion-net-"))
+        return self._net_dir / sandbox_id
+
+    def _discard_prepared(self, sandbox_id: str, root: Path) -> None:
+        _discard(root)
+        if self._net_dir is not None:
+            with contextlib.suppress(FileNotFoundError):
+                _remove_tree(self._net_dir / sandbox_id)
 
     def _template(self, name: str | None) -> TemplateConfig:
         if name is None:
@@ -254,14 +296,16 @@ class SandboxManager:
         limits = None
         if self._cgroups is not None:
             limits = Limits(memory_bytes=ceiling.memory_bytes, pids=ceiling.pids, cpu_cores=ceiling.cpu_cores)
-        spec = SandboxSpec(workspace=str(root / "workspace"), read_only_binds=binds)
+        socket_dir = self._socket_dir(sandbox_id)
+        socket_dir.mkdir(mode=0o700)
+        spec = SandboxSpec(workspace=str(root / "workspace"), read_only_binds=(*binds, (str(socket_dir), INSIDE_DIR)))
         warm = WarmSandbox(spec, cgroups=self._cgroups, limits=limits)
         prepared = self._starting[sandbox_id] = _Prepared(sandbox_id, root, warm)
         try:
             await warm.start()
         except BaseException:
             warm.close()
-            _discard(root)
+            self._discard_prepared(sandbox_id, root)
             raise
         finally:
             self._starting.pop(sandbox_id, None)
@@ -399,8 +443,9 @@ class SandboxManager:
         box = self._boxes.pop(sandbox_id, None)
         if box is None:
             raise SandboxNotFound(f"no sandbox {sandbox_id!r}: it was closed, or never existed (list_sandboxes)")
+        box.network.close()
         box.workspace.close()
-        _discard(box.root)
+        self._discard_prepared(box.id, box.root)
 
     def reap(self) -> list[str]:
         """Close sandboxes past their idle timeout or lifetime; return their ids."""
@@ -421,9 +466,17 @@ class SandboxManager:
             self.close(sandbox_id)
         for prepared in [*self._pool, *self._starting.values()]:
             prepared.warm.close()
-            _discard(prepared.root)
+            self._discard_prepared(prepared.id, prepared.root)
         self._pool.clear()
         self._starting.clear()
+        if self._net_dir is not None:
+            _remove_tree(self._net_dir)
+            self._net_dir = None
+
+    def close_egress(self) -> None:
+        """Stop the egress proxies' thread (after close_all; the server is ending)."""
+        if self._egress is not None:
+            self._egress.close()
 
 
 def _binds(template: TemplateConfig) -> tuple[tuple[str, str], ...]:

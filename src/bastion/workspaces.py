@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final, Literal
 
 from bastion.config import Config, WorkspaceConfig
-from bastion.safety.commands import ApprovedCommand, CommandPolicy, Decision
+from bastion.safety.commands import CommandPolicy, Decision
 from bastion.safety.errors import Conflict, InvalidRequest, NotFound, PolicyDenied, ResourceLimit, SandboxNotFound
 from bastion.safety.paths import MAX_READ_BYTES, Jail
 from bastion.safety.redact import Redactor, StreamRedactor, sanitize_terminal
@@ -157,6 +157,8 @@ class HostWorkspace:
         self.via_sh = via_sh
         self.id = config.id
         self._path = ":".join((*path_prefix, SANDBOX_PATH))
+        self.extra_env: dict[str, str] = {}
+        """Set by bastion itself (the egress proxy's address), never by an agent."""
         self.policy = CommandPolicy(config.policy)
         self.jail = Jail(config.path, secret_patterns=config.secret_files, allow_hardlinks=config.allow_hardlinks)
         self.redactor = redactor
@@ -174,7 +176,7 @@ class HostWorkspace:
 
     def environment(self) -> dict[str, str]:
         """Exactly PATH, HOME and LANG, plus the administrator's variables."""
-        return {"PATH": self._path, "HOME": SANDBOX_WORKSPACE, "LANG": LANG, **self.config.env}
+        return {"PATH": self._path, "HOME": SANDBOX_WORKSPACE, "LANG": LANG, **self.config.env, **self.extra_env}
 
     def explain(self, command: str) -> Decision:
         decision = self.policy.explain_script(command) if self.via_sh else self.policy.explain(command)
@@ -209,11 +211,17 @@ class HostWorkspace:
         )
         return self._render(approved.argv, sandbox_cwd, outcome)
 
-    async def run_argv(self, executable: str, argv: tuple[str, ...], *, timeout_s: float | None) -> CommandOutput:
-        """Run a program the caller chose (an interpreter for execute_code) in a sandbox that allows a shell."""
+    async def run_argv(
+        self, executable: str, argv: tuple[str, ...], *, timeout_s: float | None, ceiling_s: float | None = None
+    ) -> CommandOutput:
+        """Run a program bastion chose (an interpreter, an installer) in a sandbox that allows a shell.
+
+        `ceiling_s` replaces the per-command time limit (installs take longer than commands).
+        """
         if not self.via_sh:
             raise PolicyDenied("this workspace runs only commands its policy allows: use run_command")
-        limit = self.config.timeout_s if timeout_s is None else min(timeout_s, self.config.timeout_s)
+        ceiling = self.config.timeout_s if ceiling_s is None else ceiling_s
+        limit = ceiling if timeout_s is None else min(timeout_s, ceiling)
         if limit <= 0:
             raise InvalidRequest("timeout_s must be positive")
         outcome = await self.sandbox.run(

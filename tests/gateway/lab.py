@@ -139,7 +139,11 @@ class GatewayLab:
         self, *command: str, options: tuple[str, ...] = (), timeout: float = 30, agent: str = "none"
     ) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [*self.ssh_argv(*options, agent=agent), *command], capture_output=True, text=True, timeout=timeout, check=False
+            [*self.ssh_argv(*options, agent=agent), *command],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
         )
 
     def asyncssh_options(self) -> dict[str, Any]:
@@ -207,8 +211,8 @@ class GatewayLab:
             key_path=root / "state" / "biscuit_ed25519",
             authorized_line=line,
         )
-        with (root / "sshd.log").open("wb") as log:
-            lab.process = subprocess.Popen([SSHD, "-D", "-e", "-f", str(root / "sshd_config")], stderr=log, stdout=log)
+        # -E, not -e: with -e a DEBUG sshd writes its session child's log lines into the client's stderr.
+        lab.process = subprocess.Popen([SSHD, "-D", "-E", str(root / "sshd.log"), "-f", str(root / "sshd_config")])
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             if lab.process.poll() is not None:

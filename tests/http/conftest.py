@@ -11,6 +11,10 @@ import pytest
 from .live import Browser, LiveServer, live_server
 
 
+# The shared server takes many registrations from one address (every test registers its own client).
+SHARED_HTTP = 'extra_origins = ["http://localhost:6274"]\nregistrations_per_ip_per_hour = 10000\nmax_clients = 100000'
+
+
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
@@ -19,7 +23,7 @@ def anyio_backend() -> str:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     """One live server shared by a module's tests (each test registers its own clients)."""
-    with live_server(tmp_path_factory.mktemp("http") / "demo") as live:
+    with live_server(tmp_path_factory.mktemp("http") / "demo", http_extra=SHARED_HTTP) as live:
         yield live
 
 

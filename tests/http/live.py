@@ -196,7 +196,7 @@ class Browser:
         for header in response.headers.get_list("set-cookie"):
             name, _, rest = header.partition("=")
             value = rest.split(";", 1)[0]
-            if "max-age=0" in header.lower() or 'expires=thu, 01 jan 1970' in header.lower():
+            if "max-age=0" in header.lower() or "expires=thu, 01 jan 1970" in header.lower():
                 self.cookies.pop(name, None)
             else:
                 self.cookies[name] = value
@@ -226,17 +226,21 @@ class Browser:
         return response
 
     def _ours(self, location: str) -> bool:
-        return location.startswith("/") or location.startswith(self.server.base + "/")
+        return location.startswith(("/", self.server.base + "/"))
 
     def login(self, page: httpx2.Response, password: str = PASSWORD) -> httpx2.Response:
         form = forms(page.text)[0]
         return self.client.post(form["action"], data={**form["fields"], "password": password})
 
-    def consent(self, page: httpx2.Response, decision: str = "approve", scopes: list[str] | None = None) -> httpx2.Response:
+    def consent(
+        self, page: httpx2.Response, decision: str = "approve", scopes: list[str] | None = None
+    ) -> httpx2.Response:
         form = forms(page.text)[0]
         chosen = form["checkboxes"] if scopes is None else scopes
         data = [(k, v) for k, v in form["fields"].items()] + [("scope", s) for s in chosen] + [("decision", decision)]
-        return self.client.post(form["action"], content=urlencode(data), headers={"content-type": "application/x-www-form-urlencoded"})
+        return self.client.post(
+            form["action"], content=urlencode(data), headers={"content-type": "application/x-www-form-urlencoded"}
+        )
 
     def approve(self, url: str, *, password: str = PASSWORD, scopes: list[str] | None = None) -> str:
         """Run login and consent for an /authorize URL; return where the browser is finally sent."""

@@ -54,7 +54,8 @@ def sdk_provider(
 
     async def redirect_handler(url: str) -> None:
         log.append(url)
-        location["value"] = await anyio.to_thread.run_sync(browser.approve, url)
+        consent = scope.split() if scope else None  # the administrator unticks the rest
+        location["value"] = await anyio.to_thread.run_sync(lambda: browser.approve(url, scopes=consent))
 
     async def callback_handler() -> AuthorizationCodeResult:
         params = callback_params(location["value"])
@@ -89,8 +90,10 @@ async def test_sdk_client_full_flow(server: LiveServer, browsers: Callable[[Live
         assert listing["ok"], listing
         ran = await call(client, "run_command", command="echo over-http")
         assert ran["ok"] and "over-http" in ran["detail"]["stdout"], ran  # type: ignore[index]
-    assert len(opened) == 1 and opened[0].startswith(f"{server.base}/authorize?")
-    assert storage.tokens is not None and storage.tokens.refresh_token
+    assert len(opened) == 1
+    assert opened[0].startswith(f"{server.base}/authorize?")
+    assert storage.tokens is not None
+    assert storage.tokens.refresh_token
     first = storage.tokens
 
     # The access token dies (clock moved on): the SDK refreshes, and the refresh token rotates.
@@ -105,9 +108,14 @@ async def test_sdk_client_full_flow(server: LiveServer, browsers: Callable[[Live
     with server.http() as raw:
         reused = raw.post(
             "/token",
-            data={"grant_type": "refresh_token", "refresh_token": first.refresh_token, "client_id": storage.client_info.client_id},  # type: ignore[union-attr]
+            data={
+                "grant_type": "refresh_token",
+                "refresh_token": first.refresh_token,
+                "client_id": storage.client_info.client_id,
+            },  # type: ignore[union-attr]
         )
-        assert reused.status_code == 400 and reused.json()["error"] == "invalid_grant"
+        assert reused.status_code == 400
+        assert reused.json()["error"] == "invalid_grant"
         # Reuse of the rotated token revoked the family: the current access token is dead too.
         probe = raw.post("/mcp", json={}, headers={"Authorization": f"Bearer {storage.tokens.access_token}"})
         assert probe.status_code == 401
@@ -124,13 +132,22 @@ async def test_scopes_narrowed_at_consent_limit_list_and_call(
     async with httpx2.AsyncClient(auth=provider, timeout=30) as http, _client(server, http, mode) as client:
         names = {tool.name for tool in (await client.list_tools()).tools}
         assert not names & {"run_command", "read_file", "list_directory", "write_file"}
-    assert storage.tokens is not None and storage.tokens.scope == "organizer"
+        assert {"list_files", "plan_organize", "move_file"} <= names, "the granted toolset must stay visible"
+        assert (await call(client, "list_files"))["ok"]
+    assert storage.tokens is not None
+    assert storage.tokens.scope == "organizer"
     token = storage.tokens.access_token
     headers = {"Authorization": f"Bearer {token}", "Accept": "application/json, text/event-stream"}
-    body: dict[str, Any] = {"jsonrpc": "2.0", "id": 7, "method": "tools/call", "params": {"name": "run_command", "arguments": {"command": "id"}}}
+    body: dict[str, Any] = {
+        "jsonrpc": "2.0",
+        "id": 7,
+        "method": "tools/call",
+        "params": {"name": "run_command", "arguments": {"command": "id"}},
+    }
     with server.http() as raw:
         refused = raw.post("/mcp", json=body, headers={**headers, "Mcp-Protocol-Version": "2026-07-28"})
     assert refused.status_code == 403
     challenge = refused.headers["www-authenticate"]
-    assert 'error="insufficient_scope"' in challenge and 'scope="workbench"' in challenge
+    assert 'error="insufficient_scope"' in challenge
+    assert 'scope="workbench"' in challenge
     assert f'resource_metadata="{server.base}/.well-known/oauth-protected-resource/mcp"' in challenge

@@ -10,6 +10,7 @@ sandbox has no other route (the in-sandbox end-to-end tests show that).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import http.server
@@ -30,6 +31,7 @@ import pytest
 
 from bastion.config import DEFAULT_BLOCKED_RANGES, parse_allow_rules
 from bastion.safety.audit import AuditLog, verify
+from bastion.safety.errors import Conflict, InvalidRequest, SandboxNotFound
 from bastion.safety.redact import Redactor
 from bastion.sandbox import egress
 from bastion.sandbox.egress import EgressService
@@ -196,8 +198,10 @@ def test_allowed_name_reaches_loopback_server_when_loopback_is_unblocked(tmp_pat
     assert record["port"] == path.port
     assert record["address"] == "127.0.0.1"
     assert record["protocol"] == "http"
-    assert isinstance(record["bytes_up"], int) and record["bytes_up"] > 0
-    assert isinstance(record["bytes_down"], int) and record["bytes_down"] > len(body)
+    assert isinstance(record["bytes_up"], int)
+    assert record["bytes_up"] > 0
+    assert isinstance(record["bytes_down"], int)
+    assert record["bytes_down"] > len(body)
     assert isinstance(record["duration_ms"], float)
 
 
@@ -455,8 +459,6 @@ def test_stop_ends_connections_and_removes_the_socket(tmp_path: Path) -> None:
 
 
 def test_start_twice_and_bad_socket_paths_are_refused(tmp_path: Path) -> None:
-    from bastion.safety.errors import Conflict, InvalidRequest
-
     with egress_path(tmp_path, ["local.test:PORT"]) as path:
         with pytest.raises(Conflict):
             path.service.start(SANDBOX, (), tmp_path / "other.sock")
@@ -465,6 +467,9 @@ def test_start_twice_and_bad_socket_paths_are_refused(tmp_path: Path) -> None:
             path.service.start("sb-000000000002", (), tmp_path / "file")
         with pytest.raises(InvalidRequest):
             path.service.start("sb-000000000003", (), tmp_path / ("x" * 120))
+        with pytest.raises(SandboxNotFound):
+            path.service.set_rules("sb-000000000004", ())
+        path.service.stop("sb-000000000004")  # nothing to stop: no error
         assert (path.sock_path.stat().st_mode & 0o777) == 0o600
 
 
@@ -486,7 +491,8 @@ def test_large_download_is_intact(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         assert status == 200
         assert hashlib.sha256(body).digest() == hashlib.sha256(BIG).digest()
         (record,) = path.wait_records(1)
-    assert isinstance(record["bytes_down"], int) and record["bytes_down"] > len(BIG)
+    assert isinstance(record["bytes_down"], int)
+    assert record["bytes_down"] > len(BIG)
 
 
 def test_every_attempt_is_one_audit_record_and_the_chain_verifies(tmp_path: Path) -> None:
@@ -527,3 +533,21 @@ def wait_for(condition: Callable[[], bool]) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition not met within 10 s"
         time.sleep(0.01)
+
+
+def test_async_front_from_another_event_loop(tmp_path: Path) -> None:
+    """The server's loop drives the service without blocking; the rules change takes effect."""
+    with egress_path(tmp_path, ["local.test:PORT"], blocked_ranges=OPEN_RANGES) as path:
+
+        async def drive() -> None:
+            await path.service.stop_async(SANDBOX)
+            assert not path.sock_path.exists()
+            await path.service.start_async(SANDBOX, (), path.sock_path)
+            status, _ = await asyncio.to_thread(fetch, path, "http://local.test:PORT/")
+            assert status == 403
+            await path.service.set_rules_async(SANDBOX, parse_allow_rules([f"local.test:{path.port}"]))
+            status, _ = await asyncio.to_thread(fetch, path, "http://local.test:PORT/")
+            assert status == 200
+
+        asyncio.run(drive())
+        assert [r["decision"] for r in path.wait_records(2)] == ["deny", "allow"]

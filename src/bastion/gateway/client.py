@@ -134,8 +134,9 @@ class GatewayClient:
                 raise Unavailable(f"gateway {self.config.name!r} failed twice", detail=str(again)) from None
         stdout = self._clean(out)
         stderr = self._clean(err)
-        if exit_status == EXIT_REFUSED and stderr.startswith(REFUSED_PREFIX):
-            reason = stderr[len(REFUSED_PREFIX) :].splitlines()[0]
+        refusals = [line for line in stderr.splitlines() if line.startswith(REFUSED_PREFIX)]
+        if exit_status == EXIT_REFUSED and refusals:
+            reason = refusals[-1][len(REFUSED_PREFIX) :]
             raise PolicyDenied(f"gateway {self.config.name!r} refused it: {reason}")
         if exit_status == EXIT_TIMEOUT and "dispatch: timeout" in stderr:
             raise Timeout(f"the action ran past the gateway's time limit and was killed: {stderr.strip()[-200:]}")

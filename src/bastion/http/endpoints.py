@@ -16,6 +16,7 @@ import base64
 import binascii
 import hashlib
 import hmac
+import json
 import re
 import time
 from typing import Final
@@ -29,8 +30,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from bastion.http.flow import client_ip, single_params
-from bastion.http.provider import BastionAuthProvider, registering_ip
+from bastion.http.provider import MAX_REDIRECT_URIS, BastionAuthProvider, registering_ip
 from bastion.http.ratelimit import WindowLimiter
+from bastion.http.redirects import registration_problem
 from bastion.http.store import IssuedTokens, digest
 from bastion.tools.server import SCOPES
 
@@ -236,15 +238,37 @@ class Registration:
         body = await read_limited(request, MAX_BODY_BYTES)
         if body is None:
             return oauth_error("invalid_client_metadata", "the registration is too large", 413)
+        problem = self._redirect_problem(body)
+        if problem is not None:
+            return oauth_error("invalid_redirect_uri", problem)
 
         async def replay() -> dict[str, object]:
             return {"type": "http.request", "body": body, "more_body": False}
 
-        token = registering_ip.set(ip)
+        token = registering_ip.set(ip)  # the provider records which address registered the client
         try:
             return await self.handler.handle(Request(request.scope, replay))
         finally:
             registering_ip.reset(token)
+
+    def _redirect_problem(self, body: bytes) -> str | None:
+        """Check redirect_uris as sent, before the SDK's URL model normalises them (RFC 7591 §2)."""
+        try:
+            data = json.loads(body)
+        except ValueError:
+            return None  # the SDK answers invalid_client_metadata
+        uris = data.get("redirect_uris") if isinstance(data, dict) else None
+        if not isinstance(uris, list) or not uris:
+            return "redirect_uris is required"
+        if len(uris) > MAX_REDIRECT_URIS:
+            return f"at most {MAX_REDIRECT_URIS} redirect URIs"
+        for uri in uris:
+            if not isinstance(uri, str):
+                return "redirect URIs must be strings"
+            problem = registration_problem(uri, self.provider.config.app_callbacks)
+            if problem is not None:
+                return problem
+        return None
 
 
 def authorization_server_metadata(issuer: str) -> MetadataHandler:

@@ -7,8 +7,9 @@ host's egress proxy (bastion.sandbox.egress), which decides every destination. T
 program decides nothing; it is not a security boundary, only plumbing.
 
 One thread, one selector: no thread per connection, so the sandbox's pids limit is
-not spent on relaying. Each direction is copied with large reads and an optimistic
-write; an EOF is passed on as a half-close (shutdown SHUT_WR); any error ends the pair.
+not spent on relaying. Each direction moves through a kernel pipe with splice(2) (or,
+where the kernel refuses it, a large buffer), written at once rather than after another
+wait; an EOF is passed on as a half-close (shutdown SHUT_WR); any error ends the pair.
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ import os
 import selectors
 import socket
 import sys
+import time
 
 CHUNK = 1024 * 1024
+PIPE_BYTES = 256 * 1024
 UNIX_BUFFER_BYTES = 4 * 1024 * 1024  # fewer, larger copies; the kernel caps it at [rw]mem_max
 MAX_PAIRS = 1024
 CONNECT_TIMEOUT_S = 10.0
@@ -52,7 +55,7 @@ class Pipe:
                 pass
             else:
                 with contextlib.suppress(OSError):
-                    fcntl.fcntl(self.fds[1], fcntl.F_SETPIPE_SZ, CHUNK)
+                    fcntl.fcntl(self.fds[1], fcntl.F_SETPIPE_SZ, PIPE_BYTES)
         if self.fds is None:
             self.buf = memoryview(bytearray(CHUNK))
 
@@ -185,7 +188,9 @@ class Relay:
                 return
             except OSError as exc:
                 if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    return  # out of descriptors: leave the rest in the backlog for later
+                    # Out of descriptors: leave the backlog for later, without spinning on it.
+                    time.sleep(0.05)
+                    return
                 if exc.errno == errno.ECONNABORTED:
                     continue
                 raise

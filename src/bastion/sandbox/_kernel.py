@@ -228,7 +228,9 @@ def read_requests(fd: int, main_thread: int, inbox: list[dict[str, Any]], wake: 
 
 
 def main() -> None:
-    site_dir = sys.argv[1] if len(sys.argv) > 1 else ""
+    # The sandbox's own venv (argv[1]): packages installed there, even after this context started, import.
+    venv = sys.argv[1] if len(sys.argv) > 1 else ""
+    site_dir = f"{venv}/lib/python{sys.version_info[0]}.{sys.version_info[1]}/site-packages" if venv else ""
     _channel["fd"] = os.dup(1)
     os.set_inheritable(_channel["fd"], False)
     capture(1, "stdout")

@@ -46,6 +46,7 @@ _RO_ETC_FILES: Final = (
     "/etc/magic",
     "/etc/magic.mime",
     "/etc/gitconfig",
+    "/etc/ssl/certs",  # public CA certificates, for TLS through the egress proxy (pip, npm, curl)
 )
 
 

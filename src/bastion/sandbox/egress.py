@@ -10,12 +10,16 @@ A sandbox's network namespace has only loopback. A program inside that honours
                connect to an address it checked
             -> the destination
 
-A program that ignores the proxy variables has no route at all: nothing leaks.
+A program that ignores the proxy variables has no route at all: nothing leaks. The socket
+is made mode 0600 and put in place by rename; keep its folder private to the server, and
+bind the folder (read-only is enough to connect) rather than the file, so a restarted
+proxy's new socket is seen inside.
 
 What it enforces (a security boundary):
     * Only destinations on the sandbox's allowlist (`bastion.config.AllowRule`: exact names,
       ``*.suffix``, IP literals, each with its ports). An IP literal is refused unless a rule
-      names that literal: a name rule never admits an address.
+      names that literal: a name rule never admits an address. A name not on the allowlist
+      is never resolved, so the proxy is no channel for DNS lookups either.
     * Never an address in the blocked ranges (`bastion.config.DEFAULT_BLOCKED_RANGES`:
       loopback, private, link-local, CGNAT, multicast, cloud metadata...), whatever name
       resolved to it (DNS rebinding): a name with any address in a blocked range is refused
@@ -47,6 +51,9 @@ Usage from sync code (one event loop, in a daemon thread, serves every sandbox):
     service.stop("sb-0123456789ab")                    # ends its connections, removes the socket
     service.close()                                    # stops everything and the thread
 
+From a coroutine on another loop (the server's), `start_async`, `set_rules_async` and
+`stop_async` do the same without blocking that loop.
+
 Refusals answer the client with an HTTP status and a one-line reason (SOCKS5: a reply
 code), never a silent close: 400 malformed request, 403 refused by policy, 408 request head
 too slow, 431 head too large, 502 name or connection failure, 503 too many connections or
@@ -75,7 +82,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 from bastion.config import DEFAULT_BLOCKED_RANGES, AllowRule, normalize_host
-from bastion.safety.errors import AuditUnavailable, Conflict, InvalidRequest, OperationFailed
+from bastion.safety.errors import AuditUnavailable, Conflict, InvalidRequest, OperationFailed, SandboxNotFound
 
 if TYPE_CHECKING:
     from bastion.config import NetworkConfig
@@ -87,6 +94,7 @@ IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 MAX_HEAD_BYTES: Final = 64 * 1024
 HEAD_TIMEOUT_S: Final = 30.0
 CHUNK_BYTES: Final = 1024 * 1024
+PIPE_BYTES: Final = 256 * 1024
 SOCKET_BUFFER_BYTES: Final = 4 * 1024 * 1024
 USE_SPLICE = hasattr(os, "splice")  # Linux, Python >= 3.10; tests turn it off to cover the fallback
 MAX_ADDRESSES_TRIED: Final = 4
@@ -223,7 +231,7 @@ class _Reader:
         start = 0
         while True:
             end = self.buf.find(b"\r\n\r\n", max(0, start - 3))
-            if end != -1:
+            if end != -1 and end <= MAX_HEAD_BYTES:
                 out = bytes(self.buf[:end])
                 del self.buf[: end + 4]
                 return out
@@ -402,8 +410,15 @@ class EgressProxy:
         proxy.accept_task = asyncio.get_running_loop().create_task(self._accept(proxy))
 
     def set_rules(self, sandbox_id: str, rules: Sequence[AllowRule]) -> None:
-        """Replace a sandbox's allowlist; open connections keep the decision they were given."""
-        self._proxies[sandbox_id].rules = tuple(rules)
+        """Replace a sandbox's allowlist; open connections keep the decision they were given.
+
+        Raises:
+            SandboxNotFound: the sandbox has no proxy.
+        """
+        proxy = self._proxies.get(sandbox_id)
+        if proxy is None:
+            raise SandboxNotFound(f"sandbox {sandbox_id} has no egress proxy: start one first")
+        proxy.rules = tuple(rules)
 
     async def stop(self, sandbox_id: str) -> None:
         """Stop listening, end the sandbox's connections (their records are written), remove the socket."""
@@ -521,6 +536,9 @@ class EgressProxy:
         if mapped is not None:
             return list(mapped)
         loop = asyncio.get_running_loop()
+        # The host's resolver (glibc: /etc/hosts, then DNS). No trailing dot is added against
+        # search-list expansion: /etc/hosts names would no longer match. A name the search list
+        # expands into an internal one still meets the blocked ranges.
         try:
             async with asyncio.timeout(self._settings.connect_timeout_s):
                 infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)
@@ -633,7 +651,7 @@ async def _copy(
     splice(2) through a pipe when the kernel allows it: the bytes never enter this
     process, which halves the proxy's CPU per byte; otherwise large reads and writes.
     """
-    if USE_SPLICE and not await _splice(loop, src, dst, attempt, counter, last):
+    if not (USE_SPLICE and await _splice(loop, src, dst, attempt, counter, last)):
         await _read_write(loop, src, dst, attempt, counter, last)
     with contextlib.suppress(OSError):
         dst.shutdown(socket.SHUT_WR)
@@ -672,7 +690,7 @@ async def _splice(
     moved = False
     try:
         with contextlib.suppress(OSError):
-            fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, CHUNK_BYTES)
+            fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
         while True:
             try:
                 count = os.splice(src.fileno(), write_end, CHUNK_BYTES, flags=flags)
@@ -865,7 +883,7 @@ class EgressService:
         self._call(self._proxy.start(sandbox_id, rules, socket_path), STOP_TIMEOUT_S)
 
     def set_rules(self, sandbox_id: str, rules: Sequence[AllowRule]) -> None:
-        """Replace a running sandbox's allowlist (KeyError if it has no proxy)."""
+        """Replace a running sandbox's allowlist (SandboxNotFound if it has none)."""
 
         async def update() -> None:
             self._proxy.set_rules(sandbox_id, rules)
@@ -875,6 +893,28 @@ class EgressService:
     def stop(self, sandbox_id: str) -> None:
         """End a sandbox's proxy and connections; a no-op for a sandbox without one."""
         self._call(self._proxy.stop(sandbox_id), STOP_TIMEOUT_S * 2)
+
+    # The same, for code on another event loop (the server's), without blocking it.
+
+    async def start_async(
+        self, sandbox_id: str, rules: Sequence[AllowRule], socket_path: str | os.PathLike[str]
+    ) -> None:
+        await self._call_async(self._proxy.start(sandbox_id, rules, socket_path))
+
+    async def set_rules_async(self, sandbox_id: str, rules: Sequence[AllowRule]) -> None:
+        async def update() -> None:
+            self._proxy.set_rules(sandbox_id, rules)
+
+        await self._call_async(update())
+
+    async def stop_async(self, sandbox_id: str) -> None:
+        await self._call_async(self._proxy.stop(sandbox_id))
+
+    async def _call_async(self, coro: Coroutine[Any, Any, None]) -> None:
+        if self._closed:
+            coro.close()
+            raise OperationFailed("the egress service is closed")
+        await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
 
     def sandboxes(self) -> list[str]:
         return self._proxy.sandboxes()

@@ -13,6 +13,8 @@ from mcp_types import CallToolResult, ImageContent, ToolAnnotations
 from pydantic import Field
 
 from bastion.code import CellResult
+from bastion.config import SandboxesConfig
+from bastion.packages import install
 from bastion.safety.errors import PolicyDenied
 from bastion.safety.results import OperationResult, ResultCode
 from bastion.sandboxes import SandboxManager
@@ -67,7 +69,11 @@ def cell_result(result: CellResult, extra: dict[str, object]) -> OperationResult
 
 
 def register_code(
-    server: BastionServer, manager: SandboxManager, registry: WorkspaceRegistry, runner: CallRunner
+    server: BastionServer,
+    sandboxes: SandboxManager,
+    registry: WorkspaceRegistry,
+    runner: CallRunner,
+    config: SandboxesConfig,
 ) -> None:
     """Add the code tools to `server`."""
 
@@ -105,7 +111,7 @@ def register_code(
 
         async def op() -> OperationResult:
             sandbox_only(sandbox_id)
-            box = manager.get(sandbox_id)
+            box = sandboxes.get(sandbox_id)
             if language != "python":
                 out = await box.code.one_shot(language, code, timeout_s=timeout_s)
                 return command_result("execute_code", out, {"language": language})
@@ -133,7 +139,39 @@ def register_code(
     ) -> Result:
         async def op() -> OperationResult:
             sandbox_only(sandbox_id)
-            return OperationResult.success("list_code_contexts", {"contexts": manager.get(sandbox_id).code.contexts()})
+            return OperationResult.success(
+                "list_code_contexts", {"contexts": sandboxes.get(sandbox_id).code.contexts()}
+            )
 
         args = {"sandbox_id": sandbox_id}
         return to_call_result(await runner.run("list_code_contexts", args, op, mutating=False, workspace=sandbox_id))
+
+    @server.tool(
+        name="install_package",
+        annotations=_RUNS,
+        description=(
+            "Install a package into a sandbox's own environment, inside the sandbox. pip: a requirement such as "
+            "'requests' or 'requests[socks]>=2.31' goes into /workspace/.venv (on PATH; execute_code sees it); "
+            "npm: a name such as 'lodash@^4' goes into /workspace/node_modules (install scripts do not run). "
+            "Only the package registry is reachable during the install. Options, URLs, paths and VCS links are "
+            "refused."
+        ),
+    )
+    async def install_package(
+        name: Annotated[str, Field(description="The requirement: a package name, optional extras and version.")],
+        sandbox_id: Annotated[str, Field(description="The sandbox id from create_sandbox.")],
+        manager: Annotated[Literal["pip", "npm"], Field(description="Default: pip.")] = "pip",
+    ) -> Result:
+        async def op() -> OperationResult:
+            sandbox_only(sandbox_id)
+            box = sandboxes.get(sandbox_id)
+            requirement, out = await install(box, name, manager, config)
+            extra: dict[str, object] = {"requirement": requirement, "manager": manager}
+            result = command_result("install_package", out, extra)
+            if result.ok and out.exit_status != 0:
+                reason = f"{manager} could not install {requirement!r} (exit {out.exit_status}): see detail.stderr"
+                return OperationResult.failure("install_package", ResultCode.OPERATION_FAILED, reason, result.detail)
+            return result
+
+        args = {"name": name, "manager": manager}
+        return to_call_result(await runner.run("install_package", args, op, mutating=True, workspace=sandbox_id))

@@ -84,21 +84,38 @@ def register_sandboxes(
         annotations=_MUTATES,
         description=(
             "Create a disposable Linux sandbox with an empty /workspace. Inside, run_command runs any shell command "
-            "(sh -c); there is no network. Pass its sandbox_id to the work tools. Close it when done."
+            "(sh -c). There is no network unless network_allow names destinations the administrator allows; "
+            "they are reached through a proxy (HTTP(S)_PROXY is set) and every attempt is recorded. Pass its "
+            "sandbox_id to the work tools. Close it when done."
         ),
     )
     async def create_sandbox(
         template: Annotated[str | None, Field(description="A template configured by the administrator.")] = None,
         name: str | None = None,
         limits: LimitsArg | None = None,
+        network_allow: Annotated[
+            list[str] | None,
+            Field(
+                description="Destinations to allow, e.g. ['api.github.com', '*.example.org:8443']; each must be "
+                "within the administrator's allowlist. Default: the template's (usually none).",
+                max_length=256,
+            ),
+        ] = None,
     ) -> Result:
         async def op() -> OperationResult:
             requested = limits.requested() if limits else None
-            box = await manager.create(owner=runner.caller, name=name, limits=requested, template=template)
+            box = await manager.create(
+                owner=runner.caller, name=name, limits=requested, template=template, network_allow=network_allow
+            )
             detail = {**box.summary(), "limits": box.limits.model_dump(), "workspace": "/workspace"}
             return OperationResult.success("create_sandbox", detail)
 
-        args = {"template": template, "name": name, "limits": limits.requested() if limits else None}
+        args = {
+            "template": template,
+            "name": name,
+            "limits": limits.requested() if limits else None,
+            "network_allow": network_allow,
+        }
         return to_call_result(await runner.run("create_sandbox", args, op, mutating=True))
 
     @server.tool(name="list_sandboxes", annotations=_READS, description="List the open sandboxes.")

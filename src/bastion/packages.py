@@ -1,0 +1,152 @@
+"""install_package: a requirement, and nothing else, installed inside the sandbox.
+
+The argument is checked against a narrow grammar (a PEP 508 name with optional extras
+and version specifiers; for npm a package name, optionally scoped, with a version range)
+so that no option (``--index-url``, ``-e``, ``--pre``), URL, path or VCS link can reach
+the installer. The installer runs inside the sandbox (a source distribution's build code
+is untrusted), with ``--`` before the requirement, its config files ignored, and the
+network widened to the package registry for the duration of the install only.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Final, Literal
+
+from bastion.safety.errors import InvalidRequest, NotFound, OperationFailed, PolicyDenied
+from bastion.sandbox._spawn import SANDBOX_PATH
+
+if TYPE_CHECKING:
+    from bastion.config import SandboxesConfig
+    from bastion.sandboxes import Sandbox
+    from bastion.workspaces import CommandOutput, HostWorkspace
+
+Manager = Literal["pip", "npm"]
+MAX_REQUIREMENT_CHARS: Final = 200
+OWN_VENV: Final = "/workspace/.venv"
+SYSTEM_PYTHON: Final = "/usr/bin/python3"
+TEMPLATE_SITE_GLOB: Final = "/opt/bastion/env/lib/python3*/site-packages"
+NPM_PREFIX: Final = "/workspace"
+
+_NAME: Final = r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?"
+_EXTRAS: Final = rf"\[\s*{_NAME}(?:\s*,\s*{_NAME})*\s*\]"
+_VERSION: Final = r"[A-Za-z0-9][A-Za-z0-9.*+!_-]*"
+_CLAUSE: Final = rf"(?:===|==|!=|<=|>=|~=|<|>)\s*{_VERSION}"
+PIP_REQUIREMENT: Final = re.compile(rf"{_NAME}\s*(?:{_EXTRAS})?\s*(?:{_CLAUSE}(?:\s*,\s*{_CLAUSE})*)?")
+_NPM_NAME: Final = r"[a-z0-9][a-z0-9._-]*"
+NPM_SPEC: Final = re.compile(rf"(?:@{_NPM_NAME}/)?{_NPM_NAME}(?:@[0-9A-Za-z.^~<>=*|+_-]+)?")
+
+# The venv's own site-packages also sees the template's packages (read-only, below it).
+_LINK_TEMPLATE: Final = (
+    "import glob, site\n"
+    f"found = glob.glob({TEMPLATE_SITE_GLOB!r})\n"
+    "if found:\n"
+    "    open(site.getsitepackages()[0] + '/_bastion_template.pth', 'w').write(found[0] + '\\n')\n"
+)
+
+
+def check_requirement(text: str, manager: Manager) -> str:
+    """The requirement, stripped, if it is only a requirement.
+
+    Raises:
+        InvalidRequest: an option, URL, path, VCS link, marker or anything else.
+    """
+    requirement = text.strip()
+    if not requirement or len(requirement) > MAX_REQUIREMENT_CHARS:
+        raise InvalidRequest(f"give one package requirement of 1 to {MAX_REQUIREMENT_CHARS} characters")
+    if requirement.startswith("-"):
+        raise InvalidRequest("options are not accepted: give a package name, e.g. 'requests' or 'requests>=2.31'")
+    grammar = PIP_REQUIREMENT if manager == "pip" else NPM_SPEC
+    if grammar.fullmatch(requirement) is None:
+        example = "'requests', 'requests[socks]>=2.31,<3'" if manager == "pip" else "'lodash', '@types/node@^20'"
+        raise InvalidRequest(
+            f"{requirement[:60]!r} is not a plain {manager} requirement: URLs, paths, VCS links, options and "
+            f"markers are refused; use a name with an optional version, e.g. {example}"
+        )
+    return requirement
+
+
+def venv_commands() -> list[tuple[str, ...]]:
+    """argv lists that make the sandbox's own venv, linked to the template's packages."""
+    return [
+        (SYSTEM_PYTHON, "-m", "venv", OWN_VENV),
+        (f"{OWN_VENV}/bin/python", "-c", _LINK_TEMPLATE),
+    ]
+
+
+def pip_command(requirement: str, index_url: str, cert: str | None) -> tuple[str, ...]:
+    argv = [f"{OWN_VENV}/bin/python", "-m", "pip", "install", "--isolated", "--no-input"]
+    argv += ["--disable-pip-version-check", "--progress-bar", "off", "--index-url", index_url]
+    if cert is not None:
+        argv += ["--cert", cert]
+    return (*argv, "--", requirement)
+
+
+def npm_command(requirement: str, registry_url: str) -> tuple[str, ...]:
+    # --ignore-scripts: a package's install scripts do not run at install time.
+    return (
+        "npm",
+        "install",
+        "--prefix",
+        NPM_PREFIX,
+        "--no-audit",
+        "--no-fund",
+        "--ignore-scripts",
+        "--registry",
+        registry_url,
+        "--",
+        requirement,
+    )
+
+
+CA_BUNDLE: Final = "/etc/ssl/certs/ca-certificates.crt"  # bound into every sandbox (see _spawn)
+VENV_TIMEOUT_S: Final = 120.0
+
+
+async def install(
+    box: Sandbox, requirement: str, manager: Manager, config: SandboxesConfig
+) -> tuple[str, CommandOutput]:
+    """Install `requirement` into the sandbox's own environment; return it (checked) and the installer's output.
+
+    Raises:
+        InvalidRequest: not a plain requirement.
+        PolicyDenied: the sandbox's template has a command policy.
+        NotFound: npm is not installed in the sandbox.
+        OperationFailed: the sandbox's venv could not be made.
+    """
+    checked = check_requirement(requirement, manager)
+    workspace = box.workspace
+    if not workspace.via_sh:
+        raise PolicyDenied("this sandbox's template has a command policy: packages cannot be installed in it")
+    registry = config.network.registry_rules
+    async with box.network.widened(workspace, registry):
+        if manager == "npm":
+            npm = shutil.which("npm", path=SANDBOX_PATH)
+            if npm is None:
+                raise NotFound("npm is not installed in this sandbox's template")
+            argv = npm_command(checked, config.npm_registry_url)
+            return checked, await workspace.run_argv(npm, argv, timeout_s=None, ceiling_s=config.install_timeout_s)
+        if not _has_venv(box.root / "workspace"):
+            await _make_venv(workspace)
+        argv = pip_command(checked, config.pip_index_url, _ca_bundle())
+        return checked, await workspace.run_argv(argv[0], argv, timeout_s=None, ceiling_s=config.install_timeout_s)
+
+
+def _has_venv(workspace_root: Path) -> bool:
+    return os.path.lexists(workspace_root / ".venv" / "bin" / "python")
+
+
+def _ca_bundle() -> str | None:
+    # The machine's CA bundle (it may trust a registry mirror's certificate); pip's own otherwise.
+    return CA_BUNDLE if os.path.isfile(CA_BUNDLE) else None
+
+
+async def _make_venv(workspace: HostWorkspace) -> None:
+    for argv in venv_commands():
+        out = await workspace.run_argv(argv[0], argv, timeout_s=None, ceiling_s=VENV_TIMEOUT_S)
+        if out.exit_status != 0:
+            last = (out.stderr.strip().splitlines() or ["no output"])[-1][:300]
+            raise OperationFailed(f"the sandbox's own venv could not be made: {last}")

@@ -1,0 +1,128 @@
+"""Sandbox egress end to end: a real sandbox, the forwarder inside, the proxy on the host,
+a real HTTP server on the host's loopback; and what a program that ignores the proxy gets."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mcp import Client
+
+from bastion.app import build_server, build_services
+from bastion.config import DEFAULT_BLOCKED_RANGES, load_config
+from bastion.safety.audit import verify
+from tests.helpers import call, create, sh
+
+pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
+
+FETCH = (
+    "python3 -c 'import sys, urllib.request; "
+    'print(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())\' "{url}"'
+)
+
+
+class _Hello(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        body = b"hello from the host"
+        if self.path == "/redirect":
+            self.send_response(302)
+            self.send_header("Location", "http://denied.test/")
+            self.end_headers()
+            return
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def web() -> Iterator[int]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Hello)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server.server_address[1]
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture
+async def net_client(demo_config_path: Path, web: int) -> AsyncIterator[Client]:
+    """The demo config, plus: allowed.test and denied.test name the host's loopback, which
+    this test un-blocks (the default blocks it); the ceiling allows allowed.test only."""
+    blocked = [r for r in DEFAULT_BLOCKED_RANGES if r != "127.0.0.0/8"]
+    extra = f"""
+[sandboxes.network]
+allow = ["allowed.test:{web}", "metadata.test"]
+blocked_ranges = {json.dumps(blocked)}
+hosts = {{ "allowed.test" = ["127.0.0.1"], "denied.test" = ["127.0.0.1"], "metadata.test" = ["169.254.169.254"] }}
+"""
+    demo_config_path.write_text(
+        demo_config_path.read_text().replace("[sandboxes.limits]", extra + "\n[sandboxes.limits]")
+    )
+    services = build_services(load_config(demo_config_path))
+    try:
+        async with Client(build_server(services, caller="test")) as client:
+            yield client
+    finally:
+        services.close()
+
+
+def egress_records(config_path: Path) -> list[dict[str, Any]]:
+    audit = config_path.parent / "state" / "audit.jsonl"
+    assert verify(audit).ok
+    lines = [json.loads(line) for line in audit.read_text().splitlines()]
+    return [record for record in lines if record.get("event") == "egress"]
+
+
+async def test_an_allowed_destination_is_reached_through_the_proxy(net_client: Client, web: int) -> None:
+    sandbox = await create(net_client, network_allow=[f"allowed.test:{web}"])
+    result = await sh(net_client, sandbox, FETCH.format(url=f"http://allowed.test:{web}/"))
+    assert result["detail"]["stdout"] == "hello from the host\n", result
+
+
+async def test_refusals_are_answered_and_audited(net_client: Client, demo_config_path: Path, web: int) -> None:
+    sandbox = await create(net_client, network_allow=[f"allowed.test:{web}", "metadata.test"])
+    denied = await sh(net_client, sandbox, FETCH.format(url=f"http://denied.test:{web}/"))
+    assert "403" in denied["detail"]["stderr"]
+    metadata = await sh(net_client, sandbox, FETCH.format(url="http://metadata.test/latest/meta-data/"))
+    assert "403" in metadata["detail"]["stderr"]
+    redirect = await sh(net_client, sandbox, FETCH.format(url=f"http://allowed.test:{web}/redirect"))
+    assert "403" in redirect["detail"]["stderr"]
+    records = egress_records(demo_config_path)
+    decisions = {(r["domain"], r["decision"]) for r in records}
+    assert ("denied.test", "deny") in decisions
+    assert ("metadata.test", "deny") in decisions
+    assert ("allowed.test", "allow") in decisions
+    assert all(r["sandbox"] == sandbox for r in records)
+
+
+async def test_a_program_that_ignores_the_proxy_has_no_route(net_client: Client, web: int) -> None:
+    sandbox = await create(net_client, network_allow=[f"allowed.test:{web}"])
+    code = (
+        f"import socket\nfor host, port in (('127.0.0.1', {web}), ('169.254.169.254', 80), ('1.1.1.1', 53)):\n"
+        "    try:\n        socket.create_connection((host, port), timeout=2); print('OPEN', host)\n"
+        "    except OSError as exc:\n        print('closed', host, type(exc).__name__)"
+    )
+    result = await call(net_client, "execute_code", code=code, sandbox_id=sandbox)
+    assert "OPEN" not in result["detail"]["stdout"], result
+    assert result["detail"]["stdout"].count("closed") == 3
+
+
+async def test_no_network_by_default_and_the_ceiling_holds(net_client: Client) -> None:
+    sandbox = await create(net_client)
+    status = await call(net_client, "get_sandbox_status", sandbox_id=sandbox)
+    assert status["detail"]["network"] == []
+    env = await sh(net_client, sandbox, "env")
+    assert "PROXY" not in env["detail"]["stdout"]
+    wider = await call(net_client, "create_sandbox", network_allow=["evil.example.com"])
+    assert wider["code"] == "POLICY_DENIED"
+    malformed = await call(net_client, "create_sandbox", network_allow=["http://x/"])
+    assert malformed["code"] == "INVALID_REQUEST"

@@ -1,0 +1,216 @@
+"""dispatch.py on its own: the parser, the path pinning, the log, run as the forced command would be."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bastion.gateway import dispatch
+from bastion.gateway.keys import dispatch_source
+
+SOURCE = dispatch_source()
+
+
+def test_script_is_python39_stdlib_only_one_file() -> None:
+    tree = ast.parse(SOURCE, feature_version=(3, 9))
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0
+            imported.add((node.module or "").split(".")[0])
+    assert imported <= set(sys.stdlib_module_names) | {"__future__"}
+    assert "bastion" not in imported
+    assert "shell=True" not in SOURCE
+
+
+@pytest.fixture
+def target(tmp_path: Path) -> Path:
+    srv = tmp_path / "srv"
+    (srv / "app").mkdir(parents=True)
+    (srv / "app" / "VERSION").write_text("v1\n")
+    (tmp_path / "srv-secret").mkdir()
+    (tmp_path / "srv-secret" / "key").write_text("SECRET\n")
+    (srv / "app" / "link").symlink_to(tmp_path / "srv-secret")
+    (srv / "app" / "filelink").symlink_to(tmp_path / "srv-secret" / "key")
+    config = {
+        "root": str(srv),
+        "log": str(tmp_path / "dispatch.jsonl"),
+        "projects": ["app"],
+        "timeout_s": 5,
+        "max_output_bytes": 1024,
+        "actions": {
+            "status": {"argv": ["/bin/echo", "status", "{project}"], "args": [{"name": "project", "kind": "project"}]},
+            "show": {"argv": ["/bin/cat", "{path}"], "args": [{"name": "path", "kind": "path"}]},
+            "env": {"argv": ["/usr/bin/env"]},
+            "deploy": {
+                "argv": ["/bin/echo", "deploy", "{version}"],
+                "args": [{"name": "version", "pattern": "v[0-9]+"}],
+            },
+        },
+    }
+    (tmp_path / "dispatch.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+def run_dispatch(target: Path, command: str | None, **env: str) -> subprocess.CompletedProcess[str]:
+    environ = {"PATH": "/usr/bin:/bin", **env}
+    if command is not None:
+        environ["SSH_ORIGINAL_COMMAND"] = command
+    script = target / "dispatch.py"
+    if not script.exists():
+        script.write_text(SOURCE)
+    return subprocess.run(
+        ["/usr/bin/python3", "-I", str(script), "--config", str(target / "dispatch.json")],
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+
+
+def records(target: Path) -> list[dict[str, object]]:
+    return [json.loads(line) for line in (target / "dispatch.jsonl").read_text().splitlines()]
+
+
+def test_allowed_action_runs_and_is_logged(target: Path) -> None:
+    done = run_dispatch(target, "status app")
+    assert (done.returncode, done.stdout) == (0, "status app\n")
+    assert [r["event"] for r in records(target)] == ["start", "end"]
+    assert (target / "dispatch.jsonl").stat().st_mode & 0o777 == 0o600
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        "",
+        "status",
+        "status app extra",
+        "status  app",
+        " status app",
+        "status app ",
+        "status other",
+        "status -app",
+        "status app\nid",
+        "status app\tid",
+        "status app\x1b[2J",
+        "status ａpp",
+        "deploy v1;id",
+        "deploy 1",
+        "deploy v1 --force",
+        "unknown",
+        "show ../srv-secret/key",
+        "show app/../../srv-secret/key",
+        "show /etc/passwd",
+        "show app/link/key",
+        "show app/filelink",
+        "show app//VERSION",
+        "show app/./VERSION",
+        "x" * 257,
+    ],
+)
+def test_refusals_exit_126_with_one_line_and_a_record(target: Path, command: str) -> None:
+    done = run_dispatch(target, command)
+    assert done.returncode == 126, done.stderr
+    assert done.stderr.startswith("dispatch: refused: ")
+    assert done.stderr.count("\n") == 1
+    assert "SECRET" not in done.stdout
+    assert [r["event"] for r in records(target)] == ["refused"]
+
+
+def test_missing_command_is_an_interactive_login(target: Path) -> None:
+    done = run_dispatch(target, None)
+    assert done.returncode == 126
+    assert "interactive" in done.stderr
+    assert records(target)[0]["request"] is None
+
+
+def test_path_argument_is_pinned_beneath_root(target: Path) -> None:
+    done = run_dispatch(target, "show app/VERSION")
+    assert (done.returncode, done.stdout) == (0, "v1\n")
+
+
+def test_environment_is_clean(target: Path) -> None:
+    done = run_dispatch(target, "env", LD_PRELOAD="/nonexistent.so", BASTION_LEAK="1")
+    assert done.returncode == 0
+    names = {line.split("=", 1)[0] for line in done.stdout.splitlines()}
+    assert names == {"PATH", "LANG"}
+
+
+def test_output_is_capped(target: Path) -> None:
+    config = json.loads((target / "dispatch.json").read_text())
+    config["actions"]["big"] = {"argv": ["/usr/bin/head", "-c", "100000", "/dev/zero"]}
+    (target / "dispatch.json").write_text(json.dumps(config))
+    done = subprocess.run(
+        ["/usr/bin/python3", "-I", "-c", SOURCE, "--config", str(target / "dispatch.json")],
+        env={"SSH_ORIGINAL_COMMAND": "big"},
+        capture_output=True,
+        timeout=30,
+        check=False,
+    )
+    assert done.returncode == 0
+    assert len(done.stdout) == 1024
+    assert records(target)[-1]["truncated"] is True
+
+
+def test_symlinked_log_is_refused_and_nothing_runs(target: Path) -> None:
+    victim = target / "victim"
+    victim.write_text("")
+    (target / "dispatch.jsonl").symlink_to(victim)
+    done = run_dispatch(target, "status app")
+    assert done.returncode == 126
+    assert "log cannot be written" in done.stderr
+    assert done.stdout == ""
+    assert victim.read_text() == ""
+
+
+def test_bad_config_refuses_everything(target: Path) -> None:
+    config = json.loads((target / "dispatch.json").read_text())
+    config["actions"]["status"]["argv"][0] = "echo"  # not absolute: PATH lookups are refused
+    (target / "dispatch.json").write_text(json.dumps(config))
+    done = run_dispatch(target, "status app")
+    assert done.returncode == 126
+    assert "config is not valid" in done.stderr
+
+
+def test_wrong_invocation_is_refused(target: Path) -> None:
+    done = subprocess.run(
+        ["/usr/bin/python3", "-I", "-c", SOURCE],
+        env={"SSH_ORIGINAL_COMMAND": "status app"},
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert done.returncode == 126
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(max_size=300))
+def test_parser_accepts_only_the_allowlist(command: str) -> None:
+    config = dispatch.Config(
+        {
+            "root": "/srv",
+            "log": "/var/log/x",
+            "projects": ["app"],
+            "actions": {
+                "status": {"argv": ["/bin/true", "{project}"], "args": [{"name": "project", "kind": "project"}]},
+                "deploy": {"argv": ["/bin/true", "{v}"], "args": [{"name": "v", "pattern": "v[0-9]+"}]},
+            },
+        }
+    )
+    try:
+        action, values = dispatch.parse(command, config)
+    except dispatch.Refused:
+        return
+    assert command in ("status app",) or (action.name == "deploy" and len(values) == 1 and values[0][0] == "v")
+    assert " ".join([action.name, *values]) == command

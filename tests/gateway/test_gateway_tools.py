@@ -1,0 +1,272 @@
+"""The gateway tools through the SDK's real client, against the real sshd lab.
+
+What this proves: with a bastion config pointing at a real OpenSSH server whose
+authorized_keys holds the line bastion printed, `biscuit_status` and `biscuit_logs` run
+the host's actions; `biscuit_deploy` sends nothing until a human approves the exact
+literal (through the CLI, another process), runs once when approved, and never reaches
+the host when denied, expired or replayed (the host's dispatch log and the action's own
+log show nothing); bad arguments are refused before anything is sent; a changed host key
+is refused with FORBIDDEN. What it does not prove: behaviour over HTTP with OAuth scopes
+(the scope of each tool is checked here only as registered).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import anyio
+import pytest
+from mcp import Client
+
+from bastion.app import build_server, build_services
+from bastion.config import load_config
+from bastion.safety.approvals import ApprovalQueue
+from bastion.tools.server import GATEWAY_DEPLOY, GATEWAY_READ
+from tests.helpers import call
+
+from .lab import GatewayLab
+
+pytestmark = pytest.mark.anyio
+
+
+@asynccontextmanager
+async def connect(config_path: Path) -> AsyncIterator[Client]:
+    services = build_services(load_config(config_path))
+    try:
+        async with Client(build_server(services, caller="gateway-test")) as client:
+            yield client
+    finally:
+        services.close()
+
+
+def variant(lab: GatewayLab, name: str, old: str, new: str) -> Path:
+    """A copy of the lab's bastion.toml (same folder, so relative paths hold) with one change."""
+    text = lab.config_path.read_text()
+    assert old in text
+    path = lab.config_path.with_name(name)
+    path.write_text(text.replace(old, new, 1))
+    return path
+
+
+def host_saw(lab: GatewayLab, literal: str) -> bool:
+    runs = any(" ".join(run["argv"]) == literal for run in lab.action_runs())
+    return runs or any(record.get("request") == literal for record in lab.dispatch_records())
+
+
+def approvals_cli(lab: GatewayLab, config: Path, *args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", "bastion", "approvals", *args, "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+async def test_status_and_logs_work(lab: GatewayLab) -> None:
+    async with connect(lab.config_path) as client:
+        status = await call(client, "biscuit_status", project="biscuit")
+        assert status["ok"], status
+        assert status["detail"]["stdout"] == "biscuit: running\n"  # type: ignore[index]
+        assert status["detail"]["literal"] == "status biscuit"  # type: ignore[index]
+        assert status["audit_id"]
+        logs = await call(client, "biscuit_logs", project="biscuit", lines="3")
+        assert logs["ok"], logs
+        assert logs["detail"]["stdout"].splitlines() == [f"biscuit log line {i}" for i in range(3)]  # type: ignore[index]
+        # The warm connection: both calls went over one SSH connection.
+        again = await call(client, "biscuit_status", project="biscuit")
+        assert again["ok"]
+
+
+async def test_tools_are_listed_with_their_scopes(lab: GatewayLab) -> None:
+    services = build_services(load_config(lab.config_path))
+    try:
+        server = build_server(services, caller="gateway-test")
+        assert server.tool_scopes["biscuit_status"] == GATEWAY_READ
+        assert server.tool_scopes["biscuit_actions"] == GATEWAY_READ
+        assert server.tool_scopes["biscuit_deploy"] == GATEWAY_DEPLOY
+        async with Client(server) as client:
+            listing = await call(client, "biscuit_actions")
+            tools = {a["tool"]: a for a in listing["detail"]["actions"]}  # type: ignore[index]
+            assert tools["biscuit_deploy"]["approval"] is True
+            assert tools["biscuit_status"]["approval"] is False
+            schema = {t.name: t.input_schema for t in (await client.list_tools()).tools}
+            assert set(schema["biscuit_deploy"]["properties"]) == {"project", "version", "approval_id"}
+            assert set(schema["biscuit_deploy"]["required"]) == {"project", "version"}
+    finally:
+        services.close()
+
+
+@pytest.mark.parametrize(
+    ("tool", "args"),
+    [
+        ("biscuit_status", {"project": "biscuit;id"}),
+        ("biscuit_status", {"project": "-rf"}),
+        ("biscuit_logs", {"project": "biscuit", "lines": "10\nid"}),
+        ("biscuit_logs", {"project": "biscuit", "lines": "$(id)"}),
+        ("biscuit_deploy", {"project": "biscuit", "version": "v1.2.3 --force"}),
+        ("biscuit_deploy", {"project": "biscuit", "version": "../../etc"}),
+    ],
+)
+async def test_bad_arguments_are_refused_before_sending(lab: GatewayLab, tool: str, args: dict[str, str]) -> None:
+    before = len(lab.dispatch_records())
+    async with connect(lab.config_path) as client:
+        result = await call(client, tool, **args)
+    assert result["code"] == "INVALID_REQUEST", result
+    assert len(lab.dispatch_records()) == before
+
+
+async def test_unknown_argument_is_refused(lab: GatewayLab) -> None:
+    async with connect(lab.config_path) as client:
+        result = await call(client, "biscuit_status", project="biscuit", env="LD_PRELOAD=x")
+    assert result["code"] == "INVALID_REQUEST"
+
+
+async def test_deploy_needs_approval_then_runs_once(lab: GatewayLab) -> None:
+    literal = "deploy biscuit v2.0.1"
+    async with connect(lab.config_path) as client:
+        first = await call(client, "biscuit_deploy", project="biscuit", version="v2.0.1")
+        assert first["code"] == "NEEDS_APPROVAL", first
+        approval_id = first["detail"]["approval_id"]  # type: ignore[index]
+        assert not host_saw(lab, literal)
+        # Presenting it before a human decided: still nothing reaches the host.
+        early = await call(client, "biscuit_deploy", project="biscuit", version="v2.0.1", approval_id=approval_id)
+        assert early["code"] == "NEEDS_APPROVAL"
+        assert literal in approvals_cli(lab, lab.config_path, "list")
+        approvals_cli(lab, lab.config_path, "approve", approval_id)
+        # Approval is for this literal only.
+        other = await call(client, "biscuit_deploy", project="biscuit", version="v9.9.9", approval_id=approval_id)
+        assert other["code"] == "INVALID_REQUEST"
+        assert not host_saw(lab, "deploy biscuit v9.9.9")
+        done = await call(client, "biscuit_deploy", project="biscuit", version="v2.0.1", approval_id=approval_id)
+        assert done["ok"], done
+        assert done["detail"]["stdout"] == "deployed biscuit v2.0.1\n"  # type: ignore[index]
+        assert host_saw(lab, literal)
+        replay = await call(client, "biscuit_deploy", project="biscuit", version="v2.0.1", approval_id=approval_id)
+        assert replay["code"] == "APPROVAL_DENIED"
+    assert sum(run["argv"] == ["deploy", "biscuit", "v2.0.1"] for run in lab.action_runs()) == 1
+
+
+async def test_denied_deploy_never_reaches_the_host(lab: GatewayLab) -> None:
+    literal = "deploy biscuit v3.0.0"
+    async with connect(lab.config_path) as client:
+        first = await call(client, "biscuit_deploy", project="biscuit", version="v3.0.0")
+        approval_id = first["detail"]["approval_id"]  # type: ignore[index]
+        approvals_cli(lab, lab.config_path, "deny", approval_id, "--reason", "change freeze")
+        denied = await call(client, "biscuit_deploy", project="biscuit", version="v3.0.0", approval_id=approval_id)
+    assert denied["code"] == "APPROVAL_DENIED"
+    assert "change freeze" in denied["reason"]
+    assert not host_saw(lab, literal)
+
+
+async def test_expired_approval_never_runs(lab: GatewayLab) -> None:
+    config = variant(lab, "bastion-short-ttl.toml", "ttl_s = 600", "ttl_s = 1")
+    async with connect(config) as client:
+        first = await call(client, "biscuit_deploy", project="biscuit", version="v4.0.0")
+        approval_id = first["detail"]["approval_id"]  # type: ignore[index]
+        await anyio.sleep(1.2)
+        late = await call(client, "biscuit_deploy", project="biscuit", version="v4.0.0", approval_id=approval_id)
+    assert late["code"] == "APPROVAL_DENIED"
+    assert "expired" in late["reason"]
+    assert not host_saw(lab, "deploy biscuit v4.0.0")
+
+
+async def test_deploy_waits_with_progress_and_runs_when_approved(lab: GatewayLab) -> None:
+    config = variant(lab, "bastion-wait.toml", "wait_s = 0", "wait_s = 20")
+    queue = ApprovalQueue(load_config(config).db_path)
+    progress: list[str] = []
+
+    async def on_progress(value: float, total: float | None, message: str | None) -> None:
+        progress.append(message or "")
+
+    async def approve_when_asked() -> None:
+        with anyio.fail_after(15):
+            while not (pending := [a for a in queue.pending() if a.literal == "deploy biscuit v5.0.0"]):
+                await anyio.sleep(0.05)
+            await anyio.sleep(1.5)  # long enough for at least one progress notification
+            await anyio.to_thread.run_sync(approvals_cli, lab, config, "approve", pending[0].id)
+
+    async with connect(config) as client, anyio.create_task_group() as tasks:
+        tasks.start_soon(approve_when_asked)
+        result = await client.call_tool(
+            "biscuit_deploy", {"project": "biscuit", "version": "v5.0.0"}, progress_callback=on_progress
+        )
+    payload = result.structured_content
+    assert payload is not None
+    assert payload["ok"], payload
+    assert payload["detail"]["stdout"] == "deployed biscuit v5.0.0\n"
+    assert payload["detail"]["approved_by"].startswith("cli:")
+    assert progress
+    assert "deploy biscuit v5.0.0" in progress[0]
+
+
+async def test_deny_while_waiting_returns_approval_denied(lab: GatewayLab) -> None:
+    config = variant(lab, "bastion-wait-deny.toml", "wait_s = 0", "wait_s = 20")
+    queue = ApprovalQueue(load_config(config).db_path)
+
+    async def deny_when_asked() -> None:
+        with anyio.fail_after(15):
+            while not (pending := [a for a in queue.pending() if a.literal == "deploy biscuit v6.0.0"]):
+                await anyio.sleep(0.05)
+            queue.deny(pending[0].id, "admin", "no")
+
+    async with connect(config) as client, anyio.create_task_group() as tasks:
+        tasks.start_soon(deny_when_asked)
+        result = await call(client, "biscuit_deploy", project="biscuit", version="v6.0.0")
+    assert result["code"] == "APPROVAL_DENIED"
+    assert not host_saw(lab, "deploy biscuit v6.0.0")
+
+
+async def test_changed_host_key_is_forbidden(lab: GatewayLab, tmp_path: Path) -> None:
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / "other")], check=True)
+    other = " ".join((tmp_path / "other.pub").read_text().split()[:2])
+    config = variant(lab, "bastion-wrong-key.toml", lab.host_key_line, other)
+    before = len(lab.dispatch_records())
+    async with connect(config) as client:
+        result = await call(client, "biscuit_status", project="biscuit")
+    assert result["code"] == "FORBIDDEN", result
+    assert "host key" in result["reason"]
+    assert len(lab.dispatch_records()) == before
+
+
+async def test_unpinned_host_key_is_forbidden(lab: GatewayLab) -> None:
+    config = variant(lab, "bastion-no-key.toml", f'host_key = "{lab.host_key_line}"\n', "")
+    async with connect(config) as client:
+        result = await call(client, "biscuit_status", project="biscuit")
+    assert result["code"] == "FORBIDDEN"
+
+
+async def test_host_refusal_is_policy_denied(lab: GatewayLab) -> None:
+    """bastion allows 'fail' but a project the host does not list is refused there (exit 126)."""
+    config = variant(lab, "bastion-other-project.toml", 'pattern = "[a-z][a-z0-9-]{0,31}" }]', 'pattern = "[a-z]+" }]')
+    async with connect(config) as client:
+        result = await call(client, "biscuit_status", project="cookie")
+    assert result["code"] == "POLICY_DENIED", result
+    assert "not allowed here" in result["reason"]
+
+
+async def test_output_is_capped_redacted_and_status_kept(lab: GatewayLab) -> None:
+    async with connect(lab.config_path) as client:
+        big = await call(client, "biscuit_big")
+        leak = await call(client, "biscuit_leak")
+        fail = await call(client, "biscuit_fail")
+    assert big["code"] == "OUTPUT_TRUNCATED"
+    assert len(big["detail"]["stdout"]) == 65536  # type: ignore[index]
+    assert "hunter2-very-secret-value" not in leak["detail"]["stdout"]  # type: ignore[index]
+    assert "REDACTED" in leak["detail"]["stdout"]  # type: ignore[index]
+    assert fail["ok"] is True
+    assert fail["detail"]["exit_status"] == 3  # type: ignore[index]
+    assert "about to fail" in fail["detail"]["stderr"]  # type: ignore[index]
+
+
+async def test_unreachable_gateway_is_unavailable(lab: GatewayLab) -> None:
+    config = variant(lab, "bastion-closed-port.toml", f"port = {lab.port}", "port = 9")
+    async with connect(config) as client:
+        result = await call(client, "biscuit_status", project="biscuit")
+    assert result["code"] == "UNAVAILABLE"

@@ -1,0 +1,90 @@
+"""Installation helpers and config checks: keygen, the authorized_keys line, the demo, refusals."""
+
+from __future__ import annotations
+
+import re
+import stat
+from pathlib import Path
+
+import pytest
+
+from bastion.cli import main
+from bastion.config import load_config
+from bastion.demo import init_demo
+from bastion.gateway.keys import dispatch_source
+
+LINE = re.compile(
+    r'^restrict,from="127\.0\.0\.1",command="/usr/bin/python3 -I /opt/bastion-gateway/dispatch\.py '
+    r'--config /etc/bastion-gateway/dispatch\.toml" ssh-ed25519 [A-Za-z0-9+/=]+ bastion-gateway-biscuit$'
+)
+
+
+def test_keygen_then_authorized_keys(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = init_demo(tmp_path / "demo")
+    assert main(["gateway", "authorized-keys", "--config", str(config), "biscuit"]) == 78  # no key yet
+    assert "keygen" in capsys.readouterr().err
+    assert main(["gateway", "keygen", "--config", str(config), "biscuit"]) == 0
+    key = tmp_path / "demo" / "state" / "gateway" / "biscuit_ed25519"
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600
+    capsys.readouterr()
+    assert main(["gateway", "authorized-keys", "--config", str(config), "biscuit"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert LINE.match(line), line
+    assert line.endswith(Path(f"{key}.pub").read_text().strip())
+    # A key is never overwritten: it may already be installed on a host.
+    before = key.read_bytes()
+    assert main(["gateway", "keygen", "--config", str(config), "biscuit"]) == 78
+    assert key.read_bytes() == before
+
+
+def test_dispatch_script_is_printed_and_written(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["gateway", "dispatch-script"]) == 0
+    assert capsys.readouterr().out == dispatch_source()
+    out = tmp_path / "dispatch.py"
+    assert main(["gateway", "dispatch-script", "--output", str(out)]) == 0
+    assert out.read_text() == dispatch_source()
+    assert stat.S_IMODE(out.stat().st_mode) & 0o111
+
+
+def test_demo_has_biscuit_and_a_target_example(tmp_path: Path) -> None:
+    config = load_config(init_demo(tmp_path / "demo"))
+    biscuit = config.gateway_by_name("biscuit")
+    assert biscuit is not None
+    assert biscuit.host == "127.0.0.1"
+    assert biscuit.host_key is None  # harmless until a target is pinned
+    approvals = {a.name: a.approval for a in biscuit.action}
+    assert approvals["deploy"] is True
+    assert approvals["status"] is False
+    example = tmp_path / "demo" / "gateway" / "dispatch.toml"
+    from bastion.gateway import dispatch
+
+    target = dispatch.load_config(str(example))
+    assert set(target.actions) == set(approvals)
+
+
+def _with_gateway(tmp_path: Path, old: str, new: str) -> Path:
+    path = init_demo(tmp_path / "demo")
+    text = path.read_text()
+    assert old in text
+    path.write_text(text.replace(old, new, 1))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "message"),
+    [
+        ('key_path = "state/gateway/biscuit_ed25519"', 'key_path = "workspace/key"', "an agent could read it"),
+        ('# host_key = "ssh-ed25519 AAAA..."', 'host_key = "ssh-ed25519 not base64!"', "host_key"),
+        ('name = "status"', 'name = "actions"', "actions"),
+        ('from_addresses = ["127.0.0.1"]', 'from_addresses = ["1.2.3.4\\",command=\\"sh"]', "from address"),
+        ('dispatch_path = "/opt/bastion-gateway/dispatch.py"', 'dispatch_path = "/opt/x y.py"', "absolute path"),
+        ('name = "logs"', 'name = "status"', "action twice"),
+        ("# webhook_url", 'webhook_url = "file:///etc/passwd"\n#', "webhook_url"),
+    ],
+)
+def test_config_refusals(tmp_path: Path, old: str, new: str, message: str) -> None:
+    from bastion.safety.errors import ConfigError
+
+    path = _with_gateway(tmp_path, old, new)
+    with pytest.raises(ConfigError, match=message):
+        load_config(path)

@@ -1,0 +1,96 @@
+"""The organizer tools through the SDK's real client on the real server built from the demo config."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from mcp import Client
+
+from bastion.app import Services
+from bastion.safety.audit import verify
+from bastion.tools.server import ORGANIZER
+from tests.helpers import call
+
+pytestmark = pytest.mark.anyio
+
+TOOLS = ("list_files", "plan_organize", "apply_plan", "move_file", "undo_last_action", "redo_last_action")
+
+
+def _inbox(services: Services) -> Path:
+    return services.config.inbox[0].path
+
+
+async def test_tools_are_listed_under_the_organizer_scope(client: Client) -> None:
+    listed = {tool.name: tool for tool in (await client.list_tools()).tools}
+    for name in TOOLS:
+        assert name in listed
+        assert listed[name].annotations is not None
+        assert listed[name].annotations.destructive_hint is False
+
+
+def test_tools_carry_the_organizer_scope(services: Services) -> None:
+    from bastion.app import build_server
+
+    server = build_server(services, caller="test")
+    assert {name: server.tool_scopes[name] for name in TOOLS} == dict.fromkeys(TOOLS, ORGANIZER)
+
+
+async def test_plan_apply_undo_redo_over_mcp(client: Client, services: Services) -> None:
+    inbox = _inbox(services)
+    (inbox / "report.pdf").write_bytes(b"pdf")
+    (inbox / "cat.png").write_bytes(b"png")
+    (inbox / "setup.exe").write_bytes(b"exe")
+
+    listed = await call(client, "list_files")
+    assert listed["ok"] is True
+    by_name = {e["name"]: e for e in listed["detail"]["entries"]}  # type: ignore[index]
+    assert by_name["setup.exe"]["code"] == "NEEDS_EXPLICIT_REQUEST"
+
+    planned = await call(client, "plan_organize")
+    assert planned["ok"] is True
+    assert not (inbox / "Documents").exists()
+    plan_id = planned["detail"]["plan_id"]  # type: ignore[index]
+
+    applied = await call(client, "apply_plan", plan_id=plan_id)
+    assert applied["ok"] is True, applied
+    assert (inbox / "Documents" / "report.pdf").read_bytes() == b"pdf"
+    again = await call(client, "apply_plan", plan_id=plan_id)
+    assert again["code"] == "NOT_FOUND"
+
+    moved = await call(client, "move_file", src="setup.exe", dest="Installers/setup.exe")
+    assert moved["ok"] is True, moved
+    undone = await call(client, "undo_last_action")
+    assert undone["ok"] is True
+    assert (inbox / "setup.exe").exists()
+    undone = await call(client, "undo_last_action")
+    assert undone["ok"] is True
+    assert sorted(p.name for p in inbox.iterdir()) == ["cat.png", "report.pdf", "setup.exe"]
+    redone = await call(client, "redo_last_action")
+    assert redone["ok"] is True
+    assert (inbox / "Images" / "cat.png").exists()
+
+    report = verify(services.config.audit_path)
+    assert report.ok, report
+    records = [json.loads(line) for line in services.config.audit_path.read_text().splitlines()]
+    ends = [r for r in records if r.get("event") == "end" and r["tool"] == "apply_plan"]
+    assert ends[0]["code"] == "OK"
+    assert "report.pdf" in ends[0]["files"]
+    starts = [r for r in records if r.get("event") == "start"]
+    assert {r["tool"] for r in starts} >= {"apply_plan", "move_file", "undo_last_action", "redo_last_action"}
+
+
+async def test_conflict_and_unknown_inbox_are_typed_refusals(client: Client, services: Services) -> None:
+    inbox = _inbox(services)
+    (inbox / "a.txt").write_bytes(b"a")
+    (inbox / "b.txt").write_bytes(b"b")
+    refused = await call(client, "move_file", src="a.txt", dest="b.txt")
+    assert refused["code"] == "CONFLICT"
+    assert (inbox / "b.txt").read_bytes() == b"b"
+    unknown = await call(client, "list_files", inbox="nope")
+    assert unknown["code"] == "SANDBOX_NOT_FOUND"
+    extra = await call(client, "list_files", root="/")
+    assert extra["code"] == "INVALID_REQUEST"
+    nothing = await call(client, "undo_last_action")
+    assert nothing["code"] == "NOT_FOUND"
