@@ -11,7 +11,14 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SCRIPTS = ("bench_stdio.py", "bench_audit.py", "bench_sandbox.py", "bench_egress.py")
+SCRIPTS = (
+    "bench_stdio.py",
+    "bench_audit.py",
+    "bench_sandbox.py",
+    "bench_code.py",
+    "bench_egress.py",
+    "bench_gateway.py",
+)
 
 
 def main() -> int:

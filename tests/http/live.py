@@ -216,7 +216,7 @@ class Browser:
             "resource": self.server.mcp_url,
         }
         query.update(params)
-        return f"/authorize?{urlencode(query)}"
+        return f"/authorize?{urlencode({k: v for k, v in query.items() if v != '<omit>'})}"
 
     def open(self, url: str) -> httpx2.Response:
         """GET, following our own redirects; stops at a redirect that leaves the server."""

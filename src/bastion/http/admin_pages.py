@@ -13,6 +13,7 @@ import secrets
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any, Final
+from urllib.parse import urlencode
 
 import anyio
 from starlette.requests import Request
@@ -25,6 +26,8 @@ from bastion.http.flow import BROWSER_COOKIE, LOGIN_FAILED, client_ip, single_pa
 from bastion.http.password import AdminCredential
 from bastion.http.ratelimit import LoginLimiter
 from bastion.http.store import AuthStore
+from bastion.safety.approvals import ApprovalQueue
+from bastion.safety.errors import BastionError
 
 SESSION_COOKIE: Final = "__Host-bastion-admin"
 MAX_FORM_BYTES: Final = 16 * 1024
@@ -41,8 +44,8 @@ class AdminPages:
         self.limiter = limiter
         self.config = config
         self._key = secrets.token_bytes(32)
-        self.approvals: Any = None
-        """The approval queue (bastion.safety.approvals), when the gateway provides one."""
+        self.approvals = ApprovalQueue(config.db_path)
+        """The same queue (same SQLite table) the gateway and `bastion approvals` use."""
 
     def routes(self) -> list[Route]:
         return [
@@ -51,6 +54,8 @@ class AdminPages:
             Route("/admin/login", self.login_post, methods=["POST"]),
             Route("/admin/logout", self._post(self.logout), methods=["POST"]),
             Route("/admin/revoke", self._post(self.revoke), methods=["POST"]),
+            Route("/admin/approvals", self.approvals_page, methods=["GET"]),
+            Route("/admin/approvals", self._post(self.decide), methods=["POST"]),
         ]
 
     # -- sessions and CSRF ----------------------------------------------------------------------------
@@ -147,7 +152,8 @@ class AdminPages:
             if rows
             else "<p>No client holds a grant.</p>"
         )
-        approvals = '<p><a href="/admin/approvals">Pending approvals</a></p>' if self.approvals is not None else ""
+        waiting = len(self.approvals.pending())
+        approvals = f'<p><a href="/admin/approvals">Pending approvals: {waiting}</a></p>'
         body = (
             f"{approvals}<h2>Active grants</h2>{table}"
             f'<form method="post" action="/admin/revoke">{pages.hidden({"csrf": csrf, "grant": "*"})}'
@@ -166,6 +172,50 @@ class AdminPages:
             return response
         self.store.revoke_grant(grant, "revoked by the administrator")
         return pages.see_other("/admin")
+
+    async def approvals_page(self, request: Request) -> Response:
+        csrf = self.session_csrf(request)
+        if csrf is None:
+            return pages.see_other("/admin/login")
+        message = request.query_params.get("message", "")
+        note = f'<p class="err" role="alert">{pages.esc(message[:300])}</p>' if message else ""
+        pending = self.approvals.pending()
+        items = "".join(
+            f'<div class="box"><p><strong>{pages.esc(a.action)}</strong> <code>{pages.esc(a.id)}</code></p>'
+            f"<pre>{pages.esc(a.literal)}</pre><p>asked by {pages.esc(a.requested_by)} at {_when(a.requested_at)}; "
+            f"expires {_when(a.expires_at)}</p>"
+            f'<form method="post" action="/admin/approvals">{pages.hidden({"csrf": csrf, "id": a.id})}'
+            '<p><label>Reason (for a denial) <input type="text" name="reason" maxlength="500"></label></p>'
+            '<button type="submit" name="decision" value="approve">Approve</button>'
+            '<button type="submit" name="decision" value="deny">Deny</button></form></div>'
+            for a in pending
+        )
+        decided = "".join(
+            f"<tr><td><code>{pages.esc(a.id)}</code></td><td>{pages.esc(a.action)}</td>"
+            f"<td><code>{pages.esc(a.literal[:200])}</code></td><td>{pages.esc(a.state)}</td>"
+            f"<td>{pages.esc(a.decided_by or '-')}</td></tr>"
+            for a in self.approvals.recent(20)
+            if a.state != "pending"
+        )
+        body = (
+            f'{note}<p><a href="/admin">Back</a></p><h2>Pending</h2>'
+            f"{items or '<p>Nothing is waiting.</p>'}<h2>Recent decisions</h2>"
+            f"<table><tr><th>Id</th><th>Action</th><th>Literal</th><th>State</th><th>By</th></tr>{decided}</table>"
+        )
+        return pages.page("bastion: approvals", body)
+
+    async def decide(self, request: Request, form: dict[str, str], csrf: str) -> Response:
+        approval_id, decision = form.get("id", ""), form.get("decision")
+        try:
+            if decision == "approve":
+                self.approvals.approve(approval_id, by="administrator (web)")
+            elif decision == "deny":
+                self.approvals.deny(approval_id, by="administrator (web)", reason=form.get("reason", ""))
+            else:
+                return pages.error_page("decision must be approve or deny", status=400)
+        except BastionError as exc:
+            return pages.see_other(f"/admin/approvals?{urlencode({'message': exc.reason})}")
+        return pages.see_other("/admin/approvals")
 
 
 def _local(request: Request) -> bool:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Final
 from urllib.parse import urlsplit
@@ -23,7 +23,6 @@ import anyio
 from mcp.server.auth.middleware.auth_context import AuthContextMiddleware
 from mcp.server.auth.middleware.bearer_auth import BearerAuthBackend
 from mcp.server.auth.provider import ProviderTokenVerifier
-from mcp.server.auth.routes import cors_middleware
 from mcp.server.streamable_http_manager import StreamableHTTPASGIApp
 from mcp.server.transport_security import TransportSecuritySettings
 from pydantic import AnyHttpUrl
@@ -31,7 +30,9 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.authentication import AuthenticationMiddleware
 from starlette.middleware.cors import CORSMiddleware
-from starlette.routing import Route
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route, request_response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from bastion.app import Services
@@ -55,6 +56,16 @@ from bastion.tools.server import SCOPES, BastionServer
 access_logger = logging.getLogger("bastion.http.access")
 PURGE_INTERVAL_S: Final = 300.0
 _MCP_HEADERS: Final = ["authorization", "content-type", "mcp-session-id", "mcp-protocol-version", "last-event-id"]
+
+
+def cors_middleware(handler: Callable[[Request], Awaitable[Response]], methods: list[str]) -> ASGIApp:
+    """CORS for the endpoints browser-based clients call (MCP Inspector): any origin, never credentials."""
+    return CORSMiddleware(
+        request_response(handler),
+        allow_origins=["*"],
+        allow_methods=methods,
+        allow_headers=["authorization", "content-type", "mcp-protocol-version"],
+    )
 
 
 def endpoints_for(config: Config) -> Endpoints:

@@ -93,6 +93,10 @@ class Rules:
             if rule.names
         }
         self._by_kind = {rule.kind: rule for rule in self.protection if rule.kind is not None}
+        # One regex per rule list: alternation tries the rules in order, so the first group to
+        # match is the first rule (by order) whose names match.
+        self._all_names = _combined(self.rules)
+        self._protection_names = _combined(self.protection)
 
     def category_of(self, name: str) -> str | None:
         """The category folder for a file name (longest extension first: "tar.gz" before "gz")."""
@@ -107,10 +111,22 @@ class Rules:
 
     def check(self, name: str, mode: int, *, protection_only: bool) -> Hit | None:
         """The first skip rule matching an entry (its own name and lstat mode), or None."""
-        for rule in self.protection if protection_only else self.rules:
-            if self._matches(rule, name, mode):
+        rules = self.protection if protection_only else self.rules
+        combined = self._protection_names if protection_only else self._all_names
+        found = combined.match(name) if combined is not None else None
+        by_name = _rule_index(found.lastgroup) if found is not None and found.lastgroup else len(rules)
+        unsafe: bool | None = None
+        for index, rule in enumerate(rules[:by_name]):
+            kind = rule.kind
+            if kind == "unsafe_name":
+                if unsafe is None:
+                    unsafe = _unsafe(name)
+                if unsafe:
+                    return _hit(rule)
+            elif kind is not None and _kind_matches(kind, mode):
                 return _hit(rule)
-        return None
+            del index
+        return _hit(rules[by_name]) if by_name < len(rules) else None
 
     def check_name(self, name: str) -> Hit | None:
         """Protection rules that judge a name alone (a destination name that does not exist yet)."""
@@ -126,15 +142,33 @@ class Rules:
         """The protection rule of a built-in kind (occupied destination, outside the folder)."""
         return _hit(self._by_kind[kind], reason)
 
-    def _matches(self, rule: SkipRule, name: str, mode: int) -> bool:
-        kind = rule.kind
-        if kind == "symlink" and stat.S_ISLNK(mode):
-            return True
-        if kind == "special_file" and not (stat.S_ISREG(mode) or stat.S_ISDIR(mode) or stat.S_ISLNK(mode)):
-            return True
-        if kind == "unsafe_name" and name_problem(name) is not None:
-            return True
-        if kind == "folder" and stat.S_ISDIR(mode):
-            return True
-        pattern = self._patterns.get(rule.id)
-        return pattern is not None and pattern.match(name) is not None
+
+def _combined(rules: tuple[SkipRule, ...]) -> re.Pattern[str] | None:
+    parts = [
+        f"(?P<r{index}>{'|'.join(fnmatch.translate(name) for name in rule.names)})"
+        for index, rule in enumerate(rules)
+        if rule.names
+    ]
+    return re.compile("|".join(parts), re.IGNORECASE) if parts else None
+
+
+def _rule_index(group: str) -> int:
+    return int(group[1:])
+
+
+def _unsafe(name: str) -> bool:
+    # Fast path for the common name: printable (no control, format, separator or surrogate
+    # characters), no backslash, short enough to be under 255 bytes; else the jail's rule decides.
+    if name.isprintable() and "\\" not in name and len(name) <= 63:
+        return False
+    return name_problem(name) is not None
+
+
+def _kind_matches(kind: str, mode: int) -> bool:
+    if kind == "symlink":
+        return stat.S_ISLNK(mode)
+    if kind == "special_file":
+        return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode) or stat.S_ISLNK(mode))
+    if kind == "folder":
+        return stat.S_ISDIR(mode)
+    return False
