@@ -163,6 +163,7 @@ class PythonContext:
         self._cell: _Cell | None = None
         self._count = 0
         self._lock = asyncio.Lock()
+        self._killing: asyncio.Task[None] | None = None  # held: a task nobody references may vanish
         self.started = time.monotonic()
 
     @property
@@ -225,7 +226,7 @@ class PythonContext:
             if cell is not None and not cell.done.done():
                 cell.done.set_result({"event": event})
             if event == "invalid" and self._process is not None:
-                asyncio.get_running_loop().create_task(self.kill())
+                self._killing = asyncio.get_running_loop().create_task(self.kill())
             return
         if cell is None or message is None or message.get("id") != cell.id:
             return
