@@ -7,6 +7,7 @@
    server of bench/naive_server.py, calls alternating. Target <= 1.5x.
 3. Density: 200 idle sandboxes at once: memory per idle sandbox (target <= 4 MiB beyond
    the workspace files) and run_command("true") p50 with 200 idle against 1 (target <= 1.2x).
+   "Idle" as the reaper leaves them after 10 s unused: trimmed of their waiting members.
 
 Run: .venv/bin/python bench/bench_sandbox.py [--density N]
 """
@@ -102,6 +103,8 @@ async def density(config: Path, count: int) -> tuple[float, float, float, float]
         one = await timed_calls(server, args)
         before = mem_available()
         boxes = [await services.sandboxes.create(owner="bench") for _ in range(count - 1)]
+        # What the reaper does to sandboxes unused for TRIM_AFTER_S (10 s): drop waiting members.
+        services.sandboxes.trim_idle(0)
         await anyio.sleep(1.0)
         after = mem_available()
         cgroup_bytes = sum(u.memory_bytes for b in boxes if (u := b.workspace.sandbox.usage()) is not None)

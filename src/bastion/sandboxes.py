@@ -66,6 +66,7 @@ from bastion.workspaces import HostWorkspace
 
 _ID_HEX_BYTES: Final = 6
 ENV_DEST: Final = f"{BASTION_OPT}/env"
+TRIM_AFTER_S: Final = 10.0
 _MAX_NAME_CHARS: Final = 64
 _SHELL_POLICY: Final = CommandPolicyConfig(allow=("*",))
 _NARROWABLE: Final = frozenset(SandboxLimitsConfig.model_fields)
@@ -447,8 +448,19 @@ class SandboxManager:
         box.workspace.close()
         self._discard_prepared(box.id, box.root)
 
+    def trim_idle(self, min_idle_s: float = TRIM_AFTER_S) -> int:
+        """Let sandboxes unused for `min_idle_s`, and the warm pool's, drop their waiting command
+        processes (about 3 MiB each); their next command starts one (~1 ms). Returns how many."""
+        now = time.monotonic()
+        warms = [box.workspace.sandbox for box in self._boxes.values() if now - box.last_used >= min_idle_s]
+        warms += [prepared.warm for prepared in self._pool]
+        for warm in warms:
+            warm.trim()
+        return len(warms)
+
     def reap(self) -> list[str]:
-        """Close sandboxes past their idle timeout or lifetime; return their ids."""
+        """Close sandboxes past their idle timeout or lifetime; return their ids. Trims idle ones."""
+        self.trim_idle()
         now = time.monotonic()
         expired = [
             box.id

@@ -207,3 +207,34 @@ async def test_close_removes_the_cgroup(limited: WarmSandbox) -> None:
     assert all(os.path.isdir(p) for p in paths)
     limited.close()
     assert not any(os.path.exists(p) for p in paths)
+
+
+def _descendants(pid: int) -> list[int]:
+    found = [pid]
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as handle:
+            for child in handle.read().split():
+                found += _descendants(int(child))
+    return found
+
+
+async def test_trim_drops_waiting_members_and_the_next_command_still_runs(sandbox: WarmSandbox) -> None:
+    """Invariant: an idle trim ends the members waiting for a command (and only those: a
+    background process lives on); commands after it, even at once, run normally."""
+    assert (await sh(sandbox, "true")).status == 0
+    marker = "4244.75"
+    background = await sandbox.spawn("/bin/sleep", ["sleep", marker], cwd="/", env=ENV, ring_bytes=1024)
+    await asyncio.sleep(0.3)  # the agent hands out a fresh waiting member
+    assert sandbox._proc is not None
+    before = len(_descendants(sandbox._proc.pid))
+    sandbox.trim()
+    deadline = time.monotonic() + 5
+    while len(_descendants(sandbox._proc.pid)) >= before and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert len(_descendants(sandbox._proc.pid)) == before - 1, "one waiting member ended"
+    assert processes_with(marker), "the background process survived the trim"
+    outcomes = await asyncio.gather(*(sh(sandbox, f"echo {n}") for n in range(3)))
+    assert [o.stdout for o in outcomes] == [b"0\n", b"1\n", b"2\n"]
+    sandbox.trim()
+    assert (await sh(sandbox, "echo again")).stdout == b"again\n", "a trim right before a command is harmless"
+    await sandbox.kill(background)

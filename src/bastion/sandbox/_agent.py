@@ -16,6 +16,8 @@ agent; fds via SCM_RIGHTS):
                   for a background process the read end of its stdin pipe (else stdin is /dev/null)
   host -> agent   {"op": "used", "pid": P}   (so the agent spawns a replacement)
   host -> agent   {"op": "kill", "pid": P}
+  host -> agent   {"op": "drop"}     (the sandbox is idle: kill the waiting members, spawn no more)
+  host -> agent   {"op": "want"}     (a command is coming: spawn members again)
   agent -> host   {"event": "exit", "pid": P, "status": S}   S: exit code, or 128 + signal number
 The host talks to a member directly: starting a command costs one hop, not two.
 
@@ -188,7 +190,7 @@ def send(sock: socket.socket, message: "dict[str, Any]") -> None:
         os._exit(0)
 
 
-POOL_SIZE = 1  # members waiting per sandbox: each idle one costs ~1 MiB, and 200 idle sandboxes add up
+POOL_SIZE = 1  # members waiting per sandbox: each costs ~3 MiB, so an idle sandbox drops its own
 
 
 class State:
@@ -197,6 +199,7 @@ class State:
         # Of those, the ones the host has not used yet. A set, not a count: a member can exit
         # (and be reaped) before the host's "used" arrives, and must leave the pool either way.
         self.unused: set[int] = set()
+        self.want = True  # False after "drop": no member waits until the host says "want"
 
 
 def hand_member(sock: socket.socket, state: State) -> None:
@@ -228,7 +231,7 @@ def main() -> None:
     send(sock, {"event": "ready", "pid": os.getpid(), "landlock": landlock})
     while True:
         # Refill only when nothing is waiting, so a refill never delays a reply.
-        idle = len(state.unused) < POOL_SIZE
+        idle = state.want and len(state.unused) < POOL_SIZE
         events = sel.select(timeout=0 if idle else None)
         if not events and idle:
             hand_member(sock, state)
@@ -251,12 +254,26 @@ def main() -> None:
 
 
 def handle(req: "dict[str, Any]", state: State) -> None:
+    op = req.get("op")
+    if op == "drop":
+        # Members the host has not taken: a "used" for one taken before the drop came first.
+        for pid in state.unused:
+            try:  # noqa: SIM105 - contextlib would cost import time at every start
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        state.unused.clear()
+        state.want = False
+        return
+    if op == "want":
+        state.want = True
+        return
     pid = int(req.get("pid", 0))
     if pid not in state.handed:
         return
-    if req.get("op") == "used":
+    if op == "used":
         state.unused.discard(pid)
-    elif req.get("op") == "kill":
+    elif op == "kill":
         try:  # noqa: SIM105 - contextlib would cost import time at every start
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:

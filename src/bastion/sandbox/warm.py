@@ -39,6 +39,7 @@ _GROUP_PREFIX: Final = "sb"
 _group_ids = itertools.count(1)
 KILL_GRACE_S: Final = 5.0
 MAX_MESSAGE_BYTES: Final = 65_536
+_HANDOFF_ATTEMPTS: Final = 3
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,7 @@ class WarmSandbox:
         self._waiters: dict[int, asyncio.Future[int]] = {}
         self._background: dict[int, BackgroundProcess] = {}  # by pid inside the sandbox, until it exits
         self._start_lock = asyncio.Lock()
+        self._trimmed = False  # the agent was told to drop its waiting members
 
     def set_limits(self, limits: Limits) -> None:
         """Change the limits, live if the sandbox runs (lowering memory below current use fails)."""
@@ -227,7 +229,24 @@ class WarmSandbox:
         self._paused = False
         self._drop_group()
 
+    def trim(self) -> None:
+        """The sandbox is idle: let its waiting members go (about 3 MiB each); the next command
+        asks for one again, paying a clone (~1 ms). Sync, so it cannot fall between a member
+        being taken and the agent being told it is used."""
+        if not self.alive or self._paused or self._trimmed:
+            return
+        while self._members:
+            self._members.popleft()[1].close()
+        self._trimmed = True
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.send(marshal.dumps({"op": "drop"}))
+
     async def _take_member(self) -> tuple[int, socket.socket]:
+        if self._trimmed and self._sock is not None:
+            self._trimmed = False
+            with contextlib.suppress(OSError):
+                self._sock.send(marshal.dumps({"op": "want"}))
         while not self._members:
             if self._member_ready is None or not self.alive:
                 raise Unavailable("the sandbox is not running")
@@ -256,25 +275,20 @@ class WarmSandbox:
             raise Conflict("the sandbox is paused: resume it first")
         await self.start()
         ooms_before = self.oom_kills()
-        pid, member = await self._take_member()
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[int] = loop.create_future()
-        self._waiters[pid] = waiter
         out_r, out_w = os.pipe2(os.O_CLOEXEC)
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
         request = {"exe": executable, "argv": list(argv), "cwd": cwd, "env": dict(env)}
         try:
-            socket.send_fds(member, [marshal.dumps(request)], [out_w, err_w])
-        except OSError as exc:
-            self._waiters.pop(pid, None)
+            pid = await self._hand_off(request, [out_w, err_w], waiter)
+        except BaseException:
             for fd in (out_r, err_r):
                 os.close(fd)
-            raise Unavailable(f"sandbox member unreachable: {exc.strerror}") from exc
+            raise
         finally:
-            member.close()
             os.close(out_w)
             os.close(err_w)
-            self._tell_agent("used", pid)
         out, err = PipeCapture(out_r, max_output_bytes), PipeCapture(err_r, max_output_bytes)
         timed_out = cancelled = False
         status: int | None = None
@@ -302,6 +316,29 @@ class WarmSandbox:
         return RunOutcome(
             status, bytes(out.data), bytes(err.data), out.total, err.total, timed_out, cancelled, oom_killed
         )
+
+    async def _hand_off(
+        self, request: Mapping[str, object], fds: list[int], waiter: asyncio.Future[int] | None
+    ) -> int:
+        """Send a command to a waiting member; return its pid. A member that died since it was
+        handed over (dropped by an idle trim whose message crossed ours) is skipped."""
+        data = marshal.dumps(dict(request))
+        reason = "no member"
+        for _ in range(_HANDOFF_ATTEMPTS):
+            pid, member = await self._take_member()
+            if waiter is not None:
+                self._waiters[pid] = waiter
+            try:
+                socket.send_fds(member, [data], fds)
+            except OSError as exc:
+                self._waiters.pop(pid, None)
+                reason = exc.strerror or str(exc)
+                continue
+            finally:
+                member.close()
+                self._tell_agent("used", pid)
+            return pid
+        raise Unavailable(f"sandbox member unreachable: {reason}")
 
     async def _await_exit(self, pid: int, waiter: asyncio.Future[int]) -> int | None:
         try:
@@ -334,22 +371,19 @@ class WarmSandbox:
         if self._paused:
             raise Conflict("the sandbox is paused: resume it first")
         await self.start()
-        pid, member = await self._take_member()
         out_r, out_w = os.pipe2(os.O_CLOEXEC)
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
         in_r, in_w = os.pipe2(os.O_CLOEXEC)
         request = {"exe": executable, "argv": list(argv), "cwd": cwd, "env": dict(env)}
         try:
-            socket.send_fds(member, [marshal.dumps(request)], [out_w, err_w, in_r])
-        except OSError as exc:
+            pid = await self._hand_off(request, [out_w, err_w, in_r], None)
+        except BaseException:
             for fd in (out_r, err_r, in_w):
                 os.close(fd)
-            raise Unavailable(f"sandbox member unreachable: {exc.strerror}") from exc
+            raise
         finally:
-            member.close()
             for fd in (out_w, err_w, in_r):
                 os.close(fd)
-            self._tell_agent("used", pid)
         # No await since the send: its exit message cannot have been handled yet.
         out = stdout(out_r) if stdout is not None else RingCapture(out_r, ring_bytes)
         process = BackgroundProcess(pid, argv, in_w, out, RingCapture(err_r, ring_bytes))
