@@ -219,3 +219,31 @@ async def test_explain_in_a_sandbox_describes_the_shell(client: Client) -> None:
     detail = explained["detail"]
     assert detail["allowed"] is True  # type: ignore[index]
     assert detail["argv"] == ["sh", "-c", "ls | wc -l"]  # type: ignore[index]
+
+
+async def test_an_idle_sandbox_sleeps_and_wakes_with_its_files(client: Client, services: Services) -> None:
+    """Invariant: a sandbox idle long enough, with nothing running and an empty /tmp, keeps no
+    process (only files); its next command starts it again and sees the same files. One with a
+    file in /tmp or a live Python context does not sleep (that state would be lost)."""
+    box = await create(client)
+    await sh(client, box, "echo kept > notes.txt")
+    busy = await create(client)
+    await sh(client, busy, "echo scratch > /tmp/scratch")
+    coded = await create(client)
+    await call(client, "execute_code", code="x = 1", sandbox_id=coded)
+    warm = services.sandboxes.get(box).workspace.sandbox
+    assert warm._proc is not None
+    pid = warm._proc.pid
+    assert services.sandboxes.trim_idle(0, 0) == 1
+    assert not os.path.exists(f"/proc/{pid}")
+    status = await call(client, "get_sandbox_status", sandbox_id=box)
+    assert status["detail"]["state"] == "asleep"  # type: ignore[index]
+    assert status["detail"]["usage"]["memory_bytes"] == 0  # type: ignore[index]
+    paused = await call(client, "pause_sandbox", sandbox_id=box)
+    assert paused["code"] == "CONFLICT"
+    woke = await sh(client, box, "cat notes.txt")
+    assert woke["detail"]["stdout"] == "kept\n"  # type: ignore[index]
+    assert (await call(client, "get_sandbox_status", sandbox_id=box))["detail"]["state"] == "running"  # type: ignore[index]
+    assert (await sh(client, busy, "cat /tmp/scratch"))["detail"]["stdout"] == "scratch\n"  # type: ignore[index]
+    kept = await call(client, "execute_code", code="x", sandbox_id=coded)
+    assert kept["detail"]["value"] == "1"  # type: ignore[index]

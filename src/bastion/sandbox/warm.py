@@ -42,6 +42,33 @@ MAX_MESSAGE_BYTES: Final = 65_536
 _HANDOFF_ATTEMPTS: Final = 3
 
 
+def _descendants(pid: int) -> list[int]:
+    found = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children", encoding="ascii") as handle:
+                for child in handle.read().split():
+                    found += [int(child), *_descendants(int(child))]
+    except OSError:
+        pass
+    return found
+
+
+def _tmp_is_empty(proc: subprocess.Popen[bytes] | None) -> bool:
+    """Whether the sandbox's /tmp (a tmpfs in its mount namespace) holds nothing."""
+    if proc is None:
+        return True
+    inner = _descendants(proc.pid)
+    if not inner:
+        return False
+    # The deepest process is inside the sandbox's mount namespace; /proc/PID/root is its root.
+    try:
+        with os.scandir(f"/proc/{inner[-1]}/root/tmp") as entries:
+            return next(entries, None) is None
+    except OSError:
+        return False
+
+
 @dataclass(frozen=True)
 class RunOutcome:
     """What one command did. `status` is the exit code, or 128 + signal."""
@@ -79,6 +106,7 @@ class WarmSandbox:
         self._background: dict[int, BackgroundProcess] = {}  # by pid inside the sandbox, until it exits
         self._start_lock = asyncio.Lock()
         self._trimmed = False  # the agent was told to drop its waiting members
+        self._asleep = False  # stopped while idle; the next command starts it again
 
     def set_limits(self, limits: Limits) -> None:
         """Change the limits, live if the sandbox runs (lowering memory below current use fails)."""
@@ -93,6 +121,8 @@ class WarmSandbox:
         return self._paused
 
     def _require_group(self) -> SandboxCgroup:
+        if self._asleep:
+            raise Conflict("the sandbox is asleep (idle, nothing running): there is nothing to pause")
         if self._group is None or not self.alive:
             raise Conflict("the sandbox is not running or has no cgroup: run a command in it first")
         return self._group
@@ -145,6 +175,7 @@ class WarmSandbox:
         return self._group.oom_kills() if self._group is not None else 0
 
     async def _start(self) -> None:
+        self._asleep = False
         try:
             proc, sock = start_sandbox(self._make_group())
         except BaseException:
@@ -228,6 +259,22 @@ class WarmSandbox:
             self._proc = None
         self._paused = False
         self._drop_group()
+
+    @property
+    def asleep(self) -> bool:
+        return self._asleep and not self.alive
+
+    def sleep(self) -> bool:
+        """Stop an idle sandbox that holds nothing but files: no command or background process
+        running and an empty /tmp (its tmpfs would be lost). Its processes, cgroup and memory go;
+        the next command starts it again (tens of ms). Returns whether it went to sleep."""
+        if not self.alive or self._paused or self._waiters or self._background:
+            return False
+        if not _tmp_is_empty(self._proc):
+            return False
+        self.close()
+        self._asleep = True
+        return True
 
     def trim(self) -> None:
         """The sandbox is idle: let its waiting members go (about 3 MiB each); the next command
