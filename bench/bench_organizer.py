@@ -11,6 +11,7 @@ Run: .venv/bin/python bench/bench_organizer.py [--rounds N]
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import shutil
 import statistics
@@ -47,8 +48,12 @@ def naive_plan(folder: Path) -> list[tuple[str, str]]:
 
 
 def naive_apply(folder: Path) -> None:
+    made: set[str] = set()
     for name, dst in naive_plan(folder):
-        os.makedirs(folder / os.path.dirname(dst), exist_ok=True)
+        parent = os.path.dirname(dst)
+        if parent not in made:
+            os.makedirs(folder / parent, exist_ok=True)
+            made.add(parent)
         os.rename(folder / name, folder / dst)
 
 
@@ -89,7 +94,9 @@ def bench_apply(base: Path, rounds: int) -> tuple[float, float]:
         organizer = organizer_for(base, our_inbox, f"apply-{index}")
         try:
             plan_id = organizer.plan()["plan_id"]
-            pair = [("naive", lambda: naive_apply(naive_inbox)), ("ours", lambda: organizer.apply(plan_id))]
+            naive_work = functools.partial(naive_apply, naive_inbox)
+            our_work = functools.partial(organizer.apply, plan_id)
+            pair = [("naive", naive_work), ("ours", our_work)]
             for name, work in pair if index % 2 == 0 else reversed(pair):
                 (naive if name == "naive" else ours).append(timed(work))
             assert not any(p.is_file() for p in our_inbox.iterdir()), "apply left files behind"

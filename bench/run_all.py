@@ -18,6 +18,8 @@ SCRIPTS = (
     "bench_code.py",
     "bench_egress.py",
     "bench_gateway.py",
+    "bench_organizer.py",
+    "bench_http.py",
 )
 
 

@@ -189,7 +189,7 @@ DEFAULT_BLOCKED_RANGES: Final = (
 DEFAULT_REGISTRY: Final = ("pypi.org", "files.pythonhosted.org", "registry.npmjs.org")
 DEFAULT_PORTS: Final = frozenset({80, 443})
 MAX_ALLOW_RULES: Final = 256
-_LABEL: Final = re.compile(r"^[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?$")
+_LABEL: Final = re.compile(r"[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?")  # with fullmatch: "$" would pass "a\n"
 
 
 def normalize_host(text: str) -> str:
@@ -206,13 +206,13 @@ def normalize_host(text: str) -> str:
         except ValueError:
             pass
         else:
-            if bracketed != (address.version == 6):
+            if bracketed and address.version == 4:
                 raise ValueError(f"{text!r}: only IPv6 literals go in brackets")
             return str(address)
     name = host.lower().removesuffix(".")
     labels = name.split(".")
     # isascii first: str.lower() maps some non-ASCII letters (the Kelvin sign) to ASCII ones.
-    if bracketed or not host.isascii() or len(name) > 253 or not all(_LABEL.match(label) for label in labels):
+    if bracketed or not host.isascii() or len(name) > 253 or not all(_LABEL.fullmatch(label) for label in labels):
         raise ValueError(f"{text!r} is not a host name or IP address (use punycode for non-ASCII names)")
     if labels[-1].isdigit():
         raise ValueError(f"{text!r} looks like an IP address in another notation: write it as a.b.c.d")
@@ -878,11 +878,15 @@ def _check_semantics(config: Config) -> None:
                 raise ConfigError(
                     f"{name} {guarded} is inside {kind} {folder_id!r} ({folder_path}): move it out of the {kind}"
                 )
-    for ib in config.inbox:
+    for index, ib in enumerate(config.inbox):
         if _inside(ib.path, config.state_dir) or _inside(config.state_dir, ib.path):
             raise ConfigError(
                 f"inbox {ib.id!r} ({ib.path}) and the state folder {config.state_dir} overlap: keep them apart"
             )
+        for other in config.inbox[index + 1 :]:
+            # Two journals over one tree could each move the other's files: one folder, one organizer.
+            if _inside(ib.path, other.path) or _inside(other.path, ib.path):
+                raise ConfigError(f"inboxes {ib.id!r} and {other.id!r} overlap: give each its own folder")
     _check_templates(config, home)
     _check_gateways(config, folders)
     for ws in config.workspace:

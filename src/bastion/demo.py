@@ -14,6 +14,7 @@ import json
 import os
 from pathlib import Path
 
+from bastion.config import DEFAULT_CATEGORIES, DEFAULT_SKIP_RULES
 from bastion.safety.commands import DEMO_POLICY, ArgumentRule
 from bastion.safety.errors import ConfigError
 
@@ -218,11 +219,46 @@ listen = "127.0.0.1:8765"
 # extra_origins = ["http://localhost:6274"]   # the MCP Inspector's web UI
 
 {_GATEWAY_TOML}
-# A folder for the file organizer.
+{_inbox_toml()}
+{_template_toml(python_env)}"""
+
+
+def _inbox_toml() -> str:
+    """The demo inbox with the organizer's default categories and skip rules written out."""
+    categories = "\n".join(f"{json.dumps(name)} = {_toml_list(exts)}" for name, exts in DEFAULT_CATEGORIES.items())
+    rules = []
+    for rule in DEFAULT_SKIP_RULES:
+        lines = ["[[inbox.skip]]", f"id = {json.dumps(rule.id)}", f"layer = {json.dumps(rule.layer)}"]
+        if rule.kind is not None:
+            lines.append(f"kind = {json.dumps(rule.kind)}")
+        if rule.names:
+            lines.append(f"names = {_toml_list(rule.names)}")
+        lines.append(f"reason = {json.dumps(rule.reason)}")
+        rules.append("\n".join(lines))
+    skip = "\n\n".join(rules)
+    return f"""\
+# A folder for the file organizer: list_files, plan_organize, apply_plan, move_file, undo and redo.
+# Nothing is ever deleted or overwritten. Its journal and undo history live in state/organizer/.
 [[inbox]]
 id = "inbox"
 path = "inbox"
-{_template_toml(python_env)}"""
+max_plan_moves = 500        # a plan proposes at most this many moves
+
+# Category folder -> file extensions (lower case, no leading dot; "tar.gz" is tried before "gz").
+# Files whose extension is in no category stay where they are.
+[inbox.categories]
+{categories}
+
+# Skip rules. Each needs a layer (no default):
+#   "protection": every organizer tool refuses such an entry (move_file too);
+#   "restraint":  only plan_organize leaves it, reported as NEEDS_EXPLICIT_REQUEST, and a person
+#                 may still move it on purpose with move_file.
+# A rule matches by `kind` (a built-in check) or by `names` (patterns, case-insensitive; for
+# protection rules, matched against every part of a move's paths). This list replaces the
+# default; it must keep a protection rule of each kind symlink, special_file, unsafe_name,
+# outside_folder and occupied_destination.
+{skip}
+"""
 
 
 def init_demo(directory: str | os.PathLike[str], *, python_env: str | os.PathLike[str] | None = None) -> Path:

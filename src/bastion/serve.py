@@ -45,7 +45,6 @@ def serve_stdio(config: Config, config_path: str) -> int:
     return 0
 
 
-
 def http_connect_help(mcp_url: str) -> str:
     """How to point the usual clients at the HTTP endpoint."""
     return (
@@ -74,7 +73,7 @@ def serve_http(config: Config, config_path: str, listen: str | None = None) -> i
     from bastion.http.app import build_http_app, endpoints_for
 
     http = config.http
-    endpoints = endpoints_for(config)
+    endpoints = endpoints_for(config, listen)
     host, _, port = (listen or http.listen).rpartition(":")
     host = host.strip("[]")
     if not port.isdigit() or not host:
@@ -89,7 +88,7 @@ def serve_http(config: Config, config_path: str, listen: str | None = None) -> i
     store = None
     try:
         server = build_server(services, caller="http")
-        built = build_http_app(services, server)
+        built = build_http_app(services, server, listen=listen)
         store = built.store
         print(f"bastion: serving MCP over HTTP from {os.path.abspath(config_path)} on {host}:{port}", file=sys.stderr)
         if not http.auth:

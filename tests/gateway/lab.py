@@ -12,18 +12,18 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
+import pwd
 import socket
 import subprocess
 import sys
 import textwrap
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 SSHD = "/usr/sbin/sshd"
-USER = os.environ.get("USER") or "root"
+USER = pwd.getpwuid(os.geteuid()).pw_name
 
 # The action program on the "production host": records every run, answers per verb.
 ACTION_PROGRAM = """\
@@ -45,6 +45,9 @@ elif verb == "big":
     sys.stdout.write("x" * 300000)
 elif verb == "leak":
     print("db password=hunter2-very-secret-value")
+elif verb == "edge":
+    # A token straddling bastion's 65536-character cap: cut first, its prefix would not look like one.
+    sys.stdout.write("x" * (65536 - len(" ghp_a1B2c3D")) + " ghp_a1B2c3D4e5F6g7H8i9J0k1L2m3N4o5P6q7R8\\n")
 elif verb == "fail":
     print("about to fail", file=sys.stderr)
     sys.exit(3)
@@ -79,7 +82,6 @@ class GatewayLab:
     key_path: Path
     authorized_line: str
     process: subprocess.Popen[bytes] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def dispatch_log(self) -> Path:
@@ -201,7 +203,8 @@ class GatewayLab:
         authorized.chmod(0o600)
         (root / "known_hosts").write_text(f"[127.0.0.1]:{port} {host_key_line}\n")
         (root / "sshd_config").write_text(_sshd_config(root, port, authorized))
-        Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
+        if os.geteuid() == 0:
+            Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege-separation folder
 
         lab = cls(
             root=root,
@@ -244,6 +247,9 @@ def _sshd_config(root: Path, port: int, authorized: Path) -> str:
         # Deliberately accept client variables, to prove dispatch.py never passes them on.
         AcceptEnv LANG LC_* BASTION_LEAK_*
         Subsystem sftp internal-sftp
+        # sshd runs the forced command with the user's shell; bash then reads ~/.bashrc unless SHLVL
+        # says it is nested. The lab logs in as the test user (root), whose rc files are not the point.
+        SetEnv SHLVL=1
         LogLevel DEBUG1
         """)
 
@@ -280,6 +286,9 @@ def _dispatch_toml(target: Path, program: Path) -> str:
 
         [actions.fail]
         argv = ["{program}", "fail"]
+
+        [actions.edge]
+        argv = ["{program}", "edge"]
 
         [actions.sleep]
         argv = ["{program}", "sleep"]
@@ -351,8 +360,12 @@ def _bastion_toml(port: int, host_key_line: str, target: Path) -> str:
         [[gateway.action]]
         name = "fail"
         approval = false
+
+        [[gateway.action]]
+        name = "edge"
+        approval = false
+
+        [[gateway.action]]
+        name = "sleep"
+        approval = false
         """)
-
-
-def which(name: str) -> str | None:
-    return shutil.which(name)

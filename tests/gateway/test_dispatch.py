@@ -214,3 +214,12 @@ def test_parser_accepts_only_the_allowlist(command: str) -> None:
         return
     assert command in ("status app",) or (action.name == "deploy" and len(values) == 1 and values[0][0] == "v")
     assert " ".join([action.name, *values]) == command
+
+
+def test_unknown_placeholder_is_a_config_error(target: Path) -> None:
+    config = json.loads((target / "dispatch.json").read_text())
+    config["actions"]["status"]["argv"].append("{typo}")
+    (target / "dispatch.json").write_text(json.dumps(config))
+    done = run_dispatch(target, "status app")
+    assert done.returncode == 126
+    assert "config is not valid" in done.stderr

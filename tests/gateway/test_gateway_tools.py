@@ -12,6 +12,7 @@ is refused with FORBIDDEN. What it does not prove: behaviour over HTTP with OAut
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -151,6 +152,11 @@ async def test_deploy_needs_approval_then_runs_once(lab: GatewayLab) -> None:
         replay = await call(client, "biscuit_deploy", project="biscuit", version="v2.0.1", approval_id=approval_id)
         assert replay["code"] == "APPROVAL_DENIED"
     assert sum(run["argv"] == ["deploy", "biscuit", "v2.0.1"] for run in lab.action_runs()) == 1
+    audit = [json.loads(line) for line in load_config(lab.config_path).audit_path.read_text().splitlines()]
+    used = [r for r in audit if r.get("event") == "approval_used" and r.get("approval") == approval_id]
+    assert len(used) == 1
+    assert used[0]["literal"] == literal
+    assert used[0]["decided_by"].startswith("cli:")
 
 
 async def test_denied_deploy_never_reaches_the_host(lab: GatewayLab) -> None:
@@ -265,8 +271,43 @@ async def test_output_is_capped_redacted_and_status_kept(lab: GatewayLab) -> Non
     assert "about to fail" in fail["detail"]["stderr"]  # type: ignore[index]
 
 
+async def test_secret_across_the_cap_is_redacted_before_the_cut(lab: GatewayLab) -> None:
+    async with connect(lab.config_path) as client:
+        edge = await call(client, "biscuit_edge")
+    stdout = edge["detail"]["stdout"]  # type: ignore[index]
+    assert edge["code"] == "OUTPUT_TRUNCATED"
+    assert "ghp_" not in stdout
+    assert len(stdout) <= 65536
+
+
+async def test_call_timeout_gives_timeout(lab: GatewayLab) -> None:
+    """bastion's own call limit (1 s) fires before the host's (5 s); the dispatch one is tested raw."""
+    config = variant(lab, "bastion-short-call.toml", "call_timeout_s = 20", "call_timeout_s = 1")
+    async with connect(config) as client:
+        with anyio.fail_after(15):
+            result = await call(client, "biscuit_sleep")
+        assert result["code"] == "TIMEOUT", result
+        # The connection is still good for the next call.
+        assert (await call(client, "biscuit_status", project="biscuit"))["ok"]
+
+
 async def test_unreachable_gateway_is_unavailable(lab: GatewayLab) -> None:
     config = variant(lab, "bastion-closed-port.toml", f"port = {lab.port}", "port = 9")
     async with connect(config) as client:
         result = await call(client, "biscuit_status", project="biscuit")
     assert result["code"] == "UNAVAILABLE"
+
+
+async def test_concurrent_calls_share_the_warm_connection(lab: GatewayLab) -> None:
+    """More calls at once than sshd's MaxSessions (10): all succeed over the one connection."""
+    results: list[dict[str, object]] = []
+    async with connect(lab.config_path) as client:
+
+        async def one() -> None:
+            results.append(await call(client, "biscuit_status", project="biscuit"))
+
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tasks:
+                for _ in range(12):
+                    tasks.start_soon(one)
+    assert [r["code"] for r in results] == ["OK"] * 12

@@ -10,7 +10,6 @@ import pytest
 
 from .live import Browser, LiveServer, live_server
 
-
 # The shared server takes many registrations from one address (every test registers its own client).
 SHARED_HTTP = 'extra_origins = ["http://localhost:6274"]\nregistrations_per_ip_per_hour = 10000\nmax_clients = 100000'
 

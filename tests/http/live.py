@@ -35,6 +35,7 @@ REPO = Path(__file__).resolve().parents[2]
 BASTION = Path(sys.executable).with_name("bastion")
 PASSWORD = "correct horse battery staple"
 START_TIMEOUT_S = 30.0
+LOOPBACK_CB_FOR_TESTS = "http://127.0.0.1/callback"
 
 
 def free_port() -> int:

@@ -89,7 +89,8 @@ async def test_sdk_client_full_flow(server: LiveServer, browsers: Callable[[Live
         listing = await call(client, "list_directory")
         assert listing["ok"], listing
         ran = await call(client, "run_command", command="echo over-http")
-        assert ran["ok"] and "over-http" in ran["detail"]["stdout"], ran  # type: ignore[index]
+        assert ran["ok"], ran
+        assert "over-http" in ran["detail"]["stdout"]  # type: ignore[index]
     assert len(opened) == 1
     assert opened[0].startswith(f"{server.base}/authorize?")
     assert storage.tokens is not None

@@ -3,7 +3,7 @@
 Each test is named `test_tNN_...` after its row. What they prove: the server answers each hostile or
 malformed request as the plan expects, over real HTTP, against the real `bastion serve --http`. What
 they do not prove: behaviour behind a real TLS reverse proxy, or against requests nobody listed.
-T-61 (Client ID Metadata Documents) is not applicable: bastion does not fetch URL client ids.
+T-61 (Client ID Metadata Documents and their SSRF guard) is in test_cimd.py.
 """
 
 from __future__ import annotations
@@ -48,7 +48,9 @@ def public_client(server: LiveServer, **extra: Any) -> str:
 
 
 def confidential_client(server: LiveServer) -> tuple[str, str]:
-    info = server.register(client_name="conf", redirect_uris=[CLAUDE_CB], token_endpoint_auth_method="client_secret_post")
+    info = server.register(
+        client_name="conf", redirect_uris=[CLAUDE_CB], token_endpoint_auth_method="client_secret_post"
+    )
     SEEN.append(info["client_secret"])
     return info["client_id"], info["client_secret"]
 
@@ -78,7 +80,9 @@ def redeem(raw: httpx2.Client, client_id: str, code: str, verifier: str, **extra
 
 
 def refresh(raw: httpx2.Client, client_id: str, token: str, **extra: str) -> httpx2.Response:
-    return raw.post("/token", data={"grant_type": "refresh_token", "refresh_token": token, "client_id": client_id, **extra})
+    return raw.post(
+        "/token", data={"grant_type": "refresh_token", "refresh_token": token, "client_id": client_id, **extra}
+    )
 
 
 def mcp_status(raw: httpx2.Client, token: str) -> int:
@@ -130,7 +134,9 @@ def test_t05_token_bound_to_another_resource_is_refused(server: LiveServer, raw:
         assert mcp_status(raw, tokens["access_token"]) == 401
     finally:
         with server.db() as db:
-            db.execute("UPDATE oauth_grants SET resource = ? WHERE resource = 'https://other.example/mcp'", (server.mcp_url,))
+            db.execute(
+                "UPDATE oauth_grants SET resource = ? WHERE resource = 'https://other.example/mcp'", (server.mcp_url,)
+            )
 
 
 def test_t06_revoked_access_token(server: LiveServer, raw: httpx2.Client) -> None:
@@ -148,7 +154,12 @@ def test_t07_token_in_query_is_ignored(server: LiveServer, raw: httpx2.Client) -
 
 def test_t08_insufficient_scope(server: LiveServer, raw: httpx2.Client) -> None:
     tokens = tokens_for(server, public_client(server), scopes=["organizer"])
-    call = {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {"name": "read_file", "arguments": {"path": "x"}}}
+    call = {
+        "jsonrpc": "2.0",
+        "id": 2,
+        "method": "tools/call",
+        "params": {"name": "read_file", "arguments": {"path": "x"}},
+    }
     headers = {**MCP_HEADERS, "Authorization": f"Bearer {tokens['access_token']}", "Mcp-Protocol-Version": "2026-07-28"}
     response = raw.post("/mcp", json=call, headers=headers)
     assert response.status_code == 403
@@ -308,7 +319,9 @@ def test_t20_oversize_registrations(raw: httpx2.Client) -> None:
     assert big_name.status_code in (400, 413)
     long_name = raw.post("/register", json={"redirect_uris": [LOOPBACK_CB], "client_name": "n" * 5000})
     assert long_name.status_code == 400
-    huge = raw.post("/register", content=b"{" + b" " * (4 * 1024 * 1024) + b"}", headers={"content-type": "application/json"})
+    huge = raw.post(
+        "/register", content=b"{" + b" " * (4 * 1024 * 1024) + b"}", headers={"content-type": "application/json"}
+    )
     assert huge.status_code == 413
 
 
@@ -352,7 +365,9 @@ def test_t21_javascript_client_uri_is_refused_or_inert(server: LiveServer, raw: 
 
 
 def test_t22_unknown_scope_at_registration_is_narrowed_not_refused(server: LiveServer, raw: httpx2.Client) -> None:
-    response = raw.post("/register", json={"redirect_uris": [LOOPBACK_CB], "token_endpoint_auth_method": "none", "scope": "claudeai"})
+    response = raw.post(
+        "/register", json={"redirect_uris": [LOOPBACK_CB], "token_endpoint_auth_method": "none", "scope": "claudeai"}
+    )
     assert response.status_code == 201
     assert "claudeai" not in json.dumps(response.json())
     tokens = tokens_for(server, response.json()["client_id"])
@@ -388,7 +403,14 @@ def assert_refused_page(response: httpx2.Response, text: str = "") -> None:
 
 def test_t23_unknown_client(raw: httpx2.Client) -> None:
     _, challenge = pkce()
-    response = _authorize(raw, client_id="nope", redirect_uri="https://evil.example/cb", response_type="code", code_challenge=challenge, code_challenge_method="S256")
+    response = _authorize(
+        raw,
+        client_id="nope",
+        redirect_uri="https://evil.example/cb",
+        response_type="code",
+        code_challenge=challenge,
+        code_challenge_method="S256",
+    )
     assert_refused_page(response, "unknown client")
 
 
@@ -412,7 +434,9 @@ def test_t24_redirect_mismatch(server: LiveServer, raw: httpx2.Client, uri: str)
 def test_t25_loopback_any_port(server: LiveServer, raw: httpx2.Client) -> None:
     client_id = public_client(server)
     _, challenge = pkce()
-    response = _authorize(raw, **_base_params(server, client_id, challenge, redirect_uri="http://127.0.0.1:53123/callback"))
+    response = _authorize(
+        raw, **_base_params(server, client_id, challenge, redirect_uri="http://127.0.0.1:53123/callback")
+    )
     assert response.status_code == 303
     assert response.headers["location"].startswith("/oauth/login?txn=")
 
@@ -573,7 +597,9 @@ def test_t36_wrong_password(start_server: Callable[..., AbstractContextManager[L
                 browser.client.post("/oauth/login", data={**form["fields"], "password": "nope"}, headers=forwarded)
             fresh = forms(login.text)[0]
             blocked = browser.client.post(
-                "/oauth/login", data={**fresh["fields"], "password": PASSWORD}, headers={"X-Forwarded-For": "192.0.2.99"}
+                "/oauth/login",
+                data={**fresh["fields"], "password": PASSWORD},
+                headers={"X-Forwarded-For": "192.0.2.99"},
             )
             assert blocked.status_code == 429
             assert "limiting" in server.log() or "backing off" in server.log()
@@ -663,7 +689,10 @@ def test_t40_verifier_format(raw: httpx2.Client, pub_code: tuple[str, str, str],
 
 def test_t41_missing_verifier(raw: httpx2.Client, pub_code: tuple[str, str, str]) -> None:
     client_id, _, code = pub_code
-    response = raw.post("/token", data={"grant_type": "authorization_code", "code": code, "client_id": client_id, "redirect_uri": LOOPBACK_CB})
+    response = raw.post(
+        "/token",
+        data={"grant_type": "authorization_code", "code": code, "client_id": client_id, "redirect_uri": LOOPBACK_CB},
+    )
     assert response.status_code == 400
 
 
@@ -735,7 +764,13 @@ def test_t47_resource_mismatch(raw: httpx2.Client, pub_code: tuple[str, str, str
 
 def test_t48_confidential_client_authentication(server: LiveServer, raw: httpx2.Client) -> None:
     conf_id, secret = confidential_client(server)
-    base = {"grant_type": "authorization_code", "code": "x" * 43, "code_verifier": "v" * 43, "client_id": conf_id, "redirect_uri": CLAUDE_CB}
+    base = {
+        "grant_type": "authorization_code",
+        "code": "x" * 43,
+        "code_verifier": "v" * 43,
+        "client_id": conf_id,
+        "redirect_uri": CLAUDE_CB,
+    }
     wrong = raw.post("/token", data={**base, "client_secret": "wrong"})
     missing = raw.post("/token", data=base)
     basic = base64.b64encode(f"{conf_id}:wrong".encode()).decode()
@@ -749,10 +784,14 @@ def test_t48_confidential_client_authentication(server: LiveServer, raw: httpx2.
     assert right.json()["error"] == "invalid_grant"
 
 
-@pytest.mark.parametrize("grant_type", ["password", "client_credentials", "urn:ietf:params:oauth:grant-type:jwt-bearer", "implicit"])
+@pytest.mark.parametrize(
+    "grant_type", ["password", "client_credentials", "urn:ietf:params:oauth:grant-type:jwt-bearer", "implicit"]
+)
 def test_t49_grant_type_abuse(server: LiveServer, raw: httpx2.Client, grant_type: str) -> None:
     client_id = public_client(server)
-    response = raw.post("/token", data={"grant_type": grant_type, "client_id": client_id, "username": "a", "password": "b"})
+    response = raw.post(
+        "/token", data={"grant_type": grant_type, "client_id": client_id, "username": "a", "password": "b"}
+    )
     assert response.status_code == 400
     assert response.json()["error"] in ("unsupported_grant_type", "unauthorized_client")
 
@@ -833,13 +872,17 @@ def test_t55_refresh_and_resource(server: LiveServer, raw: httpx2.Client) -> Non
 def test_t56_revoking_the_refresh_token_kills_the_grant(server: LiveServer, raw: httpx2.Client) -> None:
     client_id = public_client(server)
     tokens = tokens_for(server, client_id)
-    revoked = raw.post("/revoke", data={"token": tokens["refresh_token"], "client_id": client_id, "token_type_hint": "refresh_token"})
+    revoked = raw.post(
+        "/revoke", data={"token": tokens["refresh_token"], "client_id": client_id, "token_type_hint": "refresh_token"}
+    )
     assert revoked.status_code == 200
     assert refresh(raw, client_id, tokens["refresh_token"]).json()["error"] == "invalid_grant"
     assert mcp_status(raw, tokens["access_token"]) == 401
 
 
-def test_t56_password_change_revokes_everything(start_server: Callable[..., AbstractContextManager[LiveServer]]) -> None:
+def test_t56_password_change_revokes_everything(
+    start_server: Callable[..., AbstractContextManager[LiveServer]],
+) -> None:
     with start_server() as server, server.http() as raw:
         client_id = public_client(server)
         tokens = tokens_for(server, client_id)
@@ -887,7 +930,8 @@ def test_t57_refresh_token_expiry(server: LiveServer, raw: httpx2.Client) -> Non
     tokens = tokens_for(server, client_id)
     with server.db() as db:
         db.execute(
-            "UPDATE oauth_tokens SET expires_at = ? WHERE kind = 'refresh' AND client_id = ?", (time.time() - 1, client_id)
+            "UPDATE oauth_tokens SET expires_at = ? WHERE kind = 'refresh' AND client_id = ?",
+            (time.time() - 1, client_id),
         )
     assert refresh(raw, client_id, tokens["refresh_token"]).json()["error"] == "invalid_grant"
 
@@ -920,7 +964,9 @@ def test_t59_revocation_semantics(server: LiveServer, raw: httpx2.Client) -> Non
     assert raw.post("/revoke", data={"token": "unknown" * 6, "client_id": owner}).status_code == 200
     assert raw.post("/revoke", data={"token": tokens["access_token"], "client_id": stranger}).status_code == 200
     assert mcp_status(raw, tokens["access_token"]) == 200  # another client's token stays valid
-    wrong_hint = raw.post("/revoke", data={"token": tokens["access_token"], "client_id": owner, "token_type_hint": "refresh_token"})
+    wrong_hint = raw.post(
+        "/revoke", data={"token": tokens["access_token"], "client_id": owner, "token_type_hint": "refresh_token"}
+    )
     assert wrong_hint.status_code == 200
     assert mcp_status(raw, tokens["access_token"]) == 401
 

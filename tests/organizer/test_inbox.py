@@ -192,6 +192,7 @@ def test_move_file_may_move_restrained_entries_on_purpose(organizer: Organizer, 
         ("folder", "folder/inside", InvalidRequest),
         ("missing.txt", "x.txt", NotFound),
         ("a.txt", ".", InvalidRequest),
+        ("a.txt", "folder/", InvalidRequest),
     ],
 )
 def test_move_file_protection(
@@ -291,3 +292,20 @@ def test_two_servers_cannot_share_a_journal(organizer: Organizer, state_dir: Pat
     with pytest.raises(ConfigError, match="in use"):
         other.open()
     other.close()
+
+
+def test_unwritable_journal_moves_nothing_and_stops_changes(organizer: Organizer, inbox_dir: Path) -> None:
+    """Fail closed: if the begin record cannot be written, nothing moves, and no later change runs."""
+    from bastion.safety.errors import Unavailable
+
+    (inbox_dir / "a.txt").write_bytes(b"a")
+    read_only = os.open(organizer.journal.path, os.O_RDONLY)
+    os.dup2(read_only, organizer.journal._fd)
+    os.close(read_only)
+    before = snapshot(inbox_dir)
+    with pytest.raises(Unavailable, match="journal"):
+        organizer.move("a.txt", "b.txt")
+    assert snapshot(inbox_dir) == before
+    with pytest.raises(Unavailable, match="restart"):
+        organizer.move("a.txt", "c.txt")
+    assert snapshot(inbox_dir) == before

@@ -94,3 +94,45 @@ async def test_conflict_and_unknown_inbox_are_typed_refusals(client: Client, ser
     assert extra["code"] == "INVALID_REQUEST"
     nothing = await call(client, "undo_last_action")
     assert nothing["code"] == "NOT_FOUND"
+
+
+def test_demo_inbox_has_the_default_categories_and_rules(services: Services) -> None:
+    from bastion.config import DEFAULT_CATEGORIES, DEFAULT_SKIP_RULES
+
+    inbox = services.config.inbox[0]
+    assert inbox.categories == DEFAULT_CATEGORIES
+    assert inbox.skip == DEFAULT_SKIP_RULES
+
+
+def test_start_up_rolls_back_an_interrupted_apply(demo_config_path: Path) -> None:
+    """build_services runs the journal's recovery: a begin record without its end, with half
+    of the moves done, is rolled back before any tool can run."""
+    import os
+
+    from bastion.app import build_services
+    from bastion.config import load_config
+    from bastion.organizer.inbox import journal_path
+    from bastion.organizer.journal import Journal, Move, Txn
+
+    config = load_config(demo_config_path)
+    inbox = config.inbox[0].path
+    names = [f"f{i}.pdf" for i in range(4)]
+    for name in names:
+        (inbox / name).write_bytes(name.encode())
+    moves = tuple(
+        Move(name, f"Documents/{name}", os.stat(inbox / name).st_dev, os.stat(inbox / name).st_ino) for name in names
+    )
+    journal = Journal(journal_path(config.state_dir, "inbox"))
+    journal.open()
+    journal.begin(Txn(txn=1, kind="apply", action=1, moves=moves, mkdirs=("Documents",)))
+    journal.close()
+    (inbox / "Documents").mkdir()
+    for name in names[:2]:
+        os.rename(inbox / name, inbox / "Documents" / name)
+
+    services = build_services(config)
+    try:
+        assert sorted(p.name for p in inbox.iterdir()) == names
+        assert services.organizers["inbox"].history.done == []
+    finally:
+        services.close()

@@ -131,8 +131,9 @@ def stop_process(proc: subprocess.Popen[str]) -> None:
 
 @contextlib.contextmanager
 def egress_path(tmp: Path, rules: list[str], **options: object) -> Iterator[Egress]:
+    tmp.mkdir(exist_ok=True)
     server = _Server()
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
     audit = AuditLog(tmp / "audit.jsonl", redactor=Redactor())
     audit.open()
     options.setdefault("hosts", HOSTS)
@@ -217,6 +218,26 @@ def test_allowed_name_resolving_to_loopback_is_refused_with_default_ranges(tmp_p
     assert record["decision"] == "deny"
     assert record["address"] == "127.0.0.1"
     assert "blocked range 127.0.0.0/8" in str(record["reason"])
+
+
+def test_ipv4_mapped_address_is_judged_and_dialled_as_ipv4(tmp_path: Path) -> None:
+    hosts = {**HOSTS, "mapped.test": ["::ffff:127.0.0.1"]}
+    with egress_path(tmp_path / "closed", ["mapped.test:PORT"], hosts=hosts) as path:
+        status, body = fetch(path, "http://mapped.test:PORT/")
+        assert (status, b"127.0.0.0/8" in body) == (403, True)
+    with egress_path(tmp_path / "open", ["mapped.test:PORT"], hosts=hosts, blocked_ranges=OPEN_RANGES) as path:
+        assert fetch(path, "http://mapped.test:PORT/")[0] == 200
+        (record,) = path.wait_records(1)
+    assert record["address"] == "127.0.0.1"
+
+
+def test_a_name_with_any_blocked_address_is_refused_whole(tmp_path: Path) -> None:
+    hosts = {**HOSTS, "mixed.test": ["127.0.0.1", "10.1.2.3"]}
+    with egress_path(tmp_path, ["mixed.test:PORT"], hosts=hosts, blocked_ranges=OPEN_RANGES) as path:
+        status, body = fetch(path, "http://mixed.test:PORT/")
+        assert status == 403
+        assert b"10.1.2.3, in the blocked range 10.0.0.0/8" in body
+        assert path.server.paths == []
 
 
 def test_name_not_on_allowlist_is_refused(tmp_path: Path) -> None:
@@ -528,8 +549,8 @@ def test_failed_audit_write_refuses_later_connections(tmp_path: Path, caplog: py
         assert b"audit log is unavailable" in body
         path.audit.open()
         assert fetch(path, "http://evil.test:PORT/")[0] == 403  # this record is written: recovered
-        path.wait_records(1)
-        assert fetch(path, "http://local.test:PORT/c")[0] == 200
+        # The proxy learns of the successful write just after the record reaches the file.
+        wait_for(lambda: fetch(path, "http://local.test:PORT/c")[0] == 200)
         assert path.server.paths == ["/a", "/c"]
 
 

@@ -92,11 +92,31 @@ def test_rule_forms(text: str, host: str, ports: frozenset[int] | None) -> None:
         "a/b.com",
         "user@host.com",
         "x" * 64 + ".com",
+        "example.com\n",
+        "a\n.example.com",
     ],
 )
 def test_malformed_rules_are_refused(text: str) -> None:
     with pytest.raises(ValueError, match=r"\S"):
         parse_allow_rule(text)
+
+
+@given(
+    st.one_of(
+        st.text(max_size=40),
+        names.map(lambda n: n + "\n"),
+        names.map(str.upper),
+        st.ip_addresses().map(str),
+        st.ip_addresses(v=6).map(lambda a: f"[{a}]"),
+    )
+)
+def test_normalized_hosts_hold_only_plain_characters(text: str) -> None:
+    try:
+        host = normalize_host(text)
+    except ValueError:
+        return
+    assert set(host) <= set("abcdefghijklmnopqrstuvwxyz0123456789._-:")
+    assert normalize_host(host) == host
 
 
 @given(rules())

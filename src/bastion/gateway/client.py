@@ -27,6 +27,8 @@ EXIT_REFUSED: Final = 126
 EXIT_TIMEOUT: Final = 124
 REFUSED_PREFIX: Final = "dispatch: refused: "
 _CHUNK: Final = 65536
+MAX_SESSIONS: Final = 8
+_REDACT_MARGIN: Final = 4096
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,8 @@ class GatewayClient:
         self.redactor = redactor
         self._conn: asyncssh.SSHClientConnection | None = None
         self._lock = anyio.Lock()
+        # Below sshd's default MaxSessions (10) on the one shared connection.
+        self._sessions = anyio.Semaphore(MAX_SESSIONS)
 
     async def _connect(self) -> asyncssh.SSHClientConnection:
         cfg = self.config
@@ -114,12 +118,19 @@ class GatewayClient:
             Timeout: no answer within call_timeout_s, or dispatch's own timeout.
             Forbidden / Unavailable: the connection could not be made, or was lost.
         """
+        async with self._sessions:
+            return await self._call(command, retry=retry)
+
+    async def _call(self, command: GatewayCommand, *, retry: bool) -> GatewayOutput:
         conn = await self.connection()
         try:
             exit_status, out, err, truncated = await self._run(conn, command.literal)
         except (asyncssh.ChannelOpenError, asyncssh.DisconnectError, OSError) as exc:
-            await self.close()
             opened = not isinstance(exc, asyncssh.ChannelOpenError)
+            if not opened and not conn.is_closed():
+                # The live connection refused one more session (sshd's MaxSessions): keep it for the others.
+                raise Unavailable(f"gateway {self.config.name!r} refused a new session: try again") from None
+            await self.close()
             if opened and not retry:
                 raise Unavailable(
                     f"gateway {self.config.name!r} dropped the connection; the action may or may not have run",
@@ -132,8 +143,9 @@ class GatewayClient:
             except (asyncssh.Error, OSError) as again:
                 await self.close()
                 raise Unavailable(f"gateway {self.config.name!r} failed twice", detail=str(again)) from None
-        stdout = self._clean(out)
-        stderr = self._clean(err)
+        stdout, cut_out = self._clean(out)
+        stderr, cut_err = self._clean(err)
+        truncated = truncated or cut_out or cut_err
         refusals = [line for line in stderr.splitlines() if line.startswith(REFUSED_PREFIX)]
         if exit_status == EXIT_REFUSED and refusals:
             reason = refusals[-1][len(REFUSED_PREFIX) :]
@@ -143,7 +155,7 @@ class GatewayClient:
         return GatewayOutput(exit_status=exit_status, stdout=stdout, stderr=stderr, truncated=truncated)
 
     async def _run(self, conn: asyncssh.SSHClientConnection, literal: str) -> tuple[int, bytes, bytes, bool]:
-        cap = self.config.max_output_bytes
+        cap = self.config.max_output_bytes + _REDACT_MARGIN
         process = await conn.create_process(literal, encoding=None, request_pty=False, stdin=asyncssh.DEVNULL)
         buffers: dict[str, bytearray] = {"out": bytearray(), "err": bytearray()}
         truncated = False
@@ -173,8 +185,11 @@ class GatewayClient:
             status = 128 + 9 if signal else 255
         return status, bytes(buffers["out"]), bytes(buffers["err"]), truncated
 
-    def _clean(self, data: bytes) -> str:
-        return self.redactor.redact(sanitize_terminal(data.decode("utf-8", errors="replace")))
+    def _clean(self, data: bytes) -> tuple[str, bool]:
+        # Redact, then cut (ARCHITECTURE principle 5): the raw read keeps a margin past the cap so a
+        # secret straddling the cap is still recognised whole, then the redacted text is cut.
+        text = sanitize_terminal(data.decode("utf-8", errors="replace"))
+        return self.redactor.redact_then_truncate(text, self.config.max_output_bytes)
 
     async def close(self) -> None:
         if self._conn is not None:

@@ -132,6 +132,10 @@ def _action(name: str, spec: Any) -> Action:
                 raise ValueError(f"action {name!r}: argument {arg_name!r} needs a pattern")
             re.compile(pattern)
         args.append({"name": arg_name, "kind": kind, "pattern": pattern})
+    names = {arg["name"] for arg in args}
+    for token in argv:
+        if token.startswith("{") and token.endswith("}") and token[1:-1] not in names:
+            raise ValueError(f"action {name!r}: argv names {token} but no such argument")
     return Action(name, argv, args)
 
 

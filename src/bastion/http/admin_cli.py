@@ -69,8 +69,8 @@ def set_password(config: Config, *, generate: bool, if_unset: bool) -> int:
     finally:
         store.close()
     if generate:
-        print("bastion: generated admin password (shown once; only its hash is stored):", file=sys.stderr)
-        print(password)
+        print("bastion: generated admin password (shown once; only its hash is stored):", file=sys.stderr, flush=True)
+        print(password, flush=True)
     print(f"bastion: admin password set ({config.admin_hash_path}); {revoked} grant(s) revoked", file=sys.stderr)
     return 0
 

@@ -116,7 +116,7 @@ class AdminPages:
             return self._login_page(browser, message=LOGIN_FAILED, status=401)
         self.limiter.success(ip)
         session, _ = self.store.new_admin_session(self.config.http.admin_session_lifetime_s)
-        response = pages.see_other(request.query_params.get("next", "/admin") if _local(request) else "/admin")
+        response = pages.see_other("/admin")
         response.set_cookie(
             SESSION_COOKIE,
             session,
@@ -216,9 +216,3 @@ class AdminPages:
         except BastionError as exc:
             return pages.see_other(f"/admin/approvals?{urlencode({'message': exc.reason})}")
         return pages.see_other("/admin/approvals")
-
-
-def _local(request: Request) -> bool:
-    """Only same-site paths are followed after login (no open redirect)."""
-    target = request.query_params.get("next", "/admin")
-    return target.startswith("/admin") and "//" not in target and "\\" not in target

@@ -68,12 +68,16 @@ def cors_middleware(handler: Callable[[Request], Awaitable[Response]], methods: 
     )
 
 
-def endpoints_for(config: Config) -> Endpoints:
-    if config.http.public_url is None:
-        raise ConfigError(
-            '[http] public_url is not set: add it to the config (e.g. public_url = "http://127.0.0.1:8765")'
-        )
-    return Endpoints(issuer=config.http.public_url, resource=f"{config.http.public_url}/mcp")
+def endpoints_for(config: Config, listen: str | None = None) -> Endpoints:
+    """Issuer and resource from `public_url`; on a loopback listen address it may be left out."""
+    public_url = config.http.public_url
+    if public_url is None:
+        address = listen or config.http.listen
+        host = address.rpartition(":")[0].strip("[]")
+        if host not in ("127.0.0.1", "localhost", "::1"):
+            raise ConfigError('[http] public_url is not set: add it (e.g. public_url = "https://bastion.example.com")')
+        public_url = f"http://{address}"
+    return Endpoints(issuer=public_url, resource=f"{public_url}/mcp")
 
 
 def allowed_hosts(public_url: str) -> list[str]:
@@ -158,10 +162,10 @@ class HttpApp:
     store: AuthStore | None
 
 
-def build_http_app(services: Services, server: BastionServer) -> HttpApp:
+def build_http_app(services: Services, server: BastionServer, *, listen: str | None = None) -> HttpApp:
     """The ASGI app for `bastion serve --http`. The caller runs it (uvicorn) and closes `store`."""
     config = services.config
-    endpoints = endpoints_for(config)
+    endpoints = endpoints_for(config, listen)
     public_url = endpoints.issuer
     hosts = allowed_hosts(public_url)
     origins = [origin_of(public_url), *config.http.extra_origins]

@@ -289,6 +289,7 @@ def authorization_server_metadata(issuer: str) -> MetadataHandler:
             "revocation_endpoint_auth_methods_supported": methods,
             "code_challenge_methods_supported": ["S256"],
             "authorization_response_iss_parameter_supported": True,
+            "client_id_metadata_document_supported": True,
         }
     )
     return MetadataHandler(metadata)

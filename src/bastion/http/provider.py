@@ -21,6 +21,7 @@ from mcp.server.auth.provider import AccessToken, RegistrationError
 from mcp.shared.auth import OAuthClientInformationFull
 
 from bastion.config import HttpConfig
+from bastion.http.cimd import CimdFetcher, is_url_client_id
 from bastion.http.redirects import registration_problem
 from bastion.http.store import AuthStore, IssuedTokens
 from bastion.tools.server import SCOPES
@@ -78,15 +79,20 @@ class Endpoints:
 class BastionAuthProvider:
     """The provider: registration policy, transactions, codes, tokens."""
 
-    def __init__(self, store: AuthStore, config: HttpConfig, endpoints: Endpoints) -> None:
+    def __init__(
+        self, store: AuthStore, config: HttpConfig, endpoints: Endpoints, cimd: CimdFetcher | None = None
+    ) -> None:
         self.store = store
         self.config = config
         self.endpoints = endpoints
+        self.cimd = cimd if cimd is not None else CimdFetcher(config.app_callbacks)
         self._transactions: dict[str, Transaction] = {}
 
     # -- clients (called by the SDK's RegistrationHandler and by bastion's handlers) ------------------
 
     async def get_client(self, client_id: str) -> OAuthClientInformationFull | None:
+        if is_url_client_id(client_id):
+            return await self.cimd.client(client_id)
         if len(client_id) > 200:
             return None
         found = self.store.client(client_id)

@@ -44,6 +44,7 @@ from bastion.safety.paths import Jail
 
 _DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _NEW_DIR_MODE: Final = 0o755
+MAX_SCAN_ENTRIES: Final = 100_000
 
 
 def split(rel: str) -> tuple[str, str]:
@@ -193,12 +194,20 @@ class Folder:
             os.close(fd)
 
     def scan(self, rel: str) -> list[tuple[str, os.stat_result]]:
-        """Every entry of a folder with its lstat, sorted by name; entries that vanish meanwhile are left out."""
+        """Every entry of a folder with its lstat, sorted by name; entries that vanish meanwhile are left out.
+
+        Raises:
+            BastionError: ResourceLimit (more than ``MAX_SCAN_ENTRIES``), or as `open_dir`.
+        """
         fd = self.open_dir(rel)
         found: list[tuple[str, os.stat_result]] = []
         try:
             with os.scandir(fd) as entries:
                 for entry in entries:
+                    if len(found) >= MAX_SCAN_ENTRIES:
+                        raise ResourceLimit(
+                            f"'{rel}' has more than {MAX_SCAN_ENTRIES} entries: tidy part of it by hand first"
+                        )
                     try:
                         found.append((entry.name, entry.stat(follow_symlinks=False)))
                     except FileNotFoundError:

@@ -18,7 +18,7 @@ from typing import Any, Final
 from bastion.config import InboxConfig
 from bastion.organizer.folder import Dirs, Folder, split
 from bastion.organizer.journal import COMPACT_BYTES, Action, History, Journal, Kind, Move, Txn
-from bastion.organizer.mover import Mover
+from bastion.organizer.mover import JournalUnwritable, Mover
 from bastion.organizer.plan import Plan, assess, make_plan
 from bastion.organizer.rules import Hit, Rules, display_name, entry_kind
 from bastion.safety.errors import (
@@ -29,6 +29,7 @@ from bastion.safety.errors import (
     PathEscape,
     PolicyDenied,
     ResourceLimit,
+    Unavailable,
 )
 from bastion.safety.results import ResultCode
 
@@ -65,6 +66,7 @@ class Organizer:
         self._plans: OrderedDict[str, Plan] = OrderedDict()
         self.history = History()
         self._next_txn = 1
+        self._broken: str | None = None
 
     def open(self) -> str | None:
         """Read the journal and roll back a transaction a crash left unfinished.
@@ -169,6 +171,8 @@ class Organizer:
 
     def move(self, src: str, dest: str) -> dict[str, Any]:
         with self._lock:
+            if dest.endswith("/"):
+                raise InvalidRequest(f"dest is the full target path, with the name: e.g. '{dest}{split(src)[1]}'")
             rel_src, rel_dst = self.folder.relative(src), self.folder.relative(dest)
             if "." in (rel_src, rel_dst):
                 raise InvalidRequest("the inbox itself cannot be moved or replaced: name a file inside it")
@@ -307,7 +311,13 @@ class Organizer:
             rmdirs=rmdirs,
             plan_id=plan_id,
         )
-        applied, error = self._mover.run(txn)
+        if self._broken is not None:
+            raise Unavailable(f"{self._broken}: restart the server to recover the inbox")
+        try:
+            applied, error = self._mover.run(txn)
+        except JournalUnwritable as exc:
+            self._broken = exc.reason
+            raise
         self.history.finish(txn, applied)
         if error is not None:
             raise error

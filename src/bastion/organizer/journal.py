@@ -220,15 +220,18 @@ class Journal:
         good = 0
         for number, line in enumerate(lines, 1):
             record = _parse(line)
-            if record is None:
-                if number == len(lines):
-                    break
+            if record is None and number == len(lines):
+                break  # a write cut short by a crash: nothing acted on it
+            try:
+                if record is None:
+                    raise ValueError("bad checksum or JSON")
+                self._replay(replay, record)
+            except (ValueError, KeyError, TypeError) as exc:
                 self.close()
                 raise ConfigError(
                     f"organizer journal {self.path} is damaged at line {number}: move it aside to start afresh "
                     "(the undo history is then lost)"
-                )
-            self._replay(replay, record)
+                ) from exc
             good += len(line)
         if good != sum(len(line) for line in lines):
             os.ftruncate(fd, good)
@@ -245,6 +248,9 @@ class Journal:
             replay.next_txn = max(replay.next_txn, int(record["next"]))
         elif kind == "begin":
             txn = Txn.from_json(record)
+            if replay.pending is not None:
+                # Cannot happen: a server whose journal write failed takes no more changes.
+                raise ValueError(f"transaction {txn.txn} began while {replay.pending.txn} was unfinished")
             replay.pending = txn
             replay.next_txn = max(replay.next_txn, txn.txn + 1)
         elif kind == "end" and replay.pending is not None and replay.pending.txn == record["txn"]:

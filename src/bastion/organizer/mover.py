@@ -12,9 +12,13 @@ import logging
 
 from bastion.organizer.folder import Dirs, Folder, split
 from bastion.organizer.journal import Journal, Txn
-from bastion.safety.errors import BastionError, Conflict
+from bastion.safety.errors import BastionError, Conflict, Unavailable
 
 logger = logging.getLogger("bastion.organizer")
+
+
+class JournalUnwritable(Unavailable):
+    """The journal could not be written: the organizer takes no more changes until a restart."""
 
 
 class Mover:
@@ -29,7 +33,11 @@ class Mover:
             The indices of the moves in effect afterwards (all, or after a failure those that
             could not be put back), and the error that stopped it, if any.
         """
-        self._journal.begin(txn)
+        try:
+            self._journal.begin(txn)
+        except OSError as exc:
+            # Nothing has moved; a torn begin record is cut off at the next start.
+            raise JournalUnwritable(f"the organizer journal cannot be written ({exc.strerror})") from exc
         applied: list[int] = []
         with Dirs(self._folder) as dirs:
             try:
@@ -37,10 +45,19 @@ class Mover:
             except Exception as exc:
                 kept = self._revert(txn, applied, dirs)
                 self._sync(dirs)
-                self._journal.end(txn, kept)
+                self._end(txn, kept)
                 return kept, exc
-        self._journal.end(txn, applied)
+        self._end(txn, applied)
         return applied, None
+
+    def _end(self, txn: Txn, applied: list[int]) -> None:
+        try:
+            self._journal.end(txn, applied)
+        except OSError as exc:
+            # The begin record stands without its end: the next start rolls the action back.
+            raise JournalUnwritable(
+                f"the organizer journal cannot be written ({exc.strerror}); the next start rolls this action back"
+            ) from exc
 
     def _forward(self, txn: Txn, dirs: Dirs, applied: list[int]) -> None:
         folder = self._folder

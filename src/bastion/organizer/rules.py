@@ -93,10 +93,10 @@ class Rules:
             if rule.names
         }
         self._by_kind = {rule.kind: rule for rule in self.protection if rule.kind is not None}
-        # One regex per rule list: alternation tries the rules in order, so the first group to
-        # match is the first rule (by order) whose names match.
-        self._all_names = _combined(self.rules)
-        self._protection_names = _combined(self.protection)
+        # Per rule list: one regex of every name pattern (group r<i> is rule i), the first rule
+        # index matching each kind of entry, and the index of the unsafe-name rule; `check` takes
+        # the smallest index that matches, so the order of the rules decides, in O(1) per entry.
+        self._tables = {flag: _table(self.protection if flag else self.rules) for flag in (False, True)}
 
     def category_of(self, name: str) -> str | None:
         """The category folder for a file name (longest extension first: "tar.gz" before "gz")."""
@@ -110,23 +110,16 @@ class Rules:
         return None
 
     def check(self, name: str, mode: int, *, protection_only: bool) -> Hit | None:
-        """The first skip rule matching an entry (its own name and lstat mode), or None."""
-        rules = self.protection if protection_only else self.rules
-        combined = self._protection_names if protection_only else self._all_names
-        found = combined.match(name) if combined is not None else None
-        by_name = _rule_index(found.lastgroup) if found is not None and found.lastgroup else len(rules)
-        unsafe: bool | None = None
-        for index, rule in enumerate(rules[:by_name]):
-            kind = rule.kind
-            if kind == "unsafe_name":
-                if unsafe is None:
-                    unsafe = _unsafe(name)
-                if unsafe:
-                    return _hit(rule)
-            elif kind is not None and _kind_matches(kind, mode):
-                return _hit(rule)
-            del index
-        return _hit(rules[by_name]) if by_name < len(rules) else None
+        """The first skip rule (in rule order) matching an entry: its own name and lstat mode; or None."""
+        rules, combined, by_kind, unsafe_at = self._tables[protection_only]
+        first = by_kind[_mode_class(mode)]
+        if combined is not None:
+            found = combined.match(name)
+            if found is not None:
+                first = min(first, _first_group(found))
+        if unsafe_at < first and _unsafe(name):
+            first = unsafe_at
+        return _hit(rules[first]) if first < len(rules) else None
 
     def check_name(self, name: str) -> Hit | None:
         """Protection rules that judge a name alone (a destination name that does not exist yet)."""
@@ -152,8 +145,9 @@ def _combined(rules: tuple[SkipRule, ...]) -> re.Pattern[str] | None:
     return re.compile("|".join(parts), re.IGNORECASE) if parts else None
 
 
-def _rule_index(group: str) -> int:
-    return int(group[1:])
+def _first_group(found: re.Match[str]) -> int:
+    # fnmatch.translate adds groups of its own (named g0, g1...); ours are r<index>.
+    return min(int(k[1:]) for k, v in found.groupdict().items() if v is not None and k.startswith("r"))
 
 
 def _unsafe(name: str) -> bool:
@@ -164,11 +158,19 @@ def _unsafe(name: str) -> bool:
     return name_problem(name) is not None
 
 
-def _kind_matches(kind: str, mode: int) -> bool:
-    if kind == "symlink":
-        return stat.S_ISLNK(mode)
-    if kind == "special_file":
-        return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode) or stat.S_ISLNK(mode))
-    if kind == "folder":
-        return stat.S_ISDIR(mode)
-    return False
+_CLASS_KINDS: Final[dict[str, str]] = {"symlink": "symlink", "special": "special_file", "folder": "folder"}
+_Table = tuple[tuple[SkipRule, ...], re.Pattern[str] | None, dict[str, int], int]
+
+
+def _mode_class(mode: int) -> str:
+    return entry_kind(mode)
+
+
+def _table(rules: tuple[SkipRule, ...]) -> _Table:
+    never = len(rules)
+    by_kind = {}
+    for entry_class in ("file", "folder", "symlink", "special"):
+        wanted = _CLASS_KINDS.get(entry_class)
+        by_kind[entry_class] = next((i for i, r in enumerate(rules) if wanted and r.kind == wanted), never)
+    unsafe_at = next((i for i, r in enumerate(rules) if r.kind == "unsafe_name"), never)
+    return rules, _combined(rules), by_kind, unsafe_at

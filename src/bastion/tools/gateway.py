@@ -118,6 +118,17 @@ class _ActionTool:
         if approval.state == "pending":
             return self._needs_approval(approval)
         used = self.queue.consume(approval.id, self.name, command.literal)  # raises if denied, expired or used
+        # The human decision joins the hash chain before the action is sent; if it cannot, nothing is sent.
+        await self.runner.audit.append_async(
+            {
+                "event": "approval_used",
+                "tool": self.name,
+                "approval": used.id,
+                "literal": used.literal,
+                "requested_by": used.requested_by,
+                "decided_by": used.decided_by,
+            }
+        )
         out = await self.client.call(command, retry=False)
         extra: dict[str, object] = {"gateway": self.gateway.name, APPROVAL_ID: used.id, "approved_by": used.decided_by}
         return _output_result(self.name, command, out, extra)

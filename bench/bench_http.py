@@ -1,0 +1,215 @@
+"""bastion over Streamable HTTP: the cost of OAuth on tools/call, throughput, and the token endpoint.
+
+Two `bastion serve --http` processes from the same demo config, one with `[http] auth = false`,
+driven by the SDK's `mcp.Client` over loopback. Figures (issue #5):
+- tools/call of a no-op-cost tool (`explain_command`: a policy check, runs nothing) with a bearer token,
+  p50, against the same server with auth off, calls alternating: target <= 1.3x, on both protocol eras;
+- calls/s with 32 concurrent clients (with auth);
+- /token refresh with rotation: requests/s (8 concurrent refresh chains).
+The token is minted through the server's own store (a grant as the consent page would make it), so the
+bench needs no browser. Run: .venv/bin/python bench/bench_http.py [--calls N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import anyio
+import httpx2
+from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
+
+REPO = Path(__file__).resolve().parent.parent
+BASTION = REPO / ".venv" / "bin" / "bastion"
+WARMUP_CALLS = 30
+CONCURRENT_CLIENTS = 32
+CALLS_PER_CLIENT = 20
+REFRESH_CHAINS = 8
+REFRESHES_PER_CHAIN = 40
+TARGET = 1.3
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def write_config(root: Path, *, auth: bool) -> tuple[Path, int]:
+    subprocess.run([str(BASTION), "init", str(root)], check=True, capture_output=True)
+    port = free_port()
+    path = root / "bastion.toml"
+    text = path.read_text()
+    text = text.replace('path = "workspace"\n', 'path = "workspace"\nuse_cgroups = false\n', 1)
+    text = re.sub(r"(?m)^\[sandboxes\]\nenabled = true", "[sandboxes]\nenabled = false", text)
+    text = text.replace("http://127.0.0.1:8765", f"http://127.0.0.1:{port}").replace(
+        'listen = "127.0.0.1:8765"', f'listen = "127.0.0.1:{port}"'
+    )
+    if not auth:
+        text = text.replace("[http]\n", "[http]\nauth = false\n", 1)
+    path.write_text(text)
+    if auth:
+        subprocess.run(
+            [str(BASTION), "admin", "set-password", "--config", str(path)],
+            input="bench password 123\n",
+            text=True,
+            check=True,
+            capture_output=True,
+        )
+    return path, port
+
+
+@contextmanager
+def serve(root: Path, *, auth: bool) -> Iterator[str]:
+    path, port = write_config(root, auth=auth)
+    log = open(root / "server.log", "wb")  # noqa: SIM115
+    process = subprocess.Popen([str(BASTION), "serve", "--config", str(path), "--http"], stdout=log, stderr=log)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                httpx2.get(f"{base}/mcp", timeout=1)
+                break
+            except httpx2.TransportError:
+                if time.monotonic() > deadline or process.poll() is not None:
+                    raise SystemExit(f"server did not start: {(root / 'server.log').read_text()}") from None
+                time.sleep(0.05)
+        yield base
+    finally:
+        process.terminate()
+        process.wait(10)
+        log.close()
+
+
+def mint_tokens(root: Path, base: str, count: int) -> list[tuple[str, str, str]]:
+    """(client_id, access token, refresh token) for `count` grants, made through the real store."""
+    sys.path.insert(0, str(REPO / "src"))
+    from bastion.config import load_config
+    from bastion.http.store import AuthStore
+    from bastion.tools.server import SCOPES
+
+    config = load_config(root / "bastion.toml")
+    store = AuthStore(config.db_path)
+    minted = []
+    for _ in range(count):
+        client = httpx2.post(
+            f"{base}/register", json={"redirect_uris": ["http://127.0.0.1/cb"], "token_endpoint_auth_method": "none"}
+        )
+        client_id = client.json()["client_id"]
+        code = store.create_grant_with_code(
+            client_id=client_id,
+            scopes=SCOPES,
+            resource=f"{base}/mcp",
+            redirect_uri="http://127.0.0.1/cb",
+            code_challenge="x" * 43,
+            code_lifetime_s=60,
+            grant_lifetime_s=86400,
+        )
+        issued = store.consume_code_and_issue(code, access_lifetime_s=3600, refresh_lifetime_s=86400)
+        assert issued is not None
+        minted.append((client_id, issued.access_token, issued.refresh_token))
+    store.close()
+    return minted
+
+
+def client_for(url: str, token: str | None, mode: str) -> tuple[httpx2.AsyncClient, Client]:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    http = httpx2.AsyncClient(headers=headers, timeout=60)
+    return http, Client(streamable_http_client(url, http_client=http), mode=mode)  # type: ignore[arg-type]
+
+
+async def timed(client: Client) -> float:
+    started = time.perf_counter()
+    result = await client.call_tool("explain_command", {"command": "true"})
+    elapsed = (time.perf_counter() - started) * 1000
+    if result.is_error:
+        raise SystemExit(f"explain_command failed: {result.content}")
+    return elapsed
+
+
+async def latency(open_url: str, auth_url: str, token: str, mode: str, calls: int) -> tuple[list[float], list[float]]:
+    plain_http, plain = client_for(open_url, None, mode)
+    auth_http, authed = client_for(auth_url, token, mode)
+    off, on = [], []
+    async with plain_http, auth_http, plain, authed:
+        for _ in range(WARMUP_CALLS):
+            await timed(plain)
+            await timed(authed)
+        for _ in range(calls):
+            off.append(await timed(plain))
+            on.append(await timed(authed))
+    return off, on
+
+
+async def throughput(url: str, token: str) -> float:
+    async def one() -> None:
+        http, client = client_for(url, token, "2026-07-28")
+        async with http, client:
+            for _ in range(CALLS_PER_CLIENT):
+                await timed(client)
+
+    started = time.perf_counter()
+    async with anyio.create_task_group() as tasks:
+        for _ in range(CONCURRENT_CLIENTS):
+            tasks.start_soon(one)
+    return CONCURRENT_CLIENTS * CALLS_PER_CLIENT / (time.perf_counter() - started)
+
+
+async def refresh_rate(base: str, grants: list[tuple[str, str, str]]) -> float:
+    async def chain(client_id: str, refresh: str) -> None:
+        async with httpx2.AsyncClient(base_url=base, timeout=30) as http:
+            for _ in range(REFRESHES_PER_CHAIN):
+                response = await http.post(
+                    "/token", data={"grant_type": "refresh_token", "refresh_token": refresh, "client_id": client_id}
+                )
+                if response.status_code != 200:
+                    raise SystemExit(f"refresh failed: {response.text}")
+                refresh = response.json()["refresh_token"]
+
+    started = time.perf_counter()
+    async with anyio.create_task_group() as tasks:
+        for client_id, _, refresh in grants:
+            tasks.start_soon(chain, client_id, refresh)
+    return len(grants) * REFRESHES_PER_CHAIN / (time.perf_counter() - started)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--calls", type=int, default=300)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(dir=REPO / "bench", prefix=".tmp-") as tmp:
+        open_root, auth_root = Path(tmp) / "open", Path(tmp) / "auth"
+        with serve(open_root, auth=False) as open_base, serve(auth_root, auth=True) as auth_base:
+            grants = mint_tokens(auth_root, auth_base, 1 + REFRESH_CHAINS)
+            token = grants[0][1]
+            print(f"{args.calls} alternating calls per era after {WARMUP_CALLS} warm-up calls; tool: explain_command")
+            print(f"{'figure':<34}{'auth off ms':>12}{'bearer ms':>11}{'ratio':>8}{'target':>8}")
+            ok = True
+            for mode, label in (("2026-07-28", "2026-07-28"), ("legacy", "2025-11-25 (SSE)")):
+                off, on = anyio.run(latency, f"{open_base}/mcp", f"{auth_base}/mcp", token, mode, args.calls)
+                ratio = statistics.median(on) / statistics.median(off)
+                ok &= ratio <= TARGET
+                name = f"tools/call p50, {label}"
+                print(
+                    f"{name:<34}{statistics.median(off):>12.3f}{statistics.median(on):>11.3f}{ratio:>7.2f}x{TARGET:>7.1f}x"
+                )
+            rate = anyio.run(throughput, f"{auth_base}/mcp", token)
+            print(f"tools/call with {CONCURRENT_CLIENTS} concurrent clients (bearer): {rate:,.0f} calls/s")
+            refreshes = anyio.run(refresh_rate, auth_base, grants[1:])
+            print(f"/token refresh with rotation ({REFRESH_CHAINS} chains): {refreshes:,.0f} requests/s")
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,205 @@
+"""`bastion serve --http` start-up, built-in TLS, and the `bastion admin` commands.
+
+What this proves: the server refuses to start without an admin password, with auth off on a
+non-loopback address, or with half a TLS pair; `--listen` overrides the config; with a certificate and
+key it serves https (the issuer and resource then being https too); `admin set-password` reads stdin,
+stores only an argon2id hash, and `--generate --if-unset` prints a password once; `admin clients`,
+`tokens` and `revoke` list and revoke what the live server issued. Test keys are made at test time.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+import ssl
+import subprocess
+import time
+from pathlib import Path
+
+import httpx2
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from .live import BASTION, free_port, get_tokens, live_server, write_config
+
+
+def bastion(*args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(BASTION), *args], input=stdin, capture_output=True, text=True, timeout=60, check=False)
+
+
+def test_serve_refuses_without_a_password(tmp_path: Path) -> None:
+    config = write_config(tmp_path / "demo", free_port())
+    result = bastion("serve", "--config", str(config), "--http")
+    assert result.returncode == 78
+    assert "admin set-password" in result.stderr
+
+
+def test_serve_refuses_auth_off_on_a_public_address(tmp_path: Path) -> None:
+    config = write_config(tmp_path / "demo", free_port(), auth=False)
+    result = bastion("serve", "--config", str(config), "--http", "--listen", "0.0.0.0:9")
+    assert result.returncode == 78
+    assert "auth = false" in result.stderr
+
+
+def test_serve_refuses_half_a_tls_pair(tmp_path: Path) -> None:
+    config = write_config(tmp_path / "demo", free_port(), http_extra='tls_cert = "cert.pem"')
+    bastion("admin", "set-password", "--config", str(config), stdin="a long enough password\n")
+    result = bastion("serve", "--config", str(config), "--http")
+    assert result.returncode == 78
+    assert "tls_cert and tls_key" in result.stderr
+
+
+def test_serve_needs_exactly_one_transport(tmp_path: Path) -> None:
+    config = write_config(tmp_path / "demo", free_port())
+    assert bastion("serve", "--config", str(config)).returncode == 2
+    assert bastion("serve", "--config", str(config), "--stdio", "--http").returncode == 2
+
+
+def test_plain_http_public_url_must_be_loopback(tmp_path: Path) -> None:
+    config = write_config(tmp_path / "demo", free_port())
+    config.write_text(
+        config.read_text().replace('public_url = "http://127.0.0.1:', 'public_url = "http://bastion.example:')
+    )
+    result = bastion("admin", "tokens", "--config", str(config))
+    assert result.returncode == 78
+    assert "use https" in result.stderr
+
+
+def _self_signed(folder: Path) -> tuple[Path, Path]:
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=1))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = folder / "cert.pem", folder / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    os.chmod(key_path, 0o600)
+    return cert_path, key_path
+
+
+def test_builtin_tls(tmp_path: Path) -> None:
+    tmp_path.mkdir(exist_ok=True)
+    cert, key = _self_signed(tmp_path)
+    port = free_port()
+    config = write_config(tmp_path / "demo", port, http_extra=f'tls_cert = "{cert}"\ntls_key = "{key}"')
+    config.write_text(
+        config.read_text().replace(
+            f'public_url = "http://127.0.0.1:{port}"', f'public_url = "https://127.0.0.1:{port}"'
+        )
+    )
+    bastion("admin", "set-password", "--config", str(config), stdin="a long enough password\n")
+    process = subprocess.Popen([str(BASTION), "serve", "--config", str(config), "--http"], stderr=subprocess.PIPE)
+    try:
+        context = ssl.create_default_context(cafile=str(cert))
+        with httpx2.Client(verify=context, timeout=5) as client:
+            for _ in range(300):
+                try:
+                    response = client.get(f"https://127.0.0.1:{port}/.well-known/oauth-protected-resource/mcp")
+                    break
+                except httpx2.TransportError:
+                    if process.poll() is not None:
+                        raise
+                    time.sleep(0.05)
+            assert response.status_code == 200
+            assert response.json()["resource"] == f"https://127.0.0.1:{port}/mcp"
+            meta = client.get(f"https://127.0.0.1:{port}/.well-known/oauth-authorization-server").json()
+            assert meta["issuer"] == f"https://127.0.0.1:{port}"
+        with httpx2.Client(timeout=5) as plain:
+            try:
+                plain.get(f"http://127.0.0.1:{port}/mcp")
+                raise AssertionError("plain http must not be served on the TLS port")
+            except httpx2.TransportError:
+                pass
+    finally:
+        process.terminate()
+        process.wait(10)
+        assert process.stderr is not None
+        process.stderr.close()
+
+
+def test_set_password_stores_a_hash_and_generate_prints_once(tmp_path: Path) -> None:
+    config = write_config(tmp_path / "demo", free_port())
+    hash_path = tmp_path / "demo" / "state" / "admin-password.argon2"
+    short = bastion("admin", "set-password", "--config", str(config), stdin="short\n")
+    assert short.returncode == 78
+    assert not hash_path.exists()
+    generated = bastion("admin", "set-password", "--config", str(config), "--generate", "--if-unset")
+    assert generated.returncode == 0
+    password = generated.stdout.strip()
+    assert len(password) >= 16
+    assert hash_path.read_text().startswith("$argon2id$")
+    assert password not in hash_path.read_text()
+    assert oct(hash_path.stat().st_mode & 0o777) == "0o600"
+    again = bastion("admin", "set-password", "--config", str(config), "--generate", "--if-unset")
+    assert again.returncode == 0
+    assert again.stdout == ""  # already set: nothing printed, nothing changed
+
+
+def test_admin_clients_tokens_revoke(tmp_path: Path) -> None:
+    with live_server(tmp_path / "demo") as server, server.http() as raw:
+        client_id = server.register(client_name="listed client")["client_id"]
+        tokens = get_tokens(server, client_id)
+        config = str(server.config_path)
+        clients = bastion("admin", "clients", "--config", config)
+        assert client_id in clients.stdout
+        assert "listed client" in clients.stdout
+        listed = bastion("admin", "tokens", "--config", config)
+        grant_id = listed.stdout.split()[0]
+        assert client_id in listed.stdout
+        assert tokens["access_token"] not in listed.stdout + clients.stdout
+        revoked = bastion("admin", "revoke", "--config", config, grant_id)
+        assert revoked.stdout.strip() == "revoked 1 grant(s)"
+        headers = {"Authorization": f"Bearer {tokens['access_token']}"}
+        assert raw.post("/mcp", json={}, headers=headers).status_code == 401
+        assert bastion("admin", "tokens", "--config", config).stdout.strip() == "no active grants"
+        unknown = bastion("admin", "revoke", "--config", config, "nope")
+        assert unknown.returncode == 78
+
+
+def test_listen_overrides_the_config(tmp_path: Path) -> None:
+    port = free_port()
+    config = write_config(tmp_path / "demo", port)
+    bastion("admin", "set-password", "--config", str(config), stdin="a long enough password\n")
+    other = free_port()
+    # public_url still names the configured port: a request to the new port with that Host is ours.
+    process = subprocess.Popen(
+        [str(BASTION), "serve", "--config", str(config), "--http", "--listen", f"127.0.0.1:{other}"],
+        stderr=subprocess.PIPE,
+    )
+    try:
+        with httpx2.Client(timeout=5) as client:
+            for _ in range(300):
+                try:
+                    response = client.get(
+                        f"http://127.0.0.1:{other}/.well-known/oauth-protected-resource",
+                        headers={"Host": f"127.0.0.1:{port}"},
+                    )
+                    break
+                except httpx2.TransportError:
+                    if process.poll() is not None:
+                        raise
+                    time.sleep(0.05)
+        assert response.status_code == 200
+    finally:
+        process.terminate()
+        process.wait(10)
+        assert process.stderr is not None
+        process.stderr.close()
