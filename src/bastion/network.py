@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Final
@@ -56,6 +55,7 @@ class SandboxNetwork:
         self._proxy_running = False
         self._forwarder: BackgroundProcess | None = None
         self._lock = asyncio.Lock()
+        self._stopping: asyncio.Task[None] | None = None
 
     def summary(self) -> list[str]:
         return [str(rule) for rule in self.rules]
@@ -74,38 +74,51 @@ class SandboxNetwork:
             try:
                 yield
             finally:
-                self._narrow()
+                await self._narrow()
 
     async def _open(self, workspace: HostWorkspace, rules: Sequence[AllowRule]) -> None:
         if self._egress is None:
             raise Unavailable("network egress is not available on this server")
         if self._proxy_running:
-            self._egress.set_rules(self.sandbox_id, rules)
+            await self._egress.set_rules_async(self.sandbox_id, rules)
         else:
-            self._egress.start(self.sandbox_id, rules, self._socket)
+            await self._egress.start_async(self.sandbox_id, rules, self._socket)
             self._proxy_running = True
         if self._forwarder is None or self._forwarder.exited:
             self._forwarder = await _start_forwarder(workspace, f"{INSIDE_DIR}/{SOCKET_NAME}")
         workspace.extra_env.update(proxy_environment())
 
-    def _narrow(self) -> None:
+    async def _narrow(self) -> None:
+        # Back to the sandbox's own allowlist; with none, nothing is reachable once the install is over.
+        if self._egress is not None and self._proxy_running:
+            await self._egress.set_rules_async(self.sandbox_id, self.rules)
+
+    def close(self, *, stop_proxy: bool = True) -> None:
+        """Stop the proxy: in the background when an event loop runs (a stop can take seconds
+        to end open connections), else here. `stop_proxy=False`: the whole service is closing."""
         if self._egress is None or not self._proxy_running:
             return
-        if self.rules:
-            self._egress.set_rules(self.sandbox_id, self.rules)
-        else:
-            # No allowlist of its own: nothing to reach once the install is over.
-            self._egress.set_rules(self.sandbox_id, ())
+        self._proxy_running = False
+        if not stop_proxy:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._stop_now(self._egress)
+            return
+        self._stopping = loop.create_task(self._stop_later(self._egress))
 
-    def close(self) -> None:
-        if self._egress is not None and self._proxy_running:
-            try:
-                self._egress.stop(self.sandbox_id)
-            except Exception:
-                logger.exception("egress proxy of %s did not stop cleanly", self.sandbox_id)
-            self._proxy_running = False
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self._socket)
+    def _stop_now(self, egress: EgressService) -> None:
+        try:
+            egress.stop(self.sandbox_id)
+        except Exception:
+            logger.exception("egress proxy of %s did not stop cleanly", self.sandbox_id)
+
+    async def _stop_later(self, egress: EgressService) -> None:
+        try:
+            await egress.stop_async(self.sandbox_id)
+        except Exception:
+            logger.exception("egress proxy of %s did not stop cleanly", self.sandbox_id)
 
 
 async def _start_forwarder(workspace: HostWorkspace, socket_path: str) -> BackgroundProcess:

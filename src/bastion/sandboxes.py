@@ -440,12 +440,13 @@ class SandboxManager:
                 delete_snapshot(self._snapshots, info.id)
         return made
 
-    def close(self, sandbox_id: str) -> None:
-        """End every process, remove the cgroup and the files."""
+    def close(self, sandbox_id: str, *, final: bool = False) -> None:
+        """End every process, remove the cgroup and the files. `final`: the server is ending
+        (the egress service then stops every proxy at once)."""
         box = self._boxes.pop(sandbox_id, None)
         if box is None:
             raise SandboxNotFound(f"no sandbox {sandbox_id!r}: it was closed, or never existed (list_sandboxes)")
-        box.network.close()
+        box.network.close(stop_proxy=not final)
         box.workspace.close()
         self._discard_prepared(box.id, box.root)
 
@@ -483,7 +484,7 @@ class SandboxManager:
         if self._refill is not None:
             self._refill.cancel()
         for sandbox_id in list(self._boxes):
-            self.close(sandbox_id)
+            self.close(sandbox_id, final=True)
         for prepared in [*self._pool, *self._starting.values()]:
             prepared.warm.close()
             self._discard_prepared(prepared.id, prepared.root)

@@ -126,3 +126,12 @@ async def test_no_network_by_default_and_the_ceiling_holds(net_client: Client) -
     assert wider["code"] == "POLICY_DENIED"
     malformed = await call(net_client, "create_sandbox", network_allow=["http://x/"])
     assert malformed["code"] == "INVALID_REQUEST"
+
+
+async def test_closing_a_sandbox_stops_its_proxy(net_client: Client, web: int) -> None:
+    first = await create(net_client, network_allow=[f"allowed.test:{web}"])
+    second = await create(net_client, network_allow=[f"allowed.test:{web}"])
+    closed = await call(net_client, "close_sandbox", sandbox_id=first)
+    assert closed["ok"], closed
+    result = await sh(net_client, second, FETCH.format(url=f"http://allowed.test:{web}/"))
+    assert result["detail"]["stdout"] == "hello from the host\n", result
