@@ -39,6 +39,7 @@ TOOLS = {
     "kill_process",
     "execute_code",
     "list_code_contexts",
+    "install_package",
     "list_files",
     "plan_organize",
     "apply_plan",
