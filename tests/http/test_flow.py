@@ -10,6 +10,7 @@ clients (claude.ai, Cursor) behave the same; the conformance and Inspector tests
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -91,6 +92,12 @@ async def test_sdk_client_full_flow(server: LiveServer, browsers: Callable[[Live
         ran = await call(client, "run_command", command="echo over-http")
         assert ran["ok"], ran
         assert "over-http" in ran["detail"]["stdout"]  # type: ignore[index]
+    assert storage.client_info is not None
+    audit = [json.loads(line) for line in (server.root / "state" / "audit.jsonl").read_text().splitlines()]
+    callers = {record.get("caller") for record in audit if record.get("tool") == "run_command"}
+    # The server is shared by the tests of this module: earlier clients' records are there too.
+    assert f"http:{storage.client_info.client_id}" in callers, "the audit log names the OAuth client"
+    assert all(caller.startswith("http:") for caller in callers), callers
     assert len(opened) == 1
     assert opened[0].startswith(f"{server.base}/authorize?")
     assert storage.tokens is not None

@@ -15,6 +15,8 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 
+from mcp.server.auth.middleware.auth_context import get_access_token
+
 from bastion.safety.audit import AuditLog
 from bastion.safety.errors import AuditUnavailable, BastionError
 from bastion.safety.results import OperationResult, ResultCode
@@ -31,6 +33,11 @@ class CallRunner:
         self.audit = audit
         self.caller = caller
         self._in_flight = 0
+
+    def identity(self) -> str:
+        """Who is calling: the transport, and over HTTP the OAuth client the token was issued to."""
+        token = get_access_token()
+        return f"{self.caller}:{token.client_id}" if token is not None else self.caller
 
     async def _record(self, record: Mapping[str, object]) -> str:
         # Alone, the record is written inline; with company, group commit shares the fdatasync.
@@ -64,7 +71,7 @@ class CallRunner:
         call_id = uuid.uuid4().hex
         base: dict[str, object] = {
             "call": call_id,
-            "caller": self.caller,
+            "caller": self.identity(),
             "tool": action,
             "workspace": workspace,
             "args": dict(arguments),
