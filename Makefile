@@ -10,7 +10,7 @@ DEMO := .bastion
 export UV_PYTHON_DOWNLOADS := never
 export UV_PROJECT_ENVIRONMENT := $(VENV)
 
-.PHONY: help install system-deps node-tools run run-stdio test lint typecheck unit unprivileged bench clean
+.PHONY: help install system-deps test-deps node-tools run run-stdio test lint typecheck unit unprivileged bench clean
 
 help:
 	@echo "make run    set up, write a demo config under $(DEMO)/ if absent, and serve it over HTTP on loopback"
@@ -22,13 +22,28 @@ system-deps:
 	command -v bwrap >/dev/null || missing="$$missing bubblewrap"; \
 	python3 -c 'import venv, ensurepip' 2>/dev/null || missing="$$missing python3-venv"; \
 	command -v mount >/dev/null || missing="$$missing mount"; \
-	[ -x /usr/sbin/sshd ] || missing="$$missing openssh-server"; \
-	command -v chromium >/dev/null || missing="$$missing chromium"; \
-	command -v npm >/dev/null || missing="$$missing npm"; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing system packages:$$missing"; \
 	  if [ "$$(id -u)" != 0 ]; then echo "run as root, or install:$$missing" >&2; exit 1; fi; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	fi
+
+# What only the tests need: sshd as the gateway's test peer, Chromium for the login pages, npm for
+# node 22 (conformance suite, Inspector). A policy-rc.d keeps apt from starting an sshd on port 22,
+# and the service is disabled again: the tests start their own on loopback.
+test-deps:
+	@missing=""; \
+	[ -x /usr/sbin/sshd ] || missing="$$missing openssh-server"; \
+	command -v chromium >/dev/null || missing="$$missing chromium"; \
+	command -v npm >/dev/null || missing="$$missing npm"; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing test packages:$$missing"; \
+	  if [ "$$(id -u)" != 0 ]; then echo "run as root, or install:$$missing" >&2; exit 1; fi; \
+	  guard=0; if [ ! -e /usr/sbin/policy-rc.d ]; then printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d; chmod +x /usr/sbin/policy-rc.d; guard=1; fi; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; status=$$?; \
+	  if [ $$guard = 1 ]; then rm -f /usr/sbin/policy-rc.d; fi; \
+	  case "$$missing" in *openssh-server*) systemctl disable ssh.service ssh.socket >/dev/null 2>&1 || true;; esac; \
+	  exit $$status; \
 	fi
 
 $(UV):
@@ -76,7 +91,7 @@ lint: install
 typecheck: install
 	$(VENV)/bin/mypy
 
-unit: install node-tools
+unit: install test-deps node-tools
 	$(VENV)/bin/pytest -q
 
 # The sandbox tests again, as an unprivileged user in a delegated cgroup (needs root to set up).

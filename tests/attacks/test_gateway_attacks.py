@@ -13,9 +13,6 @@ the corpus are refused; tests/gateway covers the parser's rules one by one.
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -110,27 +107,8 @@ def test_a131_pty_is_refused(lab: GatewayLab) -> None:
 
 
 def test_a133_local_forward_is_refused(lab: GatewayLab) -> None:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        local = probe.getsockname()[1]
-    forward = subprocess.Popen(
-        lab.ssh_argv("-N", "-L", f"{local}:127.0.0.1:{lab.port}"), stderr=subprocess.PIPE, text=True
-    )
-    try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                conn = socket.create_connection(("127.0.0.1", local), timeout=1)
-                break
-            except OSError:
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
-        with conn:
-            conn.settimeout(5)
-            assert conn.recv(100) == b""
-    finally:
-        forward.terminate()
-        _, err = forward.communicate(timeout=10)
+    data, err = lab.probe_local_forward()
+    assert data == b""
     assert "administratively prohibited" in err
 
 

@@ -148,6 +148,37 @@ class GatewayLab:
             check=False,
         )
 
+    def probe_local_forward(self) -> tuple[bytes, str]:
+        """Run `ssh -N -L` to the sshd itself, connect through it; return what came back and ssh's stderr."""
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            local = probe.getsockname()[1]
+        forward = subprocess.Popen(
+            self.ssh_argv("-N", "-L", f"{local}:127.0.0.1:{self.port}"), stderr=subprocess.PIPE, text=True
+        )
+        try:
+            deadline = time.monotonic() + 15
+            while True:
+                try:
+                    conn = socket.create_connection(("127.0.0.1", local), timeout=1)
+                    break
+                except OSError:
+                    if time.monotonic() > deadline or forward.poll() is not None:
+                        raise RuntimeError("ssh -L never listened") from None
+                    time.sleep(0.05)
+            with conn:
+                conn.settimeout(10)
+                # Through a working forward this would be sshd's banner.
+                data = conn.recv(100)
+        finally:
+            forward.terminate()
+            try:
+                _, err = forward.communicate(timeout=10)
+            except subprocess.TimeoutExpired:
+                forward.kill()
+                _, err = forward.communicate()
+        return data, err
+
     def asyncssh_options(self) -> dict[str, Any]:
         import asyncssh
 

@@ -96,7 +96,7 @@ class _ActionTool:
         self, ctx: Context[Any, Any], command: GatewayCommand, approval_id: str | None
     ) -> OperationResult:
         if approval_id is None:
-            approval = self.queue.request(self.name, command.literal, self.runner.caller, self.approvals.ttl_s)
+            approval = self.queue.request(self.name, command.literal, self.runner.identity(), self.approvals.ttl_s)
             logger.warning("approval %s requested: %s %r", approval.id, self.name, command.literal)
         else:
             approval = self.queue.get(approval_id)

@@ -105,7 +105,7 @@ def register_sandboxes(
         async def op() -> OperationResult:
             requested = limits.requested() if limits else None
             box = await manager.create(
-                owner=runner.caller, name=name, limits=requested, template=template, network_allow=network_allow
+                owner=runner.identity(), name=name, limits=requested, template=template, network_allow=network_allow
             )
             detail = {**box.summary(), "limits": box.limits.model_dump(), "workspace": "/workspace"}
             return OperationResult.success("create_sandbox", detail)
@@ -183,7 +183,7 @@ def register_sandboxes(
         snapshot_id: Annotated[str, Field(description="The id from snapshot_sandbox, e.g. snap-0123456789abcdef.")],
     ) -> Result:
         async def op() -> OperationResult:
-            box, info = await manager.restore(snapshot_id, owner=runner.caller)
+            box, info = await manager.restore(snapshot_id, owner=runner.identity())
             detail = {**box.summary(), "snapshot": _snapshot_detail(info), "workspace": "/workspace"}
             return OperationResult.success("restore_sandbox", detail)
 
@@ -216,7 +216,7 @@ def register_sandboxes(
         limits: LimitsArg | None = None,
     ) -> Result:
         async def op() -> OperationResult:
-            box = await manager.create(owner=runner.caller, limits=limits.requested() if limits else None)
+            box = await manager.create(owner=runner.identity(), limits=limits.requested() if limits else None)
             try:
                 for path, content in (files or {}).items():
                     box.workspace.write_file(path, content, encoding="utf-8", append=False)
