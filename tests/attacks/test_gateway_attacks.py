@@ -59,7 +59,7 @@ def _assert_refused_and_recorded(lab: GatewayLab, before: int, runs: int, comman
 @pytest.mark.parametrize("entry", COMMANDS, ids=[e["id"] for e in COMMANDS])
 def test_raw_ssh_command_is_refused(lab: GatewayLab, entry: dict[str, Any]) -> None:
     command = entry["input"]["SSH_ORIGINAL_COMMAND"]
-    before, runs = len(lab.dispatch_records()), len(lab.action_runs())
+    before, runs = lab.settled_count(), len(lab.action_runs())
     done = lab.ssh(command)
     assert done.returncode == 126, (entry["id"], done.stderr)
     assert done.stderr.startswith("dispatch: refused: ")
@@ -72,7 +72,7 @@ def test_raw_ssh_command_is_refused(lab: GatewayLab, entry: dict[str, Any]) -> N
 @pytest.mark.parametrize("entry", COMMANDS, ids=[e["id"] for e in COMMANDS])
 async def test_asyncssh_command_is_refused(lab: GatewayLab, entry: dict[str, Any]) -> None:
     command = entry["input"]["SSH_ORIGINAL_COMMAND"]
-    before, runs = len(lab.dispatch_records()), len(lab.action_runs())
+    before, runs = lab.settled_count(), len(lab.action_runs())
     async with asyncssh.connect("127.0.0.1", **lab.asyncssh_options()) as conn:
         done = await conn.run(command, check=False)
     assert done.exit_status == 126, entry["id"]
@@ -84,7 +84,7 @@ async def test_asyncssh_command_is_refused(lab: GatewayLab, entry: dict[str, Any
 @pytest.mark.parametrize("entry", NUL, ids=[e["id"] for e in NUL])
 async def test_nul_never_reaches_dispatch(lab: GatewayLab, entry: dict[str, Any]) -> None:
     command = entry["input"]["SSH_ORIGINAL_COMMAND"]
-    before, runs = len(lab.dispatch_records()), len(lab.action_runs())
+    before, runs = lab.settled_count(), len(lab.action_runs())
     with pytest.raises(ValueError, match="null"):
         lab.ssh(command)
     log_before = len(lab.sshd_log.read_text())
@@ -98,7 +98,7 @@ async def test_nul_never_reaches_dispatch(lab: GatewayLab, entry: dict[str, Any]
 
 
 def test_a131_pty_is_refused(lab: GatewayLab) -> None:
-    before, runs = len(lab.dispatch_records()), len(lab.action_runs())
+    before, runs = lab.settled_count(), len(lab.action_runs())
     done = lab.ssh("status biscuit", options=("-tt",))
     assert "PTY allocation request failed" in done.stderr
     assert done.returncode != 0

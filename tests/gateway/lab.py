@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tests.helpers import processes_with
+
 SSHD = "/usr/sbin/sshd"
 USER = pwd.getpwuid(os.geteuid()).pw_name
 
@@ -98,6 +100,18 @@ class GatewayLab:
     @property
     def known_hosts(self) -> Path:
         return self.root / "known_hosts"
+
+    def settled_count(self, timeout_s: float = 30.0) -> int:
+        """How many dispatch records there are once no dispatch.py of this lab still runs.
+
+        An earlier test may leave one running (a caller that gave up before the action's own
+        timeout); its late record must not be counted as the next test's.
+        """
+        marker = str(self.root)
+        deadline = time.monotonic() + timeout_s
+        while processes_with(marker + "/target/dispatch.py") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return len(self.dispatch_records())
 
     def dispatch_records(self) -> list[dict[str, Any]]:
         if not self.dispatch_log.exists():

@@ -33,7 +33,7 @@ def test_allowed_action_runs_with_argv_and_is_recorded(lab: GatewayLab) -> None:
 
 
 def test_interactive_login_is_refused(lab: GatewayLab) -> None:
-    before = len(lab.dispatch_records())
+    before = lab.settled_count()
     done = lab.ssh()
     assert done.returncode == 126
     assert "interactive logins are not allowed" in done.stderr
@@ -94,7 +94,7 @@ def test_agent_forwarding_is_refused(lab: GatewayLab, tmp_path: os.PathLike[str]
 
 
 def test_sftp_is_refused(lab: GatewayLab, tmp_path: os.PathLike[str]) -> None:
-    before = len(lab.dispatch_records())
+    before = lab.settled_count()
     argv = lab.ssh_argv()
     sftp = ["sftp", "-b", "-", *argv[1:-1], argv[-1]]
     sftp = [a if a != "-p" else "-P" for a in sftp]
@@ -109,7 +109,7 @@ def test_scp_is_refused(lab: GatewayLab, tmp_path: os.PathLike[str], legacy: boo
     source = os.path.join(str(tmp_path), "payload")
     with open(source, "w") as handle:
         handle.write("evil")
-    before = len(lab.dispatch_records())
+    before = lab.settled_count()
     argv = lab.ssh_argv()
     options = [a if a != "-p" else "-P" for a in argv[1:-1]]
     scp = ["scp", *(["-O"] if legacy else []), *options, source, f"{argv[-1]}:/tmp/bastion-scp-test"]
@@ -122,7 +122,7 @@ def test_scp_is_refused(lab: GatewayLab, tmp_path: os.PathLike[str], legacy: boo
 
 
 def test_address_outside_from_is_refused(lab: GatewayLab) -> None:
-    before = len(lab.dispatch_records())
+    before = lab.settled_count()
     done = lab.ssh("status biscuit", options=("-b", "127.0.0.2"))
     assert done.returncode == 255
     assert "Permission denied" in done.stderr
