@@ -85,21 +85,14 @@ def pip_command(requirement: str, index_url: str, cert: str | None) -> tuple[str
     return (*argv, "--", requirement)
 
 
-def npm_command(requirement: str, registry_url: str) -> tuple[str, ...]:
+def npm_command(requirement: str, registry_url: str, cert: str | None) -> tuple[str, ...]:
     # --ignore-scripts: a package's install scripts do not run at install time.
-    return (
-        "npm",
-        "install",
-        "--prefix",
-        NPM_PREFIX,
-        "--no-audit",
-        "--no-fund",
-        "--ignore-scripts",
-        "--registry",
-        registry_url,
-        "--",
-        requirement,
-    )
+    argv = ["npm", "install", "--prefix", NPM_PREFIX, "--no-audit", "--no-fund", "--no-update-notifier"]
+    argv += ["--ignore-scripts"]
+    argv += ["--registry", registry_url]
+    if cert is not None:
+        argv += ["--cafile", cert]
+    return (*argv, "--", requirement)
 
 
 CA_BUNDLE: Final = "/etc/ssl/certs/ca-certificates.crt"  # bound into every sandbox (see _spawn)
@@ -127,7 +120,7 @@ async def install(
             npm = shutil.which("npm", path=SANDBOX_PATH)
             if npm is None:
                 raise NotFound("npm is not installed in this sandbox's template")
-            argv = npm_command(checked, config.npm_registry_url)
+            argv = npm_command(checked, config.npm_registry_url, _ca_bundle())
             return checked, await workspace.run_argv(npm, argv, timeout_s=None, ceiling_s=config.install_timeout_s)
         if not _has_venv(box.root / "workspace"):
             await _make_venv(workspace)

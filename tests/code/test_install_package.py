@@ -4,6 +4,7 @@ the package registry through the egress proxy, inside a sandbox."""
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 from pathlib import Path
 
@@ -77,9 +78,9 @@ def test_whatever_passes_cannot_carry_an_option_url_or_path(text: str) -> None:
             assert ";" not in accepted
 
 
-def registry_reachable() -> bool:
+def registry_reachable(host: str = "pypi.org") -> bool:
     try:
-        socket.create_connection(("pypi.org", 443), timeout=5).close()
+        socket.create_connection((host, 443), timeout=5).close()
     except OSError:
         return False
     return True
@@ -128,3 +129,19 @@ FETCH_PYPI = (
     "try:\n    urllib.request.urlopen('https://pypi.org/simple/', timeout=10)\n    print('reached')\n"
     "except urllib.error.URLError as exc:\n    print(exc)"
 )
+
+
+@pytest.mark.anyio
+@pytest.mark.bwrap
+@pytest.mark.network
+async def test_a_real_npm_install_then_require(client: Client) -> None:
+    if shutil.which("npm") is None:
+        pytest.skip("npm is not installed on this machine (make test installs it)")
+    if not registry_reachable("registry.npmjs.org"):
+        pytest.skip("the npm registry (registry.npmjs.org:443) is not reachable from this machine")
+    sandbox = await create(client)
+    installed = await call(client, "install_package", name="left-pad@1.3.0", manager="npm", sandbox_id=sandbox)
+    assert installed["ok"], installed
+    code = "console.log(require('left-pad')('x', 4, '0'))"
+    used = await call(client, "execute_code", code=code, language="node", sandbox_id=sandbox)
+    assert used["detail"]["stdout"] == "000x\n", used
