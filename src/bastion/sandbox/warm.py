@@ -364,9 +364,7 @@ class WarmSandbox:
             status, bytes(out.data), bytes(err.data), out.total, err.total, timed_out, cancelled, oom_killed
         )
 
-    async def _hand_off(
-        self, request: Mapping[str, object], fds: list[int], waiter: asyncio.Future[int] | None
-    ) -> int:
+    async def _hand_off(self, request: Mapping[str, object], fds: list[int], waiter: asyncio.Future[int] | None) -> int:
         """Send a command to a waiting member; return its pid. A member that died since it was
         handed over (dropped by an idle trim whose message crossed ours) is skipped."""
         data = marshal.dumps(dict(request))
