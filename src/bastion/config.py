@@ -751,6 +751,9 @@ class ApprovalsConfig(_Model):
     """A request not approved and used within this time expires and never runs."""
     webhook_url: str | None = None
     """If set, each new request is POSTed there as JSON (e.g. a chat webhook)."""
+    elicitation: bool = False
+    """Also ask through MCP elicitation when the client supports it. Off by default: it lets the
+    agent's own client approve a deploy, which is the administrator's choice to make."""
 
     @field_validator("webhook_url")
     @classmethod

@@ -5,24 +5,43 @@ Wiring only: arguments are checked by `bastion.gateway.actions`, approvals are d
 target's dispatch.py has the last word. An action marked `approval = true` sends nothing
 until a human approves the exact literal; a denied, expired or already used approval
 never sends anything.
+
+With `[approvals] elicitation = true` and a client that declared form elicitation, the
+request is also put to the user through elicitation, on both protocol eras: on the
+2025-11-25 handshake the call body asks with `ctx.elicit` and waits for the answer, a
+decision made elsewhere, or the approval's expiry; on 2026-07-28, where `ctx.elicit`
+does not exist, two resolvers find or create the pending approval and ask about it through
+`InputRequiredResult`, and the call body gets the answer on the client's retry. Either way
+the question names the approval id and the exact literal, and the answer decides only that
+approval, which `consume` then binds to the literal being sent.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
+import time
 from collections.abc import Mapping
+from datetime import UTC, datetime
 from typing import Annotated, Any
 
-from mcp.server.mcpserver import Context
+import anyio
+from mcp.server.elicitation import (
+    AcceptedElicitation,
+    CancelledElicitation,
+    DeclinedElicitation,
+    ElicitationResult,
+)
+from mcp.server.mcpserver import Context, Elicit, Resolve
 from mcp_types import CallToolResult, ToolAnnotations
-from pydantic import Field
+from mcp_types.version import is_version_at_least
+from pydantic import BaseModel, Field
 
 from bastion.config import ApprovalsConfig, GatewayActionConfig, GatewayConfig
 from bastion.gateway.actions import GatewayCommand, build_command
 from bastion.gateway.client import GatewayClient, GatewayOutput
 from bastion.safety.approvals import Approval, ApprovalQueue
-from bastion.safety.errors import InvalidRequest
+from bastion.safety.errors import BastionError, Conflict, InvalidRequest
 from bastion.safety.results import OperationResult, ResultCode
 from bastion.tools._call import CallRunner
 from bastion.tools.server import GATEWAY_DEPLOY, GATEWAY_READ, BastionServer, to_call_result
@@ -32,6 +51,41 @@ logger = logging.getLogger("bastion.tools.gateway")
 Result = Annotated[CallToolResult, OperationResult]
 APPROVAL_ID = "approval_id"
 _RESERVED_ARGS = frozenset({APPROVAL_ID, "ctx"})
+# Filled by resolvers, never by the client; config arg names are lower case, so these cannot clash.
+_ASKED = "elicitedApproval"
+_ANSWER = "elicitedAnswer"
+ELICITATION_PREFIX = "elicitation:"
+ELICITATION_DENIAL = "declined through elicitation"
+# The first protocol revision that elicits through InputRequiredResult rather than ctx.elicit.
+_INPUT_REQUIRED_VERSION = "2026-07-28"
+
+
+class ApproveAnswer(BaseModel):
+    """The one field an elicitation asks for."""
+
+    approve: bool = Field(title="Approve", description="Yes runs this exact action once; no denies it.")
+
+
+def _input_required_era(ctx: Context[Any, Any]) -> bool:
+    version = ctx.protocol_version
+    return version is not None and is_version_at_least(version, _INPUT_REQUIRED_VERSION)
+
+
+def _client_elicits(ctx: Context[Any, Any]) -> bool:
+    """The client declared form elicitation (a bare `elicitation: {}` means form; url-only does not)."""
+    capabilities = ctx.client_capabilities
+    elicitation = capabilities.elicitation if capabilities is not None else None
+    return elicitation is not None and (elicitation.form is not None or elicitation.url is None)
+
+
+def _answer(outcome: object) -> bool | None:
+    """True to approve, False to deny, None when nothing was asked."""
+    if isinstance(outcome, AcceptedElicitation) and isinstance(outcome.data, ApproveAnswer):
+        return outcome.data.approve
+    if isinstance(outcome, DeclinedElicitation | CancelledElicitation):
+        return False
+    return None
+
 
 _READ_ONLY = ToolAnnotations(read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=True)
 _READS_REMOTE = ToolAnnotations(read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=True)
@@ -79,6 +133,8 @@ class _ActionTool:
 
     async def __call__(self, ctx: Context[Any, Any], **kwargs: Any) -> CallToolResult:
         approval_id = kwargs.pop(APPROVAL_ID, None)
+        asked: Approval | None = kwargs.pop(_ASKED, None)
+        answer = _answer(kwargs.pop(_ANSWER, None))
         values = {key: str(value) for key, value in kwargs.items()}
 
         async def op() -> OperationResult:
@@ -86,18 +142,28 @@ class _ActionTool:
             if not self.action.approval:
                 out = await self.client.call(command, retry=True)
                 return _output_result(self.name, command, out, {"gateway": self.gateway.name})
-            return await self._with_approval(ctx, command, approval_id)
+            return await self._with_approval(ctx, command, approval_id, asked, answer)
 
         args: dict[str, object] = {**values, APPROVAL_ID: approval_id} if self.action.approval else dict(values)
         result = await self.runner.run(self.name, args, op, mutating=True, workspace=f"gateway:{self.gateway.name}")
         return to_call_result(result)
 
     async def _with_approval(
-        self, ctx: Context[Any, Any], command: GatewayCommand, approval_id: str | None
+        self,
+        ctx: Context[Any, Any],
+        command: GatewayCommand,
+        approval_id: str | None,
+        asked: Approval | None = None,
+        answer: bool | None = None,
     ) -> OperationResult:
-        if approval_id is None:
+        if asked is not None and answer is not None:
+            # Asked through InputRequiredResult (2026-07-28) in an earlier round of this call.
+            approval = self._decide(self._bound(asked, command), answer)
+        elif approval_id is None:
             approval = self.queue.request(self.name, command.literal, self.runner.identity(), self.approvals.ttl_s)
             logger.warning("approval %s requested: %s %r", approval.id, self.name, command.literal)
+            if self._elicits(ctx) and not _input_required_era(ctx):
+                approval = await self._elicit_now(ctx, approval)
         else:
             approval = self.queue.get(approval_id)
             if approval.action != self.name or approval.literal != command.literal:
@@ -132,6 +198,89 @@ class _ActionTool:
         out = await self.client.call(command, retry=False)
         extra: dict[str, object] = {"gateway": self.gateway.name, APPROVAL_ID: used.id, "approved_by": used.decided_by}
         return _output_result(self.name, command, out, extra)
+
+    def _elicits(self, ctx: Context[Any, Any]) -> bool:
+        return self.approvals.elicitation and _client_elicits(ctx)
+
+    def _question(self, approval: Approval) -> str:
+        expires = datetime.fromtimestamp(approval.expires_at, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+        return (
+            f"Approve sending {approval.literal!r} to gateway {self.gateway.name!r} "
+            f"({self.gateway.host}:{self.gateway.port})? Tool {self.name}, approval {approval.id}, "
+            f"asked by {approval.requested_by}, expires {expires}. Yes runs it once; no denies it."
+        )
+
+    def _bound(self, approval: Approval, command: GatewayCommand) -> Approval:
+        """The elicited approval, checked to be this call's own: same tool, same literal, same caller."""
+        if (approval.action, approval.literal, approval.requested_by) != (
+            self.name,
+            command.literal,
+            self.runner.identity(),
+        ):
+            raise InvalidRequest(f"approval {approval.id} is for {approval.action} {approval.literal!r}, not this call")
+        return approval
+
+    def _decide(self, approval: Approval, approve: bool) -> Approval:
+        """Record the user's answer; a decision made elsewhere first (CLI, admin page) or expiry stands."""
+        by = ELICITATION_PREFIX + self.runner.identity()
+        try:
+            if approve:
+                decided = self.queue.approve(approval.id, by)
+            else:
+                decided = self.queue.deny(approval.id, by, ELICITATION_DENIAL)
+        except Conflict:
+            return self.queue.get(approval.id)
+        logger.warning("approval %s %s through elicitation by %s", approval.id, decided.state, by)
+        return decided
+
+    async def _elicit_now(self, ctx: Context[Any, Any], approval: Approval) -> Approval:
+        """Ask with `ctx.elicit` (handshake era); any failure falls back silently to the queue.
+
+        The question stays open until answered, decided elsewhere (CLI, admin page) or expired.
+        """
+        if not ctx.session.can_send_request:  # e.g. stateless HTTP: no way to send the question
+            return approval
+        outcome: ElicitationResult[ApproveAnswer] | None = None
+        async with anyio.create_task_group() as tasks:
+
+            async def ask() -> None:
+                nonlocal outcome
+                try:
+                    outcome = await ctx.elicit(self._question(approval), ApproveAnswer)
+                except Exception:
+                    logger.info("elicitation for approval %s failed; it stays in the queue", approval.id, exc_info=True)
+                tasks.cancel_scope.cancel()
+
+            async def watch() -> None:
+                await self.queue.wait(approval.id, max(0.0, approval.expires_at - time.time()))
+                tasks.cancel_scope.cancel()
+
+            tasks.start_soon(ask)
+            tasks.start_soon(watch)
+        answer = _answer(outcome)
+        return self.queue.get(approval.id) if answer is None else self._decide(approval, answer)
+
+    def _to_ask(self, ctx: Context[Any, Any], values: dict[str, str], approval_id: str | None) -> Approval | None:
+        """Resolver body (2026-07-28): the pending approval to ask about, found again on every round.
+
+        The oldest pending request for this tool, literal and caller is reused, so the retry finds the
+        one the question named; None when nothing is to be asked (the call body then does the rest).
+        """
+        if approval_id is not None or not _input_required_era(ctx) or not self._elicits(ctx):
+            return None
+        try:
+            command = build_command(self.action, values)
+        except BastionError:
+            return None  # the call body reports the bad argument through the runner
+        requester = self.runner.identity()
+        for pending in self.queue.pending():
+            if (pending.action, pending.literal, pending.requested_by) == (self.name, command.literal, requester):
+                return pending
+        approval = self.queue.request(self.name, command.literal, requester, self.approvals.ttl_s)
+        logger.warning(
+            "approval %s requested (asking through elicitation): %s %r", approval.id, self.name, command.literal
+        )
+        return approval
 
     def _needs_approval(self, approval: Approval) -> OperationResult:
         reason = (
@@ -187,9 +336,33 @@ class _ActionTool:
             return await self(ctx, **kwargs)
 
         handler.__name__ = self.name
-        handler.__signature__ = self.signature()  # type: ignore[attr-defined]
+        signature = self.signature()
         handler.__annotations__ = {"ctx": Context, "return": Result}
+        if self.action.approval and self.approvals.elicitation:
+            resolved = self._resolvers(signature)
+            handler.__annotations__.update(resolved)
+            extra = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, annotation=a) for n, a in resolved.items()]
+            signature = signature.replace(parameters=[*signature.parameters.values(), *extra])
+        handler.__signature__ = signature  # type: ignore[attr-defined]
         return handler
+
+    def _resolvers(self, signature: inspect.Signature) -> dict[str, Any]:
+        """The two resolver-filled parameters that carry elicitation on the 2026-07-28 protocol."""
+
+        async def to_ask(ctx: Context[Any, Any], **kwargs: Any) -> Approval | None:
+            approval_id = kwargs.pop(APPROVAL_ID, None)
+            return self._to_ask(ctx, {key: str(value) for key, value in kwargs.items()}, approval_id)
+
+        # The resolver takes the ctx and this tool's arguments by name (the SDK reads its signature).
+        to_ask.__signature__ = signature.replace(return_annotation=inspect.Signature.empty)  # type: ignore[attr-defined]
+        to_ask.__annotations__ = {"ctx": Context}
+        asked = Annotated[Approval | None, Resolve(to_ask)]
+
+        async def question(approval: Approval | None) -> Elicit[ApproveAnswer] | None:
+            return None if approval is None else Elicit(self._question(approval), ApproveAnswer)
+
+        question.__annotations__ = {"approval": asked}
+        return {_ASKED: asked, _ANSWER: Annotated[ElicitationResult[ApproveAnswer], Resolve(question)]}
 
 
 def _actions_detail(gateway: GatewayConfig) -> dict[str, object]:
