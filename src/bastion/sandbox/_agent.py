@@ -17,6 +17,7 @@ agent; fds via SCM_RIGHTS):
   host -> agent   {"op": "used", "pid": P}   (so the agent spawns a replacement)
   host -> agent   {"op": "kill", "pid": P}
   host -> agent   {"op": "drop"}     (the sandbox is idle: kill the waiting members, spawn no more)
+  agent -> host   {"event": "dropped"}   (members announced before this are dead)
   host -> agent   {"op": "want"}     (a command is coming: spawn members again)
   agent -> host   {"event": "exit", "pid": P, "status": S}   S: exit code, or 128 + signal number
 The host talks to a member directly: starting a command costs one hop, not two.
@@ -200,6 +201,7 @@ class State:
         # (and be reaped) before the host's "used" arrives, and must leave the pool either way.
         self.unused: set[int] = set()
         self.want = True  # False after "drop": no member waits until the host says "want"
+        self.sock: socket.socket | None = None
 
 
 def hand_member(sock: socket.socket, state: State) -> None:
@@ -225,6 +227,7 @@ def main() -> None:
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
     state = State()
+    state.sock = sock
     sel = selectors.DefaultSelector()
     sel.register(sock, selectors.EVENT_READ)
     sel.register(wake_r, selectors.EVENT_READ)
@@ -264,6 +267,9 @@ def handle(req: "dict[str, Any]", state: State) -> None:
                 pass
         state.unused.clear()
         state.want = False
+        # Member events sent before this one are of killed members: the host drops them until it sees this.
+        if state.sock is not None:
+            send(state.sock, {"event": "dropped"})
         return
     if op == "want":
         state.want = True

@@ -107,6 +107,7 @@ class WarmSandbox:
         self._start_lock = asyncio.Lock()
         self._trimmed = False  # the agent was told to drop its waiting members
         self._asleep = False  # stopped while idle; the next command starts it again
+        self._draining = False  # after a drop, until the agent says "dropped": member events are stale
 
     def set_limits(self, limits: Limits) -> None:
         """Change the limits, live if the sandbox runs (lowering memory below current use fails)."""
@@ -176,6 +177,8 @@ class WarmSandbox:
 
     async def _start(self) -> None:
         self._asleep = False
+        self._draining = False
+        self._trimmed = False
         try:
             proc, sock = start_sandbox(self._make_group())
         except BaseException:
@@ -220,6 +223,12 @@ class WarmSandbox:
             self._on_agent_gone()
             return
         msg = json.loads(data)
+        if msg.get("event") == "dropped":
+            self._draining = False
+            return
+        if msg.get("event") == "member" and len(fds) == 1 and self._draining:
+            os.close(fds[0])  # announced before the drop: the agent has killed it
+            return
         if msg.get("event") == "member" and len(fds) == 1:
             self._members.append((int(msg["pid"]), socket.socket(fileno=fds[0])))
             if self._member_ready is not None:
@@ -285,6 +294,7 @@ class WarmSandbox:
         while self._members:
             self._members.popleft()[1].close()
         self._trimmed = True
+        self._draining = True
         if self._sock is not None:
             with contextlib.suppress(OSError):
                 self._sock.send(marshal.dumps({"op": "drop"}))
