@@ -41,6 +41,7 @@ _GATEWAY_TOML = """
 wait_s = 60          # a call waits this long for a decision (with progress), then returns NEEDS_APPROVAL + id
 ttl_s = 3600         # a request not approved and used within an hour expires and never runs
 # webhook_url = "https://chat.example.com/hooks/bastion"   # told of each new request (JSON POST)
+# elicitation = true   # also ask the user through their MCP client (it can then approve the agent's deploys)
 
 # A production host: bastion sends fixed action strings over SSH with a dedicated key, and the host's
 # authorized_keys forces every session into dispatch.py, which checks them again against its own
