@@ -16,6 +16,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Final, Literal
 
+from bastion.code import OWN_VENV, SYSTEM_PYTHON
 from bastion.safety.errors import InvalidRequest, NotFound, OperationFailed, PolicyDenied
 from bastion.sandbox._spawn import SANDBOX_PATH
 
@@ -26,8 +27,6 @@ if TYPE_CHECKING:
 
 Manager = Literal["pip", "npm"]
 MAX_REQUIREMENT_CHARS: Final = 200
-OWN_VENV: Final = "/workspace/.venv"
-SYSTEM_PYTHON: Final = "/usr/bin/python3"
 TEMPLATE_SITE_GLOB: Final = "/opt/bastion/env/lib/python3*/site-packages"
 NPM_PREFIX: Final = "/workspace"
 
