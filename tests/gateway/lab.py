@@ -18,6 +18,8 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -259,19 +261,43 @@ class GatewayLab:
             key_path=root / "state" / "biscuit_ed25519",
             authorized_line=line,
         )
-        # -E, not -e: with -e a DEBUG sshd writes its session child's log lines into the client's stderr.
-        lab.process = subprocess.Popen([SSHD, "-D", "-E", str(root / "sshd.log"), "-f", str(root / "sshd_config")])
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            if lab.process.poll() is not None:
-                raise RuntimeError(f"sshd exited: {(root / 'sshd.log').read_text()[-2000:]}")
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                    return lab
-            except OSError:
-                time.sleep(0.05)
-        lab.stop()
-        raise RuntimeError("sshd did not start listening within 10 s")
+        lab.process = _start_sshd(root / "sshd_config", root / "sshd.log", port)
+        return lab
+
+    @contextmanager
+    def second_sshd(self, name: str, extra_config: str) -> Iterator[int]:
+        """Another sshd with the same host key and authorized_keys plus `extra_config`; yields its port."""
+        port = _free_port()
+        config = self.root / f"sshd_config.{name}"
+        text = (self.root / "sshd_config").read_text()
+        text = text.replace(f"Port {self.port}\n", f"Port {port}\n").replace(
+            f"PidFile {self.root / 'sshd.pid'}", f"PidFile {self.root / f'sshd.{name}.pid'}"
+        )
+        config.write_text(text + extra_config + "\n")
+        process = _start_sshd(config, self.root / f"sshd.{name}.log", port)
+        try:
+            yield port
+        finally:
+            process.terminate()
+            process.wait(timeout=5)
+
+
+def _start_sshd(config: Path, log: Path, port: int) -> subprocess.Popen[bytes]:
+    """Start sshd in the foreground and wait until it listens on `port`."""
+    # -E, not -e: with -e a DEBUG sshd writes its session child's log lines into the client's stderr.
+    process = subprocess.Popen([SSHD, "-D", "-E", str(log), "-f", str(config)])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"sshd exited: {log.read_text()[-2000:]}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return process
+        except OSError:
+            time.sleep(0.05)
+    process.kill()
+    process.wait()
+    raise RuntimeError("sshd did not start listening within 10 s")
 
 
 def _sshd_config(root: Path, port: int, authorized: Path) -> str:

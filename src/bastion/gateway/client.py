@@ -29,6 +29,8 @@ REFUSED_PREFIX: Final = "dispatch: refused: "
 _CHUNK: Final = 65536
 MAX_SESSIONS: Final = 8
 _REDACT_MARGIN: Final = 4096
+# Pauses between tries to open a session the live connection refused (about 3 s in all).
+_OPEN_RETRY_PAUSES: Final = (0.02, 0.05, 0.1, 0.2, 0.4, 0.8, 1.5)
 
 
 @dataclass(frozen=True)
@@ -156,7 +158,7 @@ class GatewayClient:
 
     async def _run(self, conn: asyncssh.SSHClientConnection, literal: str) -> tuple[int, bytes, bytes, bool]:
         cap = self.config.max_output_bytes + _REDACT_MARGIN
-        process = await conn.create_process(literal, encoding=None, request_pty=False, stdin=asyncssh.DEVNULL)
+        process = await self._open(conn, literal)
         buffers: dict[str, bytearray] = {"out": bytearray(), "err": bytearray()}
         truncated = False
 
@@ -184,6 +186,22 @@ class GatewayClient:
             signal = process.exit_signal
             status = 128 + 9 if signal else 255
         return status, bytes(buffers["out"]), bytes(buffers["err"]), truncated
+
+    async def _open(self, conn: asyncssh.SSHClientConnection, literal: str) -> asyncssh.SSHClientProcess[bytes]:
+        """Open the session, waiting out sshd's slow release of finished ones.
+
+        sshd frees a session slot only once it has reaped the session's child, which under load
+        lags behind the client seeing the channel closed; until then a new session over
+        MaxSessions is refused. A refused open sent nothing, so trying again is always safe.
+        """
+        for pause in _OPEN_RETRY_PAUSES:
+            try:
+                return await conn.create_process(literal, encoding=None, request_pty=False, stdin=asyncssh.DEVNULL)
+            except asyncssh.ChannelOpenError:
+                if conn.is_closed():
+                    raise
+            await anyio.sleep(pause)
+        return await conn.create_process(literal, encoding=None, request_pty=False, stdin=asyncssh.DEVNULL)
 
     def _clean(self, data: bytes) -> tuple[str, bool]:
         # Redact, then cut (ARCHITECTURE principle 5): the raw read keeps a margin past the cap so a
