@@ -20,6 +20,7 @@ from pydantic import ValidationError
 
 from bastion.safety.errors import BastionError, InvalidRequest
 from bastion.safety.results import OperationResult, ResultCode
+from bastion.stdio import stdio_streams
 from bastion.tools._call import CallRunner
 
 logger = logging.getLogger("bastion.server")
@@ -72,6 +73,13 @@ class BastionServer(MCPServer[Any]):
             raise ValueError(f"unknown scope {scope!r}")
         self.tool_scopes[name] = scope
         return super().tool(name=name, description=description, annotations=annotations)
+
+    async def run_stdio_async(self) -> None:
+        """Serve stdio on bastion's event-loop transport (see `bastion.stdio`)."""
+        async with stdio_streams() as (read_stream, write_stream):
+            # The SDK's own run_stdio_async does exactly this with its threaded transport.
+            lowlevel = self._lowlevel_server
+            await lowlevel.run(read_stream, write_stream, lowlevel.create_initialization_options())
 
     async def call_tool(
         self, name: str, arguments: dict[str, Any], context: Context[Any, Any] | None = None
