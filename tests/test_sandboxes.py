@@ -234,7 +234,7 @@ async def test_an_idle_sandbox_sleeps_and_wakes_with_its_files(client: Client, s
     warm = services.sandboxes.get(box).workspace.sandbox
     assert warm._proc is not None
     pid = warm._proc.pid
-    assert services.sandboxes.trim_idle(0, 0) == 1
+    assert services.sandboxes.sleep_idle(0) == 1
     assert not os.path.exists(f"/proc/{pid}")
     status = await call(client, "get_sandbox_status", sandbox_id=box)
     assert status["detail"]["state"] == "asleep"  # type: ignore[index]

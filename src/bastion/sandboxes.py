@@ -66,7 +66,6 @@ from bastion.workspaces import HostWorkspace
 
 _ID_HEX_BYTES: Final = 6
 ENV_DEST: Final = f"{BASTION_OPT}/env"
-TRIM_AFTER_S: Final = 10.0
 SLEEP_AFTER_S: Final = 120.0
 _MAX_NAME_CHARS: Final = 64
 _SHELL_POLICY: Final = CommandPolicyConfig(allow=("*",))
@@ -450,26 +449,18 @@ class SandboxManager:
         box.workspace.close()
         self._discard_prepared(box.id, box.root)
 
-    def trim_idle(self, min_idle_s: float = TRIM_AFTER_S, sleep_after_s: float = SLEEP_AFTER_S) -> int:
-        """Make idle sandboxes cheap. Unused for `min_idle_s` (and the warm pool's): drop their
-        waiting command process; the next command starts one (~1 ms). Unused for `sleep_after_s`
-        with nothing running and an empty /tmp: stop their processes (files stay); the next
-        command starts the sandbox again (tens of ms). Returns how many went to sleep."""
+    def sleep_idle(self, sleep_after_s: float = SLEEP_AFTER_S) -> int:
+        """Make idle sandboxes cheap: unused for `sleep_after_s` with nothing running and an
+        empty /tmp, a sandbox's processes stop (its files stay); the next command starts it
+        again (tens of ms). Returns how many went to sleep."""
         now = time.monotonic()
-        slept = 0
-        for box in self._boxes.values():
-            idle = now - box.last_used
-            if idle >= sleep_after_s and box.workspace.sandbox.sleep():
-                slept += 1
-            elif idle >= min_idle_s:
-                box.workspace.sandbox.trim()
-        for prepared in self._pool:
-            prepared.warm.trim()
-        return slept
+        return sum(
+            1 for box in self._boxes.values() if now - box.last_used >= sleep_after_s and box.workspace.sandbox.sleep()
+        )
 
     def reap(self) -> list[str]:
-        """Close sandboxes past their idle timeout or lifetime; return their ids. Trims idle ones."""
-        self.trim_idle()
+        """Close sandboxes past their idle timeout or lifetime; return their ids. Puts idle ones to sleep."""
+        self.sleep_idle()
         now = time.monotonic()
         expired = [
             box.id

@@ -125,6 +125,8 @@ ATTACKS = {
     "setns_into_namespace": (
         'fd = os.open("/proc/self/ns/uts", os.O_RDONLY)\nprint(call("setns", fd, 0x04000000))'  # CLONE_NEWUTS
     ),
+    # nstype 0 means "whatever fd is": only the exact CLONE_NEWPID passes the filter.
+    "setns_pid_namespace_as_any_type": ('fd = os.open("/proc/self/ns/pid", os.O_RDONLY)\nprint(call("setns", fd, 0))'),
     "keyctl_session_keyring": 'print(call("keyctl", 0, -3, 0))',  # KEYCTL_GET_KEYRING_ID, session
     "bpf_map_create": 'print(call("bpf", 0, None, 0))',
     "perf_event_open": 'print(call("perf_event_open", None, 0, -1, -1, 0))',
@@ -150,6 +152,7 @@ UNFILTERED = {
     "unshare_new_user_namespace": "OK",
     "clone_new_user_namespace": "OK",
     "setns_into_namespace": "OK",
+    "setns_pid_namespace_as_any_type": "OK",
     "userfaultfd_user_mode": "OK",
     "ptrace_attach_other_process": "OK",
     "io_uring_setup": "OK",
@@ -215,6 +218,13 @@ def test_unshare_through_the_32bit_abi_is_refused() -> None:
 NEEDED = {
     "clone_new_pid_namespace": f"print(clone({CLONE_NEWPID | SIGCHLD}))",
     "unshare_new_pid_namespace": f'print(call("unshare", {CLONE_NEWPID}))',
+    # The agent's sequence before each command: children's PID namespace back to its own, then a new one.
+    "setns_back_then_unshare_pid_namespace_twice": (
+        'own = os.open("/proc/self/ns/pid", os.O_RDONLY)\n'
+        f'steps = [call(name, *args) for _ in range(2) for name, args in (("setns", (own, {CLONE_NEWPID})), '
+        f'("unshare", ({CLONE_NEWPID},)))]\n'
+        "print('OK' if steps == ['OK'] * 4 else steps)"
+    ),
     "fork": "pid = os.fork()\nif pid == 0:\n    os._exit(0)\nprint('OK' if os.waitpid(pid, 0)[1] == 0 else 'FAILED')",
     "execve_true": (
         "pid = os.fork()\n"
@@ -276,26 +286,33 @@ def agent_sandbox(tmp_path: Path) -> Iterator[socket.socket]:
 
 
 def test_agent_runs_a_command_under_the_filter(agent_sandbox: socket.socket) -> None:
-    """Invariant: the resident agent starts, spawns PID-1 members and execs a command, all under the filter."""
+    """Invariant: the resident agent starts and runs a command as PID 1 of its own PID
+    namespace, all under the filter, with no capability left to the command."""
     assert json.loads(agent_sandbox.recv(65536))["event"] == "ready"
-    message, fds, _, _ = socket.recv_fds(agent_sandbox, 65536, 1)
-    assert json.loads(message)["event"] == "member"
-    member = socket.socket(fileno=fds[0])
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
+    script = (
+        "grep -E '^(Seccomp|CapEff|CapBnd|NoNewPrivs):' /proc/self/status; echo pid $$; unshare -U true || echo refused"
+    )
     request = {
+        "op": "run",
+        "id": 7,
         "exe": "/bin/sh",
-        "argv": ["sh", "-c", "grep ^Seccomp: /proc/self/status; unshare -U true || echo refused"],
+        "argv": ["sh", "-c", script],
         "cwd": "/workspace",
         "env": {"PATH": "/usr/bin:/bin"},
     }
-    socket.send_fds(member, [marshal.dumps(request)], [out_w, err_w])
+    socket.send_fds(agent_sandbox, [marshal.dumps(request)], [out_w, err_w])
     for fd in (out_w, err_w):
         os.close(fd)
-    member.close()
     with os.fdopen(out_r, "rb") as out, os.fdopen(err_r, "rb") as err:
-        assert out.read().decode().split() == ["Seccomp:", "2", "refused"]
+        lines = out.read().decode().split()
         assert b"Operation not permitted" in err.read()
+    assert lines == [
+        "CapEff:", "0000000000000000", "CapBnd:", "0000000000000000", "NoNewPrivs:", "1", "Seccomp:", "2",
+        "pid", "1", "refused",
+    ]  # fmt: skip
+    assert json.loads(agent_sandbox.recv(65536)) == {"event": "exit", "id": 7, "status": 0}
 
 
 # -- the compiled program, read instruction by instruction -----------------------------------------

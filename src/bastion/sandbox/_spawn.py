@@ -114,7 +114,7 @@ def build_bwrap_argv(spec: SandboxSpec, agent_fd: int, python: str, seccomp_fd: 
     argv += ["--die-with-parent", "--new-session", "--hostname", "bastion"]
     # The agent keeps CAP_SYS_ADMIN (to make a PID namespace per command) and
     # CAP_SETPCAP (to empty the bounding set), both confined to the sandbox's
-    # user namespace; each command drops every capability before exec.
+    # user namespace; it leaves nothing a command could inherit (see _agent.py).
     argv += ["--cap-drop", "ALL", "--cap-add", "CAP_SYS_ADMIN", "--cap-add", "CAP_SETPCAP"]
     _bind_system(argv, python)
     argv += ["--proc", "/proc", "--dev", "/dev"]

@@ -97,9 +97,9 @@ class BackgroundProcess:
     """A command running in the background of a sandbox, as the host sees it."""
 
     def __init__(
-        self, agent_pid: int, argv: Sequence[str], stdin_fd: int, stdout: RingCapture, stderr: RingCapture
+        self, command_id: int, argv: Sequence[str], stdin_fd: int, stdout: RingCapture, stderr: RingCapture
     ) -> None:
-        self.agent_pid = agent_pid  # its pid in the sandbox's PID namespace (the agent's view)
+        self.command_id = command_id  # the agent's name for it (it is PID 1 of its own namespace)
         self.argv = tuple(argv)
         self.started = time.monotonic()
         self.stdout = stdout

@@ -15,7 +15,11 @@ feature then degrade, and the refusal reaches the client as a plain error):
 - New user namespaces: unshare(2) and clone(2) with CLONE_NEWUSER. A nested user
   namespace hands a command a full capability set again, and with it the kernel
   attack surface that user namespaces expose (user_namespaces(7)). Entering other
-  namespaces, setns(2), is denied too. clone3(2) fails with ENOSYS, because its
+  namespaces, setns(2), is denied too, except with nstype CLONE_NEWPID: the agent
+  uses that to make a fresh PID namespace per command (set its children's PID
+  namespace back to its own, then unshare a new one); it needs CAP_SYS_ADMIN, which
+  only the agent holds, and only ever names the caller's own PID namespace or one
+  below it (setns(2)). clone3(2) fails with ENOSYS, because its
   flags sit in a struct that seccomp cannot read (seccomp(2): a filter sees the
   argument registers, not memory); glibc then falls back to clone(2), checked.
 - Reaching into other processes: ptrace(2), process_vm_readv/writev(2),
@@ -70,7 +74,9 @@ SCMP_FLTATR_ACT_BADARCH: Final = 2
 SCMP_CMP_MASKED_EQ: Final = 7
 NR_SCMP_ERROR: Final = -1  # seccomp_syscall_resolve_name: a name libseccomp does not know
 
+SCMP_CMP_NE: Final = 1
 CLONE_NEWUSER: Final = 0x10000000
+CLONE_NEWPID: Final = 0x20000000
 
 # Extra ABIs that get the same rules as the native one, by the kernel's machine
 # name. Every other ABI gets ENOSYS (the filter's bad-architecture action).
@@ -84,12 +90,13 @@ _EXTRA_ARCHES: Final[dict[str, tuple[int, ...]]] = {
 
 class Denial(NamedTuple):
     """One rule: `syscall` fails with `errno`; only when argument 0 has every bit of
-    `arg0_has`, if that is set."""
+    `arg0_has`, if that is set; only when argument 1 is not `arg1_except`, if that is set."""
 
     syscall: str
     reason: str
     errno: int = errno.EPERM
     arg0_has: int = 0
+    arg1_except: int = 0
 
 
 DENIED: Final[tuple[Denial, ...]] = (
@@ -109,7 +116,7 @@ DENIED: Final[tuple[Denial, ...]] = (
     Denial("unshare", "a nested user namespace returns every capability", arg0_has=CLONE_NEWUSER),
     Denial("clone", "a nested user namespace returns every capability", arg0_has=CLONE_NEWUSER),
     Denial("clone3", "flags sit in a struct seccomp cannot read; ENOSYS makes glibc use clone", errno.ENOSYS),
-    Denial("setns", "enters another namespace"),
+    Denial("setns", "enters another namespace", arg1_except=CLONE_NEWPID),
     # Other processes (ptrace(2), process_vm_readv(2), pidfd_getfd(2)).
     Denial("ptrace", "reads and rewrites other processes"),
     Denial("process_vm_readv", "reads other processes' memory"),
@@ -255,7 +262,9 @@ def _add_denial(lib: _LibSeccomp, ctx: int, denial: Denial) -> None:
         return
     cmps: tuple[_ArgCmp, ...] = ()
     if denial.arg0_has:
-        cmps = (_ArgCmp(0, SCMP_CMP_MASKED_EQ, denial.arg0_has, denial.arg0_has),)
+        cmps += (_ArgCmp(0, SCMP_CMP_MASKED_EQ, denial.arg0_has, denial.arg0_has),)
+    if denial.arg1_except:
+        cmps += (_ArgCmp(1, SCMP_CMP_NE, denial.arg1_except, 0),)
     rc = lib.rule_add(ctx, _errno_action(denial.errno), nr, cmps)
     # A negative `nr` other than NR_SCMP_ERROR is libseccomp's pseudo-number for
     # a syscall the native ABI lacks (umount on x86_64); libseccomp translates

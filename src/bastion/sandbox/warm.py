@@ -13,7 +13,6 @@ or the sandbox closes.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import dataclasses
 import itertools
@@ -39,7 +38,6 @@ _GROUP_PREFIX: Final = "sb"
 _group_ids = itertools.count(1)
 KILL_GRACE_S: Final = 5.0
 MAX_MESSAGE_BYTES: Final = 65_536
-_HANDOFF_ATTEMPTS: Final = 3
 
 
 def _descendants(pid: int) -> list[int]:
@@ -100,14 +98,11 @@ class WarmSandbox:
         self._paused = False
         self._proc: subprocess.Popen[bytes] | None = None
         self._sock: socket.socket | None = None
-        self._members: collections.deque[tuple[int, socket.socket]] = collections.deque()
-        self._member_ready: asyncio.Event | None = None
-        self._waiters: dict[int, asyncio.Future[int]] = {}
-        self._background: dict[int, BackgroundProcess] = {}  # by pid inside the sandbox, until it exits
+        self._waiters: dict[int, asyncio.Future[int]] = {}  # by command id, until it exits
+        self._background: dict[int, BackgroundProcess] = {}  # by command id, until it exits
         self._start_lock = asyncio.Lock()
-        self._trimmed = False  # the agent was told to drop its waiting members
+        self._command_ids = itertools.count(1)
         self._asleep = False  # stopped while idle; the next command starts it again
-        self._draining = False  # after a drop, until the agent says "dropped": member events are stale
 
     def set_limits(self, limits: Limits) -> None:
         """Change the limits, live if the sandbox runs (lowering memory below current use fails)."""
@@ -177,8 +172,6 @@ class WarmSandbox:
 
     async def _start(self) -> None:
         self._asleep = False
-        self._draining = False
-        self._trimmed = False
         try:
             proc, sock = start_sandbox(self._make_group())
         except BaseException:
@@ -200,7 +193,6 @@ class WarmSandbox:
         landlock = json.loads(hello).get("landlock", {})
         if landlock.get("warning"):
             logger.warning("sandbox for %s: %s", self.spec.workspace, landlock["warning"])
-        self._member_ready = asyncio.Event()
         loop.add_reader(sock.fileno(), self._on_message)
 
     @staticmethod
@@ -212,38 +204,26 @@ class WarmSandbox:
     def _on_message(self) -> None:
         assert self._sock is not None
         try:
-            data, fds, _flags, _addr = socket.recv_fds(self._sock, MAX_MESSAGE_BYTES, 1)
+            # recv, not recvmsg: file descriptors sent from inside the sandbox are discarded unread.
+            data = self._sock.recv(MAX_MESSAGE_BYTES)
         except BlockingIOError:
             return
         except OSError:
-            data, fds = b"", []
+            data = b""
         if not data:
-            for fd in fds:
-                os.close(fd)
             self._on_agent_gone()
             return
         msg = json.loads(data)
-        if msg.get("event") == "dropped":
-            self._draining = False
+        if msg.get("event") != "exit":
             return
-        if msg.get("event") == "member" and len(fds) == 1 and self._draining:
-            os.close(fds[0])  # announced before the drop: the agent has killed it
+        command_id, status = int(msg.get("id", 0)), int(msg["status"])
+        process = self._background.pop(command_id, None)
+        if process is not None:
+            process.finish(status)
             return
-        if msg.get("event") == "member" and len(fds) == 1:
-            self._members.append((int(msg["pid"]), socket.socket(fileno=fds[0])))
-            if self._member_ready is not None:
-                self._member_ready.set()
-            return
-        for fd in fds:
-            os.close(fd)
-        if msg.get("event") == "exit":
-            process = self._background.pop(int(msg.get("pid", 0)), None)
-            if process is not None:
-                process.finish(int(msg["status"]))
-                return
-        waiter = self._waiters.pop(int(msg.get("pid", 0)), None)
-        if waiter is not None and not waiter.done() and msg.get("event") == "exit":
-            waiter.set_result(int(msg["status"]))
+        waiter = self._waiters.pop(command_id, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(status)
 
     def _on_agent_gone(self) -> None:
         if self._sock is not None:
@@ -251,8 +231,6 @@ class WarmSandbox:
                 asyncio.get_running_loop().remove_reader(self._sock.fileno())
             self._sock.close()
             self._sock = None
-        while self._members:
-            self._members.popleft()[1].close()
         for waiter in self._waiters.values():
             if not waiter.done():
                 waiter.set_exception(Unavailable("the sandbox ended while a command was running"))
@@ -285,37 +263,10 @@ class WarmSandbox:
         self._asleep = True
         return True
 
-    def trim(self) -> None:
-        """The sandbox is idle: let its waiting members go (about 3 MiB each); the next command
-        asks for one again, paying a clone (~1 ms). Sync, so it cannot fall between a member
-        being taken and the agent being told it is used."""
-        if not self.alive or self._paused or self._trimmed:
-            return
-        while self._members:
-            self._members.popleft()[1].close()
-        self._trimmed = True
-        self._draining = True
+    def _tell_agent(self, op: str, command_id: int) -> None:
         if self._sock is not None:
             with contextlib.suppress(OSError):
-                self._sock.send(marshal.dumps({"op": "drop"}))
-
-    async def _take_member(self) -> tuple[int, socket.socket]:
-        if self._trimmed and self._sock is not None:
-            self._trimmed = False
-            with contextlib.suppress(OSError):
-                self._sock.send(marshal.dumps({"op": "want"}))
-        while not self._members:
-            if self._member_ready is None or not self.alive:
-                raise Unavailable("the sandbox is not running")
-            self._member_ready.clear()
-            async with asyncio.timeout(START_TIMEOUT_S):
-                await self._member_ready.wait()
-        return self._members.popleft()
-
-    def _tell_agent(self, op: str, pid: int) -> None:
-        if self._sock is not None:
-            with contextlib.suppress(OSError):
-                self._sock.send(marshal.dumps({"op": op, "pid": pid}))
+                self._sock.send(marshal.dumps({"op": op, "id": command_id}))
 
     async def run(
         self,
@@ -338,7 +289,7 @@ class WarmSandbox:
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
         request = {"exe": executable, "argv": list(argv), "cwd": cwd, "env": dict(env)}
         try:
-            pid = await self._hand_off(request, [out_w, err_w], waiter)
+            command_id = await self._hand_off(request, [out_w, err_w], waiter)
         except BaseException:
             for fd in (out_r, err_r):
                 os.close(fd)
@@ -357,16 +308,16 @@ class WarmSandbox:
             timed_out = True
         except asyncio.CancelledError:
             cancelled = True
-            self._tell_agent("kill", pid)
-            self._waiters.pop(pid, None)
+            self._tell_agent("kill", command_id)
+            self._waiters.pop(command_id, None)
             waiter.cancel()
             out.close()
             err.close()
             raise
         finally:
             if timed_out:
-                self._tell_agent("kill", pid)
-                status = await self._await_exit(pid, waiter)
+                self._tell_agent("kill", command_id)
+                status = await self._await_exit(command_id, waiter)
                 out.close()
                 err.close()
         oom_killed = self._group is not None and self.oom_kills() > ooms_before
@@ -375,33 +326,47 @@ class WarmSandbox:
         )
 
     async def _hand_off(self, request: Mapping[str, object], fds: list[int], waiter: asyncio.Future[int] | None) -> int:
-        """Send a command to a waiting member; return its pid. A member that died since it was
-        handed over (dropped by an idle trim whose message crossed ours) is skipped."""
-        data = marshal.dumps(dict(request))
-        reason = "no member"
-        for _ in range(_HANDOFF_ATTEMPTS):
-            pid, member = await self._take_member()
-            if waiter is not None:
-                self._waiters[pid] = waiter
-            try:
-                socket.send_fds(member, [data], fds)
-            except OSError as exc:
-                self._waiters.pop(pid, None)
-                reason = exc.strerror or str(exc)
-                continue
-            finally:
-                member.close()
-                self._tell_agent("used", pid)
-            return pid
-        raise Unavailable(f"sandbox member unreachable: {reason}")
+        """Ask the agent to start a command with these fds; return the command's id.
 
-    async def _await_exit(self, pid: int, waiter: asyncio.Future[int]) -> int | None:
+        The agent reports the command's exit (or its failure to start) under that id.
+        """
+        sock = self._sock
+        if sock is None or not self.alive:
+            raise Unavailable("the sandbox is not running")
+        command_id = next(self._command_ids)
+        data = marshal.dumps({**request, "op": "run", "id": command_id})
+        if waiter is not None:
+            self._waiters[command_id] = waiter
+        try:
+            await self._send_fds(sock, data, fds)
+        except OSError as exc:
+            self._waiters.pop(command_id, None)
+            raise Unavailable(f"sandbox agent unreachable: {exc.strerror or exc}") from None
+        return command_id
+
+    @staticmethod
+    async def _send_fds(sock: socket.socket, data: bytes, fds: list[int]) -> None:
+        """send_fds on the non-blocking socket, waiting while its buffer is full."""
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                socket.send_fds(sock, [data], fds)
+                return
+            except BlockingIOError:
+                writable: asyncio.Future[None] = loop.create_future()
+                loop.add_writer(sock.fileno(), writable.set_result, None)
+                try:
+                    await writable
+                finally:
+                    loop.remove_writer(sock.fileno())
+
+    async def _await_exit(self, command_id: int, waiter: asyncio.Future[int]) -> int | None:
         try:
             async with asyncio.timeout(KILL_GRACE_S):
                 return await asyncio.shield(waiter)
         except TimeoutError:
             # The agent did not confirm the kill: end the whole sandbox, which ends every process in it.
-            self._waiters.pop(pid, None)
+            self._waiters.pop(command_id, None)
             waiter.cancel()
             self.close()
             return None
@@ -431,7 +396,7 @@ class WarmSandbox:
         in_r, in_w = os.pipe2(os.O_CLOEXEC)
         request = {"exe": executable, "argv": list(argv), "cwd": cwd, "env": dict(env)}
         try:
-            pid = await self._hand_off(request, [out_w, err_w, in_r], None)
+            command_id = await self._hand_off(request, [out_w, err_w, in_r], None)
         except BaseException:
             for fd in (out_r, err_r, in_w):
                 os.close(fd)
@@ -441,8 +406,8 @@ class WarmSandbox:
                 os.close(fd)
         # No await since the send: its exit message cannot have been handled yet.
         out = stdout(out_r) if stdout is not None else RingCapture(out_r, ring_bytes)
-        process = BackgroundProcess(pid, argv, in_w, out, RingCapture(err_r, ring_bytes))
-        self._background[pid] = process
+        process = BackgroundProcess(command_id, argv, in_w, out, RingCapture(err_r, ring_bytes))
+        self._background[command_id] = process
         return process
 
     async def kill(self, process: BackgroundProcess) -> None:
@@ -451,7 +416,7 @@ class WarmSandbox:
             return
         if self._paused:
             raise Conflict("the sandbox is paused: resume it first")
-        self._tell_agent("kill", process.agent_pid)
+        self._tell_agent("kill", process.command_id)
         try:
             async with asyncio.timeout(KILL_GRACE_S):
                 await process.wait_exit()
