@@ -65,6 +65,18 @@ async def wait_for(marker: str, *, present: bool, count: int = 1) -> None:
         await anyio.sleep(0.01)
 
 
+def sleeps_with(marker: str) -> list[int]:
+    """Host pids of `sleep` processes whose command line contains `marker`."""
+    found = []
+    for pid in processes_with(marker):
+        try:
+            if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"sleep\0"):
+                found.append(pid)
+        except OSError:
+            continue  # gone since it was listed
+    return found
+
+
 def ticks(text: str) -> list[int]:
     return [int(line.split()[1]) for line in text.splitlines()]
 
@@ -139,8 +151,13 @@ async def test_kill_leaves_no_survivors(client: Client) -> None:
     box = await create(client)
     marker = "4251.25"
     pid = await start(client, box, f"setsid sleep {marker} & (sleep {marker} &); sleep {marker}")
-    await wait_for(marker, present=True, count=4)
-    assert len(processes_with(marker)) == 4  # sh -c and its three sleeps
+    # sh -c and its three sleeps; until they have all exec'd, forks of sh carry its command line too.
+    for _ in range(500):
+        if len(sleeps_with(marker)) == 3 and len(processes_with(marker)) == 4:
+            break
+        await anyio.sleep(0.01)
+    assert len(sleeps_with(marker)) == 3
+    assert len(processes_with(marker)) == 4
     killed = await call(client, "kill_process", pid=pid, sandbox_id=box)
     assert killed["ok"], killed
     assert killed["detail"]["killed"] is True  # type: ignore[index]
