@@ -84,6 +84,31 @@ async def test_command_has_no_capabilities_and_no_new_privs(sandbox: WarmSandbox
     assert len(fields) == 5
 
 
+async def test_command_that_cannot_start_exits_127_with_one_line(sandbox: WarmSandbox) -> None:
+    """Invariant: a missing program or cwd is the command's failure (127 and a line on its
+    stderr), and the sandbox runs the next command normally."""
+    missing = await sandbox.run(
+        "/usr/bin/no-such-program", ["no-such-program"], cwd="/workspace", env=ENV, timeout_s=10, max_output_bytes=4096
+    )
+    assert missing.status == 127
+    assert missing.stderr.startswith(b"bastion: cannot start 'no-such-program': ")
+    no_cwd = await sandbox.run(
+        "/bin/true", ["true"], cwd="/workspace/gone", env=ENV, timeout_s=10, max_output_bytes=4096
+    )
+    assert no_cwd.status == 127
+    assert b"No such file or directory" in no_cwd.stderr
+    assert (await sh(sandbox, "echo fine")).stdout == b"fine\n"
+
+
+async def test_command_sees_only_its_three_standard_fds(sandbox: WarmSandbox) -> None:
+    """Invariant: nothing of the agent (its socket to the host, its namespace and wakeup fds)
+    leaks into a command: ls of /proc/self/fd shows 0, 1, 2 and the fd ls opened to list it."""
+    outcome = await sandbox.run(
+        "/bin/ls", ["ls", "/proc/self/fd"], cwd="/workspace", env=ENV, timeout_s=10, max_output_bytes=4096
+    )
+    assert outcome.stdout.split() == [b"0", b"1", b"2", b"3"]
+
+
 async def test_no_network_but_loopback(sandbox: WarmSandbox) -> None:
     """Invariant: a host service on loopback is unreachable from inside (own network namespace)."""
     listener = socket.socket()

@@ -339,9 +339,11 @@ class WarmSandbox:
             self._waiters[command_id] = waiter
         try:
             await self._send_fds(sock, data, fds)
-        except OSError as exc:
-            self._waiters.pop(command_id, None)
-            raise Unavailable(f"sandbox agent unreachable: {exc.strerror or exc}") from None
+        except BaseException as exc:
+            self._waiters.pop(command_id, None)  # never sent (or cancelled while waiting to send)
+            if isinstance(exc, OSError):
+                raise Unavailable(f"sandbox agent unreachable: {exc.strerror or exc}") from None
+            raise
         return command_id
 
     @staticmethod
