@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import codecs
 import dataclasses
+import hashlib
 import itertools
 import os
 import re
@@ -46,6 +47,14 @@ _UNFINISHED_ESCAPE: Final = re.compile(
     r"|(?:\x1b[\]PX^_]|[\x90\x98\x9d\x9e\x9f])[^\x07\x1b\x9c]*\x1b?|\r)\Z"
 )
 _ESCAPE_HOLD_CHARS: Final = 4096
+
+
+def decode_base64(text: str) -> bytes:
+    """Standard base64 (line breaks and spaces allowed), or InvalidRequest."""
+    try:
+        return base64.b64decode("".join(text.split()), validate=True)
+    except ValueError:
+        raise InvalidRequest("content is not valid base64 (standard alphabet, with padding)") from None
 
 
 @dataclass(frozen=True)
@@ -285,15 +294,20 @@ class HostWorkspace:
         }
 
     def write_file(self, path: str, content: str, *, encoding: Encoding, append: bool) -> dict[str, object]:
-        if encoding == "base64":
-            try:
-                data = base64.b64decode(content, validate=True)
-            except ValueError:
-                raise InvalidRequest("content is not valid base64") from None
-        else:
-            data = content.encode("utf-8")
+        data = decode_base64(content) if encoding == "base64" else content.encode("utf-8")
         result = self.jail.write(path, data, append=append, create_parents=True)
         return {"path": result.path, "bytes_written": result.bytes_written, "created": result.created}
+
+    def upload_file(self, path: str, content_base64: str, *, overwrite: bool) -> dict[str, object]:
+        """Create a file from base64 bytes; an existing one is replaced only with `overwrite`."""
+        data = decode_base64(content_base64)
+        result = self.jail.write(path, data, create_parents=True, exclusive=not overwrite)
+        return {
+            "path": result.path,
+            "bytes_written": result.bytes_written,
+            "created": result.created,
+            "sha256": hashlib.sha256(data).hexdigest(),
+        }
 
     def list_directory(self, path: str) -> dict[str, object]:
         entries = self.jail.list_dir(path)

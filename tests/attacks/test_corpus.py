@@ -14,6 +14,7 @@ demo's, or about the kernel sandbox against a command the policy allows.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shlex
@@ -48,6 +49,7 @@ ENTRIES = [entry for entry in CORPUS if _in_scope(entry)]
 
 # The code each entry gets, as observed; a change is a change of behaviour to look at.
 PATH_ESCAPE, POLICY_DENIED, INVALID_REQUEST, NOT_FOUND = "PATH_ESCAPE", "POLICY_DENIED", "INVALID_REQUEST", "NOT_FOUND"
+CONFLICT = "CONFLICT"
 EXPECTED_CODE: dict[str, str | None] = {
     # files.read / files.write
     "A001": PATH_ESCAPE,
@@ -381,6 +383,30 @@ async def test_attack_is_refused_or_contained(entry: dict[str, Any], demo: Demo)
     assert _outside_snapshot(demo) == outside_before, "something outside the workspace changed"
     assert _host_targets() == hosts_before, "a host path named by the attack changed"
     _check_audit(demo, entry, results)
+
+
+WRITE_ENTRIES = [entry for entry in ENTRIES if entry["tool"] == "files.write"]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("overwrite", [False, True])
+@pytest.mark.parametrize("entry", WRITE_ENTRIES, ids=[entry["id"] for entry in WRITE_ENTRIES])
+async def test_write_attack_through_upload_file_is_refused(entry: dict[str, Any], overwrite: bool, demo: Demo) -> None:
+    """The same files.write attacks through upload_file, with and without overwrite: refused,
+    nothing changed in the workspace, outside it, or at the host paths the corpus names."""
+    tool, args = _to_call(entry, demo)
+    assert tool == "write_file"
+    upload = {"path": args["path"], "content_base64": base64.b64encode(args["content"].encode()).decode()}
+    workspace = demo.workspace
+    outside_before, hosts_before, workspace_before = _outside_snapshot(demo), _host_targets(), _walk(workspace)
+    async with demo.client() as client:
+        payload = _payload(await client.call_tool("upload_file", {**upload, "overwrite": overwrite}))
+    assert payload["ok"] is False, payload
+    assert payload["code"] in REFUSALS | {CONFLICT}, payload
+    assert payload["detail"] == {}, payload
+    assert _walk(workspace) == workspace_before, "a refused upload changed the workspace"
+    assert _outside_snapshot(demo) == outside_before, "something outside the workspace changed"
+    assert _host_targets() == hosts_before, "a host path named by the attack changed"
 
 
 def _check_contained(entry: dict[str, Any], payload: dict[str, Any], elapsed: float, sleepers: set[int]) -> None:

@@ -22,6 +22,7 @@ TOOLS = {
     "explain_command",
     "read_file",
     "write_file",
+    "upload_file",
     "list_directory",
     "create_sandbox",
     "list_sandboxes",

@@ -424,7 +424,9 @@ class Jail:
             os.close(fd)
         return ReadResult(path=rel, data=b"".join(chunks), size=size, eof=got < length or offset + got >= size)
 
-    def write(self, path: str, data: bytes, *, append: bool = False, create_parents: bool = False) -> WriteResult:
+    def write(
+        self, path: str, data: bytes, *, append: bool = False, create_parents: bool = False, exclusive: bool = False
+    ) -> WriteResult:
         """Write a regular file beneath the root, never through a final symlink.
 
         Args:
@@ -432,6 +434,7 @@ class Jail:
             data: at most ``MAX_WRITE_BYTES`` bytes.
             append: add to the end instead of replacing the content.
             create_parents: create missing parent folders, one ``mkdirat`` at a time.
+            exclusive: only create: an existing entry of that name (of any kind) is a Conflict.
 
         Returns:
             How many bytes were written and whether the file was created.
@@ -452,7 +455,7 @@ class Jail:
         parent, _, name = rel.rpartition("/")
         parent_fd = self._open_parent(parent, rel, create_parents)
         try:
-            fd, created = self._open_for_write(parent_fd, name, rel, append)
+            fd, created = self._open_for_write(parent_fd, name, rel, append, exclusive)
         finally:
             os.close(parent_fd)
         written = 0
@@ -661,12 +664,21 @@ class Jail:
             raise
         return current
 
-    def _open_for_write(self, parent_fd: int, name: str, rel: str, append: bool) -> tuple[int, bool]:
+    def _open_for_write(
+        self, parent_fd: int, name: str, rel: str, append: bool, exclusive: bool = False
+    ) -> tuple[int, bool]:
         # The last component must not be a symlink at all (RESOLVE_NO_SYMLINKS + O_NOFOLLOW):
         # a dangling link would otherwise make O_CREAT create its target. O_TRUNC is never
         # used: truncation waits until the opened file has been checked (hard links!).
         resolve = RESOLVE | RESOLVE_NO_SYMLINKS
         flags = os.O_WRONLY | os.O_NOFOLLOW | (os.O_APPEND if append else 0)
+        if exclusive:
+            # O_EXCL fails on any existing entry, a symlink (even dangling) included.
+            create = flags | os.O_CREAT | os.O_EXCL
+            try:
+                return self._open(parent_fd, name, rel, create, mode=_NEW_FILE_MODE, resolve=resolve), True
+            except Conflict:
+                raise Conflict(f"'{rel}' exists: choose another name, or overwrite it on purpose") from None
         for _ in range(_RETRIES):
             try:
                 return self._open_regular(parent_fd, name, rel, flags, resolve), False

@@ -162,6 +162,32 @@ def register_workbench(server: BastionServer, registry: WorkspaceRegistry, runne
         return to_call_result(await runner.run("write_file", args, op, mutating=True, workspace=workspace))
 
     @server.tool(
+        name="upload_file",
+        annotations=_WRITES,
+        description=(
+            "Create a file of the workspace (path relative to it) from base64 bytes, creating missing folders. "
+            "An existing file is never replaced unless overwrite is true (then CONFLICT becomes a replace); "
+            "symlinks are never followed. Returns the size and SHA-256 of what was written."
+        ),
+    )
+    async def upload_file(
+        path: str,
+        content_base64: str,
+        overwrite: bool = False,
+        sandbox_id: SandboxId = None,
+    ) -> Result:
+        workspace = registry.get_id(sandbox_id)
+
+        async def op() -> OperationResult:
+            detail = registry.get(sandbox_id).upload_file(path, content_base64, overwrite=overwrite)
+            detail["files_touched"] = [detail["path"]]
+            return OperationResult.success("upload_file", detail)
+
+        # The audit keeps the size, not the bytes: the result carries their SHA-256.
+        args = {"path": path, "content_base64_chars": len(content_base64), "overwrite": overwrite}
+        return to_call_result(await runner.run("upload_file", args, op, mutating=True, workspace=workspace))
+
+    @server.tool(
         name="list_directory",
         annotations=_READ_ONLY,
         description="List a folder of the workspace. Symlinks are shown as symlinks, never followed.",
