@@ -106,6 +106,26 @@ def keep_nothing_for_commands() -> None:
     check(libc.prctl(PR_SET_SECUREBITS, SECUREBITS, 0, 0, 0), "securebits")
 
 
+def enter_own_pid_namespace(sock: socket.socket) -> None:
+    """Continue as PID 1 of a PID namespace owned by the agent's own user namespace.
+
+    bwrap maps the sandbox's unprivileged uid in a second user namespace, nested in the one
+    that owns the sandbox's PID namespace, so the agent's CAP_SYS_ADMIN does not reach that
+    PID namespace and `setns` back to it would fail. In a PID namespace of its own it does.
+    The parent becomes `sleep infinity` (bwrap's child must stay); the host notices the
+    agent's end by its socket closing, never by this parent.
+    """
+    check(libc.unshare(CLONE_NEWPID), "make the agent's PID namespace")
+    if os.fork() != 0:
+        sock.close()
+        try:  # noqa: SIM105 - contextlib would cost import time at every start
+            os.execv("/bin/sleep", ["sleep", "infinity"])  # noqa: S606 - a fixed argv, no shell
+        except OSError:
+            pass
+        while True:  # no sleep binary: wait here instead
+            signal.pause()
+
+
 class Agent:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
@@ -217,6 +237,7 @@ def main() -> None:
     # the sandbox's own trees; then nothing a command could inherit.
     landlock = restrict(sys.argv[2:])
     keep_nothing_for_commands()
+    enter_own_pid_namespace(sock)
     os.chdir("/")  # hold no folder of the workspace; each command gets its own cwd
     wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     signal.set_wakeup_fd(wake_w)

@@ -14,6 +14,7 @@ import shutil
 import socket
 import subprocess  # noqa: TID251 - this is the dangerous layer
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -29,6 +30,19 @@ AGENT_SOURCE: Final = "\n\n".join(
     (Path(__file__).parent / name).read_text(encoding="utf-8") for name in ("landlock.py", "_agent.py")
 )
 TMP_DIR: Final = "/tmp"  # noqa: S108 - the sandbox's own tmpfs
+# Who commands are inside: an ordinary uid, mapped to the server's uid outside. The host's
+# own /etc/passwd and /etc/group are not shown (they name the host's users); these are.
+SANDBOX_UID: Final = 1000
+SANDBOX_GID: Final = 1000
+SANDBOX_USER: Final = "sandbox"
+IDENTITY_FILES: Final[dict[str, str]] = {
+    "/etc/passwd": (
+        "root:x:0:0:root:/root:/usr/sbin/nologin\n"
+        f"{SANDBOX_USER}:x:{SANDBOX_UID}:{SANDBOX_GID}:bastion sandbox:/workspace:/bin/sh\n"
+        "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
+    ),
+    "/etc/group": f"root:x:0:\n{SANDBOX_USER}:x:{SANDBOX_GID}:\nnogroup:x:65534:\n",
+}
 
 # System folders bound read-only. /etc is not bound whole: only what programs
 # need to start and name users, never shadow files, keys or the host's config.
@@ -39,8 +53,6 @@ _RO_ETC_FILES: Final = (
     "/etc/ld.so.conf.d",
     "/etc/alternatives",
     "/etc/localtime",
-    "/etc/passwd",
-    "/etc/group",
     "/etc/nsswitch.conf",
     "/etc/mime.types",
     "/etc/magic",
@@ -104,19 +116,24 @@ def _bind_system(argv: list[str], python: str) -> None:
         argv += ["--ro-bind", prefix, prefix]
 
 
-def build_bwrap_argv(spec: SandboxSpec, agent_fd: int, python: str, seccomp_fd: int) -> list[str]:
+def build_bwrap_argv(
+    spec: SandboxSpec, agent_fd: int, python: str, seccomp_fd: int, data_fds: Mapping[str, int] | None = None
+) -> list[str]:
     """The bubblewrap command line of a warm sandbox running the agent.
 
     Namespaces: user (the agent's capabilities only reach the sandbox's own
     namespaces), mount, PID, IPC, UTS, cgroup and network (loopback only).
+    `data_fds`: files to show read-only, by destination (their content is read from the fd).
     """
-    argv = [bwrap_path(), "--unshare-all", "--unshare-user", "--uid", "0", "--gid", "0"]
+    argv = [bwrap_path(), "--unshare-all", "--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_GID)]
     argv += ["--die-with-parent", "--new-session", "--hostname", "bastion"]
     # The agent keeps CAP_SYS_ADMIN (to make a PID namespace per command) and
     # CAP_SETPCAP (to empty the bounding set), both confined to the sandbox's
     # user namespace; it leaves nothing a command could inherit (see _agent.py).
     argv += ["--cap-drop", "ALL", "--cap-add", "CAP_SYS_ADMIN", "--cap-add", "CAP_SETPCAP"]
     _bind_system(argv, python)
+    for dest, fd in (data_fds or {}).items():
+        argv += ["--ro-bind-data", str(fd), dest]
     argv += ["--proc", "/proc", "--dev", "/dev"]
     argv += ["--size", str(spec.tmp_size_bytes), "--tmpfs", TMP_DIR]
     argv += ["--bind", spec.workspace, SANDBOX_WORKSPACE]
@@ -132,9 +149,12 @@ def build_bwrap_argv(spec: SandboxSpec, agent_fd: int, python: str, seccomp_fd: 
 def start_sandbox(spec: SandboxSpec) -> tuple[subprocess.Popen[bytes], socket.socket]:
     """Start bwrap with the agent inside; return the process and the host's socket end."""
     seccomp_fd = write_filter_fd()
+    data_fds: dict[str, int] = {}
     host_end, agent_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
-        argv = build_bwrap_argv(spec, agent_end.fileno(), sandbox_python(), seccomp_fd)
+        for dest, text in IDENTITY_FILES.items():
+            data_fds[dest] = _data_fd(text)
+        argv = build_bwrap_argv(spec, agent_end.fileno(), sandbox_python(), seccomp_fd, data_fds)
         if spec.cgroup_procs:
             argv = [
                 "/bin/sh",
@@ -150,7 +170,7 @@ def start_sandbox(spec: SandboxSpec) -> tuple[subprocess.Popen[bytes], socket.so
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
-            pass_fds=(agent_end.fileno(), seccomp_fd),
+            pass_fds=(agent_end.fileno(), seccomp_fd, *data_fds.values()),
             close_fds=True,
             start_new_session=True,
         )
@@ -159,5 +179,16 @@ def start_sandbox(spec: SandboxSpec) -> tuple[subprocess.Popen[bytes], socket.so
         raise Unavailable(f"cannot start bubblewrap: {exc.strerror}") from exc
     finally:
         agent_end.close()
-        os.close(seccomp_fd)
+        for fd in (seccomp_fd, *data_fds.values()):
+            os.close(fd)
     return proc, host_end
+
+
+def _data_fd(text: str) -> int:
+    """A memfd holding `text`, positioned at 0, for bwrap's --ro-bind-data."""
+    fd = os.memfd_create("bastion-data", os.MFD_CLOEXEC)
+    view = memoryview(text.encode("utf-8"))
+    while view:
+        view = view[os.write(fd, view) :]
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
