@@ -8,9 +8,9 @@ guess whether a refusal was an error. A non-zero exit status of a command is
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Any, Final
+from typing import Annotated, Any, Final
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
 
 class ResultCode(StrEnum):
@@ -56,7 +56,8 @@ class OperationResult(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     ok: bool
-    code: ResultCode
+    # Inlined in the schema (no $ref): clients validate every result against it.
+    code: Annotated[ResultCode, WithJsonSchema({"type": "string", "enum": [code.value for code in ResultCode]})]
     action: str
     reason: str = ""
     detail: dict[str, Any] = Field(default_factory=dict)
