@@ -166,8 +166,8 @@ def register_workbench(server: BastionServer, registry: WorkspaceRegistry, runne
         annotations=_WRITES,
         description=(
             "Create a file of the workspace (path relative to it) from base64 bytes, creating missing folders. "
-            "An existing file is never replaced unless overwrite is true (then CONFLICT becomes a replace); "
-            "symlinks are never followed. Returns the size and SHA-256 of what was written."
+            "An existing entry of that name is CONFLICT unless overwrite is true, and a symlink is never followed. "
+            "Returns the size and SHA-256 of what was written."
         ),
     )
     async def upload_file(
