@@ -68,7 +68,22 @@ def _claimed(fd: int) -> Iterator[int]:
         os.close(private)
 
 
-class _LineReader:
+class _Stream:
+    """An async context manager that closes the stream on exit, as anyio's streams do."""
+
+    async def aclose(self) -> None:
+        return None
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+
+class _LineReader(_Stream):
     """The server's read stream: one parsed message per line of stdin."""
 
     def __init__(self, reader: asyncio.StreamReader) -> None:
@@ -104,19 +119,8 @@ class _LineReader:
         except anyio.EndOfStream:
             raise StopAsyncIteration from None
 
-    async def aclose(self) -> None:
-        return None
 
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.aclose()
-
-
-class _LineWriter:
+class _LineWriter(_Stream):
     """The server's write stream: one message per line of stdout, written whole."""
 
     def __init__(self, transport: asyncio.WriteTransport, protocol: asyncio.streams.FlowControlMixin) -> None:
@@ -139,14 +143,6 @@ class _LineWriter:
     async def aclose(self) -> None:
         if not self._writer.is_closing():
             self._writer.close()
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.aclose()
 
 
 @asynccontextmanager

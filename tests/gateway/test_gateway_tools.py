@@ -298,35 +298,31 @@ async def test_unreachable_gateway_is_unavailable(lab: GatewayLab) -> None:
     assert result["code"] == "UNAVAILABLE"
 
 
-async def test_concurrent_calls_share_the_warm_connection(lab: GatewayLab) -> None:
-    """More calls at once than sshd's MaxSessions (10): all succeed over the one connection."""
+async def status_codes_at_once(config: Path, count: int) -> list[object]:
+    """`count` biscuit_status calls at once through one server; their result codes."""
     results: list[dict[str, object]] = []
-    async with connect(lab.config_path) as client:
+    async with connect(config) as client:
 
         async def one() -> None:
             results.append(await call(client, "biscuit_status", project="biscuit"))
 
         with anyio.fail_after(60):
             async with anyio.create_task_group() as tasks:
-                for _ in range(12):
+                for _ in range(count):
                     tasks.start_soon(one)
-    assert [r["code"] for r in results] == ["OK"] * 12
+    return [r["code"] for r in results]
+
+
+async def test_concurrent_calls_share_the_warm_connection(lab: GatewayLab) -> None:
+    """More calls at once than sshd's MaxSessions (10): all succeed over the one connection."""
+    assert await status_codes_at_once(lab.config_path, 12) == ["OK"] * 12
 
 
 async def test_calls_wait_for_a_host_with_few_sessions(lab: GatewayLab) -> None:
     """A host whose MaxSessions (2) is below bastion's 8: refused opens are retried, none fails."""
     with lab.second_sshd("two-sessions", "MaxSessions 2") as port:
         config = variant(lab, "bastion-two-sessions.toml", f"port = {lab.port}", f"port = {port}")
-        results: list[dict[str, object]] = []
-        async with connect(config) as client:
-
-            async def one() -> None:
-                results.append(await call(client, "biscuit_status", project="biscuit"))
-
-            with anyio.fail_after(60):
-                async with anyio.create_task_group() as tasks:
-                    for _ in range(8):
-                        tasks.start_soon(one)
+        codes = await status_codes_at_once(config, 8)
         refused = (lab.root / "sshd.two-sessions.log").read_text().count("session open failed")
-    assert [r["code"] for r in results] == ["OK"] * 8
+    assert codes == ["OK"] * 8
     assert refused > 0  # the host did refuse sessions: the retry path ran
