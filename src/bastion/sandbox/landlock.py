@@ -2,8 +2,8 @@
 
 A security layer under bubblewrap, not instead of it. bwrap decides what the
 mount namespace shows; Landlock decides what may be changed there. Inside the
-sandbox the agent is uid 0 of its user namespace and could write any tmpfs or
-writable bind bwrap made; after `restrict()`, it and every process it later
+sandbox the agent owns what bwrap made for it (its uid is the sandbox's) and could
+write any tmpfs or writable bind there; after `restrict()`, it and every process it later
 starts (the domain is inherited across fork and execve, and cannot be left) may:
 
 - read, list and execute anything beneath "/" (``read_all=True``, the default);
