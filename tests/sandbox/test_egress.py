@@ -538,20 +538,27 @@ def test_every_attempt_is_one_audit_record_and_the_chain_verifies(tmp_path: Path
     assert verify(tmp_path / "audit.jsonl").ok
 
 
-def test_failed_audit_write_refuses_later_connections(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """Fail-closed: once a record could not be written, allowed attempts get 503 until one can."""
+def test_allowed_connection_is_recorded_before_it_is_made(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Fail-closed: an allowed attempt whose opening record cannot be written gets 503 and never
+    reaches the server; once the log is back, the next one is recorded first, then made."""
     with egress_path(tmp_path, ["local.test:PORT"], blocked_ranges=OPEN_RANGES) as path:
         path.audit.close()  # every append now raises AuditUnavailable
-        assert fetch(path, "http://local.test:PORT/a")[0] == 200  # its record fails when it ends
-        wait_for(lambda: any("not recorded" in r.getMessage() for r in caplog.records))
-        status, body = fetch(path, "http://local.test:PORT/b")
+        status, body = fetch(path, "http://local.test:PORT/a")
         assert status == 503
         assert b"audit log is unavailable" in body
+        assert path.server.paths == []
+        assert any("not recorded" in r.getMessage() for r in caplog.records)
         path.audit.open()
-        assert fetch(path, "http://evil.test:PORT/")[0] == 403  # this record is written: recovered
-        # The proxy learns of the successful write just after the record reaches the file.
-        wait_for(lambda: fetch(path, "http://local.test:PORT/c")[0] == 200)
-        assert path.server.paths == ["/a", "/c"]
+        assert fetch(path, "http://local.test:PORT/c")[0] == 200
+        assert path.server.paths == ["/c"]
+        path.wait_records(1)
+    lines = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
+    events = [(r["event"], r.get("url")) for r in lines if str(r.get("event", "")).startswith("egress")]
+    url = f"http://local.test:{path.port}/c"
+    assert events.index(("egress_open", url)) < events.index(("egress", url))
+    opened = next(r for r in lines if r["event"] == "egress_open")
+    assert opened["addresses"] == ["127.0.0.1"]
+    assert verify(tmp_path / "audit.jsonl").ok
 
 
 def wait_for(condition: Callable[[], bool]) -> None:

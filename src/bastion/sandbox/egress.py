@@ -34,9 +34,10 @@ What it enforces (a security boundary):
       open connections per sandbox.
     * Every attempt, allowed or refused, is one audit record (``event: "egress"``) with the
       sandbox, domain, port, resolved address, decision, reason, bytes each way and
-      duration. An allowed connection's record is written when it ends (the only time its
-      byte counts are known). After a failed audit write, allowed attempts are refused
-      (503) until an audit write succeeds again.
+      duration, written when it ends (the only time its byte counts are known). An allowed
+      connection is also recorded before it is made (``event: "egress_open"``, with the
+      checked addresses): if that record cannot be written, the connection is refused (503)
+      and never made, so a crash or a broken log can never hide a connection.
 
 What it does not do:
     * Look inside CONNECT tunnels: TLS is end to end, so the SNI and Host inside a tunnel are
@@ -388,7 +389,6 @@ class EgressProxy:
         self._audit = audit
         self._settings = settings
         self._proxies: dict[str, _SandboxProxy] = {}
-        self._audit_failed = False
         # AuditLog.append_async serves one event loop (the server's): this loop writes
         # with the thread-safe `append`, off the loop, on its own small pool.
         self._writer = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="egress-audit")
@@ -514,8 +514,6 @@ class EgressProxy:
         if not any(rule.matches(request.host, request.port) for rule in proxy.rules):
             what = "IP address" if _literal(request.host) else "destination"
             raise Refused(403, f"{what} {_show(request.host, request.port)} is not on this sandbox's allowlist")
-        if self._audit_failed:
-            raise Refused(503, "the audit log is unavailable: no connection is made unrecorded")
         addresses = await self._resolve(request.host, request.port)
         allowed: list[IPAddress] = []
         for address in addresses:
@@ -524,9 +522,25 @@ class EgressProxy:
                 attempt.address = str(address)
                 raise Refused(403, f"{request.host} resolves to {address}, in the blocked range {network}")
             allowed.append(address.ipv4_mapped or address if isinstance(address, ipaddress.IPv6Address) else address)
+        await self._record_open(attempt, allowed[:MAX_ADDRESSES_TRIED])
         sock, address = await self._connect(allowed[:MAX_ADDRESSES_TRIED], request.port)
         attempt.address = str(address)
         return sock
+
+    async def _record_open(self, attempt: _Attempt, addresses: list[IPAddress]) -> None:
+        """Record an allowed connection before it is made; refuse it (503) if that fails."""
+        record: dict[str, object] = {
+            "event": "egress_open",
+            "sandbox": attempt.sandbox,
+            "protocol": attempt.protocol,
+            "method": attempt.method,
+            "domain": attempt.domain,
+            "port": attempt.port,
+            "url": attempt.url,
+            "addresses": [str(address) for address in addresses],
+        }
+        if not await self._append(record):
+            raise Refused(503, "the audit log is unavailable: no connection is made unrecorded")
 
     async def _resolve(self, host: str, port: int) -> list[IPAddress]:
         literal = _literal(host)
@@ -624,18 +638,20 @@ class EgressProxy:
             await asyncio.wait([up, down])
 
     async def _write(self, attempt: _Attempt) -> None:
-        record = attempt.record()
+        await self._append(attempt.record())
+
+    async def _append(self, record: dict[str, object]) -> bool:
+        """Write one record off the loop; whether it is on disk (a failure is logged)."""
         loop = asyncio.get_running_loop()
         try:
             await asyncio.shield(loop.run_in_executor(self._writer, self._audit.append, record))
         except AuditUnavailable as exc:
-            self._audit_failed = True
             _log.error("egress attempt not recorded (%s): %s", exc.reason, record)
         except Exception:
-            self._audit_failed = True
             _log.exception("egress attempt not recorded: %s", record)
         else:
-            self._audit_failed = False
+            return True
+        return False
 
 
 async def _copy(
