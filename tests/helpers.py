@@ -7,6 +7,16 @@ from pathlib import Path
 
 from mcp import Client
 
+# A raw JSON-RPC initialize request, for tests that speak the wire without the SDK's client.
+INITIALIZE_REQUEST = {
+    "jsonrpc": "2.0",
+    "id": 1,
+    "method": "initialize",
+    "params": {"protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "raw", "version": "1"}},
+}
+# The headers a Streamable HTTP POST to /mcp needs.
+MCP_HEADERS = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
+
 
 async def call(client: Client, tool: str, **args: object) -> dict[str, object]:
     """Call a tool; check the contract (isError == not ok) and return the OperationResult."""

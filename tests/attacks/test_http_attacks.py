@@ -20,6 +20,7 @@ from typing import Any
 import httpx2
 import pytest
 
+from tests.helpers import INITIALIZE_REQUEST, MCP_HEADERS
 from tests.http.live import (
     LOOPBACK_CB_FOR_TESTS,
     PASSWORD,
@@ -35,13 +36,6 @@ from tests.http.live import (
 CORPUS: list[dict[str, Any]] = json.loads(Path(__file__).with_name("attack-corpus.json").read_text(encoding="utf-8"))
 IN_SCOPE = {
     e["id"]: e for e in CORPUS if e["tool"] == "http.post /mcp" or e["tool"].startswith(("oauth.", "mcp_client."))
-}
-MCP_HEADERS = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
-INIT = {
-    "jsonrpc": "2.0",
-    "id": 1,
-    "method": "initialize",
-    "params": {"protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}},
 }
 
 
@@ -69,7 +63,7 @@ def _rebinding(server: LiveServer, raw: httpx2.Client, entry: dict[str, Any]) ->
         headers["Host"].replace(":8000", f":{server.port}") if "127.0.0.1" in headers["Host"] else headers["Host"]
     )
     tokens = get_tokens(server, server.register()["client_id"])
-    body = entry["input"].get("body", INIT)
+    body = entry["input"].get("body", INITIALIZE_REQUEST)
     response = raw.post("/mcp", json=body, headers={**headers, "Authorization": f"Bearer {tokens['access_token']}"})
     assert response.status_code in (403, 421), response.text  # refused even with a valid token
 
@@ -84,7 +78,9 @@ def test_a137_dns_rebinding_origin(server: LiveServer, raw: httpx2.Client) -> No
 
 def test_a139_session_id_is_not_authentication(server: LiveServer, raw: httpx2.Client) -> None:
     tokens = get_tokens(server, server.register()["client_id"])
-    opened = raw.post("/mcp", json=INIT, headers={**MCP_HEADERS, "Authorization": f"Bearer {tokens['access_token']}"})
+    opened = raw.post(
+        "/mcp", json=INITIALIZE_REQUEST, headers={**MCP_HEADERS, "Authorization": f"Bearer {tokens['access_token']}"}
+    )
     session = opened.headers["mcp-session-id"]
     ping = {"jsonrpc": "2.0", "id": 2, "method": "ping"}
     stolen = raw.post("/mcp", json=ping, headers={**MCP_HEADERS, "Mcp-Session-Id": session})
@@ -152,7 +148,7 @@ def test_a146_state_is_returned_untouched_and_transactions_are_bound(server: Liv
 
 def test_a148_unsigned_jwt_is_not_a_token(server: LiveServer, raw: httpx2.Client) -> None:
     headers = {**MCP_HEADERS, **IN_SCOPE["A148"]["input"]["headers"]}
-    assert raw.post("/mcp", json=INIT, headers=headers).status_code == 401
+    assert raw.post("/mcp", json=INITIALIZE_REQUEST, headers=headers).status_code == 401
 
 
 def test_a149_javascript_redirect_uri(raw: httpx2.Client) -> None:
@@ -203,7 +199,7 @@ def test_a154_a155_discovery_documents_name_only_our_origin(
     urls += [v for doc in documents for v in doc.get("authorization_servers", [])]
     assert urls
     assert all(url.startswith(server.base) for url in urls)
-    challenge = raw.post("/mcp", json=INIT, headers=MCP_HEADERS).headers["www-authenticate"]
+    challenge = raw.post("/mcp", json=INITIALIZE_REQUEST, headers=MCP_HEADERS).headers["www-authenticate"]
     assert f'resource_metadata="{server.base}/' in challenge
 
 

@@ -20,17 +20,12 @@ from typing import Any
 import httpx2
 import pytest
 
+from tests.helpers import INITIALIZE_REQUEST, MCP_HEADERS
+
 from .live import BASTION, PASSWORD, Browser, LiveServer, callback_params, forms, get_tokens, pkce
 
 CLAUDE_CB = "https://claude.ai/api/mcp/auth_callback"
 LOOPBACK_CB = "http://127.0.0.1/callback"
-INIT = {
-    "jsonrpc": "2.0",
-    "id": 1,
-    "method": "initialize",
-    "params": {"protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}},
-}
-MCP_HEADERS = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
 
 # Every secret the tests see, checked against the database and the logs at the end (T-60).
 SEEN: list[str] = []
@@ -86,7 +81,9 @@ def refresh(raw: httpx2.Client, client_id: str, token: str, **extra: str) -> htt
 
 
 def mcp_status(raw: httpx2.Client, token: str) -> int:
-    return raw.post("/mcp", json=INIT, headers={**MCP_HEADERS, "Authorization": f"Bearer {token}"}).status_code
+    return raw.post(
+        "/mcp", json=INITIALIZE_REQUEST, headers={**MCP_HEADERS, "Authorization": f"Bearer {token}"}
+    ).status_code
 
 
 def assert_challenge(server: LiveServer, response: httpx2.Response) -> str:
@@ -102,17 +99,17 @@ def assert_challenge(server: LiveServer, response: httpx2.Response) -> str:
 
 
 def test_t01_no_credentials(server: LiveServer, raw: httpx2.Client) -> None:
-    header = assert_challenge(server, raw.post("/mcp", json=INIT, headers=MCP_HEADERS))
+    header = assert_challenge(server, raw.post("/mcp", json=INITIALIZE_REQUEST, headers=MCP_HEADERS))
     assert "error=" not in header
 
 
 @pytest.mark.parametrize("value", ["Bearer", "Basic dXNlcjpwYXNz", "Bearer a b", "Bearer " + "x" * 10_000])
 def test_t02_malformed_authorization_header(server: LiveServer, raw: httpx2.Client, value: str) -> None:
-    assert_challenge(server, raw.post("/mcp", json=INIT, headers={**MCP_HEADERS, "Authorization": value}))
+    assert_challenge(server, raw.post("/mcp", json=INITIALIZE_REQUEST, headers={**MCP_HEADERS, "Authorization": value}))
 
 
 def test_t03_unknown_token(server: LiveServer, raw: httpx2.Client) -> None:
-    response = raw.post("/mcp", json=INIT, headers={**MCP_HEADERS, "Authorization": "Bearer " + "A" * 43})
+    response = raw.post("/mcp", json=INITIALIZE_REQUEST, headers={**MCP_HEADERS, "Authorization": "Bearer " + "A" * 43})
     assert 'error="invalid_token"' in assert_challenge(server, response)
 
 
@@ -121,7 +118,9 @@ def test_t04_expired_token_is_401_so_clients_refresh(server: LiveServer, raw: ht
     assert mcp_status(raw, tokens["access_token"]) == 200
     with server.db() as db:
         db.execute("UPDATE oauth_tokens SET expires_at = ? WHERE kind = 'access'", (time.time() - 1,))
-    response = raw.post("/mcp", json=INIT, headers={**MCP_HEADERS, "Authorization": f"Bearer {tokens['access_token']}"})
+    response = raw.post(
+        "/mcp", json=INITIALIZE_REQUEST, headers={**MCP_HEADERS, "Authorization": f"Bearer {tokens['access_token']}"}
+    )
     assert 'error="invalid_token"' in assert_challenge(server, response)
 
 
@@ -148,7 +147,7 @@ def test_t06_revoked_access_token(server: LiveServer, raw: httpx2.Client) -> Non
 
 def test_t07_token_in_query_is_ignored(server: LiveServer, raw: httpx2.Client) -> None:
     tokens = tokens_for(server, public_client(server))
-    response = raw.post(f"/mcp?access_token={tokens['access_token']}", json=INIT, headers=MCP_HEADERS)
+    response = raw.post(f"/mcp?access_token={tokens['access_token']}", json=INITIALIZE_REQUEST, headers=MCP_HEADERS)
     assert_challenge(server, response)
 
 
@@ -172,7 +171,9 @@ def test_t08_insufficient_scope(server: LiveServer, raw: httpx2.Client) -> None:
 def test_t09_session_of_one_grant_is_refused_to_another(server: LiveServer, raw: httpx2.Client) -> None:
     client_id = public_client(server)
     first, second = tokens_for(server, client_id), tokens_for(server, client_id)
-    opened = raw.post("/mcp", json=INIT, headers={**MCP_HEADERS, "Authorization": f"Bearer {first['access_token']}"})
+    opened = raw.post(
+        "/mcp", json=INITIALIZE_REQUEST, headers={**MCP_HEADERS, "Authorization": f"Bearer {first['access_token']}"}
+    )
     assert opened.status_code == 200
     session = opened.headers["mcp-session-id"]
     ping = {"jsonrpc": "2.0", "id": 3, "method": "ping"}
@@ -216,7 +217,7 @@ def test_t11_cors_where_clients_need_it(raw: httpx2.Client, path: str, method: s
     assert response.headers["access-control-allow-origin"] in ("*", origin)
     assert response.headers.get("access-control-allow-credentials") != "true"
     if path == "/mcp":
-        exposed = raw.post(path, json=INIT, headers={**MCP_HEADERS, "Origin": origin})
+        exposed = raw.post(path, json=INITIALIZE_REQUEST, headers={**MCP_HEADERS, "Origin": origin})
         assert exposed.status_code == 401
         names = exposed.headers["access-control-expose-headers"].lower()
         assert "www-authenticate" in names
