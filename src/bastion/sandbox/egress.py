@@ -489,7 +489,7 @@ class EgressProxy:
             _close(client)
             if upstream is not None:
                 _close(upstream)
-            await self._write(attempt)
+            await self._append(attempt.record())
 
     async def _read_request(self, client: socket.socket, attempt: _Attempt) -> _Request:
         reader = _Reader(asyncio.get_running_loop(), client)
@@ -636,9 +636,6 @@ class EgressProxy:
             for task in (up, down):
                 task.cancel()
             await asyncio.wait([up, down])
-
-    async def _write(self, attempt: _Attempt) -> None:
-        await self._append(attempt.record())
 
     async def _append(self, record: dict[str, object]) -> bool:
         """Write one record off the loop; whether it is on disk (a failure is logged)."""
