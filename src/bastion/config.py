@@ -716,7 +716,7 @@ class GatewayConfig(_Model):
     @field_validator("remote_python", "dispatch_path", "dispatch_config")
     @classmethod
     def _check_remote_path(cls, value: str) -> str:
-        if not _REMOTE_PATH.match(value) or "/../" in value + "/" or "/./" in value + "/":
+        if not _REMOTE_PATH.fullmatch(value) or "/../" in value + "/" or "/./" in value + "/":
             raise ValueError(f"{value!r} must be an absolute path of letters, digits and ._/+-")
         return value
 
@@ -724,7 +724,7 @@ class GatewayConfig(_Model):
     @classmethod
     def _check_from(cls, values: tuple[str, ...]) -> tuple[str, ...]:
         for value in values:
-            if not _FROM_ADDRESS.match(value):
+            if not _FROM_ADDRESS.fullmatch(value):
                 raise ValueError(f"from address {value!r} must be an address, a CIDR block or a host pattern")
         return values
 

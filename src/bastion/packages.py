@@ -36,7 +36,12 @@ _VERSION: Final = r"[A-Za-z0-9][A-Za-z0-9.*+!_-]*"
 _CLAUSE: Final = rf"(?:===|==|!=|<=|>=|~=|<|>)\s*{_VERSION}"
 PIP_REQUIREMENT: Final = re.compile(rf"{_NAME}\s*(?:{_EXTRAS})?\s*(?:{_CLAUSE}(?:\s*,\s*{_CLAUSE})*)?")
 _NPM_NAME: Final = r"[a-z0-9][a-z0-9._-]*"
-NPM_SPEC: Final = re.compile(rf"(?:@{_NPM_NAME}/)?{_NPM_NAME}(?:@[0-9A-Za-z.^~<>=*|+_-]+)?")
+# The range never starts with "." (npm reads "x@.." as the folder "..").
+NPM_SPEC: Final = re.compile(rf"(?:@{_NPM_NAME}/)?{_NPM_NAME}(?:@[0-9A-Za-z^~<>=*][0-9A-Za-z.^~<>=*|+_-]*)?")
+# pip and npm take a requirement ending like an archive for a file in the current folder
+# (pip: "x.whl", "x==1.zip"; npm: "x.tgz", "x@1.tar"), found or not: a path in disguise.
+ARCHIVE_SUFFIX: Final = re.compile(r"\.(?:whl|zip|tgz|tbz|txz|tlz|tar(?:.gz|\.bz2|\.xz|\.lz|\.lzma)?)$", re.IGNORECASE)
+_TRAILING_EXTRAS: Final = re.compile(r"\[[^\]]*\]$")
 
 # The venv's own site-packages also sees the template's packages (read-only, below it).
 _LINK_TEMPLATE: Final = (
@@ -64,6 +69,11 @@ def check_requirement(text: str, manager: Manager) -> str:
         raise InvalidRequest(
             f"{requirement[:60]!r} is not a plain {manager} requirement: URLs, paths, VCS links, options and "
             f"markers are refused; use a name with an optional version, e.g. {example}"
+        )
+    if ARCHIVE_SUFFIX.search(requirement) or ARCHIVE_SUFFIX.search(_TRAILING_EXTRAS.sub("", requirement).rstrip()):
+        raise InvalidRequest(
+            f"{requirement[:60]!r} ends like an archive file name, which {manager} would install from a path: "
+            "give the package's name and version instead"
         )
     return requirement
 

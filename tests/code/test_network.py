@@ -3,6 +3,7 @@ a real HTTP server on the host's loopback; and what a program that ignores the p
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import threading
@@ -26,9 +27,14 @@ FETCH = (
 )
 
 
+BODY = b"hello from the host"
+HITS: list[str] = []  # the paths the server was asked for: a refusal must add none
+
+
 class _Hello(http.server.BaseHTTPRequestHandler):
     def do_GET(self) -> None:
-        body = b"hello from the host"
+        HITS.append(self.path)
+        body = BODY
         if self.path == "/redirect":
             self.send_response(302)
             self.send_header("Location", "http://denied.test/")
@@ -45,12 +51,26 @@ class _Hello(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture
 def web() -> Iterator[int]:
+    HITS.clear()
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Hello)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield server.server_address[1]
     server.shutdown()
     server.server_close()
+
+
+@contextlib.asynccontextmanager
+async def network_client(config_path: Path, network_toml: str) -> AsyncIterator[Client]:
+    config_path.write_text(
+        config_path.read_text().replace("[sandboxes.limits]", network_toml + "\n[sandboxes.limits]")
+    )
+    services = build_services(load_config(config_path))
+    try:
+        async with Client(build_server(services, caller="test")) as client:
+            yield client
+    finally:
+        services.close()
 
 
 @pytest.fixture
@@ -64,15 +84,8 @@ allow = ["allowed.test:{web}", "metadata.test"]
 blocked_ranges = {json.dumps(blocked)}
 hosts = {{ "allowed.test" = ["127.0.0.1"], "denied.test" = ["127.0.0.1"], "metadata.test" = ["169.254.169.254"] }}
 """
-    demo_config_path.write_text(
-        demo_config_path.read_text().replace("[sandboxes.limits]", extra + "\n[sandboxes.limits]")
-    )
-    services = build_services(load_config(demo_config_path))
-    try:
-        async with Client(build_server(services, caller="test")) as client:
-            yield client
-    finally:
-        services.close()
+    async with network_client(demo_config_path, extra) as client:
+        yield client
 
 
 def egress_records(config_path: Path) -> list[dict[str, Any]]:
@@ -90,18 +103,49 @@ async def test_an_allowed_destination_is_reached_through_the_proxy(net_client: C
 
 async def test_refusals_are_answered_and_audited(net_client: Client, demo_config_path: Path, web: int) -> None:
     sandbox = await create(net_client, network_allow=[f"allowed.test:{web}", "metadata.test"])
+    allowed = await sh(net_client, sandbox, FETCH.format(url=f"http://allowed.test:{web}/"))
+    assert allowed["detail"]["stdout"] == BODY.decode() + "\n", allowed
     denied = await sh(net_client, sandbox, FETCH.format(url=f"http://denied.test:{web}/"))
     assert "403" in denied["detail"]["stderr"]
     metadata = await sh(net_client, sandbox, FETCH.format(url="http://metadata.test/latest/meta-data/"))
     assert "403" in metadata["detail"]["stderr"]
     redirect = await sh(net_client, sandbox, FETCH.format(url=f"http://allowed.test:{web}/redirect"))
     assert "403" in redirect["detail"]["stderr"]
+    assert HITS == ["/", "/redirect"], "a refused destination was reached"
+    # One record per attempt, in order: the redirect is followed on a new connection, checked on its own.
     records = egress_records(demo_config_path)
-    decisions = {(r["domain"], r["decision"]) for r in records}
-    assert ("denied.test", "deny") in decisions
-    assert ("metadata.test", "deny") in decisions
-    assert ("allowed.test", "allow") in decisions
+    seen = [(r["domain"], r["port"], r["decision"]) for r in records]
+    assert seen == [
+        ("allowed.test", web, "allow"),
+        ("denied.test", web, "deny"),
+        ("metadata.test", 80, "deny"),
+        ("allowed.test", web, "allow"),
+        ("denied.test", 80, "deny"),
+    ], seen
     assert all(r["sandbox"] == sandbox for r in records)
+    fetched = records[0]
+    assert fetched["bytes_down"] > len(BODY), fetched  # the response, head and body
+    assert fetched["bytes_up"] > 0, fetched
+    assert all(r["bytes_up"] == r["bytes_down"] == 0 for r in records if r["decision"] == "deny"), records
+    assert records[2]["address"] == "169.254.169.254", records[2]
+
+
+async def test_an_allowed_name_resolving_to_loopback_is_refused(demo_config_path: Path, web: int) -> None:
+    """DNS rebinding: with the default blocked ranges, a name the ceiling and the sandbox allow
+    still never leads to the host's loopback, where the web server listens."""
+    extra = f"""
+[sandboxes.network]
+allow = ["allowed.test:{web}"]
+hosts = {{ "allowed.test" = ["127.0.0.1"] }}
+"""
+    async with network_client(demo_config_path, extra) as client:
+        sandbox = await create(client, network_allow=[f"allowed.test:{web}"])
+        result = await sh(client, sandbox, FETCH.format(url=f"http://allowed.test:{web}/"))
+        assert "403" in result["detail"]["stderr"], result
+        assert "blocked range 127.0.0.0/8" in result["detail"]["stderr"], result
+    assert HITS == [], "the loopback server was reached"
+    records = egress_records(demo_config_path)
+    assert [(r["domain"], r["decision"], r["address"]) for r in records] == [("allowed.test", "deny", "127.0.0.1")]
 
 
 async def test_a_program_that_ignores_the_proxy_has_no_route(net_client: Client, web: int) -> None:

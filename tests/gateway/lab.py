@@ -4,7 +4,9 @@
 pointing at it, makes the gateway's key and the authorized_keys line with bastion's own
 CLI (`bastion gateway keygen`, `authorized-keys`, `dispatch-script`), writes a target-side
 dispatch.toml whose actions run a small test program, and starts `sshd -D` with that
-authorized_keys file. Keys exist only in the temp folder. Used by tests/gateway,
+authorized_keys file. sshd keeps its default `StrictModes yes`: the authorized_keys file
+sits in a private folder whose every parent sshd accepts (not under the world-writable
+/tmp), as on a real host. Keys exist only in temporary folders. Used by tests/gateway,
 tests/attacks/test_gateway_attacks.py and bench/bench_gateway.py.
 """
 
@@ -13,9 +15,11 @@ from __future__ import annotations
 import json
 import os
 import pwd
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from collections.abc import Iterator
@@ -85,6 +89,7 @@ class GatewayLab:
     config_path: Path
     key_path: Path
     authorized_line: str
+    keys_dir: Path
     process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -207,6 +212,10 @@ class GatewayLab:
             "agent_path": None,
         }
 
+    @property
+    def authorized_keys(self) -> Path:
+        return self.keys_dir / "authorized_keys"
+
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.terminate()
@@ -215,6 +224,7 @@ class GatewayLab:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        shutil.rmtree(self.keys_dir, ignore_errors=True)
 
     @classmethod
     def start(cls, root: Path) -> GatewayLab:
@@ -244,9 +254,13 @@ class GatewayLab:
         config_path = root / "bastion.toml"
         config_path.write_text(_bastion_toml(port, host_key_line, target))
         _bastion("gateway", "keygen", "--config", str(config_path), "biscuit")
-        line = _bastion("gateway", "authorized-keys", "--config", str(config_path), "biscuit").strip()
-        authorized = root / "authorized_keys"
-        authorized.write_text(line + "\n")
+        printed = _bastion("gateway", "authorized-keys", "--config", str(config_path), "biscuit")
+        line = printed.rstrip("\n")
+        if printed != line + "\n" or "\n" in line:
+            raise RuntimeError(f"authorized-keys printed more than one line: {printed!r}")
+        keys_dir = _strict_modes_folder()
+        authorized = keys_dir / "authorized_keys"
+        authorized.write_text(printed)  # exactly what the command printed
         authorized.chmod(0o600)
         (root / "known_hosts").write_text(f"[127.0.0.1]:{port} {host_key_line}\n")
         (root / "sshd_config").write_text(_sshd_config(root, port, authorized))
@@ -260,19 +274,39 @@ class GatewayLab:
             config_path=config_path,
             key_path=root / "state" / "biscuit_ed25519",
             authorized_line=line,
+            keys_dir=keys_dir,
         )
-        lab.process = _start_sshd(root / "sshd_config", root / "sshd.log", port)
+        try:
+            lab.process = _start_sshd(root / "sshd_config", root / "sshd.log", port)
+        except BaseException:
+            lab.stop()
+            raise
         return lab
 
     @contextmanager
-    def second_sshd(self, name: str, extra_config: str) -> Iterator[int]:
-        """Another sshd with the same host key and authorized_keys plus `extra_config`; yields its port."""
+    def second_sshd(
+        self,
+        name: str,
+        extra_config: str,
+        *,
+        host_keys: tuple[Path, ...] | None = None,
+        authorized: Path | None = None,
+    ) -> Iterator[int]:
+        """Another sshd like the lab's plus `extra_config`; yields its port.
+
+        `host_keys` replaces the lab's host key; `authorized` replaces its authorized_keys file.
+        """
         port = _free_port()
         config = self.root / f"sshd_config.{name}"
         text = (self.root / "sshd_config").read_text()
         text = text.replace(f"Port {self.port}\n", f"Port {port}\n").replace(
             f"PidFile {self.root / 'sshd.pid'}", f"PidFile {self.root / f'sshd.{name}.pid'}"
         )
+        if host_keys is not None:
+            lines = "\n".join(f"HostKey {key}" for key in host_keys)
+            text = text.replace(f"HostKey {self.root / 'host_ed25519'}", lines)
+        if authorized is not None:
+            text = text.replace(f"AuthorizedKeysFile {self.authorized_keys}", f"AuthorizedKeysFile {authorized}")
         config.write_text(text + extra_config + "\n")
         process = _start_sshd(config, self.root / f"sshd.{name}.log", port)
         try:
@@ -280,6 +314,31 @@ class GatewayLab:
         finally:
             process.terminate()
             process.wait(timeout=5)
+
+
+def _strict_modes_folder() -> Path:
+    """A new private folder for authorized_keys that passes sshd's StrictModes.
+
+    sshd checks the file and each parent up to the user's home (or /): owned by root or the
+    user, not group- or world-writable. pytest's folders sit under /tmp (mode 1777), which
+    fails that, so the key file goes to the first candidate whose whole chain passes.
+    """
+    uid = os.geteuid()
+    home = Path(pwd.getpwuid(uid).pw_dir).resolve()
+    for base in (Path(f"/run/user/{uid}"), Path("/run"), home):
+        if base.is_dir() and os.access(base, os.W_OK) and _sshd_accepts_parents(base.resolve(), home, uid):
+            return Path(tempfile.mkdtemp(prefix="bastion-gateway-lab-", dir=base))
+    raise RuntimeError("no folder for authorized_keys passes sshd's StrictModes (tried /run/user/UID, /run, ~)")
+
+
+def _sshd_accepts_parents(folder: Path, home: Path, uid: int) -> bool:
+    for parent in (folder, *folder.parents):
+        info = parent.stat()
+        if info.st_uid not in (0, uid) or info.st_mode & 0o022:
+            return False
+        if parent == home:
+            return True
+    return True
 
 
 def _start_sshd(config: Path, log: Path, port: int) -> subprocess.Popen[bytes]:
@@ -307,8 +366,8 @@ def _sshd_config(root: Path, port: int, authorized: Path) -> str:
         HostKey {root / "host_ed25519"}
         PidFile {root / "sshd.pid"}
         AuthorizedKeysFile {authorized}
-        # The test folder sits under /tmp (world-writable): StrictModes would refuse the key file.
-        StrictModes no
+        # sshd's default, stated: the key file's folder chain must not be writable by others.
+        StrictModes yes
         PubkeyAuthentication yes
         PasswordAuthentication no
         KbdInteractiveAuthentication no

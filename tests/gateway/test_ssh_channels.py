@@ -1,11 +1,12 @@
 """What the key's `restrict,from=,command=` line and dispatch.py refuse, seen from real clients.
 
-What this proves: against Debian's OpenSSH server with the exact line `bastion gateway
-authorized-keys` prints, the gateway key cannot get a pty, forward ports or an agent,
-open sftp or scp, log in interactively, connect from an address outside `from=`, or pass
-environment variables to the action (even ones sshd was told to accept); every refusal
-that reaches dispatch.py is exit 126 with a record in its log. What it does not prove:
-anything about other sshd versions or configs (e.g. `PermitUserEnvironment yes`).
+What this proves: against Debian's OpenSSH server (StrictModes on) with the exact line
+`bastion gateway authorized-keys` prints, the gateway key cannot, through the raw `ssh`
+client nor through asyncssh, get a pty, forward ports or an agent, open sftp or scp, log
+in interactively, connect from an address outside `from=`, or pass environment variables
+to the action (even ones sshd was told to accept); every refusal that reaches dispatch.py
+is exit 126 with a record in its log. What it does not prove: anything about other sshd
+versions or configs (e.g. `PermitUserEnvironment yes`).
 """
 
 from __future__ import annotations
@@ -13,16 +14,64 @@ from __future__ import annotations
 import os
 import subprocess
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import anyio
 import asyncssh
 import pytest
 
-from .lab import GatewayLab
+from .lab import SSHD, GatewayLab
 
 
 def _records_for(lab: GatewayLab, request: str) -> list[dict[str, object]]:
     return [r for r in lab.dispatch_records() if r.get("request") == request]
+
+
+@contextmanager
+def ssh_agent(folder: os.PathLike[str]) -> Iterator[str]:
+    """A real ssh-agent on a socket in `folder`; yields the socket path."""
+    sock = os.path.join(str(folder), "agent.sock")
+    agent = subprocess.Popen(["ssh-agent", "-D", "-a", sock], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 5
+        while not os.path.exists(sock):
+            assert time.monotonic() < deadline, "ssh-agent did not start"
+            time.sleep(0.02)
+        yield sock
+    finally:
+        agent.terminate()
+        agent.wait(timeout=5)
+
+
+def test_sshd_checks_the_key_file_modes(lab: GatewayLab, tmp_path: Path) -> None:
+    """The lab's sshd runs with StrictModes on, and the check is live: a world-writable copy of the line fails.
+
+    (World, not group: Debian's sshd lets a file be writable by the user's own one-member group.)
+    """
+    effective = subprocess.run(
+        [SSHD, "-T", "-f", str(lab.root / "sshd_config")], capture_output=True, text=True, timeout=30, check=True
+    ).stdout.splitlines()
+    assert "strictmodes yes" in effective
+    assert f"authorizedkeysfile {lab.authorized_keys}" in effective
+    assert lab.ssh("status biscuit").returncode == 0
+    loose = lab.keys_dir / "authorized_keys.loose"
+    loose.write_text(lab.authorized_keys.read_text())
+    loose.chmod(0o602)
+    try:
+        with lab.second_sshd("loose", "", authorized=loose) as port:
+            argv = lab.ssh_argv()
+            argv[argv.index("-p") + 1] = str(port)
+            known = tmp_path / "known_hosts"
+            known.write_text(f"[127.0.0.1]:{port} {lab.host_key_line}\n")
+            argv = [a.replace(str(lab.known_hosts), str(known)) for a in argv]
+            done = subprocess.run([*argv, "status biscuit"], capture_output=True, text=True, timeout=30, check=False)
+        assert done.returncode == 255
+        assert "Permission denied" in done.stderr
+        assert "bad ownership or modes" in (lab.root / "sshd.loose.log").read_text()
+    finally:
+        loose.unlink()
 
 
 def test_allowed_action_runs_with_argv_and_is_recorded(lab: GatewayLab) -> None:
@@ -40,6 +89,18 @@ def test_interactive_login_is_refused(lab: GatewayLab) -> None:
     new = lab.dispatch_records()[before:]
     assert [r["event"] for r in new] == ["refused"]
     assert new[0]["request"] is None
+
+
+@pytest.mark.anyio
+async def test_asyncssh_interactive_login_is_refused(lab: GatewayLab) -> None:
+    before = lab.settled_count()
+    async with asyncssh.connect("127.0.0.1", **lab.asyncssh_options()) as conn:
+        shell = await conn.create_process(stdin=asyncssh.DEVNULL)  # a shell request: no command
+        await shell.wait_closed()
+        stderr = await shell.stderr.read()
+    assert shell.exit_status == 126
+    assert "interactive logins are not allowed" in str(stderr)
+    assert [(r["event"], r["request"]) for r in lab.dispatch_records()[before:]] == [("refused", None)]
 
 
 def test_pty_is_refused(lab: GatewayLab) -> None:
@@ -63,7 +124,8 @@ def test_remote_port_forwarding_is_refused(lab: GatewayLab) -> None:
 
 
 @pytest.mark.anyio
-async def test_asyncssh_forwarding_and_agent_are_refused(lab: GatewayLab) -> None:
+async def test_asyncssh_forwarding_and_pty_are_refused(lab: GatewayLab) -> None:
+    before, runs = lab.settled_count(), len(lab.action_runs())
     async with asyncssh.connect("127.0.0.1", **lab.asyncssh_options()) as conn:
         with pytest.raises(asyncssh.ChannelOpenError):
             await conn.open_connection("127.0.0.1", lab.port)
@@ -71,21 +133,51 @@ async def test_asyncssh_forwarding_and_agent_are_refused(lab: GatewayLab) -> Non
             await conn.forward_remote_port("127.0.0.1", 0, "127.0.0.1", 9)
         with pytest.raises(asyncssh.ChannelOpenError):
             await conn.create_process("status biscuit", term_type="xterm")
+    # The pty was refused before the command was sent: nothing reached dispatch.py.
+    assert lab.settled_count() == before
+    assert len(lab.action_runs()) == runs
 
 
-def test_agent_forwarding_is_refused(lab: GatewayLab, tmp_path: os.PathLike[str]) -> None:
-    sock = os.path.join(str(tmp_path), "agent.sock")
-    agent = subprocess.Popen(["ssh-agent", "-D", "-a", sock], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 5
-        while not os.path.exists(sock):
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+@pytest.mark.anyio
+async def test_asyncssh_agent_forwarding_is_refused(lab: GatewayLab, tmp_path: Path) -> None:
+    with ssh_agent(tmp_path) as sock:
+        log_before = len(lab.sshd_log.read_text())
+        options = {**lab.asyncssh_options(), "agent_path": sock}
+        async with asyncssh.connect("127.0.0.1", agent_forwarding=True, **options) as conn:
+            done = await conn.run("env", check=False)
+    assert done.exit_status == 0
+    assert "SSH_AUTH_SOCK" not in str(done.stdout)
+    assert "session_auth_agent_req: agent forwarding disabled" in lab.sshd_log.read_text()[log_before:]
+
+
+@pytest.mark.anyio
+async def test_asyncssh_sftp_is_refused(lab: GatewayLab) -> None:
+    before = lab.settled_count()
+    async with asyncssh.connect("127.0.0.1", **lab.asyncssh_options()) as conn:
+        with pytest.raises(asyncssh.SFTPError):
+            async with conn.start_sftp_client() as sftp:
+                await sftp.listdir("/")
+    assert [(r["event"], r["request"]) for r in lab.dispatch_records()[before:]] == [("refused", "internal-sftp")]
+
+
+@pytest.mark.anyio
+async def test_asyncssh_scp_is_refused(lab: GatewayLab, tmp_path: Path) -> None:
+    source = tmp_path / "payload"
+    source.write_text("evil")
+    destination = "/tmp/bastion-scp-asyncssh-test"
+    before = lab.settled_count()
+    async with asyncssh.connect("127.0.0.1", **lab.asyncssh_options()) as conn:
+        with pytest.raises(asyncssh.SFTPError):
+            await asyncssh.scp(str(source), (conn, destination))
+    assert not os.path.exists(destination)
+    records = [(r["event"], r["request"]) for r in lab.dispatch_records()[before:]]
+    assert records == [("refused", f"scp -t {destination}")]
+
+
+def test_agent_forwarding_is_refused(lab: GatewayLab, tmp_path: Path) -> None:
+    with ssh_agent(tmp_path) as sock:
         log_before = len(lab.sshd_log.read_text())
         done = lab.ssh("env", options=("-A", "-v"), agent=sock)
-    finally:
-        agent.terminate()
-        agent.wait(timeout=5)
     assert done.returncode == 0
     assert "SSH_AUTH_SOCK" not in done.stdout
     assert "Requesting authentication agent forwarding" in done.stderr
@@ -132,8 +224,10 @@ def test_address_outside_from_is_refused(lab: GatewayLab) -> None:
 
 @pytest.mark.anyio
 async def test_asyncssh_address_outside_from_is_refused(lab: GatewayLab) -> None:
+    before = lab.settled_count()
     with pytest.raises(asyncssh.PermissionDenied):
         await asyncssh.connect("127.0.0.1", local_addr=("127.0.0.2", 0), **lab.asyncssh_options())
+    assert lab.dispatch_records()[before:] == []
 
 
 def test_client_environment_never_reaches_the_action(lab: GatewayLab) -> None:

@@ -119,6 +119,13 @@ def live_server(root: Path, *, http_extra: str = "", auth: bool = True) -> Itera
     config_path = write_config(root, port, http_extra=http_extra, auth=auth)
     if auth:
         write_hash(root / "state" / "admin-password.argon2", PASSWORD)
+    with serve_config(root, config_path, port) as server:
+        yield server
+
+
+@contextlib.contextmanager
+def serve_config(root: Path, config_path: Path, port: int) -> Iterator[LiveServer]:
+    """`bastion serve --http` on a config written by the caller (its `[http]` names 127.0.0.1:`port`)."""
     log_path = root / "server.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with open(log_path, "wb") as log:

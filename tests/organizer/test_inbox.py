@@ -309,3 +309,113 @@ def test_unwritable_journal_moves_nothing_and_stops_changes(organizer: Organizer
     with pytest.raises(Unavailable, match="restart"):
         organizer.move("a.txt", "c.txt")
     assert snapshot(inbox_dir) == before
+
+
+def test_plan_is_lost_at_restart_with_a_typed_refusal(organizer: Organizer, inbox_dir: Path, state_dir: Path) -> None:
+    """Plans live in memory: after a restart apply_plan is NOT_FOUND saying so, and nothing moves.
+
+    Not proven: that a client re-plans; the refusal only tells it to."""
+    (inbox_dir / "a.pdf").write_bytes(b"a")
+    plan_id = organizer.plan()["plan_id"]
+    before = snapshot(inbox_dir)
+    again = reopen(organizer, state_dir)
+    try:
+        with pytest.raises(NotFound, match="expired or the server restarted.*plan again"):
+            again.apply(plan_id)
+        assert snapshot(inbox_dir) == before
+        assert again.history.done == []
+    finally:
+        again.close()
+
+
+def test_used_plan_is_told_apart_from_an_expired_one(organizer: Organizer, inbox_dir: Path, state_dir: Path) -> None:
+    """A refused apply spends the plan too; an applied plan is recognised from the journal after a restart."""
+    (inbox_dir / "a.pdf").write_bytes(b"a")
+    refused = organizer.plan()["plan_id"]
+    (inbox_dir / "a.pdf").write_bytes(b"changed")
+    with pytest.raises(Conflict):
+        organizer.apply(refused)
+    with pytest.raises(NotFound, match="already used: plans are single use"):
+        organizer.apply(refused)
+    applied = organizer.plan()["plan_id"]
+    organizer.apply(applied)
+    again = reopen(organizer, state_dir)
+    try:
+        with pytest.raises(NotFound, match="already used as action-1"):
+            again.apply(applied)
+        with pytest.raises(NotFound, match="expired or the server restarted"):
+            again.apply(refused)
+    finally:
+        again.close()
+
+
+def test_only_the_newest_plans_are_kept(organizer: Organizer, inbox_dir: Path) -> None:
+    from bastion.organizer.inbox import MAX_PLANS
+
+    (inbox_dir / "a.pdf").write_bytes(b"a")
+    plans = [organizer.plan()["plan_id"] for _ in range(MAX_PLANS + 1)]
+    with pytest.raises(NotFound, match="expired"):
+        organizer.apply(plans[0])
+    assert organizer.apply(plans[-1])["moved"] == 1
+
+
+@pytest.mark.parametrize("plan_id", ["", "plan-XYZ", "../plan-0123456789abcdef", "plan-0123456789abcdef" * 1000])
+def test_malformed_plan_id_is_invalid_request(organizer: Organizer, plan_id: str) -> None:
+    with pytest.raises(InvalidRequest, match="not a plan id"):
+        organizer.apply(plan_id)
+
+
+def _protecting_kdbx(organizer: Organizer, state_dir: Path) -> Organizer:
+    """Restart with a config that adds a protection rule for password stores."""
+    from bastion.config import SkipRule
+
+    organizer.close()
+    extra = SkipRule(id="vaults", layer="protection", names=("*.kdbx",), reason="a password store")
+    config = organizer.config.model_copy(update={"skip": (*organizer.config.skip, extra)})
+    again = Organizer(config, state_dir)
+    again.open()
+    return again
+
+
+@pytest.mark.parametrize("verb", ["undo", "redo"])
+def test_undo_and_redo_enforce_the_protection_rules_in_force(
+    organizer: Organizer, inbox_dir: Path, state_dir: Path, verb: str
+) -> None:
+    """Protection binds every tool: undo and redo replay the history under today's rules, so a
+    move recorded before a file became protected is refused, nothing moves, the history stays."""
+    (inbox_dir / "vault.kdbx").write_bytes(b"secrets")
+    organizer.move("vault.kdbx", "Keys/vault.kdbx")
+    if verb == "redo":
+        organizer.undo()
+    again = _protecting_kdbx(organizer, state_dir)
+    try:
+        before = snapshot(inbox_dir)
+        with pytest.raises(PolicyDenied, match="a password store"):
+            getattr(again, verb)()
+        assert snapshot(inbox_dir) == before
+        assert len(again.history.done if verb == "undo" else again.history.undone) == 1
+    finally:
+        again.close()
+
+
+@pytest.mark.parametrize("path", ["../outside.txt", "/etc/passwd", "a/../../x", "a//b", "./a"])
+def test_journal_naming_a_path_outside_the_inbox_stops_start_up(
+    inbox_dir: Path, state_dir: Path, path: str
+) -> None:
+    """The journal is replayed only with plain inbox-relative paths; anything else is damage."""
+    from bastion.config import InboxConfig
+    from bastion.organizer.journal import Journal, Move, Txn
+    from bastion.safety.errors import ConfigError
+
+    journal = Journal(journal_path(state_dir, "inbox"))
+    journal.open()
+    txn = Txn(txn=1, kind="move", action=1, moves=(Move(path, "b.txt", 1, 2),))
+    journal.begin(txn)
+    journal.end(txn, [0])
+    journal.close()
+    organizer = Organizer(InboxConfig(id="inbox", path=inbox_dir), state_dir)
+    try:
+        with pytest.raises(ConfigError, match="damaged at line 1"):
+            organizer.open()
+    finally:
+        organizer.close()

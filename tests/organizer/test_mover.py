@@ -90,3 +90,25 @@ def test_source_swapped_after_check_is_put_back(inbox_dir: Path, state_dir: Path
     assert isinstance(error, Conflict)
     assert applied == []
     assert snapshot(inbox_dir) == before
+
+
+@pytest.mark.parametrize("rel", ["..", "a/../..", "a//b", "./a", "/etc"])
+def test_folder_refuses_paths_that_are_not_plain(inbox_dir: Path, tmp_path: Path, rel: str) -> None:
+    """Below the lexical jail: a '..' component would climb out even with O_NOFOLLOW, so the
+    calls that touch the disk refuse it (e.g. a path read back from a damaged journal)."""
+    (inbox_dir / "a").mkdir()
+    (tmp_path / "victim.txt").write_bytes(b"outside")
+    with Folder(inbox_dir) as folder:
+        with pytest.raises(PathEscape):
+            folder.open_dir(rel)
+        with pytest.raises(PathEscape):
+            folder.lstat(rel + "/x")
+        root = folder.open_dir(".")
+        try:
+            with pytest.raises(PathEscape):
+                folder.rename(root, "..", root, "stolen", src="..", dst="stolen")
+            with pytest.raises(PathEscape):
+                folder.lstat_at(root, "..")
+        finally:
+            os.close(root)
+    assert (tmp_path / "victim.txt").read_bytes() == b"outside"

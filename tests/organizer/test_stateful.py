@@ -4,7 +4,9 @@ Invariants checked after every step: the multiset of file contents is conserved 
 has unique content, so nothing was overwritten or lost and nothing was duplicated); nothing
 outside the inbox changed and nothing left it; a refused call changed nothing; planning
 changed nothing; undo restores the exact tree that the action started from, and redo the
-exact tree it produced, unless someone else changed the folder in between.
+exact tree it produced, unless someone else changed the folder in between. Moves name both
+random paths and entries that exist (files, folders, symbolic links); a server restart keeps
+the undo history and turns every earlier plan into a NOT_FOUND refusal that moves nothing.
 
 What it does not prove: behaviour under concurrent outside changes during a call (the
 crash and race tests cover parts of that), or on other file systems than the test's.
@@ -24,7 +26,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from bastion.config import InboxConfig
 from bastion.organizer import Organizer
-from bastion.safety.errors import BastionError
+from bastion.safety.errors import BastionError, NotFound
 
 from .conftest import Tree, snapshot
 
@@ -49,6 +51,7 @@ class OrganizerMachine(RuleBasedStateMachine):
         self.counter = 0
         self.expected: list[bytes] = []
         self.plans: list[str] = []
+        self.stale_plans: list[str] = []
         self.before_done: list[Tree | None] = []
         self.before_undone: list[Tree | None] = []
         self.organizer: Organizer | None = None
@@ -141,6 +144,40 @@ class OrganizerMachine(RuleBasedStateMachine):
         before = snapshot(self.inbox)
         if self._call("move", f"{src_folder}/{src}", f"{dst_folder}/{dst}"):
             self._did(before)
+
+    @rule(data=st.data(), dst_folder=folders, dst=names)
+    def move_existing(self, data: st.DataObject, dst_folder: str, dst: str) -> None:
+        before = snapshot(self.inbox)
+        src = data.draw(st.sampled_from(sorted(before)))
+        if self._call("move", src, f"{dst_folder}/{dst}"):
+            self._did(before)
+            assert before[src] == snapshot(self.inbox)[os.path.normpath(f"{dst_folder}/{dst}")]
+        elif before[src][0] in ("link", "special"):
+            pass  # protection: never moved; _call has checked that nothing changed
+
+    @rule()
+    def restart(self) -> None:
+        """A server restart: the history survives in the journal, plans do not."""
+        before = snapshot(self.inbox)
+        self.org.close()
+        self.organizer = Organizer(self.org.config, self.state)
+        assert self.organizer.open() is None, "a clean stop left something to recover"
+        assert snapshot(self.inbox) == before
+        self.stale_plans += self.plans
+        self.plans = []
+
+    @precondition(lambda self: self.stale_plans)
+    @rule(data=st.data())
+    def apply_stale_plan(self, data: st.DataObject) -> None:
+        plan_id = data.draw(st.sampled_from(self.stale_plans))
+        before = snapshot(self.inbox)
+        try:
+            self.org.apply(plan_id)
+        except NotFound as exc:
+            assert "server restarted" in exc.reason or "already used" in exc.reason, exc.reason
+        else:
+            raise AssertionError("a plan made before the restart was applied")
+        assert snapshot(self.inbox) == before
 
     @rule()
     def undo(self) -> None:

@@ -15,6 +15,7 @@ from typing import Final
 
 import anyio
 import asyncssh
+from asyncssh.public_key import get_default_public_key_algs
 
 from bastion.config import GatewayConfig
 from bastion.gateway.actions import GatewayCommand
@@ -39,6 +40,17 @@ class GatewayOutput:
     stdout: str
     stderr: str
     truncated: bool
+
+
+def _host_key_algs(pinned: asyncssh.SSHKey) -> list[str]:
+    """The pinned key's algorithms first, then every other plain-key algorithm.
+
+    Left to itself, asyncssh offers only the pinned key's type, so a host that now has a key of
+    another type fails key exchange (UNAVAILABLE). Offering the rest too makes the host present
+    that key, which the pin then refuses (FORBIDDEN): a changed key is a changed key, whatever its type.
+    """
+    algs = [*pinned.sig_algorithms, *get_default_public_key_algs()]
+    return list(dict.fromkeys(alg.decode("ascii") for alg in algs))
 
 
 class GatewayClient:
@@ -74,6 +86,7 @@ class GatewayClient:
                     cfg.port,
                     username=cfg.user,
                     known_hosts=([host_key], [], []),
+                    server_host_key_algs=_host_key_algs(host_key),
                     client_keys=[client_key],
                     config=None,
                     agent_path=None,

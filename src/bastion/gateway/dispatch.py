@@ -36,7 +36,8 @@ Config (TOML via tomllib on Python 3.11+, else JSON with the same structure)::
 
 A token of ``argv`` that is exactly ``{name}`` is replaced by that argument; nothing else
 is substituted. An argument has a ``kind``: ``pattern`` (default; ``pattern`` is a regex
-that must match the whole value), ``project`` (one of ``projects``) or ``path``.
+that must match the whole value), ``project`` (one of ``projects``) or ``path``. A
+``project`` or ``path`` argument may have a ``pattern`` too; it must then match as well.
 """
 
 from __future__ import annotations
@@ -127,9 +128,9 @@ def _action(name: str, spec: Any) -> Action:
         if kind not in KINDS or not VERB_SHAPE.fullmatch(arg_name):
             raise ValueError(f"action {name!r}: argument {arg_name!r} has a bad name or kind")
         pattern = str(arg.get("pattern", ""))
-        if kind == "pattern":
-            if not pattern:
-                raise ValueError(f"action {name!r}: argument {arg_name!r} needs a pattern")
+        if kind == "pattern" and not pattern:
+            raise ValueError(f"action {name!r}: argument {arg_name!r} needs a pattern")
+        if pattern:
             re.compile(pattern)
         args.append({"name": arg_name, "kind": kind, "pattern": pattern})
     names = {arg["name"] for arg in args}
@@ -177,7 +178,7 @@ def parse(command: str | None, config: Config) -> tuple[Action, list[str]]:
     for spec, value in zip(action.args, values):  # noqa: B905 (strict= needs 3.10; lengths checked above)
         if len(value) > MAX_ARG_CHARS or not ARG_SHAPE.fullmatch(value):
             raise Refused(f"argument {spec['name']} is malformed")
-        if spec["kind"] == "pattern" and not re.fullmatch(spec["pattern"], value):
+        if spec["pattern"] and not re.fullmatch(spec["pattern"], value):
             raise Refused(f"argument {spec['name']} does not match its pattern")
         if spec["kind"] == "project" and value not in config.projects:
             raise Refused(f"project {value!r} is not allowed here")
@@ -194,7 +195,10 @@ def open_beneath(root: str, relative: str) -> int:
     if relative.startswith("/") or any(part in ("", ".", "..") for part in parts):
         raise Refused("path argument must be relative, without '.', '..' or empty parts")
     flags = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
-    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise Refused(f"the gateway's root cannot be opened ({type(exc).__name__}): fix it on the host") from None
     try:
         for index, part in enumerate(parts):
             last = index == len(parts) - 1
@@ -322,6 +326,15 @@ def _config_path(argv: list[str]) -> str:
     return argv[2]
 
 
+def _log_after_start(log: Log, record: dict[str, Any]) -> None:
+    # The start record is on disk already; a failure now must not turn into a traceback.
+    try:
+        log.write(record)
+    except OSError as exc:
+        syslog.syslog(syslog.LOG_ERR, f"cannot write the {record['event']} record to {log.path}: {exc}")
+        sys.stderr.write("dispatch: warning: the end of this request could not be logged on the host\n")
+
+
 def main(argv: list[str]) -> int:
     syslog.openlog("bastion-dispatch", syslog.LOG_PID, syslog.LOG_AUTH)
     started = time.monotonic()
@@ -357,20 +370,12 @@ def main(argv: list[str]) -> int:
     try:
         status, timed_out, truncated = run(argv_run, fds, config)
     except OSError as exc:
-        log.write({**base, "event": "failed", "action": action.name, "reason": f"{type(exc).__name__}: {exc}"})
+        failed = {"event": "failed", "action": action.name, "reason": f"{type(exc).__name__}: {exc}"}
+        _log_after_start(log, {**base, **failed})
         die(f"the action's program could not start ({type(exc).__name__})")
     duration_ms = round((time.monotonic() - started) * 1000, 3)
-    log.write(
-        {
-            **base,
-            "event": "end",
-            "action": action.name,
-            "exit_status": status,
-            "timed_out": timed_out,
-            "truncated": truncated,
-            "duration_ms": duration_ms,
-        }
-    )
+    end = {"event": "end", "action": action.name, "exit_status": status, "timed_out": timed_out}
+    _log_after_start(log, {**base, **end, "truncated": truncated, "duration_ms": duration_ms})
     if truncated:
         sys.stderr.write(f"dispatch: output truncated at {config.max_output_bytes} bytes per stream\n")
     if timed_out:

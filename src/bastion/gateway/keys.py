@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import importlib.resources
 import os
+import re
 from pathlib import Path
 
 import asyncssh
 
 from bastion.config import GatewayConfig
-from bastion.safety.errors import Conflict, NotFound
+from bastion.safety.errors import ConfigError, Conflict, NotFound
+
+_ONE_LINE = re.compile(r"[ -~]+")
 
 
 def dispatch_source() -> str:
@@ -62,4 +65,8 @@ def authorized_keys_line(gateway: GatewayConfig) -> str:
     """
     command = f"{gateway.remote_python} -I {gateway.dispatch_path} --config {gateway.dispatch_config}"
     addresses = ",".join(gateway.from_addresses)
-    return f'restrict,from="{addresses}",command="{command}" {public_key(gateway)}'
+    line = f'restrict,from="{addresses}",command="{command}" {public_key(gateway)}'
+    # Config validation already allows no quote or line break here; a second line would be a second key entry.
+    if not _ONE_LINE.fullmatch(line) or line.count('"') != 4:
+        raise ConfigError(f"gateway {gateway.name!r}: the authorized_keys line would not be one well-formed line")
+    return line

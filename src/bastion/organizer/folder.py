@@ -53,6 +53,17 @@ def split(rel: str) -> tuple[str, str]:
     return parent or ".", name
 
 
+def _plain(name: str) -> str:
+    """`name` when it is one plain path component; ``..`` would climb out of the folder even with O_NOFOLLOW.
+
+    Callers pass paths from `Folder.relative`, which never have such components; this refuses
+    the rest (e.g. a path read back from a damaged journal) at the calls that touch the disk.
+    """
+    if name in ("", ".", "..") or "/" in name or "\0" in name:
+        raise PathEscape("a path with an empty, '.' or '..' component is refused: pass a plain path inside the folder")
+    return name
+
+
 def _rename_error(code: int, src: str, dst: str) -> BastionError:
     detail = f"renameat2 {src} -> {dst}: {errno.errorcode.get(code, str(code))}"
     if code in (errno.EEXIST, errno.ENOTEMPTY):
@@ -122,10 +133,10 @@ class Folder:
             BastionError: NotFound (missing, without create), PathEscape (a symbolic link),
                 InvalidRequest (not a folder), OperationFailed.
         """
-        current = os.dup(self._fd)
         if rel == ".":
-            return current
-        parts = rel.split("/")
+            return os.dup(self._fd)
+        parts = [_plain(part) for part in rel.split("/")]
+        current = os.dup(self._fd)
         try:
             for index, part in enumerate(parts):
                 prefix = "/".join(parts[: index + 1])
@@ -171,7 +182,7 @@ class Folder:
     def lstat_at(self, dir_fd: int, name: str) -> os.stat_result | None:
         """lstat of `name` in an open folder; None when it does not exist."""
         try:
-            return os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            return os.stat(_plain(name), dir_fd=dir_fd, follow_symlinks=False)
         except FileNotFoundError:
             return None
 
@@ -223,7 +234,8 @@ class Folder:
         Raises:
             BastionError: Conflict (the destination exists), NotFound, InvalidRequest, OperationFailed.
         """
-        result = self._rename(src_fd, os.fsencode(src_name), dst_fd, os.fsencode(dst_name), RENAME_NOREPLACE)
+        old, new = os.fsencode(_plain(src_name)), os.fsencode(_plain(dst_name))
+        result = self._rename(src_fd, old, dst_fd, new, RENAME_NOREPLACE)
         if result < 0:
             raise _rename_error(-result, src, dst)
 
@@ -235,7 +247,7 @@ class Folder:
         except NotFound:
             return False
         try:
-            os.rmdir(name, dir_fd=fd)
+            os.rmdir(_plain(name), dir_fd=fd)
         except OSError:
             return False
         finally:

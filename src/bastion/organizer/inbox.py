@@ -9,6 +9,7 @@ action and nothing moves.
 
 from __future__ import annotations
 
+import re
 import stat
 import threading
 from collections import OrderedDict
@@ -33,8 +34,13 @@ from bastion.safety.errors import (
 )
 from bastion.safety.results import ResultCode
 
+# Plans live in memory only: the newest MAX_PLANS per inbox, and none survives a restart (a
+# plan is a snapshot of inodes, sizes and mtimes, so planning again is what a restart calls for).
 MAX_PLANS: Final = 16
+# Plan ids spent (applied or refused) that are still told apart from unknown ones.
+MAX_SPENT_PLANS: Final = 256
 MAX_LIST_ENTRIES: Final = 10_000
+_PLAN_ID: Final = re.compile(r"plan-[0-9a-f]{16}")
 _ERRORS: Final[dict[ResultCode, type[BastionError]]] = {
     ResultCode.POLICY_DENIED: PolicyDenied,
     ResultCode.INVALID_REQUEST: InvalidRequest,
@@ -64,6 +70,7 @@ class Organizer:
         self._mover = Mover(self.folder, self.journal)
         self._lock = threading.Lock()
         self._plans: OrderedDict[str, Plan] = OrderedDict()
+        self._spent: OrderedDict[str, None] = OrderedDict()
         self.history = History()
         self._next_txn = 1
         self._broken: str | None = None
@@ -145,9 +152,7 @@ class Organizer:
 
     def apply(self, plan_id: str) -> dict[str, Any]:
         with self._lock:
-            plan = self._plans.pop(plan_id, None)
-            if plan is None:
-                raise NotFound(f"no plan {plan_id!r}: plans are single use; make one with plan_organize")
+            plan = self._take_plan(plan_id)
             if not plan.moves:
                 return {"inbox": self.id, "plan_id": plan_id, "action_id": None, "moved": 0, "moves": []}
             changed: list[str] = []
@@ -184,12 +189,8 @@ class Organizer:
             hit = self.rules.check(split(rel_src)[1], info.st_mode, protection_only=True)
             if hit is not None:
                 raise _refuse(hit, f"'{rel_src}'")
-            # Protection rules by name bind every component, e.g. no move into or out of .git/hooks.
-            for path in (rel_src, rel_dst):
-                for part in path.split("/"):
-                    hit = self.rules.check_name(part)
-                    if hit is not None:
-                        raise _refuse(hit, f"'{part}' in '{path}'")
+            self._check_names(rel_src)
+            self._check_names(rel_dst)
             with Dirs(self.folder) as dirs:
                 mkdirs = self._check_destinations(dirs, [rel_dst])
             moves = (Move(rel_src, rel_dst, info.st_dev, info.st_ino),)
@@ -233,10 +234,53 @@ class Organizer:
 
     # -- helpers -----------------------------------------------------------------
 
+    def _take_plan(self, plan_id: str) -> Plan:
+        """Remove and return a plan (single use, even when apply then refuses it), or say why there is none."""
+        if _PLAN_ID.fullmatch(plan_id) is None:
+            raise InvalidRequest("plan_id is not a plan id (plan-<16 hex digits>): pass one from plan_organize")
+        plan = self._plans.pop(plan_id, None)
+        if plan is not None:
+            self._spent[plan_id] = None
+            while len(self._spent) > MAX_SPENT_PLANS:
+                self._spent.popitem(last=False)
+            return plan
+        applied = next((a for a in reversed(self.history.done + self.history.undone) if a.plan_id == plan_id), None)
+        if plan_id in self._spent or applied is not None:
+            used = f" as {_action_id(applied)}" if applied is not None else ""
+            raise NotFound(f"plan {plan_id} was already used{used}: plans are single use; plan again")
+        raise NotFound(
+            f"plan {plan_id} expired or the server restarted (plans live in memory only, the newest {MAX_PLANS} "
+            "per inbox): plan again with plan_organize"
+        )
+
+    def _check_names(self, path: str) -> None:
+        """Protection rules by name bind every component, e.g. no move into or out of .git/hooks."""
+        for part in path.split("/"):
+            hit = self.rules.check_name(part)
+            if hit is not None:
+                raise _refuse(hit, f"'{display_name(part)}' in '{display_name(path)}'")
+
+    def _check_recorded(self, move: Move) -> None:
+        """The protection rules undo and redo enforce on a move from the history, as move_file does.
+
+        The history is the journal in the state folder, outside every inbox, but it is replayed
+        with the rules in force now: a path must still be a plain path inside the inbox, and a
+        name the current config protects is not moved back or forth.
+        """
+        for path in (move.src, move.dst):
+            if path == "." or self.folder.relative(path) != path:
+                raise PathEscape(
+                    f"the history names '{display_name(path)}', which is not a plain path inside the inbox: "
+                    "nothing was moved"
+                )
+            self._check_names(path)
+
     def _check_moves(self, moves: tuple[Move, ...], verb: str) -> tuple[str, ...]:
-        """Every source is still the same inode; every destination is free. Returns folders to create."""
+        """Every move passes the protection rules; every source is still the same inode; every
+        destination is free. Returns the folders to create."""
         with Dirs(self.folder) as dirs:
             for move in moves:
+                self._check_recorded(move)
                 parent, name = split(move.src)
                 try:
                     info = self.folder.lstat_at(dirs.get(parent), name)
@@ -247,6 +291,9 @@ class Organizer:
                         f"'{move.src}' was moved, renamed or replaced since: nothing was {verb}; "
                         "move it back by hand with move_file first"
                     )
+                hit = self.rules.check(name, info.st_mode, protection_only=True)
+                if hit is not None:
+                    raise _refuse(hit, f"'{display_name(move.src)}'")
             return self._check_destinations(dirs, [m.dst for m in moves])
 
     def _check_destinations(self, dirs: Dirs, destinations: list[str]) -> tuple[str, ...]:

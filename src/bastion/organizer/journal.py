@@ -78,7 +78,7 @@ class Action:
             id=int(data["id"]),
             kind=data["kind"],
             moves=tuple(_move(m) for m in data["moves"]),
-            created=tuple(data["created"]),
+            created=tuple(_path(p) for p in data["created"]),
             plan_id=data.get("plan_id"),
         )
 
@@ -114,15 +114,22 @@ class Txn:
             kind=data["kind"],
             action=int(data["action"]),
             moves=tuple(_move(m) for m in data["moves"]),
-            mkdirs=tuple(data["mkdirs"]),
-            rmdirs=tuple(data["rmdirs"]),
+            mkdirs=tuple(_path(p) for p in data["mkdirs"]),
+            rmdirs=tuple(_path(p) for p in data["rmdirs"]),
             plan_id=data.get("plan_id"),
         )
 
 
 def _move(raw: list[Any]) -> Move:
     src, dst, dev, ino = raw
-    return Move(str(src), str(dst), int(dev), int(ino))
+    return Move(_path(src), _path(dst), int(dev), int(ino))
+
+
+def _path(raw: object) -> str:
+    """A folder-relative path as the organizer writes them: plain components, no ``..``, not absolute."""
+    if not isinstance(raw, str) or any(part in ("", ".", "..") or "\0" in part for part in raw.split("/")):
+        raise ValueError(f"not a plain folder-relative path: {raw!r}")
+    return raw
 
 
 @dataclass
@@ -163,6 +170,14 @@ class History:
 def _line(record: dict[str, Any]) -> bytes:
     body = json.dumps(record, ensure_ascii=True, separators=(",", ":")).encode()
     return b"%08x %s\n" % (zlib.crc32(body), body)
+
+
+def _sync_dir(path: Path) -> None:
+    dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -207,7 +222,10 @@ class Journal:
             ConfigError: the journal is damaged before its last line, or another server holds it.
         """
         self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        new = not self.path.exists()
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        if new:
+            _sync_dir(self.path.parent)  # the journal's own name must survive a power cut too
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -287,11 +305,7 @@ class Journal:
         finally:
             os.close(fd)
         os.replace(temp, self.path)
-        dir_fd = os.open(self.path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        _sync_dir(self.path.parent)
         self.close()
         self.open()
 

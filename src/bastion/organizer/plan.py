@@ -125,9 +125,10 @@ def _assess_one(name: str, info: os.stat_result, rules: Rules, targets: _Targets
     if name in rules.categories and stat.S_ISDIR(info.st_mode):
         return Assessment(name, info, name, note="a category folder")
     hit = rules.check(name, info.st_mode, protection_only=False)
-    if hit is not None:
-        return Assessment(name, info, None, hit=hit)
     category = rules.category_of(name)
+    if hit is not None:
+        # Shown for a file a rule keeps (e.g. an unsafe name), so the entry says where it would go.
+        return Assessment(name, info, category if stat.S_ISREG(info.st_mode) else None, hit=hit)
     if category is None:
         return Assessment(name, info, None, note="no category for this file's extension")
     hit = targets.occupied(category, name)

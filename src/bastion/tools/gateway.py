@@ -171,6 +171,11 @@ class _ActionTool:
                     f"approval {approval_id} is for {approval.action} {approval.literal!r}, not this call: "
                     "call without approval_id to ask for a new one"
                 )
+            # The human approved this caller's request: another client holding the id cannot spend it.
+            if approval.requested_by != self.runner.identity():
+                raise InvalidRequest(
+                    f"approval {approval_id} was asked for by another client: call without approval_id to ask"
+                )
         if approval.state == "pending" and self.approvals.wait_s > 0:
             total = self.approvals.wait_s
 
