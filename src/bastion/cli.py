@@ -60,7 +60,7 @@ def _cmd_init(args: argparse.Namespace) -> int:
 
     path = init_demo(args.dir, python_env=args.python_env)
     print(f"wrote {path}")
-    print(f"serve it with: bastion serve --config {path} --stdio")
+    print(f"serve it with: bastion serve --config {path} --http  (or --stdio for a local client)")
     return 0
 
 

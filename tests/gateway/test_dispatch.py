@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import ast
+import glob
 import json
+import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +17,7 @@ from hypothesis import strategies as st
 
 from bastion.gateway import dispatch
 from bastion.gateway.keys import dispatch_source
+from tests.helpers import processes_with
 
 SOURCE = dispatch_source()
 
@@ -223,3 +227,154 @@ def test_unknown_placeholder_is_a_config_error(target: Path) -> None:
     done = run_dispatch(target, "status app")
     assert done.returncode == 126
     assert "config is not valid" in done.stderr
+
+
+def test_pattern_also_binds_project_and_path_arguments(target: Path) -> None:
+    config = json.loads((target / "dispatch.json").read_text())
+    config["projects"] = ["app", "app2"]
+    config["actions"]["status"]["args"][0]["pattern"] = "app"
+    config["actions"]["show"]["args"][0]["pattern"] = "app/[A-Z]+"
+    (target / "dispatch.json").write_text(json.dumps(config))
+    assert run_dispatch(target, "status app").returncode == 0
+    assert run_dispatch(target, "show app/VERSION").returncode == 0
+    for command in ("status app2", "show app/link"):
+        done = run_dispatch(target, command)
+        assert done.returncode == 126, command
+        assert "does not match its pattern" in done.stderr
+    assert [r["event"] for r in records(target)][-2:] == ["refused", "refused"]
+
+
+def test_missing_root_is_a_refusal_with_a_record(target: Path) -> None:
+    (target / "srv" / "app" / "VERSION").unlink()
+    os.rename(target / "srv", target / "srv-moved")
+    done = run_dispatch(target, "show app/VERSION")
+    assert done.returncode == 126
+    assert done.stderr.startswith("dispatch: refused: the gateway's root cannot be opened")
+    assert done.stderr.count("\n") == 1
+    assert [r["event"] for r in records(target)] == ["refused"]
+
+
+def test_unwritable_log_means_nothing_runs(target: Path) -> None:
+    config = json.loads((target / "dispatch.json").read_text())
+    config["log"] = "/dev/full"  # opens fine, every write fails (ENOSPC)
+    config["actions"]["touch"] = {"argv": ["/usr/bin/touch", str(target / "ran")]}
+    (target / "dispatch.json").write_text(json.dumps(config))
+    for command in ("touch", "unknown"):
+        done = run_dispatch(target, command)
+        assert done.returncode == 126, command
+        assert done.stderr.count("\n") == 1, done.stderr
+    assert not (target / "ran").exists()
+
+
+def test_client_going_away_does_not_escape_the_timeout(target: Path) -> None:
+    """The SSH client closes its end mid-output: the action runs on, drained, until the timeout kills it."""
+    marker = f"bastion-spew-{target.name}"
+    config = json.loads((target / "dispatch.json").read_text())
+    config["timeout_s"] = 2
+    config["max_output_bytes"] = 16 * 1024 * 1024  # below the cap, so dispatch still writes when the client goes
+    config["actions"]["spew"] = {"argv": ["/usr/bin/yes", marker]}
+    (target / "dispatch.json").write_text(json.dumps(config))
+    (target / "dispatch.py").write_text(SOURCE)
+    process = subprocess.Popen(
+        ["/usr/bin/python3", "-I", str(target / "dispatch.py"), "--config", str(target / "dispatch.json")],
+        env={"SSH_ORIGINAL_COMMAND": "spew"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
+    assert process.stdout is not None
+    assert process.stdout.read(1000).startswith(marker.encode())
+    process.stdout.close()  # the client is gone: dispatch's next write fails
+    assert process.wait(timeout=30) == 124
+    assert processes_with(marker) == []
+    end = records(target)[-1]
+    assert (end["event"], end["timed_out"], end["client_gone"], end["exit_status"]) == ("end", True, True, 137)
+
+
+def _python39() -> str | None:
+    """A real Python 3.9 interpreter, if this machine has one (pyenv, deadsnakes, or BASTION_TEST_PYTHON39)."""
+    candidates = [os.environ.get("BASTION_TEST_PYTHON39", ""), "/usr/bin/python3.9", "/usr/local/bin/python3.9"]
+    candidates += sorted(glob.glob(os.path.expanduser("~/.pyenv/versions/3.9*/bin/python3.9")))
+    for candidate in candidates:
+        if candidate and os.access(candidate, os.X_OK):
+            version = subprocess.run(
+                [candidate, "-I", "-c", "import sys; print(sys.version_info[:2] == (3, 9))"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+                check=False,
+            )
+            if version.stdout.strip() == "True":
+                return candidate
+    return None
+
+
+def test_runs_under_a_real_python39(target: Path) -> None:
+    """The floor the issue names, run for real: JSON config (no tomllib before 3.11), an action, a path, refusals."""
+    python = _python39()
+    if python is None:
+        pytest.skip("no Python 3.9 interpreter on this machine (set BASTION_TEST_PYTHON39)")
+    (target / "dispatch.py").write_text(SOURCE)
+
+    def run39(command: str, config: str = "dispatch.json") -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [python, "-I", str(target / "dispatch.py"), "--config", str(target / config)],
+            env={"PATH": "/usr/bin:/bin", "SSH_ORIGINAL_COMMAND": command},
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+
+    allowed = run39("status app")
+    assert (allowed.returncode, allowed.stdout) == (0, "status app\n")
+    assert run39("show app/VERSION").stdout == "v1\n"
+    for command in ("show app/link/key", "status app;id", "x" * 257):
+        refused = run39(command)
+        assert refused.returncode == 126, (command, refused.stderr)
+        assert refused.stderr.startswith("dispatch: refused: ")
+    # A TOML file needs tomllib (3.11+); on 3.9 it is read as JSON, so TOML text is refused as a bad config.
+    (target / "dispatch.toml").write_text('root = "/srv"\n')
+    bad = run39("status app", "dispatch.toml")
+    assert bad.returncode == 126
+    assert "config is not valid" in bad.stderr
+    events = [r["event"] for r in records(target)]
+    assert events.count("end") == 2
+    assert events.count("refused") == 3
+
+
+@pytest.mark.root
+def test_every_request_is_also_a_syslog_line(target: Path) -> None:
+    """dispatch.py's syslog(3) lines, caught on a private /dev/log (a mount namespace; needs root)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: /dev/log is replaced in a private mount namespace")
+    sock_path = target / "log.sock"
+    (target / "realdev").mkdir()
+    (target / "dispatch.py").write_text(SOURCE)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as listener:
+        listener.bind(str(sock_path))
+        listener.settimeout(10)
+        # A tmpfs over /dev in the child's own namespace, with /dev/null back and /dev/log our socket.
+        script = (
+            "set -e\n"
+            f"mount --bind /dev {target / 'realdev'}\n"
+            "mount -t tmpfs -o mode=0755 none /dev\n"
+            "touch /dev/null /dev/log\n"
+            f"mount --bind {target / 'realdev' / 'null'} /dev/null\n"
+            f"mount --bind {sock_path} /dev/log\n"
+            f"exec /usr/bin/python3 -I {target / 'dispatch.py'} --config {target / 'dispatch.json'}\n"
+        )
+        for command in ("status app", "rm -rf /"):
+            done = subprocess.run(
+                ["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+                env={"PATH": "/usr/bin:/bin", "SSH_ORIGINAL_COMMAND": command},
+                capture_output=True,
+                text=True,
+                timeout=30,
+                check=False,
+            )
+            assert done.returncode == (0 if command == "status app" else 126), done.stderr
+        lines = [listener.recv(65536).decode() for _ in records(target)]
+    # <37>: facility auth (4 * 8) + notice (5); one line per JSONL record, the same JSON.
+    assert all(line.startswith("<37>") and "bastion-dispatch[" in line for line in lines), lines
+    assert [json.loads(line.split(": ", 1)[1]) for line in lines] == records(target)
+    assert [r["event"] for r in records(target)] == ["start", "end", "refused"]

@@ -6,8 +6,9 @@ the host's actions; `biscuit_deploy` sends nothing until a human approves the ex
 literal (through the CLI, another process), runs once when approved, and never reaches
 the host when denied, expired or replayed (the host's dispatch log and the action's own
 log show nothing); bad arguments are refused before anything is sent; a changed host key
-is refused with FORBIDDEN. What it does not prove: behaviour over HTTP with OAuth scopes
-(the scope of each tool is checked here only as registered).
+is refused with FORBIDDEN, also when the host now offers only a key of another type; an
+approval cannot be spent by a client other than the one that asked. What it does not prove:
+behaviour over HTTP with OAuth scopes (test_http_scopes.py does).
 """
 
 from __future__ import annotations
@@ -35,10 +36,10 @@ pytestmark = pytest.mark.anyio
 
 
 @asynccontextmanager
-async def connect(config_path: Path) -> AsyncIterator[Client]:
+async def connect(config_path: Path, caller: str = "gateway-test") -> AsyncIterator[Client]:
     services = build_services(load_config(config_path))
     try:
-        async with Client(build_server(services, caller="gateway-test")) as client:
+        async with Client(build_server(services, caller=caller)) as client:
             yield client
     finally:
         services.close()
@@ -239,6 +240,50 @@ async def test_changed_host_key_is_forbidden(lab: GatewayLab, tmp_path: Path) ->
     assert result["code"] == "FORBIDDEN", result
     assert "host key" in result["reason"]
     assert len(lab.dispatch_records()) == before
+
+
+def _host_key(folder: Path, kind: str) -> Path:
+    key = folder / f"host_{kind}"
+    subprocess.run(["ssh-keygen", "-q", "-t", kind, "-N", "", "-f", str(key)], check=True, timeout=30)
+    return key
+
+
+async def test_host_key_of_another_type_is_forbidden(lab: GatewayLab, tmp_path: Path) -> None:
+    """The host now offers only an ECDSA key (pinned: ed25519): a changed key, not an unreachable host."""
+    before = lab.settled_count()
+    with lab.second_sshd("ecdsa-only", "", host_keys=(_host_key(tmp_path, "ecdsa"),)) as port:
+        config = variant(lab, "bastion-ecdsa-only.toml", f"port = {lab.port}", f"port = {port}")
+        async with connect(config) as client:
+            result = await call(client, "biscuit_status", project="biscuit")
+    assert result["code"] == "FORBIDDEN", result
+    assert "host key" in result["reason"]
+    assert lab.dispatch_records()[before:] == []
+
+
+async def test_host_with_more_key_types_uses_the_pinned_one(lab: GatewayLab, tmp_path: Path) -> None:
+    keys = (_host_key(tmp_path, "ecdsa"), _host_key(tmp_path, "rsa"), lab.root / "host_ed25519")
+    with lab.second_sshd("many-keys", "", host_keys=keys) as port:
+        config = variant(lab, "bastion-many-keys.toml", f"port = {lab.port}", f"port = {port}")
+        async with connect(config) as client:
+            result = await call(client, "biscuit_status", project="biscuit")
+    assert result["ok"], result
+
+
+async def test_approval_is_spent_only_by_the_client_that_asked(lab: GatewayLab) -> None:
+    literal = "deploy biscuit v7.0.0"
+    async with connect(lab.config_path, caller="asker") as client:
+        first = await call(client, "biscuit_deploy", project="biscuit", version="v7.0.0")
+    approval_id = first["detail"]["approval_id"]  # type: ignore[index]
+    approvals_cli(lab, lab.config_path, "approve", approval_id)
+    async with connect(lab.config_path, caller="someone-else") as other:
+        stolen = await call(other, "biscuit_deploy", project="biscuit", version="v7.0.0", approval_id=approval_id)
+    assert stolen["code"] == "INVALID_REQUEST", stolen
+    assert "another client" in str(stolen["reason"])
+    assert not host_saw(lab, literal)
+    async with connect(lab.config_path, caller="asker") as client:
+        done = await call(client, "biscuit_deploy", project="biscuit", version="v7.0.0", approval_id=approval_id)
+    assert done["ok"], done
+    assert host_saw(lab, literal)
 
 
 async def test_unpinned_host_key_is_forbidden(lab: GatewayLab) -> None:

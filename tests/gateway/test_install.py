@@ -62,6 +62,24 @@ def test_demo_has_biscuit_and_a_target_example(tmp_path: Path) -> None:
     assert set(target.actions) == set(approvals)
 
 
+def test_authorized_keys_line_is_always_one_line(tmp_path: Path) -> None:
+    """Even a GatewayConfig that skipped validation cannot make the printed entry two entries."""
+    from bastion.gateway.keys import authorized_keys_line, generate_key
+    from bastion.safety.errors import ConfigError
+
+    biscuit = load_config(init_demo(tmp_path / "demo")).gateway_by_name("biscuit")
+    assert biscuit is not None
+    generate_key(biscuit)
+    assert LINE.match(authorized_keys_line(biscuit))
+    for update in (
+        {"from_addresses": ("127.0.0.1\n",)},
+        {"dispatch_config": '/etc/x.toml" ssh-ed25519 AAAA'},
+        {"remote_python": "/usr/bin/python3\nssh-ed25519"},
+    ):
+        with pytest.raises(ConfigError, match="one well-formed line"):
+            authorized_keys_line(biscuit.model_copy(update=update))
+
+
 def _with_gateway(tmp_path: Path, old: str, new: str) -> Path:
     path = init_demo(tmp_path / "demo")
     text = path.read_text()
@@ -78,6 +96,14 @@ def _with_gateway(tmp_path: Path, old: str, new: str) -> Path:
         ('name = "status"', 'name = "actions"', "actions"),
         ('from_addresses = ["127.0.0.1"]', 'from_addresses = ["1.2.3.4\\",command=\\"sh"]', "from address"),
         ('dispatch_path = "/opt/bastion-gateway/dispatch.py"', 'dispatch_path = "/opt/x y.py"', "absolute path"),
+        # A trailing line break would split the authorized_keys line in two.
+        ('from_addresses = ["127.0.0.1"]', 'from_addresses = ["127.0.0.1\\n"]', "from address"),
+        ('remote_python = "/usr/bin/python3"', 'remote_python = "/usr/bin/python3\\n"', "absolute path"),
+        (
+            'dispatch_config = "/etc/bastion-gateway/dispatch.toml"',
+            'dispatch_config = "/etc/bastion-gateway/dispatch.toml\\n"',
+            "absolute path",
+        ),
         ('name = "logs"', 'name = "status"', "action twice"),
         ("# webhook_url", 'webhook_url = "file:///etc/passwd"\n#', "webhook_url"),
     ],

@@ -192,7 +192,8 @@ class GatewayClient:
         except TimeoutError:
             process.close()
             raise Timeout(
-                f"gateway {self.config.name!r} gave no result within {self.config.call_timeout_s:g} s"
+                f"gateway {self.config.name!r} gave no result within {self.config.call_timeout_s:g} s; "
+                "the action may still be running there, up to the host's own time limit"
             ) from None
         status = process.exit_status
         if status is None:

@@ -16,7 +16,9 @@ What it does, in rrsync's shape (rsync support/rrsync):
   file descriptors (``O_NOFOLLOW``), so ``..``, symlinks and sibling prefixes cannot
   escape, and hands the program the opened descriptor as ``/dev/fd/N``;
 - runs the action's fixed program with an argv (never a shell), a clean environment,
-  no stdin, a timeout (the whole process group is killed) and an output cap;
+  no stdin, a timeout (the whole process group is killed) and an output cap; if the
+  client goes away mid-run, the action is not cut off halfway: it runs on, drained,
+  under the same timeout, and its end is recorded (``client_gone``);
 - writes one JSONL record per request, allowed or refused, to ``log`` (opened with
   ``O_NOFOLLOW``, fsync'd; if it cannot be written nothing runs) and a syslog line;
 - exits 126 with one line ``dispatch: refused: REASON`` on any refusal, 124 on timeout,
@@ -257,8 +259,18 @@ class Log:
         syslog.syslog(syslog.LOG_NOTICE, line.strip()[:900])
 
 
-def run(argv: list[str], fds: list[int], config: Config) -> tuple[int, bool, bool]:
-    """Run argv; stream stdout and stderr up to the cap. Returns (exit status, timed out, truncated)."""
+class Outcome:
+    """How a run ended: the exit status, and whether it timed out, was cut, or lost its client."""
+
+    def __init__(self) -> None:
+        self.status = 0
+        self.timed_out = False
+        self.truncated = False
+        self.client_gone = False
+
+
+def run(argv: list[str], fds: list[int], config: Config) -> Outcome:
+    """Run argv; stream stdout and stderr up to the cap, within the timeout."""
     process = subprocess.Popen(
         argv,
         stdin=subprocess.DEVNULL,
@@ -272,20 +284,38 @@ def run(argv: list[str], fds: list[int], config: Config) -> tuple[int, bool, boo
     )
     for fd in fds:
         os.close(fd)
+    outcome = Outcome()
+    deadline = time.monotonic() + config.timeout_s
+    try:
+        _pump(process, config, deadline, outcome)
+        if outcome.timed_out:
+            _kill_group(process.pid)
+        try:
+            status = process.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _kill_group(process.pid)
+            status = process.wait()
+            outcome.timed_out = True
+        outcome.status = 128 - status if status < 0 else status
+    finally:
+        # Anything the action left running in its session goes with it, whatever happened above.
+        _kill_group(process.pid)
+    return outcome
+
+
+def _pump(process: subprocess.Popen[bytes], config: Config, deadline: float, outcome: Outcome) -> None:
     assert process.stdout is not None
     assert process.stderr is not None
-    sinks = {process.stdout.fileno(): sys.stdout.buffer, process.stderr.fileno(): sys.stderr.buffer}
+    sinks = {process.stdout.fileno(): 1, process.stderr.fileno(): 2}
     sent = dict.fromkeys(sinks, 0)
-    truncated = timed_out = False
-    deadline = time.monotonic() + config.timeout_s
     with selectors.DefaultSelector() as selector:
         for fd in sinks:
             selector.register(fd, selectors.EVENT_READ)
         while selector.get_map():
             left = deadline - time.monotonic()
             if left <= 0:
-                timed_out = True
-                break
+                outcome.timed_out = True
+                return
             for key, _ in selector.select(left):
                 chunk = os.read(key.fd, CHUNK)
                 if not chunk:
@@ -293,30 +323,36 @@ def run(argv: list[str], fds: list[int], config: Config) -> tuple[int, bool, boo
                     continue
                 room = config.max_output_bytes - sent[key.fd]
                 if len(chunk) > room:
-                    truncated = True
+                    outcome.truncated = True
                     chunk = chunk[: max(room, 0)]
-                if chunk:
-                    sinks[key.fd].write(chunk)
-                    sinks[key.fd].flush()
-                    sent[key.fd] += len(chunk)
-    if timed_out:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
+                sent[key.fd] += len(chunk)
+                if chunk and not outcome.client_gone:
+                    # A client that went away does not stop the action halfway: it runs on, drained,
+                    # under the same timeout, and its end is recorded.
+                    outcome.client_gone = not _write_all(sinks[key.fd], chunk)
+
+
+def _write_all(fd: int, data: bytes) -> bool:
     try:
-        status = process.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        status = process.wait()
-        timed_out = True
-    # Anything the action left running in its session goes with it.
+        while data:
+            data = data[os.write(fd, data) :]
+    except OSError:
+        return False
+    return True
+
+
+def _kill_group(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(process.pid, signal.SIGKILL)
-    return (128 - status if status < 0 else status), timed_out, truncated
+        os.killpg(pid, signal.SIGKILL)
+
+
+def _say(line: str) -> None:
+    """One line to the client on stderr; a client that is gone is not an error."""
+    _write_all(2, (line + "\n").encode("ascii", "replace"))
 
 
 def die(reason: str) -> NoReturn:
-    sys.stderr.write(f"dispatch: refused: {reason}\n")
-    sys.stderr.flush()
+    _say(f"dispatch: refused: {reason}")
     sys.exit(EXIT_REFUSED)
 
 
@@ -332,7 +368,7 @@ def _log_after_start(log: Log, record: dict[str, Any]) -> None:
         log.write(record)
     except OSError as exc:
         syslog.syslog(syslog.LOG_ERR, f"cannot write the {record['event']} record to {log.path}: {exc}")
-        sys.stderr.write("dispatch: warning: the end of this request could not be logged on the host\n")
+        _say("dispatch: warning: the end of this request could not be logged on the host")
 
 
 def main(argv: list[str]) -> int:
@@ -368,20 +404,20 @@ def main(argv: list[str]) -> int:
     except OSError:
         die("the gateway's log cannot be written, so nothing runs: fix it on the host")
     try:
-        status, timed_out, truncated = run(argv_run, fds, config)
+        outcome = run(argv_run, fds, config)
     except OSError as exc:
         failed = {"event": "failed", "action": action.name, "reason": f"{type(exc).__name__}: {exc}"}
         _log_after_start(log, {**base, **failed})
         die(f"the action's program could not start ({type(exc).__name__})")
-    duration_ms = round((time.monotonic() - started) * 1000, 3)
-    end = {"event": "end", "action": action.name, "exit_status": status, "timed_out": timed_out}
-    _log_after_start(log, {**base, **end, "truncated": truncated, "duration_ms": duration_ms})
-    if truncated:
-        sys.stderr.write(f"dispatch: output truncated at {config.max_output_bytes} bytes per stream\n")
-    if timed_out:
-        sys.stderr.write(f"dispatch: timeout: the action ran past {config.timeout_s:g} s and was killed\n")
+    end = {"event": "end", "action": action.name, "exit_status": outcome.status, "timed_out": outcome.timed_out}
+    end.update(truncated=outcome.truncated, client_gone=outcome.client_gone)
+    _log_after_start(log, {**base, **end, "duration_ms": round((time.monotonic() - started) * 1000, 3)})
+    if outcome.truncated:
+        _say(f"dispatch: output truncated at {config.max_output_bytes} bytes per stream")
+    if outcome.timed_out:
+        _say(f"dispatch: timeout: the action ran past {config.timeout_s:g} s and was killed")
         return EXIT_TIMEOUT
-    return status
+    return outcome.status
 
 
 if __name__ == "__main__":

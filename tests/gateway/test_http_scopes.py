@@ -1,0 +1,182 @@
+"""The gateway's scopes over real HTTP: a live `bastion serve --http` whose `biscuit` is the sshd lab.
+
+What this proves: with tokens from the real OAuth flow (login, consent with some scopes
+unticked), a `gateway:read` token sees and runs `biscuit_status` (it reaches the host)
+but neither sees `biscuit_deploy` nor may call it (HTTP 403 `insufficient_scope` naming
+`gateway:deploy`, no approval queued, nothing sent); a `gateway:deploy` token may ask for
+a deploy but not read status; with both, an approved deploy runs once on the host. What it
+does not prove: the scope check inside the MCP server without the HTTP edge
+(tests/http/test_scopes.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx2
+import pytest
+from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
+
+from bastion.config import load_config
+from bastion.http.password import write_hash
+from bastion.safety.approvals import ApprovalQueue
+from tests.helpers import MCP_HEADERS, call
+from tests.http.live import BASTION, PASSWORD, START_TIMEOUT_S, LiveServer, free_port, get_tokens, write_config
+
+from .lab import USER, GatewayLab
+
+pytestmark = pytest.mark.anyio
+
+READ_TOOLS = {"biscuit_actions", "biscuit_status", "biscuit_logs"}
+DEPLOY_TOOLS = {"biscuit_deploy", "biscuit_restart", "biscuit_rollback"}
+
+
+def _point_demo_at_lab(config: Path, lab: GatewayLab) -> None:
+    """The demo's `biscuit` gateway, aimed at the lab's sshd, key and dispatch.py."""
+    target = lab.root / "target"
+    text = config.read_text()
+    for old, new in (
+        ("port = 22\n", f"port = {lab.port}\n"),
+        ('user = "bastion-gw"', f'user = "{USER}"'),
+        ('key_path = "state/gateway/biscuit_ed25519"', f'key_path = "{lab.key_path}"'),
+        ('# host_key = "ssh-ed25519 AAAA..."', f'host_key = "{lab.host_key_line}"'),
+        ('dispatch_path = "/opt/bastion-gateway/dispatch.py"', f'dispatch_path = "{target / "dispatch.py"}"'),
+        (
+            'dispatch_config = "/etc/bastion-gateway/dispatch.toml"',
+            f'dispatch_config = "{target / "dispatch.toml"}"',
+        ),
+        ("wait_s = 60", "wait_s = 0"),
+    ):
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    config.write_text(text)
+
+
+@contextlib.contextmanager
+def gateway_server(root: Path, lab: GatewayLab) -> Iterator[LiveServer]:
+    port = free_port()
+    config = write_config(root, port, http_extra="registrations_per_ip_per_hour = 10000")
+    _point_demo_at_lab(config, lab)
+    write_hash(root / "state" / "admin-password.argon2", PASSWORD)
+    log_path = root / "server.log"
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            [str(BASTION), "serve", "--config", str(config), "--http"],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    server = LiveServer(root, port, config, process, log_path)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            assert process.poll() is None, server.log()
+            try:
+                with server.http() as probe:
+                    probe.get("/.well-known/oauth-protected-resource")
+                break
+            except httpx2.TransportError:
+                assert time.monotonic() < deadline, server.log()
+                time.sleep(0.05)
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def server(lab: GatewayLab, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    with gateway_server(tmp_path_factory.mktemp("gateway-http") / "demo", lab) as live:
+        yield live
+
+
+def token(server: LiveServer, scopes: list[str]) -> str:
+    client_id = server.register(client_name="gateway scopes")["client_id"]
+    tokens = get_tokens(server, client_id, scopes=scopes)
+    assert set(tokens["scope"].split()) == set(scopes)
+    return str(tokens["access_token"])
+
+
+@contextlib.asynccontextmanager
+async def mcp(server: LiveServer, access_token: str) -> AsyncIterator[Client]:
+    headers = {"Authorization": f"Bearer {access_token}"}
+    async with (
+        httpx2.AsyncClient(headers=headers, timeout=60) as http,
+        Client(streamable_http_client(server.mcp_url, http_client=http)) as client,
+    ):
+        yield client
+
+
+def raw_call(server: LiveServer, access_token: str, tool: str, arguments: dict[str, Any]) -> httpx2.Response:
+    body = {"jsonrpc": "2.0", "id": 9, "method": "tools/call", "params": {"name": tool, "arguments": arguments}}
+    headers = {**MCP_HEADERS, "Authorization": f"Bearer {access_token}", "Mcp-Protocol-Version": "2026-07-28"}
+    with server.http() as raw:
+        return raw.post("/mcp", json=body, headers=headers)
+
+
+def assert_insufficient(response: httpx2.Response, scope: str) -> None:
+    assert response.status_code == 403, response.text
+    challenge = response.headers["www-authenticate"]
+    assert 'error="insufficient_scope"' in challenge
+    assert f'scope="{scope}"' in challenge
+
+
+def host_saw(lab: GatewayLab, literal: str) -> bool:
+    return any(record.get("request") == literal for record in lab.dispatch_records())
+
+
+def queued(server: LiveServer, literal: str) -> list[str]:
+    queue = ApprovalQueue(load_config(server.config_path).db_path)
+    return [a.id for a in queue.recent() if a.literal == literal]
+
+
+async def test_read_scope_runs_status_but_never_deploy(server: LiveServer, lab: GatewayLab) -> None:
+    access = token(server, ["gateway:read"])
+    async with mcp(server, access) as client:
+        names = {tool.name for tool in (await client.list_tools()).tools}
+        assert names == READ_TOOLS, names
+        status = await call(client, "biscuit_status", project="biscuit")
+    assert status["ok"], status
+    assert status["detail"]["stdout"] == "biscuit: running\n"  # type: ignore[index]
+    literal = "deploy biscuit v8.0.0"
+    assert_insufficient(
+        raw_call(server, access, "biscuit_deploy", {"project": "biscuit", "version": "v8.0.0"}), "gateway:deploy"
+    )
+    assert queued(server, literal) == []
+    assert not host_saw(lab, literal)
+
+
+async def test_deploy_scope_asks_for_approval_but_cannot_read(server: LiveServer, lab: GatewayLab) -> None:
+    access = token(server, ["gateway:deploy"])
+    async with mcp(server, access) as client:
+        names = {tool.name for tool in (await client.list_tools()).tools}
+        assert names == DEPLOY_TOOLS, names
+        asked = await call(client, "biscuit_deploy", project="biscuit", version="v8.1.0")
+    assert asked["code"] == "NEEDS_APPROVAL", asked
+    assert not host_saw(lab, "deploy biscuit v8.1.0")
+    before = lab.settled_count()
+    assert_insufficient(raw_call(server, access, "biscuit_status", {"project": "biscuit"}), "gateway:read")
+    assert lab.settled_count() == before
+
+
+async def test_both_scopes_run_an_approved_deploy_once(server: LiveServer, lab: GatewayLab) -> None:
+    literal = "deploy biscuit v8.2.0"
+    access = token(server, ["gateway:read", "gateway:deploy"])
+    async with mcp(server, access) as client:
+        names = {tool.name for tool in (await client.list_tools()).tools}
+        assert names == READ_TOOLS | DEPLOY_TOOLS, names
+        asked = await call(client, "biscuit_deploy", project="biscuit", version="v8.2.0")
+        approval_id = asked["detail"]["approval_id"]  # type: ignore[index]
+        assert not host_saw(lab, literal)
+        ApprovalQueue(load_config(server.config_path).db_path).approve(approval_id, "admin")
+        done = await call(client, "biscuit_deploy", project="biscuit", version="v8.2.0", approval_id=approval_id)
+    assert done["ok"], done
+    assert done["detail"]["stdout"] == "deployed biscuit v8.2.0\n"  # type: ignore[index]
+    assert sum(run["argv"] == ["deploy", "biscuit", "v8.2.0"] for run in lab.action_runs()) == 1
