@@ -21,17 +21,8 @@ from pathlib import Path
 import pytest
 
 from bastion.safety.errors import Conflict, InvalidRequest, NotFound, Unavailable
-from bastion.sandbox.cgroups import (
-    CgroupLayout,
-    Limits,
-    SandboxCgroup,
-    Usage,
-    _Hierarchy,
-    _own_dir,
-    _parse_mountinfo,
-    _parse_self_cgroup,
-    _Roles,
-)
+from bastion.sandbox._hierarchies import _Hierarchy, _own_dir, _parse_mountinfo, _parse_self_cgroup, _Roles
+from bastion.sandbox.cgroups import CgroupLayout, Limits, SandboxCgroup, Usage
 
 pytestmark = pytest.mark.root
 

@@ -33,7 +33,7 @@ from bastion.safety.errors import (
     PolicyDenied,
     ResourceLimit,
 )
-from bastion.sandbox import snapshot
+from bastion.sandbox import _archive, _extract
 from bastion.sandbox.snapshot import (
     SnapshotInfo,
     create_snapshot,
@@ -367,7 +367,7 @@ def test_snapshot_over_byte_limit_is_refused_and_leaves_nothing(
 ) -> None:
     workspace, archive, _ = dirs
     (workspace / "big").write_bytes(b"x" * 2000)
-    monkeypatch.setattr(snapshot, "MAX_SNAPSHOT_BYTES", 1000)
+    monkeypatch.setattr(_archive, "MAX_SNAPSHOT_BYTES", 1000)
     with pytest.raises(ResourceLimit):
         take(workspace, archive)
     assert list(archive.iterdir()) == []
@@ -377,7 +377,7 @@ def test_snapshot_over_entry_limit_is_refused(dirs: tuple[Path, Path, Path], mon
     workspace, archive, _ = dirs
     for index in range(5):
         (workspace / f"f{index}").write_bytes(b"")
-    monkeypatch.setattr(snapshot, "MAX_ENTRIES", 3)
+    monkeypatch.setattr(_archive, "MAX_ENTRIES", 3)
     with pytest.raises(ResourceLimit):
         take(workspace, archive)
     assert list(archive.iterdir()) == []
@@ -503,7 +503,7 @@ def test_restore_refuses_member_over_byte_limit(tmp_path: Path, monkeypatch: pyt
     target = tmp_path / "restored"
     target.mkdir()
     snapshot_id = plant(tmp_path / "snapshots", [entry("big", data=b"x" * 5000)], {"big": b"x" * 5000})
-    monkeypatch.setattr(snapshot, "MAX_SNAPSHOT_BYTES", 4096)
+    monkeypatch.setattr(_extract, "MAX_SNAPSHOT_BYTES", 4096)
     with pytest.raises(ResourceLimit):
         restore_snapshot(tmp_path / "snapshots", snapshot_id, target)
     assert list(target.iterdir()) == []
@@ -513,7 +513,7 @@ def test_restore_refuses_too_many_members(tmp_path: Path, monkeypatch: pytest.Mo
     target = tmp_path / "restored"
     target.mkdir()
     snapshot_id = plant(tmp_path / "snapshots", [entry(f"f{index}") for index in range(5)])
-    monkeypatch.setattr(snapshot, "MAX_ENTRIES", 3)
+    monkeypatch.setattr(_extract, "MAX_ENTRIES", 3)
     with pytest.raises(ResourceLimit):
         restore_snapshot(tmp_path / "snapshots", snapshot_id, target)
 
@@ -528,8 +528,8 @@ def test_restore_refuses_oversized_pax_header(tmp_path: Path, monkeypatch: pytes
     member = entry("a", data=b"a")
     member.pax_headers = {"comment": "x" * 3_000_000}
     snapshot_id = plant(tmp_path / "snapshots", [member], {"a": b"a"})
-    monkeypatch.setattr(snapshot, "MAX_SNAPSHOT_BYTES", 1000)
-    monkeypatch.setattr(snapshot, "MAX_ENTRIES", 10)
+    monkeypatch.setattr(_extract, "MAX_SNAPSHOT_BYTES", 1000)
+    monkeypatch.setattr(_extract, "MAX_ENTRIES", 10)
     with pytest.raises(ResourceLimit):
         restore_snapshot(tmp_path / "snapshots", snapshot_id, target)
     assert list(target.iterdir()) == []

@@ -1,8 +1,9 @@
 """The resource boundary of a sandbox: memory, pids, cpu, freeze and kill, through cgroups. DANGEROUS.
 
 This module writes the kernel's cgroup files directly (as root, or inside a
-delegated subtree). It does not spawn processes. Each sandbox gets one group
-named ``<parent>/<base_name>/<name>`` in every hierarchy that matters:
+delegated subtree), through `bastion.sandbox._cgroupfs`. It does not spawn
+processes. Each sandbox gets one group named ``<parent>/<base_name>/<name>`` in
+every hierarchy that matters:
 
 - pure cgroup v2 (one ``cgroup2`` mount, with memory, pids and cpu in its
   ``cgroup.controllers``): one group carries the limits, the freezer
@@ -14,11 +15,8 @@ named ``<parent>/<base_name>/<name>`` in every hierarchy that matters:
 - pure v1: as hybrid, freezing through the v1 ``freezer`` and killing by
   freeze, SIGKILL each pid, thaw.
 
-Where each controller lives is read from ``/proc/self/mountinfo``, never guessed.
-The parent is the server's own cgroup (``/proc/self/cgroup``) when it was
-delegated to us (systemd ``Delegate=yes``: owned by our unprivileged uid, or
-marked with the ``trusted.delegate``/``user.delegate`` xattr), else the hierarchy
-root when we are root.
+Where each controller lives, and which parent holds ``<base_name>``, is found by
+`bastion.sandbox._hierarchies` (from ``/proc/self``, never guessed).
 
 What this is and is not: a resource boundary (memory, task count, CPU
 throughput) and a reliable way to stop a whole process tree, setsid'd and
@@ -39,29 +37,39 @@ import errno
 import math
 import os
 import re
-import select
 import signal
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final, Literal, final
 
 from bastion.safety.errors import Conflict, InvalidRequest, NotFound, OperationFailed, Timeout, Unavailable
+
+# The ``X as X`` imports re-export public constants of the layers below, where they are read.
+from bastion.sandbox._cgroupfs import MAX_FILE_BYTES as MAX_FILE_BYTES
+from bastion.sandbox._cgroupfs import POLL_SLICE_S as POLL_SLICE_S
+from bastion.sandbox._cgroupfs import V1_POLL_INTERVAL_S as V1_POLL_INTERVAL_S
+from bastion.sandbox._cgroupfs import (
+    _keyed,
+    _poll_until,
+    _procs,
+    _read,
+    _read_or_empty,
+    _wait_events,
+    _write,
+    _write_raw,
+)
+from bastion.sandbox._hierarchies import DELEGATE_XATTRS as DELEGATE_XATTRS
+from bastion.sandbox._hierarchies import RESOURCE_CONTROLLERS as RESOURCE_CONTROLLERS
+from bastion.sandbox._hierarchies import V1_CONTROLLERS as V1_CONTROLLERS
+from bastion.sandbox._hierarchies import _discover, _Hierarchy, _parse_mountinfo, _parse_self_cgroup, _Roles
 
 CPU_PERIOD_US: Final = 100_000
 MIN_CPU_QUOTA_US: Final = 1_000  # the kernel refuses a cfs quota below 1 ms
 FREEZE_WAIT_S: Final = 1.0
 KILL_WAIT_S: Final = 2.0
 DESTROY_WAIT_S: Final = 2.0
-POLL_SLICE_S: Final = 0.05  # upper bound of one poll(2) on cgroup.events, in case a notification is missed
-V1_POLL_INTERVAL_S: Final = 0.002  # v1 files cannot be polled: re-read this often
-MAX_FILE_BYTES: Final = 1 << 20
-RESOURCE_CONTROLLERS: Final = ("memory", "pids", "cpu")
-V1_CONTROLLERS: Final = frozenset({"memory", "pids", "cpu", "cpuacct", "freezer"})
-DELEGATE_XATTRS: Final = ("trusted.delegate", "user.delegate")  # set by systemd >= 251 / 253 on Delegate=yes
-
 _NAME_RE: Final = re.compile(r"[a-z0-9-]{1,64}")
-_OCTAL_ESCAPE_RE: Final = re.compile(r"\\([0-7]{3})")
 
 Mode = Literal["v2", "hybrid", "v1"]
 
@@ -96,325 +104,9 @@ class Usage:
     frozen: bool
 
 
-@dataclass(frozen=True)
-class _Mount:
-    root: str
-    point: str
-    fstype: str
-    super_options: frozenset[str]
-
-
-@dataclass(frozen=True)
-class _Hierarchy:
-    version: Literal[1, 2]
-    base: str  # absolute path of <parent>/<base_name>
-
-    def group(self, name: str) -> str:
-        return os.path.join(self.base, name)
-
-
-@dataclass(frozen=True)
-class _Roles:
-    memory: _Hierarchy
-    pids: _Hierarchy
-    cpu: _Hierarchy
-    cpu_usage: _Hierarchy
-    freeze: _Hierarchy
-    unified: _Hierarchy | None
-    cgroup_kill: bool
-    all: tuple[_Hierarchy, ...]  # the v2 one first: it is the kill boundary
-
-
-# ---------------------------------------------------------------- file access
-
-
-def _read(path: str) -> str:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError as exc:
-        raise NotFound(f"cgroup file {path} does not exist: the group is gone or the controller is missing") from exc
-    except OSError as exc:
-        raise OperationFailed(f"cannot open {path}: {exc.strerror}") from exc
-    try:
-        chunks: list[bytes] = []
-        size = 0
-        while chunk := os.read(fd, 65536):
-            chunks.append(chunk)
-            size += len(chunk)
-            if size > MAX_FILE_BYTES:
-                raise OperationFailed(f"cgroup file {path} is larger than {MAX_FILE_BYTES} bytes")
-        return b"".join(chunks).decode("ascii", errors="replace")
-    except OSError as exc:
-        raise OperationFailed(f"cannot read {path}: {exc.strerror}") from exc
-    finally:
-        os.close(fd)
-
-
-def _write_raw(path: str, value: str) -> None:
-    """One unbuffered write(2): cgroup files act on each write, so a partial or split write must not happen."""
-    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
-    try:
-        os.write(fd, value.encode("ascii"))
-    finally:
-        os.close(fd)
-
-
-def _write(path: str, value: str) -> None:
-    try:
-        _write_raw(path, value)
-    except FileNotFoundError as exc:
-        raise NotFound(f"cgroup file {path} does not exist: the group is gone or the controller is missing") from exc
-    except OSError as exc:
-        raise OperationFailed(f"cannot write {value!r} to {path}: {exc.strerror}") from exc
-
-
-def _keyed(text: str) -> dict[str, int]:
-    """Parse a flat keyed file ("key value" per line), such as cgroup.events or memory.events."""
-    out: dict[str, int] = {}
-    for line in text.splitlines():
-        key, _, value = line.partition(" ")
-        try:
-            out[key] = int(value)
-        except ValueError:
-            continue
-    return out
-
-
-def _procs(directory: str) -> list[int]:
-    try:
-        text = _read(os.path.join(directory, "cgroup.procs"))
-    except NotFound:
-        return []
-    return [int(line) for line in text.split()]
-
-
-def _wait_events(directory: str, key: str, want: int, timeout_s: float) -> bool:
-    """Wait until cgroup.events says ``key want``; True if it did. A vanished group counts as unpopulated.
-
-    cgroup.events raises POLLPRI on change (Documentation/admin-guide/cgroup-v2.rst,
-    "cgroup.events ... generates a file modified event"), so this sleeps in poll(2).
-    """
-    path = os.path.join(directory, "cgroup.events")
-    deadline = time.monotonic() + timeout_s
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return key == "populated" and want == 0
-    except OSError as exc:
-        raise OperationFailed(f"cannot open {path}: {exc.strerror}") from exc
-    try:
-        poller = select.poll()
-        poller.register(fd, select.POLLPRI | select.POLLERR)
-        while True:
-            try:
-                current = _keyed(os.pread(fd, 4096, 0).decode("ascii", errors="replace")).get(key)
-            except OSError:  # ENODEV: removed while we waited
-                return key == "populated" and want == 0
-            if current == want:
-                return True
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return False
-            poller.poll(max(1, int(min(remaining, POLL_SLICE_S) * 1000)))
-    finally:
-        os.close(fd)
-
-
-# ---------------------------------------------------------------- discovery
-
-
-def _unescape(field: str) -> str:
-    return _OCTAL_ESCAPE_RE.sub(lambda m: chr(int(m.group(1), 8)), field)
-
-
-def _parse_mountinfo(text: str) -> list[_Mount]:
-    """Fields per proc(5): id parent dev root point options [optional...] - fstype source super-options."""
-    mounts: list[_Mount] = []
-    for line in text.splitlines():
-        left, sep, right = line.partition(" - ")
-        fields, tail = left.split(" "), right.split(" ")
-        if not sep or len(fields) < 5 or len(tail) < 3:
-            continue
-        if tail[0] in ("cgroup", "cgroup2"):
-            mounts.append(_Mount(_unescape(fields[3]), _unescape(fields[4]), tail[0], frozenset(tail[2].split(","))))
-    return mounts
-
-
-def _parse_self_cgroup(text: str) -> dict[str, str]:
-    """Map each controller ("" for v2) to this process's cgroup path, per cgroups(7)."""
-    out: dict[str, str] = {}
-    for line in text.splitlines():
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        _, controllers, path = parts
-        if controllers == "":
-            out[""] = path
-        for controller in controllers.split(","):
-            if controller and not controller.startswith("name="):
-                out[controller] = path
-    return out
-
-
-def _own_dir(mount: _Mount, own_path: str | None) -> str | None:
-    if own_path is None:
-        return None
-    root = mount.root.rstrip("/")
-    if root and own_path != root and not own_path.startswith(root + "/"):
-        return None  # our cgroup is outside what this mount shows
-    relative = own_path[len(root) :].lstrip("/")
-    return os.path.join(mount.point, relative) if relative else mount.point
-
-
-def _delegated(directory: str) -> bool:
-    """Whether this cgroup was handed to us (systemd Delegate=yes), so we may build our own subtree under it."""
-    if os.geteuid() != 0:
-        return os.access(directory, os.W_OK) and os.access(os.path.join(directory, "cgroup.procs"), os.W_OK)
-    for attr in DELEGATE_XATTRS:
-        try:
-            if os.getxattr(directory, attr).strip() == b"1":
-                return True
-        except OSError:
-            continue
-    return False
-
-
-def _parent_dir(mount: _Mount, own_path: str | None) -> str:
-    own = _own_dir(mount, own_path)
-    if own is not None and own != mount.point and _delegated(own):
-        return own
-    if os.geteuid() == 0:
-        return mount.point
-    raise Unavailable(
-        f"no writable cgroup under {mount.point}: run as root or under systemd with Delegate=yes",
-        detail=f"own cgroup {own_path!r} is not delegated to uid {os.geteuid()}",
-    )
-
-
-def _enable_v2_controllers(parent: str, base_name: str) -> None:
-    """Enable memory, pids and cpu for the children of ``parent``.
-
-    cgroup v2's "no internal process" rule (cgroup-v2.rst, "No Internal Process
-    Constraint"): a non-root cgroup that holds processes cannot enable controllers
-    for its children, and the write fails with EBUSY. A delegated service cgroup
-    holds the server itself, so the server's processes move into a leaf
-    ``<parent>/<base_name>-server`` first, as systemd's delegation guide advises.
-    """
-    available = set(_read(os.path.join(parent, "cgroup.controllers")).split())
-    missing = [c for c in RESOURCE_CONTROLLERS if c not in available]
-    if missing:
-        raise Unavailable(
-            f"cgroup {parent} lacks the {' '.join(missing)} controller(s): enable them (systemd Delegate=yes)"
-        )
-    control = os.path.join(parent, "cgroup.subtree_control")
-    wanted = " ".join(f"+{c}" for c in RESOURCE_CONTROLLERS)
-    try:
-        _write_raw(control, wanted)
-        return
-    except OSError as exc:
-        if exc.errno != errno.EBUSY:
-            raise Unavailable(f"cannot enable controllers in {control}: {exc.strerror}") from exc
-    leaf = os.path.join(parent, f"{base_name}-server")
-    try:
-        os.mkdir(leaf, 0o755)
-    except FileExistsError:
-        pass
-    except OSError as exc:
-        raise Unavailable(f"cannot create leaf cgroup {leaf} for the server: {exc.strerror}") from exc
-    for _ in range(8):  # processes may fork while we move them; a few rounds settle it
-        pids = _procs(parent)
-        if not pids:
-            break
-        for pid in pids:
-            try:
-                _write_raw(os.path.join(leaf, "cgroup.procs"), str(pid))
-            except ProcessLookupError:
-                continue
-            except OSError as exc:
-                raise Unavailable(f"cannot move pid {pid} into leaf cgroup {leaf}: {exc.strerror}") from exc
-    try:
-        _write_raw(control, wanted)
-    except OSError as exc:
-        raise Unavailable(f"cannot enable controllers in {control}: {exc.strerror}") from exc
-
-
-def _discover(base_name: str, mounts: list[_Mount], own: dict[str, str], created: list[str]) -> tuple[Mode, _Roles]:
-    """Pick a hierarchy per role and make the base groups, appending each new folder to ``created``."""
-    v2_mount = next((m for m in mounts if m.fstype == "cgroup2"), None)
-    v1_mounts: dict[str, _Mount] = {}
-    for mount in mounts:
-        if mount.fstype == "cgroup":
-            for controller in sorted(mount.super_options & V1_CONTROLLERS):
-                v1_mounts.setdefault(controller, mount)
-    v2_controllers: set[str] = set()
-    if v2_mount is not None:
-        v2_controllers = set(_read(os.path.join(v2_mount.point, "cgroup.controllers")).split())
-    v2_has_all = all(c in v2_controllers for c in RESOURCE_CONTROLLERS)
-    built: dict[str, _Hierarchy] = {}  # mount point -> hierarchy
-
-    def hierarchy(mount: _Mount) -> _Hierarchy:
-        if mount.point in built:
-            return built[mount.point]
-        v2 = mount.fstype == "cgroup2"
-        own_path = own.get("" if v2 else min(mount.super_options & V1_CONTROLLERS))
-        if own_path is not None and own_path.endswith(f"/{base_name}-server"):
-            own_path = own_path.rsplit("/", 1)[0]  # already moved to our leaf by an earlier detect()
-        parent = _parent_dir(mount, own_path)
-        if v2 and v2_has_all:
-            _enable_v2_controllers(parent, base_name)
-        base = os.path.join(parent, base_name)
-        try:
-            os.mkdir(base, 0o755)
-            created.append(base)
-        except FileExistsError:
-            pass
-        except OSError as exc:
-            raise Unavailable(f"cannot create cgroup {base}: {exc.strerror}; run as root or delegate it") from exc
-        if v2 and v2_has_all:
-            try:
-                _write_raw(os.path.join(base, "cgroup.subtree_control"), "+memory +pids +cpu")
-            except OSError as exc:
-                raise Unavailable(f"cannot enable controllers under {base}: {exc.strerror}") from exc
-        built[mount.point] = _Hierarchy(2 if v2 else 1, base)
-        return built[mount.point]
-
-    def place(controller: str) -> _Hierarchy:
-        if controller in v1_mounts:
-            return hierarchy(v1_mounts[controller])
-        if v2_mount is not None and controller in v2_controllers:
-            return hierarchy(v2_mount)
-        raise Unavailable(f"no cgroup hierarchy provides the {controller} controller: mount cgroup2 or cgroup v1")
-
-    unified = hierarchy(v2_mount) if v2_mount is not None else None
-    memory, pids, cpu = place("memory"), place("pids"), place("cpu")
-    if cpu.version == 2:
-        cpu_usage = cpu
-    elif "cpuacct" in v1_mounts:
-        cpu_usage = hierarchy(v1_mounts["cpuacct"])  # the same folder when co-mounted as cpu,cpuacct
-    elif unified is not None:
-        cpu_usage = unified  # v2 cpu.stat usage_usec is core: it needs no controller
-    else:
-        raise Unavailable("no cgroup hierarchy reports cpu usage: mount the v1 cpuacct hierarchy or cgroup2")
-    if unified is not None and os.path.exists(os.path.join(unified.base, "cgroup.freeze")):
-        freeze = unified
-    elif "freezer" in v1_mounts:
-        freeze = hierarchy(v1_mounts["freezer"])
-    else:
-        raise Unavailable("no cgroup freezer: needs Linux >= 5.2 with cgroup2, or the v1 freezer hierarchy")
-    cgroup_kill = unified is not None and os.path.exists(os.path.join(unified.base, "cgroup.kill"))
-    ordered = ([unified] if unified is not None else []) + [h for h in built.values() if h is not unified]
-    roles = _Roles(memory, pids, cpu, cpu_usage, freeze, unified, cgroup_kill, tuple(ordered))
-    if all(h is unified for h in (memory, pids, cpu)):
-        return "v2", roles
-    return ("hybrid" if unified is not None else "v1"), roles
-
-
 def _validate_name(name: str, what: str) -> None:
     if not _NAME_RE.fullmatch(name):
         raise InvalidRequest(f"{what} {name!r} is not 1-64 of [a-z0-9-]: pick another name")
-
-
-# ---------------------------------------------------------------- public API
 
 
 @final
@@ -744,19 +436,3 @@ class SandboxCgroup:
                     # EBUSY right after cgroup.kill: the last tasks are still exiting.
                     self._wait_empty(max(0.0, deadline - time.monotonic()))
                     time.sleep(V1_POLL_INTERVAL_S)
-
-
-def _read_or_empty(path: str) -> str:
-    try:
-        return _read(path)
-    except NotFound:
-        return ""
-
-
-def _poll_until(done: Callable[[], bool], timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not done():
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(V1_POLL_INTERVAL_S)
-    return True

@@ -5,55 +5,20 @@ A snapshot is ``<archive_dir>/<id>.tar.gz`` (PAX tar, gzip level 6) plus ``<id>.
 under a temporary name in the same folder, fsynced and renamed, so a crash leaves at most a
 ``.tmp-*`` file behind, never a half snapshot.
 
-The workspace was written by the agent, so its content is hostile in both directions.
+The workspace was written by the agent, so its content is hostile in both directions. This
+module holds the public API and the records; the archive is written by
+`bastion.sandbox._archive` and extracted by `bastion.sandbox._extract`, whose docstrings say
+what each refuses and what it does not guarantee. Checked here:
 
-Taking a snapshot (`create_snapshot`), the agent may be changing the tree at the same time:
-
-- Nothing is followed. Every folder is opened with ``O_DIRECTORY | O_NOFOLLOW`` relative to
-  the fd of its parent and every file with ``O_NOFOLLOW`` relative to the fd of its folder;
-  the ``fstat`` of the opened fd (compared with the ``lstat`` that chose how to handle the
-  entry) decides, and content is read from that fd. A folder or file swapped for a symlink
-  between the listing and the open is stored as the symlink it now is, never followed
-  (`os.walk` and `os.fwalk` classify entries by following symlinks, hence the own walk).
-- Symlinks are stored as symlinks: their target text, never what it points at.
-- FIFOs, sockets and devices are skipped, never opened for I/O (files are opened
-  ``O_NONBLOCK``), and counted in ``metadata["skipped"]``, as are names a restore would
-  refuse (control or invisible characters, backslash, not UTF-8, over 255 bytes).
-- setuid and setgid bits are dropped; owners are not stored (uid/gid 0, no names).
-- Size, entry count and depth are bounded (`MAX_SNAPSHOT_BYTES`, `MAX_ENTRIES`, `MAX_DEPTH`).
-
-Restoring (`restore_snapshot`), the archive is treated as hostile even though this module wrote it:
-
-- The archive's sha256 must match the JSON before anything is extracted; the same open fd
-  is hashed and then read.
-- `tarfile.TarFile.extractall` is not used. Member names must be relative, without ``..``,
-  empty or ``.`` components, backslashes, control or invisible characters. Only regular
-  files, folders and symlinks are accepted: hard links, devices, FIFOs and anything else
-  refuse the whole restore.
-- Every write happens relative to a folder fd opened ``O_DIRECTORY | O_NOFOLLOW`` one
-  component at a time from the target, and files are created ``O_CREAT | O_EXCL |
-  O_NOFOLLOW``: a symlink made by an earlier member (``a -> /etc``) can never redirect a
-  later one (``a/passwd``), and nothing existing is ever overwritten.
-- Symlink targets are restored verbatim. That is safe only because they are resolved inside
-  the sandbox or through the openat2 jail (`bastion.safety.paths`); host code must never
-  follow a path inside a workspace by string.
-- Modes (minus setuid/setgid) and mtimes are set through fds, or ``dir_fd`` with
-  ``follow_symlinks=False``; folders get theirs last, deepest first.
+- Taking a snapshot (`create_snapshot`): the archive folder must be outside the workspace,
+  and the label and metadata are checked before anything is written.
+- Restoring (`restore_snapshot`), the archive is treated as hostile even though this module
+  wrote it: its sha256 must match the JSON before anything is extracted; the same open fd
+  is hashed and then read. The target must be an existing, empty folder.
 
 What it does not guarantee:
 
-- A snapshot of a workspace that is being written is not atomic: each file is read from one
-  fd, but different files may come from different moments; a file that shrinks while it is
-  read fails the snapshot, one that grows is cut at the size it had when opened.
-- Hard links are stored as separate files, with the content of the linked inode. On the same
-  file system an agent can hard-link a file from outside the workspace that it could read
-  (``fs.protected_hardlinks``); its content is then stored like any workspace file.
-- Mount points inside the workspace are crossed.
-- The sha256 detects corruption, not an attacker who can write ``archive_dir``. `tarfile`
-  parses headers before the checks here see them; the decompressed stream is bounded, but a
-  PAX header is read into memory whole, and the read side keeps one `tarfile.TarInfo` per
-  member (bounded by `MAX_ENTRIES`).
-- Restored entries belong to the server's uid: ownership is not restored.
+- The sha256 detects corruption, not an attacker who can write ``archive_dir``.
 - On a failed restore the target is left partly filled: the caller discards it, without
   following the symlinks it may now contain.
 """
@@ -61,65 +26,35 @@ What it does not guarantee:
 from __future__ import annotations
 
 import contextlib
-import errno
-import gzip
 import hashlib
 import json
-import math
 import os
 import re
 import secrets
-import stat
-import tarfile
 import time
-import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO, Final, Literal, final
+from typing import Final, final
 
-from bastion.safety.errors import (
-    BastionError,
-    Conflict,
-    InvalidRequest,
-    NotFound,
-    OperationFailed,
-    PathEscape,
-    PolicyDenied,
-    ResourceLimit,
-)
-from bastion.safety.paths import name_problem, unsafe_char
+from bastion.safety.errors import BastionError, Conflict, InvalidRequest, NotFound, OperationFailed
+from bastion.safety.paths import unsafe_char
 
-MAX_SNAPSHOT_BYTES: Final = 2 * 1024**3
-MAX_ENTRIES: Final = 200_000
-MAX_DEPTH: Final = 128
+# The ``X as X`` imports re-export public bounds defined, and read, where they are enforced:
+# patch them in `_archive` or `_extract`, not here.
+from bastion.sandbox._archive import GZIP_LEVEL as GZIP_LEVEL
+from bastion.sandbox._archive import _write_archive
+from bastion.sandbox._extract import _DIR_FLAGS, _extract
+from bastion.sandbox._extract import MAX_DEPTH as MAX_DEPTH
+from bastion.sandbox._extract import MAX_ENTRIES as MAX_ENTRIES
+from bastion.sandbox._extract import MAX_SNAPSHOT_BYTES as MAX_SNAPSHOT_BYTES
+
 MAX_LABEL_CHARS: Final = 200
 MAX_INFO_BYTES: Final = 1_048_576
-GZIP_LEVEL: Final = 6
 
 _ID_RE: Final = re.compile(r"snap-[0-9a-f]{16}")
 _INFO_NAME_RE: Final = re.compile(r"(snap-[0-9a-f]{16})\.json")
 _SHA256_RE: Final = re.compile(r"[0-9a-f]{64}")
-# Same classes as the jail refuses: control, invisible format (bidi, zero-width), lone
-# surrogates (names that are not UTF-8), line and paragraph separators.
-_KEPT_MODE_BITS: Final = 0o7777 & ~(stat.S_ISUID | stat.S_ISGID)
-_MAX_PATH_BYTES: Final = 4096
-_MAX_LINK_BYTES: Final = 4095
-# The decompressed tar stream holds content plus, per member, a header, a PAX header with
-# path, linkpath and mtime, and padding; the slack covers read-ahead and the end blocks.
-# Together they bound what a hostile header could make `tarfile` read.
-_STREAM_BYTES_PER_ENTRY: Final = 5 * tarfile.BLOCKSIZE + 2 * _MAX_PATH_BYTES
-_STREAM_SLACK_BYTES: Final = 1 << 20
-_MTIME_LIMIT_S: Final = 2.0**40
-_CHUNK_BYTES: Final = 1 << 20
-_RETRIES: Final = 8
-_IMPLICIT_DIR_MODE: Final = 0o755
-
-_DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_READ_FLAGS: Final = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
-_CREATE_FLAGS: Final = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC
-
-_Kind = Literal["file", "dir", "symlink"]
 
 
 @final
@@ -315,469 +250,6 @@ def delete_snapshot(archive_dir: Path, snapshot_id: str) -> None:
         raise OperationFailed(f"snapshot {snapshot_id} could not be deleted: {exc.strerror}") from exc
     finally:
         os.close(dir_fd)
-
-
-# --- taking a snapshot -------------------------------------------------------------------
-
-
-@dataclass
-class _Tally:
-    files: int = 0
-    bytes: int = 0
-    entries: int = 0
-    skipped: int = 0
-
-
-class _HashingSink:
-    """The file the gzip stream is written to, hashed on the way."""
-
-    def __init__(self, raw: BinaryIO) -> None:
-        self._raw = raw
-        self.hash = hashlib.sha256()
-        self.size = 0
-
-    def write(self, data: bytes, /) -> int:
-        self._raw.write(data)
-        self.hash.update(data)
-        self.size += len(data)
-        return len(data)
-
-    def flush(self) -> None:
-        self._raw.flush()
-
-
-class _ExactReader:
-    """Reads exactly `size` bytes of a file from its fd, or fails: the tar header already promised `size`."""
-
-    def __init__(self, fd: int, size: int, rel: str) -> None:
-        self._fd = fd
-        self._left = size
-        self._rel = rel
-
-    def read(self, size: int = -1, /) -> bytes:
-        want = self._left if size < 0 else min(size, self._left)
-        chunks: list[bytes] = []
-        while want > 0:
-            chunk = os.read(self._fd, min(want, _CHUNK_BYTES))
-            if not chunk:
-                raise OperationFailed(
-                    f"'{self._rel}' shrank while it was archived: try again when it is not being written"
-                )
-            chunks.append(chunk)
-            want -= len(chunk)
-            self._left -= len(chunk)
-        return b"".join(chunks)
-
-
-def _write_archive(root_fd: int, dir_fd: int, name: str) -> tuple[_Tally, str, int]:
-    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
-    with open(fd, "wb") as raw:
-        sink = _HashingSink(raw)
-        # mtime=0 in the gzip header: the same tree gives the same archive bytes.
-        with gzip.GzipFile(fileobj=sink, mode="wb", compresslevel=GZIP_LEVEL, mtime=0) as stream:
-            archiver = _Archiver(stream)
-            archiver.add_tree(root_fd, "", 0)
-            archiver.finish()
-        raw.flush()
-        os.fsync(raw.fileno())
-    return archiver.tally, sink.hash.hexdigest(), sink.size
-
-
-class _Archiver:
-    """Walks a hostile tree by fds and writes PAX tar members (`tarfile.TarInfo.tobuf`) to a stream."""
-
-    def __init__(self, stream: gzip.GzipFile) -> None:
-        self._stream = stream
-        self.tally = _Tally()
-
-    def add_tree(self, dir_fd: int, prefix: str, depth: int) -> None:
-        names: list[str] = []
-        with os.scandir(dir_fd) as entries:
-            for entry in entries:
-                if self.tally.entries + len(names) >= MAX_ENTRIES:
-                    raise ResourceLimit(f"the workspace has more than {MAX_ENTRIES} entries: delete some first")
-                names.append(entry.name)
-        for name in sorted(names):
-            if name_problem(name) is not None:
-                self.tally.skipped += 1
-                continue
-            self._add_entry(dir_fd, name, prefix + name, depth)
-
-    def finish(self) -> None:
-        # End of archive: two zero blocks (POSIX.1-2001 ustar).
-        self._stream.write(tarfile.NUL * (2 * tarfile.BLOCKSIZE))
-
-    def _add_entry(self, dir_fd: int, name: str, rel: str, depth: int) -> None:
-        # Each handler returns False when the entry changed type since the lstat: look again.
-        for _ in range(_RETRIES):
-            try:
-                seen = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-            except FileNotFoundError:
-                return
-            if stat.S_ISLNK(seen.st_mode):
-                done = self._add_symlink(dir_fd, name, rel, seen)
-            elif stat.S_ISDIR(seen.st_mode):
-                done = self._add_dir(dir_fd, name, rel, seen, depth)
-            elif stat.S_ISREG(seen.st_mode):
-                done = self._add_file(dir_fd, name, rel, seen)
-            else:
-                self.tally.skipped += 1
-                return
-            if done:
-                return
-        raise OperationFailed(f"'{rel}' kept changing while it was archived: stop writing to it and try again")
-
-    def _add_symlink(self, dir_fd: int, name: str, rel: str, seen: os.stat_result) -> bool:
-        try:
-            target = os.readlink(name, dir_fd=dir_fd)
-        except FileNotFoundError:
-            return True
-        except OSError as exc:
-            if exc.errno == errno.EINVAL:
-                return False
-            raise
-        if _link_problem(target) is not None:
-            self.tally.skipped += 1
-            return True
-        member = self._member(rel, tarfile.SYMTYPE, 0o777, seen.st_mtime)
-        member.linkname = target
-        self._write_header(member)
-        return True
-
-    def _add_dir(self, dir_fd: int, name: str, rel: str, seen: os.stat_result, depth: int) -> bool:
-        if depth >= MAX_DEPTH:
-            raise ResourceLimit(f"the workspace is nested more than {MAX_DEPTH} folders deep at '{rel}': flatten it")
-        try:
-            fd = os.open(name, _DIR_FLAGS | os.O_NONBLOCK, dir_fd=dir_fd)
-        except FileNotFoundError:
-            return True
-        except OSError as exc:
-            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-                return False
-            raise
-        try:
-            opened = os.fstat(fd)
-            if not _same_file(opened, seen):
-                return False
-            self._write_header(self._member(rel, tarfile.DIRTYPE, opened.st_mode, opened.st_mtime))
-            self.add_tree(fd, rel + "/", depth + 1)
-        finally:
-            os.close(fd)
-        return True
-
-    def _add_file(self, dir_fd: int, name: str, rel: str, seen: os.stat_result) -> bool:
-        try:
-            fd = os.open(name, _READ_FLAGS, dir_fd=dir_fd)
-        except FileNotFoundError:
-            return True
-        except OSError as exc:
-            # ELOOP: now a symlink. ENXIO: now a socket.
-            if exc.errno in (errno.ELOOP, errno.ENXIO):
-                return False
-            raise
-        try:
-            opened = os.fstat(fd)
-            if not stat.S_ISREG(opened.st_mode) or not _same_file(opened, seen):
-                return False
-            size = opened.st_size
-            if self.tally.bytes + size > MAX_SNAPSHOT_BYTES:
-                raise ResourceLimit(
-                    f"the workspace holds over {MAX_SNAPSHOT_BYTES} bytes at '{rel}': delete files before the snapshot"
-                )
-            member = self._member(rel, tarfile.REGTYPE, opened.st_mode, opened.st_mtime)
-            member.size = size
-            self._write_header(member)
-            reader = _ExactReader(fd, size, rel)
-            while chunk := reader.read(_CHUNK_BYTES):
-                self._stream.write(chunk)
-            _, remainder = divmod(size, tarfile.BLOCKSIZE)
-            if remainder:
-                self._stream.write(tarfile.NUL * (tarfile.BLOCKSIZE - remainder))
-        finally:
-            os.close(fd)
-        self.tally.files += 1
-        self.tally.bytes += size
-        return True
-
-    def _member(self, rel: str, kind: bytes, mode: int, mtime: float) -> tarfile.TarInfo:
-        self.tally.entries += 1
-        if self.tally.entries > MAX_ENTRIES:
-            raise ResourceLimit(f"the workspace has more than {MAX_ENTRIES} entries: delete some first")
-        member = tarfile.TarInfo(rel)
-        member.type = kind
-        member.mode = mode & _KEPT_MODE_BITS
-        member.mtime = mtime
-        member.uid = member.gid = 0
-        member.uname = member.gname = ""
-        return member
-
-    def _write_header(self, member: tarfile.TarInfo) -> None:
-        self._stream.write(member.tobuf(tarfile.PAX_FORMAT, "utf-8", "strict"))
-
-
-def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
-    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
-
-
-# --- restoring ---------------------------------------------------------------------------
-
-
-class _BoundedReader:
-    """The decompressed tar stream, refused once it is longer than any honest snapshot could be."""
-
-    def __init__(self, inner: gzip.GzipFile, limit: int) -> None:
-        self._inner = inner
-        self._limit = limit
-        self._used = 0
-
-    def read(self, size: int, /) -> bytes:
-        data = self._inner.read(size)
-        self._used += len(data)
-        if self._used > self._limit:
-            raise ResourceLimit(f"the snapshot unpacks to over {self._limit} bytes: it cannot be restored")
-        return data
-
-    def write(self, data: bytes, /) -> int:
-        raise OSError(errno.EBADF, "the snapshot stream is read-only")
-
-    def tell(self) -> int:
-        return self._used
-
-    def seek(self, pos: int, /) -> int:
-        raise OSError(errno.ESPIPE, "the snapshot stream is not seekable")
-
-    def close(self) -> None:
-        return None
-
-
-def _extract(raw: BinaryIO, target_fd: int, info: SnapshotInfo) -> None:
-    limit = MAX_SNAPSHOT_BYTES + MAX_ENTRIES * _STREAM_BYTES_PER_ENTRY + _STREAM_SLACK_BYTES
-    extractor = _Extractor(target_fd)
-    try:
-        with gzip.GzipFile(fileobj=raw, mode="rb") as stream:
-            # Stream mode ("r|"): members are read once, in order, never by seeking back.
-            reader = _BoundedReader(stream, limit)
-            with tarfile.open(fileobj=reader, mode="r|", encoding="utf-8", errors="strict") as tar:
-                for member in tar:
-                    extractor.add(member, tar)
-        extractor.finish()
-    except (tarfile.TarError, gzip.BadGzipFile, EOFError, zlib.error, UnicodeError) as exc:
-        raise OperationFailed(f"snapshot {info.id} is corrupt: delete it and take a new one", detail=repr(exc)) from exc
-    finally:
-        extractor.close()
-    if (extractor.files, extractor.bytes) != (info.files, info.bytes):
-        raise OperationFailed(f"snapshot {info.id} is corrupt: its content does not match its record")
-
-
-class _Extractor:
-    """Creates members beneath the target fd only, one ``*at`` call under a held folder fd at a time."""
-
-    def __init__(self, root_fd: int) -> None:
-        self._root_fd = root_fd
-        # Open fds of the parent folder of the last member, one per component.
-        self._chain: list[tuple[str, int]] = []
-        self._dirs: dict[tuple[str, ...], tuple[int, float]] = {}
-        self.entries = 0
-        self.files = 0
-        self.bytes = 0
-
-    def add(self, member: tarfile.TarInfo, tar: tarfile.TarFile) -> None:
-        self.entries += 1
-        if self.entries > MAX_ENTRIES:
-            raise ResourceLimit(f"the snapshot has more than {MAX_ENTRIES} entries: it cannot be restored")
-        parts = _member_parts(member.name)
-        kind = _member_kind(member)
-        mtime = _member_mtime(member)
-        parent_fd = self._parent(parts[:-1], member.name)
-        name = parts[-1]
-        if kind == "dir":
-            self._make_dir(parent_fd, name, member.name)
-            self._dirs[parts] = (member.mode & _KEPT_MODE_BITS, mtime)
-        elif kind == "symlink":
-            problem = _link_problem(member.linkname)
-            if problem is not None:
-                raise InvalidRequest(f"the symlink '{member.name}' in the snapshot {problem}: it cannot be restored")
-            try:
-                os.symlink(member.linkname, name, dir_fd=parent_fd)
-            except FileExistsError as exc:
-                raise _duplicate(member.name) from exc
-            os.utime(name, times=(mtime, mtime), dir_fd=parent_fd, follow_symlinks=False)
-        else:
-            self._make_file(parent_fd, name, member, tar, mtime)
-
-    def finish(self) -> None:
-        self._close_chain(0)
-        # Deepest first: setting a folder's mtime must come after everything created in it,
-        # and a read-only folder must still let us into its subfolders.
-        for parts, (mode, mtime) in sorted(self._dirs.items(), key=lambda item: len(item[0]), reverse=True):
-            fd = self._open_path(parts)
-            try:
-                os.fchmod(fd, mode)
-                os.utime(fd, times=(mtime, mtime))
-            finally:
-                os.close(fd)
-
-    def close(self) -> None:
-        self._close_chain(0)
-
-    def _make_dir(self, parent_fd: int, name: str, rel: str) -> None:
-        try:
-            os.mkdir(name, 0o700, dir_fd=parent_fd)
-        except FileExistsError as exc:
-            if not stat.S_ISDIR(os.stat(name, dir_fd=parent_fd, follow_symlinks=False).st_mode):
-                raise _duplicate(rel) from exc
-
-    def _make_file(
-        self, parent_fd: int, name: str, member: tarfile.TarInfo, tar: tarfile.TarFile, mtime: float
-    ) -> None:
-        size = member.size
-        if self.bytes + size > MAX_SNAPSHOT_BYTES:
-            raise ResourceLimit(
-                f"the snapshot unpacks to over {MAX_SNAPSHOT_BYTES} bytes at '{member.name}': it cannot be restored"
-            )
-        source = tar.extractfile(member)
-        if source is None:
-            raise OperationFailed(f"snapshot member '{member.name}' has no content: the snapshot is corrupt")
-        try:
-            # O_EXCL: an existing name, even a dangling symlink, fails instead of being followed.
-            fd = os.open(name, _CREATE_FLAGS, 0o600, dir_fd=parent_fd)
-        except FileExistsError as exc:
-            raise _duplicate(member.name) from exc
-        copied = 0
-        try:
-            while chunk := source.read(_CHUNK_BYTES):
-                view = memoryview(chunk)
-                while view:
-                    view = view[os.write(fd, view) :]
-                copied += len(chunk)
-            if copied != size:
-                raise OperationFailed(f"snapshot member '{member.name}' is truncated: the snapshot is corrupt")
-            os.fchmod(fd, member.mode & _KEPT_MODE_BITS)
-            os.utime(fd, times=(mtime, mtime))
-        finally:
-            os.close(fd)
-        self.files += 1
-        self.bytes += size
-
-    def _parent(self, parts: tuple[str, ...], rel: str) -> int:
-        common = 0
-        while common < min(len(self._chain), len(parts)) and self._chain[common][0] == parts[common]:
-            common += 1
-        self._close_chain(common)
-        for index in range(common, len(parts)):
-            parent_fd = self._chain[-1][1] if self._chain else self._root_fd
-            fd = self._open_or_make_dir(parent_fd, parts[index], rel, "/".join(parts[: index + 1]))
-            self._chain.append((parts[index], fd))
-        return self._chain[-1][1] if self._chain else self._root_fd
-
-    def _open_or_make_dir(self, parent_fd: int, name: str, rel: str, prefix: str) -> int:
-        try:
-            return self._open_dir(parent_fd, name, rel, prefix)
-        except FileNotFoundError:
-            pass
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(name, _IMPLICIT_DIR_MODE, dir_fd=parent_fd)
-        return self._open_dir(parent_fd, name, rel, prefix)
-
-    def _open_dir(self, parent_fd: int, name: str, rel: str, prefix: str) -> int:
-        try:
-            return os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
-        except OSError as exc:
-            # O_DIRECTORY | O_NOFOLLOW on a symlink fails with ENOTDIR or ELOOP: look at what is there.
-            if exc.errno in (errno.ELOOP, errno.ENOTDIR) and _is_symlink(parent_fd, name):
-                raise PathEscape(
-                    f"snapshot member '{rel}' would be written through the symlink '{prefix}': the snapshot is refused"
-                ) from exc
-            if exc.errno == errno.ENOTDIR:
-                raise OperationFailed(
-                    f"snapshot member '{rel}' needs '{prefix}' to be a folder: the snapshot is corrupt"
-                ) from exc
-            raise
-
-    def _open_path(self, parts: tuple[str, ...]) -> int:
-        fd = os.open(".", _DIR_FLAGS, dir_fd=self._root_fd)
-        try:
-            for index, part in enumerate(parts):
-                following = self._open_dir(fd, part, "/".join(parts), "/".join(parts[: index + 1]))
-                os.close(fd)
-                fd = following
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
-
-    def _close_chain(self, keep: int) -> None:
-        for _, fd in self._chain[keep:]:
-            os.close(fd)
-        del self._chain[keep:]
-
-
-def _is_symlink(dir_fd: int, name: str) -> bool:
-    try:
-        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
-    except OSError:
-        return False
-
-
-def _duplicate(rel: str) -> OperationFailed:
-    return OperationFailed(f"snapshot member '{rel}' appears twice: the snapshot is corrupt")
-
-
-def _member_parts(name: str) -> tuple[str, ...]:
-    """The components of a member name, refusing anything that is not a plain relative path."""
-    if name.startswith("/"):
-        raise PathEscape(f"snapshot member {name!r} is an absolute path: the snapshot is refused")
-    parts = tuple(name.split("/"))
-    if ".." in parts:
-        raise PathEscape(f"snapshot member {name!r} climbs out with '..': the snapshot is refused")
-    if len(name.encode("utf-8", "surrogatepass")) > _MAX_PATH_BYTES:
-        raise InvalidRequest(f"a snapshot member name is over {_MAX_PATH_BYTES} bytes: the snapshot is refused")
-    if len(parts) > MAX_DEPTH + 1:
-        raise ResourceLimit(f"snapshot member {name!r} is nested over {MAX_DEPTH} folders deep: it cannot be restored")
-    for part in parts:
-        problem = name_problem(part)
-        if problem is not None:
-            raise InvalidRequest(f"snapshot member {name!r} has a name that {problem}: the snapshot is refused")
-    return parts
-
-
-def _member_kind(member: tarfile.TarInfo) -> _Kind:
-    kind = member.type
-    if kind in (tarfile.REGTYPE, tarfile.AREGTYPE):
-        return "file"
-    if kind == tarfile.DIRTYPE:
-        return "dir"
-    if kind == tarfile.SYMTYPE:
-        return "symlink"
-    what = {
-        tarfile.LNKTYPE: "a hard link",
-        tarfile.CHRTYPE: "a character device",
-        tarfile.BLKTYPE: "a block device",
-        tarfile.FIFOTYPE: "a named pipe",
-    }.get(kind, "not a file, folder or symlink")
-    raise PolicyDenied(f"snapshot member {member.name!r} is {what}: the snapshot is refused")
-
-
-def _member_mtime(member: tarfile.TarInfo) -> float:
-    mtime = float(member.mtime)
-    if not math.isfinite(mtime) or abs(mtime) > _MTIME_LIMIT_S:
-        raise OperationFailed(f"snapshot member {member.name!r} has an impossible mtime: the snapshot is corrupt")
-    return mtime
-
-
-def _link_problem(target: str) -> str | None:
-    """Why a symlink target cannot be stored; its text is otherwise kept verbatim."""
-    if not target:
-        return "is empty"
-    if "\x00" in target:
-        return "contains a NUL byte"
-    try:
-        encoded = target.encode("utf-8")
-    except UnicodeEncodeError:
-        return "is not UTF-8"
-    if len(encoded) > _MAX_LINK_BYTES:
-        return f"is over {_MAX_LINK_BYTES} bytes"
-    return None
 
 
 # --- records -----------------------------------------------------------------------------

@@ -1,0 +1,258 @@
+"""Writing a workspace into a snapshot archive, never following a symlink. THIS MODULE IS A SECURITY BOUNDARY.
+
+`bastion.sandbox.snapshot.create_snapshot` calls `_write_archive`. The workspace was written
+by the agent, which may be changing the tree at the same time:
+
+- Nothing is followed. Every folder is opened with ``O_DIRECTORY | O_NOFOLLOW`` relative to
+  the fd of its parent and every file with ``O_NOFOLLOW`` relative to the fd of its folder;
+  the ``fstat`` of the opened fd (compared with the ``lstat`` that chose how to handle the
+  entry) decides, and content is read from that fd. A folder or file swapped for a symlink
+  between the listing and the open is stored as the symlink it now is, never followed
+  (`os.walk` and `os.fwalk` classify entries by following symlinks, hence the own walk).
+- Symlinks are stored as symlinks: their target text, never what it points at.
+- FIFOs, sockets and devices are skipped, never opened for I/O (files are opened
+  ``O_NONBLOCK``), and counted in ``metadata["skipped"]``, as are names a restore would
+  refuse (control or invisible characters, backslash, not UTF-8, over 255 bytes).
+- setuid and setgid bits are dropped; owners are not stored (uid/gid 0, no names).
+- Size, entry count and depth are bounded (`MAX_SNAPSHOT_BYTES`, `MAX_ENTRIES`, `MAX_DEPTH`,
+  the same bounds `bastion.sandbox._extract` enforces on a restore).
+
+What it does not guarantee:
+
+- A snapshot of a workspace that is being written is not atomic: each file is read from one
+  fd, but different files may come from different moments; a file that shrinks while it is
+  read fails the snapshot, one that grows is cut at the size it had when opened.
+- Hard links are stored as separate files, with the content of the linked inode. On the same
+  file system an agent can hard-link a file from outside the workspace that it could read
+  (``fs.protected_hardlinks``); its content is then stored like any workspace file.
+- Mount points inside the workspace are crossed.
+"""
+
+from __future__ import annotations
+
+import errno
+import gzip
+import hashlib
+import os
+import stat
+import tarfile
+from dataclasses import dataclass
+from typing import BinaryIO, Final
+
+from bastion.safety.errors import OperationFailed, ResourceLimit
+from bastion.safety.paths import name_problem
+
+# The bounds and the symlink rule are the extractor's: a snapshot never holds what a restore refuses.
+from bastion.sandbox._extract import (
+    _CHUNK_BYTES,
+    _DIR_FLAGS,
+    _KEPT_MODE_BITS,
+    MAX_DEPTH,
+    MAX_ENTRIES,
+    MAX_SNAPSHOT_BYTES,
+    _link_problem,
+)
+
+GZIP_LEVEL: Final = 6
+
+_RETRIES: Final = 8
+_READ_FLAGS: Final = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+
+
+@dataclass
+class _Tally:
+    files: int = 0
+    bytes: int = 0
+    entries: int = 0
+    skipped: int = 0
+
+
+class _HashingSink:
+    """The file the gzip stream is written to, hashed on the way."""
+
+    def __init__(self, raw: BinaryIO) -> None:
+        self._raw = raw
+        self.hash = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: bytes, /) -> int:
+        self._raw.write(data)
+        self.hash.update(data)
+        self.size += len(data)
+        return len(data)
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+
+class _ExactReader:
+    """Reads exactly `size` bytes of a file from its fd, or fails: the tar header already promised `size`."""
+
+    def __init__(self, fd: int, size: int, rel: str) -> None:
+        self._fd = fd
+        self._left = size
+        self._rel = rel
+
+    def read(self, size: int = -1, /) -> bytes:
+        want = self._left if size < 0 else min(size, self._left)
+        chunks: list[bytes] = []
+        while want > 0:
+            chunk = os.read(self._fd, min(want, _CHUNK_BYTES))
+            if not chunk:
+                raise OperationFailed(
+                    f"'{self._rel}' shrank while it was archived: try again when it is not being written"
+                )
+            chunks.append(chunk)
+            want -= len(chunk)
+            self._left -= len(chunk)
+        return b"".join(chunks)
+
+
+def _write_archive(root_fd: int, dir_fd: int, name: str) -> tuple[_Tally, str, int]:
+    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+    with open(fd, "wb") as raw:
+        sink = _HashingSink(raw)
+        # mtime=0 in the gzip header: the same tree gives the same archive bytes.
+        with gzip.GzipFile(fileobj=sink, mode="wb", compresslevel=GZIP_LEVEL, mtime=0) as stream:
+            archiver = _Archiver(stream)
+            archiver.add_tree(root_fd, "", 0)
+            archiver.finish()
+        raw.flush()
+        os.fsync(raw.fileno())
+    return archiver.tally, sink.hash.hexdigest(), sink.size
+
+
+class _Archiver:
+    """Walks a hostile tree by fds and writes PAX tar members (`tarfile.TarInfo.tobuf`) to a stream."""
+
+    def __init__(self, stream: gzip.GzipFile) -> None:
+        self._stream = stream
+        self.tally = _Tally()
+
+    def add_tree(self, dir_fd: int, prefix: str, depth: int) -> None:
+        names: list[str] = []
+        with os.scandir(dir_fd) as entries:
+            for entry in entries:
+                if self.tally.entries + len(names) >= MAX_ENTRIES:
+                    raise ResourceLimit(f"the workspace has more than {MAX_ENTRIES} entries: delete some first")
+                names.append(entry.name)
+        for name in sorted(names):
+            if name_problem(name) is not None:
+                self.tally.skipped += 1
+                continue
+            self._add_entry(dir_fd, name, prefix + name, depth)
+
+    def finish(self) -> None:
+        # End of archive: two zero blocks (POSIX.1-2001 ustar).
+        self._stream.write(tarfile.NUL * (2 * tarfile.BLOCKSIZE))
+
+    def _add_entry(self, dir_fd: int, name: str, rel: str, depth: int) -> None:
+        # Each handler returns False when the entry changed type since the lstat: look again.
+        for _ in range(_RETRIES):
+            try:
+                seen = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                return
+            if stat.S_ISLNK(seen.st_mode):
+                done = self._add_symlink(dir_fd, name, rel, seen)
+            elif stat.S_ISDIR(seen.st_mode):
+                done = self._add_dir(dir_fd, name, rel, seen, depth)
+            elif stat.S_ISREG(seen.st_mode):
+                done = self._add_file(dir_fd, name, rel, seen)
+            else:
+                self.tally.skipped += 1
+                return
+            if done:
+                return
+        raise OperationFailed(f"'{rel}' kept changing while it was archived: stop writing to it and try again")
+
+    def _add_symlink(self, dir_fd: int, name: str, rel: str, seen: os.stat_result) -> bool:
+        try:
+            target = os.readlink(name, dir_fd=dir_fd)
+        except FileNotFoundError:
+            return True
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:
+                return False
+            raise
+        if _link_problem(target) is not None:
+            self.tally.skipped += 1
+            return True
+        member = self._member(rel, tarfile.SYMTYPE, 0o777, seen.st_mtime)
+        member.linkname = target
+        self._write_header(member)
+        return True
+
+    def _add_dir(self, dir_fd: int, name: str, rel: str, seen: os.stat_result, depth: int) -> bool:
+        if depth >= MAX_DEPTH:
+            raise ResourceLimit(f"the workspace is nested more than {MAX_DEPTH} folders deep at '{rel}': flatten it")
+        try:
+            fd = os.open(name, _DIR_FLAGS | os.O_NONBLOCK, dir_fd=dir_fd)
+        except FileNotFoundError:
+            return True
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                return False
+            raise
+        try:
+            opened = os.fstat(fd)
+            if not _same_file(opened, seen):
+                return False
+            self._write_header(self._member(rel, tarfile.DIRTYPE, opened.st_mode, opened.st_mtime))
+            self.add_tree(fd, rel + "/", depth + 1)
+        finally:
+            os.close(fd)
+        return True
+
+    def _add_file(self, dir_fd: int, name: str, rel: str, seen: os.stat_result) -> bool:
+        try:
+            fd = os.open(name, _READ_FLAGS, dir_fd=dir_fd)
+        except FileNotFoundError:
+            return True
+        except OSError as exc:
+            # ELOOP: now a symlink. ENXIO: now a socket.
+            if exc.errno in (errno.ELOOP, errno.ENXIO):
+                return False
+            raise
+        try:
+            opened = os.fstat(fd)
+            if not stat.S_ISREG(opened.st_mode) or not _same_file(opened, seen):
+                return False
+            size = opened.st_size
+            if self.tally.bytes + size > MAX_SNAPSHOT_BYTES:
+                raise ResourceLimit(
+                    f"the workspace holds over {MAX_SNAPSHOT_BYTES} bytes at '{rel}': delete files before the snapshot"
+                )
+            member = self._member(rel, tarfile.REGTYPE, opened.st_mode, opened.st_mtime)
+            member.size = size
+            self._write_header(member)
+            reader = _ExactReader(fd, size, rel)
+            while chunk := reader.read(_CHUNK_BYTES):
+                self._stream.write(chunk)
+            _, remainder = divmod(size, tarfile.BLOCKSIZE)
+            if remainder:
+                self._stream.write(tarfile.NUL * (tarfile.BLOCKSIZE - remainder))
+        finally:
+            os.close(fd)
+        self.tally.files += 1
+        self.tally.bytes += size
+        return True
+
+    def _member(self, rel: str, kind: bytes, mode: int, mtime: float) -> tarfile.TarInfo:
+        self.tally.entries += 1
+        if self.tally.entries > MAX_ENTRIES:
+            raise ResourceLimit(f"the workspace has more than {MAX_ENTRIES} entries: delete some first")
+        member = tarfile.TarInfo(rel)
+        member.type = kind
+        member.mode = mode & _KEPT_MODE_BITS
+        member.mtime = mtime
+        member.uid = member.gid = 0
+        member.uname = member.gname = ""
+        return member
+
+    def _write_header(self, member: tarfile.TarInfo) -> None:
+        self._stream.write(member.tobuf(tarfile.PAX_FORMAT, "utf-8", "strict"))
+
+
+def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
