@@ -86,7 +86,19 @@ async def a032_never_overwrite(client: Client, demo: Demo, inbox: Path, entry: d
     _refused(payload, "CONFLICT")
     assert _tree(inbox) == before
     assert os.listdir(inbox / value["dst_folder"]) == [value["src"]]
-    return [payload]
+    results = [payload]
+    # The same source's undo re-used its recorded paths with a(1).txt renaming: here undo, too,
+    # refuses an occupied old place and renames nothing around it.
+    moved = await call(client, "move_file", src=value["src"], dest=f"{value['dst_folder']}/moved-{value['src']}")
+    assert moved["ok"] is True, moved
+    results.append(moved)
+    (inbox / value["src"]).write_bytes(b"a newcomer at the old place")
+    before = _tree(inbox)
+    payload = await call(client, "undo_last_action")
+    _refused(payload, "CONFLICT")
+    assert _tree(inbox) == before
+    results.append(payload)
+    return results
 
 
 async def a034_set_workspace_root(
@@ -157,9 +169,15 @@ SCENARIOS: dict[str, Scenario] = {
 
 
 def test_every_organizer_entry_has_a_scenario() -> None:
-    assert len(ENTRIES) >= 4
+    """Every corpus entry for an organizer tool (4 in this copy: files.move A031 and A032,
+    files.set_workspace A034, files.apply_plan A035; it has no files.undo entry) is replayed,
+    and no scenario is left over from an entry that was renamed or dropped."""
+    by_tool = [e["id"] for e in CORPUS if e["tool"] in ORGANIZER_TOOLS]
+    assert len(by_tool) >= 4
     missing = [e["id"] for e in ENTRIES if e["id"] not in SCENARIOS]
     assert not missing, f"corpus entries without a scenario: {missing}: teach the test"
+    stale = sorted(set(SCENARIOS) - {e["id"] for e in ENTRIES})
+    assert not stale, f"scenarios without a corpus entry: {stale}"
 
 
 @pytest.mark.anyio

@@ -7,6 +7,11 @@ start's recovery leaves the multiset of file contents unchanged, nothing outside
 and either the tree as it was with nothing to undo, or the whole plan applied and undoable,
 with undo restoring the exact tree.
 
+The 50 points are counted events inside the forked child, so each lands exactly between two
+steps that matter; `test_apply_killed_from_outside_recovers` adds kills sent by the parent
+to a separate interpreter after a random delay, landing wherever the child happens to be
+(inside an fsync, a mkdir, the re-check), with the same invariants.
+
 What it does not prove: durability across a power cut (the kill stops the process, not the
 kernel, so page-cache state survives), or crashes of other actions than apply (they share
 the same transaction code).
@@ -17,6 +22,9 @@ from __future__ import annotations
 import os
 import random
 import signal
+import subprocess
+import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -127,6 +135,11 @@ def test_apply_killed_at_random_point_recovers(
     if kill_recovery is not None:
         _in_child(_recover_and_die(config, state, kill_recovery))
 
+    _check_recovered(config, state, inbox, outside, original)
+
+
+def _check_recovered(config: InboxConfig, state: Path, inbox: Path, outside: Path, original: Tree) -> None:
+    """Start as the next server would; every file is in exactly one place and the history agrees."""
     organizer = Organizer(config, state)
     organizer.open()
     try:
@@ -135,6 +148,7 @@ def test_apply_killed_at_random_point_recovers(
         assert files_after == sorted(data for _, data in original.values()), "a file was lost or duplicated"
         assert list(outside.iterdir()) == []
         assert organizer.journal.path.parent.is_relative_to(state)
+        assert organizer.history.undone == []
         if organizer.history.done:
             # The end record made it: the whole plan is applied and undoes as one action.
             assert len(organizer.history.done) == 1
@@ -150,3 +164,85 @@ def test_apply_killed_at_random_point_recovers(
     again = Organizer(config, state)
     assert again.open() is None
     again.close()
+
+
+@pytest.mark.parametrize("event", [2, 3, 50, 150, EVENTS - 1, EVENTS])
+def test_undo_killed_at_random_point_recovers(tmp_path: Path, event: int) -> None:
+    """An interrupted undo of a whole plan is rolled back: the plan stays applied and undoable
+    as one action, the folders the undo had removed are back, and a later undo restores the tree.
+
+    The kill lands after the begin record (event 2: before the first rename) and up to the end
+    record (EVENTS: all renames done and the emptied folders removed)."""
+    inbox, state = tmp_path / "inbox", tmp_path / "state"
+    for folder in (inbox, state):
+        folder.mkdir()
+    _fill(inbox)
+    original: Tree = snapshot(inbox)
+    config = InboxConfig(id="inbox", path=inbox, max_plan_moves=FILES)
+    organizer = Organizer(config, state)
+    organizer.open()
+    organizer.apply(organizer.plan()["plan_id"])
+    organizer.close()
+    applied = snapshot(inbox)
+
+    def work() -> None:
+        child = Organizer(config, state)
+        child.open()
+        _die_at(event, torn=False)
+        child.undo()
+
+    _in_child(work)
+    organizer = Organizer(config, state)
+    assert organizer.open() is not None, "the kill left no interrupted undo to roll back"
+    try:
+        assert snapshot(inbox) == applied
+        assert [len(a.moves) for a in organizer.history.done] == [FILES]
+        assert organizer.history.undone == []
+        organizer.undo()
+        assert snapshot(inbox) == original
+    finally:
+        organizer.close()
+
+
+_CHILD = """
+import sys
+from pathlib import Path
+from bastion.config import InboxConfig
+from bastion.organizer import Organizer
+
+config = InboxConfig(id="inbox", path=Path(sys.argv[1]), max_plan_moves=int(sys.argv[3]))
+organizer = Organizer(config, Path(sys.argv[2]))
+organizer.open()
+plan_id = organizer.plan()["plan_id"]
+print("ready", flush=True)
+organizer.apply(plan_id)
+print("applied", flush=True)
+"""
+# Upper bound of the random delay between the child's "ready" and the SIGKILL; an apply of 200
+# moves takes about 10-40 ms here, so most kills land inside it and some before or after.
+KILL_WINDOW_S = 0.03
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_apply_killed_from_outside_recovers(tmp_path: Path, seed: int) -> None:
+    inbox, state, outside = tmp_path / "inbox", tmp_path / "state", tmp_path / "outside"
+    for folder in (inbox, state, outside):
+        folder.mkdir()
+    _fill(inbox)
+    original: Tree = snapshot(inbox)
+    config = InboxConfig(id="inbox", path=inbox, max_plan_moves=FILES)
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, str(inbox), str(state), str(FILES)],
+        stdout=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+    )
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline() == b"ready\n"
+        time.sleep(random.Random(seed).uniform(0, KILL_WINDOW_S))  # the random kill point, not a wait
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.wait(timeout=30)
+        if child.stdout is not None:
+            child.stdout.close()
+    _check_recovered(config, state, inbox, outside, original)

@@ -277,6 +277,7 @@ def test_list_files_reports_why(organizer: Organizer, inbox_dir: Path) -> None:
     assert entries["report.pdf"]["size"] == 3
     assert entries["setup.exe"]["code"] == "NEEDS_EXPLICIT_REQUEST"
     assert entries["bad\\u0007name.pdf"]["rule"] == "unsafe-names"
+    assert entries["bad\\u0007name.pdf"]["category"] == "Documents"  # kept by a rule, still categorized
     assert entries["notes"]["reason"]
     nested = organizer.list_files("nested")["entries"]
     assert nested[0]["name"] == "deep.pdf"
@@ -320,7 +321,7 @@ def test_plan_is_lost_at_restart_with_a_typed_refusal(organizer: Organizer, inbo
     before = snapshot(inbox_dir)
     again = reopen(organizer, state_dir)
     try:
-        with pytest.raises(NotFound, match="expired or the server restarted.*plan again"):
+        with pytest.raises(NotFound, match=r"expired or the server restarted .*: plan again"):
             again.apply(plan_id)
         assert snapshot(inbox_dir) == before
         assert again.history.done == []
@@ -399,9 +400,7 @@ def test_undo_and_redo_enforce_the_protection_rules_in_force(
 
 
 @pytest.mark.parametrize("path", ["../outside.txt", "/etc/passwd", "a/../../x", "a//b", "./a"])
-def test_journal_naming_a_path_outside_the_inbox_stops_start_up(
-    inbox_dir: Path, state_dir: Path, path: str
-) -> None:
+def test_journal_naming_a_path_outside_the_inbox_stops_start_up(inbox_dir: Path, state_dir: Path, path: str) -> None:
     """The journal is replayed only with plain inbox-relative paths; anything else is damage."""
     from bastion.config import InboxConfig
     from bastion.organizer.journal import Journal, Move, Txn

@@ -136,3 +136,38 @@ def test_start_up_rolls_back_an_interrupted_apply(demo_config_path: Path) -> Non
         assert services.organizers["inbox"].history.done == []
     finally:
         services.close()
+
+
+async def test_plan_id_from_before_a_restart_is_a_typed_refusal(demo_config_path: Path) -> None:
+    """Plans live in memory (a known limit, by choice): after a server restart apply_plan is
+    NOT_FOUND telling the client to plan again, and nothing moves; undo history survives."""
+    from bastion.app import build_server, build_services
+    from bastion.config import load_config
+
+    config = load_config(demo_config_path)
+    inbox = config.inbox[0].path
+    (inbox / "a.pdf").write_bytes(b"a")
+    (inbox / "b.png").write_bytes(b"b")
+    services = build_services(config)
+    try:
+        async with Client(build_server(services, caller="test")) as client:
+            moved = await call(client, "move_file", src="b.png", dest="Pictures/b.png")
+            assert moved["ok"] is True, moved
+            planned = await call(client, "plan_organize")
+            plan_id = planned["detail"]["plan_id"]  # type: ignore[index]
+    finally:
+        services.close()
+    before = sorted(str(p.relative_to(inbox)) for p in inbox.rglob("*"))
+    services = build_services(config)
+    try:
+        async with Client(build_server(services, caller="test")) as client:
+            refused = await call(client, "apply_plan", plan_id=plan_id)
+            assert refused["code"] == "NOT_FOUND", refused
+            assert "server restarted" in str(refused["reason"])
+            assert "plan again" in str(refused["reason"])
+            assert sorted(str(p.relative_to(inbox)) for p in inbox.rglob("*")) == before
+            undone = await call(client, "undo_last_action")
+            assert undone["ok"] is True, undone
+            assert (inbox / "b.png").read_bytes() == b"b"
+    finally:
+        services.close()
