@@ -125,3 +125,14 @@ def test_template_setting_some_limits_takes_the_ceiling_for_the_rest(demo_config
     assert template is not None
     assert template.limits is not None
     assert template.limits.pids is None
+
+
+@pytest.mark.parametrize("name", ["DATASET\\n", "1ABC", "A-B", ""])
+def test_template_env_name_must_be_whole_and_plain(
+    capsys: pytest.CaptureFixture[str], demo_config_path: Path, name: str
+) -> None:
+    # "$" in a Python regex also matches before a final newline: the name is matched whole.
+    extra = f'\n[[template]]\nname = "bad"\nenv = {{ "{name}" = "x" }}\n'
+    demo_config_path.write_text(demo_config_path.read_text() + extra)
+    assert main(["serve", "--config", str(demo_config_path), "--stdio"]) == EXIT_CONFIG
+    assert "is not valid" in capsys.readouterr().err

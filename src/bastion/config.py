@@ -43,7 +43,7 @@ _RESERVED_DESTS: Final = frozenset(
 
 def _checked_env(env: dict[str, str]) -> dict[str, str]:
     for name in env:
-        if not _ENV_NAME.match(name):
+        if not _ENV_NAME.fullmatch(name):
             raise ValueError(f"environment variable name {name!r} is not valid")
         if name in _FIXED_ENV or name.upper().startswith(_FORBIDDEN_ENV_PREFIXES):
             raise ValueError(f"environment variable {name!r} may not be set from config")
@@ -549,7 +549,7 @@ class InboxConfig(_Model):
             if name_problem(folder) is not None or folder.startswith(".") or folder.strip() != folder:
                 raise ValueError(f"category folder {folder!r} must be a plain visible folder name")
             for ext in extensions:
-                if not _CATEGORY_EXT.match(ext):
+                if not _CATEGORY_EXT.fullmatch(ext):
                     raise ValueError(f"extension {ext!r} of {folder!r} must be lower case without a leading dot")
                 if ext in seen:
                     raise ValueError(f"extension {ext!r} is in both {seen[ext]!r} and {folder!r}: keep one")
@@ -595,7 +595,7 @@ class HttpConfig(_Model):
     max_clients: Annotated[int, Field(ge=1, le=100_000)] = 200
     registrations_per_ip_per_hour: Annotated[int, Field(ge=1, le=10_000)] = 20
     unused_client_ttl_s: Annotated[float, Field(gt=0)] = 86_400.0
-    code_lifetime_s: Annotated[float, Field(ge=10, le=600)] = 60.0
+    code_lifetime_s: Annotated[float, Field(ge=60, le=120)] = 60.0
     access_token_lifetime_s: Annotated[float, Field(ge=60, le=86_400)] = 3600.0
     refresh_token_lifetime_s: Annotated[float, Field(ge=60)] = 30 * 86_400.0
     """A refresh token unused this long expires; each rotation starts a new one."""
@@ -734,7 +734,7 @@ class GatewayConfig(_Model):
         if value is None:
             return None
         key = " ".join(value.split()[:2])
-        if not _HOST_KEY.match(key) or not _blob_has_type(*key.split(" ")):
+        if not _HOST_KEY.fullmatch(key) or not _blob_has_type(*key.split(" ")):
             raise ValueError("host_key must be 'TYPE BASE64' as in ssh-keyscan output, e.g. 'ssh-ed25519 AAAA...'")
         return key
 

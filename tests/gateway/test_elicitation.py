@@ -8,8 +8,9 @@ record; decline, cancel or approve=no deny it (APPROVAL_DENIED, nothing reaches 
 the switch off, or a client without the capability, or a client whose elicitation fails, nothing
 is decided and the old NEEDS_APPROVAL path holds; a CLI approval ends a question left open; the
 answer cannot be smuggled in as a tool argument. Each case runs on the 2025-11-25 handshake
-(`mode="legacy"`, `ctx.elicit`) and on 2026-07-28 (the default, InputRequiredResult). What it
-does not prove: elicitation over HTTP transports (stateful SSE is what the handshake era needs).
+(`mode="legacy"`, `ctx.elicit`) and on 2026-07-28 (the default, InputRequiredResult). These run
+in process; tests/http/test_elicitation_http.py proves the same over Streamable HTTP against a live
+`bastion serve --http` (stateful SSE is what the handshake era needs).
 """
 
 from __future__ import annotations

@@ -23,9 +23,9 @@ from mcp.client.auth import OAuthClientProvider
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.auth import AuthorizationCodeResult, OAuthClientInformationFull, OAuthClientMetadata, OAuthToken
 
-from tests.helpers import call
+from tests.helpers import INITIALIZE_REQUEST, MCP_HEADERS, call
 
-from .live import Browser, LiveServer, callback_params
+from .live import Browser, LiveServer, callback_params, get_tokens
 
 pytestmark = pytest.mark.anyio
 
@@ -76,15 +76,18 @@ def sdk_provider(
 
 
 def _client(server: LiveServer, http: httpx2.AsyncClient, mode: str) -> Client:
-    return Client(streamable_http_client(server.mcp_url, http_client=http), mode=mode)  # type: ignore[arg-type]
+    return Client(streamable_http_client(server.mcp_url, http_client=http), mode=mode)
 
 
 @pytest.mark.parametrize("mode", ["legacy", "2026-07-28"])
 async def test_sdk_client_full_flow(server: LiveServer, browsers: Callable[[LiveServer], Browser], mode: str) -> None:
-    storage, opened = MemoryStorage(), []
+    storage, opened = MemoryStorage(), list[str]()
     browser = browsers(server)
     provider = sdk_provider(server, browser, storage, None, opened)
     async with httpx2.AsyncClient(auth=provider, timeout=30) as http, _client(server, http, mode) as client:
+        version = client.session.protocol_version
+        assert version is not None
+        assert (version < "2026-07-28") is (mode == "legacy"), version
         tools = {tool.name for tool in (await client.list_tools()).tools}
         assert {"run_command", "read_file", "list_directory"} <= tools
         listing = await call(client, "list_directory")
@@ -120,7 +123,7 @@ async def test_sdk_client_full_flow(server: LiveServer, browsers: Callable[[Live
                 "grant_type": "refresh_token",
                 "refresh_token": first.refresh_token,
                 "client_id": storage.client_info.client_id,
-            },  # type: ignore[union-attr]
+            },
         )
         assert reused.status_code == 400
         assert reused.json()["error"] == "invalid_grant"
@@ -134,7 +137,7 @@ async def test_scopes_narrowed_at_consent_limit_list_and_call(
     server: LiveServer, browsers: Callable[[LiveServer], Browser], mode: str
 ) -> None:
     """A token for `organizer` only sees no workbench tool and cannot call one, on both eras."""
-    storage, opened = MemoryStorage(), []
+    storage, opened = MemoryStorage(), list[str]()
     browser = browsers(server)
     provider = sdk_provider(server, browser, storage, "organizer", opened)
     async with httpx2.AsyncClient(auth=provider, timeout=30) as http, _client(server, http, mode) as client:
@@ -159,3 +162,25 @@ async def test_scopes_narrowed_at_consent_limit_list_and_call(
     assert 'error="insufficient_scope"' in challenge
     assert 'scope="workbench"' in challenge
     assert f'resource_metadata="{server.base}/.well-known/oauth-protected-resource/mcp"' in challenge
+
+
+def test_handshake_era_is_stateful_with_sse_responses(server: LiveServer) -> None:
+    """2025-11-25: initialize opens a session, and requests are answered on an SSE stream (progress, elicitation)."""
+    tokens = get_tokens(server, server.register(client_name="sse probe")["client_id"])
+    headers = {**MCP_HEADERS, "Authorization": f"Bearer {tokens['access_token']}"}
+    with server.http() as raw:
+        opened = raw.post("/mcp", json=INITIALIZE_REQUEST, headers=headers)
+        assert opened.status_code == 200
+        assert opened.headers["content-type"].startswith("text/event-stream")
+        assert (
+            json.loads(opened.text.split("data: ", 1)[1].splitlines()[0])["result"]["protocolVersion"] == "2025-11-25"
+        )
+        session = {**headers, "Mcp-Session-Id": opened.headers["mcp-session-id"], "Mcp-Protocol-Version": "2025-11-25"}
+        initialized = {"jsonrpc": "2.0", "method": "notifications/initialized"}
+        assert raw.post("/mcp", json=initialized, headers=session).status_code == 202
+        listed = raw.post("/mcp", json={"jsonrpc": "2.0", "id": 2, "method": "tools/list"}, headers=session)
+        assert listed.status_code == 200
+        assert listed.headers["content-type"].startswith("text/event-stream")
+        assert '"run_command"' in listed.text
+        no_session = raw.post("/mcp", json={"jsonrpc": "2.0", "id": 3, "method": "tools/list"}, headers=headers)
+        assert no_session.status_code == 400  # stateful: a request outside a session is refused

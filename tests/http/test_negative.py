@@ -344,6 +344,26 @@ def test_t20_registration_flooding_and_expiry(start_server: Callable[..., Abstra
             assert db.execute("SELECT count(*) FROM oauth_clients").fetchone()[0] == 1
 
 
+def test_t20_unused_client_expires_without_a_new_registration(server: LiveServer, raw: httpx2.Client) -> None:
+    """A client unused for 24 h is refused at once, not only after the next registration purges it."""
+    unused, used = public_client(server), public_client(server)
+    tokens = tokens_for(server, used)
+    with server.db() as db:
+        db.execute(
+            "UPDATE oauth_clients SET created_at = ? WHERE client_id IN (?, ?)", (time.time() - 86_401, unused, used)
+        )
+    _, challenge = pkce()
+    assert_refused_page(_authorize(raw, **_base_params(server, unused, challenge)), "unknown client")
+    refused = raw.post("/token", data={"grant_type": "refresh_token", "refresh_token": "x" * 43, "client_id": unused})
+    assert refused.status_code == 401
+    assert refused.json()["error"] == "invalid_client"
+    # A client that got a grant is not "unused": it keeps working however old it is.
+    rotated = refresh(raw, used, tokens["refresh_token"])
+    assert rotated.status_code == 200, rotated.text
+    SEEN.extend([rotated.json()["access_token"], rotated.json()["refresh_token"]])
+    assert _authorize(raw, **_base_params(server, used, challenge)).status_code == 303
+
+
 def test_t21_metadata_is_escaped_on_the_consent_page(server: LiveServer) -> None:
     xss = "<img src=x onerror=alert(1)>"
     client_id = public_client(server, client_name=xss, client_uri="https://ok.example")
@@ -907,6 +927,36 @@ def test_t56_password_change_revokes_everything(
             assert browser.login(login, "a brand new password").status_code == 303
         finally:
             browser.close()
+
+
+def test_t56_password_change_voids_a_login_in_progress(
+    start_server: Callable[..., AbstractContextManager[LiveServer]],
+) -> None:
+    """Logged in with the old password, consent page open: after the change, approving mints no code."""
+    with start_server() as server:
+        client_id = public_client(server)
+        _, challenge = pkce()
+        browser = Browser(server)
+        try:
+            login = browser.open(browser.authorize_url(client_id, challenge))
+            consent = browser.open(browser.login(login).headers["location"])
+            assert consent.status_code == 200
+            changed = subprocess.run(
+                [str(BASTION), "admin", "set-password", "--config", str(server.config_path)],
+                input="a brand new password\n",
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            assert changed.returncode == 0, changed.stderr
+            decided = browser.consent(consent)
+            assert decided.status_code == 403
+            assert "location" not in decided.headers
+            assert "password has changed" in decided.text
+        finally:
+            browser.close()
+        with server.db() as db:
+            assert db.execute("SELECT count(*) FROM oauth_codes").fetchone()[0] == 0
 
 
 def test_t56_revoke_all_button(start_server: Callable[..., AbstractContextManager[LiveServer]]) -> None:

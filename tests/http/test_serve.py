@@ -3,8 +3,10 @@
 What this proves: the server refuses to start without an admin password, with auth off on a
 non-loopback address, or with half a TLS pair; `--listen` overrides the config; with a certificate and
 key it serves https (the issuer and resource then being https too); `admin set-password` reads stdin,
-stores only an argon2id hash, and `--generate --if-unset` prints a password once; `admin clients`,
-`tokens` and `revoke` list and revoke what the live server issued. Test keys are made at test time.
+stores only an argon2id hash, and `--generate --if-unset` prints a password once; `make run`'s sequence
+prints a password that logs in, then the MCP URL and how to connect Claude Code, Claude Desktop and the
+Inspector; `admin clients`, `tokens` and `revoke` list and revoke what the live server issued; a code
+lifetime outside 60-120 s is refused. Test keys are made at test time.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from .live import BASTION, free_port, get_tokens, live_server, write_config
+from .live import BASTION, Browser, free_port, get_tokens, live_server, pkce, serve_config, write_config
 
 
 def bastion(*args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
@@ -203,3 +205,41 @@ def test_listen_overrides_the_config(tmp_path: Path) -> None:
         process.wait(10)
         assert process.stderr is not None
         process.stderr.close()
+
+
+def test_make_run_sequence_prints_the_password_once_and_how_to_connect(tmp_path: Path) -> None:
+    """`make run`: a password generated if unset (printed once, hash kept), then serve, saying how to connect."""
+    root = tmp_path / "demo"
+    port = free_port()
+    config = write_config(root, port)
+    generated = bastion("admin", "set-password", "--config", str(config), "--generate", "--if-unset")
+    assert generated.returncode == 0, generated.stderr
+    password = generated.stdout.strip()
+    assert "shown once" in generated.stderr
+    assert password not in (root / "state" / "admin-password.argon2").read_text()
+    with serve_config(root, config, port) as server:
+        mcp_url = f"http://127.0.0.1:{port}/mcp"
+        log = server.log()
+        assert f"MCP URL: {mcp_url}" in log
+        assert f"claude mcp add --transport http bastion {mcp_url}" in log  # Claude Code
+        assert "Claude Desktop: Settings > Connectors" in log
+        assert "@modelcontextprotocol/inspector" in log
+        assert password not in log
+        # The printed password is the administrator's: it logs in and approves a client.
+        browser = Browser(server)
+        try:
+            client_id = server.register()["client_id"]
+            location = browser.approve(browser.authorize_url(client_id, pkce()[1]), password=password)
+        finally:
+            browser.close()
+        assert "code=" in location
+    again = bastion("admin", "set-password", "--config", str(config), "--generate", "--if-unset")
+    assert again.returncode == 0
+    assert again.stdout == ""  # second run: nothing printed, the password unchanged
+
+
+def test_code_lifetime_is_bounded_to_60_120_s(tmp_path: Path) -> None:
+    for value, ok in (("59", False), ("60", True), ("120", True), ("121", False)):
+        config = write_config(tmp_path / f"demo{value}", free_port(), http_extra=f"code_lifetime_s = {value}")
+        result = bastion("admin", "tokens", "--config", str(config))
+        assert (result.returncode == 0) is ok, (value, result.stderr)

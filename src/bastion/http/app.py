@@ -243,7 +243,7 @@ def build_http_app(services: Services, server: BastionServer, *, listen: str | N
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
         async with session_manager.run(), anyio.create_task_group() as tasks:
             if store is not None:
-                tasks.start_soon(_purge_forever, store)
+                tasks.start_soon(_purge_forever, store, config.http.unused_client_ttl_s)
             try:
                 yield
             finally:
@@ -253,7 +253,8 @@ def build_http_app(services: Services, server: BastionServer, *, listen: str | N
     return HttpApp(app=HostGuard(AccessLog(starlette), hosts, origins), endpoints=endpoints, store=store)
 
 
-async def _purge_forever(store: AuthStore) -> None:
+async def _purge_forever(store: AuthStore, unused_client_ttl_s: float) -> None:
     while True:
         await anyio.sleep(PURGE_INTERVAL_S)
         store.purge_expired()
+        store.expire_unused_clients(unused_client_ttl_s)

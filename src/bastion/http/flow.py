@@ -174,6 +174,7 @@ class AuthorizationFlow:
             return self._login_page(txn, message=LOGIN_FAILED, status=401)
         self.limiter.success(ip)
         txn.authenticated = True
+        txn.credential_version = self.credential.version()
         txn.csrf = secrets.token_urlsafe(32)  # a new token for the next step
         return pages.see_other(f"/oauth/consent?{urlencode({'txn': txn.txn_id})}")
 
@@ -208,6 +209,9 @@ class AuthorizationFlow:
         if not self._bound(request, txn, single) or txn is None or not txn.authenticated:
             return pages.error_page("This form is not valid for this browser (CSRF check failed).", status=403)
         self.provider.finish_transaction(txn.txn_id)
+        if not hmac.compare_digest(txn.credential_version, self.credential.version()):
+            # The password changed (which revokes everything) after this login: the login no longer counts.
+            return pages.error_page("The administrator password has changed. Start again from the app.", status=403)
         issuer = self.provider.endpoints.issuer
         granted = tuple(s for s in txn.scopes if s in chosen)
         if single.get("decision") != "approve" or not granted:

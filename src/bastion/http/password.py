@@ -6,6 +6,7 @@ admin session (the caller does that through the store), so a leaked password or 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import secrets
 from pathlib import Path
@@ -72,6 +73,11 @@ class AdminCredential:
     @property
     def is_set(self) -> bool:
         return self._hash() is not None
+
+    def version(self) -> str:
+        """Changes whenever the password does: a login made with an older password no longer counts."""
+        encoded = self._hash()
+        return "" if encoded is None else hashlib.sha256(encoded.encode()).hexdigest()
 
     def verify(self, password: str) -> bool:
         """True if `password` is the administrator's; the argon2 work is done even for an unset hash."""

@@ -63,6 +63,8 @@ class Transaction:
     browser_digest: str
     csrf: str = field(default_factory=lambda: secrets.token_urlsafe(32))
     authenticated: bool = False
+    credential_version: str = ""
+    """`AdminCredential.version()` at login: a password change since then voids the login."""
     created: float = field(default_factory=time.monotonic)
 
 
@@ -95,13 +97,14 @@ class BastionAuthProvider:
             return await self.cimd.client(client_id)
         if len(client_id) > 200:
             return None
-        found = self.store.client(client_id)
+        # A client unused for unused_client_ttl_s is gone even before a purge deletes its row.
+        found = self.store.client(client_id, unused_ttl_s=self.config.unused_client_ttl_s)
         if found is None:
             return None
         return OAuthClientInformationFull.model_validate(found[0])
 
     def client_secret_digest(self, client_id: str) -> str | None:
-        found = self.store.client(client_id)
+        found = self.store.client(client_id, unused_ttl_s=self.config.unused_client_ttl_s)
         return None if found is None else found[1]
 
     async def register_client(self, client_info: OAuthClientInformationFull) -> None:

@@ -21,7 +21,7 @@ from mcp.server.context import CallNext, HandlerResult, ServerRequestContext
 from mcp_types import ListToolsResult
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from bastion.safety.errors import Forbidden
+from bastion.safety.errors import BastionError, Forbidden, InvalidRequest
 from bastion.tools.server import BastionServer, to_call_result
 
 MAX_MCP_BODY_BYTES: Final = 4 * 1024 * 1024
@@ -173,11 +173,16 @@ class ScopeMiddleware:
             name = params.get("name")
             needed = self.server.tool_scopes.get(name) if isinstance(name, str) else None
             granted = token_scopes(ctx) or set()
-            if needed is not None and needed not in granted:
-                arguments = params.get("arguments")
+            error: BastionError | None = None
+            if needed is None:
+                # A tool without a toolset (or no tool at all) is hidden from tools/list: never callable.
+                error = InvalidRequest(f"unknown tool {name!r}: list the tools to see what this server offers")
+            elif needed not in granted:
                 error = Forbidden(f"this token does not have the {needed} scope: ask the administrator to grant it")
+            if error is not None:
+                arguments = params.get("arguments")
                 refused = await self.server.runner.refuse(
-                    name or "", arguments if isinstance(arguments, dict) else {}, error
+                    name if isinstance(name, str) else "", arguments if isinstance(arguments, dict) else {}, error
                 )
                 return to_call_result(refused).model_dump(by_alias=True, mode="json", exclude_none=True)
         return await call_next(ctx)

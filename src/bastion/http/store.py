@@ -147,10 +147,17 @@ class AuthStore:
             (client_id, json.dumps(info), digest(secret) if secret else None, ip, time.time()),
         )
 
-    def client(self, client_id: str) -> tuple[dict[str, object], str | None] | None:
-        row = self._db.execute(
-            "SELECT info, secret_digest FROM oauth_clients WHERE client_id = ?", (client_id,)
-        ).fetchone()
+    def client(
+        self, client_id: str, *, unused_ttl_s: float | None = None
+    ) -> tuple[dict[str, object], str | None] | None:
+        """The client's metadata and secret digest; with `unused_ttl_s`, None for a client that expired unused."""
+        sql = "SELECT info, secret_digest FROM oauth_clients WHERE client_id = ?"
+        params: tuple[object, ...] = (client_id,)
+        if unused_ttl_s is not None:
+            # last_used_at is set when the client's first grant is made: NULL means it never got one.
+            sql += " AND (last_used_at IS NOT NULL OR created_at >= ?)"
+            params = (client_id, time.time() - unused_ttl_s)
+        row = self._db.execute(sql, params).fetchone()
         if row is None:
             return None
         info: dict[str, object] = json.loads(row[0])
