@@ -284,8 +284,8 @@ class PythonContext:
                 async with asyncio.timeout(min(remaining, PROGRESS_EVERY_S)):
                     message = await asyncio.shield(cell.done)
             except TimeoutError:
-                if cell.sizes[0] or cell.sizes[1]:
-                    await progress(cell.tail())
+                # Silent code reports too: a client may reset its request timeout on progress.
+                await progress(cell.tail())
         return self._result(cell, message, timed_out)
 
     async def _interrupt(self, cell: _Cell) -> dict[str, Any] | None:

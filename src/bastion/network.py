@@ -74,7 +74,9 @@ class SandboxNetwork:
             try:
                 yield
             finally:
-                await self._narrow()
+                # A cancelled install (the client gave up) cancels every await in this scope: the
+                # narrowing runs shielded, so it never depends on how far it got before that.
+                await asyncio.shield(self._narrow())
 
     async def _open(self, workspace: HostWorkspace, rules: Sequence[AllowRule]) -> None:
         if self._egress is None:

@@ -3,9 +3,12 @@
 The argument is checked against a narrow grammar (a PEP 508 name with optional extras
 and version specifiers; for npm a package name, optionally scoped, with a version range)
 so that no option (``--index-url``, ``-e``, ``--pre``), URL, path or VCS link can reach
-the installer. The installer runs inside the sandbox (a source distribution's build code
-is untrusted), with ``--`` before the requirement, its config files ignored, and the
-network widened to the package registry for the duration of the install only.
+the installer; names the installers would read as a local archive (``x.whl``, ``x@1.tgz``)
+or folder (npm's ``x@..``) are refused too. The installer runs inside the sandbox (a source
+distribution's build code is untrusted), with ``--`` before the requirement and the network
+widened to the package registry for the duration of the install only. pip reads no config
+file; npm reads the sandbox's ``.npmrc``, whose settings its command line overrides (and
+whatever it says, the proxy admits only the registry).
 """
 
 from __future__ import annotations
@@ -87,7 +90,10 @@ def venv_commands() -> list[tuple[str, ...]]:
 
 
 def pip_command(requirement: str, index_url: str, cert: str | None) -> tuple[str, ...]:
-    argv = [f"{OWN_VENV}/bin/python", "-m", "pip", "install", "--isolated", "--no-input"]
+    # --isolated skips the user's config and PIP_* variables but still reads the venv's own
+    # pip.conf, which the agent can write (find-links, no-index...): PIP_CONFIG_FILE=/dev/null
+    # is pip's documented switch that skips every config file.
+    argv = [ENV, PIP_NO_CONFIG, f"{OWN_VENV}/bin/python", "-m", "pip", "install", "--isolated", "--no-input"]
     argv += ["--disable-pip-version-check", "--progress-bar", "off", "--index-url", index_url]
     if cert is not None:
         argv += ["--cert", cert]
@@ -105,6 +111,8 @@ def npm_command(requirement: str, registry_url: str, cert: str | None) -> tuple[
 
 
 CA_BUNDLE: Final = "/etc/ssl/certs/ca-certificates.crt"  # bound into every sandbox (see _spawn)
+ENV: Final = "/usr/bin/env"
+PIP_NO_CONFIG: Final = f"PIP_CONFIG_FILE={os.devnull}"
 VENV_TIMEOUT_S: Final = 120.0
 
 

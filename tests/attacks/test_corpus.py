@@ -5,7 +5,9 @@ What this proves: every entry of ``attack-corpus.json`` aimed at the terminal or
 that ``bastion serve`` builds from the demo config, either refused with a stable result code
 or contained: the call does not read or create anything outside the workspace, secrets and
 terminal escapes do not reach the answer, a runaway command is killed at its time limit,
-and the audit log still verifies afterwards, with a record of the call.
+and the audit log still verifies afterwards, with a record of the call. The code sandbox
+entries (sandbox.execute, sandbox.install_package) go to the real execute_code and
+install_package, in sandboxes with and without an egress proxy (see the end of this file).
 
 What it does not prove: that no other attack works. The corpus is a list of known inputs;
 passing it says nothing about inputs nobody has published yet, about other configs than the
@@ -528,3 +530,144 @@ async def test_secret_appears_nowhere_in_the_result(entry: dict[str, Any], demo:
     text = _text(result)
     for secret in SECRETS[entry["id"]]:
         assert secret not in text, f"{secret!r} is in the result"
+
+
+# -- the code sandbox entries (sandbox.execute, sandbox.install_package) --------------------------
+#
+# Replayed against the real execute_code and install_package in real sandboxes of the demo
+# server, once in a sandbox without network and once in one whose egress proxy runs (its
+# allowlist names a test host that nothing ever connects to), so the metadata request meets
+# both "no route" and the proxy's refusal.
+
+CODE_TOOLS = {"sandbox.execute": "execute_code", "sandbox.install_package": "install_package"}
+CODE_ENTRIES = [entry for entry in CORPUS if entry["tool"] in CODE_TOOLS]
+CODE_EXPECTED: dict[str, frozenset[str]] = {
+    "A106": frozenset({"OK"}),  # the agent's error is data: the host's /etc/shadow is not in the sandbox
+    "A107": frozenset({"OK"}),  # URLError: no route, or the proxy's 403
+    "A109": frozenset({"OK", "RESOURCE_LIMIT"}),  # MemoryError, or the context killed at the memory limit
+    "A110": frozenset({"TIMEOUT"}),  # interrupted at the time limit; the context lives on
+    "A112": frozenset({INVALID_REQUEST}),
+}
+CODE_TIMEOUT_S = 3
+NETWORK_TOML = """
+[sandboxes.network]
+allow = ["allowed.test"]
+hosts = { "allowed.test" = ["192.0.2.1"] }
+"""
+
+
+def test_code_entries_cover_the_corpus() -> None:
+    assert {entry["id"] for entry in CODE_ENTRIES} == set(CODE_EXPECTED)
+    for entry in CODE_ENTRIES:
+        assert entry["expect"] in ("refused", "contained"), entry["id"]
+        if entry["expect"] == "refused":
+            assert CODE_EXPECTED[entry["id"]] <= REFUSALS, entry["id"]
+
+
+def _host_shadow_line() -> str | None:
+    try:
+        first = Path("/etc/shadow").read_text().splitlines()[0]
+    except (OSError, IndexError):
+        return None  # unprivileged: the host file is not readable by the test either
+    return first
+
+
+@pytest.mark.anyio
+@pytest.mark.bwrap
+@pytest.mark.parametrize("networked", [False, True], ids=["no-network", "proxy"])
+@pytest.mark.parametrize("entry", CODE_ENTRIES, ids=[entry["id"] for entry in CODE_ENTRIES])
+async def test_code_attack_is_refused_or_contained(entry: dict[str, Any], networked: bool, demo: Demo) -> None:
+    demo.config_path.write_text(
+        demo.config_path.read_text().replace("[sandboxes.limits]", NETWORK_TOML + "\n[sandboxes.limits]")
+    )
+    shadow = _host_shadow_line()
+    tool = CODE_TOOLS[entry["tool"]]
+    results: list[tuple[str, CallToolResult]] = []
+    async with demo.client() as client:
+        created = _payload(
+            await client.call_tool("create_sandbox", {"network_allow": ["allowed.test"] if networked else []})
+        )
+        assert created["ok"], created
+        box = created["detail"]["sandbox_id"]
+        sandbox = {"sandbox_id": box}
+        if tool == "execute_code":
+            results.append(("execute_code", await client.call_tool("execute_code", {"code": "kept = 7", **sandbox})))
+            args: dict[str, Any] = {"code": entry["input"], "timeout_s": CODE_TIMEOUT_S, **sandbox}
+        else:
+            args = {"name": entry["input"], **sandbox}
+        started = time.monotonic()
+        result = await client.call_tool(tool, args)
+        elapsed = time.monotonic() - started
+        payload, text = _payload(result), _text(result)
+        results.append((tool, result))
+        assert payload["code"] in CODE_EXPECTED[entry["id"]], payload
+        assert HOST_PASSWD_MARKER not in text
+        if shadow is not None:
+            assert shadow not in text
+        if tool == "install_package":
+            assert payload["detail"] == {}, "a refused install carries no output: the installer never ran"
+            listed = _payload(await client.call_tool("run_command", {"command": "ls -A /workspace", **sandbox}))
+            assert listed["detail"]["stdout"] == "", "a refused install left something in the sandbox"
+        else:
+            _check_code_contained(entry, payload, elapsed, networked)
+            if payload["detail"]["context_state"] == "alive":
+                state = await client.call_tool("execute_code", {"code": "kept", **sandbox})
+                assert _payload(state)["detail"]["value"] == "7", "the context lost its state"
+                results.append(("execute_code", state))
+        after = await client.call_tool("execute_code", {"code": "6 * 7", "restart": True, **sandbox})
+        assert _payload(after)["detail"]["value"] == "42", "the sandbox is no longer usable"
+        results.append(("execute_code", after))
+    _check_code_audit(demo, entry, box, networked, results)
+
+
+def _check_code_contained(entry: dict[str, Any], payload: dict[str, Any], elapsed: float, networked: bool) -> None:
+    detail = payload["detail"]
+    error = detail["error"] or {}
+    entry_id = entry["id"]
+    if entry_id == "A106":
+        assert error.get("type") in ("FileNotFoundError", "PermissionError"), detail
+    elif entry_id == "A107":
+        if networked:
+            # The proxy answered: the address is not on the sandbox's allowlist.
+            assert error.get("type") == "HTTPError", detail
+            assert "403" in error["message"], detail
+        else:
+            assert error.get("type") == "URLError", detail
+            assert "refused" in error["message"] or "unreachable" in error["message"], detail
+    elif entry_id == "A109":
+        if payload["code"] == "OK":
+            assert error.get("type") == "MemoryError", detail
+        else:
+            assert detail["context_state"] == "dead", detail
+    elif entry_id == "A110":
+        assert error.get("type") == "KeyboardInterrupt", detail
+        assert detail["context_state"] == "alive", detail
+        assert elapsed < CODE_TIMEOUT_S + 5, f"the time limit of {CODE_TIMEOUT_S} s took {elapsed:.1f} s"
+    else:
+        raise AssertionError(f"no containment check for code entry {entry_id}: teach the test")
+
+
+def _check_code_audit(
+    demo: Demo, entry: dict[str, Any], box: str, networked: bool, results: list[tuple[str, CallToolResult]]
+) -> None:
+    """The chain verifies, each call has its end record with the same code, and the egress records
+    are exactly the attempts the entry makes: none without network, the refused metadata request
+    with the proxy."""
+    path = demo.load().audit_path
+    report = verify(path)
+    assert report.ok, report
+    records = list(_audit_records(path))
+    by_id = {record["id"]: record for record in records if "id" in record}
+    for tool, result in results:
+        payload = _payload(result)
+        record = by_id.get(payload["audit_id"])
+        assert record is not None, f"no audit record {payload['audit_id']} for {tool}"
+        assert (record["event"], record["tool"], record["code"]) == ("end", tool, payload["code"])
+    egress = [record for record in records if record.get("event") in ("egress", "egress_open")]
+    if entry["id"] == "A107" and networked:
+        assert [(r["event"], r["sandbox"], r["domain"], r["port"], r["decision"]) for r in egress] == [
+            ("egress", box, "169.254.169.254", 80, "deny")
+        ], egress
+        assert egress[0]["bytes_up"] == egress[0]["bytes_down"] == 0, egress
+    else:
+        assert egress == [], egress

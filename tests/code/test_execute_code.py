@@ -63,6 +63,16 @@ async def test_state_persists_between_calls(client: Client) -> None:
     assert read["detail"]["content"] == '{"x": 20}'
 
 
+async def test_a_module_written_in_the_workspace_imports(client: Client) -> None:
+    sandbox = await create(client)
+    wrote = await run(client, sandbox, "open('helper.py', 'w').write('def twice(x):\\n    return 2 * x\\n')")
+    assert wrote["ok"], wrote
+    used = await run(client, sandbox, "import helper\nhelper.twice(21)")
+    assert used["ok"], used
+    assert used["detail"].get("error") is None, used
+    assert used["detail"]["value"] == "42"
+
+
 async def test_an_exception_is_data_with_the_agents_traceback(client: Client) -> None:
     sandbox = await create(client)
     result = await run(client, sandbox, "def f():\n    return 1 / 0\nprint('before')\nf()")
@@ -159,6 +169,14 @@ async def test_the_template_packages_are_importable(client: Client) -> None:
     command = "python -c 'import numpy; print(numpy.__name__)'"
     shell = await call(client, "run_command", command=command, sandbox_id=sandbox)
     assert shell["detail"]["stdout"] == "numpy\n"
+    # The template's environment is read-only inside: no one sandbox can change it for the others.
+    code = (
+        "import numpy, os\ntry:\n    open(os.path.join(os.path.dirname(numpy.__file__), 'x.py'), 'w')\n"
+        "except OSError as exc:\n    print(exc.errno == 30 or exc.errno == 13)"
+    )
+    written = await run(client, sandbox, code)
+    assert written["detail"]["stdout"] == "True\n", written
+    assert not list(DATA_ENV.glob("lib/python3*/site-packages/numpy/x.py"))
 
 
 async def test_bash_and_node_run_once(client: Client) -> None:
@@ -229,3 +247,13 @@ async def test_long_running_code_reports_progress_with_its_output(client: Client
     assert raw.structured_content["ok"]
     assert messages, "no progress was reported"
     assert "step 0" in messages[0]
+    assert "step 1" in messages[-1], messages  # the output so far, not the first line again
+    # Silent code reports progress too (a client may reset its request timeout on it).
+    messages.clear()
+    silent = await client.call_tool(
+        "execute_code", {"code": "import time\ntime.sleep(2.5)", "sandbox_id": sandbox}, progress_callback=on_progress
+    )
+    assert silent.structured_content is not None
+    assert silent.structured_content["ok"]
+    assert messages, "silent code reported no progress"
+    assert messages[0] == "running; no output yet"

@@ -14,6 +14,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from mcp import Client
 
+from bastion.app import build_server, build_services
+from bastion.config import load_config
 from bastion.packages import check_requirement
 from bastion.safety.errors import InvalidRequest
 from tests.helpers import call, create, sh
@@ -181,3 +183,50 @@ async def test_a_real_npm_install_then_require(client: Client) -> None:
     code = "console.log(require('left-pad')('x', 4, '0'))"
     used = await call(client, "execute_code", code=code, language="node", sandbox_id=sandbox)
     assert used["detail"]["stdout"] == "000x\n", used
+
+
+LOCAL_WHEEL = r"""
+import os, zipfile
+os.makedirs("wheels", exist_ok=True)
+files = {
+    "localpkg/__init__.py": "VALUE = 'from a local path'\n",
+    "localpkg-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: localpkg\nVersion: 1.0\n",
+    "localpkg-1.0.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+}
+with zipfile.ZipFile("wheels/localpkg-1.0-py3-none-any.whl", "w") as wheel:
+    for name, text in files.items():
+        wheel.writestr(name, text)
+    record = "".join(f"{n},,\n" for n in [*files, "localpkg-1.0.dist-info/RECORD"])
+    wheel.writestr("localpkg-1.0.dist-info/RECORD", record)
+"""
+
+
+@pytest.mark.anyio
+@pytest.mark.bwrap
+async def test_the_sandboxs_pip_config_cannot_turn_a_name_into_a_path(demo_config_path: Path) -> None:
+    """pip reads a venv's own pip.conf even with --isolated; the sandbox's venv is the agent's to
+    write, so a find-links there would install a local wheel for a plain name. The index is a name
+    the proxy refuses, so nothing leaves the machine: the install must fail, never find the wheel."""
+    text = demo_config_path.read_text()
+    demo_config_path.write_text(
+        text.replace("[sandboxes.limits]", 'pip_index_url = "https://registry.test/simple"\n\n[sandboxes.limits]')
+    )
+    services = build_services(load_config(demo_config_path))
+    try:
+        async with Client(build_server(services, caller="test")) as client:
+            sandbox = await create(client)
+            made = await call(client, "execute_code", code=LOCAL_WHEEL, sandbox_id=sandbox)
+            assert made["ok"], made
+            assert made["detail"]["error"] is None, made
+            config = "[global]\nno-index = true\nfind-links = /workspace/wheels\n"
+            venv = await sh(client, sandbox, f"python3 -m venv .venv && printf '{config}' > .venv/pip.conf")
+            assert venv["detail"]["exit_status"] == 0, venv
+            installed = await call(client, "install_package", name="localpkg", sandbox_id=sandbox)
+            assert installed["code"] == "OPERATION_FAILED", installed
+            output = installed["detail"]["stdout"] + installed["detail"]["stderr"]
+            assert "wheels" not in output, output
+            assert "registry.test" in output, output
+            used = await call(client, "execute_code", code="import localpkg", sandbox_id=sandbox)
+            assert used["detail"]["error"]["type"] == "ModuleNotFoundError", used
+    finally:
+        services.close()

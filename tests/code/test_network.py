@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 from mcp import Client
 
@@ -21,6 +22,7 @@ from tests.helpers import call, create, sh
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
 
+FETCH_ARGV = "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())"
 FETCH = (
     "python3 -c 'import sys, urllib.request; "
     'print(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())\' "{url}"'
@@ -62,9 +64,7 @@ def web() -> Iterator[int]:
 
 @contextlib.asynccontextmanager
 async def network_client(config_path: Path, network_toml: str) -> AsyncIterator[Client]:
-    config_path.write_text(
-        config_path.read_text().replace("[sandboxes.limits]", network_toml + "\n[sandboxes.limits]")
-    )
+    config_path.write_text(config_path.read_text().replace("[sandboxes.limits]", network_toml + "\n[sandboxes.limits]"))
     services = build_services(load_config(config_path))
     try:
         async with Client(build_server(services, caller="test")) as client:
@@ -179,3 +179,36 @@ async def test_closing_a_sandbox_stops_its_proxy(net_client: Client, web: int) -
     assert closed["ok"], closed
     result = await sh(net_client, second, FETCH.format(url=f"http://allowed.test:{web}/"))
     assert result["detail"]["stdout"] == "hello from the host\n", result
+
+
+async def test_a_cancelled_install_leaves_no_registry_access(demo_config_path: Path, web: int) -> None:
+    """The registry is reachable only while an install runs, even when the install is cancelled
+    the way the SDK cancels a request (an anyio cancel scope, which cancels every later await)."""
+    blocked = [r for r in DEFAULT_BLOCKED_RANGES if r != "127.0.0.0/8"]
+    extra = f"""
+[sandboxes.network]
+registry = ["registry.test:{web}"]
+blocked_ranges = {json.dumps(blocked)}
+hosts = {{ "registry.test" = ["127.0.0.1"] }}
+"""
+    demo_config_path.write_text(
+        demo_config_path.read_text().replace("[sandboxes.limits]", extra + "\n[sandboxes.limits]")
+    )
+    services = build_services(load_config(demo_config_path))
+    registry = services.config.sandboxes.network.registry_rules
+    fetch = ("python3", "-c", FETCH_ARGV, f"http://registry.test:{web}/")
+    try:
+        box = await services.sandboxes.create(owner="test")
+        async with box.network.widened(box.workspace, registry):
+            during = await box.workspace.run_argv("/usr/bin/python3", fetch, timeout_s=20)
+        assert during.stdout == BODY.decode() + "\n", during
+        with anyio.CancelScope() as scope:
+            async with box.network.widened(box.workspace, registry):
+                scope.cancel()
+                await anyio.sleep(5)
+        assert scope.cancelled_caught
+        after = await box.workspace.run_argv("/usr/bin/python3", fetch, timeout_s=20)
+        assert "403" in after.stderr, after
+        assert HITS == ["/"], HITS
+    finally:
+        services.close()

@@ -24,7 +24,10 @@ import sys
 import time
 
 CHUNK = 1024 * 1024
-PIPE_BYTES = 256 * 1024
+# A pipe starts at the kernel's default (64 KiB) and grows once its direction has carried
+# GROW_AFTER bytes: bulk transfers move up to 1 MiB per splice, short ones spend no pipe budget.
+PIPE_BYTES = 1024 * 1024
+GROW_AFTER = 1024 * 1024
 UNIX_BUFFER_BYTES = 4 * 1024 * 1024  # fewer, larger copies; the kernel caps it at [rw]mem_max
 MAX_PAIRS = 1024
 CONNECT_TIMEOUT_S = 10.0
@@ -45,17 +48,13 @@ class Pipe:
         self.dst = dst
         self.eof = False
         self.queued = 0
+        self.moved = 0
         self.fds: tuple[int, int] | None = None
         self.buf = memoryview(b"")
         self.start = 0
         if SPLICE:
-            try:
+            with contextlib.suppress(OSError):
                 self.fds = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-            except OSError:
-                pass
-            else:
-                with contextlib.suppress(OSError):
-                    fcntl.fcntl(self.fds[1], fcntl.F_SETPIPE_SZ, PIPE_BYTES)
         if self.fds is None:
             self.buf = memoryview(bytearray(CHUNK))
 
@@ -79,6 +78,10 @@ class Pipe:
                 count = self.src.recv_into(self.buf)
         else:
             count = self.src.recv_into(self.buf)
+        if self.fds is not None and self.moved < GROW_AFTER <= self.moved + count:
+            with contextlib.suppress(OSError):  # refused past the user's pipe budget: it stays small
+                fcntl.fcntl(self.fds[1], fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+        self.moved += count
         self.start, self.queued = 0, count
         self.eof = not count
 

@@ -247,6 +247,9 @@ def main() -> None:
     inbox: list[dict[str, Any]] = []
     wake = threading.Semaphore(0)
     os.environ.setdefault("MPLBACKEND", "Agg")
+    # As in a notebook, modules the agent writes in the working folder import; added after the
+    # kernel's own imports, so a /workspace/json.py cannot replace the kernel's json.
+    sys.path.insert(0, os.getcwd())
     threading.Thread(
         target=read_requests, args=(stdin_fd, threading.main_thread().ident, inbox, wake), daemon=True
     ).start()

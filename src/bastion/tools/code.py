@@ -89,8 +89,9 @@ def register_code(
             "imports and open files stay between calls; the value of a last expression comes back in "
             "detail.value, an exception with its traceback in detail.error (ok stays true: it is your code's "
             "error), and matplotlib figures left open come back as PNG images. Several named contexts per "
-            "sandbox; restart=true starts one afresh. bash and node run once, like a command. On timeout the "
-            "code is interrupted (KeyboardInterrupt) and the context lives; if it does not stop, it is killed."
+            "sandbox; restart=true starts one afresh. bash and node run once, like a command. Python code running "
+            "longer than a second sends progress notifications with the end of its output so far. On timeout "
+            "the code is interrupted (KeyboardInterrupt) and the context lives; if it does not stop, it is killed."
         ),
     )
     async def execute_code(
@@ -107,7 +108,7 @@ def register_code(
 
         async def progress(tail: str) -> None:
             ticks[0] += 1
-            await ctx.report_progress(ticks[0], None, tail)
+            await ctx.report_progress(ticks[0], None, tail or "running; no output yet")
 
         async def op() -> OperationResult:
             sandbox_only(sandbox_id)
