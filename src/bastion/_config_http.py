@@ -1,0 +1,80 @@
+"""`[http]`: Streamable HTTP serving and the built-in OAuth 2.1 authorization server.
+
+Private: import these names from `bastion.config`.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Final
+from urllib.parse import urlsplit
+
+from pydantic import Field, field_validator
+
+from bastion._config_base import _Model
+
+# Known native-app callbacks (RFC 8252 private-use schemes) accepted at registration by exact match.
+DEFAULT_APP_CALLBACKS: Final = ("cursor://anysphere.cursor-mcp/oauth/callback",)
+
+
+class HttpConfig(_Model):
+    """Streamable HTTP serving and the built-in OAuth 2.1 authorization server (`bastion serve --http`)."""
+
+    public_url: str | None = None
+    """The origin clients use, e.g. https://bastion.example.com (no path). Drives the issuer, the resource
+    URL (`<public_url>/mcp`) and the Host/Origin values accepted (DNS-rebinding protection)."""
+    listen: str = "127.0.0.1:8765"
+    """HOST:PORT to bind; `--listen` overrides it."""
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    auth: bool = True
+    """Dangerous when false: /mcp then needs no token. Refused unless `listen` is a loopback address."""
+    extra_origins: tuple[str, ...] = ()
+    """Browser origins besides public_url allowed to call /mcp (e.g. the MCP Inspector's http://localhost:6274)."""
+    app_callbacks: tuple[str, ...] = DEFAULT_APP_CALLBACKS
+    """Non-https redirect URIs a client may register, matched exactly."""
+    max_clients: Annotated[int, Field(ge=1, le=100_000)] = 200
+    registrations_per_ip_per_hour: Annotated[int, Field(ge=1, le=10_000)] = 20
+    unused_client_ttl_s: Annotated[float, Field(gt=0)] = 86_400.0
+    code_lifetime_s: Annotated[float, Field(ge=60, le=120)] = 60.0
+    access_token_lifetime_s: Annotated[float, Field(ge=60, le=86_400)] = 3600.0
+    refresh_token_lifetime_s: Annotated[float, Field(ge=60)] = 30 * 86_400.0
+    """A refresh token unused this long expires; each rotation starts a new one."""
+    grant_lifetime_s: Annotated[float, Field(ge=60)] = 90 * 86_400.0
+    """After this, the client must ask the administrator again, whatever its refresh tokens."""
+    login_failures_before_backoff: Annotated[int, Field(ge=1, le=100)] = 5
+    login_backoff_max_s: Annotated[float, Field(gt=0, le=86_400)] = 900.0
+    global_login_failures_per_minute: Annotated[int, Field(ge=1, le=10_000)] = 30
+    admin_session_lifetime_s: Annotated[float, Field(ge=60, le=86_400)] = 3600.0
+
+    @field_validator("public_url")
+    @classmethod
+    def _check_public_url(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https") or not parts.hostname or parts.username or parts.password:
+            raise ValueError(f"public_url {value!r} must be an http(s) origin such as https://bastion.example.com")
+        if parts.path not in ("", "/") or parts.query or parts.fragment:
+            raise ValueError(f"public_url {value!r} must have no path, query or fragment: bastion serves at its root")
+        if parts.scheme == "http" and parts.hostname not in ("127.0.0.1", "localhost", "::1"):
+            raise ValueError(f"public_url {value!r} is plain http on a non-loopback host: use https")
+        return value.rstrip("/")
+
+    @field_validator("listen")
+    @classmethod
+    def _check_listen(cls, value: str) -> str:
+        host, sep, port = value.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"listen {value!r} must be HOST:PORT, e.g. 127.0.0.1:8765")
+        return value
+
+    @field_validator("app_callbacks")
+    @classmethod
+    def _check_app_callbacks(cls, values: tuple[str, ...]) -> tuple[str, ...]:
+        for value in values:
+            scheme = value.partition(":")[0].lower()
+            if not re.fullmatch(r"[a-z][a-z0-9+.-]*", scheme) or scheme in ("javascript", "data", "file", "vbscript"):
+                raise ValueError(f"app callback {value!r} must be an absolute URI with a private-use scheme")
+        return values
