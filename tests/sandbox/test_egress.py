@@ -33,7 +33,7 @@ from bastion.config import DEFAULT_BLOCKED_RANGES, parse_allow_rules
 from bastion.safety.audit import AuditLog, verify
 from bastion.safety.errors import Conflict, InvalidRequest, SandboxNotFound
 from bastion.safety.redact import Redactor
-from bastion.sandbox import egress
+from bastion.sandbox import _relay, egress
 from bastion.sandbox.egress import EgressService
 
 FORWARDER = Path(egress.__file__).with_name("_forwarder.py")
@@ -504,7 +504,7 @@ def test_start_twice_and_bad_socket_paths_are_refused(tmp_path: Path) -> None:
 @pytest.mark.parametrize("splice", [True, False])
 def test_large_download_is_intact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, splice: bool) -> None:
     """Both copy paths (splice, and plain reads and writes) deliver every byte."""
-    monkeypatch.setattr(egress, "USE_SPLICE", splice)
+    monkeypatch.setattr(_relay, "USE_SPLICE", splice)
     with egress_path(tmp_path, ["local.test:PORT"], blocked_ranges=OPEN_RANGES) as path:
         if not splice:
             source = FORWARDER.read_text()

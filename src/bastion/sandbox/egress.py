@@ -15,6 +15,10 @@ is made mode 0600 and put in place by rename; keep its folder private to the ser
 bind the folder (read-only is enough to connect) rather than the file, so a restarted
 proxy's new socket is seen inside.
 
+This module holds the policy, the audit records and the service. The request head is read
+and parsed by `bastion.sandbox._proxy_request`, and an allowed connection's bytes are carried
+by `bastion.sandbox._relay`; their docstrings say what each refuses and what it guarantees.
+
 What it enforces (a security boundary):
     * Only destinations on the sandbox's allowlist (`bastion.config.AllowRule`: exact names,
       ``*.suffix``, IP literals, each with its ports). An IP literal is refused unless a rule
@@ -30,8 +34,8 @@ What it enforces (a security boundary):
       after its response and then closes the client's connection, so every request, a
       followed redirect included, comes on a new connection and is checked on its own.
       Bytes a client sends after its request still go only to the server it checked.
-    * Bounds: request head size, head timeout, connect timeout, idle timeout, and a cap on
-      open connections per sandbox.
+    * Bounds: head timeout, connect timeout and a cap on open connections per sandbox, here;
+      the request head size in `_proxy_request`, the idle timeout in `_relay`.
     * Every attempt, allowed or refused, is one audit record (``event: "egress"``) with the
       sandbox, domain, port, resolved address, decision, reason, bytes each way and
       duration, written when it ends (the only time its byte counts are known). An allowed
@@ -66,14 +70,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import errno
-import fcntl
 import ipaddress
 import logging
 import os
 import socket
 import stat
-import struct
 import threading
 import time
 import uuid
@@ -84,6 +85,20 @@ from typing import TYPE_CHECKING, Any, Final
 
 from bastion.config import DEFAULT_BLOCKED_RANGES, AllowRule, normalize_host
 from bastion.safety.errors import AuditUnavailable, Conflict, InvalidRequest, OperationFailed, SandboxNotFound
+from bastion.sandbox._proxy_request import (
+    _SOCKS_REPLY,
+    _error,
+    _parse_http,
+    _read_socks,
+    _Reader,
+    _reply,
+    _Request,
+    _socks_reply,
+)
+
+# Re-exported: `Refused` is raised by the request parsing too, so it is defined there.
+from bastion.sandbox._proxy_request import Refused as Refused
+from bastion.sandbox._relay import _answer_and_linger, _carry, _close, _grow_buffers
 
 if TYPE_CHECKING:
     from bastion.config import NetworkConfig
@@ -92,52 +107,12 @@ if TYPE_CHECKING:
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
-MAX_HEAD_BYTES: Final = 64 * 1024
 HEAD_TIMEOUT_S: Final = 30.0
-CHUNK_BYTES: Final = 1024 * 1024
-# A direction's pipe starts at the kernel's default (64 KiB) and grows to PIPE_BYTES once it has
-# carried GROW_AFTER_BYTES: a bulk transfer then moves up to 1 MiB per splice (a 50 MiB download:
-# ~190 splices instead of ~430 with 256 KiB, and a third less proxy CPU), while short and idle
-# directions do not spend the user's pipe budget (fs.pipe-user-pages-soft).
-PIPE_BYTES: Final = 1024 * 1024
-GROW_AFTER_BYTES: Final = 1024 * 1024
-SOCKET_BUFFER_BYTES: Final = 4 * 1024 * 1024
-USE_SPLICE = hasattr(os, "splice")  # Linux, Python >= 3.10; tests turn it off to cover the fallback
 MAX_ADDRESSES_TRIED: Final = 4
 STOP_TIMEOUT_S: Final = 10.0
-LINGER_S: Final = 2.0
-LINGER_BYTES: Final = 1024 * 1024
 _UNIX_PATH_MAX: Final = 107  # sun_path is 108 bytes, NUL included
-_HOP_BY_HOP: Final = frozenset(
-    {"connection", "keep-alive", "proxy-connection", "proxy-authorization", "proxy-authenticate", "te", "upgrade"}
-)
-_PHRASES: Final = {
-    400: "Bad Request",
-    403: "Forbidden",
-    408: "Request Timeout",
-    431: "Request Header Fields Too Large",
-    502: "Bad Gateway",
-    503: "Service Unavailable",
-    504: "Gateway Timeout",
-}
-# RFC 1928 §6 reply codes for the same outcomes.
-_SOCKS_REPLY: Final = {400: 0x01, 403: 0x02, 408: 0x01, 431: 0x01, 502: 0x04, 503: 0x01, 504: 0x06}
 
 _log = logging.getLogger("bastion.egress")
-
-
-class Refused(Exception):
-    """An attempt that ends before a connection: the status the client gets and one line why."""
-
-    def __init__(self, status: int, reason: str, *, decision: str = "deny") -> None:
-        super().__init__(reason)
-        self.status = status
-        self.reason = reason
-        self.decision = decision
-
-
-def _error(status: int, reason: str) -> Refused:
-    return Refused(status, reason, decision="error")
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,177 +175,6 @@ class _Attempt:
             "bytes_down": self.bytes_down,
             "duration_ms": round((time.monotonic() - self.started) * 1000, 3),
         }
-
-
-@dataclass(frozen=True, slots=True)
-class _Request:
-    protocol: str  # "connect", "http" or "socks5"
-    method: str
-    host: str
-    port: int
-    forward: bytes  # what goes upstream first: the rewritten head, or bytes already read past it
-    url: str | None = None
-
-
-class _Reader:
-    """Buffered reads from the client socket, for the request head only."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
-        self.loop = loop
-        self.sock = sock
-        self.buf = bytearray()
-
-    async def fill(self) -> None:
-        data = await self.loop.sock_recv(self.sock, 65536)
-        if not data:
-            raise _error(400, "the client closed the connection before its request was complete")
-        self.buf += data
-
-    async def exact(self, count: int) -> bytes:
-        while len(self.buf) < count:
-            await self.fill()
-        out = bytes(self.buf[:count])
-        del self.buf[:count]
-        return out
-
-    async def head(self) -> bytes:
-        start = 0
-        while True:
-            end = self.buf.find(b"\r\n\r\n", max(0, start - 3))
-            if end != -1 and end <= MAX_HEAD_BYTES:
-                out = bytes(self.buf[:end])
-                del self.buf[: end + 4]
-                return out
-            if len(self.buf) > MAX_HEAD_BYTES:
-                raise _error(431, f"the request head is larger than {MAX_HEAD_BYTES} bytes")
-            start = len(self.buf)
-            await self.fill()
-
-
-def _split_authority(authority: str, default_port: int | None) -> tuple[str, int]:
-    """``host[:port]`` or ``[v6][:port]`` -> (normalized host, port). Raises Refused(400)."""
-    if authority.startswith("["):
-        end = authority.find("]")
-        host, rest = (authority[: end + 1], authority[end + 1 :]) if end != -1 else (authority, "")
-    elif authority.count(":") > 1:
-        raise _error(400, f"{authority!r}: put an IPv6 address in brackets")
-    else:
-        host, colon, port_text = authority.partition(":")
-        rest = colon + port_text
-    if rest and not rest.startswith(":"):
-        raise _error(400, f"{authority!r} is not host:port")
-    port_text = rest[1:]
-    if not port_text:
-        if default_port is None:
-            raise _error(400, f"{authority!r} has no port: CONNECT needs host:port")
-        port = default_port
-    elif port_text.isascii() and port_text.isdigit() and len(port_text) <= 5 and 0 < int(port_text) < 65536:
-        port = int(port_text)
-    else:
-        raise _error(400, f"{authority!r}: the port must be 1 to 65535")
-    try:
-        return normalize_host(host), port
-    except ValueError as exc:
-        raise _error(400, str(exc)) from None
-
-
-def _parse_http(head: bytes, rest: bytes) -> _Request:
-    """The request line and headers of an HTTP proxy request (RFC 9112 §3, §9.3.6 of RFC 9110)."""
-    try:
-        text = head.decode("ascii")
-    except UnicodeDecodeError:
-        raise _error(400, "the request head is not ASCII") from None
-    lines = text.split("\r\n")
-    if any("\r" in line or "\n" in line or "\0" in line for line in lines):
-        raise _error(400, "the request head has a bare CR, LF or NUL")
-    parts = lines[0].split(" ")
-    if len(parts) != 3 or not parts[0].isalpha() or not parts[0].isupper() or parts[2] not in ("HTTP/1.1", "HTTP/1.0"):
-        raise _error(400, "the request line is not 'METHOD target HTTP/1.1'")
-    method, target, version = parts
-    headers: list[tuple[str, str]] = []
-    for line in lines[1:]:
-        name, colon, value = line.partition(":")
-        # A space before the colon or a folded line is a smuggling vector (RFC 9112 §5.1, §5.2).
-        if not colon or not name or name != name.strip() or " " in name or "\t" in name:
-            raise _error(400, "a request header is malformed")
-        headers.append((name, value.strip()))
-    if method == "CONNECT":
-        host, port = _split_authority(target, None)
-        return _Request("connect", method, host, port, rest)
-    if not target[:7].lower() == "http://":
-        raise _error(400, "the target must be an absolute http:// URL (use CONNECT for https)")
-    remainder = target[7:]
-    cut = min((i for i in (remainder.find(c) for c in "/?#") if i != -1), default=len(remainder))
-    authority, path = remainder[:cut], remainder[cut:]
-    if "@" in authority:
-        raise _error(400, "credentials in the URL are not forwarded: send an Authorization header")
-    host, port = _split_authority(authority, 80)
-    path = path.partition("#")[0]
-    if not path.startswith("/"):
-        path = "/" + path
-    return _Request("http", method, host, port, _rewrite(method, path, version, headers, authority) + rest, target)
-
-
-def _rewrite(method: str, path: str, version: str, headers: list[tuple[str, str]], authority: str) -> bytes:
-    """Origin-form request to the server, with the URL's Host and without hop-by-hop headers."""
-    lengths = {value for name, value in headers if name.lower() == "content-length"}
-    chunked = any(name.lower() == "transfer-encoding" for name, _ in headers)
-    if len(lengths) > 1 or (lengths and chunked):
-        # Two framings for one body (RFC 9112 §6.3): the classic request smuggling shape.
-        raise _error(400, "the request has conflicting Content-Length or Transfer-Encoding headers")
-    listed = {
-        token.strip().lower() for name, value in headers if name.lower() == "connection" for token in value.split(",")
-    }
-    drop = _HOP_BY_HOP | listed | {"host"}
-    out = [f"{method} {path} {version}", f"Host: {authority}"]
-    out += [f"{name}: {value}" for name, value in headers if name.lower() not in drop]
-    out.append("Connection: close")
-    return ("\r\n".join(out) + "\r\n\r\n").encode("ascii")
-
-
-async def _read_socks(reader: _Reader) -> _Request:
-    """A SOCKS5 CONNECT request (RFC 1928), without authentication."""
-    _, count = await reader.exact(2)
-    methods = await reader.exact(count)
-    if 0 not in methods:
-        await reader.loop.sock_sendall(reader.sock, b"\x05\xff")
-        raise _error(400, "SOCKS5 without the no-authentication method")
-    await reader.loop.sock_sendall(reader.sock, b"\x05\x00")
-    version, command, _, kind = await reader.exact(4)
-    if kind == 1:
-        host = str(ipaddress.IPv4Address(await reader.exact(4)))
-    elif kind == 4:
-        host = str(ipaddress.IPv6Address(await reader.exact(16)))
-    elif kind == 3:
-        (length,) = await reader.exact(1)
-        raw = await reader.exact(length)
-        try:
-            host = normalize_host(raw.decode("ascii"))
-        except (UnicodeDecodeError, ValueError):
-            raise _error(400, "the SOCKS5 host name is not a valid name") from None
-    else:
-        raise _error(400, "SOCKS5 address type unknown")
-    (port,) = struct.unpack("!H", await reader.exact(2))
-    if version != 5 or command != 1:
-        raise _error(400, "only SOCKS5 CONNECT is supported")
-    if port == 0:
-        raise _error(400, "port 0 is not a destination")
-    return _Request("socks5", "CONNECT", host, port, bytes(reader.buf))
-
-
-def _reply(status: int, reason: str) -> bytes:
-    # The reason goes in the status line too: pip and curl print the status line, not the body.
-    line = "".join(c if c.isprintable() and c.isascii() else "?" for c in reason)[:200]
-    body = f"bastion egress: {line}\n".encode()
-    return (
-        f"HTTP/1.1 {status} {_PHRASES.get(status, 'Error')}: {line}\r\n"
-        "Content-Type: text/plain; charset=utf-8\r\n"
-        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
-    ).encode() + body
-
-
-def _socks_reply(code: int) -> bytes:
-    return bytes([5, code, 0, 1, 0, 0, 0, 0, 0, 0])
 
 
 @dataclass(eq=False)
@@ -610,37 +414,14 @@ class EgressProxy:
             await loop.sock_sendall(client, b"HTTP/1.1 200 Connection established\r\n\r\n")
         elif request.protocol == "socks5":
             await loop.sock_sendall(client, _socks_reply(0))
-        last = [loop.time()]
-        try:
-            if request.forward:
-                await loop.sock_sendall(upstream, request.forward)
-                attempt.bytes_up += len(request.forward)
-            up = loop.create_task(_copy(loop, client, upstream, attempt, "bytes_up", last))
-            down = loop.create_task(_copy(loop, upstream, client, attempt, "bytes_down", last))
-        except OSError as exc:
-            attempt.reason = f"ended: {exc.strerror or exc}"
-            return
-        pending = {up, down}
-        try:
-            while pending:
-                wait = last[0] + self._settings.idle_timeout_s - loop.time()
-                done, pending = await asyncio.wait(pending, timeout=max(wait, 0), return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    failure = task.exception()
-                    if failure is not None:
-                        attempt.reason = f"ended: {getattr(failure, 'strerror', None) or failure}"
-                        return
-                # Plain HTTP: the response is complete when the server closes; the client's
-                # next request must come on a new connection, to be checked.
-                if request.protocol == "http" and down in done:
-                    return
-                if not done and loop.time() - last[0] >= self._settings.idle_timeout_s:
-                    attempt.reason = f"ended: idle for {self._settings.idle_timeout_s:g} s"
-                    return
-        finally:
-            for task in (up, down):
-                task.cancel()
-            await asyncio.wait([up, down])
+        await _carry(
+            client,
+            upstream,
+            request.forward,
+            attempt,
+            idle_timeout_s=self._settings.idle_timeout_s,
+            one_response=request.protocol == "http",
+        )
 
     async def _append(self, record: dict[str, object]) -> bool:
         """Write one record off the loop; whether it is on disk (a failure is logged)."""
@@ -654,144 +435,6 @@ class EgressProxy:
         else:
             return True
         return False
-
-
-async def _copy(
-    loop: asyncio.AbstractEventLoop,
-    src: socket.socket,
-    dst: socket.socket,
-    attempt: _Attempt,
-    counter: str,
-    last: list[float],
-) -> None:
-    """Copy until EOF, then pass the EOF on (half-close).
-
-    splice(2) through a pipe when the kernel allows it: the bytes never enter this
-    process, which halves the proxy's CPU per byte; otherwise large reads and writes.
-    """
-    if not (USE_SPLICE and await _splice(loop, src, dst, attempt, counter, last)):
-        await _read_write(loop, src, dst, attempt, counter, last)
-    with contextlib.suppress(OSError):
-        dst.shutdown(socket.SHUT_WR)
-
-
-async def _read_write(
-    loop: asyncio.AbstractEventLoop,
-    src: socket.socket,
-    dst: socket.socket,
-    attempt: _Attempt,
-    counter: str,
-    last: list[float],
-) -> None:
-    buf = bytearray(CHUNK_BYTES)
-    view = memoryview(buf)
-    while True:
-        count = await loop.sock_recv_into(src, buf)
-        if not count:
-            return
-        await loop.sock_sendall(dst, view[:count])
-        setattr(attempt, counter, getattr(attempt, counter) + count)
-        last[0] = loop.time()
-
-
-async def _splice(
-    loop: asyncio.AbstractEventLoop,
-    src: socket.socket,
-    dst: socket.socket,
-    attempt: _Attempt,
-    counter: str,
-    last: list[float],
-) -> bool:
-    """Copy with splice(2); False if the kernel refuses it before any byte moved."""
-    read_end, write_end = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-    flags = os.SPLICE_F_MOVE | os.SPLICE_F_NONBLOCK
-    moved = 0
-    try:
-        while True:
-            try:
-                count = os.splice(src.fileno(), write_end, CHUNK_BYTES, flags=flags)
-            except BlockingIOError:
-                await _ready(loop, src, write=False)
-                continue
-            except OSError as exc:
-                if not moved and exc.errno in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-                    return False
-                raise
-            if not count:
-                return True
-            if moved < GROW_AFTER_BYTES <= moved + count:
-                with contextlib.suppress(OSError):  # refused past the user's pipe budget: the pipe stays small
-                    fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
-            moved += count
-            left = count
-            while left:
-                try:
-                    left -= os.splice(read_end, dst.fileno(), left, flags=flags)
-                except BlockingIOError:
-                    await _ready(loop, dst, write=True)
-            setattr(attempt, counter, getattr(attempt, counter) + count)
-            last[0] = loop.time()
-    finally:
-        os.close(read_end)
-        os.close(write_end)
-
-
-async def _ready(loop: asyncio.AbstractEventLoop, sock: socket.socket, *, write: bool) -> None:
-    """Wait until `sock` is readable (or writable)."""
-    waiter: asyncio.Future[None] = loop.create_future()
-
-    def wake() -> None:
-        if not waiter.done():
-            waiter.set_result(None)
-
-    if write:
-        loop.add_writer(sock, wake)
-    else:
-        loop.add_reader(sock, wake)
-    try:
-        await waiter
-    finally:
-        if sock.fileno() != -1:
-            (loop.remove_writer if write else loop.remove_reader)(sock)
-
-
-async def _answer_and_linger(client: socket.socket, message: bytes) -> None:
-    """Send a refusal, then read and drop what the client still sends, for a moment.
-
-    Closing with unread data makes the kernel reset the connection, which can destroy
-    the refusal before the client reads it (RFC 9112 §9.6, "tear-down").
-    """
-    loop = asyncio.get_running_loop()
-    with contextlib.suppress(OSError, TimeoutError):
-        async with asyncio.timeout(LINGER_S):
-            await loop.sock_sendall(client, message)
-            client.shutdown(socket.SHUT_WR)
-            dropped = 0
-            while dropped < LINGER_BYTES:
-                count = len(await loop.sock_recv(client, 65536))
-                if not count:
-                    break
-                dropped += count
-
-
-def _grow_buffers(sock: socket.socket) -> None:
-    # Fewer, larger copies: the kernel caps the request at net.core.[rw]mem_max.
-    with contextlib.suppress(OSError):
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
-
-
-def _close(sock: socket.socket) -> None:
-    """Close a socket an `await loop.sock_*` may still be registered for.
-
-    Removing the reader and writer first cancels their handles, so the cancelled
-    operation's late clean-up cannot unregister another socket that reuses the number.
-    """
-    if sock.fileno() != -1:
-        loop = asyncio.get_running_loop()
-        loop.remove_reader(sock)
-        loop.remove_writer(sock)
-    sock.close()
 
 
 def _literal(host: str) -> IPAddress | None:
