@@ -397,6 +397,36 @@ async def test_host_files_state_repo_and_other_sandbox_workspace_are_absent(clie
     assert "mine.txt" not in out["stdout"].splitlines()
 
 
+async def test_no_process_in_the_sandbox_names_a_host_path(client: Client, services: Services) -> None:
+    """Invariant: the command lines and environments a command can read in /proc (bwrap is PID 1
+    there) name no host path of the state folder, the repository or the template's venv, and no
+    variable of the server's environment. Does not prove anything about /proc entries a command
+    cannot read (the kernel refuses those: another user namespace's process)."""
+    box = await create(client)
+    dump = py(
+        "import os\n"
+        "for pid in sorted(p for p in os.listdir('/proc') if p.isdigit()):\n"
+        "    for name in ('cmdline', 'environ'):\n"
+        "        try:\n"
+        "            data = open(f'/proc/{pid}/{name}', 'rb').read()\n"
+        "        except OSError as exc:\n"
+        "            print(pid, name, 'unreadable', exc.errno)\n"
+        "            continue\n"
+        "        print(pid, name, data.replace(b'\\0', b' ').decode('utf-8', 'replace'))\n"
+    )
+    out = detail(await sh(client, box, dump))
+    assert out["exit_status"] == 0, out
+    text = out["stdout"]
+    assert "1 cmdline" in text, text[:500]  # the probe did see bwrap, PID 1
+    assert "bwrap" in text, text[:500]
+    host_paths = [str(services.config.state_dir), str(Path(__file__).resolve().parents[1])]
+    for path in host_paths:
+        assert path not in text, path
+    for name, value in os.environ.items():
+        if name not in ("PATH", "HOME", "LANG") and len(value) >= 8:  # the sandbox sets its own three
+            assert f"{name}={value}" not in text, name
+
+
 # -- 9. network ----------------------------------------------------------------------------------
 
 CONNECT_PROBE = """

@@ -32,6 +32,8 @@ AGENT_SOURCE: Final = "\n\n".join(
 TMP_DIR: Final = "/tmp"  # noqa: S108 - the sandbox's own tmpfs
 # Who commands are inside: an ordinary uid, mapped to the server's uid outside. The host's
 # own /etc/passwd and /etc/group are not shown (they name the host's users); these are.
+# bwrap's own environment: what it needs to run, not the server's (which may hold secrets).
+BWRAP_ENV: Final = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
 SANDBOX_UID: Final = 1000
 SANDBOX_GID: Final = 1000
 SANDBOX_USER: Final = "sandbox"
@@ -150,11 +152,18 @@ def start_sandbox(spec: SandboxSpec) -> tuple[subprocess.Popen[bytes], socket.so
     """Start bwrap with the agent inside; return the process and the host's socket end."""
     seccomp_fd = write_filter_fd()
     data_fds: dict[str, int] = {}
+    args_fd = -1
     host_end, agent_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         for dest, text in IDENTITY_FILES.items():
             data_fds[dest] = _data_fd(text)
-        argv = build_bwrap_argv(spec, agent_end.fileno(), sandbox_python(), seccomp_fd, data_fds)
+        full = build_bwrap_argv(spec, agent_end.fileno(), sandbox_python(), seccomp_fd, data_fds)
+        # bwrap is PID 1 inside, and /proc/1/cmdline is readable there: its options (host paths
+        # of the workspace, the state folder, binds) go through a memfd, not the command line.
+        # The command after "--" must stay on the real command line (bwrap takes it from there).
+        split = full.index("--")
+        args_fd = _data_fd("".join(arg + "\0" for arg in full[1:split]))
+        argv = [full[0], "--args", str(args_fd), *full[split:]]
         if spec.cgroup_procs:
             argv = [
                 "/bin/sh",
@@ -170,9 +179,10 @@ def start_sandbox(spec: SandboxSpec) -> tuple[subprocess.Popen[bytes], socket.so
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
-            pass_fds=(agent_end.fileno(), seccomp_fd, *data_fds.values()),
+            pass_fds=(agent_end.fileno(), seccomp_fd, args_fd, *data_fds.values()),
             close_fds=True,
             start_new_session=True,
+            env=BWRAP_ENV,
         )
     except OSError as exc:
         host_end.close()
@@ -181,11 +191,13 @@ def start_sandbox(spec: SandboxSpec) -> tuple[subprocess.Popen[bytes], socket.so
         agent_end.close()
         for fd in (seccomp_fd, *data_fds.values()):
             os.close(fd)
+        if args_fd >= 0:
+            os.close(args_fd)
     return proc, host_end
 
 
 def _data_fd(text: str) -> int:
-    """A memfd holding `text`, positioned at 0, for bwrap's --ro-bind-data."""
+    """A memfd holding `text`, positioned at 0, for bwrap's --ro-bind-data and --args."""
     fd = os.memfd_create("bastion-data", os.MFD_CLOEXEC)
     view = memoryview(text.encode("utf-8"))
     while view:
