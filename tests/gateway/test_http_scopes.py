@@ -12,9 +12,6 @@ does not prove: the scope check inside the MCP server without the HTTP edge
 from __future__ import annotations
 
 import contextlib
-import os
-import subprocess
-import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -28,7 +25,7 @@ from bastion.config import load_config
 from bastion.http.password import write_hash
 from bastion.safety.approvals import ApprovalQueue
 from tests.helpers import MCP_HEADERS, call
-from tests.http.live import BASTION, PASSWORD, START_TIMEOUT_S, LiveServer, free_port, get_tokens, write_config
+from tests.http.live import PASSWORD, LiveServer, free_port, get_tokens, serve_config, write_config
 
 from .lab import USER, GatewayLab
 
@@ -65,30 +62,8 @@ def gateway_server(root: Path, lab: GatewayLab) -> Iterator[LiveServer]:
     config = write_config(root, port, http_extra="registrations_per_ip_per_hour = 10000")
     _point_demo_at_lab(config, lab)
     write_hash(root / "state" / "admin-password.argon2", PASSWORD)
-    log_path = root / "server.log"
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(
-            [str(BASTION), "serve", "--config", str(config), "--http"],
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-    server = LiveServer(root, port, config, process, log_path)
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            assert process.poll() is None, server.log()
-            try:
-                with server.http() as probe:
-                    probe.get("/.well-known/oauth-protected-resource")
-                break
-            except httpx2.TransportError:
-                assert time.monotonic() < deadline, server.log()
-                time.sleep(0.05)
+    with serve_config(root, config, port) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")

@@ -80,6 +80,19 @@ def refresh(raw: httpx2.Client, client_id: str, token: str, **extra: str) -> htt
     )
 
 
+def set_password(server: LiveServer, password: str) -> None:
+    """`bastion admin set-password`, the password on stdin; it must succeed and never echo it."""
+    changed = subprocess.run(
+        [str(BASTION), "admin", "set-password", "--config", str(server.config_path)],
+        input=password + "\n",
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert changed.returncode == 0, changed.stderr
+    assert password not in changed.stdout + changed.stderr
+
+
 def mcp_status(raw: httpx2.Client, token: str) -> int:
     return raw.post(
         "/mcp", json=INITIALIZE_REQUEST, headers={**MCP_HEADERS, "Authorization": f"Bearer {token}"}
@@ -908,15 +921,7 @@ def test_t56_password_change_revokes_everything(
         client_id = public_client(server)
         tokens = tokens_for(server, client_id)
         assert mcp_status(raw, tokens["access_token"]) == 200
-        changed = subprocess.run(
-            [str(BASTION), "admin", "set-password", "--config", str(server.config_path)],
-            input="a brand new password\n",
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        assert changed.returncode == 0, changed.stderr
-        assert "a brand new password" not in changed.stdout + changed.stderr
+        set_password(server, "a brand new password")
         assert mcp_status(raw, tokens["access_token"]) == 401
         assert refresh(raw, client_id, tokens["refresh_token"]).json()["error"] == "invalid_grant"
         _, challenge = pkce()
@@ -941,14 +946,7 @@ def test_t56_password_change_voids_a_login_in_progress(
             login = browser.open(browser.authorize_url(client_id, challenge))
             consent = browser.open(browser.login(login).headers["location"])
             assert consent.status_code == 200
-            changed = subprocess.run(
-                [str(BASTION), "admin", "set-password", "--config", str(server.config_path)],
-                input="a brand new password\n",
-                capture_output=True,
-                text=True,
-                check=False,
-            )
-            assert changed.returncode == 0, changed.stderr
+            set_password(server, "a brand new password")
             decided = browser.consent(consent)
             assert decided.status_code == 403
             assert "location" not in decided.headers
