@@ -43,7 +43,7 @@ _NPM_NAME: Final = r"[a-z0-9][a-z0-9._-]*"
 NPM_SPEC: Final = re.compile(rf"(?:@{_NPM_NAME}/)?{_NPM_NAME}(?:@[0-9A-Za-z^~<>=*][0-9A-Za-z.^~<>=*|+_-]*)?")
 # pip and npm take a requirement ending like an archive for a file in the current folder
 # (pip: "x.whl", "x==1.zip"; npm: "x.tgz", "x@1.tar"), found or not: a path in disguise.
-ARCHIVE_SUFFIX: Final = re.compile(r"\.(?:whl|zip|tgz|tbz|txz|tlz|tar(?:.gz|\.bz2|\.xz|\.lz|\.lzma)?)$", re.IGNORECASE)
+ARCHIVE_SUFFIX: Final = re.compile(r"\.(?:whl|zip|tgz|tbz|txz|tlz|tar(?:\.gz|\.bz2|\.xz|\.lz|\.lzma)?)$", re.IGNORECASE)
 _TRAILING_EXTRAS: Final = re.compile(r"\[[^\]]*\]$")
 
 # The venv's own site-packages also sees the template's packages (read-only, below it).
