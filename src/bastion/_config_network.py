@@ -210,6 +210,10 @@ class NetworkConfig(_Model):
     idle_timeout_s: Annotated[float, Field(gt=0, le=86_400)] = 300.0
     max_connections: Annotated[int, Field(ge=1, le=4096)] = 64
     """Open connections per sandbox; past it the proxy answers 503."""
+    attempts_per_s: Annotated[float, Field(gt=0, le=10_000)] = 20.0
+    """Connection attempts per sandbox per second, on average; past it the proxy answers 429."""
+    attempt_burst: Annotated[int, Field(ge=1, le=100_000)] = 200
+    """Connection attempts a sandbox may make at once before the rate applies."""
 
     @field_validator("allow", "registry")
     @classmethod

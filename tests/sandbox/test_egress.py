@@ -446,6 +446,34 @@ def test_connection_cap_per_sandbox(tmp_path: Path) -> None:
     assert sorted(str(r["decision"]) for r in records) == ["allow", "allow", "deny"]
 
 
+def test_attempts_past_the_rate_get_429_and_are_counted_in_one_record(tmp_path: Path) -> None:
+    """A loop of connection attempts: the burst is judged and recorded one by one, the rest are
+    refused with 429 before their request is read, and their number is in egress_throttled
+    records (one a second, the rest when the proxy stops). Nothing reaches the server."""
+    statuses = []
+    with egress_path(
+        tmp_path, ["local.test:PORT"], blocked_ranges=OPEN_RANGES, attempts_per_s=0.2, attempt_burst=3
+    ) as path:
+        for _ in range(12):
+            response = raw(path, f"GET http://evil.test:{path.port}/x HTTP/1.1\r\nHost: evil.test\r\n\r\n".encode())
+            statuses.append(status_line(response).split(" ")[1])
+        assert path.server.paths == []
+        throttled_reply = raw(path, b"GET http://evil.test/ HTTP/1.1\r\n\r\n")
+        assert b"connection attempts a second" in throttled_reply
+        statuses.append(status_line(throttled_reply).split(" ")[1])
+    assert statuses[:3] == ["403", "403", "403"], statuses
+    assert set(statuses) == {"403", "429"}, statuses
+    refused = statuses.count("429")
+    assert refused >= 8, statuses  # at 0.2 a second, at most two more tokens in the test's time
+    lines = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
+    judged = [r for r in lines if r.get("event") == "egress"]
+    throttled = [r for r in lines if r.get("event") == "egress_throttled"]
+    assert len(judged) == len(statuses) - refused
+    assert all(r["decision"] == "deny" for r in judged)
+    assert sum(int(r["refused"]) for r in throttled) == refused
+    assert all(r["sandbox"] == SANDBOX and r["attempts_per_s"] == 0.2 and r["burst"] == 3 for r in throttled)
+
+
 def test_idle_tunnel_is_closed(tmp_path: Path) -> None:
     with egress_path(tmp_path, ["local.test:PORT"], blocked_ranges=OPEN_RANGES, idle_timeout_s=0.3) as path:
         with socket.create_connection(("127.0.0.1", path.proxy_port), timeout=10) as sock:

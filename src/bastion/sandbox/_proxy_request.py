@@ -44,6 +44,7 @@ _PHRASES: Final = {
     400: "Bad Request",
     403: "Forbidden",
     408: "Request Timeout",
+    429: "Too Many Requests",
     431: "Request Header Fields Too Large",
     502: "Bad Gateway",
     503: "Service Unavailable",

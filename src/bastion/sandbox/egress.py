@@ -36,8 +36,14 @@ What it enforces (a security boundary):
       Bytes a client sends after its request still go only to the server it checked.
     * Bounds: head timeout, connect timeout and a cap on open connections per sandbox, here;
       the request head size in `_proxy_request`, the idle timeout in `_relay`.
-    * Every attempt, allowed or refused, is one audit record (``event: "egress"``) with the
-      sandbox, domain, port, resolved address, decision, reason, bytes each way and
+    * A rate of attempts per sandbox (`_throttle`: a token bucket, 20 a second and bursts of
+      200 by default). Past it an attempt is refused with 429 before its request is read,
+      and counted instead of recorded: one ``event: "egress_throttled"`` record a second
+      carries the count, so a sandbox cannot fill the audit log's disk (which would stop
+      the server) by opening connections in a loop.
+    * Every attempt within the rate, allowed or refused, is one audit record
+      (``event: "egress"``) with the sandbox, domain, port, resolved address, decision,
+      reason, bytes each way and
       duration, written when it ends (the only time its byte counts are known). An allowed
       connection is also recorded before it is made (``event: "egress_open"``, with the
       checked addresses): if that record cannot be written, the connection is refused (503)
@@ -46,7 +52,8 @@ What it enforces (a security boundary):
 What it does not do:
     * Look inside CONNECT tunnels: TLS is end to end, so the SNI and Host inside a tunnel are
       not checked. The tunnel's bytes still reach only the address that was checked.
-    * Limit the bandwidth or the number of attempts over time; only concurrency is capped.
+    * Limit the bandwidth of a connection.
+    * Answer SOCKS5 in its own terms when throttling: a throttled SOCKS client gets the HTTP 429.
 
 Usage from sync code (one event loop, in a daemon thread, serves every sandbox)::
 
@@ -61,7 +68,7 @@ From a coroutine on another loop (the server's), `start_async`, `set_rules_async
 
 Refusals answer the client with an HTTP status and a one-line reason (SOCKS5: a reply
 code), never a silent close: 400 malformed request, 403 refused by policy, 408 request head
-too slow, 431 head too large, 502 name or connection failure, 503 too many connections or
+too slow, 429 too many attempts, 431 head too large, 502 name or connection failure, 503 too many connections or
 audit unavailable, 504 connect timeout.
 """
 
@@ -99,6 +106,7 @@ from bastion.sandbox._proxy_request import (
 # Re-exported: `Refused` is raised by the request parsing too, so it is defined there.
 from bastion.sandbox._proxy_request import Refused as Refused
 from bastion.sandbox._relay import _answer_and_linger, _carry, _close, _grow_buffers
+from bastion.sandbox._throttle import AttemptThrottle
 
 if TYPE_CHECKING:
     from bastion.config import NetworkConfig
@@ -110,6 +118,7 @@ IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 HEAD_TIMEOUT_S: Final = 30.0
 MAX_ADDRESSES_TRIED: Final = 4
 STOP_TIMEOUT_S: Final = 10.0
+THROTTLE_REPORT_S: Final = 1.0  # at most one egress_throttled record per sandbox this often
 _UNIX_PATH_MAX: Final = 107  # sun_path is 108 bytes, NUL included
 
 _log = logging.getLogger("bastion.egress")
@@ -125,6 +134,8 @@ class EgressSettings:
     idle_timeout_s: float = 300.0
     max_connections: int = 64
     head_timeout_s: float = HEAD_TIMEOUT_S
+    attempts_per_s: float = 20.0
+    attempt_burst: int = 200
 
 
 def parse_ranges(texts: Iterable[str]) -> tuple[IPNetwork, ...]:
@@ -184,8 +195,10 @@ class _SandboxProxy:
     listener: socket.socket
     path: Path
     inode: tuple[int, int]
+    throttle: AttemptThrottle
     accept_task: asyncio.Task[None] | None = None
     connections: set[asyncio.Task[None]] = field(default_factory=set)
+    report: asyncio.TimerHandle | None = None  # the pending egress_throttled record
 
 
 class EgressProxy:
@@ -214,7 +227,8 @@ class EgressProxy:
             raise Conflict(f"sandbox {sandbox_id} already has an egress proxy: stop it first")
         path = Path(socket_path)
         listener, inode = _listen(path)
-        proxy = _SandboxProxy(sandbox_id, tuple(rules), listener, path, inode)
+        throttle = AttemptThrottle(self._settings.attempts_per_s, self._settings.attempt_burst)
+        proxy = _SandboxProxy(sandbox_id, tuple(rules), listener, path, inode, throttle)
         self._proxies[sandbox_id] = proxy
         proxy.accept_task = asyncio.get_running_loop().create_task(self._accept(proxy))
 
@@ -244,6 +258,9 @@ class EgressProxy:
         if tasks:
             await asyncio.wait(tasks, timeout=STOP_TIMEOUT_S)
         _close(proxy.listener)
+        if proxy.report is not None:
+            proxy.report.cancel()
+        await self._report_throttled(proxy)
 
     async def close(self) -> None:
         for sandbox_id in list(self._proxies):
@@ -271,6 +288,9 @@ class EgressProxy:
             task.add_done_callback(proxy.connections.discard)
 
     async def _serve(self, proxy: _SandboxProxy, client: socket.socket) -> None:
+        if not proxy.throttle.take():
+            await self._refuse_throttled(proxy, client)
+            return
         attempt = _Attempt(proxy.sandbox_id)
         upstream: socket.socket | None = None
         socks = False
@@ -423,6 +443,32 @@ class EgressProxy:
             one_response=request.protocol == "http",
         )
 
+    async def _refuse_throttled(self, proxy: _SandboxProxy, client: socket.socket) -> None:
+        """429 without reading the request; counted, and reported in one record a second."""
+        if proxy.report is None:
+            loop = asyncio.get_running_loop()
+            proxy.report = loop.call_later(
+                THROTTLE_REPORT_S, lambda: proxy.connections.add(loop.create_task(self._report_throttled(proxy)))
+            )
+        rate = proxy.throttle.rate_per_s
+        try:
+            await _answer_and_linger(client, _reply(429, f"more than {rate:g} connection attempts a second: slow down"))
+        finally:
+            _close(client)
+
+    async def _report_throttled(self, proxy: _SandboxProxy) -> None:
+        proxy.report = None
+        refused = proxy.throttle.drain()
+        if refused:
+            record: dict[str, object] = {
+                "event": "egress_throttled",
+                "sandbox": proxy.sandbox_id,
+                "refused": refused,
+                "attempts_per_s": proxy.throttle.rate_per_s,
+                "burst": proxy.throttle.burst,
+            }
+            await self._append(record)
+
     async def _append(self, record: dict[str, object]) -> bool:
         """Write one record off the loop; whether it is on disk (a failure is logged)."""
         loop = asyncio.get_running_loop()
@@ -487,6 +533,7 @@ class EgressService:
         blocked_ranges: networks never connected to; default `DEFAULT_BLOCKED_RANGES`.
         hosts: names resolved to these addresses instead of through DNS.
         connect_timeout_s, idle_timeout_s, max_connections: per connection / per sandbox bounds.
+        attempts_per_s, attempt_burst: the rate of connection attempts per sandbox.
     """
 
     def __init__(
@@ -499,6 +546,8 @@ class EgressService:
         idle_timeout_s: float = 300.0,
         max_connections: int = 64,
         head_timeout_s: float = HEAD_TIMEOUT_S,
+        attempts_per_s: float = 20.0,
+        attempt_burst: int = 200,
     ) -> None:
         settings = EgressSettings(
             blocked_ranges=parse_ranges(blocked_ranges),
@@ -510,6 +559,8 @@ class EgressService:
             idle_timeout_s=idle_timeout_s,
             max_connections=max_connections,
             head_timeout_s=head_timeout_s,
+            attempts_per_s=attempts_per_s,
+            attempt_burst=attempt_burst,
         )
         self._loop = asyncio.new_event_loop()
         self._proxy = EgressProxy(audit, settings)
@@ -526,6 +577,8 @@ class EgressService:
             connect_timeout_s=network.connect_timeout_s,
             idle_timeout_s=network.idle_timeout_s,
             max_connections=network.max_connections,
+            attempts_per_s=network.attempts_per_s,
+            attempt_burst=network.attempt_burst,
         )
 
     def _run(self) -> None:
