@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -12,6 +14,7 @@ from mcp import Client
 
 from bastion.app import Services, build_server, build_services
 from bastion.config import load_config
+from bastion.demo import init_demo
 from tests.helpers import call, create, sh
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
@@ -247,3 +250,38 @@ async def test_an_idle_sandbox_sleeps_and_wakes_with_its_files(client: Client, s
     assert (await sh(client, busy, "cat /tmp/scratch"))["detail"]["stdout"] == "scratch\n"  # type: ignore[index]
     kept = await call(client, "execute_code", code="x", sandbox_id=coded)
     assert kept["detail"]["value"] == "1"  # type: ignore[index]
+
+
+async def test_proxy_sockets_live_in_the_state_folder_and_a_crashed_servers_are_removed() -> None:
+    """Invariant: with a state path short enough for unix sockets, the egress sockets' folders are
+    in `<sandboxes_dir>/.net`, not in /tmp, so what a crashed server left there is removed at the
+    next start (`recover`), and a clean close leaves none. (A long state path falls back to a temp
+    folder, which a crash would leave behind: not tested here.)"""
+    before = {name for name in os.listdir(tempfile.gettempdir()) if name.startswith("bastion-net-")}
+    root = Path(tempfile.mkdtemp(prefix="bn-"))  # short, so the sockets fit under the state folder
+    try:
+        config_path = init_demo(root / "d", python_env=None)
+        if os.geteuid() != 0:  # as conftest's demo config: no mounts, so no per-sandbox filesystem
+            config_path.write_text(config_path.read_text().replace("disk_quota = true", "disk_quota = false"))
+        config = load_config(config_path)
+        net = config.sandboxes_dir / ".net"
+        services = build_services(config)
+        try:
+            async with Client(build_server(services, caller="test")) as client:
+                box = await create(client)
+                assert (net / box).is_dir()
+        finally:
+            services.close()
+        assert not net.exists()
+        stale = net / "sb-00000000dead"
+        stale.mkdir(parents=True)
+        (stale / "egress.sock").write_bytes(b"")  # what a killed server leaves
+        services = build_services(config)
+        try:
+            assert not stale.exists()
+        finally:
+            services.close()
+    finally:
+        shutil.rmtree(root)
+    after = {name for name in os.listdir(tempfile.gettempdir()) if name.startswith("bastion-net-")}
+    assert after <= before

@@ -38,7 +38,7 @@ from bastion.config import (
     narrow_allow,
     parse_allow_rules,
 )
-from bastion.network import INSIDE_DIR, SandboxNetwork
+from bastion.network import INSIDE_DIR, SOCKET_NAME, SandboxNetwork
 from bastion.safety.commands import CommandPolicyConfig
 from bastion.safety.errors import (
     BastionError,
@@ -53,7 +53,7 @@ from bastion.safety.redact import Redactor
 from bastion.sandbox._disk import drop_disk, make_disk, mount_disk, used_bytes
 from bastion.sandbox._spawn import SandboxSpec
 from bastion.sandbox.cgroups import CgroupLayout, Limits
-from bastion.sandbox.egress import EgressService
+from bastion.sandbox.egress import UNIX_PATH_MAX, EgressService
 from bastion.sandbox.snapshot import (
     SnapshotInfo,
     create_snapshot,
@@ -65,6 +65,7 @@ from bastion.sandbox.warm import WarmSandbox
 from bastion.workspaces import HostWorkspace
 
 _ID_HEX_BYTES: Final = 6
+NET_DIR_NAME: Final = ".net"  # in sandboxes_dir; recover() skips it (not a sandbox id)
 ENV_DEST: Final = f"{BASTION_OPT}/env"
 SLEEP_AFTER_S: Final = 120.0
 _MAX_NAME_CHARS: Final = 64
@@ -152,7 +153,8 @@ class SandboxManager:
     ) -> None:
         self._config = config.sandboxes
         self._egress = egress
-        # Unix socket paths are short (108 bytes): the proxies' sockets live in a temp folder of their own.
+        # The proxies' sockets: <sandboxes_dir>/.net/<id>/, or a temp folder where that path is
+        # too long for a unix socket (108 bytes); made on first use.
         self._net_dir: Path | None = None
         self._templates = {t.name: t for t in config.template}
         default = config.sandboxes.default_template
@@ -258,8 +260,19 @@ class SandboxManager:
     def _socket_dir(self, sandbox_id: str) -> Path:
         """The host folder a sandbox sees at /run/bastion, where its egress proxy listens."""
         if self._net_dir is None:
-            self._net_dir = Path(tempfile.mkdtemp(prefix="bastion-net-"))
+            self._net_dir = self._make_net_dir()
         return self._net_dir / sandbox_id
+
+    def _make_net_dir(self) -> Path:
+        # Under the state folder, a crashed server's sockets are found and removed at the next
+        # start (`recover`); a temp folder, needed only for a long state path, would be left behind.
+        preferred = self._dir / NET_DIR_NAME
+        longest = preferred / (SANDBOX_ID_PREFIX + "0" * 2 * _ID_HEX_BYTES) / SOCKET_NAME
+        if len(os.fsencode(longest)) > UNIX_PATH_MAX:
+            return Path(tempfile.mkdtemp(prefix="bastion-net-"))
+        self._dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        preferred.mkdir(mode=0o700, exist_ok=True)
+        return preferred
 
     def _discard_prepared(self, sandbox_id: str, root: Path) -> None:
         _discard(root)
@@ -415,6 +428,7 @@ class SandboxManager:
                 if owner_pid.isdigit() and not os.path.exists(f"/proc/{owner_pid}"):
                     self._cgroups.open(name).destroy()
         made = []
+        self._remove_stale_sockets()
         if self._dir.is_dir():
             for root in sorted(self._dir.iterdir()):
                 if not root.name.startswith(SANDBOX_ID_PREFIX) or root.name in self._boxes:
@@ -438,6 +452,16 @@ class SandboxManager:
             if info.metadata.get("recovered") == "true" and info.created < cutoff:
                 delete_snapshot(self._snapshots, info.id)
         return made
+
+    def _remove_stale_sockets(self) -> None:
+        """The socket folders of sandboxes this server does not run (a crashed server's)."""
+        net_dir = self._dir / NET_DIR_NAME
+        if not net_dir.is_dir() or net_dir.is_symlink():
+            return
+        live = {*self._boxes, *(prepared.id for prepared in self._pool), *self._starting}
+        for entry in net_dir.iterdir():
+            if entry.name not in live:
+                _remove_tree(entry)
 
     def close(self, sandbox_id: str, *, final: bool = False) -> None:
         """End every process, remove the cgroup and the files. `final`: the server is ending

@@ -119,7 +119,7 @@ HEAD_TIMEOUT_S: Final = 30.0
 MAX_ADDRESSES_TRIED: Final = 4
 STOP_TIMEOUT_S: Final = 10.0
 THROTTLE_REPORT_S: Final = 1.0  # at most one egress_throttled record per sandbox this often
-_UNIX_PATH_MAX: Final = 107  # sun_path is 108 bytes, NUL included
+UNIX_PATH_MAX: Final = 107  # sun_path is 108 bytes, NUL included
 
 _log = logging.getLogger("bastion.egress")
 
@@ -496,15 +496,13 @@ def _show(host: str, port: int) -> str:
 
 def _listen(path: Path) -> tuple[socket.socket, tuple[int, int]]:
     """A listening unix socket at `path`, mode 0600, put in place by rename (never half-made)."""
-    if len(os.fsencode(path)) > _UNIX_PATH_MAX:
-        raise InvalidRequest(
-            f"egress socket path {path} is longer than {_UNIX_PATH_MAX} bytes: use a shorter state_dir"
-        )
+    if len(os.fsencode(path)) > UNIX_PATH_MAX:
+        raise InvalidRequest(f"egress socket path {path} is longer than {UNIX_PATH_MAX} bytes: use a shorter state_dir")
     with contextlib.suppress(FileNotFoundError):
         if not stat.S_ISSOCK(os.lstat(path).st_mode):
             raise Conflict(f"{path} exists and is not a socket: remove it")
     temp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
-    if len(os.fsencode(temp)) > _UNIX_PATH_MAX:
+    if len(os.fsencode(temp)) > UNIX_PATH_MAX:
         temp = path
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
