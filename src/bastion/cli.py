@@ -1,4 +1,4 @@
-"""The `bastion` command: init, serve, policy explain, audit verify.
+"""The `bastion` command: init, serve, doctor, policy explain, audit verify.
 
 Every refusal is one line on stderr and a non-zero exit; no traceback.
 """
@@ -32,6 +32,10 @@ def _parser() -> argparse.ArgumentParser:
     transport.add_argument("--stdio", action="store_true", help="serve over stdin/stdout")
     transport.add_argument("--http", action="store_true", help="serve Streamable HTTP at /mcp, with OAuth")
     serve.add_argument("--listen", help="HOST:PORT to bind with --http (default: the config's [http] listen)")
+
+    doctor = sub.add_parser("doctor", help="check what this machine and config will enforce, before an agent connects")
+    doctor.add_argument("--config", help=f"path to bastion.toml (or set {CONFIG_ENV})")
+    doctor.add_argument("--json", action="store_true", help="print a JSON list of {check, status, detail}")
 
     from bastion.http.admin_cli import add_admin_parser
 
@@ -74,6 +78,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
         return serve_http(config, config_path, args.listen)
     return serve_stdio(config, config_path)
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from bastion.doctor import run_doctor
+
+    return run_doctor(args.config, as_json=args.json)
 
 
 def _cmd_admin(args: argparse.Namespace) -> int:
@@ -135,6 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     handlers = {
         "init": _cmd_init,
         "serve": _cmd_serve,
+        "doctor": _cmd_doctor,
         "admin": _cmd_admin,
         "policy": _cmd_policy_explain,
         "audit": _cmd_audit_verify,

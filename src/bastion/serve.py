@@ -57,7 +57,8 @@ def http_connect_help(mcp_url: str) -> str:
     )
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
+    """Whether a host name or address names this machine only (localhost, 127.0.0.0/8, ::1)."""
     if host == "localhost":
         return True
     try:
@@ -78,7 +79,7 @@ def serve_http(config: Config, config_path: str, listen: str | None = None) -> i
     host = host.strip("[]")
     if not port.isdigit() or not host:
         raise ConfigError(f"--listen {listen!r} must be HOST:PORT, e.g. 127.0.0.1:8765")
-    if not http.auth and not _is_loopback(host):
+    if not http.auth and not is_loopback(host):
         raise ConfigError("[http] auth = false is only allowed on a loopback listen address: turn auth on")
     if (http.tls_cert is None) != (http.tls_key is None):
         raise ConfigError("[http] tls_cert and tls_key go together: set both or neither")

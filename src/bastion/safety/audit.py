@@ -462,7 +462,7 @@ def _open_log(path: Path, *, exclusive: bool) -> int:
     try:
         fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
         st = os.fstat(fd)
-        problem = _file_problem(path, st)
+        problem = file_problem(path, st)
         if problem is not None and st.st_nlink == 2 and stat.S_ISREG(st.st_mode) and _finish_rotation(path, st):
             os.close(fd)
             return _open_log(path, exclusive=True)
@@ -476,7 +476,8 @@ def _open_log(path: Path, *, exclusive: bool) -> int:
     return fd
 
 
-def _file_problem(path: Path, st: os.stat_result) -> str | None:
+def file_problem(path: Path, st: os.stat_result) -> str | None:
+    """Why an existing audit log file is unsafe to append to (not a plain file, not ours...), or None."""
     if not stat.S_ISREG(st.st_mode):
         return f"audit log {path} is not a regular file: use a plain file"
     if st.st_uid != os.geteuid():

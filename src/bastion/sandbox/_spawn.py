@@ -14,7 +14,7 @@ import shutil
 import socket
 import subprocess  # noqa: TID251 - this is the dangerous layer
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -90,6 +90,28 @@ def bwrap_path() -> str:
     if found is None:
         raise Unavailable("bubblewrap (bwrap) is not installed: run 'make install' or 'apt-get install bubblewrap'")
     return found
+
+
+def probe_bwrap(args: Sequence[str], timeout_s: float = 10.0) -> tuple[int, str]:
+    """Run bubblewrap once with `args`, for `bastion doctor`; no sandbox of the server's.
+
+    Returns:
+        Its exit status and the last line it printed (stderr first, then stdout).
+
+    Raises:
+        Unavailable: bwrap is missing, cannot be executed, or did not finish in time.
+    """
+    argv = [bwrap_path(), *args]
+    try:
+        done = subprocess.run(
+            argv, stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout_s, check=False, env=BWRAP_ENV
+        )
+    except subprocess.TimeoutExpired:
+        raise Unavailable(f"bwrap did not finish within {timeout_s:g} s") from None
+    except OSError as exc:
+        raise Unavailable(f"cannot run bwrap: {exc.strerror}") from None
+    lines = (done.stderr or done.stdout).decode(errors="replace").strip().splitlines()
+    return done.returncode, lines[-1] if lines else ""
 
 
 def sandbox_python() -> str:

@@ -1,0 +1,495 @@
+"""`bastion doctor`: what this machine and this config will enforce, checked before an agent connects.
+
+Each check is one line: ``ok``, ``warn`` or ``FAIL``, its name, and what it means or how to fix
+it. FAIL means the server would refuse to start, or a sandbox cannot start. The checks are real,
+not guessed from versions: bubblewrap runs, the seccomp filter compiles, the cgroup layout is
+detected as `build_services` detects it, and one sandbox starts through the server's own
+`SandboxManager`, runs a command and a canary the kernel must refuse, and is closed.
+
+Side effects, all undone: a temporary file in the audit log's folder (written, fsynced, removed);
+one sandbox under a temporary state folder, with its cgroup and, with a disk quota, its mounted
+filesystem (all removed, and checked gone). `CgroupLayout.detect` leaves the empty base groups
+the server itself makes and keeps. Nothing secret is printed: no password hash, no key material.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import stat
+import tempfile
+import time
+import tomllib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final, Literal
+from urllib.parse import urlsplit
+
+from bastion.config import Config, GatewayConfig, load_config, resolve_config_path
+from bastion.safety.audit import file_problem
+from bastion.safety.errors import BastionError, ConfigError
+from bastion.safety.redact import Redactor
+from bastion.sandbox._disk import quota_available
+from bastion.sandbox._spawn import SANDBOX_WORKSPACE, bwrap_path, probe_bwrap, sandbox_python
+from bastion.sandbox.cgroups import CgroupLayout
+from bastion.sandbox.landlock import _landlock_missing, landlock_abi  # the agent's own wording
+from bastion.sandbox.seccomp import DENIED, write_filter_fd
+from bastion.sandboxes import SandboxManager
+from bastion.serve import is_loopback
+from bastion.workspaces import HostWorkspace
+
+Status = Literal["ok", "warn", "FAIL"]
+
+RUN_TIMEOUT_S: Final = 10.0
+_MAX_OUTPUT_BYTES: Final = 4096
+_CLONE_NEWUSER: Final = 0x10000000
+# Run inside the sandbox by its Python: both must be refused by the kernel. unshare(CLONE_NEWUSER)
+# succeeds there without the seccomp filter; mkdir / succeeds without Landlock (bwrap's / is a
+# tmpfs the sandbox owns). The directory, if made, lives in that tmpfs and dies with the sandbox.
+_CANARY: Final = f"""
+import ctypes, errno, json, os
+libc = ctypes.CDLL(None, use_errno=True)
+out = {{"unshare": "allowed" if libc.unshare({_CLONE_NEWUSER}) == 0 else errno.errorcode[ctypes.get_errno()]}}
+try:
+    os.mkdir("/bastion-doctor-canary")
+    out["mkdir"] = "allowed"
+except OSError as exc:
+    out["mkdir"] = errno.errorcode[exc.errno]
+print(json.dumps(out))
+"""
+_DO_NOT_CONNECT: Final = "do not connect an agent to this server"
+
+
+@dataclass(frozen=True)
+class Check:
+    """One line of the report."""
+
+    check: str
+    status: Status
+    detail: str
+
+
+def run_doctor(config_arg: str | None, *, as_json: bool = False) -> int:
+    """Run every check, print the report, and return the exit status (1 if any FAIL)."""
+    checks = run_checks(config_arg)
+    print(render_json(checks) if as_json else render_text(checks))
+    return 1 if any(c.status == "FAIL" for c in checks) else 0
+
+
+def run_checks(config_arg: str | None) -> list[Check]:
+    """The checks in report order. The kernel's are made even when the config does not load."""
+    config, path, loaded = _load(config_arg)
+    checks = [loaded, *_bwrap_checks(), _landlock_check(), _seccomp_check()]
+    if config is None:
+        return checks
+    cgroups, cgroup_check = _cgroup_check(config)
+    checks.append(cgroup_check)
+    checks += _quota_checks(config)
+    checks.append(_audit_check(config))
+    checks += _sandbox_checks(config, cgroups, ready=not any(c.status == "FAIL" for c in checks))
+    checks += _http_checks(config, path)
+    checks += [_gateway_check(gateway) for gateway in config.gateway]
+    return checks
+
+
+def render_text(checks: list[Check]) -> str:
+    width = max(len(c.check) for c in checks)
+    lines = [f"{c.status:<4}  {c.check:<{width}}  {c.detail}" for c in checks]
+    failed = sum(c.status == "FAIL" for c in checks)
+    warned = sum(c.status == "warn" for c in checks)
+    if failed:
+        lines.append(f"bastion doctor: {failed} FAIL, {warned} warn: fix each FAIL before connecting an agent")
+    else:
+        lines.append(f"bastion doctor: no FAIL, {warned} warn: each warn names what is not enforced")
+    return "\n".join(lines)
+
+
+def render_json(checks: list[Check]) -> str:
+    return json.dumps([dataclasses.asdict(c) for c in checks], indent=2)
+
+
+# -- config and kernel -----------------------------------------------------------------------
+
+
+def _load(config_arg: str | None) -> tuple[Config | None, str, Check]:
+    try:
+        path = resolve_config_path(config_arg)
+        config = load_config(path)
+    except ConfigError as exc:
+        return None, "", Check("config", "FAIL", str(exc))
+    return config, path, Check("config", "ok", f"{os.path.abspath(path)} loads")
+
+
+def _bwrap_checks() -> list[Check]:
+    try:
+        path = bwrap_path()
+        _, version = probe_bwrap(["--version"])
+    except BastionError as exc:
+        return [Check("bwrap", "FAIL", f"{exc.reason}: no command or sandbox can run")]
+    found = Check("bwrap", "ok", f"{version or 'bubblewrap (version unknown)'} at {path}")
+    try:
+        status, last = probe_bwrap(["--unshare-user", "--ro-bind", "/", "/", "true"])
+    except BastionError as exc:
+        status, last = -1, exc.reason
+    if status == 0:
+        return [found, Check("userns", "ok", "user namespaces work: 'bwrap --unshare-user' ran a command")]
+    why = last or f"exit status {status}"
+    fix = (
+        "allow user namespaces (sysctl user.max_user_namespaces > 0; on Debian/Ubuntu also "
+        "kernel.unprivileged_userns_clone = 1, or kernel.apparmor_restrict_unprivileged_userns = 0)"
+    )
+    return [found, Check("userns", "FAIL", f"'bwrap --unshare-user' failed ({why}): {fix}")]
+
+
+def _landlock_check() -> Check:
+    abi = landlock_abi()
+    if abi == 0:
+        return Check(
+            "landlock",
+            "warn",
+            "not applied (kernel has no Landlock, or it is left out of the boot's lsm= list): only the bubblewrap "
+            "namespaces and seccomp confine a sandbox, and a command may write anywhere bubblewrap left writable",
+        )
+    missing = _landlock_missing(abi)
+    if missing:
+        return Check("landlock", "warn", f"landlock ABI {abi}: " + "; ".join(missing))
+    return Check(
+        "landlock", "ok", f"ABI {abi}: commands write only beneath /workspace and /tmp; signals and sockets scoped"
+    )
+
+
+def _seccomp_check() -> Check:
+    try:
+        fd = write_filter_fd()
+    except (BastionError, OSError) as exc:
+        reason = exc.reason if isinstance(exc, BastionError) else str(exc)
+        return Check("seccomp", "FAIL", f"{reason}: no sandbox can start without its filter (install libseccomp2)")
+    os.close(fd)
+    names = len({denial.syscall for denial in DENIED})
+    return Check("seccomp", "ok", f"the filter compiles: {names} syscalls are refused in every sandbox")
+
+
+# -- resources -------------------------------------------------------------------------------
+
+
+def _cgroup_check(config: Config) -> tuple[CgroupLayout | None, Check]:
+    """As `build_services` decides: cgroups are needed when sandboxes are on or a workspace uses them."""
+    unlimited = [ws.id for ws in config.workspace if not ws.use_cgroups]
+    if not config.sandboxes.enabled and len(unlimited) == len(config.workspace):
+        return None, Check(
+            "cgroups",
+            "warn",
+            "not used (sandboxes off, use_cgroups = false): commands run without memory/pids/CPU limits",
+        )
+    try:
+        layout = CgroupLayout.detect()
+    except BastionError as exc:
+        fix = "run as root or with a delegated cgroup; 'use_cgroups = false' disables limits"
+        return None, Check("cgroups", "FAIL", f"cgroups: {exc.reason} ({fix})")
+    mode = {"v2": "cgroup v2", "hybrid": "hybrid (limits in cgroup v1, freezer in v2)", "v1": "cgroup v1"}[layout.mode]
+    kill = "cgroup.kill" if layout.has_cgroup_kill else "freeze, then SIGKILL each process"
+    detail = f"{mode}: memory, pids and CPU limits apply; a sandbox's whole tree is stopped by {kill}"
+    if unlimited:
+        return layout, Check(
+            "cgroups", "warn", f"{detail}; but NOT for workspace {', '.join(unlimited)} (use_cgroups = false)"
+        )
+    return layout, Check("cgroups", "ok", detail)
+
+
+def _quota_checks(config: Config) -> list[Check]:
+    sandboxes = config.sandboxes
+    if not sandboxes.enabled:
+        return []
+    if not sandboxes.disk_quota:
+        why = "off ([sandboxes] disk_quota = false): /workspace is a plain folder; one sandbox can fill the disk"
+        return [Check("disk-quota", "warn", why)]
+    reason = quota_available()
+    if reason is not None:
+        fix = "run as root or set [sandboxes] disk_quota = false"
+        return [Check("disk-quota", "FAIL", f"sandbox disk quota: {reason}: {fix}")]
+    size = _size(sandboxes.limits.disk_bytes)
+    return [Check("disk-quota", "ok", f"each sandbox's /workspace is a filesystem of {size}: writes past it fail")]
+
+
+def _size(count: int) -> str:
+    return f"{count / 1024**3:g} GiB" if count >= 1024**3 else f"{count / 1024**2:g} MiB"
+
+
+# -- audit log -------------------------------------------------------------------------------
+
+
+def _audit_check(config: Config) -> Check:
+    path = config.audit_path
+    folder, note = path.parent, ""
+    if not folder.is_dir():
+        if folder != config.state_dir:
+            return Check("audit", "FAIL", f"audit log folder {folder} does not exist: create it or fix [audit] path")
+        # build_services makes the state folder: test where it will be made.
+        folder, note = _existing_ancestor(folder), f" ({folder} is made at start)"
+    try:
+        _write_and_fsync(folder)
+    except OSError as exc:
+        return Check("audit", "FAIL", f"cannot write and fsync a file in {folder}: {exc.strerror or exc}")
+    problem = _log_problem(path)
+    if problem is not None:
+        return Check("audit", "FAIL", problem)
+    if not config.audit.fail_closed:
+        return Check("audit", "warn", f"{path}: writable, but fail_closed = false: operations may run unrecorded")
+    return Check("audit", "ok", f"{path}: its folder is writable and fsync works{note}")
+
+
+def _existing_ancestor(path: Path) -> Path:
+    while not path.is_dir() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _write_and_fsync(folder: Path) -> None:
+    """Create (O_EXCL, 0600), write, fsync and remove a file of our own; the real log is not touched."""
+    fd, name = tempfile.mkstemp(prefix=".bastion-doctor-", dir=folder)
+    try:
+        os.write(fd, b"bastion doctor\n")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+        os.unlink(name)
+
+
+def _log_problem(path: Path) -> str | None:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"audit log {path} cannot be examined: {exc.strerror}"
+    if stat.S_ISLNK(st.st_mode):
+        return f"audit log {path} is a symlink: point the config at the real file"
+    return file_problem(path, st)
+
+
+# -- one real sandbox ------------------------------------------------------------------------
+
+
+def _sandbox_checks(config: Config, cgroups: CgroupLayout | None, *, ready: bool) -> list[Check]:
+    if not config.sandboxes.enabled:
+        return [Check("sandboxes", "ok", "disabled ([sandboxes] enabled = false): create_sandbox is refused")]
+    if not ready:
+        return [Check("sandbox", "warn", "not started: fix the FAIL lines above first")]
+    with tempfile.TemporaryDirectory(prefix="bastion-doctor-") as state, _quiet_logs() as errors:
+        checks = asyncio.run(_probe(config, cgroups, Path(state)))
+    if errors:
+        checks.append(Check("sandbox-log", "FAIL", "; ".join(errors)))
+    return checks
+
+
+class _ErrorCollector(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.errors: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.errors.append(record.getMessage())
+
+
+@contextlib.contextmanager
+def _quiet_logs() -> Iterator[list[str]]:
+    """Collect what bastion logs meanwhile: warnings repeat the checks above; errors are reported."""
+    handler = _ErrorCollector()
+    logger = logging.getLogger("bastion")
+    logger.addHandler(handler)
+    try:
+        yield handler.errors
+    finally:
+        logger.removeHandler(handler)
+
+
+async def _probe(config: Config, cgroups: CgroupLayout | None, state: Path) -> list[Check]:
+    """Start one sandbox as create_sandbox does, under `state`; run `true` and the canary; close it."""
+    # The server's config, with its own state folder and no warm pool (one sandbox, made here).
+    probe_config = config.model_copy(
+        update={"state_dir": state, "sandboxes": config.sandboxes.model_copy(update={"warm_pool": 0})}
+    )
+    redactor = Redactor(extra_patterns=config.redaction.patterns, secret_values=config.secret_values())
+    manager = SandboxManager(probe_config, redactor, cgroups)
+    groups_before = set(cgroups.existing()) if cgroups is not None else set()
+    started = time.monotonic()
+    try:
+        box = await manager.create(owner="bastion-doctor", network_allow=())
+        start_ms = (time.monotonic() - started) * 1000
+        checks = await _run_in(box.workspace)
+    except (BastionError, OSError) as exc:
+        reason = exc.reason if isinstance(exc, BastionError) else str(exc)
+        checks = [Check("sandbox", "FAIL", f"a sandbox cannot start: {reason}")]
+        start_ms = None
+    finally:
+        manager.close_all()
+    left = _leftovers(cgroups, groups_before, probe_config.sandboxes_dir)
+    if left:
+        return [*checks, Check("cleanup", "FAIL", f"closing the sandbox left {left}: report this as a bug")]
+    if start_ms is not None and checks[0].status == "ok":
+        detail = f"started in {start_ms:.0f} ms, {checks[0].detail}; closed, leaving no process, cgroup or file"
+        checks[0] = Check("sandbox", "ok", detail)
+    return checks
+
+
+async def _run_in(workspace: HostWorkspace) -> list[Check]:
+    warm, env = workspace.sandbox, workspace.environment()
+    done = await warm.run(
+        "/bin/true",
+        ["true"],
+        cwd=SANDBOX_WORKSPACE,
+        env=env,
+        timeout_s=RUN_TIMEOUT_S,
+        max_output_bytes=_MAX_OUTPUT_BYTES,
+    )
+    if done.status != 0:
+        tail = done.stderr.decode(errors="replace").strip()
+        ran = Check("sandbox", "FAIL", f"'true' exited {done.status} in a sandbox: {tail or 'no message'}")
+    else:
+        ran = Check("sandbox", "ok", "'true' exited 0")
+    python = sandbox_python()
+    canary = await warm.run(
+        python,
+        [python, "-I", "-S", "-c", _CANARY],
+        cwd=SANDBOX_WORKSPACE,
+        env=env,
+        timeout_s=RUN_TIMEOUT_S,
+        max_output_bytes=_MAX_OUTPUT_BYTES,
+    )
+    try:
+        result = json.loads(canary.stdout)
+    except ValueError:
+        result = None
+    if not isinstance(result, dict):
+        lines = canary.stderr.decode(errors="replace").strip().splitlines()
+        why = lines[-1] if lines else f"exit status {canary.status}"
+        return [ran, Check("canary", "FAIL", f"the canary did not run ({why}): {_DO_NOT_CONNECT} until it does")]
+    return [ran, _canary_check({str(k): str(v) for k, v in result.items()})]
+
+
+def _canary_check(result: dict[str, str]) -> Check:
+    unshare, mkdir = result.get("unshare", "?"), result.get("mkdir", "?")
+    if unshare == "allowed":
+        why = "a sandbox command created a user namespace: the seccomp filter is NOT in force"
+        return Check("canary", "FAIL", f"ALLOWED: {why}; {_DO_NOT_CONNECT}")
+    if mkdir == "allowed" and landlock_abi() > 0:
+        why = f"a sandbox command wrote outside /workspace and /tmp: Landlock (ABI {landlock_abi()}) is NOT in force"
+        return Check("canary", "FAIL", f"ALLOWED: {why}; {_DO_NOT_CONNECT}")
+    detail = f"unshare(CLONE_NEWUSER) -> {unshare}, mkdir / -> {mkdir}"
+    if mkdir == "allowed":
+        return Check("canary", "warn", f"{detail}: seccomp refuses; writes are not confined (no Landlock)")
+    if unshare != "EPERM":
+        return Check("canary", "warn", f"{detail}: refused, but not with seccomp's EPERM: check the seccomp line")
+    return Check("canary", "ok", f"refused by the kernel: {detail}")
+
+
+def _leftovers(cgroups: CgroupLayout | None, before: set[str], sandboxes_dir: Path) -> str:
+    left = []
+    if cgroups is not None:
+        left += [f"cgroup {name}" for name in sorted(set(cgroups.existing()) - before)]
+    with contextlib.suppress(FileNotFoundError):
+        left += [f"folder {entry}" for entry in sorted(sandboxes_dir.iterdir())]
+    left += [f"process {pid}" for pid in _children()]
+    return ", ".join(left)
+
+
+def _children() -> list[int]:
+    pids = []
+    for task in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError), open(f"/proc/self/task/{task}/children", encoding="ascii") as handle:
+            pids += [int(pid) for pid in handle.read().split()]
+    return pids
+
+
+# -- HTTP and gateways -----------------------------------------------------------------------
+
+
+def _http_checks(config: Config, path: str) -> list[Check]:
+    """Only when the file has an [http] section: a stdio-only server needs none of this."""
+    try:
+        has_http = "http" in tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, tomllib.TOMLDecodeError):
+        has_http = True
+    if not has_http:
+        return []
+    checks = [_http_auth_check(config, path), _http_url_check(config)]
+    tls = _http_tls_check(config)
+    return checks if tls is None else [checks[0], tls, checks[1]]
+
+
+def _listen_host(listen: str) -> str:
+    return listen.rpartition(":")[0].strip("[]")
+
+
+def _http_auth_check(config: Config, path: str) -> Check:
+    http = config.http
+    if not http.auth:
+        if not is_loopback(_listen_host(http.listen)):
+            return Check("http-auth", "FAIL", "[http] auth = false is only allowed on a loopback listen address")
+        return Check("http-auth", "warn", f"auth = false: anyone who reaches {http.listen} can call every tool")
+    if config.admin_hash_path.exists():
+        return Check("http-auth", "ok", "an admin password is set (serve --http asks it before approving a client)")
+    how = f"'bastion admin set-password --config {path}' ('make run' sets one)"
+    return Check("http-auth", "warn", f"no admin password is set: 'serve --http' refuses to start until you run {how}")
+
+
+def _http_tls_check(config: Config) -> Check | None:
+    cert, key = config.http.tls_cert, config.http.tls_key
+    if cert is None and key is None:
+        return None
+    if cert is None or key is None:
+        return Check("http-tls", "FAIL", "[http] tls_cert and tls_key go together: set both or neither")
+    for name, file in (("tls_cert", cert), ("tls_key", key)):
+        try:
+            fd = os.open(file, os.O_RDONLY | os.O_CLOEXEC)  # opened, never read: no key material
+        except OSError as exc:
+            return Check("http-tls", "FAIL", f"{name} {file} cannot be read: {exc.strerror}")
+        mode = stat.S_IMODE(os.fstat(fd).st_mode)
+        os.close(fd)
+        if name == "tls_key" and mode & 0o077:
+            return Check("http-tls", "warn", f"tls_key {file} is readable by others (mode {mode:04o}): chmod 600 it")
+    return Check("http-tls", "ok", "tls_cert and tls_key are readable: serve --http speaks https itself")
+
+
+def _http_url_check(config: Config) -> Check:
+    http = config.http
+    loopback_listen = is_loopback(_listen_host(http.listen))
+    if http.public_url is None and not loopback_listen:
+        return Check("http-url", "FAIL", '[http] public_url is not set: add it (e.g. "https://bastion.example.com")')
+    url = http.public_url or f"http://{http.listen}"
+    parts = urlsplit(url)
+    if parts.scheme == "https":
+        return Check("http-url", "ok", f"{url}: clients connect over https")
+    if not is_loopback(parts.hostname or ""):
+        return Check(
+            "http-url", "warn", f"{url} is plain http on a network address: tokens cross it in clear; use https"
+        )
+    if not loopback_listen and http.tls_cert is None:
+        why = f"listens on {http.listen} in plain http: put it behind a TLS proxy or set tls_cert/tls_key"
+        return Check("http-url", "warn", why)
+    return Check("http-url", "ok", f"{url}: loopback only (claude.ai and remote clients need a public https URL)")
+
+
+def _gateway_check(gateway: GatewayConfig) -> Check:
+    name = f"gateway:{gateway.name}"
+    problems = []
+    try:
+        st = os.lstat(gateway.key_path)
+    except OSError:
+        problems.append(f"no key at {gateway.key_path} (bastion gateway keygen --config PATH {gateway.name})")
+    else:
+        if not stat.S_ISREG(st.st_mode):
+            problems.append(f"key {gateway.key_path} is not a regular file")
+        elif st.st_mode & 0o077:
+            problems.append(f"key {gateway.key_path} has mode {stat.S_IMODE(st.st_mode):04o}: chmod 600 it")
+    if gateway.host_key is None:
+        problems.append("no pinned host_key (ssh-keyscan -t ed25519 HOST)")
+    if problems:
+        return Check(name, "warn", "; ".join(problems) + ": its calls are refused until fixed")
+    kind = gateway.host_key.split()[0] if gateway.host_key else ""
+    return Check(name, "ok", f"key {gateway.key_path} is 0600; host key pinned ({kind})")

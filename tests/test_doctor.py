@@ -1,0 +1,157 @@
+"""`bastion doctor`: real checks on this machine with the demo config, through the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from bastion.cli import main
+from bastion.doctor import _CANARY, _canary_check, _leftovers
+from bastion.sandbox._spawn import probe_bwrap
+from bastion.sandbox.cgroups import CgroupLayout
+
+STATUSES = {"ok", "warn", "FAIL"}
+
+
+def _doctor(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict[str, tuple[str, str]], str]:
+    """Run `bastion doctor --json ARGS`; return its exit status, check -> (status, detail), and stderr."""
+    code = main(["doctor", "--json", *args])
+    out, err = capsys.readouterr()
+    rows = json.loads(out)
+    assert all(set(row) == {"check", "status", "detail"} and row["status"] in STATUSES for row in rows), rows
+    return code, {row["check"]: (row["status"], row["detail"]) for row in rows}, err
+
+
+def _tree(root: Path) -> set[str]:
+    return {str(path) for path in root.rglob("*")}
+
+
+def _our_temp_dirs() -> set[str]:
+    return {name for name in os.listdir(tempfile.gettempdir()) if name.startswith(("bastion-doctor-", "bastion-net-"))}
+
+
+def _children() -> set[int]:
+    pids: set[int] = set()
+    for task in os.listdir("/proc/self/task"):
+        pids.update(int(pid) for pid in Path(f"/proc/self/task/{task}/children").read_text().split())
+    return pids
+
+
+@pytest.mark.bwrap
+def test_demo_config_passes_with_the_canary_refused_and_leaves_nothing(
+    capsys: pytest.CaptureFixture[str], demo_config_path: Path
+) -> None:
+    """Invariant: on this machine every check is ok or warn, a real sandbox starts, the kernel refuses
+    the canary, and afterwards no sandbox cgroup, process, mount or file of the doctor remains."""
+    layout = CgroupLayout.detect()
+    groups, mounts = layout.existing(), Path("/proc/self/mountinfo").read_text()
+    tree, temp, children = _tree(demo_config_path.parent), _our_temp_dirs(), _children()
+
+    code, checks, err = _doctor(capsys, "--config", str(demo_config_path))
+
+    assert code == 0, checks
+    assert err == ""
+    assert {status for status, _ in checks.values()} <= {"ok", "warn"}, checks
+    for name in ("config", "bwrap", "userns", "seccomp", "cgroups", "audit", "sandbox"):
+        assert checks[name][0] == "ok", (name, checks[name])
+    assert checks["sandbox"][1].startswith("started in "), checks["sandbox"]
+    assert checks["canary"][0] == "ok", checks["canary"]
+    assert "unshare(CLONE_NEWUSER) -> EPERM" in checks["canary"][1]
+    assert checks["disk-quota"][0] == ("ok" if os.geteuid() == 0 else "warn")
+    # The demo sets no admin password and has a gateway with no key and no pinned host key.
+    assert checks["http-auth"][0] == "warn"
+    assert "bastion admin set-password" in checks["http-auth"][1]
+    assert checks["gateway:biscuit"][0] == "warn"
+    assert "no pinned host_key" in checks["gateway:biscuit"][1]
+
+    assert layout.existing() == groups
+    assert Path("/proc/self/mountinfo").read_text() == mounts
+    assert _tree(demo_config_path.parent) == tree
+    assert _our_temp_dirs() == temp
+    assert _children() == children
+
+
+def test_bad_value_is_one_fail_line_with_the_message_serve_prints(
+    capsys: pytest.CaptureFixture[str], demo_config_path: Path
+) -> None:
+    text = demo_config_path.read_text()
+    demo_config_path.write_text(text.replace("max_sandboxes = 16", "max_sandboxes = -1"))
+    assert main(["serve", "--config", str(demo_config_path), "--stdio"]) == 78
+    serve_line = capsys.readouterr().err.strip()
+
+    assert main(["doctor", "--config", str(demo_config_path)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    failed = [line for line in lines if line.startswith("FAIL")]
+    assert len(failed) == 1, lines
+    assert re.split(r"\s{2,}", failed[0], maxsplit=2) == ["FAIL", "config", serve_line.removeprefix("bastion: ")]
+    assert "max_sandboxes" in failed[0]
+    assert lines[-1].startswith("bastion doctor: 1 FAIL")
+
+
+def test_no_config_at_all_is_a_fail(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("BASTION_CONFIG", raising=False)
+    code, checks, _ = _doctor(capsys)
+    assert code == 1
+    assert checks["config"] == ("FAIL", checks["config"][1])
+    assert "pass --config PATH or set BASTION_CONFIG" in checks["config"][1]
+
+
+def test_sandboxes_disabled_skips_the_sandbox_checks(
+    capsys: pytest.CaptureFixture[str], demo_config_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Also: the config comes from $BASTION_CONFIG, and a file with no [http] section gets no HTTP checks."""
+    text = demo_config_path.read_text().replace("[sandboxes]\nenabled = true", "[sandboxes]\nenabled = false")
+    text = re.sub(r"^\[http\]\n(?:.*\n)*?\n", "", text, count=1, flags=re.MULTILINE)
+    demo_config_path.write_text(text)
+    monkeypatch.setenv("BASTION_CONFIG", str(demo_config_path))
+
+    code, checks, _ = _doctor(capsys)
+
+    assert code == 0, checks
+    assert checks["sandboxes"][0] == "ok"
+    assert "enabled = false" in checks["sandboxes"][1]
+    assert not {"sandbox", "canary", "disk-quota"} & set(checks)
+    assert not [name for name in checks if name.startswith("http")]
+    assert checks["cgroups"][0] == "ok"  # the host workspace still has limits
+
+
+def test_missing_audit_folder_fails(capsys: pytest.CaptureFixture[str], demo_config_path: Path) -> None:
+    text = demo_config_path.read_text().replace("[audit]\n", '[audit]\npath = "no-such-folder/audit.jsonl"\n')
+    demo_config_path.write_text(text)
+    code, checks, _ = _doctor(capsys, "--config", str(demo_config_path))
+    assert code == 1
+    assert checks["audit"][0] == "FAIL"
+    assert "no-such-folder does not exist" in checks["audit"][1]
+    assert not (demo_config_path.parent / "no-such-folder").exists()
+
+
+@pytest.mark.bwrap
+def test_canary_is_allowed_without_seccomp_and_landlock() -> None:
+    """The canary can fail: in a bare bubblewrap (no seccomp filter, no Landlock) the same script
+    creates a user namespace and writes at /, and the check turns that into a loud FAIL."""
+    args = ["--unshare-user", "--uid", "1000", "--tmpfs", "/", "--ro-bind", "/usr", "/usr"]
+    for path in ("/bin", "/sbin", "/lib", "/lib64"):
+        if os.path.islink(path):
+            args += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            args += ["--ro-bind", path, path]
+    status, last = probe_bwrap(
+        [*args, "--proc", "/proc", "--dev", "/dev", "/usr/bin/python3", "-I", "-S", "-c", _CANARY]
+    )
+    assert status == 0, last
+    result = json.loads(last)
+    assert result == {"unshare": "allowed", "mkdir": "allowed"}
+    check = _canary_check(result)
+    assert check.status == "FAIL"
+    assert check.detail.startswith("ALLOWED: ")
+
+
+def test_leftovers_are_named(tmp_path: Path) -> None:
+    (tmp_path / "sb-left").mkdir()
+    assert _leftovers(None, set(), tmp_path) == f"folder {tmp_path / 'sb-left'}"
+    assert _leftovers(None, set(), tmp_path / "gone") == ""
