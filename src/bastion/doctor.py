@@ -317,6 +317,7 @@ async def _probe(config: Config, cgroups: CgroupLayout | None, state: Path) -> l
     redactor = Redactor(extra_patterns=config.redaction.patterns, secret_values=config.secret_values())
     manager = SandboxManager(probe_config, redactor, cgroups)
     groups_before = set(cgroups.existing()) if cgroups is not None else set()
+    children_before = set(_children())  # a caller's own children are not the sandbox's
     started = time.monotonic()
     try:
         box = await manager.create(owner="bastion-doctor", network_allow=())
@@ -328,7 +329,7 @@ async def _probe(config: Config, cgroups: CgroupLayout | None, state: Path) -> l
         start_ms = None
     finally:
         manager.close_all()
-    left = _leftovers(cgroups, groups_before, probe_config.sandboxes_dir)
+    left = _leftovers(cgroups, groups_before, probe_config.sandboxes_dir, children_before)
     if left:
         return [*checks, Check("cleanup", "FAIL", f"closing the sandbox left {left}: report this as a bug")]
     if start_ms is not None and checks[0].status == "ok":
@@ -388,13 +389,16 @@ def _canary_check(result: dict[str, str]) -> Check:
     return Check("canary", "ok", f"refused by the kernel: {detail}")
 
 
-def _leftovers(cgroups: CgroupLayout | None, before: set[str], sandboxes_dir: Path) -> str:
+def _leftovers(
+    cgroups: CgroupLayout | None, groups_before: set[str], sandboxes_dir: Path, children_before: set[int]
+) -> str:
+    """What the probe left: new cgroups, anything in its sandboxes folder, new child processes."""
     left = []
     if cgroups is not None:
-        left += [f"cgroup {name}" for name in sorted(set(cgroups.existing()) - before)]
+        left += [f"cgroup {name}" for name in sorted(set(cgroups.existing()) - groups_before)]
     with contextlib.suppress(FileNotFoundError):
         left += [f"folder {entry}" for entry in sorted(sandboxes_dir.iterdir())]
-    left += [f"process {pid}" for pid in _children()]
+    left += [f"process {pid}" for pid in _children() if pid not in children_before]
     return ", ".join(left)
 
 
