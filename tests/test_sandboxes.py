@@ -285,3 +285,41 @@ async def test_proxy_sockets_live_in_the_state_folder_and_a_crashed_servers_are_
         shutil.rmtree(root)
     after = {name for name in os.listdir(tempfile.gettempdir()) if name.startswith("bastion-net-")}
     assert after <= before
+
+
+async def test_a_long_state_path_keeps_its_sockets_in_a_temp_folder_that_recover_removes(tmp_path: Path) -> None:
+    """Invariant: when `<sandboxes_dir>/.net/<id>/egress.sock` is too long for a unix socket, the
+    sockets live in a private temp folder named by the `.net-temp` symlink; a clean close removes
+    both, and the next start removes a crashed server's folder. A `.net-temp` pointing anywhere
+    else (not this user's temp socket folder) is unlinked, never followed."""
+    config_path = init_demo(tmp_path / ("deep-" + "x" * 80) / "d", python_env=None)
+    if os.geteuid() != 0:  # as conftest's demo config: no mounts, so no per-sandbox filesystem
+        config_path.write_text(config_path.read_text().replace("disk_quota = true", "disk_quota = false"))
+    config = load_config(config_path)
+    link = config.sandboxes_dir / ".net-temp"
+    services = build_services(config)
+    try:
+        async with Client(build_server(services, caller="test")) as client:
+            box = await create(client)
+            temp = Path(os.readlink(link))
+            assert temp.parent == Path(tempfile.gettempdir())
+            assert (temp / box).is_dir()
+    finally:
+        services.close()
+    assert not temp.exists()
+    assert not link.is_symlink()
+    crashed = Path(tempfile.mkdtemp(prefix="bastion-net-"))  # as a killed server leaves it
+    (crashed / "sb-00000000dead").mkdir()
+    link.symlink_to(crashed)
+    services = build_services(config)
+    services.close()
+    assert not crashed.exists()
+    assert not link.is_symlink()
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "keep.txt").write_text("mine")
+    link.symlink_to(precious)
+    services = build_services(config)
+    services.close()
+    assert (precious / "keep.txt").read_text() == "mine"
+    assert not link.is_symlink()

@@ -66,6 +66,10 @@ from bastion.workspaces import HostWorkspace
 
 _ID_HEX_BYTES: Final = 6
 NET_DIR_NAME: Final = ".net"  # in sandboxes_dir; recover() skips it (not a sandbox id)
+# With a state path too long for unix sockets, the sockets are in a temp folder, named by this
+# symlink in sandboxes_dir so that the next start can remove a crashed server's.
+NET_TEMP_LINK: Final = ".net-temp"
+NET_TEMP_PREFIX: Final = "bastion-net-"
 ENV_DEST: Final = f"{BASTION_OPT}/env"
 SLEEP_AFTER_S: Final = 120.0
 _MAX_NAME_CHARS: Final = 64
@@ -264,15 +268,20 @@ class SandboxManager:
         return self._net_dir / sandbox_id
 
     def _make_net_dir(self) -> Path:
-        # Under the state folder, a crashed server's sockets are found and removed at the next
-        # start (`recover`); a temp folder, needed only for a long state path, would be left behind.
+        # Under the state folder when the socket paths fit; else a private temp folder, named by
+        # a symlink in the state folder. Either way `recover` finds a crashed server's.
         preferred = self._dir / NET_DIR_NAME
         longest = preferred / (SANDBOX_ID_PREFIX + "0" * 2 * _ID_HEX_BYTES) / SOCKET_NAME
-        if len(os.fsencode(longest)) > UNIX_PATH_MAX:
-            return Path(tempfile.mkdtemp(prefix="bastion-net-"))
         self._dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        preferred.mkdir(mode=0o700, exist_ok=True)
-        return preferred
+        if len(os.fsencode(longest)) <= UNIX_PATH_MAX:
+            preferred.mkdir(mode=0o700, exist_ok=True)
+            return preferred
+        temp = Path(tempfile.mkdtemp(prefix=NET_TEMP_PREFIX))
+        link = self._dir / NET_TEMP_LINK
+        with contextlib.suppress(FileNotFoundError):
+            link.unlink()
+        os.symlink(temp, link)
+        return temp
 
     def _discard_prepared(self, sandbox_id: str, root: Path) -> None:
         _discard(root)
@@ -455,13 +464,21 @@ class SandboxManager:
 
     def _remove_stale_sockets(self) -> None:
         """The socket folders of sandboxes this server does not run (a crashed server's)."""
-        net_dir = self._dir / NET_DIR_NAME
-        if not net_dir.is_dir() or net_dir.is_symlink():
-            return
         live = {*self._boxes, *(prepared.id for prepared in self._pool), *self._starting}
-        for entry in net_dir.iterdir():
-            if entry.name not in live:
-                _remove_tree(entry)
+        net_dir = self._dir / NET_DIR_NAME
+        if net_dir.is_dir() and not net_dir.is_symlink():
+            for entry in net_dir.iterdir():
+                if entry.name not in live:
+                    _remove_tree(entry)
+        link = self._dir / NET_TEMP_LINK
+        if not link.is_symlink():
+            return
+        target = Path(os.readlink(link))
+        if target == self._net_dir:
+            return
+        if _is_own_temp_net_dir(target):
+            _remove_tree(target)
+        link.unlink()
 
     def close(self, sandbox_id: str, *, final: bool = False) -> None:
         """End every process, remove the cgroup and the files. `final`: the server is ending
@@ -508,6 +525,8 @@ class SandboxManager:
         if self._net_dir is not None:
             _remove_tree(self._net_dir)
             self._net_dir = None
+            with contextlib.suppress(FileNotFoundError):
+                (self._dir / NET_TEMP_LINK).unlink()
 
     def close_egress(self) -> None:
         """Stop the egress proxies' thread (after close_all; the server is ending)."""
@@ -539,6 +558,17 @@ def _discard(root: Path) -> None:
     """Unmount a sandbox's workspace filesystem if it has one, then delete its folder."""
     drop_disk(root / "workspace")
     _remove_tree(root)
+
+
+def _is_own_temp_net_dir(path: Path) -> bool:
+    """Whether `path` is a socket folder this user made in the temp folder (never follow another link)."""
+    if path.parent != Path(tempfile.gettempdir()) or not path.name.startswith(NET_TEMP_PREFIX):
+        return False
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
 
 
 def _remove_tree(root: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import tempfile
 from pathlib import Path
 
 import anyio
@@ -24,6 +25,7 @@ async def test_killed_server_leaves_nothing_and_next_start_recovers(demo_config_
     """Invariant: after kill -9 of the server, no sandbox process survives; the next server
     removes the orphan cgroup and folder and keeps the workspace as a restorable snapshot."""
     params = StdioServerParameters(command=str(BASTION), args=["serve", "--config", str(demo_config_path), "--stdio"])
+    sockets_before = _temp_socket_folders()
     marker = str(demo_config_path)
     seen: dict[str, str] = {}
 
@@ -72,3 +74,9 @@ async def test_killed_server_leaves_nothing_and_next_start_recovers(demo_config_
             assert out.structured_content["detail"]["stdout"] == "survived\n"
     finally:
         services.close()
+    # The killed server's egress socket folder (a temp folder, for this long state path) is gone too.
+    assert _temp_socket_folders() <= sockets_before
+
+
+def _temp_socket_folders() -> set[str]:
+    return {name for name in os.listdir(tempfile.gettempdir()) if name.startswith("bastion-net-")}
