@@ -278,9 +278,12 @@ class SandboxManager:
             return preferred
         temp = Path(tempfile.mkdtemp(prefix=NET_TEMP_PREFIX))
         link = self._dir / NET_TEMP_LINK
-        with contextlib.suppress(FileNotFoundError):
-            link.unlink()
-        os.symlink(temp, link)
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                link.unlink()
+            os.symlink(temp, link)
+        except OSError as exc:  # the sockets still work; only a crash would leave the folder behind
+            logger.warning("cannot name the egress socket folder %s in %s: %s", temp, link, exc)
         return temp
 
     def _discard_prepared(self, sandbox_id: str, root: Path) -> None:
@@ -471,14 +474,17 @@ class SandboxManager:
                 if entry.name not in live:
                     _remove_tree(entry)
         link = self._dir / NET_TEMP_LINK
-        if not link.is_symlink():
-            return
-        target = Path(os.readlink(link))
-        if target == self._net_dir:
-            return
-        if _is_own_temp_net_dir(target):
-            _remove_tree(target)
-        link.unlink()
+        try:
+            if not link.is_symlink():
+                return
+            target = Path(os.readlink(link))
+            if target == self._net_dir:
+                return
+            if _is_own_temp_net_dir(target):
+                _remove_tree(target)
+            link.unlink()
+        except OSError as exc:
+            logger.warning("cannot remove a previous server's egress socket folder (%s): %s", link, exc)
 
     def close(self, sandbox_id: str, *, final: bool = False) -> None:
         """End every process, remove the cgroup and the files. `final`: the server is ending
@@ -525,7 +531,8 @@ class SandboxManager:
         if self._net_dir is not None:
             _remove_tree(self._net_dir)
             self._net_dir = None
-            with contextlib.suppress(FileNotFoundError):
+            # Closing goes on even on a failed state filesystem (EIO): the folder is gone already.
+            with contextlib.suppress(OSError):
                 (self._dir / NET_TEMP_LINK).unlink()
 
     def close_egress(self) -> None:
