@@ -68,6 +68,30 @@ class Services:
         self.audit.close()
 
 
+def detect_cgroups(config: Config) -> CgroupLayout | None:
+    """The cgroup layout, when sandboxes are on or a workspace uses cgroups; else None.
+
+    Raises:
+        ConfigError: cgroups are needed and cannot be used here.
+    """
+    if not config.sandboxes.enabled and not any(ws.use_cgroups for ws in config.workspace):
+        return None
+    try:
+        return CgroupLayout.detect()
+    except BastionError as exc:
+        raise ConfigError(
+            f"cgroups: {exc.reason} (run as root or with a delegated cgroup; 'use_cgroups = false' disables limits)"
+        ) from None
+
+
+def check_disk_quota(config: Config) -> None:
+    """Raise ConfigError if sandboxes need a disk quota that this machine cannot give."""
+    if config.sandboxes.enabled and config.sandboxes.disk_quota:
+        reason = quota_available()
+        if reason is not None:
+            raise ConfigError(f"sandbox disk quota: {reason}: run as root or set [sandboxes] disk_quota = false")
+
+
 def build_services(config: Config) -> Services:
     """Open the audit log and the workspaces; refuse to start with one line if they cannot be used."""
     redactor = Redactor(extra_patterns=config.redaction.patterns, secret_values=config.secret_values())
@@ -87,20 +111,12 @@ def build_services(config: Config) -> Services:
     except ConfigError:
         audit.close()
         raise
-    cgroups = None
-    if config.sandboxes.enabled or any(ws.use_cgroups for ws in config.workspace):
-        try:
-            cgroups = CgroupLayout.detect()
-        except BastionError as exc:
-            audit.close()
-            raise ConfigError(
-                f"cgroups: {exc.reason} (run as root or with a delegated cgroup; 'use_cgroups = false' disables limits)"
-            ) from None
-    if config.sandboxes.enabled and config.sandboxes.disk_quota:
-        reason = quota_available()
-        if reason is not None:
-            audit.close()
-            raise ConfigError(f"sandbox disk quota: {reason}: run as root or set [sandboxes] disk_quota = false")
+    try:
+        cgroups = detect_cgroups(config)
+        check_disk_quota(config)
+    except ConfigError:
+        audit.close()
+        raise
     registry = WorkspaceRegistry(config, redactor, cgroups)
     # One event loop thread serves every sandbox's egress proxy; it starts only if sandboxes are on.
     egress = EgressService.from_config(audit, config.sandboxes.network) if config.sandboxes.enabled else None

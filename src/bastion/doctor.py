@@ -30,11 +30,11 @@ from pathlib import Path
 from typing import Final, Literal
 from urllib.parse import urlsplit
 
+from bastion.app import check_disk_quota, detect_cgroups
 from bastion.config import Config, GatewayConfig, load_config, resolve_config_path
 from bastion.safety.audit import file_problem
 from bastion.safety.errors import BastionError, ConfigError
 from bastion.safety.redact import Redactor
-from bastion.sandbox._disk import quota_available
 from bastion.sandbox._spawn import SANDBOX_WORKSPACE, bwrap_path, probe_bwrap, sandbox_python
 from bastion.sandbox.cgroups import CgroupLayout
 from bastion.sandbox.landlock import _landlock_missing, landlock_abi  # the agent's own wording
@@ -178,22 +178,21 @@ def _seccomp_check() -> Check:
 
 
 def _cgroup_check(config: Config) -> tuple[CgroupLayout | None, Check]:
-    """As `build_services` decides: cgroups are needed when sandboxes are on or a workspace uses them."""
-    unlimited = [ws.id for ws in config.workspace if not ws.use_cgroups]
-    if not config.sandboxes.enabled and len(unlimited) == len(config.workspace):
+    """The server's own decision (`detect_cgroups`), explained."""
+    try:
+        layout = detect_cgroups(config)
+    except ConfigError as exc:
+        return None, Check("cgroups", "FAIL", str(exc))
+    if layout is None:
         return None, Check(
             "cgroups",
             "warn",
             "not used (sandboxes off, use_cgroups = false): commands run without memory/pids/CPU limits",
         )
-    try:
-        layout = CgroupLayout.detect()
-    except BastionError as exc:
-        fix = "run as root or with a delegated cgroup; 'use_cgroups = false' disables limits"
-        return None, Check("cgroups", "FAIL", f"cgroups: {exc.reason} ({fix})")
     mode = {"v2": "cgroup v2", "hybrid": "hybrid (limits in cgroup v1, freezer in v2)", "v1": "cgroup v1"}[layout.mode]
     kill = "cgroup.kill" if layout.has_cgroup_kill else "freeze, then SIGKILL each process"
     detail = f"{mode}: memory, pids and CPU limits apply; a sandbox's whole tree is stopped by {kill}"
+    unlimited = [ws.id for ws in config.workspace if not ws.use_cgroups]
     if unlimited:
         return layout, Check(
             "cgroups", "warn", f"{detail}; but NOT for workspace {', '.join(unlimited)} (use_cgroups = false)"
@@ -202,16 +201,17 @@ def _cgroup_check(config: Config) -> tuple[CgroupLayout | None, Check]:
 
 
 def _quota_checks(config: Config) -> list[Check]:
+    """The server's own decision (`check_disk_quota`), explained."""
     sandboxes = config.sandboxes
     if not sandboxes.enabled:
         return []
     if not sandboxes.disk_quota:
         why = "off ([sandboxes] disk_quota = false): /workspace is a plain folder; one sandbox can fill the disk"
         return [Check("disk-quota", "warn", why)]
-    reason = quota_available()
-    if reason is not None:
-        fix = "run as root or set [sandboxes] disk_quota = false"
-        return [Check("disk-quota", "FAIL", f"sandbox disk quota: {reason}: {fix}")]
+    try:
+        check_disk_quota(config)
+    except ConfigError as exc:
+        return [Check("disk-quota", "FAIL", str(exc))]
     size = _size(sandboxes.limits.disk_bytes)
     return [Check("disk-quota", "ok", f"each sandbox's /workspace is a filesystem of {size}: writes past it fail")]
 
