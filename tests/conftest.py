@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -11,7 +10,7 @@ from mcp import Client
 
 from bastion.app import Services, build_server, build_services
 from bastion.config import Config, load_config
-from bastion.demo import init_demo
+from tests.helpers import demo_config_at
 
 
 @pytest.fixture
@@ -25,11 +24,7 @@ DATA_ENV = Path(__file__).resolve().parents[1] / ".venv-python-data"
 
 @pytest.fixture
 def demo_config_path(tmp_path: Path) -> Path:
-    path = init_demo(tmp_path / "demo", python_env=DATA_ENV if (DATA_ENV / "pyvenv.cfg").is_file() else None)
-    if os.geteuid() != 0:
-        # Unprivileged (scripts/test-unprivileged.sh): no mounts, so no per-sandbox filesystem.
-        path.write_text(path.read_text().replace("disk_quota = true", "disk_quota = false"))
-    return path
+    return demo_config_at(tmp_path / "demo", DATA_ENV if (DATA_ENV / "pyvenv.cfg").is_file() else None)
 
 
 @pytest.fixture

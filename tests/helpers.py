@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 from mcp import Client
+
+from bastion.demo import init_demo
+from bastion.sandboxes import NET_TEMP_PREFIX
 
 REPO = Path(__file__).resolve().parents[1]
 # node 22 and the MCP conformance suite and Inspector, installed by `make node-tools`.
@@ -25,6 +29,20 @@ def node_tools_installed() -> bool:
 def node_env(**extra: str) -> dict[str, str]:
     """The environment for the node tools: node 22 first on PATH, no colours, CI mode."""
     return {**os.environ, "PATH": f"{NODE_BIN}:{os.environ['PATH']}", "NO_COLOR": "1", "CI": "true", **extra}
+
+
+def demo_config_at(folder: Path, python_env: Path | None = None) -> Path:
+    """`bastion init` into `folder`, made runnable for this user: unprivileged (the
+    scripts/test-unprivileged.sh pass) there are no mounts, so no per-sandbox filesystem."""
+    path = init_demo(folder, python_env=python_env)
+    if os.geteuid() != 0:
+        path.write_text(path.read_text().replace("disk_quota = true", "disk_quota = false"))
+    return path
+
+
+def temp_socket_folders() -> set[str]:
+    """The egress socket folders servers made in the temp folder (for a state path too long)."""
+    return {name for name in os.listdir(tempfile.gettempdir()) if name.startswith(NET_TEMP_PREFIX)}
 
 
 # A raw JSON-RPC initialize request, for tests that speak the wire without the SDK's client.

@@ -15,6 +15,7 @@ from bastion.cli import main
 from bastion.doctor import _CANARY, _canary_check, _children, _leftovers
 from bastion.sandbox._spawn import probe_bwrap
 from bastion.sandbox.cgroups import CgroupLayout
+from tests.helpers import temp_socket_folders
 
 STATUSES = {"ok", "warn", "FAIL"}
 
@@ -33,7 +34,8 @@ def _tree(root: Path) -> set[str]:
 
 
 def _our_temp_dirs() -> set[str]:
-    return {name for name in os.listdir(tempfile.gettempdir()) if name.startswith(("bastion-doctor-", "bastion-net-"))}
+    doctor = {name for name in os.listdir(tempfile.gettempdir()) if name.startswith("bastion-doctor-")}
+    return doctor | temp_socket_folders()
 
 
 @pytest.mark.bwrap

@@ -14,8 +14,8 @@ from mcp import Client
 
 from bastion.app import Services, build_server, build_services
 from bastion.config import load_config
-from bastion.demo import init_demo
-from tests.helpers import call, create, sh
+from bastion.sandboxes import NET_TEMP_PREFIX
+from tests.helpers import call, create, demo_config_at, sh, temp_socket_folders
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
 
@@ -255,14 +255,11 @@ async def test_an_idle_sandbox_sleeps_and_wakes_with_its_files(client: Client, s
 async def test_proxy_sockets_live_in_the_state_folder_and_a_crashed_servers_are_removed() -> None:
     """Invariant: with a state path short enough for unix sockets, the egress sockets' folders are
     in `<sandboxes_dir>/.net`, not in /tmp, so what a crashed server left there is removed at the
-    next start (`recover`), and a clean close leaves none. (A long state path falls back to a temp
-    folder, which a crash would leave behind: not tested here.)"""
-    before = {name for name in os.listdir(tempfile.gettempdir()) if name.startswith("bastion-net-")}
+    next start (`recover`), and a clean close leaves none. (A long state path: the next test.)"""
+    before = temp_socket_folders()
     root = Path(tempfile.mkdtemp(prefix="bn-"))  # short, so the sockets fit under the state folder
     try:
-        config_path = init_demo(root / "d", python_env=None)
-        if os.geteuid() != 0:  # as conftest's demo config: no mounts, so no per-sandbox filesystem
-            config_path.write_text(config_path.read_text().replace("disk_quota = true", "disk_quota = false"))
+        config_path = demo_config_at(root / "d")
         config = load_config(config_path)
         net = config.sandboxes_dir / ".net"
         services = build_services(config)
@@ -283,8 +280,7 @@ async def test_proxy_sockets_live_in_the_state_folder_and_a_crashed_servers_are_
             services.close()
     finally:
         shutil.rmtree(root)
-    after = {name for name in os.listdir(tempfile.gettempdir()) if name.startswith("bastion-net-")}
-    assert after <= before
+    assert temp_socket_folders() <= before
 
 
 async def test_a_long_state_path_keeps_its_sockets_in_a_temp_folder_that_recover_removes(tmp_path: Path) -> None:
@@ -292,9 +288,7 @@ async def test_a_long_state_path_keeps_its_sockets_in_a_temp_folder_that_recover
     sockets live in a private temp folder named by the `.net-temp` symlink; a clean close removes
     both, and the next start removes a crashed server's folder. A `.net-temp` pointing anywhere
     else (not this user's temp socket folder) is unlinked, never followed."""
-    config_path = init_demo(tmp_path / ("deep-" + "x" * 80) / "d", python_env=None)
-    if os.geteuid() != 0:  # as conftest's demo config: no mounts, so no per-sandbox filesystem
-        config_path.write_text(config_path.read_text().replace("disk_quota = true", "disk_quota = false"))
+    config_path = demo_config_at(tmp_path / ("deep-" + "x" * 80) / "d")
     config = load_config(config_path)
     link = config.sandboxes_dir / ".net-temp"
     services = build_services(config)
@@ -308,7 +302,7 @@ async def test_a_long_state_path_keeps_its_sockets_in_a_temp_folder_that_recover
         services.close()
     assert not temp.exists()
     assert not link.is_symlink()
-    crashed = Path(tempfile.mkdtemp(prefix="bastion-net-"))  # as a killed server leaves it
+    crashed = Path(tempfile.mkdtemp(prefix=NET_TEMP_PREFIX))  # as a killed server leaves it
     (crashed / "sb-00000000dead").mkdir()
     link.symlink_to(crashed)
     services = build_services(config)

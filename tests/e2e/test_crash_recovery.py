@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import tempfile
 from pathlib import Path
 
 import anyio
@@ -16,6 +15,7 @@ from bastion.app import build_server, build_services
 from bastion.config import load_config
 from tests.e2e.test_stdio import BASTION
 from tests.helpers import processes_with as pids_with
+from tests.helpers import temp_socket_folders
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
 
@@ -25,7 +25,7 @@ async def test_killed_server_leaves_nothing_and_next_start_recovers(demo_config_
     """Invariant: after kill -9 of the server, no sandbox process survives; the next server
     removes the orphan cgroup and folder and keeps the workspace as a restorable snapshot."""
     params = StdioServerParameters(command=str(BASTION), args=["serve", "--config", str(demo_config_path), "--stdio"])
-    sockets_before = _temp_socket_folders()
+    sockets_before = temp_socket_folders()
     marker = str(demo_config_path)
     seen: dict[str, str] = {}
 
@@ -75,8 +75,4 @@ async def test_killed_server_leaves_nothing_and_next_start_recovers(demo_config_
     finally:
         services.close()
     # The killed server's egress socket folder (a temp folder, for this long state path) is gone too.
-    assert _temp_socket_folders() <= sockets_before
-
-
-def _temp_socket_folders() -> set[str]:
-    return {name for name in os.listdir(tempfile.gettempdir()) if name.startswith("bastion-net-")}
+    assert temp_socket_folders() <= sockets_before
