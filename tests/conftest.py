@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -11,6 +12,20 @@ from mcp import Client
 from bastion.app import Services, build_server, build_services
 from bastion.config import Config, load_config
 from tests.helpers import demo_config_at
+
+
+@pytest.fixture(autouse=True)
+def _passable_tmp_path(request: pytest.FixtureRequest) -> None:
+    """A root server's sandboxes run as ids of their own and must pass through the folders above
+    their state folder (o+x); pytest makes its temp folders 0700. Opened the way an administrator
+    would open /var/lib: passable, not listable."""
+    if os.geteuid() != 0 or "tmp_path" not in request.fixturenames:
+        return
+    path: Path = request.getfixturevalue("tmp_path")
+    for folder in (path, *path.parents):
+        if folder == Path("/tmp"):  # noqa: S108 - pytest's base: stop at the system's
+            break
+        folder.chmod(folder.stat().st_mode | 0o111)
 
 
 @pytest.fixture

@@ -258,6 +258,7 @@ async def test_proxy_sockets_live_in_the_state_folder_and_a_crashed_servers_are_
     next start (`recover`), and a clean close leaves none. (A long state path: the next test.)"""
     before = temp_socket_folders()
     root = Path(tempfile.mkdtemp(prefix="bn-"))  # short, so the sockets fit under the state folder
+    root.chmod(0o711)  # passable by the sandboxes' own ids, as tmp_path is made in conftest
     try:
         config_path = demo_config_at(root / "d")
         config = load_config(config_path)

@@ -14,6 +14,7 @@ from pydantic import Field, field_validator
 from bastion._config_base import _ID_PATTERN, _checked_env, _Model
 from bastion._config_network import NetworkConfig, _checked_rules
 from bastion.safety.commands import CommandPolicyConfig
+from bastion.sandbox.identity import DEFAULT_HOST_ID_COUNT, DEFAULT_HOST_ID_FIRST, parse_range
 
 BASTION_OPT: Final = "/opt/bastion"  # inside a sandbox: a template's python_env is bound at <this>/env
 _RESERVED_DESTS: Final = frozenset(
@@ -117,6 +118,20 @@ class SandboxesConfig(_Model):
     env: dict[str, str] = Field(default_factory=dict)
     """Extra environment for sandbox commands. Values are redacted from output."""
     network: NetworkConfig = NetworkConfig()
+    host_id_range: str = f"{DEFAULT_HOST_ID_FIRST}:{DEFAULT_HOST_ID_COUNT}"
+    """FIRST:COUNT (as in /etc/subuid): the host uids and gids sandboxes and host workspaces run as when the
+    server is root, one of its own each. Checked at start: no account or subordinate range may lie inside."""
+
+    @field_validator("host_id_range")
+    @classmethod
+    def _check_host_id_range(cls, text: str) -> str:
+        parse_range(text)
+        return text
+
+    @property
+    def host_ids(self) -> tuple[int, int]:
+        """(first, count) of `host_id_range`."""
+        return parse_range(self.host_id_range)
 
     @field_validator("env")
     @classmethod

@@ -20,6 +20,7 @@ from bastion.safety.redact import Redactor
 from bastion.sandbox._disk import quota_available
 from bastion.sandbox.cgroups import CgroupLayout
 from bastion.sandbox.egress import EgressService
+from bastion.sandbox.identity import IdentityPool, range_conflict, unreachable_folder
 from bastion.sandboxes import SandboxManager
 from bastion.tools._call import CallRunner
 from bastion.tools.code import register_code
@@ -92,6 +93,30 @@ def check_disk_quota(config: Config) -> None:
             raise ConfigError(f"sandbox disk quota: {reason}: run as root or set [sandboxes] disk_quota = false")
 
 
+def open_identities(config: Config) -> IdentityPool:
+    """The host ids sandboxes and host workspaces run as; checked when the server is root (it hands them out).
+
+    Raises:
+        ConfigError: the range holds an account or a subordinate range, or the state folder
+            cannot be passed through by an id of the range.
+    """
+    pool = IdentityPool(*config.sandboxes.host_ids)
+    if not pool.switches:
+        return pool
+    conflict = range_conflict(*pool.range)
+    if conflict is not None:
+        raise ConfigError(f"[sandboxes] host_id_range: {conflict}: choose a range no account uses")
+    # Traversable, never listable: a sandbox's bubblewrap finds its own folders by name.
+    config.state_dir.chmod(0o711)
+    blocked = unreachable_folder(config.sandboxes_dir)
+    if blocked is not None:
+        raise ConfigError(
+            f"state_dir {config.state_dir}: {blocked} cannot be passed through by the sandboxes' ids "
+            "(no o+x): run 'chmod o+x' on it or choose a state_dir elsewhere"
+        )
+    return pool
+
+
 def build_services(config: Config) -> Services:
     """Open the audit log and the workspaces; refuse to start with one line if they cannot be used."""
     redactor = Redactor(extra_patterns=config.redaction.patterns, secret_values=config.secret_values())
@@ -114,13 +139,14 @@ def build_services(config: Config) -> Services:
     try:
         cgroups = detect_cgroups(config)
         check_disk_quota(config)
+        identities = open_identities(config)
     except ConfigError:
         audit.close()
         raise
-    registry = WorkspaceRegistry(config, redactor, cgroups)
+    registry = WorkspaceRegistry(config, redactor, cgroups, identities)
     # One event loop thread serves every sandbox's egress proxy; it starts only if sandboxes are on.
     egress = EgressService.from_config(audit, config.sandboxes.network) if config.sandboxes.enabled else None
-    sandboxes = SandboxManager(config, redactor, cgroups, egress)
+    sandboxes = SandboxManager(config, redactor, cgroups, egress, identities)
     for snapshot_id in sandboxes.recover():
         logger.warning("a previous server left a sandbox: its workspace is snapshot %s", snapshot_id)
     registry.sandboxes = sandboxes

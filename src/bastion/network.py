@@ -46,9 +46,15 @@ class SandboxNetwork:
     """The egress of one sandbox: its allowlist, its proxy, its forwarder."""
 
     def __init__(
-        self, sandbox_id: str, socket_dir: Path, egress: EgressService | None, rules: Sequence[AllowRule]
+        self,
+        sandbox_id: str,
+        socket_dir: Path,
+        egress: EgressService | None,
+        rules: Sequence[AllowRule],
+        owner: tuple[int, int] | None = None,
     ) -> None:
         self.sandbox_id = sandbox_id
+        self._owner = owner  # who may connect to the proxy's socket: the sandbox's host identity
         self.rules = tuple(rules)
         self._socket = socket_dir / SOCKET_NAME
         self._egress = egress
@@ -84,7 +90,7 @@ class SandboxNetwork:
         if self._proxy_running:
             await self._egress.set_rules_async(self.sandbox_id, rules)
         else:
-            await self._egress.start_async(self.sandbox_id, rules, self._socket)
+            await self._egress.start_async(self.sandbox_id, rules, self._socket, self._owner)
             self._proxy_running = True
         if self._forwarder is None or self._forwarder.exited:
             self._forwarder = await _start_forwarder(workspace, f"{INSIDE_DIR}/{SOCKET_NAME}")

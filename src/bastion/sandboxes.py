@@ -50,10 +50,11 @@ from bastion.safety.errors import (
     SandboxNotFound,
 )
 from bastion.safety.redact import Redactor
-from bastion.sandbox._disk import drop_disk, make_disk, mount_disk, used_bytes
+from bastion.sandbox._disk import drop_disk, make_disk, mount_disk, mount_tmpfs, used_bytes
 from bastion.sandbox._spawn import SandboxSpec
 from bastion.sandbox.cgroups import CgroupLayout, Limits
 from bastion.sandbox.egress import UNIX_PATH_MAX, EgressService
+from bastion.sandbox.identity import HostIdentity, IdentityPool
 from bastion.sandbox.snapshot import (
     SnapshotInfo,
     create_snapshot,
@@ -77,6 +78,8 @@ _SHELL_POLICY: Final = CommandPolicyConfig(allow=("*",))
 _NARROWABLE: Final = frozenset(SandboxLimitsConfig.model_fields)
 _DISK_WALK_MAX_ENTRIES: Final = 100_000
 _DISK_IMAGE: Final = "disk.img"
+_NET_TMPFS_BYTES: Final = 1 << 20  # holds sockets and folders only
+_NET_TMPFS_INODES: Final = 4 * 10_000 + 64  # a folder, a socket and a temp name per sandbox, at most
 
 logger = logging.getLogger("bastion.sandboxes")
 
@@ -143,6 +146,7 @@ class _Prepared:
     id: str
     root: Path
     warm: WarmSandbox
+    identity: HostIdentity
 
 
 class SandboxManager:
@@ -153,9 +157,19 @@ class SandboxManager:
     """
 
     def __init__(
-        self, config: Config, redactor: Redactor, cgroups: CgroupLayout | None, egress: EgressService | None = None
+        self,
+        config: Config,
+        redactor: Redactor,
+        cgroups: CgroupLayout | None,
+        egress: EgressService | None = None,
+        identities: IdentityPool | None = None,
     ) -> None:
         self._config = config.sandboxes
+        self._identities = identities or IdentityPool(*config.sandboxes.host_ids)
+        self._held: dict[str, HostIdentity] = {}  # by sandbox id, from _prepare until its folder is gone
+        # A sandbox that runs as an id of its own (a root server) reaches its folders through ours:
+        # they are traversable (0711), never listable, and what is inside is its own or read-only.
+        self._dir_mode = 0o711 if self._identities.switches else 0o700
         self._egress = egress
         # The proxies' sockets: <sandboxes_dir>/.net/<id>/, or a temp folder where that path is
         # too long for a unix socket (108 bytes); made on first use.
@@ -222,12 +236,20 @@ class SandboxManager:
         # The pool's sandboxes have the default template's binds and the ceiling's disk: others start their own.
         standard = binds == _binds(self._default_template) and narrowed.disk_bytes == self._config.limits.disk_bytes
         prepared = self._pool.pop() if self._pool and standard else await self._prepare(binds, narrowed.disk_bytes)
-        network = SandboxNetwork(prepared.id, self._socket_dir(prepared.id), self._egress, rules)
+        files_owner = _owner(prepared.identity)
+        network = SandboxNetwork(prepared.id, self._socket_dir(prepared.id), self._egress, rules, files_owner)
         try:
             config = self._workspace_config(prepared.id, prepared.root, narrowed, chosen)
             via_sh = chosen.policy is None
             workspace = HostWorkspace(
-                config, self._redactor, self._cgroups, via_sh=via_sh, sandbox=prepared.warm, path_prefix=_path(chosen)
+                config,
+                self._redactor,
+                self._cgroups,
+                via_sh=via_sh,
+                sandbox=prepared.warm,
+                path_prefix=_path(chosen),
+                identity=prepared.identity,
+                owner=files_owner,
             )
             python_env = ENV_DEST if chosen.python_env is not None else None
             code = CodeRunner(workspace, self._redactor, python_env=python_env)
@@ -272,11 +294,16 @@ class SandboxManager:
         # a symlink in the state folder. Either way `recover` finds a crashed server's.
         preferred = self._dir / NET_DIR_NAME
         longest = preferred / (SANDBOX_ID_PREFIX + "0" * 2 * _ID_HEX_BYTES) / SOCKET_NAME
-        self._dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._make_dir(self._dir)
         if len(os.fsencode(longest)) <= UNIX_PATH_MAX:
-            preferred.mkdir(mode=0o700, exist_ok=True)
+            self._make_dir(preferred)
+            if self._config.disk_quota:
+                # A filesystem of its own: a bind of one of its folders shows the sandbox `/<id>` in
+                # /proc/self/mountinfo, where a folder of the state filesystem would show the state path.
+                mount_tmpfs(preferred, _NET_TMPFS_BYTES, _NET_TMPFS_INODES, self._dir_mode)
             return preferred
         temp = Path(tempfile.mkdtemp(prefix=NET_TEMP_PREFIX))
+        os.chmod(temp, self._dir_mode)
         link = self._dir / NET_TEMP_LINK
         try:
             with contextlib.suppress(FileNotFoundError):
@@ -286,8 +313,16 @@ class SandboxManager:
             logger.warning("cannot name the egress socket folder %s in %s: %s", temp, link, exc)
         return temp
 
+    def _make_dir(self, path: Path) -> None:
+        """A folder of ours that the sandboxes' own ids may pass through (see _dir_mode)."""
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(path, self._dir_mode)
+
     def _discard_prepared(self, sandbox_id: str, root: Path) -> None:
         _discard(root)
+        identity = self._held.pop(sandbox_id, None)
+        if identity is not None:
+            self._identities.release(identity)
         if self._net_dir is not None:
             with contextlib.suppress(FileNotFoundError):
                 _remove_tree(self._net_dir / sandbox_id)
@@ -306,27 +341,26 @@ class SandboxManager:
         ceiling's limits, bubblewrap and the agent started."""
         sandbox_id = SANDBOX_ID_PREFIX + secrets.token_hex(_ID_HEX_BYTES)
         root = self._dir / sandbox_id
-        self._dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        root.mkdir(mode=0o700)
-        (root / "workspace").mkdir(mode=0o700)
-        if self._config.disk_quota:
-            size = disk_bytes or self._config.limits.disk_bytes
-            # Synchronous on purpose (~20 ms): a thread could still be mounting after
-            # close_all has run, leaving a mount behind. The pool pays it, off the request path.
-            try:
-                make_disk(root / _DISK_IMAGE, root / "workspace", size)
-            except BaseException:
-                _discard(root)
-                raise
+        identity = self._held[sandbox_id] = self._identities.acquire()
+        try:
+            self._make_folders(root, identity, disk_bytes)
+        except BaseException:
+            self._discard_prepared(sandbox_id, root)
+            raise
         ceiling = self._config.limits
         limits = None
         if self._cgroups is not None:
             limits = Limits(memory_bytes=ceiling.memory_bytes, pids=ceiling.pids, cpu_cores=ceiling.cpu_cores)
         socket_dir = self._socket_dir(sandbox_id)
-        socket_dir.mkdir(mode=0o700)
-        spec = SandboxSpec(workspace=str(root / "workspace"), read_only_binds=(*binds, (str(socket_dir), INSIDE_DIR)))
+        socket_dir.mkdir(mode=self._dir_mode)
+        os.chmod(socket_dir, self._dir_mode)
+        spec = SandboxSpec(
+            workspace=str(root / "workspace"),
+            read_only_binds=(*binds, (str(socket_dir), INSIDE_DIR)),
+            identity=(identity.uid, identity.gid) if identity.switch else None,
+        )
         warm = WarmSandbox(spec, cgroups=self._cgroups, limits=limits)
-        prepared = self._starting[sandbox_id] = _Prepared(sandbox_id, root, warm)
+        prepared = self._starting[sandbox_id] = _Prepared(sandbox_id, root, warm, identity)
         try:
             await warm.start()
         except BaseException:
@@ -336,6 +370,20 @@ class SandboxManager:
         finally:
             self._starting.pop(sandbox_id, None)
         return prepared
+
+    def _make_folders(self, root: Path, identity: HostIdentity, disk_bytes: int | None) -> None:
+        """The sandbox's folder and its workspace (its own filesystem with a quota), the workspace its identity's."""
+        self._make_dir(self._dir)
+        root.mkdir(mode=0o700)
+        os.chmod(root, self._dir_mode)
+        workspace = root / "workspace"
+        workspace.mkdir(mode=0o700)
+        if self._config.disk_quota:
+            # Synchronous on purpose (~20 ms): a thread could still be mounting after
+            # close_all has run, leaving a mount behind. The pool pays it, off the request path.
+            make_disk(root / _DISK_IMAGE, workspace, disk_bytes or self._config.limits.disk_bytes)
+        if identity.switch:
+            os.chown(workspace, identity.uid, identity.gid, follow_symlinks=False)
 
     def refill_pool(self) -> None:
         """Start, in the background, the sandboxes the warm pool is missing."""
@@ -417,7 +465,13 @@ class SandboxManager:
         box = await self.create(owner=owner)
         try:
             info = await anyio.to_thread.run_sync(
-                restore_snapshot, self._snapshots, snapshot_id, box.root / "workspace"
+                functools.partial(
+                    restore_snapshot,
+                    self._snapshots,
+                    snapshot_id,
+                    box.root / "workspace",
+                    owner=_owner(box.workspace.identity),
+                )
             )
         except BaseException:
             self.close(box.id)
@@ -469,6 +523,8 @@ class SandboxManager:
         """The socket folders of sandboxes this server does not run (a crashed server's)."""
         live = {*self._boxes, *(prepared.id for prepared in self._pool), *self._starting}
         net_dir = self._dir / NET_DIR_NAME
+        if net_dir != self._net_dir and os.path.ismount(net_dir):
+            drop_disk(net_dir)  # a crashed server's tmpfs, and every socket in it
         if net_dir.is_dir() and not net_dir.is_symlink():
             for entry in net_dir.iterdir():
                 if entry.name not in live:
@@ -529,6 +585,8 @@ class SandboxManager:
         self._pool.clear()
         self._starting.clear()
         if self._net_dir is not None:
+            if self._config.disk_quota and self._net_dir == self._dir / NET_DIR_NAME:
+                drop_disk(self._net_dir)
             _remove_tree(self._net_dir)
             self._net_dir = None
             # Closing goes on even on a failed state filesystem (EIO): the folder is gone already.
@@ -539,6 +597,11 @@ class SandboxManager:
         """Stop the egress proxies' thread (after close_all; the server is ending)."""
         if self._egress is not None:
             self._egress.close()
+
+
+def _owner(identity: HostIdentity | None) -> tuple[int, int] | None:
+    """Who the host-side tools make files as in a sandbox: its identity, when it has one of its own."""
+    return (identity.uid, identity.gid) if identity is not None and identity.switch else None
 
 
 def _state(warm: WarmSandbox) -> str:

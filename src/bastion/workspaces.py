@@ -9,29 +9,46 @@ from __future__ import annotations
 
 import base64
 import codecs
+import contextlib
 import dataclasses
 import hashlib
 import itertools
+import logging
 import os
 import re
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Final, Literal
 
 from bastion.config import Config, WorkspaceConfig
 from bastion.safety.commands import CommandPolicy, Decision
-from bastion.safety.errors import Conflict, InvalidRequest, NotFound, PolicyDenied, ResourceLimit, SandboxNotFound
+from bastion.safety.errors import (
+    BastionError,
+    ConfigError,
+    Conflict,
+    InvalidRequest,
+    NotFound,
+    PolicyDenied,
+    ResourceLimit,
+    SandboxNotFound,
+)
 from bastion.safety.paths import MAX_READ_BYTES, Jail
 from bastion.safety.redact import Redactor, StreamRedactor, sanitize_terminal
+from bastion.sandbox._idmap import idmap_supported, idmapped_mount, is_mounted, unmount
 from bastion.sandbox._spawn import SANDBOX_PATH, SANDBOX_WORKSPACE, SandboxSpec
 from bastion.sandbox.cgroups import CgroupLayout, Limits
+from bastion.sandbox.identity import HostIdentity, IdentityPool
 from bastion.sandbox.processes import BackgroundProcess, OutputLog
 from bastion.sandbox.warm import RunOutcome, WarmSandbox
 
 if TYPE_CHECKING:
     from bastion.sandboxes import SandboxManager
 
+logger = logging.getLogger("bastion.workspaces")
+
 Encoding = Literal["utf-8", "base64"]
+IDMAP_DIR: Final = "idmap"  # in state_dir: one idmapped mount per host workspace, while the server runs
 LANG: Final = "C.UTF-8"
 
 MAX_PROCESSES: Final = 16  # background processes per sandbox, running or exited (the oldest exited go first)
@@ -152,6 +169,10 @@ class HostWorkspace:
         via_sh: bool = False,
         sandbox: WarmSandbox | None = None,
         path_prefix: tuple[str, ...] = (),
+        identity: HostIdentity | None = None,
+        owner: tuple[int, int] | None = None,
+        bind_source: str | None = None,
+        unmount_on_close: bool = False,
     ) -> None:
         """A workspace behind a warm sandbox.
 
@@ -161,6 +182,10 @@ class HostWorkspace:
             sandbox: an already started sandbox over ``config.path`` (from a warm pool);
                 its limits are set from ``config``.
             path_prefix: folders inside the sandbox searched before the system's (its Python environments).
+            identity: the host uid and gid the sandbox runs as (`bastion.sandbox.identity`); None: the server's.
+            owner: (uid, gid) the file tools give what they create: the folder's owner, or the identity.
+            bind_source: what is bound at /workspace when it is not the folder itself (its idmapped mount).
+            unmount_on_close: `bind_source` is a mount of the workspace's own, removed by `close`.
         """
         self.config = config
         self.via_sh = via_sh
@@ -169,14 +194,21 @@ class HostWorkspace:
         self.extra_env: dict[str, str] = {}
         """Set by bastion itself (the egress proxy's address), never by an agent."""
         self.policy = CommandPolicy(config.policy)
-        self.jail = Jail(config.path, secret_patterns=config.secret_files, allow_hardlinks=config.allow_hardlinks)
+        self.identity = identity
+        self._bind_source = bind_source
+        self._unmount_on_close = unmount_on_close
+        self.jail = Jail(
+            config.path, secret_patterns=config.secret_files, allow_hardlinks=config.allow_hardlinks, owner=owner
+        )
         self.redactor = redactor
         limits = None
         if config.use_cgroups:
             lim = config.limits
             limits = Limits(memory_bytes=lim.memory_bytes, pids=lim.pids, cpu_cores=lim.cpu_cores)
         if sandbox is None:
-            sandbox = WarmSandbox(SandboxSpec(workspace=self.jail.root), cgroups=cgroups, limits=limits)
+            ids = None if identity is None or not identity.switch else (identity.uid, identity.gid)
+            spec = SandboxSpec(workspace=bind_source or self.jail.root, identity=ids)
+            sandbox = WarmSandbox(spec, cgroups=cgroups, limits=limits)
         elif limits is not None:
             sandbox.set_limits(limits)
         self.sandbox = sandbox
@@ -424,14 +456,74 @@ class HostWorkspace:
         self.sandbox.close()
         self._processes.clear()
         self.jail.close()
+        if self._unmount_on_close and self._bind_source is not None:
+            # The sandbox's own copy of the mount dies with it; this is the host's.
+            with contextlib.suppress(BastionError):
+                unmount(self._bind_source)
+            self._unmount_on_close = False
+
+
+def _open_host(
+    config: WorkspaceConfig, redactor: Redactor, cgroups: CgroupLayout | None, pool: IdentityPool, mounts: Path
+) -> HostWorkspace:
+    """A host workspace whose commands run as an id of its own and still make files that are the folder owner's.
+
+    A root server binds the folder through an idmapped mount (`_idmap`): the workspace's own
+    id acts as the folder's owner on disk, and as uid 1000 inside. Without idmapped mounts, a
+    folder of an ordinary user is worked on as that user; a root-owned one is refused, since
+    its commands would otherwise need root.
+
+    Raises:
+        ConfigError: the folder is root's and this kernel or filesystem has no idmapped mounts.
+    """
+    if not pool.switches:
+        return HostWorkspace(config, redactor, cgroups)
+    info = os.stat(config.path)
+    owner = (info.st_uid, info.st_gid)
+    reason = idmap_supported(config.path)
+    if reason is not None:
+        if owner[0] == 0:
+            raise ConfigError(
+                f"workspace {config.id!r}: {config.path} is root's and idmapped mounts are unavailable ({reason}): "
+                "chown it to an ordinary user, whose id its commands will then run as"
+            )
+        logger.warning("workspace %s runs as its folder's owner, uid %d: %s", config.id, owner[0], reason)
+        identity = HostIdentity(owner[0], owner[1], switch=True)
+        return HostWorkspace(config, redactor, cgroups, identity=identity, owner=owner)
+    identity = pool.acquire()
+    target = mounts / config.id
+    try:
+        target.mkdir(mode=0o700, exist_ok=True)
+        if is_mounted(target):
+            unmount(target)  # a crashed server's
+        idmapped_mount(config.path, target, owner=owner, identity=(identity.uid, identity.gid))
+        return HostWorkspace(
+            config, redactor, cgroups, identity=identity, owner=owner, bind_source=str(target), unmount_on_close=True
+        )
+    except BaseException:
+        pool.release(identity)
+        raise
 
 
 class WorkspaceRegistry:
     """Where a work tool acts: a configured host workspace, or an agent's sandbox, by id."""
 
-    def __init__(self, config: Config, redactor: Redactor, cgroups: CgroupLayout | None) -> None:
+    def __init__(
+        self, config: Config, redactor: Redactor, cgroups: CgroupLayout | None, identities: IdentityPool | None = None
+    ) -> None:
         self._default = config.default_workspace
-        self._workspaces = {ws.id: HostWorkspace(ws, redactor, cgroups) for ws in config.workspace}
+        pool = identities or IdentityPool(*config.sandboxes.host_ids)
+        mounts = config.state_dir / IDMAP_DIR
+        if pool.switches and config.workspace:
+            mounts.mkdir(mode=0o711, exist_ok=True)
+            os.chmod(mounts, 0o711)  # noqa: S103 - passable, not listable: by the workspaces' own ids
+        self._workspaces: dict[str, HostWorkspace] = {}
+        try:
+            for ws in config.workspace:
+                self._workspaces[ws.id] = _open_host(ws, redactor, cgroups, pool, mounts)
+        except BaseException:
+            self.close()
+            raise
         self.sandboxes: SandboxManager | None = None
 
     def is_host(self, workspace_id: str) -> bool:

@@ -39,6 +39,7 @@ What it does not guarantee:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fnmatch
 import os
@@ -102,6 +103,10 @@ _REFUSED_CATEGORIES: Final = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
 
 _NEW_FILE_MODE: Final = 0o644
 _NEW_DIR_MODE: Final = 0o755
+# What the kernel clears when an unprivileged writer changes a file (setattr_should_drop_suidgid):
+# the server may be root, which keeps them, so the jail clears them itself.
+_PRIVILEGE_BITS: Final = stat.S_ISUID | stat.S_ISGID
+_CAPABILITY_XATTR: Final = "security.capability"
 
 
 def unsafe_char(text: str) -> str | None:
@@ -266,6 +271,7 @@ class Jail:
         *,
         secret_patterns: Sequence[str] = DEFAULT_SECRET_PATTERNS,
         allow_hardlinks: bool = False,
+        owner: tuple[int, int] | None = None,
     ) -> None:
         """Open the workspace root and keep its fd.
 
@@ -274,6 +280,9 @@ class Jail:
             secret_patterns: fnmatch patterns matched, ignoring case, against every path component.
             allow_hardlinks: dangerous; read and write files with more than one hard link,
                 which may be links to files outside the workspace.
+            owner: (uid, gid) given to every file and folder the jail creates: the identity the
+                workspace's commands run as, so a server running as root does not leave root's
+                files where they cannot change them. None: the server's own.
 
         Raises:
             InvalidRequest: the root is not absolute or not a folder.
@@ -284,6 +293,7 @@ class Jail:
         self._fd = -1
         self._secret = _compile_secret_patterns(secret_patterns)
         self._allow_hardlinks = allow_hardlinks
+        self._owner = owner
         self._openat2 = load_openat2()
         given = os.fspath(root)
         if not isinstance(given, str) or "\x00" in given:
@@ -460,6 +470,7 @@ class Jail:
             os.close(parent_fd)
         written = 0
         try:
+            self._settle(fd, created)
             if not append and not created:
                 os.ftruncate(fd, 0)
             view = memoryview(data)
@@ -570,6 +581,26 @@ class Jail:
             raise _error_from_os(OSError(code, os.strerror(code), path), rel)
         raise OperationFailed(f"'{rel}' kept being renamed while it was opened: try again", detail=f"{rel}: EAGAIN")
 
+    def _settle(self, fd: int, created: bool) -> None:
+        """Give a new file the workspace's owner; take setuid and setgid off an existing one.
+
+        A root server writing into a setuid file would keep the bit (it holds CAP_FSETID),
+        so new bytes would run with the owner's privileges: the bits go before any byte does.
+        """
+        if created and self._owner is not None:
+            os.fchown(fd, *self._owner)
+        mode = os.fstat(fd).st_mode
+        if mode & _PRIVILEGE_BITS:
+            os.fchmod(fd, stat.S_IMODE(mode) & ~_PRIVILEGE_BITS)
+        # File capabilities: the kernel drops them on write too, but not for every writer on every kernel.
+        with contextlib.suppress(OSError):
+            os.removexattr(fd, _CAPABILITY_XATTR)
+
+    def _own_new_dir(self, parent_fd: int, name: str) -> None:
+        """chown a folder just made; never follows a link (one swapped in is changed itself, harmlessly)."""
+        if self._owner is not None:
+            os.chown(name, *self._owner, dir_fd=parent_fd, follow_symlinks=False)
+
     def _require_regular(self, info: os.stat_result, rel: str) -> None:
         mode = info.st_mode
         if stat.S_ISREG(mode):
@@ -650,6 +681,7 @@ class Jail:
                 except NotFound:
                     try:
                         os.mkdir(part, _NEW_DIR_MODE, dir_fd=current)
+                        self._own_new_dir(current, part)
                     except FileExistsError:
                         pass
                     except OSError as os_exc:

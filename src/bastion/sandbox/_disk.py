@@ -79,6 +79,12 @@ def drop_disk(mountpoint: Path) -> None:
             _run(["umount", "-l", str(mountpoint)])
 
 
+def mount_tmpfs(mountpoint: Path, size_bytes: int, inodes: int, mode: int) -> None:
+    """Mount a small private tmpfs (nosuid, nodev, noexec) on `mountpoint`, an existing folder."""
+    options = f"size={size_bytes},nr_inodes={inodes},mode={mode:o},nosuid,nodev,noexec"
+    _run(["mount", "-t", "tmpfs", "-o", options, "bastion", str(mountpoint)])
+
+
 def used_bytes(mountpoint: Path) -> int:
     st = os.statvfs(mountpoint)
     return (st.f_blocks - st.f_bfree) * st.f_frsize

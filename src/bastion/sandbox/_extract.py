@@ -33,7 +33,6 @@ What it does not guarantee:
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import gzip
 import math
@@ -99,9 +98,9 @@ class _BoundedReader:
         return None
 
 
-def _extract(raw: BinaryIO, target_fd: int, info: SnapshotInfo) -> None:
+def _extract(raw: BinaryIO, target_fd: int, info: SnapshotInfo, owner: tuple[int, int] | None = None) -> None:
     limit = MAX_SNAPSHOT_BYTES + MAX_ENTRIES * _STREAM_BYTES_PER_ENTRY + _STREAM_SLACK_BYTES
-    extractor = _Extractor(target_fd)
+    extractor = _Extractor(target_fd, owner)
     try:
         with gzip.GzipFile(fileobj=raw, mode="rb") as stream:
             # Stream mode ("r|"): members are read once, in order, never by seeking back.
@@ -121,8 +120,10 @@ def _extract(raw: BinaryIO, target_fd: int, info: SnapshotInfo) -> None:
 class _Extractor:
     """Creates members beneath the target fd only, one ``*at`` call under a held folder fd at a time."""
 
-    def __init__(self, root_fd: int) -> None:
+    def __init__(self, root_fd: int, owner: tuple[int, int] | None = None) -> None:
         self._root_fd = root_fd
+        # The sandbox's host identity: what it restores must be its own, not the server's root.
+        self._owner = owner
         # Open fds of the parent folder of the last member, one per component.
         self._chain: list[tuple[str, int]] = []
         self._dirs: dict[tuple[str, ...], tuple[int, float]] = {}
@@ -150,6 +151,7 @@ class _Extractor:
                 os.symlink(member.linkname, name, dir_fd=parent_fd)
             except FileExistsError as exc:
                 raise _duplicate(member.name) from exc
+            self._own(parent_fd, name)
             os.utime(name, times=(mtime, mtime), dir_fd=parent_fd, follow_symlinks=False)
         else:
             self._make_file(parent_fd, name, member, tar, mtime)
@@ -175,6 +177,13 @@ class _Extractor:
         except FileExistsError as exc:
             if not stat.S_ISDIR(os.stat(name, dir_fd=parent_fd, follow_symlinks=False).st_mode):
                 raise _duplicate(rel) from exc
+            return
+        self._own(parent_fd, name)
+
+    def _own(self, parent_fd: int, name: str) -> None:
+        """chown what was just made, never through a link (nothing else writes here during a restore)."""
+        if self._owner is not None:
+            os.chown(name, *self._owner, dir_fd=parent_fd, follow_symlinks=False)
 
     def _make_file(
         self, parent_fd: int, name: str, member: tarfile.TarInfo, tar: tarfile.TarFile, mtime: float
@@ -194,6 +203,8 @@ class _Extractor:
             raise _duplicate(member.name) from exc
         copied = 0
         try:
+            if self._owner is not None:
+                os.fchown(fd, *self._owner)
             while chunk := source.read(_CHUNK_BYTES):
                 view = memoryview(chunk)
                 while view:
@@ -224,8 +235,12 @@ class _Extractor:
             return self._open_dir(parent_fd, name, rel, prefix)
         except FileNotFoundError:
             pass
-        with contextlib.suppress(FileExistsError):
+        try:
             os.mkdir(name, _IMPLICIT_DIR_MODE, dir_fd=parent_fd)
+        except FileExistsError:
+            pass
+        else:
+            self._own(parent_fd, name)
         return self._open_dir(parent_fd, name, rel, prefix)
 
     def _open_dir(self, parent_fd: int, name: str, rel: str, prefix: str) -> int:

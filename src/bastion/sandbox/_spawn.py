@@ -30,7 +30,8 @@ AGENT_SOURCE: Final = "\n\n".join(
     (Path(__file__).parent / name).read_text(encoding="utf-8") for name in ("landlock.py", "_agent.py")
 )
 TMP_DIR: Final = "/tmp"  # noqa: S108 - the sandbox's own tmpfs
-# Who commands are inside: an ordinary uid, mapped to the server's uid outside. The host's
+# Who commands are inside: an ordinary uid, mapped outside to the sandbox's host identity
+# (an id of its own from host_id_range when the server is root; else the server's). The host's
 # own /etc/passwd and /etc/group are not shown (they name the host's users); these are.
 # bwrap's own environment: what it needs to run, not the server's (which may hold secrets).
 BWRAP_ENV: Final = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
@@ -73,16 +74,42 @@ class SandboxSpec:
     tmp_size_bytes: int = TMP_SIZE_BYTES
     cgroup_procs: tuple[str, ...] = ()
     """``cgroup.procs`` files bwrap must be inside before it starts, one per hierarchy."""
+    identity: tuple[int, int] | None = None
+    """Host (uid, gid) bwrap drops to before it starts, so the sandbox's uid maps to it, not to
+    the server's root (see `bastion.sandbox.identity`). None: the server's own (not root)."""
 
 
-# Joins the cgroups, then becomes bwrap (same pid), so bwrap and everything it forks
-# start inside: attaching bwrap's pid after spawn would miss the children it forks at
-# once. `echo` is the shell's builtin, so the shell itself moves ("0" = the writer).
+# Joins the cgroups, then becomes bwrap (same pid; through setpriv when it drops to the
+# sandbox's own identity), so bwrap and everything it forks start inside: attaching
+# bwrap's pid after spawn would miss the children it forks at once. `echo` is the
+# shell's builtin, so the shell itself moves ("0" = the writer).
 # Only our own paths and argv reach it, as positional parameters: nothing is parsed.
 _JOIN_CGROUPS: Final = """n=$1; shift
 while [ "$n" -gt 0 ]; do echo 0 > "$1" || exit 126; shift; n=$((n - 1)); done
 exec "$@"
 """
+
+
+def setpriv_argv(uid: int, gid: int) -> list[str]:
+    """The command prefix that becomes `uid`:`gid` with no group, capability or way back.
+
+    setpriv (util-linux, on every Debian) sets the real, effective and saved ids, so the
+    kernel clears every capability (capabilities(7), "Effect of user ID changes");
+    no_new_privs also stops a setuid program from giving them back.
+    """
+    found = shutil.which("setpriv", path=BWRAP_ENV["PATH"])
+    if found is None:
+        raise Unavailable("setpriv is not installed: run 'apt-get install util-linux'")
+    return [
+        found,
+        f"--reuid={uid}",
+        f"--regid={gid}",
+        "--clear-groups",
+        "--inh-caps=-all",
+        "--bounding-set=-all",
+        "--no-new-privs",
+        "--",
+    ]
 
 
 def bwrap_path() -> str:
@@ -186,6 +213,8 @@ def start_sandbox(spec: SandboxSpec) -> tuple[subprocess.Popen[bytes], socket.so
         split = full.index("--")
         args_fd = _data_fd("".join(arg + "\0" for arg in full[1:split]))
         argv = [full[0], "--args", str(args_fd), *full[split:]]
+        if spec.identity is not None:
+            argv = [*setpriv_argv(*spec.identity), *argv]
         if spec.cgroup_procs:
             argv = [
                 "/bin/sh",

@@ -215,8 +215,14 @@ class EgressProxy:
         # with the thread-safe `append`, off the loop, on its own small pool.
         self._writer = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="egress-audit")
 
-    async def start(self, sandbox_id: str, rules: Sequence[AllowRule], socket_path: str | os.PathLike[str]) -> None:
-        """Listen on `socket_path` (mode 0600) for `sandbox_id`.
+    async def start(
+        self,
+        sandbox_id: str,
+        rules: Sequence[AllowRule],
+        socket_path: str | os.PathLike[str],
+        owner: tuple[int, int] | None = None,
+    ) -> None:
+        """Listen on `socket_path` (mode 0600, owned by `owner` if given: the sandbox's host identity) for `sandbox_id`.
 
         Raises:
             Conflict: the sandbox already has a proxy, or the path exists and is not a socket.
@@ -226,7 +232,7 @@ class EgressProxy:
         if sandbox_id in self._proxies:
             raise Conflict(f"sandbox {sandbox_id} already has an egress proxy: stop it first")
         path = Path(socket_path)
-        listener, inode = _listen(path)
+        listener, inode = _listen(path, owner)
         throttle = AttemptThrottle(self._settings.attempts_per_s, self._settings.attempt_burst)
         proxy = _SandboxProxy(sandbox_id, tuple(rules), listener, path, inode, throttle)
         self._proxies[sandbox_id] = proxy
@@ -494,8 +500,12 @@ def _show(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def _listen(path: Path) -> tuple[socket.socket, tuple[int, int]]:
-    """A listening unix socket at `path`, mode 0600, put in place by rename (never half-made)."""
+def _listen(path: Path, owner: tuple[int, int] | None = None) -> tuple[socket.socket, tuple[int, int]]:
+    """A listening unix socket at `path`, mode 0600, put in place by rename (never half-made).
+
+    `owner`: who may connect (the sandbox's host identity); its folder is the server's, so
+    nothing but the server can swap the socket between the bind and the chown.
+    """
     if len(os.fsencode(path)) > UNIX_PATH_MAX:
         raise InvalidRequest(f"egress socket path {path} is longer than {UNIX_PATH_MAX} bytes: use a shorter state_dir")
     with contextlib.suppress(FileNotFoundError):
@@ -510,6 +520,8 @@ def _listen(path: Path) -> tuple[socket.socket, tuple[int, int]]:
     try:
         listener.bind(str(temp))
         os.chmod(temp, 0o600)
+        if owner is not None:
+            os.chown(temp, *owner, follow_symlinks=False)
         if temp != path:
             os.rename(temp, path)
         listener.listen(128)
@@ -610,9 +622,13 @@ class EgressService:
     # The same, for code on another event loop (the server's), without blocking it.
 
     async def start_async(
-        self, sandbox_id: str, rules: Sequence[AllowRule], socket_path: str | os.PathLike[str]
+        self,
+        sandbox_id: str,
+        rules: Sequence[AllowRule],
+        socket_path: str | os.PathLike[str],
+        owner: tuple[int, int] | None = None,
     ) -> None:
-        await self._call_async(self._proxy.start(sandbox_id, rules, socket_path))
+        await self._call_async(self._proxy.start(sandbox_id, rules, socket_path, owner))
 
     async def set_rules_async(self, sandbox_id: str, rules: Sequence[AllowRule]) -> None:
         async def update() -> None:

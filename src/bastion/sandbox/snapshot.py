@@ -155,7 +155,9 @@ def create_snapshot(
     return info
 
 
-def restore_snapshot(archive_dir: Path, snapshot_id: str, target: Path) -> SnapshotInfo:
+def restore_snapshot(
+    archive_dir: Path, snapshot_id: str, target: Path, *, owner: tuple[int, int] | None = None
+) -> SnapshotInfo:
     """Extract a snapshot into `target`, an existing empty folder, without ever leaving it.
 
     On failure `target` is left partly filled: the caller discards it (it may hold symlinks,
@@ -165,6 +167,7 @@ def restore_snapshot(archive_dir: Path, snapshot_id: str, target: Path) -> Snaps
         archive_dir: where snapshots live.
         snapshot_id: ``snap-`` and 16 hex digits.
         target: an existing, empty folder (a new sandbox's workspace).
+        owner: (uid, gid) given to everything restored: the sandbox's host identity. None: the server's.
 
     Returns:
         The restored snapshot's `SnapshotInfo`.
@@ -189,7 +192,7 @@ def restore_snapshot(archive_dir: Path, snapshot_id: str, target: Path) -> Snaps
                 if hashlib.file_digest(raw, "sha256").hexdigest() != info.sha256 or raw.tell() != info.archive_bytes:
                     raise OperationFailed(f"snapshot {snapshot_id} is corrupt: delete it and take a new one")
                 raw.seek(0)
-                _extract(raw, target_fd, info)
+                _extract(raw, target_fd, info, owner)
         except OSError as exc:
             raise OperationFailed(
                 f"snapshot {snapshot_id} could not be restored: {exc.strerror or exc}", detail=f"{target}: {exc!r}"
