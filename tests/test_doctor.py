@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from bastion.cli import main
-from bastion.doctor import _CANARY, _canary_check, _children, _leftovers
+from bastion.doctor import _CANARY, _CANARY_FILE, _canary_check, _children, _leftovers
 from bastion.sandbox._spawn import probe_bwrap
 from bastion.sandbox.cgroups import CgroupLayout
 from tests.helpers import temp_socket_folders
@@ -58,6 +58,13 @@ def test_demo_config_passes_with_the_canary_refused_and_leaves_nothing(
     assert checks["sandbox"][1].startswith("started in "), checks["sandbox"]
     assert checks["canary"][0] == "ok", checks["canary"]
     assert "unshare(CLONE_NEWUSER) -> EPERM" in checks["canary"][1]
+    assert "chmod 04755 -> EPERM" in checks["canary"][1]
+    assert "chmod /dev/null -> EPERM" in checks["canary"][1]
+    assert checks["sandbox-owner"][0] == "ok", checks["sandbox-owner"]
+    assert "never root's" in checks["sandbox-owner"][1]
+    assert checks["identity"][0] == "ok", checks["identity"]
+    if os.geteuid() == 0:
+        assert checks["idmap:default"][0] == "ok", checks
     assert checks["disk-quota"][0] == ("ok" if os.geteuid() == 0 else "warn")
     # The demo sets no admin password and has a gateway with no key and no pinned host key.
     assert checks["http-auth"][0] == "warn"
@@ -128,10 +135,13 @@ def test_missing_audit_folder_fails(capsys: pytest.CaptureFixture[str], demo_con
 
 
 @pytest.mark.bwrap
-def test_canary_is_allowed_without_seccomp_and_landlock() -> None:
-    """The canary can fail: in a bare bubblewrap (no seccomp filter, no Landlock) the same script
-    creates a user namespace and writes at /, and the check turns that into a loud FAIL."""
+def test_canary_is_allowed_without_seccomp_and_landlock(tmp_path: Path) -> None:
+    """The canary can fail: in a bare bubblewrap (no seccomp filter, no Landlock, the server's own
+    uid) the same script creates a user namespace, writes at /, sets a setuid bit and may chmod the
+    host's /dev/null (run as root: to its own mode 0666, so nothing changes), and the check turns
+    that into a loud FAIL."""
     args = ["--unshare-user", "--uid", "1000", "--tmpfs", "/", "--ro-bind", "/usr", "/usr"]
+    args += ["--bind", str(tmp_path), "/workspace"]
     for path in ("/bin", "/sbin", "/lib", "/lib64"):
         if os.path.islink(path):
             args += ["--symlink", os.readlink(path), path]
@@ -140,9 +150,11 @@ def test_canary_is_allowed_without_seccomp_and_landlock() -> None:
     status, last = probe_bwrap(
         [*args, "--proc", "/proc", "--dev", "/dev", "/usr/bin/python3", "-I", "-S", "-c", _CANARY]
     )
+    (tmp_path / _CANARY_FILE).unlink()  # setuid, and the server's: gone at once
     assert status == 0, last
     result = json.loads(last)
-    assert result == {"unshare": "allowed", "mkdir": "allowed"}
+    dev_null = "allowed" if os.geteuid() == 0 else "EPERM"
+    assert result == {"unshare": "allowed", "mkdir": "allowed", "setuid": "allowed", "dev-null": dev_null}
     check = _canary_check(result)
     assert check.status == "FAIL"
     assert check.detail.startswith("ALLOWED: ")

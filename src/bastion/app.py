@@ -93,6 +93,22 @@ def check_disk_quota(config: Config) -> None:
             raise ConfigError(f"sandbox disk quota: {reason}: run as root or set [sandboxes] disk_quota = false")
 
 
+def identity_problem(config: Config) -> str | None:
+    """Why a root server could not hand out `host_id_range` (one line), else None; changes nothing."""
+    first, count = config.sandboxes.host_ids
+    conflict = range_conflict(first, count)
+    if conflict is not None:
+        return f"[sandboxes] host_id_range: {conflict}: choose a range no account uses"
+    # The state folder itself is bastion's, made passable at start; the folders above it are not.
+    blocked = unreachable_folder(config.state_dir.parent)
+    if blocked is not None:
+        return (
+            f"state_dir {config.state_dir}: {blocked} cannot be passed through by the sandboxes' ids "
+            "(no o+x): run 'chmod o+x' on it or choose a state_dir elsewhere"
+        )
+    return None
+
+
 def open_identities(config: Config) -> IdentityPool:
     """The host ids sandboxes and host workspaces run as; checked when the server is root (it hands them out).
 
@@ -103,17 +119,11 @@ def open_identities(config: Config) -> IdentityPool:
     pool = IdentityPool(*config.sandboxes.host_ids)
     if not pool.switches:
         return pool
-    conflict = range_conflict(*pool.range)
-    if conflict is not None:
-        raise ConfigError(f"[sandboxes] host_id_range: {conflict}: choose a range no account uses")
-    # Traversable, never listable: a sandbox's bubblewrap finds its own folders by name.
+    problem = identity_problem(config)
+    if problem is not None:
+        raise ConfigError(problem)
+    # Passable, never listable: a sandbox's bubblewrap finds its own folders by name.
     config.state_dir.chmod(0o711)
-    blocked = unreachable_folder(config.sandboxes_dir)
-    if blocked is not None:
-        raise ConfigError(
-            f"state_dir {config.state_dir}: {blocked} cannot be passed through by the sandboxes' ids "
-            "(no o+x): run 'chmod o+x' on it or choose a state_dir elsewhere"
-        )
     return pool
 
 

@@ -30,11 +30,12 @@ from pathlib import Path
 from typing import Final, Literal
 from urllib.parse import urlsplit
 
-from bastion.app import check_disk_quota, detect_cgroups
+from bastion.app import check_disk_quota, detect_cgroups, identity_problem
 from bastion.config import Config, GatewayConfig, load_config, resolve_config_path
 from bastion.safety.audit import file_problem
 from bastion.safety.errors import BastionError, ConfigError
 from bastion.safety.redact import Redactor
+from bastion.sandbox._idmap import idmap_supported
 from bastion.sandbox._spawn import SANDBOX_WORKSPACE, bwrap_path, probe_bwrap, sandbox_python
 from bastion.sandbox.cgroups import CgroupLayout
 from bastion.sandbox.landlock import _landlock_missing, landlock_abi  # the agent's own wording
@@ -48,18 +49,26 @@ Status = Literal["ok", "warn", "FAIL"]
 RUN_TIMEOUT_S: Final = 10.0
 _MAX_OUTPUT_BYTES: Final = 4096
 _CLONE_NEWUSER: Final = 0x10000000
-# Run inside the sandbox by its Python: both must be refused by the kernel. unshare(CLONE_NEWUSER)
+_CANARY_FILE: Final = ".bastion-doctor-canary"
+# Run inside the sandbox by its Python: all must be refused by the kernel. unshare(CLONE_NEWUSER)
 # succeeds there without the seccomp filter; mkdir / succeeds without Landlock (bwrap's / is a
 # tmpfs the sandbox owns). The directory, if made, lives in that tmpfs and dies with the sandbox.
+# chmod 04755 of its own file succeeds without the mode filter; chmod of the host's /dev/null
+# succeeds when the sandbox is the host's root (0666 is its mode already: allowed, it changes nothing).
 _CANARY: Final = f"""
 import ctypes, errno, json, os
 libc = ctypes.CDLL(None, use_errno=True)
 out = {{"unshare": "allowed" if libc.unshare({_CLONE_NEWUSER}) == 0 else errno.errorcode[ctypes.get_errno()]}}
-try:
-    os.mkdir("/bastion-doctor-canary")
-    out["mkdir"] = "allowed"
-except OSError as exc:
-    out["mkdir"] = errno.errorcode[exc.errno]
+def attempt(name, call, *args):
+    try:
+        call(*args)
+        out[name] = "allowed"
+    except OSError as exc:
+        out[name] = errno.errorcode[exc.errno]
+attempt("mkdir", os.mkdir, "/bastion-doctor-canary")
+open("/workspace/{_CANARY_FILE}", "w").close()
+attempt("setuid", os.chmod, "/workspace/{_CANARY_FILE}", 0o4755)
+attempt("dev-null", os.chmod, "/dev/null", 0o666)
 print(json.dumps(out))
 """
 _DO_NOT_CONNECT: Final = "do not connect an agent to this server"
@@ -90,6 +99,7 @@ def run_checks(config_arg: str | None) -> list[Check]:
     cgroups, cgroup_check = _cgroup_check(config)
     checks.append(cgroup_check)
     checks += _quota_checks(config)
+    checks += _identity_checks(config)
     checks.append(_audit_check(config))
     checks += _sandbox_checks(config, cgroups, ready=not any(c.status == "FAIL" for c in checks))
     checks += _http_checks(config, path)
@@ -216,6 +226,39 @@ def _quota_checks(config: Config) -> list[Check]:
     return [Check("disk-quota", "ok", f"each sandbox's /workspace is a filesystem of {size}: writes past it fail")]
 
 
+def _identity_checks(config: Config) -> list[Check]:
+    """Who sandboxes and host workspaces are on the host; the server's own decision (`open_identities`)."""
+    if os.geteuid() != 0:
+        detail = (
+            f"the server runs as uid {os.geteuid()}: every sandbox and host workspace acts as that user, never root"
+        )
+        return [Check("identity", "ok", detail)]
+    problem = identity_problem(config)
+    if problem is not None:
+        return [Check("identity", "FAIL", problem)]
+    first, count = config.sandboxes.host_ids
+    detail = (
+        f"sandboxes and host workspaces run as uids {first}-{first + count - 1}, one each, never root; "
+        "no account or subordinate range is in that range"
+    )
+    return [Check("identity", "ok", detail), *(_idmap_check(ws.id, ws.path) for ws in config.workspace)]
+
+
+def _idmap_check(workspace_id: str, path: Path) -> Check:
+    """How a root server will bind a host workspace (as `workspaces._open_host`); probed with a real idmapped mount."""
+    name = f"idmap:{workspace_id}"
+    reason = idmap_supported(path)
+    if reason is None:
+        return Check(name, "ok", f"{path} is bound through an idmapped mount: commands' files are its owner's")
+    try:
+        owner = path.stat().st_uid
+    except OSError as exc:
+        return Check(name, "FAIL", f"{path} cannot be examined: {exc.strerror}")
+    if owner == 0:
+        return Check(name, "FAIL", f"{path} is root's and idmapped mounts are unavailable ({reason}): chown it")
+    return Check(name, "warn", f"no idmapped mount ({reason}): commands run as the folder's owner, uid {owner}")
+
+
 def _size(count: int) -> str:
     return f"{count / 1024**3:g} GiB" if count >= 1024**3 else f"{count / 1024**2:g} MiB"
 
@@ -281,6 +324,8 @@ def _sandbox_checks(config: Config, cgroups: CgroupLayout | None, *, ready: bool
     if not ready:
         return [Check("sandbox", "warn", "not started: fix the FAIL lines above first")]
     with tempfile.TemporaryDirectory(prefix="bastion-doctor-") as state, _quiet_logs() as errors:
+        # The sandbox's own id passes through it, as through the server's state folder (0711).
+        os.chmod(state, 0o711)  # noqa: S103 - passable, not listable
         checks = asyncio.run(_probe(config, cgroups, Path(state)))
     if errors:
         checks.append(Check("sandbox-log", "FAIL", "; ".join(errors)))
@@ -323,6 +368,7 @@ async def _probe(config: Config, cgroups: CgroupLayout | None, state: Path) -> l
         box = await manager.create(owner="bastion-doctor", network_allow=())
         start_ms = (time.monotonic() - started) * 1000
         checks = await _run_in(box.workspace)
+        checks.append(_owner_check(box.root / "workspace" / _CANARY_FILE))
     except (BastionError, OSError) as exc:
         reason = exc.reason if isinstance(exc, BastionError) else str(exc)
         checks = [Check("sandbox", "FAIL", f"a sandbox cannot start: {reason}")]
@@ -373,15 +419,35 @@ async def _run_in(workspace: HostWorkspace) -> list[Check]:
     return [ran, _canary_check({str(k): str(v) for k, v in result.items()})]
 
 
+def _owner_check(made: Path) -> Check:
+    """Whose, on the host, is a file the canary made: never root's."""
+    try:
+        owner = os.lstat(made).st_uid
+    except OSError as exc:
+        return Check("sandbox-owner", "FAIL", f"the canary's file is not on the host ({exc.strerror}): report this")
+    if owner == 0:
+        why = "files a sandbox makes are root's on the host: a sandbox acts as the host's root"
+        return Check("sandbox-owner", "FAIL", f"{why}; {_DO_NOT_CONNECT}")
+    return Check("sandbox-owner", "ok", f"files a sandbox makes are uid {owner}'s on the host, never root's")
+
+
 def _canary_check(result: dict[str, str]) -> Check:
     unshare, mkdir = result.get("unshare", "?"), result.get("mkdir", "?")
+    setuid, dev_null = result.get("setuid", "?"), result.get("dev-null", "?")
+    if setuid == "allowed":
+        why = "a sandbox command set a setuid bit: the seccomp mode filter is NOT in force"
+        return Check("canary", "FAIL", f"ALLOWED: {why}; {_DO_NOT_CONNECT}")
+    if dev_null == "allowed":
+        why = "a sandbox command changed the host's /dev/null: the sandbox acts as the node's owner (root)"
+        return Check("canary", "FAIL", f"ALLOWED: {why}; {_DO_NOT_CONNECT}")
     if unshare == "allowed":
         why = "a sandbox command created a user namespace: the seccomp filter is NOT in force"
         return Check("canary", "FAIL", f"ALLOWED: {why}; {_DO_NOT_CONNECT}")
     if mkdir == "allowed" and landlock_abi() > 0:
         why = f"a sandbox command wrote outside /workspace and /tmp: Landlock (ABI {landlock_abi()}) is NOT in force"
         return Check("canary", "FAIL", f"ALLOWED: {why}; {_DO_NOT_CONNECT}")
-    detail = f"unshare(CLONE_NEWUSER) -> {unshare}, mkdir / -> {mkdir}"
+    detail = f"unshare(CLONE_NEWUSER) -> {unshare}, mkdir / -> {mkdir}, chmod 04755 -> {setuid}"
+    detail += f", chmod /dev/null -> {dev_null}"
     if mkdir == "allowed":
         return Check("canary", "warn", f"{detail}: seccomp refuses; writes are not confined (no Landlock)")
     if unshare != "EPERM":
