@@ -1,0 +1,102 @@
+"""Host identities: the range's parsing and start-time check, and who gets which id."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from bastion.app import build_services
+from bastion.config import load_config
+from bastion.safety.errors import ConfigError, ResourceLimit
+from bastion.sandbox.identity import (
+    DEFAULT_HOST_ID_FIRST,
+    IdentityPool,
+    parse_range,
+    range_conflict,
+    unreachable_folder,
+)
+from tests.helpers import demo_config_at
+
+
+def test_default_range_is_above_systemds_container_ranges_and_free_here() -> None:
+    first, count = parse_range(f"{DEFAULT_HOST_ID_FIRST}:65536")
+    assert first > 0x6FFFFFFF
+    assert first + count - 1 < 0x7FFE0000  # systemd's "foreign" range starts there
+    assert range_conflict(first, count) is None
+
+
+@pytest.mark.parametrize(
+    "text", ["", "5", "100000", "a:b", "100000:", ":5", "-1:5", "100000:0", "0:70000", "65535:10", "4294967290:10"]
+)
+def test_range_that_reaches_real_accounts_or_is_malformed_is_refused(text: str) -> None:
+    with pytest.raises(ValueError, match="host_id_range"):
+        parse_range(text)
+
+
+@given(st.integers(min_value=65_536, max_value=0xFFFFFFFE), st.integers(min_value=1, max_value=1 << 24))
+def test_parse_accepts_exactly_the_ranges_inside_the_unprivileged_ids(first: int, count: int) -> None:
+    text = f"{first}:{count}"
+    if first + count - 1 <= 0xFFFFFFFE:
+        assert parse_range(text) == (first, count)
+    else:
+        with pytest.raises(ValueError, match="host_id_range"):
+            parse_range(text)
+
+
+def test_an_account_or_a_subordinate_range_inside_the_range_is_named(tmp_path: Path) -> None:
+    passwd, subuid = tmp_path / "passwd", tmp_path / "subuid"
+    passwd.write_text("root:x:0:0::/root:/bin/sh\nweird:x:200005:200005::/:/bin/sh\n")
+    subuid.write_text("alice:300000:65536\n")
+    files = {"account_files": [str(passwd)], "subordinate_files": [str(subuid)]}
+    assert "'weird' with id 200005" in (range_conflict(200_000, 10, **files) or "")
+    assert range_conflict(200_006, 10, **files) is None
+    assert "'alice' 300000:65536" in (range_conflict(365_535, 5, **files) or "")  # overlaps its last id
+    assert range_conflict(365_536, 5, **files) is None
+    assert range_conflict(200_000, 10, account_files=[str(tmp_path / "missing")], subordinate_files=[]) is None
+
+
+def test_each_live_sandbox_gets_its_own_id_and_a_released_one_comes_back_last() -> None:
+    pool = IdentityPool(100_000, 3, server_uid=0, server_gid=0)
+    first, second, third = pool.acquire(), pool.acquire(), pool.acquire()
+    assert [i.uid for i in (first, second, third)] == [100_000, 100_001, 100_002]
+    assert all(i.uid == i.gid and i.switch for i in (first, second, third))
+    with pytest.raises(ResourceLimit, match="all 3 ids"):
+        pool.acquire()
+    pool.release(second)
+    assert pool.acquire().uid == 100_001
+    pool.release(first)
+    pool.release(third)
+    assert [pool.acquire().uid, pool.acquire().uid] == [100_002, 100_000]
+
+
+def test_an_unprivileged_server_is_itself_every_sandboxs_identity() -> None:
+    pool = IdentityPool(100_000, 3, server_uid=1234, server_gid=1235)
+    identities = [pool.acquire() for _ in range(5)]  # no range used up: the one user is every identity
+    assert {(i.uid, i.gid, i.switch) for i in identities} == {(1234, 1235, False)}
+    assert not pool.switches
+    assert pool.in_use() == 0
+
+
+def test_unreachable_folder_names_the_first_closed_one(tmp_path: Path) -> None:
+    closed = tmp_path / "closed"
+    (closed / "inner").mkdir(parents=True)
+    closed.chmod(0o700)
+    assert unreachable_folder(closed / "inner" / "state") == closed
+    closed.chmod(0o711)
+    assert unreachable_folder(closed / "inner" / "state") is None
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="only a root server hands out ids of the range")
+def test_root_server_refuses_to_start_when_the_sandboxes_ids_cannot_reach_the_state_folder(tmp_path: Path) -> None:
+    """Invariant: a state folder under a folder closed to others (0700) stops the start with one line
+    naming that folder, instead of every sandbox failing later with bubblewrap's 'Permission denied'."""
+    config = load_config(demo_config_at(tmp_path / "demo"))
+    (tmp_path / "demo").chmod(0o700)
+    with pytest.raises(ConfigError, match=r"demo cannot be passed through by the sandboxes' ids \(no o\+x\)"):
+        build_services(config)
+    assert not config.state_dir.exists() or not any(config.sandboxes_dir.glob("sb-*"))
