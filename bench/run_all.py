@@ -15,6 +15,7 @@ SCRIPTS = (
     "bench_stdio.py",
     "bench_audit.py",
     "bench_sandbox.py",
+    "bench_identity.py",
     "bench_code.py",
     "bench_egress.py",
     "bench_gateway.py",

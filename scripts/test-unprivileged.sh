@@ -46,7 +46,8 @@ fi
 tests=(tests/sandbox/test_warm.py tests/sandbox/test_landlock.py tests/sandbox/test_seccomp.py
        tests/sandbox/test_cgroups.py tests/test_sandboxes.py tests/test_sandbox_isolation.py
        tests/test_processes.py tests/test_templates.py tests/test_workspaces.py
-       tests/code/test_execute_code.py tests/code/test_network.py)
+       tests/code/test_execute_code.py tests/code/test_network.py
+       tests/test_doctor.py)
 echo "running the sandbox tests as $user in cgroup $group"
 runuser -u "$user" -- env HOME="$home" PATH="$PATH" \
   "$venv/bin/pytest" -q -p no:cacheprovider --basetemp="$home/pytest" "${tests[@]}"
