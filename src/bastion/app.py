@@ -96,6 +96,12 @@ def check_disk_quota(config: Config) -> None:
 def identity_problem(config: Config) -> str | None:
     """Why a root server could not hand out `host_id_range` (one line), else None; changes nothing."""
     first, count = config.sandboxes.host_ids
+    needed = config.sandboxes.max_sandboxes + config.sandboxes.warm_pool + len(config.workspace)
+    if count < needed:
+        return (
+            f"[sandboxes] host_id_range has {count} ids, fewer than max_sandboxes + warm_pool + host workspaces "
+            f"({needed}): widen it"
+        )
     conflict = range_conflict(first, count)
     if conflict is not None:
         return f"[sandboxes] host_id_range: {conflict}: choose a range no account uses"

@@ -505,6 +505,20 @@ def _open_host(
         raise
 
 
+def _drop_stale_mounts(mounts: Path) -> None:
+    """Unmount and remove what a crashed server left in `mounts` (its workspaces' idmapped mounts)."""
+    if not mounts.is_dir() or mounts.is_symlink():
+        return
+    for entry in mounts.iterdir():
+        try:
+            if is_mounted(entry):
+                unmount(entry)
+            entry.rmdir()
+        except (BastionError, OSError) as exc:
+            reason = exc.reason if isinstance(exc, BastionError) else str(exc)
+            logger.warning("a previous server's mount %s is left: %s", entry, reason)
+
+
 class WorkspaceRegistry:
     """Where a work tool acts: a configured host workspace, or an agent's sandbox, by id."""
 
@@ -514,6 +528,8 @@ class WorkspaceRegistry:
         self._default = config.default_workspace
         pool = identities or IdentityPool(*config.sandboxes.host_ids)
         mounts = config.state_dir / IDMAP_DIR
+        if pool.switches:
+            _drop_stale_mounts(mounts)
         if pool.switches and config.workspace:
             mounts.mkdir(mode=0o711, exist_ok=True)
             os.chmod(mounts, 0o711)  # noqa: S103 - passable, not listable: by the workspaces' own ids

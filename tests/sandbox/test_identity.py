@@ -100,3 +100,15 @@ def test_root_server_refuses_to_start_when_the_sandboxes_ids_cannot_reach_the_st
     with pytest.raises(ConfigError, match=r"demo cannot be passed through by the sandboxes' ids \(no o\+x\)"):
         build_services(config)
     assert not config.state_dir.exists() or not any(config.sandboxes_dir.glob("sb-*"))
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="only a root server hands out ids of the range")
+def test_root_server_refuses_a_range_smaller_than_what_it_may_run_at_once(tmp_path: Path) -> None:
+    """Invariant: the range holds an id for every sandbox, pooled sandbox and host workspace that can
+    live at once, so a full server refuses at start rather than failing create_sandbox later."""
+    path = demo_config_at(tmp_path / "demo")
+    text = path.read_text().replace("[sandboxes]\n", '[sandboxes]\nhost_id_range = "1879048192:10"\n', 1)
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=r"host_id_range has 10 ids, fewer than .* \(18\): widen it"):
+        build_services(load_config(path))
