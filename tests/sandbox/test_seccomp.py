@@ -5,6 +5,11 @@ Each attack test runs the attempt twice where that is meaningful: under the filt
 sandbox, did the refusing. Where the kernel refuses anyway for lack of a
 capability (kexec_load, init_module, open_by_handle_at) the live test only shows
 the refusal; `test_every_denial_is_in_the_program_for_each_abi` shows the rule.
+
+The setuid/setgid probes also report which of the two bits the file carries
+afterwards ("EPERM:" refused with no bit; "OK:u" made setuid), and the shell-level
+ones run real tools on a host folder bound as /workspace, then look at the files
+from the host. Everything else happens in the sandbox's own /tmp (a tmpfs).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import marshal
 import os
 import shutil
 import socket
+import stat
 import struct
 import subprocess
 from collections.abc import Iterator, Sequence
@@ -25,6 +31,7 @@ import pytest
 
 from bastion.sandbox import seccomp
 from bastion.sandbox._spawn import SandboxSpec, build_bwrap_argv, sandbox_python
+from bastion.sandbox.landlock import landlock_abi
 
 pytestmark = pytest.mark.bwrap
 
@@ -32,11 +39,18 @@ IS_X86_64 = os.uname().machine == "x86_64"
 CLONE_NEWPID = 0x20000000
 CLONE_NEWUSER = 0x10000000
 SIGCHLD = 17
+O_CREAT = 0o100
+O_TMPFILE = 0o20200000  # __O_TMPFILE | O_DIRECTORY on x86_64 (read in the x86 programs; probes use os.O_TMPFILE)
+SETID = stat.S_ISUID | stat.S_ISGID
 
 # libseccomp names the syscall numbers of this machine for the probes.
 _LIB = ctypes.CDLL("libseccomp.so.2")
 _LIB.seccomp_syscall_resolve_name.argtypes = (ctypes.c_char_p,)
 _LIB.seccomp_syscall_resolve_name_arch.argtypes = (ctypes.c_uint32, ctypes.c_char_p)
+_LIB.seccomp_syscall_resolve_num_arch.argtypes = (ctypes.c_uint32, ctypes.c_int)
+_LIB.seccomp_syscall_resolve_num_arch.restype = ctypes.c_void_p  # a char * the caller frees
+_LIBC = ctypes.CDLL(None)
+_LIBC.free.argtypes = (ctypes.c_void_p,)
 NR = {
     name: _LIB.seccomp_syscall_resolve_name(name.encode())
     for name in (
@@ -54,6 +68,24 @@ NR = {
         "init_module",
         "io_uring_setup",
         "open_by_handle_at",
+        "chmod",
+        "fchmod",
+        "fchmodat",
+        "fchmodat2",
+        "mkdir",
+        "mkdirat",
+        "mknod",
+        "mknodat",
+        "creat",
+        "open",
+        "openat",
+        "openat2",
+        "setxattr",
+        "lsetxattr",
+        "fsetxattr",
+        "fremovexattr",
+        "landlock_create_ruleset",
+        "setxattrat",
     )
 }
 
@@ -64,10 +96,19 @@ libc = ctypes.CDLL(None, use_errno=True)
 libc.syscall.restype = ctypes.c_long
 NR = json.loads(sys.argv[1])
 
-def call(name, *args):
+def call(name, *args):  # a syscall by name, or by number
     ctypes.set_errno(0)
-    rc = libc.syscall(NR[name], *args)
+    rc = libc.syscall(NR[name] if isinstance(name, str) else name, *args)
     return "OK" if rc >= 0 else errno.errorcode[ctypes.get_errno()]
+
+def setid(mode):  # which of setuid (u) and setgid (g) a mode has
+    return ("u" if mode & 0o4000 else "") + ("g" if mode & 0o2000 else "")
+
+def made(answer, path):  # a call's answer, then the bits the file it made or changed has
+    return answer + ":" + (setid(os.lstat(path).st_mode) if os.path.lexists(path) else "")
+
+F = b"/tmp/f"
+FILE_FD = os.open(F, os.O_CREAT | os.O_WRONLY, 0o644)  # a plain file to change
 
 def clone(flags):
     pid = libc.syscall(NR["clone"], ctypes.c_long(flags), 0, 0, 0, 0)
@@ -79,25 +120,27 @@ def clone(flags):
 """
 
 
-def sandbox_argv(command: Sequence[str], seccomp_fd: int | None) -> list[str]:
-    """The production sandbox's shape (see `_spawn.build_bwrap_argv`), minus the workspace."""
+def sandbox_argv(command: Sequence[str], seccomp_fd: int | None, binds: Sequence[str] = ()) -> list[str]:
+    """The production sandbox's shape (see `_spawn.build_bwrap_argv`), minus the workspace unless `binds` adds one."""
     bwrap = shutil.which("bwrap")
     assert bwrap is not None, "bubblewrap is not installed"
     argv = [bwrap, "--unshare-all", "--unshare-user", "--uid", "0", "--gid", "0", "--die-with-parent"]
     argv += ["--cap-drop", "ALL", "--cap-add", "CAP_SYS_ADMIN", "--cap-add", "CAP_SETPCAP"]
     argv += ["--ro-bind", "/usr", "/usr"]
     argv += ["--symlink", "usr/bin", "/bin", "--symlink", "usr/lib", "/lib", "--symlink", "usr/lib64", "/lib64"]
-    argv += ["--symlink", "usr/sbin", "/sbin", "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
+    argv += ["--symlink", "usr/sbin", "/sbin", "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", *binds]
     if seccomp_fd is not None:
         argv += ["--seccomp", str(seccomp_fd)]
     return [*argv, "--", *command]
 
 
-def run_sandboxed(command: Sequence[str], *, filtered: bool = True) -> subprocess.CompletedProcess[str]:
+def run_sandboxed(
+    command: Sequence[str], *, filtered: bool = True, binds: Sequence[str] = ()
+) -> subprocess.CompletedProcess[str]:
     fd = seccomp.write_filter_fd() if filtered else None
     try:
         return subprocess.run(
-            sandbox_argv(command, fd),
+            sandbox_argv(command, fd, binds),
             pass_fds=() if fd is None else (fd,),
             capture_output=True,
             text=True,
@@ -190,27 +233,296 @@ def test_unshare_tool_cannot_make_a_user_namespace() -> None:
 
 
 # int 0x80 from 64-bit code enters the kernel's 32-bit ABI: push rbx; mov eax, nr;
-# mov ebx, a0; mov ecx, a1; int 0x80; pop rbx; ret.
-INT80_PROBE = """
+# mov ebx, a0; mov ecx, a1; mov edx, a2; int 0x80; pop rbx; ret. Pointers must fit
+# in 32 bits: `low` copies bytes into a page mapped below 4 GiB (MAP_32BIT).
+INT80 = """
 import mmap
-def int80(nr, a0=0, a1=0):
+PAGE = mmap.mmap(-1, 8192, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC, flags=mmap.MAP_PRIVATE | 0x40)
+BASE = ctypes.addressof(ctypes.c_char.from_buffer(PAGE))
+assert BASE < 1 << 32
+def low(data, offset):
+    PAGE[4096 + offset : 4096 + offset + len(data)] = data
+    return BASE + 4096 + offset
+def int80(nr, a0=0, a1=0, a2=0):
     code = b"\\x53\\xb8" + nr.to_bytes(4, "little") + b"\\xbb" + a0.to_bytes(4, "little")
-    code += b"\\xb9" + a1.to_bytes(4, "little") + b"\\xcd\\x80\\x5b\\xc3"
-    page = mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
-    page.write(code)
-    address = ctypes.addressof(ctypes.c_char.from_buffer(page))
-    rc = ctypes.CFUNCTYPE(ctypes.c_int)(address)()
+    code += b"\\xb9" + a1.to_bytes(4, "little") + b"\\xba" + a2.to_bytes(4, "little") + b"\\xcd\\x80\\x5b\\xc3"
+    PAGE[: len(code)] = code
+    rc = ctypes.CFUNCTYPE(ctypes.c_int)(BASE)()
     return "OK" if rc >= 0 else errno.errorcode[-rc]
 assert int80(20) == "OK"  # getpid: the 32-bit ABI works at all
-print(int80(310, 0x10000000))  # i386 unshare(CLONE_NEWUSER)
 """
 
 
 @pytest.mark.skipif(not IS_X86_64, reason="the 32-bit x86 ABI exists only on x86_64")
 def test_unshare_through_the_32bit_abi_is_refused() -> None:
     """Invariant: a 32-bit syscall (int 0x80) meets the same rule as the native one."""
-    assert probe(INT80_PROBE) == "EPERM"
-    assert probe(INT80_PROBE, filtered=False) == "OK"
+    code = INT80 + "print(int80(310, 0x10000000))"  # i386 unshare(CLONE_NEWUSER)
+    assert probe(code) == "EPERM"
+    assert probe(code, filtered=False) == "OK"
+
+
+# -- setuid and setgid files: refused by every syscall that takes a mode -----------------------------
+
+# Each prints made(answer, path): filtered "EPERM:" (refused, no bit); without the filter the
+# file gets the bit ("OK:u", "OK:g") except from mkdir, which drops both bits itself ("OK:").
+SETID_ATTACKS = {
+    "chmod_setuid": 'print(made(call("chmod", F, 0o4755), F))',
+    "chmod_setgid": 'print(made(call("chmod", F, 0o2755), F))',
+    "fchmod_setuid": 'print(made(call("fchmod", FILE_FD, 0o4755), F))',
+    "fchmod_setgid": 'print(made(call("fchmod", FILE_FD, 0o2755), F))',
+    "fchmodat_setuid": 'print(made(call("fchmodat", -100, F, 0o4755), F))',
+    "fchmodat_setgid": 'print(made(call("fchmodat", -100, F, 0o2755), F))',
+    "fchmodat2_setuid": 'print(made(call("fchmodat2", -100, F, 0o4755, 0), F))',
+    "fchmodat2_setgid": 'print(made(call("fchmodat2", -100, F, 0o2755, 0), F))',
+    "open_creating_setuid_file": f'print(made(call("open", b"/tmp/n", {O_CREAT | os.O_WRONLY}, 0o4755), b"/tmp/n"))',
+    "open_creating_setgid_file": f'print(made(call("open", b"/tmp/n", {O_CREAT | os.O_WRONLY}, 0o2755), b"/tmp/n"))',
+    "openat_creating_setuid_file": (
+        f'print(made(call("openat", -100, b"/tmp/n", {O_CREAT | os.O_WRONLY}, 0o4755), b"/tmp/n"))'
+    ),
+    "openat_creating_setgid_file": (
+        f'print(made(call("openat", -100, b"/tmp/n", {O_CREAT | os.O_WRONLY | os.O_EXCL}, 0o2755), b"/tmp/n"))'
+    ),
+    "creat_setuid_file": 'print(made(call("creat", b"/tmp/n", 0o4755), b"/tmp/n"))',
+    "creat_setgid_file": 'print(made(call("creat", b"/tmp/n", 0o2755), b"/tmp/n"))',
+    # O_TMPFILE makes a nameless file with the mode; linkat(2) would then give it a name.
+    "open_tmpfile_setuid": (
+        f'n = libc.syscall(NR["open"], b"/tmp", {os.O_TMPFILE | os.O_RDWR}, 0o4755)\n'
+        'print(f"OK:{setid(os.fstat(n).st_mode)}" if n >= 0 else errno.errorcode[ctypes.get_errno()] + ":")'
+    ),
+    "openat_tmpfile_setgid": (
+        f'n = libc.syscall(NR["openat"], -100, b"/tmp", {os.O_TMPFILE | os.O_RDWR}, 0o2755)\n'
+        'print(f"OK:{setid(os.fstat(n).st_mode)}" if n >= 0 else errno.errorcode[ctypes.get_errno()] + ":")'
+    ),
+    # A regular file through mknod needs no capability (mknod(2)).
+    "mknod_setuid_regular_file": f'print(made(call("mknod", b"/tmp/n", {stat.S_IFREG | 0o4755}, 0), b"/tmp/n"))',
+    "mknodat_setgid_regular_file": (
+        f'print(made(call("mknodat", -100, b"/tmp/n", {stat.S_IFREG | 0o2755}, 0), b"/tmp/n"))'
+    ),
+    "mkdir_setgid_folder": 'print(made(call("mkdir", b"/tmp/d", 0o2755), b"/tmp/d"))',
+    "mkdir_setuid_folder": 'print(made(call("mkdir", b"/tmp/d", 0o4755), b"/tmp/d"))',
+    "mkdirat_setuid_and_setgid_folder": 'print(made(call("mkdirat", -100, b"/tmp/d", 0o6777), b"/tmp/d"))',
+}
+
+
+def setid_unfiltered(attack: str) -> str:
+    """What the attempt gives without the filter: the bit it asked for, except from mkdir."""
+    if attack.startswith("mkdir"):
+        return "OK:"
+    return "OK:u" if "setuid" in attack else "OK:g"
+
+
+def skip_unless_native(case: str) -> None:
+    """Skip a case named after a syscall this machine lacks (aarch64 has only the *at forms)."""
+    syscall = case.split("_")[0]
+    if NR.get(syscall, 0) < 0:
+        pytest.skip(f"{syscall} is not a syscall on {os.uname().machine}")
+
+
+@pytest.mark.parametrize("attack", sorted(SETID_ATTACKS))
+def test_setid_mode_is_refused_with_eperm(attack: str) -> None:
+    """Invariant: no syscall that takes a mode makes a file setuid or setgid inside the sandbox."""
+    skip_unless_native(attack)
+    assert probe(SETID_ATTACKS[attack]) == "EPERM:"
+
+
+@pytest.mark.parametrize("attack", sorted(SETID_ATTACKS))
+def test_setid_mode_is_granted_without_the_filter(attack: str) -> None:
+    """Control: without --seccomp the same call succeeds, and (but for mkdir) the file has the bit."""
+    skip_unless_native(attack)
+    assert probe(SETID_ATTACKS[attack], filtered=False) == setid_unfiltered(attack)
+
+
+# Mode changes and file creation the filter must leave alone.
+ORDINARY_MODES = {
+    "chmod_0755": 'print(made(call("chmod", F, 0o755), F))',
+    "fchmod_0755": 'print(made(call("fchmod", FILE_FD, 0o755), F))',
+    "fchmodat_0755": 'print(made(call("fchmodat", -100, F, 0o755), F))',
+    "fchmodat2_0755": 'print(made(call("fchmodat2", -100, F, 0o755, 0), F))',
+    "chmod_sticky_folder_1777": 'os.mkdir("/tmp/d")\nprint(made(call("chmod", b"/tmp/d", 0o1777), b"/tmp/d"))',
+    "os_chmod_0700": 'os.chmod(F, 0o700)\nprint(made("OK", F))',
+    "open_creating_0644": f'print(made(call("open", b"/tmp/n", {O_CREAT | os.O_WRONLY}, 0o644), b"/tmp/n"))',
+    "openat_creating_0755": f'print(made(call("openat", -100, b"/tmp/n", {O_CREAT | os.O_WRONLY}, 0o755), b"/tmp/n"))',
+    # Without O_CREAT or O_TMPFILE the kernel ignores the mode: whatever sits there passes.
+    "openat_existing_file_with_garbage_setid_mode": (
+        f'print(made(call("openat", -100, F, {os.O_RDONLY}, 0xFFFF6FFF), F))'
+    ),
+    "open_existing_file_with_garbage_setid_mode": f'print(made(call("open", F, {os.O_WRONLY}, 0o6777), F))',
+    "open_tmpfile_0600": (
+        f'n = libc.syscall(NR["open"], b"/tmp", {os.O_TMPFILE | os.O_RDWR}, 0o600)\n'
+        'print(f"OK:{setid(os.fstat(n).st_mode)}" if n >= 0 else errno.errorcode[ctypes.get_errno()] + ":")'
+    ),
+    "creat_0644": 'print(made(call("creat", b"/tmp/n", 0o644), b"/tmp/n"))',
+    "mknod_regular_file_0644": f'print(made(call("mknod", b"/tmp/n", {stat.S_IFREG | 0o644}, 0), b"/tmp/n"))',
+    "mkdir_0755": 'print(made(call("mkdir", b"/tmp/d", 0o755), b"/tmp/d"))',
+    "mkdirat_01777": 'print(made(call("mkdirat", -100, b"/tmp/d", 0o1777), b"/tmp/d"))',
+}
+
+
+@pytest.mark.parametrize("operation", sorted(ORDINARY_MODES))
+def test_ordinary_modes_still_work(operation: str) -> None:
+    """Invariant: only the two bits are refused: other modes, the sticky bit included, are set as asked."""
+    skip_unless_native(operation)
+    assert probe(ORDINARY_MODES[operation]) == "OK:"
+
+
+# i386 numbers (chmod 15, fchmod 94, creat 8, mkdir 39): the code, and what it gives without the filter.
+INT80_SETID_ATTACKS = {
+    "chmod_setuid": ('print(made(int80(15, low(F + b"\\0", 0), 0o4755), F))', "OK:u"),
+    "fchmod_setgid": ("print(made(int80(94, FILE_FD, 0o2755), F))", "OK:g"),
+    "creat_setuid_file": ('print(made(int80(8, low(b"/tmp/n\\0", 0), 0o4755), b"/tmp/n"))', "OK:u"),
+    "mkdir_setgid_folder": ('print(made(int80(39, low(b"/tmp/d\\0", 0), 0o2755), b"/tmp/d"))', "OK:"),
+}
+
+
+@pytest.mark.skipif(not IS_X86_64, reason="the 32-bit x86 ABI exists only on x86_64")
+@pytest.mark.parametrize("attack", sorted(INT80_SETID_ATTACKS))
+def test_setid_mode_through_the_32bit_abi_is_refused(attack: str) -> None:
+    """Invariant: a 32-bit syscall (int 0x80) meets the same rule, with the mode at the same position."""
+    code, unfiltered = INT80_SETID_ATTACKS[attack]
+    assert probe(INT80 + code) == "EPERM:"
+    assert probe(INT80 + code, filtered=False) == unfiltered
+
+
+def test_openat2_fails_with_enosys_so_libc_falls_back() -> None:
+    """Invariant: openat2, whose mode sits in a struct the filter cannot read, reports ENOSYS (not EPERM),
+    so programs fall back to openat, which is checked; without the filter it makes a setuid file."""
+    code = (
+        f"how = (ctypes.c_uint64 * 3)({O_CREAT | os.O_WRONLY}, 0o4755, 0)\n"  # struct open_how: flags, mode, resolve
+        'n = libc.syscall(NR["openat2"], -100, b"/tmp/n", how, 24)\n'
+        'print(made("OK" if n >= 0 else errno.errorcode[ctypes.get_errno()], b"/tmp/n"))'
+    )
+    assert probe(code) == "ENOSYS:"
+    assert probe(code, filtered=False) == "OK:u"
+
+
+# -- file capabilities: no extended attribute can be set ------------------------------------------------
+
+# struct vfs_cap_data, revision 2, effective, CAP_SETUID permitted: a file capability granting setuid(2).
+CAPABILITY = struct.pack("<5I", 0x02000001, 1 << 7, 0, 0, 0)
+
+
+SETXATTR = {  # all three exist on every ABI
+    "setxattr": 'call("setxattr", F, NAME, VALUE, len(VALUE), 0)',
+    "lsetxattr": 'call("lsetxattr", F, NAME, VALUE, len(VALUE), 0)',
+    "fsetxattr": 'call("fsetxattr", FILE_FD, NAME, VALUE, len(VALUE), 0)',
+}
+
+
+@pytest.mark.parametrize("name", [b"security.capability", b"user.x"])
+@pytest.mark.parametrize("syscall", sorted(SETXATTR))
+def test_setting_an_extended_attribute_fails_with_eopnotsupp(syscall: str, name: bytes) -> None:
+    """Invariant: setxattr and its l/f forms answer EOPNOTSUPP for any name, as a file system
+    without extended attributes would: the name is in memory, so security.capability cannot be singled out."""
+    value = CAPABILITY if name == b"security.capability" else b"v"
+    code = f"NAME, VALUE = {name!r}, {value!r}\nprint({SETXATTR[syscall]})"
+    assert probe(code) == "ENOTSUP"
+    if name == b"user.x":  # tmpfs keeps user attributes: without the filter the call works
+        assert probe(code, filtered=False) == "OK"
+
+
+def test_removing_an_extended_attribute_reaches_the_kernel() -> None:
+    """Invariant: removexattr stays allowed: the kernel answers (no such attribute), not the filter."""
+    assert probe('print(call("fremovexattr", FILE_FD, b"user.x"))') == "ENODATA"
+
+
+# -- syscalls newer than libseccomp's table -------------------------------------------------------
+
+# setxattrat(AT_FDCWD, "/tmp/f", 0, "user.x", &struct xattr_args {value, size, flags}, 16).
+SETXATTRAT = (
+    'value = ctypes.create_string_buffer(b"v")\n'
+    "args = struct.pack('QII', ctypes.addressof(value), 1, 0)\n"
+    'print(call(463, -100, F, 0, b"user.x", args, ctypes.c_size_t(16)))'
+)
+
+
+def test_setxattrat_is_refused() -> None:
+    """Invariant: setxattrat (463, Linux 6.13), which could set security.capability, is refused: ENOSYS
+    while libseccomp cannot name it (2.5.4), EOPNOTSUPP by its own rule once it can; without the
+    filter this kernel sets the attribute."""
+    code = "import struct\n" + SETXATTRAT
+    assert probe(code) == ("ENOSYS" if NR["setxattrat"] < 0 else "ENOTSUP")
+    assert probe(code, filtered=False) == "OK"
+
+
+@pytest.mark.parametrize("nr", [467, 468, 469, 470, 600, 1000, 1023])
+def test_syscall_numbers_libseccomp_cannot_name_fail_with_enosys(nr: int) -> None:
+    """Invariant: open_tree_attr, file_getattr, file_setattr and every number after them answer ENOSYS,
+    as on an older kernel, whatever the arguments."""
+    if named(0, nr):  # SCMP_ARCH_NATIVE
+        pytest.skip(f"this libseccomp names syscall {nr}: its rule, if any, is in DENIED")
+    assert probe(f"print(call({nr}, -100, F, 0, 0, 0, 0))") == "ENOSYS"
+
+
+@pytest.mark.skipif(not IS_X86_64, reason="the 32-bit x86 ABI exists only on x86_64")
+def test_new_syscalls_through_the_32bit_abi_fail_with_enosys() -> None:
+    """Invariant: the unknown-syscall range holds for the 32-bit ABI too (same numbers from 424 on),
+    and so does the extended attribute rule (i386 fsetxattr is 228)."""
+    # Size and flags are left unset: the filter answers before the kernel reads anything.
+    setxattrat = 'int80(463, -100 & 0xFFFFFFFF, low(F + b"\\0", 0))'
+    fsetxattr = 'int80(228, FILE_FD, low(b"user.x\\0", 64))'
+    assert probe(INT80 + f"print({setxattrat}, {fsetxattr})") == "ENOSYS ENOTSUP"
+
+
+# -- the same through real tools, on a host folder bound as /workspace ----------------------------
+
+# A tar with a setuid file and a setgid folder, built by Python's tarfile inside the sandbox.
+MAKE_TAR = (
+    "python3 -I -S -c '"
+    "import io, tarfile\n"
+    'with tarfile.open("/tmp/t.tar", "w") as t:\n'
+    '    f = tarfile.TarInfo("setuid"); f.mode = 0o4755; f.size = 2; t.addfile(f, io.BytesIO(b"#!"))\n'
+    '    d = tarfile.TarInfo("setgid"); d.type = tarfile.DIRTYPE; d.mode = 0o2775; t.addfile(d)\n'
+    "'"
+)
+
+TOOL_ATTACKS = {
+    "chmod_u_plus_s": "touch f && chmod u+s f",
+    "chmod_g_plus_s_folder": "mkdir d && chmod g+s d",
+    "chmod_numeric_6755": "touch f && chmod 6755 f",
+    "install_m_4755": "install -m 4755 /usr/bin/true f",
+    "install_d_m_2775": "install -d -m 2775 d",
+    "mkdir_m_6777": "mkdir -m 6777 d",
+    "cp_p_of_setuid_file": "cp -p /source/setuid f",
+    "cp_a_of_setuid_file": "cp -a /source/setuid f",
+    "tar_xpf_setuid_member": f"{MAKE_TAR} && tar -xpf /tmp/t.tar",
+    "python_shutil_copy2_of_setuid_file": """python3 -I -S -c 'import shutil; shutil.copy2("/source/setuid", "f")'""",
+}
+
+
+def setid_files(folder: Path) -> list[str]:
+    """The entries under `folder` (itself included) with setuid or setgid, as seen from the host."""
+    found = [folder] if folder.lstat().st_mode & SETID else []
+    found += [path for path in folder.rglob("*") if path.lstat().st_mode & SETID]
+    return sorted(str(path.relative_to(folder)) for path in found)
+
+
+def run_tool(tmp_path: Path, script: str, *, filtered: bool = True) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """Run `script` with /workspace a fresh host folder, and /source holding a setuid file made by the host."""
+    workspace, source = tmp_path / "workspace", tmp_path / "source"
+    workspace.mkdir()
+    source.mkdir()
+    (source / "setuid").write_bytes(b"#!")
+    (source / "setuid").chmod(0o4755)
+    binds = ["--bind", str(workspace), "/workspace", "--ro-bind", str(source), "/source", "--chdir", "/workspace"]
+    done = run_sandboxed(["/bin/sh", "-c", script], filtered=filtered, binds=binds)
+    return done, workspace
+
+
+@pytest.mark.parametrize("attack", sorted(TOOL_ATTACKS))
+def test_tools_leave_no_setid_file_in_the_workspace(attack: str, tmp_path: Path) -> None:
+    """Invariant: common ways to make a setuid or setgid file leave none in the workspace; the tool
+    reports the refusal (a non-zero exit)."""
+    done, workspace = run_tool(tmp_path, TOOL_ATTACKS[attack])
+    assert setid_files(workspace) == [], done.stderr
+    assert done.returncode != 0, done.stderr
+
+
+@pytest.mark.parametrize("attack", sorted(TOOL_ATTACKS))
+def test_tools_make_a_setid_file_without_the_filter(attack: str, tmp_path: Path) -> None:
+    """Control: without --seccomp each of them does leave a setuid or setgid file."""
+    done, workspace = run_tool(tmp_path, TOOL_ATTACKS[attack], filtered=False)
+    assert done.returncode == 0, done.stderr
+    assert setid_files(workspace) != []
 
 
 # -- what the agent and ordinary programs need keeps working ---------------------------------------
@@ -250,6 +562,11 @@ NEEDED = {
         "data, fds, _, _ = socket.recv_fds(b, 16, 1)\n"
         "print('OK' if data == b'x' and len(fds) == 1 else 'FAILED')"
     ),
+    # Landlock's syscalls (444-446) sit in the unified numbering, below the unknown-syscall range.
+    "landlock_abi_version": (
+        'abi = libc.syscall(NR["landlock_create_ruleset"], None, 0, 1)\n'  # LANDLOCK_CREATE_RULESET_VERSION
+        "print('OK' if abi > 0 else errno.errorcode[ctypes.get_errno()])"
+    ),
     "drop_capabilities_and_no_new_privs": (
         "assert libc.prctl(38, 1, 0, 0, 0) == 0\n"  # PR_SET_NO_NEW_PRIVS
         "assert libc.prctl(24, 21, 0, 0, 0) == 0\n"  # PR_CAPBSET_DROP CAP_SYS_ADMIN
@@ -287,8 +604,12 @@ def agent_sandbox(tmp_path: Path) -> Iterator[socket.socket]:
 
 def test_agent_runs_a_command_under_the_filter(agent_sandbox: socket.socket) -> None:
     """Invariant: the resident agent starts and runs a command as PID 1 of its own PID
-    namespace, all under the filter, with no capability left to the command."""
-    assert json.loads(agent_sandbox.recv(65536))["event"] == "ready"
+    namespace, all under the filter, with no capability left to the command; Landlock,
+    which the agent applies under the filter, is applied wherever the kernel has it."""
+    ready = json.loads(agent_sandbox.recv(65536))
+    assert ready["event"] == "ready"
+    assert ready["landlock"]["abi"] == landlock_abi()
+    assert ready["landlock"]["applied"] is (landlock_abi() > 0)
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     script = (
@@ -320,6 +641,7 @@ def test_agent_runs_a_command_under_the_filter(agent_sandbox: socket.socket) -> 
 AUDIT_ARCH_X86_64 = 0xC000003E
 AUDIT_ARCH_I386 = 0x40000003
 AUDIT_ARCH_AARCH64 = 0xC00000B7
+AUDIT_ARCH_RISCV64 = 0xC00000F3
 X32_SYSCALL_BIT = 0x40000000
 ALLOW = 0x7FFF0000
 
@@ -372,18 +694,24 @@ def test_every_denial_is_in_the_program_for_each_abi(program: bytes) -> None:
     """Invariant: every row of the deny table that a 64- or 32-bit x86 ABI has is enforced on that ABI.
 
     Reads the exported program rather than the kernel, so it also covers syscalls
-    the kernel would refuse anyway for lack of a capability.
+    the kernel would refuse anyway for lack of a capability. A row this libseccomp
+    cannot name must be one that ABI lacks, or one newer than its table, which the
+    unknown-syscall range then refuses with ENOSYS.
     """
-    checked = 0
+    not_in_abi = {("umount", AUDIT_ARCH_X86_64), ("kexec_file_load", AUDIT_ARCH_I386)}
+    newer = {"setxattrat": 463, "open_tree_attr": 467}  # unified numbers, the same on both ABIs
     for denial in seccomp.DENIED:
-        args = [denial.arg0_has] if denial.arg0_has else []
+        args = [0] * 6
+        for index, mask in denial.args_have:
+            args[index] |= mask
         for arch in (AUDIT_ARCH_X86_64, AUDIT_ARCH_I386):
             nr = resolve(arch, denial.syscall)
-            if nr < 0:
-                continue
-            assert run_bpf(program, nr, arch, args) == errno_action(denial.errno), (denial.syscall, hex(arch))
-            checked += 1
-    assert checked > 2 * len(seccomp.DENIED) - 6
+            if nr >= 0:
+                assert run_bpf(program, nr, arch, args) == errno_action(denial.errno), (denial.syscall, hex(arch))
+            elif denial.syscall in newer:
+                assert run_bpf(program, newer[denial.syscall], arch) == errno_action(errno.ENOSYS)
+            else:
+                assert (denial.syscall, arch) in not_in_abi, (denial.syscall, hex(arch))
 
 
 @pytest.mark.skipif(not IS_X86_64, reason="checks the x86_64 and i386 programs")
@@ -394,6 +722,105 @@ def test_clone_without_new_user_namespace_is_allowed_on_each_abi(program: bytes)
         assert run_bpf(program, clone, arch, [CLONE_NEWPID | SIGCHLD]) == ALLOW
         assert run_bpf(program, clone, arch, [CLONE_NEWPID | CLONE_NEWUSER | SIGCHLD]) == errno_action(errno.EPERM)
         assert run_bpf(program, resolve(arch, "read"), arch) == ALLOW
+
+
+# The mode-taking syscalls: the mode's argument index, and the flags' for those that create
+# a file only with O_CREAT or O_TMPFILE; the same on x86_64 and i386 (chmod(2), open(2), mknod(2), mkdir(2)).
+MODE_ARGUMENT = {
+    "chmod": (1, None),
+    "fchmod": (1, None),
+    "fchmodat": (2, None),
+    "fchmodat2": (2, None),
+    "mkdir": (1, None),
+    "mkdirat": (2, None),
+    "mknod": (1, None),
+    "mknodat": (2, None),
+    "creat": (1, None),
+    "open": (2, 1),
+    "openat": (3, 2),
+}
+
+
+@pytest.mark.skipif(not IS_X86_64, reason="checks the x86_64 and i386 programs")
+@pytest.mark.parametrize("syscall", sorted(MODE_ARGUMENT))
+def test_setid_modes_are_refused_on_each_abi(program: bytes, syscall: str) -> None:
+    """Invariant: on both x86 ABIs each mode-taking syscall is refused S_ISUID or S_ISGID (alone or
+    together, whatever else the mode or its upper register bits hold) and allowed every other mode."""
+    mode_index, flags_index = MODE_ARGUMENT[syscall]
+    creating = [0] if flags_index is None else [O_CREAT | os.O_WRONLY, O_TMPFILE | os.O_RDWR]
+    for arch in (AUDIT_ARCH_X86_64, AUDIT_ARCH_I386):
+        nr = resolve(arch, syscall)
+        assert nr >= 0, (syscall, hex(arch))
+
+        def verdict(flags: int, mode: int, nr: int = nr, arch: int = arch) -> int:
+            args = [0] * 6
+            args[mode_index] = mode
+            if flags_index is not None:
+                args[flags_index] = flags
+            return run_bpf(program, nr, arch, args)
+
+        for flags in creating:
+            for mode in (0o4755, 0o2755, 0o6777, 0o4000, 0o2000, 0xFFFFFFFF_FFFFFFFF):
+                assert verdict(flags, mode) == errno_action(errno.EPERM), (syscall, hex(arch), flags, oct(mode))
+            for mode in (0o755, 0o1777, 0o777, 0, 0xFFFFFFFF_00000000 | 0o755, stat.S_IFREG | 0o644):
+                assert verdict(flags, mode) == ALLOW, (syscall, hex(arch), flags, oct(mode))
+        if flags_index is not None:  # not creating: the mode is not read, so not checked
+            for flags in (os.O_RDONLY, os.O_RDWR | os.O_DIRECTORY, 0xFFFFFFFF & ~(O_CREAT | 0o20000000)):
+                assert verdict(flags, 0o6777) == ALLOW, (syscall, hex(arch), oct(flags))
+
+
+def named(arch: int, nr: int) -> bool:
+    """Whether libseccomp's table names syscall `nr` of ABI `arch`."""
+    name = _LIB.seccomp_syscall_resolve_num_arch(arch, nr)
+    _LIBC.free(name)
+    return bool(name)
+
+
+def unknown_from(arches: Sequence[int]) -> int:
+    """The first number from 424 on (the unified numbering) that libseccomp cannot name on one of `arches`."""
+
+    nr = 424
+    while all(named(arch, nr) for arch in arches):
+        nr += 1
+    assert not any(named(arch, after) for arch in arches for after in range(nr, 1024)), "a gap in the table"
+    return nr
+
+
+@pytest.mark.skipif(not IS_X86_64, reason="checks the x86_64 and i386 programs")
+def test_numbers_libseccomp_cannot_name_get_enosys_on_each_abi(program: bytes) -> None:
+    """Invariant: on both x86 ABIs every number from the first one libseccomp cannot name up to 1023
+    answers ENOSYS, and the numbers it can name (from 424 on) keep their own rules; above 1023, and
+    x32 numbers, are left to libseccomp's program. The table here has no gap above its end, so
+    the range shadows no named syscall."""
+    first = unknown_from((AUDIT_ARCH_X86_64, AUDIT_ARCH_I386))
+    # Landlock, which the agent applies under the filter, stays reachable.
+    assert first > resolve(AUDIT_ARCH_X86_64, "landlock_restrict_self") > 0
+    enosys = errno_action(errno.ENOSYS)
+    for arch in (AUDIT_ARCH_X86_64, AUDIT_ARCH_I386):
+        for nr in range(first, 1024):
+            assert run_bpf(program, nr, arch) == enosys, (nr, hex(arch))
+        named = {resolve(arch, d.syscall): d for d in seccomp.DENIED if not d.args_have and not d.arg1_except}
+        for nr in range(424, first):
+            expected = errno_action(named[nr].errno) if nr in named else ALLOW
+            assert run_bpf(program, nr, arch) == expected, (nr, hex(arch))
+        assert run_bpf(program, 1024, arch) == ALLOW
+    assert run_bpf(program, X32_SYSCALL_BIT | 463, AUDIT_ARCH_X86_64) == enosys  # x32: a foreign ABI
+    assert run_bpf(program, 463, AUDIT_ARCH_AARCH64) == enosys  # a foreign ABI
+    assert len(program) // 8 <= 4096
+
+
+@pytest.mark.parametrize("abis", [(AUDIT_ARCH_AARCH64,), (AUDIT_ARCH_X86_64, AUDIT_ARCH_I386, 0x12345678)])
+def test_unknown_syscalls_prefix_jumps_land_for_any_number_of_abis(abis: tuple[int, ...]) -> None:
+    """Invariant: the hand-written prefix refuses the range on each listed ABI only, and otherwise
+    falls through to the next instruction (here a plain "allow")."""
+    program = seccomp._unknown_syscalls_prefix(abis, 457) + struct.pack("=HBBI", 0x06, 0, 0, ALLOW)
+    enosys = errno_action(errno.ENOSYS)
+    for abi in abis:
+        for nr, expected in ((0, ALLOW), (456, ALLOW), (457, enosys), (463, enosys), (1023, enosys), (1024, ALLOW)):
+            assert run_bpf(program, nr, abi) == expected, (hex(abi), nr)
+        assert run_bpf(program, -1, abi) == ALLOW  # compared unsigned: 0xffffffff
+        assert run_bpf(program, X32_SYSCALL_BIT | 463, abi) == ALLOW
+    assert run_bpf(program, 463, AUDIT_ARCH_RISCV64) == ALLOW  # in neither list
 
 
 @pytest.mark.skipif(not IS_X86_64, reason="x32 exists only on x86_64")

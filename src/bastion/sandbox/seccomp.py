@@ -6,8 +6,9 @@ classic BPF; bubblewrap loads it (``bwrap --seccomp FD``) just before it execs t
 agent, so the agent and every command it starts run under it, and no process in
 the sandbox can remove it (seccomp(2): filters are inherited and only ever added).
 
-What it denies, with EPERM (EPERM rather than a kill: programs that probe a
-feature then degrade, and the refusal reaches the client as a plain error):
+What it denies, with EPERM unless said otherwise (EPERM rather than a kill:
+programs that probe a feature then degrade, and the refusal reaches the client as
+a plain error):
 
 - Mount API: mount(2), umount2(2), pivot_root(2), and the new mount API
   (open_tree, move_mount, fsopen, fsconfig, fsmount, fspick, mount_setattr). The
@@ -34,18 +35,53 @@ feature then degrade, and the refusal reaches the client as a plain error):
   kexec, reboot, swap, acct, setting clocks, quotas, port I/O (iopl, ioperm),
   syslog(2), file handles (open_by_handle_at(2) was the "shocker" container
   escape), vhangup, nfsservctl, uselib, lookup_dcookie.
+- Setuid and setgid files. A workspace is a host folder, so a file made setuid
+  or setgid in it stays so outside the sandbox, where anyone who can reach it
+  runs it as the server's user or group. Every syscall that takes a mode refuses
+  one with S_ISUID or S_ISGID: chmod, fchmod, fchmodat, fchmodat2, mkdir,
+  mkdirat, mknod, mknodat, creat, and open and openat when their flags create a
+  file (O_CREAT or O_TMPFILE; without them the kernel does not read the mode
+  argument, which may hold anything, so it is not checked). mkdir(2) already
+  drops both bits from its mode (a folder only inherits S_ISGID from its
+  parent); it is refused anyway, so no kernel or file system that keeps them
+  lets one through. openat2(2) fails with ENOSYS, as clone3 does: its mode sits
+  in a struct; glibc and Python do not use it, and programs that do fall back to
+  openat, checked. A program that asks for one of these modes gets EPERM, and
+  the usual tools say so and exit non-zero (``chmod u+s``, ``install -m 4755``,
+  ``mkdir -m 2775``, which then makes no folder at all, ``cp -p`` or ``tar -xpf``
+  of a setuid file, Python's shutil.copy2); every other mode, the sticky bit
+  included, works as before.
+- File capabilities: setxattr, lsetxattr and fsetxattr fail with EOPNOTSUPP,
+  for every attribute. Only ``security.capability`` matters, but the name sits
+  in memory, which a filter cannot read. EOPNOTSUPP is what a file system
+  without extended attributes answers, and what ``cp -a`` and shutil.copy2
+  ignore and ``tar --xattrs`` only warns about (``cp --preserve=xattr`` fails).
+  Reading, listing and removing attributes stay allowed.
+- Syscalls newer than the installed libseccomp, with ENOSYS, as on an older
+  kernel. libseccomp gives rules only to the syscalls its table names, so from
+  the first number its table lacks (searched from 424, where every ABI here
+  shares one numbering; 457 with Debian 12's libseccomp2 2.5.4-1+deb12u1) up to 1023, every number is
+  refused by a few hand-written instructions in front of libseccomp's program
+  (`_unknown_syscalls_prefix`: libseccomp has no range operator). That covers
+  setxattrat (463), which could set ``security.capability``, and whatever
+  mode-setting syscall the kernel adds next; the ones known to be dangerous
+  (setxattrat, open_tree_attr) are in the table too, for a libseccomp that
+  names them. Landlock's syscalls, which the
+  agent makes under the filter, must lie below that range: a libseccomp too old
+  to name them is refused.
 
 The same rules hold for the 32-bit x86 ABI (``int 0x80``) on x86_64, so a 32-bit
 syscall number cannot walk around them; any other ABI (x32, or a foreign
 architecture) gets ENOSYS for every syscall, as on a kernel built without it.
 
 What it is NOT: a boundary on its own. It is a deny-list on top of the
-namespaces and the dropped capabilities that bubblewrap and the agent set up; a
-syscall newer than the installed libseccomp cannot be named here and is allowed.
+namespaces and the dropped capabilities that bubblewrap and the agent set up.
 It does not confine file access (the mounts and Landlock do), nor the network
 (the network namespace does), nor personality(2) (left allowed: its dangerous
 flags are harmless with mmap_min_addr and no setuid binaries, and libseccomp
-cannot express "any value except these").
+cannot express "any value except these"). It does not remove a bit that is
+already there: a setuid file the host put in a workspace stays setuid, and a
+folder made inside a setgid folder inherits S_ISGID from it (mkdir(2)).
 """
 
 from __future__ import annotations
@@ -55,6 +91,8 @@ import errno
 import fcntl
 import functools
 import os
+import stat
+import struct
 from typing import Final, NamedTuple
 
 from bastion.safety.errors import Unavailable
@@ -63,13 +101,17 @@ from bastion.safety.errors import Unavailable
 # every distribution ships (Debian's libseccomp2, which systemd depends on); its
 # official Python bindings come with distributions (python3-seccomp), not as a
 # maintained wheel for 3.11, and `pyseccomp` (itself a ctypes shim) has had no
-# release since 2021. Seven C functions do not justify a dependency.
+# release since 2021. Eight C functions do not justify a dependency.
 LIBSECCOMP_SONAME: Final = "libseccomp.so.2"
 
-# Constants from libseccomp's include/seccomp.h and linux/audit.h.
+# Constants from libseccomp's include/seccomp.h and linux/audit.h. libseccomp's
+# architecture tokens (SCMP_ARCH_*) are the kernel's AUDIT_ARCH_* values.
 SCMP_ACT_ALLOW: Final = 0x7FFF0000
 SCMP_ACT_ERRNO_BASE: Final = 0x00050000
-SCMP_ARCH_X86: Final = 0x40000003
+AUDIT_ARCH_X86_64: Final = 0xC000003E
+AUDIT_ARCH_I386: Final = 0x40000003
+AUDIT_ARCH_AARCH64: Final = 0xC00000B7
+AUDIT_ARCH_RISCV64: Final = 0xC00000F3
 SCMP_FLTATR_ACT_BADARCH: Final = 2
 SCMP_CMP_MASKED_EQ: Final = 7
 NR_SCMP_ERROR: Final = -1  # seccomp_syscall_resolve_name: a name libseccomp does not know
@@ -77,26 +119,54 @@ NR_SCMP_ERROR: Final = -1  # seccomp_syscall_resolve_name: a name libseccomp doe
 SCMP_CMP_NE: Final = 1
 CLONE_NEWUSER: Final = 0x10000000
 CLONE_NEWPID: Final = 0x20000000
+# open(2) flags: the same values on x86_64, i386, aarch64 and riscv64. O_TMPFILE is
+# __O_TMPFILE | O_DIRECTORY, and O_DIRECTORY differs between them: only __O_TMPFILE is tested.
+O_CREAT: Final = 0o100
+O_TMPFILE_BIT: Final = 0o20000000
 
-# Extra ABIs that get the same rules as the native one, by the kernel's machine
-# name. Every other ABI gets ENOSYS (the filter's bad-architecture action).
-# clone(2) takes its flags as argument 0 on each of these (not on s390).
-_EXTRA_ARCHES: Final[dict[str, tuple[int, ...]]] = {
-    "x86_64": (SCMP_ARCH_X86,),
-    "aarch64": (),
-    "riscv64": (),
+# The ABIs that get the rules, by the kernel's machine name, the native one first.
+# Every other ABI gets ENOSYS (the filter's bad-architecture action). clone(2)
+# takes its flags as argument 0 on each of these (not on s390), and the mode-taking
+# syscalls take their mode and flags at the same positions on x86_64 and i386.
+_ABIS: Final[dict[str, tuple[int, ...]]] = {
+    "x86_64": (AUDIT_ARCH_X86_64, AUDIT_ARCH_I386),
+    "aarch64": (AUDIT_ARCH_AARCH64,),
+    "riscv64": (AUDIT_ARCH_RISCV64,),
 }
 
 
 class Denial(NamedTuple):
-    """One rule: `syscall` fails with `errno`; only when argument 0 has every bit of
-    `arg0_has`, if that is set; only when argument 1 is not `arg1_except`, if that is set."""
+    """One rule: `syscall` fails with `errno` when all its conditions hold (always, if it has none).
+
+    Each ``(index, mask)`` of `args_have` holds when argument `index` has every bit of
+    `mask`; `arg1_except`, if set, holds when argument 1 is anything but it.
+    libseccomp ANDs the conditions of one rule and ORs rules with the same action.
+    """
 
     syscall: str
     reason: str
     errno: int = errno.EPERM
-    arg0_has: int = 0
+    args_have: tuple[tuple[int, int], ...] = ()
     arg1_except: int = 0
+
+
+_SETID_BITS: Final = (stat.S_ISUID, stat.S_ISGID)
+
+
+def _refuse_setid_mode(syscall: str, mode_arg: int, *, flags_arg: int | None = None) -> tuple[Denial, ...]:
+    """The rules that refuse `syscall` a mode (argument `mode_arg`) with S_ISUID or S_ISGID.
+
+    One rule per bit, since a rule's conditions are ANDed. With `flags_arg` (open,
+    openat) only when the flags create a file, O_CREAT or O_TMPFILE: otherwise the
+    kernel ignores the mode argument, and a caller may leave anything in it.
+    """
+    reason = "a setuid or setgid file in a workspace keeps its bit on the host"
+    creating: tuple[tuple[tuple[int, int], ...], ...] = (
+        ((),) if flags_arg is None else (((flags_arg, O_CREAT),), ((flags_arg, O_TMPFILE_BIT),))
+    )
+    return tuple(
+        Denial(syscall, reason, args_have=(*when, (mode_arg, bit))) for when in creating for bit in _SETID_BITS
+    )
 
 
 DENIED: Final[tuple[Denial, ...]] = (
@@ -112,9 +182,11 @@ DENIED: Final[tuple[Denial, ...]] = (
     Denial("fsmount", "new mount API: creates mounts"),
     Denial("fspick", "new mount API: reconfigures mounted file systems"),
     Denial("mount_setattr", "new mount API: changes mount flags, e.g. read-only"),
+    # Named for a libseccomp that knows it (newer than 2.5.4); until then the unknown-syscall range refuses it.
+    Denial("open_tree_attr", "new mount API: clones mount trees and changes their flags"),
     # Namespaces (user_namespaces(7), setns(2)).
-    Denial("unshare", "a nested user namespace returns every capability", arg0_has=CLONE_NEWUSER),
-    Denial("clone", "a nested user namespace returns every capability", arg0_has=CLONE_NEWUSER),
+    Denial("unshare", "a nested user namespace returns every capability", args_have=((0, CLONE_NEWUSER),)),
+    Denial("clone", "a nested user namespace returns every capability", args_have=((0, CLONE_NEWUSER),)),
     Denial("clone3", "flags sit in a struct seccomp cannot read; ENOSYS makes glibc use clone", errno.ENOSYS),
     Denial("setns", "enters another namespace", arg1_except=CLONE_NEWPID),
     # Other processes (ptrace(2), process_vm_readv(2), pidfd_getfd(2)).
@@ -157,7 +229,31 @@ DENIED: Final[tuple[Denial, ...]] = (
     Denial("vhangup", "hangs up the terminal"),
     Denial("nfsservctl", "NFS server control (removed in Linux 3.1)"),
     Denial("uselib", "obsolete a.out loader"),
+    # Setuid and setgid files (chmod(2), open(2), mknod(2), mkdir(2)); the mode's position per syscall.
+    *_refuse_setid_mode("chmod", 1),
+    *_refuse_setid_mode("fchmod", 1),
+    *_refuse_setid_mode("fchmodat", 2),
+    *_refuse_setid_mode("fchmodat2", 2),
+    *_refuse_setid_mode("mkdir", 1),
+    *_refuse_setid_mode("mkdirat", 2),
+    *_refuse_setid_mode("mknod", 1),
+    *_refuse_setid_mode("mknodat", 2),
+    *_refuse_setid_mode("creat", 1),
+    *_refuse_setid_mode("open", 2, flags_arg=1),
+    *_refuse_setid_mode("openat", 3, flags_arg=2),
+    Denial("openat2", "its mode sits in a struct seccomp cannot read; ENOSYS makes libc use openat", errno.ENOSYS),
+    # File capabilities: the attribute's name is in memory, so every setxattr is refused (xattr(7)).
+    Denial("setxattr", "could set security.capability; the name is in memory", errno.EOPNOTSUPP),
+    Denial("lsetxattr", "could set security.capability; the name is in memory", errno.EOPNOTSUPP),
+    Denial("fsetxattr", "could set security.capability; the name is in memory", errno.EOPNOTSUPP),
+    # Named for a libseccomp that knows it (newer than 2.5.4); until then the unknown-syscall range refuses it.
+    Denial("setxattrat", "could set security.capability; the name is in memory", errno.EOPNOTSUPP),
 )
+
+# Syscalls the sandbox itself makes (the agent applies Landlock after the filter
+# is loaded) among the numbers the unknown-syscall range could cover: a
+# libseccomp too old to name them cannot build this filter.
+_NEEDED_NEWER_SYSCALLS: Final = ("landlock_create_ruleset", "landlock_add_rule", "landlock_restrict_self")
 
 
 class _ArgCmp(ctypes.Structure):
@@ -201,6 +297,12 @@ class _LibSeccomp:
         self._resolve = lib.seccomp_syscall_resolve_name
         self._resolve.argtypes = (ctypes.c_char_p,)
         self._resolve.restype = ctypes.c_int
+        self._resolve_num_arch = lib.seccomp_syscall_resolve_num_arch
+        self._resolve_num_arch.argtypes = (ctypes.c_uint32, ctypes.c_int)
+        self._resolve_num_arch.restype = ctypes.c_void_p  # a char * the caller frees
+        self._free = ctypes.CDLL(None).free
+        self._free.argtypes = (ctypes.c_void_p,)
+        self._free.restype = None
         self._rule_add_array = lib.seccomp_rule_add_array
         self._rule_add_array.argtypes = (
             ctypes.c_void_p,
@@ -235,6 +337,14 @@ class _LibSeccomp:
         nr: int = self._resolve(name.encode("ascii"))
         return nr
 
+    def knows(self, arch: int, nr: int) -> bool:
+        """Whether libseccomp's table names syscall `nr` of ABI `arch`."""
+        name: int | None = self._resolve_num_arch(arch, nr)
+        if not name:
+            return False
+        self._free(name)
+        return True
+
     def rule_add(self, ctx: int, action: int, nr: int, cmps: tuple[_ArgCmp, ...]) -> int:
         array = (_ArgCmp * len(cmps))(*cmps)
         rc: int = self._rule_add_array(ctx, action, nr, len(cmps), array)
@@ -258,11 +368,10 @@ def _check(rc: int, what: str) -> None:
 def _add_denial(lib: _LibSeccomp, ctx: int, denial: Denial) -> None:
     nr = lib.resolve(denial.syscall)
     if nr == NR_SCMP_ERROR:
-        # A name this libseccomp does not know: newer than its syscall table.
+        # A name this libseccomp does not know: newer than its syscall table, so in
+        # the range `_unknown_syscalls_prefix` refuses.
         return
-    cmps: tuple[_ArgCmp, ...] = ()
-    if denial.arg0_has:
-        cmps += (_ArgCmp(0, SCMP_CMP_MASKED_EQ, denial.arg0_has, denial.arg0_has),)
+    cmps = tuple(_ArgCmp(index, SCMP_CMP_MASKED_EQ, mask, mask) for index, mask in denial.args_have)
     if denial.arg1_except:
         cmps += (_ArgCmp(1, SCMP_CMP_NE, denial.arg1_except, 0),)
     rc = lib.rule_add(ctx, _errno_action(denial.errno), nr, cmps)
@@ -274,6 +383,88 @@ def _add_denial(lib: _LibSeccomp, ctx: int, denial: Denial) -> None:
     _check(rc, f"add the rule for {denial.syscall}")
 
 
+# The unknown-syscall range. From 424 on, every ABI here (x86_64, i386, aarch64,
+# riscv64) numbers syscalls alike (the kernel's unified numbering, Linux 5.1); below
+# it each has its own table with gaps (x86_64 uses none of 335-423). 1024 is below
+# every ABI-private range (x32's 0x40000000 bit, ARM's 0x0f0000).
+UNIFIED_SYSCALLS_START: Final = 424
+SYSCALL_RANGE_END: Final = 1024
+
+# Classic BPF (linux/filter.h, linux/seccomp.h, linux/bpf_common.h).
+BPF_LD_W_ABS: Final = 0x20  # A = 32-bit word at seccomp_data + k
+BPF_JEQ_K: Final = 0x15  # if A == k skip jt instructions, else skip jf
+BPF_JGE_K: Final = 0x35  # if A >= k (unsigned) skip jt, else skip jf
+BPF_RET_K: Final = 0x06  # return k
+SECCOMP_DATA_NR: Final = 0
+SECCOMP_DATA_ARCH: Final = 4
+SECCOMP_RET_ERRNO: Final = 0x00050000
+BPF_MAXINSNS: Final = 4096
+
+
+def _first_unknown_syscall(lib: _LibSeccomp, abis: tuple[int, ...]) -> int:
+    """The first number from 424 on that libseccomp's table lacks for one of `abis`.
+
+    libseccomp's tables follow the kernel's, which fills the unified numbering
+    without gaps; were there one, the prefix would refuse the syscalls above it
+    too, with ENOSYS: closed, not open.
+    """
+    nr = UNIFIED_SYSCALLS_START
+    while nr < SYSCALL_RANGE_END and all(lib.knows(abi, nr) for abi in abis):
+        nr += 1
+    return nr
+
+
+def _insn(code: int, jt: int, jf: int, k: int) -> bytes:
+    """One struct sock_filter {u16 code; u8 jt; u8 jf; u32 k}, native byte order."""
+    return struct.pack("HBBI", code, jt, jf, k)
+
+
+def _unknown_syscalls_prefix(abis: tuple[int, ...], first_unknown: int) -> bytes:
+    """Classic BPF run before libseccomp's program: ENOSYS for first_unknown <= nr < 1024 on `abis`.
+
+    Hand-written because libseccomp has no range operator: it gives rules only to
+    syscalls its table names (seccomp_rule_add refuses any other number), so a
+    syscall added to the kernel after it was built would be allowed. Every path
+    either returns ENOSYS or falls off the end into the instruction after the
+    prefix, libseccomp's first (which loads the arch itself), so the concatenation
+    is a valid program; jumps are relative and forward. Comparisons are unsigned:
+    an x32 number (0x40000000 set) or -1 is above 1024 and goes to libseccomp's
+    program, which refuses x32 as a foreign ABI. With abis = (A0, A1):
+
+        0  ld  [arch]
+        1  jeq #A0, jt 1 (to 3), jf 0 (to 2)
+        2  jeq #A1, jt 0 (to 3), jf 4 (to 7)
+        3  ld  [nr]
+        4  jge #first_unknown, jt 0 (to 5), jf 2 (to 7)
+        5  jge #1024, jt 1 (to 7), jf 0 (to 6)
+        6  ret #ERRNO(ENOSYS)
+        7  libseccomp's program
+    """
+    last = len(abis) - 1
+    load_nr = 1 + len(abis)  # where the arch tests send a listed ABI; libseccomp's program is 4 further
+    program = [_insn(BPF_LD_W_ABS, 0, 0, SECCOMP_DATA_ARCH)]
+    for i, abi in enumerate(abis):
+        here = 1 + i
+        program.append(_insn(BPF_JEQ_K, load_nr - here - 1, 0 if i < last else 4, abi))
+    program += [
+        _insn(BPF_LD_W_ABS, 0, 0, SECCOMP_DATA_NR),
+        _insn(BPF_JGE_K, 0, 2, first_unknown),
+        _insn(BPF_JGE_K, 1, 0, SYSCALL_RANGE_END),
+        _insn(BPF_RET_K, 0, 0, SECCOMP_RET_ERRNO | errno.ENOSYS),
+    ]
+    return b"".join(program)
+
+
+def _check_needed_syscalls_reachable(lib: _LibSeccomp, first_unknown: int) -> None:
+    for name in _NEEDED_NEWER_SYSCALLS:
+        nr = lib.resolve(name)
+        if not 0 <= nr < first_unknown:
+            raise Unavailable(
+                f"libseccomp's syscall table ends before {name}, which every sandbox needs (Landlock): "
+                "install libseccomp2 2.5.2 or later"
+            )
+
+
 @functools.cache  # the program is the same every time: compile it once per process
 def build_filter() -> bytes:
     """Compile the deny-list to classic BPF for ``bwrap --seccomp``.
@@ -282,17 +473,21 @@ def build_filter() -> bytes:
         The filter program: an array of struct sock_filter in native byte order.
 
     Raises:
-        Unavailable: libseccomp is missing or refused a rule, or the machine's
-            architecture is not one this filter was written for.
+        Unavailable: libseccomp is missing, too old to name Landlock's syscalls,
+            or refused a rule, or the machine's architecture is not one this
+            filter was written for.
     """
     machine = os.uname().machine
-    extra_arches = _EXTRA_ARCHES.get(machine)
-    if extra_arches is None:
+    abis = _ABIS.get(machine)
+    if abis is None:
         raise Unavailable(f"no seccomp filter for architecture {machine}: run bastion on x86_64 or aarch64")
     lib = _LibSeccomp()
+    first_unknown = _first_unknown_syscall(lib, abis)
+    _check_needed_syscalls_reachable(lib, first_unknown)
+    prefix = _unknown_syscalls_prefix(abis, first_unknown)
     ctx = lib.init(SCMP_ACT_ALLOW)
     try:
-        for arch in extra_arches:
+        for arch in abis[1:]:
             _check(lib.arch_add(ctx, arch), "add the 32-bit x86 ABI")
         _check(lib.attr_set(ctx, SCMP_FLTATR_ACT_BADARCH, _errno_action(errno.ENOSYS)), "set the foreign ABI action")
         for denial in DENIED:
@@ -301,11 +496,14 @@ def build_filter() -> bytes:
         try:
             _check(lib.export_bpf(ctx, out), "export the filter")
             size = os.lseek(out, 0, os.SEEK_END)
-            return os.pread(out, size, 0)
+            program = prefix + os.pread(out, size, 0)
         finally:
             os.close(out)
     finally:
         lib.release(ctx)
+    if len(program) // 8 > BPF_MAXINSNS:
+        raise Unavailable(f"the seccomp filter has {len(program) // 8} instructions, more than the kernel's 4096")
+    return program
 
 
 def write_filter_fd() -> int:
