@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -13,19 +14,26 @@ from bastion.app import Services, build_server, build_services
 from bastion.config import Config, load_config
 from tests.helpers import demo_config_at
 
+_mktemp = pytest.TempPathFactory.mktemp
 
-@pytest.fixture(autouse=True)
-def _passable_tmp_path(request: pytest.FixtureRequest) -> None:
-    """A root server's sandboxes run as ids of their own and must pass through the folders above
-    their state folder (o+x); pytest makes its temp folders 0700. Opened the way an administrator
-    would open /var/lib: passable, not listable."""
-    if os.geteuid() != 0 or "tmp_path" not in request.fixturenames:
-        return
-    path: Path = request.getfixturevalue("tmp_path")
-    for folder in (path, *path.parents):
-        if folder == Path("/tmp"):  # noqa: S108 - pytest's base: stop at the system's
-            break
-        folder.chmod(folder.stat().st_mode | 0o111)
+
+def _passable_mktemp(self: pytest.TempPathFactory, basename: str, numbered: bool = True) -> Path:
+    """pytest's temp folders, passable by others (o+x) when the tests run as root.
+
+    A root server's sandboxes run as ids of their own and must pass through the folders above
+    their state folder, as an administrator's /var/lib is; pytest makes its folders 0700. Every
+    temp folder (tmp_path and tmp_path_factory alike) comes from here. Passable, never listable.
+    """
+    path = _mktemp(self, basename, numbered)
+    if os.geteuid() == 0:
+        for folder in (path, *path.parents):
+            if folder == Path(tempfile.gettempdir()):
+                break
+            folder.chmod(folder.stat().st_mode | 0o111)
+    return path
+
+
+pytest.TempPathFactory.mktemp = _passable_mktemp  # type: ignore[method-assign]
 
 
 @pytest.fixture
