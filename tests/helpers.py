@@ -92,3 +92,14 @@ def processes_with(marker: str) -> list[int]:
         if marker.encode() in cmdline:
             found.append(int(pid))
     return found
+
+
+def mounts_under(folder: Path) -> list[str]:
+    """Mount points of this machine at or below `folder` (from /proc/self/mountinfo)."""
+    text = Path("/proc/self/mountinfo").read_text()
+    found = []
+    for line in text.splitlines():
+        point = line.split()[4].replace("\\040", " ")
+        if point == str(folder) or point.startswith(f"{folder}/"):
+            found.append(point)
+    return found

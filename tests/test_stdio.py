@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from contextlib import suppress
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from bastion.safety.paths import MAX_READ_BYTES
-from tests.helpers import INITIALIZE_REQUEST
+from tests.helpers import INITIALIZE_REQUEST, mounts_under
 
 BASTION = Path(sys.executable).parent / "bastion"
 INITIALIZED = {"jsonrpc": "2.0", "method": "notifications/initialized"}
@@ -149,3 +150,36 @@ def test_files_as_stdin_and_stdout_get_every_reply(demo_config_path: Path, tmp_p
         assert [r["id"] for r in replies] == [1, 2], (run, replies)
         assert replies[1]["result"]["structuredContent"]["ok"] is True
         assert done.returncode == 0, done.stderr
+
+
+def test_sigterm_closes_the_services_and_leaves_no_mount(demo_config_path: Path) -> None:
+    """Invariant: `systemctl stop` (SIGTERM) and a closed terminal (SIGHUP) end a stdio server
+    through its cleanup: with a client still connected, it exits 0 and leaves no mount (sandbox disk,
+    idmapped workspace, socket tmpfs) and no sandbox folder. Before, the signal's default action
+    ended the process on the spot."""
+    state = demo_config_path.parent / "state"
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        proc = subprocess.Popen(
+            [str(BASTION), "serve", "--config", str(demo_config_path), "--stdio"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        try:
+            assert proc.stdin is not None
+            assert proc.stdout is not None
+            proc.stdin.write(line(INITIALIZE_REQUEST))
+            proc.stdin.flush()
+            assert b'"result"' in proc.stdout.readline()  # serving, with its sandboxes and mounts up
+            proc.send_signal(signum)
+            assert proc.wait(30) == 0, proc.stderr.read() if proc.stderr else b""
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            for stream in (proc.stdin, proc.stdout, proc.stderr):
+                if stream is not None:
+                    with suppress(OSError):
+                        stream.close()
+        assert mounts_under(demo_config_path.parent) == []
+        assert not list((state / "sandboxes").glob("sb-*"))

@@ -2,16 +2,44 @@
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import os
+import signal
 import sys
+from collections.abc import Iterator
+from types import FrameType
+from typing import TYPE_CHECKING
 
 import anyio
 
 from bastion.app import build_server, build_services
 from bastion.config import Config
 from bastion.safety.errors import ConfigError
+
+if TYPE_CHECKING:
+    import uvicorn
+
+
+class Stopped(SystemExit):
+    """SIGTERM or SIGHUP arrived: unwind, so `finally` closes the services (mounts, sandboxes, audit)."""
+
+
+def _stop(signum: int, _frame: FrameType | None) -> None:
+    # The default action ends the process on the spot: every mount and sandbox disk would stay behind.
+    raise Stopped(0)
+
+
+@contextlib.contextmanager
+def stop_signals() -> Iterator[None]:
+    """While serving stdio: SIGTERM and SIGHUP (systemd stop, a closed terminal) end the server cleanly."""
+    previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def client_snippet(config_path: str) -> str:
@@ -39,7 +67,10 @@ def serve_stdio(config: Config, config_path: str) -> int:
     else:
         print(f"bastion: serving MCP over stdio from {absolute} (workspaces: {workspaces})", file=sys.stderr)
     try:
-        anyio.run(server.run_stdio_async)
+        with stop_signals():
+            anyio.run(server.run_stdio_async)
+    except Stopped:
+        pass
     finally:
         services.close()
     return 0
@@ -65,6 +96,25 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def _clean_stop_server() -> type[uvicorn.Server]:
+    import uvicorn
+
+    class CleanStopServer(uvicorn.Server):
+        """uvicorn re-raises a stop signal once it has shut down, so the signal's default action ends
+        the process before `serve_http`'s `finally` closes the services: every sandbox disk, idmapped
+        mount and tmpfs stayed mounted. This server forgets the signal instead; bastion then exits 0."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            with super().capture_signals():
+                try:
+                    yield
+                finally:
+                    self._captured_signals.clear()
+
+    return CleanStopServer
 
 
 def serve_http(config: Config, config_path: str, listen: str | None = None) -> int:
@@ -108,7 +158,7 @@ def serve_http(config: Config, config_path: str, listen: str | None = None) -> i
             ssl_keyfile=str(http.tls_key) if http.tls_key else None,
             timeout_graceful_shutdown=2,
         )
-        uvicorn.Server(uv_config).run()
+        _clean_stop_server()(uv_config).run()
     finally:
         if store is not None:
             store.close()

@@ -33,7 +33,7 @@ from bastion.safety.errors import (
     ResourceLimit,
     SandboxNotFound,
 )
-from bastion.safety.paths import MAX_READ_BYTES, Jail
+from bastion.safety.paths import MAX_READ_BYTES, MAX_SCAN_ENTRIES, Jail, privileged_file
 from bastion.safety.redact import Redactor, StreamRedactor, sanitize_terminal
 from bastion.sandbox._idmap import idmap_supported, idmapped_mount, is_mounted, unmount
 from bastion.sandbox._spawn import SANDBOX_PATH, SANDBOX_WORKSPACE, SandboxSpec
@@ -478,6 +478,7 @@ def _open_host(
     """
     if not pool.switches:
         return HostWorkspace(config, redactor, cgroups)
+    _refuse_privileged_files(config)
     info = os.stat(config.path)
     owner = (info.st_uid, info.st_gid)
     reason = idmap_supported(config.path)
@@ -503,6 +504,28 @@ def _open_host(
     except BaseException:
         pool.release(identity)
         raise
+
+
+def _refuse_privileged_files(config: WorkspaceConfig) -> None:
+    """A setuid, setgid or capability-carrying file in a root server's host workspace stops the start.
+
+    Its commands act as the folder's owner on disk: one could rewrite such a file through a
+    shared mapping, which keeps the bit (see `privileged_file`).
+
+    Raises:
+        ConfigError: one is there.
+    """
+    found, cut = privileged_file(config.path)
+    if found is not None:
+        raise ConfigError(
+            f"workspace {config.id!r}: {config.path / found} runs with privileges (setuid, setgid or file "
+            "capabilities), and a command could rewrite it keeping them: remove them (chmod u-s,g-s; "
+            "setcap -r) or move the file out of the workspace"
+        )
+    if cut:
+        logger.warning(
+            "workspace %s: over %d entries, not all checked for setuid or setgid files", config.id, MAX_SCAN_ENTRIES
+        )
 
 
 def _drop_stale_mounts(mounts: Path) -> None:

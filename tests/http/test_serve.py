@@ -25,6 +25,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from tests.helpers import mounts_under
+
 from .live import BASTION, Browser, free_port, get_tokens, live_server, pkce, serve_config, write_config
 
 
@@ -132,9 +134,11 @@ def test_builtin_tls(tmp_path: Path) -> None:
                 pass
     finally:
         process.terminate()
-        process.wait(10)
+        status = process.wait(10)
         assert process.stderr is not None
         process.stderr.close()
+    assert status == 0
+    assert mounts_under(tmp_path) == []
 
 
 def test_set_password_stores_a_hash_and_generate_prints_once(tmp_path: Path) -> None:
@@ -202,9 +206,12 @@ def test_listen_overrides_the_config(tmp_path: Path) -> None:
         assert response.status_code == 200
     finally:
         process.terminate()
-        process.wait(10)
+        status = process.wait(10)
         assert process.stderr is not None
         process.stderr.close()
+    # A clean stop (uvicorn re-raised SIGTERM, which ended the process before the services closed).
+    assert status == 0
+    assert mounts_under(tmp_path) == []
 
 
 def test_make_run_sequence_prints_the_password_once_and_how_to_connect(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ import fnmatch
 import json
 import os
 import stat
+import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -38,6 +39,7 @@ from bastion.safety.paths import (
     MAX_WRITE_BYTES,
     DirEntry,
     Jail,
+    privileged_file,
 )
 
 CORPUS_FILE = Path(__file__).resolve().parents[1] / "attacks" / "attack-corpus.json"
@@ -721,3 +723,43 @@ def test_write_read_round_trip(jail: Jail, name: str, data: bytes) -> None:
     assert result.data == data
     assert result.eof
     assert result.size == len(data)
+
+
+def test_privileged_file_finds_setuid_setgid_exec_and_capabilities_but_follows_no_link(tmp_path: Path) -> None:
+    """Invariant: the start-time scan of a host workspace names a file that runs with privileges
+    (setuid; setgid with group exec; a security.capability attribute), without following symlinks
+    or leaving the filesystem, and says when it stopped early."""
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    plain = tmp_path / "a" / "b" / "plain"
+    plain.write_bytes(b"x")
+    assert privileged_file(tmp_path) == (None, False)
+    marker = tmp_path / "a" / "b" / "marker"
+    marker.write_bytes(b"x")
+    marker.chmod(0o2644)  # setgid without group exec: a locking marker, not a privilege
+    assert privileged_file(tmp_path) == (None, False)
+    outside = tmp_path.parent / f"{tmp_path.name}-outside"
+    outside.mkdir()
+    try:
+        (outside / "suid").write_bytes(b"x")
+        (outside / "suid").chmod(0o4755)
+        (tmp_path / "link").symlink_to(outside)
+        assert privileged_file(tmp_path) == (None, False)  # the link is not followed
+    finally:
+        (outside / "suid").unlink()
+        outside.rmdir()
+    plain.chmod(0o2755)
+    assert privileged_file(tmp_path) == ("a/b/plain", False)
+    plain.chmod(0o4700)
+    assert privileged_file(tmp_path) == ("a/b/plain", False)
+    plain.chmod(0o755)
+    assert privileged_file(tmp_path, max_entries=2) == (None, True)
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="setting security.capability needs CAP_SETFCAP")
+def test_privileged_file_finds_file_capabilities(tmp_path: Path) -> None:
+    capable = tmp_path / "capable"
+    capable.write_bytes(b"x")
+    # struct vfs_cap_data, revision 2, CAP_NET_RAW (13) permitted and effective.
+    os.setxattr(capable, "security.capability", struct.pack("<IIIII", 0x02000001, 1 << 13, 0, 0, 0))
+    assert privileged_file(tmp_path) == ("capable", False)

@@ -70,6 +70,7 @@ MAX_NAME_BYTES: Final = 255
 MAX_READ_BYTES: Final = 1_048_576
 MAX_WRITE_BYTES: Final = 10_485_760
 MAX_LIST_ENTRIES: Final = 10_000
+MAX_SCAN_ENTRIES: Final = 1_000_000  # privileged_file's walk of a host workspace at start
 
 DEFAULT_SECRET_PATTERNS: Final[tuple[str, ...]] = (
     ".env",
@@ -107,6 +108,52 @@ _NEW_DIR_MODE: Final = 0o755
 # the server may be root, which keeps them, so the jail clears them itself.
 _PRIVILEGE_BITS: Final = stat.S_ISUID | stat.S_ISGID
 _CAPABILITY_XATTR: Final = "security.capability"
+
+
+def privileged_file(root: str | os.PathLike[str], *, max_entries: int = MAX_SCAN_ENTRIES) -> tuple[str | None, bool]:
+    """The first regular file beneath `root` that runs with privileges: setuid, setgid with group
+    exec, or carrying file capabilities. Never follows a symlink; stays on `root`'s filesystem.
+
+    Why: a command may write into a file it owns through a shared mapping, and Linux clears
+    these bits on write(2) but not on a write through a mapping; so a setuid-root file the host
+    left in a workspace could be given any bytes and keep its bit.
+
+    Returns:
+        (its path relative to `root`, or None; whether the walk stopped at `max_entries` first).
+    """
+    seen = 0
+    device = os.stat(root).st_dev
+    stack = [""]
+    while stack:
+        folder = stack.pop()
+        try:
+            entries = list(os.scandir(os.path.join(root, folder) if folder else root))
+        except OSError:
+            continue
+        for entry in entries:
+            seen += 1
+            if seen > max_entries:
+                return None, True
+            rel = f"{folder}/{entry.name}" if folder else entry.name
+            try:
+                info = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if stat.S_ISDIR(info.st_mode) and info.st_dev == device:
+                stack.append(rel)
+            elif stat.S_ISREG(info.st_mode) and _runs_privileged(entry.path, info.st_mode):
+                return rel, False
+    return None, False
+
+
+def _runs_privileged(path: str, mode: int) -> bool:
+    if mode & stat.S_ISUID or (mode & stat.S_ISGID and mode & stat.S_IXGRP):
+        return True
+    try:
+        os.getxattr(path, _CAPABILITY_XATTR, follow_symlinks=False)
+    except OSError:
+        return False
+    return True
 
 
 def unsafe_char(text: str) -> str | None:
