@@ -112,6 +112,16 @@ def identity_problem(config: Config) -> str | None:
             f"state_dir {config.state_dir}: {blocked} cannot be passed through by the sandboxes' ids "
             "(no o+x): run 'chmod o+x' on it or choose a state_dir elsewhere"
         )
+    for template in config.template:
+        sources = [bind.source for bind in template.read_only]
+        sources += [template.python_env] if template.python_env is not None else []
+        for source in sources:
+            blocked = unreachable_folder(source / "x")  # the folder itself must be passable too
+            if blocked is not None:
+                return (
+                    f"template {template.name!r}: {blocked} cannot be passed through by the sandboxes' ids "
+                    f"(no o+x), so {source} cannot be shown in its sandboxes: run 'chmod o+x' on it"
+                )
     return None
 
 

@@ -112,3 +112,21 @@ def test_root_server_refuses_a_range_smaller_than_what_it_may_run_at_once(tmp_pa
     path.write_text(text)
     with pytest.raises(ConfigError, match=r"host_id_range has 10 ids, fewer than .* \(18\): widen it"):
         build_services(load_config(path))
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="only a root server hands out ids of the range")
+def test_root_server_refuses_a_template_folder_its_sandboxes_ids_cannot_reach(tmp_path: Path) -> None:
+    """Invariant: a template's read-only folder that the sandboxes' own ids cannot pass through
+    stops the start with one line naming it, instead of every create_sandbox of that template
+    failing later with bubblewrap's 'Permission denied'."""
+    private = tmp_path / "private"
+    (private / "docs").mkdir(parents=True)
+    private.chmod(0o700)
+    path = demo_config_at(tmp_path / "demo")
+    path.write_text(
+        path.read_text()
+        + f'\n[[template]]\nname = "docs"\n[[template.read_only]]\nsource = "{private / "docs"}"\ndest = "/docs"\n'
+    )
+    with pytest.raises(ConfigError, match=r"template 'docs': .*private cannot be passed through"):
+        build_services(load_config(path))
