@@ -344,6 +344,9 @@ class SandboxManager:
         identity = self._held[sandbox_id] = self._identities.acquire()
         try:
             self._make_folders(root, identity, disk_bytes)
+            socket_dir = self._socket_dir(sandbox_id)
+            socket_dir.mkdir(mode=self._dir_mode)
+            os.chmod(socket_dir, self._dir_mode)
         except BaseException:
             self._discard_prepared(sandbox_id, root)
             raise
@@ -351,9 +354,6 @@ class SandboxManager:
         limits = None
         if self._cgroups is not None:
             limits = Limits(memory_bytes=ceiling.memory_bytes, pids=ceiling.pids, cpu_cores=ceiling.cpu_cores)
-        socket_dir = self._socket_dir(sandbox_id)
-        socket_dir.mkdir(mode=self._dir_mode)
-        os.chmod(socket_dir, self._dir_mode)
         spec = SandboxSpec(
             workspace=str(root / "workspace"),
             read_only_binds=(*binds, (str(socket_dir), INSIDE_DIR)),
