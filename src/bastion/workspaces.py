@@ -474,7 +474,8 @@ def _open_host(
     its commands would otherwise need root.
 
     Raises:
-        ConfigError: the folder is root's and this kernel or filesystem has no idmapped mounts.
+        ConfigError: this kernel or filesystem has no idmapped mounts and the folder is root's, or
+            is owned by an id of the range (which a sandbox could be given too).
     """
     if not pool.switches:
         return HostWorkspace(config, redactor, cgroups)
@@ -487,6 +488,12 @@ def _open_host(
             raise ConfigError(
                 f"workspace {config.id!r}: {config.path} is root's and idmapped mounts are unavailable ({reason}): "
                 "chown it to an ordinary user, whose id its commands will then run as"
+            )
+        first, count = pool.range
+        if first <= owner[0] < first + count:
+            raise ConfigError(
+                f"workspace {config.id!r}: {config.path} is owned by uid {owner[0]}, inside host_id_range, and "
+                f"idmapped mounts are unavailable ({reason}): chown it to an ordinary user"
             )
         logger.warning("workspace %s runs as its folder's owner, uid %d: %s", config.id, owner[0], reason)
         identity = HostIdentity(owner[0], owner[1], switch=True)
