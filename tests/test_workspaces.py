@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -10,6 +12,7 @@ from mcp import Client
 
 from bastion.app import build_server, build_services
 from bastion.config import load_config
+from bastion.safety.errors import ConfigError
 from bastion.sandbox._idmap import idmapped_mount, is_mounted, unmount
 from bastion.sandbox.warm import _descendants
 from bastion.workspaces import IDMAP_DIR
@@ -157,3 +160,41 @@ async def test_host_workspace_files_are_the_folder_owners_and_its_commands_are_n
     for path in (workspace / "made", workspace / "made" / "by-tool.txt"):
         info = path.stat()
         assert (info.st_uid, info.st_gid) == (12345, 12346), path
+
+
+@pytest.fixture
+def ramfs_workspace(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+    """The demo config with its workspace on a ramfs (a filesystem without idmapped mounts)."""
+    config_path = demo_config_at(tmp_path / "demo")
+    workspace = load_config(config_path).workspace[0].path
+    subprocess.run(["mount", "-t", "ramfs", "-o", "mode=0755", "bastion-test", str(workspace)], check=True)
+    try:
+        yield config_path, workspace
+    finally:
+        subprocess.run(["umount", "-l", str(workspace)], check=True)
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="ids of their own are a root server's")
+async def test_without_idmapped_mounts_a_users_folder_runs_as_that_user_and_a_roots_is_refused(
+    ramfs_workspace: tuple[Path, Path],
+) -> None:
+    """Invariant: where the filesystem has no idmapped mounts, a root server never falls back to
+    running a host workspace as root: a root-owned folder stops the start with one line, and a
+    folder of an ordinary user is worked on as that user (its files are the user's)."""
+    config_path, workspace = ramfs_workspace
+    with pytest.raises(ConfigError, match=r"is root's and idmapped mounts are unavailable .*: chown it"):
+        build_services(load_config(config_path))
+    os.chown(workspace, 12345, 12346)
+    services = build_services(load_config(config_path))
+    try:
+        async with Client(build_server(services, caller="test")) as client:
+            made = await _run(client, "mkdir made")
+            assert made["ok"], made
+            bwrap = services.registry.get(None).sandbox._proc
+            assert bwrap is not None
+            assert {_host_uid(pid) for pid in (bwrap.pid, *_descendants(bwrap.pid))} == {12345}
+    finally:
+        services.close()
+    info = (workspace / "made").stat()
+    assert (info.st_uid, info.st_gid) == (12345, 12346)

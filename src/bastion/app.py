@@ -157,27 +157,31 @@ def build_services(config: Config) -> Services:
         audit.open()
     except AuditUnavailable as exc:
         raise ConfigError(f"audit log {config.audit_path}: {exc.reason}") from None
-    try:
+    # A refusal part-way closes what was opened: a held journal lock or mount would stop the next start.
+    with contextlib.ExitStack() as undo:
+        undo.callback(audit.close)
         organizers = open_organizers(config)
-    except ConfigError:
-        audit.close()
-        raise
-    try:
+        for organizer in organizers.values():
+            undo.callback(organizer.close)
         cgroups = detect_cgroups(config)
         check_disk_quota(config)
         identities = open_identities(config)
-    except ConfigError:
-        audit.close()
-        raise
-    registry = WorkspaceRegistry(config, redactor, cgroups, identities)
-    # One event loop thread serves every sandbox's egress proxy; it starts only if sandboxes are on.
-    egress = EgressService.from_config(audit, config.sandboxes.network) if config.sandboxes.enabled else None
-    sandboxes = SandboxManager(config, redactor, cgroups, egress, identities)
-    for snapshot_id in sandboxes.recover():
-        logger.warning("a previous server left a sandbox: its workspace is snapshot %s", snapshot_id)
-    registry.sandboxes = sandboxes
-    approvals = ApprovalQueue(config.db_path, webhook_url=config.approvals.webhook_url)
-    gateways = {gateway.name: GatewayClient(gateway, redactor) for gateway in config.gateway}
+        try:
+            registry = WorkspaceRegistry(config, redactor, cgroups, identities)
+        except BastionError as exc:
+            raise ConfigError(f"workspaces: {exc.reason}") from None
+        undo.callback(registry.close)
+        # One event loop thread serves every sandbox's egress proxy; it starts only if sandboxes are on.
+        egress = EgressService.from_config(audit, config.sandboxes.network) if config.sandboxes.enabled else None
+        if egress is not None:
+            undo.callback(egress.close)
+        sandboxes = SandboxManager(config, redactor, cgroups, egress, identities)
+        for snapshot_id in sandboxes.recover():
+            logger.warning("a previous server left a sandbox: its workspace is snapshot %s", snapshot_id)
+        registry.sandboxes = sandboxes
+        approvals = ApprovalQueue(config.db_path, webhook_url=config.approvals.webhook_url)
+        gateways = {gateway.name: GatewayClient(gateway, redactor) for gateway in config.gateway}
+        undo.pop_all()
     return Services(
         config=config,
         redactor=redactor,
