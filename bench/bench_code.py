@@ -9,6 +9,7 @@ Run: .venv/bin/python bench/bench_code.py [--calls N]
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -56,6 +57,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=300)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(dir=REPO / "bench", prefix=".tmp-") as tmp:
+        os.chmod(tmp, 0o711)  # passable by the sandboxes' own ids, as a state folder's parents must be
         command_ms, code_ms = anyio.run(measure, demo(Path(tmp)), args.calls)
     ratio = code_ms / command_ms
     print(f"execute_code('1+1') p50 over stdio: {code_ms:.3f} ms; run_command('true') in the same sandbox:")

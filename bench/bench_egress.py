@@ -13,6 +13,7 @@ Run: .venv/bin/python bench/bench_egress.py [--rounds N] [--mib N]
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import socket
 import statistics
@@ -107,6 +108,7 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=50)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bastion-egress-") as tmp:
+        os.chmod(tmp, 0o711)  # passable by the sandboxes' own ids, as a state folder's parents must be
         root = Path(tmp)
         blob = root / "blob"
         with blob.open("wb") as f:

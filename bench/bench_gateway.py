@@ -15,6 +15,7 @@ Run: .venv/bin/python bench/bench_gateway.py [--calls N]
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -91,6 +92,7 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=60)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bastion-bench-gw-") as tmp:
+        os.chmod(tmp, 0o711)  # passable by the sandboxes' own ids, as a state folder's parents must be
         lab = GatewayLab.start(Path(tmp) / "lab")
         try:
             samples = anyio.run(measure, lab, args.calls)

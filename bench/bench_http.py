@@ -13,6 +13,7 @@ bench needs no browser. Run: .venv/bin/python bench/bench_http.py [--calls N]
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import socket
 import statistics
@@ -189,6 +190,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=300)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(dir=REPO / "bench", prefix=".tmp-") as tmp:
+        os.chmod(tmp, 0o711)  # passable by the sandboxes' own ids, as a state folder's parents must be
         open_root, auth_root = Path(tmp) / "open", Path(tmp) / "auth"
         with serve(open_root, auth=False) as open_base, serve(auth_root, auth=True) as auth_base:
             grants = mint_tokens(auth_root, auth_base, 1 + REFRESH_CHAINS)

@@ -17,6 +17,7 @@ Run: .venv/bin/python bench/bench_sandbox.py [--density N]
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -148,6 +149,7 @@ def main() -> None:
     args = parser.parse_args()
     ok = True
     with tempfile.TemporaryDirectory(dir=REPO / "bench", prefix=".tmp-") as tmp:
+        os.chmod(tmp, 0o711)  # passable by the sandboxes' own ids, as a state folder's parents must be
         pooled = demo(Path(tmp) / "pooled", warm_pool=1, max_sandboxes=args.density + 8)
         cold = demo(Path(tmp) / "cold", warm_pool=0, max_sandboxes=8)
         warm_ms = anyio.run(lambda: create_p50(pooled, warm=True))

@@ -8,6 +8,7 @@ Run: .venv/bin/python bench/bench_stdio.py [--calls N]
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -51,6 +52,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=300)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(dir=REPO / "bench", prefix=".tmp-") as tmp:
+        os.chmod(tmp, 0o711)  # passable by the sandboxes' own ids, as a state folder's parents must be
         demo = Path(tmp) / "demo"
         anyio.run(anyio.run_process, [str(BASTION), "init", str(demo)])
         (demo / "workspace" / "data4k.txt").write_text("x" * 4095 + "\n")
