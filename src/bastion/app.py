@@ -17,6 +17,7 @@ from bastion.safety.approvals import ApprovalQueue
 from bastion.safety.audit import AuditLog
 from bastion.safety.errors import AuditUnavailable, BastionError, ConfigError
 from bastion.safety.redact import Redactor
+from bastion.sandbox._devices import DeviceFolder
 from bastion.sandbox._disk import quota_available
 from bastion.sandbox.cgroups import CgroupLayout
 from bastion.sandbox.egress import EgressService
@@ -33,6 +34,7 @@ from bastion.tools.workbench import register_workbench
 from bastion.workspaces import WorkspaceRegistry
 
 logger = logging.getLogger("bastion.app")
+DEVICES_DIR = "dev"  # in state_dir: the sandboxes' own device nodes, on a tmpfs, while the server runs
 
 INSTRUCTIONS = (
     "bastion gives you a workbench. Every tool returns an OperationResult: ok, code, reason and detail. "
@@ -59,6 +61,10 @@ class Services:
     """Gateway name -> its SSH client (connections open on first use, close with the server's lifespan)."""
     organizers: dict[str, Organizer] = field(default_factory=dict)
     """Inbox id -> its organizer (journal recovered at start), in config order."""
+    devices: DeviceFolder | None = None
+    """The sandboxes' own device nodes (a root server's)."""
+    identities: IdentityPool | None = None
+    """The host ids handed out; closed last, once nothing runs as them."""
 
     def close(self) -> None:
         for organizer in self.organizers.values():
@@ -66,6 +72,10 @@ class Services:
         self.sandboxes.close_all()
         self.sandboxes.close_egress()
         self.registry.close()
+        if self.devices is not None:
+            self.devices.close()
+        if self.identities is not None:
+            self.identities.close()
         self.audit.close()
 
 
@@ -166,8 +176,14 @@ def build_services(config: Config) -> Services:
         cgroups = detect_cgroups(config)
         check_disk_quota(config)
         identities = open_identities(config)
+        undo.callback(identities.close)
+        devices = None
+        if identities.switches:
+            devices = DeviceFolder(config.state_dir / DEVICES_DIR)
+            devices.open()
+            undo.callback(devices.close)
         try:
-            registry = WorkspaceRegistry(config, redactor, cgroups, identities)
+            registry = WorkspaceRegistry(config, redactor, cgroups, identities, devices)
         except BastionError as exc:
             raise ConfigError(f"workspaces: {exc.reason}") from None
         undo.callback(registry.close)
@@ -175,7 +191,7 @@ def build_services(config: Config) -> Services:
         egress = EgressService.from_config(audit, config.sandboxes.network) if config.sandboxes.enabled else None
         if egress is not None:
             undo.callback(egress.close)
-        sandboxes = SandboxManager(config, redactor, cgroups, egress, identities)
+        sandboxes = SandboxManager(config, redactor, cgroups, egress, identities, devices)
         for snapshot_id in sandboxes.recover():
             logger.warning("a previous server left a sandbox: its workspace is snapshot %s", snapshot_id)
         registry.sandboxes = sandboxes
@@ -191,6 +207,8 @@ def build_services(config: Config) -> Services:
         approvals=approvals,
         gateways=gateways,
         organizers=organizers,
+        devices=devices,
+        identities=identities,
     )
 
 

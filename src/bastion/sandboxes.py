@@ -50,6 +50,7 @@ from bastion.safety.errors import (
     SandboxNotFound,
 )
 from bastion.safety.redact import Redactor
+from bastion.sandbox._devices import DeviceFolder
 from bastion.sandbox._disk import drop_disk, make_disk, mount_disk, mount_tmpfs, used_bytes
 from bastion.sandbox._spawn import SandboxSpec
 from bastion.sandbox.cgroups import CgroupLayout, Limits
@@ -163,8 +164,10 @@ class SandboxManager:
         cgroups: CgroupLayout | None,
         egress: EgressService | None = None,
         identities: IdentityPool | None = None,
+        devices: DeviceFolder | None = None,
     ) -> None:
         self._config = config.sandboxes
+        self._devices = devices
         self._identities = identities or IdentityPool(*config.sandboxes.host_ids)
         self._held: dict[str, HostIdentity] = {}  # by sandbox id, from _prepare until its folder is gone
         # A sandbox that runs as an id of its own (a root server) reaches its folders through ours:
@@ -320,6 +323,8 @@ class SandboxManager:
 
     def _discard_prepared(self, sandbox_id: str, root: Path) -> None:
         _discard(root)
+        if self._devices is not None:
+            self._devices.drop(sandbox_id)
         identity = self._held.pop(sandbox_id, None)
         if identity is not None:
             self._identities.release(identity)
@@ -347,6 +352,7 @@ class SandboxManager:
             socket_dir = self._socket_dir(sandbox_id)
             socket_dir.mkdir(mode=self._dir_mode)
             os.chmod(socket_dir, self._dir_mode)
+            devices = self._devices.make(sandbox_id) if self._devices is not None else None
         except BaseException:
             self._discard_prepared(sandbox_id, root)
             raise
@@ -357,6 +363,7 @@ class SandboxManager:
         spec = SandboxSpec(
             workspace=str(root / "workspace"),
             read_only_binds=(*binds, (str(socket_dir), INSIDE_DIR)),
+            devices=devices,
             identity=(identity.uid, identity.gid) if identity.switch else None,
         )
         warm = WarmSandbox(spec, cgroups=self._cgroups, limits=limits)

@@ -35,6 +35,7 @@ from bastion.safety.errors import (
 )
 from bastion.safety.paths import MAX_READ_BYTES, MAX_SCAN_ENTRIES, Jail, privileged_file
 from bastion.safety.redact import Redactor, StreamRedactor, sanitize_terminal
+from bastion.sandbox._devices import DeviceFolder
 from bastion.sandbox._idmap import idmap_supported, idmapped_mount, is_mounted, unmount
 from bastion.sandbox._spawn import SANDBOX_PATH, SANDBOX_WORKSPACE, SandboxSpec
 from bastion.sandbox.cgroups import CgroupLayout, Limits
@@ -173,6 +174,7 @@ class HostWorkspace:
         owner: tuple[int, int] | None = None,
         bind_source: str | None = None,
         unmount_on_close: bool = False,
+        devices: str | None = None,
     ) -> None:
         """A workspace behind a warm sandbox.
 
@@ -186,6 +188,7 @@ class HostWorkspace:
             owner: (uid, gid) the file tools give what they create: the folder's owner, or the identity.
             bind_source: what is bound at /workspace when it is not the folder itself (its idmapped mount).
             unmount_on_close: `bind_source` is a mount of the workspace's own, removed by `close`.
+            devices: a folder of device nodes of its own (`_devices`); None: the host's.
         """
         self.config = config
         self.via_sh = via_sh
@@ -207,7 +210,7 @@ class HostWorkspace:
             limits = Limits(memory_bytes=lim.memory_bytes, pids=lim.pids, cpu_cores=lim.cpu_cores)
         if sandbox is None:
             ids = None if identity is None or not identity.switch else (identity.uid, identity.gid)
-            spec = SandboxSpec(workspace=bind_source or self.jail.root, identity=ids)
+            spec = SandboxSpec(workspace=bind_source or self.jail.root, identity=ids, devices=devices)
             sandbox = WarmSandbox(spec, cgroups=cgroups, limits=limits)
         elif limits is not None:
             sandbox.set_limits(limits)
@@ -464,7 +467,12 @@ class HostWorkspace:
 
 
 def _open_host(
-    config: WorkspaceConfig, redactor: Redactor, cgroups: CgroupLayout | None, pool: IdentityPool, mounts: Path
+    config: WorkspaceConfig,
+    redactor: Redactor,
+    cgroups: CgroupLayout | None,
+    pool: IdentityPool,
+    mounts: Path,
+    device_folder: DeviceFolder | None,
 ) -> HostWorkspace:
     """A host workspace whose commands run as an id of its own and still make files that are the folder owner's.
 
@@ -480,6 +488,7 @@ def _open_host(
     if not pool.switches:
         return HostWorkspace(config, redactor, cgroups)
     _refuse_privileged_files(config)
+    devices = device_folder.make(f"ws-{config.id}") if device_folder is not None else None
     info = os.stat(config.path)
     owner = (info.st_uid, info.st_gid)
     reason = idmap_supported(config.path)
@@ -497,7 +506,7 @@ def _open_host(
             )
         logger.warning("workspace %s runs as its folder's owner, uid %d: %s", config.id, owner[0], reason)
         identity = HostIdentity(owner[0], owner[1], switch=True)
-        return HostWorkspace(config, redactor, cgroups, identity=identity, owner=owner)
+        return HostWorkspace(config, redactor, cgroups, identity=identity, owner=owner, devices=devices)
     identity = pool.acquire()
     target = mounts / config.id
     try:
@@ -506,7 +515,14 @@ def _open_host(
             unmount(target)  # a crashed server's
         idmapped_mount(config.path, target, owner=owner, identity=(identity.uid, identity.gid))
         return HostWorkspace(
-            config, redactor, cgroups, identity=identity, owner=owner, bind_source=str(target), unmount_on_close=True
+            config,
+            redactor,
+            cgroups,
+            identity=identity,
+            owner=owner,
+            bind_source=str(target),
+            unmount_on_close=True,
+            devices=devices,
         )
     except BaseException:
         pool.release(identity)
@@ -553,7 +569,12 @@ class WorkspaceRegistry:
     """Where a work tool acts: a configured host workspace, or an agent's sandbox, by id."""
 
     def __init__(
-        self, config: Config, redactor: Redactor, cgroups: CgroupLayout | None, identities: IdentityPool | None = None
+        self,
+        config: Config,
+        redactor: Redactor,
+        cgroups: CgroupLayout | None,
+        identities: IdentityPool | None = None,
+        devices: DeviceFolder | None = None,
     ) -> None:
         self._default = config.default_workspace
         pool = identities or IdentityPool(*config.sandboxes.host_ids)
@@ -566,7 +587,7 @@ class WorkspaceRegistry:
         self._workspaces: dict[str, HostWorkspace] = {}
         try:
             for ws in config.workspace:
-                self._workspaces[ws.id] = _open_host(ws, redactor, cgroups, pool, mounts)
+                self._workspaces[ws.id] = _open_host(ws, redactor, cgroups, pool, mounts, devices)
         except BaseException:
             self.close()
             raise

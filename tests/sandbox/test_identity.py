@@ -59,8 +59,8 @@ def test_an_account_or_a_subordinate_range_inside_the_range_is_named(tmp_path: P
     assert range_conflict(200_000, 10, account_files=[str(tmp_path / "missing")], subordinate_files=[]) is None
 
 
-def test_each_live_sandbox_gets_its_own_id_and_a_released_one_comes_back_last() -> None:
-    pool = IdentityPool(100_000, 3, server_uid=0, server_gid=0)
+def test_each_live_sandbox_gets_its_own_id_and_a_released_one_comes_back_last(tmp_path: Path) -> None:
+    pool = IdentityPool(100_000, 3, server_uid=0, server_gid=0, lock_dir=tmp_path / "ids")
     first, second, third = pool.acquire(), pool.acquire(), pool.acquire()
     assert [i.uid for i in (first, second, third)] == [100_000, 100_001, 100_002]
     assert all(i.uid == i.gid and i.switch for i in (first, second, third))
@@ -71,6 +71,29 @@ def test_each_live_sandbox_gets_its_own_id_and_a_released_one_comes_back_last() 
     pool.release(first)
     pool.release(third)
     assert [pool.acquire().uid, pool.acquire().uid] == [100_002, 100_000]
+    pool.close()
+    assert not (tmp_path / "ids").exists()
+
+
+def test_two_servers_sharing_a_range_never_hand_out_one_id_at_once(tmp_path: Path) -> None:
+    """Invariant: ids are held across processes (an flock per id), so a second server with the same
+    range skips the ids the first one holds, gets them once released, and a holder that ends (a
+    crash closes its fds) frees them."""
+    locks = tmp_path / "ids"
+    one = IdentityPool(100_000, 4, server_uid=0, server_gid=0, lock_dir=locks)
+    two = IdentityPool(100_000, 4, server_uid=0, server_gid=0, lock_dir=locks)
+    first, second = one.acquire(), one.acquire()
+    assert [two.acquire().uid, two.acquire().uid] == [100_002, 100_003]
+    with pytest.raises(ResourceLimit):
+        two.acquire()
+    one.release(first)
+    assert two.acquire().uid == 100_000
+    for fd in one._held.values():  # as a crash leaves them: files in place, locks gone with the fds
+        os.close(fd)
+    assert two.acquire().uid == 100_001
+    assert second.uid == 100_001
+    two.close()
+    assert not locks.exists()
 
 
 def test_an_unprivileged_server_is_itself_every_sandboxs_identity() -> None:

@@ -79,9 +79,9 @@ def drop_disk(mountpoint: Path) -> None:
             _run(["umount", "-l", str(mountpoint)])
 
 
-def mount_tmpfs(mountpoint: Path, size_bytes: int, inodes: int, mode: int) -> None:
-    """Mount a small private tmpfs (nosuid, nodev, noexec) on `mountpoint`, an existing folder."""
-    options = f"size={size_bytes},nr_inodes={inodes},mode={mode:o},nosuid,nodev,noexec"
+def mount_tmpfs(mountpoint: Path, size_bytes: int, inodes: int, mode: int, *, devices: bool = False) -> None:
+    """Mount a small private tmpfs (nosuid, noexec, and nodev unless `devices`) on `mountpoint`, an existing folder."""
+    options = f"size={size_bytes},nr_inodes={inodes},mode={mode:o},nosuid,noexec,{'dev' if devices else 'nodev'}"
     _run(["mount", "-t", "tmpfs", "-o", options, "bastion", str(mountpoint)])
 
 

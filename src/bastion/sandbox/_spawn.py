@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Final
 
 from bastion.safety.errors import Unavailable
+from bastion.sandbox._devices import DEVICES
 from bastion.sandbox.seccomp import write_filter_fd
 
 SANDBOX_WORKSPACE: Final = "/workspace"
@@ -74,6 +75,8 @@ class SandboxSpec:
     tmp_size_bytes: int = TMP_SIZE_BYTES
     cgroup_procs: tuple[str, ...] = ()
     """``cgroup.procs`` files bwrap must be inside before it starts, one per hierarchy."""
+    devices: str | None = None
+    """A folder of device nodes of the sandbox's own (`_devices`), bound over bwrap's /dev ones."""
     identity: tuple[int, int] | None = None
     """Host (uid, gid) bwrap drops to before it starts, so the sandbox's uid maps to it, not to
     the server's root (see `bastion.sandbox.identity`). None: the server's own (not root)."""
@@ -186,6 +189,10 @@ def build_bwrap_argv(
     for dest, fd in (data_fds or {}).items():
         argv += ["--ro-bind-data", str(fd), dest]
     argv += ["--proc", "/proc", "--dev", "/dev"]
+    if spec.devices is not None:
+        # Nodes of its own instead of the host's, whose times a write-access utimensat could change.
+        for name in DEVICES:
+            argv += ["--dev-bind", f"{spec.devices}/{name}", f"/dev/{name}"]
     argv += ["--size", str(spec.tmp_size_bytes), "--tmpfs", TMP_DIR]
     argv += ["--bind", spec.workspace, SANDBOX_WORKSPACE]
     for source, dest in spec.read_only_binds:

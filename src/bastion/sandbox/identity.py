@@ -8,12 +8,18 @@ checked at start to hold no user or group of the host (/etc/passwd, /etc/group) 
 overlap no subordinate range (/etc/subuid, /etc/subgid). Two sandboxes never share one while
 both live, so a bug elsewhere still leaves one sandbox unable to touch another's files.
 
+Two servers on one host (each stdio client starts its own) may share a range: an id is
+held by an flock on `/run/bastion-ids/<uid>` for as long as a sandbox uses it, so no two
+servers hand out one id at once, and a crashed server's locks go with its process.
+
 A server running as an ordinary user has no other identity to give: that user is every
 sandbox's identity, and the kernel already refuses it the host's files and /dev nodes.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import stat
 import threading
@@ -30,6 +36,7 @@ DEFAULT_HOST_ID_FIRST: Final = 0x70000000
 DEFAULT_HOST_ID_COUNT: Final = 65_536
 OVERFLOW_ID: Final = 65_534  # nobody/nogroup: what an unmapped id shows as
 MAX_ID: Final = 0xFFFFFFFE  # (uid_t)-1 means "no change" to the kernel
+LOCK_DIR: Final = Path("/run/bastion-ids")  # one lock file per id in use, shared by every server of the host
 ACCOUNT_FILES: Final = ("/etc/passwd", "/etc/group")
 SUBORDINATE_FILES: Final = ("/etc/subuid", "/etc/subgid")
 
@@ -108,15 +115,25 @@ def range_conflict(
 class IdentityPool:
     """Hands out one identity per live sandbox, from the configured range when the server is root.
 
-    Ids are taken round-robin, so a released id is the last to be handed out again.
+    Ids are taken round-robin, so a released id is the last to be handed out again; one another
+    server holds (its lock file is locked) is skipped.
     """
 
-    def __init__(self, first: int, count: int, *, server_uid: int | None = None, server_gid: int | None = None) -> None:
+    def __init__(
+        self,
+        first: int,
+        count: int,
+        *,
+        server_uid: int | None = None,
+        server_gid: int | None = None,
+        lock_dir: Path = LOCK_DIR,
+    ) -> None:
         self._first = first
         self._count = count
         self._uid = os.geteuid() if server_uid is None else server_uid
         self._gid = os.getegid() if server_gid is None else server_gid
-        self._used: set[int] = set()
+        self._lock_dir = lock_dir
+        self._held: dict[int, int] = {}  # offset -> fd of its locked file
         self._next = 0
         self._lock = threading.Lock()
 
@@ -133,28 +150,64 @@ class IdentityPool:
         """A fresh identity (the server's own when it is not root).
 
         Raises:
-            ResourceLimit: every id of the range belongs to a live sandbox.
+            ResourceLimit: every id of the range belongs to a live sandbox, of this server or another.
         """
         if not self.switches:
             return HostIdentity(self._uid, self._gid, switch=False)
         with self._lock:
+            self._lock_dir.mkdir(mode=0o700, exist_ok=True)
             for step in range(self._count):
                 offset = (self._next + step) % self._count
-                if offset not in self._used:
-                    self._used.add(offset)
+                if offset in self._held:
+                    continue
+                fd = self._take(self._first + offset)
+                if fd is not None:
+                    self._held[offset] = fd
                     self._next = (offset + 1) % self._count
                     number = self._first + offset
                     return HostIdentity(number, number, switch=True)
         raise ResourceLimit(f"all {self._count} ids of host_id_range are in use: close a sandbox or widen the range")
 
+    def _take(self, number: int) -> int | None:
+        """The locked fd of `number`'s lock file, or None if another server holds it."""
+        path = self._lock_dir / str(number)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            # A holder that released meanwhile unlinked the file we opened: ours is then no lock at all.
+            if os.fstat(fd).st_ino != os.stat(path, follow_symlinks=False).st_ino:
+                raise BlockingIOError
+        except (BlockingIOError, FileNotFoundError):
+            os.close(fd)
+            return None
+        return fd
+
     def release(self, identity: HostIdentity) -> None:
-        if identity.switch:
-            with self._lock:
-                self._used.discard(identity.uid - self._first)
+        if not identity.switch:
+            return
+        with self._lock:
+            fd = self._held.pop(identity.uid - self._first, None)
+            if fd is not None:
+                # Unlinked while still locked, so whoever opens the name next makes a new file.
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self._lock_dir / str(identity.uid))
+                os.close(fd)
 
     def in_use(self) -> int:
         with self._lock:
-            return len(self._used)
+            return len(self._held)
+
+    def close(self) -> None:
+        """Release every id (the server is ending) and remove the lock folder if no server uses it."""
+        with self._lock:
+            held, self._held = self._held, {}
+        for offset, fd in held.items():
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._lock_dir / str(self._first + offset))
+            os.close(fd)
+        if held:
+            with contextlib.suppress(OSError):
+                self._lock_dir.rmdir()
 
 
 def unreachable_folder(path: Path) -> Path | None:
