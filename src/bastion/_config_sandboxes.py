@@ -9,11 +9,12 @@ import os
 from pathlib import Path
 from typing import Annotated, Final
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from bastion._config_base import _ID_PATTERN, _checked_env, _Model
 from bastion._config_network import NetworkConfig, _checked_rules
 from bastion.safety.commands import CommandPolicyConfig
+from bastion.sandbox._devices import SCRATCH_INODES, SHM_SIZE_BYTES, TMP_SIZE_BYTES
 from bastion.sandbox.identity import DEFAULT_HOST_ID_COUNT, DEFAULT_HOST_ID_FIRST, parse_range
 
 BASTION_OPT: Final = "/opt/bastion"  # inside a sandbox: a template's python_env is bound at <this>/env
@@ -118,6 +119,13 @@ class SandboxesConfig(_Model):
     env: dict[str, str] = Field(default_factory=dict)
     """Extra environment for sandbox commands. Values are redacted from output."""
     network: NetworkConfig = NetworkConfig()
+    tmp_bytes: Annotated[int, Field(ge=1024 * 1024, le=64 * 1024**3)] = TMP_SIZE_BYTES
+    """Size of /tmp in every sandbox (host workspaces' commands run in one too): a tmpfs, so it is memory,
+    charged to the sandbox's memory limit. Writes past it fail with ENOSPC inside."""
+    shm_bytes: Annotated[int, Field(ge=1024 * 1024, le=64 * 1024**3)] = SHM_SIZE_BYTES
+    """Size of /dev/shm in every sandbox, likewise."""
+    scratch_inodes: Annotated[int, Field(ge=1024, le=10_000_000)] = SCRATCH_INODES
+    """Files and folders each of /tmp and /dev/shm may hold (a root server; bwrap alone caps size only)."""
     host_id_range: str = f"{DEFAULT_HOST_ID_FIRST}:{DEFAULT_HOST_ID_COUNT}"
     """FIRST:COUNT (as in /etc/subuid): the host uids and gids sandboxes and host workspaces run as when the
     server is root, one of its own each. Checked at start: no account or subordinate range may lie inside."""
@@ -127,6 +135,16 @@ class SandboxesConfig(_Model):
     def _check_host_id_range(cls, text: str) -> str:
         parse_range(text)
         return text
+
+    @model_validator(mode="after")
+    def _check_scratch(self) -> SandboxesConfig:
+        # tmpfs pages are the sandbox's memory: full scratch folders alone must not reach its limit.
+        if 2 * (self.tmp_bytes + self.shm_bytes) > self.limits.memory_bytes:
+            raise ValueError(
+                f"tmp_bytes + shm_bytes ({self.tmp_bytes + self.shm_bytes}) must be at most half of "
+                f"limits.memory_bytes ({self.limits.memory_bytes}): /tmp and /dev/shm are memory"
+            )
+        return self
 
     @property
     def host_ids(self) -> tuple[int, int]:

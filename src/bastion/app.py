@@ -17,7 +17,7 @@ from bastion.safety.approvals import ApprovalQueue
 from bastion.safety.audit import AuditLog
 from bastion.safety.errors import AuditUnavailable, BastionError, ConfigError
 from bastion.safety.redact import Redactor
-from bastion.sandbox._devices import DeviceFolder
+from bastion.sandbox._devices import DeviceFolder, ScratchSizes
 from bastion.sandbox._disk import quota_available
 from bastion.sandbox.cgroups import CgroupLayout
 from bastion.sandbox.egress import EgressService
@@ -153,6 +153,12 @@ def open_identities(config: Config) -> IdentityPool:
     return pool
 
 
+def scratch_sizes(config: Config) -> ScratchSizes:
+    """Caps of every sandbox's /tmp and /dev/shm (host workspaces' too)."""
+    box = config.sandboxes
+    return ScratchSizes(tmp_bytes=box.tmp_bytes, shm_bytes=box.shm_bytes, inodes=box.scratch_inodes)
+
+
 def build_services(config: Config) -> Services:
     """Open the audit log and the workspaces; refuse to start with one line if they cannot be used."""
     redactor = Redactor(extra_patterns=config.redaction.patterns, secret_values=config.secret_values())
@@ -179,7 +185,7 @@ def build_services(config: Config) -> Services:
         undo.callback(identities.close)
         devices = None
         if identities.switches:
-            devices = DeviceFolder(config.state_dir / DEVICES_DIR)
+            devices = DeviceFolder(config.state_dir / DEVICES_DIR, scratch_sizes(config))
             devices.open()
             undo.callback(devices.close)
         try:

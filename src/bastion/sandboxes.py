@@ -352,7 +352,7 @@ class SandboxManager:
             socket_dir = self._socket_dir(sandbox_id)
             socket_dir.mkdir(mode=self._dir_mode)
             os.chmod(socket_dir, self._dir_mode)
-            devices = self._devices.make(sandbox_id) if self._devices is not None else None
+            devices = self._devices.make(sandbox_id, _owner(identity)) if self._devices is not None else None
         except BaseException:
             self._discard_prepared(sandbox_id, root)
             raise
@@ -365,6 +365,8 @@ class SandboxManager:
             read_only_binds=(*binds, (str(socket_dir), INSIDE_DIR)),
             devices=devices,
             identity=(identity.uid, identity.gid) if identity.switch else None,
+            tmp_size_bytes=self._config.tmp_bytes,
+            shm_size_bytes=self._config.shm_bytes,
         )
         warm = WarmSandbox(spec, cgroups=self._cgroups, limits=limits)
         prepared = self._starting[sandbox_id] = _Prepared(sandbox_id, root, warm, identity)

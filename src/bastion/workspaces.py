@@ -87,6 +87,8 @@ class CommandOutput:
     truncated: bool
     timed_out: bool
     oom_killed: bool
+    memory_note: str = ""
+    """On an OOM kill: how much of the memory files in /tmp and /dev/shm held."""
 
 
 class OutputCleaner:
@@ -290,6 +292,7 @@ class HostWorkspace:
             truncated=outcome.truncated,
             timed_out=outcome.timed_out,
             oom_killed=outcome.oom_killed,
+            memory_note=outcome.memory_note,
         )
 
     def _clean(self, raw: bytes, *, cut: bool) -> str:
@@ -488,7 +491,6 @@ def _open_host(
     if not pool.switches:
         return HostWorkspace(config, redactor, cgroups)
     _refuse_privileged_files(config)
-    devices = device_folder.make(f"ws-{config.id}") if device_folder is not None else None
     info = os.stat(config.path)
     owner = (info.st_uid, info.st_gid)
     reason = idmap_supported(config.path)
@@ -506,10 +508,12 @@ def _open_host(
             )
         logger.warning("workspace %s runs as its folder's owner, uid %d: %s", config.id, owner[0], reason)
         identity = HostIdentity(owner[0], owner[1], switch=True)
+        devices = device_folder.make(f"ws-{config.id}", owner) if device_folder is not None else None
         return HostWorkspace(config, redactor, cgroups, identity=identity, owner=owner, devices=devices)
     identity = pool.acquire()
     target = mounts / config.id
     try:
+        devices = device_folder.make(f"ws-{config.id}", (identity.uid, identity.gid)) if device_folder else None
         target.mkdir(mode=0o700, exist_ok=True)
         if is_mounted(target):
             unmount(target)  # a crashed server's

@@ -147,6 +147,21 @@ async def test_tmp_is_size_capped(sandbox: WarmSandbox) -> None:
     assert outcome.stdout.rstrip().endswith(b"1")
 
 
+async def test_dev_shm_flood_is_enospc_at_its_size_cap_without_server_tmpfs(sandbox: WarmSandbox) -> None:
+    """Without the server's tmpfs (an unprivileged server), bwrap's own /dev/shm has a size cap too."""
+    outcome = await sh(sandbox, "head -c 80M /dev/zero > /dev/shm/big; stat -c %s /dev/shm/big")
+    assert b"No space left on device" in outcome.stderr
+    assert int(outcome.stdout) <= sandbox.spec.shm_size_bytes
+
+
+async def test_file_in_dev_shm_keeps_an_idle_sandbox_awake_without_server_tmpfs(sandbox: WarmSandbox) -> None:
+    """bwrap's own /dev/shm dies with the sandbox: a file there is state that sleep would lose."""
+    await sh(sandbox, "echo kept > /dev/shm/x")
+    assert not sandbox.sleep()
+    assert (await sh(sandbox, "cat /dev/shm/x; rm /dev/shm/x")).stdout == b"kept\n"
+    assert sandbox.sleep()
+
+
 async def test_environment_is_exactly_what_was_given(sandbox: WarmSandbox) -> None:
     outcome = await box_env(sandbox)
     names = sorted(line.split("=", 1)[0] for line in outcome.splitlines())

@@ -8,17 +8,25 @@ have). A root server therefore gives each sandbox nodes of its own: the same dev
 fresh inodes, in a small tmpfs of the server's, bound over bwrap's. What a sandbox changes on
 them is its own and goes with it. An unprivileged server cannot make device nodes: its
 sandboxes keep the host's, which every local user may touch the same way.
+
+Each sandbox's /tmp and /dev/shm are tmpfs of its own here too, with a size and an inode cap
+(bwrap's --tmpfs takes a size only, and its /dev/shm has none): filling either is ENOSPC
+inside, never the host's memory or an OOM kill of the whole sandbox. Being the server's mounts,
+they also outlive the sandbox's processes, so an idle sandbox can sleep without losing them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import stat
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from bastion.sandbox._disk import drop_disk, mount_tmpfs
+from bastion.sandbox._disk import drop_disk, mount_tmpfs, used_bytes
+from bastion.sandbox._idmap import unmount
 
 # The Linux character devices every sandbox gets (Documentation/admin-guide/devices.txt).
 DEVICES: Final[dict[str, tuple[int, int]]] = {
@@ -30,35 +38,75 @@ DEVICES: Final[dict[str, tuple[int, int]]] = {
     "tty": (5, 0),
 }
 _TMPFS_BYTES: Final = 64 * 1024  # nodes and folders only: no data
-_TMPFS_INODES: Final = 8 * 20_000  # a folder and six nodes per sandbox or host workspace, at most
+_TMPFS_INODES: Final = 10 * 20_000  # per sandbox or host workspace: a folder, six nodes, two mount points
+SCRATCH: Final = ("tmp", "shm")  # in each sandbox's folder: the mount points of its /tmp and /dev/shm
+TMP_SIZE_BYTES: Final = 64 * 1024 * 1024
+SHM_SIZE_BYTES: Final = 64 * 1024 * 1024
+SCRATCH_INODES: Final = 16_384
+
+
+@dataclass(frozen=True)
+class ScratchSizes:
+    """Caps of a sandbox's /tmp and /dev/shm: each a tmpfs of its own, so filling one is ENOSPC inside."""
+
+    tmp_bytes: int = TMP_SIZE_BYTES
+    shm_bytes: int = SHM_SIZE_BYTES
+    inodes: int = SCRATCH_INODES
+    """Files and folders in each; tmpfs inodes are kernel memory, so an empty-file flood needs a cap too."""
 
 
 class DeviceFolder:
-    """`<state_dir>/dev`: a tmpfs (nosuid, noexec, devices allowed) holding one folder of nodes per sandbox."""
+    """`<state_dir>/dev`: a tmpfs (nosuid, noexec, devices allowed) holding one folder per sandbox:
+    its device nodes, and the mount points of its /tmp and /dev/shm (`SCRATCH`), tmpfs of their own."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, sizes: ScratchSizes | None = None) -> None:
         self.path = path
+        self.sizes = sizes or ScratchSizes()
 
     def open(self) -> None:
         """Mount it, first dropping a crashed server's (whose nodes no sandbox uses any more)."""
         self.path.mkdir(mode=0o711, exist_ok=True)
         if os.path.ismount(self.path):
-            drop_disk(self.path)
+            drop_disk(self.path)  # lazily if a sandbox's /tmp is still mounted inside: the tree goes
         mount_tmpfs(self.path, _TMPFS_BYTES, _TMPFS_INODES, 0o711, devices=True)
 
-    def make(self, name: str) -> str:
-        """A folder of the six nodes for sandbox `name`; returns its path (for `SandboxSpec.devices`)."""
+    def make(self, name: str, owner: tuple[int, int] | None = None) -> str:
+        """A folder of the six nodes, /tmp and /dev/shm for sandbox `name`; returns its path
+        (for `SandboxSpec.devices`). `owner` (uid, gid): whose /tmp and /dev/shm are (the sandbox's id)."""
         folder = self.path / name
         folder.mkdir(mode=0o711)
-        for node, (major, minor) in DEVICES.items():
-            os.mknod(folder / node, stat.S_IFCHR | 0o666, os.makedev(major, minor))
-            os.chmod(folder / node, 0o666)  # noqa: S103 - as the host's; mknod's mode passes the umask
+        try:
+            for node, (major, minor) in DEVICES.items():
+                os.mknod(folder / node, stat.S_IFCHR | 0o666, os.makedev(major, minor))
+                os.chmod(folder / node, 0o666)  # noqa: S103 - as the host's; mknod's mode passes the umask
+            for scratch, size in zip(SCRATCH, (self.sizes.tmp_bytes, self.sizes.shm_bytes), strict=True):
+                (folder / scratch).mkdir(mode=0o700)
+                # Executable as bwrap's own tmpfs is (programs built in /tmp run); never setuid or devices.
+                mount_tmpfs(folder / scratch, size, self.sizes.inodes, 0o1777, executable=True, owner=owner)
+        except BaseException:
+            self.drop(name)
+            raise
         return str(folder)
 
+    def scratch_bytes(self, name: str) -> dict[str, int]:
+        """Bytes used now in the sandbox's /tmp and /dev/shm, by their path inside."""
+        used: dict[str, int] = {}
+        for scratch, inside in zip(SCRATCH, ("/tmp", "/dev/shm"), strict=True):  # noqa: S108 - paths inside
+            with contextlib.suppress(OSError):
+                used[inside] = used_bytes(self.path / name / scratch)
+        return used
+
     def drop(self, name: str) -> None:
-        """Remove a sandbox's nodes (the folder holds nodes only; rmtree never follows links here)."""
+        """Remove a sandbox's folder: unmount its /tmp and /dev/shm (their files go), then its nodes."""
+        folder = self.path / name
+        for scratch in SCRATCH:
+            unmount(folder / scratch)
         if shutil.rmtree.avoids_symlink_attacks:  # noqa: TID251 - fd-based; on our own tmpfs only
-            shutil.rmtree(self.path / name, ignore_errors=True)  # noqa: TID251 - see above
+            shutil.rmtree(folder, ignore_errors=True)  # noqa: TID251 - see above
 
     def close(self) -> None:
+        with contextlib.suppress(OSError):
+            for name in os.listdir(self.path):
+                for scratch in SCRATCH:
+                    unmount(self.path / name / scratch)
         drop_disk(self.path)

@@ -8,6 +8,7 @@ mkfs 13 ms + mount 8 ms, paid in the warm pool, not by create_sandbox.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import subprocess  # noqa: TID251 - this is a dangerous-layer module: mkfs and mount
@@ -30,6 +31,13 @@ _MKFS_OPTIONS: Final = (
 )
 _MOUNT_OPTIONS: Final = "loop,nosuid,nodev,noatime"
 _TIMEOUT_S: Final = 30
+_MS_NOSUID: Final = 2
+_MS_NODEV: Final = 4
+_MS_NOEXEC: Final = 8
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mount.argtypes = (ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p)
+_libc.mount.restype = ctypes.c_int
 
 
 def quota_available() -> str | None:
@@ -79,10 +87,29 @@ def drop_disk(mountpoint: Path) -> None:
             _run(["umount", "-l", str(mountpoint)])
 
 
-def mount_tmpfs(mountpoint: Path, size_bytes: int, inodes: int, mode: int, *, devices: bool = False) -> None:
-    """Mount a small private tmpfs (nosuid, noexec, and nodev unless `devices`) on `mountpoint`, an existing folder."""
-    options = f"size={size_bytes},nr_inodes={inodes},mode={mode:o},nosuid,noexec,{'dev' if devices else 'nodev'}"
-    _run(["mount", "-t", "tmpfs", "-o", options, "bastion", str(mountpoint)])
+def mount_tmpfs(
+    mountpoint: Path,
+    size_bytes: int,
+    inodes: int,
+    mode: int,
+    *,
+    devices: bool = False,
+    executable: bool = False,
+    owner: tuple[int, int] | None = None,
+) -> None:
+    """Mount a small private tmpfs on `mountpoint`, an existing folder: nosuid always, noexec unless
+    `executable`, nodev unless `devices`; its root `mode`, owned by `owner` (uid, gid) or root.
+
+    mount(2) directly, not mount(8): a sandbox's /tmp and /dev/shm are two of these per start,
+    and a process per mount would be most of a cold create_sandbox.
+    """
+    options = f"size={size_bytes},nr_inodes={inodes},mode={mode:o}"
+    if owner is not None:
+        options += f",uid={owner[0]},gid={owner[1]}"
+    flags = _MS_NOSUID | (0 if devices else _MS_NODEV) | (0 if executable else _MS_NOEXEC)
+    if _libc.mount(b"bastion", os.fsencode(mountpoint), b"tmpfs", flags, options.encode()) != 0:
+        err = ctypes.get_errno()
+        raise Unavailable(f"cannot mount a tmpfs on {mountpoint}: {os.strerror(err)}")
 
 
 def used_bytes(mountpoint: Path) -> int:

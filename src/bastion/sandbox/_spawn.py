@@ -20,17 +20,17 @@ from pathlib import Path
 from typing import Final
 
 from bastion.safety.errors import Unavailable
-from bastion.sandbox._devices import DEVICES
+from bastion.sandbox._devices import DEVICES, SCRATCH, SHM_SIZE_BYTES, TMP_SIZE_BYTES
 from bastion.sandbox.seccomp import write_filter_fd
 
 SANDBOX_WORKSPACE: Final = "/workspace"
 SANDBOX_PATH: Final = "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin"
-TMP_SIZE_BYTES: Final = 64 * 1024 * 1024
 # The agent runs inside with no site-packages: Landlock's code travels with it, in front.
 AGENT_SOURCE: Final = "\n\n".join(
     (Path(__file__).parent / name).read_text(encoding="utf-8") for name in ("landlock.py", "_agent.py")
 )
 TMP_DIR: Final = "/tmp"  # noqa: S108 - the sandbox's own tmpfs
+SHM_DIR: Final = "/dev/shm"  # noqa: S108 - the sandbox's own tmpfs
 # Who commands are inside: an ordinary uid, mapped outside to the sandbox's host identity
 # (an id of its own from host_id_range when the server is root; else the server's). The host's
 # own /etc/passwd and /etc/group are not shown (they name the host's users); these are.
@@ -73,10 +73,13 @@ class SandboxSpec:
     workspace: str
     read_only_binds: tuple[tuple[str, str], ...] = ()
     tmp_size_bytes: int = TMP_SIZE_BYTES
+    shm_size_bytes: int = SHM_SIZE_BYTES
+    """Sizes of bwrap's own /tmp and /dev/shm, when `devices` is None (else they are its tmpfs of its own)."""
     cgroup_procs: tuple[str, ...] = ()
     """``cgroup.procs`` files bwrap must be inside before it starts, one per hierarchy."""
     devices: str | None = None
-    """A folder of device nodes of the sandbox's own (`_devices`), bound over bwrap's /dev ones."""
+    """A folder of device nodes of the sandbox's own (`_devices`), bound over bwrap's /dev ones, with
+    the tmpfs of its own bound at /tmp and /dev/shm."""
     identity: tuple[int, int] | None = None
     """Host (uid, gid) bwrap drops to before it starts, so the sandbox's uid maps to it, not to
     the server's root (see `bastion.sandbox.identity`). None: the server's own (not root)."""
@@ -193,7 +196,13 @@ def build_bwrap_argv(
         # Nodes of its own instead of the host's, whose times a write-access utimensat could change.
         for name in DEVICES:
             argv += ["--dev-bind", f"{spec.devices}/{name}", f"/dev/{name}"]
-    argv += ["--size", str(spec.tmp_size_bytes), "--tmpfs", TMP_DIR]
+        # Caps on size and inodes, and they outlive the agent (an idle sandbox sleeps without losing them).
+        for name, inside in zip(SCRATCH, (TMP_DIR, SHM_DIR), strict=True):
+            argv += ["--bind", f"{spec.devices}/{name}", inside]
+    else:
+        # A size cap only (bwrap has no inode option), and without it /dev/shm would have none.
+        argv += ["--size", str(spec.tmp_size_bytes), "--tmpfs", TMP_DIR]
+        argv += ["--size", str(spec.shm_size_bytes), "--tmpfs", SHM_DIR]
     argv += ["--bind", spec.workspace, SANDBOX_WORKSPACE]
     for source, dest in spec.read_only_binds:
         argv += ["--ro-bind", source, dest]

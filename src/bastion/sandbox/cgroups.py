@@ -330,6 +330,10 @@ class SandboxCgroup:
         name = "memory.events" if r.memory.version == 2 else "memory.oom_control"
         return _keyed(_read(self._file(r.memory, name))).get("oom_kill", 0)
 
+    def shmem_bytes(self) -> int:
+        """Memory of the group held by files in tmpfs (its /tmp and /dev/shm) and shared memory."""
+        return _keyed(_read(self._file(self._roles.memory, "memory.stat"))).get("shmem", 0)
+
     def pids(self) -> list[int]:
         """Every process in the group, in any hierarchy."""
         found: set[int] = set()

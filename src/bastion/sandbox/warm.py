@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from bastion.safety.errors import BastionError, Conflict, Unavailable
+from bastion.safety.errors import BastionError, Conflict, ResourceLimit, Unavailable
 from bastion.sandbox._spawn import SandboxSpec, start_sandbox
 from bastion.sandbox.cgroups import CgroupLayout, Limits, SandboxCgroup, Usage
 from bastion.sandbox.processes import BackgroundProcess, PipeCapture, RingCapture
@@ -52,19 +52,26 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
-def _tmp_is_empty(proc: subprocess.Popen[bytes] | None) -> bool:
-    """Whether the sandbox's /tmp (a tmpfs in its mount namespace) holds nothing."""
+def _scratch_is_empty(proc: subprocess.Popen[bytes] | None) -> bool:
+    """Whether bwrap's own /tmp and /dev/shm (tmpfs in the sandbox's mount namespace) hold nothing."""
     if proc is None:
         return True
     inner = _descendants(proc.pid)
     if not inner:
         return False
     # The deepest process is inside the sandbox's mount namespace; /proc/PID/root is its root.
-    try:
-        with os.scandir(f"/proc/{inner[-1]}/root/tmp") as entries:
-            return next(entries, None) is None
-    except OSError:
-        return False
+    for folder in ("tmp", "dev/shm"):
+        try:
+            with os.scandir(f"/proc/{inner[-1]}/root/{folder}") as entries:
+                if next(entries, None) is not None:
+                    return False
+        except OSError:
+            return False
+    return True
+
+
+def _mib(count: int) -> str:
+    return f"{count / 2**20:.0f} MiB"
 
 
 @dataclass(frozen=True)
@@ -79,6 +86,7 @@ class RunOutcome:
     timed_out: bool
     cancelled: bool = False
     oom_killed: bool = False
+    memory_note: str = ""
 
     @property
     def truncated(self) -> bool:
@@ -231,9 +239,10 @@ class WarmSandbox:
                 asyncio.get_running_loop().remove_reader(self._sock.fileno())
             self._sock.close()
             self._sock = None
+        ended = self._ending()
         for waiter in self._waiters.values():
             if not waiter.done():
-                waiter.set_exception(Unavailable("the sandbox ended while a command was running"))
+                waiter.set_exception(ended())
         self._waiters.clear()
         while self._background:
             # Its processes die with the sandbox; their pipes are closed here, their output stays readable.
@@ -247,17 +256,48 @@ class WarmSandbox:
         self._paused = False
         self._drop_group()
 
+    def _ending(self) -> Callable[[], BastionError]:
+        """The error for commands cut off by the agent's end: an OOM kill names what held the memory."""
+        note = self.memory_note() if self._oom_killed_any() else ""
+        if not note:
+            return lambda: Unavailable("the sandbox ended while a command was running")
+        kept = "/workspace, /tmp and /dev/shm keep" if self.spec.devices is not None else "/workspace keeps"
+        reason = (
+            f"the sandbox ran out of memory and the kernel ended it ({note}): its processes are gone, "
+            f"{kept} their files, and the next command starts it again"
+        )
+        return lambda: ResourceLimit(reason)
+
+    def _oom_killed_any(self) -> bool:
+        try:
+            return self.oom_kills() > 0
+        except (OSError, BastionError):
+            return False
+
+    def memory_note(self) -> str:
+        """How much of the sandbox's memory files in /tmp and /dev/shm hold, for an OOM kill's message."""
+        if self._group is None:
+            return ""
+        try:
+            shmem = self._group.shmem_bytes()
+        except (OSError, BastionError):
+            return "memory limit reached"
+        limit = self._limits.memory_bytes if self._limits is not None else None
+        of = f" of its {_mib(limit)} limit" if limit else ""
+        return f"files in /tmp and /dev/shm and shared memory held {_mib(shmem)}{of}"
+
     @property
     def asleep(self) -> bool:
         return self._asleep and not self.alive
 
     def sleep(self) -> bool:
         """Stop an idle sandbox that holds nothing but files: no command or background process
-        running and an empty /tmp (its tmpfs would be lost). Its processes, cgroup and memory go;
-        the next command starts it again (tens of ms). Returns whether it went to sleep."""
+        running, and /tmp and /dev/shm empty unless they are the server's tmpfs (bwrap's own
+        would be lost). Its processes, cgroup and memory go; the next command starts it again
+        (tens of ms). Returns whether it went to sleep."""
         if not self.alive or self._paused or self._waiters or self._background:
             return False
-        if not _tmp_is_empty(self._proc):
+        if self.spec.devices is None and not _scratch_is_empty(self._proc):
             return False
         self.close()
         self._asleep = True
@@ -321,8 +361,9 @@ class WarmSandbox:
                 out.close()
                 err.close()
         oom_killed = self._group is not None and self.oom_kills() > ooms_before
+        note = self.memory_note() if oom_killed else ""
         return RunOutcome(
-            status, bytes(out.data), bytes(err.data), out.total, err.total, timed_out, cancelled, oom_killed
+            status, bytes(out.data), bytes(err.data), out.total, err.total, timed_out, cancelled, oom_killed, note
         )
 
     async def _hand_off(self, request: Mapping[str, object], fds: list[int], waiter: asyncio.Future[int] | None) -> int:

@@ -37,15 +37,18 @@ def command_result(action: str, out: CommandOutput, extra: dict[str, object]) ->
         "truncated": out.truncated,
     }
     if out.oom_killed:
-        return OperationResult.failure(
-            action, ResultCode.RESOURCE_LIMIT, "the command ran out of memory and was killed", detail
-        )
+        return OperationResult.failure(action, ResultCode.RESOURCE_LIMIT, _oom_reason(out), detail)
     if out.timed_out:
         return OperationResult.failure(
             action, ResultCode.TIMEOUT, "the command hit its time limit and was killed", detail
         )
     code = ResultCode.OUTPUT_TRUNCATED if out.truncated else ResultCode.OK
     return OperationResult.success(action, detail, code=code)
+
+
+def _oom_reason(out: CommandOutput) -> str:
+    note = f" ({out.memory_note})" if out.memory_note else ""
+    return f"the command ran out of memory and was killed{note}"
 
 
 def register_workbench(server: BastionServer, registry: WorkspaceRegistry, runner: CallRunner) -> None:
