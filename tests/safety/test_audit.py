@@ -512,3 +512,117 @@ def test_alone_append_async_writes_inline_and_chains(
     loop_thread = anyio.run(main)
     assert threads == {loop_thread}
     assert verify(log_path) == audit_mod.VerifyReport(True, 5)
+
+
+# --- the live file moved under the writer (issue 13, finding 4) -----------------------------
+
+
+def _audit_errors(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "bastion.audit" and r.levelno >= logging.ERROR]
+
+
+def test_audit_file_unlinked_under_the_writer_fails_closed(
+    log: AuditLog, log_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Invariant: after an unlink of the live file no append succeeds, none reaches the deleted
+    inode, no new file appears at the path, and one error line (not one per record) says so."""
+    _write(log, 2)
+    assert log._fd is not None
+    proc_path = Path(f"/proc/self/fd/{log._fd}")
+    log_path.unlink()
+    with caplog.at_level(logging.ERROR, logger="bastion.audit"):
+        for _ in range(3):
+            with pytest.raises(AuditUnavailable, match=r"was deleted or renamed while the server ran: .*restart"):
+                log.append({"command": "touch x"})
+    held = proc_path.read_bytes()
+    assert len(held.splitlines()) == 2
+    assert not log_path.exists()
+    (errors,) = _audit_errors(caplog)
+    assert "was deleted or renamed" in errors
+
+
+def test_audit_file_renamed_under_group_commit_fails_every_waiter(
+    log: AuditLog, log_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Invariant: records of concurrent writers (group commit, one check per batch) are all refused
+    once the live file is renamed: none lands in the renamed file, which still verifies; putting
+    it back lets records through again, chained to the last one written."""
+    _write(log, 3)
+    moved = log_path.with_name("moved.jsonl")
+    log_path.rename(moved)
+    outcomes: list[object] = []
+
+    async def writer(w: int) -> None:
+        for i in range(20):
+            try:
+                outcomes.append(await log.append_async({"writer": w, "i": i}))
+            except AuditUnavailable as exc:
+                outcomes.append(exc)
+
+    async def main() -> None:
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                for w in range(8):
+                    tg.start_soon(writer, w)
+
+    with caplog.at_level(logging.ERROR, logger="bastion.audit"):
+        anyio.run(main)
+    assert len(outcomes) == 160
+    assert all(isinstance(o, AuditUnavailable) for o in outcomes)
+    assert verify(moved) == audit_mod.VerifyReport(True, 3)
+    assert len(_audit_errors(caplog)) == 1
+    moved.rename(log_path)
+    _write(log, 2)
+    assert verify(log_path) == audit_mod.VerifyReport(True, 5)
+
+
+def test_audit_symlink_swapped_in_under_the_writer_fails_closed(
+    log: AuditLog, log_path: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Invariant: a symlink put where the live file was is refused at the next append (not at
+    rotation), nothing is written through it, and the error line names the symlink."""
+    _write(log, 1)
+    aside = tmp_path / "aside.jsonl"
+    target = tmp_path / "target"
+    target.write_bytes(b"")
+    log_path.rename(aside)
+    log_path.symlink_to(target)
+    with (
+        caplog.at_level(logging.ERROR, logger="bastion.audit"),
+        pytest.raises(AuditUnavailable, match="was replaced by a symlink"),
+    ):
+        log.append({"command": "x"})
+    assert target.read_bytes() == b""
+    assert verify(aside) == audit_mod.VerifyReport(True, 1)
+    assert "replaced by a symlink" in _audit_errors(caplog)[0]
+
+
+def test_audit_file_given_a_second_link_under_the_writer_fails_closed(log: AuditLog, log_path: Path) -> None:
+    """Invariant: the checks made at open (one link, our owner, mode) hold at every append too:
+    a hard link made to the live file (a copy the writer would keep feeding) stops the records."""
+    _write(log, 1)
+    os.link(log_path, log_path.with_name("copy.jsonl"))
+    with pytest.raises(AuditUnavailable, match="has 2 hard links"):
+        log.append({"command": "x"})
+    os.unlink(log_path.with_name("copy.jsonl"))
+    _write(log, 1)
+    assert verify(log_path) == audit_mod.VerifyReport(True, 2)
+
+
+def test_audit_end_record_failure_says_the_operation_ran(log: AuditLog, log_path: Path) -> None:
+    """Invariant: a record written after acting (``ran=True``) that fails says the operation ran
+    and its end record is missing, never "nothing was done"; before acting, it says nothing was done."""
+    _write(log, 1)
+    log_path.unlink()
+    with pytest.raises(AuditUnavailable) as before:
+        log.append({"event": "start"})
+    with pytest.raises(AuditUnavailable) as after:
+        log.append({"event": "end"}, ran=True)
+    with pytest.raises(AuditUnavailable) as after_async:
+        anyio.run(lambda: log.append_async({"event": "end"}, ran=True))
+    assert before.value.reason.endswith("; nothing was done")
+    for caught in (after, after_async):
+        reason = caught.value.reason
+        assert reason.startswith("the operation ran, but its end record could not be written (audit log unavailable: ")
+        assert reason.endswith("); the audit log is unavailable until that is fixed")
+        assert "nothing was done" not in reason

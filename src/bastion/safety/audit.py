@@ -8,6 +8,11 @@ What it guarantees:
     * Each record is on disk (fdatasync) before `AuditLog.append` returns. Any write or
       sync error raises `AuditUnavailable` and the caller must not act (fail-closed); a
       partly written line is truncated away, or the log refuses every later record.
+    * Before each write (one per group commit) the open file is checked to still be the
+      configured path: same device and inode as an ``lstat`` of the path, a regular file,
+      ours, one link. A log deleted, renamed, or replaced by another file or a symlink
+      while the server runs refuses every record (and logs one error line) until the
+      original is back or the server restarts; no record goes to the moved file.
     * `verify` detects an edited, deleted, inserted or reordered record, a torn line,
       and a missing rotated file.
 
@@ -17,6 +22,8 @@ What it does not guarantee:
       this host, would catch that (future work). The last record is only protected once
       a successor links to it.
     * Redaction is best-effort (see `bastion.safety.redact`).
+    * The path check is point-in-time: a rename racing the write itself can still take
+      that one batch with it.
 """
 
 from __future__ import annotations
@@ -53,6 +60,7 @@ CHAIN_FIELDS: Final = frozenset({"id", "seq", "ts", "prev"})
 
 _OPEN_FLAGS: Final = os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
 _TAIL_READ_BYTES: Final = 64 * 1024
+NOTHING_DONE: Final = "nothing was done"
 
 _log = logging.getLogger("bastion.audit")
 
@@ -82,6 +90,7 @@ class _AsyncPending:
     event: anyio.Event = field(default_factory=anyio.Event)
     pending: _Pending | None = None
     exc: Exception | None = None
+    cause: str | None = None
     finished: bool = False
     lead: bool = False
 
@@ -120,6 +129,8 @@ class AuditLog:
         # Async group commit: one event loop's waiters, and whether one of them is leading.
         self._async_queue: list[_AsyncPending] = []
         self._async_leading = False
+        # The last "the file is not the configured path" problem logged, so a flood of refused calls logs it once.
+        self._stale: str | None = None
 
     @property
     def path(self) -> Path:
@@ -152,11 +163,16 @@ class AuditLog:
             self._close_fd()
             self._broken = "audit log is not open"
 
-    def append(self, record: Mapping[str, object]) -> str:
+    def append(self, record: Mapping[str, object], *, ran: bool = False) -> str:
         """Write one record durably and return its id.
 
         String values are redacted and capped at `MAX_ARG_CHARS`; values of keys naming a
         secret (``password``, ``*_TOKEN``...) are replaced whole.
+
+        Args:
+            record: the fields to write; the chain fields are added here.
+            ran: the record follows an operation that already ran (an ``end`` record): a
+                failure then says so, instead of "nothing was done".
 
         Raises:
             AuditUnavailable: the record is not on disk; the caller must not act.
@@ -164,10 +180,10 @@ class AuditLog:
         """
         pending = self._prepare(record)
         self._commit([pending])
-        return self._result(pending)
+        return self._result(pending, ran=ran)
 
-    async def append_async(self, record: Mapping[str, object], *, alone: bool = False) -> str:
-        """`append` off the event loop, with group commit.
+    async def append_async(self, record: Mapping[str, object], *, alone: bool = False, ran: bool = False) -> str:
+        """`append` off the event loop, with group commit (``ran`` as for `append`).
 
         With ``alone=True`` (the caller knows no other call is in flight) and no batch
         being written, the record is written inline: there is nothing to group it with,
@@ -178,7 +194,7 @@ class AuditLog:
         Use one event loop per `AuditLog`. A cancelled caller's record may still be written.
         """
         if alone and not self._async_leading:
-            return self.append(record)
+            return self.append(record, ran=ran)
         waiter = _AsyncPending(record)
         self._async_queue.append(waiter)
         if not self._async_leading:
@@ -196,8 +212,10 @@ class AuditLog:
             raise
         if waiter.exc is not None:
             raise waiter.exc
+        if waiter.cause is not None:
+            raise AuditUnavailable(_failure(waiter.cause, ran=ran))
         assert waiter.pending is not None
-        return self._result(waiter.pending)
+        return self._result(waiter.pending, ran=ran)
 
     async def _lead_async(self) -> None:
         batch, self._async_queue = self._async_queue, []
@@ -206,7 +224,7 @@ class AuditLog:
         finally:
             for waiter in batch:
                 if waiter.pending is None and waiter.exc is None:
-                    waiter.exc = AuditUnavailable("audit log unavailable: the write was interrupted; nothing was done")
+                    waiter.cause = "audit log unavailable: the write was interrupted"
                 waiter.finished = True
                 waiter.event.set()
             self._pass_lead(exclude=None)
@@ -236,11 +254,11 @@ class AuditLog:
             raise ValueError(f"audit record uses reserved keys {sorted(reserved)}: rename them")
         return _Pending({self._clean_key(k): self._clean(k, v, 0) for k, v in record.items()})
 
-    def _result(self, pending: _Pending) -> str:
+    def _result(self, pending: _Pending, *, ran: bool) -> str:
         if pending.error is None:
             return pending.id
         if self._fail_closed:
-            raise AuditUnavailable(pending.error)
+            raise AuditUnavailable(_failure(pending.error, ran=ran))
         _log.warning("%s (fail_closed is off: continuing)", pending.error)
         return pending.id
 
@@ -293,7 +311,7 @@ class AuditLog:
                 # Never leave a waiter without an answer.
                 self._broken = f"audit log broken: {exc}"
                 _log.exception("audit log write failed")
-                _finish([p for p in batch if not p.done], f"{self._broken}; nothing was done")
+                _finish([p for p in batch if not p.done], self._broken)
             finally:
                 with self._cond:
                     self._writing = False
@@ -303,7 +321,11 @@ class AuditLog:
         todo = batch
         while todo:
             if self._broken is not None or self._fd is None:
-                _finish(todo, f"{self._broken or 'audit log is not open'}; nothing was done")
+                _finish(todo, self._broken or "audit log is not open")
+                return
+            moved = self._moved(self._fd)
+            if moved is not None:
+                _finish(todo, moved)
                 return
             lines: list[bytes] = []
             prev, seq, size = self._prev, self._seq, 0
@@ -342,7 +364,7 @@ class AuditLog:
                 view = view[n:]
             os.fdatasync(fd)
         except OSError as exc:
-            message = f"audit log unavailable: {exc.strerror or exc}; nothing was done"
+            message = f"audit log unavailable: {exc.strerror or exc}"
             self._undo(fd)
             return message
         return None
@@ -356,6 +378,24 @@ class AuditLog:
         except OSError as exc:
             self._broken = f"audit log broken: a partial record could not be removed ({exc.strerror or exc})"
             _log.error("%s: reopen after repairing %s", self._broken, self._path)
+
+    def _moved(self, fd: int) -> str | None:
+        """Why the open file is no longer the configured path (deleted, renamed, replaced), or None.
+
+        Logs the problem once (until it changes), with where the records written so far are.
+        """
+        problem = _path_problem(self._path, os.fstat(fd))
+        if problem is not None and problem != self._stale:
+            _log.error(
+                "%s; records are refused until then (those written so far stay readable at /proc/%d/fd/%d)",
+                problem,
+                os.getpid(),
+                fd,
+            )
+        elif problem is None and self._stale is not None:
+            _log.warning("audit log %s is the open file again: records are accepted", self._path)
+        self._stale = problem
+        return problem
 
     def _rotate(self) -> None:
         fd = self._fd
@@ -377,6 +417,33 @@ class AuditLog:
         if self._fd is not None:
             fd, self._fd = self._fd, None
             os.close(fd)
+
+
+def _failure(cause: str, *, ran: bool) -> str:
+    """The one line a caller gets when its record is not on disk."""
+    if ran:
+        return (
+            f"the operation ran, but its end record could not be written ({cause}); "
+            "the audit log is unavailable until that is fixed"
+        )
+    return f"{cause}; {NOTHING_DONE}"
+
+
+def _path_problem(path: Path, st: os.stat_result) -> str | None:
+    """Why the open file (``st``, its fstat) is not, or no longer, a safe log at `path`; or None."""
+    fix = "put the original file back or restart the server"
+    try:
+        lst = os.lstat(path)
+    except FileNotFoundError:
+        return f"audit log unavailable: {path} was deleted or renamed while the server ran: {fix}"
+    except OSError as exc:
+        return f"audit log unavailable: {path} cannot be examined ({exc.strerror or exc}): {fix}"
+    if stat.S_ISLNK(lst.st_mode):
+        return f"audit log unavailable: {path} was replaced by a symlink while the server ran: {fix}"
+    if (lst.st_dev, lst.st_ino) != (st.st_dev, st.st_ino):
+        return f"audit log unavailable: {path} was replaced by another file while the server ran: {fix}"
+    problem = file_problem(path, st)
+    return None if problem is None else f"audit log unavailable: {problem}"
 
 
 def _finish(pendings: list[_Pending], error: str | None) -> None:

@@ -2,8 +2,10 @@
 
 Order (ARCHITECTURE principle 5): a mutating call first writes a `start` record
 and does not run if it cannot (fail-closed); then the operation; then an `end`
-record with the result code, before the result is returned. A read-only call
-writes only the `end` record, and its answer is withheld if that write fails.
+record with the result code, before the result is returned. If that end record
+cannot be written, a mutating call answers AUDIT_UNAVAILABLE saying that the
+operation ran and its end record is missing. A read-only call writes only the
+`end` record, and its answer is withheld if that write fails.
 Any exception that is not a `BastionError` becomes INTERNAL_ERROR with an
 incident id: the traceback goes to the server log, never to the client.
 """
@@ -39,9 +41,9 @@ class CallRunner:
         token = get_access_token()
         return f"{self.caller}:{token.client_id}" if token is not None else self.caller
 
-    async def _record(self, record: Mapping[str, object]) -> str:
+    async def _record(self, record: Mapping[str, object], *, ran: bool = False) -> str:
         # Alone, the record is written inline; with company, group commit shares the fdatasync.
-        return await self.audit.append_async(record, alone=self._in_flight == 1)
+        return await self.audit.append_async(record, alone=self._in_flight == 1, ran=ran)
 
     async def run(
         self,
@@ -93,10 +95,10 @@ class CallRunner:
         if internal:
             end["internal"] = internal
         try:
-            audit_id = await self._record(end)
+            # A mutating call has acted by now: a failure must say so, never "nothing was done".
+            audit_id = await self._record(end, ran=mutating)
         except AuditUnavailable as exc:
-            reason = exc.reason if not mutating else f"{exc.reason} (the operation ran, its record is missing)"
-            return self._finish(OperationResult.failure(action, exc.code, reason), started, None)
+            return self._finish(OperationResult.failure(action, exc.code, exc.reason), started, None)
         return self._finish(result, started, audit_id)
 
     async def refuse(self, action: str, arguments: Mapping[str, object], error: BastionError) -> OperationResult:
