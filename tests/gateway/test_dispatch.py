@@ -378,3 +378,276 @@ def test_every_request_is_also_a_syslog_line(target: Path) -> None:
     assert all(line.startswith("<37>") and "bastion-dispatch[" in line for line in lines), lines
     assert [json.loads(line.split(": ", 1)[1]) for line in lines] == records(target)
     assert [r["event"] for r in records(target)] == ["start", "end", "refused"]
+
+
+# Issue 13, finding 7: what an SSH user (or an action running as it) could plant to stall or fool dispatch.
+
+NOBODY = 65534  # Debian's nobody: an SSH user that is not root
+OTHER_UID = 4242  # a uid with no account: the script's owner when it is neither root nor the SSH user
+
+
+def edit_config(target: Path, **changes: object) -> dict[str, object]:
+    config = json.loads((target / "dispatch.json").read_text())
+    config.update(changes)
+    config["actions"]["touch"] = {"argv": ["/usr/bin/touch", str(target / "logs" / "ran")]}
+    config["actions"]["list"] = {"argv": ["/bin/ls", "{path}"], "args": [{"name": "path", "kind": "path"}]}
+    (target / "dispatch.json").write_text(json.dumps(config))
+    return config
+
+
+@pytest.fixture
+def user_target(target: Path) -> Path:
+    """The target as the README installs it for a dedicated SSH user: the log folder is the user's (nobody's)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: dispatch.py runs as another user")
+    logs = target / "logs"
+    logs.mkdir(mode=0o700)
+    os.chown(logs, NOBODY, NOBODY)
+    edit_config(target, log=str(logs / "dispatch.jsonl"))
+    (target / "dispatch.py").write_text(SOURCE)
+    return target
+
+
+def run_as(target: Path, command: str, uid: int = 0, config: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """dispatch.py as sshd runs it for an SSH user with uid `uid` (no supplementary groups)."""
+    return subprocess.run(
+        ["/usr/bin/python3", "-I", str(target / "dispatch.py"), "--config", str(config or target / "dispatch.json")],
+        env={"PATH": "/usr/bin:/bin", "SSH_ORIGINAL_COMMAND": command},
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+        user=uid,
+        group=uid if uid else 0,
+        extra_groups=[],
+    )
+
+
+def user_records(target: Path) -> list[str]:
+    log = target / "logs" / "dispatch.jsonl"
+    return [json.loads(line)["event"] for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def assert_refused_and_nothing_ran(done: subprocess.CompletedProcess[str], target: Path, reason: str) -> None:
+    assert done.returncode == 126, done.stderr
+    assert done.stderr.startswith("dispatch: refused: ")
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert reason in done.stderr, done.stderr
+    assert done.stdout == ""
+    assert not (target / "logs" / "ran").exists()
+
+
+@pytest.mark.root
+def test_dispatch_config_owned_by_ssh_user_refused(user_target: Path) -> None:
+    """The SSH user owning its own dispatch.json could rewrite the policy (from an action, say): nothing runs.
+
+    The same request with the config root's runs, so the refusal is the owner's alone. Does not prove
+    what happens when the SSH user is root (root is trusted whatever it owns).
+    """
+    config = user_target / "dispatch.json"
+    allowed = run_as(user_target, "touch", NOBODY)
+    assert allowed.returncode == 0, allowed.stderr
+    (user_target / "logs" / "ran").unlink()
+    before = (config.read_bytes(), user_records(user_target))
+    os.chown(config, NOBODY, NOBODY)
+    done = run_as(user_target, "touch", NOBODY)
+    assert_refused_and_nothing_ran(done, user_target, f"config is not safe (owned by uid {NOBODY}, not by root)")
+    assert (config.read_bytes(), user_records(user_target)) == before
+
+
+@pytest.mark.parametrize("mode", [0o664, 0o646, 0o666])
+def test_dispatch_config_group_writable_refused(target: Path, mode: int) -> None:
+    """A config any group member or other user could write is not the administrator's policy: nothing runs."""
+    edit_config(target)
+    (target / "logs").mkdir()
+    config = target / "dispatch.json"
+    assert run_dispatch(target, "touch").returncode == 0
+    (target / "logs" / "ran").unlink()
+    before = records(target)
+    config.chmod(mode)
+    done = run_dispatch(target, "touch")
+    assert_refused_and_nothing_ran(done, target, "config is not safe (writable by group or others)")
+    assert records(target) == before
+
+
+@pytest.mark.root
+def test_dispatch_config_folder_writable_by_ssh_user_refused(user_target: Path) -> None:
+    """A root-owned config in a folder the SSH user owns could be replaced (rename over it): nothing runs."""
+    folder = user_target / "conf"
+    folder.mkdir()
+    config = folder / "dispatch.json"
+    config.write_bytes((user_target / "dispatch.json").read_bytes())
+    assert run_as(user_target, "status app", NOBODY, config).returncode == 0
+    before = user_records(user_target)
+    os.chown(folder, NOBODY, NOBODY)
+    done = run_as(user_target, "touch", NOBODY, config)
+    assert_refused_and_nothing_ran(done, user_target, f"owned by uid {NOBODY}")
+    os.chown(folder, 0, 0)
+    folder.chmod(0o775)
+    done = run_as(user_target, "touch", NOBODY, config)
+    assert_refused_and_nothing_ran(done, user_target, "writable by group or others")
+    assert user_records(user_target) == before
+
+
+@pytest.mark.root
+def test_dispatch_config_in_a_sticky_folder_is_accepted(user_target: Path) -> None:
+    """A sticky world-writable folder (as /tmp) is no hole: others cannot rename or remove root's file there."""
+    folder = user_target / "sticky"
+    folder.mkdir()
+    folder.chmod(0o1777)
+    config = folder / "dispatch.json"
+    config.write_bytes((user_target / "dispatch.json").read_bytes())
+    rename = subprocess.run(
+        ["/bin/mv", str(config), str(folder / "moved")],
+        capture_output=True,
+        timeout=30,
+        check=False,
+        user=NOBODY,
+        group=NOBODY,
+        extra_groups=[],
+    )
+    assert rename.returncode != 0  # the SSH user cannot replace root's file in a sticky folder
+    assert config.is_file()
+    done = run_as(user_target, "touch", NOBODY, config)
+    assert done.returncode == 0, done.stderr
+    assert user_records(user_target) == ["start", "end"]
+
+
+def test_dispatch_config_symlink_refused(target: Path) -> None:
+    """A symlink anywhere on the config path is refused: its folder would need checking too, so no link is followed."""
+    edit_config(target)
+    (target / "logs").mkdir()
+    (target / "conf").mkdir()
+    os.rename(target / "dispatch.json", target / "conf" / "dispatch.json")
+    (target / "dispatch.json").symlink_to(target / "conf" / "dispatch.json")
+    done = run_dispatch(target, "touch")
+    assert_refused_and_nothing_ran(done, target, "config is not safe (a symlink)")
+    (target / "via").symlink_to(target / "conf")
+    done = run_as(target, "touch", config=target / "via" / "dispatch.json")
+    assert_refused_and_nothing_ran(done, target, "config is not safe (a symlink or not a folder)")
+    assert not (target / "dispatch.jsonl").exists()
+
+
+def test_dispatch_config_fifo_refused_without_blocking(target: Path) -> None:
+    """A FIFO at the config path is refused at once (before: open() waited for a writer, with no timeout)."""
+    (target / "dispatch.py").write_text(SOURCE)
+    (target / "logs").mkdir()
+    os.unlink(target / "dispatch.json")
+    os.mkfifo(target / "dispatch.json")
+    done = run_as(target, "status app")  # subprocess's timeout (30 s) fails the test if it blocks
+    assert_refused_and_nothing_ran(done, target, "config is not safe (not a regular file)")
+    assert not (target / "dispatch.jsonl").exists()
+
+
+@pytest.mark.root
+def test_dispatch_config_owned_by_the_script_owner_is_accepted_unless_ssh_user(user_target: Path) -> None:
+    """The user who installed dispatch.py may own its config; not when that user is the SSH user itself."""
+    config = user_target / "dispatch.json"
+    os.chown(config, OTHER_UID, OTHER_UID)
+    done = run_as(user_target, "touch", NOBODY)
+    assert_refused_and_nothing_ran(done, user_target, f"owned by uid {OTHER_UID}")  # script is root's
+    os.chown(user_target / "dispatch.py", OTHER_UID, OTHER_UID)
+    done = run_as(user_target, "touch", NOBODY)
+    assert done.returncode == 0, done.stderr
+    (user_target / "logs" / "ran").unlink()
+    os.chown(user_target / "dispatch.py", NOBODY, NOBODY)
+    os.chown(config, NOBODY, NOBODY)
+    done = run_as(user_target, "touch", NOBODY)
+    assert_refused_and_nothing_ran(done, user_target, f"owned by uid {NOBODY}")
+    assert user_records(user_target) == ["start", "end"]
+
+
+def test_hardlinked_path_argument_outside_root_refused(target: Path) -> None:
+    """A file from outside root, hard-linked into it, is refused: its one name inside root proves nothing."""
+    secret = target / "srv-secret" / "key"
+    os.link(secret, target / "srv" / "app" / "hardlink")
+    done = run_dispatch(target, "show app/hardlink")
+    assert done.returncode == 126, done.stderr
+    assert done.stderr == "dispatch: refused: path argument is a file with more than one link (a hard link)\n"
+    assert "SECRET" not in done.stdout
+    assert [r["event"] for r in records(target)] == ["refused"]
+    assert secret.read_text() == "SECRET\n"
+    assert secret.stat().st_nlink == 2
+
+
+def test_fifo_path_argument_refused_without_blocking(target: Path) -> None:
+    """A FIFO path argument is refused before anything runs (before: the action blocked on it until its timeout)."""
+    os.mkfifo(target / "srv" / "app" / "fifo")
+    done = run_dispatch(target, "show app/fifo")
+    assert done.returncode == 126, done.stderr
+    assert done.stderr == "dispatch: refused: path argument is not a plain file or folder (a FIFO, socket or device)\n"
+    assert [r["event"] for r in records(target)] == ["refused"]
+    assert processes_with(str(target / "srv")) == []
+
+
+def test_socket_path_argument_refused(target: Path) -> None:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(str(target / "srv" / "app" / "sock"))
+        done = run_dispatch(target, "show app/sock")
+    assert done.returncode == 126, done.stderr
+    assert "not a plain file or folder" in done.stderr
+    assert [r["event"] for r in records(target)] == ["refused"]
+
+
+@pytest.mark.root
+def test_device_path_argument_refused(target: Path) -> None:
+    """A device node beneath root (here a copy of /dev/null's) is never handed to an action."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: mknod")
+    os.mknod(target / "srv" / "app" / "null", 0o600 | 0o020000, os.makedev(1, 3))
+    done = run_dispatch(target, "show app/null")
+    assert done.returncode == 126, done.stderr
+    assert "not a plain file or folder" in done.stderr
+    assert [r["event"] for r in records(target)] == ["refused"]
+
+
+def test_folder_path_argument_still_runs(target: Path) -> None:
+    """The control: a folder (st_nlink > 1 by nature) is a valid path argument."""
+    edit_config(target)
+    done = run_dispatch(target, "list app")
+    assert (done.returncode, done.stdout.split()) == (0, ["VERSION", "filelink", "link"])
+
+
+def test_fifo_at_log_path_does_not_hang(target: Path) -> None:
+    """A FIFO with no reader at the log path: refused at once (before: open() blocked forever, no timeout)."""
+    edit_config(target)
+    (target / "logs").mkdir()
+    os.mkfifo(target / "dispatch.jsonl")
+    done = run_dispatch(target, "touch")  # subprocess's timeout (30 s) fails the test if it hangs
+    assert_refused_and_nothing_ran(done, target, "log cannot be written, so nothing runs")
+
+
+def test_fifo_at_log_path_with_a_reader_is_refused(target: Path) -> None:
+    """A FIFO someone reads at the log path opens at once, but is not a file: no record goes to it, nothing runs."""
+    edit_config(target)
+    (target / "logs").mkdir()
+    os.mkfifo(target / "dispatch.jsonl")
+    reader = os.open(target / "dispatch.jsonl", os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        done = run_dispatch(target, "touch")
+        assert_refused_and_nothing_ran(done, target, "log cannot be written, so nothing runs")
+        assert os.read(reader, 65536) == b""  # the writer came and went without writing a byte
+    finally:
+        os.close(reader)
+
+
+def test_log_write_failure_means_nothing_runs(target: Path) -> None:
+    """A log that opens as a regular file but cannot grow (RLIMIT_FSIZE 0: EFBIG): no record, so nothing runs."""
+    edit_config(target)
+    (target / "logs").mkdir()
+    (target / "dispatch.py").write_text(SOURCE)
+    argv = ["prlimit", "--fsize=0", "--", "/usr/bin/python3", "-I", str(target / "dispatch.py")]
+    argv += ["--config", str(target / "dispatch.json")]
+    for command in ("touch", "unknown"):
+        done = subprocess.run(
+            argv,
+            env={"PATH": "/usr/bin:/bin", "SSH_ORIGINAL_COMMAND": command},
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+        # A refusal whose record cannot be written still says why it was refused.
+        reason = "log cannot be written, so nothing runs" if command == "touch" else "unknown action"
+        assert_refused_and_nothing_ran(done, target, reason)
+    assert (target / "dispatch.jsonl").read_bytes() == b""

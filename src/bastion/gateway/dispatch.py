@@ -8,19 +8,28 @@ pins it (``restrict,from="...",command="/usr/bin/python3 -I /path/dispatch.py --
 only this script runs, and it runs only what its own config allows.
 
 What it does, in rrsync's shape (rsync support/rrsync):
+- reads its config only if the SSH user cannot have changed it: the file and every folder
+  above it must be owned by root (or by this script's owner, if that is not the SSH user)
+  and not writable by group or others (a sticky folder such as /tmp excepted), with no
+  symlink on the way; else nothing runs. The SSH user owning its own policy would let an
+  action, or anything else running as that user, rewrite what the gateway allows;
 - reads ``SSH_ORIGINAL_COMMAND``: refuses an empty one (an interactive login), more than
   256 characters, anything but printable ASCII (control characters, NUL, newlines),
   anything but single spaces between words, an unknown verb, a wrong number of arguments,
   an argument outside its pattern, starting with ``-``, or naming a project not listed;
 - resolves a ``path`` argument beneath ``root`` one component at a time with directory
   file descriptors (``O_NOFOLLOW``), so ``..``, symlinks and sibling prefixes cannot
-  escape, and hands the program the opened descriptor as ``/dev/fd/N``;
+  escape, and hands the program the opened descriptor as ``/dev/fd/N``; only a plain file
+  with one link (a hard link may be a file from outside ``root``) or a folder is accepted,
+  never a FIFO (the action would block on it until its timeout), socket or device;
 - runs the action's fixed program with an argv (never a shell), a clean environment,
   no stdin, a timeout (the whole process group is killed) and an output cap; if the
   client goes away mid-run, the action is not cut off halfway: it runs on, drained,
   under the same timeout, and its end is recorded (``client_gone``);
 - writes one JSONL record per request, allowed or refused, to ``log`` (opened with
-  ``O_NOFOLLOW``, fsync'd; if it cannot be written nothing runs) and a syslog line;
+  ``O_NOFOLLOW | O_NONBLOCK`` and checked to be a regular file, so a symlink or a FIFO put
+  there is refused at once instead of followed or waited on; fsync'd; if it cannot be
+  written nothing runs) and a syslog line;
 - exits 126 with one line ``dispatch: refused: REASON`` on any refusal, 124 on timeout,
   else with the program's exit status.
 
@@ -45,11 +54,13 @@ that must match the whole value), ``project`` (one of ``projects``) or ``path``.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
 import selectors
 import signal
+import stat
 import subprocess  # noqa: TID251 (this script runs on the target host; spawning the action is its job)
 import sys
 import syslog
@@ -69,6 +80,17 @@ CHUNK = 65536
 
 class Refused(Exception):
     """A request this script will not run; the message is the one line the client sees."""
+
+
+class Untrusted(Exception):
+    """The config, or a folder above it, could have been changed by someone this script does not trust.
+
+    `why` is the short reason the client sees; the message, with the path, goes to syslog only.
+    """
+
+    def __init__(self, where: str, why: str) -> None:
+        super().__init__(f"{where}: {why}")
+        self.why = why
 
 
 class Action:
@@ -142,8 +164,80 @@ def _action(name: str, spec: Any) -> Action:
     return Action(name, argv, args)
 
 
+def trusted_owners() -> set[int]:
+    """Who may own the config and the folders above it: root, and this script's owner unless that is the SSH user.
+
+    The script's owner could rewrite the script itself, so trusting it for the config adds no one.
+    The SSH user (the uid this runs as) is never trusted unless it is root: an action, or any other
+    process of that user, could then rewrite the policy.
+    """
+    owners = {0}
+    script = globals().get("__file__")
+    if isinstance(script, str):
+        with contextlib.suppress(OSError):
+            owner = os.stat(script).st_uid
+            if owner not in (os.getuid(), os.geteuid()):
+                owners.add(owner)
+    return owners
+
+
+def _check_trusted(info: os.stat_result, where: str, owners: set[int]) -> None:
+    if info.st_uid not in owners:
+        raise Untrusted(where, f"owned by uid {info.st_uid}, not by root")
+    # In a sticky folder (/tmp) others may add entries but not rename or remove ours (unlink(2), EPERM).
+    sticky = stat.S_ISDIR(info.st_mode) and info.st_mode & stat.S_ISVTX
+    if info.st_mode & 0o022 and not sticky:
+        raise Untrusted(where, "writable by group or others")
+
+
+def open_config(path: str) -> int:
+    """Open the config for reading after checking that only trusted owners could have changed it.
+
+    Walks from ``/`` one component at a time with ``O_NOFOLLOW`` and fstat()s each opened folder,
+    then the file itself, so what is checked is what is read (no stat-then-open race). A symlink
+    anywhere on the path is refused: the folder holding it would need checking too. The file is
+    opened with ``O_NONBLOCK`` so a FIFO there is refused, not waited on.
+
+    Raises:
+        Untrusted: a component is a symlink, not a folder or regular file, owned by an untrusted
+            user, or writable by group or others.
+        OSError: a component does not exist or cannot be opened.
+    """
+    parts = path.split("/")[1:]
+    if not path.startswith("/") or any(part in ("", ".", "..") for part in parts):
+        raise Untrusted(path, "not a plain absolute path")
+    owners = trusted_owners()
+    fd = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    where = "/"
+    try:
+        for index, part in enumerate(parts):
+            _check_trusted(os.fstat(fd), where, owners)
+            where = os.path.join(where, part)
+            last = index == len(parts) - 1
+            flags = os.O_RDONLY | os.O_NONBLOCK if last else os.O_PATH | os.O_DIRECTORY
+            try:
+                child = os.open(part, flags | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    raise Untrusted(where, "a symlink") from None
+                if exc.errno == errno.ENOTDIR:
+                    raise Untrusted(where, "a symlink or not a folder") from None
+                raise
+            os.close(fd)
+            fd = child
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise Untrusted(where, "not a regular file")
+        _check_trusted(info, where, owners)
+        os.set_blocking(fd, True)
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def load_config(path: str) -> Config:
-    with open(path, "rb") as handle:
+    with os.fdopen(open_config(path), "rb") as handle:
         raw = handle.read()
     data: Any
     if path.endswith(".json"):
@@ -210,13 +304,29 @@ def open_beneath(root: str, relative: str) -> int:
                 raise Refused("path argument does not exist beneath the root, or is a symlink") from None
             os.close(fd)
             fd = child
-        mode = os.fstat(fd).st_mode
-        if (mode & 0o170000) == 0o120000:  # O_PATH|O_NOFOLLOW opens a symlink itself: refuse it
-            raise Refused("path argument is a symlink")
+        _check_path_argument(os.fstat(fd))
         return fd
     except BaseException:
         os.close(fd)
         raise
+
+
+def _check_path_argument(info: os.stat_result) -> None:
+    """Only a folder, or a plain file with one link, may be handed to an action.
+
+    O_PATH opened the last component without opening the file itself, so a FIFO or device is
+    judged here before the action reopens it through /dev/fd/N (where a FIFO would block it until
+    the timeout). A second link may be a file from outside the root, linked in: its one name
+    inside the root says nothing about where it belongs.
+    """
+    if stat.S_ISLNK(info.st_mode):  # O_PATH|O_NOFOLLOW opens a symlink itself: refuse it
+        raise Refused("path argument is a symlink")
+    if stat.S_ISDIR(info.st_mode):
+        return
+    if not stat.S_ISREG(info.st_mode):
+        raise Refused("path argument is not a plain file or folder (a FIFO, socket or device)")
+    if info.st_nlink != 1:
+        raise Refused("path argument is a file with more than one link (a hard link)")
 
 
 def build_argv(action: Action, values: list[str], config: Config) -> tuple[list[str], list[int]]:
@@ -246,8 +356,17 @@ class Log:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        # O_NONBLOCK: a FIFO put at the path fails with ENXIO (no reader) or opens at once (a
+        # reader), instead of blocking open() with no timeout; fstat then refuses all but a file.
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
         self.fd = os.open(path, flags, 0o600)
+        try:
+            if not stat.S_ISREG(os.fstat(self.fd).st_mode):
+                raise OSError(errno.EINVAL, "not a regular file", path)
+            os.set_blocking(self.fd, True)
+        except BaseException:
+            os.close(self.fd)
+            raise
 
     def write(self, record: dict[str, Any]) -> None:
         line = json.dumps(record, ensure_ascii=True, separators=(",", ":"), sort_keys=True) + "\n"
@@ -376,6 +495,9 @@ def main(argv: list[str]) -> int:
     started = time.monotonic()
     try:
         config = load_config(_config_path(argv))
+    except Untrusted as exc:
+        syslog.syslog(syslog.LOG_ERR, f"config refused: {exc}")
+        die(f"the gateway's config is not safe ({exc.why}): make it and its folders root's, group/other read-only")
     except (OSError, ValueError, re.error) as exc:
         syslog.syslog(syslog.LOG_ERR, f"config error: {exc}")
         die(f"the gateway's config is not valid ({type(exc).__name__}): fix it on the host")
