@@ -2,8 +2,12 @@
 
 A Python context is a kernel (`bastion.sandbox._kernel`) running as a background
 process of the sandbox: variables, imports and open files live in it between calls.
-What the kernel sends is untrusted (it runs the agent's code): messages are parsed
-with a size cap, and every text in them is cleaned and redacted like command output.
+What the kernel sends is untrusted (it runs the agent's code, which can write to the
+protocol fd): only small headers are parsed (at most MAX_HEADER_BYTES, nothing else is
+JSON), payloads are bounded per kind and handled as they arrive, output past the cap is
+counted, never cleaned, and every text is cleaned and redacted like command output. A
+kernel that breaks the protocol is killed; the call says why. No step costs the event loop
+more than one read's worth of work, so a flooding context cannot stall other sandboxes.
 
 A timeout first interrupts the code (KeyboardInterrupt inside, the context lives on);
 if the code does not stop within a grace period, the kernel is killed and the
@@ -13,7 +17,6 @@ context is dead until restarted.
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import logging
 import shutil
@@ -37,8 +40,24 @@ OWN_VENV: Final = f"{SANDBOX_WORKSPACE}/.venv"
 MAX_CONTEXTS: Final = 8
 MAX_CODE_BYTES: Final = 1 << 20
 MAX_ARGV_CODE_BYTES: Final = 100_000  # bash -c / node -e: one argument, under the kernel's 128 KiB
-MAX_MESSAGE_BYTES: Final = 32 << 20  # images travel base64 in one line
-MAX_IMAGE_BYTES: Final = 8 << 20
+# A header is a small JSON object; bulk data (output, images, values) travels as raw payload after it.
+# Parsing 4 KiB of the worst JSON (nested lists, many numbers) takes well under a millisecond.
+MAX_HEADER_BYTES: Final = 4096
+MAX_IMAGE_BYTES: Final = 4 << 20
+MAX_IMAGES: Final = 8
+MAX_TEXT_CHARS: Final = 65_536  # of a value or an error field, as the client sees it
+MAX_TEXT_PAYLOAD_BYTES: Final = 4 * MAX_TEXT_CHARS  # of UTF-8
+# What one message may carry, by event; a header with "bytes" over its cap breaks the protocol.
+PAYLOAD_CAPS: Final = {
+    "stream": 1 << 20,  # the kernel sends what one read of a pipe gave (64 KiB)
+    "image": MAX_IMAGE_BYTES,
+    "value": MAX_TEXT_PAYLOAD_BYTES,
+    "error": MAX_TEXT_PAYLOAD_BYTES,
+}
+_ERROR_FIELDS: Final = ("type", "message", "traceback")
+_EVENTS: Final = frozenset({"ready", "done", *PAYLOAD_CAPS})
+_CLEAN_SLACK_BYTES: Final = 256  # an escape sequence or a character split at the cut
+_REDACT_MARGIN_CHARS: Final = 1024  # text past a cut kept while redacting, so a secret across it is still seen
 START_TIMEOUT_S: Final = 30.0  # a cold interpreter on a busy machine
 GRACE_S: Final = 5.0
 PROGRESS_EVERY_S: Final = 1.0
@@ -70,41 +89,142 @@ class CellResult:
     timed_out: bool = False
     context_alive: bool = True
     oom_killed: bool = False
+    protocol_error: str = ""
+    """How the kernel broke the protocol, if it did (it was killed)."""
+
+
+PayloadSink = Callable[[bytes | None], None]
+"""Takes a message's payload chunk by chunk as it is read, then None once it is complete."""
+
+
+class ProtocolError(Exception):
+    """The kernel broke the protocol; `reason` says how, in one line."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def _parse_header(line: bytes) -> dict[str, Any]:
+    """A header, checked: a known event with the fields it needs and a payload within its cap.
+
+    Raises:
+        ProtocolError: anything else (RecursionError of a deeply nested line included).
+    """
+    try:
+        message = json.loads(line)
+    except (ValueError, RecursionError):
+        raise ProtocolError("a message header is not valid JSON") from None
+    if not isinstance(message, dict):
+        raise ProtocolError("a message header is not a JSON object")
+    event = message.get("event")
+    if not isinstance(event, str) or event not in _EVENTS:
+        raise ProtocolError(f"unknown event {str(event)[:40]!r}")
+    cell_id = message.get("id")
+    if event not in ("ready", "stream") and type(cell_id) is not int:
+        raise ProtocolError(f"a {event} message without a numeric id")
+    cap = PAYLOAD_CAPS.get(event)
+    size = message.get("bytes")
+    if cap is not None and (type(size) is not int or not 0 <= size <= cap):
+        raise ProtocolError(f"a {event} message whose payload is not 0 to {cap} bytes")
+    if cap is None and size is not None:
+        raise ProtocolError(f"a {event} message with a payload")
+    return message
+
+
+class _ProtocolReader:
+    """Splits the kernel's bytes into headers and payloads as they are read, never holding more
+    than one header (MAX_HEADER_BYTES) or handing on more than it was fed."""
+
+    def __init__(self, on_header: Callable[[dict[str, Any]], PayloadSink | None], on_broken: Callable[[str], None]):
+        self._on_header = on_header
+        self._on_broken = on_broken
+        self._head = bytearray()
+        self._left = 0  # payload bytes still to come
+        self._sink: PayloadSink | None = None
+        self.broken = False
+
+    def feed(self, data: bytes) -> None:
+        pos = 0
+        while pos < len(data) and not self.broken:
+            pos = self._take_payload(data, pos) if self._left else self._take_header(data, pos)
+
+    def _take_payload(self, data: bytes, pos: int) -> int:
+        end = min(len(data), pos + self._left)
+        self._left -= end - pos
+        if self._sink is not None:
+            self._sink(data[pos:end])
+            if not self._left:
+                self._sink(None)
+                self._sink = None
+        return end
+
+    def _take_header(self, data: bytes, pos: int) -> int:
+        room = MAX_HEADER_BYTES - len(self._head)
+        end = data.find(b"\n", pos, pos + room + 1)
+        if end < 0:
+            if len(data) - pos > room:
+                self._break(f"a message header is longer than {MAX_HEADER_BYTES} bytes")
+            else:
+                self._head += data[pos:]
+            return len(data)
+        self._head += data[pos:end]
+        line = bytes(self._head)
+        self._head.clear()
+        try:
+            message = _parse_header(line)
+        except ProtocolError as exc:
+            self._break(exc.reason)
+            return len(data)
+        sink = self._on_header(message)
+        self._left = message.get("bytes") or 0
+        if sink is not None and self._left:
+            self._sink = sink
+        elif sink is not None:
+            sink(None)
+        return end + 1
+
+    def _break(self, reason: str) -> None:
+        self.broken = True
+        self._head.clear()
+        self._on_broken(reason)
 
 
 class _MessageCapture(RingCapture):
-    """The kernel's protocol channel: complete lines go to `on_message`; a few KiB are kept for diagnosis."""
+    """The kernel's protocol channel, fed to a `_ProtocolReader` one read at a time; a few KiB are
+    kept for diagnosis. Closing it (EOF, or the context killed) calls `on_eof` once."""
 
-    def __init__(self, fd: int, on_message: Callable[[dict[str, Any] | None], None]) -> None:
-        self._line = bytearray()
-        self._on_message = on_message
+    def __init__(self, fd: int, reader: _ProtocolReader, on_eof: Callable[[], None]) -> None:
+        self._reader = reader
+        self._on_eof = on_eof
         super().__init__(fd, 4096)
 
     def _keep(self, chunk: bytes) -> None:
         super()._keep(chunk)
-        self._line += chunk
-        while True:
-            end = self._line.find(b"\n")
-            if end < 0:
-                break
-            line = bytes(self._line[:end])
-            del self._line[: end + 1]
-            self._on_message(_parse(line))
-        if len(self._line) > MAX_MESSAGE_BYTES:
-            self._line.clear()
-            self._on_message(None)
+        self._reader.feed(chunk)
 
     def close(self) -> None:
+        was_closed = self.closed
         super().close()
-        self._on_message({"event": "eof"})
+        if not was_closed:
+            self._on_eof()
 
 
-def _parse(line: bytes) -> dict[str, Any] | None:
-    try:
-        message = json.loads(line)
-    except ValueError:
-        return None
-    return message if isinstance(message, dict) else None
+def _discard(_chunk: bytes | None) -> None:
+    """The sink of a payload nobody waits for (a message of an earlier cell, an image past the count)."""
+
+
+def _collect(done: Callable[[bytes], None]) -> PayloadSink:
+    """A sink that gathers a payload (already bounded by its header's cap) and hands it over whole."""
+    parts = bytearray()
+
+    def sink(chunk: bytes | None) -> None:
+        if chunk is None:
+            done(bytes(parts))
+        else:
+            parts.extend(chunk)
+
+    return sink
 
 
 @dataclass
@@ -117,25 +237,46 @@ class _Cell:
     text: list[list[str]] = field(default_factory=lambda: [[], []])
     sizes: list[int] = field(default_factory=lambda: [0, 0])
     truncated: bool = False
+    finished: bool = False
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    value: bytes | None = None
+    error: dict[str, bytes] = field(default_factory=dict)
+    images: list[Image] = field(default_factory=list)
 
-    def add(self, stream: int, raw: str) -> None:
-        cleaner = self.stdout if stream == 0 else self.stderr
-        clean = cleaner.feed(raw.encode("utf-8", "replace"))
+    def add(self, stream: int, raw: bytes | None) -> None:
+        """Clean what fits under the cap. Past it, bytes only mark the result truncated: they are
+        never decoded, cleaned or redacted, so a flood costs a count, not a pass over it."""
+        if self.finished or not raw:
+            return
         room = self.cap - self.sizes[stream]
-        if len(clean) > room:
-            clean = clean[: max(room, 0)]
+        if room <= 0:
             self.truncated = True
+            return
+        limit = 4 * room + _CLEAN_SLACK_BYTES  # a character is at most 4 bytes; escapes only shorten text
+        cleaner = self.stdout if stream == 0 else self.stderr
+        clean = cleaner.feed(raw[:limit])
+        over = len(raw) > limit or len(clean) > room
+        clean = clean[:room]
         if clean:
             self.text[stream].append(clean)
             self.sizes[stream] += len(clean)
             self.changed.set()
+        if over:
+            # The rest of this stream is cut: joining text across the gap could complete a secret's prefix.
+            self.truncated = True
+            self.sizes[stream] = self.cap
+
+    def add_image(self, png: bytes, width: int, height: int) -> None:
+        # Only a real PNG goes to the client as an image; the size fields are the kernel's word.
+        if png.startswith(b"\x89PNG\r\n\x1a\n"):
+            self.images.append(Image(png, max(0, width), max(0, height)))
 
     def finish(self) -> tuple[str, str]:
         for stream, cleaner in enumerate((self.stdout, self.stderr)):
             rest = cleaner.feed(b"", final=True)
             if rest and not self.truncated:
                 self.add_clean(stream, rest)
+        self.finished = True
         return "".join(self.text[0]), "".join(self.text[1])
 
     def add_clean(self, stream: int, clean: str) -> None:
@@ -164,6 +305,7 @@ class PythonContext:
         self._count = 0
         self._lock = asyncio.Lock()
         self._killing: asyncio.Task[None] | None = None  # held: a task nobody references may vanish
+        self.broken = ""  # how the kernel broke the protocol, once it has
         self.started = time.monotonic()
 
     @property
@@ -196,13 +338,14 @@ class PythonContext:
             cwd=SANDBOX_WORKSPACE,
             env=env,
             ring_bytes=16_384,
-            stdout=lambda fd: _MessageCapture(fd, self._on_message),
+            stdout=lambda fd: _MessageCapture(fd, _ProtocolReader(self._on_header, self._on_broken), self._on_eof),
         )
         try:
             async with asyncio.timeout(START_TIMEOUT_S):
                 await self._ready
         except (TimeoutError, Unavailable):
-            reason = self._stderr_tail() or "it did not start in time"
+            broke = f"it broke the protocol ({self.broken})" if self.broken else ""
+            reason = broke or self._stderr_tail() or "it did not start in time"
             await self.kill()
             raise Unavailable(f"the Python context did not start: {reason}") from None
 
@@ -213,29 +356,53 @@ class PythonContext:
         lines = self._redactor.redact(raw.decode("utf-8", "replace")).strip().splitlines()
         return lines[-1][:300] if lines else ""
 
-    def _on_message(self, message: dict[str, Any] | None) -> None:
-        event = message.get("event") if message is not None else "invalid"
-        if event == "ready" and self._ready is not None and not self._ready.done():
-            self._ready.set_result(message or {})
-            return
-        cell = self._cell
-        if event in ("eof", "invalid"):
-            # The kernel exited, or broke the protocol (it runs the agent's code): the context is over.
+    def _on_header(self, message: dict[str, Any]) -> PayloadSink | None:
+        """Act on one checked header; return where its payload goes."""
+        event = message["event"]
+        if event == "ready":
             if self._ready is not None and not self._ready.done():
-                self._ready.set_exception(Unavailable("the kernel exited"))
-            if cell is not None and not cell.done.done():
-                cell.done.set_result({"event": event})
-            if event == "invalid" and self._process is not None:
-                self._killing = asyncio.get_running_loop().create_task(self.kill())
-            return
-        if cell is None or message is None or message.get("id") != cell.id:
-            return
+                self._ready.set_result(message)
+            return None
+        cell = self._cell
+        if cell is None or message.get("id") != cell.id:
+            return _discard  # an earlier cell's, or sent between cells
+        if event == "done":
+            if not cell.done.done():
+                cell.done.set_result(message)
+            return None
         if event == "stream":
             stream = 0 if message.get("name") == "stdout" else 1
-            text = message.get("text")
-            if isinstance(text, str):
-                cell.add(stream, text)
-        elif event == "done" and not cell.done.done():
+            return lambda chunk: cell.add(stream, chunk)
+        if event == "value":
+            return _collect(lambda data: setattr(cell, "value", data))
+        if event == "error":
+            name = message.get("field")
+            return _collect(lambda data: cell.error.__setitem__(str(name), data)) if name in _ERROR_FIELDS else _discard
+        if len(cell.images) >= MAX_IMAGES:
+            return _discard
+        width, height = message.get("width"), message.get("height")
+        size = (width if type(width) is int else 0, height if type(height) is int else 0)
+        return _collect(lambda data: cell.add_image(data, *size))
+
+    def _on_eof(self) -> None:
+        """The kernel exited or was killed: the context is over."""
+        self._end({"event": "eof"}, Unavailable("the kernel exited"))
+
+    def _on_broken(self, reason: str) -> None:
+        """The kernel broke the protocol (it runs the agent's code): the context is killed, the call says why."""
+        if self.broken:
+            return
+        self.broken = reason
+        logger.warning("Python context %r of %s broke the protocol: %s", self.name, self._workspace.config.id, reason)
+        self._end({"event": "invalid", "reason": reason}, Unavailable(f"the kernel broke the protocol ({reason})"))
+        if self._process is not None:
+            self._killing = asyncio.get_running_loop().create_task(self.kill())
+
+    def _end(self, message: dict[str, Any], error: Unavailable) -> None:
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_exception(error)
+        cell = self._cell
+        if cell is not None and not cell.done.done():
             cell.done.set_result(message)
 
     async def execute(self, code: str, *, timeout_s: float, max_output_chars: int, progress: Progress) -> CellResult:
@@ -300,50 +467,33 @@ class PythonContext:
 
     def _result(self, cell: _Cell, message: dict[str, Any] | None, timed_out: bool) -> CellResult:
         stdout, stderr = cell.finish()
-        alive = self.alive and message is not None and message.get("event") == "done"
-        value = message.get("value") if message else None
-        error = message.get("error") if message else None
+        done = message is not None and message.get("event") == "done"
+        broken = message is not None and message.get("event") == "invalid"
         return CellResult(
             stdout=stdout,
             stderr=stderr,
-            value=self._redactor.redact(value) if isinstance(value, str) else None,
-            error=self._clean_error(error),
-            images=_images(message.get("images") if message else None),
+            value=self._text(cell.value) if done and cell.value is not None else None,
+            error={key: self._text(cell.error.get(key, b"")) for key in _ERROR_FIELDS} if done and cell.error else None,
+            images=cell.images if done else [],
             truncated=cell.truncated,
             execution_count=cell.id,
             timed_out=timed_out,
-            context_alive=alive,
+            context_alive=self.alive and done,
+            protocol_error=str(message.get("reason", "")) if broken and message is not None else "",
         )
 
-    def _clean_error(self, error: object) -> dict[str, str] | None:
-        if not isinstance(error, dict):
-            return None
-        return {
-            key: self._redactor.redact(str(error.get(key, ""))[:65_536]) for key in ("type", "message", "traceback")
-        }
+    def _text(self, raw: bytes) -> str:
+        """A value or error field, cut to MAX_TEXT_CHARS and redacted (a secret across the cut is still seen)."""
+        text = raw.decode("utf-8", "replace")
+        if len(text) <= MAX_TEXT_CHARS:
+            return self._redactor.redact(text)
+        return self._redactor.redact(text[: MAX_TEXT_CHARS + _REDACT_MARGIN_CHARS])[:MAX_TEXT_CHARS]
 
     async def kill(self) -> None:
         if self._process is not None and not self._process.exited:
             await self._workspace.sandbox.kill(self._process)
         if self._process is not None:
             self._process.close()
-
-
-def _images(raw: object) -> list[Image]:
-    images: list[Image] = []
-    if not isinstance(raw, list):
-        return images
-    for item in raw[:8]:
-        if not isinstance(item, dict) or not isinstance(item.get("png"), str):
-            continue
-        try:
-            data = base64.b64decode(item["png"], validate=True)
-        except ValueError:
-            continue
-        # Only a real PNG goes to the client as an image; the size fields are the kernel's word.
-        if len(data) <= MAX_IMAGE_BYTES and data.startswith(b"\x89PNG\r\n\x1a\n"):
-            images.append(Image(data, int(item.get("width") or 0), int(item.get("height") or 0)))
-    return images
 
 
 class CodeRunner:

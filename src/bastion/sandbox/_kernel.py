@@ -6,12 +6,18 @@ imports what the agent's code imports. It runs the agent's code, so nothing
 here is trusted by the host: the host reads its messages as untrusted JSON,
 with a size cap.
 
-Protocol, one JSON object per line:
-  host -> kernel (stdin)        {"op": "exec", "id": N, "code": "..."}  |  {"op": "interrupt"}
-  kernel -> host (saved stdout) {"event": "ready", "python": "3.11.2"}
-                                {"event": "stream", "id": N, "name": "stdout"|"stderr", "text": "..."}
-                                {"event": "done", "id": N, "status": "ok"|"error", "value": repr|null,
-                                 "error": {...}|null, "images": [{"png": b64, "width": W, "height": H}]}
+Protocol:
+  host -> kernel (stdin), one JSON object per line:
+      {"op": "exec", "id": N, "code": "..."}  |  {"op": "interrupt"}
+  kernel -> host (saved stdout), a header line of at most 4096 bytes (a JSON object), then, if
+  it has "bytes": n, exactly n raw bytes of payload. Bulk data is never inside the JSON, so
+  the host parses only small headers and can bound, skip or stream every payload:
+      {"event": "ready", "python": "3.11.2"}
+      {"event": "stream", "id": N, "name": "stdout"|"stderr", "bytes": n}   + the bytes written
+      {"event": "image", "id": N, "width": W, "height": H, "bytes": n}      + a PNG
+      {"event": "value", "id": N, "bytes": n}                              + repr, UTF-8
+      {"event": "error", "id": N, "field": "type"|"message"|"traceback", "bytes": n}  + UTF-8
+      {"event": "done", "id": N, "status": "ok"|"error"}
 
 The kernel's fds 1 and 2 are pipes it reads itself, so output of C code and of
 child processes is captured too, in the order it was written per stream.
@@ -20,7 +26,6 @@ child processes is captured too, in the order it was written per stream.
 from __future__ import annotations
 
 import ast
-import base64
 import importlib
 import io
 import json
@@ -34,7 +39,9 @@ import traceback
 from typing import Any
 
 MAX_VALUE_CHARS = 8192
+MAX_ERROR_CHARS = 65536  # each of message and traceback (the traceback keeps its end)
 MAX_IMAGES = 8
+MAX_IMAGE_BYTES = 4 << 20  # the host takes no bigger PNG
 READ_CHUNK = 65536
 MARKER = b"\x00bastion-drain-" + os.urandom(8).hex().encode() + b"\x00"
 
@@ -50,8 +57,10 @@ def on_interrupt(_signum: int, _frame: object) -> None:
         raise KeyboardInterrupt
 
 
-def emit(message: dict[str, Any]) -> None:
-    data = (json.dumps(message, ensure_ascii=False, separators=(",", ":")) + "\n").encode("utf-8", "replace")
+def emit(message: dict[str, Any], payload: bytes | None = None) -> None:
+    if payload is not None:
+        message = {**message, "bytes": len(payload)}
+    data = (json.dumps(message, separators=(",", ":")) + "\n").encode("ascii") + (payload or b"")
     with _proto_lock:
         view = memoryview(data)
         while view:
@@ -69,7 +78,7 @@ def held_tail(data: bytes, marker: bytes) -> int:
 
 def forward(name: str, data: bytes) -> None:
     if data:
-        emit({"event": "stream", "id": _current["id"], "name": name, "text": data.decode("utf-8", "replace")})
+        emit({"event": "stream", "id": _current["id"], "name": name}, data)
 
 
 def pump(fd: int, name: str, drained: threading.Event) -> None:
@@ -122,20 +131,20 @@ def drain() -> None:
         drained.wait(1.0)
 
 
-def figures() -> list[dict[str, Any]]:
-    """PNGs of the matplotlib figures the code left open; they are closed after."""
+def figures() -> list[tuple[bytes, int, int]]:
+    """PNGs of the matplotlib figures the code left open (those within MAX_IMAGE_BYTES); they are closed after."""
     pyplot: Any = sys.modules.get("matplotlib.pyplot")
     if pyplot is None:
         return []
-    images: list[dict[str, Any]] = []
+    images: list[tuple[bytes, int, int]] = []
     try:
         for number in pyplot.get_fignums()[:MAX_IMAGES]:
             figure = pyplot.figure(number)
             buffer = io.BytesIO()
             figure.savefig(buffer, format="png", dpi=figure.dpi)
             width, height = (int(v * figure.dpi + 0.5) for v in figure.get_size_inches())
-            png = base64.b64encode(buffer.getvalue()).decode("ascii")
-            images.append({"png": png, "width": width, "height": height})
+            if buffer.tell() <= MAX_IMAGE_BYTES:
+                images.append((buffer.getvalue(), width, height))
     finally:
         pyplot.close("all")
     return images
@@ -176,7 +185,10 @@ def error_of(exc: BaseException) -> dict[str, str]:
     summary = traceback.TracebackException.from_exception(exc)
     own = error_of.__code__.co_filename
     summary.stack = traceback.StackSummary.from_list([f for f in summary.stack if f.filename != own])
-    return {"type": type(exc).__name__, "message": str(exc), "traceback": "".join(summary.format())}
+    text = "".join(summary.format())
+    if len(text) > MAX_ERROR_CHARS:
+        text = "...\n" + text[-MAX_ERROR_CHARS:]
+    return {"type": type(exc).__name__[:200], "message": str(exc)[:MAX_ERROR_CHARS], "traceback": text}
 
 
 def execute(request: dict[str, Any], namespace: dict[str, Any], site_dir: str) -> None:
@@ -193,18 +205,29 @@ def execute(request: dict[str, Any], namespace: dict[str, Any], site_dir: str) -
     except BaseException as exc:  # the agent's error, KeyboardInterrupt included, is data
         _running[0] = False
         if isinstance(exc, SystemExit):
-            status, error = "error", {"type": "SystemExit", "message": str(exc.code), "traceback": ""}
+            status, error = "error", {"type": "SystemExit", "message": str(exc.code)[:MAX_ERROR_CHARS], "traceback": ""}
         else:
             status, error = "error", error_of(exc)
-    images: list[dict[str, Any]] = []
+    images: list[tuple[bytes, int, int]] = []
     try:
         images = figures()
     except Exception as exc:
         error = error or error_of(exc)
         status = "error"
     drain()
-    emit({"event": "done", "id": cell_id, "status": status, "value": value, "error": error, "images": images})
+    report(cell_id, value, error, images)
+    emit({"event": "done", "id": cell_id, "status": status})
     _current["id"] = None
+
+
+def report(cell_id: int, value: str | None, error: dict[str, str] | None, images: list[tuple[bytes, int, int]]) -> None:
+    """What a cell left: its value, its error and its figures, each a message with a payload."""
+    if value is not None:
+        emit({"event": "value", "id": cell_id}, value.encode("utf-8", "replace"))
+    for field, text in (error or {}).items():
+        emit({"event": "error", "id": cell_id, "field": field}, text.encode("utf-8", "replace"))
+    for png, width, height in images:
+        emit({"event": "image", "id": cell_id, "width": width, "height": height}, png)
 
 
 def read_requests(fd: int, main_thread: int, inbox: list[dict[str, Any]], wake: threading.Semaphore) -> None:

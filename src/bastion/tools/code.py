@@ -51,6 +51,10 @@ def cell_result(result: CellResult, extra: dict[str, object]) -> OperationResult
         "truncated": result.truncated,
         "context_state": "alive" if result.context_alive else "dead",
     }
+    if result.protocol_error:
+        # The agent's code wrote to the context's protocol channel: only the context ends, not the sandbox.
+        reason = f"the context broke the protocol ({result.protocol_error}) and was killed: run again with restart=true"
+        return OperationResult.failure("execute_code", ResultCode.OPERATION_FAILED, reason, detail)
     if result.oom_killed:
         reason = "the context ran out of memory and was killed: run again with restart=true"
         return OperationResult.failure("execute_code", ResultCode.RESOURCE_LIMIT, reason, detail)
