@@ -9,15 +9,22 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from mcp import Client
 
+from bastion.app import build_server, build_services
+from bastion.config import load_config
 from bastion.gateway import dispatch
 from bastion.gateway.keys import dispatch_source
-from tests.helpers import processes_with
+from tests.helpers import call, processes_with
+
+from .lab import GatewayLab
 
 SOURCE = dispatch_source()
 
@@ -651,3 +658,84 @@ def test_log_write_failure_means_nothing_runs(target: Path) -> None:
         reason = "log cannot be written, so nothing runs" if command == "touch" else "unknown action"
         assert_refused_and_nothing_ran(done, target, reason)
     assert (target / "dispatch.jsonl").read_bytes() == b""
+
+
+# The same attacks end to end: bastion's gateway tool, the real OpenSSH server of the lab, dispatch.py behind it.
+
+SHOW_ACTION = """
+[[gateway.action]]
+name = "show"
+approval = false
+args = [{ name = "path", pattern = "biscuit/[A-Za-z-]+" }]
+"""
+
+
+@asynccontextmanager
+async def gateway_client(lab: GatewayLab) -> AsyncIterator[Client]:
+    """The lab's bastion config plus a `biscuit_show` tool for the host's `show` action (a path argument)."""
+    path = lab.config_path.with_name("bastion-show.toml")
+    path.write_text(lab.config_path.read_text() + SHOW_ACTION)
+    services = build_services(load_config(path))
+    try:
+        async with Client(build_server(services, caller="dispatch-test")) as client:
+            yield client
+    finally:
+        services.close()
+
+
+def show_runs(lab: GatewayLab) -> list[list[str]]:
+    return [run["argv"] for run in lab.action_runs() if run["argv"][0] == "show"]
+
+
+@pytest.mark.anyio
+async def test_hardlinked_path_argument_outside_root_refused_through_the_gateway(lab: GatewayLab) -> None:
+    """`biscuit_show` of a hard link to a file outside the host's root: POLICY_DENIED, the file's text never leaves.
+
+    The control call shows a plain file through the same tool first, so the refusal is the link's.
+    """
+    biscuit = lab.root / "target" / "srv" / "biscuit"
+    secret = lab.root / "target" / "outside-secret"
+    secret.write_text("SECRET-outside-root\n")
+    os.link(secret, biscuit / "hardlink")
+    try:
+        before, runs = lab.settled_count(), show_runs(lab)
+        async with gateway_client(lab) as client:
+            plain = await call(client, "biscuit_show", path="biscuit/VERSION")
+            assert plain["ok"], plain
+            assert plain["detail"]["stdout"] == "v1.0.0\n"  # type: ignore[index]
+            linked = await call(client, "biscuit_show", path="biscuit/hardlink")
+        assert linked["code"] == "POLICY_DENIED", linked
+        assert "more than one link" in str(linked["reason"])
+        assert "SECRET" not in json.dumps(linked)
+        new = lab.dispatch_records()[before:]
+        assert [r["event"] for r in new] == ["start", "end", "refused"]
+        assert new[-1]["request"] == "show biscuit/hardlink"
+        assert show_runs(lab)[len(runs) :] == [["show", new[0]["argv"][2]]]  # the control's run, only
+        assert secret.read_text() == "SECRET-outside-root\n"
+    finally:
+        (biscuit / "hardlink").unlink()
+        secret.unlink()
+
+
+@pytest.mark.anyio
+async def test_fifo_path_argument_refused_without_blocking_through_the_gateway(lab: GatewayLab) -> None:
+    """A FIFO beneath the host's root: refused at once (before: the action blocked on it until the 5 s timeout).
+
+    Through bastion's tool (POLICY_DENIED, not TIMEOUT) and through the plain OpenSSH client (exit 126).
+    """
+    fifo = lab.root / "target" / "srv" / "biscuit" / "fifo"
+    os.mkfifo(fifo)
+    try:
+        before, runs = lab.settled_count(), show_runs(lab)
+        async with gateway_client(lab) as client:
+            result = await call(client, "biscuit_show", path="biscuit/fifo")
+        assert result["code"] == "POLICY_DENIED", result
+        assert "not a plain file or folder" in str(result["reason"])
+        done = lab.ssh("show biscuit/fifo")
+        assert done.returncode == 126, done.stderr
+        assert "dispatch: refused: path argument is not a plain file or folder" in done.stderr
+        assert [r["event"] for r in lab.dispatch_records()[before:]] == ["refused", "refused"]
+        assert show_runs(lab)[len(runs) :] == []
+        assert processes_with(str(fifo)) == []
+    finally:
+        fifo.unlink()
