@@ -16,15 +16,15 @@ from __future__ import annotations
 import os
 import re
 import shutil
-from pathlib import Path
 from typing import TYPE_CHECKING, Final, Literal
 
 from bastion.code import OWN_VENV, SYSTEM_PYTHON
-from bastion.safety.errors import InvalidRequest, NotFound, OperationFailed, PolicyDenied
+from bastion.safety.errors import InvalidRequest, NotFound, OperationFailed, PathEscape, PolicyDenied
 from bastion.sandbox._spawn import SANDBOX_PATH
 
 if TYPE_CHECKING:
     from bastion.config import SandboxesConfig
+    from bastion.safety.paths import Jail
     from bastion.sandboxes import Sandbox
     from bastion.workspaces import CommandOutput, HostWorkspace
 
@@ -32,6 +32,7 @@ Manager = Literal["pip", "npm"]
 MAX_REQUIREMENT_CHARS: Final = 200
 TEMPLATE_SITE_GLOB: Final = "/opt/bastion/env/lib/python3*/site-packages"
 NPM_PREFIX: Final = "/workspace"
+VENV_PYTHON: Final = ".venv/bin/python"  # relative to the workspace: OWN_VENV's python
 
 _NAME: Final = r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?"
 _EXTRAS: Final = rf"\[\s*{_NAME}(?:\s*,\s*{_NAME})*\s*\]"
@@ -139,14 +140,29 @@ async def install(
                 raise NotFound("npm is not installed in this sandbox's template")
             argv = npm_command(checked, config.npm_registry_url, _ca_bundle())
             return checked, await workspace.run_argv(npm, argv, timeout_s=None, ceiling_s=config.install_timeout_s)
-        if not _has_venv(box.root / "workspace"):
+        if not _has_venv(workspace.jail):
             await _make_venv(workspace)
         argv = pip_command(checked, config.pip_index_url, _ca_bundle())
         return checked, await workspace.run_argv(argv[0], argv, timeout_s=None, ceiling_s=config.install_timeout_s)
 
 
-def _has_venv(workspace_root: Path) -> bool:
-    return os.path.lexists(workspace_root / ".venv" / "bin" / "python")
+def _has_venv(jail: Jail) -> bool:
+    """Whether the sandbox's venv has its python (a link counts, dangling or not).
+
+    Asked through the jail: the sandbox makes `.venv` and its parts, and a host lookup that
+    followed its links would answer by whether a host path exists (an oracle on the host's
+    files). The jail refuses any link leaving the workspace, whatever its target.
+
+    Raises:
+        PathEscape: `.venv`, `.venv/bin` or its python is reached through a link leaving the workspace.
+    """
+    try:
+        return jail.kind(VENV_PYTHON) is not None
+    except PathEscape:
+        raise PathEscape(
+            f"/workspace/{VENV_PYTHON} goes through a link that leaves the workspace: remove the link "
+            "(or the .venv folder) and install again"
+        ) from None
 
 
 def _ca_bundle() -> str | None:

@@ -34,7 +34,7 @@ from bastion.safety.errors import (
     SandboxNotFound,
 )
 from bastion.safety.paths import MAX_READ_BYTES, MAX_SCAN_ENTRIES, Jail, privileged_file
-from bastion.safety.redact import Redactor, StreamRedactor, sanitize_terminal
+from bastion.safety.redact import SLICE_CONTEXT_BYTES, Redactor, StreamRedactor, sanitize_terminal
 from bastion.sandbox._devices import DeviceFolder
 from bastion.sandbox._idmap import idmap_supported, idmapped_mount, is_mounted, unmount
 from bastion.sandbox._spawn import SANDBOX_PATH, SANDBOX_WORKSPACE, SandboxSpec
@@ -316,11 +316,14 @@ class HostWorkspace:
         want = MAX_READ_BYTES if length is None else length
         if want <= 0 or want > MAX_READ_BYTES:
             raise InvalidRequest(f"length must be between 1 and {MAX_READ_BYTES} bytes")
-        result = self.jail.read(path, offset=offset, length=want)
         if encoding == "base64":
+            result = self.jail.read(path, offset=offset, length=want)
             content = base64.b64encode(result.data).decode("ascii")
         else:
-            content = self.redactor.redact(result.data.decode("utf-8", errors="replace"))
+            # Redacted with context on both sides: a secret the slice cuts is hidden as the whole file would hide it.
+            result = self.jail.read(path, offset=offset, length=want, margin=SLICE_CONTEXT_BYTES)
+            window = result.before + result.data + result.after
+            content = self.redactor.redact_slice(window, len(result.before), len(result.before) + len(result.data))
         return {
             "path": result.path,
             "content": content,
@@ -351,8 +354,12 @@ class HostWorkspace:
         entries = self.jail.list_dir(path)
         return {
             "path": self.jail.relative(path),
-            "entries": [{"name": e.name, "kind": e.kind, "size": e.size} for e in entries],
+            "entries": [{"name": self._shown_name(e.name), "kind": e.kind, "size": e.size} for e in entries],
         }
+
+    def _shown_name(self, name: str) -> str:
+        # A file name is output too: cleaned and redacted as `ls` printing it would be.
+        return self.redactor.redact(sanitize_terminal(name))
 
     # Background processes (sandboxes only): started by run_command(background=true).
 

@@ -763,3 +763,161 @@ def test_privileged_file_finds_file_capabilities(tmp_path: Path) -> None:
     # struct vfs_cap_data, revision 2, CAP_NET_RAW (13) permitted and effective.
     os.setxattr(capable, "security.capability", struct.pack("<IIIII", 0x02000001, 1 << 13, 0, 0, 0))
     assert privileged_file(tmp_path) == ("capable", False)
+
+
+# --- the secret-file rule on the real path (issue 13, finding 5) ------------------------------
+
+
+def _secret_folder(ws: Path) -> dict[str, bytes]:
+    """A .ssh folder with an authorized_keys, and a snapshot of everything in it."""
+    (ws / ".ssh").mkdir()
+    (ws / ".ssh" / "sub").mkdir()
+    (ws / ".ssh" / "authorized_keys").write_bytes(b"ssh-ed25519 AAAA admin\n")
+    return _tree(ws / ".ssh")
+
+
+def _tree(folder: Path) -> dict[str, bytes]:
+    return {
+        str(path.relative_to(folder)): (path.read_bytes() if path.is_file() else b"<dir>")
+        for path in sorted(folder.rglob("*"))
+    }
+
+
+# Each makes `keys` lead into .ssh (or its sub-folder, `keys/sub` then being one level deeper).
+_SECRET_LINKS = {
+    "relative": [("keys", ".ssh")],
+    "dot-slash": [("keys", "./.ssh")],
+    "through-dotdot": [("plain", None), ("keys", "plain/../.ssh")],
+    "chained": [("keys", "k2"), ("k2", "k3"), ("k3", ".ssh")],
+    "nested-parent": [("plain", None), ("plain/keys", "../.ssh")],
+}
+
+
+@pytest.mark.parametrize("shape", sorted(_SECRET_LINKS))
+def test_secret_folder_through_a_symlinked_parent_is_refused_for_every_operation(
+    jail: Jail, ws: Path, shape: str
+) -> None:
+    """Invariant: with a link leading into .ssh (relative, ./, chained, through '..', or in a
+    sub-folder), no jail operation reads, writes, creates, lists, stats or hands out a cwd in
+    it: the rule judges the real path the kernel opened. Nothing in .ssh changes.
+
+    Does not prove a rename racing the check is caught (see the module docstring).
+    """
+    before = _secret_folder(ws)
+    for name, target in _SECRET_LINKS[shape]:
+        if target is None:
+            (ws / name).mkdir()
+        else:
+            (ws / name).symlink_to(target)
+    keys = "plain/keys" if shape == "nested-parent" else "keys"
+    refused = (PolicyDenied,)
+    with pytest.raises(refused, match="secret-file rule"):
+        jail.read(f"{keys}/authorized_keys")
+    with pytest.raises(refused, match="secret-file rule"):
+        jail.write(f"{keys}/authorized_keys", b"ssh-ed25519 EVIL attacker\n")
+    with pytest.raises(refused, match="secret-file rule"):
+        jail.write(f"{keys}/authorized_keys", b"ssh-ed25519 EVIL attacker\n", append=True)
+    with pytest.raises(refused, match="secret-file rule"):
+        jail.write(f"{keys}/new_file", b"x", exclusive=True)
+    with pytest.raises(refused, match="secret-file rule"):
+        jail.write(f"{keys}/new/deeper/file", b"x", create_parents=True)
+    with pytest.raises(refused, match="secret-file rule"):
+        jail.write(f"{keys}/sub/file", b"x", create_parents=True)
+    with pytest.raises(refused, match="secret-file rule"):
+        jail.list_dir(keys)
+    with pytest.raises(refused, match="secret-file rule"):
+        jail.list_dir(f"{keys}/sub")
+    with pytest.raises(refused, match="secret-file rule"):
+        jail.stat(f"{keys}/authorized_keys")
+    with pytest.raises(refused, match="secret-file rule"):
+        jail.open_dir_fd(keys)
+    with pytest.raises(refused, match="secret-file rule"):
+        jail.kind(f"{keys}/authorized_keys")
+    assert _tree(ws / ".ssh") == before
+
+
+def test_secret_file_through_an_innocent_link_is_refused_for_every_operation(jail: Jail, ws: Path) -> None:
+    """Invariant: a link with an innocent name to a secret file (``notes -> .env``) or into a
+    folder holding one is refused on read, stat and kind, and is never written through.
+    """
+    (ws / ".env").write_text("TOKEN=1")
+    (ws / "notes").symlink_to(".env")
+    (ws / "docs").mkdir()
+    (ws / "docs" / "up").symlink_to("..")
+    with pytest.raises(PolicyDenied, match="secret-file rule"):
+        jail.read("notes")
+    with pytest.raises(PolicyDenied, match="secret-file rule"):
+        jail.read("docs/up/notes")
+    with pytest.raises(PolicyDenied):
+        jail.write("notes", b"TOKEN=2")
+    assert jail.kind("notes") == "symlink"  # the link itself: its name is innocent and it is not followed
+    with pytest.raises(PolicyDenied):
+        jail.stat("notes")  # stat refuses a final link, whatever its target
+    assert (ws / ".env").read_text() == "TOKEN=1"
+
+
+def test_innocent_folders_behind_symlinks_still_work(jail: Jail, ws: Path) -> None:
+    """Invariant: judging real paths refuses only secret ones: a link to an ordinary folder
+    inside the workspace reads, writes, lists and stats as before (no false refusals).
+    """
+    (ws / "real").mkdir()
+    (ws / "alias").symlink_to("real")
+    (ws / "via").symlink_to("alias/../real")
+    jail.write("alias/f.txt", b"one")
+    jail.write("via/new/g.txt", b"two", create_parents=True)
+    assert (ws / "real" / "f.txt").read_bytes() == b"one"
+    assert (ws / "real" / "new" / "g.txt").read_bytes() == b"two"
+    assert jail.read("via/f.txt").data == b"one"
+    assert [entry.name for entry in jail.list_dir("alias")] == ["f.txt", "new"]
+    assert jail.stat("alias/f.txt").st_size == 3
+    assert jail.kind("alias/new") == "dir"
+    os.close(jail.open_dir_fd("via/new"))
+
+
+def test_a_jail_without_secret_patterns_never_reads_proc(ws: Path) -> None:
+    """Invariant: the real-path check is skipped when there is nothing to judge (the organizer's
+    jail), so it costs nothing there; a secret-looking name is then just a name."""
+    (ws / ".ssh").mkdir()
+    (ws / "keys").symlink_to(".ssh")
+    with Jail(ws, secret_patterns=()) as plain:
+        plain.write("keys/x", b"x")
+        assert [entry.name for entry in plain.list_dir("keys")] == ["x"]
+
+
+@pytest.mark.parametrize("venv", ["/etc", "/nonexistent-bastion-dir", "../../../../../../etc"])
+def test_kind_answers_the_same_whether_a_host_path_exists(jail: Jail, ws: Path, venv: str) -> None:
+    """Invariant: a link leaving the workspace is PathEscape with the same reason whether its host
+    target exists or not (no oracle on the host's tree); a final link is reported, not followed.
+    """
+    (ws / ".venv").symlink_to(venv)
+    with pytest.raises(PathEscape) as info:
+        jail.kind(".venv/bin/python")
+    assert info.value.reason == (
+        "'.venv/bin/python' goes through a symbolic link that leaves the workspace, loops or is a /proc link: "
+        "use a path inside the workspace"
+    )
+
+
+@pytest.mark.parametrize("target", ["/usr/bin/python3", "/nonexistent-bastion/python"])
+def test_kind_reports_a_final_link_without_following_it(jail: Jail, ws: Path, target: str) -> None:
+    """Invariant: ``kind`` of a final link is 'symlink' whatever its target; missing is None."""
+    (ws / ".venv" / "bin").mkdir(parents=True)
+    (ws / ".venv" / "bin" / "python").symlink_to(target)
+    assert jail.kind(".venv/bin/python") == "symlink"
+    assert jail.kind(".venv/bin/pip") is None
+    with pytest.raises(PathEscape):
+        jail.kind(".venv/bin/python/x")  # an absolute link is never followed as a parent
+
+
+def test_read_with_a_margin_returns_the_bytes_around_the_range(jail: Jail, ws: Path) -> None:
+    """Invariant: ``margin`` adds context on each side, read in the same open; ``data``, ``eof``
+    and ``size`` are those of the range asked for, and the margin stops at the file's ends."""
+    (ws / "f.txt").write_bytes(b"0123456789")
+    middle = jail.read("f.txt", offset=4, length=2, margin=3)
+    assert (middle.before, middle.data, middle.after, middle.eof) == (b"123", b"45", b"678", False)
+    edge = jail.read("f.txt", offset=1, length=20, margin=3)
+    assert (edge.before, edge.data, edge.after, edge.eof, edge.size) == (b"0", b"123456789", b"", True, 10)
+    past = jail.read("f.txt", offset=12, length=2, margin=4)
+    assert (past.before, past.data, past.after, past.eof) == (b"89", b"", b"", True)
+    with pytest.raises(InvalidRequest):
+        jail.read("f.txt", margin=-1)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -10,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bastion.safety.errors import ConfigError
-from bastion.safety.redact import STREAM_HOLD_CAP_CHARS, Redactor, sanitize_terminal
+from bastion.safety.redact import SLICE_CONTEXT_BYTES, STREAM_HOLD_CAP_CHARS, Redactor, sanitize_terminal
 
 CORPUS_FILE = Path(__file__).resolve().parents[1] / "attacks" / "attack-corpus.json"
 CORPUS = {e["id"]: e for e in json.loads(CORPUS_FILE.read_text())}
@@ -240,3 +242,114 @@ def test_stream_split_between_key_and_secret(text: str) -> None:
         stream = r.stream()
         out = stream.feed(text[:cut]) + stream.feed(text[cut:]) + stream.flush()
         assert out == r.redact(text), cut
+
+
+# --- slices of a file (read_file with offset and length; issue 13, finding 5) -----------------
+
+# Filler that cannot form or glue onto a secret: no 'r' (bearer, authorization, password...), no
+# '=' or ':' (key=value), no '-', '_' or '/' (token prefixes), no capitals or digits; multibyte
+# characters so byte offsets and character offsets differ.
+SLICE_FILLER = st.text(alphabet=st.sampled_from(list("abcdefghijklmnopqstuvwxyz  \n.,é日€")), max_size=300)
+SECRET_VALUE = "ΩMEGA-VALUE-7Q3Z"  # a configured value with a two-byte character in it
+
+
+def _body(size: int) -> st.SearchStrategy[str]:
+    return st.text(alphabet=st.sampled_from(list("ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789")), min_size=size, max_size=size)
+
+
+SLICE_SECRETS = st.one_of(
+    _body(16).map(lambda b: f"AKIA{b}"),
+    _body(36).map(lambda b: f"ghp_{b}"),
+    _body(40).map(lambda b: f"sk-ant-{b}"),
+    st.lists(_body(64), min_size=1, max_size=6).map(
+        lambda lines: "-----BEGIN RSA PRIVATE KEY-----\n" + "\n".join(lines) + "\n-----END RSA PRIVATE KEY-----"
+    ),
+    _body(24).map(lambda b: f'api_key = "{b[:12]} {b[12:]}"'),
+    st.just(SECRET_VALUE),
+)
+_MARKERS = re.compile(r"(?:\[REDACTED:[a-z_]+\])+")
+
+
+def _shows_secret(text: str) -> bool:
+    """Whether `text` shows any character of a planted secret: every one has a capital or digit, no filler does."""
+    return re.search(r"[A-Z0-9Ω]", _MARKERS.sub("", text)) is not None
+
+
+def _slice(redactor: Redactor, data: bytes, offset: int, length: int, context: int) -> str:
+    start = max(0, offset - context)
+    window = data[start : offset + length + context]
+    return redactor.redact_slice(window, offset - start, min(offset - start + length, len(window)))
+
+
+@st.composite
+def _planted(draw: st.DrawFn) -> tuple[bytes, list[str]]:
+    parts = draw(st.lists(st.tuples(SLICE_FILLER, SLICE_SECRETS), min_size=1, max_size=5))
+    text = "".join(f"{filler} {secret}\n" for filler, secret in parts) + draw(SLICE_FILLER)
+    return text.encode("utf-8"), [secret for _, secret in parts]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(planted=_planted(), data=st.data())
+def test_read_slices_never_show_a_secret_that_whole_file_redaction_hides(
+    planted: tuple[bytes, list[str]], data: st.DataObject
+) -> None:
+    """Invariant: for text with secrets at random offsets, whole-file redaction hides every
+    secret; then no slice (byte offset, length) shows any character of one, with a context at
+    least as long as the longest secret, and however the slice cuts a secret or a multibyte
+    character. Does not prove anything for a secret longer than the context (documented cap).
+    """
+    raw, secrets = planted
+    redactor = Redactor(secret_values=[SECRET_VALUE])
+    assert not _shows_secret(redactor.redact(raw.decode("utf-8"))), "the generator planted a secret redact misses"
+    longest = max(len(secret.encode("utf-8")) for secret in secrets)
+    context = data.draw(st.integers(longest, longest + 64), label="context")
+    for _ in range(8):
+        offset = data.draw(st.integers(0, len(raw)), label="offset")
+        length = data.draw(st.integers(1, max(1, len(raw))), label="length")
+        shown = _slice(redactor, raw, offset, length, context)
+        assert not _shows_secret(shown), (offset, length, shown)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(planted=_planted(), data=st.data())
+def test_adjacent_read_slices_never_join_back_into_a_secret(
+    planted: tuple[bytes, list[str]], data: st.DataObject
+) -> None:
+    """Invariant: cutting the file into adjacent slices and joining what each shows never
+    reconstructs a secret (the 'token in two halves' attack); and, cut at character boundaries,
+    the join is whole-file redaction (no extra loss) once a marker repeated by a cut is merged.
+    """
+    raw, secrets = planted
+    redactor = Redactor(secret_values=[SECRET_VALUE])
+    text = raw.decode("utf-8")
+    boundaries = sorted({len(text[:i].encode("utf-8")) for i in range(len(text) + 1)})
+    cuts = sorted(set(data.draw(st.lists(st.sampled_from(boundaries), max_size=12), label="cuts")))
+    edges = [0, *[c for c in cuts if 0 < c < len(raw)], len(raw)]
+    context = max(len(secret.encode("utf-8")) for secret in secrets)
+    joined = "".join(_slice(redactor, raw, a, b - a, context) for a, b in itertools.pairwise(edges))
+    assert not _shows_secret(joined)
+    for secret in secrets:
+        assert secret not in joined
+    assert _MARKERS.sub("[R]", joined) == _MARKERS.sub("[R]", redactor.redact(text))
+
+
+def test_a_token_cut_in_two_by_a_slice_shows_no_half() -> None:
+    """The attack of issue 13: read a token as two slices that meet inside it."""
+    token = "ghp_" + "Q7" * 18
+    raw = f"config\ntoken {token} here\n".encode()
+    cut = raw.index(b"Q7") + 10
+    redactor = Redactor()
+    first = _slice(redactor, raw, 0, cut, SLICE_CONTEXT_BYTES)
+    second = _slice(redactor, raw, cut, len(raw) - cut, SLICE_CONTEXT_BYTES)
+    assert first == "config\ntoken [REDACTED:github_token]"
+    assert second == "[REDACTED:github_token] here\n"
+    assert "Q7" not in first + second
+
+
+def test_slice_of_undecodable_bytes_is_replaced_as_before() -> None:
+    """Invariant: a slice is decoded alone, errors replaced, as a plain read of its bytes was:
+    a multibyte character cut by the slice shows as U+FFFD, never as a lone surrogate."""
+    raw = "é日".encode() + b"\xff"
+    redactor = Redactor()
+    assert redactor.redact_slice(raw, 1, len(raw)) == "\ufffd日\ufffd"
+    assert redactor.redact_slice(raw, 0, len(raw)) == raw.decode("utf-8", "replace")

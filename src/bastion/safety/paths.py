@@ -21,7 +21,13 @@ What it guarantees:
   from a file inside. The last component of a write never follows a symlink, truncation
   happens only after the opened file was checked, and missing parents are created one at a
   time with ``mkdirat`` under held directory fds.
-- Names matching the secret-file patterns are refused for every operation.
+- Names matching the secret-file patterns are refused for every operation (read, write,
+  list, stat, a command's cwd), judged twice: on the path as given, and on the real path of
+  the object the kernel opened (read back from ``/proc/self/fd``, every component beneath
+  the root). A symlinked parent (``keys -> .ssh``, relative, chained or through ``..``) or an
+  innocent-named link to a secret file is no way around them; a write is judged on its
+  parent folder before anything is created in it, and on the file before a byte is written.
+  Without a readable ``/proc/self/fd`` a jail with secret patterns refuses to start.
 - Without openat2 (Linux < 5.6, or blocked by a seccomp filter) the jail refuses to start
   (`Unavailable`); it never falls back to string checks.
 
@@ -30,8 +36,9 @@ What it does not guarantee:
 - It does not stop a process running inside the workspace from creating symlinks, hard
   links, FIFOs or device nodes there; it only makes using them unable to reach outside.
 - Content is not inspected: a secret pasted into ``notes.txt`` is read like any other text.
-- The secret-file rule matches names. A symlink with an innocent name pointing at a secret
-  file inside the workspace is caught on reads only on a best-effort basis (via /proc).
+- The secret-file rule matches names, at the moment of the check: a folder renamed to a
+  secret name after it was judged (between two syscalls) is not caught, and a hard link
+  (with ``allow_hardlinks``) is judged by the name it was opened through.
 - Bind mounts placed inside the workspace by an administrator are crossed.
 - Names returned by `Jail.list_dir` are returned as the kernel gives them; escaping them for
   display is the caller's job.
@@ -108,6 +115,7 @@ _NEW_DIR_MODE: Final = 0o755
 # the server may be root, which keeps them, so the jail clears them itself.
 _PRIVILEGE_BITS: Final = stat.S_ISUID | stat.S_ISGID
 _CAPABILITY_XATTR: Final = "security.capability"
+_DELETED: Final = " (deleted)"
 
 
 def privileged_file(root: str | os.PathLike[str], *, max_entries: int = MAX_SCAN_ENTRIES) -> tuple[str | None, bool]:
@@ -195,12 +203,16 @@ class ReadResult:
         data: the bytes read, at most the requested length.
         size: the file size when it was opened.
         eof: True when the read reached the end of the file.
+        before: up to `margin` bytes just before `data` (see `Jail.read`).
+        after: up to `margin` bytes just after `data`.
     """
 
     path: str
     data: bytes
     size: int
     eof: bool
+    before: bytes = b""
+    after: bytes = b""
 
 
 @final
@@ -270,6 +282,19 @@ def _compile_secret_patterns(patterns: Sequence[str]) -> tuple[tuple[str, re.Pat
             raise ConfigError(f"secret pattern {pattern!r} must be a non-empty name without '/': fix the entry")
         compiled.append((pattern, re.compile(fnmatch.translate(pattern), re.IGNORECASE)))
     return tuple(compiled)
+
+
+def _pread_all(fd: int, offset: int, length: int) -> bytes:
+    """Up to `length` bytes from `offset`: fewer only at the end of the file."""
+    chunks: list[bytes] = []
+    got = 0
+    while got < length:
+        chunk = os.pread(fd, length - got, offset + got)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
 
 
 def _error_from_os(exc: OSError, rel: str) -> BastionError:
@@ -372,6 +397,25 @@ class Jail:
         self._fd = fd
         self._root = real
         self._root_parts: tuple[str, ...] = tuple(part for part in real.split("/") if part)
+        if self._secret:
+            self._probe_real_paths(real)
+
+    def _probe_real_paths(self, real: str) -> None:
+        # The secret-file rule judges real paths read from /proc/self/fd: without them it could not.
+        try:
+            seen = self._real_relative(self._fd, ".")
+        except BastionError as exc:
+            self.close()
+            raise Unavailable(
+                "/proc/self/fd cannot be read: bastion needs it to judge secret files by their real path",
+                detail=exc.detail,
+            ) from None
+        if seen != ".":
+            self.close()
+            raise Unavailable(
+                f"/proc/self/fd names the workspace root '{real}' differently: bastion needs it to judge secret files",
+                detail=f"root seen as {seen!r}",
+            )
 
     @property
     def root(self) -> str:
@@ -442,7 +486,7 @@ class Jail:
                 stack.append(part)
         return "/".join(stack) or "."
 
-    def read(self, path: str, *, offset: int = 0, length: int = MAX_READ_BYTES) -> ReadResult:
+    def read(self, path: str, *, offset: int = 0, length: int = MAX_READ_BYTES, margin: int = 0) -> ReadResult:
         """Read part of a regular file beneath the root.
 
         A final symlink is followed only while it stays beneath the root.
@@ -451,6 +495,8 @@ class Jail:
             path: the file to read.
             offset: byte offset to start at.
             length: bytes wanted; capped at ``MAX_READ_BYTES``.
+            margin: also read up to this many bytes on each side of the range, in the same open
+                (``before``, ``after``), e.g. so that redaction sees a secret the range cuts.
 
         Returns:
             The bytes and whether the end of the file was reached.
@@ -460,26 +506,30 @@ class Jail:
                 hard links), NotFound, OperationFailed.
         """
         rel = self._checked(path)
-        if offset < 0 or length < 0:
+        if offset < 0 or length < 0 or margin < 0:
             raise InvalidRequest("offset and length must not be negative: pass 0 or more")
         length = min(length, MAX_READ_BYTES)
+        start = max(0, offset - margin)
         fd = self._open_regular(self._root_fd(), rel, rel, os.O_RDONLY, RESOLVE)
         try:
-            self._check_resolved_secret(fd, rel)
+            self._judge(fd, rel)
             size = os.fstat(fd).st_size
-            chunks: list[bytes] = []
-            got = 0
-            while got < length:
-                chunk = os.pread(fd, length - got, offset + got)
-                if not chunk:
-                    break
-                chunks.append(chunk)
-                got += len(chunk)
+            window = _pread_all(fd, start, offset + length + margin - start)
         except OSError as exc:
             raise _error_from_os(exc, rel) from exc
         finally:
             os.close(fd)
-        return ReadResult(path=rel, data=b"".join(chunks), size=size, eof=got < length or offset + got >= size)
+        cut = offset - start
+        data = window[cut : cut + length]
+        got = len(data)
+        return ReadResult(
+            path=rel,
+            data=data,
+            size=size,
+            eof=got < length or offset + got >= size,
+            before=window[:cut],
+            after=window[cut + length :],
+        )
 
     def write(
         self, path: str, data: bytes, *, append: bool = False, create_parents: bool = False, exclusive: bool = False
@@ -517,6 +567,7 @@ class Jail:
             os.close(parent_fd)
         written = 0
         try:
+            self._judge(fd, rel)
             self._settle(fd, created)
             if not append and not created:
                 os.ftruncate(fd, 0)
@@ -540,6 +591,7 @@ class Jail:
         fd = self._open_dir(rel, os.O_RDONLY | os.O_DIRECTORY)
         entries: list[DirEntry] = []
         try:
+            self._judge(fd, rel)
             with os.scandir(fd) as iterator:
                 for entry in iterator:
                     if len(entries) >= MAX_LIST_ENTRIES:
@@ -566,7 +618,9 @@ class Jail:
         Raises:
             BastionError: InvalidRequest (not a folder), PathEscape, PolicyDenied, NotFound.
         """
-        return self._open_dir(self._checked(path), os.O_PATH | os.O_DIRECTORY)
+        rel = self._checked(path)
+        fd = self._open_dir(rel, os.O_PATH | os.O_DIRECTORY)
+        return self._judged(fd, rel)
 
     def stat(self, path: str) -> os.stat_result:
         """Stat an entry beneath the root; a final symlink is refused, not followed.
@@ -577,12 +631,34 @@ class Jail:
         rel = self._checked(path)
         fd = self._open(self._root_fd(), rel, rel, os.O_PATH | os.O_NOFOLLOW)
         try:
+            self._judge(fd, rel)
             info = os.fstat(fd)
         finally:
             os.close(fd)
         if stat.S_ISLNK(info.st_mode):
             raise PolicyDenied(f"'{rel}' is a symbolic link and stat does not follow links: use list_dir to see it")
         return info
+
+    def kind(self, path: str) -> EntryKind | None:
+        """What is at `path`, a final symlink not followed; None when nothing is.
+
+        For decisions the host makes about a path a sandbox controls: its parents are resolved
+        by the kernel beneath the root, so a link leaving the workspace is refused whether or
+        not its target exists (the answer reveals nothing about the host's files).
+
+        Raises:
+            BastionError: InvalidRequest, PathEscape (a parent leaves the root), PolicyDenied (secret).
+        """
+        rel = self._checked(path)
+        try:
+            fd = self._open(self._root_fd(), rel, rel, os.O_PATH | os.O_NOFOLLOW)
+        except NotFound:
+            return None
+        try:
+            self._judge(fd, rel)
+            return _kind_of(os.fstat(fd).st_mode)
+        finally:
+            os.close(fd)
 
     def _root_fd(self) -> int:
         if self._fd < 0:
@@ -602,16 +678,48 @@ class Jail:
                 if regex.match(name):
                     raise PolicyDenied(f"'{name}' matches the secret-file rule '{pattern}': ask the administrator")
 
-    def _check_resolved_secret(self, fd: int, rel: str) -> None:
-        # Best effort: /proc gives the name the fd was reached by, which differs from `rel`
-        # when an innocent-looking symlink inside the workspace points at a secret file.
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
+    def _judge(self, fd: int, rel: str) -> None:
+        """Apply the secret-file rule to the real path of what `fd` is, beneath the root.
+
+        It differs from `rel` when a component of `rel` (a parent or the last) is a symlink:
+        ``keys -> .ssh`` makes ``keys/authorized_keys`` really ``.ssh/authorized_keys``.
+        """
+        if not self._secret:
             return
-        prefix = self._root.rstrip("/") + "/"
-        if target.startswith(prefix) and target[len(prefix) :] != rel:
-            self._check_secret(target[len(prefix) :])
+        real = self._real_relative(fd, rel)
+        if real != rel:
+            self._check_secret(real)
+
+    def _judged(self, fd: int, rel: str) -> int:
+        """`fd`, once `_judge` passed; closed if it did not."""
+        try:
+            self._judge(fd, rel)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _real_relative(self, fd: int, rel: str) -> str:
+        """The path of what `fd` is, relative to the root, as the kernel names both now."""
+        try:
+            root = os.readlink(f"/proc/self/fd/{self._root_fd()}")
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError as exc:
+            raise OperationFailed(
+                f"could not tell where '{rel}' leads (/proc/self/fd is unreadable): ask the administrator",
+                detail=f"{rel}: readlink: {exc.strerror}",
+            ) from exc
+        # An entry unlinked since it was opened is named with this suffix (d_path in fs/d_path.c).
+        target = target.removesuffix(_DELETED)
+        if target == root:
+            return "."
+        prefix = root.rstrip("/") + "/"
+        if not target.startswith(prefix):
+            raise OperationFailed(
+                f"'{rel}' is no longer beneath the workspace folder (was it moved?): try again",
+                detail=f"{rel}: real path {target!r} outside {root!r}",
+            )
+        return target[len(prefix) :]
 
     def _open(self, dirfd: int, path: str, rel: str, flags: int, *, mode: int = 0, resolve: int = RESOLVE) -> int:
         """openat2 with retries on EAGAIN/EINTR; raises the mapped BastionError."""
@@ -697,11 +805,13 @@ class Jail:
             raise InvalidRequest(f"'{rel}' or a parent of it is not a folder: check the path with list_dir") from exc
 
     def _open_parent(self, parent: str, rel: str, create: bool) -> int:
+        # The parent is judged before anything is created in it: through `keys -> .ssh`,
+        # `keys/authorized_keys` must not come into being.
         root_fd = self._root_fd()
         if not parent:
             return self._open(root_fd, ".", rel, os.O_PATH | os.O_DIRECTORY)
         try:
-            return self._open(root_fd, parent, rel, os.O_PATH | os.O_DIRECTORY)
+            return self._judged(self._open(root_fd, parent, rel, os.O_PATH | os.O_DIRECTORY), parent)
         except _NotAFolder:
             raise
         except NotFound as exc:
@@ -736,6 +846,7 @@ class Jail:
                     following = self._open(
                         current, part, rel, os.O_PATH | os.O_DIRECTORY, resolve=RESOLVE | RESOLVE_NO_SYMLINKS
                     )
+                following = self._judged(following, prefix)
                 os.close(current)
                 current = following
         except BaseException:
