@@ -23,6 +23,7 @@ from bastion.sandbox.cgroups import CgroupLayout
 from bastion.sandbox.egress import EgressService
 from bastion.sandbox.identity import IdentityPool, range_conflict, unreachable_folder
 from bastion.sandboxes import SandboxManager
+from bastion.state_lock import StateLock
 from bastion.tools._call import CallRunner
 from bastion.tools.code import register_code
 from bastion.tools.gateway import register_gateway
@@ -64,7 +65,9 @@ class Services:
     devices: DeviceFolder | None = None
     """The sandboxes' own device nodes (a root server's)."""
     identities: IdentityPool | None = None
-    """The host ids handed out; closed last, once nothing runs as them."""
+    """The host ids handed out; closed once nothing runs as them."""
+    state_lock: StateLock | None = None
+    """This server's exclusive hold on the state folder; released last."""
 
     def close(self) -> None:
         for organizer in self.organizers.values():
@@ -77,6 +80,8 @@ class Services:
         if self.identities is not None:
             self.identities.close()
         self.audit.close()
+        if self.state_lock is not None:
+            self.state_lock.release()
 
 
 def detect_cgroups(config: Config) -> CgroupLayout | None:
@@ -160,21 +165,25 @@ def scratch_sizes(config: Config) -> ScratchSizes:
 
 
 def build_services(config: Config) -> Services:
-    """Open the audit log and the workspaces; refuse to start with one line if they cannot be used."""
+    """Lock the state folder, open the audit log and the workspaces; refuse to start with one line if unusable."""
     redactor = Redactor(extra_patterns=config.redaction.patterns, secret_values=config.secret_values())
     config.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    # First: a second server would take the first one's live sandboxes and mounts for a crash's leftovers.
+    state_lock = StateLock(config.state_dir)
+    state_lock.acquire()
     audit = AuditLog(
         config.audit_path,
         redactor=redactor,
         rotate_bytes=config.audit.rotate_bytes,
         fail_closed=config.audit.fail_closed,
     )
-    try:
-        audit.open()
-    except AuditUnavailable as exc:
-        raise ConfigError(f"audit log {config.audit_path}: {exc.reason}") from None
     # A refusal part-way closes what was opened: a held journal lock or mount would stop the next start.
     with contextlib.ExitStack() as undo:
+        undo.callback(state_lock.release)
+        try:
+            audit.open()
+        except AuditUnavailable as exc:
+            raise ConfigError(f"audit log {config.audit_path}: {exc.reason}") from None
         undo.callback(audit.close)
         organizers = open_organizers(config)
         for organizer in organizers.values():
@@ -215,6 +224,7 @@ def build_services(config: Config) -> Services:
         organizers=organizers,
         devices=devices,
         identities=identities,
+        state_lock=state_lock,
     )
 
 

@@ -1,0 +1,136 @@
+"""One server per state folder: a second one refuses to start and leaves the first one's sandboxes alone."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from mcp import Client
+
+from bastion.app import Services, build_server, build_services
+from bastion.config import load_config
+from bastion.safety.errors import ConfigError
+from bastion.state_lock import LOCK_NAME, StateLock
+from tests.e2e.test_stdio import BASTION
+from tests.helpers import call, create, sh
+
+pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
+
+
+@pytest.fixture
+def config_path(demo_config_path: Path) -> Path:
+    """The demo without its inbox: the organizer's journal lock would refuse a second server on its
+    own, and most configs have no inbox, so the state folder's lock must be what refuses it here."""
+    kept, in_inbox = [], False
+    for line in demo_config_path.read_text(encoding="utf-8").splitlines(keepends=True):
+        if line.startswith("["):
+            in_inbox = line.startswith(("[[inbox]]", "[inbox.", "[[inbox."))
+        if not in_inbox:
+            kept.append(line)
+    demo_config_path.write_text("".join(kept), encoding="utf-8")
+    assert load_config(demo_config_path).inbox == ()
+    return demo_config_path
+
+
+def _tree(folder: Path) -> list[str]:
+    if not folder.exists():
+        return []
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+async def test_second_server_on_same_state_folder_refused(config_path: Path) -> None:
+    """Invariant: while a server runs, a second `bastion serve` on the same config (so the same
+    state folder) exits at start with one line naming the first server's pid, before recovery: the
+    first server's sandbox is not snapshotted or deleted, its files and mounts stay, the audit log
+    gets nothing from the second process, and the sandbox keeps working. Does not prove anything
+    about two servers given different state folders that share other paths."""
+    services = build_services(load_config(config_path))
+    try:
+        async with Client(build_server(services, caller="test")) as client:
+            await _second_server_leaves_the_first_alone(client, services, config_path)
+    finally:
+        services.close()
+
+
+async def _second_server_leaves_the_first_alone(client: Client, services: Services, config_path: Path) -> None:
+    box = await create(client)
+    await sh(client, box, "echo kept > kept.txt")
+    config = services.config
+    before = _tree(config.sandboxes_dir / box)
+    audit_before = config.audit_path.read_bytes()
+    snapshots_before = _tree(config.state_dir / "snapshots")
+    mounts_before = Path("/proc/self/mountinfo").read_text().count(str(config.state_dir))
+
+    second = subprocess.run(
+        [str(BASTION), "serve", "--config", str(config_path), "--stdio"],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+    assert second.returncode == 78, second.stderr
+    assert second.stderr == (
+        f"bastion: state folder {config.state_dir} is in use by another bastion server (pid {os.getpid()}): "
+        "stop it, or give this server a state_dir of its own\n"
+    )
+    assert _tree(config.sandboxes_dir / box) == before
+    assert _tree(config.state_dir / "snapshots") == snapshots_before
+    assert config.audit_path.read_bytes() == audit_before
+    assert Path("/proc/self/mountinfo").read_text().count(str(config.state_dir)) == mounts_before
+    out = await sh(client, box, "cat kept.txt")
+    assert out["detail"]["stdout"] == "kept\n"  # type: ignore[index]
+    listed = await call(client, "list_sandboxes")
+    assert [s["sandbox_id"] for s in listed["detail"]["sandboxes"]] == [box]  # type: ignore[index]
+
+
+def test_second_server_in_process_on_same_state_folder_refused(config_path: Path) -> None:
+    """Invariant: build_services on a state folder in use raises ConfigError (one line) before it
+    opens anything, and the first server's lock (with its pid) holds; once the first server closes,
+    the folder can be served again."""
+    config = load_config(config_path)
+    first = build_services(config)
+    try:
+        with pytest.raises(ConfigError, match=rf"is in use by another bastion server \(pid {os.getpid()}\)") as caught:
+            build_services(config)
+        assert "\n" not in str(caught.value)
+        assert (config.state_dir / LOCK_NAME).read_text() == f"{os.getpid()}\n"
+    finally:
+        first.close()
+    again = build_services(config)
+    again.close()
+
+
+def test_state_lock_released_by_a_killed_holder(tmp_path: Path) -> None:
+    """Invariant: the kernel drops the lock of a holder killed with SIGKILL, so a crash never leaves
+    the folder locked (the next server starts and recovers)."""
+    holder = subprocess.Popen(
+        [
+            str(Path(BASTION).with_name("python")),
+            "-c",
+            "import sys, pathlib; from bastion.state_lock import StateLock; "
+            "StateLock(pathlib.Path(sys.argv[1])).acquire(); print('locked', flush=True); sys.stdin.read()",
+            str(tmp_path),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None
+        assert holder.stdout.readline() == "locked\n"
+        with pytest.raises(ConfigError, match=rf"\(pid {holder.pid}\)"):
+            StateLock(tmp_path).acquire()
+    finally:
+        holder.kill()
+        holder.wait(30)
+        if holder.stdin is not None:
+            holder.stdin.close()
+        if holder.stdout is not None:
+            holder.stdout.close()
+    lock = StateLock(tmp_path)
+    lock.acquire()
+    lock.release()
