@@ -1,4 +1,12 @@
-"""dispatch.py on its own: the parser, the path pinning, the log, run as the forced command would be."""
+"""dispatch.py on its own: the parser, the path pinning, the log, run as the forced command would be.
+
+Also the attacks of issue 13, finding 7, each with a control that runs: a config the SSH user owns
+(run as nobody), a config or its folder writable by group or others, a symlink or FIFO as the config,
+a hard link, FIFO, socket or device as a path argument (directly, and through `biscuit_show`, the lab's
+real sshd and dispatch.py), a FIFO at the log path (no hang), a log that cannot grow. What it does not
+prove: a config whose content is changed after it was read (a point-in-time check; the folders being
+trusted is what makes that impossible for the SSH user), or hosts where the SSH user is root.
+"""
 
 from __future__ import annotations
 
@@ -263,7 +271,7 @@ def test_missing_root_is_a_refusal_with_a_record(target: Path) -> None:
 
 def test_unwritable_log_means_nothing_runs(target: Path) -> None:
     config = json.loads((target / "dispatch.json").read_text())
-    config["log"] = "/dev/full"  # opens fine, every write fails (ENOSPC)
+    config["log"] = "/dev/full"  # a device, not a file: refused at open (a failing write: test_log_write_failure_...)
     config["actions"]["touch"] = {"argv": ["/usr/bin/touch", str(target / "ran")]}
     (target / "dispatch.json").write_text(json.dumps(config))
     for command in ("touch", "unknown"):
@@ -393,13 +401,13 @@ NOBODY = 65534  # Debian's nobody: an SSH user that is not root
 OTHER_UID = 4242  # a uid with no account: the script's owner when it is neither root nor the SSH user
 
 
-def edit_config(target: Path, **changes: object) -> dict[str, object]:
+def edit_config(target: Path, **changes: object) -> None:
+    """The fixture's config with `changes`, a `touch` action (proof that something ran) and a `list` of a path."""
     config = json.loads((target / "dispatch.json").read_text())
     config.update(changes)
     config["actions"]["touch"] = {"argv": ["/usr/bin/touch", str(target / "logs" / "ran")]}
     config["actions"]["list"] = {"argv": ["/bin/ls", "{path}"], "args": [{"name": "path", "kind": "path"}]}
     (target / "dispatch.json").write_text(json.dumps(config))
-    return config
 
 
 @pytest.fixture
