@@ -114,3 +114,28 @@ def test_config_refusals(tmp_path: Path, old: str, new: str, message: str) -> No
     path = _with_gateway(tmp_path, old, new)
     with pytest.raises(ConfigError, match=message):
         load_config(path)
+
+
+def test_readme_install_recipe_gives_a_config_dispatch_trusts(tmp_path: Path) -> None:
+    """The README's step 4 (`install -o root -g root -m 0644 -D`) gives a config dispatch.py reads; the same
+    file left group-writable, or in a folder others may write, is refused (issue 13, finding 7)."""
+    import os
+    import subprocess
+
+    from bastion.gateway import dispatch
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root: the recipe installs the config as root's")
+    example = tmp_path / "demo" / "gateway" / "dispatch.toml"
+    init_demo(tmp_path / "demo")
+    installed = tmp_path / "etc" / "bastion-gateway" / "dispatch.toml"
+    recipe = ["install", "-o", "root", "-g", "root", "-m", "0644", "-D", str(example), str(installed)]
+    subprocess.run(recipe, check=True, timeout=30)
+    assert set(dispatch.load_config(str(installed)).actions) == {"status", "logs", "deploy", "restart", "rollback"}
+    installed.chmod(0o664)
+    with pytest.raises(dispatch.Untrusted, match="writable by group or others"):
+        dispatch.load_config(str(installed))
+    installed.chmod(0o644)
+    installed.parent.chmod(0o777)
+    with pytest.raises(dispatch.Untrusted, match="writable by group or others"):
+        dispatch.load_config(str(installed))
