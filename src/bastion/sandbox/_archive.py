@@ -15,7 +15,13 @@ by the agent, which may be changing the tree at the same time:
   refuse (control or invisible characters, backslash, not UTF-8, over 255 bytes).
 - setuid and setgid bits are dropped; owners are not stored (uid/gid 0, no names).
 - Size, entry count and depth are bounded (`MAX_SNAPSHOT_BYTES`, `MAX_ENTRIES`, `MAX_DEPTH`,
-  the same bounds `bastion.sandbox._extract` enforces on a restore).
+  the same bounds `bastion.sandbox._extract` enforces on a restore); so is the archive
+  written (`_Budget`: what the snapshot caps and the state filesystem's reserve leave), checked
+  as it is written, so a snapshot stops at its bound instead of filling the disk.
+- A file with holes (``SEEK_DATA``/``SEEK_HOLE``) is stored as a GNU sparse 1.0 member (the
+  form GNU tar and `tarfile` read): only its data is read and stored. Past
+  `MAX_SPARSE_SEGMENTS` segments (per file or in total) it is stored whole instead; the
+  restore still leaves its zero blocks as holes.
 
 What it does not guarantee:
 
@@ -26,6 +32,7 @@ What it does not guarantee:
   file system an agent can hard-link a file from outside the workspace that it could read
   (``fs.protected_hardlinks``); its content is then stored like any workspace file.
 - Mount points inside the workspace are crossed.
+- A file whose holes move while it is read is stored with the map seen when it was opened.
 """
 
 from __future__ import annotations
@@ -47,11 +54,14 @@ from bastion.sandbox._extract import (
     _CHUNK_BYTES,
     _DIR_FLAGS,
     _KEPT_MODE_BITS,
+    _MAX_PATH_BYTES,
     MAX_DEPTH,
     MAX_ENTRIES,
     MAX_SNAPSHOT_BYTES,
     _link_problem,
 )
+from bastion.sandbox._space import SpaceGuard
+from bastion.sandbox._tarread import MAX_SPARSE_SEGMENTS, MAX_SPARSE_SEGMENTS_TOTAL
 
 GZIP_LEVEL: Final = 6
 
@@ -63,22 +73,47 @@ _READ_FLAGS: Final = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY |
 class _Tally:
     files: int = 0
     bytes: int = 0
+    data_bytes: int = 0  # bytes of content stored: holes excluded
     entries: int = 0
     skipped: int = 0
+    segments: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Budget:
+    """How much archive may be written: `limit` bytes (the message says which bound it is), and the reserve."""
+
+    limit: int
+    message: str
+    guard: SpaceGuard | None = None
 
 
 class _HashingSink:
-    """The file the gzip stream is written to, hashed on the way."""
+    """The file the gzip stream is written to, hashed and counted on the way; refused past the budget."""
 
-    def __init__(self, raw: BinaryIO) -> None:
+    def __init__(self, raw: BinaryIO, budget: _Budget) -> None:
         self._raw = raw
+        self._budget = budget
         self.hash = hashlib.sha256()
         self.size = 0
+        self._over = False
 
     def write(self, data: bytes, /) -> int:
+        if self._over:
+            # gzip's close still flushes after the refusal: nothing more is written.
+            return len(data)
+        if self.size + len(data) > self._budget.limit:
+            self._over = True
+            raise ResourceLimit(self._budget.message)
         self._raw.write(data)
         self.hash.update(data)
         self.size += len(data)
+        if self._budget.guard is not None:
+            try:
+                self._budget.guard.wrote(len(data), self._raw.fileno(), "snapshot")
+            except ResourceLimit:
+                self._over = True
+                raise
         return len(data)
 
     def flush(self) -> None:
@@ -108,10 +143,10 @@ class _ExactReader:
         return b"".join(chunks)
 
 
-def _write_archive(root_fd: int, dir_fd: int, name: str) -> tuple[_Tally, str, int]:
+def _write_archive(root_fd: int, dir_fd: int, name: str, budget: _Budget) -> tuple[_Tally, str, int]:
     fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
     with open(fd, "wb") as raw:
-        sink = _HashingSink(raw)
+        sink = _HashingSink(raw, budget)
         # mtime=0 in the gzip header: the same tree gives the same archive bytes.
         with gzip.GzipFile(fileobj=sink, mode="wb", compresslevel=GZIP_LEVEL, mtime=0) as stream:
             archiver = _Archiver(stream)
@@ -137,7 +172,8 @@ class _Archiver:
                     raise ResourceLimit(f"the workspace has more than {MAX_ENTRIES} entries: delete some first")
                 names.append(entry.name)
         for name in sorted(names):
-            if name_problem(name) is not None:
+            too_long = len((prefix + name).encode("utf-8", "surrogateescape")) > _MAX_PATH_BYTES
+            if too_long or name_problem(name) is not None:
                 self.tally.skipped += 1
                 continue
             self._add_entry(dir_fd, name, prefix + name, depth)
@@ -224,19 +260,90 @@ class _Archiver:
                     f"the workspace holds over {MAX_SNAPSHOT_BYTES} bytes at '{rel}': delete files before the snapshot"
                 )
             member = self._member(rel, tarfile.REGTYPE, opened.st_mode, opened.st_mtime)
-            member.size = size
-            self._write_header(member)
-            reader = _ExactReader(fd, size, rel)
-            while chunk := reader.read(_CHUNK_BYTES):
-                self._stream.write(chunk)
-            _, remainder = divmod(size, tarfile.BLOCKSIZE)
-            if remainder:
-                self._stream.write(tarfile.NUL * (tarfile.BLOCKSIZE - remainder))
+            segments = self._data_segments(fd, size)
+            if segments is None:
+                member.size = size
+                self._write_header(member)
+                self._copy(fd, 0, size, rel)
+                stored = size
+            else:
+                stored = self._write_sparse(fd, member, size, segments, rel)
         finally:
             os.close(fd)
         self.tally.files += 1
         self.tally.bytes += size
+        self.tally.data_bytes += stored
         return True
+
+    def _data_segments(self, fd: int, size: int) -> list[tuple[int, int]] | None:
+        """The (offset, length) data runs of a file with holes; None to store it whole (no holes, or too many)."""
+        segments: list[tuple[int, int]] = []
+        offset = 0
+        try:
+            while offset < size:
+                try:
+                    start = os.lseek(fd, offset, os.SEEK_DATA)
+                except OSError as exc:
+                    if exc.errno == errno.ENXIO:  # only a hole from here to the end
+                        break
+                    raise
+                if start >= size:
+                    break
+                end = min(os.lseek(fd, start, os.SEEK_HOLE), size)
+                segments.append((start, end - start))
+                offset = end
+                if (
+                    len(segments) > MAX_SPARSE_SEGMENTS
+                    or self.tally.segments + len(segments) > MAX_SPARSE_SEGMENTS_TOTAL
+                ):
+                    return None
+        except OSError:
+            return None  # a filesystem without SEEK_DATA: store it whole
+        if sum(length for _, length in segments) == size:
+            return None
+        if not segments or sum(segments[-1]) < size:
+            segments.append((size, 0))  # GNU tar's mark of a file ending in a hole
+        self.tally.segments += len(segments)
+        return segments
+
+    def _write_sparse(
+        self, fd: int, member: tarfile.TarInfo, size: int, segments: list[tuple[int, int]], rel: str
+    ) -> int:
+        """A GNU sparse 1.0 member: the real name and size in PAX keys, then the map, then the data runs."""
+        lines = [str(len(segments))] + [f"{offset}\n{length}" for offset, length in segments]
+        sparse_map = ("\n".join(lines) + "\n").encode("ascii")
+        sparse_map += tarfile.NUL * (-len(sparse_map) % tarfile.BLOCKSIZE)
+        stored = sum(length for _, length in segments)
+        folder, _, base = rel.rpartition("/")
+        # GNU tar's placeholder name (%d/GNUSparseFile.%p/%f, pid 0 here): a reader that
+        # knows no sparse files extracts the map and data under it, never as the real file.
+        member.name = f"{folder}/GNUSparseFile.0/{base}" if folder else f"GNUSparseFile.0/{base}"
+        member.pax_headers = {
+            "GNU.sparse.major": "1",
+            "GNU.sparse.minor": "0",
+            "GNU.sparse.name": rel,
+            "GNU.sparse.realsize": str(size),
+        }
+        member.size = len(sparse_map) + stored
+        self._write_header(member)
+        self._stream.write(sparse_map)
+        for offset, length in segments:
+            self._copy(fd, offset, length, rel, pad=False)
+        self._pad(stored)
+        return stored
+
+    def _copy(self, fd: int, offset: int, size: int, rel: str, *, pad: bool = True) -> None:
+        os.lseek(fd, offset, os.SEEK_SET)  # SEEK_DATA and SEEK_HOLE moved it
+        reader = _ExactReader(fd, size, rel)
+        while chunk := reader.read(_CHUNK_BYTES):
+            self._stream.write(chunk)
+        if pad:
+            self._pad(size)
+
+    def _pad(self, size: int) -> None:
+        _, remainder = divmod(size, tarfile.BLOCKSIZE)
+        if remainder:
+            self._stream.write(tarfile.NUL * (tarfile.BLOCKSIZE - remainder))
 
     def _member(self, rel: str, kind: bytes, mode: int, mtime: float) -> tarfile.TarInfo:
         self.tally.entries += 1

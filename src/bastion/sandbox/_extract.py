@@ -17,16 +17,23 @@ server wrote it:
   follow a path inside a workspace by string.
 - Modes (minus setuid/setgid) and mtimes are set through fds, or ``dir_fd`` with
   ``follow_symlinks=False``; folders get theirs last, deepest first.
+- Headers are read by `bastion.sandbox._tarread`, which bounds each one before reading it
+  (PAX header, GNU long name, sparse map), never by `tarfile`.
 - Size, entry count and depth are bounded (`MAX_SNAPSHOT_BYTES`, `MAX_ENTRIES`, `MAX_DEPTH`,
   defined here and enforced by `bastion.sandbox._archive` too), and so is the decompressed
   stream.
+- Sparse files stay sparse: a GNU sparse member's holes are never written, and every 4 KiB
+  block of zeros in a file's content is skipped (seeked over) rather than written, so a
+  1.5 GiB file of holes takes its data's blocks, not 1.5 GiB.
+- With a `SpaceGuard`, the free space of the state filesystem is checked every 16 MiB
+  written; a full disk (``ENOSPC``) is a ResourceLimit.
 
 What it does not guarantee:
 
-- `tarfile` parses headers before the checks here see them; the decompressed stream is
-  bounded, but a PAX header is read into memory whole, and the read side keeps one
-  `tarfile.TarInfo` per member (bounded by `MAX_ENTRIES`).
-- Restored entries belong to the server's uid: ownership is not restored.
+- Restored entries belong to the server's uid unless an owner is given: ownership is not
+  restored from the archive.
+- Blocks of zeros become holes: the content is the same, the allocation may differ from the
+  snapshotted file's.
 - On a failed restore the target is left partly filled: the caller discards it, without
   following the symlinks it may now contain.
 """
@@ -44,6 +51,14 @@ from typing import TYPE_CHECKING, BinaryIO, Final, Literal
 
 from bastion.safety.errors import InvalidRequest, OperationFailed, PathEscape, PolicyDenied, ResourceLimit
 from bastion.safety.paths import name_problem
+from bastion.sandbox._space import SpaceGuard
+from bastion.sandbox._tarread import (
+    MAX_SPARSE_SEGMENTS_TOTAL,
+    SPARSE_MAP_BYTES_PER_SEGMENT,
+    CorruptArchive,
+    Member,
+    TarReader,
+)
 
 if TYPE_CHECKING:
     from bastion.sandbox.snapshot import SnapshotInfo
@@ -56,12 +71,15 @@ _KEPT_MODE_BITS: Final = 0o7777 & ~(stat.S_ISUID | stat.S_ISGID)
 _MAX_PATH_BYTES: Final = 4096
 _MAX_LINK_BYTES: Final = 4095
 # The decompressed tar stream holds content plus, per member, a header, a PAX header with
-# path, linkpath and mtime, and padding; the slack covers read-ahead and the end blocks.
-# Together they bound what a hostile header could make `tarfile` read.
+# path, linkpath and mtime, and padding, plus the sparse maps; the slack covers the end
+# blocks. Together they bound the decompression work a hostile archive can cause.
 _STREAM_BYTES_PER_ENTRY: Final = 5 * tarfile.BLOCKSIZE + 2 * _MAX_PATH_BYTES
 _STREAM_SLACK_BYTES: Final = 1 << 20
 _MTIME_LIMIT_S: Final = 2.0**40
 _CHUNK_BYTES: Final = 1 << 20
+_HOLE_BYTES: Final = 4096  # the block size of ext4 and tmpfs: a block of zeros is left a hole
+_ZERO_HOLE: Final = bytes(_HOLE_BYTES)
+_ZERO_CHUNK: Final = bytes(_CHUNK_BYTES)
 _IMPLICIT_DIR_MODE: Final = 0o755
 
 _DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -85,31 +103,28 @@ class _BoundedReader:
             raise ResourceLimit(f"the snapshot unpacks to over {self._limit} bytes: it cannot be restored")
         return data
 
-    def write(self, data: bytes, /) -> int:
-        raise OSError(errno.EBADF, "the snapshot stream is read-only")
 
-    def tell(self) -> int:
-        return self._used
-
-    def seek(self, pos: int, /) -> int:
-        raise OSError(errno.ESPIPE, "the snapshot stream is not seekable")
-
-    def close(self) -> None:
-        return None
+def _stream_limit() -> int:
+    sparse_maps = MAX_SPARSE_SEGMENTS_TOTAL * SPARSE_MAP_BYTES_PER_SEGMENT
+    return MAX_SNAPSHOT_BYTES + MAX_ENTRIES * _STREAM_BYTES_PER_ENTRY + sparse_maps + _STREAM_SLACK_BYTES
 
 
-def _extract(raw: BinaryIO, target_fd: int, info: SnapshotInfo, owner: tuple[int, int] | None = None) -> None:
-    limit = MAX_SNAPSHOT_BYTES + MAX_ENTRIES * _STREAM_BYTES_PER_ENTRY + _STREAM_SLACK_BYTES
-    extractor = _Extractor(target_fd, owner)
+def _extract(
+    raw: BinaryIO,
+    target_fd: int,
+    info: SnapshotInfo,
+    owner: tuple[int, int] | None = None,
+    guard: SpaceGuard | None = None,
+) -> None:
+    extractor = _Extractor(target_fd, owner, guard)
     try:
         with gzip.GzipFile(fileobj=raw, mode="rb") as stream:
-            # Stream mode ("r|"): members are read once, in order, never by seeking back.
-            reader = _BoundedReader(stream, limit)
-            with tarfile.open(fileobj=reader, mode="r|", encoding="utf-8", errors="strict") as tar:
-                for member in tar:
-                    extractor.add(member, tar)
+            # Members are read once, in order, never by seeking back.
+            reader = TarReader(_BoundedReader(stream, _stream_limit()))
+            while (member := reader.next()) is not None:
+                extractor.add(member, reader)
         extractor.finish()
-    except (tarfile.TarError, gzip.BadGzipFile, EOFError, zlib.error, UnicodeError) as exc:
+    except (CorruptArchive, gzip.BadGzipFile, EOFError, zlib.error, UnicodeError) as exc:
         raise OperationFailed(f"snapshot {info.id} is corrupt: delete it and take a new one", detail=repr(exc)) from exc
     finally:
         extractor.close()
@@ -117,13 +132,46 @@ def _extract(raw: BinaryIO, target_fd: int, info: SnapshotInfo, owner: tuple[int
         raise OperationFailed(f"snapshot {info.id} is corrupt: its content does not match its record")
 
 
+class _HoleWriter:
+    """Writes a file's content at given offsets, leaving each 4 KiB block of zeros a hole."""
+
+    def __init__(self, fd: int, guard: SpaceGuard | None) -> None:
+        self._fd = fd
+        self._guard = guard
+
+    def write(self, offset: int, data: bytes) -> None:
+        if len(data) == _CHUNK_BYTES and data == _ZERO_CHUNK:
+            return
+        start: int | None = None  # where the run of non-zero blocks being gathered begins
+        for position in range(0, len(data), _HOLE_BYTES):
+            block = data[position : position + _HOLE_BYTES]
+            zero = block == _ZERO_HOLE if len(block) == _HOLE_BYTES else not block.strip(b"\x00")
+            if zero and start is not None:
+                self._write_run(offset + start, data[start:position])
+                start = None
+            elif not zero and start is None:
+                start = position
+        if start is not None:
+            self._write_run(offset + start, data[start:])
+
+    def _write_run(self, offset: int, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            written = os.pwrite(self._fd, view, offset)
+            view = view[written:]
+            offset += written
+        if self._guard is not None:
+            self._guard.wrote(len(data), self._fd, "restore")
+
+
 class _Extractor:
     """Creates members beneath the target fd only, one ``*at`` call under a held folder fd at a time."""
 
-    def __init__(self, root_fd: int, owner: tuple[int, int] | None = None) -> None:
+    def __init__(self, root_fd: int, owner: tuple[int, int] | None = None, guard: SpaceGuard | None = None) -> None:
         self._root_fd = root_fd
         # The sandbox's host identity: what it restores must be its own, not the server's root.
         self._owner = owner
+        self._guard = guard
         # Open fds of the parent folder of the last member, one per component.
         self._chain: list[tuple[str, int]] = []
         self._dirs: dict[tuple[str, ...], tuple[int, float]] = {}
@@ -131,7 +179,7 @@ class _Extractor:
         self.files = 0
         self.bytes = 0
 
-    def add(self, member: tarfile.TarInfo, tar: tarfile.TarFile) -> None:
+    def add(self, member: Member, reader: TarReader) -> None:
         self.entries += 1
         if self.entries > MAX_ENTRIES:
             raise ResourceLimit(f"the snapshot has more than {MAX_ENTRIES} entries: it cannot be restored")
@@ -154,7 +202,7 @@ class _Extractor:
             self._own(parent_fd, name)
             os.utime(name, times=(mtime, mtime), dir_fd=parent_fd, follow_symlinks=False)
         else:
-            self._make_file(parent_fd, name, member, tar, mtime)
+            self._make_file(parent_fd, name, member, reader, mtime)
 
     def finish(self) -> None:
         self._close_chain(0)
@@ -185,33 +233,28 @@ class _Extractor:
         if self._owner is not None:
             os.chown(name, *self._owner, dir_fd=parent_fd, follow_symlinks=False)
 
-    def _make_file(
-        self, parent_fd: int, name: str, member: tarfile.TarInfo, tar: tarfile.TarFile, mtime: float
-    ) -> None:
-        size = member.size
+    def _make_file(self, parent_fd: int, name: str, member: Member, reader: TarReader, mtime: float) -> None:
+        size = member.realsize
         if self.bytes + size > MAX_SNAPSHOT_BYTES:
             raise ResourceLimit(
                 f"the snapshot unpacks to over {MAX_SNAPSHOT_BYTES} bytes at '{member.name}': it cannot be restored"
             )
-        source = tar.extractfile(member)
-        if source is None:
-            raise OperationFailed(f"snapshot member '{member.name}' has no content: the snapshot is corrupt")
+        segments = reader.sparse_map(member) if member.sparse else ((0, member.size),)
         try:
             # O_EXCL: an existing name, even a dangling symlink, fails instead of being followed.
             fd = os.open(name, _CREATE_FLAGS, 0o600, dir_fd=parent_fd)
         except FileExistsError as exc:
             raise _duplicate(member.name) from exc
-        copied = 0
         try:
             if self._owner is not None:
                 os.fchown(fd, *self._owner)
-            while chunk := source.read(_CHUNK_BYTES):
-                view = memoryview(chunk)
-                while view:
-                    view = view[os.write(fd, view) :]
-                copied += len(chunk)
-            if copied != size:
-                raise OperationFailed(f"snapshot member '{member.name}' is truncated: the snapshot is corrupt")
+            writer = _HoleWriter(fd, self._guard)
+            for offset, length in segments:
+                for chunk in reader.content(length):
+                    writer.write(offset, chunk)
+                    offset += len(chunk)
+            # The size, past a final hole that was never written.
+            os.ftruncate(fd, size)
             os.fchmod(fd, member.mode & _KEPT_MODE_BITS)
             os.utime(fd, times=(mtime, mtime))
         finally:
@@ -305,7 +348,7 @@ def _member_parts(name: str) -> tuple[str, ...]:
     return parts
 
 
-def _member_kind(member: tarfile.TarInfo) -> _Kind:
+def _member_kind(member: Member) -> _Kind:
     kind = member.type
     if kind in (tarfile.REGTYPE, tarfile.AREGTYPE):
         return "file"
@@ -318,11 +361,12 @@ def _member_kind(member: tarfile.TarInfo) -> _Kind:
         tarfile.CHRTYPE: "a character device",
         tarfile.BLKTYPE: "a block device",
         tarfile.FIFOTYPE: "a named pipe",
+        tarfile.GNUTYPE_SPARSE: "an old-style GNU sparse file",
     }.get(kind, "not a file, folder or symlink")
     raise PolicyDenied(f"snapshot member {member.name!r} is {what}: the snapshot is refused")
 
 
-def _member_mtime(member: tarfile.TarInfo) -> float:
+def _member_mtime(member: Member) -> float:
     mtime = float(member.mtime)
     if not math.isfinite(mtime) or abs(mtime) > _MTIME_LIMIT_S:
         raise OperationFailed(f"snapshot member {member.name!r} has an impossible mtime: the snapshot is corrupt")
