@@ -72,7 +72,8 @@ async def test_memory_hog_is_resource_limit(demo_config_path: Path) -> None:
     """Invariant: a command past the workspace's memory limit is killed and reported RESOURCE_LIMIT."""
     text = demo_config_path.read_text()
     assert "memory_bytes = " in text
-    demo_config_path.write_text(text.replace("memory_bytes = 1073741824", "memory_bytes = 67108864"))
+    # The workspace's limit (the first); the sandboxes' ceiling must stay above twice /tmp + /dev/shm.
+    demo_config_path.write_text(text.replace("memory_bytes = 1073741824", "memory_bytes = 67108864", 1))
     services = build_services(load_config(demo_config_path))
     try:
         async with Client(build_server(services, caller="test")) as client:

@@ -198,6 +198,9 @@ max_sandboxes = 16
 idle_timeout_s = 1800       # closed after 30 min unused
 lifetime_s = 86400          # and after a day in any case
 disk_quota = true           # /workspace is its own filesystem of limits.disk_bytes (needs root)
+tmp_bytes = 67108864        # /tmp of each sandbox (host workspaces' too): 64 MiB of memory; past it, ENOSPC
+shm_bytes = 67108864        # /dev/shm likewise; together at most half of limits.memory_bytes
+scratch_inodes = 16384      # files each of them may hold (a root server)
 default_template = {json.dumps("python-data" if python_env is not None else "default")}  # for create_sandbox()
 # env = {{ NAME = "value" }}  # extra environment for sandbox commands; values are redacted from output
 
