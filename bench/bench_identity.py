@@ -70,7 +70,7 @@ async def creates(config: Config, *, old: bool, warm: bool) -> list[float]:
             started = time.perf_counter()
             box = await services.sandboxes.create(owner="bench")
             samples.append(time.perf_counter() - started)
-            services.sandboxes.close(box.id)
+            await services.sandboxes.close(box.id)
     finally:
         services.close()
     return samples

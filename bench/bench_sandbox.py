@@ -62,7 +62,7 @@ async def create_p50(config: Path, *, warm: bool, count: int = 30) -> float:
             started = time.perf_counter()
             box = await services.sandboxes.create(owner="bench")
             samples.append(time.perf_counter() - started)
-            services.sandboxes.close(box.id)
+            await services.sandboxes.close(box.id)
     finally:
         services.close()
     return ms(samples)
@@ -123,7 +123,7 @@ async def density(config: Path, count: int) -> tuple[float, float, float, float]
         asleep = mem_available()
         many = await timed_calls(server, args)
         for box in boxes:
-            services.sandboxes.close(box.id)
+            await services.sandboxes.close(box.id)
         await anyio.sleep(SETTLE_S)
         one_after = await timed_calls(server, args)
     finally:

@@ -163,7 +163,7 @@ async def test_create_run_close_leaves_nothing(client: Client, services: Service
 async def test_idle_sandboxes_are_reaped(client: Client, services: Services) -> None:
     box = await create(client)
     services.sandboxes.get(box).last_used = time.monotonic() - 10 * services.config.sandboxes.idle_timeout_s
-    assert services.sandboxes.reap() == [box]
+    assert await services.sandboxes.reap() == [box]
     assert (await sh(client, box, "true"))["code"] == "SANDBOX_NOT_FOUND"
 
 
@@ -239,6 +239,7 @@ async def test_an_idle_sandbox_sleeps_and_wakes_with_its_files(client: Client, s
     assert warm._proc is not None
     pid = warm._proc.pid
     assert services.sandboxes.sleep_idle(0) == (2 if services.devices is not None else 1)
+    await warm.settled()  # its processes and cgroup are reaped in a worker thread, off the event loop
     assert not os.path.exists(f"/proc/{pid}")
     status = await call(client, "get_sandbox_status", sandbox_id=box)
     assert status["detail"]["state"] == "asleep"  # type: ignore[index]

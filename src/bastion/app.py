@@ -251,7 +251,7 @@ def open_organizers(config: Config) -> dict[str, Organizer]:
 async def _reap_forever(services: Services) -> None:
     while True:
         await anyio.sleep(services.config.sandboxes.reap_interval_s)
-        for sandbox_id in services.sandboxes.reap():
+        for sandbox_id in await services.sandboxes.reap():
             logger.info("closed idle sandbox %s", sandbox_id)
 
 

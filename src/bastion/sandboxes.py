@@ -322,15 +322,24 @@ class SandboxManager:
         os.chmod(path, self._dir_mode)
 
     def _discard_prepared(self, sandbox_id: str, root: Path) -> None:
+        self._discard_files(sandbox_id, root)
+        self._release_identity(sandbox_id)
+
+    def _discard_files(self, sandbox_id: str, root: Path) -> None:
+        """Unmount and delete a sandbox's folders. Blocking (a second or more for a tmpfs or
+        workspace of many files): `close` runs it in a worker thread; it touches no shared state."""
         _discard(root)
         if self._devices is not None:
             self._devices.drop(sandbox_id)
-        identity = self._held.pop(sandbox_id, None)
-        if identity is not None:
-            self._identities.release(identity)
         if self._net_dir is not None:
             with contextlib.suppress(FileNotFoundError):
                 _remove_tree(self._net_dir / sandbox_id)
+
+    def _release_identity(self, sandbox_id: str) -> None:
+        """Give the sandbox's host id back, once nothing of it is left that runs or is owned as it."""
+        identity = self._held.pop(sandbox_id, None)
+        if identity is not None:
+            self._identities.release(identity)
 
     def _template(self, name: str | None) -> TemplateConfig:
         if name is None:
@@ -483,7 +492,7 @@ class SandboxManager:
                 )
             )
         except BaseException:
-            self.close(box.id)
+            await self.close(box.id)
             raise
         return box, info
 
@@ -551,15 +560,28 @@ class SandboxManager:
         except OSError as exc:
             logger.warning("cannot remove a previous server's egress socket folder (%s): %s", link, exc)
 
-    def close(self, sandbox_id: str, *, final: bool = False) -> None:
-        """End every process, remove the cgroup and the files. `final`: the server is ending
-        (the egress service then stops every proxy at once)."""
+    async def close(self, sandbox_id: str) -> None:
+        """End every process, remove the cgroup and the files, in that order. The waits (bwrap's
+        exit, the cgroup emptying, unmounting and deleting many files: seconds for a tmpfs of
+        700,000 files) run in worker threads, so other calls go on meanwhile. Once begun, it runs
+        to the end even if the caller is cancelled (a half-closed sandbox would leak its mounts).
+
+        Raises:
+            SandboxNotFound: no such sandbox (or it is being closed already).
+        """
+        box = self._take(sandbox_id)
+        with anyio.CancelScope(shield=True):
+            box.network.close()
+            await box.workspace.sandbox.aclose(final=True)
+            box.workspace.close()  # nothing left to wait for: its jail's fds, its records
+            await anyio.to_thread.run_sync(self._discard_files, box.id, box.root)
+            self._release_identity(box.id)
+
+    def _take(self, sandbox_id: str) -> Sandbox:
         box = self._boxes.pop(sandbox_id, None)
         if box is None:
             raise SandboxNotFound(f"no sandbox {sandbox_id!r}: it was closed, or never existed (list_sandboxes)")
-        box.network.close(stop_proxy=not final)
-        box.workspace.close()
-        self._discard_prepared(box.id, box.root)
+        return box
 
     def sleep_idle(self, sleep_after_s: float = SLEEP_AFTER_S) -> int:
         """Make idle sandboxes cheap: unused for `sleep_after_s` with nothing running and an
@@ -570,7 +592,7 @@ class SandboxManager:
             1 for box in self._boxes.values() if now - box.last_used >= sleep_after_s and box.workspace.sandbox.sleep()
         )
 
-    def reap(self) -> list[str]:
+    async def reap(self) -> list[str]:
         """Close sandboxes past their idle timeout or lifetime; return their ids. Puts idle ones to sleep."""
         self.sleep_idle()
         now = time.monotonic()
@@ -579,15 +601,22 @@ class SandboxManager:
             for box in self._boxes.values()
             if now - box.last_used > self._config.idle_timeout_s or now - box.created > self._config.lifetime_s
         ]
+        closed = []
         for sandbox_id in expired:
-            self.close(sandbox_id)
-        return expired
+            with contextlib.suppress(SandboxNotFound):  # a call closed it while an earlier one was closing
+                await self.close(sandbox_id)
+                closed.append(sandbox_id)
+        return closed
 
     def close_all(self) -> None:
+        """Close everything, waiting here: the server is ending (its event loop has stopped), or a probe is done."""
         if self._refill is not None:
             self._refill.cancel()
         for sandbox_id in list(self._boxes):
-            self.close(sandbox_id, final=True)
+            box = self._take(sandbox_id)
+            box.network.close(stop_proxy=False)  # the egress service then stops every proxy at once
+            box.workspace.close()
+            self._discard_prepared(box.id, box.root)
         for prepared in [*self._pool, *self._starting.values()]:
             prepared.warm.close()
             self._discard_prepared(prepared.id, prepared.root)

@@ -22,6 +22,7 @@ import marshal
 import os
 import socket
 import subprocess  # noqa: TID251 - only the Popen type; _spawn starts it
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
@@ -111,6 +112,8 @@ class WarmSandbox:
         self._start_lock = asyncio.Lock()
         self._command_ids = itertools.count(1)
         self._asleep = False  # stopped while idle; the next command starts it again
+        self._reaping: list[threading.Thread] = []  # ending earlier runs' processes and cgroups
+        self._closed = False  # closed for good (aclose(final=True)): it never starts again
 
     def set_limits(self, limits: Limits) -> None:
         """Change the limits, live if the sandbox runs (lowering memory below current use fails)."""
@@ -152,10 +155,12 @@ class WarmSandbox:
 
     async def start(self) -> None:
         async with self._start_lock:
+            if self._closed:
+                raise Unavailable("the sandbox was closed")
             if self.alive:
                 return
             if self._proc is not None:
-                self.close()
+                self._on_agent_gone()
             await self._start()
 
     def _make_group(self) -> SandboxSpec:
@@ -168,11 +173,7 @@ class WarmSandbox:
 
     def _drop_group(self) -> None:
         group, self._group = self._group, None
-        if group is not None:
-            try:
-                group.destroy()
-            except BastionError as exc:
-                logger.error("cgroup %s of %s not removed: %s", group.name, self.spec.workspace, exc.reason)
+        _reap(None, group, self.spec.workspace)
 
     def oom_kills(self) -> int:
         """How many processes of the sandbox the kernel has killed for memory so far."""
@@ -221,10 +222,16 @@ class WarmSandbox:
         if not data:
             self._on_agent_gone()
             return
-        msg = json.loads(data)
-        if msg.get("event") != "exit":
+        try:
+            exited = _exit_message(data)
+        except ValueError:
+            # Not the agent's JSON (a deep nesting too): the agent is not what it was. One line, no traceback.
+            logger.error("sandbox for %s: its agent sent a malformed message; ending the sandbox", self.spec.workspace)
+            self._on_agent_gone()
             return
-        command_id, status = int(msg.get("id", 0)), int(msg["status"])
+        if exited is None:
+            return
+        command_id, status = exited
         process = self._background.pop(command_id, None)
         if process is not None:
             process.finish(status)
@@ -247,14 +254,33 @@ class WarmSandbox:
         while self._background:
             # Its processes die with the sandbox; their pipes are closed here, their output stays readable.
             self._background.popitem()[1].close()
-        if self._proc is not None:
-            self._proc.kill()
-            self._proc.wait()
-            if self._proc.stderr is not None:
-                self._proc.stderr.close()
-            self._proc = None
+        self._reap_soon(self._proc, self._group)
+        self._proc = None
+        self._group = None
         self._paused = False
-        self._drop_group()
+
+    def _reap_soon(self, proc: subprocess.Popen[bytes] | None, group: SandboxCgroup | None) -> None:
+        """End bwrap and remove the cgroup, in a worker thread when the event loop runs: the waits
+        (bwrap's exit, the group emptying, a tmpfs of many files freed) take up to seconds, and no
+        other sandbox's call may wait for them. Without a loop (server shutdown) it waits here."""
+        if proc is None and group is None:
+            return
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            _reap(proc, group, self.spec.workspace)
+            return
+        thread = threading.Thread(target=_reap, args=(proc, group, self.spec.workspace), name="bastion-reap")
+        thread.daemon = True
+        thread.start()
+        self._reaping = [*(t for t in self._reaping if t.is_alive()), thread]
+
+    async def settled(self) -> None:
+        """Wait, off the event loop, until the processes and cgroups of earlier runs are gone."""
+        while self._reaping:
+            thread = self._reaping.pop()
+            if thread.is_alive():
+                await asyncio.to_thread(thread.join)
 
     def _ending(self) -> Callable[[], BastionError]:
         """The error for commands cut off by the agent's end: an OOM kill names what held the memory."""
@@ -299,7 +325,7 @@ class WarmSandbox:
             return False
         if self.spec.devices is None and not _scratch_is_empty(self._proc):
             return False
-        self.close()
+        self._on_agent_gone()  # its processes and cgroup are reaped in a worker thread
         self._asleep = True
         return True
 
@@ -411,7 +437,7 @@ class WarmSandbox:
             # The agent did not confirm the kill: end the whole sandbox, which ends every process in it.
             self._waiters.pop(command_id, None)
             waiter.cancel()
-            self.close()
+            await self.aclose()
             return None
 
     async def spawn(
@@ -465,8 +491,49 @@ class WarmSandbox:
                 await process.wait_exit()
         except TimeoutError:
             # The agent did not confirm the kill: end the whole sandbox, which ends every process in it.
-            self.close()
+            await self.aclose()
 
     def close(self) -> None:
-        """Kill the sandbox: its PID namespace dies, and with it every process inside."""
+        """Kill the sandbox: its PID namespace dies, and with it every process inside. Blocks until
+        they and the cgroup are gone: for shutdown and error paths; the server's calls use `aclose`."""
         self._on_agent_gone()
+        while self._reaping:
+            self._reaping.pop().join()
+
+    async def aclose(self, *, final: bool = False) -> None:
+        """`close` without blocking the event loop (the waits run in a worker thread).
+        `final`: the sandbox is closed for good; a call still in flight cannot start it again."""
+        self._closed = self._closed or final
+        self._on_agent_gone()
+        await self.settled()
+
+
+def _exit_message(data: bytes) -> tuple[int, int] | None:
+    """(command id, status) of an exit message of the agent; None for another event.
+
+    Raises:
+        ValueError: `data` is not a message of the agent's.
+    """
+    try:
+        msg = json.loads(data)
+        if not isinstance(msg, dict):
+            raise ValueError("not a JSON object")
+        if msg.get("event") != "exit":
+            return None
+        return int(msg.get("id", 0)), int(msg["status"])
+    except (TypeError, KeyError, RecursionError) as exc:
+        raise ValueError(str(exc)) from None
+
+
+def _reap(proc: subprocess.Popen[bytes] | None, group: SandboxCgroup | None, workspace: str) -> None:
+    """Kill and wait for bwrap (its PID namespace dies with it), then remove the cgroup. Blocking."""
+    if proc is not None:
+        proc.kill()
+        proc.wait()
+        if proc.stderr is not None:
+            proc.stderr.close()
+    if group is not None:
+        try:
+            group.destroy()
+        except BastionError as exc:
+            logger.error("cgroup %s of %s not removed: %s", group.name, workspace, exc.reason)

@@ -151,11 +151,13 @@ def register_sandboxes(
         description="End a sandbox: every process is killed and its files are deleted.",
     )
     async def close_sandbox(sandbox_id: SandboxIdArg) -> Result:
-        def close() -> dict[str, object]:
-            manager.close(sandbox_id)
-            return {"sandbox_id": sandbox_id, "state": "closed"}
+        async def op() -> OperationResult:
+            agent_owned(sandbox_id)
+            await manager.close(sandbox_id)  # the waits run in worker threads: other calls go on
+            return OperationResult.success("close_sandbox", {"sandbox_id": sandbox_id, "state": "closed"})
 
-        return await on_sandbox("close_sandbox", sandbox_id, close)
+        args = {"sandbox_id": sandbox_id}
+        return to_call_result(await runner.run("close_sandbox", args, op, mutating=True, workspace=sandbox_id))
 
     @server.tool(
         name="snapshot_sandbox",
@@ -222,7 +224,7 @@ def register_sandboxes(
                     box.workspace.write_file(path, content, encoding="utf-8", append=False)
                 out = await box.workspace.run(command, cwd=None, timeout_s=timeout_s)
             finally:
-                manager.close(box.id)
+                await manager.close(box.id)
             return command_result("create_run_close", out, {"sandbox_id": box.id})
 
         args = {"command": command, "files": sorted(files or {}), "timeout_s": timeout_s}
