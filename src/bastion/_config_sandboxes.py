@@ -106,6 +106,18 @@ class SandboxesConfig(_Model):
     False (dangerous: one sandbox can fill the state folder's disk) keeps workspaces as plain folders."""
     orphan_retention_s: Annotated[float, Field(gt=0)] = 7 * 86_400.0
     """How long the workspaces of sandboxes left by a crashed server are kept, as snapshots."""
+    snapshot_retention_s: Annotated[float, Field(gt=0)] = 7 * 86_400.0
+    """How long an agent's snapshot is kept; older ones are deleted at start and by the reaper."""
+    max_snapshots: Annotated[int, Field(ge=0, le=100_000)] = 64
+    """Snapshots kept at once, all sandboxes' together (recovered ones count); past it a snapshot is refused."""
+    max_snapshots_per_sandbox: Annotated[int, Field(ge=0, le=100_000)] = 16
+    """Snapshots kept of one source sandbox (they outlive it: closing it frees none)."""
+    max_snapshot_bytes: Annotated[int, Field(ge=0)] | None = None
+    """Total size of the snapshot archives kept. Absent: 8 x limits.disk_bytes."""
+    max_snapshot_bytes_per_sandbox: Annotated[int, Field(ge=0)] | None = None
+    """Total archive size of one source sandbox's snapshots. Absent: 2 x limits.disk_bytes."""
+    state_reserve_bytes: Annotated[int, Field(ge=0)] = 256 * 1024 * 1024
+    """Free space snapshots and restores leave on the state filesystem, for the audit log (which fails closed)."""
     pip_index_url: Annotated[str, Field(pattern=r"^https://[^\s/]+(/\S*)?$")] = "https://pypi.org/simple"
     """install_package(manager='pip') installs from here; its host must be in [sandboxes.network] registry."""
     npm_registry_url: Annotated[str, Field(pattern=r"^https://[^\s/]+(/\S*)?$")] = "https://registry.npmjs.org/"
@@ -145,6 +157,17 @@ class SandboxesConfig(_Model):
                 f"limits.memory_bytes ({self.limits.memory_bytes}): /tmp and /dev/shm are memory"
             )
         return self
+
+    @property
+    def snapshot_bytes(self) -> int:
+        """`max_snapshot_bytes`, or its default from the disk quota."""
+        return self.max_snapshot_bytes if self.max_snapshot_bytes is not None else 8 * self.limits.disk_bytes
+
+    @property
+    def snapshot_bytes_per_sandbox(self) -> int:
+        """`max_snapshot_bytes_per_sandbox`, or its default from the disk quota."""
+        per_sandbox = self.max_snapshot_bytes_per_sandbox
+        return per_sandbox if per_sandbox is not None else 2 * self.limits.disk_bytes
 
     @property
     def host_ids(self) -> tuple[int, int]:

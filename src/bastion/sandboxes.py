@@ -58,9 +58,11 @@ from bastion.sandbox.egress import UNIX_PATH_MAX, EgressService
 from bastion.sandbox.identity import HostIdentity, IdentityPool
 from bastion.sandbox.snapshot import (
     SnapshotInfo,
+    SnapshotLimits,
     create_snapshot,
     delete_snapshot,
     list_snapshots,
+    remove_leftovers,
     restore_snapshot,
 )
 from bastion.sandbox.warm import WarmSandbox
@@ -461,8 +463,13 @@ class SandboxManager:
         return box
 
     async def snapshot(self, sandbox_id: str, label: str | None) -> SnapshotInfo:
-        """Archive a sandbox's workspace (paused meanwhile, so the copy is consistent)."""
+        """Archive a sandbox's workspace (paused meanwhile, so the copy is consistent), within the snapshot caps.
+
+        Raises:
+            ResourceLimit: a cap (count or bytes, in total or of this sandbox) or the state reserve.
+        """
         box = self.get(sandbox_id)
+        await anyio.to_thread.run_sync(self.expire_snapshots)  # what has expired never holds a cap
         warm = box.workspace.sandbox
         freeze = not warm.paused and warm.usage() is not None
         if freeze:
@@ -471,7 +478,12 @@ class SandboxManager:
             metadata = {"sandbox_id": box.id, "owner": box.owner, "name": box.name or ""}
             return await anyio.to_thread.run_sync(
                 functools.partial(
-                    create_snapshot, box.root / "workspace", self._snapshots, label=label, metadata=metadata
+                    create_snapshot,
+                    box.root / "workspace",
+                    self._snapshots,
+                    label=label,
+                    metadata=metadata,
+                    limits=self.snapshot_limits(),
                 )
             )
         finally:
@@ -489,6 +501,9 @@ class SandboxManager:
                     snapshot_id,
                     box.root / "workspace",
                     owner=_owner(box.workspace.identity),
+                    # The workspace's blocks land in the sandbox's folder (its disk image): the state filesystem.
+                    state_dir=box.root,
+                    reserve_bytes=self._config.state_reserve_bytes,
                 )
             )
         except BaseException:
@@ -499,9 +514,46 @@ class SandboxManager:
     def snapshots(self) -> list[SnapshotInfo]:
         return list_snapshots(self._snapshots)
 
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        """Delete a snapshot (any sandbox's, or a recovered one): its space is free at once.
+
+        Raises:
+            BastionError: InvalidRequest (bad id), NotFound, OperationFailed.
+        """
+        await anyio.to_thread.run_sync(delete_snapshot, self._snapshots, snapshot_id)
+
+    def snapshot_limits(self) -> SnapshotLimits:
+        """The caps an agent's snapshot is taken under, from the config."""
+        config = self._config
+        return SnapshotLimits(
+            count=config.max_snapshots,
+            bytes=config.snapshot_bytes,
+            per_sandbox_count=config.max_snapshots_per_sandbox,
+            per_sandbox_bytes=config.snapshot_bytes_per_sandbox,
+            reserve_bytes=config.state_reserve_bytes,
+        )
+
+    def snapshot_expires(self, info: SnapshotInfo) -> float:
+        """When a snapshot expires (unix s): after `orphan_retention_s` if recovered, else `snapshot_retention_s`."""
+        recovered = info.metadata.get("recovered") == "true"
+        return info.created + (self._config.orphan_retention_s if recovered else self._config.snapshot_retention_s)
+
+    def expire_snapshots(self) -> list[str]:
+        """Delete the snapshots past their retention (see `snapshot_expires`); return their ids. Blocking (unlinks)."""
+        now = time.time()
+        expired = []
+        for info in list_snapshots(self._snapshots):
+            if self.snapshot_expires(info) < now:
+                with contextlib.suppress(NotFound):  # deleted meanwhile by a call
+                    delete_snapshot(self._snapshots, info.id)
+                    expired.append(info.id)
+        return expired
+
     def recover(self) -> list[str]:
         """Clean what a crashed server left: its cgroups, and its sandboxes' folders, which
-        are kept as snapshots (label ``recovered``) until `orphan_retention_s` passes.
+        are kept as snapshots (label ``recovered``) until `orphan_retention_s` passes. Expired
+        snapshots and an interrupted snapshot's files go first; a workspace whose snapshot would
+        eat the state reserve is kept as it is, for the next start.
 
         Processes need no cleaning: bwrap's --die-with-parent ended them with the server.
         Returns the snapshot ids made.
@@ -513,6 +565,11 @@ class SandboxManager:
                     self._cgroups.open(name).destroy()
         made = []
         self._remove_stale_sockets()
+        remove_leftovers(self._snapshots)
+        for snapshot_id in self.expire_snapshots():
+            logger.info("snapshot %s expired: deleted", snapshot_id)
+        # Not the agents' caps (a crash's leftovers are kept, whatever their number), only the reserve.
+        limits = SnapshotLimits(reserve_bytes=self._config.state_reserve_bytes)
         if self._dir.is_dir():
             for root in sorted(self._dir.iterdir()):
                 if not root.name.startswith(SANDBOX_ID_PREFIX) or root.name in self._boxes:
@@ -529,12 +586,15 @@ class SandboxManager:
                 # An empty workspace (a warm-pool sandbox never handed out) has nothing to keep.
                 if workspace.is_dir() and not workspace.is_symlink() and any(workspace.iterdir()):
                     metadata = {"sandbox_id": root.name, "recovered": "true"}
-                    made.append(create_snapshot(workspace, self._snapshots, label="recovered", metadata=metadata).id)
+                    try:
+                        info = create_snapshot(
+                            workspace, self._snapshots, label="recovered", metadata=metadata, limits=limits
+                        )
+                    except BastionError as exc:
+                        logger.error("sandbox %s left by a crash kept as is: %s", root.name, exc.reason)
+                        continue
+                    made.append(info.id)
                 _discard(root)
-        cutoff = time.time() - self._config.orphan_retention_s
-        for info in list_snapshots(self._snapshots):
-            if info.metadata.get("recovered") == "true" and info.created < cutoff:
-                delete_snapshot(self._snapshots, info.id)
         return made
 
     def _remove_stale_sockets(self) -> None:

@@ -35,6 +35,7 @@ TOOLS = {
     "snapshot_sandbox",
     "restore_sandbox",
     "list_snapshots",
+    "delete_snapshot",
     "list_processes",
     "read_process_output",
     "send_process_input",

@@ -1,4 +1,4 @@
-"""MCP wiring of the sandbox lifecycle: create, list, status, pause, resume, close, create_run_close.
+"""MCP wiring of the sandbox lifecycle: create, list, status, pause, resume, close, create_run_close, snapshots.
 
 Host workspaces are the administrator's: an agent may work in them but never
 pause or close them (FORBIDDEN).
@@ -26,6 +26,9 @@ SandboxIdArg = Annotated[str, Field(description="The sandbox id from create_sand
 
 _MUTATES = ToolAnnotations(read_only_hint=False, destructive_hint=True, idempotent_hint=False, open_world_hint=False)
 _READS = ToolAnnotations(read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=False)
+# Deleting twice leaves the same state (the second call answers NOT_FOUND).
+_DELETES = ToolAnnotations(read_only_hint=False, destructive_hint=True, idempotent_hint=True, open_world_hint=False)
+SnapshotIdArg = Annotated[str, Field(description="A snapshot id from snapshot_sandbox or list_snapshots.")]
 
 
 class LimitsArg(BaseModel):
@@ -44,7 +47,7 @@ class LimitsArg(BaseModel):
         return {key: value for key, value in self.model_dump().items() if value is not None}
 
 
-def _snapshot_detail(info: SnapshotInfo) -> dict[str, object]:
+def _snapshot_detail(info: SnapshotInfo, manager: SandboxManager) -> dict[str, object]:
     return {
         "snapshot_id": info.id,
         "label": info.label,
@@ -55,6 +58,7 @@ def _snapshot_detail(info: SnapshotInfo) -> dict[str, object]:
         "sha256": info.sha256,
         "sandbox_id": info.metadata.get("sandbox_id"),
         "recovered": info.metadata.get("recovered") == "true",
+        "expires": round(manager.snapshot_expires(info), 3),
     }
 
 
@@ -164,14 +168,15 @@ def register_sandboxes(
         annotations=_MUTATES,
         description=(
             "Save a sandbox's /workspace (files, folders, symlinks, modes) to a compressed snapshot. "
-            "restore_sandbox makes a new sandbox from it."
+            "restore_sandbox makes a new sandbox from it. Snapshots are capped in number and size, per sandbox "
+            "and in total, and expire (see 'expires'); delete_snapshot frees room."
         ),
     )
     async def snapshot_sandbox(sandbox_id: SandboxIdArg, label: str | None = None) -> Result:
         async def op() -> OperationResult:
             agent_owned(sandbox_id)
             info = await manager.snapshot(sandbox_id, label)
-            return OperationResult.success("snapshot_sandbox", _snapshot_detail(info))
+            return OperationResult.success("snapshot_sandbox", _snapshot_detail(info, manager))
 
         args = {"sandbox_id": sandbox_id, "label": label}
         return to_call_result(await runner.run("snapshot_sandbox", args, op, mutating=True, workspace=sandbox_id))
@@ -186,7 +191,7 @@ def register_sandboxes(
     ) -> Result:
         async def op() -> OperationResult:
             box, info = await manager.restore(snapshot_id, owner=runner.identity())
-            detail = {**box.summary(), "snapshot": _snapshot_detail(info), "workspace": "/workspace"}
+            detail = {**box.summary(), "snapshot": _snapshot_detail(info, manager), "workspace": "/workspace"}
             return OperationResult.success("restore_sandbox", detail)
 
         return to_call_result(await runner.run("restore_sandbox", {"snapshot_id": snapshot_id}, op, mutating=True))
@@ -198,10 +203,23 @@ def register_sandboxes(
     )
     async def list_snapshots() -> Result:
         async def op() -> OperationResult:
-            snapshots = [_snapshot_detail(info) for info in manager.snapshots()]
+            snapshots = [_snapshot_detail(info, manager) for info in manager.snapshots()]
             return OperationResult.success("list_snapshots", {"snapshots": snapshots})
 
         return to_call_result(await runner.run("list_snapshots", {}, op, mutating=False))
+
+    @server.tool(
+        name="delete_snapshot",
+        annotations=_DELETES,
+        description="Delete a snapshot: its archive is gone and its room is free. Sandboxes restored from it keep "
+        "their files.",
+    )
+    async def delete_snapshot(snapshot_id: SnapshotIdArg) -> Result:
+        async def op() -> OperationResult:
+            await manager.delete_snapshot(snapshot_id)
+            return OperationResult.success("delete_snapshot", {"snapshot_id": snapshot_id, "state": "deleted"})
+
+        return to_call_result(await runner.run("delete_snapshot", {"snapshot_id": snapshot_id}, op, mutating=True))
 
     @server.tool(
         name="create_run_close",
