@@ -126,6 +126,7 @@ async def install(
         InvalidRequest: not a plain requirement.
         PolicyDenied: the sandbox's template has a command policy.
         NotFound: npm is not installed in the sandbox.
+        PathEscape: the sandbox's `.venv` is a link leaving its workspace.
         OperationFailed: the sandbox's venv could not be made.
     """
     checked = check_requirement(requirement, manager)
@@ -133,6 +134,7 @@ async def install(
     if not workspace.via_sh:
         raise PolicyDenied("this sandbox's template has a command policy: packages cannot be installed in it")
     registry = config.network.registry_rules
+    has_venv = manager == "pip" and _has_venv(workspace.jail)  # refused before the network is widened
     async with box.network.widened(workspace, registry):
         if manager == "npm":
             npm = shutil.which("npm", path=SANDBOX_PATH)
@@ -140,7 +142,7 @@ async def install(
                 raise NotFound("npm is not installed in this sandbox's template")
             argv = npm_command(checked, config.npm_registry_url, _ca_bundle())
             return checked, await workspace.run_argv(npm, argv, timeout_s=None, ceiling_s=config.install_timeout_s)
-        if not _has_venv(workspace.jail):
+        if not has_venv:
             await _make_venv(workspace)
         argv = pip_command(checked, config.pip_index_url, _ca_bundle())
         return checked, await workspace.run_argv(argv[0], argv, timeout_s=None, ceiling_s=config.install_timeout_s)

@@ -230,3 +230,56 @@ async def test_the_sandboxs_pip_config_cannot_turn_a_name_into_a_path(demo_confi
             assert used["detail"]["error"]["type"] == "ModuleNotFoundError", used
     finally:
         services.close()
+
+
+# Links the sandbox makes so that `.venv/bin/python` leads to the host: the folder and file exist
+# on the host ("host"), or not ("missing"), absolute or climbing out with '..'.
+VENV_LINKS = [
+    "ln -s {host} .venv",
+    "ln -s {missing} .venv",
+    "ln -s /etc .venv",
+    "ln -s /nonexistent-bastion-test .venv",
+    "ln -s ../../../../../../../../.. .venv",
+    "ln -s .. .venv",
+    "mkdir .venv && ln -s {host}/bin .venv/bin",
+    "mkdir .venv && ln -s {missing}/bin .venv/bin",
+    "mkdir -p .venv/x && ln -s ../../.. .venv/bin",
+]
+
+
+@pytest.mark.anyio
+@pytest.mark.bwrap
+async def test_install_package_venv_symlink_is_no_host_oracle(client: Client, tmp_path: Path) -> None:
+    """Invariant: whatever link the sandbox puts at `.venv` or `.venv/bin`, leading to a host
+    folder that exists or to one that does not, install_package gives the same answer
+    (PATH_ESCAPE, one reason, nothing else), decided through the jail before the network is
+    widened; the host folder is untouched and the sandbox keeps working.
+
+    Before the fix the host's lexists followed the links: a host folder holding bin/python made it
+    skip creating the venv (and run pip), a missing one made it try to create it.
+    Does not prove the kernel never looked up the target; the jail's openat2 refuses the link itself.
+    """
+    host = tmp_path / "host-venv"
+    (host / "bin").mkdir(parents=True)
+    (host / "bin" / "python").write_text("#!/bin/sh\necho host\n")
+    missing = tmp_path / "missing-venv"
+    before = sorted((str(p), p.lstat().st_mtime_ns) for p in [host, *host.rglob("*")])
+    sandbox = await create(client)
+    answers = set()
+    for link in VENV_LINKS:
+        made = await sh(client, sandbox, "rm -rf .venv && " + link.format(host=host, missing=missing))
+        assert made["detail"]["exit_status"] == 0, made
+        result = await call(client, "install_package", name="requests", sandbox_id=sandbox)
+        answers.add((result["code"], result["reason"], json.dumps(result["detail"])))
+    assert answers == {
+        (
+            "PATH_ESCAPE",
+            "/workspace/.venv/bin/python goes through a link that leaves the workspace: remove the link "
+            "(or the .venv folder) and install again",
+            "{}",
+        )
+    }
+    assert sorted((str(p), p.lstat().st_mtime_ns) for p in [host, *host.rglob("*")]) == before
+    assert not missing.exists()
+    alive = await sh(client, sandbox, "rm -rf .venv && echo ok")
+    assert alive["detail"]["stdout"] == "ok\n"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -107,3 +108,118 @@ def test_decode_base64_accepts_wrapped_text(data: bytes, gap: str, width: int) -
 def test_decode_base64_refuses_what_is_not_standard_base64(text: str) -> None:
     with pytest.raises(InvalidRequest):
         decode_base64(text)
+
+
+# --- issue 13, finding 5: redaction gaps and the secret-file rule through links ---------------
+
+TOKEN = "ghp_" + "Z9" * 18
+PEM_LINES = [("QkFTRTY0" * 8)[:64] for _ in range(60)]  # about 4 KiB of key body
+
+
+@pytest.mark.bwrap
+async def test_list_directory_names_are_redacted_like_ls(client: Client) -> None:
+    """Invariant: list_directory shows a folder's names as `ls` of it shows them through
+    run_command: the same cleaning and the same redactor, so a token or key=value in a file
+    name is hidden by both and an escape sequence in one reaches neither.
+    """
+    box = await create(client)
+    made = await sh(
+        client, box, f"mkdir d && cd d && touch {TOKEN} 'password=hunter2secret' plain.txt \"$(printf 'a\\033[31mb')\""
+    )
+    assert made["detail"]["exit_status"] == 0, made
+    listed = await call(client, "list_directory", path="d", sandbox_id=box)
+    names = sorted(entry["name"] for entry in listed["detail"]["entries"])  # type: ignore[index]
+    ls = await sh(client, box, "ls -A1 d")
+    assert names == sorted(ls["detail"]["stdout"].splitlines())  # type: ignore[index]
+    assert names == sorted(["[REDACTED:github_token]", "ab", "password=[REDACTED:credential]", "plain.txt"])
+    assert TOKEN not in json.dumps(listed)
+    assert "hunter2secret" not in json.dumps(listed)
+
+
+async def test_read_file_slices_never_show_a_token_cut_in_two(client: Client, workspace: Path) -> None:
+    """The attack: read_file with offset/length meeting inside a token returned its two halves,
+    which joined back. Invariant: each slice hides the part of a secret it holds, as reading the
+    whole file would; a slice deep inside a 4 KiB private key (far past its BEGIN line) shows
+    none of it; text away from secrets reads as before. In the middle of a file larger than twice
+    the context, so the context really is a window.
+    """
+    pad = "lorem ipsum dolor\n" * 2000  # 36 KB on each side
+    key = "-----BEGIN RSA PRIVATE KEY-----\n" + "\n".join(PEM_LINES) + "\n-----END RSA PRIVATE KEY-----"
+    text = f"{pad}token {TOKEN} here\n{key}\n{pad}"
+    (workspace / "big.txt").write_text(text)
+    cut = text.index(TOKEN) + 17
+    first = await call(client, "read_file", path="big.txt", offset=cut - 40, length=40)
+    second = await call(client, "read_file", path="big.txt", offset=cut, length=40)
+    shown = first["detail"]["content"] + second["detail"]["content"]  # type: ignore[index]
+    assert "Z9" not in shown, shown
+    # The second slice also ends in the key's BEGIN line: cut there, it is hidden too.
+    hidden = "token [REDACTED:github_token][REDACTED:github_token] here\n[REDACTED:private_key]"
+    assert shown == f"orem ipsum dolor\n{hidden}"
+    inside = text.index(PEM_LINES[40])
+    deep = await call(client, "read_file", path="big.txt", offset=inside, length=200)
+    assert deep["detail"]["content"] == "[REDACTED:private_key]", deep  # type: ignore[index]
+    plain = await call(client, "read_file", path="big.txt", offset=100, length=36)
+    assert plain["detail"]["content"] == text[100:136]  # type: ignore[index]
+    assert plain["detail"]["bytes"] == 36  # type: ignore[index]
+
+
+_SECRET_FOLDER_SETUP = (
+    "mkdir -p .ssh/sub plain && echo 'ssh-ed25519 AAAA admin' > .ssh/authorized_keys && "
+    "ln -s .ssh keys && ln -s keys chained && ln -s ../.ssh plain/up && ln -s plain/../.ssh dotdot"
+)
+
+
+def _tool_calls(base: str) -> list[tuple[str, dict[str, object]]]:
+    return [
+        ("list_directory", {"path": base}),
+        ("list_directory", {"path": f"{base}/sub"}),
+        ("read_file", {"path": f"{base}/authorized_keys"}),
+        ("write_file", {"path": f"{base}/authorized_keys", "content": "ssh-ed25519 EVIL attacker\n"}),
+        ("write_file", {"path": f"{base}/authorized_keys", "content": "ssh-ed25519 EVIL\n", "append": True}),
+        ("write_file", {"path": f"{base}/new/deeper", "content": "x"}),
+        ("upload_file", {"path": f"{base}/rc", "content_base64": b64(b"x")}),
+        ("upload_file", {"path": f"{base}/authorized_keys", "content_base64": b64(b"x"), "overwrite": True}),
+        ("run_command", {"command": "ls", "cwd": base}),
+    ]
+
+
+@pytest.mark.bwrap
+async def test_secret_folder_through_a_symlinked_parent_is_refused_by_every_file_tool_in_a_sandbox(
+    client: Client,
+) -> None:
+    """The attack: the sandbox links `keys -> .ssh`; list_directory keys listed .ssh and
+    write_file keys/authorized_keys wrote into it. Invariant: every file tool (and a command's
+    cwd) refuses, POLICY_DENIED naming the rule, through a relative, chained, nested or '..'
+    link; nothing in .ssh changes and nothing of it is shown.
+    """
+    box = await create(client)
+    made = await sh(client, box, _SECRET_FOLDER_SETUP)
+    assert made["detail"]["exit_status"] == 0, made
+    before = await sh(client, box, "ls -AR .ssh; cat .ssh/authorized_keys")
+    for base in ("keys", "chained", "plain/up", "dotdot"):
+        for tool, args in _tool_calls(base):
+            result = await call(client, tool, sandbox_id=box, **args)
+            assert result["code"] == "POLICY_DENIED", (tool, args, result)
+            assert result["reason"] == "'.ssh' matches the secret-file rule '.ssh': ask the administrator"
+            assert "AAAA" not in json.dumps(result)
+    after = await sh(client, box, "ls -AR .ssh; cat .ssh/authorized_keys")
+    assert after["detail"]["stdout"] == before["detail"]["stdout"]  # type: ignore[index]
+
+
+async def test_secret_folder_through_a_symlinked_parent_is_refused_in_a_host_workspace(
+    client: Client, workspace: Path
+) -> None:
+    """Invariant: the same refusals in a host workspace, whose links were made on the host;
+    the real .ssh keeps its one file, byte for byte."""
+    (workspace / ".ssh" / "sub").mkdir(parents=True)
+    (workspace / ".ssh" / "authorized_keys").write_text("ssh-ed25519 AAAA admin\n")
+    (workspace / "plain").mkdir()
+    (workspace / "keys").symlink_to(".ssh")
+    (workspace / "chained").symlink_to("keys")
+    (workspace / "plain" / "up").symlink_to("../.ssh")
+    for base in ("keys", "chained", "plain/up"):
+        for tool, args in _tool_calls(base):
+            result = await call(client, tool, **args)
+            assert result["code"] == "POLICY_DENIED", (tool, args, result)
+    assert sorted(p.name for p in (workspace / ".ssh").rglob("*")) == ["authorized_keys", "sub"]
+    assert (workspace / ".ssh" / "authorized_keys").read_text() == "ssh-ed25519 AAAA admin\n"
