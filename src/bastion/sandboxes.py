@@ -653,7 +653,8 @@ class SandboxManager:
         )
 
     async def reap(self) -> list[str]:
-        """Close sandboxes past their idle timeout or lifetime; return their ids. Puts idle ones to sleep."""
+        """Close sandboxes past their idle timeout or lifetime; return their ids. Puts idle ones to sleep,
+        and deletes the snapshots past their retention."""
         self.sleep_idle()
         now = time.monotonic()
         expired = [
@@ -666,7 +667,16 @@ class SandboxManager:
             with contextlib.suppress(SandboxNotFound):  # a call closed it while an earlier one was closing
                 await self.close(sandbox_id)
                 closed.append(sandbox_id)
+        await self._expire_snapshots_logged()
         return closed
+
+    async def _expire_snapshots_logged(self) -> None:
+        """The reaper's turn at `expire_snapshots`, in a worker thread; a failure is logged, never raised."""
+        try:
+            for snapshot_id in await anyio.to_thread.run_sync(self.expire_snapshots):
+                logger.info("snapshot %s expired: deleted", snapshot_id)
+        except BastionError as exc:
+            logger.warning("expired snapshots not deleted: %s", exc.reason)
 
     def close_all(self) -> None:
         """Close everything, waiting here: the server is ending (its event loop has stopped), or a probe is done."""
