@@ -32,6 +32,7 @@ from bastion.safety.errors import (
     PolicyDenied,
     ResourceLimit,
     SandboxNotFound,
+    Unavailable,
 )
 from bastion.safety.paths import MAX_READ_BYTES, MAX_SCAN_ENTRIES, Jail, privileged_file
 from bastion.safety.redact import SLICE_CONTEXT_BYTES, Redactor, StreamRedactor, sanitize_terminal
@@ -219,6 +220,37 @@ class HostWorkspace:
         self.sandbox = sandbox
         self._processes: dict[int, _Background] = {}
         self._process_ids = itertools.count(1)
+        self._folder = _held_folder(self.jail)
+        self._replaced_logged = False
+
+    def check_folder(self) -> None:
+        """Refuse to serve a folder that was deleted or replaced since the server opened it.
+
+        The jail, the idmapped mount and the warm sandbox all hold the folder the server opened;
+        a folder re-created at the configured path is another inode they never see (empty
+        listings, NOT_FOUND on writes). Compares the held folder with a fresh stat of the path.
+        A point-in-time check: a replacement after it is seen at the next call.
+
+        Raises:
+            Unavailable: the path is gone or names another folder now.
+        """
+        try:
+            info = os.stat(self.config.path)
+        except OSError:
+            now = "was deleted or renamed"
+        else:
+            if (info.st_dev, info.st_ino) == self._folder:
+                self._replaced_logged = False  # put back: a later replacement is logged again
+                return
+            now = "was replaced by another folder"
+        message = (
+            f"workspace {self.id!r}: its folder {self.config.path} {now} while the server ran, and the server "
+            "still holds the old one: restart the server to serve the folder now at that path"
+        )
+        if not self._replaced_logged:
+            logger.error("%s", message)
+            self._replaced_logged = True
+        raise Unavailable(message)
 
     def environment(self) -> dict[str, str]:
         """Exactly PATH, HOME and LANG, plus the administrator's variables."""
@@ -476,6 +508,16 @@ class HostWorkspace:
             self._unmount_on_close = False
 
 
+def _held_folder(jail: Jail) -> tuple[int, int]:
+    """(st_dev, st_ino) of the folder the jail holds, opened beneath its own fd."""
+    fd = jail.open_dir_fd(".")
+    try:
+        info = os.fstat(fd)
+    finally:
+        os.close(fd)
+    return info.st_dev, info.st_ino
+
+
 def _open_host(
     config: WorkspaceConfig,
     redactor: Redactor,
@@ -615,6 +657,7 @@ class WorkspaceRegistry:
         key = workspace_id or self._default
         host = self._workspaces.get(key)
         if host is not None:
+            host.check_folder()
             return host
         if self.sandboxes is not None and self.sandboxes.owns(key):
             return self.sandboxes.get(key).workspace

@@ -18,6 +18,8 @@ What it does not guarantee:
 
 - A directory fd follows its folder: if another process renames a folder the organizer holds
   open to somewhere else on the same file system, a move lands there (as with the jail).
+  The inbox itself is checked (`Folder.check_root`) at every call: one renamed, deleted or
+  replaced at its configured path is refused until the server restarts, point-in-time.
 - Bind mounts inside the folder are crossed; a move across one fails with EXDEV.
 """
 
@@ -39,6 +41,7 @@ from bastion.safety.errors import (
     OperationFailed,
     PathEscape,
     ResourceLimit,
+    Unavailable,
 )
 from bastion.safety.paths import Jail
 
@@ -95,6 +98,7 @@ class Folder:
             BastionError: NotFound, InvalidRequest, Unavailable (no openat2 or renameat2).
         """
         self._rename = load_renameat2()
+        self._configured = Path(root)
         # The jail resolves the root once and provides the lexical path rules.
         self._jail = Jail(os.fspath(root), secret_patterns=())
         path_fd = self._jail.open_dir_fd(".")
@@ -102,6 +106,8 @@ class Folder:
             self._fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=path_fd)
         finally:
             os.close(path_fd)
+        held = os.fstat(self._fd)
+        self._held = (held.st_dev, held.st_ino)
 
     @property
     def root(self) -> Path:
@@ -112,6 +118,28 @@ class Folder:
             fd, self._fd = self._fd, -1
             os.close(fd)
         self._jail.close()
+
+    def check_root(self) -> None:
+        """Refuse when the configured path no longer names the folder held open since the start.
+
+        An inbox deleted and re-created (or renamed away) under a running server would otherwise
+        be served from the old folder: empty listings, "moved: 0", NOT_FOUND.
+
+        Raises:
+            Unavailable: the path is gone or is another folder now.
+        """
+        try:
+            info = os.stat(self._configured)
+        except OSError:
+            now = "was deleted or renamed"
+        else:
+            if (info.st_dev, info.st_ino) == self._held:
+                return
+            now = "was replaced by another folder"
+        raise Unavailable(
+            f"the inbox folder {self._configured} {now} while the server ran, and the server still holds the "
+            "old one: restart the server to organize the folder now at that path"
+        )
 
     def relative(self, path: str) -> str:
         """The normalized folder-relative path (``.`` for the root), checked without touching the disk.

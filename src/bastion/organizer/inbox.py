@@ -9,6 +9,7 @@ action and nothing moves.
 
 from __future__ import annotations
 
+import logging
 import re
 import stat
 import threading
@@ -33,6 +34,8 @@ from bastion.safety.errors import (
     Unavailable,
 )
 from bastion.safety.results import ResultCode
+
+logger = logging.getLogger("bastion.organizer")
 
 # Plans live in memory only: the newest MAX_PLANS per inbox, and none survives a restart (a
 # plan is a snapshot of inodes, sizes and mtimes, so planning again is what a restart calls for).
@@ -74,6 +77,7 @@ class Organizer:
         self.history = History()
         self._next_txn = 1
         self._broken: str | None = None
+        self._replaced: str | None = None  # the last "folder replaced" line logged
 
     def open(self) -> str | None:
         """Read the journal and roll back a transaction a crash left unfinished.
@@ -105,10 +109,22 @@ class Organizer:
             self.journal.close()
             self.folder.close()
 
+    def _check_folder(self) -> None:
+        """Every call first checks the inbox is still the folder held open (`Folder.check_root`); logged once."""
+        try:
+            self.folder.check_root()
+        except Unavailable as exc:
+            if exc.reason != self._replaced:
+                logger.error("inbox %s: %s", self.id, exc.reason)
+            self._replaced = exc.reason
+            raise
+        self._replaced = None
+
     # -- read-only ---------------------------------------------------------------
 
     def list_files(self, subdir: str = ".") -> dict[str, Any]:
         with self._lock:
+            self._check_folder()
             rel = self.folder.relative(subdir)
             if rel == ".":
                 entries = [a.as_dict() for a in assess(self.folder, self.rules)]
@@ -142,6 +158,7 @@ class Organizer:
 
     def plan(self) -> dict[str, Any]:
         with self._lock:
+            self._check_folder()
             plan, detail = make_plan(assess(self.folder, self.rules), self.config.max_plan_moves)
             self._plans[plan.plan_id] = plan
             while len(self._plans) > MAX_PLANS:
@@ -152,6 +169,7 @@ class Organizer:
 
     def apply(self, plan_id: str) -> dict[str, Any]:
         with self._lock:
+            self._check_folder()
             plan = self._take_plan(plan_id)
             if not plan.moves:
                 return {"inbox": self.id, "plan_id": plan_id, "action_id": None, "moved": 0, "moves": []}
@@ -176,6 +194,7 @@ class Organizer:
 
     def move(self, src: str, dest: str) -> dict[str, Any]:
         with self._lock:
+            self._check_folder()
             if dest.endswith("/"):
                 raise InvalidRequest(f"dest is the full target path, with the name: e.g. '{dest}{split(src)[1]}'")
             rel_src, rel_dst = self.folder.relative(src), self.folder.relative(dest)
@@ -199,6 +218,7 @@ class Organizer:
 
     def undo(self) -> dict[str, Any]:
         with self._lock:
+            self._check_folder()
             if not self.history.done:
                 raise NotFound("there is nothing to undo")
             action = self.history.done[-1]
@@ -217,6 +237,7 @@ class Organizer:
 
     def redo(self) -> dict[str, Any]:
         with self._lock:
+            self._check_folder()
             if not self.history.undone:
                 raise NotFound("there is nothing to redo")
             action = self.history.undone[-1]
