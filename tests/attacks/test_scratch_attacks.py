@@ -9,6 +9,7 @@ sandbox's own with both caps (ENOSPC inside), and an OOM kill names what held th
 from __future__ import annotations
 
 import os
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from mcp import Client
 
 from bastion.app import Services, build_services
 from bastion.config import Config, load_config
+from bastion.safety.errors import ConfigError
 from tests.helpers import call, create, mounts_under, sh
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap, pytest.mark.root]
@@ -53,9 +55,7 @@ async def test_empty_file_flood_in_tmp_is_enospc_and_the_sandbox_lives(client: C
 
 
 @pytest.mark.parametrize("folder", ["/tmp", "/dev/shm"])
-async def test_big_file_in_scratch_folder_is_enospc_at_its_cap(
-    client: Client, services: Services, folder: str
-) -> None:
+async def test_big_file_in_scratch_folder_is_enospc_at_its_cap(client: Client, services: Services, folder: str) -> None:
     box = await create(client)
     cap = services.config.sandboxes.tmp_bytes if folder == "/tmp" else services.config.sandboxes.shm_bytes
     out = await sh(client, box, f"head -c {cap + 32 * MIB} /dev/zero > {folder}/big; stat -c %s {folder}/big")
@@ -72,7 +72,8 @@ async def test_scratch_folders_are_private_and_show_no_state_path(client: Client
     text = _stdout(seen)
     assert text.count("No such file or directory") == 2
     assert str(services.config.state_dir) not in text
-    assert "nosuid" in text and "nodev" in text
+    assert "nosuid" in text
+    assert "nodev" in text
     owner = await sh(client, b, "stat -c '%U %a' /tmp /dev/shm")
     assert _stdout(owner) == "sandbox 1777\nsandbox 1777\n"
 
@@ -85,7 +86,8 @@ async def test_memory_filled_by_tmpfs_kills_the_command_as_resource_limit_naming
     hog = await sh(client, box, "python3 -c 'b = bytearray(200 * 2**20); b[::4096] = b\"x\" * len(b[::4096])'")
     assert hog["code"] == "RESOURCE_LIMIT"
     reason = str(hog["reason"])
-    assert "ran out of memory" in reason and "/tmp and /dev/shm" in reason
+    assert "ran out of memory" in reason
+    assert "/tmp and /dev/shm" in reason
     held = int(reason.split(" held ")[1].split(" MiB")[0])
     assert 115 <= held <= 160
     kept = await sh(client, box, "stat -c %s /tmp/fill /dev/shm/fill")
@@ -102,7 +104,8 @@ async def test_tmpfs_fill_that_ends_the_whole_sandbox_is_resource_limit_and_keep
     await sh(client, box, "echo kept > notes.txt; head -c 60M /dev/zero > /tmp/fill")
     out = await sh(client, box, "head -c 60M /dev/zero > /dev/shm/fill; head -c 60M /dev/zero | tail -c 1 >/dev/null")
     assert out["code"] == "RESOURCE_LIMIT", out
-    assert "the kernel ended it" in str(out["reason"]) and "/tmp and /dev/shm" in str(out["reason"])
+    assert "the kernel ended it" in str(out["reason"])
+    assert "/tmp and /dev/shm" in str(out["reason"])
     again = await sh(client, box, "cat notes.txt; stat -c %s /tmp/fill")
     assert _stdout(again) == f"kept\n{60 * MIB}\n"
 
@@ -127,6 +130,29 @@ async def test_closing_a_sandbox_unmounts_its_scratch_folders(client: Client, se
 
 def test_scratch_caps_larger_than_half_the_memory_limit_are_refused(demo_config_path: Path) -> None:
     text = demo_config_path.read_text()
-    demo_config_path.write_text(text.replace("[sandboxes]\n", f"[sandboxes]\ntmp_bytes = {600 * MIB}\n", 1))
-    with pytest.raises(Exception, match="at most half of limits.memory_bytes"):
+    assert "tmp_bytes = 67108864" in text
+    demo_config_path.write_text(text.replace("tmp_bytes = 67108864", f"tmp_bytes = {600 * MIB}", 1))
+    with pytest.raises(ConfigError, match=r"at most half of limits\.memory_bytes"):
         load_config(demo_config_path)
+
+
+async def test_a_local_user_cannot_reach_a_sandbox_scratch_folder_from_the_host(
+    client: Client, services: Services
+) -> None:
+    """The server's tmpfs for a sandbox's /tmp is a host path: a neighbour on the host who knows or
+    guesses the name (host workspaces' are ws-<id>) must not read or plant files through it."""
+    box = await create(client)
+    await sh(client, box, "echo private > /tmp/note; chmod 644 /tmp/note")
+    assert services.devices is not None
+    for name in (box, "ws-default"):
+        folder = services.devices.path / name
+        for argv in (["cat", f"{folder}/tmp/note"], ["touch", f"{folder}/tmp/planted"], ["ls", f"{folder}/shm"]):
+            done = subprocess.run(
+                ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *argv],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            assert done.returncode != 0, argv
+            assert "Permission denied" in done.stderr, (argv, done.stderr)
+    assert _stdout(await sh(client, box, "ls /tmp")) == "note\n"

@@ -74,8 +74,14 @@ class DeviceFolder:
         """A folder of the six nodes, /tmp and /dev/shm for sandbox `name`; returns its path
         (for `SandboxSpec.devices`). `owner` (uid, gid): whose /tmp and /dev/shm are (the sandbox's id)."""
         folder = self.path / name
-        folder.mkdir(mode=0o711)
+        folder.mkdir(mode=0o700)
         try:
+            if owner is not None:
+                # Only the sandbox's id (bwrap binds from here as it) passes: its /tmp is 1777, and a
+                # local user must not reach a host workspace's by its predictable name (ws-<id>).
+                os.chown(folder, *owner)
+            else:
+                os.chmod(folder, 0o711)  # noqa: S103 - passable, never listable
             for node, (major, minor) in DEVICES.items():
                 os.mknod(folder / node, stat.S_IFCHR | 0o666, os.makedev(major, minor))
                 os.chmod(folder / node, 0o666)  # noqa: S103 - as the host's; mknod's mode passes the umask
