@@ -16,6 +16,7 @@ import secrets
 import socket
 import stat
 import tarfile
+import tracemalloc
 import uuid
 from pathlib import Path
 from typing import Any
@@ -36,9 +37,11 @@ from bastion.safety.errors import (
 from bastion.sandbox import _archive, _extract
 from bastion.sandbox.snapshot import (
     SnapshotInfo,
+    SnapshotLimits,
     create_snapshot,
     delete_snapshot,
     list_snapshots,
+    remove_leftovers,
     restore_snapshot,
 )
 
@@ -519,9 +522,9 @@ def test_restore_refuses_too_many_members(tmp_path: Path, monkeypatch: pytest.Mo
 
 
 def test_restore_refuses_oversized_pax_header(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Megabytes of PAX header count against the decompressed-stream budget.
+    """Megabytes of PAX header are refused from the header's size, before it is read.
 
-    Does not prove: memory stays small; tarfile still buffers a header up to the budget.
+    Memory is measured in test_tampered_archive_huge_pax_header_refused.
     """
     target = tmp_path / "restored"
     target.mkdir()
@@ -627,3 +630,373 @@ def test_list_and_delete(dirs: tuple[Path, Path, Path]) -> None:
         restore_snapshot(archive, first.id, target)
     with pytest.raises(NotFound):
         delete_snapshot(archive, first.id)
+
+
+# --- issue 13: disk and memory -----------------------------------------------------------
+
+GIB = 1024**3
+MIB = 1024**2
+
+
+def plant_stream(archive: Path, tar_bytes: Any, *, files: int = 0, size: int = 0) -> str:
+    """Write a hand-made snapshot from raw tar bytes (an iterable of chunks), gzipped at level 1."""
+    archive.mkdir(exist_ok=True)
+    snapshot_id = "snap-" + secrets.token_hex(8)
+    path = archive / f"{snapshot_id}.tar.gz"
+    with path.open("wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=1, mtime=0) as stream:
+        for chunk in tar_bytes:
+            stream.write(chunk)
+    blob = path.read_bytes()
+    record = {
+        "id": snapshot_id,
+        "label": None,
+        "created": 1.0,
+        "files": files,
+        "bytes": size,
+        "archive_bytes": len(blob),
+        "sha256": hashlib.sha256(blob).hexdigest(),
+        "metadata": {},
+    }
+    (archive / f"{snapshot_id}.json").write_text(json.dumps(record))
+    return snapshot_id
+
+
+def header(name: str, kind: bytes, size: int) -> bytes:
+    member = tarfile.TarInfo(name)
+    member.type = kind
+    member.size = size
+    return member.tobuf(tarfile.GNU_FORMAT if kind in (b"L", b"K") else tarfile.USTAR_FORMAT, "utf-8", "strict")
+
+
+def pax_record(key: str, value: str) -> bytes:
+    body = f" {key}={value}\n".encode()
+    length = len(body) + 1
+    while len(str(length)) + len(body) != length:
+        length += 1
+    return str(length).encode() + body
+
+
+def padded(data: bytes) -> bytes:
+    return data + tarfile.NUL * (-len(data) % tarfile.BLOCKSIZE)
+
+
+def allocated(path: Path) -> int:
+    return path.stat().st_blocks * 512
+
+
+def data_map(path: Path) -> list[tuple[int, int]]:
+    """The (offset, length) data runs of a file, read with SEEK_DATA/SEEK_HOLE."""
+    runs = []
+    with path.open("rb") as stream:
+        fd, size, offset = stream.fileno(), path.stat().st_size, 0
+        while offset < size:
+            try:
+                start = os.lseek(fd, offset, os.SEEK_DATA)
+            except OSError:
+                break
+            end = os.lseek(fd, start, os.SEEK_HOLE)
+            runs.append((start, end - start))
+            offset = end
+    return runs
+
+
+def same_content(a: Path, b: Path) -> bool:
+    """Compare two (sparse) files by their size and every data run of either, without reading the holes."""
+    if a.stat().st_size != b.stat().st_size:
+        return False
+    with a.open("rb") as one, b.open("rb") as two:
+        for offset, length in data_map(a) + data_map(b):
+            one.seek(offset)
+            two.seek(offset)
+            if one.read(length) != two.read(length):
+                return False
+    return True
+
+
+def test_restore_sparse_file_stays_sparse(dirs: tuple[Path, Path, Path]) -> None:
+    """Invariant: a 1.5 GiB file of holes with a little data is snapshotted and restored with its holes.
+
+    Before, the archive stored 1.5 GiB of zeros and the restore wrote them: 1.5 GiB of real blocks.
+    Does not prove: the same block layout (holes are found at 4 KiB granularity).
+    """
+    workspace, archive, target = dirs
+    sparse = workspace / "disk.img"
+    with sparse.open("wb") as stream:
+        stream.truncate(1536 * MIB)
+        stream.seek(100 * MIB)
+        stream.write(b"hello" * 1000)
+        stream.seek(1000 * MIB)
+        stream.write(random.Random(3).randbytes(70_000))
+    (workspace / "ends-with-data").write_bytes(b"")
+    with (workspace / "ends-with-data").open("r+b") as stream:
+        stream.seek(10 * MIB)
+        stream.write(b"tail")
+
+    info = take(workspace, archive)
+    restore_snapshot(archive, info.id, target)
+
+    assert info.bytes == 1536 * MIB + 10 * MIB + 4
+    assert info.data_bytes < MIB
+    assert info.archive_bytes < MIB
+    for name in ("disk.img", "ends-with-data"):
+        assert (target / name).stat().st_size == (workspace / name).stat().st_size
+        assert allocated(target / name) <= allocated(workspace / name) + 64 * 1024
+        assert same_content(workspace / name, target / name)
+    assert allocated(target / "disk.img") < MIB
+    # The archive is standard: tarfile (as GNU tar) reads the sparse member under its real name.
+    members = members_of(archive, info)
+    assert members["disk.img"].size == 1536 * MIB
+    assert members["disk.img"].sparse is not None
+
+
+def test_restore_zero_blocks_of_an_old_dense_archive_become_holes(tmp_path: Path) -> None:
+    """An archive that stores zeros whole (taken before sparse members) still restores holes, not blocks."""
+    target = tmp_path / "restored"
+    target.mkdir()
+    content = b"head" + bytes(32 * MIB) + b"tail"
+    snapshot_id = plant(tmp_path / "snapshots", [entry("zeros", data=content)], {"zeros": content})
+    restore_snapshot(tmp_path / "snapshots", snapshot_id, target)
+    assert (target / "zeros").read_bytes() == content
+    assert allocated(target / "zeros") <= 64 * 1024
+
+
+def test_tampered_archive_huge_pax_header_refused(tmp_path: Path) -> None:
+    """A 400 MB PAX header is refused from its size field, before a byte of it is read.
+
+    Before, tarfile read it whole: the server reached 1.3 GB of memory. tracemalloc sees every
+    Python allocation, so a header read into memory would show up in the peak.
+    Does not prove: anything about memory outside Python's allocator (zlib's window is 32 KiB).
+    """
+    target = tmp_path / "restored"
+    target.mkdir()
+    size = 400 * 1000 * 1000
+    record_head = f"{size} comment=".encode()
+
+    def chunks() -> Any:
+        yield header("././@PaxHeader", tarfile.XHDTYPE, size)
+        yield record_head
+        left = size - len(record_head) - 1
+        while left > 0:
+            step = min(left, 8 * MIB)
+            yield b"x" * step
+            left -= step
+        yield b"\n"
+        yield header("a", tarfile.REGTYPE, 0)
+
+    snapshot_id = plant_stream(tmp_path / "snapshots", chunks())
+    tracemalloc.start()
+    try:
+        with pytest.raises(ResourceLimit, match="extended"):
+            restore_snapshot(tmp_path / "snapshots", snapshot_id, target)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 * MIB
+    assert list(target.iterdir()) == []
+
+
+def test_tampered_archive_huge_gnu_long_name_refused(tmp_path: Path) -> None:
+    target = tmp_path / "restored"
+    target.mkdir()
+    size = 50 * MIB
+    snapshot_id = plant_stream(
+        tmp_path / "snapshots",
+        [header("././@LongLink", b"L", size), b"a" * size, header("a", tarfile.REGTYPE, 0)],
+    )
+    tracemalloc.start()
+    try:
+        with pytest.raises(ResourceLimit, match="long name"):
+            restore_snapshot(tmp_path / "snapshots", snapshot_id, target)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 * MIB
+    assert list(target.iterdir()) == []
+
+
+def sparse_member(name: str, realsize: int, sparse_map: bytes, data: bytes) -> bytes:
+    records = b"".join(
+        pax_record(key, value)
+        for key, value in [
+            ("GNU.sparse.major", "1"),
+            ("GNU.sparse.minor", "0"),
+            ("GNU.sparse.name", name),
+            ("GNU.sparse.realsize", str(realsize)),
+        ]
+    )
+    content = padded(sparse_map) + data
+    return (
+        header("././@PaxHeader", tarfile.XHDTYPE, len(records))
+        + padded(records)
+        + header(f"GNUSparseFile.0/{name}", tarfile.REGTYPE, len(content))
+        + padded(content)
+    )
+
+
+def test_tampered_archive_sparse_map_flood_refused(tmp_path: Path) -> None:
+    """A sparse map announcing a billion segments is refused at its count, not read into a list."""
+    target = tmp_path / "restored"
+    target.mkdir()
+    flood = b"1000000000\n" + b"0\n1\n" * 200_000
+    snapshot_id = plant_stream(tmp_path / "snapshots", [sparse_member("f", 1, flood, b"x")], files=1, size=1)
+    with pytest.raises(ResourceLimit, match="sparse segments"):
+        restore_snapshot(tmp_path / "snapshots", snapshot_id, target)
+    assert list(target.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("realsize", "sparse_map", "data"),
+    [
+        (10, b"1\n20\n4\n", b"abcd"),  # a segment past the end of the file
+        (100, b"2\n50\n4\n10\n4\n", b"abcdefgh"),  # segments out of order
+        (100, b"1\n0\n4\n", b"abcdefgh"),  # more data than the map says
+        (100, b"1\n0\n99999999999999999999999\n", b"a"),  # a number too long
+    ],
+    ids=["past-end", "out-of-order", "extra-data", "long-number"],
+)
+def test_tampered_archive_bad_sparse_map_refused(tmp_path: Path, realsize: int, sparse_map: bytes, data: bytes) -> None:
+    target = tmp_path / "restored"
+    target.mkdir()
+    member = sparse_member("f", realsize, sparse_map, data)
+    snapshot_id = plant_stream(tmp_path / "snapshots", [member], files=1, size=realsize)
+    with pytest.raises(OperationFailed, match="corrupt"):
+        restore_snapshot(tmp_path / "snapshots", snapshot_id, target)
+    assert [p.stat().st_size for p in target.iterdir()] in ([], [0], [realsize])
+
+
+def test_tampered_archive_chained_pax_headers_refused(tmp_path: Path) -> None:
+    """Extended headers one after another (tarfile followed them by recursion) are corrupt, not a RecursionError."""
+    target = tmp_path / "restored"
+    target.mkdir()
+    record = pax_record("comment", "x")
+    chain = [header("././@PaxHeader", tarfile.XHDTYPE, len(record)) + padded(record)] * 5000
+    snapshot_id = plant_stream(tmp_path / "snapshots", [*chain, header("a", tarfile.REGTYPE, 0)])
+    with pytest.raises(OperationFailed, match="corrupt"):
+        restore_snapshot(tmp_path / "snapshots", snapshot_id, target)
+    assert list(target.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("blob", "error"),
+    [
+        (header("././@PaxHeader", tarfile.XGLTYPE, 0), PolicyDenied),  # a global header
+        (b"\x00" * 100 + b"junk" * 103, OperationFailed),  # not a ustar header
+        (header("a", tarfile.DIRTYPE, 512) + bytes(512), OperationFailed),  # a folder with content
+    ],
+    ids=["global-header", "no-magic", "folder-with-content"],
+)
+def test_tampered_archive_odd_headers_refused(tmp_path: Path, blob: bytes, error: type[Exception]) -> None:
+    target = tmp_path / "restored"
+    target.mkdir()
+    snapshot_id = plant_stream(tmp_path / "snapshots", [blob, header("b", tarfile.REGTYPE, 0)])
+    with pytest.raises(error):
+        restore_snapshot(tmp_path / "snapshots", snapshot_id, target)
+    assert list(target.iterdir()) == []
+
+
+def test_tampered_archive_bad_checksum_refused(tmp_path: Path) -> None:
+    target = tmp_path / "restored"
+    target.mkdir()
+    block = bytearray(header("a", tarfile.REGTYPE, 0))
+    block[0:1] = b"b"  # the checksum was computed for "a"
+    snapshot_id = plant_stream(tmp_path / "snapshots", [bytes(block)])
+    with pytest.raises(OperationFailed, match="corrupt"):
+        restore_snapshot(tmp_path / "snapshots", snapshot_id, target)
+    assert list(target.iterdir()) == []
+
+
+def fill(workspace: Path, name: str, size: int) -> None:
+    (workspace / name).write_bytes(random.Random(name).randbytes(size))
+
+
+def test_snapshot_count_cap_total_refused_before_writing(dirs: tuple[Path, Path, Path]) -> None:
+    workspace, archive, _ = dirs
+    fill(workspace, "f", 1000)
+    limits = SnapshotLimits(count=2)
+    first = create_snapshot(workspace, archive, label=None, metadata={"sandbox_id": "sb-a"}, limits=limits)
+    second = create_snapshot(workspace, archive, label=None, metadata={"sandbox_id": "sb-b"}, limits=limits)
+    before = sorted(archive.iterdir())
+    with pytest.raises(ResourceLimit, match=r"max_snapshots = 2.*delete_snapshot"):
+        create_snapshot(workspace, archive, label=None, metadata={"sandbox_id": "sb-c"}, limits=limits)
+    assert sorted(archive.iterdir()) == before
+    delete_snapshot(archive, first.id)
+    third = create_snapshot(workspace, archive, label=None, metadata={"sandbox_id": "sb-c"}, limits=limits)
+    assert list_snapshots(archive) == [second, third]
+
+
+def test_snapshot_count_cap_per_sandbox_refused_others_go_on(dirs: tuple[Path, Path, Path]) -> None:
+    workspace, archive, _ = dirs
+    fill(workspace, "f", 1000)
+    limits = SnapshotLimits(per_sandbox_count=2)
+    for _ in range(2):
+        create_snapshot(workspace, archive, label=None, metadata={"sandbox_id": "sb-a"}, limits=limits)
+    with pytest.raises(ResourceLimit, match=r"sandbox sb-a has 2 snapshots.*max_snapshots_per_sandbox"):
+        create_snapshot(workspace, archive, label=None, metadata={"sandbox_id": "sb-a"}, limits=limits)
+    create_snapshot(workspace, archive, label=None, metadata={"sandbox_id": "sb-b"}, limits=limits)
+    assert len(list_snapshots(archive)) == 3
+
+
+@pytest.mark.parametrize(
+    ("limits", "key"),
+    [
+        (SnapshotLimits(bytes=300_000), "max_snapshot_bytes"),
+        (SnapshotLimits(per_sandbox_bytes=300_000), "max_snapshot_bytes_per_sandbox"),
+    ],
+)
+def test_snapshot_byte_cap_stops_the_write_and_leaves_nothing(
+    dirs: tuple[Path, Path, Path], limits: SnapshotLimits, key: str
+) -> None:
+    """A snapshot is cut off when its archive passes what the cap leaves, and its temp file goes.
+
+    Incompressible content: the archive is as big as the files.
+    """
+    workspace, archive, _ = dirs
+    fill(workspace, "small", 200_000)
+    first = create_snapshot(workspace, archive, label=None, metadata={"sandbox_id": "sb-a"}, limits=limits)
+    fill(workspace, "big", 200_000)
+    with pytest.raises(ResourceLimit, match=key):
+        create_snapshot(workspace, archive, label=None, metadata={"sandbox_id": "sb-a"}, limits=limits)
+    assert sorted(p.name for p in archive.iterdir()) == sorted([f"{first.id}.json", f"{first.id}.tar.gz"])
+    with pytest.raises(ResourceLimit, match=key):  # nothing at all is left under the cap now
+        create_snapshot(workspace, archive, label=None, metadata={"sandbox_id": "sb-a"}, limits=limits)
+
+
+def test_snapshot_reserve_refused_when_free_space_is_short(dirs: tuple[Path, Path, Path]) -> None:
+    """A reserve larger than the free space refuses at once; the message names state_reserve_bytes."""
+    workspace, archive, target = dirs
+    fill(workspace, "f", 1000)
+    archive.mkdir()
+    free = os.statvfs(archive).f_bavail * os.statvfs(archive).f_frsize
+    with pytest.raises(ResourceLimit, match="state_reserve_bytes"):
+        create_snapshot(workspace, archive, label=None, metadata={}, limits=SnapshotLimits(reserve_bytes=free + GIB))
+    assert list(archive.iterdir()) == []
+    info = take(workspace, archive)
+    with pytest.raises(ResourceLimit, match="state_reserve_bytes"):
+        restore_snapshot(archive, info.id, target, state_dir=archive, reserve_bytes=free + GIB)
+    assert list(target.iterdir()) == []
+
+
+def test_remove_leftovers_of_an_interrupted_snapshot(dirs: tuple[Path, Path, Path]) -> None:
+    workspace, archive, _ = dirs
+    fill(workspace, "f", 1000)
+    kept = take(workspace, archive)
+    (archive / ".tmp-snap-0123456789abcdef.tar.gz").write_bytes(b"half")
+    (archive / ".tmp-snap-0123456789abcdef.json").write_bytes(b"{")
+    (archive / "snap-fedcba9876543210.tar.gz").write_bytes(b"no record")
+    (archive / "notes.txt").write_text("not ours")
+    assert remove_leftovers(archive) == 3
+    assert sorted(p.name for p in archive.iterdir()) == sorted([f"{kept.id}.json", f"{kept.id}.tar.gz", "notes.txt"])
+    assert list_snapshots(archive) == [kept]
+
+
+def test_record_without_data_bytes_reads_as_its_size(dirs: tuple[Path, Path, Path]) -> None:
+    """Records written before data_bytes existed still load, with the whole size as the bound."""
+    workspace, archive, target = dirs
+    fill(workspace, "f", 1000)
+    info = take(workspace, archive)
+    record = json.loads((archive / f"{info.id}.json").read_text())
+    del record["data_bytes"]
+    (archive / f"{info.id}.json").write_text(json.dumps(record))
+    assert list_snapshots(archive)[0].data_bytes == 1000
+    restore_snapshot(archive, info.id, target)
+    assert (target / "f").read_bytes() == (workspace / "f").read_bytes()
