@@ -17,6 +17,7 @@ SCRIPTS = (
     "bench_sandbox.py",
     "bench_identity.py",
     "bench_code.py",
+    "bench_loop.py",
     "bench_egress.py",
     "bench_gateway.py",
     "bench_organizer.py",
