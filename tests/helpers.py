@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -103,3 +105,40 @@ def mounts_under(folder: Path) -> list[str]:
         if point == str(folder) or point.startswith(f"{folder}/"):
             found.append(point)
     return found
+
+
+class LoopLag:
+    """How late the event loop ran a callback that reschedules itself every `tick_s`: the longest
+    stall of the loop while it was watched (a lag monitor; nothing is timed with a sleep)."""
+
+    def __init__(self, tick_s: float = 0.005) -> None:
+        self.tick_s = tick_s
+        self.worst = 0.0
+        self._due = 0.0
+        self._handle: asyncio.TimerHandle | None = None
+
+    def __enter__(self) -> LoopLag:
+        loop = asyncio.get_running_loop()
+        self._due = loop.time() + self.tick_s
+        self._handle = loop.call_at(self._due, self._tick)
+        return self
+
+    def _tick(self) -> None:
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        self.worst = max(self.worst, now - self._due)
+        self._due = now + self.tick_s
+        self._handle = loop.call_at(self._due, self._tick)
+
+    def __exit__(self, *_exc: object) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+
+
+def audit_record(audit_path: Path, record_id: object) -> dict[str, object]:
+    """The audit record with this id (a result's audit_id is its end record's)."""
+    for line in audit_path.read_text().splitlines():
+        record = json.loads(line)
+        if record.get("id") == record_id:
+            return dict(record)
+    raise AssertionError(f"no audit record {record_id}")

@@ -15,7 +15,7 @@ from mcp import Client
 from bastion.app import Services, build_server, build_services
 from bastion.config import load_config
 from bastion.sandboxes import NET_TEMP_PREFIX
-from tests.helpers import call, create, demo_config_at, sh, temp_socket_folders
+from tests.helpers import LoopLag, audit_record, call, create, demo_config_at, sh, temp_socket_folders
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
 
@@ -320,3 +320,57 @@ async def test_a_long_state_path_keeps_its_sockets_in_a_temp_folder_that_recover
     services.close()
     assert (precious / "keep.txt").read_text() == "mine"
     assert not link.is_symlink()
+
+
+MANY_FILES = 700_000
+MAKE_FILES = (
+    "import os\nos.makedirs('/tmp/many')\nfor i in range({count}):\n"
+    "    os.close(os.open(f'/tmp/many/{{i}}', os.O_CREAT | os.O_WRONLY, 0o600))\nprint(len(os.listdir('/tmp/many')))"
+)
+
+
+@pytest.fixture
+def many_files_config(demo_config_path: Path) -> Path:
+    """The demo, with room for MANY_FILES in a sandbox's /tmp (inodes, and the kernel memory they take)."""
+    text = demo_config_path.read_text().replace("scratch_inodes = 16384", f"scratch_inodes = {MANY_FILES + 10_000}")
+    text = text.replace("memory_bytes = 1073741824   # 1 GiB\npids", "memory_bytes = 4294967296\npids")
+    demo_config_path.write_text(text.replace("timeout_s = 60              # per command", "timeout_s = 300"))
+    return demo_config_path
+
+
+async def test_close_with_many_files_does_not_block_loop_or_other_sandboxes(many_files_config: Path) -> None:
+    """Invariant: closing a sandbox that holds 700,000 files in /tmp (which blocked every other
+    call for 1.65 s: the teardown waited on the event loop) stalls the loop for no more than a
+    loaded machine does anyway; another sandbox's calls go on meanwhile, and the close still
+    removes everything, in order, and is audited. Does not prove how long the close itself takes."""
+    services = build_services(load_config(many_files_config))
+    try:
+        async with Client(build_server(services, caller="test")) as client:
+            a, b = await create(client), await create(client)
+            made = await call(client, "execute_code", code=MAKE_FILES.format(count=MANY_FILES), sandbox_id=a)
+            assert made["detail"]["stdout"] == f"{MANY_FILES}\n", made  # type: ignore[index]
+            closed: list[dict[str, object]] = []
+            times: list[float] = []
+
+            async def close_a() -> None:
+                closed.append(await call(client, "close_sandbox", sandbox_id=a))
+
+            with LoopLag() as lag:
+                async with anyio.create_task_group() as tasks:
+                    tasks.start_soon(close_a)
+                    while not closed or not times:
+                        started = time.monotonic()
+                        assert (await sh(client, b, "true"))["ok"]
+                        times.append(time.monotonic() - started)
+            assert closed[0]["ok"], closed
+            assert lag.worst < 0.5, lag.worst
+            assert max(times) < 1.0, times
+            assert len(times) > 1, "the other sandbox's call waited for the whole close"
+            assert not (services.config.sandboxes_dir / a).exists()
+            if services.devices is not None:
+                assert not (services.devices.path / a).exists()
+            assert audit_record(services.config.audit_path, closed[0]["audit_id"])["tool"] == "close_sandbox"
+            assert (await sh(client, a, "true"))["code"] == "SANDBOX_NOT_FOUND"
+            assert (await sh(client, b, "echo alive"))["detail"]["stdout"] == "alive\n"  # type: ignore[index]
+    finally:
+        services.close()

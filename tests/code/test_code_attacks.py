@@ -1,0 +1,182 @@
+"""Attacks on a Python context's protocol channel (issue #13, finding 1), through the real tools
+in real sandboxes: the agent's code writes to the fd the kernel reports on. Each test checks
+the refusal (the context is killed, the call says why in one line), that the event loop was
+never stalled (another sandbox's calls go on), and that nothing else was lost: the sandbox, its
+files and its other contexts live, and the audit log has the call."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import anyio
+import pytest
+from mcp import Client
+
+from bastion.app import Services
+from tests.helpers import LoopLag, audit_record, call, create, sh
+
+pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
+
+# The old code stalled the loop 4.6 s per 30 MB line; a loaded 2-core machine stalls ~0.1 s on its own.
+MAX_STALL_S = 0.5
+
+# What the agent's code needs to write on the protocol channel of its own kernel.
+CHANNEL = "import os, sys\nkernel = sys.modules['__main__']\nfd = kernel._channel['fd']\ncell = kernel._current['id']\n"
+
+
+async def run(client: Client, sandbox_id: str, code: str, **args: object) -> dict[str, Any]:
+    return await call(client, "execute_code", code=code, sandbox_id=sandbox_id, **args)
+
+
+async def while_busy(client: Client, other: str, attack: Any) -> tuple[Any, list[float], float]:
+    """Run `attack()`; meanwhile run_command("true") in sandbox `other`, one call after another.
+    Returns the attack's result, the other sandbox's call times and the loop's longest stall."""
+    outcome: list[Any] = []
+    times: list[float] = []
+
+    async def attacker() -> None:
+        outcome.append(await attack())
+
+    with LoopLag() as lag:
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(attacker)
+            while not outcome or not times:
+                started = time.monotonic()
+                result = await sh(client, other, "true")
+                times.append(time.monotonic() - started)
+                assert result["ok"], result
+    return outcome[0], times, lag.worst
+
+
+def assert_no_traceback(caplog: pytest.LogCaptureFixture) -> None:
+    assert all(record.exc_info is None for record in caplog.records), caplog.text
+    assert "Traceback" not in caplog.text
+
+
+async def assert_sandbox_lives(client: Client, sandbox_id: str) -> None:
+    """The sandbox, its files and its other context outlive the context that broke the protocol."""
+    assert (await sh(client, sandbox_id, "cat notes.txt"))["detail"]["stdout"] == "kept\n"  # type: ignore[index]
+    other = await run(client, sandbox_id, "x", context="other")
+    assert other["ok"], other
+    assert other["detail"]["value"] == "41"
+    fresh = await run(client, sandbox_id, "1 + 1", restart=True)
+    assert fresh["ok"], fresh
+    assert fresh["detail"]["value"] == "2"
+
+
+async def prepared(client: Client) -> tuple[str, str]:
+    """Sandbox A (a file, a second context with state) and sandbox B."""
+    a, b = await create(client), await create(client)
+    await sh(client, a, "echo kept > notes.txt")
+    assert (await run(client, a, "x = 41", context="other"))["ok"]
+    return a, b
+
+
+async def test_protocol_flood_of_30mb_lines_ends_the_context_without_stalling_the_loop(
+    client: Client, services: Services, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Invariant: five 30 MB lines on the protocol fd (which took 22 s and stalled other
+    sandboxes 4.6 s each, parsed, cleaned and redacted whole on the event loop) end the context
+    at the first 4 KiB of header, with one line; the loop never stalls. Does not prove a bound
+    on the kernel's own CPU use (its sandbox's cgroup bounds that)."""
+    caplog.set_level(logging.WARNING)
+    a, b = await prepared(client)
+    flood = CHANNEL + (
+        'line = b\'{"event":"stream","id":\' + str(cell).encode() + b\',"name":"stdout","text":"\'\n'
+        "for _ in range(5):\n    os.write(fd, line + b'x' * (30 << 20) + b'\"}\\n')\n"
+    )
+    started = time.monotonic()
+    result, times, stall = await while_busy(client, b, lambda: run(client, a, flood, timeout_s=60))
+    assert time.monotonic() - started < 15
+    assert result["code"] == "OPERATION_FAILED", result
+    assert result["reason"] == (
+        "the context broke the protocol (a message header is longer than 4096 bytes) and was killed: "
+        "run again with restart=true"
+    )
+    assert result["detail"]["context_state"] == "dead"
+    assert stall < MAX_STALL_S, stall
+    assert max(times) < 1.0, times
+    record = audit_record(services.config.audit_path, result["audit_id"])
+    assert record["tool"] == "execute_code"
+    assert record["code"] == "OPERATION_FAILED"
+    assert "broke the protocol" in str(record["reason"])
+    await assert_sandbox_lives(client, a)
+    assert_no_traceback(caplog)
+
+
+async def test_protocol_flood_of_valid_messages_is_counted_not_cleaned(client: Client, services: Services) -> None:
+    """Invariant: 200 MB of well-formed output messages past the output cap cost the loop a count
+    per read, never a decode, clean or redact: the call ends promptly, truncated to the cap, and
+    the context lives. Does not prove what the client sees of bytes past the cap (nothing)."""
+    a, b = await prepared(client)
+    flood = CHANNEL + (
+        'header = b\'{"event":"stream","id":\' + str(cell).encode() + b\',"name":"stdout","bytes":1048576}\\n\'\n'
+        "for _ in range(200):\n    os.write(fd, header + b'AKIA' * 262144)\n"
+    )
+    result, times, stall = await while_busy(client, b, lambda: run(client, a, flood, timeout_s=60))
+    assert result["code"] == "OUTPUT_TRUNCATED", result
+    assert result["detail"]["context_state"] == "alive"
+    assert 0 < len(result["detail"]["stdout"]) <= services.config.sandboxes.limits.max_output_bytes
+    assert stall < MAX_STALL_S, stall
+    assert max(times) < 1.0, times
+    printed = "import sys\nfor _ in range(200):\n    sys.stdout.write('z' * (1 << 20))\n"
+    result, times, stall = await while_busy(client, b, lambda: run(client, a, printed, timeout_s=60))
+    assert result["code"] == "OUTPUT_TRUNCATED", result
+    assert stall < MAX_STALL_S, stall
+    await assert_sandbox_lives(client, a)
+
+
+@pytest.mark.parametrize("depth", [3000, 200_000])
+async def test_protocol_deep_nesting_recursion_ends_the_context_with_one_line(
+    client: Client, services: Services, caplog: pytest.LogCaptureFixture, depth: int
+) -> None:
+    """Invariant: a line of nested '[' (which raised RecursionError out of the parser, a traceback
+    on the server's stderr) ends the context with one line: within the 4 KiB header cap it is
+    invalid JSON, past it an oversize header. No traceback anywhere."""
+    caplog.set_level(logging.WARNING)
+    a, b = await prepared(client)
+    result, _times, stall = await while_busy(
+        client,
+        b,
+        lambda: run(client, a, CHANNEL + f"os.write(fd, b'[' * {depth} + b'\\n')\nimport time\ntime.sleep(5)"),
+    )
+    expected = "is not valid JSON" if depth < 4096 else "is longer than 4096 bytes"
+    assert result["code"] == "OPERATION_FAILED", result
+    assert expected in result["reason"], result
+    assert "\n" not in result["reason"]
+    assert result["detail"]["context_state"] == "dead"
+    assert stall < MAX_STALL_S, stall
+    assert audit_record(services.config.audit_path, result["audit_id"])["code"] == "OPERATION_FAILED"
+    await assert_sandbox_lives(client, a)
+    assert_no_traceback(caplog)
+
+
+@pytest.mark.parametrize(
+    ("header", "expected"),
+    [
+        ('b\'{"event":"stream","id":%d,"name":"stdout","bytes":2097152}\'', "payload is not 0 to 1048576 bytes"),
+        ('b\'{"event":"image","id":%d,"bytes":99999999}\'', "payload is not 0 to 4194304 bytes"),
+        ('b\'{"event":"done","id":%d,"bytes":5}\'', "a done message with a payload"),
+        ('b\'{"event":"stream","id":%d,"name":"stdout","text":"\' + b\'x\' * 5000 + b\'"}\'', "longer than 4096"),
+        ('b\'{"event":"shell","id":%d}\'', "unknown event 'shell'"),
+        ("b'[%d]'", "not a JSON object"),
+    ],
+)
+async def test_oversize_protocol_line_ends_context_with_the_reason(
+    client: Client, services: Services, caplog: pytest.LogCaptureFixture, header: str, expected: str
+) -> None:
+    """Invariant: a header over 4 KiB, a payload over its kind's cap, or a header the kernel never
+    sends ends the context (only it) at once, with one line that says which; the flood behind it
+    is never buffered."""
+    caplog.set_level(logging.WARNING)
+    a, _b = await prepared(client)
+    code = CHANNEL + f"os.write(fd, (({header}) % cell) + b'\\n' + b'y' * (8 << 20))\nimport time\ntime.sleep(5)"
+    result = await run(client, a, code, timeout_s=30)
+    assert result["code"] == "OPERATION_FAILED", result
+    assert expected in result["reason"], result
+    assert result["detail"]["context_state"] == "dead"
+    assert audit_record(services.config.audit_path, result["audit_id"])["tool"] == "execute_code"
+    await assert_sandbox_lives(client, a)
+    assert_no_traceback(caplog)
