@@ -251,6 +251,7 @@ def test_stream_split_between_key_and_secret(text: str) -> None:
 # characters so byte offsets and character offsets differ.
 SLICE_FILLER = st.text(alphabet=st.sampled_from(list("abcdefghijklmnopqstuvwxyz  \n.,é日€")), max_size=300)
 SECRET_VALUE = "ΩMEGA-VALUE-7Q3Z"  # a configured value with a two-byte character in it
+LINES_VALUE = "LINE-ONE-X1\nLINE-TWO-Y2"  # a configured value across a newline
 
 
 def _body(size: int) -> st.SearchStrategy[str]:
@@ -266,6 +267,7 @@ SLICE_SECRETS = st.one_of(
     ),
     _body(24).map(lambda b: f'api_key = "{b[:12]} {b[12:]}"'),
     st.just(SECRET_VALUE),
+    st.just(LINES_VALUE),
 )
 _MARKERS = re.compile(r"(?:\[REDACTED:[a-z_]+\])+")
 
@@ -299,7 +301,7 @@ def test_read_slices_never_show_a_secret_that_whole_file_redaction_hides(
     character. Does not prove anything for a secret longer than the context (documented cap).
     """
     raw, secrets = planted
-    redactor = Redactor(secret_values=[SECRET_VALUE])
+    redactor = Redactor(secret_values=[SECRET_VALUE, LINES_VALUE])
     assert not _shows_secret(redactor.redact(raw.decode("utf-8"))), "the generator planted a secret redact misses"
     longest = max(len(secret.encode("utf-8")) for secret in secrets)
     context = data.draw(st.integers(longest, longest + 64), label="context")
@@ -320,7 +322,7 @@ def test_adjacent_read_slices_never_join_back_into_a_secret(
     the join is whole-file redaction (no extra loss) once a marker repeated by a cut is merged.
     """
     raw, secrets = planted
-    redactor = Redactor(secret_values=[SECRET_VALUE])
+    redactor = Redactor(secret_values=[SECRET_VALUE, LINES_VALUE])
     text = raw.decode("utf-8")
     boundaries = sorted({len(text[:i].encode("utf-8")) for i in range(len(text) + 1)})
     cuts = sorted(set(data.draw(st.lists(st.sampled_from(boundaries), max_size=12), label="cuts")))
@@ -353,3 +355,52 @@ def test_slice_of_undecodable_bytes_is_replaced_as_before() -> None:
     redactor = Redactor()
     assert redactor.redact_slice(raw, 1, len(raw)) == "\ufffd日\ufffd"
     assert redactor.redact_slice(raw, 0, len(raw)) == raw.decode("utf-8", "replace")
+
+
+# Pieces that make redaction decide across lines: key blocks opened, closed or not, certificates
+# between them, quoted values left open, configured values across newlines.
+_PIECES = st.sampled_from(
+    [
+        "-----BEGIN RSA PRIVATE KEY-----",
+        "-----END RSA PRIVATE KEY-----",
+        "-----BEGIN CERTIFICATE-----",
+        "-----END CERTIFICATE-----",
+        "\n",
+        " ",
+        "é",
+        'password = "',
+        '"',
+        "ghp_",
+        "Z9Z9Z9Z9Z9Z9",
+        "AKIA",
+        "token=",
+        SECRET_VALUE,
+        LINES_VALUE,
+        "LINE-ONE-X1\n",
+        "plain words",
+    ]
+)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pieces=st.lists(_PIECES, max_size=60), data=st.data())
+def test_slice_redaction_of_its_lines_equals_that_of_the_whole_window(pieces: list[str], data: st.DataObject) -> None:
+    """Invariant: redacting only the slice's lines (and an open key before it) decides exactly
+    what redacting the whole window decides, for text built to cross lines: keys open, closed
+    or interleaved with certificates, open quotes, values across newlines.
+    """
+    raw = "".join(pieces).encode("utf-8")
+    redactor = Redactor(secret_values=[SECRET_VALUE, LINES_VALUE])
+    start = data.draw(st.integers(0, len(raw)), label="start")
+    end = data.draw(st.integers(start, len(raw)), label="end")
+    assert redactor.redact_slice(raw, start, end) == redactor._redact_window(raw, start, end)
+
+
+def test_an_administrators_pattern_across_lines_is_judged_on_the_whole_window() -> None:
+    """Invariant: an extra pattern may cross lines, so a slice inside its match is hidden even
+    when the match starts lines before the slice."""
+    redactor = Redactor(extra_patterns=[r"(?s)BEGIN-VAULT.*?END-VAULT"])
+    raw = b"head\nBEGIN-VAULT\nline one\nline two\nEND-VAULT\ntail\n"
+    start = raw.index(b"line two")
+    assert redactor.redact_slice(raw, start, start + 8) == "[REDACTED:custom]"
+    assert redactor.redact_slice(raw, raw.index(b"tail"), len(raw)) == "tail\n"

@@ -122,6 +122,8 @@ _BUILTINS: Final = tuple(_rule(kind, re.compile(pattern), needles) for kind, pat
 
 _ALL_NEEDLES: Final = tuple(sorted({n for rule in _BUILTINS for n in rule.needles}))
 _PEM_END: Final = re.compile(r"-----END[ A-Z0-9]*PRIVATE KEY(?: BLOCK)?-----")
+_PEM_BEGIN: Final = re.compile(rb"-----BEGIN[ A-Z0-9]*PRIVATE KEY")
+_PEM_END_BYTES: Final = re.compile(rb"-----END[ A-Z0-9]*PRIVATE KEY(?: BLOCK)?-----")
 _WHITESPACE: Final = re.compile(r"\s")
 _PEM_TAIL_CHARS: Final = 80
 
@@ -157,6 +159,8 @@ class Redactor:
             rules.append(_rule("secret_value", re.compile("|".join(re.escape(v) for v in values))))
         self._rules: tuple[_Rule, ...] = tuple(rules)
         self._longest_value = len(values[0]) if values else 0
+        self._longest_value_bytes = max((len(v.encode("utf-8", "surrogatepass")) for v in values), default=0)
+        self._custom = bool(extra_patterns)
         # Audit records repeat the same short strings (tool names, codes, paths): a cache
         # turns ~7 us of needle checks per string into a dictionary lookup.
         self._redact_short = functools.lru_cache(maxsize=_SHORT_CACHE_ENTRIES)(self._redact_uncached)
@@ -201,6 +205,12 @@ class Redactor:
             start: where the slice starts in `window`, in bytes.
             end: where it ends, in bytes.
         """
+        lo, hi = self._needed(window, start, end)
+        if (lo, hi) != (0, len(window)):
+            return self._redact_window(window[lo:hi], start - lo, end - lo)
+        return self._redact_window(window, start, end)
+
+    def _redact_window(self, window: bytes, start: int, end: int) -> str:
         # surrogateescape keeps one character per undecodable byte, so a character offset
         # maps back to a byte offset by encoding the text before it.
         text = window.decode("utf-8", "surrogateescape")
@@ -220,6 +230,26 @@ class Redactor:
             pos = min(secret_end, end)
         out.append(window[pos:end].decode("utf-8", "replace"))
         return "".join(out)
+
+    def _needed(self, window: bytes, start: int, end: int) -> tuple[int, int]:
+        """The part of `window` whose redaction decides the slice's: its lines, and any private
+        key still open at its start. No built-in pattern but the PEM one crosses a newline (see
+        `_KV_VALUE`), so a whole line is context enough for them and far cheaper than 32 KiB;
+        an administrator's pattern may cross lines, so with one the whole window counts.
+        """
+        if self._custom:
+            return 0, len(window)
+        lo = window.rfind(b"\n", 0, start) + 1
+        newline = window.find(b"\n", end)
+        hi = len(window) if newline < 0 else newline + 1  # the newline too: a quoted value's \Z must not match early
+        lo = max(0, min(lo, start - self._longest_value_bytes))
+        hi = min(len(window), max(hi, end + self._longest_value_bytes))
+        heads = [m.start() for m in _PEM_BEGIN.finditer(window, 0, start)]
+        # A key still open at the slice: its match runs from a BEGIN to the first END after it,
+        # so from the last BEGIN when no END follows it before the slice.
+        if heads and _PEM_END_BYTES.search(window, heads[-1], start) is None:
+            lo = min(lo, heads[-1])
+        return lo, hi
 
     def is_sensitive_key(self, name: str) -> bool:
         """True when a field called `name` holds a secret (``DB_PASSWORD``, ``api_key``...)."""
