@@ -119,7 +119,10 @@ def register_workbench(server: BastionServer, registry: WorkspaceRegistry, runne
     @server.tool(
         name="read_file",
         annotations=_READ_ONLY,
-        description="Read a file of the workspace (path relative to it). Large files: page with offset and length.",
+        description=(
+            "Read a file of the workspace (path relative to it). Large files: page with offset and length (bytes). "
+            "utf-8 text is redacted as the whole file would be, so a secret cut by a page shows in neither part."
+        ),
     )
     async def read_file(
         path: str,
@@ -193,7 +196,10 @@ def register_workbench(server: BastionServer, registry: WorkspaceRegistry, runne
     @server.tool(
         name="list_directory",
         annotations=_READ_ONLY,
-        description="List a folder of the workspace. Symlinks are shown as symlinks, never followed.",
+        description=(
+            "List a folder of the workspace. Symlinks are shown as symlinks, never followed. Names are cleaned "
+            "and redacted like command output."
+        ),
     )
     async def list_directory(path: str = ".", sandbox_id: SandboxId = None) -> Result:
         workspace = registry.get_id(sandbox_id)
