@@ -260,3 +260,25 @@ async def test_restore_sparse_file_stays_sparse_in_a_sandbox(tmp_path: Path) -> 
         assert blocks * 512 < MIB
         status = await call(client, "get_sandbox_status", sandbox_id=new_box)
         assert detail(status)["usage"]["disk_bytes"] < 64 * MIB  # type: ignore[index]
+
+
+async def test_recovery_keeps_a_crashed_workspace_rather_than_eat_the_reserve(tmp_path: Path) -> None:
+    """A crashed server's workspace whose snapshot would go below the reserve is kept as it is, and the server starts.
+
+    Before, recovery snapshotted whatever it found, whatever the free space (and an error there
+    stopped the start). A reserve larger than any disk stands in for a full state filesystem.
+    """
+    config_path = configure(tmp_path / "demo", state_reserve_bytes=2**60)
+    config = load_config(config_path)
+    orphan = config.sandboxes_dir / "sb-0123456789ab" / "workspace"
+    orphan.mkdir(parents=True)
+    (orphan / "work.txt").write_text("unsaved work\n")
+    async with serve(config_path) as (client, services):
+        assert (orphan / "work.txt").read_text() == "unsaved work\n"
+        assert snapshot_files(services) == []
+        assert detail(await call(client, "list_snapshots"))["snapshots"] == []
+    config_path.write_text(config_path.read_text().replace(f"state_reserve_bytes = {2**60}\n", ""))
+    async with serve(config_path) as (client, services):
+        listed = detail(await call(client, "list_snapshots"))["snapshots"]
+        assert [(s["label"], s["recovered"]) for s in listed] == [("recovered", True)]  # type: ignore[index]
+        assert not orphan.parent.exists()
