@@ -12,7 +12,7 @@ from mcp import Client
 from bastion.app import Services, build_server, build_services
 from bastion.config import load_config
 from bastion.safety.errors import ConfigError
-from bastion.state_lock import LOCK_NAME, StateLock
+from bastion.state_lock import PID_FILE, StateLock
 from tests.e2e.test_stdio import BASTION
 from tests.helpers import call, create, sh
 
@@ -97,7 +97,7 @@ def test_second_server_in_process_on_same_state_folder_refused(config_path: Path
         with pytest.raises(ConfigError, match=rf"is in use by another bastion server \(pid {os.getpid()}\)") as caught:
             build_services(config)
         assert "\n" not in str(caught.value)
-        assert (config.state_dir / LOCK_NAME).read_text() == f"{os.getpid()}\n"
+        assert (config.state_dir / PID_FILE).read_text() == f"{os.getpid()}\n"
     finally:
         first.close()
     again = build_services(config)
@@ -134,3 +134,16 @@ def test_state_lock_released_by_a_killed_holder(tmp_path: Path) -> None:
     lock = StateLock(tmp_path)
     lock.acquire()
     lock.release()
+
+
+def test_state_lock_names_no_process_that_is_gone(tmp_path: Path) -> None:
+    """Invariant: a pid in server.lock whose process is gone (an earlier server's, before the holder
+    wrote its own) is not named as the holder: the message says 'pid unknown' rather than mislead."""
+    first = StateLock(tmp_path)
+    first.acquire()
+    try:
+        (tmp_path / PID_FILE).write_text("999999999\n")
+        with pytest.raises(ConfigError, match=r"in use by another bastion server \(pid unknown\)"):
+            StateLock(tmp_path).acquire()
+    finally:
+        first.release()
