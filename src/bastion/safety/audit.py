@@ -119,6 +119,7 @@ class AuditLog:
         self._rotate_bytes = rotate_bytes
         self._fail_closed = fail_closed
         self._fd: int | None = None
+        self._ident = (0, 0)  # (st_dev, st_ino) of the open file: an fd's inode never changes
         self._offset = 0
         self._prev = GENESIS
         self._seq = 0
@@ -147,7 +148,8 @@ class AuditLog:
             self._close_fd()
             self._fd = _open_log(self._path, exclusive=False)
             try:
-                size = os.fstat(self._fd).st_size
+                st = os.fstat(self._fd)
+                size, self._ident = st.st_size, (st.st_dev, st.st_ino)
                 self._prev, self._seq = _chain_head(self._path, self._fd, size)
             except BaseException:
                 self._close_fd()
@@ -384,7 +386,7 @@ class AuditLog:
 
         Logs the problem once (until it changes), with where the records written so far are.
         """
-        problem = _path_problem(self._path, os.fstat(fd))
+        problem = _path_problem(self._path, self._ident)
         if problem is not None and problem != self._stale:
             _log.error(
                 "%s; records are refused until then (those written so far stay readable at /proc/%d/fd/%d)",
@@ -410,7 +412,8 @@ class AuditLog:
         os.unlink(self._path)
         self._close_fd()
         self._fd = _open_log(self._path, exclusive=True)
-        self._offset = 0
+        new = os.fstat(self._fd)
+        self._ident, self._offset = (new.st_dev, new.st_ino), 0
         _sync_dir(self._path.parent)
 
     def _close_fd(self) -> None:
@@ -429,8 +432,11 @@ def _failure(cause: str, *, ran: bool) -> str:
     return f"{cause}; {NOTHING_DONE}"
 
 
-def _path_problem(path: Path, st: os.stat_result) -> str | None:
-    """Why the open file (``st``, its fstat) is not, or no longer, a safe log at `path`; or None."""
+def _path_problem(path: Path, ident: tuple[int, int]) -> str | None:
+    """Why the open file (`ident`: its device and inode) is no longer a safe log at `path`, or None.
+
+    One lstat: when it names the open file, its owner, links and mode are the open file's.
+    """
     fix = "put the original file back or restart the server"
     try:
         lst = os.lstat(path)
@@ -440,9 +446,9 @@ def _path_problem(path: Path, st: os.stat_result) -> str | None:
         return f"audit log unavailable: {path} cannot be examined ({exc.strerror or exc}): {fix}"
     if stat.S_ISLNK(lst.st_mode):
         return f"audit log unavailable: {path} was replaced by a symlink while the server ran: {fix}"
-    if (lst.st_dev, lst.st_ino) != (st.st_dev, st.st_ino):
+    if (lst.st_dev, lst.st_ino) != ident:
         return f"audit log unavailable: {path} was replaced by another file while the server ran: {fix}"
-    problem = file_problem(path, st)
+    problem = file_problem(path, lst)
     return None if problem is None else f"audit log unavailable: {problem}"
 
 
