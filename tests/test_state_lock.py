@@ -147,3 +147,34 @@ def test_state_lock_names_no_process_that_is_gone(tmp_path: Path) -> None:
             StateLock(tmp_path).acquire()
     finally:
         first.release()
+
+
+def test_cli_commands_that_read_the_state_folder_work_beside_a_running_server(config_path: Path) -> None:
+    """Invariant: the lock is a server's only: `bastion doctor`, `audit verify` and `approvals list`
+    on the config of a running server still run (none of them takes the state folder's lock)."""
+    config = load_config(config_path)
+    services = build_services(config)
+    try:
+        runs = {
+            name: subprocess.run(
+                [str(BASTION), *args],
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                text=True,
+                timeout=300,
+                check=False,
+            )
+            for name, args in {
+                "doctor": ["doctor", "--config", str(config_path)],
+                "verify": ["audit", "verify", str(config.audit_path)],
+                "approvals": ["approvals", "list", "--config", str(config_path)],
+            }.items()
+        }
+    finally:
+        services.close()
+    for name, run in runs.items():
+        assert "in use by another bastion" not in run.stdout + run.stderr, (name, run.stdout, run.stderr)
+    assert runs["verify"].returncode == 0, runs["verify"].stderr
+    assert runs["verify"].stdout.startswith("ok: ")
+    assert runs["approvals"].returncode == 0, runs["approvals"].stderr
+    assert "bastion doctor: " in runs["doctor"].stdout, runs["doctor"].stderr
