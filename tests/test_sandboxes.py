@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import tempfile
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -14,8 +17,18 @@ from mcp import Client
 
 from bastion.app import Services, build_server, build_services
 from bastion.config import load_config
+from bastion.safety.errors import Unavailable
 from bastion.sandboxes import NET_TEMP_PREFIX
-from tests.helpers import LoopLag, audit_record, call, create, demo_config_at, sh, temp_socket_folders
+from tests.helpers import (
+    LoopLag,
+    audit_record,
+    call,
+    create,
+    demo_config_at,
+    mounts_under,
+    sh,
+    temp_socket_folders,
+)
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
 
@@ -374,3 +387,33 @@ async def test_close_with_many_files_does_not_block_loop_or_other_sandboxes(many
             assert (await sh(client, b, "echo alive"))["detail"]["stdout"] == "alive\n"  # type: ignore[index]
     finally:
         services.close()
+
+
+async def test_close_all_while_a_sandbox_folder_is_being_made_leaves_nothing(
+    services: Services, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Invariant: a sandbox's folders (mkfs, mounts) are made in a worker thread, off the loop; a
+    server stopping meanwhile (close_all, its loop stopped) waits for the worker and removes what it
+    made: no mount, no folder, the host id free; the create that was under way is refused."""
+    manager = services.sandboxes
+    started, release = threading.Event(), threading.Event()
+    make = manager._make_folders
+
+    def held(*args: Any) -> None:
+        started.set()
+        release.wait(30)
+        make(*args)
+
+    monkeypatch.setattr(manager, "_make_folders", held)
+    # Not the ceiling's disk: never a handout from the warm pool.
+    creating = asyncio.create_task(manager.create(owner="test", limits={"disk_bytes": 64 * 1024**2}))
+    assert await asyncio.to_thread(started.wait, 30)
+    held_ids = set(manager._held)
+    threading.Timer(0.05, release.set).start()  # close_all, on this thread, waits for the worker it frees
+    manager.close_all()
+    sandboxes_dir = services.config.sandboxes_dir
+    assert [m for m in mounts_under(services.config.state_dir) if "/sb-" in m] == []
+    assert list(sandboxes_dir.glob("sb-*")) == []
+    assert not set(manager._held) & held_ids
+    with pytest.raises(Unavailable, match="closing"):
+        await creating

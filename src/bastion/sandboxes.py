@@ -19,6 +19,8 @@ import stat
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
+from concurrent import futures
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
@@ -48,6 +50,7 @@ from bastion.safety.errors import (
     PolicyDenied,
     ResourceLimit,
     SandboxNotFound,
+    Unavailable,
 )
 from bastion.safety.redact import Redactor
 from bastion.sandbox._devices import DeviceFolder
@@ -81,6 +84,7 @@ _SHELL_POLICY: Final = CommandPolicyConfig(allow=("*",))
 _NARROWABLE: Final = frozenset(SandboxLimitsConfig.model_fields)
 _DISK_WALK_MAX_ENTRIES: Final = 100_000
 _DISK_IMAGE: Final = "disk.img"
+_FOLDER_WORKERS: Final = 4  # threads making and removing sandboxes' folders (mkfs, mount, unmount, delete)
 _NET_TMPFS_BYTES: Final = 1 << 20  # holds sockets and folders only
 _NET_TMPFS_INODES: Final = 4 * 10_000 + 64  # a folder, a socket and a temp name per sandbox, at most
 
@@ -189,6 +193,10 @@ class SandboxManager:
         self._boxes: dict[str, Sandbox] = {}
         self._pool: list[_Prepared] = []
         self._starting: dict[str, _Prepared] = {}  # so close_all can end one mid-start
+        # mkfs, mount, unmount and deleting run here, off the event loop; close_all waits for them,
+        # so a server stopping mid-call never leaves a mount behind.
+        self._workers = ThreadPoolExecutor(max_workers=_FOLDER_WORKERS, thread_name_prefix="bastion-folders")
+        self._building: dict[str, Path] = {}  # sandboxes whose folders a worker is making, until _prepare resumes
         self._refill: asyncio.Task[None] | None = None
 
     @property
@@ -358,15 +366,8 @@ class SandboxManager:
         sandbox_id = SANDBOX_ID_PREFIX + secrets.token_hex(_ID_HEX_BYTES)
         root = self._dir / sandbox_id
         identity = self._held[sandbox_id] = self._identities.acquire()
-        try:
-            self._make_folders(root, identity, disk_bytes)
-            socket_dir = self._socket_dir(sandbox_id)
-            socket_dir.mkdir(mode=self._dir_mode)
-            os.chmod(socket_dir, self._dir_mode)
-            devices = self._devices.make(sandbox_id, _owner(identity)) if self._devices is not None else None
-        except BaseException:
-            self._discard_prepared(sandbox_id, root)
-            raise
+        socket_dir = self._socket_dir(sandbox_id)
+        devices = await self._build(sandbox_id, root, identity, disk_bytes, socket_dir)
         ceiling = self._config.limits
         limits = None
         if self._cgroups is not None:
@@ -391,6 +392,35 @@ class SandboxManager:
             self._starting.pop(sandbox_id, None)
         return prepared
 
+    async def _build(
+        self, sandbox_id: str, root: Path, identity: HostIdentity, disk_bytes: int | None, socket_dir: Path
+    ) -> str | None:
+        """Make the sandbox's folders in a worker (mkfs and mount: tens of ms the loop would stall);
+        returns its device folder. On failure or cancellation nothing of it is left."""
+        self._building[sandbox_id] = root
+        work = self._workers.submit(self._make_all, sandbox_id, root, identity, disk_bytes, socket_dir)
+        try:
+            devices = await asyncio.shield(asyncio.wrap_future(work))
+        except BaseException:
+            if not work.done():
+                # Cancelled mid-build: the worker goes on; removing its folders under it would race.
+                futures.wait([work])
+            self._discard_prepared(sandbox_id, root)
+            raise
+        finally:
+            discarded = self._building.pop(sandbox_id, None) is None
+        if discarded:  # close_all ran meanwhile and removed what the worker made
+            raise Unavailable("the server is closing its sandboxes: no new one starts")
+        return devices
+
+    def _make_all(
+        self, sandbox_id: str, root: Path, identity: HostIdentity, disk_bytes: int | None, socket_dir: Path
+    ) -> str | None:
+        self._make_folders(root, identity, disk_bytes)
+        socket_dir.mkdir(mode=self._dir_mode)
+        os.chmod(socket_dir, self._dir_mode)
+        return self._devices.make(sandbox_id, _owner(identity)) if self._devices is not None else None
+
     def _make_folders(self, root: Path, identity: HostIdentity, disk_bytes: int | None) -> None:
         """The sandbox's folder and its workspace (its own filesystem with a quota), the workspace its identity's."""
         self._make_dir(self._dir)
@@ -399,8 +429,7 @@ class SandboxManager:
         workspace = root / "workspace"
         workspace.mkdir(mode=0o700)
         if self._config.disk_quota:
-            # Synchronous on purpose (~20 ms): a thread could still be mounting after
-            # close_all has run, leaving a mount behind. The pool pays it, off the request path.
+            # ~20 ms, in a worker (`_build`) that close_all waits for.
             make_disk(root / _DISK_IMAGE, workspace, disk_bytes or self._config.limits.disk_bytes)
         if identity.switch:
             os.chown(workspace, identity.uid, identity.gid, follow_symlinks=False)
@@ -634,7 +663,7 @@ class SandboxManager:
             box.network.close()
             await box.workspace.sandbox.aclose(final=True)
             box.workspace.close()  # nothing left to wait for: its jail's fds, its records
-            await anyio.to_thread.run_sync(self._discard_files, box.id, box.root)
+            await asyncio.wrap_future(self._workers.submit(self._discard_files, box.id, box.root))
             self._release_identity(box.id)
 
     def _take(self, sandbox_id: str) -> Sandbox:
@@ -682,6 +711,13 @@ class SandboxManager:
         """Close everything, waiting here: the server is ending (its event loop has stopped), or a probe is done."""
         if self._refill is not None:
             self._refill.cancel()
+        # Folder work under way (a sandbox being made or closed) ends first; then what a stopped
+        # loop will never hand back to _prepare is removed here.
+        self._workers.shutdown(wait=True)
+        self._workers = ThreadPoolExecutor(max_workers=_FOLDER_WORKERS, thread_name_prefix="bastion-folders")
+        for sandbox_id, root in list(self._building.items()):
+            self._discard_prepared(sandbox_id, root)
+        self._building.clear()
         for sandbox_id in list(self._boxes):
             box = self._take(sandbox_id)
             box.network.close(stop_proxy=False)  # the egress service then stops every proxy at once
