@@ -201,6 +201,9 @@ disk_quota = true           # /workspace is its own filesystem of limits.disk_by
 tmp_bytes = 67108864        # /tmp of each sandbox (host workspaces' too): 64 MiB of memory; past it, ENOSPC
 shm_bytes = 67108864        # /dev/shm likewise; together at most half of limits.memory_bytes
 scratch_inodes = 16384      # files each of them may hold (a root server)
+max_snapshots = 64          # snapshots kept in all (delete_snapshot frees room); 16 per sandbox
+snapshot_retention_s = 604800  # an agent's snapshots expire after 7 days
+state_reserve_bytes = 268435456  # 256 MiB of the state folder's disk kept for the audit log
 default_template = {json.dumps("python-data" if python_env is not None else "default")}  # for create_sandbox()
 # env = {{ NAME = "value" }}  # extra environment for sandbox commands; values are redacted from output
 
