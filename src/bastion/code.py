@@ -89,6 +89,8 @@ class CellResult:
     timed_out: bool = False
     context_alive: bool = True
     oom_killed: bool = False
+    memory_note: str = ""
+    """On an OOM kill: how much of the memory files in /tmp and /dev/shm held."""
     protocol_error: str = ""
     """How the kernel broke the protocol, if it did (it was killed)."""
 
@@ -522,6 +524,7 @@ class CodeRunner:
         result = await ctx.execute(code, timeout_s=limit, max_output_chars=config.max_output_bytes, progress=progress)
         if not result.context_alive and sandbox.oom_kills() > ooms:
             result.oom_killed = True
+            result.memory_note = sandbox.memory_note()
         return result
 
     async def _context(self, name: str, restart: bool) -> PythonContext:

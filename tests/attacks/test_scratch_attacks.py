@@ -156,3 +156,16 @@ async def test_a_local_user_cannot_reach_a_sandbox_scratch_folder_from_the_host(
             assert done.returncode != 0, argv
             assert "Permission denied" in done.stderr, (argv, done.stderr)
     assert _stdout(await sh(client, box, "ls /tmp")) == "note\n"
+
+
+async def test_memory_filled_by_tmpfs_kills_a_python_context_as_resource_limit_naming_it(
+    client: Client, services: Services
+) -> None:
+    box = await create(client, limits={"memory_bytes": 160 * MIB})
+    await sh(client, box, "head -c 60M /dev/zero > /tmp/fill; head -c 60M /dev/zero > /dev/shm/fill")
+    hog = await call(client, "execute_code", code="b = bytearray(200 * 2**20)", sandbox_id=box)
+    assert hog["code"] == "RESOURCE_LIMIT"
+    assert "/tmp and /dev/shm" in str(hog["reason"])
+    assert "restart=true" in str(hog["reason"])
+    again = await call(client, "execute_code", code="1 + 1", sandbox_id=box, restart=True)
+    assert again["detail"]["value"] == "2"  # type: ignore[index]

@@ -56,7 +56,8 @@ def cell_result(result: CellResult, extra: dict[str, object]) -> OperationResult
         reason = f"the context broke the protocol ({result.protocol_error}) and was killed: run again with restart=true"
         return OperationResult.failure("execute_code", ResultCode.OPERATION_FAILED, reason, detail)
     if result.oom_killed:
-        reason = "the context ran out of memory and was killed: run again with restart=true"
+        note = f" ({result.memory_note})" if result.memory_note else ""
+        reason = f"the context ran out of memory and was killed{note}: run again with restart=true"
         return OperationResult.failure("execute_code", ResultCode.RESOURCE_LIMIT, reason, detail)
     if result.timed_out:
         reason = (
