@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -37,6 +38,8 @@ def configure(demo: Path, **keys: object) -> Path:
     path = demo_config_at(demo)
     lines = "".join(f"{key} = {value}\n" for key, value in {"warm_pool": 0, **keys}.items())
     text = path.read_text()
+    for key in keys:  # the demo sets some of them: its line goes, the test's is the one
+        text = re.sub(rf"(?m)^{key} = .*\n", "", text)
     assert "[sandboxes]\nenabled = true\n" in text
     path.write_text(text.replace("[sandboxes]\nenabled = true\n", f"[sandboxes]\nenabled = true\n{lines}", 1))
     return path
