@@ -182,6 +182,67 @@ def test_public_only(address: str, allowed: bool) -> None:
     assert public_only(address) is allowed
 
 
+# Issue 20: every block of the IANA special-purpose registries, and every IPv6 form that carries an IPv4
+# address, with the loopback, private, link-local and metadata addresses inside them.
+SPECIAL_PURPOSE_ADDRESSES = [
+    "0.1.2.3",  # this network
+    "192.0.0.9",  # IETF protocol assignment marked globally reachable (PCP anycast)
+    "192.0.0.170",  # NAT64/DNS64 discovery
+    "192.0.2.1",  # TEST-NET-1
+    "192.31.196.1",  # AS112-v4, marked globally reachable
+    "192.52.193.1",  # AMT, marked globally reachable
+    "192.88.99.1",  # 6to4 relay anycast
+    "192.175.48.1",  # AS112 direct delegation, marked globally reachable
+    "198.18.0.1",  # benchmarking
+    "198.51.100.1",  # TEST-NET-2
+    "203.0.113.1",  # TEST-NET-3
+    "240.0.0.1",  # reserved
+    "255.255.255.255",  # limited broadcast
+    "::",  # unspecified
+    "::127.0.0.1",  # IPv4-compatible loopback
+    "::10.0.0.1",  # IPv4-compatible private
+    "::169.254.169.254",  # IPv4-compatible metadata
+    "::ffff:10.0.0.1",  # IPv4-mapped private
+    "::ffff:169.254.169.254",  # IPv4-mapped metadata
+    "::ffff:8.8.8.8",  # IPv4-mapped, even of a public address: reaches IPv4 by another name
+    "::ffff:0:7f00:1",  # IPv4-translated (RFC 2765)
+    "64:ff9b::7f00:1",  # NAT64 of 127.0.0.1
+    "64:ff9b::a9fe:a9fe",  # NAT64 of 169.254.169.254
+    "64:ff9b::a00:1",  # NAT64 of 10.0.0.1
+    "64:ff9b:1::a9fe:a9fe",  # local-use NAT64 (RFC 8215)
+    "2002:7f00:1::1",  # 6to4 of 127.0.0.1
+    "2002:a9fe:a9fe::1",  # 6to4 of 169.254.169.254
+    "2002:808:808::1",  # 6to4 of a public address: still a tunnel to anything
+    "2001:0:4136:e378:8000:63bf:3fff:fdd2",  # Teredo
+    "2001:0:0:0:0:0:7f00:1",  # Teredo prefix with loopback inside
+    "2001:2::1",  # benchmarking
+    "2001:3::1",  # AMT
+    "2001:4:112::1",  # AS112-v6
+    "2001:20::1",  # ORCHIDv2
+    "2001:db8::1",  # documentation
+    "2620:4f:8000::1",  # AS112-v6 direct delegation
+    "3fff::1",  # documentation (RFC 9637)
+    "100::1",  # discard-only
+    "5f00::1",  # SRv6 SIDs
+    "fc00::1",  # unique local
+    "fec0::1",  # deprecated site-local
+    "fe80::1%1",  # link-local with a zone
+    "ff02::1",  # multicast
+    "not an address",
+]
+
+
+@pytest.mark.parametrize("address", SPECIAL_PURPOSE_ADDRESSES)
+def test_cimd_special_purpose_address_is_refused(address: str) -> None:
+    """The guard refuses every special-purpose block; ordinary public unicast still passes (below)."""
+    assert public_only(address) is False
+
+
+@pytest.mark.parametrize("address", ["1.1.1.1", "9.9.9.9", "2001:4860:4860::8888", "2a00:1450:4001::1"])
+def test_cimd_ordinary_public_address_is_fetched(address: str) -> None:
+    assert public_only(address) is True
+
+
 @pytest.mark.parametrize(
     "url",
     [
@@ -201,7 +262,16 @@ def test_url_shape(url: str) -> None:
 
 @pytest.mark.parametrize(
     "client_id",
-    ["https://127.0.0.1:{port}/x.json", "https://localhost:{port}/x.json", "http://169.254.169.254/latest/meta-data/"],
+    [
+        "https://127.0.0.1:{port}/x.json",
+        "https://localhost:{port}/x.json",
+        "http://169.254.169.254/latest/meta-data/",
+        "https://[::ffff:127.0.0.1]:{port}/x.json",
+        "https://[::127.0.0.1]:{port}/x.json",
+        "https://[64:ff9b::7f00:1]:{port}/x.json",
+        "https://[2002:7f00:1::1]:{port}/x.json",
+        "https://[2001::7f00:1]:{port}/x.json",
+    ],
 )
 def test_t61_live_server_refuses_internal_client_id_urls(server: LiveServer, client_id: str) -> None:
     _, challenge = pkce()
@@ -218,3 +288,7 @@ def test_t61_live_server_refuses_internal_client_id_urls(server: LiveServer, cli
         assert "location" not in response.headers
         meta = raw.get("/.well-known/oauth-authorization-server").json()
     assert meta["client_id_metadata_document_supported"] is True
+    if params["client_id"].startswith("https://"):
+        # Refused by the address guard, before any connection (not by a failed connect).
+        assert f"{params['client_id']} refused: " in server.log()
+        assert "resolves to a non-public address" in server.log().split(f"{params['client_id']} refused: ")[1]

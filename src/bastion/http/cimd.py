@@ -2,9 +2,11 @@
 
 SECURITY BOUNDARY (server-side request forgery). The URL comes from whoever opens /authorize, so:
 - only `https://host/path` URLs (a path other than `/`, no userinfo, fragment or query) are fetched;
-- the host is resolved once and every address must be public (`ipaddress.is_global`): no loopback,
-  private, link-local (cloud metadata at 169.254.169.254), multicast or reserved address; the connection
-  goes to the address that was checked (no second lookup a rebinding DNS could answer differently);
+- the host is resolved once and every address must be ordinary public unicast (`public_only`): none of
+  the IANA special-purpose blocks (loopback, private, link-local with cloud metadata at 169.254.169.254,
+  CGNAT, documentation, benchmarking, AS112, AMT), no multicast, and no IPv6 form that carries an IPv4
+  address (mapped, compatible, NAT64, 6to4, Teredo); the connection goes to the address that was checked
+  (no second lookup a rebinding DNS could answer differently);
 - TLS with certificate and hostname checks; no redirects (anything but 200 is a refusal); at most
   `MAX_DOCUMENT_BYTES`, within `FETCH_TIMEOUT_S` for the whole exchange;
 - the document must name itself (`client_id` equal to the URL), list valid redirect URIs, and be a
@@ -72,11 +74,66 @@ def check_url(url: str) -> tuple[str, int, str]:
     return parts.hostname, port, parts.path
 
 
+# Every block of the IANA IPv4 and IPv6 Special-Purpose Address Registries (RFC 6890 and successors),
+# whatever their "globally reachable" column says: a client's metadata document has no business on an
+# AS112 or AMT address, and the ones marked reachable are the easiest to forget. Plus multicast and
+# broadcast, which are in other registries. Checked 2026-12 against iana-ipv4/ipv6-special-registry.
+SPECIAL_IPV4: Final = tuple(
+    ipaddress.IPv4Network(n)
+    for n in (
+        "0.0.0.0/8",  # "this network" (RFC 791)
+        "10.0.0.0/8",  # private (RFC 1918)
+        "100.64.0.0/10",  # shared address space, CGNAT (RFC 6598)
+        "127.0.0.0/8",  # loopback (RFC 1122)
+        "169.254.0.0/16",  # link-local, cloud metadata (RFC 3927)
+        "172.16.0.0/12",  # private (RFC 1918)
+        "192.0.0.0/24",  # IETF protocol assignments, incl. DS-Lite, NAT64 discovery (RFC 6890, 7335, 8880)
+        "192.0.2.0/24",  # TEST-NET-1 (RFC 5737)
+        "192.31.196.0/24",  # AS112-v4 (RFC 7535)
+        "192.52.193.0/24",  # AMT (RFC 7450)
+        "192.88.99.0/24",  # deprecated 6to4 relay anycast (RFC 7526)
+        "192.168.0.0/16",  # private (RFC 1918)
+        "192.175.48.0/24",  # AS112 direct delegation (RFC 7534)
+        "198.18.0.0/15",  # benchmarking (RFC 2544)
+        "198.51.100.0/24",  # TEST-NET-2 (RFC 5737)
+        "203.0.113.0/24",  # TEST-NET-3 (RFC 5737)
+        "224.0.0.0/4",  # multicast (RFC 5771)
+        "240.0.0.0/4",  # reserved, incl. limited broadcast 255.255.255.255 (RFC 1112, RFC 919)
+    )
+)
+# IPv6: only global unicast (2000::/3, RFC 4291 §2.4) is fetched, which already leaves out ::/8
+# (unspecified, loopback, IPv4-mapped ::ffff:0:0/96, IPv4-compatible ::/96), 64:ff9b::/96 and
+# 64:ff9b:1::/48 (NAT64, RFC 6052, 8215), 100::/64 (discard), 5f00::/16 (SRv6), fc00::/7, fe80::/10 and
+# ff00::/8; the special blocks inside 2000::/3 are listed here.
+GLOBAL_UNICAST_V6: Final = ipaddress.IPv6Network("2000::/3")
+SPECIAL_IPV6: Final = tuple(
+    ipaddress.IPv6Network(n)
+    for n in (
+        "2001::/23",  # IETF protocol assignments: Teredo 2001::/32, benchmarking, AMT, AS112, ORCHID, DRIP
+        "2001:db8::/32",  # documentation (RFC 3849)
+        "2002::/16",  # 6to4 (RFC 3056): the IPv4 address inside could be anything
+        "2620:4f:8000::/48",  # AS112-v6 direct delegation (RFC 7534)
+        "3fff::/20",  # documentation (RFC 9637)
+    )
+)
+
+
 def public_only(address: str) -> bool:
-    ip = ipaddress.ip_address(address)
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return ip.is_global and not ip.is_multicast
+    """True if `address` is ordinary public unicast: outside every special-purpose block above.
+
+    An IPv6 address that embeds an IPv4 one (mapped, compatible, NAT64, 6to4, Teredo) is refused
+    outright rather than judged by the address inside: each of those forms reaches whatever IPv4
+    address it carries, loopback and metadata included.
+    """
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv4Address):
+        return ip.is_global and not any(ip in net for net in SPECIAL_IPV4)
+    if ip.scope_id is not None or ip not in GLOBAL_UNICAST_V6:
+        return False
+    return ip.is_global and not any(ip in net for net in SPECIAL_IPV6)
 
 
 class CimdFetcher:
