@@ -57,6 +57,17 @@ PAYLOAD_CAPS: Final = {
 _ERROR_FIELDS: Final = ("type", "message", "traceback")
 _EVENTS: Final = frozenset({"ready", "done", *PAYLOAD_CAPS})
 _CLEAN_SLACK_BYTES: Final = 256  # an escape sequence or a character split at the cut
+# Stream payloads are cleaned in batches of this much: the stream redactor rescans what it holds
+# (up to 16 Ki characters) at every feed, so cleaning each of a flood of 1-byte messages on its
+# own cost ~2 ms apiece, seconds of event loop per read.
+_CLEAN_BATCH_BYTES: Final = 65_536
+# Headers handled per turn; the rest of a read waits HEADER_PAUSE_S (the pipe is not read
+# meanwhile). 64 KiB of 18-byte headers took 15 ms in one callback; 64 take ~0.3 ms. The pause
+# keeps a flood of tiny messages to a share of the loop: resumed at every turn instead, it still
+# made another sandbox's run_command 15-25x slower (its call takes ~150 turns of the loop). Real
+# output comes in reads of a few messages and never waits.
+MAX_HEADERS_PER_TURN: Final = 64
+HEADER_PAUSE_S: Final = 0.001
 _REDACT_MARGIN_CHARS: Final = 1024  # text past a cut kept while redacting, so a secret across it is still seen
 START_TIMEOUT_S: Final = 30.0  # a cold interpreter on a busy machine
 GRACE_S: Final = 5.0
@@ -146,10 +157,19 @@ class _ProtocolReader:
         self._sink: PayloadSink | None = None
         self.broken = False
 
-    def feed(self, data: bytes) -> None:
-        pos = 0
+    def feed(self, data: bytes, pos: int = 0) -> int:
+        """Take `data` from `pos` on, up to MAX_HEADERS_PER_TURN headers; return where it stopped
+        (len(data) once all is taken, or once the protocol is broken)."""
+        headers = 0
         while pos < len(data) and not self.broken:
-            pos = self._take_payload(data, pos) if self._left else self._take_header(data, pos)
+            if self._left:
+                pos = self._take_payload(data, pos)
+            elif headers == MAX_HEADERS_PER_TURN:
+                return pos
+            else:
+                pos = self._take_header(data, pos)
+                headers += 1
+        return len(data)
 
     def _take_payload(self, data: bytes, pos: int) -> int:
         end = min(len(data), pos + self._left)
@@ -194,16 +214,38 @@ class _ProtocolReader:
 
 class _MessageCapture(RingCapture):
     """The kernel's protocol channel, fed to a `_ProtocolReader` one read at a time; a few KiB are
-    kept for diagnosis. Closing it (EOF, or the context killed) calls `on_eof` once."""
+    kept for diagnosis. Closing it (EOF, or the context killed) calls `on_eof` once.
+
+    A read holding more headers than one turn may handle is finished in later turns of the
+    loop, HEADER_PAUSE_S apart, with the pipe unread meanwhile (the kernel waits on a full pipe):
+    a flood of tiny messages costs a turn at most MAX_HEADERS_PER_TURN headers."""
 
     def __init__(self, fd: int, reader: _ProtocolReader, on_eof: Callable[[], None]) -> None:
         self._reader = reader
         self._on_eof = on_eof
+        self._rest = b""
+        self._rest_at = 0
         super().__init__(fd, 4096)
 
     def _keep(self, chunk: bytes) -> None:
         super()._keep(chunk)
-        self._reader.feed(chunk)
+        self._feed(chunk, 0)
+
+    def _feed(self, data: bytes, pos: int) -> None:
+        stopped = self._reader.feed(data, pos)
+        if stopped < len(data) and not self.closed:
+            self._rest, self._rest_at = data, stopped
+            self._loop.remove_reader(self.fd)
+            self._loop.call_later(HEADER_PAUSE_S, self._resume)
+
+    def _resume(self) -> None:
+        data, pos = self._rest, self._rest_at
+        self._rest, self._rest_at = b"", 0
+        if self.closed:
+            return
+        self._feed(data, pos)
+        if not self._rest and not self.closed:
+            self._loop.add_reader(self.fd, self._on_readable)
 
     def close(self) -> None:
         was_closed = self.closed
@@ -238,6 +280,7 @@ class _Cell:
     done: asyncio.Future[dict[str, Any]]
     text: list[list[str]] = field(default_factory=lambda: [[], []])
     sizes: list[int] = field(default_factory=lambda: [0, 0])
+    raw: list[bytearray] = field(default_factory=lambda: [bytearray(), bytearray()])  # not yet cleaned
     truncated: bool = False
     finished: bool = False
     changed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -246,11 +289,25 @@ class _Cell:
     images: list[Image] = field(default_factory=list)
 
     def add(self, stream: int, raw: bytes | None) -> None:
-        """Clean what fits under the cap. Past it, bytes only mark the result truncated: they are
-        never decoded, cleaned or redacted, so a flood costs a count, not a pass over it."""
+        """Gather output to clean in batches of _CLEAN_BATCH_BYTES. Past the cap, bytes only mark
+        the result truncated: they are never decoded, cleaned or redacted, so a flood costs a
+        count, not a pass over it."""
         if self.finished or not raw:
             return
+        if self.sizes[stream] >= self.cap:
+            self.truncated = True
+            return
+        self.raw[stream] += raw
+        if len(self.raw[stream]) >= _CLEAN_BATCH_BYTES:
+            self._clean(stream)
+
+    def _clean(self, stream: int) -> None:
+        """Clean what was gathered of `stream`, as much as fits under the cap."""
+        raw = bytes(self.raw[stream])
+        self.raw[stream].clear()
         room = self.cap - self.sizes[stream]
+        if not raw:
+            return
         if room <= 0:
             self.truncated = True
             return
@@ -275,6 +332,7 @@ class _Cell:
 
     def finish(self) -> tuple[str, str]:
         for stream, cleaner in enumerate((self.stdout, self.stderr)):
+            self._clean(stream)
             rest = cleaner.feed(b"", final=True)
             if rest and not self.truncated:
                 self.add_clean(stream, rest)
@@ -289,6 +347,9 @@ class _Cell:
         self.sizes[stream] += len(clean)
 
     def tail(self) -> str:
+        if not self.finished:
+            self._clean(0)
+            self._clean(1)
         joined = "".join(self.text[0][-8:]) + "".join(self.text[1][-8:])
         return joined[-PROGRESS_TAIL_CHARS:]
 

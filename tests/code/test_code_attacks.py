@@ -7,6 +7,7 @@ files and its other contexts live, and the audit log has the call."""
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from typing import Any
 
@@ -180,3 +181,63 @@ async def test_oversize_protocol_line_ends_context_with_the_reason(
     assert audit_record(services.config.audit_path, result["audit_id"])["tool"] == "execute_code"
     await assert_sandbox_lives(client, a)
     assert_no_traceback(caplog)
+
+
+TINY_FLOODS = {
+    # One byte of output per message, no whitespace: the stream redactor holds the token and
+    # rescanned its 16 Ki characters at each message (3.8 s stalls, another call took 10 s).
+    "stream_1_byte": b'{"event":"stream","id":%d,"name":"stdout","bytes":1}\nx',
+    # Bare headers: 64 KiB of them was one 15 ms callback; another sandbox's calls ran 30-50x slower.
+    "ready": b'{"event":"ready"}\n',
+    "value_0_bytes": b'{"event":"value","id":%d,"bytes":0}\n',
+}
+
+
+async def quiet_times(client: Client, sandbox_id: str, calls: int = 30) -> list[float]:
+    times = []
+    for _ in range(calls):
+        started = time.monotonic()
+        assert (await sh(client, sandbox_id, "true"))["ok"]
+        times.append(time.monotonic() - started)
+    return times
+
+
+@pytest.mark.parametrize("flood", sorted(TINY_FLOODS))
+async def test_protocol_flood_of_tiny_messages_keeps_other_sandboxes_quick(
+    client: Client, services: Services, flood: str
+) -> None:
+    """Invariant: three seconds of well-formed tiny messages (a header with a 0 or 1 byte payload,
+    ~2,000-3,600 per read) never hold the event loop, and another sandbox's run_command stays
+    within a few times its quiet figure. Headers are handled MAX_HEADERS_PER_TURN per turn with
+    a pause between, and stream bytes are cleaned in 64 KiB batches. Does not prove a bound on
+    the server's CPU while the flood lasts (a share of one core)."""
+    a, b = await prepared(client)
+    quiet = statistics.median(await quiet_times(client, b))
+    code = CHANNEL + (
+        f"import time\nh = {TINY_FLOODS[flood]!r}\nh = h % cell if b'%d' in h else h\nchunk = h * 2000\n"
+        "end = time.monotonic() + 3\nwhile time.monotonic() < end:\n    os.write(fd, chunk)\n"
+    )
+    result, times, stall = await while_busy(client, b, lambda: run(client, a, code, timeout_s=60))
+    assert result["code"] in ("OK", "OUTPUT_TRUNCATED"), result
+    assert result["detail"]["context_state"] == "alive"
+    assert set(result["detail"]["stdout"]) <= {"x"}
+    assert stall < MAX_STALL_S, stall
+    assert statistics.median(times) < 3 * quiet + 0.02, (statistics.median(times), quiet)
+    await assert_sandbox_lives(client, a)
+
+
+async def test_protocol_output_in_one_byte_messages_is_whole_and_redacted(client: Client) -> None:
+    """Invariant: output sent one byte per message (as the kernel sends a slow print loop's) comes
+    back whole and in order, and a secret split across messages is redacted as in one piece:
+    batching before cleaning loses nothing and joins nothing it should not."""
+    a, _b = await prepared(client)
+    code = CHANNEL + (
+        "text = ''.join(f'{i}:' for i in range(8000)) + ' key AKIA' + 'ABCDEFGHIJKLMNOP' + ' end'\n"
+        "for byte in text.encode():\n"
+        '    os.write(fd, b\'{"event":"stream","id":%d,"name":"stdout","bytes":1}\\n\' % cell + bytes([byte]))\n'
+    )
+    result = await run(client, a, code, timeout_s=60)
+    assert result["ok"], result
+    expected = "".join(f"{i}:" for i in range(8000)) + " key [REDACTED:aws_access_key_id] end"
+    assert result["detail"]["stdout"] == expected
+    assert "ABCDEFGHIJKLMNOP" not in str(result)
