@@ -34,7 +34,7 @@ from bastion.safety.errors import (
     PolicyDenied,
     ResourceLimit,
 )
-from bastion.sandbox import _archive, _extract
+from bastion.sandbox import _archive, _extract, _tarread
 from bastion.sandbox.snapshot import (
     SnapshotInfo,
     SnapshotLimits,
@@ -1000,3 +1000,28 @@ def test_record_without_data_bytes_reads_as_its_size(dirs: tuple[Path, Path, Pat
     assert list_snapshots(archive)[0].data_bytes == 1000
     restore_snapshot(archive, info.id, target)
     assert (target / "f").read_bytes() == (workspace / "f").read_bytes()
+
+
+def test_sparse_final_hole_mark_counts_against_the_total_segment_cap(tmp_path: Path) -> None:
+    """Invariant: the writer's sparse map never holds more segments than the reader takes, the
+    final-hole mark included. Before, with the archive's total 3 segments short of its cap, a
+    file of 3 data runs and a final hole was stored with 4 map entries: the snapshot succeeded
+    and its restore failed ("over 262144 sparse segments"). Such a file is stored whole instead
+    (its zero blocks are still restored as holes). The per-file cap is proven through the real
+    tools in tests/attacks/test_sandbox_attacks.py."""
+    holey = tmp_path / "holey"
+    with holey.open("wb") as stream:
+        for index in range(3):
+            stream.seek(index * 8192)
+            stream.write(b"data")
+        stream.truncate(4 * 8192)
+    archiver = _archive._Archiver(gzip.GzipFile(fileobj=io.BytesIO(), mode="wb"))
+    fd = os.open(holey, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        assert archiver._data_segments(fd, size) == [(0, 4096), (8192, 4096), (16384, 4096), (32768, 0)]
+        archiver.tally.segments = _tarread.MAX_SPARSE_SEGMENTS_TOTAL - 3
+        assert archiver._data_segments(fd, size) is None
+        assert archiver.tally.segments == _tarread.MAX_SPARSE_SEGMENTS_TOTAL - 3
+    finally:
+        os.close(fd)

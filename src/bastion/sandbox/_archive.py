@@ -303,6 +303,9 @@ class _Archiver:
             return None
         if not segments or sum(segments[-1]) < size:
             segments.append((size, 0))  # GNU tar's mark of a file ending in a hole
+        # The mark is an entry of the map the reader counts: over its caps, the restore would fail.
+        if len(segments) > MAX_SPARSE_SEGMENTS or self.tally.segments + len(segments) > MAX_SPARSE_SEGMENTS_TOTAL:
+            return None
         self.tally.segments += len(segments)
         return segments
 
