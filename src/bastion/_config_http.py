@@ -46,6 +46,13 @@ class HttpConfig(_Model):
     login_failures_before_backoff: Annotated[int, Field(ge=1, le=100)] = 5
     login_backoff_max_s: Annotated[float, Field(gt=0, le=86_400)] = 900.0
     global_login_failures_per_minute: Annotated[int, Field(ge=1, le=10_000)] = 30
+    """Login attempts from all addresses in a minute before addresses that have failed wait for the minute
+    to pass; an address with no failure on record may still log in."""
+    authorize_per_ip_per_minute: Annotated[int, Field(ge=1, le=100_000)] = 30
+    """/authorize requests from one address (an IPv6 /64) in a minute; more get 429."""
+    pending_authorizations_per_ip: Annotated[int, Field(ge=1, le=1000)] = 10
+    """Authorization requests from one address waiting for the administrator; a new one past it gets 429
+    (none waiting is dropped)."""
     admin_session_lifetime_s: Annotated[float, Field(ge=60, le=86_400)] = 3600.0
 
     @field_validator("public_url")

@@ -10,8 +10,12 @@ import pytest
 
 from .live import Browser, LiveServer, live_server
 
-# The shared server takes many registrations from one address (every test registers its own client).
-SHARED_HTTP = 'extra_origins = ["http://localhost:6274"]\nregistrations_per_ip_per_hour = 10000\nmax_clients = 100000'
+# The shared server takes many registrations and authorization requests from one address (every test
+# registers its own client, and many leave a request undecided).
+SHARED_HTTP = (
+    'extra_origins = ["http://localhost:6274"]\nregistrations_per_ip_per_hour = 10000\nmax_clients = 100000\n'
+    "authorize_per_ip_per_minute = 100000\npending_authorizations_per_ip = 1000"
+)
 
 
 @pytest.fixture

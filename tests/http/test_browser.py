@@ -19,6 +19,7 @@ import httpx2
 import pytest
 
 from bastion.safety.approvals import ApprovalQueue
+from bastion.tools.server import SCOPES
 
 from .live import PASSWORD, LiveServer, callback_params, pkce
 
@@ -81,8 +82,10 @@ def test_chromium_logs_in_narrows_and_consents(
         page.click("button[type=submit]")
         page.wait_for_url("**/oauth/consent?*")
         assert "Chromium test client" in page.content()
-        page.uncheck("input[value=workbench]")
-        page.uncheck("input[value='gateway:deploy']")
+        # The request names no scope: all four are offered, only the least-privileged one is ticked.
+        ticked = {s: page.is_checked(f"input[value='{s}']") for s in SCOPES}
+        assert ticked == {"workbench": False, "organizer": True, "gateway:read": False, "gateway:deploy": False}
+        page.check("input[value='gateway:read']")
         page.click("button[value=approve]")
         page.wait_for_url(f"{CALLBACK}*")
         params = callback_params(seen[-1])

@@ -2,7 +2,8 @@
 
 SECURITY BOUNDARY. A session is a 256-bit cookie (`__Host-`, HttpOnly, Secure, SameSite=Strict) stored
 as a digest; every POST needs the session's CSRF token; the login form's CSRF token is bound to a
-browser cookie (no login CSRF). Logins share the rate limiter of the authorization flow.
+browser cookie (no login CSRF), and a successful login issues that cookie a fresh value. Logins share
+the rate limiter of the authorization flow (one argon2 check per address, two server-wide).
 """
 
 from __future__ import annotations
@@ -15,16 +16,15 @@ from datetime import UTC, datetime
 from typing import Any, Final
 from urllib.parse import urlencode
 
-import anyio
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from bastion.config import Config
 from bastion.http import pages
-from bastion.http.flow import BROWSER_COOKIE, LOGIN_FAILED, client_ip, single_params
+from bastion.http.flow import BROWSER_COOKIE, CSRF_FAILED, LOGIN_FAILED, check_password, client_ip, single_params
 from bastion.http.password import AdminCredential
-from bastion.http.ratelimit import LoginLimiter
+from bastion.http.ratelimit import LoginLimiter, LoginRefused
 from bastion.http.store import AuthStore
 from bastion.safety.approvals import ApprovalQueue
 from bastion.safety.errors import BastionError
@@ -84,7 +84,7 @@ class AdminPages:
             csrf = self.session_csrf(request)
             form = await self.form(request)
             if csrf is None or form is None or not hmac.compare_digest(form.get("csrf", ""), csrf):
-                return pages.error_page("This form is not valid for this browser (CSRF check failed).", status=403)
+                return pages.error_page(CSRF_FAILED, status=403)
             result: Response = await handler(request, form, csrf)
             return result
 
@@ -106,15 +106,13 @@ class AdminPages:
         browser = request.cookies.get(BROWSER_COOKIE, "")
         form = await self.form(request)
         if form is None or not browser or not hmac.compare_digest(form.get("csrf", ""), self._login_csrf(browser)):
-            return pages.error_page("This form is not valid for this browser (CSRF check failed).", status=403)
-        ip = client_ip(request)
-        wait = self.limiter.retry_after(ip)
-        if wait > 0:
-            return pages.too_many(wait, "")
-        if not await anyio.to_thread.run_sync(self.credential.verify, form.get("password", "")):
-            self.limiter.failure(ip)
+            return pages.error_page(CSRF_FAILED, status=403)
+        try:
+            ok = await check_password(self.limiter, self.credential, client_ip(request), form.get("password", ""))
+        except LoginRefused as exc:
+            return pages.too_many(exc.retry_after_s, exc.reason, status=exc.status)
+        if not ok:
             return self._login_page(browser, message=LOGIN_FAILED, status=401)
-        self.limiter.success(ip)
         session, _ = self.store.new_admin_session(self.config.http.admin_session_lifetime_s)
         response = pages.see_other("/admin")
         response.set_cookie(
@@ -126,6 +124,9 @@ class AdminPages:
             samesite="strict",
             max_age=int(self.config.http.admin_session_lifetime_s),
         )
+        # A browser value planted before the login never outlives it (session fixation).
+        fresh = secrets.token_urlsafe(32)
+        response.set_cookie(BROWSER_COOKIE, fresh, path="/", secure=True, httponly=True, samesite="strict")
         return response
 
     async def logout(self, request: Request, form: dict[str, str], csrf: str) -> Response:
@@ -141,7 +142,7 @@ class AdminPages:
         if csrf is None:
             return pages.see_other("/admin/login")
         rows = "".join(
-            f"<tr><td><code>{pages.esc(g.grant_id)}</code></td><td>{pages.esc(g.client_id)}</td>"
+            f"<tr><td><code>{pages.esc(g.grant_id)}</code></td><td>{pages.label(g.client_id)}</td>"
             f"<td>{pages.esc(' '.join(g.scopes))}</td><td>{_when(g.created_at)}</td>"
             f'<td><form method="post" action="/admin/revoke">{pages.hidden({"csrf": csrf, "grant": g.grant_id})}'
             '<button type="submit">Revoke</button></form></td></tr>'

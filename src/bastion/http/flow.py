@@ -6,8 +6,16 @@ SECURITY BOUNDARY.
   the administrator has logged in, so a registered attacker URI cannot be used as an open redirector
   (RFC 9700 §4.11.2).
 - The request becomes a server-side transaction bound to this browser by a `__Host-` cookie
-  (HttpOnly, Secure, SameSite=Strict). Every POST needs that cookie and the transaction's CSRF token;
-  the transaction is decided once.
+  (HttpOnly, Secure, SameSite=Strict). Every step checks that binding (the login page, the consent page
+  and both POSTs; every POST also needs the transaction's CSRF token); the transaction is decided once.
+- Cookies are not separated by port, so a page on another loopback port can plant that cookie: a
+  successful login therefore issues a fresh value and moves the transaction to it (session fixation,
+  OWASP ASVS V3.2.1), so a planted value opens nothing once the administrator has logged in.
+- Password checks go through `LoginLimiter` (reserved before the argon2 work, one per address, two at a
+  time server-wide); /authorize is rate limited and its pending requests capped per address, and a flood
+  never drops a request in progress: it is refused instead.
+- A client's registered `scope` bounds what /authorize offers; without a known scope in the request
+  only the least-privileged toolset is ticked on the consent page (never `gateway:*`).
 - Each authorization needs the administrator's password, in this transaction: there is no "already
   logged in" shortcut a new client could ride on (a consent cookie never carries over to another client).
 - POSTs answer 303; pages cannot be framed; failures say the same thing whatever went wrong.
@@ -29,15 +37,22 @@ from starlette.responses import Response
 from bastion.http import pages
 from bastion.http.password import AdminCredential
 from bastion.http.provider import BastionAuthProvider, Transaction
-from bastion.http.ratelimit import LoginLimiter
+from bastion.http.ratelimit import LoginLimiter, LoginRefused, WindowLimiter, address_key
 from bastion.http.redirects import LOOPBACK_HOSTS, matches_registered
-from bastion.tools.server import SCOPES
+from bastion.safety.errors import ResourceLimit
+from bastion.tools.server import GATEWAY_DEPLOY, GATEWAY_READ, ORGANIZER, SCOPES, WORKBENCH
 
 BROWSER_COOKIE: Final = "__Host-bastion-browser"
 _CHALLENGE: Final = re.compile(r"[A-Za-z0-9_-]{43}")
 MAX_STATE_CHARS: Final = 2048
 MAX_FORM_BYTES: Final = 16 * 1024
 LOGIN_FAILED: Final = "Login failed."
+EXPIRED: Final = "This request expired or was already decided: start again from the app."
+OTHER_BROWSER: Final = "This request was started in another browser: start again from the app in this one."
+CSRF_FAILED: Final = "This form is not valid for this browser (CSRF check failed)."
+# Least privileged first: the organizer only moves files inside the inboxes (journalled, undoable);
+# the workbench runs commands; the gateway acts on production hosts.
+BY_PRIVILEGE: Final = (ORGANIZER, WORKBENCH, GATEWAY_READ, GATEWAY_DEPLOY)
 
 
 def client_ip(request: Request) -> str:
@@ -46,6 +61,39 @@ def client_ip(request: Request) -> str:
 
 def _digest(value: str) -> str:
     return hashlib.sha256(value.encode()).hexdigest()
+
+
+async def check_password(limiter: LoginLimiter, credential: AdminCredential, ip: str, password: str) -> bool:
+    """The argon2 check behind the limiter: reserved first, released whatever happens.
+
+    Raises:
+        LoginRefused: the attempt is refused before any argon2 work (429 or 503).
+    """
+    attempt = limiter.begin(ip)
+    ok = False
+    try:
+        ok = await anyio.to_thread.run_sync(credential.verify, password)
+    finally:
+        limiter.finish(attempt, ok)
+    return ok
+
+
+def offered_scopes(asked: str, registered: str | None) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
+    """The scopes the consent page offers and those it ticks; None if every scope asked is outside the
+    client's registered ones.
+
+    The registered `scope` (RFC 7591 §2) bounds the request. Scopes the request names are offered and
+    ticked; with none it names (claude.ai asks for `claudeai`), every scope within the bound is offered
+    and only the least-privileged non-gateway one is ticked: the administrator ticks more on purpose.
+    """
+    bound = set(SCOPES) & set((registered or "").split()) or set(SCOPES)
+    named = set(SCOPES) & set(asked.split())
+    if named:
+        chosen = tuple(s for s in SCOPES if s in named and s in bound)
+        return (chosen, chosen) if chosen else None
+    offered = tuple(s for s in SCOPES if s in bound)
+    least = next((s for s in BY_PRIVILEGE if s in bound and not s.startswith("gateway:")), None)
+    return offered, (least,) if least else ()
 
 
 def single_params(raw_query: str | bytes) -> dict[str, str] | None:
@@ -71,8 +119,13 @@ class AuthorizationFlow:
         self.credential = credential
         self.limiter = limiter
         self.secure_cookie = True
+        self.authorize_limit = WindowLimiter(provider.config.authorize_per_ip_per_minute, 60.0)
 
     async def authorize(self, request: Request) -> Response:
+        address = address_key(client_ip(request))
+        if not self.authorize_limit.allow(address):
+            wait = self.authorize_limit.retry_after(address)
+            return pages.too_many(wait, "Too many authorization requests from this address: try again in a minute.")
         params = single_params(request.url.query)
         if params is None:
             return pages.error_page("invalid_request: a parameter is repeated or malformed")
@@ -97,17 +150,23 @@ class AuthorizationFlow:
         state = params.get("state")
         if state is not None and len(state) > MAX_STATE_CHARS:
             return pages.error_page("invalid_request: state is too long")
-        asked = set(params.get("scope", "").split())
-        scopes = tuple(s for s in SCOPES if s in asked) or SCOPES
+        scopes = offered_scopes(params.get("scope", ""), client.scope)
+        if scopes is None:
+            return pages.error_page("invalid_scope: this client did not register the scopes it asks for")
         browser = request.cookies.get(BROWSER_COOKIE) or secrets.token_urlsafe(32)
-        txn = self.provider.start_transaction(
-            client,
-            redirect_uri=redirect_uri,
-            scopes=scopes,
-            state=state,
-            code_challenge=challenge,
-            browser_digest=_digest(browser),
-        )
+        try:
+            txn = self.provider.start_transaction(
+                client,
+                redirect_uri=redirect_uri,
+                scopes=scopes[0],
+                checked=scopes[1],
+                state=state,
+                code_challenge=challenge,
+                browser_digest=_digest(browser),
+                address=address,
+            )
+        except ResourceLimit as exc:
+            return pages.too_many(60.0, exc.reason)
         response = pages.see_other(f"/oauth/login?{urlencode({'txn': txn.txn_id})}")
         self._set_browser_cookie(response, browser)
         return response
@@ -120,6 +179,18 @@ class AuthorizationFlow:
     def _txn_for_get(self, request: Request) -> Transaction | None:
         return self.provider.transaction(request.query_params.get("txn", ""))
 
+    def _same_browser(self, request: Request, txn: Transaction, *, required: bool = True) -> bool:
+        """The request carries the cookie the transaction is bound to.
+
+        `required=False` lets a request without the cookie through (the login page only): a SameSite=Strict
+        cookie is withheld on a navigation a cross-site page started (claude.ai sends the browser to
+        /authorize), and the login POST, same-site, needs it anyway. A different value is always refused.
+        """
+        browser = request.cookies.get(BROWSER_COOKIE, "")
+        if not browser:
+            return not required
+        return hmac.compare_digest(_digest(browser), txn.browser_digest)
+
     async def _form(self, request: Request) -> dict[str, str] | None:
         if request.headers.get("content-type", "").split(";")[0].strip() != "application/x-www-form-urlencoded":
             return None
@@ -130,28 +201,22 @@ class AuthorizationFlow:
                 return None
         return single_params(body.decode("utf-8", "replace"))
 
-    def _bound(self, request: Request, txn: Transaction | None, form: dict[str, str]) -> bool:
+    def _bound(self, request: Request, txn: Transaction, form: dict[str, str]) -> bool:
         """The POST comes from the browser that opened the transaction, with its current CSRF token."""
-        if txn is None:
-            return False
-        browser = request.cookies.get(BROWSER_COOKIE, "")
-        return (
-            bool(browser)
-            and hmac.compare_digest(_digest(browser), txn.browser_digest)
-            and hmac.compare_digest(form.get("csrf", ""), txn.csrf)
-        )
+        return self._same_browser(request, txn) and hmac.compare_digest(form.get("csrf", ""), txn.csrf)
 
     def _login_page(self, txn: Transaction, *, message: str = "", status: int = 200) -> Response:
-        context = (
-            f"<p>Log in to decide on the request of <strong>{pages.esc(txn.client_name or txn.client_id)}</strong>.</p>"
-        )
+        name = pages.label(txn.client_name or txn.client_id)
+        context = f"<p>Log in to decide on the request of <strong>{name}</strong>.</p>"
         body = pages.login_form("/oauth/login", {"txn": txn.txn_id, "csrf": txn.csrf}, message=message, context=context)
         return pages.page("bastion: administrator login", body, status=status)
 
     async def login_get(self, request: Request) -> Response:
         txn = self._txn_for_get(request)
         if txn is None:
-            return pages.error_page("This authorization request is unknown or has expired. Start again from the app.")
+            return pages.error_page(EXPIRED)
+        if not self._same_browser(request, txn, required=False):
+            return pages.error_page(OTHER_BROWSER, status=403)
         if txn.authenticated:
             return pages.see_other(f"/oauth/consent?{urlencode({'txn': txn.txn_id})}")
         return self._login_page(txn)
@@ -161,27 +226,33 @@ class AuthorizationFlow:
         if form is None:
             return pages.error_page("invalid form", status=400)
         txn = self.provider.transaction(form.get("txn", ""))
+        if txn is None:
+            return pages.error_page(EXPIRED, status=403)
         if not self._bound(request, txn, form):
-            return pages.error_page("This form is not valid for this browser (CSRF check failed).", status=403)
-        assert txn is not None
-        ip = client_ip(request)
-        wait = self.limiter.retry_after(ip)
-        if wait > 0:
-            return pages.too_many(wait, "")
-        ok = await anyio.to_thread.run_sync(self.credential.verify, form.get("password", ""))
+            return pages.error_page(CSRF_FAILED, status=403)
+        try:
+            ok = await check_password(self.limiter, self.credential, client_ip(request), form.get("password", ""))
+        except LoginRefused as exc:
+            return pages.too_many(exc.retry_after_s, exc.reason, status=exc.status)
         if not ok:
-            self.limiter.failure(ip)
             return self._login_page(txn, message=LOGIN_FAILED, status=401)
-        self.limiter.success(ip)
+        if self.provider.transaction(txn.txn_id) is not txn:
+            return pages.error_page(EXPIRED, status=403)  # it expired during the check
         txn.authenticated = True
         txn.credential_version = self.credential.version()
         txn.csrf = secrets.token_urlsafe(32)  # a new token for the next step
-        return pages.see_other(f"/oauth/consent?{urlencode({'txn': txn.txn_id})}")
+        fresh = secrets.token_urlsafe(32)
+        self.provider.rebind_browser(txn.browser_digest, _digest(fresh))
+        response = pages.see_other(f"/oauth/consent?{urlencode({'txn': txn.txn_id})}")
+        self._set_browser_cookie(response, fresh)
+        return response
 
     async def consent_get(self, request: Request) -> Response:
         txn = self._txn_for_get(request)
         if txn is None:
-            return pages.error_page("This authorization request is unknown or has expired. Start again from the app.")
+            return pages.error_page(EXPIRED)
+        if not self._same_browser(request, txn):
+            return pages.error_page(OTHER_BROWSER, status=403)
         if not txn.authenticated:
             return pages.see_other(f"/oauth/login?{urlencode({'txn': txn.txn_id})}")
         target = urlsplit(txn.redirect_uri)
@@ -196,6 +267,7 @@ class AuthorizationFlow:
             redirect_host=f"{target.scheme}://{target.netloc}" if target.netloc else txn.redirect_uri,
             flagged=flagged,
             scopes=txn.scopes,
+            checked=txn.checked,
             fields={"txn": txn.txn_id, "csrf": txn.csrf},
         )
         return pages.page("bastion: allow access?", body)
@@ -206,8 +278,10 @@ class AuthorizationFlow:
             return pages.error_page("invalid form", status=400)
         single, chosen = form
         txn = self.provider.transaction(single.get("txn", ""))
-        if not self._bound(request, txn, single) or txn is None or not txn.authenticated:
-            return pages.error_page("This form is not valid for this browser (CSRF check failed).", status=403)
+        if txn is None:
+            return pages.error_page(EXPIRED, status=403)
+        if not self._bound(request, txn, single) or not txn.authenticated:
+            return pages.error_page(CSRF_FAILED, status=403)
         self.provider.finish_transaction(txn.txn_id)
         if not hmac.compare_digest(txn.credential_version, self.credential.version()):
             # The password changed (which revokes everything) after this login: the login no longer counts.

@@ -7,6 +7,7 @@ Headers on every page (RFC 9700 §4.16, MCP security best practices, consent UI)
 from __future__ import annotations
 
 import html
+import unicodedata
 from collections.abc import Iterable, Mapping
 from typing import Final
 
@@ -37,8 +38,19 @@ SCOPE_TEXT: Final = {
 }
 
 
+# Control, format (bidi overrides such as U+202E, zero-width), private-use, surrogate and line/paragraph
+# separators: in a name they can make it read as another (Trojan Source, CVE-2021-42574).
+_HIDDEN_CATEGORIES: Final = frozenset({"Cc", "Cf", "Co", "Cs", "Zl", "Zp"})
+
+
 def esc(value: object) -> str:
     return html.escape(str(value), quote=True)
+
+
+def label(value: str) -> str:
+    """A name a client chose, escaped, with every invisible or bidi character shown as `\\uXXXX`, isolated."""
+    shown = "".join(f"\\u{ord(c):04x}" if unicodedata.category(c) in _HIDDEN_CATEGORIES else c for c in value)
+    return f"<bdi>{esc(shown)}</bdi>"
 
 
 def page(title: str, body: str, *, status: int = 200, headers: Mapping[str, str] | None = None) -> HTMLResponse:
@@ -81,9 +93,12 @@ def consent_body(
     redirect_host: str,
     flagged: bool,
     scopes: Iterable[str],
+    checked: Iterable[str],
     fields: Mapping[str, str],
 ) -> str:
-    name = esc(client_name) if client_name else "<em>(no name given)</em>"
+    """The consent form: `scopes` offered, only `checked` ticked (the administrator ticks the rest)."""
+    name = label(client_name) if client_name else "<em>(no name given)</em>"
+    ticked = set(checked)
     warn = (
         '<div class="box warn"><strong>Check this address.</strong> It is not a loopback address or a known app: '
         "approve only if you started this connection from it.</div>"
@@ -91,26 +106,29 @@ def consent_body(
         else ""
     )
     boxes = "".join(
-        f'<p><label><input type="checkbox" name="scope" value="{esc(s)}" checked> {esc(SCOPE_TEXT.get(s, s))}'
+        f'<p><label><input type="checkbox" name="scope" value="{esc(s)}"{" checked" if s in ticked else ""}> '
+        f"{esc(SCOPE_TEXT.get(s, s))}"
         f" (<code>{esc(s)}</code>)</label></p>"
         for s in scopes
     )
     return (
         f'<div class="box"><p>The application <strong>{name}</strong> asks for access to this bastion server.</p>'
-        f"<p>Client id: <code>{esc(client_id)}</code></p>"
-        f"<p>After your answer, your browser goes to: <strong>{esc(redirect_host)}</strong></p></div>{warn}"
+        f"<p>Client id: <code>{label(client_id)}</code></p>"
+        f"<p>After your answer, your browser goes to: <strong>{label(redirect_host)}</strong></p></div>{warn}"
         f'<form method="post" action="/oauth/consent">{hidden(fields)}'
-        f"<p>Allow it to use (untick to narrow):</p>{boxes}"
+        f"<p>Allow it to use (only what is ticked is granted):</p>{boxes}"
         '<p><button type="submit" name="decision" value="approve">Approve</button>'
         '<button type="submit" name="decision" value="deny">Deny</button></p></form>'
     )
 
 
-def too_many(retry_after: float, body: str) -> Response:
+def too_many(retry_after: float, message: str = "", *, status: int = 429) -> Response:
+    """429 (or 503 when the server is busy) with Retry-After: the request was refused before any work."""
     seconds = max(1, int(retry_after + 0.999))
+    text = message or f"Too many failed attempts. Try again in {seconds} s."
     return page(
         "bastion: too many attempts",
-        f'<p class="err">Too many failed attempts. Try again in {seconds} s.</p>{body}',
-        status=429,
+        f'<p class="err" role="alert">{esc(text)}</p>',
+        status=status,
         headers={"Retry-After": str(seconds)},
     )

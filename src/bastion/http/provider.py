@@ -10,6 +10,7 @@ replay revokes the grant, refresh rotation with reuse detection, tokens bound to
 from __future__ import annotations
 
 import contextvars
+import hmac
 import json
 import logging
 import secrets
@@ -24,6 +25,7 @@ from bastion.config import HttpConfig
 from bastion.http.cimd import CimdFetcher, is_url_client_id
 from bastion.http.redirects import registration_problem
 from bastion.http.store import AuthStore, IssuedTokens
+from bastion.safety.errors import ResourceLimit
 from bastion.tools.server import SCOPES
 
 logger = logging.getLogger("bastion.http.auth")
@@ -34,6 +36,8 @@ MAX_FIELD_CHARS: Final = 2000
 MAX_METADATA_BYTES: Final = 16 * 1024
 TRANSACTION_TTL_S: Final = 600.0
 MAX_TRANSACTIONS: Final = 1000
+"""Pending authorization requests in all; past it (or an address's own cap) a new one is refused: a flood
+never drops a request in progress (issue 20)."""
 _ALLOWED_GRANTS: Final = frozenset({"authorization_code", "refresh_token"})
 _ALLOWED_AUTH_METHODS: Final = frozenset({"none", "client_secret_post", "client_secret_basic"})
 _STRING_FIELDS: Final = (
@@ -61,6 +65,10 @@ class Transaction:
     state: str | None
     code_challenge: str
     browser_digest: str
+    checked: tuple[str, ...] = ()
+    """The scopes the consent page ticks; the others in `scopes` are offered unticked."""
+    address: str = ""
+    """The rate-limit key (`ratelimit.address_key`) of the address that opened it: pending ones are capped per key."""
     csrf: str = field(default_factory=lambda: secrets.token_urlsafe(32))
     authenticated: bool = False
     credential_version: str = ""
@@ -159,25 +167,50 @@ class BastionAuthProvider:
         *,
         redirect_uri: str,
         scopes: tuple[str, ...],
+        checked: tuple[str, ...],
         state: str | None,
         code_challenge: str,
         browser_digest: str,
+        address: str,
     ) -> Transaction:
+        """A new pending request; the same browser's undecided one for the same client is replaced.
+
+        Raises:
+            ResourceLimit: this address (or the server) has too many pending requests; none is dropped.
+        """
         self._expire_transactions()
-        while len(self._transactions) >= MAX_TRANSACTIONS:
-            self._transactions.pop(next(iter(self._transactions)))
+        client_id = client.client_id or ""
+        for old in list(self._transactions.values()):
+            if old.browser_digest == browser_digest and old.client_id == client_id and not old.authenticated:
+                del self._transactions[old.txn_id]  # a client's retry from the same browser
+        cap = self.config.pending_authorizations_per_ip
+        if sum(1 for t in self._transactions.values() if t.address == address) >= cap:
+            raise ResourceLimit(
+                f"{cap} authorization requests from this address are waiting: finish one, or wait for them to expire"
+            )
+        if len(self._transactions) >= MAX_TRANSACTIONS:
+            raise ResourceLimit("too many authorization requests are waiting: try again in a few minutes")
         txn = Transaction(
             txn_id=secrets.token_urlsafe(24),
-            client_id=client.client_id or "",
+            client_id=client_id,
             client_name=client.client_name or "",
             redirect_uri=redirect_uri,
             scopes=scopes,
+            checked=checked,
             state=state,
             code_challenge=code_challenge,
             browser_digest=browser_digest,
+            address=address,
         )
         self._transactions[txn.txn_id] = txn
         return txn
+
+    def rebind_browser(self, old_digest: str, new_digest: str) -> None:
+        """After a login the browser gets a new cookie: its pending requests follow it, and the old value
+        (which an attacker may have planted) no longer opens any of them."""
+        for txn in self._transactions.values():
+            if hmac.compare_digest(txn.browser_digest, old_digest):
+                txn.browser_digest = new_digest
 
     def transaction(self, txn_id: str) -> Transaction | None:
         self._expire_transactions()

@@ -1,30 +1,72 @@
-"""Rate limits for the login form and for client registration (in memory, per server process).
+"""Rate limits for the login forms, /authorize and client registration (in memory, per server process).
 
-Login (RFC 6749 §10.10, OAuth 2.1 §7.5 credentials guessing): after `free` failures from one address,
-each further failure doubles that address's waiting time, up to `max_s`; and when more than
-`global_per_minute` failures arrive in a minute from all addresses together, every address waits until
-the minute has passed. A success clears the address's count. The administrator can always log in again
-once the waiting time is over.
+Login (RFC 6749 §10.10, OAuth 2.1 §7.5 credentials guessing; issue 20):
+- An attempt is reserved (counted) before its password is checked, and one address (an IPv6 address by
+  its /64) has at most one check in flight: a burst from one address is refused, not verified in parallel.
+- At most `max_checks` argon2 checks run at once in the whole server (each holds 64 MiB); more are refused
+  at once with 503, never queued, so memory stays bounded whatever the burst.
+- After `free` failures from one address, each further failure doubles that address's waiting time, up
+  to `max_s`. A success clears the address's count.
+- When more than `global_per_minute` attempts arrive in a minute from all addresses together, addresses
+  that have failed wait until the minute has passed; an address with no failure on record may still try,
+  so a flood from elsewhere never locks the administrator out of a login from their own address.
+These are best-effort limits on guessing, not a boundary: the password's strength is the boundary.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Final
 
+from bastion.safety.errors import ResourceLimit
+
 logger = logging.getLogger("bastion.http.ratelimit")
 
 _WINDOW_S: Final = 60.0
 _MAX_TRACKED: Final = 10_000  # addresses remembered at most; oldest forgotten first
+MAX_CONCURRENT_CHECKS: Final = 2  # argon2id checks at once, server-wide (64 MiB each)
+_BUSY_RETRY_S: Final = 1.0
+_IPV6_PREFIX: Final = 64  # one subscriber's allocation (RFC 6177): one address for the limits
+
+
+def address_key(ip: str) -> str:
+    """The unit the limits count: an IPv4 address, or an IPv6 address's /64 (IPv4-mapped as IPv4)."""
+    try:
+        address = ipaddress.ip_address(ip)
+    except ValueError:
+        return ip
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:
+            return str(address.ipv4_mapped)
+        return str(ipaddress.IPv6Network((address, _IPV6_PREFIX), strict=False))
+    return str(address)
+
+
+class LoginRefused(ResourceLimit):
+    """A login attempt refused before its password is checked; `status` is the HTTP answer (429 or 503)."""
+
+    def __init__(self, reason: str, *, retry_after_s: float, status: int = 429) -> None:
+        super().__init__(reason)
+        self.retry_after_s = retry_after_s
+        self.status = status
+
+
+@dataclass(frozen=True)
+class LoginAttempt:
+    """Proof that a password check may run now; hand it back to `LoginLimiter.finish`."""
+
+    key: str
 
 
 @dataclass
 class _Failures:
     count: int = 0
     locked_until: float = 0.0
+    in_flight: bool = False
 
 
 @dataclass
@@ -32,40 +74,82 @@ class LoginLimiter:
     free: int
     max_s: float
     global_per_minute: int
-    _by_ip: dict[str, _Failures] = field(default_factory=dict)
+    max_checks: int = MAX_CONCURRENT_CHECKS
+    _by_key: dict[str, _Failures] = field(default_factory=dict)
     _recent: deque[float] = field(default_factory=deque)
+    _running: int = 0
+
+    def begin(self, ip: str) -> LoginAttempt:
+        """Reserve a password check for `ip`, counted as a failure until `finish` says otherwise.
+
+        Raises:
+            LoginRefused: this address has a check in flight or must wait (429), or the server is busy (503).
+        """
+        key = address_key(ip)
+        now = time.monotonic()
+        entry = self._by_key.get(key)
+        if entry is not None and entry.in_flight:
+            raise LoginRefused(
+                "A login from this address is already being checked: wait for its answer.",
+                retry_after_s=_BUSY_RETRY_S,
+            )
+        wait = self._wait(entry, now)
+        if wait > 0:
+            raise LoginRefused(f"Too many failed attempts. Try again in {_seconds(wait)} s.", retry_after_s=wait)
+        if self._running >= self.max_checks:
+            raise LoginRefused(
+                "The server is busy checking other logins: try again in a second.",
+                retry_after_s=_BUSY_RETRY_S,
+                status=503,
+            )
+        self._running += 1
+        self._recent.append(now)
+        entry = self._by_key.pop(key, None) or _Failures()
+        entry.count += 1
+        entry.in_flight = True
+        self._by_key[key] = entry  # most recent last, for eviction
+        self._forget_oldest()
+        if len(self._recent) == self.global_per_minute:
+            logger.warning("admin login: %d attempts in a minute from all addresses; limiting", len(self._recent))
+        return LoginAttempt(key)
+
+    def finish(self, attempt: LoginAttempt, ok: bool) -> None:
+        """The check is over: a success clears the address, a failure may start its back-off."""
+        self._running -= 1
+        entry = self._by_key.get(attempt.key)
+        if ok:
+            self._by_key.pop(attempt.key, None)
+            return
+        if entry is None:
+            return
+        entry.in_flight = False
+        if entry.count >= self.free:
+            entry.locked_until = time.monotonic() + min(self.max_s, 2.0 ** (entry.count - self.free))
+            logger.warning("admin login: %d failed attempts from %s; backing off", entry.count, attempt.key)
 
     def retry_after(self, ip: str) -> float:
         """Seconds this address must wait before it may try a password; 0 if it may try now."""
-        now = time.monotonic()
+        return max(0.0, self._wait(self._by_key.get(address_key(ip)), time.monotonic()))
+
+    def _wait(self, entry: _Failures | None, now: float) -> float:
         while self._recent and self._recent[0] < now - _WINDOW_S:
             self._recent.popleft()
-        waits = [0.0]
-        entry = self._by_ip.get(ip)
-        if entry is not None:
-            waits.append(entry.locked_until - now)
-        if len(self._recent) >= self.global_per_minute:
+        if entry is None:
+            return 0.0
+        waits = [entry.locked_until - now]
+        if entry.count > 0 and len(self._recent) >= self.global_per_minute:
             waits.append(self._recent[0] + _WINDOW_S - now)
         return max(waits)
 
-    def failure(self, ip: str) -> None:
-        now = time.monotonic()
-        self._recent.append(now)
-        entry = self._by_ip.pop(ip, None) or _Failures()
-        entry.count += 1
-        if entry.count >= self.free:
-            entry.locked_until = now + min(self.max_s, 2.0 ** (entry.count - self.free))
-            logger.warning("admin login: %d failed attempts from %s; backing off", entry.count, ip)
-        self._by_ip[ip] = entry
-        if len(self._by_ip) > _MAX_TRACKED:
-            self._by_ip.pop(next(iter(self._by_ip)))
-        if len(self._recent) == self.global_per_minute:
-            logger.warning(
-                "admin login: %d failed attempts in a minute from all addresses; pausing logins", len(self._recent)
-            )
+    def _forget_oldest(self) -> None:
+        """Bound memory; an address with a check in flight is kept (at most `max_checks` of them)."""
+        while len(self._by_key) > _MAX_TRACKED:
+            oldest = next(k for k, v in self._by_key.items() if not v.in_flight)
+            del self._by_key[oldest]
 
-    def success(self, ip: str) -> None:
-        self._by_ip.pop(ip, None)
+
+def _seconds(wait: float) -> int:
+    return max(1, int(wait + 0.999))
 
 
 @dataclass
@@ -87,3 +171,10 @@ class WindowLimiter:
         if len(self._events) > _MAX_TRACKED:
             self._events.pop(next(iter(self._events)))
         return True
+
+    def retry_after(self, key: str) -> float:
+        """Seconds until `key` may have another event (0 if it may now)."""
+        events = self._events.get(key)
+        if not events or len(events) < self.limit:
+            return 0.0
+        return max(0.0, events[0] + self.window_s - time.monotonic())
