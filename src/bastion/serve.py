@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ipaddress
 import json
 import os
 import signal
+import socket
 import sys
 from collections.abc import Iterator
 from types import FrameType
@@ -16,6 +18,7 @@ import anyio
 
 from bastion.app import build_server, build_services
 from bastion.config import Config
+from bastion.logs import configure_logging
 from bastion.safety.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -50,6 +53,7 @@ def client_snippet(config_path: str) -> str:
 
 
 def serve_stdio(config: Config, config_path: str) -> int:
+    configure_logging(config.log_level)
     services = build_services(config)
     server = build_server(services, caller="stdio")
     absolute = os.path.abspath(config_path)
@@ -98,8 +102,19 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def parse_listen(value: str) -> tuple[str, int]:
+    """HOST:PORT (IPv6 in brackets) as (host, port); ConfigError with one line if it is not one."""
+    host, sep, port = value.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"--listen {value!r} must be HOST:PORT with a port from 1 to 65535, e.g. 127.0.0.1:8765")
+    return host, int(port)
+
+
 def _clean_stop_server() -> type[uvicorn.Server]:
     import uvicorn
+
+    from bastion.http.connections import quiet_loop_errors
 
     class CleanStopServer(uvicorn.Server):
         """uvicorn re-raises a stop signal once it has shut down, so the signal's default action ends
@@ -114,6 +129,11 @@ def _clean_stop_server() -> type[uvicorn.Server]:
                 finally:
                     self._captured_signals.clear()
 
+        async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+            # asyncio logs a traceback for every accept() that runs out of descriptors: one line instead.
+            asyncio.get_running_loop().set_exception_handler(quiet_loop_errors())
+            await super().serve(sockets)
+
     return CleanStopServer
 
 
@@ -121,20 +141,19 @@ def serve_http(config: Config, config_path: str, listen: str | None = None) -> i
     """Serve Streamable HTTP (and the authorization server) with uvicorn until interrupted."""
     import uvicorn
 
+    from bastion.http import connections
     from bastion.http.app import build_http_app, endpoints_for
 
     http = config.http
+    host, port = parse_listen(listen or http.listen)
     endpoints = endpoints_for(config, listen)
-    host, _, port = (listen or http.listen).rpartition(":")
-    host = host.strip("[]")
-    if not port.isdigit() or not host:
-        raise ConfigError(f"--listen {listen!r} must be HOST:PORT, e.g. 127.0.0.1:8765")
     if not http.auth and not is_loopback(host):
         raise ConfigError("[http] auth = false is only allowed on a loopback listen address: turn auth on")
     if (http.tls_cert is None) != (http.tls_key is None):
         raise ConfigError("[http] tls_cert and tls_key go together: set both or neither")
     if http.auth and not config.admin_hash_path.exists():
         raise ConfigError(f"no admin password is set: run 'bastion admin set-password --config {config_path}' first")
+    configure_logging(config.log_level)
     services = build_services(config)
     store = None
     try:
@@ -145,11 +164,21 @@ def serve_http(config: Config, config_path: str, listen: str | None = None) -> i
         if not http.auth:
             warning = "bastion: WARNING: [http] auth = false: anyone reaching this address can call every tool"
             print(warning, file=sys.stderr)
+        if http.public_url is not None and endpoints.issuer != http.public_url:
+            print(
+                f"bastion: public_url follows --listen: {endpoints.issuer} (the config has {http.public_url})",
+                file=sys.stderr,
+            )
         print(http_connect_help(endpoints.resource), file=sys.stderr)
+        connections.raise_fd_limit()
         uv_config = uvicorn.Config(
             built.app,
             host=host,
-            port=int(port),
+            port=port,
+            http=connections.guarded_protocol(connections.connection_cap()),
+            backlog=connections.BACKLOG,
+            timeout_keep_alive=connections.KEEP_ALIVE_S,
+            h11_max_incomplete_event_size=connections.MAX_HEAD_BYTES,
             log_config=None,
             access_log=False,
             server_header=False,

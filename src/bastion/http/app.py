@@ -2,7 +2,10 @@
 
 Layers, outermost first:
 1. `HostGuard`: the Host header must name `public_url` (DNS-rebinding protection for every route; the
-   SDK's transport checks Host and Origin again for /mcp).
+   SDK's transport checks Host and Origin again for /mcp). A loopback `public_url` is also reached as
+   127.0.0.1, localhost and [::1] on its port: one server, whose protected-resource metadata and 401
+   challenge name the URL the client used (its SDK checks that), and whose tokens stay bound to
+   `<public_url>/mcp`.
 2. `AccessLog`: method, path (never the query string, which could carry a token), status, address.
 3. The SDK's `AuthenticationMiddleware` with `BearerAuthBackend` over bastion's provider (the token is
    looked up by its digest, checked for expiry, revocation and resource), and `AuthContextMiddleware`.
@@ -12,6 +15,7 @@ Layers, outermost first:
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -68,29 +72,118 @@ def cors_middleware(handler: Callable[[Request], Awaitable[Response]], methods: 
     )
 
 
+LOOPBACK_NAMES: Final = ("127.0.0.1", "localhost", "[::1]")
+"""The names of this machine a browser or client may use for a loopback `public_url`: one server."""
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
 def endpoints_for(config: Config, listen: str | None = None) -> Endpoints:
-    """Issuer and resource from `public_url`; on a loopback listen address it may be left out."""
+    """Issuer and resource from `public_url`; on a loopback listen address it may be left out, and a
+    loopback `public_url` follows `--listen` (the server is reached where it listens)."""
     public_url = config.http.public_url
+    address = listen or config.http.listen
+    host, _, port = address.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
     if public_url is None:
-        address = listen or config.http.listen
-        host = address.rpartition(":")[0].strip("[]")
-        if host not in ("127.0.0.1", "localhost", "::1"):
+        if not _is_loopback(host):
             raise ConfigError('[http] public_url is not set: add it (e.g. public_url = "https://bastion.example.com")')
-        public_url = f"http://{address}"
-    return Endpoints(issuer=public_url, resource=f"{public_url}/mcp")
+        public_url = f"http://{_url_host(host)}:{port}"
+    elif listen is not None and is_loopback_url(public_url):
+        public_url = _follow_listen(public_url, host, port)
+    return Endpoints(issuer=public_url, resource=f"{public_url}/mcp", aliases=resource_aliases(public_url))
+
+
+def _follow_listen(public_url: str, host: str, port: str) -> str:
+    if _is_loopback(host):
+        return f"http://{_url_host(host)}:{port}"
+    if host in ("0.0.0.0", "::"):  # noqa: S104 (a wildcard listen is reached through public_url's host)
+        return f"http://{_url_host(urlsplit(public_url).hostname or '127.0.0.1')}:{port}"
+    raise ConfigError(
+        f"public_url {public_url} is a loopback URL but --listen {host}:{port} is not: "
+        "set [http] public_url to the URL clients use"
+    )
+
+
+def is_loopback_url(url: str) -> bool:
+    parts = urlsplit(url)
+    return parts.scheme == "http" and _is_loopback(parts.hostname or "")
+
+
+def loopback_origins(public_url: str) -> list[str]:
+    """`public_url` and, when it is a loopback URL, the same port under each of LOOPBACK_NAMES."""
+    if not is_loopback_url(public_url):
+        return [public_url]
+    port = urlsplit(public_url).port
+    suffix = f":{port}" if port is not None else ""
+    return [public_url, *(o for o in (f"http://{n}{suffix}" for n in LOOPBACK_NAMES) if o != public_url)]
+
+
+def resource_aliases(public_url: str) -> tuple[str, ...]:
+    """The MCP URLs that name this server besides `<public_url>/mcp` (loopback aliases only).
+
+    RFC 8707 binds a token to a resource; a client that reached the server as localhost asks for
+    http://localhost:P/mcp (its SDK checks the protected-resource metadata against the URL it was
+    given). Tokens are still stored with, and checked against, the canonical `<public_url>/mcp`.
+    """
+    return tuple(f"{origin}/mcp" for origin in loopback_origins(public_url)[1:])
+
+
+def _hosts_of(origin: str) -> list[str]:
+    """The Host header values that name `origin` (with and without its default port)."""
+    parts = urlsplit(origin)
+    if parts.port is not None:
+        return [parts.netloc]
+    return [parts.netloc, f"{parts.netloc}:{443 if parts.scheme == 'https' else 80}"]
 
 
 def allowed_hosts(public_url: str) -> list[str]:
-    parts = urlsplit(public_url)
-    hosts = [parts.netloc]
-    if parts.port is None:
-        hosts.append(f"{parts.netloc}:{443 if parts.scheme == 'https' else 80}")
-    return hosts
+    return [host for origin in loopback_origins(public_url) for host in _hosts_of(origin)]
 
 
 def origin_of(public_url: str) -> str:
     parts = urlsplit(public_url)
     return f"{parts.scheme}://{parts.netloc}"
+
+
+def _host_of(scope: Scope) -> str:
+    for key, value in scope.get("headers", ()):
+        if key == b"host":
+            return str(value.decode("latin-1").lower())
+    return ""
+
+
+class ByHost:
+    """One ASGI app per Host (HostGuard has admitted it): documents that name the URL the client used."""
+
+    def __init__(self, apps: dict[str, ASGIApp], default: ASGIApp) -> None:
+        self.apps = apps
+        self.default = default
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.apps.get(_host_of(scope), self.default)(scope, receive, send)
+
+
+def per_origin(public_url: str, make: Callable[[str], ASGIApp]) -> ASGIApp:
+    """`make(origin)` for `public_url` and each loopback alias, chosen by the request's Host."""
+    default = make(public_url)
+    apps: dict[str, ASGIApp] = {}
+    for origin in loopback_origins(public_url):
+        app = default if origin == public_url else make(origin)
+        for host in _hosts_of(origin):
+            apps[host] = app
+    return ByHost(apps, default)
 
 
 class HostGuard:
@@ -168,7 +261,7 @@ def build_http_app(services: Services, server: BastionServer, *, listen: str | N
     endpoints = endpoints_for(config, listen)
     public_url = endpoints.issuer
     hosts = allowed_hosts(public_url)
-    origins = [origin_of(public_url), *config.http.extra_origins]
+    origins = [*loopback_origins(public_url), *config.http.extra_origins]
     security = TransportSecuritySettings(
         enable_dns_rebinding_protection=True, allowed_hosts=hosts, allowed_origins=origins
     )
@@ -192,25 +285,23 @@ def build_http_app(services: Services, server: BastionServer, *, listen: str | N
         registration = Registration(provider)
         admin = AdminPages(store, credential, limiter, config)
         as_meta = authorization_server_metadata(endpoints.issuer)
-        pr_meta = protected_resource_metadata(endpoints.issuer, endpoints.resource)
         get_options = ["GET", "OPTIONS"]
         post_options = ["POST", "OPTIONS"]
+        # RFC 9728 §3.3: the document's `resource` must be the URL the client used (clients check it).
+        pr_meta = per_origin(
+            public_url,
+            lambda origin: cors_middleware(
+                protected_resource_metadata(endpoints.issuer, f"{origin}/mcp").handle, get_options
+            ),
+        )
         routes += [
             Route(
                 "/.well-known/oauth-authorization-server",
                 cors_middleware(as_meta.handle, get_options),
                 methods=get_options,
             ),
-            Route(
-                "/.well-known/oauth-protected-resource/mcp",
-                cors_middleware(pr_meta.handle, get_options),
-                methods=get_options,
-            ),
-            Route(
-                "/.well-known/oauth-protected-resource",
-                cors_middleware(pr_meta.handle, get_options),
-                methods=get_options,
-            ),
+            Route("/.well-known/oauth-protected-resource/mcp", pr_meta, methods=get_options),
+            Route("/.well-known/oauth-protected-resource", pr_meta, methods=get_options),
             Route("/register", cors_middleware(registration.handle, post_options), methods=post_options),
             Route("/token", cors_middleware(tokens.token, post_options), methods=post_options),
             Route("/revoke", cors_middleware(tokens.revoke, post_options), methods=post_options),
@@ -222,11 +313,15 @@ def build_http_app(services: Services, server: BastionServer, *, listen: str | N
             *admin.routes(),
         ]
         server.middleware.append(ScopeMiddleware(server))
-        mcp_app = RequireToken(
-            mcp_app,
-            tool_scopes=server.tool_scopes,
-            resource_metadata=endpoints.resource_metadata_url,
-            scopes=" ".join(SCOPES),
+        guarded = mcp_app
+        mcp_app = per_origin(
+            public_url,
+            lambda origin: RequireToken(
+                guarded,
+                tool_scopes=server.tool_scopes,
+                resource_metadata=f"{origin}/.well-known/oauth-protected-resource/mcp",
+                scopes=" ".join(SCOPES),
+            ),
         )
         backend = BearerAuthBackend(ProviderTokenVerifier(provider), resource_server_url=AnyHttpUrl(endpoints.resource))  # type: ignore[arg-type]
         middleware = [Middleware(AuthenticationMiddleware, backend=backend), Middleware(AuthContextMiddleware)]

@@ -142,7 +142,7 @@ class TokenEndpoint:
         resource = form.get("resource")
         if grant_type not in ("authorization_code", "refresh_token") or grant_type not in client.grant_types:
             return oauth_error("unsupported_grant_type", "only authorization_code and refresh_token are supported")
-        if resource is not None and resource != self.provider.endpoints.resource:
+        if resource is not None and not self.provider.endpoints.accepts_resource(resource):
             return oauth_error("invalid_target", "this server only issues tokens for its own MCP URL")
         if grant_type == "authorization_code":
             return self._code_grant(client.client_id or "", form)

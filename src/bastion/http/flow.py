@@ -145,7 +145,7 @@ class AuthorizationFlow:
         if not _CHALLENGE.fullmatch(challenge):
             return pages.error_page("invalid_request: code_challenge must be a base64url S256 challenge")
         resource = params.get("resource")
-        if resource is not None and resource != self.provider.endpoints.resource:
+        if resource is not None and not self.provider.endpoints.accepts_resource(resource):
             return pages.error_page("invalid_target: this server only issues tokens for its own MCP URL")
         state = params.get("state")
         if state is not None and len(state) > MAX_STATE_CHARS:

@@ -80,10 +80,16 @@ class Transaction:
 class Endpoints:
     issuer: str
     resource: str
+    aliases: tuple[str, ...] = ()
+    """The same MCP URL under the other loopback names (localhost, 127.0.0.1, [::1]) of a loopback
+    public_url: accepted as `resource`; tokens are still bound to `resource`."""
 
     @property
     def resource_metadata_url(self) -> str:
         return f"{self.issuer}/.well-known/oauth-protected-resource/mcp"
+
+    def accepts_resource(self, value: str) -> bool:
+        return value == self.resource or value in self.aliases
 
 
 class BastionAuthProvider:

@@ -50,14 +50,22 @@ async def _send_json(send: Send, status: int, body: dict[str, str], headers: lis
     await send({"type": "http.response.body", "body": data})
 
 
-def _called_tools(body: bytes) -> list[str]:
-    """Names of the tools a JSON-RPC message (or batch) calls; [] if it calls none or does not parse."""
+async def _send_parse_error(send: Send) -> None:
+    """400 with a JSON-RPC parse error (-32700), as the SDK's transport answers a body it cannot parse."""
+    data = b'{"jsonrpc":"2.0","id":null,"error":{"code":-32700,"message":"Parse error: the body is not valid JSON"}}'
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+    await send({"type": "http.response.start", "status": 400, "headers": headers})
+    await send({"type": "http.response.body", "body": data})
+
+
+def _called_tools(body: bytes) -> list[str] | None:
+    """Names of the tools a JSON-RPC message (or batch) calls; [] if it calls none; None if it does not parse."""
     if b"tools/call" not in body:
         return []
     try:
         message = json.loads(body)
-    except ValueError:
-        return []
+    except (ValueError, RecursionError):  # RecursionError: nested too deep (it is not a ValueError)
+        return None
     messages = message if isinstance(message, list) else [message]
     names = []
     for item in messages:
@@ -94,8 +102,12 @@ class RequireToken:
         if raw is None:
             await _send_json(send, 413, {"error": "request_too_large"}, [])
             return
+        called = _called_tools(raw)
+        if called is None:
+            await _send_parse_error(send)
+            return
         granted = set(user.scopes)
-        for name in _called_tools(raw):
+        for name in called:
             needed = self.tool_scopes.get(name)
             if needed is not None and needed not in granted:
                 description = f"{name} needs the {needed} scope"

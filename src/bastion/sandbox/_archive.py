@@ -14,6 +14,8 @@ by the agent, which may be changing the tree at the same time:
   ``O_NONBLOCK``), and counted in ``metadata["skipped"]``, as are names a restore would
   refuse (control or invisible characters, backslash, not UTF-8, over 255 bytes).
 - setuid and setgid bits are dropped; owners are not stored (uid/gid 0, no names).
+- Times are written as the exact decimals the reader takes (never tarfile's ``str(float)``,
+  which writes ``1e-05``), held within the restore's bound.
 - Size, entry count and depth are bounded (`MAX_SNAPSHOT_BYTES`, `MAX_ENTRIES`, `MAX_DEPTH`,
   the same bounds `bastion.sandbox._extract` enforces on a restore); so is the archive
   written (`_Budget`: what the snapshot caps and the state filesystem's reserve leave), checked
@@ -55,6 +57,7 @@ from bastion.sandbox._extract import (
     _DIR_FLAGS,
     _KEPT_MODE_BITS,
     _MAX_PATH_BYTES,
+    _MTIME_LIMIT_S,
     MAX_DEPTH,
     MAX_ENTRIES,
     MAX_SNAPSHOT_BYTES,
@@ -66,6 +69,8 @@ from bastion.sandbox._tarread import MAX_SPARSE_SEGMENTS, MAX_SPARSE_SEGMENTS_TO
 GZIP_LEVEL: Final = 6
 
 _RETRIES: Final = 8
+# A time the restore takes (`bastion.sandbox._extract` refuses beyond 2**40 s): a later one is stored as this.
+_MTIME_LIMIT_NS: Final = int(_MTIME_LIMIT_S) * 1_000_000_000
 _READ_FLAGS: Final = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 
 
@@ -214,7 +219,7 @@ class _Archiver:
         if _link_problem(target) is not None:
             self.tally.skipped += 1
             return True
-        member = self._member(rel, tarfile.SYMTYPE, 0o777, seen.st_mtime)
+        member = self._member(rel, tarfile.SYMTYPE, 0o777, seen.st_mtime_ns)
         member.linkname = target
         self._write_header(member)
         return True
@@ -234,7 +239,7 @@ class _Archiver:
             opened = os.fstat(fd)
             if not _same_file(opened, seen):
                 return False
-            self._write_header(self._member(rel, tarfile.DIRTYPE, opened.st_mode, opened.st_mtime))
+            self._write_header(self._member(rel, tarfile.DIRTYPE, opened.st_mode, opened.st_mtime_ns))
             self.add_tree(fd, rel + "/", depth + 1)
         finally:
             os.close(fd)
@@ -259,7 +264,7 @@ class _Archiver:
                 raise ResourceLimit(
                     f"the workspace holds over {MAX_SNAPSHOT_BYTES} bytes at '{rel}': delete files before the snapshot"
                 )
-            member = self._member(rel, tarfile.REGTYPE, opened.st_mode, opened.st_mtime)
+            member = self._member(rel, tarfile.REGTYPE, opened.st_mode, opened.st_mtime_ns)
             segments = self._data_segments(fd, size)
             if segments is None:
                 member.size = size
@@ -321,12 +326,14 @@ class _Archiver:
         # GNU tar's placeholder name (%d/GNUSparseFile.%p/%f, pid 0 here): a reader that
         # knows no sparse files extracts the map and data under it, never as the real file.
         member.name = f"{folder}/GNUSparseFile.0/{base}" if folder else f"GNUSparseFile.0/{base}"
-        member.pax_headers = {
-            "GNU.sparse.major": "1",
-            "GNU.sparse.minor": "0",
-            "GNU.sparse.name": rel,
-            "GNU.sparse.realsize": str(size),
-        }
+        member.pax_headers.update(
+            {
+                "GNU.sparse.major": "1",
+                "GNU.sparse.minor": "0",
+                "GNU.sparse.name": rel,
+                "GNU.sparse.realsize": str(size),
+            }
+        )
         member.size = len(sparse_map) + stored
         self._write_header(member)
         self._stream.write(sparse_map)
@@ -348,20 +355,31 @@ class _Archiver:
         if remainder:
             self._stream.write(tarfile.NUL * (tarfile.BLOCKSIZE - remainder))
 
-    def _member(self, rel: str, kind: bytes, mode: int, mtime: float) -> tarfile.TarInfo:
+    def _member(self, rel: str, kind: bytes, mode: int, mtime_ns: int) -> tarfile.TarInfo:
         self.tally.entries += 1
         if self.tally.entries > MAX_ENTRIES:
             raise ResourceLimit(f"the workspace has more than {MAX_ENTRIES} entries: delete some first")
         member = tarfile.TarInfo(rel)
         member.type = kind
         member.mode = mode & _KEPT_MODE_BITS
-        member.mtime = mtime
+        mtime_ns = max(-_MTIME_LIMIT_NS, min(mtime_ns, _MTIME_LIMIT_NS))
+        seconds, fraction = divmod(mtime_ns, 1_000_000_000)
+        member.mtime = seconds  # tarfile writes whole seconds right; a fraction goes in our own PAX record
+        if fraction:
+            member.pax_headers["mtime"] = _pax_time(mtime_ns)
         member.uid = member.gid = 0
         member.uname = member.gname = ""
         return member
 
     def _write_header(self, member: tarfile.TarInfo) -> None:
         self._stream.write(member.tobuf(tarfile.PAX_FORMAT, "utf-8", "strict"))
+
+
+def _pax_time(ns: int) -> str:
+    """A time as the PAX decimal the reader takes; tarfile's str(float) writes '1e-05' for 10 us past 1970."""
+    seconds, fraction = divmod(abs(ns), 1_000_000_000)
+    sign = "-" if ns < 0 else ""
+    return f"{sign}{seconds}.{fraction:09d}".rstrip("0").rstrip(".") if fraction else f"{sign}{seconds}"
 
 
 def _same_file(a: os.stat_result, b: os.stat_result) -> bool:

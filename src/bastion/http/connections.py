@@ -1,0 +1,205 @@
+"""Connection limits for `bastion serve --http`: deadlines for request heads and bodies, and a connection cap.
+
+uvicorn (0.54, h11) closes a keep-alive connection only after a response (`timeout_keep_alive`); a
+connection that never finishes its request head, or trickles its body, is kept for ever, and it
+applies `limit_concurrency` by answering 503 to every new request once that many sockets are open,
+so idle sockets lock out everyone. Held sockets also use file descriptors: at the process's limit,
+`accept()` fails (EMFILE) and nobody can connect. This module is the small protocol glue for that:
+
+- a request head must arrive within `HEAD_TIMEOUT_S` of the connection opening (or of the previous
+  response); a body within `BODY_TIMEOUT_S`, plus time for its declared length at `MIN_BODY_RATE`;
+  otherwise the connection is closed (slowloris);
+- at most `max_connections` are open. A new connection over the cap closes the connection that has
+  waited longest for a request head or body (one the application is not serving yet); when every
+  connection is being served, the new one is closed. The administrator's browser or a client thus
+  always gets in while the sockets held open are idle ones.
+- the cap stays below the file-descriptor limit, so accept() does not fail for want of one;
+- refusals are logged as one summary line per `LOG_EVERY_S`, never a line (or traceback) per socket.
+
+What this does not do: limit a client that completes its requests (rate limits are per endpoint), or
+time TLS handshakes (asyncio allows 60 s).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import resource
+import time
+from collections.abc import Callable
+from typing import Any, ClassVar, Final, Literal
+
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+logger = logging.getLogger("bastion.http.connections")
+
+HEAD_TIMEOUT_S: Final = 10.0
+BODY_TIMEOUT_S: Final = 30.0
+MIN_BODY_RATE: Final = 32 * 1024
+"""Bytes a second a declared body may take beyond BODY_TIMEOUT_S (4 MiB: 128 s more)."""
+KEEP_ALIVE_S: Final = 5
+MAX_HEAD_BYTES: Final = 16 * 1024
+MAX_CONNECTIONS: Final = 1024
+BACKLOG: Final = 128
+"""listen() backlog, and what one accept burst may take before any connection is counted."""
+LOG_EVERY_S: Final = 10.0
+
+Phase = Literal["head", "body", "served"]
+
+
+def connection_cap(limit: int = MAX_CONNECTIONS) -> int:
+    """`limit`, lowered so the connections, one accept burst and the server's own files fit the fd limit.
+
+    Half of what the burst leaves goes to connections; the rest stays for the store, the audit log and
+    the sandboxes' pipes and sockets.
+    """
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return limit
+    return max(16, min(limit, (soft - BACKLOG) // 2))
+
+
+def raise_fd_limit() -> int:
+    """Raise the soft open-file limit to the hard one (systemd's LimitNOFILE sets both); returns it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    return soft
+
+
+class SummaryLog:
+    """Count an event; log one line about it at most every `LOG_EVERY_S` (the count since the last line)."""
+
+    def __init__(self, text: str, level: int = logging.WARNING) -> None:
+        self.text = text
+        self.level = level
+        self.count = 0
+        self.last = -LOG_EVERY_S
+        self.pending: asyncio.TimerHandle | None = None
+
+    def add(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.count += 1
+        now = time.monotonic()
+        if now - self.last >= LOG_EVERY_S:
+            self.flush()
+        elif self.pending is None:
+            self.pending = loop.call_later(LOG_EVERY_S - (now - self.last), self.flush)
+
+    def flush(self) -> None:
+        if self.pending is not None:
+            self.pending.cancel()
+            self.pending = None
+        if self.count:
+            logger.log(self.level, "%s (%d in the last %.0f s)", self.text, self.count, LOG_EVERY_S)
+            self.count = 0
+            self.last = time.monotonic()
+
+
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with head and body deadlines and the connection cap (see the module doc)."""
+
+    max_connections: ClassVar[int] = MAX_CONNECTIONS
+    evicted: ClassVar[SummaryLog]
+    refused: ClassVar[SummaryLog]
+    timed_out: ClassVar[SummaryLog]
+
+    phase: Phase | None = None
+    phase_since = 0.0
+    deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._follow()
+        if len(self.connections) > self.max_connections:
+            self._make_room()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self._follow()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._follow()
+
+    def _current(self) -> Phase:
+        cycle = self.cycle
+        if cycle is None or cycle.response_complete:
+            return "head"
+        return "body" if cycle.more_body else "served"
+
+    def _follow(self) -> None:
+        """Start the deadline of the phase the connection just entered (trickled bytes never extend it)."""
+        phase = self._current()
+        if phase == self.phase or self.transport.is_closing():
+            return
+        self.phase, self.phase_since = phase, time.monotonic()
+        self._disarm()
+        if phase == "head":
+            self.deadline = self.loop.call_later(HEAD_TIMEOUT_S, self._expire)
+        elif phase == "body":
+            self.deadline = self.loop.call_later(BODY_TIMEOUT_S + self._declared_length() / MIN_BODY_RATE, self._expire)
+
+    def _declared_length(self) -> int:
+        for name, value in self.headers or ():
+            if name == b"content-length" and value.isdigit():
+                return int(value)
+        return 0
+
+    def _disarm(self) -> None:
+        if self.deadline is not None:
+            self.deadline.cancel()
+            self.deadline = None
+
+    def _expire(self) -> None:
+        self.deadline = None
+        if not self.transport.is_closing():
+            self.timed_out.add(self.loop)
+            self.transport.close()
+
+    def _make_room(self) -> None:
+        waiting = [c for c in self.connections if isinstance(c, GuardedH11Protocol) and c.phase != "served"]
+        waiting = [c for c in waiting if c is not self and not c.transport.is_closing()]
+        if waiting:
+            min(waiting, key=lambda c: c.phase_since).transport.close()
+            self.evicted.add(self.loop)
+        else:
+            self.refused.add(self.loop)
+            self.transport.close()
+
+
+def guarded_protocol(max_connections: int) -> type[GuardedH11Protocol]:
+    """A protocol class for `uvicorn.Config(http=...)` with its own cap and log counters."""
+    cap = max_connections
+    attributes: dict[str, Any] = {
+        "max_connections": cap,
+        "evicted": SummaryLog(f"{cap} connections open: closed the one waiting longest for its request"),
+        "refused": SummaryLog(f"{cap} connections open, all being served: refused new connections"),
+        "timed_out": SummaryLog("closed connections that sent no complete request in time", logging.INFO),
+    }
+    return type("CappedH11Protocol", (GuardedH11Protocol,), attributes)
+
+
+def quiet_loop_errors() -> Callable[[asyncio.AbstractEventLoop, dict[str, Any]], None]:
+    """An event-loop exception handler: accept() out of file descriptors is one summary line per
+    `LOG_EVERY_S` (asyncio logs a traceback each time, and retries every second); anything else is one
+    line naming the exception, with no traceback."""
+    out_of_files = SummaryLog("accept() failed: out of file descriptors or memory; new connections wait", logging.ERROR)
+
+    def handle(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        message = str(context.get("message", "event loop error"))
+        exc = context.get("exception")
+        if message.startswith("socket.accept() out of system resource"):
+            out_of_files.add(loop)
+            return
+        detail = f": {type(exc).__name__}: {exc}" if exc is not None else ""
+        logger.error("%s%s", message, detail)
+
+    return handle

@@ -1,0 +1,57 @@
+"""The server's own log (stderr): one line per record, with time and level, and nothing a client can forge.
+
+Log lines quote values that clients choose (a client_id, a path, a User-Agent). A newline or another
+control character in such a value would start what reads as a new, forged line (CWE-117), so every
+record is escaped after formatting: control characters become `\\n`, `\\x1b`, ... and a backslash
+doubles, which keeps the escaping reversible. A record's exception is named on the same line (its
+traceback only at DEBUG). Plain text by default: operators read it with journalctl or tail.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from types import TracebackType
+from typing import Final, TextIO, TypeAlias
+
+ExcInfo: TypeAlias = tuple[type[BaseException], BaseException, TracebackType | None] | tuple[None, None, None]
+
+FORMAT: Final = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+DATE_FORMAT: Final = "%Y-%m-%dT%H:%M:%S%z"
+# C0 controls, DEL and the C1 controls: each would let a value end or rewrite a line on a terminal.
+_ESCAPES: Final = {code: f"\\x{code:02x}" for code in [*range(0x20), *range(0x7F, 0xA0)]}
+_ESCAPES.update({ord("\\"): "\\\\", ord("\n"): "\\n", ord("\r"): "\\r", ord("\t"): "\\t"})
+# Unicode line and paragraph separators end a line for some readers too.
+_ESCAPES.update({0x2028: "\\u2028", 0x2029: "\\u2029"})
+
+
+def escape(text: str) -> str:
+    """`text` on one line: control characters and line separators written as escapes."""
+    return text.translate(_ESCAPES)
+
+
+class OneLineFormatter(logging.Formatter):
+    """Time, level, logger and message on one escaped line. A record's exception is named on that line;
+    its traceback only when the root logger is at DEBUG (an error repeated per request must not write
+    megabytes of tracebacks)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return escape(super().format(record))
+
+    def formatException(self, ei: ExcInfo) -> str:
+        if logging.getLogger().isEnabledFor(logging.DEBUG):
+            return super().formatException(ei)
+        return f"{type(ei[1]).__name__}: {ei[1]}"
+
+
+def configure_logging(level: str, stream: TextIO | None = None) -> None:
+    """Send every logger's records to stderr as escaped single lines. Call before the server is built:
+    the SDK's `MCPServer()` calls `logging.basicConfig`, which does nothing once the root has a handler.
+    """
+    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
+    handler.setFormatter(OneLineFormatter(FORMAT, DATE_FORMAT))
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(level)
