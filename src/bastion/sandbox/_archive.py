@@ -326,14 +326,13 @@ class _Archiver:
         # GNU tar's placeholder name (%d/GNUSparseFile.%p/%f, pid 0 here): a reader that
         # knows no sparse files extracts the map and data under it, never as the real file.
         member.name = f"{folder}/GNUSparseFile.0/{base}" if folder else f"GNUSparseFile.0/{base}"
-        member.pax_headers.update(
-            {
-                "GNU.sparse.major": "1",
-                "GNU.sparse.minor": "0",
-                "GNU.sparse.name": rel,
-                "GNU.sparse.realsize": str(size),
-            }
-        )
+        member.pax_headers = {
+            **member.pax_headers,
+            "GNU.sparse.major": "1",
+            "GNU.sparse.minor": "0",
+            "GNU.sparse.name": rel,
+            "GNU.sparse.realsize": str(size),
+        }
         member.size = len(sparse_map) + stored
         self._write_header(member)
         self._stream.write(sparse_map)
@@ -366,7 +365,7 @@ class _Archiver:
         seconds, fraction = divmod(mtime_ns, 1_000_000_000)
         member.mtime = seconds  # tarfile writes whole seconds right; a fraction goes in our own PAX record
         if fraction:
-            member.pax_headers["mtime"] = _pax_time(mtime_ns)
+            member.pax_headers = {"mtime": _pax_time(mtime_ns)}
         member.uid = member.gid = 0
         member.uname = member.gname = ""
         return member
