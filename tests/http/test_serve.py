@@ -180,35 +180,41 @@ def test_admin_clients_tokens_revoke(tmp_path: Path) -> None:
         assert unknown.returncode == 78
 
 
-def test_listen_overrides_the_config(tmp_path: Path) -> None:
+def test_listen_overrides_the_config_and_moves_a_loopback_public_url(tmp_path: Path) -> None:
+    """`serve --listen 127.0.0.1:OTHER` with `public_url = http://127.0.0.1:PORT`: the server announces
+    and accepts the port it listens on (the old port's Host is another server's: 421), and says so."""
     port = free_port()
     config = write_config(tmp_path / "demo", port)
     bastion("admin", "set-password", "--config", str(config), stdin="a long enough password\n")
     other = free_port()
-    # public_url still names the configured port: a request to the new port with that Host is ours.
     process = subprocess.Popen(
         [str(BASTION), "serve", "--config", str(config), "--http", "--listen", f"127.0.0.1:{other}"],
         stderr=subprocess.PIPE,
     )
     try:
+        metadata = f"http://127.0.0.1:{other}/.well-known/oauth-protected-resource"
         with httpx2.Client(timeout=5) as client:
             for _ in range(300):
                 try:
-                    response = client.get(
-                        f"http://127.0.0.1:{other}/.well-known/oauth-protected-resource",
-                        headers={"Host": f"127.0.0.1:{port}"},
-                    )
+                    response = client.get(metadata)
                     break
                 except httpx2.TransportError:
                     if process.poll() is not None:
                         raise
                     time.sleep(0.05)
-        assert response.status_code == 200
+            assert response.status_code == 200
+            assert response.json()["resource"] == f"http://127.0.0.1:{other}/mcp"
+            assert response.json()["authorization_servers"] == [f"http://127.0.0.1:{other}"]
+            stale = client.get(metadata, headers={"Host": f"127.0.0.1:{port}"})
+            assert stale.status_code == 421
     finally:
         process.terminate()
         status = process.wait(10)
         assert process.stderr is not None
+        said = process.stderr.read().decode()
         process.stderr.close()
+    assert f"public_url follows --listen: http://127.0.0.1:{other}" in said
+    assert f"MCP URL: http://127.0.0.1:{other}/mcp" in said
     # A clean stop (uvicorn re-raised SIGTERM, which ended the process before the services closed).
     assert status == 0
     assert mounts_under(tmp_path) == []
