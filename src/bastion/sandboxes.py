@@ -85,6 +85,7 @@ _NARROWABLE: Final = frozenset(SandboxLimitsConfig.model_fields)
 _DISK_WALK_MAX_ENTRIES: Final = 100_000
 _DISK_IMAGE: Final = "disk.img"
 _FOLDER_NICE: Final = 10
+_SNAPSHOT_THREADS: Final = 4  # snapshot, restore, delete and expiry work at once; more calls wait unthreaded
 _FOLDER_WORKERS: Final = 4  # threads making and removing sandboxes' folders (mkfs, mount, unmount, delete)
 _NET_TMPFS_BYTES: Final = 1 << 20  # holds sockets and folders only
 _NET_TMPFS_INODES: Final = 4 * 10_000 + 64  # a folder, a socket and a temp name per sandbox, at most
@@ -189,6 +190,11 @@ class SandboxManager:
         self._default_template = self._templates.get(default, TemplateConfig(name="default"))
         self._dir = config.sandboxes_dir
         self._snapshots = config.state_dir / "snapshots"
+        # Snapshot work runs in threads of its own, never more than _SNAPSHOT_THREADS of anyio's
+        # shared pool, which the audit log's commits need: 45 snapshot calls waiting in threads for
+        # the snapshot lock held all 40 and stopped every call of every sandbox until it was free.
+        self._snapshot_threads = anyio.CapacityLimiter(_SNAPSHOT_THREADS)
+        self._snapshot_turn = anyio.Lock()  # snapshots are written one at a time: they wait here, unfrozen
         self._redactor = redactor
         self._cgroups = cgroups
         self._boxes: dict[str, Sandbox] = {}
@@ -499,26 +505,29 @@ class SandboxManager:
             ResourceLimit: a cap (count or bytes, in total or of this sandbox) or the state reserve.
         """
         box = self.get(sandbox_id)
-        await anyio.to_thread.run_sync(self.expire_snapshots)  # what has expired never holds a cap
-        warm = box.workspace.sandbox
-        freeze = not warm.paused and warm.usage() is not None
-        if freeze:
-            warm.pause()
-        try:
-            metadata = {"sandbox_id": box.id, "owner": box.owner, "name": box.name or ""}
-            return await anyio.to_thread.run_sync(
-                functools.partial(
-                    create_snapshot,
-                    box.root / "workspace",
-                    self._snapshots,
-                    label=label,
-                    metadata=metadata,
-                    limits=self.snapshot_limits(),
-                )
-            )
-        finally:
+        async with self._snapshot_turn:
+            # what has expired never holds a cap
+            await anyio.to_thread.run_sync(self.expire_snapshots, limiter=self._snapshot_threads)
+            warm = box.workspace.sandbox
+            freeze = not warm.paused and warm.usage() is not None
             if freeze:
-                warm.resume()
+                warm.pause()
+            try:
+                metadata = {"sandbox_id": box.id, "owner": box.owner, "name": box.name or ""}
+                return await anyio.to_thread.run_sync(
+                    functools.partial(
+                        create_snapshot,
+                        box.root / "workspace",
+                        self._snapshots,
+                        label=label,
+                        metadata=metadata,
+                        limits=self.snapshot_limits(),
+                    ),
+                    limiter=self._snapshot_threads,
+                )
+            finally:
+                if freeze:
+                    warm.resume()
 
     async def restore(self, snapshot_id: str, *, owner: str) -> tuple[Sandbox, SnapshotInfo]:
         """A new sandbox whose workspace is the snapshot's, byte for byte."""
@@ -534,7 +543,8 @@ class SandboxManager:
                     # The workspace's blocks land in the sandbox's folder (its disk image): the state filesystem.
                     state_dir=box.root,
                     reserve_bytes=self._config.state_reserve_bytes,
-                )
+                ),
+                limiter=self._snapshot_threads,
             )
         except BaseException:
             await self.close(box.id)
@@ -550,7 +560,7 @@ class SandboxManager:
         Raises:
             BastionError: InvalidRequest (bad id), NotFound, OperationFailed.
         """
-        await anyio.to_thread.run_sync(delete_snapshot, self._snapshots, snapshot_id)
+        await anyio.to_thread.run_sync(delete_snapshot, self._snapshots, snapshot_id, limiter=self._snapshot_threads)
 
     def snapshot_limits(self) -> SnapshotLimits:
         """The caps an agent's snapshot is taken under, from the config."""
@@ -703,7 +713,7 @@ class SandboxManager:
     async def _expire_snapshots_logged(self) -> None:
         """The reaper's turn at `expire_snapshots`, in a worker thread; a failure is logged, never raised."""
         try:
-            for snapshot_id in await anyio.to_thread.run_sync(self.expire_snapshots):
+            for snapshot_id in await anyio.to_thread.run_sync(self.expire_snapshots, limiter=self._snapshot_threads):
                 logger.info("snapshot %s expired: deleted", snapshot_id)
         except BastionError as exc:
             logger.warning("expired snapshots not deleted: %s", exc.reason)

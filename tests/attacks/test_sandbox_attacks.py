@@ -6,6 +6,10 @@ held, and that nothing was lost: a snapshot that succeeds restores to the same c
 
 from __future__ import annotations
 
+import os
+import time
+
+import anyio
 import pytest
 
 from tests.attacks.test_snapshot_attacks import configure, detail, serve
@@ -66,3 +70,41 @@ async def test_mtime_printed_with_an_exponent_snapshot_restores(tmp_path: pytest
             client, str(detail(restored)["sandbox_id"]), "cat old/file && stat -c '%n %.9Y' old old/file old/link"
         )
         assert detail(after)["stdout"] == detail(made)["stdout"]
+
+
+async def test_snapshot_call_flood_does_not_starve_the_server_threads(tmp_path: pytest.TempPathFactory) -> None:
+    """Invariant: however many snapshot calls an agent makes at once, the server's other work that
+    runs in threads (the audit log's commits, before and after every call) goes on. Before, each
+    call waited for the snapshot lock in a thread of anyio's shared pool (40): 45 calls while one
+    snapshot was written held them all, and another sandbox's run_command waited for the whole
+    snapshot. Does not prove the order in which queued snapshots run."""
+    config = configure(tmp_path / "demo", max_snapshots_per_sandbox=1)  # type: ignore[operator]
+    async with serve(config) as (client, services):
+        a, b = await create(client), await create(client)
+        assert (await sh(client, a, "head -c 300M /dev/urandom > big", timeout_s=120))["ok"]
+        assert (await sh(client, b, "true"))["ok"]
+        folder = services.config.state_dir / "snapshots"
+        results: list[dict[str, object]] = []
+
+        async def snapshot() -> None:
+            results.append(await call(client, "snapshot_sandbox", sandbox_id=a))
+
+        def writing() -> bool:
+            return folder.is_dir() and any(name.startswith(".tmp-") for name in os.listdir(folder))
+
+        async with anyio.create_task_group() as tasks:
+            for _ in range(45):
+                tasks.start_soon(snapshot)
+            with anyio.fail_after(60):
+                while not writing():
+                    await anyio.sleep(0.01)
+            started = time.monotonic()
+            quick = await sh(client, b, "true")
+            took = time.monotonic() - started
+            still_writing = writing()
+        assert quick["ok"], quick
+        assert still_writing, f"the snapshot ended before B's call ({took:.1f} s)"
+        assert took < 2.0, took
+        codes = sorted(str(result["code"]) for result in results)
+        assert codes == ["OK"] + ["RESOURCE_LIMIT"] * 44, codes
+        assert len([name for name in os.listdir(folder) if name.endswith(".tar.gz")]) == 1
