@@ -406,9 +406,11 @@ class PythonContext:
         try:
             async with asyncio.timeout(START_TIMEOUT_S):
                 await self._ready
-        except (TimeoutError, Unavailable):
+        except (TimeoutError, Unavailable) as exc:
+            # Unavailable: the kernel exited first (or its sandbox was closed), which is not a timeout.
+            ended = exc.reason if isinstance(exc, Unavailable) else "it did not start in time"
             broke = f"it broke the protocol ({self.broken})" if self.broken else ""
-            reason = broke or self._stderr_tail() or "it did not start in time"
+            reason = broke or self._stderr_tail() or ended
             await self.kill()
             raise Unavailable(f"the Python context did not start: {reason}") from None
 
