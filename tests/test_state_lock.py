@@ -178,3 +178,97 @@ def test_cli_commands_that_read_the_state_folder_work_beside_a_running_server(co
     assert runs["verify"].stdout.startswith("ok: ")
     assert runs["approvals"].returncode == 0, runs["approvals"].stderr
     assert "bastion doctor: " in runs["doctor"].stdout, runs["doctor"].stderr
+
+
+# The system's interpreter: the one the tests run under may sit where nobody cannot reach it.
+_SYSTEM_PYTHON = "/usr/bin/python3"
+_FLOCK_AS_NOBODY = (
+    "import fcntl, os, sys\n"
+    "fd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY)\n"
+    "fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)\n"
+    "try:\n"
+    "    os.open(os.path.join(sys.argv[1], 'server.lock'), os.O_RDONLY)\n"
+    "    print('lock file opened', flush=True)\n"
+    "except PermissionError:\n"
+    "    print('locked', flush=True)\n"
+    "sys.stdin.read()\n"
+)
+
+
+@pytest.mark.root
+def test_state_lock_flock_of_a_readable_state_folder_by_a_local_user(tmp_path: Path) -> None:
+    """Invariant: a local unprivileged user who can read the state folder (an administrator's 0755
+    folder) and holds an flock on it, or tries to open server.lock, cannot keep the server from
+    starting: the lock is on a 0600 file only the server's user can open. A second server is still
+    refused. Does not prove anything about a user who can write to the folder (refused below)."""
+    state = tmp_path / "state"
+    state.mkdir(mode=0o755)
+    first = StateLock(state)
+    first.acquire()  # server.lock exists (0600) while the local user tries it
+    first.release()
+    nobody = subprocess.Popen(
+        [_SYSTEM_PYTHON, "-c", _FLOCK_AS_NOBODY, str(state)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        user=65534,
+        group=65534,
+        extra_groups=[],
+    )
+    lock = StateLock(state)
+    try:
+        assert nobody.stdout is not None
+        assert nobody.stdout.readline() == "locked\n"  # the folder's flock is theirs; the lock file is not theirs
+        lock.acquire()
+        assert (state / PID_FILE).read_text() == f"{os.getpid()}\n"
+        with pytest.raises(ConfigError, match=rf"in use by another bastion server \(pid {os.getpid()}\)"):
+            StateLock(state).acquire()
+    finally:
+        lock.release()
+        nobody.kill()
+        nobody.wait(30)
+        for pipe in (nobody.stdin, nobody.stdout):
+            if pipe is not None:
+                pipe.close()
+
+
+def test_state_lock_refuses_a_state_folder_others_can_write(tmp_path: Path) -> None:
+    """Invariant: a state folder writable by group or others (where anyone could replace the lock
+    file, the audit log or a sandbox) is refused at start with one line, and nothing is created in it."""
+    state = tmp_path / "state"
+    state.mkdir()
+    state.chmod(0o1777)
+    with pytest.raises(ConfigError, match=r"is writable by group or others: chmod 700 it") as caught:
+        StateLock(state).acquire()
+    assert "\n" not in str(caught.value)
+    assert list(state.iterdir()) == []
+
+
+@pytest.mark.parametrize("planted", ["fifo", "symlink", "hard link", "readable"])
+def test_state_lock_planted_lock_file_refused(tmp_path: Path, planted: str) -> None:
+    """Invariant: a server.lock that is a FIFO, a symlink, a hard link or readable by others is refused
+    at once with one line (a FIFO never blocks the start, a link's target is never written), since
+    someone else may hold it open; the planted entry and any target are left as they were."""
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    target = tmp_path / "elsewhere"
+    target.write_text("keep\n")
+    target.chmod(0o600)
+    lock_path = state / PID_FILE
+    if planted == "fifo":
+        os.mkfifo(lock_path, 0o600)
+    elif planted == "symlink":
+        lock_path.symlink_to(target)
+    elif planted == "hard link":
+        os.link(target, lock_path)
+    else:
+        lock_path.write_text("")
+        lock_path.chmod(0o644)
+    before = os.lstat(lock_path)
+    with pytest.raises(ConfigError, match=rf"{PID_FILE} .*: remove it") as caught:
+        StateLock(state).acquire()
+    assert "\n" not in str(caught.value)
+    assert target.read_text() == "keep\n"
+    after = os.lstat(lock_path)
+    assert (after.st_ino, after.st_mode, after.st_size) == (before.st_ino, before.st_mode, before.st_size)
+    assert sorted(p.name for p in state.iterdir()) == [PID_FILE]

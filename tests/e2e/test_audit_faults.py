@@ -71,7 +71,7 @@ def _fill(folder: Path) -> None:
 
 async def test_full_filesystem_refuses_mutation_and_runs_nothing(tmp_path: Path, state_mount: Path) -> None:
     """Invariant: ENOSPC on the audit log means write_file and run_command do nothing and say AUDIT_UNAVAILABLE."""
-    _mount("-t", "tmpfs", "-o", "size=256k", "tmpfs", str(state_mount))
+    _mount("-t", "tmpfs", "-o", "size=256k,mode=0700", "tmpfs", str(state_mount))
     config = load_config(_demo_with_state(tmp_path, state_mount))
     services = build_services(config)
     try:
@@ -131,7 +131,7 @@ async def test_failed_filesystem_refuses_mutation(tmp_path: Path, state_mount: P
 
 def test_read_only_filesystem_refuses_to_start(tmp_path: Path, state_mount: Path) -> None:
     """Invariant: an audit log that cannot be opened for append stops the server at start, with one line."""
-    _mount("-t", "tmpfs", "-o", "size=256k", "tmpfs", str(state_mount))
+    _mount("-t", "tmpfs", "-o", "size=256k,mode=0700", "tmpfs", str(state_mount))
     (state_mount / "audit.jsonl").touch(mode=0o600)
     _mount("-o", "remount,ro", str(state_mount))
     config = load_config(_demo_with_state(tmp_path, state_mount))
