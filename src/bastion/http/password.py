@@ -7,6 +7,7 @@ admin session (the caller does that through the store), so a leaked password or 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import secrets
 from pathlib import Path
@@ -16,6 +17,8 @@ from argon2 import PasswordHasher
 from argon2.exceptions import InvalidHashError, VerificationError, VerifyMismatchError
 
 from bastion.safety.errors import ConfigError
+
+logger = logging.getLogger("bastion.http.password")
 
 MIN_PASSWORD_CHARS: Final = 12
 MAX_PASSWORD_CHARS: Final = 1024
@@ -88,5 +91,11 @@ class AdminCredential:
             return False
         try:
             return _HASHER.verify(encoded, password)
-        except (VerifyMismatchError, VerificationError, InvalidHashError):
+        except VerifyMismatchError:
+            return False
+        except (VerificationError, InvalidHashError) as exc:
+            # Not a wrong password: the check itself failed (argon2's memory or threads, a damaged hash).
+            logger.error(
+                "admin password check failed: %s", str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            )
             return False
