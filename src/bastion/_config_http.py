@@ -37,10 +37,16 @@ class HttpConfig(_Model):
     max_clients: Annotated[int, Field(ge=1, le=100_000)] = 200
     registrations_per_ip_per_hour: Annotated[int, Field(ge=1, le=10_000)] = 20
     unused_client_ttl_s: Annotated[float, Field(gt=0)] = 86_400.0
+    unused_client_min_age_s: Annotated[float, Field(ge=60, le=86_400)] = 900.0
+    """When the client table is full, never-used clients older than this are evicted (oldest first) to
+    make room: longer than an authorization request lives (10 minutes), so one under way is kept."""
     code_lifetime_s: Annotated[float, Field(ge=60, le=120)] = 60.0
     access_token_lifetime_s: Annotated[float, Field(ge=60, le=86_400)] = 3600.0
     refresh_token_lifetime_s: Annotated[float, Field(ge=60)] = 30 * 86_400.0
     """A refresh token unused this long expires; each rotation starts a new one."""
+    refresh_reuse_grace_s: Annotated[float, Field(ge=0, le=60)] = 10.0
+    """A rotated refresh token presented again by the same client within this time gets the same new pair
+    (two sessions sharing one credential store refresh at once); later, reuse revokes the grant. 0: none."""
     grant_lifetime_s: Annotated[float, Field(ge=60)] = 90 * 86_400.0
     """After this, the client must ask the administrator again, whatever its refresh tokens."""
     login_failures_before_backoff: Annotated[int, Field(ge=1, le=100)] = 5
@@ -54,6 +60,17 @@ class HttpConfig(_Model):
     """Authorization requests from one address waiting for the administrator; a new one past it gets 429
     (none waiting is dropped)."""
     admin_session_lifetime_s: Annotated[float, Field(ge=60, le=86_400)] = 3600.0
+    max_connections: Annotated[int, Field(ge=16, le=100_000)] = 1024
+    """Open HTTP connections at most (lowered to fit the open-file limit). Past it, a new connection closes
+    the one that has waited longest for its request; when all are being served, the new one is refused."""
+    request_head_timeout_s: Annotated[float, Field(gt=0, le=300)] = 10.0
+    """A request's head (line and headers) must arrive within this of the connection opening or of the
+    previous response; a slow sender (slowloris) is disconnected."""
+    request_body_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
+    """A request's body must arrive within this, plus its declared length at 32 KiB/s."""
+    max_sessions_per_grant: Annotated[int, Field(ge=1, le=10_000)] = 32
+    """Open MCP sessions (2025-11-25 handshake era) per grant. A new one past it closes that grant's
+    session idle the longest; when none is idle it gets 429."""
 
     @field_validator("public_url")
     @classmethod

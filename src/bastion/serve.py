@@ -175,7 +175,11 @@ def serve_http(config: Config, config_path: str, listen: str | None = None) -> i
             built.app,
             host=host,
             port=port,
-            http=connections.guarded_protocol(connections.connection_cap()),
+            http=connections.guarded_protocol(
+                connections.connection_cap(http.max_connections),
+                http.request_head_timeout_s,
+                http.request_body_timeout_s,
+            ),
             backlog=connections.BACKLOG,
             timeout_keep_alive=connections.KEEP_ALIVE_S,
             h11_max_incomplete_event_size=connections.MAX_HEAD_BYTES,

@@ -13,6 +13,7 @@ import hashlib
 import html.parser
 import os
 import re
+import resource
 import secrets
 import signal
 import socket
@@ -114,17 +115,20 @@ class LiveServer:
 
 
 @contextlib.contextmanager
-def live_server(root: Path, *, http_extra: str = "", auth: bool = True) -> Iterator[LiveServer]:
+def live_server(
+    root: Path, *, http_extra: str = "", auth: bool = True, nofile: int | None = None
+) -> Iterator[LiveServer]:
+    """`nofile`: the server's open-file limit (soft and hard), for tests that exhaust it."""
     port = free_port()
     config_path = write_config(root, port, http_extra=http_extra, auth=auth)
     if auth:
         write_hash(root / "state" / "admin-password.argon2", PASSWORD)
-    with serve_config(root, config_path, port) as server:
+    with serve_config(root, config_path, port, nofile=nofile) as server:
         yield server
 
 
 @contextlib.contextmanager
-def serve_config(root: Path, config_path: Path, port: int) -> Iterator[LiveServer]:
+def serve_config(root: Path, config_path: Path, port: int, *, nofile: int | None = None) -> Iterator[LiveServer]:
     """`bastion serve --http` on a config written by the caller (its `[http]` names 127.0.0.1:`port`)."""
     log_path = root / "server.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -135,6 +139,7 @@ def serve_config(root: Path, config_path: Path, port: int) -> Iterator[LiveServe
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,
+            preexec_fn=None if nofile is None else lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile)),
         )
     server = LiveServer(root, port, config_path, process, log_path)
     try:

@@ -116,6 +116,8 @@ async def test_sdk_client_full_flow(server: LiveServer, browsers: Callable[[Live
     assert storage.tokens.access_token != first.access_token
     assert storage.tokens.refresh_token != first.refresh_token
     assert len(opened) == 1, "a refresh must not send the administrator through the browser again"
+    with server.db() as db:  # past the 10 s grace window for two sessions refreshing at once
+        db.execute("UPDATE oauth_tokens SET used_at = used_at - 11 WHERE used_at IS NOT NULL")
     with server.http() as raw:
         reused = raw.post(
             "/token",

@@ -256,3 +256,22 @@ def test_code_lifetime_is_bounded_to_60_120_s(tmp_path: Path) -> None:
         config = write_config(tmp_path / f"demo{value}", free_port(), http_extra=f"code_lifetime_s = {value}")
         result = bastion("admin", "tokens", "--config", str(config))
         assert (result.returncode == 0) is ok, (value, result.stderr)
+
+
+def test_listen_with_an_invalid_port_or_address_is_refused(tmp_path: Path) -> None:
+    """`--listen localhost:99999` used to bind a random port; a port outside 1-65535, no port, or a
+    non-loopback address for a loopback public_url is refused with one line saying what to do."""
+    config = write_config(tmp_path / "demo", free_port())
+    bastion("admin", "set-password", "--config", str(config), stdin="a long enough password\n")
+    for listen, says in [
+        ("localhost:99999", "port from 1 to 65535"),
+        ("127.0.0.1:0", "port from 1 to 65535"),
+        ("localhost", "HOST:PORT"),
+        (":8765", "HOST:PORT"),
+        ("192.0.2.10:8765", "set [http] public_url"),
+    ]:
+        result = bastion("serve", "--config", str(config), "--http", "--listen", listen)
+        assert result.returncode == 78, (listen, result.stderr)
+        assert says in result.stderr, (listen, result.stderr)
+        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+        assert "Traceback" not in result.stderr

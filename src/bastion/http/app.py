@@ -9,7 +9,8 @@ Layers, outermost first:
 2. `AccessLog`: method, path (never the query string, which could carry a token), status, address.
 3. The SDK's `AuthenticationMiddleware` with `BearerAuthBackend` over bastion's provider (the token is
    looked up by its digest, checked for expiry, revocation and resource), and `AuthContextMiddleware`.
-4. Routes. /mcp: CORS for the configured origins, then `RequireToken` (401/403), then the SDK's app.
+4. Routes. /mcp: CORS for the configured origins, then `RequireToken` (401/403), then `SessionCap`
+   (sessions per grant), then the SDK's app.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.authentication import AuthenticationMiddleware
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route, request_response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -53,6 +54,7 @@ from bastion.http.password import AdminCredential
 from bastion.http.provider import BastionAuthProvider, Endpoints
 from bastion.http.ratelimit import LoginLimiter
 from bastion.http.scopes import RequireToken, ScopeMiddleware
+from bastion.http.sessions import SessionCap
 from bastion.http.store import AuthStore
 from bastion.safety.errors import ConfigError
 from bastion.tools.server import SCOPES, BastionServer
@@ -207,7 +209,11 @@ class HostGuard:
         if origin is not None and scope["path"].startswith("/mcp") and origin.decode("latin-1") not in self.origins:
             await _plain(send, 403, b"Forbidden: Origin not allowed\n")
             return
-        await self.app(scope, receive, send)
+        try:
+            await self.app(scope, receive, send)
+        except ClientDisconnect:
+            # The client left (or was cut off, a slow body) while its request was read: nobody to answer.
+            return
 
 
 async def _plain(send: Send, status: int, body: bytes) -> None:
@@ -313,7 +319,7 @@ def build_http_app(services: Services, server: BastionServer, *, listen: str | N
             *admin.routes(),
         ]
         server.middleware.append(ScopeMiddleware(server))
-        guarded = mcp_app
+        guarded = SessionCap(mcp_app, session_manager, config.http.max_sessions_per_grant)
         mcp_app = per_origin(
             public_url,
             lambda origin: RequireToken(

@@ -6,9 +6,9 @@ applies `limit_concurrency` by answering 503 to every new request once that many
 so idle sockets lock out everyone. Held sockets also use file descriptors: at the process's limit,
 `accept()` fails (EMFILE) and nobody can connect. This module is the small protocol glue for that:
 
-- a request head must arrive within `HEAD_TIMEOUT_S` of the connection opening (or of the previous
-  response); a body within `BODY_TIMEOUT_S`, plus time for its declared length at `MIN_BODY_RATE`;
-  otherwise the connection is closed (slowloris);
+- a request head must arrive within `[http] request_head_timeout_s` of the connection opening (or of
+  the previous response); a body within `request_body_timeout_s`, plus time for its declared length at
+  `MIN_BODY_RATE`; otherwise the connection is closed (slowloris);
 - at most `max_connections` are open. A new connection over the cap closes the connection that has
   waited longest for a request head or body (one the application is not serving yet); when every
   connection is being served, the new one is closed. The administrator's browser or a client thus
@@ -33,13 +33,10 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 logger = logging.getLogger("bastion.http.connections")
 
-HEAD_TIMEOUT_S: Final = 10.0
-BODY_TIMEOUT_S: Final = 30.0
 MIN_BODY_RATE: Final = 32 * 1024
-"""Bytes a second a declared body may take beyond BODY_TIMEOUT_S (4 MiB: 128 s more)."""
+"""Bytes a second a declared body may take beyond the body timeout (4 MiB: 128 s more)."""
 KEEP_ALIVE_S: Final = 5
 MAX_HEAD_BYTES: Final = 16 * 1024
-MAX_CONNECTIONS: Final = 1024
 BACKLOG: Final = 128
 """listen() backlog, and what one accept burst may take before any connection is counted."""
 LOG_EVERY_S: Final = 10.0
@@ -47,7 +44,7 @@ LOG_EVERY_S: Final = 10.0
 Phase = Literal["head", "body", "served"]
 
 
-def connection_cap(limit: int = MAX_CONNECTIONS) -> int:
+def connection_cap(limit: int) -> int:
     """`limit`, lowered so the connections, one accept burst and the server's own files fit the fd limit.
 
     Half of what the burst leaves goes to connections; the rest stays for the store, the audit log and
@@ -102,7 +99,9 @@ class SummaryLog:
 class GuardedH11Protocol(H11Protocol):
     """uvicorn's h11 protocol with head and body deadlines and the connection cap (see the module doc)."""
 
-    max_connections: ClassVar[int] = MAX_CONNECTIONS
+    max_connections: ClassVar[int]
+    head_timeout_s: ClassVar[float]
+    body_timeout_s: ClassVar[float]
     evicted: ClassVar[SummaryLog]
     refused: ClassVar[SummaryLog]
     timed_out: ClassVar[SummaryLog]
@@ -143,9 +142,10 @@ class GuardedH11Protocol(H11Protocol):
         self.phase, self.phase_since = phase, time.monotonic()
         self._disarm()
         if phase == "head":
-            self.deadline = self.loop.call_later(HEAD_TIMEOUT_S, self._expire)
+            self.deadline = self.loop.call_later(self.head_timeout_s, self._expire)
         elif phase == "body":
-            self.deadline = self.loop.call_later(BODY_TIMEOUT_S + self._declared_length() / MIN_BODY_RATE, self._expire)
+            allowed = self.body_timeout_s + self._declared_length() / MIN_BODY_RATE
+            self.deadline = self.loop.call_later(allowed, self._expire)
 
     def _declared_length(self) -> int:
         for name, value in self.headers or ():
@@ -175,11 +175,13 @@ class GuardedH11Protocol(H11Protocol):
             self.transport.close()
 
 
-def guarded_protocol(max_connections: int) -> type[GuardedH11Protocol]:
-    """A protocol class for `uvicorn.Config(http=...)` with its own cap and log counters."""
+def guarded_protocol(max_connections: int, head_timeout_s: float, body_timeout_s: float) -> type[GuardedH11Protocol]:
+    """A protocol class for `uvicorn.Config(http=...)` with its own limits and log counters."""
     cap = max_connections
     attributes: dict[str, Any] = {
         "max_connections": cap,
+        "head_timeout_s": head_timeout_s,
+        "body_timeout_s": body_timeout_s,
         "evicted": SummaryLog(f"{cap} connections open: closed the one waiting longest for its request"),
         "refused": SummaryLog(f"{cap} connections open, all being served: refused new connections"),
         "timed_out": SummaryLog("closed connections that sent no complete request in time", logging.INFO),

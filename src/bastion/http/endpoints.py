@@ -5,8 +5,9 @@ SECURITY BOUNDARY. /token (RFC 6749 §4.1.3, §6; OAuth 2.1; RFC 7636; RFC 8707)
   SHA-256 digests in constant time); a failed client authentication is 401 invalid_client;
 - a code is single-use and consumed atomically; presenting a used code revokes its whole grant;
 - a refresh token is single-use and rotated; presenting a rotated one revokes the whole grant (reuse
-  detection, RFC 9700 §4.14.2). Two concurrent refreshes with one token are treated the same way: there
-  is no grace window;
+  detection, RFC 9700 §4.14.2), except within `refresh_reuse_grace_s` (10 s) of its rotation, when the
+  same client asking for the same scopes gets the same new pair again: two sessions sharing one
+  credential store refresh at once, and must not revoke each other. The successor is kept in memory only;
 - `resource`, when sent, must be this server's MCP URL (invalid_target otherwise); tokens are bound to it.
 """
 
@@ -17,8 +18,11 @@ import binascii
 import hashlib
 import hmac
 import json
+import logging
 import re
 import time
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Final
 from urllib.parse import unquote
 
@@ -31,14 +35,18 @@ from starlette.responses import JSONResponse, Response
 
 from bastion.http.flow import client_ip, single_params
 from bastion.http.provider import MAX_REDIRECT_URIS, BastionAuthProvider, registering_ip
-from bastion.http.ratelimit import WindowLimiter
-from bastion.http.redirects import registration_problem
+from bastion.http.ratelimit import address_key
+from bastion.http.redirects import normal_form, registration_problem
 from bastion.http.store import IssuedTokens, digest
 from bastion.tools.server import SCOPES
 
+logger = logging.getLogger("bastion.http.endpoints")
+
 MAX_BODY_BYTES: Final = 64 * 1024
+_MAX_TRACKED_ADDRESSES: Final = 10_000
+_MAX_SUCCESSORS: Final = 10_000
 _VERIFIER: Final = re.compile(r"[A-Za-z0-9._~-]{43,128}")
-_NO_STORE: Final = {"Cache-Control": "no-store", "Pragma": "no-cache"}
+_NO_STORE: Final = {"Cache-Control": "no-store", "Pragma": "no-cache", "X-Content-Type-Options": "nosniff"}
 
 
 def oauth_error(error: str, description: str, status: int = 400, headers: dict[str, str] | None = None) -> Response:
@@ -47,8 +55,16 @@ def oauth_error(error: str, description: str, status: int = 400, headers: dict[s
     )
 
 
+def declared_length(request: Request) -> int:
+    """The Content-Length header as a number (0 if absent); a malformed one counts as too large."""
+    value = request.headers.get("content-length")
+    if value is None:
+        return 0
+    return int(value) if value.isascii() and value.isdigit() else 1 << 62
+
+
 async def read_limited(request: Request, limit: int) -> bytes | None:
-    if int(request.headers.get("content-length") or 0) > limit:
+    if declared_length(request) > limit:
         return None
     body = b""
     async for chunk in request.stream():
@@ -65,11 +81,24 @@ class ClientAuthFailed(Exception):
         self.basic = basic
 
 
+@dataclass(frozen=True)
+class _Successor:
+    """The pair a refresh token was rotated into, kept in memory for the grace window only."""
+
+    client_id: str
+    scopes: tuple[str, ...]
+    issued: IssuedTokens
+    until: float
+
+
 class TokenEndpoint:
     """/token and /revoke."""
 
     def __init__(self, provider: BastionAuthProvider) -> None:
         self.provider = provider
+        # digest of a rotated refresh token -> its successor. In memory only (one server per state
+        # folder): no token is ever stored in the clear, and a restart just ends the grace windows.
+        self._successors: dict[str, _Successor] = {}
 
     async def _form(self, request: Request) -> dict[str, str] | Response:
         if request.headers.get("content-type", "").split(";")[0].strip() != "application/x-www-form-urlencoded":
@@ -163,7 +192,7 @@ class TokenEndpoint:
             return oauth_error("invalid_grant", "the code is invalid")
         if record.expires_at < time.time():
             return oauth_error("invalid_grant", "the code is invalid")
-        if redirect_uri != record.redirect_uri:
+        if normal_form(redirect_uri) != normal_form(record.redirect_uri):
             return oauth_error("invalid_grant", "redirect_uri does not match the authorization request")
         challenge = base64.urlsafe_b64encode(hashlib.sha256(verifier.encode()).digest()).decode().rstrip("=")
         if not hmac.compare_digest(challenge, record.code_challenge):
@@ -181,21 +210,52 @@ class TokenEndpoint:
         record = self.provider.store.token(token, "refresh") if len(token) <= 128 else None
         if record is None or record.client_id != client_id:
             return oauth_error("invalid_grant", "the refresh token is invalid")
+        scope = form.get("scope")
+        scopes = tuple(s for s in SCOPES if s in (scope.split() if scope else record.scopes))
         if record.used_at is not None:
+            again = self._successor(token, client_id, scopes, used_at=record.used_at)
+            if again is not None:
+                return self._tokens(again)
             self.provider.revoke_grant(record.grant_id, "rotated refresh token reused")
             return oauth_error("invalid_grant", "the refresh token is invalid")
         now = time.time()
         if record.expires_at < now or record.grant_expires_at < now:
             return oauth_error("invalid_grant", "the refresh token has expired")
-        scope = form.get("scope")
-        scopes = tuple(scope.split()) if scope else record.scopes
-        if not set(scopes) <= set(record.scopes):
+        if not set(scope.split() if scope else ()) <= set(record.scopes):
             return oauth_error("invalid_scope", "a refresh may only ask for scopes already granted")
-        issued = self.provider.rotate(token, tuple(s for s in SCOPES if s in scopes))
+        issued = self.provider.rotate(token, scopes)
         if issued is None:
             self.provider.revoke_grant(record.grant_id, "refresh token used twice at once")
             return oauth_error("invalid_grant", "the refresh token is invalid")
+        self._remember(token, client_id, scopes, issued)
         return self._tokens(issued)
+
+    def _remember(self, token: str, client_id: str, scopes: tuple[str, ...], issued: IssuedTokens) -> None:
+        grace = self.provider.config.refresh_reuse_grace_s
+        if grace <= 0:
+            return
+        now = time.monotonic()
+        for key in [k for k, v in self._successors.items() if v.until < now]:
+            del self._successors[key]
+        while len(self._successors) >= _MAX_SUCCESSORS:
+            self._successors.pop(next(iter(self._successors)))
+        self._successors[digest(token)] = _Successor(client_id, scopes, issued, now + grace)
+
+    def _successor(self, token: str, client_id: str, scopes: tuple[str, ...], *, used_at: float) -> IssuedTokens | None:
+        """The pair `token` was just rotated into, if the same client asks again for the same scopes within
+        the grace window (two sessions sharing one credential store refresh at once); else None (reuse).
+
+        The window is judged twice: by the in-memory deadline and by the rotation time in the database.
+        """
+        kept = self._successors.get(digest(token))
+        if kept is None or kept.until < time.monotonic() or kept.client_id != client_id or kept.scopes != scopes:
+            return None
+        if time.time() - used_at > self.provider.config.refresh_reuse_grace_s:
+            return None
+        if self.provider.store.token(kept.issued.refresh_token, "refresh") is None:
+            return None  # the grant was revoked meanwhile
+        logger.info("refresh token of client %s presented again within the grace window", client_id)
+        return kept.issued
 
     async def revoke(self, request: Request) -> Response:
         """RFC 7009: 200 whatever the token; only the client's own tokens are revoked (their whole grant)."""
@@ -215,60 +275,162 @@ class TokenEndpoint:
         return Response(status_code=200, headers=_NO_STORE)
 
 
+@dataclass
+class RegistrationQuota:
+    """At most `limit` successful registrations per address (IPv6: per /64) in a sliding hour.
+
+    A registration reserves its place before it runs and gives it back if it fails, so concurrent
+    requests cannot overshoot and a refused registration costs nothing.
+    """
+
+    limit: int
+    window_s: float = 3600.0
+    _events: dict[str, deque[float]] = field(default_factory=dict)
+
+    def reserve(self, key: str) -> float | None:
+        """Take a place for `key` and return its timestamp, or None if the quota is spent."""
+        now = time.monotonic()
+        events = self._events.pop(key, None) or deque()
+        while events and events[0] < now - self.window_s:
+            events.popleft()
+        self._events[key] = events  # most recent last, for eviction
+        if len(events) >= self.limit:
+            return None
+        events.append(now)
+        while len(self._events) > _MAX_TRACKED_ADDRESSES:
+            self._events.pop(next(iter(self._events)))
+        return now
+
+    def release(self, key: str, stamp: float) -> None:
+        events = self._events.get(key)
+        if events is not None and stamp in events:
+            events.remove(stamp)
+
+    def retry_after(self, key: str) -> float:
+        events = self._events.get(key)
+        return max(1.0, events[0] + self.window_s - time.monotonic()) if events else 1.0
+
+
+def parse_json(body: bytes) -> object:
+    """JSON from an unauthenticated peer. Raises ValueError for anything else, deep nesting included."""
+    try:
+        return json.loads(body)
+    except RecursionError:
+        # CPython's decoder recurses once per level; a 100,000-deep array must be a 400, not a 500.
+        raise ValueError("JSON nested too deeply") from None
+
+
 class Registration:
-    """/register: the SDK's RFC 7591 handler behind bastion's caps (per address, in total)."""
+    """/register: the SDK's RFC 7591 handler behind bastion's caps (per address, in total).
+
+    Failed registrations do not use the address's quota; when the table is full, never-used clients
+    older than `unused_client_min_age_s` are evicted, oldest first, before anyone is refused.
+    """
 
     def __init__(self, provider: BastionAuthProvider) -> None:
         self.provider = provider
         config = provider.config
-        self.per_ip = WindowLimiter(config.registrations_per_ip_per_hour, 3600.0)
+        self.quota = RegistrationQuota(config.registrations_per_ip_per_hour)
         # No valid_scopes: unknown scopes are narrowed by the provider, not refused (claude.ai sends one).
         self.handler = RegistrationHandler(self.provider, ClientRegistrationOptions(enabled=True))  # type: ignore[arg-type]
 
     async def handle(self, request: Request) -> Response:
-        config = self.provider.config
+        response = await self._handle(request)
+        response.headers["X-Content-Type-Options"] = "nosniff"
+        return response
+
+    async def _handle(self, request: Request) -> Response:
         ip = client_ip(request)
-        if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
+        key = address_key(ip)
+        if declared_length(request) > MAX_BODY_BYTES:
             return oauth_error("invalid_client_metadata", "the registration is too large", 413)
-        self.provider.store.expire_unused_clients(config.unused_client_ttl_s)
-        if self.provider.store.client_count() >= config.max_clients:
-            return oauth_error("temporarily_unavailable", "too many registered clients", 429, {"Retry-After": "3600"})
-        if not self.per_ip.allow(ip):
-            return oauth_error("temporarily_unavailable", "too many registrations", 429, {"Retry-After": "3600"})
         body = await read_limited(request, MAX_BODY_BYTES)
         if body is None:
             return oauth_error("invalid_client_metadata", "the registration is too large", 413)
-        problem = self._redirect_problem(body)
+        problem = self._metadata_problem(body)
         if problem is not None:
-            return oauth_error("invalid_redirect_uri", problem)
+            return oauth_error(*problem)
+        full = self._table_full()
+        if full is not None:
+            return full
+        stamp = self.quota.reserve(key)
+        if stamp is None:
+            retry = f"{self.quota.retry_after(key):.0f}"
+            return oauth_error(
+                "temporarily_unavailable", "too many registrations from this address", 429, {"Retry-After": retry}
+            )
 
         async def replay() -> dict[str, object]:
             return {"type": "http.request", "body": body, "more_body": False}
 
         token = registering_ip.set(ip)  # the provider records which address registered the client
         try:
-            return await self.handler.handle(Request(request.scope, replay))
+            response = await self.handler.handle(Request(request.scope, replay))
         finally:
             registering_ip.reset(token)
+        if response.status_code != 201:
+            self.quota.release(key, stamp)
+        return response
 
-    def _redirect_problem(self, body: bytes) -> str | None:
-        """Check redirect_uris as sent, before the SDK's URL model normalises them (RFC 7591 §2)."""
+    def _table_full(self) -> Response | None:
+        """None if a client may be added (evicting never-used ones if needed), else the 429 to send."""
+        config = self.provider.config
+        store = self.provider.store
+        store.expire_unused_clients(config.unused_client_ttl_s)
+        excess = store.client_count() - config.max_clients + 1
+        if excess > 0 and store.evict_unused_clients(excess, config.unused_client_min_age_s) > 0:
+            logger.warning("client table full: evicted never-used clients to register a new one")
+            excess = store.client_count() - config.max_clients + 1
+        if excess <= 0:
+            return None
+        oldest = store.oldest_unused_client_at()
+        wait = (
+            config.unused_client_min_age_s if oldest is None else oldest + config.unused_client_min_age_s - time.time()
+        )
+        return oauth_error(
+            "temporarily_unavailable",
+            "too many registered clients: the administrator can remove unused ones with 'bastion admin clients prune'",
+            429,
+            {"Retry-After": f"{max(1.0, wait):.0f}"},
+        )
+
+    def _metadata_problem(self, body: bytes) -> tuple[str, str] | None:
+        """(error, description) if the body is not JSON metadata with acceptable redirect URIs (RFC 7591 §2).
+
+        The URIs are checked as sent, before the SDK's URL model normalises them.
+        """
         try:
-            data = json.loads(body)
-        except ValueError:
-            return None  # the SDK answers invalid_client_metadata
-        uris = data.get("redirect_uris") if isinstance(data, dict) else None
+            data = parse_json(body)
+        except ValueError as exc:
+            return "invalid_client_metadata", f"the registration is not valid JSON ({str(exc)[:100]})"
+        if not isinstance(data, dict):
+            return "invalid_client_metadata", "the registration must be a JSON object"
+        uris = data.get("redirect_uris")
         if not isinstance(uris, list) or not uris:
-            return "redirect_uris is required"
+            return "invalid_redirect_uri", "redirect_uris is required"
         if len(uris) > MAX_REDIRECT_URIS:
-            return f"at most {MAX_REDIRECT_URIS} redirect URIs"
+            return "invalid_redirect_uri", f"at most {MAX_REDIRECT_URIS} redirect URIs"
         for uri in uris:
             if not isinstance(uri, str):
-                return "redirect URIs must be strings"
+                return "invalid_redirect_uri", "redirect URIs must be strings"
             problem = registration_problem(uri, self.provider.config.app_callbacks)
             if problem is not None:
-                return problem
+                return "invalid_redirect_uri", problem
         return None
+
+
+class _NoSniffMetadata(MetadataHandler):
+    async def handle(self, request: Request) -> Response:
+        response = await super().handle(request)
+        response.headers["X-Content-Type-Options"] = "nosniff"
+        return response
+
+
+class _NoSniffResourceMetadata(ProtectedResourceMetadataHandler):
+    async def handle(self, request: Request) -> Response:
+        response = await super().handle(request)
+        response.headers["X-Content-Type-Options"] = "nosniff"
+        return response
 
 
 def authorization_server_metadata(issuer: str) -> MetadataHandler:
@@ -292,7 +454,7 @@ def authorization_server_metadata(issuer: str) -> MetadataHandler:
             "client_id_metadata_document_supported": True,
         }
     )
-    return MetadataHandler(metadata)
+    return _NoSniffMetadata(metadata)
 
 
 def protected_resource_metadata(issuer: str, resource: str) -> ProtectedResourceMetadataHandler:
@@ -306,4 +468,4 @@ def protected_resource_metadata(issuer: str, resource: str) -> ProtectedResource
             "resource_name": "bastion",
         }
     )
-    return ProtectedResourceMetadataHandler(metadata)
+    return _NoSniffResourceMetadata(metadata)

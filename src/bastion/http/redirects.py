@@ -3,8 +3,12 @@
 SECURITY BOUNDARY (RFC 9700 §4.1, OAuth 2.1 §2.3.1, RFC 8252 §7.3):
 - registered: https with a plain host (no userinfo, no wildcard, no fragment), http on a loopback host
   (127.0.0.1, [::1], localhost), or one of the configured native-app callbacks, matched exactly;
-- at /authorize: the exact registered string, except that for an http loopback URI the port may differ
-  (native apps bind an ephemeral port). Scheme, host, path and query must still be byte-equal.
+- at /authorize: the registered URI, compared in one normal form at both ends (`normal_form`: scheme and
+  host lower-cased, RFC 3986 §6.2.2.1, nothing else: paths are case-sensitive), except that for an http
+  loopback URI the port may differ (native apps bind an ephemeral port). Path and query stay byte-equal.
+- a URI that the SDK's URL model would store differently (a default port, dot segments, an empty path,
+  an IDN host) is refused at registration, naming the form to register instead: what is stored is then
+  what the client sends, up to the case of scheme and host.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Final
 from urllib.parse import SplitResult, urlsplit
+
+from pydantic import AnyUrl, ValidationError
 
 LOOPBACK_HOSTS: Final = frozenset({"127.0.0.1", "::1", "localhost"})
 MAX_URI_CHARS: Final = 2000
@@ -26,9 +32,31 @@ def _split(uri: str) -> SplitResult | None:
     return parts
 
 
+def normal_form(uri: str) -> str:
+    """`uri` with its scheme and host lower-cased (RFC 3986 §6.2.2.1); userinfo, port, path, query as sent."""
+    scheme, sep, rest = uri.partition("://")
+    if not sep:
+        return uri
+    end = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
+    authority, tail = rest[:end], rest[end:]
+    userinfo, at, hostport = authority.rpartition("@")
+    return f"{scheme.lower()}://{userinfo}{at}{hostport.lower()}{tail}"
+
+
+def _stored_form_problem(uri: str) -> str | None:
+    """The SDK keeps redirect URIs as pydantic URLs: refuse one whose stored form would not match it."""
+    try:
+        stored = str(AnyUrl(uri))
+    except ValidationError:
+        return "redirect URI is not a valid URL"
+    if normal_form(stored) != normal_form(uri):
+        return f"redirect URI is not in normal form: register {stored[:MAX_URI_CHARS]!r} instead"
+    return None
+
+
 def registration_problem(uri: str, app_callbacks: Iterable[str]) -> str | None:
     """Why `uri` may not be registered as a redirect URI, or None if it may."""
-    if uri in app_callbacks:
+    if normal_form(uri) in {normal_form(callback) for callback in app_callbacks}:
         return None
     if len(uri) > MAX_URI_CHARS:
         return "redirect URI is too long"
@@ -44,16 +72,20 @@ def registration_problem(uri: str, app_callbacks: Iterable[str]) -> str | None:
     host = parts.hostname or ""
     if not host or "*" in host or "%" in host:
         return "redirect URI must name a plain host"
-    if parts.scheme == "https":
-        return None
-    if parts.scheme == "http" and host in LOOPBACK_HOSTS:
-        return None
-    return "redirect URI must be https, http on a loopback address, or a known app callback"
+    scheme = parts.scheme.lower()
+    if scheme != "https" and not (scheme == "http" and host in LOOPBACK_HOSTS):
+        return "redirect URI must be https, http on a loopback address, or a known app callback"
+    return _stored_form_problem(uri)
 
 
 def matches_registered(requested: str, registered: Iterable[str]) -> bool:
-    """True if `requested` is a registered URI, or one with only the port changed on an http loopback URI."""
-    registered = tuple(registered)
+    """True if `requested` is a registered URI, or one with only the port changed on an http loopback URI.
+
+    Both sides are compared in `normal_form`, so a URI registered as `https://Example.com/CB` (stored as
+    `https://example.com/CB`) matches what the client sends, and `/cb` never matches `/CB`.
+    """
+    requested = normal_form(requested)
+    registered = tuple(normal_form(uri) for uri in registered)
     if requested in registered:
         return True
     asked = _split(requested)

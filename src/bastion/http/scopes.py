@@ -44,7 +44,12 @@ async def _send_json(send: Send, status: int, body: dict[str, str], headers: lis
         {
             "type": "http.response.start",
             "status": status,
-            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()), *headers],
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(data)).encode()),
+                (b"x-content-type-options", b"nosniff"),
+                *headers,
+            ],
         }
     )
     await send({"type": "http.response.body", "body": data})
@@ -53,7 +58,11 @@ async def _send_json(send: Send, status: int, body: dict[str, str], headers: lis
 async def _send_parse_error(send: Send) -> None:
     """400 with a JSON-RPC parse error (-32700), as the SDK's transport answers a body it cannot parse."""
     data = b'{"jsonrpc":"2.0","id":null,"error":{"code":-32700,"message":"Parse error: the body is not valid JSON"}}'
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(data)).encode()),
+        (b"x-content-type-options", b"nosniff"),
+    ]
     await send({"type": "http.response.start", "status": 400, "headers": headers})
     await send({"type": "http.response.body", "body": data})
 

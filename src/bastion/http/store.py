@@ -178,6 +178,39 @@ class AuthStore:
         )
         return cursor.rowcount
 
+    def evict_unused_clients(self, count: int, older_than_s: float) -> int:
+        """Forget up to `count` never-used clients registered more than `older_than_s` ago, oldest first.
+
+        Called when the table is full, so that a registration flood cannot keep a real client out: what a
+        flood leaves behind is unused, and only the youngest (whose authorization may be under way) stay.
+        """
+        cursor = self._db.execute(
+            "DELETE FROM oauth_clients WHERE client_id IN (SELECT client_id FROM oauth_clients "
+            "WHERE last_used_at IS NULL AND created_at < ? "
+            "AND client_id NOT IN (SELECT client_id FROM oauth_grants) ORDER BY created_at LIMIT ?)",
+            (time.time() - older_than_s, max(count, 0)),
+        )
+        return cursor.rowcount
+
+    def oldest_unused_client_at(self) -> float | None:
+        """When the oldest never-used client registered (None if there is none)."""
+        row = self._db.execute(
+            "SELECT min(created_at) FROM oauth_clients WHERE last_used_at IS NULL "
+            "AND client_id NOT IN (SELECT client_id FROM oauth_grants)"
+        ).fetchone()
+        return None if row[0] is None else float(row[0])
+
+    def client_scopes(self, client_id: str) -> tuple[str, ...] | None:
+        """The scopes the client registered (already narrowed to known ones), or None if it named none.
+
+        None means the registration did not bound the scopes; a tuple bounds what may be granted to it.
+        """
+        row = self._db.execute("SELECT info FROM oauth_clients WHERE client_id = ?", (client_id,)).fetchone()
+        if row is None:
+            return None
+        scope = json.loads(row[0]).get("scope")
+        return tuple(scope.split()) if isinstance(scope, str) and scope.split() else None
+
     def clients(self) -> list[dict[str, object]]:
         rows = self._db.execute(
             "SELECT client_id, info, ip, created_at, last_used_at FROM oauth_clients ORDER BY created_at"
@@ -190,6 +223,7 @@ class AuthStore:
                     "client_id": client_id,
                     "client_name": meta.get("client_name"),
                     "redirect_uris": meta.get("redirect_uris"),
+                    "scope": meta.get("scope"),
                     "ip": ip,
                     "created_at": created_at,
                     "last_used_at": last_used_at,
@@ -210,12 +244,19 @@ class AuthStore:
         code_lifetime_s: float,
         grant_lifetime_s: float,
     ) -> str:
-        """Record the administrator's approval and return a fresh authorization code."""
+        """Record the administrator's approval and return a fresh authorization code.
+
+        The scopes are narrowed to those the client registered, if it registered any: a backstop behind
+        the consent page, which should never offer more.
+        """
         now = time.time()
         code = new_secret()
         grant_id = secrets.token_hex(16)
         self._begin()
         try:
+            registered = self.client_scopes(client_id)
+            if registered is not None:
+                scopes = tuple(scope for scope in scopes if scope in registered)
             self._db.execute(
                 "INSERT INTO oauth_grants (grant_id, client_id, scopes, resource, created_at, expires_at) "
                 "VALUES (?, ?, ?, ?, ?, ?)",
@@ -232,6 +273,34 @@ class AuthStore:
             self._db.execute("ROLLBACK")
             raise
         return code
+
+    def issue_admin_token(
+        self, *, client_id: str, scopes: tuple[str, ...], resource: str, lifetime_s: float
+    ) -> tuple[str, str]:
+        """A grant with one access token and no refresh token (`bastion admin token`): (token, grant_id).
+
+        The grant ends when the token does, and is listed and revoked like any other.
+        """
+        now = time.time()
+        token = new_secret()
+        grant_id = secrets.token_hex(16)
+        self._begin()
+        try:
+            self._db.execute(
+                "INSERT INTO oauth_grants (grant_id, client_id, scopes, resource, created_at, expires_at) "
+                "VALUES (?, ?, ?, ?, ?, ?)",
+                (grant_id, client_id, " ".join(scopes), resource, now, now + lifetime_s),
+            )
+            self._db.execute(
+                "INSERT INTO oauth_tokens (digest, kind, grant_id, client_id, scopes, created_at, expires_at) "
+                "VALUES (?, 'access', ?, ?, ?, ?, ?)",
+                (digest(token), grant_id, client_id, " ".join(scopes), now, now + lifetime_s),
+            )
+            self._db.execute("COMMIT")
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        return token, grant_id
 
     def code(self, code: str) -> CodeRecord | None:
         row = self._db.execute(

@@ -1,0 +1,123 @@
+"""A cap on the MCP sessions one grant holds open (the 2025-11-25 handshake era; 2026-07-28 is stateless).
+
+Each session is a server task with its own streams until the client ends it or it has been idle for the
+SDK's idle timeout (30 minutes): one approved client opened 300 in 12 s. Past `per_grant` sessions, a
+new one closes the grant's session idle the longest (as its idle timeout would; a client that lost track
+of its sessions still connects); when every one is busy (a request or a GET stream in flight), the new
+session is refused with 429. Sessions of other grants are never touched.
+
+The SDK keeps sessions in its session manager with the principal that opened them (`_session_owners`,
+whose `subject` is bastion's grant id: see `BastionAuthProvider.load_access_token`); it has no public
+accessor, so this reads that private mapping of the pinned SDK version (uv.lock).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import Counter
+from typing import Final
+
+from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
+from mcp.server.streamable_http import StreamableHTTPServerTransport
+from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
+from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+logger = logging.getLogger("bastion.http.sessions")
+RETRY_AFTER_S: Final = 5
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    for key, value in scope.get("headers", ()):
+        if key == name:
+            return bytes(value)
+    return None
+
+
+def _opens_session(scope: Scope) -> bool:
+    """A POST with no session id on the handshake era: the SDK makes a session for it if it initializes."""
+    if scope.get("method") != "POST" or _header(scope, b"mcp-session-id") is not None:
+        return False
+    version = _header(scope, b"mcp-protocol-version")
+    return version is None or version.decode("latin-1") in HANDSHAKE_PROTOCOL_VERSIONS
+
+
+class SessionCap:
+    """ASGI wrapper for /mcp, inside the bearer check (the grant is known)."""
+
+    def __init__(self, app: ASGIApp, manager: StreamableHTTPSessionManager, per_grant: int) -> None:
+        self.app = app
+        self.manager = manager
+        self.per_grant = per_grant
+        self.opening: Counter[str] = Counter()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        user = scope.get("user")
+        grant = user.access_token.subject if isinstance(user, AuthenticatedUser) else None
+        if grant is None or not _opens_session(scope):
+            await self.app(scope, receive, send)
+            return
+        if not self._make_room(grant):
+            await _too_many(send, self.per_grant)
+            return
+        # Counted as opening until its response starts: by then the SDK has registered the session.
+        self.opening[grant] += 1
+        pending = True
+
+        async def watch(message: Message) -> None:
+            nonlocal pending
+            if pending and message["type"] == "http.response.start":
+                pending = False
+                self._opened(grant)
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        finally:
+            if pending:
+                self._opened(grant)
+
+    def _opened(self, grant: str) -> None:
+        self.opening[grant] -= 1
+        if not self.opening[grant]:
+            del self.opening[grant]
+
+    def _sessions_of(self, grant: str) -> list[StreamableHTTPServerTransport]:
+        owners = self.manager._session_owners  # private: see the module docstring
+        instances = self.manager._server_instances
+        found = []
+        for session_id, owner in owners.items():
+            transport = instances.get(session_id)
+            closing = transport is None or (transport.idle_scope is not None and transport.idle_scope.cancel_called)
+            if owner.get("subject") == grant and not closing and transport is not None:
+                found.append(transport)
+        return found
+
+    def _make_room(self, grant: str) -> bool:
+        """True if the grant may open one more session, after closing its longest-idle one if need be."""
+        sessions = self._sessions_of(grant)
+        if len(sessions) + self.opening[grant] < self.per_grant:
+            return True
+        # An idle session's scope has a finite deadline (in-flight requests set it to infinity).
+        idle = [s for s in sessions if s.idle_scope is not None and s.idle_scope.deadline != math.inf]
+        if not idle or len(sessions) - 1 + self.opening[grant] >= self.per_grant:
+            logger.warning("grant %s has %d MCP sessions open, none idle: refused a new one", grant, len(sessions))
+            return False
+        oldest = min(idle, key=lambda s: s.idle_scope.deadline if s.idle_scope is not None else math.inf)
+        assert oldest.idle_scope is not None
+        oldest.idle_scope.cancel()
+        logger.info("grant %s reached %d MCP sessions: closed the one idle longest", grant, self.per_grant)
+        return True
+
+
+async def _too_many(send: Send, per_grant: int) -> None:
+    message = f"this grant already has {per_grant} MCP sessions open and busy: end one (HTTP DELETE) or retry later"
+    data = ('{"jsonrpc":"2.0","id":null,"error":{"code":-32000,"message":"' + message + '"}}').encode()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(data)).encode()),
+        (b"retry-after", str(RETRY_AFTER_S).encode()),
+    ]
+    await send({"type": "http.response.start", "status": 429, "headers": headers})
+    await send({"type": "http.response.body", "body": data})
