@@ -22,6 +22,7 @@ SCRIPTS = (
     "bench_gateway.py",
     "bench_organizer.py",
     "bench_http.py",
+    "bench_login.py",
 )
 
 
