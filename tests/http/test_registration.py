@@ -15,12 +15,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
+from pathlib import Path
 from typing import Any
 
 import httpx2
 import pytest
 
 from bastion.http.redirects import normal_form
+from bastion.http.store import AuthStore
 from tests.helpers import INITIALIZE_REQUEST, MCP_HEADERS
 
 from .live import Browser, LiveServer, callback_params, get_tokens, pkce
@@ -306,3 +308,30 @@ def test_unused_client_min_age_keeps_a_client_being_authorized(
         assert raw.post("/register", json=CLAUDE_CODE, headers=from_address("192.0.2.9")).status_code == 201
         with server.db() as db:
             assert db.execute("SELECT count(*) FROM oauth_clients WHERE client_id = ?", (first,)).fetchone()[0] == 0
+
+
+def test_grant_beyond_the_registered_scope_is_narrowed_by_the_store(tmp_path: Path) -> None:
+    """The backstop behind the consent page: a grant recorded for more than the client registered holds
+    only what it registered (a real store, on disk); a client that named no known scope is not bounded."""
+    store = AuthStore(tmp_path / "bastion.db")
+    try:
+        store.add_client("bounded", {"redirect_uris": ["http://127.0.0.1/cb"], "scope": "organizer"}, None, "::1")
+        store.add_client("open", {"redirect_uris": ["http://127.0.0.1/cb"]}, None, "::1")
+        assert store.client_scopes("bounded") == ("organizer",)
+        assert store.client_scopes("open") is None
+        assert store.client_scopes("unknown") is None
+        for client_id in ("bounded", "open"):
+            store.create_grant_with_code(
+                client_id=client_id,
+                scopes=("organizer", "workbench"),
+                resource="http://127.0.0.1:1/mcp",
+                redirect_uri="http://127.0.0.1/cb",
+                code_challenge="x" * 43,
+                code_lifetime_s=60,
+                grant_lifetime_s=600,
+            )
+        granted = {g.client_id: g.scopes for g in store.grants()}
+        assert tuple(granted["bounded"]) == ("organizer",)
+        assert tuple(granted["open"]) == ("organizer", "workbench")
+    finally:
+        store.close()
