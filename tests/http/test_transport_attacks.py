@@ -32,7 +32,7 @@ from mcp.shared.auth import AuthorizationCodeResult, OAuthClientInformationFull,
 
 from tests.helpers import INITIALIZE_REQUEST, MCP_HEADERS, call
 
-from .live import Browser, LiveServer, callback_params, get_tokens
+from .live import Browser, LiveServer, callback_params, get_tokens, pkce
 
 LINE = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d[+-]\d{4} (DEBUG|INFO|WARNING|ERROR|CRITICAL) [\w.]+: ")
 CLAUDE_AI_CALLBACK = "https://claude.ai/api/mcp/auth_callback"
@@ -381,3 +381,37 @@ def test_loopback_aliases_are_one_server_and_other_hosts_are_not(server: LiveSer
         )
         assert wrong.status_code == 400
         assert json.loads(wrong.text)["error"] == "invalid_target"
+
+
+# -- the consent page's address warning ----------------------------------------------------------------
+
+
+def _consent_page(browser: Browser, client_id: str, redirect_uri: str) -> httpx2.Response:
+    _, challenge = pkce()
+    login_page = browser.open(browser.authorize_url(client_id, challenge, redirect_uri=redirect_uri))
+    assert login_page.status_code == 200, login_page.text
+    if "password" not in login_page.text:
+        return login_page
+    after_login = browser.login(login_page)
+    assert after_login.status_code == 303, after_login.text
+    return browser.open(after_login.headers["location"])
+
+
+def test_claude_ai_callback_warning_appears_once(server: LiveServer, browsers: Callable[[LiveServer], Browser]) -> None:
+    """claude.ai registers a new client at each connection, always with its own callback: the consent
+    page's "check this address" box was shown every time. It is shown until the administrator has
+    approved that callback once; an address never approved is still flagged."""
+    browser = browsers(server)
+    warning = "Check this address."
+    first = server.register(client_name="claude.ai", redirect_uris=[CLAUDE_AI_CALLBACK])
+    page = _consent_page(browser, first["client_id"], CLAUDE_AI_CALLBACK)
+    assert warning in page.text
+    approved = browser.consent(page)
+    assert approved.status_code == 303
+    assert approved.headers["location"].startswith(CLAUDE_AI_CALLBACK + "?code=")
+    second = server.register(client_name="claude.ai", redirect_uris=[CLAUDE_AI_CALLBACK])
+    page = _consent_page(browsers(server), second["client_id"], CLAUDE_AI_CALLBACK)
+    assert "allow access" in page.text.lower() or "approve" in page.text.lower()
+    assert warning not in page.text
+    other = server.register(client_name="elsewhere", redirect_uris=["https://elsewhere.example/cb"])
+    assert warning in _consent_page(browsers(server), other["client_id"], "https://elsewhere.example/cb").text

@@ -118,6 +118,9 @@ class AuthorizationFlow:
         self.provider = provider
         self.credential = credential
         self.limiter = limiter
+        # Redirect URIs the administrator approved since start: the "check this address" box is shown the
+        # first time only (claude.ai registers a new client per connection, each with its callback).
+        self.approved_redirects: set[str] = set()
         self.secure_cookie = True
         self.authorize_limit = WindowLimiter(provider.config.authorize_per_ip_per_minute, 60.0)
 
@@ -260,6 +263,7 @@ class AuthorizationFlow:
         flagged = not (
             (target.scheme == "http" and host in LOOPBACK_HOSTS)
             or txn.redirect_uri in self.provider.config.app_callbacks
+            or txn.redirect_uri in self.approved_redirects
         )
         body = pages.consent_body(
             client_name=txn.client_name,
@@ -291,6 +295,7 @@ class AuthorizationFlow:
         if single.get("decision") != "approve" or not granted:
             return pages.see_other(_redirect(txn.redirect_uri, error="access_denied", state=txn.state, iss=issuer))
         code = self.provider.issue_code(txn, granted)
+        self.approved_redirects.add(txn.redirect_uri)
         return pages.see_other(_redirect(txn.redirect_uri, code=code, state=txn.state, iss=issuer))
 
     async def _form_multi(self, request: Request) -> tuple[dict[str, str], set[str]] | None:
