@@ -32,8 +32,8 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     return fake
 
 
-def fail(limiter: LoginLimiter, ip: str) -> None:
-    limiter.finish(limiter.begin(ip), ok=False)
+def fail(limiter: LoginLimiter, ip: str, device: str | None = None) -> None:
+    limiter.finish(limiter.begin(ip, device=device), ok=False)
 
 
 def test_back_off_doubles_then_caps_and_clears(clock: Clock) -> None:
@@ -74,22 +74,58 @@ def test_concurrent_burst_from_one_address_is_refused_before_any_check(clock: Cl
         assert info.value.status == 429
         refused += 1
     assert refused == 59
-    other = limiter.begin("192.0.2.1")  # another address is not affected
+    with pytest.raises(LoginRefused) as info:
+        limiter.begin("192.0.2.1")
+    assert info.value.status == 503  # another address without a device cookie waits for the shared slot
+    other = limiter.begin("198.51.100.7", device="admin-browser")  # the slot kept for a known browser
     limiter.finish(first, ok=False)
     limiter.finish(other, ok=True)
     limiter.finish(limiter.begin("198.51.100.7"), ok=False)  # the next one, after the answer
 
 
 def test_server_wide_checks_are_capped_and_refused_not_queued(clock: Clock) -> None:
+    """Two checks at most; one of them is kept for browsers with a device cookie, so addresses without
+    one share the other: a flood never takes the slot the administrator's browser would use."""
     limiter = LoginLimiter(free=5, max_s=900.0, global_per_minute=1000, max_checks=2)
-    running = [limiter.begin("192.0.2.1"), limiter.begin("192.0.2.2")]
+    running = [limiter.begin("192.0.2.1")]
     with pytest.raises(LoginRefused) as info:
-        limiter.begin("192.0.2.3")
+        limiter.begin("192.0.2.2")
     assert info.value.status == 503
-    assert limiter.retry_after("192.0.2.3") == 0  # a busy server is not a failure of that address
-    limiter.finish(running.pop(), ok=False)
+    assert limiter.retry_after("192.0.2.2") == 0  # a busy server is not a failure of that address
+    running.append(limiter.begin("192.0.2.1", device="admin-browser"))  # the kept slot
+    with pytest.raises(LoginRefused) as info:
+        limiter.begin("192.0.2.3", device="another-browser")
+    assert info.value.status == 503  # never more than two in all
+    limiter.finish(running.pop(0), ok=False)
     limiter.finish(limiter.begin("192.0.2.3"), ok=True)
     limiter.finish(running.pop(), ok=False)
+    assert limiter._running == limiter._running_untrusted == 0
+
+
+def test_same_host_flood_does_not_lock_out_a_browser_with_a_device_cookie(clock: Clock) -> None:
+    """The attacker and the administrator share 127.0.0.1: the attacker's failures back the address off
+    and its check in flight refuses the next from that address, but an attempt with a device cookie is
+    counted against that browser, and the device's own failures back it off as an address's would."""
+    limiter = LoginLimiter(free=3, max_s=900.0, global_per_minute=5)
+    attacker = limiter.begin("127.0.0.1")  # the attacker's check, in flight
+    with pytest.raises(LoginRefused) as info:
+        limiter.begin("127.0.0.1")
+    assert info.value.status == 429
+    limiter.finish(limiter.begin("127.0.0.1", device="admin"), ok=True)  # the administrator's browser
+    limiter.finish(attacker, ok=False)
+    for _ in range(6):
+        fail(limiter, "127.0.0.1")
+        clock.now += limiter.retry_after("127.0.0.1")
+    fail(limiter, "127.0.0.1")
+    assert limiter.retry_after("127.0.0.1") >= 8.0  # the address backs off, and the global limit holds it
+    with pytest.raises(LoginRefused):
+        limiter.begin("127.0.0.1")
+    limiter.finish(limiter.begin("127.0.0.1", device="admin"), ok=True)
+    for _ in range(3):
+        fail(limiter, "127.0.0.1", device="admin")
+    with pytest.raises(LoginRefused) as info:
+        limiter.begin("127.0.0.1", device="admin")  # its own failures count
+    assert info.value.status == 429
 
 
 def test_ipv6_is_counted_per_64(clock: Clock) -> None:
@@ -123,12 +159,13 @@ def test_global_limit_stops_failed_addresses_never_a_fresh_one(clock: Clock) -> 
 def test_tracked_addresses_stay_bounded(clock: Clock, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ratelimit, "_MAX_TRACKED", 50)
     limiter = LoginLimiter(free=1, max_s=900.0, global_per_minute=100_000)
-    held = limiter.begin("192.0.2.1")  # in flight: never forgotten
+    held = limiter.begin("192.0.2.1", device="browser")  # in flight: never forgotten
     for n in range(500):
         fail(limiter, f"10.0.{n // 256}.{n % 256}")
     assert len(limiter._by_key) <= 50
-    with pytest.raises(LoginRefused):
-        limiter.begin("192.0.2.1")
+    with pytest.raises(LoginRefused) as info:
+        limiter.begin("192.0.2.1", device="browser")
+    assert info.value.status == 429  # still known to be in flight
     limiter.finish(held, ok=True)
 
 

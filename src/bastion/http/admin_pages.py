@@ -22,7 +22,8 @@ from starlette.routing import Route
 
 from bastion.config import Config
 from bastion.http import pages
-from bastion.http.flow import BROWSER_COOKIE, CSRF_FAILED, LOGIN_FAILED, check_password, client_ip, single_params
+from bastion.http.devices import TrustedDevices
+from bastion.http.flow import BROWSER_COOKIE, CSRF_FAILED, LOGIN_FAILED, check_password, same_token, single_params
 from bastion.http.password import AdminCredential
 from bastion.http.ratelimit import LoginLimiter, LoginRefused
 from bastion.http.store import AuthStore
@@ -83,7 +84,7 @@ class AdminPages:
         async def checked(request: Request) -> Response:
             csrf = self.session_csrf(request)
             form = await self.form(request)
-            if csrf is None or form is None or not hmac.compare_digest(form.get("csrf", ""), csrf):
+            if csrf is None or form is None or not same_token(form.get("csrf", ""), csrf):
                 return pages.error_page(CSRF_FAILED, status=403)
             result: Response = await handler(request, form, csrf)
             return result
@@ -105,10 +106,10 @@ class AdminPages:
     async def login_post(self, request: Request) -> Response:
         browser = request.cookies.get(BROWSER_COOKIE, "")
         form = await self.form(request)
-        if form is None or not browser or not hmac.compare_digest(form.get("csrf", ""), self._login_csrf(browser)):
+        if form is None or not browser or not same_token(form.get("csrf", ""), self._login_csrf(browser)):
             return pages.error_page(CSRF_FAILED, status=403)
         try:
-            ok = await check_password(self.limiter, self.credential, client_ip(request), form.get("password", ""))
+            ok = await check_password(self.limiter, self.credential, request, form.get("password", ""))
         except LoginRefused as exc:
             return pages.too_many(exc.retry_after_s, exc.reason, status=exc.status)
         if not ok:
@@ -127,6 +128,7 @@ class AdminPages:
         # A browser value planted before the login never outlives it (session fixation).
         fresh = secrets.token_urlsafe(32)
         response.set_cookie(BROWSER_COOKIE, fresh, path="/", secure=True, httponly=True, samesite="strict")
+        TrustedDevices(self.credential).set_cookie(response)
         return response
 
     async def logout(self, request: Request, form: dict[str, str], csrf: str) -> Response:

@@ -35,6 +35,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from bastion.http import pages
+from bastion.http.devices import DEVICE_COOKIE, TrustedDevices
 from bastion.http.password import AdminCredential
 from bastion.http.provider import BastionAuthProvider, Transaction
 from bastion.http.ratelimit import LoginLimiter, LoginRefused, WindowLimiter, address_key
@@ -63,13 +64,23 @@ def _digest(value: str) -> str:
     return hashlib.sha256(value.encode()).hexdigest()
 
 
-async def check_password(limiter: LoginLimiter, credential: AdminCredential, ip: str, password: str) -> bool:
-    """The argon2 check behind the limiter: reserved first, released whatever happens.
+def same_token(given: str, expected: str) -> bool:
+    """Constant-time equality of a token a browser sent; any text, never an error.
+
+    `hmac.compare_digest` raises TypeError on non-ASCII str, which a form field may be: bytes never do.
+    """
+    return hmac.compare_digest(given.encode(), expected.encode())
+
+
+async def check_password(limiter: LoginLimiter, credential: AdminCredential, request: Request, password: str) -> bool:
+    """The argon2 check behind the limiter: reserved first, released whatever happens. A valid device
+    cookie counts the attempt against that browser rather than its address (`devices.py`).
 
     Raises:
         LoginRefused: the attempt is refused before any argon2 work (429 or 503).
     """
-    attempt = limiter.begin(ip)
+    device = TrustedDevices(credential).device(request.cookies.get(DEVICE_COOKIE, ""))
+    attempt = limiter.begin(client_ip(request), device=device)
     ok = False
     try:
         ok = await anyio.to_thread.run_sync(credential.verify, password)
@@ -206,7 +217,7 @@ class AuthorizationFlow:
 
     def _bound(self, request: Request, txn: Transaction, form: dict[str, str]) -> bool:
         """The POST comes from the browser that opened the transaction, with its current CSRF token."""
-        return self._same_browser(request, txn) and hmac.compare_digest(form.get("csrf", ""), txn.csrf)
+        return self._same_browser(request, txn) and same_token(form.get("csrf", ""), txn.csrf)
 
     def _login_page(self, txn: Transaction, *, message: str = "", status: int = 200) -> Response:
         name = pages.label(txn.client_name or txn.client_id)
@@ -234,7 +245,7 @@ class AuthorizationFlow:
         if not self._bound(request, txn, form):
             return pages.error_page(CSRF_FAILED, status=403)
         try:
-            ok = await check_password(self.limiter, self.credential, client_ip(request), form.get("password", ""))
+            ok = await check_password(self.limiter, self.credential, request, form.get("password", ""))
         except LoginRefused as exc:
             return pages.too_many(exc.retry_after_s, exc.reason, status=exc.status)
         if not ok:
@@ -248,6 +259,7 @@ class AuthorizationFlow:
         self.provider.rebind_browser(txn.browser_digest, _digest(fresh))
         response = pages.see_other(f"/oauth/consent?{urlencode({'txn': txn.txn_id})}")
         self._set_browser_cookie(response, fresh)
+        TrustedDevices(self.credential).set_cookie(response, secure=self.secure_cookie)
         return response
 
     async def consent_get(self, request: Request) -> Response:

@@ -10,6 +10,9 @@ Login (RFC 6749 §10.10, OAuth 2.1 §7.5 credentials guessing; issue 20):
 - When more than `global_per_minute` attempts arrive in a minute from all addresses together, addresses
   that have failed wait until the minute has passed; an address with no failure on record may still try,
   so a flood from elsewhere never locks the administrator out of a login from their own address.
+- A browser that has logged in before (a valid device cookie, `devices.py`) is counted by that cookie,
+  not its address, and one of the `max_checks` slots is kept for such browsers: an attacker on the same
+  host (the same address) or with many addresses can neither back it off nor keep it waiting.
 These are best-effort limits on guessing, not a boundary: the password's strength is the boundary.
 """
 
@@ -60,6 +63,7 @@ class LoginAttempt:
     """Proof that a password check may run now; hand it back to `LoginLimiter.finish`."""
 
     key: str
+    device: bool = False
 
 
 @dataclass
@@ -78,14 +82,18 @@ class LoginLimiter:
     _by_key: dict[str, _Failures] = field(default_factory=dict)
     _recent: deque[float] = field(default_factory=deque)
     _running: int = 0
+    _running_untrusted: int = 0
 
-    def begin(self, ip: str) -> LoginAttempt:
+    def begin(self, ip: str, *, device: str | None = None) -> LoginAttempt:
         """Reserve a password check for `ip`, counted as a failure until `finish` says otherwise.
+
+        `device`: the id of a valid device cookie (`devices.TrustedDevices`): the attempt is then counted
+        against that browser, not its address, and may use the check slot kept for such browsers.
 
         Raises:
             LoginRefused: this address has a check in flight or must wait (429), or the server is busy (503).
         """
-        key = address_key(ip)
+        key = f"device:{device}" if device else address_key(ip)
         now = time.monotonic()
         entry = self._by_key.get(key)
         if entry is not None and entry.in_flight:
@@ -93,16 +101,20 @@ class LoginLimiter:
                 "A login from this address is already being checked: wait for its answer.",
                 retry_after_s=_BUSY_RETRY_S,
             )
-        wait = self._wait(entry, now)
+        wait = self._wait(entry, now, global_limit=device is None)
         if wait > 0:
             raise LoginRefused(f"Too many failed attempts. Try again in {_seconds(wait)} s.", retry_after_s=wait)
-        if self._running >= self.max_checks:
+        # One slot stays free for browsers that logged in before: a flood never takes the last one.
+        untrusted_cap = max(1, self.max_checks - 1)
+        if self._running >= self.max_checks or (device is None and self._running_untrusted >= untrusted_cap):
             raise LoginRefused(
                 "The server is busy checking other logins: try again in a second.",
                 retry_after_s=_BUSY_RETRY_S,
                 status=503,
             )
         self._running += 1
+        if device is None:
+            self._running_untrusted += 1
         self._recent.append(now)
         entry = self._by_key.pop(key, None) or _Failures()
         entry.count += 1
@@ -111,11 +123,13 @@ class LoginLimiter:
         self._forget_oldest()
         if len(self._recent) == self.global_per_minute:
             logger.warning("admin login: %d attempts in a minute from all addresses; limiting", len(self._recent))
-        return LoginAttempt(key)
+        return LoginAttempt(key, device=device is not None)
 
     def finish(self, attempt: LoginAttempt, ok: bool) -> None:
         """The check is over: a success clears the address, a failure may start its back-off."""
         self._running -= 1
+        if not attempt.device:
+            self._running_untrusted -= 1
         entry = self._by_key.get(attempt.key)
         if ok:
             self._by_key.pop(attempt.key, None)
@@ -131,13 +145,14 @@ class LoginLimiter:
         """Seconds this address must wait before it may try a password; 0 if it may try now."""
         return max(0.0, self._wait(self._by_key.get(address_key(ip)), time.monotonic()))
 
-    def _wait(self, entry: _Failures | None, now: float) -> float:
+    def _wait(self, entry: _Failures | None, now: float, *, global_limit: bool = True) -> float:
+        """`global_limit=False` for a device cookie: only a login makes one, so a guessing flood is not its."""
         while self._recent and self._recent[0] < now - _WINDOW_S:
             self._recent.popleft()
         if entry is None:
             return 0.0
         waits = [entry.locked_until - now]
-        if entry.count > 0 and len(self._recent) >= self.global_per_minute:
+        if global_limit and entry.count > 0 and len(self._recent) >= self.global_per_minute:
             waits.append(self._recent[0] + _WINDOW_S - now)
         return max(waits)
 
