@@ -195,6 +195,8 @@ class SandboxManager:
         # the snapshot lock held all 40 and stopped every call of every sandbox until it was free.
         self._snapshot_threads = anyio.CapacityLimiter(_SNAPSHOT_THREADS)
         self._snapshot_turn = anyio.Lock()  # snapshots are written one at a time: they wait here, unfrozen
+        # Sandboxes whose workspace a snapshot is reading: closing one removes its files only after.
+        self._archiving: dict[str, anyio.Event] = {}
         self._redactor = redactor
         self._cgroups = cgroups
         self._boxes: dict[str, Sandbox] = {}
@@ -508,10 +510,14 @@ class SandboxManager:
         async with self._snapshot_turn:
             # what has expired never holds a cap
             await anyio.to_thread.run_sync(self.expire_snapshots, limiter=self._snapshot_threads)
+            # Closed while this call waited? From here to _archiving there is no await, so a close
+            # either came first (SandboxNotFound) or will wait for the archive.
+            box = self.get(sandbox_id)
             warm = box.workspace.sandbox
             freeze = not warm.paused and warm.usage() is not None
             if freeze:
                 warm.pause()
+            archived = self._archiving[box.id] = anyio.Event()
             try:
                 metadata = {"sandbox_id": box.id, "owner": box.owner, "name": box.name or ""}
                 return await anyio.to_thread.run_sync(
@@ -526,7 +532,9 @@ class SandboxManager:
                     limiter=self._snapshot_threads,
                 )
             finally:
-                if freeze:
+                del self._archiving[box.id]
+                archived.set()
+                if freeze and warm.paused:  # a close meanwhile ended the sandbox: nothing to thaw
                     warm.resume()
 
     async def restore(self, snapshot_id: str, *, owner: str) -> tuple[Sandbox, SnapshotInfo]:
@@ -674,6 +682,9 @@ class SandboxManager:
             box.network.close()
             await box.workspace.sandbox.aclose(final=True)
             box.workspace.close()  # nothing left to wait for: its jail's fds, its records
+            archiving = self._archiving.get(box.id)
+            if archiving is not None:
+                await archiving.wait()  # a snapshot under way reads the files: they stay until it is whole
             await asyncio.wrap_future(self._workers.submit(self._discard_files, box.id, box.root))
             self._release_identity(box.id)
 

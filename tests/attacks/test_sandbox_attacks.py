@@ -186,3 +186,49 @@ async def test_close_twice_while_command_context_and_background_run_leaves_nothi
             group = groups[made]
             assert leftovers(services, made, tuple(group.paths) if group is not None else ()) == []
         assert (await call(client, "list_sandboxes"))["detail"]["sandboxes"] == []  # type: ignore[index]
+
+
+@pytest.mark.parametrize("disk_quota", ["true", "false"])
+async def test_close_while_a_snapshot_is_written_keeps_the_snapshot_whole(
+    tmp_path: pytest.TempPathFactory, disk_quota: str
+) -> None:
+    """Invariant: closing a sandbox while its snapshot is being written answers both calls truly
+    and cuts nothing short: the snapshot is stored and restores to the same bytes, and no mount,
+    loop device, cgroup or folder is left once both are done. Before, the snapshot was written
+    whole but answered CONFLICT (thawing the closed sandbox failed), so the agent was told
+    there was none; without a disk of its own (disk_quota = false) the close deleted the files
+    under the archiver. Does not prove the same for a server that stops mid-snapshot."""
+    config = configure(tmp_path / "demo", disk_quota=disk_quota)  # type: ignore[operator]
+    async with serve(config) as (client, services):
+        box = await create(client)
+        group = services.sandboxes.get(box).workspace.sandbox._group
+        cgroups = tuple(group.paths) if group is not None else ()
+        made = await sh(
+            client,
+            box,
+            "mkdir d && for i in $(seq 200); do head -c 1M /dev/urandom > d/$i; done && cat d/* | sha256sum",
+        )
+        assert made["ok"], made
+        folder = services.config.state_dir / "snapshots"
+        answers: dict[str, dict[str, object]] = {}
+
+        async def keep(name: str, tool: str, **args: object) -> None:
+            answers[name] = await call(client, tool, **args)
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(functools.partial(keep, "snapshot", "snapshot_sandbox", sandbox_id=box))
+            with anyio.fail_after(60):
+                while not (folder.is_dir() and any(name.startswith(".tmp-") for name in os.listdir(folder))):
+                    await anyio.sleep(0.01)
+            closed_mid_snapshot = "snapshot" not in answers
+            await keep("close", "close_sandbox", sandbox_id=box)
+        assert closed_mid_snapshot, "the snapshot ended before the close: the test proved nothing"
+        assert answers["close"]["ok"], answers
+        assert leftovers(services, box, cgroups) == []
+        snap = answers["snapshot"]
+        assert snap["ok"], snap
+        assert detail(snap)["files"] == 200
+        restored = await call(client, "restore_sandbox", snapshot_id=str(detail(snap)["snapshot_id"]))
+        assert restored["ok"], restored
+        again = await sh(client, str(detail(restored)["sandbox_id"]), "cat d/* | sha256sum")
+        assert detail(again)["stdout"] == detail(made)["stdout"]
