@@ -6,6 +6,7 @@ under pytest's tmp_path: ``ws`` is the workspace root, ``outside`` a folder besi
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fnmatch
 import json
@@ -921,3 +922,58 @@ def test_read_with_a_margin_returns_the_bytes_around_the_range(jail: Jail, ws: P
     assert (past.before, past.data, past.after, past.eof) == (b"89", b"", b"", True)
     with pytest.raises(InvalidRequest):
         jail.read("f.txt", margin=-1)
+
+
+def _rename_race(ws: Path, attempt: object, deadline_s: float = 60.0) -> tuple[set[str], int]:
+    """Call `attempt(i)` while a thread renames ``.ssh`` <-> ``x``; the names it wrote, and how
+    many attempts the secret-file rule refused (polled until some were, within `deadline_s`)."""
+    stop = threading.Event()
+
+    def flip() -> None:
+        while not stop.is_set():
+            for src, dst in ((".ssh", "x"), ("x", ".ssh")):
+                with contextlib.suppress(OSError):
+                    os.rename(ws / src, ws / dst)
+
+    flipper = threading.Thread(target=flip)
+    flipper.start()
+    written: set[str] = set()
+    denied = 0
+    end = time.monotonic() + deadline_s
+    try:
+        i = 0
+        while (denied < 3 or i < 2000) and time.monotonic() < end:
+            try:
+                written.add(attempt(i))  # type: ignore[operator]
+            except PolicyDenied:
+                denied += 1
+            except NotFound:
+                pass
+            i += 1
+    finally:
+        stop.set()
+        flipper.join()
+    return written, denied
+
+
+def _flipped_folder(ws: Path) -> Path:
+    return ws / ".ssh" if (ws / ".ssh").exists() else ws / "x"
+
+
+def test_rename_race_refused_write_leaves_no_file_in_the_secret_folder(jail: Jail, ws: Path) -> None:
+    """Invariant: while a process renames ``.ssh`` <-> ``x`` in a loop, a write_file to ``x/<new name>``
+    that the secret-file rule refuses (the folder was ``.ssh`` when the created file was judged) leaves
+    nothing behind: the folder holds exactly the files of the writes that succeeded, each whole. Before,
+    O_CREAT had made an empty file in ``.ssh`` first. Does not prove anything about writes that succeed
+    while the folder is named ``x``: the rule matches names at the moment of the check (module docstring)."""
+    (ws / ".ssh").mkdir()
+
+    def attempt(i: int) -> str:
+        jail.write(f"x/f{i}", b"data")
+        return f"f{i}"
+
+    written, denied = _rename_race(ws, attempt)
+    assert denied > 0, "the race never reached the check: nothing was tested"
+    folder = _flipped_folder(ws)
+    assert {p.name for p in folder.iterdir()} == written
+    assert all((folder / name).read_bytes() == b"data" for name in written)

@@ -297,6 +297,21 @@ def _pread_all(fd: int, offset: int, length: int) -> bytes:
     return b"".join(chunks)
 
 
+def _remove_made(parent_fd: int, name: str, fd: int, *, is_dir: bool) -> None:
+    """Remove the entry `name` the jail just made in `parent_fd`, if it is still the one `fd` holds.
+
+    Why: a folder renamed to a secret name between its check and the create (a rename race)
+    must not be left with a new empty file or folder by a write that was refused.
+    """
+    with contextlib.suppress(OSError):
+        made, now = os.fstat(fd), os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
+        if (made.st_dev, made.st_ino) == (now.st_dev, now.st_ino):
+            if is_dir:
+                os.rmdir(name, dir_fd=parent_fd)
+            else:
+                os.unlink(name, dir_fd=parent_fd)
+
+
 def _error_from_os(exc: OSError, rel: str) -> BastionError:
     """Map an errno to the error the caller can act on; the errno goes to the audit detail."""
     code = exc.errno
@@ -563,11 +578,18 @@ class Jail:
         parent_fd = self._open_parent(parent, rel, create_parents)
         try:
             fd, created = self._open_for_write(parent_fd, name, rel, append, exclusive)
+            try:
+                self._judge(fd, rel)
+            except BaseException:
+                # The parent became a secret folder after it was judged: what O_CREAT made there goes.
+                if created:
+                    _remove_made(parent_fd, name, fd, is_dir=False)
+                os.close(fd)
+                raise
         finally:
             os.close(parent_fd)
         written = 0
         try:
-            self._judge(fd, rel)
             self._settle(fd, created)
             if not append and not created:
                 os.ftruncate(fd, 0)
@@ -695,6 +717,16 @@ class Jail:
         try:
             self._judge(fd, rel)
         except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _judged_or_removed(self, parent_fd: int, name: str, fd: int, rel: str) -> int:
+        """`_judged` for a folder just made: one that turns out to be in a secret folder is removed."""
+        try:
+            self._judge(fd, rel)
+        except BaseException:
+            _remove_made(parent_fd, name, fd, is_dir=True)
             os.close(fd)
             raise
         return fd
@@ -836,8 +868,10 @@ class Jail:
                 except _NotAFolder:
                     raise
                 except NotFound:
+                    made = False
                     try:
                         os.mkdir(part, _NEW_DIR_MODE, dir_fd=current)
+                        made = True
                         self._own_new_dir(current, part)
                     except FileExistsError:
                         pass
@@ -846,6 +880,8 @@ class Jail:
                     following = self._open(
                         current, part, rel, os.O_PATH | os.O_DIRECTORY, resolve=RESOLVE | RESOLVE_NO_SYMLINKS
                     )
+                    if made:
+                        following = self._judged_or_removed(current, part, following, prefix)
                 following = self._judged(following, prefix)
                 os.close(current)
                 current = following
