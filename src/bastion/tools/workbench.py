@@ -6,8 +6,10 @@ runner, and returns what the runner returns. Decisions live in `bastion.safety`.
 
 from __future__ import annotations
 
+import functools
 from typing import Annotated, Literal
 
+import anyio.to_thread
 from mcp_types import CallToolResult, ToolAnnotations
 from pydantic import Field
 
@@ -135,9 +137,9 @@ def register_workbench(server: BastionServer, registry: WorkspaceRegistry, runne
 
         async def op() -> OperationResult:
             ws = registry.get(sandbox_id)
-            return OperationResult.success(
-                "read_file", ws.read_file(path, offset=offset, length=length, encoding=encoding)
-            )
+            # Redacting up to 1 MiB of secret-dense text takes most of a second: off the event loop.
+            read = functools.partial(ws.read_file, path, offset=offset, length=length, encoding=encoding)
+            return OperationResult.success("read_file", await anyio.to_thread.run_sync(read))
 
         args = {"path": path, "offset": offset, "length": length, "encoding": encoding}
         return to_call_result(await runner.run("read_file", args, op, mutating=False, workspace=workspace))
@@ -205,7 +207,8 @@ def register_workbench(server: BastionServer, registry: WorkspaceRegistry, runne
         workspace = registry.get_id(sandbox_id)
 
         async def op() -> OperationResult:
-            return OperationResult.success("list_directory", registry.get(sandbox_id).list_directory(path))
+            listing = functools.partial(registry.get(sandbox_id).list_directory, path)
+            return OperationResult.success("list_directory", await anyio.to_thread.run_sync(listing))
 
         return to_call_result(
             await runner.run("list_directory", {"path": path}, op, mutating=False, workspace=workspace)
