@@ -90,6 +90,10 @@ class DocumentServer:
                     body = json.dumps({**doc, "client_id": f"{base}/client.json"}).encode()
                 elif self.path == "/evil-redirect.json":
                     body = json.dumps({**doc, "redirect_uris": ["http://evil.example/cb"]}).encode()
+                elif self.path == "/scoped.json":
+                    body = json.dumps({**doc, "scope": "claudeai organizer gateway:read"}).encode()
+                elif self.path == "/unknown-scope.json":
+                    body = json.dumps({**doc, "scope": "claudeai"}).encode()
                 elif self.path == "/secret.json":
                     body = json.dumps({**doc, "token_endpoint_auth_method": "client_secret_post"}).encode()
                 else:
@@ -126,6 +130,19 @@ def documents(tmp_path: Path) -> Iterator[DocumentServer]:
 def fetcher_for(documents: DocumentServer) -> CimdFetcher:
     context = ssl.create_default_context(cafile=str(documents.cert))
     return CimdFetcher((), address_allowed=lambda address: address == "127.0.0.1", ssl_context=context)
+
+
+async def test_cimd_document_scope_bounds_the_client_like_a_registered_one(documents: DocumentServer) -> None:
+    """Issue 20: the document's `scope`, narrowed to known scopes, is the client's bound (the consent
+    page offers nothing beyond it); no known scope, or none at all, leaves the client unbounded."""
+    fetcher = fetcher_for(documents)
+    scoped = await fetcher.client(documents.url("/scoped.json"))
+    assert scoped is not None
+    assert scoped.scope == "organizer gateway:read"
+    for path in ("/unknown-scope.json", "/client.json"):
+        unbounded = await fetcher.client(documents.url(path))
+        assert unbounded is not None
+        assert unbounded.scope is None
 
 
 async def test_a_good_document_is_a_public_client_and_is_cached(documents: DocumentServer) -> None:

@@ -10,7 +10,8 @@ SECURITY BOUNDARY (server-side request forgery). The URL comes from whoever open
 - TLS with certificate and hostname checks; no redirects (anything but 200 is a refusal); at most
   `MAX_DOCUMENT_BYTES`, within `FETCH_TIMEOUT_S` for the whole exchange;
 - the document must name itself (`client_id` equal to the URL), list valid redirect URIs, and be a
-  public client (`token_endpoint_auth_method` none): it holds no secret.
+  public client (`token_endpoint_auth_method` none): it holds no secret. Its `scope`, narrowed to the
+  scopes bastion knows, bounds what may be granted to it, as a registered client's does.
 Results, good or bad, are cached for a while, so a URL cannot be used to make bastion fetch in a loop.
 """
 
@@ -33,6 +34,7 @@ from mcp.shared.auth import OAuthClientInformationFull
 from pydantic import ValidationError
 
 from bastion.http.redirects import registration_problem
+from bastion.tools.server import SCOPES
 
 logger = logging.getLogger("bastion.http.cimd")
 
@@ -259,6 +261,10 @@ class CimdFetcher:
         if not isinstance(grants, list) or not set(grants) <= {"authorization_code", "refresh_token"}:
             raise CimdRefused("grant_types may only be authorization_code, refresh_token")
         name = document.get("client_name")
+        # The document's `scope` bounds what the consent page offers, as a registered client's does;
+        # unknown scopes are dropped (as at /register), and none known means no bound.
+        asked = document.get("scope")
+        known = [scope for scope in SCOPES if isinstance(asked, str) and scope in asked.split()]
         try:
             return OAuthClientInformationFull.model_validate(
                 {
@@ -268,6 +274,7 @@ class CimdFetcher:
                     "grant_types": grants,
                     "response_types": ["code"],
                     "client_name": name[:200] if isinstance(name, str) else None,
+                    "scope": " ".join(known) or None,
                 }
             )
         except ValidationError:
