@@ -4,10 +4,13 @@ Two `bastion serve --http` processes from the same demo config, one with `[http]
 driven by the SDK's `mcp.Client` over loopback. Figures (issue #5):
 - tools/call of a no-op-cost tool (`explain_command`: a policy check, runs nothing) with a bearer token,
   p50, against the same server with auth off, calls alternating: target <= 1.3x, on both protocol eras;
-- calls/s with 32 concurrent clients (with auth);
+- tools/call throughput with 32 concurrent clients, bearer check on, against a bare SDK server serving the
+  same tool on the same transport (bench/bare_http_server.py: no auth, no audit, no bastion), rounds
+  alternating between the two, on both protocol eras: target >= 0.9x (issue #20);
 - /token refresh with rotation: requests/s (8 concurrent refresh chains).
 The token is minted through the server's own store (a grant as the consent page would make it), so the
-bench needs no browser. Run: .venv/bin/python bench/bench_http.py [--calls N]
+bench needs no browser. Run: .venv/bin/python bench/bench_http.py [--calls N] [--rounds N]
+[--throughput-only] [--profile FILE] (FILE: cProfile stats of the bastion server over the throughput runs).
 """
 
 from __future__ import annotations
@@ -34,7 +37,9 @@ REPO = Path(__file__).resolve().parent.parent
 BASTION = REPO / ".venv" / "bin" / "bastion"
 WARMUP_CALLS = 30
 CONCURRENT_CLIENTS = 32
-CALLS_PER_CLIENT = 20
+CALLS_PER_CLIENT = 40
+THROUGHPUT_ROUNDS = 3
+THROUGHPUT_TARGET = 0.9
 REFRESH_CHAINS = 8
 REFRESHES_PER_CHAIN = 40
 TARGET = 1.3
@@ -56,8 +61,9 @@ def write_config(root: Path, *, auth: bool) -> tuple[Path, int]:
     text = text.replace("http://127.0.0.1:8765", f"http://127.0.0.1:{port}").replace(
         'listen = "127.0.0.1:8765"', f'listen = "127.0.0.1:{port}"'
     )
-    if not auth:
-        text = text.replace("[http]\n", "[http]\nauth = false\n", 1)
+    # One grant per concurrent client, all registered from this address.
+    extra = "registrations_per_ip_per_hour = 10000\nmax_clients = 10000\n" + ("" if auth else "auth = false\n")
+    text = text.replace("[http]\n", f"[http]\n{extra}", 1)
     path.write_text(text)
     if auth:
         subprocess.run(
@@ -71,10 +77,28 @@ def write_config(root: Path, *, auth: bool) -> tuple[Path, int]:
 
 
 @contextmanager
-def serve(root: Path, *, auth: bool) -> Iterator[str]:
+def serve(root: Path, *, auth: bool, profile: str | None = None) -> Iterator[str]:
     path, port = write_config(root, auth=auth)
-    log = open(root / "server.log", "wb")  # noqa: SIM115
-    process = subprocess.Popen([str(BASTION), "serve", "--config", str(path), "--http"], stdout=log, stderr=log)
+    argv = [str(BASTION), "serve", "--config", str(path), "--http"]
+    if profile:
+        argv = [sys.executable, "-m", "cProfile", "-o", profile, *argv]
+    with running(argv, root, port) as base:
+        yield base
+
+
+@contextmanager
+def serve_bare(root: Path) -> Iterator[str]:
+    """bench/bare_http_server.py on the demo config in `root` (written by `serve` first)."""
+    port = free_port()
+    argv = [sys.executable, str(REPO / "bench" / "bare_http_server.py"), str(root / "bastion.toml"), str(port)]
+    with running(argv, root, port, log_name="bare.log") as base:
+        yield base
+
+
+@contextmanager
+def running(argv: list[str], root: Path, port: int, log_name: str = "server.log") -> Iterator[str]:
+    log = open(root / log_name, "wb")  # noqa: SIM115
+    process = subprocess.Popen(argv, stdout=log, stderr=log)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 30
@@ -84,12 +108,12 @@ def serve(root: Path, *, auth: bool) -> Iterator[str]:
                 break
             except httpx2.TransportError:
                 if time.monotonic() > deadline or process.poll() is not None:
-                    raise SystemExit(f"server did not start: {(root / 'server.log').read_text()}") from None
+                    raise SystemExit(f"server did not start: {(root / log_name).read_text()}") from None
                 time.sleep(0.05)
         yield base
     finally:
         process.terminate()
-        process.wait(10)
+        process.wait(30)
         log.close()
 
 
@@ -153,18 +177,45 @@ async def latency(open_url: str, auth_url: str, token: str, mode: str, calls: in
     return off, on
 
 
-async def throughput(url: str, token: str) -> float:
-    async def one() -> None:
-        http, client = client_for(url, token, "2026-07-28")
+async def throughput(url: str, tokens: list[str] | None, mode: str) -> float:
+    """tools/call per second from CONCURRENT_CLIENTS clients, each with its session already open.
+
+    Each client has a grant of its own (32 agents, not one agent's 32 sessions: a grant's sessions are capped)."""
+    opened = anyio.Event()
+    ready = 0
+    started = 0.0
+
+    async def one(token: str | None) -> None:
+        nonlocal ready
+        http, client = client_for(url, token, mode)
         async with http, client:
+            await timed(client)
+            ready += 1
+            if ready == CONCURRENT_CLIENTS:
+                opened.set()
+            await opened.wait()
             for _ in range(CALLS_PER_CLIENT):
                 await timed(client)
 
-    started = time.perf_counter()
     async with anyio.create_task_group() as tasks:
-        for _ in range(CONCURRENT_CLIENTS):
-            tasks.start_soon(one)
+        for index in range(CONCURRENT_CLIENTS):
+            tasks.start_soon(one, tokens[index % len(tokens)] if tokens else None)
+        await opened.wait()
+        started = time.perf_counter()
     return CONCURRENT_CLIENTS * CALLS_PER_CLIENT / (time.perf_counter() - started)
+
+
+def compare_throughput(bare_url: str, auth_url: str, tokens: list[str], mode: str, rounds: int) -> tuple[float, float]:
+    """Median calls/s of the bare SDK server and of bastion (bearer on), rounds alternating which goes first."""
+    anyio.run(throughput, bare_url, None, mode)  # warm both servers up (imports, first sessions)
+    anyio.run(throughput, auth_url, tokens, mode)
+    bare: list[float] = []
+    ours: list[float] = []
+    for round_number in range(rounds):
+        order = [(bare, bare_url, None), (ours, auth_url, tokens)]
+        for figures, url, bearer in order if round_number % 2 == 0 else reversed(order):
+            figures.append(anyio.run(throughput, url, bearer, mode))
+    return statistics.median(bare), statistics.median(ours)
 
 
 async def refresh_rate(base: str, grants: list[tuple[str, str, str]]) -> float:
@@ -188,29 +239,52 @@ async def refresh_rate(base: str, grants: list[tuple[str, str, str]]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--calls", type=int, default=300)
+    parser.add_argument("--rounds", type=int, default=THROUGHPUT_ROUNDS)
+    parser.add_argument("--throughput-only", action="store_true")
+    parser.add_argument("--profile", help="write the bastion server's cProfile stats here")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(dir=REPO / "bench", prefix=".tmp-") as tmp:
         os.chmod(tmp, 0o711)  # passable by the sandboxes' own ids, as a state folder's parents must be
         open_root, auth_root = Path(tmp) / "open", Path(tmp) / "auth"
-        with serve(open_root, auth=False) as open_base, serve(auth_root, auth=True) as auth_base:
-            grants = mint_tokens(auth_root, auth_base, 1 + REFRESH_CHAINS)
-            token = grants[0][1]
-            print(f"{args.calls} alternating calls per era after {WARMUP_CALLS} warm-up calls; tool: explain_command")
-            print(f"{'figure':<34}{'auth off ms':>12}{'bearer ms':>11}{'ratio':>8}{'target':>8}")
-            ok = True
-            for mode, label in (("2026-07-28", "2026-07-28"), ("legacy", "2025-11-25 (SSE)")):
-                off, on = anyio.run(latency, f"{open_base}/mcp", f"{auth_base}/mcp", token, mode, args.calls)
-                ratio = statistics.median(on) / statistics.median(off)
-                ok &= ratio <= TARGET
-                name = f"tools/call p50, {label}"
-                print(
-                    f"{name:<34}{statistics.median(off):>12.3f}{statistics.median(on):>11.3f}{ratio:>7.2f}x{TARGET:>7.1f}x"
-                )
-            rate = anyio.run(throughput, f"{auth_base}/mcp", token)
-            print(f"tools/call with {CONCURRENT_CLIENTS} concurrent clients (bearer): {rate:,.0f} calls/s")
-            refreshes = anyio.run(refresh_rate, auth_base, grants[1:])
-            print(f"/token refresh with rotation ({REFRESH_CHAINS} chains): {refreshes:,.0f} requests/s")
+        profile = os.path.abspath(args.profile) if args.profile else None
+        with serve(auth_root, auth=True, profile=profile) as auth_base, serve_bare(auth_root) as bare_base:
+            grants = mint_tokens(auth_root, auth_base, CONCURRENT_CLIENTS + REFRESH_CHAINS)
+            tokens = [access for _, access, _ in grants[:CONCURRENT_CLIENTS]]
+            ok = report_throughput(f"{bare_base}/mcp", f"{auth_base}/mcp", tokens, args.rounds)
+            if not args.throughput_only:
+                with serve(open_root, auth=False) as open_base:
+                    ok &= report_latency(f"{open_base}/mcp", f"{auth_base}/mcp", grants[0][1], args.calls)
+                refreshes = anyio.run(refresh_rate, auth_base, grants[CONCURRENT_CLIENTS:])
+                print(f"/token refresh with rotation ({REFRESH_CHAINS} chains): {refreshes:,.0f} requests/s")
     sys.exit(0 if ok else 1)
+
+
+def report_throughput(bare_url: str, auth_url: str, tokens: list[str], rounds: int) -> bool:
+    print(
+        f"tools/call throughput, {CONCURRENT_CLIENTS} clients x {CALLS_PER_CLIENT} calls, "
+        f"median of {rounds} alternating rounds; bastion with the bearer check on"
+    )
+    print(f"{'era':<22}{'bare SDK/s':>12}{'bastion/s':>11}{'ratio':>8}{'target':>8}")
+    ok = True
+    for mode, label in (("2026-07-28", "2026-07-28"), ("legacy", "2025-11-25 (SSE)")):
+        bare, ours = compare_throughput(bare_url, auth_url, tokens, mode, rounds)
+        ratio = ours / bare
+        ok &= ratio >= THROUGHPUT_TARGET
+        print(f"{label:<22}{bare:>12,.0f}{ours:>11,.0f}{ratio:>7.2f}x{THROUGHPUT_TARGET:>7.1f}x")
+    return ok
+
+
+def report_latency(open_url: str, auth_url: str, token: str, calls: int) -> bool:
+    print(f"{calls} alternating calls per era after {WARMUP_CALLS} warm-up calls; tool: explain_command")
+    print(f"{'figure':<34}{'auth off ms':>12}{'bearer ms':>11}{'ratio':>8}{'target':>8}")
+    ok = True
+    for mode, label in (("2026-07-28", "2026-07-28"), ("legacy", "2025-11-25 (SSE)")):
+        off, on = anyio.run(latency, open_url, auth_url, token, mode, calls)
+        ratio = statistics.median(on) / statistics.median(off)
+        ok &= ratio <= TARGET
+        name = f"tools/call p50, {label}"
+        print(f"{name:<34}{statistics.median(off):>12.3f}{statistics.median(on):>11.3f}{ratio:>7.2f}x{TARGET:>7.1f}x")
+    return ok
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ import math
 import os
 import stat
 import threading
+import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -61,6 +62,11 @@ CHAIN_FIELDS: Final = frozenset({"id", "seq", "ts", "prev"})
 _OPEN_FLAGS: Final = os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
 _TAIL_READ_BYTES: Final = 64 * 1024
 NOTHING_DONE: Final = "nothing was done"
+INLINE_SYNC_MAX_S: Final = 0.001
+"""A lone record is written on the event loop only while fdatasync takes less than this (a thread hop
+costs ~0.1 ms). A slower disk (14 ms measured on a loaded host) would stall every other request for
+that long: 32 HTTP clients then got ~70 calls/s, each call "alone" because the others were still
+waiting in their sockets while the loop was blocked."""
 
 _log = logging.getLogger("bastion.audit")
 
@@ -130,6 +136,8 @@ class AuditLog:
         # Async group commit: one event loop's waiters, and whether one of them is leading.
         self._async_queue: list[_AsyncPending] = []
         self._async_leading = False
+        self._last_sync_s = 0.0
+        """How long the last fdatasync took: decides whether a lone async record is written inline."""
         # The last "the file is not the configured path" problem logged, so a flood of refused calls logs it once.
         self._stale: str | None = None
 
@@ -195,7 +203,7 @@ class AuditLog:
         worker thread cleans and writes it with one fdatasync, then wakes every waiter.
         Use one event loop per `AuditLog`. A cancelled caller's record may still be written.
         """
-        if alone and not self._async_leading:
+        if alone and not self._async_leading and self._last_sync_s < INLINE_SYNC_MAX_S:
             return self.append(record, ran=ran)
         waiter = _AsyncPending(record)
         self._async_queue.append(waiter)
@@ -364,7 +372,9 @@ class AuditLog:
                 if n <= 0:
                     raise OSError(errno.EIO, "short write")
                 view = view[n:]
+            started = time.perf_counter()
             os.fdatasync(fd)
+            self._last_sync_s = time.perf_counter() - started
         except OSError as exc:
             message = f"audit log unavailable: {exc.strerror or exc}"
             self._undo(fd)
