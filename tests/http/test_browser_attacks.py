@@ -1,15 +1,17 @@
-"""Issue 20: an authorization request replaced under the administrator, in headless Chromium.
+"""Issue 20 in headless Chromium: a request replaced under the administrator, and a same-host flood.
 
 What this proves, in a real browser against a live `bastion serve --http`: an app's retry in a second tab
 replaces its own pending request (same browser, same client), and the first tab's login then says the
-request expired and to start again, not "CSRF check failed". The other Chromium attacks of issue 20
-(cookie fixation from another port, the /authorize flood, a restart, scopes, bidi names) are in
-test_browser.py. What it does not prove: other browsers' tab and cookie rules.
+request expired and to start again, not "CSRF check failed"; a browser that logged in before starts a
+request and connects a client while an attacker on the same host floods /authorize. The other Chromium
+attacks of issue 20 (cookie fixation from another port, the /authorize flood from another address, a
+restart, scopes, bidi names) are in test_browser.py. What it does not prove: other browsers' rules.
 """
 
 from __future__ import annotations
 
 import shutil
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
@@ -17,13 +19,16 @@ from typing import Any
 import httpx2
 import pytest
 
-from .clients import assert_clients_connect
+from tests.helpers import INITIALIZE_REQUEST, MCP_HEADERS
+
+from .clients import CLAUDE_CODE, assert_clients_connect
 from .live import PASSWORD, LiveServer, callback_params, pkce
 
 CHROMIUM = shutil.which("chromium")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (make system-deps)")
 CALLBACK = "http://127.0.0.1/callback"
 BROWSER_COOKIE = "__Host-bastion-browser"
+DEVICE_COOKIE = "__Host-bastion-device"
 EXPIRED_TEXT = "This request expired or was already decided: start again from the app."
 
 
@@ -117,3 +122,85 @@ def test_app_retry_in_another_tab_says_expired_not_csrf_failed(
         finally:
             context.close()
         assert_clients_connect(server)
+
+
+def test_same_host_authorize_flood_does_not_block_a_browser_that_logged_in_before(
+    start_server: Callable[..., AbstractContextManager[LiveServer]], chromium: Any
+) -> None:
+    """An attacker on the same host shares 127.0.0.1 with the administrator: 1,000 /authorize from it fill
+    that address's pending requests (10) and its rate (30 a minute), and 99 spoofed addresses fill the
+    server's 1,000; a browser without a device cookie from 127.0.0.1 then gets 429. Chromium, which logged
+    in once before (device cookie, sent on a navigation it starts itself), is counted as itself: a Claude
+    Code-shaped client is approved in it, redeems its code and opens an MCP session. What it does not
+    prove: a claude.ai-started request during such a flood (that navigation is cross-site, so the
+    SameSite=Strict device cookie is not sent and the address counts: it waits for the flood's requests
+    to expire, at most 10 minutes)."""
+    with start_server() as server:
+        flooder = server.register(client_name="flooder")["client_id"]
+        _, challenge = pkce()
+        context = chromium.new_context()
+        try:
+            page = context.new_page()
+            page.goto(f"{server.base}/admin/login")
+            page.fill("input[name=password]", PASSWORD)
+            page.click("button[type=submit]")
+            page.wait_for_url("**/admin")
+            assert DEVICE_COOKIE in {c["name"] for c in context.cookies(server.base)}
+            url = authorize_url(server, flooder, challenge)
+            with server.http() as attacker:
+                statuses = Counter(attacker.get(url).status_code for _ in range(1000))
+                assert statuses == Counter({303: 10, 429: 990}), statuses
+                for n in range(99):
+                    spoofed = {"X-Forwarded-For": f"198.18.{n}.1"}
+                    assert {attacker.get(url, headers=spoofed).status_code for _ in range(10)} == {303}
+                full = attacker.get(url, headers={"X-Forwarded-For": "198.18.200.1"})
+                assert full.status_code == 429
+                assert "too many authorization requests are waiting" in full.text
+            stranger = chromium.new_context()
+            try:
+                refused = stranger.new_page().goto(url)
+                assert refused is not None
+                assert refused.status == 429  # 127.0.0.1 without a device cookie: the flood holds it
+            finally:
+                stranger.close()
+            assert connect_in_chromium(server, page, CLAUDE_CODE) == "organizer"
+        finally:
+            context.close()
+
+
+def connect_in_chromium(server: LiveServer, page: Any, metadata: dict[str, Any]) -> str:
+    """Register `metadata`, approve it in `page` as the consent page ticks it, redeem the code, open an
+    MCP session: the scope granted."""
+    callback = metadata["redirect_uris"][0]
+    client_id = server.register(**metadata)["client_id"]
+    verifier, challenge = pkce()
+    seen: list[str] = []
+
+    def fulfil(route: Any) -> None:
+        seen.append(route.request.url)
+        route.fulfill(status=200, content_type="text/plain", body="callback received")
+
+    page.route(f"{callback}*", fulfil)
+    page.goto(authorize_url(server, client_id, challenge, redirect_uri=callback))
+    assert "administrator login" in page.title(), page.inner_text("body")
+    page.fill("input[name=password]", PASSWORD)
+    page.click("button[type=submit]")
+    page.wait_for_url("**/oauth/consent?*")
+    page.click("button[value=approve]")
+    page.wait_for_url(f"{callback}*")
+    with server.http() as raw:
+        tokens = raw.post(
+            "/token",
+            data={
+                "grant_type": "authorization_code",
+                "code": callback_params(seen[-1])["code"][0],
+                "code_verifier": verifier,
+                "client_id": client_id,
+                "redirect_uri": callback,
+            },
+        )
+        assert tokens.status_code == 200, tokens.text
+        bearer = {**MCP_HEADERS, "Authorization": f"Bearer {tokens.json()['access_token']}"}
+        assert raw.post("/mcp", json=INITIALIZE_REQUEST, headers=bearer).status_code == 200
+    granted: str = tokens.json()["scope"]
+    return granted

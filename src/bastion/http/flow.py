@@ -38,7 +38,7 @@ from bastion.http import pages
 from bastion.http.devices import DEVICE_COOKIE, TrustedDevices
 from bastion.http.password import AdminCredential
 from bastion.http.provider import BastionAuthProvider, Transaction
-from bastion.http.ratelimit import LoginLimiter, LoginRefused, WindowLimiter, address_key
+from bastion.http.ratelimit import LoginLimiter, LoginRefused, WindowLimiter, address_key, device_key
 from bastion.http.redirects import LOOPBACK_HOSTS, matches_registered
 from bastion.safety.errors import ResourceLimit
 from bastion.tools.server import GATEWAY_DEPLOY, GATEWAY_READ, ORGANIZER, SCOPES, WORKBENCH
@@ -135,8 +135,15 @@ class AuthorizationFlow:
         self.secure_cookie = True
         self.authorize_limit = WindowLimiter(provider.config.authorize_per_ip_per_minute, 60.0)
 
+    def _requester(self, request: Request) -> str:
+        """Whom /authorize counts: a browser that has logged in before (its device cookie, sent on a
+        navigation the administrator or a local app starts, SameSite=Strict), else its address. An
+        attacker on the same host shares the address, never the device."""
+        device = TrustedDevices(self.credential).device(request.cookies.get(DEVICE_COOKIE, ""))
+        return device_key(device) if device else address_key(client_ip(request))
+
     async def authorize(self, request: Request) -> Response:
-        address = address_key(client_ip(request))
+        address = self._requester(request)
         if not self.authorize_limit.allow(address):
             wait = self.authorize_limit.retry_after(address)
             return pages.too_many(wait, "Too many authorization requests from this address: try again in a minute.")

@@ -23,6 +23,7 @@ from mcp.shared.auth import OAuthClientInformationFull
 
 from bastion.config import HttpConfig
 from bastion.http.cimd import CimdFetcher, is_url_client_id
+from bastion.http.ratelimit import is_device_key
 from bastion.http.redirects import registration_problem
 from bastion.http.store import AuthStore, IssuedTokens
 from bastion.safety.errors import ResourceLimit
@@ -37,7 +38,8 @@ MAX_METADATA_BYTES: Final = 16 * 1024
 TRANSACTION_TTL_S: Final = 600.0
 MAX_TRANSACTIONS: Final = 1000
 """Pending authorization requests in all; past it (or an address's own cap) a new one is refused: a flood
-never drops a request in progress (issue 20)."""
+never drops a request in progress (issue 20). A browser with a device cookie has its own cap and is not
+held by this one (only a login makes a device cookie, so a flood cannot multiply them)."""
 _ALLOWED_GRANTS: Final = frozenset({"authorization_code", "refresh_token"})
 _ALLOWED_AUTH_METHODS: Final = frozenset({"none", "client_secret_post", "client_secret_basic"})
 _STRING_FIELDS: Final = (
@@ -194,7 +196,7 @@ class BastionAuthProvider:
             raise ResourceLimit(
                 f"{cap} authorization requests from this address are waiting: finish one, or wait for them to expire"
             )
-        if len(self._transactions) >= MAX_TRANSACTIONS:
+        if len(self._transactions) >= MAX_TRANSACTIONS and not is_device_key(address):
             raise ResourceLimit("too many authorization requests are waiting: try again in a few minutes")
         txn = Transaction(
             txn_id=secrets.token_urlsafe(24),

@@ -34,6 +34,7 @@ _MAX_TRACKED: Final = 10_000  # addresses remembered at most; oldest forgotten f
 MAX_CONCURRENT_CHECKS: Final = 2  # argon2id checks at once, server-wide (64 MiB each)
 _BUSY_RETRY_S: Final = 1.0
 _IPV6_PREFIX: Final = 64  # one subscriber's allocation (RFC 6177): one address for the limits
+DEVICE_PREFIX: Final = "device:"  # never the start of an address key
 
 
 def address_key(ip: str) -> str:
@@ -47,6 +48,15 @@ def address_key(ip: str) -> str:
             return str(address.ipv4_mapped)
         return str(ipaddress.IPv6Network((address, _IPV6_PREFIX), strict=False))
     return str(address)
+
+
+def device_key(device: str) -> str:
+    """The unit the limits count for a browser with a valid device cookie (`devices.py`)."""
+    return f"{DEVICE_PREFIX}{device}"
+
+
+def is_device_key(key: str) -> bool:
+    return key.startswith(DEVICE_PREFIX)
 
 
 class LoginRefused(ResourceLimit):
@@ -93,7 +103,7 @@ class LoginLimiter:
         Raises:
             LoginRefused: this address has a check in flight or must wait (429), or the server is busy (503).
         """
-        key = f"device:{device}" if device else address_key(ip)
+        key = device_key(device) if device else address_key(ip)
         now = time.monotonic()
         entry = self._by_key.get(key)
         if entry is not None and entry.in_flight:
