@@ -440,3 +440,45 @@ def _assert_name_escaped(page: Any) -> None:
     assert "Claude\\u202eedoC\\u2066 \\u200b\\u0007" in page.inner_text("body")
     assert not {"\u202e", "\u2066", "\u200b", "\x07"} & set(page.content())
     assert page.locator("bdi", has_text="Claude").count() == 1
+
+
+def test_chromium_flow_started_from_another_site_completes(
+    start_server: Callable[..., AbstractContextManager[LiveServer]], browser: Any
+) -> None:
+    """As claude.ai does: a page on another site sends the browser to /authorize, so the SameSite=Strict
+    browser cookie is withheld on that navigation. The binding checks still let the real flow through
+    (the login page tolerates a missing cookie, never a different one; the POSTs and the consent page
+    get it), and the code redeems. Guards the fixation fix against breaking real clients."""
+    with start_server() as server:
+        client_id = server.register(client_name="Claude")["client_id"]
+        verifier, challenge = pkce()
+        context = browser.new_context()
+        page = context.new_page()
+        seen = _catch_callback(page)
+        start = f'<a id="go" href="{_authorize_url(server, client_id, challenge)}">connect</a>'
+        page.route("http://app.test/", lambda route: route.fulfill(status=200, content_type="text/html", body=start))
+        page.goto("http://app.test/")
+        with page.expect_request(lambda r: "/oauth/login?" in r.url) as login_request:
+            page.click("#go")
+        page.wait_for_url("**/oauth/login?*")
+        # Chromium withholds the cookie it was just given on this cross-site-initiated redirect.
+        assert BROWSER_COOKIE not in (login_request.value.all_headers().get("cookie") or "")
+        page.fill("input[name=password]", PASSWORD)
+        page.click("button[type=submit]")
+        page.wait_for_url("**/oauth/consent?*")
+        page.click("button[value=approve]")
+        page.wait_for_url(f"{CALLBACK}*")
+        with server.http() as raw:
+            tokens = raw.post(
+                "/token",
+                data={
+                    "grant_type": "authorization_code",
+                    "code": callback_params(seen[-1])["code"][0],
+                    "code_verifier": verifier,
+                    "client_id": client_id,
+                    "redirect_uri": CALLBACK,
+                },
+            )
+        assert tokens.status_code == 200, tokens.text
+        assert tokens.json()["scope"] == "organizer"
+        context.close()
