@@ -19,6 +19,7 @@ from typing import Any
 import httpx2
 import pytest
 
+from bastion.safety.approvals import ApprovalQueue
 from tests.helpers import INITIALIZE_REQUEST, MCP_HEADERS
 
 from .clients import CLAUDE_CODE, assert_clients_connect
@@ -204,3 +205,31 @@ def connect_in_chromium(server: LiveServer, page: Any, metadata: dict[str, Any])
         assert raw.post("/mcp", json=INITIALIZE_REQUEST, headers=bearer).status_code == 200
     granted: str = tokens.json()["scope"]
     return granted
+
+
+def test_bidi_override_in_an_approval_requester_is_shown_escaped(
+    start_server: Callable[..., AbstractContextManager[LiveServer]], chromium: Any
+) -> None:
+    """A pending gateway approval names who asked for it (`http:<client id>`; a URL client id is the
+    client's choice). With U+202E in it, /admin/approvals showed the name reordered; now each invisible or
+    bidi character is shown as `\\uXXXX`, and the administrator still approves it."""
+    with start_server() as server:
+        queue = ApprovalQueue(server.db_path)
+        pending = queue.request("biscuit_deploy", "deploy v1.2.3", "http:evil\u202etxt.exe", ttl_s=600)
+        context = chromium.new_context()
+        try:
+            page = context.new_page()
+            page.goto(f"{server.base}/admin/approvals")
+            page.wait_for_url("**/admin/login")
+            page.fill("input[name=password]", PASSWORD)
+            page.click("button[type=submit]")
+            page.wait_for_url("**/admin")
+            page.goto(f"{server.base}/admin/approvals")
+            text = page.inner_text("body")
+            assert "http:evil\\u202etxt.exe" in text
+            assert "\u202e" not in page.content()
+            page.locator(f"form:has(input[value='{pending.id}']) button[value=approve]").click()
+            page.wait_for_load_state()
+            assert queue.get(pending.id).state == "approved"
+        finally:
+            context.close()

@@ -185,7 +185,7 @@ class AdminPages:
         pending = self.approvals.pending()
         items = "".join(
             f'<div class="box"><p><strong>{pages.esc(a.action)}</strong> <code>{pages.esc(a.id)}</code></p>'
-            f"<pre>{pages.esc(a.literal)}</pre><p>asked by {pages.esc(a.requested_by)} at {_when(a.requested_at)}; "
+            f"<pre>{pages.esc(a.literal)}</pre><p>asked by {pages.label(a.requested_by)} at {_when(a.requested_at)}; "
             f"expires {_when(a.expires_at)}</p>"
             f'<form method="post" action="/admin/approvals">{pages.hidden({"csrf": csrf, "id": a.id})}'
             '<p><label>Reason (for a denial) <input type="text" name="reason" maxlength="500"></label></p>'
@@ -196,7 +196,7 @@ class AdminPages:
         decided = "".join(
             f"<tr><td><code>{pages.esc(a.id)}</code></td><td>{pages.esc(a.action)}</td>"
             f"<td><code>{pages.esc(a.literal[:200])}</code></td><td>{pages.esc(a.state)}</td>"
-            f"<td>{pages.esc(a.decided_by or '-')}</td></tr>"
+            f"<td>{pages.label(a.decided_by or '-')}</td></tr>"
             for a in self.approvals.recent(20)
             if a.state != "pending"
         )
