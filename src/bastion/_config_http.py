@@ -68,7 +68,7 @@ class HttpConfig(_Model):
     previous response; a slow sender (slowloris) is disconnected."""
     request_body_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
     """A request's body must arrive within this, plus its declared length at 32 KiB/s."""
-    max_sessions_per_grant: Annotated[int, Field(ge=1, le=10_000)] = 32
+    max_sessions_per_grant: Annotated[int, Field(ge=1, le=10_000)] = 64
     """Open MCP sessions (2025-11-25 handshake era) per grant. A new one past it closes that grant's
     session idle the longest; when none is idle it gets 429."""
 

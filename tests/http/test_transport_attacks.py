@@ -17,6 +17,7 @@ import contextlib
 import json
 import re
 import socket
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -32,7 +33,7 @@ from mcp.shared.auth import AuthorizationCodeResult, OAuthClientInformationFull,
 
 from tests.helpers import INITIALIZE_REQUEST, MCP_HEADERS, call
 
-from .live import Browser, LiveServer, callback_params, get_tokens, pkce
+from .live import BASTION, Browser, LiveServer, callback_params, get_tokens, pkce
 
 LINE = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d[+-]\d{4} (DEBUG|INFO|WARNING|ERROR|CRITICAL) [\w.]+: ")
 CLAUDE_AI_CALLBACK = "https://claude.ai/api/mcp/auth_callback"
@@ -415,3 +416,49 @@ def test_claude_ai_callback_warning_appears_once(server: LiveServer, browsers: C
     assert warning not in page.text
     other = server.register(client_name="elsewhere", redirect_uris=["https://elsewhere.example/cb"])
     assert warning in _consent_page(browsers(server), other["client_id"], "https://elsewhere.example/cb").text
+
+
+# -- the bearer check's cache --------------------------------------------------------------------------
+
+
+def test_revoked_token_is_refused_at_the_next_request_despite_the_cache(server: LiveServer) -> None:
+    """The bearer check remembers tokens until the database changes. A token used a moment ago is
+    refused at the very next request once its grant is revoked, by the /revoke endpoint (this process)
+    and by `bastion admin revoke` (another process); an expired one is refused though nothing changed."""
+
+    def status(token: str) -> int:
+        """401 for a token refused; anything else (here 400: an empty message) got past the bearer check."""
+        return http.post("/mcp", json={}, headers=bearer(token)).status_code
+
+    with server.http() as http:
+        first = server.register()
+        tokens = get_tokens(server, first["client_id"])
+        for _ in range(3):
+            assert status(tokens["access_token"]) != 401
+        revoked = http.post("/revoke", data={"token": tokens["refresh_token"], "client_id": first["client_id"]})
+        assert revoked.status_code == 200
+        assert status(tokens["access_token"]) == 401
+
+        second = get_tokens(server, server.register()["client_id"])
+        for _ in range(3):
+            assert status(second["access_token"]) != 401
+        with server.db() as db:
+            grant_id = db.execute(
+                "SELECT grant_id FROM oauth_grants WHERE revoked_at IS NULL ORDER BY created_at DESC LIMIT 1"
+            ).fetchone()[0]
+        result = subprocess.run(
+            [str(BASTION), "admin", "revoke", "--config", str(server.config_path), grant_id],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert result.returncode == 0, result.stderr
+        assert status(second["access_token"]) == 401
+
+        third = get_tokens(server, server.register()["client_id"])
+        assert status(third["access_token"]) != 401
+        with server.db() as db:
+            # Another connection's write: the cache is dropped and the new expiry read.
+            db.execute("UPDATE oauth_tokens SET expires_at = ? WHERE kind = 'access'", (time.time() - 1,))
+        assert status(third["access_token"]) == 401
