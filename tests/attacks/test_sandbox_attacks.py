@@ -234,14 +234,10 @@ async def test_close_while_a_snapshot_is_written_keeps_the_snapshot_whole(
         assert detail(again)["stdout"] == detail(made)["stdout"]
 
 
-@pytest.mark.xfail(
-    strict=True, reason="snapshot_sandbox's answer has no 'skipped' (tools/sandboxes.py, not this part's)"
-)
 async def test_snapshot_that_leaves_files_out_tells_the_agent(tmp_path: pytest.TempPathFactory) -> None:
-    """Invariant wanted: a snapshot that leaves a file out says so. Today a file named with a
-    newline (a name the restore refuses) and a FIFO are skipped and counted in the snapshot's
-    record only; the agent is answered OK with files = 0, and the restored sandbox lacks the
-    file: its content is lost without a word."""
+    """Invariant: a snapshot that leaves a file out says so. A file named with a newline (a name
+    the restore refuses) and a FIFO are skipped: the answer counts them (`skipped`), where it used to
+    say OK with files = 0 and nothing else, and the restored sandbox lacked the file."""
     async with serve(configure(tmp_path / "demo")) as (client, _):  # type: ignore[operator]
         box = await create(client)
         assert (await sh(client, box, "printf data > \"$(printf 'a\\nb')\" && mkfifo pipe"))["ok"]

@@ -53,6 +53,8 @@ def _snapshot_detail(info: SnapshotInfo, manager: SandboxManager) -> dict[str, o
         "label": info.label,
         "created": info.created,
         "files": info.files,
+        # Entries not stored (FIFOs, sockets, devices, names or links a restore would refuse): never silently.
+        "skipped": _count(info.metadata.get("skipped")),
         "bytes": info.bytes,
         "archive_bytes": info.archive_bytes,
         "sha256": info.sha256,
@@ -60,6 +62,10 @@ def _snapshot_detail(info: SnapshotInfo, manager: SandboxManager) -> dict[str, o
         "recovered": info.metadata.get("recovered") == "true",
         "expires": round(manager.snapshot_expires(info), 3),
     }
+
+
+def _count(text: str | None) -> int:
+    return int(text) if text is not None and text.isdigit() else 0
 
 
 def register_sandboxes(
@@ -169,7 +175,8 @@ def register_sandboxes(
         description=(
             "Save a sandbox's /workspace (files, folders, symlinks, modes) to a compressed snapshot. "
             "restore_sandbox makes a new sandbox from it. Snapshots are capped in number and size, per sandbox "
-            "and in total, and expire (see 'expires'); delete_snapshot frees room."
+            "and in total, and expire (see 'expires'); delete_snapshot frees room. FIFOs, sockets, devices and "
+            "names a restore would refuse are not stored: 'skipped' counts them."
         ),
     )
     async def snapshot_sandbox(sandbox_id: SandboxIdArg, label: str | None = None) -> Result:
