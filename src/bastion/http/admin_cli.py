@@ -53,6 +53,9 @@ def add_admin_parser(sub: Any) -> None:
         "--scope", required=True, action="append", help="a scope to grant (repeat it, or give several in quotes)"
     )
     token.add_argument("--ttl", type=_duration, default=3600.0, help="lifetime, e.g. 3600, 30m, 12h, 7d (default 1h)")
+    token.add_argument(
+        "--listen", help="HOST:PORT the server was started with, if 'serve --listen' moved its URL (the token names it)"
+    )
     revoke = admin_sub.add_parser("revoke", help="revoke a grant (by grant id), every grant of a client, or 'all'")
     revoke.add_argument("--config", help=f"path to bastion.toml (or set {CONFIG_ENV})")
     revoke.add_argument("id", help="a grant id, a client id, or 'all'")
@@ -163,7 +166,18 @@ def _token_scopes(requested: list[str]) -> tuple[str, ...]:
     return tuple(scope for scope in SCOPES if scope in asked)
 
 
-def issue_token(config: Config, store: AuthStore, *, client: str, scopes: list[str], ttl_s: float) -> int:
+def _checked_listen(listen: str | None) -> str | None:
+    if listen is None:
+        return None
+    host, sep, port = listen.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"--listen {listen!r} must be HOST:PORT, as given to 'bastion serve --listen'")
+    return listen
+
+
+def issue_token(
+    config: Config, store: AuthStore, *, client: str, scopes: list[str], ttl_s: float, listen: str | None = None
+) -> int:
     """`bastion admin token`: print a new access token (stdout, once) and what it is (stderr)."""
     from bastion.http.app import endpoints_for
 
@@ -173,7 +187,8 @@ def issue_token(config: Config, store: AuthStore, *, client: str, scopes: list[s
     limit = config.http.grant_lifetime_s
     if not 60 <= ttl_s <= limit:
         raise ConfigError(f"--ttl must be from 60 s to grant_lifetime_s ({limit:g} s)")
-    resource = endpoints_for(config).resource
+    # Tokens are bound to one MCP URL (RFC 8707): the one the server answers at, which `--listen` moves.
+    resource = endpoints_for(config, _checked_listen(listen)).resource
     client_id = CLI_CLIENT_PREFIX + client
     token, grant_id = store.issue_admin_token(client_id=client_id, scopes=granted, resource=resource, lifetime_s=ttl_s)
     print(token, flush=True)
@@ -199,7 +214,7 @@ def run_admin(args: argparse.Namespace) -> int:
         if args.admin_command == "tokens":
             return list_grants(store, as_json=args.json)
         if args.admin_command == "token":
-            return issue_token(config, store, client=args.client, scopes=args.scope, ttl_s=args.ttl)
+            return issue_token(config, store, client=args.client, scopes=args.scope, ttl_s=args.ttl, listen=args.listen)
         target = args.id
         if target == "all":
             count = store.revoke_everything("revoked by the administrator (CLI)")
