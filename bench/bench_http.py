@@ -43,6 +43,8 @@ THROUGHPUT_TARGET = 0.9
 REFRESH_CHAINS = 8
 REFRESHES_PER_CHAIN = 40
 TARGET = 1.3
+SERVER_PIDS: dict[str, int] = {}
+"""MCP URL -> the pid of the server process answering it."""
 
 
 def free_port() -> int:
@@ -100,6 +102,7 @@ def running(argv: list[str], root: Path, port: int, log_name: str = "server.log"
     log = open(root / log_name, "wb")  # noqa: SIM115
     process = subprocess.Popen(argv, stdout=log, stderr=log)
     base = f"http://127.0.0.1:{port}"
+    SERVER_PIDS[f"{base}/mcp"] = process.pid
     try:
         deadline = time.monotonic() + 30
         while True:
@@ -115,6 +118,12 @@ def running(argv: list[str], root: Path, port: int, log_name: str = "server.log"
         process.terminate()
         process.wait(30)
         log.close()
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds a process (all its threads) has used: robust on a shared machine."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def mint_tokens(root: Path, base: str, count: int) -> list[tuple[str, str, str]]:
@@ -177,10 +186,11 @@ async def latency(open_url: str, auth_url: str, token: str, mode: str, calls: in
     return off, on
 
 
-async def throughput(url: str, tokens: list[str] | None, mode: str) -> float:
+async def throughput(url: str, tokens: list[str] | None, mode: str) -> tuple[float, float]:
     """tools/call per second from CONCURRENT_CLIENTS clients, each with its session already open.
 
-    Each client has a grant of its own (32 agents, not one agent's 32 sessions: a grant's sessions are capped)."""
+    Each client has a grant of its own (32 agents, not one agent's 32 sessions: a grant's sessions are capped).
+    Returns (calls/s, server CPU ms per call)."""
     opened = anyio.Event()
     ready = 0
     started = 0.0
@@ -201,21 +211,29 @@ async def throughput(url: str, tokens: list[str] | None, mode: str) -> float:
         for index in range(CONCURRENT_CLIENTS):
             tasks.start_soon(one, tokens[index % len(tokens)] if tokens else None)
         await opened.wait()
-        started = time.perf_counter()
-    return CONCURRENT_CLIENTS * CALLS_PER_CLIENT / (time.perf_counter() - started)
+        started, cpu_started = time.perf_counter(), cpu_s(SERVER_PIDS[url])
+    calls = CONCURRENT_CLIENTS * CALLS_PER_CLIENT
+    return calls / (time.perf_counter() - started), (cpu_s(SERVER_PIDS[url]) - cpu_started) * 1000 / calls
 
 
-def compare_throughput(bare_url: str, auth_url: str, tokens: list[str], mode: str, rounds: int) -> tuple[float, float]:
-    """Median calls/s of the bare SDK server and of bastion (bearer on), rounds alternating which goes first."""
+def compare_throughput(
+    bare_url: str, auth_url: str, tokens: list[str], mode: str, rounds: int
+) -> tuple[tuple[float, float], tuple[float, float]]:
+    """Median (calls/s, server CPU ms per call) of the bare SDK server and of bastion (bearer on), rounds
+    alternating which goes first."""
     anyio.run(throughput, bare_url, None, mode)  # warm both servers up (imports, first sessions)
     anyio.run(throughput, auth_url, tokens, mode)
-    bare: list[float] = []
-    ours: list[float] = []
+    bare: list[tuple[float, float]] = []
+    ours: list[tuple[float, float]] = []
     for round_number in range(rounds):
         order = [(bare, bare_url, None), (ours, auth_url, tokens)]
         for figures, url, bearer in order if round_number % 2 == 0 else reversed(order):
             figures.append(anyio.run(throughput, url, bearer, mode))
-    return statistics.median(bare), statistics.median(ours)
+    return _medians(bare), _medians(ours)
+
+
+def _medians(figures: list[tuple[float, float]]) -> tuple[float, float]:
+    return statistics.median(f[0] for f in figures), statistics.median(f[1] for f in figures)
 
 
 async def refresh_rate(base: str, grants: list[tuple[str, str, str]]) -> float:
@@ -264,13 +282,19 @@ def report_throughput(bare_url: str, auth_url: str, tokens: list[str], rounds: i
         f"tools/call throughput, {CONCURRENT_CLIENTS} clients x {CALLS_PER_CLIENT} calls, "
         f"median of {rounds} alternating rounds; bastion with the bearer check on"
     )
-    print(f"{'era':<22}{'bare SDK/s':>12}{'bastion/s':>11}{'ratio':>8}{'target':>8}")
+    print(
+        f"{'era':<22}{'bare SDK/s':>12}{'bastion/s':>11}{'ratio':>8}{'target':>8}"
+        f"{'bare cpu ms/call':>18}{'bastion cpu ms/call':>21}"
+    )
     ok = True
     for mode, label in (("2026-07-28", "2026-07-28"), ("legacy", "2025-11-25 (SSE)")):
-        bare, ours = compare_throughput(bare_url, auth_url, tokens, mode, rounds)
+        (bare, bare_cpu), (ours, our_cpu) = compare_throughput(bare_url, auth_url, tokens, mode, rounds)
         ratio = ours / bare
         ok &= ratio >= THROUGHPUT_TARGET
-        print(f"{label:<22}{bare:>12,.0f}{ours:>11,.0f}{ratio:>7.2f}x{THROUGHPUT_TARGET:>7.1f}x")
+        print(
+            f"{label:<22}{bare:>12,.0f}{ours:>11,.0f}{ratio:>7.2f}x{THROUGHPUT_TARGET:>7.1f}x"
+            f"{bare_cpu:>18.2f}{our_cpu:>21.2f}"
+        )
     return ok
 
 
