@@ -195,9 +195,11 @@ class AuditLog:
     async def append_async(self, record: Mapping[str, object], *, alone: bool = False, ran: bool = False) -> str:
         """`append` off the event loop, with group commit (``ran`` as for `append`).
 
-        With ``alone=True`` (the caller knows no other call is in flight) and no batch
-        being written, the record is written inline: there is nothing to group it with,
-        and a thread hop costs more than the fdatasync it would hide.
+        With ``alone=True`` (the caller knows no other call is in flight), no batch
+        being written and a disk whose last fdatasync took under `INLINE_SYNC_MAX_S`, the
+        record is written inline: there is nothing to group it with, and a thread hop costs
+        more than the fdatasync it would hide. On a slower disk it goes to the thread, so
+        requests that have not reached the call runner yet are served meanwhile.
 
         Records that arrive while a batch is being written form the next batch: one
         worker thread cleans and writes it with one fdatasync, then wakes every waiter.
