@@ -233,3 +233,38 @@ def test_bidi_override_in_an_approval_requester_is_shown_escaped(
             assert queue.get(pending.id).state == "approved"
         finally:
             context.close()
+
+
+def test_admin_login_in_another_tab_keeps_a_pending_request(
+    start_server: Callable[..., AbstractContextManager[LiveServer]], chromium: Any
+) -> None:
+    """A login at /admin issues the browser cookie a fresh value (fixation); a login page for an app's
+    request, open in another tab and bound to the old value, then said "CSRF check failed". The request now
+    follows the browser to its new value: that tab logs in and approves; the old value opens nothing."""
+    with start_server() as server:
+        client_id = server.register(client_name="waiting app")["client_id"]
+        verifier, challenge = pkce()
+        context = chromium.new_context()
+        try:
+            app_tab = context.new_page()
+            seen = catch_callback(app_tab)
+            app_tab.goto(authorize_url(server, client_id, challenge))
+            txn = app_tab.input_value("input[name=txn]")
+            old = next(c["value"] for c in context.cookies(server.base) if c["name"] == BROWSER_COOKIE)
+            admin_tab = context.new_page()
+            admin_tab.goto(f"{server.base}/admin/login")
+            admin_tab.fill("input[name=password]", PASSWORD)
+            admin_tab.click("button[type=submit]")
+            admin_tab.wait_for_url("**/admin")
+            admin_tab.close()  # Playwright routes a tab's redirects only while it is the last one opened
+            assert old not in [c["value"] for c in context.cookies(server.base) if c["name"] == BROWSER_COOKIE]
+            with server.http(headers={"Cookie": f"{BROWSER_COOKIE}={old}"}) as holder:
+                assert holder.get(f"/oauth/login?txn={txn}").status_code == 403  # the old value opens nothing
+            app_tab.fill("input[name=password]", PASSWORD)
+            app_tab.click("button[type=submit]")
+            app_tab.wait_for_url("**/oauth/consent?*")
+            app_tab.click("button[value=approve]")
+            app_tab.wait_for_url(f"{CALLBACK}*")
+            assert redeem(server, client_id, verifier, seen[-1])["scope"] == "organizer"
+        finally:
+            context.close()

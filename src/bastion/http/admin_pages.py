@@ -23,7 +23,15 @@ from starlette.routing import Route
 from bastion.config import Config
 from bastion.http import pages
 from bastion.http.devices import TrustedDevices
-from bastion.http.flow import BROWSER_COOKIE, CSRF_FAILED, LOGIN_FAILED, check_password, same_token, single_params
+from bastion.http.flow import (
+    BROWSER_COOKIE,
+    CSRF_FAILED,
+    LOGIN_FAILED,
+    browser_digest,
+    check_password,
+    same_token,
+    single_params,
+)
 from bastion.http.password import AdminCredential
 from bastion.http.ratelimit import LoginLimiter, LoginRefused
 from bastion.http.store import AuthStore
@@ -39,8 +47,20 @@ def _when(ts: float | None) -> str:
 
 
 class AdminPages:
-    def __init__(self, store: AuthStore, credential: AdminCredential, limiter: LoginLimiter, config: Config) -> None:
+    def __init__(
+        self,
+        store: AuthStore,
+        credential: AdminCredential,
+        limiter: LoginLimiter,
+        config: Config,
+        *,
+        rebind: Callable[[str, str], None] | None = None,
+    ) -> None:
+        """`rebind(old digest, new digest)`: moves the browser's pending authorization requests to the
+        cookie value a login here issues (`BastionAuthProvider.rebind_browser`), so a login page open in
+        another tab still works after it."""
         self.store = store
+        self.rebind = rebind
         self.credential = credential
         self.limiter = limiter
         self.config = config
@@ -128,6 +148,8 @@ class AdminPages:
         # A browser value planted before the login never outlives it (session fixation).
         fresh = secrets.token_urlsafe(32)
         response.set_cookie(BROWSER_COOKIE, fresh, path="/", secure=True, httponly=True, samesite="strict")
+        if self.rebind is not None:
+            self.rebind(browser_digest(browser), browser_digest(fresh))
         TrustedDevices(self.credential).set_cookie(response)
         return response
 

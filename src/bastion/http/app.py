@@ -334,7 +334,7 @@ def build_http_app(services: Services, server: BastionServer, *, listen: str | N
         flow = AuthorizationFlow(provider, credential, limiter)
         tokens = TokenEndpoint(provider)
         registration = Registration(provider)
-        admin = AdminPages(store, credential, limiter, config)
+        admin = AdminPages(store, credential, limiter, config, rebind=provider.rebind_browser)
         as_meta = authorization_server_metadata(endpoints.issuer)
         get_options = ["GET", "OPTIONS"]
         post_options = ["POST", "OPTIONS"]

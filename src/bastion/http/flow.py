@@ -60,7 +60,8 @@ def client_ip(request: Request) -> str:
     return request.client.host if request.client else "unknown"
 
 
-def _digest(value: str) -> str:
+def browser_digest(value: str) -> str:
+    """What a transaction keeps of the browser cookie it is bound to."""
     return hashlib.sha256(value.encode()).hexdigest()
 
 
@@ -183,7 +184,7 @@ class AuthorizationFlow:
                 checked=scopes[1],
                 state=state,
                 code_challenge=challenge,
-                browser_digest=_digest(browser),
+                browser_digest=browser_digest(browser),
                 address=address,
             )
         except ResourceLimit as exc:
@@ -210,7 +211,7 @@ class AuthorizationFlow:
         browser = request.cookies.get(BROWSER_COOKIE, "")
         if not browser:
             return not required
-        return hmac.compare_digest(_digest(browser), txn.browser_digest)
+        return hmac.compare_digest(browser_digest(browser), txn.browser_digest)
 
     async def _form(self, request: Request) -> dict[str, str] | None:
         if request.headers.get("content-type", "").split(";")[0].strip() != "application/x-www-form-urlencoded":
@@ -263,7 +264,7 @@ class AuthorizationFlow:
         txn.credential_version = self.credential.version()
         txn.csrf = secrets.token_urlsafe(32)  # a new token for the next step
         fresh = secrets.token_urlsafe(32)
-        self.provider.rebind_browser(txn.browser_digest, _digest(fresh))
+        self.provider.rebind_browser(txn.browser_digest, browser_digest(fresh))
         response = pages.see_other(f"/oauth/consent?{urlencode({'txn': txn.txn_id})}")
         self._set_browser_cookie(response, fresh)
         TrustedDevices(self.credential).set_cookie(response, secure=self.secure_cookie)
