@@ -13,7 +13,9 @@ SECURITY BOUNDARY.
   OWASP ASVS V3.2.1), so a planted value opens nothing once the administrator has logged in.
 - Password checks go through `LoginLimiter` (reserved before the argon2 work, one per address, two at a
   time server-wide); /authorize is rate limited and its pending requests capped per address, and a flood
-  never drops a request in progress: it is refused instead.
+  never drops a request in progress: it is refused instead. A browser that has logged in before is
+  counted by its device cookie instead of its address (`devices.py`): an attacker on the same host
+  shares the administrator's address, never that cookie.
 - A client's registered `scope` bounds what /authorize offers; without a known scope in the request
   only the least-privileged toolset is ticked on the consent page (never `gateway:*`).
 - Each authorization needs the administrator's password, in this transaction: there is no "already
