@@ -10,7 +10,7 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from types import FrameType
 from typing import TYPE_CHECKING
 
@@ -25,6 +25,9 @@ if TYPE_CHECKING:
     import uvicorn
 
 
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
 class Stopped(SystemExit):
     """SIGTERM or SIGHUP arrived: unwind, so `finally` closes the services (mounts, sandboxes, audit)."""
 
@@ -37,7 +40,7 @@ def _stop(signum: int, _frame: FrameType | None) -> None:
 @contextlib.contextmanager
 def stop_signals() -> Iterator[None]:
     """While serving stdio: SIGTERM and SIGHUP (systemd stop, a closed terminal) end the server cleanly."""
-    previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    previous = {sig: signal.signal(sig, _stop) for sig in _STOP_SIGNALS}
     try:
         yield
     finally:
@@ -72,12 +75,42 @@ def serve_stdio(config: Config, config_path: str) -> int:
         print(f"bastion: serving MCP over stdio from {absolute} (workspaces: {workspaces})", file=sys.stderr)
     try:
         with stop_signals():
-            anyio.run(server.run_stdio_async)
+            anyio.run(_serve_until_stopped, server.run_stdio_async)
     except Stopped:
         pass
     finally:
-        services.close()
+        with _signals_ignored():
+            services.close()
     return 0
+
+
+async def _serve_until_stopped(serve: Callable[[], Awaitable[None]]) -> None:
+    """Serve until the transport ends or SIGTERM/SIGHUP arrives. Once the loop runs, a signal cancels
+    the serving task (raising from the handler could land inside a task group, as an exception
+    group `except Stopped` never sees, and the server exited 1 with a traceback); before that,
+    `stop_signals` covers the start."""
+    loop = asyncio.get_running_loop()
+    with anyio.CancelScope() as scope:
+        for sig in _STOP_SIGNALS:
+            loop.add_signal_handler(sig, scope.cancel)
+        try:
+            await serve()
+        finally:
+            for sig in _STOP_SIGNALS:
+                loop.remove_signal_handler(sig)
+                signal.signal(sig, _stop)  # asyncio leaves the default action, which ends the process at once
+
+
+@contextlib.contextmanager
+def _signals_ignored() -> Iterator[None]:
+    """While the services close: a second SIGTERM must not cut the cleanup short (systemd's
+    SIGKILL after its timeout still ends a cleanup that hangs)."""
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in _STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def http_connect_help(mcp_url: str) -> str:

@@ -38,6 +38,7 @@ logger = logging.getLogger("bastion.stdio")
 # One JSON-RPC message per line; a line longer than this ends the session (a client that
 # sends 64 MiB in one message is broken or hostile, and buffering it whole is the cost).
 MAX_LINE_BYTES: Final = 64 * 1024 * 1024
+EOF_DRAIN_S: Final = 3600.0  # the longest a call may run (a sandbox command's timeout_s ceiling)
 
 
 def _is_pipe(fd: int) -> bool:
@@ -115,11 +116,40 @@ def _file_lines(fd: int) -> Callable[[], Awaitable[bytes]]:
     return read_line
 
 
+class _Unanswered:
+    """Requests read and not yet answered: stdin's end waits for them (bounded), so a client that
+    writes its calls and closes its end still gets every answer, however long a call takes."""
+
+    def __init__(self) -> None:
+        self._ids: set[int | str] = set()
+        self._none_left = asyncio.Event()
+        self._none_left.set()
+
+    def read(self, message: object) -> None:
+        if isinstance(message, types.JSONRPCRequest):
+            self._ids.add(message.id)
+            self._none_left.clear()
+
+    def answered(self, message: object) -> None:
+        if isinstance(message, types.JSONRPCResponse | types.JSONRPCError):
+            self._ids.discard(message.id)
+            if not self._ids:
+                self._none_left.set()
+
+    async def drain(self) -> None:
+        if self._ids:
+            with anyio.move_on_after(EOF_DRAIN_S) as scope:
+                await self._none_left.wait()
+            if scope.cancelled_caught:
+                logger.error("bastion: stdin closed; %d calls still unanswered after %g s", len(self._ids), EOF_DRAIN_S)
+
+
 class _LineReader(_Stream):
     """The server's read stream: one parsed message per line of stdin."""
 
-    def __init__(self, read_line: Callable[[], Awaitable[bytes]]) -> None:
+    def __init__(self, read_line: Callable[[], Awaitable[bytes]], unanswered: _Unanswered) -> None:
         self._read_line = read_line
+        self._unanswered = unanswered
 
     async def receive(self) -> SessionMessage | Exception:
         while True:
@@ -131,6 +161,7 @@ class _LineReader(_Stream):
                 )
                 raise anyio.EndOfStream from None
             if not line:
+                await self._unanswered.drain()
                 raise anyio.EndOfStream
             if line.strip():
                 break
@@ -138,6 +169,7 @@ class _LineReader(_Stream):
             message = types.jsonrpc_message_adapter.validate_json(line, by_name=False)
         except Exception as exc:
             return exc
+        self._unanswered.read(message)
         return SessionMessage(message)
 
     def __aiter__(self) -> Self:
@@ -157,7 +189,10 @@ def _line(item: SessionMessage) -> bytes:
 class _LineWriter(_Stream):
     """The server's write stream on a non-blocking pipe: one message per line, written whole."""
 
-    def __init__(self, transport: asyncio.WriteTransport, protocol: asyncio.streams.FlowControlMixin) -> None:
+    def __init__(
+        self, transport: asyncio.WriteTransport, protocol: asyncio.streams.FlowControlMixin, unanswered: _Unanswered
+    ) -> None:
+        self._unanswered = unanswered
         # drain() then waits until the pipe took every byte, as the SDK's write-and-flush does:
         # a reply is on the wire when send returns, and nothing is left behind at exit.
         transport.set_write_buffer_limits(high=0)
@@ -172,6 +207,7 @@ class _LineWriter(_Stream):
         # One write call per message: concurrent senders can never interleave their lines.
         self._writer.write(_line(item))
         await self._writer.drain()
+        self._unanswered.answered(item.message)
 
     async def aclose(self) -> None:
         if not self._writer.is_closing():
@@ -181,19 +217,22 @@ class _LineWriter(_Stream):
 class _FdWriter(_Stream):
     """The server's write stream on a terminal or a file: blocking writes, each line whole."""
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, unanswered: _Unanswered) -> None:
         self._fd = fd
+        self._unanswered = unanswered
 
     async def send(self, item: SessionMessage, /) -> None:
         view = memoryview(_line(item))
         while view:
             view = view[os.write(self._fd, view) :]
+        self._unanswered.answered(item.message)
 
 
 @asynccontextmanager
 async def stdio_streams() -> AsyncIterator[tuple[ReadStream[SessionMessage | Exception], WriteStream[SessionMessage]]]:
     """The server's ends of the stdio wire, for as long as the context lasts."""
     loop = asyncio.get_running_loop()
+    unanswered = _Unanswered()
     with _claimed(0) as wire_in, _claimed(1) as wire_out:
         async with AsyncExitStack() as cleanup:
             if _is_pipe(wire_in):
@@ -211,8 +250,8 @@ async def stdio_streams() -> AsyncIterator[tuple[ReadStream[SessionMessage | Exc
                     asyncio.streams.FlowControlMixin, os.fdopen(wire_out, "wb", buffering=0, closefd=False)
                 )
                 cleanup.callback(out_transport.close)
-                writer = _LineWriter(out_transport, out_protocol)
+                writer = _LineWriter(out_transport, out_protocol, unanswered)
                 cleanup.push_async_callback(writer.flush, 5)
             else:
-                writer = _FdWriter(wire_out)
-            yield _LineReader(read_line), writer
+                writer = _FdWriter(wire_out, unanswered)
+            yield _LineReader(read_line, unanswered), writer
