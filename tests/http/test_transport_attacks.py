@@ -106,7 +106,7 @@ def test_idle_socket_flood_then_admin_still_connects(
     start_server: Callable[..., AbstractContextManager[LiveServer]],
 ) -> None:
     """1,100 idle sockets against a server whose file limit is 512 (the issue: 1,100 at 1,024 stopped it
-    accepting, with a traceback per failed accept). The cap (192 here) closes the sockets waiting
+    accepting, with a traceback per failed accept). The cap (128 here) closes the sockets waiting
     longest, so new connections keep being served; the log gets summary lines, no traceback."""
     with start_server(nofile=512) as server, idle_sockets(server.port, 1100) as held:
         assert len(held) > 600, "the flood did not get through"

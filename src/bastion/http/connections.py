@@ -47,13 +47,13 @@ Phase = Literal["head", "body", "served"]
 def connection_cap(limit: int) -> int:
     """`limit`, lowered so the connections, one accept burst and the server's own files fit the fd limit.
 
-    Half of what the burst leaves goes to connections; the rest stays for the store, the audit log and
+    A third of what the burst leaves goes to connections; the rest stays for the store, the audit log and
     the sandboxes' pipes and sockets.
     """
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
         return limit
-    return max(16, min(limit, (soft - BACKLOG) // 2))
+    return max(16, min(limit, (soft - BACKLOG) // 3))
 
 
 def raise_fd_limit() -> int:
