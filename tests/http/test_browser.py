@@ -13,65 +13,28 @@ from __future__ import annotations
 import contextlib
 import http.server
 import secrets
-import shutil
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
-import httpx2
 import pytest
 
 from bastion.safety.approvals import ApprovalQueue
 from bastion.tools.server import SCOPES
 
+from .chromium import BROWSER_COOKIE, CALLBACK, CHROMIUM, authorize_url, catch_callback, launch
 from .clients import assert_clients_connect
 from .live import PASSWORD, Browser, LiveServer, callback_params, forms, pkce, serve_config
 
-CHROMIUM = shutil.which("chromium")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (make system-deps)")
-CALLBACK = "http://127.0.0.1/callback"
-BROWSER_COOKIE = "__Host-bastion-browser"
 
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
-    """One Chromium per module; each test opens its own page, in its own context (own cookies)."""
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        chromium = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
-        try:
-            yield chromium
-        finally:
-            chromium.close()
-
-
-def _authorize_url(server: LiveServer, client_id: str, challenge: str) -> str:
-    query = httpx2.QueryParams(
-        {
-            "response_type": "code",
-            "client_id": client_id,
-            "redirect_uri": CALLBACK,
-            "code_challenge": challenge,
-            "code_challenge_method": "S256",
-            "state": "browser-state",
-            "resource": server.mcp_url,
-        }
-    )
-    return f"{server.base}/authorize?{query}"
-
-
-def _catch_callback(page: Any) -> list[str]:
-    """The client's loopback listener, played by the browser itself: record where the AS sent us."""
-    seen: list[str] = []
-
-    def fulfil(route: Any) -> None:
-        seen.append(route.request.url)
-        route.fulfill(status=200, content_type="text/plain", body="callback received")
-
-    page.route(f"{CALLBACK}*", fulfil)
-    return seen
+    """One Chromium per module; each test opens its own context (its own cookie jar)."""
+    with launch() as launched:
+        yield launched
 
 
 def test_chromium_logs_in_narrows_and_consents(
@@ -81,8 +44,8 @@ def test_chromium_logs_in_narrows_and_consents(
         client_id = server.register(client_name="Chromium test client")["client_id"]
         verifier, challenge = pkce()
         page = browser.new_page()
-        seen = _catch_callback(page)
-        page.goto(_authorize_url(server, client_id, challenge))
+        seen = catch_callback(page)
+        page.goto(authorize_url(server, client_id, challenge))
         assert "administrator login" in page.title()
         page.fill("input[name=password]", PASSWORD)
         page.click("button[type=submit]")
@@ -118,7 +81,7 @@ def test_chromium_wrong_password_is_refused_then_rate_limited(
         client_id = server.register()["client_id"]
         _, challenge = pkce()
         page = browser.new_page()
-        page.goto(_authorize_url(server, client_id, challenge))
+        page.goto(authorize_url(server, client_id, challenge))
         statuses = []
         for _ in range(5):
             page.fill("input[name=password]", "not the password")
@@ -141,8 +104,8 @@ def test_chromium_cross_site_post_without_csrf_fails(
         client_id = server.register()["client_id"]
         _, challenge = pkce()
         page = browser.new_page()
-        seen = _catch_callback(page)
-        page.goto(_authorize_url(server, client_id, challenge))
+        seen = catch_callback(page)
+        page.goto(authorize_url(server, client_id, challenge))
         txn = page.input_value("input[name=txn]")
         page.fill("input[name=password]", PASSWORD)
         page.click("button[type=submit]")
@@ -233,8 +196,8 @@ def _approve_in_chromium(server: LiveServer, context: Any, client_id: str) -> di
     """The administrator approves `client_id` in Chromium as the page ticks it; the token response."""
     verifier, challenge = pkce()
     page = context.new_page()
-    seen = _catch_callback(page)
-    page.goto(_authorize_url(server, client_id, challenge))
+    seen = catch_callback(page)
+    page.goto(authorize_url(server, client_id, challenge))
     page.fill("input[name=password]", PASSWORD)
     page.click("button[type=submit]")
     page.wait_for_url("**/oauth/consent?*")
@@ -286,7 +249,7 @@ def test_browser_cookie_fixation_from_another_loopback_port_gets_the_attacker_no
                 assert attacker.cookies[BROWSER_COOKIE] == planted  # the server kept the planted value
                 # The administrator, lured to the attacker's login page, logs in.
                 page = context.new_page()
-                seen = _catch_callback(page)
+                seen = catch_callback(page)
                 page.goto(f"{server.base}/oauth/login?txn={fields['txn']}")
                 page.fill("input[name=password]", PASSWORD)
                 page.click("button[type=submit]")
@@ -329,13 +292,13 @@ def test_authorize_flood_never_drops_the_administrators_login_in_progress(
         mine = server.register(client_name="administrator's app")["client_id"]
         verifier, challenge = pkce()
         page = browser.new_page()
-        seen = _catch_callback(page)
-        page.goto(_authorize_url(server, mine, challenge))
+        seen = catch_callback(page)
+        page.goto(authorize_url(server, mine, challenge))
         assert "administrator login" in page.title()
         statuses: dict[int, int] = {}
         with server.http(headers={"X-Forwarded-For": "198.51.100.20"}) as raw:
             for _ in range(1000):
-                status = raw.get(_authorize_url(server, flooder, challenge)).status_code
+                status = raw.get(authorize_url(server, flooder, challenge)).status_code
                 statuses[status] = statuses.get(status, 0) + 1
         assert statuses == {303: 10, 429: 990}, statuses
         page.fill("input[name=password]", PASSWORD)
@@ -369,7 +332,7 @@ def test_expired_request_says_start_again_not_csrf_check_failed(
         client_id = server.register(client_name="patient client")["client_id"]
         _, challenge = pkce()
         page = browser.new_context().new_page()
-        page.goto(_authorize_url(server, client_id, challenge))
+        page.goto(authorize_url(server, client_id, challenge))
         server.stop()
         with serve_config(server.root, server.config_path, server.port) as again:
             page.fill("input[name=password]", PASSWORD)
@@ -396,18 +359,18 @@ def test_consent_pre_ticks_least_privileged_and_registered_scope_bounds_the_requ
         claude = server.register(client_name="Claude", scope="claudeai")["client_id"]
         _, challenge = pkce()
         page = browser.new_context().new_page()
-        page.goto(_authorize_url(server, claude, challenge) + "&scope=claudeai")
+        page.goto(authorize_url(server, claude, challenge) + "&scope=claudeai")
         page.fill("input[name=password]", PASSWORD)
         page.click("button[type=submit]")
         page.wait_for_url("**/oauth/consent?*")
         ticked = {s: page.is_checked(f"input[value='{s}']") for s in SCOPES}
         assert ticked == {"workbench": False, "organizer": True, "gateway:read": False, "gateway:deploy": False}
         narrow = server.register(client_name="organizer only", scope="organizer")["client_id"]
-        refused = page.goto(_authorize_url(server, narrow, challenge) + "&scope=workbench%20gateway:deploy")
+        refused = page.goto(authorize_url(server, narrow, challenge) + "&scope=workbench%20gateway:deploy")
         assert refused is not None
         assert refused.status == 400
         assert "invalid_scope" in page.inner_text("body")
-        page.goto(_authorize_url(server, narrow, challenge) + "&scope=organizer%20gateway:deploy")
+        page.goto(authorize_url(server, narrow, challenge) + "&scope=organizer%20gateway:deploy")
         page.fill("input[name=password]", PASSWORD)
         page.click("button[type=submit]")
         page.wait_for_url("**/oauth/consent?*")
@@ -428,7 +391,7 @@ def test_bidi_override_in_a_client_name_is_shown_escaped(
         client_id = server.register(client_name=name)["client_id"]
         _, challenge = pkce()
         page = browser.new_page()
-        page.goto(_authorize_url(server, client_id, challenge))
+        page.goto(authorize_url(server, client_id, challenge))
         _assert_name_escaped(page)
         page.fill("input[name=password]", PASSWORD)
         page.click("button[type=submit]")
@@ -454,8 +417,8 @@ def test_chromium_flow_started_from_another_site_completes(
         verifier, challenge = pkce()
         context = browser.new_context()
         page = context.new_page()
-        seen = _catch_callback(page)
-        start = f'<a id="go" href="{_authorize_url(server, client_id, challenge)}">connect</a>'
+        seen = catch_callback(page)
+        start = f'<a id="go" href="{authorize_url(server, client_id, challenge)}">connect</a>'
         page.route("http://app.test/", lambda route: route.fulfill(status=200, content_type="text/html", body=start))
         page.goto("http://app.test/")
         with page.expect_request(lambda r: "/oauth/login?" in r.url) as login_request:

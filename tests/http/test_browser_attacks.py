@@ -10,25 +10,21 @@ restart, scopes, bidi names) are in test_browser.py. What it does not prove: oth
 
 from __future__ import annotations
 
-import shutil
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
-import httpx2
 import pytest
 
 from bastion.safety.approvals import ApprovalQueue
 from tests.helpers import INITIALIZE_REQUEST, MCP_HEADERS
 
+from .chromium import BROWSER_COOKIE, CALLBACK, CHROMIUM, authorize_url, catch_callback, launch
 from .clients import CLAUDE_CODE, assert_clients_connect
 from .live import PASSWORD, LiveServer, callback_params, pkce
 
-CHROMIUM = shutil.which("chromium")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (make system-deps)")
-CALLBACK = "http://127.0.0.1/callback"
-BROWSER_COOKIE = "__Host-bastion-browser"
 DEVICE_COOKIE = "__Host-bastion-device"
 EXPIRED_TEXT = "This request expired or was already decided: start again from the app."
 
@@ -36,40 +32,8 @@ EXPIRED_TEXT = "This request expired or was already decided: start again from th
 @pytest.fixture(scope="module")
 def chromium() -> Iterator[Any]:
     """One Chromium per module; each test opens its own context (its own cookie jar)."""
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        launched = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
-        try:
-            yield launched
-        finally:
-            launched.close()
-
-
-def authorize_url(server: LiveServer, client_id: str, challenge: str, **extra: str) -> str:
-    query = {
-        "response_type": "code",
-        "client_id": client_id,
-        "redirect_uri": CALLBACK,
-        "code_challenge": challenge,
-        "code_challenge_method": "S256",
-        "state": "st",
-        "resource": server.mcp_url,
-        **extra,
-    }
-    return f"{server.base}/authorize?{httpx2.QueryParams(query)}"
-
-
-def catch_callback(page: Any) -> list[str]:
-    """The client's loopback listener, played by the browser itself: record where the server sent us."""
-    seen: list[str] = []
-
-    def fulfil(route: Any) -> None:
-        seen.append(route.request.url)
-        route.fulfill(status=200, content_type="text/plain", body="callback received")
-
-    page.route(f"{CALLBACK}*", fulfil)
-    return seen
+    with launch() as launched:
+        yield launched
 
 
 def redeem(server: LiveServer, client_id: str, verifier: str, location: str) -> dict[str, Any]:
