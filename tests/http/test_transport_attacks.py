@@ -29,11 +29,12 @@ import pytest
 from mcp import Client
 from mcp.client.auth import OAuthClientProvider
 from mcp.client.streamable_http import streamable_http_client
-from mcp.shared.auth import AuthorizationCodeResult, OAuthClientInformationFull, OAuthClientMetadata, OAuthToken
+from mcp.shared.auth import AuthorizationCodeResult, OAuthClientMetadata
 
 from tests.helpers import INITIALIZE_REQUEST, MCP_HEADERS, call
 
 from .live import BASTION, Browser, LiveServer, callback_params, get_tokens, pkce
+from .test_flow import MemoryStorage
 
 LINE = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d[+-]\d{4} (DEBUG|INFO|WARNING|ERROR|CRITICAL) [\w.]+: ")
 CLAUDE_AI_CALLBACK = "https://claude.ai/api/mcp/auth_callback"
@@ -273,27 +274,9 @@ async def _all_busy_then_refused(server: LiveServer, token: str, live: list[str]
 # -- loopback aliases ----------------------------------------------------------------------------------
 
 
-class _Storage:
-    def __init__(self) -> None:
-        self.tokens: OAuthToken | None = None
-        self.client_info: OAuthClientInformationFull | None = None
-
-    async def get_tokens(self) -> OAuthToken | None:
-        return self.tokens
-
-    async def set_tokens(self, tokens: OAuthToken) -> None:
-        self.tokens = tokens
-
-    async def get_client_info(self) -> OAuthClientInformationFull | None:
-        return self.client_info
-
-    async def set_client_info(self, client_info: OAuthClientInformationFull) -> None:
-        self.client_info = client_info
-
-
-async def _sdk_connects(mcp_url: str, browser: Browser, mode: str) -> tuple[dict[str, Any], _Storage]:
+async def _sdk_connects(mcp_url: str, browser: Browser, mode: str) -> tuple[dict[str, Any], MemoryStorage]:
     """The SDK's OAuth client, given only `mcp_url`: discovery, registration, browser, token, a call."""
-    storage = _Storage()
+    storage = MemoryStorage()
     location: dict[str, str] = {}
 
     async def redirect_handler(url: str) -> None:
