@@ -33,6 +33,8 @@ from urllib.parse import urlencode
 
 import httpx2
 
+from bench_http import SERVER_PIDS, running  # the same start-and-wait as the HTTP bench
+
 REPO = Path(__file__).resolve().parent.parent
 BASTION = REPO / ".venv" / "bin" / "bastion"
 PASSWORD = "bench password 123"
@@ -79,24 +81,8 @@ def write_config(root: Path) -> tuple[Path, int]:
 def serve(root: Path) -> Iterator[tuple[str, int]]:
     """The server's base URL and pid."""
     path, port = write_config(root)
-    log = open(root / "server.log", "wb")  # noqa: SIM115
-    process = subprocess.Popen([str(BASTION), "serve", "--config", str(path), "--http"], stdout=log, stderr=log)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                httpx2.get(f"{base}/.well-known/oauth-protected-resource", timeout=1)
-                break
-            except httpx2.TransportError:
-                if time.monotonic() > deadline or process.poll() is not None:
-                    raise SystemExit(f"server did not start: {(root / 'server.log').read_text()}") from None
-                time.sleep(0.05)
-        yield base, process.pid
-    finally:
-        process.terminate()
-        process.wait(30)
-        log.close()
+    with running([str(BASTION), "serve", "--config", str(path), "--http"], root, port) as base:
+        yield base, SERVER_PIDS[f"{base}/mcp"]
 
 
 def login_form(base: str) -> tuple[dict[str, str], str]:
