@@ -272,12 +272,21 @@ def callback_params(location: str) -> dict[str, list[str]]:
     return parse_qs(urlsplit(location).query, keep_blank_values=True)
 
 
-def get_tokens(server: LiveServer, client_id: str, *, scopes: list[str] | None = None, **extra: str) -> dict[str, Any]:
-    """The whole flow for a public client registered with http://127.0.0.1/callback: returns the token response."""
+def get_tokens(
+    server: LiveServer,
+    client_id: str,
+    *,
+    scopes: list[str] | None = None,
+    redirect_uri: str = "http://127.0.0.1/callback",
+    **extra: str,
+) -> dict[str, Any]:
+    """The whole flow for a public client registered with `redirect_uri`: returns the token response."""
     verifier, challenge = pkce()
     browser = Browser(server)
     try:
-        location = browser.approve(browser.authorize_url(client_id, challenge), scopes=scopes)
+        location = browser.approve(
+            browser.authorize_url(client_id, challenge, redirect_uri=redirect_uri), scopes=scopes
+        )
     finally:
         browser.close()
     code = callback_params(location)["code"][0]
@@ -289,7 +298,7 @@ def get_tokens(server: LiveServer, client_id: str, *, scopes: list[str] | None =
                 "code": code,
                 "code_verifier": verifier,
                 "client_id": client_id,
-                "redirect_uri": "http://127.0.0.1/callback",
+                "redirect_uri": redirect_uri,
                 **extra,
             },
         )

@@ -66,27 +66,9 @@ def raw(server: LiveServer) -> Iterator[httpx2.Client]:
 
 def claude_code_connects(server: LiveServer, client_id: str) -> None:
     """The Claude Code-shaped client's whole flow (any loopback port), then an MCP session opens."""
-    verifier, challenge = pkce()
-    browser = Browser(server)
-    redirect = "http://localhost:40123/callback"
-    try:
-        location = browser.approve(browser.authorize_url(client_id, challenge, redirect_uri=redirect))
-    finally:
-        browser.close()
-    code = callback_params(location)["code"][0]
+    tokens = get_tokens(server, client_id, redirect_uri="http://localhost:40123/callback")
     with server.http() as raw:
-        tokens = raw.post(
-            "/token",
-            data={
-                "grant_type": "authorization_code",
-                "code": code,
-                "code_verifier": verifier,
-                "client_id": client_id,
-                "redirect_uri": redirect,
-            },
-        )
-        assert tokens.status_code == 200, tokens.text
-        bearer = {**MCP_HEADERS, "Authorization": f"Bearer {tokens.json()['access_token']}"}
+        bearer = {**MCP_HEADERS, "Authorization": f"Bearer {tokens['access_token']}"}
         opened = raw.post("/mcp", json=INITIALIZE_REQUEST, headers=bearer)
     assert opened.status_code == 200, opened.text
 
