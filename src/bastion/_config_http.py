@@ -5,6 +5,7 @@ Private: import these names from `bastion.config`.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from pathlib import Path
 from typing import Annotated, Final
@@ -30,6 +31,11 @@ class HttpConfig(_Model):
     tls_key: Path | None = None
     auth: bool = True
     """Dangerous when false: /mcp then needs no token. Refused unless `listen` is a loopback address."""
+    trusted_proxies: tuple[str, ...] = ()
+    """Addresses or networks (e.g. 127.0.0.1, 10.0.0.0/8) of reverse proxies in front of bastion whose
+    X-Forwarded-For and X-Forwarded-Proto are believed. Empty (the default): those headers are ignored and
+    each connection's own address is what the per-address limits count, so a process on this host cannot
+    claim to be many addresses. Set it only to a proxy that overwrites (not appends to) X-Forwarded-For."""
     extra_origins: tuple[str, ...] = ()
     """Browser origins besides public_url allowed to call /mcp (e.g. the MCP Inspector's http://localhost:6274)."""
     app_callbacks: tuple[str, ...] = DEFAULT_APP_CALLBACKS
@@ -93,6 +99,18 @@ class HttpConfig(_Model):
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ValueError(f"listen {value!r} must be HOST:PORT, e.g. 127.0.0.1:8765")
         return value
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _check_trusted_proxies(cls, values: tuple[str, ...]) -> tuple[str, ...]:
+        for value in values:
+            try:
+                ipaddress.ip_network(value, strict=False)
+            except ValueError:
+                raise ValueError(
+                    f"trusted_proxies entry {value!r} must be an IP address or network such as 10.0.0.0/8"
+                ) from None
+        return values
 
     @field_validator("app_callbacks")
     @classmethod

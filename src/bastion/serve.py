@@ -219,6 +219,9 @@ def serve_http(config: Config, config_path: str, listen: str | None = None) -> i
             log_config=None,
             access_log=False,
             server_header=False,
+            # uvicorn believes X-Forwarded-For from 127.0.0.1 unless told otherwise: only configured proxies.
+            proxy_headers=bool(http.trusted_proxies),
+            forwarded_allow_ips=list(http.trusted_proxies),
             lifespan="on",
             ssl_certfile=str(http.tls_cert) if http.tls_cert else None,
             ssl_keyfile=str(http.tls_key) if http.tls_key else None,

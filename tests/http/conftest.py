@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
 
 import pytest
 
-from .live import Browser, LiveServer, live_server
+from .live import TRUST_LOOPBACK_PROXY, Browser, LiveServer, live_server
 
 # The shared server takes many registrations and authorization requests from one address (every test
 # registers its own client, and many leave a request undecided).
 SHARED_HTTP = (
     'extra_origins = ["http://localhost:6274"]\nregistrations_per_ip_per_hour = 10000\nmax_clients = 100000\n'
-    "authorize_per_ip_per_minute = 100000\npending_authorizations_per_ip = 1000"
+    "authorize_per_ip_per_minute = 100000\npending_authorizations_per_ip = 1000\n"
+    # Tests play other addresses with X-Forwarded-For, as a reverse proxy on loopback would send it.
+    f"{TRUST_LOOPBACK_PROXY}"
 )
 
 
@@ -41,6 +44,14 @@ def start_server(tmp_path: Path) -> Callable[..., AbstractContextManager[LiveSer
         return live_server(tmp_path / f"demo{count}", **kwargs)  # type: ignore[arg-type]
 
     return start
+
+
+@pytest.fixture
+def start_proxied_server(
+    start_server: Callable[..., AbstractContextManager[LiveServer]],
+) -> Callable[..., AbstractContextManager[LiveServer]]:
+    """A fresh server behind a (played) reverse proxy on loopback: X-Forwarded-For names the client."""
+    return functools.partial(start_server, behind_proxy=True)
 
 
 @pytest.fixture

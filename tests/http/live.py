@@ -114,11 +114,17 @@ class LiveServer:
                 self.process.wait(5)
 
 
+TRUST_LOOPBACK_PROXY = 'trusted_proxies = ["127.0.0.1"]'
+
+
 @contextlib.contextmanager
 def live_server(
-    root: Path, *, http_extra: str = "", auth: bool = True, nofile: int | None = None
+    root: Path, *, http_extra: str = "", auth: bool = True, nofile: int | None = None, behind_proxy: bool = False
 ) -> Iterator[LiveServer]:
-    """`nofile`: the server's open-file limit (soft and hard), for tests that exhaust it."""
+    """`nofile`: the server's open-file limit (soft and hard), for tests that exhaust it. `behind_proxy`:
+    the server believes X-Forwarded-For from 127.0.0.1 (`trusted_proxies`), so a test plays other addresses."""
+    if behind_proxy:
+        http_extra = f"{http_extra}\n{TRUST_LOOPBACK_PROXY}"
     port = free_port()
     config_path = write_config(root, port, http_extra=http_extra, auth=auth)
     if auth:

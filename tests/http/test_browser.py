@@ -281,13 +281,13 @@ def test_browser_cookie_fixation_from_another_loopback_port_gets_the_attacker_no
 
 
 def test_authorize_flood_never_drops_the_administrators_login_in_progress(
-    start_server: Callable[..., AbstractContextManager[LiveServer]], browser: Any
+    start_proxied_server: Callable[..., AbstractContextManager[LiveServer]], browser: Any
 ) -> None:
     """The administrator has the login page open in Chromium; another address sends 1,000 /authorize.
     Before issue 20 the oldest pending requests were dropped at 1,000, the administrator's among them,
     and the login then said "CSRF check failed". Now the flood is refused (429) past 10 pending requests
     and 30 a minute from that address, and the administrator's login and consent complete."""
-    with start_server() as server:
+    with start_proxied_server() as server:
         flooder = server.register(client_name="flooder")["client_id"]
         mine = server.register(client_name="administrator's app")["client_id"]
         verifier, challenge = pkce()

@@ -90,7 +90,7 @@ def test_app_retry_in_another_tab_says_expired_not_csrf_failed(
 
 
 def test_same_host_authorize_flood_does_not_block_a_browser_that_logged_in_before(
-    start_server: Callable[..., AbstractContextManager[LiveServer]], chromium: Any
+    start_proxied_server: Callable[..., AbstractContextManager[LiveServer]], chromium: Any
 ) -> None:
     """An attacker on the same host shares 127.0.0.1 with the administrator: 1,000 /authorize from it fill
     that address's pending requests (10) and its rate (30 a minute), and 99 spoofed addresses fill the
@@ -100,7 +100,7 @@ def test_same_host_authorize_flood_does_not_block_a_browser_that_logged_in_befor
     prove: a claude.ai-started request during such a flood (that navigation is cross-site, so the
     SameSite=Strict device cookie is not sent and the address counts: it waits for the flood's requests
     to expire, at most 10 minutes)."""
-    with start_server() as server:
+    with start_proxied_server() as server:
         flooder = server.register(client_name="flooder")["client_id"]
         _, challenge = pkce()
         context = chromium.new_context()

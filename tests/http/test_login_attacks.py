@@ -1,14 +1,15 @@
 """Issue 20, the login and authorization front door under attack, against a live `bastion serve --http`.
 
-Other addresses are played with `X-Forwarded-For`, which the server trusts from 127.0.0.1 only (as
-behind a reverse proxy); the administrator's own address is 127.0.0.1. What this proves: a parallel
-burst of passwords from one address is refused, not verified in parallel, on /oauth/login and
-/admin/login; 200 parallel attempts from 200 addresses keep the server's memory bounded (at most two
-argon2 checks at once); a flood from elsewhere never locks the administrator out; an /authorize flood is
-rate limited and capped per address and never drops the administrator's request in progress; and after
-each, the administrator still logs in and claude.ai- and Claude Code-shaped clients still register and
-connect. What it does not prove: behaviour behind a proxy that rewrites addresses differently, or against
-an attacker with more /64s than the limits' memory (10,000 addresses are tracked).
+Other addresses are played with `X-Forwarded-For`, which these servers trust from 127.0.0.1 only
+(configured `trusted_proxies`, as behind a reverse proxy); the administrator's own address is 127.0.0.1.
+What this proves: a parallel burst of passwords from one address is refused, not verified in parallel,
+on /oauth/login and /admin/login; 200 parallel attempts from 200 addresses keep the server's memory
+bounded (at most two argon2 checks at once); a flood from elsewhere never locks the administrator out;
+an /authorize flood is rate limited and capped per address and never drops the administrator's request
+in progress; and after each, the administrator still logs in and claude.ai- and Claude Code-shaped
+clients still register and connect. What it does not prove: behaviour behind a proxy that rewrites
+addresses differently, or against an attacker with more /64s than the limits' memory (10,000 addresses
+are tracked).
 """
 
 from __future__ import annotations
@@ -102,13 +103,13 @@ def admin_logs_in_to_admin_pages(server: LiveServer) -> None:
 
 
 def test_parallel_password_burst_from_one_address_is_refused_not_verified(
-    start_server: Callable[..., AbstractContextManager[LiveServer]],
+    start_proxied_server: Callable[..., AbstractContextManager[LiveServer]],
 ) -> None:
     """60 parallel wrong passwords from one address, on /oauth/login and on /admin/login: each attempt is
     reserved before its argon2 check and an address has one check in flight, so almost all are refused
     (429) without any work; before issue 20 all 60 were verified. Then the administrator, from their own
     address, logs in on both, and claude.ai- and Claude Code-shaped clients connect."""
-    with start_server() as server:
+    with start_proxied_server() as server:
         oauth_fields, oauth_cookie = oauth_login_form(server)
         admin_fields, admin_cookie = admin_login_form(server)
         attacker = ["198.51.100.7"] * 60
@@ -128,13 +129,13 @@ def test_parallel_password_burst_from_one_address_is_refused_not_verified(
 
 
 def test_argon2_memory_bomb_200_parallel_logins_stay_bounded(
-    start_server: Callable[..., AbstractContextManager[LiveServer]],
+    start_proxied_server: Callable[..., AbstractContextManager[LiveServer]],
 ) -> None:
     """200 parallel attempts from 200 addresses (each a first attempt, so no back-off applies): at most two
     argon2 checks (64 MiB each) run at once, the others are refused at once with 503, and the server's peak
     RSS stays under 300 MiB above idle (before issue 20: 88 MiB to 2.1 GiB for 60). Then the administrator
     logs in and clients connect."""
-    with start_server() as server:
+    with start_proxied_server() as server:
         fields, cookie = oauth_login_form(server)
         idle = rss_bytes(server)
         reset_peak_rss(server)
@@ -150,12 +151,12 @@ def test_argon2_memory_bomb_200_parallel_logins_stay_bounded(
 
 
 def test_login_flood_from_elsewhere_does_not_lock_out_the_administrator(
-    start_server: Callable[..., AbstractContextManager[LiveServer]],
+    start_proxied_server: Callable[..., AbstractContextManager[LiveServer]],
 ) -> None:
     """Wrong passwords from 60 other addresses, past the global limit (10 a minute here): before issue 20
     the right password then got 429 for everyone for a minute. Now only addresses that failed wait; the
     administrator's address, which has not failed, logs in at once (within 5 s)."""
-    with start_server(http_extra="global_login_failures_per_minute = 10") as server:
+    with start_proxied_server(http_extra="global_login_failures_per_minute = 10") as server:
         fields, cookie = oauth_login_form(server)
         addresses = [f"203.0.113.{n + 1}" for n in range(60)]
         for address in addresses[:12]:  # one after another: each is checked, and fails
@@ -181,14 +182,14 @@ def test_login_flood_from_elsewhere_does_not_lock_out_the_administrator(
 
 
 def test_authorize_flood_is_rate_limited_and_capped_per_address(
-    start_server: Callable[..., AbstractContextManager[LiveServer]],
+    start_proxied_server: Callable[..., AbstractContextManager[LiveServer]],
 ) -> None:
     """The administrator has the login page open; then 1,000 /authorize from another address: 10 become
     pending (that address's cap), the rest get 429 with Retry-After (the cap, then 30 a minute). Before
     issue 20 this dropped the administrator's request, whose login then said "CSRF check failed". A retry
     from the same browser for the same client replaces its own pending request rather than piling up.
     The administrator's request completes; claude.ai- and Claude Code-shaped clients connect."""
-    with start_server() as server:
+    with start_proxied_server() as server:
         client_id = server.register(client_name="flooder")["client_id"]
         admin_client = server.register(client_name="administrator's app")["client_id"]
         _, challenge = pkce()

@@ -340,9 +340,11 @@ def test_t20_oversize_registrations(raw: httpx2.Client) -> None:
     assert huge.status_code == 413
 
 
-def test_t20_registration_flooding_and_expiry(start_server: Callable[..., AbstractContextManager[LiveServer]]) -> None:
+def test_t20_registration_flooding_and_expiry(
+    start_proxied_server: Callable[..., AbstractContextManager[LiveServer]],
+) -> None:
     extra = "registrations_per_ip_per_hour = 3\nmax_clients = 5"
-    with start_server(http_extra=extra) as server, server.http() as raw:
+    with start_proxied_server(http_extra=extra) as server, server.http() as raw:
         body = {"redirect_uris": [LOOPBACK_CB], "token_endpoint_auth_method": "none"}
         one_ip = [raw.post("/register", json=body).status_code for _ in range(4)]
         assert one_ip == [201, 201, 201, 429]
@@ -605,9 +607,9 @@ def test_t34_t35_clickjacking_headers_and_303(server: LiveServer, raw: httpx2.Cl
         browser.close()
 
 
-def test_t36_wrong_password(start_server: Callable[..., AbstractContextManager[LiveServer]]) -> None:
+def test_t36_wrong_password(start_proxied_server: Callable[..., AbstractContextManager[LiveServer]]) -> None:
     extra = "login_failures_before_backoff = 3\nlogin_backoff_max_s = 1\nglobal_login_failures_per_minute = 8"
-    with start_server(http_extra=extra) as server:
+    with start_proxied_server(http_extra=extra) as server:
         client_id = public_client(server)
         _, challenge = pkce()
         browser = Browser(server)

@@ -5,9 +5,10 @@ addresses (or from one IPv6 /64 spread over its addresses) cannot keep claude.ai
 clients out: never-used clients are evicted, oldest first, before the table refuses anyone, and clients
 that got a grant are never evicted; failed registrations cost no quota; malformed and deeply nested JSON
 and other parse failures are a 400 with a one-line reason (no 500, no traceback in the log); JSON
-endpoints send `nosniff`; redirect URIs are compared in one normal form at both ends. Other addresses are
-played with `X-Forwarded-For`, which uvicorn trusts from loopback. What it does not prove: behaviour
-behind a real reverse proxy, or floods from more addresses than the per-address quota can stop.
+endpoints send `nosniff`; redirect URIs are compared in one normal form at both ends. Other addresses
+are played with `X-Forwarded-For`, which these servers trust from loopback (`trusted_proxies`). What it
+does not prove: behaviour behind a real reverse proxy, or floods from more addresses than the per-
+address quota can stop.
 """
 
 from __future__ import annotations
@@ -74,14 +75,14 @@ def claude_code_connects(server: LiveServer, client_id: str) -> None:
 
 
 def test_registration_flood_evicts_unused_clients_so_claude_still_registers(
-    start_server: Callable[..., AbstractContextManager[LiveServer]],
+    start_proxied_server: Callable[..., AbstractContextManager[LiveServer]],
 ) -> None:
     """20 registrations from 10 addresses fill a 20-client table. While the flood is young (under
     `unused_client_min_age_s`), a new client is refused with a 429 that says when to retry and how to
     prune; once older, claude.ai- and Claude Code-shaped clients register (flood clients evicted, oldest
     first) and connect, and a client that got a grant is never evicted."""
     extra = "max_clients = 20\nregistrations_per_ip_per_hour = 2\nunused_client_min_age_s = 60"
-    with start_server(http_extra=extra) as server, server.http() as raw:
+    with start_proxied_server(http_extra=extra) as server, server.http() as raw:
         used = server.register(client_name="used before the flood")["client_id"]
         get_tokens(server, used)
         flood = [
@@ -115,9 +116,9 @@ def test_registration_flood_evicts_unused_clients_so_claude_still_registers(
 
 
 def test_registration_flood_from_one_ipv6_64_counts_as_one_address(
-    start_server: Callable[..., AbstractContextManager[LiveServer]],
+    start_proxied_server: Callable[..., AbstractContextManager[LiveServer]],
 ) -> None:
-    with start_server(http_extra="registrations_per_ip_per_hour = 3") as server, server.http() as raw:
+    with start_proxied_server(http_extra="registrations_per_ip_per_hour = 3") as server, server.http() as raw:
         same_64 = [
             raw.post("/register", json=LOOPBACK, headers=from_address(f"2001:db8:1:2::{n:x}")).status_code
             for n in range(1, 6)
@@ -156,9 +157,9 @@ def _post_registration(raw: httpx2.Client, body: bytes | dict[str, Any], address
 
 
 def test_failed_registrations_do_not_use_the_quota(
-    start_server: Callable[..., AbstractContextManager[LiveServer]],
+    start_proxied_server: Callable[..., AbstractContextManager[LiveServer]],
 ) -> None:
-    with start_server(http_extra="registrations_per_ip_per_hour = 2") as server, server.http() as raw:
+    with start_proxied_server(http_extra="registrations_per_ip_per_hour = 2") as server, server.http() as raw:
         for name, body in BAD_REGISTRATIONS:
             response = _post_registration(raw, body, "192.0.2.50")
             assert response.status_code == 400, (name, response.text)
@@ -275,11 +276,11 @@ def test_redirect_uri_case_is_normalised_at_both_ends_never_in_the_path(server: 
 
 
 def test_unused_client_min_age_keeps_a_client_being_authorized(
-    start_server: Callable[..., AbstractContextManager[LiveServer]],
+    start_proxied_server: Callable[..., AbstractContextManager[LiveServer]],
 ) -> None:
     """A full table of young unused clients refuses a new one rather than evict a client whose
     authorization may be under way; the 429 names the wait."""
-    with start_server(http_extra="max_clients = 2") as server, server.http() as raw:
+    with start_proxied_server(http_extra="max_clients = 2") as server, server.http() as raw:
         first = server.register()["client_id"]
         server.register()
         refused = raw.post("/register", json=CLAUDE_CODE, headers=from_address("192.0.2.9"))

@@ -91,10 +91,10 @@ def connect_in_chromium(server: LiveServer, chromium: Any, client: dict[str, Any
 
 
 def test_registration_flood_then_claude_ai_and_claude_code_connect_in_chromium(
-    start_server: Callable[..., AbstractContextManager[LiveServer]], chromium: Any
+    start_proxied_server: Callable[..., AbstractContextManager[LiveServer]], chromium: Any
 ) -> None:
     extra = "max_clients = 20\nregistrations_per_ip_per_hour = 2\nunused_client_min_age_s = 60"
-    with start_server(http_extra=extra) as server, server.http() as raw:
+    with start_proxied_server(http_extra=extra) as server, server.http() as raw:
         flood = [
             raw.post("/register", json=LOOPBACK, headers=from_address(f"192.0.2.{n}")).status_code
             for n in range(1, 12)

@@ -138,13 +138,13 @@ def test_same_host_login_flood_does_not_lock_out_a_browser_that_logged_in_before
 
 
 def test_login_flood_from_many_addresses_leaves_a_check_for_a_known_browser(
-    start_server: Callable[..., AbstractContextManager[LiveServer]],
+    start_proxied_server: Callable[..., AbstractContextManager[LiveServer]],
 ) -> None:
     """Wrong passwords from ever new addresses, 16 at a time, while the administrator's browser (device
     cookie) logs in: the flood shares one argon2 slot (the rest are refused with 503 at once), the other
     is kept for known browsers, so the administrator's login is checked at once, every time (before: both
     slots were the flood's and the administrator got 503 "busy")."""
-    with start_server() as server:
+    with start_proxied_server() as server:
         admin = Browser(server)
         try:
             assert admin_login(admin).status_code == 303
@@ -224,4 +224,40 @@ def test_non_ascii_csrf_token_is_refused_not_a_server_error(
             assert browser.open("/admin").status_code == 200  # the session is still there
         finally:
             browser.close()
+        assert "Traceback" not in server.log()
+
+
+def test_same_host_process_cannot_claim_other_addresses_with_forwarded_headers(
+    start_server: Callable[..., AbstractContextManager[LiveServer]],
+) -> None:
+    """uvicorn believes X-Forwarded-For from 127.0.0.1 by default, so a process on the same host could
+    claim a new address per request and walk through every per-address limit. With no `trusted_proxies`
+    configured (the default) the headers are ignored: registrations and logins with a fresh forged
+    address each are all counted against 127.0.0.1, and the quota and back-off hold."""
+    extra = "registrations_per_ip_per_hour = 3\nlogin_failures_before_backoff = 2"
+    with start_server(http_extra=extra) as server, server.http() as raw:
+        statuses = [
+            raw.post(
+                "/register",
+                json=CLAUDE_CODE,
+                headers={"X-Forwarded-For": f"198.51.100.{n}", "X-Forwarded-Proto": "https"},
+            ).status_code
+            for n in range(1, 6)
+        ]
+        assert statuses == [201, 201, 201, 429, 429]
+        attacker = Browser(server)
+        try:
+            page = attacker.open("/admin/login")
+            fields, cookie = forms(page.text)[0]["fields"], attacker.cookies[BROWSER_COOKIE]
+            logins = []
+            for n in range(1, 5):
+                headers = {"X-Forwarded-For": f"203.0.113.{n}", "Cookie": f"{BROWSER_COOKIE}={cookie}"}
+                response = raw.post("/admin/login", data={**fields, "password": "wrong"}, headers=headers)
+                logins.append(response.status_code)
+        finally:
+            attacker.close()
+        assert logins[:2] == [401, 401]
+        assert set(logins[2:]) == {429}  # 127.0.0.1 backed off: the forged addresses bought nothing
+        with server.db() as db:
+            assert db.execute("SELECT count(*) FROM oauth_clients").fetchone()[0] == 3
         assert "Traceback" not in server.log()

@@ -25,6 +25,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from bastion.config import HttpConfig
 from tests.helpers import mounts_under
 
 from .live import BASTION, Browser, free_port, get_tokens, live_server, pkce, serve_config, write_config
@@ -70,6 +71,16 @@ def test_plain_http_public_url_must_be_loopback(tmp_path: Path) -> None:
     result = bastion("admin", "tokens", "--config", str(config))
     assert result.returncode == 78
     assert "use https" in result.stderr
+
+
+def test_trusted_proxies_must_be_addresses_and_trust_none_by_default(tmp_path: Path) -> None:
+    """`*` (believe anyone) or a host name is refused at load with one line naming the entry."""
+    for entry in ("*", "proxy.example"):
+        config = write_config(tmp_path / f"demo-{len(entry)}", free_port(), http_extra=f'trusted_proxies = ["{entry}"]')
+        result = bastion("admin", "tokens", "--config", str(config))
+        assert result.returncode == 78
+        assert f"trusted_proxies entry {entry!r}" in result.stderr
+    assert HttpConfig().trusted_proxies == ()
 
 
 def _self_signed(folder: Path) -> tuple[Path, Path]:
