@@ -357,12 +357,14 @@ def test_slice_of_undecodable_bytes_is_replaced_as_before() -> None:
     assert redactor.redact_slice(raw, 0, len(raw)) == raw.decode("utf-8", "replace")
 
 
+_BEGIN = "-----BEGIN RSA PRIVATE KEY-----"
+_END = "-----END RSA PRIVATE KEY-----"
 # Pieces that make redaction decide across lines: key blocks opened, closed or not, certificates
 # between them, quoted values left open, configured values across newlines.
 _PIECES = st.sampled_from(
     [
-        "-----BEGIN RSA PRIVATE KEY-----",
-        "-----END RSA PRIVATE KEY-----",
+        _BEGIN,
+        _END,
         "-----BEGIN CERTIFICATE-----",
         "-----END CERTIFICATE-----",
         "\n",
@@ -394,6 +396,26 @@ def test_slice_redaction_of_its_lines_equals_that_of_the_whole_window(pieces: li
     start = data.draw(st.integers(0, len(raw)), label="start")
     end = data.draw(st.integers(start, len(raw)), label="end")
     assert redactor.redact_slice(raw, start, end) == redactor._redact_window(raw, start, end)
+
+
+@pytest.mark.parametrize(
+    "pieces",
+    [
+        # A key closed exactly where the slice starts, merged with a credential on the slice's line.
+        [_BEGIN, _BEGIN, "\n", 'password = "', _END, _BEGIN],
+        # A key open on an earlier line, merged there with a credential that starts before it.
+        ['password = "', _END, _BEGIN, _BEGIN, 'password = "', "\n", _BEGIN],
+    ],
+)
+def test_slice_names_a_merged_secret_as_the_whole_window_does(pieces: list[str]) -> None:
+    """Found by the invariant above: a key open before the slice's lines merged with a match there,
+    and the slice named the secret `private_key` where the whole window said `credential` (or the
+    reverse). Every slice of these texts now matches the whole window's redaction exactly."""
+    raw = "".join(pieces).encode("utf-8")
+    redactor = Redactor(secret_values=[SECRET_VALUE, LINES_VALUE])
+    for start in range(len(raw) + 1):
+        for end in range(start, len(raw) + 1):
+            assert redactor.redact_slice(raw, start, end) == redactor._redact_window(raw, start, end), (start, end)
 
 
 def test_an_administrators_pattern_across_lines_is_judged_on_the_whole_window() -> None:

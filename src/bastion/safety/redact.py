@@ -104,6 +104,11 @@ _BUILTIN_RULES: Final[tuple[tuple[str, str, tuple[str, ...]], ...]] = (
 _SENSITIVE_KEY: Final = re.compile(rf"(?i)(?:^|[_.-]){_KV_KEY.removeprefix(r'(?:[A-Za-z0-9]+[_.-])*')}$")
 
 
+def _line_start(window: bytes, at: int) -> int:
+    """Where the line holding byte `at` (0 if negative) starts."""
+    return window.rfind(b"\n", 0, max(at, 0)) + 1
+
+
 @dataclass(frozen=True, slots=True)
 class _Rule:
     kind: str
@@ -232,24 +237,26 @@ class Redactor:
         return "".join(out)
 
     def _needed(self, window: bytes, start: int, end: int) -> tuple[int, int]:
-        """The part of `window` whose redaction decides the slice's: its lines, and any private
-        key still open at its start. No built-in pattern but the PEM one crosses a newline (see
-        `_KV_VALUE`), so a whole line is context enough for them and far cheaper than 32 KiB;
-        an administrator's pattern may cross lines, so with one the whole window counts.
+        """The part of `window` whose redaction decides the slice's: whole lines around it, and any
+        private key still open where they start. No built-in pattern but the PEM one crosses a
+        newline (see `_KV_VALUE`), so whole lines are context enough for them and far cheaper than
+        32 KiB; an administrator's pattern may cross lines, so with one the whole window counts.
         """
         if self._custom:
             return 0, len(window)
-        lo = window.rfind(b"\n", 0, start) + 1
+        longest = self._longest_value_bytes
         newline = window.find(b"\n", end)
         hi = len(window) if newline < 0 else newline + 1  # the newline too: a quoted value's \Z must not match early
-        lo = max(0, min(lo, start - self._longest_value_bytes))
-        hi = min(len(window), max(hi, end + self._longest_value_bytes))
-        heads = [m.start() for m in _PEM_BEGIN.finditer(window, 0, start)]
-        # A key still open at the slice: its match runs from a BEGIN to the first END after it,
-        # so from the last BEGIN when no END follows it before the slice.
-        if heads and _PEM_END_BYTES.search(window, heads[-1], start) is None:
-            lo = min(lo, heads[-1])
-        return lo, hi
+        hi = min(len(window), max(hi, end + longest))
+        lo = _line_start(window, start - longest)
+        while True:
+            heads = [m.start() for m in _PEM_BEGIN.finditer(window, 0, start) if m.start() < lo]
+            # A key still open at `lo` runs from a BEGIN to the first END after it, so from the last
+            # BEGIN with no END between it and `lo`. Its BEGIN's line comes in too: a match there
+            # that overlaps the key merges with it and names the secret, as in the whole window.
+            if not heads or _PEM_END_BYTES.search(window, heads[-1], lo) is not None:
+                return lo, hi
+            lo = _line_start(window, heads[-1] - longest)
 
     def is_sensitive_key(self, name: str) -> bool:
         """True when a field called `name` holds a secret (``DB_PASSWORD``, ``api_key``...)."""
