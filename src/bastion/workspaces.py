@@ -258,7 +258,8 @@ class HostWorkspace:
 
     def explain(self, command: str) -> Decision:
         decision = self.policy.explain_script(command) if self.via_sh else self.policy.explain(command)
-        return dataclasses.replace(decision, argv=self._redact_argv(decision.argv))
+        argv = self._redact_argv(decision.argv)
+        return decision if argv == decision.argv else dataclasses.replace(decision, argv=argv)
 
     def _redact_argv(self, argv: tuple[str, ...]) -> tuple[str, ...]:
         # argv is echoed back to the client: a secret typed into a command is scrubbed like output.

@@ -58,6 +58,7 @@ from bastion.http.scopes import RequireToken, ScopeMiddleware
 from bastion.http.sessions import SessionCap
 from bastion.http.store import AuthStore
 from bastion.safety.errors import ConfigError
+from bastion.tools._call import CallRunner
 from bastion.tools.server import SCOPES, BastionServer
 
 access_logger = logging.getLogger("bastion.http.access")
@@ -220,6 +221,24 @@ class HostGuard:
 async def _plain(send: Send, status: int, body: bytes) -> None:
     await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"text/plain")]})
     await send({"type": "http.response.body", "body": body})
+
+
+class CountCalls:
+    """Keeps `CallRunner.requests_in_flight` to the /mcp POSTs being served, from the moment they arrive."""
+
+    def __init__(self, app: ASGIApp, runner: CallRunner) -> None:
+        self.app = app
+        self.runner = runner
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] != "/mcp":
+            await self.app(scope, receive, send)
+            return
+        self.runner.requests_in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.runner.requests_in_flight -= 1
 
 
 class AccessLog:
@@ -402,7 +421,8 @@ def build_http_app(services: Services, server: BastionServer, *, listen: str | N
                     verifier.close()
 
     starlette = Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
-    return HttpApp(app=HostGuard(AccessLog(starlette), hosts, origins), endpoints=endpoints, store=store)
+    app = HostGuard(CountCalls(AccessLog(starlette), server.runner), hosts, origins)
+    return HttpApp(app=app, endpoints=endpoints, store=store)
 
 
 async def _purge_forever(store: AuthStore, unused_client_ttl_s: float) -> None:

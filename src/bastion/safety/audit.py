@@ -62,6 +62,7 @@ CHAIN_FIELDS: Final = frozenset({"id", "seq", "ts", "prev"})
 _OPEN_FLAGS: Final = os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
 _TAIL_READ_BYTES: Final = 64 * 1024
 NOTHING_DONE: Final = "nothing was done"
+_KNOWN_KEYS: Final = 4096  # keys remembered by `AuditLog._key`; past it, new keys are cleaned each time
 INLINE_SYNC_MAX_S: Final = 0.001
 """A lone record is written on the event loop only while fdatasync takes less than this (a thread hop
 costs ~0.1 ms). A slower disk (14 ms measured on a loaded host) would stall every other request for
@@ -122,6 +123,8 @@ class AuditLog:
     ) -> None:
         self._path = Path(path)
         self._redactor = redactor
+        self._keys: dict[str, tuple[str, bool]] = {}
+        """Key -> (cleaned key, whether it names a secret): records repeat the same few keys."""
         self._rotate_bytes = rotate_bytes
         self._fail_closed = fail_closed
         self._fd: int | None = None
@@ -264,7 +267,7 @@ class AuditLog:
         reserved = CHAIN_FIELDS.intersection(record)
         if reserved:
             raise ValueError(f"audit record uses reserved keys {sorted(reserved)}: rename them")
-        return _Pending({self._clean_key(k): self._clean(k, v, 0) for k, v in record.items()})
+        return _Pending({self._key(k)[0]: self._clean(k, v, 0) for k, v in record.items()})
 
     def _result(self, pending: _Pending, *, ran: bool) -> str:
         if pending.error is None:
@@ -276,8 +279,14 @@ class AuditLog:
 
     # -- cleaning -------------------------------------------------------------
 
-    def _clean_key(self, key: object) -> str:
-        return self._cap(str(key), MAX_KEY_CHARS)
+    def _key(self, key: object) -> tuple[str, bool]:
+        text = str(key)
+        known = self._keys.get(text)
+        if known is None:
+            known = self._cap(text, MAX_KEY_CHARS), self._redactor.is_sensitive_key(text)
+            if len(self._keys) < _KNOWN_KEYS:
+                self._keys[text] = known
+        return known
 
     def _cap(self, text: str, limit: int) -> str:
         kept, cut = self._redactor.redact_then_truncate(text, limit)
@@ -286,8 +295,10 @@ class AuditLog:
     def _clean(self, key: object, value: object, depth: int) -> JSONValue:
         if value is None or isinstance(value, bool):
             return value
-        if isinstance(key, str) and self._redactor.is_sensitive_key(key):
+        if isinstance(key, str) and self._key(key)[1]:
             return "[REDACTED:credential]"
+        if type(value) is str:  # the common case first
+            return self._cap(value, MAX_ARG_CHARS)
         if isinstance(value, int):
             return value
         if isinstance(value, float):
@@ -296,7 +307,7 @@ class AuditLog:
         if depth >= MAX_DEPTH:
             return "[nested too deep]"
         if isinstance(value, Mapping):
-            return {self._clean_key(k): self._clean(k, v, depth + 1) for k, v in value.items()}
+            return {self._key(k)[0]: self._clean(k, v, depth + 1) for k, v in value.items()}
         if isinstance(value, list | tuple | set | frozenset):
             return [self._clean(None, v, depth + 1) for v in value]
         if isinstance(value, bytes | bytearray):

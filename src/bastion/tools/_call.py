@@ -13,8 +13,8 @@ incident id: the traceback goes to the server log, never to the client.
 from __future__ import annotations
 
 import logging
+import secrets
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Mapping
 
 from mcp.server.auth.middleware.auth_context import get_access_token
@@ -35,6 +35,10 @@ class CallRunner:
         self.audit = audit
         self.caller = caller
         self._in_flight = 0
+        self.requests_in_flight = 0
+        """Transport requests being served that may reach this runner (the HTTP app counts its /mcp POSTs).
+        A call is alone only if no other is: a request still on its way here is served while a record
+        syncs on the worker thread, and joins the next batch."""
 
     def identity(self) -> str:
         """Who is calling: the transport, and over HTTP the OAuth client the token was issued to."""
@@ -43,7 +47,8 @@ class CallRunner:
 
     async def _record(self, record: Mapping[str, object], *, ran: bool = False) -> str:
         # Alone, the record is written inline; with company, group commit shares the fdatasync.
-        return await self.audit.append_async(record, alone=self._in_flight == 1, ran=ran)
+        alone = self._in_flight == 1 and self.requests_in_flight <= 1
+        return await self.audit.append_async(record, alone=alone, ran=ran)
 
     async def run(
         self,
@@ -70,7 +75,7 @@ class CallRunner:
         workspace: str | None,
     ) -> OperationResult:
         started = time.perf_counter()
-        call_id = uuid.uuid4().hex
+        call_id = secrets.token_hex(16)
         base: dict[str, object] = {
             "call": call_id,
             "caller": self.identity(),
@@ -116,7 +121,7 @@ class CallRunner:
             # The client gets the code and one line; the detail is for the audit log only.
             return OperationResult.failure(action, exc.code, exc.reason), exc.detail or None
         except Exception as exc:
-            incident = uuid.uuid4().hex[:12]
+            incident = secrets.token_hex(6)
             logger.exception("internal error in %s (incident %s)", action, incident)
             reason = f"internal error (incident {incident}); the server log has the details"
             return OperationResult.failure(action, ResultCode.INTERNAL_ERROR, reason), f"{type(exc).__name__}: {exc}"
