@@ -1,6 +1,6 @@
 """Egress figure (issue #4): a 50 MiB download through the egress path against the same download direct.
 
-Path measured: curl -> _forwarder.py (a real subprocess, as inside a sandbox) -> unix socket
+Path measured: curl -> sandbox/inside/forwarder.py (a real subprocess, as inside a sandbox) -> unix socket
 -> the egress proxy (EgressService, its own thread) -> a loopback HTTP server (a subprocess
 sending a file with sendfile). The baseline is curl straight to the server. Runs alternate,
 and the medians are compared. Target: proxied throughput >= 50% of direct.
@@ -24,12 +24,12 @@ import time
 from pathlib import Path
 
 from bastion.config import DEFAULT_BLOCKED_RANGES, parse_allow_rules
+from bastion.egress import proxy as egress
 from bastion.safety.audit import AuditLog, verify
 from bastion.safety.redact import Redactor
-from bastion.sandbox import egress
 
 REPO = Path(__file__).resolve().parent.parent
-FORWARDER = REPO / "src" / "bastion" / "sandbox" / "_forwarder.py"
+FORWARDER = REPO / "src" / "bastion" / "sandbox" / "inside" / "forwarder.py"
 MIB = 1024 * 1024
 SANDBOX = "sb-000000bench0"
 

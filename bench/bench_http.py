@@ -130,8 +130,8 @@ def mint_tokens(root: Path, base: str, count: int) -> list[tuple[str, str, str]]
     """(client_id, access token, refresh token) for `count` grants, made through the real store."""
     sys.path.insert(0, str(REPO / "src"))
     from bastion.config import load_config
-    from bastion.http.store import AuthStore
     from bastion.tools.server import SCOPES
+    from bastion.transports.http.store import AuthStore
 
     config = load_config(root / "bastion.toml")
     store = AuthStore(config.db_path)

@@ -43,10 +43,10 @@ if ! runuser -u "$user" -- "$venv/bin/python" -c "" 2>/dev/null; then
   UV_PROJECT_ENVIRONMENT="$venv" UV_PYTHON_DOWNLOADS=never .tools/bin/uv sync --frozen --quiet --python /usr/bin/python3
 fi
 
-tests=(tests/sandbox/test_warm.py tests/sandbox/test_landlock.py tests/sandbox/test_seccomp.py
-       tests/sandbox/test_cgroups.py tests/test_sandboxes.py tests/test_sandbox_isolation.py
-       tests/test_processes.py tests/test_templates.py tests/test_workspaces.py
-       tests/code/test_execute_code.py tests/code/test_network.py
+tests=(tests/sandbox/test_warm.py tests/sandbox/inside/test_landlock.py tests/sandbox/test_seccomp.py
+       tests/sandbox/test_cgroups.py tests/workbench/test_manager.py tests/workbench/test_isolation.py
+       tests/workbench/test_processes.py tests/workbench/test_templates.py tests/workbench/test_workspace.py
+       tests/workbench/test_code.py tests/workbench/test_network.py
        tests/test_doctor.py)
 echo "running the sandbox tests as $user in cgroup $group"
 runuser -u "$user" -- env HOME="$home" PATH="$PATH" \

@@ -11,7 +11,7 @@ from pathlib import Path
 from mcp import Client
 
 from bastion.demo import init_demo
-from bastion.sandboxes import NET_TEMP_PREFIX
+from bastion.workbench.manager import NET_TEMP_PREFIX
 
 REPO = Path(__file__).resolve().parents[1]
 # node 22 and the MCP conformance suite and Inspector, installed by `make node-tools`.

@@ -11,6 +11,7 @@ import anyio
 
 from bastion import __version__
 from bastion.config import Config
+from bastion.egress.proxy import EgressService
 from bastion.gateway.client import GatewayClient
 from bastion.organizer import Organizer
 from bastion.safety.approvals import ApprovalQueue
@@ -20,9 +21,7 @@ from bastion.safety.redact import Redactor
 from bastion.sandbox._devices import DeviceFolder, ScratchSizes
 from bastion.sandbox._disk import quota_available
 from bastion.sandbox.cgroups import CgroupLayout
-from bastion.sandbox.egress import EgressService
 from bastion.sandbox.identity import IdentityPool, range_conflict, unreachable_folder
-from bastion.sandboxes import SandboxManager
 from bastion.state_lock import StateLock
 from bastion.tools._call import CallRunner
 from bastion.tools.code import register_code
@@ -32,7 +31,8 @@ from bastion.tools.processes import register_processes
 from bastion.tools.sandboxes import register_sandboxes
 from bastion.tools.server import BastionServer
 from bastion.tools.workbench import register_workbench
-from bastion.workspaces import WorkspaceRegistry
+from bastion.workbench.manager import SandboxManager
+from bastion.workbench.workspace import WorkspaceRegistry
 
 logger = logging.getLogger("bastion.app")
 DEVICES_DIR = "dev"  # in state_dir: the sandboxes' own device nodes, on a tmpfs, while the server runs

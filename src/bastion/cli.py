@@ -37,7 +37,7 @@ def _parser() -> argparse.ArgumentParser:
     doctor.add_argument("--config", help=f"path to bastion.toml (or set {CONFIG_ENV})")
     doctor.add_argument("--json", action="store_true", help="print a JSON list of {check, status, detail}")
 
-    from bastion.http.admin_cli import add_admin_parser
+    from bastion.transports.http.admin_cli import add_admin_parser
 
     add_admin_parser(sub)
 
@@ -87,7 +87,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def _cmd_admin(args: argparse.Namespace) -> int:
-    from bastion.http.admin_cli import run_admin
+    from bastion.transports.http.admin_cli import run_admin
 
     return run_admin(args)
 

@@ -38,11 +38,11 @@ from bastion.safety.redact import Redactor
 from bastion.sandbox._idmap import idmap_supported
 from bastion.sandbox._spawn import SANDBOX_WORKSPACE, bwrap_path, probe_bwrap, sandbox_python
 from bastion.sandbox.cgroups import CgroupLayout
-from bastion.sandbox.landlock import _landlock_missing, landlock_abi  # the agent's own wording
+from bastion.sandbox.inside.landlock import _landlock_missing, landlock_abi  # the agent's own wording
 from bastion.sandbox.seccomp import DENIED, write_filter_fd
-from bastion.sandboxes import SandboxManager
 from bastion.serve import is_loopback
-from bastion.workspaces import HostWorkspace
+from bastion.workbench.manager import SandboxManager
+from bastion.workbench.workspace import HostWorkspace
 
 Status = Literal["ok", "warn", "FAIL"]
 

@@ -147,7 +147,7 @@ def parse_listen(value: str) -> tuple[str, int]:
 def _clean_stop_server() -> type[uvicorn.Server]:
     import uvicorn
 
-    from bastion.http.connections import quiet_loop_errors
+    from bastion.transports.http.connections import quiet_loop_errors
 
     class CleanStopServer(uvicorn.Server):
         """uvicorn re-raises a stop signal once it has shut down, so the signal's default action ends
@@ -174,8 +174,8 @@ def serve_http(config: Config, config_path: str, listen: str | None = None) -> i
     """Serve Streamable HTTP (and the authorization server) with uvicorn until interrupted."""
     import uvicorn
 
-    from bastion.http import connections
-    from bastion.http.app import build_http_app, endpoints_for
+    from bastion.transports.http import connections
+    from bastion.transports.http.app import build_http_app, endpoints_for
 
     http = config.http
     host, port = parse_listen(listen or http.listen)

@@ -6,7 +6,7 @@ JWTs, redirect-URI tricks, PKCE downgrades, wrong verifiers, state tampering, co
 refresh tokens, dangerous redirect schemes). The two `mcp_client.discovery` entries attack MCP
 *clients* that trust a server's discovery documents; bastion is a server that does no outbound
 discovery (the one URL it fetches for a client, a client metadata document, goes through the SSRF
-guard tested in tests/http/test_cimd.py), so the test checks that its own documents only name its
+guard tested in tests/transports/http/test_cimd.py), so the test checks that its own documents only name its
 own origin. What it does not prove: resistance to attacks not in the corpus.
 """
 
@@ -21,7 +21,7 @@ import httpx2
 import pytest
 
 from tests.helpers import INITIALIZE_REQUEST, MCP_HEADERS
-from tests.http.live import (
+from tests.transports.http.live import (
     LOOPBACK_CB_FOR_TESTS,
     PASSWORD,
     Browser,

@@ -9,7 +9,7 @@ the switch off, or a client without the capability, or a client whose elicitatio
 is decided and the old NEEDS_APPROVAL path holds; a CLI approval ends a question left open; the
 answer cannot be smuggled in as a tool argument. Each case runs on the 2025-11-25 handshake
 (`mode="legacy"`, `ctx.elicit`) and on 2026-07-28 (the default, InputRequiredResult). These run
-in process; tests/http/test_elicitation_http.py proves the same over Streamable HTTP against a live
+in process; tests/transports/http/test_elicitation_http.py proves the same over Streamable HTTP against a live
 `bastion serve --http` (stateful SSE is what the handshake era needs).
 """
 

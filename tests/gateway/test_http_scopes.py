@@ -6,7 +6,7 @@ but neither sees `biscuit_deploy` nor may call it (HTTP 403 `insufficient_scope`
 `gateway:deploy`, no approval queued, nothing sent); a `gateway:deploy` token may ask for
 a deploy but not read status; with both, an approved deploy runs once on the host. What it
 does not prove: the scope check inside the MCP server without the HTTP edge
-(tests/http/test_scopes.py).
+(tests/transports/http/test_scopes.py).
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 
 from bastion.config import load_config
-from bastion.http.password import write_hash
 from bastion.safety.approvals import ApprovalQueue
+from bastion.transports.http.password import write_hash
 from tests.helpers import MCP_HEADERS, call
-from tests.http.live import PASSWORD, LiveServer, free_port, get_tokens, serve_config, write_config
+from tests.transports.http.live import PASSWORD, LiveServer, free_port, get_tokens, serve_config, write_config
 
 from .lab import USER, GatewayLab
 

@@ -31,7 +31,7 @@ import pytest
 
 from bastion.sandbox import seccomp
 from bastion.sandbox._spawn import SandboxSpec, build_bwrap_argv, sandbox_python
-from bastion.sandbox.landlock import landlock_abi
+from bastion.sandbox.inside.landlock import landlock_abi
 
 pytestmark = pytest.mark.bwrap
 

@@ -10,7 +10,7 @@ from mcp import Client
 
 from bastion.app import Services, build_server
 from bastion.safety.audit import verify
-from bastion.workspaces import HostWorkspace
+from bastion.workbench.workspace import HostWorkspace
 
 pytestmark = pytest.mark.anyio
 

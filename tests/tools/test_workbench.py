@@ -22,7 +22,7 @@ from mcp import Client
 from bastion.app import Services
 from bastion.safety.errors import InvalidRequest
 from bastion.safety.paths import MAX_WRITE_BYTES
-from bastion.workspaces import decode_base64
+from bastion.workbench.workspace import decode_base64
 from tests.helpers import LoopLag, call, create, sh
 
 pytestmark = pytest.mark.anyio

@@ -27,7 +27,7 @@ SANDBOX_WORKSPACE: Final = "/workspace"
 SANDBOX_PATH: Final = "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin"
 # The agent runs inside with no site-packages: Landlock's code travels with it, in front.
 AGENT_SOURCE: Final = "\n\n".join(
-    (Path(__file__).parent / name).read_text(encoding="utf-8") for name in ("landlock.py", "_agent.py")
+    (Path(__file__).parent / "inside" / name).read_text(encoding="utf-8") for name in ("landlock.py", "agent.py")
 )
 TMP_DIR: Final = "/tmp"  # noqa: S108 - the sandbox's own tmpfs
 SHM_DIR: Final = "/dev/shm"  # noqa: S108 - the sandbox's own tmpfs
@@ -186,7 +186,7 @@ def build_bwrap_argv(
     argv += ["--die-with-parent", "--new-session", "--hostname", "bastion"]
     # The agent keeps CAP_SYS_ADMIN (to make a PID namespace per command) and
     # CAP_SETPCAP (to empty the bounding set), both confined to the sandbox's
-    # user namespace; it leaves nothing a command could inherit (see _agent.py).
+    # user namespace; it leaves nothing a command could inherit (see inside/agent.py).
     argv += ["--cap-drop", "ALL", "--cap-add", "CAP_SYS_ADMIN", "--cap-add", "CAP_SETPCAP"]
     _bind_system(argv, python)
     for dest, fd in (data_fds or {}).items():

@@ -1,6 +1,6 @@
 """A warm sandbox: one bubblewrap sandbox kept alive, running one command per request.
 
-The host side of the protocol described in `bastion.sandbox._agent`. Output is
+The host side of the protocol described in `bastion.sandbox.inside.agent`. Output is
 read by the host directly from pipes whose write ends were handed to the agent,
 so nothing the command prints passes through the agent.
 

@@ -1,6 +1,6 @@
 """MCP wiring of code execution: execute_code and list_code_contexts.
 
-Wiring only: the contexts live in `bastion.code`; the sandbox is the boundary.
+Wiring only: the contexts live in `bastion.workbench.code`; the sandbox is the boundary.
 """
 
 from __future__ import annotations
@@ -12,16 +12,16 @@ from mcp.server.mcpserver import Context
 from mcp_types import CallToolResult, ImageContent, ToolAnnotations
 from pydantic import Field
 
-from bastion.code import CellResult
 from bastion.config import SandboxesConfig
-from bastion.packages import install
 from bastion.safety.errors import PolicyDenied
 from bastion.safety.results import OperationResult, ResultCode
-from bastion.sandboxes import SandboxManager
 from bastion.tools._call import CallRunner
 from bastion.tools.server import BastionServer, to_call_result
 from bastion.tools.workbench import command_result
-from bastion.workspaces import WorkspaceRegistry
+from bastion.workbench.code import CellResult
+from bastion.workbench.manager import SandboxManager
+from bastion.workbench.packages import install
+from bastion.workbench.workspace import WorkspaceRegistry
 
 Result = Annotated[CallToolResult, OperationResult]
 

@@ -14,7 +14,7 @@ from pydantic import Field
 from bastion.safety.results import OperationResult, ResultCode
 from bastion.tools._call import CallRunner
 from bastion.tools.server import BastionServer, to_call_result
-from bastion.workspaces import MAX_INPUT_BYTES, WorkspaceRegistry
+from bastion.workbench.workspace import MAX_INPUT_BYTES, WorkspaceRegistry
 
 Result = Annotated[CallToolResult, OperationResult]
 SandboxId = Annotated[str | None, Field(description="The sandbox the process runs in (from create_sandbox).")]

@@ -14,12 +14,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from bastion.safety.errors import Forbidden
 from bastion.safety.results import OperationResult
-from bastion.sandbox.snapshot import SnapshotInfo
-from bastion.sandboxes import SandboxManager
+from bastion.snapshot.store import SnapshotInfo
 from bastion.tools._call import CallRunner
 from bastion.tools.server import BastionServer, to_call_result
 from bastion.tools.workbench import command_result
-from bastion.workspaces import WorkspaceRegistry
+from bastion.workbench.manager import SandboxManager
+from bastion.workbench.workspace import WorkspaceRegistry
 
 Result = Annotated[CallToolResult, OperationResult]
 SandboxIdArg = Annotated[str, Field(description="The sandbox id from create_sandbox, e.g. sb-1a2b3c4d5e6f.")]

@@ -20,8 +20,8 @@ from pydantic import ValidationError
 
 from bastion.safety.errors import BastionError, InvalidRequest
 from bastion.safety.results import OperationResult, ResultCode
-from bastion.stdio import stdio_streams
 from bastion.tools._call import CallRunner
+from bastion.transports.stdio import stdio_streams
 
 logger = logging.getLogger("bastion.server")
 
@@ -75,7 +75,7 @@ class BastionServer(MCPServer[Any]):
         return super().tool(name=name, description=description, annotations=annotations)
 
     async def run_stdio_async(self) -> None:
-        """Serve stdio on bastion's event-loop transport (see `bastion.stdio`)."""
+        """Serve stdio on bastion's event-loop transport (see `bastion.transports.stdio`)."""
         async with stdio_streams() as (read_stream, write_stream):
             # The SDK's own run_stdio_async does exactly this with its threaded transport.
             lowlevel = self._lowlevel_server

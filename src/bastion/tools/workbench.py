@@ -17,7 +17,7 @@ from bastion.safety.errors import InvalidRequest
 from bastion.safety.results import OperationResult, ResultCode
 from bastion.tools._call import CallRunner
 from bastion.tools.server import BastionServer, to_call_result
-from bastion.workspaces import CommandOutput, WorkspaceRegistry
+from bastion.workbench.workspace import CommandOutput, WorkspaceRegistry
 
 Result = Annotated[CallToolResult, OperationResult]
 SandboxId = Annotated[

@@ -1,0 +1,355 @@
+"""The one typed model of bastion.toml, validated once at start-up.
+
+Relative paths in the file are relative to the file's own folder. Nothing has a
+silent default location: the config names every folder bastion touches, and the
+loader refuses, with one line, anything that would put the audit log or the
+database inside a folder an agent can write.
+
+The sections' models live in private modules beside this one: `_config_network` (egress
+rules), `_config_sandboxes` (sandboxes and templates), `_config_inbox` (the organizer),
+`_config_http` (HTTP and OAuth) and `_config_gateway` (gateways and approvals), on the shared
+`_config_base`. This module holds the top level, the loader and the checks across sections,
+and re-exports every public name (`X as X`): import them from `bastion.config`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from pathlib import Path
+from typing import Annotated, Final, Literal
+
+from pydantic import Field, ValidationError, field_validator
+
+from bastion.config.base import _ID_PATTERN, _checked_env, _Model
+from bastion.config.gateway import ApprovalsConfig as ApprovalsConfig
+from bastion.config.gateway import GatewayActionConfig as GatewayActionConfig
+from bastion.config.gateway import GatewayArgConfig as GatewayArgConfig
+from bastion.config.gateway import GatewayConfig as GatewayConfig
+from bastion.config.http import DEFAULT_APP_CALLBACKS as DEFAULT_APP_CALLBACKS
+from bastion.config.http import HttpConfig as HttpConfig
+from bastion.config.inbox import DEFAULT_CATEGORIES as DEFAULT_CATEGORIES
+from bastion.config.inbox import DEFAULT_SKIP_RULES as DEFAULT_SKIP_RULES
+from bastion.config.inbox import PROTECTION_KINDS as PROTECTION_KINDS
+from bastion.config.inbox import InboxConfig as InboxConfig
+from bastion.config.inbox import SkipKind as SkipKind
+from bastion.config.inbox import SkipRule as SkipRule
+from bastion.config.network import DEFAULT_BLOCKED_RANGES as DEFAULT_BLOCKED_RANGES
+from bastion.config.network import DEFAULT_PORTS as DEFAULT_PORTS
+from bastion.config.network import DEFAULT_REGISTRY as DEFAULT_REGISTRY
+from bastion.config.network import MAX_ALLOW_RULES as MAX_ALLOW_RULES
+from bastion.config.network import AllowRule as AllowRule
+from bastion.config.network import NetworkConfig as NetworkConfig
+from bastion.config.network import narrow_allow as narrow_allow
+from bastion.config.network import normalize_host as normalize_host
+from bastion.config.network import parse_allow_rule as parse_allow_rule
+from bastion.config.network import parse_allow_rules as parse_allow_rules
+from bastion.config.sandboxes import BASTION_OPT as BASTION_OPT
+from bastion.config.sandboxes import ReadOnlyBind as ReadOnlyBind
+from bastion.config.sandboxes import SandboxesConfig as SandboxesConfig
+from bastion.config.sandboxes import SandboxLimitsConfig as SandboxLimitsConfig
+from bastion.config.sandboxes import TemplateConfig as TemplateConfig
+from bastion.config.sandboxes import TemplateLimitsConfig as TemplateLimitsConfig
+from bastion.safety.commands import CommandPolicyConfig
+from bastion.safety.errors import ConfigError, PolicyDenied
+from bastion.safety.paths import DEFAULT_SECRET_PATTERNS
+
+CONFIG_ENV: Final = "BASTION_CONFIG"
+DB_NAME: Final = "bastion.db"
+AUDIT_NAME: Final = "audit.jsonl"
+ADMIN_HASH_NAME: Final = "admin-password.argon2"
+SANDBOX_ID_PREFIX: Final = "sb-"
+
+
+class AuditConfig(_Model):
+    path: Path | None = None
+    """Default: `<state_dir>/audit.jsonl`."""
+    fail_closed: bool = True
+    """If false, a failed audit write only logs a warning. Dangerous: operations then run unrecorded."""
+    rotate_bytes: Annotated[int, Field(ge=4096)] = 64 * 1024 * 1024
+
+
+class RedactionConfig(_Model):
+    patterns: tuple[str, ...] = ()
+    """Extra regular expressions whose matches are replaced in every output and audit record."""
+
+    @field_validator("patterns")
+    @classmethod
+    def _check_patterns(cls, patterns: tuple[str, ...]) -> tuple[str, ...]:
+        for pattern in patterns:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise ValueError(f"redaction pattern {pattern!r} is not a valid regex: {exc}") from None
+        return patterns
+
+
+class LimitsConfig(_Model):
+    """cgroup limits of a workspace's sandbox: all its commands together."""
+
+    memory_bytes: Annotated[int, Field(ge=16 * 1024 * 1024)] = 1024 * 1024 * 1024
+    pids: Annotated[int, Field(ge=8, le=1_000_000)] = 256
+    cpu_cores: Annotated[float, Field(gt=0, le=1024)] = 1.0
+
+
+class WorkspaceConfig(_Model):
+    id: Annotated[str, Field(pattern=_ID_PATTERN)]
+    path: Path
+    policy: CommandPolicyConfig
+    env: dict[str, str] = Field(default_factory=dict)
+    """Extra environment variables for commands. Values are redacted from output."""
+    timeout_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
+    max_output_bytes: Annotated[int, Field(ge=1024, le=16 * 1024 * 1024)] = 65_536
+    secret_files: tuple[str, ...] = DEFAULT_SECRET_PATTERNS
+    """Name patterns the file tools refuse to read or write (fnmatch, case-insensitive)."""
+    allow_hardlinks: bool = False
+    """Dangerous: allows reading files with several hard links, one of which may be outside the workspace."""
+    limits: LimitsConfig = LimitsConfig()
+    use_cgroups: bool = True
+    """Dangerous when false: commands then run without memory, pids and CPU limits."""
+
+    @field_validator("env")
+    @classmethod
+    def _check_env(cls, env: dict[str, str]) -> dict[str, str]:
+        return _checked_env(env)
+
+    @field_validator("id")
+    @classmethod
+    def _check_id(cls, value: str) -> str:
+        if value.startswith(SANDBOX_ID_PREFIX):
+            raise ValueError(f"workspace id {value!r} starts with {SANDBOX_ID_PREFIX!r}, which names sandboxes")
+        return value
+
+
+class Config(_Model):
+    state_dir: Path
+    default_workspace: str
+    audit: AuditConfig = AuditConfig()
+    redaction: RedactionConfig = RedactionConfig()
+    workspace: tuple[WorkspaceConfig, ...] = ()
+    inbox: tuple[InboxConfig, ...] = ()
+    sandboxes: SandboxesConfig = SandboxesConfig()
+    template: tuple[TemplateConfig, ...] = ()
+    http: HttpConfig = HttpConfig()
+    gateway: tuple[GatewayConfig, ...] = ()
+    approvals: ApprovalsConfig = ApprovalsConfig()
+
+    def gateway_by_name(self, name: str) -> GatewayConfig | None:
+        return next((g for g in self.gateway if g.name == name), None)
+
+    def template_by_name(self, name: str) -> TemplateConfig | None:
+        return next((t for t in self.template if t.name == name), None)
+
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "WARNING"
+
+    @property
+    def audit_path(self) -> Path:
+        return self.audit.path if self.audit.path is not None else self.state_dir / AUDIT_NAME
+
+    @property
+    def db_path(self) -> Path:
+        return self.state_dir / DB_NAME
+
+    def workspace_by_id(self, workspace_id: str) -> WorkspaceConfig | None:
+        return next((ws for ws in self.workspace if ws.id == workspace_id), None)
+
+    def secret_values(self) -> tuple[str, ...]:
+        values = [value for ws in self.workspace for value in ws.env.values()]
+        values += self.sandboxes.env.values()
+        values += [value for template in self.template for value in template.env.values()]
+        return tuple(value for value in values if value)
+
+    @property
+    def sandboxes_dir(self) -> Path:
+        return self.state_dir / "sandboxes"
+
+    @property
+    def admin_hash_path(self) -> Path:
+        """The administrator's argon2id password hash: under the state folder, never in the config file."""
+        return self.state_dir / ADMIN_HASH_NAME
+
+
+def _absolute(base: Path, path: Path) -> Path:
+    return Path(os.path.normpath(base / path.expanduser() if not path.is_absolute() else path))
+
+
+def _resolve_paths(raw: Config, base: Path) -> Config:
+    workspaces = tuple(ws.model_copy(update={"path": _absolute(base, ws.path)}) for ws in raw.workspace)
+    inboxes = tuple(ib.model_copy(update={"path": _absolute(base, ib.path)}) for ib in raw.inbox)
+    templates = tuple(
+        t.model_copy(
+            update={
+                "read_only": tuple(b.model_copy(update={"source": _absolute(base, b.source)}) for b in t.read_only),
+                "python_env": _absolute(base, t.python_env) if t.python_env is not None else None,
+            }
+        )
+        for t in raw.template
+    )
+    audit = raw.audit
+    if audit.path is not None:
+        audit = audit.model_copy(update={"path": _absolute(base, audit.path)})
+    http = raw.http.model_copy(
+        update={
+            key: _absolute(base, value)
+            for key, value in (("tls_cert", raw.http.tls_cert), ("tls_key", raw.http.tls_key))
+            if value is not None
+        }
+    )
+    gateways = tuple(g.model_copy(update={"key_path": _absolute(base, g.key_path)}) for g in raw.gateway)
+    return raw.model_copy(
+        update={
+            "gateway": gateways,
+            "state_dir": _absolute(base, raw.state_dir),
+            "workspace": workspaces,
+            "inbox": inboxes,
+            "audit": audit,
+            "template": templates,
+            "http": http,
+        }
+    )
+
+
+def _inside(child: Path, parent: Path) -> bool:
+    child_real, parent_real = Path(os.path.realpath(child)), Path(os.path.realpath(parent))
+    return child_real == parent_real or parent_real in child_real.parents
+
+
+def _check_semantics(config: Config) -> None:
+    ids = [ws.id for ws in config.workspace] + [ib.id for ib in config.inbox]
+    duplicates = sorted({i for i in ids if ids.count(i) > 1})
+    if duplicates:
+        raise ConfigError(f"workspace/inbox id {duplicates[0]!r} is used twice: give each a unique id")
+    if config.workspace_by_id(config.default_workspace) is None:
+        raise ConfigError(f"default_workspace {config.default_workspace!r} names no [[workspace]]: fix the id")
+    home = Path(os.path.expanduser("~")).resolve()
+    folders: list[tuple[str, str, Path]] = [("workspace", ws.id, ws.path) for ws in config.workspace]
+    folders += [("inbox", ib.id, ib.path) for ib in config.inbox]
+    for kind, folder_id, folder_path in folders:
+        if not folder_path.exists():
+            raise ConfigError(f"{kind} {folder_id!r} root {folder_path} does not exist: create it or fix the path")
+        if not folder_path.is_dir():
+            raise ConfigError(f"{kind} {folder_id!r} root {folder_path} is not a directory: point it at a folder")
+        real = folder_path.resolve()
+        if real in (Path("/"), home):
+            raise ConfigError(f"{kind} {folder_id!r} root {real} is / or the home folder: use a dedicated folder")
+        for name, guarded in (("audit log", config.audit_path), ("database", config.db_path)):
+            if _inside(guarded, folder_path):
+                raise ConfigError(
+                    f"{name} {guarded} is inside {kind} {folder_id!r} ({folder_path}): move it out of the {kind}"
+                )
+    for index, ib in enumerate(config.inbox):
+        if _inside(ib.path, config.state_dir) or _inside(config.state_dir, ib.path):
+            raise ConfigError(
+                f"inbox {ib.id!r} ({ib.path}) and the state folder {config.state_dir} overlap: keep them apart"
+            )
+        for other in config.inbox[index + 1 :]:
+            # Two journals over one tree could each move the other's files: one folder, one organizer.
+            if _inside(ib.path, other.path) or _inside(other.path, ib.path):
+                raise ConfigError(f"inboxes {ib.id!r} and {other.id!r} overlap: give each its own folder")
+    _check_templates(config, home)
+    _check_gateways(config, folders)
+    for ws in config.workspace:
+        if not ws.policy.allow and not ws.policy.deny:
+            raise ConfigError(f"workspace {ws.id!r} policy has neither allow nor deny: list the commands it may run")
+
+
+def _check_gateways(config: Config, folders: list[tuple[str, str, Path]]) -> None:
+    names = [g.name for g in config.gateway]
+    if len(set(names)) != len(names):
+        raise ConfigError("two [[gateway]] entries share a name: give each a unique name")
+    for gateway in config.gateway:
+        actions = [a.name for a in gateway.action]
+        if len(set(actions)) != len(actions):
+            raise ConfigError(f"gateway {gateway.name!r} lists an action twice: give each a unique name")
+        for kind, folder_id, folder_path in folders:
+            if _inside(gateway.key_path, folder_path):
+                raise ConfigError(
+                    f"gateway {gateway.name!r} key {gateway.key_path} is inside {kind} {folder_id!r}: "
+                    "an agent could read it; move it (e.g. under the state folder)"
+                )
+
+
+def _check_templates(config: Config, home: Path) -> None:
+    names = [t.name for t in config.template]
+    if len(set(names)) != len(names):
+        raise ConfigError("two [[template]] entries share a name: give each a unique name")
+    ceiling = config.sandboxes.limits
+    allow = config.sandboxes.network.allow_rules
+    for template in config.template:
+        for rule in template.network_allow:
+            try:
+                narrow_allow(allow, [rule])
+            except PolicyDenied:
+                raise ConfigError(
+                    f"template {template.name!r} network_allow {rule!r} is outside [sandboxes.network] allow: widen it"
+                ) from None
+        if template.limits is not None:
+            for key, value in template.limits.model_dump(exclude_none=True).items():
+                if value > getattr(ceiling, key):
+                    raise ConfigError(
+                        f"template {template.name!r} limit {key}={value} is above [sandboxes.limits]: lower it"
+                    )
+        for bind in template.read_only:
+            where = f"template {template.name!r} read_only {bind.source}"
+            if not bind.source.is_dir():
+                raise ConfigError(f"{where} is not an existing folder: create it or fix the path")
+            real = bind.source.resolve()
+            if real in (Path("/"), home) or _inside(config.state_dir, real) or _inside(real, config.state_dir):
+                raise ConfigError(f"{where} is /, the home folder, or overlaps the state folder: bind a data folder")
+        if template.python_env is not None:
+            where = f"template {template.name!r} python_env {template.python_env}"
+            if not (template.python_env / "pyvenv.cfg").is_file() or not (template.python_env / "bin").is_dir():
+                raise ConfigError(f"{where} is not a virtual environment: create it (make install does the demo's)")
+            real = template.python_env.resolve()
+            if real in (Path("/"), home) or _inside(config.state_dir, real) or _inside(real, config.state_dir):
+                raise ConfigError(f"{where} is /, the home folder, or overlaps the state folder: use its own folder")
+    default = config.sandboxes.default_template
+    if default != "default" and default not in names:
+        raise ConfigError(f"[sandboxes] default_template {default!r} is not a [[template]] name: add it or fix it")
+
+
+def _first_error(exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    where = ".".join(str(part) for part in err["loc"]) or "(top level)"
+    if err["type"] == "extra_forbidden":
+        return f"unknown key {where!r}: remove it or check its spelling"
+    if err["type"] == "missing":
+        return f"missing key {where!r}: add it"
+    return f"{where}: {err['msg']}"
+
+
+def load_config(path: str | os.PathLike[str]) -> Config:
+    """Read, validate and resolve a bastion.toml.
+
+    Raises:
+        ConfigError: with one line saying what is wrong and what to do.
+    """
+    file = Path(path)
+    try:
+        text = file.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"config file {file} does not exist: run 'bastion init DIR' or fix the path") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {file} cannot be read: {exc}") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {file} is not valid TOML: {exc}") from None
+    try:
+        raw = Config.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(f"config file {file}: {_first_error(exc)}") from None
+    config = _resolve_paths(raw, file.resolve().parent)
+    _check_semantics(config)
+    return config
+
+
+def resolve_config_path(cli_value: str | None) -> str:
+    """`--config` wins, then $BASTION_CONFIG; with neither, refuse (never a silent default)."""
+    value = cli_value or os.environ.get(CONFIG_ENV)
+    if not value:
+        raise ConfigError(
+            f"no config given: pass --config PATH or set {CONFIG_ENV} (create one with 'bastion init DIR')"
+        )
+    return value

@@ -1,0 +1,180 @@
+"""`[sandboxes]` and `[[template]]`: agent-created sandboxes, their limits, read-only binds and templates.
+
+Private: import these names from `bastion.config`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Final
+
+from pydantic import Field, field_validator, model_validator
+
+from bastion.config.base import _ID_PATTERN, _checked_env, _Model
+from bastion.config.network import NetworkConfig, _checked_rules
+from bastion.safety.commands import CommandPolicyConfig
+from bastion.sandbox._devices import SCRATCH_INODES, SHM_SIZE_BYTES, TMP_SIZE_BYTES
+from bastion.sandbox.identity import DEFAULT_HOST_ID_COUNT, DEFAULT_HOST_ID_FIRST, parse_range
+
+BASTION_OPT: Final = "/opt/bastion"  # inside a sandbox: a template's python_env is bound at <this>/env
+_RESERVED_DESTS: Final = frozenset(
+    {"/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/proc", "/dev", "/tmp", "/workspace"}  # noqa: S108
+)
+
+
+class SandboxLimitsConfig(_Model):
+    """The administrator's ceiling for each sandbox, and its default; create_sandbox may only narrow it."""
+
+    memory_bytes: Annotated[int, Field(ge=16 * 1024 * 1024)] = 1024 * 1024 * 1024
+    pids: Annotated[int, Field(ge=8, le=1_000_000)] = 256
+    cpu_cores: Annotated[float, Field(gt=0, le=1024)] = 1.0
+    timeout_s: Annotated[float, Field(gt=0, le=3600)] = 60.0
+    max_output_bytes: Annotated[int, Field(ge=1024, le=16 * 1024 * 1024)] = 65_536
+    disk_bytes: Annotated[int, Field(ge=16 * 1024 * 1024, le=1024**4)] = 2 * 1024**3
+    """Size of /workspace: writes past it fail with ENOSPC inside (when disk_quota is on)."""
+
+
+class TemplateLimitsConfig(_Model):
+    """A template's defaults; each one it sets must be within [sandboxes.limits], the rest are the ceiling's."""
+
+    memory_bytes: Annotated[int, Field(ge=16 * 1024 * 1024)] | None = None
+    pids: Annotated[int, Field(ge=8, le=1_000_000)] | None = None
+    cpu_cores: Annotated[float, Field(gt=0, le=1024)] | None = None
+    timeout_s: Annotated[float, Field(gt=0, le=3600)] | None = None
+    max_output_bytes: Annotated[int, Field(ge=1024, le=16 * 1024 * 1024)] | None = None
+    disk_bytes: Annotated[int, Field(ge=16 * 1024 * 1024, le=1024**4)] | None = None
+
+
+class ReadOnlyBind(_Model):
+    source: Path
+    """A host folder, shown read-only inside the sandbox."""
+    dest: str
+    """Where it appears inside, e.g. /data. Not a system folder, /workspace or /tmp."""
+
+    @field_validator("dest")
+    @classmethod
+    def _check_dest(cls, dest: str) -> str:
+        normal = os.path.normpath(dest)
+        if not normal.startswith("/") or normal != dest.rstrip("/") or dest == "/":
+            raise ValueError(f"dest {dest!r} must be an absolute, normalized path such as /data")
+        top = "/" + normal.split("/")[1]
+        if top in _RESERVED_DESTS:
+            raise ValueError(f"dest {dest!r} would shadow {top}: choose a new top-level folder such as /data")
+        if normal == "/opt" or normal.startswith(BASTION_OPT):
+            raise ValueError(f"dest {dest!r} would shadow {BASTION_OPT}, bastion's own: choose another folder")
+        return normal
+
+
+class TemplateConfig(_Model):
+    """A kind of sandbox an agent may ask for by name."""
+
+    name: Annotated[str, Field(pattern=_ID_PATTERN)]
+    read_only: tuple[ReadOnlyBind, ...] = ()
+    env: dict[str, str] = Field(default_factory=dict)
+    limits: TemplateLimitsConfig | None = None
+    """Defaults for this template; each must be within [sandboxes.limits]. Absent: the ceiling."""
+    policy: CommandPolicyConfig | None = None
+    """A stricter command policy; absent: any shell command (the kernel is the boundary)."""
+    network_allow: tuple[str, ...] = ()
+    """Destinations its sandboxes may reach; each within [sandboxes.network].allow. Empty: no network."""
+    python_env: Path | None = None
+    """A Python virtual environment on the host with preinstalled packages, shown read-only inside at
+    /opt/bastion/env: execute_code and `python` use it; install_package adds to a venv of the sandbox's own."""
+
+    @field_validator("env")
+    @classmethod
+    def _check_env(cls, env: dict[str, str]) -> dict[str, str]:
+        return _checked_env(env)
+
+    @field_validator("network_allow")
+    @classmethod
+    def _check_network_allow(cls, texts: tuple[str, ...]) -> tuple[str, ...]:
+        return _checked_rules(texts)
+
+
+class SandboxesConfig(_Model):
+    """Agent-created sandboxes: fresh workspaces under `<state_dir>/sandboxes/`."""
+
+    enabled: bool = True
+    max_sandboxes: Annotated[int, Field(ge=0, le=10_000)] = 16
+    idle_timeout_s: Annotated[float, Field(gt=0)] = 1800.0
+    lifetime_s: Annotated[float, Field(gt=0)] = 86_400.0
+    reap_interval_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
+    disk_quota: bool = True
+    """Give each sandbox's /workspace its own filesystem of `limits.disk_bytes` (needs root).
+    False (dangerous: one sandbox can fill the state folder's disk) keeps workspaces as plain folders."""
+    orphan_retention_s: Annotated[float, Field(gt=0)] = 7 * 86_400.0
+    """How long the workspaces of sandboxes left by a crashed server are kept, as snapshots."""
+    snapshot_retention_s: Annotated[float, Field(gt=0)] = 7 * 86_400.0
+    """How long an agent's snapshot is kept; older ones are deleted at start and by the reaper."""
+    max_snapshots: Annotated[int, Field(ge=0, le=100_000)] = 64
+    """Snapshots kept at once, all sandboxes' together (recovered ones count); past it a snapshot is refused."""
+    max_snapshots_per_sandbox: Annotated[int, Field(ge=0, le=100_000)] = 16
+    """Snapshots kept of one source sandbox (they outlive it: closing it frees none)."""
+    max_snapshot_bytes: Annotated[int, Field(ge=0)] | None = None
+    """Total size of the snapshot archives kept. Absent: 8 x limits.disk_bytes."""
+    max_snapshot_bytes_per_sandbox: Annotated[int, Field(ge=0)] | None = None
+    """Total archive size of one source sandbox's snapshots. Absent: 2 x limits.disk_bytes."""
+    state_reserve_bytes: Annotated[int, Field(ge=0)] = 256 * 1024 * 1024
+    """Free space snapshots and restores leave on the state filesystem, for the audit log (which fails closed)."""
+    pip_index_url: Annotated[str, Field(pattern=r"^https://[^\s/]+(/\S*)?$")] = "https://pypi.org/simple"
+    """install_package(manager='pip') installs from here; its host must be in [sandboxes.network] registry."""
+    npm_registry_url: Annotated[str, Field(pattern=r"^https://[^\s/]+(/\S*)?$")] = "https://registry.npmjs.org/"
+    install_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 300.0
+    """Wall-clock limit of one install_package call."""
+    default_template: Annotated[str, Field(pattern=_ID_PATTERN)] = "default"
+    """The template create_sandbox uses when the call names none ("default": no template's extras)."""
+    warm_pool: Annotated[int, Field(ge=0, le=64)] = 1
+    """Sandboxes started ahead of time, so create_sandbox does not wait for one to boot."""
+    limits: SandboxLimitsConfig = SandboxLimitsConfig()
+    env: dict[str, str] = Field(default_factory=dict)
+    """Extra environment for sandbox commands. Values are redacted from output."""
+    network: NetworkConfig = NetworkConfig()
+    tmp_bytes: Annotated[int, Field(ge=1024 * 1024, le=64 * 1024**3)] = TMP_SIZE_BYTES
+    """Size of /tmp in every sandbox (host workspaces' commands run in one too): a tmpfs, so it is memory,
+    charged to the sandbox's memory limit. Writes past it fail with ENOSPC inside."""
+    shm_bytes: Annotated[int, Field(ge=1024 * 1024, le=64 * 1024**3)] = SHM_SIZE_BYTES
+    """Size of /dev/shm in every sandbox, likewise."""
+    scratch_inodes: Annotated[int, Field(ge=1024, le=10_000_000)] = SCRATCH_INODES
+    """Files and folders each of /tmp and /dev/shm may hold (a root server; bwrap alone caps size only)."""
+    host_id_range: str = f"{DEFAULT_HOST_ID_FIRST}:{DEFAULT_HOST_ID_COUNT}"
+    """FIRST:COUNT (as in /etc/subuid): the host uids and gids sandboxes and host workspaces run as when the
+    server is root, one of its own each. Checked at start: no account or subordinate range may lie inside."""
+
+    @field_validator("host_id_range")
+    @classmethod
+    def _check_host_id_range(cls, text: str) -> str:
+        parse_range(text)
+        return text
+
+    @model_validator(mode="after")
+    def _check_scratch(self) -> SandboxesConfig:
+        # tmpfs pages are the sandbox's memory: full scratch folders alone must not reach its limit.
+        if 2 * (self.tmp_bytes + self.shm_bytes) > self.limits.memory_bytes:
+            raise ValueError(
+                f"tmp_bytes + shm_bytes ({self.tmp_bytes + self.shm_bytes}) must be at most half of "
+                f"limits.memory_bytes ({self.limits.memory_bytes}): /tmp and /dev/shm are memory"
+            )
+        return self
+
+    @property
+    def snapshot_bytes(self) -> int:
+        """`max_snapshot_bytes`, or its default from the disk quota."""
+        return self.max_snapshot_bytes if self.max_snapshot_bytes is not None else 8 * self.limits.disk_bytes
+
+    @property
+    def snapshot_bytes_per_sandbox(self) -> int:
+        """`max_snapshot_bytes_per_sandbox`, or its default from the disk quota."""
+        per_sandbox = self.max_snapshot_bytes_per_sandbox
+        return per_sandbox if per_sandbox is not None else 2 * self.limits.disk_bytes
+
+    @property
+    def host_ids(self) -> tuple[int, int]:
+        """(first, count) of `host_id_range`."""
+        return parse_range(self.host_id_range)
+
+    @field_validator("env")
+    @classmethod
+    def _check_env(cls, env: dict[str, str]) -> dict[str, str]:
+        return _checked_env(env)

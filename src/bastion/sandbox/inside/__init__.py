@@ -1,0 +1,1 @@
+"""Standard-library-only code that runs inside a sandbox (it sees no site-packages), shipped as source."""

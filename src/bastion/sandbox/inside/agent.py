@@ -1,0 +1,269 @@
+"""The resident agent of a warm sandbox. DANGEROUS: it starts every command.
+
+This file runs INSIDE the bubblewrap sandbox, started by `bastion.sandbox._spawn`
+as ``python3 -I -S -c <landlock.py + this source> <socket fd> <writable dir>...``. It is standard library only and
+imports nothing from bastion: the sandbox sees no site-packages.
+
+Why it exists: a fresh bwrap per command costs 4-6 ms; a resident agent that
+starts each command with posix_spawn costs about 1 ms, and the sandbox's namespaces
+are made once.
+
+Protocol (one object per SOCK_SEQPACKET message: marshal from the host, JSON from the
+agent; fds via SCM_RIGHTS):
+  agent -> host   {"event": "ready", "pid": P, "landlock": {...}}, once
+  host -> agent   {"op": "run", "id": N, "exe": "/usr/bin/ls", "argv": [...], "cwd": "/workspace", "env": {...}}
+                  with two or three fds: the write ends of the stdout and stderr pipes, and
+                  for a background process the read end of its stdin pipe (else stdin is /dev/null)
+  host -> agent   {"op": "kill", "id": N}
+  agent -> host   {"event": "exit", "id": N, "status": S}   S: exit code, or 128 + signal number
+A command that cannot start (no such program, a bad cwd) writes one line to its stderr
+pipe and exits 127, as a shell would.
+
+Each command runs as PID 1 of a PID namespace of its own: before each spawn the agent
+points its children's PID namespace back at its own (setns) and unshares a new one.
+When that PID 1 exits or is killed, the kernel kills every process left in its
+namespace, including setsid'd and double-forked ones: no survivors, by construction.
+
+posix_spawn (clone with CLONE_VM | CLONE_VFORK, then exec) shares the agent's memory
+until the exec, so starting a command copies no page table and takes no copy-on-write
+fault; a fork of this Python process cost three times the CPU. The child cannot run
+code before the exec, so what it must not inherit is taken from the agent itself at
+start-up: every capability it could pass on (bounding, inheritable and ambient sets
+emptied, root's exec privileges off with SECBIT_NOROOT) and no_new_privs. A command
+thus execs with no capability at all while the agent keeps CAP_SYS_ADMIN for the
+namespaces.
+"""
+
+import ctypes
+import marshal
+import os
+import selectors
+import signal
+import socket
+import sys
+
+# Every import here is paid at each sandbox start (json+re, contextlib and typing cost
+# ~25 ms together on a slow machine): the agent uses builtins and string annotations.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
+    # At run time `_spawn` prepends landlock.py's source to this file's, which defines it.
+    from bastion.sandbox.inside.landlock import restrict
+
+CLONE_NEWPID = 0x20000000
+PR_CAPBSET_DROP = 24
+PR_SET_SECUREBITS = 28
+PR_SET_NO_NEW_PRIVS = 38
+PR_CAP_AMBIENT = 47
+PR_CAP_AMBIENT_CLEAR_ALL = 4
+CAP_LAST = 63
+LINUX_CAPABILITY_VERSION_3 = 0x20080522
+# SECBIT_NOROOT and its lock, SECBIT_NO_CAP_AMBIENT_RAISE and its lock (capabilities(7)).
+SECUREBITS = (1 << 0) | (1 << 1) | (1 << 6) | (1 << 7)
+MAX_MESSAGE_BYTES = 1 << 20
+EXIT_CANNOT_START = 127
+# Dispositions a command must not inherit: Python ignores SIGPIPE and SIGXFSZ (handled
+# signals are reset by posix_spawn itself; these are named too, to say so).
+DEFAULT_SIGNALS = (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGCHLD, signal.SIGINT, signal.SIGTERM)
+
+libc = ctypes.CDLL(None, use_errno=True)
+
+
+class CapHeader(ctypes.Structure):
+    _fields_ = (("version", ctypes.c_uint32), ("pid", ctypes.c_int))
+
+
+class CapData(ctypes.Structure):
+    _fields_ = (("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32))
+
+
+def check(rc: int, what: str) -> None:
+    if rc != 0:
+        raise OSError(ctypes.get_errno(), what)
+
+
+def keep_nothing_for_commands() -> None:
+    """Leave the agent's commands no capability they could ever hold.
+
+    On exec, a process gets (inheritable & file's) | (file's permitted & bounding) |
+    ambient, with root counting as having every file capability unless SECBIT_NOROOT:
+    with all of these emptied, each command execs with none. The agent keeps its own
+    effective CAP_SYS_ADMIN (PID namespaces) and CAP_SETPCAP (needed just here).
+    """
+    check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+    for cap in range(CAP_LAST + 1):
+        # EINVAL past the kernel's last capability: nothing left to drop.
+        if libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 and ctypes.get_errno() != 22:
+            raise OSError(ctypes.get_errno(), "drop a bounding capability")
+    check(libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0), "clear ambient capabilities")
+    header = CapHeader(LINUX_CAPABILITY_VERSION_3, 0)
+    data = (CapData * 2)()
+    check(libc.capget(ctypes.byref(header), data), "capget")
+    for half in data:
+        half.inheritable = 0
+    check(libc.capset(ctypes.byref(header), data), "capset")
+    check(libc.prctl(PR_SET_SECUREBITS, SECUREBITS, 0, 0, 0), "securebits")
+
+
+def enter_own_pid_namespace(sock: socket.socket) -> None:
+    """Continue as PID 1 of a PID namespace owned by the agent's own user namespace.
+
+    bwrap maps the sandbox's unprivileged uid in a second user namespace, nested in the one
+    that owns the sandbox's PID namespace, so the agent's CAP_SYS_ADMIN does not reach that
+    PID namespace and `setns` back to it would fail. In a PID namespace of its own it does.
+    The parent becomes `sleep infinity` (bwrap's child must stay); the host notices the
+    agent's end by its socket closing, never by this parent.
+    """
+    check(libc.unshare(CLONE_NEWPID), "make the agent's PID namespace")
+    if os.fork() != 0:
+        sock.close()
+        try:  # noqa: SIM105 - contextlib would cost import time at every start
+            os.execv("/bin/sleep", ["sleep", "infinity"])  # noqa: S606 - a fixed argv, no shell
+        except OSError:
+            pass
+        while True:  # no sleep binary: wait here instead
+            signal.pause()
+
+
+class Agent:
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.own_pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY)
+        self.devnull = os.open("/dev/null", os.O_RDONLY)
+        self.running: dict[int, int] = {}  # command id -> pid, until reaped
+        self.ids: dict[int, int] = {}  # pid -> command id
+
+    def send(self, message: "dict[str, Any]") -> None:
+        try:
+            self.sock.send(to_json(message).encode())
+        except OSError:
+            os._exit(0)  # the host went away: the sandbox ends with it
+
+    def handle(self, req: "dict[str, Any]", fds: "list[int]") -> None:
+        op = req.get("op")
+        if op == "run" and len(fds) in (2, 3):
+            self.start(req, fds)
+            return
+        for fd in fds:
+            os.close(fd)
+        if op == "kill":
+            pid = self.running.get(int(req.get("id", 0)))
+            if pid is not None:
+                try:  # noqa: SIM105 - contextlib would cost import time at every start
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+    def start(self, req: "dict[str, Any]", fds: "list[int]") -> None:
+        """Start one command as PID 1 of a new PID namespace; report it if it cannot start."""
+        command_id = int(req["id"])
+        try:
+            for fd in fds:
+                os.set_inheritable(fd, False)  # the spawn's dup2 gives the command its own 0-2
+            stdin = fds[2] if len(fds) > 2 else self.devnull
+            actions = [
+                (os.POSIX_SPAWN_DUP2, stdin, 0),
+                (os.POSIX_SPAWN_DUP2, fds[0], 1),
+                (os.POSIX_SPAWN_DUP2, fds[1], 2),
+            ]
+            check(libc.setns(self.own_pid_ns, CLONE_NEWPID), "reset the PID namespace for children")
+            check(libc.unshare(CLONE_NEWPID), "make a PID namespace")
+            os.chdir(req["cwd"])
+            try:
+                pid = os.posix_spawn(
+                    req["exe"],
+                    req["argv"],
+                    req["env"],
+                    file_actions=actions,
+                    setsigdef=DEFAULT_SIGNALS,
+                    setsigmask=(),
+                )
+            finally:
+                os.chdir("/")
+        except (OSError, ValueError, TypeError, KeyError) as exc:
+            argv0 = (req.get("argv") or ["?"])[0]
+            try:  # noqa: SIM105 - contextlib would cost import time at every start
+                os.write(fds[1], f"bastion: cannot start {argv0!r}: {exc}\n".encode(errors="replace"))
+            except OSError:
+                pass
+            self.send({"event": "exit", "id": command_id, "status": EXIT_CANNOT_START})
+        else:
+            self.running[command_id] = pid
+            self.ids[pid] = command_id
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def reap(self) -> None:
+        while True:
+            try:
+                pid, raw = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            command_id = self.ids.pop(pid, None)
+            if command_id is None:
+                continue
+            del self.running[command_id]
+            code = os.waitstatus_to_exitcode(raw)
+            self.send({"event": "exit", "id": command_id, "status": code if code >= 0 else 128 - code})
+
+
+def to_json(value: object) -> str:
+    """JSON for the agent's own small messages: the host parses them with json.loads.
+
+    Host-to-agent messages are marshal (builtin, no import cost); the other way is
+    JSON because the host must not unmarshal bytes from inside a sandbox.
+    """
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, str):
+        return '"' + "".join(c if " " <= c < "\x7f" and c not in '"\\' else f"\\u{ord(c):04x}" for c in value) + '"'
+    if isinstance(value, dict):
+        return "{" + ",".join(to_json(str(k)) + ":" + to_json(v) for k, v in value.items()) + "}"
+    return to_json(str(value))
+
+
+def main() -> None:
+    fd = int(sys.argv[1])
+    os.set_inheritable(fd, False)  # bwrap passed it down; no command may inherit it
+    sock = socket.socket(fileno=fd)
+    sock.setblocking(True)
+    # First, while single-threaded and before any command exists: writes only beneath
+    # the sandbox's own trees; then nothing a command could inherit.
+    landlock = restrict(sys.argv[2:])
+    keep_nothing_for_commands()
+    enter_own_pid_namespace(sock)
+    os.chdir("/")  # hold no folder of the workspace; each command gets its own cwd
+    wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    agent = Agent(sock)
+    sel = selectors.DefaultSelector()
+    sel.register(sock, selectors.EVENT_READ)
+    sel.register(wake_r, selectors.EVENT_READ)
+    agent.send({"event": "ready", "pid": os.getpid(), "landlock": landlock})
+    while True:
+        for key, _ in sel.select():
+            if key.fileobj is sock:
+                try:
+                    data, fds, _flags, _addr = socket.recv_fds(sock, MAX_MESSAGE_BYTES, 3)
+                except InterruptedError:
+                    continue
+                if not data:
+                    os._exit(0)  # the host went away: the sandbox ends with it
+                agent.handle(marshal.loads(data), fds)  # noqa: S302 - written by the host only
+            else:
+                try:  # noqa: SIM105 - contextlib would cost import time at every start
+                    os.read(wake_r, 4096)
+                except BlockingIOError:
+                    pass
+        agent.reap()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Snapshots of a sandbox's workspace: archives written and restored without trusting their contents."""

@@ -1,0 +1,243 @@
+"""The administrator's pages: /admin (grants, revoke, revoke all) and /admin/approvals.
+
+SECURITY BOUNDARY. A session is a 256-bit cookie (`__Host-`, HttpOnly, Secure, SameSite=Strict) stored
+as a digest; every POST needs the session's CSRF token; the login form's CSRF token is bound to a
+browser cookie (no login CSRF), and a successful login issues that cookie a fresh value. Logins share
+the rate limiter of the authorization flow (one argon2 check per address, two server-wide).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any, Final
+from urllib.parse import urlencode
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from bastion.config import Config
+from bastion.safety.approvals import ApprovalQueue
+from bastion.safety.errors import BastionError
+from bastion.transports.http import pages
+from bastion.transports.http.devices import TrustedDevices
+from bastion.transports.http.flow import (
+    BROWSER_COOKIE,
+    CSRF_FAILED,
+    LOGIN_FAILED,
+    browser_digest,
+    check_password,
+    same_token,
+    single_params,
+)
+from bastion.transports.http.password import AdminCredential
+from bastion.transports.http.ratelimit import LoginLimiter, LoginRefused
+from bastion.transports.http.store import AuthStore
+
+SESSION_COOKIE: Final = "__Host-bastion-admin"
+MAX_FORM_BYTES: Final = 16 * 1024
+
+
+def _when(ts: float | None) -> str:
+    return "-" if ts is None else datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+class AdminPages:
+    def __init__(
+        self,
+        store: AuthStore,
+        credential: AdminCredential,
+        limiter: LoginLimiter,
+        config: Config,
+        *,
+        rebind: Callable[[str, str], None] | None = None,
+    ) -> None:
+        """`rebind(old digest, new digest)`: moves the browser's pending authorization requests to the
+        cookie value a login here issues (`BastionAuthProvider.rebind_browser`), so a login page open in
+        another tab still works after it."""
+        self.store = store
+        self.rebind = rebind
+        self.credential = credential
+        self.limiter = limiter
+        self.config = config
+        self._key = secrets.token_bytes(32)
+        self.approvals = ApprovalQueue(config.db_path)
+        """The same queue (same SQLite table) the gateway and `bastion approvals` use."""
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/admin", self.home, methods=["GET"]),
+            Route("/admin/login", self.login_get, methods=["GET"]),
+            Route("/admin/login", self.login_post, methods=["POST"]),
+            Route("/admin/logout", self._post(self.logout), methods=["POST"]),
+            Route("/admin/revoke", self._post(self.revoke), methods=["POST"]),
+            Route("/admin/approvals", self.approvals_page, methods=["GET"]),
+            Route("/admin/approvals", self._post(self.decide), methods=["POST"]),
+        ]
+
+    # -- sessions and CSRF ----------------------------------------------------------------------------
+
+    def _login_csrf(self, browser: str) -> str:
+        return hmac.new(self._key, b"admin-login:" + browser.encode(), hashlib.sha256).hexdigest()
+
+    def session_csrf(self, request: Request) -> str | None:
+        session = request.cookies.get(SESSION_COOKIE)
+        return self.store.admin_session_csrf(session) if session else None
+
+    async def form(self, request: Request) -> dict[str, str] | None:
+        if request.headers.get("content-type", "").split(";")[0].strip() != "application/x-www-form-urlencoded":
+            return None
+        body = b""
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > MAX_FORM_BYTES:
+                return None
+        return single_params(body.decode("utf-8", "replace"))
+
+    def _post(self, handler: Callable[[Request, dict[str, str], str], Any]) -> Callable[[Request], Any]:
+        """Wrap a POST handler: a live session and its CSRF token, or 403."""
+
+        async def checked(request: Request) -> Response:
+            csrf = self.session_csrf(request)
+            form = await self.form(request)
+            if csrf is None or form is None or not same_token(form.get("csrf", ""), csrf):
+                return pages.error_page(CSRF_FAILED, status=403)
+            result: Response = await handler(request, form, csrf)
+            return result
+
+        return checked
+
+    # -- login ----------------------------------------------------------------------------------------
+
+    def _login_page(self, browser: str, *, message: str = "", status: int = 200) -> Response:
+        body = pages.login_form("/admin/login", {"csrf": self._login_csrf(browser)}, message=message)
+        return pages.page("bastion: administrator login", body, status=status)
+
+    async def login_get(self, request: Request) -> Response:
+        browser = request.cookies.get(BROWSER_COOKIE) or secrets.token_urlsafe(32)
+        response = self._login_page(browser)
+        response.set_cookie(BROWSER_COOKIE, browser, path="/", secure=True, httponly=True, samesite="strict")
+        return response
+
+    async def login_post(self, request: Request) -> Response:
+        browser = request.cookies.get(BROWSER_COOKIE, "")
+        form = await self.form(request)
+        if form is None or not browser or not same_token(form.get("csrf", ""), self._login_csrf(browser)):
+            return pages.error_page(CSRF_FAILED, status=403)
+        try:
+            ok = await check_password(self.limiter, self.credential, request, form.get("password", ""))
+        except LoginRefused as exc:
+            return pages.too_many(exc.retry_after_s, exc.reason, status=exc.status)
+        if not ok:
+            return self._login_page(browser, message=LOGIN_FAILED, status=401)
+        session, _ = self.store.new_admin_session(self.config.http.admin_session_lifetime_s)
+        response = pages.see_other("/admin")
+        response.set_cookie(
+            SESSION_COOKIE,
+            session,
+            path="/",
+            secure=True,
+            httponly=True,
+            samesite="strict",
+            max_age=int(self.config.http.admin_session_lifetime_s),
+        )
+        # A browser value planted before the login never outlives it (session fixation).
+        fresh = secrets.token_urlsafe(32)
+        response.set_cookie(BROWSER_COOKIE, fresh, path="/", secure=True, httponly=True, samesite="strict")
+        if self.rebind is not None:
+            self.rebind(browser_digest(browser), browser_digest(fresh))
+        TrustedDevices(self.credential).set_cookie(response)
+        return response
+
+    async def logout(self, request: Request, form: dict[str, str], csrf: str) -> Response:
+        self.store.end_admin_session(request.cookies.get(SESSION_COOKIE, ""))
+        response = pages.see_other("/admin/login")
+        response.delete_cookie(SESSION_COOKIE, path="/", secure=True, httponly=True, samesite="strict")
+        return response
+
+    # -- pages ----------------------------------------------------------------------------------------
+
+    async def home(self, request: Request) -> Response:
+        csrf = self.session_csrf(request)
+        if csrf is None:
+            return pages.see_other("/admin/login")
+        rows = "".join(
+            f"<tr><td><code>{pages.esc(g.grant_id)}</code></td><td>{pages.label(g.client_id)}</td>"
+            f"<td>{pages.esc(' '.join(g.scopes))}</td><td>{_when(g.created_at)}</td>"
+            f'<td><form method="post" action="/admin/revoke">{pages.hidden({"csrf": csrf, "grant": g.grant_id})}'
+            '<button type="submit">Revoke</button></form></td></tr>'
+            for g in self.store.grants()
+        )
+        table = (
+            "<table><tr><th>Grant</th><th>Client</th><th>Scopes</th><th>Since</th><th></th></tr>" + rows + "</table>"
+            if rows
+            else "<p>No client holds a grant.</p>"
+        )
+        waiting = len(self.approvals.pending())
+        approvals = f'<p><a href="/admin/approvals">Pending approvals: {waiting}</a></p>'
+        body = (
+            f"{approvals}<h2>Active grants</h2>{table}"
+            f'<form method="post" action="/admin/revoke">{pages.hidden({"csrf": csrf, "grant": "*"})}'
+            '<p><button type="submit">Revoke all</button></p></form>'
+            f'<form method="post" action="/admin/logout">{pages.hidden({"csrf": csrf})}'
+            '<p><button type="submit">Log out</button></p></form>'
+        )
+        return pages.page("bastion: administration", body)
+
+    async def revoke(self, request: Request, form: dict[str, str], csrf: str) -> Response:
+        grant = form.get("grant", "")
+        if grant == "*":
+            self.store.revoke_everything("revoked by the administrator (revoke all)")
+            response = pages.see_other("/admin/login")
+            response.delete_cookie(SESSION_COOKIE, path="/", secure=True, httponly=True, samesite="strict")
+            return response
+        self.store.revoke_grant(grant, "revoked by the administrator")
+        return pages.see_other("/admin")
+
+    async def approvals_page(self, request: Request) -> Response:
+        csrf = self.session_csrf(request)
+        if csrf is None:
+            return pages.see_other("/admin/login")
+        message = request.query_params.get("message", "")
+        note = f'<p class="err" role="alert">{pages.esc(message[:300])}</p>' if message else ""
+        pending = self.approvals.pending()
+        items = "".join(
+            f'<div class="box"><p><strong>{pages.esc(a.action)}</strong> <code>{pages.esc(a.id)}</code></p>'
+            f"<pre>{pages.esc(a.literal)}</pre><p>asked by {pages.label(a.requested_by)} at {_when(a.requested_at)}; "
+            f"expires {_when(a.expires_at)}</p>"
+            f'<form method="post" action="/admin/approvals">{pages.hidden({"csrf": csrf, "id": a.id})}'
+            '<p><label>Reason (for a denial) <input type="text" name="reason" maxlength="500"></label></p>'
+            '<button type="submit" name="decision" value="approve">Approve</button>'
+            '<button type="submit" name="decision" value="deny">Deny</button></form></div>'
+            for a in pending
+        )
+        decided = "".join(
+            f"<tr><td><code>{pages.esc(a.id)}</code></td><td>{pages.esc(a.action)}</td>"
+            f"<td><code>{pages.esc(a.literal[:200])}</code></td><td>{pages.esc(a.state)}</td>"
+            f"<td>{pages.label(a.decided_by or '-')}</td></tr>"
+            for a in self.approvals.recent(20)
+            if a.state != "pending"
+        )
+        body = (
+            f'{note}<p><a href="/admin">Back</a></p><h2>Pending</h2>'
+            f"{items or '<p>Nothing is waiting.</p>'}<h2>Recent decisions</h2>"
+            f"<table><tr><th>Id</th><th>Action</th><th>Literal</th><th>State</th><th>By</th></tr>{decided}</table>"
+        )
+        return pages.page("bastion: approvals", body)
+
+    async def decide(self, request: Request, form: dict[str, str], csrf: str) -> Response:
+        approval_id, decision = form.get("id", ""), form.get("decision")
+        try:
+            if decision == "approve":
+                self.approvals.approve(approval_id, by="administrator (web)")
+            elif decision == "deny":
+                self.approvals.deny(approval_id, by="administrator (web)", reason=form.get("reason", ""))
+            else:
+                return pages.error_page("decision must be approve or deny", status=400)
+        except BastionError as exc:
+            return pages.see_other(f"/admin/approvals?{urlencode({'message': exc.reason})}")
+        return pages.see_other("/admin/approvals")

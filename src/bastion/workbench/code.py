@@ -1,0 +1,636 @@
+"""Code execution in a sandbox: persistent Python contexts, one-shot bash and node.
+
+A Python context is a kernel (`bastion.sandbox.inside.kernel`) running as a background
+process of the sandbox: variables, imports and open files live in it between calls.
+What the kernel sends is untrusted (it runs the agent's code, which can write to the
+protocol fd): only small headers are parsed (at most MAX_HEADER_BYTES, nothing else is
+JSON), payloads are bounded per kind and handled as they arrive, output past the cap is
+counted, never cleaned, and every text is cleaned and redacted like command output. A
+kernel that breaks the protocol is killed; the call says why. No step costs the event loop
+more than one read's worth of work, so a flooding context cannot stall other sandboxes.
+
+A timeout first interrupts the code (KeyboardInterrupt inside, the context lives on);
+if the code does not stop within a grace period, the kernel is killed and the
+context is dead until restarted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import shutil
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+from bastion.safety.errors import Conflict, InvalidRequest, NotFound, PolicyDenied, ResourceLimit, Unavailable
+from bastion.safety.redact import Redactor
+from bastion.sandbox._spawn import SANDBOX_PATH, SANDBOX_WORKSPACE
+from bastion.sandbox.processes import BackgroundProcess, RingCapture
+from bastion.workbench.workspace import CommandOutput, HostWorkspace, OutputCleaner
+
+logger = logging.getLogger("bastion.code")
+
+KERNEL_SOURCE: Final = (Path(__file__).parents[1] / "sandbox" / "inside" / "kernel.py").read_text(encoding="utf-8")
+SYSTEM_PYTHON: Final = "/usr/bin/python3"
+OWN_VENV: Final = f"{SANDBOX_WORKSPACE}/.venv"
+MAX_CONTEXTS: Final = 8
+MAX_CODE_BYTES: Final = 1 << 20
+MAX_ARGV_CODE_BYTES: Final = 100_000  # bash -c / node -e: one argument, under the kernel's 128 KiB
+# A header is a small JSON object; bulk data (output, images, values) travels as raw payload after it.
+# Parsing 4 KiB of the worst JSON (nested lists, many numbers) takes well under a millisecond.
+MAX_HEADER_BYTES: Final = 4096
+MAX_IMAGE_BYTES: Final = 4 << 20
+MAX_IMAGES: Final = 8
+MAX_TEXT_CHARS: Final = 65_536  # of a value or an error field, as the client sees it
+MAX_TEXT_PAYLOAD_BYTES: Final = 4 * MAX_TEXT_CHARS  # of UTF-8
+# What one message may carry, by event; a header with "bytes" over its cap breaks the protocol.
+PAYLOAD_CAPS: Final = {
+    "stream": 1 << 20,  # the kernel sends what one read of a pipe gave (64 KiB)
+    "image": MAX_IMAGE_BYTES,
+    "value": MAX_TEXT_PAYLOAD_BYTES,
+    "error": MAX_TEXT_PAYLOAD_BYTES,
+}
+_ERROR_FIELDS: Final = ("type", "message", "traceback")
+_EVENTS: Final = frozenset({"ready", "done", *PAYLOAD_CAPS})
+_CLEAN_SLACK_BYTES: Final = 256  # an escape sequence or a character split at the cut
+# Stream payloads are cleaned in batches of this much: the stream redactor rescans what it holds
+# (up to 16 Ki characters) at every feed, so cleaning each of a flood of 1-byte messages on its
+# own cost ~2 ms apiece, seconds of event loop per read.
+_CLEAN_BATCH_BYTES: Final = 65_536
+# Headers handled per turn; the rest of a read waits HEADER_PAUSE_S (the pipe is not read
+# meanwhile). 64 KiB of 18-byte headers took 15 ms in one callback; 64 take ~0.3 ms. The pause
+# keeps a flood of tiny messages to a share of the loop: resumed at every turn instead, it still
+# made another sandbox's run_command 15-25x slower (its call takes ~150 turns of the loop). Real
+# output comes in reads of a few messages and never waits.
+MAX_HEADERS_PER_TURN: Final = 64
+HEADER_PAUSE_S: Final = 0.001
+_REDACT_MARGIN_CHARS: Final = 1024  # text past a cut kept while redacting, so a secret across it is still seen
+START_TIMEOUT_S: Final = 30.0  # a cold interpreter on a busy machine
+GRACE_S: Final = 5.0
+PROGRESS_EVERY_S: Final = 1.0
+PROGRESS_TAIL_CHARS: Final = 2000
+_CONTEXT_NAME_MAX: Final = 32
+INTERPRETERS: Final = {"bash": ("bash", "-c"), "node": ("node", "-e")}
+
+Progress = Callable[[str], Awaitable[None]]
+
+
+@dataclass
+class Image:
+    png: bytes
+    width: int
+    height: int
+
+
+@dataclass
+class CellResult:
+    """One execution, cleaned and redacted."""
+
+    stdout: str
+    stderr: str
+    value: str | None
+    error: dict[str, str] | None
+    images: list[Image]
+    truncated: bool
+    execution_count: int
+    timed_out: bool = False
+    context_alive: bool = True
+    oom_killed: bool = False
+    memory_note: str = ""
+    """On an OOM kill: how much of the memory files in /tmp and /dev/shm held."""
+    protocol_error: str = ""
+    """How the kernel broke the protocol, if it did (it was killed)."""
+
+
+PayloadSink = Callable[[bytes | None], None]
+"""Takes a message's payload chunk by chunk as it is read, then None once it is complete."""
+
+
+class ProtocolError(Exception):
+    """The kernel broke the protocol; `reason` says how, in one line."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def _parse_header(line: bytes) -> dict[str, Any]:
+    """A header, checked: a known event with the fields it needs and a payload within its cap.
+
+    Raises:
+        ProtocolError: anything else (RecursionError of a deeply nested line included).
+    """
+    try:
+        message = json.loads(line)
+    except (ValueError, RecursionError):
+        raise ProtocolError("a message header is not valid JSON") from None
+    if not isinstance(message, dict):
+        raise ProtocolError("a message header is not a JSON object")
+    event = message.get("event")
+    if not isinstance(event, str) or event not in _EVENTS:
+        raise ProtocolError(f"unknown event {str(event)[:40]!r}")
+    cell_id = message.get("id")
+    if event not in ("ready", "stream") and type(cell_id) is not int:
+        raise ProtocolError(f"a {event} message without a numeric id")
+    cap = PAYLOAD_CAPS.get(event)
+    size = message.get("bytes")
+    if cap is not None and (type(size) is not int or not 0 <= size <= cap):
+        raise ProtocolError(f"a {event} message whose payload is not 0 to {cap} bytes")
+    if cap is None and size is not None:
+        raise ProtocolError(f"a {event} message with a payload")
+    return message
+
+
+class _ProtocolReader:
+    """Splits the kernel's bytes into headers and payloads as they are read, never holding more
+    than one header (MAX_HEADER_BYTES) or handing on more than it was fed."""
+
+    def __init__(self, on_header: Callable[[dict[str, Any]], PayloadSink | None], on_broken: Callable[[str], None]):
+        self._on_header = on_header
+        self._on_broken = on_broken
+        self._head = bytearray()
+        self._left = 0  # payload bytes still to come
+        self._sink: PayloadSink | None = None
+        self.broken = False
+
+    def feed(self, data: bytes, pos: int = 0) -> int:
+        """Take `data` from `pos` on, up to MAX_HEADERS_PER_TURN headers; return where it stopped
+        (len(data) once all is taken, or once the protocol is broken)."""
+        headers = 0
+        while pos < len(data) and not self.broken:
+            if self._left:
+                pos = self._take_payload(data, pos)
+            elif headers == MAX_HEADERS_PER_TURN:
+                return pos
+            else:
+                pos = self._take_header(data, pos)
+                headers += 1
+        return len(data)
+
+    def _take_payload(self, data: bytes, pos: int) -> int:
+        end = min(len(data), pos + self._left)
+        self._left -= end - pos
+        if self._sink is not None:
+            self._sink(data[pos:end])
+            if not self._left:
+                self._sink(None)
+                self._sink = None
+        return end
+
+    def _take_header(self, data: bytes, pos: int) -> int:
+        room = MAX_HEADER_BYTES - len(self._head)
+        end = data.find(b"\n", pos, pos + room + 1)
+        if end < 0:
+            if len(data) - pos > room:
+                self._break(f"a message header is longer than {MAX_HEADER_BYTES} bytes")
+            else:
+                self._head += data[pos:]
+            return len(data)
+        self._head += data[pos:end]
+        line = bytes(self._head)
+        self._head.clear()
+        try:
+            message = _parse_header(line)
+        except ProtocolError as exc:
+            self._break(exc.reason)
+            return len(data)
+        sink = self._on_header(message)
+        self._left = message.get("bytes") or 0
+        if sink is not None and self._left:
+            self._sink = sink
+        elif sink is not None:
+            sink(None)
+        return end + 1
+
+    def _break(self, reason: str) -> None:
+        self.broken = True
+        self._head.clear()
+        self._on_broken(reason)
+
+
+class _MessageCapture(RingCapture):
+    """The kernel's protocol channel, fed to a `_ProtocolReader` one read at a time; a few KiB are
+    kept for diagnosis. Closing it (EOF, or the context killed) calls `on_eof` once.
+
+    A read holding more headers than one turn may handle is finished in later turns of the
+    loop, HEADER_PAUSE_S apart, with the pipe unread meanwhile (the kernel waits on a full pipe):
+    a flood of tiny messages costs a turn at most MAX_HEADERS_PER_TURN headers."""
+
+    def __init__(self, fd: int, reader: _ProtocolReader, on_eof: Callable[[], None]) -> None:
+        self._reader = reader
+        self._on_eof = on_eof
+        self._rest = b""
+        self._rest_at = 0
+        super().__init__(fd, 4096)
+
+    def _keep(self, chunk: bytes) -> None:
+        super()._keep(chunk)
+        self._feed(chunk, 0)
+
+    def _feed(self, data: bytes, pos: int) -> None:
+        stopped = self._reader.feed(data, pos)
+        if stopped < len(data) and not self.closed:
+            self._rest, self._rest_at = data, stopped
+            self._loop.remove_reader(self.fd)
+            self._loop.call_later(HEADER_PAUSE_S, self._resume)
+
+    def _resume(self) -> None:
+        data, pos = self._rest, self._rest_at
+        self._rest, self._rest_at = b"", 0
+        if self.closed:
+            return
+        self._feed(data, pos)
+        if not self._rest and not self.closed:
+            self._loop.add_reader(self.fd, self._on_readable)
+
+    def close(self) -> None:
+        was_closed = self.closed
+        super().close()
+        if not was_closed:
+            self._on_eof()
+
+
+def _discard(_chunk: bytes | None) -> None:
+    """The sink of a payload nobody waits for (a message of an earlier cell, an image past the count)."""
+
+
+def _collect(done: Callable[[bytes], None]) -> PayloadSink:
+    """A sink that gathers a payload (already bounded by its header's cap) and hands it over whole."""
+    parts = bytearray()
+
+    def sink(chunk: bytes | None) -> None:
+        if chunk is None:
+            done(bytes(parts))
+        else:
+            parts.extend(chunk)
+
+    return sink
+
+
+@dataclass
+class _Cell:
+    id: int
+    stdout: OutputCleaner
+    stderr: OutputCleaner
+    cap: int
+    done: asyncio.Future[dict[str, Any]]
+    text: list[list[str]] = field(default_factory=lambda: [[], []])
+    sizes: list[int] = field(default_factory=lambda: [0, 0])
+    raw: list[bytearray] = field(default_factory=lambda: [bytearray(), bytearray()])  # not yet cleaned
+    truncated: bool = False
+    finished: bool = False
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    value: bytes | None = None
+    error: dict[str, bytes] = field(default_factory=dict)
+    images: list[Image] = field(default_factory=list)
+
+    def add(self, stream: int, raw: bytes | None) -> None:
+        """Gather output to clean in batches of _CLEAN_BATCH_BYTES. Past the cap, bytes only mark
+        the result truncated: they are never decoded, cleaned or redacted, so a flood costs a
+        count, not a pass over it."""
+        if self.finished or not raw:
+            return
+        if self.sizes[stream] >= self.cap:
+            self.truncated = True
+            return
+        self.raw[stream] += raw
+        if len(self.raw[stream]) >= _CLEAN_BATCH_BYTES:
+            self._clean(stream)
+
+    def _clean(self, stream: int) -> None:
+        """Clean what was gathered of `stream`, as much as fits under the cap."""
+        raw = bytes(self.raw[stream])
+        self.raw[stream].clear()
+        room = self.cap - self.sizes[stream]
+        if not raw:
+            return
+        if room <= 0:
+            self.truncated = True
+            return
+        limit = 4 * room + _CLEAN_SLACK_BYTES  # a character is at most 4 bytes; escapes only shorten text
+        cleaner = self.stdout if stream == 0 else self.stderr
+        clean = cleaner.feed(raw[:limit])
+        over = len(raw) > limit or len(clean) > room
+        clean = clean[:room]
+        if clean:
+            self.text[stream].append(clean)
+            self.sizes[stream] += len(clean)
+            self.changed.set()
+        if over:
+            # The rest of this stream is cut: joining text across the gap could complete a secret's prefix.
+            self.truncated = True
+            self.sizes[stream] = self.cap
+
+    def add_image(self, png: bytes, width: int, height: int) -> None:
+        # Only a real PNG goes to the client as an image; the size fields are the kernel's word.
+        if png.startswith(b"\x89PNG\r\n\x1a\n"):
+            self.images.append(Image(png, max(0, width), max(0, height)))
+
+    def finish(self) -> tuple[str, str]:
+        for stream, cleaner in enumerate((self.stdout, self.stderr)):
+            self._clean(stream)
+            rest = cleaner.feed(b"", final=True)
+            if rest and not self.truncated:
+                self.add_clean(stream, rest)
+        self.finished = True
+        return "".join(self.text[0]), "".join(self.text[1])
+
+    def add_clean(self, stream: int, clean: str) -> None:
+        room = self.cap - self.sizes[stream]
+        if len(clean) > room:
+            clean, self.truncated = clean[: max(room, 0)], True
+        self.text[stream].append(clean)
+        self.sizes[stream] += len(clean)
+
+    def tail(self) -> str:
+        if not self.finished:
+            self._clean(0)
+            self._clean(1)
+        joined = "".join(self.text[0][-8:]) + "".join(self.text[1][-8:])
+        return joined[-PROGRESS_TAIL_CHARS:]
+
+
+class PythonContext:
+    """One persistent Python kernel in a sandbox."""
+
+    def __init__(self, name: str, workspace: HostWorkspace, redactor: Redactor, python: str) -> None:
+        self.name = name
+        self._workspace = workspace
+        self._redactor = redactor
+        self._python = python
+        self._process: BackgroundProcess | None = None
+        self._ready: asyncio.Future[dict[str, Any]] | None = None
+        self._cell: _Cell | None = None
+        self._count = 0
+        self._lock = asyncio.Lock()
+        self._killing: asyncio.Task[None] | None = None  # held: a task nobody references may vanish
+        self.broken = ""  # how the kernel broke the protocol, once it has
+        self.started = time.monotonic()
+
+    @property
+    def alive(self) -> bool:
+        return self._process is not None and not self._process.exited
+
+    @property
+    def busy(self) -> bool:
+        return self._lock.locked()
+
+    def summary(self) -> dict[str, object]:
+        return {
+            "context": self.name,
+            "state": ("busy" if self.busy else "idle") if self.alive else "dead",
+            "execution_count": self._count,
+            "age_s": round(time.monotonic() - self.started, 3),
+        }
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._ready = loop.create_future()
+        env = {
+            **self._workspace.environment(),
+            "MPLBACKEND": "Agg",
+            "MPLCONFIGDIR": "/tmp/.matplotlib",  # noqa: S108 - the sandbox's own tmpfs
+        }
+        self._process = await self._workspace.sandbox.spawn(
+            self._python,
+            [self._python, "-I", "-c", KERNEL_SOURCE, OWN_VENV],
+            cwd=SANDBOX_WORKSPACE,
+            env=env,
+            ring_bytes=16_384,
+            stdout=lambda fd: _MessageCapture(fd, _ProtocolReader(self._on_header, self._on_broken), self._on_eof),
+        )
+        try:
+            async with asyncio.timeout(START_TIMEOUT_S):
+                await self._ready
+        except (TimeoutError, Unavailable) as exc:
+            # Unavailable: the kernel exited first (or its sandbox was closed), which is not a timeout.
+            ended = exc.reason if isinstance(exc, Unavailable) else "it did not start in time"
+            broke = f"it broke the protocol ({self.broken})" if self.broken else ""
+            reason = broke or self._stderr_tail() or ended
+            await self.kill()
+            raise Unavailable(f"the Python context did not start: {reason}") from None
+
+    def _stderr_tail(self) -> str:
+        if self._process is None:
+            return ""
+        _, raw = self._process.stderr.read(0, 16_384)
+        lines = self._redactor.redact(raw.decode("utf-8", "replace")).strip().splitlines()
+        return lines[-1][:300] if lines else ""
+
+    def _on_header(self, message: dict[str, Any]) -> PayloadSink | None:
+        """Act on one checked header; return where its payload goes."""
+        event = message["event"]
+        if event == "ready":
+            if self._ready is not None and not self._ready.done():
+                self._ready.set_result(message)
+            return None
+        cell = self._cell
+        if cell is None or message.get("id") != cell.id:
+            return _discard  # an earlier cell's, or sent between cells
+        if event == "done":
+            if not cell.done.done():
+                cell.done.set_result(message)
+            return None
+        if event == "stream":
+            stream = 0 if message.get("name") == "stdout" else 1
+            return lambda chunk: cell.add(stream, chunk)
+        if event == "value":
+            return _collect(lambda data: setattr(cell, "value", data))
+        if event == "error":
+            name = message.get("field")
+            return _collect(lambda data: cell.error.__setitem__(str(name), data)) if name in _ERROR_FIELDS else _discard
+        if len(cell.images) >= MAX_IMAGES:
+            return _discard
+        width, height = message.get("width"), message.get("height")
+        size = (width if type(width) is int else 0, height if type(height) is int else 0)
+        return _collect(lambda data: cell.add_image(data, *size))
+
+    def _on_eof(self) -> None:
+        """The kernel exited or was killed: the context is over."""
+        self._end({"event": "eof"}, Unavailable("the kernel exited"))
+
+    def _on_broken(self, reason: str) -> None:
+        """The kernel broke the protocol (it runs the agent's code): the context is killed, the call says why."""
+        if self.broken:
+            return
+        self.broken = reason
+        logger.warning("Python context %r of %s broke the protocol: %s", self.name, self._workspace.config.id, reason)
+        self._end({"event": "invalid", "reason": reason}, Unavailable(f"the kernel broke the protocol ({reason})"))
+        if self._process is not None:
+            self._killing = asyncio.get_running_loop().create_task(self.kill())
+
+    def _end(self, message: dict[str, Any], error: Unavailable) -> None:
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_exception(error)
+        cell = self._cell
+        if cell is not None and not cell.done.done():
+            cell.done.set_result(message)
+
+    async def execute(self, code: str, *, timeout_s: float, max_output_chars: int, progress: Progress) -> CellResult:
+        if self._lock.locked():
+            raise Conflict(f"context {self.name!r} is running other code: wait for it, or restart the context")
+        async with self._lock:
+            if not self.alive:
+                raise Conflict(f"context {self.name!r} is dead: run again with restart=true")
+            process = self._process
+            assert process is not None
+            self._count += 1
+            loop = asyncio.get_running_loop()
+            cell = _Cell(
+                id=self._count,
+                stdout=OutputCleaner(self._redactor),
+                stderr=OutputCleaner(self._redactor),
+                cap=max_output_chars,
+                done=loop.create_future(),
+            )
+            self._cell = cell
+            try:
+                await self._send({"op": "exec", "id": cell.id, "code": code})
+                return await self._await_cell(cell, timeout_s, progress)
+            finally:
+                self._cell = None
+
+    async def _send(self, request: dict[str, object]) -> None:
+        assert self._process is not None
+        data = (json.dumps(request) + "\n").encode()
+        written = await self._process.write(data, timeout_s=GRACE_S)
+        if written != len(data):
+            raise Unavailable("the Python context is not taking input")
+
+    async def _await_cell(self, cell: _Cell, timeout_s: float, progress: Progress) -> CellResult:
+        deadline = time.monotonic() + timeout_s
+        timed_out = False
+        message: dict[str, Any] | None = None
+        while message is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                timed_out = True
+                message = await self._interrupt(cell)
+                break
+            cell.changed.clear()
+            try:
+                async with asyncio.timeout(min(remaining, PROGRESS_EVERY_S)):
+                    message = await asyncio.shield(cell.done)
+            except TimeoutError:
+                # Silent code reports too: a client may reset its request timeout on progress.
+                await progress(cell.tail())
+        return self._result(cell, message, timed_out)
+
+    async def _interrupt(self, cell: _Cell) -> dict[str, Any] | None:
+        """KeyboardInterrupt in the code; if it does not stop within the grace period, kill the kernel."""
+        try:
+            await self._send({"op": "interrupt"})
+            async with asyncio.timeout(GRACE_S):
+                return await asyncio.shield(cell.done)
+        except (TimeoutError, Unavailable, Conflict):
+            await self.kill()
+            return None
+
+    def _result(self, cell: _Cell, message: dict[str, Any] | None, timed_out: bool) -> CellResult:
+        stdout, stderr = cell.finish()
+        done = message is not None and message.get("event") == "done"
+        broken = message is not None and message.get("event") == "invalid"
+        return CellResult(
+            stdout=stdout,
+            stderr=stderr,
+            value=self._text(cell.value) if done and cell.value is not None else None,
+            error={key: self._text(cell.error.get(key, b"")) for key in _ERROR_FIELDS} if done and cell.error else None,
+            images=cell.images if done else [],
+            truncated=cell.truncated,
+            execution_count=cell.id,
+            timed_out=timed_out,
+            context_alive=self.alive and done,
+            protocol_error=str(message.get("reason", "")) if broken and message is not None else "",
+        )
+
+    def _text(self, raw: bytes) -> str:
+        """A value or error field, cut to MAX_TEXT_CHARS and redacted (a secret across the cut is still seen)."""
+        text = raw.decode("utf-8", "replace")
+        if len(text) <= MAX_TEXT_CHARS:
+            return self._redactor.redact(text)
+        return self._redactor.redact(text[: MAX_TEXT_CHARS + _REDACT_MARGIN_CHARS])[:MAX_TEXT_CHARS]
+
+    async def kill(self) -> None:
+        if self._process is not None and not self._process.exited:
+            await self._workspace.sandbox.kill(self._process)
+        if self._process is not None:
+            self._process.close()
+
+
+class CodeRunner:
+    """The code contexts of one sandbox."""
+
+    def __init__(self, workspace: HostWorkspace, redactor: Redactor, *, python_env: str | None) -> None:
+        self._workspace = workspace
+        self._redactor = redactor
+        self._python = f"{python_env}/bin/python" if python_env else SYSTEM_PYTHON
+        self._contexts: dict[str, PythonContext] = {}
+
+    def contexts(self) -> list[dict[str, object]]:
+        return [context.summary() for context in self._contexts.values()]
+
+    async def python(
+        self, code: str, *, context: str, restart: bool, timeout_s: float | None, progress: Progress
+    ) -> CellResult:
+        _check_code(code, MAX_CODE_BYTES)
+        if self._workspace.sandbox.paused:
+            raise Conflict("the sandbox is paused: resume it first")
+        ctx = await self._context(context, restart)
+        config = self._workspace.config
+        limit = _limit(timeout_s, config.timeout_s)
+        sandbox = self._workspace.sandbox
+        ooms = sandbox.oom_kills()
+        result = await ctx.execute(code, timeout_s=limit, max_output_chars=config.max_output_bytes, progress=progress)
+        if not result.context_alive and sandbox.oom_kills() > ooms:
+            result.oom_killed = True
+            result.memory_note = sandbox.memory_note()
+        return result
+
+    async def _context(self, name: str, restart: bool) -> PythonContext:
+        if not name or len(name) > _CONTEXT_NAME_MAX or not name.replace("-", "").replace("_", "").isalnum():
+            raise InvalidRequest(f"context names are letters, digits, '-' and '_', at most {_CONTEXT_NAME_MAX}")
+        existing = self._contexts.get(name)
+        if existing is not None and restart:
+            await existing.kill()  # a busy context too: restart is how an agent gets out of a stuck one
+            del self._contexts[name]
+            existing = None
+        if existing is not None:
+            return existing
+        if len(self._contexts) >= MAX_CONTEXTS:
+            dead = [key for key, ctx in self._contexts.items() if not ctx.alive]
+            if not dead:
+                raise ResourceLimit(f"{MAX_CONTEXTS} contexts are open in this sandbox: restart one instead")
+            del self._contexts[dead[0]]
+        created = PythonContext(name, self._workspace, self._redactor, self._python)
+        await created.start()
+        self._contexts[name] = created
+        return created
+
+    async def one_shot(self, language: str, code: str, *, timeout_s: float | None) -> CommandOutput:
+        """bash or node, run once like a command (needs a sandbox whose policy allows a shell)."""
+        program, flag = INTERPRETERS[language]
+        _check_code(code, MAX_ARGV_CODE_BYTES)
+        if not self._workspace.via_sh:
+            raise PolicyDenied("this sandbox's template has a command policy: use run_command")
+        executable = shutil.which(program, path=SANDBOX_PATH)
+        if executable is None:
+            raise NotFound(f"{program} is not installed in this sandbox's template")
+        return await self._workspace.run_argv(executable, (program, flag, code), timeout_s=timeout_s)
+
+
+def _check_code(code: str, cap: int) -> None:
+    if "\x00" in code:
+        raise InvalidRequest("code contains a NUL character")
+    if len(code.encode("utf-8", "surrogatepass")) > cap:
+        raise InvalidRequest(f"code is longer than {cap} bytes: write it to a file and run that")
+
+
+def _limit(asked: float | None, ceiling: float) -> float:
+    limit = ceiling if asked is None else min(asked, ceiling)
+    if limit <= 0:
+        raise InvalidRequest("timeout_s must be positive")
+    return limit

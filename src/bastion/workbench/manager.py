@@ -1,0 +1,848 @@
+"""Agent-created sandboxes: a fresh workspace per sandbox, its own warm kernel sandbox and cgroup.
+
+A sandbox's files live in `<state_dir>/sandboxes/<id>/workspace`, bound read-write at
+/workspace inside; commands run as ``sh -c`` (the kernel is the boundary, so the policy
+allows a shell); the file tools act from outside through the jail. Closing a sandbox
+reclaims everything: processes (its PID namespaces die), its cgroup, and its files.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import os
+import secrets
+import shutil
+import stat
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from concurrent import futures
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final
+
+import anyio.to_thread
+
+from bastion.config import (
+    BASTION_OPT,
+    SANDBOX_ID_PREFIX,
+    AllowRule,
+    Config,
+    LimitsConfig,
+    SandboxLimitsConfig,
+    TemplateConfig,
+    WorkspaceConfig,
+    narrow_allow,
+    parse_allow_rules,
+)
+from bastion.egress.proxy import UNIX_PATH_MAX, EgressService
+from bastion.safety.commands import CommandPolicyConfig
+from bastion.safety.errors import (
+    BastionError,
+    Conflict,
+    InvalidRequest,
+    NotFound,
+    PolicyDenied,
+    ResourceLimit,
+    SandboxNotFound,
+    Unavailable,
+)
+from bastion.safety.redact import Redactor
+from bastion.sandbox._devices import DeviceFolder
+from bastion.sandbox._disk import drop_disk, make_disk, mount_disk, mount_tmpfs, used_bytes
+from bastion.sandbox._spawn import SandboxSpec
+from bastion.sandbox.cgroups import CgroupLayout, Limits
+from bastion.sandbox.identity import HostIdentity, IdentityPool
+from bastion.sandbox.warm import WarmSandbox
+from bastion.snapshot.store import (
+    SnapshotInfo,
+    SnapshotLimits,
+    create_snapshot,
+    delete_snapshot,
+    list_snapshots,
+    remove_leftovers,
+    restore_snapshot,
+)
+from bastion.workbench.code import OWN_VENV, CodeRunner
+from bastion.workbench.network import INSIDE_DIR, SOCKET_NAME, SandboxNetwork
+from bastion.workbench.workspace import HostWorkspace
+
+_ID_HEX_BYTES: Final = 6
+NET_DIR_NAME: Final = ".net"  # in sandboxes_dir; recover() skips it (not a sandbox id)
+# With a state path too long for unix sockets, the sockets are in a temp folder, named by this
+# symlink in sandboxes_dir so that the next start can remove a crashed server's.
+NET_TEMP_LINK: Final = ".net-temp"
+NET_TEMP_PREFIX: Final = "bastion-net-"
+ENV_DEST: Final = f"{BASTION_OPT}/env"
+SLEEP_AFTER_S: Final = 120.0
+_MAX_NAME_CHARS: Final = 64
+_SHELL_POLICY: Final = CommandPolicyConfig(allow=("*",))
+_NARROWABLE: Final = frozenset(SandboxLimitsConfig.model_fields)
+_DISK_WALK_MAX_ENTRIES: Final = 100_000
+_DISK_IMAGE: Final = "disk.img"
+_FOLDER_NICE: Final = 10
+_SNAPSHOT_THREADS: Final = 4  # snapshot, restore, delete and expiry work at once; more calls wait unthreaded
+_FOLDER_WORKERS: Final = 4  # threads making and removing sandboxes' folders (mkfs, mount, unmount, delete)
+_NET_TMPFS_BYTES: Final = 1 << 20  # holds sockets and folders only
+_NET_TMPFS_INODES: Final = 4 * 10_000 + 64  # a folder, a socket and a temp name per sandbox, at most
+
+logger = logging.getLogger("bastion.sandboxes")
+
+
+@dataclass
+class Sandbox:
+    """One live sandbox and what the manager knows about it."""
+
+    id: str
+    name: str | None
+    owner: str
+    limits: SandboxLimitsConfig
+    root: Path
+    workspace: HostWorkspace
+    code: CodeRunner
+    network: SandboxNetwork
+    template: str = "default"
+    created_wall: float = field(default_factory=time.time)
+    created: float = field(default_factory=time.monotonic)
+    last_used: float = field(default_factory=time.monotonic)
+
+    def summary(self) -> dict[str, object]:
+        now = time.monotonic()
+        return {
+            "sandbox_id": self.id,
+            "name": self.name,
+            "template": self.template,
+            "state": _state(self.workspace.sandbox),
+            "age_s": round(now - self.created, 3),
+            "idle_s": round(now - self.last_used, 3),
+            "network": self.network.summary(),
+        }
+
+
+def narrow_limits(ceiling: SandboxLimitsConfig, requested: Mapping[str, object] | None) -> SandboxLimitsConfig:
+    """The ceiling, with each requested value taken if it is not above it.
+
+    Raises:
+        InvalidRequest: an unknown limit name or a value of the wrong type.
+        PolicyDenied: a value above the administrator's ceiling.
+    """
+    if not requested:
+        return ceiling
+    unknown = sorted(set(requested) - _NARROWABLE)
+    if unknown:
+        raise InvalidRequest(f"unknown limit {unknown[0]!r}: use {', '.join(sorted(_NARROWABLE))}")
+    try:
+        narrowed = SandboxLimitsConfig.model_validate({**ceiling.model_dump(), **requested})
+    except ValueError:
+        raise InvalidRequest(
+            "a limit has an invalid value: give positive numbers within the documented bounds"
+        ) from None
+    for key in requested:
+        asked, allowed = getattr(narrowed, key), getattr(ceiling, key)
+        if asked > allowed:
+            raise PolicyDenied(f"limit {key}={asked} is above the administrator's ceiling of {allowed}: ask for less")
+    return narrowed
+
+
+@dataclass
+class _Prepared:
+    """A started sandbox waiting in the warm pool for its create_sandbox call."""
+
+    id: str
+    root: Path
+    warm: WarmSandbox
+    identity: HostIdentity
+
+
+class SandboxManager:
+    """Creates, finds, pauses and closes sandboxes; closes idle ones when asked to reap.
+
+    A small warm pool of started sandboxes (``warm_pool``) makes create_sandbox a handout
+    rather than a boot: starting bubblewrap and the agent takes tens of milliseconds.
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        redactor: Redactor,
+        cgroups: CgroupLayout | None,
+        egress: EgressService | None = None,
+        identities: IdentityPool | None = None,
+        devices: DeviceFolder | None = None,
+    ) -> None:
+        self._config = config.sandboxes
+        self._devices = devices
+        self._identities = identities or IdentityPool(*config.sandboxes.host_ids)
+        self._held: dict[str, HostIdentity] = {}  # by sandbox id, from _prepare until its folder is gone
+        # A sandbox that runs as an id of its own (a root server) reaches its folders through ours:
+        # they are traversable (0711), never listable, and what is inside is its own or read-only.
+        self._dir_mode = 0o711 if self._identities.switches else 0o700
+        self._egress = egress
+        # The proxies' sockets: <sandboxes_dir>/.net/<id>/, or a temp folder where that path is
+        # too long for a unix socket (108 bytes); made on first use.
+        self._net_dir: Path | None = None
+        self._templates = {t.name: t for t in config.template}
+        default = config.sandboxes.default_template
+        self._default_template = self._templates.get(default, TemplateConfig(name="default"))
+        self._dir = config.sandboxes_dir
+        self._snapshots = config.state_dir / "snapshots"
+        # Snapshot work runs in threads of its own, never more than _SNAPSHOT_THREADS of anyio's
+        # shared pool, which the audit log's commits need: 45 snapshot calls waiting in threads for
+        # the snapshot lock held all 40 and stopped every call of every sandbox until it was free.
+        self._snapshot_threads = anyio.CapacityLimiter(_SNAPSHOT_THREADS)
+        self._snapshot_turn = anyio.Lock()  # snapshots are written one at a time: they wait here, unfrozen
+        # Sandboxes whose workspace a snapshot is reading: closing one removes its files only after.
+        self._archiving: dict[str, anyio.Event] = {}
+        self._redactor = redactor
+        self._cgroups = cgroups
+        self._boxes: dict[str, Sandbox] = {}
+        self._pool: list[_Prepared] = []
+        self._starting: dict[str, _Prepared] = {}  # so close_all can end one mid-start
+        # mkfs, mount, unmount and deleting run here, off the event loop; close_all waits for them,
+        # so a server stopping mid-call never leaves a mount behind.
+        self._workers = _folder_workers()
+        self._building: dict[str, Path] = {}  # sandboxes whose folders a worker is making, until _prepare resumes
+        self._refill: asyncio.Task[None] | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self._config.enabled
+
+    def owns(self, sandbox_id: str) -> bool:
+        return sandbox_id in self._boxes
+
+    def get(self, sandbox_id: str) -> Sandbox:
+        box = self._boxes.get(sandbox_id)
+        if box is None:
+            raise SandboxNotFound(f"no sandbox {sandbox_id!r}: it was closed, or never existed (list_sandboxes)")
+        box.last_used = time.monotonic()
+        return box
+
+    def all(self) -> list[Sandbox]:
+        return sorted(self._boxes.values(), key=lambda box: box.created)
+
+    async def create(
+        self,
+        *,
+        owner: str,
+        name: str | None = None,
+        limits: Mapping[str, object] | None = None,
+        template: str | None = None,
+        network_allow: Sequence[str] | None = None,
+    ) -> Sandbox:
+        """Make a sandbox with a fresh, empty workspace and start it.
+
+        Raises:
+            PolicyDenied: sandboxes are disabled, or a limit is above the ceiling.
+            ResourceLimit: the maximum number of sandboxes is reached.
+            NotFound: no such template.
+            InvalidRequest: a malformed network rule.
+        """
+        if not self._config.enabled:
+            raise PolicyDenied("sandboxes are disabled on this server: use a configured workspace")
+        if len(self._boxes) >= self._config.max_sandboxes:
+            raise ResourceLimit(f"{self._config.max_sandboxes} sandboxes are open: close one first")
+        if name is not None and (len(name) > _MAX_NAME_CHARS or not name.isprintable()):
+            raise InvalidRequest(f"name must be printable and at most {_MAX_NAME_CHARS} characters")
+        chosen = self._template(template)
+        narrowed = narrow_limits(
+            self._config.limits,
+            {**(chosen.limits.model_dump(exclude_none=True) if chosen.limits else {}), **(limits or {})},
+        )
+        rules = self._network_rules(chosen, network_allow)
+        binds = _binds(chosen)
+        # The pool's sandboxes have the default template's binds and the ceiling's disk: others start their own.
+        standard = binds == _binds(self._default_template) and narrowed.disk_bytes == self._config.limits.disk_bytes
+        prepared = self._pool.pop() if self._pool and standard else await self._prepare(binds, narrowed.disk_bytes)
+        files_owner = _owner(prepared.identity)
+        network = SandboxNetwork(prepared.id, self._socket_dir(prepared.id), self._egress, rules, files_owner)
+        try:
+            config = self._workspace_config(prepared.id, prepared.root, narrowed, chosen)
+            via_sh = chosen.policy is None
+            workspace = HostWorkspace(
+                config,
+                self._redactor,
+                self._cgroups,
+                via_sh=via_sh,
+                sandbox=prepared.warm,
+                path_prefix=_path(chosen),
+                identity=prepared.identity,
+                owner=files_owner,
+            )
+            python_env = ENV_DEST if chosen.python_env is not None else None
+            code = CodeRunner(workspace, self._redactor, python_env=python_env)
+            await network.enable(workspace)
+        except BaseException:
+            network.close()
+            prepared.warm.close()
+            self._discard_prepared(prepared.id, prepared.root)
+            raise
+        box = Sandbox(
+            id=prepared.id,
+            name=name,
+            owner=owner,
+            limits=narrowed,
+            root=prepared.root,
+            workspace=workspace,
+            code=code,
+            network=network,
+            template=chosen.name,
+        )
+        self._boxes[box.id] = box
+        self.refill_pool()
+        return box
+
+    def _network_rules(self, template: TemplateConfig, requested: Sequence[str] | None) -> tuple[AllowRule, ...]:
+        """The template's allowlist, or the requested one, which must lie within the administrator's ceiling."""
+        if requested is None:
+            return parse_allow_rules(template.network_allow)
+        rules = narrow_allow(self._config.network.allow_rules, requested)
+        if rules and self._egress is None:
+            raise PolicyDenied("network egress is not available on this server")
+        return rules
+
+    def _socket_dir(self, sandbox_id: str) -> Path:
+        """The host folder a sandbox sees at /run/bastion, where its egress proxy listens."""
+        if self._net_dir is None:
+            self._net_dir = self._make_net_dir()
+        return self._net_dir / sandbox_id
+
+    def _make_net_dir(self) -> Path:
+        # Under the state folder when the socket paths fit; else a private temp folder, named by
+        # a symlink in the state folder. Either way `recover` finds a crashed server's.
+        preferred = self._dir / NET_DIR_NAME
+        longest = preferred / (SANDBOX_ID_PREFIX + "0" * 2 * _ID_HEX_BYTES) / SOCKET_NAME
+        self._make_dir(self._dir)
+        if len(os.fsencode(longest)) <= UNIX_PATH_MAX:
+            self._make_dir(preferred)
+            if self._config.disk_quota:
+                # A filesystem of its own: a bind of one of its folders shows the sandbox `/<id>` in
+                # /proc/self/mountinfo, where a folder of the state filesystem would show the state path.
+                mount_tmpfs(preferred, _NET_TMPFS_BYTES, _NET_TMPFS_INODES, self._dir_mode)
+            return preferred
+        temp = Path(tempfile.mkdtemp(prefix=NET_TEMP_PREFIX))
+        os.chmod(temp, self._dir_mode)
+        link = self._dir / NET_TEMP_LINK
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                link.unlink()
+            os.symlink(temp, link)
+        except OSError as exc:  # the sockets still work; only a crash would leave the folder behind
+            logger.warning("cannot name the egress socket folder %s in %s: %s", temp, link, exc)
+        return temp
+
+    def _make_dir(self, path: Path) -> None:
+        """A folder of ours that the sandboxes' own ids may pass through (see _dir_mode)."""
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(path, self._dir_mode)
+
+    def _discard_prepared(self, sandbox_id: str, root: Path) -> None:
+        self._discard_files(sandbox_id, root)
+        self._release_identity(sandbox_id)
+
+    def _discard_files(self, sandbox_id: str, root: Path) -> None:
+        """Unmount and delete a sandbox's folders. Blocking (a second or more for a tmpfs or
+        workspace of many files): `close` runs it in a worker thread; it touches no shared state."""
+        _discard(root)
+        if self._devices is not None:
+            self._devices.drop(sandbox_id)
+        if self._net_dir is not None:
+            with contextlib.suppress(FileNotFoundError):
+                _remove_tree(self._net_dir / sandbox_id)
+
+    def _release_identity(self, sandbox_id: str) -> None:
+        """Give the sandbox's host id back, once nothing of it is left that runs or is owned as it."""
+        identity = self._held.pop(sandbox_id, None)
+        if identity is not None:
+            self._identities.release(identity)
+
+    def _template(self, name: str | None) -> TemplateConfig:
+        if name is None:
+            return self._default_template
+        found = self._templates.get(name)
+        if found is None:
+            known = ", ".join(sorted(self._templates)) or "none are configured"
+            raise NotFound(f"no sandbox template {name!r}: use one of {known}")
+        return found
+
+    async def _prepare(self, binds: tuple[tuple[str, str], ...] = (), disk_bytes: int | None = None) -> _Prepared:
+        """A new sandbox: its folders (its own filesystem with a quota), its cgroup at the
+        ceiling's limits, bubblewrap and the agent started."""
+        sandbox_id = SANDBOX_ID_PREFIX + secrets.token_hex(_ID_HEX_BYTES)
+        root = self._dir / sandbox_id
+        identity = self._held[sandbox_id] = self._identities.acquire()
+        socket_dir = self._socket_dir(sandbox_id)
+        devices = await self._build(sandbox_id, root, identity, disk_bytes, socket_dir)
+        ceiling = self._config.limits
+        limits = None
+        if self._cgroups is not None:
+            limits = Limits(memory_bytes=ceiling.memory_bytes, pids=ceiling.pids, cpu_cores=ceiling.cpu_cores)
+        spec = SandboxSpec(
+            workspace=str(root / "workspace"),
+            read_only_binds=(*binds, (str(socket_dir), INSIDE_DIR)),
+            devices=devices,
+            identity=(identity.uid, identity.gid) if identity.switch else None,
+            tmp_size_bytes=self._config.tmp_bytes,
+            shm_size_bytes=self._config.shm_bytes,
+        )
+        warm = WarmSandbox(spec, cgroups=self._cgroups, limits=limits)
+        prepared = self._starting[sandbox_id] = _Prepared(sandbox_id, root, warm, identity)
+        try:
+            await warm.start()
+        except BaseException:
+            warm.close()
+            self._discard_prepared(sandbox_id, root)
+            raise
+        finally:
+            self._starting.pop(sandbox_id, None)
+        return prepared
+
+    async def _build(
+        self, sandbox_id: str, root: Path, identity: HostIdentity, disk_bytes: int | None, socket_dir: Path
+    ) -> str | None:
+        """Make the sandbox's folders in a worker (mkfs and mount: tens of ms the loop would stall);
+        returns its device folder. On failure or cancellation nothing of it is left."""
+        self._building[sandbox_id] = root
+        work = self._workers.submit(self._make_all, sandbox_id, root, identity, disk_bytes, socket_dir)
+        try:
+            devices = await asyncio.shield(asyncio.wrap_future(work))
+        except BaseException:
+            if not work.done():
+                # Cancelled mid-build: the worker goes on; removing its folders under it would race.
+                futures.wait([work])
+            self._discard_prepared(sandbox_id, root)
+            raise
+        finally:
+            discarded = self._building.pop(sandbox_id, None) is None
+        if discarded:  # close_all ran meanwhile and removed what the worker made
+            raise Unavailable("the server is closing its sandboxes: no new one starts")
+        return devices
+
+    def _make_all(
+        self, sandbox_id: str, root: Path, identity: HostIdentity, disk_bytes: int | None, socket_dir: Path
+    ) -> str | None:
+        self._make_folders(root, identity, disk_bytes)
+        socket_dir.mkdir(mode=self._dir_mode)
+        os.chmod(socket_dir, self._dir_mode)
+        return self._devices.make(sandbox_id, _owner(identity)) if self._devices is not None else None
+
+    def _make_folders(self, root: Path, identity: HostIdentity, disk_bytes: int | None) -> None:
+        """The sandbox's folder and its workspace (its own filesystem with a quota), the workspace its identity's."""
+        self._make_dir(self._dir)
+        root.mkdir(mode=0o700)
+        os.chmod(root, self._dir_mode)
+        workspace = root / "workspace"
+        workspace.mkdir(mode=0o700)
+        if self._config.disk_quota:
+            # ~20 ms, in a worker (`_build`) that close_all waits for.
+            make_disk(root / _DISK_IMAGE, workspace, disk_bytes or self._config.limits.disk_bytes)
+        if identity.switch:
+            os.chown(workspace, identity.uid, identity.gid, follow_symlinks=False)
+
+    def refill_pool(self) -> None:
+        """Start, in the background, the sandboxes the warm pool is missing."""
+        if not self._config.enabled or self._config.warm_pool == 0:
+            return
+        if self._refill is None or self._refill.done():
+            self._refill = asyncio.get_running_loop().create_task(self._fill())
+
+    async def _fill(self) -> None:
+        try:
+            while len(self._pool) < self._config.warm_pool:
+                self._pool.append(await self._prepare(_binds(self._default_template)))
+        except BastionError as exc:
+            logger.warning("warm pool not refilled: %s", exc.reason)
+
+    def _workspace_config(
+        self, sandbox_id: str, root: Path, limits: SandboxLimitsConfig, template: TemplateConfig
+    ) -> WorkspaceConfig:
+        return WorkspaceConfig(
+            id=sandbox_id.replace(SANDBOX_ID_PREFIX, "s", 1),
+            path=root / "workspace",
+            policy=template.policy or _SHELL_POLICY,
+            env={**self._config.env, **template.env},
+            timeout_s=limits.timeout_s,
+            max_output_bytes=limits.max_output_bytes,
+            limits=LimitsConfig(memory_bytes=limits.memory_bytes, pids=limits.pids, cpu_cores=limits.cpu_cores),
+            use_cgroups=self._cgroups is not None,
+        )
+
+    def status(self, sandbox_id: str) -> dict[str, object]:
+        box = self.get(sandbox_id)
+        usage = box.workspace.sandbox.usage()
+        detail = box.summary()
+        detail["created"] = round(box.created_wall, 3)
+        detail["limits"] = box.limits.model_dump()
+        detail["usage"] = {
+            "memory_bytes": usage.memory_bytes if usage else 0,
+            "pids": usage.pids if usage else 0,
+            "cpu_s": round(usage.cpu_usec / 1e6, 3) if usage else 0.0,
+            "disk_bytes": _disk_bytes(box.root / "workspace"),
+            "disk_quota_bytes": box.limits.disk_bytes if self._config.disk_quota else None,
+        }
+        return detail
+
+    def pause(self, sandbox_id: str) -> Sandbox:
+        box = self.get(sandbox_id)
+        if box.workspace.sandbox.paused:
+            raise Conflict(f"sandbox {sandbox_id} is already paused")
+        box.workspace.sandbox.pause()
+        return box
+
+    def resume(self, sandbox_id: str) -> Sandbox:
+        box = self.get(sandbox_id)
+        if not box.workspace.sandbox.paused:
+            raise Conflict(f"sandbox {sandbox_id} is not paused")
+        box.workspace.sandbox.resume()
+        return box
+
+    async def snapshot(self, sandbox_id: str, label: str | None) -> SnapshotInfo:
+        """Archive a sandbox's workspace (paused meanwhile, so the copy is consistent), within the snapshot caps.
+
+        Raises:
+            ResourceLimit: a cap (count or bytes, in total or of this sandbox) or the state reserve.
+        """
+        box = self.get(sandbox_id)
+        async with self._snapshot_turn:
+            # what has expired never holds a cap
+            await anyio.to_thread.run_sync(self.expire_snapshots, limiter=self._snapshot_threads)
+            # Closed while this call waited? From here to _archiving there is no await, so a close
+            # either came first (SandboxNotFound) or will wait for the archive.
+            box = self.get(sandbox_id)
+            warm = box.workspace.sandbox
+            freeze = not warm.paused and warm.usage() is not None
+            if freeze:
+                warm.pause()
+            archived = self._archiving[box.id] = anyio.Event()
+            try:
+                metadata = {"sandbox_id": box.id, "owner": box.owner, "name": box.name or ""}
+                return await anyio.to_thread.run_sync(
+                    functools.partial(
+                        create_snapshot,
+                        box.root / "workspace",
+                        self._snapshots,
+                        label=label,
+                        metadata=metadata,
+                        limits=self.snapshot_limits(),
+                    ),
+                    limiter=self._snapshot_threads,
+                )
+            finally:
+                del self._archiving[box.id]
+                archived.set()
+                if freeze and warm.paused:  # a close meanwhile ended the sandbox: nothing to thaw
+                    warm.resume()
+
+    async def restore(self, snapshot_id: str, *, owner: str) -> tuple[Sandbox, SnapshotInfo]:
+        """A new sandbox whose workspace is the snapshot's, byte for byte."""
+        box = await self.create(owner=owner)
+        try:
+            info = await anyio.to_thread.run_sync(
+                functools.partial(
+                    restore_snapshot,
+                    self._snapshots,
+                    snapshot_id,
+                    box.root / "workspace",
+                    owner=_owner(box.workspace.identity),
+                    # The workspace's blocks land in the sandbox's folder (its disk image): the state filesystem.
+                    state_dir=box.root,
+                    reserve_bytes=self._config.state_reserve_bytes,
+                ),
+                limiter=self._snapshot_threads,
+            )
+        except BaseException:
+            await self.close(box.id)
+            raise
+        return box, info
+
+    def snapshots(self) -> list[SnapshotInfo]:
+        return list_snapshots(self._snapshots)
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        """Delete a snapshot (any sandbox's, or a recovered one): its space is free at once.
+
+        Raises:
+            BastionError: InvalidRequest (bad id), NotFound, OperationFailed.
+        """
+        await anyio.to_thread.run_sync(delete_snapshot, self._snapshots, snapshot_id, limiter=self._snapshot_threads)
+
+    def snapshot_limits(self) -> SnapshotLimits:
+        """The caps an agent's snapshot is taken under, from the config."""
+        config = self._config
+        return SnapshotLimits(
+            count=config.max_snapshots,
+            bytes=config.snapshot_bytes,
+            per_sandbox_count=config.max_snapshots_per_sandbox,
+            per_sandbox_bytes=config.snapshot_bytes_per_sandbox,
+            reserve_bytes=config.state_reserve_bytes,
+        )
+
+    def snapshot_expires(self, info: SnapshotInfo) -> float:
+        """When a snapshot expires (unix s): after `orphan_retention_s` if recovered, else `snapshot_retention_s`."""
+        recovered = info.metadata.get("recovered") == "true"
+        return info.created + (self._config.orphan_retention_s if recovered else self._config.snapshot_retention_s)
+
+    def expire_snapshots(self) -> list[str]:
+        """Delete the snapshots past their retention (see `snapshot_expires`); return their ids. Blocking (unlinks)."""
+        now = time.time()
+        expired = []
+        for info in list_snapshots(self._snapshots):
+            if self.snapshot_expires(info) < now:
+                with contextlib.suppress(NotFound):  # deleted meanwhile by a call
+                    delete_snapshot(self._snapshots, info.id)
+                    expired.append(info.id)
+        return expired
+
+    def recover(self) -> list[str]:
+        """Clean what a crashed server left: its cgroups, and its sandboxes' folders, which
+        are kept as snapshots (label ``recovered``) until `orphan_retention_s` passes. Expired
+        snapshots and an interrupted snapshot's files go first; a workspace whose snapshot would
+        eat the state reserve is kept as it is, for the next start.
+
+        Processes need no cleaning: bwrap's --die-with-parent ended them with the server.
+        Returns the snapshot ids made.
+        """
+        if self._cgroups is not None:
+            for name in self._cgroups.existing():
+                owner_pid = name.split("-")[1] if name.count("-") == 2 else ""
+                if owner_pid.isdigit() and not os.path.exists(f"/proc/{owner_pid}"):
+                    self._cgroups.open(name).destroy()
+        made = []
+        self._remove_stale_sockets()
+        remove_leftovers(self._snapshots)
+        for snapshot_id in self.expire_snapshots():
+            logger.info("snapshot %s expired: deleted", snapshot_id)
+        # Not the agents' caps (a crash's leftovers are kept, whatever their number), only the reserve.
+        limits = SnapshotLimits(reserve_bytes=self._config.state_reserve_bytes)
+        if self._dir.is_dir():
+            for root in sorted(self._dir.iterdir()):
+                if not root.name.startswith(SANDBOX_ID_PREFIX) or root.name in self._boxes:
+                    continue
+                workspace = root / "workspace"
+                image = root / _DISK_IMAGE
+                if image.is_file() and not os.path.ismount(workspace):
+                    # After a host reboot the image is no longer mounted: mount it to keep its files.
+                    try:
+                        mount_disk(image, workspace)
+                    except BastionError as exc:
+                        logger.error("sandbox %s left by a crash kept as is: %s", root.name, exc.reason)
+                        continue
+                # An empty workspace (a warm-pool sandbox never handed out) has nothing to keep.
+                if workspace.is_dir() and not workspace.is_symlink() and any(workspace.iterdir()):
+                    metadata = {"sandbox_id": root.name, "recovered": "true"}
+                    try:
+                        info = create_snapshot(
+                            workspace, self._snapshots, label="recovered", metadata=metadata, limits=limits
+                        )
+                    except BastionError as exc:
+                        logger.error("sandbox %s left by a crash kept as is: %s", root.name, exc.reason)
+                        continue
+                    made.append(info.id)
+                _discard(root)
+        return made
+
+    def _remove_stale_sockets(self) -> None:
+        """The socket folders of sandboxes this server does not run (a crashed server's)."""
+        live = {*self._boxes, *(prepared.id for prepared in self._pool), *self._starting}
+        net_dir = self._dir / NET_DIR_NAME
+        if net_dir != self._net_dir and os.path.ismount(net_dir):
+            drop_disk(net_dir)  # a crashed server's tmpfs, and every socket in it
+        if net_dir.is_dir() and not net_dir.is_symlink():
+            for entry in net_dir.iterdir():
+                if entry.name not in live:
+                    _remove_tree(entry)
+        link = self._dir / NET_TEMP_LINK
+        try:
+            if not link.is_symlink():
+                return
+            target = Path(os.readlink(link))
+            if target == self._net_dir:
+                return
+            if _is_own_temp_net_dir(target):
+                _remove_tree(target)
+            link.unlink()
+        except OSError as exc:
+            logger.warning("cannot remove a previous server's egress socket folder (%s): %s", link, exc)
+
+    async def close(self, sandbox_id: str) -> None:
+        """End every process, remove the cgroup and the files, in that order. The waits (bwrap's
+        exit, the cgroup emptying, unmounting and deleting many files: seconds for a tmpfs of
+        700,000 files) run in worker threads, so other calls go on meanwhile. Once begun, it runs
+        to the end even if the caller is cancelled (a half-closed sandbox would leak its mounts).
+
+        Raises:
+            SandboxNotFound: no such sandbox (or it is being closed already).
+        """
+        box = self._take(sandbox_id)
+        with anyio.CancelScope(shield=True):
+            box.network.close()
+            await box.workspace.sandbox.aclose(final=True)
+            box.workspace.close()  # nothing left to wait for: its jail's fds, its records
+            archiving = self._archiving.get(box.id)
+            if archiving is not None:
+                await archiving.wait()  # a snapshot under way reads the files: they stay until it is whole
+            await asyncio.wrap_future(self._workers.submit(self._discard_files, box.id, box.root))
+            self._release_identity(box.id)
+
+    def _take(self, sandbox_id: str) -> Sandbox:
+        box = self._boxes.pop(sandbox_id, None)
+        if box is None:
+            raise SandboxNotFound(f"no sandbox {sandbox_id!r}: it was closed, or never existed (list_sandboxes)")
+        return box
+
+    def sleep_idle(self, sleep_after_s: float = SLEEP_AFTER_S) -> int:
+        """Make idle sandboxes cheap: unused for `sleep_after_s` with nothing running and an
+        empty /tmp, a sandbox's processes stop (its files stay); the next command starts it
+        again (tens of ms). Returns how many went to sleep."""
+        now = time.monotonic()
+        return sum(
+            1 for box in self._boxes.values() if now - box.last_used >= sleep_after_s and box.workspace.sandbox.sleep()
+        )
+
+    async def reap(self) -> list[str]:
+        """Close sandboxes past their idle timeout or lifetime; return their ids. Puts idle ones to sleep,
+        and deletes the snapshots past their retention."""
+        self.sleep_idle()
+        now = time.monotonic()
+        expired = [
+            box.id
+            for box in self._boxes.values()
+            if now - box.last_used > self._config.idle_timeout_s or now - box.created > self._config.lifetime_s
+        ]
+        closed = []
+        for sandbox_id in expired:
+            with contextlib.suppress(SandboxNotFound):  # a call closed it while an earlier one was closing
+                await self.close(sandbox_id)
+                closed.append(sandbox_id)
+        await self._expire_snapshots_logged()
+        return closed
+
+    async def _expire_snapshots_logged(self) -> None:
+        """The reaper's turn at `expire_snapshots`, in a worker thread; a failure is logged, never raised."""
+        try:
+            for snapshot_id in await anyio.to_thread.run_sync(self.expire_snapshots, limiter=self._snapshot_threads):
+                logger.info("snapshot %s expired: deleted", snapshot_id)
+        except BastionError as exc:
+            logger.warning("expired snapshots not deleted: %s", exc.reason)
+
+    def close_all(self) -> None:
+        """Close everything, waiting here: the server is ending (its event loop has stopped), or a probe is done."""
+        if self._refill is not None:
+            self._refill.cancel()
+        # Folder work under way (a sandbox being made or closed) ends first; then what a stopped
+        # loop will never hand back to _prepare is removed here.
+        self._workers.shutdown(wait=True)
+        self._workers = _folder_workers()
+        for sandbox_id, root in list(self._building.items()):
+            self._discard_prepared(sandbox_id, root)
+        self._building.clear()
+        for sandbox_id in list(self._boxes):
+            box = self._take(sandbox_id)
+            box.network.close(stop_proxy=False)  # the egress service then stops every proxy at once
+            box.workspace.close()
+            self._discard_prepared(box.id, box.root)
+        for prepared in [*self._pool, *self._starting.values()]:
+            prepared.warm.close()
+            self._discard_prepared(prepared.id, prepared.root)
+        self._pool.clear()
+        self._starting.clear()
+        if self._net_dir is not None:
+            if self._config.disk_quota and self._net_dir == self._dir / NET_DIR_NAME:
+                drop_disk(self._net_dir)
+            _remove_tree(self._net_dir)
+            self._net_dir = None
+            # Closing goes on even on a failed state filesystem (EIO): the folder is gone already.
+            with contextlib.suppress(OSError):
+                (self._dir / NET_TEMP_LINK).unlink()
+
+    def close_egress(self) -> None:
+        """Stop the egress proxies' thread (after close_all; the server is ending)."""
+        if self._egress is not None:
+            self._egress.close()
+
+
+def _owner(identity: HostIdentity | None) -> tuple[int, int] | None:
+    """Who the host-side tools make files as in a sandbox: its identity, when it has one of its own."""
+    return (identity.uid, identity.gid) if identity is not None and identity.switch else None
+
+
+def _state(warm: WarmSandbox) -> str:
+    if warm.paused:
+        return "paused"
+    return "asleep" if warm.asleep else "running"
+
+
+def _binds(template: TemplateConfig) -> tuple[tuple[str, str], ...]:
+    """What a template's sandboxes see read-only beyond the system: its folders, its Python environment."""
+    binds = tuple((str(b.source), b.dest) for b in template.read_only)
+    if template.python_env is not None:
+        binds += ((str(template.python_env), ENV_DEST),)
+    return binds
+
+
+def _path(template: TemplateConfig) -> tuple[str, ...]:
+    """PATH entries ahead of the system's: the sandbox's own venv first, then the template's."""
+    own = (f"{OWN_VENV}/bin",)
+    return (*own, f"{ENV_DEST}/bin") if template.python_env is not None else own
+
+
+def _folder_workers() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(
+        max_workers=_FOLDER_WORKERS, thread_name_prefix="bastion-folders", initializer=_lower_priority
+    )
+
+
+def _lower_priority() -> None:
+    """Folder work is background work: unmounting a tmpfs of 700,000 files is a second of kernel
+    time, which must not take a core from the calls of other sandboxes. Linux's nice is per
+    thread (setpriority with 0 is the calling thread); mkfs and mount inherit it."""
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, 0, _FOLDER_NICE)
+
+
+def _discard(root: Path) -> None:
+    """Unmount a sandbox's workspace filesystem if it has one, then delete its folder."""
+    drop_disk(root / "workspace")
+    _remove_tree(root)
+
+
+def _is_own_temp_net_dir(path: Path) -> bool:
+    """Whether `path` is a socket folder this user made in the temp folder (never follow another link)."""
+    if path.parent != Path(tempfile.gettempdir()) or not path.name.startswith(NET_TEMP_PREFIX):
+        return False
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
+
+
+def _remove_tree(root: Path) -> None:
+    # shutil.rmtree walks with directory fds and never follows a symlink on Linux
+    # (rmtree.avoids_symlink_attacks), so an agent's symlink cannot redirect it.
+    if not shutil.rmtree.avoids_symlink_attacks:  # noqa: TID251 - see above
+        raise OSError("this platform's rmtree can follow symlinks: refusing to delete sandbox files")
+    shutil.rmtree(root, ignore_errors=True)  # noqa: TID251 - fd-based, symlink-safe, on the state dir only
+
+
+def _disk_bytes(workspace: Path) -> int:
+    """Allocated bytes of the workspace, counted without following symlinks (bounded walk)."""
+    if os.path.ismount(workspace):
+        return used_bytes(workspace)
+    total = entries = 0
+    for _dirpath, dirnames, filenames, dirfd in os.fwalk(workspace, follow_symlinks=False):
+        for name in dirnames + filenames:
+            entries += 1
+            if entries > _DISK_WALK_MAX_ENTRIES:
+                return total
+            try:
+                st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
+            except OSError:
+                continue
+            if not stat.S_ISLNK(st.st_mode):
+                total += st.st_blocks * 512
+    return total

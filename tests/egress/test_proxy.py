@@ -1,0 +1,615 @@
+"""The egress proxy, driven by real clients through the real forwarder.
+
+Every test here runs the whole host-side path on loopback: a client (urllib with a proxy
+handler, a raw socket, or curl) -> sandbox/inside/forwarder.py as a subprocess on 127.0.0.1 -> the unix
+socket -> EgressService -> a local HTTP server on 127.0.0.1. The server is reached through
+a name mapped in ``hosts``; reaching it also needs 127.0.0.0/8 taken out of the blocked
+ranges, which only the tests that say so do. What these tests do not prove: that the
+sandbox has no other route (the in-sandbox end-to-end tests show that).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import http.server
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from bastion.config import DEFAULT_BLOCKED_RANGES, parse_allow_rules
+from bastion.egress import _relay
+from bastion.egress import proxy as egress
+from bastion.egress.proxy import EgressService
+from bastion.safety.audit import AuditLog, verify
+from bastion.safety.errors import Conflict, InvalidRequest, SandboxNotFound
+from bastion.safety.redact import Redactor
+
+FORWARDER = Path(egress.__file__).parents[1] / "sandbox" / "inside" / "forwarder.py"
+SANDBOX = "sb-0123456789ab"
+OPEN_RANGES = tuple(r for r in DEFAULT_BLOCKED_RANGES if r != "127.0.0.0/8")
+HOSTS = {"local.test": ["127.0.0.1"], "evil.test": ["127.0.0.1"], "meta.test": ["169.254.169.254"]}
+BIG = bytes(range(256)) * (4 * 1024 * 16)  # 16 MiB
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:
+        server: _Server = self.server  # type: ignore[assignment]
+        server.paths.append(self.path)
+        if self.path.startswith("/redirect"):
+            self.send_response(302)
+            self.send_header("Location", self.path.partition("?to=")[2])
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        body = BIG if self.path == "/big" else f"hello {self.path} host={self.headers['Host']}".encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+class _Server(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), _Handler)
+        self.paths: list[str] = []
+
+
+@dataclass
+class Egress:
+    """One running egress path: server, audit log, service, forwarder."""
+
+    tmp: Path
+    server: _Server
+    audit: AuditLog
+    service: EgressService
+    forwarder: subprocess.Popen[str]
+    proxy_port: int
+    sock_path: Path
+    extra: list[subprocess.Popen[str]] = field(default_factory=list)
+
+    @property
+    def port(self) -> int:
+        return self.server.server_address[1]
+
+    @property
+    def proxy(self) -> str:
+        return f"http://127.0.0.1:{self.proxy_port}"
+
+    def records(self) -> list[dict[str, object]]:
+        # Complete lines only: a record being written may be seen half-way.
+        lines = (self.tmp / "audit.jsonl").read_text().split("\n")[:-1]
+        return [r for r in map(json.loads, lines) if r.get("event") == "egress"]
+
+    def wait_records(self, count: int) -> list[dict[str, object]]:
+        # An allowed connection's record is written when it ends, just after the client sees EOF.
+        deadline = time.monotonic() + 10
+        while len(self.records()) < count and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self.records()
+
+
+def start_forwarder(sock_path: Path, source: str | None = None) -> tuple[subprocess.Popen[str], int]:
+    code = source if source is not None else FORWARDER.read_text()
+    proc = subprocess.Popen(
+        [sys.executable, "-I", "-S", "-c", code, "0", str(sock_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.startswith("ready "), proc.stderr.read() if proc.stderr else line
+    return proc, int(line.split()[1])
+
+
+def stop_process(proc: subprocess.Popen[str]) -> None:
+    proc.kill()
+    proc.wait()
+    for stream in (proc.stdout, proc.stderr):
+        if stream is not None:
+            stream.close()
+
+
+@contextlib.contextmanager
+def egress_path(tmp: Path, rules: list[str], **options: object) -> Iterator[Egress]:
+    tmp.mkdir(exist_ok=True)
+    server = _Server()
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    audit = AuditLog(tmp / "audit.jsonl", redactor=Redactor())
+    audit.open()
+    options.setdefault("hosts", HOSTS)
+    service = EgressService(audit, **options)  # type: ignore[arg-type]
+    port = server.server_address[1]
+    sock_path = tmp / "egress.sock"
+    service.start(SANDBOX, parse_allow_rules([r.replace("PORT", str(port)) for r in rules]), sock_path)
+    forwarder, proxy_port = start_forwarder(sock_path)
+    path = Egress(tmp, server, audit, service, forwarder, proxy_port, sock_path)
+    try:
+        yield path
+    finally:
+        stop_process(forwarder)
+        for proc in path.extra:
+            stop_process(proc)
+        service.close()
+        server.shutdown()
+        server.server_close()
+        audit.close()
+        report = verify(tmp / "audit.jsonl")
+        assert report.ok, report
+
+
+def fetch(path: Egress, url: str) -> tuple[int, bytes]:
+    """GET through the proxy with urllib (which follows redirects); HTTP errors are returned, not raised."""
+    handler = urllib.request.ProxyHandler({"http": path.proxy, "https": path.proxy})
+    opener = urllib.request.build_opener(handler)
+    try:
+        with opener.open(url.replace("PORT", str(path.port)), timeout=10) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        with exc:
+            return exc.code, exc.read()
+
+
+def raw(path: Egress, data: bytes, *, read: bool = True) -> bytes:
+    """Send bytes to the forwarder and read until the proxy closes."""
+    with socket.create_connection(("127.0.0.1", path.proxy_port), timeout=10) as sock:
+        sock.sendall(data)
+        if not read:
+            return b""
+        out = b""
+        while chunk := sock.recv(65536):
+            out += chunk
+        return out
+
+
+def status_line(response: bytes) -> str:
+    return response.split(b"\r\n", 1)[0].decode()
+
+
+# -- allowed and refused destinations ---------------------------------------------------
+
+
+def test_allowed_name_reaches_loopback_server_when_loopback_is_unblocked(tmp_path: Path) -> None:
+    with egress_path(tmp_path, ["local.test:PORT"], blocked_ranges=OPEN_RANGES) as path:
+        status, body = fetch(path, "http://local.test:PORT/a?b=1")
+        assert status == 200
+        assert body == f"hello /a?b=1 host=local.test:{path.port}".encode()
+        (record,) = path.wait_records(1)
+    assert record["decision"] == "allow"
+    assert record["sandbox"] == SANDBOX
+    assert record["domain"] == "local.test"
+    assert record["port"] == path.port
+    assert record["address"] == "127.0.0.1"
+    assert record["protocol"] == "http"
+    assert isinstance(record["bytes_up"], int)
+    assert record["bytes_up"] > 0
+    assert isinstance(record["bytes_down"], int)
+    assert record["bytes_down"] > len(body)
+    assert isinstance(record["duration_ms"], float)
+
+
+def test_allowed_name_resolving_to_loopback_is_refused_with_default_ranges(tmp_path: Path) -> None:
+    """DNS rebinding: an allowlisted name that resolves to 127.0.0.1 reaches nothing."""
+    with egress_path(tmp_path, ["local.test:PORT"]) as path:
+        status, body = fetch(path, "http://local.test:PORT/secret")
+        assert status == 403
+        assert b"127.0.0.0/8" in body
+        assert path.server.paths == []
+        (record,) = path.wait_records(1)
+    assert record["decision"] == "deny"
+    assert record["address"] == "127.0.0.1"
+    assert "blocked range 127.0.0.0/8" in str(record["reason"])
+
+
+def test_ipv4_mapped_address_is_judged_and_dialled_as_ipv4(tmp_path: Path) -> None:
+    hosts = {**HOSTS, "mapped.test": ["::ffff:127.0.0.1"]}
+    with egress_path(tmp_path / "closed", ["mapped.test:PORT"], hosts=hosts) as path:
+        status, body = fetch(path, "http://mapped.test:PORT/")
+        assert (status, b"127.0.0.0/8" in body) == (403, True)
+    with egress_path(tmp_path / "open", ["mapped.test:PORT"], hosts=hosts, blocked_ranges=OPEN_RANGES) as path:
+        assert fetch(path, "http://mapped.test:PORT/")[0] == 200
+        (record,) = path.wait_records(1)
+    assert record["address"] == "127.0.0.1"
+
+
+def test_a_name_with_any_blocked_address_is_refused_whole(tmp_path: Path) -> None:
+    hosts = {**HOSTS, "mixed.test": ["127.0.0.1", "10.1.2.3"]}
+    with egress_path(tmp_path, ["mixed.test:PORT"], hosts=hosts, blocked_ranges=OPEN_RANGES) as path:
+        status, body = fetch(path, "http://mixed.test:PORT/")
+        assert status == 403
+        assert b"10.1.2.3, in the blocked range 10.0.0.0/8" in body
+        assert path.server.paths == []
+
+
+def test_name_not_on_allowlist_is_refused(tmp_path: Path) -> None:
+    with egress_path(tmp_path, ["local.test:PORT"], blocked_ranges=OPEN_RANGES) as path:
+        status, body = fetch(path, "http://evil.test:PORT/")
+        assert status == 403
+        assert body.startswith(b"bastion egress: destination evil.test:")
+        assert path.server.paths == []
+        (record,) = path.wait_records(1)
+    assert (record["decision"], record["domain"], record["address"]) == ("deny", "evil.test", None)
+
+
+def test_cloud_metadata_address_is_refused(tmp_path: Path) -> None:
+    """A107: the metadata service is unreachable as a literal, as an allowed literal, and behind a name."""
+    rules = ["local.test:PORT", "169.254.169.254:80", "meta.test:80"]
+    with egress_path(tmp_path, rules, blocked_ranges=OPEN_RANGES) as path:
+        assert fetch(path, "http://169.254.169.254/latest/meta-data/")[0] == 403
+        assert fetch(path, "http://meta.test/latest/meta-data/")[0] == 403
+        records = path.wait_records(2)
+    assert [r["decision"] for r in records] == ["deny", "deny"]
+    assert all("blocked range 169.254.0.0/16" in str(r["reason"]) for r in records)
+
+
+def test_metadata_literal_without_a_rule_is_refused_as_not_allowlisted(tmp_path: Path) -> None:
+    with egress_path(tmp_path, ["local.test:PORT"]) as path:
+        status, body = fetch(path, "http://169.254.169.254/latest/meta-data/")
+        (record,) = path.wait_records(1)
+    assert status == 403
+    assert b"IP address 169.254.169.254:80 is not on this sandbox's allowlist" in body
+    assert record["decision"] == "deny"
+
+
+def test_ip_literal_is_refused_unless_a_rule_names_it(tmp_path: Path) -> None:
+    with egress_path(tmp_path, ["local.test:PORT"], blocked_ranges=OPEN_RANGES) as path:
+        assert fetch(path, "http://127.0.0.1:PORT/")[0] == 403
+        path.service.set_rules(SANDBOX, parse_allow_rules([f"127.0.0.1:{path.port}"]))
+        assert fetch(path, "http://127.0.0.1:PORT/")[0] == 200
+        assert path.server.paths == ["/"]
+
+
+def test_redirect_to_refused_host_is_refused(tmp_path: Path) -> None:
+    """urllib follows the 302 on a new request; the proxy checks it and refuses it."""
+    with egress_path(tmp_path, ["local.test:PORT"], blocked_ranges=OPEN_RANGES) as path:
+        status, body = fetch(path, "http://local.test:PORT/redirect?to=http://evil.test:PORT/stolen")
+        assert status == 403
+        assert b"evil.test" in body
+        assert path.server.paths == ["/redirect?to=http://evil.test:" + str(path.port) + "/stolen"]
+        records = path.wait_records(2)
+    assert sorted((str(r["domain"]), str(r["decision"])) for r in records) == [
+        ("evil.test", "deny"),
+        ("local.test", "allow"),
+    ]
+
+
+def test_second_request_on_a_kept_alive_connection_never_reaches_another_host(tmp_path: Path) -> None:
+    """Plain HTTP is one request per connection: the proxy closes after the response."""
+    with egress_path(tmp_path, ["local.test:PORT"], blocked_ranges=OPEN_RANGES) as path:
+        first = f"GET http://local.test:{path.port}/one HTTP/1.1\r\nHost: local.test\r\n\r\n"
+        second = f"GET http://evil.test:{path.port}/two HTTP/1.1\r\nHost: evil.test\r\n\r\n"
+        with socket.create_connection(("127.0.0.1", path.proxy_port), timeout=10) as sock:
+            sock.sendall(first.encode())
+            response = b""
+            while chunk := sock.recv(65536):
+                response += chunk
+            assert status_line(response) == "HTTP/1.1 200 OK"
+            with contextlib.suppress(OSError):
+                sock.sendall(second.encode())
+                assert sock.recv(65536) == b""
+        # The server saw the first request with Connection: close and its own Host only.
+        assert path.server.paths == ["/one"]
+        (record,) = path.wait_records(1)
+    assert record["url"] == f"http://local.test:{path.port}/one"
+
+
+def test_pipelined_request_goes_only_to_the_checked_server(tmp_path: Path) -> None:
+    """Bytes after the first request travel to the server already checked, never to the second name."""
+    with egress_path(tmp_path, ["local.test:PORT"], blocked_ranges=OPEN_RANGES) as path:
+        both = (
+            f"GET http://local.test:{path.port}/one HTTP/1.1\r\nHost: local.test\r\n\r\n"
+            f"GET http://evil.test:{path.port}/two HTTP/1.1\r\nHost: evil.test\r\n\r\n"
+        )
+        response = raw(path, both.encode())
+        assert status_line(response) == "HTTP/1.1 200 OK"
+        assert response.count(b"HTTP/1.1 ") == 1
+        records = path.wait_records(1)
+    assert [r["domain"] for r in records] == ["local.test"]
+    assert path.server.paths == ["/one"]  # the server closed after it, as the proxy asked
+
+
+# -- CONNECT and SOCKS5 -------------------------------------------------------------------
+
+
+def test_connect_tunnel_to_allowed_port(tmp_path: Path) -> None:
+    with egress_path(tmp_path, ["local.test:PORT"], blocked_ranges=OPEN_RANGES) as path:
+        request = (
+            f"CONNECT local.test:{path.port} HTTP/1.1\r\nHost: local.test:{path.port}\r\n\r\n"
+            "GET /tunnel HTTP/1.1\r\nHost: inside\r\nConnection: close\r\n\r\n"
+        )
+        response = raw(path, request.encode())
+        assert response.startswith(b"HTTP/1.1 200 Connection established\r\n\r\nHTTP/1.1 200 OK")
+        assert response.endswith(b"hello /tunnel host=inside")
+        (record,) = path.wait_records(1)
+    assert (record["protocol"], record["decision"], record["bytes_down"]) == ("connect", "allow", len(response) - 39)
+
+
+@pytest.mark.parametrize("rule", ["local.test", "local.test:PORT"])
+def test_connect_to_refused_port_is_refused(tmp_path: Path, rule: str) -> None:
+    """A rule without a port allows 80 and 443 only; a rule with a port allows that one only."""
+    with egress_path(tmp_path, [rule], blocked_ranges=OPEN_RANGES) as path:
+        for port in (22, 25, path.port + 1 if rule.endswith("PORT") else path.port):
+            response = raw(path, f"CONNECT local.test:{port} HTTP/1.1\r\n\r\n".encode())
+            assert status_line(response).startswith("HTTP/1.1 403 Forbidden: destination local.test:")
+        records = path.wait_records(3)
+    assert [r["decision"] for r in records] == ["deny"] * 3
+    assert path.server.paths == []
+
+
+def test_socks5_connect_allowed_and_refused(tmp_path: Path) -> None:
+    with egress_path(tmp_path, ["local.test:PORT"], blocked_ranges=OPEN_RANGES) as path:
+        for name, expect in ((b"local.test", 0), (b"evil.test", 2)):
+            with socket.create_connection(("127.0.0.1", path.proxy_port), timeout=10) as sock:
+                sock.sendall(b"\x05\x01\x00")
+                assert sock.recv(2) == b"\x05\x00"
+                sock.sendall(b"\x05\x01\x00\x03" + bytes([len(name)]) + name + path.port.to_bytes(2, "big"))
+                reply = sock.recv(10)
+                assert reply[:2] == bytes([5, expect])
+                if expect == 0:
+                    sock.sendall(b"GET /socks HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                    data = b""
+                    while chunk := sock.recv(65536):
+                        data += chunk
+                    assert data.endswith(b"hello /socks host=x")
+        records = path.wait_records(2)
+    assert sorted((str(r["protocol"]), str(r["domain"]), str(r["decision"])) for r in records) == [
+        ("socks5", "evil.test", "deny"),
+        ("socks5", "local.test", "allow"),
+    ]
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+def test_curl_through_the_forwarder(tmp_path: Path) -> None:
+    with egress_path(tmp_path, ["local.test:PORT"], blocked_ranges=OPEN_RANGES) as path:
+        url = f"http://local.test:{path.port}/curl"
+        ok = subprocess.run(
+            ["curl", "-sS", "--max-time", "10", "--proxy", path.proxy, url], capture_output=True, check=True
+        )
+        assert ok.stdout == f"hello /curl host=local.test:{path.port}".encode()
+        tunnel = subprocess.run(
+            ["curl", "-sS", "-p", "--max-time", "10", "--proxy", path.proxy, url], capture_output=True, check=True
+        )
+        assert tunnel.stdout == ok.stdout
+        refused = subprocess.run(
+            ["curl", "-sS", "-p", "--max-time", "10", "--proxy", path.proxy, f"http://evil.test:{path.port}/"],
+            capture_output=True,
+            check=False,
+        )
+        assert refused.returncode != 0
+        assert b"403" in refused.stderr
+        records = path.wait_records(3)
+    assert sorted(str(r["decision"]) for r in records) == ["allow", "allow", "deny"]
+
+
+# -- malformed requests and bounds --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("request_bytes", "status"),
+    [
+        (b"GET / HTTP/1.1\r\nHost: local.test\r\n\r\n", 400),  # origin form: not a proxy request
+        (b"GET https://local.test/ HTTP/1.1\r\n\r\n", 400),
+        (b"GET http://user:pw@local.test/ HTTP/1.1\r\n\r\n", 400),
+        (b"GET http://local.test/ HTTP/1.1\r\nX : y\r\n\r\n", 400),
+        (b"GET http://local.test/ HTTP/1.1\r\n folded\r\n\r\n", 400),
+        (b"POST http://local.test/ HTTP/1.1\r\nContent-Length: 1\r\nTransfer-Encoding: chunked\r\n\r\n", 400),
+        (b"CONNECT local.test HTTP/1.1\r\n\r\n", 400),
+        (b"CONNECT local.test:0 HTTP/1.1\r\n\r\n", 400),
+        (b"GET http://2130706433/ HTTP/1.1\r\n\r\n", 400),
+        (b"GET http://local.test/" + b"a" * 70_000 + b" HTTP/1.1\r\n\r\n", 431),
+    ],
+)
+def test_malformed_requests_get_a_clear_status(tmp_path: Path, request_bytes: bytes, status: int) -> None:
+    with egress_path(tmp_path, ["local.test:*"], blocked_ranges=OPEN_RANGES) as path:
+        response = raw(path, request_bytes)
+        assert status_line(response).startswith(f"HTTP/1.1 {status} ")
+        assert response.count(b"\n") == 6  # status, 3 headers, blank line, one-line body
+        (record,) = path.wait_records(1)
+    assert record["decision"] == "error"
+    assert path.server.paths == []
+
+
+def test_connection_cap_per_sandbox(tmp_path: Path) -> None:
+    with egress_path(tmp_path, ["local.test:PORT"], blocked_ranges=OPEN_RANGES, max_connections=2) as path:
+        tunnels = []
+        try:
+            for _ in range(2):
+                sock = socket.create_connection(("127.0.0.1", path.proxy_port), timeout=10)
+                tunnels.append(sock)
+                sock.sendall(f"CONNECT local.test:{path.port} HTTP/1.1\r\n\r\n".encode())
+                assert sock.recv(100).startswith(b"HTTP/1.1 200")
+            response = raw(path, f"CONNECT local.test:{path.port} HTTP/1.1\r\n\r\n".encode())
+            assert status_line(response).startswith("HTTP/1.1 503 ")
+        finally:
+            for sock in tunnels:
+                sock.close()
+        records = path.wait_records(3)
+    assert sorted(str(r["decision"]) for r in records) == ["allow", "allow", "deny"]
+
+
+def test_attempts_past_the_rate_get_429_and_are_counted_in_one_record(tmp_path: Path) -> None:
+    """A loop of connection attempts: the burst is judged and recorded one by one, the rest are
+    refused with 429 before their request is read, and their number is in egress_throttled
+    records (one a second, the rest when the proxy stops). Nothing reaches the server."""
+    statuses = []
+    with egress_path(
+        tmp_path, ["local.test:PORT"], blocked_ranges=OPEN_RANGES, attempts_per_s=0.2, attempt_burst=3
+    ) as path:
+        for _ in range(12):
+            response = raw(path, f"GET http://evil.test:{path.port}/x HTTP/1.1\r\nHost: evil.test\r\n\r\n".encode())
+            statuses.append(status_line(response).split(" ")[1])
+        assert path.server.paths == []
+        throttled_reply = raw(path, b"GET http://evil.test/ HTTP/1.1\r\n\r\n")
+        assert b"connection attempts a second" in throttled_reply
+        statuses.append(status_line(throttled_reply).split(" ")[1])
+    assert statuses[:3] == ["403", "403", "403"], statuses
+    assert set(statuses) == {"403", "429"}, statuses
+    refused = statuses.count("429")
+    assert refused >= 8, statuses  # at 0.2 a second, at most two more tokens in the test's time
+    lines = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
+    judged = [r for r in lines if r.get("event") == "egress"]
+    throttled = [r for r in lines if r.get("event") == "egress_throttled"]
+    assert len(judged) == len(statuses) - refused
+    assert all(r["decision"] == "deny" for r in judged)
+    assert sum(int(r["refused"]) for r in throttled) == refused
+    assert all(r["sandbox"] == SANDBOX and r["attempts_per_s"] == 0.2 and r["burst"] == 3 for r in throttled)
+
+
+def test_idle_tunnel_is_closed(tmp_path: Path) -> None:
+    with egress_path(tmp_path, ["local.test:PORT"], blocked_ranges=OPEN_RANGES, idle_timeout_s=0.3) as path:
+        with socket.create_connection(("127.0.0.1", path.proxy_port), timeout=10) as sock:
+            sock.sendall(f"CONNECT local.test:{path.port} HTTP/1.1\r\n\r\n".encode())
+            assert sock.recv(100).startswith(b"HTTP/1.1 200")
+            started = time.monotonic()
+            assert sock.recv(100) == b""
+            assert time.monotonic() - started < 5
+        (record,) = path.wait_records(1)
+    assert record["reason"] == "ended: idle for 0.3 s"
+
+
+def test_slow_request_head_times_out(tmp_path: Path) -> None:
+    with egress_path(tmp_path, ["local.test:PORT"], head_timeout_s=0.3) as path:
+        response = raw(path, b"GET http://local.test/ HTTP/1.1\r\n")
+        assert status_line(response).startswith("HTTP/1.1 408 ")
+        (record,) = path.wait_records(1)
+    assert "did not arrive" in str(record["reason"])
+
+
+def test_stop_ends_connections_and_removes_the_socket(tmp_path: Path) -> None:
+    with egress_path(tmp_path, ["local.test:PORT"], blocked_ranges=OPEN_RANGES) as path:
+        with socket.create_connection(("127.0.0.1", path.proxy_port), timeout=10) as sock:
+            sock.sendall(f"CONNECT local.test:{path.port} HTTP/1.1\r\n\r\n".encode())
+            assert sock.recv(100).startswith(b"HTTP/1.1 200")
+            path.service.stop(SANDBOX)
+            assert sock.recv(100) == b""
+        assert not path.sock_path.exists()
+        assert path.service.sandboxes() == []
+        (record,) = path.wait_records(1)
+        # A connection to a stopped sandbox's forwarder goes nowhere.
+        with contextlib.suppress(ConnectionResetError):
+            assert raw(path, b"CONNECT local.test:80 HTTP/1.1\r\n\r\n") == b""
+    assert record["decision"] == "allow"
+    assert str(record["reason"]).endswith("the sandbox's proxy stopped")
+
+
+def test_start_twice_and_bad_socket_paths_are_refused(tmp_path: Path) -> None:
+    with egress_path(tmp_path, ["local.test:PORT"]) as path:
+        with pytest.raises(Conflict):
+            path.service.start(SANDBOX, (), tmp_path / "other.sock")
+        (tmp_path / "file").write_text("x")
+        with pytest.raises(Conflict):
+            path.service.start("sb-000000000002", (), tmp_path / "file")
+        with pytest.raises(InvalidRequest):
+            path.service.start("sb-000000000003", (), tmp_path / ("x" * 120))
+        with pytest.raises(SandboxNotFound):
+            path.service.set_rules("sb-000000000004", ())
+        path.service.stop("sb-000000000004")  # nothing to stop: no error
+        assert (path.sock_path.stat().st_mode & 0o777) == 0o600
+
+
+# -- throughput paths and audit ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("splice", [True, False])
+def test_large_download_is_intact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, splice: bool) -> None:
+    """Both copy paths (splice, and plain reads and writes) deliver every byte."""
+    monkeypatch.setattr(_relay, "USE_SPLICE", splice)
+    with egress_path(tmp_path, ["local.test:PORT"], blocked_ranges=OPEN_RANGES) as path:
+        if not splice:
+            source = FORWARDER.read_text()
+            assert 'SPLICE = hasattr(os, "splice")' in source
+            proc, port = start_forwarder(path.sock_path, source.replace('hasattr(os, "splice")', "False"))
+            path.extra.append(proc)
+            path.proxy_port = port
+        status, body = fetch(path, "http://local.test:PORT/big")
+        assert status == 200
+        assert hashlib.sha256(body).digest() == hashlib.sha256(BIG).digest()
+        (record,) = path.wait_records(1)
+    assert isinstance(record["bytes_down"], int)
+    assert record["bytes_down"] > len(BIG)
+
+
+def test_every_attempt_is_one_audit_record_and_the_chain_verifies(tmp_path: Path) -> None:
+    with egress_path(tmp_path, ["local.test:PORT"], blocked_ranges=OPEN_RANGES) as path:
+        outcomes = [
+            fetch(path, "http://local.test:PORT/1")[0],
+            fetch(path, "http://evil.test:PORT/2")[0],
+            fetch(path, "http://169.254.169.254/")[0],
+            fetch(path, "http://local.test:PORT/3")[0],
+        ]
+        raw(path, b"nonsense\r\n\r\n")
+        records = path.wait_records(5)
+    assert outcomes == [200, 403, 403, 200]
+    # An allowed connection is recorded when it ends, so records need not come in request order.
+    assert sorted(str(r["decision"]) for r in records) == ["allow", "allow", "deny", "deny", "error"]
+    for record in records:
+        assert set(record) >= {"sandbox", "domain", "port", "address", "decision", "reason", "bytes_up", "bytes_down"}
+    assert verify(tmp_path / "audit.jsonl").ok
+
+
+def test_allowed_connection_is_recorded_before_it_is_made(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Fail-closed: an allowed attempt whose opening record cannot be written gets 503 and never
+    reaches the server; once the log is back, the next one is recorded first, then made."""
+    with egress_path(tmp_path, ["local.test:PORT"], blocked_ranges=OPEN_RANGES) as path:
+        path.audit.close()  # every append now raises AuditUnavailable
+        status, body = fetch(path, "http://local.test:PORT/a")
+        assert status == 503
+        assert b"audit log is unavailable" in body
+        assert path.server.paths == []
+        assert any("not recorded" in r.getMessage() for r in caplog.records)
+        path.audit.open()
+        assert fetch(path, "http://local.test:PORT/c")[0] == 200
+        assert path.server.paths == ["/c"]
+        path.wait_records(1)
+    lines = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
+    events = [(r["event"], r.get("url")) for r in lines if str(r.get("event", "")).startswith("egress")]
+    url = f"http://local.test:{path.port}/c"
+    assert events.index(("egress_open", url)) < events.index(("egress", url))
+    opened = next(r for r in lines if r["event"] == "egress_open")
+    assert opened["addresses"] == ["127.0.0.1"]
+    assert verify(tmp_path / "audit.jsonl").ok
+
+
+def wait_for(condition: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + 10
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met within 10 s"
+        time.sleep(0.01)
+
+
+def test_async_front_from_another_event_loop(tmp_path: Path) -> None:
+    """The server's loop drives the service without blocking; the rules change takes effect."""
+    with egress_path(tmp_path, ["local.test:PORT"], blocked_ranges=OPEN_RANGES) as path:
+
+        async def drive() -> None:
+            await path.service.stop_async(SANDBOX)
+            assert not path.sock_path.exists()
+            await path.service.start_async(SANDBOX, (), path.sock_path)
+            status, _ = await asyncio.to_thread(fetch, path, "http://local.test:PORT/")
+            assert status == 403
+            await path.service.set_rules_async(SANDBOX, parse_allow_rules([f"local.test:{path.port}"]))
+            status, _ = await asyncio.to_thread(fetch, path, "http://local.test:PORT/")
+            assert status == 200
+
+        asyncio.run(drive())
+        assert sorted(str(r["decision"]) for r in path.wait_records(2)) == ["allow", "deny"]

@@ -1,0 +1,181 @@
+"""The login limiter and the window limiter, with a fake clock.
+
+What this proves: every attempt is reserved before its check, so an address with a check in flight is
+refused and a burst is never verified in parallel; at most `max_checks` checks run server-wide (503 past
+that, at once); an address waits after `free` failures, doubling up to the maximum, and a success clears
+it; IPv6 addresses are counted by /64; the global limit stops addresses that have failed and never one
+that has not (a flood from elsewhere does not lock the administrator out); the tracked addresses stay
+bounded; the window limiter counts per key. What it does not prove: the HTTP answers (tested live in
+test_login_attacks.py and test_negative.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from bastion.transports.http import ratelimit
+from bastion.transports.http.ratelimit import LoginLimiter, LoginRefused, WindowLimiter, address_key
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    fake = Clock()
+    monkeypatch.setattr(ratelimit.time, "monotonic", fake)
+    return fake
+
+
+def fail(limiter: LoginLimiter, ip: str, device: str | None = None) -> None:
+    limiter.finish(limiter.begin(ip, device=device), ok=False)
+
+
+def test_back_off_doubles_then_caps_and_clears(clock: Clock) -> None:
+    limiter = LoginLimiter(free=3, max_s=5.0, global_per_minute=1000)
+    for _ in range(2):
+        fail(limiter, "a")
+    assert limiter.retry_after("a") == 0
+    fail(limiter, "a")
+    assert limiter.retry_after("a") == pytest.approx(1.0)
+    with pytest.raises(LoginRefused) as refused:
+        limiter.begin("a")
+    assert refused.value.status == 429
+    assert refused.value.retry_after_s == pytest.approx(1.0)
+    clock.now += 1.0
+    fail(limiter, "a")
+    assert limiter.retry_after("a") == pytest.approx(2.0)
+    for _ in range(5):
+        clock.now += 5.0
+        fail(limiter, "a")
+    assert limiter.retry_after("a") == pytest.approx(5.0)
+    assert limiter.retry_after("b") == 0
+    clock.now += 5.0
+    assert limiter.retry_after("a") == 0  # the administrator can try again after the cool-down
+    limiter.finish(limiter.begin("a"), ok=True)
+    fail(limiter, "a")
+    assert limiter.retry_after("a") == 0
+
+
+def test_concurrent_burst_from_one_address_is_refused_before_any_check(clock: Clock) -> None:
+    """The attempt is counted at `begin`: a second one from the same address while the first is being
+    checked is refused, so 60 parallel guesses cost one argon2 check, not 60."""
+    limiter = LoginLimiter(free=5, max_s=900.0, global_per_minute=1000)
+    first = limiter.begin("198.51.100.7")
+    refused = 0
+    for _ in range(59):
+        with pytest.raises(LoginRefused) as info:
+            limiter.begin("198.51.100.7")
+        assert info.value.status == 429
+        refused += 1
+    assert refused == 59
+    with pytest.raises(LoginRefused) as info:
+        limiter.begin("192.0.2.1")
+    assert info.value.status == 503  # another address without a device cookie waits for the shared slot
+    other = limiter.begin("198.51.100.7", device="admin-browser")  # the slot kept for a known browser
+    limiter.finish(first, ok=False)
+    limiter.finish(other, ok=True)
+    limiter.finish(limiter.begin("198.51.100.7"), ok=False)  # the next one, after the answer
+
+
+def test_server_wide_checks_are_capped_and_refused_not_queued(clock: Clock) -> None:
+    """Two checks at most; one of them is kept for browsers with a device cookie, so addresses without
+    one share the other: a flood never takes the slot the administrator's browser would use."""
+    limiter = LoginLimiter(free=5, max_s=900.0, global_per_minute=1000, max_checks=2)
+    running = [limiter.begin("192.0.2.1")]
+    with pytest.raises(LoginRefused) as info:
+        limiter.begin("192.0.2.2")
+    assert info.value.status == 503
+    assert limiter.retry_after("192.0.2.2") == 0  # a busy server is not a failure of that address
+    running.append(limiter.begin("192.0.2.1", device="admin-browser"))  # the kept slot
+    with pytest.raises(LoginRefused) as info:
+        limiter.begin("192.0.2.3", device="another-browser")
+    assert info.value.status == 503  # never more than two in all
+    limiter.finish(running.pop(0), ok=False)
+    limiter.finish(limiter.begin("192.0.2.3"), ok=True)
+    limiter.finish(running.pop(), ok=False)
+    assert limiter._running == limiter._running_untrusted == 0
+
+
+def test_same_host_flood_does_not_lock_out_a_browser_with_a_device_cookie(clock: Clock) -> None:
+    """The attacker and the administrator share 127.0.0.1: the attacker's failures back the address off
+    and its check in flight refuses the next from that address, but an attempt with a device cookie is
+    counted against that browser, and the device's own failures back it off as an address's would."""
+    limiter = LoginLimiter(free=3, max_s=900.0, global_per_minute=5)
+    attacker = limiter.begin("127.0.0.1")  # the attacker's check, in flight
+    with pytest.raises(LoginRefused) as info:
+        limiter.begin("127.0.0.1")
+    assert info.value.status == 429
+    limiter.finish(limiter.begin("127.0.0.1", device="admin"), ok=True)  # the administrator's browser
+    limiter.finish(attacker, ok=False)
+    for _ in range(6):
+        fail(limiter, "127.0.0.1")
+        clock.now += limiter.retry_after("127.0.0.1")
+    fail(limiter, "127.0.0.1")
+    assert limiter.retry_after("127.0.0.1") >= 8.0  # the address backs off, and the global limit holds it
+    with pytest.raises(LoginRefused):
+        limiter.begin("127.0.0.1")
+    limiter.finish(limiter.begin("127.0.0.1", device="admin"), ok=True)
+    for _ in range(3):
+        fail(limiter, "127.0.0.1", device="admin")
+    with pytest.raises(LoginRefused) as info:
+        limiter.begin("127.0.0.1", device="admin")  # its own failures count
+    assert info.value.status == 429
+
+
+def test_ipv6_is_counted_per_64(clock: Clock) -> None:
+    assert address_key("2001:db8:1:2:aaaa::1") == address_key("2001:db8:1:2:bbbb::9") == "2001:db8:1:2::/64"
+    assert address_key("2001:db8:1:3::1") != address_key("2001:db8:1:2::1")
+    assert address_key("::ffff:192.0.2.5") == "192.0.2.5"
+    assert address_key("192.0.2.5") == "192.0.2.5"
+    limiter = LoginLimiter(free=2, max_s=900.0, global_per_minute=1000)
+    fail(limiter, "2001:db8:1:2::1")
+    fail(limiter, "2001:db8:1:2::2")
+    with pytest.raises(LoginRefused):
+        limiter.begin("2001:db8:1:2:ffff:ffff:ffff:ffff")
+    limiter.finish(limiter.begin("2001:db8:1:3::1"), ok=True)
+
+
+def test_global_limit_stops_failed_addresses_never_a_fresh_one(clock: Clock) -> None:
+    limiter = LoginLimiter(free=100, max_s=900.0, global_per_minute=5)
+    for n in range(5):
+        fail(limiter, f"10.0.0.{n}")
+        clock.now += 1
+    assert limiter.retry_after("10.0.0.0") == pytest.approx(55.0)  # the first attempt leaves the window
+    with pytest.raises(LoginRefused):
+        limiter.begin("10.0.0.3")
+    # The administrator's address has no failure: it is never locked out by the others.
+    assert limiter.retry_after("192.0.2.1") == 0
+    limiter.finish(limiter.begin("192.0.2.1"), ok=True)
+    clock.now += 55.0
+    assert limiter.retry_after("10.0.0.0") == 0
+
+
+def test_tracked_addresses_stay_bounded(clock: Clock, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ratelimit, "_MAX_TRACKED", 50)
+    limiter = LoginLimiter(free=1, max_s=900.0, global_per_minute=100_000)
+    held = limiter.begin("192.0.2.1", device="browser")  # in flight: never forgotten
+    for n in range(500):
+        fail(limiter, f"10.0.{n // 256}.{n % 256}")
+    assert len(limiter._by_key) <= 50
+    with pytest.raises(LoginRefused) as info:
+        limiter.begin("192.0.2.1", device="browser")
+    assert info.value.status == 429  # still known to be in flight
+    limiter.finish(held, ok=True)
+
+
+def test_window_limiter(clock: Clock) -> None:
+    window = WindowLimiter(limit=2, window_s=3600.0)
+    assert window.allow("a")
+    clock.now += 10
+    assert window.allow("a")
+    assert not window.allow("a")
+    assert window.retry_after("a") == pytest.approx(3590.0)
+    assert window.allow("b")
+    clock.now += 3591
+    assert window.allow("a")

@@ -1,0 +1,447 @@
+"""Attacks on the HTTP transport of a live `bastion serve --http` (issue #20, findings 3 and 5).
+
+What this proves, each against the real server over loopback TCP: 1,100 idle sockets do not stop it
+accepting (at a 512-file limit) and the administrator still logs in and a client calls a tool; slow
+request heads, slow bodies and silent sockets are disconnected after the configured timeouts; an
+attacker-chosen value with a newline cannot forge a log line, and every log line carries a time and a
+level; nested or broken JSON at /mcp is a 400 JSON-RPC parse error, never a 500; one grant cannot hold
+more than `max_sessions_per_grant` MCP sessions (the oldest idle one is closed; all busy: 429) while
+other grants are untouched; a loopback server is the same server as 127.0.0.1, localhost and [::1], and
+the SDK's own OAuth client connects through either name. What it does not prove: behaviour under a
+distributed flood, or over TLS (asyncio, not bastion, times TLS handshakes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from typing import Any
+
+import anyio
+import httpx2
+import pytest
+from mcp import Client
+from mcp.client.auth import OAuthClientProvider
+from mcp.client.streamable_http import streamable_http_client
+from mcp.shared.auth import AuthorizationCodeResult, OAuthClientMetadata
+
+from tests.helpers import INITIALIZE_REQUEST, MCP_HEADERS, call
+
+from .live import BASTION, Browser, LiveServer, callback_params, get_tokens, pkce
+from .test_flow import MemoryStorage
+
+LINE = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d[+-]\d{4} (DEBUG|INFO|WARNING|ERROR|CRITICAL) [\w.]+: ")
+CLAUDE_AI_CALLBACK = "https://claude.ai/api/mcp/auth_callback"
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {**MCP_HEADERS, "Authorization": f"Bearer {token}"}
+
+
+async def _call_tool(url: str, token: str, mode: str) -> dict[str, object]:
+    async with (
+        httpx2.AsyncClient(headers={"Authorization": f"Bearer {token}"}, timeout=30) as http,
+        Client(streamable_http_client(url, http_client=http), mode=mode) as client,  # type: ignore[arg-type]
+    ):
+        return await call(client, "list_directory")
+
+
+def still_works(server: LiveServer) -> None:
+    """The administrator logs in and approves a Claude Code-shaped client (public, loopback callback),
+    which calls a tool on both protocol eras; a claude.ai-shaped client can still register."""
+    client = server.register(client_name="Claude Code (bastion)", grant_types=["authorization_code", "refresh_token"])
+    tokens = get_tokens(server, client["client_id"])
+    for mode in ("legacy", "2026-07-28"):
+        assert anyio.run(_call_tool, server.mcp_url, tokens["access_token"], mode)["ok"]
+    claude_ai = server.register(client_name="claude.ai", redirect_uris=[CLAUDE_AI_CALLBACK])
+    assert claude_ai["client_id"]
+
+
+def assert_log_clean(server: LiveServer, *, max_bytes: int = 256 * 1024) -> str:
+    log = server.log()
+    assert len(log.encode()) < max_bytes, f"log grew to {len(log)} bytes"
+    assert "Traceback" not in log
+    assert "Exception in ASGI application" not in log
+    return log
+
+
+# -- connections ---------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def idle_sockets(port: int, count: int) -> Iterator[list[socket.socket]]:
+    """`count` connections that never send a byte (fewer if the server's queue refuses some)."""
+    opened: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            with contextlib.suppress(OSError):
+                opened.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+        yield opened
+    finally:
+        for sock in opened:
+            sock.close()
+
+
+def closed_by_server(sock: socket.socket, within_s: float) -> bool:
+    """Whether the server closes `sock` within `within_s` (polls recv with a deadline)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        sock.settimeout(max(0.01, min(0.2, deadline - time.monotonic())))
+        try:
+            if sock.recv(4096) == b"":
+                return True
+        except TimeoutError:
+            continue
+        except OSError:
+            return True
+    return False
+
+
+def test_idle_socket_flood_then_admin_still_connects(
+    start_server: Callable[..., AbstractContextManager[LiveServer]],
+) -> None:
+    """1,100 idle sockets against a server whose file limit is 512 (the issue: 1,100 at 1,024 stopped it
+    accepting, with a traceback per failed accept). The cap (128 here) closes the sockets waiting
+    longest, so new connections keep being served; the log gets summary lines, no traceback."""
+    with start_server(nofile=512) as server, idle_sockets(server.port, 1100) as held:
+        assert len(held) > 600, "the flood did not get through"
+        still_works(server)
+        closed = sum(closed_by_server(sock, 0.05) for sock in held[:200])
+        assert closed > 150, f"only {closed} of the first 200 idle sockets were closed"
+        log = assert_log_clean(server)
+        assert "connections open: closed the one waiting longest for its request" in log
+        assert "out of file descriptors" not in log
+        assert len([line for line in log.splitlines() if "connections open" in line]) <= 5
+
+
+def test_slowloris_head_body_and_silent_sockets_are_cut_off(
+    start_server: Callable[..., AbstractContextManager[LiveServer]],
+) -> None:
+    """A head sent a byte at a time, a body trickled, and a socket that says nothing are all closed after
+    the timeouts (1 s each here) however steadily they trickle; a whole request on a new connection is
+    answered, and the administrator and clients still get in."""
+    extra = "request_head_timeout_s = 1\nrequest_body_timeout_s = 1"
+    with start_server(http_extra=extra) as server:
+        host = f"Host: 127.0.0.1:{server.port}\r\n".encode()
+        head = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+        body = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+        silent = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+        with head, body, silent:
+            head.sendall(b"GET /.well-known/oauth-protected-resource HTTP/1.1\r\n" + host)
+            body.sendall(b"POST /register HTTP/1.1\r\n" + host + b"Content-Type: application/json\r\n")
+            body.sendall(b"Content-Length: 1000\r\n\r\n{")
+            started = time.monotonic()
+            open_head = open_body = True
+            sent = 0
+            while (open_head or open_body) and time.monotonic() - started < 10:
+                sent += 1
+                if open_head:
+                    head.sendall(b"X")  # a header name that never ends
+                    open_head = not closed_by_server(head, 0.1)
+                if open_body:
+                    with contextlib.suppress(OSError):
+                        body.sendall(b" ")
+                    open_body = not closed_by_server(body, 0.1)
+            elapsed = time.monotonic() - started
+            assert not open_head, "a head sent a byte at a time was never cut off"
+            assert not open_body, "a trickled body was never cut off"
+            assert elapsed < 6, elapsed
+            assert sent < 40
+            assert closed_by_server(silent, 3), "a silent socket was kept"
+        with server.http() as client:
+            assert client.get("/.well-known/oauth-protected-resource").status_code == 200
+        still_works(server)
+        log = assert_log_clean(server)
+        assert "closed connections that sent no complete request in time" in log
+
+
+# -- logs ----------------------------------------------------------------------------------------------
+
+
+def test_log_injection_newline_in_client_values_cannot_forge_a_line(server: LiveServer) -> None:
+    """A client name, a path and a client_id with newlines (and an ANSI escape) end up escaped inside
+    the line that quotes them; every log line starts with a time and a level."""
+    forged = "2026-01-01T00:00:00+0000 CRITICAL bastion.transports.http.auth: admin password changed"
+    server.register(client_name=f"evil\n{forged}\x1b[2J")
+    with server.http() as client:
+        client.get(f"/x%0a{forged.replace(' ', '%20')}")
+        client.get("/authorize", params={"client_id": f"https://127.0.0.1/c\n{forged}", "response_type": "code"})
+    log = assert_log_clean(server)
+    logged = [line for line in log.splitlines() if not line.startswith(("bastion:", "  "))]
+    assert logged
+    for line in logged:
+        assert LINE.match(line), f"a log line without time and level: {line!r}"
+        assert not line.startswith(forged)
+    assert "\x1b" not in log
+    assert f"\\n{forged}" in log, "the attacker's text is kept, escaped, in the line that quotes it"
+
+
+# -- /mcp ----------------------------------------------------------------------------------------------
+
+PARSE_FAILURES = {
+    "nested arrays in a tools/call": '{"jsonrpc":"2.0","id":1,"method":"tools/call","params":'
+    + "[" * 5000
+    + "]" * 5000
+    + "}",
+    "a deep array": "[" * 100_000,
+    "deep objects": '{"a":' * 3000 + "1" + "}" * 3000,
+    "truncated tools/call": '{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"run_command"',
+    "not JSON": "{bad",
+    "invalid UTF-8 in a tools/call": b'{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"\xff\xfe"}}',
+}
+
+
+@pytest.mark.parametrize("era", ["2025-11-25", "2026-07-28"])
+def test_nested_json_at_mcp_is_a_parse_error_not_a_500(server: LiveServer, era: str) -> None:
+    """Every body that does not parse is 400 with JSON-RPC code -32700 (the edge scope check used to
+    raise RecursionError: 500 and a traceback); the token still works afterwards."""
+    client = server.register()
+    token = get_tokens(server, client["client_id"])["access_token"]
+    headers = {**bearer(token), "mcp-protocol-version": era}
+    with server.http() as http:
+        for name, body in PARSE_FAILURES.items():
+            response = http.post("/mcp", content=body, headers=headers)
+            assert response.status_code == 400, (name, response.status_code, response.text[:200])
+            assert response.json()["error"]["code"] == -32700, name
+    mode = "legacy" if era == "2025-11-25" else era
+    assert anyio.run(_call_tool, server.mcp_url, token, mode)["ok"]
+    log = assert_log_clean(server)
+    assert not re.search(r"POST /mcp 500 ", log)
+
+
+def _open_session(http: httpx2.Client, token: str) -> httpx2.Response:
+    return http.post("/mcp", json=INITIALIZE_REQUEST, headers=bearer(token))
+
+
+def _session_alive(http: httpx2.Client, token: str, session_id: str) -> bool:
+    headers = {**bearer(token), "mcp-session-id": session_id, "mcp-protocol-version": "2025-11-25"}
+    response = http.post("/mcp", json={"jsonrpc": "2.0", "method": "notifications/initialized"}, headers=headers)
+    return response.status_code != 404
+
+
+def _wait_closed(http: httpx2.Client, token: str, session_id: str, within_s: float = 10) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if not _session_alive(http, token, session_id):
+            return True
+    return False
+
+
+def test_session_flood_per_grant_is_capped(start_server: Callable[..., AbstractContextManager[LiveServer]]) -> None:
+    """One grant opens more sessions than `max_sessions_per_grant` (4 here): each new one closes that
+    grant's session idle the longest; when all four hold a GET stream (busy), a fifth gets 429 with
+    Retry-After; another grant opens sessions all along, and the 2026-07-28 era (stateless) is unaffected."""
+    with start_server(http_extra="max_sessions_per_grant = 4") as server:
+        attacker = get_tokens(server, server.register()["client_id"])["access_token"]
+        other = get_tokens(server, server.register()["client_id"])["access_token"]
+        with server.http() as http:
+            sessions = []
+            for _ in range(7):
+                opened = _open_session(http, attacker)
+                assert opened.status_code == 200, opened.text
+                sessions.append(opened.headers["mcp-session-id"])
+            for closed in sessions[:3]:
+                assert _wait_closed(http, attacker, closed), "the oldest idle session was not closed"
+            live = sessions[3:]
+            assert all(_session_alive(http, attacker, s) for s in live)
+            assert _open_session(http, other).status_code == 200, "another grant is not limited by this one"
+        anyio.run(_all_busy_then_refused, server, attacker, live)
+        assert anyio.run(_call_tool, server.mcp_url, attacker, "2026-07-28")["ok"]
+        log = assert_log_clean(server)
+        assert "MCP sessions open, none idle: refused a new one" in log
+
+
+async def _all_busy_then_refused(server: LiveServer, token: str, live: list[str]) -> None:
+    """Hold a GET stream on each live session: no session is idle, so a new one is refused (429)."""
+    async with httpx2.AsyncClient(base_url=server.base, timeout=30) as http, contextlib.AsyncExitStack() as streams:
+        for session_id in live:
+            headers = {**bearer(token), "mcp-session-id": session_id, "mcp-protocol-version": "2025-11-25"}
+            headers["Accept"] = "text/event-stream"
+            response = await streams.enter_async_context(http.stream("GET", "/mcp", headers=headers))
+            assert response.status_code == 200
+        refused = await http.post("/mcp", json=INITIALIZE_REQUEST, headers=bearer(token))
+        assert refused.status_code == 429, refused.text
+        assert refused.headers["retry-after"]
+        assert "sessions open and busy" in refused.json()["error"]["message"]
+
+
+# -- loopback aliases ----------------------------------------------------------------------------------
+
+
+async def _sdk_connects(mcp_url: str, browser: Browser, mode: str) -> tuple[dict[str, Any], MemoryStorage]:
+    """The SDK's OAuth client, given only `mcp_url`: discovery, registration, browser, token, a call."""
+    storage = MemoryStorage()
+    location: dict[str, str] = {}
+
+    async def redirect_handler(url: str) -> None:
+        location["value"] = await anyio.to_thread.run_sync(lambda: browser.approve(url))
+
+    async def callback_handler() -> AuthorizationCodeResult:
+        params = callback_params(location["value"])
+        return AuthorizationCodeResult(code=params["code"][0], state=params["state"][0], iss=params["iss"][0])
+
+    metadata = OAuthClientMetadata.model_validate(
+        {
+            "client_name": "alias test",
+            "redirect_uris": ["http://127.0.0.1/callback"],
+            "token_endpoint_auth_method": "none",
+        }
+    )
+    provider = OAuthClientProvider(mcp_url, metadata, storage, redirect_handler, callback_handler)
+    async with (
+        httpx2.AsyncClient(auth=provider, timeout=30) as http,
+        Client(streamable_http_client(mcp_url, http_client=http), mode=mode) as client,
+    ):
+        return await call(client, "list_directory"), storage
+
+
+@pytest.mark.parametrize(
+    ("name", "mode"), [("localhost", "legacy"), ("localhost", "2026-07-28"), ("127.0.0.1", "legacy")]
+)
+def test_loopback_alias_sdk_client_connects_on_the_first_try(
+    server: LiveServer, browsers: Callable[[LiveServer], Browser], name: str, mode: str
+) -> None:
+    """`claude mcp add ... http://localhost:PORT/mcp` against a server whose public_url says 127.0.0.1
+    used to get 421 "unknown Host". The SDK's client (which checks that the protected-resource metadata
+    names the URL it was given) now connects through either name; its token is bound to the canonical
+    resource, so it works under the other name too."""
+    url = f"http://{name}:{server.port}/mcp"
+    listing, storage = anyio.run(_sdk_connects, url, browsers(server), mode)
+    assert listing["ok"]
+    assert storage.tokens is not None
+    assert anyio.run(_call_tool, server.mcp_url, storage.tokens.access_token, "2026-07-28")["ok"]
+
+
+def test_loopback_aliases_are_one_server_and_other_hosts_are_not(server: LiveServer) -> None:
+    """127.0.0.1, localhost and [::1] on the server's port: the metadata and the 401 challenge name the
+    URL asked for, the issuer stays one; another port, another name or a foreign Origin are refused."""
+    port = server.port
+    with server.http() as http:
+        issuers = set()
+        for host in ("127.0.0.1", "localhost", "[::1]", "LOCALHOST"):
+            origin = f"http://{host.lower()}:{port}"
+            metadata = http.get("/.well-known/oauth-protected-resource/mcp", headers={"Host": f"{host}:{port}"})
+            assert metadata.status_code == 200, host
+            assert metadata.json()["resource"] == f"{origin}/mcp"
+            issuers.update(metadata.json()["authorization_servers"])
+            challenge = http.post("/mcp", json={}, headers={**MCP_HEADERS, "Host": f"{host}:{port}"})
+            assert challenge.status_code == 401
+            assert (
+                f'resource_metadata="{origin}/.well-known/oauth-protected-resource/mcp"'
+                in (challenge.headers["www-authenticate"])
+            )
+        assert issuers == {server.base}
+        for host in (f"localhost:{port + 1}", f"evil.example:{port}", f"127.0.0.2:{port}", "localhost"):
+            refused = http.get("/.well-known/oauth-protected-resource", headers={"Host": host})
+            assert refused.status_code == 421, host
+        client = server.register()
+        token = get_tokens(server, client["client_id"])["access_token"]
+        foreign = http.post(
+            "/mcp",
+            json=INITIALIZE_REQUEST,
+            headers={**bearer(token), "Host": f"localhost:{port}", "Origin": "http://evil.example"},
+        )
+        assert foreign.status_code == 403
+        allowed = http.post(
+            "/mcp",
+            json=INITIALIZE_REQUEST,
+            headers={**bearer(token), "Host": f"localhost:{port}", "Origin": f"http://localhost:{port}"},
+        )
+        assert allowed.status_code == 200, allowed.text
+        wrong = http.post(
+            "/token",
+            data={
+                "grant_type": "refresh_token",
+                "refresh_token": "x" * 43,
+                "client_id": client["client_id"],
+                "resource": f"http://localhost:{port + 1}/mcp",
+            },
+        )
+        assert wrong.status_code == 400
+        assert json.loads(wrong.text)["error"] == "invalid_target"
+
+
+# -- the consent page's address warning ----------------------------------------------------------------
+
+
+def _consent_page(browser: Browser, client_id: str, redirect_uri: str) -> httpx2.Response:
+    _, challenge = pkce()
+    login_page = browser.open(browser.authorize_url(client_id, challenge, redirect_uri=redirect_uri))
+    assert login_page.status_code == 200, login_page.text
+    if "password" not in login_page.text:
+        return login_page
+    after_login = browser.login(login_page)
+    assert after_login.status_code == 303, after_login.text
+    return browser.open(after_login.headers["location"])
+
+
+def test_claude_ai_callback_warning_appears_once(server: LiveServer, browsers: Callable[[LiveServer], Browser]) -> None:
+    """claude.ai registers a new client at each connection, always with its own callback: the consent
+    page's "check this address" box was shown every time. It is shown until the administrator has
+    approved that callback once; an address never approved is still flagged."""
+    browser = browsers(server)
+    warning = "Check this address."
+    first = server.register(client_name="claude.ai", redirect_uris=[CLAUDE_AI_CALLBACK])
+    page = _consent_page(browser, first["client_id"], CLAUDE_AI_CALLBACK)
+    assert warning in page.text
+    approved = browser.consent(page)
+    assert approved.status_code == 303
+    assert approved.headers["location"].startswith(CLAUDE_AI_CALLBACK + "?code=")
+    second = server.register(client_name="claude.ai", redirect_uris=[CLAUDE_AI_CALLBACK])
+    page = _consent_page(browsers(server), second["client_id"], CLAUDE_AI_CALLBACK)
+    assert "allow access" in page.text.lower() or "approve" in page.text.lower()
+    assert warning not in page.text
+    other = server.register(client_name="elsewhere", redirect_uris=["https://elsewhere.example/cb"])
+    assert warning in _consent_page(browsers(server), other["client_id"], "https://elsewhere.example/cb").text
+
+
+# -- the bearer check's cache --------------------------------------------------------------------------
+
+
+def test_revoked_token_is_refused_at_the_next_request_despite_the_cache(server: LiveServer) -> None:
+    """The bearer check remembers tokens until the database changes. A token used a moment ago is
+    refused at the very next request once its grant is revoked, by the /revoke endpoint (this process)
+    and by `bastion admin revoke` (another process); an expired one is refused though nothing changed."""
+
+    def status(token: str) -> int:
+        """401 for a token refused; anything else (here 400: an empty message) got past the bearer check."""
+        return http.post("/mcp", json={}, headers=bearer(token)).status_code
+
+    with server.http() as http:
+        first = server.register()
+        tokens = get_tokens(server, first["client_id"])
+        for _ in range(3):
+            assert status(tokens["access_token"]) != 401
+        revoked = http.post("/revoke", data={"token": tokens["refresh_token"], "client_id": first["client_id"]})
+        assert revoked.status_code == 200
+        assert status(tokens["access_token"]) == 401
+
+        second = get_tokens(server, server.register()["client_id"])
+        for _ in range(3):
+            assert status(second["access_token"]) != 401
+        with server.db() as db:
+            grant_id = db.execute(
+                "SELECT grant_id FROM oauth_grants WHERE revoked_at IS NULL ORDER BY created_at DESC LIMIT 1"
+            ).fetchone()[0]
+        result = subprocess.run(
+            [str(BASTION), "admin", "revoke", "--config", str(server.config_path), grant_id],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert result.returncode == 0, result.stderr
+        assert status(second["access_token"]) == 401
+
+        third = get_tokens(server, server.register()["client_id"])
+        assert status(third["access_token"]) != 401
+        with server.db() as db:
+            # Another connection's write: the cache is dropped and the new expiry read.
+            db.execute("UPDATE oauth_tokens SET expires_at = ? WHERE kind = 'access'", (time.time() - 1,))
+        assert status(third["access_token"]) == 401

@@ -1,0 +1,186 @@
+"""bastion's stdio transport (`bastion.transports.stdio`), driven raw: JSON-RPC lines over real pipes.
+
+The SDK's client over stdio is exercised in tests/e2e/test_stdio.py; these tests cover what
+a well-behaved client never does (garbage, huge or oversized lines) and the wire's plumbing
+(fd 0 and 1 diverted while serving, replies flushed whole at exit, files instead of pipes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from contextlib import suppress
+from pathlib import Path
+from typing import IO, Any
+
+from bastion.safety.paths import MAX_READ_BYTES
+from tests.helpers import INITIALIZE_REQUEST, mounts_under
+
+BASTION = Path(sys.executable).parent / "bastion"
+INITIALIZED = {"jsonrpc": "2.0", "method": "notifications/initialized"}
+# The server with a 64 KiB line limit instead of 64 MiB, so the test need not send 64 MiB.
+SMALL_LIMIT = (
+    "import sys, bastion.transports.stdio as stdio; stdio.MAX_LINE_BYTES = 65536; "
+    "from bastion.cli import main; sys.exit(main())"
+)
+
+
+def line(message: dict[str, Any]) -> bytes:
+    return json.dumps(message).encode() + b"\n"
+
+
+def call(request_id: int, tool: str, **arguments: object) -> bytes:
+    params = {"name": tool, "arguments": arguments}
+    return line({"jsonrpc": "2.0", "id": request_id, "method": "tools/call", "params": params})
+
+
+class Raw:
+    """`bastion serve --stdio` in a subprocess, spoken to line by line."""
+
+    def __init__(self, config: Path, *, command: tuple[str, ...] = (str(BASTION),), stdin: Any = None) -> None:
+        argv = [*command, "serve", "--config", str(config), "--stdio"]
+        self.process = subprocess.Popen(
+            argv, stdin=stdin or subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        assert self.process.stdout is not None
+        assert self.process.stderr is not None
+        self.stdout: IO[bytes] = self.process.stdout
+        self.stderr: IO[bytes] = self.process.stderr
+        self.stdin: IO[bytes] | None = self.process.stdin
+
+    def send(self, data: bytes) -> None:
+        assert self.stdin is not None
+        self.stdin.write(data)
+        self.stdin.flush()
+
+    def answer(self) -> dict[str, Any]:
+        raw = self.stdout.readline()
+        assert raw, "the server closed stdout"
+        message: dict[str, Any] = json.loads(raw)
+        return message
+
+    def initialize(self) -> None:
+        self.send(line(INITIALIZE_REQUEST) + line(INITIALIZED))
+        assert self.answer()["id"] == 1
+
+    def finish(self) -> tuple[int, list[dict[str, Any]], str]:
+        """Close stdin (the end of the session); the remaining replies, the exit status, stderr."""
+        if self.stdin is not None and not self.stdin.closed:
+            with suppress(BrokenPipeError):
+                self.stdin.close()
+        replies = [json.loads(raw) for raw in self.stdout.read().splitlines()]
+        err = self.stderr.read().decode()
+        self.stdout.close()
+        self.stderr.close()
+        return self.process.wait(timeout=30), replies, err
+
+
+def test_wire_fds_are_diverted_while_serving(demo_config_path: Path) -> None:
+    """Children of the server cannot read the client's requests or write into the replies."""
+    server = Raw(demo_config_path)
+    server.initialize()
+    fd = Path(f"/proc/{server.process.pid}/fd")
+    assert os.readlink(fd / "0") == os.devnull
+    assert os.readlink(fd / "1") == os.readlink(fd / "2")
+    server.send(call(2, "run_command", command="echo hello"))
+    reply = server.answer()
+    assert reply["id"] == 2
+    assert reply["result"]["structuredContent"]["detail"]["stdout"] == "hello\n"
+    code, _, err = server.finish()
+    assert code == 0, err
+
+
+def test_garbage_line_gets_no_reply_and_the_session_goes_on(demo_config_path: Path) -> None:
+    server = Raw(demo_config_path)
+    server.initialize()
+    server.send(b"this is not json\n\n" + call(2, "list_directory", path="."))
+    code, replies, err = server.finish()
+    # As with the SDK's own transport, a line that is not JSON-RPC has no id to answer.
+    assert [r["id"] for r in replies] == [2]
+    assert replies[0]["result"]["structuredContent"]["ok"] is True
+    assert code == 0, err
+    assert "Traceback" not in err
+
+
+def test_large_messages_cross_whole_even_at_exit(demo_config_path: Path, workspace: Path) -> None:
+    """An 8 MiB request, and a 1 MiB reply still being written when stdin closes, arrive whole."""
+    content = "0123456789abcdef" * (512 * 1024)
+    server = Raw(demo_config_path)
+    server.initialize()
+    server.send(call(2, "write_file", path="big.txt", content=content))
+    server.send(call(3, "read_file", path="big.txt", length=MAX_READ_BYTES))
+    code, replies, err = server.finish()
+    assert [r["id"] for r in replies] == [2, 3]
+    assert replies[0]["result"]["structuredContent"]["detail"]["bytes_written"] == len(content)
+    assert replies[1]["result"]["structuredContent"]["detail"]["content"] == content[:MAX_READ_BYTES]
+    assert (workspace / "big.txt").read_text() == content
+    assert code == 0, err
+
+
+def test_oversized_line_ends_the_session_with_one_line(demo_config_path: Path) -> None:
+    server = Raw(demo_config_path, command=(sys.executable, "-c", SMALL_LIMIT))
+    server.initialize()
+    # The server may stop reading before the whole line is in.
+    with suppress(BrokenPipeError):
+        server.send(call(2, "write_file", path="huge.txt", content="x" * 200_000))
+    code, replies, err = server.finish()
+    assert replies == []
+    assert code == 0, err
+    assert "longer than 65536 bytes" in err
+    assert "Traceback" not in err
+
+
+def test_files_as_stdin_and_stdout_get_every_reply(demo_config_path: Path, tmp_path: Path) -> None:
+    """A file as stdin (read in a thread) with a pipe, then a file, as stdout: the last reply is
+    written before exit every time. The SDK's threaded transport lost it in 2 runs of 30."""
+    requests = tmp_path / "requests.jsonl"
+    requests.write_bytes(line(INITIALIZE_REQUEST) + line(INITIALIZED) + call(2, "list_directory", path="."))
+    argv = [str(BASTION), "serve", "--config", str(demo_config_path), "--stdio"]
+    for run in range(6):
+        replies_file = tmp_path / f"replies-{run}.jsonl"
+        with requests.open("rb") as stdin, replies_file.open("wb") as stdout:
+            to_file = run % 2 == 1
+            done = subprocess.run(
+                argv, stdin=stdin, stdout=stdout if to_file else subprocess.PIPE, stderr=subprocess.PIPE, timeout=60
+            )
+        raw = replies_file.read_bytes() if to_file else done.stdout
+        replies = [json.loads(reply) for reply in raw.splitlines()]
+        assert [r["id"] for r in replies] == [1, 2], (run, replies)
+        assert replies[1]["result"]["structuredContent"]["ok"] is True
+        assert done.returncode == 0, done.stderr
+
+
+def test_sigterm_closes_the_services_and_leaves_no_mount(demo_config_path: Path) -> None:
+    """Invariant: `systemctl stop` (SIGTERM) and a closed terminal (SIGHUP) end a stdio server
+    through its cleanup: with a client still connected, it exits 0 and leaves no mount (sandbox disk,
+    idmapped workspace, socket tmpfs) and no sandbox folder. Before, the signal's default action
+    ended the process on the spot."""
+    state = demo_config_path.parent / "state"
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        proc = subprocess.Popen(
+            [str(BASTION), "serve", "--config", str(demo_config_path), "--stdio"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        try:
+            assert proc.stdin is not None
+            assert proc.stdout is not None
+            proc.stdin.write(line(INITIALIZE_REQUEST))
+            proc.stdin.flush()
+            assert b'"result"' in proc.stdout.readline()  # serving, with its sandboxes and mounts up
+            proc.send_signal(signum)
+            assert proc.wait(30) == 0, proc.stderr.read() if proc.stderr else b""
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            for stream in (proc.stdin, proc.stdout, proc.stderr):
+                if stream is not None:
+                    with suppress(OSError):
+                        stream.close()
+        assert mounts_under(demo_config_path.parent) == []
+        assert not list((state / "sandboxes").glob("sb-*"))

@@ -1,0 +1,316 @@
+"""Background processes in sandboxes through the real tools: survive calls, stdin, kill, redaction, bounds."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import anyio
+import pytest
+from mcp import Client
+
+from bastion.app import Services
+from bastion.safety.redact import Redactor, sanitize_terminal
+from bastion.sandbox.processes import OutputLog
+from bastion.workbench.workspace import RING_BYTES, OutputCleaner
+from tests.helpers import call, create, processes_with
+
+pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
+
+TICKER = "i=0; while :; do echo tick $i; i=$((i+1)); sleep 0.1; done"
+
+
+async def start(client: Client, box: str, command: str) -> int:
+    started = await call(client, "run_command", command=command, sandbox_id=box, background=True)
+    assert started["ok"], started
+    detail = started["detail"]
+    assert isinstance(detail, dict)
+    assert detail["state"] == "running"
+    assert detail["argv"] == ["sh", "-c", command]
+    pid = detail["pid"]
+    assert isinstance(pid, int)
+    return pid
+
+
+async def read(client: Client, box: str, pid: int, since: int | None = None) -> dict[str, object]:
+    args: dict[str, object] = {"pid": pid, "sandbox_id": box}
+    if since is not None:
+        args["since"] = since
+    payload = await call(client, "read_process_output", **args)
+    assert payload["ok"], payload
+    detail = payload["detail"]
+    assert isinstance(detail, dict)
+    return detail
+
+
+async def read_until_exit(client: Client, box: str, pid: int, *, limit_s: float = 10) -> tuple[str, dict[str, object]]:
+    """All stdout from the start until the process has exited and nothing more is left."""
+    text, since = "", 0
+    deadline = time.monotonic() + limit_s
+    while True:
+        detail = await read(client, box, pid, since)
+        text += str(detail["stdout"])
+        since = int(str(detail["next"]))
+        if detail["state"] == "exited" and not detail["more"]:
+            return text, detail
+        assert time.monotonic() < deadline, detail
+        await anyio.sleep(0.05)
+
+
+async def wait_for(marker: str, *, present: bool, count: int = 1) -> None:
+    for _ in range(300):
+        if (len(processes_with(marker)) >= count) is present:
+            return
+        await anyio.sleep(0.01)
+
+
+def sleeps_with(marker: str) -> list[int]:
+    """Host pids of `sleep` processes whose command line contains `marker`."""
+    found = []
+    for pid in processes_with(marker):
+        try:
+            if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"sleep\0"):
+                found.append(pid)
+        except OSError:
+            continue  # gone since it was listed
+    return found
+
+
+def ticks(text: str) -> list[int]:
+    return [int(line.split()[1]) for line in text.splitlines()]
+
+
+async def test_background_process_survives_between_calls(client: Client) -> None:
+    box = await create(client)
+    pid = await start(client, box, TICKER)
+    assert pid == 1
+    await anyio.sleep(0.35)
+    # Other commands run meanwhile, in the same sandbox.
+    other = await call(client, "run_command", command="echo other", sandbox_id=box)
+    assert other["detail"]["stdout"] == "other\n"  # type: ignore[index]
+    first = await read(client, box, pid)
+    assert first["state"] == "running"
+    assert first["since"] == 0
+    first_ticks = ticks(str(first["stdout"]))
+    assert first_ticks[:2] == [0, 1]
+    await anyio.sleep(0.35)
+    second = await read(client, box, pid, since=int(str(first["next"])))
+    second_ticks = ticks(str(second["stdout"]))
+    assert second_ticks, second
+    assert second_ticks[0] == first_ticks[-1] + 1  # continues exactly where the first read stopped
+    again = await read(client, box, pid)  # without since: from the start again
+    assert ticks(str(again["stdout"]))[: len(first_ticks + second_ticks)] == first_ticks + second_ticks
+    listed = await call(client, "list_processes", sandbox_id=box)
+    [entry] = listed["detail"]["processes"]  # type: ignore[index]
+    assert entry["pid"] == pid
+    assert entry["state"] == "running"
+    assert entry["exit_status"] is None
+    assert entry["output_bytes"] > 0
+    assert entry["age_s"] >= 0.7
+    killed = await call(client, "kill_process", pid=pid, sandbox_id=box)
+    assert killed["ok"], killed
+    assert killed["detail"]["state"] == "exited"  # type: ignore[index]
+    assert killed["detail"]["exit_status"] == 128 + 9  # type: ignore[index]
+
+
+async def test_stdin_round_trip_and_eof(client: Client) -> None:
+    box = await create(client)
+    pid = await start(client, box, "cat")
+    sent = await call(client, "send_process_input", pid=pid, data="hello\n", sandbox_id=box)
+    assert sent["ok"], sent
+    assert sent["detail"]["bytes_written"] == 6  # type: ignore[index]
+    for _ in range(100):
+        detail = await read(client, box, pid)
+        if detail["stdout"]:
+            break
+        await anyio.sleep(0.02)
+    assert detail["stdout"] == "hello\n"
+    assert detail["state"] == "running"
+    closed = await call(client, "send_process_input", pid=pid, data="bye\n", eof=True, sandbox_id=box)
+    assert closed["ok"], closed
+    assert closed["detail"]["eof"] is True  # type: ignore[index]
+    text, last = await read_until_exit(client, box, pid)
+    assert text == "hello\nbye\n"
+    assert last["exit_status"] == 0
+    late = await call(client, "send_process_input", pid=pid, data="more\n", sandbox_id=box)
+    assert late["code"] == "CONFLICT"
+    listed = await call(client, "list_processes", sandbox_id=box)
+    [entry] = listed["detail"]["processes"]  # type: ignore[index]
+    assert (entry["state"], entry["exit_status"], entry["stdin_open"]) == ("exited", 0, False)
+
+
+async def test_foreground_commands_still_read_dev_null(client: Client) -> None:
+    box = await create(client)
+    out = await call(client, "run_command", command="cat; readlink /proc/self/fd/0", sandbox_id=box)
+    assert out["detail"]["stdout"] == "/dev/null\n"  # type: ignore[index]
+
+
+async def test_kill_leaves_no_survivors(client: Client) -> None:
+    """Invariant: kill_process ends everything the process started, however it detached."""
+    box = await create(client)
+    marker = "4251.25"
+    pid = await start(client, box, f"setsid sleep {marker} & (sleep {marker} &); sleep {marker}")
+    # sh -c and its three sleeps; until they have all exec'd, forks of sh carry its command line too.
+    for _ in range(500):
+        if len(sleeps_with(marker)) == 3 and len(processes_with(marker)) == 4:
+            break
+        await anyio.sleep(0.01)
+    assert len(sleeps_with(marker)) == 3
+    assert len(processes_with(marker)) == 4
+    killed = await call(client, "kill_process", pid=pid, sandbox_id=box)
+    assert killed["ok"], killed
+    assert killed["detail"]["killed"] is True  # type: ignore[index]
+    await wait_for(marker, present=False)
+    assert processes_with(marker) == []
+    again = await call(client, "kill_process", pid=pid, sandbox_id=box)
+    assert again["ok"]
+    assert again["detail"]["killed"] is False  # type: ignore[index]
+    _, last = await read_until_exit(client, box, pid)
+    assert last["exit_status"] == 137
+
+
+async def test_secret_split_across_writes_and_reads_is_redacted(client: Client) -> None:
+    box = await create(client)
+    pid = await start(client, box, "printf 'key=AKIAIOSF'; sleep 0.6; printf 'ODNN7EXAMPLE done\\n'; echo end")
+    await anyio.sleep(0.3)
+    early = await read(client, box, pid)
+    assert early["state"] == "running"
+    assert "AKIA" not in str(early["stdout"])  # held back: it could be the start of a secret
+    text, last = await read_until_exit(client, box, pid)
+    assert last["exit_status"] == 0
+    assert "AKIA" not in text
+    assert "ODNN7EXAMPLE" not in text
+    assert "[REDACTED:" in text
+    assert text.endswith(" done\nend\n")
+
+
+async def test_escapes_are_neutralised_even_when_split(client: Client) -> None:
+    box = await create(client)
+    pid = await start(client, box, r"printf 'red:\033['; sleep 0.4; printf '31mRED\033[0m\r\nok\n'")
+    await anyio.sleep(0.2)
+    await read(client, box, pid)
+    text, _ = await read_until_exit(client, box, pid)
+    assert text == "red:RED\nok\n"
+
+
+async def test_endless_output_is_bounded_and_the_server_stays_responsive(client: Client, services: Services) -> None:
+    box = await create(client)
+    pid = await start(client, box, "yes")
+    await anyio.sleep(0.5)
+    started = time.monotonic()
+    ping = await call(client, "run_command", command="echo pong", sandbox_id=box)
+    assert ping["detail"]["stdout"] == "pong\n"  # type: ignore[index]
+    assert time.monotonic() - started < 2
+    cap = services.sandboxes.get(box).workspace.config.max_output_bytes
+    detail = await read(client, box, pid)
+    assert 0 < len(str(detail["stdout"])) <= cap
+    assert set(str(detail["stdout"])) <= {"y", "\n"}
+    assert detail["more"] is True
+    assert int(str(detail["dropped_bytes"])) > 0
+    listed = await call(client, "list_processes", sandbox_id=box)
+    [entry] = listed["detail"]["processes"]  # type: ignore[index]
+    assert entry["output_bytes"] > RING_BYTES
+    assert 0 < entry["unread_bytes"] <= RING_BYTES  # what the host holds for it: at most the ring
+    following = await read(client, box, pid, since=int(str(detail["next"])))
+    assert following["since"] == detail["next"]
+    killed = await call(client, "kill_process", pid=pid, sandbox_id=box)
+    assert killed["ok"]
+
+
+async def test_host_workspace_refuses_background_and_unknown_pids(client: Client) -> None:
+    refused = await call(client, "run_command", command="sleep 1", background=True)
+    assert refused["code"] == "POLICY_DENIED"
+    assert "sandboxes" in str(refused["reason"])
+    listed = await call(client, "list_processes")
+    assert listed["ok"]
+    assert listed["detail"]["processes"] == []  # type: ignore[index]
+    box = await create(client)
+    for tool, args in (
+        ("read_process_output", {}),
+        ("send_process_input", {"data": "x"}),
+        ("kill_process", {}),
+    ):
+        missing = await call(client, tool, pid=7, sandbox_id=box, **args)
+        assert missing["code"] == "NOT_FOUND", tool
+    no_box = await call(client, "list_processes", sandbox_id="sb-000000000000")
+    assert no_box["code"] == "SANDBOX_NOT_FOUND"
+    with_timeout = await call(client, "run_command", command="true", background=True, timeout_s=1, sandbox_id=box)
+    assert with_timeout["code"] == "INVALID_REQUEST"
+
+
+async def test_list_shows_states_and_exit_statuses(client: Client) -> None:
+    box = await create(client)
+    ok = await start(client, box, "exit 0")
+    failed = await start(client, box, "echo oops >&2; exit 3")
+    running = await start(client, box, "sleep 30")
+    assert (ok, failed, running) == (1, 2, 3)
+    _, last = await read_until_exit(client, box, failed)
+    assert last["exit_status"] == 3
+    assert (await read(client, box, failed))["stderr"] == "oops\n"
+    await read_until_exit(client, box, ok)
+    listed = await call(client, "list_processes", sandbox_id=box)
+    states = {p["pid"]: (p["state"], p["exit_status"]) for p in listed["detail"]["processes"]}  # type: ignore[index]
+    assert states == {1: ("exited", 0), 2: ("exited", 3), 3: ("running", None)}
+    past = await call(client, "read_process_output", pid=failed, since=10**6, sandbox_id=box)
+    assert past["code"] == "INVALID_REQUEST"
+
+
+async def test_close_sandbox_ends_background_processes(client: Client, services: Services) -> None:
+    """Invariant: closing a sandbox leaves no background process and no host fd behind."""
+    box = await create(client)
+    marker = "4252.5"
+    fds_before = len(os.listdir("/proc/self/fd"))
+    await start(client, box, f"setsid sleep {marker} & sleep {marker}")
+    await start(client, box, "cat")
+    await wait_for(marker, present=True)
+    assert processes_with(marker)
+    closed = await call(client, "close_sandbox", sandbox_id=box)
+    assert closed["ok"]
+    await wait_for(marker, present=False)
+    assert processes_with(marker) == []
+    assert len(os.listdir("/proc/self/fd")) <= fds_before
+    gone = await call(client, "list_processes", sandbox_id=box)
+    assert gone["code"] == "SANDBOX_NOT_FOUND"
+
+
+async def test_server_shutdown_with_a_running_background_process(demo_config_path: Path) -> None:
+    from bastion.app import build_server, build_services
+    from bastion.config import load_config
+
+    services = build_services(load_config(demo_config_path))
+    marker = "4253.75"
+    try:
+        async with Client(build_server(services, caller="test")) as client:
+            box = await create(client)
+            await start(client, box, f"sleep {marker}")
+            await wait_for(marker, present=True)
+    finally:
+        services.close()
+    await wait_for(marker, present=False)
+    assert processes_with(marker) == []
+
+
+def test_cleaner_matches_whole_stream_cleaning() -> None:
+    redactor = Redactor()
+    raw = "a\x1b[31mb\x1b]8;;http://x\x07link\x1b]8;;\x1b\\ c\r\nd token=hunter2secret é\n".encode()
+    whole = OutputCleaner(redactor).feed(raw, final=True)
+    stream = redactor.stream()  # as HostWorkspace._clean does it, in one piece
+    assert whole == stream.feed(sanitize_terminal(raw.decode())) + stream.flush()
+    for size in (1, 2, 3, 7):
+        cleaner = OutputCleaner(redactor)
+        parts = [cleaner.feed(raw[i : i + size]) for i in range(0, len(raw), size)]
+        assert "".join(parts) + cleaner.feed(b"", final=True) == whole, size
+    assert "\x1b" not in whole
+    assert "hunter2secret" not in whole
+
+
+def test_output_log_keeps_the_newest_characters() -> None:
+    log = OutputLog(10)
+    log.append(0, "abcdef")
+    log.append(1, "ghij")
+    log.append(0, "klm")
+    assert (log.start, log.end) == (3, 13)
+    assert log.read(0, 100) == (3, ("defklm", "ghij"), 13)
+    assert log.read(8, 3) == (8, ("k", "ij"), 11)
+    assert log.read(13, 5) == (13, ("", ""), 13)

@@ -1,0 +1,201 @@
+"""Host workspace output handling through the real tools: redaction, truncation, escapes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from mcp import Client
+
+from bastion.app import build_server, build_services
+from bastion.config import load_config
+from bastion.safety.errors import ConfigError
+from bastion.sandbox._idmap import idmapped_mount, is_mounted, unmount
+from bastion.sandbox.warm import _descendants
+from bastion.workbench.workspace import IDMAP_DIR
+from tests.helpers import demo_config_at
+
+pytestmark = pytest.mark.anyio
+
+AWS_KEY = "AKIAIOSFODNN7EXAMPLE"
+
+
+async def _run(client: Client, command: str) -> dict[str, object]:
+    result = await client.call_tool("run_command", {"command": command})
+    assert result.structured_content is not None
+    return result.structured_content
+
+
+async def test_secret_split_by_an_escape_sequence_is_still_redacted(client: Client) -> None:
+    """Invariant: escapes are removed before redaction, so they cannot hide a secret from it."""
+    payload = await _run(client, "printf 'AKIAIOSF\\033[0mODNN7EXAMPLE\\n'")
+    stdout = payload["detail"]["stdout"]  # type: ignore[index]
+    assert "\x1b" not in stdout
+    assert AWS_KEY not in stdout
+    assert "REDACTED" in stdout
+
+
+async def test_truncation_never_leaves_half_a_secret(client: Client, workspace: object) -> None:
+    """Invariant: a secret straddling the output cap leaves no prefix behind."""
+    # 65,536 is the demo's max_output_bytes; the key starts 10 bytes before the cut.
+    payload = await _run(client, f"printf '%065526d{AWS_KEY}tail' 0")
+    detail = payload["detail"]
+    assert payload["code"] == "OUTPUT_TRUNCATED"
+    assert payload["ok"] is True
+    stdout = detail["stdout"]  # type: ignore[index]
+    assert "AKIA" not in stdout
+    assert len(stdout) <= 65_536
+
+
+async def test_cwd_inside_the_workspace(client: Client, workspace: object) -> None:
+    await client.call_tool("run_command", {"command": "mkdir -p sub/dir"})
+    result = await client.call_tool("run_command", {"command": "pwd", "cwd": "sub/dir"})
+    assert result.structured_content is not None
+    assert result.structured_content["detail"]["stdout"] == "/workspace/sub/dir\n"
+
+
+@pytest.mark.parametrize(
+    ("cwd", "code"),
+    [("../..", "PATH_ESCAPE"), ("/etc", "PATH_ESCAPE"), ("missing", "NOT_FOUND"), ("README.md", "INVALID_REQUEST")],
+)
+async def test_cwd_outside_or_missing_is_refused(client: Client, cwd: str, code: str) -> None:
+    result = await client.call_tool("run_command", {"command": "pwd", "cwd": cwd})
+    assert result.structured_content is not None
+    assert result.structured_content["code"] == code
+    assert result.structured_content["detail"] == {}
+
+
+async def test_memory_hog_is_resource_limit(demo_config_path: Path) -> None:
+    """Invariant: a command past the workspace's memory limit is killed and reported RESOURCE_LIMIT."""
+    text = demo_config_path.read_text()
+    assert "memory_bytes = " in text
+    # The workspace's limit (the first); the sandboxes' ceiling must stay above twice /tmp + /dev/shm.
+    demo_config_path.write_text(text.replace("memory_bytes = 1073741824", "memory_bytes = 67108864", 1))
+    services = build_services(load_config(demo_config_path))
+    try:
+        async with Client(build_server(services, caller="test")) as client:
+            result = await client.call_tool("run_command", {"command": "sort /dev/zero", "timeout_s": 20})
+    finally:
+        services.close()
+    assert result.structured_content is not None
+    assert result.structured_content["code"] == "RESOURCE_LIMIT"
+    assert result.is_error is True
+
+
+def _host_uid(pid: int) -> int:
+    """The real uid of a process, as the host sees it."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Uid:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no Uid line for {pid}")
+
+
+def _mounts_under(folder: Path) -> list[str]:
+    text = Path("/proc/self/mountinfo").read_text()
+    return [line for line in text.splitlines() if f" {folder}/" in line or f" {folder} " in line]
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="idmapped mounts are a root server's")
+def test_host_workspace_mount_is_gone_after_close_and_a_crashed_servers_is_dropped_at_start(
+    demo_config_path: Path,
+) -> None:
+    """Invariant: a root server's idmapped mount of a host workspace lives only while the server
+    does: closing removes it, and one a crashed server left (or one of a workspace no longer in the
+    config) is unmounted and removed at the next start, so mounts never pile up."""
+    config = load_config(demo_config_path)
+    services = build_services(config)
+    mounts = config.state_dir / IDMAP_DIR
+    try:
+        assert [line.split()[4] for line in _mounts_under(mounts)] == [str(mounts / "default")]
+    finally:
+        services.close()
+    assert _mounts_under(mounts) == []
+    # As a killed server leaves them: the workspace's mount and one of a workspace since removed.
+    for name in ("default", "gone"):
+        (mounts / name).mkdir(exist_ok=True)
+        idmapped_mount(config.workspace[0].path, mounts / name, owner=(0, 0), identity=(1879048192, 1879048192))
+    try:
+        services = build_services(config)
+        services.close()
+    finally:
+        for name in ("default", "gone"):
+            if is_mounted(mounts / name):
+                unmount(mounts / name)
+    assert _mounts_under(mounts) == []
+    assert not (mounts / "gone").exists()
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="ids of their own are a root server's")
+async def test_host_workspace_files_are_the_folder_owners_and_its_commands_are_not_root(tmp_path: Path) -> None:
+    """Invariant: in a folder owned by an ordinary user, files made by a command and by write_file
+    are that user's on the host, while the command itself runs as an id of the range, not as the
+    owner and not as root (its processes are seen from the host)."""
+    config_path = demo_config_at(tmp_path / "demo")
+    workspace = load_config(config_path).workspace[0].path
+    for entry in (workspace, *workspace.rglob("*")):
+        os.chown(entry, 12345, 12346, follow_symlinks=False)
+    services = build_services(load_config(config_path))
+    try:
+        async with Client(build_server(services, caller="test")) as client:
+            made = await _run(client, "mkdir made")
+            assert made["ok"], made
+            written = await client.call_tool("write_file", {"path": "made/by-tool.txt", "content": "x"})
+            assert not written.is_error, written
+            ran = await _run(client, "cat /proc/self/status")
+            # From the host: every process of the workspace's sandbox (bwrap, the agent) and their ids.
+            bwrap = services.registry.get(None).sandbox._proc
+            assert bwrap is not None
+            host_uids = {_host_uid(pid) for pid in (bwrap.pid, *_descendants(bwrap.pid))}
+        status = str(ran["detail"]["stdout"])  # type: ignore[index]
+        assert "Uid:\t1000\t1000\t1000\t1000" in status  # inside: the sandbox user
+        first, count = load_config(config_path).sandboxes.host_ids
+        assert len(host_uids) == 1, host_uids
+        assert first <= host_uids.pop() < first + count  # neither root nor the owner
+    finally:
+        services.close()
+    for path in (workspace / "made", workspace / "made" / "by-tool.txt"):
+        info = path.stat()
+        assert (info.st_uid, info.st_gid) == (12345, 12346), path
+
+
+@pytest.fixture
+def ramfs_workspace(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+    """The demo config with its workspace on a ramfs (a filesystem without idmapped mounts)."""
+    config_path = demo_config_at(tmp_path / "demo")
+    workspace = load_config(config_path).workspace[0].path
+    subprocess.run(["mount", "-t", "ramfs", "-o", "mode=0755", "bastion-test", str(workspace)], check=True)
+    try:
+        yield config_path, workspace
+    finally:
+        subprocess.run(["umount", "-l", str(workspace)], check=True)
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="ids of their own are a root server's")
+async def test_without_idmapped_mounts_a_users_folder_runs_as_that_user_and_a_roots_is_refused(
+    ramfs_workspace: tuple[Path, Path],
+) -> None:
+    """Invariant: where the filesystem has no idmapped mounts, a root server never falls back to
+    running a host workspace as root: a root-owned folder stops the start with one line, and a
+    folder of an ordinary user is worked on as that user (its files are the user's)."""
+    config_path, workspace = ramfs_workspace
+    with pytest.raises(ConfigError, match=r"is root's and idmapped mounts are unavailable .*: chown it"):
+        build_services(load_config(config_path))
+    os.chown(workspace, 12345, 12346)
+    services = build_services(load_config(config_path))
+    try:
+        async with Client(build_server(services, caller="test")) as client:
+            made = await _run(client, "mkdir made")
+            assert made["ok"], made
+            bwrap = services.registry.get(None).sandbox._proc
+            assert bwrap is not None
+            assert {_host_uid(pid) for pid in (bwrap.pid, *_descendants(bwrap.pid))} == {12345}
+    finally:
+        services.close()
+    info = (workspace / "made").stat()
+    assert (info.st_uid, info.st_gid) == (12345, 12346)
