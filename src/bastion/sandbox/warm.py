@@ -24,11 +24,12 @@ import socket
 import subprocess  # noqa: TID251 - only the Popen type; _spawn starts it
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Final
 
 from bastion.safety.errors import BastionError, Conflict, ResourceLimit, Unavailable
 from bastion.sandbox._spawn import SandboxSpec, start_sandbox
+from bastion.sandbox.backend import Backend, Process, Sandbox
+from bastion.sandbox.backend import RunOutcome as RunOutcome
 from bastion.sandbox.cgroups import CgroupLayout, Limits, SandboxCgroup, Usage
 from bastion.sandbox.processes import BackgroundProcess, PipeCapture, RingCapture
 
@@ -75,27 +76,11 @@ def _mib(count: int) -> str:
     return f"{count / 2**20:.0f} MiB"
 
 
-@dataclass(frozen=True)
-class RunOutcome:
-    """What one command did. `status` is the exit code, or 128 + signal."""
-
-    status: int | None
-    stdout: bytes
-    stderr: bytes
-    stdout_total: int
-    stderr_total: int
-    timed_out: bool
-    cancelled: bool = False
-    oom_killed: bool = False
-    memory_note: str = ""
-
-    @property
-    def truncated(self) -> bool:
-        return self.stdout_total > len(self.stdout) or self.stderr_total > len(self.stderr)
-
-
 class WarmSandbox:
-    """One long-lived sandbox; commands in it run concurrently, each in its own PID namespace."""
+    """One long-lived sandbox; commands in it run concurrently, each in its own PID namespace.
+
+    The bubblewrap implementation of `bastion.sandbox.backend.Sandbox`.
+    """
 
     def __init__(self, spec: SandboxSpec, *, cgroups: CgroupLayout | None = None, limits: Limits | None = None) -> None:
         if limits is not None and cgroups is None:
@@ -479,7 +464,7 @@ class WarmSandbox:
         self._background[command_id] = process
         return process
 
-    async def kill(self, process: BackgroundProcess) -> None:
+    async def kill(self, process: Process) -> None:
         """SIGKILL a background process's PID 1: its whole PID namespace dies with it."""
         if process.exited:
             return
@@ -506,6 +491,23 @@ class WarmSandbox:
         self._closed = self._closed or final
         self._on_agent_gone()
         await self.settled()
+
+
+class BubblewrapBackend:
+    """The bubblewrap backend: sandboxes share the host's kernel, in namespaces of their own."""
+
+    name = "bubblewrap"
+
+    def __init__(self, cgroups: CgroupLayout | None) -> None:
+        self._cgroups = cgroups
+
+    def sandbox(self, spec: SandboxSpec, *, limits: Limits | None) -> WarmSandbox:
+        return WarmSandbox(spec, cgroups=self._cgroups, limits=limits)
+
+
+def _conforms(backend: BubblewrapBackend, sandbox: WarmSandbox) -> tuple[Backend, Sandbox]:
+    """Never called: mypy checks here that bubblewrap implements the backend protocol."""
+    return backend, sandbox
 
 
 def _exit_message(data: bytes) -> tuple[int, int] | None:
