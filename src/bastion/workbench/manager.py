@@ -52,12 +52,12 @@ from bastion.safety.errors import (
     Unavailable,
 )
 from bastion.safety.redact import Redactor
+from bastion.sandbox import backend
 from bastion.sandbox._devices import DeviceFolder
 from bastion.sandbox._disk import drop_disk, make_disk, mount_disk, mount_tmpfs, used_bytes
 from bastion.sandbox._spawn import SandboxSpec
 from bastion.sandbox.cgroups import CgroupLayout, Limits
 from bastion.sandbox.identity import HostIdentity, IdentityPool
-from bastion.sandbox import backend
 from bastion.sandbox.warm import BubblewrapBackend
 from bastion.snapshot.store import (
     SnapshotInfo,

@@ -39,9 +39,9 @@ from bastion.safety.redact import SLICE_CONTEXT_BYTES, Redactor, StreamRedactor,
 from bastion.sandbox._devices import DeviceFolder
 from bastion.sandbox._idmap import idmap_supported, idmapped_mount, is_mounted, unmount
 from bastion.sandbox._spawn import SANDBOX_PATH, SANDBOX_WORKSPACE, SandboxSpec
+from bastion.sandbox.backend import Process, RunOutcome, Sandbox
 from bastion.sandbox.cgroups import CgroupLayout, Limits
 from bastion.sandbox.identity import HostIdentity, IdentityPool
-from bastion.sandbox.backend import Process, RunOutcome, Sandbox
 from bastion.sandbox.processes import OutputLog
 from bastion.sandbox.warm import BubblewrapBackend
 
