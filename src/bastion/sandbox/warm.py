@@ -20,9 +20,11 @@ import json
 import logging
 import marshal
 import os
+import select
 import socket
 import subprocess  # noqa: TID251 - only the Popen type; _spawn starts it
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Final
 
@@ -52,6 +54,43 @@ def _descendants(pid: int) -> list[int]:
     except OSError:
         pass
     return found
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [child for task in os.listdir(f"/proc/{pid}/task") for child in _task_children(pid, task)]
+    except OSError:
+        return []
+
+
+def _task_children(pid: int, task: str) -> list[int]:
+    with open(f"/proc/{pid}/task/{task}/children", encoding="ascii") as handle:
+        return [int(child) for child in handle.read().split()]
+
+
+def _pidfds(pids: list[int]) -> list[int]:
+    fds = []
+    for pid in pids:
+        with contextlib.suppress(OSError):  # gone already
+            fds.append(os.pidfd_open(pid))
+    return fds
+
+
+def _wait_exited(pidfds: list[int], timeout_s: float) -> None:
+    """Wait, at most `timeout_s`, until each process exits (its pidfd turns readable); close the fds."""
+    poller = select.poll()
+    for fd in pidfds:
+        poller.register(fd, select.POLLIN)
+    try:
+        remaining = set(pidfds)
+        deadline = time.monotonic() + timeout_s
+        while remaining and time.monotonic() < deadline:
+            for fd, _ in poller.poll(max(1, round((deadline - time.monotonic()) * 1000))):
+                poller.unregister(fd)
+                remaining.discard(fd)
+    finally:
+        for fd in pidfds:
+            os.close(fd)
 
 
 def _scratch_is_empty(proc: subprocess.Popen[bytes] | None) -> bool:
@@ -530,8 +569,12 @@ def _exit_message(data: bytes) -> tuple[int, int] | None:
 def _reap(proc: subprocess.Popen[bytes] | None, group: SandboxCgroup | None, workspace: str) -> None:
     """Kill and wait for bwrap (its PID namespace dies with it), then remove the cgroup. Blocking."""
     if proc is not None:
+        # bwrap's child is PID 1 of the sandbox's namespace: the kernel reports its exit only once
+        # every process of the namespace is gone, which bwrap's own exit does not wait for.
+        inits = _pidfds(_children(proc.pid))
         proc.kill()
         proc.wait()
+        _wait_exited(inits, KILL_GRACE_S)
         if proc.stderr is not None:
             proc.stderr.close()
     if group is not None:
