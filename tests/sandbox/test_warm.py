@@ -1,6 +1,8 @@
 """The warm bubblewrap sandbox: what a command inside can and cannot see or leave behind.
 
-These run real bubblewrap sandboxes; they prove the kernel boundary, not the policy.
+These run real bubblewrap sandboxes; they prove the kernel boundary, not the policy. The
+promises every backend makes (run, spawn, pause, limits, close) are in test_backend_conformance.py;
+what is here is bubblewrap's own: namespaces, capabilities, seccomp, landlock, its tmpfs, its cgroup.
 """
 
 from __future__ import annotations
@@ -8,15 +10,15 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
+from bastion.safety.errors import Unavailable
 from bastion.sandbox._spawn import SANDBOX_PATH, SandboxSpec
 from bastion.sandbox.cgroups import CgroupLayout, Limits
-from bastion.sandbox.warm import RunOutcome, WarmSandbox
+from bastion.sandbox.warm import BubblewrapBackend, RunOutcome, WarmSandbox
 from tests.helpers import processes_with
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
@@ -39,65 +41,12 @@ async def sh(box: WarmSandbox, script: str, *, timeout_s: float = 10, cap: int =
     )
 
 
-async def test_timeout_kills_setsid_and_double_forked_processes(sandbox: WarmSandbox) -> None:
-    """Invariant: after a timeout no process the command started survives, however it detached."""
-    marker = "4242.25"
-    script = f"setsid sleep {marker} & (sleep {marker} &) ; nohup sleep {marker} >/dev/null 2>&1 & sleep {marker}"
-    started = time.monotonic()
-    outcome = await sh(sandbox, script, timeout_s=0.5)
-    assert outcome.timed_out
-    assert time.monotonic() - started < 5
-    assert processes_with(marker) == []
-
-
-async def test_normal_exit_leaves_no_background_process(sandbox: WarmSandbox) -> None:
-    marker = "4243.5"
-    outcome = await sh(sandbox, f"setsid sleep {marker} & echo started")
-    assert outcome.status == 0
-    assert outcome.stdout == b"started\n"
-    assert processes_with(marker) == []
-
-
-async def test_cancellation_kills_the_tree(sandbox: WarmSandbox) -> None:
-    marker = "4244.75"
-    task = asyncio.create_task(sh(sandbox, f"(sleep {marker} &) ; sleep {marker}"))
-    for _ in range(200):
-        if processes_with(marker):
-            break
-        await asyncio.sleep(0.01)
-    assert processes_with(marker)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    for _ in range(200):
-        if not processes_with(marker):
-            break
-        await asyncio.sleep(0.01)
-    assert processes_with(marker) == []
-
-
 async def test_command_has_no_capabilities_and_no_new_privs(sandbox: WarmSandbox) -> None:
     outcome = await sh(sandbox, "grep -E '^(Cap(Inh|Prm|Eff|Bnd|Amb)|NoNewPrivs):' /proc/self/status")
     fields = dict(line.split(":\t") for line in outcome.stdout.decode().splitlines())
     assert fields.pop("NoNewPrivs") == "1"
     assert set(fields.values()) == {"0000000000000000"}
     assert len(fields) == 5
-
-
-async def test_command_that_cannot_start_exits_127_with_one_line(sandbox: WarmSandbox) -> None:
-    """Invariant: a missing program or cwd is the command's failure (127 and a line on its
-    stderr), and the sandbox runs the next command normally."""
-    missing = await sandbox.run(
-        "/usr/bin/no-such-program", ["no-such-program"], cwd="/workspace", env=ENV, timeout_s=10, max_output_bytes=4096
-    )
-    assert missing.status == 127
-    assert missing.stderr.startswith(b"bastion: cannot start 'no-such-program': ")
-    no_cwd = await sandbox.run(
-        "/bin/true", ["true"], cwd="/workspace/gone", env=ENV, timeout_s=10, max_output_bytes=4096
-    )
-    assert no_cwd.status == 127
-    assert b"No such file or directory" in no_cwd.stderr
-    assert (await sh(sandbox, "echo fine")).stdout == b"fine\n"
 
 
 async def test_command_sees_only_its_three_standard_fds(sandbox: WarmSandbox) -> None:
@@ -162,37 +111,12 @@ async def test_file_in_dev_shm_keeps_an_idle_sandbox_awake_without_server_tmpfs(
     assert sandbox.sleep()
 
 
-async def test_environment_is_exactly_what_was_given(sandbox: WarmSandbox) -> None:
-    outcome = await box_env(sandbox)
-    names = sorted(line.split("=", 1)[0] for line in outcome.splitlines())
-    assert names == ["HOME", "LANG", "PATH"]
-
-
-async def box_env(sandbox: WarmSandbox) -> str:
-    outcome = await sandbox.run(
-        "/usr/bin/env", ["env"], cwd="/workspace", env=ENV, timeout_s=10, max_output_bytes=65536
-    )
-    return outcome.stdout.decode()
-
-
-async def test_output_is_capped_and_counted(sandbox: WarmSandbox) -> None:
-    outcome = await sh(sandbox, "head -c 1000000 /dev/zero", cap=4096)
-    assert len(outcome.stdout) == 4096
-    assert outcome.stdout_total == 1_000_000
-    assert outcome.truncated
-
-
-async def test_concurrent_commands_run_in_parallel(sandbox: WarmSandbox) -> None:
-    started = time.monotonic()
-    results = await asyncio.gather(*(sh(sandbox, "sleep 0.5; echo $$") for _ in range(4)))
-    assert time.monotonic() - started < 1.8
-    assert [r.stdout for r in results] == [b"1\n"] * 4
-
-
-async def test_sandbox_restarts_after_being_closed(sandbox: WarmSandbox) -> None:
-    assert (await sh(sandbox, "echo one")).stdout == b"one\n"
-    sandbox.close()
-    assert (await sh(sandbox, "echo two")).stdout == b"two\n"
+async def test_each_command_is_pid_1_of_its_own_namespace(sandbox: WarmSandbox) -> None:
+    """Two commands alive at once (the first waits for the second) both see themselves as PID 1."""
+    waiting = sh(sandbox, "echo $$; while [ ! -e go ]; do sleep 0.01; done")
+    going = sh(sandbox, "touch go; echo $$")
+    results = await asyncio.gather(waiting, going)
+    assert [r.stdout for r in results] == [b"1\n"] * 2
 
 
 async def test_landlock_confines_writes_to_workspace_and_tmp(sandbox: WarmSandbox) -> None:
@@ -223,20 +147,6 @@ async def limited(tmp_path: Path) -> AsyncIterator[WarmSandbox]:
     yield box
     box.close()
     layout.release()
-
-
-async def test_memory_hog_is_killed_and_reported(limited: WarmSandbox) -> None:
-    outcome = await sh(limited, "x=$(head -c 400000000 /dev/zero | tr '\\0' a); echo ${#x}")
-    assert outcome.oom_killed
-    assert outcome.status == 137
-
-
-async def test_fork_bomb_stops_at_the_pids_limit(limited: WarmSandbox) -> None:
-    outcome = await sh(limited, "for i in $(seq 60); do sleep 3 & done 2>&1; echo done", timeout_s=10)
-    assert b"Cannot fork" in outcome.stdout + outcome.stderr
-    assert not outcome.oom_killed
-    again = await sh(limited, "echo alive")
-    assert again.stdout == b"alive\n"
 
 
 async def test_close_removes_the_cgroup(limited: WarmSandbox) -> None:
@@ -272,3 +182,12 @@ async def test_an_idle_sandbox_holds_only_its_agent(sandbox: WarmSandbox) -> Non
     assert len(_descendants(sandbox._proc.pid)) == idle + 1, "only the background process was added"
     await sandbox.kill(background)
     assert len(_descendants(sandbox._proc.pid)) == idle
+
+
+def test_limits_without_cgroups_are_refused_at_once(tmp_path: Path) -> None:
+    """A limit bubblewrap cannot enforce (no cgroups) is refused, never silently dropped."""
+    limits = Limits(memory_bytes=96 << 20, pids=32, cpu_cores=1.0)
+    with pytest.raises(Unavailable):
+        BubblewrapBackend(None).sandbox(SandboxSpec(workspace=str(tmp_path)), limits=limits)
+    with pytest.raises(Unavailable):
+        BubblewrapBackend(None).sandbox(SandboxSpec(workspace=str(tmp_path)), limits=None).set_limits(limits)

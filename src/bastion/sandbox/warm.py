@@ -20,15 +20,18 @@ import json
 import logging
 import marshal
 import os
+import select
 import socket
 import subprocess  # noqa: TID251 - only the Popen type; _spawn starts it
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Final
 
 from bastion.safety.errors import BastionError, Conflict, ResourceLimit, Unavailable
 from bastion.sandbox._spawn import SandboxSpec, start_sandbox
+from bastion.sandbox.backend import Backend, Process, Sandbox
+from bastion.sandbox.backend import RunOutcome as RunOutcome
 from bastion.sandbox.cgroups import CgroupLayout, Limits, SandboxCgroup, Usage
 from bastion.sandbox.processes import BackgroundProcess, PipeCapture, RingCapture
 
@@ -53,6 +56,43 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
+def _children(pid: int) -> list[int]:
+    try:
+        return [child for task in os.listdir(f"/proc/{pid}/task") for child in _task_children(pid, task)]
+    except OSError:
+        return []
+
+
+def _task_children(pid: int, task: str) -> list[int]:
+    with open(f"/proc/{pid}/task/{task}/children", encoding="ascii") as handle:
+        return [int(child) for child in handle.read().split()]
+
+
+def _pidfds(pids: list[int]) -> list[int]:
+    fds = []
+    for pid in pids:
+        with contextlib.suppress(OSError):  # gone already
+            fds.append(os.pidfd_open(pid))
+    return fds
+
+
+def _wait_exited(pidfds: list[int], timeout_s: float) -> None:
+    """Wait, at most `timeout_s`, until each process exits (its pidfd turns readable); close the fds."""
+    poller = select.poll()
+    for fd in pidfds:
+        poller.register(fd, select.POLLIN)
+    try:
+        remaining = set(pidfds)
+        deadline = time.monotonic() + timeout_s
+        while remaining and time.monotonic() < deadline:
+            for fd, _ in poller.poll(max(1, round((deadline - time.monotonic()) * 1000))):
+                poller.unregister(fd)
+                remaining.discard(fd)
+    finally:
+        for fd in pidfds:
+            os.close(fd)
+
+
 def _scratch_is_empty(proc: subprocess.Popen[bytes] | None) -> bool:
     """Whether bwrap's own /tmp and /dev/shm (tmpfs in the sandbox's mount namespace) hold nothing."""
     if proc is None:
@@ -75,27 +115,11 @@ def _mib(count: int) -> str:
     return f"{count / 2**20:.0f} MiB"
 
 
-@dataclass(frozen=True)
-class RunOutcome:
-    """What one command did. `status` is the exit code, or 128 + signal."""
-
-    status: int | None
-    stdout: bytes
-    stderr: bytes
-    stdout_total: int
-    stderr_total: int
-    timed_out: bool
-    cancelled: bool = False
-    oom_killed: bool = False
-    memory_note: str = ""
-
-    @property
-    def truncated(self) -> bool:
-        return self.stdout_total > len(self.stdout) or self.stderr_total > len(self.stderr)
-
-
 class WarmSandbox:
-    """One long-lived sandbox; commands in it run concurrently, each in its own PID namespace."""
+    """One long-lived sandbox; commands in it run concurrently, each in its own PID namespace.
+
+    The bubblewrap implementation of `bastion.sandbox.backend.Sandbox`.
+    """
 
     def __init__(self, spec: SandboxSpec, *, cgroups: CgroupLayout | None = None, limits: Limits | None = None) -> None:
         if limits is not None and cgroups is None:
@@ -479,7 +503,7 @@ class WarmSandbox:
         self._background[command_id] = process
         return process
 
-    async def kill(self, process: BackgroundProcess) -> None:
+    async def kill(self, process: Process) -> None:
         """SIGKILL a background process's PID 1: its whole PID namespace dies with it."""
         if process.exited:
             return
@@ -508,6 +532,23 @@ class WarmSandbox:
         await self.settled()
 
 
+class BubblewrapBackend:
+    """The bubblewrap backend: sandboxes share the host's kernel, in namespaces of their own."""
+
+    name = "bubblewrap"
+
+    def __init__(self, cgroups: CgroupLayout | None) -> None:
+        self._cgroups = cgroups
+
+    def sandbox(self, spec: SandboxSpec, *, limits: Limits | None) -> WarmSandbox:
+        return WarmSandbox(spec, cgroups=self._cgroups, limits=limits)
+
+
+def _conforms(backend: BubblewrapBackend, sandbox: WarmSandbox) -> tuple[Backend, Sandbox]:
+    """Never called: mypy checks here that bubblewrap implements the backend protocol."""
+    return backend, sandbox
+
+
 def _exit_message(data: bytes) -> tuple[int, int] | None:
     """(command id, status) of an exit message of the agent; None for another event.
 
@@ -528,8 +569,12 @@ def _exit_message(data: bytes) -> tuple[int, int] | None:
 def _reap(proc: subprocess.Popen[bytes] | None, group: SandboxCgroup | None, workspace: str) -> None:
     """Kill and wait for bwrap (its PID namespace dies with it), then remove the cgroup. Blocking."""
     if proc is not None:
+        # bwrap's child is PID 1 of the sandbox's namespace: the kernel reports its exit only once
+        # every process of the namespace is gone, which bwrap's own exit does not wait for.
+        inits = _pidfds(_children(proc.pid))
         proc.kill()
         proc.wait()
+        _wait_exited(inits, KILL_GRACE_S)
         if proc.stderr is not None:
             proc.stderr.close()
     if group is not None:

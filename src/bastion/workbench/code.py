@@ -29,7 +29,8 @@ from typing import Any, Final
 from bastion.safety.errors import Conflict, InvalidRequest, NotFound, PolicyDenied, ResourceLimit, Unavailable
 from bastion.safety.redact import Redactor
 from bastion.sandbox._spawn import SANDBOX_PATH, SANDBOX_WORKSPACE
-from bastion.sandbox.processes import BackgroundProcess, RingCapture
+from bastion.sandbox.backend import Process
+from bastion.sandbox.processes import RingCapture
 from bastion.workbench.workspace import CommandOutput, HostWorkspace, OutputCleaner
 
 logger = logging.getLogger("bastion.code")
@@ -362,7 +363,7 @@ class PythonContext:
         self._workspace = workspace
         self._redactor = redactor
         self._python = python
-        self._process: BackgroundProcess | None = None
+        self._process: Process | None = None
         self._ready: asyncio.Future[dict[str, Any]] | None = None
         self._cell: _Cell | None = None
         self._count = 0

@@ -52,12 +52,13 @@ from bastion.safety.errors import (
     Unavailable,
 )
 from bastion.safety.redact import Redactor
+from bastion.sandbox import backend
 from bastion.sandbox._devices import DeviceFolder
 from bastion.sandbox._disk import drop_disk, make_disk, mount_disk, mount_tmpfs, used_bytes
 from bastion.sandbox._spawn import SandboxSpec
 from bastion.sandbox.cgroups import CgroupLayout, Limits
 from bastion.sandbox.identity import HostIdentity, IdentityPool
-from bastion.sandbox.warm import WarmSandbox
+from bastion.sandbox.warm import BubblewrapBackend
 from bastion.snapshot.store import (
     SnapshotInfo,
     SnapshotLimits,
@@ -154,7 +155,7 @@ class _Prepared:
 
     id: str
     root: Path
-    warm: WarmSandbox
+    warm: backend.Sandbox
     identity: HostIdentity
 
 
@@ -389,7 +390,7 @@ class SandboxManager:
             tmp_size_bytes=self._config.tmp_bytes,
             shm_size_bytes=self._config.shm_bytes,
         )
-        warm = WarmSandbox(spec, cgroups=self._cgroups, limits=limits)
+        warm = BubblewrapBackend(self._cgroups).sandbox(spec, limits=limits)
         prepared = self._starting[sandbox_id] = _Prepared(sandbox_id, root, warm, identity)
         try:
             await warm.start()
@@ -770,7 +771,7 @@ def _owner(identity: HostIdentity | None) -> tuple[int, int] | None:
     return (identity.uid, identity.gid) if identity is not None and identity.switch else None
 
 
-def _state(warm: WarmSandbox) -> str:
+def _state(warm: backend.Sandbox) -> str:
     if warm.paused:
         return "paused"
     return "asleep" if warm.asleep else "running"

@@ -21,7 +21,7 @@ from bastion.config import AllowRule
 from bastion.egress.proxy import EgressService
 from bastion.safety.errors import Unavailable
 from bastion.sandbox._spawn import sandbox_python
-from bastion.sandbox.processes import BackgroundProcess
+from bastion.sandbox.backend import Process
 from bastion.workbench.workspace import HostWorkspace
 
 logger = logging.getLogger("bastion.network")
@@ -61,7 +61,7 @@ class SandboxNetwork:
         self._socket = socket_dir / SOCKET_NAME
         self._egress = egress
         self._proxy_running = False
-        self._forwarder: BackgroundProcess | None = None
+        self._forwarder: Process | None = None
         self._lock = asyncio.Lock()
         self._stopping: asyncio.Task[None] | None = None
 
@@ -131,7 +131,7 @@ class SandboxNetwork:
             logger.exception("egress proxy of %s did not stop cleanly", self.sandbox_id)
 
 
-async def _start_forwarder(workspace: HostWorkspace, socket_path: str) -> BackgroundProcess:
+async def _start_forwarder(workspace: HostWorkspace, socket_path: str) -> Process:
     python = sandbox_python()
     argv = [python, "-I", "-S", "-c", FORWARDER_SOURCE, str(PROXY_PORT), socket_path]
     process = await workspace.sandbox.spawn(

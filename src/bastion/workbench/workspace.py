@@ -39,10 +39,11 @@ from bastion.safety.redact import SLICE_CONTEXT_BYTES, Redactor, StreamRedactor,
 from bastion.sandbox._devices import DeviceFolder
 from bastion.sandbox._idmap import idmap_supported, idmapped_mount, is_mounted, unmount
 from bastion.sandbox._spawn import SANDBOX_PATH, SANDBOX_WORKSPACE, SandboxSpec
+from bastion.sandbox.backend import Process, RunOutcome, Sandbox
 from bastion.sandbox.cgroups import CgroupLayout, Limits
 from bastion.sandbox.identity import HostIdentity, IdentityPool
-from bastion.sandbox.processes import BackgroundProcess, OutputLog
-from bastion.sandbox.warm import RunOutcome, WarmSandbox
+from bastion.sandbox.processes import OutputLog
+from bastion.sandbox.warm import BubblewrapBackend
 
 if TYPE_CHECKING:
     from bastion.workbench.manager import SandboxManager
@@ -131,7 +132,7 @@ class _Background:
     """A background process and the cleaning state of its output."""
 
     id: int
-    process: BackgroundProcess
+    process: Process
     argv: tuple[str, ...]  # redacted
     cleaners: tuple[OutputCleaner, OutputCleaner]
     log: OutputLog
@@ -171,7 +172,7 @@ class HostWorkspace:
         cgroups: CgroupLayout | None,
         *,
         via_sh: bool = False,
-        sandbox: WarmSandbox | None = None,
+        sandbox: Sandbox | None = None,
         path_prefix: tuple[str, ...] = (),
         identity: HostIdentity | None = None,
         owner: tuple[int, int] | None = None,
@@ -214,7 +215,7 @@ class HostWorkspace:
         if sandbox is None:
             ids = None if identity is None or not identity.switch else (identity.uid, identity.gid)
             spec = SandboxSpec(workspace=bind_source or self.jail.root, identity=ids, devices=devices)
-            sandbox = WarmSandbox(spec, cgroups=cgroups, limits=limits)
+            sandbox = BubblewrapBackend(cgroups).sandbox(spec, limits=limits)
         elif limits is not None:
             sandbox.set_limits(limits)
         self.sandbox = sandbox

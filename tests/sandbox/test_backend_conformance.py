@@ -1,0 +1,344 @@
+"""The backend conformance suite: the promises of `bastion.sandbox.backend`, for every backend.
+
+Each test uses a sandbox only through the protocol (`Backend`, `Sandbox`, `Process`). A new
+backend joins by adding its name to `BACKENDS` and a branch to `harness`: how to make it, and
+how to see from the host whether a process of its sandboxes is still running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from bastion.safety.errors import Conflict, Unavailable
+from bastion.sandbox._spawn import SANDBOX_PATH, SandboxSpec
+from bastion.sandbox.backend import Backend, RunOutcome, Sandbox
+from bastion.sandbox.cgroups import CgroupLayout, Limits
+from bastion.sandbox.processes import RingCapture
+from bastion.sandbox.warm import BubblewrapBackend
+from tests.helpers import processes_with
+
+pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
+
+BACKENDS = ["bubblewrap"]
+ENV = {"PATH": SANDBOX_PATH, "HOME": "/workspace", "LANG": "C.UTF-8"}
+LIMITS = Limits(memory_bytes=96 << 20, pids=32, cpu_cores=1.0)
+
+
+@dataclass
+class Harness:
+    backend: Backend
+    workspace: Path
+    leftovers: Callable[[str], list[int]]
+    """Host-visible processes of any sandbox whose command line holds the marker."""
+    made: list[Sandbox]
+
+    def sandbox(self, limits: Limits | None = None) -> Sandbox:
+        box = self.backend.sandbox(SandboxSpec(workspace=str(self.workspace)), limits=limits)
+        self.made.append(box)
+        return box
+
+
+@pytest.fixture(params=BACKENDS)
+def harness(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Harness]:
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    assert request.param == "bubblewrap"
+    layout = CgroupLayout.detect(base_name=f"bastion-test-{os.getpid()}")
+    made = Harness(BubblewrapBackend(layout), workspace, processes_with, [])
+    yield made
+    for box in made.made:
+        box.close()
+    layout.release()
+
+
+@pytest.fixture
+def box(harness: Harness) -> Sandbox:
+    return harness.sandbox()
+
+
+@pytest.fixture
+def limited(harness: Harness) -> Sandbox:
+    return harness.sandbox(LIMITS)
+
+
+async def sh(
+    box: Sandbox, script: str, *, timeout_s: float = 10, cap: int = 65536, cwd: str = "/workspace"
+) -> RunOutcome:
+    return await box.run("/bin/sh", ["sh", "-c", script], cwd=cwd, env=ENV, timeout_s=timeout_s, max_output_bytes=cap)
+
+
+async def until(check: Callable[[], bool]) -> None:
+    """Poll `check` (no event tells when another process has started) for at most 10 s."""
+    async with asyncio.timeout(10):
+        while not check():
+            await asyncio.sleep(0.01)
+
+
+# run
+
+
+async def test_run_reports_exit_status_and_both_streams(box: Sandbox) -> None:
+    outcome = await sh(box, "echo out; echo err >&2; exit 3")
+    assert (outcome.status, outcome.stdout, outcome.stderr) == (3, b"out\n", b"err\n")
+    assert not outcome.timed_out
+    assert not outcome.truncated
+
+
+async def test_command_that_cannot_start_exits_127_with_one_line(box: Sandbox) -> None:
+    """Invariant: a missing program or cwd is the command's failure (127 and a line on its
+    stderr), and the sandbox runs the next command normally."""
+    missing = await box.run(
+        "/usr/bin/no-such-program", ["no-such-program"], cwd="/workspace", env=ENV, timeout_s=10, max_output_bytes=4096
+    )
+    assert missing.status == 127
+    assert missing.stderr.startswith(b"bastion: cannot start 'no-such-program': ")
+    no_cwd = await box.run("/bin/true", ["true"], cwd="/workspace/gone", env=ENV, timeout_s=10, max_output_bytes=4096)
+    assert no_cwd.status == 127
+    assert b"No such file or directory" in no_cwd.stderr
+    assert (await sh(box, "echo fine")).stdout == b"fine\n"
+
+
+async def test_environment_and_cwd_are_exactly_what_was_given(harness: Harness, box: Sandbox) -> None:
+    (harness.workspace / "sub").mkdir()
+    outcome = await box.run("/usr/bin/env", ["env"], cwd="/workspace", env=ENV, timeout_s=10, max_output_bytes=65536)
+    assert sorted(line.split("=", 1)[0] for line in outcome.stdout.decode().splitlines()) == ["HOME", "LANG", "PATH"]
+    assert (await sh(box, "pwd", cwd="/workspace/sub")).stdout == b"/workspace/sub\n"
+
+
+async def test_the_workspace_is_the_host_folder(harness: Harness, box: Sandbox) -> None:
+    """Files and snapshots act on the host folder: what one side writes, the other reads."""
+    (harness.workspace / "from-host").write_text("host\n")
+    outcome = await sh(box, "cat from-host; echo inside > from-inside")
+    assert outcome.stdout == b"host\n"
+    assert (harness.workspace / "from-inside").read_text() == "inside\n"
+
+
+async def test_output_is_capped_and_counted(box: Sandbox) -> None:
+    outcome = await sh(box, "head -c 1000000 /dev/zero; head -c 10 /dev/zero >&2", cap=4096)
+    assert len(outcome.stdout) == 4096
+    assert outcome.stdout_total == 1_000_000
+    assert (outcome.stderr, outcome.stderr_total) == (b"\0" * 10, 10)
+    assert outcome.truncated
+
+
+async def test_timeout_kills_setsid_and_double_forked_processes(harness: Harness, box: Sandbox) -> None:
+    """Invariant: after a timeout no process the command started survives, however it detached."""
+    marker = "4242.25"
+    script = f"setsid sleep {marker} & (sleep {marker} &) ; nohup sleep {marker} >/dev/null 2>&1 & sleep {marker}"
+    outcome = await sh(box, script, timeout_s=0.5)
+    assert outcome.timed_out
+    assert outcome.status is not None
+    assert harness.leftovers(marker) == []
+
+
+async def test_normal_exit_leaves_no_background_process(harness: Harness, box: Sandbox) -> None:
+    marker = "4243.5"
+    outcome = await sh(box, f"setsid sleep {marker} & echo started")
+    assert outcome.status == 0
+    assert outcome.stdout == b"started\n"
+    assert harness.leftovers(marker) == []
+
+
+async def test_cancellation_kills_the_tree(harness: Harness, box: Sandbox) -> None:
+    marker = "4244.75"
+    task = asyncio.create_task(sh(box, f"(sleep {marker} &) ; sleep {marker}"))
+    await until(lambda: bool(harness.leftovers(marker)))
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await until(lambda: not harness.leftovers(marker))
+
+
+async def test_commands_run_concurrently(box: Sandbox) -> None:
+    """The first command can only finish once the second has run."""
+    waiting = sh(box, "while [ ! -e go ]; do sleep 0.01; done; echo waited")
+    going = sh(box, "touch go; echo went")
+    first, second = await asyncio.gather(waiting, going)
+    assert (first.stdout, second.stdout) == (b"waited\n", b"went\n")
+    assert not first.timed_out
+
+
+# spawn
+
+
+async def test_spawned_command_reads_stdin_and_writes_its_rings(box: Sandbox) -> None:
+    process = await box.spawn("/bin/cat", ["cat"], cwd="/workspace", env=ENV, ring_bytes=1024)
+    assert not process.exited
+    assert process.stdin_open
+    assert await process.write(b"hello\n", timeout_s=10) == 6
+    process.close_stdin()
+    await process.wait_exit()
+    await process.wait_output(10)
+    assert process.status == 0
+    assert process.stdout.read(0, 100) == (0, b"hello\n")
+    assert process.stdout.closed
+    assert not process.stdin_open
+    with pytest.raises(Conflict):
+        await process.write(b"late", timeout_s=1)
+
+
+async def test_a_ring_keeps_the_newest_bytes_and_counts_all(box: Sandbox) -> None:
+    process = await box.spawn(
+        "/bin/sh", ["sh", "-c", "head -c 5000 /dev/zero >&2; echo done"], cwd="/", env=ENV, ring_bytes=1024
+    )
+    await process.wait_exit()
+    await process.wait_output(10)
+    assert process.stderr.total == 5000
+    assert process.stderr.start == 5000 - 1024
+    assert process.stderr.read(0, 4096) == (5000 - 1024, b"\0" * 1024)
+    assert process.stdout.read(0, 100)[1] == b"done\n"
+
+
+async def test_spawn_reads_stdout_with_the_given_reader(box: Sandbox) -> None:
+    readers: list[RingCapture] = []
+
+    def reader(fd: int) -> RingCapture:
+        readers.append(RingCapture(fd, 3))
+        return readers[-1]
+
+    process = await box.spawn("/bin/echo", ["echo", "abcdef"], cwd="/", env=ENV, ring_bytes=1024, stdout=reader)
+    await process.wait_exit()
+    await process.wait_output(10)
+    assert process.stdout is readers[0]
+    assert process.stdout.read(0, 10) == (4, b"ef\n")
+
+
+async def test_kill_ends_a_background_command_and_what_it_started(harness: Harness, box: Sandbox) -> None:
+    marker = "4245.5"
+    process = await box.spawn(
+        "/bin/sh", ["sh", "-c", f"setsid sleep {marker} & exec sleep {marker}"], cwd="/", env=ENV, ring_bytes=1024
+    )
+    await until(lambda: len(harness.leftovers(marker)) >= 2)
+    await box.kill(process)
+    assert process.exited
+    assert process.status == 128 + 9  # a kill is a signal: 128 + its number
+    await until(lambda: not harness.leftovers(marker))
+    await box.kill(process)  # a no-op once it has exited
+
+
+async def test_a_background_command_outlives_the_call_and_other_commands(box: Sandbox) -> None:
+    process = await box.spawn("/bin/cat", ["cat"], cwd="/", env=ENV, ring_bytes=1024)
+    assert (await sh(box, "echo between")).stdout == b"between\n"
+    assert not process.exited
+    await process.write(b"still here\n", timeout_s=10)
+    await until(lambda: process.stdout.total == 11)
+    await box.kill(process)
+
+
+# pause, resume, usage, limits
+
+
+async def test_pause_needs_a_running_sandbox(limited: Sandbox, box: Sandbox) -> None:
+    with pytest.raises(Conflict):
+        limited.pause()
+    with pytest.raises(Conflict):
+        limited.resume()
+    await sh(box, "true")
+    with pytest.raises(Conflict):
+        box.pause()  # no limits: nothing can freeze it
+
+
+async def test_pause_freezes_and_resume_thaws(limited: Sandbox) -> None:
+    process = await limited.spawn("/bin/cat", ["cat"], cwd="/", env=ENV, ring_bytes=1024)
+    limited.pause()
+    assert limited.paused
+    usage = limited.usage()
+    assert usage is not None
+    assert usage.frozen
+    with pytest.raises(Conflict):
+        await sh(limited, "true")
+    with pytest.raises(Conflict):
+        await limited.spawn("/bin/true", ["true"], cwd="/", env=ENV, ring_bytes=64)
+    with pytest.raises(Conflict):
+        await limited.kill(process)
+    await process.write(b"queued\n", timeout_s=10)  # into the pipe; cat reads it once thawed
+    limited.resume()
+    assert not limited.paused
+    usage = limited.usage()
+    assert usage is not None
+    assert not usage.frozen
+    process.close_stdin()
+    await process.wait_exit()
+    await process.wait_output(10)
+    assert process.stdout.read(0, 100)[1] == b"queued\n"
+
+
+async def test_usage_measures_a_running_sandbox(limited: Sandbox, box: Sandbox) -> None:
+    assert limited.usage() is None
+    await sh(limited, "true")
+    usage = limited.usage()
+    assert usage is not None
+    assert usage.memory_bytes > 0
+    assert usage.pids >= 1
+    assert usage.cpu_usec >= 0
+    await sh(box, "true")
+    assert box.usage() is None  # no limits: nothing measures it
+
+
+async def test_memory_hog_is_killed_and_reported(limited: Sandbox) -> None:
+    outcome = await sh(limited, "x=$(head -c 400000000 /dev/zero | tr '\\0' a); echo ${#x}")
+    assert outcome.oom_killed
+    assert outcome.status == 137
+    assert outcome.memory_note
+    assert limited.oom_kills() >= 1
+    assert (await sh(limited, "echo alive")).stdout == b"alive\n"
+
+
+async def test_fork_bomb_stops_at_the_pids_limit(limited: Sandbox) -> None:
+    outcome = await sh(limited, "for i in $(seq 60); do sleep 3 & done 2>&1; echo done", timeout_s=10)
+    assert b"Cannot fork" in outcome.stdout + outcome.stderr
+    assert not outcome.oom_killed
+    assert (await sh(limited, "echo alive")).stdout == b"alive\n"
+
+
+async def test_limits_change_live(limited: Sandbox) -> None:
+    assert (await sh(limited, "for i in $(seq 12); do sleep 3 & done 2>&1; echo done")).stdout == b"done\n"
+    limited.set_limits(Limits(memory_bytes=96 << 20, pids=8, cpu_cores=1.0))
+    outcome = await sh(limited, "for i in $(seq 12); do sleep 3 & done 2>&1; echo done")
+    assert b"Cannot fork" in outcome.stdout + outcome.stderr
+
+
+# sleep and close
+
+
+async def test_an_idle_sandbox_sleeps_and_the_next_command_wakes_it(box: Sandbox) -> None:
+    assert not box.sleep()  # never started: nothing to stop
+    await sh(box, "echo kept > file")
+    process = await box.spawn("/bin/cat", ["cat"], cwd="/", env=ENV, ring_bytes=64)
+    assert not box.sleep()  # a background command runs
+    await box.kill(process)
+    assert box.sleep()
+    assert box.asleep
+    assert (await sh(box, "cat file")).stdout == b"kept\n"
+    assert not box.asleep
+
+
+async def test_close_leaves_nothing_running_and_a_new_command_starts_it_again(harness: Harness, box: Sandbox) -> None:
+    marker = "4246.25"
+    process = await box.spawn("/bin/sleep", ["sleep", marker], cwd="/", env=ENV, ring_bytes=64)
+    await until(lambda: bool(harness.leftovers(marker)))
+    box.close()
+    assert harness.leftovers(marker) == []
+    assert process.exited
+    assert process.status is None
+    assert (await sh(box, "echo again")).stdout == b"again\n"
+
+
+async def test_aclose_final_is_for_good(harness: Harness, box: Sandbox) -> None:
+    marker = "4247.75"
+    await box.spawn("/bin/sleep", ["sleep", marker], cwd="/", env=ENV, ring_bytes=64)
+    await until(lambda: bool(harness.leftovers(marker)))
+    await box.aclose(final=True)
+    assert harness.leftovers(marker) == []
+    with pytest.raises(Unavailable):
+        await box.start()
+    with pytest.raises(Unavailable):
+        await sh(box, "true")
+    with pytest.raises(Unavailable):
+        await box.spawn("/bin/true", ["true"], cwd="/", env=ENV, ring_bytes=64)
