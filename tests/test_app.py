@@ -23,8 +23,8 @@ import pytest
 
 from bastion.app import build_services
 from bastion.config import Config, load_config
-from bastion.organizer.journal import Journal
 from bastion.organizer.inbox import journal_path
+from bastion.organizer.journal import Journal
 from bastion.safety.errors import ConfigError
 from bastion.state_lock import StateLock
 

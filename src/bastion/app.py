@@ -32,7 +32,8 @@ from bastion.tools.sandboxes import register_sandboxes
 from bastion.tools.server import BastionServer
 from bastion.tools.workbench import register_workbench
 from bastion.workbench.manager import SandboxManager
-from bastion.workbench.workspace import WorkspaceRegistry
+from bastion.workbench.registry import WorkspaceRegistry
+from bastion.workbench.workspace import HostWorkspace, open_host_workspaces
 
 logger = logging.getLogger("bastion.app")
 DEVICES_DIR = "dev"  # in state_dir: the sandboxes' own device nodes, on a tmpfs, while the server runs
@@ -186,11 +187,7 @@ def build_services(config: Config) -> Services:
         identities = open_identities(config)
         opened.callback(identities.close)
         devices = open_devices(config, identities, opened)
-        try:
-            registry = WorkspaceRegistry(config, redactor, cgroups, identities, devices)
-        except BastionError as exc:
-            raise ConfigError(f"workspaces: {exc.reason}") from None
-        opened.callback(registry.close)
+        hosts = open_hosts(config, redactor, cgroups, identities, devices, opened)
         # One event loop thread serves every sandbox's egress proxy; it starts only if sandboxes are on.
         egress = EgressService.from_config(audit, config.sandboxes.network) if config.sandboxes.enabled else None
         if egress is not None:
@@ -198,7 +195,7 @@ def build_services(config: Config) -> Services:
         sandboxes = SandboxManager(config, redactor, cgroups, egress, identities, devices)
         opened.callback(sandboxes.close_all)
         recover(sandboxes)
-        registry.sandboxes = sandboxes
+        registry = WorkspaceRegistry(hosts, sandboxes, default=config.default_workspace)
         services = Services(
             config=config,
             redactor=redactor,
@@ -240,6 +237,28 @@ def open_devices(config: Config, identities: IdentityPool, opened: contextlib.Ex
     devices.open()
     opened.callback(devices.close)
     return devices
+
+
+def open_hosts(
+    config: Config,
+    redactor: Redactor,
+    cgroups: CgroupLayout | None,
+    identities: IdentityPool,
+    devices: DeviceFolder | None,
+    opened: contextlib.ExitStack,
+) -> dict[str, HostWorkspace]:
+    """The configured host workspaces, closed by `opened`.
+
+    Raises:
+        ConfigError: one cannot be served (see `open_host_workspaces`).
+    """
+    try:
+        hosts = open_host_workspaces(config, redactor, cgroups, identities, devices)
+    except BastionError as exc:
+        raise ConfigError(f"workspaces: {exc.reason}") from None
+    for host in hosts.values():
+        opened.callback(host.close)
+    return hosts
 
 
 def recover(sandboxes: SandboxManager) -> None:

@@ -11,9 +11,10 @@ import pytest
 from mcp import Client
 
 from bastion.app import Services
+from bastion.safety.output import OutputCleaner
 from bastion.safety.redact import Redactor, sanitize_terminal
 from bastion.sandbox.processes import OutputLog
-from bastion.workbench.workspace import RING_BYTES, OutputCleaner
+from bastion.workbench.background import RING_BYTES
 from tests.helpers import call, create, processes_with
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]

@@ -27,16 +27,15 @@ from pathlib import Path
 from typing import Any, Final
 
 from bastion.safety.errors import Conflict, InvalidRequest, NotFound, PolicyDenied, ResourceLimit, Unavailable
+from bastion.safety.output import OutputCleaner
 from bastion.safety.redact import Redactor
 from bastion.sandbox._spawn import SANDBOX_PATH, SANDBOX_WORKSPACE
 from bastion.sandbox.processes import BackgroundProcess, RingCapture
-from bastion.workbench.workspace import CommandOutput, HostWorkspace, OutputCleaner
+from bastion.workbench.workspace import OWN_VENV, SYSTEM_PYTHON, CommandOutput, HostWorkspace
 
 logger = logging.getLogger("bastion.code")
 
 KERNEL_SOURCE: Final = (Path(__file__).parents[1] / "sandbox" / "inside" / "kernel.py").read_text(encoding="utf-8")
-SYSTEM_PYTHON: Final = "/usr/bin/python3"
-OWN_VENV: Final = f"{SANDBOX_WORKSPACE}/.venv"
 MAX_CONTEXTS: Final = 8
 MAX_CODE_BYTES: Final = 1 << 20
 MAX_ARGV_CODE_BYTES: Final = 100_000  # bash -c / node -e: one argument, under the kernel's 128 KiB

@@ -16,16 +16,17 @@ from __future__ import annotations
 import os
 import re
 import shutil
-from typing import TYPE_CHECKING, Final, Literal
+from collections.abc import Sequence
+from contextlib import AbstractAsyncContextManager
+from typing import TYPE_CHECKING, Final, Literal, Protocol
 
 from bastion.safety.errors import InvalidRequest, NotFound, OperationFailed, PathEscape, PolicyDenied
 from bastion.sandbox._spawn import SANDBOX_PATH
-from bastion.workbench.code import OWN_VENV, SYSTEM_PYTHON
+from bastion.workbench.workspace import OWN_VENV, SYSTEM_PYTHON
 
 if TYPE_CHECKING:
-    from bastion.config import SandboxesConfig
+    from bastion.config import AllowRule, SandboxesConfig
     from bastion.safety.paths import Jail
-    from bastion.workbench.manager import Sandbox
     from bastion.workbench.workspace import CommandOutput, HostWorkspace
 
 Manager = Literal["pip", "npm"]
@@ -112,13 +113,31 @@ def npm_command(requirement: str, registry_url: str, cert: str | None) -> tuple[
 
 
 CA_BUNDLE: Final = "/etc/ssl/certs/ca-certificates.crt"  # bound into every sandbox (see _spawn)
+
+
+class Widens(Protocol):
+    """A sandbox's network that can be widened for one block (`SandboxNetwork.widened`)."""
+
+    def widened(self, workspace: HostWorkspace, extra: Sequence[AllowRule]) -> AbstractAsyncContextManager[None]: ...
+
+
+class Installable(Protocol):
+    """What an install needs of a sandbox (the manager's `Sandbox` is one): given, never looked up."""
+
+    @property
+    def workspace(self) -> HostWorkspace: ...
+
+    @property
+    def network(self) -> Widens: ...
+
+
 ENV: Final = "/usr/bin/env"
 PIP_NO_CONFIG: Final = f"PIP_CONFIG_FILE={os.devnull}"
 VENV_TIMEOUT_S: Final = 120.0
 
 
 async def install(
-    box: Sandbox, requirement: str, manager: Manager, config: SandboxesConfig
+    box: Installable, requirement: str, manager: Manager, config: SandboxesConfig
 ) -> tuple[str, CommandOutput]:
     """Install `requirement` into the sandbox's own environment; return it (checked) and the installer's output.
 
