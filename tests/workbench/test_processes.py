@@ -221,7 +221,7 @@ async def test_endless_output_is_bounded_and_the_server_stays_responsive(client:
 
 async def test_host_workspace_refuses_background_and_unknown_pids(client: Client) -> None:
     refused = await call(client, "run_command", command="sleep 1", background=True)
-    assert refused["code"] == "POLICY_DENIED"
+    assert refused["code"] == "FORBIDDEN"
     assert "sandboxes" in str(refused["reason"])
     listed = await call(client, "list_processes")
     assert listed["ok"]

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from bastion.safety.errors import Conflict, InvalidRequest, NotFound, PolicyDenied, ResourceLimit, Unavailable
+from bastion.safety.errors import Conflict, InvalidRequest, NotFound, ResourceLimit, Unavailable
 from bastion.safety.output import OutputCleaner
 from bastion.safety.redact import Redactor
 from bastion.sandbox._spawn import SANDBOX_PATH, SANDBOX_WORKSPACE
@@ -613,8 +613,7 @@ class CodeRunner:
         """bash or node, run once like a command (needs a sandbox whose policy allows a shell)."""
         program, flag = INTERPRETERS[language]
         _check_code(code, MAX_ARGV_CODE_BYTES)
-        if not self._workspace.via_sh:
-            raise PolicyDenied("this sandbox's template has a command policy: use run_command")
+        self._workspace.require_shell(f"{language} code")
         executable = shutil.which(program, path=SANDBOX_PATH)
         if executable is None:
             raise NotFound(f"{program} is not installed in this sandbox's template")

@@ -268,6 +268,7 @@ class SandboxManager:
                 self._redactor,
                 self._cgroups,
                 via_sh=via_sh,
+                sandboxed=True,
                 sandbox=prepared.warm,
                 path_prefix=_path(chosen),
                 identity=prepared.identity,

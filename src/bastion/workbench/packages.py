@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING, Final, Literal, Protocol
 
-from bastion.safety.errors import InvalidRequest, NotFound, OperationFailed, PathEscape, PolicyDenied
+from bastion.safety.errors import InvalidRequest, NotFound, OperationFailed, PathEscape
 from bastion.sandbox._spawn import SANDBOX_PATH
 from bastion.workbench.workspace import OWN_VENV, SYSTEM_PYTHON
 
@@ -143,6 +143,7 @@ async def install(
 
     Raises:
         InvalidRequest: not a plain requirement.
+        Forbidden: a host workspace (only sandboxes have packages of their own).
         PolicyDenied: the sandbox's template has a command policy.
         NotFound: npm is not installed in the sandbox.
         PathEscape: the sandbox's `.venv` is a link leaving its workspace.
@@ -150,8 +151,7 @@ async def install(
     """
     checked = check_requirement(requirement, manager)
     workspace = box.workspace
-    if not workspace.via_sh:
-        raise PolicyDenied("this sandbox's template has a command policy: packages cannot be installed in it")
+    workspace.require_shell("package installs")
     registry = config.network.registry_rules
     has_venv = manager == "pip" and _has_venv(workspace.jail)  # refused before the network is widened
     async with box.network.widened(workspace, registry):

@@ -22,6 +22,7 @@ from bastion.safety.commands import CommandPolicy, Decision
 from bastion.safety.errors import (
     BastionError,
     ConfigError,
+    Forbidden,
     InvalidRequest,
     PolicyDenied,
     Unavailable,
@@ -80,6 +81,7 @@ class HostWorkspace:
         cgroups: CgroupLayout | None,
         *,
         via_sh: bool = False,
+        sandboxed: bool = False,
         sandbox: WarmSandbox | None = None,
         path_prefix: tuple[str, ...] = (),
         identity: HostIdentity | None = None,
@@ -93,6 +95,7 @@ class HostWorkspace:
         Args:
             via_sh: run commands as ``sh -c COMMAND`` (sandboxes, whose policy allows a shell)
                 instead of parsing them into argv without one (host workspaces).
+            sandboxed: an agent's sandbox (`SandboxManager`), not a host workspace of the administrator.
             sandbox: an already started sandbox over ``config.path`` (from a warm pool);
                 its limits are set from ``config``.
             path_prefix: folders inside the sandbox searched before the system's (its Python environments).
@@ -104,6 +107,7 @@ class HostWorkspace:
         """
         self.config = config
         self.via_sh = via_sh
+        self._sandboxed = sandboxed
         self.id = config.id
         self._path = ":".join((*path_prefix, SANDBOX_PATH))
         self.extra_env: dict[str, str] = {}
@@ -130,6 +134,40 @@ class HostWorkspace:
         self.processes = BackgroundProcesses(self.id, redactor, sandbox, config.max_output_bytes)
         self._folder = _held_folder(self.jail)
         self._replaced_logged = False
+
+    @property
+    def is_sandbox(self) -> bool:
+        """Whether this is an agent's sandbox: the one place that decides it."""
+        return self._sandboxed
+
+    def require_sandbox(self, what: str) -> None:
+        """Refuse `what` (an operation for sandboxes only) on a host workspace.
+
+        FORBIDDEN, not POLICY_DENIED: a host workspace is the administrator's, and no rule,
+        config change of the agent's or approval makes it run code, background processes or
+        installs, or lets an agent pause or close it: it is not this caller's to do (`errors`).
+        POLICY_DENIED stays for what a policy decides (a template's command policy, a limit
+        above the ceiling), which the administrator could decide otherwise.
+
+        Raises:
+            Forbidden: this is a host workspace.
+        """
+        if not self._sandboxed:
+            raise Forbidden(
+                f"{what}: for sandboxes only, and {self.id!r} is a host workspace of the administrator: "
+                "create_sandbox, then pass its sandbox_id"
+            )
+
+    def require_shell(self, what: str) -> None:
+        """Refuse `what` unless this is a sandbox whose policy allows a shell (no template policy).
+
+        Raises:
+            Forbidden: this is a host workspace (`require_sandbox`).
+            PolicyDenied: the sandbox's template has a command policy.
+        """
+        self.require_sandbox(what)
+        if not self.via_sh:
+            raise PolicyDenied(f"{what}: this sandbox's template has a command policy: use run_command")
 
     def check_folder(self) -> None:
         """Refuse to serve a folder that was deleted or replaced since the server opened it.
@@ -205,8 +243,7 @@ class HostWorkspace:
 
         `ceiling_s` replaces the per-command time limit (installs take longer than commands).
         """
-        if not self.via_sh:
-            raise PolicyDenied("this workspace runs only commands its policy allows: use run_command")
+        self.require_shell("programs bastion chooses (interpreters, installers)")
         ceiling = self.config.timeout_s if ceiling_s is None else ceiling_s
         limit = ceiling if timeout_s is None else min(timeout_s, ceiling)
         if limit <= 0:
@@ -294,8 +331,7 @@ class HostWorkspace:
 
     async def start_background(self, command: str, *, cwd: str | None) -> dict[str, object]:
         """Start `command` in the background; return its summary (pid is this sandbox's own number)."""
-        if not self.via_sh:
-            raise PolicyDenied("background processes are for sandboxes: create_sandbox, then run it there")
+        self.require_shell("background processes")
         approved = self.policy.check_script(command)
         sandbox_cwd = self.sandbox_cwd(cwd)
         self.processes.make_room()
