@@ -32,7 +32,8 @@ from bastion.tools.sandboxes import register_sandboxes
 from bastion.tools.server import BastionServer
 from bastion.tools.workbench import register_workbench
 from bastion.workbench.manager import SandboxManager
-from bastion.workbench.workspace import WorkspaceRegistry
+from bastion.workbench.registry import WorkspaceRegistry
+from bastion.workbench.workspace import HostWorkspace, open_host_workspaces
 
 logger = logging.getLogger("bastion.app")
 DEVICES_DIR = "dev"  # in state_dir: the sandboxes' own device nodes, on a tmpfs, while the server runs
@@ -165,67 +166,113 @@ def scratch_sizes(config: Config) -> ScratchSizes:
 
 
 def build_services(config: Config) -> Services:
-    """Lock the state folder, open the audit log and the workspaces; refuse to start with one line if unusable."""
+    """Lock the state folder, open the audit log and the workspaces; refuse to start with one line if unusable.
+
+    Everything is opened under one `ExitStack`: a refusal part-way closes what was opened before
+    it, in reverse order (a held journal lock, state lock or mount would stop the next start).
+    """
     redactor = Redactor(extra_patterns=config.redaction.patterns, secret_values=config.secret_values())
     config.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    # First: a second server would take the first one's live sandboxes and mounts for a crash's leftovers.
-    state_lock = StateLock(config.state_dir)
-    state_lock.acquire()
+    with contextlib.ExitStack() as opened:
+        # First: a second server would take the first one's live sandboxes and mounts for a crash's leftovers.
+        state_lock = StateLock(config.state_dir)
+        state_lock.acquire()
+        opened.callback(state_lock.release)
+        audit = open_audit(config, redactor, opened)
+        organizers = open_organizers(config)
+        for organizer in organizers.values():
+            opened.callback(organizer.close)
+        cgroups = detect_cgroups(config)
+        check_disk_quota(config)
+        identities = open_identities(config)
+        opened.callback(identities.close)
+        devices = open_devices(config, identities, opened)
+        hosts = open_hosts(config, redactor, cgroups, identities, devices, opened)
+        # One event loop thread serves every sandbox's egress proxy; it starts only if sandboxes are on.
+        egress = EgressService.from_config(audit, config.sandboxes.network) if config.sandboxes.enabled else None
+        if egress is not None:
+            opened.callback(egress.close)
+        sandboxes = SandboxManager(config, redactor, cgroups, egress, identities, devices)
+        opened.callback(sandboxes.close_all)
+        recover(sandboxes)
+        registry = WorkspaceRegistry(hosts, sandboxes, default=config.default_workspace)
+        services = Services(
+            config=config,
+            redactor=redactor,
+            audit=audit,
+            registry=registry,
+            sandboxes=sandboxes,
+            approvals=ApprovalQueue(config.db_path, webhook_url=config.approvals.webhook_url),
+            gateways={gateway.name: GatewayClient(gateway, redactor) for gateway in config.gateway},
+            organizers=organizers,
+            devices=devices,
+            identities=identities,
+            state_lock=state_lock,
+        )
+        opened.pop_all()  # from here `Services.close` owns them
+    return services
+
+
+def open_audit(config: Config, redactor: Redactor, opened: contextlib.ExitStack) -> AuditLog:
+    """The audit log, open for appending, closed by `opened`."""
     audit = AuditLog(
         config.audit_path,
         redactor=redactor,
         rotate_bytes=config.audit.rotate_bytes,
         fail_closed=config.audit.fail_closed,
     )
-    # A refusal part-way closes what was opened: a held journal lock or mount would stop the next start.
-    with contextlib.ExitStack() as undo:
-        undo.callback(state_lock.release)
-        try:
-            audit.open()
-        except AuditUnavailable as exc:
-            raise ConfigError(f"audit log {config.audit_path}: {exc.reason}") from None
-        undo.callback(audit.close)
-        organizers = open_organizers(config)
-        for organizer in organizers.values():
-            undo.callback(organizer.close)
-        cgroups = detect_cgroups(config)
-        check_disk_quota(config)
-        identities = open_identities(config)
-        undo.callback(identities.close)
-        devices = None
-        if identities.switches:
-            devices = DeviceFolder(config.state_dir / DEVICES_DIR, scratch_sizes(config))
-            devices.open()
-            undo.callback(devices.close)
-        try:
-            registry = WorkspaceRegistry(config, redactor, cgroups, identities, devices)
-        except BastionError as exc:
-            raise ConfigError(f"workspaces: {exc.reason}") from None
-        undo.callback(registry.close)
-        # One event loop thread serves every sandbox's egress proxy; it starts only if sandboxes are on.
-        egress = EgressService.from_config(audit, config.sandboxes.network) if config.sandboxes.enabled else None
-        if egress is not None:
-            undo.callback(egress.close)
-        sandboxes = SandboxManager(config, redactor, cgroups, egress, identities, devices)
-        for snapshot_id in sandboxes.recover():
-            logger.warning("a previous server left a sandbox: its workspace is snapshot %s", snapshot_id)
-        registry.sandboxes = sandboxes
-        approvals = ApprovalQueue(config.db_path, webhook_url=config.approvals.webhook_url)
-        gateways = {gateway.name: GatewayClient(gateway, redactor) for gateway in config.gateway}
-        undo.pop_all()
-    return Services(
-        config=config,
-        redactor=redactor,
-        audit=audit,
-        registry=registry,
-        sandboxes=sandboxes,
-        approvals=approvals,
-        gateways=gateways,
-        organizers=organizers,
-        devices=devices,
-        identities=identities,
-        state_lock=state_lock,
-    )
+    try:
+        audit.open()
+    except AuditUnavailable as exc:
+        raise ConfigError(f"audit log {config.audit_path}: {exc.reason}") from None
+    opened.callback(audit.close)
+    return audit
+
+
+def open_devices(config: Config, identities: IdentityPool, opened: contextlib.ExitStack) -> DeviceFolder | None:
+    """The sandboxes' own device nodes (a root server's, which hands out ids), closed by `opened`."""
+    if not identities.switches:
+        return None
+    devices = DeviceFolder(config.state_dir / DEVICES_DIR, scratch_sizes(config))
+    devices.open()
+    opened.callback(devices.close)
+    return devices
+
+
+def open_hosts(
+    config: Config,
+    redactor: Redactor,
+    cgroups: CgroupLayout | None,
+    identities: IdentityPool,
+    devices: DeviceFolder | None,
+    opened: contextlib.ExitStack,
+) -> dict[str, HostWorkspace]:
+    """The configured host workspaces, closed by `opened`.
+
+    Raises:
+        ConfigError: one cannot be served (see `open_host_workspaces`).
+    """
+    try:
+        hosts = open_host_workspaces(config, redactor, cgroups, identities, devices)
+    except BastionError as exc:
+        raise ConfigError(f"workspaces: {exc.reason}") from None
+    for host in hosts.values():
+        opened.callback(host.close)
+    return hosts
+
+
+def recover(sandboxes: SandboxManager) -> None:
+    """Keep what a crashed server's sandboxes left as snapshots (`SandboxManager.recover`).
+
+    Raises:
+        ConfigError: the state folder's sandboxes or snapshots cannot be read.
+    """
+    try:
+        made = sandboxes.recover()
+    except BastionError as exc:
+        raise ConfigError(f"sandbox recovery: {exc.reason}") from None
+    for snapshot_id in made:
+        logger.warning("a previous server left a sandbox: its workspace is snapshot %s", snapshot_id)
 
 
 def open_organizers(config: Config) -> dict[str, Organizer]:

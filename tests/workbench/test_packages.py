@@ -17,7 +17,7 @@ from mcp import Client
 from bastion.app import build_server, build_services
 from bastion.config import load_config
 from bastion.safety.errors import InvalidRequest
-from bastion.workbench.packages import check_requirement
+from bastion.safety.requirements import check_requirement
 from tests.helpers import call, create, sh
 
 HOSTILE = [

@@ -22,7 +22,7 @@ from typing import Annotated, Final, Literal
 
 from pydantic import Field, ValidationError, field_validator
 
-from bastion.config.base import _ID_PATTERN, _checked_env, _Model
+from bastion.config.base import _ID_PATTERN, _Model
 from bastion.config.gateway import ApprovalsConfig as ApprovalsConfig
 from bastion.config.gateway import GatewayActionConfig as GatewayActionConfig
 from bastion.config.gateway import GatewayArgConfig as GatewayArgConfig
@@ -52,6 +52,7 @@ from bastion.config.sandboxes import SandboxLimitsConfig as SandboxLimitsConfig
 from bastion.config.sandboxes import TemplateConfig as TemplateConfig
 from bastion.config.sandboxes import TemplateLimitsConfig as TemplateLimitsConfig
 from bastion.safety.commands import CommandPolicyConfig
+from bastion.safety.environment import checked_env
 from bastion.safety.errors import ConfigError, PolicyDenied
 from bastion.safety.paths import DEFAULT_SECRET_PATTERNS
 
@@ -112,7 +113,7 @@ class WorkspaceConfig(_Model):
     @field_validator("env")
     @classmethod
     def _check_env(cls, env: dict[str, str]) -> dict[str, str]:
-        return _checked_env(env)
+        return checked_env(env)
 
     @field_validator("id")
     @classmethod

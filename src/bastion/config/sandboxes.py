@@ -11,9 +11,10 @@ from typing import Annotated, Final
 
 from pydantic import Field, field_validator, model_validator
 
-from bastion.config.base import _ID_PATTERN, _checked_env, _Model
+from bastion.config.base import _ID_PATTERN, _Model
 from bastion.config.network import NetworkConfig, _checked_rules
 from bastion.safety.commands import CommandPolicyConfig
+from bastion.safety.environment import checked_env
 from bastion.sandbox._devices import SCRATCH_INODES, SHM_SIZE_BYTES, TMP_SIZE_BYTES
 from bastion.sandbox.identity import DEFAULT_HOST_ID_COUNT, DEFAULT_HOST_ID_FIRST, parse_range
 
@@ -85,7 +86,7 @@ class TemplateConfig(_Model):
     @field_validator("env")
     @classmethod
     def _check_env(cls, env: dict[str, str]) -> dict[str, str]:
-        return _checked_env(env)
+        return checked_env(env)
 
     @field_validator("network_allow")
     @classmethod
@@ -177,4 +178,4 @@ class SandboxesConfig(_Model):
     @field_validator("env")
     @classmethod
     def _check_env(cls, env: dict[str, str]) -> dict[str, str]:
-        return _checked_env(env)
+        return checked_env(env)

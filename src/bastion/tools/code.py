@@ -21,7 +21,7 @@ from bastion.tools.workbench import command_result
 from bastion.workbench.code import CellResult
 from bastion.workbench.manager import SandboxManager
 from bastion.workbench.packages import install
-from bastion.workbench.workspace import WorkspaceRegistry
+from bastion.workbench.registry import WorkspaceRegistry
 
 Result = Annotated[CallToolResult, OperationResult]
 

@@ -14,7 +14,8 @@ from pydantic import Field
 from bastion.safety.results import OperationResult, ResultCode
 from bastion.tools._call import CallRunner
 from bastion.tools.server import BastionServer, to_call_result
-from bastion.workbench.workspace import MAX_INPUT_BYTES, WorkspaceRegistry
+from bastion.workbench.background import MAX_INPUT_BYTES
+from bastion.workbench.registry import WorkspaceRegistry
 
 Result = Annotated[CallToolResult, OperationResult]
 SandboxId = Annotated[str | None, Field(description="The sandbox the process runs in (from create_sandbox).")]

@@ -19,7 +19,7 @@ from bastion.tools._call import CallRunner
 from bastion.tools.server import BastionServer, to_call_result
 from bastion.tools.workbench import command_result
 from bastion.workbench.manager import SandboxManager
-from bastion.workbench.workspace import WorkspaceRegistry
+from bastion.workbench.registry import WorkspaceRegistry
 
 Result = Annotated[CallToolResult, OperationResult]
 SandboxIdArg = Annotated[str, Field(description="The sandbox id from create_sandbox, e.g. sb-1a2b3c4d5e6f.")]

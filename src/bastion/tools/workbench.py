@@ -17,7 +17,8 @@ from bastion.safety.errors import InvalidRequest
 from bastion.safety.results import OperationResult, ResultCode
 from bastion.tools._call import CallRunner
 from bastion.tools.server import BastionServer, to_call_result
-from bastion.workbench.workspace import CommandOutput, WorkspaceRegistry
+from bastion.workbench.registry import WorkspaceRegistry
+from bastion.workbench.workspace import CommandOutput
 
 Result = Annotated[CallToolResult, OperationResult]
 SandboxId = Annotated[

@@ -26,18 +26,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from bastion.safety.errors import Conflict, InvalidRequest, NotFound, PolicyDenied, ResourceLimit, Unavailable
+from bastion.safety.errors import Conflict, InvalidRequest, NotFound, ResourceLimit, Unavailable
+from bastion.safety.output import OutputCleaner
 from bastion.safety.redact import Redactor
 from bastion.sandbox._spawn import SANDBOX_PATH, SANDBOX_WORKSPACE
 from bastion.sandbox.backend import Process
 from bastion.sandbox.processes import RingCapture
-from bastion.workbench.workspace import CommandOutput, HostWorkspace, OutputCleaner
+from bastion.workbench.workspace import OWN_VENV, SYSTEM_PYTHON, CommandOutput, HostWorkspace
 
 logger = logging.getLogger("bastion.code")
 
 KERNEL_SOURCE: Final = (Path(__file__).parents[1] / "sandbox" / "inside" / "kernel.py").read_text(encoding="utf-8")
-SYSTEM_PYTHON: Final = "/usr/bin/python3"
-OWN_VENV: Final = f"{SANDBOX_WORKSPACE}/.venv"
 MAX_CONTEXTS: Final = 8
 MAX_CODE_BYTES: Final = 1 << 20
 MAX_ARGV_CODE_BYTES: Final = 100_000  # bash -c / node -e: one argument, under the kernel's 128 KiB
@@ -615,8 +614,7 @@ class CodeRunner:
         """bash or node, run once like a command (needs a sandbox whose policy allows a shell)."""
         program, flag = INTERPRETERS[language]
         _check_code(code, MAX_ARGV_CODE_BYTES)
-        if not self._workspace.via_sh:
-            raise PolicyDenied("this sandbox's template has a command policy: use run_command")
+        self._workspace.require_shell(f"{language} code")
         executable = shutil.which(program, path=SANDBOX_PATH)
         if executable is None:
             raise NotFound(f"{program} is not installed in this sandbox's template")

@@ -68,9 +68,9 @@ from bastion.snapshot.store import (
     remove_leftovers,
     restore_snapshot,
 )
-from bastion.workbench.code import OWN_VENV, CodeRunner
+from bastion.workbench.code import CodeRunner
 from bastion.workbench.network import INSIDE_DIR, SOCKET_NAME, SandboxNetwork
-from bastion.workbench.workspace import HostWorkspace
+from bastion.workbench.workspace import OWN_VENV, HostWorkspace
 
 _ID_HEX_BYTES: Final = 6
 NET_DIR_NAME: Final = ".net"  # in sandboxes_dir; recover() skips it (not a sandbox id)
@@ -269,6 +269,7 @@ class SandboxManager:
                 self._redactor,
                 self._cgroups,
                 via_sh=via_sh,
+                sandboxed=True,
                 sandbox=prepared.warm,
                 path_prefix=_path(chosen),
                 identity=prepared.identity,

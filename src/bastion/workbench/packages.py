@@ -14,38 +14,24 @@ whatever it says, the proxy admits only the registry).
 from __future__ import annotations
 
 import os
-import re
 import shutil
-from typing import TYPE_CHECKING, Final, Literal
+from collections.abc import Sequence
+from contextlib import AbstractAsyncContextManager
+from typing import TYPE_CHECKING, Final, Protocol
 
-from bastion.safety.errors import InvalidRequest, NotFound, OperationFailed, PathEscape, PolicyDenied
+from bastion.safety.errors import NotFound, OperationFailed, PathEscape
+from bastion.safety.requirements import Manager, check_requirement
 from bastion.sandbox._spawn import SANDBOX_PATH
-from bastion.workbench.code import OWN_VENV, SYSTEM_PYTHON
+from bastion.workbench.workspace import OWN_VENV, SYSTEM_PYTHON
 
 if TYPE_CHECKING:
-    from bastion.config import SandboxesConfig
+    from bastion.config import AllowRule, SandboxesConfig
     from bastion.safety.paths import Jail
-    from bastion.workbench.manager import Sandbox
     from bastion.workbench.workspace import CommandOutput, HostWorkspace
 
-Manager = Literal["pip", "npm"]
-MAX_REQUIREMENT_CHARS: Final = 200
 TEMPLATE_SITE_GLOB: Final = "/opt/bastion/env/lib/python3*/site-packages"
 NPM_PREFIX: Final = "/workspace"
 VENV_PYTHON: Final = ".venv/bin/python"  # relative to the workspace: OWN_VENV's python
-
-_NAME: Final = r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?"
-_EXTRAS: Final = rf"\[\s*{_NAME}(?:\s*,\s*{_NAME})*\s*\]"
-_VERSION: Final = r"[A-Za-z0-9][A-Za-z0-9.*+!_-]*"
-_CLAUSE: Final = rf"(?:===|==|!=|<=|>=|~=|<|>)\s*{_VERSION}"
-PIP_REQUIREMENT: Final = re.compile(rf"{_NAME}\s*(?:{_EXTRAS})?\s*(?:{_CLAUSE}(?:\s*,\s*{_CLAUSE})*)?")
-_NPM_NAME: Final = r"[a-z0-9][a-z0-9._-]*"
-# The range never starts with "." (npm reads "x@.." as the folder "..").
-NPM_SPEC: Final = re.compile(rf"(?:@{_NPM_NAME}/)?{_NPM_NAME}(?:@[0-9A-Za-z^~<>=*][0-9A-Za-z.^~<>=*|+_-]*)?")
-# pip and npm take a requirement ending like an archive for a file in the current folder
-# (pip: "x.whl", "x==1.zip"; npm: "x.tgz", "x@1.tar"), found or not: a path in disguise.
-ARCHIVE_SUFFIX: Final = re.compile(r"\.(?:whl|zip|tgz|tbz|txz|tlz|tar(?:\.gz|\.bz2|\.xz|\.lz|\.lzma)?)$", re.IGNORECASE)
-_TRAILING_EXTRAS: Final = re.compile(r"\[[^\]]*\]$")
 
 # The venv's own site-packages also sees the template's packages (read-only, below it).
 _LINK_TEMPLATE: Final = (
@@ -54,32 +40,6 @@ _LINK_TEMPLATE: Final = (
     "if found:\n"
     "    open(site.getsitepackages()[0] + '/_bastion_template.pth', 'w').write(found[0] + '\\n')\n"
 )
-
-
-def check_requirement(text: str, manager: Manager) -> str:
-    """The requirement, stripped, if it is only a requirement.
-
-    Raises:
-        InvalidRequest: an option, URL, path, VCS link, marker or anything else.
-    """
-    requirement = text.strip()
-    if not requirement or len(requirement) > MAX_REQUIREMENT_CHARS:
-        raise InvalidRequest(f"give one package requirement of 1 to {MAX_REQUIREMENT_CHARS} characters")
-    if requirement.startswith("-"):
-        raise InvalidRequest("options are not accepted: give a package name, e.g. 'requests' or 'requests>=2.31'")
-    grammar = PIP_REQUIREMENT if manager == "pip" else NPM_SPEC
-    if grammar.fullmatch(requirement) is None:
-        example = "'requests', 'requests[socks]>=2.31,<3'" if manager == "pip" else "'lodash', '@types/node@^20'"
-        raise InvalidRequest(
-            f"{requirement[:60]!r} is not a plain {manager} requirement: URLs, paths, VCS links, options and "
-            f"markers are refused; use a name with an optional version, e.g. {example}"
-        )
-    if ARCHIVE_SUFFIX.search(requirement) or ARCHIVE_SUFFIX.search(_TRAILING_EXTRAS.sub("", requirement).rstrip()):
-        raise InvalidRequest(
-            f"{requirement[:60]!r} ends like an archive file name, which {manager} would install from a path: "
-            "give the package's name and version instead"
-        )
-    return requirement
 
 
 def venv_commands() -> list[tuple[str, ...]]:
@@ -112,18 +72,37 @@ def npm_command(requirement: str, registry_url: str, cert: str | None) -> tuple[
 
 
 CA_BUNDLE: Final = "/etc/ssl/certs/ca-certificates.crt"  # bound into every sandbox (see _spawn)
+
+
+class Widens(Protocol):
+    """A sandbox's network that can be widened for one block (`SandboxNetwork.widened`)."""
+
+    def widened(self, workspace: HostWorkspace, extra: Sequence[AllowRule]) -> AbstractAsyncContextManager[None]: ...
+
+
+class Installable(Protocol):
+    """What an install needs of a sandbox (the manager's `Sandbox` is one): given, never looked up."""
+
+    @property
+    def workspace(self) -> HostWorkspace: ...
+
+    @property
+    def network(self) -> Widens: ...
+
+
 ENV: Final = "/usr/bin/env"
 PIP_NO_CONFIG: Final = f"PIP_CONFIG_FILE={os.devnull}"
 VENV_TIMEOUT_S: Final = 120.0
 
 
 async def install(
-    box: Sandbox, requirement: str, manager: Manager, config: SandboxesConfig
+    box: Installable, requirement: str, manager: Manager, config: SandboxesConfig
 ) -> tuple[str, CommandOutput]:
     """Install `requirement` into the sandbox's own environment; return it (checked) and the installer's output.
 
     Raises:
-        InvalidRequest: not a plain requirement.
+        InvalidRequest: not a plain requirement (`check_requirement`).
+        Forbidden: a host workspace (only sandboxes have packages of their own).
         PolicyDenied: the sandbox's template has a command policy.
         NotFound: npm is not installed in the sandbox.
         PathEscape: the sandbox's `.venv` is a link leaving its workspace.
@@ -131,8 +110,7 @@ async def install(
     """
     checked = check_requirement(requirement, manager)
     workspace = box.workspace
-    if not workspace.via_sh:
-        raise PolicyDenied("this sandbox's template has a command policy: packages cannot be installed in it")
+    workspace.require_shell("package installs")
     registry = config.network.registry_rules
     has_venv = manager == "pip" and _has_venv(workspace.jail)  # refused before the network is widened
     async with box.network.widened(workspace, registry):

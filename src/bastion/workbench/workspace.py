@@ -8,65 +8,44 @@ command harmless to the rest of the host.
 from __future__ import annotations
 
 import base64
-import codecs
 import contextlib
 import dataclasses
 import hashlib
-import itertools
 import logging
 import os
-import re
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Final, Literal
+from typing import Final, Literal
 
 from bastion.config import Config, WorkspaceConfig
 from bastion.safety.commands import CommandPolicy, Decision
 from bastion.safety.errors import (
     BastionError,
     ConfigError,
-    Conflict,
+    Forbidden,
     InvalidRequest,
-    NotFound,
     PolicyDenied,
-    ResourceLimit,
-    SandboxNotFound,
     Unavailable,
 )
+from bastion.safety.output import clean_output
 from bastion.safety.paths import MAX_READ_BYTES, MAX_SCAN_ENTRIES, Jail, privileged_file
-from bastion.safety.redact import SLICE_CONTEXT_BYTES, Redactor, StreamRedactor, sanitize_terminal
+from bastion.safety.redact import SLICE_CONTEXT_BYTES, Redactor, sanitize_terminal
 from bastion.sandbox._devices import DeviceFolder
 from bastion.sandbox._idmap import idmap_supported, idmapped_mount, is_mounted, unmount
 from bastion.sandbox._spawn import SANDBOX_PATH, SANDBOX_WORKSPACE, SandboxSpec
-from bastion.sandbox.backend import Process, RunOutcome, Sandbox
+from bastion.sandbox.backend import RunOutcome, Sandbox
 from bastion.sandbox.cgroups import CgroupLayout, Limits
 from bastion.sandbox.identity import HostIdentity, IdentityPool
-from bastion.sandbox.processes import OutputLog
 from bastion.sandbox.warm import BubblewrapBackend
-
-if TYPE_CHECKING:
-    from bastion.workbench.manager import SandboxManager
+from bastion.workbench.background import RING_BYTES, BackgroundProcesses
 
 logger = logging.getLogger("bastion.workspaces")
 
 Encoding = Literal["utf-8", "base64"]
 IDMAP_DIR: Final = "idmap"  # in state_dir: one idmapped mount per host workspace, while the server runs
 LANG: Final = "C.UTF-8"
-
-MAX_PROCESSES: Final = 16  # background processes per sandbox, running or exited (the oldest exited go first)
-RING_BYTES: Final = 1 << 20  # raw output kept per stream of a background process
-LOG_CHARS: Final = 1 << 20  # cleaned output kept per background process, both streams
-MAX_INPUT_BYTES: Final = 65_536  # per send_process_input call
-INPUT_TIMEOUT_S: Final = 5.0  # for the process to take its input
-EXIT_OUTPUT_WAIT_S: Final = 1.0  # after an exit, for the last output to arrive
-# An escape sequence (or CR of a CRLF) still open at the end of a chunk: held until more arrives,
-# so the chunks are sanitized as the whole would be. Bounded: a longer tail is not held.
-_UNFINISHED_ESCAPE: Final = re.compile(
-    r"(?:\x1b\[[0-?]*[ -/]*|\x1b[ -/]*|\x9b[0-?]*[ -/]*"
-    r"|(?:\x1b[\]PX^_]|[\x90\x98\x9d\x9e\x9f])[^\x07\x1b\x9c]*\x1b?|\r)\Z"
-)
-_ESCAPE_HOLD_CHARS: Final = 4096
+SYSTEM_PYTHON: Final = "/usr/bin/python3"
+OWN_VENV: Final = f"{SANDBOX_WORKSPACE}/.venv"  # a sandbox's own environment (install_package)
 
 
 def decode_base64(text: str) -> bytes:
@@ -93,75 +72,6 @@ class CommandOutput:
     """On an OOM kill: how much of the memory files in /tmp and /dev/shm held."""
 
 
-class OutputCleaner:
-    """Cleans one output stream chunk by chunk as `HostWorkspace._clean` cleans a whole one.
-
-    Bytes are decoded incrementally (a UTF-8 character may be split), escape sequences
-    still open at the end are held, then terminal escapes are neutralised and the text
-    goes through one `StreamRedactor`, which holds back what could be the start of a secret.
-    """
-
-    def __init__(self, redactor: Redactor) -> None:
-        self._redactor = redactor
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._stream: StreamRedactor = redactor.stream()
-        self._pending = ""
-
-    def reset(self) -> None:
-        """Bytes were lost before cleaning: drop what is held (never flush half a secret) and start over."""
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._stream = self._redactor.stream()
-        self._pending = ""
-
-    def feed(self, raw: bytes, *, final: bool = False) -> str:
-        """Clean `raw`; with `final`, the stream ended: flush everything held."""
-        text = self._pending + self._decoder.decode(raw, final=final)
-        self._pending = ""
-        if not final:
-            tail = _UNFINISHED_ESCAPE.search(text, max(0, len(text) - _ESCAPE_HOLD_CHARS))
-            if tail is not None:
-                text, self._pending = text[: tail.start()], text[tail.start() :]
-        safe = self._stream.feed(sanitize_terminal(text))
-        if final:
-            safe += self._stream.flush()
-        return safe
-
-
-@dataclass
-class _Background:
-    """A background process and the cleaning state of its output."""
-
-    id: int
-    process: Process
-    argv: tuple[str, ...]  # redacted
-    cleaners: tuple[OutputCleaner, OutputCleaner]
-    log: OutputLog
-    consumed: list[int] = field(default_factory=lambda: [0, 0])  # raw bytes cleaned, per stream
-    dropped: list[int] = field(default_factory=lambda: [0, 0])  # raw bytes lost before cleaning
-    flushed: list[bool] = field(default_factory=lambda: [False, False])
-
-    @property
-    def state(self) -> str:
-        return "exited" if self.process.exited else "running"
-
-    def summary(self) -> dict[str, object]:
-        out, err = self.process.stdout, self.process.stderr
-        return {
-            "pid": self.id,
-            "argv": list(self.argv),
-            "state": self.state,
-            "exit_status": self.process.status,
-            "age_s": round(time.monotonic() - self.process.started, 3),
-            "stdin_open": self.process.stdin_open,
-            "output_bytes": out.total + err.total,
-            "unread_bytes": out.total - max(out.start, self.consumed[0]) + err.total - max(err.start, self.consumed[1]),
-            "dropped_bytes": self.dropped[0]
-            + self.dropped[1]
-            + max(0, out.start - self.consumed[0])
-            + max(0, err.start - self.consumed[1]),
-        }
-
-
 class HostWorkspace:
     """One configured host folder: jail, policy and a warm kernel sandbox."""
 
@@ -172,6 +82,7 @@ class HostWorkspace:
         cgroups: CgroupLayout | None,
         *,
         via_sh: bool = False,
+        sandboxed: bool = False,
         sandbox: Sandbox | None = None,
         path_prefix: tuple[str, ...] = (),
         identity: HostIdentity | None = None,
@@ -185,6 +96,7 @@ class HostWorkspace:
         Args:
             via_sh: run commands as ``sh -c COMMAND`` (sandboxes, whose policy allows a shell)
                 instead of parsing them into argv without one (host workspaces).
+            sandboxed: an agent's sandbox (`SandboxManager`), not a host workspace of the administrator.
             sandbox: an already started sandbox over ``config.path`` (from a warm pool);
                 its limits are set from ``config``.
             path_prefix: folders inside the sandbox searched before the system's (its Python environments).
@@ -196,6 +108,7 @@ class HostWorkspace:
         """
         self.config = config
         self.via_sh = via_sh
+        self._sandboxed = sandboxed
         self.id = config.id
         self._path = ":".join((*path_prefix, SANDBOX_PATH))
         self.extra_env: dict[str, str] = {}
@@ -219,10 +132,43 @@ class HostWorkspace:
         elif limits is not None:
             sandbox.set_limits(limits)
         self.sandbox = sandbox
-        self._processes: dict[int, _Background] = {}
-        self._process_ids = itertools.count(1)
+        self.processes = BackgroundProcesses(self.id, redactor, sandbox, config.max_output_bytes)
         self._folder = _held_folder(self.jail)
         self._replaced_logged = False
+
+    @property
+    def is_sandbox(self) -> bool:
+        """Whether this is an agent's sandbox: the one place that decides it."""
+        return self._sandboxed
+
+    def require_sandbox(self, what: str) -> None:
+        """Refuse `what` (an operation for sandboxes only) on a host workspace.
+
+        FORBIDDEN, not POLICY_DENIED: a host workspace is the administrator's, and no rule,
+        config change of the agent's or approval makes it run code, background processes or
+        installs, or lets an agent pause or close it: it is not this caller's to do (`errors`).
+        POLICY_DENIED stays for what a policy decides (a template's command policy, a limit
+        above the ceiling), which the administrator could decide otherwise.
+
+        Raises:
+            Forbidden: this is a host workspace.
+        """
+        if not self._sandboxed:
+            raise Forbidden(
+                f"{what}: for sandboxes only, and {self.id!r} is a host workspace of the administrator: "
+                "create_sandbox, then pass its sandbox_id"
+            )
+
+    def require_shell(self, what: str) -> None:
+        """Refuse `what` unless this is a sandbox whose policy allows a shell (no template policy).
+
+        Raises:
+            Forbidden: this is a host workspace (`require_sandbox`).
+            PolicyDenied: the sandbox's template has a command policy.
+        """
+        self.require_sandbox(what)
+        if not self.via_sh:
+            raise PolicyDenied(f"{what}: this sandbox's template has a command policy: use run_command")
 
     def check_folder(self) -> None:
         """Refuse to serve a folder that was deleted or replaced since the server opened it.
@@ -298,8 +244,7 @@ class HostWorkspace:
 
         `ceiling_s` replaces the per-command time limit (installs take longer than commands).
         """
-        if not self.via_sh:
-            raise PolicyDenied("this workspace runs only commands its policy allows: use run_command")
+        self.require_shell("programs bastion chooses (interpreters, installers)")
         ceiling = self.config.timeout_s if ceiling_s is None else ceiling_s
         limit = ceiling if timeout_s is None else min(timeout_s, ceiling)
         if limit <= 0:
@@ -330,19 +275,7 @@ class HostWorkspace:
         )
 
     def _clean(self, raw: bytes, *, cut: bool) -> str:
-        """Neutralise terminal escapes, then redact, then (if the capture was cut) drop the held tail.
-
-        Escapes go first so a secret split by one (``AKIA\\x1b[0m...``) is whole again
-        when the redactor sees it. The stream redactor holds back any tail that could
-        be the start of a secret; when the output was cut, that tail is dropped rather
-        than flushed, so a cut never leaves half a secret behind.
-        """
-        text = sanitize_terminal(codecs.decode(raw, "utf-8", errors="replace"))
-        stream = self.redactor.stream()
-        safe = stream.feed(text)
-        if not cut:
-            safe += stream.flush()
-        return safe
+        return clean_output(self.redactor, raw, cut=cut)
 
     def read_file(self, path: str, *, offset: int, length: int | None, encoding: Encoding) -> dict[str, object]:
         if offset < 0:
@@ -399,109 +332,34 @@ class HostWorkspace:
 
     async def start_background(self, command: str, *, cwd: str | None) -> dict[str, object]:
         """Start `command` in the background; return its summary (pid is this sandbox's own number)."""
-        if not self.via_sh:
-            raise PolicyDenied("background processes are for sandboxes: create_sandbox, then run it there")
+        self.require_shell("background processes")
         approved = self.policy.check_script(command)
         sandbox_cwd = self.sandbox_cwd(cwd)
-        self._make_room()
+        self.processes.make_room()
         process = await self.sandbox.spawn(
             approved.executable, approved.argv, cwd=sandbox_cwd, env=self.environment(), ring_bytes=RING_BYTES
         )
-        record = _Background(
-            id=next(self._process_ids),
-            process=process,
-            argv=self._redact_argv(approved.argv),
-            cleaners=(OutputCleaner(self.redactor), OutputCleaner(self.redactor)),
-            log=OutputLog(LOG_CHARS),
-        )
-        self._processes[record.id] = record
+        record = self.processes.add(process, self._redact_argv(approved.argv))
         return {**record.summary(), "cwd": sandbox_cwd}
 
-    def _make_room(self) -> None:
-        if len(self._processes) < MAX_PROCESSES:
-            return
-        exited = [pid for pid, record in self._processes.items() if record.process.exited]
-        if not exited:
-            raise ResourceLimit(f"{MAX_PROCESSES} background processes are running: kill_process one first")
-        del self._processes[exited[0]]
-
-    def _process(self, pid: int) -> _Background:
-        record = self._processes.get(pid)
-        if record is None:
-            raise NotFound(f"no background process {pid} in {self.id}: see list_processes")
-        return record
-
     def list_processes(self) -> list[dict[str, object]]:
-        return [record.summary() for record in self._processes.values()]
+        return self.processes.summaries()
 
     async def read_process(self, pid: int, *, since: int | None) -> dict[str, object]:
-        """Cleaned output from offset `since` (default: the oldest kept), at most max_output_bytes characters."""
-        record = self._process(pid)
-        if since is not None and since > record.log.end:
-            raise InvalidRequest(f"since={since} is past the end of the output ({record.log.end}): use detail.next")
-        if record.process.exited:
-            await record.process.wait_output(EXIT_OUTPUT_WAIT_S)
-        cap = self.config.max_output_bytes
-        self._clean_more(record, cap)
-        start = record.log.start if since is None else since
-        first, (stdout, stderr), following = record.log.read(start, cap)
-        process = record.process
-        unread_raw = process.stdout.total > record.consumed[0] or process.stderr.total > record.consumed[1]
-        summary = record.summary()
-        return {
-            "pid": pid,
-            "state": summary["state"],
-            "exit_status": process.status,
-            "stdout": stdout,
-            "stderr": stderr,
-            "since": first,
-            "next": following,
-            "more": following < record.log.end or unread_raw,
-            "skipped_chars": first - start,
-            "dropped_bytes": summary["dropped_bytes"],
-        }
-
-    def _clean_more(self, record: _Background, budget: int) -> None:
-        """Clean at most `budget` more raw bytes of each stream into the log (a held tail stays held)."""
-        process = record.process
-        for stream, capture in enumerate((process.stdout, process.stderr)):
-            if record.consumed[stream] < capture.start:
-                # The ring dropped bytes nobody had read: they are lost, and so is what the cleaner held.
-                record.dropped[stream] += capture.start - record.consumed[stream]
-                record.consumed[stream] = capture.start
-                record.cleaners[stream].reset()
-            _, raw = capture.read(record.consumed[stream], budget)
-            record.consumed[stream] += len(raw)
-            final = capture.closed and record.consumed[stream] == capture.total and not record.flushed[stream]
-            if raw or final:
-                record.flushed[stream] = final
-                record.log.append(stream, record.cleaners[stream].feed(raw, final=final))
+        """Cleaned output from offset `since` (see `BackgroundProcesses.read`)."""
+        return await self.processes.read(pid, since=since)
 
     async def send_input(self, pid: int, data: str, *, eof: bool) -> dict[str, object]:
         """Write `data` to the process's stdin; with `eof`, close it afterwards."""
-        record = self._process(pid)
-        raw = data.encode("utf-8")
-        if len(raw) > MAX_INPUT_BYTES:
-            raise ResourceLimit(f"data is {len(raw)} bytes, over {MAX_INPUT_BYTES} per call: send it in parts")
-        if record.process.exited:
-            raise Conflict(f"process {pid} has exited (status {record.process.status}): it reads no more input")
-        if self.sandbox.paused:
-            raise Conflict("the sandbox is paused: resume it first")
-        written = await record.process.write(raw, timeout_s=INPUT_TIMEOUT_S) if raw else 0
-        if eof and written == len(raw):
-            record.process.close_stdin()
-        return {"pid": pid, "bytes": len(raw), "bytes_written": written, "eof": eof and written == len(raw)}
+        return await self.processes.send_input(pid, data, eof=eof)
 
     async def kill_process(self, pid: int) -> dict[str, object]:
         """SIGKILL the process's PID 1: everything it started dies with its PID namespace."""
-        record = self._process(pid)
-        was_running = not record.process.exited
-        await self.sandbox.kill(record.process)
-        return {**record.summary(), "killed": was_running}
+        return await self.processes.kill(pid)
 
     def close(self) -> None:
         self.sandbox.close()
-        self._processes.clear()
+        self.processes.clear()
         self.jail.close()
         if self._unmount_on_close and self._bind_source is not None:
             # The sandbox's own copy of the mount dies with it; this is the host's.
@@ -620,51 +478,27 @@ def _drop_stale_mounts(mounts: Path) -> None:
             logger.warning("a previous server's mount %s is left: %s", entry, reason)
 
 
-class WorkspaceRegistry:
-    """Where a work tool acts: a configured host workspace, or an agent's sandbox, by id."""
-
-    def __init__(
-        self,
-        config: Config,
-        redactor: Redactor,
-        cgroups: CgroupLayout | None,
-        identities: IdentityPool | None = None,
-        devices: DeviceFolder | None = None,
-    ) -> None:
-        self._default = config.default_workspace
-        pool = identities or IdentityPool(*config.sandboxes.host_ids)
-        mounts = config.state_dir / IDMAP_DIR
-        if pool.switches:
-            _drop_stale_mounts(mounts)
-        if pool.switches and config.workspace:
-            mounts.mkdir(mode=0o711, exist_ok=True)
-            os.chmod(mounts, 0o711)  # noqa: S103 - passable, not listable: by the workspaces' own ids
-        self._workspaces: dict[str, HostWorkspace] = {}
-        try:
-            for ws in config.workspace:
-                self._workspaces[ws.id] = _open_host(ws, redactor, cgroups, pool, mounts, devices)
-        except BaseException:
-            self.close()
-            raise
-        self.sandboxes: SandboxManager | None = None
-
-    def is_host(self, workspace_id: str) -> bool:
-        return workspace_id in self._workspaces
-
-    def get_id(self, workspace_id: str | None) -> str:
-        """The id a call is about, for the audit record (not checked here)."""
-        return workspace_id or self._default
-
-    def get(self, workspace_id: str | None) -> HostWorkspace:
-        key = workspace_id or self._default
-        host = self._workspaces.get(key)
-        if host is not None:
-            host.check_folder()
-            return host
-        if self.sandboxes is not None and self.sandboxes.owns(key):
-            return self.sandboxes.get(key).workspace
-        raise SandboxNotFound(f"no workspace or sandbox named {key!r}: see list_sandboxes or the config")
-
-    def close(self) -> None:
-        for ws in self._workspaces.values():
-            ws.close()
+def open_host_workspaces(
+    config: Config,
+    redactor: Redactor,
+    cgroups: CgroupLayout | None,
+    identities: IdentityPool | None = None,
+    devices: DeviceFolder | None = None,
+) -> dict[str, HostWorkspace]:
+    """Every configured host workspace, by id; on a failure the ones opened are closed again."""
+    pool = identities or IdentityPool(*config.sandboxes.host_ids)
+    mounts = config.state_dir / IDMAP_DIR
+    if pool.switches:
+        _drop_stale_mounts(mounts)
+    if pool.switches and config.workspace:
+        mounts.mkdir(mode=0o711, exist_ok=True)
+        os.chmod(mounts, 0o711)  # noqa: S103 - passable, not listable: by the workspaces' own ids
+    hosts: dict[str, HostWorkspace] = {}
+    try:
+        for ws in config.workspace:
+            hosts[ws.id] = _open_host(ws, redactor, cgroups, pool, mounts, devices)
+    except BaseException:
+        for host in hosts.values():
+            host.close()
+        raise
+    return hosts

@@ -1,0 +1,175 @@
+"""Background processes of a sandbox: started by run_command(background=true), read, fed and killed later.
+
+Each has a small pid of the sandbox's own, a ring of raw output per stream, and the cleaned
+(decoded, sanitized, redacted) log the client reads from; cleaning happens when it reads.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Final
+
+from bastion.safety.errors import Conflict, InvalidRequest, NotFound, ResourceLimit
+from bastion.safety.output import OutputCleaner
+from bastion.safety.redact import Redactor
+from bastion.sandbox.backend import Process, Sandbox
+from bastion.sandbox.processes import OutputLog
+
+MAX_PROCESSES: Final = 16  # background processes per sandbox, running or exited (the oldest exited go first)
+RING_BYTES: Final = 1 << 20  # raw output kept per stream of a background process
+LOG_CHARS: Final = 1 << 20  # cleaned output kept per background process, both streams
+MAX_INPUT_BYTES: Final = 65_536  # per send_process_input call
+INPUT_TIMEOUT_S: Final = 5.0  # for the process to take its input
+EXIT_OUTPUT_WAIT_S: Final = 1.0  # after an exit, for the last output to arrive
+
+
+@dataclass
+class Background:
+    """A background process and the cleaning state of its output."""
+
+    id: int
+    process: Process
+    argv: tuple[str, ...]  # redacted
+    cleaners: tuple[OutputCleaner, OutputCleaner]
+    log: OutputLog
+    consumed: list[int] = field(default_factory=lambda: [0, 0])  # raw bytes cleaned, per stream
+    dropped: list[int] = field(default_factory=lambda: [0, 0])  # raw bytes lost before cleaning
+    flushed: list[bool] = field(default_factory=lambda: [False, False])
+
+    @property
+    def state(self) -> str:
+        return "exited" if self.process.exited else "running"
+
+    def summary(self) -> dict[str, object]:
+        out, err = self.process.stdout, self.process.stderr
+        return {
+            "pid": self.id,
+            "argv": list(self.argv),
+            "state": self.state,
+            "exit_status": self.process.status,
+            "age_s": round(time.monotonic() - self.process.started, 3),
+            "stdin_open": self.process.stdin_open,
+            "output_bytes": out.total + err.total,
+            "unread_bytes": out.total - max(out.start, self.consumed[0]) + err.total - max(err.start, self.consumed[1]),
+            "dropped_bytes": self.dropped[0]
+            + self.dropped[1]
+            + max(0, out.start - self.consumed[0])
+            + max(0, err.start - self.consumed[1]),
+        }
+
+
+class BackgroundProcesses:
+    """The background processes of one sandbox, by pid, at most `MAX_PROCESSES`."""
+
+    def __init__(self, owner: str, redactor: Redactor, sandbox: Sandbox, max_output_chars: int) -> None:
+        self._owner = owner
+        self._redactor = redactor
+        self._sandbox = sandbox
+        self._max_output_chars = max_output_chars
+        self._records: dict[int, Background] = {}
+        self._next_id = 1
+
+    def make_room(self) -> None:
+        """Forget the oldest exited process when the table is full.
+
+        Raises:
+            ResourceLimit: all of them are running.
+        """
+        if len(self._records) < MAX_PROCESSES:
+            return
+        exited = [pid for pid, record in self._records.items() if record.process.exited]
+        if not exited:
+            raise ResourceLimit(f"{MAX_PROCESSES} background processes are running: kill_process one first")
+        del self._records[exited[0]]
+
+    def add(self, process: Process, argv: tuple[str, ...]) -> Background:
+        """Keep a started process (`argv` already redacted) under the next pid."""
+        record = Background(
+            id=self._next_id,
+            process=process,
+            argv=argv,
+            cleaners=(OutputCleaner(self._redactor), OutputCleaner(self._redactor)),
+            log=OutputLog(LOG_CHARS),
+        )
+        self._next_id += 1
+        self._records[record.id] = record
+        return record
+
+    def _get(self, pid: int) -> Background:
+        record = self._records.get(pid)
+        if record is None:
+            raise NotFound(f"no background process {pid} in {self._owner}: see list_processes")
+        return record
+
+    def summaries(self) -> list[dict[str, object]]:
+        return [record.summary() for record in self._records.values()]
+
+    async def read(self, pid: int, *, since: int | None) -> dict[str, object]:
+        """Cleaned output from offset `since` (default: the oldest kept), at most max_output_bytes characters."""
+        record = self._get(pid)
+        if since is not None and since > record.log.end:
+            raise InvalidRequest(f"since={since} is past the end of the output ({record.log.end}): use detail.next")
+        if record.process.exited:
+            await record.process.wait_output(EXIT_OUTPUT_WAIT_S)
+        cap = self._max_output_chars
+        _clean_more(record, cap)
+        start = record.log.start if since is None else since
+        first, (stdout, stderr), following = record.log.read(start, cap)
+        process = record.process
+        unread_raw = process.stdout.total > record.consumed[0] or process.stderr.total > record.consumed[1]
+        summary = record.summary()
+        return {
+            "pid": pid,
+            "state": summary["state"],
+            "exit_status": process.status,
+            "stdout": stdout,
+            "stderr": stderr,
+            "since": first,
+            "next": following,
+            "more": following < record.log.end or unread_raw,
+            "skipped_chars": first - start,
+            "dropped_bytes": summary["dropped_bytes"],
+        }
+
+    async def send_input(self, pid: int, data: str, *, eof: bool) -> dict[str, object]:
+        """Write `data` to the process's stdin; with `eof`, close it afterwards."""
+        record = self._get(pid)
+        raw = data.encode("utf-8")
+        if len(raw) > MAX_INPUT_BYTES:
+            raise ResourceLimit(f"data is {len(raw)} bytes, over {MAX_INPUT_BYTES} per call: send it in parts")
+        if record.process.exited:
+            raise Conflict(f"process {pid} has exited (status {record.process.status}): it reads no more input")
+        if self._sandbox.paused:
+            raise Conflict("the sandbox is paused: resume it first")
+        written = await record.process.write(raw, timeout_s=INPUT_TIMEOUT_S) if raw else 0
+        if eof and written == len(raw):
+            record.process.close_stdin()
+        return {"pid": pid, "bytes": len(raw), "bytes_written": written, "eof": eof and written == len(raw)}
+
+    async def kill(self, pid: int) -> dict[str, object]:
+        """SIGKILL the process's PID 1: everything it started dies with its PID namespace."""
+        record = self._get(pid)
+        was_running = not record.process.exited
+        await self._sandbox.kill(record.process)
+        return {**record.summary(), "killed": was_running}
+
+    def clear(self) -> None:
+        self._records.clear()
+
+
+def _clean_more(record: Background, budget: int) -> None:
+    """Clean at most `budget` more raw bytes of each stream into the log (a held tail stays held)."""
+    process = record.process
+    for stream, capture in enumerate((process.stdout, process.stderr)):
+        if record.consumed[stream] < capture.start:
+            # The ring dropped bytes nobody had read: they are lost, and so is what the cleaner held.
+            record.dropped[stream] += capture.start - record.consumed[stream]
+            record.consumed[stream] = capture.start
+            record.cleaners[stream].reset()
+        _, raw = capture.read(record.consumed[stream], budget)
+        record.consumed[stream] += len(raw)
+        final = capture.closed and record.consumed[stream] == capture.total and not record.flushed[stream]
+        if raw or final:
+            record.flushed[stream] = final
+            record.log.append(stream, record.cleaners[stream].feed(raw, final=final))

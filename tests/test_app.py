@@ -1,0 +1,173 @@
+"""`build_services` refuses to start with one line, and a refusal part-way leaves nothing open.
+
+Each test makes one start-up step fail for real (a held lock, a file where a folder must be,
+a setuid file, no mkfs, no cgroups) and then checks that what the steps before it opened is
+closed: the state lock can be taken again, no fd of this process points into the demo folder
+(audit log, journals, workspace and inbox folders), nothing is mounted there, and no thread
+the start began is left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+
+from bastion.app import build_services
+from bastion.config import Config, load_config
+from bastion.organizer.inbox import journal_path
+from bastion.organizer.journal import Journal
+from bastion.safety.errors import ConfigError
+from bastion.state_lock import StateLock
+
+pytestmark = [pytest.mark.root, pytest.mark.skipif(os.geteuid() != 0, reason="a root server's start-up")]
+
+
+def open_fds_under(folder: Path) -> list[str]:
+    """The targets of this process's fds that lie in `folder`."""
+    found = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue  # the listing's own fd, closed by now
+        if target.startswith(f"{folder}/") or target == str(folder):
+            found.append(target)
+    return found
+
+
+def mounts_under(folder: Path) -> list[str]:
+    with open("/proc/self/mountinfo", encoding="utf-8") as info:
+        points = [line.split()[4] for line in info]
+    return [point for point in points if point.startswith(f"{folder}/")]
+
+
+def assert_nothing_open(config: Config, demo: Path, threads_before: set[threading.Thread]) -> None:
+    assert open_fds_under(demo) == []
+    assert mounts_under(demo) == []
+    assert set(threading.enumerate()) <= threads_before
+    lock = StateLock(config.state_dir)
+    lock.acquire()  # raises if the failed start still held it
+    lock.release()
+    for inbox in config.inbox:
+        journal = Journal(journal_path(config.state_dir, inbox.id))
+        journal.open()  # raises if the failed start still held the journal's lock
+        journal.close()
+
+
+def refused(config: Config, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        build_services(config)
+
+
+def test_state_folder_held_by_another_holder(demo_config: Config, demo_config_path: Path) -> None:
+    demo_config.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    holder = StateLock(demo_config.state_dir)
+    holder.acquire()
+    threads = set(threading.enumerate())
+    try:
+        refused(demo_config, "in use by another bastion server")
+        assert not demo_config.audit_path.exists()  # refused before the audit log was opened
+        assert open_fds_under(demo_config_path.parent) == [str(demo_config.state_dir / "server.lock")]
+    finally:
+        holder.release()
+    assert_nothing_open(demo_config, demo_config_path.parent, threads)
+
+
+def test_unusable_audit_log(demo_config: Config, demo_config_path: Path) -> None:
+    demo_config.audit_path.mkdir(parents=True)  # a folder where the log must be
+    threads = set(threading.enumerate())
+    refused(demo_config, "audit log")
+    assert_nothing_open(demo_config, demo_config_path.parent, threads)
+
+
+def test_journal_held_by_another_holder(demo_config: Config, demo_config_path: Path) -> None:
+    [inbox] = demo_config.inbox
+    holder = Journal(journal_path(demo_config.state_dir, inbox.id))
+    holder.open()
+    threads = set(threading.enumerate())
+    try:
+        refused(demo_config, "journal .* is in use by another bastion")
+    finally:
+        holder.close()
+    assert_nothing_open(demo_config, demo_config_path.parent, threads)
+
+
+def test_no_disk_quota_tools(demo_config: Config, demo_config_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert demo_config.sandboxes.disk_quota
+    monkeypatch.setenv("PATH", str(demo_config_path.parent))  # no mkfs.ext4 there
+    threads = set(threading.enumerate())
+    refused(demo_config, "sandbox disk quota: mkfs.ext4 is not installed")
+    assert_nothing_open(demo_config, demo_config_path.parent, threads)
+
+
+def test_setuid_file_in_a_host_workspace(demo_config: Config, demo_config_path: Path) -> None:
+    planted = demo_config.workspace[0].path / "su"
+    planted.write_bytes(b"")
+    planted.chmod(0o4755)
+    threads = set(threading.enumerate())
+    refused(demo_config, "runs with privileges")
+    assert_nothing_open(demo_config, demo_config_path.parent, threads)
+
+
+def test_unreadable_snapshots_stop_recovery(demo_config: Config, demo_config_path: Path) -> None:
+    demo_config.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    (demo_config.state_dir / "snapshots").write_bytes(b"a file where the snapshot folder must be")
+    threads = set(threading.enumerate())
+    refused(demo_config, "sandbox recovery: snapshot folder .* cannot be opened")
+    assert_nothing_open(demo_config, demo_config_path.parent, threads)
+
+
+# Run in a mount namespace whose /sys/fs/cgroup is an empty tmpfs: no cgroup can be found.
+NO_CGROUPS = textwrap.dedent(
+    """
+    import json, os, sys
+    from bastion.app import build_services
+    from bastion.config import load_config
+    from bastion.safety.errors import ConfigError
+    from bastion.state_lock import StateLock
+
+    config = load_config(sys.argv[1])
+    demo = os.path.dirname(sys.argv[1])
+    try:
+        build_services(config)
+    except ConfigError as exc:
+        error = str(exc)
+    fds = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            fds.append(os.readlink(f"/proc/self/fd/{name}"))
+        except OSError:
+            pass  # the listing's own fd, closed by now
+    lock = StateLock(config.state_dir)
+    lock.acquire()
+    print(json.dumps({"error": error, "fds": [fd for fd in fds if fd.startswith(demo + "/")]}))
+    """
+)
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare (util-linux)")
+def test_no_cgroups(demo_config_path: Path) -> None:
+    config = load_config(demo_config_path)
+    script = f'mount -t tmpfs none /sys/fs/cgroup && exec {sys.executable} -c "$0" "$1"'
+    done = subprocess.run(
+        ["unshare", "--mount", "sh", "-c", script, NO_CGROUPS, str(demo_config_path)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["error"].startswith("cgroups: ")
+    assert result["fds"] == []  # the audit log, the journal, the inbox: closed before the error surfaced
+    journal = journal_path(config.state_dir, config.inbox[0].id)
+    assert stat.S_ISREG(journal.stat().st_mode)  # the organizer had opened it: the refusal came after
+    assert_nothing_open(config, demo_config_path.parent, set(threading.enumerate()))
