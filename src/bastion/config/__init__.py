@@ -22,7 +22,7 @@ from typing import Annotated, Final, Literal
 
 from pydantic import Field, ValidationError, field_validator
 
-from bastion.config.base import _ID_PATTERN, _checked_env, _Model
+from bastion.config.base import ID_PATTERN, Model, checked_env
 from bastion.config.gateway import ApprovalsConfig as ApprovalsConfig
 from bastion.config.gateway import GatewayActionConfig as GatewayActionConfig
 from bastion.config.gateway import GatewayArgConfig as GatewayArgConfig
@@ -62,7 +62,7 @@ ADMIN_HASH_NAME: Final = "admin-password.argon2"
 SANDBOX_ID_PREFIX: Final = "sb-"
 
 
-class AuditConfig(_Model):
+class AuditConfig(Model):
     path: Path | None = None
     """Default: `<state_dir>/audit.jsonl`."""
     fail_closed: bool = True
@@ -70,7 +70,7 @@ class AuditConfig(_Model):
     rotate_bytes: Annotated[int, Field(ge=4096)] = 64 * 1024 * 1024
 
 
-class RedactionConfig(_Model):
+class RedactionConfig(Model):
     patterns: tuple[str, ...] = ()
     """Extra regular expressions whose matches are replaced in every output and audit record."""
 
@@ -85,7 +85,7 @@ class RedactionConfig(_Model):
         return patterns
 
 
-class LimitsConfig(_Model):
+class LimitsConfig(Model):
     """cgroup limits of a workspace's sandbox: all its commands together."""
 
     memory_bytes: Annotated[int, Field(ge=16 * 1024 * 1024)] = 1024 * 1024 * 1024
@@ -93,8 +93,8 @@ class LimitsConfig(_Model):
     cpu_cores: Annotated[float, Field(gt=0, le=1024)] = 1.0
 
 
-class WorkspaceConfig(_Model):
-    id: Annotated[str, Field(pattern=_ID_PATTERN)]
+class WorkspaceConfig(Model):
+    id: Annotated[str, Field(pattern=ID_PATTERN)]
     path: Path
     policy: CommandPolicyConfig
     env: dict[str, str] = Field(default_factory=dict)
@@ -112,7 +112,7 @@ class WorkspaceConfig(_Model):
     @field_validator("env")
     @classmethod
     def _check_env(cls, env: dict[str, str]) -> dict[str, str]:
-        return _checked_env(env)
+        return checked_env(env)
 
     @field_validator("id")
     @classmethod
@@ -122,7 +122,7 @@ class WorkspaceConfig(_Model):
         return value
 
 
-class Config(_Model):
+class Config(Model):
     state_dir: Path
     default_workspace: str
     audit: AuditConfig = AuditConfig()
