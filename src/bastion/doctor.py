@@ -35,7 +35,7 @@ from bastion.config import Config, GatewayConfig, load_config, resolve_config_pa
 from bastion.safety.audit import file_problem
 from bastion.safety.errors import BastionError, ConfigError
 from bastion.safety.redact import Redactor
-from bastion.sandbox._idmap import idmap_supported
+from bastion.sandbox import idmap_supported
 from bastion.sandbox._spawn import SANDBOX_WORKSPACE, bwrap_path, probe_bwrap, sandbox_python
 from bastion.sandbox.cgroups import CgroupLayout
 from bastion.sandbox.inside.landlock import landlock_abi, landlock_missing  # the agent's own wording

@@ -14,7 +14,7 @@ from pydantic import Field, field_validator, model_validator
 from bastion.config.base import ID_PATTERN, Model, checked_env
 from bastion.config.network import NetworkConfig, checked_rules
 from bastion.safety.commands import CommandPolicyConfig
-from bastion.sandbox._devices import SCRATCH_INODES, SHM_SIZE_BYTES, TMP_SIZE_BYTES
+from bastion.sandbox import SCRATCH_INODES, SHM_SIZE_BYTES, TMP_SIZE_BYTES
 from bastion.sandbox.identity import DEFAULT_HOST_ID_COUNT, DEFAULT_HOST_ID_FIRST, parse_range
 
 BASTION_OPT: Final = "/opt/bastion"  # inside a sandbox: a template's python_env is bound at <this>/env

@@ -27,7 +27,7 @@ import os
 import re
 import shutil
 import stat
-import subprocess  # noqa: TID251 - this is a dangerous-layer module: `unshare` makes the user namespace
+import subprocess  # allowed in pyproject.toml: this is a dangerous-layer module: `unshare` makes the user namespace
 import time
 from pathlib import Path
 from typing import Final

@@ -28,7 +28,7 @@ from typing import Any, Final
 
 from bastion.safety.errors import Conflict, InvalidRequest, NotFound, PolicyDenied, ResourceLimit, Unavailable
 from bastion.safety.redact import Redactor
-from bastion.sandbox._spawn import SANDBOX_PATH, SANDBOX_WORKSPACE
+from bastion.sandbox import SANDBOX_PATH, SANDBOX_WORKSPACE
 from bastion.sandbox.processes import BackgroundProcess, RingCapture
 from bastion.workbench.workspace import CommandOutput, HostWorkspace, OutputCleaner
 

@@ -19,7 +19,7 @@ import shutil
 from typing import TYPE_CHECKING, Final, Literal
 
 from bastion.safety.errors import InvalidRequest, NotFound, OperationFailed, PathEscape, PolicyDenied
-from bastion.sandbox._spawn import SANDBOX_PATH
+from bastion.sandbox import SANDBOX_PATH
 from bastion.workbench.code import OWN_VENV, SYSTEM_PYTHON
 
 if TYPE_CHECKING:

@@ -36,9 +36,16 @@ from bastion.safety.errors import (
 )
 from bastion.safety.paths import MAX_READ_BYTES, MAX_SCAN_ENTRIES, Jail, privileged_file
 from bastion.safety.redact import SLICE_CONTEXT_BYTES, Redactor, StreamRedactor, sanitize_terminal
-from bastion.sandbox._devices import DeviceFolder
-from bastion.sandbox._idmap import idmap_supported, idmapped_mount, is_mounted, unmount
-from bastion.sandbox._spawn import SANDBOX_PATH, SANDBOX_WORKSPACE, SandboxSpec
+from bastion.sandbox import (
+    SANDBOX_PATH,
+    SANDBOX_WORKSPACE,
+    DeviceFolder,
+    SandboxSpec,
+    idmap_supported,
+    idmapped_mount,
+    is_mounted,
+    unmount,
+)
 from bastion.sandbox.cgroups import CgroupLayout, Limits
 from bastion.sandbox.identity import HostIdentity, IdentityPool
 from bastion.sandbox.processes import BackgroundProcess, OutputLog
