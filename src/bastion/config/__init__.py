@@ -5,11 +5,11 @@ silent default location: the config names every folder bastion touches, and the
 loader refuses, with one line, anything that would put the audit log or the
 database inside a folder an agent can write.
 
-The sections' models live in private modules beside this one: `_config_network` (egress
-rules), `_config_sandboxes` (sandboxes and templates), `_config_inbox` (the organizer),
-`_config_http` (HTTP and OAuth) and `_config_gateway` (gateways and approvals), on the shared
-`_config_base`. This module holds the top level, the loader and the checks across sections,
-and re-exports every public name (`X as X`): import them from `bastion.config`.
+The sections' models live in modules beside this one: `network` (egress rules), `sandboxes`
+(sandboxes and templates), `inbox` (the organizer), `http` (HTTP and OAuth) and `gateway`
+(gateways and approvals), on the shared `base`. This module holds the top level, the loader and
+the checks across sections, and re-exports every public name (`__all__`): import them from
+`bastion.config`.
 """
 
 from __future__ import annotations
@@ -54,6 +54,49 @@ from bastion.config.sandboxes import TemplateLimitsConfig as TemplateLimitsConfi
 from bastion.safety.commands import CommandPolicyConfig
 from bastion.safety.errors import ConfigError, PolicyDenied
 from bastion.safety.paths import DEFAULT_SECRET_PATTERNS
+
+__all__ = [
+    "ADMIN_HASH_NAME",
+    "AUDIT_NAME",
+    "BASTION_OPT",
+    "CONFIG_ENV",
+    "DB_NAME",
+    "DEFAULT_APP_CALLBACKS",
+    "DEFAULT_BLOCKED_RANGES",
+    "DEFAULT_CATEGORIES",
+    "DEFAULT_PORTS",
+    "DEFAULT_REGISTRY",
+    "DEFAULT_SKIP_RULES",
+    "MAX_ALLOW_RULES",
+    "PROTECTION_KINDS",
+    "SANDBOX_ID_PREFIX",
+    "AllowRule",
+    "ApprovalsConfig",
+    "AuditConfig",
+    "Config",
+    "GatewayActionConfig",
+    "GatewayArgConfig",
+    "GatewayConfig",
+    "HttpConfig",
+    "InboxConfig",
+    "LimitsConfig",
+    "NetworkConfig",
+    "ReadOnlyBind",
+    "RedactionConfig",
+    "SandboxLimitsConfig",
+    "SandboxesConfig",
+    "SkipKind",
+    "SkipRule",
+    "TemplateConfig",
+    "TemplateLimitsConfig",
+    "WorkspaceConfig",
+    "load_config",
+    "narrow_allow",
+    "normalize_host",
+    "parse_allow_rule",
+    "parse_allow_rules",
+    "resolve_config_path",
+]
 
 CONFIG_ENV: Final = "BASTION_CONFIG"
 DB_NAME: Final = "bastion.db"
