@@ -1,7 +1,7 @@
 """Kernel sandboxes. `_spawn`, `_disk` and `_idmap` are the dangerous layer; `warm` is the checked one above it.
 
 What other packages use of the private modules is exported here. `_spawn` and `_disk` themselves
-may be imported only by the files pyproject.toml names (TID251); tests/test_packages.py checks it.
+may be imported only by the files pyproject.toml names (TID251); tests/test_contracts.py checks it.
 """
 
 from bastion.sandbox._devices import SCRATCH_INODES, SHM_SIZE_BYTES, TMP_SIZE_BYTES, DeviceFolder, ScratchSizes
