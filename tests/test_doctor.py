@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from bastion.cli import main
-from bastion.doctor import _CANARY, _CANARY_FILE, _canary_check, _children, _leftovers
+from bastion.doctor import CANARY, CANARY_FILE, canary_check, child_pids, leftovers
 from bastion.sandbox._spawn import probe_bwrap
 from bastion.sandbox.cgroups import CgroupLayout
 from tests.helpers import temp_socket_folders
@@ -46,7 +46,7 @@ def test_demo_config_passes_with_the_canary_refused_and_leaves_nothing(
     the canary, and afterwards no sandbox cgroup, process, mount or file of the doctor remains."""
     layout = CgroupLayout.detect()
     groups, mounts = layout.existing(), Path("/proc/self/mountinfo").read_text()
-    tree, temp, children = _tree(demo_config_path.parent), _our_temp_dirs(), set(_children())
+    tree, temp, children = _tree(demo_config_path.parent), _our_temp_dirs(), set(child_pids())
 
     code, checks, err = _doctor(capsys, "--config", str(demo_config_path))
 
@@ -77,7 +77,7 @@ def test_demo_config_passes_with_the_canary_refused_and_leaves_nothing(
     assert set(Path("/proc/self/mountinfo").read_text().splitlines()) <= set(mounts.splitlines())
     assert _tree(demo_config_path.parent) == tree
     assert _our_temp_dirs() <= temp
-    assert set(_children()) <= children  # nothing new (a fixture's child may have ended)
+    assert set(child_pids()) <= children  # nothing new (a fixture's child may have ended)
 
 
 def test_bad_value_is_one_fail_line_with_the_message_serve_prints(
@@ -148,14 +148,14 @@ def test_canary_is_allowed_without_seccomp_and_landlock(tmp_path: Path) -> None:
         elif os.path.isdir(path):
             args += ["--ro-bind", path, path]
     status, last = probe_bwrap(
-        [*args, "--proc", "/proc", "--dev", "/dev", "/usr/bin/python3", "-I", "-S", "-c", _CANARY]
+        [*args, "--proc", "/proc", "--dev", "/dev", "/usr/bin/python3", "-I", "-S", "-c", CANARY]
     )
-    (tmp_path / _CANARY_FILE).unlink()  # setuid, and the server's: gone at once
+    (tmp_path / CANARY_FILE).unlink()  # setuid, and the server's: gone at once
     assert status == 0, last
     result = json.loads(last)
     dev_null = "allowed" if os.geteuid() == 0 else "EPERM"
     assert result == {"unshare": "allowed", "mkdir": "allowed", "setuid": "allowed", "dev-null": dev_null}
-    check = _canary_check(result)
+    check = canary_check(result)
     assert check.status == "FAIL"
     assert check.detail.startswith("ALLOWED: ")
 
@@ -164,12 +164,12 @@ def test_leftovers_are_named(tmp_path: Path) -> None:
     """Children the caller had before (here: whatever pytest's fixtures run) are not leftovers;
     a child started after is."""
     (tmp_path / "sb-left").mkdir()
-    before = set(_children())
-    assert _leftovers(None, set(), tmp_path, before) == f"folder {tmp_path / 'sb-left'}"
-    assert _leftovers(None, set(), tmp_path / "gone", before) == ""
+    before = set(child_pids())
+    assert leftovers(None, set(), tmp_path, before) == f"folder {tmp_path / 'sb-left'}"
+    assert leftovers(None, set(), tmp_path / "gone", before) == ""
     child = subprocess.Popen(["sleep", "30"])
     try:
-        assert _leftovers(None, set(), tmp_path / "gone", before) == f"process {child.pid}"
+        assert leftovers(None, set(), tmp_path / "gone", before) == f"process {child.pid}"
     finally:
         child.kill()
         child.wait()

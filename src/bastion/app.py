@@ -18,12 +18,11 @@ from bastion.safety.approvals import ApprovalQueue
 from bastion.safety.audit import AuditLog
 from bastion.safety.errors import AuditUnavailable, BastionError, ConfigError
 from bastion.safety.redact import Redactor
-from bastion.sandbox._devices import DeviceFolder, ScratchSizes
-from bastion.sandbox._disk import quota_available
+from bastion.sandbox import DeviceFolder, ScratchSizes, quota_available
 from bastion.sandbox.cgroups import CgroupLayout
 from bastion.sandbox.identity import IdentityPool, range_conflict, unreachable_folder
 from bastion.state_lock import StateLock
-from bastion.tools._call import CallRunner
+from bastion.tools import CallRunner
 from bastion.tools.code import register_code
 from bastion.tools.gateway import register_gateway
 from bastion.tools.organizer import Inboxes, register_organizer

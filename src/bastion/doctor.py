@@ -35,10 +35,10 @@ from bastion.config import Config, GatewayConfig, load_config, resolve_config_pa
 from bastion.safety.audit import file_problem
 from bastion.safety.errors import BastionError, ConfigError
 from bastion.safety.redact import Redactor
-from bastion.sandbox._idmap import idmap_supported
+from bastion.sandbox import idmap_supported
 from bastion.sandbox._spawn import SANDBOX_WORKSPACE, bwrap_path, probe_bwrap, sandbox_python
 from bastion.sandbox.cgroups import CgroupLayout
-from bastion.sandbox.inside.landlock import _landlock_missing, landlock_abi  # the agent's own wording
+from bastion.sandbox.inside.landlock import landlock_abi, landlock_missing  # the agent's own wording
 from bastion.sandbox.seccomp import DENIED, write_filter_fd
 from bastion.serve import is_loopback
 from bastion.workbench.manager import SandboxManager
@@ -49,13 +49,13 @@ Status = Literal["ok", "warn", "FAIL"]
 RUN_TIMEOUT_S: Final = 10.0
 _MAX_OUTPUT_BYTES: Final = 4096
 _CLONE_NEWUSER: Final = 0x10000000
-_CANARY_FILE: Final = ".bastion-doctor-canary"
+CANARY_FILE: Final = ".bastion-doctor-canary"
 # Run inside the sandbox by its Python: all must be refused by the kernel. unshare(CLONE_NEWUSER)
 # succeeds there without the seccomp filter; mkdir / succeeds without Landlock (bwrap's / is a
 # tmpfs the sandbox owns). The directory, if made, lives in that tmpfs and dies with the sandbox.
 # chmod 04755 of its own file succeeds without the mode filter; chmod of the host's /dev/null
 # succeeds when the sandbox is the host's root (0666 is its mode already: allowed, it changes nothing).
-_CANARY: Final = f"""
+CANARY: Final = f"""
 import ctypes, errno, json, os
 libc = ctypes.CDLL(None, use_errno=True)
 out = {{"unshare": "allowed" if libc.unshare({_CLONE_NEWUSER}) == 0 else errno.errorcode[ctypes.get_errno()]}}
@@ -66,8 +66,8 @@ def attempt(name, call, *args):
     except OSError as exc:
         out[name] = errno.errorcode[exc.errno]
 attempt("mkdir", os.mkdir, "/bastion-doctor-canary")
-open("/workspace/{_CANARY_FILE}", "w").close()
-attempt("setuid", os.chmod, "/workspace/{_CANARY_FILE}", 0o4755)
+open("/workspace/{CANARY_FILE}", "w").close()
+attempt("setuid", os.chmod, "/workspace/{CANARY_FILE}", 0o4755)
 attempt("dev-null", os.chmod, "/dev/null", 0o666)
 print(json.dumps(out))
 """
@@ -165,7 +165,7 @@ def _landlock_check() -> Check:
             "not applied (kernel has no Landlock, or it is left out of the boot's lsm= list): only the bubblewrap "
             "namespaces and seccomp confine a sandbox, and a command may write anywhere bubblewrap left writable",
         )
-    missing = _landlock_missing(abi)
+    missing = landlock_missing(abi)
     if missing:
         return Check("landlock", "warn", f"landlock ABI {abi}: " + "; ".join(missing))
     return Check(
@@ -362,20 +362,20 @@ async def _probe(config: Config, cgroups: CgroupLayout | None, state: Path) -> l
     redactor = Redactor(extra_patterns=config.redaction.patterns, secret_values=config.secret_values())
     manager = SandboxManager(probe_config, redactor, cgroups)
     groups_before = set(cgroups.existing()) if cgroups is not None else set()
-    children_before = set(_children())  # a caller's own children are not the sandbox's
+    children_before = set(child_pids())  # a caller's own children are not the sandbox's
     started = time.monotonic()
     try:
         box = await manager.create(owner="bastion-doctor", network_allow=())
         start_ms = (time.monotonic() - started) * 1000
         checks = await _run_in(box.workspace)
-        checks.append(_owner_check(box.root / "workspace" / _CANARY_FILE))
+        checks.append(_owner_check(box.root / "workspace" / CANARY_FILE))
     except (BastionError, OSError) as exc:
         reason = exc.reason if isinstance(exc, BastionError) else str(exc)
         checks = [Check("sandbox", "FAIL", f"a sandbox cannot start: {reason}")]
         start_ms = None
     finally:
         manager.close_all()
-    left = _leftovers(cgroups, groups_before, probe_config.sandboxes_dir, children_before)
+    left = leftovers(cgroups, groups_before, probe_config.sandboxes_dir, children_before)
     if left:
         return [*checks, Check("cleanup", "FAIL", f"closing the sandbox left {left}: report this as a bug")]
     if start_ms is not None and checks[0].status == "ok":
@@ -402,7 +402,7 @@ async def _run_in(workspace: HostWorkspace) -> list[Check]:
     python = sandbox_python()
     canary = await warm.run(
         python,
-        [python, "-I", "-S", "-c", _CANARY],
+        [python, "-I", "-S", "-c", CANARY],
         cwd=SANDBOX_WORKSPACE,
         env=env,
         timeout_s=RUN_TIMEOUT_S,
@@ -416,7 +416,7 @@ async def _run_in(workspace: HostWorkspace) -> list[Check]:
         lines = canary.stderr.decode(errors="replace").strip().splitlines()
         why = lines[-1] if lines else f"exit status {canary.status}"
         return [ran, Check("canary", "FAIL", f"the canary did not run ({why}): {_DO_NOT_CONNECT} until it does")]
-    return [ran, _canary_check({str(k): str(v) for k, v in result.items()})]
+    return [ran, canary_check({str(k): str(v) for k, v in result.items()})]
 
 
 def _owner_check(made: Path) -> Check:
@@ -431,7 +431,7 @@ def _owner_check(made: Path) -> Check:
     return Check("sandbox-owner", "ok", f"files a sandbox makes are uid {owner}'s on the host, never root's")
 
 
-def _canary_check(result: dict[str, str]) -> Check:
+def canary_check(result: dict[str, str]) -> Check:
     unshare, mkdir = result.get("unshare", "?"), result.get("mkdir", "?")
     setuid, dev_null = result.get("setuid", "?"), result.get("dev-null", "?")
     if setuid == "allowed":
@@ -455,7 +455,7 @@ def _canary_check(result: dict[str, str]) -> Check:
     return Check("canary", "ok", f"refused by the kernel: {detail}")
 
 
-def _leftovers(
+def leftovers(
     cgroups: CgroupLayout | None, groups_before: set[str], sandboxes_dir: Path, children_before: set[int]
 ) -> str:
     """What the probe left: new cgroups, anything in its sandboxes folder, new child processes."""
@@ -464,11 +464,11 @@ def _leftovers(
         left += [f"cgroup {name}" for name in sorted(set(cgroups.existing()) - groups_before)]
     with contextlib.suppress(FileNotFoundError):
         left += [f"folder {entry}" for entry in sorted(sandboxes_dir.iterdir())]
-    left += [f"process {pid}" for pid in _children() if pid not in children_before]
+    left += [f"process {pid}" for pid in child_pids() if pid not in children_before]
     return ", ".join(left)
 
 
-def _children() -> list[int]:
+def child_pids() -> list[int]:
     pids = []
     for task in os.listdir("/proc/self/task"):
         with contextlib.suppress(OSError), open(f"/proc/self/task/{task}/children", encoding="ascii") as handle:

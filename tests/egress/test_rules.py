@@ -322,7 +322,7 @@ def test_bad_network_config_is_refused(demo_config_path: Path, toml: str, messag
 @given(st.binary(max_size=300))
 def test_any_request_head_parses_or_is_refused_cleanly(head: bytes) -> None:
     try:
-        request = _proxy_request._parse_http(head, b"")
+        request = _proxy_request.parse_http(head, b"")
     except egress.Refused as exc:
         refusal = exc
     else:
@@ -347,7 +347,7 @@ def test_rewritten_request_has_one_host_and_asks_to_close(
     method: str, host: str, headers: list[tuple[str, str]]
 ) -> None:
     head = f"{method} http://{host}:8080/p?q=1 HTTP/1.1\r\n" + "".join(f"{n}: {v}\r\n" for n, v in headers)
-    request = _proxy_request._parse_http(head.encode()[:-2], b"body")
+    request = _proxy_request.parse_http(head.encode()[:-2], b"body")
     lines = request.forward.split(b"\r\n\r\n", 1)[0].decode().split("\r\n")
     assert lines[0] == f"{method} /p?q=1 HTTP/1.1"
     names_sent = [line.partition(":")[0].lower() for line in lines[1:]]

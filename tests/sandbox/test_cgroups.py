@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from bastion.safety.errors import Conflict, InvalidRequest, NotFound, Unavailable
-from bastion.sandbox._hierarchies import _Hierarchy, _own_dir, _parse_mountinfo, _parse_self_cgroup, _Roles
+from bastion.sandbox._hierarchies import Hierarchy, Roles, own_dir, parse_mountinfo, parse_self_cgroup
 from bastion.sandbox.cgroups import CgroupLayout, Limits, SandboxCgroup, Usage
 
 pytestmark = pytest.mark.root
@@ -104,7 +104,7 @@ def wait_for(predicate: Callable[[], bool], timeout_s: float = 3.0) -> None:
 
 
 def is_cgroup2(path: str) -> bool:
-    mounts = _parse_mountinfo(Path("/proc/self/mountinfo").read_text())
+    mounts = parse_mountinfo(Path("/proc/self/mountinfo").read_text())
     return any(m.point == path and m.fstype == "cgroup2" for m in mounts)
 
 
@@ -274,8 +274,8 @@ def test_pure_v2_files_are_written_in_the_v2_format(tmp_path: Path) -> None:
     }
     for name, text in files.items():
         (group_dir / name).write_text(text)
-    v2 = _Hierarchy(2, str(tmp_path / "base"))
-    group = SandboxCgroup("box", _Roles(v2, v2, v2, v2, v2, v2, True, (v2,)))
+    v2 = Hierarchy(2, str(tmp_path / "base"))
+    group = SandboxCgroup("box", Roles(v2, v2, v2, v2, v2, v2, True, (v2,)))
     group.set_limits(Limits(memory_bytes=64 * MIB, pids=16, cpu_cores=0.2))
     assert (group_dir / "memory.max").read_text() == str(64 * MIB)
     assert (group_dir / "memory.swap.max").read_text() == "0"
@@ -299,17 +299,17 @@ def test_mountinfo_and_own_cgroup_of_a_delegated_pure_v2_service() -> None:
         "40 1 0:22 /system.slice /mnt/cg rw - cgroup2 cgroup2 rw\n"
         "50 1 0:5 / /proc rw - proc proc rw\n"
     )
-    mounts = _parse_mountinfo(mountinfo)
+    mounts = parse_mountinfo(mountinfo)
     assert [(m.point, m.fstype) for m in mounts] == [
         ("/sys/fs/cgroup", "cgroup2"),
         ("/sys/fs/cgroup/with space", "cgroup"),
         ("/mnt/cg", "cgroup2"),
     ]
     assert mounts[1].super_options >= {"cpu", "cpuacct"}
-    own = _parse_self_cgroup("0::/system.slice/bastion.service\n")
+    own = parse_self_cgroup("0::/system.slice/bastion.service\n")
     assert own == {"": "/system.slice/bastion.service"}
-    assert _own_dir(mounts[0], own[""]) == "/sys/fs/cgroup/system.slice/bastion.service"
-    assert _own_dir(mounts[2], own[""]) == "/mnt/cg/bastion.service"
-    assert _own_dir(mounts[2], "/user.slice/x") is None
-    hybrid = _parse_self_cgroup("4:memory:/a/b\n2:cpu,cpuacct:/\n1:name=systemd:/x\n0::/\n")
+    assert own_dir(mounts[0], own[""]) == "/sys/fs/cgroup/system.slice/bastion.service"
+    assert own_dir(mounts[2], own[""]) == "/mnt/cg/bastion.service"
+    assert own_dir(mounts[2], "/user.slice/x") is None
+    hybrid = parse_self_cgroup("4:memory:/a/b\n2:cpu,cpuacct:/\n1:name=systemd:/x\n0::/\n")
     assert hybrid == {"memory": "/a/b", "cpu": "/", "cpuacct": "/", "": "/"}

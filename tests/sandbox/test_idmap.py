@@ -35,12 +35,12 @@ Mount = Callable[..., Path]
 
 def _mount_points() -> list[str]:
     with open("/proc/self/mountinfo", "rb") as info:
-        return [_idmap._mount_point(line) for line in info]
+        return [_idmap.mount_point(line) for line in info]
 
 
 def _mountinfo_line(target: Path) -> str:
     with open("/proc/self/mountinfo", "rb") as info:
-        lines = [line.decode() for line in info if _idmap._mount_point(line) == str(target)]
+        lines = [line.decode() for line in info if _idmap.mount_point(line) == str(target)]
     assert len(lines) == 1, lines
     return lines[0]
 
@@ -279,7 +279,7 @@ def _fake_unshare(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, body: str) ->
     bin_dir.mkdir()
     (bin_dir / "unshare").write_text("#!/bin/sh\n" + body)
     (bin_dir / "unshare").chmod(0o755)
-    monkeypatch.setitem(_idmap._UNSHARE_ENV, "PATH", f"{bin_dir}:/usr/bin:/bin")
+    monkeypatch.setitem(_idmap.UNSHARE_ENV, "PATH", f"{bin_dir}:/usr/bin:/bin")
 
 
 def test_user_namespace_reports_unshare_failing_and_leaves_no_child(

@@ -1015,7 +1015,7 @@ def test_sparse_final_hole_mark_counts_against_the_total_segment_cap(tmp_path: P
             stream.seek(index * 8192)
             stream.write(b"data")
         stream.truncate(4 * 8192)
-    archiver = _archive._Archiver(gzip.GzipFile(fileobj=io.BytesIO(), mode="wb"))
+    archiver = _archive.Archiver(gzip.GzipFile(fileobj=io.BytesIO(), mode="wb"))
     fd = os.open(holey, os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size

@@ -14,7 +14,6 @@ from bastion.app import build_server, build_services
 from bastion.config import load_config
 from bastion.safety.errors import ConfigError
 from bastion.sandbox._idmap import idmapped_mount, is_mounted, unmount
-from bastion.sandbox.warm import _descendants
 from bastion.workbench.workspace import IDMAP_DIR
 from tests.helpers import demo_config_at
 
@@ -27,6 +26,19 @@ async def _run(client: Client, command: str) -> dict[str, object]:
     result = await client.call_tool("run_command", {"command": command})
     assert result.structured_content is not None
     return result.structured_content
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid`, read from /proc (one may exit while we look)."""
+    found: list[int] = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children", encoding="ascii") as handle:
+                for child in handle.read().split():
+                    found += [int(child), *_descendants(int(child))]
+    except OSError:
+        pass
+    return found
 
 
 async def test_secret_split_by_an_escape_sequence_is_still_redacted(client: Client) -> None:

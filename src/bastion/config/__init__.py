@@ -5,11 +5,11 @@ silent default location: the config names every folder bastion touches, and the
 loader refuses, with one line, anything that would put the audit log or the
 database inside a folder an agent can write.
 
-The sections' models live in private modules beside this one: `_config_network` (egress
-rules), `_config_sandboxes` (sandboxes and templates), `_config_inbox` (the organizer),
-`_config_http` (HTTP and OAuth) and `_config_gateway` (gateways and approvals), on the shared
-`_config_base`. This module holds the top level, the loader and the checks across sections,
-and re-exports every public name (`X as X`): import them from `bastion.config`.
+The sections' models live in modules beside this one: `network` (egress rules), `sandboxes`
+(sandboxes and templates), `inbox` (the organizer), `http` (HTTP and OAuth) and `gateway`
+(gateways and approvals), on the shared `base`. This module holds the top level, the loader and
+the checks across sections, and re-exports every public name (`__all__`): import them from
+`bastion.config`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Annotated, Final, Literal
 
 from pydantic import Field, ValidationError, field_validator
 
-from bastion.config.base import _ID_PATTERN, _Model
+from bastion.config.base import ID_PATTERN, Model
 from bastion.config.gateway import ApprovalsConfig as ApprovalsConfig
 from bastion.config.gateway import GatewayActionConfig as GatewayActionConfig
 from bastion.config.gateway import GatewayArgConfig as GatewayArgConfig
@@ -56,6 +56,49 @@ from bastion.safety.environment import checked_env
 from bastion.safety.errors import ConfigError, PolicyDenied
 from bastion.safety.paths import DEFAULT_SECRET_PATTERNS
 
+__all__ = [
+    "ADMIN_HASH_NAME",
+    "AUDIT_NAME",
+    "BASTION_OPT",
+    "CONFIG_ENV",
+    "DB_NAME",
+    "DEFAULT_APP_CALLBACKS",
+    "DEFAULT_BLOCKED_RANGES",
+    "DEFAULT_CATEGORIES",
+    "DEFAULT_PORTS",
+    "DEFAULT_REGISTRY",
+    "DEFAULT_SKIP_RULES",
+    "MAX_ALLOW_RULES",
+    "PROTECTION_KINDS",
+    "SANDBOX_ID_PREFIX",
+    "AllowRule",
+    "ApprovalsConfig",
+    "AuditConfig",
+    "Config",
+    "GatewayActionConfig",
+    "GatewayArgConfig",
+    "GatewayConfig",
+    "HttpConfig",
+    "InboxConfig",
+    "LimitsConfig",
+    "NetworkConfig",
+    "ReadOnlyBind",
+    "RedactionConfig",
+    "SandboxLimitsConfig",
+    "SandboxesConfig",
+    "SkipKind",
+    "SkipRule",
+    "TemplateConfig",
+    "TemplateLimitsConfig",
+    "WorkspaceConfig",
+    "load_config",
+    "narrow_allow",
+    "normalize_host",
+    "parse_allow_rule",
+    "parse_allow_rules",
+    "resolve_config_path",
+]
+
 CONFIG_ENV: Final = "BASTION_CONFIG"
 DB_NAME: Final = "bastion.db"
 AUDIT_NAME: Final = "audit.jsonl"
@@ -63,7 +106,7 @@ ADMIN_HASH_NAME: Final = "admin-password.argon2"
 SANDBOX_ID_PREFIX: Final = "sb-"
 
 
-class AuditConfig(_Model):
+class AuditConfig(Model):
     path: Path | None = None
     """Default: `<state_dir>/audit.jsonl`."""
     fail_closed: bool = True
@@ -71,7 +114,7 @@ class AuditConfig(_Model):
     rotate_bytes: Annotated[int, Field(ge=4096)] = 64 * 1024 * 1024
 
 
-class RedactionConfig(_Model):
+class RedactionConfig(Model):
     patterns: tuple[str, ...] = ()
     """Extra regular expressions whose matches are replaced in every output and audit record."""
 
@@ -86,7 +129,7 @@ class RedactionConfig(_Model):
         return patterns
 
 
-class LimitsConfig(_Model):
+class LimitsConfig(Model):
     """cgroup limits of a workspace's sandbox: all its commands together."""
 
     memory_bytes: Annotated[int, Field(ge=16 * 1024 * 1024)] = 1024 * 1024 * 1024
@@ -94,8 +137,8 @@ class LimitsConfig(_Model):
     cpu_cores: Annotated[float, Field(gt=0, le=1024)] = 1.0
 
 
-class WorkspaceConfig(_Model):
-    id: Annotated[str, Field(pattern=_ID_PATTERN)]
+class WorkspaceConfig(Model):
+    id: Annotated[str, Field(pattern=ID_PATTERN)]
     path: Path
     policy: CommandPolicyConfig
     env: dict[str, str] = Field(default_factory=dict)
@@ -123,7 +166,7 @@ class WorkspaceConfig(_Model):
         return value
 
 
-class Config(_Model):
+class Config(Model):
     state_dir: Path
     default_workspace: str
     audit: AuditConfig = AuditConfig()

@@ -1,4 +1,4 @@
-"""The shared base of bastion.toml's models: the frozen, closed `_Model` (the env check is `safety.environment`).
+"""The shared base of bastion.toml's models: the frozen, closed `Model` (the env check is `safety.environment`).
 
 Private. The section modules (`bastion._config_*`) import from here, never from `bastion.config`,
 which imports them all; everything public is imported from `bastion.config`.
@@ -10,8 +10,8 @@ from typing import Final
 
 from pydantic import BaseModel, ConfigDict
 
-_ID_PATTERN: Final = r"^[a-z][a-z0-9_-]{0,31}$"
+ID_PATTERN: Final = r"^[a-z][a-z0-9_-]{0,31}$"
 
 
-class _Model(BaseModel):
+class Model(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")

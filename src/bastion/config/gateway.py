@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator
 
-from bastion.config.base import _Model
+from bastion.config.base import Model
 
 _GATEWAY_NAME: Final = r"^[a-z][a-z0-9_]{0,31}$"
 _REMOTE_PATH: Final = re.compile(r"^/[A-Za-z0-9._/+-]{1,255}$")
@@ -34,7 +34,7 @@ def _blob_has_type(kind: str, blob: str) -> bool:
     return name == kind or (kind.startswith("rsa-sha2-") and name == "ssh-rsa")
 
 
-class GatewayArgConfig(_Model):
+class GatewayArgConfig(Model):
     """One argument of a gateway action: a tool parameter, checked before anything is sent."""
 
     name: Annotated[str, Field(pattern=_GATEWAY_NAME)]
@@ -52,7 +52,7 @@ class GatewayArgConfig(_Model):
         return pattern
 
 
-class GatewayActionConfig(_Model):
+class GatewayActionConfig(Model):
     """An action the gateway may send; the tool is `<gateway>_<action>`."""
 
     name: Annotated[str, Field(pattern=_GATEWAY_NAME)]
@@ -69,7 +69,7 @@ class GatewayActionConfig(_Model):
         return name
 
 
-class GatewayConfig(_Model):
+class GatewayConfig(Model):
     """A production host reached over SSH, where a forced command (dispatch.py) runs fixed actions."""
 
     name: Annotated[str, Field(pattern=_GATEWAY_NAME)]
@@ -119,7 +119,7 @@ class GatewayConfig(_Model):
         return next((a for a in self.action if a.name == name), None)
 
 
-class ApprovalsConfig(_Model):
+class ApprovalsConfig(Model):
     """Human approval of gateway actions marked `approval = true`."""
 
     wait_s: Annotated[float, Field(ge=0, le=3600)] = 60.0

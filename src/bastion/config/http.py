@@ -13,13 +13,13 @@ from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator
 
-from bastion.config.base import _Model
+from bastion.config.base import Model
 
 # Known native-app callbacks (RFC 8252 private-use schemes) accepted at registration by exact match.
 DEFAULT_APP_CALLBACKS: Final = ("cursor://anysphere.cursor-mcp/oauth/callback",)
 
 
-class HttpConfig(_Model):
+class HttpConfig(Model):
     """Streamable HTTP serving and the built-in OAuth 2.1 authorization server (`bastion serve --http`)."""
 
     public_url: str | None = None

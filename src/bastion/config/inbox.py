@@ -11,7 +11,7 @@ from typing import Annotated, Final, Literal
 
 from pydantic import Field, field_validator
 
-from bastion.config.base import _ID_PATTERN, _Model
+from bastion.config.base import ID_PATTERN, Model
 from bastion.safety.paths import name_problem
 
 # The organizer's default categories: folder name -> file extensions (lower case, no leading dot).
@@ -37,7 +37,7 @@ PROTECTION_KINDS: Final[frozenset[str]] = frozenset(
 )
 
 
-class SkipRule(_Model):
+class SkipRule(Model):
     """One reason the organizer leaves an entry where it is.
 
     `layer` has no default: "protection" rules bind every organizer tool (a move naming such a
@@ -45,7 +45,7 @@ class SkipRule(_Model):
     file on purpose with move_file (the plan reports it as NEEDS_EXPLICIT_REQUEST).
     """
 
-    id: Annotated[str, Field(pattern=_ID_PATTERN)]
+    id: Annotated[str, Field(pattern=ID_PATTERN)]
     layer: Literal["protection", "restraint"]
     kind: SkipKind | None = None
     """A built-in check; or None for a rule by `names` only."""
@@ -95,8 +95,8 @@ DEFAULT_SKIP_RULES: Final[tuple[SkipRule, ...]] = (
 _CATEGORY_EXT: Final = re.compile(r"^[a-z0-9][a-z0-9_+-]*(\.[a-z0-9][a-z0-9_+-]*)*$")
 
 
-class InboxConfig(_Model):
-    id: Annotated[str, Field(pattern=_ID_PATTERN)]
+class InboxConfig(Model):
+    id: Annotated[str, Field(pattern=ID_PATTERN)]
     path: Path
     categories: dict[str, tuple[str, ...]] = Field(default_factory=lambda: dict(DEFAULT_CATEGORIES))
     """Folder name -> extensions (lower case, no dot; "tar.gz" matches before "gz")."""

@@ -14,7 +14,7 @@ from typing import Annotated, Final
 
 from pydantic import Field, field_validator
 
-from bastion.config.base import _Model
+from bastion.config.base import Model
 from bastion.safety.errors import InvalidRequest, PolicyDenied
 
 # Ranges the egress proxy never connects to, whatever name led there (DNS rebinding).
@@ -191,11 +191,11 @@ def narrow_allow(ceiling: Sequence[AllowRule], requested: Sequence[str]) -> tupl
     return rules
 
 
-def _checked_rules(texts: tuple[str, ...]) -> tuple[str, ...]:
+def checked_rules(texts: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(str(rule) for rule in parse_allow_rules(texts))
 
 
-class NetworkConfig(_Model):
+class NetworkConfig(Model):
     """Egress from sandboxes, through the host's proxy. Nothing is reachable unless a rule names it."""
 
     allow: tuple[str, ...] = ()
@@ -218,7 +218,7 @@ class NetworkConfig(_Model):
     @field_validator("allow", "registry")
     @classmethod
     def _check_rules(cls, texts: tuple[str, ...]) -> tuple[str, ...]:
-        return _checked_rules(texts)
+        return checked_rules(texts)
 
     @field_validator("blocked_ranges")
     @classmethod

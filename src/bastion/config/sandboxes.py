@@ -11,11 +11,11 @@ from typing import Annotated, Final
 
 from pydantic import Field, field_validator, model_validator
 
-from bastion.config.base import _ID_PATTERN, _Model
-from bastion.config.network import NetworkConfig, _checked_rules
+from bastion.config.base import ID_PATTERN, Model
+from bastion.config.network import NetworkConfig, checked_rules
 from bastion.safety.commands import CommandPolicyConfig
 from bastion.safety.environment import checked_env
-from bastion.sandbox._devices import SCRATCH_INODES, SHM_SIZE_BYTES, TMP_SIZE_BYTES
+from bastion.sandbox import SCRATCH_INODES, SHM_SIZE_BYTES, TMP_SIZE_BYTES
 from bastion.sandbox.identity import DEFAULT_HOST_ID_COUNT, DEFAULT_HOST_ID_FIRST, parse_range
 
 BASTION_OPT: Final = "/opt/bastion"  # inside a sandbox: a template's python_env is bound at <this>/env
@@ -24,7 +24,7 @@ _RESERVED_DESTS: Final = frozenset(
 )
 
 
-class SandboxLimitsConfig(_Model):
+class SandboxLimitsConfig(Model):
     """The administrator's ceiling for each sandbox, and its default; create_sandbox may only narrow it."""
 
     memory_bytes: Annotated[int, Field(ge=16 * 1024 * 1024)] = 1024 * 1024 * 1024
@@ -36,7 +36,7 @@ class SandboxLimitsConfig(_Model):
     """Size of /workspace: writes past it fail with ENOSPC inside (when disk_quota is on)."""
 
 
-class TemplateLimitsConfig(_Model):
+class TemplateLimitsConfig(Model):
     """A template's defaults; each one it sets must be within [sandboxes.limits], the rest are the ceiling's."""
 
     memory_bytes: Annotated[int, Field(ge=16 * 1024 * 1024)] | None = None
@@ -47,7 +47,7 @@ class TemplateLimitsConfig(_Model):
     disk_bytes: Annotated[int, Field(ge=16 * 1024 * 1024, le=1024**4)] | None = None
 
 
-class ReadOnlyBind(_Model):
+class ReadOnlyBind(Model):
     source: Path
     """A host folder, shown read-only inside the sandbox."""
     dest: str
@@ -67,10 +67,10 @@ class ReadOnlyBind(_Model):
         return normal
 
 
-class TemplateConfig(_Model):
+class TemplateConfig(Model):
     """A kind of sandbox an agent may ask for by name."""
 
-    name: Annotated[str, Field(pattern=_ID_PATTERN)]
+    name: Annotated[str, Field(pattern=ID_PATTERN)]
     read_only: tuple[ReadOnlyBind, ...] = ()
     env: dict[str, str] = Field(default_factory=dict)
     limits: TemplateLimitsConfig | None = None
@@ -91,10 +91,10 @@ class TemplateConfig(_Model):
     @field_validator("network_allow")
     @classmethod
     def _check_network_allow(cls, texts: tuple[str, ...]) -> tuple[str, ...]:
-        return _checked_rules(texts)
+        return checked_rules(texts)
 
 
-class SandboxesConfig(_Model):
+class SandboxesConfig(Model):
     """Agent-created sandboxes: fresh workspaces under `<state_dir>/sandboxes/`."""
 
     enabled: bool = True
@@ -124,7 +124,7 @@ class SandboxesConfig(_Model):
     npm_registry_url: Annotated[str, Field(pattern=r"^https://[^\s/]+(/\S*)?$")] = "https://registry.npmjs.org/"
     install_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 300.0
     """Wall-clock limit of one install_package call."""
-    default_template: Annotated[str, Field(pattern=_ID_PATTERN)] = "default"
+    default_template: Annotated[str, Field(pattern=ID_PATTERN)] = "default"
     """The template create_sandbox uses when the call names none ("default": no template's extras)."""
     warm_pool: Annotated[int, Field(ge=0, le=64)] = 1
     """Sandboxes started ahead of time, so create_sandbox does not wait for one to boot."""

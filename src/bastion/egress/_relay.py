@@ -1,6 +1,6 @@
 """Carrying an allowed connection's bytes, and closing its sockets. PART OF A SECURITY BOUNDARY.
 
-`bastion.egress.proxy` decides and connects; `_carry` then moves bytes between exactly the
+`bastion.egress.proxy` decides and connects; `carry` then moves bytes between exactly the
 two sockets it is given, the sandbox's client and the upstream address that was checked. It
 guarantees:
 
@@ -9,13 +9,13 @@ guarantees:
   bytes are counted into the attempt's audit record as they move.
 - The connection ends when a direction fails, when no byte has moved for the idle timeout,
   and, for plain HTTP, as soon as the server's side ends: the client's next request must come
-  on a new connection, to be checked. Cancelling `_carry` ends both directions.
+  on a new connection, to be checked. Cancelling `carry` ends both directions.
 - splice(2) through a pipe when the kernel allows it (the bytes never enter this process);
   otherwise reads and writes of `CHUNK_BYTES`. A pipe grows to `PIPE_BYTES` only after
   `GROW_AFTER_BYTES`, and stays small if the user's pipe budget refuses.
-- A refusal reaches the client: `_answer_and_linger` sends it, half-closes, then drops what
+- A refusal reaches the client: `answer_and_linger` sends it, half-closes, then drops what
   the client still sends, for at most `LINGER_S` and `LINGER_BYTES`, before the close.
-- `_close` unregisters a socket from the loop before closing it, so a cancelled operation
+- `close_socket` unregisters a socket from the loop before closing it, so a cancelled operation
   cannot unregister another socket that reuses the number.
 """
 
@@ -50,7 +50,7 @@ class _Tally(Protocol):
     bytes_down: int
 
 
-async def _carry(
+async def carry(
     client: socket.socket,
     upstream: socket.socket,
     forward: bytes,
@@ -198,7 +198,7 @@ async def _ready(loop: asyncio.AbstractEventLoop, sock: socket.socket, *, write:
             (loop.remove_writer if write else loop.remove_reader)(sock)
 
 
-async def _answer_and_linger(client: socket.socket, message: bytes) -> None:
+async def answer_and_linger(client: socket.socket, message: bytes) -> None:
     """Send a refusal, then read and drop what the client still sends, for a moment.
 
     Closing with unread data makes the kernel reset the connection, which can destroy
@@ -217,14 +217,14 @@ async def _answer_and_linger(client: socket.socket, message: bytes) -> None:
                 dropped += count
 
 
-def _grow_buffers(sock: socket.socket) -> None:
+def grow_buffers(sock: socket.socket) -> None:
     # Fewer, larger copies: the kernel caps the request at net.core.[rw]mem_max.
     with contextlib.suppress(OSError):
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
 
 
-def _close(sock: socket.socket) -> None:
+def close_socket(sock: socket.socket) -> None:
     """Close a socket an `await loop.sock_*` may still be registered for.
 
     Removing the reader and writer first cancels their handles, so the cancelled

@@ -1,8 +1,8 @@
 """The request a sandbox's client sends the egress proxy: read, parsed strictly, answered. PART OF A SECURITY BOUNDARY.
 
-`bastion.egress.proxy` reads one request head per connection with `_Reader`, parses it here,
-then decides on the destination; a refusal from either is written back by `_reply` (one HTTP
-status line carrying the reason: pip and curl print it) or `_socks_reply`, never a silent
+`bastion.egress.proxy` reads one request head per connection with `Reader`, parses it here,
+then decides on the destination; a refusal from either is written back by `reply` (one HTTP
+status line carrying the reason: pip and curl print it) or `socks_reply`, never a silent
 close. The head comes from the sandbox, so it is hostile: what is not plainly valid is refused
 (400), never guessed at.
 
@@ -20,7 +20,7 @@ close. The head comes from the sandbox, so it is hostile: what is not plainly va
 
 Bounds: a head of at most `MAX_HEAD_BYTES` (431 past it); its time limit is the caller's
 (`EgressSettings.head_timeout_s`, 408). Bytes read past the head are kept in
-`_Request.forward`, to go only to the server the proxy checks.
+`Request.forward`, to go only to the server the proxy checks.
 
 What it does not do: decide anything. Whether a destination is allowed is `egress`'s call.
 """
@@ -51,7 +51,7 @@ _PHRASES: Final = {
     504: "Gateway Timeout",
 }
 # RFC 1928 §6 reply codes for the same outcomes.
-_SOCKS_REPLY: Final = {400: 0x01, 403: 0x02, 408: 0x01, 431: 0x01, 502: 0x04, 503: 0x01, 504: 0x06}
+SOCKS_REPLY: Final = {400: 0x01, 403: 0x02, 408: 0x01, 431: 0x01, 502: 0x04, 503: 0x01, 504: 0x06}
 
 
 class Refused(Exception):
@@ -64,12 +64,12 @@ class Refused(Exception):
         self.decision = decision
 
 
-def _error(status: int, reason: str) -> Refused:
+def refused_error(status: int, reason: str) -> Refused:
     return Refused(status, reason, decision="error")
 
 
 @dataclass(frozen=True, slots=True)
-class _Request:
+class Request:
     protocol: str  # "connect", "http" or "socks5"
     method: str
     host: str
@@ -78,7 +78,7 @@ class _Request:
     url: str | None = None
 
 
-class _Reader:
+class Reader:
     """Buffered reads from the client socket, for the request head only."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
@@ -89,7 +89,7 @@ class _Reader:
     async def fill(self) -> None:
         data = await self.loop.sock_recv(self.sock, 65536)
         if not data:
-            raise _error(400, "the client closed the connection before its request was complete")
+            raise refused_error(400, "the client closed the connection before its request was complete")
         self.buf += data
 
     async def exact(self, count: int) -> bytes:
@@ -108,7 +108,7 @@ class _Reader:
                 del self.buf[: end + 4]
                 return out
             if len(self.buf) > MAX_HEAD_BYTES:
-                raise _error(431, f"the request head is larger than {MAX_HEAD_BYTES} bytes")
+                raise refused_error(431, f"the request head is larger than {MAX_HEAD_BYTES} bytes")
             start = len(self.buf)
             await self.fill()
 
@@ -119,62 +119,62 @@ def _split_authority(authority: str, default_port: int | None) -> tuple[str, int
         end = authority.find("]")
         host, rest = (authority[: end + 1], authority[end + 1 :]) if end != -1 else (authority, "")
     elif authority.count(":") > 1:
-        raise _error(400, f"{authority!r}: put an IPv6 address in brackets")
+        raise refused_error(400, f"{authority!r}: put an IPv6 address in brackets")
     else:
         host, colon, port_text = authority.partition(":")
         rest = colon + port_text
     if rest and not rest.startswith(":"):
-        raise _error(400, f"{authority!r} is not host:port")
+        raise refused_error(400, f"{authority!r} is not host:port")
     port_text = rest[1:]
     if not port_text:
         if default_port is None:
-            raise _error(400, f"{authority!r} has no port: CONNECT needs host:port")
+            raise refused_error(400, f"{authority!r} has no port: CONNECT needs host:port")
         port = default_port
     elif port_text.isascii() and port_text.isdigit() and len(port_text) <= 5 and 0 < int(port_text) < 65536:
         port = int(port_text)
     else:
-        raise _error(400, f"{authority!r}: the port must be 1 to 65535")
+        raise refused_error(400, f"{authority!r}: the port must be 1 to 65535")
     try:
         return normalize_host(host), port
     except ValueError as exc:
-        raise _error(400, str(exc)) from None
+        raise refused_error(400, str(exc)) from None
 
 
-def _parse_http(head: bytes, rest: bytes) -> _Request:
+def parse_http(head: bytes, rest: bytes) -> Request:
     """The request line and headers of an HTTP proxy request (RFC 9112 §3, §9.3.6 of RFC 9110)."""
     try:
         text = head.decode("ascii")
     except UnicodeDecodeError:
-        raise _error(400, "the request head is not ASCII") from None
+        raise refused_error(400, "the request head is not ASCII") from None
     lines = text.split("\r\n")
     if any("\r" in line or "\n" in line or "\0" in line for line in lines):
-        raise _error(400, "the request head has a bare CR, LF or NUL")
+        raise refused_error(400, "the request head has a bare CR, LF or NUL")
     parts = lines[0].split(" ")
     if len(parts) != 3 or not parts[0].isalpha() or not parts[0].isupper() or parts[2] not in ("HTTP/1.1", "HTTP/1.0"):
-        raise _error(400, "the request line is not 'METHOD target HTTP/1.1'")
+        raise refused_error(400, "the request line is not 'METHOD target HTTP/1.1'")
     method, target, version = parts
     headers: list[tuple[str, str]] = []
     for line in lines[1:]:
         name, colon, value = line.partition(":")
         # A space before the colon or a folded line is a smuggling vector (RFC 9112 §5.1, §5.2).
         if not colon or not name or name != name.strip() or " " in name or "\t" in name:
-            raise _error(400, "a request header is malformed")
+            raise refused_error(400, "a request header is malformed")
         headers.append((name, value.strip()))
     if method == "CONNECT":
         host, port = _split_authority(target, None)
-        return _Request("connect", method, host, port, rest)
+        return Request("connect", method, host, port, rest)
     if not target[:7].lower() == "http://":
-        raise _error(400, "the target must be an absolute http:// URL (use CONNECT for https)")
+        raise refused_error(400, "the target must be an absolute http:// URL (use CONNECT for https)")
     remainder = target[7:]
     cut = min((i for i in (remainder.find(c) for c in "/?#") if i != -1), default=len(remainder))
     authority, path = remainder[:cut], remainder[cut:]
     if "@" in authority:
-        raise _error(400, "credentials in the URL are not forwarded: send an Authorization header")
+        raise refused_error(400, "credentials in the URL are not forwarded: send an Authorization header")
     host, port = _split_authority(authority, 80)
     path = path.partition("#")[0]
     if not path.startswith("/"):
         path = "/" + path
-    return _Request("http", method, host, port, _rewrite(method, path, version, headers, authority) + rest, target)
+    return Request("http", method, host, port, _rewrite(method, path, version, headers, authority) + rest, target)
 
 
 def _rewrite(method: str, path: str, version: str, headers: list[tuple[str, str]], authority: str) -> bytes:
@@ -183,7 +183,7 @@ def _rewrite(method: str, path: str, version: str, headers: list[tuple[str, str]
     chunked = any(name.lower() == "transfer-encoding" for name, _ in headers)
     if len(lengths) > 1 or (lengths and chunked):
         # Two framings for one body (RFC 9112 §6.3): the classic request smuggling shape.
-        raise _error(400, "the request has conflicting Content-Length or Transfer-Encoding headers")
+        raise refused_error(400, "the request has conflicting Content-Length or Transfer-Encoding headers")
     listed = {
         token.strip().lower() for name, value in headers if name.lower() == "connection" for token in value.split(",")
     }
@@ -194,13 +194,13 @@ def _rewrite(method: str, path: str, version: str, headers: list[tuple[str, str]
     return ("\r\n".join(out) + "\r\n\r\n").encode("ascii")
 
 
-async def _read_socks(reader: _Reader) -> _Request:
+async def read_socks(reader: Reader) -> Request:
     """A SOCKS5 CONNECT request (RFC 1928), without authentication."""
     _, count = await reader.exact(2)
     methods = await reader.exact(count)
     if 0 not in methods:
         await reader.loop.sock_sendall(reader.sock, b"\x05\xff")
-        raise _error(400, "SOCKS5 without the no-authentication method")
+        raise refused_error(400, "SOCKS5 without the no-authentication method")
     await reader.loop.sock_sendall(reader.sock, b"\x05\x00")
     version, command, _, kind = await reader.exact(4)
     if kind == 1:
@@ -213,18 +213,18 @@ async def _read_socks(reader: _Reader) -> _Request:
         try:
             host = normalize_host(raw.decode("ascii"))
         except (UnicodeDecodeError, ValueError):
-            raise _error(400, "the SOCKS5 host name is not a valid name") from None
+            raise refused_error(400, "the SOCKS5 host name is not a valid name") from None
     else:
-        raise _error(400, "SOCKS5 address type unknown")
+        raise refused_error(400, "SOCKS5 address type unknown")
     (port,) = struct.unpack("!H", await reader.exact(2))
     if version != 5 or command != 1:
-        raise _error(400, "only SOCKS5 CONNECT is supported")
+        raise refused_error(400, "only SOCKS5 CONNECT is supported")
     if port == 0:
-        raise _error(400, "port 0 is not a destination")
-    return _Request("socks5", "CONNECT", host, port, bytes(reader.buf))
+        raise refused_error(400, "port 0 is not a destination")
+    return Request("socks5", "CONNECT", host, port, bytes(reader.buf))
 
 
-def _reply(status: int, reason: str) -> bytes:
+def reply(status: int, reason: str) -> bytes:
     # The reason goes in the status line too: pip and curl print the status line, not the body.
     line = "".join(c if c.isprintable() and c.isascii() else "?" for c in reason)[:200]
     body = f"bastion egress: {line}\n".encode()
@@ -235,5 +235,5 @@ def _reply(status: int, reason: str) -> bytes:
     ).encode() + body
 
 
-def _socks_reply(code: int) -> bytes:
+def socks_reply(code: int) -> bytes:
     return bytes([5, code, 0, 1, 0, 0, 0, 0, 0, 0])

@@ -91,16 +91,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 from bastion.config import DEFAULT_BLOCKED_RANGES, AllowRule, normalize_host
-from bastion.egress._relay import _answer_and_linger, _carry, _close, _grow_buffers
+from bastion.egress._relay import answer_and_linger, carry, close_socket, grow_buffers
 from bastion.egress._request import (
-    _SOCKS_REPLY,
-    _error,
-    _parse_http,
-    _read_socks,
-    _Reader,
-    _reply,
-    _Request,
-    _socks_reply,
+    SOCKS_REPLY,
+    Reader,
+    Request,
+    parse_http,
+    read_socks,
+    refused_error,
+    reply,
+    socks_reply,
 )
 
 # Re-exported: `Refused` is raised by the request parsing too, so it is defined there.
@@ -263,7 +263,7 @@ class EgressProxy:
             task.cancel()
         if tasks:
             await asyncio.wait(tasks, timeout=STOP_TIMEOUT_S)
-        _close(proxy.listener)
+        close_socket(proxy.listener)
         if proxy.report is not None:
             proxy.report.cancel()
         await self._report_throttled(proxy)
@@ -288,7 +288,7 @@ class EgressProxy:
                 await asyncio.sleep(0.1)
                 continue
             client.setblocking(False)
-            _grow_buffers(client)
+            grow_buffers(client)
             task = loop.create_task(self._serve(proxy, client))
             proxy.connections.add(task)
             task.add_done_callback(proxy.connections.discard)
@@ -309,8 +309,8 @@ class EgressProxy:
             await self._relay(client, upstream, request, attempt)
         except Refused as exc:
             attempt.decision, attempt.reason = exc.decision, exc.reason
-            message = _socks_reply(_SOCKS_REPLY.get(exc.status, 1)) if socks else _reply(exc.status, exc.reason)
-            await _answer_and_linger(client, message)
+            message = socks_reply(SOCKS_REPLY.get(exc.status, 1)) if socks else reply(exc.status, exc.reason)
+            await answer_and_linger(client, message)
         except OSError as exc:
             # The client went away during the handshake; the decision already made stands.
             attempt.reason = f"{attempt.reason or 'failed'}; ended: {exc.strerror or exc}"
@@ -321,29 +321,31 @@ class EgressProxy:
             _log.exception("egress proxy error for %s", proxy.sandbox_id)
             attempt.decision, attempt.reason = "error", f"internal error: {type(exc).__name__}"
         finally:
-            _close(client)
+            close_socket(client)
             if upstream is not None:
-                _close(upstream)
+                close_socket(upstream)
             await self._append(attempt.record())
 
-    async def _read_request(self, client: socket.socket, attempt: _Attempt) -> _Request:
-        reader = _Reader(asyncio.get_running_loop(), client)
+    async def _read_request(self, client: socket.socket, attempt: _Attempt) -> Request:
+        reader = Reader(asyncio.get_running_loop(), client)
         try:
             async with asyncio.timeout(self._settings.head_timeout_s):
                 await reader.fill()
                 if reader.buf[0] == 5:
                     attempt.protocol = "socks5"
-                    return await _read_socks(reader)
+                    return await read_socks(reader)
                 head = await reader.head()
         except TimeoutError:
-            raise _error(408, f"the request head did not arrive within {self._settings.head_timeout_s:g} s") from None
+            raise refused_error(
+                408, f"the request head did not arrive within {self._settings.head_timeout_s:g} s"
+            ) from None
         except OSError as exc:
-            raise _error(400, f"the client connection failed: {exc.strerror or exc}") from None
-        request = _parse_http(head, bytes(reader.buf))
+            raise refused_error(400, f"the client connection failed: {exc.strerror or exc}") from None
+        request = parse_http(head, bytes(reader.buf))
         attempt.protocol, attempt.method, attempt.url = request.protocol, request.method, request.url
         return request
 
-    async def _open(self, proxy: _SandboxProxy, request: _Request, attempt: _Attempt) -> socket.socket:
+    async def _open(self, proxy: _SandboxProxy, request: Request, attempt: _Attempt) -> socket.socket:
         """Check, resolve, check again and connect; the socket returned is to an address that was checked."""
         attempt.method, attempt.domain, attempt.port = request.method, request.host, request.port
         if not any(rule.matches(request.host, request.port) for rule in proxy.rules):
@@ -392,9 +394,11 @@ class EgressProxy:
             async with asyncio.timeout(self._settings.connect_timeout_s):
                 infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)
         except TimeoutError:
-            raise _error(504, f"resolving {host} took longer than {self._settings.connect_timeout_s:g} s") from None
+            raise refused_error(
+                504, f"resolving {host} took longer than {self._settings.connect_timeout_s:g} s"
+            ) from None
         except OSError as exc:
-            raise _error(502, f"{host} cannot be resolved: {exc.strerror or exc}") from None
+            raise refused_error(502, f"{host} cannot be resolved: {exc.strerror or exc}") from None
         found: list[IPAddress] = []
         for family, _, _, _, sockaddr in infos:
             if family in (socket.AF_INET, socket.AF_INET6):
@@ -403,13 +407,13 @@ class EgressProxy:
                 if address not in found:
                     found.append(address)
         if not found:
-            raise _error(502, f"{host} has no IPv4 or IPv6 address")
+            raise refused_error(502, f"{host} has no IPv4 or IPv6 address")
         return found
 
     async def _connect(self, addresses: list[IPAddress], port: int) -> tuple[socket.socket, IPAddress]:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._settings.connect_timeout_s
-        failure = _error(502, "no address to connect to")
+        failure = refused_error(502, "no address to connect to")
         for address in addresses:
             family = socket.AF_INET if address.version == 4 else socket.AF_INET6
             sock = socket.socket(family, socket.SOCK_STREAM)
@@ -419,28 +423,26 @@ class EgressProxy:
                 async with asyncio.timeout_at(deadline):
                     await loop.sock_connect(sock, (str(address), port))
             except TimeoutError:
-                _close(sock)
-                raise _error(504, f"connecting to {_show(str(address), port)} timed out") from None
+                close_socket(sock)
+                raise refused_error(504, f"connecting to {_show(str(address), port)} timed out") from None
             except OSError as exc:
-                _close(sock)
-                failure = _error(502, f"connecting to {_show(str(address), port)} failed: {exc.strerror or exc}")
+                close_socket(sock)
+                failure = refused_error(502, f"connecting to {_show(str(address), port)} failed: {exc.strerror or exc}")
                 continue
             except BaseException:
-                _close(sock)
+                close_socket(sock)
                 raise
             return sock, address
         raise failure
 
-    async def _relay(
-        self, client: socket.socket, upstream: socket.socket, request: _Request, attempt: _Attempt
-    ) -> None:
+    async def _relay(self, client: socket.socket, upstream: socket.socket, request: Request, attempt: _Attempt) -> None:
         loop = asyncio.get_running_loop()
         attempt.decision, attempt.reason = "allow", "allowed"
         if request.protocol == "connect":
             await loop.sock_sendall(client, b"HTTP/1.1 200 Connection established\r\n\r\n")
         elif request.protocol == "socks5":
-            await loop.sock_sendall(client, _socks_reply(0))
-        await _carry(
+            await loop.sock_sendall(client, socks_reply(0))
+        await carry(
             client,
             upstream,
             request.forward,
@@ -458,9 +460,9 @@ class EgressProxy:
             )
         rate = proxy.throttle.rate_per_s
         try:
-            await _answer_and_linger(client, _reply(429, f"more than {rate:g} connection attempts a second: slow down"))
+            await answer_and_linger(client, reply(429, f"more than {rate:g} connection attempts a second: slow down"))
         finally:
-            _close(client)
+            close_socket(client)
 
     async def _report_throttled(self, proxy: _SandboxProxy) -> None:
         proxy.report = None

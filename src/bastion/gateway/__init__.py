@@ -8,3 +8,6 @@
 
 Nothing is imported here, so `bastion gateway dispatch-script` does not load asyncssh.
 """
+
+# Nothing is exported here: other packages import from the public modules.
+__all__: list[str] = []

@@ -1,6 +1,35 @@
-"""Kernel sandboxes. `_spawn` and `_agent` are the dangerous layer; `warm` is the checked one above it."""
+"""Kernel sandboxes. `_spawn`, `_disk` and `_idmap` are the dangerous layer; `warm` is the checked one above it.
 
-from bastion.sandbox.backend import RunOutcome
-from bastion.sandbox.warm import WarmSandbox
+What other packages use of the private modules is exported here. `_spawn` and `_disk` themselves
+may be imported only by the files pyproject.toml names (TID251); tests/test_contracts.py checks it.
+"""
 
-__all__ = ["RunOutcome", "WarmSandbox"]
+from bastion.sandbox._devices import SCRATCH_INODES, SHM_SIZE_BYTES, TMP_SIZE_BYTES, DeviceFolder, ScratchSizes
+from bastion.sandbox._disk import quota_available
+from bastion.sandbox._idmap import idmap_supported, idmapped_mount, is_mounted, unmount
+from bastion.sandbox._spawn import SANDBOX_PATH, SANDBOX_WORKSPACE, SandboxSpec, sandbox_python
+from bastion.sandbox.backend import Backend, Process, RunOutcome, Sandbox
+from bastion.sandbox.warm import BubblewrapBackend, WarmSandbox
+
+__all__ = [
+    "SANDBOX_PATH",
+    "SANDBOX_WORKSPACE",
+    "SCRATCH_INODES",
+    "SHM_SIZE_BYTES",
+    "TMP_SIZE_BYTES",
+    "Backend",
+    "BubblewrapBackend",
+    "DeviceFolder",
+    "Process",
+    "RunOutcome",
+    "Sandbox",
+    "SandboxSpec",
+    "ScratchSizes",
+    "WarmSandbox",
+    "idmap_supported",
+    "idmapped_mount",
+    "is_mounted",
+    "quota_available",
+    "sandbox_python",
+    "unmount",
+]

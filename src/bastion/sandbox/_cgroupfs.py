@@ -21,7 +21,7 @@ V1_POLL_INTERVAL_S: Final = 0.002  # v1 files cannot be polled: re-read this oft
 MAX_FILE_BYTES: Final = 1 << 20
 
 
-def _read(path: str) -> str:
+def read_file(path: str) -> str:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError as exc:
@@ -43,7 +43,7 @@ def _read(path: str) -> str:
         os.close(fd)
 
 
-def _write_raw(path: str, value: str) -> None:
+def write_raw(path: str, value: str) -> None:
     """One unbuffered write(2): cgroup files act on each write, so a partial or split write must not happen."""
     fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
     try:
@@ -52,16 +52,16 @@ def _write_raw(path: str, value: str) -> None:
         os.close(fd)
 
 
-def _write(path: str, value: str) -> None:
+def write_file(path: str, value: str) -> None:
     try:
-        _write_raw(path, value)
+        write_raw(path, value)
     except FileNotFoundError as exc:
         raise NotFound(f"cgroup file {path} does not exist: the group is gone or the controller is missing") from exc
     except OSError as exc:
         raise OperationFailed(f"cannot write {value!r} to {path}: {exc.strerror}") from exc
 
 
-def _keyed(text: str) -> dict[str, int]:
+def keyed(text: str) -> dict[str, int]:
     """Parse a flat keyed file ("key value" per line), such as cgroup.events or memory.events."""
     out: dict[str, int] = {}
     for line in text.splitlines():
@@ -73,15 +73,15 @@ def _keyed(text: str) -> dict[str, int]:
     return out
 
 
-def _procs(directory: str) -> list[int]:
+def procs(directory: str) -> list[int]:
     try:
-        text = _read(os.path.join(directory, "cgroup.procs"))
+        text = read_file(os.path.join(directory, "cgroup.procs"))
     except NotFound:
         return []
     return [int(line) for line in text.split()]
 
 
-def _wait_events(directory: str, key: str, want: int, timeout_s: float) -> bool:
+def wait_events(directory: str, key: str, want: int, timeout_s: float) -> bool:
     """Wait until cgroup.events says ``key want``; True if it did. A vanished group counts as unpopulated.
 
     cgroup.events raises POLLPRI on change (Documentation/admin-guide/cgroup-v2.rst,
@@ -100,7 +100,7 @@ def _wait_events(directory: str, key: str, want: int, timeout_s: float) -> bool:
         poller.register(fd, select.POLLPRI | select.POLLERR)
         while True:
             try:
-                current = _keyed(os.pread(fd, 4096, 0).decode("ascii", errors="replace")).get(key)
+                current = keyed(os.pread(fd, 4096, 0).decode("ascii", errors="replace")).get(key)
             except OSError:  # ENODEV: removed while we waited
                 return key == "populated" and want == 0
             if current == want:
@@ -113,14 +113,14 @@ def _wait_events(directory: str, key: str, want: int, timeout_s: float) -> bool:
         os.close(fd)
 
 
-def _read_or_empty(path: str) -> str:
+def read_or_empty(path: str) -> str:
     try:
-        return _read(path)
+        return read_file(path)
     except NotFound:
         return ""
 
 
-def _poll_until(done: Callable[[], bool], timeout_s: float) -> bool:
+def poll_until(done: Callable[[], bool], timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     while not done():
         if time.monotonic() >= deadline:

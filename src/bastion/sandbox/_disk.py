@@ -11,7 +11,7 @@ from __future__ import annotations
 import ctypes
 import os
 import shutil
-import subprocess  # noqa: TID251 - this is a dangerous-layer module: mkfs and mount
+import subprocess  # allowed in pyproject.toml: this is a dangerous-layer module: mkfs and mount
 from pathlib import Path
 from typing import Final
 

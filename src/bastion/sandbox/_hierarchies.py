@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, Literal
 
 from bastion.safety.errors import Unavailable
-from bastion.sandbox._cgroupfs import _procs, _read, _write_raw
+from bastion.sandbox._cgroupfs import procs, read_file, write_raw
 
 if TYPE_CHECKING:
     from bastion.sandbox.cgroups import Mode
@@ -41,7 +41,7 @@ class _Mount:
 
 
 @dataclass(frozen=True)
-class _Hierarchy:
+class Hierarchy:
     version: Literal[1, 2]
     base: str  # absolute path of <parent>/<base_name>
 
@@ -50,22 +50,22 @@ class _Hierarchy:
 
 
 @dataclass(frozen=True)
-class _Roles:
-    memory: _Hierarchy
-    pids: _Hierarchy
-    cpu: _Hierarchy
-    cpu_usage: _Hierarchy
-    freeze: _Hierarchy
-    unified: _Hierarchy | None
+class Roles:
+    memory: Hierarchy
+    pids: Hierarchy
+    cpu: Hierarchy
+    cpu_usage: Hierarchy
+    freeze: Hierarchy
+    unified: Hierarchy | None
     cgroup_kill: bool
-    all: tuple[_Hierarchy, ...]  # the v2 one first: it is the kill boundary
+    all: tuple[Hierarchy, ...]  # the v2 one first: it is the kill boundary
 
 
 def _unescape(field: str) -> str:
     return _OCTAL_ESCAPE_RE.sub(lambda m: chr(int(m.group(1), 8)), field)
 
 
-def _parse_mountinfo(text: str) -> list[_Mount]:
+def parse_mountinfo(text: str) -> list[_Mount]:
     """Fields per proc(5): id parent dev root point options [optional...] - fstype source super-options."""
     mounts: list[_Mount] = []
     for line in text.splitlines():
@@ -78,7 +78,7 @@ def _parse_mountinfo(text: str) -> list[_Mount]:
     return mounts
 
 
-def _parse_self_cgroup(text: str) -> dict[str, str]:
+def parse_self_cgroup(text: str) -> dict[str, str]:
     """Map each controller ("" for v2) to this process's cgroup path, per cgroups(7)."""
     out: dict[str, str] = {}
     for line in text.splitlines():
@@ -94,7 +94,7 @@ def _parse_self_cgroup(text: str) -> dict[str, str]:
     return out
 
 
-def _own_dir(mount: _Mount, own_path: str | None) -> str | None:
+def own_dir(mount: _Mount, own_path: str | None) -> str | None:
     if own_path is None:
         return None
     root = mount.root.rstrip("/")
@@ -118,7 +118,7 @@ def _delegated(directory: str) -> bool:
 
 
 def _parent_dir(mount: _Mount, own_path: str | None) -> str:
-    own = _own_dir(mount, own_path)
+    own = own_dir(mount, own_path)
     if own is not None and own != mount.point and _delegated(own):
         return own
     if os.geteuid() == 0:
@@ -138,7 +138,7 @@ def _enable_v2_controllers(parent: str, base_name: str) -> None:
     holds the server itself, so the server's processes move into a leaf
     ``<parent>/<base_name>-server`` first, as systemd's delegation guide advises.
     """
-    available = set(_read(os.path.join(parent, "cgroup.controllers")).split())
+    available = set(read_file(os.path.join(parent, "cgroup.controllers")).split())
     missing = [c for c in RESOURCE_CONTROLLERS if c not in available]
     if missing:
         raise Unavailable(
@@ -147,7 +147,7 @@ def _enable_v2_controllers(parent: str, base_name: str) -> None:
     control = os.path.join(parent, "cgroup.subtree_control")
     wanted = " ".join(f"+{c}" for c in RESOURCE_CONTROLLERS)
     try:
-        _write_raw(control, wanted)
+        write_raw(control, wanted)
         return
     except OSError as exc:
         if exc.errno != errno.EBUSY:
@@ -160,23 +160,23 @@ def _enable_v2_controllers(parent: str, base_name: str) -> None:
     except OSError as exc:
         raise Unavailable(f"cannot create leaf cgroup {leaf} for the server: {exc.strerror}") from exc
     for _ in range(8):  # processes may fork while we move them; a few rounds settle it
-        pids = _procs(parent)
+        pids = procs(parent)
         if not pids:
             break
         for pid in pids:
             try:
-                _write_raw(os.path.join(leaf, "cgroup.procs"), str(pid))
+                write_raw(os.path.join(leaf, "cgroup.procs"), str(pid))
             except ProcessLookupError:
                 continue
             except OSError as exc:
                 raise Unavailable(f"cannot move pid {pid} into leaf cgroup {leaf}: {exc.strerror}") from exc
     try:
-        _write_raw(control, wanted)
+        write_raw(control, wanted)
     except OSError as exc:
         raise Unavailable(f"cannot enable controllers in {control}: {exc.strerror}") from exc
 
 
-def _discover(base_name: str, mounts: list[_Mount], own: dict[str, str], created: list[str]) -> tuple[Mode, _Roles]:
+def discover(base_name: str, mounts: list[_Mount], own: dict[str, str], created: list[str]) -> tuple[Mode, Roles]:
     """Pick a hierarchy per role and make the base groups, appending each new folder to ``created``."""
     v2_mount = next((m for m in mounts if m.fstype == "cgroup2"), None)
     v1_mounts: dict[str, _Mount] = {}
@@ -186,11 +186,11 @@ def _discover(base_name: str, mounts: list[_Mount], own: dict[str, str], created
                 v1_mounts.setdefault(controller, mount)
     v2_controllers: set[str] = set()
     if v2_mount is not None:
-        v2_controllers = set(_read(os.path.join(v2_mount.point, "cgroup.controllers")).split())
+        v2_controllers = set(read_file(os.path.join(v2_mount.point, "cgroup.controllers")).split())
     v2_has_all = all(c in v2_controllers for c in RESOURCE_CONTROLLERS)
-    built: dict[str, _Hierarchy] = {}  # mount point -> hierarchy
+    built: dict[str, Hierarchy] = {}  # mount point -> hierarchy
 
-    def hierarchy(mount: _Mount) -> _Hierarchy:
+    def hierarchy(mount: _Mount) -> Hierarchy:
         if mount.point in built:
             return built[mount.point]
         v2 = mount.fstype == "cgroup2"
@@ -210,13 +210,13 @@ def _discover(base_name: str, mounts: list[_Mount], own: dict[str, str], created
             raise Unavailable(f"cannot create cgroup {base}: {exc.strerror}; run as root or delegate it") from exc
         if v2 and v2_has_all:
             try:
-                _write_raw(os.path.join(base, "cgroup.subtree_control"), "+memory +pids +cpu")
+                write_raw(os.path.join(base, "cgroup.subtree_control"), "+memory +pids +cpu")
             except OSError as exc:
                 raise Unavailable(f"cannot enable controllers under {base}: {exc.strerror}") from exc
-        built[mount.point] = _Hierarchy(2 if v2 else 1, base)
+        built[mount.point] = Hierarchy(2 if v2 else 1, base)
         return built[mount.point]
 
-    def place(controller: str) -> _Hierarchy:
+    def place(controller: str) -> Hierarchy:
         if controller in v1_mounts:
             return hierarchy(v1_mounts[controller])
         if v2_mount is not None and controller in v2_controllers:
@@ -241,7 +241,7 @@ def _discover(base_name: str, mounts: list[_Mount], own: dict[str, str], created
         raise Unavailable("no cgroup freezer: needs Linux >= 5.2 with cgroup2, or the v1 freezer hierarchy")
     cgroup_kill = unified is not None and os.path.exists(os.path.join(unified.base, "cgroup.kill"))
     ordered = ([unified] if unified is not None else []) + [h for h in built.values() if h is not unified]
-    roles = _Roles(memory, pids, cpu, cpu_usage, freeze, unified, cgroup_kill, tuple(ordered))
+    roles = Roles(memory, pids, cpu, cpu_usage, freeze, unified, cgroup_kill, tuple(ordered))
     if all(h is unified for h in (memory, pids, cpu)):
         return "v2", roles
     return ("hybrid" if unified is not None else "v1"), roles

@@ -27,7 +27,7 @@ import os
 import re
 import shutil
 import stat
-import subprocess  # noqa: TID251 - this is a dangerous-layer module: `unshare` makes the user namespace
+import subprocess  # allowed in pyproject.toml: this is a dangerous-layer module: `unshare` makes the user namespace
 import time
 from pathlib import Path
 from typing import Final
@@ -57,7 +57,7 @@ _UMOUNT_NOFOLLOW: Final = 8
 
 _MAX_ID: Final = 2**32 - 2  # (uid_t)-1 is "no id"
 _PROBE_MAP: Final[IdRange] = (0, 65534, 1)
-_UNSHARE_ENV: Final = {"PATH": "/usr/bin:/bin"}
+UNSHARE_ENV: Final = {"PATH": "/usr/bin:/bin"}
 _NAMESPACE_WAIT_S: Final = 5.0
 _POLL_S: Final = 0.001
 _REAP_TIMEOUT_S: Final = 10.0
@@ -117,8 +117,8 @@ def user_namespace(uid_map: IdRange, gid_map: IdRange) -> int:
     """
     _check_range(uid_map)
     _check_range(gid_map)
-    unshare = shutil.which("unshare", path=_UNSHARE_ENV["PATH"])
-    sleep = shutil.which("sleep", path=_UNSHARE_ENV["PATH"])
+    unshare = shutil.which("unshare", path=UNSHARE_ENV["PATH"])
+    sleep = shutil.which("sleep", path=UNSHARE_ENV["PATH"])
     if unshare is None or sleep is None:
         raise Unavailable("unshare or sleep is not installed (util-linux, coreutils)")
     try:
@@ -127,7 +127,7 @@ def user_namespace(uid_map: IdRange, gid_map: IdRange) -> int:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
-            env=_UNSHARE_ENV,
+            env=UNSHARE_ENV,
         )
     except OSError as exc:
         raise Unavailable(f"cannot run unshare: {exc.strerror}") from None
@@ -286,10 +286,10 @@ def is_mounted(path: Path | str) -> bool:
     """Whether something is mounted at `path` (resolved), per this process's /proc/self/mountinfo."""
     wanted = os.path.realpath(path)
     with open("/proc/self/mountinfo", "rb") as info:
-        return any(_mount_point(line) == wanted for line in info)
+        return any(mount_point(line) == wanted for line in info)
 
 
-def _mount_point(line: bytes) -> str:
+def mount_point(line: bytes) -> str:
     # Field 5 per proc(5); space, tab, newline and backslash are octal escapes there.
     fields = line.split(b" ", 5)
     if len(fields) < 5:

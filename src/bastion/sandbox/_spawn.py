@@ -12,17 +12,19 @@ from __future__ import annotations
 import os
 import shutil
 import socket
-import subprocess  # noqa: TID251 - this is the dangerous layer
+import subprocess  # allowed in pyproject.toml: this is the dangerous layer
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import Final, TypeAlias
 
 from bastion.safety.errors import Unavailable
 from bastion.sandbox._devices import DEVICES, SCRATCH, SHM_SIZE_BYTES, TMP_SIZE_BYTES
 from bastion.sandbox.seccomp import write_filter_fd
 
+# The type of a started sandbox, so the layer above can hold one without importing subprocess.
+SandboxProcess: TypeAlias = subprocess.Popen[bytes]
 SANDBOX_WORKSPACE: Final = "/workspace"
 SANDBOX_PATH: Final = "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin"
 # The agent runs inside with no site-packages: Landlock's code travels with it, in front.
@@ -213,7 +215,7 @@ def build_bwrap_argv(
     return argv
 
 
-def start_sandbox(spec: SandboxSpec) -> tuple[subprocess.Popen[bytes], socket.socket]:
+def start_sandbox(spec: SandboxSpec) -> tuple[SandboxProcess, socket.socket]:
     """Start bwrap with the agent inside; return the process and the host's socket end."""
     seccomp_fd = write_filter_fd()
     data_fds: dict[str, int] = {}

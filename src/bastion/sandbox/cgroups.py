@@ -50,19 +50,19 @@ from bastion.sandbox._cgroupfs import MAX_FILE_BYTES as MAX_FILE_BYTES
 from bastion.sandbox._cgroupfs import POLL_SLICE_S as POLL_SLICE_S
 from bastion.sandbox._cgroupfs import V1_POLL_INTERVAL_S as V1_POLL_INTERVAL_S
 from bastion.sandbox._cgroupfs import (
-    _keyed,
-    _poll_until,
-    _procs,
-    _read,
-    _read_or_empty,
-    _wait_events,
-    _write,
-    _write_raw,
+    keyed,
+    poll_until,
+    procs,
+    read_file,
+    read_or_empty,
+    wait_events,
+    write_file,
+    write_raw,
 )
 from bastion.sandbox._hierarchies import DELEGATE_XATTRS as DELEGATE_XATTRS
 from bastion.sandbox._hierarchies import RESOURCE_CONTROLLERS as RESOURCE_CONTROLLERS
 from bastion.sandbox._hierarchies import V1_CONTROLLERS as V1_CONTROLLERS
-from bastion.sandbox._hierarchies import _discover, _Hierarchy, _parse_mountinfo, _parse_self_cgroup, _Roles
+from bastion.sandbox._hierarchies import Hierarchy, Roles, discover, parse_mountinfo, parse_self_cgroup
 
 CPU_PERIOD_US: Final = 100_000
 MIN_CPU_QUOTA_US: Final = 1_000  # the kernel refuses a cfs quota below 1 ms
@@ -113,7 +113,7 @@ def _validate_name(name: str, what: str) -> None:
 class CgroupLayout:
     """Where each controller lives on this host, and the base group of every sandbox. Detect once at start-up."""
 
-    def __init__(self, base_name: str, mode: Mode, roles: _Roles) -> None:
+    def __init__(self, base_name: str, mode: Mode, roles: Roles) -> None:
         self.base_name = base_name
         self.mode: Mode = mode
         self._roles = roles
@@ -134,14 +134,14 @@ class CgroupLayout:
         _validate_name(base_name, "cgroup base name")
         try:
             with open("/proc/self/mountinfo", encoding="utf-8") as f:
-                mounts = _parse_mountinfo(f.read())
+                mounts = parse_mountinfo(f.read())
             with open("/proc/self/cgroup", encoding="utf-8") as f:
-                own = _parse_self_cgroup(f.read())
+                own = parse_self_cgroup(f.read())
         except OSError as exc:
             raise Unavailable(f"cannot read /proc/self: {exc.strerror}; is /proc mounted?") from exc
         created: list[str] = []
         try:
-            mode, roles = _discover(base_name, mounts, own, created)
+            mode, roles = discover(base_name, mounts, own, created)
         except BaseException as exc:
             for path in reversed(created):  # leave no half-made layout behind
                 with contextlib.suppress(OSError):
@@ -244,7 +244,7 @@ class CgroupLayout:
 class SandboxCgroup:
     """One sandbox's group across every hierarchy. Obtained from `CgroupLayout.create` or `CgroupLayout.open`."""
 
-    def __init__(self, name: str, roles: _Roles) -> None:
+    def __init__(self, name: str, roles: Roles) -> None:
         self.name = name
         self._roles = roles
 
@@ -253,7 +253,7 @@ class SandboxCgroup:
         """The group's folder in each hierarchy, the v2 one first."""
         return tuple(h.group(self.name) for h in self._roles.all)
 
-    def _file(self, h: _Hierarchy, filename: str) -> str:
+    def _file(self, h: Hierarchy, filename: str) -> str:
         return os.path.join(h.group(self.name), filename)
 
     def attach(self, pid: int) -> None:
@@ -273,7 +273,7 @@ class SandboxCgroup:
         for h in self._roles.all:
             path = self._file(h, "cgroup.procs")
             try:
-                _write_raw(path, str(pid))
+                write_raw(path, str(pid))
             except ProcessLookupError as exc:
                 raise NotFound(f"process {pid} is gone: it cannot join cgroup {self.name}") from exc
             except FileNotFoundError as exc:
@@ -292,70 +292,70 @@ class SandboxCgroup:
         if limits.cpu_cores is not None:
             quota = max(MIN_CPU_QUOTA_US, round(limits.cpu_cores * CPU_PERIOD_US))
         if r.memory.version == 2:
-            _write(
+            write_file(
                 self._file(r.memory, "memory.max"), "max" if limits.memory_bytes is None else str(limits.memory_bytes)
             )
             swap = self._file(r.memory, "memory.swap.max")
             if os.path.exists(swap):
-                _write(swap, "0")
+                write_file(swap, "0")
         else:
-            _write(self._file(r.memory, "memory.limit_in_bytes"), str(limits.memory_bytes or -1))
+            write_file(self._file(r.memory, "memory.limit_in_bytes"), str(limits.memory_bytes or -1))
             # v1: swappiness 0 keeps the group's anonymous memory in RAM; best-effort, some kernels refuse it.
             with contextlib.suppress(OSError):
-                _write_raw(self._file(r.memory, "memory.swappiness"), "0")
-        _write(self._file(r.pids, "pids.max"), "max" if limits.pids is None else str(limits.pids))
+                write_raw(self._file(r.memory, "memory.swappiness"), "0")
+        write_file(self._file(r.pids, "pids.max"), "max" if limits.pids is None else str(limits.pids))
         if r.cpu.version == 2:
-            _write(self._file(r.cpu, "cpu.max"), f"{'max' if quota is None else quota} {CPU_PERIOD_US}")
+            write_file(self._file(r.cpu, "cpu.max"), f"{'max' if quota is None else quota} {CPU_PERIOD_US}")
         else:
-            _write(self._file(r.cpu, "cpu.cfs_period_us"), str(CPU_PERIOD_US))
-            _write(self._file(r.cpu, "cpu.cfs_quota_us"), str(-1 if quota is None else quota))
+            write_file(self._file(r.cpu, "cpu.cfs_period_us"), str(CPU_PERIOD_US))
+            write_file(self._file(r.cpu, "cpu.cfs_quota_us"), str(-1 if quota is None else quota))
 
     def usage(self) -> Usage:
         """Current memory (bytes, page cache included), task count, cumulative CPU time (µs), and frozen state."""
         r = self._roles
         if r.memory.version == 2:
-            memory = int(_read(self._file(r.memory, "memory.current")))
+            memory = int(read_file(self._file(r.memory, "memory.current")))
         else:
-            memory = int(_read(self._file(r.memory, "memory.usage_in_bytes")))
-        pids = int(_read(self._file(r.pids, "pids.current")))
+            memory = int(read_file(self._file(r.memory, "memory.usage_in_bytes")))
+        pids = int(read_file(self._file(r.pids, "pids.current")))
         if r.cpu_usage.version == 2:
-            cpu_usec = _keyed(_read(self._file(r.cpu_usage, "cpu.stat"))).get("usage_usec", 0)
+            cpu_usec = keyed(read_file(self._file(r.cpu_usage, "cpu.stat"))).get("usage_usec", 0)
         else:
-            cpu_usec = int(_read(self._file(r.cpu_usage, "cpuacct.usage"))) // 1000  # ns
+            cpu_usec = int(read_file(self._file(r.cpu_usage, "cpuacct.usage"))) // 1000  # ns
         return Usage(memory, pids, cpu_usec, self._frozen())
 
     def oom_kills(self) -> int:
         """How many processes the kernel's OOM killer ended in this group (memory limit hit)."""
         r = self._roles
         name = "memory.events" if r.memory.version == 2 else "memory.oom_control"
-        return _keyed(_read(self._file(r.memory, name))).get("oom_kill", 0)
+        return keyed(read_file(self._file(r.memory, name))).get("oom_kill", 0)
 
     def shmem_bytes(self) -> int:
         """Memory of the group held by files in tmpfs (its /tmp and /dev/shm) and shared memory."""
-        return _keyed(_read(self._file(self._roles.memory, "memory.stat"))).get("shmem", 0)
+        return keyed(read_file(self._file(self._roles.memory, "memory.stat"))).get("shmem", 0)
 
     def pids(self) -> list[int]:
         """Every process in the group, in any hierarchy."""
         found: set[int] = set()
         for h in self._roles.all:
-            found.update(_procs(h.group(self.name)))
+            found.update(procs(h.group(self.name)))
         return sorted(found)
 
     def _frozen(self) -> bool:
         h = self._roles.freeze
         if h.version == 2:
-            return _keyed(_read(self._file(h, "cgroup.events"))).get("frozen") == 1
-        return _read(self._file(h, "freezer.state")).strip() == "FROZEN"
+            return keyed(read_file(self._file(h, "cgroup.events"))).get("frozen") == 1
+        return read_file(self._file(h, "freezer.state")).strip() == "FROZEN"
 
     def _set_frozen(self, frozen: bool) -> None:
         h = self._roles.freeze
         if h.version == 2:
-            _write(self._file(h, "cgroup.freeze"), "1" if frozen else "0")
-            done = _wait_events(h.group(self.name), "frozen", 1 if frozen else 0, FREEZE_WAIT_S)
+            write_file(self._file(h, "cgroup.freeze"), "1" if frozen else "0")
+            done = wait_events(h.group(self.name), "frozen", 1 if frozen else 0, FREEZE_WAIT_S)
         else:
             want = "FROZEN" if frozen else "THAWED"
-            _write(self._file(h, "freezer.state"), want)
-            done = _poll_until(lambda: _read(self._file(h, "freezer.state")).strip() == want, FREEZE_WAIT_S)
+            write_file(self._file(h, "freezer.state"), want)
+            done = poll_until(lambda: read_file(self._file(h, "freezer.state")).strip() == want, FREEZE_WAIT_S)
         if not done:
             verb = "freeze" if frozen else "thaw"
             raise Timeout(
@@ -376,16 +376,16 @@ class SandboxCgroup:
 
     def _empty(self) -> bool:
         unified = self._roles.unified
-        if unified is not None and _keyed(_read_or_empty(self._file(unified, "cgroup.events"))).get("populated", 0):
+        if unified is not None and keyed(read_or_empty(self._file(unified, "cgroup.events"))).get("populated", 0):
             return False
-        return not any(_procs(h.group(self.name)) for h in self._roles.all if h.version == 1)
+        return not any(procs(h.group(self.name)) for h in self._roles.all if h.version == 1)
 
     def _wait_empty(self, timeout_s: float) -> bool:
         unified = self._roles.unified
         deadline = time.monotonic() + timeout_s
-        if unified is not None and not _wait_events(unified.group(self.name), "populated", 0, timeout_s):
+        if unified is not None and not wait_events(unified.group(self.name), "populated", 0, timeout_s):
             return False
-        return _poll_until(self._empty, max(0.0, deadline - time.monotonic()))
+        return poll_until(self._empty, max(0.0, deadline - time.monotonic()))
 
     def _kill_each(self) -> None:
         """Freeze, SIGKILL each pid, thaw: frozen processes cannot fork or exit, so no pid is missed or reused."""
@@ -409,7 +409,7 @@ class SandboxCgroup:
         r = self._roles
         if r.cgroup_kill and r.unified is not None:
             with contextlib.suppress(NotFound):  # half-created: the fallback below still runs
-                _write(self._file(r.unified, "cgroup.kill"), "1")
+                write_file(self._file(r.unified, "cgroup.kill"), "1")
             if self._wait_empty(KILL_WAIT_S / 2):
                 return
         self._kill_each()

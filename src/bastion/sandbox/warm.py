@@ -22,14 +22,13 @@ import marshal
 import os
 import select
 import socket
-import subprocess  # noqa: TID251 - only the Popen type; _spawn starts it
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Final
 
 from bastion.safety.errors import BastionError, Conflict, ResourceLimit, Unavailable
-from bastion.sandbox._spawn import SandboxSpec, start_sandbox
+from bastion.sandbox._spawn import SandboxProcess, SandboxSpec, start_sandbox
 from bastion.sandbox.backend import Backend, Process, Sandbox
 from bastion.sandbox.backend import RunOutcome as RunOutcome
 from bastion.sandbox.cgroups import CgroupLayout, Limits, SandboxCgroup, Usage
@@ -93,7 +92,7 @@ def _wait_exited(pidfds: list[int], timeout_s: float) -> None:
             os.close(fd)
 
 
-def _scratch_is_empty(proc: subprocess.Popen[bytes] | None) -> bool:
+def _scratch_is_empty(proc: SandboxProcess | None) -> bool:
     """Whether bwrap's own /tmp and /dev/shm (tmpfs in the sandbox's mount namespace) hold nothing."""
     if proc is None:
         return True
@@ -129,7 +128,7 @@ class WarmSandbox:
         self._limits = limits
         self._group: SandboxCgroup | None = None
         self._paused = False
-        self._proc: subprocess.Popen[bytes] | None = None
+        self._proc: SandboxProcess | None = None
         self._sock: socket.socket | None = None
         self._waiters: dict[int, asyncio.Future[int]] = {}  # by command id, until it exits
         self._background: dict[int, BackgroundProcess] = {}  # by command id, until it exits
@@ -229,7 +228,7 @@ class WarmSandbox:
         loop.add_reader(sock.fileno(), self._on_message)
 
     @staticmethod
-    def _stderr_tail(proc: subprocess.Popen[bytes]) -> str:
+    def _stderr_tail(proc: SandboxProcess) -> str:
         proc.kill()
         lines = (proc.communicate()[1] or b"").decode(errors="replace").strip().splitlines()
         return lines[-1] if lines else ""
@@ -283,7 +282,7 @@ class WarmSandbox:
         self._group = None
         self._paused = False
 
-    def _reap_soon(self, proc: subprocess.Popen[bytes] | None, group: SandboxCgroup | None) -> None:
+    def _reap_soon(self, proc: SandboxProcess | None, group: SandboxCgroup | None) -> None:
         """End bwrap and remove the cgroup, in a worker thread when the event loop runs: the waits
         (bwrap's exit, the group emptying, a tmpfs of many files freed) take up to seconds, and no
         other sandbox's call may wait for them. Without a loop (server shutdown) it waits here."""
@@ -566,7 +565,7 @@ def _exit_message(data: bytes) -> tuple[int, int] | None:
         raise ValueError(str(exc)) from None
 
 
-def _reap(proc: subprocess.Popen[bytes] | None, group: SandboxCgroup | None, workspace: str) -> None:
+def _reap(proc: SandboxProcess | None, group: SandboxCgroup | None, workspace: str) -> None:
     """Kill and wait for bwrap (its PID namespace dies with it), then remove the cgroup. Blocking."""
     if proc is not None:
         # bwrap's child is PID 1 of the sandbox's namespace: the kernel reports its exit only once

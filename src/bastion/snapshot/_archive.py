@@ -1,6 +1,6 @@
 """Writing a workspace into a snapshot archive, never following a symlink. THIS MODULE IS A SECURITY BOUNDARY.
 
-`bastion.snapshot.store.create_snapshot` calls `_write_archive`. The workspace was written
+`bastion.snapshot.store.create_snapshot` calls `write_archive`. The workspace was written
 by the agent, which may be changing the tree at the same time:
 
 - Nothing is followed. Every folder is opened with ``O_DIRECTORY | O_NOFOLLOW`` relative to
@@ -18,7 +18,7 @@ by the agent, which may be changing the tree at the same time:
   which writes ``1e-05``), held within the restore's bound.
 - Size, entry count and depth are bounded (`MAX_SNAPSHOT_BYTES`, `MAX_ENTRIES`, `MAX_DEPTH`,
   the same bounds `bastion.snapshot._extract` enforces on a restore); so is the archive
-  written (`_Budget`: what the snapshot caps and the state filesystem's reserve leave), checked
+  written (`Budget`: what the snapshot caps and the state filesystem's reserve leave), checked
   as it is written, so a snapshot stops at its bound instead of filling the disk.
 - A file with holes (``SEEK_DATA``/``SEEK_HOLE``) is stored as a GNU sparse 1.0 member (the
   form GNU tar and `tarfile` read): only its data is read and stored. Past
@@ -53,15 +53,15 @@ from bastion.safety.paths import name_problem
 
 # The bounds and the symlink rule are the extractor's: a snapshot never holds what a restore refuses.
 from bastion.snapshot._extract import (
-    _CHUNK_BYTES,
-    _DIR_FLAGS,
-    _KEPT_MODE_BITS,
-    _MAX_PATH_BYTES,
-    _MTIME_LIMIT_S,
+    CHUNK_BYTES,
+    DIR_FLAGS,
+    KEPT_MODE_BITS,
     MAX_DEPTH,
     MAX_ENTRIES,
+    MAX_PATH_BYTES,
     MAX_SNAPSHOT_BYTES,
-    _link_problem,
+    MTIME_LIMIT_S,
+    link_problem,
 )
 from bastion.snapshot._space import SpaceGuard
 from bastion.snapshot._tarread import MAX_SPARSE_SEGMENTS, MAX_SPARSE_SEGMENTS_TOTAL
@@ -70,7 +70,7 @@ GZIP_LEVEL: Final = 6
 
 _RETRIES: Final = 8
 # A time the restore takes (`bastion.snapshot._extract` refuses beyond 2**40 s): a later one is stored as this.
-_MTIME_LIMIT_NS: Final = int(_MTIME_LIMIT_S) * 1_000_000_000
+_MTIME_LIMIT_NS: Final = int(MTIME_LIMIT_S) * 1_000_000_000
 _READ_FLAGS: Final = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 
 
@@ -85,7 +85,7 @@ class _Tally:
 
 
 @dataclass(frozen=True, slots=True)
-class _Budget:
+class Budget:
     """How much archive may be written: `limit` bytes (the message says which bound it is), and the reserve."""
 
     limit: int
@@ -96,7 +96,7 @@ class _Budget:
 class _HashingSink:
     """The file the gzip stream is written to, hashed and counted on the way; refused past the budget."""
 
-    def __init__(self, raw: BinaryIO, budget: _Budget) -> None:
+    def __init__(self, raw: BinaryIO, budget: Budget) -> None:
         self._raw = raw
         self._budget = budget
         self.hash = hashlib.sha256()
@@ -137,7 +137,7 @@ class _ExactReader:
         want = self._left if size < 0 else min(size, self._left)
         chunks: list[bytes] = []
         while want > 0:
-            chunk = os.read(self._fd, min(want, _CHUNK_BYTES))
+            chunk = os.read(self._fd, min(want, CHUNK_BYTES))
             if not chunk:
                 raise OperationFailed(
                     f"'{self._rel}' shrank while it was archived: try again when it is not being written"
@@ -148,13 +148,13 @@ class _ExactReader:
         return b"".join(chunks)
 
 
-def _write_archive(root_fd: int, dir_fd: int, name: str, budget: _Budget) -> tuple[_Tally, str, int]:
+def write_archive(root_fd: int, dir_fd: int, name: str, budget: Budget) -> tuple[_Tally, str, int]:
     fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
     with open(fd, "wb") as raw:
         sink = _HashingSink(raw, budget)
         # mtime=0 in the gzip header: the same tree gives the same archive bytes.
         with gzip.GzipFile(fileobj=sink, mode="wb", compresslevel=GZIP_LEVEL, mtime=0) as stream:
-            archiver = _Archiver(stream)
+            archiver = Archiver(stream)
             archiver.add_tree(root_fd, "", 0)
             archiver.finish()
         raw.flush()
@@ -162,7 +162,7 @@ def _write_archive(root_fd: int, dir_fd: int, name: str, budget: _Budget) -> tup
     return archiver.tally, sink.hash.hexdigest(), sink.size
 
 
-class _Archiver:
+class Archiver:
     """Walks a hostile tree by fds and writes PAX tar members (`tarfile.TarInfo.tobuf`) to a stream."""
 
     def __init__(self, stream: gzip.GzipFile) -> None:
@@ -177,7 +177,7 @@ class _Archiver:
                     raise ResourceLimit(f"the workspace has more than {MAX_ENTRIES} entries: delete some first")
                 names.append(entry.name)
         for name in sorted(names):
-            too_long = len((prefix + name).encode("utf-8", "surrogateescape")) > _MAX_PATH_BYTES
+            too_long = len((prefix + name).encode("utf-8", "surrogateescape")) > MAX_PATH_BYTES
             if too_long or name_problem(name) is not None:
                 self.tally.skipped += 1
                 continue
@@ -216,7 +216,7 @@ class _Archiver:
             if exc.errno == errno.EINVAL:
                 return False
             raise
-        if _link_problem(target) is not None:
+        if link_problem(target) is not None:
             self.tally.skipped += 1
             return True
         member = self._member(rel, tarfile.SYMTYPE, 0o777, seen.st_mtime_ns)
@@ -228,7 +228,7 @@ class _Archiver:
         if depth >= MAX_DEPTH:
             raise ResourceLimit(f"the workspace is nested more than {MAX_DEPTH} folders deep at '{rel}': flatten it")
         try:
-            fd = os.open(name, _DIR_FLAGS | os.O_NONBLOCK, dir_fd=dir_fd)
+            fd = os.open(name, DIR_FLAGS | os.O_NONBLOCK, dir_fd=dir_fd)
         except FileNotFoundError:
             return True
         except OSError as exc:
@@ -344,7 +344,7 @@ class _Archiver:
     def _copy(self, fd: int, offset: int, size: int, rel: str, *, pad: bool = True) -> None:
         os.lseek(fd, offset, os.SEEK_SET)  # SEEK_DATA and SEEK_HOLE moved it
         reader = _ExactReader(fd, size, rel)
-        while chunk := reader.read(_CHUNK_BYTES):
+        while chunk := reader.read(CHUNK_BYTES):
             self._stream.write(chunk)
         if pad:
             self._pad(size)
@@ -360,7 +360,7 @@ class _Archiver:
             raise ResourceLimit(f"the workspace has more than {MAX_ENTRIES} entries: delete some first")
         member = tarfile.TarInfo(rel)
         member.type = kind
-        member.mode = mode & _KEPT_MODE_BITS
+        member.mode = mode & KEPT_MODE_BITS
         mtime_ns = max(-_MTIME_LIMIT_NS, min(mtime_ns, _MTIME_LIMIT_NS))
         seconds, fraction = divmod(mtime_ns, 1_000_000_000)
         member.mtime = seconds  # tarfile writes whole seconds right; a fraction goes in our own PAX record

@@ -1,7 +1,7 @@
 """Extracting a snapshot archive into an empty folder, never writing outside it. THIS MODULE IS A SECURITY BOUNDARY.
 
 `bastion.snapshot.store.restore_snapshot` checks the archive's sha256 against its record,
-then calls `_extract` on the same open fd. The archive is treated as hostile even though this
+then calls `extract` on the same open fd. The archive is treated as hostile even though this
 server wrote it:
 
 - `tarfile.TarFile.extractall` is not used. Member names must be relative, without ``..``,
@@ -67,22 +67,22 @@ MAX_SNAPSHOT_BYTES: Final = 2 * 1024**3
 MAX_ENTRIES: Final = 200_000
 MAX_DEPTH: Final = 128
 # setuid and setgid are never restored.
-_KEPT_MODE_BITS: Final = 0o7777 & ~(stat.S_ISUID | stat.S_ISGID)
-_MAX_PATH_BYTES: Final = 4096
+KEPT_MODE_BITS: Final = 0o7777 & ~(stat.S_ISUID | stat.S_ISGID)
+MAX_PATH_BYTES: Final = 4096
 _MAX_LINK_BYTES: Final = 4095
 # The decompressed tar stream holds content plus, per member, a header, a PAX header with
 # path, linkpath and mtime, and padding, plus the sparse maps; the slack covers the end
 # blocks. Together they bound the decompression work a hostile archive can cause.
-_STREAM_BYTES_PER_ENTRY: Final = 5 * tarfile.BLOCKSIZE + 2 * _MAX_PATH_BYTES
+_STREAM_BYTES_PER_ENTRY: Final = 5 * tarfile.BLOCKSIZE + 2 * MAX_PATH_BYTES
 _STREAM_SLACK_BYTES: Final = 1 << 20
-_MTIME_LIMIT_S: Final = 2.0**40
-_CHUNK_BYTES: Final = 1 << 20
+MTIME_LIMIT_S: Final = 2.0**40
+CHUNK_BYTES: Final = 1 << 20
 _HOLE_BYTES: Final = 4096  # the block size of ext4 and tmpfs: a block of zeros is left a hole
 _ZERO_HOLE: Final = bytes(_HOLE_BYTES)
-_ZERO_CHUNK: Final = bytes(_CHUNK_BYTES)
+_ZERO_CHUNK: Final = bytes(CHUNK_BYTES)
 _IMPLICIT_DIR_MODE: Final = 0o755
 
-_DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _CREATE_FLAGS: Final = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC
 
 _Kind = Literal["file", "dir", "symlink"]
@@ -109,7 +109,7 @@ def _stream_limit() -> int:
     return MAX_SNAPSHOT_BYTES + MAX_ENTRIES * _STREAM_BYTES_PER_ENTRY + sparse_maps + _STREAM_SLACK_BYTES
 
 
-def _extract(
+def extract(
     raw: BinaryIO,
     target_fd: int,
     info: SnapshotInfo,
@@ -140,7 +140,7 @@ class _HoleWriter:
         self._guard = guard
 
     def write(self, offset: int, data: bytes) -> None:
-        if len(data) == _CHUNK_BYTES and data == _ZERO_CHUNK:
+        if len(data) == CHUNK_BYTES and data == _ZERO_CHUNK:
             return
         start: int | None = None  # where the run of non-zero blocks being gathered begins
         for position in range(0, len(data), _HOLE_BYTES):
@@ -190,9 +190,9 @@ class _Extractor:
         name = parts[-1]
         if kind == "dir":
             self._make_dir(parent_fd, name, member.name)
-            self._dirs[parts] = (member.mode & _KEPT_MODE_BITS, mtime)
+            self._dirs[parts] = (member.mode & KEPT_MODE_BITS, mtime)
         elif kind == "symlink":
-            problem = _link_problem(member.linkname)
+            problem = link_problem(member.linkname)
             if problem is not None:
                 raise InvalidRequest(f"the symlink '{member.name}' in the snapshot {problem}: it cannot be restored")
             try:
@@ -255,7 +255,7 @@ class _Extractor:
                     offset += len(chunk)
             # The size, past a final hole that was never written.
             os.ftruncate(fd, size)
-            os.fchmod(fd, member.mode & _KEPT_MODE_BITS)
+            os.fchmod(fd, member.mode & KEPT_MODE_BITS)
             os.utime(fd, times=(mtime, mtime))
         finally:
             os.close(fd)
@@ -288,7 +288,7 @@ class _Extractor:
 
     def _open_dir(self, parent_fd: int, name: str, rel: str, prefix: str) -> int:
         try:
-            return os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+            return os.open(name, DIR_FLAGS, dir_fd=parent_fd)
         except OSError as exc:
             # O_DIRECTORY | O_NOFOLLOW on a symlink fails with ENOTDIR or ELOOP: look at what is there.
             if exc.errno in (errno.ELOOP, errno.ENOTDIR) and _is_symlink(parent_fd, name):
@@ -302,7 +302,7 @@ class _Extractor:
             raise
 
     def _open_path(self, parts: tuple[str, ...]) -> int:
-        fd = os.open(".", _DIR_FLAGS, dir_fd=self._root_fd)
+        fd = os.open(".", DIR_FLAGS, dir_fd=self._root_fd)
         try:
             for index, part in enumerate(parts):
                 following = self._open_dir(fd, part, "/".join(parts), "/".join(parts[: index + 1]))
@@ -337,8 +337,8 @@ def _member_parts(name: str) -> tuple[str, ...]:
     parts = tuple(name.split("/"))
     if ".." in parts:
         raise PathEscape(f"snapshot member {name!r} climbs out with '..': the snapshot is refused")
-    if len(name.encode("utf-8", "surrogatepass")) > _MAX_PATH_BYTES:
-        raise InvalidRequest(f"a snapshot member name is over {_MAX_PATH_BYTES} bytes: the snapshot is refused")
+    if len(name.encode("utf-8", "surrogatepass")) > MAX_PATH_BYTES:
+        raise InvalidRequest(f"a snapshot member name is over {MAX_PATH_BYTES} bytes: the snapshot is refused")
     if len(parts) > MAX_DEPTH + 1:
         raise ResourceLimit(f"snapshot member {name!r} is nested over {MAX_DEPTH} folders deep: it cannot be restored")
     for part in parts:
@@ -368,12 +368,12 @@ def _member_kind(member: Member) -> _Kind:
 
 def _member_mtime(member: Member) -> float:
     mtime = float(member.mtime)
-    if not math.isfinite(mtime) or abs(mtime) > _MTIME_LIMIT_S:
+    if not math.isfinite(mtime) or abs(mtime) > MTIME_LIMIT_S:
         raise OperationFailed(f"snapshot member {member.name!r} has an impossible mtime: the snapshot is corrupt")
     return mtime
 
 
-def _link_problem(target: str) -> str | None:
+def link_problem(target: str) -> str | None:
     """Why a symlink target cannot be stored; its text is otherwise kept verbatim."""
     if not target:
         return "is empty"

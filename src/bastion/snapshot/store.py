@@ -54,8 +54,8 @@ from bastion.safety.paths import unsafe_char
 # The ``X as X`` imports re-export public bounds defined, and read, where they are enforced:
 # patch them in `_archive` or `_extract`, not here.
 from bastion.snapshot._archive import GZIP_LEVEL as GZIP_LEVEL
-from bastion.snapshot._archive import _Budget, _write_archive
-from bastion.snapshot._extract import _DIR_FLAGS, _extract
+from bastion.snapshot._archive import Budget, write_archive
+from bastion.snapshot._extract import DIR_FLAGS, extract
 from bastion.snapshot._extract import MAX_DEPTH as MAX_DEPTH
 from bastion.snapshot._extract import MAX_ENTRIES as MAX_ENTRIES
 from bastion.snapshot._extract import MAX_SNAPSHOT_BYTES as MAX_SNAPSHOT_BYTES
@@ -158,20 +158,20 @@ def create_snapshot(
             f"snapshot folder {archive_dir} is inside workspace {workspace}: keep snapshots outside the workspace"
         )
     try:
-        root_fd = os.open(workspace, _DIR_FLAGS)
+        root_fd = os.open(workspace, DIR_FLAGS)
     except OSError as exc:
         raise NotFound(f"workspace {workspace} is not an existing folder: check the sandbox id") from exc
     created: list[str] = []
     try:
         archive_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        dir_fd = os.open(archive_dir, _DIR_FLAGS)
+        dir_fd = os.open(archive_dir, DIR_FLAGS)
         try:
             with _WRITING:
                 budget = _budget(dir_fd, limits or SnapshotLimits(), extra.get("sandbox_id"))
                 snapshot_id = _new_id(dir_fd)
                 archive_tmp = f".tmp-{snapshot_id}.tar.gz"
                 created.append(archive_tmp)
-                tally, digest, archive_bytes = _write_archive(root_fd, dir_fd, archive_tmp, budget)
+                tally, digest, archive_bytes = write_archive(root_fd, dir_fd, archive_tmp, budget)
                 info = SnapshotInfo(
                     id=snapshot_id,
                     label=label,
@@ -213,7 +213,7 @@ def create_snapshot(
     return info
 
 
-def _budget(dir_fd: int, limits: SnapshotLimits, source: str | None) -> _Budget:
+def _budget(dir_fd: int, limits: SnapshotLimits, source: str | None) -> Budget:
     """How much archive the next snapshot may write, refusing it now if the answer is nothing.
 
     Raises:
@@ -256,7 +256,7 @@ def _budget(dir_fd: int, limits: SnapshotLimits, source: str | None) -> _Budget:
     room, why = min(rooms)
     if room <= 0:
         raise ResourceLimit(f"snapshot refused: {why}: {how}")
-    return _Budget(room, f"snapshot refused: {why}: delete snapshots with delete_snapshot, or files first", guard)
+    return Budget(room, f"snapshot refused: {why}: delete snapshots with delete_snapshot, or files first", guard)
 
 
 def restore_snapshot(
@@ -306,7 +306,7 @@ def restore_snapshot(
                 if hashlib.file_digest(raw, "sha256").hexdigest() != info.sha256 or raw.tell() != info.archive_bytes:
                     raise OperationFailed(f"snapshot {snapshot_id} is corrupt: delete it and take a new one")
                 raw.seek(0)
-                _extract(raw, target_fd, info, owner, guard)
+                extract(raw, target_fd, info, owner, guard)
         except OSError as exc:
             if exc.errno in _FULL_ERRNOS:
                 raise ResourceLimit(
@@ -350,7 +350,7 @@ def list_snapshots(archive_dir: Path) -> list[SnapshotInfo]:
         BastionError: OperationFailed when the folder cannot be read.
     """
     try:
-        dir_fd = os.open(archive_dir, _DIR_FLAGS)
+        dir_fd = os.open(archive_dir, DIR_FLAGS)
     except FileNotFoundError:
         return []
     except OSError as exc:
@@ -367,7 +367,7 @@ def remove_leftovers(archive_dir: Path) -> int:
     Call it when no snapshot is being written (at start-up). Returns how many files went.
     """
     try:
-        dir_fd = os.open(archive_dir, _DIR_FLAGS)
+        dir_fd = os.open(archive_dir, DIR_FLAGS)
     except OSError:
         return 0
     removed = 0
@@ -449,7 +449,7 @@ def _new_id(dir_fd: int) -> str:
 
 def _open_archive_dir(archive_dir: Path) -> int:
     try:
-        return os.open(archive_dir, _DIR_FLAGS)
+        return os.open(archive_dir, DIR_FLAGS)
     except FileNotFoundError as exc:
         raise NotFound(f"snapshot folder {archive_dir} does not exist: take a snapshot first") from exc
     except OSError as exc:
@@ -458,7 +458,7 @@ def _open_archive_dir(archive_dir: Path) -> int:
 
 def _open_empty_target(target: Path) -> int:
     try:
-        fd = os.open(target, _DIR_FLAGS)
+        fd = os.open(target, DIR_FLAGS)
     except FileNotFoundError as exc:
         raise Conflict(f"restore target {target} does not exist: create an empty folder first") from exc
     except OSError as exc:

@@ -29,7 +29,7 @@ from typing import Any, Final
 from bastion.safety.errors import Conflict, InvalidRequest, NotFound, ResourceLimit, Unavailable
 from bastion.safety.output import OutputCleaner
 from bastion.safety.redact import Redactor
-from bastion.sandbox._spawn import SANDBOX_PATH, SANDBOX_WORKSPACE
+from bastion.sandbox import SANDBOX_PATH, SANDBOX_WORKSPACE
 from bastion.sandbox.backend import Process
 from bastion.sandbox.processes import RingCapture
 from bastion.workbench.workspace import OWN_VENV, SYSTEM_PYTHON, CommandOutput, HostWorkspace

@@ -52,10 +52,8 @@ from bastion.safety.errors import (
     Unavailable,
 )
 from bastion.safety.redact import Redactor
-from bastion.sandbox import backend
-from bastion.sandbox._devices import DeviceFolder
+from bastion.sandbox import DeviceFolder, SandboxSpec, backend
 from bastion.sandbox._disk import drop_disk, make_disk, mount_disk, mount_tmpfs, used_bytes
-from bastion.sandbox._spawn import SandboxSpec
 from bastion.sandbox.cgroups import CgroupLayout, Limits
 from bastion.sandbox.identity import HostIdentity, IdentityPool
 from bastion.sandbox.warm import BubblewrapBackend
@@ -826,9 +824,9 @@ def _is_own_temp_net_dir(path: Path) -> bool:
 def _remove_tree(root: Path) -> None:
     # shutil.rmtree walks with directory fds and never follows a symlink on Linux
     # (rmtree.avoids_symlink_attacks), so an agent's symlink cannot redirect it.
-    if not shutil.rmtree.avoids_symlink_attacks:  # noqa: TID251 - see above
+    if not shutil.rmtree.avoids_symlink_attacks:  # allowed in pyproject.toml: see above
         raise OSError("this platform's rmtree can follow symlinks: refusing to delete sandbox files")
-    shutil.rmtree(root, ignore_errors=True)  # noqa: TID251 - fd-based, symlink-safe, on the state dir only
+    shutil.rmtree(root, ignore_errors=True)  # allowed in pyproject.toml: fd-based, symlink-safe, on the state dir only
 
 
 def _disk_bytes(workspace: Path) -> int:

@@ -20,7 +20,7 @@ from typing import Final
 from bastion.config import AllowRule
 from bastion.egress.proxy import EgressService
 from bastion.safety.errors import Unavailable
-from bastion.sandbox._spawn import sandbox_python
+from bastion.sandbox import sandbox_python
 from bastion.sandbox.backend import Process
 from bastion.workbench.workspace import HostWorkspace
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Final, Protocol
 
 from bastion.safety.errors import NotFound, OperationFailed, PathEscape
 from bastion.safety.requirements import Manager, check_requirement
-from bastion.sandbox._spawn import SANDBOX_PATH
+from bastion.sandbox import SANDBOX_PATH
 from bastion.workbench.workspace import OWN_VENV, SYSTEM_PYTHON
 
 if TYPE_CHECKING:

@@ -30,9 +30,16 @@ from bastion.safety.errors import (
 from bastion.safety.output import clean_output
 from bastion.safety.paths import MAX_READ_BYTES, MAX_SCAN_ENTRIES, Jail, privileged_file
 from bastion.safety.redact import SLICE_CONTEXT_BYTES, Redactor, sanitize_terminal
-from bastion.sandbox._devices import DeviceFolder
-from bastion.sandbox._idmap import idmap_supported, idmapped_mount, is_mounted, unmount
-from bastion.sandbox._spawn import SANDBOX_PATH, SANDBOX_WORKSPACE, SandboxSpec
+from bastion.sandbox import (
+    SANDBOX_PATH,
+    SANDBOX_WORKSPACE,
+    DeviceFolder,
+    SandboxSpec,
+    idmap_supported,
+    idmapped_mount,
+    is_mounted,
+    unmount,
+)
 from bastion.sandbox.backend import RunOutcome, Sandbox
 from bastion.sandbox.cgroups import CgroupLayout, Limits
 from bastion.sandbox.identity import HostIdentity, IdentityPool

@@ -134,7 +134,7 @@ def _landlock_fs_rights(abi: int) -> int:
     return rights
 
 
-def _landlock_missing(abi: int) -> list[str]:
+def landlock_missing(abi: int) -> list[str]:
     missing: list[str] = []
     if abi < 2:
         missing.append("renames and links across directories are always refused (ABI 2 adds refer)")
@@ -233,6 +233,6 @@ def restrict(write_dirs: list[str], *, read_all: bool = True) -> dict[str, objec
     finally:
         os.close(ruleset_fd)
 
-    missing = _landlock_missing(abi)
+    missing = landlock_missing(abi)
     warning = f"landlock ABI {abi}: " + "; ".join(missing) if missing else None
     return {"abi": abi, "applied": True, "scoped": bool(scoped), "warning": warning}

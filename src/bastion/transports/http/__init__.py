@@ -5,3 +5,6 @@ flow (authorize, login, consent), endpoints (token, revoke, register, metadata),
 tool filtering), pages and admin_pages (HTML), password (argon2id), ratelimit, redirects, admin_cli.
 Nothing is imported here, so `bastion admin ...` starts without loading the web stack.
 """
+
+# Nothing is exported here: other packages import from the public modules.
+__all__: list[str] = []

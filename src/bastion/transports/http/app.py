@@ -44,7 +44,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from bastion.app import Services
 from bastion.config import Config
 from bastion.safety.errors import ConfigError
-from bastion.tools._call import CallRunner
+from bastion.tools import CallRunner
 from bastion.tools.server import SCOPES, BastionServer
 from bastion.transports.http.admin_pages import AdminPages
 from bastion.transports.http.endpoints import (
