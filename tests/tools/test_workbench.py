@@ -39,7 +39,7 @@ async def test_upload_into_a_sandbox_arrives_byte_for_byte(client: Client) -> No
     done = await call(client, "upload_file", path="in/data.bin", content_base64=b64(PAYLOAD), sandbox_id=box)
     assert done["ok"], done
     detail = done["detail"]
-    assert detail == {  # type: ignore[comparison-overlap]
+    assert detail == {
         "path": "in/data.bin",
         "bytes_written": len(PAYLOAD),
         "created": True,
