@@ -14,7 +14,7 @@ from typing import Annotated, Any
 import pytest
 from mcp import Client
 from mcp.server.mcpserver import Context
-from mcp_types import ToolAnnotations
+from mcp_types import ImageContent, ToolAnnotations
 from pydantic import Field
 
 from bastion.app import Services, build_server
@@ -91,3 +91,19 @@ async def test_a_refusal_in_the_body_is_audited_with_its_arguments(services: Ser
     end = audit_record(services.config.audit_path, refused["audit_id"])
     assert (end["code"], end["workspace"], end["files"]) == ("INVALID_REQUEST", "place:attic", [])
     assert end["args"] == {"blob_chars": 1, "files": ["f"], "count": 0}
+
+
+async def test_images_of_an_outcome_follow_the_result(services: Services) -> None:
+    server = build_server(services, caller="test")
+    image = ImageContent(type="image", data="iVBORw0KGgo=", mime_type="image/png")
+
+    @audited_tool(server, "draw", mutating=False, annotations=_WRITES, description="Draw.")
+    async def draw() -> Outcome:
+        return Outcome(OperationResult.success(UNNAMED, {"drawn": 1}), images=[image])
+
+    async with Client(server) as client:
+        result = await client.call_tool("draw", {})
+    assert result.structured_content is not None
+    assert result.structured_content["detail"] == {"drawn": 1}
+    assert [block.type for block in result.content] == ["text", "image"]
+    assert result.content[1] == image

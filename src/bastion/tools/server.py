@@ -73,8 +73,15 @@ class BastionServer(MCPServer[Any]):
         if scope not in SCOPES:
             raise ValueError(f"unknown scope {scope!r}")
         self.tool_scopes[name] = scope
-        self._arguments = None
         return super().tool(name=name, description=description, annotations=annotations)
+
+    def add_tool(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        self._arguments = None
+        super().add_tool(fn, *args, **kwargs)
+
+    def remove_tool(self, name: str) -> None:
+        self._arguments = None
+        super().remove_tool(name)
 
     async def _known_arguments(self, name: str) -> frozenset[str] | None:
         """The argument names a tool takes, None for an unknown tool: read once from the public tools list."""
