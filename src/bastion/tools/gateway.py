@@ -328,7 +328,7 @@ class _ActionTool:
         return f"{text} {sent}. A non-zero exit status is ok=true with the status in detail.exit_status."
 
     def as_function(self) -> Any:
-        """A plain async function with this action's typed signature, for the SDK's tool registry."""
+        """The tool's body: a plain async function with this action's typed signature, for `audited_tool`."""
 
         async def handler(ctx: Context[Any, Any], **kwargs: Any) -> OperationResult:
             return await self(ctx, **kwargs)
