@@ -326,12 +326,12 @@ def build_server(services: Services, *, caller: str) -> BastionServer:
         log_level=services.config.log_level,
         lifespan=lifespan,
     )
-    register_workbench(server, services.registry, runner)
-    register_organizer(server, Inboxes(services.organizers), runner)
-    register_sandboxes(server, services.sandboxes, services.registry, runner)
-    register_processes(server, services.registry, runner)
-    register_code(server, services.sandboxes, services.registry, runner, services.config.sandboxes)
+    register_workbench(server, services.registry)
+    register_organizer(server, Inboxes(services.organizers))
+    register_sandboxes(server, services.sandboxes, services.registry)
+    register_processes(server, services.registry)
+    register_code(server, services.sandboxes, services.registry, services.config.sandboxes)
     if services.approvals is not None:
-        register_gateway(server, services.gateways, services.approvals, services.config.approvals, runner)
+        register_gateway(server, services.gateways, services.approvals, services.config.approvals)
     logging.getLogger("bastion").setLevel(services.config.log_level)
     return server

@@ -15,9 +15,12 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Final
 
 from mcp.server.auth.middleware.auth_context import get_access_token
+from mcp_types import ImageContent
 
 from bastion.safety.audit import AuditLog
 from bastion.safety.errors import AuditUnavailable, BastionError
@@ -25,7 +28,19 @@ from bastion.safety.results import OperationResult, ResultCode
 
 logger = logging.getLogger("bastion.tools")
 
-Operation = Callable[[], Awaitable[OperationResult]]
+
+@dataclass(frozen=True)
+class Outcome:
+    """A result, the files the operation wrote or moved (for the audit record, not the client) and any images."""
+
+    result: OperationResult
+    files: Sequence[str] = ()
+    images: Sequence[ImageContent] = ()
+
+
+Operation = Callable[[], Awaitable[OperationResult | Outcome]]
+UNNAMED: Final = ""
+"""The action of a result built inside a tool's body: `CallRunner` sets it to the tool's name."""
 
 
 class CallRunner:
@@ -88,14 +103,14 @@ class CallRunner:
                 await self._record({**base, "event": "start"})
             except AuditUnavailable as exc:
                 return self._finish(OperationResult.failure(action, exc.code, exc.reason), started, None)
-        result, internal = await self._execute(action, operation)
+        result, files, internal = await self._execute(action, operation)
         end: dict[str, object] = {
             **base,
             "event": "end",
             "code": result.code.value,
             "reason": result.reason,
             "duration_ms": round((time.perf_counter() - started) * 1000, 3),
-            "files": result.detail.get("files_touched", []),
+            "files": list(files),
         }
         if internal:
             end["internal"] = internal
@@ -114,17 +129,25 @@ class CallRunner:
 
         return await self.run(action, arguments, fail, mutating=False)
 
-    async def _execute(self, action: str, operation: Operation) -> tuple[OperationResult, str | None]:
+    async def _execute(self, action: str, operation: Operation) -> tuple[OperationResult, Sequence[str], str | None]:
         try:
-            return await operation(), None
+            done = await operation()
         except BastionError as exc:
             # The client gets the code and one line; the detail is for the audit log only.
-            return OperationResult.failure(action, exc.code, exc.reason), exc.detail or None
+            return OperationResult.failure(action, exc.code, exc.reason), (), exc.detail or None
         except Exception as exc:
             incident = secrets.token_hex(6)
             logger.exception("internal error in %s (incident %s)", action, incident)
             reason = f"internal error (incident {incident}); the server log has the details"
-            return OperationResult.failure(action, ResultCode.INTERNAL_ERROR, reason), f"{type(exc).__name__}: {exc}"
+            return (
+                OperationResult.failure(action, ResultCode.INTERNAL_ERROR, reason),
+                (),
+                f"{type(exc).__name__}: {exc}",
+            )
+        result, files = (done.result, done.files) if isinstance(done, Outcome) else (done, ())
+        if result.action != action:  # a body names no action: the runner names it, once
+            result = result.model_copy(update={"action": action})
+        return result, files, None
 
     @staticmethod
     def _finish(result: OperationResult, started: float, audit_id: str | None) -> OperationResult:

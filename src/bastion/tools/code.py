@@ -1,29 +1,32 @@
 """MCP wiring of code execution: execute_code and list_code_contexts.
 
-Wiring only: the contexts live in `bastion.workbench.code`; the sandbox is the boundary.
+Wiring only (`audited_tool`): the contexts live in `bastion.workbench.code`; the sandbox is the boundary.
 """
 
 from __future__ import annotations
 
 import base64
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from mcp.server.mcpserver import Context
-from mcp_types import CallToolResult, ImageContent, ToolAnnotations
+from mcp_types import ImageContent, ToolAnnotations
 from pydantic import Field
 
 from bastion.config import SandboxesConfig
 from bastion.safety.errors import PolicyDenied
 from bastion.safety.results import OperationResult, ResultCode
-from bastion.tools._call import CallRunner
-from bastion.tools.server import BastionServer, to_call_result
+from bastion.tools._call import UNNAMED, Outcome
+from bastion.tools.audited import Audit, audited_tool, workspace_of
+from bastion.tools.server import BastionServer
 from bastion.tools.workbench import command_result
 from bastion.workbench.code import CellResult
 from bastion.workbench.manager import SandboxManager
 from bastion.workbench.packages import install
 from bastion.workbench.registry import WorkspaceRegistry
 
-Result = Annotated[CallToolResult, OperationResult]
+SandboxIdArg = Annotated[str, Field(description="The sandbox id from create_sandbox.")]
+# The record's workspace names it, so it is not copied into the audited arguments.
+InSandbox = Annotated[str, Field(description="The sandbox id from create_sandbox."), Audit.OMIT]
 
 _RUNS = ToolAnnotations(read_only_hint=False, destructive_hint=True, idempotent_hint=False, open_world_hint=False)
 _READS = ToolAnnotations(read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=False)
@@ -54,41 +57,41 @@ def cell_result(result: CellResult, extra: dict[str, object]) -> OperationResult
     if result.protocol_error:
         # The agent's code wrote to the context's protocol channel: only the context ends, not the sandbox.
         reason = f"the context broke the protocol ({result.protocol_error}) and was killed: run again with restart=true"
-        return OperationResult.failure("execute_code", ResultCode.OPERATION_FAILED, reason, detail)
+        return OperationResult.failure(UNNAMED, ResultCode.OPERATION_FAILED, reason, detail)
     if result.oom_killed:
         note = f" ({result.memory_note})" if result.memory_note else ""
         reason = f"the context ran out of memory and was killed{note}: run again with restart=true"
-        return OperationResult.failure("execute_code", ResultCode.RESOURCE_LIMIT, reason, detail)
+        return OperationResult.failure(UNNAMED, ResultCode.RESOURCE_LIMIT, reason, detail)
     if result.timed_out:
         reason = (
             "the code hit its time limit and was interrupted; the context is alive"
             if result.context_alive
             else "the code hit its time limit and did not stop: the context was killed (restart=true)"
         )
-        return OperationResult.failure("execute_code", ResultCode.TIMEOUT, reason, detail)
+        return OperationResult.failure(UNNAMED, ResultCode.TIMEOUT, reason, detail)
     if not result.context_alive and result.error is None:
         reason = "the context ended while running the code (it exited or was killed): run again with restart=true"
-        return OperationResult.failure("execute_code", ResultCode.OPERATION_FAILED, reason, detail)
+        return OperationResult.failure(UNNAMED, ResultCode.OPERATION_FAILED, reason, detail)
     code = ResultCode.OUTPUT_TRUNCATED if result.truncated else ResultCode.OK
-    return OperationResult.success("execute_code", detail, code=code)
+    return OperationResult.success(UNNAMED, detail, code=code)
 
 
 def register_code(
-    server: BastionServer,
-    sandboxes: SandboxManager,
-    registry: WorkspaceRegistry,
-    runner: CallRunner,
-    config: SandboxesConfig,
+    server: BastionServer, sandboxes: SandboxManager, registry: WorkspaceRegistry, config: SandboxesConfig
 ) -> None:
     """Add the code tools to `server`."""
+    in_sandbox = workspace_of("sandbox_id")
 
     def sandbox_only(sandbox_id: str) -> None:
         if registry.is_host(sandbox_id):
             raise PolicyDenied("code runs in sandboxes only: create_sandbox, then pass its sandbox_id")
 
-    @server.tool(
-        name="execute_code",
+    @audited_tool(
+        server,
+        "execute_code",
+        mutating=True,
         annotations=_RUNS,
+        workspace=in_sandbox,
         description=(
             "Run code in a sandbox. Python runs in a persistent context (like a notebook kernel): variables, "
             "imports and open files stay between calls; the value of a last expression comes back in "
@@ -101,60 +104,49 @@ def register_code(
     )
     async def execute_code(
         code: Annotated[str, Field(description="The code to run.")],
-        sandbox_id: Annotated[str, Field(description="The sandbox id from create_sandbox.")],
+        sandbox_id: InSandbox,
         ctx: Context,
         language: Annotated[Literal["python", "bash", "node"], Field(description="Default: python.")] = "python",
         context: Annotated[str, Field(description="Python only: the context's name.")] = "default",
         restart: Annotated[bool, Field(description="Python only: kill the context first, start a fresh one.")] = False,
         timeout_s: Annotated[float | None, Field(description="Wall-clock limit; capped by the sandbox's.")] = None,
-    ) -> Result:
-        images: list[ImageContent] = []
+    ) -> OperationResult | Outcome:
         ticks = [0]
 
         async def progress(tail: str) -> None:
             ticks[0] += 1
             await ctx.report_progress(ticks[0], None, tail or "running; no output yet")
 
-        async def op() -> OperationResult:
-            sandbox_only(sandbox_id)
-            box = sandboxes.get(sandbox_id)
-            if language != "python":
-                out = await box.code.one_shot(language, code, timeout_s=timeout_s)
-                return command_result("execute_code", out, {"language": language})
-            result = await box.code.python(
-                code, context=context, restart=restart, timeout_s=timeout_s, progress=progress
-            )
-            images.extend(
-                ImageContent(type="image", data=base64.b64encode(image.png).decode("ascii"), mime_type="image/png")
-                for image in result.images
-            )
-            return cell_result(result, {"language": language, "context": context})
+        sandbox_only(sandbox_id)
+        box = sandboxes.get(sandbox_id)
+        if language != "python":
+            out = await box.code.one_shot(language, code, timeout_s=timeout_s)
+            return command_result(out, {"language": language})
+        result = await box.code.python(code, context=context, restart=restart, timeout_s=timeout_s, progress=progress)
+        images = [
+            ImageContent(type="image", data=base64.b64encode(image.png).decode("ascii"), mime_type="image/png")
+            for image in result.images
+        ]
+        return Outcome(cell_result(result, {"language": language, "context": context}), images=images)
 
-        args: dict[str, Any] = {"code": code, "language": language, "context": context, "restart": restart}
-        args["timeout_s"] = timeout_s
-        result = await runner.run("execute_code", args, op, mutating=True, workspace=sandbox_id)
-        return to_call_result(result, extra=images)
-
-    @server.tool(
-        name="list_code_contexts",
+    @audited_tool(
+        server,
+        "list_code_contexts",
+        mutating=False,
         annotations=_READS,
+        workspace=in_sandbox,
         description="The Python contexts of a sandbox: name, state (idle, busy, dead), executions, age.",
     )
-    async def list_code_contexts(
-        sandbox_id: Annotated[str, Field(description="The sandbox id from create_sandbox.")],
-    ) -> Result:
-        async def op() -> OperationResult:
-            sandbox_only(sandbox_id)
-            return OperationResult.success(
-                "list_code_contexts", {"contexts": sandboxes.get(sandbox_id).code.contexts()}
-            )
+    async def list_code_contexts(sandbox_id: SandboxIdArg) -> dict[str, object]:
+        sandbox_only(sandbox_id)
+        return {"contexts": sandboxes.get(sandbox_id).code.contexts()}
 
-        args = {"sandbox_id": sandbox_id}
-        return to_call_result(await runner.run("list_code_contexts", args, op, mutating=False, workspace=sandbox_id))
-
-    @server.tool(
-        name="install_package",
+    @audited_tool(
+        server,
+        "install_package",
+        mutating=True,
         annotations=_RUNS,
+        workspace=in_sandbox,
         description=(
             "Install a package into a sandbox's own environment, inside the sandbox. pip: a requirement such as "
             "'requests' or 'requests[socks]>=2.31' goes into /workspace/.venv (on PATH; execute_code sees it); "
@@ -165,19 +157,13 @@ def register_code(
     )
     async def install_package(
         name: Annotated[str, Field(description="The requirement: a package name, optional extras and version.")],
-        sandbox_id: Annotated[str, Field(description="The sandbox id from create_sandbox.")],
+        sandbox_id: InSandbox,
         manager: Annotated[Literal["pip", "npm"], Field(description="Default: pip.")] = "pip",
-    ) -> Result:
-        async def op() -> OperationResult:
-            sandbox_only(sandbox_id)
-            box = sandboxes.get(sandbox_id)
-            requirement, out = await install(box, name, manager, config)
-            extra: dict[str, object] = {"requirement": requirement, "manager": manager}
-            result = command_result("install_package", out, extra)
-            if result.ok and out.exit_status != 0:
-                reason = f"{manager} could not install {requirement!r} (exit {out.exit_status}): see detail.stderr"
-                return OperationResult.failure("install_package", ResultCode.OPERATION_FAILED, reason, result.detail)
-            return result
-
-        args = {"name": name, "manager": manager}
-        return to_call_result(await runner.run("install_package", args, op, mutating=True, workspace=sandbox_id))
+    ) -> OperationResult:
+        sandbox_only(sandbox_id)
+        requirement, out = await install(sandboxes.get(sandbox_id), name, manager, config)
+        result = command_result(out, {"requirement": requirement, "manager": manager})
+        if result.ok and out.exit_status != 0:
+            reason = f"{manager} could not install {requirement!r} (exit {out.exit_status}): see detail.stderr"
+            return OperationResult.failure(UNNAMED, ResultCode.OPERATION_FAILED, reason, result.detail)
+        return result

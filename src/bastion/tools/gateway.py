@@ -33,7 +33,7 @@ from mcp.server.elicitation import (
     ElicitationResult,
 )
 from mcp.server.mcpserver import Context, Elicit, Resolve
-from mcp_types import CallToolResult, ToolAnnotations
+from mcp_types import ToolAnnotations
 from mcp_types.version import is_version_at_least
 from pydantic import BaseModel, Field
 
@@ -44,11 +44,11 @@ from bastion.safety.approvals import Approval, ApprovalQueue
 from bastion.safety.errors import BastionError, Conflict, InvalidRequest
 from bastion.safety.results import OperationResult, ResultCode
 from bastion.tools._call import CallRunner
-from bastion.tools.server import GATEWAY_DEPLOY, GATEWAY_READ, BastionServer, to_call_result
+from bastion.tools.audited import audited_tool
+from bastion.tools.server import GATEWAY_DEPLOY, GATEWAY_READ, BastionServer
 
 logger = logging.getLogger("bastion.tools.gateway")
 
-Result = Annotated[CallToolResult, OperationResult]
 APPROVAL_ID = "approval_id"
 _RESERVED_ARGS = frozenset({APPROVAL_ID, "ctx"})
 # Filled by resolvers, never by the client; config arg names are lower case, so these cannot clash.
@@ -131,22 +131,15 @@ class _ActionTool:
         self.runner = runner
         self.name = tool_name(gateway, action)
 
-    async def __call__(self, ctx: Context[Any, Any], **kwargs: Any) -> CallToolResult:
+    async def __call__(self, ctx: Context[Any, Any], **kwargs: Any) -> OperationResult:
         approval_id = kwargs.pop(APPROVAL_ID, None)
         asked: Approval | None = kwargs.pop(_ASKED, None)
         answer = _answer(kwargs.pop(_ANSWER, None))
-        values = {key: str(value) for key, value in kwargs.items()}
-
-        async def op() -> OperationResult:
-            command = build_command(self.action, values)
-            if not self.action.approval:
-                out = await self.client.call(command, retry=True)
-                return _output_result(self.name, command, out, {"gateway": self.gateway.name})
-            return await self._with_approval(ctx, command, approval_id, asked, answer)
-
-        args: dict[str, object] = {**values, APPROVAL_ID: approval_id} if self.action.approval else dict(values)
-        result = await self.runner.run(self.name, args, op, mutating=True, workspace=f"gateway:{self.gateway.name}")
-        return to_call_result(result)
+        command = build_command(self.action, {key: str(value) for key, value in kwargs.items()})
+        if not self.action.approval:
+            out = await self.client.call(command, retry=True)
+            return _output_result(self.name, command, out, {"gateway": self.gateway.name})
+        return await self._with_approval(ctx, command, approval_id, asked, answer)
 
     async def _with_approval(
         self,
@@ -321,7 +314,7 @@ class _ActionTool:
                 )
             )
         params.append(inspect.Parameter("ctx", inspect.Parameter.KEYWORD_ONLY, annotation=Context))
-        return inspect.Signature(params, return_annotation=Result)
+        return inspect.Signature(params, return_annotation=OperationResult)
 
     def description(self) -> str:
         text = self.action.description or f"Run the action {self.action.name!r} on the production host."
@@ -335,14 +328,14 @@ class _ActionTool:
         return f"{text} {sent}. A non-zero exit status is ok=true with the status in detail.exit_status."
 
     def as_function(self) -> Any:
-        """A plain async function with this action's typed signature, for the SDK's tool registry."""
+        """The tool's body: a plain async function with this action's typed signature, for `audited_tool`."""
 
-        async def handler(ctx: Context[Any, Any], **kwargs: Any) -> CallToolResult:
+        async def handler(ctx: Context[Any, Any], **kwargs: Any) -> OperationResult:
             return await self(ctx, **kwargs)
 
         handler.__name__ = self.name
         signature = self.signature()
-        handler.__annotations__ = {"ctx": Context, "return": Result}
+        handler.__annotations__ = {"ctx": Context, "return": OperationResult}
         if self.action.approval and self.approvals.elicitation:
             resolved = self._resolvers(signature)
             handler.__annotations__.update(resolved)
@@ -388,40 +381,37 @@ def _actions_detail(gateway: GatewayConfig) -> dict[str, object]:
 
 
 def register_gateway(
-    server: BastionServer,
-    clients: Mapping[str, GatewayClient],
-    queue: ApprovalQueue,
-    approvals: ApprovalsConfig,
-    runner: CallRunner,
+    server: BastionServer, clients: Mapping[str, GatewayClient], queue: ApprovalQueue, approvals: ApprovalsConfig
 ) -> None:
     """Add `<gateway>_actions` and one tool per action of each configured gateway."""
     for client in clients.values():
         gateway = client.config
-        _register_actions_tool(server, gateway, runner)
+        _register_actions_tool(server, gateway)
         for action in gateway.action:
-            tool = _ActionTool(gateway, action, client, queue, approvals, runner)
-            server.tool(
-                name=tool.name,
+            tool = _ActionTool(gateway, action, client, queue, approvals, server.runner)
+            audited_tool(
+                server,
+                tool.name,
+                mutating=True,
                 description=tool.description(),
                 annotations=_CHANGES_REMOTE if action.approval else _READS_REMOTE,
-                scope=GATEWAY_DEPLOY if action.approval else GATEWAY_READ,
+                toolset=GATEWAY_DEPLOY if action.approval else GATEWAY_READ,
+                workspace=f"gateway:{gateway.name}",
             )(tool.as_function())
 
 
-def _register_actions_tool(server: BastionServer, gateway: GatewayConfig, runner: CallRunner) -> None:
-    name = f"{gateway.name}_actions"
-
-    @server.tool(
-        name=name,
+def _register_actions_tool(server: BastionServer, gateway: GatewayConfig) -> None:
+    @audited_tool(
+        server,
+        f"{gateway.name}_actions",
+        mutating=False,
         description=(
             f"List what gateway {gateway.name!r} allows: each action's tool, arguments with their patterns, and "
             "whether a human must approve it. Sends nothing to the host."
         ),
         annotations=_READ_ONLY,
-        scope=GATEWAY_READ,
+        toolset=GATEWAY_READ,
+        workspace=f"gateway:{gateway.name}",
     )
-    async def list_actions() -> Result:
-        async def op() -> OperationResult:
-            return OperationResult.success(name, _actions_detail(gateway))
-
-        return to_call_result(await runner.run(name, {}, op, mutating=False, workspace=f"gateway:{gateway.name}"))
+    async def list_actions() -> dict[str, object]:
+        return _actions_detail(gateway)

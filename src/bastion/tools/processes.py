@@ -1,53 +1,57 @@
 """MCP wiring of background processes: list_processes, read_process_output, send_process_input, kill_process.
 
 They are started by run_command(background=true) in a sandbox and live until they exit,
-are killed, or the sandbox closes. Wiring only: the work is `HostWorkspace`'s.
+are killed, or the sandbox closes. Wiring only (`audited_tool`): the work is `HostWorkspace`'s.
 """
 
 from __future__ import annotations
 
 from typing import Annotated
 
-from mcp_types import CallToolResult, ToolAnnotations
+from mcp_types import ToolAnnotations
 from pydantic import Field
 
 from bastion.safety.results import OperationResult, ResultCode
-from bastion.tools._call import CallRunner
-from bastion.tools.server import BastionServer, to_call_result
+from bastion.tools._call import UNNAMED
+from bastion.tools.audited import Audit, audited_tool, workspace_of
+from bastion.tools.server import BastionServer
 from bastion.workbench.background import MAX_INPUT_BYTES
 from bastion.workbench.registry import WorkspaceRegistry
 
-Result = Annotated[CallToolResult, OperationResult]
-SandboxId = Annotated[str | None, Field(description="The sandbox the process runs in (from create_sandbox).")]
+# The record's workspace names it, so it is not copied into the audited arguments.
+SandboxId = Annotated[
+    str | None, Field(description="The sandbox the process runs in (from create_sandbox)."), Audit.OMIT
+]
 Pid = Annotated[int, Field(ge=1, description="The pid run_command(background=true) returned (1, 2, ... per sandbox).")]
 
 _READS = ToolAnnotations(read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=False)
 _WRITES = ToolAnnotations(read_only_hint=False, destructive_hint=True, idempotent_hint=False, open_world_hint=False)
 
 
-def register_processes(server: BastionServer, registry: WorkspaceRegistry, runner: CallRunner) -> None:
+def register_processes(server: BastionServer, registry: WorkspaceRegistry) -> None:
     """Add the background process tools to `server`."""
+    in_workspace = workspace_of("sandbox_id", registry.get_id)
 
-    @server.tool(
-        name="list_processes",
+    @audited_tool(
+        server,
+        "list_processes",
+        mutating=False,
         annotations=_READS,
+        workspace=in_workspace,
         description=(
             "The background processes of a sandbox: pid, argv, state (running/exited), exit_status, age_s and "
             "how much output they wrote."
         ),
     )
-    async def list_processes(sandbox_id: SandboxId = None) -> Result:
-        workspace = registry.get_id(sandbox_id)
+    async def list_processes(sandbox_id: SandboxId = None) -> dict[str, object]:
+        return {"processes": registry.get(sandbox_id).list_processes()}
 
-        async def op() -> OperationResult:
-            processes = registry.get(sandbox_id).list_processes()
-            return OperationResult.success("list_processes", {"processes": processes})
-
-        return to_call_result(await runner.run("list_processes", {}, op, mutating=False, workspace=workspace))
-
-    @server.tool(
-        name="read_process_output",
+    @audited_tool(
+        server,
+        "read_process_output",
+        mutating=False,
         annotations=_READS,
+        workspace=in_workspace,
         description=(
             "The output of a background process so far, stdout and stderr apart, redacted like run_command's. "
             "Pass detail.next as `since` to get only what came after. The newest 1 MiB per stream is kept: "
@@ -60,19 +64,15 @@ def register_processes(server: BastionServer, registry: WorkspaceRegistry, runne
             int | None, Field(ge=0, description="An offset from a previous read's detail.next; default: the start.")
         ] = None,
         sandbox_id: SandboxId = None,
-    ) -> Result:
-        workspace = registry.get_id(sandbox_id)
+    ) -> dict[str, object]:
+        return await registry.get(sandbox_id).read_process(pid, since=since)
 
-        async def op() -> OperationResult:
-            detail = await registry.get(sandbox_id).read_process(pid, since=since)
-            return OperationResult.success("read_process_output", detail)
-
-        args = {"pid": pid, "since": since}
-        return to_call_result(await runner.run("read_process_output", args, op, mutating=False, workspace=workspace))
-
-    @server.tool(
-        name="send_process_input",
+    @audited_tool(
+        server,
+        "send_process_input",
+        mutating=True,
         annotations=_WRITES,
+        workspace=in_workspace,
         description=(
             f"Write text to a background process's stdin (at most {MAX_INPUT_BYTES} bytes per call; include the "
             "newline a line-reading program waits for). eof=true then closes its stdin."
@@ -83,31 +83,23 @@ def register_processes(server: BastionServer, registry: WorkspaceRegistry, runne
         data: Annotated[str, Field(description='Text to write, e.g. "yes\\n".')] = "",
         eof: Annotated[bool, Field(description="Close the process's stdin after writing.")] = False,
         sandbox_id: SandboxId = None,
-    ) -> Result:
-        workspace = registry.get_id(sandbox_id)
+    ) -> dict[str, object] | OperationResult:
+        detail = await registry.get(sandbox_id).send_input(pid, data, eof=eof)
+        if detail["bytes_written"] != detail["bytes"]:
+            reason = "the process did not read its input in time: only part of it was written"
+            return OperationResult.failure(UNNAMED, ResultCode.TIMEOUT, reason, detail)
+        return detail
 
-        async def op() -> OperationResult:
-            detail = await registry.get(sandbox_id).send_input(pid, data, eof=eof)
-            if detail["bytes_written"] != detail["bytes"]:
-                reason = "the process did not read its input in time: only part of it was written"
-                return OperationResult.failure("send_process_input", ResultCode.TIMEOUT, reason, detail)
-            return OperationResult.success("send_process_input", detail)
-
-        args = {"pid": pid, "data": data, "eof": eof}
-        return to_call_result(await runner.run("send_process_input", args, op, mutating=True, workspace=workspace))
-
-    @server.tool(
-        name="kill_process",
+    @audited_tool(
+        server,
+        "kill_process",
+        mutating=True,
         annotations=_WRITES,
+        workspace=in_workspace,
         description=(
             "Kill a background process and everything it started (SIGKILL to its own PID namespace). "
             "Its record and output stay readable."
         ),
     )
-    async def kill_process(pid: Pid, sandbox_id: SandboxId = None) -> Result:
-        workspace = registry.get_id(sandbox_id)
-
-        async def op() -> OperationResult:
-            return OperationResult.success("kill_process", await registry.get(sandbox_id).kill_process(pid))
-
-        return to_call_result(await runner.run("kill_process", {"pid": pid}, op, mutating=True, workspace=workspace))
+    async def kill_process(pid: Pid, sandbox_id: SandboxId = None) -> dict[str, object]:
+        return await registry.get(sandbox_id).kill_process(pid)

@@ -59,6 +59,7 @@ class BastionServer(MCPServer[Any]):
         self.runner = runner
         self.tool_scopes: dict[str, str] = {}
         """Tool name -> the scope (toolset) a caller needs to see and call it."""
+        self._arguments: dict[str, frozenset[str]] | None = None
 
     def tool(  # type: ignore[override]
         self,
@@ -74,21 +75,37 @@ class BastionServer(MCPServer[Any]):
         self.tool_scopes[name] = scope
         return super().tool(name=name, description=description, annotations=annotations)
 
+    def add_tool(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        self._arguments = None
+        super().add_tool(fn, *args, **kwargs)
+
+    def remove_tool(self, name: str) -> None:
+        self._arguments = None
+        super().remove_tool(name)
+
+    async def _known_arguments(self, name: str) -> frozenset[str] | None:
+        """The argument names a tool takes, None for an unknown tool: read once from the public tools list."""
+        if self._arguments is None:
+            tools = await self.list_tools()
+            self._arguments = {t.name: frozenset(t.input_schema.get("properties", {})) for t in tools}
+        return self._arguments.get(name)
+
     async def run_stdio_async(self) -> None:
         """Serve stdio on bastion's event-loop transport (see `bastion.transports.stdio`)."""
         async with stdio_streams() as (read_stream, write_stream):
-            # The SDK's own run_stdio_async does exactly this with its threaded transport.
-            lowlevel = self._lowlevel_server
+            # The SDK runs stdio only on its threaded transport, and makes its low-level server public
+            # only as the app of the HTTP session manager: reached there, it serves these streams.
+            self.streamable_http_app()
+            lowlevel = self.session_manager.app
             await lowlevel.run(read_stream, write_stream, lowlevel.create_initialization_options())
 
     async def call_tool(
         self, name: str, arguments: dict[str, Any], context: Context[Any, Any] | None = None
     ) -> CallToolResult | InputRequiredResult:
-        tool = self._tool_manager.get_tool(name)
-        if tool is None:
+        known = await self._known_arguments(name)
+        if known is None:
             error = InvalidRequest(f"unknown tool {name!r}: list the tools to see what this server offers")
             return to_call_result(await self.runner.refuse(name, arguments, error))
-        known = set(tool.parameters.get("properties", {}))
         unknown = sorted(set(arguments) - known)
         if unknown:
             hint = _ARGUMENT_HINTS.get(unknown[0], f"{name} takes {', '.join(sorted(known)) or 'no arguments'}")

@@ -1,7 +1,7 @@
 """MCP wiring of the work tools: run_command, explain_command and the file tools.
 
-Wiring only: each tool names its arguments, hands an operation to the call
-runner, and returns what the runner returns. Decisions live in `bastion.safety`.
+Wiring only: each tool is declared with `audited_tool` and does its one thing.
+Decisions live in `bastion.safety`.
 """
 
 from __future__ import annotations
@@ -10,19 +10,22 @@ import functools
 from typing import Annotated, Literal
 
 import anyio.to_thread
-from mcp_types import CallToolResult, ToolAnnotations
+from mcp_types import ToolAnnotations
 from pydantic import Field
 
 from bastion.safety.errors import InvalidRequest
 from bastion.safety.results import OperationResult, ResultCode
-from bastion.tools._call import CallRunner
-from bastion.tools.server import BastionServer, to_call_result
+from bastion.tools._call import UNNAMED, Outcome
+from bastion.tools.audited import Audit, audited_tool, workspace_of
+from bastion.tools.server import BastionServer
 from bastion.workbench.registry import WorkspaceRegistry
 from bastion.workbench.workspace import CommandOutput
 
-Result = Annotated[CallToolResult, OperationResult]
+# The record's workspace names it, so it is not copied into the audited arguments.
 SandboxId = Annotated[
-    str | None, Field(description="A sandbox or configured host workspace id; default: the server's default workspace.")
+    str | None,
+    Field(description="A sandbox or configured host workspace id; default: the server's default workspace."),
+    Audit.OMIT,
 ]
 EncodingArg = Annotated[Literal["utf-8", "base64"], Field(description="utf-8 text (redacted) or base64 bytes.")]
 
@@ -30,7 +33,7 @@ _READ_ONLY = ToolAnnotations(read_only_hint=True, destructive_hint=False, idempo
 _WRITES = ToolAnnotations(read_only_hint=False, destructive_hint=True, idempotent_hint=False, open_world_hint=False)
 
 
-def command_result(action: str, out: CommandOutput, extra: dict[str, object]) -> OperationResult:
+def command_result(out: CommandOutput, extra: dict[str, object]) -> OperationResult:
     """A finished command as a result: an OOM kill or a timeout is a failure, with the output so far."""
     detail: dict[str, object] = {
         **extra,
@@ -40,13 +43,13 @@ def command_result(action: str, out: CommandOutput, extra: dict[str, object]) ->
         "truncated": out.truncated,
     }
     if out.oom_killed:
-        return OperationResult.failure(action, ResultCode.RESOURCE_LIMIT, _oom_reason(out), detail)
+        return OperationResult.failure(UNNAMED, ResultCode.RESOURCE_LIMIT, _oom_reason(out), detail)
     if out.timed_out:
         return OperationResult.failure(
-            action, ResultCode.TIMEOUT, "the command hit its time limit and was killed", detail
+            UNNAMED, ResultCode.TIMEOUT, "the command hit its time limit and was killed", detail
         )
     code = ResultCode.OUTPUT_TRUNCATED if out.truncated else ResultCode.OK
-    return OperationResult.success(action, detail, code=code)
+    return OperationResult.success(UNNAMED, detail, code=code)
 
 
 def _oom_reason(out: CommandOutput) -> str:
@@ -54,12 +57,16 @@ def _oom_reason(out: CommandOutput) -> str:
     return f"the command ran out of memory and was killed{note}"
 
 
-def register_workbench(server: BastionServer, registry: WorkspaceRegistry, runner: CallRunner) -> None:
+def register_workbench(server: BastionServer, registry: WorkspaceRegistry) -> None:
     """Add the work tools to `server`."""
+    in_workspace = workspace_of("sandbox_id", registry.get_id)
 
-    @server.tool(
-        name="run_command",
+    @audited_tool(
+        server,
+        "run_command",
+        mutating=True,
         annotations=_WRITES,
+        workspace=in_workspace,
         description=(
             "Run one command in a workspace. No shell runs: the command is split into words like a shell would "
             "(quotes work), but pipes, redirections, ';', '&&', '$VAR' and globs are refused. The workspace's "
@@ -81,47 +88,38 @@ def register_workbench(server: BastionServer, registry: WorkspaceRegistry, runne
             ),
         ] = False,
         sandbox_id: SandboxId = None,
-    ) -> Result:
-        workspace = registry.get_id(sandbox_id)
+    ) -> dict[str, object] | OperationResult:
+        if background:
+            if timeout_s is not None:
+                raise InvalidRequest("timeout_s does not apply to a background process: kill_process ends it")
+            return await registry.get(sandbox_id).start_background(command, cwd=cwd)
+        out = await registry.get(sandbox_id).run(command, cwd=cwd, timeout_s=timeout_s)
+        return command_result(out, {"argv": list(out.argv), "cwd": out.cwd})
 
-        async def op() -> OperationResult:
-            if background:
-                if timeout_s is not None:
-                    raise InvalidRequest("timeout_s does not apply to a background process: kill_process ends it")
-                started = await registry.get(sandbox_id).start_background(command, cwd=cwd)
-                return OperationResult.success("run_command", started)
-            out = await registry.get(sandbox_id).run(command, cwd=cwd, timeout_s=timeout_s)
-            return command_result("run_command", out, {"argv": list(out.argv), "cwd": out.cwd})
-
-        args = {"command": command, "cwd": cwd, "timeout_s": timeout_s, "background": background}
-        return to_call_result(await runner.run("run_command", args, op, mutating=True, workspace=workspace))
-
-    @server.tool(
-        name="explain_command",
+    @audited_tool(
+        server,
+        "explain_command",
+        mutating=False,
         annotations=_READ_ONLY,
+        workspace=in_workspace,
         description="Say whether run_command would accept a command, and which rule decides. Runs nothing.",
     )
-    async def explain_command(command: str, sandbox_id: SandboxId = None) -> Result:
-        workspace = registry.get_id(sandbox_id)
+    async def explain_command(command: str, sandbox_id: SandboxId = None) -> dict[str, object]:
+        decision = registry.get(sandbox_id).explain(command)
+        return {
+            "allowed": decision.allowed,
+            "rule": decision.rule,
+            "reason": decision.reason,
+            "argv": list(decision.argv),
+            "executable": decision.executable,
+        }
 
-        async def op() -> OperationResult:
-            decision = registry.get(sandbox_id).explain(command)
-            detail: dict[str, object] = {
-                "allowed": decision.allowed,
-                "rule": decision.rule,
-                "reason": decision.reason,
-                "argv": list(decision.argv),
-                "executable": decision.executable,
-            }
-            return OperationResult.success("explain_command", detail)
-
-        return to_call_result(
-            await runner.run("explain_command", {"command": command}, op, mutating=False, workspace=workspace)
-        )
-
-    @server.tool(
-        name="read_file",
+    @audited_tool(
+        server,
+        "read_file",
+        mutating=False,
         annotations=_READ_ONLY,
+        workspace=in_workspace,
         description=(
             "Read a file of the workspace (path relative to it). Large files: page with offset and length (bytes). "
             "utf-8 text is redacted as the whole file would be, so a secret cut by a page shows in neither part."
@@ -133,21 +131,18 @@ def register_workbench(server: BastionServer, registry: WorkspaceRegistry, runne
         length: Annotated[int | None, Field(ge=1)] = None,
         encoding: EncodingArg = "utf-8",
         sandbox_id: SandboxId = None,
-    ) -> Result:
-        workspace = registry.get_id(sandbox_id)
+    ) -> dict[str, object]:
+        ws = registry.get(sandbox_id)
+        # Redacting up to 1 MiB of secret-dense text takes most of a second: off the event loop.
+        read = functools.partial(ws.read_file, path, offset=offset, length=length, encoding=encoding)
+        return await anyio.to_thread.run_sync(read)
 
-        async def op() -> OperationResult:
-            ws = registry.get(sandbox_id)
-            # Redacting up to 1 MiB of secret-dense text takes most of a second: off the event loop.
-            read = functools.partial(ws.read_file, path, offset=offset, length=length, encoding=encoding)
-            return OperationResult.success("read_file", await anyio.to_thread.run_sync(read))
-
-        args = {"path": path, "offset": offset, "length": length, "encoding": encoding}
-        return to_call_result(await runner.run("read_file", args, op, mutating=False, workspace=workspace))
-
-    @server.tool(
-        name="write_file",
+    @audited_tool(
+        server,
+        "write_file",
+        mutating=True,
         annotations=_WRITES,
+        workspace=in_workspace,
         description=(
             "Write a file of the workspace (path relative to it), creating missing folders. "
             "Replaces the file's content unless append is true. Symlinks are never followed for writing."
@@ -159,20 +154,16 @@ def register_workbench(server: BastionServer, registry: WorkspaceRegistry, runne
         encoding: EncodingArg = "utf-8",
         append: bool = False,
         sandbox_id: SandboxId = None,
-    ) -> Result:
-        workspace = registry.get_id(sandbox_id)
+    ) -> Outcome:
+        detail = registry.get(sandbox_id).write_file(path, content, encoding=encoding, append=append)
+        return Outcome(OperationResult.success(UNNAMED, detail), files=[str(detail["path"])])
 
-        async def op() -> OperationResult:
-            detail = registry.get(sandbox_id).write_file(path, content, encoding=encoding, append=append)
-            detail["files_touched"] = [detail["path"]]
-            return OperationResult.success("write_file", detail)
-
-        args = {"path": path, "content": content, "encoding": encoding, "append": append}
-        return to_call_result(await runner.run("write_file", args, op, mutating=True, workspace=workspace))
-
-    @server.tool(
-        name="upload_file",
+    @audited_tool(
+        server,
+        "upload_file",
+        mutating=True,
         annotations=_WRITES,
+        workspace=in_workspace,
         description=(
             "Create a file of the workspace (path relative to it) from base64 bytes, creating missing folders. "
             "An existing entry of that name is CONFLICT unless overwrite is true, and a symlink is never followed. "
@@ -181,36 +172,25 @@ def register_workbench(server: BastionServer, registry: WorkspaceRegistry, runne
     )
     async def upload_file(
         path: str,
-        content_base64: str,
+        # The audit keeps the size, not the bytes: the result carries their SHA-256.
+        content_base64: Annotated[str, Audit.LENGTH],
         overwrite: bool = False,
         sandbox_id: SandboxId = None,
-    ) -> Result:
-        workspace = registry.get_id(sandbox_id)
+    ) -> Outcome:
+        detail = registry.get(sandbox_id).upload_file(path, content_base64, overwrite=overwrite)
+        return Outcome(OperationResult.success(UNNAMED, detail), files=[str(detail["path"])])
 
-        async def op() -> OperationResult:
-            detail = registry.get(sandbox_id).upload_file(path, content_base64, overwrite=overwrite)
-            detail["files_touched"] = [detail["path"]]
-            return OperationResult.success("upload_file", detail)
-
-        # The audit keeps the size, not the bytes: the result carries their SHA-256.
-        args = {"path": path, "content_base64_chars": len(content_base64), "overwrite": overwrite}
-        return to_call_result(await runner.run("upload_file", args, op, mutating=True, workspace=workspace))
-
-    @server.tool(
-        name="list_directory",
+    @audited_tool(
+        server,
+        "list_directory",
+        mutating=False,
         annotations=_READ_ONLY,
+        workspace=in_workspace,
         description=(
             "List a folder of the workspace. Symlinks are shown as symlinks, never followed. Names are cleaned "
             "and redacted like command output."
         ),
     )
-    async def list_directory(path: str = ".", sandbox_id: SandboxId = None) -> Result:
-        workspace = registry.get_id(sandbox_id)
-
-        async def op() -> OperationResult:
-            listing = functools.partial(registry.get(sandbox_id).list_directory, path)
-            return OperationResult.success("list_directory", await anyio.to_thread.run_sync(listing))
-
-        return to_call_result(
-            await runner.run("list_directory", {"path": path}, op, mutating=False, workspace=workspace)
-        )
+    async def list_directory(path: str = ".", sandbox_id: SandboxId = None) -> dict[str, object]:
+        listing = functools.partial(registry.get(sandbox_id).list_directory, path)
+        return await anyio.to_thread.run_sync(listing)
