@@ -197,7 +197,7 @@ async def test_bash_and_node_run_once(client: Client) -> None:
 
 async def test_host_workspaces_run_no_code(client: Client) -> None:
     result = await call(client, "execute_code", code="print(1)", sandbox_id="default")
-    assert result["code"] == "POLICY_DENIED"
+    assert result["code"] == "FORBIDDEN"
 
 
 async def test_output_is_redacted_and_capped(client: Client) -> None:

@@ -132,7 +132,7 @@ async def test_hostile_requirements_are_refused_by_the_tool(client: Client) -> N
     listed = await sh(client, sandbox, "ls -A /workspace")
     assert listed["detail"]["stdout"] == "", "a refused install left something behind"
     host = await call(client, "install_package", name="requests", sandbox_id="default")
-    assert host["code"] == "POLICY_DENIED"
+    assert host["code"] == "FORBIDDEN"
 
 
 @pytest.mark.anyio

@@ -13,7 +13,6 @@ from mcp_types import ImageContent, ToolAnnotations
 from pydantic import Field
 
 from bastion.config import SandboxesConfig
-from bastion.safety.errors import PolicyDenied
 from bastion.safety.results import OperationResult, ResultCode
 from bastion.tools._call import UNNAMED, Outcome
 from bastion.tools.audited import Audit, audited_tool, workspace_of
@@ -82,9 +81,9 @@ def register_code(
     """Add the code tools to `server`."""
     in_sandbox = workspace_of("sandbox_id")
 
-    def sandbox_only(sandbox_id: str) -> None:
-        if registry.is_host(sandbox_id):
-            raise PolicyDenied("code runs in sandboxes only: create_sandbox, then pass its sandbox_id")
+    def sandbox_only(sandbox_id: str, what: str) -> None:
+        # FORBIDDEN, as every sandbox-only operation on a host workspace (`HostWorkspace.require_sandbox`).
+        registry.resolve(sandbox_id).workspace.require_sandbox(what)
 
     @audited_tool(
         server,
@@ -117,7 +116,7 @@ def register_code(
             ticks[0] += 1
             await ctx.report_progress(ticks[0], None, tail or "running; no output yet")
 
-        sandbox_only(sandbox_id)
+        sandbox_only(sandbox_id, "execute_code")
         box = sandboxes.get(sandbox_id)
         if language != "python":
             out = await box.code.one_shot(language, code, timeout_s=timeout_s)
@@ -138,7 +137,7 @@ def register_code(
         description="The Python contexts of a sandbox: name, state (idle, busy, dead), executions, age.",
     )
     async def list_code_contexts(sandbox_id: SandboxIdArg) -> dict[str, object]:
-        sandbox_only(sandbox_id)
+        sandbox_only(sandbox_id, "list_code_contexts")
         return {"contexts": sandboxes.get(sandbox_id).code.contexts()}
 
     @audited_tool(
@@ -160,7 +159,7 @@ def register_code(
         sandbox_id: InSandbox,
         manager: Annotated[Literal["pip", "npm"], Field(description="Default: pip.")] = "pip",
     ) -> OperationResult:
-        sandbox_only(sandbox_id)
+        sandbox_only(sandbox_id, "install_package")
         requirement, out = await install(sandboxes.get(sandbox_id), name, manager, config)
         result = command_result(out, {"requirement": requirement, "manager": manager})
         if result.ok and out.exit_status != 0:
