@@ -235,3 +235,53 @@ def test_the_ast_check_sees_imports_ruff_cannot() -> None:
     found = {dotted for _, dotted in _imports_in(source, "bastion.workbench")}
     assert {"subprocess", "bastion.sandbox", "bastion.sandbox._spawn"} <= found
     assert _ruff("__import__('subprocess')\n", "src/bastion/workbench/example.py").returncode == 0
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the bastion modules it imports, TYPE_CHECKING imports included."""
+    graph: dict[str, set[str]] = {}
+    for path in _source_files(SRC / "bastion"):
+        graph[_module_of(path)] = {
+            name for _, name in _imports(path) if name.startswith("bastion") and _is_module(name)
+        }
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan), or one that imports itself."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for other in graph.get(module, ()):
+            if other not in index:
+                visit(other)
+                low[module] = min(low[module], low[other])
+            elif other in stack:
+                low[module] = min(low[module], index[other])
+        if low[module] == index[module]:
+            component = []
+            while (top := stack.pop()) != module:
+                component.append(top)
+            component.append(module)
+            if len(component) > 1 or module in graph.get(module, ()):
+                found.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return found
+
+
+def test_no_import_circle_even_under_type_checking() -> None:
+    """The layers of docs/architecture.md hold: no module reaches itself through imports. A package's
+    __init__ counts as imported by `from bastion.pkg import x`, so a re-export cannot hide a circle."""
+    assert _cycles(_import_graph()) == []
+
+
+def test_the_circle_check_sees_a_circle() -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

@@ -17,13 +17,13 @@ import errno
 import os
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final, Literal
+from typing import Final, Literal
 
 from bastion.safety.errors import Unavailable
 from bastion.sandbox._cgroupfs import procs, read_file, write_raw
 
-if TYPE_CHECKING:
-    from bastion.sandbox.cgroups import Mode
+Mode = Literal["v2", "hybrid", "v1"]
+"""How this host's cgroups are laid out (`cgroups.CgroupLayout.mode`)."""
 
 RESOURCE_CONTROLLERS: Final = ("memory", "pids", "cpu")
 V1_CONTROLLERS: Final = frozenset({"memory", "pids", "cpu", "cpuacct", "freezer"})

@@ -41,7 +41,7 @@ import signal
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Final, Literal, final
+from typing import Final, final
 
 from bastion.safety.errors import Conflict, InvalidRequest, NotFound, OperationFailed, Timeout, Unavailable
 
@@ -62,7 +62,7 @@ from bastion.sandbox._cgroupfs import (
 from bastion.sandbox._hierarchies import DELEGATE_XATTRS as DELEGATE_XATTRS
 from bastion.sandbox._hierarchies import RESOURCE_CONTROLLERS as RESOURCE_CONTROLLERS
 from bastion.sandbox._hierarchies import V1_CONTROLLERS as V1_CONTROLLERS
-from bastion.sandbox._hierarchies import Hierarchy, Roles, discover, parse_mountinfo, parse_self_cgroup
+from bastion.sandbox._hierarchies import Hierarchy, Mode, Roles, discover, parse_mountinfo, parse_self_cgroup
 
 CPU_PERIOD_US: Final = 100_000
 MIN_CPU_QUOTA_US: Final = 1_000  # the kernel refuses a cfs quota below 1 ms
@@ -70,8 +70,6 @@ FREEZE_WAIT_S: Final = 1.0
 KILL_WAIT_S: Final = 2.0
 DESTROY_WAIT_S: Final = 2.0
 _NAME_RE: Final = re.compile(r"[a-z0-9-]{1,64}")
-
-Mode = Literal["v2", "hybrid", "v1"]
 
 
 @dataclass(frozen=True)

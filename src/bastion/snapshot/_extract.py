@@ -47,7 +47,7 @@ import os
 import stat
 import tarfile
 import zlib
-from typing import TYPE_CHECKING, BinaryIO, Final, Literal
+from typing import BinaryIO, Final, Literal, Protocol
 
 from bastion.safety.errors import InvalidRequest, OperationFailed, PathEscape, PolicyDenied, ResourceLimit
 from bastion.safety.paths import name_problem
@@ -60,8 +60,17 @@ from bastion.snapshot._tarread import (
     TarReader,
 )
 
-if TYPE_CHECKING:
-    from bastion.snapshot.store import SnapshotInfo
+
+class Recorded(Protocol):
+    """What `extract` checks an archive against: its snapshot's record (`store.SnapshotInfo`)."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def files(self) -> int: ...
+    @property
+    def bytes(self) -> int: ...
+
 
 MAX_SNAPSHOT_BYTES: Final = 2 * 1024**3
 MAX_ENTRIES: Final = 200_000
@@ -112,7 +121,7 @@ def _stream_limit() -> int:
 def extract(
     raw: BinaryIO,
     target_fd: int,
-    info: SnapshotInfo,
+    info: Recorded,
     owner: tuple[int, int] | None = None,
     guard: SpaceGuard | None = None,
 ) -> None:
