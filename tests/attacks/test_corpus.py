@@ -34,7 +34,7 @@ from mcp_types import CallToolResult
 from bastion.safety.audit import CHAIN_FIELDS, verify
 
 if TYPE_CHECKING:
-    from .conftest import Demo
+    from .demo import Demo
 
 CORPUS_PATH = Path(__file__).with_name("attack-corpus.json")
 CORPUS: list[dict[str, Any]] = json.loads(CORPUS_PATH.read_text(encoding="utf-8"))

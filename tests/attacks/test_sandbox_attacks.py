@@ -15,7 +15,7 @@ import anyio
 import pytest
 
 from bastion.app import Services
-from tests.attacks.test_snapshot_attacks import configure, detail, serve
+from tests.attacks.demo import configure, detail, serve
 from tests.helpers import call, create, mounts_under, processes_with, sh
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]

@@ -13,46 +13,23 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import subprocess
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from mcp import Client
 
-from bastion.app import Services, build_server, build_services
+from bastion.app import Services
 from bastion.config import load_config
 from bastion.safety.audit import verify
-from tests.helpers import call, create, demo_config_at, mounts_under, sh
+from tests.attacks.demo import configure, detail, serve
+from tests.helpers import call, create, mounts_under, sh
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
 
 MIB = 1024 * 1024
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="mounts a filesystem (root only)")
-
-
-def configure(demo: Path, **keys: object) -> Path:
-    """The demo config with `keys` set in [sandboxes] (values as TOML literals) and no warm pool."""
-    path = demo_config_at(demo)
-    lines = "".join(f"{key} = {value}\n" for key, value in {"warm_pool": 0, **keys}.items())
-    text = path.read_text()
-    for key in keys:  # the demo sets some of them: its line goes, the test's is the one
-        text = re.sub(rf"(?m)^{key} = .*\n", "", text)
-    assert "[sandboxes]\nenabled = true\n" in text
-    path.write_text(text.replace("[sandboxes]\nenabled = true\n", f"[sandboxes]\nenabled = true\n{lines}", 1))
-    return path
-
-
-@contextlib.asynccontextmanager
-async def serve(config_path: Path) -> AsyncIterator[tuple[Client, Services]]:
-    services = build_services(load_config(config_path))
-    try:
-        async with Client(build_server(services, caller="test")) as client:
-            yield client, services
-    finally:
-        services.close()
 
 
 @contextlib.contextmanager
@@ -84,12 +61,6 @@ def free_bytes(folder: Path) -> int:
 def snapshot_files(services: Services) -> list[str]:
     folder = services.config.state_dir / "snapshots"
     return sorted(os.listdir(folder)) if folder.is_dir() else []
-
-
-def detail(result: dict[str, object]) -> dict[str, object]:
-    found = result["detail"]
-    assert isinstance(found, dict)
-    return found
 
 
 @ROOT_ONLY

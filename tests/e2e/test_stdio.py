@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,11 +12,10 @@ from mcp import Client, StdioServerParameters
 
 from bastion.safety.audit import verify
 from bastion.serve import client_snippet
-from tests.helpers import INSPECTOR, NODE_TOOLS_MISSING, node_env, node_tools_installed
+from tests.helpers import BASTION, INSPECTOR, NODE_TOOLS_MISSING, node_env, node_tools_installed
 
 pytestmark = pytest.mark.anyio
 
-BASTION = Path(sys.executable).parent / "bastion"
 TOOLS = {
     "run_command",
     "explain_command",

@@ -33,8 +33,7 @@ from bastion.config import load_config
 from bastion.safety.approvals import ApprovalQueue
 from tests.helpers import call
 
-from .lab import GatewayLab
-from .test_gateway_tools import approvals_cli, host_saw, variant
+from .lab import GatewayLab, approvals_cli, host_saw, variant
 
 pytestmark = pytest.mark.anyio
 

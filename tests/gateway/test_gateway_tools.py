@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -30,7 +29,7 @@ from bastion.safety.approvals import ApprovalQueue
 from bastion.tools.server import GATEWAY_DEPLOY, GATEWAY_READ
 from tests.helpers import call
 
-from .lab import GatewayLab
+from .lab import GatewayLab, approvals_cli, host_saw, variant
 
 pytestmark = pytest.mark.anyio
 
@@ -43,32 +42,6 @@ async def connect(config_path: Path, caller: str = "gateway-test") -> AsyncItera
             yield client
     finally:
         services.close()
-
-
-def variant(lab: GatewayLab, name: str, old: str, new: str) -> Path:
-    """A copy of the lab's bastion.toml (same folder, so relative paths hold) with one change."""
-    text = lab.config_path.read_text()
-    assert old in text
-    path = lab.config_path.with_name(name)
-    path.write_text(text.replace(old, new, 1))
-    return path
-
-
-def host_saw(lab: GatewayLab, literal: str) -> bool:
-    runs = any(" ".join(run["argv"]) == literal for run in lab.action_runs())
-    return runs or any(record.get("request") == literal for record in lab.dispatch_records())
-
-
-def approvals_cli(lab: GatewayLab, config: Path, *args: str) -> str:
-    done = subprocess.run(
-        [sys.executable, "-m", "bastion", "approvals", *args, "--config", str(config)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    return done.stdout
 
 
 async def test_status_and_logs_work(lab: GatewayLab) -> None:

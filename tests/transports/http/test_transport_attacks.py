@@ -34,7 +34,7 @@ from mcp.shared.auth import AuthorizationCodeResult, OAuthClientMetadata
 from tests.helpers import INITIALIZE_REQUEST, MCP_HEADERS, call
 
 from .live import BASTION, Browser, LiveServer, callback_params, get_tokens, pkce
-from .test_flow import MemoryStorage
+from .sdk_client import MemoryStorage
 
 LINE = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d[+-]\d{4} (DEBUG|INFO|WARNING|ERROR|CRITICAL) [\w.]+: ")
 CLAUDE_AI_CALLBACK = "https://claude.ai/api/mcp/auth_callback"
