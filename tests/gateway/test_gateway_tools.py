@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -146,11 +147,14 @@ async def test_denied_deploy_never_reaches_the_host(lab: GatewayLab) -> None:
 
 
 async def test_expired_approval_never_runs(lab: GatewayLab) -> None:
+    """The ttl passes on another process's clock (the queue's expiry itself is tested with a fake
+    clock in tests/safety/test_approvals.py); the server then refuses the expired approval."""
     config = variant(lab, "bastion-short-ttl.toml", "ttl_s = 600", "ttl_s = 1")
     async with connect(config) as client:
         first = await call(client, "biscuit_deploy", project="biscuit", version="v4.0.0")
         approval_id = first["detail"]["approval_id"]  # type: ignore[index]
-        await anyio.sleep(1.2)
+        later = ApprovalQueue(load_config(config).db_path, clock=lambda: time.time() + 2)
+        assert later.get(approval_id).state == "expired"
         late = await call(client, "biscuit_deploy", project="biscuit", version="v4.0.0", approval_id=approval_id)
     assert late["code"] == "APPROVAL_DENIED"
     assert "expired" in late["reason"]
@@ -161,15 +165,17 @@ async def test_deploy_waits_with_progress_and_runs_when_approved(lab: GatewayLab
     config = variant(lab, "bastion-wait.toml", "wait_s = 0", "wait_s = 20")
     queue = ApprovalQueue(load_config(config).db_path)
     progress: list[str] = []
+    notified = anyio.Event()
 
     async def on_progress(value: float, total: float | None, message: str | None) -> None:
         progress.append(message or "")
+        notified.set()
 
     async def approve_when_asked() -> None:
         with anyio.fail_after(15):
             while not (pending := [a for a in queue.pending() if a.literal == "deploy biscuit v5.0.0"]):
                 await anyio.sleep(0.05)
-            await anyio.sleep(1.5)  # long enough for at least one progress notification
+            await notified.wait()  # the client saw the wait before the human decides
             await anyio.to_thread.run_sync(approvals_cli, lab, config, "approve", pending[0].id)
 
     async with connect(config) as client, anyio.create_task_group() as tasks:

@@ -65,6 +65,18 @@ async def wait_for(marker: str, *, present: bool, count: int = 1) -> None:
         await anyio.sleep(0.01)
 
 
+async def until_written(client: Client, box: str, count: int, *, limit_s: float = 10) -> None:
+    """Poll until the sandbox's one background process has written at least `count` bytes."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        listed = await call(client, "list_processes", sandbox_id=box)
+        [entry] = listed["detail"]["processes"]  # type: ignore[index]
+        if entry["output_bytes"] >= count:
+            return
+        assert time.monotonic() < deadline, entry
+        await anyio.sleep(0.02)
+
+
 def sleeps_with(marker: str) -> list[int]:
     """Host pids of `sleep` processes whose command line contains `marker`."""
     found = []
@@ -85,7 +97,7 @@ async def test_background_process_survives_between_calls(client: Client) -> None
     box = await create(client)
     pid = await start(client, box, TICKER)
     assert pid == 1
-    await anyio.sleep(0.35)
+    await until_written(client, box, len("tick 0\ntick 1\n"))
     # Other commands run meanwhile, in the same sandbox.
     other = await call(client, "run_command", command="echo other", sandbox_id=box)
     assert other["detail"]["stdout"] == "other\n"  # type: ignore[index]
@@ -94,7 +106,7 @@ async def test_background_process_survives_between_calls(client: Client) -> None
     assert first["since"] == 0
     first_ticks = ticks(str(first["stdout"]))
     assert first_ticks[:2] == [0, 1]
-    await anyio.sleep(0.35)
+    await until_written(client, box, int(str(first["next"])) + 1)  # echo writes a tick line at once
     second = await read(client, box, pid, since=int(str(first["next"])))
     second_ticks = ticks(str(second["stdout"]))
     assert second_ticks, second
@@ -107,7 +119,7 @@ async def test_background_process_survives_between_calls(client: Client) -> None
     assert entry["state"] == "running"
     assert entry["exit_status"] is None
     assert entry["output_bytes"] > 0
-    assert entry["age_s"] >= 0.7
+    assert entry["age_s"] >= 0.1 * (second_ticks[-1] - 1)  # the ticker sleeps 0.1 s between ticks
     killed = await call(client, "kill_process", pid=pid, sandbox_id=box)
     assert killed["ok"], killed
     assert killed["detail"]["state"] == "exited"  # type: ignore[index]
@@ -172,11 +184,12 @@ async def test_kill_leaves_no_survivors(client: Client) -> None:
 
 async def test_secret_split_across_writes_and_reads_is_redacted(client: Client) -> None:
     box = await create(client)
-    pid = await start(client, box, "printf 'key=AKIAIOSF'; sleep 0.6; printf 'ODNN7EXAMPLE done\\n'; echo end")
-    await anyio.sleep(0.3)
+    pid = await start(client, box, "printf 'key=AKIAIOSF'; read go; printf 'ODNN7EXAMPLE done\\n'; echo end")
+    await until_written(client, box, len("key=AKIAIOSF"))
     early = await read(client, box, pid)
     assert early["state"] == "running"
     assert "AKIA" not in str(early["stdout"])  # held back: it could be the start of a secret
+    assert (await call(client, "send_process_input", pid=pid, data="\n", sandbox_id=box))["ok"]
     text, last = await read_until_exit(client, box, pid)
     assert last["exit_status"] == 0
     assert "AKIA" not in text
@@ -187,9 +200,10 @@ async def test_secret_split_across_writes_and_reads_is_redacted(client: Client) 
 
 async def test_escapes_are_neutralised_even_when_split(client: Client) -> None:
     box = await create(client)
-    pid = await start(client, box, r"printf 'red:\033['; sleep 0.4; printf '31mRED\033[0m\r\nok\n'")
-    await anyio.sleep(0.2)
+    pid = await start(client, box, r"printf 'red:\033['; read go; printf '31mRED\033[0m\r\nok\n'")
+    await until_written(client, box, len("red:\033["))
     await read(client, box, pid)
+    assert (await call(client, "send_process_input", pid=pid, data="\n", sandbox_id=box))["ok"]
     text, _ = await read_until_exit(client, box, pid)
     assert text == "red:RED\nok\n"
 
@@ -197,7 +211,7 @@ async def test_escapes_are_neutralised_even_when_split(client: Client) -> None:
 async def test_endless_output_is_bounded_and_the_server_stays_responsive(client: Client, services: Services) -> None:
     box = await create(client)
     pid = await start(client, box, "yes")
-    await anyio.sleep(0.5)
+    await until_written(client, box, RING_BYTES + 1)  # more than the host keeps: some is dropped
     started = time.monotonic()
     ping = await call(client, "run_command", command="echo pong", sandbox_id=box)
     assert ping["detail"]["stdout"] == "pong\n"  # type: ignore[index]
