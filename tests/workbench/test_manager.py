@@ -8,6 +8,7 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from mcp import Client
 from bastion.app import Services, build_server, build_services
 from bastion.config import load_config
 from bastion.safety.errors import Unavailable
+from bastion.sandbox.cgroups import Usage
 from bastion.workbench.manager import NET_TEMP_PREFIX
 from tests.helpers import (
     LoopLag,
@@ -31,6 +33,14 @@ from tests.helpers import (
 )
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
+
+
+async def cpu_used_beyond(usage_of: Callable[[], Usage | None], usec: int, *, limit_s: float = 10) -> None:
+    """Poll until the sandbox (its `usage` method) has used more than `usec` microseconds of CPU."""
+    deadline = time.monotonic() + limit_s
+    while (usage := usage_of()) is None or usage.cpu_usec <= usec:
+        assert time.monotonic() < deadline, usage
+        await anyio.sleep(0.02)
 
 
 async def test_sandbox_runs_a_shell_and_shares_files_with_the_file_tools(client: Client) -> None:
@@ -71,13 +81,13 @@ async def test_pause_stops_cpu_and_refuses_commands(client: Client, services: Se
 
     async with anyio.create_task_group() as tasks:
         tasks.start_soon(spin)
-        await anyio.sleep(0.5)
+        await cpu_used_beyond(workspace.sandbox.usage, 100_000)  # the spin loop runs
         paused = await call(client, "pause_sandbox", sandbox_id=box)
         assert paused["detail"]["state"] == "paused"  # type: ignore[index]
         usage = workspace.sandbox.usage()
         assert usage is not None
         before = usage.cpu_usec
-        await anyio.sleep(0.5)
+        await anyio.sleep(0.5)  # the subject: half a second paused uses no CPU
         after = workspace.sandbox.usage()
         assert after is not None
         assert after.cpu_usec - before < 20_000
@@ -85,10 +95,7 @@ async def test_pause_stops_cpu_and_refuses_commands(client: Client, services: Se
         assert refused["code"] == "CONFLICT"
         resumed = await call(client, "resume_sandbox", sandbox_id=box)
         assert resumed["ok"]
-        await anyio.sleep(0.3)
-        later = workspace.sandbox.usage()
-        assert later is not None
-        assert later.cpu_usec - after.cpu_usec > 100_000
+        await cpu_used_beyond(workspace.sandbox.usage, after.cpu_usec + 100_000)
         tasks.cancel_scope.cancel()
 
 
