@@ -8,12 +8,13 @@ import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from mcp import Client
 
 from bastion.app import Services, build_server, build_services
 from bastion.config import Config, load_config
-from tests.helpers import demo_config_at
+from tests.helpers import Payload, demo_config_at
 
 
 @dataclass
@@ -80,7 +81,7 @@ async def serve(config_path: Path) -> AsyncIterator[tuple[Client, Services]]:
         services.close()
 
 
-def detail(result: dict[str, object]) -> dict[str, object]:
+def detail(result: Payload) -> dict[str, Any]:
     found = result["detail"]
     assert isinstance(found, dict)
     return found

@@ -97,7 +97,7 @@ async def test_snapshot_flood_fills_state_folder_refused(tmp_path: Path) -> None
             assert restored["code"] == "RESOURCE_LIMIT", restored
             assert "state_reserve_bytes" in str(restored["reason"])
             listed = await call(client, "list_sandboxes")
-            assert [s["sandbox_id"] for s in detail(listed)["sandboxes"]] == [box]  # type: ignore[attr-defined]
+            assert [s["sandbox_id"] for s in detail(listed)["sandboxes"]] == [box]
             folders = [name for name in os.listdir(services.config.sandboxes_dir) if name.startswith("sb-")]
             assert folders == [box]  # the sandbox made for the refused restore is gone
             os.sync()
@@ -190,15 +190,15 @@ async def test_agent_snapshot_retention_expires_at_reap_and_at_start(tmp_path: P
         await sh(client, box, "echo x > f")
         ids = [str(detail(await call(client, "snapshot_sandbox", sandbox_id=box))["snapshot_id"]) for _ in range(3)]
         listed = detail(await call(client, "list_snapshots"))["snapshots"]
-        assert all(s["expires"] > time.time() + 3500 for s in listed)  # type: ignore[attr-defined]
+        assert all(s["expires"] > time.time() + 3500 for s in listed)
         age(services, ids[0], 7200)
         await services.sandboxes.reap()
-        remaining = [s["snapshot_id"] for s in detail(await call(client, "list_snapshots"))["snapshots"]]  # type: ignore[attr-defined]
+        remaining = [s["snapshot_id"] for s in detail(await call(client, "list_snapshots"))["snapshots"]]
         assert remaining == ids[1:]
         assert f"{ids[0]}.tar.gz" not in snapshot_files(services)
         age(services, ids[1], 7200)
     async with serve(config_path) as (client, services):
-        remaining = [s["snapshot_id"] for s in detail(await call(client, "list_snapshots"))["snapshots"]]  # type: ignore[attr-defined]
+        remaining = [s["snapshot_id"] for s in detail(await call(client, "list_snapshots"))["snapshots"]]
         assert remaining == ids[2:]
         assert snapshot_files(services) == sorted([f"{ids[2]}.json", f"{ids[2]}.tar.gz"])
 
@@ -233,7 +233,7 @@ async def test_restore_sparse_file_stays_sparse_in_a_sandbox(tmp_path: Path) -> 
         assert size == 1536 * MIB
         assert blocks * 512 < MIB
         status = await call(client, "get_sandbox_status", sandbox_id=new_box)
-        assert detail(status)["usage"]["disk_bytes"] < 64 * MIB  # type: ignore[index]
+        assert detail(status)["usage"]["disk_bytes"] < 64 * MIB
 
 
 async def test_recovery_keeps_a_crashed_workspace_rather_than_eat_the_reserve(tmp_path: Path) -> None:
@@ -254,5 +254,5 @@ async def test_recovery_keeps_a_crashed_workspace_rather_than_eat_the_reserve(tm
     config_path.write_text(config_path.read_text().replace(f"state_reserve_bytes = {2**60}\n", ""))
     async with serve(config_path) as (client, services):
         listed = detail(await call(client, "list_snapshots"))["snapshots"]
-        assert [(s["label"], s["recovered"]) for s in listed] == [("recovered", True)]  # type: ignore[index]
+        assert [(s["label"], s["recovered"]) for s in listed] == [("recovered", True)]
         assert not orphan.parent.exists()

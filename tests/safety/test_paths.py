@@ -799,7 +799,7 @@ def _tree(folder: Path) -> dict[str, bytes]:
 
 
 # Each makes `keys` lead into .ssh (or its sub-folder, `keys/sub` then being one level deeper).
-_SECRET_LINKS = {
+_SECRET_LINKS: dict[str, list[tuple[str, str | None]]] = {
     "relative": [("keys", ".ssh")],
     "dot-slash": [("keys", "./.ssh")],
     "through-dotdot": [("plain", None), ("keys", "plain/../.ssh")],

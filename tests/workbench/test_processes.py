@@ -70,7 +70,7 @@ async def until_written(client: Client, box: str, count: int, *, limit_s: float 
     deadline = time.monotonic() + limit_s
     while True:
         listed = await call(client, "list_processes", sandbox_id=box)
-        [entry] = listed["detail"]["processes"]  # type: ignore[index]
+        [entry] = listed["detail"]["processes"]
         if entry["output_bytes"] >= count:
             return
         assert time.monotonic() < deadline, entry
@@ -100,7 +100,7 @@ async def test_background_process_survives_between_calls(client: Client) -> None
     await until_written(client, box, len("tick 0\ntick 1\n"))
     # Other commands run meanwhile, in the same sandbox.
     other = await call(client, "run_command", command="echo other", sandbox_id=box)
-    assert other["detail"]["stdout"] == "other\n"  # type: ignore[index]
+    assert other["detail"]["stdout"] == "other\n"
     first = await read(client, box, pid)
     assert first["state"] == "running"
     assert first["since"] == 0
@@ -114,7 +114,7 @@ async def test_background_process_survives_between_calls(client: Client) -> None
     again = await read(client, box, pid)  # without since: from the start again
     assert ticks(str(again["stdout"]))[: len(first_ticks + second_ticks)] == first_ticks + second_ticks
     listed = await call(client, "list_processes", sandbox_id=box)
-    [entry] = listed["detail"]["processes"]  # type: ignore[index]
+    [entry] = listed["detail"]["processes"]
     assert entry["pid"] == pid
     assert entry["state"] == "running"
     assert entry["exit_status"] is None
@@ -122,8 +122,8 @@ async def test_background_process_survives_between_calls(client: Client) -> None
     assert entry["age_s"] >= 0.1 * (second_ticks[-1] - 1)  # the ticker sleeps 0.1 s between ticks
     killed = await call(client, "kill_process", pid=pid, sandbox_id=box)
     assert killed["ok"], killed
-    assert killed["detail"]["state"] == "exited"  # type: ignore[index]
-    assert killed["detail"]["exit_status"] == 128 + 9  # type: ignore[index]
+    assert killed["detail"]["state"] == "exited"
+    assert killed["detail"]["exit_status"] == 128 + 9
 
 
 async def test_stdin_round_trip_and_eof(client: Client) -> None:
@@ -131,7 +131,7 @@ async def test_stdin_round_trip_and_eof(client: Client) -> None:
     pid = await start(client, box, "cat")
     sent = await call(client, "send_process_input", pid=pid, data="hello\n", sandbox_id=box)
     assert sent["ok"], sent
-    assert sent["detail"]["bytes_written"] == 6  # type: ignore[index]
+    assert sent["detail"]["bytes_written"] == 6
     for _ in range(100):
         detail = await read(client, box, pid)
         if detail["stdout"]:
@@ -141,21 +141,21 @@ async def test_stdin_round_trip_and_eof(client: Client) -> None:
     assert detail["state"] == "running"
     closed = await call(client, "send_process_input", pid=pid, data="bye\n", eof=True, sandbox_id=box)
     assert closed["ok"], closed
-    assert closed["detail"]["eof"] is True  # type: ignore[index]
+    assert closed["detail"]["eof"] is True
     text, last = await read_until_exit(client, box, pid)
     assert text == "hello\nbye\n"
     assert last["exit_status"] == 0
     late = await call(client, "send_process_input", pid=pid, data="more\n", sandbox_id=box)
     assert late["code"] == "CONFLICT"
     listed = await call(client, "list_processes", sandbox_id=box)
-    [entry] = listed["detail"]["processes"]  # type: ignore[index]
+    [entry] = listed["detail"]["processes"]
     assert (entry["state"], entry["exit_status"], entry["stdin_open"]) == ("exited", 0, False)
 
 
 async def test_foreground_commands_still_read_dev_null(client: Client) -> None:
     box = await create(client)
     out = await call(client, "run_command", command="cat; readlink /proc/self/fd/0", sandbox_id=box)
-    assert out["detail"]["stdout"] == "/dev/null\n"  # type: ignore[index]
+    assert out["detail"]["stdout"] == "/dev/null\n"
 
 
 async def test_kill_leaves_no_survivors(client: Client) -> None:
@@ -172,12 +172,12 @@ async def test_kill_leaves_no_survivors(client: Client) -> None:
     assert len(processes_with(marker)) == 4
     killed = await call(client, "kill_process", pid=pid, sandbox_id=box)
     assert killed["ok"], killed
-    assert killed["detail"]["killed"] is True  # type: ignore[index]
+    assert killed["detail"]["killed"] is True
     await wait_for(marker, present=False)
     assert processes_with(marker) == []
     again = await call(client, "kill_process", pid=pid, sandbox_id=box)
     assert again["ok"]
-    assert again["detail"]["killed"] is False  # type: ignore[index]
+    assert again["detail"]["killed"] is False
     _, last = await read_until_exit(client, box, pid)
     assert last["exit_status"] == 137
 
@@ -214,7 +214,7 @@ async def test_endless_output_is_bounded_and_the_server_stays_responsive(client:
     await until_written(client, box, RING_BYTES + 1)  # more than the host keeps: some is dropped
     started = time.monotonic()
     ping = await call(client, "run_command", command="echo pong", sandbox_id=box)
-    assert ping["detail"]["stdout"] == "pong\n"  # type: ignore[index]
+    assert ping["detail"]["stdout"] == "pong\n"
     assert time.monotonic() - started < 2
     cap = services.sandboxes.get(box).workspace.config.max_output_bytes
     detail = await read(client, box, pid)
@@ -223,7 +223,7 @@ async def test_endless_output_is_bounded_and_the_server_stays_responsive(client:
     assert detail["more"] is True
     assert int(str(detail["dropped_bytes"])) > 0
     listed = await call(client, "list_processes", sandbox_id=box)
-    [entry] = listed["detail"]["processes"]  # type: ignore[index]
+    [entry] = listed["detail"]["processes"]
     assert entry["output_bytes"] > RING_BYTES
     assert 0 < entry["unread_bytes"] <= RING_BYTES  # what the host holds for it: at most the ring
     following = await read(client, box, pid, since=int(str(detail["next"])))
@@ -238,7 +238,7 @@ async def test_host_workspace_refuses_background_and_unknown_pids(client: Client
     assert "sandboxes" in str(refused["reason"])
     listed = await call(client, "list_processes")
     assert listed["ok"]
-    assert listed["detail"]["processes"] == []  # type: ignore[index]
+    assert listed["detail"]["processes"] == []
     box = await create(client)
     for tool, args in (
         ("read_process_output", {}),
@@ -264,7 +264,7 @@ async def test_list_shows_states_and_exit_statuses(client: Client) -> None:
     assert (await read(client, box, failed))["stderr"] == "oops\n"
     await read_until_exit(client, box, ok)
     listed = await call(client, "list_processes", sandbox_id=box)
-    states = {p["pid"]: (p["state"], p["exit_status"]) for p in listed["detail"]["processes"]}  # type: ignore[index]
+    states = {p["pid"]: (p["state"], p["exit_status"]) for p in listed["detail"]["processes"]}
     assert states == {1: ("exited", 0), 2: ("exited", 3), 3: ("running", None)}
     past = await call(client, "read_process_output", pid=failed, since=10**6, sandbox_id=box)
     assert past["code"] == "INVALID_REQUEST"

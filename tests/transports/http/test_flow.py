@@ -41,7 +41,7 @@ async def test_sdk_client_full_flow(server: LiveServer, browsers: Callable[[Live
         assert listing["ok"], listing
         ran = await call(client, "run_command", command="echo over-http")
         assert ran["ok"], ran
-        assert "over-http" in ran["detail"]["stdout"]  # type: ignore[index]
+        assert "over-http" in ran["detail"]["stdout"]
     assert storage.client_info is not None
     audit = [json.loads(line) for line in (server.root / "state" / "audit.jsonl").read_text().splitlines()]
     callers = {record.get("caller") for record in audit if record.get("tool") == "run_command"}
