@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from bastion.demo import init_demo
 from tests.attacks.demo import Demo
+from tests.helpers import demo_config_at
 
 
 @pytest.fixture
@@ -17,7 +17,7 @@ def anyio_backend() -> str:
 
 @pytest.fixture
 def demo(tmp_path: Path) -> Demo:
-    config_path = init_demo(tmp_path / "demo")
+    config_path = demo_config_at(tmp_path / "demo")  # runnable unprivileged too (no disk quota)
     outside = tmp_path / "outside"
     outside.mkdir()
     return Demo(root=config_path.parent, config_path=config_path, outside=outside)

@@ -63,6 +63,7 @@ def snapshot_files(services: Services) -> list[str]:
     return sorted(os.listdir(folder)) if folder.is_dir() else []
 
 
+@pytest.mark.root
 @ROOT_ONLY
 async def test_snapshot_flood_fills_state_folder_refused(tmp_path: Path) -> None:
     """Invariant: snapshots and restores stop at the reserve; the audit log still appends; nothing half-written stays.
@@ -203,6 +204,7 @@ async def test_agent_snapshot_retention_expires_at_reap_and_at_start(tmp_path: P
         assert snapshot_files(services) == sorted([f"{ids[2]}.json", f"{ids[2]}.tar.gz"])
 
 
+@pytest.mark.root
 @ROOT_ONLY
 async def test_restore_sparse_file_stays_sparse_in_a_sandbox(tmp_path: Path) -> None:
     """A 1.5 GiB file of holes in a sandbox's disk comes back in a new sandbox with its holes (st_blocks).

@@ -59,6 +59,7 @@ def snippet_params(config_path: Path) -> StdioServerParameters:
     return StdioServerParameters(command=command, args=entry["args"])
 
 
+@pytest.mark.bwrap
 async def test_stdio_session_runs_tools_and_records_them(demo_config_path: Path) -> None:
     """Invariant: over a real stdio transport every call answers an OperationResult, isError == not ok."""
     params = snippet_params(demo_config_path)
@@ -92,6 +93,7 @@ async def test_stdio_session_runs_tools_and_records_them(demo_config_path: Path)
     assert report.records >= len(calls)
 
 
+@pytest.mark.bwrap
 async def test_bastion_config_env_replaces_flag(demo_config_path: Path) -> None:
     env = {**os.environ, "BASTION_CONFIG": str(demo_config_path)}
     params = StdioServerParameters(command=str(BASTION), args=["serve", "--stdio"], env=env)

@@ -116,6 +116,7 @@ def test_config_refusals(tmp_path: Path, old: str, new: str, message: str) -> No
         load_config(path)
 
 
+@pytest.mark.root
 def test_readme_install_recipe_gives_a_config_dispatch_trusts(tmp_path: Path) -> None:
     """The README's step 4 (`install -o root -g root -m 0644 -D`) gives a config dispatch.py reads; the same
     file left group-writable, or in a folder others may write, is refused (issue 13, finding 7)."""

@@ -217,6 +217,7 @@ async def test_restore_unknown_snapshot(client: Client) -> None:
     assert (await call(client, "list_sandboxes"))["detail"]["sandboxes"] == []
 
 
+@pytest.mark.root
 @pytest.mark.skipif(os.geteuid() != 0, reason="the per-sandbox filesystem is mounted by root")
 async def test_disk_quota_is_enospc_inside(client: Client, services: Services) -> None:
     """Invariant: /workspace is a filesystem of disk_bytes: writing past it fails with ENOSPC inside."""

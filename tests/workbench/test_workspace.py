@@ -18,7 +18,7 @@ from bastion.sandbox.warm import _descendants
 from bastion.workbench.workspace import IDMAP_DIR
 from tests.helpers import Payload, demo_config_at
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
 
 AWS_KEY = "AKIAIOSFODNN7EXAMPLE"
 
