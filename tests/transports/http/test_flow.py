@@ -26,6 +26,7 @@ from .sdk_client import MemoryStorage, mcp_client, sdk_provider
 pytestmark = pytest.mark.anyio
 
 
+@pytest.mark.bwrap  # it runs a command
 @pytest.mark.parametrize("mode", ["legacy", "2026-07-28"])
 async def test_sdk_client_full_flow(server: LiveServer, browsers: Callable[[LiveServer], Browser], mode: str) -> None:
     storage, opened = MemoryStorage(), list[str]()
