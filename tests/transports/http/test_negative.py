@@ -48,8 +48,7 @@ def confidential_client(server: LiveServer) -> tuple[str, str]:
 
 
 def tokens_for(server: LiveServer, client_id: str, **kwargs: Any) -> dict[str, Any]:
-    tokens = get_tokens(server, client_id, **kwargs)
-    return tokens
+    return get_tokens(server, client_id, **kwargs)
 
 
 def code_for(server: LiveServer, client_id: str, challenge: str, redirect_uri: str = LOOPBACK_CB, **params: str) -> str:
@@ -58,8 +57,7 @@ def code_for(server: LiveServer, client_id: str, challenge: str, redirect_uri: s
         location = browser.approve(browser.authorize_url(client_id, challenge, redirect_uri=redirect_uri, **params))
     finally:
         browser.close()
-    code = callback_params(location)["code"][0]
-    return code
+    return callback_params(location)["code"][0]
 
 
 def redeem(raw: httpx2.Client, client_id: str, code: str, verifier: str, **extra: str) -> httpx2.Response:
