@@ -160,7 +160,7 @@ def mint_tokens(root: Path, base: str, count: int) -> list[tuple[str, str, str]]
 def client_for(url: str, token: str | None, mode: str) -> tuple[httpx2.AsyncClient, Client]:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     http = httpx2.AsyncClient(headers=headers, timeout=60)
-    return http, Client(streamable_http_client(url, http_client=http), mode=mode)  # type: ignore[arg-type]
+    return http, Client(streamable_http_client(url, http_client=http), mode=mode)
 
 
 async def timed(client: Client) -> float:

@@ -145,7 +145,7 @@ async def phases(server: Server, calls: int, files: int) -> bool:
     ok = True
 
     async def protocol_flood() -> str:
-        ended = []
+        ended: list[str] = []
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline and len(ended) < 6:
             for code in (OLD_FLOOD, VALID_FLOOD):

@@ -86,7 +86,8 @@ def bench_plan(base: Path, rounds: int) -> tuple[float, float]:
 
 
 def bench_apply(base: Path, rounds: int) -> tuple[float, float]:
-    ours, naive = [], []
+    ours: list[float] = []
+    naive: list[float] = []
     for index in range(rounds):
         naive_inbox, our_inbox = base / f"naive-{index}", base / f"ours-{index}"
         fill(naive_inbox, APPLY_FILES)
@@ -96,7 +97,7 @@ def bench_apply(base: Path, rounds: int) -> tuple[float, float]:
             plan_id = organizer.plan()["plan_id"]
             naive_work = functools.partial(naive_apply, naive_inbox)
             our_work = functools.partial(organizer.apply, plan_id)
-            pair = [("naive", naive_work), ("ours", our_work)]
+            pair: list[tuple[str, Callable[[], object]]] = [("naive", naive_work), ("ours", our_work)]
             for name, work in pair if index % 2 == 0 else reversed(pair):
                 (naive if name == "naive" else ours).append(timed(work))
             assert not any(p.is_file() for p in our_inbox.iterdir()), "apply left files behind"

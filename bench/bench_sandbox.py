@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import anyio
 from mcp import Client, StdioServerParameters
@@ -131,7 +132,7 @@ async def density(config: Path, count: int) -> tuple[float, float, float, float]
     return (one_before + one_after) / 2, many, (before - awake) / (count - 1), (before - asleep) / (count - 1)
 
 
-async def timed_calls(server: object, args: dict[str, object], calls: int = 300) -> float:
+async def timed_calls(server: object, args: dict[str, Any], calls: int = 300) -> float:
     samples = []
     for i in range(calls + 20):
         await anyio.sleep(0.001)  # an agent's calls come one after another, not back to back

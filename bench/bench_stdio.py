@@ -14,6 +14,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import anyio
 from mcp import Client, StdioServerParameters
@@ -24,7 +25,7 @@ PYTHON = REPO / ".venv" / "bin" / "python"
 WARMUP_CALLS = 30
 
 
-async def timed(client: Client, name: str, args: dict[str, object]) -> float:
+async def timed(client: Client, name: str, args: dict[str, Any]) -> float:
     started = time.perf_counter()
     result = await client.call_tool(name, args)
     elapsed = (time.perf_counter() - started) * 1000

@@ -12,7 +12,7 @@ from mcp import Client
 
 from bastion.app import Services, build_server, build_services
 from bastion.config import Config, load_config
-from tests.helpers import demo_config_at
+from tests.helpers import DATA_ENV, demo_config_at
 
 _mktemp = pytest.TempPathFactory.mktemp
 
@@ -39,10 +39,6 @@ pytest.TempPathFactory.mktemp = _passable_mktemp  # type: ignore[method-assign]
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-
-# The python-data template's environment, built by `make install`; without it the demo has no template.
-DATA_ENV = Path(__file__).resolve().parents[1] / ".venv-python-data"
 
 
 @pytest.fixture

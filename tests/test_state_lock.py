@@ -13,8 +13,7 @@ from bastion.app import Services, build_server, build_services
 from bastion.config import load_config
 from bastion.safety.errors import ConfigError
 from bastion.state_lock import PID_FILE, StateLock
-from tests.e2e.test_stdio import BASTION
-from tests.helpers import call, create, sh
+from tests.helpers import BASTION, call, create, sh
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
 
@@ -82,9 +81,9 @@ async def _second_server_leaves_the_first_alone(client: Client, services: Servic
     assert config.audit_path.read_bytes() == audit_before
     assert Path("/proc/self/mountinfo").read_text().count(str(config.state_dir)) == mounts_before
     out = await sh(client, box, "cat kept.txt")
-    assert out["detail"]["stdout"] == "kept\n"  # type: ignore[index]
+    assert out["detail"]["stdout"] == "kept\n"
     listed = await call(client, "list_sandboxes")
-    assert [s["sandbox_id"] for s in listed["detail"]["sandboxes"]] == [box]  # type: ignore[index]
+    assert [s["sandbox_id"] for s in listed["detail"]["sandboxes"]] == [box]
 
 
 def test_second_server_in_process_on_same_state_folder_refused(config_path: Path) -> None:

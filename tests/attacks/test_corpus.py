@@ -34,7 +34,7 @@ from mcp_types import CallToolResult
 from bastion.safety.audit import CHAIN_FIELDS, verify
 
 if TYPE_CHECKING:
-    from .conftest import Demo
+    from .demo import Demo
 
 CORPUS_PATH = Path(__file__).with_name("attack-corpus.json")
 CORPUS: list[dict[str, Any]] = json.loads(CORPUS_PATH.read_text(encoding="utf-8"))
@@ -123,6 +123,13 @@ REFUSALS = frozenset({INVALID_REQUEST, POLICY_DENIED, PATH_ESCAPE, NOT_FOUND})
 
 # Entries that cannot apply to bastion, with the reason; none so far.
 SKIPS: dict[str, str] = {}
+
+
+def _param(entry: dict[str, Any]) -> Any:
+    """The entry as a test parameter; a command the policy lets through runs in a sandbox (bwrap)."""
+    runs = entry["tool"] == "terminal.run" and EXPECTED_CODE[entry["id"]] in ("OK", "TIMEOUT")
+    return pytest.param(entry, id=entry["id"], marks=[pytest.mark.bwrap] if runs else [])
+
 
 # A GitHub-token-shaped value the administrator configures; `printenv` must not show it.
 DEPLOY_TOKEN = "ghp_" + "Zq8Rk2Lm7Tv4Xw9Bn3Hc6Jd1Fs5Gy0Pa2Ue"
@@ -327,7 +334,7 @@ def _check_refused(entry: dict[str, Any], payload: dict[str, Any]) -> None:
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("entry", ENTRIES, ids=[entry["id"] for entry in ENTRIES])
+@pytest.mark.parametrize("entry", [_param(entry) for entry in ENTRIES])
 async def test_attack_is_refused_or_contained(entry: dict[str, Any], demo: Demo) -> None:
     if entry["id"] in SKIPS:
         pytest.skip(SKIPS[entry["id"]])
@@ -518,7 +525,7 @@ REDACTION_ENTRIES = [entry for entry in ENTRIES if entry["id"] in SECRETS]
 @pytest.mark.anyio
 @pytest.mark.parametrize(
     "entry",
-    [pytest.param(entry, id=entry["id"]) for entry in REDACTION_ENTRIES],
+    [_param(entry) for entry in REDACTION_ENTRIES],
 )
 async def test_secret_appears_nowhere_in_the_result(entry: dict[str, Any], demo: Demo) -> None:
     """The whole answer (content and structured content), not only stdout, is free of the secret."""

@@ -28,7 +28,7 @@ from bastion.safety.errors import ConfigError
 from tests.helpers import call
 
 if TYPE_CHECKING:
-    from .conftest import Demo
+    from .demo import Demo
 
 CORPUS: list[dict[str, Any]] = json.loads(Path(__file__).with_name("attack-corpus.json").read_text(encoding="utf-8"))
 ORGANIZER_TOOLS = frozenset({"files.move", "files.apply_plan", "files.undo", "files.set_workspace"})

@@ -15,8 +15,8 @@ import anyio
 import pytest
 
 from bastion.app import Services
-from tests.attacks.test_snapshot_attacks import configure, detail, serve
-from tests.helpers import call, create, mounts_under, processes_with, sh
+from tests.attacks.demo import configure, detail, serve
+from tests.helpers import Payload, call, create, mounts_under, processes_with, sh
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
 
@@ -142,7 +142,7 @@ async def test_close_twice_while_command_context_and_background_run_leaves_nothi
         assert (await call(client, "run_command", command="sleep 300", sandbox_id=box, background=True))["ok"]
         assert (await call(client, "execute_code", code="x = 1", sandbox_id=box))["ok"]
         runner = services.sandboxes.get(box).code
-        answers: dict[str, dict[str, object]] = {}
+        answers: dict[str, Payload] = {}
 
         async def keep(name: str, tool: str, **args: object) -> None:
             answers[name] = await call(client, tool, sandbox_id=box, **args)
@@ -165,7 +165,7 @@ async def test_close_twice_while_command_context_and_background_run_leaves_nothi
             assert answers[name]["code"] in ("UNAVAILABLE", "SANDBOX_NOT_FOUND", "OPERATION_FAILED"), answers[name]
             assert "Traceback" not in str(answers[name])
         assert answers["command"]["reason"] == "the sandbox ended while a command was running", answers
-        assert answers["code"]["detail"]["context_state"] == "dead", answers  # type: ignore[index]
+        assert answers["code"]["detail"]["context_state"] == "dead", answers
         # A context cut off while it started says so; before, "it did not start in time", at once.
         assert answers["starting"]["reason"] == "the Python context did not start: the kernel exited", answers
         assert leftovers(services, box, cgroups) == []
@@ -185,7 +185,7 @@ async def test_close_twice_while_command_context_and_background_run_leaves_nothi
         for made in boxes:
             group = groups[made]
             assert leftovers(services, made, tuple(group.paths) if group is not None else ()) == []
-        assert (await call(client, "list_sandboxes"))["detail"]["sandboxes"] == []  # type: ignore[index]
+        assert (await call(client, "list_sandboxes"))["detail"]["sandboxes"] == []
 
 
 @pytest.mark.parametrize("disk_quota", ["true", "false"])
@@ -210,7 +210,7 @@ async def test_close_while_a_snapshot_is_written_keeps_the_snapshot_whole(
         )
         assert made["ok"], made
         folder = services.config.state_dir / "snapshots"
-        answers: dict[str, dict[str, object]] = {}
+        answers: dict[str, Payload] = {}
 
         async def keep(name: str, tool: str, **args: object) -> None:
             answers[name] = await call(client, tool, **args)

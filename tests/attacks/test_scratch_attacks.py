@@ -19,7 +19,7 @@ from mcp import Client
 from bastion.app import Services, build_services
 from bastion.config import Config, load_config
 from bastion.safety.errors import ConfigError
-from tests.helpers import call, create, mounts_under, sh
+from tests.helpers import Payload, call, create, mounts_under, sh
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap, pytest.mark.root]
 
@@ -36,8 +36,8 @@ def services(demo_config: Config) -> Iterator[Services]:
     assert mounts_under(demo_config.state_dir) == []
 
 
-def _stdout(result: dict[str, object]) -> str:
-    return str(result["detail"]["stdout"])  # type: ignore[index]
+def _stdout(result: Payload) -> str:
+    return str(result["detail"]["stdout"])
 
 
 async def test_empty_file_flood_in_tmp_is_enospc_and_the_sandbox_lives(client: Client, services: Services) -> None:
@@ -48,7 +48,7 @@ async def test_empty_file_flood_in_tmp_is_enospc_and_the_sandbox_lives(client: C
     assert out["ok"], out
     made = int(_stdout(out).split()[0])
     assert cap - 8 <= made < cap  # the root folder is one inode
-    assert "No space left on device" in str(out["detail"]["stderr"])  # type: ignore[index]
+    assert "No space left on device" in str(out["detail"]["stderr"])
     assert services.sandboxes.get(box).workspace.sandbox.oom_kills() == 0
     after = await sh(client, box, "ls /tmp | wc -l; echo alive")
     assert _stdout(after) == f"{made}\nalive\n"
@@ -59,7 +59,7 @@ async def test_big_file_in_scratch_folder_is_enospc_at_its_cap(client: Client, s
     box = await create(client)
     cap = services.config.sandboxes.tmp_bytes if folder == "/tmp" else services.config.sandboxes.shm_bytes
     out = await sh(client, box, f"head -c {cap + 32 * MIB} /dev/zero > {folder}/big; stat -c %s {folder}/big")
-    assert "No space left on device" in str(out["detail"]["stderr"])  # type: ignore[index]
+    assert "No space left on device" in str(out["detail"]["stderr"])
     assert int(_stdout(out)) <= cap
     assert services.sandboxes.get(box).workspace.sandbox.oom_kills() == 0
     assert _stdout(await sh(client, box, f"rm {folder}/big && echo freed")) == "freed\n"
@@ -115,7 +115,7 @@ async def test_an_idle_sandbox_with_files_in_dev_shm_sleeps_and_keeps_them(clien
     await sh(client, box, "echo in-shm > /dev/shm/x; echo in-tmp > /tmp/y")
     assert services.sandboxes.sleep_idle(0) == 1
     status = await call(client, "get_sandbox_status", sandbox_id=box)
-    assert status["detail"]["state"] == "asleep"  # type: ignore[index]
+    assert status["detail"]["state"] == "asleep"
     assert _stdout(await sh(client, box, "cat /dev/shm/x /tmp/y")) == "in-shm\nin-tmp\n"
 
 
@@ -168,4 +168,4 @@ async def test_memory_filled_by_tmpfs_kills_a_python_context_as_resource_limit_n
     assert "/tmp and /dev/shm" in str(hog["reason"])
     assert "restart=true" in str(hog["reason"])
     again = await call(client, "execute_code", code="1 + 1", sandbox_id=box, restart=True)
-    assert again["detail"]["value"] == "2"  # type: ignore[index]
+    assert again["detail"]["value"] == "2"

@@ -13,46 +13,23 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import subprocess
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from mcp import Client
 
-from bastion.app import Services, build_server, build_services
+from bastion.app import Services
 from bastion.config import load_config
 from bastion.safety.audit import verify
-from tests.helpers import call, create, demo_config_at, mounts_under, sh
+from tests.attacks.demo import configure, detail, serve
+from tests.helpers import call, create, mounts_under, sh
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
 
 MIB = 1024 * 1024
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="mounts a filesystem (root only)")
-
-
-def configure(demo: Path, **keys: object) -> Path:
-    """The demo config with `keys` set in [sandboxes] (values as TOML literals) and no warm pool."""
-    path = demo_config_at(demo)
-    lines = "".join(f"{key} = {value}\n" for key, value in {"warm_pool": 0, **keys}.items())
-    text = path.read_text()
-    for key in keys:  # the demo sets some of them: its line goes, the test's is the one
-        text = re.sub(rf"(?m)^{key} = .*\n", "", text)
-    assert "[sandboxes]\nenabled = true\n" in text
-    path.write_text(text.replace("[sandboxes]\nenabled = true\n", f"[sandboxes]\nenabled = true\n{lines}", 1))
-    return path
-
-
-@contextlib.asynccontextmanager
-async def serve(config_path: Path) -> AsyncIterator[tuple[Client, Services]]:
-    services = build_services(load_config(config_path))
-    try:
-        async with Client(build_server(services, caller="test")) as client:
-            yield client, services
-    finally:
-        services.close()
 
 
 @contextlib.contextmanager
@@ -86,12 +63,7 @@ def snapshot_files(services: Services) -> list[str]:
     return sorted(os.listdir(folder)) if folder.is_dir() else []
 
 
-def detail(result: dict[str, object]) -> dict[str, object]:
-    found = result["detail"]
-    assert isinstance(found, dict)
-    return found
-
-
+@pytest.mark.root
 @ROOT_ONLY
 async def test_snapshot_flood_fills_state_folder_refused(tmp_path: Path) -> None:
     """Invariant: snapshots and restores stop at the reserve; the audit log still appends; nothing half-written stays.
@@ -126,7 +98,7 @@ async def test_snapshot_flood_fills_state_folder_refused(tmp_path: Path) -> None
             assert restored["code"] == "RESOURCE_LIMIT", restored
             assert "state_reserve_bytes" in str(restored["reason"])
             listed = await call(client, "list_sandboxes")
-            assert [s["sandbox_id"] for s in detail(listed)["sandboxes"]] == [box]  # type: ignore[attr-defined]
+            assert [s["sandbox_id"] for s in detail(listed)["sandboxes"]] == [box]
             folders = [name for name in os.listdir(services.config.sandboxes_dir) if name.startswith("sb-")]
             assert folders == [box]  # the sandbox made for the refused restore is gone
             os.sync()
@@ -219,19 +191,20 @@ async def test_agent_snapshot_retention_expires_at_reap_and_at_start(tmp_path: P
         await sh(client, box, "echo x > f")
         ids = [str(detail(await call(client, "snapshot_sandbox", sandbox_id=box))["snapshot_id"]) for _ in range(3)]
         listed = detail(await call(client, "list_snapshots"))["snapshots"]
-        assert all(s["expires"] > time.time() + 3500 for s in listed)  # type: ignore[attr-defined]
+        assert all(s["expires"] > time.time() + 3500 for s in listed)
         age(services, ids[0], 7200)
         await services.sandboxes.reap()
-        remaining = [s["snapshot_id"] for s in detail(await call(client, "list_snapshots"))["snapshots"]]  # type: ignore[attr-defined]
+        remaining = [s["snapshot_id"] for s in detail(await call(client, "list_snapshots"))["snapshots"]]
         assert remaining == ids[1:]
         assert f"{ids[0]}.tar.gz" not in snapshot_files(services)
         age(services, ids[1], 7200)
     async with serve(config_path) as (client, services):
-        remaining = [s["snapshot_id"] for s in detail(await call(client, "list_snapshots"))["snapshots"]]  # type: ignore[attr-defined]
+        remaining = [s["snapshot_id"] for s in detail(await call(client, "list_snapshots"))["snapshots"]]
         assert remaining == ids[2:]
         assert snapshot_files(services) == sorted([f"{ids[2]}.json", f"{ids[2]}.tar.gz"])
 
 
+@pytest.mark.root
 @ROOT_ONLY
 async def test_restore_sparse_file_stays_sparse_in_a_sandbox(tmp_path: Path) -> None:
     """A 1.5 GiB file of holes in a sandbox's disk comes back in a new sandbox with its holes (st_blocks).
@@ -262,7 +235,7 @@ async def test_restore_sparse_file_stays_sparse_in_a_sandbox(tmp_path: Path) -> 
         assert size == 1536 * MIB
         assert blocks * 512 < MIB
         status = await call(client, "get_sandbox_status", sandbox_id=new_box)
-        assert detail(status)["usage"]["disk_bytes"] < 64 * MIB  # type: ignore[index]
+        assert detail(status)["usage"]["disk_bytes"] < 64 * MIB
 
 
 async def test_recovery_keeps_a_crashed_workspace_rather_than_eat_the_reserve(tmp_path: Path) -> None:
@@ -283,5 +256,5 @@ async def test_recovery_keeps_a_crashed_workspace_rather_than_eat_the_reserve(tm
     config_path.write_text(config_path.read_text().replace(f"state_reserve_bytes = {2**60}\n", ""))
     async with serve(config_path) as (client, services):
         listed = detail(await call(client, "list_snapshots"))["snapshots"]
-        assert [(s["label"], s["recovered"]) for s in listed] == [("recovered", True)]  # type: ignore[index]
+        assert [(s["label"], s["recovered"]) for s in listed] == [("recovered", True)]
         assert not orphan.parent.exists()

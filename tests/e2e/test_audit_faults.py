@@ -18,6 +18,7 @@ import struct
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -143,7 +144,7 @@ def test_read_only_filesystem_refuses_to_start(tmp_path: Path, state_mount: Path
 # --- the live log moved under a running server (issue 13, finding 4) ------------------------
 
 
-def _records(path: Path) -> list[dict[str, object]]:
+def _records(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_bytes().splitlines()]
 
 
@@ -329,7 +330,7 @@ async def test_audit_end_record_lost_after_the_command_ran_says_so(demo_config_p
     assert "\n" not in reason
     records = _records(aside)
     assert records[-1]["event"] == "start"
-    assert records[-1]["args"]["command"] == "cp gate copied.txt"  # type: ignore[index]
+    assert records[-1]["args"]["command"] == "cp gate copied.txt"
     assert verify(aside).ok
 
 

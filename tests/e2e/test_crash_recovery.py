@@ -13,9 +13,8 @@ from mcp import Client, StdioServerParameters
 
 from bastion.app import build_server, build_services
 from bastion.config import load_config
-from tests.e2e.test_stdio import BASTION
+from tests.helpers import BASTION, temp_socket_folders
 from tests.helpers import processes_with as pids_with
-from tests.helpers import temp_socket_folders
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
 

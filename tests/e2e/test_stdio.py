@@ -5,19 +5,18 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from mcp import Client, StdioServerParameters
 
 from bastion.safety.audit import verify
 from bastion.serve import client_snippet
-from tests.helpers import INSPECTOR, NODE_TOOLS_MISSING, node_env, node_tools_installed
+from tests.helpers import BASTION, INSPECTOR, NODE_TOOLS_MISSING, node_env, node_tools_installed
 
 pytestmark = pytest.mark.anyio
 
-BASTION = Path(sys.executable).parent / "bastion"
 TOOLS = {
     "run_command",
     "explain_command",
@@ -60,6 +59,7 @@ def snippet_params(config_path: Path) -> StdioServerParameters:
     return StdioServerParameters(command=command, args=entry["args"])
 
 
+@pytest.mark.bwrap
 async def test_stdio_session_runs_tools_and_records_them(demo_config_path: Path) -> None:
     """Invariant: over a real stdio transport every call answers an OperationResult, isError == not ok."""
     params = snippet_params(demo_config_path)
@@ -67,7 +67,7 @@ async def test_stdio_session_runs_tools_and_records_them(demo_config_path: Path)
     async with Client(params) as client:
         names = {tool.name for tool in (await client.list_tools()).tools}
         assert {name for name in names if not name.startswith(GATEWAY_PREFIX)} == TOOLS
-        calls = [
+        calls: list[tuple[str, dict[str, Any], bool]] = [
             ("run_command", {"command": "echo 'hello; world'"}, True),
             ("run_command", {"command": "echo hello; id"}, False),
             ("write_file", {"path": "notes/a.txt", "content": "hi\n"}, True),
@@ -93,6 +93,7 @@ async def test_stdio_session_runs_tools_and_records_them(demo_config_path: Path)
     assert report.records >= len(calls)
 
 
+@pytest.mark.bwrap
 async def test_bastion_config_env_replaces_flag(demo_config_path: Path) -> None:
     env = {**os.environ, "BASTION_CONFIG": str(demo_config_path)}
     params = StdioServerParameters(command=str(BASTION), args=["serve", "--stdio"], env=env)
@@ -122,7 +123,7 @@ def test_the_mcp_inspector_cli_lists_and_calls_over_stdio(demo_config_path: Path
     would take a --config after the command for its own)."""
     base = [str(INSPECTOR), "--cli", "-e", f"BASTION_CONFIG={demo_config_path}", str(BASTION), "serve", "--stdio"]
 
-    def inspect(*args: str) -> dict[str, object]:
+    def inspect(*args: str) -> dict[str, Any]:
         done = subprocess.run([*base, *args], capture_output=True, text=True, env=node_env(), timeout=180, check=False)
         assert done.returncode == 0, done.stdout[-1000:] + done.stderr[-2000:]
         answer = json.loads(done.stdout)
@@ -130,18 +131,18 @@ def test_the_mcp_inspector_cli_lists_and_calls_over_stdio(demo_config_path: Path
         return answer
 
     listed = inspect("--method", "tools/list")
-    names = {tool["name"] for tool in listed["tools"]}  # type: ignore[union-attr]
+    names = {tool["name"] for tool in listed["tools"]}
     assert {name for name in names if not name.startswith(GATEWAY_PREFIX)} == TOOLS
     wrote = inspect(
         "--method", "tools/call", "--tool-name", "write_file",
         "--tool-arg", "path=from-inspector.txt", "--tool-arg", "content=hello from node",
     )  # fmt: skip
-    assert wrote["structuredContent"]["ok"] is True, wrote  # type: ignore[index]
+    assert wrote["structuredContent"]["ok"] is True, wrote
     assert (demo_config_path.parent / "workspace" / "from-inspector.txt").read_text() == "hello from node"
     ran = inspect("--method", "tools/call", "--tool-name", "create_run_close", "--tool-arg", "command=echo $((6*7))")
     result = ran["structuredContent"]
-    assert result["ok"] is True, ran  # type: ignore[index]
-    assert result["detail"]["stdout"] == "42\n"  # type: ignore[index]
+    assert result["ok"] is True, ran
+    assert result["detail"]["stdout"] == "42\n"
     assert ran["isError"] is False
     report = verify(demo_config_path.parent / "state" / "audit.jsonl")
     assert report.ok, report.first_error

@@ -499,3 +499,32 @@ def _bastion_toml(port: int, host_key_line: str, target: Path) -> str:
         name = "sleep"
         approval = false
         """)
+
+
+# -- what the gateway tests ask of a lab ---------------------------------------------------------
+
+
+def variant(lab: GatewayLab, name: str, old: str, new: str) -> Path:
+    """A copy of the lab's bastion.toml (same folder, so relative paths hold) with one change."""
+    text = lab.config_path.read_text()
+    assert old in text
+    path = lab.config_path.with_name(name)
+    path.write_text(text.replace(old, new, 1))
+    return path
+
+
+def host_saw(lab: GatewayLab, literal: str) -> bool:
+    runs = any(" ".join(run["argv"]) == literal for run in lab.action_runs())
+    return runs or any(record.get("request") == literal for record in lab.dispatch_records())
+
+
+def approvals_cli(lab: GatewayLab, config: Path, *args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", "bastion", "approvals", *args, "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout

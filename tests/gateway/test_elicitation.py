@@ -33,8 +33,7 @@ from bastion.config import load_config
 from bastion.safety.approvals import ApprovalQueue
 from tests.helpers import call
 
-from .lab import GatewayLab
-from .test_gateway_tools import approvals_cli, host_saw, variant
+from .lab import GatewayLab, approvals_cli, host_saw, variant
 
 pytestmark = pytest.mark.anyio
 
@@ -49,6 +48,7 @@ async def connect(config_path: Path, mode: str, callback: ElicitationFnT | None)
     try:
         server = build_server(services, caller=CALLER)
         async with Client(server, mode=mode, elicitation_callback=callback) as client:
+            assert client.session.protocol_version is not None
             legacy = client.session.protocol_version < "2026-07-28"
             assert legacy is (mode == "legacy"), client.session.protocol_version
             yield client
@@ -85,16 +85,16 @@ async def test_accept_approves_and_runs_once(lab: GatewayLab, mode: str) -> None
     async with connect(config, mode, user) as client:
         result = await call(client, "biscuit_deploy", project="biscuit", version=version)
     assert result["ok"], result
-    assert result["detail"]["stdout"] == f"deployed biscuit {version}\n"  # type: ignore[index]
+    assert result["detail"]["stdout"] == f"deployed biscuit {version}\n"
     # Asked once, about this literal, this gateway and the approval that then ran.
     assert len(user.messages) == 1, user.messages
     message = user.messages[0]
-    approval_id = result["detail"]["approval_id"]  # type: ignore[index]
+    approval_id = result["detail"]["approval_id"]
     assert repr(literal) in message
     assert "'biscuit'" in message
     assert APPROVAL.findall(message) == [approval_id]
     assert set(user.schemas[0]["properties"]) == {"approve"}
-    assert result["detail"]["approved_by"] == f"elicitation:{CALLER}"  # type: ignore[index]
+    assert result["detail"]["approved_by"] == f"elicitation:{CALLER}"
     stored = ApprovalQueue(load_config(config).db_path).get(approval_id)
     assert (stored.state, stored.literal, stored.decided_by) == ("used", literal, f"elicitation:{CALLER}")
     # One request for the call: the retry of the 2026-07-28 round found the one it asked about.
@@ -122,7 +122,7 @@ async def test_decline_denies_and_never_reaches_the_host(lab: GatewayLab, mode: 
     async with connect(config, mode, user) as client:
         result = await call(client, "biscuit_deploy", project="biscuit", version=version)
     assert result["code"] == "APPROVAL_DENIED", result
-    assert "declined through elicitation" in result["reason"]  # type: ignore[operator]
+    assert "declined through elicitation" in result["reason"]
     assert len(user.messages) == 1
     approval_id = APPROVAL.findall(user.messages[0])[0]
     stored = ApprovalQueue(load_config(config).db_path).get(approval_id)
@@ -139,7 +139,7 @@ async def test_switch_off_never_elicits(lab: GatewayLab, mode: str) -> None:
         result = await call(client, "biscuit_deploy", project="biscuit", version=version)
     assert result["code"] == "NEEDS_APPROVAL", result
     assert user.messages == []
-    stored = ApprovalQueue(load_config(lab.config_path).db_path).get(result["detail"]["approval_id"])  # type: ignore[index]
+    stored = ApprovalQueue(load_config(lab.config_path).db_path).get(result["detail"]["approval_id"])
     assert stored.state == "pending"
     assert not host_saw(lab, f"deploy biscuit {version}")
 
@@ -151,7 +151,7 @@ async def test_client_without_the_capability_gets_needs_approval(lab: GatewayLab
     async with connect(config, mode, None) as client:
         result = await call(client, "biscuit_deploy", project="biscuit", version=version)
     assert result["code"] == "NEEDS_APPROVAL", result
-    stored = ApprovalQueue(load_config(config).db_path).get(result["detail"]["approval_id"])  # type: ignore[index]
+    stored = ApprovalQueue(load_config(config).db_path).get(result["detail"]["approval_id"])
     assert stored.state == "pending"
     assert not host_saw(lab, f"deploy biscuit {version}")
 
@@ -166,7 +166,7 @@ async def test_failed_elicitation_falls_back_to_the_queue(lab: GatewayLab) -> No
             result = await call(client, "biscuit_deploy", project="biscuit", version=version)
         assert result["code"] == "NEEDS_APPROVAL", result
         assert len(user.messages) == 1
-        stored = ApprovalQueue(load_config(config).db_path).get(result["detail"]["approval_id"])  # type: ignore[index]
+        stored = ApprovalQueue(load_config(config).db_path).get(result["detail"]["approval_id"])
         assert (stored.state, stored.decided_by) == ("pending", None)
         assert not host_saw(lab, f"deploy biscuit {version}")
 
@@ -212,8 +212,8 @@ async def test_decision_elsewhere_ends_an_open_question(lab: GatewayLab) -> None
                 result = await call(client, "biscuit_deploy", project="biscuit", version=version)
         answered.set()
     assert result["ok"], result
-    assert result["detail"]["approved_by"].startswith("cli:")  # type: ignore[index]
-    assert queue.get(result["detail"]["approval_id"]).state == "used"  # type: ignore[index]
+    assert result["detail"]["approved_by"].startswith("cli:")
+    assert queue.get(result["detail"]["approval_id"]).state == "used"
     assert host_saw(lab, f"deploy biscuit {version}")
 
 

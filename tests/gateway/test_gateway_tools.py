@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -30,7 +30,7 @@ from bastion.safety.approvals import ApprovalQueue
 from bastion.tools.server import GATEWAY_DEPLOY, GATEWAY_READ
 from tests.helpers import call
 
-from .lab import GatewayLab
+from .lab import GatewayLab, approvals_cli, host_saw, variant
 
 pytestmark = pytest.mark.anyio
 
@@ -45,42 +45,16 @@ async def connect(config_path: Path, caller: str = "gateway-test") -> AsyncItera
         services.close()
 
 
-def variant(lab: GatewayLab, name: str, old: str, new: str) -> Path:
-    """A copy of the lab's bastion.toml (same folder, so relative paths hold) with one change."""
-    text = lab.config_path.read_text()
-    assert old in text
-    path = lab.config_path.with_name(name)
-    path.write_text(text.replace(old, new, 1))
-    return path
-
-
-def host_saw(lab: GatewayLab, literal: str) -> bool:
-    runs = any(" ".join(run["argv"]) == literal for run in lab.action_runs())
-    return runs or any(record.get("request") == literal for record in lab.dispatch_records())
-
-
-def approvals_cli(lab: GatewayLab, config: Path, *args: str) -> str:
-    done = subprocess.run(
-        [sys.executable, "-m", "bastion", "approvals", *args, "--config", str(config)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    return done.stdout
-
-
 async def test_status_and_logs_work(lab: GatewayLab) -> None:
     async with connect(lab.config_path) as client:
         status = await call(client, "biscuit_status", project="biscuit")
         assert status["ok"], status
-        assert status["detail"]["stdout"] == "biscuit: running\n"  # type: ignore[index]
-        assert status["detail"]["literal"] == "status biscuit"  # type: ignore[index]
+        assert status["detail"]["stdout"] == "biscuit: running\n"
+        assert status["detail"]["literal"] == "status biscuit"
         assert status["audit_id"]
         logs = await call(client, "biscuit_logs", project="biscuit", lines="3")
         assert logs["ok"], logs
-        assert logs["detail"]["stdout"].splitlines() == [f"biscuit log line {i}" for i in range(3)]  # type: ignore[index]
+        assert logs["detail"]["stdout"].splitlines() == [f"biscuit log line {i}" for i in range(3)]
         # The warm connection: both calls went over one SSH connection.
         again = await call(client, "biscuit_status", project="biscuit")
         assert again["ok"]
@@ -95,7 +69,7 @@ async def test_tools_are_listed_with_their_scopes(lab: GatewayLab) -> None:
         assert server.tool_scopes["biscuit_deploy"] == GATEWAY_DEPLOY
         async with Client(server) as client:
             listing = await call(client, "biscuit_actions")
-            tools = {a["tool"]: a for a in listing["detail"]["actions"]}  # type: ignore[index]
+            tools = {a["tool"]: a for a in listing["detail"]["actions"]}
             assert tools["biscuit_deploy"]["approval"] is True
             assert tools["biscuit_status"]["approval"] is False
             schema = {t.name: t.input_schema for t in (await client.list_tools()).tools}
@@ -135,7 +109,7 @@ async def test_deploy_needs_approval_then_runs_once(lab: GatewayLab) -> None:
     async with connect(lab.config_path) as client:
         first = await call(client, "biscuit_deploy", project="biscuit", version="v2.0.1")
         assert first["code"] == "NEEDS_APPROVAL", first
-        approval_id = first["detail"]["approval_id"]  # type: ignore[index]
+        approval_id = first["detail"]["approval_id"]
         assert not host_saw(lab, literal)
         # Presenting it before a human decided: still nothing reaches the host.
         early = await call(client, "biscuit_deploy", project="biscuit", version="v2.0.1", approval_id=approval_id)
@@ -148,7 +122,7 @@ async def test_deploy_needs_approval_then_runs_once(lab: GatewayLab) -> None:
         assert not host_saw(lab, "deploy biscuit v9.9.9")
         done = await call(client, "biscuit_deploy", project="biscuit", version="v2.0.1", approval_id=approval_id)
         assert done["ok"], done
-        assert done["detail"]["stdout"] == "deployed biscuit v2.0.1\n"  # type: ignore[index]
+        assert done["detail"]["stdout"] == "deployed biscuit v2.0.1\n"
         assert host_saw(lab, literal)
         replay = await call(client, "biscuit_deploy", project="biscuit", version="v2.0.1", approval_id=approval_id)
         assert replay["code"] == "APPROVAL_DENIED"
@@ -164,7 +138,7 @@ async def test_denied_deploy_never_reaches_the_host(lab: GatewayLab) -> None:
     literal = "deploy biscuit v3.0.0"
     async with connect(lab.config_path) as client:
         first = await call(client, "biscuit_deploy", project="biscuit", version="v3.0.0")
-        approval_id = first["detail"]["approval_id"]  # type: ignore[index]
+        approval_id = first["detail"]["approval_id"]
         approvals_cli(lab, lab.config_path, "deny", approval_id, "--reason", "change freeze")
         denied = await call(client, "biscuit_deploy", project="biscuit", version="v3.0.0", approval_id=approval_id)
     assert denied["code"] == "APPROVAL_DENIED"
@@ -173,11 +147,14 @@ async def test_denied_deploy_never_reaches_the_host(lab: GatewayLab) -> None:
 
 
 async def test_expired_approval_never_runs(lab: GatewayLab) -> None:
+    """The ttl passes on another process's clock (the queue's expiry itself is tested with a fake
+    clock in tests/safety/test_approvals.py); the server then refuses the expired approval."""
     config = variant(lab, "bastion-short-ttl.toml", "ttl_s = 600", "ttl_s = 1")
     async with connect(config) as client:
         first = await call(client, "biscuit_deploy", project="biscuit", version="v4.0.0")
-        approval_id = first["detail"]["approval_id"]  # type: ignore[index]
-        await anyio.sleep(1.2)
+        approval_id = first["detail"]["approval_id"]
+        later = ApprovalQueue(load_config(config).db_path, clock=lambda: time.time() + 2)
+        assert later.get(approval_id).state == "expired"
         late = await call(client, "biscuit_deploy", project="biscuit", version="v4.0.0", approval_id=approval_id)
     assert late["code"] == "APPROVAL_DENIED"
     assert "expired" in late["reason"]
@@ -187,16 +164,18 @@ async def test_expired_approval_never_runs(lab: GatewayLab) -> None:
 async def test_deploy_waits_with_progress_and_runs_when_approved(lab: GatewayLab) -> None:
     config = variant(lab, "bastion-wait.toml", "wait_s = 0", "wait_s = 20")
     queue = ApprovalQueue(load_config(config).db_path)
-    progress: list[str] = []
+    messages: list[str] = []
+    notified = anyio.Event()
 
-    async def on_progress(value: float, total: float | None, message: str | None) -> None:
-        progress.append(message or "")
+    async def on_progress(progress: float, total: float | None, message: str | None) -> None:
+        messages.append(message or "")
+        notified.set()
 
     async def approve_when_asked() -> None:
         with anyio.fail_after(15):
             while not (pending := [a for a in queue.pending() if a.literal == "deploy biscuit v5.0.0"]):
                 await anyio.sleep(0.05)
-            await anyio.sleep(1.5)  # long enough for at least one progress notification
+            await notified.wait()  # the client saw the wait before the human decides
             await anyio.to_thread.run_sync(approvals_cli, lab, config, "approve", pending[0].id)
 
     async with connect(config) as client, anyio.create_task_group() as tasks:
@@ -209,8 +188,8 @@ async def test_deploy_waits_with_progress_and_runs_when_approved(lab: GatewayLab
     assert payload["ok"], payload
     assert payload["detail"]["stdout"] == "deployed biscuit v5.0.0\n"
     assert payload["detail"]["approved_by"].startswith("cli:")
-    assert progress
-    assert "deploy biscuit v5.0.0" in progress[0]
+    assert messages
+    assert "deploy biscuit v5.0.0" in messages[0]
 
 
 async def test_deny_while_waiting_returns_approval_denied(lab: GatewayLab) -> None:
@@ -273,7 +252,7 @@ async def test_approval_is_spent_only_by_the_client_that_asked(lab: GatewayLab) 
     literal = "deploy biscuit v7.0.0"
     async with connect(lab.config_path, caller="asker") as client:
         first = await call(client, "biscuit_deploy", project="biscuit", version="v7.0.0")
-    approval_id = first["detail"]["approval_id"]  # type: ignore[index]
+    approval_id = first["detail"]["approval_id"]
     approvals_cli(lab, lab.config_path, "approve", approval_id)
     async with connect(lab.config_path, caller="someone-else") as other:
         stolen = await call(other, "biscuit_deploy", project="biscuit", version="v7.0.0", approval_id=approval_id)
@@ -308,18 +287,18 @@ async def test_output_is_capped_redacted_and_status_kept(lab: GatewayLab) -> Non
         leak = await call(client, "biscuit_leak")
         fail = await call(client, "biscuit_fail")
     assert big["code"] == "OUTPUT_TRUNCATED"
-    assert len(big["detail"]["stdout"]) == 65536  # type: ignore[index]
-    assert "hunter2-very-secret-value" not in leak["detail"]["stdout"]  # type: ignore[index]
-    assert "REDACTED" in leak["detail"]["stdout"]  # type: ignore[index]
+    assert len(big["detail"]["stdout"]) == 65536
+    assert "hunter2-very-secret-value" not in leak["detail"]["stdout"]
+    assert "REDACTED" in leak["detail"]["stdout"]
     assert fail["ok"] is True
-    assert fail["detail"]["exit_status"] == 3  # type: ignore[index]
-    assert "about to fail" in fail["detail"]["stderr"]  # type: ignore[index]
+    assert fail["detail"]["exit_status"] == 3
+    assert "about to fail" in fail["detail"]["stderr"]
 
 
 async def test_secret_across_the_cap_is_redacted_before_the_cut(lab: GatewayLab) -> None:
     async with connect(lab.config_path) as client:
         edge = await call(client, "biscuit_edge")
-    stdout = edge["detail"]["stdout"]  # type: ignore[index]
+    stdout = edge["detail"]["stdout"]
     assert edge["code"] == "OUTPUT_TRUNCATED"
     assert "ghp_" not in stdout
     assert len(stdout) <= 65536

@@ -119,7 +119,7 @@ async def test_read_scope_runs_status_but_never_deploy(server: LiveServer, lab: 
         assert names == READ_TOOLS, names
         status = await call(client, "biscuit_status", project="biscuit")
     assert status["ok"], status
-    assert status["detail"]["stdout"] == "biscuit: running\n"  # type: ignore[index]
+    assert status["detail"]["stdout"] == "biscuit: running\n"
     literal = "deploy biscuit v8.0.0"
     assert_insufficient(
         raw_call(server, access, "biscuit_deploy", {"project": "biscuit", "version": "v8.0.0"}), "gateway:deploy"
@@ -148,10 +148,10 @@ async def test_both_scopes_run_an_approved_deploy_once(server: LiveServer, lab: 
         names = {tool.name for tool in (await client.list_tools()).tools}
         assert names == READ_TOOLS | DEPLOY_TOOLS, names
         asked = await call(client, "biscuit_deploy", project="biscuit", version="v8.2.0")
-        approval_id = asked["detail"]["approval_id"]  # type: ignore[index]
+        approval_id = asked["detail"]["approval_id"]
         assert not host_saw(lab, literal)
         ApprovalQueue(load_config(server.config_path).db_path).approve(approval_id, "admin")
         done = await call(client, "biscuit_deploy", project="biscuit", version="v8.2.0", approval_id=approval_id)
     assert done["ok"], done
-    assert done["detail"]["stdout"] == "deployed biscuit v8.2.0\n"  # type: ignore[index]
+    assert done["detail"]["stdout"] == "deployed biscuit v8.2.0\n"
     assert sum(run["argv"] == ["deploy", "biscuit", "v8.2.0"] for run in lab.action_runs()) == 1

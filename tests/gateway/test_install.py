@@ -46,6 +46,7 @@ def test_dispatch_script_is_printed_and_written(tmp_path: Path, capsys: pytest.C
     assert stat.S_IMODE(out.stat().st_mode) & 0o111
 
 
+@pytest.mark.root  # dispatch.py trusts the example only in folders that are root's
 def test_demo_has_biscuit_and_a_target_example(tmp_path: Path) -> None:
     config = load_config(init_demo(tmp_path / "demo"))
     biscuit = config.gateway_by_name("biscuit")
@@ -116,6 +117,7 @@ def test_config_refusals(tmp_path: Path, old: str, new: str, message: str) -> No
         load_config(path)
 
 
+@pytest.mark.root
 def test_readme_install_recipe_gives_a_config_dispatch_trusts(tmp_path: Path) -> None:
     """The README's step 4 (`install -o root -g root -m 0644 -D`) gives a config dispatch.py reads; the same
     file left group-writable, or in a folder others may write, is refused (issue 13, finding 7)."""

@@ -53,7 +53,7 @@ async def test_inbox_argument_picks_the_inbox(demo_config_path: Path) -> None:
             assert moved["ok"] is True, moved
             assert (second / "Docs" / "a.pdf").exists()
             default = await call(client, "list_files")
-            names = [e["name"] for e in default["detail"]["entries"]]  # type: ignore[index]
+            names = [e["name"] for e in default["detail"]["entries"]]
             assert names == ["b.pdf"]
             undone = await call(client, "undo_last_action")
             assert undone["code"] == "NOT_FOUND"  # the default inbox has nothing to undo

@@ -36,7 +36,7 @@ from bastion.organizer import Organizer
 from bastion.organizer.folder import Folder
 from bastion.organizer.journal import Journal
 
-from .conftest import Tree, snapshot
+from .trees import Tree, snapshot
 
 FILES = 200
 EXTENSIONS = ("pdf", "jpg", "mp3", "mp4", "zip", "py", "csv", "txt")

@@ -11,7 +11,7 @@ from bastion.organizer import Organizer
 from bastion.organizer.inbox import journal_path
 from bastion.safety.errors import Conflict, InvalidRequest, NotFound, PathEscape, PolicyDenied
 
-from .conftest import contents, reopen, snapshot
+from .trees import contents, reopen, snapshot
 
 
 def _fill(inbox: Path) -> None:

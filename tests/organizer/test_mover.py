@@ -12,7 +12,7 @@ from bastion.organizer.journal import Journal, Move, Txn
 from bastion.organizer.mover import Mover
 from bastion.safety.errors import Conflict, PathEscape
 
-from .conftest import snapshot
+from .trees import snapshot
 
 
 def _move(inbox: Path, src: str, dst: str) -> Move:

@@ -23,7 +23,7 @@ from bastion.organizer import Organizer
 from bastion.organizer.journal import Txn
 from bastion.safety.errors import Conflict, PathEscape
 
-from .conftest import snapshot
+from .trees import snapshot
 
 
 def _after_checks(organizer: Organizer, monkeypatch: pytest.MonkeyPatch, race: Callable[[], object]) -> list[int]:

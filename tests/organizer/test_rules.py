@@ -20,7 +20,7 @@ MODES = (stat.S_IFREG, stat.S_IFDIR, stat.S_IFLNK, stat.S_IFIFO, stat.S_IFSOCK, 
 
 
 def _config(**kwargs: object) -> InboxConfig:
-    return InboxConfig(id="inbox", path=Path("/nonexistent"), **kwargs)  # type: ignore[arg-type]
+    return InboxConfig(id="inbox", path=Path("/nonexistent"), **kwargs)
 
 
 def test_layer_is_required() -> None:

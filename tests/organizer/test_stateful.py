@@ -29,7 +29,7 @@ from bastion.config import InboxConfig
 from bastion.organizer import Organizer
 from bastion.safety.errors import BastionError, NotFound
 
-from .conftest import Tree, snapshot
+from .trees import Tree, snapshot
 
 STEMS = ("a", "b c", "résumé", "日本語", ".hidden", "x\x1by", "setup", "Documents", "dir two", "z")
 EXTENSIONS = ("", ".pdf", ".jpg", ".mp3", ".exe", ".tar.gz", ".txt", ".PNG")

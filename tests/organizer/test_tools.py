@@ -26,8 +26,9 @@ async def test_tools_are_listed_under_the_organizer_scope(client: Client) -> Non
     listed = {tool.name: tool for tool in (await client.list_tools()).tools}
     for name in TOOLS:
         assert name in listed
-        assert listed[name].annotations is not None
-        assert listed[name].annotations.destructive_hint is False
+        annotations = listed[name].annotations
+        assert annotations is not None
+        assert annotations.destructive_hint is False
 
 
 def test_tools_carry_the_organizer_scope(services: Services) -> None:
@@ -45,13 +46,13 @@ async def test_plan_apply_undo_redo_over_mcp(client: Client, services: Services)
 
     listed = await call(client, "list_files")
     assert listed["ok"] is True
-    by_name = {e["name"]: e for e in listed["detail"]["entries"]}  # type: ignore[index]
+    by_name = {e["name"]: e for e in listed["detail"]["entries"]}
     assert by_name["setup.exe"]["code"] == "NEEDS_EXPLICIT_REQUEST"
 
     planned = await call(client, "plan_organize")
     assert planned["ok"] is True
     assert not (inbox / "Documents").exists()
-    plan_id = planned["detail"]["plan_id"]  # type: ignore[index]
+    plan_id = planned["detail"]["plan_id"]
 
     applied = await call(client, "apply_plan", plan_id=plan_id)
     assert applied["ok"] is True, applied
@@ -154,7 +155,7 @@ async def test_plan_id_from_before_a_restart_is_a_typed_refusal(demo_config_path
             moved = await call(client, "move_file", src="b.png", dest="Pictures/b.png")
             assert moved["ok"] is True, moved
             planned = await call(client, "plan_organize")
-            plan_id = planned["detail"]["plan_id"]  # type: ignore[index]
+            plan_id = planned["detail"]["plan_id"]
     finally:
         services.close()
     before = sorted(str(p.relative_to(inbox)) for p in inbox.rglob("*"))

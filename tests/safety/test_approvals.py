@@ -109,12 +109,14 @@ async def test_wait_returns_when_another_process_approves(tmp_path: Path) -> Non
     other = ApprovalQueue(tmp_path / "bastion.db")
     asked = queue.request("biscuit_deploy", "deploy v1", "stdio", ttl_s=60)
     progress: list[str] = []
+    waiting = anyio.Event()
 
     async def on_progress(waited: float, message: str) -> None:
         progress.append(message)
+        waiting.set()
 
     async def approve_later() -> None:
-        await anyio.sleep(0.5)
+        await waiting.wait()  # approved while the wait polls, not before it started
         other.approve(asked.id, "admin")
 
     with anyio.fail_after(5):

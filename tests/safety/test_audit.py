@@ -326,7 +326,8 @@ def test_async_bad_record_fails_alone(log: AuditLog, log_path: Path) -> None:
         with anyio.fail_after(10):
             async with anyio.create_task_group() as tg:
                 for i in range(5):
-                    tg.start_soon(one, {"seq": 1} if i == 2 else {"i": i})
+                    record: dict[str, object] = {"seq": 1} if i == 2 else {"i": i}
+                    tg.start_soon(one, record)
 
     anyio.run(main)
     assert sum(isinstance(r, ValueError) for r in results) == 1

@@ -7,7 +7,6 @@ under pytest's tmp_path: ``ws`` is the workspace root, ``outside`` a folder besi
 from __future__ import annotations
 
 import contextlib
-import errno
 import fnmatch
 import json
 import os
@@ -646,9 +645,24 @@ def test_root_fd_survives_rename_of_root(tmp_path: Path) -> None:
         assert jail.read("f.txt").data == b"original"
 
 
-def test_errno_constants_used_exist() -> None:
-    """Invariant: the errno names the module maps exist on this platform."""
-    assert {errno.EXDEV, errno.ELOOP, errno.ENOENT, errno.EAGAIN} == {18, 40, 2, 11}
+@pytest.mark.parametrize(
+    ("path", "refusal", "names"),
+    [
+        ("missing.txt", NotFound, {"ENOENT"}),
+        ("file.txt/x", NotFound, {"ENOTDIR"}),
+        ("escape/secret.txt", PathEscape, {"EXDEV", "ELOOP"}),
+    ],
+)
+def test_errno_becomes_a_typed_refusal_naming_it(
+    ws: Path, outside: Path, jail: Jail, path: str, refusal: type[BastionError], names: set[str]
+) -> None:
+    """Invariant: an errno from the kernel becomes the refusal a caller can act on, and its name
+    reaches the audit detail. Does not prove every errno of the mapping (ENOSPC, EROFS, ...)."""
+    (ws / "file.txt").write_text("x")
+    (ws / "escape").symlink_to(outside)
+    with pytest.raises(refusal) as refused:
+        jail.read(path)
+    assert any(name in refused.value.detail for name in names), refused.value.detail
 
 
 # --- properties -----------------------------------------------------------------------
@@ -785,7 +799,7 @@ def _tree(folder: Path) -> dict[str, bytes]:
 
 
 # Each makes `keys` lead into .ssh (or its sub-folder, `keys/sub` then being one level deeper).
-_SECRET_LINKS = {
+_SECRET_LINKS: dict[str, list[tuple[str, str | None]]] = {
     "relative": [("keys", ".ssh")],
     "dot-slash": [("keys", "./.ssh")],
     "through-dotdot": [("plain", None), ("keys", "plain/../.ssh")],

@@ -647,7 +647,7 @@ def plant_stream(archive: Path, tar_bytes: Any, *, files: int = 0, size: int = 0
         for chunk in tar_bytes:
             stream.write(chunk)
     blob = path.read_bytes()
-    record = {
+    record: dict[str, object] = {
         "id": snapshot_id,
         "label": None,
         "created": 1.0,

@@ -46,9 +46,9 @@ async def test_upload_into_a_sandbox_arrives_byte_for_byte(client: Client) -> No
         "sha256": hashlib.sha256(PAYLOAD).hexdigest(),
     }
     inside = await sh(client, box, "sha256sum in/data.bin")
-    assert inside["detail"]["stdout"].split()[0] == hashlib.sha256(PAYLOAD).hexdigest()  # type: ignore[index]
+    assert inside["detail"]["stdout"].split()[0] == hashlib.sha256(PAYLOAD).hexdigest()
     back = await call(client, "read_file", path="in/data.bin", encoding="base64", sandbox_id=box)
-    assert base64.b64decode(back["detail"]["content"]) == PAYLOAD  # type: ignore[index]
+    assert base64.b64decode(back["detail"]["content"]) == PAYLOAD
 
 
 async def test_upload_never_replaces_a_file_unless_asked(client: Client, workspace: Path) -> None:
@@ -60,7 +60,7 @@ async def test_upload_never_replaces_a_file_unless_asked(client: Client, workspa
     assert (workspace / "notes.txt").read_text() == "mine\n"
     replaced = await call(client, "upload_file", path="notes.txt", content_base64=b64(b"theirs\n"), overwrite=True)
     assert replaced["ok"], replaced
-    assert replaced["detail"]["created"] is False  # type: ignore[index]
+    assert replaced["detail"]["created"] is False
     assert (workspace / "notes.txt").read_text() == "theirs\n"
 
 
@@ -83,7 +83,7 @@ async def test_upload_refuses_bad_input_and_creates_nothing(client: Client) -> N
         )
         assert not result["ok"], result
     listing = await sh(client, box, "ls -A; cat target.txt")
-    assert listing["detail"]["stdout"].split() == ["d", "link", "target.txt", "kept"]  # type: ignore[index]
+    assert listing["detail"]["stdout"].split() == ["d", "link", "target.txt", "kept"]
 
 
 async def test_upload_audit_record_keeps_the_size_not_the_bytes(client: Client, services: Services) -> None:
@@ -131,9 +131,9 @@ async def test_list_directory_names_are_redacted_like_ls(client: Client) -> None
     )
     assert made["detail"]["exit_status"] == 0, made
     listed = await call(client, "list_directory", path="d", sandbox_id=box)
-    names = sorted(entry["name"] for entry in listed["detail"]["entries"])  # type: ignore[index]
+    names = sorted(entry["name"] for entry in listed["detail"]["entries"])
     ls = await sh(client, box, "ls -A1 d")
-    assert names == sorted(ls["detail"]["stdout"].splitlines())  # type: ignore[index]
+    assert names == sorted(ls["detail"]["stdout"].splitlines())
     assert names == sorted(["[REDACTED:github_token]", "ab", "password=[REDACTED:credential]", "plain.txt"])
     assert TOKEN not in json.dumps(listed)
     assert "hunter2secret" not in json.dumps(listed)
@@ -153,17 +153,17 @@ async def test_read_file_slices_never_show_a_token_cut_in_two(client: Client, wo
     cut = text.index(TOKEN) + 17
     first = await call(client, "read_file", path="big.txt", offset=cut - 40, length=40)
     second = await call(client, "read_file", path="big.txt", offset=cut, length=40)
-    shown = first["detail"]["content"] + second["detail"]["content"]  # type: ignore[index]
+    shown = first["detail"]["content"] + second["detail"]["content"]
     assert "Z9" not in shown, shown
     # The second slice also ends in the key's BEGIN line: cut there, it is hidden too.
     hidden = "token [REDACTED:github_token][REDACTED:github_token] here\n[REDACTED:private_key]"
     assert shown == f"orem ipsum dolor\n{hidden}"
     inside = text.index(PEM_LINES[40])
     deep = await call(client, "read_file", path="big.txt", offset=inside, length=200)
-    assert deep["detail"]["content"] == "[REDACTED:private_key]", deep  # type: ignore[index]
+    assert deep["detail"]["content"] == "[REDACTED:private_key]", deep
     plain = await call(client, "read_file", path="big.txt", offset=100, length=36)
-    assert plain["detail"]["content"] == text[100:136]  # type: ignore[index]
-    assert plain["detail"]["bytes"] == 36  # type: ignore[index]
+    assert plain["detail"]["content"] == text[100:136]
+    assert plain["detail"]["bytes"] == 36
 
 
 _SECRET_FOLDER_SETUP = (
@@ -206,7 +206,7 @@ async def test_secret_folder_through_a_symlinked_parent_is_refused_by_every_file
             assert result["reason"] == "'.ssh' matches the secret-file rule '.ssh': ask the administrator"
             assert "AAAA" not in json.dumps(result)
     after = await sh(client, box, "ls -AR .ssh; cat .ssh/authorized_keys")
-    assert after["detail"]["stdout"] == before["detail"]["stdout"]  # type: ignore[index]
+    assert after["detail"]["stdout"] == before["detail"]["stdout"]
 
 
 async def test_secret_folder_through_a_symlinked_parent_is_refused_in_a_host_workspace(
@@ -239,5 +239,5 @@ async def test_read_file_of_secret_dense_text_does_not_stall_the_loop(client: Cl
     with LoopLag(0.002) as lag:
         read = await call(client, "read_file", path="dense.txt", sandbox_id=box)
     assert read["ok"], read
-    assert "abcdefgh" not in str(read["detail"]["content"])  # type: ignore[index]
+    assert "abcdefgh" not in str(read["detail"]["content"])
     assert lag.worst < 0.3

@@ -16,10 +16,11 @@ from contextlib import suppress
 from pathlib import Path
 from typing import IO, Any
 
-from bastion.safety.paths import MAX_READ_BYTES
-from tests.helpers import INITIALIZE_REQUEST, mounts_under
+import pytest
 
-BASTION = Path(sys.executable).parent / "bastion"
+from bastion.safety.paths import MAX_READ_BYTES
+from tests.helpers import BASTION, INITIALIZE_REQUEST, mounts_under
+
 INITIALIZED = {"jsonrpc": "2.0", "method": "notifications/initialized"}
 # The server with a 64 KiB line limit instead of 64 MiB, so the test need not send 64 MiB.
 SMALL_LIMIT = (
@@ -78,6 +79,7 @@ class Raw:
         return self.process.wait(timeout=30), replies, err
 
 
+@pytest.mark.bwrap
 def test_wire_fds_are_diverted_while_serving(demo_config_path: Path) -> None:
     """Children of the server cannot read the client's requests or write into the replies."""
     server = Raw(demo_config_path)

@@ -13,8 +13,7 @@ import pytest
 from mcp import Client
 from mcp_types import ImageContent
 
-from tests.conftest import DATA_ENV
-from tests.helpers import call, create
+from tests.helpers import DATA_ENV, call, create
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
 

@@ -58,7 +58,7 @@ def assert_no_traceback(caplog: pytest.LogCaptureFixture) -> None:
 
 async def assert_sandbox_lives(client: Client, sandbox_id: str) -> None:
     """The sandbox, its files and its other context outlive the context that broke the protocol."""
-    assert (await sh(client, sandbox_id, "cat notes.txt"))["detail"]["stdout"] == "kept\n"  # type: ignore[index]
+    assert (await sh(client, sandbox_id, "cat notes.txt"))["detail"]["stdout"] == "kept\n"
     other = await run(client, sandbox_id, "x", context="other")
     assert other["ok"], other
     assert other["detail"]["value"] == "41"

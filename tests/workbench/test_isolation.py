@@ -363,7 +363,7 @@ async def test_sandboxes_cannot_see_or_signal_each_other(client: Client) -> None
         killer = "for p in /proc/[0-9]*; do kill -9 ${p#/proc/}; done 2>/dev/null; kill -9 -1 2>/dev/null; echo done"
         assert detail(await sh(client, b, killer))["stdout"] == "done\n"
 
-        await anyio.sleep(0.2)
+        await anyio.sleep(0.2)  # the subject: a kill that landed would have ended A's command by now
         assert not a_result, f"A's command ended early: {a_result}"
         assert host_pids_running(MARK_A) == [victim]
         assert detail(await sh(client, b, "echo b-alive"))["stdout"] == "b-alive\n"

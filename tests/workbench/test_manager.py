@@ -8,6 +8,7 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from mcp import Client
 from bastion.app import Services, build_server, build_services
 from bastion.config import load_config
 from bastion.safety.errors import Unavailable
+from bastion.sandbox.cgroups import Usage
 from bastion.workbench.manager import NET_TEMP_PREFIX
 from tests.helpers import (
     LoopLag,
@@ -33,18 +35,26 @@ from tests.helpers import (
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
 
 
+async def cpu_used_beyond(usage_of: Callable[[], Usage | None], usec: int, *, limit_s: float = 10) -> None:
+    """Poll until the sandbox (its `usage` method) has used more than `usec` microseconds of CPU."""
+    deadline = time.monotonic() + limit_s
+    while (usage := usage_of()) is None or usage.cpu_usec <= usec:
+        assert time.monotonic() < deadline, usage
+        await anyio.sleep(0.02)
+
+
 async def test_sandbox_runs_a_shell_and_shares_files_with_the_file_tools(client: Client) -> None:
     box = await create(client, name="work")
     out = await sh(client, box, "echo $((40 + 2)) | tr 2 7; uname -n")
-    assert out["detail"]["stdout"] == "47\nbastion\n"  # type: ignore[index]
+    assert out["detail"]["stdout"] == "47\nbastion\n"
     wrote = await call(client, "write_file", path="src/a.txt", content="from outside\n", sandbox_id=box)
     assert wrote["ok"]
     inside = await sh(client, box, "cat src/a.txt; echo made inside > b.txt")
-    assert inside["detail"]["stdout"] == "from outside\n"  # type: ignore[index]
+    assert inside["detail"]["stdout"] == "from outside\n"
     read = await call(client, "read_file", path="b.txt", sandbox_id=box)
-    assert read["detail"]["content"] == "made inside\n"  # type: ignore[index]
+    assert read["detail"]["content"] == "made inside\n"
     listed = await call(client, "list_sandboxes")
-    assert [s["sandbox_id"] for s in listed["detail"]["sandboxes"]] == [box]  # type: ignore[index]
+    assert [s["sandbox_id"] for s in listed["detail"]["sandboxes"]] == [box]
 
 
 async def test_sandboxes_cannot_see_each_other_or_the_host(client: Client, services: Services) -> None:
@@ -56,7 +66,7 @@ async def test_sandboxes_cannot_see_each_other_or_the_host(client: Client, servi
     repo = Path(__file__).resolve().parents[2]
     probe = f"ls /workspace; ls {state} {repo} /etc/shadow /root 2>&1; find / -name mine.txt 2>/dev/null; echo end"
     out = await sh(client, b, probe)
-    text = str(out["detail"]["stdout"])  # type: ignore[index]
+    text = str(out["detail"]["stdout"])
     assert "mine.txt" not in text
     assert text.count("No such file or directory") == 4
     assert text.endswith("end\n")
@@ -71,13 +81,13 @@ async def test_pause_stops_cpu_and_refuses_commands(client: Client, services: Se
 
     async with anyio.create_task_group() as tasks:
         tasks.start_soon(spin)
-        await anyio.sleep(0.5)
+        await cpu_used_beyond(workspace.sandbox.usage, 100_000)  # the spin loop runs
         paused = await call(client, "pause_sandbox", sandbox_id=box)
-        assert paused["detail"]["state"] == "paused"  # type: ignore[index]
+        assert paused["detail"]["state"] == "paused"
         usage = workspace.sandbox.usage()
         assert usage is not None
         before = usage.cpu_usec
-        await anyio.sleep(0.5)
+        await anyio.sleep(0.5)  # the subject: half a second paused uses no CPU
         after = workspace.sandbox.usage()
         assert after is not None
         assert after.cpu_usec - before < 20_000
@@ -85,10 +95,7 @@ async def test_pause_stops_cpu_and_refuses_commands(client: Client, services: Se
         assert refused["code"] == "CONFLICT"
         resumed = await call(client, "resume_sandbox", sandbox_id=box)
         assert resumed["ok"]
-        await anyio.sleep(0.3)
-        later = workspace.sandbox.usage()
-        assert later is not None
-        assert later.cpu_usec - after.cpu_usec > 100_000
+        await cpu_used_beyond(workspace.sandbox.usage, after.cpu_usec + 100_000)
         tasks.cancel_scope.cancel()
 
 
@@ -113,8 +120,8 @@ async def test_status_reports_live_usage(client: Client) -> None:
     await sh(client, box, "head -c 300000 /dev/zero > zeros")
     status = await call(client, "get_sandbox_status", sandbox_id=box)
     detail = status["detail"]
-    assert detail["state"] == "running"  # type: ignore[index]
-    usage = detail["usage"]  # type: ignore[index]
+    assert detail["state"] == "running"
+    usage = detail["usage"]
     assert usage["disk_bytes"] >= 300_000
     assert usage["memory_bytes"] > 0
     assert usage["pids"] >= 1
@@ -125,7 +132,7 @@ async def test_limits_narrow_but_never_exceed_the_ceiling(client: Client) -> Non
     assert too_big["code"] == "POLICY_DENIED"
     box = await create(client, limits={"memory_bytes": 128 * 1024**2, "timeout_s": 1})
     status = await call(client, "get_sandbox_status", sandbox_id=box)
-    assert status["detail"]["limits"]["memory_bytes"] == 128 * 1024**2  # type: ignore[index]
+    assert status["detail"]["limits"]["memory_bytes"] == 128 * 1024**2
     slow = await sh(client, box, "sleep 30")
     assert slow["code"] == "TIMEOUT"
     unknown = await call(client, "create_sandbox", limits={"disk_bytes": 1})
@@ -168,9 +175,9 @@ async def test_create_run_close_leaves_nothing(client: Client, services: Service
         files={"in.txt": "42\n"},
     )
     assert out["ok"], out
-    assert out["detail"]["stdout"] == "42\n"  # type: ignore[index]
-    assert not (services.config.sandboxes_dir / str(out["detail"]["sandbox_id"])).exists()  # type: ignore[index]
-    assert (await call(client, "list_sandboxes"))["detail"]["sandboxes"] == []  # type: ignore[index]
+    assert out["detail"]["stdout"] == "42\n"
+    assert not (services.config.sandboxes_dir / str(out["detail"]["sandbox_id"])).exists()
+    assert (await call(client, "list_sandboxes"))["detail"]["sandboxes"] == []
 
 
 async def test_idle_sandboxes_are_reaped(client: Client, services: Services) -> None:
@@ -189,17 +196,17 @@ async def test_snapshot_close_restore_round_trips(client: Client, services: Serv
         "mkdir -p d/e && head -c 200000 /dev/urandom > d/e/blob && printf 'hi\\n' > run.sh && chmod 750 run.sh"
         " && ln -s d/e/blob link && sha256sum d/e/blob run.sh && stat -c '%a %n' run.sh d",
     )
-    before = made["detail"]["stdout"]  # type: ignore[index]
+    before = made["detail"]["stdout"]
     snap = await call(client, "snapshot_sandbox", sandbox_id=box, label="before close")
     assert snap["ok"], snap
-    snapshot_id = snap["detail"]["snapshot_id"]  # type: ignore[index]
+    snapshot_id = snap["detail"]["snapshot_id"]
     assert (await call(client, "close_sandbox", sandbox_id=box))["ok"]
     restored = await call(client, "restore_sandbox", snapshot_id=snapshot_id)
     assert restored["ok"], restored
-    new_box = restored["detail"]["sandbox_id"]  # type: ignore[index]
+    new_box = restored["detail"]["sandbox_id"]
     assert new_box != box
     after = await sh(client, str(new_box), "sha256sum d/e/blob run.sh && stat -c '%a %n' run.sh d; readlink link")
-    assert after["detail"]["stdout"] == f"{before}d/e/blob\n"  # type: ignore[index]
+    assert after["detail"]["stdout"] == f"{before}d/e/blob\n"
 
 
 async def test_restore_unknown_snapshot(client: Client) -> None:
@@ -207,19 +214,20 @@ async def test_restore_unknown_snapshot(client: Client) -> None:
     assert missing["code"] == "NOT_FOUND"
     bad = await call(client, "restore_sandbox", snapshot_id="../../etc")
     assert bad["code"] == "INVALID_REQUEST"
-    assert (await call(client, "list_sandboxes"))["detail"]["sandboxes"] == []  # type: ignore[index]
+    assert (await call(client, "list_sandboxes"))["detail"]["sandboxes"] == []
 
 
+@pytest.mark.root
 @pytest.mark.skipif(os.geteuid() != 0, reason="the per-sandbox filesystem is mounted by root")
 async def test_disk_quota_is_enospc_inside(client: Client, services: Services) -> None:
     """Invariant: /workspace is a filesystem of disk_bytes: writing past it fails with ENOSPC inside."""
     box = await create(client, limits={"disk_bytes": 32 * 1024**2})
     out = await sh(client, box, "head -c 40000000 /dev/zero > big; echo status=$?")
     detail = out["detail"]
-    assert "No space left on device" in str(detail["stderr"])  # type: ignore[index]
-    assert "status=1" in str(detail["stdout"])  # type: ignore[index]
+    assert "No space left on device" in str(detail["stderr"])
+    assert "status=1" in str(detail["stdout"])
     status = await call(client, "get_sandbox_status", sandbox_id=box)
-    usage = status["detail"]["usage"]  # type: ignore[index]
+    usage = status["detail"]["usage"]
     assert usage["disk_quota_bytes"] == 32 * 1024**2
     assert 24 * 1024**2 < usage["disk_bytes"] <= 32 * 1024**2  # ext4 keeps some blocks for itself
     workspace = services.config.sandboxes_dir / box / "workspace"
@@ -233,8 +241,8 @@ async def test_explain_in_a_sandbox_describes_the_shell(client: Client) -> None:
     box = await create(client)
     explained = await call(client, "explain_command", command="ls | wc -l", sandbox_id=box)
     detail = explained["detail"]
-    assert detail["allowed"] is True  # type: ignore[index]
-    assert detail["argv"] == ["sh", "-c", "ls | wc -l"]  # type: ignore[index]
+    assert detail["allowed"] is True
+    assert detail["argv"] == ["sh", "-c", "ls | wc -l"]
 
 
 async def test_an_idle_sandbox_sleeps_and_wakes_with_its_files(client: Client, services: Services) -> None:
@@ -255,16 +263,16 @@ async def test_an_idle_sandbox_sleeps_and_wakes_with_its_files(client: Client, s
     await warm.settled()  # its processes and cgroup are reaped in a worker thread, off the event loop
     assert not os.path.exists(f"/proc/{pid}")
     status = await call(client, "get_sandbox_status", sandbox_id=box)
-    assert status["detail"]["state"] == "asleep"  # type: ignore[index]
-    assert status["detail"]["usage"]["memory_bytes"] == 0  # type: ignore[index]
+    assert status["detail"]["state"] == "asleep"
+    assert status["detail"]["usage"]["memory_bytes"] == 0
     paused = await call(client, "pause_sandbox", sandbox_id=box)
     assert paused["code"] == "CONFLICT"
     woke = await sh(client, box, "cat notes.txt")
-    assert woke["detail"]["stdout"] == "kept\n"  # type: ignore[index]
-    assert (await call(client, "get_sandbox_status", sandbox_id=box))["detail"]["state"] == "running"  # type: ignore[index]
-    assert (await sh(client, busy, "cat /tmp/scratch"))["detail"]["stdout"] == "scratch\n"  # type: ignore[index]
+    assert woke["detail"]["stdout"] == "kept\n"
+    assert (await call(client, "get_sandbox_status", sandbox_id=box))["detail"]["state"] == "running"
+    assert (await sh(client, busy, "cat /tmp/scratch"))["detail"]["stdout"] == "scratch\n"
     kept = await call(client, "execute_code", code="x", sandbox_id=coded)
-    assert kept["detail"]["value"] == "1"  # type: ignore[index]
+    assert kept["detail"]["value"] == "1"
 
 
 async def test_proxy_sockets_live_in_the_state_folder_and_a_crashed_servers_are_removed() -> None:
@@ -361,7 +369,7 @@ async def test_close_with_many_files_does_not_block_loop_or_other_sandboxes(many
         async with Client(build_server(services, caller="test")) as client:
             a, b = await create(client), await create(client)
             made = await call(client, "execute_code", code=MAKE_FILES.format(count=MANY_FILES), sandbox_id=a)
-            assert made["detail"]["stdout"] == f"{MANY_FILES}\n", made  # type: ignore[index]
+            assert made["detail"]["stdout"] == f"{MANY_FILES}\n", made
             closed: list[dict[str, object]] = []
             times: list[float] = []
 
@@ -384,7 +392,7 @@ async def test_close_with_many_files_does_not_block_loop_or_other_sandboxes(many
                 assert not (services.devices.path / a).exists()
             assert audit_record(services.config.audit_path, closed[0]["audit_id"])["tool"] == "close_sandbox"
             assert (await sh(client, a, "true"))["code"] == "SANDBOX_NOT_FOUND"
-            assert (await sh(client, b, "echo alive"))["detail"]["stdout"] == "alive\n"  # type: ignore[index]
+            assert (await sh(client, b, "echo alive"))["detail"]["stdout"] == "alive\n"
     finally:
         services.close()
 

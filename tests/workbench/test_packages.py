@@ -48,7 +48,18 @@ HOSTILE = [
 NPM_HOSTILE = ["x@..", "x@.", "x@./y", "x.tgz", "x@1.tar", "x@1.TAR.GZ", "@s/x@.."]
 # pip's archive suffixes (pip/_internal/utils/filetypes.py) and npm-package-arg's file patterns,
 # written out here so that the property below does not check the grammar against itself.
-PIP_ARCHIVES = (".whl", ".zip", ".tar.bz2", ".tbz", ".tar.xz", ".txz", ".tlz", ".tar.lz", ".tar.lzma", ".tar.gz")
+PIP_ARCHIVES: tuple[str, ...] = (
+    ".whl",
+    ".zip",
+    ".tar.bz2",
+    ".tbz",
+    ".tar.xz",
+    ".txz",
+    ".tlz",
+    ".tar.lz",
+    ".tar.lzma",
+    ".tar.gz",
+)
 PIP_ARCHIVES += (".tgz", ".tar")
 NPM_FILESPEC = re.compile(r"^(?:[.]|~[/]|[/]|[a-zA-Z]:)")
 NPM_FILENAME = re.compile(r"[.](?:tgz|tar.gz|tar)$", re.IGNORECASE)
@@ -82,7 +93,7 @@ def test_npm_refuses_urls_paths_aliases_and_options(text: str) -> None:
 def test_whatever_passes_cannot_carry_an_option_url_or_path(text: str) -> None:
     for manager in ("pip", "npm"):
         try:
-            accepted = check_requirement(text, manager)  # type: ignore[arg-type]
+            accepted = check_requirement(text, manager)
         except InvalidRequest:
             continue
         assert not accepted.startswith("-")

@@ -15,14 +15,14 @@ from bastion.config import load_config
 from bastion.safety.errors import ConfigError
 from bastion.sandbox._idmap import idmapped_mount, is_mounted, unmount
 from bastion.workbench.workspace import IDMAP_DIR
-from tests.helpers import demo_config_at
+from tests.helpers import Payload, demo_config_at
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
 
 AWS_KEY = "AKIAIOSFODNN7EXAMPLE"
 
 
-async def _run(client: Client, command: str) -> dict[str, object]:
+async def _run(client: Client, command: str) -> Payload:
     result = await client.call_tool("run_command", {"command": command})
     assert result.structured_content is not None
     return result.structured_content
@@ -44,7 +44,7 @@ def _descendants(pid: int) -> list[int]:
 async def test_secret_split_by_an_escape_sequence_is_still_redacted(client: Client) -> None:
     """Invariant: escapes are removed before redaction, so they cannot hide a secret from it."""
     payload = await _run(client, "printf 'AKIAIOSF\\033[0mODNN7EXAMPLE\\n'")
-    stdout = payload["detail"]["stdout"]  # type: ignore[index]
+    stdout = payload["detail"]["stdout"]
     assert "\x1b" not in stdout
     assert AWS_KEY not in stdout
     assert "REDACTED" in stdout
@@ -57,7 +57,7 @@ async def test_truncation_never_leaves_half_a_secret(client: Client, workspace: 
     detail = payload["detail"]
     assert payload["code"] == "OUTPUT_TRUNCATED"
     assert payload["ok"] is True
-    stdout = detail["stdout"]  # type: ignore[index]
+    stdout = detail["stdout"]
     assert "AKIA" not in stdout
     assert len(stdout) <= 65_536
 
@@ -163,7 +163,7 @@ async def test_host_workspace_files_are_the_folder_owners_and_its_commands_are_n
             bwrap = services.registry.get(None).sandbox._proc
             assert bwrap is not None
             host_uids = {_host_uid(pid) for pid in (bwrap.pid, *_descendants(bwrap.pid))}
-        status = str(ran["detail"]["stdout"])  # type: ignore[index]
+        status = str(ran["detail"]["stdout"])
         assert "Uid:\t1000\t1000\t1000\t1000" in status  # inside: the sandbox user
         first, count = load_config(config_path).sandboxes.host_ids
         assert len(host_uids) == 1, host_uids

@@ -256,6 +256,9 @@ def start_sandbox(spec: SandboxSpec) -> tuple[SandboxProcess, socket.socket]:
     except OSError as exc:
         host_end.close()
         raise Unavailable(f"cannot start bubblewrap: {exc.strerror}") from exc
+    except BaseException:  # e.g. Unavailable: no bwrap on PATH; the host end would leak
+        host_end.close()
+        raise
     finally:
         agent_end.close()
         for fd in (seccomp_fd, *data_fds.values()):

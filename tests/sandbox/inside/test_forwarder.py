@@ -120,7 +120,12 @@ def read_all(sock: socket.socket) -> bytes:
 def test_bytes_arrive_intact_both_ways(tmp_path: Path, source: str) -> None:
     payload = os.urandom(6 * 1024 * 1024)
     with relay(tmp_path, source, echo) as port, connect(port) as sock:
-        sender = threading.Thread(target=lambda: (sock.sendall(payload), sock.shutdown(socket.SHUT_WR)))
+
+        def send() -> None:
+            sock.sendall(payload)
+            sock.shutdown(socket.SHUT_WR)
+
+        sender = threading.Thread(target=send)
         sender.start()
         got = read_all(sock)
         sender.join()

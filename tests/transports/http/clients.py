@@ -31,6 +31,13 @@ CLAUDE_CODE: dict[str, Any] = {
     "response_types": ["code"],
     "token_endpoint_auth_method": "none",
 }
+# The least a public client registers: what registration floods are made of.
+LOOPBACK: dict[str, Any] = {"redirect_uris": ["http://127.0.0.1/callback"], "token_endpoint_auth_method": "none"}
+
+
+def from_address(address: str) -> dict[str, str]:
+    """Headers that play another client address (the test servers trust X-Forwarded-For from loopback)."""
+    return {"X-Forwarded-For": address}
 
 
 def connect(

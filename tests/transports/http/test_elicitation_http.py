@@ -122,7 +122,7 @@ async def test_accept_over_http_runs_the_deploy_once(setup: Setup, mode: str) ->
         with anyio.fail_after(WAIT_S - 5):  # answered through elicitation: never the queue's wait
             result = await call(client, "biscuit_deploy", project="biscuit", version=version)
         assert result["ok"], result
-        detail: dict[str, Any] = result["detail"]  # type: ignore[assignment]
+        detail: dict[str, Any] = result["detail"]
         assert detail["stdout"] == f"deployed biscuit {version}\n"
         approval_id = detail["approval_id"]
         assert detail["approved_by"] == f"elicitation:{setup.caller}"

@@ -15,76 +15,24 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import anyio
 import httpx2
 import pytest
-from mcp import Client
-from mcp.client.auth import OAuthClientProvider
-from mcp.client.streamable_http import streamable_http_client
-from mcp.shared.auth import AuthorizationCodeResult, OAuthClientInformationFull, OAuthClientMetadata, OAuthToken
 
 from tests.helpers import INITIALIZE_REQUEST, MCP_HEADERS, call
 
-from .live import Browser, LiveServer, callback_params, get_tokens
+from .live import Browser, LiveServer, get_tokens
+from .sdk_client import MemoryStorage, mcp_client, sdk_provider
 
 pytestmark = pytest.mark.anyio
 
 
-class MemoryStorage:
-    def __init__(self) -> None:
-        self.tokens: OAuthToken | None = None
-        self.client_info: OAuthClientInformationFull | None = None
-
-    async def get_tokens(self) -> OAuthToken | None:
-        return self.tokens
-
-    async def set_tokens(self, tokens: OAuthToken) -> None:
-        self.tokens = tokens
-
-    async def get_client_info(self) -> OAuthClientInformationFull | None:
-        return self.client_info
-
-    async def set_client_info(self, client_info: OAuthClientInformationFull) -> None:
-        self.client_info = client_info
-
-
-def sdk_provider(
-    server: LiveServer, browser: Browser, storage: MemoryStorage, scope: str | None, log: list[str]
-) -> OAuthClientProvider:
-    location: dict[str, str] = {}
-
-    async def redirect_handler(url: str) -> None:
-        log.append(url)
-        consent = scope.split() if scope else None  # the administrator unticks the rest
-        location["value"] = await anyio.to_thread.run_sync(lambda: browser.approve(url, scopes=consent))
-
-    async def callback_handler() -> AuthorizationCodeResult:
-        params = callback_params(location["value"])
-        return AuthorizationCodeResult(code=params["code"][0], state=params["state"][0], iss=params["iss"][0])
-
-    metadata = OAuthClientMetadata.model_validate(
-        {
-            "client_name": "sdk test client",
-            "redirect_uris": ["http://127.0.0.1/callback"],
-            "grant_types": ["authorization_code", "refresh_token"],
-            "response_types": ["code"],
-            "token_endpoint_auth_method": "none",
-            **({"scope": scope} if scope else {}),
-        }
-    )
-    return OAuthClientProvider(server.mcp_url, metadata, storage, redirect_handler, callback_handler)
-
-
-def _client(server: LiveServer, http: httpx2.AsyncClient, mode: str) -> Client:
-    return Client(streamable_http_client(server.mcp_url, http_client=http), mode=mode)
-
-
+@pytest.mark.bwrap  # it runs a command
 @pytest.mark.parametrize("mode", ["legacy", "2026-07-28"])
 async def test_sdk_client_full_flow(server: LiveServer, browsers: Callable[[LiveServer], Browser], mode: str) -> None:
     storage, opened = MemoryStorage(), list[str]()
     browser = browsers(server)
     provider = sdk_provider(server, browser, storage, None, opened)
-    async with httpx2.AsyncClient(auth=provider, timeout=30) as http, _client(server, http, mode) as client:
+    async with httpx2.AsyncClient(auth=provider, timeout=30) as http, mcp_client(server, http, mode) as client:
         version = client.session.protocol_version
         assert version is not None
         assert (version < "2026-07-28") is (mode == "legacy"), version
@@ -94,7 +42,7 @@ async def test_sdk_client_full_flow(server: LiveServer, browsers: Callable[[Live
         assert listing["ok"], listing
         ran = await call(client, "run_command", command="echo over-http")
         assert ran["ok"], ran
-        assert "over-http" in ran["detail"]["stdout"]  # type: ignore[index]
+        assert "over-http" in ran["detail"]["stdout"]
     assert storage.client_info is not None
     audit = [json.loads(line) for line in (server.root / "state" / "audit.jsonl").read_text().splitlines()]
     callers = {record.get("caller") for record in audit if record.get("tool") == "run_command"}
@@ -111,7 +59,7 @@ async def test_sdk_client_full_flow(server: LiveServer, browsers: Callable[[Live
     with server.db() as db:
         db.execute("UPDATE oauth_tokens SET expires_at = ? WHERE kind = 'access'", (time.time() - 1,))
     provider.context.token_expiry_time = time.time() - 1  # the client's clock moved on too
-    async with httpx2.AsyncClient(auth=provider, timeout=30) as http, _client(server, http, mode) as client:
+    async with httpx2.AsyncClient(auth=provider, timeout=30) as http, mcp_client(server, http, mode) as client:
         assert (await call(client, "list_directory"))["ok"]
     assert storage.tokens.access_token != first.access_token
     assert storage.tokens.refresh_token != first.refresh_token
@@ -142,7 +90,7 @@ async def test_scopes_narrowed_at_consent_limit_list_and_call(
     storage, opened = MemoryStorage(), list[str]()
     browser = browsers(server)
     provider = sdk_provider(server, browser, storage, "organizer", opened)
-    async with httpx2.AsyncClient(auth=provider, timeout=30) as http, _client(server, http, mode) as client:
+    async with httpx2.AsyncClient(auth=provider, timeout=30) as http, mcp_client(server, http, mode) as client:
         names = {tool.name for tool in (await client.list_tools()).tools}
         assert not names & {"run_command", "read_file", "list_directory", "write_file"}
         assert {"list_files", "plan_organize", "move_file"} <= names, "the granted toolset must stay visible"

@@ -28,9 +28,6 @@ from .live import BASTION, PASSWORD, Browser, LiveServer, callback_params, forms
 CLAUDE_CB = "https://claude.ai/api/mcp/auth_callback"
 LOOPBACK_CB = "http://127.0.0.1/callback"
 
-# Every secret the tests see, checked against the database and the logs at the end (T-60).
-SEEN: list[str] = []
-
 
 @pytest.fixture
 def raw(server: LiveServer) -> Iterator[httpx2.Client]:
@@ -47,14 +44,11 @@ def confidential_client(server: LiveServer) -> tuple[str, str]:
     info = server.register(
         client_name="conf", redirect_uris=[CLAUDE_CB], token_endpoint_auth_method="client_secret_post"
     )
-    SEEN.append(info["client_secret"])
     return info["client_id"], info["client_secret"]
 
 
 def tokens_for(server: LiveServer, client_id: str, **kwargs: Any) -> dict[str, Any]:
-    tokens = get_tokens(server, client_id, **kwargs)
-    SEEN.extend([tokens["access_token"], tokens["refresh_token"]])
-    return tokens
+    return get_tokens(server, client_id, **kwargs)
 
 
 def code_for(server: LiveServer, client_id: str, challenge: str, redirect_uri: str = LOOPBACK_CB, **params: str) -> str:
@@ -63,9 +57,7 @@ def code_for(server: LiveServer, client_id: str, challenge: str, redirect_uri: s
         location = browser.approve(browser.authorize_url(client_id, challenge, redirect_uri=redirect_uri, **params))
     finally:
         browser.close()
-    code = callback_params(location)["code"][0]
-    SEEN.append(code)
-    return code
+    return callback_params(location)["code"][0]
 
 
 def redeem(raw: httpx2.Client, client_id: str, code: str, verifier: str, **extra: str) -> httpx2.Response:
@@ -376,7 +368,6 @@ def test_t20_unused_client_expires_without_a_new_registration(server: LiveServer
     # A client that got a grant is not "unused": it keeps working however old it is.
     rotated = refresh(raw, used, tokens["refresh_token"])
     assert rotated.status_code == 200, rotated.text
-    SEEN.extend([rotated.json()["access_token"], rotated.json()["refresh_token"]])
     assert _authorize(raw, **_base_params(server, used, challenge)).status_code == 303
 
 
@@ -539,7 +530,6 @@ def test_t31_missing_resource_binds_to_the_mcp_url(server: LiveServer, raw: http
     verifier, challenge = pkce()
     code = code_for(server, client_id, challenge, resource="<omit>")
     tokens = redeem(raw, client_id, code, verifier).json()
-    SEEN.extend([tokens["access_token"], tokens["refresh_token"]])
     assert mcp_status(raw, tokens["access_token"]) == 200
 
 
@@ -569,7 +559,6 @@ def test_t33_csrf_on_login_and_consent(server: LiveServer) -> None:
             before = db.execute("SELECT count(*) FROM oauth_codes").fetchone()[0]
         first = victim.client.post("/oauth/consent", data=approve)
         assert first.status_code == 303
-        SEEN.append(callback_params(first.headers["location"])["code"][0])
         replay = victim.client.post("/oauth/consent", data=approve)
         assert replay.status_code == 403  # the transaction is single-use
         with server.db() as db:
@@ -602,7 +591,6 @@ def test_t34_t35_clickjacking_headers_and_303(server: LiveServer, raw: httpx2.Cl
         assert_page_headers(consent)
         decided = browser.consent(consent)
         assert decided.status_code == 303
-        SEEN.append(callback_params(decided.headers["location"])["code"][0])
     finally:
         browser.close()
 
@@ -698,7 +686,6 @@ def test_t38_response_parameters(server: LiveServer) -> None:
     finally:
         browser.close()
     params = callback_params(location)
-    SEEN.append(params["code"][0])
     assert set(params) == {"code", "state", "iss"}
     assert len(params["code"]) == 1
     assert params["state"] == [state]
@@ -745,7 +732,6 @@ def test_t42_code_replay_revokes_the_grant(raw: httpx2.Client, pub_code: tuple[s
     first = redeem(raw, client_id, code, verifier)
     assert first.status_code == 200
     tokens = first.json()
-    SEEN.extend([tokens["access_token"], tokens["refresh_token"]])
     assert mcp_status(raw, tokens["access_token"]) == 200
     second = redeem(raw, client_id, code, verifier)
     assert second.status_code == 400
@@ -858,7 +844,6 @@ def test_t51_token_response_hygiene(raw: httpx2.Client, pub_code: tuple[str, str
     assert "no-store" in response.headers["cache-control"]
     assert response.headers["content-type"].startswith("application/json")
     body = response.json()
-    SEEN.extend([body["access_token"], body["refresh_token"]])
     assert body["token_type"] == "Bearer"
     assert body["expires_in"] == 3600
     assert body["refresh_token"]
@@ -875,7 +860,6 @@ def test_t52_rotation_and_reuse_detection(server: LiveServer, raw: httpx2.Client
     rotated = refresh(raw, client_id, first["refresh_token"])
     assert rotated.status_code == 200
     second = rotated.json()
-    SEEN.extend([second["access_token"], second["refresh_token"]])
     assert second["refresh_token"] != first["refresh_token"]
     assert mcp_status(raw, second["access_token"]) == 200
     past_grace(server, first["refresh_token"])
@@ -910,7 +894,6 @@ def test_t55_refresh_and_resource(server: LiveServer, raw: httpx2.Client) -> Non
     assert other.json()["error"] == "invalid_target"
     plain = refresh(raw, client_id, tokens["refresh_token"])
     assert plain.status_code == 200
-    SEEN.extend([plain.json()["access_token"], plain.json()["refresh_token"]])
     assert mcp_status(raw, plain.json()["access_token"]) == 200
 
 
@@ -1024,7 +1007,6 @@ def test_t58_concurrent_refresh_by_two_sessions_gets_one_pair(server: LiveServer
         results = list(pool.map(attempt, range(2)))
     assert [r.status_code for r in results] == [200, 200], [r.text for r in results]
     first, second = (r.json() for r in results)
-    SEEN.extend([first["access_token"], first["refresh_token"]])
     assert first == second
     assert first["refresh_token"] != tokens["refresh_token"]
     with server.http() as raw:
@@ -1036,7 +1018,6 @@ def test_t58_concurrent_refresh_by_two_sessions_gets_one_pair(server: LiveServer
         # The new refresh token rotates normally.
         third = refresh(raw, client_id, first["refresh_token"])
         assert third.status_code == 200
-        SEEN.extend([third.json()["access_token"], third.json()["refresh_token"]])
         # After the window, the old token is reuse: the grant dies, every pair included.
         past_grace(server, tokens["refresh_token"])
         assert refresh(raw, client_id, tokens["refresh_token"]).json()["error"] == "invalid_grant"
@@ -1051,7 +1032,6 @@ def test_t58_refresh_reuse_with_other_scopes_in_the_window_revokes(server: LiveS
     with server.http() as raw:
         rotated = refresh(raw, client_id, tokens["refresh_token"])
         assert rotated.status_code == 200
-        SEEN.extend([rotated.json()["access_token"], rotated.json()["refresh_token"]])
         narrowed = refresh(raw, client_id, tokens["refresh_token"], scope="organizer")
         assert narrowed.json()["error"] == "invalid_grant"
         assert mcp_status(raw, rotated.json()["access_token"]) == 401
@@ -1087,18 +1067,36 @@ def test_t59_revocation_semantics(server: LiveServer, raw: httpx2.Client) -> Non
     assert mcp_status(raw, tokens["access_token"]) == 401
 
 
-def test_t60_no_secret_at_rest_or_in_logs(server: LiveServer) -> None:
-    """Runs last in this module: every code, token and client secret seen above is absent from the
-    database files (only SHA-256 digests) and from the server's log and access log."""
-    assert len(SEEN) > 20
+def secrets_of_every_kind(server: LiveServer, raw: httpx2.Client) -> list[str]:
+    """A client secret, codes (redeemed, replayed, left pending), tokens (issued, rotated, revoked)."""
+    _, client_secret = confidential_client(server)
+    client_id = public_client(server)
+    verifier, challenge = pkce()
+    code = code_for(server, client_id, challenge)
+    issued = redeem(raw, client_id, code, verifier).json()
+    rotated = refresh(raw, client_id, issued["refresh_token"]).json()
+    assert redeem(raw, client_id, code, verifier).status_code == 400  # the replay revokes the grant
+    pending = code_for(server, client_id, pkce()[1])
+    revoked = tokens_for(server, client_id)
+    raw.post("/revoke", data={"token": revoked["refresh_token"], "client_id": client_id})
+    queried = tokens_for(server, client_id)["access_token"]
+    raw.post(f"/mcp?access_token={queried}", json=INITIALIZE_REQUEST, headers=MCP_HEADERS)
+    tokens = [t[kind] for t in (issued, rotated, revoked) for kind in ("access_token", "refresh_token")]
+    return [client_secret, code, pending, queried, *tokens]
+
+
+def test_t60_no_secret_at_rest_or_in_logs(server: LiveServer, raw: httpx2.Client) -> None:
+    """Every secret made here is absent from the database files (only SHA-256 digests) and from the
+    server's log and access log; so is the admin password, stored only as an argon2id hash."""
+    seen = secrets_of_every_kind(server, raw)
     state = server.root / "state"
     stored = b"".join(p.read_bytes() for p in state.iterdir() if p.name.startswith("bastion.db"))
     log = server.log()
-    for secret in SEEN:
+    for secret in seen:
         assert secret.encode() not in stored
         assert secret not in log
     assert PASSWORD not in log
     assert PASSWORD.encode() not in stored
     hash_text = (state / "admin-password.argon2").read_text()
     assert hash_text.startswith("$argon2id$")
-    assert "access_token" not in log  # the T-07 query string never reached the log
+    assert "access_token" not in log  # the query string above never reached the log

@@ -28,7 +28,7 @@ class Clock:
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     fake = Clock()
-    monkeypatch.setattr(ratelimit.time, "monotonic", fake)
+    monkeypatch.setattr("bastion.transports.http.ratelimit.time.monotonic", fake)
     return fake
 
 

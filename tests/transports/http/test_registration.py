@@ -26,28 +26,8 @@ from bastion.transports.http.redirects import normal_form
 from bastion.transports.http.store import AuthStore
 from tests.helpers import INITIALIZE_REQUEST, MCP_HEADERS
 
+from .clients import CLAUDE_AI, CLAUDE_CODE, LOOPBACK, from_address
 from .live import Browser, LiveServer, callback_params, get_tokens, pkce
-
-CLAUDE_AI = {
-    "client_name": "claudeai",
-    "redirect_uris": ["https://claude.ai/api/mcp/auth_callback"],
-    "grant_types": ["authorization_code", "refresh_token"],
-    "response_types": ["code"],
-    "token_endpoint_auth_method": "client_secret_post",
-    "scope": "claudeai",
-}
-CLAUDE_CODE = {
-    "client_name": "Claude Code (bastion)",
-    "redirect_uris": ["http://localhost:54321/callback"],
-    "grant_types": ["authorization_code", "refresh_token"],
-    "response_types": ["code"],
-    "token_endpoint_auth_method": "none",
-}
-LOOPBACK = {"redirect_uris": ["http://127.0.0.1/callback"], "token_endpoint_auth_method": "none"}
-
-
-def from_address(address: str) -> dict[str, str]:
-    return {"X-Forwarded-For": address}
 
 
 def client_count(server: LiveServer) -> int:

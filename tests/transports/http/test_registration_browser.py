@@ -20,8 +20,8 @@ import pytest
 
 from tests.helpers import INITIALIZE_REQUEST, MCP_HEADERS
 
+from .clients import CLAUDE_AI, CLAUDE_CODE, LOOPBACK, from_address
 from .live import PASSWORD, LiveServer, callback_params, pkce
-from .test_registration import CLAUDE_AI, CLAUDE_CODE, LOOPBACK, from_address
 
 CHROMIUM = shutil.which("chromium")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (make system-deps)")

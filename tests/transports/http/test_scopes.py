@@ -45,7 +45,7 @@ async def _connected(
         user = AuthenticatedUser(AccessToken(token="t" * 43, client_id="c", scopes=scopes, subject="g"))
         token = auth_context_var.set(user)
     try:
-        async with Client(server, mode=mode) as client:  # type: ignore[arg-type]
+        async with Client(server, mode=mode) as client:
             yield client
     finally:
         if token is not None:

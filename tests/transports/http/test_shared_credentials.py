@@ -20,7 +20,7 @@ from mcp.client.auth import OAuthClientProvider
 from tests.helpers import call
 
 from .live import Browser, LiveServer
-from .test_flow import MemoryStorage, _client, sdk_provider
+from .sdk_client import MemoryStorage, mcp_client, sdk_provider
 
 pytestmark = pytest.mark.anyio
 
@@ -31,7 +31,7 @@ async def test_two_sessions_sharing_one_credential_store_refresh_at_once(
 ) -> None:
     storage, opened = MemoryStorage(), list[str]()
     first = sdk_provider(server, browsers(server), storage, None, opened)
-    async with httpx2.AsyncClient(auth=first, timeout=30) as http, _client(server, http, mode) as client:
+    async with httpx2.AsyncClient(auth=first, timeout=30) as http, mcp_client(server, http, mode) as client:
         assert (await call(client, "list_files"))["ok"]
     assert storage.tokens is not None
     assert storage.client_info is not None
@@ -50,7 +50,7 @@ async def test_two_sessions_sharing_one_credential_store_refresh_at_once(
     results: list[bool] = []
 
     async def work(session: OAuthClientProvider) -> None:
-        async with httpx2.AsyncClient(auth=session, timeout=30) as http, _client(server, http, mode) as client:
+        async with httpx2.AsyncClient(auth=session, timeout=30) as http, mcp_client(server, http, mode) as client:
             results.append(bool((await call(client, "list_files"))["ok"]))
 
     async with anyio.create_task_group() as tasks:

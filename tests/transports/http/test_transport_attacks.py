@@ -34,7 +34,7 @@ from mcp.shared.auth import AuthorizationCodeResult, OAuthClientMetadata
 from tests.helpers import INITIALIZE_REQUEST, MCP_HEADERS, call
 
 from .live import BASTION, Browser, LiveServer, callback_params, get_tokens, pkce
-from .test_flow import MemoryStorage
+from .sdk_client import MemoryStorage
 
 LINE = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d[+-]\d{4} (DEBUG|INFO|WARNING|ERROR|CRITICAL) [\w.]+: ")
 CLAUDE_AI_CALLBACK = "https://claude.ai/api/mcp/auth_callback"
@@ -47,7 +47,7 @@ def bearer(token: str) -> dict[str, str]:
 async def _call_tool(url: str, token: str, mode: str) -> dict[str, object]:
     async with (
         httpx2.AsyncClient(headers={"Authorization": f"Bearer {token}"}, timeout=30) as http,
-        Client(streamable_http_client(url, http_client=http), mode=mode) as client,  # type: ignore[arg-type]
+        Client(streamable_http_client(url, http_client=http), mode=mode) as client,
     ):
         return await call(client, "list_directory")
 
@@ -184,7 +184,7 @@ def test_log_injection_newline_in_client_values_cannot_forge_a_line(server: Live
 
 # -- /mcp ----------------------------------------------------------------------------------------------
 
-PARSE_FAILURES = {
+PARSE_FAILURES: dict[str, str | bytes] = {
     "nested arrays in a tools/call": '{"jsonrpc":"2.0","id":1,"method":"tools/call","params":'
     + "[" * 5000
     + "]" * 5000
