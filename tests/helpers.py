@@ -14,6 +14,7 @@ from mcp import Client
 
 from bastion.demo import init_demo
 from bastion.safety.results import OperationResult
+from bastion.sandbox import Sandbox, WarmSandbox
 from bastion.workbench.manager import NET_TEMP_PREFIX
 
 REPO = Path(__file__).resolve().parents[1]
@@ -154,3 +155,9 @@ def audit_record(audit_path: Path, record_id: object) -> dict[str, object]:
         if record.get("id") == record_id:
             return dict(record)
     raise AssertionError(f"no audit record {record_id}")
+
+
+def bubblewrap(sandbox: Sandbox) -> WarmSandbox:
+    """The bubblewrap sandbox behind the `Backend` protocol, for tests of bubblewrap's own internals."""
+    assert isinstance(sandbox, WarmSandbox), f"not a bubblewrap sandbox: {type(sandbox).__name__}"
+    return sandbox

@@ -16,7 +16,7 @@ import pytest
 
 from bastion.app import Services
 from tests.attacks.demo import configure, detail, serve
-from tests.helpers import Payload, call, create, mounts_under, processes_with, sh
+from tests.helpers import Payload, bubblewrap, call, create, mounts_under, processes_with, sh
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
 
@@ -136,7 +136,7 @@ async def test_close_twice_while_command_context_and_background_run_leaves_nothi
     Does not prove anything about a server killed mid-close (crash recovery's tests do)."""
     async with serve(configure(tmp_path / "demo")) as (client, services):  # type: ignore[operator]
         box = await create(client)
-        group = services.sandboxes.get(box).workspace.sandbox._group
+        group = bubblewrap(services.sandboxes.get(box).workspace.sandbox)._group
         cgroups = tuple(group.paths) if group is not None else ()
         assert (await sh(client, box, "echo t > /tmp/t && echo s > /dev/shm/s && echo w > w"))["ok"]
         assert (await call(client, "run_command", command="sleep 300", sandbox_id=box, background=True))["ok"]
@@ -152,7 +152,7 @@ async def test_close_twice_while_command_context_and_background_run_leaves_nothi
             tasks.start_soon(functools.partial(keep, "code", "execute_code", code="while True:\n    pass"))
             tasks.start_soon(functools.partial(keep, "starting", "execute_code", code="1", context="new"))
             with anyio.fail_after(30):
-                while not services.sandboxes.get(box).workspace.sandbox._waiters or not any(
+                while not bubblewrap(services.sandboxes.get(box).workspace.sandbox)._waiters or not any(
                     context["state"] == "busy" for context in runner.contexts()
                 ):
                     await anyio.sleep(0.01)
@@ -178,7 +178,7 @@ async def test_close_twice_while_command_context_and_background_run_leaves_nothi
         async with anyio.create_task_group() as tasks:
             for _ in range(8):
                 tasks.start_soon(make)
-        groups = {b: services.sandboxes.get(b).workspace.sandbox._group for b in boxes}
+        groups = {b: bubblewrap(services.sandboxes.get(b).workspace.sandbox)._group for b in boxes}
         async with anyio.create_task_group() as tasks:
             for made in boxes:
                 tasks.start_soon(functools.partial(call, client, "close_sandbox", sandbox_id=made))
@@ -201,7 +201,7 @@ async def test_close_while_a_snapshot_is_written_keeps_the_snapshot_whole(
     config = configure(tmp_path / "demo", disk_quota=disk_quota)  # type: ignore[operator]
     async with serve(config) as (client, services):
         box = await create(client)
-        group = services.sandboxes.get(box).workspace.sandbox._group
+        group = bubblewrap(services.sandboxes.get(box).workspace.sandbox)._group
         cgroups = tuple(group.paths) if group is not None else ()
         made = await sh(
             client,

@@ -85,6 +85,7 @@ async def test_unknown_workspace_is_sandbox_not_found(client: Client) -> None:
     assert result.structured_content["code"] == "SANDBOX_NOT_FOUND"
 
 
+@pytest.mark.bwrap
 async def test_non_zero_exit_is_ok_with_status(client: Client, workspace: Path) -> None:
     result = await client.call_tool("run_command", {"command": "ls no-such-file"})
     payload = result.structured_content

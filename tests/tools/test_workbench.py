@@ -34,6 +34,7 @@ def b64(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
 
 
+@pytest.mark.bwrap
 async def test_upload_into_a_sandbox_arrives_byte_for_byte(client: Client) -> None:
     box = await create(client)
     done = await call(client, "upload_file", path="in/data.bin", content_base64=b64(PAYLOAD), sandbox_id=box)
@@ -64,6 +65,7 @@ async def test_upload_never_replaces_a_file_unless_asked(client: Client, workspa
     assert (workspace / "notes.txt").read_text() == "theirs\n"
 
 
+@pytest.mark.bwrap
 async def test_upload_refuses_bad_input_and_creates_nothing(client: Client) -> None:
     box = await create(client)
     await sh(client, box, "echo kept > target.txt; ln -s target.txt link; mkdir d")
@@ -92,7 +94,7 @@ async def test_upload_audit_record_keeps_the_size_not_the_bytes(client: Client, 
     encoded = b64(marker * 100)
     done = await call(client, "upload_file", path="m.bin", content_base64=encoded)
     assert done["ok"], done
-    assert "files_touched" not in done["detail"]  # type: ignore[operator]
+    assert "files_touched" not in done["detail"]
     log = services.config.audit_path.read_text()
     assert encoded[:40] not in log
     end = audit_record(services.config.audit_path, done["audit_id"])

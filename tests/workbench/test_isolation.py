@@ -30,7 +30,7 @@ import pytest
 from mcp import Client
 
 from bastion.app import Services
-from tests.helpers import call, create, sh
+from tests.helpers import bubblewrap, call, create, sh
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
 
@@ -557,7 +557,7 @@ async def test_sandbox_keeps_answering_when_a_member_exits_before_its_used_messa
     from bastion.sandbox import warm as warm_module
 
     box = await create(client)
-    warm = services.sandboxes.get(box).workspace.sandbox
+    warm = bubblewrap(services.sandboxes.get(box).workspace.sandbox)
     tell = warm._tell_agent
     loop = asyncio.get_running_loop()
 

@@ -24,6 +24,7 @@ from bastion.workbench.manager import NET_TEMP_PREFIX
 from tests.helpers import (
     LoopLag,
     audit_record,
+    bubblewrap,
     call,
     create,
     demo_config_at,
@@ -104,7 +105,7 @@ async def test_close_reclaims_processes_cgroup_and_files(client: Client, service
     await sh(client, box, "head -c 100000 /dev/urandom > blob")
     root = services.config.sandboxes_dir / box
     workspace = services.sandboxes.get(box).workspace
-    group = workspace.sandbox._group
+    group = bubblewrap(workspace.sandbox)._group
     assert group is not None
     assert root.is_dir()
     closed = await call(client, "close_sandbox", sandbox_id=box)
@@ -256,7 +257,7 @@ async def test_an_idle_sandbox_sleeps_and_wakes_with_its_files(client: Client, s
     await sh(client, busy, "echo scratch > /tmp/scratch")
     coded = await create(client)
     await call(client, "execute_code", code="x = 1", sandbox_id=coded)
-    warm = services.sandboxes.get(box).workspace.sandbox
+    warm = bubblewrap(services.sandboxes.get(box).workspace.sandbox)
     assert warm._proc is not None
     pid = warm._proc.pid
     assert services.sandboxes.sleep_idle(0) == (2 if services.devices is not None else 1)

@@ -15,7 +15,7 @@ from bastion.config import load_config
 from bastion.safety.errors import ConfigError
 from bastion.sandbox._idmap import idmapped_mount, is_mounted, unmount
 from bastion.workbench.workspace import IDMAP_DIR
-from tests.helpers import Payload, demo_config_at
+from tests.helpers import Payload, bubblewrap, demo_config_at
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
 
@@ -160,7 +160,7 @@ async def test_host_workspace_files_are_the_folder_owners_and_its_commands_are_n
             assert not written.is_error, written
             ran = await _run(client, "cat /proc/self/status")
             # From the host: every process of the workspace's sandbox (bwrap, the agent) and their ids.
-            bwrap = services.registry.get(None).sandbox._proc
+            bwrap = bubblewrap(services.registry.get(None).sandbox)._proc
             assert bwrap is not None
             host_uids = {_host_uid(pid) for pid in (bwrap.pid, *_descendants(bwrap.pid))}
         status = str(ran["detail"]["stdout"])
@@ -204,7 +204,7 @@ async def test_without_idmapped_mounts_a_users_folder_runs_as_that_user_and_a_ro
         async with Client(build_server(services, caller="test")) as client:
             made = await _run(client, "mkdir made")
             assert made["ok"], made
-            bwrap = services.registry.get(None).sandbox._proc
+            bwrap = bubblewrap(services.registry.get(None).sandbox)._proc
             assert bwrap is not None
             assert {_host_uid(pid) for pid in (bwrap.pid, *_descendants(bwrap.pid))} == {12345}
     finally:
