@@ -13,7 +13,6 @@ bug, a syscall newer than the installed libseccomp, or a config other than the d
 
 from __future__ import annotations
 
-import asyncio
 import ctypes
 import errno
 import json
@@ -30,7 +29,7 @@ import pytest
 from mcp import Client
 
 from bastion.app import Services
-from tests.helpers import bubblewrap, call, create, sh
+from tests.helpers import call, create, sh
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
 
@@ -544,35 +543,3 @@ async def _replay_write(entry: dict[str, Any], client: Client, services: Service
     assert (root / value["file_path"]).read_text() == value["content"]
     inside = detail(await sh(client, box, "ls -A; cat -- " + shlex.quote(value["file_path"])))
     assert inside["stdout"] == value["file_path"] + "\n" + value["content"]
-
-
-# -- regression: a member that exits before the host's "used" message -----------------------------
-
-
-async def test_sandbox_keeps_answering_when_a_member_exits_before_its_used_message(
-    client: Client, services: Services, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Invariant: however the member's exit and the host's "used" message interleave (both are
-    legitimate orders), the sandbox keeps handing out members and commands keep running."""
-    from bastion.sandbox import warm as warm_module
-
-    box = await create(client)
-    warm = bubblewrap(services.sandboxes.get(box).workspace.sandbox)
-    tell = warm._tell_agent
-    loop = asyncio.get_running_loop()
-
-    def used_after_exit(op: str, pid: int) -> None:
-        # The order a fast command produces by chance: the agent reaps the member first.
-        if op == "used":
-            loop.call_later(0.3, tell, op, pid)
-        else:
-            tell(op, pid)
-
-    monkeypatch.setattr(warm, "_tell_agent", used_after_exit)
-    monkeypatch.setattr(warm_module, "START_TIMEOUT_S", 1.0)
-    await anyio.sleep(0.3)  # the agent's first members are handed out
-    codes = []
-    for _ in range(3):
-        codes.append((await sh(client, box, "true"))["code"])
-        await anyio.sleep(0.5)  # the late "used" arrives after the exit was reaped
-    assert codes == ["OK", "OK", "OK"]
