@@ -243,3 +243,58 @@ async def test_read_file_of_secret_dense_text_does_not_stall_the_loop(client: Cl
     assert read["ok"], read
     assert "abcdefgh" not in str(read["detail"]["content"])
     assert lag.worst < 0.3
+
+
+# -- binary content read as text (issue 15) ---------------------------------------------------------
+
+PNG = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 64
+
+
+@pytest.mark.anyio
+async def test_read_file_refuses_an_image_as_text_and_says_how_to_read_it(client: Client, workspace: Path) -> None:
+    """A PNG read with the default encoding was 48 KB of U+FFFD. Now it is a one-line refusal naming what the
+    file is and the encoding that works, and that encoding gives the exact bytes."""
+    (workspace / "plot.png").write_bytes(PNG)
+    refused = await call(client, "read_file", path="plot.png")
+    assert refused["code"] == "INVALID_REQUEST"
+    assert "a PNG image" in refused["reason"]
+    assert "encoding='base64'" in refused["reason"]
+    assert refused["detail"] == {}
+    exact = await call(client, "read_file", path="plot.png", encoding="base64")
+    assert base64.b64decode(exact["detail"]["content"]) == PNG
+    # A page from the middle of a binary file is refused too, without guessing a type from its first bytes.
+    middle = await call(client, "read_file", path="plot.png", offset=100, length=4096)
+    assert middle["code"] == "INVALID_REQUEST"
+    assert "binary data" in middle["reason"]
+
+
+@pytest.mark.anyio
+async def test_read_file_of_text_with_a_few_stray_bytes_is_text_with_a_note(client: Client, workspace: Path) -> None:
+    """Latin-1 in a UTF-8 file: the text comes back (the stray bytes as U+FFFD) and a note says how many."""
+    (workspace / "notes.txt").write_bytes("café au lait\n".encode("latin-1") + "naïve ok\n".encode())
+    read = await call(client, "read_file", path="notes.txt")
+    assert read["ok"], read
+    assert read["detail"]["content"] == "caf\ufffd au lait\nnaïve ok\n"
+    assert read["detail"]["note"].startswith("1 bytes are not UTF-8")
+
+
+@pytest.mark.anyio
+async def test_read_file_pages_that_cut_a_character_are_plain_text(client: Client, workspace: Path) -> None:
+    """A page that starts or ends inside a multi-byte character is text, not 'binary', and has no note."""
+    text = "日本語のテキスト" * 400
+    (workspace / "ja.txt").write_text(text)
+    raw = text.encode()
+    for offset, length in ((1, 100), (0, 101), (2, 3001), (len(raw) - 5, 5)):
+        read = await call(client, "read_file", path="ja.txt", offset=offset, length=length)
+        assert read["ok"], (offset, length, read)
+        assert "note" not in read["detail"], (offset, length)
+
+
+def test_stray_byte_count_stops_past_the_limit() -> None:
+    """Counting the undecodable bytes of a 1 MiB binary page stops early, so a refusal costs little."""
+    from bastion.workbench.workspace import MAX_UNDECODABLE_BYTES, undecodable_bytes
+
+    assert undecodable_bytes(b"\xff" * 1_048_576, cut_before=False, cut_after=False) == MAX_UNDECODABLE_BYTES + 1
+    assert undecodable_bytes("é".encode()[1:] + b"abc", cut_before=True, cut_after=False) == 0
+    assert undecodable_bytes("é".encode()[1:] + b"abc", cut_before=False, cut_after=False) == 1
+    assert undecodable_bytes(b"abc" + "é".encode()[:1], cut_before=False, cut_after=True) == 0

@@ -122,7 +122,8 @@ def register_workbench(server: BastionServer, registry: WorkspaceRegistry) -> No
         workspace=in_workspace,
         description=(
             "Read a file of the workspace (path relative to it). Large files: page with offset and length (bytes). "
-            "utf-8 text is redacted as the whole file would be, so a secret cut by a page shows in neither part."
+            "utf-8 text is redacted as the whole file would be, so a secret cut by a page shows in neither part. "
+            "Binary content (an image, an archive, a program) is refused as utf-8: read it with encoding='base64'."
         ),
     )
     async def read_file(

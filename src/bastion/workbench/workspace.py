@@ -8,6 +8,7 @@ command harmless to the rest of the host.
 from __future__ import annotations
 
 import base64
+import codecs
 import contextlib
 import dataclasses
 import hashlib
@@ -77,6 +78,48 @@ class CommandOutput:
     oom_killed: bool
     memory_note: str = ""
     """On an OOM kill: how much of the memory files in /tmp and /dev/shm held."""
+
+
+MAX_UNDECODABLE_BYTES: Final = 32
+"""A page with more bytes than this that are not UTF-8 (or with a NUL) is binary: read_file refuses it as text
+and says to use base64, instead of answering with a page of U+FFFD."""
+_SIGNATURES: Final = (
+    (b"\x89PNG\r\n\x1a\n", "a PNG image"),
+    (b"\xff\xd8\xff", "a JPEG image"),
+    (b"GIF8", "a GIF image"),
+    (b"%PDF-", "a PDF document"),
+    (b"PK\x03\x04", "a zip archive"),
+    (b"\x7fELF", "an ELF program"),
+    (b"\x1f\x8b", "gzip data"),
+)
+
+
+def undecodable_bytes(data: bytes, *, cut_before: bool, cut_after: bool) -> int:
+    """How many bytes of a page are not UTF-8 (counting stops past the limit), not counting a character
+    the page's edges cut: up to three continuation bytes at a start inside the file, an unfinished one at
+    an end before the file's."""
+    start = 0
+    while cut_before and start < min(3, len(data)) and data[start] & 0xC0 == 0x80:
+        start += 1
+    bad, view = 0, data[start:]
+    while bad <= MAX_UNDECODABLE_BYTES:
+        try:
+            codecs.utf_8_decode(view, "strict", not cut_after)
+            return bad
+        except UnicodeDecodeError as exc:
+            bad += exc.end - exc.start
+            view = view[exc.end :]
+    return bad
+
+
+def _kind_of(data: bytes, offset: int) -> str:
+    if offset == 0:
+        for signature, kind in _SIGNATURES:
+            if data.startswith(signature):
+                return kind
+        if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+            return "a WebP image"
+    return "binary data"
 
 
 class HostWorkspace:
@@ -290,15 +333,21 @@ class HostWorkspace:
         want = MAX_READ_BYTES if length is None else length
         if want <= 0 or want > MAX_READ_BYTES:
             raise InvalidRequest(f"length must be between 1 and {MAX_READ_BYTES} bytes")
+        undecodable = 0
         if encoding == "base64":
             result = self.jail.read(path, offset=offset, length=want)
             content = base64.b64encode(result.data).decode("ascii")
         else:
             # Redacted with context on both sides: a secret the slice cuts is hidden as the whole file would hide it.
             result = self.jail.read(path, offset=offset, length=want, margin=SLICE_CONTEXT_BYTES)
+            undecodable = undecodable_bytes(result.data, cut_before=offset > 0, cut_after=not result.eof)
+            if undecodable > MAX_UNDECODABLE_BYTES or b"\0" in result.data:
+                raise InvalidRequest(
+                    f"{result.path} is not UTF-8 text ({_kind_of(result.data, offset)}): read it with encoding='base64'"
+                )
             window = result.before + result.data + result.after
             content = self.redactor.redact_slice(window, len(result.before), len(result.before) + len(result.data))
-        return {
+        detail: dict[str, object] = {
             "path": result.path,
             "content": content,
             "encoding": encoding,
@@ -307,6 +356,9 @@ class HostWorkspace:
             "size": result.size,
             "eof": result.eof,
         }
+        if undecodable:
+            detail["note"] = f"{undecodable} bytes are not UTF-8 and show as U+FFFD: encoding='base64' gives them exact"
+        return detail
 
     def write_file(self, path: str, content: str, *, encoding: Encoding, append: bool) -> dict[str, object]:
         data = decode_base64(content) if encoding == "base64" else content.encode("utf-8")
