@@ -11,7 +11,6 @@ from typing import Annotated
 from mcp_types import ToolAnnotations
 from pydantic import BaseModel, ConfigDict, Field
 
-from bastion.safety.errors import Forbidden
 from bastion.safety.results import OperationResult
 from bastion.snapshot.store import SnapshotInfo
 from bastion.tools.audited import Audit, audited_tool, workspace_of
@@ -71,9 +70,9 @@ def register_sandboxes(server: BastionServer, manager: SandboxManager, registry:
     runner = server.runner
     in_sandbox = workspace_of("sandbox_id")
 
-    def agent_owned(sandbox_id: str) -> None:
-        if registry.is_host(sandbox_id):
-            raise Forbidden(f"{sandbox_id!r} is a host workspace of the administrator: agents cannot pause or close it")
+    def agent_owned(sandbox_id: str, what: str) -> None:
+        # FORBIDDEN for a host workspace: the one decision, `HostWorkspace.require_sandbox`.
+        registry.resolve(sandbox_id).workspace.require_sandbox(what)
 
     @audited_tool(
         server,
@@ -119,7 +118,7 @@ def register_sandboxes(server: BastionServer, manager: SandboxManager, registry:
         description="State, age, idle time, limits and live memory, CPU, process and disk use of a sandbox.",
     )
     async def get_sandbox_status(sandbox_id: SandboxIdArg) -> dict[str, object]:
-        agent_owned(sandbox_id)
+        agent_owned(sandbox_id, "get_sandbox_status")
         return manager.status(sandbox_id)
 
     @audited_tool(
@@ -131,7 +130,7 @@ def register_sandboxes(server: BastionServer, manager: SandboxManager, registry:
         description="Freeze every process of a sandbox: it uses no CPU until resume_sandbox. Files stay reachable.",
     )
     async def pause_sandbox(sandbox_id: SandboxIdArg) -> dict[str, object]:
-        agent_owned(sandbox_id)
+        agent_owned(sandbox_id, "pause_sandbox")
         return manager.pause(sandbox_id).summary()
 
     @audited_tool(
@@ -143,7 +142,7 @@ def register_sandboxes(server: BastionServer, manager: SandboxManager, registry:
         description="Thaw a paused sandbox.",
     )
     async def resume_sandbox(sandbox_id: SandboxIdArg) -> dict[str, object]:
-        agent_owned(sandbox_id)
+        agent_owned(sandbox_id, "resume_sandbox")
         return manager.resume(sandbox_id).summary()
 
     @audited_tool(
@@ -155,7 +154,7 @@ def register_sandboxes(server: BastionServer, manager: SandboxManager, registry:
         description="End a sandbox: every process is killed and its files are deleted.",
     )
     async def close_sandbox(sandbox_id: SandboxIdArg) -> dict[str, object]:
-        agent_owned(sandbox_id)
+        agent_owned(sandbox_id, "close_sandbox")
         await manager.close(sandbox_id)  # the waits run in worker threads: other calls go on
         return {"sandbox_id": sandbox_id, "state": "closed"}
 
@@ -173,7 +172,7 @@ def register_sandboxes(server: BastionServer, manager: SandboxManager, registry:
         ),
     )
     async def snapshot_sandbox(sandbox_id: SandboxIdArg, label: str | None = None) -> dict[str, object]:
-        agent_owned(sandbox_id)
+        agent_owned(sandbox_id, "snapshot_sandbox")
         return _snapshot_detail(await manager.snapshot(sandbox_id, label), manager)
 
     @audited_tool(

@@ -87,11 +87,6 @@ class WorkspaceRegistry:
         """`resolve(workspace_id).workspace`."""
         return self.resolve(workspace_id).workspace
 
-    def is_host(self, workspace_id: str) -> bool:
-        """Whether the id names a host workspace (decided by `HostWorkspace.is_sandbox`)."""
-        host = self._hosts.get(workspace_id)
-        return host is not None and not host.is_sandbox
-
     def close(self) -> None:
         """Close the host workspaces (the manager closes its sandboxes)."""
         for host in self._hosts.values():
