@@ -11,24 +11,18 @@ lifetime outside 60-120 s is refused. Test keys are made at test time.
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
-import os
 import ssl
 import subprocess
 import time
 from pathlib import Path
 
 import httpx2
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 from bastion.config import HttpConfig
 from tests.helpers import mounts_under
 
 from .live import BASTION, Browser, free_port, get_tokens, live_server, pkce, serve_config, write_config
+from .tls import self_signed
 
 
 def bastion(*args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
@@ -83,36 +77,9 @@ def test_trusted_proxies_must_be_addresses_and_trust_none_by_default(tmp_path: P
     assert HttpConfig().trusted_proxies == ()
 
 
-def _self_signed(folder: Path) -> tuple[Path, Path]:
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=1))
-        .not_valid_after(now + datetime.timedelta(hours=1))
-        .add_extension(
-            x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-            critical=False,
-        )
-        .sign(key, hashes.SHA256())
-    )
-    cert_path, key_path = folder / "cert.pem", folder / "key.pem"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(
-        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-    )
-    os.chmod(key_path, 0o600)
-    return cert_path, key_path
-
-
 def test_builtin_tls(tmp_path: Path) -> None:
     tmp_path.mkdir(exist_ok=True)
-    cert, key = _self_signed(tmp_path)
+    cert, key = self_signed(tmp_path)
     port = free_port()
     config = write_config(tmp_path / "demo", port, http_extra=f'tls_cert = "{cert}"\ntls_key = "{key}"')
     config.write_text(

@@ -31,6 +31,7 @@ from bastion.transports.http.flow import (
     LOGIN_FAILED,
     browser_digest,
     check_password,
+    form_body,
     same_token,
     single_params,
 )
@@ -39,7 +40,6 @@ from bastion.transports.http.ratelimit import LoginLimiter, LoginRefused
 from bastion.transports.http.store import AuthStore
 
 SESSION_COOKIE: Final = "__Host-bastion-admin"
-MAX_FORM_BYTES: Final = 16 * 1024
 
 
 def _when(ts: float | None) -> str:
@@ -89,14 +89,8 @@ class AdminPages:
         return self.store.admin_session_csrf(session) if session else None
 
     async def form(self, request: Request) -> dict[str, str] | None:
-        if request.headers.get("content-type", "").split(";")[0].strip() != "application/x-www-form-urlencoded":
-            return None
-        body = b""
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > MAX_FORM_BYTES:
-                return None
-        return single_params(body.decode("utf-8", "replace"))
+        body = await form_body(request)
+        return None if body is None else single_params(body)
 
     def _post(self, handler: Callable[[Request, dict[str, str], str], Any]) -> Callable[[Request], Any]:
         """Wrap a POST handler: a live session and its CSRF token, or 403."""

@@ -110,6 +110,18 @@ def offered_scopes(asked: str, registered: str | None) -> tuple[tuple[str, ...],
     return offered, (least,) if least else ()
 
 
+async def form_body(request: Request) -> str | None:
+    """A form POST's body as text, or None if it is not urlencoded or longer than `MAX_FORM_BYTES`."""
+    if request.headers.get("content-type", "").split(";")[0].strip() != "application/x-www-form-urlencoded":
+        return None
+    body = b""
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_FORM_BYTES:
+            return None
+    return body.decode("utf-8", "replace")
+
+
 def single_params(raw_query: str | bytes) -> dict[str, str] | None:
     """Query or form parameters, or None if any is repeated (OAuth 2.1 §3.1: parameters MUST NOT repeat)."""
     text = raw_query.decode("latin-1") if isinstance(raw_query, bytes) else raw_query
@@ -216,14 +228,8 @@ class AuthorizationFlow:
         return hmac.compare_digest(browser_digest(browser), txn.browser_digest)
 
     async def _form(self, request: Request) -> dict[str, str] | None:
-        if request.headers.get("content-type", "").split(";")[0].strip() != "application/x-www-form-urlencoded":
-            return None
-        body = b""
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > MAX_FORM_BYTES:
-                return None
-        return single_params(body.decode("utf-8", "replace"))
+        body = await form_body(request)
+        return None if body is None else single_params(body)
 
     def _bound(self, request: Request, txn: Transaction, form: dict[str, str]) -> bool:
         """The POST comes from the browser that opened the transaction, with its current CSRF token."""
@@ -322,15 +328,11 @@ class AuthorizationFlow:
 
     async def _form_multi(self, request: Request) -> tuple[dict[str, str], set[str]] | None:
         """The consent form: single-valued fields, plus the repeated `scope` checkboxes."""
-        if request.headers.get("content-type", "").split(";")[0].strip() != "application/x-www-form-urlencoded":
+        body = await form_body(request)
+        if body is None:
             return None
-        body = b""
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > MAX_FORM_BYTES:
-                return None
         try:
-            pairs = parse_qsl(body.decode("utf-8", "replace"), keep_blank_values=True, max_num_fields=64)
+            pairs = parse_qsl(body, keep_blank_values=True, max_num_fields=64)
         except ValueError:
             return None
         single: dict[str, str] = {}
