@@ -104,6 +104,9 @@ EntryKind = Literal["file", "dir", "symlink", "other"]
 # openat2(2): EAGAIN means a concurrent rename made the kernel unsure a ".." stayed beneath
 # the root; retrying is the documented answer. Bounded so an attacker cannot spin us forever.
 _RETRIES: Final = 32
+# What the kernel allows in one lookup (MAXSYMLINKS, include/linux/namei.h); `Jail._in_view` too.
+_MAX_LINKS: Final = 40
+_NO_LINKS: Final = RESOLVE | RESOLVE_NO_SYMLINKS
 
 # Control characters, invisible format characters (bidi overrides, zero-width), lone
 # surrogates (os.fsencode would turn them into arbitrary bytes) and line/paragraph separators.
@@ -297,6 +300,15 @@ def _pread_all(fd: int, offset: int, length: int) -> bytes:
     return b"".join(chunks)
 
 
+def _view_parts(view_root: str | None) -> tuple[str, ...]:
+    if view_root is None:
+        return ()
+    parts = tuple(part for part in view_root.split("/") if part)
+    if not view_root.startswith("/") or not parts or any(part in (".", "..") for part in parts):
+        raise ConfigError(f"view root {view_root!r} must be an absolute, normalized folder other than '/'")
+    return parts
+
+
 def _remove_made(parent_fd: int, name: str, fd: int, *, is_dir: bool) -> None:
     """Remove the entry `name` the jail just made in `parent_fd`, if it is still the one `fd` holds.
 
@@ -359,6 +371,7 @@ class Jail:
         secret_patterns: Sequence[str] = DEFAULT_SECRET_PATTERNS,
         allow_hardlinks: bool = False,
         owner: tuple[int, int] | None = None,
+        view_root: str | None = None,
     ) -> None:
         """Open the workspace root and keep its fd.
 
@@ -370,6 +383,9 @@ class Jail:
             owner: (uid, gid) given to every file and folder the jail creates: the identity the
                 workspace's commands run as, so a server running as root does not leave root's
                 files where they cannot change them. None: the server's own.
+            view_root: where the programs using the workspace see it (a sandbox's ``/workspace``):
+                paths and absolute symlink targets under it name the workspace (`Jail.relative`,
+                `_in_view`); other absolute ones are refused. None: a host folder, no view.
 
         Raises:
             InvalidRequest: the root is not absolute or not a folder.
@@ -381,6 +397,7 @@ class Jail:
         self._secret = _compile_secret_patterns(secret_patterns)
         self._allow_hardlinks = allow_hardlinks
         self._owner = owner
+        self._view = _view_parts(view_root)
         self._openat2 = load_openat2()
         given = os.fspath(root)
         if not isinstance(given, str) or "\x00" in given:
@@ -455,7 +472,7 @@ class Jail:
         """Validate a path lexically and return it relative to the root, without touching the disk.
 
         Args:
-            path: a workspace-relative path, or an absolute path lexically under the root.
+            path: a workspace-relative path, or an absolute path lexically under the root or the view root.
 
         Returns:
             The normalized relative path (``.`` for the root): no ``..``, no empty components.
@@ -487,10 +504,10 @@ class Jail:
                         absolute.pop()
                 elif part not in ("", "."):
                     absolute.append(part)
-            depth = len(self._root_parts)
-            if tuple(absolute[:depth]) != self._root_parts:
-                raise PathEscape("the absolute path is outside the workspace: use a path relative to the workspace")
-            return "/".join(absolute[depth:]) or "."
+            for prefix in (self._root_parts, self._view):
+                if prefix and tuple(absolute[: len(prefix)]) == prefix:
+                    return "/".join(absolute[len(prefix) :]) or "."
+            raise PathEscape(self._outside_reason("the absolute path"))
         stack: list[str] = []
         for part in parts:
             if part == "..":
@@ -565,7 +582,7 @@ class Jail:
             BastionError: InvalidRequest, PathEscape, PolicyDenied (secret, symlink, not a
                 regular file, hard links), NotFound (missing parent), ResourceLimit, OperationFailed.
         """
-        rel = self._checked(path)
+        rel = self._checked(path, follow=False)
         if not isinstance(data, bytes):
             raise InvalidRequest("the data must be bytes: encode the text first")
         if len(data) > MAX_WRITE_BYTES:
@@ -650,7 +667,7 @@ class Jail:
         Raises:
             BastionError: InvalidRequest, PathEscape, PolicyDenied (secret or symlink), NotFound.
         """
-        rel = self._checked(path)
+        rel = self._checked(path, follow=False)
         fd = self._open(self._root_fd(), rel, rel, os.O_PATH | os.O_NOFOLLOW)
         try:
             self._judge(fd, rel)
@@ -671,7 +688,7 @@ class Jail:
         Raises:
             BastionError: InvalidRequest, PathEscape (a parent leaves the root), PolicyDenied (secret).
         """
-        rel = self._checked(path)
+        rel = self._checked(path, follow=False)
         try:
             fd = self._open(self._root_fd(), rel, rel, os.O_PATH | os.O_NOFOLLOW)
         except NotFound:
@@ -687,10 +704,87 @@ class Jail:
             raise ValueError("the jail is closed: create a new Jail")
         return self._fd
 
-    def _checked(self, path: str) -> str:
+    def _checked(self, path: str, *, follow: bool = True) -> str:
+        """`relative`, secret-checked; in a view, with its symlinks resolved as the view sees them.
+
+        Args:
+            follow: in a view, resolve a last component that is a symlink too (reads, folders).
+        """
         rel = self.relative(path)
         self._check_secret(rel)
+        if self._view:
+            rel = self._in_view(rel, follow=follow)
+            self._check_secret(rel)
         return rel
+
+    def _outside_reason(self, what: str) -> str:
+        if self._view:
+            view = "/" + "/".join(self._view)
+            return f"{what} is outside {view}, the workspace: use a path under {view} or relative to it"
+        return f"{what} is outside the workspace: use a path relative to the workspace"
+
+    def _in_view(self, rel: str, *, follow: bool) -> str:
+        """`rel` with every symlink resolved as a program in the view would, never leaving the root.
+
+        Why not openat2's RESOLVE_IN_ROOT: it takes the root fd for "/", so a link to
+        ``/workspace/x`` would name ``<root>/workspace/x`` and one to ``/etc/passwd`` would
+        silently name ``<root>/etc/passwd``, neither what the sandbox sees. Here a target under
+        the view root restarts at the root, any other absolute target (``/etc``, ``/proc/self/root``)
+        and any ``..`` above the root are PathEscape: the sandbox would see something outside
+        the workspace. Each link is read through an fd opened beneath the root with no symlink
+        followed; the result is a string, and the open that uses it is still the kernel's
+        RESOLVE_BENEATH one, so a folder swapped for a link after this step is judged there.
+
+        Raises:
+            PathEscape: a link or ``..`` leads outside the root, or more than 40 links (a loop).
+        """
+        pending = rel.split("/")[::-1]
+        done: list[str] = []
+        links = 0
+        while pending:
+            part = pending.pop()
+            if part in ("", "."):
+                continue
+            if part == "..":
+                if not done:
+                    raise PathEscape(self._outside_reason(f"'{rel}' climbs with '..' or through a symbolic link and"))
+                done.pop()
+                continue
+            target = self._link_target([*done, part], rel) if pending or follow else None
+            if target is None:
+                done.append(part)
+                continue
+            links += 1
+            if links > _MAX_LINKS:
+                raise PathEscape(f"'{rel}' goes through more than {_MAX_LINKS} symbolic links (a loop?): fix the links")
+            if target.startswith("/"):
+                done = []
+                target = self._view_relative(target, rel)
+            pending.extend(target.split("/")[::-1])
+        return "/".join(done) or "."
+
+    def _view_relative(self, target: str, rel: str) -> str:
+        """An absolute link target, relative to the root; refused unless it starts with the view root."""
+        parts = [part for part in target.split("/") if part not in ("", ".")]
+        depth = len(self._view)
+        if tuple(parts[:depth]) != self._view:
+            raise PathEscape(self._outside_reason(f"'{rel}' goes through a symbolic link to '{target}', which"))
+        return "/".join(parts[depth:])
+
+    def _link_target(self, parts: list[str], rel: str) -> str | None:
+        """The target of the symlink at `parts` (beneath the root, no link followed), or None for anything else."""
+        try:
+            fd = self._open(self._root_fd(), "/".join(parts), rel, os.O_PATH | os.O_NOFOLLOW, resolve=_NO_LINKS)
+        except NotFound:
+            return None  # missing or under a non-folder: the open that counts says which
+        try:
+            if not stat.S_ISLNK(os.fstat(fd).st_mode):
+                return None
+            return os.readlink("", dir_fd=fd)
+        except OSError as exc:
+            raise _error_from_os(exc, rel) from exc
+        finally:
+            os.close(fd)
 
     def _check_secret(self, rel: str) -> None:
         if rel == ".":

@@ -167,8 +167,13 @@ class HostWorkspace:
         self.identity = identity
         self._bind_source = bind_source
         self._unmount_on_close = unmount_on_close
+        # A sandbox's file tools see paths as its commands do: /workspace/x is x (`Jail` view_root).
         self.jail = Jail(
-            config.path, secret_patterns=config.secret_files, allow_hardlinks=config.allow_hardlinks, owner=owner
+            config.path,
+            secret_patterns=config.secret_files,
+            allow_hardlinks=config.allow_hardlinks,
+            owner=owner,
+            view_root=SANDBOX_WORKSPACE if sandboxed else None,
         )
         self.redactor = redactor
         limits = None
