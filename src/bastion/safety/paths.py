@@ -77,6 +77,7 @@ MAX_NAME_BYTES: Final = 255
 MAX_READ_BYTES: Final = 1_048_576
 MAX_WRITE_BYTES: Final = 10_485_760
 MAX_LIST_ENTRIES: Final = 10_000
+MAX_WALK_ENTRIES: Final = 100_000  # Jail.walk (search_files)
 MAX_SCAN_ENTRIES: Final = 1_000_000  # privileged_file's walk of a host workspace at start
 
 DEFAULT_SECRET_PATTERNS: Final[tuple[str, ...]] = (
@@ -208,6 +209,7 @@ class ReadResult:
         eof: True when the read reached the end of the file.
         before: up to `margin` bytes just before `data` (see `Jail.read`).
         after: up to `margin` bytes just after `data`.
+        version: (st_dev, st_ino, st_size, st_mtime_ns) of the file read, for `Jail.replace`.
     """
 
     path: str
@@ -216,6 +218,7 @@ class ReadResult:
     eof: bool
     before: bytes = b""
     after: bytes = b""
+    version: tuple[int, int, int, int] = (0, 0, 0, 0)
 
 
 @final
@@ -248,6 +251,20 @@ class DirEntry:
     name: str
     kind: EntryKind
     size: int
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class WalkEntry:
+    """One entry of `Jail.walk`: its real path beneath the root (no symlink in it), kind and size."""
+
+    path: str
+    kind: EntryKind
+    size: int
+
+
+def _version(info: os.stat_result) -> tuple[int, int, int, int]:
+    return info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns
 
 
 def _kind_of(mode: int) -> EntryKind:
@@ -545,7 +562,8 @@ class Jail:
         fd = self._open_regular(self._root_fd(), rel, rel, os.O_RDONLY, RESOLVE)
         try:
             self._judge(fd, rel)
-            size = os.fstat(fd).st_size
+            info = os.fstat(fd)
+            size = info.st_size
             window = _pread_all(fd, start, offset + length + margin - start)
         except OSError as exc:
             raise _error_from_os(exc, rel) from exc
@@ -561,6 +579,7 @@ class Jail:
             eof=got < length or offset + got >= size,
             before=window[:cut],
             after=window[cut + length :],
+            version=_version(info),
         )
 
     def write(
@@ -647,6 +666,129 @@ class Jail:
             os.close(fd)
         entries.sort(key=lambda entry: entry.name)
         return tuple(entries)
+
+    def walk(self, path: str = ".", *, max_entries: int = MAX_WALK_ENTRIES) -> tuple[tuple[WalkEntry, ...], bool]:
+        """Every entry beneath a folder, depth first in name order; a symlink is reported, never followed.
+
+        Entries with a secret-file name are left out, and nothing beneath them is listed. Each
+        folder is opened beneath the root by its real path with no symlink allowed anywhere in
+        it, so a folder swapped for a link while the walk runs is skipped, never entered.
+
+        Returns:
+            The entries (paths relative to the root, real: no symlink in them), and whether the
+            walk stopped at `max_entries`.
+
+        Raises:
+            BastionError: for the starting folder only: InvalidRequest (not a folder), PathEscape,
+                PolicyDenied, NotFound.
+        """
+        rel = self._checked(path)
+        fd = self._judged(self._open_dir(rel, os.O_PATH | os.O_DIRECTORY), rel)
+        try:
+            start = self._real_relative(fd, rel)
+        finally:
+            os.close(fd)
+        found: list[WalkEntry] = []
+        pending = [start]
+        while pending:
+            folder = pending.pop()
+            children = self._walk_folder(folder)
+            for entry in children:
+                if len(found) >= max_entries:
+                    return tuple(found), True
+                found.append(entry)
+            pending.extend(entry.path for entry in reversed(children) if entry.kind == "dir")
+        return tuple(found), False
+
+    def _walk_folder(self, folder: str) -> list[WalkEntry]:
+        """The entries of one folder met by `walk`, sorted; none if it cannot be opened as a folder now."""
+        try:
+            fd = self._open(
+                self._root_fd(), folder, folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, resolve=_NO_LINKS
+            )
+        except BastionError:
+            return []
+        entries: list[WalkEntry] = []
+        try:
+            with os.scandir(fd) as iterator:
+                for item in iterator:
+                    if self._secret_name(item.name):
+                        continue
+                    try:
+                        info = item.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    kind = _kind_of(info.st_mode)
+                    path = item.name if folder == "." else f"{folder}/{item.name}"
+                    entries.append(WalkEntry(path=path, kind=kind, size=info.st_size if kind == "file" else 0))
+        except OSError:
+            return []
+        finally:
+            os.close(fd)
+        entries.sort(key=lambda entry: entry.path)
+        return entries
+
+    def _secret_name(self, name: str) -> bool:
+        return any(regex.match(name) for _, regex in self._secret)
+
+    def replace(self, path: str, data: bytes, *, version: tuple[int, int, int, int]) -> WriteResult:
+        """Replace an existing regular file's content atomically: a new file beside it, renamed over it.
+
+        Readers see the old content or the new, never a part. The new file gets the old one's
+        mode (without setuid and setgid) and owner; extended attributes and ACLs are not kept.
+
+        Args:
+            path: the file; the last component is never followed.
+            data: the whole new content, at most ``MAX_WRITE_BYTES`` bytes.
+            version: `ReadResult.version` of the read the new content was made from. A
+                point-in-time check: a change after it and before the rename is overwritten.
+
+        Raises:
+            BastionError: as `write`, and Conflict (the file changed since it was read).
+        """
+        rel = self._checked(path, follow=False)
+        if len(data) > MAX_WRITE_BYTES:
+            raise ResourceLimit(f"the new content is {len(data)} bytes, over the {MAX_WRITE_BYTES} byte limit")
+        parent, _, name = rel.rpartition("/")
+        parent_fd = self._open_parent(parent, rel, create=False)
+        try:
+            fd = self._open_regular(parent_fd, name, rel, os.O_RDONLY | os.O_NOFOLLOW, _NO_LINKS)
+            try:
+                self._judge(fd, rel)
+                info = os.fstat(fd)
+            finally:
+                os.close(fd)
+            if _version(info) != version:
+                raise Conflict(f"'{rel}' changed since it was read: read it again and redo the edit")
+            self._rename_new(parent_fd, name, rel, data, info)
+        finally:
+            os.close(parent_fd)
+        return WriteResult(path=rel, bytes_written=len(data), created=False)
+
+    def _rename_new(self, parent_fd: int, name: str, rel: str, data: bytes, old: os.stat_result) -> None:
+        temp = f".{name[:200]}.{os.urandom(6).hex()}.tmp"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+        fd = self._open(parent_fd, temp, rel, flags, mode=0o600, resolve=_NO_LINKS)
+        try:
+            with contextlib.suppress(PermissionError):  # a server that is not root keeps its own id
+                os.fchown(fd, old.st_uid, old.st_gid)
+            os.fchmod(fd, stat.S_IMODE(old.st_mode) & ~_PRIVILEGE_BITS)
+            view = memoryview(data)
+            written = 0
+            while written < len(data):
+                written += os.write(fd, view[written:])
+            os.fsync(fd)
+            os.rename(temp, name, src_dir_fd=parent_fd, dst_dir_fd=parent_fd)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.unlink(temp, dir_fd=parent_fd)
+            raise _error_from_os(exc, rel) from exc
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temp, dir_fd=parent_fd)
+            raise
+        finally:
+            os.close(fd)
 
     def open_dir_fd(self, path: str) -> int:
         """Open a folder beneath the root as an ``O_PATH`` fd, e.g. to use as a command's cwd.
