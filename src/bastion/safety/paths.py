@@ -667,12 +667,17 @@ class Jail:
         entries.sort(key=lambda entry: entry.name)
         return tuple(entries)
 
-    def walk(self, path: str = ".", *, max_entries: int = MAX_WALK_ENTRIES) -> tuple[tuple[WalkEntry, ...], bool]:
+    def walk(
+        self, path: str = ".", *, max_entries: int = MAX_WALK_ENTRIES, prune: frozenset[str] = frozenset()
+    ) -> tuple[tuple[WalkEntry, ...], bool]:
         """Every entry beneath a folder, depth first in name order; a symlink is reported, never followed.
 
         Entries with a secret-file name are left out, and nothing beneath them is listed. Each
         folder is opened beneath the root by its real path with no symlink allowed anywhere in
         it, so a folder swapped for a link while the walk runs is skipped, never entered.
+
+        Args:
+            prune: names of folders listed but not entered (e.g. ``.git``).
 
         Returns:
             The entries (paths relative to the root, real: no symlink in them), and whether the
@@ -689,15 +694,14 @@ class Jail:
         finally:
             os.close(fd)
         found: list[WalkEntry] = []
-        pending = [start]
+        pending = self._walk_folder(start)[::-1]
         while pending:
-            folder = pending.pop()
-            children = self._walk_folder(folder)
-            for entry in children:
-                if len(found) >= max_entries:
-                    return tuple(found), True
-                found.append(entry)
-            pending.extend(entry.path for entry in reversed(children) if entry.kind == "dir")
+            entry = pending.pop()
+            if len(found) >= max_entries:
+                return tuple(found), True
+            found.append(entry)
+            if entry.kind == "dir" and entry.path.rpartition("/")[2] not in prune:
+                pending.extend(self._walk_folder(entry.path)[::-1])
         return tuple(found), False
 
     def _walk_folder(self, folder: str) -> list[WalkEntry]:

@@ -3,9 +3,9 @@
 Python's `re` backtracks, holds the GIL for a whole match and cannot be interrupted from
 another thread, so a pattern like ``(a+)+$`` would stall the whole server. This is a
 best-effort bound, not a proof: a regex is refused when it has the shapes that backtrack
-exponentially (a quantified group holding a quantifier or an alternation, a backreference,
-lookarounds), more than `MAX_REGEX_UNBOUNDED` unbounded quantifiers, or more than
-`MAX_REGEX_QUANTIFIERS` in all; and it is only run on the first `MAX_REGEX_LINE_CHARS`
+exponentially (a group holding a quantifier or an alternation and repeated by anything but
+``?``, a backreference, a lookaround), more than `MAX_REGEX_UNBOUNDED` unbounded quantifiers,
+or more than `MAX_REGEX_QUANTIFIERS` in all; and it is only run on the first `MAX_REGEX_LINE_CHARS`
 characters of a line. Measured here: three unbounded ``.*`` on a 256-character line take
 about 0.25 s, the worst that passes; the caller's time budget (`SEARCH_BUDGET_S`) bounds
 a whole search, checked between lines. A literal pattern is a plain substring test (linear).
@@ -96,7 +96,7 @@ def _risky_shape(pattern: str) -> str | None:
                 groups[-1] = True  # ((a+)b)* repeats the inner quantifier too
             i += 1
         elif char in "*+?" or (char == "{" and _REPEAT.match(pattern, i)):
-            if after_group:
+            if after_group and char != "?":  # (a+)? runs its group at most once
                 return "repeats a group that holds a quantifier or '|'"
             total += 1
             unbounded += char in "*+" or _unbounded_repeat(pattern, i)

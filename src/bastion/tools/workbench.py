@@ -256,7 +256,8 @@ def register_search_and_edit(server: BastionServer, registry: WorkspaceRegistry)
             "contains it. Literal text by default; regex=true takes a Python regex, refused when it could backtrack "
             "without end (a repeated group holding a quantifier or '|', backreferences, lookarounds, over 3 "
             "unbounded quantifiers) and matched within the first 256 characters of each line. Symlinks are never "
-            "followed; binary files, files over 1 MiB and secret files (.env, keys) are skipped. truncated=true "
+            "followed; binary files, files over 1 MiB and secret files (.env, keys) are skipped, and so are "
+            ".git, .venv, node_modules and __pycache__ unless path is inside one. truncated=true "
             "says the results stopped early and why." + _PATHS_NOTE
         ),
     )

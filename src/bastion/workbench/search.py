@@ -27,6 +27,8 @@ MAX_SEARCH_SCAN_BYTES: Final = 64 * 1_048_576  # in all, per search
 MAX_SHOWN_LINE_CHARS: Final = 300
 MAX_GLOB_CHARS: Final = 256
 _BINARY_PROBE_BYTES: Final = 8192
+PRUNED_FOLDERS: Final = frozenset({".git", ".venv", "node_modules", "__pycache__"})
+"""Not entered unless the search starts inside one: tools' own state, large and rarely what is sought."""
 
 
 @dataclass
@@ -91,10 +93,12 @@ _STOPPED: Final = {
 
 
 def _entries(jail: Jail, path: str) -> tuple[tuple[WalkEntry, ...], bool]:
-    if jail.kind(path) == "file":
-        info = jail.stat(path)
-        return (WalkEntry(path=jail.relative(path), kind="file", size=info.st_size),), False
-    return jail.walk(path)
+    try:
+        return jail.walk(path, prune=PRUNED_FOLDERS)
+    except InvalidRequest:
+        pass  # not a folder: the one file it names (through a link too); its own errors are the caller's
+    read = jail.read(path, length=0)
+    return (WalkEntry(path=read.path, kind="file", size=read.size),), False
 
 
 def _globbed(path: str, glob: str) -> bool:
