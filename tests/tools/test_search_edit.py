@@ -12,11 +12,13 @@ the regex bound in every shape (tests/safety/test_search.py), the jail's view un
 from __future__ import annotations
 
 import base64
+import json
 import os
 import stat
 import struct
 import zlib
 from pathlib import Path
+from typing import Any
 
 import pytest
 from mcp import Client
@@ -130,6 +132,34 @@ async def test_search_never_follows_a_symlink_out_of_the_workspace(client: Clien
     assert found["detail"]["matches"] == []
     escaped = await call(client, "search_files", pattern="x", path="door")
     assert escaped["code"] == "PATH_ESCAPE", escaped
+
+
+async def test_search_never_opens_a_fifo_nor_reads_a_hard_link_to_outside(
+    client: Client, tree: Path, tmp_path: Path
+) -> None:
+    """A FIFO is named, never opened (the search would block); a hard link to a file outside is skipped unread."""
+    os.mkfifo(tree / "NEEDLE-pipe")
+    outside = tmp_path / "outside-hard.txt"
+    outside.write_text("NEEDLE outside\n")
+    os.link(outside, tree / "hard.txt")
+    found = await call(client, "search_files", pattern="NEEDLE")
+    assert found["detail"]["name_matches"] == ["NEEDLE-pipe"]
+    assert found["detail"]["matches"] == []
+    assert found["detail"]["skipped"]["unreadable"] == 1
+
+
+async def test_search_shows_hostile_names_cleaned(client: Client, tree: Path) -> None:
+    """A name with a terminal escape, a bell and a byte that is not UTF-8 is shown cleaned, never raw; its
+    content is not read, as no file tool takes such a path (the jail refuses control characters)."""
+    hostile = os.fsencode(tree) + b"/NEEDLE\x1b]0;pwned\x07\xff.txt"
+    Path(os.fsdecode(hostile)).write_text("NEEDLE\n")
+    found = await call(client, "search_files", pattern="NEEDLE")
+    [name] = found["detail"]["name_matches"]
+    assert name.startswith("NEEDLE")
+    assert "\x1b" not in name
+    assert "\x07" not in name
+    assert found["detail"]["matches"] == []
+    assert found["detail"]["skipped"]["unreadable"] == 1
 
 
 async def test_search_results_stop_at_max_results_with_truncated(client: Client, tree: Path) -> None:
@@ -330,3 +360,67 @@ async def test_sandbox_file_tools_take_workspace_paths_and_absolute_links(client
 
 
 _EDIT_LEAK = {"path": "leak", "old": "root", "new": "toor"}
+
+
+# -- the attack corpus, replayed against the new tools ------------------------------------------------
+
+CORPUS: list[dict[str, Any]] = json.loads(
+    (Path(__file__).parents[1] / "attacks" / "attack-corpus.json").read_text(encoding="utf-8")
+)
+PATH_ENTRIES = [entry for entry in CORPUS if entry["tool"] in ("files.read", "files.write")]
+SETUP_ENTRIES = [e for e in PATH_ENTRIES if isinstance(e["input"], dict) and "setup" in e["input"]]
+STRING_ENTRIES = [e for e in PATH_ENTRIES if isinstance(e["input"], str)]
+
+
+def _corpus_path(entry: dict[str, Any], root: str) -> str:
+    value = entry["input"]
+    path = value if isinstance(value, str) else value["path"]
+    if isinstance(path, dict):  # {"repeat": "A", "count": 300}
+        path = path["repeat"] * path["count"]
+    return str(path).replace("{WORKSPACE}", root)
+
+
+async def _replay(client: Client, entry: dict[str, Any], path: str, **where: object) -> None:
+    """Both tools refuse the path (a 'contained' entry may only be NOT_FOUND), and nothing of the host shows."""
+    for tool, args in (
+        ("search_files", {"pattern": "root", "path": path}),
+        ("edit_file", {"path": path, "old": "root", "new": "toor"}),
+    ):
+        result = await call(client, tool, **args, **where)
+        assert not result["ok"], (entry["id"], tool, result)
+        if entry["expect"] == "contained":
+            assert result["code"] == "NOT_FOUND", (entry["id"], tool, result)
+        assert "root:x" not in str(result)
+
+
+@pytest.mark.parametrize("entry", STRING_ENTRIES + SETUP_ENTRIES, ids=lambda e: e["id"])
+async def test_corpus_path_attack_is_refused_by_search_and_edit(
+    entry: dict[str, Any], client: Client, tree: Path
+) -> None:
+    """Invariant: every path attack of the corpus (strings, and the symlink set-ups) is refused by search_files
+    and edit_file on a host workspace. A013's swap loop is the jail's own race test (test_paths_view.py)."""
+    (tree / "README.md").write_text("readme\n")
+    (tree / ".env").write_text("TOKEN=root\n")
+    sibling = Path(str(tree) + "_sensitive_credentials")
+    sibling.mkdir()
+    (sibling / "secret.txt").write_text("root:x:0:0\n")
+    setup = entry["input"].get("setup", "") if isinstance(entry["input"], dict) else ""
+    for command in setup.split(";") if setup and not setup.startswith("loop") else ():
+        words = command.replace("{WORKSPACE}", str(tree)).split()
+        assert words[:2] == ["ln", "-s"], command
+        os.symlink(words[2], words[3])
+    await _replay(client, entry, _corpus_path(entry, str(tree)))
+
+
+@pytest.mark.bwrap
+async def test_corpus_path_attacks_are_refused_in_a_sandbox(client: Client) -> None:
+    """Invariant: the same entries, with the set-ups made by the sandbox's own commands and {WORKSPACE} as
+    /workspace, are refused by search_files and edit_file in a sandbox (the view resolving /workspace links)."""
+    box = await create(client)
+    await sh(client, box, "echo readme > README.md; echo TOKEN=root > .env")
+    for entry in STRING_ENTRIES + SETUP_ENTRIES:
+        setup = entry["input"].get("setup", "") if isinstance(entry["input"], dict) else ""
+        if setup and not setup.startswith("loop"):
+            made = await sh(client, box, setup.replace("{WORKSPACE}", "/workspace"))
+            assert made["ok"], (entry["id"], made)
+        await _replay(client, entry, _corpus_path(entry, "/workspace"), sandbox_id=box)
