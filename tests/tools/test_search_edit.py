@@ -350,6 +350,9 @@ async def test_sandbox_file_tools_take_workspace_paths_and_absolute_links(client
     assert [(m["path"], m["text"]) for m in found["detail"]["matches"]] == [("pkg/mod.py", "VALUE = 3")]
     inside = await sh(client, box, "cat /workspace/alias/mod.py /workspace/pkg/new.py")
     assert inside["detail"]["stdout"] == "VALUE = 3\nNEW = 2\n"
+    in_folder = await sh(client, box, "ls", cwd="/workspace/alias")
+    assert in_folder["detail"]["stdout"] == "mod.py\nnew.py\n"
+    assert in_folder["detail"]["cwd"] == "/workspace/alias"
     for path in ("leak", "hostetc/passwd", "/workspace/hostetc/hostname", "/etc/passwd"):
         refused = await call(client, "read_file", path=path, sandbox_id=box)
         assert refused["code"] == "PATH_ESCAPE", (path, refused)

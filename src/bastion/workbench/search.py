@@ -67,6 +67,9 @@ def search_tree(
     for entry in entries:
         if glob is not None and not _globbed(entry.path, glob):
             continue
+        if time.monotonic() > deadline:
+            tally.stopped = "time"
+            break
         _search_entry(jail, redactor, pattern, entry, tally, max_results, deadline)
         if tally.stopped:
             break
