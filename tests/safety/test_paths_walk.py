@@ -149,3 +149,14 @@ def test_replace_never_follows_a_final_link(jail: Jail, ws: Path, outside: Path)
     with pytest.raises(PolicyDenied):
         jail.replace("f.txt", b"x", version=read.version)
     assert (outside / "secret.txt").read_text() == "OUTSIDE-SECRET"
+
+
+def test_replace_works_for_a_name_at_the_length_limit(jail: Jail, ws: Path) -> None:
+    """Invariant: the temporary file's name does not grow with the file's: a 255-byte name (multi-byte
+    characters) is replaced like any other, and no temporary file is left."""
+    name = "é" * 127 + "x"  # 255 bytes
+    (ws / name).write_text("old")
+    read = jail.read(name)
+    jail.replace(name, b"new", version=read.version)
+    assert (ws / name).read_bytes() == b"new"
+    assert [p.name for p in ws.iterdir()] == [name]

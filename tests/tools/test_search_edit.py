@@ -201,7 +201,7 @@ async def test_edit_replaces_a_unique_string_and_returns_a_diff(client: Client, 
     assert target.read_text() == "import os\n\ndef main():\n    return os.getpid()\n"
     assert stat.S_IMODE(target.stat().st_mode) == 0o755
     assert target.stat().st_ino != before  # replaced by rename, never truncated in place
-    assert [p.name for p in target.parent.iterdir() if p.name.endswith(".tmp")] == []
+    assert sorted(p.name for p in target.parent.iterdir()) == ["app.py", "util.py"]
 
 
 async def test_edit_refuses_missing_and_ambiguous_text(client: Client, tree: Path) -> None:

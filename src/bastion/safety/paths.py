@@ -770,7 +770,7 @@ class Jail:
         return WriteResult(path=rel, bytes_written=len(data), created=False)
 
     def _rename_new(self, parent_fd: int, name: str, rel: str, data: bytes, old: os.stat_result) -> None:
-        temp = f".{name[:200]}.{os.urandom(6).hex()}.tmp"
+        temp = f".bastion-edit-{os.urandom(6).hex()}.tmp"  # fixed length: any name fits NAME_MAX
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
         fd = self._open(parent_fd, temp, rel, flags, mode=0o600, resolve=_NO_LINKS)
         try:
