@@ -252,20 +252,38 @@ async def test_edit_diff_never_shows_a_secret(client: Client, tree: Path) -> Non
     assert TOKEN in (tree / "settings.py").read_text()
 
 
-async def test_edit_refuses_secret_files_binaries_links_and_hard_links(client: Client, tree: Path) -> None:
-    """The jail's rules hold: a secret file, a binary, a final symlink (host) and a hard-linked file are refused."""
+async def test_edit_refuses_secret_files_binaries_and_hard_links(client: Client, tree: Path) -> None:
+    """The jail's rules hold: a secret file, a binary and a hard-linked file are refused and left as they were."""
     (tree / ".env").write_text("A=1\n")
     (tree / "image.bin").write_bytes(b"\x00\xffA=1\x00")
-    (tree / "link.py").symlink_to("src/app.py")
     os.link(tree / "notes.md", tree / "notes-link.md")
-    cases = {".env": "POLICY_DENIED", "image.bin": "INVALID_REQUEST", "link.py": "POLICY_DENIED"}
-    cases["notes-link.md"] = "POLICY_DENIED"
-    for path, code in cases.items():
-        old = "A=1" if path in (".env", "image.bin") else ("import" if path == "link.py" else "abc")
+    cases = {".env": ("A=1", "POLICY_DENIED"), "image.bin": ("A=1", "INVALID_REQUEST")}
+    cases["notes-link.md"] = ("abc", "POLICY_DENIED")
+    for path, (old, code) in cases.items():
         refused = await call(client, "edit_file", path=path, old=old, new="B")
         assert refused["code"] == code, (path, refused)
     assert (tree / ".env").read_text() == "A=1\n"
     assert (tree / "notes.md").read_text() == "main ideas\nabc\n"
+
+
+async def test_edit_through_a_link_edits_its_target_and_never_leaves(
+    client: Client, tree: Path, tmp_path: Path
+) -> None:
+    """A link to a workspace file: the target changes, the link stays a link. A link (or a link to a link)
+    leaving the workspace is PATH_ESCAPE and the outside file is untouched."""
+    (tree / "link.py").symlink_to("src/app.py")
+    done = await call(client, "edit_file", path="link.py", old="import os", new="import sys")
+    assert done["detail"]["path"] == "src/app.py"
+    assert (tree / "link.py").is_symlink()
+    assert (tree / "src" / "app.py").read_text().startswith("import sys\n")
+    outside = tmp_path / "outside.txt"
+    outside.write_text("root:x:0:0\n")
+    (tree / "out").symlink_to(outside)
+    (tree / "out2").symlink_to("out")
+    for path in ("out", "out2"):
+        refused = await call(client, "edit_file", path=path, old="root", new="toor")
+        assert refused["code"] == "PATH_ESCAPE", (path, refused)
+    assert outside.read_text() == "root:x:0:0\n"
 
 
 async def test_edit_refuses_a_file_over_the_cap(client: Client, tree: Path) -> None:
@@ -316,6 +334,13 @@ async def test_read_file_as_image_refuses_what_is_not_an_image(client: Client, t
     for path, code in (("fake.png", "INVALID_REQUEST"), ("doc.png", "INVALID_REQUEST"), ("huge.png", "RESOURCE_LIMIT")):
         refused = await call(client, "read_file", path=path, as_image=True)
         assert refused["code"] == code, (path, refused)
+
+
+async def test_read_file_as_image_refuses_paging_arguments(client: Client, tree: Path) -> None:
+    (tree / "plot.png").write_bytes(png())
+    for extra in ({"offset": 4}, {"length": 10}, {"encoding": "base64"}):
+        refused = await call(client, "read_file", path="plot.png", as_image=True, **extra)
+        assert refused["code"] == "INVALID_REQUEST", (extra, refused)
 
 
 async def test_read_file_of_an_image_as_text_points_to_as_image(client: Client, tree: Path) -> None:

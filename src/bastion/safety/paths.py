@@ -794,6 +794,23 @@ class Jail:
         finally:
             os.close(fd)
 
+    def real_path(self, path: str) -> str:
+        """Where `path` leads beneath the root, every symlink (the last one too) resolved beneath it.
+
+        For a tool that writes what a link names (edit_file) rather than the link. A point-in-time
+        answer: `replace` re-checks the file it is given.
+
+        Raises:
+            BastionError: InvalidRequest, PathEscape (a link leaves the root), PolicyDenied, NotFound.
+        """
+        rel = self._checked(path)
+        fd = self._open(self._root_fd(), rel, rel, os.O_PATH)
+        try:
+            self._judge(fd, rel)
+            return self._real_relative(fd, rel)
+        finally:
+            os.close(fd)
+
     def open_dir_fd(self, path: str) -> int:
         """Open a folder beneath the root as an ``O_PATH`` fd, e.g. to use as a command's cwd.
 

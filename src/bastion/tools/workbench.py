@@ -165,14 +165,16 @@ def register_workbench(server: BastionServer, registry: WorkspaceRegistry) -> No
             bool,
             Field(
                 description=f"Return a PNG, JPEG, GIF or WebP file (up to {MAX_IMAGE_BYTES // 1_048_576} MiB) as "
-                "image content to look at; the type is told by the file's bytes. offset, length and encoding "
-                "do not apply."
+                "image content to look at; the type is told by the file's bytes. Not with offset, length or "
+                "encoding."
             ),
         ] = False,
         sandbox_id: SandboxId = None,
     ) -> dict[str, object] | Outcome:
         ws = registry.get(sandbox_id)
         if as_image:
+            if offset or length is not None or encoding != "utf-8":
+                raise InvalidRequest("as_image reads the whole image: leave out offset, length and encoding")
             return await anyio.to_thread.run_sync(_image_outcome, ws, path)
         # Redacting up to 1 MiB of secret-dense text takes most of a second: off the event loop.
         read = functools.partial(ws.read_file, path, offset=offset, length=length, encoding=encoding)
@@ -285,7 +287,8 @@ def register_search_and_edit(server: BastionServer, registry: WorkspaceRegistry)
         description=(
             "Replace exact text in a UTF-8 file of the workspace (up to 1 MiB): old must occur exactly once "
             "(NOT_FOUND if it does not, INVALID_REQUEST saying how many times if more) unless replace_all=true. "
-            "Returns a unified diff (redacted). The file is replaced atomically and keeps its mode; dry_run=true "
+            "Returns a unified diff (redacted). The file is replaced atomically and keeps its mode (a symlink "
+            "to a file of the workspace: its target is edited, the link stays); dry_run=true "
             "shows the diff and writes nothing. CONFLICT if the file changed while it was edited." + _PATHS_NOTE
         ),
     )

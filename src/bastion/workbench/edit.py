@@ -35,7 +35,8 @@ def edit_text(
         raise InvalidRequest("old is empty: give the exact text to replace (read_file shows it)")
     if old == new:
         raise InvalidRequest("old and new are the same: nothing would change")
-    read = jail.read(path, length=MAX_EDIT_BYTES)
+    # A link to a file of the workspace is edited at its target and stays a link (as an editor does).
+    read = jail.read(jail.real_path(path), length=MAX_EDIT_BYTES)
     if not read.eof:
         raise ResourceLimit(
             f"{read.path} is {read.size} bytes, over the {MAX_EDIT_BYTES} byte limit of edit_file: use write_file"
