@@ -426,3 +426,13 @@ def test_an_administrators_pattern_across_lines_is_judged_on_the_whole_window() 
     start = raw.index(b"line two")
     assert redactor.redact_slice(raw, start, start + 8) == "[REDACTED:custom]"
     assert redactor.redact_slice(raw, raw.index(b"tail"), len(raw)) == "tail\n"
+
+
+def test_redact_keeping_lines_keeps_line_numbers_across_a_multiline_secret() -> None:
+    """Invariant: what search_files numbers lines by has as many lines as the text; the key's lines are gone."""
+    text = "a\n-----BEGIN RSA PRIVATE KEY-----\nMIIE\nQWERTY\n-----END RSA PRIVATE KEY-----\nb\n"
+    kept = Redactor().redact_keeping_lines(text)
+    assert kept.count("\n") == text.count("\n")
+    assert kept.split("\n")[5] == "b"
+    assert "QWERTY" not in kept
+    assert "MIIE" not in kept

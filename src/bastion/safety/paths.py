@@ -77,6 +77,7 @@ MAX_NAME_BYTES: Final = 255
 MAX_READ_BYTES: Final = 1_048_576
 MAX_WRITE_BYTES: Final = 10_485_760
 MAX_LIST_ENTRIES: Final = 10_000
+MAX_WALK_ENTRIES: Final = 100_000  # Jail.walk (search_files)
 MAX_SCAN_ENTRIES: Final = 1_000_000  # privileged_file's walk of a host workspace at start
 
 DEFAULT_SECRET_PATTERNS: Final[tuple[str, ...]] = (
@@ -104,6 +105,9 @@ EntryKind = Literal["file", "dir", "symlink", "other"]
 # openat2(2): EAGAIN means a concurrent rename made the kernel unsure a ".." stayed beneath
 # the root; retrying is the documented answer. Bounded so an attacker cannot spin us forever.
 _RETRIES: Final = 32
+# What the kernel allows in one lookup (MAXSYMLINKS, include/linux/namei.h); `Jail._in_view` too.
+_MAX_LINKS: Final = 40
+_NO_LINKS: Final = RESOLVE | RESOLVE_NO_SYMLINKS
 
 # Control characters, invisible format characters (bidi overrides, zero-width), lone
 # surrogates (os.fsencode would turn them into arbitrary bytes) and line/paragraph separators.
@@ -205,6 +209,7 @@ class ReadResult:
         eof: True when the read reached the end of the file.
         before: up to `margin` bytes just before `data` (see `Jail.read`).
         after: up to `margin` bytes just after `data`.
+        version: (st_dev, st_ino, st_size, st_mtime_ns) of the file read, for `Jail.replace`.
     """
 
     path: str
@@ -213,6 +218,7 @@ class ReadResult:
     eof: bool
     before: bytes = b""
     after: bytes = b""
+    version: tuple[int, int, int, int] = (0, 0, 0, 0)
 
 
 @final
@@ -245,6 +251,20 @@ class DirEntry:
     name: str
     kind: EntryKind
     size: int
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class WalkEntry:
+    """One entry of `Jail.walk`: its real path beneath the root (no symlink in it), kind and size."""
+
+    path: str
+    kind: EntryKind
+    size: int
+
+
+def _version(info: os.stat_result) -> tuple[int, int, int, int]:
+    return info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns
 
 
 def _kind_of(mode: int) -> EntryKind:
@@ -295,6 +315,15 @@ def _pread_all(fd: int, offset: int, length: int) -> bytes:
         chunks.append(chunk)
         got += len(chunk)
     return b"".join(chunks)
+
+
+def _view_parts(view_root: str | None) -> tuple[str, ...]:
+    if view_root is None:
+        return ()
+    parts = tuple(part for part in view_root.split("/") if part)
+    if not view_root.startswith("/") or not parts or any(part in (".", "..") for part in parts):
+        raise ConfigError(f"view root {view_root!r} must be an absolute, normalized folder other than '/'")
+    return parts
 
 
 def _remove_made(parent_fd: int, name: str, fd: int, *, is_dir: bool) -> None:
@@ -359,6 +388,7 @@ class Jail:
         secret_patterns: Sequence[str] = DEFAULT_SECRET_PATTERNS,
         allow_hardlinks: bool = False,
         owner: tuple[int, int] | None = None,
+        view_root: str | None = None,
     ) -> None:
         """Open the workspace root and keep its fd.
 
@@ -370,6 +400,9 @@ class Jail:
             owner: (uid, gid) given to every file and folder the jail creates: the identity the
                 workspace's commands run as, so a server running as root does not leave root's
                 files where they cannot change them. None: the server's own.
+            view_root: where the programs using the workspace see it (a sandbox's ``/workspace``):
+                paths and absolute symlink targets under it name the workspace (`Jail.relative`,
+                `_in_view`); other absolute ones are refused. None: a host folder, no view.
 
         Raises:
             InvalidRequest: the root is not absolute or not a folder.
@@ -381,6 +414,7 @@ class Jail:
         self._secret = _compile_secret_patterns(secret_patterns)
         self._allow_hardlinks = allow_hardlinks
         self._owner = owner
+        self._view = _view_parts(view_root)
         self._openat2 = load_openat2()
         given = os.fspath(root)
         if not isinstance(given, str) or "\x00" in given:
@@ -455,7 +489,7 @@ class Jail:
         """Validate a path lexically and return it relative to the root, without touching the disk.
 
         Args:
-            path: a workspace-relative path, or an absolute path lexically under the root.
+            path: a workspace-relative path, or an absolute path lexically under the root or the view root.
 
         Returns:
             The normalized relative path (``.`` for the root): no ``..``, no empty components.
@@ -487,10 +521,10 @@ class Jail:
                         absolute.pop()
                 elif part not in ("", "."):
                     absolute.append(part)
-            depth = len(self._root_parts)
-            if tuple(absolute[:depth]) != self._root_parts:
-                raise PathEscape("the absolute path is outside the workspace: use a path relative to the workspace")
-            return "/".join(absolute[depth:]) or "."
+            for prefix in (self._root_parts, self._view):
+                if prefix and tuple(absolute[: len(prefix)]) == prefix:
+                    return "/".join(absolute[len(prefix) :]) or "."
+            raise PathEscape(self._outside_reason("the absolute path"))
         stack: list[str] = []
         for part in parts:
             if part == "..":
@@ -528,7 +562,8 @@ class Jail:
         fd = self._open_regular(self._root_fd(), rel, rel, os.O_RDONLY, RESOLVE)
         try:
             self._judge(fd, rel)
-            size = os.fstat(fd).st_size
+            info = os.fstat(fd)
+            size = info.st_size
             window = _pread_all(fd, start, offset + length + margin - start)
         except OSError as exc:
             raise _error_from_os(exc, rel) from exc
@@ -544,6 +579,7 @@ class Jail:
             eof=got < length or offset + got >= size,
             before=window[:cut],
             after=window[cut + length :],
+            version=_version(info),
         )
 
     def write(
@@ -565,7 +601,7 @@ class Jail:
             BastionError: InvalidRequest, PathEscape, PolicyDenied (secret, symlink, not a
                 regular file, hard links), NotFound (missing parent), ResourceLimit, OperationFailed.
         """
-        rel = self._checked(path)
+        rel = self._checked(path, follow=False)
         if not isinstance(data, bytes):
             raise InvalidRequest("the data must be bytes: encode the text first")
         if len(data) > MAX_WRITE_BYTES:
@@ -631,6 +667,150 @@ class Jail:
         entries.sort(key=lambda entry: entry.name)
         return tuple(entries)
 
+    def walk(
+        self, path: str = ".", *, max_entries: int = MAX_WALK_ENTRIES, prune: frozenset[str] = frozenset()
+    ) -> tuple[tuple[WalkEntry, ...], bool]:
+        """Every entry beneath a folder, depth first in name order; a symlink is reported, never followed.
+
+        Entries with a secret-file name are left out, and nothing beneath them is listed. Each
+        folder is opened beneath the root by its real path with no symlink allowed anywhere in
+        it, so a folder swapped for a link while the walk runs is skipped, never entered.
+
+        Args:
+            prune: names of folders listed but not entered (e.g. ``.git``).
+
+        Returns:
+            The entries (paths relative to the root, real: no symlink in them), and whether the
+            walk stopped at `max_entries`.
+
+        Raises:
+            BastionError: for the starting folder only: InvalidRequest (not a folder), PathEscape,
+                PolicyDenied, NotFound.
+        """
+        rel = self._checked(path)
+        fd = self._judged(self._open_dir(rel, os.O_PATH | os.O_DIRECTORY), rel)
+        try:
+            start = self._real_relative(fd, rel)
+        finally:
+            os.close(fd)
+        found: list[WalkEntry] = []
+        pending = self._walk_folder(start)[::-1]
+        while pending:
+            entry = pending.pop()
+            if len(found) >= max_entries:
+                return tuple(found), True
+            found.append(entry)
+            if entry.kind == "dir" and entry.path.rpartition("/")[2] not in prune:
+                pending.extend(self._walk_folder(entry.path)[::-1])
+        return tuple(found), False
+
+    def _walk_folder(self, folder: str) -> list[WalkEntry]:
+        """The entries of one folder met by `walk`, sorted; none if it cannot be opened as a folder now."""
+        try:
+            fd = self._open(
+                self._root_fd(), folder, folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, resolve=_NO_LINKS
+            )
+        except BastionError:
+            return []
+        entries: list[WalkEntry] = []
+        try:
+            with os.scandir(fd) as iterator:
+                for item in iterator:
+                    if self._secret_name(item.name):
+                        continue
+                    try:
+                        info = item.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    kind = _kind_of(info.st_mode)
+                    path = item.name if folder == "." else f"{folder}/{item.name}"
+                    entries.append(WalkEntry(path=path, kind=kind, size=info.st_size if kind == "file" else 0))
+        except OSError:
+            return []
+        finally:
+            os.close(fd)
+        entries.sort(key=lambda entry: entry.path)
+        return entries
+
+    def _secret_name(self, name: str) -> bool:
+        return any(regex.match(name) for _, regex in self._secret)
+
+    def replace(self, path: str, data: bytes, *, version: tuple[int, int, int, int]) -> WriteResult:
+        """Replace an existing regular file's content atomically: a new file beside it, renamed over it.
+
+        Readers see the old content or the new, never a part. The new file gets the old one's
+        mode (without setuid and setgid) and owner; extended attributes and ACLs are not kept.
+
+        Args:
+            path: the file; the last component is never followed.
+            data: the whole new content, at most ``MAX_WRITE_BYTES`` bytes.
+            version: `ReadResult.version` of the read the new content was made from. A
+                point-in-time check: a change after it and before the rename is overwritten.
+
+        Raises:
+            BastionError: as `write`, and Conflict (the file changed since it was read).
+        """
+        rel = self._checked(path, follow=False)
+        if len(data) > MAX_WRITE_BYTES:
+            raise ResourceLimit(f"the new content is {len(data)} bytes, over the {MAX_WRITE_BYTES} byte limit")
+        parent, _, name = rel.rpartition("/")
+        parent_fd = self._open_parent(parent, rel, create=False)
+        try:
+            fd = self._open_regular(parent_fd, name, rel, os.O_RDONLY | os.O_NOFOLLOW, _NO_LINKS)
+            try:
+                self._judge(fd, rel)
+                info = os.fstat(fd)
+            finally:
+                os.close(fd)
+            if _version(info) != version:
+                raise Conflict(f"'{rel}' changed since it was read: read it again and redo the edit")
+            self._rename_new(parent_fd, name, rel, data, info)
+        finally:
+            os.close(parent_fd)
+        return WriteResult(path=rel, bytes_written=len(data), created=False)
+
+    def _rename_new(self, parent_fd: int, name: str, rel: str, data: bytes, old: os.stat_result) -> None:
+        temp = f".bastion-edit-{os.urandom(6).hex()}.tmp"  # fixed length: any name fits NAME_MAX
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+        fd = self._open(parent_fd, temp, rel, flags, mode=0o600, resolve=_NO_LINKS)
+        try:
+            with contextlib.suppress(PermissionError):  # a server that is not root keeps its own id
+                os.fchown(fd, old.st_uid, old.st_gid)
+            os.fchmod(fd, stat.S_IMODE(old.st_mode) & ~_PRIVILEGE_BITS)
+            view = memoryview(data)
+            written = 0
+            while written < len(data):
+                written += os.write(fd, view[written:])
+            os.fsync(fd)
+            os.rename(temp, name, src_dir_fd=parent_fd, dst_dir_fd=parent_fd)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.unlink(temp, dir_fd=parent_fd)
+            raise _error_from_os(exc, rel) from exc
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temp, dir_fd=parent_fd)
+            raise
+        finally:
+            os.close(fd)
+
+    def real_path(self, path: str) -> str:
+        """Where `path` leads beneath the root, every symlink (the last one too) resolved beneath it.
+
+        For a tool that writes what a link names (edit_file) rather than the link. A point-in-time
+        answer: `replace` re-checks the file it is given.
+
+        Raises:
+            BastionError: InvalidRequest, PathEscape (a link leaves the root), PolicyDenied, NotFound.
+        """
+        rel = self._checked(path)
+        fd = self._open(self._root_fd(), rel, rel, os.O_PATH)
+        try:
+            self._judge(fd, rel)
+            return self._real_relative(fd, rel)
+        finally:
+            os.close(fd)
+
     def open_dir_fd(self, path: str) -> int:
         """Open a folder beneath the root as an ``O_PATH`` fd, e.g. to use as a command's cwd.
 
@@ -650,7 +830,7 @@ class Jail:
         Raises:
             BastionError: InvalidRequest, PathEscape, PolicyDenied (secret or symlink), NotFound.
         """
-        rel = self._checked(path)
+        rel = self._checked(path, follow=False)
         fd = self._open(self._root_fd(), rel, rel, os.O_PATH | os.O_NOFOLLOW)
         try:
             self._judge(fd, rel)
@@ -671,7 +851,7 @@ class Jail:
         Raises:
             BastionError: InvalidRequest, PathEscape (a parent leaves the root), PolicyDenied (secret).
         """
-        rel = self._checked(path)
+        rel = self._checked(path, follow=False)
         try:
             fd = self._open(self._root_fd(), rel, rel, os.O_PATH | os.O_NOFOLLOW)
         except NotFound:
@@ -687,10 +867,87 @@ class Jail:
             raise ValueError("the jail is closed: create a new Jail")
         return self._fd
 
-    def _checked(self, path: str) -> str:
+    def _checked(self, path: str, *, follow: bool = True) -> str:
+        """`relative`, secret-checked; in a view, with its symlinks resolved as the view sees them.
+
+        Args:
+            follow: in a view, resolve a last component that is a symlink too (reads, folders).
+        """
         rel = self.relative(path)
         self._check_secret(rel)
+        if self._view:
+            rel = self._in_view(rel, follow=follow)
+            self._check_secret(rel)
         return rel
+
+    def _outside_reason(self, what: str) -> str:
+        if self._view:
+            view = "/" + "/".join(self._view)
+            return f"{what} is outside {view}, the workspace: use a path under {view} or relative to it"
+        return f"{what} is outside the workspace: use a path relative to the workspace"
+
+    def _in_view(self, rel: str, *, follow: bool) -> str:
+        """`rel` with every symlink resolved as a program in the view would, never leaving the root.
+
+        Why not openat2's RESOLVE_IN_ROOT: it takes the root fd for "/", so a link to
+        ``/workspace/x`` would name ``<root>/workspace/x`` and one to ``/etc/passwd`` would
+        silently name ``<root>/etc/passwd``, neither what the sandbox sees. Here a target under
+        the view root restarts at the root, any other absolute target (``/etc``, ``/proc/self/root``)
+        and any ``..`` above the root are PathEscape: the sandbox would see something outside
+        the workspace. Each link is read through an fd opened beneath the root with no symlink
+        followed; the result is a string, and the open that uses it is still the kernel's
+        RESOLVE_BENEATH one, so a folder swapped for a link after this step is judged there.
+
+        Raises:
+            PathEscape: a link or ``..`` leads outside the root, or more than 40 links (a loop).
+        """
+        pending = rel.split("/")[::-1]
+        done: list[str] = []
+        links = 0
+        while pending:
+            part = pending.pop()
+            if part in ("", "."):
+                continue
+            if part == "..":
+                if not done:
+                    raise PathEscape(self._outside_reason(f"'{rel}' climbs with '..' or through a symbolic link and"))
+                done.pop()
+                continue
+            target = self._link_target([*done, part], rel) if pending or follow else None
+            if target is None:
+                done.append(part)
+                continue
+            links += 1
+            if links > _MAX_LINKS:
+                raise PathEscape(f"'{rel}' goes through more than {_MAX_LINKS} symbolic links (a loop?): fix the links")
+            if target.startswith("/"):
+                done = []
+                target = self._view_relative(target, rel)
+            pending.extend(target.split("/")[::-1])
+        return "/".join(done) or "."
+
+    def _view_relative(self, target: str, rel: str) -> str:
+        """An absolute link target, relative to the root; refused unless it starts with the view root."""
+        parts = [part for part in target.split("/") if part not in ("", ".")]
+        depth = len(self._view)
+        if tuple(parts[:depth]) != self._view:
+            raise PathEscape(self._outside_reason(f"'{rel}' goes through a symbolic link to '{target}', which"))
+        return "/".join(parts[depth:])
+
+    def _link_target(self, parts: list[str], rel: str) -> str | None:
+        """The target of the symlink at `parts` (beneath the root, no link followed), or None for anything else."""
+        try:
+            fd = self._open(self._root_fd(), "/".join(parts), rel, os.O_PATH | os.O_NOFOLLOW, resolve=_NO_LINKS)
+        except NotFound:
+            return None  # missing or under a non-folder: the open that counts says which
+        try:
+            if not stat.S_ISLNK(os.fstat(fd).st_mode):
+                return None
+            return os.readlink("", dir_fd=fd)
+        except OSError as exc:
+            raise _error_from_os(exc, rel) from exc
+        finally:
+            os.close(fd)
 
     def _check_secret(self, rel: str) -> None:
         if rel == ".":

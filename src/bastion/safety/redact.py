@@ -179,6 +179,19 @@ class Redactor:
     def _redact_uncached(self, text: str) -> str:
         return _apply(text, self._spans(text, 0), 0, len(text))
 
+    def redact_keeping_lines(self, text: str) -> str:
+        """`redact`, keeping every line break a secret spans (after its marker): line n of the
+        result is line n of `text`, redacted as the whole text is. For line-numbered results
+        (search_files), which also match against this so a pattern cannot probe a secret."""
+        out: list[str] = []
+        pos = 0
+        for start, end, kind, _ in self._spans(text, 0):
+            out.append(text[pos:start])
+            out.append(f"[REDACTED:{kind}]" + "\n" * text.count("\n", start, end))
+            pos = end
+        out.append(text[pos:])
+        return "".join(out)
+
     def redact_then_truncate(self, text: str, max_chars: int) -> tuple[str, bool]:
         """Redact, then keep at most `max_chars` characters.
 

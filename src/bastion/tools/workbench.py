@@ -6,11 +6,12 @@ Decisions live in `bastion.safety`.
 
 from __future__ import annotations
 
+import base64
 import functools
 from typing import Annotated, Literal
 
 import anyio.to_thread
-from mcp_types import ToolAnnotations
+from mcp_types import ImageContent, ToolAnnotations
 from pydantic import Field
 
 from bastion.safety.errors import InvalidRequest
@@ -18,8 +19,10 @@ from bastion.safety.results import OperationResult, ResultCode
 from bastion.tools._call import UNNAMED, Outcome
 from bastion.tools.audited import Audit, audited_tool, workspace_of
 from bastion.tools.server import BastionServer
+from bastion.workbench.media import MAX_IMAGE_BYTES
 from bastion.workbench.registry import WorkspaceRegistry
-from bastion.workbench.workspace import CommandOutput
+from bastion.workbench.search import DEFAULT_SEARCH_RESULTS, MAX_SEARCH_RESULTS
+from bastion.workbench.workspace import CommandOutput, HostWorkspace
 
 # The record's workspace names it, so it is not copied into the audited arguments.
 SandboxId = Annotated[
@@ -31,6 +34,25 @@ EncodingArg = Annotated[Literal["utf-8", "base64"], Field(description="utf-8 tex
 
 _READ_ONLY = ToolAnnotations(read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=False)
 _WRITES = ToolAnnotations(read_only_hint=False, destructive_hint=True, idempotent_hint=False, open_world_hint=False)
+_SEARCH = ToolAnnotations(
+    title="Search files",
+    read_only_hint=True,
+    destructive_hint=False,
+    idempotent_hint=True,
+    open_world_hint=False,
+)
+_EDITS = ToolAnnotations(
+    title="Edit a file",
+    read_only_hint=False,
+    destructive_hint=True,
+    idempotent_hint=False,
+    open_world_hint=False,
+)
+_PATHS_NOTE = (
+    " Paths are relative to the workspace; in a sandbox, /workspace/... works too and symlinks resolve as its "
+    "commands see them, but never to anything outside /workspace."
+)
+PathArg = Annotated[str, Field(description="Relative to the workspace (in a sandbox: or /workspace/...).")]
 
 
 def command_result(out: CommandOutput, extra: dict[str, object]) -> OperationResult:
@@ -50,6 +72,13 @@ def command_result(out: CommandOutput, extra: dict[str, object]) -> OperationRes
         )
     code = ResultCode.OUTPUT_TRUNCATED if out.truncated else ResultCode.OK
     return OperationResult.success(UNNAMED, detail, code=code)
+
+
+def _image_outcome(ws: HostWorkspace, path: str) -> Outcome:
+    image = ws.read_image(path)
+    content = ImageContent(type="image", data=base64.b64encode(image.data).decode("ascii"), mime_type=image.mime_type)
+    detail = {"path": image.path, "mime_type": image.mime_type, "bytes": len(image.data)}
+    return Outcome(OperationResult.success(UNNAMED, detail), images=[content])
 
 
 def _oom_reason(out: CommandOutput) -> str:
@@ -123,17 +152,30 @@ def register_workbench(server: BastionServer, registry: WorkspaceRegistry) -> No
         description=(
             "Read a file of the workspace (path relative to it). Large files: page with offset and length (bytes). "
             "utf-8 text is redacted as the whole file would be, so a secret cut by a page shows in neither part. "
-            "Binary content (an image, an archive, a program) is refused as utf-8: read it with encoding='base64'."
+            "Binary content (an image, an archive, a program) is refused as utf-8: read it with encoding='base64', "
+            "or see an image with as_image=true." + _PATHS_NOTE
         ),
     )
     async def read_file(
-        path: str,
+        path: PathArg,
         offset: Annotated[int, Field(ge=0)] = 0,
         length: Annotated[int | None, Field(ge=1)] = None,
         encoding: EncodingArg = "utf-8",
+        as_image: Annotated[
+            bool,
+            Field(
+                description=f"Return a PNG, JPEG, GIF or WebP file (up to {MAX_IMAGE_BYTES // 1_048_576} MiB) as "
+                "image content to look at; the type is told by the file's bytes. Not with offset, length or "
+                "encoding."
+            ),
+        ] = False,
         sandbox_id: SandboxId = None,
-    ) -> dict[str, object]:
+    ) -> dict[str, object] | Outcome:
         ws = registry.get(sandbox_id)
+        if as_image:
+            if offset or length is not None or encoding != "utf-8":
+                raise InvalidRequest("as_image reads the whole image: leave out offset, length and encoding")
+            return await anyio.to_thread.run_sync(_image_outcome, ws, path)
         # Redacting up to 1 MiB of secret-dense text takes most of a second: off the event loop.
         read = functools.partial(ws.read_file, path, offset=offset, length=length, encoding=encoding)
         return await anyio.to_thread.run_sync(read)
@@ -146,11 +188,12 @@ def register_workbench(server: BastionServer, registry: WorkspaceRegistry) -> No
         workspace=in_workspace,
         description=(
             "Write a file of the workspace (path relative to it), creating missing folders. "
-            "Replaces the file's content unless append is true. Symlinks are never followed for writing."
+            "Replaces the file's content unless append is true. Symlinks are never followed for writing. "
+            "To change part of a text file, edit_file is shorter and safer." + _PATHS_NOTE
         ),
     )
     async def write_file(
-        path: str,
+        path: PathArg,
         content: str,
         encoding: EncodingArg = "utf-8",
         append: bool = False,
@@ -189,9 +232,76 @@ def register_workbench(server: BastionServer, registry: WorkspaceRegistry) -> No
         workspace=in_workspace,
         description=(
             "List a folder of the workspace. Symlinks are shown as symlinks, never followed. Names are cleaned "
-            "and redacted like command output."
+            "and redacted like command output." + _PATHS_NOTE
         ),
     )
     async def list_directory(path: str = ".", sandbox_id: SandboxId = None) -> dict[str, object]:
         listing = functools.partial(registry.get(sandbox_id).list_directory, path)
         return await anyio.to_thread.run_sync(listing)
+
+    register_search_and_edit(server, registry)
+
+
+def register_search_and_edit(server: BastionServer, registry: WorkspaceRegistry) -> None:
+    """Add search_files and edit_file to `server`."""
+    in_workspace = workspace_of("sandbox_id", registry.get_id)
+
+    @audited_tool(
+        server,
+        "search_files",
+        mutating=False,
+        annotations=_SEARCH,
+        workspace=in_workspace,
+        description=(
+            "Search a folder of the workspace (every file beneath it, or one file) for a pattern: lines that "
+            "contain it (path, line number, the line redacted and cut at 300 characters) and entries whose name "
+            "contains it. Literal text by default; regex=true takes a Python regex, refused when it could backtrack "
+            "without end (a repeated group holding a quantifier or '|', backreferences, lookarounds, over 3 "
+            "unbounded quantifiers) and matched within the first 256 characters of each line. Symlinks are never "
+            "followed; binary files, files over 1 MiB and secret files (.env, keys) are skipped, and so are "
+            ".git, .venv, node_modules and __pycache__ unless path is inside one. truncated=true "
+            "says the results stopped early and why." + _PATHS_NOTE
+        ),
+    )
+    async def search_files(
+        pattern: Annotated[str, Field(description="Text to find (one line), or a regex with regex=true.")],
+        path: Annotated[str, Field(description="Folder or file to search; default: the whole workspace.")] = ".",
+        glob: Annotated[
+            str | None,
+            Field(description="Only files whose name matches, e.g. '*.py'; with a '/', the relative path."),
+        ] = None,
+        regex: bool = False,
+        max_results: Annotated[int, Field(ge=1, le=MAX_SEARCH_RESULTS)] = DEFAULT_SEARCH_RESULTS,
+        sandbox_id: SandboxId = None,
+    ) -> dict[str, object]:
+        ws = registry.get(sandbox_id)
+        search = functools.partial(ws.search_files, pattern, path=path, glob=glob, regex=regex, max_results=max_results)
+        return await anyio.to_thread.run_sync(search)
+
+    @audited_tool(
+        server,
+        "edit_file",
+        mutating=True,
+        annotations=_EDITS,
+        workspace=in_workspace,
+        description=(
+            "Replace exact text in a UTF-8 file of the workspace (up to 1 MiB): old must occur exactly once "
+            "(NOT_FOUND if it does not, INVALID_REQUEST saying how many times if more) unless replace_all=true. "
+            "Returns a unified diff (redacted). The file is replaced atomically and keeps its mode (a symlink "
+            "to a file of the workspace: its target is edited, the link stays); dry_run=true "
+            "shows the diff and writes nothing. CONFLICT if the file changed while it was edited." + _PATHS_NOTE
+        ),
+    )
+    async def edit_file(
+        path: PathArg,
+        old: Annotated[str, Field(description="The exact text to replace, whitespace and line ends included.")],
+        new: Annotated[str, Field(description="What replaces it (may be empty, to delete old).")],
+        replace_all: bool = False,
+        dry_run: bool = False,
+        sandbox_id: SandboxId = None,
+    ) -> Outcome:
+        ws = registry.get(sandbox_id)
+        edit = functools.partial(ws.edit_file, path, old, new, replace_all=replace_all, dry_run=dry_run)
+        detail = await anyio.to_thread.run_sync(edit)
+        files = [] if dry_run else [str(detail["path"])]
+        return Outcome(OperationResult.success(UNNAMED, detail), files=files)

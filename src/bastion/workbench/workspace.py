@@ -26,11 +26,13 @@ from bastion.safety.errors import (
     Forbidden,
     InvalidRequest,
     PolicyDenied,
+    ResourceLimit,
     Unavailable,
 )
 from bastion.safety.output import clean_output
 from bastion.safety.paths import MAX_READ_BYTES, MAX_SCAN_ENTRIES, Jail, privileged_file
 from bastion.safety.redact import SLICE_CONTEXT_BYTES, Redactor, sanitize_terminal
+from bastion.safety.search import search_pattern
 from bastion.sandbox import (
     SANDBOX_PATH,
     SANDBOX_WORKSPACE,
@@ -46,6 +48,9 @@ from bastion.sandbox.cgroups import CgroupLayout, Limits
 from bastion.sandbox.identity import HostIdentity, IdentityPool
 from bastion.sandbox.warm import BubblewrapBackend
 from bastion.workbench.background import RING_BYTES, BackgroundProcesses
+from bastion.workbench.edit import edit_text
+from bastion.workbench.media import MAX_IMAGE_BYTES, Image, image_type
+from bastion.workbench.search import search_tree
 
 logger = logging.getLogger("bastion.workspaces")
 
@@ -167,8 +172,13 @@ class HostWorkspace:
         self.identity = identity
         self._bind_source = bind_source
         self._unmount_on_close = unmount_on_close
+        # A sandbox's file tools see paths as its commands do: /workspace/x is x (`Jail` view_root).
         self.jail = Jail(
-            config.path, secret_patterns=config.secret_files, allow_hardlinks=config.allow_hardlinks, owner=owner
+            config.path,
+            secret_patterns=config.secret_files,
+            allow_hardlinks=config.allow_hardlinks,
+            owner=owner,
+            view_root=SANDBOX_WORKSPACE if sandboxed else None,
         )
         self.redactor = redactor
         limits = None
@@ -344,6 +354,7 @@ class HostWorkspace:
             if undecodable > MAX_UNDECODABLE_BYTES or b"\0" in result.data:
                 raise InvalidRequest(
                     f"{result.path} is not UTF-8 text ({_kind_of(result.data, offset)}): read it with encoding='base64'"
+                    + (", or as_image=true to see it" if offset == 0 and image_type(result.data) else "")
                 )
             window = result.before + result.data + result.after
             content = self.redactor.redact_slice(window, len(result.before), len(result.before) + len(result.data))
@@ -359,6 +370,36 @@ class HostWorkspace:
         if undecodable:
             detail["note"] = f"{undecodable} bytes are not UTF-8 and show as U+FFFD: encoding='base64' gives them exact"
         return detail
+
+    def read_image(self, path: str) -> Image:
+        """A PNG, JPEG, GIF or WebP file, its type told by its first bytes (never by its name).
+
+        Raises:
+            ResourceLimit: over `MAX_IMAGE_BYTES`.
+            InvalidRequest: not one of those image types.
+        """
+        result = self.jail.read(path, length=MAX_IMAGE_BYTES)
+        if not result.eof:
+            raise ResourceLimit(
+                f"{result.path} is {result.size} bytes, over the {MAX_IMAGE_BYTES} byte limit for images: "
+                "make it smaller (e.g. with PIL in execute_code) or read it with encoding='base64' in pages"
+            )
+        mime = image_type(result.data)
+        if mime is None:
+            raise InvalidRequest(
+                f"{result.path} is not a PNG, JPEG, GIF or WebP image ({_kind_of(result.data, 0)}): "
+                "read it without as_image"
+            )
+        return Image(path=result.path, mime_type=mime, data=result.data)
+
+    def search_files(
+        self, pattern: str, *, path: str, glob: str | None, regex: bool, max_results: int
+    ) -> dict[str, object]:
+        checked = search_pattern(pattern, regex=regex)
+        return search_tree(self.jail, self.redactor, checked, path=path, glob=glob, max_results=max_results)
+
+    def edit_file(self, path: str, old: str, new: str, *, replace_all: bool, dry_run: bool) -> dict[str, object]:
+        return edit_text(self.jail, self.redactor, path, old, new, replace_all=replace_all, dry_run=dry_run)
 
     def write_file(self, path: str, content: str, *, encoding: Encoding, append: bool) -> dict[str, object]:
         data = decode_base64(content) if encoding == "base64" else content.encode("utf-8")

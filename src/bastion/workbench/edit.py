@@ -1,0 +1,82 @@
+"""edit_file: exact-string replacement in a text file of a workspace, through its jail.
+
+The file is read and replaced by the jail (`Jail.read`, `Jail.replace`): the same path rules,
+secret-file rules and size caps as read_file and write_file, and the new content lands
+atomically (a new file renamed over the old, keeping its mode). The diff shown is made from
+the old and new text each redacted whole, so a secret shows in it no more than in read_file.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Final
+
+from bastion.safety.errors import InvalidRequest, NotFound, ResourceLimit
+from bastion.safety.paths import MAX_READ_BYTES, Jail
+from bastion.safety.redact import Redactor, sanitize_terminal
+
+MAX_DIFF_CHARS: Final = 64 * 1024
+MAX_EDIT_BYTES: Final = MAX_READ_BYTES
+
+
+def edit_text(
+    jail: Jail, redactor: Redactor, path: str, old: str, new: str, *, replace_all: bool, dry_run: bool
+) -> dict[str, object]:
+    """Replace `old` by `new` in the file at `path`; return a unified diff of the change.
+
+    Raises:
+        InvalidRequest: `old` is empty, equal to `new`, or occurs more than once without
+            `replace_all`; the file is not UTF-8 text.
+        NotFound: the file, or `old` in it.
+        ResourceLimit: the file is over `MAX_EDIT_BYTES`.
+        Conflict: the file changed between the read and the write.
+    """
+    if not old:
+        raise InvalidRequest("old is empty: give the exact text to replace (read_file shows it)")
+    if old == new:
+        raise InvalidRequest("old and new are the same: nothing would change")
+    # A link to a file of the workspace is edited at its target and stays a link (as an editor does).
+    read = jail.read(jail.real_path(path), length=MAX_EDIT_BYTES)
+    if not read.eof:
+        raise ResourceLimit(
+            f"{read.path} is {read.size} bytes, over the {MAX_EDIT_BYTES} byte limit of edit_file: use write_file"
+        )
+    try:
+        text = read.data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise InvalidRequest(f"{read.path} is not UTF-8 text: edit_file edits text; use upload_file") from None
+    count = text.count(old)
+    if count == 0:
+        raise NotFound(
+            f"old was not found in {read.path}: copy the exact text from read_file (spaces, tabs and line ends count)"
+        )
+    if count > 1 and not replace_all:
+        raise InvalidRequest(
+            f"old occurs {count} times in {read.path}: include more surrounding text to make it unique, "
+            "or pass replace_all=true"
+        )
+    changed = text.replace(old, new) if replace_all else text.replace(old, new, 1)
+    data = changed.encode("utf-8")
+    if not dry_run:
+        jail.replace(read.path, data, version=read.version)
+    diff, cut = _diff(redactor, read.path, text, changed)
+    return {
+        "path": read.path,
+        "replacements": count if replace_all else 1,
+        "dry_run": dry_run,
+        "written": not dry_run,
+        "bytes": len(data),
+        "diff": diff,
+        "diff_truncated": cut,
+    }
+
+
+def _diff(redactor: Redactor, path: str, before: str, after: str) -> tuple[str, bool]:
+    """A unified diff of the redacted texts, cleaned for display and capped."""
+    old_lines = redactor.redact(sanitize_terminal(before)).splitlines(keepends=True)
+    new_lines = redactor.redact(sanitize_terminal(after)).splitlines(keepends=True)
+    lines = difflib.unified_diff(old_lines, new_lines, fromfile=f"a/{path}", tofile=f"b/{path}")
+    text = "".join(line if line.endswith("\n") else line + "\n" for line in lines)
+    if len(text) <= MAX_DIFF_CHARS:
+        return text, False
+    return text[:MAX_DIFF_CHARS], True

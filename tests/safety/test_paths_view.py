@@ -1,0 +1,222 @@
+"""The jail's sandbox view: `/workspace/x` is `x`, and absolute links resolve as the sandbox sees them.
+
+``ws`` is the workspace root (mounted at /workspace in a sandbox), ``outside`` a folder beside it
+holding OUTSIDE-SECRET. What these do not prove: anything about host workspaces (no view; their
+rules are tests/safety/test_paths.py's), nor what a command inside the sandbox sees (the tool
+tests in tests/workbench/test_files.py check a few paths both ways).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from bastion.safety.errors import ConfigError, NotFound, PathEscape, PolicyDenied
+from bastion.safety.paths import Jail
+
+VIEW = "/workspace"
+
+
+@pytest.fixture
+def ws(tmp_path: Path) -> Path:
+    root = tmp_path / "ws"
+    root.mkdir()
+    (root / "src").mkdir()
+    (root / "src" / "app.py").write_text("print('app')\n")
+    return root
+
+
+@pytest.fixture
+def outside(tmp_path: Path) -> Path:
+    folder = tmp_path / "outside"
+    folder.mkdir()
+    (folder / "secret.txt").write_text("OUTSIDE-SECRET")
+    return folder
+
+
+@pytest.fixture
+def jail(ws: Path) -> Iterator[Jail]:
+    with Jail(ws, view_root=VIEW) as j:
+        yield j
+
+
+def test_workspace_prefixed_paths_name_the_workspace(jail: Jail) -> None:
+    """Invariant: /workspace/x is x and /workspace is the root, for reads, lists and writes."""
+    assert jail.relative("/workspace") == "."
+    assert jail.relative("/workspace/") == "."
+    assert jail.relative("/workspace/src/app.py") == "src/app.py"
+    assert jail.read("/workspace/src/app.py").data == b"print('app')\n"
+    assert [entry.name for entry in jail.list_dir("/workspace")] == ["src"]
+    assert jail.write("/workspace/new/n.txt", b"n", create_parents=True).path == "new/n.txt"
+
+
+@pytest.mark.parametrize("path", ["/etc/passwd", "/", "/workspace/../etc/passwd", "/workspacex/a", "/proc/self/root"])
+def test_absolute_paths_outside_the_view_are_refused(jail: Jail, path: str) -> None:
+    """Invariant: an absolute path not under /workspace (lexically, '..' included) is PathEscape, naming /workspace."""
+    with pytest.raises(PathEscape, match="/workspace"):
+        jail.read(path)
+
+
+def test_host_workspace_keeps_refusing_workspace_paths(ws: Path) -> None:
+    """Invariant: without a view (host workspaces) /workspace/x is an absolute path outside: refused as before."""
+    with Jail(ws) as host, pytest.raises(PathEscape):
+        host.read("/workspace/src/app.py")
+
+
+def test_absolute_link_into_the_view_resolves_as_the_sandbox_sees_it(jail: Jail, ws: Path) -> None:
+    """Invariant: links to /workspace/... (file, folder, the root itself) are followed to the workspace's own file."""
+    (ws / "file-link").symlink_to("/workspace/src/app.py")
+    (ws / "dir-link").symlink_to("/workspace/src")
+    (ws / "root-link").symlink_to("/workspace")
+    for path in ("file-link", "dir-link/app.py", "root-link/src/app.py", "/workspace/root-link/dir-link/app.py"):
+        assert jail.read(path).data == b"print('app')\n", path
+    assert [entry.name for entry in jail.list_dir("dir-link")] == ["app.py"]
+
+
+def test_write_through_an_absolute_folder_link_lands_in_its_target(jail: Jail, ws: Path) -> None:
+    """Invariant: a parent that links to /workspace/src is used; the file lands in src."""
+    (ws / "dir-link").symlink_to("/workspace/src")
+    assert jail.write("dir-link/made.txt", b"m").path == "src/made.txt"
+    assert (ws / "src" / "made.txt").read_bytes() == b"m"
+
+
+def test_write_never_follows_a_final_link_even_into_the_view(jail: Jail, ws: Path) -> None:
+    """Invariant: as on host workspaces, the last component of a write is never followed."""
+    (ws / "file-link").symlink_to("/workspace/src/app.py")
+    with pytest.raises(PolicyDenied):
+        jail.write("file-link", b"x")
+    assert (ws / "src" / "app.py").read_text() == "print('app')\n"
+
+
+@pytest.mark.parametrize(
+    "target",
+    ["/etc/passwd", "/etc", "/proc/self/root", "/proc/self/root/etc/passwd", "/", "/workspace/..", "/workspacex"],
+)
+def test_absolute_link_outside_the_view_is_refused(jail: Jail, ws: Path, target: str) -> None:
+    """Invariant: a link whose target is absolute and not under /workspace never reaches the host: PathEscape.
+
+    Not resolved as RESOLVE_IN_ROOT would (<root>/etc/passwd): the sandbox sees the host's /etc there.
+    """
+    (ws / "leak").symlink_to(target)
+    for path in ("leak", "leak/passwd", "/workspace/leak"):
+        with pytest.raises(PathEscape):
+            jail.read(path)
+
+
+def test_absolute_link_to_the_host_path_of_the_workspace_is_refused(jail: Jail, ws: Path) -> None:
+    """Invariant: a link to the workspace's host path is refused: inside the sandbox that path does not exist."""
+    (ws / "host").symlink_to(ws / "src" / "app.py")
+    with pytest.raises(PathEscape):
+        jail.read("host")
+
+
+def test_dotdot_through_links_cannot_climb_out(jail: Jail, ws: Path, outside: Path) -> None:
+    """Invariant: '..' is taken on the resolved folder (as the kernel does) and above the root is PathEscape."""
+    (ws / "up").symlink_to("/workspace/src/..")
+    assert jail.read("up/src/app.py").data == b"print('app')\n"
+    (ws / "src" / "parent").symlink_to("..")
+    (ws / "climb").symlink_to("/workspace/src/parent/..")
+    (ws / "climb2").symlink_to("src/parent/..")
+    for path in ("climb/outside/secret.txt", "climb2/outside/secret.txt"):
+        with pytest.raises(PathEscape):
+            jail.read(path)
+    with pytest.raises(NotFound):  # a '..' the caller types is lexical, as on host workspaces: src/outside
+        jail.read("src/parent/../outside/secret.txt")
+    (ws / "rel-up").symlink_to("../outside/secret.txt")
+    with pytest.raises(PathEscape):
+        jail.read("rel-up")
+
+
+def test_symlink_chain_mixing_relative_and_absolute_links(jail: Jail, ws: Path) -> None:
+    """Invariant: a chain (a -> b -> /workspace/c -> src) resolves; a chain ending outside is refused."""
+    (ws / "c").symlink_to("src")
+    (ws / "b").symlink_to("/workspace/c")
+    (ws / "a").symlink_to("b")
+    assert jail.read("a/app.py").data == b"print('app')\n"
+    (ws / "d").symlink_to("/etc")
+    (ws / "e").symlink_to("/workspace/d")
+    with pytest.raises(PathEscape):
+        jail.read("e/passwd")
+
+
+def test_symlink_loop_is_refused_not_followed_forever(jail: Jail, ws: Path) -> None:
+    """Invariant: a loop of absolute links ends with PathEscape after 40 links."""
+    (ws / "ping").symlink_to("/workspace/pong")
+    (ws / "pong").symlink_to("/workspace/ping")
+    with pytest.raises(PathEscape, match="loop"):
+        jail.read("ping")
+
+
+def test_secret_reached_through_an_absolute_link_is_refused(jail: Jail, ws: Path) -> None:
+    """Invariant: the secret-file rule judges the resolved path: keys -> /workspace/.ssh is .ssh."""
+    (ws / ".ssh").mkdir()
+    (ws / ".ssh" / "id").write_text("KEY")
+    (ws / "keys").symlink_to("/workspace/.ssh")
+    with pytest.raises(PolicyDenied):
+        jail.read("keys/id")
+    with pytest.raises(PolicyDenied):
+        jail.write("keys/authorized_keys", b"x")
+    assert not (ws / ".ssh" / "authorized_keys").exists()
+
+
+def test_dangling_view_link_is_not_found_and_creates_nothing(jail: Jail, ws: Path) -> None:
+    """Invariant: a dangling /workspace link is NotFound; a write through a dangling folder link makes nothing."""
+    (ws / "gone").symlink_to("/workspace/missing.txt")
+    with pytest.raises(NotFound):
+        jail.read("gone")
+    (ws / "gone-dir").symlink_to("/workspace/missing-dir")
+    with pytest.raises(NotFound):
+        jail.write("gone-dir/f.txt", b"x")
+    assert not (ws / "missing-dir").exists()
+
+
+def test_names_with_odd_bytes_in_link_targets(jail: Jail, ws: Path) -> None:
+    """Invariant: a link target with bytes that are not UTF-8 resolves to that exact name, nothing else."""
+    odd = os.fsdecode(b"caf\xe9")
+    (ws / odd).write_bytes(b"odd")
+    os.symlink(os.fsencode("/workspace/") + b"caf\xe9", os.fsencode(ws / "odd-link"))
+    assert jail.read("odd-link").data == b"odd"
+
+
+def test_folder_swapped_for_an_outside_link_during_reads_never_leaks(jail: Jail, ws: Path, outside: Path) -> None:
+    """Invariant (A013 in the view): while a thread swaps `d` between a folder and links to /etc and to
+    the outside folder, no read of d/secret.txt returns anything but the workspace's own bytes.
+
+    Does not prove every interleaving ran; it proves none of those that ran leaked.
+    """
+    real = ws / "d"
+    real.mkdir()
+    (real / "secret.txt").write_text("INSIDE")
+    stop = threading.Event()
+
+    def swap() -> None:
+        while not stop.is_set():
+            for target in (str(outside), "/workspace/../../outside", "/etc"):
+                os.rename(real, ws / "d.real")
+                os.symlink(target, real)
+                os.unlink(real)
+                os.rename(ws / "d.real", real)
+
+    swapper = threading.Thread(target=swap)
+    swapper.start()
+    seen: set[bytes] = set()
+    try:
+        for _ in range(2000):
+            with contextlib.suppress(PathEscape, NotFound):
+                seen.add(jail.read("/workspace/d/secret.txt").data)
+    finally:
+        stop.set()
+        swapper.join()
+    assert seen <= {b"INSIDE"}
+
+
+def test_view_root_must_be_an_absolute_folder(ws: Path) -> None:
+    """Invariant: a view of '/' or a relative one is a configuration error, not a silent pass-through."""
+    for bad in ("/", "workspace", "/a/../b"):
+        with pytest.raises(ConfigError):
+            Jail(ws, view_root=bad)
