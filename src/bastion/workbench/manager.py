@@ -67,7 +67,8 @@ from bastion.snapshot.store import (
     restore_snapshot,
 )
 from bastion.workbench.code import CodeRunner
-from bastion.workbench.network import INSIDE_DIR, SOCKET_NAME, SandboxNetwork
+from bastion.workbench.network import INSIDE_DIR, SOCKET_NAME, SandboxNetwork, proxy_environment
+from bastion.workbench.settings import SandboxSettings, checked_settings
 from bastion.workbench.workspace import OWN_VENV, HostWorkspace
 
 _ID_HEX_BYTES: Final = 6
@@ -105,6 +106,7 @@ class Sandbox:
     code: CodeRunner
     network: SandboxNetwork
     template: str = "default"
+    settings: SandboxSettings = field(default_factory=SandboxSettings)
     created_wall: float = field(default_factory=time.time)
     created: float = field(default_factory=time.monotonic)
     last_used: float = field(default_factory=time.monotonic)
@@ -119,6 +121,7 @@ class Sandbox:
             "age_s": round(now - self.created, 3),
             "idle_s": round(now - self.last_used, 3),
             "network": self.network.summary(),
+            "labels": dict(self.settings.labels),
         }
 
 
@@ -232,14 +235,19 @@ class SandboxManager:
         limits: Mapping[str, object] | None = None,
         template: str | None = None,
         network_allow: Sequence[str] | None = None,
+        env: Mapping[str, str] | None = None,
+        labels: Mapping[str, str] | None = None,
     ) -> Sandbox:
         """Make a sandbox with a fresh, empty workspace and start it.
+
+        `env` reaches every command, background process and code context of the sandbox; `labels`
+        only describe it (see `bastion.workbench.settings`).
 
         Raises:
             PolicyDenied: sandboxes are disabled, or a limit is above the ceiling.
             ResourceLimit: the maximum number of sandboxes is reached.
             NotFound: no such template.
-            InvalidRequest: a malformed network rule.
+            InvalidRequest: a malformed network rule, env name or label.
         """
         if not self._config.enabled:
             raise PolicyDenied("sandboxes are disabled on this server: use a configured workspace")
@@ -248,6 +256,7 @@ class SandboxManager:
         if name is not None and (len(name) > _MAX_NAME_CHARS or not name.isprintable()):
             raise InvalidRequest(f"name must be printable and at most {_MAX_NAME_CHARS} characters")
         chosen = self._template(template)
+        settings = checked_settings(env, labels, taken={*self._config.env, *chosen.env, *proxy_environment()})
         narrowed = narrow_limits(
             self._config.limits,
             {**(chosen.limits.model_dump(exclude_none=True) if chosen.limits else {}), **(limits or {})},
@@ -260,7 +269,7 @@ class SandboxManager:
         files_owner = _owner(prepared.identity)
         network = SandboxNetwork(prepared.id, self._socket_dir(prepared.id), self._egress, rules, files_owner)
         try:
-            config = self._workspace_config(prepared.id, prepared.root, narrowed, chosen)
+            config = self._workspace_config(prepared.id, prepared.root, narrowed, chosen, settings)
             via_sh = chosen.policy is None
             workspace = HostWorkspace(
                 config,
@@ -291,6 +300,7 @@ class SandboxManager:
             code=code,
             network=network,
             template=chosen.name,
+            settings=settings,
         )
         self._boxes[box.id] = box
         self.refill_pool()
@@ -458,13 +468,19 @@ class SandboxManager:
             logger.warning("warm pool not refilled: %s", exc.reason)
 
     def _workspace_config(
-        self, sandbox_id: str, root: Path, limits: SandboxLimitsConfig, template: TemplateConfig
+        self,
+        sandbox_id: str,
+        root: Path,
+        limits: SandboxLimitsConfig,
+        template: TemplateConfig,
+        settings: SandboxSettings,
     ) -> WorkspaceConfig:
         return WorkspaceConfig(
             id=sandbox_id.replace(SANDBOX_ID_PREFIX, "s", 1),
             path=root / "workspace",
             policy=template.policy or _SHELL_POLICY,
-            env={**self._config.env, **template.env},
+            # The agent's names never overlap the administrator's (`checked_settings`).
+            env={**settings.env, **self._config.env, **template.env},
             timeout_s=limits.timeout_s,
             max_output_bytes=limits.max_output_bytes,
             limits=LimitsConfig(memory_bytes=limits.memory_bytes, pids=limits.pids, cpu_cores=limits.cpu_cores),
@@ -477,6 +493,7 @@ class SandboxManager:
         detail = box.summary()
         detail["created"] = round(box.created_wall, 3)
         detail["limits"] = box.limits.model_dump()
+        detail["env"] = dict(box.settings.env)  # the agent's own, not secret; the administrator's stay unseen
         detail["usage"] = {
             "memory_bytes": usage.memory_bytes if usage else 0,
             "pids": usage.pids if usage else 0,
