@@ -39,6 +39,33 @@ _READS = ToolAnnotations(read_only_hint=True, destructive_hint=False, idempotent
 # Deleting twice leaves the same state (the second call answers NOT_FOUND).
 _DELETES = ToolAnnotations(read_only_hint=False, destructive_hint=True, idempotent_hint=True, open_world_hint=False)
 SnapshotIdArg = Annotated[str, Field(description="A snapshot id from snapshot_sandbox or list_snapshots.")]
+NetworkAllowArg = Annotated[
+    list[str] | None,
+    Field(
+        description="Destinations to allow, e.g. ['api.github.com', '*.example.org:8443']; each must be "
+        "within the administrator's allowlist. Default: the template's (usually none).",
+        max_length=256,
+    ),
+]
+EnvArg = Annotated[
+    dict[str, str] | None,
+    Field(
+        description="Environment variables for everything that runs in the sandbox, e.g. {'APP_ENV': 'test'}. "
+        "Not secret: shown by get_sandbox_status. Names the administrator sets, PATH, HOME, LANG and those "
+        f"that change how code loads (LD_*, PYTHON*, GIT_*, NODE_*...) are refused; at most {MAX_ENV_VARS} "
+        f"variables of {MAX_ENV_VALUE_CHARS} characters.",
+        max_length=MAX_ENV_VARS,
+    ),
+    Audit.KEYS,  # names only: values are bounded but may be long
+]
+LabelsArg = Annotated[
+    dict[str, str] | None,
+    Field(
+        description="Tags to find the sandbox by, e.g. {'project': 'blog'}: list_sandboxes(label=...). Keys: "
+        f"letters, digits, '.', '_', '-'; at most {MAX_LABELS}, values of {MAX_LABEL_VALUE_CHARS} characters.",
+        max_length=MAX_LABELS,
+    ),
+]
 
 
 class LimitsArg(BaseModel):
@@ -136,45 +163,13 @@ def register_sandboxes(
     async def list_templates() -> dict[str, object]:
         return {"templates": [info.as_detail() for info in catalog]}
 
-    @audited_tool(
-        server,
-        "create_sandbox",
-        mutating=True,
-        annotations=_ADDS,
-        title="Create sandbox",
-        description=create_description(catalog, network=network),
-    )
     async def create_sandbox(
-        template: Annotated[str | None, Field(description=_template_field(catalog))] = None,
+        template: str | None = None,
         name: str | None = None,
         limits: LimitsArg | None = None,
-        network_allow: Annotated[
-            list[str] | None,
-            Field(
-                description="Destinations to allow, e.g. ['api.github.com', '*.example.org:8443']; each must be "
-                "within the administrator's allowlist. Default: the template's (usually none).",
-                max_length=256,
-            ),
-        ] = None,
-        env: Annotated[
-            dict[str, str] | None,
-            Field(
-                description="Environment variables for everything that runs in the sandbox, e.g. {'APP_ENV': 'test'}. "
-                "Not secret: shown by get_sandbox_status. Names the administrator sets, PATH, HOME, LANG and those "
-                f"that change how code loads (LD_*, PYTHON*, GIT_*, NODE_*...) are refused; at most {MAX_ENV_VARS} "
-                f"variables of {MAX_ENV_VALUE_CHARS} characters.",
-                max_length=MAX_ENV_VARS,
-            ),
-            Audit.KEYS,
-        ] = None,
-        labels: Annotated[
-            dict[str, str] | None,
-            Field(
-                description="Tags to find the sandbox by, e.g. {'project': 'blog'}: list_sandboxes(label=...). Keys: "
-                f"letters, digits, '.', '_', '-'; at most {MAX_LABELS}, values of {MAX_LABEL_VALUE_CHARS} characters.",
-                max_length=MAX_LABELS,
-            ),
-        ] = None,
+        network_allow: NetworkAllowArg = None,
+        env: EnvArg = None,
+        labels: LabelsArg = None,
     ) -> dict[str, object]:
         requested = limits.requested() if limits else None
         box = await manager.create(
@@ -192,6 +187,17 @@ def register_sandboxes(
             "limits": box.limits.model_dump(),
             "workspace": "/workspace",
         }
+
+    # The template names are the config's: the annotation is made here, not written in the signature.
+    create_sandbox.__annotations__["template"] = Annotated[str | None, Field(description=_template_field(catalog))]
+    audited_tool(
+        server,
+        "create_sandbox",
+        mutating=True,
+        annotations=_ADDS,
+        title="Create sandbox",
+        description=create_description(catalog, network=network),
+    )(create_sandbox)
 
     @audited_tool(
         server,
