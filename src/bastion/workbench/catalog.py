@@ -47,7 +47,7 @@ class TemplateInfo:
         if self.restricted_commands:
             parts.append("a restricted command policy (explain_command tells)")
         if self.limits:
-            parts.append("limits " + ", ".join(f"{key}={value:g}" for key, value in self.limits.items()))
+            parts.append("limits " + ", ".join(f"{key}={_amount(key, value)}" for key, value in self.limits.items()))
         mark = " (default)" if self.default else ""
         return f"{self.name}{mark}: {'; '.join(parts)}"
 
@@ -71,6 +71,10 @@ class TemplateInfo:
             "restricted_commands": self.restricted_commands,
             "limits": self.limits,
         }
+
+
+def _amount(key: str, value: float) -> str:
+    return f"{value / 2**20:g}MiB" if key.endswith("_bytes") else f"{value:g}"
 
 
 def template_catalog(sandboxes: SandboxesConfig, templates: tuple[TemplateConfig, ...]) -> list[TemplateInfo]:
