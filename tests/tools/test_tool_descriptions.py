@@ -116,12 +116,14 @@ async def test_create_sandbox_describes_every_template_and_list_templates_agrees
     create = tools["create_sandbox"]
     text = create["description"]
     default = next(line for line in text.splitlines() if line.startswith("- "))
-    assert default.startswith("- default (default): the system's Python") or default.startswith("- python-data")
+    assert default.startswith(("- default (default): the system's Python", "- python-data (default)"))
     assert "- data: Python packages numpy, pandas (in /opt/bastion/env, on PATH); read-only /data; no network" in text
     assert "- strict: the system's Python, no extra packages; no network; a restricted command policy" in text
     assert str(tmp_path) not in text  # host paths stay on the host
     template_field = create["inputSchema"]["properties"]["template"]["description"]
-    assert "data" in template_field and "strict" in template_field and "(default)" in template_field
+    assert "data" in template_field
+    assert "strict" in template_field
+    assert "(default)" in template_field
     services = build_services(load_config(demo_config_path))
     try:
         async with Client(build_server(services, caller="test")) as client:

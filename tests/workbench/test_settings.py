@@ -229,9 +229,11 @@ async def test_git_commit_works_in_a_host_workspace_and_dash_c_stays_refused(cli
     """The host workspace's commands get the same default author, so its policy need not allow `git -c`,
     which can set core.pager or core.sshCommand and so run any program past the allow-list."""
     init = await call(client, "run_command", command="git init -q repo")
-    assert init["ok"] and init["detail"]["exit_status"] == 0, init
+    assert init["ok"], init
+    assert init["detail"]["exit_status"] == 0, init
     commit = await call(client, "run_command", command="git commit -q --allow-empty -m first", cwd="repo")
-    assert commit["ok"] and commit["detail"]["exit_status"] == 0, commit
+    assert commit["ok"], commit
+    assert commit["detail"]["exit_status"] == 0, commit
     log = await call(client, "run_command", command="git log --format=%an", cwd="repo")
     assert log["detail"]["stdout"] == "bastion sandbox\n"
     refused = await call(client, "run_command", command="git -c user.email=a@b.example log", cwd="repo")
