@@ -374,7 +374,10 @@ def register_toolsets(server: BastionServer, services: Services) -> None:
         register_organizer(server, Inboxes(services.organizers))
     if sandboxes:
         catalog = template_catalog(config.sandboxes, config.template)
-        register_sandboxes(server, services.sandboxes, services.registry, catalog, network=network)
+        packages = bool(config.sandboxes.network.registry)
+        register_sandboxes(
+            server, services.sandboxes, services.registry, catalog, network=network, package_registry=packages
+        )
         register_processes(server, services.registry)
         register_code(server, services.sandboxes, services.registry, config.sandboxes)
     # A gateway without a pinned host key refuses every call: its tools could never work.

@@ -238,3 +238,18 @@ async def test_git_commit_works_in_a_host_workspace_and_dash_c_stays_refused(cli
     assert log["detail"]["stdout"] == "bastion sandbox\n"
     refused = await call(client, "run_command", command="git -c user.email=a@b.example log", cwd="repo")
     assert refused["code"] == "POLICY_DENIED"
+
+
+@pytest.mark.anyio
+@pytest.mark.bwrap
+async def test_restore_keeps_files_not_env_or_labels(client: Client) -> None:
+    """As restore_sandbox says: only files come back (like the template, env and labels are not kept)."""
+    box = await create(client, env={"APP_ENV": "x"}, labels={"team": "blue"})
+    await sh(client, box, "echo kept > f.txt")
+    snap = await call(client, "snapshot_sandbox", sandbox_id=box)
+    restored = await call(client, "restore_sandbox", snapshot_id=snap["detail"]["snapshot_id"])
+    again = restored["detail"]["sandbox_id"]
+    assert restored["detail"]["labels"] == {}
+    out = await sh(client, again, 'cat f.txt; echo "[$APP_ENV]"')
+    assert out["detail"]["stdout"] == "kept\n[]\n"
+    assert (await call(client, "get_sandbox_status", sandbox_id=again))["detail"]["env"] == {}

@@ -105,7 +105,7 @@ def _count(text: str | None) -> int:
     return int(text) if text is not None and text.isdigit() else 0
 
 
-def create_description(catalog: list[TemplateInfo], *, network: bool) -> str:
+def create_description(catalog: list[TemplateInfo], *, network: bool, registry: bool) -> str:
     """create_sandbox's description: what a sandbox is, and each template's name and contents."""
     templates = "\n".join(f"- {info.line()}" for info in catalog)
     egress = (
@@ -114,6 +114,8 @@ def create_description(catalog: list[TemplateInfo], *, network: bool) -> str:
         if network
         else "There is no network (the administrator allows no destination)."
     )
+    if registry:
+        egress += " install_package reaches the package registry for the install only."
     return (
         "Create a disposable Linux sandbox with an empty /workspace (its working folder and HOME). Inside, "
         "run_command runs any shell command with sh -c (pipes, redirections, && and globs work) unless the "
@@ -137,9 +139,11 @@ def register_sandboxes(
     catalog: list[TemplateInfo],
     *,
     network: bool,
+    package_registry: bool,
 ) -> None:
     """Add the sandbox lifecycle tools to `server`; `catalog` is the config's templates, `network` whether
-    the administrator allows any destination at all (else commands can never reach one)."""
+    the administrator allows any destination at all (else commands can never reach one),
+    `package_registry` whether install_package has a package registry."""
     runner = server.runner
     in_sandbox = workspace_of("sandbox_id")
     # A command of a sandbox reaches the network only through the administrator's allowlist.
@@ -196,7 +200,7 @@ def register_sandboxes(
         mutating=True,
         annotations=_ADDS,
         title="Create sandbox",
-        description=create_description(catalog, network=network),
+        description=create_description(catalog, network=network, registry=package_registry),
     )(create_sandbox)
 
     @audited_tool(

@@ -35,7 +35,8 @@ GATEWAY_DEPLOY: Final = "gateway:deploy"
 SCOPES: Final = (WORKBENCH, ORGANIZER, GATEWAY_READ, GATEWAY_DEPLOY)
 
 _ARGUMENT_HINTS = {
-    "env": "the command environment is fixed by the administrator's config",
+    "env": "the command environment is fixed by the administrator's config; give a sandbox variables with "
+    "create_sandbox(env=...)",
 }
 
 

@@ -24,7 +24,10 @@ from bastion.workbench.workspace import CommandOutput
 # The record's workspace names it, so it is not copied into the audited arguments.
 SandboxId = Annotated[
     str | None,
-    Field(description="A sandbox or configured host workspace id; default: the server's default workspace."),
+    Field(
+        description="A sandbox id (from create_sandbox) or a configured host workspace id; default: the server's "
+        "default workspace, a host workspace."
+    ),
     Audit.OMIT,
 ]
 EncodingArg = Annotated[Literal["utf-8", "base64"], Field(description="utf-8 text (redacted) or base64 bytes.")]
