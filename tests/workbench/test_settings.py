@@ -253,3 +253,22 @@ async def test_restore_keeps_files_not_env_or_labels(client: Client) -> None:
     out = await sh(client, again, 'cat f.txt; echo "[$APP_ENV]"')
     assert out["detail"]["stdout"] == "kept\n[]\n"
     assert (await call(client, "get_sandbox_status", sandbox_id=again))["detail"]["env"] == {}
+
+
+@pytest.mark.anyio
+@pytest.mark.bwrap
+async def test_a_policy_template_takes_no_env(demo_config_path: Path) -> None:
+    """Attack: with an allow-list of `man` or `git log`, PAGER=sh or LESSOPEN='|cmd' would run any program
+    the policy refuses. A template with a policy is where the agent has no shell to set variables: no env."""
+    demo_config_path.write_text(
+        demo_config_path.read_text() + '\n[[template]]\nname = "strict"\n[template.policy]\nallow = ["ls"]\n'
+    )
+    services = build_services(load_config(demo_config_path))
+    try:
+        async with Client(build_server(services, caller="test")) as client:
+            refused = await call(client, "create_sandbox", template="strict", env={"PAGER": "sh"})
+            assert refused["code"] == "POLICY_DENIED", refused
+            labelled = await call(client, "create_sandbox", template="strict", labels={"k": "v"})
+            assert labelled["ok"], labelled
+    finally:
+        services.close()

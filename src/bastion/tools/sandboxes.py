@@ -53,7 +53,7 @@ EnvArg = Annotated[
         description="Environment variables for everything that runs in the sandbox, e.g. {'APP_ENV': 'test'}. "
         "Not secret: shown by get_sandbox_status. Names the administrator sets, PATH, HOME, LANG and those "
         f"that change how code loads (LD_*, PYTHON*, GIT_*, NODE_*...) are refused; at most {MAX_ENV_VARS} "
-        f"variables of {MAX_ENV_VALUE_CHARS} characters.",
+        f"variables of {MAX_ENV_VALUE_CHARS} characters. Not for a template that restricts commands.",
         max_length=MAX_ENV_VARS,
     ),
     Audit.KEYS,  # names only: values are bounded but may be long

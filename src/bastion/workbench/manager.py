@@ -244,7 +244,8 @@ class SandboxManager:
         only describe it (see `bastion.workbench.settings`).
 
         Raises:
-            PolicyDenied: sandboxes are disabled, or a limit is above the ceiling.
+            PolicyDenied: sandboxes are disabled, a limit is above the ceiling, or env for a template
+                with a command policy.
             ResourceLimit: the maximum number of sandboxes is reached.
             NotFound: no such template.
             InvalidRequest: a malformed network rule, env name or label.
@@ -256,6 +257,10 @@ class SandboxManager:
         if name is not None and (len(name) > _MAX_NAME_CHARS or not name.isprintable()):
             raise InvalidRequest(f"name must be printable and at most {_MAX_NAME_CHARS} characters")
         chosen = self._template(template)
+        if env and chosen.policy is not None:
+            # Without a shell the agent cannot set variables; PAGER, LESSOPEN and the like would run programs
+            # past the template's command policy.
+            raise PolicyDenied(f"template {chosen.name!r} restricts commands, so it takes no env: leave env out")
         settings = checked_settings(env, labels, taken={*self._config.env, *chosen.env, *proxy_environment()})
         narrowed = narrow_limits(
             self._config.limits,
