@@ -197,3 +197,27 @@ async def test_run_command_says_what_differs_between_a_host_workspace_and_a_sand
     assert "In a host workspace no shell runs" in text
     assert "sh -c" in tools["create_sandbox"]["description"]
     assert "Not offered" in instructions  # the demo's gateway has no host key
+
+
+async def test_every_template_named_to_the_model_can_be_created(demo_config_path: Path) -> None:
+    """Before, "default" was named nowhere but was also refused by name (NOT_FOUND) when no template had it;
+    now each name list_templates gives creates a sandbox of that template, and an unknown one says where to look."""
+    demo_config_path.write_text(
+        demo_config_path.read_text() + '\n[[template]]\nname = "strict"\n[template.policy]\nallow = ["ls"]\n'
+    )
+    services = build_services(load_config(demo_config_path))
+    try:
+        async with Client(build_server(services, caller="test")) as client:
+            listed = await call(client, "list_templates")
+            names = [t["name"] for t in listed["detail"]["templates"]]
+            assert "strict" in names
+            assert len(names) >= 2
+            for name in names:
+                created = await call(client, "create_sandbox", template=name)
+                assert created["ok"], created
+                assert created["detail"]["template"] == name
+            unknown = await call(client, "create_sandbox", template="nope")
+            assert unknown["code"] == "NOT_FOUND"
+            assert "list_templates" in unknown["reason"]
+    finally:
+        services.close()

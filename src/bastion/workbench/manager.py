@@ -376,12 +376,13 @@ class SandboxManager:
             self._identities.release(identity)
 
     def _template(self, name: str | None) -> TemplateConfig:
-        if name is None:
+        # The default is asked for by its name too ("default" when no template has it): list_templates names it.
+        if name is None or name == self._default_template.name:
             return self._default_template
         found = self._templates.get(name)
         if found is None:
-            known = ", ".join(sorted(self._templates)) or "none are configured"
-            raise NotFound(f"no sandbox template {name!r}: use one of {known}")
+            known = ", ".join(sorted({*self._templates, self._default_template.name}))
+            raise NotFound(f"no sandbox template {name!r}: use one of {known} (list_templates)")
         return found
 
     async def _prepare(self, binds: tuple[tuple[str, str], ...] = (), disk_bytes: int | None = None) -> _Prepared:
