@@ -56,8 +56,11 @@ def toolsets_off(config: Config) -> list[str]:
     off = []
     if not config.sandboxes.enabled:
         off.append("the sandbox, process and code tools ([sandboxes] enabled = false)")
-    elif not config.sandboxes.network.registry:
-        off.append("install_package ([sandboxes.network] registry is empty)")
+    else:
+        if not config.sandboxes.network.registry:
+            off.append("install_package ([sandboxes.network] registry is empty)")
+        if not config.sandboxes.snapshots_allowed:
+            off.append("snapshot_sandbox (a [sandboxes] snapshot cap is 0)")
     if not config.inbox:
         off.append("the organizer tools (no [[inbox]] is configured)")
     off += [
@@ -376,7 +379,13 @@ def register_toolsets(server: BastionServer, services: Services) -> None:
         catalog = template_catalog(config.sandboxes, config.template)
         packages = bool(config.sandboxes.network.registry)
         register_sandboxes(
-            server, services.sandboxes, services.registry, catalog, network=network, package_registry=packages
+            server,
+            services.sandboxes,
+            services.registry,
+            catalog,
+            network=network,
+            package_registry=packages,
+            snapshots=config.sandboxes.snapshots_allowed,
         )
         register_processes(server, services.registry)
         register_code(server, services.sandboxes, services.registry, config.sandboxes)

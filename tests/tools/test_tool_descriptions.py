@@ -105,6 +105,17 @@ async def test_an_empty_registry_drops_install_package(demo_config_path: Path) -
     assert "install_package ([sandboxes.network] registry is empty)" in instructions
 
 
+async def test_snapshot_caps_of_zero_drop_snapshot_sandbox(demo_config_path: Path) -> None:
+    """Every snapshot would be refused; a crashed server's snapshots can still be listed and restored."""
+    text = demo_config_path.read_text()
+    assert "max_snapshots = 64" in text
+    demo_config_path.write_text(text.replace("max_snapshots = 64", "max_snapshots = 0"))
+    tools, instructions = await served(demo_config_path)
+    assert "snapshot_sandbox" not in tools
+    assert {"restore_sandbox", "list_snapshots", "delete_snapshot"} <= set(tools)
+    assert "snapshot_sandbox (a [sandboxes] snapshot cap is 0)" in instructions
+
+
 async def test_create_sandbox_describes_every_template_and_list_templates_agrees(
     demo_config_path: Path, tmp_path: Path
 ) -> None:

@@ -140,10 +140,12 @@ def register_sandboxes(
     *,
     network: bool,
     package_registry: bool,
+    snapshots: bool,
 ) -> None:
     """Add the sandbox lifecycle tools to `server`; `catalog` is the config's templates, `network` whether
     the administrator allows any destination at all (else commands can never reach one),
-    `package_registry` whether install_package has a package registry."""
+    `package_registry` whether install_package has a package registry, `snapshots` whether a
+    snapshot could ever be kept (`SandboxesConfig.snapshots_allowed`)."""
     runner = server.runner
     in_sandbox = workspace_of("sandbox_id")
     # A command of a sandbox reaches the network only through the administrator's allowlist.
@@ -279,23 +281,25 @@ def register_sandboxes(
         await manager.close(sandbox_id)  # the waits run in worker threads: other calls go on
         return {"sandbox_id": sandbox_id, "state": "closed"}
 
-    @audited_tool(
-        server,
-        "snapshot_sandbox",
-        mutating=True,
-        annotations=_ADDS,
-        workspace=in_sandbox,
-        title="Snapshot sandbox",
-        description=(
-            "Save a sandbox's /workspace (files, folders, symlinks, modes) to a compressed snapshot. "
-            "restore_sandbox makes a new sandbox from it. Snapshots are capped in number and size, per sandbox "
-            "and in total, and expire (see 'expires'); delete_snapshot frees room. FIFOs, sockets, devices and "
-            "names a restore would refuse are not stored: 'skipped' counts them."
-        ),
-    )
     async def snapshot_sandbox(sandbox_id: SandboxIdArg, label: str | None = None) -> dict[str, object]:
         agent_owned(sandbox_id, "snapshot_sandbox")
         return _snapshot_detail(await manager.snapshot(sandbox_id, label), manager)
+
+    if snapshots:  # else every snapshot is over a cap of 0 (restore still takes a crashed server's)
+        audited_tool(
+            server,
+            "snapshot_sandbox",
+            mutating=True,
+            annotations=_ADDS,
+            workspace=in_sandbox,
+            title="Snapshot sandbox",
+            description=(
+                "Save a sandbox's /workspace (files, folders, symlinks, modes) to a compressed snapshot. "
+                "restore_sandbox makes a new sandbox from it. Snapshots are capped in number and size, per sandbox "
+                "and in total, and expire (see 'expires'); delete_snapshot frees room. FIFOs, sockets, devices and "
+                "names a restore would refuse are not stored: 'skipped' counts them."
+            ),
+        )(snapshot_sandbox)
 
     @audited_tool(
         server,
