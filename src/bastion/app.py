@@ -30,6 +30,7 @@ from bastion.tools.processes import register_processes
 from bastion.tools.sandboxes import register_sandboxes
 from bastion.tools.server import BastionServer
 from bastion.tools.workbench import register_workbench
+from bastion.workbench.catalog import template_catalog
 from bastion.workbench.manager import SandboxManager
 from bastion.workbench.registry import WorkspaceRegistry
 from bastion.workbench.workspace import HostWorkspace, open_host_workspaces
@@ -40,11 +41,46 @@ DEVICES_DIR = "dev"  # in state_dir: the sandboxes' own device nodes, on a tmpfs
 INSTRUCTIONS = (
     "bastion gives you a workbench. Every tool returns an OperationResult: ok, code, reason and detail. "
     "Without sandbox_id, tools act on the administrator's host workspace, where commands run without a shell "
-    "under an allow-list (explain_command tells whether one is allowed). create_sandbox gives you a disposable "
-    "Linux sandbox where any shell command runs (no network); pass its sandbox_id to the work tools and close "
-    "it when done; execute_code runs Python there in a persistent context (figures come back as images). "
-    "Paths are relative to the workspace."
+    "under an allow-list (explain_command tells whether one is allowed)."
 )
+SANDBOX_INSTRUCTIONS = (
+    "create_sandbox gives you a disposable Linux sandbox where any shell command runs (sh -c); its description "
+    "lists the templates; pass its sandbox_id to the work tools and close it when done; execute_code runs Python "
+    "there in a persistent context (figures come back as images)."
+)
+PATHS_INSTRUCTIONS = "Paths are relative to the workspace."
+
+
+def toolsets_off(config: Config) -> list[str]:
+    """The tools this config can never serve, each with why (they are not listed, and `instructions` says so)."""
+    off = []
+    if not config.sandboxes.enabled:
+        off.append("the sandbox, process and code tools ([sandboxes] enabled = false)")
+    else:
+        if not config.sandboxes.network.registry:
+            off.append("install_package ([sandboxes.network] registry is empty)")
+        if not config.sandboxes.snapshots_allowed:
+            off.append("snapshot_sandbox (a [sandboxes] snapshot cap is 0)")
+    if not config.inbox:
+        off.append("the organizer tools (no [[inbox]] is configured)")
+    off += [
+        f"the {gateway.name}_* gateway tools (gateway {gateway.name!r} has no pinned host_key)"
+        for gateway in config.gateway
+        if gateway.host_key is None
+    ]
+    return off
+
+
+def server_instructions(config: Config) -> str:
+    """The MCP initialize result's instructions: how to start, and which toolsets are off and why."""
+    parts = [INSTRUCTIONS]
+    if config.sandboxes.enabled:
+        parts.append(SANDBOX_INSTRUCTIONS)
+    parts.append(PATHS_INSTRUCTIONS)
+    off = toolsets_off(config)
+    if off:
+        parts.append(f"Not offered by this server's configuration: {'; '.join(off)}.")
+    return " ".join(parts)
 
 
 @dataclass
@@ -322,16 +358,38 @@ def build_server(services: Services, *, caller: str) -> BastionServer:
         runner,
         name="bastion",
         version=__version__,
-        instructions=INSTRUCTIONS,
+        instructions=server_instructions(services.config),
         log_level=services.config.log_level,
         lifespan=lifespan,
     )
-    register_workbench(server, services.registry)
-    register_organizer(server, Inboxes(services.organizers))
-    register_sandboxes(server, services.sandboxes, services.registry)
-    register_processes(server, services.registry)
-    register_code(server, services.sandboxes, services.registry, services.config.sandboxes)
-    if services.approvals is not None:
-        register_gateway(server, services.gateways, services.approvals, services.config.approvals)
+    register_toolsets(server, services)
     logging.getLogger("bastion").setLevel(services.config.log_level)
     return server
+
+
+def register_toolsets(server: BastionServer, services: Services) -> None:
+    """Every toolset the config can serve (see `toolsets_off` for the rest)."""
+    config = services.config
+    sandboxes = config.sandboxes.enabled
+    network = sandboxes and bool(config.sandboxes.network.allow)
+    register_workbench(server, services.registry, sandboxes=sandboxes, network=network)
+    if config.inbox:
+        register_organizer(server, Inboxes(services.organizers))
+    if sandboxes:
+        catalog = template_catalog(config.sandboxes, config.template)
+        packages = bool(config.sandboxes.network.registry)
+        register_sandboxes(
+            server,
+            services.sandboxes,
+            services.registry,
+            catalog,
+            network=network,
+            package_registry=packages,
+            snapshots=config.sandboxes.snapshots_allowed,
+        )
+        register_processes(server, services.registry)
+        register_code(server, services.sandboxes, services.registry, config.sandboxes)
+    # A gateway without a pinned host key refuses every call: its tools could never work.
+    pinned = {name: client for name, client in services.gateways.items() if client.config.host_key is not None}
+    if services.approvals is not None and pinned:
+        register_gateway(server, pinned, services.approvals, config.approvals)

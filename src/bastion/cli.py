@@ -24,7 +24,11 @@ def _parser() -> argparse.ArgumentParser:
 
     init = sub.add_parser("init", help="write a demo config and its folders into DIR")
     init.add_argument("dir")
-    init.add_argument("--python-env", help="a venv on /usr/bin/python3 for the python-data sandbox template")
+    init.add_argument(
+        "--python-env",
+        help="a venv on /usr/bin/python3 for the python-data sandbox template, which becomes the default "
+        "(default: the checkout's .venv-python-data, built by 'make install', when it exists)",
+    )
 
     serve = sub.add_parser("serve", help="serve MCP")
     serve.add_argument("--config", help=f"path to bastion.toml (or set {CONFIG_ENV})")
@@ -60,10 +64,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _cmd_init(args: argparse.Namespace) -> int:
-    from bastion.demo import init_demo
+    from bastion.demo import find_data_env, init_demo
 
-    path = init_demo(args.dir, python_env=args.python_env)
+    python_env = args.python_env if args.python_env is not None else find_data_env()
+    path = init_demo(args.dir, python_env=python_env)
     print(f"wrote {path}")
+    if python_env is not None:
+        print(f"default sandbox template: python-data (numpy, pandas, matplotlib from {python_env})")
+    else:
+        print("default sandbox template: the system's Python ('make install' builds python-data; see --python-env)")
     print(f"serve it with: bastion serve --config {path} --http  (or --stdio for a local client)")
     return 0
 

@@ -13,10 +13,13 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Final
 
 from bastion.config import DEFAULT_CATEGORIES, DEFAULT_SKIP_RULES
 from bastion.safety.commands import DEMO_POLICY, ArgumentRule
 from bastion.safety.errors import ConfigError
+
+DATA_ENV_NAME: Final = ".venv-python-data"  # in the source checkout: `make install` builds it from templates/
 
 
 def _toml_list(items: tuple[str, ...]) -> str:
@@ -268,15 +271,31 @@ max_plan_moves = 500        # a plan proposes at most this many moves
 """
 
 
+def find_data_env() -> Path | None:
+    """The python-data environment `make install` builds in this source checkout, if it is there."""
+    candidate = Path(__file__).resolve().parents[2] / DATA_ENV_NAME
+    return candidate if is_venv(candidate) else None
+
+
+def is_venv(path: Path) -> bool:
+    return (path / "pyvenv.cfg").is_file() and (path / "bin").is_dir()
+
+
 def init_demo(directory: str | os.PathLike[str], *, python_env: str | os.PathLike[str] | None = None) -> Path:
     """Create the demo layout; never overwrite an existing config.
 
-    `python_env`: the python-data template's virtual environment, when one was built.
+    `python_env`: the python-data template's virtual environment, when one was built; it becomes
+    the default template (create_sandbox() then has numpy, pandas and matplotlib).
+
+    Raises:
+        ConfigError: the config exists, or `python_env` is not a virtual environment.
     """
     root = Path(directory).absolute()
     config = root / "bastion.toml"
     if config.exists():
         raise ConfigError(f"{config} already exists: remove it or choose another folder")
+    if python_env is not None and not is_venv(Path(python_env)):
+        raise ConfigError(f"--python-env {python_env} is not a virtual environment: run 'make install' or omit it")
     for sub in ("workspace", "inbox"):
         (root / sub).mkdir(parents=True, exist_ok=True)
     (root / "state").mkdir(mode=0o700, parents=True, exist_ok=True)

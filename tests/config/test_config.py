@@ -10,7 +10,7 @@ import pytest
 
 from bastion.cli import EXIT_CONFIG, main
 from bastion.config import load_config
-from bastion.demo import init_demo
+from bastion.demo import find_data_env, init_demo
 
 BASTION = Path(sys.executable).parent / "bastion"
 
@@ -133,3 +133,35 @@ def test_init_never_overwrites(capsys: pytest.CaptureFixture[str], config: Path)
     assert main(["init", str(config.parent)]) == EXIT_CONFIG
     assert "already exists" in capsys.readouterr().err
     assert config.read_text() == before
+
+
+def test_init_with_a_python_env_makes_python_data_the_default(tmp_path: Path) -> None:
+    """The demo's create_sandbox() gets numpy, pandas and matplotlib when their environment was built."""
+    env = tmp_path / "data-env"
+    (env / "bin").mkdir(parents=True)
+    (env / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    assert main(["init", str(tmp_path / "demo"), "--python-env", str(env)]) == 0
+    loaded = load_config(tmp_path / "demo" / "bastion.toml")
+    assert loaded.sandboxes.default_template == "python-data"
+    assert loaded.template[0].python_env == env
+
+
+def test_init_refuses_a_python_env_that_is_not_one(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """Before, it wrote a config naming the folder, which then refused to load."""
+    assert main(["init", str(tmp_path / "demo"), "--python-env", str(tmp_path / "missing")]) == EXIT_CONFIG
+    assert "is not a virtual environment" in capsys.readouterr().err
+    assert not (tmp_path / "demo" / "bastion.toml").exists()
+
+
+def test_init_without_python_env_uses_the_checkouts_environment_if_built(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    built = find_data_env()
+    assert main(["init", str(tmp_path / "demo")]) == 0
+    loaded = load_config(tmp_path / "demo" / "bastion.toml")
+    if built is None:
+        assert loaded.sandboxes.default_template == "default"
+        assert "make install" in capsys.readouterr().out
+    else:
+        assert loaded.sandboxes.default_template == "python-data"
+        assert loaded.template[0].python_env == built

@@ -24,6 +24,7 @@ TOOLS = {
     "write_file",
     "upload_file",
     "list_directory",
+    "list_templates",
     "create_sandbox",
     "list_sandboxes",
     "get_sandbox_status",

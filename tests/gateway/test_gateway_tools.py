@@ -26,7 +26,11 @@ from mcp import Client
 
 from bastion.app import build_server, build_services
 from bastion.config import load_config
+from bastion.gateway.actions import build_command
+from bastion.gateway.client import GatewayClient
 from bastion.safety.approvals import ApprovalQueue
+from bastion.safety.errors import Forbidden
+from bastion.safety.redact import Redactor
 from bastion.tools.server import GATEWAY_DEPLOY, GATEWAY_READ
 from tests.helpers import call
 
@@ -265,11 +269,19 @@ async def test_approval_is_spent_only_by_the_client_that_asked(lab: GatewayLab) 
     assert host_saw(lab, literal)
 
 
-async def test_unpinned_host_key_is_forbidden(lab: GatewayLab) -> None:
-    config = variant(lab, "bastion-no-key.toml", f'host_key = "{lab.host_key_line}"\n', "")
-    async with connect(config) as client:
+async def test_unpinned_host_key_lists_no_tools_and_its_client_refuses(lab: GatewayLab) -> None:
+    """Without a pinned host key the gateway's tools could never work: they are not listed (a call is an
+    unknown tool), and the client itself still refuses to connect (FORBIDDEN), whoever calls it."""
+    config_path = variant(lab, "bastion-no-key.toml", f'host_key = "{lab.host_key_line}"\n', "")
+    async with connect(config_path) as client:
+        names = {tool.name for tool in (await client.list_tools()).tools}
         result = await call(client, "biscuit_status", project="biscuit")
-    assert result["code"] == "FORBIDDEN"
+    assert not {name for name in names if name.startswith("biscuit_")}
+    assert result["code"] == "INVALID_REQUEST"
+    assert "unknown tool" in result["reason"]
+    gateway = load_config(config_path).gateway[0]
+    with pytest.raises(Forbidden, match="no pinned host_key"):
+        await GatewayClient(gateway, Redactor()).call(build_command(gateway.action[0], {"project": "biscuit"}))
 
 
 async def test_host_refusal_is_policy_denied(lab: GatewayLab) -> None:

@@ -171,6 +171,17 @@ class SandboxesConfig(Model):
         return per_sandbox if per_sandbox is not None else 2 * self.limits.disk_bytes
 
     @property
+    def snapshots_allowed(self) -> bool:
+        """Whether a snapshot could ever be kept: no count or size cap is 0."""
+        caps = (
+            self.max_snapshots,
+            self.max_snapshots_per_sandbox,
+            self.snapshot_bytes,
+            self.snapshot_bytes_per_sandbox,
+        )
+        return min(caps) > 0
+
+    @property
     def host_ids(self) -> tuple[int, int]:
         """(first, count) of `host_id_range`."""
         return parse_range(self.host_id_range)

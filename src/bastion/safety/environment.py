@@ -1,4 +1,5 @@
-"""The environment bastion.toml may give commands: valid names only, never one that changes how code loads.
+"""The environment bastion.toml (or create_sandbox) may give commands: valid names only, never one that
+changes how code loads.
 
 PATH, HOME and LANG are bastion's own (`HostWorkspace.environment`); variables that make a
 program load other code (LD_PRELOAD, PYTHONPATH, GIT_*, NODE_OPTIONS...) are never settable.
@@ -15,6 +16,15 @@ FORBIDDEN_ENV_PREFIXES: Final = ("LD_", "GIT_", "PYTHON", "NODE_", "PERL", "RUBY
 FIXED_ENV: Final = frozenset({"PATH", "HOME", "LANG"})
 
 
+def env_name_problem(name: str) -> str | None:
+    """Why `name` may not be set (config or create_sandbox alike), or None if it may."""
+    if not ENV_NAME.fullmatch(name):
+        return f"environment variable name {name!r} is not valid"
+    if name in FIXED_ENV or name.upper().startswith(FORBIDDEN_ENV_PREFIXES):
+        return f"environment variable {name!r} may not be set: it is bastion's own or changes how code loads"
+    return None
+
+
 def checked_env(env: dict[str, str]) -> dict[str, str]:
     """`env` unchanged if every name may be set from config.
 
@@ -22,8 +32,7 @@ def checked_env(env: dict[str, str]) -> dict[str, str]:
         ValueError: an invalid name, a fixed one, or one that changes how code loads (pydantic reports it).
     """
     for name in env:
-        if not ENV_NAME.fullmatch(name):
-            raise ValueError(f"environment variable name {name!r} is not valid")
-        if name in FIXED_ENV or name.upper().startswith(FORBIDDEN_ENV_PREFIXES):
-            raise ValueError(f"environment variable {name!r} may not be set from config")
+        problem = env_name_problem(name)
+        if problem is not None:
+            raise ValueError(problem)
     return env

@@ -41,6 +41,8 @@ BWRAP_ENV: Final = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
 SANDBOX_UID: Final = 1000
 SANDBOX_GID: Final = 1000
 SANDBOX_USER: Final = "sandbox"
+GIT_AUTHOR_NAME: Final = "bastion sandbox"
+GIT_AUTHOR_EMAIL: Final = "sandbox@bastion.invalid"  # RFC 2606: .invalid never resolves
 IDENTITY_FILES: Final[dict[str, str]] = {
     "/etc/passwd": (
         "root:x:0:0:root:/root:/usr/sbin/nologin\n"
@@ -48,6 +50,9 @@ IDENTITY_FILES: Final[dict[str, str]] = {
         "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
     ),
     "/etc/group": f"root:x:0:\n{SANDBOX_USER}:x:{SANDBOX_GID}:\nnogroup:x:65534:\n",
+    # A default author, so `git commit` works in a fresh sandbox; a repository's or HOME's config overrides it.
+    # Replaces the host's /etc/gitconfig, which is the host's business (and could name hooks or helpers).
+    "/etc/gitconfig": f"[user]\n\tname = {GIT_AUTHOR_NAME}\n\temail = {GIT_AUTHOR_EMAIL}\n",
 }
 
 # System folders bound read-only. /etc is not bound whole: only what programs
@@ -63,7 +68,6 @@ _RO_ETC_FILES: Final = (
     "/etc/mime.types",
     "/etc/magic",
     "/etc/magic.mime",
-    "/etc/gitconfig",
     "/etc/ssl/certs",  # public CA certificates, for TLS through the egress proxy (pip, npm, curl)
 )
 

@@ -56,8 +56,9 @@ def audited_tool(
     annotations: ToolAnnotations,
     toolset: str = WORKBENCH,
     workspace: str | WorkspaceOf | None = None,
+    title: str | None = None,
 ) -> Callable[[Body], Body]:
-    """Register `body` as the tool `name`, in `toolset`, audited as mutating or not."""
+    """Register `body` as the tool `name`, in `toolset`, audited as mutating or not, shown as `title`."""
 
     def register(body: Body) -> Body:
         signature = inspect.signature(body, eval_str=True)
@@ -84,7 +85,7 @@ def audited_tool(
         tool.__signature__ = signature.replace(return_annotation=Result)  # type: ignore[attr-defined]
         hints = {p.name: p.annotation for p in signature.parameters.values() if p.annotation is not p.empty}
         tool.__annotations__ = {**hints, "return": Result}
-        server.tool(name, description=description, annotations=annotations, scope=toolset)(tool)
+        server.tool(name, description=description, annotations=annotations, scope=toolset, title=title)(tool)
         return body
 
     return register

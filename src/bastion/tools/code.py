@@ -6,6 +6,7 @@ Wiring only (`audited_tool`): the contexts live in `bastion.workbench.code`; the
 from __future__ import annotations
 
 import base64
+from collections.abc import Callable
 from typing import Annotated, Literal
 
 from mcp.server.mcpserver import Context
@@ -27,8 +28,10 @@ SandboxIdArg = Annotated[str, Field(description="The sandbox id from create_sand
 # The record's workspace names it, so it is not copied into the audited arguments.
 InSandbox = Annotated[str, Field(description="The sandbox id from create_sandbox."), Audit.OMIT]
 
-_RUNS = ToolAnnotations(read_only_hint=False, destructive_hint=True, idempotent_hint=False, open_world_hint=False)
 _READS = ToolAnnotations(read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=False)
+# It reaches the package registry; it adds to the sandbox's own environment (an upgrade replaces a version,
+# nothing else), and the same requirement twice leaves the same environment.
+_INSTALLS = ToolAnnotations(read_only_hint=False, destructive_hint=False, idempotent_hint=True, open_world_hint=True)
 
 
 def cell_result(result: CellResult, extra: dict[str, object]) -> OperationResult:
@@ -78,8 +81,10 @@ def cell_result(result: CellResult, extra: dict[str, object]) -> OperationResult
 def register_code(
     server: BastionServer, sandboxes: SandboxManager, registry: WorkspaceRegistry, config: SandboxesConfig
 ) -> None:
-    """Add the code tools to `server`."""
+    """Add the code tools to `server`; install_package only if the config names a package registry."""
     in_sandbox = workspace_of("sandbox_id")
+    network = bool(config.network.allow)
+    runs = ToolAnnotations(read_only_hint=False, destructive_hint=True, idempotent_hint=False, open_world_hint=network)
 
     def sandbox_only(sandbox_id: str, what: str) -> None:
         # FORBIDDEN, as every sandbox-only operation on a host workspace (`HostWorkspace.require_sandbox`).
@@ -89,8 +94,9 @@ def register_code(
         server,
         "execute_code",
         mutating=True,
-        annotations=_RUNS,
+        annotations=runs,
         workspace=in_sandbox,
+        title="Execute code",
         description=(
             "Run code in a sandbox. Python runs in a persistent context (like a notebook kernel): variables, "
             "imports and open files stay between calls; the value of a last expression comes back in "
@@ -134,18 +140,30 @@ def register_code(
         mutating=False,
         annotations=_READS,
         workspace=in_sandbox,
+        title="List code contexts",
         description="The Python contexts of a sandbox: name, state (idle, busy, dead), executions, age.",
     )
     async def list_code_contexts(sandbox_id: SandboxIdArg) -> dict[str, object]:
         sandbox_only(sandbox_id, "list_code_contexts")
         return {"contexts": sandboxes.get(sandbox_id).code.contexts()}
 
+    if config.network.registry:
+        _register_install(server, sandboxes, config, sandbox_only)
+
+
+def _register_install(
+    server: BastionServer,
+    sandboxes: SandboxManager,
+    config: SandboxesConfig,
+    sandbox_only: Callable[[str, str], None],
+) -> None:
     @audited_tool(
         server,
         "install_package",
         mutating=True,
-        annotations=_RUNS,
-        workspace=in_sandbox,
+        annotations=_INSTALLS,
+        workspace=workspace_of("sandbox_id"),
+        title="Install package",
         description=(
             "Install a package into a sandbox's own environment, inside the sandbox. pip: a requirement such as "
             "'requests' or 'requests[socks]>=2.31' goes into /workspace/.venv (on PATH; execute_code sees it); "

@@ -87,7 +87,8 @@ def _answer(outcome: object) -> bool | None:
     return None
 
 
-_READ_ONLY = ToolAnnotations(read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=True)
+# <gateway>_actions reads the config only: it sends nothing to the host.
+_READ_ONLY = ToolAnnotations(read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=False)
 _READS_REMOTE = ToolAnnotations(read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=True)
 _CHANGES_REMOTE = ToolAnnotations(
     read_only_hint=False, destructive_hint=True, idempotent_hint=False, open_world_hint=True
@@ -397,6 +398,7 @@ def register_gateway(
                 annotations=_CHANGES_REMOTE if action.approval else _READS_REMOTE,
                 toolset=GATEWAY_DEPLOY if action.approval else GATEWAY_READ,
                 workspace=f"gateway:{gateway.name}",
+                title=f"{gateway.name}: {action.name}",
             )(tool.as_function())
 
 
@@ -412,6 +414,7 @@ def _register_actions_tool(server: BastionServer, gateway: GatewayConfig) -> Non
         annotations=_READ_ONLY,
         toolset=GATEWAY_READ,
         workspace=f"gateway:{gateway.name}",
+        title=f"{gateway.name}: list actions",
     )
     async def list_actions() -> dict[str, object]:
         return _actions_detail(gateway)

@@ -67,6 +67,7 @@ def register_organizer(server: BastionServer, inboxes: Inboxes) -> None:
         annotations=_READ_ONLY,
         toolset=ORGANIZER,
         workspace=in_inbox,
+        title="List inbox files",
         description=(
             "List a folder of an inbox (a folder the organizer tidies, e.g. Downloads). Each entry has its size, "
             "its category, whether plan_organize would move it and, if not, why (rule, layer, code). Changes nothing."
@@ -85,6 +86,7 @@ def register_organizer(server: BastionServer, inboxes: Inboxes) -> None:
         annotations=_READ_ONLY,
         toolset=ORGANIZER,
         workspace=in_inbox,
+        title="Plan inbox tidy-up",
         description=(
             "Propose a tidy-up of an inbox's top level: each file to its category folder by extension. Changes "
             "nothing, not even the folders. Returns a plan_id for apply_plan, the moves, and the skipped entries "
@@ -101,6 +103,7 @@ def register_organizer(server: BastionServer, inboxes: Inboxes) -> None:
         annotations=_MOVES,
         toolset=ORGANIZER,
         workspace=in_inbox,
+        title="Apply tidy-up plan",
         description=(
             "Carry out a plan from plan_organize (once). If any planned file changed, moved or vanished since, "
             "or a destination is now taken, the whole plan is refused and nothing moves. Never overwrites. "
@@ -117,6 +120,7 @@ def register_organizer(server: BastionServer, inboxes: Inboxes) -> None:
         annotations=_MOVES,
         toolset=ORGANIZER,
         workspace=in_inbox,
+        title="Move inbox file",
         description=(
             "Move one file or folder inside an inbox. dest is the full target path (e.g. 'Documents/a.pdf'); "
             "missing folders are created. An existing destination is refused with CONFLICT, never overwritten "
@@ -137,6 +141,7 @@ def register_organizer(server: BastionServer, inboxes: Inboxes) -> None:
         annotations=_MOVES,
         toolset=ORGANIZER,
         workspace=in_inbox,
+        title="Undo last inbox action",
         description=(
             "Undo the last apply_plan or move_file of an inbox (a whole plan at once). Refused, with nothing "
             "moved, if a file it would move back was changed or its old place is taken: nothing is overwritten."
@@ -152,6 +157,7 @@ def register_organizer(server: BastionServer, inboxes: Inboxes) -> None:
         annotations=_MOVES,
         toolset=ORGANIZER,
         workspace=in_inbox,
+        title="Redo inbox action",
         description="Redo the last undone action of an inbox. New moves clear what can be redone.",
     )
     async def redo_last_action(inbox: InboxId = None) -> Outcome:

@@ -25,7 +25,10 @@ SandboxId = Annotated[
 Pid = Annotated[int, Field(ge=1, description="The pid run_command(background=true) returned (1, 2, ... per sandbox).")]
 
 _READS = ToolAnnotations(read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=False)
+# Input can make a program do anything it does (e.g. confirm a deletion).
 _WRITES = ToolAnnotations(read_only_hint=False, destructive_hint=True, idempotent_hint=False, open_world_hint=False)
+# Killing twice leaves the same state: the second call reports killed=false.
+_KILLS = ToolAnnotations(read_only_hint=False, destructive_hint=True, idempotent_hint=True, open_world_hint=False)
 
 
 def register_processes(server: BastionServer, registry: WorkspaceRegistry) -> None:
@@ -38,6 +41,7 @@ def register_processes(server: BastionServer, registry: WorkspaceRegistry) -> No
         mutating=False,
         annotations=_READS,
         workspace=in_workspace,
+        title="List processes",
         description=(
             "The background processes of a sandbox: pid, argv, state (running/exited), exit_status, age_s and "
             "how much output they wrote."
@@ -52,6 +56,7 @@ def register_processes(server: BastionServer, registry: WorkspaceRegistry) -> No
         mutating=False,
         annotations=_READS,
         workspace=in_workspace,
+        title="Read process output",
         description=(
             "The output of a background process so far, stdout and stderr apart, redacted like run_command's. "
             "Pass detail.next as `since` to get only what came after. The newest 1 MiB per stream is kept: "
@@ -73,6 +78,7 @@ def register_processes(server: BastionServer, registry: WorkspaceRegistry) -> No
         mutating=True,
         annotations=_WRITES,
         workspace=in_workspace,
+        title="Send process input",
         description=(
             f"Write text to a background process's stdin (at most {MAX_INPUT_BYTES} bytes per call; include the "
             "newline a line-reading program waits for). eof=true then closes its stdin."
@@ -94,8 +100,9 @@ def register_processes(server: BastionServer, registry: WorkspaceRegistry) -> No
         server,
         "kill_process",
         mutating=True,
-        annotations=_WRITES,
+        annotations=_KILLS,
         workspace=in_workspace,
+        title="Kill process",
         description=(
             "Kill a background process and everything it started (SIGKILL to its own PID namespace). "
             "Its record and output stay readable."

@@ -35,7 +35,8 @@ GATEWAY_DEPLOY: Final = "gateway:deploy"
 SCOPES: Final = (WORKBENCH, ORGANIZER, GATEWAY_READ, GATEWAY_DEPLOY)
 
 _ARGUMENT_HINTS = {
-    "env": "the command environment is fixed by the administrator's config",
+    "env": "the command environment is fixed by the administrator's config; give a sandbox variables with "
+    "create_sandbox(env=...)",
 }
 
 
@@ -45,6 +46,12 @@ def to_call_result(result: OperationResult, *, extra: Sequence[ImageContent] = (
     text = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
     content: list[TextContent | ImageContent] = [TextContent(type="text", text=text), *extra]
     return CallToolResult(content=content, structured_content=payload, is_error=not result.ok)
+
+
+def default_title(name: str) -> str:
+    """A tool's name in words: "run_command" -> "Run command"."""
+    words = name.replace("_", " ").strip()
+    return words[:1].upper() + words[1:]
 
 
 class InternalError(BastionError):
@@ -68,12 +75,15 @@ class BastionServer(MCPServer[Any]):
         description: str,
         annotations: ToolAnnotations | None = None,
         scope: str = WORKBENCH,
+        title: str | None = None,
     ) -> Callable[[_F], _F]:
-        """Register a tool under its toolset's scope; every bastion tool names itself and says what it does."""
+        """Register a tool under its toolset's scope; every bastion tool names itself, says what it does,
+        and has a title for people (default: its name in words, e.g. "Run command")."""
         if scope not in SCOPES:
             raise ValueError(f"unknown scope {scope!r}")
         self.tool_scopes[name] = scope
-        return super().tool(name=name, description=description, annotations=annotations)
+        shown = title or default_title(name)
+        return super().tool(name=name, title=shown, description=description, annotations=annotations)
 
     def add_tool(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         self._arguments = None

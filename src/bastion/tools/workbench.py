@@ -27,7 +27,10 @@ from bastion.workbench.workspace import CommandOutput, HostWorkspace
 # The record's workspace names it, so it is not copied into the audited arguments.
 SandboxId = Annotated[
     str | None,
-    Field(description="A sandbox or configured host workspace id; default: the server's default workspace."),
+    Field(
+        description="A sandbox id (from create_sandbox) or a configured host workspace id; default: the server's "
+        "default workspace, a host workspace."
+    ),
     Audit.OMIT,
 ]
 EncodingArg = Annotated[Literal["utf-8", "base64"], Field(description="utf-8 text (redacted) or base64 bytes.")]
@@ -35,14 +38,12 @@ EncodingArg = Annotated[Literal["utf-8", "base64"], Field(description="utf-8 tex
 _READ_ONLY = ToolAnnotations(read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=False)
 _WRITES = ToolAnnotations(read_only_hint=False, destructive_hint=True, idempotent_hint=False, open_world_hint=False)
 _SEARCH = ToolAnnotations(
-    title="Search files",
     read_only_hint=True,
     destructive_hint=False,
     idempotent_hint=True,
     open_world_hint=False,
 )
 _EDITS = ToolAnnotations(
-    title="Edit a file",
     read_only_hint=False,
     destructive_hint=True,
     idempotent_hint=False,
@@ -53,6 +54,8 @@ _PATHS_NOTE = (
     "commands see them, but never to anything outside /workspace."
 )
 PathArg = Annotated[str, Field(description="Relative to the workspace (in a sandbox: or /workspace/...).")]
+# The same upload twice leaves the same file (or answers CONFLICT without overwrite): no further effect.
+_UPLOADS = ToolAnnotations(read_only_hint=False, destructive_hint=True, idempotent_hint=True, open_world_hint=False)
 
 
 def command_result(out: CommandOutput, extra: dict[str, object]) -> OperationResult:
@@ -86,20 +89,37 @@ def _oom_reason(out: CommandOutput) -> str:
     return f"the command ran out of memory and was killed{note}"
 
 
-def register_workbench(server: BastionServer, registry: WorkspaceRegistry) -> None:
-    """Add the work tools to `server`."""
+def run_command_description(*, sandboxes: bool) -> str:
+    """run_command's description, true of each tier the server offers."""
+    host = (
+        "In a host workspace no shell runs: the command is split into words like a shell would (quotes work), but "
+        "pipes, redirections, ';', '&&', '$VAR' and globs are refused, and the workspace's policy decides which "
+        "commands may run (use explain_command to ask)."
+    )
+    if not sandboxes:
+        return f"Run one command in a workspace. {host}"
+    return (
+        "Run one command in a workspace. In a sandbox (sandbox_id from create_sandbox) it runs with sh -c in "
+        "/workspace, so pipes, redirections, ';', '&&', '$VAR' and globs work (unless its template restricts "
+        f"commands). {host}"
+    )
+
+
+def register_workbench(server: BastionServer, registry: WorkspaceRegistry, *, sandboxes: bool, network: bool) -> None:
+    """Add the work tools to `server`: `sandboxes` whether sandboxes are on, `network` whether any
+    destination is allowed to them (host workspaces never have a network)."""
     in_workspace = workspace_of("sandbox_id", registry.get_id)
+    runs = ToolAnnotations(read_only_hint=False, destructive_hint=True, idempotent_hint=False, open_world_hint=network)
 
     @audited_tool(
         server,
         "run_command",
         mutating=True,
-        annotations=_WRITES,
+        annotations=runs,
         workspace=in_workspace,
+        title="Run command",
         description=(
-            "Run one command in a workspace. No shell runs: the command is split into words like a shell would "
-            "(quotes work), but pipes, redirections, ';', '&&', '$VAR' and globs are refused. The workspace's "
-            "policy decides which commands may run (use explain_command to ask). A non-zero exit status is "
+            f"{run_command_description(sandboxes=sandboxes)} A non-zero exit status is "
             "ok=true with the status in detail.exit_status. In a sandbox, background=true starts the command and "
             "returns at once with its pid: it keeps running between calls (read_process_output, "
             "send_process_input, kill_process, list_processes)."
@@ -131,7 +151,12 @@ def register_workbench(server: BastionServer, registry: WorkspaceRegistry) -> No
         mutating=False,
         annotations=_READ_ONLY,
         workspace=in_workspace,
-        description="Say whether run_command would accept a command, and which rule decides. Runs nothing.",
+        title="Explain command",
+        description=(
+            "Say whether run_command would accept a command in a workspace, and which rule decides. Runs nothing. "
+            "In a host workspace its policy decides; in a sandbox any shell command is accepted unless its "
+            "template restricts commands."
+        ),
     )
     async def explain_command(command: str, sandbox_id: SandboxId = None) -> dict[str, object]:
         decision = registry.get(sandbox_id).explain(command)
@@ -149,6 +174,7 @@ def register_workbench(server: BastionServer, registry: WorkspaceRegistry) -> No
         mutating=False,
         annotations=_READ_ONLY,
         workspace=in_workspace,
+        title="Read file",
         description=(
             "Read a file of the workspace (path relative to it). Large files: page with offset and length (bytes). "
             "utf-8 text is redacted as the whole file would be, so a secret cut by a page shows in neither part. "
@@ -186,6 +212,7 @@ def register_workbench(server: BastionServer, registry: WorkspaceRegistry) -> No
         mutating=True,
         annotations=_WRITES,
         workspace=in_workspace,
+        title="Write file",
         description=(
             "Write a file of the workspace (path relative to it), creating missing folders. "
             "Replaces the file's content unless append is true. Symlinks are never followed for writing. "
@@ -206,8 +233,9 @@ def register_workbench(server: BastionServer, registry: WorkspaceRegistry) -> No
         server,
         "upload_file",
         mutating=True,
-        annotations=_WRITES,
+        annotations=_UPLOADS,
         workspace=in_workspace,
+        title="Upload file",
         description=(
             "Create a file of the workspace (path relative to it) from base64 bytes, creating missing folders. "
             "An existing entry of that name is CONFLICT unless overwrite is true, and a symlink is never followed. "
@@ -230,6 +258,7 @@ def register_workbench(server: BastionServer, registry: WorkspaceRegistry) -> No
         mutating=False,
         annotations=_READ_ONLY,
         workspace=in_workspace,
+        title="List directory",
         description=(
             "List a folder of the workspace. Symlinks are shown as symlinks, never followed. Names are cleaned "
             "and redacted like command output." + _PATHS_NOTE
@@ -252,6 +281,7 @@ def register_search_and_edit(server: BastionServer, registry: WorkspaceRegistry)
         mutating=False,
         annotations=_SEARCH,
         workspace=in_workspace,
+        title="Search files",
         description=(
             "Search a folder of the workspace (every file beneath it, or one file) for a pattern: lines that "
             "contain it (path, line number, the line redacted and cut at 300 characters) and entries whose name "
@@ -284,6 +314,7 @@ def register_search_and_edit(server: BastionServer, registry: WorkspaceRegistry)
         mutating=True,
         annotations=_EDITS,
         workspace=in_workspace,
+        title="Edit file",
         description=(
             "Replace exact text in a UTF-8 file of the workspace (up to 1 MiB): old must occur exactly once "
             "(NOT_FOUND if it does not, INVALID_REQUEST saying how many times if more) unless replace_all=true. "

@@ -67,7 +67,8 @@ from bastion.snapshot.store import (
     restore_snapshot,
 )
 from bastion.workbench.code import CodeRunner
-from bastion.workbench.network import INSIDE_DIR, SOCKET_NAME, SandboxNetwork
+from bastion.workbench.network import INSIDE_DIR, SOCKET_NAME, SandboxNetwork, proxy_environment
+from bastion.workbench.settings import SandboxSettings, checked_settings
 from bastion.workbench.workspace import OWN_VENV, HostWorkspace
 
 _ID_HEX_BYTES: Final = 6
@@ -105,6 +106,7 @@ class Sandbox:
     code: CodeRunner
     network: SandboxNetwork
     template: str = "default"
+    settings: SandboxSettings = field(default_factory=SandboxSettings)
     created_wall: float = field(default_factory=time.time)
     created: float = field(default_factory=time.monotonic)
     last_used: float = field(default_factory=time.monotonic)
@@ -119,6 +121,7 @@ class Sandbox:
             "age_s": round(now - self.created, 3),
             "idle_s": round(now - self.last_used, 3),
             "network": self.network.summary(),
+            "labels": dict(self.settings.labels),
         }
 
 
@@ -232,14 +235,20 @@ class SandboxManager:
         limits: Mapping[str, object] | None = None,
         template: str | None = None,
         network_allow: Sequence[str] | None = None,
+        env: Mapping[str, str] | None = None,
+        labels: Mapping[str, str] | None = None,
     ) -> Sandbox:
         """Make a sandbox with a fresh, empty workspace and start it.
 
+        `env` reaches every command, background process and code context of the sandbox; `labels`
+        only describe it (see `bastion.workbench.settings`).
+
         Raises:
-            PolicyDenied: sandboxes are disabled, or a limit is above the ceiling.
+            PolicyDenied: sandboxes are disabled, a limit is above the ceiling, or env for a template
+                with a command policy.
             ResourceLimit: the maximum number of sandboxes is reached.
             NotFound: no such template.
-            InvalidRequest: a malformed network rule.
+            InvalidRequest: a malformed network rule, env name or label.
         """
         if not self._config.enabled:
             raise PolicyDenied("sandboxes are disabled on this server: use a configured workspace")
@@ -248,6 +257,11 @@ class SandboxManager:
         if name is not None and (len(name) > _MAX_NAME_CHARS or not name.isprintable()):
             raise InvalidRequest(f"name must be printable and at most {_MAX_NAME_CHARS} characters")
         chosen = self._template(template)
+        if env and chosen.policy is not None:
+            # Without a shell the agent cannot set variables; PAGER, LESSOPEN and the like would run programs
+            # past the template's command policy.
+            raise PolicyDenied(f"template {chosen.name!r} restricts commands, so it takes no env: leave env out")
+        settings = checked_settings(env, labels, taken={*self._config.env, *chosen.env, *proxy_environment()})
         narrowed = narrow_limits(
             self._config.limits,
             {**(chosen.limits.model_dump(exclude_none=True) if chosen.limits else {}), **(limits or {})},
@@ -260,7 +274,7 @@ class SandboxManager:
         files_owner = _owner(prepared.identity)
         network = SandboxNetwork(prepared.id, self._socket_dir(prepared.id), self._egress, rules, files_owner)
         try:
-            config = self._workspace_config(prepared.id, prepared.root, narrowed, chosen)
+            config = self._workspace_config(prepared.id, prepared.root, narrowed, chosen, settings)
             via_sh = chosen.policy is None
             workspace = HostWorkspace(
                 config,
@@ -291,6 +305,7 @@ class SandboxManager:
             code=code,
             network=network,
             template=chosen.name,
+            settings=settings,
         )
         self._boxes[box.id] = box
         self.refill_pool()
@@ -361,12 +376,13 @@ class SandboxManager:
             self._identities.release(identity)
 
     def _template(self, name: str | None) -> TemplateConfig:
-        if name is None:
+        # The default is asked for by its name too ("default" when no template has it): list_templates names it.
+        if name is None or name == self._default_template.name:
             return self._default_template
         found = self._templates.get(name)
         if found is None:
-            known = ", ".join(sorted(self._templates)) or "none are configured"
-            raise NotFound(f"no sandbox template {name!r}: use one of {known}")
+            known = ", ".join(sorted({*self._templates, self._default_template.name}))
+            raise NotFound(f"no sandbox template {name!r}: use one of {known} (list_templates)")
         return found
 
     async def _prepare(self, binds: tuple[tuple[str, str], ...] = (), disk_bytes: int | None = None) -> _Prepared:
@@ -458,13 +474,19 @@ class SandboxManager:
             logger.warning("warm pool not refilled: %s", exc.reason)
 
     def _workspace_config(
-        self, sandbox_id: str, root: Path, limits: SandboxLimitsConfig, template: TemplateConfig
+        self,
+        sandbox_id: str,
+        root: Path,
+        limits: SandboxLimitsConfig,
+        template: TemplateConfig,
+        settings: SandboxSettings,
     ) -> WorkspaceConfig:
         return WorkspaceConfig(
             id=sandbox_id.replace(SANDBOX_ID_PREFIX, "s", 1),
             path=root / "workspace",
             policy=template.policy or _SHELL_POLICY,
-            env={**self._config.env, **template.env},
+            # The agent's names never overlap the administrator's (`checked_settings`).
+            env={**settings.env, **self._config.env, **template.env},
             timeout_s=limits.timeout_s,
             max_output_bytes=limits.max_output_bytes,
             limits=LimitsConfig(memory_bytes=limits.memory_bytes, pids=limits.pids, cpu_cores=limits.cpu_cores),
@@ -477,6 +499,7 @@ class SandboxManager:
         detail = box.summary()
         detail["created"] = round(box.created_wall, 3)
         detail["limits"] = box.limits.model_dump()
+        detail["env"] = dict(box.settings.env)  # the agent's own, not secret; the administrator's stay unseen
         detail["usage"] = {
             "memory_bytes": usage.memory_bytes if usage else 0,
             "pids": usage.pids if usage else 0,
