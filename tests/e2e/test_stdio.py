@@ -24,6 +24,8 @@ TOOLS = {
     "write_file",
     "upload_file",
     "list_directory",
+    "search_files",
+    "edit_file",
     "list_templates",
     "create_sandbox",
     "list_sandboxes",
