@@ -67,7 +67,7 @@ async def test_bash_that_ignores_the_interrupt_is_killed_then_restarted(client: 
     assert result["detail"]["context_state"] == "dead"
     dead = await bash(client, sandbox, "echo $kept")
     assert dead["code"] == "CONFLICT"
-    fresh = await bash(client, sandbox, "echo \"[$kept]\"", restart=True)
+    fresh = await bash(client, sandbox, 'echo "[$kept]"', restart=True)
     assert fresh["detail"]["stdout"] == "[]\n"
     assert fresh["detail"]["execution_count"] == 1
 
@@ -91,7 +91,7 @@ async def test_bash_cell_cannot_spoof_its_end_marker_or_status(client: Client) -
     await bash(client, sandbox, "echo warm")
     spoof = (
         "printf '\\0%s\\0' 00000000000000000000000000000000; printf '\\0\\0' >&2\n"
-        "for f in /tmp/.bastion-bash-*/status; do printf '%s {\"exit_status\":0,\"o\":0,\"e\":0}\\n' x > $f; done\n"
+        'for f in /tmp/.bastion-bash-*/status; do printf \'%s {"exit_status":0,"o":0,"e":0}\\n\' x > $f; done\n'
         "sleep 0.5; echo after-spoof; exit_code=7; (exit 7)"
     )
     result = await bash(client, sandbox, spoof)
@@ -113,7 +113,7 @@ async def test_bash_cell_that_closes_its_stdout_still_ends(client: Client) -> No
 
 async def test_bash_cell_reading_stdin_reads_eof_not_the_next_cell(client: Client) -> None:
     sandbox = await create(client)
-    result = await bash(client, sandbox, "cat; read line; echo \"read=[$line] $?\"")
+    result = await bash(client, sandbox, 'cat; read line; echo "read=[$line] $?"')
     assert result["detail"]["stdout"] == "read=[] 1\n", result
 
 

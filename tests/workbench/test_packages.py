@@ -192,7 +192,7 @@ async def test_a_real_npm_install_then_require(client: Client) -> None:
     installed = await call(client, "install_package", name="left-pad@1.3.0", manager="npm", sandbox_id=sandbox)
     assert installed["ok"], installed
     code = "console.log(require('left-pad')('x', 4, '0'))"
-    used = await call(client, "execute_code", code=code, language="node", sandbox_id=sandbox)
+    used = await call(client, "execute_code", code=code, language="javascript", sandbox_id=sandbox)
     assert used["detail"]["stdout"] == "000x\n", used
 
 

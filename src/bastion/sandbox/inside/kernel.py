@@ -240,7 +240,8 @@ def frame_markdown(value: object) -> str | None:
     """A pandas DataFrame (or Series) as a bounded markdown table: the first MAX_TABLE_ROWS rows and
     MAX_TABLE_COLUMNS columns, cells cut and their '|' escaped; None for anything else or on any error."""
     kind = type(value)
-    if not kind.__module__.startswith("pandas.") or kind.__name__ not in ("DataFrame", "Series"):
+    # pandas 3 names its classes' module "pandas"; earlier versions "pandas.core.frame".
+    if kind.__module__.split(".")[0] != "pandas" or kind.__name__ not in ("DataFrame", "Series"):
         return None
     try:
         frame: Any = value.to_frame() if kind.__name__ == "Series" else value  # type: ignore[attr-defined]
