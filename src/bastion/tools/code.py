@@ -21,6 +21,7 @@ from bastion.tools.workbench import command_result
 from bastion.workbench.code import CellResult, Language
 from bastion.workbench.manager import SandboxManager
 from bastion.workbench.packages import install
+from bastion.workbench.progress import LineProgress
 from bastion.workbench.registry import WorkspaceRegistry
 
 SandboxIdArg = Annotated[str, Field(description="The sandbox id from create_sandbox.")]
@@ -160,16 +161,24 @@ def register_code(
             "'requests' or 'requests[socks]>=2.31' goes into /workspace/.venv (on PATH; execute_code sees it); "
             "npm: a name such as 'lodash@^4' goes into /workspace/node_modules (install scripts do not run). "
             "Only the package registry is reachable during the install. Options, URLs, paths and VCS links are "
-            "refused."
+            "refused. Sends progress notifications (each step, then the installer's newest output line, redacted) "
+            "while it runs."
         ),
     )
     async def install_package(
         name: Annotated[str, Field(description="The requirement: a package name, optional extras and version.")],
         sandbox_id: InSandbox,
+        ctx: Context,
         manager: Annotated[Literal["pip", "npm"], Field(description="Default: pip.")] = "pip",
     ) -> OperationResult:
         sandbox_only(sandbox_id, "install_package")
-        requirement, out = await install(sandboxes.get(sandbox_id), name, manager, config)
+        box = sandboxes.get(sandbox_id)
+
+        async def send(count: float, message: str) -> None:
+            await ctx.report_progress(count, None, message)  # a no-op for a client that sent no progressToken
+
+        async with LineProgress(box.workspace.redactor, send).running() as progress:
+            requirement, out = await install(box, name, manager, config, progress)
         result = command_result(out, {"requirement": requirement, "manager": manager})
         if result.ok and out.exit_status != 0:
             reason = f"{manager} could not install {requirement!r} (exit {out.exit_status}): see detail.stderr"
