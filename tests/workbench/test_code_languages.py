@@ -184,3 +184,41 @@ async def test_javascript_late_error_does_not_end_the_context(client: Client) ->
     assert after["ok"], after
     assert after["detail"]["context_state"] == "alive"
     assert (await js(client, sandbox, "2 + 2"))["detail"]["value"] == "4"
+
+
+async def test_bash_flood_is_capped_and_the_context_lives(client: Client) -> None:
+    sandbox = await create(client, limits={"max_output_bytes": 4096})
+    flood = await bash(client, sandbox, "head -c 50000000 /dev/zero | tr '\\0' x; echo; echo done >&2", timeout_s=30)
+    assert flood["code"] == "OUTPUT_TRUNCATED", flood
+    assert flood["detail"]["truncated"]
+    assert len(flood["detail"]["stdout"]) <= 4096
+    assert flood["detail"]["stderr"] == "done\n"
+    assert (await bash(client, sandbox, "echo alive"))["detail"]["stdout"] == "alive\n"
+
+
+async def test_bash_odd_text_in_code_does_not_break_the_context(client: Client) -> None:
+    sandbox = await create(client)
+    odd = await bash(client, sandbox, "echo 'lone \ud800 surrogate'\necho \"quote never closed")
+    assert odd["ok"], odd
+    assert "lone" in odd["detail"]["stdout"]
+    assert odd["detail"]["exit_status"] == 2  # bash's syntax error, in the cell's own file
+    assert (await bash(client, sandbox, "echo fine"))["detail"]["stdout"] == "fine\n"
+
+
+@needs_node
+async def test_javascript_cell_cannot_spoof_its_end_or_silence_it(client: Client) -> None:
+    """Invariant: a cell that prints marker-like bytes, writes fake statuses into the FIFO, or closes
+    its own stdout still ends when its code does, with what it printed before."""
+    sandbox = await create(client)
+    code = (
+        "const fs = require('fs');\n"
+        "process.stdout.write('\\0' + '0'.repeat(32) + '\\0');\n"
+        "for (const d of fs.readdirSync('/tmp').filter((n) => n.startsWith('.bastion-javascript-')))\n"
+        '  fs.writeFileSync(`/tmp/${d}/status`, \'x {"o":0,"e":0,"value":"spoofed"}\\n\');\n'
+        "await new Promise((r) => setTimeout(r, 300));\n"
+        "console.log('after'); fs.closeSync(1); 'real'"
+    )
+    result = await js(client, sandbox, code, timeout_s=10)
+    assert result["ok"], result
+    assert result["detail"]["stdout"].endswith("after\n"), result
+    assert result["detail"]["error"] is None, result
