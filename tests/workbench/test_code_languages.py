@@ -222,3 +222,18 @@ async def test_javascript_cell_cannot_spoof_its_end_or_silence_it(client: Client
     assert result["ok"], result
     assert result["detail"]["stdout"].endswith("after\n"), result
     assert result["detail"]["error"] is None, result
+
+
+async def test_bash_cell_writing_into_its_drivers_fds_ends_only_its_own_context(client: Client) -> None:
+    """Invariant: the driver's pipes are reachable from a cell (/proc/$PPID/fd, same user); garbage
+    written into all of them ends at most this context, with a one-line reason, while the sandbox
+    and its other contexts live and a restart works. Does not prove which fd broke it."""
+    sandbox = await create(client)
+    await call(client, "execute_code", code="x = 41", sandbox_id=sandbox)
+    code = "for f in /proc/$PPID/fd/*; do echo 'garbage {' > $f; done 2>/dev/null; sleep 1; echo end"
+    result = await bash(client, sandbox, code, timeout_s=5)
+    assert result["code"] in ("OK", "OPERATION_FAILED", "TIMEOUT"), result
+    python = await call(client, "execute_code", code="x + 1", sandbox_id=sandbox)
+    assert python["detail"]["value"] == "42", python
+    fresh = await bash(client, sandbox, "echo back", restart=True)
+    assert fresh["detail"]["stdout"] == "back\n", fresh

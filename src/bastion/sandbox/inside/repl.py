@@ -208,6 +208,7 @@ class Bash:
         self.folder, self.fifo = folder, fifo
         self.argv = [runtime, "--noprofile", "--norc", "--noediting", "-i", "+m"]
         os.environ.update({"PS1": "", "PS2": "", "PS0": "", "PROMPT_COMMAND": "", "HISTFILE": ""})
+        self.setup = "set +o history"  # interactive bash would keep every line it read
         self.input = -1
 
     def send(self, code: str, token: str) -> None:
@@ -233,6 +234,7 @@ class Node:
         with open(script, "w", encoding="utf-8") as file:
             file.write(RUNNER_JS)
         self.argv = [runtime, script, fifo]
+        self.setup = ""
         self.input = -1
 
     def send(self, code: str, token: str) -> None:
@@ -288,11 +290,16 @@ def read_requests(fd: int, inbox: queue.Queue[dict[str, Any]]) -> None:
         buffer += chunk
         while b"\n" in buffer:
             line, buffer = buffer.split(b"\n", 1)
-            request = json.loads(line)
+            try:
+                request = json.loads(line)
+            except ValueError:
+                continue  # not the host's (a cell can reach this pipe through /proc): nothing to do
+            if not isinstance(request, dict):
+                continue
             if request.get("op") == "interrupt":
                 if _cell["id"] is not None:
                     os.killpg(_cell["pgid"], signal.SIGINT)
-            else:
+            elif type(request.get("id")) is int and isinstance(request.get("code"), str):
                 inbox.put(request)
 
 
@@ -319,14 +326,17 @@ def main() -> None:
         thread.start()
     threading.Thread(target=read_statuses, args=(fifo,), daemon=True).start()
     threading.Thread(target=reap, args=(pid, language, pumps), daemon=True).start()
-    run_cell(runtime, None, "")  # past the runtime's start (bash says it has no job control)
+    run_cell(runtime, None, runtime.setup)  # past the runtime's start (bash says it has no job control)
     inbox: queue.Queue[dict[str, Any]] = queue.Queue()
     threading.Thread(target=read_requests, args=(requests, inbox), daemon=True).start()
     emit({"event": "ready", "language": language})
     while True:
         request = inbox.get()
-        cell_id = int(request["id"])
-        status = run_cell(runtime, cell_id, str(request["code"]))
+        cell_id = request["id"]
+        try:
+            status = run_cell(runtime, cell_id, request["code"])
+        except OSError as exc:  # e.g. /tmp is full: the cell's file cannot be written
+            status = {"error": {"type": "OSError", "message": f"the cell could not be handed over: {exc}"}}
         _cell["id"] = None
         report(cell_id, status)
 
