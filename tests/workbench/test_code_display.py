@@ -159,3 +159,24 @@ async def test_a_dataframe_comes_back_as_a_bounded_markdown_table(client: Client
     assert len(lines) == 2 + 50 + 2
     assert lines[-1] == "(1000 rows x 30 columns; the first 50 x 20 shown)"
     assert lines[0].count("|") == 22
+
+
+async def test_a_repr_returning_a_hostile_str_subclass_is_copied_not_trusted(client: Client) -> None:
+    """Invariant: what a repr returns is copied as plain text while the cell runs; the subclass's own
+    len, slicing and encode (the agent's code) never run after it, where no timeout could stop them."""
+    sandbox = await create(client)
+    code = (
+        "class Evil(str):\n"
+        "    def __len__(self): raise RuntimeError('len')\n"
+        "    def __getitem__(self, key): raise RuntimeError('getitem')\n"
+        "    def encode(self, *args, **kwargs):\n        while True: pass\n"
+        "class Obj:\n"
+        "    def __repr__(self): return Evil('Obj()')\n"
+        "    def _repr_html_(self): return Evil('<i>obj</i>')\n"
+        "Obj()"
+    )
+    result = await call(client, "execute_code", code=code, sandbox_id=sandbox, timeout_s=10)
+    assert result["ok"], result
+    assert result["detail"]["value"] == "Obj()"
+    assert result["detail"]["html"] == "<i>obj</i>"
+    assert result["detail"]["context_state"] == "alive"

@@ -183,7 +183,9 @@ def run_cell(cell_id: int, code: str, namespace: dict[str, Any]) -> dict[str, st
         return None
     namespace["_"] = value
     text = repr(value)
-    forms: dict[str, str | bytes] = {"text/plain": cut(text, MAX_VALUE_CHARS)}
+    if not isinstance(text, str):
+        raise TypeError(f"__repr__ returned {kind_name(text)}, not str")
+    forms: dict[str, str | bytes] = {"text/plain": cut(str.__getitem__(text, slice(None)), MAX_VALUE_CHARS)}
     forms.update(shown(value))
     return forms
 
@@ -231,9 +233,12 @@ def call_repr(value: object, method: str, kind: type) -> str | bytes | None:
         # Only the exception's type: its message is the agent's object too, and may raise or flood.
         print(f"{method} of {kind_name(value)} raised {kind_name(exc)}: shown as text only", file=sys.stderr)
         return None
-    if isinstance(data, tuple) and data:
+    if type(data) is tuple and data:
         data = data[0]  # IPython allows (data, metadata)
-    return data if isinstance(data, (str, bytes)) and isinstance(data, kind) else None
+    if not isinstance(data, (str, bytes)) or not isinstance(data, kind):
+        return None
+    # An exact copy: a subclass's own len, slicing or encode would be the agent's code running after the cell.
+    return str.__getitem__(data, slice(None)) if isinstance(data, str) else bytes.__getitem__(data, slice(None))
 
 
 def frame_markdown(value: object) -> str | None:
