@@ -98,7 +98,8 @@ def register_code(
         description=(
             "Run code in a sandbox, in a persistent context (like a notebook kernel) of one of three languages: "
             "python (default), javascript (node) or bash. State stays between calls to the same context: Python "
-            "variables, imports and open files; JavaScript globals (let/const too) and require()d modules; bash "
+            "variables, imports and open files; JavaScript globals (let/const too) and require()d modules (top-level "
+            "await works; that cell's declarations stay local); bash "
             "variables, functions and the working folder. The value of a last expression comes back in "
             "detail.value (Python: its repr; a pandas DataFrame also as a markdown table in detail.markdown, and "
             "anything with _repr_markdown_/_repr_html_ in detail.markdown/detail.html; _repr_svg_/_repr_png_ and "

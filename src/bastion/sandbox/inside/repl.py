@@ -22,6 +22,7 @@ Nothing here is trusted by the host: it reads every message as it reads the Pyth
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -209,10 +210,11 @@ class Bash:
         self.argv = [runtime, "--noprofile", "--norc", "--noediting", "-i", "+m"]
         os.environ.update({"PS1": "", "PS2": "", "PS0": "", "PROMPT_COMMAND": "", "HISTFILE": ""})
         self.setup = "set +o history"  # interactive bash would keep every line it read
+        self.cell_file = os.path.join(folder, "cell.sh")
         self.input = -1
 
     def send(self, code: str, token: str) -> None:
-        cell = os.path.join(self.folder, "cell.sh")
+        cell = self.cell_file
         with open(cell, "w", encoding="utf-8", errors="replace") as file:
             file.write(code)
         # The epilogue's own line: SIGINT abandons the cell's line, not this one. Its variables are
@@ -235,6 +237,7 @@ class Node:
             file.write(RUNNER_JS)
         self.argv = [runtime, script, fifo]
         self.setup = ""
+        self.cell_file = ""
         self.input = -1
 
     def send(self, code: str, token: str) -> None:
@@ -262,6 +265,9 @@ def run_cell(runtime: Bash | Node, cell_id: int | None, code: str) -> dict[str, 
     for flag, name in (("o", "stdout"), ("e", "stderr")):
         if status.get(flag) == 1:
             _drained[name].wait(DRAIN_WAIT_S)
+    if runtime.cell_file:
+        with contextlib.suppress(OSError):
+            os.unlink(runtime.cell_file)  # sourced by now; a big cell does not sit in /tmp (the sandbox's memory)
     return status
 
 
