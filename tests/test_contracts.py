@@ -44,6 +44,7 @@ DANGEROUS: dict[str, dict[str, str]] = {
 # Files ruff allows a banned call in, not a banned import.
 BANNED_CALLS: dict[str, str] = {
     "bastion/sandbox/inside/agent.py": "runs inside the sandbox: forks and spawns the commands",
+    "bastion/sandbox/inside/repl.py": "runs inside the sandbox: spawns the bash or node of a context",
     "bastion/sandbox/_devices.py": "shutil.rmtree on its own tmpfs",
     "bastion/workbench/manager.py": "shutil.rmtree of a sandbox's state folder",
 }

@@ -1,6 +1,7 @@
 """execute_code through the real MCP client, in real sandboxes: persistent Python contexts,
-interrupt and kill on timeout, restart, named contexts, figures as PNG images, one-shot
-bash and node, memory limits, and a kernel that breaks the protocol."""
+interrupt and kill on timeout, restart, named contexts, figures as PNG images, bash and
+JavaScript contexts beside Python's (test_code_languages.py has theirs), memory limits, and a
+kernel that breaks the protocol."""
 
 from __future__ import annotations
 
@@ -178,20 +179,24 @@ async def test_the_template_packages_are_importable(client: Client) -> None:
     assert not list(DATA_ENV.glob("lib/python3*/site-packages/numpy/x.py"))
 
 
-async def test_bash_and_node_run_once(client: Client) -> None:
+async def test_bash_and_javascript_run_in_their_own_contexts(client: Client) -> None:
     sandbox = await create(client)
     bash = await run(client, sandbox, "x=6; echo $((x * 7)) > out.txt; cat out.txt", language="bash")
     assert bash["ok"]
     assert bash["detail"]["stdout"] == "42\n"
     assert bash["detail"]["exit_status"] == 0
-    node = await run(client, sandbox, "console.log(6 * 7)", language="node")
+    node = await run(client, sandbox, "console.log(6 * 7)", language="javascript")
     if node["code"] == "NOT_FOUND":
+        assert "languages available here: python, bash" in node["reason"]
         pytest.skip("node is not installed on this machine")
     assert node["ok"]
     assert node["detail"]["stdout"] == "42\n"
-    failing = await run(client, sandbox, "exit 3", language="bash")
+    python = await run(client, sandbox, "x = 1\nx")  # the same context name, another language: its own context
+    assert python["detail"]["value"] == "1"
+    failing = await run(client, sandbox, "(exit 3)", language="bash")
     assert failing["ok"]
     assert failing["detail"]["exit_status"] == 3
+    assert (await run(client, sandbox, "echo $x", language="bash"))["detail"]["stdout"] == "6\n"
 
 
 async def test_host_workspaces_run_no_code(client: Client) -> None:

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from mcp import Client
+from mcp_types import ProgressNotification
 
 from bastion.app import build_server, build_services
 from bastion.config import load_config
@@ -192,7 +193,7 @@ async def test_a_real_npm_install_then_require(client: Client) -> None:
     installed = await call(client, "install_package", name="left-pad@1.3.0", manager="npm", sandbox_id=sandbox)
     assert installed["ok"], installed
     code = "console.log(require('left-pad')('x', 4, '0'))"
-    used = await call(client, "execute_code", code=code, language="node", sandbox_id=sandbox)
+    used = await call(client, "execute_code", code=code, language="javascript", sandbox_id=sandbox)
     assert used["detail"]["stdout"] == "000x\n", used
 
 
@@ -294,3 +295,69 @@ async def test_install_package_venv_symlink_is_no_host_oracle(client: Client, tm
     assert not missing.exists()
     alive = await sh(client, sandbox, "rm -rf .venv && echo ok")
     assert alive["detail"]["stdout"] == "ok\n"
+
+
+# An index the egress proxy refuses (no such registry rule): pip fails without the network, after
+# a few lines of output, and prints the index URL, whose path carries something shaped like a key.
+FAKE_KEY = "AKIA" + "QWERTYUIOPASDFGH"
+REFUSED_INDEX = f"https://registry.test/{FAKE_KEY}/simple"
+
+
+def refused_index_config(demo_config_path: Path) -> Path:
+    text = demo_config_path.read_text()
+    demo_config_path.write_text(
+        text.replace("[sandboxes.limits]", f'pip_index_url = "{REFUSED_INDEX}"\n\n[sandboxes.limits]')
+    )
+    return demo_config_path
+
+
+@pytest.mark.anyio
+@pytest.mark.bwrap
+async def test_install_sends_progress_steps_and_redacted_output_lines(demo_config_path: Path) -> None:
+    """Invariant: a client that passes a progress callback hears each step and the installer's output
+    as it runs, with increasing counts, each message one cleaned, redacted line. No network: the
+    index is refused by the proxy. Does not prove the rate limit (see test_progress.py)."""
+    services = build_services(load_config(refused_index_config(demo_config_path)))
+    progress: list[tuple[float, str]] = []
+
+    async def on_progress(count: float, total: float | None, message: str | None) -> None:
+        progress.append((count, message or ""))
+
+    try:
+        async with Client(build_server(services, caller="test")) as client:
+            sandbox = await create(client)
+            raw = await client.call_tool(
+                "install_package", {"name": "tomli-w", "sandbox_id": sandbox}, progress_callback=on_progress
+            )
+    finally:
+        services.close()
+    assert raw.structured_content is not None
+    assert raw.structured_content["code"] == "OPERATION_FAILED", raw.structured_content
+    messages = [message for _, message in progress]
+    assert messages[0] == "making the sandbox's own venv (/workspace/.venv)", messages
+    assert "pip install tomli-w" in messages
+    assert any("registry.test" in message for message in messages[2:]), messages
+    assert FAKE_KEY not in str(progress)
+    counts = [count for count, _ in progress]
+    assert counts == sorted(set(counts)), "progress counts must increase"
+    assert all(len(message) <= 300 and "\n" not in message for message in messages)
+
+
+@pytest.mark.anyio
+@pytest.mark.bwrap
+async def test_install_sends_no_progress_to_a_client_that_asked_for_none(demo_config_path: Path) -> None:
+    services = build_services(load_config(refused_index_config(demo_config_path)))
+    notifications: list[object] = []
+
+    async def on_message(message: object) -> None:
+        if isinstance(message, ProgressNotification):
+            notifications.append(message)
+
+    try:
+        async with Client(build_server(services, caller="test"), message_handler=on_message) as client:
+            sandbox = await create(client)
+            result = await call(client, "install_package", name="tomli-w", sandbox_id=sandbox)
+    finally:
+        services.close()
+    assert result["code"] == "OPERATION_FAILED", result
+    assert notifications == []

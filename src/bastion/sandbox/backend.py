@@ -35,7 +35,7 @@ from typing import Protocol
 
 from bastion.sandbox._spawn import SandboxSpec
 from bastion.sandbox.cgroups import Limits, Usage
-from bastion.sandbox.processes import RingCapture
+from bastion.sandbox.processes import OutputSink, RingCapture
 
 
 @dataclass(frozen=True)
@@ -170,10 +170,12 @@ class Sandbox(Protocol):
         env: Mapping[str, str],
         timeout_s: float,
         max_output_bytes: int,
+        on_output: tuple[OutputSink, OutputSink] | None = None,
     ) -> RunOutcome:
         """Run one command to completion with exactly `env`, starting the sandbox if needed.
 
-        Each stream keeps its first `max_output_bytes` and counts the rest. After
+        Each stream keeps its first `max_output_bytes` and counts the rest; `on_output` (stdout's
+        sink, stderr's) sees every chunk as it is read. After
         `timeout_s` the command and everything it started are killed and the outcome
         says `timed_out` (a timeout is an outcome, not an error); a cancelled call kills
         them too. A program or cwd that does not exist is the command's failure: status

@@ -13,7 +13,7 @@ import asyncio
 import collections
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Final
 
 from bastion.safety.errors import Conflict
@@ -21,14 +21,19 @@ from bastion.safety.errors import Conflict
 READ_CHUNK_BYTES: Final = 65_536
 
 
+OutputSink = Callable[[bytes], None]
+"""Sees each chunk a pipe gives as it is read (a progress reporter), before any cap."""
+
+
 class PipeCapture:
     """Reads one pipe to EOF, keeping at most `cap` bytes and counting the rest."""
 
-    def __init__(self, fd: int, cap: int) -> None:
+    def __init__(self, fd: int, cap: int, on_chunk: OutputSink | None = None) -> None:
         # Held, so close() works from outside the loop too (e.g. at server shutdown).
         self._loop = asyncio.get_running_loop()
         self.fd = fd
         self.cap = cap
+        self._on_chunk = on_chunk
         self.data = bytearray()
         self.total = 0
         self.closed = False
@@ -48,6 +53,8 @@ class PipeCapture:
             return
         self.total += len(chunk)
         self._keep(chunk)
+        if self._on_chunk is not None:
+            self._on_chunk(chunk)
 
     def _keep(self, chunk: bytes) -> None:
         room = self.cap - len(self.data)

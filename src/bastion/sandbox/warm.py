@@ -32,7 +32,7 @@ from bastion.sandbox._spawn import SandboxProcess, SandboxSpec, start_sandbox
 from bastion.sandbox.backend import Backend, Process, Sandbox
 from bastion.sandbox.backend import RunOutcome as RunOutcome
 from bastion.sandbox.cgroups import CgroupLayout, Limits, SandboxCgroup, Usage
-from bastion.sandbox.processes import BackgroundProcess, PipeCapture, RingCapture
+from bastion.sandbox.processes import BackgroundProcess, OutputSink, PipeCapture, RingCapture
 
 logger = logging.getLogger("bastion.sandbox")
 
@@ -366,6 +366,7 @@ class WarmSandbox:
         env: Mapping[str, str],
         timeout_s: float,
         max_output_bytes: int,
+        on_output: tuple[OutputSink, OutputSink] | None = None,
     ) -> RunOutcome:
         """Run one command to completion; on timeout or cancellation its whole tree is killed."""
         if self._paused:
@@ -386,7 +387,8 @@ class WarmSandbox:
         finally:
             os.close(out_w)
             os.close(err_w)
-        out, err = PipeCapture(out_r, max_output_bytes), PipeCapture(err_r, max_output_bytes)
+        sinks = on_output or (None, None)
+        out, err = PipeCapture(out_r, max_output_bytes, sinks[0]), PipeCapture(err_r, max_output_bytes, sinks[1])
         timed_out = cancelled = False
         status: int | None = None
         try:

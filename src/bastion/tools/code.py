@@ -19,9 +19,10 @@ from bastion.tools._call import UNNAMED, Outcome
 from bastion.tools.audited import Audit, audited_tool, workspace_of
 from bastion.tools.server import BastionServer
 from bastion.tools.workbench import command_result
-from bastion.workbench.code import CellResult
+from bastion.workbench.code import CellResult, Language
 from bastion.workbench.manager import SandboxManager
 from bastion.workbench.packages import install
+from bastion.workbench.progress import LineProgress
 from bastion.workbench.registry import WorkspaceRegistry
 
 SandboxIdArg = Annotated[str, Field(description="The sandbox id from create_sandbox.")]
@@ -35,21 +36,24 @@ _INSTALLS = ToolAnnotations(read_only_hint=False, destructive_hint=False, idempo
 
 
 def cell_result(result: CellResult, extra: dict[str, object]) -> OperationResult:
-    """A Python execution as a result: the agent's own exception is data (ok=true, detail.error)."""
+    """An execution as a result: the agent's own exception is data (ok=true, detail.error)."""
     detail: dict[str, object] = {
         **extra,
         "execution_count": result.execution_count,
         "stdout": result.stdout,
         "stderr": result.stderr,
         "value": result.value,
+        "markdown": result.markdown,
+        "html": result.html,
+        "exit_status": result.exit_status,
         "error": result.error,
         "images": [
             {
                 "index": i,
-                "mime_type": "image/png",
+                "mime_type": image.mime_type,
                 "width": image.width,
                 "height": image.height,
-                "bytes": len(image.png),
+                "bytes": len(image.data),
             }
             for i, image in enumerate(result.images)
         ],
@@ -98,22 +102,30 @@ def register_code(
         workspace=in_sandbox,
         title="Execute code",
         description=(
-            "Run code in a sandbox. Python runs in a persistent context (like a notebook kernel): variables, "
-            "imports and open files stay between calls; the value of a last expression comes back in "
-            "detail.value, an exception with its traceback in detail.error (ok stays true: it is your code's "
-            "error), and matplotlib figures left open come back as PNG images. Several named contexts per "
-            "sandbox; restart=true starts one afresh. bash and node run once, like a command. Python code running "
-            "longer than a second sends progress notifications with the end of its output so far. On timeout "
-            "the code is interrupted (KeyboardInterrupt) and the context lives; if it does not stop, it is killed."
+            "Run code in a sandbox, in a persistent context (like a notebook kernel) of one of three languages: "
+            "python (default), javascript (node) or bash. State stays between calls to the same context: Python "
+            "variables, imports and open files; JavaScript globals (let/const too) and require()d modules (top-level "
+            "await works; that cell's declarations stay local); bash "
+            "variables, functions and the working folder. The value of a last expression comes back in "
+            "detail.value (Python: its repr; a pandas DataFrame also as a markdown table in detail.markdown, and "
+            "anything with _repr_markdown_/_repr_html_ in detail.markdown/detail.html; _repr_svg_/_repr_png_ and "
+            "matplotlib figures left open as images); bash gives the cell's $? in detail.exit_status. An exception "
+            "comes back with its traceback in detail.error (ok stays true: it is your code's error). Named "
+            "contexts per language (context='default'); restart=true starts one afresh. Code running longer than a "
+            "second sends progress notifications with the end of its output so far. On timeout the code is "
+            "interrupted (Python: KeyboardInterrupt; bash and node: SIGINT) and the context lives; if it does not "
+            "stop within 5 s, or exits (exit, process.exit), the context ends: run again with restart=true."
         ),
     )
     async def execute_code(
         code: Annotated[str, Field(description="The code to run.")],
         sandbox_id: InSandbox,
         ctx: Context,
-        language: Annotated[Literal["python", "bash", "node"], Field(description="Default: python.")] = "python",
-        context: Annotated[str, Field(description="Python only: the context's name.")] = "default",
-        restart: Annotated[bool, Field(description="Python only: kill the context first, start a fresh one.")] = False,
+        language: Annotated[
+            Language, Field(description="python, javascript (node) or bash. Default: python.")
+        ] = "python",
+        context: Annotated[str, Field(description="The context's name, per language.")] = "default",
+        restart: Annotated[bool, Field(description="Kill the context first, start a fresh one.")] = False,
         timeout_s: Annotated[float | None, Field(description="Wall-clock limit; capped by the sandbox's.")] = None,
     ) -> OperationResult | Outcome:
         ticks = [0]
@@ -124,12 +136,11 @@ def register_code(
 
         sandbox_only(sandbox_id, "execute_code")
         box = sandboxes.get(sandbox_id)
-        if language != "python":
-            out = await box.code.one_shot(language, code, timeout_s=timeout_s)
-            return command_result(out, {"language": language})
-        result = await box.code.python(code, context=context, restart=restart, timeout_s=timeout_s, progress=progress)
+        result = await box.code.run(
+            code, language=language, context=context, restart=restart, timeout_s=timeout_s, progress=progress
+        )
         images = [
-            ImageContent(type="image", data=base64.b64encode(image.png).decode("ascii"), mime_type="image/png")
+            ImageContent(type="image", data=base64.b64encode(image.data).decode("ascii"), mime_type=image.mime_type)
             for image in result.images
         ]
         return Outcome(cell_result(result, {"language": language, "context": context}), images=images)
@@ -141,7 +152,7 @@ def register_code(
         annotations=_READS,
         workspace=in_sandbox,
         title="List code contexts",
-        description="The Python contexts of a sandbox: name, state (idle, busy, dead), executions, age.",
+        description="The code contexts of a sandbox: name, language, state (idle, busy, dead), executions, age.",
     )
     async def list_code_contexts(sandbox_id: SandboxIdArg) -> dict[str, object]:
         sandbox_only(sandbox_id, "list_code_contexts")
@@ -169,16 +180,24 @@ def _register_install(
             "'requests' or 'requests[socks]>=2.31' goes into /workspace/.venv (on PATH; execute_code sees it); "
             "npm: a name such as 'lodash@^4' goes into /workspace/node_modules (install scripts do not run). "
             "Only the package registry is reachable during the install. Options, URLs, paths and VCS links are "
-            "refused."
+            "refused. Sends progress notifications (each step, then the installer's newest output line, redacted) "
+            "while it runs."
         ),
     )
     async def install_package(
         name: Annotated[str, Field(description="The requirement: a package name, optional extras and version.")],
         sandbox_id: InSandbox,
+        ctx: Context,
         manager: Annotated[Literal["pip", "npm"], Field(description="Default: pip.")] = "pip",
     ) -> OperationResult:
         sandbox_only(sandbox_id, "install_package")
-        requirement, out = await install(sandboxes.get(sandbox_id), name, manager, config)
+        box = sandboxes.get(sandbox_id)
+
+        async def send(count: float, message: str) -> None:
+            await ctx.report_progress(count, None, message)  # a no-op for a client that sent no progressToken
+
+        async with LineProgress(box.workspace.redactor, send).running() as progress:
+            requirement, out = await install(box, name, manager, config, progress)
         result = command_result(out, {"requirement": requirement, "manager": manager})
         if result.ok and out.exit_status != 0:
             reason = f"{manager} could not install {requirement!r} (exit {out.exit_status}): see detail.stderr"

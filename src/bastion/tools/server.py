@@ -132,7 +132,10 @@ class BastionServer(MCPServer[Any]):
             cause = exc.__cause__
             if isinstance(cause, ValidationError):
                 fields = sorted({".".join(str(p) for p in err["loc"]) for err in cause.errors()})
-                error = InvalidRequest(f"invalid arguments: {', '.join(fields)}: check their types and limits")
+                # A closed vocabulary says what it takes (pydantic's message names the choices, not the input).
+                choices = sorted({str(err["msg"]) for err in cause.errors() if err["type"] == "literal_error"})
+                hint = f" ({'; '.join(choices)})" if choices else ""
+                error = InvalidRequest(f"invalid arguments: {', '.join(fields)}{hint}: check their types and limits")
             else:
                 error = InvalidRequest("the tool refused the call")
             return to_call_result(await self.runner.refuse(name, arguments, error))

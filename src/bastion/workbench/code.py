@@ -1,7 +1,9 @@
-"""Code execution in a sandbox: persistent Python contexts, one-shot bash and node.
+"""Code execution in a sandbox: persistent contexts for Python, JavaScript and bash.
 
 A Python context is a kernel (`bastion.sandbox.inside.kernel`) running as a background
-process of the sandbox: variables, imports and open files live in it between calls.
+process of the sandbox: variables, imports and open files live in it between calls. A
+JavaScript or bash context is a driver (`bastion.sandbox.inside.repl`) holding one resident
+`node` or `bash`, speaking the same protocol; everything below applies to all three.
 What the kernel sends is untrusted (it runs the agent's code, which can write to the
 protocol fd): only small headers are parsed (at most MAX_HEADER_BYTES, nothing else is
 JSON), payloads are bounded per kind and handled as they arrive, output past the cap is
@@ -24,7 +26,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 from bastion.safety.errors import Conflict, InvalidRequest, NotFound, ResourceLimit, Unavailable
 from bastion.safety.output import OutputCleaner
@@ -32,14 +34,19 @@ from bastion.safety.redact import Redactor
 from bastion.sandbox import SANDBOX_PATH, SANDBOX_WORKSPACE
 from bastion.sandbox.backend import Process
 from bastion.sandbox.processes import RingCapture
-from bastion.workbench.workspace import OWN_VENV, SYSTEM_PYTHON, CommandOutput, HostWorkspace
+from bastion.workbench.workspace import OWN_VENV, SYSTEM_PYTHON, HostWorkspace
 
 logger = logging.getLogger("bastion.code")
 
-KERNEL_SOURCE: Final = (Path(__file__).parents[1] / "sandbox" / "inside" / "kernel.py").read_text(encoding="utf-8")
+_INSIDE: Final = Path(__file__).parents[1] / "sandbox" / "inside"
+KERNEL_SOURCE: Final = (_INSIDE / "kernel.py").read_text(encoding="utf-8")
+REPL_SOURCE: Final = (_INSIDE / "repl.py").read_text(encoding="utf-8")
+Language = Literal["python", "javascript", "bash"]
+LANGUAGES: Final[tuple[Language, ...]] = ("python", "javascript", "bash")
+RUNTIMES: Final = {"javascript": "node", "bash": "bash"}
+"""The program each language other than Python needs on the sandbox's PATH (the host's /usr)."""
 MAX_CONTEXTS: Final = 8
 MAX_CODE_BYTES: Final = 1 << 20
-MAX_ARGV_CODE_BYTES: Final = 100_000  # bash -c / node -e: one argument, under the kernel's 128 KiB
 # A header is a small JSON object; bulk data (output, images, values) travels as raw payload after it.
 # Parsing 4 KiB of the worst JSON (nested lists, many numbers) takes well under a millisecond.
 MAX_HEADER_BYTES: Final = 4096
@@ -52,9 +59,14 @@ PAYLOAD_CAPS: Final = {
     "stream": 1 << 20,  # the kernel sends what one read of a pipe gave (64 KiB)
     "image": MAX_IMAGE_BYTES,
     "value": MAX_TEXT_PAYLOAD_BYTES,
+    "display": MAX_TEXT_PAYLOAD_BYTES,
     "error": MAX_TEXT_PAYLOAD_BYTES,
 }
 _ERROR_FIELDS: Final = ("type", "message", "traceback")
+DISPLAY_TYPES: Final = ("text/markdown", "text/html")
+"""Rich forms of a value returned as text (HTML is never rendered by bastion)."""
+PNG: Final = "image/png"
+SVG: Final = "image/svg+xml"
 _EVENTS: Final = frozenset({"ready", "done", *PAYLOAD_CAPS})
 _CLEAN_SLACK_BYTES: Final = 256  # an escape sequence or a character split at the cut
 # Stream payloads are cleaned in batches of this much: the stream redactor rescans what it holds
@@ -74,14 +86,14 @@ GRACE_S: Final = 5.0
 PROGRESS_EVERY_S: Final = 1.0
 PROGRESS_TAIL_CHARS: Final = 2000
 _CONTEXT_NAME_MAX: Final = 32
-INTERPRETERS: Final = {"bash": ("bash", "-c"), "node": ("node", "-e")}
 
 Progress = Callable[[str], Awaitable[None]]
 
 
 @dataclass
 class Image:
-    png: bytes
+    data: bytes
+    mime_type: str
     width: int
     height: int
 
@@ -93,6 +105,7 @@ class CellResult:
     stdout: str
     stderr: str
     value: str | None
+    """The repr of a last expression (Python) or its inspection (JavaScript)."""
     error: dict[str, str] | None
     images: list[Image]
     truncated: bool
@@ -104,6 +117,12 @@ class CellResult:
     """On an OOM kill: how much of the memory files in /tmp and /dev/shm held."""
     protocol_error: str = ""
     """How the kernel broke the protocol, if it did (it was killed)."""
+    markdown: str | None = None
+    """The value as markdown: a DataFrame's table, or its `_repr_markdown_`."""
+    html: str | None = None
+    """The value's `_repr_html_`, as text."""
+    exit_status: int | None = None
+    """bash: the cell's $?."""
 
 
 PayloadSink = Callable[[bytes | None], None]
@@ -285,6 +304,7 @@ class _Cell:
     finished: bool = False
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     value: bytes | None = None
+    display: dict[str, bytes] = field(default_factory=dict)
     error: dict[str, bytes] = field(default_factory=dict)
     images: list[Image] = field(default_factory=list)
 
@@ -325,10 +345,14 @@ class _Cell:
             self.truncated = True
             self.sizes[stream] = self.cap
 
-    def add_image(self, png: bytes, width: int, height: int) -> None:
-        # Only a real PNG goes to the client as an image; the size fields are the kernel's word.
-        if png.startswith(b"\x89PNG\r\n\x1a\n"):
-            self.images.append(Image(png, max(0, width), max(0, height)))
+    def add_image(self, data: bytes, mime_type: str, width: int, height: int) -> None:
+        # Only a real PNG, or UTF-8 text with an <svg> element, goes to the client as an image
+        # (an SVG is redacted when the result is made); the size fields are the kernel's word.
+        if mime_type == PNG and not data.startswith(b"\x89PNG\r\n\x1a\n"):
+            return
+        if mime_type == SVG and b"<svg" not in data:
+            return
+        self.images.append(Image(data, mime_type, max(0, width), max(0, height)))
 
     def finish(self) -> tuple[str, str]:
         for stream, cleaner in enumerate((self.stdout, self.stderr)):
@@ -354,14 +378,17 @@ class _Cell:
         return joined[-PROGRESS_TAIL_CHARS:]
 
 
-class PythonContext:
-    """One persistent Python kernel in a sandbox."""
+class CodeContext:
+    """One persistent context in a sandbox: a Python kernel, or a driver of node or bash."""
 
-    def __init__(self, name: str, workspace: HostWorkspace, redactor: Redactor, python: str) -> None:
+    def __init__(
+        self, name: str, language: Language, workspace: HostWorkspace, redactor: Redactor, argv: tuple[str, ...]
+    ) -> None:
         self.name = name
+        self.language = language
         self._workspace = workspace
         self._redactor = redactor
-        self._python = python
+        self._argv = argv
         self._process: Process | None = None
         self._ready: asyncio.Future[dict[str, Any]] | None = None
         self._cell: _Cell | None = None
@@ -382,6 +409,7 @@ class PythonContext:
     def summary(self) -> dict[str, object]:
         return {
             "context": self.name,
+            "language": self.language,
             "state": ("busy" if self.busy else "idle") if self.alive else "dead",
             "execution_count": self._count,
             "age_s": round(time.monotonic() - self.started, 3),
@@ -396,8 +424,8 @@ class PythonContext:
             "MPLCONFIGDIR": "/tmp/.matplotlib",  # noqa: S108 - the sandbox's own tmpfs
         }
         self._process = await self._workspace.sandbox.spawn(
-            self._python,
-            [self._python, "-I", "-c", KERNEL_SOURCE, OWN_VENV],
+            self._argv[0],
+            self._argv,
             cwd=SANDBOX_WORKSPACE,
             env=env,
             ring_bytes=16_384,
@@ -412,7 +440,7 @@ class PythonContext:
             broke = f"it broke the protocol ({self.broken})" if self.broken else ""
             reason = broke or self._stderr_tail() or ended
             await self.kill()
-            raise Unavailable(f"the Python context did not start: {reason}") from None
+            raise Unavailable(f"the {self.language} context did not start: {reason}") from None
 
     def _stderr_tail(self) -> str:
         if self._process is None:
@@ -440,14 +468,22 @@ class PythonContext:
             return lambda chunk: cell.add(stream, chunk)
         if event == "value":
             return _collect(lambda data: setattr(cell, "value", data))
+        if event == "display":
+            mime = message.get("mime")
+            if mime not in DISPLAY_TYPES:
+                return _discard
+            return _collect(lambda data: cell.display.__setitem__(str(mime), data))
         if event == "error":
             name = message.get("field")
             return _collect(lambda data: cell.error.__setitem__(str(name), data)) if name in _ERROR_FIELDS else _discard
         if len(cell.images) >= MAX_IMAGES:
             return _discard
+        mime = message.get("mime", PNG)
+        if mime not in (PNG, SVG):
+            return _discard
         width, height = message.get("width"), message.get("height")
         size = (width if type(width) is int else 0, height if type(height) is int else 0)
-        return _collect(lambda data: cell.add_image(data, *size))
+        return _collect(lambda data: cell.add_image(data, str(mime), *size))
 
     def _on_eof(self) -> None:
         """The kernel exited or was killed: the context is over."""
@@ -458,7 +494,9 @@ class PythonContext:
         if self.broken:
             return
         self.broken = reason
-        logger.warning("Python context %r of %s broke the protocol: %s", self.name, self._workspace.config.id, reason)
+        logger.warning(
+            "%s context %r of %s broke the protocol: %s", self.language, self.name, self._workspace.config.id, reason
+        )
         self._end({"event": "invalid", "reason": reason}, Unavailable(f"the kernel broke the protocol ({reason})"))
         if self._process is not None:
             self._killing = asyncio.get_running_loop().create_task(self.kill())
@@ -499,7 +537,7 @@ class PythonContext:
         data = (json.dumps(request) + "\n").encode()
         written = await self._process.write(data, timeout_s=GRACE_S)
         if written != len(data):
-            raise Unavailable("the Python context is not taking input")
+            raise Unavailable(f"the {self.language} context is not taking input")
 
     async def _await_cell(self, cell: _Cell, timeout_s: float, progress: Progress) -> CellResult:
         deadline = time.monotonic() + timeout_s
@@ -534,18 +572,34 @@ class PythonContext:
         stdout, stderr = cell.finish()
         done = message is not None and message.get("event") == "done"
         broken = message is not None and message.get("event") == "invalid"
+        status = message.get("exit_status") if done and message is not None else None
+        shown = {mime: self._text(data) for mime, data in cell.display.items()} if done else {}
         return CellResult(
             stdout=stdout,
             stderr=stderr,
             value=self._text(cell.value) if done and cell.value is not None else None,
             error={key: self._text(cell.error.get(key, b"")) for key in _ERROR_FIELDS} if done and cell.error else None,
-            images=cell.images if done else [],
+            images=[kept for image in cell.images if (kept := self._redacted(image))] if done else [],
+            markdown=shown.get("text/markdown"),
+            html=shown.get("text/html"),
+            exit_status=status if type(status) is int else None,
             truncated=cell.truncated,
             execution_count=cell.id,
             timed_out=timed_out,
             context_alive=self.alive and done,
             protocol_error=str(message.get("reason", "")) if broken and message is not None else "",
         )
+
+    def _redacted(self, image: Image) -> Image | None:
+        """An SVG is text the agent made: redacted like its output (a secret in it becomes [REDACTED]);
+        one that is not UTF-8 is no SVG, and is dropped."""
+        if image.mime_type != SVG:
+            return image
+        try:
+            text = image.data.decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+        return Image(self._redactor.redact(text).encode("utf-8"), SVG, image.width, image.height)
 
     def _text(self, raw: bytes) -> str:
         """A value or error field, cut to MAX_TEXT_CHARS and redacted (a secret across the cut is still seen)."""
@@ -562,24 +616,39 @@ class PythonContext:
 
 
 class CodeRunner:
-    """The code contexts of one sandbox."""
+    """The code contexts of one sandbox, by language and name."""
 
     def __init__(self, workspace: HostWorkspace, redactor: Redactor, *, python_env: str | None) -> None:
         self._workspace = workspace
         self._redactor = redactor
         self._python = f"{python_env}/bin/python" if python_env else SYSTEM_PYTHON
-        self._contexts: dict[str, PythonContext] = {}
+        self._contexts: dict[tuple[Language, str], CodeContext] = {}
 
     def contexts(self) -> list[dict[str, object]]:
         return [context.summary() for context in self._contexts.values()]
 
-    async def python(
-        self, code: str, *, context: str, restart: bool, timeout_s: float | None, progress: Progress
+    async def run(
+        self,
+        code: str,
+        *,
+        language: str,
+        context: str,
+        restart: bool,
+        timeout_s: float | None,
+        progress: Progress,
     ) -> CellResult:
+        """Run `code` in the named context of `language`, started (or restarted) as needed.
+
+        Raises:
+            InvalidRequest: bad code, context name or timeout; an unknown language.
+            NotFound: the language's runtime is not installed.
+            PolicyDenied: bash or JavaScript in a sandbox whose template has a command policy.
+            Conflict: the sandbox is paused, or the context busy or dead.
+        """
         _check_code(code, MAX_CODE_BYTES)
         if self._workspace.sandbox.paused:
             raise Conflict("the sandbox is paused: resume it first")
-        ctx = await self._context(context, restart)
+        ctx = await self._context(_language(language), context, restart)
         config = self._workspace.config
         limit = _limit(timeout_s, config.timeout_s)
         sandbox = self._workspace.sandbox
@@ -590,35 +659,53 @@ class CodeRunner:
             result.memory_note = sandbox.memory_note()
         return result
 
-    async def _context(self, name: str, restart: bool) -> PythonContext:
+    async def _context(self, language: Language, name: str, restart: bool) -> CodeContext:
         if not name or len(name) > _CONTEXT_NAME_MAX or not name.replace("-", "").replace("_", "").isalnum():
             raise InvalidRequest(f"context names are letters, digits, '-' and '_', at most {_CONTEXT_NAME_MAX}")
-        existing = self._contexts.get(name)
+        key = (language, name)
+        existing = self._contexts.get(key)
         if existing is not None and restart:
             await existing.kill()  # a busy context too: restart is how an agent gets out of a stuck one
-            del self._contexts[name]
+            del self._contexts[key]
             existing = None
         if existing is not None:
             return existing
+        argv = self._argv(language)
         if len(self._contexts) >= MAX_CONTEXTS:
             dead = [key for key, ctx in self._contexts.items() if not ctx.alive]
             if not dead:
                 raise ResourceLimit(f"{MAX_CONTEXTS} contexts are open in this sandbox: restart one instead")
             del self._contexts[dead[0]]
-        created = PythonContext(name, self._workspace, self._redactor, self._python)
+        created = CodeContext(name, language, self._workspace, self._redactor, argv)
         await created.start()
-        self._contexts[name] = created
+        self._contexts[key] = created
         return created
 
-    async def one_shot(self, language: str, code: str, *, timeout_s: float | None) -> CommandOutput:
-        """bash or node, run once like a command (needs a sandbox whose policy allows a shell)."""
-        program, flag = INTERPRETERS[language]
-        _check_code(code, MAX_ARGV_CODE_BYTES)
+    def _argv(self, language: Language) -> tuple[str, ...]:
+        """How a context of `language` starts; bash and JavaScript need a sandbox that allows a shell."""
+        if language == "python":
+            return (self._python, "-I", "-c", KERNEL_SOURCE, OWN_VENV)
         self._workspace.require_shell(f"{language} code")
-        executable = shutil.which(program, path=SANDBOX_PATH)
-        if executable is None:
-            raise NotFound(f"{program} is not installed in this sandbox's template")
-        return await self._workspace.run_argv(executable, (program, flag, code), timeout_s=timeout_s)
+        runtime = shutil.which(RUNTIMES[language], path=SANDBOX_PATH)
+        if runtime is None:
+            raise NotFound(
+                f"{language} needs {RUNTIMES[language]}, which is not installed on this server: "
+                f"languages available here: {', '.join(available_languages())}"
+            )
+        return (SYSTEM_PYTHON, "-I", "-c", REPL_SOURCE, language, runtime)
+
+
+def available_languages() -> list[str]:
+    """The languages whose runtime the sandboxes have (Python always)."""
+    return [name for name in LANGUAGES if name == "python" or shutil.which(RUNTIMES[name], path=SANDBOX_PATH)]
+
+
+def _language(language: str) -> Language:
+    for name in LANGUAGES:
+        if name == language:
+            return name
+    available = ", ".join(available_languages())
+    raise InvalidRequest(f"unknown language {language[:40]!r}: languages available here: {available}")
 
 
 def _check_code(code: str, cap: int) -> None:

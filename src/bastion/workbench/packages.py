@@ -27,6 +27,7 @@ from bastion.workbench.workspace import OWN_VENV, SYSTEM_PYTHON
 if TYPE_CHECKING:
     from bastion.config import AllowRule, SandboxesConfig
     from bastion.safety.paths import Jail
+    from bastion.workbench.progress import LineProgress
     from bastion.workbench.workspace import CommandOutput, HostWorkspace
 
 TEMPLATE_SITE_GLOB: Final = "/opt/bastion/env/lib/python3*/site-packages"
@@ -96,9 +97,15 @@ VENV_TIMEOUT_S: Final = 120.0
 
 
 async def install(
-    box: Installable, requirement: str, manager: Manager, config: SandboxesConfig
+    box: Installable,
+    requirement: str,
+    manager: Manager,
+    config: SandboxesConfig,
+    progress: LineProgress | None = None,
 ) -> tuple[str, CommandOutput]:
     """Install `requirement` into the sandbox's own environment; return it (checked) and the installer's output.
+
+    `progress`, when given, hears each step and the installer's output as it comes.
 
     Raises:
         InvalidRequest: not a plain requirement (`check_requirement`).
@@ -113,17 +120,27 @@ async def install(
     workspace.require_shell("package installs")
     registry = config.network.registry_rules
     has_venv = manager == "pip" and _has_venv(workspace.jail)  # refused before the network is widened
+    sinks = progress.sinks() if progress is not None else None
+    ceiling = config.install_timeout_s
     async with box.network.widened(workspace, registry):
         if manager == "npm":
             npm = shutil.which("npm", path=SANDBOX_PATH)
             if npm is None:
                 raise NotFound("npm is not installed in this sandbox's template")
             argv = npm_command(checked, config.npm_registry_url, _ca_bundle())
-            return checked, await workspace.run_argv(npm, argv, timeout_s=None, ceiling_s=config.install_timeout_s)
+            _tell(progress, f"npm install {checked}")
+            return checked, await workspace.run_argv(npm, argv, timeout_s=None, ceiling_s=ceiling, on_output=sinks)
         if not has_venv:
+            _tell(progress, f"making the sandbox's own venv ({OWN_VENV})")
             await _make_venv(workspace)
         argv = pip_command(checked, config.pip_index_url, _ca_bundle())
-        return checked, await workspace.run_argv(argv[0], argv, timeout_s=None, ceiling_s=config.install_timeout_s)
+        _tell(progress, f"pip install {checked}")
+        return checked, await workspace.run_argv(argv[0], argv, timeout_s=None, ceiling_s=ceiling, on_output=sinks)
+
+
+def _tell(progress: LineProgress | None, step: str) -> None:
+    if progress is not None:
+        progress.phase(step)
 
 
 def _has_venv(jail: Jail) -> bool:

@@ -46,6 +46,7 @@ from bastion.sandbox import (
 from bastion.sandbox.backend import RunOutcome, Sandbox
 from bastion.sandbox.cgroups import CgroupLayout, Limits
 from bastion.sandbox.identity import HostIdentity, IdentityPool
+from bastion.sandbox.processes import OutputSink
 from bastion.sandbox.warm import BubblewrapBackend
 from bastion.workbench.background import RING_BYTES, BackgroundProcesses
 from bastion.workbench.edit import edit_text
@@ -298,11 +299,18 @@ class HostWorkspace:
         return self._render(approved.argv, sandbox_cwd, outcome)
 
     async def run_argv(
-        self, executable: str, argv: tuple[str, ...], *, timeout_s: float | None, ceiling_s: float | None = None
+        self,
+        executable: str,
+        argv: tuple[str, ...],
+        *,
+        timeout_s: float | None,
+        ceiling_s: float | None = None,
+        on_output: tuple[OutputSink, OutputSink] | None = None,
     ) -> CommandOutput:
         """Run a program bastion chose (an interpreter, an installer) in a sandbox that allows a shell.
 
-        `ceiling_s` replaces the per-command time limit (installs take longer than commands).
+        `ceiling_s` replaces the per-command time limit (installs take longer than commands);
+        `on_output` sees the raw output as it comes (a progress reporter cleans and redacts it).
         """
         self.require_shell("programs bastion chooses (interpreters, installers)")
         ceiling = self.config.timeout_s if ceiling_s is None else ceiling_s
@@ -316,6 +324,7 @@ class HostWorkspace:
             env=self.environment(),
             timeout_s=limit,
             max_output_bytes=self.config.max_output_bytes,
+            on_output=on_output,
         )
         return self._render(argv, SANDBOX_WORKSPACE, outcome)
 

@@ -15,7 +15,9 @@ Protocol:
       {"event": "ready", "python": "3.11.2"}
       {"event": "stream", "id": N, "name": "stdout"|"stderr", "bytes": n}   + the bytes written
       {"event": "image", "id": N, "width": W, "height": H, "bytes": n}      + a PNG
+      {"event": "image", "id": N, "mime": "image/svg+xml", "bytes": n}    + an SVG, UTF-8
       {"event": "value", "id": N, "bytes": n}                              + repr, UTF-8
+      {"event": "display", "id": N, "mime": "text/markdown"|"text/html", "bytes": n}  + UTF-8
       {"event": "error", "id": N, "field": "type"|"message"|"traceback", "bytes": n}  + UTF-8
       {"event": "done", "id": N, "status": "ok"|"error"}
 
@@ -39,6 +41,10 @@ import traceback
 from typing import Any
 
 MAX_VALUE_CHARS = 8192
+MAX_RICH_CHARS = 65536  # of a markdown or HTML form of a value (the host's cap on text fields)
+MAX_TABLE_ROWS = 50
+MAX_TABLE_COLUMNS = 20
+MAX_TABLE_CELL_CHARS = 200
 MAX_ERROR_CHARS = 65536  # each of message and traceback (the traceback keeps its end)
 MAX_IMAGES = 8
 MAX_IMAGE_BYTES = 4 << 20  # the host takes no bigger PNG
@@ -158,8 +164,8 @@ def quiet_show() -> None:
         pyplot.show.__module__ = __name__
 
 
-def run_cell(cell_id: int, code: str, namespace: dict[str, Any]) -> str | None:
-    """Run one cell; the value of a last expression is returned as its repr."""
+def run_cell(cell_id: int, code: str, namespace: dict[str, Any]) -> dict[str, str | bytes] | None:
+    """Run one cell; the value of a last expression is returned in each form it has (`shown`)."""
     filename = f"<cell-{cell_id}>"
     linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
     tree = ast.parse(code, filename, "exec")
@@ -177,7 +183,89 @@ def run_cell(cell_id: int, code: str, namespace: dict[str, Any]) -> str | None:
         return None
     namespace["_"] = value
     text = repr(value)
-    return text if len(text) <= MAX_VALUE_CHARS else text[:MAX_VALUE_CHARS] + "..."
+    if not isinstance(text, str):
+        raise TypeError(f"__repr__ returned {kind_name(text)}, not str")
+    forms: dict[str, str | bytes] = {"text/plain": cut(str.__getitem__(text, slice(None)), MAX_VALUE_CHARS)}
+    forms.update(shown(value))
+    return forms
+
+
+def cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def shown(value: object) -> dict[str, str | bytes]:
+    """The rich forms of a value, as Jupyter shows them: markdown (a table of a DataFrame, built here),
+    HTML, SVG, PNG. A `_repr_*_` method that raises or returns the wrong type is skipped with a note on
+    stderr; one that loops is stopped by the cell's timeout (this runs while the cell does)."""
+    forms: dict[str, str | bytes] = {}
+    table = frame_markdown(value)
+    if table is not None:
+        forms["text/markdown"] = table
+    for mime, method in (
+        ("text/markdown", "_repr_markdown_"),
+        ("text/html", "_repr_html_"),
+        ("image/svg+xml", "_repr_svg_"),
+        ("image/png", "_repr_png_"),
+    ):
+        if mime in forms:
+            continue
+        data = call_repr(value, method, bytes if mime == "image/png" else str)
+        if isinstance(data, bytes) or (mime == "image/svg+xml" and isinstance(data, str)):
+            if len(data) <= MAX_IMAGE_BYTES:  # an image is whole or not at all
+                forms[mime] = data
+        elif data is not None:
+            forms[mime] = cut(data, MAX_RICH_CHARS)
+    return forms
+
+
+def kind_name(value: object) -> str:
+    return str(type(value).__name__)[:100]
+
+
+def call_repr(value: object, method: str, kind: type) -> str | bytes | None:
+    function = getattr(type(value), method, None)
+    if function is None:
+        return None
+    try:
+        data = function(value)
+    except Exception as exc:
+        # Only the exception's type: its message is the agent's object too, and may raise or flood.
+        print(f"{method} of {kind_name(value)} raised {kind_name(exc)}: shown as text only", file=sys.stderr)
+        return None
+    if type(data) is tuple and data:
+        data = data[0]  # IPython allows (data, metadata)
+    if not isinstance(data, (str, bytes)) or not isinstance(data, kind):
+        return None
+    # An exact copy: a subclass's own len, slicing or encode would be the agent's code running after the cell.
+    return str.__getitem__(data, slice(None)) if isinstance(data, str) else bytes.__getitem__(data, slice(None))
+
+
+def frame_markdown(value: object) -> str | None:
+    """A pandas DataFrame (or Series) as a bounded markdown table: the first MAX_TABLE_ROWS rows and
+    MAX_TABLE_COLUMNS columns, cells cut and their '|' escaped; None for anything else or on any error."""
+    kind = type(value)
+    # pandas 3 names its classes' module "pandas"; earlier versions "pandas.core.frame".
+    if kind.__module__.split(".")[0] != "pandas" or kind.__name__ not in ("DataFrame", "Series"):
+        return None
+    try:
+        frame: Any = value.to_frame() if kind.__name__ == "Series" else value  # type: ignore[attr-defined]
+        rows, columns = frame.shape
+        part = frame.iloc[:MAX_TABLE_ROWS, :MAX_TABLE_COLUMNS]
+        header = [table_cell(frame.index.name or ""), *(table_cell(c) for c in part.columns)]
+        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        for label, row in zip(part.index, part.itertuples(index=False, name=None), strict=False):
+            lines.append("| " + " | ".join(table_cell(v) for v in (label, *row)) + " |")
+    except Exception:
+        return None
+    if rows > MAX_TABLE_ROWS or columns > MAX_TABLE_COLUMNS:
+        lines.append(f"\n({rows} rows x {columns} columns; the first {len(part)} x {len(part.columns)} shown)")
+    return "\n".join(lines)
+
+
+def table_cell(value: object) -> str:
+    text = " ".join(str(value).split())[:MAX_TABLE_CELL_CHARS]
+    return text.replace("\\", "\\\\").replace("|", "\\|")
 
 
 def error_of(exc: BaseException) -> dict[str, str]:
@@ -220,14 +308,33 @@ def execute(request: dict[str, Any], namespace: dict[str, Any], site_dir: str) -
     _current["id"] = None
 
 
-def report(cell_id: int, value: str | None, error: dict[str, str] | None, images: list[tuple[bytes, int, int]]) -> None:
-    """What a cell left: its value, its error and its figures, each a message with a payload."""
-    if value is not None:
-        emit({"event": "value", "id": cell_id}, value.encode("utf-8", "replace"))
+def report(
+    cell_id: int,
+    value: dict[str, str | bytes] | None,
+    error: dict[str, str] | None,
+    images: list[tuple[bytes, int, int]],
+) -> None:
+    """What a cell left: its value in each form, its error and its figures, each a message with a payload."""
+    for mime, data in (value or {}).items():
+        payload = data if isinstance(data, bytes) else data.encode("utf-8", "replace")
+        if mime == "text/plain":
+            emit({"event": "value", "id": cell_id}, payload)
+        elif mime.startswith("text/"):
+            emit({"event": "display", "id": cell_id, "mime": mime}, payload)
+        elif len(payload) <= MAX_IMAGE_BYTES:
+            width, height = png_size(payload) if mime == "image/png" else (0, 0)
+            emit({"event": "image", "id": cell_id, "mime": mime, "width": width, "height": height}, payload)
     for field, text in (error or {}).items():
         emit({"event": "error", "id": cell_id, "field": field}, text.encode("utf-8", "replace"))
     for png, width, height in images:
         emit({"event": "image", "id": cell_id, "width": width, "height": height}, png)
+
+
+def png_size(data: bytes) -> tuple[int, int]:
+    # The IHDR chunk comes first: width and height are its first two big-endian words.
+    if len(data) < 24:
+        return 0, 0
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
 
 
 def read_requests(fd: int, main_thread: int, inbox: list[dict[str, Any]], wake: threading.Semaphore) -> None:
