@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -92,6 +93,15 @@ async def create(client: Client, **args: object) -> str:
 async def sh(client: Client, sandbox_id: str, command: str, **args: object) -> Payload:
     """run_command in a sandbox."""
     return await call(client, "run_command", command=command, sandbox_id=sandbox_id, **args)
+
+
+def registry_reachable(host: str = "pypi.org") -> bool:
+    """Whether the package registry answers on 443 (network tests skip with a reason if not)."""
+    try:
+        socket.create_connection((host, 443), timeout=5).close()
+    except OSError:
+        return False
+    return True
 
 
 def processes_with(marker: str) -> list[int]:

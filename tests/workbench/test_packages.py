@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import socket
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ from bastion.app import build_server, build_services
 from bastion.config import load_config
 from bastion.safety.errors import InvalidRequest
 from bastion.safety.requirements import check_requirement
-from tests.helpers import call, create, sh
+from tests.helpers import call, create, registry_reachable, sh
 
 HOSTILE = [
     "--index-url http://attacker.example/simple evilpkg",
@@ -122,14 +121,6 @@ def test_npm_specs_that_npm_reads_as_files_are_refused(text: str) -> None:
     if NPM_FILESPEC.search(spec) or NPM_FILENAME.search(spec) or NPM_FILENAME.search(name):
         with pytest.raises(InvalidRequest):
             check_requirement(text, "npm")
-
-
-def registry_reachable(host: str = "pypi.org") -> bool:
-    try:
-        socket.create_connection((host, 443), timeout=5).close()
-    except OSError:
-        return False
-    return True
 
 
 @pytest.mark.anyio
