@@ -23,20 +23,18 @@ import shutil
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Final
 
 from bastion.safety.errors import Conflict, InvalidRequest, NotFound, ResourceLimit, Unavailable
 from bastion.safety.output import OutputCleaner
 from bastion.safety.redact import Redactor
-from bastion.sandbox import SANDBOX_PATH, SANDBOX_WORKSPACE
+from bastion.sandbox import KERNEL_PATH, SANDBOX_PATH, SANDBOX_WORKSPACE
 from bastion.sandbox.backend import Process
 from bastion.sandbox.processes import RingCapture
 from bastion.workbench.workspace import OWN_VENV, SYSTEM_PYTHON, CommandOutput, HostWorkspace
 
 logger = logging.getLogger("bastion.code")
 
-KERNEL_SOURCE: Final = (Path(__file__).parents[1] / "sandbox" / "inside" / "kernel.py").read_text(encoding="utf-8")
 MAX_CONTEXTS: Final = 8
 MAX_CODE_BYTES: Final = 1 << 20
 MAX_ARGV_CODE_BYTES: Final = 100_000  # bash -c / node -e: one argument, under the kernel's 128 KiB
@@ -397,7 +395,7 @@ class PythonContext:
         }
         self._process = await self._workspace.sandbox.spawn(
             self._python,
-            [self._python, "-I", "-c", KERNEL_SOURCE, OWN_VENV],
+            [self._python, "-I", KERNEL_PATH, OWN_VENV],
             cwd=SANDBOX_WORKSPACE,
             env=env,
             ring_bytes=16_384,
