@@ -165,4 +165,3 @@ def _inner_pid(host_pid: int) -> int | None:
 def _argv(host_pid: int) -> tuple[bytes, ...]:
     raw = _read_bounded(f"/proc/{host_pid}/cmdline", MAX_CMDLINE_BYTES)
     return tuple(raw.rstrip(b"\0").split(b"\0")) if raw else ()
-

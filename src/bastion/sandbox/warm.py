@@ -413,6 +413,8 @@ class WarmSandbox:
         """
         if self._commands is None or not self.alive:
             raise NotFound(f"no process {pid} left running by a command in this sandbox: it is not running")
+        if self._paused:
+            raise Conflict("the sandbox is paused: resume it first")
         fd = self._commands.open_leftover(pid)
         try:
             kill_pidfd(fd)
