@@ -534,6 +534,12 @@ class CommandCgroup:
                     os.kill(pid, signal.SIGKILL)
             write_file(os.path.join(self.path, name), off)
 
+    def wait_empty(self, timeout_s: float) -> bool:
+        """Wait (blocking, at most `timeout_s`) until no process is left in it; whether none is."""
+        if self._version == 2:
+            return wait_events(self.path, "populated", 0, timeout_s)
+        return poll_until(lambda: not self.pids(), timeout_s)
+
     def remove(self) -> bool:
         """Remove it if it is empty; whether it is gone."""
         try:

@@ -70,8 +70,9 @@ class CommandGroups:
         if group is not None:
             self._free.append(group)
 
-    def kill(self, command_id: int) -> None:
+    def kill(self, command_id: int) -> CommandCgroup | None:
         """SIGKILL every process of a running command's group: its whole tree, daemons included.
+        Returns the group (to wait until it is empty), None if the command has no group.
 
         Raises:
             OperationFailed: the kernel refused.
@@ -80,6 +81,7 @@ class CommandGroups:
         if group is not None:
             self._killed.add(command_id)
             group.kill()
+        return group
 
     def exited(self, command_id: int) -> None:
         """The command's first process exited: its group is free, killed, or holds what it left running."""

@@ -31,7 +31,7 @@ from bastion.safety.errors import BastionError, Conflict, NotFound, ResourceLimi
 from bastion.sandbox._spawn import SandboxProcess, SandboxSpec, start_sandbox
 from bastion.sandbox.backend import Backend, Process, Sandbox
 from bastion.sandbox.backend import RunOutcome as RunOutcome
-from bastion.sandbox.cgroups import CgroupLayout, Limits, SandboxCgroup, Usage
+from bastion.sandbox.cgroups import CgroupLayout, CommandCgroup, Limits, SandboxCgroup, Usage
 from bastion.sandbox.command_groups import CommandGroups, Leftover, kill_pidfd
 from bastion.sandbox.processes import BackgroundProcess, PipeCapture, RingCapture
 
@@ -41,6 +41,7 @@ START_TIMEOUT_S: Final = 10.0
 _GROUP_PREFIX: Final = "sb"
 _group_ids = itertools.count(1)
 KILL_GRACE_S: Final = 5.0
+OUTPUT_GRACE_S: Final = 0.2  # after a command's exit, for output still on its way (see `_output_after_exit`)
 MAX_MESSAGE_BYTES: Final = 65_536
 
 
@@ -390,16 +391,24 @@ class WarmSandbox:
         except BastionError:
             return True
 
-    def _kill_tree(self, command_id: int) -> None:
-        """Kill a command and everything it started: its cgroup, or else its PID namespace's PID 1."""
+    def _kill_tree(self, command_id: int) -> CommandCgroup | None:
+        """Kill a command and everything it started: its cgroup (returned, to wait until it is
+        empty), or else its PID namespace's PID 1."""
         self._tell_agent("kill", command_id)
         if self._commands is None:
-            return
+            return None
         try:
-            self._commands.kill(command_id)
+            return self._commands.kill(command_id)
         except BastionError as exc:
             # The agent's SIGKILL still ends the command; what it started may live on, so say so.
             logger.error("sandbox for %s: command group not killed: %s", self.spec.workspace, exc.reason)
+            return None
+
+    @staticmethod
+    async def _all_gone(group: CommandCgroup | None) -> None:
+        """Wait, off the event loop, until a killed command's every process has exited."""
+        if group is not None and not await asyncio.to_thread(group.wait_empty, KILL_GRACE_S):
+            logger.error("command group %s still has processes %s s after SIGKILL", group.path, KILL_GRACE_S)
 
     def leftovers(self) -> list[Leftover]:
         """The processes commands left running (not those of running commands, nor background ones)."""
@@ -462,7 +471,7 @@ class WarmSandbox:
         try:
             async with asyncio.timeout(timeout_s):
                 status = await asyncio.shield(waiter)
-                await asyncio.gather(out.done, err.done)
+            await self._output_after_exit(out, err)
         except TimeoutError:
             timed_out = True
         except asyncio.CancelledError:
@@ -475,15 +484,28 @@ class WarmSandbox:
             raise
         finally:
             if timed_out:
-                self._kill_tree(command_id)
+                killed = self._kill_tree(command_id)
                 status = await self._await_exit(command_id, waiter)
+                await self._all_gone(killed)
                 out.close()
                 err.close()
         oom_killed = self._group is not None and self.oom_kills() > ooms_before
         note = self.memory_note() if oom_killed else ""
-        return RunOutcome(
+        outcome = RunOutcome(
             status, bytes(out.data), bytes(err.data), out.total, err.total, timed_out, cancelled, oom_killed, note
         )
+        out.drop_rest()
+        err.drop_rest()
+        return outcome
+
+    @staticmethod
+    async def _output_after_exit(out: PipeCapture, err: PipeCapture) -> None:
+        """Wait for the end of both streams. A process the command left running (`server &`) may hold
+        them open: then what came within OUTPUT_GRACE_S of the exit is the output, and the rest is read
+        and dropped until they close (closing them now would kill it with SIGPIPE at its next write)."""
+        pending = [capture.done for capture in (out, err) if not capture.done.done()]
+        if pending:
+            await asyncio.wait(pending, timeout=OUTPUT_GRACE_S)
 
     async def _hand_off(self, request: Mapping[str, object], fds: list[int], waiter: asyncio.Future[int] | None) -> int:
         """Ask the agent to start a command with these fds; return the command's id.
@@ -592,10 +614,11 @@ class WarmSandbox:
             return
         if self._paused:
             raise Conflict("the sandbox is paused: resume it first")
-        self._kill_tree(process.command_id)
+        killed = self._kill_tree(process.command_id)
         try:
             async with asyncio.timeout(KILL_GRACE_S):
                 await process.wait_exit()
+                await self._all_gone(killed)
         except TimeoutError:
             # The agent did not confirm the kill: end the whole sandbox, which ends every process in it.
             await self.aclose()

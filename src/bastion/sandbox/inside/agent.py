@@ -232,8 +232,15 @@ class Agent:
         if group >= 0:
             os.write(group, b"0")  # a refusal raises: the command does not start outside its group
         try:
+            # A process group of its own: `kill 0` in a command ends that command, not the others.
             return os.posix_spawn(
-                req["exe"], req["argv"], req["env"], file_actions=actions, setsigdef=DEFAULT_SIGNALS, setsigmask=()
+                req["exe"],
+                req["argv"],
+                req["env"],
+                file_actions=actions,
+                setpgroup=0,
+                setsigdef=DEFAULT_SIGNALS,
+                setsigmask=(),
             )
         finally:
             if group >= 0:
