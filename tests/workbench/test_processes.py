@@ -330,7 +330,8 @@ async def test_a_server_started_with_ampersand_is_listed_reachable_and_killable(
     started = await call(
         client, "run_command", command="python3 -m http.server 8001 --bind 127.0.0.1 &", sandbox_id=box
     )
-    assert started["ok"] and started["detail"]["exit_status"] == 0, started
+    assert started["ok"], started
+    assert started["detail"]["exit_status"] == 0, started
     fetch = (
         "python3 -c 'import urllib.request, time\n"
         "for _ in range(200):\n"
@@ -343,7 +344,8 @@ async def test_a_server_started_with_ampersand_is_listed_reachable_and_killable(
     assert server["argv"] == ["python3", "-m", "http.server", "8001", "--bind", "127.0.0.1"]
     assert server["state"] == "running"
     killed = await call(client, "kill_process", os_pid=server["os_pid"], sandbox_id=box)
-    assert killed["ok"] and killed["detail"]["killed"] is True, killed
+    assert killed["ok"], killed
+    assert killed["detail"]["killed"] is True
     assert await left_running(client, box) == []
     after = await call(client, "run_command", command=fetch.replace("range(200)", "range(1)"), sandbox_id=box)
     assert after["detail"]["stdout"] == ""
