@@ -96,6 +96,9 @@ class SandboxSpec:
     identity: tuple[int, int] | None = None
     """Host (uid, gid) bwrap drops to before it starts, so the sandbox's uid maps to it, not to
     the server's root (see `bastion.sandbox.identity`). None: the server's own (not root)."""
+    command_groups: bool = False
+    """Commands share the sandbox's PID namespace, the agent its PID 1, each command in a cgroup
+    of its own (`bastion.sandbox.command_groups`); else each gets a PID namespace of its own."""
 
 
 # Joins the cgroups, then becomes bwrap (same pid; through setpriv when it drops to the
@@ -226,10 +229,9 @@ def build_bwrap_argv(
     argv += ["--seccomp", str(seccomp_fd)]
     # With cgroups, commands share one PID namespace whose PID 1 is the agent itself (so
     # `ps`, `kill` and /proc agree on pids); without, each gets one of its own (inside/agent.py).
-    shared = bool(spec.cgroup_procs)
-    if shared:
+    if spec.command_groups:
         argv += ["--as-pid-1"]
-    pids = SHARED_PIDS if shared else PER_COMMAND_PIDS
+    pids = SHARED_PIDS if spec.command_groups else PER_COMMAND_PIDS
     argv += ["--", python, "-I", "-S", AGENT_PATH, str(agent_fd), pids, SANDBOX_WORKSPACE, TMP_DIR]
     return argv
 

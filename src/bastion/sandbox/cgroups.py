@@ -102,6 +102,14 @@ class Usage:
     frozen: bool
 
 
+def fd_migration_supported(release: str | None = None) -> bool:
+    """Whether the kernel checks a cgroup.procs write against the fd opener's credentials and cgroup
+    namespace (Linux >= 5.16), which command groups need: the agent moves itself through fds the
+    server opened. `release`: a kernel release string (default: this kernel's)."""
+    numbers = re.match(r"(\d+)\.(\d+)", release if release is not None else os.uname().release)
+    return numbers is not None and (int(numbers[1]), int(numbers[2])) >= (5, 16)
+
+
 def _validate_name(name: str, what: str) -> None:
     if not _NAME_RE.fullmatch(name):
         raise InvalidRequest(f"{what} {name!r} is not 1-64 of [a-z0-9-]: pick another name")

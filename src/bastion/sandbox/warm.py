@@ -31,7 +31,14 @@ from bastion.safety.errors import BastionError, Conflict, NotFound, ResourceLimi
 from bastion.sandbox._spawn import SandboxProcess, SandboxSpec, start_sandbox
 from bastion.sandbox.backend import Backend, Process, Sandbox
 from bastion.sandbox.backend import RunOutcome as RunOutcome
-from bastion.sandbox.cgroups import CgroupLayout, CommandCgroup, Limits, SandboxCgroup, Usage
+from bastion.sandbox.cgroups import (
+    CgroupLayout,
+    CommandCgroup,
+    Limits,
+    SandboxCgroup,
+    Usage,
+    fd_migration_supported,
+)
 from bastion.sandbox.command_groups import CommandGroups, Leftover, kill_pidfd
 from bastion.sandbox.processes import BackgroundProcess, PipeCapture, RingCapture
 
@@ -198,7 +205,9 @@ class WarmSandbox:
         name = f"{_GROUP_PREFIX}-{os.getpid()}-{next(_group_ids)}"
         self._group = self._cgroups.create(name, self._limits)
         procs = tuple(os.path.join(path, "cgroup.procs") for path in self._group.paths)
-        return dataclasses.replace(self.spec, cgroup_procs=procs)
+        # Before 5.16 the kernel would check the agent's moves against its own credentials: each
+        # command then keeps a PID namespace of its own.
+        return dataclasses.replace(self.spec, cgroup_procs=procs, command_groups=fd_migration_supported())
 
     def _drop_group(self) -> None:
         group, self._group = self._group, None
@@ -211,7 +220,8 @@ class WarmSandbox:
     async def _start(self) -> None:
         self._asleep = False
         try:
-            proc, sock = start_sandbox(self._make_group())
+            spec = self._make_group()
+            proc, sock = start_sandbox(spec)
         except BaseException:
             self._drop_group()
             raise
@@ -231,7 +241,7 @@ class WarmSandbox:
         landlock = json.loads(hello).get("landlock", {})
         if landlock.get("warning"):
             logger.warning("sandbox for %s: %s", self.spec.workspace, landlock["warning"])
-        if self._group is not None:
+        if self._group is not None and spec.command_groups:
             self._give_home(sock, self._group)
         loop.add_reader(sock.fileno(), self._on_message)
 
