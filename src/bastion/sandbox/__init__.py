@@ -10,6 +10,7 @@ from bastion.sandbox._idmap import idmap_supported, idmapped_mount, is_mounted, 
 from bastion.sandbox._spawn import (
     FORWARDER_PATH,
     KERNEL_PATH,
+    PROGRAMS_DIR,
     SANDBOX_PATH,
     SANDBOX_WORKSPACE,
     SandboxSpec,
@@ -21,6 +22,7 @@ from bastion.sandbox.warm import BubblewrapBackend, WarmSandbox
 __all__ = [
     "FORWARDER_PATH",
     "KERNEL_PATH",
+    "PROGRAMS_DIR",
     "SANDBOX_PATH",
     "SANDBOX_WORKSPACE",
     "SCRATCH_INODES",

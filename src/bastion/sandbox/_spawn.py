@@ -37,10 +37,14 @@ FORWARDER_PATH: Final = f"{PROGRAMS_DIR}/forwarder.py"
 SHARED_PIDS: Final = "pids=shared"  # the agent's mode argument (inside/agent.py)
 PER_COMMAND_PIDS: Final = "pids=per-command"
 _INSIDE: Final = Path(__file__).parent / "inside"
+# Every program of inside/ under its own name; the agent with Landlock's code in front.
 INSIDE_FILES: Final = {
+    **{
+        f"{PROGRAMS_DIR}/{path.name}": path.read_text(encoding="utf-8")
+        for path in sorted(_INSIDE.glob("*.py"))
+        if path.name not in ("__init__.py", "landlock.py", "agent.py")
+    },
     AGENT_PATH: "\n\n".join((_INSIDE / name).read_text(encoding="utf-8") for name in ("landlock.py", "agent.py")),
-    KERNEL_PATH: (_INSIDE / "kernel.py").read_text(encoding="utf-8"),
-    FORWARDER_PATH: (_INSIDE / "forwarder.py").read_text(encoding="utf-8"),
 }
 TMP_DIR: Final = "/tmp"  # noqa: S108 - the sandbox's own tmpfs
 SHM_DIR: Final = "/dev/shm"  # noqa: S108 - the sandbox's own tmpfs
