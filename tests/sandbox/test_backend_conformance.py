@@ -67,6 +67,12 @@ def limited(harness: Harness) -> Sandbox:
     return harness.sandbox(LIMITS)
 
 
+@pytest.fixture(params=["cgroups", "no-cgroups"])
+def either(request: pytest.FixtureRequest, harness: Harness) -> Sandbox:
+    """With limits (commands in cgroups of their own) and without (a PID namespace each)."""
+    return harness.sandbox(LIMITS if request.param == "cgroups" else None)
+
+
 async def sh(
     box: Sandbox, script: str, *, timeout_s: float = 10, cap: int = 65536, cwd: str = "/workspace"
 ) -> RunOutcome:
@@ -127,17 +133,19 @@ async def test_output_is_capped_and_counted(box: Sandbox) -> None:
     assert outcome.truncated
 
 
-async def test_timeout_kills_setsid_and_double_forked_processes(harness: Harness, box: Sandbox) -> None:
+async def test_timeout_kills_setsid_and_double_forked_processes(harness: Harness, either: Sandbox) -> None:
     """Invariant: after a timeout no process the command started survives, however it detached."""
     marker = "4242.25"
     script = f"setsid sleep {marker} & (sleep {marker} &) ; nohup sleep {marker} >/dev/null 2>&1 & sleep {marker}"
-    outcome = await sh(box, script, timeout_s=0.5)
+    outcome = await sh(either, script, timeout_s=0.5)
     assert outcome.timed_out
     assert outcome.status is not None
     assert harness.leftovers(marker) == []
 
 
-async def test_normal_exit_leaves_no_background_process(harness: Harness, box: Sandbox) -> None:
+async def test_without_cgroups_a_normal_exit_leaves_no_background_process(harness: Harness, box: Sandbox) -> None:
+    """`box` has no limits, so no cgroups: each command has a PID namespace of its own. With them,
+    what it leaves running lives on (tests/sandbox/test_command_groups.py)."""
     marker = "4243.5"
     outcome = await sh(box, f"setsid sleep {marker} & echo started")
     assert outcome.status == 0
@@ -145,9 +153,9 @@ async def test_normal_exit_leaves_no_background_process(harness: Harness, box: S
     assert harness.leftovers(marker) == []
 
 
-async def test_cancellation_kills_the_tree(harness: Harness, box: Sandbox) -> None:
+async def test_cancellation_kills_the_tree(harness: Harness, either: Sandbox) -> None:
     marker = "4244.75"
-    task = asyncio.create_task(sh(box, f"(sleep {marker} &) ; sleep {marker}"))
+    task = asyncio.create_task(sh(either, f"(sleep {marker} &) ; sleep {marker}"))
     await until(lambda: bool(harness.leftovers(marker)))
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -209,17 +217,17 @@ async def test_spawn_reads_stdout_with_the_given_reader(box: Sandbox) -> None:
     assert process.stdout.read(0, 10) == (4, b"ef\n")
 
 
-async def test_kill_ends_a_background_command_and_what_it_started(harness: Harness, box: Sandbox) -> None:
+async def test_kill_ends_a_background_command_and_what_it_started(harness: Harness, either: Sandbox) -> None:
     marker = "4245.5"
-    process = await box.spawn(
+    process = await either.spawn(
         "/bin/sh", ["sh", "-c", f"setsid sleep {marker} & exec sleep {marker}"], cwd="/", env=ENV, ring_bytes=1024
     )
     await until(lambda: len(harness.leftovers(marker)) >= 2)
-    await box.kill(process)
+    await either.kill(process)
     assert process.exited
     assert process.status == 128 + 9  # a kill is a signal: 128 + its number
     await until(lambda: not harness.leftovers(marker))
-    await box.kill(process)  # a no-op once it has exited
+    await either.kill(process)  # a no-op once it has exited
 
 
 async def test_a_background_command_outlives_the_call_and_other_commands(box: Sandbox) -> None:
@@ -290,15 +298,22 @@ async def test_memory_hog_is_killed_and_reported(limited: Sandbox) -> None:
     assert (await sh(limited, "echo alive")).stdout == b"alive\n"
 
 
+async def kill_leftovers(box: Sandbox) -> None:
+    for left in box.leftovers():
+        await box.kill_leftover(left.pid)
+
+
 async def test_fork_bomb_stops_at_the_pids_limit(limited: Sandbox) -> None:
     outcome = await sh(limited, "for i in $(seq 60); do sleep 3 & done 2>&1; echo done", timeout_s=10)
     assert b"Cannot fork" in outcome.stdout + outcome.stderr
     assert not outcome.oom_killed
+    await kill_leftovers(limited)  # the sleeps it started live on, as on a machine
     assert (await sh(limited, "echo alive")).stdout == b"alive\n"
 
 
 async def test_limits_change_live(limited: Sandbox) -> None:
     assert (await sh(limited, "for i in $(seq 12); do sleep 3 & done 2>&1; echo done")).stdout == b"done\n"
+    await kill_leftovers(limited)
     limited.set_limits(Limits(memory_bytes=96 << 20, pids=8, cpu_cores=1.0))
     outcome = await sh(limited, "for i in $(seq 12); do sleep 3 & done 2>&1; echo done")
     assert b"Cannot fork" in outcome.stdout + outcome.stderr

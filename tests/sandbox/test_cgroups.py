@@ -22,7 +22,7 @@ import pytest
 
 from bastion.safety.errors import Conflict, InvalidRequest, NotFound, Unavailable
 from bastion.sandbox._hierarchies import Hierarchy, Roles, own_dir, parse_mountinfo, parse_self_cgroup
-from bastion.sandbox.cgroups import CgroupLayout, Limits, SandboxCgroup, Usage
+from bastion.sandbox.cgroups import CgroupLayout, Limits, SandboxCgroup, Usage, fd_migration_supported
 
 pytestmark = pytest.mark.root
 
@@ -313,3 +313,12 @@ def test_mountinfo_and_own_cgroup_of_a_delegated_pure_v2_service() -> None:
     assert own_dir(mounts[2], "/user.slice/x") is None
     hybrid = parse_self_cgroup("4:memory:/a/b\n2:cpu,cpuacct:/\n1:name=systemd:/x\n0::/\n")
     assert hybrid == {"memory": "/a/b", "cpu": "/", "cpuacct": "/", "": "/"}
+
+
+@pytest.mark.parametrize(
+    ("release", "supported"),
+    [("6.18.0-1-amd64", True), ("5.16.0", True), ("5.15.170-generic", False), ("4.19.0", False), ("odd", False)],
+)
+def test_command_groups_need_a_kernel_that_checks_the_fd_opener(release: str, supported: bool) -> None:
+    """Before 5.16 a cgroup.procs write was checked against the writer: the agent's moves would fail."""
+    assert fd_migration_supported(release) is supported

@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from bastion.sandbox import seccomp
-from bastion.sandbox._spawn import SandboxSpec, build_bwrap_argv, sandbox_python
+from bastion.sandbox._spawn import SandboxSpec, build_bwrap_argv, inside_fds, sandbox_python
 from bastion.sandbox.inside.landlock import landlock_abi
 
 pytestmark = pytest.mark.bwrap
@@ -588,11 +588,15 @@ def agent_sandbox(tmp_path: Path) -> Iterator[socket.socket]:
     """The real agent, started from the production argv (which carries `--seccomp FD`)."""
     host_end, agent_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     filter_fd = seccomp.write_filter_fd()
-    argv = build_bwrap_argv(SandboxSpec(workspace=str(tmp_path)), agent_end.fileno(), sandbox_python(), filter_fd)
+    sources = inside_fds()
+    spec = SandboxSpec(workspace=str(tmp_path))
+    argv = build_bwrap_argv(spec, agent_end.fileno(), sandbox_python(), filter_fd, sources)
     assert argv[argv.index("--seccomp") + 1] == str(filter_fd)
-    proc = subprocess.Popen(argv, pass_fds=(agent_end.fileno(), filter_fd), stderr=subprocess.PIPE)
+    fds = (agent_end.fileno(), filter_fd, *sources.values())
+    proc = subprocess.Popen(argv, pass_fds=fds, stderr=subprocess.PIPE)
     agent_end.close()
-    os.close(filter_fd)
+    for fd in fds[1:]:
+        os.close(fd)
     host_end.settimeout(10)
     try:
         yield host_end
@@ -603,8 +607,8 @@ def agent_sandbox(tmp_path: Path) -> Iterator[socket.socket]:
 
 
 def test_agent_runs_a_command_under_the_filter(agent_sandbox: socket.socket) -> None:
-    """Invariant: the resident agent starts and runs a command as PID 1 of its own PID
-    namespace, all under the filter, with no capability left to the command; Landlock,
+    """Invariant: the resident agent (without cgroups: its fallback) starts and runs a command
+    as PID 1 of its own PID namespace, all under the filter, with no capability left to the command; Landlock,
     which the agent applies under the filter, is applied wherever the kernel has it."""
     ready = json.loads(agent_sandbox.recv(65536))
     assert ready["event"] == "ready"

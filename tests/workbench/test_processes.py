@@ -12,7 +12,7 @@ from mcp import Client
 
 from bastion.app import Services
 from bastion.sandbox.processes import OutputLog
-from bastion.workbench.background import RING_BYTES
+from bastion.workbench.background import MAX_ARGV_CHARS, RING_BYTES
 from tests.helpers import call, create, processes_with
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
@@ -313,3 +313,90 @@ def test_output_log_keeps_the_newest_characters() -> None:
     assert log.read(0, 100) == (3, ("defklm", "ghij"), 13)
     assert log.read(8, 3) == (8, ("k", "ij"), 11)
     assert log.read(13, 5) == (13, ("", ""), 13)
+
+
+# -- processes a command left running --------------------------------------------------------------
+
+
+async def left_running(client: Client, box: str) -> list[dict[str, object]]:
+    listed = await call(client, "list_processes", sandbox_id=box)
+    assert listed["ok"], listed
+    return [entry for entry in listed["detail"]["processes"] if entry["started_by"] == "command"]
+
+
+async def test_a_server_started_with_ampersand_is_listed_reachable_and_killable(client: Client) -> None:
+    """The issue's first trip: `server &` in one command, reached from the next, seen and ended by the tools."""
+    box = await create(client)
+    started = await call(
+        client, "run_command", command="python3 -m http.server 8001 --bind 127.0.0.1 &", sandbox_id=box
+    )
+    assert started["ok"], started
+    assert started["detail"]["exit_status"] == 0, started
+    fetch = (
+        "python3 -c 'import urllib.request, time\n"
+        "for _ in range(200):\n"
+        "    try:\n"
+        '        print(urllib.request.urlopen("http://127.0.0.1:8001/").status); break\n'
+        "    except OSError: time.sleep(0.05)'"
+    )
+    assert (await call(client, "run_command", command=fetch, sandbox_id=box))["detail"]["stdout"] == "200\n"
+    [server] = await left_running(client, box)
+    assert server["argv"] == ["python3", "-m", "http.server", "8001", "--bind", "127.0.0.1"]
+    assert server["state"] == "running"
+    killed = await call(client, "kill_process", os_pid=server["os_pid"], sandbox_id=box)
+    assert killed["ok"], killed
+    assert killed["detail"]["killed"] is True
+    assert await left_running(client, box) == []
+    after = await call(client, "run_command", command=fetch.replace("range(200)", "range(1)"), sandbox_id=box)
+    assert after["detail"]["stdout"] == ""
+
+
+async def test_background_and_left_running_processes_are_told_apart(client: Client) -> None:
+    box = await create(client)
+    await start(client, box, "sleep 4321.5")
+    await call(client, "run_command", command="nohup sleep 4321.75 >/dev/null 2>&1 &", sandbox_id=box)
+    listed = (await call(client, "list_processes", sandbox_id=box))["detail"]["processes"]
+    assert [(entry["started_by"], entry["argv"]) for entry in listed] == [
+        ("background", ["sh", "-c", "sleep 4321.5"]),
+        ("command", ["sleep", "4321.75"]),
+    ]
+
+
+async def test_kill_process_refuses_a_pid_of_the_host_or_of_another_sandbox(client: Client) -> None:
+    mine, other = await create(client), await create(client)
+    for _ in range(3):
+        await call(client, "run_command", command="/bin/true", sandbox_id=mine)
+    await call(client, "run_command", command="sleep 4322.5 >/dev/null 2>&1 &", sandbox_id=mine)
+    await call(client, "run_command", command="sleep 4322.75 >/dev/null 2>&1 &", sandbox_id=other)
+    [theirs] = await left_running(client, other)
+    [own] = await left_running(client, mine)
+    assert theirs["os_pid"] != own["os_pid"]
+    for pid in (theirs["os_pid"], os.getpid(), 1):
+        refused = await call(client, "kill_process", os_pid=pid, sandbox_id=mine)
+        assert refused["code"] == "NOT_FOUND", refused
+        assert "no process" in str(refused["reason"])
+    assert len(await left_running(client, other)) == 1
+    for args in ({}, {"pid": 1, "os_pid": own["os_pid"]}):
+        both = await call(client, "kill_process", sandbox_id=mine, **args)
+        assert both["code"] == "INVALID_REQUEST", both
+
+
+async def test_a_hostile_command_line_is_listed_cleaned_and_bounded(client: Client) -> None:
+    """A process writes its own /proc/PID/cmdline: terminal escapes, a secret-looking value and a
+    huge argument come back sanitized, redacted and cut."""
+    box = await create(client)
+    secret = "ghp_" + "A" * 36
+    script = (
+        "python3 -c 'import os, sys, time\n"
+        "if os.fork() == 0:\n"
+        '    os.execvp("python3", ["python3", "-c", "import time; time.sleep(4323.5)", "\\x1b[31mred\\x1b[0m", "'
+        + secret
+        + '", "x" * 100000])\n'
+        "' >/dev/null 2>&1"
+    )
+    await call(client, "run_command", command=script, sandbox_id=box)
+    [entry] = await left_running(client, box)
+    argv = [str(arg) for arg in entry["argv"]]
+    assert argv[:5] == ["python3", "-c", "import time; time.sleep(4323.5)", "red", "[REDACTED:github_token]"]
+    assert set(argv[5]) == {"x"}  # the huge argument, cut
+    assert sum(len(arg) for arg in argv) <= MAX_ARGV_CHARS

@@ -7,11 +7,24 @@ may be imported only by the files pyproject.toml names (TID251); tests/test_cont
 from bastion.sandbox._devices import SCRATCH_INODES, SHM_SIZE_BYTES, TMP_SIZE_BYTES, DeviceFolder, ScratchSizes
 from bastion.sandbox._disk import quota_available
 from bastion.sandbox._idmap import idmap_supported, idmapped_mount, is_mounted, unmount
-from bastion.sandbox._spawn import SANDBOX_PATH, SANDBOX_WORKSPACE, SandboxSpec, sandbox_python
+from bastion.sandbox._spawn import (
+    FORWARDER_PATH,
+    KERNEL_PATH,
+    PROGRAMS_DIR,
+    REPL_PATH,
+    SANDBOX_PATH,
+    SANDBOX_WORKSPACE,
+    SandboxSpec,
+    sandbox_python,
+)
 from bastion.sandbox.backend import Backend, Process, RunOutcome, Sandbox
 from bastion.sandbox.warm import BubblewrapBackend, WarmSandbox
 
 __all__ = [
+    "FORWARDER_PATH",
+    "KERNEL_PATH",
+    "PROGRAMS_DIR",
+    "REPL_PATH",
     "SANDBOX_PATH",
     "SANDBOX_WORKSPACE",
     "SCRATCH_INODES",

@@ -27,10 +27,26 @@ from bastion.sandbox.seccomp import write_filter_fd
 SandboxProcess: TypeAlias = subprocess.Popen[bytes]
 SANDBOX_WORKSPACE: Final = "/workspace"
 SANDBOX_PATH: Final = "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin"
-# The agent runs inside with no site-packages: Landlock's code travels with it, in front.
-AGENT_SOURCE: Final = "\n\n".join(
-    (Path(__file__).parent / "inside" / name).read_text(encoding="utf-8") for name in ("landlock.py", "agent.py")
-)
+# The programs bastion runs inside, shown read-only under /opt/bastion (never on a command line:
+# `ps` inside and on the host shows a short one). The agent runs with no site-packages:
+# Landlock's code travels with it, in front.
+PROGRAMS_DIR: Final = "/opt/bastion"  # /run/bastion holds the egress socket (workbench.network)
+AGENT_PATH: Final = f"{PROGRAMS_DIR}/agent.py"
+KERNEL_PATH: Final = f"{PROGRAMS_DIR}/kernel.py"
+FORWARDER_PATH: Final = f"{PROGRAMS_DIR}/forwarder.py"
+REPL_PATH: Final = f"{PROGRAMS_DIR}/repl.py"
+SHARED_PIDS: Final = "pids=shared"  # the agent's mode argument (inside/agent.py)
+PER_COMMAND_PIDS: Final = "pids=per-command"
+_INSIDE: Final = Path(__file__).parent / "inside"
+# Every program of inside/ under its own name; the agent with Landlock's code in front.
+INSIDE_FILES: Final = {
+    **{
+        f"{PROGRAMS_DIR}/{path.name}": path.read_text(encoding="utf-8")
+        for path in sorted(_INSIDE.glob("*.py"))
+        if path.name not in ("__init__.py", "landlock.py", "agent.py")
+    },
+    AGENT_PATH: "\n\n".join((_INSIDE / name).read_text(encoding="utf-8") for name in ("landlock.py", "agent.py")),
+}
 TMP_DIR: Final = "/tmp"  # noqa: S108 - the sandbox's own tmpfs
 SHM_DIR: Final = "/dev/shm"  # noqa: S108 - the sandbox's own tmpfs
 # Who commands are inside: an ordinary uid, mapped outside to the sandbox's host identity
@@ -89,6 +105,9 @@ class SandboxSpec:
     identity: tuple[int, int] | None = None
     """Host (uid, gid) bwrap drops to before it starts, so the sandbox's uid maps to it, not to
     the server's root (see `bastion.sandbox.identity`). None: the server's own (not root)."""
+    command_groups: bool = False
+    """Commands share the sandbox's PID namespace, the agent its PID 1, each command in a cgroup
+    of its own (`bastion.sandbox.command_groups`); else each gets a PID namespace of its own."""
 
 
 # Joins the cgroups, then becomes bwrap (same pid; through setpriv when it drops to the
@@ -186,13 +205,15 @@ def build_bwrap_argv(
 
     Namespaces: user (the agent's capabilities only reach the sandbox's own
     namespaces), mount, PID, IPC, UTS, cgroup and network (loopback only).
-    `data_fds`: files to show read-only, by destination (their content is read from the fd).
+    `data_fds`: files to show read-only, by destination (their content is read from the fd); they
+    must include `AGENT_PATH` (`inside_fds`).
     """
     argv = [bwrap_path(), "--unshare-all", "--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_GID)]
     argv += ["--die-with-parent", "--new-session", "--hostname", "bastion"]
-    # The agent keeps CAP_SYS_ADMIN (to make a PID namespace per command) and
-    # CAP_SETPCAP (to empty the bounding set), both confined to the sandbox's
-    # user namespace; it leaves nothing a command could inherit (see inside/agent.py).
+    # The agent keeps CAP_SYS_ADMIN (to make a PID namespace per command without cgroups; with
+    # them, holding it keeps ptrace and /proc/1/fd refused to commands) and CAP_SETPCAP (to
+    # empty the bounding set), both confined to the sandbox's user namespace; it leaves
+    # nothing a command could inherit (see inside/agent.py).
     argv += ["--cap-drop", "ALL", "--cap-add", "CAP_SYS_ADMIN", "--cap-add", "CAP_SETPCAP"]
     _bind_system(argv, python)
     for dest, fd in (data_fds or {}).items():
@@ -215,7 +236,12 @@ def build_bwrap_argv(
     argv += ["--chdir", SANDBOX_WORKSPACE, "--clearenv", "--setenv", "PATH", SANDBOX_PATH]
     # bwrap loads the filter just before it execs the agent: the agent and every command run under it.
     argv += ["--seccomp", str(seccomp_fd)]
-    argv += ["--", python, "-I", "-S", "-c", AGENT_SOURCE, str(agent_fd), SANDBOX_WORKSPACE, TMP_DIR]
+    # With cgroups, commands share one PID namespace whose PID 1 is the agent itself (so
+    # `ps`, `kill` and /proc agree on pids); without, each gets one of its own (inside/agent.py).
+    if spec.command_groups:
+        argv += ["--as-pid-1"]
+    pids = SHARED_PIDS if spec.command_groups else PER_COMMAND_PIDS
+    argv += ["--", python, "-I", "-S", AGENT_PATH, str(agent_fd), pids, SANDBOX_WORKSPACE, TMP_DIR]
     return argv
 
 
@@ -228,6 +254,7 @@ def start_sandbox(spec: SandboxSpec) -> tuple[SandboxProcess, socket.socket]:
     try:
         for dest, text in IDENTITY_FILES.items():
             data_fds[dest] = _data_fd(text)
+        data_fds |= inside_fds()
         full = build_bwrap_argv(spec, agent_end.fileno(), sandbox_python(), seccomp_fd, data_fds)
         # bwrap is PID 1 inside, and /proc/1/cmdline is readable there: its options (host paths
         # of the workspace, the state folder, binds) go through a memfd, not the command line.
@@ -270,6 +297,19 @@ def start_sandbox(spec: SandboxSpec) -> tuple[SandboxProcess, socket.socket]:
         if args_fd >= 0:
             os.close(args_fd)
     return proc, host_end
+
+
+def inside_fds() -> dict[str, int]:
+    """memfds of the programs bastion runs inside (`INSIDE_FILES`), by destination; the caller closes them."""
+    fds: dict[str, int] = {}
+    try:
+        for dest, text in INSIDE_FILES.items():
+            fds[dest] = _data_fd(text)
+    except BaseException:
+        for fd in fds.values():
+            os.close(fd)
+        raise
+    return fds
 
 
 def _data_fd(text: str) -> int:

@@ -35,6 +35,7 @@ from typing import Protocol
 
 from bastion.sandbox._spawn import SandboxSpec
 from bastion.sandbox.cgroups import Limits, Usage
+from bastion.sandbox.command_groups import Leftover
 from bastion.sandbox.processes import OutputSink, RingCapture
 
 
@@ -179,7 +180,10 @@ class Sandbox(Protocol):
         `timeout_s` the command and everything it started are killed and the outcome
         says `timed_out` (a timeout is an outcome, not an error); a cancelled call kills
         them too. A program or cwd that does not exist is the command's failure: status
-        127 and one line on its stderr. Nothing the command started outlives it.
+        127 and one line on its stderr. What a command that exits leaves running (`x &`,
+        nohup, setsid, a daemon) lives on until it exits, `kill_leftover` ends it, or the
+        sandbox closes (`leftovers` lists it), as on a machine; a backend that cannot keep
+        them apart from the command (bubblewrap without cgroups) ends them with it instead.
 
         Raises:
             Conflict: the sandbox is paused.
@@ -218,6 +222,22 @@ class Sandbox(Protocol):
         it ends the whole sandbox, which ends every command in it.
 
         Raises:
+            Conflict: the sandbox is paused.
+        """
+        ...
+
+    def leftovers(self) -> list[Leftover]:
+        """The processes exited commands left running, by their pid in the sandbox (what `ps`
+        inside shows); [] when it is not running. Their command lines are the sandbox's to
+        write: untrusted, bounded, not cleaned."""
+        ...
+
+    async def kill_leftover(self, pid: int) -> None:
+        """SIGKILL one process `leftovers` lists, by its pid in the sandbox; return once it is gone.
+
+        Raises:
+            NotFound: no process a command left running in this sandbox has that pid (a pid of
+                the host, of another sandbox, of a running command or background process).
             Conflict: the sandbox is paused.
         """
         ...

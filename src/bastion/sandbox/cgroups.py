@@ -102,6 +102,14 @@ class Usage:
     frozen: bool
 
 
+def fd_migration_supported(release: str | None = None) -> bool:
+    """Whether the kernel checks a cgroup.procs write against the fd opener's credentials and cgroup
+    namespace (Linux >= 5.16), which command groups need: the agent moves itself through fds the
+    server opened. `release`: a kernel release string (default: this kernel's)."""
+    numbers = re.match(r"(\d+)\.(\d+)", release if release is not None else os.uname().release)
+    return numbers is not None and (int(numbers[1]), int(numbers[2])) >= (5, 16)
+
+
 def _validate_name(name: str, what: str) -> None:
     if not _NAME_RE.fullmatch(name):
         raise InvalidRequest(f"{what} {name!r} is not 1-64 of [a-z0-9-]: pick another name")
@@ -333,11 +341,39 @@ class SandboxCgroup:
         return keyed(read_file(self._file(self._roles.memory, "memory.stat"))).get("shmem", 0)
 
     def pids(self) -> list[int]:
-        """Every process in the group, in any hierarchy."""
+        """Every process in the group or its command groups, in any hierarchy."""
         found: set[int] = set()
         for h in self._roles.all:
-            found.update(procs(h.group(self.name)))
+            for directory in _tree(h.group(self.name)):
+                found.update(procs(directory))
         return sorted(found)
+
+    @property
+    def _command_hierarchy(self) -> Hierarchy:
+        """Where command groups live: the hierarchy that kills (cgroup.kill), else the freezer's."""
+        r = self._roles
+        return r.unified if r.cgroup_kill and r.unified is not None else r.freeze
+
+    def home_procs(self) -> str:
+        """The group's cgroup.procs in the command groups' hierarchy: where the agent returns after a spawn."""
+        return self._file(self._command_hierarchy, "cgroup.procs")
+
+    def command_group(self, name: str) -> CommandCgroup:
+        """Create the child group ``name`` for one command's processes (no controller: limits stay here).
+
+        Raises:
+            InvalidRequest: the name is not 1-64 of [a-z0-9-].
+            OperationFailed: the kernel refused.
+        """
+        _validate_name(name, "command cgroup name")
+        path = os.path.join(self._command_hierarchy.group(self.name), name)
+        try:
+            os.mkdir(path, 0o755)
+        except FileExistsError:
+            pass  # left by an earlier start of this sandbox: reused
+        except OSError as exc:
+            raise OperationFailed(f"cannot create cgroup {path}: {exc.strerror}") from exc
+        return CommandCgroup(path, self._command_hierarchy.version, self._roles.cgroup_kill)
 
     def _frozen(self) -> bool:
         h = self._roles.freeze
@@ -376,7 +412,7 @@ class SandboxCgroup:
         unified = self._roles.unified
         if unified is not None and keyed(read_or_empty(self._file(unified, "cgroup.events"))).get("populated", 0):
             return False
-        return not any(procs(h.group(self.name)) for h in self._roles.all if h.version == 1)
+        return not any(procs(d) for h in self._roles.all if h.version == 1 for d in _tree(h.group(self.name)))
 
     def _wait_empty(self, timeout_s: float) -> bool:
         unified = self._roles.unified
@@ -425,7 +461,9 @@ class SandboxCgroup:
         """
         self.kill()
         deadline = time.monotonic() + DESTROY_WAIT_S
-        for path in self.paths:
+        # Command groups first: a group with children cannot be removed.
+        children = [d for path in self.paths for d in _tree(path)[1:]]
+        for path in [*reversed(children), *self.paths]:
             while True:
                 try:
                     os.rmdir(path)
@@ -438,3 +476,94 @@ class SandboxCgroup:
                     # EBUSY right after cgroup.kill: the last tasks are still exiting.
                     self._wait_empty(max(0.0, deadline - time.monotonic()))
                     time.sleep(V1_POLL_INTERVAL_S)
+
+
+@final
+class CommandCgroup:
+    """One command's child group of a sandbox's group, in the hierarchy that kills.
+
+    It carries no controller (the sandbox's group, which counts its descendants, holds the
+    limits), so it exists to name one command's process tree: `kill` ends that tree,
+    setsid'd, double-forked and daemonized processes included, and nothing else.
+    From `SandboxCgroup.command_group`.
+    """
+
+    def __init__(self, path: str, version: int, has_kill_file: bool) -> None:
+        self.path = path
+        self._version = version
+        self._has_kill_file = has_kill_file and version == 2
+
+    def open_procs(self) -> int:
+        """An O_WRONLY fd of its cgroup.procs: whoever writes "0" to it moves in, checked against the
+        opener's (the server's) credentials and cgroup namespace (Linux >= 5.16).
+
+        Raises:
+            NotFound: the group is gone.
+            OperationFailed: it cannot be opened.
+        """
+        path = os.path.join(self.path, "cgroup.procs")
+        try:
+            return os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+        except FileNotFoundError as exc:
+            raise NotFound(f"cgroup {self.path} is gone") from exc
+        except OSError as exc:
+            raise OperationFailed(f"cannot open {path}: {exc.strerror}") from exc
+
+    def pids(self) -> list[int]:
+        """Its processes, as the server's PID namespace numbers them."""
+        return procs(self.path)
+
+    def populated(self) -> bool:
+        if self._version == 2:
+            return keyed(read_or_empty(os.path.join(self.path, "cgroup.events"))).get("populated", 0) != 0
+        return bool(self.pids())
+
+    def kill(self) -> None:
+        """SIGKILL every process in it (cgroup.kill, else freeze, SIGKILL each, thaw). Does not wait for the exits.
+
+        Raises:
+            OperationFailed: the kernel refused.
+        """
+        if self._has_kill_file:
+            with contextlib.suppress(NotFound):
+                write_file(os.path.join(self.path, "cgroup.kill"), "1")
+            return
+        frozen = ("cgroup.freeze", "1", "0") if self._version == 2 else ("freezer.state", "FROZEN", "THAWED")
+        name, on, off = frozen
+        with contextlib.suppress(NotFound):
+            write_file(os.path.join(self.path, name), on)
+            # Frozen processes cannot fork: a pid read now is one to signal (a few ms to settle on v1).
+            if self._version == 1:
+                poll_until(lambda: read_or_empty(os.path.join(self.path, name)).strip() != "FREEZING", FREEZE_WAIT_S)
+            else:
+                wait_events(self.path, "frozen", 1, FREEZE_WAIT_S)
+            for pid in self.pids():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            write_file(os.path.join(self.path, name), off)
+
+    def wait_empty(self, timeout_s: float) -> bool:
+        """Wait (blocking, at most `timeout_s`) until no process is left in it; whether none is."""
+        if self._version == 2:
+            return wait_events(self.path, "populated", 0, timeout_s)
+        return poll_until(lambda: not self.pids(), timeout_s)
+
+    def remove(self) -> bool:
+        """Remove it if it is empty; whether it is gone."""
+        try:
+            os.rmdir(self.path)
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False
+        return True
+
+
+def _tree(directory: str) -> list[str]:
+    """`directory` and its child groups (command groups are one level deep), the parent first."""
+    try:
+        with os.scandir(directory) as entries:
+            children = [e.path for e in entries if e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return [directory]
+    return [directory, *sorted(children)]

@@ -61,6 +61,13 @@ class PipeCapture:
         if room > 0:
             self.data += chunk[:room]
 
+    def drop_rest(self) -> None:
+        """Keep reading until the pipe closes, but keep nothing more (nor what was kept): the
+        writer, left running, must not block on a full pipe nor die of a closed one."""
+        if not self.closed:
+            self.cap = 0
+            self.data = bytearray()
+
     def close(self) -> None:
         """Stop reading and close the pipe (idempotent; `done` may have been cancelled by a waiter)."""
         if self.closed:

@@ -27,11 +27,19 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Final
 
-from bastion.safety.errors import BastionError, Conflict, ResourceLimit, Unavailable
+from bastion.safety.errors import BastionError, Conflict, NotFound, ResourceLimit, Unavailable
 from bastion.sandbox._spawn import SandboxProcess, SandboxSpec, start_sandbox
 from bastion.sandbox.backend import Backend, Process, Sandbox
 from bastion.sandbox.backend import RunOutcome as RunOutcome
-from bastion.sandbox.cgroups import CgroupLayout, Limits, SandboxCgroup, Usage
+from bastion.sandbox.cgroups import (
+    CgroupLayout,
+    CommandCgroup,
+    Limits,
+    SandboxCgroup,
+    Usage,
+    fd_migration_supported,
+)
+from bastion.sandbox.command_groups import CommandGroups, Leftover, kill_pidfd
 from bastion.sandbox.processes import BackgroundProcess, OutputSink, PipeCapture, RingCapture
 
 logger = logging.getLogger("bastion.sandbox")
@@ -40,6 +48,7 @@ START_TIMEOUT_S: Final = 10.0
 _GROUP_PREFIX: Final = "sb"
 _group_ids = itertools.count(1)
 KILL_GRACE_S: Final = 5.0
+OUTPUT_GRACE_S: Final = 0.2  # after a command's exit, for output still on its way (see `_output_after_exit`)
 MAX_MESSAGE_BYTES: Final = 65_536
 
 
@@ -115,9 +124,12 @@ def _mib(count: int) -> str:
 
 
 class WarmSandbox:
-    """One long-lived sandbox; commands in it run concurrently, each in its own PID namespace.
+    """One long-lived sandbox; commands in it run concurrently.
 
-    The bubblewrap implementation of `bastion.sandbox.backend.Sandbox`.
+    The bubblewrap implementation of `bastion.sandbox.backend.Sandbox`. With cgroups, commands
+    share the sandbox's PID namespace, each in a cgroup of its own (`command_groups`): what
+    a command leaves running lives on until the sandbox closes. Without (``cgroups=None``),
+    each runs as PID 1 of a PID namespace of its own, and nothing it starts outlives it.
     """
 
     def __init__(self, spec: SandboxSpec, *, cgroups: CgroupLayout | None = None, limits: Limits | None = None) -> None:
@@ -127,6 +139,7 @@ class WarmSandbox:
         self._cgroups = cgroups
         self._limits = limits
         self._group: SandboxCgroup | None = None
+        self._commands: CommandGroups | None = None  # while it runs with a cgroup
         self._paused = False
         self._proc: SandboxProcess | None = None
         self._sock: socket.socket | None = None
@@ -192,7 +205,9 @@ class WarmSandbox:
         name = f"{_GROUP_PREFIX}-{os.getpid()}-{next(_group_ids)}"
         self._group = self._cgroups.create(name, self._limits)
         procs = tuple(os.path.join(path, "cgroup.procs") for path in self._group.paths)
-        return dataclasses.replace(self.spec, cgroup_procs=procs)
+        # Before 5.16 the kernel would check the agent's moves against its own credentials: each
+        # command then keeps a PID namespace of its own.
+        return dataclasses.replace(self.spec, cgroup_procs=procs, command_groups=fd_migration_supported())
 
     def _drop_group(self) -> None:
         group, self._group = self._group, None
@@ -205,7 +220,8 @@ class WarmSandbox:
     async def _start(self) -> None:
         self._asleep = False
         try:
-            proc, sock = start_sandbox(self._make_group())
+            spec = self._make_group()
+            proc, sock = start_sandbox(spec)
         except BaseException:
             self._drop_group()
             raise
@@ -225,7 +241,24 @@ class WarmSandbox:
         landlock = json.loads(hello).get("landlock", {})
         if landlock.get("warning"):
             logger.warning("sandbox for %s: %s", self.spec.workspace, landlock["warning"])
+        if self._group is not None and spec.command_groups:
+            self._give_home(sock, self._group)
         loop.add_reader(sock.fileno(), self._on_message)
+
+    def _give_home(self, sock: socket.socket, group: SandboxCgroup) -> None:
+        """Hand the agent its way back from a command's group; from now on commands get groups."""
+        try:
+            fd = os.open(group.home_procs(), os.O_WRONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            logger.warning("sandbox for %s: no command groups (%s)", self.spec.workspace, exc.strerror)
+            return
+        try:
+            socket.send_fds(sock, [marshal.dumps({"op": "home"})], [fd])
+        except OSError:
+            return  # the agent is gone: its end is noticed by the reader
+        finally:
+            os.close(fd)
+        self._commands = CommandGroups(group)
 
     @staticmethod
     def _stderr_tail(proc: SandboxProcess) -> str:
@@ -255,6 +288,8 @@ class WarmSandbox:
         if exited is None:
             return
         command_id, status = exited
+        if self._commands is not None:
+            self._release(self._commands, command_id)
         process = self._background.pop(command_id, None)
         if process is not None:
             process.finish(status)
@@ -263,7 +298,14 @@ class WarmSandbox:
         if waiter is not None and not waiter.done():
             waiter.set_result(status)
 
+    def _release(self, commands: CommandGroups, command_id: int) -> None:
+        try:
+            commands.exited(command_id)
+        except BastionError as exc:  # its group is kept out of reuse; the close removes it
+            logger.warning("sandbox for %s: command group not released: %s", self.spec.workspace, exc.reason)
+
     def _on_agent_gone(self) -> None:
+        self._commands = None  # every command group goes with the sandbox's (`_reap`)
         if self._sock is not None:
             with contextlib.suppress(RuntimeError):
                 asyncio.get_running_loop().remove_reader(self._sock.fileno())
@@ -344,13 +386,60 @@ class WarmSandbox:
         running, and /tmp and /dev/shm empty unless they are the server's tmpfs (bwrap's own
         would be lost). Its processes, cgroup and memory go; the next command starts it again
         (tens of ms). Returns whether it went to sleep."""
-        if not self.alive or self._paused or self._waiters or self._background:
+        if not self.alive or self._paused or self._waiters or self._background or self._left_running():
             return False
         if self.spec.devices is None and not _scratch_is_empty(self._proc):
             return False
         self._on_agent_gone()  # its processes and cgroup are reaped in a worker thread
         self._asleep = True
         return True
+
+    def _left_running(self) -> bool:
+        """Whether a command left processes running (they would die with a sleep)."""
+        try:
+            return self._commands is not None and bool(self._commands.left_pids())
+        except BastionError:
+            return True
+
+    def _kill_tree(self, command_id: int) -> CommandCgroup | None:
+        """Kill a command and everything it started: its cgroup (returned, to wait until it is
+        empty), or else its PID namespace's PID 1."""
+        self._tell_agent("kill", command_id)
+        if self._commands is None:
+            return None
+        try:
+            return self._commands.kill(command_id)
+        except BastionError as exc:
+            # The agent's SIGKILL still ends the command; what it started may live on, so say so.
+            logger.error("sandbox for %s: command group not killed: %s", self.spec.workspace, exc.reason)
+            return None
+
+    @staticmethod
+    async def _all_gone(group: CommandCgroup | None) -> None:
+        """Wait, off the event loop, until a killed command's every process has exited."""
+        if group is not None and not await asyncio.to_thread(group.wait_empty, KILL_GRACE_S):
+            logger.error("command group %s still has processes %s s after SIGKILL", group.path, KILL_GRACE_S)
+
+    def leftovers(self) -> list[Leftover]:
+        """The processes commands left running (not those of running commands, nor background ones)."""
+        return self._commands.leftovers() if self._commands is not None and self.alive else []
+
+    async def kill_leftover(self, pid: int) -> None:
+        """SIGKILL one process a command left running, named by its pid in the sandbox; wait for its end.
+
+        Raises:
+            NotFound: no such process of this sandbox (a pid elsewhere, of the host or another sandbox).
+        """
+        if self._commands is None or not self.alive:
+            raise NotFound(f"no process {pid} left running by a command in this sandbox: it is not running")
+        if self._paused:
+            raise Conflict("the sandbox is paused: resume it first")
+        fd = self._commands.open_leftover(pid)
+        try:
+            kill_pidfd(fd)
+            await asyncio.to_thread(_wait_exited, [os.dup(fd)], KILL_GRACE_S)
+        finally:
+            os.close(fd)
 
     def _tell_agent(self, op: str, command_id: int) -> None:
         if self._sock is not None:
@@ -394,12 +483,12 @@ class WarmSandbox:
         try:
             async with asyncio.timeout(timeout_s):
                 status = await asyncio.shield(waiter)
-                await asyncio.gather(out.done, err.done)
+            await self._output_after_exit(out, err)
         except TimeoutError:
             timed_out = True
         except asyncio.CancelledError:
             cancelled = True
-            self._tell_agent("kill", command_id)
+            self._kill_tree(command_id)
             self._waiters.pop(command_id, None)
             waiter.cancel()
             out.close()
@@ -407,15 +496,28 @@ class WarmSandbox:
             raise
         finally:
             if timed_out:
-                self._tell_agent("kill", command_id)
+                killed = self._kill_tree(command_id)
                 status = await self._await_exit(command_id, waiter)
+                await self._all_gone(killed)
                 out.close()
                 err.close()
         oom_killed = self._group is not None and self.oom_kills() > ooms_before
         note = self.memory_note() if oom_killed else ""
-        return RunOutcome(
+        outcome = RunOutcome(
             status, bytes(out.data), bytes(err.data), out.total, err.total, timed_out, cancelled, oom_killed, note
         )
+        out.drop_rest()
+        err.drop_rest()
+        return outcome
+
+    @staticmethod
+    async def _output_after_exit(out: PipeCapture, err: PipeCapture) -> None:
+        """Wait for the end of both streams. A process the command left running (`server &`) may hold
+        them open: then what came within OUTPUT_GRACE_S of the exit is the output, and the rest is read
+        and dropped until they close (closing them now would kill it with SIGPIPE at its next write)."""
+        pending = [capture.done for capture in (out, err) if not capture.done.done()]
+        if pending:
+            await asyncio.wait(pending, timeout=OUTPUT_GRACE_S)
 
     async def _hand_off(self, request: Mapping[str, object], fds: list[int], waiter: asyncio.Future[int] | None) -> int:
         """Ask the agent to start a command with these fds; return the command's id.
@@ -426,16 +528,30 @@ class WarmSandbox:
         if sock is None or not self.alive:
             raise Unavailable("the sandbox is not running")
         command_id = next(self._command_ids)
+        commands = self._commands
+        group_fd = -1
+        if commands is not None:
+            try:
+                group_fd = commands.take(command_id).open_procs()
+            except BastionError:
+                commands.forget(command_id)
+                raise
+            request = {**request, "cgroup": True}
         data = marshal.dumps({**request, "op": "run", "id": command_id})
         if waiter is not None:
             self._waiters[command_id] = waiter
         try:
-            await self._send_fds(sock, data, fds)
+            await self._send_fds(sock, data, fds if group_fd < 0 else [*fds, group_fd])
         except BaseException as exc:
             self._waiters.pop(command_id, None)  # never sent (or cancelled while waiting to send)
+            if commands is not None:
+                commands.forget(command_id)
             if isinstance(exc, OSError):
                 raise Unavailable(f"sandbox agent unreachable: {exc.strerror or exc}") from None
             raise
+        finally:
+            if group_fd >= 0:
+                os.close(group_fd)
         return command_id
 
     @staticmethod
@@ -477,8 +593,8 @@ class WarmSandbox:
     ) -> BackgroundProcess:
         """Start a command in the background and return at once.
 
-        It runs, like any command, as PID 1 of its own PID namespace, with no time limit:
-        it ends when it exits, when `kill` ends it, or when the sandbox closes. Its stdin is
+        It runs like any command (in its own cgroup, or PID namespace without cgroups), with
+        no time limit: it ends when it exits, when `kill` ends it, or when the sandbox closes. Its stdin is
         a pipe from the host; its stdout and stderr are read into rings of `ring_bytes` each,
         or its stdout by `stdout(fd)` when given (a reader of a protocol, such as a code context's).
         """
@@ -505,15 +621,16 @@ class WarmSandbox:
         return process
 
     async def kill(self, process: Process) -> None:
-        """SIGKILL a background process's PID 1: its whole PID namespace dies with it."""
+        """SIGKILL a background process and everything it started (its cgroup, or its PID namespace)."""
         if process.exited:
             return
         if self._paused:
             raise Conflict("the sandbox is paused: resume it first")
-        self._tell_agent("kill", process.command_id)
+        killed = self._kill_tree(process.command_id)
         try:
             async with asyncio.timeout(KILL_GRACE_S):
                 await process.wait_exit()
+                await self._all_gone(killed)
         except TimeoutError:
             # The agent did not confirm the kill: end the whole sandbox, which ends every process in it.
             await self.aclose()

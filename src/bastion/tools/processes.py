@@ -1,7 +1,9 @@
 """MCP wiring of background processes: list_processes, read_process_output, send_process_input, kill_process.
 
 They are started by run_command(background=true) in a sandbox and live until they exit,
-are killed, or the sandbox closes. Wiring only (`audited_tool`): the work is `HostWorkspace`'s.
+are killed, or the sandbox closes; so do processes a command leaves running (`x &`, nohup,
+setsid, daemons), which list_processes shows and kill_process ends by `os_pid`. Wiring only
+(`audited_tool`): the work is `HostWorkspace`'s.
 """
 
 from __future__ import annotations
@@ -23,6 +25,14 @@ SandboxId = Annotated[
     str | None, Field(description="The sandbox the process runs in (from create_sandbox)."), Audit.OMIT
 ]
 Pid = Annotated[int, Field(ge=1, description="The pid run_command(background=true) returned (1, 2, ... per sandbox).")]
+OsPid = Annotated[
+    int | None,
+    Field(
+        ge=1,
+        description="Instead of pid: a process a command left running, by its os_pid from list_processes "
+        "(the pid ps shows in the sandbox).",
+    ),
+]
 
 _READS = ToolAnnotations(read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=False)
 # Input can make a program do anything it does (e.g. confirm a deletion).
@@ -43,8 +53,11 @@ def register_processes(server: BastionServer, registry: WorkspaceRegistry) -> No
         workspace=in_workspace,
         title="List processes",
         description=(
-            "The background processes of a sandbox: pid, argv, state (running/exited), exit_status, age_s and "
-            "how much output they wrote."
+            "The processes of a sandbox that outlive a call. Background ones (started_by 'background', from "
+            "run_command(background=true)): pid, argv, state (running/exited), exit_status, age_s and how much "
+            "output they wrote. Processes a command left running (started_by 'command': started with '&', "
+            "nohup, setsid or a daemon; they live until they exit, kill_process, or the sandbox closes): "
+            "os_pid (the pid ps shows inside) and argv."
         ),
     )
     async def list_processes(sandbox_id: SandboxId = None) -> dict[str, object]:
@@ -104,9 +117,12 @@ def register_processes(server: BastionServer, registry: WorkspaceRegistry) -> No
         workspace=in_workspace,
         title="Kill process",
         description=(
-            "Kill a background process and everything it started (SIGKILL to its own PID namespace). "
-            "Its record and output stay readable."
+            "Kill a background process (pid) and everything it started (SIGKILL); its record and output "
+            "stay readable. Or kill one process a command left running (os_pid from list_processes): "
+            "only that process. Give one of pid and os_pid."
         ),
     )
-    async def kill_process(pid: Pid, sandbox_id: SandboxId = None) -> dict[str, object]:
-        return await registry.get(sandbox_id).kill_process(pid)
+    async def kill_process(
+        pid: Pid | None = None, os_pid: OsPid = None, sandbox_id: SandboxId = None
+    ) -> dict[str, object]:
+        return await registry.get(sandbox_id).kill_process(pid, os_pid=os_pid)

@@ -122,7 +122,10 @@ def register_workbench(server: BastionServer, registry: WorkspaceRegistry, *, sa
             f"{run_command_description(sandboxes=sandboxes)} A non-zero exit status is "
             "ok=true with the status in detail.exit_status. In a sandbox, background=true starts the command and "
             "returns at once with its pid: it keeps running between calls (read_process_output, "
-            "send_process_input, kill_process, list_processes)."
+            "send_process_input, kill_process, list_processes). What a command leaves running ('server &', "
+            "nohup, setsid, a daemon) lives on until the sandbox closes, like on a machine: the next command can "
+            "reach it; list_processes shows it, kill_process ends it. A timeout kills the command and "
+            "everything it started."
         ),
     )
     async def run_command(

@@ -2,6 +2,10 @@
 
 Each has a small pid of the sandbox's own, a ring of raw output per stream, and the cleaned
 (decoded, sanitized, redacted) log the client reads from; cleaning happens when it reads.
+
+Processes a command left running (`x &`, nohup, setsid, a daemon) are listed beside them
+(`"started_by": "command"`, by `os_pid`, the pid `ps` shows inside) and can be killed by it;
+their command lines are the sandbox's to write, so they are cleaned like output.
 """
 
 from __future__ import annotations
@@ -12,8 +16,9 @@ from typing import Final
 
 from bastion.safety.errors import Conflict, InvalidRequest, NotFound, ResourceLimit
 from bastion.safety.output import OutputCleaner
-from bastion.safety.redact import Redactor
+from bastion.safety.redact import Redactor, sanitize_terminal
 from bastion.sandbox.backend import Process, Sandbox
+from bastion.sandbox.command_groups import Leftover
 from bastion.sandbox.processes import OutputLog
 
 MAX_PROCESSES: Final = 16  # background processes per sandbox, running or exited (the oldest exited go first)
@@ -22,6 +27,8 @@ LOG_CHARS: Final = 1 << 20  # cleaned output kept per background process, both s
 MAX_INPUT_BYTES: Final = 65_536  # per send_process_input call
 INPUT_TIMEOUT_S: Final = 5.0  # for the process to take its input
 EXIT_OUTPUT_WAIT_S: Final = 1.0  # after an exit, for the last output to arrive
+MAX_LEFTOVERS_LISTED: Final = 100  # processes commands left running, per list_processes
+MAX_ARGV_CHARS: Final = 512  # of each such process's command line, as listed
 
 
 @dataclass
@@ -45,6 +52,7 @@ class Background:
         out, err = self.process.stdout, self.process.stderr
         return {
             "pid": self.id,
+            "started_by": "background",
             "argv": list(self.argv),
             "state": self.state,
             "exit_status": self.process.status,
@@ -156,6 +164,27 @@ class BackgroundProcesses:
 
     def clear(self) -> None:
         self._records.clear()
+
+    def leftovers(self) -> list[dict[str, object]]:
+        """What commands left running, cleaned: at most `MAX_LEFTOVERS_LISTED`, the lowest pids first."""
+        return [self._shown(left) for left in self._sandbox.leftovers()[:MAX_LEFTOVERS_LISTED]]
+
+    def _shown(self, left: Leftover) -> dict[str, object]:
+        argv: list[str] = []
+        room = MAX_ARGV_CHARS
+        for raw in left.argv:
+            if room <= 0:
+                argv.append("...")
+                break
+            arg = self._redactor.redact(sanitize_terminal(raw.decode("utf-8", errors="replace")))[:room]
+            argv.append(arg)
+            room -= len(arg)
+        return {"os_pid": left.pid, "started_by": "command", "argv": argv, "state": "running"}
+
+    async def kill_leftover(self, os_pid: int) -> dict[str, object]:
+        """SIGKILL one process a command left running (its pid in the sandbox); only that process."""
+        await self._sandbox.kill_leftover(os_pid)
+        return {"os_pid": os_pid, "started_by": "command", "killed": True}
 
 
 def _clean_more(record: Background, budget: int) -> None:

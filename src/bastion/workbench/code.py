@@ -25,22 +25,18 @@ import shutil
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Final, Literal
 
 from bastion.safety.errors import Conflict, InvalidRequest, NotFound, ResourceLimit, Unavailable
 from bastion.safety.output import OutputCleaner
 from bastion.safety.redact import Redactor
-from bastion.sandbox import SANDBOX_PATH, SANDBOX_WORKSPACE
+from bastion.sandbox import KERNEL_PATH, REPL_PATH, SANDBOX_PATH, SANDBOX_WORKSPACE
 from bastion.sandbox.backend import Process
 from bastion.sandbox.processes import RingCapture
 from bastion.workbench.workspace import OWN_VENV, SYSTEM_PYTHON, HostWorkspace
 
 logger = logging.getLogger("bastion.code")
 
-_INSIDE: Final = Path(__file__).parents[1] / "sandbox" / "inside"
-KERNEL_SOURCE: Final = (_INSIDE / "kernel.py").read_text(encoding="utf-8")
-REPL_SOURCE: Final = (_INSIDE / "repl.py").read_text(encoding="utf-8")
 Language = Literal["python", "javascript", "bash"]
 LANGUAGES: Final[tuple[Language, ...]] = ("python", "javascript", "bash")
 RUNTIMES: Final = {"javascript": "node", "bash": "bash"}
@@ -684,7 +680,7 @@ class CodeRunner:
     def _argv(self, language: Language) -> tuple[str, ...]:
         """How a context of `language` starts; bash and JavaScript need a sandbox that allows a shell."""
         if language == "python":
-            return (self._python, "-I", "-c", KERNEL_SOURCE, OWN_VENV)
+            return (self._python, "-I", KERNEL_PATH, OWN_VENV)
         self._workspace.require_shell(f"{language} code")
         runtime = shutil.which(RUNTIMES[language], path=SANDBOX_PATH)
         if runtime is None:
@@ -692,7 +688,7 @@ class CodeRunner:
                 f"{language} needs {RUNTIMES[language]}, which is not installed on this server: "
                 f"languages available here: {', '.join(available_languages())}"
             )
-        return (SYSTEM_PYTHON, "-I", "-c", REPL_SOURCE, language, runtime)
+        return (SYSTEM_PYTHON, "-I", REPL_PATH, language, runtime)
 
 
 def available_languages() -> list[str]:

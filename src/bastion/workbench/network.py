@@ -20,7 +20,7 @@ from typing import Final
 from bastion.config import AllowRule
 from bastion.egress.proxy import EgressService
 from bastion.safety.errors import Unavailable
-from bastion.sandbox import sandbox_python
+from bastion.sandbox import FORWARDER_PATH, sandbox_python
 from bastion.sandbox.backend import Process
 from bastion.workbench.workspace import HostWorkspace
 
@@ -30,9 +30,6 @@ INSIDE_DIR: Final = "/run/bastion"
 SOCKET_NAME: Final = "egress.sock"
 PROXY_PORT: Final = 3128
 PROXY_URL: Final = f"http://127.0.0.1:{PROXY_PORT}"
-FORWARDER_SOURCE: Final = (Path(__file__).parents[1] / "sandbox" / "inside" / "forwarder.py").read_text(
-    encoding="utf-8"
-)
 READY_TIMEOUT_S: Final = 10.0
 
 
@@ -133,7 +130,7 @@ class SandboxNetwork:
 
 async def _start_forwarder(workspace: HostWorkspace, socket_path: str) -> Process:
     python = sandbox_python()
-    argv = [python, "-I", "-S", "-c", FORWARDER_SOURCE, str(PROXY_PORT), socket_path]
+    argv = [python, "-I", "-S", FORWARDER_PATH, str(PROXY_PORT), socket_path]
     process = await workspace.sandbox.spawn(
         python, argv, cwd="/", env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}, ring_bytes=4096
     )

@@ -452,7 +452,8 @@ class HostWorkspace:
         return {**record.summary(), "cwd": sandbox_cwd}
 
     def list_processes(self) -> list[dict[str, object]]:
-        return self.processes.summaries()
+        """Background processes, then what commands left running."""
+        return [*self.processes.summaries(), *self.processes.leftovers()]
 
     async def read_process(self, pid: int, *, since: int | None) -> dict[str, object]:
         """Cleaned output from offset `since` (see `BackgroundProcesses.read`)."""
@@ -462,8 +463,19 @@ class HostWorkspace:
         """Write `data` to the process's stdin; with `eof`, close it afterwards."""
         return await self.processes.send_input(pid, data, eof=eof)
 
-    async def kill_process(self, pid: int) -> dict[str, object]:
-        """SIGKILL the process's PID 1: everything it started dies with its PID namespace."""
+    async def kill_process(self, pid: int | None, *, os_pid: int | None = None) -> dict[str, object]:
+        """Kill a background process and everything it started (`pid`), or one process a
+        command left running (`os_pid`, its pid in the sandbox).
+
+        Raises:
+            InvalidRequest: neither or both given.
+            NotFound: no such process in this sandbox.
+        """
+        if (pid is None) == (os_pid is None):
+            raise InvalidRequest("give either pid (a background process) or os_pid (a process a command left running)")
+        if os_pid is not None:
+            return await self.processes.kill_leftover(os_pid)
+        assert pid is not None
         return await self.processes.kill(pid)
 
     def close(self) -> None:

@@ -1,8 +1,10 @@
 """The resident agent of a warm sandbox. DANGEROUS: it starts every command.
 
 This file runs INSIDE the bubblewrap sandbox, started by `bastion.sandbox._spawn`
-as ``python3 -I -S -c <landlock.py + this source> <socket fd> <writable dir>...``. It is standard library only and
-imports nothing from bastion: the sandbox sees no site-packages.
+as ``python3 -I -S /opt/bastion/agent.py <socket fd> pids=shared|per-command <writable dir>...``, that file holding
+landlock.py's source and then this one, bound read-only (the source stays off every command
+line). It is standard library only and imports nothing from bastion: the sandbox sees no
+site-packages.
 
 Why it exists: a fresh bwrap per command costs 4-6 ms; a resident agent that
 starts each command with posix_spawn costs about 1 ms, and the sandbox's namespaces
@@ -11,18 +13,36 @@ are made once.
 Protocol (one object per SOCK_SEQPACKET message: marshal from the host, JSON from the
 agent; fds via SCM_RIGHTS):
   agent -> host   {"event": "ready", "pid": P, "landlock": {...}}, once
-  host -> agent   {"op": "run", "id": N, "exe": "/usr/bin/ls", "argv": [...], "cwd": "/workspace", "env": {...}}
+  host -> agent   {"op": "home"}, once after "ready" when the sandbox has cgroups, with one fd:
+                  the sandbox group's cgroup.procs, opened O_WRONLY by the host
+  host -> agent   {"op": "run", "id": N, "exe": "/usr/bin/ls", "argv": [...], "cwd": "/workspace", "env": {...},
+                   "cgroup": true}
                   with two or three fds: the write ends of the stdout and stderr pipes, and
-                  for a background process the read end of its stdin pipe (else stdin is /dev/null)
+                  for a background process the read end of its stdin pipe (else stdin is /dev/null);
+                  with "cgroup", one more last: the command group's cgroup.procs, opened O_WRONLY
   host -> agent   {"op": "kill", "id": N}
   agent -> host   {"event": "exit", "id": N, "status": S}   S: exit code, or 128 + signal number
 A command that cannot start (no such program, a bad cwd) writes one line to its stderr
 pipe and exits 127, as a shell would.
 
-Each command runs as PID 1 of a PID namespace of its own: before each spawn the agent
-points its children's PID namespace back at its own (setns) and unshares a new one.
-When that PID 1 exits or is killed, the kernel kills every process left in its
-namespace, including setsid'd and double-forked ones: no survivors, by construction.
+With cgroups (the usual case, ``pids=shared``), the agent is PID 1 of the sandbox's PID
+namespace (bwrap --as-pid-1) and commands run in it, as in a container: `ps`, `kill` and
+/proc agree on pids, and what a command leaves running (`x &`, nohup, setsid, a double
+fork, a daemon) lives on, reparented to the agent (which reaps it), until the sandbox closes.
+Each command starts in a child cgroup of its own, made by the host, which kills that
+group's whole tree on a timeout or cancel: the agent writes "0" to the group's
+cgroup.procs fd (it moves itself), spawns, and writes "0" to its home fd (moves back).
+The kernel checks those moves against the opener's credentials and cgroup namespace
+(Linux >= 5.16), so fds the host opened work from in here; the sandbox sees no cgroupfs,
+and a command cannot reach the agent's fds (CLOEXEC, and the agent keeps capabilities
+the commands lack, so ptrace and /proc/1/fd are refused to them).
+
+Without cgroups (the fallback, ``pids=per-command``), the agent first makes a PID namespace
+of its own (`enter_own_pid_namespace`), and each command runs as PID 1 of one of its own:
+before each spawn the agent points its children's PID namespace back at its own (setns)
+and unshares a new one. When that PID 1 exits or is killed, the kernel kills every
+process left in its namespace, setsid'd and double-forked ones included: nothing a
+command started outlives it.
 
 posix_spawn (clone with CLONE_VM | CLONE_VFORK, then exec) shares the agent's memory
 until the exec, so starting a command copies no page table and takes no copy-on-write
@@ -54,6 +74,7 @@ if TYPE_CHECKING:
 CLONE_NEWPID = 0x20000000
 PR_CAPBSET_DROP = 24
 PR_SET_SECUREBITS = 28
+PR_SET_DUMPABLE = 4
 PR_SET_NO_NEW_PRIVS = 38
 PR_CAP_AMBIENT = 47
 PR_CAP_AMBIENT_CLEAR_ALL = 4
@@ -104,6 +125,9 @@ def keep_nothing_for_commands() -> None:
         half.inheritable = 0
     check(libc.capset(ctypes.byref(header), data), "capset")
     check(libc.prctl(PR_SET_SECUREBITS, SECUREBITS, 0, 0, 0), "securebits")
+    # Commands share its PID namespace: its /proc entries (fd, environ, mem) become root's, not
+    # theirs. A command's own exec makes it dumpable again: this stays the agent's.
+    check(libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0), "not dumpable")
 
 
 def enter_own_pid_namespace(sock: socket.socket) -> None:
@@ -127,12 +151,14 @@ def enter_own_pid_namespace(sock: socket.socket) -> None:
 
 
 class Agent:
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, per_command_pids: bool) -> None:
         self.sock = sock
+        self.per_command_pids = per_command_pids
         self.own_pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY)
         self.devnull = os.open("/dev/null", os.O_RDONLY)
         self.running: dict[int, int] = {}  # command id -> pid, until reaped
         self.ids: dict[int, int] = {}  # pid -> command id
+        self.home = -1  # the sandbox group's cgroup.procs (op "home"), when it has cgroups
 
     def send(self, message: "dict[str, Any]") -> None:
         try:
@@ -142,11 +168,21 @@ class Agent:
 
     def handle(self, req: "dict[str, Any]", fds: "list[int]") -> None:
         op = req.get("op")
+        group = -1
+        if op == "run" and req.get("cgroup") is True and fds:
+            group = fds.pop()
+            if self.home < 0:  # no way back from the group: start it in a PID namespace instead
+                os.close(group)
+                group = -1
         if op == "run" and len(fds) in (2, 3):
-            self.start(req, fds)
+            self.start(req, fds, group)
             return
-        for fd in fds:
-            os.close(fd)
+        if op == "home" and len(fds) == 1 and self.home < 0:
+            self.home = fds.pop()
+            os.set_inheritable(self.home, False)
+        for fd in (*fds, group):
+            if fd >= 0:
+                os.close(fd)
         if op == "kill":
             pid = self.running.get(int(req.get("id", 0)))
             if pid is not None:
@@ -155,8 +191,9 @@ class Agent:
                 except ProcessLookupError:
                     pass
 
-    def start(self, req: "dict[str, Any]", fds: "list[int]") -> None:
-        """Start one command as PID 1 of a new PID namespace; report it if it cannot start."""
+    def start(self, req: "dict[str, Any]", fds: "list[int]", group: int) -> None:
+        """Start one command in its cgroup (`group` >= 0) or else as PID 1 of a new PID namespace;
+        report it if it cannot start."""
         command_id = int(req["id"])
         try:
             for fd in fds:
@@ -167,18 +204,12 @@ class Agent:
                 (os.POSIX_SPAWN_DUP2, fds[0], 1),
                 (os.POSIX_SPAWN_DUP2, fds[1], 2),
             ]
-            check(libc.setns(self.own_pid_ns, CLONE_NEWPID), "reset the PID namespace for children")
-            check(libc.unshare(CLONE_NEWPID), "make a PID namespace")
+            if group < 0 and self.per_command_pids:
+                check(libc.setns(self.own_pid_ns, CLONE_NEWPID), "reset the PID namespace for children")
+                check(libc.unshare(CLONE_NEWPID), "make a PID namespace")
             os.chdir(req["cwd"])
             try:
-                pid = os.posix_spawn(
-                    req["exe"],
-                    req["argv"],
-                    req["env"],
-                    file_actions=actions,
-                    setsigdef=DEFAULT_SIGNALS,
-                    setsigmask=(),
-                )
+                pid = self.spawn_in(group, req, actions)
             finally:
                 os.chdir("/")
         except (OSError, ValueError, TypeError, KeyError) as exc:
@@ -192,8 +223,28 @@ class Agent:
             self.running[command_id] = pid
             self.ids[pid] = command_id
         finally:
-            for fd in fds:
-                os.close(fd)
+            for fd in (*fds, group):
+                if fd >= 0:
+                    os.close(fd)
+
+    def spawn_in(self, group: int, req: "dict[str, Any]", actions: "list[Any]") -> int:
+        """posix_spawn the command; with a group, from inside it (the child starts there), then back home."""
+        if group >= 0:
+            os.write(group, b"0")  # a refusal raises: the command does not start outside its group
+        try:
+            # A process group of its own: `kill 0` in a command ends that command, not the others.
+            return os.posix_spawn(
+                req["exe"],
+                req["argv"],
+                req["env"],
+                file_actions=actions,
+                setpgroup=0,
+                setsigdef=DEFAULT_SIGNALS,
+                setsigmask=(),
+            )
+        finally:
+            if group >= 0:
+                go_home(self.home)
 
     def reap(self) -> None:
         while True:
@@ -209,6 +260,15 @@ class Agent:
             del self.running[command_id]
             code = os.waitstatus_to_exitcode(raw)
             self.send({"event": "exit", "id": command_id, "status": code if code >= 0 else 128 - code})
+
+
+def go_home(home: int) -> None:
+    """Move the agent back to the sandbox's group; if it cannot, end the sandbox rather than live
+    on in a command's group, whose kill would end the agent with the command."""
+    try:
+        os.write(home, b"0")
+    except OSError:
+        os._exit(1)
 
 
 def to_json(value: object) -> str:
@@ -235,14 +295,18 @@ def main() -> None:
     sock.setblocking(True)
     # First, while single-threaded and before any command exists: writes only beneath
     # the sandbox's own trees; then nothing a command could inherit.
-    landlock = restrict(sys.argv[2:])
+    per_command_pids = sys.argv[2] != "pids=shared"
+    landlock = restrict(sys.argv[3:])
     keep_nothing_for_commands()
-    enter_own_pid_namespace(sock)
+    if per_command_pids:
+        enter_own_pid_namespace(sock)
     os.chdir("/")  # hold no folder of the workspace; each command gets its own cwd
     wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
-    agent = Agent(sock)
+    # Commands share the agent's PID namespace: one sending SIGINT to PID 1 must not stop it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    agent = Agent(sock, per_command_pids)
     sel = selectors.DefaultSelector()
     sel.register(sock, selectors.EVENT_READ)
     sel.register(wake_r, selectors.EVENT_READ)
@@ -251,7 +315,7 @@ def main() -> None:
         for key, _ in sel.select():
             if key.fileobj is sock:
                 try:
-                    data, fds, _flags, _addr = socket.recv_fds(sock, MAX_MESSAGE_BYTES, 3)
+                    data, fds, _flags, _addr = socket.recv_fds(sock, MAX_MESSAGE_BYTES, 4)
                 except InterruptedError:
                     continue
                 if not data:

@@ -1,0 +1,366 @@
+"""Container semantics in a real bubblewrap sandbox with cgroups: what a command leaves running
+lives on until the sandbox closes, a timeout or cancel still kills a command's whole tree, and
+nothing a command can do reaches the cgroup files or the agent's descriptors."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import pytest
+
+from bastion.safety.errors import NotFound
+from bastion.sandbox._spawn import AGENT_PATH, FORWARDER_PATH, INSIDE_FILES, KERNEL_PATH, SANDBOX_PATH, SandboxSpec
+from bastion.sandbox.backend import RunOutcome
+from bastion.sandbox.cgroups import CgroupLayout, Limits
+from bastion.sandbox.inside import agent as agent_module
+from bastion.sandbox.warm import WarmSandbox
+from tests.helpers import processes_with
+
+pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
+
+ENV = {"PATH": SANDBOX_PATH, "HOME": "/workspace", "LANG": "C.UTF-8"}
+LIMITS = Limits(memory_bytes=256 << 20, pids=64, cpu_cores=1.0)
+MakeBox = Callable[[], WarmSandbox]
+
+
+@pytest.fixture
+async def make_box(tmp_path: Path) -> AsyncIterator[MakeBox]:
+    layout = CgroupLayout.detect(base_name=f"bastion-cmdgroups-{os.getpid()}")
+    made: list[WarmSandbox] = []
+
+    def make() -> WarmSandbox:
+        workspace = tmp_path / f"ws{len(made)}"
+        workspace.mkdir()
+        made.append(WarmSandbox(SandboxSpec(workspace=str(workspace)), cgroups=layout, limits=LIMITS))
+        return made[-1]
+
+    yield make
+    for box in made:
+        await box.aclose(final=True)
+    layout.release()  # refuses while any sandbox or command group is left
+
+
+@pytest.fixture
+def box(make_box: MakeBox) -> WarmSandbox:
+    return make_box()
+
+
+async def sh(box: WarmSandbox, script: str, *, timeout_s: float = 10) -> RunOutcome:
+    return await box.run(
+        "/bin/sh", ["sh", "-c", script], cwd="/workspace", env=ENV, timeout_s=timeout_s, max_output_bytes=65536
+    )
+
+
+async def until(check: Callable[[], bool]) -> None:
+    """Poll `check` (no event tells when another process has started or ended) for at most 10 s."""
+    async with asyncio.timeout(10):
+        while not check():
+            await asyncio.sleep(0.01)
+
+
+def sleeping(marker: str) -> list[int]:
+    """Host pids of `sleep MARKER` processes (not of the shells whose scripts name the marker)."""
+    return [pid for pid in processes_with(marker) if _cmdline(pid).startswith(b"sleep\0")]
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def command_groups(box: WarmSandbox) -> list[str]:
+    """Folders of the sandbox's command groups on the host."""
+    group = box._group
+    assert group is not None
+    home = os.path.dirname(group.home_procs())
+    return sorted(entry.path for entry in os.scandir(home) if entry.is_dir())
+
+
+DAEMONS = {
+    "ampersand": "sleep {m} >/dev/null 2>&1 &",
+    "ampersand_holding_stdout": "sleep {m} &",
+    "nohup": "nohup sleep {m} >/dev/null 2>&1 &",
+    "setsid": "setsid sleep {m} >/dev/null 2>&1 &",
+    "double_fork": "(sleep {m} >/dev/null 2>&1 &)",
+    "self_daemonizing_python": (
+        "python3 -c 'import os, sys\n"
+        "if os.fork(): sys.exit(0)\n"
+        "os.setsid()\n"
+        "if os.fork(): os._exit(0)\n"
+        "os.closerange(0, 3)\n"
+        'os.execvp("sleep", ["sleep", sys.argv[1]])\' {m}'
+    ),
+}
+
+
+@pytest.mark.parametrize("way", sorted(DAEMONS))
+async def test_a_process_left_running_survives_its_command_until_close(box: WarmSandbox, way: str) -> None:
+    marker = f"4301.{sorted(DAEMONS).index(way) + 1}"
+    outcome = await sh(box, DAEMONS[way].format(m=marker) + "\necho started")
+    assert (outcome.status, outcome.stdout, outcome.timed_out) == (0, b"started\n", False)
+    await until(lambda: len(sleeping(marker)) == 1)
+    [host_pid] = sleeping(marker)
+    seen = await sh(box, f"ps -eo pid=,ppid=,args= | grep '[s]leep {marker}'")
+    inner_pid, parent, *_ = seen.stdout.split()
+    assert parent == b"1"  # reparented to the agent, PID 1, which reaps it
+    assert [(left.pid, left.argv) for left in box.leftovers()] == [(int(inner_pid), (b"sleep", marker.encode()))]
+    assert not box.sleep()  # an idle sandbox with a daemon stays awake
+    await box.aclose()
+    assert not os.path.exists(f"/proc/{host_pid}")
+    assert processes_with(marker) == []
+
+
+async def test_a_web_server_started_with_ampersand_answers_the_next_command(box: WarmSandbox) -> None:
+    started = await sh(box, "python3 -m http.server 8001 --bind 127.0.0.1 &")
+    assert (started.status, started.timed_out) == (0, False)
+    fetch = (
+        "python3 -c 'import urllib.request, time\n"
+        "for _ in range(200):\n"
+        "    try:\n"
+        '        print(urllib.request.urlopen("http://127.0.0.1:8001/").status); break\n'
+        "    except OSError: time.sleep(0.05)'"
+    )
+    assert (await sh(box, fetch)).stdout == b"200\n"
+    [server] = box.leftovers()
+    assert server.argv[:3] == (b"python3", b"-m", b"http.server")
+
+
+async def test_timeout_kills_the_whole_tree_but_not_what_other_commands_left(box: WarmSandbox) -> None:
+    keep, doomed = "4302.5", "4302.75"
+    await sh(box, f"setsid sleep {keep} >/dev/null 2>&1 &")
+    script = f"setsid sleep {doomed} >/dev/null 2>&1 & (sleep {doomed} &); nohup sleep {doomed} & sleep {doomed}"
+    outcome = await sh(box, script, timeout_s=0.5)
+    assert outcome.timed_out
+    await until(lambda: processes_with(doomed) == [])
+    assert len(processes_with(keep)) == 1
+    assert [left.argv[1] for left in box.leftovers()] == [keep.encode()]
+
+
+async def test_cancel_kills_the_whole_tree_including_its_daemon(box: WarmSandbox) -> None:
+    marker = "4303.25"
+    task = asyncio.create_task(sh(box, f"setsid sleep {marker} >/dev/null 2>&1 & sleep {marker}"))
+    await until(lambda: len(sleeping(marker)) == 2)
+    victims = sleeping(marker)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await until(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in victims))
+    assert box.leftovers() == []
+
+
+async def test_close_leaves_no_process_and_removes_every_command_group(box: WarmSandbox) -> None:
+    marker = "4304.5"
+    for _ in range(3):
+        await sh(box, f"sleep {marker} & setsid sleep {marker} >/dev/null 2>&1 &")
+    await until(lambda: len(sleeping(marker)) == 6)
+    group = box._group
+    assert group is not None
+    paths = command_groups(box)
+    assert len(paths) >= 3  # each command that left processes holds its own group
+    await box.aclose()
+    assert processes_with(marker) == []
+    assert group.pids() == []
+    assert not any(os.path.exists(path) for path in [*paths, *group.paths])
+
+
+async def test_groups_of_commands_that_left_nothing_are_reused(box: WarmSandbox) -> None:
+    for _ in range(20):
+        assert (await sh(box, "true")).status == 0
+    assert len(command_groups(box)) == 1
+
+
+async def test_a_left_process_that_exits_frees_its_group(box: WarmSandbox) -> None:
+    await sh(box, "sleep 0.05 >/dev/null 2>&1 &")
+    await until(lambda: box.leftovers() == [])
+    for _ in range(5):
+        await sh(box, "true")
+    assert len(command_groups(box)) == 1
+
+
+async def test_fork_bomb_of_left_processes_stays_under_pids_max(box: WarmSandbox) -> None:
+    marker = "4305.5"
+    outcome = await sh(box, f"for i in $(seq 200); do sleep {marker} >/dev/null 2>&1 & done 2>/dev/null")
+    assert not outcome.timed_out
+    usage = box.usage()
+    assert usage is not None
+    assert usage.pids <= 64
+    left = box.leftovers()
+    assert 0 < len(left) < 64
+    for process in left:
+        await box.kill_leftover(process.pid)
+    assert (await sh(box, "echo alive")).stdout == b"alive\n"
+
+
+async def test_kill_leftover_ends_only_that_process(box: WarmSandbox) -> None:
+    await sh(box, "sleep 4306.25 >/dev/null 2>&1 & sleep 4306.5 >/dev/null 2>&1 &")
+    await until(lambda: len(box.leftovers()) == 2)
+    first, second = box.leftovers()
+    await box.kill_leftover(first.pid)
+    assert box.leftovers() == [second]
+    assert processes_with("4306.25") == []
+
+
+async def test_kill_leftover_refuses_a_pid_of_the_host_or_of_another_sandbox(make_box: MakeBox) -> None:
+    mine, other = make_box(), make_box()
+    for _ in range(3):
+        await sh(mine, "/bin/true")  # each takes a pid: the two sandboxes' daemons get different ones
+    await sh(mine, "sleep 4307.5 >/dev/null 2>&1 &")
+    await sh(other, "sleep 4307.75 >/dev/null 2>&1 &")
+    await until(lambda: len(other.leftovers()) == 1 and len(mine.leftovers()) == 1)
+    [theirs] = other.leftovers()
+    assert theirs.pid != mine.leftovers()[0].pid  # a pid that names a process in the other sandbox only
+    for pid in (theirs.pid, os.getpid(), 1, 999_999):
+        with pytest.raises(NotFound, match="no process"):
+            await mine.kill_leftover(pid)
+    assert len(other.leftovers()) == 1
+
+
+async def test_kill_leftover_refuses_a_running_commands_process(box: WarmSandbox) -> None:
+    marker = "4308.5"
+    task = asyncio.create_task(sh(box, f"sleep {marker}"))
+    await until(lambda: len(sleeping(marker)) == 1)
+    inner = int((await sh(box, "pgrep -x sleep")).stdout)
+    with pytest.raises(NotFound):
+        await box.kill_leftover(inner)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def test_kill_a_background_process_takes_its_daemon(box: WarmSandbox) -> None:
+    marker = "4309.5"
+    process = await box.spawn(
+        "/bin/sh", ["sh", "-c", f"setsid sleep {marker} & exec sleep {marker}"], cwd="/", env=ENV, ring_bytes=1024
+    )
+    await until(lambda: len(sleeping(marker)) == 2)
+    await box.kill(process)
+    await until(lambda: processes_with(marker) == [])
+
+
+# -- hostile commands ------------------------------------------------------------------------------
+
+
+async def test_a_command_cannot_reach_any_cgroup_file(box: WarmSandbox) -> None:
+    probe = (
+        "cat /proc/self/cgroup; ls /sys/fs/cgroup 2>&1; mkdir -p /tmp/cg; "
+        "mount -t cgroup2 none /tmp/cg 2>&1 || echo mount-refused; "
+        "unshare -Urm sh -c 'mount -t cgroup2 none /tmp/cg && echo 0 > /tmp/cg/cgroup.procs' 2>&1 "
+        "|| echo unshare-refused"
+    )
+    out = (await sh(box, probe)).stdout.decode()
+    # Its own command group, as the sandbox's cgroup namespace shows it.
+    assert any(line.startswith("0::/c") for line in out.splitlines()), out
+    assert "No such file or directory" in out
+    assert "mount-refused" in out
+    assert "unshare-refused" in out
+
+
+async def test_a_command_cannot_move_itself_out_of_its_group(box: WarmSandbox) -> None:
+    marker = "4310.5"
+    escape = (
+        f"sh -c 'for f in /proc/1/fd/*; do echo 0 > $f; done; exec sleep {marker}' >/dev/null 2>&1 & sleep {marker}"
+    )
+    outcome = await sh(box, escape, timeout_s=0.5)
+    assert outcome.timed_out
+    await until(lambda: processes_with(marker) == [])  # both died with the command's group
+
+
+async def test_a_command_cannot_read_or_take_the_agents_descriptors(box: WarmSandbox) -> None:
+    probe = (
+        "import ctypes, errno, os\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "libc.syscall.restype = ctypes.c_long\n"
+        "results = []\n"
+        "for fd in range(16):\n"
+        "    for what in ('open', 'readlink'):\n"
+        "        try:\n"
+        "            os.close(os.open(f'/proc/1/fd/{fd}', os.O_WRONLY)) if what == 'open' else "
+        "os.readlink(f'/proc/1/fd/{fd}')\n"
+        "            results.append(f'{what} {fd} OK')\n"
+        "        except OSError as exc:\n"
+        "            results.append(errno.errorcode[exc.errno])\n"
+        "pidfd = os.pidfd_open(1)\n"
+        "for fd in range(16):\n"  # pidfd_getfd = 438
+        "    got = libc.syscall(438, pidfd, fd, 0)\n"
+        "    results.append('getfd OK' if got >= 0 else errno.errorcode[ctypes.get_errno()])\n"
+        "ctypes.set_errno(0)\n"
+        "results.append('ptrace OK' if libc.ptrace(16, 1, 0, 0) == 0 else errno.errorcode[ctypes.get_errno()])\n"
+        "for name in ('environ', 'mem'):\n"
+        "    try:\n"
+        "        open(f'/proc/1/{name}', 'rb').read(1)\n"
+        "        results.append(name + ' OK')\n"
+        "    except OSError as exc:\n"
+        "        results.append(errno.errorcode[exc.errno])\n"
+        "print(' '.join(sorted(set(results))))\n"
+    )
+    outcome = await box.run(
+        "/usr/bin/python3", ["python3", "-c", probe], cwd="/", env=ENV, timeout_s=10, max_output_bytes=4096
+    )
+    assert outcome.status == 0, outcome.stderr
+    assert b"OK" not in outcome.stdout, outcome.stdout
+    assert set(outcome.stdout.split()) <= {b"EACCES", b"EPERM", b"ENOENT", b"EBADF", b"ENOSYS"}, outcome.stdout
+
+
+async def test_sigint_or_sigkill_to_the_agent_from_a_command_changes_nothing(box: WarmSandbox) -> None:
+    assert (await sh(box, "kill -INT 1; kill -TERM 1; kill -9 1; kill -9 -1; echo sent")).stdout == b"sent\n"
+    assert (await sh(box, "echo alive")).stdout == b"alive\n"
+
+
+# -- nothing of bastion on a command line ----------------------------------------------------------
+
+
+def _tree(pid: int) -> list[int]:
+    found = [pid]
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children", encoding="ascii") as handle:
+            for child in handle.read().split():
+                found += _tree(int(child))
+    return found
+
+
+async def test_every_command_line_in_and_around_the_sandbox_is_short(box: WarmSandbox) -> None:
+    """bwrap on the host, the agent, and each command: no program source on any command line."""
+    task = asyncio.create_task(sh(box, "sleep 4311.5"))
+    await until(lambda: len(sleeping("4311.5")) == 1)
+    assert box._proc is not None
+    tree = _tree(box._proc.pid)
+    assert len(tree) >= 3  # bwrap, the agent, the command
+    for pid in tree:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        assert len(cmdline) < 512, cmdline[:600]
+    ps = await sh(box, "ps aux")
+    assert ps.status == 0, ps.stderr
+    assert len(ps.stdout) < 4096, ps.stdout[:600]
+    assert b"/opt/bastion/agent.py" in ps.stdout
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def test_without_cgroups_each_command_still_has_a_pid_namespace_of_its_own(tmp_path: Path) -> None:
+    """The fallback: nothing a command starts outlives it, and the agent's source is off argv too."""
+    box = WarmSandbox(SandboxSpec(workspace=str(tmp_path)))
+    try:
+        marker = "4312.5"
+        outcome = await sh(box, f"setsid sleep {marker} >/dev/null 2>&1 & echo $$")
+        assert outcome.stdout == b"1\n"
+        assert processes_with(marker) == []
+        assert box.leftovers() == []
+        assert box._proc is not None
+        assert all(len(Path(f"/proc/{pid}/cmdline").read_bytes()) < 512 for pid in _tree(box._proc.pid))
+    finally:
+        await box.aclose(final=True)
+
+
+def test_every_program_of_inside_is_bound_under_opt_bastion() -> None:
+    """What runs inside reaches it as a read-only file, never as `-c <source>` on a command line."""
+    names = {Path(dest).name for dest in INSIDE_FILES}
+    programs = {p.name for p in Path(agent_module.__file__).parent.glob("*.py")} - {"__init__.py", "landlock.py"}
+    assert names == programs
+    assert {KERNEL_PATH, FORWARDER_PATH, AGENT_PATH} <= set(INSIDE_FILES)
+    assert INSIDE_FILES[AGENT_PATH].index("def restrict(") < INSIDE_FILES[AGENT_PATH].index("class Agent")
