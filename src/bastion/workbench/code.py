@@ -40,6 +40,8 @@ logger = logging.getLogger("bastion.code")
 Language = Literal["python", "javascript", "bash"]
 LANGUAGES: Final[tuple[Language, ...]] = ("python", "javascript", "bash")
 RUNTIMES: Final = {"javascript": "node", "bash": "bash"}
+NAMES: Final = {"python": "Python", "javascript": "JavaScript", "bash": "bash"}
+"""How a message names each language."""
 """The program each language other than Python needs on the sandbox's PATH (the host's /usr)."""
 MAX_CONTEXTS: Final = 8
 MAX_CODE_BYTES: Final = 1 << 20
@@ -436,7 +438,7 @@ class CodeContext:
             broke = f"it broke the protocol ({self.broken})" if self.broken else ""
             reason = broke or self._stderr_tail() or ended
             await self.kill()
-            raise Unavailable(f"the {self.language} context did not start: {reason}") from None
+            raise Unavailable(f"the {NAMES[self.language]} context did not start: {reason}") from None
 
     def _stderr_tail(self) -> str:
         if self._process is None:
@@ -533,7 +535,7 @@ class CodeContext:
         data = (json.dumps(request) + "\n").encode()
         written = await self._process.write(data, timeout_s=GRACE_S)
         if written != len(data):
-            raise Unavailable(f"the {self.language} context is not taking input")
+            raise Unavailable(f"the {NAMES[self.language]} context is not taking input")
 
     async def _await_cell(self, cell: _Cell, timeout_s: float, progress: Progress) -> CellResult:
         deadline = time.monotonic() + timeout_s
