@@ -354,7 +354,9 @@ async def test_a_server_started_with_ampersand_is_listed_reachable_and_killable(
 async def test_background_and_left_running_processes_are_told_apart(client: Client) -> None:
     box = await create(client)
     await start(client, box, "sleep 4321.5")
-    await call(client, "run_command", command="nohup sleep 4321.75 >/dev/null 2>&1 &", sandbox_id=box)
+    # The command ends once the left process has exec'd sleep (until then its argv is the shell's, or none).
+    left = "nohup sleep 4321.75 >/dev/null 2>&1 & while ! grep -q 4321 /proc/$!/cmdline; do :; done"
+    await call(client, "run_command", command=left, sandbox_id=box)
     listed = (await call(client, "list_processes", sandbox_id=box))["detail"]["processes"]
     assert [(entry["started_by"], entry["argv"]) for entry in listed] == [
         ("background", ["sh", "-c", "sleep 4321.5"]),

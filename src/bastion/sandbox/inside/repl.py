@@ -110,6 +110,7 @@ _proto_lock = threading.Lock()
 _channel = {"fd": -1}
 _cell: dict[str, Any] = {"id": None, "marker": b"", "pgid": 0}
 _drained = {"stdout": threading.Event(), "stderr": threading.Event()}
+_closed = {"stdout": threading.Event(), "stderr": threading.Event()}  # the pump read EOF
 _statuses: queue.Queue[bytes] = queue.Queue()
 
 
@@ -152,6 +153,7 @@ def pump(fd: int, name: str) -> None:
         chunk = os.read(fd, READ_CHUNK)
         if not chunk:
             forward(name, carry)
+            _closed[name].set()
             return
         data, carry = carry + chunk, b""
         marker = _cell["marker"]
@@ -263,8 +265,8 @@ def run_cell(runtime: Bash | Node, cell_id: int | None, code: str) -> dict[str, 
         status = {}
     status = status if isinstance(status, dict) else {}
     for flag, name in (("o", "stdout"), ("e", "stderr")):
-        if status.get(flag) == 1:
-            _drained[name].wait(DRAIN_WAIT_S)
+        # No marker (the cell closed that fd): what it wrote before is through once the pump reads EOF.
+        (_drained if status.get(flag) == 1 else _closed)[name].wait(DRAIN_WAIT_S)
     if runtime.cell_file:
         with contextlib.suppress(OSError):
             os.unlink(runtime.cell_file)  # sourced by now; a big cell does not sit in /tmp (the sandbox's memory)
