@@ -255,9 +255,9 @@ def register_search_and_edit(server: BastionServer, registry: WorkspaceRegistry)
         description=(
             "Search a folder of the workspace (every file beneath it, or one file) for a pattern: lines that "
             "contain it (path, line number, the line redacted and cut at 300 characters) and entries whose name "
-            "contains it. Literal text by default; regex=true takes a Python regex, refused when it could backtrack "
-            "without end (a repeated group holding a quantifier or '|', backreferences, lookarounds, over 3 "
-            "unbounded quantifiers) and matched within the first 256 characters of each line. Symlinks are never "
+            "contains it. Literal text by default; regex=true takes an RE2 regex (like Python's re, but "
+            "matched in linear time: no backreferences or lookarounds), matched within the first 4096 characters "
+            "of each line. Symlinks are never "
             "followed; binary files, files over 1 MiB and secret files (.env, keys) are skipped, and so are "
             ".git, .venv, node_modules and __pycache__ unless path is inside one. truncated=true "
             "says the results stopped early and why." + _PATHS_NOTE
