@@ -286,7 +286,8 @@ def register_search_and_edit(server: BastionServer, registry: WorkspaceRegistry)
         workspace=in_workspace,
         description=(
             "Replace exact text in a UTF-8 file of the workspace (up to 1 MiB): old must occur exactly once "
-            "(NOT_FOUND if it does not, INVALID_REQUEST saying how many times if more) unless replace_all=true. "
+            "(NOT_FOUND if it does not, INVALID_REQUEST saying how many times if more) unless replace_all=true; "
+            "text inside a redacted secret never matches. "
             "Returns a unified diff (redacted). The file is replaced atomically and keeps its mode (a symlink "
             "to a file of the workspace: its target is edited, the link stays); dry_run=true "
             "shows the diff and writes nothing. CONFLICT if the file changed while it was edited." + _PATHS_NOTE
