@@ -9,10 +9,13 @@ backreferences, lookarounds, atomic groups, possessive quantifiers and condition
 refused with an InvalidRequest that names the construct.
 
 The caps stay, because linear is not free: a pattern is at most `MAX_PATTERN_CHARS`
-characters and its compiled program at most `_MAX_PROGRAM_BYTES` (bounds the pattern
-size factor; ``(.*a){20}`` on a 4 KiB line measured ~6 ms), a regex sees the first
-`MAX_REGEX_LINE_CHARS` characters of a line (bounds the other factor), and the caller's
-time budget `SEARCH_BUDGET_S` bounds a whole search. A literal pattern is a plain
+characters and its compiled program and automaton cache at most `_MAX_PROGRAM_BYTES`
+(bounds the pattern size factor, and the memory a caller can make the server keep: the
+`re2` module caches its last 128 compiled regexes, so 128 MiB; at RE2's default 8 MiB,
+128 patterns built for large automata kept 180 MiB and could keep 1 GiB), a regex sees the
+first `MAX_REGEX_LINE_CHARS` characters of a line (bounds the other factor: the heaviest
+pattern found, ``(.*a){1000}z``, takes ~150 ms on one such line), and the caller's time
+budget `SEARCH_BUDGET_S` bounds a whole search. A literal pattern is a plain
 substring test on the whole line (linear).
 """
 
@@ -29,7 +32,7 @@ from bastion.safety.errors import InvalidRequest
 MAX_PATTERN_CHARS: Final = 256
 MAX_REGEX_LINE_CHARS: Final = 4096
 SEARCH_BUDGET_S: Final = 5.0
-_MAX_PROGRAM_BYTES: Final = 8 * 1_048_576  # RE2's own default, set here on purpose
+_MAX_PROGRAM_BYTES: Final = 1_048_576  # RE2's max_mem (its default is 8 MiB)
 
 # What RE2 says it does not support, and how to name it to the caller.
 _UNSUPPORTED_OPERATORS: Final = (
