@@ -52,6 +52,7 @@ import fnmatch
 import os
 import re
 import stat
+import time
 import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -672,7 +673,12 @@ class Jail:
         return tuple(entries)
 
     def walk(
-        self, path: str = ".", *, max_entries: int = MAX_WALK_ENTRIES, prune: frozenset[str] = frozenset()
+        self,
+        path: str = ".",
+        *,
+        max_entries: int = MAX_WALK_ENTRIES,
+        prune: frozenset[str] = frozenset(),
+        deadline: float | None = None,
     ) -> tuple[tuple[WalkEntry, ...], bool]:
         """Every entry beneath a folder, depth first in name order; a symlink is reported, never followed.
 
@@ -682,10 +688,13 @@ class Jail:
 
         Args:
             prune: names of folders listed but not entered (e.g. ``.git``).
+            deadline: a `time.monotonic` value after which no further folder is listed: a
+                deep, wide tree costs more than its entry count says (each folder is opened
+                from the root).
 
         Returns:
             The entries (paths relative to the root, real: no symlink in them), and whether the
-            walk stopped at `max_entries`.
+            walk stopped early (at `max_entries` or the deadline).
 
         Raises:
             BastionError: for the starting folder only: InvalidRequest (not a folder), PathEscape,
@@ -701,7 +710,7 @@ class Jail:
         pending = self._walk_folder(start)[::-1]
         while pending:
             entry = pending.pop()
-            if len(found) >= max_entries:
+            if len(found) >= max_entries or (deadline is not None and time.monotonic() > deadline):
                 return tuple(found), True
             found.append(entry)
             if entry.kind == "dir" and entry.path.rpartition("/")[2] not in prune:
