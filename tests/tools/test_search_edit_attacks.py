@@ -361,3 +361,26 @@ async def test_search_shows_a_name_that_is_not_utf8_escaped_and_answers(client: 
         assert found["detail"]["skipped"]["unreadable"] == 1
     listed = await call(client, "list_directory")
     assert "caf\\xe9-needle.txt" in [entry["name"] for entry in listed["detail"]["entries"]]
+
+
+async def test_special_files_are_never_opened_by_search_edit_or_as_image(client: Client, workspace: Path) -> None:
+    """Attack: a FIFO (a read would block), a /dev/zero-like character device (endless bytes) and a sparse
+    100 GiB file, each named directly to every new tool: refused (or too large) without reading them."""
+    os.mkfifo(workspace / "pipe")
+    os.mknod(workspace / "zero", 0o666 | stat.S_IFCHR, os.makedev(1, 5))
+    with open(workspace / "sparse.txt", "wb") as sparse:
+        sparse.write(b"old\n")
+        sparse.truncate(100 * 2**30)
+    for path in ("pipe", "zero"):
+        for tool, args in (
+            ("search_files", {"pattern": "x", "path": path}),
+            ("edit_file", {"path": path, "old": "x", "new": "y"}),
+            ("read_file", {"path": path, "as_image": True}),
+        ):
+            refused = await call(client, tool, **args)
+            assert refused["code"] == "POLICY_DENIED", (path, tool, refused)
+    too_large = await call(client, "edit_file", path="sparse.txt", old="old", new="new")
+    assert too_large["code"] == "RESOURCE_LIMIT", too_large
+    found = await call(client, "search_files", pattern="x")
+    assert found["ok"], found
+    assert found["detail"]["skipped"]["too_large"] == 1
