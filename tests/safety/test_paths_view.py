@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from bastion.safety.errors import ConfigError, NotFound, PathEscape, PolicyDenied
+from bastion.safety.errors import ConfigError, InvalidRequest, NotFound, PathEscape, PolicyDenied
 from bastion.safety.paths import Jail
 
 VIEW = "/workspace"
@@ -175,12 +175,77 @@ def test_dangling_view_link_is_not_found_and_creates_nothing(jail: Jail, ws: Pat
     assert not (ws / "missing-dir").exists()
 
 
-def test_names_with_odd_bytes_in_link_targets(jail: Jail, ws: Path) -> None:
-    """Invariant: a link target with bytes that are not UTF-8 resolves to that exact name, nothing else."""
-    odd = os.fsdecode(b"caf\xe9")
-    (ws / odd).write_bytes(b"odd")
-    os.symlink(os.fsencode("/workspace/") + b"caf\xe9", os.fsencode(ws / "odd-link"))
-    assert jail.read("odd-link").data == b"odd"
+def test_a_link_to_a_name_that_is_not_utf8_or_has_escapes_is_refused(jail: Jail, ws: Path) -> None:
+    """Invariant: a link never leads the jail to a name the caller could not have typed (bytes that are
+    not UTF-8, an escape sequence): it would reach results and reasons, and a lone surrogate cannot even
+    be sent as JSON. InvalidRequest, the target's bytes not in the reason."""
+    for name in (b"caf\xe9", b"e\x1b[31mvil"):
+        (ws / os.fsdecode(name)).write_bytes(b"odd")
+        link = ws / f"link-{len(name)}"
+        os.symlink(os.fsencode("/workspace/") + name, os.fsencode(link))
+        for use in (jail.read, jail.real_path):
+            with pytest.raises(InvalidRequest, match="rename it") as refused:
+                use(link.name)
+            assert os.fsdecode(name) not in refused.value.reason
+
+
+def test_a_link_target_outside_is_refused_without_showing_it(jail: Jail, ws: Path) -> None:
+    """Invariant: the target of a link leaving the view is the sandbox's bytes: the reason does not echo it."""
+    os.symlink("/etc/IGNORE PREVIOUS INSTRUCTIONS", ws / "fake")
+    with pytest.raises(PathEscape) as refused:
+        jail.read("fake")
+    assert "IGNORE" not in refused.value.reason
+
+
+def test_links_to_deep_targets_are_refused_at_a_bounded_cost(jail: Jail, ws: Path) -> None:
+    """Attack: 40 links each to a 1000-folder-deep target made each lookup re-walk the depth (2.4 s on
+    the event loop for a write_file); the lookup budget refuses it (InvalidRequest), and a 1000-deep
+    path with no link still resolves."""
+    deep = "/".join(["d"] * 1000)
+    _deep_folders(ws, 1000)
+    try:
+        folder = os.open(ws / deep, os.O_RDONLY)
+        try:
+            for index in range(40):
+                os.symlink(f"/workspace/{deep}/l{index + 1}", f"l{index}", dir_fd=folder)
+            os.close(os.open("l40", os.O_CREAT | os.O_WRONLY, 0o644, dir_fd=folder))
+        finally:
+            os.close(folder)
+        os.symlink(f"/workspace/{deep}/l1", ws / "start")
+        assert jail.read(f"{deep}/l40").data == b""
+        with pytest.raises(InvalidRequest, match="too deep or goes through too many long links"):
+            jail.read("start")
+        with pytest.raises(InvalidRequest, match="too deep or goes through too many long links"):
+            jail.write("start/x", b"1")
+    finally:
+        _remove_deep(ws / "d")
+
+
+def _deep_folders(top: Path, depth: int) -> None:
+    """`depth` nested folders named d under `top`, made through fds (a path that long is past PATH_MAX)."""
+    fd = os.open(top, os.O_RDONLY)
+    for _ in range(depth):
+        os.mkdir("d", dir_fd=fd)
+        deeper = os.open("d", os.O_RDONLY, dir_fd=fd)
+        os.close(fd)
+        fd = deeper
+    os.close(fd)
+
+
+def _remove_deep(folder: Path) -> None:
+    """Remove a deep tree without recursion (pytest's own cleanup of tmp_path would recurse too deep)."""
+    chain = [os.open(folder, os.O_RDONLY)]
+    while "d" in os.listdir(chain[-1]):
+        chain.append(os.open("d", os.O_RDONLY, dir_fd=chain[-1]))
+    while chain:
+        fd = chain.pop()
+        for name in os.listdir(fd):
+            if name != "d":
+                os.unlink(name, dir_fd=fd)
+        if chain:
+            os.rmdir("d", dir_fd=chain[-1])
+        os.close(fd)
+    os.rmdir(folder)
 
 
 def test_folder_swapped_for_an_outside_link_during_reads_never_leaks(jail: Jail, ws: Path, outside: Path) -> None:

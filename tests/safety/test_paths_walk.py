@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import stat
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -160,3 +161,16 @@ def test_replace_works_for_a_name_at_the_length_limit(jail: Jail, ws: Path) -> N
     jail.replace(name, b"new", version=read.version)
     assert (ws / name).read_bytes() == b"new"
     assert [p.name for p in ws.iterdir()] == [name]
+
+
+def test_walk_stops_at_its_deadline_with_cut(tmp_path: Path) -> None:
+    """Attack: a deep, wide tree costs more than its entry count; a walk given a deadline that has
+    passed lists no further folder and says it was cut."""
+    for name in ("a", "b", "c"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "f.txt").write_text("x")
+    with Jail(tmp_path) as jail:
+        entries, cut = jail.walk(deadline=time.monotonic() - 1)
+        assert cut
+        assert len(entries) < 6
+        assert len(jail.walk()[0]) == 6

@@ -173,15 +173,26 @@ async def test_search_results_stop_at_max_results_with_truncated(client: Client,
 
 @pytest.mark.parametrize(
     ("pattern", "regex"),
-    [("(a+)+$", True), ("(x|xx)*y", True), (r"(\w)\1", True), ("[", True), ("", False), ("a" * 300, False)],
+    [("(?<=a)b", True), (r"(\w)\1", True), ("[", True), ("", False), ("a" * 300, False)],
 )
 async def test_search_refuses_dangerous_or_malformed_patterns(
     client: Client, tree: Path, pattern: str, regex: bool
 ) -> None:
-    """Catastrophic-backtracking shapes, broken regexes, empty and over-long patterns: INVALID_REQUEST."""
+    """Lookarounds and backreferences (no linear-time algorithm), broken regexes, empty and over-long
+    patterns: INVALID_REQUEST."""
     (tree / "a.txt").write_text("a" * 200 + "!\n")
     refused = await call(client, "search_files", pattern=pattern, regex=regex)
     assert refused["code"] == "INVALID_REQUEST", refused
+
+
+async def test_search_with_catastrophic_regexes_answers_right(client: Client, tree: Path) -> None:
+    """Attack: the classic catastrophic-backtracking regexes on 4000-character lines complete (RE2)
+    with the right lines found, instead of stalling the server."""
+    (tree / "long.txt").write_text("a" * 4000 + "\n" + "a" * 4000 + "!\n" + "a" * 4000 + "b\n")
+    for pattern, lines in (("(a+)+$", [1]), ("(a|a)*b", [3]), ("(.*a){20}", [1, 2, 3])):
+        found = await call(client, "search_files", pattern=pattern, regex=True, path="long.txt")
+        assert found["ok"], found
+        assert [m["line"] for m in found["detail"]["matches"]] == lines, pattern
 
 
 # -- edit_file ---------------------------------------------------------------------------------------

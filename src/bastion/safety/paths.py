@@ -52,6 +52,7 @@ import fnmatch
 import os
 import re
 import stat
+import time
 import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -107,6 +108,10 @@ EntryKind = Literal["file", "dir", "symlink", "other"]
 _RETRIES: Final = 32
 # What the kernel allows in one lookup (MAXSYMLINKS, include/linux/namei.h); `Jail._in_view` too.
 _MAX_LINKS: Final = 40
+# `Jail._in_view` opens each prefix from the root, so a lookup costs the sum of their depths: 40
+# links to 1000-deep targets took 2.4 s (a write_file runs on the event loop). This allows a path
+# 1400 folders deep with no link, and about 0.1 s of lookups.
+_MAX_VIEW_STEPS: Final = 1_048_576
 _NO_LINKS: Final = RESOLVE | RESOLVE_NO_SYMLINKS
 
 # Control characters, invisible format characters (bidi overrides, zero-width), lone
@@ -668,7 +673,12 @@ class Jail:
         return tuple(entries)
 
     def walk(
-        self, path: str = ".", *, max_entries: int = MAX_WALK_ENTRIES, prune: frozenset[str] = frozenset()
+        self,
+        path: str = ".",
+        *,
+        max_entries: int = MAX_WALK_ENTRIES,
+        prune: frozenset[str] = frozenset(),
+        deadline: float | None = None,
     ) -> tuple[tuple[WalkEntry, ...], bool]:
         """Every entry beneath a folder, depth first in name order; a symlink is reported, never followed.
 
@@ -678,10 +688,13 @@ class Jail:
 
         Args:
             prune: names of folders listed but not entered (e.g. ``.git``).
+            deadline: a `time.monotonic` value after which no further folder is listed: a
+                deep, wide tree costs more than its entry count says (each folder is opened
+                from the root).
 
         Returns:
             The entries (paths relative to the root, real: no symlink in them), and whether the
-            walk stopped at `max_entries`.
+            walk stopped early (at `max_entries` or the deadline).
 
         Raises:
             BastionError: for the starting folder only: InvalidRequest (not a folder), PathEscape,
@@ -697,7 +710,7 @@ class Jail:
         pending = self._walk_folder(start)[::-1]
         while pending:
             entry = pending.pop()
-            if len(found) >= max_entries:
+            if len(found) >= max_entries or (deadline is not None and time.monotonic() > deadline):
                 return tuple(found), True
             found.append(entry)
             if entry.kind == "dir" and entry.path.rpartition("/")[2] not in prune:
@@ -807,7 +820,7 @@ class Jail:
         fd = self._open(self._root_fd(), rel, rel, os.O_PATH)
         try:
             self._judge(fd, rel)
-            return self._real_relative(fd, rel)
+            return self._shown_safe(self._real_relative(fd, rel), path)
         finally:
             os.close(fd)
 
@@ -876,9 +889,18 @@ class Jail:
         rel = self.relative(path)
         self._check_secret(rel)
         if self._view:
-            rel = self._in_view(rel, follow=follow)
+            rel = self._shown_safe(self._in_view(rel, follow=follow), path)
             self._check_secret(rel)
         return rel
+
+    def _shown_safe(self, real: str, path: str) -> str:
+        """`real`, unless a link led to a name the caller could not have typed (it would reach messages)."""
+        problem = unsafe_char(real)
+        if problem is not None:
+            raise InvalidRequest(
+                f"'{path}' leads through a symbolic link to a name that contains {problem}: rename it or the link"
+            )
+        return real
 
     def _outside_reason(self, what: str) -> str:
         if self._view:
@@ -903,7 +925,7 @@ class Jail:
         """
         pending = rel.split("/")[::-1]
         done: list[str] = []
-        links = 0
+        links = steps = 0
         while pending:
             part = pending.pop()
             if part in ("", "."):
@@ -913,6 +935,11 @@ class Jail:
                     raise PathEscape(self._outside_reason(f"'{rel}' climbs with '..' or through a symbolic link and"))
                 done.pop()
                 continue
+            steps += len(done) + 1
+            if steps > _MAX_VIEW_STEPS:
+                raise InvalidRequest(
+                    f"'{rel}' is too deep or goes through too many long links to follow: fix the links"
+                )
             target = self._link_target([*done, part], rel) if pending or follow else None
             if target is None:
                 done.append(part)
@@ -931,7 +958,8 @@ class Jail:
         parts = [part for part in target.split("/") if part not in ("", ".")]
         depth = len(self._view)
         if tuple(parts[:depth]) != self._view:
-            raise PathEscape(self._outside_reason(f"'{rel}' goes through a symbolic link to '{target}', which"))
+            # The target is not shown: a sandbox chose its bytes (escapes, a secret, a fake instruction).
+            raise PathEscape(self._outside_reason(f"'{rel}' goes through a symbolic link whose target"))
         return "/".join(parts[depth:])
 
     def _link_target(self, parts: list[str], rel: str) -> str | None:
@@ -1080,7 +1108,7 @@ class Jail:
         try:
             after = os.fstat(fd)
             if (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino):
-                raise OperationFailed(f"'{rel}' was replaced while it was opened: try again")
+                raise Conflict(f"'{rel}' was replaced while it was opened (a concurrent change): try again")
             self._require_regular(after, rel)
         except BaseException:
             os.close(fd)

@@ -192,6 +192,10 @@ class Redactor:
         out.append(text[pos:])
         return "".join(out)
 
+    def secret_spans(self, text: str) -> list[tuple[int, int]]:
+        """Where `text` holds a secret `redact` would hide: (start, end) character offsets, sorted, apart."""
+        return [(start, end) for start, end, _, _ in self._spans(text, 0)]
+
     def redact_then_truncate(self, text: str, max_chars: int) -> tuple[str, bool]:
         """Redact, then keep at most `max_chars` characters.
 
@@ -431,6 +435,7 @@ _ESCAPES: Final = re.compile(
 _CONTROLS: Final = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 # Trojan Source, CVE-2021-42574: overrides and isolates reorder what is displayed.
 _BIDI: Final = re.compile(r"[\u202a-\u202e\u2066-\u2069]")
+_SURROGATES: Final = re.compile(r"[\ud800-\udfff]")
 
 
 def sanitize_terminal(text: str) -> str:
@@ -439,8 +444,16 @@ def sanitize_terminal(text: str) -> str:
     Removes complete escape sequences (CSI, OSC including OSC 8 hyperlinks, DCS/SOS/PM/APC,
     other ESC sequences), turns CRLF into LF, and shows every other C0/C1 control, a lone
     CR and DEL as ``\\xNN`` text and bidi overrides/isolates as ``\\uNNNN`` text, so no
-    ESC or CR reaches a terminal or can rewrite what was shown.
+    ESC or CR reaches a terminal or can rewrite what was shown. A lone surrogate (a byte of
+    a file name that is not UTF-8, as os.fsdecode gives it) becomes ``\\xNN`` too: JSON
+    cannot carry it.
     """
     text = _ESCAPES.sub("", text).replace("\r\n", "\n")
     text = _CONTROLS.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+    text = _SURROGATES.sub(_escaped_surrogate, text)
     return _BIDI.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+
+
+def _escaped_surrogate(match: re.Match[str]) -> str:
+    point = ord(match.group())
+    return f"\\x{point - 0xDC00:02x}" if 0xDC80 <= point <= 0xDCFF else f"\\u{point:04x}"

@@ -1,32 +1,54 @@
-"""Search patterns a caller gives `search_files`: literal, or a regex bounded before it runs.
+"""Search patterns a caller gives `search_files`: literal, or a regex run by a linear-time engine.
 
-Python's `re` backtracks, holds the GIL for a whole match and cannot be interrupted from
-another thread, so a pattern like ``(a+)+$`` would stall the whole server. This is a
-best-effort bound, not a proof: a regex is refused when it has the shapes that backtrack
-exponentially (a group holding a quantifier or an alternation and repeated by anything but
-``?``, a backreference, a lookaround), more than `MAX_REGEX_UNBOUNDED` unbounded quantifiers,
-or more than `MAX_REGEX_QUANTIFIERS` in all; and it is only run on the first `MAX_REGEX_LINE_CHARS`
-characters of a line. Measured here: three unbounded ``.*`` on a 256-character line take
-about 0.25 s, the worst that passes; the caller's time budget (`SEARCH_BUDGET_S`) bounds
-a whole search, checked between lines. A literal pattern is a plain substring test (linear).
+Python's `re` backtracks and holds the GIL for a whole match, so a pattern like ``(a+)+$``
+would stall every client of the server; no shape heuristic bounds it (an accepted regex
+measured 0.25 s per line). Regexes therefore run on RE2 (`google-re2`): it builds an
+automaton instead of backtracking, so a match costs at most (line length) x (pattern size),
+and it releases the GIL while it matches. What RE2 cannot do in linear time it does not do:
+backreferences, lookarounds, atomic groups, possessive quantifiers and conditionals are
+refused with an InvalidRequest that names the construct.
+
+The caps stay, because linear is not free: a pattern is at most `MAX_PATTERN_CHARS`
+characters and its compiled program and automaton cache at most `_MAX_PROGRAM_BYTES`
+(bounds the pattern size factor, and the memory a caller can make the server keep: the
+`re2` module caches its last 128 compiled regexes, so 128 MiB; at RE2's default 8 MiB,
+128 patterns built for large automata kept 180 MiB and could keep 1 GiB), a regex sees the
+first `MAX_REGEX_LINE_CHARS` characters of a line (bounds the other factor: the heaviest
+pattern found, ``(.*a){1000}z``, takes ~150 ms on one such line), and the caller's time
+budget `SEARCH_BUDGET_S` bounds a whole search. A literal pattern is a plain
+substring test on the whole line (linear).
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Final, final
+from typing import Final, Protocol, final
+
+import re2  # type: ignore[import-untyped]  # google-re2 ships no type information
 
 from bastion.safety.errors import InvalidRequest
 
 MAX_PATTERN_CHARS: Final = 256
-MAX_REGEX_UNBOUNDED: Final = 3
-MAX_REGEX_QUANTIFIERS: Final = 8
-MAX_REGEX_LINE_CHARS: Final = 256
+MAX_REGEX_LINE_CHARS: Final = 4096
 SEARCH_BUDGET_S: Final = 5.0
-# {m,n} with n above this counts as unbounded: it backtracks like '*' on lines this short.
-_BOUNDED_REPEAT_MAX: Final = 16
-_REPEAT: Final = re.compile(r"\{(\d*)(,?)(\d*)\}")
+_MAX_PROGRAM_BYTES: Final = 1_048_576  # RE2's max_mem (its default is 8 MiB)
+
+# What RE2 says it does not support, and how to name it to the caller.
+_UNSUPPORTED_OPERATORS: Final = (
+    ("(?=", "a lookahead '(?=...)'"),
+    ("(?!", "a negative lookahead '(?!...)'"),
+    ("(?<=", "a lookbehind '(?<=...)'"),
+    ("(?<!", "a negative lookbehind '(?<!...)'"),
+    ("(?P=", "a backreference '(?P=name)'"),
+    ("(?>", "an atomic group '(?>...)'"),
+    ("(?(", "a conditional '(?(...)...)'"),
+)
+_BACKREFERENCE: Final = re.compile(r"invalid escape sequence: \\([1-9]|g)")
+
+
+class _Regex(Protocol):
+    def search(self, text: str) -> object | None: ...
 
 
 @final
@@ -35,20 +57,22 @@ class SearchPattern:
     """A pattern that passed `search_pattern`; only that function makes one."""
 
     text: str
-    regex: re.Pattern[str] | None
+    regex: _Regex | None
 
     def found_in(self, line: str) -> bool:
         """Whether the pattern occurs in `line` (a regex: in its first `MAX_REGEX_LINE_CHARS` characters)."""
         if self.regex is None:
             return self.text in line
-        return self.regex.search(line[:MAX_REGEX_LINE_CHARS]) is not None
+        # RE2 takes UTF-8: a lone surrogate (a file name that is not UTF-8) is matched as U+FFFD.
+        head = line[:MAX_REGEX_LINE_CHARS].encode("utf-8", "replace").decode("utf-8")
+        return self.regex.search(head) is not None
 
 
 def search_pattern(pattern: str, *, regex: bool) -> SearchPattern:
     """Check a search pattern and compile it.
 
     Raises:
-        InvalidRequest: empty, too long, not a valid regex, or a regex shape refused above.
+        InvalidRequest: empty, too long, not a valid regex, or a construct RE2 does not support.
     """
     if not pattern:
         raise InvalidRequest("the pattern is empty: give the text to search for")
@@ -58,112 +82,42 @@ def search_pattern(pattern: str, *, regex: bool) -> SearchPattern:
         raise InvalidRequest("the pattern has a line break: search_files matches within one line")
     if not regex:
         return SearchPattern(pattern, None)
-    problem = _risky_shape(pattern)
-    if problem is not None:
-        raise InvalidRequest(f"the regex {problem}, which can take exponential time: simplify it or search literally")
+    return SearchPattern(pattern, _compiled(pattern))
+
+
+def _compiled(pattern: str) -> _Regex:
+    options = re2.Options()
+    options.log_errors = False  # RE2 would write every refused pattern to the server's stderr
+    options.never_capture = True  # only whether it matches counts
+    options.max_mem = _MAX_PROGRAM_BYTES
     try:
-        compiled = re.compile(pattern)
-    except re.error as exc:
-        raise InvalidRequest(f"the regex does not compile ({exc}): fix it, or pass regex=false") from None
-    return SearchPattern(pattern, compiled)
+        compiled: _Regex = re2.compile(pattern, options)
+    except UnicodeEncodeError:  # RE2 takes UTF-8; JSON can carry a lone surrogate ("\ud800")
+        raise InvalidRequest("the regex has a lone surrogate character, which is not text: remove it") from None
+    except re2.error as exc:
+        raise InvalidRequest(_refusal(pattern, _message(exc))) from None
+    return compiled
 
 
-def _risky_shape(pattern: str) -> str | None:
-    """Why the regex's shape is refused, or None; a lexical scan over escapes, classes and groups."""
-    groups: list[bool] = []  # per open group: whether it holds a quantifier or '|'
-    risky_group = False  # the group that just closed holds one
-    unbounded = total = 0
-    i = 0
-    while i < len(pattern):
-        char = pattern[i]
-        after_group, risky_group = risky_group, False
-        if char == "\\":
-            nxt = pattern[i + 1 : i + 2]
-            if (nxt.isdigit() and nxt != "0") or nxt == "g":
-                return "has a backreference"
-            i += 2
-        elif char == "[":
-            i = _class_end(pattern, i)
-        elif char == "(":
-            i, opens = _group_start(pattern, i)
-            if i < 0:
-                return "has a lookaround, backreference or conditional"
-            if opens:
-                groups.append(False)
-        elif char == ")":
-            risky_group = groups.pop() if groups else False
-            if risky_group and groups:
-                groups[-1] = True  # ((a+)b)* repeats the inner quantifier too
-            i += 1
-        elif char in "*+?" or (char == "{" and _REPEAT.match(pattern, i)):
-            if after_group and char != "?":  # (a+)? runs its group at most once
-                return "repeats a group that holds a quantifier or '|'"
-            total += 1
-            unbounded += char in "*+" or _unbounded_repeat(pattern, i)
-            if groups:
-                groups[-1] = True
-            i = _quantifier_end(pattern, i)
-        else:
-            if char == "|" and groups:
-                groups[-1] = True
-            i += 1
-    if unbounded > MAX_REGEX_UNBOUNDED:
-        return f"has {unbounded} unbounded quantifiers (the limit is {MAX_REGEX_UNBOUNDED})"
-    if total > MAX_REGEX_QUANTIFIERS:
-        return f"has {total} quantifiers (the limit is {MAX_REGEX_QUANTIFIERS})"
-    return None
+def _message(exc: BaseException) -> str:
+    raw = exc.args[0] if exc.args else ""
+    return raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
 
 
-def _group_start(pattern: str, i: int) -> tuple[int, bool]:
-    """Where the group opening at `i` starts its content, and whether it opens a group at all
-    (``(?i)`` and ``(?#...)`` do not); (-1, False) for lookarounds, backreferences, conditionals."""
-    if pattern[i + 1 : i + 2] != "?":
-        return i + 1, True
-    rest = pattern[i + 2 :]
-    if rest.startswith(("=", "!", "<=", "<!", "P=", "(")):
-        return -1, False
-    if rest.startswith((":", ">")):
-        return i + 3, True
-    if rest.startswith(("P<", "<")):
-        close = pattern.find(">", i)
-        return (len(pattern), True) if close < 0 else (close + 1, True)
-    if rest.startswith("#"):
-        close = pattern.find(")", i)
-        return (len(pattern), False) if close < 0 else (close + 1, False)
-    j = i + 2
-    while j < len(pattern) and (pattern[j].isalpha() or pattern[j] == "-"):
-        j += 1
-    if pattern[j : j + 1] == ":":
-        return j + 1, True
-    return j + 1, False  # inline flags: (?i)
-
-
-def _class_end(pattern: str, i: int) -> int:
-    """The index after the character class opening at `i` (']' first in it is literal)."""
-    j = i + 1
-    if pattern[j : j + 1] == "^":
-        j += 1
-    if pattern[j : j + 1] == "]":
-        j += 1
-    while j < len(pattern) and pattern[j] != "]":
-        j += 2 if pattern[j] == "\\" else 1
-    return j + 1
-
-
-def _unbounded_repeat(pattern: str, i: int) -> bool:
-    match = _REPEAT.match(pattern, i)
-    if match is None:
-        return False
-    low, comma, high = match.groups()
-    if not comma:
-        return int(low or 0) > _BOUNDED_REPEAT_MAX
-    return not high or int(high) > _BOUNDED_REPEAT_MAX
-
-
-def _quantifier_end(pattern: str, i: int) -> int:
-    """The index after the quantifier at `i` and its lazy or possessive suffix."""
-    match = _REPEAT.match(pattern, i) if pattern[i] == "{" else None
-    j = match.end() if match is not None else i + 1
-    if pattern[j : j + 1] in ("?", "+"):
-        j += 1
-    return j
+def _refusal(pattern: str, message: str) -> str:
+    """The caller-facing reason RE2 refused `pattern`, naming an unsupported construct when it is one."""
+    construct = None
+    if "invalid perl operator" in message:
+        construct = next((name for prefix, name in _UNSUPPORTED_OPERATORS if prefix in pattern), None)
+    elif _BACKREFERENCE.search(message):
+        construct = "a backreference ('\\1', '\\g<1>')"
+    elif "bad repetition operator: " in message and any(q in pattern for q in ("++", "*+", "?+", "}+")):
+        construct = "a possessive quantifier ('a++')"
+    if construct is not None:
+        return (
+            f"the regex uses {construct}, which the linear-time regex engine (RE2) does not support: "
+            "rewrite it without, or search literally (regex=false)"
+        )
+    if "pattern too large" in message:
+        return "the regex is too large once compiled (too many or too large repeats): simplify it"
+    return f"the regex does not compile ({message}): fix it, or pass regex=false"

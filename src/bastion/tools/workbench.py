@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import base64
 import functools
-from typing import Annotated, Literal
+from typing import Annotated, Final, Literal
 
 import anyio.to_thread
 from mcp_types import ImageContent, ToolAnnotations
@@ -35,6 +35,7 @@ SandboxId = Annotated[
 ]
 EncodingArg = Annotated[Literal["utf-8", "base64"], Field(description="utf-8 text (redacted) or base64 bytes.")]
 
+MAX_PARALLEL_SEARCHES: Final = 2
 _READ_ONLY = ToolAnnotations(read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=False)
 _WRITES = ToolAnnotations(read_only_hint=False, destructive_hint=True, idempotent_hint=False, open_world_hint=False)
 _SEARCH = ToolAnnotations(
@@ -277,6 +278,9 @@ def register_workbench(server: BastionServer, registry: WorkspaceRegistry, *, sa
 def register_search_and_edit(server: BastionServer, registry: WorkspaceRegistry) -> None:
     """Add search_files and edit_file to `server`."""
     in_workspace = workspace_of("sandbox_id", registry.get_id)
+    # A search may hold a worker thread for its whole time budget: a burst of them queues here
+    # instead of taking every thread the other tools (and the audit log) need.
+    searches = anyio.CapacityLimiter(MAX_PARALLEL_SEARCHES)
 
     @audited_tool(
         server,
@@ -288,9 +292,9 @@ def register_search_and_edit(server: BastionServer, registry: WorkspaceRegistry)
         description=(
             "Search a folder of the workspace (every file beneath it, or one file) for a pattern: lines that "
             "contain it (path, line number, the line redacted and cut at 300 characters) and entries whose name "
-            "contains it. Literal text by default; regex=true takes a Python regex, refused when it could backtrack "
-            "without end (a repeated group holding a quantifier or '|', backreferences, lookarounds, over 3 "
-            "unbounded quantifiers) and matched within the first 256 characters of each line. Symlinks are never "
+            "contains it. Literal text by default; regex=true takes an RE2 regex (like Python's re, but "
+            "matched in linear time: no backreferences or lookarounds), matched within the first 4096 characters "
+            "of each line. Symlinks are never "
             "followed; binary files, files over 1 MiB and secret files (.env, keys) are skipped, and so are "
             ".git, .venv, node_modules and __pycache__ unless path is inside one. truncated=true "
             "says the results stopped early and why." + _PATHS_NOTE
@@ -309,7 +313,7 @@ def register_search_and_edit(server: BastionServer, registry: WorkspaceRegistry)
     ) -> dict[str, object]:
         ws = registry.get(sandbox_id)
         search = functools.partial(ws.search_files, pattern, path=path, glob=glob, regex=regex, max_results=max_results)
-        return await anyio.to_thread.run_sync(search)
+        return await anyio.to_thread.run_sync(search, limiter=searches)
 
     @audited_tool(
         server,
@@ -320,7 +324,8 @@ def register_search_and_edit(server: BastionServer, registry: WorkspaceRegistry)
         title="Edit file",
         description=(
             "Replace exact text in a UTF-8 file of the workspace (up to 1 MiB): old must occur exactly once "
-            "(NOT_FOUND if it does not, INVALID_REQUEST saying how many times if more) unless replace_all=true. "
+            "(NOT_FOUND if it does not, INVALID_REQUEST saying how many times if more) unless replace_all=true; "
+            "text inside a redacted secret never matches. "
             "Returns a unified diff (redacted). The file is replaced atomically and keeps its mode (a symlink "
             "to a file of the workspace: its target is edited, the link stays); dry_run=true "
             "shows the diff and writes nothing. CONFLICT if the file changed while it was edited." + _PATHS_NOTE

@@ -61,9 +61,9 @@ def search_tree(
         raise InvalidRequest(f"max_results must be between 1 and {MAX_SEARCH_RESULTS}")
     if glob is not None and (not glob or len(glob) > MAX_GLOB_CHARS):
         raise InvalidRequest(f"glob must be 1 to {MAX_GLOB_CHARS} characters, e.g. '*.py'")
-    entries, cut = _entries(jail, path)
+    deadline = time.monotonic() + SEARCH_BUDGET_S  # the walk counts too
+    entries, cut = _entries(jail, path, deadline)
     tally = _Tally()
-    deadline = time.monotonic() + SEARCH_BUDGET_S
     for entry in entries:
         if glob is not None and not _globbed(entry.path, glob):
             continue
@@ -74,7 +74,7 @@ def search_tree(
         if tally.stopped:
             break
     if cut and not tally.stopped:
-        tally.stopped = "entries"
+        tally.stopped = "time" if time.monotonic() > deadline else "entries"
     return {
         "pattern": pattern.text,
         "regex": pattern.regex is not None,
@@ -95,9 +95,9 @@ _STOPPED: Final = {
 }
 
 
-def _entries(jail: Jail, path: str) -> tuple[tuple[WalkEntry, ...], bool]:
+def _entries(jail: Jail, path: str, deadline: float) -> tuple[tuple[WalkEntry, ...], bool]:
     try:
-        return jail.walk(path, prune=PRUNED_FOLDERS)
+        return jail.walk(path, prune=PRUNED_FOLDERS, deadline=deadline)
     except InvalidRequest:
         pass  # not a folder: the one file it names (through a link too); its own errors are the caller's
     read = jail.read(path, length=0)
