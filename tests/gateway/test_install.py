@@ -33,7 +33,7 @@ def test_keygen_then_authorized_keys(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert line.endswith(Path(f"{key}.pub").read_text().strip())
     # A key is never overwritten: it may already be installed on a host.
     before = key.read_bytes()
-    assert main(["gateway", "keygen", "--config", str(config), "biscuit"]) == 78
+    assert main(["gateway", "keygen", "--config", str(config), "biscuit"]) == 1  # refused: CONFLICT
     assert key.read_bytes() == before
 
 
