@@ -21,7 +21,7 @@ LINE = re.compile(
 
 def test_keygen_then_authorized_keys(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = init_demo(tmp_path / "demo")
-    assert main(["gateway", "authorized-keys", "--config", str(config), "biscuit"]) == 78  # no key yet
+    assert main(["gateway", "authorized-keys", "--config", str(config), "biscuit"]) == 1  # no key yet: not found
     assert "keygen" in capsys.readouterr().err
     assert main(["gateway", "keygen", "--config", str(config), "biscuit"]) == 0
     key = tmp_path / "demo" / "state" / "gateway" / "biscuit_ed25519"
