@@ -1,15 +1,21 @@
-"""The CLI's inspection commands: policy explain and audit verify."""
+"""The CLI: policy explain, audit verify, and each papercut an administrator met (issue 18), on the real command."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import socket
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from bastion.cli import main
+from bastion.config import load_config
 from bastion.safety.audit import AuditLog
 from bastion.safety.redact import Redactor
+from tests.helpers import BASTION
 
 
 def test_policy_explain_allow(capsys: pytest.CaptureFixture[str], demo_config_path: Path) -> None:
@@ -67,3 +73,116 @@ def test_audit_verify_reports_first_broken_link(
     out = capsys.readouterr().out
     assert out.startswith("BROKEN at")
     assert ":3" in out or ":4" in out
+
+
+# -- the papercuts of issue 18, each on the real CLI ------------------------------------------------
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """The installed `bastion` command, as an administrator types it."""
+    return subprocess.run([str(BASTION), *args], capture_output=True, text=True, timeout=60, env=env, check=False)
+
+
+@pytest.mark.parametrize("flag", ["--version", "-V", "version"])
+def test_version_is_printed_and_exits_0(flag: str) -> None:
+    done = run_cli(flag)
+    assert done.returncode == 0, done.stderr
+    assert re.fullmatch(r"bastion \d+\.\d+\.\d+\S*\n", done.stdout), done.stdout
+
+
+def test_an_unknown_flag_is_named_not_a_missing_transport(demo_config_path: Path) -> None:
+    done = run_cli("serve", "--config", str(demo_config_path), "--htpp")
+    assert done.returncode == 2
+    assert "unrecognized arguments: --htpp" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_serve_without_a_transport_says_which_to_give(demo_config_path: Path) -> None:
+    done = run_cli("serve", "--config", str(demo_config_path))
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "bastion serve: give --stdio (a local client starts it) or --http (a listener)"
+    ]
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_config_goes_before_or_after_the_subcommand(where: str, demo_config_path: Path) -> None:
+    config = ["--config", str(demo_config_path)]
+    done = run_cli(*config, "approvals", "list") if where == "before" else run_cli("approvals", "list", *config)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "no pending approvals\n"
+
+
+def test_bastion_config_env_serves_every_subcommand(demo_config_path: Path) -> None:
+    env = {**os.environ, "BASTION_CONFIG": str(demo_config_path)}
+    _log(load_config(demo_config_path).audit_path, 2)
+    done = run_cli("approvals", "list", env=env)
+    assert done.returncode == 0, done.stderr
+    verified = run_cli("audit", "verify", env=env)
+    assert verified.returncode == 0, verified.stderr
+    assert verified.stdout.startswith("ok: ")
+
+
+def test_audit_verify_takes_the_config_instead_of_a_path(demo_config_path: Path) -> None:
+    _log(load_config(demo_config_path).audit_path, 1)
+    done = run_cli("audit", "verify", "--config", str(demo_config_path))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "ok: 1 records, chain intact\n"
+
+
+@pytest.mark.parametrize("target", ["folder", "missing"])
+def test_audit_verify_of_what_is_not_a_log_is_one_line_exit_1(target: str, tmp_path: Path) -> None:
+    path = tmp_path if target == "folder" else tmp_path / "nope.jsonl"
+    done = run_cli("audit", "verify", str(path))
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith(f"bastion: cannot verify {path}: ")
+    assert "None" not in lines[0]
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    "args", [("admin", "revoke", "nope"), ("approvals", "approve", "ap-nope"), ("gateway", "authorized-keys", "nope")]
+)
+def test_what_does_not_exist_exits_1_not_78(args: tuple[str, ...], demo_config_path: Path) -> None:
+    done = run_cli(*args, "--config", str(demo_config_path))
+    assert done.returncode == 1, (done.returncode, done.stderr)
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_a_bad_value_is_usage_and_a_bad_config_is_78(demo_config_path: Path, tmp_path: Path) -> None:
+    bad_value = run_cli("admin", "token", "--config", str(demo_config_path), "--client", "no spaces!")
+    assert bad_value.returncode == 2, bad_value.stderr
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[sandboxes\n")
+    bad_config = run_cli("approvals", "list", "--config", str(broken))
+    assert bad_config.returncode == 78, bad_config.stderr
+
+
+def test_init_prints_commands_that_work_as_printed(tmp_path: Path) -> None:
+    done = run_cli("init", str(tmp_path / "demo"))
+    assert done.returncode == 0, done.stderr
+    commands = [line.strip() for line in done.stdout.splitlines() if line.strip().startswith("bastion ")]
+    config = str(tmp_path / "demo" / "bastion.toml")
+    assert f"bastion admin set-password --config {config} --generate" in commands
+    set_password = run_cli("admin", "set-password", "--config", config, "--generate")
+    assert set_password.returncode == 0, set_password.stderr
+    assert any(line.endswith(f"bastion serve --config {config} --http") for line in done.stdout.splitlines())
+
+
+def test_a_port_in_use_is_one_line_and_exit_1_before_any_banner(demo_config_path: Path) -> None:
+    assert run_cli("admin", "set-password", "--config", str(demo_config_path), "--generate").returncode == 0
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        done = run_cli("serve", "--config", str(demo_config_path), "--http", "--listen", f"127.0.0.1:{port}")
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [f"bastion: cannot listen on 127.0.0.1:{port}: Address already in use"]
+
+
+def test_the_cgroup_hint_names_the_setting_that_helps(demo_config_path: Path) -> None:
+    from bastion.app import without_cgroups
+
+    config = load_config(demo_config_path)
+    assert "[sandboxes] enabled = false" in without_cgroups(config)
+    assert "use_cgroups" not in without_cgroups(config)

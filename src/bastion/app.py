@@ -131,9 +131,16 @@ def detect_cgroups(config: Config) -> CgroupLayout | None:
     try:
         return CgroupLayout.detect()
     except BastionError as exc:
-        raise ConfigError(
-            f"cgroups: {exc.reason} (run as root or with a delegated cgroup; 'use_cgroups = false' disables limits)"
-        ) from None
+        raise ConfigError(f"cgroups: {exc.reason} ({without_cgroups(config)})") from None
+
+
+def without_cgroups(config: Config) -> str:
+    """What to change when cgroups cannot be used: the setting that actually helps here."""
+    fix = "run as root or in a delegated cgroup (see docs/configuration.md)"
+    if config.sandboxes.enabled:  # sandboxes always need cgroups: only turning them off helps
+        return f"{fix}; or serve host workspaces only: [sandboxes] enabled = false"
+    limited = ", ".join(ws.id for ws in config.workspace if ws.use_cgroups)
+    return f"{fix}; or set use_cgroups = false on workspace {limited} (its commands then run without limits)"
 
 
 def check_disk_quota(config: Config) -> None:

@@ -1,26 +1,45 @@
-"""The `bastion` command: init, serve, doctor, policy explain, audit verify.
+"""The `bastion` command: init, serve, doctor, admin, policy explain, audit verify, gateway, approvals.
 
-Every refusal is one line on stderr and a non-zero exit; no traceback.
+Every refusal is one line on stderr and a non-zero exit; no traceback. Exit codes:
+0 done; 1 an operation failed or what was named does not exist (a port in use, an unknown
+grant, approval or gateway); 2 usage (an unknown flag, a bad value); 78 (EX_CONFIG) the
+config is missing or invalid, or this machine cannot serve it as written (its state folder
+held by another server, cgroups or quotas it needs unusable): restarting will not help.
+`--config PATH` (or $BASTION_CONFIG) goes before or after the subcommand.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import shlex
 import sys
 from collections.abc import Sequence
 from typing import Final
 
-from bastion.config import CONFIG_ENV, load_config, resolve_config_path
-from bastion.safety.errors import BastionError, ConfigError
+from bastion.config import CONFIG_ENV, add_config_option, load_config, resolve_config_path
+from bastion.safety.errors import BastionError, ConfigError, InvalidRequest
 
+EXIT_FAILED: Final = 1
 EXIT_USAGE: Final = 2
 EXIT_CONFIG: Final = 78  # EX_CONFIG from sysexits.h
 
 
+def version() -> str:
+    try:
+        return importlib.metadata.version("bastion")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that is not installed
+        return "unknown"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="bastion", description="A kernel-isolated workbench for AI agents, over MCP.")
+    parser.add_argument("-V", "--version", action="version", version=f"bastion {version()}")
+    parser.add_argument(
+        "--config", help=f"path to bastion.toml (or set {CONFIG_ENV}); also accepted after the subcommand"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("version", help="print the version")
 
     init = sub.add_parser("init", help="write a demo config and its folders into DIR")
     init.add_argument("dir")
@@ -31,14 +50,15 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     serve = sub.add_parser("serve", help="serve MCP")
-    serve.add_argument("--config", help=f"path to bastion.toml (or set {CONFIG_ENV})")
-    transport = serve.add_mutually_exclusive_group(required=True)
+    add_config_option(serve)
+    # Checked after parsing: argparse's own check runs before it names an unknown flag (--htpp).
+    transport = serve.add_mutually_exclusive_group()
     transport.add_argument("--stdio", action="store_true", help="serve over stdin/stdout")
     transport.add_argument("--http", action="store_true", help="serve Streamable HTTP at /mcp, with OAuth")
     serve.add_argument("--listen", help="HOST:PORT to bind with --http (default: the config's [http] listen)")
 
     doctor = sub.add_parser("doctor", help="check what this machine and config will enforce, before an agent connects")
-    doctor.add_argument("--config", help=f"path to bastion.toml (or set {CONFIG_ENV})")
+    add_config_option(doctor)
     doctor.add_argument("--json", action="store_true", help="print a JSON list of {check, status, detail}")
 
     from bastion.transports.http.admin_cli import add_admin_parser
@@ -48,14 +68,15 @@ def _parser() -> argparse.ArgumentParser:
     policy = sub.add_parser("policy", help="inspect command policies")
     policy_sub = policy.add_subparsers(dest="policy_command", required=True)
     explain = policy_sub.add_parser("explain", help="print the decision for a command and the rule that made it")
-    explain.add_argument("--config", help=f"path to bastion.toml (or set {CONFIG_ENV})")
+    add_config_option(explain)
     explain.add_argument("--workspace", help="workspace id (default: the config's default_workspace)")
     explain.add_argument("argv", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...] (or one quoted command line)")
 
     audit = sub.add_parser("audit", help="audit log tools")
     audit_sub = audit.add_subparsers(dest="audit_command", required=True)
-    verify = audit_sub.add_parser("verify", help="check the hash chain of an audit log")
-    verify.add_argument("path")
+    verify = audit_sub.add_parser("verify", help="check the hash chain of an audit log (PATH, or the config's)")
+    add_config_option(verify)
+    verify.add_argument("path", nargs="?", help="the audit log (default: the config's [audit] path)")
 
     from bastion.gateway.cli import add_parsers as add_gateway_parsers
 
@@ -73,13 +94,19 @@ def _cmd_init(args: argparse.Namespace) -> int:
         print(f"default sandbox template: python-data (numpy, pandas, matplotlib from {python_env})")
     else:
         print("default sandbox template: the system's Python ('make install' builds python-data; see --python-env)")
-    print(f"serve it with: bastion serve --config {path} --http  (or --stdio for a local client)")
+    print(f"serve it to a local client (Claude Desktop, Claude Code): bastion serve --config {path} --stdio")
+    print("serve it over HTTP: first set the administrator's password, then serve:")
+    print(f"  bastion admin set-password --config {path} --generate")
+    print(f"  bastion serve --config {path} --http")
     return 0
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from bastion.serve import serve_stdio
 
+    if not (args.stdio or args.http):
+        print("bastion serve: give --stdio (a local client starts it) or --http (a listener)", file=sys.stderr)
+        return EXIT_USAGE
     config_path = resolve_config_path(args.config)
     config = load_config(config_path)
     if args.http:
@@ -128,13 +155,16 @@ def _cmd_policy_explain(args: argparse.Namespace) -> int:
 def _cmd_audit_verify(args: argparse.Namespace) -> int:
     from bastion.safety.audit import verify
 
-    report = verify(args.path)
+    path = args.path if args.path is not None else str(load_config(resolve_config_path(args.config)).audit_path)
+    report = verify(path)
     if report.ok:
         print(f"ok: {report.records} records, chain intact")
         return 0
-    where = f"{report.file}:{report.line}" if report.file else args.path
-    print(f"BROKEN at {where}: {report.first_error}")
-    return 1
+    if report.line is None:  # nothing was read: not a broken chain, a file that cannot be checked
+        print(f"bastion: cannot verify {path}: {report.first_error}", file=sys.stderr)
+        return EXIT_FAILED
+    print(f"BROKEN at {report.file}:{report.line}: {report.first_error}")
+    return EXIT_FAILED
 
 
 def _cmd_gateway(args: argparse.Namespace) -> int:
@@ -149,9 +179,15 @@ def _cmd_approvals(args: argparse.Namespace) -> int:
     return run_approvals(args)
 
 
+def _cmd_version(_args: argparse.Namespace) -> int:
+    print(f"bastion {version()}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     handlers = {
+        "version": _cmd_version,
         "init": _cmd_init,
         "serve": _cmd_serve,
         "doctor": _cmd_doctor,
@@ -163,9 +199,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     try:
         return handlers[args.command](args)
-    except (ConfigError, BastionError) as exc:
+    except ConfigError as exc:
         print(f"bastion: {exc}", file=sys.stderr)
         return EXIT_CONFIG
+    except InvalidRequest as exc:
+        print(f"bastion: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except BastionError as exc:  # not found, refused, failed: the config itself is fine
+        print(f"bastion: {exc}", file=sys.stderr)
+        return EXIT_FAILED
     except KeyboardInterrupt:
         return 130
 

@@ -19,7 +19,7 @@ import anyio
 from bastion.app import build_server, build_services
 from bastion.config import Config
 from bastion.logs import configure_logging
-from bastion.safety.errors import ConfigError
+from bastion.safety.errors import ConfigError, Unavailable
 
 if TYPE_CHECKING:
     import uvicorn
@@ -144,6 +144,20 @@ def parse_listen(value: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def listen_socket(host: str, port: int, backlog: int) -> socket.socket:
+    """The HTTP listener's socket, bound and listening.
+
+    Raises:
+        Unavailable: the address is in use, not this machine's, or not allowed to this user.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family, backlog=backlog)
+    except OSError as exc:
+        why = os.strerror(exc.errno) if exc.errno else str(exc)  # create_server's own text repeats the address
+        raise Unavailable(f"cannot listen on {host}:{port}: {why}") from None
+
+
 def _clean_stop_server() -> type[uvicorn.Server]:
     import uvicorn
 
@@ -186,6 +200,8 @@ def serve_http(config: Config, config_path: str, listen: str | None = None) -> i
         raise ConfigError("[http] tls_cert and tls_key go together: set both or neither")
     if http.auth and not config.admin_hash_path.exists():
         raise ConfigError(f"no admin password is set: run 'bastion admin set-password --config {config_path}' first")
+    # Bound before anything starts or prints: a port in use is one line and exit 1, not a banner then a trace.
+    listener = listen_socket(host, port, connections.BACKLOG)
     configure_logging(config.log_level)
     services = build_services(config)
     store = None
@@ -227,8 +243,9 @@ def serve_http(config: Config, config_path: str, listen: str | None = None) -> i
             ssl_keyfile=str(http.tls_key) if http.tls_key else None,
             timeout_graceful_shutdown=2,
         )
-        _clean_stop_server()(uv_config).run()
+        _clean_stop_server()(uv_config).run(sockets=[listener])
     finally:
+        listener.close()
         if store is not None:
             store.close()
         services.close()

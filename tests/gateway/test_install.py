@@ -21,7 +21,7 @@ LINE = re.compile(
 
 def test_keygen_then_authorized_keys(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = init_demo(tmp_path / "demo")
-    assert main(["gateway", "authorized-keys", "--config", str(config), "biscuit"]) == 78  # no key yet
+    assert main(["gateway", "authorized-keys", "--config", str(config), "biscuit"]) == 1  # no key yet: not found
     assert "keygen" in capsys.readouterr().err
     assert main(["gateway", "keygen", "--config", str(config), "biscuit"]) == 0
     key = tmp_path / "demo" / "state" / "gateway" / "biscuit_ed25519"
@@ -33,7 +33,7 @@ def test_keygen_then_authorized_keys(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert line.endswith(Path(f"{key}.pub").read_text().strip())
     # A key is never overwritten: it may already be installed on a host.
     before = key.read_bytes()
-    assert main(["gateway", "keygen", "--config", str(config), "biscuit"]) == 78
+    assert main(["gateway", "keygen", "--config", str(config), "biscuit"]) == 1  # refused: CONFLICT
     assert key.read_bytes() == before
 
 

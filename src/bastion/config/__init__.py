@@ -14,6 +14,7 @@ the checks across sections, and re-exports every public name (`__all__`): import
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import tomllib
@@ -91,6 +92,7 @@ __all__ = [
     "TemplateConfig",
     "TemplateLimitsConfig",
     "WorkspaceConfig",
+    "add_config_option",
     "load_config",
     "narrow_allow",
     "normalize_host",
@@ -387,6 +389,12 @@ def load_config(path: str | os.PathLike[str]) -> Config:
     config = _resolve_paths(raw, file.resolve().parent)
     _check_semantics(config)
     return config
+
+
+def add_config_option(parser: argparse.ArgumentParser) -> None:
+    """`--config PATH` on a subcommand. Suppressed when absent, so that a `--config` given before
+    the subcommand (`bastion --config X approvals list`) is not overwritten by this one's default."""
+    parser.add_argument("--config", default=argparse.SUPPRESS, help=f"path to bastion.toml (or set {CONFIG_ENV})")
 
 
 def resolve_config_path(cli_value: str | None) -> str:

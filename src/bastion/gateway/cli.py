@@ -9,9 +9,9 @@ import sys
 import time
 from pathlib import Path
 
-from bastion.config import CONFIG_ENV, Config, GatewayConfig, load_config, resolve_config_path
+from bastion.config import Config, GatewayConfig, add_config_option, load_config, resolve_config_path
 from bastion.safety.approvals import Approval, ApprovalQueue
-from bastion.safety.errors import ConfigError
+from bastion.safety.errors import NotFound
 
 
 def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -25,7 +25,7 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         ("authorized-keys", "print the exact authorized_keys line for the target"),
     ):
         command = gateway_sub.add_parser(name, help=text)
-        command.add_argument("--config", help=f"path to bastion.toml (or set {CONFIG_ENV})")
+        add_config_option(command)
         command.add_argument("name", help="the [[gateway]] name")
 
     approvals = sub.add_parser("approvals", help="the approval queue")
@@ -40,14 +40,14 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
             decide.add_argument("--reason", default="", help="told to the agent")
     for command in (listing, *approvals_sub.choices.values()):
         if not any(action.dest == "config" for action in command._actions):
-            command.add_argument("--config", help=f"path to bastion.toml (or set {CONFIG_ENV})")
+            add_config_option(command)
 
 
 def _gateway(config: Config, name: str) -> GatewayConfig:
     gateway = config.gateway_by_name(name)
     if gateway is None:
         names = ", ".join(g.name for g in config.gateway) or "none"
-        raise ConfigError(f"no [[gateway]] named {name!r} in the config (configured: {names})")
+        raise NotFound(f"no [[gateway]] named {name!r} in the config (configured: {names})")
     return gateway
 
 

@@ -696,9 +696,10 @@ def verify(path: str | os.PathLike[str]) -> VerifyReport:
             fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError as exc:
             return VerifyReport(False, records, f"cannot open {file}: {exc.strerror or exc}", str(file), None)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # before fdopen, which raises on a folder
+            os.close(fd)
+            return VerifyReport(False, records, f"{file} is not a regular file", str(file), None)
         with os.fdopen(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                return VerifyReport(False, records, f"{file} is not a regular file", str(file), None)
             for number, raw in enumerate(f, 1):
                 error = _check_line(raw, number, prev, seq, previous_file)
                 if error is not None:

@@ -155,7 +155,7 @@ def test_admin_clients_tokens_revoke(tmp_path: Path) -> None:
         assert raw.post("/mcp", json={}, headers=headers).status_code == 401
         assert bastion("admin", "tokens", "--config", config).stdout.strip() == "no active grants"
         unknown = bastion("admin", "revoke", "--config", config, "nope")
-        assert unknown.returncode == 78
+        assert unknown.returncode == 1  # not found
 
 
 def test_listen_overrides_the_config_and_moves_a_loopback_public_url(tmp_path: Path) -> None:

@@ -19,8 +19,8 @@ import time
 from datetime import UTC, datetime
 from typing import Any, Final
 
-from bastion.config import CONFIG_ENV, Config, load_config, resolve_config_path
-from bastion.safety.errors import ConfigError
+from bastion.config import Config, add_config_option, load_config, resolve_config_path
+from bastion.safety.errors import InvalidRequest, NotFound
 from bastion.transports.http.password import check_new_password, generate_password, write_hash
 from bastion.transports.http.store import AuthStore
 
@@ -29,12 +29,12 @@ def add_admin_parser(sub: Any) -> None:
     admin = sub.add_parser("admin", help="the administrator's credential, OAuth clients and tokens")
     admin_sub = admin.add_subparsers(dest="admin_command", required=True)
     setpw = admin_sub.add_parser("set-password", help="set the admin password (revokes every token)")
-    setpw.add_argument("--config", help=f"path to bastion.toml (or set {CONFIG_ENV})")
+    add_config_option(setpw)
     setpw.add_argument("--generate", action="store_true", help="generate a random password and print it once")
     setpw.add_argument("--if-unset", action="store_true", help="do nothing if a password is already set")
     clients = admin_sub.add_parser("clients", help="list registered OAuth clients, or prune the unused ones")
     clients.add_argument("action", nargs="?", choices=("list", "prune"), default="list")
-    clients.add_argument("--config", help=f"path to bastion.toml (or set {CONFIG_ENV})")
+    add_config_option(clients)
     clients.add_argument("--json", action="store_true", help="print JSON")
     clients.add_argument(
         "--older-than",
@@ -44,10 +44,10 @@ def add_admin_parser(sub: Any) -> None:
         help="prune: only clients registered longer ago than this (default 10m: keeps one being authorized)",
     )
     tokens = admin_sub.add_parser("tokens", help="list active grants (tokens)")
-    tokens.add_argument("--config", help=f"path to bastion.toml (or set {CONFIG_ENV})")
+    add_config_option(tokens)
     tokens.add_argument("--json", action="store_true", help="print JSON")
     token = admin_sub.add_parser("token", help="issue an access token for a script or the MCP Inspector")
-    token.add_argument("--config", help=f"path to bastion.toml (or set {CONFIG_ENV})")
+    add_config_option(token)
     token.add_argument("--client", required=True, help="a name for what will use it (letters, digits, . _ -)")
     token.add_argument(
         "--scope", required=True, action="append", help="a scope to grant (repeat it, or give several in quotes)"
@@ -57,7 +57,7 @@ def add_admin_parser(sub: Any) -> None:
         "--listen", help="HOST:PORT the server was started with, if 'serve --listen' moved its URL (the token names it)"
     )
     revoke = admin_sub.add_parser("revoke", help="revoke a grant (by grant id), every grant of a client, or 'all'")
-    revoke.add_argument("--config", help=f"path to bastion.toml (or set {CONFIG_ENV})")
+    add_config_option(revoke)
     revoke.add_argument("id", help="a grant id, a client id, or 'all'")
 
 
@@ -85,7 +85,7 @@ def _read_password(generate: bool) -> str:
     if sys.stdin.isatty():
         first = getpass.getpass("new admin password: ")
         if getpass.getpass("again: ") != first:
-            raise ConfigError("the two passwords differ: try again")
+            raise InvalidRequest("the two passwords differ: try again")
         return first
     return sys.stdin.readline().rstrip("\r\n")
 
@@ -162,7 +162,7 @@ def _token_scopes(requested: list[str]) -> tuple[str, ...]:
     asked = [scope for text in requested for scope in text.replace(",", " ").split()]
     unknown = sorted(set(asked) - set(SCOPES))
     if unknown or not asked:
-        raise ConfigError(f"unknown scope {' '.join(unknown) or '(none)'}: use some of {' '.join(SCOPES)}")
+        raise InvalidRequest(f"unknown scope {' '.join(unknown) or '(none)'}: use some of {' '.join(SCOPES)}")
     return tuple(scope for scope in SCOPES if scope in asked)
 
 
@@ -171,7 +171,7 @@ def _checked_listen(listen: str | None) -> str | None:
         return None
     host, sep, port = listen.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"--listen {listen!r} must be HOST:PORT, as given to 'bastion serve --listen'")
+        raise InvalidRequest(f"--listen {listen!r} must be HOST:PORT, as given to 'bastion serve --listen'")
     return listen
 
 
@@ -182,11 +182,11 @@ def issue_token(
     from bastion.transports.http.app import endpoints_for
 
     if not _CLIENT_NAME.fullmatch(client):
-        raise ConfigError(f"--client {client!r} must be 1 to 64 letters, digits, '.', '_' or '-'")
+        raise InvalidRequest(f"--client {client!r} must be 1 to 64 letters, digits, '.', '_' or '-'")
     granted = _token_scopes(scopes)
     limit = config.http.grant_lifetime_s
     if not 60 <= ttl_s <= limit:
-        raise ConfigError(f"--ttl must be from 60 s to grant_lifetime_s ({limit:g} s)")
+        raise InvalidRequest(f"--ttl must be from 60 s to grant_lifetime_s ({limit:g} s)")
     # Tokens are bound to one MCP URL (RFC 8707): the one the server answers at, which `--listen` moves.
     resource = endpoints_for(config, _checked_listen(listen)).resource
     client_id = CLI_CLIENT_PREFIX + client
@@ -223,7 +223,7 @@ def run_admin(args: argparse.Namespace) -> int:
         else:
             count = store.revoke_client(target, "revoked by the administrator (CLI)")
             if count == 0 and store.client(target) is None:
-                raise ConfigError(f"no active grant or client {target!r}: see 'bastion admin tokens'")
+                raise NotFound(f"no active grant or client {target!r}: see 'bastion admin tokens'")
         print(f"revoked {count} grant(s)")
         return 0
     finally:
