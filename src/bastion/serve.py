@@ -17,12 +17,13 @@ from typing import TYPE_CHECKING
 import anyio
 
 from bastion.app import build_server, build_services
-from bastion.config import Config
+from bastion.config import Config, HttpConfig
 from bastion.logs import configure_logging
 from bastion.safety.errors import ConfigError
 
 if TYPE_CHECKING:
     import uvicorn
+    from starlette.types import ASGIApp
 
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
@@ -170,12 +171,61 @@ def _clean_stop_server() -> type[uvicorn.Server]:
     return CleanStopServer
 
 
+def _preview_config(app: ASGIApp, http: HttpConfig) -> uvicorn.Config:
+    """The preview listener: WebSockets (wsproto), no lifespan (the main listener runs the server's)."""
+    import uvicorn
+
+    from bastion.transports.http import connections
+
+    host, port = parse_listen(http.preview_listen or "")
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        http=connections.guarded_protocol(
+            connections.connection_cap(http.max_connections), http.request_head_timeout_s, http.request_body_timeout_s
+        ),
+        ws="wsproto",
+        ws_max_size=1 << 20,
+        backlog=connections.BACKLOG,
+        timeout_keep_alive=connections.KEEP_ALIVE_S,
+        h11_max_incomplete_event_size=connections.MAX_HEAD_BYTES,
+        log_config=None,
+        access_log=False,
+        server_header=False,
+        proxy_headers=bool(http.trusted_proxies),
+        forwarded_allow_ips=list(http.trusted_proxies),
+        lifespan="off",
+        ssl_certfile=str(http.tls_cert) if http.tls_cert else None,
+        ssl_keyfile=str(http.tls_key) if http.tls_key else None,
+        timeout_graceful_shutdown=2,
+    )
+
+
+async def _serve_both(main: uvicorn.Server, preview_config: uvicorn.Config) -> None:
+    """Both listeners in one event loop (the sandboxes are this process's); the main one owns the signals."""
+    import uvicorn
+
+    class PreviewServer(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield
+
+    preview = PreviewServer(preview_config)
+    serving = asyncio.ensure_future(preview.serve())
+    try:
+        await main.serve()
+    finally:
+        preview.should_exit = True
+        await serving
+
+
 def serve_http(config: Config, config_path: str, listen: str | None = None) -> int:
     """Serve Streamable HTTP (and the authorization server) with uvicorn until interrupted."""
     import uvicorn
 
     from bastion.transports.http import connections
-    from bastion.transports.http.app import build_http_app, endpoints_for
+    from bastion.transports.http.app import build_http_app, build_preview_app, endpoints_for
 
     http = config.http
     host, port = parse_listen(listen or http.listen)
@@ -223,11 +273,21 @@ def serve_http(config: Config, config_path: str, listen: str | None = None) -> i
             proxy_headers=bool(http.trusted_proxies),
             forwarded_allow_ips=list(http.trusted_proxies),
             lifespan="on",
+            ws="none",  # WebSockets only on the preview listener
             ssl_certfile=str(http.tls_cert) if http.tls_cert else None,
             ssl_keyfile=str(http.tls_key) if http.tls_key else None,
             timeout_graceful_shutdown=2,
         )
-        _clean_stop_server()(uv_config).run()
+        preview = None
+        if http.preview_listen is not None:
+            preview_app, preview_origin = build_preview_app(services, built, http.preview_listen)
+            preview = _preview_config(preview_app, http)
+            print(f"bastion: serving preview URLs at {preview_origin}", file=sys.stderr)
+        main = _clean_stop_server()(uv_config)
+        if preview is None:
+            main.run()
+        else:
+            asyncio.run(_serve_both(main, preview))
     finally:
         if store is not None:
             store.close()

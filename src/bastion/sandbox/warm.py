@@ -350,10 +350,9 @@ class WarmSandbox:
         except TimeoutError:
             raise Unavailable("the sandbox did not answer the connect in time") from None
         finally:
-            if self._connects.pop(request_id, None) is not None and waiter.done() and not waiter.cancelled():
-                # Answered after we stopped waiting (cancelled): the socket is nobody's.
-                if waiter.exception() is None:
-                    waiter.result().close()
+            answered_late = self._connects.pop(request_id, None) is not None and waiter.done()
+            if answered_late and not waiter.cancelled() and waiter.exception() is None:
+                waiter.result().close()  # answered after we stopped waiting (cancelled): the socket is nobody's
 
     def _release(self, commands: CommandGroups, command_id: int) -> None:
         try:
