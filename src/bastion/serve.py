@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import ipaddress
 import json
+import logging
 import os
 import signal
 import socket
@@ -226,6 +227,7 @@ def serve_http(config: Config, config_path: str, listen: str | None = None) -> i
 
     from bastion.transports.http import connections
     from bastion.transports.http.app import build_http_app, build_preview_app, endpoints_for
+    from bastion.transports.http.preview import HideTokens
 
     http = config.http
     host, port = parse_listen(listen or http.listen)
@@ -281,6 +283,7 @@ def serve_http(config: Config, config_path: str, listen: str | None = None) -> i
         preview = None
         if http.preview_listen is not None:
             preview_app, preview_origin = build_preview_app(services, built, http.preview_listen)
+            logging.getLogger("uvicorn.error").addFilter(HideTokens())
             preview = _preview_config(preview_app, http)
             print(f"bastion: serving preview URLs at {preview_origin}", file=sys.stderr)
         main = _clean_stop_server()(uv_config)

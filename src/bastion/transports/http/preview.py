@@ -57,12 +57,24 @@ HOP_BY_HOP: Final = frozenset(
         "transfer-encoding",
         "upgrade",
         "host",
-        "content-length",
+        "content-length",  # re-framed: the request's is checked and passed on, the response's is the server's
     }
 )
 # Headers an app must not send to the administrator's browser: they act on the whole host (every port).
 RESPONSE_DROPPED: Final = frozenset({"strict-transport-security", "clear-site-data", "alt-svc", "server"})
 _BASTION_COOKIE = re.compile(r"(?i)^(__host-|__secure-|bastion)")
+
+
+class HideTokens(logging.Filter):
+    """uvicorn logs each WebSocket's path (`"WebSocket /preview/<token>/" [accepted]`): never the token."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple) and any("/preview/" in str(a) for a in record.args):
+            record.args = tuple(_PREVIEW_TOKEN.sub("/preview/<token>", str(a)) for a in record.args)
+        return True
+
+
+_PREVIEW_TOKEN = re.compile(r"/preview/[A-Za-z0-9_-]+")
 
 
 @dataclass
@@ -99,10 +111,12 @@ def split_target(path: str) -> tuple[str, str] | None:
     return match.group(1), rest
 
 
-def request_headers(headers: Iterable[tuple[bytes, bytes]], port: int) -> list[tuple[bytes, bytes]]:
-    """The browser's headers for the app: hop-by-hop, Authorization and bastion's cookies removed, Host rewritten."""
+def request_headers(headers: Iterable[tuple[bytes, bytes]], port: int, length: int | None) -> list[tuple[bytes, bytes]]:
+    """The browser's headers for the app: hop-by-hop, Authorization and bastion's cookies removed, Host
+    rewritten, the body framed by `length` (checked against the cap) or else chunked."""
     named_by_connection = set()
-    kept: list[tuple[bytes, bytes]] = [(b"host", f"127.0.0.1:{port}".encode())]
+    framing = (b"content-length", str(length).encode()) if length is not None else (b"transfer-encoding", b"chunked")
+    kept: list[tuple[bytes, bytes]] = [(b"host", f"127.0.0.1:{port}".encode()), framing]
     for key, value in headers:
         if key == b"connection":
             named_by_connection |= {v.strip().lower() for v in value.split(b",")}
@@ -248,6 +262,14 @@ class PreviewApp:
         started = time.perf_counter()
         path = scope.get("raw_path", b"").decode("latin-1").split("?", 1)[0]
         preview, status, sent = None, 0, 0
+        started_response = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started_response
+            started_response = started_response or message["type"] == "http.response.start"
+            await respond(message)
+
+        respond, send = send, tracked
         try:
             preview, refusal = self._admit(scope, path)
             if refusal is not None:
@@ -256,6 +278,11 @@ class PreviewApp:
                 return
             assert preview is not None
             status, sent = await self._proxy(scope, receive, send, preview)
+        except Exception as exc:  # whatever a hostile app provokes: one line, no traceback
+            logger.warning("preview request failed: %s: %s", type(exc).__name__, str(exc)[:200])
+            status = status or 502
+            if not started_response:
+                sent = await _plain(send, 502, "Bad Gateway: the sandbox's app broke the exchange")
         finally:
             if preview is not None:
                 await self._record(scope, path, preview, status, sent, started)
@@ -317,7 +344,7 @@ class PreviewApp:
         request = httpcore2.Request(
             scope["method"],
             httpcore2.URL(scheme=b"http", host=b"127.0.0.1", port=preview.port, target=target),
-            headers=request_headers(scope.get("headers", ()), preview.port),
+            headers=request_headers(scope.get("headers", ()), preview.port, _declared_length(scope)),
             content=body,
             extensions={"timeout": {"connect": timeout, "read": timeout, "write": timeout, "pool": timeout}},
         )
@@ -396,6 +423,16 @@ class PreviewApp:
         target = _split_token(scope, preview.token)
         status, sent = await proxy_websocket(scope, receive, send, sock, preview.port, target)
         await self._record(scope, path, preview, status, sent, started)
+
+
+def _declared_length(scope: Scope) -> int | None:
+    """The request's Content-Length (digits only: `_proxy` refused anything else), or None when it has none."""
+    declared = _header(scope, b"content-length")
+    if declared is not None:
+        return int(declared)
+    if scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE") and _header(scope, b"transfer-encoding") is None:
+        return 0
+    return None
 
 
 def _split_token(scope: Scope, token: str) -> bytes:
