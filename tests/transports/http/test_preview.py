@@ -26,6 +26,9 @@ import httpx2
 import pytest
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
+from wsproto import ConnectionType, WSConnection
+from wsproto.events import AcceptConnection, CloseConnection, RejectConnection, TextMessage
+from wsproto.events import Request as WsRequest
 
 from bastion.demo import init_demo
 from bastion.transports.http.password import write_hash
@@ -42,7 +45,7 @@ PER_MINUTE = 150
 SESSION_COOKIE = "__Host-bastion-admin"
 
 
-def config_text(root: Path, port: int, preview_port: int) -> Path:
+def config_text(root: Path, port: int, preview_port: int, extra_http: str = "") -> Path:
     """The demo config with sandboxes on, INFO logs, and a preview listener with small caps."""
     path = init_demo(root)
     text = path.read_text().replace('log_level = "WARNING"', 'log_level = "INFO"')
@@ -53,7 +56,7 @@ def config_text(root: Path, port: int, preview_port: int) -> Path:
         f"preview_max_response_bytes = {MAX_RESPONSE}\npreview_timeout_s = 2\n"
         f'preview_requests_per_minute = {PER_MINUTE}\ntrusted_proxies = ["127.0.0.1"]\n'
     )
-    path.write_text(text.replace("[http]\n", f"[http]\n{extra}", 1))
+    path.write_text(text.replace("[http]\n", f"[http]\n{extra}{extra_http}", 1))
     write_hash(root / "state" / "admin-password.argon2", PASSWORD)
     return path
 
@@ -415,3 +418,52 @@ def test_every_request_is_audited_without_the_token(preview: Preview, sandbox: s
     assert any(r["bytes"] > 0 for r in mine)
     assert not re.search(r"secret=1", text)
     assert token not in preview.server.log(), "the server log names no token (uvicorn's WebSocket lines included)"
+
+
+def ws_handshake(preview: Preview, url: str, extra: list[tuple[str, str]]) -> tuple[bool, str]:
+    """A WebSocket handshake to `url` by wsproto over a plain socket: (accepted, the echo of one message)."""
+    host, port, path = re.fullmatch(r"http://([^:]+):(\d+)(/.*)", url).groups()  # type: ignore[union-attr]
+    ws = WSConnection(ConnectionType.CLIENT)
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(ws.send(WsRequest(host=f"{host}:{port}", target=path, extra_headers=extra)))
+        while True:
+            data = sock.recv(65536)
+            ws.receive_data(data or None)
+            for event in ws.events():
+                if isinstance(event, AcceptConnection):
+                    sock.sendall(ws.send(TextMessage(data="hello")))
+                    while True:
+                        ws.receive_data(sock.recv(65536))
+                        for reply in ws.events():
+                            if isinstance(reply, TextMessage):
+                                return True, reply.data
+                if isinstance(event, RejectConnection | CloseConnection):
+                    return False, ""
+            if not data:
+                return False, ""
+
+
+def test_websocket_needs_the_session_and_the_preview_origin(preview: Preview, sandbox: str) -> None:
+    """Invariant: a WebSocket to a non-public preview opens only with the administrator's session and
+    from the preview origin (no cross-site WebSocket hijacking)."""
+    url = preview.expose(sandbox, 8001)
+    cookie = ("Cookie", f"{SESSION_COOKIE}={preview.session}")
+    assert ws_handshake(preview, url, [cookie, ("Origin", preview.origin)]) == (True, "hello")
+    assert ws_handshake(preview, url, [("Origin", preview.origin)]) == (False, "")
+    assert ws_handshake(preview, url, [cookie, ("Origin", "http://evil.example")]) == (False, "")
+    assert ws_handshake(preview, url.replace(url.rsplit("/", 2)[1], "B" * 43), [cookie]) == (False, "")
+
+
+def test_public_urls_need_no_session_when_the_config_allows_them(tmp_path: Path) -> None:
+    root = tmp_path / "demo"
+    port, preview_port = free_port(), free_port()
+    config = config_text(root, port, preview_port, "preview_public_allowed = true\n")
+    with serve_config(root, config, port) as server:
+        live = Preview(server, preview_port)
+        sandbox_id = live.sandbox_with_servers()
+        public = live.expose(sandbox_id, 8000, public=True)
+        assert live.get(public + "index.html", session=False).status_code == 200
+        private = live.expose(sandbox_id, 8001)
+        assert live.get(private, session=False).status_code == 403
+        listed = live.tool("list_exposed_ports", sandbox_id=sandbox_id)["detail"]["previews"]
+        assert {p["port"]: p["public"] for p in listed} == {8000: True, 8001: False}
