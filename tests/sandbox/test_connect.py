@@ -7,6 +7,8 @@ typed error, and no fd is left open on the host. What it does not prove: HTTP ov
 
 from __future__ import annotations
 
+import asyncio
+import marshal
 import os
 import socket
 from collections.abc import AsyncIterator
@@ -17,7 +19,7 @@ import pytest
 
 from bastion.safety.errors import InvalidRequest, Unavailable
 from bastion.sandbox._spawn import SANDBOX_PATH, SandboxSpec
-from bastion.sandbox.warm import WarmSandbox
+from bastion.sandbox.warm import CONNECT_TIMEOUT_S, WarmSandbox
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
 
@@ -85,3 +87,65 @@ async def test_connect_to_a_stopped_sandbox_is_unavailable(tmp_path: Path) -> No
     box = WarmSandbox(SandboxSpec(workspace=str(tmp_path)))
     with pytest.raises(Unavailable, match="not running"):
         await box.connect(80)
+
+
+def pipe_closed_by_reader(write_end: int) -> bool:
+    """Whether every read end of the pipe is closed (a write fails with EPIPE)."""
+    try:
+        os.write(write_end, b"x")
+    except BrokenPipeError:
+        return True
+    return False
+
+
+async def test_fds_from_a_hostile_agent_are_closed_unless_they_answer_a_connect(sandbox: WarmSandbox) -> None:
+    """Invariant: the host keeps an fd from inside only as the answer to its own pending connect, and only a
+    connected TCP socket; an unsolicited fd, an answer to an unknown id, a second fd in a message and a
+    pipe passed off as the answer are all closed unread. The agent is played by the test on the host's
+    socket (a compromised agent), since the real one never sends these."""
+    loop = asyncio.get_running_loop()
+    real = sandbox._sock
+    assert real is not None
+    loop.remove_reader(real.fileno())
+    host, agent = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    host.setblocking(False)
+    agent.setblocking(False)
+    sandbox._sock = host
+    loop.add_reader(host.fileno(), sandbox._on_message)
+    try:
+        pipes = [os.pipe() for _ in range(4)]
+        socket.send_fds(agent, [b'{"event": "connected", "id": 999}'], [pipes[0][0]])
+        socket.send_fds(agent, [b'{"event": "exit", "id": 998, "status": 0}'], [pipes[1][0], pipes[2][0]])
+        pending = asyncio.ensure_future(sandbox.connect(8000))
+        request = marshal.loads(await loop.sock_recv(agent, 65536))
+        assert request == {"op": "connect", "id": request["id"], "port": 8000}
+        socket.send_fds(agent, [f'{{"event": "connected", "id": {request["id"]}}}'.encode()], [pipes[3][0]])
+        with pytest.raises(Unavailable, match="other than a connected TCP socket"):
+            await pending
+        for read_end, _ in pipes:
+            os.close(read_end)  # the test's own copy; the host's must be closed already
+        assert all(pipe_closed_by_reader(write_end) for _, write_end in pipes)
+    finally:
+        loop.remove_reader(host.fileno())
+        sandbox._sock = real
+        host.close()
+        agent.close()
+
+
+async def test_an_agent_that_never_answers_a_connect_is_unavailable_in_bounded_time(sandbox: WarmSandbox) -> None:
+    """Invariant: a silent (compromised or stuck) agent costs a preview request CONNECT_TIMEOUT_S, not forever."""
+    loop = asyncio.get_running_loop()
+    real = sandbox._sock
+    assert real is not None
+    loop.remove_reader(real.fileno())
+    host, agent = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    host.setblocking(False)
+    sandbox._sock = host
+    try:
+        with anyio.fail_after(CONNECT_TIMEOUT_S + 5), pytest.raises(Unavailable, match="did not answer"):
+            await sandbox.connect(8000)
+        assert sandbox._connects == {}
+    finally:
+        sandbox._sock = real
+        host.close()
+        agent.close()

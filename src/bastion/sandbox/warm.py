@@ -320,7 +320,10 @@ class WarmSandbox:
             _close_fds(fds)
             waiter.set_exception(Unavailable(f"nothing accepts connections on that port in the sandbox ({error})"))
             return True
-        waiter.set_result(_connected_socket(fds[0]))
+        try:
+            waiter.set_result(_connected_socket(fds[0]))
+        except Unavailable as exc:
+            waiter.set_exception(exc)
         return True
 
     async def connect(self, port: int) -> socket.socket:
@@ -345,10 +348,10 @@ class WarmSandbox:
             await self._send_fds(sock, marshal.dumps({"op": "connect", "id": request_id, "port": port}), [])
             async with asyncio.timeout(CONNECT_TIMEOUT_S):
                 return await asyncio.shield(waiter)
+        except TimeoutError:  # before OSError, its base class
+            raise Unavailable("the sandbox did not answer the connect in time") from None
         except OSError as exc:
             raise Unavailable(f"sandbox agent unreachable: {exc.strerror or exc}") from None
-        except TimeoutError:
-            raise Unavailable("the sandbox did not answer the connect in time") from None
         finally:
             answered_late = self._connects.pop(request_id, None) is not None and waiter.done()
             if answered_late and not waiter.cancelled() and waiter.exception() is None:
@@ -768,7 +771,7 @@ def _connected_socket(fd: int) -> socket.socket:
         sock = socket.socket(fileno=fd)
     except OSError:
         os.close(fd)
-        raise Unavailable("the sandbox's agent sent something other than a socket") from None
+        raise Unavailable("the sandbox's agent sent something other than a connected TCP socket") from None
     try:
         if sock.family != socket.AF_INET or sock.type != socket.SOCK_STREAM:
             raise OSError("not a TCP socket")
