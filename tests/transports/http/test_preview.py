@@ -12,6 +12,7 @@ What it does not prove: other browsers, or previews behind a TLS reverse proxy.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import re
@@ -32,6 +33,7 @@ from wsproto.events import Request as WsRequest
 
 from bastion.demo import init_demo
 from bastion.transports.http.password import write_hash
+from bastion.workbench.previews import token_id
 
 from .chromium import CHROMIUM, launch
 from .live import BASTION, PASSWORD, Browser, LiveServer, free_port, serve_config
@@ -92,8 +94,10 @@ class Preview:
         browser.close()
 
     def tool(self, name: str, **arguments: object) -> dict[str, Any]:
-        """One tools/call by a real MCP client with the token (each in its own event loop: tests are sync)."""
-        return anyio.run(self._call, name, arguments)
+        """One tools/call by a real MCP client with the token, in an event loop of its own in a worker thread
+        (tests are sync, and Playwright's sync API runs a loop in this thread)."""
+        with concurrent.futures.ThreadPoolExecutor(1) as worker:
+            return worker.submit(anyio.run, self._call, name, arguments).result()
 
     async def _call(self, name: str, arguments: dict[str, object]) -> dict[str, Any]:
         async with (
@@ -182,9 +186,10 @@ def test_page_loads_with_the_admin_session_and_is_refused_without(preview: Previ
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed")
-def test_chromium_loads_a_page_and_a_websocket_echo_from_the_sandbox(preview: Preview, sandbox: str) -> None:
-    page_url = preview.expose(sandbox, 8000)
-    ws_url = preview.expose(sandbox, 8001).replace("http://", "ws://")
+def test_chromium_loads_a_page_and_a_websocket_echo_then_404_after_close(preview: Preview) -> None:
+    sandbox_id = preview.sandbox_with_servers()
+    page_url = preview.expose(sandbox_id, 8000)
+    ws_url = preview.expose(sandbox_id, 8001).replace("http://", "ws://")
     with launch() as chromium:
         context = chromium.new_context()
         context.add_cookies([_session_cookie(preview)])
@@ -198,6 +203,10 @@ def test_chromium_loads_a_page_and_a_websocket_echo_from_the_sandbox(preview: Pr
         response = anonymous.goto(f"{page_url}index.html")
         assert response is not None
         assert response.status == 403
+        assert preview.tool("close_sandbox", sandbox_id=sandbox_id)["ok"]
+        after = page.goto(f"{page_url}index.html")
+        assert after is not None
+        assert after.status == 404
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed")
@@ -412,7 +421,8 @@ def test_every_request_is_audited_without_the_token(preview: Preview, sandbox: s
     text = (preview.server.root / "state" / "audit.jsonl").read_text()
     assert token not in text
     records = [json.loads(line) for line in text.splitlines() if '"preview_request"' in line]
-    mine = [r for r in records if r.get("path") == "/preview/<token>/index.html"]
+    mine = [r for r in records if r["preview"] == token_id(token)]
+    assert {r["path"] for r in mine} == {"/preview/<token>/index.html"}
     assert {r["status"] for r in mine} >= {200, 403}
     assert all(r["workspace"] == sandbox and r["port"] == 8000 and r["client"] for r in mine)
     assert any(r["bytes"] > 0 for r in mine)
