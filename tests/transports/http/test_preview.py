@@ -477,3 +477,13 @@ def test_public_urls_need_no_session_when_the_config_allows_them(tmp_path: Path)
         assert live.get(private, session=False).status_code == 403
         listed = live.tool("list_exposed_ports", sandbox_id=sandbox_id)["detail"]["previews"]
         assert {p["port"]: p["public"] for p in listed} == {8000: True, 8001: False}
+
+
+def test_huge_response_headers_are_502_and_service_workers_are_refused(preview: Preview, sandbox: str) -> None:
+    """Invariant: an app's header block is bounded (httpcore's h11 limit) and no service worker, which
+    would outlive its token and could claim other previews' paths, is ever served."""
+    url = preview.expose(sandbox, 8000)
+    huge = preview.get(url + "hugeheaders")
+    assert huge.status_code == 502
+    worker = preview.get(url + "index.html", headers={"service-worker": "script"})
+    assert worker.status_code == 403

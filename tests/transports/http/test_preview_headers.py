@@ -66,6 +66,8 @@ def test_response_headers_drop_host_wide_ones_and_prefix_redirects() -> None:
     headers = [
         (b"strict-transport-security", b"max-age=1"),
         (b"clear-site-data", b'"*"'),
+        (b"service-worker-allowed", b"/"),
+        (b"www-authenticate", b'Basic realm="bastion admin"'),
         (b"location", b"/next"),
         (b"content-type", b"text/html"),
         (b"transfer-encoding", b"chunked"),

@@ -60,8 +60,12 @@ HOP_BY_HOP: Final = frozenset(
         "content-length",  # re-framed: the request's is checked and passed on, the response's is the server's
     }
 )
-# Headers an app must not send to the administrator's browser: they act on the whole host (every port).
-RESPONSE_DROPPED: Final = frozenset({"strict-transport-security", "clear-site-data", "alt-svc", "server"})
+# Headers an app must not send to the administrator's browser: they act on the whole host (every port) or
+# the whole preview origin (a service worker for "/" would see every other sandbox's preview), or would
+# show the browser's own password prompt on bastion's host (a phishing page for the admin password).
+RESPONSE_DROPPED: Final = frozenset(
+    {"strict-transport-security", "clear-site-data", "alt-svc", "server", "service-worker-allowed", "www-authenticate"}
+)
 _BASTION_COOKIE = re.compile(r"(?i)^(__host-|__secure-|bastion)")
 
 
@@ -298,6 +302,9 @@ class PreviewApp:
         client = (scope.get("client") or ("-", 0))[0]
         if not self.per_token.allow(token_id(preview.token)) or not self.per_address.allow(client):
             return preview, (429, "Too Many Requests: slow down", [(b"retry-after", b"60")])
+        if _header(scope, b"service-worker") is not None:
+            # A service worker outlives its token and could serve stale or forged pages: none on this origin.
+            return preview, (403, "Forbidden: service workers are not allowed on previews", [])
         if not preview.public and not self._logged_in(scope):
             return preview, (403, "Forbidden: log in as the administrator first (this preview is not public)", [])
         if not target[1]:

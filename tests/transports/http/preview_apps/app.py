@@ -39,6 +39,11 @@ class Handler(http.server.SimpleHTTPRequestHandler):
             while n > 0:
                 self.wfile.write(chunk[:n])
                 n -= len(chunk)
+        elif url.path == "/hugeheaders":
+            self.send_response(200)
+            self.send_header("X-Huge", "h" * 300_000)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
         elif url.path == "/redirect":
             self.send_response(302)
             self.send_header("Location", "/landing")
