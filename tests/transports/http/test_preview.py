@@ -487,3 +487,32 @@ def test_huge_response_headers_are_502_and_service_workers_are_refused(preview: 
     assert huge.status_code == 502
     worker = preview.get(url + "index.html", headers={"service-worker": "script"})
     assert worker.status_code == 403
+
+
+@pytest.mark.parametrize(
+    ("preview_url", "message"),
+    [
+        ("http://127.0.0.1:{port}", "must be another origin than public_url"),
+        ("http://localhost:{preview_port}", "must be public_url's host on another port"),
+    ],
+)
+def test_a_preview_origin_that_is_the_admins_or_another_hosts_is_refused_at_start(
+    tmp_path: Path, preview_url: str, message: str
+) -> None:
+    """Invariant: previews never share the admin pages' origin, and (with auth) stay on the host whose
+    login cookie the browser sends them; the server refuses to start otherwise (exit 78, one line)."""
+    root = tmp_path / "demo"
+    port, preview_port = free_port(), free_port()
+    url = preview_url.format(port=port, preview_port=preview_port)
+    config = config_text(root, port, preview_port, f'preview_url = "{url}"\n')
+    started = subprocess.run(
+        [str(BASTION), "serve", "--config", str(config), "--http"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        stdin=subprocess.DEVNULL,
+    )
+    assert started.returncode == 78, started.stderr
+    assert message in started.stderr
+    assert "Traceback" not in started.stderr
