@@ -21,6 +21,7 @@ method, path without its query, status, bytes, address, sandbox, port).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import socket
@@ -286,7 +287,8 @@ class PreviewApp:
             logger.warning("preview request failed: %s: %s", type(exc).__name__, str(exc)[:200])
             status = status or 502
             if not started_response:
-                sent = await _plain(send, 502, "Bad Gateway: the sandbox's app broke the exchange")
+                with contextlib.suppress(OSError, RuntimeError):  # the browser may be gone too
+                    sent = await _plain(send, 502, "Bad Gateway: the sandbox's app broke the exchange")
         finally:
             if preview is not None:
                 await self._record(scope, path, preview, status, sent, started)
@@ -316,7 +318,9 @@ class PreviewApp:
         if self.store is None:
             return not self.config.auth  # auth = false (loopback only): there is no login to require
         session = _cookie(scope, SESSION_COOKIE)
-        return session is not None and bool(session) and self.store.admin_session_csrf(session) is not None
+        if not session:
+            return False
+        return self.store.admin_session_csrf(session) is not None
 
     async def _connect(self, preview: Preview) -> socket.socket | None:
         try:
