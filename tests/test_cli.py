@@ -186,3 +186,16 @@ def test_the_cgroup_hint_names_the_setting_that_helps(demo_config_path: Path) ->
     config = load_config(demo_config_path)
     assert "[sandboxes] enabled = false" in without_cgroups(config)
     assert "use_cgroups" not in without_cgroups(config)
+
+
+def test_a_preview_port_in_use_is_one_line_and_exit_1_before_any_banner(demo_config_path: Path) -> None:
+    assert run_cli("admin", "set-password", "--config", str(demo_config_path), "--generate").returncode == 0
+    with socket.create_server(("127.0.0.1", 0)) as main_port, socket.create_server(("127.0.0.1", 0)) as taken:
+        free = main_port.getsockname()[1]
+        port = taken.getsockname()[1]
+        text = demo_config_path.read_text()
+        demo_config_path.write_text(text.replace("[http]\n", f'[http]\npreview_listen = "127.0.0.1:{port}"\n', 1))
+        main_port.close()  # the main listener's port is free; the preview's is taken
+        done = run_cli("serve", "--config", str(demo_config_path), "--http", "--listen", f"127.0.0.1:{free}")
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.strip().splitlines() == [f"bastion: cannot listen on 127.0.0.1:{port}: Address already in use"]

@@ -26,12 +26,14 @@ from bastion.tools import CallRunner
 from bastion.tools.code import register_code
 from bastion.tools.gateway import register_gateway
 from bastion.tools.organizer import Inboxes, register_organizer
+from bastion.tools.previews import register_previews
 from bastion.tools.processes import register_processes
 from bastion.tools.sandboxes import register_sandboxes
 from bastion.tools.server import BastionServer
 from bastion.tools.workbench import register_workbench
 from bastion.workbench.catalog import template_catalog
 from bastion.workbench.manager import SandboxManager
+from bastion.workbench.previews import PreviewRegistry
 from bastion.workbench.registry import WorkspaceRegistry
 from bastion.workbench.workspace import HostWorkspace, open_host_workspaces
 
@@ -104,6 +106,8 @@ class Services:
     """The host ids handed out; closed once nothing runs as them."""
     state_lock: StateLock | None = None
     """This server's exclusive hold on the state folder; released last."""
+    previews: PreviewRegistry | None = None
+    """Preview URLs of this process's sandboxes (served by the HTTP preview listener, if any)."""
 
     def close(self) -> None:
         for organizer in self.organizers.values():
@@ -244,6 +248,11 @@ def build_services(config: Config) -> Services:
             audit=audit,
             registry=registry,
             sandboxes=sandboxes,
+            previews=PreviewRegistry(
+                sandboxes,
+                lifetime_s=config.http.preview_lifetime_s,
+                public_allowed=config.http.preview_public_allowed,
+            ),
             approvals=ApprovalQueue(config.db_path, webhook_url=config.approvals.webhook_url),
             gateways={gateway.name: GatewayClient(gateway, redactor) for gateway in config.gateway},
             organizers=organizers,
@@ -396,6 +405,8 @@ def register_toolsets(server: BastionServer, services: Services) -> None:
         )
         register_processes(server, services.registry)
         register_code(server, services.sandboxes, services.registry, config.sandboxes)
+        if services.previews is not None:
+            register_previews(server, services.previews, services.registry)
     # A gateway without a pinned host key refuses every call: its tools could never work.
     pinned = {name: client for name, client in services.gateways.items() if client.config.host_key is not None}
     if services.approvals is not None and pinned:

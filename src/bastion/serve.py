@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import ipaddress
 import json
+import logging
 import os
 import signal
 import socket
@@ -17,12 +18,13 @@ from typing import TYPE_CHECKING
 import anyio
 
 from bastion.app import build_server, build_services
-from bastion.config import Config
+from bastion.config import Config, HttpConfig
 from bastion.logs import configure_logging
 from bastion.safety.errors import ConfigError, Unavailable
 
 if TYPE_CHECKING:
     import uvicorn
+    from starlette.types import ASGIApp
 
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
@@ -184,12 +186,64 @@ def _clean_stop_server() -> type[uvicorn.Server]:
     return CleanStopServer
 
 
+def _preview_config(app: ASGIApp, http: HttpConfig) -> uvicorn.Config:
+    """The preview listener: WebSockets (wsproto), no lifespan (the main listener runs the server's)."""
+    import uvicorn
+
+    from bastion.transports.http import connections
+
+    host, port = parse_listen(http.preview_listen or "")
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        http=connections.guarded_protocol(
+            connections.connection_cap(http.max_connections), http.request_head_timeout_s, http.request_body_timeout_s
+        ),
+        ws="wsproto",
+        ws_max_size=1 << 20,
+        backlog=connections.BACKLOG,
+        timeout_keep_alive=connections.KEEP_ALIVE_S,
+        h11_max_incomplete_event_size=connections.MAX_HEAD_BYTES,
+        log_config=None,
+        access_log=False,
+        server_header=False,
+        proxy_headers=bool(http.trusted_proxies),
+        forwarded_allow_ips=list(http.trusted_proxies),
+        lifespan="off",
+        ssl_certfile=str(http.tls_cert) if http.tls_cert else None,
+        ssl_keyfile=str(http.tls_key) if http.tls_key else None,
+        timeout_graceful_shutdown=2,
+    )
+
+
+async def _serve_both(
+    main: uvicorn.Server, listener: socket.socket, preview_config: uvicorn.Config, preview_listener: socket.socket
+) -> None:
+    """Both listeners in one event loop (the sandboxes are this process's); the main one owns the signals."""
+    import uvicorn
+
+    class PreviewServer(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield
+
+    preview = PreviewServer(preview_config)
+    serving = asyncio.ensure_future(preview.serve(sockets=[preview_listener]))
+    try:
+        await main.serve(sockets=[listener])
+    finally:
+        preview.should_exit = True
+        await serving
+
+
 def serve_http(config: Config, config_path: str, listen: str | None = None) -> int:
     """Serve Streamable HTTP (and the authorization server) with uvicorn until interrupted."""
     import uvicorn
 
     from bastion.transports.http import connections
-    from bastion.transports.http.app import build_http_app, endpoints_for
+    from bastion.transports.http.app import build_http_app, build_preview_app, endpoints_for
+    from bastion.transports.http.preview import HideTokens
 
     http = config.http
     host, port = parse_listen(listen or http.listen)
@@ -202,6 +256,13 @@ def serve_http(config: Config, config_path: str, listen: str | None = None) -> i
         raise ConfigError(f"no admin password is set: run 'bastion admin set-password --config {config_path}' first")
     # Bound before anything starts or prints: a port in use is one line and exit 1, not a banner then a trace.
     listener = listen_socket(host, port, connections.BACKLOG)
+    preview_listener = None
+    if http.preview_listen is not None:
+        try:
+            preview_listener = listen_socket(*parse_listen(http.preview_listen), connections.BACKLOG)
+        except Unavailable:
+            listener.close()
+            raise
     configure_logging(config.log_level)
     services = build_services(config)
     store = None
@@ -239,13 +300,26 @@ def serve_http(config: Config, config_path: str, listen: str | None = None) -> i
             proxy_headers=bool(http.trusted_proxies),
             forwarded_allow_ips=list(http.trusted_proxies),
             lifespan="on",
+            ws="none",  # WebSockets only on the preview listener
             ssl_certfile=str(http.tls_cert) if http.tls_cert else None,
             ssl_keyfile=str(http.tls_key) if http.tls_key else None,
             timeout_graceful_shutdown=2,
         )
-        _clean_stop_server()(uv_config).run(sockets=[listener])
+        preview = None
+        if http.preview_listen is not None:
+            preview_app, preview_origin = build_preview_app(services, built, http.preview_listen)
+            logging.getLogger("uvicorn.error").addFilter(HideTokens())
+            preview = _preview_config(preview_app, http)
+            print(f"bastion: serving preview URLs at {preview_origin}", file=sys.stderr)
+        main = _clean_stop_server()(uv_config)
+        if preview is None or preview_listener is None:
+            main.run(sockets=[listener])
+        else:
+            asyncio.run(_serve_both(main, listener, preview, preview_listener))
     finally:
         listener.close()
+        if preview_listener is not None:
+            preview_listener.close()
         if store is not None:
             store.close()
         services.close()

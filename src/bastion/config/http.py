@@ -77,6 +77,27 @@ class HttpConfig(Model):
     max_sessions_per_grant: Annotated[int, Field(ge=1, le=10_000)] = 64
     """Open MCP sessions (2025-11-25 handshake era) per grant. A new one past it closes that grant's
     session idle the longest; when none is idle it gets 429."""
+    preview_listen: str | None = None
+    """HOST:PORT of a second listener that serves preview URLs (expose_port) and nothing else; unset: no
+    preview URLs. A separate origin on purpose: a page a sandbox serves must never share the origin of
+    /admin and /oauth (its scripts could read those pages with the administrator's cookies). Same host
+    as `public_url`, another port: browsers send the login cookie to every port of a host, which is how a
+    non-public preview knows the administrator."""
+    preview_url: str | None = None
+    """The origin browsers use for `preview_listen`, e.g. https://bastion.example.com:8443; on a loopback
+    `preview_listen` it may be left out (http://HOST:PORT)."""
+    preview_public_allowed: bool = False
+    """Dangerous when true: expose_port(public=true) gives a URL anyone who has it can open, with no login."""
+    preview_lifetime_s: Annotated[float, Field(ge=60, le=30 * 86_400)] = 8 * 3600.0
+    """A preview URL stops working this long after expose_port (or when its sandbox closes)."""
+    preview_max_body_bytes: Annotated[int, Field(ge=1024, le=1 << 30)] = 16 << 20
+    """A request body to a preview past this gets 413."""
+    preview_max_response_bytes: Annotated[int, Field(ge=1024, le=1 << 34)] = 64 << 20
+    """A response body from a sandbox's app is cut off past this."""
+    preview_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
+    """A sandbox's app must answer (headers) within this, and send each further chunk within it."""
+    preview_requests_per_minute: Annotated[int, Field(ge=1, le=1_000_000)] = 1200
+    """Requests (and WebSocket opens) per minute, per preview URL and per client address; more get 429."""
 
     @field_validator("public_url")
     @classmethod
@@ -99,6 +120,16 @@ class HttpConfig(Model):
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ValueError(f"listen {value!r} must be HOST:PORT, e.g. 127.0.0.1:8765")
         return value
+
+    @field_validator("preview_listen")
+    @classmethod
+    def _check_preview_listen(cls, value: str | None) -> str | None:
+        return None if value is None else cls._check_listen(value)
+
+    @field_validator("preview_url")
+    @classmethod
+    def _check_preview_url(cls, value: str | None) -> str | None:
+        return None if value is None else cls._check_public_url(value)
 
     @field_validator("trusted_proxies")
     @classmethod

@@ -29,6 +29,7 @@ out and ended a command). A command's own failure is never an error: it is its s
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -230,6 +231,15 @@ class Sandbox(Protocol):
         """The processes exited commands left running, by their pid in the sandbox (what `ps`
         inside shows); [] when it is not running. Their command lines are the sandbox's to
         write: untrusted, bounded, not cleaned."""
+        ...
+
+    async def connect(self, port: int) -> socket.socket:
+        """A TCP socket connected to 127.0.0.1:`port` inside the sandbox's own network; the caller owns it.
+
+        Raises:
+            InvalidRequest: `port` is not 1..65535.
+            Unavailable: the sandbox is not running, or nothing accepts connections on that port.
+        """
         ...
 
     async def kill_leftover(self, pid: int) -> None:

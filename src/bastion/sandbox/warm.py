@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Final
 
-from bastion.safety.errors import BastionError, Conflict, NotFound, ResourceLimit, Unavailable
+from bastion.safety.errors import BastionError, Conflict, InvalidRequest, NotFound, ResourceLimit, Unavailable
 from bastion.sandbox._spawn import SandboxProcess, SandboxSpec, start_sandbox
 from bastion.sandbox.backend import Backend, Process, Sandbox
 from bastion.sandbox.backend import RunOutcome as RunOutcome
@@ -50,6 +50,7 @@ _group_ids = itertools.count(1)
 KILL_GRACE_S: Final = 5.0
 OUTPUT_GRACE_S: Final = 0.2  # after a command's exit, for output still on its way (see `_output_after_exit`)
 MAX_MESSAGE_BYTES: Final = 65_536
+CONNECT_TIMEOUT_S: Final = 5.0  # the agent gives up after 2 s (`CONNECT_TIMEOUT_S` in inside/agent.py)
 
 
 def _descendants(pid: int) -> list[int]:
@@ -145,6 +146,7 @@ class WarmSandbox:
         self._sock: socket.socket | None = None
         self._waiters: dict[int, asyncio.Future[int]] = {}  # by command id, until it exits
         self._background: dict[int, BackgroundProcess] = {}  # by command id, until it exits
+        self._connects: dict[int, asyncio.Future[socket.socket]] = {}  # by request id, until answered
         self._start_lock = asyncio.Lock()
         self._command_ids = itertools.count(1)
         self._asleep = False  # stopped while idle; the next command starts it again
@@ -269,16 +271,20 @@ class WarmSandbox:
     def _on_message(self) -> None:
         assert self._sock is not None
         try:
-            # recv, not recvmsg: file descriptors sent from inside the sandbox are discarded unread.
-            data = self._sock.recv(MAX_MESSAGE_BYTES)
+            # At most one fd per message (more are discarded by the kernel: MSG_CTRUNC); it is kept only
+            # as the answer to a connect of ours (`_answer_connect`), and closed otherwise.
+            data, fds, _flags, _addr = socket.recv_fds(self._sock, MAX_MESSAGE_BYTES, 1)
         except BlockingIOError:
             return
         except OSError:
-            data = b""
+            data, fds = b"", []
         if not data:
+            _close_fds(fds)
             self._on_agent_gone()
             return
         try:
+            if self._answer_connect(data, fds):
+                return
             exited = _exit_message(data)
         except ValueError:
             # Not the agent's JSON (a deep nesting too): the agent is not what it was. One line, no traceback.
@@ -298,6 +304,59 @@ class WarmSandbox:
         if waiter is not None and not waiter.done():
             waiter.set_result(status)
 
+    def _answer_connect(self, data: bytes, fds: list[int]) -> bool:
+        """Hand a "connected" answer's socket to the connect waiting for it; close any other fd.
+
+        Raises:
+            ValueError: `data` is not a message of the agent's.
+        """
+        answer = _connected_message(data)
+        waiter = self._connects.pop(answer[0], None) if answer is not None else None
+        if answer is None or waiter is None or waiter.done():
+            _close_fds(fds)
+            return answer is not None
+        error = answer[1]
+        if error is not None or len(fds) != 1:
+            _close_fds(fds)
+            waiter.set_exception(Unavailable(f"nothing accepts connections on that port in the sandbox ({error})"))
+            return True
+        try:
+            waiter.set_result(_connected_socket(fds[0]))
+        except Unavailable as exc:
+            waiter.set_exception(exc)
+        return True
+
+    async def connect(self, port: int) -> socket.socket:
+        """A TCP socket connected to 127.0.0.1:`port` inside the sandbox (its network namespace), made by
+        the agent; the caller owns it. Does not start a sandbox that is asleep (nothing listens in it).
+
+        Raises:
+            InvalidRequest: `port` is not 1..65535.
+            Unavailable: the sandbox is not running, nothing listens on the port, or no answer in time.
+        """
+        if type(port) is not int or not 0 < port < 65536:
+            raise InvalidRequest(f"port {port!r} is not a TCP port: give 1 to 65535")
+        if self._paused:
+            raise Conflict("the sandbox is paused: resume it first")
+        sock = self._sock
+        if sock is None or not self.alive:
+            raise Unavailable("the sandbox is not running")
+        request_id = next(self._command_ids)
+        waiter: asyncio.Future[socket.socket] = asyncio.get_running_loop().create_future()
+        self._connects[request_id] = waiter
+        try:
+            await self._send_fds(sock, marshal.dumps({"op": "connect", "id": request_id, "port": port}), [])
+            async with asyncio.timeout(CONNECT_TIMEOUT_S):
+                return await asyncio.shield(waiter)
+        except TimeoutError:  # before OSError, its base class
+            raise Unavailable("the sandbox did not answer the connect in time") from None
+        except OSError as exc:
+            raise Unavailable(f"sandbox agent unreachable: {exc.strerror or exc}") from None
+        finally:
+            answered_late = self._connects.pop(request_id, None) is not None and waiter.done()
+            if answered_late and not waiter.cancelled() and waiter.exception() is None:
+                waiter.result().close()  # answered after we stopped waiting (cancelled): the socket is nobody's
+
     def _release(self, commands: CommandGroups, command_id: int) -> None:
         try:
             commands.exited(command_id)
@@ -316,6 +375,10 @@ class WarmSandbox:
             if not waiter.done():
                 waiter.set_exception(ended())
         self._waiters.clear()
+        for connect in self._connects.values():
+            if not connect.done():
+                connect.set_exception(Unavailable("the sandbox ended"))
+        self._connects.clear()
         while self._background:
             # Its processes die with the sandbox; their pipes are closed here, their output stays readable.
             self._background.popitem()[1].close()
@@ -682,6 +745,47 @@ def _exit_message(data: bytes) -> tuple[int, int] | None:
         return int(msg.get("id", 0)), int(msg["status"])
     except (TypeError, KeyError, RecursionError) as exc:
         raise ValueError(str(exc)) from None
+
+
+def _connected_message(data: bytes) -> tuple[int, str | None] | None:
+    """(request id, error or None) of a "connected" answer of the agent's; None for another event.
+
+    Raises:
+        ValueError: `data` is not a message of the agent's.
+    """
+    try:
+        msg = json.loads(data)
+    except RecursionError as exc:
+        raise ValueError(str(exc)) from None
+    if not isinstance(msg, dict) or msg.get("event") != "connected":
+        return None
+    request_id, error = msg.get("id"), msg.get("error")
+    if type(request_id) is not int or not (error is None or isinstance(error, str)):
+        raise ValueError("a malformed connected event")
+    return request_id, None if error is None else error[:200]
+
+
+def _connected_socket(fd: int) -> socket.socket:
+    """The fd the agent sent, if it is a connected TCP socket over IPv4 (else Unavailable; the fd is closed)."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        os.close(fd)
+        raise Unavailable("the sandbox's agent sent something other than a connected TCP socket") from None
+    try:
+        if sock.family != socket.AF_INET or sock.type != socket.SOCK_STREAM:
+            raise OSError("not a TCP socket")
+        sock.getpeername()  # ENOTCONN if it is not connected
+    except OSError:
+        sock.close()
+        raise Unavailable("the sandbox's agent sent something other than a connected TCP socket") from None
+    sock.setblocking(False)
+    return sock
+
+
+def _close_fds(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
 
 
 def _reap(proc: SandboxProcess | None, group: SandboxCgroup | None, workspace: str) -> None:

@@ -22,6 +22,12 @@ agent; fds via SCM_RIGHTS):
                   with "cgroup", one more last: the command group's cgroup.procs, opened O_WRONLY
   host -> agent   {"op": "kill", "id": N}
   agent -> host   {"event": "exit", "id": N, "status": S}   S: exit code, or 128 + signal number
+  host -> agent   {"op": "connect", "id": N, "port": P}   (a preview URL's request)
+  agent -> host   {"event": "connected", "id": N} with one fd: a TCP socket connected to 127.0.0.1:P
+                  inside the sandbox's network namespace; or {"event": "connected", "id": N, "error": "..."}
+                  The address is always 127.0.0.1: only the port comes from the host. The host accepts
+                  an fd only with a "connected" event answering a connect of its own, and checks it is a
+                  connected TCP socket.
 A command that cannot start (no such program, a bad cwd) writes one line to its stderr
 pipe and exits 127, as a shell would.
 
@@ -83,6 +89,9 @@ LINUX_CAPABILITY_VERSION_3 = 0x20080522
 # SECBIT_NOROOT and its lock, SECBIT_NO_CAP_AMBIENT_RAISE and its lock (capabilities(7)).
 SECUREBITS = (1 << 0) | (1 << 1) | (1 << 6) | (1 << 7)
 MAX_MESSAGE_BYTES = 1 << 20
+# Loopback connects end at once (accepted or refused) unless the listener's backlog is full: then
+# the agent waits this long, stalling only its own sandbox's requests.
+CONNECT_TIMEOUT_S = 2.0
 EXIT_CANNOT_START = 127
 # Dispositions a command must not inherit: Python ignores SIGPIPE and SIGXFSZ (handled
 # signals are reset by posix_spawn itself; these are named too, to say so).
@@ -183,6 +192,8 @@ class Agent:
         for fd in (*fds, group):
             if fd >= 0:
                 os.close(fd)
+        if op == "connect":
+            self.connect(req)
         if op == "kill":
             pid = self.running.get(int(req.get("id", 0)))
             if pid is not None:
@@ -190,6 +201,29 @@ class Agent:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+
+    def connect(self, req: "dict[str, Any]") -> None:
+        """Connect to 127.0.0.1:port in the sandbox's own network namespace; hand the socket to the host."""
+        request_id = req.get("id")
+        port = req.get("port")
+        if type(request_id) is not int or type(port) is not int or not 0 < port < 65536:
+            self.send({"event": "connected", "id": request_id if type(request_id) is int else 0, "error": "bad port"})
+            return
+        conn = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            conn.settimeout(CONNECT_TIMEOUT_S)
+            conn.connect(("127.0.0.1", port))
+        except OSError as exc:
+            conn.close()
+            reason = "timed out" if isinstance(exc, TimeoutError) else (exc.strerror or "cannot connect")
+            self.send({"event": "connected", "id": request_id, "error": reason})
+            return
+        try:
+            socket.send_fds(self.sock, [to_json({"event": "connected", "id": request_id}).encode()], [conn.fileno()])
+        except OSError:
+            os._exit(0)  # the host went away: the sandbox ends with it
+        finally:
+            conn.close()
 
     def start(self, req: "dict[str, Any]", fds: "list[int]", group: int) -> None:
         """Start one command in its cgroup (`group` >= 0) or else as PID 1 of a new PID namespace;

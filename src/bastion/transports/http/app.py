@@ -55,6 +55,7 @@ from bastion.transports.http.endpoints import (
 )
 from bastion.transports.http.flow import AuthorizationFlow
 from bastion.transports.http.password import AdminCredential
+from bastion.transports.http.preview import PreviewApp
 from bastion.transports.http.provider import BastionAuthProvider, Endpoints
 from bastion.transports.http.ratelimit import LoginLimiter
 from bastion.transports.http.scopes import RequireToken, ScopeMiddleware
@@ -199,11 +200,15 @@ class HostGuard:
         self.origins = set(origins)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers", ()))
         host = headers.get(b"host", b"").decode("latin-1").lower()
+        if host not in self.hosts and scope["type"] == "websocket":
+            await receive()  # websocket.connect
+            await send({"type": "websocket.close", "code": 1008})
+            return
         if host not in self.hosts:
             await _plain(send, 421, b"Misdirected Request: unknown Host\n")
             return
@@ -423,6 +428,36 @@ def build_http_app(services: Services, server: BastionServer, *, listen: str | N
     starlette = Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
     app = HostGuard(CountCalls(AccessLog(starlette), server.runner), hosts, origins)
     return HttpApp(app=app, endpoints=endpoints, store=store)
+
+
+def build_preview_app(services: Services, built: HttpApp, listen: str) -> tuple[ASGIApp, str]:
+    """The preview listener's app and origin (`[http] preview_listen`); makes expose_port give URLs there.
+
+    Raises:
+        ConfigError: the preview origin is missing (non-loopback) or is the origin of the admin pages.
+    """
+    http = services.config.http
+    host, _, port = listen.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    origin = http.preview_url
+    if origin is None:
+        if not _is_loopback(host):
+            raise ConfigError("[http] preview_url is not set: add it (e.g. https://bastion.example.com:8443)")
+        origin = f"http://{_url_host(host)}:{port}"
+    main = urlsplit(built.endpoints.issuer)
+    preview = urlsplit(origin)
+    if origin_of(origin) == origin_of(built.endpoints.issuer):
+        raise ConfigError("[http] preview_listen must be another origin than public_url: give it another port")
+    if http.auth and preview.hostname != main.hostname:
+        # The login cookie is host-only: only another port of the same host receives it.
+        raise ConfigError(
+            "[http] preview_url must be public_url's host on another port (the login cookie is sent there)"
+        )
+    if services.previews is None:
+        raise ConfigError("preview URLs need sandboxes: set [sandboxes] enabled = true or leave preview_listen out")
+    services.previews.base_url = origin
+    app = PreviewApp(services.previews, http, services.audit, built.store, origin_of(origin))
+    return HostGuard(app, allowed_hosts(origin), []), origin
 
 
 async def _purge_forever(store: AuthStore, unused_client_ttl_s: float) -> None:

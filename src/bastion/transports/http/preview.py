@@ -1,0 +1,474 @@
+"""The preview listener: /preview/<token>/<path> reverse-proxied to 127.0.0.1:<port> inside a sandbox.
+
+SECURITY BOUNDARY. What a sandbox serves is hostile: its pages run scripts in the administrator's browser.
+So previews have an origin of their own (`[http] preview_listen`, another port): a page there cannot read
+/admin or /oauth (cross-origin: no CORS), and the login cookie is HttpOnly. A Content-Security-Policy
+sandbox (an opaque origin) was weighed and rejected: Chromium then sends no SameSite cookie with the
+page's own subresource requests and refuses its fetches to its own server (CORS from "null"), so no
+real app would work and the login check could not be made. Requests reach the app with bastion's
+cookies and any Authorization header removed; its responses cannot set cookies for other paths or
+domains, nor `__Host-`/`__Secure-`/bastion names, nor clear site data (the origin shares the host's
+cookies with the admin pages). The bytes cross the sandbox boundary only over a socket the sandbox's
+agent connects to 127.0.0.1:<port> in the sandbox's own network namespace (`WarmSandbox.connect`): no
+host, no other sandbox, no other port is reachable from here. Previews of different sandboxes share
+this one origin (its storage too): a page could read another preview only by knowing its token.
+
+A request for an unknown, expired or closed token gets 404 with no detail. Requests are rate limited
+per token and per client address, bodies capped both ways, and each one is audited (token digest,
+method, path without its query, status, bytes, address, sandbox, port).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import socket
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
+from typing import Final
+from urllib.parse import unquote
+
+import httpcore2
+from starlette.types import Message, Receive, Scope, Send
+
+from bastion.config import HttpConfig
+from bastion.safety.audit import AuditLog
+from bastion.safety.errors import BastionError
+from bastion.transports.http.admin_pages import SESSION_COOKIE
+from bastion.transports.http.store import AuthStore
+from bastion.workbench.previews import Preview, PreviewRegistry, token_id
+
+logger = logging.getLogger("bastion.http.preview")
+
+MAX_AUDIT_PATH_CHARS: Final = 200
+# RFC 9110 §7.6.1 and the proxy headers no app should see or send back.
+HOP_BY_HOP: Final = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",  # re-framed: the request's is checked and passed on, the response's is the server's
+    }
+)
+# Headers an app must not send to the administrator's browser: they act on the whole host (every port) or
+# the whole preview origin (a service worker for "/" would see every other sandbox's preview), or would
+# show the browser's own password prompt on bastion's host (a phishing page for the admin password).
+RESPONSE_DROPPED: Final = frozenset(
+    {"strict-transport-security", "clear-site-data", "alt-svc", "server", "service-worker-allowed", "www-authenticate"}
+)
+_BASTION_COOKIE = re.compile(r"(?i)^(__host-|__secure-|bastion)")
+
+
+class HideTokens(logging.Filter):
+    """uvicorn logs each WebSocket's path (`"WebSocket /preview/<token>/" [accepted]`): never the token."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple) and any("/preview/" in str(a) for a in record.args):
+            record.args = tuple(_PREVIEW_TOKEN.sub("/preview/<token>", str(a)) for a in record.args)
+        return True
+
+
+_PREVIEW_TOKEN = re.compile(r"/preview/[A-Za-z0-9_-]+")
+
+
+@dataclass
+class Window:
+    """A sliding one-minute count of events per key (token digest, or address)."""
+
+    per_minute: int
+
+    def __post_init__(self) -> None:
+        self.seen: dict[str, deque[float]] = {}
+
+    def allow(self, key: str) -> bool:
+        now = time.monotonic()
+        times = self.seen.setdefault(key, deque())
+        while times and now - times[0] >= 60:
+            times.popleft()
+        if len(times) >= self.per_minute:
+            return False
+        times.append(now)
+        if len(self.seen) > 100_000:  # many addresses: forget the quiet ones
+            self.seen = {k: v for k, v in self.seen.items() if v}
+        return True
+
+
+def split_target(path: str) -> tuple[str, str] | None:
+    """(token, the path for the app) of a raw /preview/<token>/<path>; None if not of that shape or if a
+    segment is `.` or `..` once decoded (the app behind sees the path as sent; no trick is needed there)."""
+    match = re.fullmatch(r"/preview/([A-Za-z0-9_-]{20,100})(/[^?#]*)?", path)
+    if match is None:
+        return None
+    rest = match.group(2) or ""
+    if any(unquote(segment) in (".", "..") for segment in rest.split("/")):
+        return None
+    return match.group(1), rest
+
+
+def request_headers(headers: Iterable[tuple[bytes, bytes]], port: int, length: int | None) -> list[tuple[bytes, bytes]]:
+    """The browser's headers for the app: hop-by-hop, Authorization and bastion's cookies removed, Host
+    rewritten, the body framed by `length` (checked against the cap) or else chunked."""
+    named_by_connection = set()
+    framing = (b"content-length", str(length).encode()) if length is not None else (b"transfer-encoding", b"chunked")
+    kept: list[tuple[bytes, bytes]] = [(b"host", f"127.0.0.1:{port}".encode()), framing]
+    for key, value in headers:
+        if key == b"connection":
+            named_by_connection |= {v.strip().lower() for v in value.split(b",")}
+    for key, value in headers:
+        name = key.lower()
+        if name.decode("latin-1") in HOP_BY_HOP or name in named_by_connection or name == b"authorization":
+            continue
+        if name.startswith(b"sec-websocket"):
+            continue
+        if name == b"cookie":
+            value = _foreign_cookies(value)
+            if not value:
+                continue
+        kept.append((name, value))
+    return kept
+
+
+def _foreign_cookies(header: bytes) -> bytes:
+    pairs = [p.strip() for p in header.split(b";")]
+    return b"; ".join(p for p in pairs if p and not _BASTION_COOKIE.match(p.decode("latin-1")))
+
+
+def response_headers(headers: Iterable[tuple[bytes, bytes]], token: str) -> list[tuple[bytes, bytes]]:
+    """The app's headers for the browser: hop-by-hop and host-wide ones removed, cookies confined."""
+    prefix = f"/preview/{token}"
+    kept: list[tuple[bytes, bytes]] = []
+    for key, value in headers:
+        name = key.lower()
+        text = name.decode("latin-1")
+        if text in HOP_BY_HOP or text in RESPONSE_DROPPED:
+            continue
+        if name == b"set-cookie":
+            confined = confine_cookie(value.decode("latin-1"), prefix)
+            if confined is not None:
+                kept.append((name, confined.encode("latin-1")))
+            continue
+        if name == b"location" and value.startswith(b"/") and not value.startswith(b"//"):
+            value = prefix.encode() + value
+        kept.append((name, value))
+    return kept
+
+
+def confine_cookie(header: str, prefix: str) -> str | None:
+    """A Set-Cookie limited to the preview's own path, or None: a Domain attribute, a `__Host-`, `__Secure-`
+    or bastion name would reach beyond it (the admin pages share the host's cookies)."""
+    name_value, *attributes = header.split(";")
+    name = name_value.split("=", 1)[0].strip()
+    if not name or _BASTION_COOKIE.match(name):
+        return None
+    kept = []
+    for attribute in attributes:
+        key = attribute.split("=", 1)[0].strip().lower()
+        if key == "domain":
+            return None
+        if key != "path":
+            kept.append(attribute.strip())
+    return "; ".join([name_value.strip(), *kept, f"Path={prefix}/"])
+
+
+class SocketStream(httpcore2.AsyncNetworkStream):
+    """httpcore's view of the socket the sandbox's agent connected (asyncio streams over it)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+
+    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:  # noqa: ASYNC109 - httpcore's interface
+        try:
+            async with asyncio.timeout(timeout):
+                return await self.reader.read(max_bytes)
+        except TimeoutError:
+            raise httpcore2.ReadTimeout("the sandbox's app sent nothing in time") from None
+        except OSError as exc:
+            raise httpcore2.ReadError(str(exc)) from None
+
+    async def write(self, buffer: bytes, timeout: float | None = None) -> None:  # noqa: ASYNC109 - httpcore's interface
+        try:
+            async with asyncio.timeout(timeout):
+                self.writer.write(buffer)
+                await self.writer.drain()
+        except TimeoutError:
+            raise httpcore2.WriteTimeout("the sandbox's app read nothing in time") from None
+        except OSError as exc:
+            raise httpcore2.WriteError(str(exc)) from None
+
+    async def aclose(self) -> None:
+        self.writer.close()
+
+    def get_extra_info(self, info: str) -> object:
+        return None
+
+
+Refusal = tuple[int, str, list[tuple[bytes, bytes]]]  # status, text, extra headers
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+async def _plain(send: Send, status: int, text: str, extra: list[tuple[bytes, bytes]] | None = None) -> int:
+    body = (text + "\n").encode()
+    headers = [(b"content-type", b"text/plain; charset=utf-8"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers + (extra or [])})
+    await send({"type": "http.response.body", "body": body})
+    return len(body)
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    for key, value in scope.get("headers", ()):
+        if key == name:
+            return bytes(value)
+    return None
+
+
+def _cookie(scope: Scope, name: str) -> str | None:
+    for pair in (_header(scope, b"cookie") or b"").decode("latin-1").split(";"):
+        key, _, value = pair.strip().partition("=")
+        if key == name:
+            return value
+    return None
+
+
+class PreviewApp:
+    """The ASGI app of the preview listener (behind the Host check); nothing but /preview/."""
+
+    def __init__(
+        self, registry: PreviewRegistry, config: HttpConfig, audit: AuditLog, store: AuthStore | None, origin: str
+    ) -> None:
+        self.registry = registry
+        self.config = config
+        self.audit = audit
+        self.store = store
+        self.origin = origin
+        self.per_token = Window(config.preview_requests_per_minute)
+        self.per_address = Window(config.preview_requests_per_minute)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            return
+        if scope["type"] == "websocket":
+            await self._websocket(scope, receive, send)
+            return
+        started = time.perf_counter()
+        path = scope.get("raw_path", b"").decode("latin-1").split("?", 1)[0]
+        preview, status, sent = None, 0, 0
+        started_response = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started_response
+            started_response = started_response or message["type"] == "http.response.start"
+            await respond(message)
+
+        respond, send = send, tracked
+        try:
+            preview, refusal = self._admit(scope, path)
+            if refusal is not None:
+                status, text, extra = refusal
+                sent = await _plain(send, status, text, extra)
+                return
+            assert preview is not None
+            status, sent = await self._proxy(scope, receive, send, preview)
+        except Exception as exc:  # whatever a hostile app provokes: one line, no traceback
+            logger.warning("preview request failed: %s: %s", type(exc).__name__, str(exc)[:200])
+            status = status or 502
+            if not started_response:
+                with contextlib.suppress(OSError, RuntimeError):  # the browser may be gone too
+                    sent = await _plain(send, 502, "Bad Gateway: the sandbox's app broke the exchange")
+        finally:
+            if preview is not None:
+                await self._record(scope, path, preview, status, sent, started)
+
+    def _admit(self, scope: Scope, path: str) -> tuple[Preview | None, Refusal | None]:
+        """The preview a request may reach, or the refusal to send (status, text, headers)."""
+        target = split_target(path)
+        if target is None:
+            return None, (404, "Not Found", [])
+        preview = self.registry.lookup(target[0])
+        if preview is None:
+            return None, (404, "Not Found", [])
+        client = (scope.get("client") or ("-", 0))[0]
+        if not self.per_token.allow(token_id(preview.token)) or not self.per_address.allow(client):
+            return preview, (429, "Too Many Requests: slow down", [(b"retry-after", b"60")])
+        if _header(scope, b"service-worker") is not None:
+            # A service worker outlives its token and could serve stale or forged pages: none on this origin.
+            return preview, (403, "Forbidden: service workers are not allowed on previews", [])
+        if not preview.public and not self._logged_in(scope):
+            return preview, (403, "Forbidden: log in as the administrator first (this preview is not public)", [])
+        if not target[1]:
+            location = f"{path}/".encode()
+            return preview, (308, "Permanent Redirect", [(b"location", location)])
+        return preview, None
+
+    def _logged_in(self, scope: Scope) -> bool:
+        if self.store is None:
+            return not self.config.auth  # auth = false (loopback only): there is no login to require
+        session = _cookie(scope, SESSION_COOKIE)
+        if not session:
+            return False
+        return self.store.admin_session_csrf(session) is not None
+
+    async def _connect(self, preview: Preview) -> socket.socket | None:
+        try:
+            return await preview.box.workspace.sandbox.connect(preview.port)
+        except BastionError as exc:
+            logger.info("preview %s: %s", token_id(preview.token), exc.reason)
+            return None
+
+    async def _proxy(self, scope: Scope, receive: Receive, send: Send, preview: Preview) -> tuple[int, int]:
+        declared = _header(scope, b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.config.preview_max_body_bytes):
+            return 413, await _plain(send, 413, "Content Too Large: the request body is over the preview's cap")
+        sock = await self._connect(preview)
+        if sock is None:
+            text = f"Bad Gateway: nothing accepts connections on port {preview.port} in the sandbox"
+            return 502, await _plain(send, 502, text)
+        reader, writer = await asyncio.open_connection(sock=sock)
+        stream = SocketStream(reader, writer)
+        origin = httpcore2.Origin(b"http", b"127.0.0.1", preview.port)
+        connection = httpcore2.AsyncHTTP11Connection(origin, stream)
+        try:
+            return await self._exchange(scope, receive, send, preview, connection)
+        finally:
+            await connection.aclose()
+
+    async def _exchange(
+        self, scope: Scope, receive: Receive, send: Send, preview: Preview, connection: httpcore2.AsyncHTTP11Connection
+    ) -> tuple[int, int]:
+        target = _split_token(scope, preview.token)
+        timeout = self.config.preview_timeout_s
+        body = _capped_body(receive, self.config.preview_max_body_bytes)
+        request = httpcore2.Request(
+            scope["method"],
+            httpcore2.URL(scheme=b"http", host=b"127.0.0.1", port=preview.port, target=target),
+            headers=request_headers(scope.get("headers", ()), preview.port, _declared_length(scope)),
+            content=body,
+            extensions={"timeout": {"connect": timeout, "read": timeout, "write": timeout, "pool": timeout}},
+        )
+        try:
+            response = await connection.handle_async_request(request)
+        except BodyTooLarge:
+            return 413, await _plain(send, 413, "Content Too Large: the request body is over the preview's cap")
+        except httpcore2.TimeoutException:
+            return 504, await _plain(send, 504, "Gateway Timeout: the sandbox's app did not answer in time")
+        except (httpcore2.NetworkError, httpcore2.ProtocolError):
+            return 502, await _plain(send, 502, "Bad Gateway: the sandbox's app did not answer with HTTP")
+        headers = response_headers(response.headers, preview.token)
+        await send({"type": "http.response.start", "status": response.status, "headers": headers})
+        sent = await self._stream_body(send, response)
+        return response.status, sent
+
+    async def _stream_body(self, send: Send, response: httpcore2.Response) -> int:
+        """Pass the body on; past the cap, or on a stall or a broken app, the response is cut short."""
+        sent = 0
+        cap = self.config.preview_max_response_bytes
+        try:
+            async for chunk in response.aiter_stream():
+                chunk = chunk[: cap - sent]
+                sent += len(chunk)
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                if sent >= cap:
+                    logger.info("preview response cut at %d bytes", cap)
+                    break
+        except (httpcore2.TimeoutException, httpcore2.NetworkError, httpcore2.ProtocolError):
+            pass
+        finally:
+            await response.aclose()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return sent
+
+    async def _record(self, scope: Scope, path: str, preview: Preview, status: int, sent: int, started: float) -> None:
+        record = {
+            "event": "preview",
+            "tool": "preview_request",
+            "preview": token_id(preview.token),
+            "workspace": preview.sandbox_id,
+            "port": preview.port,
+            "method": str(scope.get("method", "WEBSOCKET")),
+            "path": _without_token(path, preview.token)[:MAX_AUDIT_PATH_CHARS],
+            "status": status,
+            "bytes": sent,
+            "client": (scope.get("client") or ("-", 0))[0],
+            "duration_ms": round((time.perf_counter() - started) * 1000, 3),
+        }
+        try:
+            await self.audit.append_async(record)
+        except BastionError as exc:
+            logger.error("preview request not audited: %s", exc.reason)
+
+    async def _websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
+        from bastion.transports.http.preview_ws import proxy_websocket
+
+        started = time.perf_counter()
+        if (await receive())["type"] != "websocket.connect":
+            return
+        path = scope.get("raw_path", b"").decode("latin-1").split("?", 1)[0]
+        preview, refusal = self._admit(scope, path)
+        origin = _header(scope, b"origin")
+        if refusal is None and origin is not None and origin.decode("latin-1") != self.origin:
+            refusal = (403, "Forbidden: WebSocket from another origin", [])
+        if preview is None or refusal is not None:
+            await send({"type": "websocket.close", "code": 1008})
+            if preview is not None:
+                await self._record(scope, path, preview, refusal[0] if refusal else 403, 0, started)
+            return
+        sock = await self._connect(preview)
+        if sock is None:
+            await send({"type": "websocket.close", "code": 1011})
+            await self._record(scope, path, preview, 502, 0, started)
+            return
+        target = _split_token(scope, preview.token)
+        status, sent = await proxy_websocket(scope, receive, send, sock, preview.port, target)
+        await self._record(scope, path, preview, status, sent, started)
+
+
+def _declared_length(scope: Scope) -> int | None:
+    """The request's Content-Length (digits only: `_proxy` refused anything else), or None when it has none."""
+    declared = _header(scope, b"content-length")
+    if declared is not None:
+        return int(declared)
+    if scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE") and _header(scope, b"transfer-encoding") is None:
+        return 0
+    return None
+
+
+def _split_token(scope: Scope, token: str) -> bytes:
+    """The request target for the app: the raw path after /preview/<token>, with the query string."""
+    raw = bytes(scope.get("raw_path", b"")).split(b"?", 1)[0]
+    target = raw[len(f"/preview/{token}") :] or b"/"
+    query = scope.get("query_string", b"")
+    return target + (b"?" + query if query else b"")
+
+
+def _without_token(path: str, token: str) -> str:
+    return path.replace(token, "<token>")
+
+
+async def _capped_body(receive: Receive, cap: int) -> AsyncIterator[bytes]:
+    received = 0
+    while True:
+        message: Message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+        chunk = message.get("body", b"")
+        received += len(chunk)
+        if received > cap:
+            raise BodyTooLarge
+        if chunk:
+            yield chunk
+        if not message.get("more_body", False):
+            return

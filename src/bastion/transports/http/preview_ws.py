@@ -1,0 +1,136 @@
+"""A preview's WebSocket: the browser's (uvicorn's, ASGI) joined to the app's, spoken with wsproto over
+the socket the sandbox's agent connected. Messages are capped (`MAX_WS_MESSAGE_BYTES`); the app's
+handshake must end within `HANDSHAKE_TIMEOUT_S`. Everything from the app is hostile: a malformed frame
+ends the connection (wsproto raises), never the server."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from typing import Final
+
+from starlette.types import Receive, Scope, Send
+from wsproto import ConnectionType, WSConnection
+from wsproto.events import (
+    AcceptConnection,
+    BytesMessage,
+    CloseConnection,
+    Event,
+    Message,
+    Ping,
+    RejectConnection,
+    RejectData,
+    Request,
+    TextMessage,
+)
+from wsproto.utilities import LocalProtocolError, RemoteProtocolError
+
+MAX_WS_MESSAGE_BYTES: Final = 1 << 20
+HANDSHAKE_TIMEOUT_S: Final = 10.0
+READ_BYTES: Final = 65_536
+
+
+class _Link:
+    """The app's side: a wsproto client over the socket."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.ws = WSConnection(ConnectionType.CLIENT)
+        self.reader = reader
+        self.writer = writer
+
+    async def send(self, event: Event) -> None:
+        self.writer.write(self.ws.send(event))
+        await self.writer.drain()
+
+    async def events(self) -> list[Event]:
+        data = await self.reader.read(READ_BYTES)
+        if not data:
+            raise OSError("the app closed the connection")
+        self.ws.receive_data(data)
+        return list(self.ws.events())
+
+
+async def _handshake(link: _Link, port: int, target: bytes, subprotocols: list[str]) -> AcceptConnection | None:
+    await link.send(Request(host=f"127.0.0.1:{port}", target=target.decode("latin-1"), subprotocols=subprotocols))
+    async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):
+        while True:
+            for event in await link.events():
+                if isinstance(event, AcceptConnection):
+                    return event
+                if isinstance(event, RejectConnection | RejectData):
+                    return None
+
+
+async def proxy_websocket(
+    scope: Scope, receive: Receive, send: Send, sock: socket.socket, port: int, target: bytes
+) -> tuple[int, int]:
+    """Run one proxied WebSocket to its end; (the status to audit, bytes sent to the browser)."""
+    reader, writer = await asyncio.open_connection(sock=sock, limit=MAX_WS_MESSAGE_BYTES)
+    link = _Link(reader, writer)
+    try:
+        try:
+            accepted = await _handshake(link, port, target, list(scope.get("subprotocols", [])))
+        except (TimeoutError, OSError, LocalProtocolError, RemoteProtocolError):
+            accepted = None
+        if accepted is None:
+            await send({"type": "websocket.close", "code": 1011})
+            return 502, 0
+        await send({"type": "websocket.accept", "subprotocol": accepted.subprotocol})
+        sent = [0]
+        to_app = asyncio.ensure_future(_browser_to_app(receive, link))
+        to_browser = asyncio.ensure_future(_app_to_browser(send, link, sent))
+        _, pending = await asyncio.wait({to_app, to_browser}, return_when=asyncio.FIRST_COMPLETED)
+        for task in pending:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        return 101, sent[0]
+    finally:
+        writer.close()
+
+
+async def _browser_to_app(receive: Receive, link: _Link) -> None:
+    with contextlib.suppress(OSError, LocalProtocolError):
+        while True:
+            message = await receive()
+            if message["type"] == "websocket.disconnect":
+                await link.send(CloseConnection(code=int(message.get("code", 1000))))
+                return
+            if message.get("text") is not None:
+                await link.send(TextMessage(data=message["text"]))
+            elif message.get("bytes") is not None:
+                await link.send(BytesMessage(data=message["bytes"]))
+
+
+async def _app_to_browser(send: Send, link: _Link, sent: list[int]) -> None:
+    """Whole messages from the app to the browser; a close, a broken app or an oversized message ends it."""
+    parts: list[str | bytes] = []
+    size = 0
+    try:
+        while True:
+            for event in await link.events():
+                if isinstance(event, Ping):
+                    await link.send(event.response())
+                elif isinstance(event, CloseConnection):
+                    await send({"type": "websocket.close", "code": event.code})
+                    return
+                elif isinstance(event, Message):
+                    parts.append(event.data)
+                    size += len(event.data)
+                    if size > MAX_WS_MESSAGE_BYTES:
+                        await send({"type": "websocket.close", "code": 1009})
+                        return
+                    if event.message_finished:
+                        await _forward(send, parts)
+                        sent[0] += size
+                        parts, size = [], 0
+    except (OSError, LocalProtocolError, RemoteProtocolError):
+        await send({"type": "websocket.close", "code": 1011})
+
+
+async def _forward(send: Send, parts: list[str | bytes]) -> None:
+    if isinstance(parts[0], str):
+        await send({"type": "websocket.send", "text": "".join(str(p) for p in parts)})
+    else:
+        await send({"type": "websocket.send", "bytes": b"".join(p for p in parts if isinstance(p, bytes))})

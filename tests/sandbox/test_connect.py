@@ -1,0 +1,151 @@
+"""The agent's connect op: a host gets a socket to 127.0.0.1:PORT inside a sandbox, and nothing else.
+
+These run real bubblewrap sandboxes. What this proves: the socket the agent hands over reaches a server
+listening on the sandbox's own loopback (not the host's), a closed port and a bad port are refused with a
+typed error, and no fd is left open on the host. What it does not prove: HTTP over it (tests/preview).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import marshal
+import os
+import socket
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import anyio
+import pytest
+
+from bastion.safety.errors import InvalidRequest, Unavailable
+from bastion.sandbox._spawn import SANDBOX_PATH, SandboxSpec
+from bastion.sandbox.warm import CONNECT_TIMEOUT_S, WarmSandbox
+
+pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
+
+ENV = {"PATH": SANDBOX_PATH, "HOME": "/workspace", "LANG": "C.UTF-8"}
+# Listens on 127.0.0.1:PORT inside the sandbox, answers each connection with "inside\n", prints "up".
+SERVER = (
+    "import socket,sys\n"
+    "s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+    "s.bind(('127.0.0.1', int(sys.argv[1]))); s.listen(); print('up', flush=True)\n"
+    "while True:\n c,_=s.accept(); c.sendall(b'inside\\n'); c.close()\n"
+)
+
+
+@pytest.fixture
+async def sandbox(tmp_path: Path) -> AsyncIterator[WarmSandbox]:
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    box = WarmSandbox(SandboxSpec(workspace=str(ws)))
+    await box.start()
+    yield box
+    box.close()
+
+
+async def serve(box: WarmSandbox, port: int) -> None:
+    process = await box.spawn(
+        "/usr/bin/python3", ["python3", "-c", SERVER, str(port)], cwd="/workspace", env=ENV, ring_bytes=4096
+    )
+    with anyio.fail_after(10):
+        while b"up" not in process.stdout.read(0, 100)[1]:
+            await anyio.sleep(0.01)  # polls the ring for the server's "up" line
+
+
+def open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+async def test_connect_reaches_a_server_on_the_sandbox_loopback_not_the_hosts(sandbox: WarmSandbox) -> None:
+    """Invariant: the socket reaches 127.0.0.1:PORT of the sandbox's network namespace. A host server on
+    the same port (a different answer) is never what answers."""
+    with socket.socket() as host_server:
+        host_server.bind(("127.0.0.1", 0))
+        host_server.listen()
+        port = host_server.getsockname()[1]
+        await serve(sandbox, port)
+        conn = await sandbox.connect(port)
+        with conn:
+            conn.setblocking(True)
+            assert conn.recv(100) == b"inside\n"
+
+
+async def test_connect_to_a_closed_port_is_unavailable_and_leaks_no_fd(sandbox: WarmSandbox) -> None:
+    before = open_fds()
+    with pytest.raises(Unavailable, match="nothing accepts connections"):
+        await sandbox.connect(9)
+    assert open_fds() == before
+
+
+@pytest.mark.parametrize("port", [0, -1, 65536, 2**40, True, "80"])
+async def test_connect_refuses_a_port_outside_1_to_65535(sandbox: WarmSandbox, port: object) -> None:
+    with pytest.raises(InvalidRequest, match="1 to 65535"):
+        await sandbox.connect(port)  # type: ignore[arg-type]
+
+
+async def test_connect_to_a_stopped_sandbox_is_unavailable(tmp_path: Path) -> None:
+    box = WarmSandbox(SandboxSpec(workspace=str(tmp_path)))
+    with pytest.raises(Unavailable, match="not running"):
+        await box.connect(80)
+
+
+def pipe_closed_by_reader(write_end: int) -> bool:
+    """Whether every read end of the pipe is closed (a write fails with EPIPE)."""
+    try:
+        os.write(write_end, b"x")
+    except BrokenPipeError:
+        return True
+    return False
+
+
+async def test_fds_from_a_hostile_agent_are_closed_unless_they_answer_a_connect(sandbox: WarmSandbox) -> None:
+    """Invariant: the host keeps an fd from inside only as the answer to its own pending connect, and only a
+    connected TCP socket; an unsolicited fd, an answer to an unknown id, a second fd in a message and a
+    pipe passed off as the answer are all closed unread. The agent is played by the test on the host's
+    socket (a compromised agent), since the real one never sends these."""
+    loop = asyncio.get_running_loop()
+    real = sandbox._sock
+    assert real is not None
+    loop.remove_reader(real.fileno())
+    host, agent = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    host.setblocking(False)
+    agent.setblocking(False)
+    sandbox._sock = host
+    loop.add_reader(host.fileno(), sandbox._on_message)
+    try:
+        pipes = [os.pipe() for _ in range(4)]
+        socket.send_fds(agent, [b'{"event": "connected", "id": 999}'], [pipes[0][0]])
+        socket.send_fds(agent, [b'{"event": "exit", "id": 998, "status": 0}'], [pipes[1][0], pipes[2][0]])
+        pending = asyncio.ensure_future(sandbox.connect(8000))
+        request = marshal.loads(await loop.sock_recv(agent, 65536))
+        assert request == {"op": "connect", "id": request["id"], "port": 8000}
+        socket.send_fds(agent, [f'{{"event": "connected", "id": {request["id"]}}}'.encode()], [pipes[3][0]])
+        with pytest.raises(Unavailable, match="other than a connected TCP socket"):
+            await pending
+        for read_end, _ in pipes:
+            os.close(read_end)  # the test's own copy; the host's must be closed already
+        assert all(pipe_closed_by_reader(write_end) for _, write_end in pipes)
+    finally:
+        loop.remove_reader(host.fileno())
+        sandbox._sock = real
+        host.close()
+        agent.close()
+
+
+async def test_an_agent_that_never_answers_a_connect_is_unavailable_in_bounded_time(sandbox: WarmSandbox) -> None:
+    """Invariant: a silent (compromised or stuck) agent costs a preview request CONNECT_TIMEOUT_S, not forever."""
+    loop = asyncio.get_running_loop()
+    real = sandbox._sock
+    assert real is not None
+    loop.remove_reader(real.fileno())
+    host, agent = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    host.setblocking(False)
+    sandbox._sock = host
+    try:
+        with anyio.fail_after(CONNECT_TIMEOUT_S + 5), pytest.raises(Unavailable, match="did not answer"):
+            await sandbox.connect(8000)
+        assert sandbox._connects == {}
+    finally:
+        sandbox._sock = real
+        host.close()
+        agent.close()

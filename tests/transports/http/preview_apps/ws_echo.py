@@ -1,0 +1,62 @@
+"""A WebSocket echo server for the preview tests (stdlib only, runs INSIDE a sandbox; RFC 6455)."""
+
+import base64
+import hashlib
+import socket
+import struct
+import sys
+import threading
+
+GUID = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
+
+
+def read_exact(conn, n):
+    data = b""
+    while len(data) < n:
+        chunk = conn.recv(n - len(data))
+        if not chunk:
+            raise EOFError
+        data += chunk
+    return data
+
+
+def serve(conn):
+    head = b""
+    while b"\r\n\r\n" not in head:
+        head += conn.recv(4096)
+    key = next(
+        line.split(b":", 1)[1].strip() for line in head.split(b"\r\n") if line.lower().startswith(b"sec-websocket-key:")
+    )
+    accept = base64.b64encode(hashlib.sha1(key + GUID.encode()).digest())
+    conn.sendall(
+        b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Accept: "
+        + accept
+        + b"\r\n\r\n"
+    )
+    try:
+        while True:
+            b1, b2 = read_exact(conn, 2)
+            opcode, length = b1 & 0x0F, b2 & 0x7F
+            if length == 126:
+                length = struct.unpack("!H", read_exact(conn, 2))[0]
+            elif length == 127:
+                length = struct.unpack("!Q", read_exact(conn, 8))[0]
+            mask = read_exact(conn, 4) if b2 & 0x80 else b"\0\0\0\0"
+            payload = bytes(b ^ mask[i % 4] for i, b in enumerate(read_exact(conn, length)))
+            if opcode == 8:
+                conn.sendall(b"\x88\x00")
+                return
+            size = bytes([len(payload)]) if len(payload) < 126 else b"\x7e" + struct.pack("!H", len(payload))
+            conn.sendall(bytes([0x80 | opcode]) + size + payload)
+    except (EOFError, OSError):
+        pass
+    finally:
+        conn.close()
+
+
+server = socket.socket()
+server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+server.bind(("127.0.0.1", int(sys.argv[1])))
+server.listen()
+while True:
+    threading.Thread(target=serve, args=(server.accept()[0],), daemon=True).start()

@@ -1,0 +1,518 @@
+"""Preview URLs against a live `bastion serve --http` with sandboxes, a preview listener and Chromium (issue 16).
+
+What this proves: a page and a WebSocket echo served by processes in a real sandbox load in headless
+Chromium through expose_port's URL with the administrator's login; the same URL without it is refused
+(403) and a dead token (closed sandbox, unexposed, never existed) is the same bare 404; a hostile page
+cannot read /admin or the login cookie; a token reaches only its own port of its own sandbox; path,
+Host and request-line tricks, a closed port (502), a slow (504) or huge (capped) response, a large
+body (413) and a burst (429) are each handled; bastion's cookies and Authorization never reach the
+app, and the app cannot set cookies beyond its preview; every request is audited without the token.
+What it does not prove: other browsers, or previews behind a TLS reverse proxy.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import json
+import re
+import socket
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx2
+import pytest
+from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
+from wsproto import ConnectionType, WSConnection
+from wsproto.events import AcceptConnection, CloseConnection, RejectConnection, TextMessage
+from wsproto.events import Request as WsRequest
+
+from bastion.demo import init_demo
+from bastion.transports.http.password import write_hash
+from bastion.workbench.previews import token_id
+
+from .chromium import CHROMIUM, launch
+from .live import BASTION, PASSWORD, Browser, LiveServer, free_port, serve_config
+
+pytestmark = pytest.mark.bwrap
+
+APPS = Path(__file__).with_name("preview_apps")
+MAX_BODY = 65_536
+MAX_RESPONSE = 1 << 20
+PER_MINUTE = 150
+SESSION_COOKIE = "__Host-bastion-admin"
+
+
+def config_text(root: Path, port: int, preview_port: int, extra_http: str = "") -> Path:
+    """The demo config with sandboxes on, INFO logs, and a preview listener with small caps."""
+    path = init_demo(root)
+    text = path.read_text().replace('log_level = "WARNING"', 'log_level = "INFO"')
+    text = text.replace('public_url = "http://127.0.0.1:8765"', f'public_url = "http://127.0.0.1:{port}"')
+    text = text.replace('listen = "127.0.0.1:8765"', f'listen = "127.0.0.1:{port}"')
+    extra = (
+        f'preview_listen = "127.0.0.1:{preview_port}"\npreview_max_body_bytes = {MAX_BODY}\n'
+        f"preview_max_response_bytes = {MAX_RESPONSE}\npreview_timeout_s = 2\n"
+        f'preview_requests_per_minute = {PER_MINUTE}\ntrusted_proxies = ["127.0.0.1"]\n'
+    )
+    path.write_text(text.replace("[http]\n", f"[http]\n{extra}{extra_http}", 1))
+    write_hash(root / "state" / "admin-password.argon2", PASSWORD)
+    return path
+
+
+class Preview:
+    """The live server, an MCP token for its tools, the administrator's session, and the preview origin."""
+
+    def __init__(self, server: LiveServer, preview_port: int) -> None:
+        self.server = server
+        self.origin = f"http://127.0.0.1:{preview_port}"
+        issued = subprocess.run(
+            [
+                str(BASTION),
+                "admin",
+                "token",
+                "--client",
+                "preview-test",
+                "--scope",
+                "workbench",
+                "--config",
+                str(server.config_path),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+            stdin=subprocess.DEVNULL,
+        )
+        self.token = issued.stdout.strip()
+        browser = Browser(server)
+        browser.login(browser.open("/admin/login"))
+        self.session = browser.cookies[SESSION_COOKIE]
+        browser.close()
+
+    def tool(self, name: str, **arguments: object) -> dict[str, Any]:
+        """One tools/call by a real MCP client with the token, in an event loop of its own in a worker thread
+        (tests are sync, and Playwright's sync API runs a loop in this thread)."""
+        with concurrent.futures.ThreadPoolExecutor(1) as worker:
+            return worker.submit(anyio.run, self._call, name, arguments).result()
+
+    async def _call(self, name: str, arguments: dict[str, object]) -> dict[str, Any]:
+        async with (
+            httpx2.AsyncClient(headers={"Authorization": f"Bearer {self.token}"}, timeout=60) as http,
+            Client(streamable_http_client(self.server.mcp_url, http_client=http)) as client,
+        ):
+            result = await client.call_tool(name, arguments)
+        payload = result.structured_content
+        assert payload is not None
+        return dict(payload)
+
+    def run(self, sandbox_id: str, command: str) -> str:
+        result = self.tool("run_command", sandbox_id=sandbox_id, command=command, timeout_s=30)
+        assert result["ok"], result
+        return str(result["detail"].get("stdout", ""))
+
+    def sandbox_with_servers(self) -> str:
+        """A sandbox running app.py on 8000 and ws_echo.py on 8001, both listening."""
+        created = self.tool("create_sandbox")
+        assert created["ok"], created
+        sandbox_id = str(created["detail"]["sandbox_id"])
+        for name in ("app.py", "ws_echo.py", "index.html", "hostile.html"):
+            written = self.tool("write_file", sandbox_id=sandbox_id, path=name, content=(APPS / name).read_text())
+            assert written["ok"], written
+        self.run(sandbox_id, "python3 app.py 8000 >/dev/null 2>&1 &\npython3 ws_echo.py 8001 >/dev/null 2>&1 &")
+        self.run(sandbox_id, WAIT_LISTENING)
+        return sandbox_id
+
+    def expose(self, sandbox_id: str, port: int, **extra: object) -> str:
+        result = self.tool("expose_port", sandbox_id=sandbox_id, port=port, **extra)
+        assert result["ok"], result
+        url = str(result["detail"]["url"])
+        assert re.fullmatch(re.escape(self.origin) + r"/preview/[A-Za-z0-9_-]{43}/", url), url
+        return url
+
+    def get(self, url: str, *, session: bool = True, **kwargs: Any) -> httpx2.Response:
+        cookies = f"{SESSION_COOKIE}={self.session}" if session else ""
+        headers = {"cookie": cookies, **kwargs.pop("headers", {})} if cookies else kwargs.pop("headers", {})
+        with httpx2.Client(timeout=30) as client:
+            return client.request(kwargs.pop("method", "GET"), url, headers=headers, **kwargs)
+
+
+# Waits (bounded) until both servers of the sandbox accept connections.
+WAIT_LISTENING = (
+    'python3 -c "\nimport socket, time\nfor port in (8000, 8001):\n    for _ in range(400):\n'
+    "        try:\n            socket.create_connection(('127.0.0.1', port)).close(); break\n"
+    '        except OSError: time.sleep(0.025)\n"'
+)
+
+
+@pytest.fixture(scope="module")
+def preview(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Preview]:
+    root = tmp_path_factory.mktemp("preview") / "demo"
+    port, preview_port = free_port(), free_port()
+    config = config_text(root, port, preview_port)
+    with serve_config(root, config, port) as server:
+        yield Preview(server, preview_port)
+
+
+@pytest.fixture(scope="module")
+def sandbox(preview: Preview) -> str:
+    return preview.sandbox_with_servers()
+
+
+def raw_request(origin: str, head: bytes) -> bytes:
+    """Send a request head as written (no client normalises it); return the whole answer."""
+    host, port = origin.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as conn:
+        conn.sendall(head)
+        answer = b""
+        while chunk := conn.recv(65536):
+            answer += chunk
+    return answer
+
+
+def test_page_loads_with_the_admin_session_and_is_refused_without(preview: Preview, sandbox: str) -> None:
+    url = preview.expose(sandbox, 8000)
+    page = preview.get(url + "index.html")
+    assert page.status_code == 200
+    assert "served from inside the sandbox" in page.text
+    refused = preview.get(url + "index.html", session=False)
+    assert refused.status_code == 403
+    assert "log in" in refused.text
+    forged = preview.get(url + "index.html", session=False, headers={"cookie": f"{SESSION_COOKIE}=forged"})
+    assert forged.status_code == 403
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed")
+def test_chromium_loads_a_page_and_a_websocket_echo_then_404_after_close(preview: Preview) -> None:
+    sandbox_id = preview.sandbox_with_servers()
+    page_url = preview.expose(sandbox_id, 8000)
+    ws_url = preview.expose(sandbox_id, 8001).replace("http://", "ws://")
+    with launch() as chromium:
+        context = chromium.new_context()
+        context.add_cookies([_session_cookie(preview)])
+        page = context.new_page()
+        page.goto(f"{page_url}index.html?ws={ws_url}")
+        assert page.text_content("#hello") == "served from inside the sandbox"
+        page.wait_for_function("window.results.echo !== undefined", timeout=10_000)
+        assert page.evaluate("window.results.echo") == "ping from the page"
+        # Without the session the same URL is refused in the browser too.
+        anonymous = chromium.new_page()
+        response = anonymous.goto(f"{page_url}index.html")
+        assert response is not None
+        assert response.status == 403
+        assert preview.tool("close_sandbox", sandbox_id=sandbox_id)["ok"]
+        after = page.goto(f"{page_url}index.html")
+        assert after is not None
+        assert after.status == 404
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed")
+def test_hostile_page_cannot_read_admin_pages_or_the_login_cookie(preview: Preview, sandbox: str) -> None:
+    """Invariant: a page a sandbox serves runs on the preview origin: /admin of bastion's origin is
+    cross-origin to it (no CORS: unreadable), /admin on its own origin is nothing of bastion's, and the
+    login cookie is HttpOnly. Proved in Chromium with the administrator logged in."""
+    url = preview.expose(sandbox, 8000)
+    with launch() as chromium:
+        context = chromium.new_context()
+        context.add_cookies([_session_cookie(preview)])
+        page = context.new_page()
+        admin = f"{preview.server.base}/admin"
+        assert "login" not in _admin_page(context, admin).lower()  # the session is live on the admin origin
+        page.goto(f"{url}hostile.html?admin={admin}")
+        page.wait_for_function(
+            "window.results.admin !== undefined && window.results.same_origin_admin !== undefined", timeout=10_000
+        )
+        results = page.evaluate("window.results")
+    assert results["admin"].startswith("ERROR TypeError"), results
+    assert results["same_origin_admin"].strip() == "Not Found", results
+    assert "bastion" not in results["cookie"].lower(), results
+
+
+def _session_cookie(preview: Preview) -> dict[str, Any]:
+    return {
+        "name": SESSION_COOKIE,
+        "value": preview.session,
+        "domain": "127.0.0.1",
+        "path": "/",
+        "secure": True,
+        "httpOnly": True,
+        "sameSite": "Strict",
+    }
+
+
+def _admin_page(context: Any, url: str) -> str:
+    page = context.new_page()
+    page.goto(url)
+    text = str(page.content())
+    page.close()
+    return text
+
+
+def test_a_closed_sandbox_and_an_unknown_token_get_the_same_bare_404(preview: Preview) -> None:
+    sandbox_id = preview.sandbox_with_servers()
+    url = preview.expose(sandbox_id, 8000)
+    assert preview.get(url).status_code == 200
+    assert preview.tool("close_sandbox", sandbox_id=sandbox_id)["ok"]
+    closed = preview.get(url)
+    never = preview.get(f"{preview.origin}/preview/{'A' * 43}/")
+    assert closed.status_code == never.status_code == 404
+    assert closed.text == never.text == "Not Found\n"
+
+
+def test_unexpose_ends_the_url_and_list_shows_the_live_ones(preview: Preview, sandbox: str) -> None:
+    url = preview.expose(sandbox, 8000)
+    listed = preview.tool("list_exposed_ports", sandbox_id=sandbox)["detail"]["previews"]
+    assert [p["url"] for p in listed if p["port"] == 8000] == [url]
+    assert preview.tool("unexpose_port", sandbox_id=sandbox, port=8000)["ok"]
+    assert preview.get(url).status_code == 404
+    again = preview.tool("unexpose_port", sandbox_id=sandbox, port=8000)
+    assert again["code"] == "NOT_FOUND"
+
+
+def test_a_token_for_sandbox_a_reaches_only_its_own_port_of_sandbox_a(preview: Preview, sandbox: str) -> None:
+    """Invariant: a token names one port of one sandbox; the path and headers cannot pick another."""
+    other = preview.tool("create_sandbox")["detail"]["sandbox_id"]
+    preview.run(other, "mkdir -p site && echo sandbox-b > site/which.txt")
+    preview.run(other, "cd site && python3 -m http.server 8000 --bind 127.0.0.1 >/dev/null 2>&1 &")
+    preview.run(sandbox, "echo sandbox-a > which.txt")
+    url_a = preview.expose(sandbox, 8000)
+    assert preview.get(url_a + "which.txt").text == "sandbox-a\n"
+    for trick in ("../" + url_a.rsplit("/", 2)[1] + "/which.txt", "http://127.0.0.1:8001/which.txt"):
+        response = preview.get(url_a + trick)
+        assert "sandbox-b" not in response.text
+    preview.tool("close_sandbox", sandbox_id=other)
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["/../../admin", "/%2e%2e/%2e%2e/admin", "/%2E%2E/admin", "/./index.html"],
+)
+def test_dot_segments_after_the_token_are_404(preview: Preview, sandbox: str, path: str) -> None:
+    url = preview.expose(sandbox, 8000)
+    token = url.rstrip("/").rsplit("/", 1)[1]
+    cookie = f"Cookie: {SESSION_COOKIE}={preview.session}\r\n"
+    head = f"GET /preview/{token}{path} HTTP/1.1\r\nHost: {preview.origin[7:]}\r\n{cookie}Connection: close\r\n\r\n"
+    answer = raw_request(preview.origin, head.encode())
+    assert answer.startswith(b"HTTP/1.1 404"), answer[:200]
+
+
+def test_double_slash_host_stays_a_path_of_the_app(preview: Preview, sandbox: str) -> None:
+    url = preview.expose(sandbox, 8000)
+    response = preview.get(url + "/127.0.0.1:9/")
+    assert response.status_code in (200, 404)  # the app's own answer for that path
+    assert "Bad Gateway" not in response.text
+
+
+def test_foreign_host_and_absolute_request_line_are_refused(preview: Preview, sandbox: str) -> None:
+    url = preview.expose(sandbox, 8000)
+    path = url[len(preview.origin) :]
+    cookie = f"Cookie: {SESSION_COOKIE}={preview.session}\r\n"
+    foreign = raw_request(
+        preview.origin, f"GET {path} HTTP/1.1\r\nHost: evil.example\r\n{cookie}Connection: close\r\n\r\n".encode()
+    )
+    assert foreign.startswith(b"HTTP/1.1 421")
+    absolute = (
+        f"GET http://evil.example{path} HTTP/1.1\r\nHost: {preview.origin[7:]}\r\n{cookie}Connection: close\r\n\r\n"
+    )
+    answer = raw_request(preview.origin, absolute.encode())
+    assert answer.startswith((b"HTTP/1.1 404", b"HTTP/1.1 400")), answer[:200]
+    main_app = preview.get(f"{preview.origin}/admin")
+    assert main_app.status_code == 404  # the preview listener serves nothing of bastion's
+
+
+@pytest.mark.parametrize("port", [0, 65536, -1, 70000])
+def test_expose_refuses_a_port_outside_1_to_65535(preview: Preview, sandbox: str, port: int) -> None:
+    result = preview.tool("expose_port", sandbox_id=sandbox, port=port)
+    assert not result["ok"]
+    assert result["code"] == "INVALID_REQUEST"
+
+
+def test_public_is_refused_unless_the_config_allows_it(preview: Preview, sandbox: str) -> None:
+    result = preview.tool("expose_port", sandbox_id=sandbox, port=8000, public=True)
+    assert result["code"] == "FORBIDDEN"
+    assert "preview_public_allowed" in result["reason"]
+
+
+def test_a_closed_port_is_502_with_a_plain_message(preview: Preview, sandbox: str) -> None:
+    response = preview.get(preview.expose(sandbox, 8009))
+    assert response.status_code == 502
+    assert response.text == "Bad Gateway: nothing accepts connections on port 8009 in the sandbox\n"
+
+
+def test_a_slow_app_is_504_and_a_huge_response_is_cut_at_the_cap(preview: Preview, sandbox: str) -> None:
+    url = preview.expose(sandbox, 8000)
+    slow = preview.get(url + "slow")
+    assert slow.status_code == 504
+    with (
+        httpx2.Client(timeout=30) as client,
+        client.stream(
+            "GET", url + f"big?n={4 * MAX_RESPONSE}", headers={"cookie": f"{SESSION_COOKIE}={preview.session}"}
+        ) as big,
+    ):
+        received = 0
+        with contextlib.suppress(httpx2.RemoteProtocolError):  # the body ends short of its Content-Length
+            for chunk in big.iter_raw():
+                received += len(chunk)
+    assert received == MAX_RESPONSE
+
+
+def test_a_request_body_over_the_cap_is_413(preview: Preview, sandbox: str) -> None:
+    url = preview.expose(sandbox, 8000)
+    small = preview.get(url + "echo", method="POST", content=b"y" * 100)
+    assert small.status_code == 200
+    assert small.content == b"y" * 100
+    declared = preview.get(url + "echo", method="POST", content=b"z" * (MAX_BODY + 1))
+    assert declared.status_code == 413
+
+    def chunks() -> Iterator[bytes]:
+        for _ in range(MAX_BODY // 4096 + 2):
+            yield b"c" * 4096
+
+    streamed = preview.get(url + "echo", method="POST", content=chunks())  # chunked: no Content-Length
+    assert streamed.status_code == 413
+
+
+def test_a_burst_of_requests_gets_429(preview: Preview, sandbox: str) -> None:
+    url = preview.expose(sandbox, 8000)
+    statuses = []
+    with httpx2.Client(timeout=30) as client:
+        for _ in range(PER_MINUTE + 5):
+            headers = {"cookie": f"{SESSION_COOKIE}={preview.session}", "x-forwarded-for": "198.51.100.9"}
+            statuses.append(client.get(url + "index.html", headers=headers).status_code)
+    assert statuses[:PER_MINUTE] == [200] * PER_MINUTE
+    assert set(statuses[PER_MINUTE:]) == {429}
+
+
+def test_bastion_cookies_and_authorization_never_reach_the_app(preview: Preview, sandbox: str) -> None:
+    url = preview.expose(sandbox, 8000)
+    headers = {
+        "cookie": f"{SESSION_COOKIE}={preview.session}; __Host-bastion-browser=b; theirs=kept",
+        "authorization": "Bearer secret-of-bastion",
+    }
+    response = preview.get(url + "headers", session=False, headers=headers)
+    assert response.status_code == 200
+    seen = response.text.lower()
+    assert preview.session.lower() not in seen
+    assert "bastion" not in seen
+    assert "authorization" not in seen
+    assert "cookie: theirs=kept" in seen
+    assert "host: 127.0.0.1:8000" in seen
+
+
+def test_the_app_cannot_set_cookies_beyond_its_preview_nor_clear_site_data(preview: Preview, sandbox: str) -> None:
+    url = preview.expose(sandbox, 8000)
+    response = preview.get(url + "headers")
+    cookies = response.headers.get_list("set-cookie")
+    prefix = url[len(preview.origin) :]
+    assert cookies == [f"app=ok; HttpOnly; Path={prefix}"], cookies
+    assert "clear-site-data" not in response.headers
+    redirect = preview.get(url + "redirect", follow_redirects=False)
+    assert redirect.headers["location"] == f"{prefix}landing"
+
+
+def test_every_request_is_audited_without_the_token(preview: Preview, sandbox: str) -> None:
+    url = preview.expose(sandbox, 8000)
+    token = url.rstrip("/").rsplit("/", 1)[1]
+    preview.get(url + "index.html?secret=1")
+    preview.get(url + "index.html", session=False)
+    text = (preview.server.root / "state" / "audit.jsonl").read_text()
+    assert token not in text
+    records = [json.loads(line) for line in text.splitlines() if '"preview_request"' in line]
+    mine = [r for r in records if r["preview"] == token_id(token)]
+    assert {r["path"] for r in mine} == {"/preview/<token>/index.html"}
+    assert {r["status"] for r in mine} >= {200, 403}
+    assert all(r["workspace"] == sandbox and r["port"] == 8000 and r["client"] for r in mine)
+    assert any(r["bytes"] > 0 for r in mine)
+    assert not re.search(r"secret=1", text)
+    assert token not in preview.server.log(), "the server log names no token (uvicorn's WebSocket lines included)"
+
+
+def ws_handshake(preview: Preview, url: str, extra: list[tuple[str, str]]) -> tuple[bool, str]:
+    """A WebSocket handshake to `url` by wsproto over a plain socket: (accepted, the echo of one message)."""
+    host, port, path = re.fullmatch(r"http://([^:]+):(\d+)(/.*)", url).groups()  # type: ignore[union-attr]
+    ws = WSConnection(ConnectionType.CLIENT)
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(ws.send(WsRequest(host=f"{host}:{port}", target=path, extra_headers=extra)))
+        while True:
+            data = sock.recv(65536)
+            ws.receive_data(data or None)
+            for event in ws.events():
+                if isinstance(event, AcceptConnection):
+                    sock.sendall(ws.send(TextMessage(data="hello")))
+                    while True:
+                        ws.receive_data(sock.recv(65536))
+                        for reply in ws.events():
+                            if isinstance(reply, TextMessage):
+                                return True, reply.data
+                if isinstance(event, RejectConnection | CloseConnection):
+                    return False, ""
+            if not data:
+                return False, ""
+
+
+def test_websocket_needs_the_session_and_the_preview_origin(preview: Preview, sandbox: str) -> None:
+    """Invariant: a WebSocket to a non-public preview opens only with the administrator's session and
+    from the preview origin (no cross-site WebSocket hijacking)."""
+    url = preview.expose(sandbox, 8001)
+    cookie = ("Cookie", f"{SESSION_COOKIE}={preview.session}")
+    assert ws_handshake(preview, url, [cookie, ("Origin", preview.origin)]) == (True, "hello")
+    assert ws_handshake(preview, url, [("Origin", preview.origin)]) == (False, "")
+    assert ws_handshake(preview, url, [cookie, ("Origin", "http://evil.example")]) == (False, "")
+    assert ws_handshake(preview, url.replace(url.rsplit("/", 2)[1], "B" * 43), [cookie]) == (False, "")
+
+
+def test_public_urls_need_no_session_when_the_config_allows_them(tmp_path: Path) -> None:
+    root = tmp_path / "demo"
+    port, preview_port = free_port(), free_port()
+    config = config_text(root, port, preview_port, "preview_public_allowed = true\n")
+    with serve_config(root, config, port) as server:
+        live = Preview(server, preview_port)
+        sandbox_id = live.sandbox_with_servers()
+        public = live.expose(sandbox_id, 8000, public=True)
+        assert live.get(public + "index.html", session=False).status_code == 200
+        private = live.expose(sandbox_id, 8001)
+        assert live.get(private, session=False).status_code == 403
+        listed = live.tool("list_exposed_ports", sandbox_id=sandbox_id)["detail"]["previews"]
+        assert {p["port"]: p["public"] for p in listed} == {8000: True, 8001: False}
+
+
+def test_huge_response_headers_are_502_and_service_workers_are_refused(preview: Preview, sandbox: str) -> None:
+    """Invariant: an app's header block is bounded (httpcore's h11 limit) and no service worker, which
+    would outlive its token and could claim other previews' paths, is ever served."""
+    url = preview.expose(sandbox, 8000)
+    huge = preview.get(url + "hugeheaders")
+    assert huge.status_code == 502
+    worker = preview.get(url + "index.html", headers={"service-worker": "script"})
+    assert worker.status_code == 403
+
+
+@pytest.mark.parametrize(
+    ("preview_url", "message"),
+    [
+        ("http://127.0.0.1:{port}", "must be another origin than public_url"),
+        ("http://localhost:{preview_port}", "must be public_url's host on another port"),
+    ],
+)
+def test_a_preview_origin_that_is_the_admins_or_another_hosts_is_refused_at_start(
+    tmp_path: Path, preview_url: str, message: str
+) -> None:
+    """Invariant: previews never share the admin pages' origin, and (with auth) stay on the host whose
+    login cookie the browser sends them; the server refuses to start otherwise (exit 78, one line)."""
+    root = tmp_path / "demo"
+    port, preview_port = free_port(), free_port()
+    url = preview_url.format(port=port, preview_port=preview_port)
+    config = config_text(root, port, preview_port, f'preview_url = "{url}"\n')
+    started = subprocess.run(
+        [str(BASTION), "serve", "--config", str(config), "--http"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        stdin=subprocess.DEVNULL,
+    )
+    assert started.returncode == 78, started.stderr
+    assert message in started.stderr
+    assert "Traceback" not in started.stderr

@@ -1,0 +1,87 @@
+"""Preview tokens (`bastion.workbench.previews`) through the real tools, in-process, with real sandboxes.
+
+What this proves: without a preview listener (a stdio server, or HTTP without `preview_listen`) expose_port
+refuses and names the setting; a token is 256 bits, dies with its sandbox (close and the idle reaper), at
+its lifetime's end and with unexpose_port, and a new URL for a port replaces the old. What it does not
+prove: the HTTP side (tests/transports/http/test_preview.py).
+"""
+
+from __future__ import annotations
+
+import base64
+
+import pytest
+from mcp import Client
+
+from bastion.app import Services
+from tests.helpers import call, create
+
+pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
+
+BASE = "http://127.0.0.1:1"
+
+
+def served(services: Services) -> Services:
+    assert services.previews is not None
+    services.previews.base_url = BASE
+    return services
+
+
+def token_of(url: str) -> str:
+    return url.removeprefix(f"{BASE}/preview/").removesuffix("/")
+
+
+async def test_expose_port_without_a_preview_listener_names_the_setting(client: Client) -> None:
+    sandbox_id = await create(client)
+    result = await call(client, "expose_port", sandbox_id=sandbox_id, port=8000)
+    assert result["code"] == "UNAVAILABLE"
+    assert "preview_listen" in result["reason"]
+
+
+async def test_a_token_is_256_bits_and_dies_with_its_sandbox(client: Client, services: Services) -> None:
+    previews = served(services).previews
+    assert previews is not None
+    sandbox_id = await create(client)
+    url = (await call(client, "expose_port", sandbox_id=sandbox_id, port=8000))["detail"]["url"]
+    token = token_of(url)
+    assert len(base64.urlsafe_b64decode(token + "=")) == 32
+    assert previews.lookup(token) is not None
+    assert (await call(client, "close_sandbox", sandbox_id=sandbox_id))["ok"]
+    assert previews.lookup(token) is None
+
+
+async def test_a_token_dies_when_the_reaper_closes_its_sandbox(client: Client, services: Services) -> None:
+    previews = served(services).previews
+    assert previews is not None
+    sandbox_id = await create(client)
+    token = token_of((await call(client, "expose_port", sandbox_id=sandbox_id, port=8000))["detail"]["url"])
+    services.sandboxes.get(sandbox_id).last_used = -1e9  # idle for ages
+    assert sandbox_id in await services.sandboxes.reap()
+    assert previews.lookup(token) is None
+
+
+async def test_a_token_dies_at_its_lifetimes_end(client: Client, services: Services) -> None:
+    previews = served(services).previews
+    assert previews is not None
+    previews.lifetime_s = 0
+    sandbox_id = await create(client)
+    token = token_of((await call(client, "expose_port", sandbox_id=sandbox_id, port=8000))["detail"]["url"])
+    assert previews.lookup(token) is None
+    assert (await call(client, "list_exposed_ports", sandbox_id=sandbox_id))["detail"]["previews"] == []
+
+
+async def test_a_new_url_for_a_port_replaces_the_old_one(client: Client, services: Services) -> None:
+    previews = served(services).previews
+    assert previews is not None
+    sandbox_id = await create(client)
+    first = token_of((await call(client, "expose_port", sandbox_id=sandbox_id, port=8000))["detail"]["url"])
+    second = token_of((await call(client, "expose_port", sandbox_id=sandbox_id, port=8000))["detail"]["url"])
+    assert first != second
+    assert previews.lookup(first) is None
+    assert previews.lookup(second) is not None
+
+
+async def test_host_workspaces_have_no_preview_urls(client: Client, services: Services) -> None:
+    served(services)
+    result = await call(client, "expose_port", sandbox_id="default", port=8000)
+    assert result["code"] == "FORBIDDEN"
