@@ -23,6 +23,8 @@ SCRIPTS = (
     "bench_organizer.py",
     "bench_http.py",
     "bench_login.py",
+    "bench_search.py",
+    "bench_preview.py",
 )
 
 
