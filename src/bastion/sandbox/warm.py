@@ -23,8 +23,8 @@ import logging
 import marshal
 import os
 import select
-import stat
 import socket
+import stat
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -294,7 +294,7 @@ class WarmSandbox:
             _close_all(fds)
             if data:
                 # Not the agent's JSON (a deep nesting, fds it was not asked for): the agent is not what it was.
-                logger.error("sandbox for %s: its agent sent a malformed message; ending the sandbox", self.spec.workspace)
+                logger.error("sandbox for %s: its agent sent a malformed message; ending it", self.spec.workspace)
             self._on_agent_gone()
             return
         if message.get("event") == "pty":

@@ -279,7 +279,7 @@ class Agent:
         if group >= 0:
             os.write(group, b"0")  # a refusal raises: the command does not start outside its group
         # A process group (or session) of its own: `kill 0` in a command ends that command, not the others.
-        group_or_session: "dict[str, Any]" = {"setsid": True} if session else {"setpgroup": 0}
+        group_or_session: dict[str, Any] = {"setsid": True} if session else {"setpgroup": 0}
         try:
             return os.posix_spawn(
                 req["exe"],
@@ -312,9 +312,9 @@ class Agent:
 
 def set_window(tty: int, rows: int, cols: int) -> None:
     """TIOCSWINSZ: the size a program reads with TIOCGWINSZ (`stty size`). Imported here: only terminals pay."""
-    import fcntl  # noqa: PLC0415
-    import struct  # noqa: PLC0415
-    import termios  # noqa: PLC0415
+    import fcntl
+    import struct
+    import termios
 
     fcntl.ioctl(tty, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
 
