@@ -29,6 +29,7 @@ from bastion.tools.organizer import Inboxes, register_organizer
 from bastion.tools.processes import register_processes
 from bastion.tools.sandboxes import register_sandboxes
 from bastion.tools.server import BastionServer
+from bastion.tools.terminals import register_terminals
 from bastion.tools.workbench import register_workbench
 from bastion.workbench.catalog import template_catalog
 from bastion.workbench.manager import SandboxManager
@@ -388,6 +389,7 @@ def register_toolsets(server: BastionServer, services: Services) -> None:
             snapshots=config.sandboxes.snapshots_allowed,
         )
         register_processes(server, services.registry)
+        register_terminals(server, services.registry)
         register_code(server, services.sandboxes, services.registry, config.sandboxes)
     # A gateway without a pinned host key refuses every call: its tools could never work.
     pinned = {name: client for name, client in services.gateways.items() if client.config.host_key is not None}
