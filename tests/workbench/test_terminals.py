@@ -313,4 +313,3 @@ def test_scrollback_keeps_the_newest_lines_within_its_cap() -> None:
     assert lines[-1] == "line 999"
     assert dropped == 1000 - len(lines)
     assert scrollback.take() == ([], 0)
-

@@ -108,8 +108,9 @@ def register_terminals(server: BastionServer, registry: WorkspaceRegistry) -> No
         workspace=of_terminal,
         title="Read terminal",
         description=(
-            "The terminal's screen as text (rows lines; cursor row and col from 0) and the lines that scrolled "
-            "off since the last read, cleaned and redacted like command output. wait_for: a regular expression; "
+            "The terminal's screen as text (rows lines, trailing spaces cut; cursor row and col from 0) and the "
+            "lines that scrolled off since the last read, cleaned and redacted like command output. wait_for: a "
+            "regular expression (RE2; a line is matched by '(?m)^...$', e.g. '(?m)^>>>$' for a Python prompt); "
             "first wait until the screen or those lines match it (matched), the program's output ends, or "
             f"timeout_s (default 10, at most {MAX_WAIT_S:.0f}). Without wait_for, timeout_s waits for any new output. "
             "paced=true: the program wrote faster than the terminal renders, and waited."
@@ -118,7 +119,7 @@ def register_terminals(server: BastionServer, registry: WorkspaceRegistry) -> No
     async def terminal_read(
         terminal_id: TerminalId,
         wait_for: Annotated[
-            str | None, Field(max_length=1000, description=r'A regex to wait for, e.g. "\$ $" or ">>> ".')
+            str | None, Field(max_length=1000, description=r'A regex to wait for, e.g. "(?m)^done$".')
         ] = None,
         timeout_s: Annotated[float | None, Field(ge=0, le=MAX_WAIT_S, description="How long to wait.")] = None,
     ) -> dict[str, object]:

@@ -136,7 +136,7 @@ def wait_pattern(pattern: str) -> Matcher:
         InvalidRequest: empty, too long, or not a valid regular expression.
     """
     if not pattern:
-        raise InvalidRequest("wait_for is empty: give a regular expression, e.g. '\\$ $' for a shell prompt")
+        raise InvalidRequest("wait_for is empty: give a regular expression, e.g. '(?m)^>>>$' for a Python prompt")
     if len(pattern) > MAX_PATTERN_CHARS:
         raise InvalidRequest(f"wait_for is over {MAX_PATTERN_CHARS} characters: wait for a shorter pattern")
     if RE2 is None:
@@ -468,7 +468,8 @@ class Terminals:
     async def _wait(self, terminal: Terminal, matcher: Matcher, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
         while True:
-            seen = self._clean(terminal.scrolled_tail() + "\n" + terminal.screen_text())
+            tail = terminal.scrolled_tail()
+            seen = self._clean(f"{tail}\n{terminal.screen_text()}" if tail else terminal.screen_text())
             if matcher.found_in(seen):
                 return True
             remaining = deadline - time.monotonic()
