@@ -41,7 +41,7 @@ async def read_until(fd: int, marker: bytes) -> bytes:
     seen = b""
     while marker not in seen:
         readable: asyncio.Future[None] = loop.create_future()
-        loop.add_reader(fd, lambda: readable.done() or readable.set_result(None))
+        loop.add_reader(fd, _settle, readable)
         try:
             await readable
         finally:
@@ -51,6 +51,11 @@ async def read_until(fd: int, marker: bytes) -> bytes:
         except BlockingIOError:
             continue
     return seen
+
+
+def _settle(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 def host_fd_targets() -> list[str]:
