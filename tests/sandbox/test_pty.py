@@ -90,6 +90,7 @@ async def test_host_holds_the_master_and_never_the_slave(sandbox: WarmSandbox) -
     try:
         added = [target for target in host_fd_targets() if target not in before or target.startswith("/dev/pts")]
         assert added == ["/dev/pts/ptmx"], added
+        assert not sandbox.sleep()  # an idle sandbox with a terminal open keeps running
     finally:
         await sandbox.kill(pty)
         os.close(pty.fd)

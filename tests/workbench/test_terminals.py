@@ -4,6 +4,7 @@ sandbox, its screen rendered by pyte, caps, closes, and what a hostile program o
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import anyio
 import pytest
@@ -93,6 +94,20 @@ async def test_less_renders_its_screen(client: Client) -> None:
     await send(client, term, "q")
     closed = await call(client, "terminal_read", terminal_id=term, wait_for="never-shown", timeout_s=10)
     assert closed["detail"]["output_open"] is False  # less quit: the terminal's output ended
+
+
+@pytest.mark.skipif(not Path("/usr/bin/vim").exists(), reason="vim is not installed")
+async def test_vim_edits_a_file_through_the_terminal(client: Client) -> None:
+    box = await create(client)
+    term = await open_term(client, box, "vim -u NONE -N notes.txt", rows=20, cols=60)
+    await until(client, term, r'"notes.txt" \[New\]')
+    await send(client, term, "ihello from vim", "Escape")
+    shown = await until(client, term, "(?m)^hello from vim$")
+    assert str(shown["screen"]).split("\n")[1] == "~"  # vim's empty-line marker, rendered
+    await send(client, term, ":wq", "Enter")
+    await call(client, "terminal_read", terminal_id=term, wait_for="never-shown", timeout_s=10)
+    written = await call(client, "read_file", sandbox_id=box, path="notes.txt")
+    assert written["detail"]["content"] == "hello from vim\n"
 
 
 async def test_read_s_password_is_not_echoed(client: Client) -> None:
@@ -190,8 +205,10 @@ async def test_close_sandbox_ends_its_terminals(client: Client) -> None:
 HOSTILE = (
     "import os, select, sys, tty\n"
     "tty.setraw(0)\n"
-    # a title, an OSC 52 clipboard write, device status / attribute queries, a colour, the alternate screen
+    # a title, an OSC 52 clipboard write, device status / attribute queries, private CSIs pyte's methods
+    # do not take, a colour, the alternate screen
     "os.write(1, b'\\x1b]0;EVIL-TITLE\\x07\\x1b]52;c;Q0xJUEJPQVJE\\x07\\x1b[6n\\x1b[c\\x1b[>c\\x1b[5n'"
+    " b'\\x1b[>4;2m\\x1b[?5A\\x1b[>1;99999999999999999999P'"
     " b'\\x1b[?1049h\\x1b[31mRED\\x1b[0m\\r\\n')\n"
     "ready, _, _ = select.select([0], [], [], 1.0)\n"
     "got = os.read(0, 100) if ready else b''\n"
@@ -281,8 +298,12 @@ async def test_sent_text_is_audited_redacted(client: Client, services: Services)
     assert record["workspace"] == box
     assert secret not in str(record)
     assert record["args"] == {"terminal_id": term, "text": "key=[REDACTED:aws_access_key_id]", "keys": ["Enter"]}
-    shown = await call(client, "terminal_read", terminal_id=term, wait_for="REDACTED", timeout_s=10)
+    shown = await call(client, "terminal_read", terminal_id=term, wait_for="(?m)^key=.REDACTED.*$", timeout_s=10)
+    assert shown["detail"]["matched"]
     assert secret not in str(shown["detail"]["screen"])
+    # wait_for sees the redacted screen: a pattern cannot probe the secret behind it.
+    probe = await call(client, "terminal_read", terminal_id=term, wait_for="AKIAIOSF", timeout_s=0)
+    assert probe["detail"]["matched"] is False
 
 
 async def test_idle_terminal_is_closed_and_its_programs_killed(demo_config: Config) -> None:

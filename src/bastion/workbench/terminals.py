@@ -20,6 +20,7 @@ import asyncio
 import collections
 import contextlib
 import fcntl
+import inspect
 import logging
 import os
 import re
@@ -27,7 +28,7 @@ import secrets
 import struct
 import termios
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
@@ -192,6 +193,32 @@ class _Screen(pyte.Screen):
         super().index()
 
 
+def _tolerant(name: str) -> Callable[..., None]:
+    """The screen's CSI handler `name`, taking what pyte's parser may pass it: more parameters than it
+    has (``CSI 1;2;3 A``), or `private` for a private (``CSI ?``) variant it has none of (xterm's
+    modifyOtherKeys, ``CSI > 4;2 m``, which vim sends, is no colour). pyte would raise mid-feed and lose
+    the rest of the output; extra parameters are dropped, unsupported private variants ignored."""
+    base = getattr(pyte.Screen, name)
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    parameters = list(inspect.signature(base).parameters.values())[1:]
+    takes_private = any(p.name == "private" or p.kind is p.VAR_KEYWORD for p in parameters)
+    unbounded = any(p.kind is p.VAR_POSITIONAL for p in parameters)
+    most = len([p for p in parameters if p.kind in kinds and p.name != "private"])
+
+    def method(self: pyte.Screen, *params: int, private: bool = False) -> None:
+        kept = params if unbounded else params[:most]
+        if not private:
+            base(self, *kept)
+        elif takes_private:
+            base(self, *kept, private=True)
+
+    return method
+
+
+for _name in set(pyte.Stream.csi.values()):
+    setattr(_Screen, _name, _tolerant(_name))
+
+
 def _line_text(line: Mapping[int, pyte.screens.Char], columns: int) -> str:
     return "".join(line[x].data for x in range(columns)).rstrip()
 
@@ -243,9 +270,9 @@ class Terminal:
         started = time.perf_counter()
         try:
             self._stream.feed(data)
-        except Exception:  # pyte on hostile bytes: start a clean screen rather than lose the terminal
-            logger.exception("terminal %s: the emulator failed on the program's output; screen reset", self.id)
-            self._screen.reset()
+        except Exception:  # pyte on bytes it does not expect: its parser is gone, so make another
+            logger.exception("terminal %s: the emulator failed on the program's output; parser reset", self.id)
+            self._stream = pyte.ByteStream(self._screen)
         spent = time.perf_counter() - started
         self._notify()
         if spent > PACE_FREE_S:
