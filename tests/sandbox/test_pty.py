@@ -168,7 +168,8 @@ async def test_fd_the_host_did_not_ask_for_is_closed(fake: FakeAgent) -> None:
 
 async def test_answer_with_a_file_instead_of_a_terminal_is_refused(fake: FakeAgent, tmp_path: Path) -> None:
     """Attack: the answer to a real request carries a file (or two fds, or none) instead of a
-    terminal's master. Invariant: the host closes what came, and the open fails as UNAVAILABLE."""
+    terminal's master. Invariant: the host closes what came, kills what may have started, and the
+    open fails as UNAVAILABLE."""
     secret = tmp_path / "host-file"
     secret.write_text("host data")
     before = open_fds()
@@ -183,6 +184,8 @@ async def test_answer_with_a_file_instead_of_a_terminal_is_refused(fake: FakeAge
             os.close(fd)
         with pytest.raises(Unavailable):
             await opening
+        # It may have started: the host kills it (with cgroups, its group too).
+        assert await fake.request() == {"op": "kill", "id": request["id"]}
     assert open_fds() == before
 
 

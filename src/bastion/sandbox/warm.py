@@ -329,9 +329,13 @@ class WarmSandbox:
         if opening is None or opening.done() or error is not None or fd < 0 or not _is_pty_master(fd):
             if fd >= 0:
                 os.close(fd)
-            if self._commands is not None and error is not None:
+            if opening is None:
+                return  # not this sandbox's request (or given up on, and killed then)
+            if error is None:
+                self._all_gone_later(self._kill_tree(command_id))  # it may run: its terminal was refused
+            elif self._commands is not None:
                 self._release(self._commands, command_id)  # it did not start: no exit follows
-            if opening is not None and not opening.done():
+            if not opening.done():
                 why = sanitize_terminal(str(error or "the agent sent no terminal"))[:MAX_AGENT_ERROR_CHARS]
                 opening.set_exception(Unavailable(f"the terminal's program did not start: {why}"))
             return
