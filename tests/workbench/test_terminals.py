@@ -229,6 +229,20 @@ async def test_escape_sequences_are_rendered_and_queries_get_no_reply(client: Cl
         assert leaked not in text
 
 
+ENDLESS_TITLE = "import os\nos.write(1, b'\\x1b]0;' + b'A' * 300_000 + b'\\r\\nafter-title\\r\\n')\nos.read(0, 1)\n"
+
+
+async def test_an_escape_sequence_that_never_ends_is_cut(client: Client) -> None:
+    """Attack: a title (OSC) that never ends, which pyte would accumulate without bound, swallowing
+    all later output. Invariant: past MAX_SEQUENCE_BYTES the sequence is dropped and output shows again."""
+    box = await create(client)
+    assert (await call(client, "write_file", sandbox_id=box, path="title.py", content=ENDLESS_TITLE))["ok"]
+    term = await open_term(client, box, "python3 title.py")
+    with LoopLag() as lag:
+        await until(client, term, "(?m)^after-title$", timeout_s=60)
+    assert lag.worst < 0.2, f"the event loop stalled {lag.worst:.3f} s"
+
+
 async def test_program_that_closes_its_terminal_and_runs_on_is_killed_by_close(client: Client) -> None:
     box = await create(client)
     term = await open_term(client, box, "exec sleep 93001 </dev/null >/dev/null 2>&1")

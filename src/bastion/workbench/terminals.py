@@ -62,6 +62,9 @@ MATCH_SCROLLED_LINES: Final = 200  # of the lines scrolled off, the newest that 
 READ_CHUNK_BYTES: Final = 4096  # per read of the master: pyte renders it in about 10 ms at most
 PACE_FREE_S: Final = 0.0005  # rendering faster than this does not pace reading
 PACE_FACTOR: Final = 3.0  # after rendering for t, reading waits 3t: at most a quarter of the loop
+# pyte accumulates an escape sequence (an OSC title, CSI digits) with no bound: past this many bytes
+# inside one, its parser is replaced and the sequence dropped.
+MAX_SEQUENCE_BYTES: Final = 65_536
 TERM: Final = "xterm-256color"
 DECCKM: Final = 1 << 5  # private mode 1, as pyte stores private modes (shifted by 5); pyte.modes lacks it
 
@@ -237,6 +240,7 @@ class Terminal:
         self._loop = asyncio.get_running_loop()
         self._screen = _Screen(cols, rows, Scrollback(scrollback_chars))
         self._stream = pyte.ByteStream(self._screen)
+        self._in_sequence = 0  # bytes fed since the parser left its ground state
         self._lines = [""] * rows
         self._changed: asyncio.Future[None] = self._loop.create_future()
         self._resume: asyncio.TimerHandle | None = None
@@ -268,17 +272,32 @@ class Terminal:
             self._end_output()
             return
         started = time.perf_counter()
-        try:
-            self._stream.feed(data)
-        except Exception:  # pyte on bytes it does not expect: its parser is gone, so make another
-            logger.exception("terminal %s: the emulator failed on the program's output; parser reset", self.id)
-            self._stream = pyte.ByteStream(self._screen)
+        self._feed(data)
         spent = time.perf_counter() - started
         self._notify()
         if spent > PACE_FREE_S:
             self._loop.remove_reader(self.pty.fd)
-            self._paced = True
+            self._paced = self._paced or len(data) == READ_CHUNK_BYTES  # it had more to write
             self._resume = self._loop.call_later(spent * PACE_FACTOR, self._read_again)
+
+    def _feed(self, data: bytes) -> None:
+        try:
+            self._stream.feed(data)
+        except Exception:  # pyte on bytes it does not expect: its parser is gone, so make another
+            logger.exception("terminal %s: the emulator failed on the program's output; parser reset", self.id)
+            self._new_parser()
+            return
+        # pyte's parser is back in its ground state when it takes plain text again.
+        if getattr(self._stream, "_taking_plain_text", True):
+            self._in_sequence = 0
+            return
+        self._in_sequence += len(data)
+        if self._in_sequence > MAX_SEQUENCE_BYTES:
+            self._new_parser()
+
+    def _new_parser(self) -> None:
+        self._stream = pyte.ByteStream(self._screen)
+        self._in_sequence = 0
 
     def _read_again(self) -> None:
         self._resume = None
