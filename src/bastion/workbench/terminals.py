@@ -25,6 +25,7 @@ import logging
 import os
 import re
 import secrets
+import select
 import struct
 import termios
 import time
@@ -277,7 +278,6 @@ class Terminal:
         self._notify()
         if spent > PACE_FREE_S:
             self._loop.remove_reader(self.pty.fd)
-            self._paced = self._paced or len(data) == READ_CHUNK_BYTES  # it had more to write
             self._resume = self._loop.call_later(spent * PACE_FACTOR, self._read_again)
 
     def _feed(self, data: bytes) -> None:
@@ -302,6 +302,8 @@ class Terminal:
     def _read_again(self) -> None:
         self._resume = None
         if not self._closed and self.output_open:
+            # Output waiting already: the program wrote faster than the screen renders, and waited.
+            self._paced = self._paced or bool(select.select([self.pty.fd], [], [], 0)[0])
             self._loop.add_reader(self.pty.fd, self._on_readable)
 
     def _end_output(self) -> None:
