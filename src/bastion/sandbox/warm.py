@@ -25,6 +25,7 @@ import os
 import select
 import socket
 import stat
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -779,7 +780,7 @@ def _receive(sock: socket.socket) -> tuple[bytes, list[int], bool]:
     for level, kind, payload in ancillary:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             whole = len(payload) - len(payload) % 4
-            fds += [int.from_bytes(payload[i : i + 4], "little", signed=True) for i in range(0, whole, 4)]
+            fds += [int.from_bytes(payload[i : i + 4], sys.byteorder, signed=True) for i in range(0, whole, 4)]
     return data, fds, bool(flags & socket.MSG_CTRUNC)
 
 
