@@ -51,9 +51,9 @@ except ImportError:  # pragma: no cover - depends on the environment
 logger = logging.getLogger("bastion.terminals")
 
 MIN_ROWS: Final = 2
-MAX_ROWS: Final = 200
+MAX_ROWS: Final = 100  # with MAX_COLS: pyte keeps an object per cell written (~0.2 KiB), and renders in pure Python
 MIN_COLS: Final = 10
-MAX_COLS: Final = 300
+MAX_COLS: Final = 250
 MAX_SEND_BYTES: Final = 65_536  # per terminal_send
 SEND_TIMEOUT_S: Final = 5.0  # for the program to take its input
 MAX_WAIT_S: Final = 60.0  # terminal_read's timeout_s
