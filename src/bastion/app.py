@@ -30,6 +30,7 @@ from bastion.tools.previews import register_previews
 from bastion.tools.processes import register_processes
 from bastion.tools.sandboxes import register_sandboxes
 from bastion.tools.server import BastionServer
+from bastion.tools.terminals import register_terminals
 from bastion.tools.workbench import register_workbench
 from bastion.workbench.catalog import template_catalog
 from bastion.workbench.manager import SandboxManager
@@ -48,7 +49,8 @@ INSTRUCTIONS = (
 SANDBOX_INSTRUCTIONS = (
     "create_sandbox gives you a disposable Linux sandbox where any shell command runs (sh -c); its description "
     "lists the templates; pass its sandbox_id to the work tools and close it when done; execute_code runs Python "
-    "there in a persistent context (figures come back as images)."
+    "there in a persistent context (figures come back as images); open_terminal gives a real terminal for "
+    "what needs a TTY (a REPL, a password prompt, less, vim)."
 )
 PATHS_INSTRUCTIONS = "Paths are relative to the workspace."
 
@@ -57,7 +59,7 @@ def toolsets_off(config: Config) -> list[str]:
     """The tools this config can never serve, each with why (they are not listed, and `instructions` says so)."""
     off = []
     if not config.sandboxes.enabled:
-        off.append("the sandbox, process and code tools ([sandboxes] enabled = false)")
+        off.append("the sandbox, process, terminal and code tools ([sandboxes] enabled = false)")
     else:
         if not config.sandboxes.network.registry:
             off.append("install_package ([sandboxes.network] registry is empty)")
@@ -404,6 +406,7 @@ def register_toolsets(server: BastionServer, services: Services) -> None:
             snapshots=config.sandboxes.snapshots_allowed,
         )
         register_processes(server, services.registry)
+        register_terminals(server, services.registry)
         register_code(server, services.sandboxes, services.registry, config.sandboxes)
         if services.previews is not None:
             register_previews(server, services.previews, services.registry)

@@ -52,6 +52,7 @@ from bastion.config.sandboxes import SandboxesConfig as SandboxesConfig
 from bastion.config.sandboxes import SandboxLimitsConfig as SandboxLimitsConfig
 from bastion.config.sandboxes import TemplateConfig as TemplateConfig
 from bastion.config.sandboxes import TemplateLimitsConfig as TemplateLimitsConfig
+from bastion.config.terminals import TerminalsConfig as TerminalsConfig
 from bastion.safety.commands import CommandPolicyConfig
 from bastion.safety.environment import checked_env
 from bastion.safety.errors import ConfigError, PolicyDenied
@@ -91,6 +92,7 @@ __all__ = [
     "SkipRule",
     "TemplateConfig",
     "TemplateLimitsConfig",
+    "TerminalsConfig",
     "WorkspaceConfig",
     "add_config_option",
     "load_config",
@@ -154,6 +156,7 @@ class WorkspaceConfig(Model):
     limits: LimitsConfig = LimitsConfig()
     use_cgroups: bool = True
     """Dangerous when false: commands then run without memory, pids and CPU limits."""
+    terminals: TerminalsConfig = TerminalsConfig()
 
     @field_validator("env")
     @classmethod

@@ -13,6 +13,7 @@ from pydantic import Field, field_validator, model_validator
 
 from bastion.config.base import ID_PATTERN, Model
 from bastion.config.network import NetworkConfig, checked_rules
+from bastion.config.terminals import TerminalsConfig
 from bastion.safety.commands import CommandPolicyConfig
 from bastion.safety.environment import checked_env
 from bastion.sandbox import SCRATCH_INODES, SHM_SIZE_BYTES, TMP_SIZE_BYTES
@@ -129,6 +130,7 @@ class SandboxesConfig(Model):
     warm_pool: Annotated[int, Field(ge=0, le=64)] = 1
     """Sandboxes started ahead of time, so create_sandbox does not wait for one to boot."""
     limits: SandboxLimitsConfig = SandboxLimitsConfig()
+    terminals: TerminalsConfig = TerminalsConfig()
     env: dict[str, str] = Field(default_factory=dict)
     """Extra environment for sandbox commands. Values are redacted from output."""
     network: NetworkConfig = NetworkConfig()

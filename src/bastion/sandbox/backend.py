@@ -37,7 +37,7 @@ from typing import Protocol
 from bastion.sandbox._spawn import SandboxSpec
 from bastion.sandbox.cgroups import Limits, Usage
 from bastion.sandbox.command_groups import Leftover
-from bastion.sandbox.processes import OutputSink, RingCapture
+from bastion.sandbox.processes import OutputSink, PtyProcess, RingCapture
 
 
 @dataclass(frozen=True)
@@ -216,7 +216,24 @@ class Sandbox(Protocol):
         """
         ...
 
-    async def kill(self, process: Process) -> None:
+    async def open_pty(
+        self, executable: str, argv: Sequence[str], *, cwd: str, env: Mapping[str, str], rows: int, cols: int
+    ) -> PtyProcess:
+        """Start a command on a new pseudo-terminal of `rows` x `cols`; it has no time limit.
+
+        The terminal is opened inside the sandbox, and the command runs in a session of its own
+        whose controlling tty it is. The host gets a descriptor that reads the terminal's output
+        and writes its input (`PtyProcess.fd`, the master end for bubblewrap; a VM backend would
+        copy its channel into a socket pair); its reader owns and closes it. The command ends when
+        it exits, when `kill` ends it, or when the sandbox closes (then `exited` with status None).
+
+        Raises:
+            Conflict: the sandbox is paused.
+            Unavailable: it cannot start, or the program did not start (the reason says why).
+        """
+        ...
+
+    async def kill(self, process: Process | PtyProcess) -> None:
         """Kill a background command and everything it started; return once it has exited.
 
         A no-op if it has exited already. If the backend cannot confirm the kill in time,

@@ -252,3 +252,32 @@ class OutputLog:
             position += len(piece)
             room -= len(piece)
         return first, ("".join(parts[0]), "".join(parts[1])), position
+
+
+class PtyProcess:
+    """A command on a pseudo-terminal of a sandbox, as the host sees it: its id, its exit, and
+    the master end of its terminal (`fd`, non-blocking, close-on-exec), whose reader owns and closes it.
+
+    The slave end, the command's controlling tty, never leaves the sandbox.
+    """
+
+    def __init__(self, command_id: int, argv: Sequence[str], fd: int) -> None:
+        self.command_id = command_id
+        self.argv = tuple(argv)
+        self.fd = fd
+        self.started = time.monotonic()
+        self.status: int | None = None  # exit code or 128 + signal; None if the sandbox ended first
+        self._exited = asyncio.Event()
+
+    @property
+    def exited(self) -> bool:
+        return self._exited.is_set()
+
+    def finish(self, status: int | None) -> None:
+        """Record the end of the process (first call wins)."""
+        if not self.exited:
+            self.status = status
+            self._exited.set()
+
+    async def wait_exit(self) -> None:
+        await self._exited.wait()

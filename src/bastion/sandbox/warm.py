@@ -7,7 +7,9 @@ so nothing the command prints passes through the agent.
 A command runs either to completion (`run`, with a time limit) or in the background
 (`spawn`): then it outlives the call, its stdin is a pipe from the host, and its output
 goes to bounded rings (`bastion.sandbox.processes`) until it exits, is killed (`kill`),
-or the sandbox closes.
+or the sandbox closes. Or on a pseudo-terminal (`open_pty`): the agent opens the pair inside
+the sandbox and hands the host its master end, the one file descriptor the host ever accepts
+from inside, and only in answer to its own request (`_on_pty`).
 """
 
 from __future__ import annotations
@@ -22,12 +24,15 @@ import marshal
 import os
 import select
 import socket
+import stat
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Final
 
 from bastion.safety.errors import BastionError, Conflict, InvalidRequest, NotFound, ResourceLimit, Unavailable
+from bastion.safety.redact import sanitize_terminal
 from bastion.sandbox._spawn import SandboxProcess, SandboxSpec, start_sandbox
 from bastion.sandbox.backend import Backend, Process, Sandbox
 from bastion.sandbox.backend import RunOutcome as RunOutcome
@@ -40,7 +45,7 @@ from bastion.sandbox.cgroups import (
     fd_migration_supported,
 )
 from bastion.sandbox.command_groups import CommandGroups, Leftover, kill_pidfd
-from bastion.sandbox.processes import BackgroundProcess, OutputSink, PipeCapture, RingCapture
+from bastion.sandbox.processes import BackgroundProcess, OutputSink, PipeCapture, PtyProcess, RingCapture
 
 logger = logging.getLogger("bastion.sandbox")
 
@@ -51,6 +56,9 @@ KILL_GRACE_S: Final = 5.0
 OUTPUT_GRACE_S: Final = 0.2  # after a command's exit, for output still on its way (see `_output_after_exit`)
 MAX_MESSAGE_BYTES: Final = 65_536
 CONNECT_TIMEOUT_S: Final = 5.0  # the agent gives up after 2 s (`CONNECT_TIMEOUT_S` in inside/agent.py)
+# The pseudo-terminal multiplexer, /dev/ptmx (Documentation/admin-guide/devices.txt): what a master fd stats as.
+PTMX_DEVICE: Final = (5, 2)
+MAX_AGENT_ERROR_CHARS: Final = 200
 
 
 def _descendants(pid: int) -> list[int]:
@@ -147,11 +155,15 @@ class WarmSandbox:
         self._waiters: dict[int, asyncio.Future[int]] = {}  # by command id, until it exits
         self._background: dict[int, BackgroundProcess] = {}  # by command id, until it exits
         self._connects: dict[int, asyncio.Future[socket.socket]] = {}  # by request id, until answered
+        self._ptys: dict[int, PtyProcess] = {}  # commands on a terminal, by command id, until they exit
+        # Terminals asked for and not yet answered: by command id, the future the answer settles and the argv.
+        self._pty_openings: dict[int, tuple[asyncio.Future[PtyProcess], tuple[str, ...]]] = {}
         self._start_lock = asyncio.Lock()
         self._command_ids = itertools.count(1)
         self._asleep = False  # stopped while idle; the next command starts it again
         self._reaping: list[threading.Thread] = []  # ending earlier runs' processes and cgroups
         self._closed = False  # closed for good (aclose(final=True)): it never starts again
+        self._reaping_tasks: set[asyncio.Task[None]] = set()
 
     def set_limits(self, limits: Limits) -> None:
         """Change the limits, live if the sandbox runs (lowering memory below current use fails)."""
@@ -271,31 +283,40 @@ class WarmSandbox:
     def _on_message(self) -> None:
         assert self._sock is not None
         try:
-            # At most one fd per message (more are discarded by the kernel: MSG_CTRUNC); it is kept only
-            # as the answer to a connect of ours (`_answer_connect`), and closed otherwise.
-            data, fds, _flags, _addr = socket.recv_fds(self._sock, MAX_MESSAGE_BYTES, 1)
+            data, fds, cut = _receive(self._sock)
         except BlockingIOError:
             return
         except OSError:
-            data, fds = b"", []
-        if not data:
-            _close_fds(fds)
-            self._on_agent_gone()
-            return
+            data, fds, cut = b"", [], False
         try:
-            if self._answer_connect(data, fds):
-                return
-            exited = _exit_message(data)
+            message = _agent_message(data) if data and not cut else None
+            exited = _exit_of(message) if message is not None else None
+            connected = _connected_of(message) if message is not None else None
         except ValueError:
-            # Not the agent's JSON (a deep nesting too): the agent is not what it was. One line, no traceback.
-            logger.error("sandbox for %s: its agent sent a malformed message; ending the sandbox", self.spec.workspace)
+            message = exited = connected = None
+        if message is None:
+            _close_all(fds)
+            if data:
+                # Not the agent's JSON (a deep nesting, fds it was not asked for): the agent is not what it was.
+                logger.error("sandbox for %s: its agent sent a malformed message; ending it", self.spec.workspace)
             self._on_agent_gone()
             return
+        if message.get("event") == "pty":
+            self._on_pty(message, fds)
+            return
+        if connected is not None:
+            self._answer_connect(connected, fds)
+            return
+        _close_all(fds)  # fds come only with the answer to a terminal or connect request
         if exited is None:
             return
         command_id, status = exited
         if self._commands is not None:
             self._release(self._commands, command_id)
+        pty = self._ptys.pop(command_id, None)
+        if pty is not None:
+            pty.finish(status)
+            return
         process = self._background.pop(command_id, None)
         if process is not None:
             process.finish(status)
@@ -304,27 +325,21 @@ class WarmSandbox:
         if waiter is not None and not waiter.done():
             waiter.set_result(status)
 
-    def _answer_connect(self, data: bytes, fds: list[int]) -> bool:
-        """Hand a "connected" answer's socket to the connect waiting for it; close any other fd.
-
-        Raises:
-            ValueError: `data` is not a message of the agent's.
-        """
-        answer = _connected_message(data)
-        waiter = self._connects.pop(answer[0], None) if answer is not None else None
-        if answer is None or waiter is None or waiter.done():
-            _close_fds(fds)
-            return answer is not None
+    def _answer_connect(self, answer: tuple[int, str | None], fds: list[int]) -> None:
+        """Hand a "connected" answer's socket to the connect waiting for it; close any other fd."""
+        waiter = self._connects.pop(answer[0], None)
+        if waiter is None or waiter.done():
+            _close_all(fds)
+            return
         error = answer[1]
         if error is not None or len(fds) != 1:
-            _close_fds(fds)
+            _close_all(fds)
             waiter.set_exception(Unavailable(f"nothing accepts connections on that port in the sandbox ({error})"))
-            return True
+            return
         try:
             waiter.set_result(_connected_socket(fds[0]))
         except Unavailable as exc:
             waiter.set_exception(exc)
-        return True
 
     async def connect(self, port: int) -> socket.socket:
         """A TCP socket connected to 127.0.0.1:`port` inside the sandbox (its network namespace), made by
@@ -357,6 +372,32 @@ class WarmSandbox:
             if answered_late and not waiter.cancelled() and waiter.exception() is None:
                 waiter.result().close()  # answered after we stopped waiting (cancelled): the socket is nobody's
 
+    def _on_pty(self, message: Mapping[str, object], fds: list[int]) -> None:
+        """The agent's answer to a terminal request: keep its master fd only if this sandbox asked for
+        that command's terminal, is still waiting, and the fd is a pseudo-terminal master; else close it."""
+        command_id = _int(message.get("id"))
+        opening, argv = self._pty_openings.pop(command_id, (None, ()))
+        fd = fds.pop() if len(fds) == 1 else -1
+        _close_all(fds)
+        error = message.get("error")
+        if opening is None or opening.done() or error is not None or fd < 0 or not _is_pty_master(fd):
+            if fd >= 0:
+                os.close(fd)
+            if opening is None:
+                return  # not this sandbox's request (or given up on, and killed then)
+            if error is None:
+                self._all_gone_later(self._kill_tree(command_id))  # it may run: its terminal was refused
+            elif self._commands is not None:
+                self._release(self._commands, command_id)  # it did not start: no exit follows
+            if not opening.done():
+                why = sanitize_terminal(str(error or "the agent sent no terminal"))[:MAX_AGENT_ERROR_CHARS]
+                opening.set_exception(Unavailable(f"the terminal's program did not start: {why}"))
+            return
+        os.set_blocking(fd, False)
+        pty = PtyProcess(command_id, argv, fd)
+        self._ptys[command_id] = pty  # before any await: its exit message may be next
+        opening.set_result(pty)
+
     def _release(self, commands: CommandGroups, command_id: int) -> None:
         try:
             commands.exited(command_id)
@@ -379,6 +420,13 @@ class WarmSandbox:
             if not connect.done():
                 connect.set_exception(Unavailable("the sandbox ended"))
         self._connects.clear()
+        for opening, _ in self._pty_openings.values():
+            if not opening.done():
+                opening.set_exception(ended())
+        self._pty_openings.clear()
+        while self._ptys:
+            # Its program dies with the sandbox; the reader of its master sees the end of its output.
+            self._ptys.popitem()[1].finish(None)
         while self._background:
             # Its processes die with the sandbox; their pipes are closed here, their output stays readable.
             self._background.popitem()[1].close()
@@ -449,7 +497,7 @@ class WarmSandbox:
         running, and /tmp and /dev/shm empty unless they are the server's tmpfs (bwrap's own
         would be lost). Its processes, cgroup and memory go; the next command starts it again
         (tens of ms). Returns whether it went to sleep."""
-        if not self.alive or self._paused or self._waiters or self._background or self._left_running():
+        if not self.alive or self._paused or self._waiters or self._background or self._ptys or self._left_running():
             return False
         if self.spec.devices is None and not _scratch_is_empty(self._proc):
             return False
@@ -582,10 +630,17 @@ class WarmSandbox:
         if pending:
             await asyncio.wait(pending, timeout=OUTPUT_GRACE_S)
 
-    async def _hand_off(self, request: Mapping[str, object], fds: list[int], waiter: asyncio.Future[int] | None) -> int:
+    async def _hand_off(
+        self,
+        request: Mapping[str, object],
+        fds: list[int],
+        waiter: asyncio.Future[int] | None,
+        opening: asyncio.Future[PtyProcess] | None = None,
+    ) -> int:
         """Ask the agent to start a command with these fds; return the command's id.
 
-        The agent reports the command's exit (or its failure to start) under that id.
+        The agent reports the command's exit (or its failure to start) under that id. With `opening`,
+        the command goes on a terminal the agent opens (op "pty"), and its answer settles `opening`.
         """
         sock = self._sock
         if sock is None or not self.alive:
@@ -600,13 +655,17 @@ class WarmSandbox:
                 commands.forget(command_id)
                 raise
             request = {**request, "cgroup": True}
-        data = marshal.dumps({**request, "op": "run", "id": command_id})
+        data = marshal.dumps({**request, "op": "run" if opening is None else "pty", "id": command_id})
         if waiter is not None:
             self._waiters[command_id] = waiter
+        if opening is not None:
+            argv = request.get("argv")
+            self._pty_openings[command_id] = (opening, tuple(argv) if isinstance(argv, list) else ())
         try:
             await self._send_fds(sock, data, fds if group_fd < 0 else [*fds, group_fd])
         except BaseException as exc:
             self._waiters.pop(command_id, None)  # never sent (or cancelled while waiting to send)
+            self._pty_openings.pop(command_id, None)
             if commands is not None:
                 commands.forget(command_id)
             if isinstance(exc, OSError):
@@ -683,7 +742,47 @@ class WarmSandbox:
         self._background[command_id] = process
         return process
 
-    async def kill(self, process: Process) -> None:
+    async def open_pty(
+        self, executable: str, argv: Sequence[str], *, cwd: str, env: Mapping[str, str], rows: int, cols: int
+    ) -> PtyProcess:
+        """Start a command on a new pseudo-terminal of `rows` x `cols`, opened inside the sandbox.
+
+        It runs like a background command (its own cgroup, no time limit), in a session of its
+        own whose controlling tty is the terminal. The host gets the master end only
+        (`PtyProcess.fd`); `kill` ends the command and everything it started.
+
+        Raises:
+            Unavailable: the sandbox ended, or the program did not start (the agent's reason).
+        """
+        if self._paused:
+            raise Conflict("the sandbox is paused: resume it first")
+        await self.start()
+        opening: asyncio.Future[PtyProcess] = asyncio.get_running_loop().create_future()
+        request = {"exe": executable, "argv": list(argv), "cwd": cwd, "env": dict(env), "rows": rows, "cols": cols}
+        command_id = await self._hand_off(request, [], None, opening)
+        try:
+            async with asyncio.timeout(START_TIMEOUT_S):
+                return await asyncio.shield(opening)
+        except BaseException as exc:
+            self._pty_openings.pop(command_id, None)
+            if opening.done() and not opening.cancelled() and opening.exception() is None:
+                pty = opening.result()
+                os.close(pty.fd)
+                await self.kill(pty)
+            elif not opening.done():
+                opening.cancel()
+                self._all_gone_later(self._kill_tree(command_id))
+            if isinstance(exc, TimeoutError):
+                raise Unavailable("the sandbox did not open the terminal in time") from None
+            raise
+
+    def _all_gone_later(self, killed: CommandCgroup | None) -> None:
+        if killed is not None:
+            task = asyncio.get_running_loop().create_task(self._all_gone(killed))
+            self._reaping_tasks.add(task)
+            task.add_done_callback(self._reaping_tasks.discard)
+
+    async def kill(self, process: Process | PtyProcess) -> None:
         """SIGKILL a background process and everything it started (its cgroup, or its PID namespace)."""
         if process.exited:
             return
@@ -730,34 +829,73 @@ def _conforms(backend: BubblewrapBackend, sandbox: WarmSandbox) -> tuple[Backend
     return backend, sandbox
 
 
-def _exit_message(data: bytes) -> tuple[int, int] | None:
-    """(command id, status) of an exit message of the agent; None for another event.
+def _receive(sock: socket.socket) -> tuple[bytes, list[int], bool]:
+    """One message of the agent, the fds that came with it (close-on-exec), and whether some were cut
+    (MSG_CTRUNC: the kernel closed those that found no room). Room is kept for one fd, a terminal's master."""
+    data, ancillary, flags, _ = sock.recvmsg(MAX_MESSAGE_BYTES, socket.CMSG_SPACE(4), socket.MSG_CMSG_CLOEXEC)
+    fds: list[int] = []
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            whole = len(payload) - len(payload) % 4
+            fds += [int.from_bytes(payload[i : i + 4], sys.byteorder, signed=True) for i in range(0, whole, 4)]
+    return data, fds, bool(flags & socket.MSG_CTRUNC)
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+def _is_pty_master(fd: int) -> bool:
+    """Whether `fd` is a pseudo-terminal master (it stats as /dev/ptmx), not a file, socket or slave."""
+    try:
+        info = os.fstat(fd)
+    except OSError:
+        return False
+    return stat.S_ISCHR(info.st_mode) and (os.major(info.st_rdev), os.minor(info.st_rdev)) == PTMX_DEVICE
+
+
+def _int(value: object) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def _agent_message(data: bytes) -> dict[str, object]:
+    """A message of the agent: a JSON object.
 
     Raises:
         ValueError: `data` is not a message of the agent's.
     """
     try:
         msg = json.loads(data)
-        if not isinstance(msg, dict):
-            raise ValueError("not a JSON object")
-        if msg.get("event") != "exit":
-            return None
-        return int(msg.get("id", 0)), int(msg["status"])
-    except (TypeError, KeyError, RecursionError) as exc:
+    except (RecursionError, UnicodeDecodeError) as exc:
         raise ValueError(str(exc)) from None
+    if not isinstance(msg, dict):
+        raise ValueError("not a JSON object")
+    return msg
 
 
-def _connected_message(data: bytes) -> tuple[int, str | None] | None:
+def _exit_of(msg: Mapping[str, object]) -> tuple[int, int] | None:
+    """(command id, status) of an exit message; None for another event.
+
+    Raises:
+        ValueError: an exit message without a status.
+    """
+    if msg.get("event") != "exit":
+        return None
+    status = msg.get("status")
+    if not isinstance(status, int):
+        raise ValueError("an exit without a status")
+    return _int(msg.get("id", 0)), status
+
+
+def _connected_of(msg: Mapping[str, object]) -> tuple[int, str | None] | None:
     """(request id, error or None) of a "connected" answer of the agent's; None for another event.
 
     Raises:
-        ValueError: `data` is not a message of the agent's.
+        ValueError: a malformed connected event.
     """
-    try:
-        msg = json.loads(data)
-    except RecursionError as exc:
-        raise ValueError(str(exc)) from None
-    if not isinstance(msg, dict) or msg.get("event") != "connected":
+    if msg.get("event") != "connected":
         return None
     request_id, error = msg.get("id"), msg.get("error")
     if type(request_id) is not int or not (error is None or isinstance(error, str)):
@@ -781,11 +919,6 @@ def _connected_socket(fd: int) -> socket.socket:
         raise Unavailable("the sandbox's agent sent something other than a connected TCP socket") from None
     sock.setblocking(False)
     return sock
-
-
-def _close_fds(fds: list[int]) -> None:
-    for fd in fds:
-        os.close(fd)
 
 
 def _reap(proc: SandboxProcess | None, group: SandboxCgroup | None, workspace: str) -> None:

@@ -491,6 +491,7 @@ class SandboxManager:
             max_output_bytes=limits.max_output_bytes,
             limits=LimitsConfig(memory_bytes=limits.memory_bytes, pids=limits.pids, cpu_cores=limits.cpu_cores),
             use_cgroups=self._cgroups is not None,
+            terminals=self._config.terminals,
         )
 
     def status(self, sandbox_id: str) -> dict[str, object]:

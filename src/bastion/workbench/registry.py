@@ -9,7 +9,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from bastion.safety.errors import SandboxNotFound
+from bastion.safety.errors import NotFound, SandboxNotFound
+from bastion.safety.redact import sanitize_terminal
 from bastion.workbench.manager import Sandbox, SandboxManager
 from bastion.workbench.workspace import HostWorkspace
 
@@ -82,6 +83,27 @@ class WorkspaceRegistry:
         (workspace null). New code calls `resolve` once instead.
         """
         return self.known_id(workspace_id)
+
+    def find_terminal(self, terminal_id: str) -> Target:
+        """The workspace a terminal (from open_terminal) belongs to; a sandbox's counts as used.
+
+        Raises:
+            NotFound: no open terminal has that id.
+        """
+        for key, host in self._hosts.items():
+            if host.terminals.has(terminal_id):
+                return Target(key, host)
+        for box in self._sandboxes.all():
+            if box.workspace.terminals.has(terminal_id):
+                return Target(box.id, box.workspace, self._sandboxes.get(box.id))
+        raise NotFound(f"no open terminal {sanitize_terminal(terminal_id)[:80]!r}: open_terminal first")
+
+    def terminal_workspace(self, terminal_id: str) -> str | None:
+        """The id of the workspace a terminal belongs to, for the audit record; None if there is none."""
+        try:
+            return self.find_terminal(terminal_id).id
+        except NotFound:
+            return None
 
     def get(self, workspace_id: str | None) -> HostWorkspace:
         """`resolve(workspace_id).workspace`."""

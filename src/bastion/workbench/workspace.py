@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Final, Literal
 
 from bastion.config import Config, WorkspaceConfig
-from bastion.safety.commands import CommandPolicy, Decision
+from bastion.safety.commands import ApprovedCommand, CommandPolicy, Decision
 from bastion.safety.errors import (
     BastionError,
     ConfigError,
@@ -52,6 +52,7 @@ from bastion.workbench.background import RING_BYTES, BackgroundProcesses
 from bastion.workbench.edit import edit_text
 from bastion.workbench.media import MAX_IMAGE_BYTES, Image, image_type
 from bastion.workbench.search import search_tree
+from bastion.workbench.terminals import TERM, Terminals
 
 logger = logging.getLogger("bastion.workspaces")
 
@@ -194,6 +195,7 @@ class HostWorkspace:
             sandbox.set_limits(limits)
         self.sandbox = sandbox
         self.processes = BackgroundProcesses(self.id, redactor, sandbox, config.max_output_bytes)
+        self.terminals = Terminals(self.id, redactor, sandbox, config.terminals)
         self._folder = _held_folder(self.jail)
         self._replaced_logged = False
 
@@ -478,8 +480,49 @@ class HostWorkspace:
         assert pid is not None
         return await self.processes.kill(pid)
 
+    # Terminals: a program on a pseudo-terminal (`Terminals`).
+
+    async def open_terminal(self, command: str | None, *, rows: int, cols: int) -> dict[str, object]:
+        """Start `command` on a terminal: in a sandbox whose policy allows a shell, any shell command
+        (default: bash, else sh); elsewhere only a command the policy allows, run without a shell.
+
+        Raises:
+            Forbidden: a host workspace whose policy does not allow `command` (or none given).
+            PolicyDenied: a sandbox whose template's policy does not allow it.
+        """
+        if self.via_sh:
+            approved = self.policy.check_script(command or _default_shell())
+        else:
+            approved = self._terminal_command(command)
+        return await self.terminals.open(
+            approved.executable,
+            approved.argv,
+            self._redact_argv(approved.argv),
+            cwd=SANDBOX_WORKSPACE,
+            env={**self.environment(), "TERM": TERM},
+            rows=rows,
+            cols=cols,
+        )
+
+    def _terminal_command(self, command: str | None) -> ApprovedCommand:
+        """The one command a terminal of a policy-bound workspace may run: one the policy allows."""
+        if not command:
+            what = "a sandbox with a command policy" if self._sandboxed else "a host workspace"
+            raise InvalidRequest(f"{self.id!r} is {what}: give the command to run (its policy must allow it)")
+        try:
+            return self.policy.check(command)
+        except PolicyDenied as exc:
+            if self._sandboxed:
+                raise
+            # Not this caller's to change: the administrator's folder opens terminals for allowed commands only.
+            raise Forbidden(
+                f"open_terminal in host workspace {self.id!r}: {exc.reason}; only a command its policy allows "
+                "runs on a terminal here"
+            ) from None
+
     def close(self) -> None:
         self.sandbox.close()
+        self.terminals.close_all()
         self.processes.clear()
         self.jail.close()
         if self._unmount_on_close and self._bind_source is not None:
@@ -487,6 +530,11 @@ class HostWorkspace:
             with contextlib.suppress(BastionError):
                 unmount(self._bind_source)
             self._unmount_on_close = False
+
+
+def _default_shell() -> str:
+    """bash if the system has it (sandboxes see the host's /usr), else sh."""
+    return "bash" if os.path.exists("/bin/bash") else "sh"
 
 
 def _held_folder(jail: Jail) -> tuple[int, int]:

@@ -20,6 +20,14 @@ agent; fds via SCM_RIGHTS):
                   with two or three fds: the write ends of the stdout and stderr pipes, and
                   for a background process the read end of its stdin pipe (else stdin is /dev/null);
                   with "cgroup", one more last: the command group's cgroup.procs, opened O_WRONLY
+  host -> agent   {"op": "pty", "id": N, "exe": ..., "argv": [...], "cwd": ..., "env": {...}, "rows": R, "cols": C,
+                   "cgroup": true}
+                  with no fd, or with "cgroup" the command group's cgroup.procs: the agent opens a pseudo-terminal
+                  pair here (the sandbox's own devpts, bwrap --dev), sets its window size and starts the command
+                  in a new session whose controlling tty is the pair's slave (its 0, 1 and 2)
+  agent -> host   {"event": "pty", "id": N, "pid": P} with one fd: the pair's master; the agent keeps no copy
+                  of either end. Or {"event": "pty", "id": N, "error": "..."} with no fd: it did not start
+                  (no "exit" follows).
   host -> agent   {"op": "kill", "id": N}
   agent -> host   {"event": "exit", "id": N, "status": S}   S: exit code, or 128 + signal number
   host -> agent   {"op": "connect", "id": N, "port": P}   (a preview URL's request)
@@ -169,22 +177,28 @@ class Agent:
         self.ids: dict[int, int] = {}  # pid -> command id
         self.home = -1  # the sandbox group's cgroup.procs (op "home"), when it has cgroups
 
-    def send(self, message: "dict[str, Any]") -> None:
+    def send(self, message: "dict[str, Any]", fd: int = -1) -> None:
         try:
-            self.sock.send(to_json(message).encode())
+            if fd >= 0:
+                socket.send_fds(self.sock, [to_json(message).encode()], [fd])
+            else:
+                self.sock.send(to_json(message).encode())
         except OSError:
             os._exit(0)  # the host went away: the sandbox ends with it
 
     def handle(self, req: "dict[str, Any]", fds: "list[int]") -> None:
         op = req.get("op")
         group = -1
-        if op == "run" and req.get("cgroup") is True and fds:
+        if op in ("run", "pty") and req.get("cgroup") is True and fds:
             group = fds.pop()
             if self.home < 0:  # no way back from the group: start it in a PID namespace instead
                 os.close(group)
                 group = -1
         if op == "run" and len(fds) in (2, 3):
             self.start(req, fds, group)
+            return
+        if op == "pty" and not fds:
+            self.start_pty(req, group)
             return
         if op == "home" and len(fds) == 1 and self.home < 0:
             self.home = fds.pop()
@@ -261,20 +275,54 @@ class Agent:
                 if fd >= 0:
                     os.close(fd)
 
-    def spawn_in(self, group: int, req: "dict[str, Any]", actions: "list[Any]") -> int:
-        """posix_spawn the command; with a group, from inside it (the child starts there), then back home."""
+    def start_pty(self, req: "dict[str, Any]", group: int) -> None:
+        """Start one command on a new pseudo-terminal; hand its master to the host, or say why not."""
+        command_id = int(req["id"])
+        master = slave = -1
+        try:
+            master, slave = os.openpty()  # both close-on-exec (PEP 446): the command opens the slave itself
+            set_window(slave, int(req["rows"]), int(req["cols"]))
+            # After setsid, a session leader opening a tty without O_NOCTTY makes it its controlling tty.
+            actions = [
+                (os.POSIX_SPAWN_OPEN, 0, os.ttyname(slave), os.O_RDWR, 0),
+                (os.POSIX_SPAWN_DUP2, 0, 1),
+                (os.POSIX_SPAWN_DUP2, 0, 2),
+            ]
+            if group < 0 and self.per_command_pids:
+                check(libc.setns(self.own_pid_ns, CLONE_NEWPID), "reset the PID namespace for children")
+                check(libc.unshare(CLONE_NEWPID), "make a PID namespace")
+            os.chdir(req["cwd"])
+            try:
+                pid = self.spawn_in(group, req, actions, session=True)
+            finally:
+                os.chdir("/")
+        except (OSError, ValueError, TypeError, KeyError) as exc:
+            self.send({"event": "pty", "id": command_id, "error": str(exc)[:500]})
+        else:
+            self.running[command_id] = pid
+            self.ids[pid] = command_id
+            self.send({"event": "pty", "id": command_id, "pid": pid}, master)
+        finally:
+            for fd in (master, slave, group):
+                if fd >= 0:
+                    os.close(fd)
+
+    def spawn_in(self, group: int, req: "dict[str, Any]", actions: "list[Any]", session: bool = False) -> int:
+        """posix_spawn the command; with a group, from inside it (the child starts there), then back home.
+        `session`: in a session of its own (setsid, before the file actions), else a process group of its own."""
         if group >= 0:
             os.write(group, b"0")  # a refusal raises: the command does not start outside its group
+        # A process group (or session) of its own: `kill 0` in a command ends that command, not the others.
+        group_or_session: dict[str, Any] = {"setsid": True} if session else {"setpgroup": 0}
         try:
-            # A process group of its own: `kill 0` in a command ends that command, not the others.
             return os.posix_spawn(
                 req["exe"],
                 req["argv"],
                 req["env"],
                 file_actions=actions,
-                setpgroup=0,
                 setsigdef=DEFAULT_SIGNALS,
                 setsigmask=(),
+                **group_or_session,
             )
         finally:
             if group >= 0:
@@ -294,6 +342,15 @@ class Agent:
             del self.running[command_id]
             code = os.waitstatus_to_exitcode(raw)
             self.send({"event": "exit", "id": command_id, "status": code if code >= 0 else 128 - code})
+
+
+def set_window(tty: int, rows: int, cols: int) -> None:
+    """TIOCSWINSZ: the size a program reads with TIOCGWINSZ (`stty size`). Imported here: only terminals pay."""
+    import fcntl
+    import struct
+    import termios
+
+    fcntl.ioctl(tty, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
 
 
 def go_home(home: int) -> None:

@@ -1,0 +1,352 @@
+"""Terminals through the real tools and real bubblewrap sandboxes: a pseudo-terminal inside the
+sandbox, its screen rendered by pyte, caps, closes, and what a hostile program or caller tries."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import anyio
+import pytest
+from mcp import Client
+
+from bastion.app import Services, build_server, build_services
+from bastion.config import Config, TerminalsConfig
+from bastion.workbench.terminals import KEYS, MAX_SEND_BYTES, Scrollback
+from tests.helpers import LoopLag, Payload, audit_record, call, create, processes_with
+
+pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
+
+
+async def open_term(client: Client, box: str | None, command: str | None = None, **args: object) -> str:
+    if command is not None:
+        args["command"] = command
+    opened = await call(client, "open_terminal", sandbox_id=box, **args)
+    assert opened["ok"], opened
+    assert opened["detail"]["state"] == "running"
+    terminal_id = opened["detail"]["terminal_id"]
+    assert isinstance(terminal_id, str)
+    return terminal_id
+
+
+async def send(client: Client, terminal: str, text: str = "", *keys: str) -> Payload:
+    sent = await call(client, "terminal_send", terminal_id=terminal, text=text, keys=list(keys))
+    assert sent["ok"], sent
+    return sent
+
+
+async def until(client: Client, terminal: str, pattern: str, timeout_s: float = 15) -> dict[str, object]:
+    """terminal_read waiting for `pattern`; fails with the screen if it never matches."""
+    read = await call(client, "terminal_read", terminal_id=terminal, wait_for=pattern, timeout_s=timeout_s)
+    assert read["ok"], read
+    detail = read["detail"]
+    assert detail["matched"], f"{pattern!r} never matched:\n{detail['screen']}\n--\n{detail['scrolled_off']}"
+    return dict(detail)
+
+
+async def line(client: Client, terminal: str, command: str, marker: str) -> dict[str, object]:
+    """Type a command line and wait for a line of its output that is exactly `marker`."""
+    await send(client, terminal, command, "Enter")
+    return await until(client, terminal, f"(?m)^{marker}$")
+
+
+async def gone(marker: str) -> bool:
+    """Whether no host process has `marker` in its command line (polled while they die)."""
+    for _ in range(500):
+        if not processes_with(marker):
+            return True
+        await anyio.sleep(0.01)
+    return False
+
+
+async def test_python_repl_keeps_state_across_sends(client: Client) -> None:
+    box = await create(client)
+    term = await open_term(client, box, "python3")
+    await until(client, term, "(?m)^>>>$")
+    await send(client, term, "x = 6 * 7", "Enter")
+    await until(client, term, "(?m)^>>>$")
+    await line(client, term, "print(x + 1)", "43")
+
+
+async def test_ctrl_c_interrupts_a_busy_loop_and_the_repl_lives_on(client: Client) -> None:
+    box = await create(client)
+    term = await open_term(client, box, "python3")
+    await until(client, term, "(?m)^>>>$")
+    await send(client, term, "while True: pass", "Enter", "Enter")
+    await send(client, term, "", "Ctrl-C")
+    await until(client, term, "KeyboardInterrupt")
+    await line(client, term, "print('alive', 40 + 2)", "alive 42")
+
+
+async def test_less_renders_its_screen(client: Client) -> None:
+    box = await create(client)
+    lines = "\n".join(f"line {n:03d}" for n in range(1, 101))
+    assert (await call(client, "write_file", sandbox_id=box, path="nums.txt", content=lines))["ok"]
+    term = await open_term(client, box, "less nums.txt", rows=24, cols=80)
+    shown = await until(client, term, "(?m)^line 023$")
+    screen = str(shown["screen"]).splitlines()
+    assert len(str(shown["screen"]).split("\n")) == 24
+    assert screen[0] == "line 001"
+    assert "line 024" not in shown["screen"]  # the last row is less's prompt
+    await send(client, term, "", "PageDown")
+    paged = await until(client, term, "(?m)^line 046$")
+    assert "line 001" not in paged["screen"]
+    await send(client, term, "q")
+    closed = await call(client, "terminal_read", terminal_id=term, wait_for="never-shown", timeout_s=10)
+    assert closed["detail"]["output_open"] is False  # less quit: the terminal's output ended
+
+
+@pytest.mark.skipif(not Path("/usr/bin/vim").exists(), reason="vim is not installed")
+async def test_vim_edits_a_file_through_the_terminal(client: Client) -> None:
+    box = await create(client)
+    term = await open_term(client, box, "vim -u NONE -N notes.txt", rows=20, cols=60)
+    await until(client, term, r'"notes.txt" \[New\]')
+    await send(client, term, "ihello from vim", "Escape")
+    shown = await until(client, term, "(?m)^hello from vim$")
+    assert str(shown["screen"]).split("\n")[1] == "~"  # vim's empty-line marker, rendered
+    await send(client, term, ":wq", "Enter")
+    await call(client, "terminal_read", terminal_id=term, wait_for="never-shown", timeout_s=10)
+    written = await call(client, "read_file", sandbox_id=box, path="notes.txt")
+    assert written["detail"]["content"] == "hello from vim\n"
+
+
+async def test_read_s_password_is_not_echoed(client: Client) -> None:
+    box = await create(client)
+    term = await open_term(client, box)
+    await send(client, term, 'read -s -p "Password: " pw; echo; echo "got ${#pw} chars"', "Enter")
+    await until(client, term, "(?m)^Password:$")
+    await send(client, term, "hunter2-typed", "Enter")
+    shown = await until(client, term, "(?m)^got 13 chars$")
+    assert "hunter2" not in str(shown["screen"]) + str(shown["scrolled_off"])
+
+
+async def test_resize_is_seen_by_stty_size(client: Client) -> None:
+    box = await create(client)
+    term = await open_term(client, box, rows=24, cols=80)
+    await line(client, term, "stty size", "24 80")
+    resized = await call(client, "terminal_resize", terminal_id=term, rows=30, cols=100)
+    assert resized["ok"], resized
+    shown = await line(client, term, "stty size", "30 100")
+    assert len(str(shown["screen"]).split("\n")) == 30
+    assert (shown["rows"], shown["cols"]) == (30, 100)
+
+
+async def test_tty_is_a_pts_and_job_control_works(client: Client) -> None:
+    """Invariant: the program has a controlling terminal of its own session (tty names it, Ctrl-Z
+    stops the foreground job, `jobs` lists it stopped, `fg` brings it back and Ctrl-C ends it)."""
+    box = await create(client)
+    term = await open_term(client, box)
+    await line(client, term, "tty", "/dev/pts/[0-9]+")
+    await send(client, term, "sleep 100", "Enter")
+    await send(client, term, "", "Ctrl-Z")
+    await until(client, term, r"Stopped\s+sleep 100")
+    await send(client, term, "jobs", "Enter")
+    await until(client, term, r"(?m)^\[1\]\+\s+Stopped\s+sleep 100$")
+    await send(client, term, "fg", "Enter")
+    await send(client, term, "", "Ctrl-C")
+    await line(client, term, "echo status=$?", "status=130")
+
+
+async def test_flood_is_paced_bounded_and_the_loop_stays_responsive(client: Client) -> None:
+    """Invariant: `yes` on a terminal neither stalls the event loop nor grows the host's memory:
+    reading is paced (the program waits on its full terminal), what scrolled off is capped, and
+    Ctrl-C still reaches it. Does not prove a cap on the kernel's own terminal buffer."""
+    box = await create(client)
+    term = await open_term(client, box)
+    with LoopLag() as lag:
+        await send(client, term, "yes flood-line-xyz", "Enter")
+        await until(client, term, "(?m)^flood-line-xyz$")
+        paced = False
+        for _ in range(20):
+            read = await call(client, "terminal_read", terminal_id=term, timeout_s=1)
+            paced = paced or read["detail"]["paced"]
+            assert len(read["detail"]["scrolled_off"]) <= 256 * 1024
+        await send(client, term, "", "Ctrl-C")
+        await line(client, term, "echo done-$((40 + 2))", "done-42")
+    assert paced
+    assert lag.worst < 0.2, f"the event loop stalled {lag.worst:.3f} s"
+
+
+async def test_random_bytes_never_reach_the_client_raw(client: Client) -> None:
+    box = await create(client)
+    term = await open_term(client, box)
+    with LoopLag() as lag:
+        await send(client, term, "head -c 300000 /dev/urandom; echo; echo end-$((1 + 1))", "Enter")
+        shown = await until(client, term, "(?m)^end-2$", timeout_s=60)
+    assert "\x1b" not in str(shown["screen"]) + str(shown["scrolled_off"])
+    assert lag.worst < 0.2, f"the event loop stalled {lag.worst:.3f} s"
+
+
+async def test_close_terminal_leaves_no_survivors(client: Client) -> None:
+    box = await create(client)
+    term = await open_term(client, box)
+    await send(client, term, "sleep 91001 & setsid sleep 91002 & nohup sleep 91003 >/dev/null 2>&1 &", "Enter")
+    await line(client, term, "echo started-$((1 + 2))", "started-3")
+    assert len(processes_with("sleep\x009100")) == 3
+    closed = await call(client, "close_terminal", terminal_id=term)
+    assert closed["ok"], closed
+    assert closed["detail"]["killed"] is True
+    assert processes_with("sleep\x009100") == []  # close waits until the terminal's group is empty
+    again = await call(client, "terminal_read", terminal_id=term)
+    assert again["code"] == "NOT_FOUND"
+
+
+async def test_close_sandbox_ends_its_terminals(client: Client) -> None:
+    box = await create(client)
+    term = await open_term(client, box)
+    await send(client, term, "sleep 92001 &", "Enter")
+    await line(client, term, "echo up-$((2 + 2))", "up-4")
+    assert processes_with("sleep\x0092001")
+    assert (await call(client, "close_sandbox", sandbox_id=box))["ok"]
+    assert await gone("sleep\x0092001")
+    assert (await call(client, "terminal_read", terminal_id=term))["code"] == "NOT_FOUND"
+
+
+HOSTILE = (
+    "import os, select, sys, tty\n"
+    "tty.setraw(0)\n"
+    # a title, an OSC 52 clipboard write, device status / attribute queries, private CSIs pyte's methods
+    # do not take, a colour, the alternate screen
+    "os.write(1, b'\\x1b]0;EVIL-TITLE\\x07\\x1b]52;c;Q0xJUEJPQVJE\\x07\\x1b[6n\\x1b[c\\x1b[>c\\x1b[5n'"
+    " b'\\x1b[>4;2m\\x1b[?5A\\x1b[>1;99999999999999999999P'"
+    " b'\\x1b[?1049h\\x1b[31mRED\\x1b[0m\\r\\n')\n"
+    "ready, _, _ = select.select([0], [], [], 1.0)\n"
+    "got = os.read(0, 100) if ready else b''\n"
+    "os.write(1, b'replies=%d\\r\\n' % len(got))\n"
+)
+
+
+async def test_escape_sequences_are_rendered_and_queries_get_no_reply(client: Client) -> None:
+    """Invariant: escapes a program prints are interpreted, never passed on (no ESC, no title, no
+    clipboard text reaches the client), and the emulator writes nothing back to the program."""
+    box = await create(client)
+    assert (await call(client, "write_file", sandbox_id=box, path="hostile.py", content=HOSTILE))["ok"]
+    term = await open_term(client, box, "python3 hostile.py")
+    shown = await until(client, term, "(?m)^replies=0$")
+    text = str(shown["screen"]) + str(shown["scrolled_off"])
+    assert "RED" in text
+    for leaked in ("\x1b", "EVIL-TITLE", "Q0xJUEJPQVJE", "\x07"):
+        assert leaked not in text
+
+
+ENDLESS_TITLE = "import os\nos.write(1, b'\\x1b]0;' + b'A' * 300_000 + b'\\r\\nafter-title\\r\\n')\nos.read(0, 1)\n"
+
+
+async def test_an_escape_sequence_that_never_ends_is_cut(client: Client) -> None:
+    """Attack: a title (OSC) that never ends, which pyte would accumulate without bound, swallowing
+    all later output. Invariant: past MAX_SEQUENCE_BYTES the sequence is dropped and output shows again."""
+    box = await create(client)
+    assert (await call(client, "write_file", sandbox_id=box, path="title.py", content=ENDLESS_TITLE))["ok"]
+    term = await open_term(client, box, "python3 title.py")
+    with LoopLag() as lag:
+        await until(client, term, "(?m)^after-title$", timeout_s=60)
+    assert lag.worst < 0.2, f"the event loop stalled {lag.worst:.3f} s"
+
+
+async def test_program_that_closes_its_terminal_and_runs_on_is_killed_by_close(client: Client) -> None:
+    box = await create(client)
+    term = await open_term(client, box, "exec sleep 93001 </dev/null >/dev/null 2>&1")
+    read = await call(client, "terminal_read", terminal_id=term, wait_for="never-shown", timeout_s=10)
+    assert read["detail"]["output_open"] is False
+    assert read["detail"]["state"] == "running"
+    assert processes_with("sleep\x0093001")
+    refused = await call(client, "terminal_send", terminal_id=term, text="x")
+    assert refused["code"] == "CONFLICT"
+    assert (await call(client, "close_terminal", terminal_id=term))["ok"]
+    assert processes_with("sleep\x0093001") == []
+
+
+async def test_unknown_key_names_are_refused_with_the_known_ones(client: Client) -> None:
+    box = await create(client)
+    term = await open_term(client, box)
+    refused = await call(client, "terminal_send", terminal_id=term, text="echo x", keys=["Enter", "Hyper-Q"])
+    assert refused["code"] == "INVALID_REQUEST"
+    assert "'Hyper-Q'" in refused["reason"]
+    assert all(key in refused["reason"] for key in KEYS)
+
+
+async def test_huge_text_and_bad_sizes_are_refused(client: Client) -> None:
+    box = await create(client)
+    term = await open_term(client, box)
+    huge = await call(client, "terminal_send", terminal_id=term, text="x" * (MAX_SEND_BYTES + 1))
+    assert huge["code"] == "RESOURCE_LIMIT"
+    for rows, cols in ((1, 80), (24, 5000)):
+        bad = await call(client, "terminal_resize", terminal_id=term, rows=rows, cols=cols)
+        assert bad["code"] == "INVALID_REQUEST", bad
+    bad_regex = await call(client, "terminal_read", terminal_id=term, wait_for="(")
+    assert bad_regex["code"] == "INVALID_REQUEST"
+    # Exponential for a backtracking engine on a long run of "a" that fails at its end; linear for RE2.
+    await send(client, term, "echo " + "a" * 60 + "!", "Enter")
+    await until(client, term, "(?m)^a{60}!$")
+    started = time.monotonic()
+    slow = await call(client, "terminal_read", terminal_id=term, wait_for="(a+)+b", timeout_s=0)
+    assert slow["detail"]["matched"] is False
+    assert time.monotonic() - started < 2
+
+
+async def test_open_terminals_per_sandbox_are_capped(client: Client) -> None:
+    box = await create(client)
+    terms = [await open_term(client, box, "cat") for _ in range(4)]
+    refused = await call(client, "open_terminal", sandbox_id=box, command="cat")
+    assert refused["code"] == "RESOURCE_LIMIT"
+    assert (await call(client, "close_terminal", terminal_id=terms[0]))["ok"]
+    await open_term(client, box, "cat")
+
+
+async def test_host_workspace_opens_only_what_its_policy_allows(client: Client) -> None:
+    refused = await call(client, "open_terminal", command="bash")
+    assert refused["code"] == "FORBIDDEN"
+    term = await open_term(client, None, "cat")
+    await send(client, term, "echoed-by-cat", "Enter")
+    shown = await until(client, term, "(?m)^echoed-by-cat\necho(ed-by-cat)$")
+    assert shown["argv"] == ["cat"]
+    assert (await call(client, "close_terminal", terminal_id=term))["ok"]
+
+
+async def test_sent_text_is_audited_redacted(client: Client, services: Services) -> None:
+    box = await create(client)
+    term = await open_term(client, box, "cat")
+    secret = "AKIAIOSFODNN7EXAMPLE"
+    sent = await send(client, term, f"key={secret}", "Enter")
+    record = audit_record(services.config.audit_path, sent["audit_id"])
+    assert record["workspace"] == box
+    assert secret not in str(record)
+    assert record["args"] == {"terminal_id": term, "text": "key=[REDACTED:aws_access_key_id]", "keys": ["Enter"]}
+    shown = await call(client, "terminal_read", terminal_id=term, wait_for="(?m)^key=.REDACTED.*$", timeout_s=10)
+    assert shown["detail"]["matched"]
+    assert secret not in str(shown["detail"]["screen"])
+    # wait_for sees the redacted screen: a pattern cannot probe the secret behind it.
+    probe = await call(client, "terminal_read", terminal_id=term, wait_for="AKIAIOSF", timeout_s=0)
+    assert probe["detail"]["matched"] is False
+
+
+async def test_idle_terminal_is_closed_and_its_programs_killed(demo_config: Config) -> None:
+    idle = TerminalsConfig(idle_close_s=0.5)
+    config = demo_config.model_copy(update={"sandboxes": demo_config.sandboxes.model_copy(update={"terminals": idle})})
+    services = build_services(config)
+    try:
+        async with Client(build_server(services, caller="test")) as client:
+            box = await create(client)
+            term = await open_term(client, box)
+            await send(client, term, "sleep 94001 &", "Enter")
+            await line(client, term, "echo bg-$((3 + 3))", "bg-6")
+            assert await gone("sleep\x0094001")  # nobody used it for idle_close_s
+            for _ in range(500):  # the close forgets the terminal once its group is empty
+                if (await call(client, "terminal_read", terminal_id=term))["code"] == "NOT_FOUND":
+                    break
+                await anyio.sleep(0.01)
+            else:
+                raise AssertionError("the idle terminal was killed but not closed")
+    finally:
+        services.close()
+
+
+def test_scrollback_keeps_the_newest_lines_within_its_cap() -> None:
+    scrollback = Scrollback(cap=100)
+    for n in range(1000):
+        scrollback.add(f"line {n}")
+    assert scrollback.chars <= 100
+    lines, dropped = scrollback.take()
+    assert lines[-1] == "line 999"
+    assert dropped == 1000 - len(lines)
+    assert scrollback.take() == ([], 0)
