@@ -25,6 +25,7 @@ SCRIPTS = (
     "bench_login.py",
     "bench_search.py",
     "bench_preview.py",
+    "bench_terminal.py",
 )
 
 
