@@ -309,10 +309,10 @@ async def test_install_sends_progress_steps_and_redacted_output_lines(demo_confi
     as it runs, with increasing counts, each message one cleaned, redacted line. No network: the
     index is refused by the proxy. Does not prove the rate limit (see test_progress.py)."""
     services = build_services(load_config(refused_index_config(demo_config_path)))
-    progress: list[tuple[float, str]] = []
+    updates: list[tuple[float, str]] = []
 
-    async def on_progress(count: float, total: float | None, message: str | None) -> None:
-        progress.append((count, message or ""))
+    async def on_progress(progress: float, total: float | None, message: str | None) -> None:
+        updates.append((progress, message or ""))
 
     try:
         async with Client(build_server(services, caller="test")) as client:
@@ -324,12 +324,12 @@ async def test_install_sends_progress_steps_and_redacted_output_lines(demo_confi
         services.close()
     assert raw.structured_content is not None
     assert raw.structured_content["code"] == "OPERATION_FAILED", raw.structured_content
-    messages = [message for _, message in progress]
+    messages = [message for _, message in updates]
     assert messages[0] == "making the sandbox's own venv (/workspace/.venv)", messages
     assert "pip install tomli-w" in messages
     assert any("registry.test" in message for message in messages[2:]), messages
-    assert FAKE_KEY not in str(progress)
-    counts = [count for count, _ in progress]
+    assert FAKE_KEY not in str(updates)
+    counts = [count for count, _ in updates]
     assert counts == sorted(set(counts)), "progress counts must increase"
     assert all(len(message) <= 300 and "\n" not in message for message in messages)
 

@@ -13,7 +13,7 @@ from mcp import Client
 from bastion.app import Services
 from bastion.sandbox.processes import OutputLog
 from bastion.workbench.background import MAX_ARGV_CHARS, RING_BYTES
-from tests.helpers import call, create, processes_with
+from tests.helpers import Payload, call, create, processes_with
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
 
@@ -318,7 +318,7 @@ def test_output_log_keeps_the_newest_characters() -> None:
 # -- processes a command left running --------------------------------------------------------------
 
 
-async def left_running(client: Client, box: str) -> list[dict[str, object]]:
+async def left_running(client: Client, box: str) -> list[Payload]:
     listed = await call(client, "list_processes", sandbox_id=box)
     assert listed["ok"], listed
     return [entry for entry in listed["detail"]["processes"] if entry["started_by"] == "command"]

@@ -435,7 +435,13 @@ def ws_handshake(preview: Preview, url: str, extra: list[tuple[str, str]]) -> tu
     host, port, path = re.fullmatch(r"http://([^:]+):(\d+)(/.*)", url).groups()  # type: ignore[union-attr]
     ws = WSConnection(ConnectionType.CLIENT)
     with socket.create_connection((host, int(port)), timeout=10) as sock:
-        sock.sendall(ws.send(WsRequest(host=f"{host}:{port}", target=path, extra_headers=extra)))
+        sock.sendall(
+            ws.send(
+                WsRequest(
+                    host=f"{host}:{port}", target=path, extra_headers=[(k.encode(), v.encode()) for k, v in extra]
+                )
+            )
+        )
         while True:
             data = sock.recv(65536)
             ws.receive_data(data or None)
