@@ -12,7 +12,7 @@ from mcp import Client
 
 from bastion.app import Services, build_server, build_services
 from bastion.config import Config, TerminalsConfig
-from bastion.workbench.terminals import KEYS, MAX_SEND_BYTES, Scrollback
+from bastion.workbench.terminals import KEYS, MAX_CELL_CHARS, MAX_SEND_BYTES, Scrollback
 from tests.helpers import LoopLag, Payload, audit_record, call, create, processes_with
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
@@ -350,3 +350,22 @@ def test_scrollback_keeps_the_newest_lines_within_its_cap() -> None:
     assert lines[-1] == "line 999"
     assert dropped == 1000 - len(lines)
     assert scrollback.take() == ([], 0)
+
+
+COMBINING_FLOOD = (
+    "import os\nos.write(1, b'a' + '\\u0301'.encode() * 100_000 + b'\\r\\nafter-marks\\r\\n')\nos.read(0, 1)\n"
+)
+
+
+async def test_combining_marks_piled_on_one_character_do_not_stall_the_server(client: Client) -> None:
+    """Attack: 100,000 combining accents after one letter. pyte appends each to the cell's text and
+    NFC-normalizes the whole of it again: quadratic, seconds per 4 KiB read on the event loop (the
+    whole server frozen). Invariant: a cell keeps at most MAX_CELL_CHARS characters; output goes on."""
+    box = await create(client)
+    assert (await call(client, "write_file", sandbox_id=box, path="marks.py", content=COMBINING_FLOOD))["ok"]
+    term = await open_term(client, box, "python3 marks.py")
+    with LoopLag() as lag:
+        shown = await until(client, term, "(?m)^after-marks$", timeout_s=60)
+    first_line = str(shown["screen"]).split("\n")[0]
+    assert 0 < len(first_line) <= MAX_CELL_CHARS, ascii(first_line)
+    assert lag.worst < 0.2, f"the event loop stalled {lag.worst:.3f} s"

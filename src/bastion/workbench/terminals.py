@@ -29,6 +29,7 @@ import select
 import struct
 import termios
 import time
+import unicodedata
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
@@ -66,6 +67,9 @@ PACE_FACTOR: Final = 3.0  # after rendering for t, reading waits 3t: at most a q
 # pyte accumulates an escape sequence (an OSC title, CSI digits) with no bound: past this many bytes
 # inside one, its parser is replaced and the sequence dropped.
 MAX_SEQUENCE_BYTES: Final = 65_536
+# pyte appends each combining mark to its cell's text and NFC-normalizes all of it again: without a
+# cap, marks piled on one letter cost quadratic time on the event loop. Past this, marks are dropped.
+MAX_CELL_CHARS: Final = 32
 TERM: Final = "xterm-256color"
 DECCKM: Final = 1 << 5  # private mode 1, as pyte stores private modes (shifted by 5); pyte.modes lacks it
 
@@ -189,6 +193,31 @@ class _Screen(pyte.Screen):
     def __init__(self, columns: int, lines: int, scrollback: Scrollback) -> None:
         super().__init__(columns, lines)
         self.scrollback = scrollback
+
+    def draw(self, data: str) -> None:
+        """pyte's draw, with at most MAX_CELL_CHARS characters in any cell (combining marks dropped past it)."""
+        if data.isascii():
+            super().draw(data)
+            return
+        start = i = 0
+        while i < len(data):
+            if not unicodedata.combining(data[i]):
+                i += 1
+                continue
+            end = i
+            while end < len(data) and unicodedata.combining(data[end]):
+                end += 1
+            super().draw(data[start:i])
+            super().draw(data[i : i + max(0, MAX_CELL_CHARS - self._mark_target_chars())])
+            start = i = end
+        super().draw(data[start:])
+
+    def _mark_target_chars(self) -> int:
+        """Length of the cell a combining mark drawn now joins (as pyte picks it: the one left of the cursor)."""
+        x, y = self.cursor.x, self.cursor.y
+        if x:
+            return len(self.buffer[y][x - 1].data)
+        return len(self.buffer[y - 1][self.columns - 1].data) if y else 0
 
     def index(self) -> None:
         top, bottom = self.margins or pyte.screens.Margins(0, self.lines - 1)
