@@ -364,3 +364,23 @@ def test_every_program_of_inside_is_bound_under_opt_bastion() -> None:
     assert names == programs
     assert {KERNEL_PATH, FORWARDER_PATH, AGENT_PATH} <= set(INSIDE_FILES)
     assert INSIDE_FILES[AGENT_PATH].index("def restrict(") < INSIDE_FILES[AGENT_PATH].index("class Agent")
+
+
+async def test_a_daemon_writing_forever_feeds_no_progress_after_its_command_returned(box: WarmSandbox) -> None:
+    """Attack: an install leaves `while :; do echo x; done &` on the command's stdout. The host drains
+    that pipe until it closes (a closed pipe would kill the daemon); it must stop feeding the output
+    sink (progress: cleaned, redacted, sent) of a call that is over. Invariant: no chunk reaches it
+    after run() returned, though the host read far more than a pipe holds since."""
+    seen: list[int] = []
+    script = "(while :; do echo xxxxxxxxxxxxxxx; echo >> /workspace/written; done) & echo started"
+    sink = (lambda chunk: seen.append(len(chunk))), (lambda chunk: None)
+    outcome = await box.run(
+        "/bin/sh", ["sh", "-c", script], cwd="/workspace", env=ENV, timeout_s=10, max_output_bytes=4096, on_output=sink
+    )
+    assert outcome.status == 0
+    calls = len(seen)
+    written = Path(box.spec.workspace) / "written"
+    start = written.stat().st_size
+    # 16 bytes of stdout per byte of `written`: 1 MiB more read by the host than a pipe can hold.
+    await until(lambda: written.stat().st_size - start > 65536)
+    assert len(seen) == calls

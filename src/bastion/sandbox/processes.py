@@ -67,6 +67,7 @@ class PipeCapture:
         if not self.closed:
             self.cap = 0
             self.data = bytearray()
+            self._on_chunk = None  # its command is over: a process left running must not feed its progress
 
     def close(self) -> None:
         """Stop reading and close the pipe (idempotent; `done` may have been cancelled by a waiter)."""
