@@ -384,3 +384,31 @@ async def test_a_daemon_writing_forever_feeds_no_progress_after_its_command_retu
     # 16 bytes of stdout per byte of `written`: 1 MiB more read by the host than a pipe can hold.
     await until(lambda: written.stat().st_size - start > 65536)
     assert len(seen) == calls
+
+
+async def test_every_signal_a_command_can_send_to_the_agent_changes_nothing(box: WarmSandbox) -> None:
+    """Attack: every catchable and uncatchable signal at PID 1 (STOP, SEGV via kill, TERM, HUP...), and
+    a flood of SIGCHLD, which the agent does handle. Invariant: the agent answers the next command."""
+    every = " ".join(str(n) for n in range(1, 32))
+    flood = "i=0; while [ $i -lt 2000 ]; do kill -CHLD 1; i=$((i+1)); done"
+    outcome = await sh(box, f"for s in {every}; do kill -$s 1 2>/dev/null; done; {flood}; echo sent")
+    assert outcome.stdout == b"sent\n", outcome.stderr
+    assert (await sh(box, "echo alive")).stdout == b"alive\n"
+
+
+async def test_kill_minus_one_ends_the_sandboxs_other_processes_but_not_the_agent(box: WarmSandbox) -> None:
+    """Attack: `kill -9 -1` (and `kill -STOP -1`) from a command, while a background process, a daemon
+    left by another command and a running command exist. Invariant: the kernel spares PID 1, so the agent
+    lives; the host sees each victim end (an exit status, no hang) and the next command runs."""
+    left, running = "4312.5", "4312.75"
+    await sh(box, f"setsid sleep {left} >/dev/null 2>&1 &")
+    background = await box.spawn("/bin/sleep", ["sleep", "4312.25"], cwd="/", env=ENV, ring_bytes=1024)
+    other = asyncio.create_task(sh(box, f"sleep {running}"))
+    await until(lambda: len(sleeping(left)) == 1 and len(sleeping(running)) == 1)
+    # Linux spares the sender too: the shell that sent them lives on.
+    assert (await sh(box, "kill -STOP -1; kill -9 -1; echo survived")).stdout == b"survived\n"
+    assert (await other).status == 137
+    await asyncio.wait_for(background.wait_exit(), 10)
+    assert background.exited
+    await until(lambda: sleeping(left) == [] and box.leftovers() == [])
+    assert (await sh(box, "echo alive")).stdout == b"alive\n"
