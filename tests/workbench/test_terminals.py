@@ -369,3 +369,27 @@ async def test_combining_marks_piled_on_one_character_do_not_stall_the_server(cl
     first_line = str(shown["screen"]).split("\n")[0]
     assert 0 < len(first_line) <= MAX_CELL_CHARS, ascii(first_line)
     assert lag.worst < 0.2, f"the event loop stalled {lag.worst:.3f} s"
+
+
+BAD_ERASES = (
+    "import os\n"
+    "for _ in range(2000):\n"
+    "    os.write(1, b'before\\x1b[9Jmiddle\\x1b[5Kafter-erase\\r\\n')\n"
+    "os.write(1, b'all-erases-done\\r\\n')\n"
+    "os.read(0, 1)\n"
+)
+
+
+async def test_erase_sequences_pyte_crashes_on_lose_no_output_and_do_not_flood_the_log(
+    client: Client, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Attack: `CSI 9 J` / `CSI 5 K` (no such erase) in a loop. pyte raised on each, the rest of the 4 KiB
+    read was dropped and a traceback logged per read: output hidden and the server's log flooded.
+    Invariant: an unknown erase is ignored, like xterm does; text around it shows; nothing is logged."""
+    box = await create(client)
+    assert (await call(client, "write_file", sandbox_id=box, path="erase.py", content=BAD_ERASES))["ok"]
+    with caplog.at_level("WARNING", logger="bastion"):
+        term = await open_term(client, box, "python3 erase.py")
+        shown = await until(client, term, "(?m)^all-erases-done$", timeout_s=60)
+    assert "beforemiddleafter-erase" in str(shown["screen"])
+    assert [r for r in caplog.records if "emulator" in r.getMessage()] == []

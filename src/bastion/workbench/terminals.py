@@ -219,6 +219,14 @@ class _Screen(pyte.Screen):
             return len(self.buffer[y][x - 1].data)
         return len(self.buffer[y - 1][self.columns - 1].data) if y else 0
 
+    def erase_in_display(self, how: int = 0, *args: Any, **kwargs: Any) -> None:
+        if how in (0, 1, 2, 3):  # pyte raises on another (UnboundLocalError); xterm ignores it
+            super().erase_in_display(how, *args, **kwargs)
+
+    def erase_in_line(self, how: int = 0, private: bool = False) -> None:
+        if how in (0, 1, 2):
+            super().erase_in_line(how, private)
+
     def index(self) -> None:
         top, bottom = self.margins or pyte.screens.Margins(0, self.lines - 1)
         if self.cursor.y == bottom and top == 0:
@@ -231,7 +239,7 @@ def _tolerant(name: str) -> Callable[..., None]:
     has (``CSI 1;2;3 A``), or `private` for a private (``CSI ?``) variant it has none of (xterm's
     modifyOtherKeys, ``CSI > 4;2 m``, which vim sends, is no colour). pyte would raise mid-feed and lose
     the rest of the output; extra parameters are dropped, unsupported private variants ignored."""
-    base = getattr(pyte.Screen, name)
+    base = getattr(_Screen, name)  # pyte's, or the fix of it above
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     parameters = list(inspect.signature(base).parameters.values())[1:]
     takes_private = any(p.name == "private" or p.kind is p.VAR_KEYWORD for p in parameters)
@@ -271,6 +279,7 @@ class Terminal:
         self._screen = _Screen(cols, rows, Scrollback(scrollback_chars))
         self._stream = pyte.ByteStream(self._screen)
         self._in_sequence = 0  # bytes fed since the parser left its ground state
+        self._emulator_failed = False
         self._lines = [""] * rows
         self._changed: asyncio.Future[None] = self._loop.create_future()
         self._resume: asyncio.TimerHandle | None = None
@@ -312,8 +321,12 @@ class Terminal:
     def _feed(self, data: bytes) -> None:
         try:
             self._stream.feed(data)
-        except Exception:  # pyte on bytes it does not expect: its parser is gone, so make another
-            logger.exception("terminal %s: the emulator failed on the program's output; parser reset", self.id)
+        except Exception as exc:  # pyte on bytes it does not expect: its parser is gone, so make another
+            if not self._emulator_failed:  # once: a program repeating the sequence must not flood the log
+                self._emulator_failed = True
+                logger.warning(
+                    "terminal %s: the emulator failed on the program's output (%r); parser reset", self.id, exc
+                )
             self._new_parser()
             return
         # pyte's parser is back in its ground state when it takes plain text again.
