@@ -412,3 +412,27 @@ async def test_kill_minus_one_ends_the_sandboxs_other_processes_but_not_the_agen
     assert background.exited
     await until(lambda: sleeping(left) == [] and box.leftovers() == [])
     assert (await sh(box, "echo alive")).stdout == b"alive\n"
+
+
+async def test_a_command_forking_as_fast_as_it_can_while_timed_out_leaves_nothing(box: WarmSandbox) -> None:
+    """Attack: a command that keeps forking daemons (setsid, double forks) while its timeout kills it,
+    to slip one out between the kill's read of its group and the last fork. Invariant: cgroup.kill
+    takes the group whole, forks in flight included: nothing with its marker survives, no leftover."""
+    marker = "4313.5"
+    forker = (
+        "import os\n"
+        "while True:\n"
+        "    try:\n"
+        "        if os.fork() == 0:\n"
+        "            os.setsid()\n"
+        f"            os.execvp('sleep', ['sleep', '{marker}'])\n"
+        "    except OSError:\n"
+        "        pass\n"  # at pids.max: keep trying, as each killed sleep frees a slot
+    )
+    outcome = await box.run(
+        "/usr/bin/python3", ["python3", "-c", forker], cwd="/", env=ENV, timeout_s=1, max_output_bytes=4096
+    )
+    assert outcome.timed_out
+    await until(lambda: processes_with(marker) == [])
+    assert box.leftovers() == []
+    assert (await sh(box, "echo alive")).stdout == b"alive\n"
