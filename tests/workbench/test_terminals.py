@@ -3,6 +3,8 @@ sandbox, its screen rendered by pyte, caps, closes, and what a hostile program o
 
 from __future__ import annotations
 
+import asyncio
+import os
 import time
 from pathlib import Path
 
@@ -393,3 +395,39 @@ async def test_erase_sequences_pyte_crashes_on_lose_no_output_and_do_not_flood_t
         shown = await until(client, term, "(?m)^all-erases-done$", timeout_s=60)
     assert "beforemiddleafter-erase" in str(shown["screen"])
     assert [r for r in caplog.records if "emulator" in r.getMessage()] == []
+
+
+async def test_closing_the_sandbox_ends_a_terminal_read_that_waits(client: Client) -> None:
+    """Attack: close_sandbox while a terminal_read waits (wait_for that never matches, 30 s).
+    Invariant: the read returns at once with a typed answer (no hang until its timeout, no traceback)."""
+    box = await create(client)
+    term = await open_term(client, box, "cat")
+    answers: list[Payload] = []
+
+    async def read() -> None:
+        answers.append(await call(client, "terminal_read", terminal_id=term, wait_for="never-shown", timeout_s=30))
+
+    started = time.monotonic()
+    async with anyio.create_task_group() as group:
+        group.start_soon(read)
+        await anyio.sleep(0.2)  # let the read start waiting (a head start, not a correctness wait)
+        assert (await call(client, "close_sandbox", sandbox_id=box))["ok"]
+    assert time.monotonic() - started < 10
+    [answer] = answers
+    assert answer["ok"] or answer["code"] == "NOT_FOUND", answer
+    if answer["ok"]:
+        assert answer["detail"]["matched"] is False
+
+
+async def test_terminals_opened_and_closed_in_a_burst_leak_no_fd_task_or_process(client: Client) -> None:
+    """Attack: 40 terminals opened and closed as fast as the tools allow. Invariant: the server's fds
+    and asyncio tasks come back to where they were, and no program of theirs is left running."""
+    box = await create(client)
+    await call(client, "close_terminal", terminal_id=await open_term(client, box, "cat"))  # warm up
+    fds, tasks = len(os.listdir("/proc/self/fd")), len(asyncio.all_tasks())
+    for _ in range(40):
+        term = await open_term(client, box, "sleep 93001")
+        assert (await call(client, "close_terminal", terminal_id=term))["ok"]
+    assert processes_with("sleep\x0093001") == []
+    assert len(os.listdir("/proc/self/fd")) <= fds
+    assert len(asyncio.all_tasks()) <= tasks
