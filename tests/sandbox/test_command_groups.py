@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from bastion.sandbox._spawn import AGENT_PATH, FORWARDER_PATH, INSIDE_FILES, KER
 from bastion.sandbox.backend import RunOutcome
 from bastion.sandbox.cgroups import CgroupLayout, Limits
 from bastion.sandbox.inside import agent as agent_module
+from bastion.sandbox.processes import DRAIN_PAUSE_S
 from bastion.sandbox.warm import WarmSandbox
 from tests.helpers import processes_with
 
@@ -436,3 +438,24 @@ async def test_a_command_forking_as_fast_as_it_can_while_timed_out_leaves_nothin
     await until(lambda: processes_with(marker) == [])
     assert box.leftovers() == []
     assert (await sh(box, "echo alive")).stdout == b"alive\n"
+
+
+async def test_a_daemon_writing_forever_after_its_command_is_drained_at_a_bounded_pace(box: WarmSandbox) -> None:
+    """Attack: `yes &`, or any process a command leaves writing without end to the command's stdout. The
+    host must drain that pipe (a closed one would kill the process), and read at full speed it cost the
+    server's event loop 60 % of a core until the sandbox closed. Invariant: after the command returned, one
+    64 KiB chunk per DRAIN_PAUSE_S: 20 blocks take at least 18 pauses (the pipe holds one, one is in flight)."""
+    writer = (
+        "import os\n"
+        "while True:\n"
+        "    os.write(1, b'y' * 65536)\n"
+        "    with open('/workspace/blocks', 'ab') as count:\n"
+        "        count.write(b'.')\n"
+    )
+    script = f'python3 -c "{writer}" & echo started'
+    assert (await sh(box, script)).stdout.startswith(b"started")
+    blocks = Path(box.spec.workspace) / "blocks"
+    await until(blocks.exists)
+    start, started = blocks.stat().st_size, time.monotonic()
+    await until(lambda: blocks.stat().st_size >= start + 20)
+    assert time.monotonic() - started >= 18 * DRAIN_PAUSE_S * 0.9
