@@ -459,3 +459,35 @@ async def test_a_daemon_writing_forever_after_its_command_is_drained_at_a_bounde
     start, started = blocks.stat().st_size, time.monotonic()
     await until(lambda: blocks.stat().st_size >= start + 20)
     assert time.monotonic() - started >= 18 * DRAIN_PAUSE_S * 0.9
+
+
+async def test_a_command_cannot_read_the_agents_memory_map_or_memory(box: WarmSandbox) -> None:
+    """Attack: the agent is PID 1 of the command's own PID namespace, same uid: read its /proc/1/maps,
+    auxv, stack, syscall, pagemap, or its memory with process_vm_readv (address from a guess, as the map
+    is refused). Invariant: all refused (the agent is not dumpable, and keeps capabilities commands lack);
+    /proc/1/cmdline names no secret, only the agent's fixed argv."""
+    probe = (
+        "import ctypes, errno\n"
+        "results = []\n"
+        "for name in ('maps', 'smaps', 'auxv', 'stack', 'syscall', 'pagemap', 'environ', 'mem'):\n"
+        "    try:\n"
+        "        open(f'/proc/1/{name}', 'rb').read(1)\n"
+        "        results.append(name + ' OK')\n"
+        "    except OSError as exc:\n"
+        "        results.append(errno.errorcode[exc.errno])\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "buf = ctypes.create_string_buffer(16)\n"
+        "local = (ctypes.c_void_p * 2)(ctypes.cast(buf, ctypes.c_void_p), 16)\n"
+        "remote = (ctypes.c_void_p * 2)(0x400000, 16)\n"
+        "got = libc.process_vm_readv(1, local, 1, remote, 1, 0)\n"
+        "results.append('vm_readv OK' if got >= 0 else errno.errorcode[ctypes.get_errno()])\n"
+        "print(' '.join(sorted(set(results))))\n"
+        "print(open('/proc/1/cmdline', 'rb').read().replace(b'\\0', b' ').decode())\n"
+    )
+    outcome = await box.run(
+        "/usr/bin/python3", ["python3", "-c", probe], cwd="/", env=ENV, timeout_s=10, max_output_bytes=4096
+    )
+    assert outcome.status == 0, outcome.stderr
+    refusals, cmdline = outcome.stdout.decode().splitlines()
+    assert set(refusals.split()) <= {"EACCES", "EPERM"}, refusals
+    assert cmdline.startswith("/usr/bin/python3 -I -S /opt/bastion/agent.py "), cmdline
