@@ -491,3 +491,47 @@ async def test_a_command_cannot_read_the_agents_memory_map_or_memory(box: WarmSa
     refusals, cmdline = outcome.stdout.decode().splitlines()
     assert set(refusals.split()) <= {"EACCES", "EPERM"}, refusals
     assert cmdline.startswith("/usr/bin/python3 -I -S /opt/bastion/agent.py "), cmdline
+
+
+async def test_a_command_inherits_no_fd_of_the_agent_and_finds_no_socket_to_reach_it(box: WarmSandbox) -> None:
+    """Attack: find a way to speak the agent's protocol from a command: an inherited fd (its socket,
+    the cgroup.procs fds), or a named or abstract unix socket it listens on. Invariant: a command holds
+    only 0, 1 and 2, and the sandbox's network namespace lists no bound unix socket at all (the agent's
+    is an unnamed socketpair)."""
+    probe = (
+        "import os\n"
+        "print(sorted(int(fd) for fd in os.listdir('/proc/self/fd')))\n"
+        "rows = open('/proc/net/unix').read().splitlines()[1:]\n"
+        "print([row.split()[-1] for row in rows if len(row.split()) > 7])\n"
+    )
+    outcome = await box.run(
+        "/usr/bin/python3", ["python3", "-c", probe], cwd="/", env=ENV, timeout_s=10, max_output_bytes=4096
+    )
+    assert outcome.status == 0, outcome.stderr
+    fds, names = outcome.stdout.decode().splitlines()
+    assert fds == "[0, 1, 2, 3]"  # 3: listdir's own handle on /proc/self/fd
+    assert names == "[]"
+
+
+async def test_a_command_cannot_pull_the_agent_into_its_group_to_kill_it_with_its_timeout(box: WarmSandbox) -> None:
+    """Attack: write PID 1 into every cgroup.procs fd the command might have inherited (the agent received
+    its command group's fd by SCM_RIGHTS, without close-on-exec), then outlive the timeout: the host's
+    cgroup.kill of the command's group would take the agent, and the whole sandbox, with it.
+    Invariant: the command holds no such fd; the agent lives and answers the next command."""
+    pull = (
+        "import os\n"
+        "for fd in range(3, 64):\n"
+        "    try:\n"
+        "        os.write(fd, b'1')\n"
+        "        print('moved by', fd, flush=True)\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "os.execv('/bin/sleep', ['sleep', '3600'])\n"
+    )
+    outcome = await box.run(
+        "/usr/bin/python3", ["python3", "-c", pull], cwd="/", env=ENV, timeout_s=1, max_output_bytes=4096
+    )
+    assert outcome.timed_out
+    assert b"moved" not in outcome.stdout, outcome.stdout
+    assert box.alive
+    assert (await sh(box, "echo alive")).stdout == b"alive\n"
