@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import select
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -535,3 +536,20 @@ async def test_a_command_cannot_pull_the_agent_into_its_group_to_kill_it_with_it
     assert b"moved" not in outcome.stdout, outcome.stdout
     assert box.alive
     assert (await sh(box, "echo alive")).stdout == b"alive\n"
+
+
+async def test_a_terminal_program_inherits_no_fd_of_the_agent(box: WarmSandbox) -> None:
+    """Attack: as above, from a program on a terminal (op "pty" also carries its group's cgroup.procs).
+    Invariant: it holds only its terminal as 0, 1 and 2."""
+    probe = "import os; print('fds', sorted(int(fd) for fd in os.listdir('/proc/self/fd')))"
+    pty = await box.open_pty("/usr/bin/python3", ["python3", "-c", probe], cwd="/", env=ENV, rows=24, cols=80)
+    seen = b""
+    try:
+        async with asyncio.timeout(20):
+            while b"]" not in seen:
+                await until(lambda: bool(select.select([pty.fd], [], [], 0)[0]))
+                seen += os.read(pty.fd, 4096)
+    finally:
+        await box.kill(pty)
+        os.close(pty.fd)
+    assert b"fds [0, 1, 2, 3]" in seen, seen  # 3: listdir's own handle on /proc/self/fd
