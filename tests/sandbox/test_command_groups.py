@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import select
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -16,6 +18,7 @@ from bastion.sandbox._spawn import AGENT_PATH, FORWARDER_PATH, INSIDE_FILES, KER
 from bastion.sandbox.backend import RunOutcome
 from bastion.sandbox.cgroups import CgroupLayout, Limits
 from bastion.sandbox.inside import agent as agent_module
+from bastion.sandbox.processes import DRAIN_PAUSE_S
 from bastion.sandbox.warm import WarmSandbox
 from tests.helpers import processes_with
 
@@ -364,3 +367,189 @@ def test_every_program_of_inside_is_bound_under_opt_bastion() -> None:
     assert names == programs
     assert {KERNEL_PATH, FORWARDER_PATH, AGENT_PATH} <= set(INSIDE_FILES)
     assert INSIDE_FILES[AGENT_PATH].index("def restrict(") < INSIDE_FILES[AGENT_PATH].index("class Agent")
+
+
+async def test_a_daemon_writing_forever_feeds_no_progress_after_its_command_returned(box: WarmSandbox) -> None:
+    """Attack: an install leaves `while :; do echo x; done &` on the command's stdout. The host drains
+    that pipe until it closes (a closed pipe would kill the daemon); it must stop feeding the output
+    sink (progress: cleaned, redacted, sent) of a call that is over. Invariant: no chunk reaches it
+    after run() returned, though the host read far more than a pipe holds since."""
+    seen: list[int] = []
+    script = "(while :; do echo xxxxxxxxxxxxxxx; echo >> /workspace/written; done) & echo started"
+    sink = (lambda chunk: seen.append(len(chunk))), (lambda chunk: None)
+    outcome = await box.run(
+        "/bin/sh", ["sh", "-c", script], cwd="/workspace", env=ENV, timeout_s=10, max_output_bytes=4096, on_output=sink
+    )
+    assert outcome.status == 0
+    calls = len(seen)
+    written = Path(box.spec.workspace) / "written"
+    start = written.stat().st_size
+    # 16 bytes of stdout per byte of `written`: 1 MiB more read by the host than a pipe can hold.
+    await until(lambda: written.stat().st_size - start > 65536)
+    assert len(seen) == calls
+
+
+async def test_every_signal_a_command_can_send_to_the_agent_changes_nothing(box: WarmSandbox) -> None:
+    """Attack: every catchable and uncatchable signal at PID 1 (STOP, SEGV via kill, TERM, HUP...), and
+    a flood of SIGCHLD, which the agent does handle. Invariant: the agent answers the next command."""
+    every = " ".join(str(n) for n in range(1, 32))
+    flood = "i=0; while [ $i -lt 2000 ]; do kill -CHLD 1; i=$((i+1)); done"
+    outcome = await sh(box, f"for s in {every}; do kill -$s 1 2>/dev/null; done; {flood}; echo sent")
+    assert outcome.stdout == b"sent\n", outcome.stderr
+    assert (await sh(box, "echo alive")).stdout == b"alive\n"
+
+
+async def test_kill_minus_one_ends_the_sandboxs_other_processes_but_not_the_agent(box: WarmSandbox) -> None:
+    """Attack: `kill -9 -1` (and `kill -STOP -1`) from a command, while a background process, a daemon
+    left by another command and a running command exist. Invariant: the kernel spares PID 1, so the agent
+    lives; the host sees each victim end (an exit status, no hang) and the next command runs."""
+    left, running = "4312.5", "4312.75"
+    await sh(box, f"setsid sleep {left} >/dev/null 2>&1 &")
+    background = await box.spawn("/bin/sleep", ["sleep", "4312.25"], cwd="/", env=ENV, ring_bytes=1024)
+    other = asyncio.create_task(sh(box, f"sleep {running}"))
+    await until(lambda: len(sleeping(left)) == 1 and len(sleeping(running)) == 1)
+    # Linux spares the sender too: the shell that sent them lives on.
+    assert (await sh(box, "kill -STOP -1; kill -9 -1; echo survived")).stdout == b"survived\n"
+    assert (await other).status == 137
+    await asyncio.wait_for(background.wait_exit(), 10)
+    assert background.exited
+    await until(lambda: sleeping(left) == [] and box.leftovers() == [])
+    assert (await sh(box, "echo alive")).stdout == b"alive\n"
+
+
+async def test_a_command_forking_as_fast_as_it_can_while_timed_out_leaves_nothing(box: WarmSandbox) -> None:
+    """Attack: a command that keeps forking daemons (setsid, double forks) while its timeout kills it,
+    to slip one out between the kill's read of its group and the last fork. Invariant: cgroup.kill
+    takes the group whole, forks in flight included: nothing with its marker survives, no leftover."""
+    marker = "4313.5"
+    forker = (
+        "import os\n"
+        "while True:\n"
+        "    try:\n"
+        "        if os.fork() == 0:\n"
+        "            os.setsid()\n"
+        f"            os.execvp('sleep', ['sleep', '{marker}'])\n"
+        "    except OSError:\n"
+        "        pass\n"  # at pids.max: keep trying, as each killed sleep frees a slot
+    )
+    outcome = await box.run(
+        "/usr/bin/python3", ["python3", "-c", forker], cwd="/", env=ENV, timeout_s=1, max_output_bytes=4096
+    )
+    assert outcome.timed_out
+    await until(lambda: processes_with(marker) == [])
+    assert box.leftovers() == []
+    assert (await sh(box, "echo alive")).stdout == b"alive\n"
+
+
+async def test_a_daemon_writing_forever_after_its_command_is_drained_at_a_bounded_pace(box: WarmSandbox) -> None:
+    """Attack: `yes &`, or any process a command leaves writing without end to the command's stdout. The
+    host must drain that pipe (a closed one would kill the process), and read at full speed it cost the
+    server's event loop 60 % of a core until the sandbox closed. Invariant: after the command returned, one
+    64 KiB chunk per DRAIN_PAUSE_S: 20 blocks take at least 18 pauses (the pipe holds one, one is in flight)."""
+    writer = (
+        "import os\n"
+        "while True:\n"
+        "    os.write(1, b'y' * 65536)\n"
+        "    with open('/workspace/blocks', 'ab') as count:\n"
+        "        count.write(b'.')\n"
+    )
+    script = f'python3 -c "{writer}" & echo started'
+    assert (await sh(box, script)).stdout.startswith(b"started")
+    blocks = Path(box.spec.workspace) / "blocks"
+    await until(blocks.exists)
+    start, started = blocks.stat().st_size, time.monotonic()
+    await until(lambda: blocks.stat().st_size >= start + 20)
+    assert time.monotonic() - started >= 18 * DRAIN_PAUSE_S * 0.9
+
+
+async def test_a_command_cannot_read_the_agents_memory_map_or_memory(box: WarmSandbox) -> None:
+    """Attack: the agent is PID 1 of the command's own PID namespace, same uid: read its /proc/1/maps,
+    auxv, stack, syscall, pagemap, or its memory with process_vm_readv (address from a guess, as the map
+    is refused). Invariant: all refused (the agent is not dumpable, and keeps capabilities commands lack);
+    /proc/1/cmdline names no secret, only the agent's fixed argv."""
+    probe = (
+        "import ctypes, errno\n"
+        "results = []\n"
+        "for name in ('maps', 'smaps', 'auxv', 'stack', 'syscall', 'pagemap', 'environ', 'mem'):\n"
+        "    try:\n"
+        "        open(f'/proc/1/{name}', 'rb').read(1)\n"
+        "        results.append(name + ' OK')\n"
+        "    except OSError as exc:\n"
+        "        results.append(errno.errorcode[exc.errno])\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "buf = ctypes.create_string_buffer(16)\n"
+        "local = (ctypes.c_void_p * 2)(ctypes.cast(buf, ctypes.c_void_p), 16)\n"
+        "remote = (ctypes.c_void_p * 2)(0x400000, 16)\n"
+        "got = libc.process_vm_readv(1, local, 1, remote, 1, 0)\n"
+        "results.append('vm_readv OK' if got >= 0 else errno.errorcode[ctypes.get_errno()])\n"
+        "print(' '.join(sorted(set(results))))\n"
+        "print(open('/proc/1/cmdline', 'rb').read().replace(b'\\0', b' ').decode())\n"
+    )
+    outcome = await box.run(
+        "/usr/bin/python3", ["python3", "-c", probe], cwd="/", env=ENV, timeout_s=10, max_output_bytes=4096
+    )
+    assert outcome.status == 0, outcome.stderr
+    refusals, cmdline = outcome.stdout.decode().splitlines()
+    assert set(refusals.split()) <= {"EACCES", "EPERM"}, refusals
+    assert cmdline.startswith("/usr/bin/python3 -I -S /opt/bastion/agent.py "), cmdline
+
+
+async def test_a_command_inherits_no_fd_of_the_agent_and_finds_no_socket_to_reach_it(box: WarmSandbox) -> None:
+    """Attack: find a way to speak the agent's protocol from a command: an inherited fd (its socket,
+    the cgroup.procs fds), or a named or abstract unix socket it listens on. Invariant: a command holds
+    only 0, 1 and 2, and the sandbox's network namespace lists no bound unix socket at all (the agent's
+    is an unnamed socketpair)."""
+    probe = (
+        "import os\n"
+        "print(sorted(int(fd) for fd in os.listdir('/proc/self/fd')))\n"
+        "rows = open('/proc/net/unix').read().splitlines()[1:]\n"
+        "print([row.split()[-1] for row in rows if len(row.split()) > 7])\n"
+    )
+    outcome = await box.run(
+        "/usr/bin/python3", ["python3", "-c", probe], cwd="/", env=ENV, timeout_s=10, max_output_bytes=4096
+    )
+    assert outcome.status == 0, outcome.stderr
+    fds, names = outcome.stdout.decode().splitlines()
+    assert fds == "[0, 1, 2, 3]"  # 3: listdir's own handle on /proc/self/fd
+    assert names == "[]"
+
+
+async def test_a_command_cannot_pull_the_agent_into_its_group_to_kill_it_with_its_timeout(box: WarmSandbox) -> None:
+    """Attack: write PID 1 into every cgroup.procs fd the command might have inherited (the agent received
+    its command group's fd by SCM_RIGHTS, without close-on-exec), then outlive the timeout: the host's
+    cgroup.kill of the command's group would take the agent, and the whole sandbox, with it.
+    Invariant: the command holds no such fd; the agent lives and answers the next command."""
+    pull = (
+        "import os\n"
+        "for fd in range(3, 64):\n"
+        "    try:\n"
+        "        os.write(fd, b'1')\n"
+        "        print('moved by', fd, flush=True)\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "os.execv('/bin/sleep', ['sleep', '3600'])\n"
+    )
+    outcome = await box.run(
+        "/usr/bin/python3", ["python3", "-c", pull], cwd="/", env=ENV, timeout_s=1, max_output_bytes=4096
+    )
+    assert outcome.timed_out
+    assert b"moved" not in outcome.stdout, outcome.stdout
+    assert box.alive
+    assert (await sh(box, "echo alive")).stdout == b"alive\n"
+
+
+async def test_a_terminal_program_inherits_no_fd_of_the_agent(box: WarmSandbox) -> None:
+    """Attack: as above, from a program on a terminal (op "pty" also carries its group's cgroup.procs).
+    Invariant: it holds only its terminal as 0, 1 and 2."""
+    probe = "import os; print('fds', sorted(int(fd) for fd in os.listdir('/proc/self/fd')))"
+    pty = await box.open_pty("/usr/bin/python3", ["python3", "-c", probe], cwd="/", env=ENV, rows=24, cols=80)
+    seen = b""
+    try:
+        async with asyncio.timeout(20):
+            while b"]" not in seen:
+                await until(lambda: bool(select.select([pty.fd], [], [], 0)[0]))
+                seen += os.read(pty.fd, 4096)
+    finally:
+        await box.kill(pty)
+        os.close(pty.fd)
+    assert b"fds [0, 1, 2, 3]" in seen, seen  # 3: listdir's own handle on /proc/self/fd

@@ -201,3 +201,40 @@ async def test_more_fds_than_room_ends_the_sandbox(fake: FakeAgent) -> None:
     await settle()
     assert not fake.box.alive
     assert open_fds() <= before
+
+
+async def test_crossed_late_and_duplicate_answers_of_a_hostile_agent_are_closed(fake: FakeAgent) -> None:
+    """Attack: a compromised agent answers a terminal request with a "connected" event carrying a socket,
+    a connect with a terminal master, a connect after the host stopped waiting, and the same connect twice.
+    Invariant: each fd is closed unless it is the right kind for the request of that id, still awaited;
+    nothing is kept, the waiting calls fail as UNAVAILABLE, and no fd leaks."""
+    box = fake.box
+    before = open_fds()
+    server = socket.create_server(("127.0.0.1", 0))
+    tcp = socket.create_connection(server.getsockname())
+    master, slave = os.openpty()
+
+    opening = asyncio.ensure_future(box.open_pty("/bin/cat", ["cat"], cwd="/workspace", env=ENV, rows=24, cols=80))
+    pty_request = await fake.request()
+    fake.say({"event": "connected", "id": pty_request["id"]}, [tcp.fileno()])  # a socket for a terminal
+    connecting = asyncio.ensure_future(box.connect(8000))
+    connect_request = await fake.request()
+    fake.say({"event": "connected", "id": connect_request["id"]}, [master])  # a terminal for a connect
+    with pytest.raises(Unavailable, match="other than a connected TCP socket"):
+        await connecting
+    fake.say({"event": "connected", "id": connect_request["id"]}, [tcp.fileno()])  # a duplicate, late
+    fake.say({"event": "pty", "id": connect_request["id"], "pid": 9}, [master])  # a terminal for a connect's id
+    await settle()
+    assert not opening.done()  # the crossed answer settled nothing
+    opening.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await opening
+    assert await fake.request() == {"op": "kill", "id": pty_request["id"]}
+    assert (box._connects, box._pty_openings, box._ptys) == ({}, {}, {})
+
+    for fd in (master, slave):
+        os.close(fd)
+    tcp.close()
+    server.close()
+    await settle()
+    assert open_fds() <= before

@@ -3,6 +3,8 @@ sandbox, its screen rendered by pyte, caps, closes, and what a hostile program o
 
 from __future__ import annotations
 
+import asyncio
+import os
 import time
 from pathlib import Path
 
@@ -12,7 +14,7 @@ from mcp import Client
 
 from bastion.app import Services, build_server, build_services
 from bastion.config import Config, TerminalsConfig
-from bastion.workbench.terminals import KEYS, MAX_SEND_BYTES, Scrollback
+from bastion.workbench.terminals import KEYS, MAX_CELL_CHARS, MAX_SEND_BYTES, Scrollback
 from tests.helpers import LoopLag, Payload, audit_record, call, create, processes_with
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
@@ -353,3 +355,82 @@ def test_scrollback_keeps_the_newest_lines_within_its_cap() -> None:
     assert lines[-1] == "line 999"
     assert dropped == 1000 - len(lines)
     assert scrollback.take() == ([], 0)
+
+
+COMBINING_FLOOD = (
+    "import os\nos.write(1, b'a' + '\\u0301'.encode() * 100_000 + b'\\r\\nafter-marks\\r\\n')\nos.read(0, 1)\n"
+)
+
+
+async def test_combining_marks_piled_on_one_character_do_not_stall_the_server(client: Client) -> None:
+    """Attack: 100,000 combining accents after one letter. pyte appends each to the cell's text and
+    NFC-normalizes the whole of it again: quadratic, seconds per 4 KiB read on the event loop (the
+    whole server frozen). Invariant: a cell keeps at most MAX_CELL_CHARS characters; output goes on."""
+    box = await create(client)
+    assert (await call(client, "write_file", sandbox_id=box, path="marks.py", content=COMBINING_FLOOD))["ok"]
+    term = await open_term(client, box, "python3 marks.py")
+    with LoopLag() as lag:
+        shown = await until(client, term, "(?m)^after-marks$", timeout_s=60)
+    first_line = str(shown["screen"]).split("\n")[0]
+    assert 0 < len(first_line) <= MAX_CELL_CHARS, ascii(first_line)
+    assert lag.worst < 0.2, f"the event loop stalled {lag.worst:.3f} s"
+
+
+BAD_ERASES = (
+    "import os\n"
+    "for _ in range(2000):\n"
+    "    os.write(1, b'before\\x1b[9Jmiddle\\x1b[5Kafter-erase\\r\\n')\n"
+    "os.write(1, b'all-erases-done\\r\\n')\n"
+    "os.read(0, 1)\n"
+)
+
+
+async def test_erase_sequences_pyte_crashes_on_lose_no_output_and_do_not_flood_the_log(
+    client: Client, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Attack: `CSI 9 J` / `CSI 5 K` (no such erase) in a loop. pyte raised on each, the rest of the 4 KiB
+    read was dropped and a traceback logged per read: output hidden and the server's log flooded.
+    Invariant: an unknown erase is ignored, like xterm does; text around it shows; nothing is logged."""
+    box = await create(client)
+    assert (await call(client, "write_file", sandbox_id=box, path="erase.py", content=BAD_ERASES))["ok"]
+    with caplog.at_level("WARNING", logger="bastion"):
+        term = await open_term(client, box, "python3 erase.py")
+        shown = await until(client, term, "(?m)^all-erases-done$", timeout_s=60)
+    assert "beforemiddleafter-erase" in str(shown["screen"])
+    assert [r for r in caplog.records if "emulator" in r.getMessage()] == []
+
+
+async def test_closing_the_sandbox_ends_a_terminal_read_that_waits(client: Client) -> None:
+    """Attack: close_sandbox while a terminal_read waits (wait_for that never matches, 30 s).
+    Invariant: the read returns at once with a typed answer (no hang until its timeout, no traceback)."""
+    box = await create(client)
+    term = await open_term(client, box, "cat")
+    answers: list[Payload] = []
+
+    async def read() -> None:
+        answers.append(await call(client, "terminal_read", terminal_id=term, wait_for="never-shown", timeout_s=30))
+
+    started = time.monotonic()
+    async with anyio.create_task_group() as group:
+        group.start_soon(read)
+        await anyio.sleep(0.2)  # let the read start waiting (a head start, not a correctness wait)
+        assert (await call(client, "close_sandbox", sandbox_id=box))["ok"]
+    assert time.monotonic() - started < 10
+    [answer] = answers
+    assert answer["ok"] or answer["code"] == "NOT_FOUND", answer
+    if answer["ok"]:
+        assert answer["detail"]["matched"] is False
+
+
+async def test_terminals_opened_and_closed_in_a_burst_leak_no_fd_task_or_process(client: Client) -> None:
+    """Attack: 40 terminals opened and closed as fast as the tools allow. Invariant: the server's fds
+    and asyncio tasks come back to where they were, and no program of theirs is left running."""
+    box = await create(client)
+    await call(client, "close_terminal", terminal_id=await open_term(client, box, "cat"))  # warm up
+    fds, tasks = len(os.listdir("/proc/self/fd")), len(asyncio.all_tasks())
+    for _ in range(40):
+        term = await open_term(client, box, "sleep 93001")
+        assert (await call(client, "close_terminal", terminal_id=term))["ok"]
+    assert processes_with("sleep\x0093001") == []
+    assert len(os.listdir("/proc/self/fd")) <= fds
+    assert len(asyncio.all_tasks()) <= tasks

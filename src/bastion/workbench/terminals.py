@@ -29,6 +29,7 @@ import select
 import struct
 import termios
 import time
+import unicodedata
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
@@ -66,6 +67,9 @@ PACE_FACTOR: Final = 3.0  # after rendering for t, reading waits 3t: at most a q
 # pyte accumulates an escape sequence (an OSC title, CSI digits) with no bound: past this many bytes
 # inside one, its parser is replaced and the sequence dropped.
 MAX_SEQUENCE_BYTES: Final = 65_536
+# pyte appends each combining mark to its cell's text and NFC-normalizes all of it again: without a
+# cap, marks piled on one letter cost quadratic time on the event loop. Past this, marks are dropped.
+MAX_CELL_CHARS: Final = 32
 TERM: Final = "xterm-256color"
 DECCKM: Final = 1 << 5  # private mode 1, as pyte stores private modes (shifted by 5); pyte.modes lacks it
 
@@ -190,6 +194,39 @@ class _Screen(pyte.Screen):
         super().__init__(columns, lines)
         self.scrollback = scrollback
 
+    def draw(self, data: str) -> None:
+        """pyte's draw, with at most MAX_CELL_CHARS characters in any cell (combining marks dropped past it)."""
+        if data.isascii():
+            super().draw(data)
+            return
+        start = i = 0
+        while i < len(data):
+            if not unicodedata.combining(data[i]):
+                i += 1
+                continue
+            end = i
+            while end < len(data) and unicodedata.combining(data[end]):
+                end += 1
+            super().draw(data[start:i])
+            super().draw(data[i : i + max(0, MAX_CELL_CHARS - self._mark_target_chars())])
+            start = i = end
+        super().draw(data[start:])
+
+    def _mark_target_chars(self) -> int:
+        """Length of the cell a combining mark drawn now joins (as pyte picks it: the one left of the cursor)."""
+        x, y = self.cursor.x, self.cursor.y
+        if x:
+            return len(self.buffer[y][x - 1].data)
+        return len(self.buffer[y - 1][self.columns - 1].data) if y else 0
+
+    def erase_in_display(self, how: int = 0, *args: Any, **kwargs: Any) -> None:
+        if how in (0, 1, 2, 3):  # pyte raises on another (UnboundLocalError); xterm ignores it
+            super().erase_in_display(how, *args, **kwargs)
+
+    def erase_in_line(self, how: int = 0, private: bool = False) -> None:
+        if how in (0, 1, 2):
+            super().erase_in_line(how, private)
+
     def index(self) -> None:
         top, bottom = self.margins or pyte.screens.Margins(0, self.lines - 1)
         if self.cursor.y == bottom and top == 0:
@@ -202,7 +239,7 @@ def _tolerant(name: str) -> Callable[..., None]:
     has (``CSI 1;2;3 A``), or `private` for a private (``CSI ?``) variant it has none of (xterm's
     modifyOtherKeys, ``CSI > 4;2 m``, which vim sends, is no colour). pyte would raise mid-feed and lose
     the rest of the output; extra parameters are dropped, unsupported private variants ignored."""
-    base = getattr(pyte.Screen, name)
+    base = getattr(_Screen, name)  # pyte's, or the fix of it above
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     parameters = list(inspect.signature(base).parameters.values())[1:]
     takes_private = any(p.name == "private" or p.kind is p.VAR_KEYWORD for p in parameters)
@@ -242,6 +279,7 @@ class Terminal:
         self._screen = _Screen(cols, rows, Scrollback(scrollback_chars))
         self._stream = pyte.ByteStream(self._screen)
         self._in_sequence = 0  # bytes fed since the parser left its ground state
+        self._emulator_failed = False
         self._lines = [""] * rows
         self._changed: asyncio.Future[None] = self._loop.create_future()
         self._resume: asyncio.TimerHandle | None = None
@@ -283,8 +321,12 @@ class Terminal:
     def _feed(self, data: bytes) -> None:
         try:
             self._stream.feed(data)
-        except Exception:  # pyte on bytes it does not expect: its parser is gone, so make another
-            logger.exception("terminal %s: the emulator failed on the program's output; parser reset", self.id)
+        except Exception as exc:  # pyte on bytes it does not expect: its parser is gone, so make another
+            if not self._emulator_failed:  # once: a program repeating the sequence must not flood the log
+                self._emulator_failed = True
+                logger.warning(
+                    "terminal %s: the emulator failed on the program's output (%r); parser reset", self.id, exc
+                )
             self._new_parser()
             return
         # pyte's parser is back in its ground state when it takes plain text again.

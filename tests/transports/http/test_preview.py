@@ -323,6 +323,31 @@ def test_foreign_host_and_absolute_request_line_are_refused(preview: Preview, sa
     assert main_app.status_code == 404  # the preview listener serves nothing of bastion's
 
 
+def test_request_smuggling_pairs_and_folds_never_reach_the_app_as_two_requests(preview: Preview, sandbox: str) -> None:
+    """Attack: Content-Length with Transfer-Encoding (a second request hidden after a zero chunk), two
+    different Content-Lengths, a Transfer-Encoding other than chunked. Invariant: each is refused with
+    one 400 (no 502 blaming the app, no second answer), and a folded header stays one header."""
+    url = preview.expose(sandbox, 8000)
+    path = url[len(preview.origin) :]
+    start = f"Host: {preview.origin[7:]}\r\nCookie: {SESSION_COOKIE}={preview.session}\r\nConnection: close\r\n"
+    hidden = f"0\r\n\r\nGET {path}headers HTTP/1.1\r\nHost: x\r\n\r\n"
+    post = f"POST {path}echo HTTP/1.1\r\n{start}"
+    heads = [
+        f"{post}Transfer-Encoding: chunked\r\nContent-Length: {len(hidden)}\r\n\r\n{hidden}",
+        f"{post}Content-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+        f"{post}Content-Length: 4\r\nContent-Length: 5\r\n\r\nhello",
+        f"{post}Transfer-Encoding: identity\r\n\r\n",
+    ]
+    for head in heads:
+        answer = raw_request(preview.origin, head.encode())
+        assert answer.startswith(b"HTTP/1.1 400"), answer[:200]
+        assert answer.count(b"HTTP/1.1 ") == 1, answer
+    folded = f"GET {path}headers HTTP/1.1\r\n{start}X-A: 1\r\n X-B: 2\r\n\r\n"
+    seen = raw_request(preview.origin, folded.encode()).lower()
+    assert b"x-a: 1 x-b: 2\n" in seen
+    assert b"\nx-b:" not in seen
+
+
 @pytest.mark.parametrize("port", [0, 65536, -1, 70000])
 def test_expose_refuses_a_port_outside_1_to_65535(preview: Preview, sandbox: str, port: int) -> None:
     result = preview.tool("expose_port", sandbox_id=sandbox, port=port)

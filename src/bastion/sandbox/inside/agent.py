@@ -411,6 +411,10 @@ def main() -> None:
                     continue
                 if not data:
                     os._exit(0)  # the host went away: the sandbox ends with it
+                for received in fds:
+                    # recv_fds gives them inheritable: a command must not get its group's cgroup.procs
+                    # (it could pull PID 1 into its group, whose kill on a timeout ends the agent).
+                    os.set_inheritable(received, False)
                 agent.handle(marshal.loads(data), fds)  # noqa: S302 - written by the host only
             else:
                 try:  # noqa: SIM105 - contextlib would cost import time at every start

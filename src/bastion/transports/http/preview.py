@@ -331,6 +331,11 @@ class PreviewApp:
 
     async def _proxy(self, scope: Scope, receive: Receive, send: Send, preview: Preview) -> tuple[int, int]:
         declared = _header(scope, b"content-length")
+        if declared is not None and _header(scope, b"transfer-encoding") is not None:
+            # The classic smuggling pair (RFC 9112 §6.1): h11 reads the body by its chunks, but its
+            # Content-Length would frame it for the app. No browser sends both: refuse, not re-frame.
+            text = "Bad Request: a request with both Content-Length and Transfer-Encoding is refused"
+            return 400, await _plain(send, 400, text)
         if declared is not None and (not declared.isdigit() or int(declared) > self.config.preview_max_body_bytes):
             return 413, await _plain(send, 413, "Content Too Large: the request body is over the preview's cap")
         sock = await self._connect(preview)
