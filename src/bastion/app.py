@@ -55,16 +55,20 @@ SANDBOX_INSTRUCTIONS = (
 PATHS_INSTRUCTIONS = "Paths are relative to the workspace."
 
 
-def toolsets_off(config: Config) -> list[str]:
-    """The tools this config can never serve, each with why (they are not listed, and `instructions` says so)."""
+def toolsets_off(config: Config, *, caller: str) -> list[str]:
+    """The tools this config (served over `caller`'s transport) can never serve, each with why (they are
+    not listed, and `instructions` says so)."""
     off = []
     if not config.sandboxes.enabled:
-        off.append("the sandbox, process, terminal and code tools ([sandboxes] enabled = false)")
+        off.append("the sandbox, process, terminal, preview and code tools ([sandboxes] enabled = false)")
     else:
         if not config.sandboxes.network.registry:
             off.append("install_package ([sandboxes.network] registry is empty)")
         if not config.sandboxes.snapshots_allowed:
             off.append("snapshot_sandbox (a [sandboxes] snapshot cap is 0)")
+        preview_off = previews_off(config, caller=caller)
+        if preview_off is not None:
+            off.append(f"expose_port and the other preview tools ({preview_off})")
     if not config.inbox:
         off.append("the organizer tools (no [[inbox]] is configured)")
     off += [
@@ -75,13 +79,23 @@ def toolsets_off(config: Config) -> list[str]:
     return off
 
 
-def server_instructions(config: Config) -> str:
+def previews_off(config: Config, *, caller: str) -> str | None:
+    """Why preview URLs cannot work here, or None: they need the HTTP server's second listener, in the
+    process that owns the sandboxes (a stdio server's sandboxes are out of any listener's reach)."""
+    if config.http.preview_listen is None:
+        return "[http] preview_listen is not set"
+    if caller == "stdio":
+        return "preview URLs are served by 'bastion serve --http' only"
+    return None
+
+
+def server_instructions(config: Config, *, caller: str) -> str:
     """The MCP initialize result's instructions: how to start, and which toolsets are off and why."""
     parts = [INSTRUCTIONS]
     if config.sandboxes.enabled:
         parts.append(SANDBOX_INSTRUCTIONS)
     parts.append(PATHS_INSTRUCTIONS)
-    off = toolsets_off(config)
+    off = toolsets_off(config, caller=caller)
     if off:
         parts.append(f"Not offered by this server's configuration: {'; '.join(off)}.")
     return " ".join(parts)
@@ -376,16 +390,16 @@ def build_server(services: Services, *, caller: str) -> BastionServer:
         runner,
         name="bastion",
         version=__version__,
-        instructions=server_instructions(services.config),
+        instructions=server_instructions(services.config, caller=caller),
         log_level=services.config.log_level,
         lifespan=lifespan,
     )
-    register_toolsets(server, services)
+    register_toolsets(server, services, caller=caller)
     logging.getLogger("bastion").setLevel(services.config.log_level)
     return server
 
 
-def register_toolsets(server: BastionServer, services: Services) -> None:
+def register_toolsets(server: BastionServer, services: Services, *, caller: str) -> None:
     """Every toolset the config can serve (see `toolsets_off` for the rest)."""
     config = services.config
     sandboxes = config.sandboxes.enabled
@@ -408,7 +422,7 @@ def register_toolsets(server: BastionServer, services: Services) -> None:
         register_processes(server, services.registry)
         register_terminals(server, services.registry)
         register_code(server, services.sandboxes, services.registry, config.sandboxes)
-        if services.previews is not None:
+        if services.previews is not None and previews_off(config, caller=caller) is None:
             register_previews(server, services.previews, services.registry)
     # A gateway without a pinned host key refuses every call: its tools could never work.
     pinned = {name: client for name, client in services.gateways.items() if client.config.host_key is not None}

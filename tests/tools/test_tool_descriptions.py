@@ -89,7 +89,7 @@ async def test_a_config_without_sandboxes_or_inboxes_lists_only_what_works(tmp_p
     tools, instructions = await served(config_path)
     assert not (SANDBOX_TOOLS | ORGANIZER_TOOLS) & set(tools)
     assert {"run_command", "read_file", "write_file", "explain_command"} <= set(tools)
-    assert "sandbox, process, terminal and code tools ([sandboxes] enabled = false)" in instructions
+    assert "sandbox, process, terminal, preview and code tools ([sandboxes] enabled = false)" in instructions
     assert "organizer tools (no [[inbox]] is configured)" in instructions
     assert "create_sandbox" not in instructions
     # run_command describes only the tier this server has: no sh -c, no background.

@@ -1,19 +1,21 @@
 """Preview tokens (`bastion.workbench.previews`) through the real tools, in-process, with real sandboxes.
 
-What this proves: without a preview listener (a stdio server, or HTTP without `preview_listen`) expose_port
-refuses and names the setting; a token is 256 bits, dies with its sandbox (close and the idle reaper), at
-its lifetime's end and with unexpose_port, and a new URL for a port replaces the old. What it does not
-prove: the HTTP side (tests/transports/http/test_preview.py).
+What this proves: without a preview listener (HTTP without `preview_listen`, or a stdio server) the
+preview tools are not listed and the instructions say why; a token is 256 bits, dies with its sandbox
+(close and the idle reaper), at its lifetime's end and with unexpose_port, and a new URL for a port
+replaces the old. What it does not prove: the HTTP side (tests/transports/http/test_preview.py).
 """
 
 from __future__ import annotations
 
 import base64
+from pathlib import Path
 
 import pytest
 from mcp import Client
 
-from bastion.app import Services
+from bastion.app import Services, build_server, build_services
+from bastion.config import load_config
 from tests.helpers import call, create
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
@@ -31,11 +33,36 @@ def token_of(url: str) -> str:
     return url.removeprefix(f"{BASE}/preview/").removesuffix("/")
 
 
-async def test_expose_port_without_a_preview_listener_names_the_setting(client: Client) -> None:
-    sandbox_id = await create(client)
-    result = await call(client, "expose_port", sandbox_id=sandbox_id, port=8000)
-    assert result["code"] == "UNAVAILABLE"
-    assert "preview_listen" in result["reason"]
+PREVIEW_TOOLS = {"expose_port", "unexpose_port", "list_exposed_ports"}
+
+
+@pytest.fixture
+def demo_config_path(demo_config_path: Path) -> Path:
+    """The demo config with a preview listener, as `serve --http` would serve it."""
+    text = demo_config_path.read_text()
+    demo_config_path.write_text(text.replace("[http]\n", '[http]\npreview_listen = "127.0.0.1:1"\n', 1))
+    return demo_config_path
+
+
+@pytest.mark.parametrize(("listener", "caller", "why"), [
+    (False, "http", "[http] preview_listen is not set"),
+    (True, "stdio", "preview URLs are served by 'bastion serve --http' only"),
+])  # fmt: skip
+async def test_without_a_listener_in_reach_the_preview_tools_are_not_listed_and_the_instructions_say_why(
+    demo_config_path: Path, listener: bool, caller: str, why: str
+) -> None:
+    if not listener:
+        text = demo_config_path.read_text()
+        demo_config_path.write_text(text.replace('preview_listen = "127.0.0.1:1"\n', ""))
+    services = build_services(load_config(demo_config_path))
+    try:
+        async with Client(build_server(services, caller=caller)) as client:
+            names = {tool.name for tool in (await client.list_tools()).tools}
+            instructions = client.instructions or ""
+    finally:
+        services.close()
+    assert not names & PREVIEW_TOOLS
+    assert f"expose_port and the other preview tools ({why})" in instructions
 
 
 async def test_a_token_is_256_bits_and_dies_with_its_sandbox(client: Client, services: Services) -> None:
