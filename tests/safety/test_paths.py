@@ -14,7 +14,6 @@ import stat
 import struct
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -43,27 +42,6 @@ from bastion.safety.paths import (
 )
 
 CORPUS_FILE = Path(__file__).resolve().parents[1] / "attacks" / "attack-corpus.json"
-
-
-@pytest.fixture
-def ws(tmp_path: Path) -> Path:
-    root = tmp_path / "ws"
-    root.mkdir()
-    return root
-
-
-@pytest.fixture
-def outside(tmp_path: Path) -> Path:
-    folder = tmp_path / "outside"
-    folder.mkdir()
-    (folder / "secret.txt").write_text("OUTSIDE-SECRET")
-    return folder
-
-
-@pytest.fixture
-def jail(ws: Path) -> Iterator[Jail]:
-    with Jail(ws) as j:
-        yield j
 
 
 def _corpus_cases() -> list[tuple[str, str, str]]:

@@ -32,14 +32,6 @@ def ws(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def outside(tmp_path: Path) -> Path:
-    folder = tmp_path / "outside"
-    folder.mkdir()
-    (folder / "secret.txt").write_text("OUTSIDE-SECRET")
-    return folder
-
-
-@pytest.fixture
 def jail(ws: Path) -> Iterator[Jail]:
     with Jail(ws, view_root=VIEW) as j:
         yield j

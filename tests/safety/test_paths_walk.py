@@ -10,34 +10,12 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from bastion.safety.errors import Conflict, PolicyDenied
 from bastion.safety.paths import Jail
-
-
-@pytest.fixture
-def ws(tmp_path: Path) -> Path:
-    root = tmp_path / "ws"
-    root.mkdir()
-    return root
-
-
-@pytest.fixture
-def outside(tmp_path: Path) -> Path:
-    folder = tmp_path / "outside"
-    folder.mkdir()
-    (folder / "secret.txt").write_text("OUTSIDE-SECRET")
-    return folder
-
-
-@pytest.fixture
-def jail(ws: Path) -> Iterator[Jail]:
-    with Jail(ws) as j:
-        yield j
 
 
 def test_walk_lists_depth_first_and_never_enters_a_link(jail: Jail, ws: Path, outside: Path) -> None:
