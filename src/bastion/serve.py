@@ -194,13 +194,14 @@ def _clean_stop_server() -> type[uvicorn.Server]:
     return CleanStopServer
 
 
-def _preview_config(app: ASGIApp, http: HttpConfig) -> uvicorn.Config:
-    """The preview listener: WebSockets (wsproto), no lifespan (the main listener runs the server's)."""
+def _uvicorn_config(app: ASGIApp, http: HttpConfig, listen: str, *, preview: bool) -> uvicorn.Config:
+    """A listener's uvicorn settings: the connection guards, timeouts and TLS both listeners share. The
+    main one runs the server's lifespan and no WebSockets; the preview one WebSockets (wsproto) only."""
     import uvicorn
 
     from bastion.transports.http import connections
 
-    host, port = parse_listen(http.preview_listen or "")
+    host, port = parse_listen(listen)
     return uvicorn.Config(
         app,
         host=host,
@@ -208,7 +209,7 @@ def _preview_config(app: ASGIApp, http: HttpConfig) -> uvicorn.Config:
         http=connections.guarded_protocol(
             connections.connection_cap(http.max_connections), http.request_head_timeout_s, http.request_body_timeout_s
         ),
-        ws="wsproto",
+        ws="wsproto" if preview else "none",
         ws_max_size=1 << 20,
         backlog=connections.BACKLOG,
         timeout_keep_alive=connections.KEEP_ALIVE_S,
@@ -216,9 +217,10 @@ def _preview_config(app: ASGIApp, http: HttpConfig) -> uvicorn.Config:
         log_config=None,
         access_log=False,
         server_header=False,
+        # uvicorn believes X-Forwarded-For from 127.0.0.1 unless told otherwise: only configured proxies.
         proxy_headers=bool(http.trusted_proxies),
         forwarded_allow_ips=list(http.trusted_proxies),
-        lifespan="off",
+        lifespan="off" if preview else "on",
         ssl_certfile=str(http.tls_cert) if http.tls_cert else None,
         ssl_keyfile=str(http.tls_key) if http.tls_key else None,
         timeout_graceful_shutdown=2,
@@ -247,8 +249,6 @@ async def _serve_both(
 
 def serve_http(config: Config, config_path: str, listen: str | None = None) -> int:
     """Serve Streamable HTTP (and the authorization server) with uvicorn until interrupted."""
-    import uvicorn
-
     from bastion.transports.http import connections
     from bastion.transports.http.app import build_http_app, build_preview_app, endpoints_for
     from bastion.transports.http.preview import HideTokens
@@ -289,35 +289,12 @@ def serve_http(config: Config, config_path: str, listen: str | None = None) -> i
             )
         print(http_connect_help(endpoints.resource), file=sys.stderr)
         connections.raise_fd_limit()
-        uv_config = uvicorn.Config(
-            built.app,
-            host=host,
-            port=port,
-            http=connections.guarded_protocol(
-                connections.connection_cap(http.max_connections),
-                http.request_head_timeout_s,
-                http.request_body_timeout_s,
-            ),
-            backlog=connections.BACKLOG,
-            timeout_keep_alive=connections.KEEP_ALIVE_S,
-            h11_max_incomplete_event_size=connections.MAX_HEAD_BYTES,
-            log_config=None,
-            access_log=False,
-            server_header=False,
-            # uvicorn believes X-Forwarded-For from 127.0.0.1 unless told otherwise: only configured proxies.
-            proxy_headers=bool(http.trusted_proxies),
-            forwarded_allow_ips=list(http.trusted_proxies),
-            lifespan="on",
-            ws="none",  # WebSockets only on the preview listener
-            ssl_certfile=str(http.tls_cert) if http.tls_cert else None,
-            ssl_keyfile=str(http.tls_key) if http.tls_key else None,
-            timeout_graceful_shutdown=2,
-        )
+        uv_config = _uvicorn_config(built.app, http, listen or http.listen, preview=False)
         preview = None
         if http.preview_listen is not None:
             preview_app, preview_origin = build_preview_app(services, built, http.preview_listen)
             logging.getLogger("uvicorn.error").addFilter(HideTokens())
-            preview = _preview_config(preview_app, http)
+            preview = _uvicorn_config(preview_app, http, http.preview_listen, preview=True)
             print(f"bastion: serving preview URLs at {preview_origin}", file=sys.stderr)
         main = _clean_stop_server()(uv_config)
         if preview is None or preview_listener is None:
