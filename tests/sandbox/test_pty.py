@@ -18,21 +18,12 @@ from pathlib import Path
 import pytest
 
 from bastion.safety.errors import Unavailable
-from bastion.sandbox._spawn import SANDBOX_PATH, SandboxSpec
+from bastion.sandbox._spawn import SANDBOX_PATH
 from bastion.sandbox.warm import WarmSandbox
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
 
 ENV = {"PATH": SANDBOX_PATH, "HOME": "/workspace", "LANG": "C.UTF-8", "TERM": "dumb"}
-
-
-@pytest.fixture
-async def sandbox(tmp_path: Path) -> AsyncIterator[WarmSandbox]:
-    ws = tmp_path / "ws"
-    ws.mkdir()
-    box = WarmSandbox(SandboxSpec(workspace=str(ws)))
-    yield box
-    box.close()
 
 
 async def read_until(fd: int, marker: bytes) -> bytes:

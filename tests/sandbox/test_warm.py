@@ -26,15 +26,6 @@ pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
 ENV = {"PATH": SANDBOX_PATH, "HOME": "/workspace", "LANG": "C.UTF-8"}
 
 
-@pytest.fixture
-async def sandbox(tmp_path: Path) -> AsyncIterator[WarmSandbox]:
-    ws = tmp_path / "ws"
-    ws.mkdir()
-    box = WarmSandbox(SandboxSpec(workspace=str(ws)))
-    yield box
-    box.close()
-
-
 async def sh(box: WarmSandbox, script: str, *, timeout_s: float = 10, cap: int = 65536) -> RunOutcome:
     return await box.run(
         "/bin/sh", ["sh", "-c", script], cwd="/workspace", env=ENV, timeout_s=timeout_s, max_output_bytes=cap
