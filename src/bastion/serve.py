@@ -26,6 +26,8 @@ if TYPE_CHECKING:
     import uvicorn
     from starlette.types import ASGIApp
 
+    from bastion.transports.http.connections import FdLimits
+
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
@@ -194,7 +196,7 @@ def _clean_stop_server() -> type[uvicorn.Server]:
     return CleanStopServer
 
 
-def _uvicorn_config(app: ASGIApp, http: HttpConfig, listen: str, *, preview: bool) -> uvicorn.Config:
+def _uvicorn_config(app: ASGIApp, http: HttpConfig, listen: str, limits: FdLimits, *, preview: bool) -> uvicorn.Config:
     """A listener's uvicorn settings: the connection guards, timeouts and TLS both listeners share. The
     main one runs the server's lifespan and no WebSockets; the preview one WebSockets (wsproto) only."""
     import uvicorn
@@ -206,12 +208,10 @@ def _uvicorn_config(app: ASGIApp, http: HttpConfig, listen: str, *, preview: boo
         app,
         host=host,
         port=port,
-        http=connections.guarded_protocol(
-            connections.connection_cap(http.max_connections), http.request_head_timeout_s, http.request_body_timeout_s
-        ),
+        http=connections.guarded_protocol(limits.cap, http.request_head_timeout_s, http.request_body_timeout_s),
         ws="wsproto" if preview else "none",
         ws_max_size=1 << 20,
-        backlog=connections.BACKLOG,
+        backlog=limits.backlog,
         timeout_keep_alive=connections.KEEP_ALIVE_S,
         h11_max_incomplete_event_size=connections.MAX_HEAD_BYTES,
         log_config=None,
@@ -262,12 +262,14 @@ def serve_http(config: Config, config_path: str, listen: str | None = None) -> i
         raise ConfigError("[http] tls_cert and tls_key go together: set both or neither")
     if http.auth and not config.admin_hash_path.exists():
         raise ConfigError(f"no admin password is set: run 'bastion admin set-password --config {config_path}' first")
+    connections.raise_fd_limit()
+    limits = connections.fd_limits(http.max_connections, listeners=1 if http.preview_listen is None else 2)
     # Bound before anything starts or prints: a port in use is one line and exit 1, not a banner then a trace.
-    listener = listen_socket(host, port, connections.BACKLOG)
+    listener = listen_socket(host, port, limits.backlog)
     preview_listener = None
     if http.preview_listen is not None:
         try:
-            preview_listener = listen_socket(*parse_listen(http.preview_listen), connections.BACKLOG)
+            preview_listener = listen_socket(*parse_listen(http.preview_listen), limits.backlog)
         except Unavailable:
             listener.close()
             raise
@@ -288,13 +290,12 @@ def serve_http(config: Config, config_path: str, listen: str | None = None) -> i
                 file=sys.stderr,
             )
         print(http_connect_help(endpoints.resource), file=sys.stderr)
-        connections.raise_fd_limit()
-        uv_config = _uvicorn_config(built.app, http, listen or http.listen, preview=False)
+        uv_config = _uvicorn_config(built.app, http, listen or http.listen, limits, preview=False)
         preview = None
         if http.preview_listen is not None:
             preview_app, preview_origin = build_preview_app(services, built, http.preview_listen)
             logging.getLogger("uvicorn.error").addFilter(HideTokens())
-            preview = _uvicorn_config(preview_app, http, http.preview_listen, preview=True)
+            preview = _uvicorn_config(preview_app, http, http.preview_listen, limits, preview=True)
             print(f"bastion: serving preview URLs at {preview_origin}", file=sys.stderr)
         main = _clean_stop_server()(uv_config)
         if preview is None or preview_listener is None:

@@ -13,7 +13,8 @@ so idle sockets lock out everyone. Held sockets also use file descriptors: at th
   waited longest for a request head or body (one the application is not serving yet); when every
   connection is being served, the new one is closed. The administrator's browser or a client thus
   always gets in while the sockets held open are idle ones.
-- the cap stays below the file-descriptor limit, so accept() does not fail for want of one;
+- the cap, and the accept burst, stay below the file-descriptor limit, so accept() does not fail for
+  want of one (see `fd_limits` for the sockets a flood keeps in flight beyond the cap);
 - refusals are logged as one summary line per `LOG_EVERY_S`, never a line (or traceback) per socket.
 
 What this does not do: limit a client that completes its requests (rate limits are per endpoint), or
@@ -27,6 +28,7 @@ import logging
 import resource
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, ClassVar, Final, Literal
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -37,23 +39,41 @@ MIN_BODY_RATE: Final = 32 * 1024
 """Bytes a second a declared body may take beyond the body timeout (4 MiB: 128 s more)."""
 KEEP_ALIVE_S: Final = 5
 MAX_HEAD_BYTES: Final = 16 * 1024
-BACKLOG: Final = 128
-"""listen() backlog, and what one accept burst may take before any connection is counted."""
+MAX_BACKLOG: Final = 128
+"""listen() backlog at most, and what one accept burst may take before any connection is counted."""
+IN_FLIGHT_BURSTS: Final = 4
+"""Accept bursts a flood can hold beyond the cap (see `fd_limits`)."""
 LOG_EVERY_S: Final = 10.0
 
 Phase = Literal["head", "body", "served"]
 
 
-def connection_cap(limit: int) -> int:
-    """`limit`, lowered so the connections, one accept burst and the server's own files fit the fd limit.
+@dataclass(frozen=True)
+class FdLimits:
+    """What each listener may hold: `backlog` (listen() and asyncio's accept burst) and `cap` connections."""
 
-    A third of what the burst leaves goes to connections; the rest stays for the store, the audit log and
-    the sandboxes' pipes and sockets.
+    backlog: int
+    cap: int
+
+
+def fd_limits(max_connections: int, listeners: int = 1, soft: int | None = None) -> FdLimits:
+    """Per-listener limits that keep a flood of connections inside the open-file limit.
+
+    Beyond the cap, a flood holds sockets asyncio has accepted but not handed over yet: one loop turn
+    accepts a burst (up to the backlog), the next makes their transports, the next calls
+    `connection_made` (which evicts), the next closes the evicted sockets; meanwhile each turn accepts
+    another burst. `IN_FLIGHT_BURSTS` bursts per listener are thus reserved; a third of the rest goes to
+    connections, and the other two thirds stay for the store, the audit log and the sandboxes' pipes and
+    sockets. The burst shrinks with a small limit (512 files: bursts of 32, a cap of 128). `soft`: the
+    open-file limit, the process's own when None.
     """
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft is None:
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
-        return limit
-    return max(16, min(limit, (soft - BACKLOG) // 3))
+        return FdLimits(MAX_BACKLOG, max_connections)
+    backlog = max(16, min(MAX_BACKLOG, soft // 16))
+    spare = soft - listeners * IN_FLIGHT_BURSTS * backlog
+    return FdLimits(backlog, max(16, min(max_connections, spare // 3 // listeners)))
 
 
 def raise_fd_limit() -> int:
