@@ -66,7 +66,7 @@ def toolsets_off(config: Config, *, caller: str) -> list[str]:
             off.append("install_package ([sandboxes.network] registry is empty)")
         if not config.sandboxes.snapshots_allowed:
             off.append("snapshot_sandbox (a [sandboxes] snapshot cap is 0)")
-        preview_off = previews_off(config, caller=caller)
+        preview_off = previews_off(config)
         if preview_off is not None:
             off.append(f"expose_port and the other preview tools ({preview_off})")
     if not config.inbox:
@@ -79,13 +79,12 @@ def toolsets_off(config: Config, *, caller: str) -> list[str]:
     return off
 
 
-def previews_off(config: Config, *, caller: str) -> str | None:
-    """Why preview URLs cannot work here, or None: they need the HTTP server's second listener, in the
-    process that owns the sandboxes (a stdio server's sandboxes are out of any listener's reach)."""
+def previews_off(config: Config) -> str | None:
+    """Why preview URLs cannot work here, or None. They are served by the HTTP front's second listener
+    in the process that owns the sandboxes: `serve --http`, or `serve --stdio`, which then runs the HTTP
+    front beside stdio."""
     if config.http.preview_listen is None:
-        return "[http] preview_listen is not set"
-    if caller == "stdio":
-        return "preview URLs are served by 'bastion serve --http' only"
+        return "[http] preview_listen is not set: an administrator sets it, and an admin password, to serve them"
     return None
 
 
@@ -422,7 +421,7 @@ def register_toolsets(server: BastionServer, services: Services, *, caller: str)
         register_processes(server, services.registry)
         register_terminals(server, services.registry)
         register_code(server, services.sandboxes, services.registry, config.sandboxes)
-        if services.previews is not None and previews_off(config, caller=caller) is None:
+        if services.previews is not None and previews_off(config) is None:
             register_previews(server, services.previews, services.registry)
     # A gateway without a pinned host key refuses every call: its tools could never work.
     pinned = {name: client for name, client in services.gateways.items() if client.config.host_key is not None}

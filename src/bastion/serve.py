@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import ipaddress
 import json
 import logging
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import anyio
 
-from bastion.app import build_server, build_services
+from bastion.app import Services, build_server, build_services
 from bastion.config import Config, HttpConfig
 from bastion.logs import configure_logging
 from bastion.safety.errors import ConfigError, Unavailable
@@ -60,9 +61,38 @@ def client_snippet(config_path: str) -> str:
 
 
 def serve_stdio(config: Config, config_path: str) -> int:
+    """Serve MCP over stdio; with `[http] preview_listen`, the HTTP front (login, admin, previews) too."""
+    listeners = None if config.http.preview_listen is None else _Listeners(config, config_path, None)
     configure_logging(config.log_level)
     services = build_services(config)
-    server = build_server(services, caller="stdio")
+    front = None
+    try:
+        server = build_server(services, caller="stdio")
+        _stdio_banner(config, config_path)
+        serve: Callable[[], Awaitable[None]] = server.run_stdio_async
+        if listeners is not None:
+            front = _Front(services, listeners, None)
+            print(
+                f"bastion: the administrator logs in at {front.endpoints.issuer}/admin; "
+                f"preview URLs are served at {front.preview_origin}",
+                file=sys.stderr,
+            )
+            serve = functools.partial(_stdio_beside_http, server.run_stdio_async, front, listeners)
+        with stop_signals():
+            anyio.run(_serve_until_stopped, serve)
+    except Stopped:
+        pass
+    finally:
+        with _signals_ignored():
+            if listeners is not None:
+                listeners.close()
+            if front is not None:
+                front.close()
+            services.close()
+    return 0
+
+
+def _stdio_banner(config: Config, config_path: str) -> None:
     absolute = os.path.abspath(config_path)
     workspaces = ", ".join(f"{ws.id}={ws.path}" for ws in config.workspace)
     if sys.stdin.isatty():
@@ -77,15 +107,6 @@ def serve_stdio(config: Config, config_path: str) -> int:
         )
     else:
         print(f"bastion: serving MCP over stdio from {absolute} (workspaces: {workspaces})", file=sys.stderr)
-    try:
-        with stop_signals():
-            anyio.run(_serve_until_stopped, server.run_stdio_async)
-    except Stopped:
-        pass
-    finally:
-        with _signals_ignored():
-            services.close()
-    return 0
 
 
 async def _serve_until_stopped(serve: Callable[[], Awaitable[None]]) -> None:
@@ -227,18 +248,94 @@ def _uvicorn_config(app: ASGIApp, http: HttpConfig, listen: str, limits: FdLimit
     )
 
 
-async def _serve_both(
-    main: uvicorn.Server, listener: socket.socket, preview_config: uvicorn.Config, preview_listener: socket.socket
-) -> None:
-    """Both listeners in one event loop (the sandboxes are this process's); the main one owns the signals."""
+class _Listeners:
+    """The bound sockets of the HTTP front: the main listener and, with `preview_listen`, the preview one."""
+
+    def __init__(self, config: Config, config_path: str, listen: str | None) -> None:
+        from bastion.transports.http import connections
+
+        http = config.http
+        self.listen = listen or http.listen
+        self.host, self.port = parse_listen(self.listen)
+        _check_http(config, config_path, listen)
+        connections.raise_fd_limit()
+        self.limits = connections.fd_limits(http.max_connections, listeners=1 if http.preview_listen is None else 2)
+        # Bound before anything starts or prints: a port in use is one line and exit 1, not a banner then a trace.
+        self.main = listen_socket(self.host, self.port, self.limits.backlog)
+        self.preview: socket.socket | None = None
+        if http.preview_listen is not None:
+            try:
+                self.preview = listen_socket(*parse_listen(http.preview_listen), self.limits.backlog)
+            except Unavailable:
+                self.main.close()
+                raise
+
+    def close(self) -> None:
+        self.main.close()
+        if self.preview is not None:
+            self.preview.close()
+
+
+def _check_http(config: Config, config_path: str, listen: str | None) -> None:
+    """Refuse an HTTP front that cannot work or would be open to anyone.
+
+    Raises:
+        ConfigError: which setting to change, and how.
+    """
+    from bastion.transports.http.app import endpoints_for
+
+    http = config.http
+    host, _ = parse_listen(listen or http.listen)
+    endpoints_for(config, listen)  # a listen address its public_url cannot name is refused here
+    if not http.auth and not is_loopback(host):
+        raise ConfigError("[http] auth = false is only allowed on a loopback listen address: turn auth on")
+    if (http.tls_cert is None) != (http.tls_key is None):
+        raise ConfigError("[http] tls_cert and tls_key go together: set both or neither")
+    if http.auth and not config.admin_hash_path.exists():
+        raise ConfigError(f"no admin password is set: run 'bastion admin set-password --config {config_path}' first")
+
+
+class _Front:
+    """The HTTP front's apps, built over `services`: uvicorn settings per listener and the auth store."""
+
+    def __init__(self, services: Services, listeners: _Listeners, listen: str | None) -> None:
+        from bastion.transports.http.app import build_http_app, build_preview_app
+        from bastion.transports.http.preview import HideTokens
+
+        http = services.config.http
+        built = build_http_app(services, build_server(services, caller="http"), listen=listen)
+        self.store = built.store
+        self.endpoints = built.endpoints
+        self.main = _uvicorn_config(built.app, http, listeners.listen, listeners.limits, preview=False)
+        self.preview: uvicorn.Config | None = None
+        self.preview_origin = ""
+        if http.preview_listen is not None:
+            preview_app, self.preview_origin = build_preview_app(services, built, http.preview_listen)
+            logging.getLogger("uvicorn.error").addFilter(HideTokens())
+            self.preview = _uvicorn_config(preview_app, http, http.preview_listen, listeners.limits, preview=True)
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
+
+
+def _quiet_server() -> type[uvicorn.Server]:
+    """A uvicorn server that leaves the signals alone (another server, or the stdio loop, owns them)."""
     import uvicorn
 
-    class PreviewServer(uvicorn.Server):
+    class QuietServer(uvicorn.Server):
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:
             yield
 
-    preview = PreviewServer(preview_config)
+    return QuietServer
+
+
+async def _serve_both(
+    main: uvicorn.Server, listener: socket.socket, preview_config: uvicorn.Config, preview_listener: socket.socket
+) -> None:
+    """Both listeners in one event loop (the sandboxes are this process's); the main one owns the signals."""
+    preview = _quiet_server()(preview_config)
     serving = asyncio.ensure_future(preview.serve(sockets=[preview_listener]))
     try:
         await main.serve(sockets=[listener])
@@ -247,66 +344,55 @@ async def _serve_both(
         await serving
 
 
+async def _stdio_beside_http(serve_stdio: Callable[[], Awaitable[None]], front: _Front, listeners: _Listeners) -> None:
+    """MCP over stdio while the HTTP front (login, admin pages, previews) serves in the same loop, so the
+    preview listener reaches this process's sandboxes. The stdio loop owns the signals; when stdio ends
+    (or a signal cancels it) the listeners stop too."""
+    from bastion.transports.http.connections import quiet_loop_errors
+
+    asyncio.get_running_loop().set_exception_handler(quiet_loop_errors())
+    pairs = [(front.main, listeners.main), (front.preview, listeners.preview)]
+    servers = [(_quiet_server()(config), sock) for config, sock in pairs if config is not None and sock is not None]
+    serving = [asyncio.ensure_future(server.serve(sockets=[sock])) for server, sock in servers]
+    try:
+        await serve_stdio()
+    finally:
+        for server, _ in servers:
+            server.should_exit = True
+        with anyio.CancelScope(shield=True):
+            await asyncio.gather(*serving, return_exceptions=True)
+
+
 def serve_http(config: Config, config_path: str, listen: str | None = None) -> int:
     """Serve Streamable HTTP (and the authorization server) with uvicorn until interrupted."""
-    from bastion.transports.http import connections
-    from bastion.transports.http.app import build_http_app, build_preview_app, endpoints_for
-    from bastion.transports.http.preview import HideTokens
-
-    http = config.http
-    host, port = parse_listen(listen or http.listen)
-    endpoints = endpoints_for(config, listen)
-    if not http.auth and not is_loopback(host):
-        raise ConfigError("[http] auth = false is only allowed on a loopback listen address: turn auth on")
-    if (http.tls_cert is None) != (http.tls_key is None):
-        raise ConfigError("[http] tls_cert and tls_key go together: set both or neither")
-    if http.auth and not config.admin_hash_path.exists():
-        raise ConfigError(f"no admin password is set: run 'bastion admin set-password --config {config_path}' first")
-    connections.raise_fd_limit()
-    limits = connections.fd_limits(http.max_connections, listeners=1 if http.preview_listen is None else 2)
-    # Bound before anything starts or prints: a port in use is one line and exit 1, not a banner then a trace.
-    listener = listen_socket(host, port, limits.backlog)
-    preview_listener = None
-    if http.preview_listen is not None:
-        try:
-            preview_listener = listen_socket(*parse_listen(http.preview_listen), limits.backlog)
-        except Unavailable:
-            listener.close()
-            raise
+    listeners = _Listeners(config, config_path, listen)
     configure_logging(config.log_level)
     services = build_services(config)
-    store = None
+    front = None
     try:
-        server = build_server(services, caller="http")
-        built = build_http_app(services, server, listen=listen)
-        store = built.store
-        print(f"bastion: serving MCP over HTTP from {os.path.abspath(config_path)} on {host}:{port}", file=sys.stderr)
+        front = _Front(services, listeners, listen)
+        http = config.http
+        where = f"{listeners.host}:{listeners.port}"
+        print(f"bastion: serving MCP over HTTP from {os.path.abspath(config_path)} on {where}", file=sys.stderr)
         if not http.auth:
             warning = "bastion: WARNING: [http] auth = false: anyone reaching this address can call every tool"
             print(warning, file=sys.stderr)
-        if http.public_url is not None and endpoints.issuer != http.public_url:
+        if http.public_url is not None and front.endpoints.issuer != http.public_url:
             print(
-                f"bastion: public_url follows --listen: {endpoints.issuer} (the config has {http.public_url})",
+                f"bastion: public_url follows --listen: {front.endpoints.issuer} (the config has {http.public_url})",
                 file=sys.stderr,
             )
-        print(http_connect_help(endpoints.resource), file=sys.stderr)
-        uv_config = _uvicorn_config(built.app, http, listen or http.listen, limits, preview=False)
-        preview = None
-        if http.preview_listen is not None:
-            preview_app, preview_origin = build_preview_app(services, built, http.preview_listen)
-            logging.getLogger("uvicorn.error").addFilter(HideTokens())
-            preview = _uvicorn_config(preview_app, http, http.preview_listen, limits, preview=True)
-            print(f"bastion: serving preview URLs at {preview_origin}", file=sys.stderr)
-        main = _clean_stop_server()(uv_config)
-        if preview is None or preview_listener is None:
-            main.run(sockets=[listener])
+        print(http_connect_help(front.endpoints.resource), file=sys.stderr)
+        if front.preview is not None:
+            print(f"bastion: serving preview URLs at {front.preview_origin}", file=sys.stderr)
+        main = _clean_stop_server()(front.main)
+        if front.preview is None or listeners.preview is None:
+            main.run(sockets=[listeners.main])
         else:
-            asyncio.run(_serve_both(main, listener, preview, preview_listener))
+            asyncio.run(_serve_both(main, listeners.main, front.preview, listeners.preview))
     finally:
-        listener.close()
-        if preview_listener is not None:
-            preview_listener.close()
-        if store is not None:
-            store.close()
+        listeners.close()
+        if front is not None:
+            front.close()
         services.close()
     return 0

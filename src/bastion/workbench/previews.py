@@ -66,9 +66,8 @@ class PreviewRegistry:
     def _require_served(self) -> str:
         if self.base_url is None:
             raise Unavailable(
-                "preview URLs are served by `bastion serve --http` with [http] preview_listen set, in the same "
-                "process as the sandboxes: this server has no preview listener (set [http] preview_listen and "
-                "serve over HTTP)"
+                "this server has no preview listener: preview URLs are served by `bastion serve` (--http or "
+                "--stdio) with [http] preview_listen set, in the process that owns the sandboxes"
             )
         return self.base_url
 
