@@ -55,10 +55,10 @@ $(VENV)/.installed: pyproject.toml uv.lock $(UV)
 	@touch $@
 
 # The demo's python-data sandbox template: a read-only venv on the system's Python (which
-# sandboxes see), with the pinned, hash-checked packages of templates/python-data.lock.
-$(DATA_ENV)/.installed: templates/python-data.lock $(UV)
+# sandboxes see), with the pinned, hash-checked packages of src/bastion/templates/python-data.lock.
+$(DATA_ENV)/.installed: src/bastion/templates/python-data.lock $(UV)
 	$(UV) venv --quiet --allow-existing --python /usr/bin/python3 $(DATA_ENV)
-	$(UV) pip install --quiet --python $(DATA_ENV)/bin/python --require-hashes -r templates/python-data.lock
+	$(UV) pip install --quiet --python $(DATA_ENV)/bin/python --require-hashes -r src/bastion/templates/python-data.lock
 	@touch $@
 
 install: system-deps $(VENV)/.installed $(DATA_ENV)/.installed
