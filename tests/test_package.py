@@ -52,7 +52,15 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str,
     tool = uv()
     run([tool, "build", "--wheel", "--quiet", "--out-dir", root / "dist", REPO], env, root)
     (wheel,) = (root / "dist").glob("bastion-*.whl")
-    pins = ["export", "--frozen", "--no-dev", "--no-hashes", "--no-emit-project", "--output-file", root / "pins.txt"]
+    pins: list[str | Path] = [
+        "export",
+        "--frozen",
+        "--no-dev",
+        "--no-hashes",
+        "--no-emit-project",
+        "--output-file",
+        root / "pins.txt",
+    ]
     run([tool, *pins, "--project", REPO], env, root)
     run([tool, "venv", "--quiet", "--python", "/usr/bin/python3", root / "venv"], env, root)
     python = root / "venv" / "bin" / "python"
