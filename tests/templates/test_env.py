@@ -5,6 +5,7 @@ The refusals run offline; the builds reach PyPI (marked `network`) and install o
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -122,6 +123,58 @@ def test_template_build_refuses_the_root_and_the_state_folder(
     assert code == EXIT_CONFIG
     assert "is /, the home folder, or overlaps the state folder" in err
     assert not (config.parent / "state" / "envs").exists()
+
+
+def planted_venv(folder: Path) -> Path:
+    """What a hostile agent writes: a folder that looks like a venv, whose python leaves a mark if run."""
+    mark = folder.parent / f"{folder.name}-ran"
+    (folder / "bin").mkdir(parents=True)
+    (folder / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    python = folder / "bin" / "python"
+    python.write_text(f"#!/bin/sh\ntouch {mark}\n")
+    python.chmod(0o755)
+    return mark
+
+
+def test_a_python_env_in_a_workspace_is_refused_and_never_run(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """An agent writes the host workspace: a venv there would be its code, run by `template build` on the
+    host (as root) and imported by every sandbox of the template. Refused by serve and build alike."""
+    config = config_with(tmp_path, 'name = "python-data"\npython_env = "workspace/env"\n')
+    mark = planted_venv(config.parent / "workspace" / "env")
+    with pytest.raises(ConfigError, match=r"overlaps workspace 'default', which agents write"):
+        load_config(config)
+    code, _, err = build(capsys, config, "python-data")
+    assert code == EXIT_CONFIG
+    assert "overlaps workspace 'default', which agents write: move it to a folder of its own" in err
+    assert not mark.exists()
+
+
+def test_a_python_lock_in_an_inbox_is_refused(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """The lock chooses what every sandbox of the template imports: not a file agents can change."""
+    config = config_with(tmp_path, 'name = "mine"\npython_env = "envs/mine"\npython_lock = "inbox/x.lock"\n')
+    (config.parent / "inbox" / "x.lock").write_text(SIX_LOCK)
+    code, _, err = build(capsys, config, "mine")
+    assert code == EXIT_CONFIG
+    assert "python_lock" in err
+    assert "overlaps inbox" in err
+    assert not (config.parent / "envs").exists()
+
+
+@pytest.mark.root
+def test_template_build_never_runs_a_venv_another_user_made(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """Its python and pip would run as root: a venv someone else owns (and could have filled) is refused."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to give the folder to another uid")
+    env = tmp_path / "envs" / "python-data"
+    mark = planted_venv(env)
+    os.chown(env, 12345, 12345)
+    config = config_with(tmp_path, f'name = "python-data"\npython_env = "{env}"\n')
+    code, _, err = build(capsys, config, "python-data")
+    assert code == EXIT_CONFIG
+    assert "belongs to uid 12345, not to this user: remove it, or build as its owner" in err
+    assert not mark.exists()
 
 
 @pytest.mark.network

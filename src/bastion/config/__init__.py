@@ -357,9 +357,27 @@ def _check_templates(config: Config, home: Path, *, envs_built: bool) -> None:
             real = template.python_env.resolve()
             if real in (Path("/"), home) or _inside(config.state_dir, real) or _inside(real, config.state_dir):
                 raise ConfigError(f"{where} is /, the home folder, or overlaps the state folder: use its own folder")
+        _check_agent_writable(config, template)
     default = config.sandboxes.default_template
     if default != "default" and default not in names:
         raise ConfigError(f"[sandboxes] default_template {default!r} is not a [[template]] name: add it or fix it")
+
+
+def _check_agent_writable(config: Config, template: TemplateConfig) -> None:
+    """A template's venv and lock stay out of the folders agents write: what every sandbox of the
+    template imports would be theirs, and `template build` runs the venv's python and pip on the host."""
+    named = {"python_env": template.python_env, "python_lock": template.python_lock}
+    folders = [("workspace", ws.id, ws.path) for ws in config.workspace]
+    folders += [("inbox", ib.id, ib.path) for ib in config.inbox]
+    for key, path in named.items():
+        if path is None:
+            continue
+        for kind, folder_id, folder in folders:
+            if _inside(path, folder) or _inside(folder, path):
+                raise ConfigError(
+                    f"template {template.name!r} {key} {path} overlaps {kind} {folder_id!r}, which agents write: "
+                    "move it to a folder of its own"
+                )
 
 
 def _first_error(exc: ValidationError) -> str:

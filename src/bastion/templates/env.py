@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.resources
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,6 +65,12 @@ def _check_target(name: str, target: Path) -> None:
         raise ConfigError(
             f"template {name!r} python_env {target} holds files and is not a virtual environment: "
             "choose a new or empty folder"
+        )
+    # An existing venv's python and pip run on the host: only one this user made is trusted.
+    if target.is_dir() and (owner := target.stat().st_uid) != os.geteuid():
+        raise ConfigError(
+            f"template {name!r} python_env {target} belongs to uid {owner}, not to this user: "
+            "remove it, or build as its owner"
         )
 
 
