@@ -10,7 +10,7 @@ DEMO := .bastion
 export UV_PYTHON_DOWNLOADS := never
 export UV_PROJECT_ENVIRONMENT := $(VENV)
 
-.PHONY: help install system-deps test-deps node-tools run run-stdio test lint typecheck unit unprivileged bench clean
+.PHONY: help install system-deps test-deps node-tools run run-stdio test lint typecheck unit unprivileged bench dist clean
 
 help:
 	@echo "make run    set up, write a demo config under $(DEMO)/ if absent, and serve it over HTTP on loopback"
@@ -106,5 +106,9 @@ test: lint typecheck unit unprivileged
 bench: install
 	$(VENV)/bin/python bench/run_all.py
 
+# The wheel (and sdist) in dist/, for `uv tool install ./dist/bastion-*.whl` or `pipx install` (README).
+dist: $(UV)
+	$(UV) build --out-dir dist
+
 clean:
-	rm -rf $(VENV) $(VENV)-unprivileged $(DATA_ENV) $(TOOLS) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(VENV)-unprivileged $(DATA_ENV) $(TOOLS) dist .mypy_cache .ruff_cache .pytest_cache

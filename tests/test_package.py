@@ -30,10 +30,11 @@ def uv() -> str:
     return found
 
 
-def clean_env(home: Path) -> dict[str, str]:
-    """No PYTHONPATH (the tests' own points at src/) and no venv of the test run: only the wheel."""
+def clean_env() -> dict[str, str]:
+    """No PYTHONPATH (the tests' own points at src/) and no venv of the test run: only the wheel.
+    HOME stays, so uv's cache does too: the dependencies are not fetched again each run."""
     env = {key: value for key, value in os.environ.items() if not key.startswith(("PYTHON", "VIRTUAL_ENV", "UV_"))}
-    return {**env, "HOME": str(home), "UV_PYTHON_DOWNLOADS": "never"}
+    return {**env, "UV_PYTHON_DOWNLOADS": "never"}
 
 
 def run(argv: list[str | Path], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -48,7 +49,7 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str,
     if not registry_reachable():
         pytest.skip("the package registry (pypi.org:443) is not reachable from this machine")
     root = tmp_path_factory.mktemp("package")
-    env = clean_env(root)
+    env = clean_env()
     tool = uv()
     run([tool, "build", "--wheel", "--quiet", "--out-dir", root / "dist", REPO], env, root)
     (wheel,) = (root / "dist").glob("bastion-*.whl")
