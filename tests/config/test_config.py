@@ -163,3 +163,11 @@ def test_init_without_python_env_never_looks_in_a_source_checkout(
     assert loaded.template == ()
     assert "see --python-data" in capsys.readouterr().out
     assert "bastion template build python-data" in (tmp_path / "demo" / "bastion.toml").read_text()
+
+
+def test_init_takes_a_python_env_or_builds_one_not_both(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["init", str(tmp_path / "demo"), "--python-env", str(tmp_path), "--python-data"])
+    assert exited.value.code == 2
+    assert "not allowed with argument" in capsys.readouterr().err
+    assert not (tmp_path / "demo").exists()
