@@ -10,7 +10,7 @@ DEMO := .bastion
 export UV_PYTHON_DOWNLOADS := never
 export UV_PROJECT_ENVIRONMENT := $(VENV)
 
-.PHONY: help install system-deps test-deps node-tools run run-stdio test lint typecheck unit unprivileged bench clean
+.PHONY: help install system-deps test-deps node-tools run run-stdio test lint typecheck unit unprivileged bench dist clean
 
 help:
 	@echo "make run    set up, write a demo config under $(DEMO)/ if absent, and serve it over HTTP on loopback"
@@ -55,10 +55,10 @@ $(VENV)/.installed: pyproject.toml uv.lock $(UV)
 	@touch $@
 
 # The demo's python-data sandbox template: a read-only venv on the system's Python (which
-# sandboxes see), with the pinned, hash-checked packages of templates/python-data.lock.
-$(DATA_ENV)/.installed: templates/python-data.lock $(UV)
+# sandboxes see), with the pinned, hash-checked packages of src/bastion/templates/python-data.lock.
+$(DATA_ENV)/.installed: src/bastion/templates/python-data.lock $(UV)
 	$(UV) venv --quiet --allow-existing --python /usr/bin/python3 $(DATA_ENV)
-	$(UV) pip install --quiet --python $(DATA_ENV)/bin/python --require-hashes -r templates/python-data.lock
+	$(UV) pip install --quiet --python $(DATA_ENV)/bin/python --require-hashes -r src/bastion/templates/python-data.lock
 	@touch $@
 
 install: system-deps $(VENV)/.installed $(DATA_ENV)/.installed
@@ -106,5 +106,9 @@ test: lint typecheck unit unprivileged
 bench: install
 	$(VENV)/bin/python bench/run_all.py
 
+# The wheel (and sdist) in dist/, for `uv tool install ./dist/bastion-*.whl` or `pipx install` (README).
+dist: $(UV)
+	$(UV) build --out-dir dist
+
 clean:
-	rm -rf $(VENV) $(VENV)-unprivileged $(DATA_ENV) $(TOOLS) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(VENV)-unprivileged $(DATA_ENV) $(TOOLS) dist .mypy_cache .ruff_cache .pytest_cache

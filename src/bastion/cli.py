@@ -1,4 +1,4 @@
-"""The `bastion` command: init, serve, doctor, admin, policy explain, audit verify, gateway, approvals.
+"""The `bastion` command: init, serve, doctor, admin, policy explain, audit verify, gateway, approvals, template.
 
 Every refusal is one line on stderr and a non-zero exit; no traceback. Exit codes:
 0 done; 1 an operation failed or what was named does not exist (a port in use, an unknown
@@ -15,6 +15,7 @@ import importlib.metadata
 import shlex
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Final
 
 from bastion.config import CONFIG_ENV, add_config_option, load_config, resolve_config_path
@@ -43,10 +44,16 @@ def _parser() -> argparse.ArgumentParser:
 
     init = sub.add_parser("init", help="write a demo config and its folders into DIR")
     init.add_argument("dir")
-    init.add_argument(
+    data_env = init.add_mutually_exclusive_group()
+    data_env.add_argument(
         "--python-env",
-        help="a venv on /usr/bin/python3 for the python-data sandbox template, which becomes the default "
-        "(default: the checkout's .venv-python-data, built by 'make install', when it exists)",
+        help="an existing venv on /usr/bin/python3 for the python-data sandbox template, which becomes the default",
+    )
+    data_env.add_argument(
+        "--python-data",
+        action="store_true",
+        help="build the python-data template's venv (numpy, pandas, matplotlib from bastion's hashed lock; "
+        "needs PyPI) into DIR/envs/python-data and make it the default",
     )
 
     serve = sub.add_parser("serve", help="serve MCP")
@@ -81,19 +88,23 @@ def _parser() -> argparse.ArgumentParser:
     from bastion.gateway.cli import add_parsers as add_gateway_parsers
 
     add_gateway_parsers(sub)
+
+    from bastion.templates.cli import add_parser as add_template_parser
+
+    add_template_parser(sub)
     return parser
 
 
 def _cmd_init(args: argparse.Namespace) -> int:
-    from bastion.demo import find_data_env, init_demo
+    from bastion.demo import DATA_ENV_DIR, init_demo
 
-    python_env = args.python_env if args.python_env is not None else find_data_env()
-    path = init_demo(args.dir, python_env=python_env)
+    path = init_demo(args.dir, python_env=args.python_env, build_python_data=args.python_data)
+    python_env = Path(args.dir).absolute() / DATA_ENV_DIR if args.python_data else args.python_env
     print(f"wrote {path}")
     if python_env is not None:
         print(f"default sandbox template: python-data (numpy, pandas, matplotlib from {python_env})")
     else:
-        print("default sandbox template: the system's Python ('make install' builds python-data; see --python-env)")
+        print("default sandbox template: the system's Python (for numpy, pandas, matplotlib: see --python-data)")
     print(f"serve it to a local client (Claude Desktop, Claude Code): bastion serve --config {path} --stdio")
     print("serve it over HTTP: first set the administrator's password, then serve:")
     print(f"  bastion admin set-password --config {path} --generate")
@@ -179,6 +190,12 @@ def _cmd_approvals(args: argparse.Namespace) -> int:
     return run_approvals(args)
 
 
+def _cmd_template(args: argparse.Namespace) -> int:
+    from bastion.templates.cli import run_template
+
+    return run_template(args)
+
+
 def _cmd_version(_args: argparse.Namespace) -> int:
     print(f"bastion {version()}")
     return 0
@@ -196,6 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "audit": _cmd_audit_verify,
         "gateway": _cmd_gateway,
         "approvals": _cmd_approvals,
+        "template": _cmd_template,
     }
     try:
         return handlers[args.command](args)

@@ -19,7 +19,7 @@ from bastion.config import DEFAULT_CATEGORIES, DEFAULT_SKIP_RULES
 from bastion.safety.commands import DEMO_POLICY, ArgumentRule
 from bastion.safety.errors import ConfigError
 
-DATA_ENV_NAME: Final = ".venv-python-data"  # in the source checkout: `make install` builds it from templates/
+DATA_ENV_DIR: Final = "envs/python-data"  # under DIR: where `bastion init --python-data` builds it
 
 
 def _toml_list(items: tuple[str, ...]) -> str:
@@ -133,15 +133,17 @@ args = [{ name = "project", kind = "project" }]
 def _template_toml(python_env: Path | None) -> str:
     if python_env is None:
         return """
-# A sandbox template with numpy, pandas and matplotlib: `make install` builds its environment
-# and `make run` writes this section; elsewhere, point python_env at a venv made on /usr/bin/python3.
+# A sandbox template with numpy, pandas and matplotlib (`bastion init --python-data` writes this section).
+# To add it here: uncomment these lines, run `bastion template build python-data --config bastion.toml`
+# (it builds the venv from the hashed lock bastion ships), then set default_template = "python-data".
 # [[template]]
 # name = "python-data"
-# python_env = "/path/to/.venv-python-data"
+# python_env = "envs/python-data"
 """
     return f"""
 # The default sandbox template: execute_code and `python` see numpy, pandas and matplotlib from a
-# read-only virtual environment (built by `make install`); install_package adds to the sandbox's own.
+# read-only virtual environment (`bastion template build python-data` rebuilds it from its hashed
+# lock); install_package adds to the sandbox's own.
 [[template]]
 name = "python-data"
 python_env = {json.dumps(str(python_env))}
@@ -271,31 +273,34 @@ max_plan_moves = 500        # a plan proposes at most this many moves
 """
 
 
-def find_data_env() -> Path | None:
-    """The python-data environment `make install` builds in this source checkout, if it is there."""
-    candidate = Path(__file__).resolve().parents[2] / DATA_ENV_NAME
-    return candidate if is_venv(candidate) else None
-
-
 def is_venv(path: Path) -> bool:
     return (path / "pyvenv.cfg").is_file() and (path / "bin").is_dir()
 
 
-def init_demo(directory: str | os.PathLike[str], *, python_env: str | os.PathLike[str] | None = None) -> Path:
+def init_demo(
+    directory: str | os.PathLike[str],
+    *,
+    python_env: str | os.PathLike[str] | None = None,
+    build_python_data: bool = False,
+) -> Path:
     """Create the demo layout; never overwrite an existing config.
 
     `python_env`: the python-data template's virtual environment, when one was built; it becomes
     the default template (create_sandbox() then has numpy, pandas and matplotlib).
+    `build_python_data`: build that environment first, into DIR/envs/python-data, from bastion's lock.
 
     Raises:
         ConfigError: the config exists, or `python_env` is not a virtual environment.
+        Unavailable, OperationFailed: the python-data environment could not be built (no config is written).
     """
     root = Path(directory).absolute()
     config = root / "bastion.toml"
     if config.exists():
         raise ConfigError(f"{config} already exists: remove it or choose another folder")
+    if build_python_data:
+        python_env = _build_python_data(root / DATA_ENV_DIR)
     if python_env is not None and not is_venv(Path(python_env)):
-        raise ConfigError(f"--python-env {python_env} is not a virtual environment: run 'make install' or omit it")
+        raise ConfigError(f"--python-env {python_env} is not a virtual environment: build one or omit it")
     for sub in ("workspace", "inbox"):
         (root / sub).mkdir(parents=True, exist_ok=True)
     (root / "state").mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -309,3 +314,11 @@ def init_demo(directory: str | os.PathLike[str], *, python_env: str | os.PathLik
     with open(config, "x", encoding="utf-8") as handle:
         handle.write(demo_config_text(Path(python_env).absolute() if python_env is not None else None))
     return config
+
+
+def _build_python_data(target: Path) -> Path:
+    from bastion.config import SandboxesConfig, TemplateConfig
+    from bastion.templates import build_template_env
+
+    template = TemplateConfig(name="python-data", python_env=target)
+    return build_template_env(template, index_url=SandboxesConfig().pip_index_url).path

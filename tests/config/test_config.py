@@ -10,7 +10,7 @@ import pytest
 
 from bastion.cli import EXIT_CONFIG, main
 from bastion.config import load_config
-from bastion.demo import find_data_env, init_demo
+from bastion.demo import init_demo
 
 BASTION = Path(sys.executable).parent / "bastion"
 
@@ -153,15 +153,21 @@ def test_init_refuses_a_python_env_that_is_not_one(capsys: pytest.CaptureFixture
     assert not (tmp_path / "demo" / "bastion.toml").exists()
 
 
-def test_init_without_python_env_uses_the_checkouts_environment_if_built(
+def test_init_without_python_env_never_looks_in_a_source_checkout(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    built = find_data_env()
+    """An installed wheel has no checkout: init names the system's Python and how to get python-data."""
     assert main(["init", str(tmp_path / "demo")]) == 0
     loaded = load_config(tmp_path / "demo" / "bastion.toml")
-    if built is None:
-        assert loaded.sandboxes.default_template == "default"
-        assert "make install" in capsys.readouterr().out
-    else:
-        assert loaded.sandboxes.default_template == "python-data"
-        assert loaded.template[0].python_env == built
+    assert loaded.sandboxes.default_template == "default"
+    assert loaded.template == ()
+    assert "see --python-data" in capsys.readouterr().out
+    assert "bastion template build python-data" in (tmp_path / "demo" / "bastion.toml").read_text()
+
+
+def test_init_takes_a_python_env_or_builds_one_not_both(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["init", str(tmp_path / "demo"), "--python-env", str(tmp_path), "--python-data"])
+    assert exited.value.code == 2
+    assert "not allowed with argument" in capsys.readouterr().err
+    assert not (tmp_path / "demo").exists()

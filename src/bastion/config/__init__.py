@@ -231,6 +231,7 @@ def _resolve_paths(raw: Config, base: Path) -> Config:
             update={
                 "read_only": tuple(b.model_copy(update={"source": _absolute(base, b.source)}) for b in t.read_only),
                 "python_env": _absolute(base, t.python_env) if t.python_env is not None else None,
+                "python_lock": _absolute(base, t.python_lock) if t.python_lock is not None else None,
             }
         )
         for t in raw.template
@@ -264,7 +265,7 @@ def _inside(child: Path, parent: Path) -> bool:
     return child_real == parent_real or parent_real in child_real.parents
 
 
-def _check_semantics(config: Config) -> None:
+def _check_semantics(config: Config, *, envs_built: bool) -> None:
     ids = [ws.id for ws in config.workspace] + [ib.id for ib in config.inbox]
     duplicates = sorted({i for i in ids if ids.count(i) > 1})
     if duplicates:
@@ -296,7 +297,7 @@ def _check_semantics(config: Config) -> None:
             # Two journals over one tree could each move the other's files: one folder, one organizer.
             if _inside(ib.path, other.path) or _inside(other.path, ib.path):
                 raise ConfigError(f"inboxes {ib.id!r} and {other.id!r} overlap: give each its own folder")
-    _check_templates(config, home)
+    _check_templates(config, home, envs_built=envs_built)
     _check_gateways(config, folders)
     for ws in config.workspace:
         if not ws.policy.allow and not ws.policy.deny:
@@ -319,7 +320,7 @@ def _check_gateways(config: Config, folders: list[tuple[str, str, Path]]) -> Non
                 )
 
 
-def _check_templates(config: Config, home: Path) -> None:
+def _check_templates(config: Config, home: Path, *, envs_built: bool) -> None:
     names = [t.name for t in config.template]
     if len(set(names)) != len(names):
         raise ConfigError("two [[template]] entries share a name: give each a unique name")
@@ -348,14 +349,35 @@ def _check_templates(config: Config, home: Path) -> None:
                 raise ConfigError(f"{where} is /, the home folder, or overlaps the state folder: bind a data folder")
         if template.python_env is not None:
             where = f"template {template.name!r} python_env {template.python_env}"
-            if not (template.python_env / "pyvenv.cfg").is_file() or not (template.python_env / "bin").is_dir():
-                raise ConfigError(f"{where} is not a virtual environment: create it (make install does the demo's)")
+            if envs_built and not _is_venv(template.python_env):
+                raise ConfigError(
+                    f"{where} is not a virtual environment: build it "
+                    f"('bastion template build {template.name} --config CONFIG')"
+                )
             real = template.python_env.resolve()
             if real in (Path("/"), home) or _inside(config.state_dir, real) or _inside(real, config.state_dir):
                 raise ConfigError(f"{where} is /, the home folder, or overlaps the state folder: use its own folder")
+        _check_agent_writable(config, template)
     default = config.sandboxes.default_template
     if default != "default" and default not in names:
         raise ConfigError(f"[sandboxes] default_template {default!r} is not a [[template]] name: add it or fix it")
+
+
+def _check_agent_writable(config: Config, template: TemplateConfig) -> None:
+    """A template's venv and lock stay out of the folders agents write: what every sandbox of the
+    template imports would be theirs, and `template build` runs the venv's python and pip on the host."""
+    named = {"python_env": template.python_env, "python_lock": template.python_lock}
+    folders = [("workspace", ws.id, ws.path) for ws in config.workspace]
+    folders += [("inbox", ib.id, ib.path) for ib in config.inbox]
+    for key, path in named.items():
+        if path is None:
+            continue
+        for kind, folder_id, folder in folders:
+            if _inside(path, folder) or _inside(folder, path):
+                raise ConfigError(
+                    f"template {template.name!r} {key} {path} overlaps {kind} {folder_id!r}, which agents write: "
+                    "move it to a folder of its own"
+                )
 
 
 def _first_error(exc: ValidationError) -> str:
@@ -368,8 +390,15 @@ def _first_error(exc: ValidationError) -> str:
     return f"{where}: {err['msg']}"
 
 
-def load_config(path: str | os.PathLike[str]) -> Config:
+def _is_venv(path: Path) -> bool:
+    return (path / "pyvenv.cfg").is_file() and (path / "bin").is_dir()
+
+
+def load_config(path: str | os.PathLike[str], *, envs_built: bool = True) -> Config:
     """Read, validate and resolve a bastion.toml.
+
+    `envs_built=False` lets a template's python_env be missing or not yet a venv: `bastion template build`
+    loads the config so, to make it (and checks the folder itself).
 
     Raises:
         ConfigError: with one line saying what is wrong and what to do.
@@ -390,7 +419,7 @@ def load_config(path: str | os.PathLike[str]) -> Config:
     except ValidationError as exc:
         raise ConfigError(f"config file {file}: {_first_error(exc)}") from None
     config = _resolve_paths(raw, file.resolve().parent)
-    _check_semantics(config)
+    _check_semantics(config, envs_built=envs_built)
     return config
 
 

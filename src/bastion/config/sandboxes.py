@@ -83,6 +83,9 @@ class TemplateConfig(Model):
     python_env: Path | None = None
     """A Python virtual environment on the host with preinstalled packages, shown read-only inside at
     /opt/bastion/env: execute_code and `python` use it; install_package adds to a venv of the sandbox's own."""
+    python_lock: Path | None = None
+    """A pip requirements file pinning every package with --hash, from which `bastion template build` makes
+    python_env. Absent: the lock bastion ships under the template's name (python-data), if there is one."""
 
     @field_validator("env")
     @classmethod

@@ -1,0 +1,75 @@
+"""Make a virtual environment on the system's Python and pip-install a hashed lock into it. DANGEROUS.
+
+This module starts processes on the host, as the user running `bastion` (often root), outside any
+sandbox. It trusts its arguments: `bastion.templates.env` has checked the folder and picked the lock.
+What keeps the install from running a package's code: `--only-binary=:all:` (wheels only, so no
+setup.py or build backend runs) and `--require-hashes` (every file must match the lock's digest).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess  # allowed in pyproject.toml: this module builds template environments
+from pathlib import Path
+from typing import Final
+
+from bastion.safety.errors import OperationFailed, Unavailable
+
+# Sandboxes see the host's /usr, so an environment made on this interpreter runs inside them too.
+SYSTEM_PYTHON: Final = "/usr/bin/python3"
+
+
+def _clean_env() -> dict[str, str]:
+    """The caller's environment without PYTHON* variables (a PYTHONPATH would leak into pip)."""
+    return {key: value for key, value in os.environ.items() if not key.startswith("PYTHON")}
+
+
+def make_venv(target: Path) -> None:
+    """`python3 -m venv target` with pip (Debian's python3-venv provides ensurepip).
+
+    Raises:
+        Unavailable: the system Python cannot make a venv.
+    """
+    if not Path(SYSTEM_PYTHON).is_file():
+        raise Unavailable(f"{SYSTEM_PYTHON} is missing: install python3 (sandboxes use the system's Python)")
+    done = subprocess.run(
+        [SYSTEM_PYTHON, "-m", "venv", str(target)],
+        env=_clean_env(),
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        last = (done.stderr.strip() or done.stdout.strip() or "no message").splitlines()[-1]
+        raise Unavailable(f"{SYSTEM_PYTHON} -m venv {target} failed ({last}): install python3-venv")
+
+
+def install_lock(target: Path, lock: Path, index_url: str) -> None:
+    """pip-install every package of `lock` into the venv `target`; pip's own messages go to stderr.
+
+    Raises:
+        OperationFailed: pip exited non-zero (a hash mismatch, an unpinned dependency, no wheel...).
+    """
+    argv = [
+        str(target / "bin" / "python"),
+        "-m",
+        "pip",
+        "install",
+        "--isolated",  # no pip.conf, no PIP_* variables: only what is on this line
+        "--no-input",
+        "--disable-pip-version-check",
+        "--root-user-action=ignore",
+        "--quiet",
+        "--require-hashes",
+        "--only-binary=:all:",
+        "--index-url",
+        index_url,
+        "--requirement",
+        str(lock),
+    ]
+    done = subprocess.run(argv, env=_clean_env(), stdin=subprocess.DEVNULL, check=False)
+    if done.returncode != 0:
+        raise OperationFailed(
+            f"pip could not install {lock} into {target} (exit {done.returncode}): see its message above"
+        )

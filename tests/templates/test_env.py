@@ -1,0 +1,209 @@
+"""`bastion template build NAME`: a template's python_env made from its hashed lock (issue 18).
+
+The refusals run offline; the builds reach PyPI (marked `network`) and install one small wheel.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import bastion
+from bastion.cli import EXIT_CONFIG, EXIT_FAILED, main
+from bastion.config import TemplateConfig, load_config
+from bastion.safety.errors import ConfigError
+from bastion.templates import builtin_lock_names, template_lock
+from tests.helpers import demo_config_at, registry_reachable
+
+# One small pure-Python wheel, pinned with its hashes (uv pip compile --generate-hashes).
+SIX_LOCK = """six==1.17.0 \\
+    --hash=sha256:4721f391ed90541fddacab5acf947aa0d3dc7d27b2e1e8eda2be8970586c3274 \\
+    --hash=sha256:ff70335d468e7eb6ec65b95b99d3a2836546063f63acc5171de367e834932a81
+"""
+# Another version, with a digest no file of it has.
+FORGED_LOCK = "six==1.16.0 --hash=sha256:" + "0" * 64 + "\n"
+
+
+def config_with(tmp_path: Path, template: str) -> Path:
+    """The demo config with one more [[template]] (TOML lines, without the header)."""
+    path = demo_config_at(tmp_path / "demo")
+    path.write_text(path.read_text() + "\n[[template]]\n" + template)
+    return path
+
+
+def build(capsys: pytest.CaptureFixture[str], config: Path, name: str) -> tuple[int, str, str]:
+    code = main(["template", "build", name, "--config", str(config)])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_the_python_data_lock_ships_inside_the_package() -> None:
+    """What `make install` and `template build python-data` read is package data, not the checkout's."""
+    assert builtin_lock_names() == ("python-data",)
+    with template_lock(TemplateConfig(name="python-data")) as lock:
+        assert lock.is_relative_to(Path(bastion.__file__).parent)
+        text = lock.read_text()
+    assert "numpy==" in text
+    assert "matplotlib==" in text
+    assert "--hash=sha256:" in text
+
+
+def test_serve_refuses_an_unbuilt_env_and_names_the_build_command(tmp_path: Path) -> None:
+    config = config_with(tmp_path, 'name = "small"\npython_env = "envs/small"\n')
+    with pytest.raises(ConfigError, match=r"not a virtual environment: build it \('bastion template build small"):
+        load_config(config)
+    assert load_config(config, envs_built=False).template[0].python_env == config.parent / "envs" / "small"
+
+
+def test_template_build_names_an_unknown_template(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, _, err = build(capsys, demo_config_at(tmp_path / "demo"), "nope")
+    assert code == EXIT_FAILED
+    assert err == "bastion: no template 'nope' in the config (its [[template]] names: none): add it or fix the name\n"
+
+
+def test_template_build_without_a_config_is_a_config_error(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("BASTION_CONFIG", raising=False)
+    assert main(["template", "build", "python-data"]) == EXIT_CONFIG
+    assert capsys.readouterr().err.startswith("bastion: no config given")
+
+
+def test_template_without_a_lock_is_a_config_error(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """Only python-data has a shipped lock; any other template must name its own."""
+    config = config_with(tmp_path, 'name = "mine"\npython_env = "envs/mine"\n')
+    code, _, err = build(capsys, config, "mine")
+    assert code == EXIT_CONFIG
+    assert "has no python_lock and bastion ships none of that name" in err
+    assert not (config.parent / "envs").exists()
+
+
+def test_template_without_a_python_env_is_a_config_error(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, _, err = build(capsys, config_with(tmp_path, 'name = "python-data"\n'), "python-data")
+    assert code == EXIT_CONFIG
+    assert err == "bastion: template 'python-data' has no python_env: set the folder to build it in\n"
+
+
+def test_template_build_never_writes_over_a_folder_of_other_files(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A python_env pointed by mistake at a folder in use (/srv/www, /usr/local) is refused, untouched."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "index.html").write_text("keep")
+    config = config_with(tmp_path, f'name = "python-data"\npython_env = "{victim}"\n')
+    code, _, err = build(capsys, config, "python-data")
+    assert code == EXIT_CONFIG
+    assert "holds files and is not a virtual environment: choose a new or empty folder" in err
+    assert sorted(p.name for p in victim.iterdir()) == ["index.html"]
+
+
+def test_template_build_refuses_a_symlinked_env(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """A link would send the install wherever it points (which the config's checks did not see)."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "link").symlink_to(elsewhere)
+    config = config_with(tmp_path, f'name = "python-data"\npython_env = "{tmp_path / "link"}"\n')
+    code, _, err = build(capsys, config, "python-data")
+    assert code == EXIT_CONFIG
+    assert "is a symbolic link: name the real folder" in err
+    assert not any(elsewhere.iterdir())
+
+
+@pytest.mark.parametrize("where", ["/", "state/envs/python-data"])
+def test_template_build_refuses_the_root_and_the_state_folder(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, where: str
+) -> None:
+    """The config's own checks still run when the environment is not built yet."""
+    config = config_with(tmp_path, f'name = "python-data"\npython_env = "{where}"\n')
+    code, _, err = build(capsys, config, "python-data")
+    assert code == EXIT_CONFIG
+    assert "is /, the home folder, or overlaps the state folder" in err
+    assert not (config.parent / "state" / "envs").exists()
+
+
+def planted_venv(folder: Path) -> Path:
+    """What a hostile agent writes: a folder that looks like a venv, whose python leaves a mark if run."""
+    mark = folder.parent / f"{folder.name}-ran"
+    (folder / "bin").mkdir(parents=True)
+    (folder / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    python = folder / "bin" / "python"
+    python.write_text(f"#!/bin/sh\ntouch {mark}\n")
+    python.chmod(0o755)
+    return mark
+
+
+def test_a_python_env_in_a_workspace_is_refused_and_never_run(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """An agent writes the host workspace: a venv there would be its code, run by `template build` on the
+    host (as root) and imported by every sandbox of the template. Refused by serve and build alike."""
+    config = config_with(tmp_path, 'name = "python-data"\npython_env = "workspace/env"\n')
+    mark = planted_venv(config.parent / "workspace" / "env")
+    with pytest.raises(ConfigError, match=r"overlaps workspace 'default', which agents write"):
+        load_config(config)
+    code, _, err = build(capsys, config, "python-data")
+    assert code == EXIT_CONFIG
+    assert "overlaps workspace 'default', which agents write: move it to a folder of its own" in err
+    assert not mark.exists()
+
+
+def test_a_python_lock_in_an_inbox_is_refused(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """The lock chooses what every sandbox of the template imports: not a file agents can change."""
+    config = config_with(tmp_path, 'name = "mine"\npython_env = "envs/mine"\npython_lock = "inbox/x.lock"\n')
+    (config.parent / "inbox" / "x.lock").write_text(SIX_LOCK)
+    code, _, err = build(capsys, config, "mine")
+    assert code == EXIT_CONFIG
+    assert "python_lock" in err
+    assert "overlaps inbox" in err
+    assert not (config.parent / "envs").exists()
+
+
+@pytest.mark.root
+def test_template_build_never_runs_a_venv_another_user_made(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """Its python and pip would run as root: a venv someone else owns (and could have filled) is refused."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to give the folder to another uid")
+    env = tmp_path / "envs" / "python-data"
+    mark = planted_venv(env)
+    os.chown(env, 12345, 12345)
+    config = config_with(tmp_path, f'name = "python-data"\npython_env = "{env}"\n')
+    code, _, err = build(capsys, config, "python-data")
+    assert code == EXIT_CONFIG
+    assert "belongs to uid 12345, not to this user: remove it, or build as its owner" in err
+    assert not mark.exists()
+
+
+@pytest.mark.network
+def test_template_build_makes_a_venv_from_a_hashed_lock_and_refuses_a_forged_hash(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Built on the system's Python (what sandboxes see); then a tampered index or mirror: pip checks
+    every file against the lock and installs nothing. One test, so the venv is made once (seconds)."""
+    if not registry_reachable():
+        pytest.skip("the package registry (pypi.org:443) is not reachable from this machine")
+    lock = tmp_path / "six.lock"
+    lock.write_text(SIX_LOCK)
+    config = config_with(tmp_path, f'name = "small"\npython_env = "envs/small"\npython_lock = "{lock}"\n')
+    env = config.parent / "envs" / "small"
+    code, out, _ = build(capsys, config, "small")
+    assert code == 0
+    assert out == f"template 'small': {env} built (1 package from {lock})\n"
+    assert "home = /usr/bin" in (env / "pyvenv.cfg").read_text()
+    assert six_version(env) == "1.17.0"
+    assert load_config(config).template[0].python_env == env  # now the server accepts it
+
+    lock.write_text(FORGED_LOCK)
+    code, _, err = build(capsys, config, "small")
+    assert code == EXIT_FAILED
+    assert err.startswith("bastion: pip could not install ")
+    assert err.count("\n") == 1
+    assert six_version(env) == "1.17.0"
+
+
+def six_version(env: Path) -> str:
+    imported = subprocess.run([env / "bin" / "python", "-c", "import six; print(six.__version__)"], capture_output=True)
+    return imported.stdout.decode().strip()
