@@ -19,7 +19,7 @@ import anyio
 
 from bastion.app import build_server, build_services
 from bastion.config import Config, HttpConfig
-from bastion.logs import configure_logging
+from bastion.logs import announce, configure_logging
 from bastion.safety.errors import ConfigError, Unavailable
 
 if TYPE_CHECKING:
@@ -60,12 +60,13 @@ def client_snippet(config_path: str) -> str:
 
 
 def serve_stdio(config: Config, config_path: str) -> int:
-    configure_logging(config.log_level)
+    configure_logging(config.log_level, log_format=config.log_format)
     services = build_services(config)
     server = build_server(services, caller="stdio")
     absolute = os.path.abspath(config_path)
     workspaces = ", ".join(f"{ws.id}={ws.path}" for ws in config.workspace)
-    if sys.stdin.isatty():
+    if sys.stdin.isatty() and config.log_format == "text":
+        # A person at a terminal: help to read, not a log line.
         print(
             f"bastion: serving MCP over stdio from {absolute}\n"
             f"bastion: workspaces: {workspaces}; audit log: {config.audit_path}\n"
@@ -76,7 +77,7 @@ def serve_stdio(config: Config, config_path: str) -> int:
             file=sys.stderr,
         )
     else:
-        print(f"bastion: serving MCP over stdio from {absolute} (workspaces: {workspaces})", file=sys.stderr)
+        announce(f"bastion: serving MCP over stdio from {absolute} (workspaces: {workspaces})")
     try:
         with stop_signals():
             anyio.run(_serve_until_stopped, server.run_stdio_async)
@@ -273,30 +274,28 @@ def serve_http(config: Config, config_path: str, listen: str | None = None) -> i
         except Unavailable:
             listener.close()
             raise
-    configure_logging(config.log_level)
+    configure_logging(config.log_level, log_format=config.log_format)
     services = build_services(config)
     store = None
     try:
         server = build_server(services, caller="http")
         built = build_http_app(services, server, listen=listen)
         store = built.store
-        print(f"bastion: serving MCP over HTTP from {os.path.abspath(config_path)} on {host}:{port}", file=sys.stderr)
+        announce(f"bastion: serving MCP over HTTP from {os.path.abspath(config_path)} on {host}:{port}")
         if not http.auth:
-            warning = "bastion: WARNING: [http] auth = false: anyone reaching this address can call every tool"
-            print(warning, file=sys.stderr)
-        if http.public_url is not None and endpoints.issuer != http.public_url:
-            print(
-                f"bastion: public_url follows --listen: {endpoints.issuer} (the config has {http.public_url})",
-                file=sys.stderr,
+            logging.getLogger("bastion.serve").warning(
+                "bastion: [http] auth = false: anyone reaching this address can call every tool"
             )
-        print(http_connect_help(endpoints.resource), file=sys.stderr)
+        if http.public_url is not None and endpoints.issuer != http.public_url:
+            announce(f"bastion: public_url follows --listen: {endpoints.issuer} (the config has {http.public_url})")
+        announce(http_connect_help(endpoints.resource))
         uv_config = _uvicorn_config(built.app, http, listen or http.listen, limits, preview=False)
         preview = None
         if http.preview_listen is not None:
             preview_app, preview_origin = build_preview_app(services, built, http.preview_listen)
             logging.getLogger("uvicorn.error").addFilter(HideTokens())
             preview = _uvicorn_config(preview_app, http, http.preview_listen, limits, preview=True)
-            print(f"bastion: serving preview URLs at {preview_origin}", file=sys.stderr)
+            announce(f"bastion: serving preview URLs at {preview_origin}")
         main = _clean_stop_server()(uv_config)
         if preview is None or preview_listener is None:
             main.run(sockets=[listener])

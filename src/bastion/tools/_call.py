@@ -22,6 +22,7 @@ from typing import Final
 from mcp.server.auth.middleware.auth_context import get_access_token
 from mcp_types import ImageContent
 
+from bastion.metrics import Metrics
 from bastion.safety.audit import AuditLog
 from bastion.safety.errors import AuditUnavailable, BastionError
 from bastion.safety.results import OperationResult, ResultCode
@@ -46,9 +47,10 @@ UNNAMED: Final = ""
 class CallRunner:
     """Runs one tool operation under the audit log."""
 
-    def __init__(self, audit: AuditLog, *, caller: str) -> None:
+    def __init__(self, audit: AuditLog, *, caller: str, metrics: Metrics | None = None) -> None:
         self.audit = audit
         self.caller = caller
+        self.metrics = metrics
         self._in_flight = 0
         self.requests_in_flight = 0
         """Transport requests being served that may reach this runner (the HTTP app counts its /mcp POSTs).
@@ -75,10 +77,14 @@ class CallRunner:
         workspace: str | None = None,
     ) -> OperationResult:
         self._in_flight += 1
+        started = time.perf_counter()
         try:
-            return await self._run(action, arguments, operation, mutating=mutating, workspace=workspace)
+            result = await self._run(action, arguments, operation, mutating=mutating, workspace=workspace)
         finally:
             self._in_flight -= 1
+        if self.metrics is not None:
+            self.metrics.tool_call(action, result.code.value, time.perf_counter() - started)
+        return result
 
     async def _run(
         self,
