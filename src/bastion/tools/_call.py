@@ -41,6 +41,8 @@ class Outcome:
 
 Operation = Callable[[], Awaitable[OperationResult | Outcome]]
 UNNAMED: Final = ""
+UNKNOWN_TOOL: Final = "(unknown)"
+"""The metrics label of a call to a tool this server does not have: a client's name never becomes a label."""
 """The action of a result built inside a tool's body: `CallRunner` sets it to the tool's name."""
 
 
@@ -51,6 +53,8 @@ class CallRunner:
         self.audit = audit
         self.caller = caller
         self.metrics = metrics
+        self.tools: set[str] = set()
+        """The registered tools' names (`BastionServer.tool` adds them): only these are metric labels."""
         self._in_flight = 0
         self.requests_in_flight = 0
         """Transport requests being served that may reach this runner (the HTTP app counts its /mcp POSTs).
@@ -83,7 +87,8 @@ class CallRunner:
         finally:
             self._in_flight -= 1
         if self.metrics is not None:
-            self.metrics.tool_call(action, result.code.value, time.perf_counter() - started)
+            tool = action if action in self.tools else UNKNOWN_TOOL
+            self.metrics.tool_call(tool, result.code.value, time.perf_counter() - started)
         return result
 
     async def _run(
