@@ -188,6 +188,9 @@ def test_readyz_turns_503_while_the_audit_log_is_moved_away(server: LiveServer) 
             moved.rename(audit)
         assert client.get("/readyz").status_code == 200
         assert client.post("/readyz").status_code == 405
+        head = client.head("/healthz")
+        assert head.status_code == 200
+        assert head.content == b""
 
 
 def test_a_newline_in_a_request_path_never_forges_a_text_log_line(server: LiveServer) -> None:
