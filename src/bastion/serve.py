@@ -61,6 +61,8 @@ def client_snippet(config_path: str) -> str:
 
 def serve_stdio(config: Config, config_path: str) -> int:
     configure_logging(config.log_level, log_format=config.log_format)
+    # No listener serves them: counting would cost every call for nothing.
+    config = config.model_copy(update={"metrics": config.metrics.model_copy(update={"enabled": False})})
     services = build_services(config)
     server = build_server(services, caller="stdio")
     absolute = os.path.abspath(config_path)
