@@ -138,6 +138,7 @@ def test_metrics_need_the_token_when_one_is_set_and_json_logs_parse(tmp_path: Pa
     path holding a newline, CR, ESC and U+2028 stays inside its line."""
     token = secrets.token_hex(32)
     (tmp_path / "scrape.token").write_text(token + "\n")
+    (tmp_path / "scrape.token").chmod(0o600)
     port = free_port()
     config = write_config(tmp_path / "demo", port, auth=False)
     text = config.read_text().replace('log_level = "INFO"', 'log_level = "INFO"\nlog_format = "json"')
@@ -158,13 +159,20 @@ def test_metrics_need_the_token_when_one_is_set_and_json_logs_parse(tmp_path: Pa
     assert any(FORGED in entry["message"] for entry in entries), "the access log line is missing"
 
 
-def test_a_scrape_token_must_be_long(tmp_path: Path) -> None:
+def test_a_scrape_token_must_be_long_and_private(tmp_path: Path) -> None:
+    """Invariant: a short, missing or world-readable token file stops the start with one line; only the
+    token's digest is kept."""
     (tmp_path / "short").write_text("short\n")
+    (tmp_path / "short").chmod(0o600)
     with pytest.raises(ConfigError, match="must hold one token"):
         read_scrape_token(tmp_path / "short")
     with pytest.raises(ConfigError, match="unset token_file"):
         read_scrape_token(tmp_path / "missing")
     (tmp_path / "good").write_text(" " + "t" * MIN_TOKEN_CHARS + "\n")
+    (tmp_path / "good").chmod(0o644)
+    with pytest.raises(ConfigError, match="readable by others"):
+        read_scrape_token(tmp_path / "good")
+    (tmp_path / "good").chmod(0o640)
     assert read_scrape_token(tmp_path / "good") == hashlib.sha256(b"t" * MIN_TOKEN_CHARS).digest()
 
 

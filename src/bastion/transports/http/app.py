@@ -56,7 +56,7 @@ from bastion.transports.http.endpoints import (
     protected_resource_metadata,
 )
 from bastion.transports.http.flow import AuthorizationFlow
-from bastion.transports.http.observe import Observe
+from bastion.transports.http.observe import Observe, read_scrape_token
 from bastion.transports.http.password import AdminCredential
 from bastion.transports.http.preview import PreviewApp
 from bastion.transports.http.provider import BastionAuthProvider, Endpoints
@@ -336,6 +336,9 @@ def build_http_app(services: Services, server: BastionServer, *, listen: str | N
     """The ASGI app for `bastion serve --http`. The caller runs it (uvicorn) and closes `store`."""
     config = services.config
     endpoints = endpoints_for(config, listen)
+    # Before anything is opened: a bad token file stops the start with nothing to close.
+    token_file = config.metrics.token_file
+    scrape_digest = read_scrape_token(token_file) if token_file is not None else None
     public_url = endpoints.issuer
     hosts = allowed_hosts(public_url)
     origins = [*loopback_origins(public_url), *config.http.extra_origins]
@@ -432,7 +435,7 @@ def build_http_app(services: Services, server: BastionServer, *, listen: str | N
     starlette = Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
     guarded_app = HostGuard(CountCalls(AccessLog(starlette), server.runner), hosts, origins)
     port = int((listen or config.http.listen).rpartition(":")[2])
-    app = Observe(guarded_app, services, hosts, port)
+    app = Observe(guarded_app, services, hosts, port, scrape_digest)
     return HttpApp(app=app, endpoints=endpoints, store=store)
 
 

@@ -22,13 +22,14 @@ import hmac
 import ipaddress
 import json
 import logging
+import os
+import stat
 from pathlib import Path
 from typing import Final
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from bastion.app import Services
-from bastion.config import MetricsConfig
 from bastion.metrics import CONTENT_TYPE, Metrics
 from bastion.safety.errors import ConfigError
 
@@ -48,15 +49,19 @@ def read_scrape_token(path: Path) -> bytes:
     Only the digest is kept: the token itself leaves no copy in the server's memory to leak.
 
     Raises:
-        ConfigError: the file cannot be read, or holds fewer than `MIN_TOKEN_CHARS` characters.
+        ConfigError: the file cannot be read, is readable by others, or holds fewer than
+            `MIN_TOKEN_CHARS` characters.
     """
     try:
         with path.open("rb") as f:
+            others_read = os.fstat(f.fileno()).st_mode & stat.S_IROTH
             token = f.read(MAX_TOKEN_BYTES + 1).strip()
     except OSError as exc:
         raise ConfigError(
             f"[metrics] token_file {path}: {exc.strerror or exc}: create it or unset token_file"
         ) from None
+    if others_read:
+        raise ConfigError(f"[metrics] token_file {path} is readable by others: run 'chmod o-r' on it")
     if len(token) < MIN_TOKEN_CHARS or len(token) > MAX_TOKEN_BYTES:
         raise ConfigError(
             f"[metrics] token_file {path} must hold one token of {MIN_TOKEN_CHARS} to {MAX_TOKEN_BYTES} characters "
@@ -68,12 +73,14 @@ def read_scrape_token(path: Path) -> bytes:
 class Observe:
     """The three routes in front of `app` (everything else goes to `app` unchanged)."""
 
-    def __init__(self, app: ASGIApp, services: Services, hosts: list[str], port: int) -> None:
+    def __init__(
+        self, app: ASGIApp, services: Services, hosts: list[str], port: int, token_digest: bytes | None
+    ) -> None:
+        """`token_digest`: `read_scrape_token`'s answer for `[metrics] token_file`, or None (loopback only)."""
         self.app = app
         self.services = services
         self.metrics: Metrics | None = services.metrics
-        config: MetricsConfig = services.config.metrics
-        self.token_digest = read_scrape_token(config.token_file) if config.token_file is not None else None
+        self.token_digest = token_digest
         self.metrics_hosts = frozenset({*(h.lower() for h in hosts), *(f"{h}:{port}" for h in _LOOPBACK_HOSTS)})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
