@@ -116,7 +116,7 @@ class Observe:
         headers = scope.get("headers", ())
         refusal = self._refusal(scope, headers)
         if refusal is not None:
-            await send_refusal(send, refusal)
+            await _refuse(send, refusal)
             return
         await _answer(send, 200, self.metrics.render(), content_type=CONTENT_TYPE.encode())
 
@@ -148,7 +148,7 @@ class Observe:
         return same and scheme.lower() == b"bearer"
 
 
-async def send_refusal(send: Send, status: int) -> None:
+async def _refuse(send: Send, status: int) -> None:
     if status == 401:
         await _answer(send, 401, b"Unauthorized\n", extra=[(b"www-authenticate", b"Bearer")])
     else:
