@@ -13,6 +13,7 @@ from bastion import __version__
 from bastion.config import Config
 from bastion.egress.proxy import EgressService
 from bastion.gateway.client import GatewayClient
+from bastion.metrics import Metrics
 from bastion.organizer import Organizer
 from bastion.safety.approvals import ApprovalQueue
 from bastion.safety.audit import AuditLog
@@ -123,6 +124,10 @@ class Services:
     """This server's exclusive hold on the state folder; released last."""
     previews: PreviewRegistry | None = None
     """Preview URLs of this process's sandboxes (served by the HTTP preview listener, if any)."""
+    metrics: Metrics | None = None
+    """This server's Prometheus metrics; None when `[metrics] enabled = false`."""
+    cgroups: CgroupLayout | None = None
+    """The cgroup layout, when sandboxes or a workspace use cgroups (a readiness check reads it)."""
 
     def close(self) -> None:
         for organizer in self.organizers.values():
@@ -234,12 +239,13 @@ def build_services(config: Config) -> Services:
     """
     redactor = Redactor(extra_patterns=config.redaction.patterns, secret_values=config.secret_values())
     config.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    metrics = Metrics() if config.metrics.enabled else None
     with contextlib.ExitStack() as opened:
         # First: a second server would take the first one's live sandboxes and mounts for a crash's leftovers.
         state_lock = StateLock(config.state_dir)
         state_lock.acquire()
         opened.callback(state_lock.release)
-        audit = open_audit(config, redactor, opened)
+        audit = open_audit(config, redactor, opened, metrics)
         organizers = open_organizers(config)
         for organizer in organizers.values():
             opened.callback(organizer.close)
@@ -250,12 +256,15 @@ def build_services(config: Config) -> Services:
         devices = open_devices(config, identities, opened)
         hosts = open_hosts(config, redactor, cgroups, identities, devices, opened)
         # One event loop thread serves every sandbox's egress proxy; it starts only if sandboxes are on.
-        egress = EgressService.from_config(audit, config.sandboxes.network) if config.sandboxes.enabled else None
+        network = config.sandboxes.network
+        egress = EgressService.from_config(audit, network, metrics) if config.sandboxes.enabled else None
         if egress is not None:
             opened.callback(egress.close)
         sandboxes = SandboxManager(config, redactor, cgroups, egress, identities, devices)
         opened.callback(sandboxes.close_all)
         recover(sandboxes)
+        if metrics is not None:
+            metrics.watch_sandboxes(sandboxes)
         registry = WorkspaceRegistry(hosts, sandboxes, default=config.default_workspace)
         services = Services(
             config=config,
@@ -274,18 +283,23 @@ def build_services(config: Config) -> Services:
             devices=devices,
             identities=identities,
             state_lock=state_lock,
+            metrics=metrics,
+            cgroups=cgroups,
         )
         opened.pop_all()  # from here `Services.close` owns them
     return services
 
 
-def open_audit(config: Config, redactor: Redactor, opened: contextlib.ExitStack) -> AuditLog:
+def open_audit(
+    config: Config, redactor: Redactor, opened: contextlib.ExitStack, metrics: Metrics | None = None
+) -> AuditLog:
     """The audit log, open for appending, closed by `opened`."""
     audit = AuditLog(
         config.audit_path,
         redactor=redactor,
         rotate_bytes=config.audit.rotate_bytes,
         fail_closed=config.audit.fail_closed,
+        metrics=metrics,
     )
     try:
         audit.open()
@@ -369,7 +383,7 @@ async def _reap_forever(services: Services) -> None:
 
 
 def build_server(services: Services, *, caller: str) -> BastionServer:
-    runner = CallRunner(services.audit, caller=caller)
+    runner = CallRunner(services.audit, caller=caller, metrics=services.metrics)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: object) -> AsyncIterator[None]:

@@ -63,6 +63,9 @@ def _parser() -> argparse.ArgumentParser:
     transport.add_argument("--stdio", action="store_true", help="serve over stdin/stdout")
     transport.add_argument("--http", action="store_true", help="serve Streamable HTTP at /mcp, with OAuth")
     serve.add_argument("--listen", help="HOST:PORT to bind with --http (default: the config's [http] listen)")
+    serve.add_argument(
+        "--log-format", choices=["text", "json"], help="the server log on stderr (default: the config's log_format)"
+    )
 
     doctor = sub.add_parser("doctor", help="check what this machine and config will enforce, before an agent connects")
     add_config_option(doctor)
@@ -120,6 +123,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     config_path = resolve_config_path(args.config)
     config = load_config(config_path)
+    if args.log_format is not None:
+        config = config.model_copy(update={"log_format": args.log_format})
     if args.http:
         from bastion.serve import serve_http
 

@@ -5,14 +5,19 @@ control character in such a value would start what reads as a new, forged line (
 record is escaped after formatting: control characters become `\\n`, `\\x1b`, ... and a backslash
 doubles, which keeps the escaping reversible. A record's exception is named on the same line (its
 traceback only at DEBUG). Plain text by default: operators read it with journalctl or tail.
+
+`log_format = "json"` (or `serve --log-format json`) writes one JSON object a line instead: `ts`, `level`,
+`logger`, `message` and, for a record with an exception, `exc`. JSON escapes every control character
+(and, with `ensure_ascii`, U+2028/U+2029), so a value cannot end a line there either.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from types import TracebackType
-from typing import Final, TextIO, TypeAlias
+from typing import Final, Literal, TextIO, TypeAlias
 
 ExcInfo: TypeAlias = tuple[type[BaseException], BaseException, TracebackType | None] | tuple[None, None, None]
 
@@ -44,14 +49,45 @@ class OneLineFormatter(logging.Formatter):
         return f"{type(ei[1]).__name__}: {ei[1]}"
 
 
-def configure_logging(level: str, stream: TextIO | None = None) -> None:
-    """Send every logger's records to stderr as escaped single lines. Call before the server is built:
-    the SDK's `MCPServer()` calls `logging.basicConfig`, which does nothing once the root has a handler.
+class JsonFormatter(OneLineFormatter):
+    """One JSON object a line: ts, level, logger, message, and exc for a record with an exception."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, str] = {
+            "ts": self.formatTime(record, self.datefmt),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info is not None and record.exc_info[0] is not None:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry, ensure_ascii=True)
+
+
+LogFormat = Literal["text", "json"]
+
+
+def configure_logging(level: str, stream: TextIO | None = None, log_format: LogFormat = "text") -> None:
+    """Send every logger's records to stderr as escaped single lines (text or JSON). Call before the server
+    is built: the SDK's `MCPServer()` calls `logging.basicConfig`, which does nothing once the root has a
+    handler.
     """
     handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
-    handler.setFormatter(OneLineFormatter(FORMAT, DATE_FORMAT))
+    formatter = JsonFormatter(datefmt=DATE_FORMAT) if log_format == "json" else OneLineFormatter(FORMAT, DATE_FORMAT)
+    handler.setFormatter(formatter)
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level)
+
+
+def announce(text: str) -> None:
+    """Tell the operator something at start-up, whatever the log level: each line of `text` as an INFO
+    record of `bastion.serve`, through the root's handlers (so it has a time, a level and a logger, in
+    the log's format)."""
+    logger = logging.getLogger("bastion.serve")
+    for line in text.splitlines():
+        record = logger.makeRecord(logger.name, logging.INFO, __file__, 0, "%s", (line,), None)
+        for handler in logging.getLogger().handlers:
+            handler.handle(record)

@@ -20,7 +20,7 @@ import anyio
 
 from bastion.app import Services, build_server, build_services
 from bastion.config import Config, HttpConfig
-from bastion.logs import configure_logging
+from bastion.logs import announce, configure_logging
 from bastion.safety.errors import ConfigError, Unavailable
 
 if TYPE_CHECKING:
@@ -63,7 +63,10 @@ def client_snippet(config_path: str) -> str:
 def serve_stdio(config: Config, config_path: str) -> int:
     """Serve MCP over stdio; with `[http] preview_listen`, the HTTP front (login, admin, previews) too."""
     listeners = None if config.http.preview_listen is None else _Listeners(config, config_path, None)
-    configure_logging(config.log_level)
+    configure_logging(config.log_level, log_format=config.log_format)
+    if listeners is None:
+        # No listener serves them: counting would cost every call for nothing.
+        config = config.model_copy(update={"metrics": config.metrics.model_copy(update={"enabled": False})})
     services = build_services(config)
     front = None
     try:
@@ -72,10 +75,9 @@ def serve_stdio(config: Config, config_path: str) -> int:
         serve: Callable[[], Awaitable[None]] = server.run_stdio_async
         if listeners is not None:
             front = _Front(services, listeners, None)
-            print(
+            announce(
                 f"bastion: the administrator logs in at {front.endpoints.issuer}/admin; "
-                f"preview URLs are served at {front.preview_origin}",
-                file=sys.stderr,
+                f"preview URLs are served at {front.preview_origin}"
             )
             serve = functools.partial(_stdio_beside_http, server.run_stdio_async, front, listeners)
         with stop_signals():
@@ -95,7 +97,8 @@ def serve_stdio(config: Config, config_path: str) -> int:
 def _stdio_banner(config: Config, config_path: str) -> None:
     absolute = os.path.abspath(config_path)
     workspaces = ", ".join(f"{ws.id}={ws.path}" for ws in config.workspace)
-    if sys.stdin.isatty():
+    if sys.stdin.isatty() and config.log_format == "text":
+        # A person at a terminal: help to read, not a log line.
         print(
             f"bastion: serving MCP over stdio from {absolute}\n"
             f"bastion: workspaces: {workspaces}; audit log: {config.audit_path}\n"
@@ -106,7 +109,7 @@ def _stdio_banner(config: Config, config_path: str) -> None:
             file=sys.stderr,
         )
     else:
-        print(f"bastion: serving MCP over stdio from {absolute} (workspaces: {workspaces})", file=sys.stderr)
+        announce(f"bastion: serving MCP over stdio from {absolute} (workspaces: {workspaces})")
 
 
 async def _serve_until_stopped(serve: Callable[[], Awaitable[None]]) -> None:
@@ -366,25 +369,24 @@ async def _stdio_beside_http(serve_stdio: Callable[[], Awaitable[None]], front: 
 def serve_http(config: Config, config_path: str, listen: str | None = None) -> int:
     """Serve Streamable HTTP (and the authorization server) with uvicorn until interrupted."""
     listeners = _Listeners(config, config_path, listen)
-    configure_logging(config.log_level)
+    configure_logging(config.log_level, log_format=config.log_format)
     services = build_services(config)
     front = None
     try:
         front = _Front(services, listeners, listen)
         http = config.http
         where = f"{listeners.host}:{listeners.port}"
-        print(f"bastion: serving MCP over HTTP from {os.path.abspath(config_path)} on {where}", file=sys.stderr)
+        announce(f"bastion: serving MCP over HTTP from {os.path.abspath(config_path)} on {where}")
         if not http.auth:
-            warning = "bastion: WARNING: [http] auth = false: anyone reaching this address can call every tool"
-            print(warning, file=sys.stderr)
-        if http.public_url is not None and front.endpoints.issuer != http.public_url:
-            print(
-                f"bastion: public_url follows --listen: {front.endpoints.issuer} (the config has {http.public_url})",
-                file=sys.stderr,
+            logging.getLogger("bastion.serve").warning(
+                "bastion: [http] auth = false: anyone reaching this address can call every tool"
             )
-        print(http_connect_help(front.endpoints.resource), file=sys.stderr)
+        issuer = front.endpoints.issuer
+        if http.public_url is not None and issuer != http.public_url:
+            announce(f"bastion: public_url follows --listen: {issuer} (the config has {http.public_url})")
+        announce(http_connect_help(front.endpoints.resource))
         if front.preview is not None:
-            print(f"bastion: serving preview URLs at {front.preview_origin}", file=sys.stderr)
+            announce(f"bastion: serving preview URLs at {front.preview_origin}")
         main = _clean_stop_server()(front.main)
         if front.preview is None or listeners.preview is None:
             main.run(sockets=[listeners.main])

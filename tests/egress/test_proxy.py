@@ -28,11 +28,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from bastion.config import DEFAULT_BLOCKED_RANGES, parse_allow_rules
 from bastion.egress import _relay
 from bastion.egress import proxy as egress
 from bastion.egress.proxy import EgressService
+from bastion.metrics import Metrics
 from bastion.safety.audit import AuditLog, verify
 from bastion.safety.errors import Conflict, InvalidRequest, SandboxNotFound
 from bastion.safety.redact import Redactor
@@ -135,7 +137,10 @@ def egress_path(tmp: Path, rules: list[str], **options: object) -> Iterator[Egre
     tmp.mkdir(exist_ok=True)
     server = _Server()
     threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-    audit = AuditLog(tmp / "audit.jsonl", redactor=Redactor())
+    metrics = options.get("metrics")
+    audit = AuditLog(
+        tmp / "audit.jsonl", redactor=Redactor(), metrics=metrics if isinstance(metrics, Metrics) else None
+    )
     audit.open()
     options.setdefault("hosts", HOSTS)
     service = EgressService(audit, **options)  # type: ignore[arg-type]
@@ -588,6 +593,37 @@ def test_allowed_connection_is_recorded_before_it_is_made(tmp_path: Path, caplog
     opened = next(r for r in lines if r["event"] == "egress_open")
     assert opened["addresses"] == ["127.0.0.1"]
     assert verify(tmp_path / "audit.jsonl").ok
+
+
+def test_metrics_count_what_the_audit_log_records(tmp_path: Path) -> None:
+    """Invariant: bastion_egress_attempts_total by verdict and bastion_egress_bytes_total by direction
+    equal the sums of the egress records; an append refused by a closed audit log is one failure."""
+    metrics = Metrics()
+    with egress_path(tmp_path, ["local.test:PORT"], blocked_ranges=OPEN_RANGES, metrics=metrics) as path:
+        assert fetch(path, "http://local.test:PORT/1")[0] == 200
+        assert fetch(path, "http://evil.test:PORT/2")[0] == 403
+        assert fetch(path, "http://169.254.169.254/")[0] == 403
+        records = path.wait_records(3)
+        path.audit.close()
+        assert fetch(path, "http://local.test:PORT/3")[0] == 503
+        # The 503 attempt's egress_open record and its egress record: both refused by the closed log.
+        wait_for(lambda: scraped(metrics)[("bastion_audit_append_failures_total", "")] == 2)
+        path.audit.open()
+    got = scraped(metrics)
+    assert got[("bastion_egress_attempts_total", "allowed")] == 1
+    assert got[("bastion_egress_attempts_total", "refused")] == 3
+    assert got[("bastion_egress_bytes_total", "up")] == sum(int(str(r["bytes_up"])) for r in records)
+    assert got[("bastion_egress_bytes_total", "down")] == sum(int(str(r["bytes_down"])) for r in records)
+    assert got[("bastion_egress_bytes_total", "down")] > 0
+
+
+def scraped(metrics: Metrics) -> dict[tuple[str, str], float]:
+    """Samples by (name, the one label's value or ""), parsed from the exposition text."""
+    out: dict[tuple[str, str], float] = {}
+    for family in text_string_to_metric_families(metrics.render().decode()):
+        for sample in family.samples:
+            out[(sample.name, next(iter(sample.labels.values()), ""))] = sample.value
+    return out
 
 
 def wait_for(condition: Callable[[], bool]) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 import anyio
 import pytest
 from mcp import Client
+from prometheus_client.parser import text_string_to_metric_families
 
 from bastion.app import Services, build_server, build_services
 from bastion.config import load_config
@@ -426,3 +427,26 @@ async def test_close_all_while_a_sandbox_folder_is_being_made_leaves_nothing(
     assert not set(manager._held) & held_ids
     with pytest.raises(Unavailable, match="closing"):
         await creating
+
+
+async def test_metrics_count_sandboxes_by_state_and_the_warm_pool(client: Client, services: Services) -> None:
+    """Invariant: a scrape reports each live sandbox once under its state and isolation backend, and the
+    warm pool's size, read from the manager at scrape time; /readyz's pool check holds once it is filled."""
+    assert services.metrics is not None
+    deadline = time.monotonic() + 30
+    while services.sandboxes.pool_size < services.config.sandboxes.warm_pool:
+        assert time.monotonic() < deadline, "the warm pool was never filled"
+        await anyio.sleep(0.05)
+    assert services.sandboxes.pool_ready()
+    await create(client)
+    paused = await create(client)
+    assert (await call(client, "pause_sandbox", sandbox_id=paused))["ok"]
+    got = {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(services.metrics.render().decode())
+        for sample in family.samples
+    }
+    assert got[("bastion_sandboxes", (("isolation", "bubblewrap"), ("state", "running")))] == 1
+    assert got[("bastion_sandboxes", (("isolation", "bubblewrap"), ("state", "paused")))] == 1
+    assert got[("bastion_warm_pool_sandboxes", ())] == services.sandboxes.pool_size
+    assert got[("bastion_tool_calls_total", (("code", "OK"), ("tool", "create_sandbox")))] == 2

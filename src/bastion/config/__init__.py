@@ -36,6 +36,7 @@ from bastion.config.inbox import PROTECTION_KINDS as PROTECTION_KINDS
 from bastion.config.inbox import InboxConfig as InboxConfig
 from bastion.config.inbox import SkipKind as SkipKind
 from bastion.config.inbox import SkipRule as SkipRule
+from bastion.config.metrics import MetricsConfig as MetricsConfig
 from bastion.config.network import DEFAULT_BLOCKED_RANGES as DEFAULT_BLOCKED_RANGES
 from bastion.config.network import DEFAULT_PORTS as DEFAULT_PORTS
 from bastion.config.network import DEFAULT_REGISTRY as DEFAULT_REGISTRY
@@ -83,6 +84,7 @@ __all__ = [
     "HttpConfig",
     "InboxConfig",
     "LimitsConfig",
+    "MetricsConfig",
     "NetworkConfig",
     "ReadOnlyBind",
     "RedactionConfig",
@@ -183,6 +185,7 @@ class Config(Model):
     http: HttpConfig = HttpConfig()
     gateway: tuple[GatewayConfig, ...] = ()
     approvals: ApprovalsConfig = ApprovalsConfig()
+    metrics: MetricsConfig = MetricsConfig()
 
     def gateway_by_name(self, name: str) -> GatewayConfig | None:
         return next((g for g in self.gateway if g.name == name), None)
@@ -191,6 +194,8 @@ class Config(Model):
         return next((t for t in self.template if t.name == name), None)
 
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "WARNING"
+    log_format: Literal["text", "json"] = "text"
+    """The server log on stderr: escaped text lines, or one JSON object a line; `--log-format` overrides it."""
 
     @property
     def audit_path(self) -> Path:
@@ -247,8 +252,12 @@ def _resolve_paths(raw: Config, base: Path) -> Config:
         }
     )
     gateways = tuple(g.model_copy(update={"key_path": _absolute(base, g.key_path)}) for g in raw.gateway)
+    metrics = raw.metrics
+    if metrics.token_file is not None:
+        metrics = metrics.model_copy(update={"token_file": _absolute(base, metrics.token_file)})
     return raw.model_copy(
         update={
+            "metrics": metrics,
             "gateway": gateways,
             "state_dir": _absolute(base, raw.state_dir),
             "workspace": workspaces,

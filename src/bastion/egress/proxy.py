@@ -106,6 +106,7 @@ from bastion.egress._request import (
 # Re-exported: `Refused` is raised by the request parsing too, so it is defined there.
 from bastion.egress._request import Refused as Refused
 from bastion.egress._throttle import AttemptThrottle
+from bastion.metrics import EgressVerdict, Metrics
 from bastion.safety.errors import AuditUnavailable, Conflict, InvalidRequest, OperationFailed, SandboxNotFound
 
 if TYPE_CHECKING:
@@ -207,9 +208,10 @@ class EgressProxy:
     Use `EgressService` from sync code; this class is for code already on the loop.
     """
 
-    def __init__(self, audit: AuditLog, settings: EgressSettings) -> None:
+    def __init__(self, audit: AuditLog, settings: EgressSettings, metrics: Metrics | None = None) -> None:
         self._audit = audit
         self._settings = settings
+        self._metrics = metrics
         self._proxies: dict[str, _SandboxProxy] = {}
         # AuditLog.append_async serves one event loop (the server's): this loop writes
         # with the thread-safe `append`, off the loop, on its own small pool.
@@ -324,6 +326,9 @@ class EgressProxy:
             close_socket(client)
             if upstream is not None:
                 close_socket(upstream)
+            if self._metrics is not None:
+                verdict: EgressVerdict = "allowed" if attempt.decision == "allow" else "refused"
+                self._metrics.egress_attempt(verdict, attempt.bytes_up, attempt.bytes_down)
             await self._append(attempt.record())
 
     async def _read_request(self, client: socket.socket, attempt: _Attempt) -> Request:
@@ -453,6 +458,8 @@ class EgressProxy:
 
     async def _refuse_throttled(self, proxy: _SandboxProxy, client: socket.socket) -> None:
         """429 without reading the request; counted, and reported in one record a second."""
+        if self._metrics is not None:
+            self._metrics.egress_attempt("refused")
         if proxy.report is None:
             loop = asyncio.get_running_loop()
             proxy.report = loop.call_later(
@@ -546,6 +553,7 @@ class EgressService:
         hosts: names resolved to these addresses instead of through DNS.
         connect_timeout_s, idle_timeout_s, max_connections: per connection / per sandbox bounds.
         attempts_per_s, attempt_burst: the rate of connection attempts per sandbox.
+        metrics: where attempts and bytes are counted.
     """
 
     def __init__(
@@ -560,6 +568,7 @@ class EgressService:
         head_timeout_s: float = HEAD_TIMEOUT_S,
         attempts_per_s: float = 20.0,
         attempt_burst: int = 200,
+        metrics: Metrics | None = None,
     ) -> None:
         settings = EgressSettings(
             blocked_ranges=parse_ranges(blocked_ranges),
@@ -575,15 +584,16 @@ class EgressService:
             attempt_burst=attempt_burst,
         )
         self._loop = asyncio.new_event_loop()
-        self._proxy = EgressProxy(audit, settings)
+        self._proxy = EgressProxy(audit, settings, metrics)
         self._thread = threading.Thread(target=self._run, name="bastion-egress", daemon=True)
         self._closed = False
         self._thread.start()
 
     @classmethod
-    def from_config(cls, audit: AuditLog, network: NetworkConfig) -> EgressService:
+    def from_config(cls, audit: AuditLog, network: NetworkConfig, metrics: Metrics | None = None) -> EgressService:
         return cls(
             audit,
+            metrics=metrics,
             blocked_ranges=network.blocked_ranges,
             hosts=network.hosts,
             connect_timeout_s=network.connect_timeout_s,

@@ -47,6 +47,7 @@ from typing import Final, TypeAlias
 
 import anyio.to_thread
 
+from bastion.metrics import Metrics
 from bastion.safety.errors import AuditUnavailable
 from bastion.safety.redact import Redactor
 
@@ -111,6 +112,7 @@ class AuditLog:
         rotate_bytes: a file that would grow past this is renamed ``<name>.<N>``.
         fail_closed: when False (dangerous, for development only) a record that could not
             be written is logged as a warning to ``bastion.audit`` instead of raising.
+        metrics: where each append's latency and each failed record are counted.
     """
 
     def __init__(
@@ -120,8 +122,10 @@ class AuditLog:
         redactor: Redactor,
         rotate_bytes: int = 64 * 1024 * 1024,
         fail_closed: bool = True,
+        metrics: Metrics | None = None,
     ) -> None:
         self._path = Path(path)
+        self._metrics = metrics
         self._redactor = redactor
         self._keys: dict[str, tuple[str, bool]] = {}
         """Key -> (cleaned key, whether it names a secret): records repeat the same few keys."""
@@ -191,6 +195,14 @@ class AuditLog:
             AuditUnavailable: the record is not on disk; the caller must not act.
             ValueError: the record uses a reserved key (id, seq, ts, prev).
         """
+        started = time.perf_counter()
+        try:
+            return self._append(record, ran=ran)
+        finally:
+            if self._metrics is not None:
+                self._metrics.audit_append(started)
+
+    def _append(self, record: Mapping[str, object], *, ran: bool) -> str:
         pending = self._prepare(record)
         self._commit([pending])
         return self._result(pending, ran=ran)
@@ -208,8 +220,16 @@ class AuditLog:
         worker thread cleans and writes it with one fdatasync, then wakes every waiter.
         Use one event loop per `AuditLog`. A cancelled caller's record may still be written.
         """
+        started = time.perf_counter()
+        try:
+            return await self._append_async(record, alone=alone, ran=ran)
+        finally:
+            if self._metrics is not None:
+                self._metrics.audit_append(started)
+
+    async def _append_async(self, record: Mapping[str, object], *, alone: bool, ran: bool) -> str:
         if alone and not self._async_leading and self._last_sync_s < INLINE_SYNC_MAX_S:
-            return self.append(record, ran=ran)
+            return self._append(record, ran=ran)
         waiter = _AsyncPending(record)
         self._async_queue.append(waiter)
         if not self._async_leading:
@@ -228,6 +248,7 @@ class AuditLog:
         if waiter.exc is not None:
             raise waiter.exc
         if waiter.cause is not None:
+            self._count_failure()
             raise AuditUnavailable(_failure(waiter.cause, ran=ran))
         assert waiter.pending is not None
         return self._result(waiter.pending, ran=ran)
@@ -272,10 +293,26 @@ class AuditLog:
     def _result(self, pending: _Pending, *, ran: bool) -> str:
         if pending.error is None:
             return pending.id
+        self._count_failure()
         if self._fail_closed:
             raise AuditUnavailable(_failure(pending.error, ran=ran))
         _log.warning("%s (fail_closed is off: continuing)", pending.error)
         return pending.id
+
+    def _count_failure(self) -> None:
+        if self._metrics is not None:
+            self._metrics.audit_failure()
+
+    def problem(self) -> str | None:
+        """Why a record written now would be refused (broken, closed, moved or replaced), or None.
+
+        Point-in-time: the file can change right after. Takes no lock: a batch being written is not
+        waited for (a readiness probe must not queue behind a slow disk).
+        """
+        broken, fd = self._broken, self._fd
+        if broken is not None or fd is None:
+            return broken or "audit log is not open"
+        return _path_problem(self._path, self._ident)
 
     # -- cleaning -------------------------------------------------------------
 

@@ -167,6 +167,10 @@ class CgroupLayout:
             out["kill"] = r.unified.base
         return out
 
+    def usable(self) -> bool:
+        """Whether every base folder is still there and writable by us (point-in-time, for a readiness probe)."""
+        return all(os.access(base, os.W_OK | os.X_OK) for base in set(self.locations.values()))
+
     @property
     def has_cgroup_kill(self) -> bool:
         return self._roles.cgroup_kill

@@ -22,6 +22,7 @@ from typing import Final
 from mcp.server.auth.middleware.auth_context import get_access_token
 from mcp_types import ImageContent
 
+from bastion.metrics import Metrics
 from bastion.safety.audit import AuditLog
 from bastion.safety.errors import AuditUnavailable, BastionError
 from bastion.safety.results import OperationResult, ResultCode
@@ -40,15 +41,20 @@ class Outcome:
 
 Operation = Callable[[], Awaitable[OperationResult | Outcome]]
 UNNAMED: Final = ""
+UNKNOWN_TOOL: Final = "(unknown)"
+"""The metrics label of a call to a tool this server does not have: a client's name never becomes a label."""
 """The action of a result built inside a tool's body: `CallRunner` sets it to the tool's name."""
 
 
 class CallRunner:
     """Runs one tool operation under the audit log."""
 
-    def __init__(self, audit: AuditLog, *, caller: str) -> None:
+    def __init__(self, audit: AuditLog, *, caller: str, metrics: Metrics | None = None) -> None:
         self.audit = audit
         self.caller = caller
+        self.metrics = metrics
+        self.tools: set[str] = set()
+        """The registered tools' names (`BastionServer.tool` adds them): only these are metric labels."""
         self._in_flight = 0
         self.requests_in_flight = 0
         """Transport requests being served that may reach this runner (the HTTP app counts its /mcp POSTs).
@@ -75,10 +81,15 @@ class CallRunner:
         workspace: str | None = None,
     ) -> OperationResult:
         self._in_flight += 1
+        started = time.perf_counter()
         try:
-            return await self._run(action, arguments, operation, mutating=mutating, workspace=workspace)
+            result = await self._run(action, arguments, operation, mutating=mutating, workspace=workspace)
         finally:
             self._in_flight -= 1
+        if self.metrics is not None:
+            tool = action if action in self.tools else UNKNOWN_TOOL
+            self.metrics.tool_call(tool, result.code.value, time.perf_counter() - started)
+        return result
 
     async def _run(
         self,

@@ -82,6 +82,7 @@ class BastionServer(MCPServer[Any]):
         if scope not in SCOPES:
             raise ValueError(f"unknown scope {scope!r}")
         self.tool_scopes[name] = scope
+        self.runner.tools.add(name)
         shown = title or default_title(name)
         return super().tool(name=name, title=shown, description=description, annotations=annotations)
 

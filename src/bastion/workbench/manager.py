@@ -209,6 +209,9 @@ class SandboxManager:
         self._workers = _folder_workers()
         self._building: dict[str, Path] = {}  # sandboxes whose folders a worker is making, until _prepare resumes
         self._refill: asyncio.Task[None] | None = None
+        self._pool_failed = False
+        """The last refill of the warm pool failed (a readiness check reads it)."""
+        self._pool_filled_once = False
 
     @property
     def enabled(self) -> bool:
@@ -471,7 +474,34 @@ class SandboxManager:
             while len(self._pool) < self._config.warm_pool:
                 self._pool.append(await self._prepare(_binds(self._default_template)))
         except BastionError as exc:
+            self._pool_failed = True
             logger.warning("warm pool not refilled: %s", exc.reason)
+        else:
+            self._pool_failed = False
+            self._pool_filled_once = True
+
+    @property
+    def pool_size(self) -> int:
+        """Started sandboxes waiting in the warm pool."""
+        return len(self._pool)
+
+    def pool_ready(self) -> bool:
+        """Whether the warm pool is full, or was filled since the start and its last refill worked.
+
+        A pool emptied by a burst of create_sandbox is still ready: a readiness probe failing under load
+        would take the server out of rotation exactly when it is used.
+        """
+        if not self._config.enabled or len(self._pool) >= self._config.warm_pool:
+            return True
+        return self._pool_filled_once and not self._pool_failed
+
+    def census(self) -> dict[tuple[str, str], int]:
+        """Live sandboxes by (state, isolation backend)."""
+        counts: dict[tuple[str, str], int] = {}
+        for box in list(self._boxes.values()):
+            key = (_state(box.workspace.sandbox), BubblewrapBackend.name)
+            counts[key] = counts.get(key, 0) + 1
+        return counts
 
     def _workspace_config(
         self,

@@ -1,6 +1,8 @@
 """Assemble the HTTP application: /mcp (the SDK's streamable transport), the authorization server, pages.
 
 Layers, outermost first:
+0. `Observe`: /healthz, /readyz and /metrics, before the Host check (probes use 127.0.0.1; /metrics
+   checks Host and its own access rule itself).
 1. `HostGuard`: the Host header must name `public_url` (DNS-rebinding protection for every route; the
    SDK's transport checks Host and Origin again for /mcp). A loopback `public_url` is also reached as
    127.0.0.1, localhost and [::1] on its port: one server, whose protected-resource metadata and 401
@@ -54,6 +56,7 @@ from bastion.transports.http.endpoints import (
     protected_resource_metadata,
 )
 from bastion.transports.http.flow import AuthorizationFlow
+from bastion.transports.http.observe import Observe, read_scrape_token
 from bastion.transports.http.password import AdminCredential
 from bastion.transports.http.preview import PreviewApp
 from bastion.transports.http.provider import BastionAuthProvider, Endpoints
@@ -333,6 +336,9 @@ def build_http_app(services: Services, server: BastionServer, *, listen: str | N
     """The ASGI app for `bastion serve --http`. The caller runs it (uvicorn) and closes `store`."""
     config = services.config
     endpoints = endpoints_for(config, listen)
+    # Before anything is opened: a bad token file stops the start with nothing to close.
+    token_file = config.metrics.token_file
+    scrape_digest = read_scrape_token(token_file) if token_file is not None else None
     public_url = endpoints.issuer
     hosts = allowed_hosts(public_url)
     origins = [*loopback_origins(public_url), *config.http.extra_origins]
@@ -354,6 +360,7 @@ def build_http_app(services: Services, server: BastionServer, *, listen: str | N
             free=config.http.login_failures_before_backoff,
             max_s=config.http.login_backoff_max_s,
             global_per_minute=config.http.global_login_failures_per_minute,
+            metrics=services.metrics,
         )
         flow = AuthorizationFlow(provider, credential, limiter)
         tokens = TokenEndpoint(provider)
@@ -426,7 +433,9 @@ def build_http_app(services: Services, server: BastionServer, *, listen: str | N
                     verifier.close()
 
     starlette = Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
-    app = HostGuard(CountCalls(AccessLog(starlette), server.runner), hosts, origins)
+    guarded_app = HostGuard(CountCalls(AccessLog(starlette), server.runner), hosts, origins)
+    port = int((listen or config.http.listen).rpartition(":")[2])
+    app = Observe(guarded_app, services, hosts, port, scrape_digest)
     return HttpApp(app=app, endpoints=endpoints, store=store)
 
 

@@ -25,6 +25,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Final
 
+from bastion.metrics import Metrics
 from bastion.safety.errors import ResourceLimit
 
 logger = logging.getLogger("bastion.http.ratelimit")
@@ -89,6 +90,8 @@ class LoginLimiter:
     max_s: float
     global_per_minute: int
     max_checks: int = MAX_CONCURRENT_CHECKS
+    metrics: Metrics | None = None
+    """Where failed and refused logins are counted."""
     _by_key: dict[str, _Failures] = field(default_factory=dict)
     _recent: deque[float] = field(default_factory=deque)
     _running: int = 0
@@ -103,6 +106,14 @@ class LoginLimiter:
         Raises:
             LoginRefused: this address has a check in flight or must wait (429), or the server is busy (503).
         """
+        try:
+            return self._begin(ip, device)
+        except LoginRefused:
+            if self.metrics is not None:
+                self.metrics.login_failure("refused")
+            raise
+
+    def _begin(self, ip: str, device: str | None) -> LoginAttempt:
         key = device_key(device) if device else address_key(ip)
         now = time.monotonic()
         entry = self._by_key.get(key)
@@ -144,6 +155,8 @@ class LoginLimiter:
         if ok:
             self._by_key.pop(attempt.key, None)
             return
+        if self.metrics is not None:
+            self.metrics.login_failure("wrong_password")
         if entry is None:
             return
         entry.in_flight = False

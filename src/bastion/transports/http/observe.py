@@ -1,0 +1,184 @@
+"""`/healthz`, `/readyz` and `/metrics`: what a supervisor and a Prometheus server ask the HTTP listener.
+
+- `/healthz`: 200 `ok` while the process serves requests. No auth, no detail.
+- `/readyz`: 200 or 503 with `{"ready": bool, "checks": {"audit": bool, "cgroups": bool, "warm_pool": bool}}`.
+  Booleans only: no path, no reason (those are in the server log). No auth: a prober rarely has one,
+  and which of three checks failed tells a stranger nothing they could use.
+- `/metrics`: the Prometheus exposition. With `[metrics] token_file`, only with `Authorization: Bearer
+  <token>` (compared as SHA-256 digests, in constant time); without it, only from a loopback client
+  whose request no proxy relayed (a same-host reverse proxy connects from 127.0.0.1 for everyone: a
+  request carrying Forwarded, X-Forwarded-For or X-Real-IP is refused). Refusals are a bare 401 or 403.
+
+These three answer before `HostGuard`, because probes and scrapers on the host use 127.0.0.1 whatever
+`public_url` is. `/metrics` checks Host itself: one of the server's own names or a loopback literal. A
+DNS-rebinding page (Host: its own domain, resolved to 127.0.0.1) is refused, so a page the administrator
+opens cannot read the metrics through the browser's loopback connection.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import json
+import logging
+import os
+import stat
+from pathlib import Path
+from typing import Final
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from bastion.app import Services
+from bastion.metrics import CONTENT_TYPE, Metrics
+from bastion.safety.errors import ConfigError
+
+__all__ = ["MIN_TOKEN_CHARS", "Observe", "read_scrape_token"]
+
+logger = logging.getLogger("bastion.http.observe")
+MIN_TOKEN_CHARS: Final = 32
+MAX_TOKEN_BYTES: Final = 4096
+_RELAYED: Final = frozenset({b"forwarded", b"x-forwarded-for", b"x-real-ip"})
+_LOOPBACK_HOSTS: Final = ("127.0.0.1", "localhost", "[::1]")
+_PATHS: Final = frozenset({"/healthz", "/readyz", "/metrics"})
+
+
+def read_scrape_token(path: Path) -> bytes:
+    """The SHA-256 digest of the token in `path` (surrounding whitespace ignored).
+
+    Only the digest is kept: the token itself leaves no copy in the server's memory to leak.
+
+    Raises:
+        ConfigError: the file cannot be read, is readable by others, or holds fewer than
+            `MIN_TOKEN_CHARS` characters.
+    """
+    try:
+        with path.open("rb") as f:
+            others_read = os.fstat(f.fileno()).st_mode & stat.S_IROTH
+            token = f.read(MAX_TOKEN_BYTES + 1).strip()
+    except OSError as exc:
+        raise ConfigError(
+            f"[metrics] token_file {path}: {exc.strerror or exc}: create it or unset token_file"
+        ) from None
+    if others_read:
+        raise ConfigError(f"[metrics] token_file {path} is readable by others: run 'chmod o-r' on it")
+    if len(token) < MIN_TOKEN_CHARS or len(token) > MAX_TOKEN_BYTES:
+        raise ConfigError(
+            f"[metrics] token_file {path} must hold one token of {MIN_TOKEN_CHARS} to {MAX_TOKEN_BYTES} characters "
+            "(e.g. from 'openssl rand -hex 32')"
+        )
+    return hashlib.sha256(token).digest()
+
+
+class Observe:
+    """The three routes in front of `app` (everything else goes to `app` unchanged)."""
+
+    def __init__(
+        self, app: ASGIApp, services: Services, hosts: list[str], port: int, token_digest: bytes | None
+    ) -> None:
+        """`token_digest`: `read_scrape_token`'s answer for `[metrics] token_file`, or None (loopback only)."""
+        self.app = app
+        self.services = services
+        self.metrics: Metrics | None = services.metrics
+        self.token_digest = token_digest
+        self.metrics_hosts = frozenset({*(h.lower() for h in hosts), *(f"{h}:{port}" for h in _LOOPBACK_HOSTS)})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] not in _PATHS:
+            await self.app(scope, receive, send)
+            return
+        if scope["method"] not in ("GET", "HEAD"):
+            await _answer(send, 405, b"Method Not Allowed\n", extra=[(b"allow", b"GET, HEAD")])
+            return
+        path = scope["path"]
+        if path == "/healthz":
+            await _answer(send, 200, b"ok\n")
+        elif path == "/readyz":
+            await self._ready(send)
+        else:
+            await self._metrics(scope, send)
+
+    async def _ready(self, send: Send) -> None:
+        services = self.services
+        checks = {
+            "audit": services.audit.problem() is None,
+            "cgroups": services.cgroups is None or services.cgroups.usable(),
+            "warm_pool": services.sandboxes.pool_ready(),
+        }
+        ready = all(checks.values())
+        body = json.dumps({"ready": ready, "checks": checks}).encode() + b"\n"
+        await _answer(send, 200 if ready else 503, body, content_type=b"application/json")
+
+    async def _metrics(self, scope: Scope, send: Send) -> None:
+        if self.metrics is None:
+            await _answer(send, 404, b"Not Found\n")
+            return
+        headers = scope.get("headers", ())
+        refusal = self._refusal(scope, headers)
+        if refusal is not None:
+            await _refuse(send, refusal)
+            return
+        await _answer(send, 200, self.metrics.render(), content_type=CONTENT_TYPE.encode())
+
+    def _refusal(self, scope: Scope, headers: list[tuple[bytes, bytes]]) -> int | None:
+        host = b""
+        authorization = b""
+        relayed = False
+        for key, value in headers:
+            if key == b"host":
+                host = value
+            elif key == b"authorization":
+                authorization = value
+            elif key in _RELAYED:
+                relayed = True
+        if host.decode("latin-1").lower() not in self.metrics_hosts:
+            return 403
+        if self.token_digest is not None:
+            return None if self._token_ok(authorization) else 401
+        client = scope.get("client")
+        return None if client is not None and not relayed and _is_loopback(client[0]) else 403
+
+    def _token_ok(self, authorization: bytes) -> bool:
+        if self.token_digest is None:
+            return False
+        scheme, _, token = authorization.partition(b" ")
+        presented = hashlib.sha256(token.strip()).digest()
+        # Both sides compared, whatever the scheme: the time taken says nothing about the token.
+        same = hmac.compare_digest(presented, self.token_digest)
+        return same and scheme.lower() == b"bearer"
+
+
+async def _refuse(send: Send, status: int) -> None:
+    if status == 401:
+        await _answer(send, 401, b"Unauthorized\n", extra=[(b"www-authenticate", b"Bearer")])
+    else:
+        await _answer(send, 403, b"Forbidden\n")
+
+
+def _is_loopback(address: str) -> bool:
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback
+
+
+async def _answer(
+    send: Send,
+    status: int,
+    body: bytes,
+    *,
+    content_type: bytes = b"text/plain; charset=utf-8",
+    extra: list[tuple[bytes, bytes]] | None = None,
+) -> None:
+    headers = [
+        (b"content-type", content_type),
+        (b"content-length", str(len(body)).encode()),
+        (b"cache-control", b"no-store"),
+        (b"x-content-type-options", b"nosniff"),
+        *(extra or []),
+    ]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,87 @@
+"""The server's own log: time, level and logger on every line, in text or JSON, and no forged lines.
+
+What this proves: a message or an exception holding a newline, CR, ESC, DEL, a C1 control or U+2028
+stays on its record's one line in both formats, and stays readable (escaped text; JSON that decodes
+back to the original); a real `bastion serve --stdio --log-format json` writes only JSON lines. What it
+does not prove: what other processes (bubblewrap, a sandbox) write to their own stderr.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import re
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from bastion.logs import LogFormat, configure_logging
+from tests.helpers import BASTION
+from tests.transports.http.live import free_port, write_config
+
+HOSTILE = "client says hi\n2026-12-04T00:00:00+0000 ERROR bastion.audit: forged\r\x1b[2J\x7f\x85\u2028end"
+TEXT_LINE = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d[+-]\d{4} (DEBUG|INFO|WARNING|ERROR|CRITICAL) [\w.]+: ")
+
+
+@pytest.fixture
+def restore_logging() -> Iterator[None]:
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+def logged(log_format: LogFormat) -> list[str]:
+    stream = io.StringIO()
+    configure_logging("INFO", stream, log_format=log_format)
+    logger = logging.getLogger("bastion.test")
+    logger.warning("client_id %s", HOSTILE)
+    try:
+        raise ValueError(HOSTILE)
+    except ValueError:
+        logger.exception("failed for %s", "x")
+    return stream.getvalue().splitlines()
+
+
+@pytest.mark.usefixtures("restore_logging")
+def test_a_hostile_value_never_forges_a_text_line() -> None:
+    lines = logged("text")
+    assert len(lines) == 2, lines
+    assert all(TEXT_LINE.match(line) for line in lines), lines
+    assert "\\n2026-12-04T00:00:00+0000 ERROR" in lines[0]
+    assert "\\x1b[2J\\x7f\\x85\\u2028end" in lines[0]
+    assert lines[1].endswith("\\u2028end"), "the exception is named on its record's line"
+
+
+@pytest.mark.usefixtures("restore_logging")
+def test_a_hostile_value_never_forges_a_json_line() -> None:
+    lines = logged("json")
+    assert len(lines) == 2, lines
+    first, second = (json.loads(line) for line in lines)
+    assert first["level"] == "WARNING"
+    assert first["logger"] == "bastion.test"
+    assert first["message"] == f"client_id {HOSTILE}"
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d[+-]\d{4}", first["ts"])
+    assert second["exc"] == f"ValueError: {HOSTILE}"
+    assert all(line.isascii() for line in lines), "U+2028 and C1 controls are escaped"
+
+
+def test_stdio_serve_with_log_format_json_writes_json_lines(tmp_path: Path) -> None:
+    config = write_config(tmp_path / "demo", free_port(), auth=False)
+    done = subprocess.run(
+        [str(BASTION), "serve", "--config", str(config), "--stdio", "--log-format", "json"],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    entries = [json.loads(line) for line in done.stderr.splitlines()]
+    assert entries, "nothing was logged"
+    assert any("serving MCP over stdio" in entry["message"] for entry in entries)
+    assert all({"ts", "level", "logger", "message"} <= entry.keys() for entry in entries)
