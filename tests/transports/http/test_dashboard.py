@@ -138,7 +138,7 @@ def test_chromium_sees_an_agents_sandbox_closes_it_and_filters_the_audit_log(das
     dash.tool("run_command", sandbox_id=other, command="head -c 3000000 /dev/urandom > blob")
     dash.server.register(client_name=HOSTILE_CLIENT)
     with launch() as chromium:
-        context = chromium.new_context(viewport={"width": 1100, "height": 760})
+        context = chromium.new_context(viewport={"width": 1280, "height": 760})
         page = context.new_page()
         dialogs: list[str] = []
         page.on("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.dismiss()))

@@ -31,7 +31,7 @@ from bastion.safety.results import ResultCode
 
 PAGE_RECORDS: Final = 50
 SCAN_BYTES: Final = 2 << 20
-VERIFY_MAX_BYTES: Final = 64 << 20
+VERIFY_MAX_BYTES: Final = 16 << 20
 VERIFY_EVERY_S: Final = 30.0
 MAX_FILTER_CHARS: Final = 200
 
@@ -248,6 +248,8 @@ class ChainStatus:
                     if report.ok
                     else f"BROKEN at {report.file}:{report.line}: {report.first_error}"
                 )
+                checked = time.strftime("%H:%M:%SZ", time.gmtime())
+                message += f" (checked at {checked}; re-checked at most every {self.every_s:g} s)"
                 self._state = ChainState("ok" if report.ok else "broken", message, time.monotonic())
             self._key = key
             return self._state
