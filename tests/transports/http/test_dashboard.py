@@ -141,7 +141,12 @@ def test_chromium_sees_an_agents_sandbox_closes_it_and_filters_the_audit_log(das
         context = chromium.new_context(viewport={"width": 1280, "height": 760})
         page = context.new_page()
         dialogs: list[str] = []
-        page.on("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.dismiss()))
+
+        def on_dialog(dialog: Any) -> None:
+            dialogs.append(dialog.message)
+            dialog.dismiss()
+
+        page.on("dialog", on_dialog)
         page.goto(f"{dash.server.base}/admin/sandboxes")
         page.wait_for_url("**/admin/login")
         page.fill("input[name=password]", PASSWORD)
