@@ -146,6 +146,14 @@ def test_a_torn_line_and_a_cursor_inside_a_line_are_skipped(tmp_path: Path) -> N
     assert shown == [0]
 
 
+def test_an_edited_line_nested_too_deep_is_skipped_not_raised(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    write_log(path, 2)
+    with path.open("ab") as f:
+        f.write(b'{"a":' * 200_000 + b"1" + b"}" * 200_000 + b"\n")
+    assert [r.fields["n"] for r in read_page(path, AuditFilter()).records] == [2, 1, 0]
+
+
 def test_chain_status_is_cached_until_the_file_changes(tmp_path: Path) -> None:
     path = tmp_path / "audit.jsonl"
     write_log(path, 20)

@@ -201,7 +201,7 @@ def _page(window: bytes, start: int, wanted: AuditFilter, limit: int, file_bytes
 def _parse(raw: bytes) -> dict[str, object] | None:
     try:
         value = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # an edited log may nest deeper than the writer ever does
         return None
     return value if isinstance(value, dict) else None
 

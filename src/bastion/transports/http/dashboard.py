@@ -121,7 +121,7 @@ class Dashboard:
             title="sandboxes",
             current="/admin/sandboxes",
             csrf=csrf,
-            message=request.query_params.get("message", "")[:300],
+            message="",
             enabled=self.sandboxes is not None and self.sandboxes.enabled,
             boxes=details,
             refresh_s=REFRESH_S,
@@ -137,7 +137,7 @@ class Dashboard:
             title=f"sandbox {box.id}",
             current="/admin/sandboxes",
             csrf=csrf,
-            message=request.query_params.get("message", "")[:300],
+            message="",
             box=details[0],
         )
 
