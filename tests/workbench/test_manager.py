@@ -134,6 +134,7 @@ async def test_looking_at_a_sandbox_does_not_reset_its_idle_timer(client: Client
     idle_since = time.monotonic() - 60
     services.sandboxes.find(box).last_used = idle_since
     detail = services.sandboxes.detail(services.sandboxes.find(box))
+    assert isinstance(detail["idle_s"], float)
     assert detail["idle_s"] >= 60
     assert services.sandboxes.find(box).last_used == idle_since
     await call(client, "get_sandbox_status", sandbox_id=box)  # an agent's call is use
