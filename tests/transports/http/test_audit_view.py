@@ -168,6 +168,29 @@ def test_chain_status_is_cached_until_the_file_changes(tmp_path: Path) -> None:
     assert status.check().state == "broken"
 
 
+def test_chain_status_follows_the_chain_across_rotated_files(tmp_path: Path) -> None:
+    """Rotated files are verified once and then trusted while unchanged; an edit to one is still seen."""
+    path = tmp_path / "audit.jsonl"
+    log = AuditLog(path, redactor=Redactor(), rotate_bytes=4096)
+    log.open()
+    try:
+        for n in range(60):
+            log.append({"event": "end", "tool": "t", "n": n})
+    finally:
+        log.close()
+    assert path.with_name("audit.jsonl.2").exists()
+    status = ChainStatus(path, every_s=0.0)
+    assert status.check().state == "ok"
+    assert "60 records" in status.check().message
+    first = path.with_name("audit.jsonl.1")
+    first.write_bytes(first.read_bytes().replace(b'"n":3', b'"n":4'))
+    broken = status.check()
+    assert broken.state == "broken"
+    assert "audit.jsonl.1" in broken.message
+    first.unlink()
+    assert "is missing" in status.check().message
+
+
 def test_chain_status_is_not_computed_past_its_cap(tmp_path: Path) -> None:
     path = tmp_path / "audit.jsonl"
     write_log(path, 20)

@@ -6,10 +6,11 @@ match the filters; the next page starts where this one stopped. Rotated files (`
 here: `bastion audit verify` and any JSONL tool read them. Filter values are checked against the
 vocabulary of the log (a tool name, a result code, a sandbox id) and refused otherwise.
 
-The chain's status comes from `bastion.safety.audit.verify`, which reads every file: it runs in a worker
-thread, at most once per `VERIFY_EVERY_S` and only when the files changed (inode, size, mtime), and not
-at all past `VERIFY_MAX_BYTES` (the page then says to run `bastion audit verify`). It is a point-in-time
-check with verify's own limits (a consistent rewrite of the whole chain is not detected).
+The chain's status comes from `bastion.safety.audit.verify_files`, in a worker thread: the rotated files
+(which never change) once, then the current file from where they end, at most once per `VERIFY_EVERY_S`
+and only when the files changed (inode, size, mtime), and not past `VERIFY_MAX_BYTES` (the page then
+says to run `bastion audit verify`). It is a point-in-time check with verify's own limits (a
+consistent rewrite of the whole chain is not detected).
 """
 
 from __future__ import annotations
@@ -25,13 +26,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final, Literal
 
-from bastion.safety.audit import verify
+from bastion.safety.audit import ChainHead, chain_files, verify_files
 from bastion.safety.errors import InvalidRequest
 from bastion.safety.results import ResultCode
 
 PAGE_RECORDS: Final = 50
 SCAN_BYTES: Final = 2 << 20
-VERIFY_MAX_BYTES: Final = 16 << 20
+VERIFY_MAX_BYTES: Final = 64 << 20  # one file at the default rotate_bytes: ~1 s
 VERIFY_EVERY_S: Final = 30.0
 MAX_FILTER_CHARS: Final = 200
 
@@ -219,55 +220,88 @@ class ChainState:
 
 @dataclass
 class ChainStatus:
-    """`verify`, cached: re-run only when the files changed and at most once per `every_s`, never past `max_bytes`."""
+    """`verify`, cached and bounded.
+
+    Rotated files never change: they are verified once, and later checks start from the head they end
+    with (re-verified only if one of them changes). The current file is re-verified only when the files
+    changed (inode, size, mtime), at most once per `every_s`, and not past `max_bytes` (nor rotated
+    files past it in all).
+    """
 
     path: Path
     max_bytes: int = VERIFY_MAX_BYTES
     every_s: float = VERIFY_EVERY_S
     _key: tuple[tuple[str, int, int, int], ...] | None = None
     _state: ChainState | None = None
+    _rotated: tuple[tuple[tuple[str, int, int, int], ...], ChainHead] | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def check(self) -> ChainState:
         """The chain's status (blocking: call it in a worker thread)."""
         with self._lock:
-            key = self._files()
+            key = _identities(self.path)
             state = self._state
             if state is not None and (key == self._key or _recent(state, self.every_s)):
                 return state
-            total = sum(size for _, _, size, _ in key)
-            if total > self.max_bytes:
-                self._state = ChainState(
-                    "unchecked",
-                    f"not checked here: the log is {total} bytes (over {self.max_bytes}); run bastion audit verify",
-                )
-            else:
-                report = verify(self.path)
-                message = (
-                    f"{report.records} records, chain intact"
-                    if report.ok
-                    else f"BROKEN at {report.file}:{report.line}: {report.first_error}"
-                )
-                checked = time.strftime("%H:%M:%SZ", time.gmtime())
-                message += f" (checked at {checked}; re-checked at most every {self.every_s:g} s)"
-                self._state = ChainState("ok" if report.ok else "broken", message, time.monotonic())
+            self._state = self._verify(key)
+            if self._state.state == "broken" and _identities(self.path) != key:
+                key = _identities(self.path)  # rotated or appended while verifying: look again once
+                self._state = self._verify(key)
             self._key = key
             return self._state
 
-    def _files(self) -> tuple[tuple[str, int, int, int], ...]:
-        """(name, inode, size, mtime) of the log and its rotated files: what a new record or an edit changes."""
-        out = []
+    def _verify(self, key: tuple[tuple[str, int, int, int], ...]) -> ChainState:
+        files, missing = chain_files(self.path)
+        if missing is not None:
+            return _checked("broken", f"BROKEN: {missing.first_error}")
+        rotated, current = files[:-1], files[-1]
+        head = self._rotated_head(key[:-1] if key else (), rotated)
+        if isinstance(head, ChainState):
+            return head
+        size = key[-1][2] if key and key[-1][0] == self.path.name else 0
+        if size > self.max_bytes:
+            return ChainState("unchecked", _too_big(size, self.max_bytes))
+        report, end = verify_files([current], head, rotated[-1] if rotated else None)
+        if not report.ok:
+            return _checked("broken", f"BROKEN at {report.file}:{report.line}: {report.first_error}")
+        return _checked("ok", f"{end.records} records, chain intact")
+
+    def _rotated_head(self, key: tuple[tuple[str, int, int, int], ...], rotated: list[Path]) -> ChainHead | ChainState:
+        """The head after the rotated files (cached while they are unchanged), or why there is none."""
+        if not rotated:
+            return ChainHead()
+        if self._rotated is not None and self._rotated[0] == key:
+            return self._rotated[1]
+        total = sum(size for _, _, size, _ in key)
+        if total > self.max_bytes:
+            return ChainState("unchecked", _too_big(total, self.max_bytes))
+        report, head = verify_files(rotated, ChainHead())
+        if not report.ok:
+            return _checked("broken", f"BROKEN at {report.file}:{report.line}: {report.first_error}")
+        self._rotated = (key, head)
+        return head
+
+
+def _identities(path: Path) -> tuple[tuple[str, int, int, int], ...]:
+    """(name, inode, size, mtime) of the rotated files in order, then the log: what a record or an edit changes."""
+    files, _ = chain_files(path)
+    out = []
+    for file in files:
         try:
-            names = sorted(n for n in os.listdir(self.path.parent) if n.startswith(self.path.name))
+            st = os.lstat(file)
         except OSError:
-            return ()
-        for name in names:
-            try:
-                st = os.lstat(self.path.parent / name)
-            except OSError:
-                continue
-            out.append((name, st.st_ino, st.st_size, st.st_mtime_ns))
-        return tuple(out)
+            continue
+        out.append((file.name, st.st_ino, st.st_size, st.st_mtime_ns))
+    return tuple(out)
+
+
+def _checked(state: Literal["ok", "broken"], message: str) -> ChainState:
+    checked = time.strftime("%H:%M:%SZ", time.gmtime())
+    return ChainState(state, f"{message} (checked at {checked})", time.monotonic())
+
+
+def _too_big(size: int, limit: int) -> str:
+    return f"not checked here: {size} bytes to read (over {limit}); run bastion audit verify"
 
 
 def _recent(state: ChainState, every_s: float) -> bool:
