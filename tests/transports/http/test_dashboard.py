@@ -42,6 +42,7 @@ pytestmark = pytest.mark.bwrap
 HOSTILE_NAME = '<img src=x onerror="document.title=1">'
 HOSTILE_LABEL = "<script>document.title='owned'</script>"
 HOSTILE_CLIENT = '<svg onload="document.title=2">'
+FETCH = "python3 -c 'import sys,urllib.request as u\ntry: u.urlopen(sys.argv[1], timeout=10)\nexcept OSError: pass' "
 SCREENSHOTS = Path(__file__).resolve().parents[3] / "docs" / "dashboard"
 
 
@@ -130,9 +131,7 @@ def shoot(page: Any, name: str, tmp: Path) -> None:
 def test_chromium_sees_an_agents_sandbox_closes_it_and_filters_the_audit_log(dash: Dash, tmp_path: Path) -> None:
     sandbox_id = dash.sandbox(name=HOSTILE_NAME, labels={"project": HOSTILE_LABEL, "owner": "blog"})
     other = dash.sandbox(name="build", network_allow=[f"allowed.test:{dash.server.port}"])
-    fetch = (
-        "python3 -c 'import sys,urllib.request as u\ntry: u.urlopen(sys.argv[1], timeout=10)\nexcept OSError: pass' "
-    )
+    fetch = FETCH
     dash.tool("run_command", sandbox_id=other, command=fetch + f"http://allowed.test:{dash.server.port}/x")
     dash.tool("run_command", sandbox_id=other, command=fetch + "http://denied.test/")
     dash.tool("run_command", sandbox_id=other, command="head -c 3000000 /dev/urandom > blob")
@@ -306,3 +305,16 @@ def test_every_page_has_the_strict_csp_and_one_stylesheet(dash: Dash) -> None:
     css = dash.page("/static/bastion.css")
     assert css.status_code == 200
     assert css.headers["content-type"].startswith("text/css")
+
+
+def test_the_egress_page_filters_by_decision_and_sandbox(dash: Dash) -> None:
+    sandbox_id = dash.sandbox(network_allow=[f"allowed.test:{dash.server.port}"])
+    dash.tool("run_command", sandbox_id=sandbox_id, command=FETCH + f"http://allowed.test:{dash.server.port}/y")
+    dash.tool("run_command", sandbox_id=sandbox_id, command=FETCH + "http://denied.test/")
+    denied = dash.page(f"/admin/egress?decision=deny&sandbox={sandbox_id}").text
+    allowed = dash.page(f"/admin/egress?decision=allow&sandbox={sandbox_id}").text
+    assert "denied.test" in denied
+    assert "allowed.test" not in denied
+    assert f"allowed.test:{dash.server.port}/y" in allowed
+    assert "denied.test" not in allowed
+    assert dash.tool("close_sandbox", sandbox_id=sandbox_id)["ok"]
