@@ -302,6 +302,11 @@ def test_every_page_has_the_strict_csp_and_one_stylesheet(dash: Dash) -> None:
         assert "<script" not in response.text.lower()
         assert 'style="' not in response.text
         assert '<meta name="viewport"' in response.text
+    with dash.server.http() as anonymous:
+        login = anonymous.get("/admin/login")  # the f-string pages share the stylesheet and the CSP
+    assert "unsafe-inline" not in login.headers["content-security-policy"]
+    assert '<link rel="stylesheet" href="/static/bastion.css">' in login.text
+    assert "<style" not in login.text
     css = dash.page("/static/bastion.css")
     assert css.status_code == 200
     assert css.headers["content-type"].startswith("text/css")
