@@ -21,6 +21,7 @@ from bastion.app import build_server, build_services
 from bastion.config import Config, HttpConfig
 from bastion.logs import configure_logging
 from bastion.safety.errors import ConfigError, Unavailable
+from bastion.systemd import Notifier
 
 if TYPE_CHECKING:
     import uvicorn
@@ -61,6 +62,7 @@ def client_snippet(config_path: str) -> str:
 
 def serve_stdio(config: Config, config_path: str) -> int:
     configure_logging(config.log_level)
+    notifier = Notifier.from_environment()  # before anything starts a process that would inherit it
     services = build_services(config)
     server = build_server(services, caller="stdio")
     absolute = os.path.abspath(config_path)
@@ -79,10 +81,12 @@ def serve_stdio(config: Config, config_path: str) -> int:
         print(f"bastion: serving MCP over stdio from {absolute} (workspaces: {workspaces})", file=sys.stderr)
     try:
         with stop_signals():
+            notifier.ready(f"serving MCP over stdio from {absolute}")
             anyio.run(_serve_until_stopped, server.run_stdio_async)
     except Stopped:
         pass
     finally:
+        notifier.stopping()
         with _signals_ignored():
             services.close()
     return 0
@@ -170,7 +174,7 @@ def listen_socket(host: str, port: int, backlog: int) -> socket.socket:
     return sock
 
 
-def _clean_stop_server() -> type[uvicorn.Server]:
+def _clean_stop_server(notifier: Notifier, status: str) -> type[uvicorn.Server]:
     import uvicorn
 
     from bastion.transports.http.connections import quiet_loop_errors
@@ -178,7 +182,8 @@ def _clean_stop_server() -> type[uvicorn.Server]:
     class CleanStopServer(uvicorn.Server):
         """uvicorn re-raises a stop signal once it has shut down, so the signal's default action ends
         the process before `serve_http`'s `finally` closes the services: every sandbox disk, idmapped
-        mount and tmpfs stayed mounted. This server forgets the signal instead; bastion then exits 0."""
+        mount and tmpfs stayed mounted. This server forgets the signal instead; bastion then exits 0.
+        It also tells systemd when it serves (the lifespan has run) and when it begins to stop."""
 
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:
@@ -192,6 +197,16 @@ def _clean_stop_server() -> type[uvicorn.Server]:
             # asyncio logs a traceback for every accept() that runs out of descriptors: one line instead.
             asyncio.get_running_loop().set_exception_handler(quiet_loop_errors())
             await super().serve(sockets)
+
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets)
+            # A failed lifespan returns with should_exit set and nothing started: not ready.
+            if self.started and not self.should_exit:
+                notifier.ready(status)
+
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            notifier.stopping()
+            await super().shutdown(sockets)
 
     return CleanStopServer
 
@@ -274,6 +289,7 @@ def serve_http(config: Config, config_path: str, listen: str | None = None) -> i
             listener.close()
             raise
     configure_logging(config.log_level)
+    notifier = Notifier.from_environment()  # before anything starts a process that would inherit it
     services = build_services(config)
     store = None
     try:
@@ -297,12 +313,14 @@ def serve_http(config: Config, config_path: str, listen: str | None = None) -> i
             logging.getLogger("uvicorn.error").addFilter(HideTokens())
             preview = _uvicorn_config(preview_app, http, http.preview_listen, limits, preview=True)
             print(f"bastion: serving preview URLs at {preview_origin}", file=sys.stderr)
-        main = _clean_stop_server()(uv_config)
+        # The preview socket listens already (bound above): a connection before its server runs waits in the backlog.
+        main = _clean_stop_server(notifier, f"serving MCP over HTTP on {host}:{port}")(uv_config)
         if preview is None or preview_listener is None:
             main.run(sockets=[listener])
         else:
             asyncio.run(_serve_both(main, listener, preview, preview_listener))
     finally:
+        notifier.stopping()  # sent once: uvicorn's shutdown sent it already unless the start failed
         listener.close()
         if preview_listener is not None:
             preview_listener.close()
