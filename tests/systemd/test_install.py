@@ -183,3 +183,13 @@ def test_relative_prefix_is_refused(tmp_path: Path) -> None:
     result = install(Path("relative"))
     assert result.returncode == 2
     assert "--prefix relative must be an absolute path" in result.stderr
+
+
+def test_a_program_that_cannot_run_is_refused_before_any_step() -> None:
+    """On this machine (no --prefix) the unit's ExecStart must exist; checked before anything changes."""
+    result = install(Path("/"), "--exec", "/nonexistent/bin/bastion", "--dry-run")
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "bastion: --exec /nonexistent/bin/bastion is not an executable file: name the bastion the service should run"
+    ]
+    assert result.stdout == ""

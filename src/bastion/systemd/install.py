@@ -145,6 +145,9 @@ def _check(options: InstallOptions) -> None:
     exe = str(options.executable)
     if not options.executable.is_absolute() or _UNSAFE_EXEC.search(exe):
         raise InvalidRequest(f"--exec {exe!r} must be an absolute path without spaces, quotes, % or $")
+    # Under a prefix the program may live only in the image being built; here it must run.
+    if options.prefix == Path("/") and not os.access(options.executable, os.X_OK):
+        raise InvalidRequest(f"--exec {exe} is not an executable file: name the bastion the service should run")
 
 
 class _Runner:
