@@ -123,7 +123,7 @@ def test_as_root_adds_the_drop_in_and_going_back_removes_it(tmp_path: Path) -> N
     drop_in = prefix / "etc/systemd/system/bastion.service.d/root.conf"
     assert "CapabilityBoundingSet=CAP_SYS_ADMIN" in drop_in.read_text()
     assert not (prefix / "etc/passwd").exists()  # no account: root runs it
-    assert mode_and_owner(prefix / "var/lib/bastion") == (0o700, 0, 0)
+    assert mode_and_owner(prefix / "var/lib/bastion") == (0o711, 0, 0)  # passable by the sandboxes' ids
     assert tomllib.loads((prefix / "etc/bastion/bastion.toml").read_text())["sandboxes"]["disk_quota"] is True
     back = install(prefix)
     assert back.returncode == 0, back.stderr

@@ -120,7 +120,8 @@ def _install(options: InstallOptions, out: TextIO) -> None:
         run.account()
     group = "root" if options.as_root else options.user
     run.folder(CONFIG_PATH.parent, 0o750, "root", group)
-    run.folder(STATE_DIR, 0o700, group, group)
+    # As root, passable by the sandboxes' ids (what bastion itself sets, and root.conf's StateDirectoryMode).
+    run.folder(STATE_DIR, 0o711 if options.as_root else 0o700, group, group)
     for folder in (DATA_DIR, DATA_DIR / "workspace", DATA_DIR / "inbox"):
         run.folder(folder, 0o750, group, group)
     run.config(service_config_text(disk_quota=options.as_root), group)
