@@ -108,9 +108,10 @@ run_mode() {
     PYTHONPATH="$repo/src:$repo" "$venv/bin/python" -m tests.systemd.service_client "http://127.0.0.1:$port/mcp" || status=1
   fi
   inside systemctl stop bastion.service
-  # A traceback or an error fails the mode. (Sandboxes log "landlock: not applied" here: nspawn's own
-  # seccomp filter refuses landlock_create_ruleset to everything in the container, the unit aside.)
-  if inside journalctl -u bastion.service -o cat | grep -E 'Traceback|ERROR'; then status=1; fi
+  # A traceback, an error, or a folder whose mode the unit disagrees with fails the mode. (Sandboxes
+  # log "landlock: not applied" here: nspawn's own seccomp filter refuses landlock_create_ruleset to
+  # everything in the container, the unit aside.)
+  if inside journalctl -u bastion.service -o cat | grep -E 'Traceback|ERROR|mode is different'; then status=1; fi
   if [ $status != 0 ]; then inside journalctl -u bastion.service -o cat | tail -${JOURNAL_LINES:-15}; fi
   if inside findmnt -rn -o TARGET | grep -q '^/var/lib/bastion'; then echo "mounts left behind" >&2; status=1; fi
   kill -TERM "$nspawn"; wait "$nspawn" || true; nspawn=

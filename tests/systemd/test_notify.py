@@ -90,7 +90,7 @@ def test_stdio_server_notifies_ready_then_stopping(tmp_path: Path, notify_socket
 
 
 def test_http_server_notifies_ready_only_once_it_answers(tmp_path: Path) -> None:
-    """An abstract address (`@name`), as systemd uses for the services it starts in containers."""
+    """An abstract address (`@name`), which sd_notify(3) accepts besides a path."""
     port = free_port()
     config = write_config(tmp_path / "demo", port)
     set_password(config)
