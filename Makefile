@@ -10,7 +10,7 @@ DEMO := .bastion
 export UV_PYTHON_DOWNLOADS := never
 export UV_PROJECT_ENVIRONMENT := $(VENV)
 
-.PHONY: help install system-deps test-deps node-tools run run-stdio test lint typecheck unit unprivileged bench dist clean
+.PHONY: help install system-deps test-deps node-tools run run-stdio test lint typecheck unit unprivileged service-test bench dist clean
 
 help:
 	@echo "make run    set up, write a demo config under $(DEMO)/ if absent, and serve it over HTTP on loopback"
@@ -29,11 +29,14 @@ system-deps:
 	fi
 
 # What only the tests need: sshd as the gateway's test peer, Chromium for the login pages, npm for
-# node 22 (conformance suite, Inspector). A policy-rc.d keeps apt from starting an sshd on port 22,
-# and the service is disabled again: the tests start their own on loopback.
+# node 22 (conformance suite, Inspector), systemd's tools (systemd-analyze checks the unit,
+# systemd-sysusers makes install-service's account; a container image may lack them). A policy-rc.d
+# keeps apt from starting an sshd on port 22, and the service is disabled again: the tests start their
+# own on loopback.
 test-deps:
 	@missing=""; \
 	[ -x /usr/sbin/sshd ] || missing="$$missing openssh-server"; \
+	command -v systemd-analyze >/dev/null && command -v systemd-sysusers >/dev/null || missing="$$missing systemd"; \
 	command -v chromium >/dev/null || missing="$$missing chromium"; \
 	command -v npm >/dev/null || missing="$$missing npm"; \
 	if [ -n "$$missing" ]; then \
@@ -100,6 +103,14 @@ unit: install test-deps node-tools
 unprivileged: install
 	@if [ "$$(id -u)" = 0 ]; then bash scripts/test-unprivileged.sh; \
 	else echo "skipping the unprivileged pass: it needs root to create the user and the cgroup"; fi
+
+# deploy/bastion.service under a real systemd (booted in systemd-nspawn), both ways it runs; about a
+# minute, and it needs a host that lets nspawn boot: not part of `make test`.
+service-test: install
+	@if [ "$$(id -u)" != 0 ]; then echo "service-test needs root (it boots a container)" >&2; exit 1; fi
+	@command -v systemd-nspawn >/dev/null || { apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends systemd-container >/dev/null; }
+	bash scripts/test-service.sh
 
 test: lint typecheck unit unprivileged
 

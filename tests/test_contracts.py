@@ -26,6 +26,7 @@ DANGEROUS: dict[str, dict[str, str]] = {
         "bastion/sandbox/_idmap.py": "`unshare` makes the user namespace",
         "bastion/gateway/dispatch.py": "runs on the target host; spawning the action is its job",
         "bastion/templates/_pip.py": "makes a template's venv and pip-installs its hashed lock",
+        "bastion/systemd/install.py": "install-service runs systemd-sysusers and systemctl daemon-reload",
     },
     "bastion.sandbox._spawn": {
         "bastion/sandbox/warm.py": "the checked layer above: it starts the sandboxes",

@@ -1,4 +1,5 @@
-"""The `bastion` command: init, serve, doctor, admin, policy explain, audit verify, gateway, approvals, template.
+"""The `bastion` command: init, serve, doctor, admin, policy explain, audit verify, gateway, approvals, template,
+install-service.
 
 Every refusal is one line on stderr and a non-zero exit; no traceback. Exit codes:
 0 done; 1 an operation failed or what was named does not exist (a port in use, an unknown
@@ -95,7 +96,25 @@ def _parser() -> argparse.ArgumentParser:
     from bastion.templates.cli import add_parser as add_template_parser
 
     add_template_parser(sub)
+    _add_install_service(sub)
     return parser
+
+
+def _add_install_service(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    service = sub.add_parser(
+        "install-service", help="create the systemd unit, its user, folders and config (as root; idempotent)"
+    )
+    service.add_argument("--user", default="bastion", help="the account the service runs as (default: bastion)")
+    service.add_argument(
+        "--as-root",
+        action="store_true",
+        help="run the service as root (bastion.service.d/root.conf), as [sandboxes] disk_quota = true needs",
+    )
+    service.add_argument("--prefix", default="/", help="install under this root instead of / (an image, a test)")
+    service.add_argument(
+        "--exec", dest="executable", help="the bastion the unit runs (default: this environment's bin/bastion)"
+    )
+    service.add_argument("--dry-run", action="store_true", help="print what it would do; change nothing")
 
 
 def _cmd_init(args: argparse.Namespace) -> int:
@@ -201,6 +220,26 @@ def _cmd_template(args: argparse.Namespace) -> int:
     return run_template(args)
 
 
+def _cmd_install_service(args: argparse.Namespace) -> int:
+    import os
+    from pathlib import Path
+
+    from bastion.systemd.install import InstallOptions, default_executable, install_service
+
+    options = InstallOptions(
+        executable=Path(args.executable) if args.executable else default_executable(),
+        prefix=Path(args.prefix),
+        user=args.user,
+        as_root=args.as_root,
+        dry_run=args.dry_run,
+    )
+    if not options.dry_run and options.prefix == Path("/") and os.geteuid() != 0:
+        print("bastion install-service: run it as root (or see what it would do with --dry-run)", file=sys.stderr)
+        return EXIT_FAILED
+    install_service(options, sys.stdout)
+    return 0
+
+
 def _cmd_version(_args: argparse.Namespace) -> int:
     print(f"bastion {version()}")
     return 0
@@ -219,6 +258,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "gateway": _cmd_gateway,
         "approvals": _cmd_approvals,
         "template": _cmd_template,
+        "install-service": _cmd_install_service,
     }
     try:
         return handlers[args.command](args)

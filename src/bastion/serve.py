@@ -22,6 +22,7 @@ from bastion.app import Services, build_server, build_services
 from bastion.config import Config, HttpConfig
 from bastion.logs import announce, configure_logging
 from bastion.safety.errors import ConfigError, Unavailable
+from bastion.systemd import Notifier
 
 if TYPE_CHECKING:
     import uvicorn
@@ -64,6 +65,7 @@ def serve_stdio(config: Config, config_path: str) -> int:
     """Serve MCP over stdio; with `[http] preview_listen`, the HTTP front (login, admin, previews) too."""
     listeners = None if config.http.preview_listen is None else _Listeners(config, config_path, None)
     configure_logging(config.log_level, log_format=config.log_format)
+    notifier = Notifier.from_environment()  # before anything starts a process that would inherit it
     if listeners is None:
         # No listener serves them: counting would cost every call for nothing.
         config = config.model_copy(update={"metrics": config.metrics.model_copy(update={"enabled": False})})
@@ -81,10 +83,12 @@ def serve_stdio(config: Config, config_path: str) -> int:
             )
             serve = functools.partial(_stdio_beside_http, server.run_stdio_async, front, listeners)
         with stop_signals():
+            notifier.ready(f"serving MCP over stdio from {os.path.abspath(config_path)}")
             anyio.run(_serve_until_stopped, serve)
     except Stopped:
         pass
     finally:
+        notifier.stopping()
         with _signals_ignored():
             if listeners is not None:
                 listeners.close()
@@ -194,7 +198,7 @@ def listen_socket(host: str, port: int, backlog: int) -> socket.socket:
     return sock
 
 
-def _clean_stop_server() -> type[uvicorn.Server]:
+def _clean_stop_server(notifier: Notifier, status: str) -> type[uvicorn.Server]:
     import uvicorn
 
     from bastion.transports.http.connections import quiet_loop_errors
@@ -202,7 +206,8 @@ def _clean_stop_server() -> type[uvicorn.Server]:
     class CleanStopServer(uvicorn.Server):
         """uvicorn re-raises a stop signal once it has shut down, so the signal's default action ends
         the process before `serve_http`'s `finally` closes the services: every sandbox disk, idmapped
-        mount and tmpfs stayed mounted. This server forgets the signal instead; bastion then exits 0."""
+        mount and tmpfs stayed mounted. This server forgets the signal instead; bastion then exits 0.
+        It also tells systemd when it serves (the lifespan has run) and when it begins to stop."""
 
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:
@@ -216,6 +221,16 @@ def _clean_stop_server() -> type[uvicorn.Server]:
             # asyncio logs a traceback for every accept() that runs out of descriptors: one line instead.
             asyncio.get_running_loop().set_exception_handler(quiet_loop_errors())
             await super().serve(sockets)
+
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets)
+            # A failed lifespan returns with should_exit set and nothing started: not ready.
+            if self.started and not self.should_exit:
+                notifier.ready(status)
+
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            notifier.stopping()
+            await super().shutdown(sockets)
 
     return CleanStopServer
 
@@ -370,6 +385,7 @@ def serve_http(config: Config, config_path: str, listen: str | None = None) -> i
     """Serve Streamable HTTP (and the authorization server) with uvicorn until interrupted."""
     listeners = _Listeners(config, config_path, listen)
     configure_logging(config.log_level, log_format=config.log_format)
+    notifier = Notifier.from_environment()  # before anything starts a process that would inherit it
     services = build_services(config)
     front = None
     try:
@@ -387,12 +403,13 @@ def serve_http(config: Config, config_path: str, listen: str | None = None) -> i
         announce(http_connect_help(front.endpoints.resource))
         if front.preview is not None:
             announce(f"bastion: serving preview URLs at {front.preview_origin}")
-        main = _clean_stop_server()(front.main)
+        main = _clean_stop_server(notifier, f"serving MCP over HTTP on {where}")(front.main)
         if front.preview is None or listeners.preview is None:
             main.run(sockets=[listeners.main])
         else:
             asyncio.run(_serve_both(main, listeners.main, front.preview, listeners.preview))
     finally:
+        notifier.stopping()  # sent once: uvicorn's shutdown sent it already unless the start failed
         listeners.close()
         if front is not None:
             front.close()
