@@ -142,6 +142,8 @@ def test_chromium_approves_a_pending_action(
         page.click("button[type=submit]")
         page.wait_for_url("**/admin")
         page.click("a[href='/admin/approvals']")
+        page.wait_for_url("**/admin/approvals")
+        page.wait_for_load_state()
         assert "deploy v1.2.3" in page.content()
         page.locator(f"form:has(input[value='{pending.id}']) button[value=approve]").click()
         page.wait_for_load_state()

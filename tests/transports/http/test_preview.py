@@ -401,6 +401,27 @@ def test_a_request_body_over_the_cap_is_413(preview: Preview, sandbox: str) -> N
     assert streamed.status_code == 413
 
 
+def test_a_body_over_the_cap_is_413_even_when_the_app_resets_before_reading_it(preview: Preview, sandbox: str) -> None:
+    """The app drops the connection unread, so the proxy's write fails before the cap is reached: the proxy
+    reads on (bounded) and still answers 413, not 502, to a body over the cap; under it, 502."""
+    url = preview.expose(sandbox, 8000)
+
+    def after_the_reset(count: int) -> Iterator[bytes]:
+        """One chunk, then the rest only once the app has reset the connection (it writes reset-done)."""
+        yield b"c" * 4096
+        deadline = time.monotonic() + 30
+        while not preview.tool("read_file", sandbox_id=sandbox, path="reset-done")["ok"]:
+            assert time.monotonic() < deadline, "the app never reset the connection"
+        preview.run(sandbox, "rm reset-done")
+        for _ in range(count - 1):
+            yield b"c" * 4096
+
+    over = preview.get(url + "reset", method="POST", content=after_the_reset(MAX_BODY // 4096 + 2))
+    assert over.status_code == 413
+    under = preview.get(url + "reset", method="POST", content=after_the_reset(2))
+    assert under.status_code == 502
+
+
 def test_a_burst_of_requests_gets_429(preview: Preview, sandbox: str) -> None:
     url = preview.expose(sandbox, 8000)
     statuses = []

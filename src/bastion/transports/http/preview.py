@@ -356,7 +356,7 @@ class PreviewApp:
     ) -> tuple[int, int]:
         target = _split_token(scope, preview.token)
         timeout = self.config.preview_timeout_s
-        body = _capped_body(receive, self.config.preview_max_body_bytes)
+        body = CappedBody(receive, self.config.preview_max_body_bytes)
         request = httpcore2.Request(
             scope["method"],
             httpcore2.URL(scheme=b"http", host=b"127.0.0.1", port=preview.port, target=target),
@@ -364,13 +364,18 @@ class PreviewApp:
             content=body,
             extensions={"timeout": {"connect": timeout, "read": timeout, "write": timeout, "pool": timeout}},
         )
+        too_large = "Content Too Large: the request body is over the preview's cap"
         try:
             response = await connection.handle_async_request(request)
         except BodyTooLarge:
-            return 413, await _plain(send, 413, "Content Too Large: the request body is over the preview's cap")
+            return 413, await _plain(send, 413, too_large)
         except httpcore2.TimeoutException:
+            if await body.over_cap():
+                return 413, await _plain(send, 413, too_large)
             return 504, await _plain(send, 504, "Gateway Timeout: the sandbox's app did not answer in time")
         except (httpcore2.NetworkError, httpcore2.ProtocolError):
+            if await body.over_cap():
+                return 413, await _plain(send, 413, too_large)
             return 502, await _plain(send, 502, "Bad Gateway: the sandbox's app did not answer with HTTP")
         headers = response_headers(response.headers, preview.token)
         await send({"type": "http.response.start", "status": response.status, "headers": headers})
@@ -463,17 +468,47 @@ def _without_token(path: str, token: str) -> str:
     return path.replace(token, "<token>")
 
 
-async def _capped_body(receive: Receive, cap: int) -> AsyncIterator[bytes]:
-    received = 0
-    while True:
-        message: Message = await receive()
+class CappedBody:
+    """The client's request body for the app, cut at the cap (`BodyTooLarge`).
+
+    When the app breaks the exchange before the body is all sent (it answered early, closed, or stopped
+    reading), `over_cap` reads the rest, still bounded by the cap and by the connection's body deadline,
+    so a body over the cap is a 413 whatever the app did first.
+    """
+
+    def __init__(self, receive: Receive, cap: int) -> None:
+        self.receive = receive
+        self.cap = cap
+        self.received = 0
+        self.done = False
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self._chunks()
+
+    async def _chunks(self) -> AsyncIterator[bytes]:
+        while not self.done:
+            chunk = await self._next()
+            if chunk:
+                yield chunk
+
+    async def _next(self) -> bytes:
+        message: Message = await self.receive()
         if message["type"] == "http.disconnect":
-            return
-        chunk = message.get("body", b"")
-        received += len(chunk)
-        if received > cap:
+            self.done = True
+            return b""
+        chunk = bytes(message.get("body", b""))
+        self.received += len(chunk)
+        if self.received > self.cap:
+            self.done = True
             raise BodyTooLarge
-        if chunk:
-            yield chunk
         if not message.get("more_body", False):
-            return
+            self.done = True
+        return chunk
+
+    async def over_cap(self) -> bool:
+        try:
+            while not self.done:
+                await self._next()
+        except BodyTooLarge:
+            return True
+        return False

@@ -1,8 +1,10 @@
 """A sandbox's app for the preview tests (stdlib only, runs INSIDE a sandbox): echoes request headers
 and tries to set cookies beyond its preview (/headers), answers never (/slow), sends N bytes (/big?n=N),
-redirects to an absolute path (/redirect), and serves files of its folder otherwise."""
+redirects to an absolute path (/redirect), resets a POST unread (/reset), and serves files of its folder otherwise."""
 
 import http.server
+import socket
+import struct
 import sys
 import time
 from urllib.parse import parse_qs, urlsplit
@@ -53,6 +55,14 @@ class Handler(http.server.SimpleHTTPRequestHandler):
             super().do_GET()
 
     def do_POST(self):
+        if urlsplit(self.path).path == "/reset":  # reads no body: resets the connection, then says so
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.close_connection = True
+            for stream in (self.rfile, self.wfile, self.connection):
+                stream.close()
+            with open("reset-done", "w") as done:
+                done.write("1")
+            return
         length = int(self.headers.get("Content-Length", "0"))
         body = self.rfile.read(length)
         self.send_response(200)
