@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 from mcp import Client
 
 from bastion.app import Services, build_server, build_services
@@ -34,6 +35,11 @@ def _passable_mktemp(self: pytest.TempPathFactory, basename: str, numbered: bool
 
 
 pytest.TempPathFactory.mktemp = _passable_mktemp  # type: ignore[method-assign]
+
+# No per-example deadline: on a loaded 2-core machine a slow example is noise, not a finding (speed is
+# measured in bench/, never by a test's clock); hypothesis still shrinks and reports every failure.
+settings.register_profile("bastion", deadline=None)
+settings.load_profile("bastion")
 
 
 def pytest_configure(config: pytest.Config) -> None:

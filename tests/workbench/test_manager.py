@@ -129,6 +129,19 @@ async def test_status_reports_live_usage(client: Client) -> None:
     assert usage["pids"] >= 1
 
 
+async def test_looking_at_a_sandbox_does_not_reset_its_idle_timer(client: Client, services: Services) -> None:
+    """The administrator's pages read a sandbox with `find` and `detail`: the reaper must still see it idle."""
+    box = await create(client)
+    idle_since = time.monotonic() - 60
+    services.sandboxes.find(box).last_used = idle_since
+    detail = services.sandboxes.detail(services.sandboxes.find(box))
+    assert isinstance(detail["idle_s"], float)
+    assert detail["idle_s"] >= 60
+    assert services.sandboxes.find(box).last_used == idle_since
+    await call(client, "get_sandbox_status", sandbox_id=box)  # an agent's call is use
+    assert services.sandboxes.find(box).last_used > idle_since
+
+
 async def test_limits_narrow_but_never_exceed_the_ceiling(client: Client) -> None:
     too_big = await call(client, "create_sandbox", limits={"memory_bytes": 64 * 1024**3})
     assert too_big["code"] == "POLICY_DENIED"

@@ -713,37 +713,71 @@ def _rotated(path: Path) -> list[int]:
     return sorted(out)
 
 
+@dataclass(frozen=True, slots=True)
+class ChainHead:
+    """Where a verified part of the chain ends: the next record's ``prev`` and ``seq``, and the records so far."""
+
+    prev: str = GENESIS
+    seq: int = 0
+    records: int = 0
+
+
+def chain_files(path: str | os.PathLike[str]) -> tuple[list[Path], VerifyReport | None]:
+    """The files of a log in chain order (``name.1``, ``name.2``, ..., ``name``), or a report of the missing one."""
+    base = Path(path)
+    indexes = _rotated(base)
+    for expected, index in enumerate(indexes, 1):
+        if index != expected:
+            missing = base.with_name(f"{base.name}.{expected}")
+            return [], VerifyReport(False, 0, f"rotated file {missing} is missing", str(missing), None)
+    return [base.with_name(f"{base.name}.{i}") for i in indexes] + [base], None
+
+
 def verify(path: str | os.PathLike[str]) -> VerifyReport:
     """Check the chain of a log and its rotated files (``name.1``, ``name.2``, ..., ``name``).
 
     Detects edited, deleted, inserted or swapped records, torn lines and missing files;
     not a consistent rewrite of the whole chain, nor records cut from the very end.
     """
-    base = Path(path)
-    indexes = _rotated(base)
-    for expected, index in enumerate(indexes, 1):
-        if index != expected:
-            missing = base.with_name(f"{base.name}.{expected}")
-            return VerifyReport(False, 0, f"rotated file {missing} is missing", str(missing), None)
-    files = [base.with_name(f"{base.name}.{i}") for i in indexes] + [base]
-    prev, seq, records = GENESIS, 0, 0
-    previous_file: Path | None = None
+    files, missing = chain_files(path)
+    if missing is not None:
+        return missing
+    return verify_files(files, ChainHead())[0]
+
+
+def verify_files(
+    files: list[Path], head: ChainHead, previous_file: Path | None = None
+) -> tuple[VerifyReport, ChainHead]:
+    """Check `files` in order as the continuation of a chain verified up to `head` (ending in `previous_file`).
+
+    Returns the report and the head after the last good record.
+    """
+    prev, seq, records = head.prev, head.seq, head.records
     for file in files:
-        try:
-            fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-        except OSError as exc:
-            return VerifyReport(False, records, f"cannot open {file}: {exc.strerror or exc}", str(file), None)
-        if not stat.S_ISREG(os.fstat(fd).st_mode):  # before fdopen, which raises on a folder
-            os.close(fd)
-            return VerifyReport(False, records, f"{file} is not a regular file", str(file), None)
+        fd, problem = _open_regular(file)
+        if fd is None:
+            return VerifyReport(False, records, problem, str(file), None), ChainHead(prev, seq, records)
         with os.fdopen(fd, "rb") as f:
             for number, raw in enumerate(f, 1):
                 error = _check_line(raw, number, prev, seq, previous_file)
                 if error is not None:
-                    return VerifyReport(False, records, f"line {number}: {error}", str(file), number)
+                    report = VerifyReport(False, records, f"line {number}: {error}", str(file), number)
+                    return report, ChainHead(prev, seq, records)
                 prev, seq, records = hashlib.sha256(raw[:-1]).hexdigest(), seq + 1, records + 1
         previous_file = file
-    return VerifyReport(True, records)
+    return VerifyReport(True, records), ChainHead(prev, seq, records)
+
+
+def _open_regular(file: Path) -> tuple[int | None, str]:
+    """A read-only fd on `file` if it is a regular file (never a symlink), or why not."""
+    try:
+        fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as exc:
+        return None, f"cannot open {file}: {exc.strerror or exc}"
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # before fdopen, which raises on a folder
+        os.close(fd)
+        return None, f"{file} is not a regular file"
+    return fd, ""
 
 
 def _check_line(raw: bytes, number: int, prev: str, seq: int, previous_file: Path | None) -> str | None:

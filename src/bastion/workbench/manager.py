@@ -524,8 +524,22 @@ class SandboxManager:
             terminals=self._config.terminals,
         )
 
+    def find(self, sandbox_id: str) -> Sandbox:
+        """The sandbox, without marking it used: looking at it (the administrator's pages) is not using it.
+
+        Raises:
+            SandboxNotFound: no such sandbox.
+        """
+        box = self._boxes.get(sandbox_id)
+        if box is None:
+            raise SandboxNotFound(f"no sandbox {sandbox_id!r}: it was closed, or never existed")
+        return box
+
     def status(self, sandbox_id: str) -> dict[str, object]:
-        box = self.get(sandbox_id)
+        return self.detail(self.get(sandbox_id))
+
+    def detail(self, box: Sandbox) -> dict[str, object]:
+        """A sandbox's summary with its limits, env and live usage (a cgroup read and a bounded disk walk)."""
         usage = box.workspace.sandbox.usage()
         detail = box.summary()
         detail["created"] = round(box.created_wall, 3)

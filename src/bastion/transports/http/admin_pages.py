@@ -1,4 +1,6 @@
-"""The administrator's pages: /admin (grants, revoke, revoke all) and /admin/approvals.
+"""The administrator's login, logout and decisions: revoke a grant (or all), approve or deny an approval.
+
+The pages themselves (overview, sandboxes, audit log, egress, clients, approvals) are in `dashboard.py`.
 
 SECURITY BOUNDARY. A session is a 256-bit cookie (`__Host-`, HttpOnly, Secure, SameSite=Strict) stored
 as a digest; every POST needs the session's CSRF token; the login form's CSRF token is bound to a
@@ -12,7 +14,6 @@ import hashlib
 import hmac
 import secrets
 from collections.abc import Callable
-from datetime import UTC, datetime
 from typing import Any, Final
 from urllib.parse import urlencode
 
@@ -42,10 +43,6 @@ from bastion.transports.http.store import AuthStore
 SESSION_COOKIE: Final = "__Host-bastion-admin"
 
 
-def _when(ts: float | None) -> str:
-    return "-" if ts is None else datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d %H:%M:%SZ")
-
-
 class AdminPages:
     def __init__(
         self,
@@ -70,13 +67,11 @@ class AdminPages:
 
     def routes(self) -> list[Route]:
         return [
-            Route("/admin", self.home, methods=["GET"]),
             Route("/admin/login", self.login_get, methods=["GET"]),
             Route("/admin/login", self.login_post, methods=["POST"]),
-            Route("/admin/logout", self._post(self.logout), methods=["POST"]),
-            Route("/admin/revoke", self._post(self.revoke), methods=["POST"]),
-            Route("/admin/approvals", self.approvals_page, methods=["GET"]),
-            Route("/admin/approvals", self._post(self.decide), methods=["POST"]),
+            Route("/admin/logout", self.checked_post(self.logout), methods=["POST"]),
+            Route("/admin/revoke", self.checked_post(self.revoke), methods=["POST"]),
+            Route("/admin/approvals", self.checked_post(self.decide), methods=["POST"]),
         ]
 
     # -- sessions and CSRF ----------------------------------------------------------------------------
@@ -92,7 +87,7 @@ class AdminPages:
         body = await form_body(request)
         return None if body is None else single_params(body)
 
-    def _post(self, handler: Callable[[Request, dict[str, str], str], Any]) -> Callable[[Request], Any]:
+    def checked_post(self, handler: Callable[[Request, dict[str, str], str], Any]) -> Callable[[Request], Any]:
         """Wrap a POST handler: a live session and its CSRF token, or 403."""
 
         async def checked(request: Request) -> Response:
@@ -153,35 +148,6 @@ class AdminPages:
         response.delete_cookie(SESSION_COOKIE, path="/", secure=True, httponly=True, samesite="strict")
         return response
 
-    # -- pages ----------------------------------------------------------------------------------------
-
-    async def home(self, request: Request) -> Response:
-        csrf = self.session_csrf(request)
-        if csrf is None:
-            return pages.see_other("/admin/login")
-        rows = "".join(
-            f"<tr><td><code>{pages.esc(g.grant_id)}</code></td><td>{pages.label(g.client_id)}</td>"
-            f"<td>{pages.esc(' '.join(g.scopes))}</td><td>{_when(g.created_at)}</td>"
-            f'<td><form method="post" action="/admin/revoke">{pages.hidden({"csrf": csrf, "grant": g.grant_id})}'
-            '<button type="submit">Revoke</button></form></td></tr>'
-            for g in self.store.grants()
-        )
-        table = (
-            "<table><tr><th>Grant</th><th>Client</th><th>Scopes</th><th>Since</th><th></th></tr>" + rows + "</table>"
-            if rows
-            else "<p>No client holds a grant.</p>"
-        )
-        waiting = len(self.approvals.pending())
-        approvals = f'<p><a href="/admin/approvals">Pending approvals: {waiting}</a></p>'
-        body = (
-            f"{approvals}<h2>Active grants</h2>{table}"
-            f'<form method="post" action="/admin/revoke">{pages.hidden({"csrf": csrf, "grant": "*"})}'
-            '<p><button type="submit">Revoke all</button></p></form>'
-            f'<form method="post" action="/admin/logout">{pages.hidden({"csrf": csrf})}'
-            '<p><button type="submit">Log out</button></p></form>'
-        )
-        return pages.page("bastion: administration", body)
-
     async def revoke(self, request: Request, form: dict[str, str], csrf: str) -> Response:
         grant = form.get("grant", "")
         if grant == "*":
@@ -191,37 +157,6 @@ class AdminPages:
             return response
         self.store.revoke_grant(grant, "revoked by the administrator")
         return pages.see_other("/admin")
-
-    async def approvals_page(self, request: Request) -> Response:
-        csrf = self.session_csrf(request)
-        if csrf is None:
-            return pages.see_other("/admin/login")
-        message = request.query_params.get("message", "")
-        note = f'<p class="err" role="alert">{pages.esc(message[:300])}</p>' if message else ""
-        pending = self.approvals.pending()
-        items = "".join(
-            f'<div class="box"><p><strong>{pages.esc(a.action)}</strong> <code>{pages.esc(a.id)}</code></p>'
-            f"<pre>{pages.esc(a.literal)}</pre><p>asked by {pages.label(a.requested_by)} at {_when(a.requested_at)}; "
-            f"expires {_when(a.expires_at)}</p>"
-            f'<form method="post" action="/admin/approvals">{pages.hidden({"csrf": csrf, "id": a.id})}'
-            '<p><label>Reason (for a denial) <input type="text" name="reason" maxlength="500"></label></p>'
-            '<button type="submit" name="decision" value="approve">Approve</button>'
-            '<button type="submit" name="decision" value="deny">Deny</button></form></div>'
-            for a in pending
-        )
-        decided = "".join(
-            f"<tr><td><code>{pages.esc(a.id)}</code></td><td>{pages.esc(a.action)}</td>"
-            f"<td><code>{pages.esc(a.literal[:200])}</code></td><td>{pages.esc(a.state)}</td>"
-            f"<td>{pages.label(a.decided_by or '-')}</td></tr>"
-            for a in self.approvals.recent(20)
-            if a.state != "pending"
-        )
-        body = (
-            f'{note}<p><a href="/admin">Back</a></p><h2>Pending</h2>'
-            f"{items or '<p>Nothing is waiting.</p>'}<h2>Recent decisions</h2>"
-            f"<table><tr><th>Id</th><th>Action</th><th>Literal</th><th>State</th><th>By</th></tr>{decided}</table>"
-        )
-        return pages.page("bastion: approvals", body)
 
     async def decide(self, request: Request, form: dict[str, str], csrf: str) -> Response:
         approval_id, decision = form.get("id", ""), form.get("decision")

@@ -49,6 +49,7 @@ from bastion.safety.errors import ConfigError
 from bastion.tools import CallRunner
 from bastion.tools.server import SCOPES, BastionServer
 from bastion.transports.http.admin_pages import AdminPages
+from bastion.transports.http.dashboard import Dashboard
 from bastion.transports.http.endpoints import (
     Registration,
     TokenEndpoint,
@@ -366,6 +367,7 @@ def build_http_app(services: Services, server: BastionServer, *, listen: str | N
         tokens = TokenEndpoint(provider)
         registration = Registration(provider)
         admin = AdminPages(store, credential, limiter, config, rebind=provider.rebind_browser)
+        dashboard = Dashboard(admin, services.sandboxes, services.audit)
         as_meta = authorization_server_metadata(endpoints.issuer)
         get_options = ["GET", "OPTIONS"]
         post_options = ["POST", "OPTIONS"]
@@ -393,6 +395,7 @@ def build_http_app(services: Services, server: BastionServer, *, listen: str | N
             Route("/oauth/consent", flow.consent_get, methods=["GET"]),
             Route("/oauth/consent", flow.consent_post, methods=["POST"]),
             *admin.routes(),
+            *dashboard.routes(),
         ]
         server.middleware.append(ScopeMiddleware(server))
         guarded = SessionCap(mcp_app, session_manager, config.http.max_sessions_per_grant)

@@ -1,7 +1,9 @@
 """HTML for the administrator's pages: login, consent, errors, admin. Every value is escaped.
 
 Headers on every page (RFC 9700 §4.16, MCP security best practices, consent UI): no framing
-(`frame-ancestors 'none'`, `X-Frame-Options: DENY`), no caching, no referrer, no scripts.
+(`frame-ancestors 'none'`, `X-Frame-Options: DENY`), no caching, no referrer, no scripts, and no inline
+style: the one stylesheet is /static/bastion.css (`style-src 'self'`). The administrator's dashboard
+pages are Jinja2 templates (`views.py`); these f-string helpers remain for the login and consent pages.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Final
 
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 
-_CSP: Final = "default-src 'none'; style-src 'unsafe-inline'; frame-ancestors 'none'; base-uri 'none'"
+_CSP: Final = "default-src 'none'; style-src 'self'; frame-ancestors 'none'; base-uri 'none'"
 PAGE_HEADERS: Final = {
     "Content-Security-Policy": _CSP,
     "X-Frame-Options": "DENY",
@@ -22,13 +24,6 @@ PAGE_HEADERS: Final = {
     "Referrer-Policy": "no-referrer",
     "X-Content-Type-Options": "nosniff",
 }
-_STYLE: Final = (
-    "body{font-family:system-ui,sans-serif;max-width:36rem;margin:3rem auto;padding:0 1rem;color:#222}"
-    "h1{font-size:1.4rem}.box{border:1px solid #ccc;border-radius:6px;padding:1rem;margin:1rem 0}"
-    ".warn{background:#fff4e5;border-color:#f0a030}.err{color:#a00}code{background:#f3f3f3;padding:0 .2rem}"
-    "button{font-size:1rem;padding:.4rem 1rem;margin-right:.5rem}table{border-collapse:collapse}"
-    "td,th{border:1px solid #ddd;padding:.3rem .5rem;text-align:left;vertical-align:top}"
-)
 
 SCOPE_TEXT: Final = {
     "workbench": "Workbench: run commands and read and write files in workspaces and sandboxes",
@@ -47,16 +42,21 @@ def esc(value: object) -> str:
     return html.escape(str(value), quote=True)
 
 
+def shown(value: object) -> str:
+    """A name a client chose with every invisible or bidi character shown as `\\uXXXX` (not escaped)."""
+    return "".join(f"\\u{ord(c):04x}" if unicodedata.category(c) in _HIDDEN_CATEGORIES else c for c in str(value))
+
+
 def label(value: str) -> str:
     """A name a client chose, escaped, with every invisible or bidi character shown as `\\uXXXX`, isolated."""
-    shown = "".join(f"\\u{ord(c):04x}" if unicodedata.category(c) in _HIDDEN_CATEGORIES else c for c in value)
-    return f"<bdi>{esc(shown)}</bdi>"
+    return f"<bdi>{esc(shown(value))}</bdi>"
 
 
 def page(title: str, body: str, *, status: int = 200, headers: Mapping[str, str] | None = None) -> HTMLResponse:
     document = (
         f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>{esc(title)}</title>'
-        f'<meta name="viewport" content="width=device-width"><style>{_STYLE}</style></head>'
+        f'<meta name="viewport" content="width=device-width, initial-scale=1">'
+        '<link rel="stylesheet" href="/static/bastion.css"></head>'
         f"<body><h1>{esc(title)}</h1>{body}</body></html>"
     )
     return HTMLResponse(document, status_code=status, headers={**PAGE_HEADERS, **(headers or {})})
