@@ -42,6 +42,19 @@ settings.register_profile("bastion", deadline=None)
 settings.load_profile("bastion")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist, each worker gets a temp folder of its own (TMPDIR, inherited by the servers
+    the tests start): tests that check the temp folder for leftovers see only their own worker's."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if not worker:
+        return
+    folder = Path(tempfile.gettempdir()) / f"bastion-tests-{worker}"
+    folder.mkdir(exist_ok=True)
+    folder.chmod(0o1777)  # as /tmp: the sandboxes' own ids and the unprivileged pass use it too
+    os.environ["TMPDIR"] = str(folder)
+    tempfile.tempdir = None  # gettempdir() caches: read TMPDIR again
+
+
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
