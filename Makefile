@@ -96,8 +96,10 @@ typecheck: install
 	$(VENV)/bin/mypy
 	$(VENV)/bin/mypy tests bench
 
+# Two workers (pytest-xdist), whole files each: most tests wait on sandboxes, servers and browsers, so
+# two halve the wall time even on two cores. tests/conftest.py gives each worker a temp folder of its own.
 unit: install test-deps node-tools
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q -n 2 --dist loadfile
 
 # The sandbox tests again, as an unprivileged user in a delegated cgroup (needs root to set up).
 unprivileged: install
