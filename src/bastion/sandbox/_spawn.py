@@ -320,3 +320,25 @@ def _data_fd(text: str) -> int:
         view = view[os.write(fd, view) :]
     os.lseek(fd, 0, os.SEEK_SET)
     return fd
+
+
+def start_vmm(argv: Sequence[str], *, identity: tuple[int, int] | None, cgroup_procs: Sequence[str]) -> SandboxProcess:
+    """Start a VMM (`bastion.sandbox.microvm`): in the given cgroups from its first instruction,
+    as `identity` when given (setpriv), in a session of its own, with only its argv and a bare PATH."""
+    full = list(argv)
+    if identity is not None:
+        full = [*setpriv_argv(*identity), *full]
+    if cgroup_procs:
+        full = ["/bin/sh", "-c", _JOIN_CGROUPS, "bastion-join", str(len(cgroup_procs)), *cgroup_procs, *full]
+    try:
+        return subprocess.Popen(
+            full,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            close_fds=True,
+            start_new_session=True,
+            env=BWRAP_ENV,
+        )
+    except OSError as exc:
+        raise Unavailable(f"cannot start the VMM {argv[0]}: {exc.strerror}") from exc

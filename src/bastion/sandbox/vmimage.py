@@ -18,6 +18,18 @@ import sys
 from pathlib import Path
 from typing import Final
 
+__all__ = [
+    "AGENT_PORT",
+    "DEFAULT_IMAGE_DIR",
+    "INITRAMFS_NAME",
+    "KERNEL_NAME",
+    "ImageError",
+    "build",
+    "find_kernel",
+    "initramfs",
+    "module_files",
+]
+
 DEFAULT_IMAGE_DIR: Final = Path("/var/lib/bastion/microvm")
 KERNEL_NAME: Final = "vmlinuz"
 INITRAMFS_NAME: Final = "initramfs.cpio"
@@ -33,10 +45,14 @@ INIT: Final = f"""#!/busybox sh
 /busybox mount -t proc proc /proc
 /busybox mount -t sysfs sys /sys
 /busybox mount -t devtmpfs dev /dev
-for m in $(/busybox cat /modules/order); do /busybox insmod /modules/$m.ko || echo "bastion-init: insmod $m failed"; done
-/busybox mount -t 9p -o trans=virtio,version=9p2000.L,ro,nodev,cache=loose,msize=262144 usr /usr || echo "bastion-init: no /usr"
-/busybox mount -t 9p -o trans=virtio,version=9p2000.L,nosuid,nodev,msize=262144 workspace /workspace || echo "bastion-init: no /workspace"
-/busybox mount -t tmpfs -o nosuid,nodev,size=$(/busybox cat /proc/cmdline | /busybox sed -n 's/.*bastion.tmp=\\([0-9]*\\).*/\\1/p') tmpfs /tmp
+for m in $(/busybox cat /modules/order); do
+  /busybox insmod /modules/$m.ko || echo "bastion-init: insmod $m failed"
+done
+p9=trans=virtio,version=9p2000.L,msize=262144
+/busybox mount -t 9p -o $p9,ro,nodev,cache=loose usr /usr || echo "bastion-init: no /usr"
+/busybox mount -t 9p -o $p9,nosuid,nodev workspace /workspace || echo "bastion-init: no /workspace"
+tmp=$(/busybox sed -n 's/.*bastion.tmp=\\([0-9]*\\).*/\\1/p' /proc/cmdline)
+/busybox mount -t tmpfs -o nosuid,nodev,size=$tmp tmpfs /tmp
 /busybox mount -t tmpfs -o nosuid,nodev,noexec,size=1m tmpfs /run
 /busybox mkdir -p /dev/shm && /busybox mount -t tmpfs -o nosuid,nodev,size=16m tmpfs /dev/shm
 /busybox chmod 1777 /tmp /dev/shm
@@ -145,7 +161,7 @@ def build(image_dir: Path = DEFAULT_IMAGE_DIR) -> Path:
     """Write the kernel and initramfs into `image_dir` (0755, world-readable: the VMM is unprivileged)."""
     kernel, release = find_kernel()
     image_dir.mkdir(parents=True, exist_ok=True)
-    os.chmod(image_dir, 0o755)
+    os.chmod(image_dir, 0o755)  # noqa: S103 - boot files, no secret: the unprivileged VMM reads them
     data = initramfs(release)
     for name, write in ((KERNEL_NAME, kernel.read_bytes()), (INITRAMFS_NAME, data)):
         staged = image_dir / f".{name}.new"
