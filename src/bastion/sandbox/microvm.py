@@ -38,7 +38,6 @@ from typing import Final
 
 from bastion.safety.errors import Conflict, InvalidRequest, NotFound, ResourceLimit, Unavailable
 from bastion.sandbox._spawn import (
-    AGENT_PATH,
     IDENTITY_FILES,
     INSIDE_FILES,
     SandboxProcess,
@@ -70,6 +69,7 @@ _RELAY: Final = Path(__file__).parent / "inside" / "relay.py"
 _HEADER: Final = struct.Struct(">IcI")
 _MAX_FRAME: Final = (1 << 20) + _HEADER.size  # the relay sends at most 64 KiB of output, 1 MiB of message
 _KILL_WAIT_S: Final = 5.0
+_READ_BYTES: Final = 65_536
 _VMM_OVERHEAD_BYTES: Final = 192 << 20  # QEMU itself and TCG's translation cache (tb-size below)
 _VMM_TASKS: Final = 64  # QEMU's own threads; the guest's processes are the guest kernel's business
 _group_ids = itertools.count(1)
@@ -114,8 +114,8 @@ def vmm_argv(settings: MicroVMSettings, run_dir: Path, workspace: str, tmp_bytes
 
 
 def guest_program() -> bytes:
-    """What the guest's /init runs: the relay, with the agent's source and the identity files in front."""
-    files = {AGENT_PATH: INSIDE_FILES[AGENT_PATH], **IDENTITY_FILES}
+    """What the guest's /init runs: the relay, with the programs of inside/ and the identity files in front."""
+    files = {**INSIDE_FILES, **IDENTITY_FILES}  # the agent and the code contexts' kernel and REPL
     source = f"FILES = {files!r}\n" + _RELAY.read_text(encoding="utf-8")
     data = source.encode()
     return len(data).to_bytes(8, "big") + data
@@ -273,13 +273,14 @@ class _Guest:
         self.proc = proc
         self.run_dir = run_dir
         self.group = group
-        self.reader: asyncio.StreamReader | None = None
-        self.writer: asyncio.StreamWriter | None = None
+        self.sock: socket.socket | None = None
+        self.sending = asyncio.Lock()  # one frame at a time: concurrent sends must not interleave
         self.commands: dict[int, MicroVMProcess] = {}
         self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.gone = asyncio.Event()
         self.task: asyncio.Task[None] | None = None
         self.ids = itertools.count(1)
+        self.later: set[asyncio.Task[None]] = set()  # sends from sync callers (close_stdin)
 
     @property
     def alive(self) -> bool:
@@ -287,30 +288,42 @@ class _Guest:
 
     async def connect(self, deadline: float) -> None:
         sock_path = os.path.join(self.run_dir, "agent.sock")
+        loop = asyncio.get_running_loop()
         while True:
             if self.proc.poll() is not None:
                 raise Unavailable("the VMM exited while starting: " + self.why())
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
             try:
-                self.reader, self.writer = await asyncio.open_unix_connection(str(sock_path), limit=_MAX_FRAME)
+                await loop.sock_connect(sock, sock_path)
                 break
             except (FileNotFoundError, ConnectionRefusedError):
+                sock.close()
                 if time.monotonic() > deadline:
                     raise Unavailable("the VMM did not open its agent socket in time") from None
                 await asyncio.sleep(0.02)
-        self.writer.write(guest_program())
-        self.task = asyncio.get_running_loop().create_task(self.read_frames())
+        self.sock = sock
+        await loop.sock_sendall(sock, guest_program())
+        self.task = loop.create_task(self.read_frames(sock))
 
-    async def read_frames(self) -> None:
-        assert self.reader is not None
+    async def read_frames(self, sock: socket.socket) -> None:
+        """Read frames until the channel ends; a frame too large for the relay to have sent ends the VM."""
+        loop = asyncio.get_running_loop()
+        inbox = bytearray()
         try:
-            while True:
-                size = int.from_bytes(await self.reader.readexactly(4), "big")
-                if not 5 <= size <= _MAX_FRAME:
-                    logger.warning("microVM %s sent a frame of %d bytes: ending it", self.run_dir.name, size)
-                    return
-                body = await self.reader.readexactly(size)
-                self.on_frame(body[:1], int.from_bytes(body[1:5], "big"), body[5:])
-        except (asyncio.IncompleteReadError, OSError):
+            while data := await loop.sock_recv(sock, _READ_BYTES):
+                inbox += data
+                while len(inbox) >= 4:
+                    size = int.from_bytes(inbox[:4], "big")
+                    if not 5 <= size <= _MAX_FRAME:
+                        logger.warning("microVM %s sent a frame of %d bytes: ending it", self.run_dir.name, size)
+                        self.kill_vmm()
+                        return
+                    if len(inbox) < 4 + size:
+                        break
+                    body = bytes(inbox[4 : 4 + size])
+                    del inbox[: 4 + size]
+                    self.on_frame(body[:1], int.from_bytes(body[1:5], "big"), body[5:])
+        except OSError:
             return
         finally:
             self.end_all()
@@ -352,17 +365,20 @@ class _Guest:
             command.finish(None)
 
     async def send(self, kind: bytes, command_id: int, payload: bytes = b"") -> None:
-        if self.writer is None or not self.alive:
+        if self.sock is None or not self.alive:
             raise Unavailable("the microVM has ended")
-        self.writer.write(_HEADER.pack(len(payload) + 5, kind, command_id) + payload)
+        frame = _HEADER.pack(len(payload) + 5, kind, command_id) + payload
         try:
-            await self.writer.drain()
+            async with self.sending:
+                await asyncio.get_running_loop().sock_sendall(self.sock, frame)
         except OSError as exc:
             raise Unavailable(f"the microVM's channel broke: {exc.strerror or exc}") from exc
 
     def send_soon(self, kind: bytes, command_id: int) -> None:
-        if self.writer is not None and self.alive:
-            self.writer.write(_HEADER.pack(5, kind, command_id))
+        if self.sock is not None and self.alive:
+            task = asyncio.get_running_loop().create_task(self.send(kind, command_id))
+            self.later.add(task)
+            task.add_done_callback(self.later.discard)
 
     def forget(self, command_id: int) -> None:
         self.commands.pop(command_id, None)
@@ -378,12 +394,24 @@ class _Guest:
                 lines += self.proc.stderr.read().decode(errors="replace").splitlines()
         return (lines[-1] if lines else "no reason given")[:300]
 
-    def stop(self) -> None:
-        """Kill the VMM and wait for it; remove its socket folder and its cgroup."""
-        if self.writer is not None:
-            self.writer.close()
+    def detach(self) -> None:
+        """Stop reading the channel (called in the loop's thread), so its socket can close under no reader."""
+        if self.task is None or self.task.done():
+            return
+        loop = self.task.get_loop()
+        if self.sock is not None and not loop.is_closed():
+            loop.remove_reader(self.sock.fileno())
+        self.task.cancel()
+
+    def kill_vmm(self) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def stop(self) -> None:
+        """Kill the VMM and wait for it; remove its socket folder and its cgroup."""
+        self.kill_vmm()
+        if self.sock is not None:
+            self.sock.close()
         with contextlib.suppress(Exception):
             self.proc.wait(timeout=_KILL_WAIT_S)
         if self.proc.stderr is not None:
@@ -673,6 +701,7 @@ class MicroVMSandbox:
         if vm is not None:
             if vm.group is not None:
                 vm.group.thaw()
+            vm.detach()
             vm.stop()
 
     async def aclose(self, *, final: bool = False) -> None:
@@ -682,6 +711,7 @@ class MicroVMSandbox:
         if vm is not None:
             if vm.group is not None:
                 vm.group.thaw()
+            vm.detach()
             await asyncio.to_thread(vm.stop)
             if vm.task is not None:
                 await asyncio.gather(vm.task, return_exceptions=True)
