@@ -8,7 +8,8 @@ import pytest
 from mcp import Client
 
 from bastion.app import build_server, build_services
-from bastion.config import ConfigError, load_config
+from bastion.config import load_config
+from bastion.safety.errors import ConfigError
 from tests.sandbox.microvm_helpers import microvm_settings
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap, pytest.mark.root]
