@@ -26,6 +26,7 @@ SCRIPTS = (
     "bench_search.py",
     "bench_preview.py",
     "bench_terminal.py",
+    "bench_microvm.py",
 )
 
 
