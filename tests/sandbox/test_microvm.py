@@ -131,9 +131,15 @@ async def test_a_guest_boots_runs_a_command_and_leaves_nothing(
 @pytest.mark.microvm
 async def test_a_command_cannot_take_the_agent_port_or_write_outside(guest: MicroVMSandbox) -> None:
     """A hostile command (root of the guest, no capabilities) cannot open the serial port the relay
-    holds (it would forge the agent's events) nor write beyond /workspace and /tmp (Landlock)."""
+    holds (it would forge the agent's events), write beyond /workspace and /tmp (Landlock), or
+    reach into the relay's or the agent's memory."""
     outcome = await sh(guest, "echo x > /dev/vport0p1 && echo opened; touch /opt/x && echo wrote; echo ok")
     assert outcome.stdout == b"ok\n"
+    # Nor read or write the relay's or the agent's memory: neither is dumpable (the name is split so
+    # the looking shell's own command line does not match).
+    peek = 'for p in /proc/[0-9]*; do case "$(tr "\\0" " " < $p/cmdline)" in *pyth"on3"*) '
+    peek += 'cat $p/environ >/dev/null 2>&1 && echo "read $p";; esac; done; echo ok'
+    assert (await sh(guest, peek)).stdout == b"ok\n"
 
 
 @pytest.mark.microvm

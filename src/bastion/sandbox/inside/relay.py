@@ -18,6 +18,7 @@ Frame: 4-byte big-endian length of the rest, one kind byte, 4-byte command id, p
   guest -> host  M (an agent event, JSON), O / R (stdout / stderr bytes), o / r (that stream ended)
 """
 
+import ctypes
 import marshal
 import os
 import selectors
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
 HEADER = struct.Struct(">IcI")
 READ_BYTES = 65536
 AGENT = "/opt/bastion/agent.py"
+PR_SET_DUMPABLE = 4
 
 
 class Relay:
@@ -169,6 +171,10 @@ def write_files(files: "dict[str, str]") -> None:
 
 
 def main(port: int, files: "dict[str, str]") -> None:
+    # Commands are root of the guest without capabilities: as the relay's uid they could ptrace it or
+    # write its /proc/N/mem, unless it is not dumpable (then both need CAP_SYS_PTRACE).
+    if ctypes.CDLL(None).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+        sys.exit("bastion-relay: cannot make itself undumpable")
     write_files(files)
     here, there = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     argv = [sys.executable, "-I", "-S", AGENT, str(there.fileno()), "pids=per-command", "/workspace", "/tmp"]  # noqa: S108
