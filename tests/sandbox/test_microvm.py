@@ -17,6 +17,7 @@ from bastion.safety.errors import InvalidRequest, NotFound, Unavailable
 from bastion.sandbox._spawn import SANDBOX_PATH, SandboxSpec
 from bastion.sandbox.backend import RunOutcome
 from bastion.sandbox.cgroups import CgroupLayout, Limits
+from bastion.sandbox.identity import DEFAULT_HOST_ID_COUNT, DEFAULT_HOST_ID_FIRST, IdentityPool
 from bastion.sandbox.microvm import MicroVMBackend, MicroVMSandbox, MicroVMSettings, probe_microvm
 from bastion.sandbox.vmimage import MODULES, initramfs
 from tests.helpers import processes_with
@@ -45,13 +46,31 @@ def settings(tmp_path_factory: pytest.TempPathFactory) -> MicroVMSettings:
     return microvm_settings(tmp_path_factory)
 
 
+def let_through(path: Path, top: Path) -> None:
+    """Let other uids traverse (not list) `path`'s folders up to `top`, pytest's 0700 base folder."""
+    for folder in (path, *path.parents):
+        os.chmod(folder, os.stat(folder).st_mode | 0o011)
+        if folder == top:
+            return
+
+
 @pytest.fixture
-async def guest(tmp_path: Path, settings: MicroVMSettings, layout: CgroupLayout) -> AsyncIterator[MicroVMSandbox]:
+async def guest(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, settings: MicroVMSettings, layout: CgroupLayout
+) -> AsyncIterator[MicroVMSandbox]:
+    """A guest whose VMM runs as an identity of its own, as the manager starts them."""
     ws = tmp_path / "ws"
     ws.mkdir()
-    box = MicroVMBackend(settings, layout).sandbox(SandboxSpec(workspace=str(ws)), limits=Limits(None, None, 1.0))
+    pool = IdentityPool(DEFAULT_HOST_ID_FIRST, DEFAULT_HOST_ID_COUNT, lock_dir=tmp_path / "ids")
+    identity = pool.acquire()
+    os.chown(ws, identity.uid, identity.gid)
+    for folder in (ws, settings.image_dir):
+        let_through(folder, tmp_path_factory.getbasetemp())
+    spec = SandboxSpec(workspace=str(ws), identity=(identity.uid, identity.gid))
+    box = MicroVMBackend(settings, layout).sandbox(spec, limits=Limits(None, None, 1.0))
     yield box
     await box.aclose(final=True)
+    pool.close()
 
 
 def entries(archive: bytes) -> dict[str, bytes]:
@@ -107,19 +126,27 @@ async def test_missing_boot_files_are_refused_with_one_line(tmp_path: Path) -> N
 async def test_a_guest_boots_runs_a_command_and_leaves_nothing(
     guest: MicroVMSandbox, layout: CgroupLayout, tmp_path: Path
 ) -> None:
-    """The fast variant: one boot, one command. The guest's kernel is not the host's, it has no network
-    device, the host's /etc is not there, and close leaves no VMM, socket folder or cgroup."""
+    """The fast variant: one boot, one command. The VMM runs as the sandbox's uid; the guest's kernel is
+    not the host's, it has no network device, the host's /etc is not there, and close leaves no VMM,
+    socket folder or cgroup."""
     (tmp_path / "ws" / "from-host").write_text("host\n")
-    outcome = await sh(guest, "uname -r; ls /sys/class/net; ls /etc; cat from-host; echo inside > from-inside")
-    kernel, net, *rest = outcome.stdout.decode().split("\n")
+    script = "uname -r; ls /sys/class/net; id -u; ls /etc; cat from-host; echo inside > from-inside"
+    outcome = await sh(guest, script)
+    kernel, net, uid, *rest = outcome.stdout.decode().split("\n")
     assert outcome.status == 0, outcome.stderr
     assert kernel != os.uname().release
     assert net == "lo"
+    assert guest.spec.identity is not None
+    assert uid == str(guest.spec.identity[0])  # commands are the workspace's owner, not the guest's root
     assert rest[:3] == ["gitconfig", "group", "passwd"]
     assert "host" in rest
     assert (tmp_path / "ws" / "from-inside").read_text() == "inside\n"
     assert guest._vm is not None
     run_dir, pid = guest._vm.run_dir, guest._vm.proc.pid
+    assert guest.spec.identity is not None
+    uids = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("Uid:"))
+    assert uids.split()[1:] == [str(guest.spec.identity[0])] * 4  # the VMM is the sandbox's uid, not root
+    assert (tmp_path / "ws" / "from-inside").stat().st_uid == guest.spec.identity[0]
     assert run_dir.exists()
     assert layout.existing() != []
     guest.close()

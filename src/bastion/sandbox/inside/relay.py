@@ -176,6 +176,11 @@ def main(port: int, files: "dict[str, str]") -> None:
     if ctypes.CDLL(None).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
         sys.exit("bastion-relay: cannot make itself undumpable")
     write_files(files)
+    # Commands run as the workspace's owner (the sandbox's host uid, through 9p): the agent keeps root's
+    # effective ids for its namespaces and starts each command with these real ones (resetids).
+    owner = os.stat("/workspace")
+    os.setresgid(owner.st_gid, 0, 0)
+    os.setresuid(owner.st_uid, 0, 0)
     here, there = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     argv = [sys.executable, "-I", "-S", AGENT, str(there.fileno()), "pids=per-command", "/workspace", "/tmp"]  # noqa: S108
     os.set_inheritable(there.fileno(), True)
