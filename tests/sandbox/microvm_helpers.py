@@ -34,7 +34,7 @@ async def guest_processes_with(box: MicroVMSandbox, marker: str) -> list[int]:
     guest's whole PID namespace). The marker is split so the looking shell does not match itself."""
     head, tail = marker[: len(marker) // 2], marker[len(marker) // 2 :]
     script = (
-        f'm="{head}"; m="$m{tail}"; for p in /proc/[0-9]*; do '
+        f'm="{head}"; m="${{m}}{tail}"; for p in /proc/[0-9]*; do '
         'case "$(tr "\\0" " " < $p/cmdline 2>/dev/null)" in *"$m"*) echo "${p#/proc/}";; esac; done'
     )
     env = {"PATH": SANDBOX_PATH}

@@ -209,6 +209,7 @@ class MicroVMProcess:
         self._argv = tuple(argv)
         self._started = time.monotonic()
         self.out, self.err = out, err
+        self.reader: RingCapture | None = None  # spawn(stdout=...)'s reader of the host pipe `out` feeds
         self.status: int | None = None
         self.exited = False
         self.stdin_open = True
@@ -227,8 +228,8 @@ class MicroVMProcess:
         return self._started
 
     @property
-    def stdout(self) -> _Stream:
-        return self.out
+    def stdout(self) -> _Stream | RingCapture:
+        return self.reader if self.reader is not None else self.out
 
     @property
     def stderr(self) -> _Stream:
@@ -247,6 +248,8 @@ class MicroVMProcess:
             async with asyncio.timeout(timeout_s):
                 await self.out.ended.wait()
                 await self.err.ended.wait()
+                if self.reader is not None:
+                    await asyncio.shield(self.reader.done)
 
     async def write(self, data: bytes, *, timeout_s: float) -> int:
         """The relay buffers what the pipe does not take yet, so everything goes in at once."""
@@ -626,14 +629,17 @@ class MicroVMSandbox:
     ) -> MicroVMProcess:
         vm = await self._ready_vm()
         out = _Stream(ring_bytes, newest=True)
+        reader = None
         if stdout is not None:
             read_end, write_end = os.pipe2(os.O_CLOEXEC)
             piped = _Piped(write_end)
-            stdout(read_end)
+            reader = stdout(read_end)
             out = _Stream(0, newest=True, sink=piped.write)
             out.ended = _EndsPipe(piped)
         err = _Stream(ring_bytes, newest=True)
-        return await self._launch(vm, executable, argv, cwd, env, out, err, stdin=True)
+        command = await self._launch(vm, executable, argv, cwd, env, out, err, stdin=True)
+        command.reader = reader
+        return command
 
     async def open_pty(
         self, executable: str, argv: Sequence[str], *, cwd: str, env: Mapping[str, str], rows: int, cols: int
