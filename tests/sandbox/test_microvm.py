@@ -8,6 +8,9 @@ command: in the default run); the others boot more guests and are marked `microv
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -114,6 +117,39 @@ async def test_a_terminal_and_a_preview_are_refused_with_one_line(tmp_path: Path
     with pytest.raises(NotFound):
         await box.kill_leftover(1)
     assert box.leftovers() == []
+
+
+def test_a_vmm_dies_with_the_server() -> None:
+    """QEMU has no --die-with-parent: start_vmm gives it a parent-death signal, so a server killed
+    with SIGKILL leaves no guest running (here a stand-in VMM, the same launch path)."""
+    marker = "4248.25"
+    server = subprocess.Popen(
+        [sys.executable, "-c", SERVER.format(marker=marker)], stdout=subprocess.PIPE, env={**os.environ}
+    )
+    try:
+        assert server.stdout is not None
+        assert server.stdout.readline().strip() == b"started"
+        assert processes_with(marker) != []
+        server.kill()
+        server.wait()
+        deadline = time.monotonic() + 10
+        while processes_with(marker) and time.monotonic() < deadline:
+            time.sleep(0.01)  # no event tells when another process's parent-death signal landed
+        assert processes_with(marker) == []
+    finally:
+        server.kill()
+        server.wait()
+        if server.stdout is not None:
+            server.stdout.close()
+
+
+SERVER = """
+import time
+from bastion.sandbox._spawn import start_vmm
+start_vmm(["/bin/sleep", "{marker}"], identity=None, cgroup_procs=())
+print("started", flush=True)
+time.sleep(600)
+"""
 
 
 async def test_missing_boot_files_are_refused_with_one_line(tmp_path: Path) -> None:
