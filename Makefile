@@ -123,7 +123,7 @@ test: lint typecheck unit unprivileged
 
 # The whole conformance suite on real microVMs under software emulation (minutes, not seconds).
 test-microvm: install
-	$(VENV)/bin/pytest -q -m microvm tests/sandbox/test_backend_conformance.py tests/sandbox/test_microvm.py
+	$(VENV)/bin/pytest -q -m microvm tests/sandbox/test_backend_conformance.py tests/sandbox/test_microvm.py tests/workbench/test_microvm_templates.py
 
 bench: install
 	$(VENV)/bin/python bench/run_all.py
