@@ -44,6 +44,8 @@ class Harness:
     workspace: Path
     find: Callable[[Harness, str], Awaitable[list[int]]]
     made: list[Sandbox]
+    wait_s: float = 10
+    """How long `until` polls: a microVM that boots under the check takes its boot time more."""
 
     async def leftovers(self, marker: str) -> list[int]:
         """Processes of any of its sandboxes whose command line holds the marker."""
@@ -75,7 +77,8 @@ def harness(
     workspace.mkdir()
     layout = CgroupLayout.detect(base_name=f"bastion-test-{os.getpid()}")
     if request.param == "microvm":
-        made = Harness(MicroVMBackend(microvm_settings(tmp_path_factory), layout), workspace, in_guests, [])
+        settings = microvm_settings(tmp_path_factory)
+        made = Harness(MicroVMBackend(settings, layout), workspace, in_guests, [], 10 + settings.boot_timeout_s)
     else:
         made = Harness(BubblewrapBackend(layout), workspace, on_host, [])
     yield made
@@ -106,9 +109,9 @@ async def sh(
     return await box.run("/bin/sh", ["sh", "-c", script], cwd=cwd, env=ENV, timeout_s=timeout_s, max_output_bytes=cap)
 
 
-async def until(check: Callable[[], bool | Awaitable[bool]]) -> None:
-    """Poll `check` (no event tells when another process has started) for at most 10 s."""
-    async with asyncio.timeout(10):
+async def until(check: Callable[[], bool | Awaitable[bool]], limit_s: float = 10) -> None:
+    """Poll `check` (no event tells when another process has started) for at most `limit_s`."""
+    async with asyncio.timeout(limit_s):
         while True:
             result = check()
             if await result if inspect.isawaitable(result) else result:
@@ -200,11 +203,11 @@ async def test_without_cgroups_a_normal_exit_leaves_no_background_process(harnes
 async def test_cancellation_kills_the_tree(harness: Harness, either: Sandbox) -> None:
     marker = "4244.75"
     task = asyncio.create_task(sh(either, f"(sleep {marker} &) ; sleep {marker}"))
-    await until(lambda: some_left(harness, marker))
+    await until(lambda: some_left(harness, marker), harness.wait_s)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    await until(lambda: none_left(harness, marker))
+    await until(lambda: none_left(harness, marker), harness.wait_s)
 
 
 async def test_commands_run_concurrently(box: Sandbox) -> None:
@@ -266,11 +269,11 @@ async def test_kill_ends_a_background_command_and_what_it_started(harness: Harne
     process = await either.spawn(
         "/bin/sh", ["sh", "-c", f"setsid sleep {marker} & exec sleep {marker}"], cwd="/", env=ENV, ring_bytes=1024
     )
-    await until(lambda: some_left(harness, marker, 2))
+    await until(lambda: some_left(harness, marker, 2), harness.wait_s)
     await either.kill(process)
     assert process.exited
     assert process.status == 128 + 9  # a kill is a signal: 128 + its number
-    await until(lambda: none_left(harness, marker))
+    await until(lambda: none_left(harness, marker), harness.wait_s)
     await either.kill(process)  # a no-op once it has exited
 
 
@@ -385,7 +388,7 @@ async def test_an_idle_sandbox_sleeps_and_the_next_command_wakes_it(harness: Har
 async def test_close_leaves_nothing_running_and_a_new_command_starts_it_again(harness: Harness, box: Sandbox) -> None:
     marker = "4246.25"
     process = await box.spawn("/bin/sleep", ["sleep", marker], cwd="/", env=ENV, ring_bytes=64)
-    await until(lambda: some_left(harness, marker))
+    await until(lambda: some_left(harness, marker), harness.wait_s)
     box.close()
     assert await harness.leftovers(marker) == []
     assert process.exited
@@ -396,7 +399,7 @@ async def test_close_leaves_nothing_running_and_a_new_command_starts_it_again(ha
 async def test_aclose_final_is_for_good(harness: Harness, box: Sandbox) -> None:
     marker = "4247.75"
     await box.spawn("/bin/sleep", ["sleep", marker], cwd="/", env=ENV, ring_bytes=64)
-    await until(lambda: some_left(harness, marker))
+    await until(lambda: some_left(harness, marker), harness.wait_s)
     await box.aclose(final=True)
     assert await harness.leftovers(marker) == []
     with pytest.raises(Unavailable):

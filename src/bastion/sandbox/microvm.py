@@ -461,7 +461,9 @@ class MicroVMSandbox:
 
     @property
     def alive(self) -> bool:
-        return self._vm is not None and self._vm.alive
+        """Booted to its agent's "ready" and not ended since."""
+        vm = self._vm
+        return vm is not None and vm.alive and vm.ready.done() and not vm.ready.cancelled() and not vm.ready.exception()
 
     async def start(self) -> None:
         async with self._start_lock:
