@@ -351,8 +351,7 @@ async def kill_leftovers(box: Sandbox) -> None:
         await box.kill_leftover(left.pid)
 
 
-async def test_fork_bomb_stops_at_the_pids_limit(harness: Harness, limited: Sandbox) -> None:
-    not_for_microvm(harness, "the pids limit inside the guest (its own cgroups) is not in this slice")
+async def test_fork_bomb_stops_at_the_pids_limit(limited: Sandbox) -> None:
     outcome = await sh(limited, "for i in $(seq 60); do sleep 3 & done 2>&1; echo done", timeout_s=10)
     assert b"Cannot fork" in outcome.stdout + outcome.stderr
     assert not outcome.oom_killed
@@ -360,8 +359,7 @@ async def test_fork_bomb_stops_at_the_pids_limit(harness: Harness, limited: Sand
     assert (await sh(limited, "echo alive")).stdout == b"alive\n"
 
 
-async def test_limits_change_live(harness: Harness, limited: Sandbox) -> None:
-    not_for_microvm(harness, "the pids limit inside the guest (its own cgroups) is not in this slice")
+async def test_limits_change_live(limited: Sandbox) -> None:
     assert (await sh(limited, "for i in $(seq 12); do sleep 3 & done 2>&1; echo done")).stdout == b"done\n"
     await kill_leftovers(limited)
     limited.set_limits(Limits(memory_bytes=96 << 20, pids=8, cpu_cores=1.0))

@@ -113,10 +113,11 @@ def vmm_argv(settings: MicroVMSettings, run_dir: Path, workspace: str, tmp_bytes
     ]
 
 
-def guest_program() -> bytes:
-    """What the guest's /init runs: the relay, with the programs of inside/ and the identity files in front."""
+def guest_program(pids: int | None) -> bytes:
+    """What the guest's /init runs: the relay, with the programs of inside/, the identity files and the
+    guest's task limit (None: none) in front."""
     files = {**INSIDE_FILES, **IDENTITY_FILES}  # the agent and the code contexts' kernel and REPL
-    source = f"FILES = {files!r}\n" + _RELAY.read_text(encoding="utf-8")
+    source = f"FILES = {files!r}\nPIDS = {pids!r}\n" + _RELAY.read_text(encoding="utf-8")
     data = source.encode()
     return len(data).to_bytes(8, "big") + data
 
@@ -289,7 +290,7 @@ class _Guest:
     def alive(self) -> bool:
         return not self.gone.is_set() and self.proc.poll() is None
 
-    async def connect(self, deadline: float) -> None:
+    async def connect(self, deadline: float, pids: int | None) -> None:
         sock_path = os.path.join(self.run_dir, "agent.sock")
         loop = asyncio.get_running_loop()
         while True:
@@ -305,7 +306,7 @@ class _Guest:
                     raise Unavailable("the VMM did not open its agent socket in time") from None
                 await asyncio.sleep(0.02)
         self.sock = sock
-        await loop.sock_sendall(sock, guest_program())
+        await loop.sock_sendall(sock, guest_program(pids))
         self.task = loop.create_task(self.read_frames(sock))
 
     async def read_frames(self, sock: socket.socket) -> None:
@@ -510,7 +511,7 @@ class MicroVMSandbox:
         vm = self._start_vmm()
         deadline = time.monotonic() + self.settings.boot_timeout_s
         try:
-            await vm.connect(deadline)
+            await vm.connect(deadline, self._limits.pids if self._limits is not None else None)
             async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
                 await vm.ready
         except TimeoutError:
@@ -692,6 +693,8 @@ class MicroVMSandbox:
         host = self._host_limits()
         if self._vm is not None and self._vm.group is not None and host is not None:
             self._vm.group.set_limits(host)
+        if self._vm is not None and self._vm.alive and limits.pids is not None:
+            self._vm.send_soon(b"P", limits.pids)  # the guest's own task limit, live
 
     def oom_kills(self) -> int:
         return self._vm.group.oom_kills() if self._vm is not None and self._vm.group is not None else 0

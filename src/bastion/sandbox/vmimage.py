@@ -45,6 +45,7 @@ INIT: Final = f"""#!/busybox sh
 /busybox mount -t proc proc /proc
 /busybox mount -t sysfs sys /sys
 /busybox mount -t devtmpfs dev /dev
+/busybox mount -t cgroup2 -o nosuid,nodev,noexec cgroup2 /sys/fs/cgroup
 for m in $(/busybox cat /modules/order); do
   /busybox insmod /modules/$m.ko || echo "bastion-init: insmod $m failed"
 done

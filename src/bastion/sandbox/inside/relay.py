@@ -32,10 +32,12 @@ if TYPE_CHECKING:
 
     PORT: int = 0  # given by /init
     FILES: "dict[str, str]" = {}  # given by the host, in front of this source
+    PIDS: "int | None" = None  # the guest's task limit, likewise
 
 HEADER = struct.Struct(">IcI")
 READ_BYTES = 65536
 AGENT = "/opt/bastion/agent.py"
+GROUP = "/sys/fs/cgroup/sandbox"  # the guest's own cgroup v2 group: the agent, its commands and the relay
 PR_SET_DUMPABLE = 4
 
 
@@ -75,6 +77,8 @@ class Relay:
         elif kind == b"I" and command_id in self.stdin:
             self.pending[command_id] = self.pending.get(command_id, b"") + payload
             self.flush_stdin(command_id)
+        elif kind == b"P":
+            set_pids(command_id)
         elif kind == b"E" and command_id in self.stdin:
             self.closing.add(command_id)
             self.flush_stdin(command_id)
@@ -163,6 +167,23 @@ class Relay:
                     self.on_output(key.fd, key.data[0], key.data[1])
 
 
+def set_pids(limit: int) -> None:
+    with open(GROUP + "/pids.max", "w") as out:
+        out.write(str(limit))
+
+
+def enter_group(pids: "int | None") -> None:
+    """Move the relay (and so the agent and every command it starts) into a group with the task limit."""
+    if pids is None:
+        return
+    os.mkdir(GROUP)
+    with open("/sys/fs/cgroup/cgroup.subtree_control", "w") as out:
+        out.write("+pids")
+    set_pids(pids)
+    with open(GROUP + "/cgroup.procs", "w") as out:
+        out.write("0")
+
+
 def write_files(files: "dict[str, str]") -> None:
     for path, text in files.items():
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -176,6 +197,7 @@ def main(port: int, files: "dict[str, str]") -> None:
     if ctypes.CDLL(None).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
         sys.exit("bastion-relay: cannot make itself undumpable")
     write_files(files)
+    enter_group(PIDS)
     # Commands run as the workspace's owner (the sandbox's host uid, through 9p): the agent keeps root's
     # effective ids for its namespaces and starts each command with these real ones (resetids).
     owner = os.stat("/workspace")
