@@ -27,6 +27,7 @@ SCRIPTS = (
     "bench_preview.py",
     "bench_terminal.py",
     "bench_metrics.py",
+    "bench_microvm.py",
 )
 
 

@@ -33,6 +33,7 @@ DANGEROUS: dict[str, dict[str, str]] = {
         "bastion/sandbox/__init__.py": "re-exports the constants, SandboxSpec and sandbox_python",
         "bastion/doctor.py": "probes bwrap with the sandboxes' own flags",
         "bastion/sandbox/backend.py": "names SandboxSpec, what a backend starts a sandbox from",
+        "bastion/sandbox/microvm.py": "the checked layer above: it starts the microVMs",
     },
     "bastion.sandbox._disk": {
         "bastion/sandbox/_devices.py": "each sandbox's tmpfs",
@@ -47,6 +48,7 @@ DANGEROUS: dict[str, dict[str, str]] = {
 BANNED_CALLS: dict[str, str] = {
     "bastion/sandbox/inside/agent.py": "runs inside the sandbox: forks and spawns the commands",
     "bastion/sandbox/inside/repl.py": "runs inside the sandbox: spawns the bash or node of a context",
+    "bastion/sandbox/inside/relay.py": "runs inside a microVM guest: spawns the agent",
     "bastion/sandbox/_devices.py": "shutil.rmtree on its own tmpfs",
     "bastion/workbench/manager.py": "shutil.rmtree of a sandbox's state folder",
 }

@@ -136,6 +136,23 @@ def test_missing_audit_folder_fails(capsys: pytest.CaptureFixture[str], demo_con
     assert not (demo_config_path.parent / "no-such-folder").exists()
 
 
+def test_doctor_says_which_isolation_and_fails_a_microvm_template_without_boot_files(
+    capsys: pytest.CaptureFixture[str], demo_config_path: Path, tmp_path: Path
+) -> None:
+    text = demo_config_path.read_text().replace("[sandboxes]\nenabled = true", "[sandboxes]\nenabled = false")
+    demo_config_path.write_text(text)
+    _, checks, _ = _doctor(capsys, "--config", str(demo_config_path))
+    assert checks["microvm"] == ("ok", "no template asks for a microVM: every sandbox is isolation = namespaces")
+    vm = f'\n[sandboxes.microvm]\nimage_dir = "{tmp_path / "none"}"\n'
+    vm += '\n[[template]]\nname = "vm"\nisolation = "microvm"\n'
+    demo_config_path.write_text(text + vm)
+    code, checks, _ = _doctor(capsys, "--config", str(demo_config_path))
+    assert code == 1
+    assert checks["microvm"][0] == "FAIL"
+    assert checks["microvm"][1].startswith("templates vm are refused: ")
+    assert "is missing: run 'make install'" in checks["microvm"][1]
+
+
 @pytest.mark.bwrap
 def test_canary_is_allowed_without_seccomp_and_landlock(tmp_path: Path) -> None:
     """The canary can fail: in a bare bubblewrap (no seccomp filter, no Landlock, the server's own

@@ -39,6 +39,7 @@ from bastion.sandbox import idmap_supported
 from bastion.sandbox._spawn import SANDBOX_WORKSPACE, bwrap_path, probe_bwrap, sandbox_python
 from bastion.sandbox.cgroups import CgroupLayout
 from bastion.sandbox.inside.landlock import landlock_abi, landlock_missing  # the agent's own wording
+from bastion.sandbox.microvm import MicroVMSettings, missing_boot_files, probe_microvm
 from bastion.sandbox.seccomp import DENIED, write_filter_fd
 from bastion.serve import is_loopback
 from bastion.workbench.manager import SandboxManager
@@ -102,6 +103,7 @@ def run_checks(config_arg: str | None) -> list[Check]:
     checks += _identity_checks(config)
     checks.append(_audit_check(config))
     checks += _sandbox_checks(config, cgroups, ready=not any(c.status == "FAIL" for c in checks))
+    checks.append(_microvm_check(config))
     checks += _http_checks(config, path)
     checks += [_gateway_check(gateway) for gateway in config.gateway]
     return checks
@@ -313,6 +315,25 @@ def _log_problem(path: Path) -> str | None:
     if stat.S_ISLNK(st.st_mode):
         return f"audit log {path} is a symlink: point the config at the real file"
     return file_problem(path, st)
+
+
+def _microvm_check(config: Config) -> Check:
+    """Which isolation the templates ask for, and whether a microVM boots here (a tiny KVM guest, with a timeout)."""
+    names = [t.name for t in config.template if t.isolation == "microvm"]
+    if not names:
+        return Check("microvm", "ok", "no template asks for a microVM: every sandbox is isolation = namespaces")
+    which = ", ".join(names)
+    vm = config.sandboxes.microvm
+    settings = MicroVMSettings(vm.image_dir, accel="kvm", boot_timeout_s=vm.probe_timeout_s)
+    missing = missing_boot_files(settings)
+    if missing is not None:
+        return Check("microvm", "FAIL", f"templates {which} are refused: {missing}")
+    reason = asyncio.run(probe_microvm(settings, vm.probe_timeout_s))
+    if reason is None:
+        return Check("microvm", "ok", f"a KVM guest boots: templates {which} run as microVMs")
+    if vm.allow_emulation:
+        return Check("microvm", "warn", f"{reason}: templates {which} run under software emulation (slow)")
+    return Check("microvm", "FAIL", f"{reason}: templates {which} are refused (or set allow_emulation = true)")
 
 
 # -- one real sandbox ------------------------------------------------------------------------

@@ -48,6 +48,7 @@ from bastion.config.network import normalize_host as normalize_host
 from bastion.config.network import parse_allow_rule as parse_allow_rule
 from bastion.config.network import parse_allow_rules as parse_allow_rules
 from bastion.config.sandboxes import BASTION_OPT as BASTION_OPT
+from bastion.config.sandboxes import MicroVMConfig as MicroVMConfig
 from bastion.config.sandboxes import ReadOnlyBind as ReadOnlyBind
 from bastion.config.sandboxes import SandboxesConfig as SandboxesConfig
 from bastion.config.sandboxes import SandboxLimitsConfig as SandboxLimitsConfig
@@ -85,6 +86,7 @@ __all__ = [
     "InboxConfig",
     "LimitsConfig",
     "MetricsConfig",
+    "MicroVMConfig",
     "NetworkConfig",
     "ReadOnlyBind",
     "RedactionConfig",

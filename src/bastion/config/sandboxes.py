@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated, Final
+from typing import Annotated, Final, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -18,6 +18,7 @@ from bastion.safety.commands import CommandPolicyConfig
 from bastion.safety.environment import checked_env
 from bastion.sandbox import SCRATCH_INODES, SHM_SIZE_BYTES, TMP_SIZE_BYTES
 from bastion.sandbox.identity import DEFAULT_HOST_ID_COUNT, DEFAULT_HOST_ID_FIRST, parse_range
+from bastion.sandbox.vmimage import DEFAULT_IMAGE_DIR
 
 BASTION_OPT: Final = "/opt/bastion"  # inside a sandbox: a template's python_env is bound at <this>/env
 _RESERVED_DESTS: Final = frozenset(
@@ -86,6 +87,22 @@ class TemplateConfig(Model):
     python_lock: Path | None = None
     """A pip requirements file pinning every package with --hash, from which `bastion template build` makes
     python_env. Absent: the lock bastion ships under the template's name (python-data), if there is one."""
+    isolation: Literal["namespaces", "microvm"] = "namespaces"
+    """namespaces: bubblewrap on the host's kernel (starts in milliseconds); microvm: a QEMU guest with a
+    kernel of its own ([sandboxes.microvm]), refused at start where a guest cannot boot."""
+    vm_memory_mib: Annotated[int, Field(ge=64, le=65_536)] = 256
+    """A microvm template's guest memory; the VMM's cgroup allows this plus QEMU's own."""
+    vm_vcpus: Annotated[int, Field(ge=1, le=64)] = 1
+    """A microvm template's virtual CPUs."""
+
+    @model_validator(mode="after")
+    def _check_microvm(self) -> TemplateConfig:
+        # A guest sees /usr, /workspace and its own /tmp only: binds and envs do not reach it yet.
+        if self.isolation == "microvm" and (self.read_only or self.python_env is not None or self.network_allow):
+            raise ValueError(
+                f"template {self.name!r}: read_only, python_env and network_allow are not available for microvm yet"
+            )
+        return self
 
     @field_validator("env")
     @classmethod
@@ -96,6 +113,20 @@ class TemplateConfig(Model):
     @classmethod
     def _check_network_allow(cls, texts: tuple[str, ...]) -> tuple[str, ...]:
         return checked_rules(texts)
+
+
+class MicroVMConfig(Model):
+    """`[sandboxes.microvm]`: how microvm templates boot their guests."""
+
+    image_dir: Path = DEFAULT_IMAGE_DIR
+    """The kernel and initramfs `make install` builds (python -m bastion.sandbox.vmimage DIR)."""
+    allow_emulation: bool = False
+    """Where a KVM guest does not boot, run guests under software emulation (TCG: seconds to boot) rather
+    than refuse microvm templates."""
+    probe_timeout_s: Annotated[float, Field(gt=0, le=600)] = 10.0
+    """How long the first microvm start waits for a tiny KVM guest to boot before calling KVM unusable."""
+    boot_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 120.0
+    """How long a guest may take to boot to its agent's "ready"."""
 
 
 class SandboxesConfig(Model):
@@ -144,6 +175,7 @@ class SandboxesConfig(Model):
     """Size of /dev/shm in every sandbox, likewise."""
     scratch_inodes: Annotated[int, Field(ge=1024, le=10_000_000)] = SCRATCH_INODES
     """Files and folders each of /tmp and /dev/shm may hold (a root server; bwrap alone caps size only)."""
+    microvm: MicroVMConfig = MicroVMConfig()
     host_id_range: str = f"{DEFAULT_HOST_ID_FIRST}:{DEFAULT_HOST_ID_COUNT}"
     """FIRST:COUNT (as in /etc/subuid): the host uids and gids sandboxes and host workspaces run as when the
     server is root, one of its own each. Checked at start: no account or subordinate range may lie inside."""

@@ -320,3 +320,27 @@ def _data_fd(text: str) -> int:
         view = view[os.write(fd, view) :]
     os.lseek(fd, 0, os.SEEK_SET)
     return fd
+
+
+def start_vmm(argv: Sequence[str], *, identity: tuple[int, int] | None, cgroup_procs: Sequence[str]) -> SandboxProcess:
+    """Start a VMM (`bastion.sandbox.microvm`): in the given cgroups from its first instruction,
+    as `identity` when given (setpriv), killed if the server dies, in a session of its own, with
+    only its argv and a bare PATH."""
+    # Killed with the server (bwrap has --die-with-parent; QEMU has no such option): a guest must
+    # never outlive the process that holds its channel and its cgroup.
+    prefix = setpriv_argv(*identity) if identity is not None else [*setpriv_argv(0, 0)[:1], "--"]
+    full = [*prefix[:-1], "--pdeathsig=KILL", "--", *argv]
+    if cgroup_procs:
+        full = ["/bin/sh", "-c", _JOIN_CGROUPS, "bastion-join", str(len(cgroup_procs)), *cgroup_procs, *full]
+    try:
+        return subprocess.Popen(
+            full,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            close_fds=True,
+            start_new_session=True,
+            env=BWRAP_ENV,
+        )
+    except OSError as exc:
+        raise Unavailable(f"cannot start the VMM {argv[0]}: {exc.strerror}") from exc

@@ -56,6 +56,7 @@ from bastion.sandbox import DeviceFolder, SandboxSpec, backend
 from bastion.sandbox._disk import drop_disk, make_disk, mount_disk, mount_tmpfs, used_bytes
 from bastion.sandbox.cgroups import CgroupLayout, Limits
 from bastion.sandbox.identity import HostIdentity, IdentityPool
+from bastion.sandbox.microvm import MicroVMBackend, MicroVMSettings, probe_microvm
 from bastion.sandbox.warm import BubblewrapBackend
 from bastion.snapshot.store import (
     SnapshotInfo,
@@ -106,6 +107,7 @@ class Sandbox:
     code: CodeRunner
     network: SandboxNetwork
     template: str = "default"
+    isolation: str = "namespaces"
     settings: SandboxSettings = field(default_factory=SandboxSettings)
     created_wall: float = field(default_factory=time.time)
     created: float = field(default_factory=time.monotonic)
@@ -117,6 +119,7 @@ class Sandbox:
             "sandbox_id": self.id,
             "name": self.name,
             "template": self.template,
+            "isolation": self.isolation,
             "state": _state(self.workspace.sandbox),
             "age_s": round(now - self.created, 3),
             "idle_s": round(now - self.last_used, 3),
@@ -212,6 +215,9 @@ class SandboxManager:
         self._pool_failed = False
         """The last refill of the warm pool failed (a readiness check reads it)."""
         self._pool_filled_once = False
+        self._vm_probe_lock = asyncio.Lock()
+        self._vm_accel: str | None = None  # "kvm" or "tcg", once the first microvm template has probed
+        self._vm_refusal: str | None = None  # why a KVM guest does not boot here, if it does not
 
     @property
     def enabled(self) -> bool:
@@ -272,8 +278,14 @@ class SandboxManager:
         rules = self._network_rules(chosen, network_allow)
         binds = _binds(chosen)
         # The pool's sandboxes have the default template's binds and the ceiling's disk: others start their own.
-        standard = binds == _binds(self._default_template) and narrowed.disk_bytes == self._config.limits.disk_bytes
-        prepared = self._pool.pop() if self._pool and standard else await self._prepare(binds, narrowed.disk_bytes)
+        standard = (
+            binds == _binds(self._default_template)
+            and narrowed.disk_bytes == self._config.limits.disk_bytes
+            and chosen.isolation == self._default_template.isolation == "namespaces"
+        )
+        prepared = (
+            self._pool.pop() if self._pool and standard else await self._prepare(binds, narrowed.disk_bytes, chosen)
+        )
         files_owner = _owner(prepared.identity)
         network = SandboxNetwork(prepared.id, self._socket_dir(prepared.id), self._egress, rules, files_owner)
         try:
@@ -308,6 +320,7 @@ class SandboxManager:
             code=code,
             network=network,
             template=chosen.name,
+            isolation=chosen.isolation,
             settings=settings,
         )
         self._boxes[box.id] = box
@@ -388,9 +401,16 @@ class SandboxManager:
             raise NotFound(f"no sandbox template {name!r}: use one of {known} (list_templates)")
         return found
 
-    async def _prepare(self, binds: tuple[tuple[str, str], ...] = (), disk_bytes: int | None = None) -> _Prepared:
+    async def _prepare(
+        self,
+        binds: tuple[tuple[str, str], ...] = (),
+        disk_bytes: int | None = None,
+        template: TemplateConfig | None = None,
+    ) -> _Prepared:
         """A new sandbox: its folders (its own filesystem with a quota), its cgroup at the
-        ceiling's limits, bubblewrap and the agent started."""
+        ceiling's limits, bubblewrap (or a microVM, for such a template) and the agent started."""
+        isolation = template.isolation if template is not None else "namespaces"
+        vm_backend = await self._microvm_backend(template) if template is not None and isolation == "microvm" else None
         sandbox_id = SANDBOX_ID_PREFIX + secrets.token_hex(_ID_HEX_BYTES)
         root = self._dir / sandbox_id
         identity = self._held[sandbox_id] = self._identities.acquire()
@@ -408,7 +428,8 @@ class SandboxManager:
             tmp_size_bytes=self._config.tmp_bytes,
             shm_size_bytes=self._config.shm_bytes,
         )
-        warm = BubblewrapBackend(self._cgroups).sandbox(spec, limits=limits)
+        chosen: backend.Backend = vm_backend or BubblewrapBackend(self._cgroups)
+        warm = chosen.sandbox(spec, limits=limits)
         prepared = self._starting[sandbox_id] = _Prepared(sandbox_id, root, warm, identity)
         try:
             await warm.start()
@@ -419,6 +440,31 @@ class SandboxManager:
         finally:
             self._starting.pop(sandbox_id, None)
         return prepared
+
+    async def _microvm_backend(self, template: TemplateConfig) -> MicroVMBackend:
+        """The microVM backend for `template`, once a tiny KVM guest has booted here (probed once);
+        where it does not, software emulation if [sandboxes.microvm] allows it, else a one-line refusal."""
+        config = self._config.microvm
+        async with self._vm_probe_lock:
+            if self._vm_accel is None:
+                kvm = MicroVMSettings(config.image_dir, accel="kvm", boot_timeout_s=config.probe_timeout_s)
+                self._vm_refusal = await probe_microvm(kvm, config.probe_timeout_s)
+                self._vm_accel = "kvm" if self._vm_refusal is None else "tcg"
+                if self._vm_refusal is not None:
+                    logger.warning("microvm: %s", self._vm_refusal)
+        if self._vm_refusal is not None and not config.allow_emulation:
+            raise Unavailable(
+                f"template {template.name!r} needs a microVM and {self._vm_refusal} "
+                "(set [sandboxes.microvm] allow_emulation = true to emulate: slow)"
+            )
+        settings = MicroVMSettings(
+            config.image_dir,
+            memory_mib=template.vm_memory_mib,
+            vcpus=template.vm_vcpus,
+            accel=self._vm_accel,
+            boot_timeout_s=config.boot_timeout_s,
+        )
+        return MicroVMBackend(settings, self._cgroups)
 
     async def _build(
         self, sandbox_id: str, root: Path, identity: HostIdentity, disk_bytes: int | None, socket_dir: Path

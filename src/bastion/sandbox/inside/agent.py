@@ -321,6 +321,9 @@ class Agent:
                 req["env"],
                 file_actions=actions,
                 setsigdef=DEFAULT_SIGNALS,
+                # In a microVM guest the relay starts the agent with the workspace owner's real ids and
+                # root's effective ones: each command runs as that owner (its exec makes the saved ids so).
+                resetids=os.getuid() != os.geteuid(),
                 setsigmask=(),
                 **group_or_session,
             )

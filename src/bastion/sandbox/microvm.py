@@ -1,0 +1,787 @@
+"""The microVM backend: each sandbox is a QEMU guest with a kernel of its own. SECURITY BOUNDARY.
+
+The second implementation of `bastion.sandbox.backend` (issue 17). A sandbox is one QEMU
+process (`-M pc`, see `vmm_argv` for why not `microvm`) started under the sandbox's unprivileged
+host identity, with `-sandbox on` (QEMU's seccomp filter), in a cgroup of its own when it has
+limits, and no network device at all. The guest boots Debian's kernel with the initramfs of
+`bastion.sandbox.vmimage`, sees the host's /usr read-only and the workspace folder read-write over
+virtio-9p (so the file tools and snapshots keep acting on the host folder, as the protocol says),
+a private /tmp, and runs the same resident agent (inside/agent.py) behind inside/relay.py, which
+carries its messages and each command's stdin, stdout and stderr over one virtio-serial port
+(a unix socket on the host).
+
+What does not cross a serial port is a file descriptor, so the operations that hand one to the
+host are refused for microVMs in this slice, with one line: a terminal (`open_pty`: the pty's
+master), a preview's `connect` (a connected socket). Commands run as PID 1 of a PID namespace of
+their own in the guest (the agent's ``pids=per-command``): what a command starts ends with it,
+so `leftovers` is always empty.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import marshal
+import os
+import signal
+import socket
+import struct
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+from bastion.safety.errors import Conflict, InvalidRequest, NotFound, ResourceLimit, Unavailable
+from bastion.sandbox._spawn import (
+    IDENTITY_FILES,
+    INSIDE_FILES,
+    SandboxProcess,
+    SandboxSpec,
+    start_vmm,
+)
+from bastion.sandbox.backend import Backend, Process, RunOutcome, Sandbox
+from bastion.sandbox.cgroups import CgroupLayout, Limits, SandboxCgroup, Usage
+from bastion.sandbox.command_groups import Leftover
+from bastion.sandbox.processes import OutputSink, PtyProcess, RingCapture
+from bastion.sandbox.vmimage import INITRAMFS_NAME, KERNEL_NAME
+
+__all__ = [
+    "ISOLATION",
+    "MicroVMBackend",
+    "MicroVMProcess",
+    "MicroVMSandbox",
+    "MicroVMSettings",
+    "missing_boot_files",
+    "probe_microvm",
+    "vmm_argv",
+]
+
+logger = logging.getLogger(__name__)
+
+ISOLATION: Final = "microvm"
+QEMU: Final = "/usr/bin/qemu-system-x86_64"
+_RELAY: Final = Path(__file__).parent / "inside" / "relay.py"
+_HEADER: Final = struct.Struct(">IcI")
+_MAX_FRAME: Final = (1 << 20) + _HEADER.size  # the relay sends at most 64 KiB of output, 1 MiB of message
+_KILL_WAIT_S: Final = 5.0
+_READ_BYTES: Final = 65_536
+_VMM_OVERHEAD_BYTES: Final = 192 << 20  # QEMU itself and TCG's translation cache (tb-size below)
+_VMM_TASKS: Final = 64  # QEMU's own threads; the guest's processes are the guest kernel's business
+_group_ids = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class MicroVMSettings:
+    """How a microVM is made: its boot files, size and accelerator."""
+
+    image_dir: Path
+    memory_mib: int = 256
+    vcpus: int = 1
+    accel: str = "tcg"  # "kvm" where a guest boots under KVM; "tcg" is software emulation
+    boot_timeout_s: float = 120.0
+
+
+def vmm_argv(settings: MicroVMSettings, run_dir: Path, workspace: str, tmp_bytes: int) -> list[str]:
+    """QEMU's command line for one sandbox.
+
+    `-M pc`, not `microvm`: on this kind of host, Debian's 6.1 kernel under TCG stops at "could not
+    calculate TSC khz" with microvm's ACPI tables, and without them its virtio-mmio devices can only
+    be named on the command line, which Debian's kernels are built without. The PC machine costs the
+    BIOS (~0.5 s of a cold boot) and nothing else we use.
+    """
+    accel = "kvm" if settings.accel == "kvm" else "tcg,tb-size=64"
+    return [
+        QEMU,
+        *("-M", "pc", "-accel", accel, "-m", str(settings.memory_mib), "-smp", str(settings.vcpus)),
+        *("-nodefaults", "-no-user-config", "-nographic", "-no-reboot", "-nic", "none"),
+        *("-kernel", str(settings.image_dir / KERNEL_NAME), "-initrd", str(settings.image_dir / INITRAMFS_NAME)),
+        *("-append", f"console=ttyS0 quiet panic=-1 bastion.tmp={tmp_bytes}"),
+        *("-serial", f"file:{run_dir / 'console.log'}"),
+        *("-device", "virtio-serial-pci"),
+        *("-chardev", f"socket,id=agent,path={run_dir / 'agent.sock'},server=on,wait=off"),
+        *("-device", "virtserialport,chardev=agent,name=bastion.agent,nr=1"),
+        *("-fsdev", "local,id=usr,path=/usr,security_model=none,readonly=on"),
+        *("-device", "virtio-9p-pci,fsdev=usr,mount_tag=usr"),
+        *("-fsdev", f"local,id=ws,path={workspace},security_model=none"),
+        *("-device", "virtio-9p-pci,fsdev=ws,mount_tag=workspace"),
+        *("-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"),
+    ]
+
+
+def guest_program(pids: int | None) -> bytes:
+    """What the guest's /init runs: the relay, with the programs of inside/, the identity files and the
+    guest's task limit (None: none) in front."""
+    files = {**INSIDE_FILES, **IDENTITY_FILES}  # the agent and the code contexts' kernel and REPL
+    source = f"FILES = {files!r}\nPIDS = {pids!r}\n" + _RELAY.read_text(encoding="utf-8")
+    data = source.encode()
+    return len(data).to_bytes(8, "big") + data
+
+
+class _Stream:
+    """One output stream of a command as the host keeps it: the first `cap` bytes (a run) or the
+    newest `cap` (a background ring), counting all; or fed into a host pipe (`spawn(stdout=...)`)."""
+
+    def __init__(self, cap: int, *, newest: bool, sink: OutputSink | None = None) -> None:
+        self.cap = cap
+        self.newest = newest
+        self.sink = sink
+        self.kept = bytearray()
+        self.total = 0
+        self.closed = False
+        self.ended = asyncio.Event()
+
+    @property
+    def start(self) -> int:
+        return self.total - len(self.kept) if self.newest else 0
+
+    def feed(self, data: bytes) -> None:
+        self.total += len(data)
+        if self.sink is not None:
+            self.sink(data)
+        if self.newest:
+            self.kept += data
+            del self.kept[: max(0, len(self.kept) - self.cap)]
+        elif len(self.kept) < self.cap:
+            self.kept += data[: self.cap - len(self.kept)]
+
+    def end(self) -> None:
+        self.closed = True
+        self.ended.set()
+
+    def read(self, offset: int, limit: int) -> tuple[int, bytes]:
+        begin = max(offset, self.start)
+        index = begin - self.start
+        return begin, bytes(self.kept[index : index + limit])
+
+
+class _Piped:
+    """Feeds a stream's bytes into a host pipe whose read end a caller's reader owns."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.pending = bytearray()
+        os.set_blocking(fd, False)
+
+    def write(self, data: bytes) -> None:
+        if self.fd < 0:
+            return
+        self.pending += data
+        self.flush()
+
+    def flush(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while self.pending:
+                del self.pending[: os.write(self.fd, self.pending)]
+        except BlockingIOError:
+            loop.add_writer(self.fd, self.flush)
+            return
+        except OSError:  # the reader closed its end: nothing more to give it
+            self.pending.clear()
+        loop.remove_writer(self.fd)
+        if self.pending == b"" and self._ending:
+            self.close()
+
+    _ending = False
+
+    def end(self) -> None:
+        self._ending = True
+        if not self.pending:
+            self.close()
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            asyncio.get_running_loop().remove_writer(self.fd)
+            os.close(self.fd)
+            self.fd = -1
+
+
+class MicroVMProcess:
+    """A command of a microVM sandbox, as the host sees it (`bastion.sandbox.backend.Process`)."""
+
+    def __init__(self, vm: _Guest, command_id: int, argv: Sequence[str], out: _Stream, err: _Stream) -> None:
+        self._vm = vm
+        self._id = command_id
+        self._argv = tuple(argv)
+        self._started = time.monotonic()
+        self.out, self.err = out, err
+        self.reader: RingCapture | None = None  # spawn(stdout=...)'s reader of the host pipe `out` feeds
+        self.status: int | None = None
+        self.exited = False
+        self.stdin_open = True
+        self.exit_event = asyncio.Event()
+
+    @property
+    def command_id(self) -> int:
+        return self._id
+
+    @property
+    def argv(self) -> tuple[str, ...]:
+        return self._argv
+
+    @property
+    def started(self) -> float:
+        return self._started
+
+    @property
+    def stdout(self) -> _Stream | RingCapture:
+        return self.reader if self.reader is not None else self.out
+
+    @property
+    def stderr(self) -> _Stream:
+        return self.err
+
+    def finish(self, status: int | None) -> None:
+        if not self.exited:
+            self.status, self.exited, self.stdin_open = status, True, False
+        self.exit_event.set()
+
+    async def wait_exit(self) -> None:
+        await self.exit_event.wait()
+
+    async def wait_output(self, timeout_s: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                await self.out.ended.wait()
+                await self.err.ended.wait()
+                if self.reader is not None:
+                    await asyncio.shield(self.reader.done)
+
+    async def write(self, data: bytes, *, timeout_s: float) -> int:
+        """The relay buffers what the pipe does not take yet, so everything goes in at once."""
+        if not self.stdin_open:
+            raise Conflict("the process's input is closed")
+        await self._vm.send(b"I", self._id, data)
+        return len(data)
+
+    def close_stdin(self) -> None:
+        if self.stdin_open:
+            self.stdin_open = False
+            self._vm.send_soon(b"E", self._id)
+
+    def close(self) -> None:
+        self.close_stdin()
+        self.finish(self.status)
+        self._vm.forget(self._id)
+
+
+class _Guest:
+    """One booted guest: its VMM process, its cgroup and the serial channel to its relay."""
+
+    def __init__(self, proc: SandboxProcess, run_dir: Path, group: SandboxCgroup | None) -> None:
+        self.proc = proc
+        self.run_dir = run_dir
+        self.group = group
+        self.sock: socket.socket | None = None
+        self.sending = asyncio.Lock()  # one frame at a time: concurrent sends must not interleave
+        self.commands: dict[int, MicroVMProcess] = {}
+        self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.gone = asyncio.Event()
+        self.task: asyncio.Task[None] | None = None
+        self.ids = itertools.count(1)
+        self.later: set[asyncio.Task[None]] = set()  # sends from sync callers (close_stdin)
+
+    @property
+    def alive(self) -> bool:
+        return not self.gone.is_set() and self.proc.poll() is None
+
+    async def connect(self, deadline: float, pids: int | None) -> None:
+        sock_path = os.path.join(self.run_dir, "agent.sock")
+        loop = asyncio.get_running_loop()
+        while True:
+            if self.proc.poll() is not None:
+                raise Unavailable("the VMM exited while starting: " + self.why())
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
+            try:
+                await loop.sock_connect(sock, sock_path)
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                sock.close()
+                if time.monotonic() > deadline:
+                    raise Unavailable("the VMM did not open its agent socket in time") from None
+                await asyncio.sleep(0.02)
+        self.sock = sock
+        await loop.sock_sendall(sock, guest_program(pids))
+        self.task = loop.create_task(self.read_frames(sock))
+
+    async def read_frames(self, sock: socket.socket) -> None:
+        """Read frames until the channel ends; a frame too large for the relay to have sent ends the VM."""
+        loop = asyncio.get_running_loop()
+        inbox = bytearray()
+        try:
+            while data := await loop.sock_recv(sock, _READ_BYTES):
+                inbox += data
+                while len(inbox) >= 4:
+                    size = int.from_bytes(inbox[:4], "big")
+                    if not 5 <= size <= _MAX_FRAME:
+                        logger.warning("microVM %s sent a frame of %d bytes: ending it", self.run_dir.name, size)
+                        self.kill_vmm()
+                        return
+                    if len(inbox) < 4 + size:
+                        break
+                    body = bytes(inbox[4 : 4 + size])
+                    del inbox[: 4 + size]
+                    self.on_frame(body[:1], int.from_bytes(body[1:5], "big"), body[5:])
+        except OSError:
+            return
+        finally:
+            self.end_all()
+
+    def on_frame(self, kind: bytes, command_id: int, payload: bytes) -> None:
+        if kind == b"M":
+            self.on_message(payload)
+            return
+        command = self.commands.get(command_id)
+        if command is None:
+            return
+        stream = command.out if kind in (b"O", b"o") else command.err
+        if kind in (b"O", b"R"):
+            stream.feed(payload)
+        elif kind in (b"o", b"r"):
+            stream.end()
+
+    def on_message(self, payload: bytes) -> None:
+        try:
+            message = json.loads(payload)
+        except ValueError:
+            return
+        if not isinstance(message, dict):
+            return
+        if message.get("event") == "ready" and not self.ready.done():
+            self.ready.set_result(None)
+        elif message.get("event") == "exit":
+            command_id, status = message.get("id"), message.get("status")
+            if type(command_id) is int and type(status) is int and command_id in self.commands:
+                self.commands[command_id].finish(status)
+
+    def end_all(self) -> None:
+        self.gone.set()
+        if not self.ready.done():
+            self.ready.set_exception(Unavailable("the guest ended before its agent was ready: " + self.why()))
+        for command in self.commands.values():
+            command.out.end()
+            command.err.end()
+            command.finish(None)
+
+    async def send(self, kind: bytes, command_id: int, payload: bytes = b"") -> None:
+        if self.sock is None or not self.alive:
+            raise Unavailable("the microVM has ended")
+        frame = _HEADER.pack(len(payload) + 5, kind, command_id) + payload
+        try:
+            async with self.sending:
+                await asyncio.get_running_loop().sock_sendall(self.sock, frame)
+        except OSError as exc:
+            raise Unavailable(f"the microVM's channel broke: {exc.strerror or exc}") from exc
+
+    def send_soon(self, kind: bytes, command_id: int) -> None:
+        if self.sock is not None and self.alive:
+            task = asyncio.get_running_loop().create_task(self.send(kind, command_id))
+            self.later.add(task)
+            task.add_done_callback(self.later.discard)
+
+    def forget(self, command_id: int) -> None:
+        self.commands.pop(command_id, None)
+
+    def why(self) -> str:
+        """The last lines the VMM or the guest's console wrote: the reason it did not start."""
+        lines: list[str] = []
+        with contextlib.suppress(OSError):
+            text = (self.run_dir / "console.log").read_text(errors="replace")
+            lines = [line for line in text.splitlines() if line.strip() and not line.startswith("\x1b")]
+        if self.proc.poll() is not None and self.proc.stderr is not None:
+            with contextlib.suppress(OSError, ValueError):
+                lines += self.proc.stderr.read().decode(errors="replace").splitlines()
+        return (lines[-1] if lines else "no reason given")[:300]
+
+    def detach(self) -> None:
+        """Stop reading the channel (called in the loop's thread), so its socket can close under no reader."""
+        if self.task is None or self.task.done():
+            return
+        loop = self.task.get_loop()
+        if self.sock is not None and not loop.is_closed():
+            loop.remove_reader(self.sock.fileno())
+        self.task.cancel()
+
+    def kill_vmm(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def stop(self) -> None:
+        """Kill the VMM and wait for it; remove its socket folder and its cgroup."""
+        self.kill_vmm()
+        if self.sock is not None:
+            self.sock.close()
+        with contextlib.suppress(Exception):
+            self.proc.wait(timeout=_KILL_WAIT_S)
+        if self.proc.stderr is not None:
+            self.proc.stderr.close()
+        for name in ("agent.sock", "console.log"):
+            with contextlib.suppress(FileNotFoundError):
+                (self.run_dir / name).unlink()
+        with contextlib.suppress(OSError):
+            self.run_dir.rmdir()
+        if self.group is not None:
+            self.group.kill()
+            self.group.destroy()
+        self.end_all()
+
+
+class MicroVMSandbox:
+    """One sandbox as a microVM (`bastion.sandbox.backend.Sandbox`)."""
+
+    def __init__(
+        self, spec: SandboxSpec, settings: MicroVMSettings, *, cgroups: CgroupLayout | None, limits: Limits | None
+    ) -> None:
+        if limits is not None and cgroups is None:
+            raise Unavailable("resource limits need cgroups, and none are available")
+        self.spec = spec
+        self.settings = settings
+        self._cgroups = cgroups
+        self._limits = limits
+        self._vm: _Guest | None = None
+        self._paused = False
+        self._closed = False
+        self._start_lock = asyncio.Lock()
+
+    @property
+    def isolation(self) -> str:
+        return ISOLATION
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    @property
+    def asleep(self) -> bool:
+        return False
+
+    @property
+    def alive(self) -> bool:
+        """Booted to its agent's "ready" and not ended since."""
+        vm = self._vm
+        return vm is not None and vm.alive and vm.ready.done() and not vm.ready.cancelled() and not vm.ready.exception()
+
+    async def start(self) -> None:
+        async with self._start_lock:
+            if self._closed:
+                raise Unavailable("the sandbox was closed")
+            if self.alive:
+                return
+            self.close()
+            await self._boot()
+
+    def _host_limits(self) -> Limits | None:
+        """The VMM's cgroup: the guest's memory plus QEMU's own, QEMU's threads, and the CPU given."""
+        if self._limits is None:
+            return None
+        memory = (self.settings.memory_mib << 20) + _VMM_OVERHEAD_BYTES
+        return Limits(memory_bytes=memory, pids=_VMM_TASKS, cpu_cores=self._limits.cpu_cores)
+
+    def _make_group(self) -> SandboxCgroup | None:
+        limits = self._host_limits()
+        if self._cgroups is None or limits is None:
+            return None
+        return self._cgroups.create(f"bastion-vm-{os.getpid()}-{next(_group_ids)}", limits)
+
+    def _start_vmm(self) -> _Guest:
+        run_dir = Path(tempfile.mkdtemp(prefix="bastion-vm-"))
+        group: SandboxCgroup | None = None
+        try:
+            if self.spec.identity is not None:
+                os.chown(run_dir, *self.spec.identity)
+            group = self._make_group()
+            procs = tuple(os.path.join(path, "cgroup.procs") for path in group.paths) if group else ()
+            argv = vmm_argv(self.settings, run_dir, self.spec.workspace, self.spec.tmp_size_bytes)
+            proc = start_vmm(argv, identity=self.spec.identity, cgroup_procs=procs)
+        except BaseException:
+            if group is not None:
+                group.destroy()
+            with contextlib.suppress(OSError):
+                run_dir.rmdir()
+            raise
+        self._vm = _Guest(proc, run_dir, group)
+        return self._vm
+
+    async def _boot(self) -> None:
+        vm = self._start_vmm()
+        deadline = time.monotonic() + self.settings.boot_timeout_s
+        try:
+            await vm.connect(deadline, self._limits.pids if self._limits is not None else None)
+            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                await vm.ready
+        except TimeoutError:
+            self.close()
+            raise Unavailable(f"the microVM did not boot within {self.settings.boot_timeout_s:g} s") from None
+        except BaseException:
+            self.close()
+            raise
+
+    async def _ready_vm(self) -> _Guest:
+        if self._paused:
+            raise Conflict("the sandbox is paused: resume it first")
+        await self.start()
+        assert self._vm is not None
+        return self._vm
+
+    async def _launch(
+        self,
+        vm: _Guest,
+        executable: str,
+        argv: Sequence[str],
+        cwd: str,
+        env: Mapping[str, str],
+        out: _Stream,
+        err: _Stream,
+        stdin: bool,
+    ) -> MicroVMProcess:
+        command_id = next(vm.ids)
+        command = MicroVMProcess(vm, command_id, argv, out, err)
+        if not stdin:
+            command.stdin_open = False
+        vm.commands[command_id] = command
+        request = {
+            "op": "run",
+            "id": command_id,
+            "exe": executable,
+            "argv": list(argv),
+            "cwd": cwd,
+            "env": dict(env),
+            "stdin": stdin,
+        }
+        await vm.send(b"M", 0, marshal.dumps(request))
+        return command
+
+    async def run(
+        self,
+        executable: str,
+        argv: Sequence[str],
+        *,
+        cwd: str,
+        env: Mapping[str, str],
+        timeout_s: float,
+        max_output_bytes: int,
+        on_output: tuple[OutputSink, OutputSink] | None = None,
+    ) -> RunOutcome:
+        vm = await self._ready_vm()
+        sinks = on_output or (None, None)
+        out = _Stream(max_output_bytes, newest=False, sink=sinks[0])
+        err = _Stream(max_output_bytes, newest=False, sink=sinks[1])
+        command = await self._launch(vm, executable, argv, cwd, env, out, err, stdin=False)
+        timed_out = cancelled = False
+        try:
+            async with asyncio.timeout(timeout_s):
+                await command.wait_exit()
+                await command.wait_output(timeout_s)
+        except TimeoutError:
+            timed_out = True
+        except asyncio.CancelledError:
+            cancelled = True
+            await asyncio.shield(self._kill_command(vm, command))
+            raise
+        finally:
+            if timed_out:
+                await self._kill_command(vm, command)
+            vm.forget(command.command_id)
+        return self._outcome(vm, command, timed_out=timed_out, cancelled=cancelled)
+
+    def _outcome(self, vm: _Guest, command: MicroVMProcess, *, timed_out: bool, cancelled: bool) -> RunOutcome:
+        if command.status is None and not timed_out:
+            if self._oom_killed_vm():
+                raise ResourceLimit("the microVM ran out of memory and ended under the command")
+            raise Unavailable("the microVM ended while the command ran: " + vm.why())
+        return RunOutcome(
+            status=command.status,
+            stdout=bytes(command.out.kept),
+            stderr=bytes(command.err.kept),
+            stdout_total=command.out.total,
+            stderr_total=command.err.total,
+            timed_out=timed_out,
+            cancelled=cancelled,
+        )
+
+    def _oom_killed_vm(self) -> bool:
+        return self._vm is not None and self._vm.group is not None and self._vm.group.oom_kills() > 0
+
+    async def _kill_command(self, vm: _Guest, command: MicroVMProcess) -> None:
+        """Ask the agent to SIGKILL the command (PID 1 of its own namespace: its whole tree goes);
+        if the exit is not confirmed in time, end the whole VM."""
+        if command.exited:
+            return
+        with contextlib.suppress(Unavailable):
+            await vm.send(b"M", 0, marshal.dumps({"op": "kill", "id": command.command_id}))
+        try:
+            async with asyncio.timeout(_KILL_WAIT_S):
+                await command.wait_exit()
+        except TimeoutError:
+            self.close()
+
+    async def spawn(
+        self,
+        executable: str,
+        argv: Sequence[str],
+        *,
+        cwd: str,
+        env: Mapping[str, str],
+        ring_bytes: int,
+        stdout: Callable[[int], RingCapture] | None = None,
+    ) -> MicroVMProcess:
+        vm = await self._ready_vm()
+        out = _Stream(ring_bytes, newest=True)
+        reader = None
+        if stdout is not None:
+            read_end, write_end = os.pipe2(os.O_CLOEXEC)
+            piped = _Piped(write_end)
+            reader = stdout(read_end)
+            out = _Stream(0, newest=True, sink=piped.write)
+            out.ended = _EndsPipe(piped)
+        err = _Stream(ring_bytes, newest=True)
+        command = await self._launch(vm, executable, argv, cwd, env, out, err, stdin=True)
+        command.reader = reader
+        return command
+
+    async def open_pty(
+        self, executable: str, argv: Sequence[str], *, cwd: str, env: Mapping[str, str], rows: int, cols: int
+    ) -> PtyProcess:
+        raise Unavailable("terminals are not available in microVM sandboxes yet (a pty cannot cross a serial port)")
+
+    async def kill(self, process: Process | PtyProcess) -> None:
+        if self._paused:
+            raise Conflict("the sandbox is paused: resume it first")
+        if self._vm is None or not isinstance(process, MicroVMProcess) or process.exited:
+            return
+        await self._kill_command(self._vm, process)
+
+    def leftovers(self) -> list[Leftover]:
+        return []  # each command is PID 1 of its own namespace in the guest: nothing outlives it
+
+    async def connect(self, port: int) -> socket.socket:
+        if not 0 < port < 65536:
+            raise InvalidRequest(f"port {port} is not 1..65535")
+        raise Unavailable("previews are not available in microVM sandboxes yet (a socket cannot cross a serial port)")
+
+    async def kill_leftover(self, pid: int) -> None:
+        raise NotFound(f"no process left running has pid {pid} (microVM commands leave none)")
+
+    def _require_group(self) -> SandboxCgroup:
+        if self._vm is None or not self._vm.alive or self._vm.group is None:
+            raise Conflict("the sandbox is not running or has no cgroup: run a command in it first")
+        return self._vm.group
+
+    def pause(self) -> None:
+        """Freeze the VMM's cgroup: its vCPUs and device threads stop, the guest's clock jumps on resume."""
+        self._require_group().freeze()
+        self._paused = True
+
+    def resume(self) -> None:
+        self._require_group().thaw()
+        self._paused = False
+
+    def usage(self) -> Usage | None:
+        if self._vm is None or not self._vm.alive or self._vm.group is None:
+            return None
+        return self._vm.group.usage()
+
+    def set_limits(self, limits: Limits) -> None:
+        if self._cgroups is None:
+            raise Unavailable("resource limits need cgroups, and none are available")
+        self._limits = limits
+        host = self._host_limits()
+        if self._vm is not None and self._vm.group is not None and host is not None:
+            self._vm.group.set_limits(host)
+        if self._vm is not None and self._vm.alive and limits.pids is not None:
+            self._vm.send_soon(b"P", limits.pids)  # the guest's own task limit, live
+
+    def oom_kills(self) -> int:
+        return self._vm.group.oom_kills() if self._vm is not None and self._vm.group is not None else 0
+
+    def memory_note(self) -> str:
+        return f"the guest has {self.settings.memory_mib} MiB"
+
+    def sleep(self) -> bool:
+        """Never: the guest's private /tmp cannot be checked empty from the host in this slice."""
+        return False
+
+    def close(self) -> None:
+        vm, self._vm = self._vm, None
+        self._paused = False
+        if vm is not None:
+            if vm.group is not None:
+                vm.group.thaw()
+            vm.detach()
+            vm.stop()
+
+    async def aclose(self, *, final: bool = False) -> None:
+        self._closed = self._closed or final
+        vm, self._vm = self._vm, None
+        self._paused = False
+        if vm is not None:
+            if vm.group is not None:
+                vm.group.thaw()
+            vm.detach()
+            await asyncio.to_thread(vm.stop)
+            if vm.task is not None:
+                await asyncio.gather(vm.task, return_exceptions=True)
+
+
+class _EndsPipe(asyncio.Event):
+    """A piped stdout's end: set when the guest's stream ends, and then the host pipe closes."""
+
+    def __init__(self, piped: _Piped) -> None:
+        super().__init__()
+        self._piped = piped
+
+    def set(self) -> None:
+        super().set()
+        self._piped.end()
+
+
+class MicroVMBackend:
+    """The microVM backend: each sandbox a guest with a kernel of its own."""
+
+    name = ISOLATION
+
+    def __init__(self, settings: MicroVMSettings, cgroups: CgroupLayout | None) -> None:
+        self.settings = settings
+        self._cgroups = cgroups
+
+    def sandbox(self, spec: SandboxSpec, *, limits: Limits | None) -> MicroVMSandbox:
+        return MicroVMSandbox(spec, self.settings, cgroups=self._cgroups, limits=limits)
+
+
+def missing_boot_files(settings: MicroVMSettings) -> str | None:
+    """One line naming the first of QEMU and the boot files that is missing; None if all are there."""
+    for path in (Path(QEMU), settings.image_dir / KERNEL_NAME, settings.image_dir / INITRAMFS_NAME):
+        if not path.exists():
+            return f"{path} is missing: run 'make install' (microVM packages and boot files)"
+    return None
+
+
+async def probe_microvm(settings: MicroVMSettings, timeout_s: float) -> str | None:
+    """Boot a tiny guest and run `true` in it: None if it works, else one line saying why not."""
+    missing = missing_boot_files(settings)
+    if missing:
+        return missing
+    with tempfile.TemporaryDirectory(prefix="bastion-vm-probe-") as folder:
+        tiny = MicroVMSettings(
+            settings.image_dir, memory_mib=128, vcpus=1, accel=settings.accel, boot_timeout_s=timeout_s
+        )
+        box = MicroVMSandbox(SandboxSpec(workspace=folder), tiny, cgroups=None, limits=None)
+        try:
+            outcome = await box.run(
+                "/bin/true", ["true"], cwd="/workspace", env={}, timeout_s=timeout_s, max_output_bytes=1024
+            )
+        except (Unavailable, Conflict, ResourceLimit) as exc:
+            return f"a {settings.accel} guest does not boot here: {exc}"
+        finally:
+            await box.aclose(final=True)
+    return None if outcome.status == 0 else f"a {settings.accel} guest booted but `true` exited {outcome.status}"
+
+
+def _conforms(backend: MicroVMBackend, sandbox: MicroVMSandbox) -> tuple[Backend, Sandbox]:
+    """Never called: mypy checks here that the microVM backend implements the protocol."""
+    return backend, sandbox

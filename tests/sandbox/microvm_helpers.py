@@ -1,0 +1,41 @@
+"""What the microVM tests share: boot files built once per session, and a look inside a guest."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bastion.sandbox._spawn import SANDBOX_PATH
+from bastion.sandbox.microvm import MicroVMSandbox, MicroVMSettings, missing_boot_files
+from bastion.sandbox.vmimage import ImageError, build
+
+# Software emulation on a loaded 2-core machine: a cold boot takes 10-40 s here.
+BOOT_TIMEOUT_S = 180.0
+_built: dict[str, Path] = {}
+
+
+def microvm_settings(factory: pytest.TempPathFactory, memory_mib: int = 256) -> MicroVMSettings:
+    """Settings over boot files built from this machine's packages (once per session); skips if it cannot."""
+    if "dir" not in _built:
+        try:
+            _built["dir"] = build(factory.mktemp("microvm-image"))
+        except (ImageError, OSError) as exc:
+            pytest.skip(f"microVM boot files cannot be built here: {exc}")
+    settings = MicroVMSettings(_built["dir"], memory_mib=memory_mib, accel="tcg", boot_timeout_s=BOOT_TIMEOUT_S)
+    missing = missing_boot_files(settings)
+    if missing is not None:
+        pytest.skip(missing)
+    return settings
+
+
+async def guest_processes_with(box: MicroVMSandbox, marker: str) -> list[int]:
+    """Guest pids whose command line holds `marker`, seen by a command in that guest (its /proc is the
+    guest's whole PID namespace). The marker is split so the looking shell does not match itself."""
+    head, tail = marker[: len(marker) // 2], marker[len(marker) // 2 :]
+    # One grep over every command line (a process per /proc entry costs seconds under emulation); the
+    # pattern comes on stdin, so grep's own command line does not hold it.
+    script = f'm="{head}"; printf "%s\\n" "${{m}}{tail}" | grep -l -a -F -f - /proc/[0-9]*/cmdline 2>/dev/null'
+    env = {"PATH": SANDBOX_PATH}
+    outcome = await box.run("/bin/sh", ["sh", "-c", script], cwd="/", env=env, timeout_s=30, max_output_bytes=65536)
+    return [int(line.split("/")[2]) for line in outcome.stdout.decode().split()]

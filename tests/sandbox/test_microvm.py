@@ -1,0 +1,223 @@
+"""The microVM backend's own promises: a kernel of its own, nothing of the host's, nothing left behind.
+
+`test_a_guest_boots_runs_a_command_and_leaves_nothing` is the fast CI variant (one boot, one
+command: in the default run); the others boot more guests and are marked `microvm`
+(`make test-microvm`). Refusals that need no guest run by default too.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from bastion.safety.errors import InvalidRequest, NotFound, Unavailable
+from bastion.sandbox._spawn import SANDBOX_PATH, SandboxSpec
+from bastion.sandbox.backend import RunOutcome
+from bastion.sandbox.cgroups import CgroupLayout, Limits
+from bastion.sandbox.identity import DEFAULT_HOST_ID_COUNT, DEFAULT_HOST_ID_FIRST, IdentityPool
+from bastion.sandbox.microvm import MicroVMBackend, MicroVMSandbox, MicroVMSettings, probe_microvm
+from bastion.sandbox.vmimage import MODULES, initramfs
+from tests.helpers import processes_with
+from tests.sandbox.microvm_helpers import microvm_settings
+
+pytestmark = [pytest.mark.anyio, pytest.mark.root]
+
+ENV = {"PATH": SANDBOX_PATH, "HOME": "/workspace", "LANG": "C.UTF-8"}
+
+
+async def sh(box: MicroVMSandbox, script: str, timeout_s: float = 60) -> RunOutcome:
+    return await box.run(
+        "/bin/sh", ["sh", "-c", script], cwd="/workspace", env=ENV, timeout_s=timeout_s, max_output_bytes=65536
+    )
+
+
+@pytest.fixture
+def layout() -> Iterator[CgroupLayout]:
+    made = CgroupLayout.detect(base_name=f"bastion-vmtest-{os.getpid()}")
+    yield made
+    made.release()
+
+
+@pytest.fixture
+def settings(tmp_path_factory: pytest.TempPathFactory) -> MicroVMSettings:
+    return microvm_settings(tmp_path_factory)
+
+
+def let_through(path: Path, top: Path) -> None:
+    """Let other uids traverse (not list) `path`'s folders up to `top`, pytest's 0700 base folder."""
+    for folder in (path, *path.parents):
+        os.chmod(folder, os.stat(folder).st_mode | 0o011)
+        if folder == top:
+            return
+
+
+@pytest.fixture
+async def guest(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, settings: MicroVMSettings, layout: CgroupLayout
+) -> AsyncIterator[MicroVMSandbox]:
+    """A guest whose VMM runs as an identity of its own, as the manager starts them."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    pool = IdentityPool(DEFAULT_HOST_ID_FIRST, DEFAULT_HOST_ID_COUNT, lock_dir=tmp_path / "ids")
+    identity = pool.acquire()
+    os.chown(ws, identity.uid, identity.gid)
+    for folder in (ws, settings.image_dir):
+        let_through(folder, tmp_path_factory.getbasetemp())
+    spec = SandboxSpec(workspace=str(ws), identity=(identity.uid, identity.gid))
+    box = MicroVMBackend(settings, layout).sandbox(spec, limits=Limits(None, None, 1.0))
+    yield box
+    await box.aclose(final=True)
+    pool.close()
+
+
+def entries(archive: bytes) -> dict[str, bytes]:
+    """The files of a newc cpio archive, by name."""
+    found: dict[str, bytes] = {}
+    at = 0
+    while True:
+        assert archive[at : at + 6] == b"070701"
+        size, name_size = int(archive[at + 54 : at + 62], 16), int(archive[at + 94 : at + 102], 16)
+        name_at = at + 110
+        name = archive[name_at : name_at + name_size - 1].decode()
+        data_at = name_at + name_size + (-(name_at + name_size) % 4)
+        if name == "TRAILER!!!":
+            return found
+        found[name] = archive[data_at : data_at + size]
+        at = data_at + size + (-(data_at + size) % 4)
+
+
+def test_the_initramfs_holds_init_busybox_and_the_modules_in_load_order() -> None:
+    release = next(p.name.removeprefix("vmlinuz-") for p in sorted(Path("/boot").glob("vmlinuz-*-amd64")))
+    if "cloud" in release or not Path("/bin/busybox").exists():
+        pytest.skip("needs Debian's generic kernel and busybox-static (make install)")
+    files = entries(initramfs(release))
+    assert files["init"].startswith(b"#!/busybox sh")
+    assert files["busybox"] == Path("/bin/busybox").read_bytes()
+    order = files["modules/order"].decode().split()
+    assert all(f"modules/{name}.ko" in files for name in order)
+    assert order[-1] == MODULES[-1]
+    assert order.index("virtio") < order.index("virtio_pci") < order.index("virtio_console")
+
+
+async def test_a_terminal_and_a_preview_are_refused_with_one_line(tmp_path: Path) -> None:
+    """Their descriptors cannot cross a serial port: refused before any guest boots."""
+    box = MicroVMSandbox(SandboxSpec(workspace=str(tmp_path)), MicroVMSettings(tmp_path), cgroups=None, limits=None)
+    with pytest.raises(Unavailable, match="terminals are not available in microVM"):
+        await box.open_pty("/bin/sh", ["sh"], cwd="/", env=ENV, rows=24, cols=80)
+    with pytest.raises(Unavailable, match="previews are not available in microVM"):
+        await box.connect(8000)
+    with pytest.raises(InvalidRequest):
+        await box.connect(0)
+    with pytest.raises(NotFound):
+        await box.kill_leftover(1)
+    assert box.leftovers() == []
+
+
+def test_a_vmm_dies_with_the_server() -> None:
+    """QEMU has no --die-with-parent: start_vmm gives it a parent-death signal, so a server killed
+    with SIGKILL leaves no guest running (here a stand-in VMM, the same launch path)."""
+    marker = "4248.25"
+    server = subprocess.Popen(
+        [sys.executable, "-c", SERVER.format(marker=marker)], stdout=subprocess.PIPE, env={**os.environ}
+    )
+    try:
+        assert server.stdout is not None
+        assert server.stdout.readline().strip() == b"started"
+        assert processes_with(marker) != []
+        server.kill()
+        server.wait()
+        deadline = time.monotonic() + 10
+        while processes_with(marker) and time.monotonic() < deadline:
+            time.sleep(0.01)  # no event tells when another process's parent-death signal landed
+        assert processes_with(marker) == []
+    finally:
+        server.kill()
+        server.wait()
+        if server.stdout is not None:
+            server.stdout.close()
+
+
+SERVER = """
+import time
+from bastion.sandbox._spawn import start_vmm
+start_vmm(["/bin/sleep", "{marker}"], identity=None, cgroup_procs=())
+print("started", flush=True)
+time.sleep(600)
+"""
+
+
+async def test_missing_boot_files_are_refused_with_one_line(tmp_path: Path) -> None:
+    reason = await probe_microvm(MicroVMSettings(tmp_path / "none"), timeout_s=5)
+    assert reason is not None
+    assert "is missing: run 'make install'" in reason
+    assert "\n" not in reason
+
+
+async def test_a_guest_boots_runs_a_command_and_leaves_nothing(
+    guest: MicroVMSandbox, layout: CgroupLayout, tmp_path: Path
+) -> None:
+    """The fast variant: one boot, one command. The VMM runs as the sandbox's uid; the guest's kernel is
+    not the host's, it has no network device, the host's /etc is not there, and close leaves no VMM,
+    socket folder or cgroup."""
+    (tmp_path / "ws" / "from-host").write_text("host\n")
+    script = "uname -r; ls /sys/class/net; id -u; ls /etc; cat from-host; echo inside > from-inside"
+    outcome = await sh(guest, script)
+    kernel, net, uid, *rest = outcome.stdout.decode().split("\n")
+    assert outcome.status == 0, outcome.stderr
+    assert kernel != os.uname().release
+    assert net == "lo"
+    assert guest.spec.identity is not None
+    assert uid == str(guest.spec.identity[0])  # commands are the workspace's owner, not the guest's root
+    assert rest[:3] == ["gitconfig", "group", "passwd"]
+    assert "host" in rest
+    assert (tmp_path / "ws" / "from-inside").read_text() == "inside\n"
+    assert guest._vm is not None
+    run_dir, pid = guest._vm.run_dir, guest._vm.proc.pid
+    assert guest.spec.identity is not None
+    uids = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("Uid:"))
+    assert uids.split()[1:] == [str(guest.spec.identity[0])] * 4  # the VMM is the sandbox's uid, not root
+    assert (tmp_path / "ws" / "from-inside").stat().st_uid == guest.spec.identity[0]
+    assert run_dir.exists()
+    assert layout.existing() != []
+    guest.close()
+    assert not run_dir.exists()
+    assert not os.path.exists(f"/proc/{pid}")
+    assert layout.existing() == []
+
+
+@pytest.mark.microvm
+async def test_a_command_cannot_take_the_agent_port_or_write_outside(guest: MicroVMSandbox) -> None:
+    """A hostile command (root of the guest, no capabilities) cannot open the serial port the relay
+    holds (it would forge the agent's events), write beyond /workspace and /tmp (Landlock), or
+    reach into the relay's or the agent's memory."""
+    outcome = await sh(guest, "echo x > /dev/vport0p1 && echo opened; touch /opt/x && echo wrote; echo ok")
+    assert outcome.stdout == b"ok\n"
+    # Nor read or write the relay's or the agent's memory: neither is dumpable (the name is split so
+    # the looking shell's own command line does not match).
+    peek = 'for p in /proc/[0-9]*; do case "$(tr "\\0" " " < $p/cmdline)" in *pyth"on3"*) '
+    peek += 'cat $p/environ >/dev/null 2>&1 && echo "read $p";; esac; done; echo ok'
+    assert (await sh(guest, peek)).stdout == b"ok\n"
+
+
+@pytest.mark.microvm
+async def test_a_killed_vmm_is_unavailable_for_that_sandbox_and_the_next_command_boots_again(
+    guest: MicroVMSandbox,
+) -> None:
+    assert (await sh(guest, "echo one")).stdout == b"one\n"
+    assert guest._vm is not None
+    os.kill(guest._vm.proc.pid, 9)
+    with pytest.raises(Unavailable):
+        await sh(guest, "sleep 30")
+    assert (await sh(guest, "echo two")).stdout == b"two\n"
+
+
+@pytest.mark.microvm
+async def test_the_probe_boots_a_tiny_guest(settings: MicroVMSettings) -> None:
+    assert await probe_microvm(settings, timeout_s=180) is None
+    assert processes_with("bastion-vm-probe") == []
