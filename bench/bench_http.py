@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,6 +30,8 @@ import anyio
 import httpx2
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
+
+from servers import free_port, http_config
 
 REPO = Path(__file__).resolve().parent.parent
 BASTION = REPO / ".venv" / "bin" / "bastion"
@@ -47,35 +47,10 @@ SERVER_PIDS: dict[str, int] = {}
 """MCP URL -> the pid of the server process answering it."""
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def write_config(root: Path, *, auth: bool) -> tuple[Path, int]:
-    subprocess.run([str(BASTION), "init", str(root)], check=True, capture_output=True)
-    port = free_port()
-    path = root / "bastion.toml"
-    text = path.read_text()
-    text = text.replace('path = "workspace"\n', 'path = "workspace"\nuse_cgroups = false\n', 1)
-    text = re.sub(r"(?m)^\[sandboxes\]\nenabled = true", "[sandboxes]\nenabled = false", text)
-    text = text.replace("http://127.0.0.1:8765", f"http://127.0.0.1:{port}").replace(
-        'listen = "127.0.0.1:8765"', f'listen = "127.0.0.1:{port}"'
-    )
     # One grant per concurrent client, all registered from this address.
     extra = "registrations_per_ip_per_hour = 10000\nmax_clients = 10000\n" + ("" if auth else "auth = false\n")
-    text = text.replace("[http]\n", f"[http]\n{extra}", 1)
-    path.write_text(text)
-    if auth:
-        subprocess.run(
-            [str(BASTION), "admin", "set-password", "--config", str(path)],
-            input="bench password 123\n",
-            text=True,
-            check=True,
-            capture_output=True,
-        )
-    return path, port
+    return http_config(BASTION, root, http_extra=extra, password="bench password 123" if auth else None)
 
 
 @contextmanager

@@ -19,8 +19,6 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -34,6 +32,7 @@ from urllib.parse import urlencode
 import httpx2
 
 from bench_http import SERVER_PIDS, running  # the same start-and-wait as the HTTP bench
+from servers import http_config
 
 REPO = Path(__file__).resolve().parent.parent
 BASTION = REPO / ".venv" / "bin" / "bastion"
@@ -48,33 +47,9 @@ ADMIN_TARGET_S = 5.0
 CALLBACK = "http://127.0.0.1/callback"
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def write_config(root: Path) -> tuple[Path, int]:
-    subprocess.run([str(BASTION), "init", str(root)], check=True, capture_output=True)
-    port = free_port()
-    path = root / "bastion.toml"
-    text = path.read_text()
-    text = text.replace('path = "workspace"\n', 'path = "workspace"\nuse_cgroups = false\n', 1)
-    text = re.sub(r"(?m)^\[sandboxes\]\nenabled = true", "[sandboxes]\nenabled = false", text)
-    text = text.replace("http://127.0.0.1:8765", f"http://127.0.0.1:{port}").replace(
-        'listen = "127.0.0.1:8765"', f'listen = "127.0.0.1:{port}"'
-    )
     # Every burst registers a client and starts a request from 127.0.0.1.
-    text = text.replace("[http]\n", "[http]\nregistrations_per_ip_per_hour = 1000\n", 1)
-    path.write_text(text)
-    subprocess.run(
-        [str(BASTION), "admin", "set-password", "--config", str(path)],
-        input=PASSWORD + "\n",
-        text=True,
-        check=True,
-        capture_output=True,
-    )
-    return path, port
+    return http_config(BASTION, root, http_extra="registrations_per_ip_per_hour = 1000\n", password=PASSWORD)
 
 
 @contextmanager

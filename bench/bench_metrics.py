@@ -12,8 +12,6 @@ Run: .venv/bin/python bench/bench_metrics.py [--calls N]
 from __future__ import annotations
 
 import argparse
-import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,6 +26,8 @@ import httpx2
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 
+from servers import http_config
+
 REPO = Path(__file__).resolve().parent.parent
 _VENV_BASTION = REPO / ".venv" / "bin" / "bastion"
 BASTION = _VENV_BASTION if _VENV_BASTION.exists() else Path(sys.executable).with_name("bastion")
@@ -37,25 +37,9 @@ TARGET = 1.05
 ARGS = {"command": "git status"}
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def write_config(root: Path, *, metrics: bool) -> tuple[Path, int]:
-    subprocess.run([str(BASTION), "init", str(root)], check=True, capture_output=True)
-    port = free_port()
-    path = root / "bastion.toml"
-    text = path.read_text()
-    text = text.replace('path = "workspace"\n', 'path = "workspace"\nuse_cgroups = false\n', 1)
-    text = re.sub(r"(?m)^\[sandboxes\]\nenabled = true", "[sandboxes]\nenabled = false", text)
-    text = text.replace("http://127.0.0.1:8765", f"http://127.0.0.1:{port}").replace(
-        'listen = "127.0.0.1:8765"', f'listen = "127.0.0.1:{port}"'
-    )
-    text = text.replace("[http]\n", "[http]\nauth = false\n", 1)
-    path.write_text(text + f"\n[metrics]\nenabled = {'true' if metrics else 'false'}\n")
-    return path, port
+    tail = f"\n[metrics]\nenabled = {'true' if metrics else 'false'}\n"
+    return http_config(BASTION, root, http_extra="auth = false\n", tail=tail)
 
 
 @contextmanager

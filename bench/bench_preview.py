@@ -34,6 +34,7 @@ from wsproto import ConnectionType, WSConnection
 from wsproto.events import AcceptConnection, Request, TextMessage
 
 from bastion.demo import init_demo
+from servers import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 WS_ECHO = REPO / "tests" / "transports" / "http" / "preview_apps" / "ws_echo.py"
@@ -50,12 +51,6 @@ for _ in range(int(sys.argv[1])):
     times.append((time.perf_counter() - start) * 1000)
 print(statistics.median(times))
 """
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def start_server(root: Path) -> tuple[subprocess.Popen[bytes], str, str]:
