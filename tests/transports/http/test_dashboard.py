@@ -32,6 +32,7 @@ from mcp.client.streamable_http import streamable_http_client
 
 from bastion.config.network import DEFAULT_BLOCKED_RANGES
 from bastion.demo import init_demo
+from bastion.safety.approvals import ApprovalQueue
 from bastion.transports.http.password import write_hash
 
 from .chromium import CHROMIUM, launch
@@ -289,6 +290,29 @@ def test_an_audit_field_holding_html_is_shown_as_text(dash: Dash) -> None:
     assert response.status_code == 200
     assert "&lt;script&gt;alert(3)&lt;/script&gt;" in response.text
     assert "<script>alert(3)" not in response.text
+
+
+def test_a_bidi_sandbox_id_an_agent_sent_cannot_disguise_its_audit_row(dash: Dash) -> None:
+    # Trojan Source (CVE-2021-42574): an RLO in a refused call's sandbox_id would show reversed.
+    refused = dash.tool("close_sandbox", sandbox_id="sb-\u202etxt.exe")
+    assert not refused["ok"]
+    response = dash.page("/admin/audit?tool=close_sandbox")
+    assert response.status_code == 200
+    assert "\u202e" not in response.text
+    assert "<code><bdi>sb-\\u202etxt.exe</bdi></code>" in response.text
+
+
+def test_a_bidi_approval_literal_cannot_disguise_what_the_administrator_approves(dash: Dash) -> None:
+    queue = ApprovalQueue(dash.server.db_path)
+    literal = "deploy v1.2.3 \u202e; rm -rf /data\u202c \u2066x\u2069"
+    approval = queue.request("biscuit_deploy", literal, "agent", ttl_s=600)
+    try:
+        page = dash.page("/admin/approvals").text
+        assert "\u202e" not in page
+        assert "\u2066" not in page
+        assert "deploy v1.2.3 \\u202e; rm -rf /data\\u202c" in page
+    finally:
+        queue.deny(approval.id, "test", "")
 
 
 def test_every_page_has_the_strict_csp_and_one_stylesheet(dash: Dash) -> None:
