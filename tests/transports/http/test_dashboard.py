@@ -106,6 +106,9 @@ class Dash:
     def page(self, url: str) -> httpx2.Response:
         return self.browser.client.get(url)
 
+    def page_with(self, url: str, headers: dict[str, str]) -> httpx2.Response:
+        return self.browser.client.get(url, headers=headers)
+
     def csrf(self) -> str:
         return str(forms(self.page("/admin").text)[0]["fields"]["csrf"])
 
@@ -332,6 +335,22 @@ def test_deciding_an_unknown_approval_says_why_on_the_page_it_answers(dash: Dash
     assert response.status_code == 404
     assert "no approval" in response.text
     assert "location" not in response.headers
+
+
+@pytest.mark.parametrize("url", ["/admin", "/admin/sandboxes", "/admin/audit?caller=x", "/admin/egress"])
+def test_a_preview_pages_background_requests_cannot_make_the_dashboard_work(dash: Dash, url: str) -> None:
+    # A sandbox's preview page is same-site (another port): its fetch/img requests carry the session
+    # cookie and, in a loop, would make the server walk sandbox disks and scan the log outside any cgroup.
+    background = {"Sec-Fetch-Site": "same-site", "Sec-Fetch-Mode": "no-cors", "Sec-Fetch-Dest": "image"}
+    refused = dash.page_with(url, background)
+    assert refused.status_code == 403
+    assert "navigation" in refused.text
+    cross = dash.page_with(url, {**background, "Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "cors"})
+    assert cross.status_code == 403
+    clicked = {"Sec-Fetch-Site": "same-site", "Sec-Fetch-Mode": "navigate", "Sec-Fetch-Dest": "document"}
+    assert dash.page_with(url, clicked).status_code == 200
+    own = {"Sec-Fetch-Site": "same-origin", "Sec-Fetch-Mode": "no-cors", "Sec-Fetch-Dest": "image"}
+    assert dash.page_with(url, own).status_code == 200
 
 
 def test_every_page_has_the_strict_csp_and_one_stylesheet(dash: Dash) -> None:

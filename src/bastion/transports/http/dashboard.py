@@ -31,6 +31,7 @@ from bastion.workbench.manager import Sandbox, SandboxManager
 
 ADMIN_CALLER: Final = "administrator (web)"
 REFRESH_S: Final = 15
+NAVIGATION_ONLY: Final = "the administrator's pages answer a navigation only, not another site's page's requests"
 _SANDBOX_ID: Final = re.compile(r"[A-Za-z0-9_.-]{1,100}")
 _STATUS: Final = {
     ResultCode.SANDBOX_NOT_FOUND: 404,
@@ -85,6 +86,8 @@ class Dashboard:
         """Wrap a GET handler: the session's CSRF token, or a redirect to the login; a refusal as a page."""
 
         async def checked(request: Request) -> Response:
+            if _background_from_another_site(request):
+                return pages.error_page(NAVIGATION_ONLY, status=403)
             csrf = self.admin.session_csrf(request)
             if csrf is None:
                 return pages.see_other("/admin/login")
@@ -255,6 +258,17 @@ class Dashboard:
             detail["owner"] = box.owner
             out.append(detail)
         return out
+
+
+def _background_from_another_site(request: Request) -> bool:
+    """A request another site's page made without navigating (fetch, img, iframe), by Fetch Metadata.
+
+    A sandbox's preview page is same-site (the same host, another port), so the SameSite=Strict session
+    cookie goes with its requests: a loop of them would make the server scan the log and walk sandbox
+    disks, outside any sandbox's cgroup. A browser that sends no Fetch Metadata is let through.
+    """
+    site = request.headers.get("sec-fetch-site", "")
+    return site in ("same-site", "cross-site") and request.headers.get("sec-fetch-mode", "") != "navigate"
 
 
 def refused(request: Request, csrf: str, exc: BastionError) -> Response:
