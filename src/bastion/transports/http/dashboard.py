@@ -23,7 +23,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from bastion.safety.audit import AuditLog
-from bastion.safety.errors import BastionError, InvalidRequest, SandboxNotFound
+from bastion.safety.errors import BastionError, SandboxNotFound
 from bastion.safety.results import ResultCode
 from bastion.transports.http import audit_view, pages, views
 from bastion.transports.http.admin_pages import AdminPages
@@ -146,8 +146,7 @@ class Dashboard:
 
     async def audit_page(self, request: Request, csrf: str, *, egress: bool = False) -> Response:
         params = request.query_params
-        if any(len(params.getlist(key)) > 1 for key in params):
-            raise InvalidRequest("each filter may be given once")
+        audit_view.refuse_repeated(params.multi_items())
         wanted = audit_view.parse_filter(params, kind="egress" if egress else "all")
         before = audit_view.parse_cursor(params.get("before"))
         path = self.audit.path
