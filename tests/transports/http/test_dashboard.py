@@ -347,6 +347,9 @@ def test_a_preview_pages_background_requests_cannot_make_the_dashboard_work(dash
     assert "navigation" in refused.text
     cross = dash.page_with(url, {**background, "Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "cors"})
     assert cross.status_code == 403
+    # A frame is a navigation too (X-Frame-Options only stops its display): a page of iframes in a loop.
+    framed = {"Sec-Fetch-Site": "same-site", "Sec-Fetch-Mode": "navigate", "Sec-Fetch-Dest": "iframe"}
+    assert dash.page_with(url, framed).status_code == 403
     clicked = {"Sec-Fetch-Site": "same-site", "Sec-Fetch-Mode": "navigate", "Sec-Fetch-Dest": "document"}
     assert dash.page_with(url, clicked).status_code == 200
     own = {"Sec-Fetch-Site": "same-origin", "Sec-Fetch-Mode": "no-cors", "Sec-Fetch-Dest": "image"}

@@ -260,14 +260,19 @@ class Dashboard:
 
 
 def _background_from_another_site(request: Request) -> bool:
-    """A request another site's page made without navigating (fetch, img, iframe), by Fetch Metadata.
+    """A request another site's page made other than by a top-level navigation (fetch, img, a frame),
+    by Fetch Metadata.
 
     A sandbox's preview page is same-site (the same host, another port), so the SameSite=Strict session
     cookie goes with its requests: a loop of them would make the server scan the log and walk sandbox
-    disks, outside any sandbox's cgroup. A browser that sends no Fetch Metadata is let through.
+    disks, outside any sandbox's cgroup. A frame is refused too: X-Frame-Options stops only its display,
+    not the work behind it. A browser that sends no Fetch Metadata is let through.
     """
-    site = request.headers.get("sec-fetch-site", "")
-    return site in ("same-site", "cross-site") and request.headers.get("sec-fetch-mode", "") != "navigate"
+    headers = request.headers
+    if headers.get("sec-fetch-site", "") not in ("same-site", "cross-site"):
+        return False
+    mode, dest = headers.get("sec-fetch-mode", ""), headers.get("sec-fetch-dest", "document")
+    return not (mode == "navigate" and dest == "document")
 
 
 def refused(request: Request, csrf: str, exc: BastionError) -> Response:
