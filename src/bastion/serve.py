@@ -81,6 +81,7 @@ def serve_stdio(config: Config, config_path: str) -> int:
                 f"bastion: the administrator logs in at {front.endpoints.issuer}/admin; "
                 f"preview URLs are served at {front.preview_origin}"
             )
+            _warn_if_open(config)  # the HTTP front serves /mcp too: the user asked for stdio
             serve = functools.partial(_stdio_beside_http, server.run_stdio_async, front, listeners)
         with stop_signals():
             notifier.ready(f"serving MCP over stdio from {os.path.abspath(config_path)}")
@@ -96,6 +97,13 @@ def serve_stdio(config: Config, config_path: str) -> int:
                 front.close()
             services.close()
     return 0
+
+
+def _warn_if_open(config: Config) -> None:
+    if not config.http.auth:
+        logging.getLogger("bastion.serve").warning(
+            "bastion: [http] auth = false: anyone reaching this address can call every tool"
+        )
 
 
 def _stdio_banner(config: Config, config_path: str) -> None:
@@ -393,10 +401,7 @@ def serve_http(config: Config, config_path: str, listen: str | None = None) -> i
         http = config.http
         where = f"{listeners.host}:{listeners.port}"
         announce(f"bastion: serving MCP over HTTP from {os.path.abspath(config_path)} on {where}")
-        if not http.auth:
-            logging.getLogger("bastion.serve").warning(
-                "bastion: [http] auth = false: anyone reaching this address can call every tool"
-            )
+        _warn_if_open(config)
         issuer = front.endpoints.issuer
         if http.public_url is not None and issuer != http.public_url:
             announce(f"bastion: public_url follows --listen: {issuer} (the config has {http.public_url})")

@@ -11,6 +11,7 @@ HTML (tests/transports/http/test_dashboard.py).
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ from bastion.transports.http.audit_view import (
     parse_cursor,
     parse_filter,
     read_page,
+    refuse_repeated,
 )
 
 
@@ -197,3 +199,14 @@ def test_chain_status_is_not_computed_past_its_cap(tmp_path: Path) -> None:
     state = ChainStatus(path, max_bytes=1000).check()
     assert state.state == "unchecked"
     assert "bastion audit verify" in state.message
+
+
+def test_a_query_of_thousands_of_parameter_names_is_checked_in_one_pass() -> None:
+    # The administrator's browser can be sent (a link, a preview page's navigation) to a URL of the
+    # longest head with a distinct name per parameter: the check must not be quadratic on the event loop.
+    pairs = [(f"{i:x}", "") for i in range(50_000)]
+    started = time.perf_counter()
+    refuse_repeated(pairs)
+    assert time.perf_counter() - started < 1.0
+    with pytest.raises(InvalidRequest, match="each filter may be given once"):
+        refuse_repeated([*pairs, ("tool", "a"), ("tool", "b")])

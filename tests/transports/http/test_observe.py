@@ -131,6 +131,28 @@ def test_metrics_refused_to_a_relayed_or_rebinding_request(server: LiveServer, h
     assert scrape(server).status_code == 200
 
 
+def test_metrics_refused_to_a_same_host_proxy_that_keeps_the_public_host_and_adds_no_forwarded_header(
+    tmp_path: Path,
+) -> None:
+    """Invariant: without a scrape token, /metrics wants a loopback literal as Host. A reverse proxy on
+    this host that passes `Host $host` but sets no X-Forwarded-For (nginx adds none unless told) connects
+    from 127.0.0.1 for every internet client: the public name in Host is what gives it away."""
+    port = free_port()
+    config = write_config(tmp_path / "demo", port, auth=False)
+    text = config.read_text()
+    assert f'public_url = "http://127.0.0.1:{port}"' in text
+    config.write_text(
+        text.replace(f'public_url = "http://127.0.0.1:{port}"', 'public_url = "https://bastion.example.test"')
+    )
+    with serve_config(tmp_path / "demo", config, port) as server:
+        for host in ("bastion.example.test", "bastion.example.test:443"):
+            relayed = scrape(server, Host=host)
+            assert relayed.status_code == 403, host
+            assert relayed.text == "Forbidden\n"
+        assert scrape(server).status_code == 200
+        assert scrape(server, Host=f"localhost:{port}").status_code == 200
+
+
 def test_metrics_need_the_token_when_one_is_set_and_json_logs_parse(tmp_path: Path) -> None:
     """Invariant: with [metrics] token_file, /metrics wants exactly `Bearer <token>`, from any address
     (a relayed request included); anything else is a bare 401 that names no reason. With log_format =

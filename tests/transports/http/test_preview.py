@@ -230,6 +230,8 @@ def test_hostile_page_cannot_read_admin_pages_or_the_login_cookie(preview: Previ
     assert results["admin"].startswith("ERROR TypeError"), results
     assert results["same_origin_admin"].strip() == "Not Found", results
     assert "bastion" not in results["cookie"].lower(), results
+    # Same-site, so Chromium sent the session cookie with that fetch: the dashboard refused it unread.
+    assert re.search(r"GET /admin 403 ", preview.server.log()), "the preview page's fetch of /admin was served"
 
 
 def _session_cookie(preview: Preview) -> dict[str, Any]:

@@ -105,3 +105,15 @@ async def test_without_an_admin_password_a_stdio_server_with_previews_refuses_to
     assert "no admin password is set: run 'bastion admin set-password" in err
     assert "Traceback" not in err
     assert len(err.strip().splitlines()) == 1, err
+
+
+async def test_a_stdio_server_whose_http_front_has_auth_off_warns_that_its_mcp_is_open(tmp_path: Path) -> None:
+    """With `auth = false` the HTTP front beside stdio serves every tool at /mcp to any process on this
+    host, as `serve --http` does; that server warns, and so must this one (the user asked for stdio)."""
+    root = tmp_path / "demo"
+    config = config_text(root, free_port(), free_port(), extra_http="auth = false\n")
+    done = await anyio.run_process([str(BASTION), "serve", "--config", str(config), "--stdio"], input=b"", check=False)
+    err = done.stderr.decode()
+    assert done.returncode == 0, err
+    assert "[http] auth = false: anyone reaching this address can call every tool" in err
+    assert "Traceback" not in err

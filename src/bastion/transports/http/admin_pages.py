@@ -15,7 +15,6 @@ import hmac
 import secrets
 from collections.abc import Callable
 from typing import Any, Final
-from urllib.parse import urlencode
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -24,6 +23,7 @@ from starlette.routing import Route
 from bastion.config import Config
 from bastion.safety.approvals import ApprovalQueue
 from bastion.safety.errors import BastionError
+from bastion.safety.results import ResultCode
 from bastion.transports.http import pages
 from bastion.transports.http.devices import TrustedDevices
 from bastion.transports.http.flow import (
@@ -41,6 +41,7 @@ from bastion.transports.http.ratelimit import LoginLimiter, LoginRefused
 from bastion.transports.http.store import AuthStore
 
 SESSION_COOKIE: Final = "__Host-bastion-admin"
+_DECIDE_STATUS: Final = {ResultCode.NOT_FOUND: 404, ResultCode.CONFLICT: 409}
 
 
 class AdminPages:
@@ -168,5 +169,6 @@ class AdminPages:
             else:
                 return pages.error_page("decision must be approve or deny", status=400)
         except BastionError as exc:
-            return pages.see_other(f"/admin/approvals?{urlencode({'message': exc.reason})}")
+            # Answered here, not carried in a redirect's query: a link could then show any text as ours.
+            return pages.error_page(exc.reason, status=_DECIDE_STATUS.get(exc.code, 400))
         return pages.see_other("/admin/approvals")

@@ -21,7 +21,7 @@ import re
 import stat
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final, Literal
@@ -112,6 +112,20 @@ def parse_filter(params: Mapping[str, str], *, kind: Kind = "all") -> AuditFilte
     if len(caller) > MAX_FILTER_CHARS or not caller.isprintable():
         raise InvalidRequest(f"caller must be printable and at most {MAX_FILTER_CHARS} characters")
     return AuditFilter(_KIND_OF[chosen], tool, caller, sandbox, code, decision)
+
+
+def refuse_repeated(pairs: Iterable[tuple[str, str]]) -> None:
+    """Refuse a query that gives a parameter twice, in one pass (a head of thousands of names stays cheap:
+    a `getlist` per name was quadratic, a quarter second on the event loop for a 16 KiB query).
+
+    Raises:
+        InvalidRequest: a parameter given twice.
+    """
+    seen: set[str] = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise InvalidRequest("each filter may be given once")
+        seen.add(key)
 
 
 def parse_cursor(value: str | None) -> int | None:

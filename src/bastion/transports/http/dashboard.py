@@ -23,7 +23,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from bastion.safety.audit import AuditLog
-from bastion.safety.errors import BastionError, InvalidRequest, SandboxNotFound
+from bastion.safety.errors import BastionError, SandboxNotFound
 from bastion.safety.results import ResultCode
 from bastion.transports.http import audit_view, pages, views
 from bastion.transports.http.admin_pages import AdminPages
@@ -31,6 +31,7 @@ from bastion.workbench.manager import Sandbox, SandboxManager
 
 ADMIN_CALLER: Final = "administrator (web)"
 REFRESH_S: Final = 15
+NAVIGATION_ONLY: Final = "the administrator's pages answer a navigation only, not another site's page's requests"
 _SANDBOX_ID: Final = re.compile(r"[A-Za-z0-9_.-]{1,100}")
 _STATUS: Final = {
     ResultCode.SANDBOX_NOT_FOUND: 404,
@@ -85,6 +86,8 @@ class Dashboard:
         """Wrap a GET handler: the session's CSRF token, or a redirect to the login; a refusal as a page."""
 
         async def checked(request: Request) -> Response:
+            if _background_from_another_site(request):
+                return pages.error_page(NAVIGATION_ONLY, status=403)
             csrf = self.admin.session_csrf(request)
             if csrf is None:
                 return pages.see_other("/admin/login")
@@ -143,8 +146,7 @@ class Dashboard:
 
     async def audit_page(self, request: Request, csrf: str, *, egress: bool = False) -> Response:
         params = request.query_params
-        if any(len(params.getlist(key)) > 1 for key in params):
-            raise InvalidRequest("each filter may be given once")
+        audit_view.refuse_repeated(params.multi_items())
         wanted = audit_view.parse_filter(params, kind="egress" if egress else "all")
         before = audit_view.parse_cursor(params.get("before"))
         path = self.audit.path
@@ -193,7 +195,7 @@ class Dashboard:
             title="approvals",
             current="/admin/approvals",
             csrf=csrf,
-            message=request.query_params.get("message", "")[:300],
+            message="",
             pending=queue.pending(),
             decided=[a for a in queue.recent(20) if a.state != "pending"],
         )
@@ -255,6 +257,22 @@ class Dashboard:
             detail["owner"] = box.owner
             out.append(detail)
         return out
+
+
+def _background_from_another_site(request: Request) -> bool:
+    """A request another site's page made other than by a top-level navigation (fetch, img, a frame),
+    by Fetch Metadata.
+
+    A sandbox's preview page is same-site (the same host, another port), so the SameSite=Strict session
+    cookie goes with its requests: a loop of them would make the server scan the log and walk sandbox
+    disks, outside any sandbox's cgroup. A frame is refused too: X-Frame-Options stops only its display,
+    not the work behind it. A browser that sends no Fetch Metadata is let through.
+    """
+    headers = request.headers
+    if headers.get("sec-fetch-site", "") not in ("same-site", "cross-site"):
+        return False
+    mode, dest = headers.get("sec-fetch-mode", ""), headers.get("sec-fetch-dest", "document")
+    return not (mode == "navigate" and dest == "document")
 
 
 def refused(request: Request, csrf: str, exc: BastionError) -> Response:

@@ -10,7 +10,9 @@
   request carrying Forwarded, X-Forwarded-For or X-Real-IP is refused). Refusals are a bare 401 or 403.
 
 These three answer before `HostGuard`, because probes and scrapers on the host use 127.0.0.1 whatever
-`public_url` is. `/metrics` checks Host itself: one of the server's own names or a loopback literal. A
+`public_url` is. `/metrics` checks Host itself: with a token, one of the server's own names or a loopback
+literal; without, a loopback literal with the listening port only (a same-host proxy that passes the
+public Host but adds no X-Forwarded-For relays the internet from 127.0.0.1). A
 DNS-rebinding page (Host: its own domain, resolved to 127.0.0.1) is refused, so a page the administrator
 opens cannot read the metrics through the browser's loopback connection.
 """
@@ -81,7 +83,10 @@ class Observe:
         self.services = services
         self.metrics: Metrics | None = services.metrics
         self.token_digest = token_digest
-        self.metrics_hosts = frozenset({*(h.lower() for h in hosts), *(f"{h}:{port}" for h in _LOOPBACK_HOSTS)})
+        loopback = frozenset(f"{h}:{port}" for h in _LOOPBACK_HOSTS)
+        # Without a token the client must be local, and a local scraper names the loopback address; the
+        # public name from 127.0.0.1 is a same-host proxy relaying someone (one that adds no X-Forwarded-For).
+        self.metrics_hosts = loopback if token_digest is None else loopback | {h.lower() for h in hosts}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] not in _PATHS:
