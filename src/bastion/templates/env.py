@@ -9,15 +9,22 @@ from __future__ import annotations
 import contextlib
 import importlib.resources
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Final
 
 from bastion.config import TemplateConfig
 from bastion.safety.errors import ConfigError
 from bastion.templates._pip import install_lock, make_venv
 
 _LOCK_SUFFIX = ".lock"
+# A lock line pip may read: `name[extras]==version`, an optional marker, then only --hash options.
+# Anything else a requirements file allows (-r, -e, --index-url, --no-binary, `name @ url`...) could
+# fetch from elsewhere or build an sdist, running its code as the user building (often root).
+_PINNED: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(\[[A-Za-z0-9._, -]*\])?\s*==\s*[A-Za-z0-9.!+_-]+(\s*;[^-@]*)?")
+_HASH: Final = re.compile(r"--hash[=\s]+[a-z0-9]+:[0-9a-f]+")
 
 
 def builtin_lock_names() -> tuple[str, ...]:
@@ -49,6 +56,46 @@ def template_lock(template: TemplateConfig) -> Iterator[Path]:
     resource = importlib.resources.files("bastion.templates").joinpath(template.name + _LOCK_SUFFIX)
     with importlib.resources.as_file(resource) as path:
         yield path
+
+
+def check_lock(name: str, lock: Path) -> None:
+    """Refuse a lock with anything but pinned requirements and their hashes.
+
+    Raises:
+        ConfigError: a line is an option, an include, a URL or an unpinned requirement.
+    """
+    text = lock.read_text(encoding="utf-8", errors="replace")
+    for number, line in _logical_lines(text):
+        requirement, _, hashes = line.partition(" --hash")
+        hashes = "--hash" + hashes if hashes else ""
+        if _PINNED.fullmatch(requirement.strip()) and all(_HASH.fullmatch(h) for h in _hash_options(hashes)):
+            continue
+        raise ConfigError(
+            f"template {name!r} lock {lock} line {number} is not `name==version --hash=...`: "
+            "a lock holds only pinned requirements and their hashes (no options, includes or URLs)"
+        )
+
+
+def _logical_lines(text: str) -> Iterator[tuple[int, str]]:
+    """(first line number, text) of each requirement, continuations joined and comments dropped."""
+    joined, start = "", 0
+    for number, raw in enumerate(text.splitlines(), 1):
+        if not joined:
+            start = number
+        line = re.sub(r"(^|\s)#.*", "", raw)
+        if line.endswith("\\"):
+            joined += line[:-1] + " "
+            continue
+        joined += line
+        if joined.strip():
+            yield start, " ".join(joined.split())
+        joined = ""
+    if joined.strip():
+        yield start, " ".join(joined.split())
+
+
+def _hash_options(text: str) -> list[str]:
+    return [f"--hash{part}".strip() for part in text.split("--hash")[1:]]
 
 
 def _is_venv(path: Path) -> bool:
@@ -98,6 +145,7 @@ def build_template_env(template: TemplateConfig, *, index_url: str) -> BuiltEnv:
         raise ConfigError(f"template {template.name!r} has no python_env: set the folder to build it in")
     _check_target(template.name, target)
     with template_lock(template) as lock:
+        check_lock(template.name, lock)
         created = not _is_venv(target)
         if created:
             make_venv(target)
