@@ -274,3 +274,25 @@ def test_template_build_runs_no_module_planted_in_its_working_folder(
     build(capsys, config, "small")  # pip refuses an empty lock: what matters is what ran
     assert (config.parent / "envs" / "small" / "pyvenv.cfg").is_file()
     assert not mark.exists()
+
+
+@pytest.mark.root
+@pytest.mark.parametrize("shared", ["sticky", "other-owner"])
+def test_template_build_refuses_an_env_under_a_folder_other_users_write(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, shared: str
+) -> None:
+    """A local user who can write the folder above python_env (/tmp itself, or a folder they own)
+    could create the env first or swap bin/python before pip runs it as root."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to give the folder to another uid")
+    folder = tmp_path / "shared"
+    folder.mkdir()
+    if shared == "sticky":
+        folder.chmod(0o1777)
+    else:
+        os.chown(folder, 12345, 12345)
+    config = config_with(tmp_path, f'name = "small"\npython_env = "{folder}/envs/small"\n')
+    code, _, err = build(capsys, config, "small")
+    assert code == EXIT_CONFIG
+    assert f"{folder} is writable by other users, who could swap what pip runs" in err
+    assert not (folder / "envs").exists()

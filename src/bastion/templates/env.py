@@ -10,6 +10,7 @@ import contextlib
 import importlib.resources
 import os
 import re
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,12 +114,29 @@ def _check_target(name: str, target: Path) -> None:
             f"template {name!r} python_env {target} holds files and is not a virtual environment: "
             "choose a new or empty folder"
         )
+    _check_ancestors(name, target)
     # An existing venv's python and pip run on the host: only one this user made is trusted.
     if target.is_dir() and (owner := target.stat().st_uid) != os.geteuid():
         raise ConfigError(
             f"template {name!r} python_env {target} belongs to uid {owner}, not to this user: "
             "remove it, or build as its owner"
         )
+
+
+def _check_ancestors(name: str, target: Path) -> None:
+    """Every folder above `target` must be this user's or root's and closed to others: whoever can
+    write one can swap the venv's bin/python between its creation and pip's run, as root. A shared
+    sticky folder (/tmp) is passable, but nothing may be created in one (another user could be first)."""
+    existing = [folder for folder in target.absolute().parents if folder.exists()]
+    for depth, folder in enumerate(existing):
+        st = folder.stat()
+        open_to_others = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+        sticky = st.st_mode & stat.S_ISVTX and depth > 0
+        if st.st_uid not in (0, os.geteuid()) or (open_to_others and not sticky):
+            raise ConfigError(
+                f"template {name!r} python_env {target}: {folder} is writable by other users, "
+                "who could swap what pip runs: build under a folder only root (or this user) writes"
+            )
 
 
 @dataclass(frozen=True)
