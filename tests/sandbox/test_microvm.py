@@ -21,7 +21,14 @@ from bastion.sandbox._spawn import SANDBOX_PATH, SandboxSpec
 from bastion.sandbox.backend import RunOutcome
 from bastion.sandbox.cgroups import CgroupLayout, Limits
 from bastion.sandbox.identity import DEFAULT_HOST_ID_COUNT, DEFAULT_HOST_ID_FIRST, IdentityPool
-from bastion.sandbox.microvm import MicroVMBackend, MicroVMSandbox, MicroVMSettings, probe_microvm
+from bastion.sandbox.microvm import (
+    MicroVMBackend,
+    MicroVMSandbox,
+    MicroVMSettings,
+    console_tail,
+    probe_microvm,
+    vmm_argv,
+)
 from bastion.sandbox.vmimage import MODULES, initramfs
 from tests.helpers import processes_with
 from tests.sandbox.microvm_helpers import microvm_settings
@@ -90,6 +97,34 @@ def entries(archive: bytes) -> dict[str, bytes]:
             return found
         found[name] = archive[data_at : data_at + size]
         at = data_at + size + (-(data_at + size) % 4)
+
+
+def test_a_comma_in_the_workspace_path_cannot_add_qemu_options(tmp_path: Path) -> None:
+    """QEMU splits option values at commas: a workspace named `ws,path=/` would export the host's /
+    to the guest read-write. Doubled commas keep it one path."""
+    run_dir = tmp_path / "run,x=y"
+    argv = vmm_argv(MicroVMSettings(tmp_path), run_dir, "/srv/ws,path=/", 1 << 20)
+    assert "local,id=ws,path=/srv/ws,,path=/,security_model=none" in argv
+    assert f"socket,id=agent,path={tmp_path}/run,,x=y/agent.sock,server=on,wait=off" in argv
+    assert f"file:{run_dir}/console.log" in argv  # -serial file: takes the rest of the value as it is
+
+
+def test_the_console_log_is_read_as_a_bounded_tail_never_through_a_link(tmp_path: Path) -> None:
+    """The VMM's uid owns the folder of its console log: a link there to a host file root reads must
+    read nothing, and a log the guest filled is read from its end, not whole."""
+    secret = tmp_path / "shadow"
+    secret.write_text("root:$6$secret\n")
+    planted = tmp_path / "console.log"
+    planted.symlink_to(secret)
+    assert console_tail(planted) == ""
+    fifo = tmp_path / "fifo.log"
+    os.mkfifo(fifo)
+    assert console_tail(fifo) == ""  # neither blocks on a fifo
+    flooded = tmp_path / "flooded.log"
+    flooded.write_bytes(b"x" * 1_000_000 + b"\nKernel panic: the last line\n")
+    tail = console_tail(flooded, limit=4096)
+    assert len(tail) == 4096
+    assert tail.endswith("Kernel panic: the last line\n")
 
 
 def test_the_initramfs_holds_init_busybox_and_the_modules_in_load_order() -> None:

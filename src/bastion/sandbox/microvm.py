@@ -28,6 +28,7 @@ import marshal
 import os
 import signal
 import socket
+import stat
 import struct
 import tempfile
 import time
@@ -56,6 +57,7 @@ __all__ = [
     "MicroVMProcess",
     "MicroVMSandbox",
     "MicroVMSettings",
+    "console_tail",
     "missing_boot_files",
     "probe_microvm",
     "vmm_argv",
@@ -72,6 +74,7 @@ _KILL_WAIT_S: Final = 5.0
 _READ_BYTES: Final = 65_536
 _VMM_OVERHEAD_BYTES: Final = 192 << 20  # QEMU itself and TCG's translation cache (tb-size below)
 _VMM_TASKS: Final = 64  # QEMU's own threads; the guest's processes are the guest kernel's business
+_CONSOLE_TAIL_BYTES: Final = 65_536
 _group_ids = itertools.count(1)
 
 
@@ -95,6 +98,7 @@ def vmm_argv(settings: MicroVMSettings, run_dir: Path, workspace: str, tmp_bytes
     BIOS (~0.5 s of a cold boot) and nothing else we use.
     """
     accel = "kvm" if settings.accel == "kvm" else "tcg,tb-size=64"
+    sock, workspace = _opt(str(run_dir / "agent.sock")), _opt(workspace)
     return [
         QEMU,
         *("-M", "pc", "-accel", accel, "-m", str(settings.memory_mib), "-smp", str(settings.vcpus)),
@@ -103,7 +107,7 @@ def vmm_argv(settings: MicroVMSettings, run_dir: Path, workspace: str, tmp_bytes
         *("-append", f"console=ttyS0 quiet panic=-1 bastion.tmp={tmp_bytes}"),
         *("-serial", f"file:{run_dir / 'console.log'}"),
         *("-device", "virtio-serial-pci"),
-        *("-chardev", f"socket,id=agent,path={run_dir / 'agent.sock'},server=on,wait=off"),
+        *("-chardev", f"socket,id=agent,path={sock},server=on,wait=off"),
         *("-device", "virtserialport,chardev=agent,name=bastion.agent,nr=1"),
         *("-fsdev", "local,id=usr,path=/usr,security_model=none,readonly=on"),
         *("-device", "virtio-9p-pci,fsdev=usr,mount_tag=usr"),
@@ -111,6 +115,26 @@ def vmm_argv(settings: MicroVMSettings, run_dir: Path, workspace: str, tmp_bytes
         *("-device", "virtio-9p-pci,fsdev=ws,mount_tag=workspace"),
         *("-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"),
     ]
+
+
+def _opt(value: str) -> str:
+    """A path as a QEMU option value: a comma is doubled, else `path=/ws,path=/` would export the host's /."""
+    return value.replace(",", ",,")
+
+
+def console_tail(path: Path, limit: int = _CONSOLE_TAIL_BYTES) -> str:
+    """The last `limit` bytes of a guest's console log, read as root: never through a link (the VMM's
+    uid owns its folder and could plant one to /etc/shadow), never whole (the guest writes it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return ""
+    with os.fdopen(fd, "rb") as handle:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return ""
+        handle.seek(max(0, st.st_size - limit))
+        return handle.read(limit).decode(errors="replace")
 
 
 def guest_program(pids: int | None) -> bytes:
@@ -389,10 +413,8 @@ class _Guest:
 
     def why(self) -> str:
         """The last lines the VMM or the guest's console wrote: the reason it did not start."""
-        lines: list[str] = []
-        with contextlib.suppress(OSError):
-            text = (self.run_dir / "console.log").read_text(errors="replace")
-            lines = [line for line in text.splitlines() if line.strip() and not line.startswith("\x1b")]
+        text = console_tail(self.run_dir / "console.log")
+        lines = [line for line in text.splitlines() if line.strip() and not line.startswith("\x1b")]
         if self.proc.poll() is not None and self.proc.stderr is not None:
             with contextlib.suppress(OSError, ValueError):
                 lines += self.proc.stderr.read().decode(errors="replace").splitlines()
