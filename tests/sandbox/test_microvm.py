@@ -226,6 +226,21 @@ async def test_a_guest_boots_runs_a_command_and_leaves_nothing(
     assert layout.existing() == []
 
 
+async def test_the_vmm_uid_cannot_rename_the_folder_root_reads_and_removes(guest: MicroVMSandbox) -> None:
+    """The VMM's uid owns its socket folder; if that folder sat in /tmp it could rename it and plant a
+    link there, and root would connect, read the console log and unlink through it. Its parent is
+    root's, 0711. (No boot: the VMM is started and closed.)"""
+    vm = guest._start_vmm()
+    run_dir = vm.run_dir
+    assert guest.spec.identity is not None
+    assert run_dir.stat().st_uid == guest.spec.identity[0]
+    parent = run_dir.parent.stat()
+    assert (parent.st_uid, parent.st_mode & 0o7777) == (0, 0o711)
+    guest.close()
+    assert isinstance(vm.ready.exception(), Unavailable)  # closed before its agent was ready
+    assert not run_dir.parent.exists()
+
+
 @pytest.mark.microvm
 async def test_a_command_cannot_take_the_agent_port_or_write_outside(guest: MicroVMSandbox) -> None:
     """A hostile command (root of the guest, no capabilities) cannot open the serial port the relay

@@ -442,15 +442,33 @@ class _Guest:
             self.proc.wait(timeout=_KILL_WAIT_S)
         if self.proc.stderr is not None:
             self.proc.stderr.close()
-        for name in ("agent.sock", "console.log"):
-            with contextlib.suppress(FileNotFoundError):
-                (self.run_dir / name).unlink()
-        with contextlib.suppress(OSError):
-            self.run_dir.rmdir()
+        _remove_run_dir(self.run_dir)
         if self.group is not None:
             self.group.kill()
             self.group.destroy()
         self.end_all()
+
+
+def _make_run_dir(identity: tuple[int, int] | None) -> Path:
+    """The VMM's folder (its socket, its console log), owned by its uid inside a folder of root's: the
+    VMM's uid may write in it but not rename it, so the paths root later reads, connects to and
+    removes stay this folder (in /tmp, the owner of an entry may rename it and plant a link)."""
+    outer = Path(tempfile.mkdtemp(prefix="bastion-vm-"))
+    outer.chmod(0o711)
+    run_dir = outer / "vm"
+    run_dir.mkdir(mode=0o700)
+    if identity is not None:
+        os.chown(run_dir, *identity)
+    return run_dir
+
+
+def _remove_run_dir(run_dir: Path) -> None:
+    for name in ("agent.sock", "console.log"):
+        with contextlib.suppress(FileNotFoundError):
+            (run_dir / name).unlink()
+    for folder in (run_dir, run_dir.parent):
+        with contextlib.suppress(OSError):
+            folder.rmdir()
 
 
 class MicroVMSandbox:
@@ -511,11 +529,9 @@ class MicroVMSandbox:
         return self._cgroups.create(f"bastion-vm-{os.getpid()}-{next(_group_ids)}", limits)
 
     def _start_vmm(self) -> _Guest:
-        run_dir = Path(tempfile.mkdtemp(prefix="bastion-vm-"))
+        run_dir = _make_run_dir(self.spec.identity)
         group: SandboxCgroup | None = None
         try:
-            if self.spec.identity is not None:
-                os.chown(run_dir, *self.spec.identity)
             group = self._make_group()
             procs = tuple(os.path.join(path, "cgroup.procs") for path in group.paths) if group else ()
             argv = vmm_argv(self.settings, run_dir, self.spec.workspace, self.spec.tmp_size_bytes)
@@ -523,8 +539,7 @@ class MicroVMSandbox:
         except BaseException:
             if group is not None:
                 group.destroy()
-            with contextlib.suppress(OSError):
-                run_dir.rmdir()
+            _remove_run_dir(run_dir)
             raise
         self._vm = _Guest(proc, run_dir, group)
         return self._vm
