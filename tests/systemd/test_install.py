@@ -18,6 +18,7 @@ import os
 import shutil
 import stat
 import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -191,5 +192,31 @@ def test_a_program_that_cannot_run_is_refused_before_any_step() -> None:
     assert result.returncode == 2
     assert result.stderr.splitlines() == [
         "bastion: --exec /nonexistent/bin/bastion is not an executable file: name the bastion the service should run"
+    ]
+    assert result.stdout == ""
+
+
+@pytest.mark.parametrize("hole", ["folder-owner", "group-writable-script"])
+def test_an_exec_other_users_can_rewrite_is_refused(tmp_path: Path, hole: str) -> None:
+    """ExecStart runs as root with --as-root (as the service's account without): a script in a folder a
+    local user owns, or that others can write, is theirs to replace."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to give the folder to another uid")
+    folder = tmp_path / "alice" / "bin"
+    folder.mkdir(parents=True)
+    script = folder / "bastion"
+    script.write_text(f"#!{sys.executable}\n")
+    script.chmod(0o755)
+    if hole == "folder-owner":
+        os.chown(tmp_path / "alice", 12345, 12345)
+        culprit = tmp_path / "alice"
+    else:
+        script.chmod(0o775)
+        culprit = script
+    result = install(Path("/"), "--exec", str(script), "--as-root", "--dry-run")
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        f"bastion: --exec {script}: {culprit} is writable by a user other than root, who could change what the "
+        "service runs: install bastion where only root writes (e.g. /opt/bastion)"
     ]
     assert result.stdout == ""

@@ -149,6 +149,22 @@ def _check(options: InstallOptions) -> None:
     # Under a prefix the program may live only in the image being built; here it must run.
     if options.prefix == Path("/") and not os.access(options.executable, os.X_OK):
         raise InvalidRequest(f"--exec {exe} is not an executable file: name the bastion the service should run")
+    if options.prefix == Path("/"):
+        _check_not_writable_by_others(options.executable)
+
+
+def _check_not_writable_by_others(executable: Path) -> None:
+    """The service runs ExecStart (as root with --as-root): the script, its interpreter and every folder
+    above them must be root's and closed to others, else a local user rewrites what the service runs."""
+    for program in (executable.resolve(), *_interpreter(executable)):
+        for path in (program, *program.parents):
+            st = path.stat()
+            sticky = bool(st.st_mode & stat.S_ISVTX) and path != program
+            if st.st_uid != 0 or (st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not sticky):
+                raise InvalidRequest(
+                    f"--exec {executable}: {path} is writable by a user other than root, who could change "
+                    "what the service runs: install bastion where only root writes (e.g. /opt/bastion)"
+                )
 
 
 class _Runner:
