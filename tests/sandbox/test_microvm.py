@@ -29,7 +29,7 @@ from bastion.sandbox.microvm import (
     probe_microvm,
     vmm_argv,
 )
-from bastion.sandbox.vmimage import MODULES, initramfs
+from bastion.sandbox.vmimage import MODULES, ImageError, build, initramfs
 from tests.helpers import processes_with
 from tests.sandbox.microvm_helpers import microvm_settings
 
@@ -125,6 +125,33 @@ def test_the_console_log_is_read_as_a_bounded_tail_never_through_a_link(tmp_path
     tail = console_tail(flooded, limit=4096)
     assert len(tail) == 4096
     assert tail.endswith("Kernel panic: the last line\n")
+
+
+def test_building_the_image_never_writes_or_chmods_through_a_planted_link(tmp_path: Path) -> None:
+    """The default image folder lies in /var/lib/bastion, which the service's account owns: a link it
+    planted at the staged name, or as the folder itself, would have root write the kernel over (and
+    chmod 0644) a file of its choosing, /etc/shadow say."""
+    victim = tmp_path / "shadow"
+    victim.write_text("root:$6$secret\n")
+    victim.chmod(0o600)
+    image = tmp_path / "image"
+    image.mkdir()
+    (image / ".vmlinuz.new").symlink_to(victim)
+    (image / ".initramfs.cpio.new").symlink_to(victim)
+    build(image)
+    assert victim.read_text() == "root:$6$secret\n"
+    assert victim.stat().st_mode & 0o777 == 0o600
+    assert sorted(p.name for p in image.iterdir()) == ["initramfs.cpio", "vmlinuz"]
+    assert not (image / "vmlinuz").is_symlink()
+    linked = tmp_path / "linked"
+    linked.symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    (tmp_path / "elsewhere").mkdir(mode=0o700)
+    with pytest.raises(ImageError, match="is not a folder"):
+        build(linked)
+    assert (tmp_path / "elsewhere").stat().st_mode & 0o777 == 0o700
+    os.chown(image, 12345, 12345)
+    with pytest.raises(ImageError, match="belongs to uid 12345, not to this user"):
+        build(image)
 
 
 def test_the_initramfs_holds_init_busybox_and_the_modules_in_load_order() -> None:
