@@ -117,6 +117,25 @@ def test_existing_config_is_kept(tmp_path: Path) -> None:
     assert config.read_text() == "# the administrator's own\n"
 
 
+def test_a_config_the_service_account_could_rewrite_is_given_back_to_root(tmp_path: Path) -> None:
+    """Root reads the config too (`template build`, `admin`): one the account bastion owns, or that its
+    group may write, would let the service choose what root runs. Its text is kept, not its owner."""
+    prefix = tmp_path / "root"
+    assert install(prefix).returncode == 0
+    entry = account(prefix, "bastion")
+    assert entry is not None
+    uid, gid = int(entry[2]), int(entry[3])
+    config = prefix / "etc/bastion/bastion.toml"
+    config.write_text("# the administrator's own\n")
+    os.chown(config, uid, gid)
+    config.chmod(0o660)
+    result = install(prefix)
+    assert result.returncode == 0, result.stderr
+    assert "fix /etc/bastion/bastion.toml (0640 root:bastion, text kept as it is)" in result.stdout
+    assert mode_and_owner(config) == (0o640, 0, gid)
+    assert config.read_text() == "# the administrator's own\n"
+
+
 def test_as_root_adds_the_drop_in_and_going_back_removes_it(tmp_path: Path) -> None:
     prefix = tmp_path / "root"
     result = install(prefix, "--as-root")
