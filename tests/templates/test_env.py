@@ -296,3 +296,21 @@ def test_template_build_refuses_an_env_under_a_folder_other_users_write(
     assert code == EXIT_CONFIG
     assert f"{folder} is writable by other users, who could swap what pip runs" in err
     assert not (folder / "envs").exists()
+
+
+@pytest.mark.root
+def test_template_build_refuses_a_lock_other_users_can_write(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Whoever writes the lock chooses the wheels (a wheel's .pth runs whenever the venv's python
+    starts: as root at the next build), and could swap it between the check and pip's read."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to give the file to another uid")
+    lock = tmp_path / "shared.lock"
+    lock.write_text(SIX_LOCK)
+    lock.chmod(0o666)
+    config = config_with(tmp_path, f'name = "small"\npython_env = "envs/small"\npython_lock = "{lock}"\n')
+    code, _, err = build(capsys, config, "small")
+    assert code == EXIT_CONFIG
+    assert f"python_lock {lock}: {lock} is writable by other users, who could choose what pip installs" in err
+    assert not (config.parent / "envs").exists()

@@ -11,6 +11,7 @@ import importlib.resources
 import os
 import re
 import stat
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,7 +66,10 @@ def check_lock(name: str, lock: Path) -> None:
     Raises:
         ConfigError: a line is an option, an include, a URL or an unpinned requirement.
     """
-    text = lock.read_text(encoding="utf-8", errors="replace")
+    _check_lock_text(name, lock, lock.read_text(encoding="utf-8", errors="replace"))
+
+
+def _check_lock_text(name: str, lock: Path, text: str) -> None:
     for number, line in _logical_lines(text):
         requirement, _, hashes = line.partition(" --hash")
         hashes = "--hash" + hashes if hashes else ""
@@ -128,15 +132,44 @@ def _check_ancestors(name: str, target: Path) -> None:
     write one can swap the venv's bin/python between its creation and pip's run, as root. A shared
     sticky folder (/tmp) is passable, but nothing may be created in one (another user could be first)."""
     existing = [folder for folder in target.absolute().parents if folder.exists()]
-    for depth, folder in enumerate(existing):
-        st = folder.stat()
+    culprit = _writable_by_others(existing)
+    if culprit is not None:
+        raise ConfigError(
+            f"template {name!r} python_env {target}: {culprit} is writable by other users, "
+            "who could swap what pip runs: build under a folder only root (or this user) writes"
+        )
+
+
+def _writable_by_others(paths: list[Path]) -> Path | None:
+    """The first of `paths` (nearest first) another user owns or may write; a sticky folder passes
+    except the first (another user could create the name in it before us)."""
+    for depth, path in enumerate(paths):
+        st = path.stat()
         open_to_others = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
         sticky = st.st_mode & stat.S_ISVTX and depth > 0
         if st.st_uid not in (0, os.geteuid()) or (open_to_others and not sticky):
-            raise ConfigError(
-                f"template {name!r} python_env {target}: {folder} is writable by other users, "
-                "who could swap what pip runs: build under a folder only root (or this user) writes"
-            )
+            return path
+    return None
+
+
+@contextlib.contextmanager
+def _private_lock(name: str, lock: Path) -> Iterator[Path]:
+    """A copy of the checked lock in a folder of this user's, which pip reads: the lock's own path
+    could change between the check and pip. A lock another user may write is refused: they would
+    choose the wheels, and a wheel's .pth runs whenever the venv's python starts (as root, here)."""
+    lock = lock.absolute()
+    culprit = _writable_by_others([lock, *lock.parents])
+    if culprit is not None:
+        raise ConfigError(
+            f"template {name!r} python_lock {lock}: {culprit} is writable by other users, who could "
+            "choose what pip installs: keep the lock where only root (or this user) writes"
+        )
+    text = lock.read_text(encoding="utf-8", errors="replace")
+    _check_lock_text(name, lock, text)
+    with tempfile.TemporaryDirectory(prefix="bastion-lock-") as folder:
+        copy = Path(folder) / lock.name
+        copy.write_text(text, encoding="utf-8")
+        yield copy
 
 
 @dataclass(frozen=True)
@@ -162,11 +195,10 @@ def build_template_env(template: TemplateConfig, *, index_url: str) -> BuiltEnv:
     if target is None:
         raise ConfigError(f"template {template.name!r} has no python_env: set the folder to build it in")
     _check_target(template.name, target)
-    with template_lock(template) as lock:
-        check_lock(template.name, lock)
+    with template_lock(template) as lock, _private_lock(template.name, lock) as copy:
         created = not _is_venv(target)
         if created:
             make_venv(target)
-        install_lock(target, lock, index_url)
+        install_lock(target, copy, index_url)
     shipped = template.python_lock is None
     return BuiltEnv(target, f"bastion's {template.name}{_LOCK_SUFFIX}" if shipped else str(lock), created)
