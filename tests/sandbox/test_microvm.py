@@ -7,6 +7,8 @@ command: in the default run); the others boot more guests and are marked `microv
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import subprocess
 import sys
@@ -22,6 +24,7 @@ from bastion.sandbox.backend import RunOutcome
 from bastion.sandbox.cgroups import CgroupLayout, Limits
 from bastion.sandbox.identity import DEFAULT_HOST_ID_COUNT, DEFAULT_HOST_ID_FIRST, IdentityPool
 from bastion.sandbox.microvm import (
+    QEMU,
     MicroVMBackend,
     MicroVMSandbox,
     MicroVMSettings,
@@ -295,6 +298,22 @@ async def test_a_killed_vmm_is_unavailable_for_that_sandbox_and_the_next_command
 
 
 @pytest.mark.microvm
-async def test_the_probe_boots_a_tiny_guest(settings: MicroVMSettings) -> None:
-    assert await probe_microvm(settings, timeout_s=180) is None
+async def test_the_probe_boots_a_tiny_guest_whose_vmm_is_not_root(
+    settings: MicroVMSettings, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The probe boots whatever the image folder holds (another account's, by default): as root, its
+    guest could mknod over 9p and open the host's disks. Its VMM runs as nobody."""
+    let_through(settings.image_dir, tmp_path_factory.getbasetemp())
+    probe = asyncio.create_task(probe_microvm(settings, timeout_s=180))
+    uids: set[str] = set()
+    while not probe.done():
+        for pid in processes_with("bastion-vm-probe"):
+            with contextlib.suppress(OSError):
+                if not Path(f"/proc/{pid}/cmdline").read_bytes().startswith(QEMU.encode() + b"\0"):
+                    continue  # setpriv, before it changes ids and execs QEMU
+                status = Path(f"/proc/{pid}/status").read_text().splitlines()
+                uids.add(next(line for line in status if line.startswith("Uid:")).split()[2])
+        await asyncio.sleep(0.05)  # a poll while the probe runs, not a wait for it
+    assert await probe is None
+    assert uids == {"65534"}
     assert processes_with("bastion-vm-probe") == []

@@ -53,6 +53,7 @@ from bastion.sandbox.vmimage import INITRAMFS_NAME, KERNEL_NAME
 
 __all__ = [
     "ISOLATION",
+    "QEMU",
     "MicroVMBackend",
     "MicroVMProcess",
     "MicroVMSandbox",
@@ -75,6 +76,7 @@ _READ_BYTES: Final = 65_536
 _VMM_OVERHEAD_BYTES: Final = 192 << 20  # QEMU itself and TCG's translation cache (tb-size below)
 _VMM_TASKS: Final = 64  # QEMU's own threads; the guest's processes are the guest kernel's business
 _CONSOLE_TAIL_BYTES: Final = 65_536
+_NOBODY: Final = 65534  # the probe's VMM, when bastion runs as root: no sandbox shares this uid
 _group_ids = itertools.count(1)
 
 
@@ -387,6 +389,7 @@ class _Guest:
         self.gone.set()
         if not self.ready.done():
             self.ready.set_exception(Unavailable("the guest ended before its agent was ready: " + self.why()))
+            self.ready.exception()  # retrieved: nobody awaits it when the VMM failed before its socket
         for command in self.commands.values():
             command.out.end()
             command.err.end()
@@ -803,11 +806,16 @@ async def probe_microvm(settings: MicroVMSettings, timeout_s: float) -> str | No
     missing = missing_boot_files(settings)
     if missing:
         return missing
+    # Never QEMU as root: the boot files may be another account's to replace (the default folder lies
+    # in /var/lib/bastion), and a root VMM would give that guest's 9p mknod and open the host's disks.
+    identity = (_NOBODY, _NOBODY) if os.geteuid() == 0 else None
     with tempfile.TemporaryDirectory(prefix="bastion-vm-probe-") as folder:
+        if identity is not None:
+            os.chown(folder, *identity)
         tiny = MicroVMSettings(
             settings.image_dir, memory_mib=128, vcpus=1, accel=settings.accel, boot_timeout_s=timeout_s
         )
-        box = MicroVMSandbox(SandboxSpec(workspace=folder), tiny, cgroups=None, limits=None)
+        box = MicroVMSandbox(SandboxSpec(workspace=folder, identity=identity), tiny, cgroups=None, limits=None)
         try:
             outcome = await box.run(
                 "/bin/true", ["true"], cwd="/workspace", env={}, timeout_s=timeout_s, max_output_bytes=1024
