@@ -286,6 +286,21 @@ async def test_a_command_cannot_take_the_agent_port_or_write_outside(guest: Micr
 
 
 @pytest.mark.microvm
+async def test_a_guest_that_stops_reading_its_channel_cannot_hang_the_host(guest: MicroVMSandbox) -> None:
+    """A hostile guest kernel can stop reading the serial port (frozen here): the host's write used to
+    wait forever holding the channel, so the kill a timeout sends queued behind it. Now the write
+    gives up at its timeout and the guest is ended."""
+    assert (await sh(guest, "echo up")).stdout == b"up\n"
+    process = await guest.spawn("/bin/sh", ["sh", "-c", "sleep 600"], cwd="/", env=ENV, ring_bytes=4096)
+    guest.pause()
+    async with asyncio.timeout(60):  # the failure mode was a hang: end it here
+        with pytest.raises(Unavailable, match="did not read its channel within 2 s: it was ended"):
+            await process.write(b"x" * (16 << 20), timeout_s=2)
+        await process.wait_exit()
+    assert not guest.alive
+
+
+@pytest.mark.microvm
 async def test_a_killed_vmm_is_unavailable_for_that_sandbox_and_the_next_command_boots_again(
     guest: MicroVMSandbox,
 ) -> None:

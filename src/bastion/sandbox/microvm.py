@@ -72,6 +72,7 @@ _RELAY: Final = Path(__file__).parent / "inside" / "relay.py"
 _HEADER: Final = struct.Struct(">IcI")
 _MAX_FRAME: Final = (1 << 20) + _HEADER.size  # the relay sends at most 64 KiB of output, 1 MiB of message
 _KILL_WAIT_S: Final = 5.0
+_SEND_TIMEOUT_S: Final = 60.0  # a frame the guest's relay has not taken by then: the guest is stuck
 _READ_BYTES: Final = 65_536
 _VMM_OVERHEAD_BYTES: Final = 192 << 20  # QEMU itself and TCG's translation cache (tb-size below)
 _VMM_TASKS: Final = 64  # QEMU's own threads; the guest's processes are the guest kernel's business
@@ -279,10 +280,11 @@ class MicroVMProcess:
                     await asyncio.shield(self.reader.done)
 
     async def write(self, data: bytes, *, timeout_s: float) -> int:
-        """The relay buffers what the pipe does not take yet, so everything goes in at once."""
+        """The relay buffers what the pipe does not take yet, so everything goes in at once; a guest
+        that does not take it within `timeout_s` is ended (Unavailable)."""
         if not self.stdin_open:
             raise Conflict("the process's input is closed")
-        await self._vm.send(b"I", self._id, data)
+        await self._vm.send(b"I", self._id, data, timeout_s=timeout_s)
         return len(data)
 
     def close_stdin(self) -> None:
@@ -395,13 +397,20 @@ class _Guest:
             command.err.end()
             command.finish(None)
 
-    async def send(self, kind: bytes, command_id: int, payload: bytes = b"") -> None:
+    async def send(
+        self, kind: bytes, command_id: int, payload: bytes = b"", *, timeout_s: float = _SEND_TIMEOUT_S
+    ) -> None:
+        """Send one frame. A guest that does not take it in time ends: the relay always reads, so a
+        stuck channel is a hostile or frozen guest, and a frame cut short cannot be taken back."""
         if self.sock is None or not self.alive:
             raise Unavailable("the microVM has ended")
         frame = _HEADER.pack(len(payload) + 5, kind, command_id) + payload
         try:
-            async with self.sending:
+            async with asyncio.timeout(timeout_s), self.sending:
                 await asyncio.get_running_loop().sock_sendall(self.sock, frame)
+        except TimeoutError:
+            self.kill_vmm()
+            raise Unavailable(f"the microVM did not read its channel within {timeout_s:g} s: it was ended") from None
         except OSError as exc:
             raise Unavailable(f"the microVM's channel broke: {exc.strerror or exc}") from exc
 
@@ -435,6 +444,8 @@ class _Guest:
     def kill_vmm(self) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
+        if self.group is not None:
+            self.group.thaw()  # a frozen VMM takes its SIGKILL only once thawed
 
     def stop(self) -> None:
         """Kill the VMM and wait for it; remove its socket folder and its cgroup."""
@@ -652,10 +663,10 @@ class MicroVMSandbox:
         if the exit is not confirmed in time, end the whole VM."""
         if command.exited:
             return
-        with contextlib.suppress(Unavailable):
-            await vm.send(b"M", 0, marshal.dumps({"op": "kill", "id": command.command_id}))
         try:
             async with asyncio.timeout(_KILL_WAIT_S):
+                with contextlib.suppress(Unavailable):
+                    await vm.send(b"M", 0, marshal.dumps({"op": "kill", "id": command.command_id}))
                 await command.wait_exit()
         except TimeoutError:
             self.close()
