@@ -7,6 +7,8 @@ command: in the default run); the others boot more guests and are marked `microv
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import subprocess
 import sys
@@ -21,8 +23,16 @@ from bastion.sandbox._spawn import SANDBOX_PATH, SandboxSpec
 from bastion.sandbox.backend import RunOutcome
 from bastion.sandbox.cgroups import CgroupLayout, Limits
 from bastion.sandbox.identity import DEFAULT_HOST_ID_COUNT, DEFAULT_HOST_ID_FIRST, IdentityPool
-from bastion.sandbox.microvm import MicroVMBackend, MicroVMSandbox, MicroVMSettings, probe_microvm
-from bastion.sandbox.vmimage import MODULES, initramfs
+from bastion.sandbox.microvm import (
+    QEMU,
+    MicroVMBackend,
+    MicroVMSandbox,
+    MicroVMSettings,
+    console_tail,
+    probe_microvm,
+    vmm_argv,
+)
+from bastion.sandbox.vmimage import MODULES, ImageError, build, initramfs
 from tests.helpers import processes_with
 from tests.sandbox.microvm_helpers import microvm_settings
 
@@ -90,6 +100,61 @@ def entries(archive: bytes) -> dict[str, bytes]:
             return found
         found[name] = archive[data_at : data_at + size]
         at = data_at + size + (-(data_at + size) % 4)
+
+
+def test_a_comma_in_the_workspace_path_cannot_add_qemu_options(tmp_path: Path) -> None:
+    """QEMU splits option values at commas: a workspace named `ws,path=/` would export the host's /
+    to the guest read-write. Doubled commas keep it one path."""
+    run_dir = tmp_path / "run,x=y"
+    argv = vmm_argv(MicroVMSettings(tmp_path), run_dir, "/srv/ws,path=/", 1 << 20)
+    assert "local,id=ws,path=/srv/ws,,path=/,security_model=none" in argv
+    assert f"socket,id=agent,path={tmp_path}/run,,x=y/agent.sock,server=on,wait=off" in argv
+    assert f"file:{run_dir}/console.log" in argv  # -serial file: takes the rest of the value as it is
+
+
+def test_the_console_log_is_read_as_a_bounded_tail_never_through_a_link(tmp_path: Path) -> None:
+    """The VMM's uid owns the folder of its console log: a link there to a host file root reads must
+    read nothing, and a log the guest filled is read from its end, not whole."""
+    secret = tmp_path / "shadow"
+    secret.write_text("root:$6$secret\n")
+    planted = tmp_path / "console.log"
+    planted.symlink_to(secret)
+    assert console_tail(planted) == ""
+    fifo = tmp_path / "fifo.log"
+    os.mkfifo(fifo)
+    assert console_tail(fifo) == ""  # neither blocks on a fifo
+    flooded = tmp_path / "flooded.log"
+    flooded.write_bytes(b"x" * 1_000_000 + b"\nKernel panic: the last line\n")
+    tail = console_tail(flooded, limit=4096)
+    assert len(tail) == 4096
+    assert tail.endswith("Kernel panic: the last line\n")
+
+
+def test_building_the_image_never_writes_or_chmods_through_a_planted_link(tmp_path: Path) -> None:
+    """The default image folder lies in /var/lib/bastion, which the service's account owns: a link it
+    planted at the staged name, or as the folder itself, would have root write the kernel over (and
+    chmod 0644) a file of its choosing, /etc/shadow say."""
+    victim = tmp_path / "shadow"
+    victim.write_text("root:$6$secret\n")
+    victim.chmod(0o600)
+    image = tmp_path / "image"
+    image.mkdir()
+    (image / ".vmlinuz.new").symlink_to(victim)
+    (image / ".initramfs.cpio.new").symlink_to(victim)
+    build(image)
+    assert victim.read_text() == "root:$6$secret\n"
+    assert victim.stat().st_mode & 0o777 == 0o600
+    assert sorted(p.name for p in image.iterdir()) == ["initramfs.cpio", "vmlinuz"]
+    assert not (image / "vmlinuz").is_symlink()
+    linked = tmp_path / "linked"
+    linked.symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    (tmp_path / "elsewhere").mkdir(mode=0o700)
+    with pytest.raises(ImageError, match="is not a folder"):
+        build(linked)
+    assert (tmp_path / "elsewhere").stat().st_mode & 0o777 == 0o700
+    os.chown(image, 12345, 12345)
+    with pytest.raises(ImageError, match="belongs to uid 12345, not to this user"):
+        build(image)
 
 
 def test_the_initramfs_holds_init_busybox_and_the_modules_in_load_order() -> None:
@@ -191,6 +256,21 @@ async def test_a_guest_boots_runs_a_command_and_leaves_nothing(
     assert layout.existing() == []
 
 
+async def test_the_vmm_uid_cannot_rename_the_folder_root_reads_and_removes(guest: MicroVMSandbox) -> None:
+    """The VMM's uid owns its socket folder; if that folder sat in /tmp it could rename it and plant a
+    link there, and root would connect, read the console log and unlink through it. Its parent is
+    root's, 0711. (No boot: the VMM is started and closed.)"""
+    vm = guest._start_vmm()
+    run_dir = vm.run_dir
+    assert guest.spec.identity is not None
+    assert run_dir.stat().st_uid == guest.spec.identity[0]
+    parent = run_dir.parent.stat()
+    assert (parent.st_uid, parent.st_mode & 0o7777) == (0, 0o711)
+    guest.close()
+    assert isinstance(vm.ready.exception(), Unavailable)  # closed before its agent was ready
+    assert not run_dir.parent.exists()
+
+
 @pytest.mark.microvm
 async def test_a_command_cannot_take_the_agent_port_or_write_outside(guest: MicroVMSandbox) -> None:
     """A hostile command (root of the guest, no capabilities) cannot open the serial port the relay
@@ -206,6 +286,21 @@ async def test_a_command_cannot_take_the_agent_port_or_write_outside(guest: Micr
 
 
 @pytest.mark.microvm
+async def test_a_guest_that_stops_reading_its_channel_cannot_hang_the_host(guest: MicroVMSandbox) -> None:
+    """A hostile guest kernel can stop reading the serial port (frozen here): the host's write used to
+    wait forever holding the channel, so the kill a timeout sends queued behind it. Now the write
+    gives up at its timeout and the guest is ended."""
+    assert (await sh(guest, "echo up")).stdout == b"up\n"
+    process = await guest.spawn("/bin/sh", ["sh", "-c", "sleep 600"], cwd="/", env=ENV, ring_bytes=4096)
+    guest.pause()
+    async with asyncio.timeout(60):  # the failure mode was a hang: end it here
+        with pytest.raises(Unavailable, match="did not read its channel within 2 s: it was ended"):
+            await process.write(b"x" * (16 << 20), timeout_s=2)
+        await process.wait_exit()
+    assert not guest.alive
+
+
+@pytest.mark.microvm
 async def test_a_killed_vmm_is_unavailable_for_that_sandbox_and_the_next_command_boots_again(
     guest: MicroVMSandbox,
 ) -> None:
@@ -218,6 +313,22 @@ async def test_a_killed_vmm_is_unavailable_for_that_sandbox_and_the_next_command
 
 
 @pytest.mark.microvm
-async def test_the_probe_boots_a_tiny_guest(settings: MicroVMSettings) -> None:
-    assert await probe_microvm(settings, timeout_s=180) is None
+async def test_the_probe_boots_a_tiny_guest_whose_vmm_is_not_root(
+    settings: MicroVMSettings, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The probe boots whatever the image folder holds (another account's, by default): as root, its
+    guest could mknod over 9p and open the host's disks. Its VMM runs as nobody."""
+    let_through(settings.image_dir, tmp_path_factory.getbasetemp())
+    probe = asyncio.create_task(probe_microvm(settings, timeout_s=180))
+    uids: set[str] = set()
+    while not probe.done():
+        for pid in processes_with("bastion-vm-probe"):
+            with contextlib.suppress(OSError):
+                if not Path(f"/proc/{pid}/cmdline").read_bytes().startswith(QEMU.encode() + b"\0"):
+                    continue  # setpriv, before it changes ids and execs QEMU
+                status = Path(f"/proc/{pid}/status").read_text().splitlines()
+                uids.add(next(line for line in status if line.startswith("Uid:")).split()[2])
+        await asyncio.sleep(0.05)  # a poll while the probe runs, not a wait for it
+    assert await probe is None
+    assert uids == {"65534"}
     assert processes_with("bastion-vm-probe") == []

@@ -18,6 +18,7 @@ import os
 import shutil
 import stat
 import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -116,6 +117,25 @@ def test_existing_config_is_kept(tmp_path: Path) -> None:
     assert config.read_text() == "# the administrator's own\n"
 
 
+def test_a_config_the_service_account_could_rewrite_is_given_back_to_root(tmp_path: Path) -> None:
+    """Root reads the config too (`template build`, `admin`): one the account bastion owns, or that its
+    group may write, would let the service choose what root runs. Its text is kept, not its owner."""
+    prefix = tmp_path / "root"
+    assert install(prefix).returncode == 0
+    entry = account(prefix, "bastion")
+    assert entry is not None
+    uid, gid = int(entry[2]), int(entry[3])
+    config = prefix / "etc/bastion/bastion.toml"
+    config.write_text("# the administrator's own\n")
+    os.chown(config, uid, gid)
+    config.chmod(0o660)
+    result = install(prefix)
+    assert result.returncode == 0, result.stderr
+    assert "fix /etc/bastion/bastion.toml (0640 root:bastion, text kept as it is)" in result.stdout
+    assert mode_and_owner(config) == (0o640, 0, gid)
+    assert config.read_text() == "# the administrator's own\n"
+
+
 def test_as_root_adds_the_drop_in_and_going_back_removes_it(tmp_path: Path) -> None:
     prefix = tmp_path / "root"
     result = install(prefix, "--as-root")
@@ -191,5 +211,31 @@ def test_a_program_that_cannot_run_is_refused_before_any_step() -> None:
     assert result.returncode == 2
     assert result.stderr.splitlines() == [
         "bastion: --exec /nonexistent/bin/bastion is not an executable file: name the bastion the service should run"
+    ]
+    assert result.stdout == ""
+
+
+@pytest.mark.parametrize("hole", ["folder-owner", "group-writable-script"])
+def test_an_exec_other_users_can_rewrite_is_refused(tmp_path: Path, hole: str) -> None:
+    """ExecStart runs as root with --as-root (as the service's account without): a script in a folder a
+    local user owns, or that others can write, is theirs to replace."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to give the folder to another uid")
+    folder = tmp_path / "alice" / "bin"
+    folder.mkdir(parents=True)
+    script = folder / "bastion"
+    script.write_text(f"#!{sys.executable}\n")
+    script.chmod(0o755)
+    if hole == "folder-owner":
+        os.chown(tmp_path / "alice", 12345, 12345)
+        culprit = tmp_path / "alice"
+    else:
+        script.chmod(0o775)
+        culprit = script
+    result = install(Path("/"), "--exec", str(script), "--as-root", "--dry-run")
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        f"bastion: --exec {script}: {culprit} is writable by a user other than root, who could change what the "
+        "service runs: install bastion where only root writes (e.g. /opt/bastion)"
     ]
     assert result.stdout == ""

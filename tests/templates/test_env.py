@@ -15,7 +15,7 @@ import bastion
 from bastion.cli import EXIT_CONFIG, EXIT_FAILED, main
 from bastion.config import TemplateConfig, load_config
 from bastion.safety.errors import ConfigError
-from bastion.templates import builtin_lock_names, template_lock
+from bastion.templates import builtin_lock_names, check_lock, template_lock
 from tests.helpers import demo_config_at, registry_reachable
 
 # One small pure-Python wheel, pinned with its hashes (uv pip compile --generate-hashes).
@@ -207,3 +207,110 @@ def test_template_build_makes_a_venv_from_a_hashed_lock_and_refuses_a_forged_has
 def six_version(env: Path) -> str:
     imported = subprocess.run([env / "bin" / "python", "-c", "import six; print(six.__version__)"], capture_output=True)
     return imported.stdout.decode().strip()
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "--no-binary=:all:",  # pip would build sdists: their setup.py runs on the host
+        "--index-url https://evil.example/simple",
+        "--extra-index-url=https://evil.example/simple",
+        "--find-links /tmp/wheels",
+        "-r /etc/shadow",
+        "-e git+https://evil.example/pkg.git#egg=pkg",
+        "pkg @ https://evil.example/pkg-1.0.tar.gz --hash=sha256:" + "0" * 64,
+        "/tmp/pkg-1.0.tar.gz --hash=sha256:" + "0" * 64,
+        "six==1.17.0 --no-binary=:all: --hash=sha256:" + "0" * 64,
+        "six==1.17.0 --hash=sha256:" + "0" * 64 + " --trusted-host evil.example",
+        "six>=1.0 --hash=sha256:" + "0" * 64,
+        "six==${VERSION} --hash=sha256:" + "0" * 64,
+    ],
+)
+def test_a_lock_with_pip_options_urls_or_includes_is_refused_before_pip_runs(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, line: str
+) -> None:
+    """A lock is a requirements file, which pip reads options from: one could turn --only-binary off or
+    fetch from another index. Only pinned requirements with hashes pass; nothing is made."""
+    lock = tmp_path / "evil.lock"
+    lock.write_text(SIX_LOCK + line + "\n")
+    config = config_with(tmp_path, f'name = "small"\npython_env = "envs/small"\npython_lock = "{lock}"\n')
+    code, _, err = build(capsys, config, "small")
+    assert code == EXIT_CONFIG
+    assert f"lock {lock} line 4 is not `name==version --hash=...`" in err
+    assert err.count("\n") == 1
+    assert not (config.parent / "envs").exists()
+
+
+def test_the_shipped_lock_and_a_marked_lock_pass_the_lock_check(tmp_path: Path) -> None:
+    with template_lock(TemplateConfig(name="python-data")) as lock:
+        check_lock("python-data", lock)
+    marked = tmp_path / "marked.lock"
+    marked.write_text(
+        "# comment\n"
+        + SIX_LOCK
+        + 'tzdata[x]==2024.1 ; sys_platform == "linux" \\\n    --hash sha256:'
+        + "a" * 64
+        + "\n"
+    )
+    check_lock("marked", marked)
+
+
+def test_template_build_runs_no_module_planted_in_its_working_folder(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`python3 -m venv` and `python -m pip` put the working folder first on sys.path: root building
+    from /tmp would import a planted venv.py or pip/ from there. Both run isolated (-I)."""
+    planted = tmp_path / "cwd"
+    (planted / "pip").mkdir(parents=True)
+    mark = tmp_path / "ran"
+    code = f"open({str(mark)!r}, 'w').close()\n"
+    (planted / "venv.py").write_text(code)
+    (planted / "pip" / "__init__.py").write_text(code)
+    (planted / "pip" / "__main__.py").write_text(code)
+    lock = tmp_path / "empty.lock"
+    lock.write_text("# nothing to install\n")
+    config = config_with(tmp_path, f'name = "small"\npython_env = "envs/small"\npython_lock = "{lock}"\n')
+    monkeypatch.chdir(planted)
+    build(capsys, config, "small")  # pip refuses an empty lock: what matters is what ran
+    assert (config.parent / "envs" / "small" / "pyvenv.cfg").is_file()
+    assert not mark.exists()
+
+
+@pytest.mark.root
+@pytest.mark.parametrize("shared", ["sticky", "other-owner"])
+def test_template_build_refuses_an_env_under_a_folder_other_users_write(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, shared: str
+) -> None:
+    """A local user who can write the folder above python_env (/tmp itself, or a folder they own)
+    could create the env first or swap bin/python before pip runs it as root."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to give the folder to another uid")
+    folder = tmp_path / "shared"
+    folder.mkdir()
+    if shared == "sticky":
+        folder.chmod(0o1777)
+    else:
+        os.chown(folder, 12345, 12345)
+    config = config_with(tmp_path, f'name = "small"\npython_env = "{folder}/envs/small"\n')
+    code, _, err = build(capsys, config, "small")
+    assert code == EXIT_CONFIG
+    assert f"{folder} is writable by other users, who could swap what pip runs" in err
+    assert not (folder / "envs").exists()
+
+
+@pytest.mark.root
+def test_template_build_refuses_a_lock_other_users_can_write(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Whoever writes the lock chooses the wheels (a wheel's .pth runs whenever the venv's python
+    starts: as root at the next build), and could swap it between the check and pip's read."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to give the file to another uid")
+    lock = tmp_path / "shared.lock"
+    lock.write_text(SIX_LOCK)
+    lock.chmod(0o666)
+    config = config_with(tmp_path, f'name = "small"\npython_env = "envs/small"\npython_lock = "{lock}"\n')
+    code, _, err = build(capsys, config, "small")
+    assert code == EXIT_CONFIG
+    assert f"python_lock {lock}: {lock} is writable by other users, who could choose what pip installs" in err
+    assert not (config.parent / "envs").exists()

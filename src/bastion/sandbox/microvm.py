@@ -28,6 +28,7 @@ import marshal
 import os
 import signal
 import socket
+import stat
 import struct
 import tempfile
 import time
@@ -52,10 +53,12 @@ from bastion.sandbox.vmimage import INITRAMFS_NAME, KERNEL_NAME
 
 __all__ = [
     "ISOLATION",
+    "QEMU",
     "MicroVMBackend",
     "MicroVMProcess",
     "MicroVMSandbox",
     "MicroVMSettings",
+    "console_tail",
     "missing_boot_files",
     "probe_microvm",
     "vmm_argv",
@@ -69,9 +72,12 @@ _RELAY: Final = Path(__file__).parent / "inside" / "relay.py"
 _HEADER: Final = struct.Struct(">IcI")
 _MAX_FRAME: Final = (1 << 20) + _HEADER.size  # the relay sends at most 64 KiB of output, 1 MiB of message
 _KILL_WAIT_S: Final = 5.0
+_SEND_TIMEOUT_S: Final = 60.0  # a frame the guest's relay has not taken by then: the guest is stuck
 _READ_BYTES: Final = 65_536
 _VMM_OVERHEAD_BYTES: Final = 192 << 20  # QEMU itself and TCG's translation cache (tb-size below)
 _VMM_TASKS: Final = 64  # QEMU's own threads; the guest's processes are the guest kernel's business
+_CONSOLE_TAIL_BYTES: Final = 65_536
+_NOBODY: Final = 65534  # the probe's VMM, when bastion runs as root: no sandbox shares this uid
 _group_ids = itertools.count(1)
 
 
@@ -95,6 +101,7 @@ def vmm_argv(settings: MicroVMSettings, run_dir: Path, workspace: str, tmp_bytes
     BIOS (~0.5 s of a cold boot) and nothing else we use.
     """
     accel = "kvm" if settings.accel == "kvm" else "tcg,tb-size=64"
+    sock, workspace = _opt(str(run_dir / "agent.sock")), _opt(workspace)
     return [
         QEMU,
         *("-M", "pc", "-accel", accel, "-m", str(settings.memory_mib), "-smp", str(settings.vcpus)),
@@ -103,7 +110,7 @@ def vmm_argv(settings: MicroVMSettings, run_dir: Path, workspace: str, tmp_bytes
         *("-append", f"console=ttyS0 quiet panic=-1 bastion.tmp={tmp_bytes}"),
         *("-serial", f"file:{run_dir / 'console.log'}"),
         *("-device", "virtio-serial-pci"),
-        *("-chardev", f"socket,id=agent,path={run_dir / 'agent.sock'},server=on,wait=off"),
+        *("-chardev", f"socket,id=agent,path={sock},server=on,wait=off"),
         *("-device", "virtserialport,chardev=agent,name=bastion.agent,nr=1"),
         *("-fsdev", "local,id=usr,path=/usr,security_model=none,readonly=on"),
         *("-device", "virtio-9p-pci,fsdev=usr,mount_tag=usr"),
@@ -111,6 +118,26 @@ def vmm_argv(settings: MicroVMSettings, run_dir: Path, workspace: str, tmp_bytes
         *("-device", "virtio-9p-pci,fsdev=ws,mount_tag=workspace"),
         *("-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"),
     ]
+
+
+def _opt(value: str) -> str:
+    """A path as a QEMU option value: a comma is doubled, else `path=/ws,path=/` would export the host's /."""
+    return value.replace(",", ",,")
+
+
+def console_tail(path: Path, limit: int = _CONSOLE_TAIL_BYTES) -> str:
+    """The last `limit` bytes of a guest's console log, read as root: never through a link (the VMM's
+    uid owns its folder and could plant one to /etc/shadow), never whole (the guest writes it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return ""
+    with os.fdopen(fd, "rb") as handle:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return ""
+        handle.seek(max(0, st.st_size - limit))
+        return handle.read(limit).decode(errors="replace")
 
 
 def guest_program(pids: int | None) -> bytes:
@@ -253,10 +280,11 @@ class MicroVMProcess:
                     await asyncio.shield(self.reader.done)
 
     async def write(self, data: bytes, *, timeout_s: float) -> int:
-        """The relay buffers what the pipe does not take yet, so everything goes in at once."""
+        """The relay buffers what the pipe does not take yet, so everything goes in at once; a guest
+        that does not take it within `timeout_s` is ended (Unavailable)."""
         if not self.stdin_open:
             raise Conflict("the process's input is closed")
-        await self._vm.send(b"I", self._id, data)
+        await self._vm.send(b"I", self._id, data, timeout_s=timeout_s)
         return len(data)
 
     def close_stdin(self) -> None:
@@ -363,18 +391,26 @@ class _Guest:
         self.gone.set()
         if not self.ready.done():
             self.ready.set_exception(Unavailable("the guest ended before its agent was ready: " + self.why()))
+            self.ready.exception()  # retrieved: nobody awaits it when the VMM failed before its socket
         for command in self.commands.values():
             command.out.end()
             command.err.end()
             command.finish(None)
 
-    async def send(self, kind: bytes, command_id: int, payload: bytes = b"") -> None:
+    async def send(
+        self, kind: bytes, command_id: int, payload: bytes = b"", *, timeout_s: float = _SEND_TIMEOUT_S
+    ) -> None:
+        """Send one frame. A guest that does not take it in time ends: the relay always reads, so a
+        stuck channel is a hostile or frozen guest, and a frame cut short cannot be taken back."""
         if self.sock is None or not self.alive:
             raise Unavailable("the microVM has ended")
         frame = _HEADER.pack(len(payload) + 5, kind, command_id) + payload
         try:
-            async with self.sending:
+            async with asyncio.timeout(timeout_s), self.sending:
                 await asyncio.get_running_loop().sock_sendall(self.sock, frame)
+        except TimeoutError:
+            self.kill_vmm()
+            raise Unavailable(f"the microVM did not read its channel within {timeout_s:g} s: it was ended") from None
         except OSError as exc:
             raise Unavailable(f"the microVM's channel broke: {exc.strerror or exc}") from exc
 
@@ -389,10 +425,8 @@ class _Guest:
 
     def why(self) -> str:
         """The last lines the VMM or the guest's console wrote: the reason it did not start."""
-        lines: list[str] = []
-        with contextlib.suppress(OSError):
-            text = (self.run_dir / "console.log").read_text(errors="replace")
-            lines = [line for line in text.splitlines() if line.strip() and not line.startswith("\x1b")]
+        text = console_tail(self.run_dir / "console.log")
+        lines = [line for line in text.splitlines() if line.strip() and not line.startswith("\x1b")]
         if self.proc.poll() is not None and self.proc.stderr is not None:
             with contextlib.suppress(OSError, ValueError):
                 lines += self.proc.stderr.read().decode(errors="replace").splitlines()
@@ -410,6 +444,8 @@ class _Guest:
     def kill_vmm(self) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
+        if self.group is not None:
+            self.group.thaw()  # a frozen VMM takes its SIGKILL only once thawed
 
     def stop(self) -> None:
         """Kill the VMM and wait for it; remove its socket folder and its cgroup."""
@@ -420,15 +456,33 @@ class _Guest:
             self.proc.wait(timeout=_KILL_WAIT_S)
         if self.proc.stderr is not None:
             self.proc.stderr.close()
-        for name in ("agent.sock", "console.log"):
-            with contextlib.suppress(FileNotFoundError):
-                (self.run_dir / name).unlink()
-        with contextlib.suppress(OSError):
-            self.run_dir.rmdir()
+        _remove_run_dir(self.run_dir)
         if self.group is not None:
             self.group.kill()
             self.group.destroy()
         self.end_all()
+
+
+def _make_run_dir(identity: tuple[int, int] | None) -> Path:
+    """The VMM's folder (its socket, its console log), owned by its uid inside a folder of root's: the
+    VMM's uid may write in it but not rename it, so the paths root later reads, connects to and
+    removes stay this folder (in /tmp, the owner of an entry may rename it and plant a link)."""
+    outer = Path(tempfile.mkdtemp(prefix="bastion-vm-"))
+    outer.chmod(0o711)
+    run_dir = outer / "vm"
+    run_dir.mkdir(mode=0o700)
+    if identity is not None:
+        os.chown(run_dir, *identity)
+    return run_dir
+
+
+def _remove_run_dir(run_dir: Path) -> None:
+    for name in ("agent.sock", "console.log"):
+        with contextlib.suppress(FileNotFoundError):
+            (run_dir / name).unlink()
+    for folder in (run_dir, run_dir.parent):
+        with contextlib.suppress(OSError):
+            folder.rmdir()
 
 
 class MicroVMSandbox:
@@ -489,11 +543,9 @@ class MicroVMSandbox:
         return self._cgroups.create(f"bastion-vm-{os.getpid()}-{next(_group_ids)}", limits)
 
     def _start_vmm(self) -> _Guest:
-        run_dir = Path(tempfile.mkdtemp(prefix="bastion-vm-"))
+        run_dir = _make_run_dir(self.spec.identity)
         group: SandboxCgroup | None = None
         try:
-            if self.spec.identity is not None:
-                os.chown(run_dir, *self.spec.identity)
             group = self._make_group()
             procs = tuple(os.path.join(path, "cgroup.procs") for path in group.paths) if group else ()
             argv = vmm_argv(self.settings, run_dir, self.spec.workspace, self.spec.tmp_size_bytes)
@@ -501,8 +553,7 @@ class MicroVMSandbox:
         except BaseException:
             if group is not None:
                 group.destroy()
-            with contextlib.suppress(OSError):
-                run_dir.rmdir()
+            _remove_run_dir(run_dir)
             raise
         self._vm = _Guest(proc, run_dir, group)
         return self._vm
@@ -612,10 +663,10 @@ class MicroVMSandbox:
         if the exit is not confirmed in time, end the whole VM."""
         if command.exited:
             return
-        with contextlib.suppress(Unavailable):
-            await vm.send(b"M", 0, marshal.dumps({"op": "kill", "id": command.command_id}))
         try:
             async with asyncio.timeout(_KILL_WAIT_S):
+                with contextlib.suppress(Unavailable):
+                    await vm.send(b"M", 0, marshal.dumps({"op": "kill", "id": command.command_id}))
                 await command.wait_exit()
         except TimeoutError:
             self.close()
@@ -766,11 +817,16 @@ async def probe_microvm(settings: MicroVMSettings, timeout_s: float) -> str | No
     missing = missing_boot_files(settings)
     if missing:
         return missing
+    # Never QEMU as root: the boot files may be another account's to replace (the default folder lies
+    # in /var/lib/bastion), and a root VMM would give that guest's 9p mknod and open the host's disks.
+    identity = (_NOBODY, _NOBODY) if os.geteuid() == 0 else None
     with tempfile.TemporaryDirectory(prefix="bastion-vm-probe-") as folder:
+        if identity is not None:
+            os.chown(folder, *identity)
         tiny = MicroVMSettings(
             settings.image_dir, memory_mib=128, vcpus=1, accel=settings.accel, boot_timeout_s=timeout_s
         )
-        box = MicroVMSandbox(SandboxSpec(workspace=folder), tiny, cgroups=None, limits=None)
+        box = MicroVMSandbox(SandboxSpec(workspace=folder, identity=identity), tiny, cgroups=None, limits=None)
         try:
             outcome = await box.run(
                 "/bin/true", ["true"], cwd="/workspace", env={}, timeout_s=timeout_s, max_output_bytes=1024

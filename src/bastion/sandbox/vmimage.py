@@ -9,6 +9,7 @@ microvm`): nothing of bastion is frozen into the image, so an upgrade never runs
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import re
@@ -161,15 +162,42 @@ def initramfs(release: str, busybox: Path = BUSYBOX) -> bytes:
 def build(image_dir: Path = DEFAULT_IMAGE_DIR) -> Path:
     """Write the kernel and initramfs into `image_dir` (0755, world-readable: the VMM is unprivileged)."""
     kernel, release = find_kernel()
-    image_dir.mkdir(parents=True, exist_ok=True)
-    os.chmod(image_dir, 0o755)  # noqa: S103 - boot files, no secret: the unprivileged VMM reads them
     data = initramfs(release)
-    for name, write in ((KERNEL_NAME, kernel.read_bytes()), (INITRAMFS_NAME, data)):
-        staged = image_dir / f".{name}.new"
-        staged.write_bytes(write)
-        os.chmod(staged, 0o644)
-        staged.replace(image_dir / name)
+    image_dir.mkdir(parents=True, exist_ok=True)
+    folder = _open_own_folder(image_dir)
+    try:
+        os.fchmod(folder, 0o755)  # boot files, no secret: the unprivileged VMM reads them
+        for name, contents in ((KERNEL_NAME, kernel.read_bytes()), (INITRAMFS_NAME, data)):
+            _write_in(folder, name, contents)
+    finally:
+        os.close(folder)
     return image_dir
+
+
+def _open_own_folder(image_dir: Path) -> int:
+    """The image folder, opened without following a link, refused unless this user owns it: the
+    default lies in /var/lib/bastion, which the service's account owns and could plant links in."""
+    try:
+        fd = os.open(image_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ImageError(f"{image_dir} is not a folder (a symbolic link?): {exc.strerror}") from None
+    owner = os.fstat(fd).st_uid
+    if owner != os.geteuid():
+        os.close(fd)
+        raise ImageError(f"{image_dir} belongs to uid {owner}, not to this user: remove it, or build as its owner")
+    return fd
+
+
+def _write_in(folder: int, name: str, contents: bytes) -> None:
+    """Write `name` in the open folder through a new file (a link planted at its name is replaced)."""
+    staged = f".{name}.new"
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(staged, dir_fd=folder)
+    fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=folder)
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(contents)
+        os.fchmod(handle.fileno(), 0o644)
+    os.replace(staged, name, src_dir_fd=folder, dst_dir_fd=folder)
 
 
 def main() -> int:

@@ -149,6 +149,22 @@ def _check(options: InstallOptions) -> None:
     # Under a prefix the program may live only in the image being built; here it must run.
     if options.prefix == Path("/") and not os.access(options.executable, os.X_OK):
         raise InvalidRequest(f"--exec {exe} is not an executable file: name the bastion the service should run")
+    if options.prefix == Path("/"):
+        _check_not_writable_by_others(options.executable)
+
+
+def _check_not_writable_by_others(executable: Path) -> None:
+    """The service runs ExecStart (as root with --as-root): the script, its interpreter and every folder
+    above them must be root's and closed to others, else a local user rewrites what the service runs."""
+    for program in (executable.resolve(), *_interpreter(executable)):
+        for path in (program, *program.parents):
+            st = path.stat()
+            sticky = bool(st.st_mode & stat.S_ISVTX) and path != program
+            if st.st_uid != 0 or (st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not sticky):
+                raise InvalidRequest(
+                    f"--exec {executable}: {path} is writable by a user other than root, who could change "
+                    "what the service runs: install bastion where only root writes (e.g. /opt/bastion)"
+                )
 
 
 class _Runner:
@@ -239,7 +255,7 @@ class _Runner:
         if os.path.lexists(target):
             if _read_regular(target) is None:
                 raise Conflict(f"{target} is not a regular file: move it away, then install again")
-            self._say("ok", CONFIG_PATH, "kept as it is")
+            self._keep_config(target, group)
             return
 
         def write() -> None:
@@ -247,6 +263,20 @@ class _Runner:
             os.chown(target, 0, self._ids("root", group)[1], follow_symlinks=False)
 
         self._do("create", CONFIG_PATH, f"0640 root:{group}", write)
+
+    def _keep_config(self, target: Path, group: str) -> None:
+        """Keep an existing config's text, but not an owner or mode that lets the service's account
+        (or anyone but root) rewrite it: root reads it too (`template build`, `admin`)."""
+        st = os.lstat(target)
+        if st.st_uid == 0 and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            self._say("ok", CONFIG_PATH, "kept as it is")
+            return
+
+        def fix() -> None:
+            os.chown(target, 0, self._ids("root", group)[1], follow_symlinks=False)
+            os.chmod(target, 0o640, follow_symlinks=False)
+
+        self._do("fix", CONFIG_PATH, f"0640 root:{group}, text kept as it is", fix)
 
     def remove(self, path: Path) -> None:
         target = self._path(path)

@@ -5,6 +5,6 @@ folder and picks the lock before calling it. tests/test_contracts.py checks who 
 """
 
 from bastion.templates._pip import SYSTEM_PYTHON
-from bastion.templates.env import BuiltEnv, build_template_env, builtin_lock_names, template_lock
+from bastion.templates.env import BuiltEnv, build_template_env, builtin_lock_names, check_lock, template_lock
 
-__all__ = ["SYSTEM_PYTHON", "BuiltEnv", "build_template_env", "builtin_lock_names", "template_lock"]
+__all__ = ["SYSTEM_PYTHON", "BuiltEnv", "build_template_env", "builtin_lock_names", "check_lock", "template_lock"]

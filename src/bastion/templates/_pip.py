@@ -4,6 +4,8 @@ This module starts processes on the host, as the user running `bastion` (often r
 sandbox. It trusts its arguments: `bastion.templates.env` has checked the folder and picked the lock.
 What keeps the install from running a package's code: `--only-binary=:all:` (wheels only, so no
 setup.py or build backend runs) and `--require-hashes` (every file must match the lock's digest).
+Both Pythons run isolated (`-I`) from "/": the caller's working folder is never on sys.path, so a
+`venv.py` or `pip/` planted there (in /tmp, say) does not run as root.
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ def make_venv(target: Path) -> None:
     if not Path(SYSTEM_PYTHON).is_file():
         raise Unavailable(f"{SYSTEM_PYTHON} is missing: install python3 (sandboxes use the system's Python)")
     done = subprocess.run(
-        [SYSTEM_PYTHON, "-m", "venv", str(target)],
+        [SYSTEM_PYTHON, "-I", "-m", "venv", str(target.absolute())],
         env=_clean_env(),
+        cwd="/",
         stdin=subprocess.DEVNULL,
         capture_output=True,
         text=True,
@@ -52,7 +55,8 @@ def install_lock(target: Path, lock: Path, index_url: str) -> None:
         OperationFailed: pip exited non-zero (a hash mismatch, an unpinned dependency, no wheel...).
     """
     argv = [
-        str(target / "bin" / "python"),
+        str(target.absolute() / "bin" / "python"),
+        "-I",  # not the working folder's modules, nor PYTHON* variables, nor the user's site-packages
         "-m",
         "pip",
         "install",
@@ -66,9 +70,9 @@ def install_lock(target: Path, lock: Path, index_url: str) -> None:
         "--index-url",
         index_url,
         "--requirement",
-        str(lock),
+        str(lock.absolute()),
     ]
-    done = subprocess.run(argv, env=_clean_env(), stdin=subprocess.DEVNULL, check=False)
+    done = subprocess.run(argv, env=_clean_env(), cwd="/", stdin=subprocess.DEVNULL, check=False)
     if done.returncode != 0:
         raise OperationFailed(
             f"pip could not install {lock} into {target} (exit {done.returncode}): see its message above"

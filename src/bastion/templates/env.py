@@ -9,15 +9,24 @@ from __future__ import annotations
 import contextlib
 import importlib.resources
 import os
+import re
+import stat
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Final
 
 from bastion.config import TemplateConfig
 from bastion.safety.errors import ConfigError
 from bastion.templates._pip import install_lock, make_venv
 
 _LOCK_SUFFIX = ".lock"
+# A lock line pip may read: `name[extras]==version`, an optional marker, then only --hash options.
+# Anything else a requirements file allows (-r, -e, --index-url, --no-binary, `name @ url`...) could
+# fetch from elsewhere or build an sdist, running its code as the user building (often root).
+_PINNED: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(\[[A-Za-z0-9._, -]*\])?\s*==\s*[A-Za-z0-9.!+_-]+(\s*;[^-@]*)?")
+_HASH: Final = re.compile(r"--hash[=\s]+[a-z0-9]+:[0-9a-f]+")
 
 
 def builtin_lock_names() -> tuple[str, ...]:
@@ -51,6 +60,49 @@ def template_lock(template: TemplateConfig) -> Iterator[Path]:
         yield path
 
 
+def check_lock(name: str, lock: Path) -> None:
+    """Refuse a lock with anything but pinned requirements and their hashes.
+
+    Raises:
+        ConfigError: a line is an option, an include, a URL or an unpinned requirement.
+    """
+    _check_lock_text(name, lock, lock.read_text(encoding="utf-8", errors="replace"))
+
+
+def _check_lock_text(name: str, lock: Path, text: str) -> None:
+    for number, line in _logical_lines(text):
+        requirement, _, hashes = line.partition(" --hash")
+        hashes = "--hash" + hashes if hashes else ""
+        if _PINNED.fullmatch(requirement.strip()) and all(_HASH.fullmatch(h) for h in _hash_options(hashes)):
+            continue
+        raise ConfigError(
+            f"template {name!r} lock {lock} line {number} is not `name==version --hash=...`: "
+            "a lock holds only pinned requirements and their hashes (no options, includes or URLs)"
+        )
+
+
+def _logical_lines(text: str) -> Iterator[tuple[int, str]]:
+    """(first line number, text) of each requirement, continuations joined and comments dropped."""
+    joined, start = "", 0
+    for number, raw in enumerate(text.splitlines(), 1):
+        if not joined:
+            start = number
+        line = re.sub(r"(^|\s)#.*", "", raw)
+        if line.endswith("\\"):
+            joined += line[:-1] + " "
+            continue
+        joined += line
+        if joined.strip():
+            yield start, " ".join(joined.split())
+        joined = ""
+    if joined.strip():
+        yield start, " ".join(joined.split())
+
+
+def _hash_options(text: str) -> list[str]:
+    return [f"--hash{part}".strip() for part in text.split("--hash")[1:]]
+
+
 def _is_venv(path: Path) -> bool:
     return (path / "pyvenv.cfg").is_file() and (path / "bin" / "python").exists()
 
@@ -66,12 +118,58 @@ def _check_target(name: str, target: Path) -> None:
             f"template {name!r} python_env {target} holds files and is not a virtual environment: "
             "choose a new or empty folder"
         )
+    _check_ancestors(name, target)
     # An existing venv's python and pip run on the host: only one this user made is trusted.
     if target.is_dir() and (owner := target.stat().st_uid) != os.geteuid():
         raise ConfigError(
             f"template {name!r} python_env {target} belongs to uid {owner}, not to this user: "
             "remove it, or build as its owner"
         )
+
+
+def _check_ancestors(name: str, target: Path) -> None:
+    """Every folder above `target` must be this user's or root's and closed to others: whoever can
+    write one can swap the venv's bin/python between its creation and pip's run, as root. A shared
+    sticky folder (/tmp) is passable, but nothing may be created in one (another user could be first)."""
+    existing = [folder for folder in target.absolute().parents if folder.exists()]
+    culprit = _writable_by_others(existing)
+    if culprit is not None:
+        raise ConfigError(
+            f"template {name!r} python_env {target}: {culprit} is writable by other users, "
+            "who could swap what pip runs: build under a folder only root (or this user) writes"
+        )
+
+
+def _writable_by_others(paths: list[Path]) -> Path | None:
+    """The first of `paths` (nearest first) another user owns or may write; a sticky folder passes
+    except the first (another user could create the name in it before us)."""
+    for depth, path in enumerate(paths):
+        st = path.stat()
+        open_to_others = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+        sticky = st.st_mode & stat.S_ISVTX and depth > 0
+        if st.st_uid not in (0, os.geteuid()) or (open_to_others and not sticky):
+            return path
+    return None
+
+
+@contextlib.contextmanager
+def _private_lock(name: str, lock: Path) -> Iterator[Path]:
+    """A copy of the checked lock in a folder of this user's, which pip reads: the lock's own path
+    could change between the check and pip. A lock another user may write is refused: they would
+    choose the wheels, and a wheel's .pth runs whenever the venv's python starts (as root, here)."""
+    lock = lock.absolute()
+    culprit = _writable_by_others([lock, *lock.parents])
+    if culprit is not None:
+        raise ConfigError(
+            f"template {name!r} python_lock {lock}: {culprit} is writable by other users, who could "
+            "choose what pip installs: keep the lock where only root (or this user) writes"
+        )
+    text = lock.read_text(encoding="utf-8", errors="replace")
+    _check_lock_text(name, lock, text)
+    with tempfile.TemporaryDirectory(prefix="bastion-lock-") as folder:
+        copy = Path(folder) / lock.name
+        copy.write_text(text, encoding="utf-8")
+        yield copy
 
 
 @dataclass(frozen=True)
@@ -97,10 +195,10 @@ def build_template_env(template: TemplateConfig, *, index_url: str) -> BuiltEnv:
     if target is None:
         raise ConfigError(f"template {template.name!r} has no python_env: set the folder to build it in")
     _check_target(template.name, target)
-    with template_lock(template) as lock:
+    with template_lock(template) as lock, _private_lock(template.name, lock) as copy:
         created = not _is_venv(target)
         if created:
             make_venv(target)
-        install_lock(target, lock, index_url)
+        install_lock(target, copy, index_url)
     shipped = template.python_lock is None
     return BuiltEnv(target, f"bastion's {template.name}{_LOCK_SUFFIX}" if shipped else str(lock), created)
