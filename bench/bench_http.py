@@ -31,7 +31,7 @@ import httpx2
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 
-from servers import free_port, http_config
+from servers import free_port, http_config, wait_serving
 
 REPO = Path(__file__).resolve().parent.parent
 BASTION = REPO / ".venv" / "bin" / "bastion"
@@ -79,15 +79,7 @@ def running(argv: list[str], root: Path, port: int, log_name: str = "server.log"
     base = f"http://127.0.0.1:{port}"
     SERVER_PIDS[f"{base}/mcp"] = process.pid
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                httpx2.get(f"{base}/mcp", timeout=1)
-                break
-            except httpx2.TransportError:
-                if time.monotonic() > deadline or process.poll() is not None:
-                    raise SystemExit(f"server did not start: {(root / log_name).read_text()}") from None
-                time.sleep(0.05)
+        wait_serving(process, f"{base}/mcp", root / log_name)
         yield base
     finally:
         process.terminate()

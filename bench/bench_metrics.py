@@ -26,7 +26,7 @@ import httpx2
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 
-from servers import http_config
+from servers import http_config, wait_serving
 
 REPO = Path(__file__).resolve().parent.parent
 _VENV_BASTION = REPO / ".venv" / "bin" / "bastion"
@@ -49,15 +49,7 @@ def serve(root: Path, *, metrics: bool) -> Iterator[str]:
     process = subprocess.Popen([str(BASTION), "serve", "--config", str(path), "--http"], stdout=log, stderr=log)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                httpx2.get(f"{base}/healthz", timeout=1)
-                break
-            except httpx2.TransportError:
-                if time.monotonic() > deadline or process.poll() is not None:
-                    raise SystemExit(f"server did not start: {(root / 'server.log').read_text()}") from None
-                time.sleep(0.05)
+        wait_serving(process, f"{base}/healthz", root / "server.log")
         yield base
     finally:
         process.terminate()

@@ -5,7 +5,10 @@ from __future__ import annotations
 import re
 import socket
 import subprocess
+import time
 from pathlib import Path
+
+import httpx2
 
 
 def free_port() -> int:
@@ -38,3 +41,16 @@ def http_config(
             capture_output=True,
         )
     return path, port
+
+
+def wait_serving(process: subprocess.Popen[bytes], url: str, log: Path, timeout_s: float = 30) -> None:
+    """Until `url` answers (any status); exits with the server's log if it died or never did."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            httpx2.get(url, timeout=1)
+            return
+        except httpx2.TransportError:
+            if time.monotonic() > deadline or process.poll() is not None:
+                raise SystemExit(f"server did not start: {log.read_text()}") from None
+            time.sleep(0.05)
