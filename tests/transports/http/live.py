@@ -8,6 +8,7 @@ no JavaScript, which the pages do not use); the Chromium tests drive the same pa
 from __future__ import annotations
 
 import base64
+import concurrent.futures
 import contextlib
 import hashlib
 import html.parser
@@ -27,7 +28,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlencode, urljoin, urlsplit
 
+import anyio
 import httpx2
+from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
 
 from bastion.demo import init_demo
 from bastion.transports.http.password import write_hash
@@ -315,3 +319,21 @@ def get_tokens(
 
 def absolute(server: LiveServer, location: str) -> str:
     return urljoin(server.base + "/", location)
+
+
+def call_tool(mcp_url: str, token: str, name: str, arguments: dict[str, object]) -> dict[str, Any]:
+    """One tools/call by a real MCP client with a bearer token, in an event loop of its own in a worker
+    thread (the browser tests are sync, and Playwright's sync API runs a loop in this thread)."""
+    with concurrent.futures.ThreadPoolExecutor(1) as worker:
+        return worker.submit(anyio.run, _call_tool, mcp_url, token, name, arguments).result()
+
+
+async def _call_tool(mcp_url: str, token: str, name: str, arguments: dict[str, object]) -> dict[str, Any]:
+    async with (
+        httpx2.AsyncClient(headers={"Authorization": f"Bearer {token}"}, timeout=60) as http,
+        Client(streamable_http_client(mcp_url, http_client=http)) as client,
+    ):
+        result = await client.call_tool(name, arguments)
+    payload = result.structured_content
+    assert payload is not None
+    return dict(payload)

@@ -16,7 +16,6 @@ docs/dashboard/ (the README shows them).
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import os
 import subprocess
@@ -25,11 +24,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
 
-import anyio
 import httpx2
 import pytest
-from mcp import Client
-from mcp.client.streamable_http import streamable_http_client
 
 from bastion.config.network import DEFAULT_BLOCKED_RANGES
 from bastion.demo import init_demo
@@ -37,7 +33,7 @@ from bastion.safety.approvals import ApprovalQueue
 from bastion.transports.http.password import write_hash
 
 from .chromium import CHROMIUM, launch
-from .live import BASTION, PASSWORD, Browser, LiveServer, forms, free_port, serve_config
+from .live import BASTION, PASSWORD, Browser, LiveServer, call_tool, forms, free_port, serve_config
 
 pytestmark = pytest.mark.bwrap
 
@@ -83,20 +79,7 @@ class Dash:
         self.browser.login(self.browser.open("/admin/login"))
 
     def tool(self, tool: str, /, **arguments: object) -> dict[str, Any]:
-        """One tools/call by a real MCP client, in an event loop of its own in a worker thread (tests are
-        sync, and Playwright's sync API runs a loop in this thread)."""
-        with concurrent.futures.ThreadPoolExecutor(1) as worker:
-            return worker.submit(anyio.run, self._call, tool, arguments).result()
-
-    async def _call(self, name: str, arguments: dict[str, object]) -> dict[str, Any]:
-        async with (
-            httpx2.AsyncClient(headers={"Authorization": f"Bearer {self.token}"}, timeout=60) as http,
-            Client(streamable_http_client(self.server.mcp_url, http_client=http)) as client,
-        ):
-            result = await client.call_tool(name, arguments)
-        payload = result.structured_content
-        assert payload is not None
-        return dict(payload)
+        return call_tool(self.server.mcp_url, self.token, tool, arguments)
 
     def sandbox(self, **arguments: object) -> str:
         created = self.tool("create_sandbox", **arguments)

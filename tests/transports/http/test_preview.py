@@ -12,7 +12,6 @@ What it does not prove: other browsers, or previews behind a TLS reverse proxy.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import json
 import re
@@ -23,11 +22,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import anyio
 import httpx2
 import pytest
-from mcp import Client
-from mcp.client.streamable_http import streamable_http_client
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import AcceptConnection, CloseConnection, RejectConnection, TextMessage
 from wsproto.events import Request as WsRequest
@@ -37,7 +33,7 @@ from bastion.transports.http.password import write_hash
 from bastion.workbench.previews import token_id
 
 from .chromium import CHROMIUM, launch
-from .live import BASTION, PASSWORD, Browser, LiveServer, free_port, serve_config
+from .live import BASTION, PASSWORD, Browser, LiveServer, call_tool, free_port, serve_config
 
 pytestmark = pytest.mark.bwrap
 
@@ -95,20 +91,7 @@ class Preview:
         browser.close()
 
     def tool(self, name: str, **arguments: object) -> dict[str, Any]:
-        """One tools/call by a real MCP client with the token, in an event loop of its own in a worker thread
-        (tests are sync, and Playwright's sync API runs a loop in this thread)."""
-        with concurrent.futures.ThreadPoolExecutor(1) as worker:
-            return worker.submit(anyio.run, self._call, name, arguments).result()
-
-    async def _call(self, name: str, arguments: dict[str, object]) -> dict[str, Any]:
-        async with (
-            httpx2.AsyncClient(headers={"Authorization": f"Bearer {self.token}"}, timeout=60) as http,
-            Client(streamable_http_client(self.server.mcp_url, http_client=http)) as client,
-        ):
-            result = await client.call_tool(name, arguments)
-        payload = result.structured_content
-        assert payload is not None
-        return dict(payload)
+        return call_tool(self.server.mcp_url, self.token, name, arguments)
 
     def run(self, sandbox_id: str, command: str) -> str:
         result = self.tool("run_command", sandbox_id=sandbox_id, command=command, timeout_s=30)

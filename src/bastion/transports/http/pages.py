@@ -43,7 +43,8 @@ def esc(value: object) -> str:
 
 
 def shown(value: object) -> str:
-    """A name a client chose with every invisible or bidi character shown as `\\uXXXX` (not escaped)."""
+    """A name a client chose with every invisible or bidi character shown as `\\uXXXX`; not HTML-escaped
+    (the caller or the template escapes it)."""
     return "".join(f"\\u{ord(c):04x}" if unicodedata.category(c) in _HIDDEN_CATEGORIES else c for c in str(value))
 
 
