@@ -139,12 +139,18 @@ async def test_tty_is_a_pts_and_job_control_works(client: Client) -> None:
     box = await create(client)
     term = await open_term(client, box)
     await line(client, term, "tty", "/dev/pts/[0-9]+")
-    await send(client, term, "sleep 100", "Enter")
+    # A signal key only once the job holds the terminal (it says so): typed while bash still
+    # reads its line, the tty would flush the typeahead and signal bash instead.
+    await send(client, term, 'sh -c \'echo ar""med; read x; echo g""ot; exec sleep 100\'', "Enter")
+    await until(client, term, "(?m)^armed$")
     await send(client, term, "", "Ctrl-Z")
-    await until(client, term, r"Stopped\s+sleep 100")
+    await until(client, term, r"Stopped\s+sh -c")
     await send(client, term, "jobs", "Enter")
-    await until(client, term, r"(?m)^\[1\]\+\s+Stopped\s+sleep 100$")
+    await until(client, term, r"(?m)^\[1\]\+\s+Stopped\s+sh -c 'echo")
+    # The job's `read` takes "go" only once `fg` gave it the terminal back.
     await send(client, term, "fg", "Enter")
+    await send(client, term, "go", "Enter")
+    await until(client, term, "(?m)^got$")
     await send(client, term, "", "Ctrl-C")
     await line(client, term, "echo status=$?", "status=130")
 
