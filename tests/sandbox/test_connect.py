@@ -8,6 +8,7 @@ typed error, and no fd is left open on the host. What it does not prove: HTTP ov
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import marshal
 import os
 import socket
@@ -23,6 +24,7 @@ from bastion.sandbox.warm import CONNECT_TIMEOUT_S, WarmSandbox
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
 
+ROOT = os.geteuid() == 0  # only root may enter a sandbox's network namespace (CAP_SYS_ADMIN)
 ENV = {"PATH": SANDBOX_PATH, "HOME": "/workspace", "LANG": "C.UTF-8"}
 # Listens on 127.0.0.1:PORT inside the sandbox, answers each connection with "inside\n", prints "up".
 SERVER = (
@@ -53,7 +55,8 @@ async def serve(box: WarmSandbox, port: int) -> None:
 
 
 def open_fds() -> set[str]:
-    return set(os.listdir("/proc/self/fd"))
+    """The process's open fds, without the one the listing itself used."""
+    return {fd for fd in os.listdir("/proc/self/fd") if os.path.lexists(f"/proc/self/fd/{fd}")}
 
 
 async def test_connect_reaches_a_server_on_the_sandbox_loopback_not_the_hosts(sandbox: WarmSandbox) -> None:
@@ -71,10 +74,49 @@ async def test_connect_reaches_a_server_on_the_sandbox_loopback_not_the_hosts(sa
 
 
 async def test_connect_to_a_closed_port_is_unavailable_and_leaks_no_fd(sandbox: WarmSandbox) -> None:
+    """Invariant: refused both ways (the run's first connect by the agent, the next by the host in the
+    sandbox's namespace); the only fd kept is that namespace's, and it goes when the sandbox ends."""
     before = open_fds()
     with pytest.raises(Unavailable, match="nothing accepts connections"):
         await sandbox.connect(9)
-    assert open_fds() == before
+    held = open_fds()
+    assert sandbox._netns is not None
+    assert len(held - before) == 1  # the namespace's fd
+    with pytest.raises(Unavailable, match="nothing accepts connections"):
+        await sandbox.connect(9)
+    # Without CAP_SYS_ADMIN (the unprivileged pass) the host cannot enter it, lets it go and asks the agent.
+    # With it, the host keeps spare sockets made in it, and nothing else.
+    if ROOT:
+        now = await settled(held)  # the duplicate the refill of spares works on, until it is done
+        assert all(os.readlink(f"/proc/self/fd/{fd}").startswith("socket:") for fd in now - held)
+    else:
+        assert open_fds() == before
+    sandbox.close()
+    with anyio.fail_after(5):  # a refill of spares in flight at the close closes what it made when it ends
+        while open_fds() - before:
+            await anyio.sleep(0.01)
+
+
+async def test_connects_after_the_first_are_made_in_the_sandboxs_namespace_and_reach_its_loopback(
+    sandbox: WarmSandbox,
+) -> None:
+    """Invariant: the host's own sockets (made in the namespace the agent handed over) reach the sandbox's
+    loopback, never the host's, also after the sandbox restarts with a new namespace."""
+    with socket.socket() as host_server:
+        host_server.bind(("127.0.0.1", 0))
+        host_server.listen()
+        port = host_server.getsockname()[1]
+        for run in range(2):
+            await serve(sandbox, port)
+            for _ in range(3):
+                with await sandbox.connect(port) as conn:
+                    conn.setblocking(True)
+                    assert conn.recv(100) == b"inside\n"
+            assert (sandbox._netns is not None) == ROOT
+            if run == 0:
+                await sandbox.aclose()  # asleep; the next spawn starts a new run
+                assert sandbox._netns is None
+                await sandbox.start()
 
 
 @pytest.mark.parametrize("port", [0, -1, 65536, 2**40, True, "80"])
@@ -89,6 +131,24 @@ async def test_connect_to_a_stopped_sandbox_is_unavailable(tmp_path: Path) -> No
         await box.connect(80)
 
 
+def net_fds() -> set[str]:
+    """The fds open on a network namespace (the spares' thread may close one while this looks)."""
+    found = set()
+    for fd in open_fds():
+        with contextlib.suppress(FileNotFoundError):
+            if os.readlink(f"/proc/self/fd/{fd}").startswith("net:"):
+                found.add(fd)
+    return found
+
+
+async def settled(expected: set[str]) -> set[str]:
+    """The open fds, once the thread that makes spare sockets has let go of every fd beyond `expected`'s."""
+    with anyio.fail_after(5):
+        while net_fds() - expected:
+            await anyio.sleep(0.01)
+    return open_fds()
+
+
 def pipe_closed_by_reader(write_end: int) -> bool:
     """Whether every read end of the pipe is closed (a write fails with EPIPE)."""
     try:
@@ -101,8 +161,10 @@ def pipe_closed_by_reader(write_end: int) -> bool:
 async def test_fds_from_a_hostile_agent_are_closed_unless_they_answer_a_connect(sandbox: WarmSandbox) -> None:
     """Invariant: the host keeps an fd from inside only as the answer to its own pending connect, and only a
     connected TCP socket; an unsolicited fd, an answer to an unknown id, a second fd in a message and a
-    pipe passed off as the answer are all closed unread. The agent is played by the test on the host's
-    socket (a compromised agent), since the real one never sends these."""
+    pipe passed off as the answer are all closed unread. Likewise a namespace: only as the answer to its
+    own ask, and never the server's own (which would make a preview's connect reach the host's loopback).
+    The agent is played by the test on the host's socket (a compromised agent), since the real one never
+    sends these."""
     loop = asyncio.get_running_loop()
     real = sandbox._sock
     assert real is not None
@@ -113,18 +175,27 @@ async def test_fds_from_a_hostile_agent_are_closed_unless_they_answer_a_connect(
     sandbox._sock = host
     loop.add_reader(host.fileno(), sandbox._on_message)
     try:
-        pipes = [os.pipe() for _ in range(4)]
+        nets_before = net_fds()
+        pipes = [os.pipe() for _ in range(6)]
+        host_netns = os.open("/proc/self/ns/net", os.O_RDONLY)
         socket.send_fds(agent, [b'{"event": "connected", "id": 999}'], [pipes[0][0]])
         socket.send_fds(agent, [b'{"event": "exit", "id": 998, "status": 0}'], [pipes[1][0], pipes[2][0]])
+        socket.send_fds(agent, [b'{"event": "netns"}'], [pipes[4][0]])  # not asked for yet
         pending = asyncio.ensure_future(sandbox.connect(8000))
+        assert marshal.loads(await loop.sock_recv(agent, 65536)) == {"op": "netns"}
         request = marshal.loads(await loop.sock_recv(agent, 65536))
         assert request == {"op": "connect", "id": request["id"], "port": 8000}
+        socket.send_fds(agent, [b'{"event": "netns"}'], [pipes[5][0]])  # asked, but a pipe
+        socket.send_fds(agent, [b'{"event": "netns"}'], [host_netns])  # asked, but the server's own
+        os.close(host_netns)
         socket.send_fds(agent, [f'{{"event": "connected", "id": {request["id"]}}}'.encode()], [pipes[3][0]])
         with pytest.raises(Unavailable, match="other than a connected TCP socket"):
             await pending
+        assert sandbox._netns is None
         for read_end, _ in pipes:
             os.close(read_end)  # the test's own copy; the host's must be closed already
         assert all(pipe_closed_by_reader(write_end) for _, write_end in pipes)
+        assert net_fds() == nets_before
     finally:
         loop.remove_reader(host.fileno())
         sandbox._sock = real

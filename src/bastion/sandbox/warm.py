@@ -45,6 +45,7 @@ from bastion.sandbox.cgroups import (
     fd_migration_supported,
 )
 from bastion.sandbox.command_groups import CommandGroups, Leftover, kill_pidfd
+from bastion.sandbox.netns import NamespaceUnusable, NetworkNamespace, is_foreign_netns
 from bastion.sandbox.processes import BackgroundProcess, OutputSink, PipeCapture, PtyProcess, RingCapture
 
 logger = logging.getLogger("bastion.sandbox")
@@ -55,6 +56,7 @@ _group_ids = itertools.count(1)
 KILL_GRACE_S: Final = 5.0
 OUTPUT_GRACE_S: Final = 0.2  # after a command's exit, for output still on its way (see `_output_after_exit`)
 MAX_MESSAGE_BYTES: Final = 65_536
+_NOTHING_ACCEPTS: Final = "nothing accepts connections on that port in the sandbox"
 CONNECT_TIMEOUT_S: Final = 5.0  # the agent gives up after 2 s (`CONNECT_TIMEOUT_S` in inside/agent.py)
 # The pseudo-terminal multiplexer, /dev/ptmx (Documentation/admin-guide/devices.txt): what a master fd stats as.
 PTMX_DEVICE: Final = (5, 2)
@@ -155,6 +157,9 @@ class WarmSandbox:
         self._waiters: dict[int, asyncio.Future[int]] = {}  # by command id, until it exits
         self._background: dict[int, BackgroundProcess] = {}  # by command id, until it exits
         self._connects: dict[int, asyncio.Future[socket.socket]] = {}  # by request id, until answered
+        # This run's network namespace, from the agent (netns.py): None until asked for and answered.
+        self._netns: NetworkNamespace | None = None
+        self._netns_asked = False
         self._ptys: dict[int, PtyProcess] = {}  # commands on a terminal, by command id, until they exit
         # Terminals asked for and not yet answered: by command id, the future the answer settles and the argv.
         self._pty_openings: dict[int, tuple[asyncio.Future[PtyProcess], tuple[str, ...]]] = {}
@@ -307,6 +312,9 @@ class WarmSandbox:
         if connected is not None:
             self._answer_connect(connected, fds)
             return
+        if message.get("event") == "netns":
+            self._on_netns(fds)
+            return
         _close_all(fds)  # fds come only with the answer to a terminal or connect request
         if exited is None:
             return
@@ -334,16 +342,29 @@ class WarmSandbox:
         error = answer[1]
         if error is not None or len(fds) != 1:
             _close_all(fds)
-            waiter.set_exception(Unavailable(f"nothing accepts connections on that port in the sandbox ({error})"))
+            waiter.set_exception(Unavailable(f"{_NOTHING_ACCEPTS} ({error})"))
             return
         try:
             waiter.set_result(_connected_socket(fds[0]))
         except Unavailable as exc:
             waiter.set_exception(exc)
 
+    def _on_netns(self, fds: list[int]) -> None:
+        """Keep the agent's network namespace if this run asked for it and it is one (not the server's)."""
+        if self._netns_asked and self._netns is None and len(fds) == 1 and is_foreign_netns(fds[0]):
+            self._netns = NetworkNamespace(fds.pop())
+        _close_all(fds)
+
+    def _drop_netns(self) -> None:
+        if self._netns is not None:
+            self._netns.close()
+        self._netns = None
+
     async def connect(self, port: int) -> socket.socket:
-        """A TCP socket connected to 127.0.0.1:`port` inside the sandbox (its network namespace), made by
-        the agent; the caller owns it. Does not start a sandbox that is asleep (nothing listens in it).
+        """A TCP socket connected to 127.0.0.1:`port` inside the sandbox (its network namespace); the
+        caller owns it. The first of a run is made by the agent, which is also asked for its network
+        namespace; later ones are made by the host in that namespace (`netns.py`), and by the agent
+        again if the host cannot enter it. Does not start a sandbox that is asleep (nothing listens in it).
 
         Raises:
             InvalidRequest: `port` is not 1..65535.
@@ -356,10 +377,17 @@ class WarmSandbox:
         sock = self._sock
         if sock is None or not self.alive:
             raise Unavailable("the sandbox is not running")
+        if self._netns is not None:
+            with contextlib.suppress(NamespaceUnusable):
+                return await self._connect_in_netns(self._netns, port)
+            self._drop_netns()  # e.g. a server without CAP_SYS_ADMIN: the agent connects from now on
         request_id = next(self._command_ids)
         waiter: asyncio.Future[socket.socket] = asyncio.get_running_loop().create_future()
         self._connects[request_id] = waiter
         try:
+            if not self._netns_asked:
+                self._netns_asked = True
+                await self._send_fds(sock, marshal.dumps({"op": "netns"}), [])
             await self._send_fds(sock, marshal.dumps({"op": "connect", "id": request_id, "port": port}), [])
             async with asyncio.timeout(CONNECT_TIMEOUT_S):
                 return await asyncio.shield(waiter)
@@ -371,6 +399,15 @@ class WarmSandbox:
             answered_late = self._connects.pop(request_id, None) is not None and waiter.done()
             if answered_late and not waiter.cancelled() and waiter.exception() is None:
                 waiter.result().close()  # answered after we stopped waiting (cancelled): the socket is nobody's
+
+    @staticmethod
+    async def _connect_in_netns(netns: NetworkNamespace, port: int) -> socket.socket:
+        try:
+            return await netns.connect(port, CONNECT_TIMEOUT_S)
+        except TimeoutError:  # before OSError, its base class
+            raise Unavailable(f"{_NOTHING_ACCEPTS} (timed out)") from None
+        except OSError as exc:
+            raise Unavailable(f"{_NOTHING_ACCEPTS} ({exc.strerror or exc})") from None
 
     def _on_pty(self, message: Mapping[str, object], fds: list[int]) -> None:
         """The agent's answer to a terminal request: keep its master fd only if this sandbox asked for
@@ -420,6 +457,8 @@ class WarmSandbox:
             if not connect.done():
                 connect.set_exception(Unavailable("the sandbox ended"))
         self._connects.clear()
+        self._drop_netns()
+        self._netns_asked = False  # the next run has a namespace of its own
         for opening, _ in self._pty_openings.values():
             if not opening.done():
                 opening.set_exception(ended())

@@ -36,6 +36,10 @@ agent; fds via SCM_RIGHTS):
                   The address is always 127.0.0.1: only the port comes from the host. The host accepts
                   an fd only with a "connected" event answering a connect of its own, and checks it is a
                   connected TCP socket.
+  host -> agent   {"op": "netns"}, once per run, with the run's first connect
+  agent -> host   {"event": "netns"} with one fd: /proc/self/ns/net. The host keeps it only as the answer
+                  to its own ask and if it is a network namespace other than its own; it then makes later
+                  connects' sockets in it itself (sandbox/netns.py).
 A command that cannot start (no such program, a bad cwd) writes one line to its stderr
 pipe and exits 127, as a shell would.
 
@@ -172,6 +176,7 @@ class Agent:
         self.sock = sock
         self.per_command_pids = per_command_pids
         self.own_pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY)
+        self.net_ns = os.open("/proc/self/ns/net", os.O_RDONLY)
         self.devnull = os.open("/dev/null", os.O_RDONLY)
         self.running: dict[int, int] = {}  # command id -> pid, until reaped
         self.ids: dict[int, int] = {}  # pid -> command id
@@ -208,6 +213,8 @@ class Agent:
                 os.close(fd)
         if op == "connect":
             self.connect(req)
+        if op == "netns":  # the host then makes a preview's sockets in it itself (sandbox/netns.py)
+            self.send({"event": "netns"}, self.net_ns)
         if op == "kill":
             pid = self.running.get(int(req.get("id", 0)))
             if pid is not None:
