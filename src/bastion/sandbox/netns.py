@@ -83,6 +83,12 @@ def _executor() -> concurrent.futures.ThreadPoolExecutor:
         return _thread
 
 
+def _close_made(job: asyncio.Future[list[socket.socket]]) -> None:
+    if not job.cancelled() and job.exception() is None:
+        for sock in job.result():
+            sock.close()
+
+
 class NetworkNamespace:
     """A sandbox's network namespace, held by the host, with a few sockets made in it ahead of need:
     the thread hop to make one costs about what the agent's round trip does, a spare costs nothing.
@@ -109,7 +115,12 @@ class NetworkNamespace:
         else:
             # Each job gets a duplicate of the fd: closing the namespace meanwhile cannot hand the thread
             # a reused fd number (another sandbox's namespace).
-            sock = (await loop.run_in_executor(_executor(), _sockets_in, os.dup(self._fd), 1))[0]
+            job = loop.run_in_executor(_executor(), _sockets_in, os.dup(self._fd), 1)
+            try:
+                sock = (await asyncio.shield(job))[0]
+            except asyncio.CancelledError:
+                job.add_done_callback(_close_made)  # the socket still being made is nobody's
+                raise
         self._refill(loop)
         try:
             sock.setblocking(False)
@@ -131,12 +142,10 @@ class NetworkNamespace:
         self._refilling = False
         if job.cancelled() or job.exception() is not None:
             return  # the next connect makes its own socket, and says why if it cannot
-        made = job.result()
         if self._closed:
-            for sock in made:
-                sock.close()
+            _close_made(job)
             return
-        self._spares.extend(made)
+        self._spares.extend(job.result())
 
     def close(self) -> None:
         self._closed = True
