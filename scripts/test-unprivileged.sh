@@ -43,7 +43,7 @@ if ! runuser -u "$user" -- "$venv/bin/python" -c "" 2>/dev/null; then
   UV_PROJECT_ENVIRONMENT="$venv" UV_PYTHON_DOWNLOADS=never .tools/bin/uv sync --frozen --quiet --python /usr/bin/python3
 fi
 
-tests=(tests/sandbox/test_warm.py tests/sandbox/inside/test_landlock.py tests/sandbox/test_seccomp.py
+tests=(tests/sandbox/test_connect.py tests/sandbox/test_warm.py tests/sandbox/inside/test_landlock.py tests/sandbox/test_seccomp.py
        tests/sandbox/test_cgroups.py tests/workbench/test_manager.py tests/workbench/test_isolation.py
        tests/workbench/test_processes.py tests/workbench/test_templates.py tests/workbench/test_workspace.py
        tests/workbench/test_code.py tests/workbench/test_network.py
