@@ -39,12 +39,15 @@ from typing import Final
 
 from bastion.safety.errors import Conflict, InvalidRequest, NotFound, ResourceLimit, Unavailable
 from bastion.sandbox._spawn import (
+    EGRESS_DIR,
+    EGRESS_SOCKET_NAME,
     IDENTITY_FILES,
     INSIDE_FILES,
     SandboxProcess,
     SandboxSpec,
     start_vmm,
 )
+from bastion.sandbox._vmegress import EgressPort
 from bastion.sandbox.backend import Backend, Process, RunOutcome, Sandbox
 from bastion.sandbox.cgroups import CgroupLayout, Limits, SandboxCgroup, Usage
 from bastion.sandbox.command_groups import Leftover
@@ -102,6 +105,7 @@ def vmm_argv(settings: MicroVMSettings, run_dir: Path, workspace: str, tmp_bytes
     """
     accel = "kvm" if settings.accel == "kvm" else "tcg,tb-size=64"
     sock, workspace = _opt(str(run_dir / "agent.sock")), _opt(workspace)
+    egress = _opt(str(run_dir / "egress.sock"))
     return [
         QEMU,
         *("-M", "pc", "-accel", accel, "-m", str(settings.memory_mib), "-smp", str(settings.vcpus)),
@@ -112,6 +116,8 @@ def vmm_argv(settings: MicroVMSettings, run_dir: Path, workspace: str, tmp_bytes
         *("-device", "virtio-serial-pci"),
         *("-chardev", f"socket,id=agent,path={sock},server=on,wait=off"),
         *("-device", "virtserialport,chardev=agent,name=bastion.agent,nr=1"),
+        *("-chardev", f"socket,id=egress,path={egress},server=on,wait=off"),
+        *("-device", "virtserialport,chardev=egress,name=bastion.egress,nr=2"),
         *("-fsdev", "local,id=usr,path=/usr,security_model=none,readonly=on"),
         *("-device", "virtio-9p-pci,fsdev=usr,mount_tag=usr"),
         *("-fsdev", f"local,id=ws,path={workspace},security_model=none"),
@@ -306,6 +312,8 @@ class _Guest:
         self.run_dir = run_dir
         self.group = group
         self.sock: socket.socket | None = None
+        self.egress: EgressPort | None = None
+        self.egress_sock: socket.socket | None = None
         self.sending = asyncio.Lock()  # one frame at a time: concurrent sends must not interleave
         self.commands: dict[int, MicroVMProcess] = {}
         self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -318,8 +326,19 @@ class _Guest:
     def alive(self) -> bool:
         return not self.gone.is_set() and self.proc.poll() is None
 
-    async def connect(self, deadline: float, pids: int | None) -> None:
-        sock_path = os.path.join(self.run_dir, "agent.sock")
+    async def connect(self, deadline: float, pids: int | None, proxy: str | None) -> None:
+        """Connect to the VMM's agent and egress ports, send the guest its program, start reading."""
+        loop = asyncio.get_running_loop()
+        sock = self.sock = await self.open_port("agent.sock", deadline)
+        # QEMU opens its chardevs in argv order: the egress socket is there once the agent's is.
+        self.egress_sock = await self.open_port("egress.sock", deadline)
+        self.egress = EgressPort(self.egress_sock, proxy, self.run_dir.parent.name)
+        self.egress.start()
+        await loop.sock_sendall(sock, guest_program(pids))
+        self.task = loop.create_task(self.read_frames(sock))
+
+    async def open_port(self, name: str, deadline: float) -> socket.socket:
+        sock_path = os.path.join(self.run_dir, name)
         loop = asyncio.get_running_loop()
         while True:
             if self.proc.poll() is not None:
@@ -327,15 +346,12 @@ class _Guest:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
             try:
                 await loop.sock_connect(sock, sock_path)
-                break
+                return sock
             except (FileNotFoundError, ConnectionRefusedError):
                 sock.close()
                 if time.monotonic() > deadline:
-                    raise Unavailable("the VMM did not open its agent socket in time") from None
+                    raise Unavailable(f"the VMM did not open its {name} in time") from None
                 await asyncio.sleep(0.02)
-        self.sock = sock
-        await loop.sock_sendall(sock, guest_program(pids))
-        self.task = loop.create_task(self.read_frames(sock))
 
     async def read_frames(self, sock: socket.socket) -> None:
         """Read frames until the channel ends; a frame too large for the relay to have sent ends the VM."""
@@ -433,7 +449,9 @@ class _Guest:
         return (lines[-1] if lines else "no reason given")[:300]
 
     def detach(self) -> None:
-        """Stop reading the channel (called in the loop's thread), so its socket can close under no reader."""
+        """Stop reading the channels (called in the loop's thread), so their sockets can close under no reader."""
+        if self.egress is not None:
+            self.egress.close()
         if self.task is None or self.task.done():
             return
         loop = self.task.get_loop()
@@ -450,8 +468,9 @@ class _Guest:
     def stop(self) -> None:
         """Kill the VMM and wait for it; remove its socket folder and its cgroup."""
         self.kill_vmm()
-        if self.sock is not None:
-            self.sock.close()
+        for sock in (self.sock, self.egress_sock):
+            if sock is not None:
+                sock.close()
         with contextlib.suppress(Exception):
             self.proc.wait(timeout=_KILL_WAIT_S)
         if self.proc.stderr is not None:
@@ -477,7 +496,7 @@ def _make_run_dir(identity: tuple[int, int] | None) -> Path:
 
 
 def _remove_run_dir(run_dir: Path) -> None:
-    for name in ("agent.sock", "console.log"):
+    for name in ("agent.sock", "egress.sock", "console.log"):
         with contextlib.suppress(FileNotFoundError):
             (run_dir / name).unlink()
     for folder in (run_dir, run_dir.parent):
@@ -529,6 +548,14 @@ class MicroVMSandbox:
             self.close()
             await self._boot()
 
+    def _proxy_path(self) -> str | None:
+        """The host's egress proxy socket of this sandbox: in the folder a namespace sandbox sees at
+        /run/bastion (the proxy listens there only while the sandbox has egress)."""
+        for source, dest in self.spec.read_only_binds:
+            if dest == EGRESS_DIR:
+                return os.path.join(source, EGRESS_SOCKET_NAME)
+        return None
+
     def _host_limits(self) -> Limits | None:
         """The VMM's cgroup: the guest's memory plus QEMU's own, QEMU's threads, and the CPU given."""
         if self._limits is None:
@@ -562,7 +589,7 @@ class MicroVMSandbox:
         vm = self._start_vmm()
         deadline = time.monotonic() + self.settings.boot_timeout_s
         try:
-            await vm.connect(deadline, self._limits.pids if self._limits is not None else None)
+            await vm.connect(deadline, self._limits.pids if self._limits is not None else None, self._proxy_path())
             async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
                 await vm.ready
         except TimeoutError:

@@ -37,6 +37,9 @@ if TYPE_CHECKING:
 HEADER = struct.Struct(">IcI")
 READ_BYTES = 65536
 AGENT = "/opt/bastion/agent.py"
+EGRESS = "/opt/bastion/egress_port.py"
+EGRESS_PORT = "/dev/vport0p2"  # the second port of the virtio-serial device (nr=2 in the VMM's argv)
+EGRESS_SOCKET = "/run/bastion/egress.sock"  # where the forwarder connects, as in a namespace sandbox
 GROUP = "/sys/fs/cgroup/sandbox"  # the guest's own cgroup v2 group: the agent, its commands and the relay
 PR_SET_DUMPABLE = 4
 
@@ -191,16 +194,36 @@ def write_files(files: "dict[str, str]") -> None:
             out.write(text)
 
 
+def start_egress(uid: int, gid: int) -> None:
+    """Start the guest's end of egress (inside/egress_port.py), as root, outside the commands' group:
+    the socket listens before the agent starts, so no command finds it missing."""
+    os.makedirs(os.path.dirname(EGRESS_SOCKET), mode=0o755, exist_ok=True)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(EGRESS_SOCKET)
+    os.chown(EGRESS_SOCKET, uid, gid)  # the commands' uid connects (its mode is 0777 less the umask)
+    listener.listen(64)
+    port = os.open(EGRESS_PORT, os.O_RDWR)
+    fds = (port, listener.fileno())
+    for fd in fds:
+        os.set_inheritable(fd, True)
+    try:
+        os.posix_spawn(sys.executable, [sys.executable, "-I", "-S", EGRESS, *map(str, fds)], {})
+    finally:
+        os.close(port)
+        listener.close()
+
+
 def main(port: int, files: "dict[str, str]") -> None:
     # Commands are root of the guest without capabilities: as the relay's uid they could ptrace it or
     # write its /proc/N/mem, unless it is not dumpable (then both need CAP_SYS_PTRACE).
     if ctypes.CDLL(None).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
         sys.exit("bastion-relay: cannot make itself undumpable")
     write_files(files)
-    enter_group(PIDS)
     # Commands run as the workspace's owner (the sandbox's host uid, through 9p): the agent keeps root's
     # effective ids for its namespaces and starts each command with these real ones (resetids).
     owner = os.stat("/workspace")
+    start_egress(owner.st_uid, owner.st_gid)
+    enter_group(PIDS)
     os.setresgid(owner.st_gid, 0, 0)
     os.setresuid(owner.st_uid, 0, 0)
     here, there = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
