@@ -127,6 +127,9 @@ class MicroVMConfig(Model):
     """How long the first microvm start waits for a tiny KVM guest to boot before calling KVM unusable."""
     boot_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 120.0
     """How long a guest may take to boot to its agent's "ready"."""
+    warm_pool: Annotated[int, Field(ge=0, le=64)] = 0
+    """Booted guests kept waiting for each microvm template, so create_sandbox hands one out rather than
+    boot (each holds its memory: `vm_memory_mib` plus QEMU's own)."""
 
 
 class SandboxesConfig(Model):
