@@ -64,6 +64,7 @@ __all__ = [
     "console_tail",
     "missing_boot_files",
     "probe_microvm",
+    "recover_run_dirs",
     "vmm_argv",
 ]
 
@@ -81,6 +82,7 @@ _VMM_OVERHEAD_BYTES: Final = 192 << 20  # QEMU itself and TCG's translation cach
 _VMM_TASKS: Final = 64  # QEMU's own threads; the guest's processes are the guest kernel's business
 _CONSOLE_TAIL_BYTES: Final = 65_536
 _NOBODY: Final = 65534  # the probe's VMM, when bastion runs as root: no sandbox shares this uid
+_RUN_PREFIX: Final = "bastion-vm-"  # + the server's pid: recovery finds a crashed server's folders by it
 _group_ids = itertools.count(1)
 
 
@@ -486,7 +488,7 @@ def _make_run_dir(identity: tuple[int, int] | None) -> Path:
     """The VMM's folder (its socket, its console log), owned by its uid inside a folder of root's: the
     VMM's uid may write in it but not rename it, so the paths root later reads, connects to and
     removes stay this folder (in /tmp, the owner of an entry may rename it and plant a link)."""
-    outer = Path(tempfile.mkdtemp(prefix="bastion-vm-"))
+    outer = Path(tempfile.mkdtemp(prefix=f"{_RUN_PREFIX}{os.getpid()}-"))
     outer.chmod(0o711)
     run_dir = outer / "vm"
     run_dir.mkdir(mode=0o700)
@@ -502,6 +504,41 @@ def _remove_run_dir(run_dir: Path) -> None:
     for folder in (run_dir, run_dir.parent):
         with contextlib.suppress(OSError):
             folder.rmdir()
+
+
+def recover_run_dirs(temp: Path | None = None) -> list[Path]:
+    """Remove the VMM folders (sockets, console logs) of servers no longer running, after killing any
+    VMM still using one (its parent-death signal ends it with the server; this is for when it did not).
+    A live server's folders, and anything not made by this account, are left alone. Returns those removed."""
+    removed = []
+    for outer in sorted((temp or Path(tempfile.gettempdir())).glob(f"{_RUN_PREFIX}*-*")):
+        owner = outer.name.removeprefix(_RUN_PREFIX).split("-")[0]
+        if not owner.isdigit() or os.path.exists(f"/proc/{owner}") or not _own_folder(outer):
+            continue
+        for pid in _users_of(outer / "vm"):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        _remove_run_dir(outer / "vm")
+        if not outer.exists():
+            removed.append(outer)
+    return removed
+
+
+def _own_folder(path: Path) -> bool:
+    st = os.lstat(path)
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
+
+
+def _users_of(run_dir: Path) -> list[int]:
+    """Processes whose command line names the folder's agent socket: a VMM left running."""
+    needle = os.fsencode(run_dir / "agent.sock")
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if needle in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+    return found
 
 
 class MicroVMSandbox:
@@ -567,7 +604,8 @@ class MicroVMSandbox:
         limits = self._host_limits()
         if self._cgroups is None or limits is None:
             return None
-        return self._cgroups.create(f"bastion-vm-{os.getpid()}-{next(_group_ids)}", limits)
+        # "<kind>-<server pid>-<n>", as the namespace backend's: recovery finds a crashed server's by its pid.
+        return self._cgroups.create(f"vm-{os.getpid()}-{next(_group_ids)}", limits)
 
     def _start_vmm(self) -> _Guest:
         run_dir = _make_run_dir(self.spec.identity)

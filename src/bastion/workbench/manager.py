@@ -56,7 +56,7 @@ from bastion.sandbox import DeviceFolder, SandboxSpec, backend
 from bastion.sandbox._disk import drop_disk, make_disk, mount_disk, mount_tmpfs, used_bytes
 from bastion.sandbox.cgroups import CgroupLayout, Limits
 from bastion.sandbox.identity import HostIdentity, IdentityPool
-from bastion.sandbox.microvm import MicroVMBackend, MicroVMSettings, probe_microvm
+from bastion.sandbox.microvm import MicroVMBackend, MicroVMSettings, probe_microvm, recover_run_dirs
 from bastion.sandbox.warm import BubblewrapBackend
 from bastion.snapshot.store import (
     SnapshotInfo,
@@ -560,6 +560,10 @@ class SandboxManager:
         """Started sandboxes waiting in the warm pools."""
         return len(self._pool) + sum(map(len, self._vm_pools.values()))
 
+    def booted_waiting(self, template: str) -> int:
+        """Booted guests waiting in a microvm template's warm pool."""
+        return len(self._vm_pools.get(template, ()))
+
     def _pooled_all(self) -> list[_Prepared]:
         return [*self._pool, *(prepared for booted in self._vm_pools.values() for prepared in booted)]
 
@@ -749,7 +753,8 @@ class SandboxManager:
         snapshots and an interrupted snapshot's files go first; a workspace whose snapshot would
         eat the state reserve is kept as it is, for the next start.
 
-        Processes need no cleaning: bwrap's --die-with-parent ended them with the server.
+        Processes need no cleaning: bwrap's --die-with-parent ended them with the server, and a
+        VMM's parent-death signal; a VMM that outlived it anyway is killed with its folder.
         Returns the snapshot ids made.
         """
         if self._cgroups is not None:
@@ -757,6 +762,8 @@ class SandboxManager:
                 owner_pid = name.split("-")[1] if name.count("-") == 2 else ""
                 if owner_pid.isdigit() and not os.path.exists(f"/proc/{owner_pid}"):
                     self._cgroups.open(name).destroy()
+        for folder in recover_run_dirs():
+            logger.info("a crashed server's microVM folder %s removed", folder)
         made = []
         self._remove_stale_sockets()
         remove_leftovers(self._snapshots)
