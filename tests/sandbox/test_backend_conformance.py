@@ -375,7 +375,6 @@ async def test_limits_change_live(limited: Sandbox) -> None:
 
 
 async def test_an_idle_sandbox_sleeps_and_the_next_command_wakes_it(harness: Harness, box: Sandbox) -> None:
-    not_for_microvm(harness, "a guest never sleeps in this slice (its private /tmp is not checked from the host)")
     assert not box.sleep()  # never started: nothing to stop
     await sh(box, "echo kept > file")
     process = await box.spawn("/bin/cat", ["cat"], cwd="/", env=ENV, ring_bytes=64)
@@ -385,6 +384,15 @@ async def test_an_idle_sandbox_sleeps_and_the_next_command_wakes_it(harness: Har
     assert box.asleep
     assert (await sh(box, "cat file")).stdout == b"kept\n"
     assert not box.asleep
+
+
+async def test_an_idle_sandbox_with_scratch_files_stays_awake(box: Sandbox) -> None:
+    """A sleep would lose /tmp (a microVM's is the guest's own tmpfs): files there keep it running."""
+    await sh(box, "echo scratch > /tmp/kept")
+    assert not box.sleep()
+    await sh(box, "rm /tmp/kept")
+    assert box.sleep()
+    assert box.asleep
 
 
 async def test_close_leaves_nothing_running_and_a_new_command_starts_it_again(harness: Harness, box: Sandbox) -> None:

@@ -323,6 +323,7 @@ class _Guest:
         self.task: asyncio.Task[None] | None = None
         self.ids = itertools.count(1)
         self.later: set[asyncio.Task[None]] = set()  # sends from sync callers (close_stdin)
+        self.scratch_empty = True  # the guest's /tmp and /dev/shm, as its relay said at the last exit
 
     @property
     def alive(self) -> bool:
@@ -381,6 +382,9 @@ class _Guest:
     def on_frame(self, kind: bytes, command_id: int, payload: bytes) -> None:
         if kind == b"M":
             self.on_message(payload)
+            return
+        if kind == b"S":
+            self.scratch_empty = payload == b"1"
             return
         command = self.commands.get(command_id)
         if command is None:
@@ -556,6 +560,8 @@ class MicroVMSandbox:
         self._vm: _Guest | None = None
         self._paused = False
         self._closed = False
+        self._asleep = False  # stopped while idle; the next command boots it again
+        self._stopping: set[asyncio.Task[None]] = set()  # slept guests' VMMs being reaped
         self._start_lock = asyncio.Lock()
 
     @property
@@ -568,7 +574,7 @@ class MicroVMSandbox:
 
     @property
     def asleep(self) -> bool:
-        return False
+        return self._asleep and self._vm is None
 
     @property
     def alive(self) -> bool:
@@ -584,6 +590,7 @@ class MicroVMSandbox:
                 return
             self.close()
             await self._boot()
+            self._asleep = False
 
     def _proxy_path(self) -> str | None:
         """The host's egress proxy socket of this sandbox: in the folder a namespace sandbox sees at
@@ -819,8 +826,23 @@ class MicroVMSandbox:
         return f"the guest has {self.settings.memory_mib} MiB"
 
     def sleep(self) -> bool:
-        """Never: the guest's private /tmp cannot be checked empty from the host in this slice."""
-        return False
+        """Stop an idle guest that holds nothing but files: no command running (what a command starts
+        ends with it) and its /tmp and /dev/shm empty (its relay says so before each exit). Its VMM,
+        memory and cgroup go; the workspace is the host's folder. The next command boots it again."""
+        vm = self._vm
+        if vm is None or not self.alive or self._paused or not vm.scratch_empty:
+            return False
+        if any(not command.exited for command in vm.commands.values()):
+            return False
+        self._vm = None
+        vm.detach()
+        vm.kill_vmm()
+        self._asleep = True
+        # The reaper calls this on the event loop: waiting for the VMM's exit and its cgroup runs in a thread.
+        task = asyncio.get_running_loop().create_task(asyncio.to_thread(vm.stop))
+        self._stopping.add(task)
+        task.add_done_callback(self._stopping.discard)
+        return True
 
     def close(self) -> None:
         vm, self._vm = self._vm, None

@@ -15,7 +15,8 @@ refused (the host never asks for them in this slice).
 
 Frame: 4-byte big-endian length of the rest, one kind byte, 4-byte command id, payload.
   host -> guest  M (an agent message, marshal), I (stdin bytes), E (close stdin)
-  guest -> host  M (an agent event, JSON), O / R (stdout / stderr bytes), o / r (that stream ended)
+  guest -> host  M (an agent event, JSON), O / R (stdout / stderr bytes), o / r (that stream ended),
+                 S (before each exit event: b"1" if the guest's /tmp and /dev/shm are empty, else b"0")
 """
 
 import ctypes
@@ -144,6 +145,8 @@ class Relay:
             os.close(fd)
         if not data:
             sys.exit(0)
+        if data.startswith(b'{"event":"exit"'):
+            self.send(b"S", 0, b"1" if scratch_empty() else b"0")  # before the exit: the host may sleep on it
         self.send(b"M", 0, data)
 
     def on_output(self, fd: int, kind: bytes, command_id: int) -> None:
@@ -168,6 +171,15 @@ class Relay:
                     self.flush_stdin(key.data[1])
                 else:
                     self.on_output(key.fd, key.data[0], key.data[1])
+
+
+def scratch_empty() -> bool:
+    """Whether the guest's /tmp and /dev/shm hold nothing (a sleeping guest loses them)."""
+    for folder in ("/tmp", "/dev/shm"):  # noqa: S108 - the guest's own tmpfs
+        with os.scandir(folder) as entries:
+            for _ in entries:
+                return False
+    return True
 
 
 def set_pids(limit: int) -> None:
