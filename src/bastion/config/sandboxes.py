@@ -98,10 +98,8 @@ class TemplateConfig(Model):
     @model_validator(mode="after")
     def _check_microvm(self) -> TemplateConfig:
         # A guest sees /usr, /workspace and its own /tmp only: binds and envs do not reach it yet.
-        if self.isolation == "microvm" and (self.read_only or self.python_env is not None or self.network_allow):
-            raise ValueError(
-                f"template {self.name!r}: read_only, python_env and network_allow are not available for microvm yet"
-            )
+        if self.isolation == "microvm" and (self.read_only or self.python_env is not None):
+            raise ValueError(f"template {self.name!r}: read_only and python_env are not available for microvm yet")
         return self
 
     @field_validator("env")

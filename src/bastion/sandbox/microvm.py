@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import json
 import logging
@@ -37,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from bastion.safety.errors import Conflict, InvalidRequest, NotFound, ResourceLimit, Unavailable
+from bastion.safety.errors import BastionError, Conflict, InvalidRequest, NotFound, ResourceLimit, Unavailable
 from bastion.sandbox._spawn import (
     EGRESS_DIR,
     EGRESS_SOCKET_NAME,
@@ -148,11 +149,12 @@ def console_tail(path: Path, limit: int = _CONSOLE_TAIL_BYTES) -> str:
         return handle.read(limit).decode(errors="replace")
 
 
-def guest_program(pids: int | None) -> bytes:
+def guest_program(limits: Limits | None) -> bytes:
     """What the guest's /init runs: the relay, with the programs of inside/, the identity files and the
-    guest's task limit (None: none) in front."""
+    commands' task and memory limits in the guest (None: none) in front."""
     files = {**INSIDE_FILES, **IDENTITY_FILES}  # the agent and the code contexts' kernel and REPL
-    source = f"FILES = {files!r}\nPIDS = {pids!r}\n" + _RELAY.read_text(encoding="utf-8")
+    pids, memory = (limits.pids, limits.memory_bytes) if limits is not None else (None, None)
+    source = f"FILES = {files!r}\nPIDS = {pids!r}\nMEMORY = {memory!r}\n" + _RELAY.read_text(encoding="utf-8")
     data = source.encode()
     return len(data).to_bytes(8, "big") + data
 
@@ -323,13 +325,16 @@ class _Guest:
         self.task: asyncio.Task[None] | None = None
         self.ids = itertools.count(1)
         self.later: set[asyncio.Task[None]] = set()  # sends from sync callers (close_stdin)
-        self.scratch_empty = True  # the guest's /tmp and /dev/shm, as its relay said at the last exit
+        # What its relay said before the last exit: /tmp and /dev/shm empty, OOM kills, shared memory.
+        self.scratch_empty = True
+        self.guest_ooms = 0
+        self.guest_shmem = 0
 
     @property
     def alive(self) -> bool:
         return not self.gone.is_set() and self.proc.poll() is None
 
-    async def connect(self, deadline: float, pids: int | None, proxy: str | None) -> None:
+    async def connect(self, deadline: float, limits: Limits | None, proxy: str | None) -> None:
         """Connect to the VMM's agent and egress ports, send the guest its program, start reading."""
         loop = asyncio.get_running_loop()
         sock = self.sock = await self.open_port("agent.sock", deadline)
@@ -337,7 +342,7 @@ class _Guest:
         self.egress_sock = await self.open_port("egress.sock", deadline)
         self.egress = EgressPort(self.egress_sock, proxy, self.run_dir.parent.name)
         self.egress.start()
-        await loop.sock_sendall(sock, guest_program(pids))
+        await loop.sock_sendall(sock, guest_program(limits))
         self.task = loop.create_task(self.read_frames(sock))
 
     async def open_port(self, name: str, deadline: float) -> socket.socket:
@@ -384,7 +389,7 @@ class _Guest:
             self.on_message(payload)
             return
         if kind == b"S":
-            self.scratch_empty = payload == b"1"
+            self.on_state(payload)
             return
         command = self.commands.get(command_id)
         if command is None:
@@ -394,6 +399,12 @@ class _Guest:
             stream.feed(payload)
         elif kind in (b"o", b"r"):
             stream.end()
+
+    def on_state(self, payload: bytes) -> None:
+        fields = payload.split()
+        if len(fields) == 3 and all(field.isdigit() and len(field) < 20 for field in fields):
+            self.scratch_empty = fields[0] == b"1"
+            self.guest_ooms, self.guest_shmem = int(fields[1]), int(fields[2])
 
     def on_message(self, payload: bytes) -> None:
         try:
@@ -436,9 +447,9 @@ class _Guest:
         except OSError as exc:
             raise Unavailable(f"the microVM's channel broke: {exc.strerror or exc}") from exc
 
-    def send_soon(self, kind: bytes, command_id: int) -> None:
+    def send_soon(self, kind: bytes, command_id: int, payload: bytes = b"") -> None:
         if self.sock is not None and self.alive:
-            task = asyncio.get_running_loop().create_task(self.send(kind, command_id))
+            task = asyncio.get_running_loop().create_task(self.send(kind, command_id, payload))
             self.later.add(task)
             task.add_done_callback(self.later.discard)
 
@@ -510,6 +521,18 @@ def _remove_run_dir(run_dir: Path) -> None:
             folder.rmdir()
 
 
+def _vm_ooms(vm: _Guest) -> int:
+    try:
+        host = vm.group.oom_kills() if vm.group is not None else 0
+    except (OSError, BastionError):  # its group is gone already
+        host = 0
+    return vm.guest_ooms + host
+
+
+def _mib(size: int) -> str:
+    return f"{size / 2**20:.0f} MiB"
+
+
 def recover_run_dirs(temp: Path | None = None) -> list[Path]:
     """Remove the VMM folders (sockets, console logs) of servers no longer running, after killing any
     VMM still using one (its parent-death signal ends it with the server; this is for when it did not).
@@ -561,6 +584,7 @@ class MicroVMSandbox:
         self._paused = False
         self._closed = False
         self._asleep = False  # stopped while idle; the next command boots it again
+        self._past_ooms = 0  # OOM kills of guests this sandbox had before the current one
         self._stopping: set[asyncio.Task[None]] = set()  # slept guests' VMMs being reaped
         self._start_lock = asyncio.Lock()
 
@@ -634,7 +658,7 @@ class MicroVMSandbox:
         vm = self._start_vmm()
         deadline = time.monotonic() + self.settings.boot_timeout_s
         try:
-            await vm.connect(deadline, self._limits.pids if self._limits is not None else None, self._proxy_path())
+            await vm.connect(deadline, self._limits, self._proxy_path())
             async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
                 await vm.ready
         except TimeoutError:
@@ -694,6 +718,7 @@ class MicroVMSandbox:
         sinks = on_output or (None, None)
         out = _Stream(max_output_bytes, newest=False, sink=sinks[0])
         err = _Stream(max_output_bytes, newest=False, sink=sinks[1])
+        ooms_before = self.oom_kills()
         command = await self._launch(vm, executable, argv, cwd, env, out, err, stdin=False)
         timed_out = cancelled = False
         try:
@@ -710,7 +735,10 @@ class MicroVMSandbox:
             if timed_out:
                 await self._kill_command(vm, command)
             vm.forget(command.command_id)
-        return self._outcome(vm, command, timed_out=timed_out, cancelled=cancelled)
+        outcome = self._outcome(vm, command, timed_out=timed_out, cancelled=cancelled)
+        if self.oom_kills() > ooms_before:  # the guest's kernel killed in the commands' group
+            return dataclasses.replace(outcome, oom_killed=True, memory_note=self.memory_note())
+        return outcome
 
     def _outcome(self, vm: _Guest, command: MicroVMProcess, *, timed_out: bool, cancelled: bool) -> RunOutcome:
         if command.status is None and not timed_out:
@@ -818,12 +846,26 @@ class MicroVMSandbox:
             self._vm.group.set_limits(host)
         if self._vm is not None and self._vm.alive and limits.pids is not None:
             self._vm.send_soon(b"P", limits.pids)  # the guest's own task limit, live
+        if self._vm is not None and self._vm.alive and limits.memory_bytes is not None:
+            self._vm.send_soon(b"L", 0, str(limits.memory_bytes).encode())  # and its memory limit
 
     def oom_kills(self) -> int:
-        return self._vm.group.oom_kills() if self._vm is not None and self._vm.group is not None else 0
+        """OOM kills in the guest's commands' group and of the whole VMM, since the sandbox was made."""
+        return self._past_ooms + (_vm_ooms(self._vm) if self._vm is not None else 0)
+
+    def _retire(self, vm: _Guest) -> None:
+        """Keep a guest's OOM kills past its end (sleep or close)."""
+        self._past_ooms += _vm_ooms(vm)
 
     def memory_note(self) -> str:
-        return f"the guest has {self.settings.memory_mib} MiB"
+        """How much of the commands' memory files in the guest's /tmp and /dev/shm hold, as the namespace
+        backend says it (the guest's own count, as its relay gave it at the last exit)."""
+        limit = self._limits.memory_bytes if self._limits is not None else None
+        if self._vm is None or limit is None:
+            return f"the guest has {self.settings.memory_mib} MiB"
+        return (
+            f"files in /tmp and /dev/shm and shared memory held {_mib(self._vm.guest_shmem)} of its {_mib(limit)} limit"
+        )
 
     def sleep(self) -> bool:
         """Stop an idle guest that holds nothing but files: no command running (what a command starts
@@ -835,6 +877,7 @@ class MicroVMSandbox:
         if any(not command.exited for command in vm.commands.values()):
             return False
         self._vm = None
+        self._retire(vm)
         vm.detach()
         vm.kill_vmm()
         self._asleep = True
@@ -848,6 +891,7 @@ class MicroVMSandbox:
         vm, self._vm = self._vm, None
         self._paused = False
         if vm is not None:
+            self._retire(vm)
             if vm.group is not None:
                 vm.group.thaw()
             vm.detach()
@@ -858,6 +902,7 @@ class MicroVMSandbox:
         vm, self._vm = self._vm, None
         self._paused = False
         if vm is not None:
+            self._retire(vm)
             if vm.group is not None:
                 vm.group.thaw()
             vm.detach()

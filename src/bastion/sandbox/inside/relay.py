@@ -16,7 +16,8 @@ refused (the host never asks for them in this slice).
 Frame: 4-byte big-endian length of the rest, one kind byte, 4-byte command id, payload.
   host -> guest  M (an agent message, marshal), I (stdin bytes), E (close stdin)
   guest -> host  M (an agent event, JSON), O / R (stdout / stderr bytes), o / r (that stream ended),
-                 S (before each exit event: b"1" if the guest's /tmp and /dev/shm are empty, else b"0")
+                 S (before each exit event: `state()`, the guest's scratch, OOM kills and shared memory)
+  host -> guest  P (id: the commands' task limit), L (payload: their memory limit in bytes)
 """
 
 import ctypes
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     PORT: int = 0  # given by /init
     FILES: "dict[str, str]" = {}  # given by the host, in front of this source
     PIDS: "int | None" = None  # the guest's task limit, likewise
+    MEMORY: "int | None" = None  # the commands' memory limit in bytes, likewise
 
 HEADER = struct.Struct(">IcI")
 READ_BYTES = 65536
@@ -82,7 +84,9 @@ class Relay:
             self.pending[command_id] = self.pending.get(command_id, b"") + payload
             self.flush_stdin(command_id)
         elif kind == b"P":
-            set_pids(command_id)
+            set_limit("pids.max", command_id)
+        elif kind == b"L" and payload.isdigit():
+            set_limit("memory.max", int(payload))
         elif kind == b"E" and command_id in self.stdin:
             self.closing.add(command_id)
             self.flush_stdin(command_id)
@@ -146,7 +150,7 @@ class Relay:
         if not data:
             sys.exit(0)
         if data.startswith(b'{"event":"exit"'):
-            self.send(b"S", 0, b"1" if scratch_empty() else b"0")  # before the exit: the host may sleep on it
+            self.send(b"S", 0, state())  # before the exit: the host sleeps and reports OOM kills on it
         self.send(b"M", 0, data)
 
     def on_output(self, fd: int, kind: bytes, command_id: int) -> None:
@@ -182,19 +186,44 @@ def scratch_empty() -> bool:
     return True
 
 
-def set_pids(limit: int) -> None:
-    with open(GROUP + "/pids.max", "w") as out:
-        out.write(str(limit))
+def state() -> bytes:
+    """b"<1 if /tmp and /dev/shm are empty> <OOM kills in the commands' group> <its shared memory bytes>"."""
+    return b"%d %d %d" % (
+        scratch_empty(),
+        group_count("memory.events", "oom_kill"),
+        group_count("memory.stat", "shmem"),
+    )
 
 
-def enter_group(pids: "int | None") -> None:
-    """Move the relay (and so the agent and every command it starts) into a group with the task limit."""
-    if pids is None:
+def group_count(name: str, key: str) -> int:
+    try:
+        with open(GROUP + "/" + name) as found:
+            for line in found:
+                field, _, value = line.partition(" ")
+                if field == key:
+                    return int(value)
+    except OSError:  # no limits: no group
+        pass
+    return 0
+
+
+def set_limit(name: str, value: int) -> None:
+    with open(GROUP + "/" + name, "w") as out:
+        out.write(str(value))
+
+
+def enter_group(pids: "int | None", memory: "int | None") -> None:
+    """Move the relay (and so the agent and every command it starts) into a group with the limits:
+    the guest's own kernel kills a command past its memory, as the host's would in a namespace sandbox."""
+    if pids is None and memory is None:
         return
     os.mkdir(GROUP)
     with open("/sys/fs/cgroup/cgroup.subtree_control", "w") as out:
-        out.write("+pids")
-    set_pids(pids)
+        out.write("+pids +memory")
+    if pids is not None:
+        set_limit("pids.max", pids)
+    if memory is not None:
+        set_limit("memory.max", memory)
     with open(GROUP + "/cgroup.procs", "w") as out:
         out.write("0")
 
@@ -235,7 +264,7 @@ def main(port: int, files: "dict[str, str]") -> None:
     # effective ids for its namespaces and starts each command with these real ones (resetids).
     owner = os.stat("/workspace")
     start_egress(owner.st_uid, owner.st_gid)
-    enter_group(PIDS)
+    enter_group(PIDS, MEMORY)
     os.setresgid(owner.st_gid, 0, 0)
     os.setresuid(owner.st_uid, 0, 0)
     here, there = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
