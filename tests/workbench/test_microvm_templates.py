@@ -15,7 +15,7 @@ from bastion.app import build_server, build_services
 from bastion.config import load_config
 from bastion.safety.errors import ConfigError
 from bastion.workbench.manager import SandboxManager
-from tests.helpers import create, sh
+from tests.helpers import call, create, sh
 from tests.sandbox.egress_helpers import HOSTS, OPEN_RANGES, Web
 from tests.sandbox.microvm_helpers import microvm_settings
 
@@ -160,3 +160,32 @@ async def test_a_pooled_microvm_is_handed_out_without_a_boot_and_its_egress_goes
     records = [json.loads(line) for line in audit.read_text().splitlines()]
     egress = [(r["domain"], r["decision"]) for r in records if r.get("event") == "egress"]
     assert egress == [("allowed.test", "allow"), ("denied.test", "deny")]
+
+
+@pytest.mark.microvm
+async def test_a_microvm_snapshot_restores_into_a_new_microvm_with_the_files_as_they_were(
+    demo_config_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The guest is frozen while its workspace is archived; the restore boots a guest of the same
+    template on a copy of it, and what the source changed after the snapshot is not there."""
+    settings = microvm_settings(tmp_path_factory)
+    services = build_services(load_config(with_vm_template(demo_config_path, settings.image_dir, emulation=True)))
+    try:
+        async with Client(build_server(services, caller="test")) as client:
+            source = await create(client, template="vm")
+            await sh(client, source, "echo kept > file; mkdir -p sub; echo deep > sub/more")
+            snapshot = await call(client, "snapshot_sandbox", sandbox_id=source)
+            assert snapshot["ok"], snapshot
+            assert snapshot["detail"]["files"] == 2
+            changed = await sh(client, source, "echo changed > file; touch extra; cat file")
+            assert changed["detail"]["stdout"] == "changed\n"  # the guest was thawed after the archive
+            restored = await call(client, "restore_sandbox", snapshot_id=snapshot["detail"]["snapshot_id"])
+            assert restored["ok"], restored
+            assert restored["detail"]["isolation"] == "microvm"
+            copy = restored["detail"]["sandbox_id"]
+            seen = await sh(client, copy, "cat file sub/more; ls; uname -r")
+            kept, deep, *listing, kernel, _ = seen["detail"]["stdout"].split("\n")
+            assert (kept, deep, listing) == ("kept", "deep", ["file", "sub"])  # no "extra": made after
+            assert kernel.endswith("-amd64")  # the guest's kernel: a microVM again
+    finally:
+        services.close()

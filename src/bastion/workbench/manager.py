@@ -669,7 +669,7 @@ class SandboxManager:
                 warm.pause()
             archived = self._archiving[box.id] = anyio.Event()
             try:
-                metadata = {"sandbox_id": box.id, "owner": box.owner, "name": box.name or ""}
+                metadata = {"sandbox_id": box.id, "owner": box.owner, "name": box.name or "", "template": box.template}
                 return await anyio.to_thread.run_sync(
                     functools.partial(
                         create_snapshot,
@@ -688,8 +688,9 @@ class SandboxManager:
                     warm.resume()
 
     async def restore(self, snapshot_id: str, *, owner: str) -> tuple[Sandbox, SnapshotInfo]:
-        """A new sandbox whose workspace is the snapshot's, byte for byte."""
-        box = await self.create(owner=owner)
+        """A new sandbox whose workspace is the snapshot's, byte for byte, of the source's template
+        (a microVM's snapshot comes back as a microVM) while that template exists, else the default."""
+        box = await self.create(owner=owner, template=await self._template_of(snapshot_id))
         try:
             info = await anyio.to_thread.run_sync(
                 functools.partial(
@@ -708,6 +709,11 @@ class SandboxManager:
             await self.close(box.id)
             raise
         return box, info
+
+    async def _template_of(self, snapshot_id: str) -> str | None:
+        found = await anyio.to_thread.run_sync(list_snapshots, self._snapshots, limiter=self._snapshot_threads)
+        name = next((info.metadata.get("template") for info in found if info.id == snapshot_id), None)
+        return name if name in self._templates else None
 
     def snapshots(self) -> list[SnapshotInfo]:
         return list_snapshots(self._snapshots)
