@@ -581,7 +581,8 @@ class SandboxManager:
         """Live sandboxes by (state, isolation backend)."""
         counts: dict[tuple[str, str], int] = {}
         for box in list(self._boxes.values()):
-            key = (_state(box.workspace.sandbox), BubblewrapBackend.name)
+            backend_name = MicroVMBackend.name if box.isolation == "microvm" else BubblewrapBackend.name
+            key = (_state(box.workspace.sandbox), backend_name)
             counts[key] = counts.get(key, 0) + 1
         return counts
 
