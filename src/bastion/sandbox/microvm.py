@@ -448,10 +448,15 @@ class _Guest:
             raise Unavailable(f"the microVM's channel broke: {exc.strerror or exc}") from exc
 
     def send_soon(self, kind: bytes, command_id: int, payload: bytes = b"") -> None:
+        """Send from a sync caller; a guest that ended meanwhile needs it no more."""
         if self.sock is not None and self.alive:
-            task = asyncio.get_running_loop().create_task(self.send(kind, command_id, payload))
+            task = asyncio.get_running_loop().create_task(self.send_quietly(kind, command_id, payload))
             self.later.add(task)
             task.add_done_callback(self.later.discard)
+
+    async def send_quietly(self, kind: bytes, command_id: int, payload: bytes) -> None:
+        with contextlib.suppress(Unavailable):
+            await self.send(kind, command_id, payload)
 
     def forget(self, command_id: int) -> None:
         self.commands.pop(command_id, None)
