@@ -8,7 +8,8 @@ namespace sandbox reaches at /run/bastion: the same allowlist, the same audit of
 the same blocked ranges, decided by `bastion.egress.proxy`. The guest names no destination here.
 
 The guest is hostile: a frame larger than it may send ends the port; a stream that sends past
-its window, opens past the cap or reuses a live id is ended (X); unknown kinds and ids are ignored.
+its window, credits what it was never sent, sends a kind it may not, opens past the cap or reuses
+a live id is ended (X); frames for ids it does not have open are ignored.
 Frames and flow control are described in inside/egress_port.py.
 """
 
