@@ -8,7 +8,8 @@ limits, and no network device at all. The guest boots Debian's kernel with the i
 virtio-9p (so the file tools and snapshots keep acting on the host folder, as the protocol says),
 a private /tmp, and runs the same resident agent (inside/agent.py) behind inside/relay.py, which
 carries its messages and each command's stdin, stdout and stderr over one virtio-serial port
-(a unix socket on the host).
+(a unix socket on the host). Egress takes a second port: the guest's forwarder reaches the
+sandbox's egress proxy through inside/egress_port.py and `_vmegress.EgressPort` (the proxy decides).
 
 What does not cross a serial port is a file descriptor, so the operations that hand one to the
 host are refused for microVMs in this slice, with one line: a terminal (`open_pty`: the pty's
