@@ -915,6 +915,7 @@ class MicroVMSandbox:
             await asyncio.to_thread(vm.stop)
             if vm.task is not None:
                 await asyncio.gather(vm.task, return_exceptions=True)
+        await asyncio.gather(*self._stopping, return_exceptions=True)  # a slept guest's VMM, being reaped
 
 
 class _EndsPipe(asyncio.Event):
