@@ -178,7 +178,9 @@ def check_disk_quota(config: Config) -> None:
 def identity_problem(config: Config) -> str | None:
     """Why a root server could not hand out `host_id_range` (one line), else None; changes nothing."""
     first, count = config.sandboxes.host_ids
-    needed = config.sandboxes.max_sandboxes + config.sandboxes.warm_pool + len(config.workspace)
+    vm_templates = sum(template.isolation == "microvm" for template in config.template)
+    pools = config.sandboxes.warm_pool + config.sandboxes.microvm.warm_pool * vm_templates
+    needed = config.sandboxes.max_sandboxes + pools + len(config.workspace)
     if count < needed:
         return (
             f"[sandboxes] host_id_range has {count} ids, fewer than max_sandboxes + warm_pool + host workspaces "

@@ -12,13 +12,16 @@ import contextlib
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 
+from bastion.config import load_config
 from bastion.safety.errors import InvalidRequest, NotFound, Unavailable
+from bastion.safety.redact import Redactor
 from bastion.sandbox._spawn import SANDBOX_PATH, SandboxSpec
 from bastion.sandbox.backend import RunOutcome
 from bastion.sandbox.cgroups import CgroupLayout, Limits
@@ -33,6 +36,7 @@ from bastion.sandbox.microvm import (
     vmm_argv,
 )
 from bastion.sandbox.vmimage import MODULES, ImageError, build, initramfs
+from bastion.workbench.manager import SandboxManager
 from tests.helpers import processes_with
 from tests.sandbox.microvm_helpers import microvm_settings
 
@@ -232,6 +236,7 @@ async def test_a_guest_boots_runs_a_command_and_leaves_nothing(
     socket folder or cgroup."""
     (tmp_path / "ws" / "from-host").write_text("host\n")
     script = "uname -r; ls /sys/class/net; id -u; ls /etc; cat from-host; echo inside > from-inside"
+    script += "; test -S /run/bastion/egress.sock && echo egress-port"  # the guest's end of egress listens
     outcome = await sh(guest, script)
     kernel, net, uid, *rest = outcome.stdout.decode().split("\n")
     assert outcome.status == 0, outcome.stderr
@@ -241,6 +246,7 @@ async def test_a_guest_boots_runs_a_command_and_leaves_nothing(
     assert uid == str(guest.spec.identity[0])  # commands are the workspace's owner, not the guest's root
     assert rest[:3] == ["gitconfig", "group", "passwd"]
     assert "host" in rest
+    assert "egress-port" in rest
     assert (tmp_path / "ws" / "from-inside").read_text() == "inside\n"
     assert guest._vm is not None
     run_dir, pid = guest._vm.run_dir, guest._vm.proc.pid
@@ -332,3 +338,50 @@ async def test_the_probe_boots_a_tiny_guest_whose_vmm_is_not_root(
     assert await probe is None
     assert uids == {"65534"}
     assert processes_with("bastion-vm-probe") == []
+
+
+CRASHING_SERVER = """
+import asyncio, sys
+from pathlib import Path
+from bastion.sandbox import SandboxSpec
+from bastion.sandbox.cgroups import CgroupLayout, Limits
+from bastion.sandbox.microvm import MicroVMBackend, MicroVMSettings
+
+async def main() -> None:
+    layout = CgroupLayout.detect(base_name=sys.argv[3])
+    backend = MicroVMBackend(MicroVMSettings(Path(sys.argv[1]), boot_timeout_s=600), layout)
+    await backend.sandbox(SandboxSpec(workspace=sys.argv[2]), limits=Limits(None, 16, 1.0)).start()
+
+asyncio.run(main())
+"""
+
+
+async def test_a_crashed_servers_vmm_folder_and_cgroup_are_removed_at_the_next_start(
+    tmp_path: Path, settings: MicroVMSettings, demo_config_path: Path
+) -> None:
+    """kill -9 of the server: its VMM dies with it (parent-death signal); its socket folder and cgroup
+    stay, and the next server's recovery removes them. (No boot: the VMM is killed while it starts.)"""
+    base = f"bastion-vmcrash-{os.getpid()}"
+    (tmp_path / "ws").mkdir()
+    argv = [sys.executable, "-c", CRASHING_SERVER, str(settings.image_dir), str(tmp_path / "ws"), base]
+    server = subprocess.Popen(argv)
+    layout = CgroupLayout.detect(base_name=base)
+    try:
+        deadline = time.monotonic() + 60
+        while not (sockets := list(Path(tempfile.gettempdir()).glob(f"bastion-vm-{server.pid}-*/vm/agent.sock"))):
+            assert server.poll() is None
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.02)  # no event tells when QEMU has opened its socket
+        run_dir = sockets[0].parent
+        server.kill()
+        server.wait()
+        while processes_with(str(sockets[0])):
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.02)
+        assert layout.existing() == [f"vm-{server.pid}-1"]
+        config = load_config(demo_config_path)
+        SandboxManager(config, Redactor(), layout).recover()
+        assert layout.existing() == []
+        assert not run_dir.parent.exists()
+    finally:
+        layout.release()

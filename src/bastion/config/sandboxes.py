@@ -98,10 +98,8 @@ class TemplateConfig(Model):
     @model_validator(mode="after")
     def _check_microvm(self) -> TemplateConfig:
         # A guest sees /usr, /workspace and its own /tmp only: binds and envs do not reach it yet.
-        if self.isolation == "microvm" and (self.read_only or self.python_env is not None or self.network_allow):
-            raise ValueError(
-                f"template {self.name!r}: read_only, python_env and network_allow are not available for microvm yet"
-            )
+        if self.isolation == "microvm" and (self.read_only or self.python_env is not None):
+            raise ValueError(f"template {self.name!r}: read_only and python_env are not available for microvm yet")
         return self
 
     @field_validator("env")
@@ -127,6 +125,9 @@ class MicroVMConfig(Model):
     """How long the first microvm start waits for a tiny KVM guest to boot before calling KVM unusable."""
     boot_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 120.0
     """How long a guest may take to boot to its agent's "ready"."""
+    warm_pool: Annotated[int, Field(ge=0, le=64)] = 0
+    """Booted guests kept waiting for each microvm template, so create_sandbox hands one out rather than
+    boot (each holds its memory: `vm_memory_mib` plus QEMU's own)."""
 
 
 class SandboxesConfig(Model):

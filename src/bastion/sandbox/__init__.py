@@ -8,6 +8,8 @@ from bastion.sandbox._devices import SCRATCH_INODES, SHM_SIZE_BYTES, TMP_SIZE_BY
 from bastion.sandbox._disk import quota_available
 from bastion.sandbox._idmap import idmap_supported, idmapped_mount, is_mounted, unmount
 from bastion.sandbox._spawn import (
+    EGRESS_DIR,
+    EGRESS_SOCKET_NAME,
     FORWARDER_PATH,
     KERNEL_PATH,
     PROGRAMS_DIR,
@@ -21,6 +23,8 @@ from bastion.sandbox.backend import Backend, Process, RunOutcome, Sandbox
 from bastion.sandbox.warm import BubblewrapBackend, WarmSandbox
 
 __all__ = [
+    "EGRESS_DIR",
+    "EGRESS_SOCKET_NAME",
     "FORWARDER_PATH",
     "KERNEL_PATH",
     "PROGRAMS_DIR",

@@ -30,7 +30,9 @@ SANDBOX_PATH: Final = "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/s
 # The programs bastion runs inside, shown read-only under /opt/bastion (never on a command line:
 # `ps` inside and on the host shows a short one). The agent runs with no site-packages:
 # Landlock's code travels with it, in front.
-PROGRAMS_DIR: Final = "/opt/bastion"  # /run/bastion holds the egress socket (workbench.network)
+PROGRAMS_DIR: Final = "/opt/bastion"
+EGRESS_DIR: Final = "/run/bastion"  # the host folder bound here holds the sandbox's egress proxy socket
+EGRESS_SOCKET_NAME: Final = "egress.sock"  # (workbench.network; a microVM's host end connects to it)
 AGENT_PATH: Final = f"{PROGRAMS_DIR}/agent.py"
 KERNEL_PATH: Final = f"{PROGRAMS_DIR}/kernel.py"
 FORWARDER_PATH: Final = f"{PROGRAMS_DIR}/forwarder.py"

@@ -8,7 +8,8 @@ limits, and no network device at all. The guest boots Debian's kernel with the i
 virtio-9p (so the file tools and snapshots keep acting on the host folder, as the protocol says),
 a private /tmp, and runs the same resident agent (inside/agent.py) behind inside/relay.py, which
 carries its messages and each command's stdin, stdout and stderr over one virtio-serial port
-(a unix socket on the host).
+(a unix socket on the host). Egress takes a second port: the guest's forwarder reaches the
+sandbox's egress proxy through inside/egress_port.py and `_vmegress.EgressPort` (the proxy decides).
 
 What does not cross a serial port is a file descriptor, so the operations that hand one to the
 host are refused for microVMs in this slice, with one line: a terminal (`open_pty`: the pty's
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import json
 import logging
@@ -37,14 +39,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from bastion.safety.errors import Conflict, InvalidRequest, NotFound, ResourceLimit, Unavailable
+from bastion.safety.errors import BastionError, Conflict, InvalidRequest, NotFound, ResourceLimit, Unavailable
 from bastion.sandbox._spawn import (
+    EGRESS_DIR,
+    EGRESS_SOCKET_NAME,
     IDENTITY_FILES,
     INSIDE_FILES,
     SandboxProcess,
     SandboxSpec,
     start_vmm,
 )
+from bastion.sandbox._vmegress import EgressPort
 from bastion.sandbox.backend import Backend, Process, RunOutcome, Sandbox
 from bastion.sandbox.cgroups import CgroupLayout, Limits, SandboxCgroup, Usage
 from bastion.sandbox.command_groups import Leftover
@@ -61,6 +66,7 @@ __all__ = [
     "console_tail",
     "missing_boot_files",
     "probe_microvm",
+    "recover_run_dirs",
     "vmm_argv",
 ]
 
@@ -78,6 +84,7 @@ _VMM_OVERHEAD_BYTES: Final = 192 << 20  # QEMU itself and TCG's translation cach
 _VMM_TASKS: Final = 64  # QEMU's own threads; the guest's processes are the guest kernel's business
 _CONSOLE_TAIL_BYTES: Final = 65_536
 _NOBODY: Final = 65534  # the probe's VMM, when bastion runs as root: no sandbox shares this uid
+_RUN_PREFIX: Final = "bastion-vm-"  # + the server's pid: recovery finds a crashed server's folders by it
 _group_ids = itertools.count(1)
 
 
@@ -102,6 +109,7 @@ def vmm_argv(settings: MicroVMSettings, run_dir: Path, workspace: str, tmp_bytes
     """
     accel = "kvm" if settings.accel == "kvm" else "tcg,tb-size=64"
     sock, workspace = _opt(str(run_dir / "agent.sock")), _opt(workspace)
+    egress = _opt(str(run_dir / "egress.sock"))
     return [
         QEMU,
         *("-M", "pc", "-accel", accel, "-m", str(settings.memory_mib), "-smp", str(settings.vcpus)),
@@ -112,6 +120,8 @@ def vmm_argv(settings: MicroVMSettings, run_dir: Path, workspace: str, tmp_bytes
         *("-device", "virtio-serial-pci"),
         *("-chardev", f"socket,id=agent,path={sock},server=on,wait=off"),
         *("-device", "virtserialport,chardev=agent,name=bastion.agent,nr=1"),
+        *("-chardev", f"socket,id=egress,path={egress},server=on,wait=off"),
+        *("-device", "virtserialport,chardev=egress,name=bastion.egress,nr=2"),
         *("-fsdev", "local,id=usr,path=/usr,security_model=none,readonly=on"),
         *("-device", "virtio-9p-pci,fsdev=usr,mount_tag=usr"),
         *("-fsdev", f"local,id=ws,path={workspace},security_model=none"),
@@ -140,11 +150,12 @@ def console_tail(path: Path, limit: int = _CONSOLE_TAIL_BYTES) -> str:
         return handle.read(limit).decode(errors="replace")
 
 
-def guest_program(pids: int | None) -> bytes:
+def guest_program(limits: Limits | None) -> bytes:
     """What the guest's /init runs: the relay, with the programs of inside/, the identity files and the
-    guest's task limit (None: none) in front."""
+    commands' task and memory limits in the guest (None: none) in front."""
     files = {**INSIDE_FILES, **IDENTITY_FILES}  # the agent and the code contexts' kernel and REPL
-    source = f"FILES = {files!r}\nPIDS = {pids!r}\n" + _RELAY.read_text(encoding="utf-8")
+    pids, memory = (limits.pids, limits.memory_bytes) if limits is not None else (None, None)
+    source = f"FILES = {files!r}\nPIDS = {pids!r}\nMEMORY = {memory!r}\n" + _RELAY.read_text(encoding="utf-8")
     data = source.encode()
     return len(data).to_bytes(8, "big") + data
 
@@ -306,6 +317,8 @@ class _Guest:
         self.run_dir = run_dir
         self.group = group
         self.sock: socket.socket | None = None
+        self.egress: EgressPort | None = None
+        self.egress_sock: socket.socket | None = None
         self.sending = asyncio.Lock()  # one frame at a time: concurrent sends must not interleave
         self.commands: dict[int, MicroVMProcess] = {}
         self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -313,13 +326,28 @@ class _Guest:
         self.task: asyncio.Task[None] | None = None
         self.ids = itertools.count(1)
         self.later: set[asyncio.Task[None]] = set()  # sends from sync callers (close_stdin)
+        # What its relay said before the last exit: /tmp and /dev/shm empty, OOM kills, shared memory.
+        self.scratch_empty = True
+        self.guest_ooms = 0
+        self.guest_shmem = 0
 
     @property
     def alive(self) -> bool:
         return not self.gone.is_set() and self.proc.poll() is None
 
-    async def connect(self, deadline: float, pids: int | None) -> None:
-        sock_path = os.path.join(self.run_dir, "agent.sock")
+    async def connect(self, deadline: float, limits: Limits | None, proxy: str | None) -> None:
+        """Connect to the VMM's agent and egress ports, send the guest its program, start reading."""
+        loop = asyncio.get_running_loop()
+        sock = self.sock = await self.open_port("agent.sock", deadline)
+        # QEMU opens its chardevs in argv order: the egress socket is there once the agent's is.
+        self.egress_sock = await self.open_port("egress.sock", deadline)
+        self.egress = EgressPort(self.egress_sock, proxy, self.run_dir.parent.name)
+        self.egress.start()
+        await loop.sock_sendall(sock, guest_program(limits))
+        self.task = loop.create_task(self.read_frames(sock))
+
+    async def open_port(self, name: str, deadline: float) -> socket.socket:
+        sock_path = os.path.join(self.run_dir, name)
         loop = asyncio.get_running_loop()
         while True:
             if self.proc.poll() is not None:
@@ -327,15 +355,12 @@ class _Guest:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
             try:
                 await loop.sock_connect(sock, sock_path)
-                break
+                return sock
             except (FileNotFoundError, ConnectionRefusedError):
                 sock.close()
                 if time.monotonic() > deadline:
-                    raise Unavailable("the VMM did not open its agent socket in time") from None
+                    raise Unavailable(f"the VMM did not open its {name} in time") from None
                 await asyncio.sleep(0.02)
-        self.sock = sock
-        await loop.sock_sendall(sock, guest_program(pids))
-        self.task = loop.create_task(self.read_frames(sock))
 
     async def read_frames(self, sock: socket.socket) -> None:
         """Read frames until the channel ends; a frame too large for the relay to have sent ends the VM."""
@@ -364,6 +389,9 @@ class _Guest:
         if kind == b"M":
             self.on_message(payload)
             return
+        if kind == b"S":
+            self.on_state(payload)
+            return
         command = self.commands.get(command_id)
         if command is None:
             return
@@ -372,6 +400,12 @@ class _Guest:
             stream.feed(payload)
         elif kind in (b"o", b"r"):
             stream.end()
+
+    def on_state(self, payload: bytes) -> None:
+        fields = payload.split()
+        if len(fields) == 3 and all(field.isdigit() and len(field) < 20 for field in fields):
+            self.scratch_empty = fields[0] == b"1"
+            self.guest_ooms, self.guest_shmem = int(fields[1]), int(fields[2])
 
     def on_message(self, payload: bytes) -> None:
         try:
@@ -414,11 +448,16 @@ class _Guest:
         except OSError as exc:
             raise Unavailable(f"the microVM's channel broke: {exc.strerror or exc}") from exc
 
-    def send_soon(self, kind: bytes, command_id: int) -> None:
+    def send_soon(self, kind: bytes, command_id: int, payload: bytes = b"") -> None:
+        """Send from a sync caller; a guest that ended meanwhile needs it no more."""
         if self.sock is not None and self.alive:
-            task = asyncio.get_running_loop().create_task(self.send(kind, command_id))
+            task = asyncio.get_running_loop().create_task(self.send_quietly(kind, command_id, payload))
             self.later.add(task)
             task.add_done_callback(self.later.discard)
+
+    async def send_quietly(self, kind: bytes, command_id: int, payload: bytes) -> None:
+        with contextlib.suppress(Unavailable):
+            await self.send(kind, command_id, payload)
 
     def forget(self, command_id: int) -> None:
         self.commands.pop(command_id, None)
@@ -433,7 +472,9 @@ class _Guest:
         return (lines[-1] if lines else "no reason given")[:300]
 
     def detach(self) -> None:
-        """Stop reading the channel (called in the loop's thread), so its socket can close under no reader."""
+        """Stop reading the channels (called in the loop's thread), so their sockets can close under no reader."""
+        if self.egress is not None:
+            self.egress.close()
         if self.task is None or self.task.done():
             return
         loop = self.task.get_loop()
@@ -450,8 +491,9 @@ class _Guest:
     def stop(self) -> None:
         """Kill the VMM and wait for it; remove its socket folder and its cgroup."""
         self.kill_vmm()
-        if self.sock is not None:
-            self.sock.close()
+        for sock in (self.sock, self.egress_sock):
+            if sock is not None:
+                sock.close()
         with contextlib.suppress(Exception):
             self.proc.wait(timeout=_KILL_WAIT_S)
         if self.proc.stderr is not None:
@@ -467,7 +509,7 @@ def _make_run_dir(identity: tuple[int, int] | None) -> Path:
     """The VMM's folder (its socket, its console log), owned by its uid inside a folder of root's: the
     VMM's uid may write in it but not rename it, so the paths root later reads, connects to and
     removes stay this folder (in /tmp, the owner of an entry may rename it and plant a link)."""
-    outer = Path(tempfile.mkdtemp(prefix="bastion-vm-"))
+    outer = Path(tempfile.mkdtemp(prefix=f"{_RUN_PREFIX}{os.getpid()}-"))
     outer.chmod(0o711)
     run_dir = outer / "vm"
     run_dir.mkdir(mode=0o700)
@@ -477,12 +519,59 @@ def _make_run_dir(identity: tuple[int, int] | None) -> Path:
 
 
 def _remove_run_dir(run_dir: Path) -> None:
-    for name in ("agent.sock", "console.log"):
+    for name in ("agent.sock", "egress.sock", "console.log"):
         with contextlib.suppress(FileNotFoundError):
             (run_dir / name).unlink()
     for folder in (run_dir, run_dir.parent):
         with contextlib.suppress(OSError):
             folder.rmdir()
+
+
+def _vm_ooms(vm: _Guest) -> int:
+    try:
+        host = vm.group.oom_kills() if vm.group is not None else 0
+    except (OSError, BastionError):  # its group is gone already
+        host = 0
+    return vm.guest_ooms + host
+
+
+def _mib(size: int) -> str:
+    return f"{size / 2**20:.0f} MiB"
+
+
+def recover_run_dirs(temp: Path | None = None) -> list[Path]:
+    """Remove the VMM folders (sockets, console logs) of servers no longer running, after killing any
+    VMM still using one (its parent-death signal ends it with the server; this is for when it did not).
+    A live server's folders, and anything not made by this account, are left alone. Returns those removed."""
+    removed = []
+    for outer in sorted((temp or Path(tempfile.gettempdir())).glob(f"{_RUN_PREFIX}*-*")):
+        owner = outer.name.removeprefix(_RUN_PREFIX).split("-")[0]
+        if not owner.isdigit() or os.path.exists(f"/proc/{owner}") or not _own_folder(outer):
+            continue
+        for pid in _users_of(outer / "vm"):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        _remove_run_dir(outer / "vm")
+        if not outer.exists():
+            removed.append(outer)
+    return removed
+
+
+def _own_folder(path: Path) -> bool:
+    st = os.lstat(path)
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
+
+
+def _users_of(run_dir: Path) -> list[int]:
+    """Processes whose command line names the folder's agent socket: a VMM left running."""
+    needle = os.fsencode(run_dir / "agent.sock")
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if needle in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+    return found
 
 
 class MicroVMSandbox:
@@ -500,6 +589,9 @@ class MicroVMSandbox:
         self._vm: _Guest | None = None
         self._paused = False
         self._closed = False
+        self._asleep = False  # stopped while idle; the next command boots it again
+        self._past_ooms = 0  # OOM kills of guests this sandbox had before the current one
+        self._stopping: set[asyncio.Task[None]] = set()  # slept guests' VMMs being reaped
         self._start_lock = asyncio.Lock()
 
     @property
@@ -512,7 +604,7 @@ class MicroVMSandbox:
 
     @property
     def asleep(self) -> bool:
-        return False
+        return self._asleep and self._vm is None
 
     @property
     def alive(self) -> bool:
@@ -528,6 +620,15 @@ class MicroVMSandbox:
                 return
             self.close()
             await self._boot()
+            self._asleep = False
+
+    def _proxy_path(self) -> str | None:
+        """The host's egress proxy socket of this sandbox: in the folder a namespace sandbox sees at
+        /run/bastion (the proxy listens there only while the sandbox has egress)."""
+        for source, dest in self.spec.read_only_binds:
+            if dest == EGRESS_DIR:
+                return os.path.join(source, EGRESS_SOCKET_NAME)
+        return None
 
     def _host_limits(self) -> Limits | None:
         """The VMM's cgroup: the guest's memory plus QEMU's own, QEMU's threads, and the CPU given."""
@@ -540,7 +641,8 @@ class MicroVMSandbox:
         limits = self._host_limits()
         if self._cgroups is None or limits is None:
             return None
-        return self._cgroups.create(f"bastion-vm-{os.getpid()}-{next(_group_ids)}", limits)
+        # "<kind>-<server pid>-<n>", as the namespace backend's: recovery finds a crashed server's by its pid.
+        return self._cgroups.create(f"vm-{os.getpid()}-{next(_group_ids)}", limits)
 
     def _start_vmm(self) -> _Guest:
         run_dir = _make_run_dir(self.spec.identity)
@@ -562,7 +664,7 @@ class MicroVMSandbox:
         vm = self._start_vmm()
         deadline = time.monotonic() + self.settings.boot_timeout_s
         try:
-            await vm.connect(deadline, self._limits.pids if self._limits is not None else None)
+            await vm.connect(deadline, self._limits, self._proxy_path())
             async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
                 await vm.ready
         except TimeoutError:
@@ -622,6 +724,7 @@ class MicroVMSandbox:
         sinks = on_output or (None, None)
         out = _Stream(max_output_bytes, newest=False, sink=sinks[0])
         err = _Stream(max_output_bytes, newest=False, sink=sinks[1])
+        ooms_before = self.oom_kills()
         command = await self._launch(vm, executable, argv, cwd, env, out, err, stdin=False)
         timed_out = cancelled = False
         try:
@@ -638,7 +741,10 @@ class MicroVMSandbox:
             if timed_out:
                 await self._kill_command(vm, command)
             vm.forget(command.command_id)
-        return self._outcome(vm, command, timed_out=timed_out, cancelled=cancelled)
+        outcome = self._outcome(vm, command, timed_out=timed_out, cancelled=cancelled)
+        if self.oom_kills() > ooms_before:  # the guest's kernel killed in the commands' group
+            return dataclasses.replace(outcome, oom_killed=True, memory_note=self.memory_note())
+        return outcome
 
     def _outcome(self, vm: _Guest, command: MicroVMProcess, *, timed_out: bool, cancelled: bool) -> RunOutcome:
         if command.status is None and not timed_out:
@@ -746,21 +852,52 @@ class MicroVMSandbox:
             self._vm.group.set_limits(host)
         if self._vm is not None and self._vm.alive and limits.pids is not None:
             self._vm.send_soon(b"P", limits.pids)  # the guest's own task limit, live
+        if self._vm is not None and self._vm.alive and limits.memory_bytes is not None:
+            self._vm.send_soon(b"L", 0, str(limits.memory_bytes).encode())  # and its memory limit
 
     def oom_kills(self) -> int:
-        return self._vm.group.oom_kills() if self._vm is not None and self._vm.group is not None else 0
+        """OOM kills in the guest's commands' group and of the whole VMM, since the sandbox was made."""
+        return self._past_ooms + (_vm_ooms(self._vm) if self._vm is not None else 0)
+
+    def _retire(self, vm: _Guest) -> None:
+        """Keep a guest's OOM kills past its end (sleep or close)."""
+        self._past_ooms += _vm_ooms(vm)
 
     def memory_note(self) -> str:
-        return f"the guest has {self.settings.memory_mib} MiB"
+        """How much of the commands' memory files in the guest's /tmp and /dev/shm hold, as the namespace
+        backend says it (the guest's own count, as its relay gave it at the last exit)."""
+        limit = self._limits.memory_bytes if self._limits is not None else None
+        if self._vm is None or limit is None:
+            return f"the guest has {self.settings.memory_mib} MiB"
+        return (
+            f"files in /tmp and /dev/shm and shared memory held {_mib(self._vm.guest_shmem)} of its {_mib(limit)} limit"
+        )
 
     def sleep(self) -> bool:
-        """Never: the guest's private /tmp cannot be checked empty from the host in this slice."""
-        return False
+        """Stop an idle guest that holds nothing but files: no command running (what a command starts
+        ends with it) and its /tmp and /dev/shm empty (its relay says so before each exit). Its VMM,
+        memory and cgroup go; the workspace is the host's folder. The next command boots it again."""
+        vm = self._vm
+        if vm is None or not self.alive or self._paused or not vm.scratch_empty:
+            return False
+        if any(not command.exited for command in vm.commands.values()):
+            return False
+        self._vm = None
+        self._retire(vm)
+        vm.detach()
+        vm.kill_vmm()
+        self._asleep = True
+        # The reaper calls this on the event loop: waiting for the VMM's exit and its cgroup runs in a thread.
+        task = asyncio.get_running_loop().create_task(asyncio.to_thread(vm.stop))
+        self._stopping.add(task)
+        task.add_done_callback(self._stopping.discard)
+        return True
 
     def close(self) -> None:
         vm, self._vm = self._vm, None
         self._paused = False
         if vm is not None:
+            self._retire(vm)
             if vm.group is not None:
                 vm.group.thaw()
             vm.detach()
@@ -771,12 +908,14 @@ class MicroVMSandbox:
         vm, self._vm = self._vm, None
         self._paused = False
         if vm is not None:
+            self._retire(vm)
             if vm.group is not None:
                 vm.group.thaw()
             vm.detach()
             await asyncio.to_thread(vm.stop)
             if vm.task is not None:
                 await asyncio.gather(vm.task, return_exceptions=True)
+        await asyncio.gather(*self._stopping, return_exceptions=True)  # a slept guest's VMM, being reaped
 
 
 class _EndsPipe(asyncio.Event):

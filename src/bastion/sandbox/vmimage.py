@@ -56,6 +56,7 @@ p9=trans=virtio,version=9p2000.L,msize=262144
 tmp=$(/busybox sed -n 's/.*bastion.tmp=\\([0-9]*\\).*/\\1/p' /proc/cmdline)
 /busybox mount -t tmpfs -o nosuid,nodev,size=$tmp tmpfs /tmp
 /busybox mount -t tmpfs -o nosuid,nodev,noexec,size=1m tmpfs /run
+/busybox ip link set lo up  # the only interface: the forwarder listens on 127.0.0.1:3128
 /busybox mkdir -p /dev/shm && /busybox mount -t tmpfs -o nosuid,nodev,size=16m tmpfs /dev/shm
 /busybox chmod 1777 /tmp /dev/shm
 /usr/bin/python3 -I -S -c '

@@ -56,7 +56,7 @@ from bastion.sandbox import DeviceFolder, SandboxSpec, backend
 from bastion.sandbox._disk import drop_disk, make_disk, mount_disk, mount_tmpfs, used_bytes
 from bastion.sandbox.cgroups import CgroupLayout, Limits
 from bastion.sandbox.identity import HostIdentity, IdentityPool
-from bastion.sandbox.microvm import MicroVMBackend, MicroVMSettings, probe_microvm
+from bastion.sandbox.microvm import MicroVMBackend, MicroVMSettings, probe_microvm, recover_run_dirs
 from bastion.sandbox.warm import BubblewrapBackend
 from bastion.snapshot.store import (
     SnapshotInfo,
@@ -206,12 +206,14 @@ class SandboxManager:
         self._cgroups = cgroups
         self._boxes: dict[str, Sandbox] = {}
         self._pool: list[_Prepared] = []
+        self._vm_pools: dict[str, list[_Prepared]] = {}  # booted guests by microvm template name
         self._starting: dict[str, _Prepared] = {}  # so close_all can end one mid-start
         # mkfs, mount, unmount and deleting run here, off the event loop; close_all waits for them,
         # so a server stopping mid-call never leaves a mount behind.
         self._workers = _folder_workers()
         self._building: dict[str, Path] = {}  # sandboxes whose folders a worker is making, until _prepare resumes
         self._refill: asyncio.Task[None] | None = None
+        self._vm_refill: asyncio.Task[None] | None = None
         self._pool_failed = False
         """The last refill of the warm pool failed (a readiness check reads it)."""
         self._pool_filled_once = False
@@ -283,8 +285,8 @@ class SandboxManager:
             and narrowed.disk_bytes == self._config.limits.disk_bytes
             and chosen.isolation == self._default_template.isolation == "namespaces"
         )
-        prepared = (
-            self._pool.pop() if self._pool and standard else await self._prepare(binds, narrowed.disk_bytes, chosen)
+        prepared = self._pooled(chosen, narrowed.disk_bytes, standard) or await self._prepare(
+            binds, narrowed.disk_bytes, chosen
         )
         files_owner = _owner(prepared.identity)
         network = SandboxNetwork(prepared.id, self._socket_dir(prepared.id), self._egress, rules, files_owner)
@@ -326,6 +328,16 @@ class SandboxManager:
         self._boxes[box.id] = box
         self.refill_pool()
         return box
+
+    def _pooled(self, template: TemplateConfig, disk_bytes: int | None, standard: bool) -> _Prepared | None:
+        """A started sandbox from a warm pool: the namespace one for the default template, a microvm
+        template's own (booted with its size and the ceiling's disk) for that template."""
+        if standard and self._pool:
+            return self._pool.pop()
+        booted = self._vm_pools.get(template.name)
+        if template.isolation == "microvm" and booted and disk_bytes == self._config.limits.disk_bytes:
+            return booted.pop()
+        return None
 
     def _network_rules(self, template: TemplateConfig, requested: Sequence[str] | None) -> tuple[AllowRule, ...]:
         """The template's allowlist, or the requested one, which must lie within the administrator's ceiling."""
@@ -509,11 +521,19 @@ class SandboxManager:
             os.chown(workspace, identity.uid, identity.gid, follow_symlinks=False)
 
     def refill_pool(self) -> None:
-        """Start, in the background, the sandboxes the warm pool is missing."""
-        if not self._config.enabled or self._config.warm_pool == 0:
+        """Start, in the background, the sandboxes the warm pools are missing."""
+        if not self._config.enabled or self._config.warm_pool + self._config.microvm.warm_pool == 0:
             return
-        if self._refill is None or self._refill.done():
-            self._refill = asyncio.get_running_loop().create_task(self._fill())
+        loop = asyncio.get_running_loop()
+        if self._config.warm_pool and (self._refill is None or self._refill.done()):
+            self._refill = loop.create_task(self._fill())
+        # Apart: a guest boots for seconds, and the namespace pool must not wait behind it.
+        if self._config.microvm.warm_pool and (self._vm_refill is None or self._vm_refill.done()):
+            self._vm_refill = loop.create_task(self._fill_vms())
+
+    def _vm_templates(self) -> list[TemplateConfig]:
+        templates = {self._default_template.name: self._default_template, **self._templates}
+        return [template for template in templates.values() if template.isolation == "microvm"]
 
     async def _fill(self) -> None:
         try:
@@ -526,10 +546,26 @@ class SandboxManager:
             self._pool_failed = False
             self._pool_filled_once = True
 
+    async def _fill_vms(self) -> None:
+        try:
+            for template in self._vm_templates():
+                booted = self._vm_pools.setdefault(template.name, [])
+                while len(booted) < self._config.microvm.warm_pool:
+                    booted.append(await self._prepare(_binds(template), None, template))
+        except BastionError as exc:
+            logger.warning("microVM warm pool not refilled: %s", exc.reason)
+
     @property
     def pool_size(self) -> int:
-        """Started sandboxes waiting in the warm pool."""
-        return len(self._pool)
+        """Started sandboxes waiting in the warm pools."""
+        return len(self._pool) + sum(map(len, self._vm_pools.values()))
+
+    def booted_waiting(self, template: str) -> int:
+        """Booted guests waiting in a microvm template's warm pool."""
+        return len(self._vm_pools.get(template, ()))
+
+    def _pooled_all(self) -> list[_Prepared]:
+        return [*self._pool, *(prepared for booted in self._vm_pools.values() for prepared in booted)]
 
     def pool_ready(self) -> bool:
         """Whether the warm pool is full, or was filled since the start and its last refill worked.
@@ -545,7 +581,8 @@ class SandboxManager:
         """Live sandboxes by (state, isolation backend)."""
         counts: dict[tuple[str, str], int] = {}
         for box in list(self._boxes.values()):
-            key = (_state(box.workspace.sandbox), BubblewrapBackend.name)
+            backend_name = MicroVMBackend.name if box.isolation == "microvm" else BubblewrapBackend.name
+            key = (_state(box.workspace.sandbox), backend_name)
             counts[key] = counts.get(key, 0) + 1
         return counts
 
@@ -633,7 +670,7 @@ class SandboxManager:
                 warm.pause()
             archived = self._archiving[box.id] = anyio.Event()
             try:
-                metadata = {"sandbox_id": box.id, "owner": box.owner, "name": box.name or ""}
+                metadata = {"sandbox_id": box.id, "owner": box.owner, "name": box.name or "", "template": box.template}
                 return await anyio.to_thread.run_sync(
                     functools.partial(
                         create_snapshot,
@@ -652,8 +689,9 @@ class SandboxManager:
                     warm.resume()
 
     async def restore(self, snapshot_id: str, *, owner: str) -> tuple[Sandbox, SnapshotInfo]:
-        """A new sandbox whose workspace is the snapshot's, byte for byte."""
-        box = await self.create(owner=owner)
+        """A new sandbox whose workspace is the snapshot's, byte for byte, of the source's template
+        (a microVM's snapshot comes back as a microVM) while that template exists, else the default."""
+        box = await self.create(owner=owner, template=await self._template_of(snapshot_id))
         try:
             info = await anyio.to_thread.run_sync(
                 functools.partial(
@@ -672,6 +710,11 @@ class SandboxManager:
             await self.close(box.id)
             raise
         return box, info
+
+    async def _template_of(self, snapshot_id: str) -> str | None:
+        found = await anyio.to_thread.run_sync(list_snapshots, self._snapshots, limiter=self._snapshot_threads)
+        name = next((info.metadata.get("template") for info in found if info.id == snapshot_id), None)
+        return name if name in self._templates else None
 
     def snapshots(self) -> list[SnapshotInfo]:
         return list_snapshots(self._snapshots)
@@ -717,7 +760,8 @@ class SandboxManager:
         snapshots and an interrupted snapshot's files go first; a workspace whose snapshot would
         eat the state reserve is kept as it is, for the next start.
 
-        Processes need no cleaning: bwrap's --die-with-parent ended them with the server.
+        Processes need no cleaning: bwrap's --die-with-parent ended them with the server, and a
+        VMM's parent-death signal; a VMM that outlived it anyway is killed with its folder.
         Returns the snapshot ids made.
         """
         if self._cgroups is not None:
@@ -725,6 +769,8 @@ class SandboxManager:
                 owner_pid = name.split("-")[1] if name.count("-") == 2 else ""
                 if owner_pid.isdigit() and not os.path.exists(f"/proc/{owner_pid}"):
                     self._cgroups.open(name).destroy()
+        for folder in recover_run_dirs():
+            logger.info("a crashed server's microVM folder %s removed", folder)
         made = []
         self._remove_stale_sockets()
         remove_leftovers(self._snapshots)
@@ -761,7 +807,7 @@ class SandboxManager:
 
     def _remove_stale_sockets(self) -> None:
         """The socket folders of sandboxes this server does not run (a crashed server's)."""
-        live = {*self._boxes, *(prepared.id for prepared in self._pool), *self._starting}
+        live = {*self._boxes, *(prepared.id for prepared in self._pooled_all()), *self._starting}
         net_dir = self._dir / NET_DIR_NAME
         if net_dir != self._net_dir and os.path.ismount(net_dir):
             drop_disk(net_dir)  # a crashed server's tmpfs, and every socket in it
@@ -845,8 +891,9 @@ class SandboxManager:
 
     def close_all(self) -> None:
         """Close everything, waiting here: the server is ending (its event loop has stopped), or a probe is done."""
-        if self._refill is not None:
-            self._refill.cancel()
+        for refill in (self._refill, self._vm_refill):
+            if refill is not None:
+                refill.cancel()
         # Folder work under way (a sandbox being made or closed) ends first; then what a stopped
         # loop will never hand back to _prepare is removed here.
         self._workers.shutdown(wait=True)
@@ -859,10 +906,11 @@ class SandboxManager:
             box.network.close(stop_proxy=False)  # the egress service then stops every proxy at once
             box.workspace.close()
             self._discard_prepared(box.id, box.root)
-        for prepared in [*self._pool, *self._starting.values()]:
+        for prepared in [*self._pooled_all(), *self._starting.values()]:
             prepared.warm.close()
             self._discard_prepared(prepared.id, prepared.root)
         self._pool.clear()
+        self._vm_pools.clear()
         self._starting.clear()
         if self._net_dir is not None:
             if self._config.disk_quota and self._net_dir == self._dir / NET_DIR_NAME:

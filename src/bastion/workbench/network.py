@@ -20,14 +20,14 @@ from typing import Final
 from bastion.config import AllowRule
 from bastion.egress.proxy import EgressService
 from bastion.safety.errors import Unavailable
-from bastion.sandbox import FORWARDER_PATH, sandbox_python
+from bastion.sandbox import EGRESS_DIR, EGRESS_SOCKET_NAME, FORWARDER_PATH, sandbox_python
 from bastion.sandbox.backend import Process
 from bastion.workbench.workspace import HostWorkspace
 
 logger = logging.getLogger("bastion.network")
 
-INSIDE_DIR: Final = "/run/bastion"
-SOCKET_NAME: Final = "egress.sock"
+INSIDE_DIR: Final = EGRESS_DIR
+SOCKET_NAME: Final = EGRESS_SOCKET_NAME
 PROXY_PORT: Final = 3128
 PROXY_URL: Final = f"http://127.0.0.1:{PROXY_PORT}"
 READY_TIMEOUT_S: Final = 10.0

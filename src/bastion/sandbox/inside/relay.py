@@ -15,7 +15,9 @@ refused (the host never asks for them in this slice).
 
 Frame: 4-byte big-endian length of the rest, one kind byte, 4-byte command id, payload.
   host -> guest  M (an agent message, marshal), I (stdin bytes), E (close stdin)
-  guest -> host  M (an agent event, JSON), O / R (stdout / stderr bytes), o / r (that stream ended)
+  guest -> host  M (an agent event, JSON), O / R (stdout / stderr bytes), o / r (that stream ended),
+                 S (before each exit event: `state()`, the guest's scratch, OOM kills and shared memory)
+  host -> guest  P (id: the commands' task limit), L (payload: their memory limit in bytes)
 """
 
 import ctypes
@@ -33,10 +35,14 @@ if TYPE_CHECKING:
     PORT: int = 0  # given by /init
     FILES: "dict[str, str]" = {}  # given by the host, in front of this source
     PIDS: "int | None" = None  # the guest's task limit, likewise
+    MEMORY: "int | None" = None  # the commands' memory limit in bytes, likewise
 
 HEADER = struct.Struct(">IcI")
 READ_BYTES = 65536
 AGENT = "/opt/bastion/agent.py"
+EGRESS = "/opt/bastion/egress_port.py"
+EGRESS_PORT = "/dev/vport0p2"  # the second port of the virtio-serial device (nr=2 in the VMM's argv)
+EGRESS_SOCKET = "/run/bastion/egress.sock"  # where the forwarder connects, as in a namespace sandbox
 GROUP = "/sys/fs/cgroup/sandbox"  # the guest's own cgroup v2 group: the agent, its commands and the relay
 PR_SET_DUMPABLE = 4
 
@@ -78,7 +84,9 @@ class Relay:
             self.pending[command_id] = self.pending.get(command_id, b"") + payload
             self.flush_stdin(command_id)
         elif kind == b"P":
-            set_pids(command_id)
+            change_limit("pids.max", command_id)
+        elif kind == b"L" and payload.isdigit():
+            change_limit("memory.max", int(payload))
         elif kind == b"E" and command_id in self.stdin:
             self.closing.add(command_id)
             self.flush_stdin(command_id)
@@ -141,6 +149,8 @@ class Relay:
             os.close(fd)
         if not data:
             sys.exit(0)
+        if data.startswith(b'{"event":"exit"'):
+            self.send(b"S", 0, state())  # before the exit: the host sleeps and reports OOM kills on it
         self.send(b"M", 0, data)
 
     def on_output(self, fd: int, kind: bytes, command_id: int) -> None:
@@ -167,19 +177,62 @@ class Relay:
                     self.on_output(key.fd, key.data[0], key.data[1])
 
 
-def set_pids(limit: int) -> None:
-    with open(GROUP + "/pids.max", "w") as out:
-        out.write(str(limit))
+def scratch_empty() -> bool:
+    """Whether the guest's /tmp and /dev/shm hold nothing (a sleeping guest loses them)."""
+    for folder in ("/tmp", "/dev/shm"):  # noqa: S108 - the guest's own tmpfs
+        with os.scandir(folder) as entries:
+            for _ in entries:
+                return False
+    return True
 
 
-def enter_group(pids: "int | None") -> None:
-    """Move the relay (and so the agent and every command it starts) into a group with the task limit."""
-    if pids is None:
+def state() -> bytes:
+    """b"<1 if /tmp and /dev/shm are empty> <OOM kills in the commands' group> <its shared memory bytes>"."""
+    return b"%d %d %d" % (
+        scratch_empty(),
+        group_count("memory.events", "oom_kill"),
+        group_count("memory.stat", "shmem"),
+    )
+
+
+def group_count(name: str, key: str) -> int:
+    try:
+        with open(GROUP + "/" + name) as found:
+            for line in found:
+                field, _, value = line.partition(" ")
+                if field == key:
+                    return int(value)
+    except OSError:  # no limits: no group
+        pass
+    return 0
+
+
+def set_limit(name: str, value: int) -> None:
+    with open(GROUP + "/" + name, "w") as out:
+        out.write(str(value))
+
+
+def change_limit(name: str, value: int) -> None:
+    """A limit changed live; a guest booted without limits has no group to change (the host's cgroup
+    around the VMM still holds)."""
+    try:  # noqa: SIM105 - contextlib would cost import time at every start
+        set_limit(name, value)
+    except OSError:
+        pass
+
+
+def enter_group(pids: "int | None", memory: "int | None") -> None:
+    """Move the relay (and so the agent and every command it starts) into a group with the limits:
+    the guest's own kernel kills a command past its memory, as the host's would in a namespace sandbox."""
+    if pids is None and memory is None:
         return
     os.mkdir(GROUP)
     with open("/sys/fs/cgroup/cgroup.subtree_control", "w") as out:
-        out.write("+pids")
-    set_pids(pids)
+        out.write("+pids +memory")
+    if pids is not None:
+        set_limit("pids.max", pids)
+    if memory is not None:
+        set_limit("memory.max", memory)
     with open(GROUP + "/cgroup.procs", "w") as out:
         out.write("0")
 
@@ -191,16 +244,36 @@ def write_files(files: "dict[str, str]") -> None:
             out.write(text)
 
 
+def start_egress(uid: int, gid: int) -> None:
+    """Start the guest's end of egress (inside/egress_port.py), as root, outside the commands' group:
+    the socket listens before the agent starts, so no command finds it missing."""
+    os.makedirs(os.path.dirname(EGRESS_SOCKET), mode=0o755, exist_ok=True)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(EGRESS_SOCKET)
+    os.chown(EGRESS_SOCKET, uid, gid)  # the commands' uid connects (its mode is 0777 less the umask)
+    listener.listen(64)
+    port = os.open(EGRESS_PORT, os.O_RDWR)
+    fds = (port, listener.fileno())
+    for fd in fds:
+        os.set_inheritable(fd, True)
+    try:
+        os.posix_spawn(sys.executable, [sys.executable, "-I", "-S", EGRESS, *map(str, fds)], {})
+    finally:
+        os.close(port)
+        listener.close()
+
+
 def main(port: int, files: "dict[str, str]") -> None:
     # Commands are root of the guest without capabilities: as the relay's uid they could ptrace it or
     # write its /proc/N/mem, unless it is not dumpable (then both need CAP_SYS_PTRACE).
     if ctypes.CDLL(None).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
         sys.exit("bastion-relay: cannot make itself undumpable")
     write_files(files)
-    enter_group(PIDS)
     # Commands run as the workspace's owner (the sandbox's host uid, through 9p): the agent keeps root's
     # effective ids for its namespaces and starts each command with these real ones (resetids).
     owner = os.stat("/workspace")
+    start_egress(owner.st_uid, owner.st_gid)
+    enter_group(PIDS, MEMORY)
     os.setresgid(owner.st_gid, 0, 0)
     os.setresuid(owner.st_uid, 0, 0)
     here, there = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)

@@ -1,0 +1,219 @@
+"""The host's end of a microVM's egress port: each stream the guest opens, a connection to its proxy. SECURITY BOUNDARY.
+
+A microVM has no network device. Its forwarder (inside/forwarder.py, on 127.0.0.1:3128 as in a
+namespace sandbox) connects to a unix socket of the guest, which inside/egress_port.py carries
+as numbered streams over a second virtio-serial port (a unix socket of the VMM on the host).
+Here each stream becomes one connection to the sandbox's egress proxy socket, the same one a
+namespace sandbox reaches at /run/bastion: the same allowlist, the same audit of every attempt,
+the same blocked ranges, decided by `bastion.egress.proxy`. The guest names no destination here.
+
+The guest is hostile: a frame larger than it may send ends the port; a stream that sends past
+its window, credits what it was never sent, sends a kind it may not, opens past the cap or reuses
+a live id is ended (X); frames for ids it does not have open are ignored.
+Frames and flow control are described in inside/egress_port.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import struct
+from typing import Final
+
+__all__ = ["EgressPort"]
+
+logger = logging.getLogger(__name__)
+
+_HEADER: Final = struct.Struct(">IcI")
+WINDOW: Final = 131072  # as inside/egress_port.py's
+CHUNK: Final = 65536
+MAX_STREAMS: Final = 128
+_MAX_FRAME: Final = 5 + CHUNK
+_READ_BYTES: Final = 65536
+
+
+class _Stream:
+    def __init__(self) -> None:
+        self.upstream: socket.socket | None = None
+        self.pending = bytearray()  # from the guest, not yet taken by the proxy
+        self.guest_eof = False
+        self.credit = WINDOW  # bytes the guest will still take
+        self.allowance = WINDOW  # bytes the guest may still send: the window less what is not credited back
+        self.wake = asyncio.Event()  # more pending, or the guest's EOF
+        self.credited = asyncio.Event()
+        self.tasks: list[asyncio.Task[None]] = []
+
+
+def _current_task() -> asyncio.Task[object] | None:
+    try:
+        return asyncio.current_task()
+    except RuntimeError:  # closed from outside any loop (a sync close at the end)
+        return None
+
+
+class EgressPort:
+    """Carries one guest's egress streams to `proxy_path` (None: the sandbox has no egress; every
+    stream is refused), over `sock`, the VMM's egress chardev, until it ends or `close`."""
+
+    def __init__(self, sock: socket.socket, proxy_path: str | None, name: str) -> None:
+        self._sock = sock
+        self._proxy = proxy_path
+        self._name = name
+        self._streams: dict[int, _Stream] = {}
+        self._sending = asyncio.Lock()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._read())
+
+    async def _read(self) -> None:
+        loop = asyncio.get_running_loop()
+        inbox = bytearray()
+        try:
+            while data := await loop.sock_recv(self._sock, _READ_BYTES):
+                inbox += data
+                while len(inbox) >= 4:
+                    size = int.from_bytes(inbox[:4], "big")
+                    if not 5 <= size <= _MAX_FRAME:
+                        logger.warning("microVM %s sent an egress frame of %d bytes: egress ended", self._name, size)
+                        with contextlib.suppress(OSError):
+                            self._sock.shutdown(socket.SHUT_RDWR)
+                        return
+                    if len(inbox) < 4 + size:
+                        break
+                    _, kind, stream_id = _HEADER.unpack_from(inbox)
+                    payload = bytes(inbox[_HEADER.size : 4 + size])
+                    del inbox[: 4 + size]
+                    await self._on_frame(kind, stream_id, payload)
+        except OSError:
+            return
+        finally:
+            self._end_streams()
+
+    async def _on_frame(self, kind: bytes, stream_id: int, payload: bytes) -> None:
+        if kind == b"C":
+            await self._open(stream_id)
+            return
+        stream = self._streams.get(stream_id)
+        if stream is None:
+            return
+        if kind == b"D" and len(payload) <= stream.allowance and not stream.guest_eof:
+            stream.allowance -= len(payload)
+            stream.pending += payload
+        elif kind == b"K" and len(payload) == 4 and stream.credit + int.from_bytes(payload, "big") <= WINDOW:
+            stream.credit += int.from_bytes(payload, "big")
+            stream.credited.set()
+            return
+        elif kind == b"F":
+            stream.guest_eof = True
+        elif kind == b"X":
+            self._drop(stream_id)
+            return
+        else:  # past its window, a credit never owed, a malformed frame: the guest broke the protocol
+            await self._refuse(stream_id)
+            return
+        stream.wake.set()
+
+    async def _open(self, stream_id: int) -> None:
+        if self._proxy is None or stream_id in self._streams or len(self._streams) >= MAX_STREAMS:
+            await self._refuse(stream_id)
+            return
+        stream = self._streams[stream_id] = _Stream()
+        loop = asyncio.get_running_loop()
+        stream.tasks.append(loop.create_task(self._carry(stream_id, stream, self._proxy)))
+
+    async def _refuse(self, stream_id: int) -> None:
+        self._drop(stream_id)
+        with contextlib.suppress(OSError):
+            await self._send(b"X", stream_id)
+
+    async def _carry(self, stream_id: int, stream: _Stream, proxy: str) -> None:
+        loop = asyncio.get_running_loop()
+        upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
+        stream.upstream = upstream
+        try:
+            await loop.sock_connect(upstream, proxy)
+            down = loop.create_task(self._downward(stream_id, stream, upstream))
+            stream.tasks.append(down)
+            await self._upward(stream_id, stream, upstream)
+            await down
+        except OSError:
+            if self._streams.get(stream_id) is stream:
+                await self._refuse(stream_id)
+            return
+        if self._streams.get(stream_id) is stream:
+            self._drop(stream_id)
+
+    async def _upward(self, stream_id: int, stream: _Stream, upstream: socket.socket) -> None:
+        """Guest -> proxy: give the proxy what the guest sent, crediting the guest as it goes."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await stream.wake.wait()
+            stream.wake.clear()
+            taken = 0
+            while stream.pending:
+                chunk = bytes(stream.pending[:CHUNK])
+                await loop.sock_sendall(upstream, chunk)
+                del stream.pending[: len(chunk)]
+                taken += len(chunk)
+            if taken:
+                stream.allowance += taken
+                await self._send(b"K", stream_id, taken.to_bytes(4, "big"))
+            if stream.guest_eof and not stream.pending:
+                upstream.shutdown(socket.SHUT_WR)
+                return
+
+    async def _downward(self, stream_id: int, stream: _Stream, upstream: socket.socket) -> None:
+        """Proxy -> guest: at most the credit the guest has given, then its EOF."""
+        loop = asyncio.get_running_loop()
+        while True:
+            while stream.credit <= 0:
+                stream.credited.clear()
+                await stream.credited.wait()
+            data = await loop.sock_recv(upstream, min(CHUNK, stream.credit))
+            if not data:
+                await self._send(b"F", stream_id)
+                return
+            stream.credit -= len(data)
+            await self._send(b"D", stream_id, data)
+
+    async def _send(self, kind: bytes, stream_id: int, payload: bytes = b"") -> None:
+        frame = _HEADER.pack(len(payload) + 5, kind, stream_id) + payload
+        async with self._sending:
+            await asyncio.get_running_loop().sock_sendall(self._sock, frame)
+
+    def _drop(self, stream_id: int) -> None:
+        stream = self._streams.pop(stream_id, None)
+        if stream is None:
+            return
+        for task in stream.tasks:
+            if not task.done() and task is not _current_task():
+                loop = task.get_loop()
+                if stream.upstream is not None and not loop.is_closed():
+                    loop.remove_reader(stream.upstream.fileno())
+                    loop.remove_writer(stream.upstream.fileno())
+                task.cancel()
+        if stream.upstream is not None:
+            stream.upstream.close()
+
+    def _end_streams(self) -> None:
+        for stream_id in list(self._streams):
+            self._drop(stream_id)
+
+    @property
+    def streams(self) -> int:
+        """Streams open now."""
+        return len(self._streams)
+
+    def close(self) -> None:
+        """End every stream and stop reading (in the loop's thread, if it still runs), so the caller
+        can close the socket under no reader."""
+        if self._task is not None and not self._task.done():
+            loop = self._task.get_loop()
+            if not loop.is_closed():
+                loop.remove_reader(self._sock.fileno())
+                loop.remove_writer(self._sock.fileno())
+            self._task.cancel()
+        self._end_streams()

@@ -1,0 +1,196 @@
+"""A microVM's egress path without the VM: the guest's end (inside/egress_port.py, a real subprocess),
+a socket pair standing for the virtio-serial port, the host's end (`_vmegress.EgressPort`), the real
+proxy. The forwarder (inside/forwarder.py) listens on a loopback port as it does in a guest.
+
+Then the host's end against a hostile guest: frames it may not send, streams past their window or cap.
+The same path through a booted guest is in test_backend_conformance.py (`microvm`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import socket
+import struct
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from bastion.sandbox._vmegress import MAX_STREAMS, WINDOW, EgressPort
+from bastion.sandbox.inside import egress_port, forwarder
+from tests.sandbox.egress_helpers import BIG, EgressSetup, egress_setup
+
+pytestmark = pytest.mark.anyio
+
+HEADER = struct.Struct(">IcI")
+
+
+def frame(kind: bytes, stream_id: int, payload: bytes = b"") -> bytes:
+    return HEADER.pack(len(payload) + 5, kind, stream_id) + payload
+
+
+@pytest.fixture
+def setup(tmp_path: Path) -> Iterator[EgressSetup]:
+    with egress_setup(tmp_path) as made:
+        yield made
+
+
+def start(argv: list[str], pass_fds: tuple[int, ...] = ()) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-I", "-S", *argv], pass_fds=pass_fds, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.kill()
+    proc.wait()
+    for stream in (proc.stdout, proc.stderr):
+        if stream is not None:
+            stream.close()
+
+
+@pytest.fixture
+async def proxy_port(tmp_path: Path, setup: EgressSetup) -> AsyncIterator[int]:
+    """The guest's proxy port (the forwarder's), carried to `setup`'s proxy over a socket pair."""
+    guest_end, host_end = socket.socketpair()
+    host_end.setblocking(False)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(tmp_path / "guest.sock"))
+    listener.listen(64)
+    mux = start(
+        [egress_port.__file__, str(guest_end.fileno()), str(listener.fileno())], (guest_end.fileno(), listener.fileno())
+    )
+    guest_end.close()
+    listener.close()
+    relay = start([forwarder.__file__, "0", str(tmp_path / "guest.sock")])
+    assert relay.stdout is not None
+    line = await asyncio.to_thread(relay.stdout.readline)
+    assert line.startswith(b"ready "), line
+    port = EgressPort(host_end, str(setup.socket_dir / "egress.sock"), "test")
+    port.start()
+    yield int(line.split()[1])
+    port.close()
+    host_end.close()
+    stop(relay)
+    stop(mux)
+
+
+def fetch(proxy_port: int, url: str) -> tuple[int, bytes]:
+    handler = urllib.request.ProxyHandler({"http": f"http://127.0.0.1:{proxy_port}"})
+    try:
+        with urllib.request.build_opener(handler).open(url, timeout=30) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        with exc:
+            return exc.code, exc.read()
+
+
+async def test_allowed_refused_and_blocked_destinations_are_decided_and_audited_by_the_proxy(
+    setup: EgressSetup, proxy_port: int
+) -> None:
+    web = setup.port
+    assert await asyncio.to_thread(fetch, proxy_port, f"http://allowed.test:{web}/") == (200, b"hello from the host")
+    assert (await asyncio.to_thread(fetch, proxy_port, f"http://denied.test:{web}/"))[0] == 403
+    assert (await asyncio.to_thread(fetch, proxy_port, "http://meta.test/latest/"))[0] == 403  # a blocked range
+    assert setup.web.paths == ["/"]
+    records = await asyncio.to_thread(setup.records, 3)
+    assert records == [("allowed.test", web, "allow"), ("denied.test", web, "deny"), ("meta.test", 80, "deny")]
+
+
+async def test_a_download_of_many_windows_arrives_whole_beside_other_streams(
+    setup: EgressSetup, proxy_port: int
+) -> None:
+    """Flow control: 4 MiB is 32 windows; a small request at the same time is not held up behind it."""
+    url = f"http://allowed.test:{setup.port}"
+    big, small = await asyncio.gather(
+        asyncio.to_thread(fetch, proxy_port, f"{url}/big"), asyncio.to_thread(fetch, proxy_port, f"{url}/")
+    )
+    assert big[0] == 200
+    assert hashlib.sha256(big[1]).digest() == hashlib.sha256(BIG).digest()
+    assert small == (200, b"hello from the host")
+
+
+class HostileGuest:
+    """The test plays the guest: raw frames on the host end's socket pair."""
+
+    def __init__(self, proxy: str | None) -> None:
+        self.sock, host_end = socket.socketpair()
+        host_end.setblocking(False)
+        self.host_end = host_end
+        self.port = EgressPort(host_end, proxy, "hostile")
+        self.port.start()
+        self.sock.settimeout(10)
+        self.inbox = b""
+
+    async def send(self, data: bytes) -> None:
+        await asyncio.to_thread(self.sock.sendall, data)
+
+    async def next_frame(self) -> tuple[bytes, int, bytes]:
+        while len(self.inbox) < 4 or len(self.inbox) < 4 + int.from_bytes(self.inbox[:4], "big"):
+            data = await asyncio.to_thread(self.sock.recv, 65536)
+            assert data, "the host ended the port"
+            self.inbox += data
+        size = int.from_bytes(self.inbox[:4], "big")
+        _, kind, stream_id = HEADER.unpack_from(self.inbox)
+        payload, self.inbox = self.inbox[9 : 4 + size], self.inbox[4 + size :]
+        return kind, stream_id, payload
+
+    def close(self) -> None:
+        self.port.close()
+        self.host_end.close()
+        self.sock.close()
+
+
+@pytest.fixture
+async def hostile(setup: EgressSetup) -> AsyncIterator[HostileGuest]:
+    guest = HostileGuest(str(setup.socket_dir / "egress.sock"))
+    yield guest
+    guest.close()
+
+
+async def test_a_stream_sending_past_its_window_is_ended(hostile: HostileGuest) -> None:
+    """The proxy reads a request head only: what the guest sends past it waits, up to the window."""
+    await hostile.send(frame(b"C", 1) + frame(b"D", 1, b"GET / HTTP/1.1\r\n"))
+    await hostile.send(b"".join(frame(b"D", 1, b"x" * 65536) for _ in range(WINDOW // 65536 + 2)))
+    while (found := await hostile.next_frame())[0] != b"X":
+        assert found[:2] == (b"K", 1)  # credits for what the proxy took before the excess came
+    assert found == (b"X", 1, b"")
+    assert hostile.port.streams == 0
+
+
+async def test_a_credit_never_owed_and_a_reused_id_end_the_stream(hostile: HostileGuest) -> None:
+    await hostile.send(frame(b"C", 1) + frame(b"K", 1, (1).to_bytes(4, "big")))
+    assert await hostile.next_frame() == (b"X", 1, b"")
+    await hostile.send(frame(b"C", 2) + frame(b"C", 2))
+    assert await hostile.next_frame() == (b"X", 2, b"")
+    await hostile.send(frame(b"Z", 3) + frame(b"D", 99, b"nobody"))  # unknown kind, unknown id: ignored
+    assert hostile.port.streams == 0
+
+
+async def test_streams_past_the_cap_are_refused(hostile: HostileGuest) -> None:
+    await hostile.send(b"".join(frame(b"C", n) for n in range(1, MAX_STREAMS + 2)))
+    assert await hostile.next_frame() == (b"X", MAX_STREAMS + 1, b"")
+    assert hostile.port.streams == MAX_STREAMS
+
+
+async def test_an_oversized_frame_ends_the_port() -> None:
+    guest = HostileGuest(None)
+    try:
+        await guest.send(HEADER.pack(1 << 30, b"D", 1))
+        assert await asyncio.to_thread(guest.sock.recv, 10) == b""
+    finally:
+        guest.close()
+
+
+async def test_a_sandbox_without_egress_has_every_stream_refused() -> None:
+    guest = HostileGuest(None)
+    try:
+        await guest.send(frame(b"C", 7))
+        assert await guest.next_frame() == (b"X", 7, b"")
+    finally:
+        guest.close()
