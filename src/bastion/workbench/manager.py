@@ -53,7 +53,7 @@ from bastion.safety.errors import (
 )
 from bastion.safety.redact import Redactor
 from bastion.sandbox import DeviceFolder, SandboxSpec, backend
-from bastion.sandbox._disk import drop_disk, make_disk, mount_disk, mount_tmpfs, used_bytes
+from bastion.sandbox._disk import ImageFormats, drop_disk, make_disk, mount_disk, mount_tmpfs, used_bytes
 from bastion.sandbox.cgroups import CgroupLayout, Limits
 from bastion.sandbox.identity import HostIdentity, IdentityPool
 from bastion.sandbox.microvm import MicroVMBackend, MicroVMSettings, probe_microvm
@@ -210,6 +210,7 @@ class SandboxManager:
         # mkfs, mount, unmount and deleting run here, off the event loop; close_all waits for them,
         # so a server stopping mid-call never leaves a mount behind.
         self._workers = _folder_workers()
+        self._images = ImageFormats(self._dir)  # mkfs once per disk size; each sandbox's image is a copy
         self._building: dict[str, Path] = {}  # sandboxes whose folders a worker is making, until _prepare resumes
         self._refill: asyncio.Task[None] | None = None
         self._pool_failed = False
@@ -503,8 +504,9 @@ class SandboxManager:
         workspace = root / "workspace"
         workspace.mkdir(mode=0o700)
         if self._config.disk_quota:
-            # ~20 ms, in a worker (`_build`) that close_all waits for.
-            make_disk(root / _DISK_IMAGE, workspace, disk_bytes or self._config.limits.disk_bytes)
+            # A few ms (mkfs once per size), in a worker (`_build`) that close_all waits for.
+            formatted = self._images.get(disk_bytes or self._config.limits.disk_bytes)
+            make_disk(root / _DISK_IMAGE, workspace, formatted)
         if identity.switch:
             os.chown(workspace, identity.uid, identity.gid, follow_symlinks=False)
 
@@ -851,6 +853,7 @@ class SandboxManager:
         # loop will never hand back to _prepare is removed here.
         self._workers.shutdown(wait=True)
         self._workers = _folder_workers()
+        self._images = ImageFormats(self._dir)  # mkfs once per disk size; each sandbox's image is a copy
         for sandbox_id, root in list(self._building.items()):
             self._discard_prepared(sandbox_id, root)
         self._building.clear()
