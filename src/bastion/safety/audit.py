@@ -145,6 +145,8 @@ class AuditLog:
         self._async_leading = False
         self._last_sync_s = 0.0
         """How long the last fdatasync took: decides whether a lone async record is written inline."""
+        self.syncs = 0
+        """fdatasync calls that made records durable so far: records / syncs is what group commit shares."""
         # The last "the file is not the configured path" problem logged, so a flood of refused calls logs it once.
         self._stale: str | None = None
 
@@ -425,6 +427,7 @@ class AuditLog:
             started = time.perf_counter()
             os.fdatasync(fd)
             self._last_sync_s = time.perf_counter() - started
+            self.syncs += 1
         except OSError as exc:
             message = f"audit log unavailable: {exc.strerror or exc}"
             self._undo(fd)

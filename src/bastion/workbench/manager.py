@@ -213,6 +213,7 @@ class SandboxManager:
         self._images = ImageFormats(self._dir)  # mkfs once per disk size; each sandbox's image is a copy
         self._building: dict[str, Path] = {}  # sandboxes whose folders a worker is making, until _prepare resumes
         self._refill: asyncio.Task[None] | None = None
+        self._pool_waiters: list[asyncio.Future[None]] = []  # creates waiting for the refill's next sandbox
         self._pool_failed = False
         """The last refill of the warm pool failed (a readiness check reads it)."""
         self._pool_filled_once = False
@@ -284,8 +285,8 @@ class SandboxManager:
             and narrowed.disk_bytes == self._config.limits.disk_bytes
             and chosen.isolation == self._default_template.isolation == "namespaces"
         )
-        prepared = (
-            self._pool.pop() if self._pool and standard else await self._prepare(binds, narrowed.disk_bytes, chosen)
+        prepared = (await self._pooled() if standard else None) or await self._prepare(
+            binds, narrowed.disk_bytes, chosen
         )
         files_owner = _owner(prepared.identity)
         network = SandboxNetwork(prepared.id, self._socket_dir(prepared.id), self._egress, rules, files_owner)
@@ -517,10 +518,36 @@ class SandboxManager:
         if self._refill is None or self._refill.done():
             self._refill = asyncio.get_running_loop().create_task(self._fill())
 
+    async def _pooled(self) -> _Prepared | None:
+        """A sandbox of the warm pool: a waiting one, else the one its refill is starting, else None.
+
+        Waiting for the refill's sandbox costs less than starting a second one beside it: both would
+        share the same cores, and in a burst of creates each would take twice as long.
+        """
+        while not self._pool:
+            refill = self._refill
+            if refill is None or refill.done():
+                return None
+            waiter = asyncio.get_running_loop().create_future()
+            self._pool_waiters.append(waiter)
+            try:
+                await asyncio.wait({waiter, refill}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                with contextlib.suppress(ValueError):
+                    self._pool_waiters.remove(waiter)
+        return self._pool.pop()
+
+    def _wake_pool_waiters(self) -> None:
+        waiters, self._pool_waiters = self._pool_waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
     async def _fill(self) -> None:
         try:
             while len(self._pool) < self._config.warm_pool:
                 self._pool.append(await self._prepare(_binds(self._default_template)))
+                self._wake_pool_waiters()
         except BastionError as exc:
             self._pool_failed = True
             logger.warning("warm pool not refilled: %s", exc.reason)
@@ -853,7 +880,6 @@ class SandboxManager:
         # loop will never hand back to _prepare is removed here.
         self._workers.shutdown(wait=True)
         self._workers = _folder_workers()
-        self._images = ImageFormats(self._dir)  # mkfs once per disk size; each sandbox's image is a copy
         for sandbox_id, root in list(self._building.items()):
             self._discard_prepared(sandbox_id, root)
         self._building.clear()
