@@ -5,14 +5,15 @@
    E2B ~150 ms, `srt -- true` measured on this machine 315 ms. Then a burst: BURST creates back
    to back with the default pool of 1, p50 and p90 (target p90 < 30 ms: the pool refills fast enough).
 2. run_command("true") in a warm sandbox over MCP stdio, against the naive unsandboxed
-   server of bench/naive_server.py, calls alternating. Target <= 1.5x.
+   server of bench/naive_server.py, calls alternating. Target <= 1.2x (issue 19).
 3. Density: 200 idle sandboxes at once: memory per idle sandbox (target <= 4 MiB beyond
    the workspace files) and run_command("true") p50 with 200 idle against 1 (target <= 1.2x).
    "Idle" as the reaper leaves them: awake (only the resident agent waits; commands are
    spawned on demand), then after 120 s with nothing running and an empty /tmp asleep (no
    process; files kept).
 
-Run: .venv/bin/python bench/bench_sandbox.py [--density N]
+Run: .venv/bin/python bench/bench_sandbox.py [--density N] (1,000 is the issue's figure: several
+minutes and ~7 GiB while they are awake; make bench runs 200)
 """
 
 from __future__ import annotations
@@ -186,9 +187,9 @@ def main() -> None:
         ok &= burst_p90 < 30
         base_ms, ours_ms = anyio.run(stdio_ratio, pooled, args.calls)
         ratio = ours_ms / base_ms
-        ok &= ratio <= 1.5
+        ok &= ratio <= 1.2
         print(f"run_command('true') p50 over stdio: naive {base_ms:.3f} ms, sandbox {ours_ms:.3f} ms, {ratio:.2f}x")
-        print("  target <= 1.5x")
+        print("  target <= 1.2x")
         one, many, per_awake, per_asleep = anyio.run(density, pooled, args.density)
         print(f"density: {args.density} idle sandboxes")
         print(f"  memory per idle sandbox (MemAvailable): {per_asleep / MIB:.2f} MiB asleep (idle 120 s),")

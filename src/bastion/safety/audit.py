@@ -38,7 +38,6 @@ import os
 import stat
 import threading
 import time
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -84,10 +83,18 @@ class VerifyReport:
     line: int | None = None
 
 
+def _record_id() -> str:
+    """A random UUID (version 4) as 32 hex digits, as uuid.uuid4().hex, without building a UUID object."""
+    raw = bytearray(os.urandom(16))
+    raw[6] = (raw[6] & 0x0F) | 0x40  # version 4 (RFC 9562 §5.4)
+    raw[8] = (raw[8] & 0x3F) | 0x80  # the RFC's variant
+    return raw.hex()
+
+
 @dataclass(slots=True)
 class _Pending:
     body: dict[str, JSONValue]
-    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    id: str = field(default_factory=_record_id)
     done: bool = False
     error: str | None = None
 
@@ -532,8 +539,12 @@ def _encode(obj: dict[str, JSONValue]) -> bytes:
     return line
 
 
+# One encoder for every record: json.dumps with options builds a new one per call.
+_ENCODER: Final = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
 def _dumps(obj: dict[str, JSONValue]) -> bytes:
-    text = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    text = _ENCODER.encode(obj)
     # A lone surrogate cannot be UTF-8: write it as a JSON \\u escape instead.
     return text.encode("utf-8", "backslashreplace")
 
