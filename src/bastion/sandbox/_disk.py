@@ -21,6 +21,7 @@ import os
 import shutil
 import struct
 import subprocess  # allowed in pyproject.toml: this is a dangerous-layer module: mkfs and mount
+import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,7 +98,7 @@ def format_image(directory: Path, size_bytes: int) -> FormattedImage:
     """Run mkfs.ext4 on an unnamed sparse file in `directory` (O_TMPFILE: nothing left by a crash)
     and keep what it wrote."""
     try:
-        fd = os.open(directory, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        fd = _unnamed_file(directory)
     except OSError as exc:
         raise Unavailable(f"cannot make a disk image in {directory}: {exc.strerror}") from exc
     try:
@@ -107,6 +108,18 @@ def format_image(directory: Path, size_bytes: int) -> FormattedImage:
         return FormattedImage(size_bytes, tuple(_extents(fd, size_bytes)))
     finally:
         os.close(fd)
+
+
+def _unnamed_file(directory: Path) -> int:
+    """An unnamed file in `directory`: O_TMPFILE, or where the filesystem lacks it, a file unlinked at once."""
+    try:
+        return os.open(directory, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+            raise
+    fd, name = tempfile.mkstemp(prefix=".format-", dir=directory)
+    os.unlink(name)
+    return fd
 
 
 def _extents(fd: int, size: int) -> list[tuple[int, bytes]]:
