@@ -1,4 +1,12 @@
-"""Audit log throughput against a bare write+fsync loop, on the repository's disk.
+"""Audit log throughput against a bare write+fdatasync loop, on the repository's disk.
+
+The audit log makes each record durable with fdatasync, so the baseline is the same: one write
+and one fdatasync per line of the same length. The disk is shared and noisy (its syncs are
+bimodal here: 0.2 ms, or several ms while other tests sync), so both run in alternating blocks
+of BLOCK records, the first of each pair flipping every round, and every record is timed: the
+rates over all blocks and the ratio of the per-record medians are reported. Then WRITERS
+concurrent writers through `append_async`: the rate against the bare loop, and records per
+fdatasync (group commit).
 
 Run: .venv/bin/python bench/bench_audit.py [records]
 """
@@ -7,6 +15,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -19,7 +28,8 @@ from bastion.safety.redact import Redactor
 
 REPO = Path(__file__).resolve().parent.parent
 WRITERS = 8
-TARGET_RATE = 2_500
+BLOCK = 25
+TARGET_RATIO = 0.8
 RECORD: dict[str, object] = {
     "action": "run_command",
     "decision": "allowed",
@@ -31,34 +41,52 @@ RECORD: dict[str, object] = {
 }
 
 
-def bare_fsync(directory: Path, n: int) -> float:
-    path = directory / "bare.jsonl"
-    line = b"x" * 299 + b"\n"
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-    try:
+def bare_block(fd: int, line: bytes, n: int) -> list[float]:
+    times = []
+    for _ in range(n):
         start = time.perf_counter()
-        for _ in range(n):
-            os.write(fd, line)
-            os.fsync(fd)
-        return n / (time.perf_counter() - start)
-    finally:
-        os.close(fd)
+        os.write(fd, line)
+        os.fdatasync(fd)
+        times.append(time.perf_counter() - start)
+    return times
 
 
-def single_writer(directory: Path, n: int) -> tuple[float, int]:
+def audit_block(log: AuditLog, n: int) -> list[float]:
+    times = []
+    for _ in range(n):
+        start = time.perf_counter()
+        log.append(RECORD)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def single_writer(directory: Path, n: int) -> tuple[list[float], list[float], int]:
+    """Alternating blocks: (bare seconds per record, audit seconds per record, audit line bytes)."""
     log = AuditLog(directory / "single.jsonl", redactor=Redactor())
     log.open()
+    log.append(RECORD)
+    line_bytes = (directory / "single.jsonl").stat().st_size
+    line = b"x" * (line_bytes - 1) + b"\n"
+    fd = os.open(directory / "bare.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    bare: list[float] = []
+    audit: list[float] = []
     try:
-        start = time.perf_counter()
-        for _ in range(n):
-            log.append(RECORD)
-        rate = n / (time.perf_counter() - start)
+        for turn in range(max(1, n // BLOCK)):
+            # Each goes first in every other round: on a shared disk, the first of a pair is often the faster.
+            if turn % 2:
+                audit += audit_block(log, BLOCK)
+                bare += bare_block(fd, line, BLOCK)
+            else:
+                bare += bare_block(fd, line, BLOCK)
+                audit += audit_block(log, BLOCK)
     finally:
+        os.close(fd)
         log.close()
-    return rate, (directory / "single.jsonl").stat().st_size // n
+    return bare, audit, line_bytes
 
 
-def concurrent_writers(directory: Path, n: int) -> float:
+def concurrent_writers(directory: Path, n: int) -> tuple[float, float]:
+    """(records/s, records per fdatasync) with WRITERS tasks appending at once."""
     log = AuditLog(directory / "group.jsonl", redactor=Redactor())
     log.open()
     per_writer = n // WRITERS
@@ -75,7 +103,8 @@ def concurrent_writers(directory: Path, n: int) -> float:
     try:
         start = time.perf_counter()
         anyio.run(main)
-        return per_writer * WRITERS / (time.perf_counter() - start)
+        rate = per_writer * WRITERS / (time.perf_counter() - start)
+        return rate, per_writer * WRITERS / max(1, log.syncs)
     finally:
         log.close()
 
@@ -84,22 +113,26 @@ def main() -> None:
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 3000
     directory = Path(tempfile.mkdtemp(prefix=".bench-audit-", dir=REPO / "bench"))
     try:
-        bare = bare_fsync(directory, n)
-        single, line_bytes = single_writer(directory, n)
-        group = concurrent_writers(directory, n)
+        bare, audit, line_bytes = single_writer(directory, n)
+        group, per_sync = concurrent_writers(directory, n)
     finally:
         shutil.rmtree(directory)
-    print(f"{n} records each, ~{line_bytes}-byte audit lines, on {REPO}")
-    print(f"{'case':<36}{'records/s':>12}{'vs bare':>10}")
-    for name, rate in (
-        ("bare os.write + os.fsync loop", bare),
-        ("AuditLog.append, 1 writer", single),
-        (f"AuditLog.append_async, {WRITERS} writers", group),
-    ):
-        print(f"{name:<36}{rate:>12,.0f}{rate / bare:>9.2f}x")
-    verdict = "met" if single >= TARGET_RATE else "MISSED"
-    print(f"target: AuditLog.append >= {TARGET_RATE:,} records/s from one writer: {verdict}")
-    sys.exit(0 if single >= TARGET_RATE else 1)
+    bare_rate, audit_rate = len(bare) / sum(bare), len(audit) / sum(audit)
+    ratio = audit_rate / bare_rate
+    median_ratio = statistics.median(bare) / statistics.median(audit)
+    print(f"{len(bare) // BLOCK} alternating blocks of {BLOCK} records, {line_bytes}-byte lines, on {REPO}")
+    print(f"{'case':<40}{'records/s':>12}{'vs bare':>10}")
+    print(f"{'bare os.write + os.fdatasync loop':<40}{bare_rate:>12,.0f}{1:>9.2f}x")
+    print(f"{'AuditLog.append, 1 writer':<40}{audit_rate:>12,.0f}{ratio:>9.2f}x")
+    print(f"{f'AuditLog.append_async, {WRITERS} writers':<40}{group:>12,.0f}{group / bare_rate:>9.2f}x")
+    print(
+        f"1 writer, per-record p50: bare {statistics.median(bare) * 1000:.3f} ms, "
+        f"audit {statistics.median(audit) * 1000:.3f} ms ({median_ratio:.2f}x)"
+    )
+    print(f"{WRITERS} writers: {per_sync:.1f} records per fdatasync (group commit)")
+    verdict = "met" if ratio >= TARGET_RATIO else "MISSED"
+    print(f"target: AuditLog.append >= {TARGET_RATIO}x the bare loop from one writer: {verdict}")
+    sys.exit(0 if ratio >= TARGET_RATIO else 1)
 
 
 if __name__ == "__main__":

@@ -1,17 +1,19 @@
 """Sandbox figures (issue #3), each against a baseline measured in the same run.
 
 1. create_sandbox p50, server-side (SandboxManager.create, no MCP transport): from the warm
-   pool (the default) and cold (warm_pool = 0). Target <= 25 ms; anchors: E2B ~150 ms,
-   `srt -- true` measured on this machine 315 ms.
+   pool (the default) and cold (warm_pool = 0). Target <= 25 ms cold, ~1 ms pooled; anchors:
+   E2B ~150 ms, `srt -- true` measured on this machine 315 ms. Then a burst: BURST creates back
+   to back with the default pool of 1, p50 and p90 (target p90 < 30 ms: the pool refills fast enough).
 2. run_command("true") in a warm sandbox over MCP stdio, against the naive unsandboxed
-   server of bench/naive_server.py, calls alternating. Target <= 1.5x.
+   server of bench/naive_server.py, calls alternating. Target <= 1.2x (issue 19).
 3. Density: 200 idle sandboxes at once: memory per idle sandbox (target <= 4 MiB beyond
    the workspace files) and run_command("true") p50 with 200 idle against 1 (target <= 1.2x).
    "Idle" as the reaper leaves them: awake (only the resident agent waits; commands are
    spawned on demand), then after 120 s with nothing running and an empty /tmp asleep (no
    process; files kept).
 
-Run: .venv/bin/python bench/bench_sandbox.py [--density N]
+Run: .venv/bin/python bench/bench_sandbox.py [--density N] (1,000 is the issue's figure: several
+minutes and ~7 GiB while they are awake; make bench runs 200)
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ BASTION = REPO / ".venv" / "bin" / "bastion"
 PYTHON = REPO / ".venv" / "bin" / "python"
 MIB = 1024 * 1024
 SETTLE_S = 2.0
+BURST = 50
 
 
 def demo(tmp: Path, *, warm_pool: int, max_sandboxes: int) -> Path:
@@ -67,6 +70,26 @@ async def create_p50(config: Path, *, warm: bool, count: int = 30) -> float:
     finally:
         services.close()
     return ms(samples)
+
+
+async def burst(config: Path, count: int = BURST) -> tuple[float, float]:
+    """`count` creates back to back from a full pool of one: (p50, p90) in ms."""
+    services = build_services(load_config(config))
+    samples = []
+    boxes = []
+    try:
+        services.sandboxes.refill_pool()
+        while not services.sandboxes.pool_size:
+            await anyio.sleep(0.01)
+        for _ in range(count):
+            started = time.perf_counter()
+            boxes.append(await services.sandboxes.create(owner="bench"))
+            samples.append(time.perf_counter() - started)
+        for box in boxes:
+            await services.sandboxes.close(box.id)
+    finally:
+        services.close()
+    return ms(samples), statistics.quantiles(samples, n=10)[-1] * 1000
 
 
 async def stdio_ratio(config: Path, calls: int) -> tuple[float, float]:
@@ -151,18 +174,22 @@ def main() -> None:
     ok = True
     with tempfile.TemporaryDirectory(dir=REPO / "bench", prefix=".tmp-") as tmp:
         os.chmod(tmp, 0o711)  # passable by the sandboxes' own ids, as a state folder's parents must be
-        pooled = demo(Path(tmp) / "pooled", warm_pool=1, max_sandboxes=args.density + 8)
+        pooled = demo(Path(tmp) / "pooled", warm_pool=1, max_sandboxes=max(args.density, BURST) + 8)
         cold = demo(Path(tmp) / "cold", warm_pool=0, max_sandboxes=8)
         warm_ms = anyio.run(lambda: create_p50(pooled, warm=True))
         cold_ms = anyio.run(lambda: create_p50(cold, warm=False))
         print(f"create_sandbox p50, server-side: {warm_ms:.2f} ms from the warm pool, {cold_ms:.2f} ms cold")
         print("  target <= 25 ms; anchors: E2B ~150 ms, srt -- true 315 ms on this machine")
-        ok &= warm_ms <= 25
+        ok &= cold_ms <= 25
+        burst_p50, burst_p90 = anyio.run(burst, pooled)
+        print(f"burst of {BURST} creates back to back (pool of 1): p50 {burst_p50:.2f} ms, p90 {burst_p90:.2f} ms")
+        print("  target: p90 < 30 ms")
+        ok &= burst_p90 < 30
         base_ms, ours_ms = anyio.run(stdio_ratio, pooled, args.calls)
         ratio = ours_ms / base_ms
-        ok &= ratio <= 1.5
+        ok &= ratio <= 1.2
         print(f"run_command('true') p50 over stdio: naive {base_ms:.3f} ms, sandbox {ours_ms:.3f} ms, {ratio:.2f}x")
-        print("  target <= 1.5x")
+        print("  target <= 1.2x")
         one, many, per_awake, per_asleep = anyio.run(density, pooled, args.density)
         print(f"density: {args.density} idle sandboxes")
         print(f"  memory per idle sandbox (MemAvailable): {per_asleep / MIB:.2f} MiB asleep (idle 120 s),")

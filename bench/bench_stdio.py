@@ -1,7 +1,9 @@
 """bastion vs the naive server over stdio, in the same run: run_command("true") and read_file(4 KiB).
 
 Both servers are spawned the way Claude Desktop spawns them and driven by the SDK's `mcp.Client`.
-Figures to reach (issue #2): run_command p50 <= 2.5x naive; read_file p50 <= 1.3x naive.
+Figures to reach (issue 19): run_command p50 in the host workspace <= 1.3x naive; read_file p50 <= 1.15x
+naive. Each call of bastion's writes its audit record(s) with fdatasync before answering (two for
+run_command, start and end): on a busy disk those syncs are most of the difference.
 Run: .venv/bin/python bench/bench_stdio.py [--calls N]
 """
 
@@ -67,12 +69,12 @@ def main() -> None:
     print(f"{args.calls} alternating calls per figure after {WARMUP_CALLS} warm-up calls")
     print(f"{'figure':<24}{'naive ms':>10}{'bastion ms':>12}{'ratio':>8}{'target':>8}")
     ok = True
-    for name, target in (("run_command", 2.5), ("read_file", 1.3)):
+    for name, target in (("run_command", 1.3), ("read_file", 1.15)):
         naive_ms = statistics.median(samples[f"naive {name}"])
         ours_ms = statistics.median(samples[f"bastion {name}"])
         ratio = ours_ms / naive_ms
         ok &= ratio <= target
-        print(f"{name + ' p50':<24}{naive_ms:>10.3f}{ours_ms:>12.3f}{ratio:>7.2f}x{target:>7.1f}x")
+        print(f"{name + ' p50':<24}{naive_ms:>10.3f}{ours_ms:>12.3f}{ratio:>7.2f}x{target:>7.2f}x")
     sys.exit(0 if ok else 1)
 
 

@@ -21,8 +21,8 @@ from mcp import Client
 
 from bastion.app import Services
 from bastion.safety.errors import InvalidRequest
-from bastion.safety.paths import MAX_WRITE_BYTES
-from bastion.workbench.workspace import decode_base64
+from bastion.safety.paths import MAX_READ_BYTES, MAX_WRITE_BYTES
+from bastion.workbench.workspace import INLINE_READ_BYTES, decode_base64
 from tests.helpers import LoopLag, audit_record, call, create, sh
 
 pytestmark = pytest.mark.anyio
@@ -298,3 +298,39 @@ def test_stray_byte_count_stops_past_the_limit() -> None:
     assert undecodable_bytes("é".encode()[1:] + b"abc", cut_before=True, cut_after=False) == 0
     assert undecodable_bytes("é".encode()[1:] + b"abc", cut_before=False, cut_after=False) == 1
     assert undecodable_bytes(b"abc" + "é".encode()[:1], cut_before=False, cut_after=True) == 0
+
+
+# -- small files read on the event loop (issue 19) --------------------------------------------------
+
+
+async def test_read_file_is_the_same_on_either_side_of_the_inline_size(client: Client, workspace: Path) -> None:
+    """A file up to INLINE_READ_BYTES is read on the event loop, a bigger one in a worker thread.
+    Invariant: both give the whole text, redacted, with the same fields; a length over the maximum is
+    still refused. Does not prove the cap when a file grows between the size check and the read."""
+    secret = "password=hunter2hunter2\n"
+    for size in (INLINE_READ_BYTES - 100, INLINE_READ_BYTES, INLINE_READ_BYTES + 1, 3 * INLINE_READ_BYTES):
+        text = secret + "x" * (size - len(secret) - 1) + "\n"
+        (workspace / "f.txt").write_text(text)
+        read = await call(client, "read_file", path="f.txt")
+        assert read["ok"], read
+        detail = read["detail"]
+        assert (detail["bytes"], detail["size"], detail["eof"]) == (size, size, True)
+        assert "hunter2" not in str(detail["content"])
+        assert str(detail["content"]).endswith("x" * 100 + "\n")
+        part = await call(client, "read_file", path="f.txt", offset=size - 10, length=5)
+        assert part["detail"]["content"] == "xxxxx"
+    refused = await call(client, "read_file", path="f.txt", length=MAX_READ_BYTES + 1)
+    assert refused["code"] == "INVALID_REQUEST"
+
+
+async def test_read_file_of_a_secret_dense_small_file_stalls_the_loop_briefly(client: Client, workspace: Path) -> None:
+    """Attack: a file just under the inline size, dense with secrets, read in a loop to hold the event
+    loop. Invariant: each read stalls it far less than the 0.3 s a worker-thread read may."""
+    dense = "password=abcdefgh "
+    (workspace / "dense.txt").write_text(dense * (INLINE_READ_BYTES // len(dense)))
+    with LoopLag(0.002) as lag:
+        for _ in range(5):
+            read = await call(client, "read_file", path="dense.txt")
+            assert read["ok"], read
+            assert "abcdefgh" not in str(read["detail"]["content"])
+    assert lag.worst < 0.1

@@ -463,3 +463,24 @@ async def test_metrics_count_sandboxes_by_state_and_the_warm_pool(client: Client
     assert got[("bastion_sandboxes", (("isolation", "bubblewrap"), ("state", "paused")))] == 1
     assert got[("bastion_warm_pool_sandboxes", ())] == services.sandboxes.pool_size
     assert got[("bastion_tool_calls_total", (("code", "OK"), ("tool", "create_sandbox")))] == 2
+
+
+async def test_create_while_the_pool_refills_takes_the_sandbox_being_started(services: Services) -> None:
+    """A burst of creates (issue 19): one that finds the warm pool empty while its refill is starting a
+    sandbox waits for that one instead of starting a second beside it (both would share the same
+    cores). Invariant: it gets the very sandbox the refill was starting; no other was started for it."""
+    manager = services.sandboxes
+    manager.refill_pool()
+    deadline = time.monotonic() + 30
+    while manager.pool_size < 1:
+        assert time.monotonic() < deadline, "the warm pool was never filled"
+        await anyio.sleep(0.05)
+    first = await manager.create(owner="test")  # from the pool: the refill starts the next one
+    while not (starting := set(manager._held) - set(manager._boxes)):
+        assert time.monotonic() < deadline, "the refill never started a sandbox"
+        await anyio.sleep(0)
+    assert manager.pool_size == 0
+    second = await manager.create(owner="test")
+    assert {second.id} == starting
+    for box in (first, second):
+        await manager.close(box.id)

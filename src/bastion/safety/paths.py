@@ -49,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fnmatch
+import functools
 import os
 import re
 import stat
@@ -301,12 +302,17 @@ class _NotAFolder(NotFound):
 def _compile_secret_patterns(patterns: Sequence[str]) -> tuple[tuple[str, re.Pattern[str]], ...]:
     if isinstance(patterns, str):
         raise ConfigError("secret_patterns is a single string: give a list of patterns")
-    compiled: list[tuple[str, re.Pattern[str]]] = []
     for pattern in patterns:
         if not isinstance(pattern, str) or not pattern or "/" in pattern:
             raise ConfigError(f"secret pattern {pattern!r} must be a non-empty name without '/': fix the entry")
-        compiled.append((pattern, re.compile(fnmatch.translate(pattern), re.IGNORECASE)))
-    return tuple(compiled)
+    return _compiled_patterns(tuple(patterns))
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled_patterns(patterns: tuple[str, ...]) -> tuple[tuple[str, re.Pattern[str]], ...]:
+    """Every jail of a server has the same list: fnmatch.translate of ~16 patterns was 1 ms of each
+    sandbox's start."""
+    return tuple((pattern, re.compile(fnmatch.translate(pattern), re.IGNORECASE)) for pattern in patterns)
 
 
 def _pread_all(fd: int, offset: int, length: int) -> bytes:

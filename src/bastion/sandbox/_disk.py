@@ -1,17 +1,29 @@
 """A sandbox's /workspace as a filesystem of its own, so its size is a hard quota. DANGEROUS.
 
-Runs mkfs and mount as the server (root). A loop-mounted ext4 image per sandbox: writes
-past the size fail with ENOSPC inside the sandbox, the files are on disk (they survive a
-server crash for recovery), and closing is an unmount and a delete. Measured here:
-mkfs 13 ms + mount 8 ms, paid in the warm pool, not by create_sandbox.
+Runs mkfs, sets up loop devices and mounts as the server (root). A loop-mounted ext4 image per
+sandbox: writes past the size fail with ENOSPC inside the sandbox, the files are on disk (they
+survive a server crash for recovery), and closing is an unmount and a delete.
+
+mkfs.ext4 runs once per image size and server (`FormattedImage`): a sandbox's image is a sparse
+copy of that one's written extents (about 100 KiB for 2 GiB), attached to a loop device with
+LOOP_CONFIGURE and mounted with mount(2). Measured here: 44 ms for mkfs plus mount(8), 8 ms this
+way; unmounting with umount2(2) 12 ms against 43 ms for umount(8). The copies share the
+template's UUID and directory hash seed: nothing mounts them by UUID, and each is its own
+filesystem (a hash seed known to one sandbox would only slow its own folders).
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
+import fcntl
 import os
 import shutil
+import struct
 import subprocess  # allowed in pyproject.toml: this is a dangerous-layer module: mkfs and mount
+import tempfile
+import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
@@ -30,14 +42,28 @@ _MKFS_OPTIONS: Final = (
     "lazy_itable_init=1,lazy_journal_init=1,nodiscard,root_owner=0:0",
 )
 _MOUNT_OPTIONS: Final = "loop,nosuid,nodev,noatime"
+# The image is sparse: its never-written inode tables read as zeros already, so the kernel's lazy
+# zeroing thread (ext4lazyinit) would only write 64 MiB per 2 GiB sandbox for nothing.
+_EXT4_DATA: Final = b"noinit_itable"
 _TIMEOUT_S: Final = 30
 _MS_NOSUID: Final = 2
 _MS_NODEV: Final = 4
 _MS_NOEXEC: Final = 8
+_MS_NOATIME: Final = 1024
+_MNT_DETACH: Final = 2
+_UMOUNT_NOFOLLOW: Final = 8
+# <linux/loop.h>
+_LOOP_CONFIGURE: Final = 0x4C0A
+_LOOP_CTL_GET_FREE: Final = 0x4C82
+_LO_FLAGS_AUTOCLEAR: Final = 4  # the kernel detaches the device when the last user (the mount) goes
+_LOOP_CONFIG: Final = struct.Struct("=II5Q4I64s64s32s2Q64x")  # struct loop_config, with its loop_info64
+_LOOP_ATTEMPTS: Final = 8  # another process may take the free device between GET_FREE and CONFIGURE
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mount.argtypes = (ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p)
 _libc.mount.restype = ctypes.c_int
+_libc.umount2.argtypes = (ctypes.c_char_p, ctypes.c_int)
+_libc.umount2.restype = ctypes.c_int
 
 
 def quota_available() -> str | None:
@@ -60,31 +86,154 @@ def _run(argv: list[str]) -> None:
         raise Unavailable(f"{argv[0]} failed: {lines[-1] if lines else 'exit status ' + str(done.returncode)}")
 
 
-def make_disk(image: Path, mountpoint: Path, size_bytes: int) -> None:
-    """Create a sparse image of `size_bytes`, make ext4 in it, mount it at `mountpoint` (empty)."""
-    fd = os.open(image, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+@dataclass(frozen=True)
+class FormattedImage:
+    """What mkfs.ext4 wrote for one image size: its written extents (offset, bytes); the rest is holes."""
+
+    size_bytes: int
+    extents: tuple[tuple[int, bytes], ...]
+
+
+def format_image(directory: Path, size_bytes: int) -> FormattedImage:
+    """Run mkfs.ext4 on an unnamed sparse file in `directory` (O_TMPFILE: nothing left by a crash)
+    and keep what it wrote."""
+    try:
+        fd = _unnamed_file(directory)
+    except OSError as exc:
+        raise Unavailable(f"cannot make a disk image in {directory}: {exc.strerror}") from exc
     try:
         os.ftruncate(fd, size_bytes)
+        # mkfs opens the file by its /proc name: the same inode, which has no other name.
+        _run(["mkfs.ext4", *_MKFS_OPTIONS, f"/proc/{os.getpid()}/fd/{fd}"])
+        return FormattedImage(size_bytes, tuple(_extents(fd, size_bytes)))
     finally:
         os.close(fd)
-    _run(["mkfs.ext4", *_MKFS_OPTIONS, str(image)])
-    _run(["mount", "-o", _MOUNT_OPTIONS, str(image), str(mountpoint)])
+
+
+def _unnamed_file(directory: Path) -> int:
+    """An unnamed file in `directory`: O_TMPFILE, or where the filesystem lacks it, a file unlinked at once."""
+    try:
+        return os.open(directory, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+            raise
+    fd, name = tempfile.mkstemp(prefix=".format-", dir=directory)
+    os.unlink(name)
+    return fd
+
+
+def _extents(fd: int, size: int) -> list[tuple[int, bytes]]:
+    found = []
+    offset = 0
+    while offset < size:
+        try:
+            start = os.lseek(fd, offset, os.SEEK_DATA)
+        except OSError as exc:
+            if exc.errno == errno.ENXIO:  # only a hole after `offset`
+                break
+            raise
+        end = os.lseek(fd, start, os.SEEK_HOLE)
+        found.append((start, os.pread(fd, end - start, start)))
+        offset = end
+    return found
+
+
+class ImageFormats:
+    """One `FormattedImage` per size, made on first use (mkfs once, not per sandbox). Thread-safe."""
+
+    def __init__(self, directory: Path) -> None:
+        self._directory = directory
+        self._lock = threading.Lock()
+        self._made: dict[int, FormattedImage] = {}
+
+    def get(self, size_bytes: int) -> FormattedImage:
+        with self._lock:
+            made = self._made.get(size_bytes)
+            if made is None:
+                made = self._made[size_bytes] = format_image(self._directory, size_bytes)
+            return made
+
+
+def make_disk(image: Path, mountpoint: Path, formatted: FormattedImage) -> None:
+    """Create `image` as a copy of `formatted` (sparse), and mount it at `mountpoint` (empty)."""
+    fd = os.open(image, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.ftruncate(fd, formatted.size_bytes)
+        for offset, data in formatted.extents:
+            view = memoryview(data)
+            while view:
+                view = view[os.pwrite(fd, view, offset + len(data) - len(view)) :]
+        _mount_image(fd, image, mountpoint)
+    finally:
+        os.close(fd)
     (mountpoint / "lost+found").rmdir()
     os.chmod(mountpoint, 0o700)
 
 
 def mount_disk(image: Path, mountpoint: Path) -> None:
     """Mount an existing image again (after a host reboot, to recover a sandbox's files)."""
-    _run(["mount", "-o", _MOUNT_OPTIONS, str(image), str(mountpoint)])
+    fd = os.open(image, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        _mount_image(fd, image, mountpoint)
+    finally:
+        os.close(fd)
+
+
+def _mount_image(image_fd: int, image: Path, mountpoint: Path) -> None:
+    """Attach the image to a free loop device (autoclear) and mount it nosuid, nodev, noatime.
+
+    Where the loop ioctls are missing (a kernel before 5.8, no /dev/loop-control), mount(8) does it.
+    """
+    try:
+        loop_fd, device = _attach_loop(image_fd, image)
+    except OSError:
+        _run(["mount", "-o", _MOUNT_OPTIONS, str(image), str(mountpoint)])
+        return
+    try:
+        flags = _MS_NOSUID | _MS_NODEV | _MS_NOATIME
+        if _libc.mount(os.fsencode(device), os.fsencode(mountpoint), b"ext4", flags, _EXT4_DATA) != 0:
+            err = ctypes.get_errno()
+            raise Unavailable(f"cannot mount {image} on {mountpoint}: {os.strerror(err)}")
+    finally:
+        os.close(loop_fd)  # autoclear: the device is freed now if the mount failed, else at unmount
+
+
+def _attach_loop(image_fd: int, image: Path) -> tuple[int, str]:
+    """A loop device backed by `image_fd`: its open fd and path."""
+    name = os.fsencode(image)[-63:]
+    control = os.open("/dev/loop-control", os.O_RDWR | os.O_CLOEXEC)
+    try:
+        for _ in range(_LOOP_ATTEMPTS):
+            device = f"/dev/loop{fcntl.ioctl(control, _LOOP_CTL_GET_FREE)}"
+            loop_fd = os.open(device, os.O_RDWR | os.O_CLOEXEC)
+            config = _LOOP_CONFIG.pack(image_fd, 0, 0, 0, 0, 0, 0, 0, 0, 0, _LO_FLAGS_AUTOCLEAR, name, b"", b"", 0, 0)
+            try:
+                fcntl.ioctl(loop_fd, _LOOP_CONFIGURE, config)
+            except OSError as exc:
+                os.close(loop_fd)
+                if exc.errno == errno.EBUSY:
+                    continue
+                raise
+            return loop_fd, device
+    finally:
+        os.close(control)
+    raise OSError(errno.EBUSY, "no free loop device")
 
 
 def drop_disk(mountpoint: Path) -> None:
-    """Unmount (lazily if busy). The image file goes with the sandbox's folder."""
-    if os.path.ismount(mountpoint):
-        try:
-            _run(["umount", str(mountpoint)])
-        except Unavailable:
-            _run(["umount", "-l", str(mountpoint)])
+    """Unmount (lazily if busy). The image file goes with the sandbox's folder; its loop device
+    detaches itself (autoclear)."""
+    if not os.path.ismount(mountpoint):
+        return
+    path = os.fsencode(mountpoint)
+    if _libc.umount2(path, _UMOUNT_NOFOLLOW) == 0:
+        return
+    err = ctypes.get_errno()
+    if err == errno.EBUSY and _libc.umount2(path, _UMOUNT_NOFOLLOW | _MNT_DETACH) == 0:
+        return
+    err = ctypes.get_errno()
+    if err != errno.EINVAL:  # EINVAL: not a mount point any more (unmounted meanwhile)
+        raise Unavailable(f"cannot unmount {mountpoint}: {os.strerror(err)}")
 
 
 def mount_tmpfs(

@@ -15,6 +15,7 @@ from mcp_types import ImageContent, ToolAnnotations
 from pydantic import Field
 
 from bastion.safety.errors import InvalidRequest
+from bastion.safety.paths import MAX_READ_BYTES
 from bastion.safety.results import OperationResult, ResultCode
 from bastion.tools._call import UNNAMED, Outcome
 from bastion.tools.audited import Audit, audited_tool, workspace_of
@@ -22,7 +23,7 @@ from bastion.tools.server import BastionServer
 from bastion.workbench.media import MAX_IMAGE_BYTES
 from bastion.workbench.registry import WorkspaceRegistry
 from bastion.workbench.search import DEFAULT_SEARCH_RESULTS, MAX_SEARCH_RESULTS
-from bastion.workbench.workspace import CommandOutput, HostWorkspace
+from bastion.workbench.workspace import INLINE_READ_BYTES, CommandOutput, HostWorkspace
 
 # The record's workspace names it, so it is not copied into the audited arguments.
 SandboxId = Annotated[
@@ -206,6 +207,12 @@ def register_workbench(server: BastionServer, registry: WorkspaceRegistry, *, sa
             if offset or length is not None or encoding != "utf-8":
                 raise InvalidRequest("as_image reads the whole image: leave out offset, length and encoding")
             return await anyio.to_thread.run_sync(_image_outcome, ws, path)
+        if (length is None or 0 < length <= MAX_READ_BYTES) and ws.is_small_file(path):
+            # On the loop, cheaper than a thread hop; capped, so a file grown meanwhile costs no more.
+            cap = INLINE_READ_BYTES if length is None else min(length, INLINE_READ_BYTES)
+            detail = ws.read_file(path, offset=offset, length=cap, encoding=encoding)
+            if detail["eof"] or cap == length:
+                return detail
         # Redacting up to 1 MiB of secret-dense text takes most of a second: off the event loop.
         read = functools.partial(ws.read_file, path, offset=offset, length=length, encoding=encoding)
         return await anyio.to_thread.run_sync(read)

@@ -53,7 +53,7 @@ from bastion.safety.errors import (
 )
 from bastion.safety.redact import Redactor
 from bastion.sandbox import DeviceFolder, SandboxSpec, backend
-from bastion.sandbox._disk import drop_disk, make_disk, mount_disk, mount_tmpfs, used_bytes
+from bastion.sandbox._disk import ImageFormats, drop_disk, make_disk, mount_disk, mount_tmpfs, used_bytes
 from bastion.sandbox.cgroups import CgroupLayout, Limits
 from bastion.sandbox.identity import HostIdentity, IdentityPool
 from bastion.sandbox.microvm import MicroVMBackend, MicroVMSettings, probe_microvm, recover_run_dirs
@@ -211,9 +211,11 @@ class SandboxManager:
         # mkfs, mount, unmount and deleting run here, off the event loop; close_all waits for them,
         # so a server stopping mid-call never leaves a mount behind.
         self._workers = _folder_workers()
+        self._images = ImageFormats(self._dir)  # mkfs once per disk size; each sandbox's image is a copy
         self._building: dict[str, Path] = {}  # sandboxes whose folders a worker is making, until _prepare resumes
         self._refill: asyncio.Task[None] | None = None
         self._vm_refill: asyncio.Task[None] | None = None
+        self._pool_waiters: list[asyncio.Future[None]] = []  # creates waiting for the refill's next sandbox
         self._pool_failed = False
         """The last refill of the warm pool failed (a readiness check reads it)."""
         self._pool_filled_once = False
@@ -285,7 +287,7 @@ class SandboxManager:
             and narrowed.disk_bytes == self._config.limits.disk_bytes
             and chosen.isolation == self._default_template.isolation == "namespaces"
         )
-        prepared = self._pooled(chosen, narrowed.disk_bytes, standard) or await self._prepare(
+        prepared = await self._pooled(chosen, narrowed.disk_bytes, standard) or await self._prepare(
             binds, narrowed.disk_bytes, chosen
         )
         files_owner = _owner(prepared.identity)
@@ -329,11 +331,11 @@ class SandboxManager:
         self.refill_pool()
         return box
 
-    def _pooled(self, template: TemplateConfig, disk_bytes: int | None, standard: bool) -> _Prepared | None:
+    async def _pooled(self, template: TemplateConfig, disk_bytes: int | None, standard: bool) -> _Prepared | None:
         """A started sandbox from a warm pool: the namespace one for the default template, a microvm
         template's own (booted with its size and the ceiling's disk) for that template."""
-        if standard and self._pool:
-            return self._pool.pop()
+        if standard:
+            return await self._namespace_pooled()
         booted = self._vm_pools.get(template.name)
         if template.isolation == "microvm" and booted and disk_bytes == self._config.limits.disk_bytes:
             return booted.pop()
@@ -515,8 +517,9 @@ class SandboxManager:
         workspace = root / "workspace"
         workspace.mkdir(mode=0o700)
         if self._config.disk_quota:
-            # ~20 ms, in a worker (`_build`) that close_all waits for.
-            make_disk(root / _DISK_IMAGE, workspace, disk_bytes or self._config.limits.disk_bytes)
+            # A few ms (mkfs once per size), in a worker (`_build`) that close_all waits for.
+            formatted = self._images.get(disk_bytes or self._config.limits.disk_bytes)
+            make_disk(root / _DISK_IMAGE, workspace, formatted)
         if identity.switch:
             os.chown(workspace, identity.uid, identity.gid, follow_symlinks=False)
 
@@ -535,10 +538,36 @@ class SandboxManager:
         templates = {self._default_template.name: self._default_template, **self._templates}
         return [template for template in templates.values() if template.isolation == "microvm"]
 
+    async def _namespace_pooled(self) -> _Prepared | None:
+        """A sandbox of the namespace warm pool: a waiting one, else the one its refill is starting, else None.
+
+        Waiting for the refill's sandbox costs less than starting a second one beside it: both would
+        share the same cores, and in a burst of creates each would take twice as long.
+        """
+        while not self._pool:
+            refill = self._refill
+            if refill is None or refill.done():
+                return None
+            waiter = asyncio.get_running_loop().create_future()
+            self._pool_waiters.append(waiter)
+            try:
+                await asyncio.wait({waiter, refill}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                with contextlib.suppress(ValueError):
+                    self._pool_waiters.remove(waiter)
+        return self._pool.pop()
+
+    def _wake_pool_waiters(self) -> None:
+        waiters, self._pool_waiters = self._pool_waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
     async def _fill(self) -> None:
         try:
             while len(self._pool) < self._config.warm_pool:
                 self._pool.append(await self._prepare(_binds(self._default_template)))
+                self._wake_pool_waiters()
         except BastionError as exc:
             self._pool_failed = True
             logger.warning("warm pool not refilled: %s", exc.reason)

@@ -72,22 +72,27 @@ thus execs with no capability at all while the agent keeps CAP_SYS_ADMIN for the
 namespaces.
 """
 
+import _socket
 import ctypes
 import marshal
 import os
-import selectors
-import signal
-import socket
+import select
+import struct
 import sys
 
 # Every import here is paid at each sandbox start (json+re, contextlib and typing cost
-# ~25 ms together on a slow machine): the agent uses builtins and string annotations.
+# ~25 ms together on a slow machine): the agent uses builtins and string annotations, and the
+# C modules under signal, socket and selectors (whose enum and collections imports cost 5 ms of
+# CPU); struct comes with ctypes (array would bring collections.abc).
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    import signal as _signal  # the same functions, typed (typeshed has no stub for _signal)
     from typing import Any
 
     # At run time `_spawn` prepends landlock.py's source to this file's, which defines it.
     from bastion.sandbox.inside.landlock import restrict
+else:
+    import _signal
 
 CLONE_NEWPID = 0x20000000
 PR_CAPBSET_DROP = 24
@@ -107,7 +112,7 @@ CONNECT_TIMEOUT_S = 2.0
 EXIT_CANNOT_START = 127
 # Dispositions a command must not inherit: Python ignores SIGPIPE and SIGXFSZ (handled
 # signals are reset by posix_spawn itself; these are named too, to say so).
-DEFAULT_SIGNALS = (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGCHLD, signal.SIGINT, signal.SIGTERM)
+DEFAULT_SIGNALS = (_signal.SIGPIPE, _signal.SIGXFSZ, _signal.SIGCHLD, _signal.SIGINT, _signal.SIGTERM)
 
 libc = ctypes.CDLL(None, use_errno=True)
 
@@ -151,7 +156,7 @@ def keep_nothing_for_commands() -> None:
     check(libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0), "not dumpable")
 
 
-def enter_own_pid_namespace(sock: socket.socket) -> None:
+def enter_own_pid_namespace(sock: _socket.socket) -> None:
     """Continue as PID 1 of a PID namespace owned by the agent's own user namespace.
 
     bwrap maps the sandbox's unprivileged uid in a second user namespace, nested in the one
@@ -168,11 +173,11 @@ def enter_own_pid_namespace(sock: socket.socket) -> None:
         except OSError:
             pass
         while True:  # no sleep binary: wait here instead
-            signal.pause()
+            _signal.pause()
 
 
 class Agent:
-    def __init__(self, sock: socket.socket, per_command_pids: bool) -> None:
+    def __init__(self, sock: _socket.socket, per_command_pids: bool) -> None:
         self.sock = sock
         self.per_command_pids = per_command_pids
         self.own_pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY)
@@ -185,7 +190,7 @@ class Agent:
     def send(self, message: "dict[str, Any]", fd: int = -1) -> None:
         try:
             if fd >= 0:
-                socket.send_fds(self.sock, [to_json(message).encode()], [fd])
+                send_fds(self.sock, to_json(message).encode(), fd)
             else:
                 self.sock.send(to_json(message).encode())
         except OSError:
@@ -219,7 +224,7 @@ class Agent:
             pid = self.running.get(int(req.get("id", 0)))
             if pid is not None:
                 try:  # noqa: SIM105 - contextlib would cost import time at every start
-                    os.kill(pid, signal.SIGKILL)
+                    os.kill(pid, _signal.SIGKILL)
                 except ProcessLookupError:
                     pass
 
@@ -230,7 +235,7 @@ class Agent:
         if type(request_id) is not int or type(port) is not int or not 0 < port < 65536:
             self.send({"event": "connected", "id": request_id if type(request_id) is int else 0, "error": "bad port"})
             return
-        conn = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        conn = _socket.socket(_socket.AF_INET, _socket.SOCK_STREAM)
         try:
             conn.settimeout(CONNECT_TIMEOUT_S)
             conn.connect(("127.0.0.1", port))
@@ -240,7 +245,7 @@ class Agent:
             self.send({"event": "connected", "id": request_id, "error": reason})
             return
         try:
-            socket.send_fds(self.sock, [to_json({"event": "connected", "id": request_id}).encode()], [conn.fileno()])
+            send_fds(self.sock, to_json({"event": "connected", "id": request_id}).encode(), conn.fileno())
         except OSError:
             os._exit(0)  # the host went away: the sandbox ends with it
         finally:
@@ -363,6 +368,22 @@ def set_window(tty: int, rows: int, cols: int) -> None:
     fcntl.ioctl(tty, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
 
 
+def send_fds(sock: _socket.socket, data: bytes, fd: int) -> None:
+    """One message with one fd (SCM_RIGHTS), as socket.send_fds sends it."""
+    sock.sendmsg([data], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, struct.pack("i", fd))])
+
+
+def recv_fds(sock: _socket.socket, size: int, max_fds: int) -> "tuple[bytes, list[int]]":
+    """One message and the fds it carries, as socket.recv_fds receives them."""
+    fds: list[int] = []
+    data, ancillary, _flags, _addr = sock.recvmsg(size, _socket.CMSG_LEN(max_fds * 4))
+    for level, kind, payload in ancillary:
+        if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
+            whole = len(payload) - len(payload) % 4
+            fds += struct.unpack(f"{whole // 4}i", payload[:whole])
+    return data, fds
+
+
 def go_home(home: int) -> None:
     """Move the agent back to the sandbox's group; if it cannot, end the sandbox rather than live
     on in a command's group, whose kill would end the agent with the command."""
@@ -392,7 +413,7 @@ def to_json(value: object) -> str:
 def main() -> None:
     fd = int(sys.argv[1])
     os.set_inheritable(fd, False)  # bwrap passed it down; no command may inherit it
-    sock = socket.socket(fileno=fd)
+    sock = _socket.socket(fileno=fd)
     sock.setblocking(True)
     # First, while single-threaded and before any command exists: writes only beneath
     # the sandbox's own trees; then nothing a command could inherit.
@@ -403,20 +424,20 @@ def main() -> None:
         enter_own_pid_namespace(sock)
     os.chdir("/")  # hold no folder of the workspace; each command gets its own cwd
     wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-    signal.set_wakeup_fd(wake_w)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
+    _signal.set_wakeup_fd(wake_w)
+    _signal.signal(_signal.SIGCHLD, lambda *_: None)
     # Commands share the agent's PID namespace: one sending SIGINT to PID 1 must not stop it.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _signal.signal(_signal.SIGINT, _signal.SIG_IGN)
     agent = Agent(sock, per_command_pids)
-    sel = selectors.DefaultSelector()
-    sel.register(sock, selectors.EVENT_READ)
-    sel.register(wake_r, selectors.EVENT_READ)
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    poller.register(wake_r, select.POLLIN)
     agent.send({"event": "ready", "pid": os.getpid(), "landlock": landlock})
     while True:
-        for key, _ in sel.select():
-            if key.fileobj is sock:
+        for ready, _ in poller.poll():
+            if ready == fd:
                 try:
-                    data, fds, _flags, _addr = socket.recv_fds(sock, MAX_MESSAGE_BYTES, 4)
+                    data, fds = recv_fds(sock, MAX_MESSAGE_BYTES, 4)
                 except InterruptedError:
                     continue
                 if not data:

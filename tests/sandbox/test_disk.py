@@ -1,0 +1,151 @@
+"""A sandbox's workspace disk on the real kernel: one mkfs per size, copies attached to loop devices.
+
+Every test runs as root, mounts only under its own tmp_path, and leaves no mount and no loop device
+behind (the autouse fixture drops what was mounted, then waits until no loop device is backed by a
+file under tmp_path: the kernel detaches an autoclear device once its last user is gone).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from bastion.sandbox._disk import FormattedImage, ImageFormats, drop_disk, format_image, make_disk, mount_disk
+
+pytestmark = pytest.mark.root
+
+SIZE = 32 * 1024 * 1024
+DETACH_WAIT_S = 10.0
+
+
+def _loop_backings() -> list[str]:
+    found = []
+    for device in Path("/sys/block").glob("loop*"):
+        try:
+            found.append((device / "loop" / "backing_file").read_text().strip())
+        except OSError:
+            continue  # not attached
+    return found
+
+
+def _mount_options(target: Path) -> list[str]:
+    with open("/proc/self/mountinfo", encoding="utf-8") as info:
+        lines = [line.split() for line in info if line.split()[4] == str(target)]
+    assert len(lines) == 1, lines
+    return lines[0][5].split(",")
+
+
+@pytest.fixture(autouse=True)
+def mounts(tmp_path: Path) -> Iterator[list[Path]]:
+    """Mount points to drop at teardown; then no mount and, soon, no loop device under tmp_path."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: loop devices and mounts")
+    made: list[Path] = []
+    yield made
+    for target in reversed(made):
+        drop_disk(target)
+    deadline = time.monotonic() + DETACH_WAIT_S
+    while any(path.startswith(str(tmp_path)) for path in _loop_backings()):
+        assert time.monotonic() < deadline, f"loop devices left: {_loop_backings()}"
+        time.sleep(0.01)
+
+
+@pytest.fixture(scope="module")
+def formatted(tmp_path_factory: pytest.TempPathFactory) -> FormattedImage:
+    return format_image(tmp_path_factory.mktemp("format"), SIZE)
+
+
+def _new_disk(tmp_path: Path, formatted: FormattedImage, mounts: list[Path], name: str) -> Path:
+    target = tmp_path / name
+    target.mkdir()
+    make_disk(tmp_path / f"{name}.img", target, formatted)
+    mounts.append(target)
+    return target
+
+
+def test_format_keeps_only_what_mkfs_wrote_and_leaves_no_file(tmp_path: Path, formatted: FormattedImage) -> None:
+    """Invariant: the template is a few extents (not SIZE bytes), and formatting leaves no file behind
+    (an O_TMPFILE, so a crash mid-mkfs leaves nothing either)."""
+    assert formatted.size_bytes == SIZE
+    assert 0 < sum(len(data) for _, data in formatted.extents) < SIZE // 16
+    assert formatted.extents[0][0] == 0
+    again = ImageFormats(tmp_path)
+    assert again.get(SIZE) is again.get(SIZE)  # once per size
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_copy_mounts_as_an_empty_ext4_of_its_size_nosuid_nodev(
+    tmp_path: Path, formatted: FormattedImage, mounts: list[Path]
+) -> None:
+    """Invariant: a sandbox's disk is an empty ext4 of the asked size (no lost+found, mode 0700),
+    mounted nosuid, nodev, noatime on a loop device backed by its own image, which stays sparse."""
+    target = _new_disk(tmp_path, formatted, mounts, "one")
+    assert list(target.iterdir()) == []
+    assert target.stat().st_mode & 0o777 == 0o700
+    st = os.statvfs(target)
+    assert SIZE * 0.9 < st.f_blocks * st.f_frsize <= SIZE
+    assert {"nosuid", "nodev", "noatime"} <= set(_mount_options(target))
+    assert str(tmp_path / "one.img") in _loop_backings()
+    assert (tmp_path / "one.img").stat().st_blocks * 512 < SIZE // 16
+
+
+def test_copies_of_one_format_are_separate_filesystems(
+    tmp_path: Path, formatted: FormattedImage, mounts: list[Path]
+) -> None:
+    """Attack: two sandboxes whose disks come from the same template. Invariant: a file written in
+    one is not in the other, and filling one leaves the other's space untouched."""
+    first = _new_disk(tmp_path, formatted, mounts, "first")
+    second = _new_disk(tmp_path, formatted, mounts, "second")
+    (first / "secret").write_bytes(b"x" * 4 * 1024 * 1024)
+    os.sync()
+    assert list(second.iterdir()) == []
+    free = os.statvfs(second)
+    assert free.f_bfree * free.f_frsize > SIZE * 0.9
+
+
+def test_dropped_disk_releases_its_loop_device_and_mounts_again(
+    tmp_path: Path, formatted: FormattedImage, mounts: list[Path]
+) -> None:
+    """Invariant: dropping the disk unmounts it and frees its loop device (autoclear); the image
+    mounts again with its files (as recovery after a host reboot does)."""
+    target = _new_disk(tmp_path, formatted, mounts, "kept")
+    (target / "work.txt").write_text("kept\n")
+    mounts.remove(target)
+    drop_disk(target)
+    assert not os.path.ismount(target)
+    deadline = time.monotonic() + DETACH_WAIT_S
+    while str(tmp_path / "kept.img") in _loop_backings():
+        assert time.monotonic() < deadline, "the loop device stayed attached"
+        time.sleep(0.01)
+    mount_disk(tmp_path / "kept.img", target)
+    mounts.append(target)
+    assert (target / "work.txt").read_text() == "kept\n"
+
+
+def test_busy_disk_is_dropped_lazily(tmp_path: Path, formatted: FormattedImage, mounts: list[Path]) -> None:
+    """Invariant: a disk still in use (an open folder on it) is detached from the tree anyway, so a
+    closing sandbox never keeps its mount point."""
+    target = _new_disk(tmp_path, formatted, mounts, "busy")
+    held = os.open(target, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        mounts.remove(target)
+        drop_disk(target)
+        assert not os.path.ismount(target)
+    finally:
+        os.close(held)
+
+
+def test_image_name_that_is_a_symlink_is_refused(tmp_path: Path, formatted: FormattedImage) -> None:
+    """Attack: the image's name already exists as a symlink to a host file. Invariant: make_disk
+    refuses it (O_EXCL | O_NOFOLLOW) and never writes through it."""
+    victim = tmp_path / "victim"
+    victim.write_text("host file\n")
+    (tmp_path / "evil.img").symlink_to(victim)
+    (tmp_path / "evil").mkdir()
+    with pytest.raises(FileExistsError):
+        make_disk(tmp_path / "evil.img", tmp_path / "evil", formatted)
+    assert victim.read_text() == "host file\n"

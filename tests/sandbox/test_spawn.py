@@ -1,0 +1,38 @@
+"""What `_spawn` shows the sandbox at /opt/bastion/agent.py: bytecode when the interpreter reads ours, else source."""
+
+from __future__ import annotations
+
+import importlib.util
+import marshal
+import subprocess
+from pathlib import Path
+
+from bastion.sandbox._spawn import AGENT_PATH, INSIDE_FILES, agent_image, sandbox_python
+
+
+def test_agent_is_bytecode_of_its_own_source_when_the_interpreter_reads_ours() -> None:
+    """Invariant: the image starts with this interpreter's magic number and holds the agent's source
+    compiled (landlock.py's code in front), so the sandbox runs exactly what the source says."""
+    python = sandbox_python()
+    probe = "import _frozen_importlib_external as b, sys; sys.stdout.write(b.MAGIC_NUMBER.hex())"
+    theirs = subprocess.run([python, "-I", "-S", "-c", probe], capture_output=True, text=True, check=True).stdout
+    image = agent_image(python)
+    if bytes.fromhex(theirs) != importlib.util.MAGIC_NUMBER:
+        assert image == INSIDE_FILES[AGENT_PATH]
+        return
+    assert isinstance(image, bytes)
+    assert image[:4] == importlib.util.MAGIC_NUMBER
+    code = marshal.loads(image[16:])
+    assert code.co_code == compile(INSIDE_FILES[AGENT_PATH], AGENT_PATH, "exec", dont_inherit=True).co_code
+    assert "restrict" in code.co_names
+    assert "Agent" in code.co_names
+
+
+def test_agent_is_source_for_an_interpreter_that_cannot_say_its_magic(tmp_path: Path) -> None:
+    """Invariant: an interpreter that does not answer the probe (another version, a broken binary)
+    gets the source, which any Python 3 compiles, never bytecode it might misread."""
+    fake = tmp_path / "python3"
+    fake.write_text("#!/bin/sh\nexit 1\n")
+    fake.chmod(0o755)
+    assert agent_image(str(fake)) == INSIDE_FILES[AGENT_PATH]
+    assert agent_image(str(tmp_path / "missing")) == INSIDE_FILES[AGENT_PATH]
