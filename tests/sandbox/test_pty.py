@@ -209,6 +209,7 @@ async def test_crossed_late_and_duplicate_answers_of_a_hostile_agent_are_closed(
     pty_request = await fake.request()
     fake.say({"event": "connected", "id": pty_request["id"]}, [tcp.fileno()])  # a socket for a terminal
     connecting = asyncio.ensure_future(box.connect(8000))
+    assert await fake.request() == {"op": "netns"}  # asked with a run's first connect; never answered here
     connect_request = await fake.request()
     fake.say({"event": "connected", "id": connect_request["id"]}, [master])  # a terminal for a connect
     with pytest.raises(Unavailable, match="other than a connected TCP socket"):
