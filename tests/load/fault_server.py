@@ -200,9 +200,12 @@ class Load:
 
 async def until(predicate: Callable[[], bool], timeout_s: float = 20.0, what: str = "condition") -> None:
     """Poll `predicate` until it holds, failing after `timeout_s` (a bounded wait, never a fixed sleep)."""
-    with anyio.fail_after(timeout_s):
-        while not predicate():
-            await anyio.sleep(0.02)
+    try:
+        with anyio.fail_after(timeout_s):
+            while not predicate():
+                await anyio.sleep(0.02)
+    except TimeoutError:
+        raise AssertionError(f"timed out after {timeout_s} s waiting for {what}") from None
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float = 20.0, what: str = "condition") -> None:
