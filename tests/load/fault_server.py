@@ -56,7 +56,9 @@ def fault_config(
     text = text.replace('public_url = "http://127.0.0.1:8765"', f'public_url = "http://127.0.0.1:{port}"')
     text = text.replace("[http]\n", "[http]\nauth = false\n", 1)
     text = text.replace('log_level = "WARNING"', 'log_level = "INFO"')
-    text = text.replace("[sandboxes]\nenabled = true\n", f"[sandboxes]\nenabled = {str(with_sandboxes).lower()}\n{sandboxes}\n", 1)
+    text = text.replace(
+        "[sandboxes]\nenabled = true\n", f"[sandboxes]\nenabled = {str(with_sandboxes).lower()}\n{sandboxes}\n", 1
+    )
     if state_dir is not None:
         text = text.replace('state_dir = "state"', f'state_dir = "{state_dir}"')
     path.write_text(f"{top}\n{text}" if top else text)
@@ -138,16 +140,6 @@ class Served:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait(5)
-
-
-@contextlib.contextmanager
-def serving(config_path: Path) -> Any:
-    server = Served(config_path)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 # --- the clients ------------------------------------------------------------------------------
@@ -267,8 +259,10 @@ def still_alive(processes: set[tuple[int, str]]) -> list[int]:
 
 
 def cgroups_of(server_pid: int) -> list[str]:
-    """The sandbox cgroups the server with this pid made, in any hierarchy (named `sb-PID-N`)."""
-    return sorted(glob(f"/sys/fs/cgroup/*/bastion/sb-{server_pid}-*") + glob(f"/sys/fs/cgroup/*/bastion/*-{server_pid}-*"))
+    """The cgroups the server with this pid made, in any hierarchy (`sb-PID-N`, `bastion-vm-PID-N`)."""
+    return sorted(
+        glob(f"/sys/fs/cgroup/*/bastion/sb-{server_pid}-*") + glob(f"/sys/fs/cgroup/*/bastion/*-{server_pid}-*")
+    )
 
 
 def loops_under(folder: Path) -> list[str]:

@@ -121,8 +121,8 @@ async def test_kill_9_under_load_then_restart_recovers_everything(root: Path) ->
         assert settled_leftovers(root, dead_pid, set()).none
     finally:
         server.stop()
-    report = verify(audit)
-    assert report.ok, report.first_error
+    chain = verify(audit)
+    assert chain.ok, chain.first_error
     answered_calls_are_logged(load.answers, audit)
 
 

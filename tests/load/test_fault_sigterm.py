@@ -1,0 +1,99 @@
+"""Fault: SIGTERM (systemd stop) while clients have calls in flight, short ones and a long one.
+
+What this proves: the server exits 0 within its graceful-shutdown bound; every call a client got an
+answer for is in the audit log exactly once, and every call that started (a start record) has its end
+record, including the long command the shutdown cut short; the chain verifies; no process, mount, loop
+device or cgroup of the server is left. What it does not prove: a second SIGTERM during the cleanup (the
+server ignores it: `serve._signals_ignored`), or SIGKILL (test_fault_kill.py).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import pytest
+from mcp import Client
+
+from bastion.safety.audit import verify
+from bastion.tools._call import CANCELLED_REASON
+from tests.helpers import processes_with
+
+from .fault_server import (
+    Load,
+    Served,
+    answered_calls_are_logged,
+    audit_records,
+    descendants,
+    fault_config,
+    settled_leftovers,
+    unmount_all,
+    until,
+)
+
+pytestmark = [
+    pytest.mark.anyio,
+    pytest.mark.bwrap,
+    pytest.mark.root,
+    pytest.mark.skipif(os.geteuid() != 0, reason="sandbox disks and cgroups need root"),
+]
+
+CLIENTS = 3
+LONG_SLEEP = "sleep 24.75"  # longer than the 2 s graceful shutdown; unique on this machine's process list
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Iterator[Path]:
+    yield tmp_path / "demo"
+    unmount_all(tmp_path)
+
+
+async def _short_calls(boxes: list[str], load: Load, client: Client, index: int) -> None:
+    box = (await load.call(client, "create_sandbox"))["detail"]["sandbox_id"]
+    boxes.append(box)
+    count = 0
+    while True:  # until the server goes
+        count += 1
+        ran = await load.call(client, "run_command", command=f"echo {count} >> n.txt", sandbox_id=box)
+        assert ran["ok"], ran
+        wrote = await load.call(client, "write_file", path=f"f{count}.txt", content="x", sandbox_id=box)
+        assert wrote["ok"], wrote
+
+
+async def _long_call(load: Load, client: Client, index: int) -> None:
+    box = (await load.call(client, "create_sandbox"))["detail"]["sandbox_id"]
+    await load.call(client, "run_command", command=LONG_SLEEP, sandbox_id=box)
+
+
+async def test_sigterm_under_load_exits_0_and_leaves_nothing(root: Path) -> None:
+    """Invariant: SIGTERM with calls in flight ends the server with status 0; answered calls are
+    logged once, no start record lacks its end, the chain verifies, and nothing is left behind."""
+    server = Served(fault_config(root))
+    server.start()
+    marker = LONG_SLEEP.replace(" ", "\0")
+    try:
+        short = Load(server.mcp_url)
+        long = Load(server.mcp_url)
+        boxes: list[str] = []
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(short.run, CLIENTS, lambda ld, c, i: _short_calls(boxes, ld, c, i))
+            tasks.start_soon(long.run, 1, _long_call)
+            await until(lambda: len(processes_with(marker)) == 1 and len(short.answers) >= 6 * CLIENTS)
+            pid, processes = server.pid, descendants(server.pid)
+            server.signal(signal.SIGTERM)
+            assert await anyio.to_thread.run_sync(server.wait) == 0, server.log()
+        assert "Traceback" not in server.log()
+        gone = settled_leftovers(root, pid, processes)
+        assert gone.none, gone
+    finally:
+        server.stop()
+    audit = root / "state" / "audit.jsonl"
+    report = verify(audit)
+    assert report.ok, report.first_error
+    answers = short.answers + long.answers
+    answered_calls_are_logged(answers, audit)
+    (cut,) = [r for r in audit_records(audit) if r["event"] == "end" and r["args"].get("command") == LONG_SLEEP]
+    assert (cut["code"], cut["reason"]) == ("UNAVAILABLE", CANCELLED_REASON), cut
