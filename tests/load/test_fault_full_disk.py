@@ -1,0 +1,112 @@
+"""Fault: the state filesystem fills up under three clients, then space comes back.
+
+The state folder is a 4 MiB tmpfs mounted in the test's folder (unmounted in teardown). What this
+proves: once the audit log cannot grow, every call is refused with AUDIT_UNAVAILABLE (fail-closed: a
+refused write_file wrote nothing, a call whose start record made it says it ran), no torn record is left,
+the server answers every request (no traceback, no hang), and once the filler is deleted the same server
+accepts calls again with the chain unbroken. What it does not prove: a disk that fails rather than fills
+(EIO: tests/e2e/test_audit_faults.py shuts an ext4 image down).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import pytest
+from mcp import Client
+
+from bastion.safety.audit import verify
+from tests.helpers import mounts_under
+
+from .fault_server import Load, Served, answered_calls_are_logged, audit_records, fault_config, until
+
+pytestmark = [
+    pytest.mark.anyio,
+    pytest.mark.root,
+    pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root"),
+]
+
+CLIENTS = 3
+RAN_WITHOUT_END = "the operation ran, but its end record could not be written"
+
+
+@pytest.fixture
+def state(tmp_path: Path) -> Iterator[Path]:
+    mountpoint = tmp_path / "state"
+    mountpoint.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=0700", "tmpfs", str(mountpoint)], check=True)
+    yield mountpoint
+    subprocess.run(["umount", "-l", str(mountpoint)], check=False)
+
+
+def _fill(folder: Path) -> None:
+    """Take every free block of the filesystem."""
+    fd = os.open(folder / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        while True:
+            os.write(fd, b"\0" * 65536)
+    except OSError:
+        pass
+    try:
+        while True:
+            os.write(fd, b"\0")
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+async def _writes(load: Load, client: Client, index: int) -> None:
+    count = 0
+    while not load.stop.is_set():
+        count += 1
+        await load.call(client, "write_file", path=f"c{index}-{count}.txt", content="x")
+        await load.call(client, "run_command", command=f"touch r{index}-{count}.txt")
+        await load.call(client, "read_file", path="README.md")
+
+
+async def test_full_state_filesystem_fails_closed_and_recovers(tmp_path: Path, state: Path) -> None:
+    """Invariant: a full state filesystem refuses every call (nothing runs) and the server recovers
+    by itself when space returns, with every answered call logged once and the chain intact."""
+    server = Served(fault_config(tmp_path / "demo", state_dir=state, with_sandboxes=False))
+    server.start()
+    workspace = tmp_path / "demo" / "workspace"
+    audit = state / "audit.jsonl"
+    try:
+        load = Load(server.mcp_url)
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(load.run, CLIENTS, _writes)
+            await until(lambda: len(load.answers) >= 6 * CLIENTS, what="calls before the fault")
+            _fill(state)
+            await until(lambda: load.codes()["AUDIT_UNAVAILABLE"] >= 6 * CLIENTS, what="refusals")
+            refused = [a for a in load.answers if a["code"] == "AUDIT_UNAVAILABLE"]
+            (state / "filler").unlink()
+            ok_again = load.codes()["OK"]
+            await until(lambda: load.codes()["OK"] >= ok_again + 6 * CLIENTS, what="calls after space returned")
+            load.stop.set()
+        assert load.broken == []
+        assert "Traceback" not in server.log()
+    finally:
+        server.stop()
+    assert mounts_under(state) == [str(state)]
+    assert set(load.codes()) == {"OK", "AUDIT_UNAVAILABLE"}, load.codes()
+    assert any("No space left on device" in a["reason"] for a in refused), refused
+    assert all("nothing was done" in a["reason"] or RAN_WITHOUT_END in a["reason"] for a in refused), refused
+    report = verify(audit)
+    assert report.ok, report.first_error
+    answered_calls_are_logged(load.answers, audit, complete=False)
+    records = audit_records(audit)
+    ended = {r["call"] for r in records if r["event"] == "end"}
+    open_starts = [r for r in records if r["event"] == "start" and r["call"] not in ended]
+    assert len(open_starts) == len([a for a in load.answers if RAN_WITHOUT_END in a["reason"]])
+    # What ran is what has a start record: nothing refused ran.
+    started = {r["args"]["path"] for r in records if r["event"] == "start" and r["tool"] == "write_file"}
+    touched = {
+        r["args"]["command"][len("touch ") :] for r in records if r["event"] == "start" and r["tool"] == "run_command"
+    }
+    assert {p.name for p in workspace.glob("c*-*.txt")} == started
+    assert {p.name for p in workspace.glob("r*-*.txt")} == touched
