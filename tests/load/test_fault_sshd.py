@@ -12,6 +12,7 @@ with another host key (tests/gateway/test_gateway_tools.py refuses that).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -48,10 +49,8 @@ def lab(tmp_path: Path) -> Iterator[GatewayLab]:
 
 
 def _signal(pid: int, signum: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signum)
-    except ProcessLookupError:
-        pass
 
 
 def _served_config(lab: GatewayLab) -> Path:
