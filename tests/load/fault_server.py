@@ -296,13 +296,19 @@ def leftovers(folder: Path, server_pid: int, processes: set[tuple[int, str]]) ->
 
 
 def settled_leftovers(folder: Path, server_pid: int, processes: set[tuple[int, str]]) -> Leftovers:
-    """`leftovers` once the kernel has finished tearing the server's processes down (bounded wait)."""
+    """`leftovers` once the kernel has finished ending the server's processes (a bounded wait: mounts
+    and cgroups of a killed server stay until the next start, so only the processes are waited for)."""
     deadline = time.monotonic() + 10
-    found = leftovers(folder, server_pid, processes)
-    while not found.none and time.monotonic() < deadline:
+    while still_alive(processes) and time.monotonic() < deadline:
         time.sleep(0.05)
-        found = leftovers(folder, server_pid, processes)
-    return found
+    return leftovers(folder, server_pid, processes)
+
+
+def open_starts(path: Path) -> list[dict[str, Any]]:
+    """The start records with no end record: calls that were in flight when the server was killed."""
+    records = audit_records(path)
+    ended = {r["call"] for r in records if r["event"] == "end"}
+    return [r for r in records if r["event"] == "start" and r["call"] not in ended]
 
 
 def unmount_all(folder: Path) -> None:

@@ -22,7 +22,7 @@ from mcp import Client
 from bastion.safety.audit import verify
 from tests.helpers import mounts_under
 
-from .fault_server import Load, Served, answered_calls_are_logged, audit_records, fault_config, until
+from .fault_server import Load, Served, answered_calls_are_logged, audit_records, fault_config, open_starts, until
 
 pytestmark = [
     pytest.mark.anyio,
@@ -100,9 +100,7 @@ async def test_full_state_filesystem_fails_closed_and_recovers(tmp_path: Path, s
     assert report.ok, report.first_error
     answered_calls_are_logged(load.answers, audit, complete=False)
     records = audit_records(audit)
-    ended = {r["call"] for r in records if r["event"] == "end"}
-    open_starts = [r for r in records if r["event"] == "start" and r["call"] not in ended]
-    assert len(open_starts) == len([a for a in load.answers if RAN_WITHOUT_END in a["reason"]])
+    assert len(open_starts(audit)) == len([a for a in load.answers if RAN_WITHOUT_END in a["reason"]])
     # What ran is what has a start record: nothing refused ran.
     started = {r["args"]["path"] for r in records if r["event"] == "start" and r["tool"] == "write_file"}
     touched = {

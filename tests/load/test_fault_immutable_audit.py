@@ -22,7 +22,7 @@ from mcp import Client
 
 from bastion.safety.audit import verify
 
-from .fault_server import Load, Served, answered_calls_are_logged, audit_records, fault_config, until
+from .fault_server import Load, Served, answered_calls_are_logged, audit_records, fault_config, open_starts, until
 
 pytestmark = [
     pytest.mark.anyio,
@@ -97,11 +97,10 @@ def _starts_without_end_were_answered_so(load: Load, audit: Path, workspace: Pat
     """A start record with no end is a call that ran and was told so; a refusal that says nothing was
     done left no file."""
     records = audit_records(audit)
-    ended = {r["call"] for r in records if r["event"] == "end"}
-    open_starts = [r for r in records if r["event"] == "start" and r["call"] not in ended]
+    unfinished = open_starts(audit)
     ran = [a for a in load.answers if RAN_WITHOUT_END in a["reason"]]
-    assert len(open_starts) == len(ran), (open_starts, ran)
-    for start in open_starts:
+    assert len(unfinished) == len(ran), (unfinished, ran)
+    for start in unfinished:
         assert (workspace / start["args"]["path"]).exists(), start
     written = {r["args"]["path"] for r in records if r["event"] == "start" and r["tool"] == "write_file"}
     on_disk = {p.name for p in workspace.glob("c*-*.txt")}
