@@ -173,6 +173,14 @@ class Load:
         self.answers.append(payload)
         return payload
 
+    def summary(self, fault: str) -> str:
+        """One line for the fault report (docs/load-report.md): answers by code, slowest answer."""
+        slowest = max((a["duration_ms"] for a in self.answers), default=0.0)
+        codes = ", ".join(f"{code} {n}" for code, n in sorted(self.codes().items()))
+        return (
+            f"fault {fault}: {len(self.answers)} answers ({codes}), slowest {slowest:.0f} ms, broken {len(self.broken)}"
+        )
+
     def codes(self, tool: str | None = None) -> Counter[str]:
         return Counter(a["code"] for a in self.answers if tool is None or a["action"] == tool)
 

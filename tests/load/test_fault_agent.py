@@ -128,3 +128,4 @@ async def test_agent_killed_from_outside_fails_its_sandbox_only(root: Path) -> N
     finally:
         server.stop()
     answered_calls_are_logged(load.answers, root / "state" / "audit.jsonl")
+    print(load.summary("agent killed"))

@@ -99,6 +99,7 @@ async def test_full_state_filesystem_fails_closed_and_recovers(tmp_path: Path, s
     report = verify(audit)
     assert report.ok, report.first_error
     answered_calls_are_logged(load.answers, audit, complete=False)
+    print(load.summary("state filesystem full"))
     records = audit_records(audit)
     assert len(open_starts(audit)) == len([a for a in load.answers if RAN_WITHOUT_END in a["reason"]])
     # What ran is what has a start record: nothing refused ran.

@@ -90,6 +90,7 @@ async def test_immutable_audit_log_fails_closed_and_recovers(root: Path) -> None
     report = verify(audit)
     assert report.ok, report.first_error
     answered_calls_are_logged(load.answers, audit, complete=False)
+    print(load.summary("audit log chattr +i"))
     _starts_without_end_were_answered_so(load, audit, workspace)
 
 

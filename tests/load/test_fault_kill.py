@@ -98,6 +98,7 @@ async def test_kill_9_under_load_then_restart_recovers_everything(root: Path) ->
         assert report.returncode == 0, report.stdout + report.stderr
         audit = root / "state" / "audit.jsonl"
         answered_calls_are_logged(load.answers, audit, complete=False)
+        print(load.summary("kill -9"), f"; {len(open_starts(audit))} calls in flight killed")
         assert len(open_starts(audit)) <= CLIENTS  # at most the one call each client had in flight
         killed = open_starts(audit)
         before = load.answers

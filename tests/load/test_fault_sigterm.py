@@ -95,5 +95,6 @@ async def test_sigterm_under_load_exits_0_and_leaves_nothing(root: Path) -> None
     assert report.ok, report.first_error
     answers = short.answers + long.answers
     answered_calls_are_logged(answers, audit)
+    print(short.summary("SIGTERM (short calls)"), ";", long.summary("SIGTERM (long call)"))
     (cut,) = [r for r in audit_records(audit) if r["event"] == "end" and r["args"].get("command") == LONG_SLEEP]
     assert (cut["code"], cut["reason"]) == ("UNAVAILABLE", CANCELLED_REASON), cut

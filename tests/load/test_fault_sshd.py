@@ -110,3 +110,4 @@ async def test_sshd_stopped_mid_gateway_call_fails_typed_then_recovers(lab: Gate
     report = verify(audit)
     assert report.ok, report.first_error
     answered_calls_are_logged(load.answers, audit)
+    print(load.summary(f"sshd {how}"), f"; slowest as the client saw it {max(timed):.1f} s")
