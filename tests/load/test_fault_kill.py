@@ -1,6 +1,7 @@
 """Fault: `kill -9` of the server while three clients work in their sandboxes, then a restart.
 
-What this proves: the killed server's sandbox processes die with it; the restarted server's crash
+What this proves: the killed server's sandbox processes die with it (a fourth client creating and
+closing sandboxes without pause makes the kill find some half made or half closed); the restarted server's crash
 recovery removes every cgroup, mount and loop device the dead one left, keeps each crashed sandbox's
 workspace as a `recovered` snapshot that restores with its files, and the audit log verifies, with every
 answer a client got present in it exactly once. A torn last line (a write cut by a power loss: kill -9
@@ -72,6 +73,15 @@ async def _work_in_own_sandbox(boxes: dict[int, str], load: Load, client: Client
         assert read["ok"], read
 
 
+async def _churn(load: Load, client: Client, index: int) -> None:
+    """Sandboxes created and closed without pause: the kill finds some half made or half closed."""
+    while True:
+        created = await load.call(client, "create_sandbox", labels={"churn": "yes"})
+        assert created["ok"], created
+        closed = await load.call(client, "close_sandbox", sandbox_id=created["detail"]["sandbox_id"])
+        assert closed["ok"], closed
+
+
 async def test_kill_9_under_load_then_restart_recovers_everything(root: Path) -> None:
     """Invariant: kill -9 under load loses nothing that was answered and leaves nothing after the
     next start: no process, cgroup, mount or loop device of the dead server; every crashed sandbox
@@ -79,15 +89,18 @@ async def test_kill_9_under_load_then_restart_recovers_everything(root: Path) ->
     server = Served(fault_config(root))
     server.start()
     try:
-        load = Load(server.mcp_url)
+        load, churn = Load(server.mcp_url), Load(server.mcp_url)
         boxes: dict[int, str] = {}
         async with anyio.create_task_group() as tasks:
             tasks.start_soon(load.run, CLIENTS, lambda ld, c, i: _work_in_own_sandbox(boxes, ld, c, i))
+            tasks.start_soon(churn.run, 1, _churn)
             await until(lambda: len(boxes) == CLIENTS and len(load.answers) >= CLIENTS * (2 + CALLS_BEFORE_KILL))
+            await until(lambda: len(churn.answers) >= 4, what="sandboxes churned")
             dead_pid, processes = server.pid, descendants(server.pid)
             server.signal(signal.SIGKILL)
         assert server.wait() == -signal.SIGKILL
         assert len(load.broken) == CLIENTS, load.broken  # every session saw the server go
+        assert len(churn.broken) == 1, churn.broken
         gone = settled_leftovers(root, dead_pid, processes)
         assert gone.processes == [], "a sandbox process outlived the server"
         # Its mounts stay until the next start (its cgroups too, unless another server's recovery on
@@ -97,11 +110,16 @@ async def test_kill_9_under_load_then_restart_recovers_everything(root: Path) ->
         report = verify_cli(server.config_path)
         assert report.returncode == 0, report.stdout + report.stderr
         audit = root / "state" / "audit.jsonl"
-        answered_calls_are_logged(load.answers, audit, complete=False)
-        print(load.summary("kill -9"), f"; {len(open_starts(audit))} calls in flight killed")
-        assert len(open_starts(audit)) <= CLIENTS  # at most the one call each client had in flight
+        answered_calls_are_logged(load.answers + churn.answers, audit, complete=False)
+        print(
+            load.summary("kill -9"),
+            ";",
+            churn.summary("kill -9 (create/close churn)"),
+            f"; {len(open_starts(audit))} calls in flight killed",
+        )
+        assert len(open_starts(audit)) <= CLIENTS + 1  # at most the one call each client had in flight
         killed = open_starts(audit)
-        before = load.answers
+        before = load.answers + churn.answers
 
         server.start()  # the same state folder: crash recovery runs at start-up
         assert cgroups_of(dead_pid) == []
@@ -114,7 +132,7 @@ async def test_kill_9_under_load_then_restart_recovers_everything(root: Path) ->
         async with load.session() as client:
             listed = await load.call(client, "list_snapshots")
             recovered = {s["sandbox_id"]: s for s in listed["detail"]["snapshots"] if s["recovered"]}
-            assert set(recovered) == set(boxes.values())
+            assert set(recovered) == set(boxes.values()), listed["detail"]["snapshots"]
             index, box = next(iter(boxes.items()))
             restored = await load.call(client, "restore_sandbox", snapshot_id=recovered[box]["snapshot_id"])
             assert restored["ok"], restored
