@@ -15,6 +15,7 @@ import secrets
 import signal
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -129,3 +130,71 @@ async def test_agent_killed_from_outside_fails_its_sandbox_only(root: Path) -> N
         server.stop()
     answered_calls_are_logged(load.answers, root / "state" / "audit.jsonl")
     print(load.summary("agent killed"))
+
+
+async def test_agent_killed_with_a_terminal_a_background_process_and_code_open(root: Path) -> None:
+    """Invariant: the agent killed while its sandbox holds a terminal (with a read waiting on it), a
+    background process and a code context answers every later call about them with a typed result
+    (never INTERNAL_ERROR), the sandbox works again on its next command, and closing it leaves nothing."""
+    server = Served(fault_config(root))
+    server.start()
+    marker = f"{secrets.randbelow(10**6)}.{secrets.randbelow(10**6):06d}"
+    try:
+        load = Load(server.mcp_url)
+        async with load.session() as client:
+            box = (await load.call(client, "create_sandbox"))["detail"]["sandbox_id"]
+            background = await load.call(
+                client, "run_command", command=f"sleep {marker}", background=True, sandbox_id=box
+            )
+            assert background["ok"], background
+            pid = background["detail"]["pid"]
+            code = await load.call(client, "execute_code", code="x = 41", sandbox_id=box)
+            assert code["ok"], code
+            terminal = await load.call(client, "open_terminal", sandbox_id=box, command="sh")
+            assert terminal["ok"], terminal
+            terminal_id = terminal["detail"]["terminal_id"]
+            waited: dict[str, Any] = {}
+
+            async def read_waiting() -> None:
+                waited.update(
+                    await load.call(
+                        client, "terminal_read", terminal_id=terminal_id, wait_for="never-printed", timeout_s=30
+                    )
+                )
+
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(read_waiting)
+                await until(lambda: len(processes_with(f"sleep\0{marker}")) == 1, what="the background sleep")
+                (sleeper,) = processes_with(f"sleep\0{marker}")
+                os.kill(_agent_above(sleeper), signal.SIGKILL)
+            after = {
+                "terminal_read": waited,
+                "read_process_output": await load.call(client, "read_process_output", pid=pid, sandbox_id=box),
+                "send_process_input": await load.call(client, "send_process_input", pid=pid, data="x", sandbox_id=box),
+                "terminal_send": await load.call(client, "terminal_send", terminal_id=terminal_id, text="echo hi\n"),
+                "execute_code": await load.call(client, "execute_code", code="print(1)", sandbox_id=box),
+                "list_processes": await load.call(client, "list_processes", sandbox_id=box),
+                "close_terminal": await load.call(client, "close_terminal", terminal_id=terminal_id),
+            }
+            assert all(a["code"] != "INTERNAL_ERROR" for a in after.values()), after
+            assert (
+                after["send_process_input"]["reason"]
+                == f"process {pid} has ended with its sandbox: it reads no more input"
+            )
+            assert (
+                after["terminal_send"]["reason"] == f"terminal {terminal_id} has ended with its sandbox: open another"
+            )
+            assert after["execute_code"]["code"] == "CONFLICT"  # a new agent, a new context: restart=true says so
+            assert "restart=true" in after["execute_code"]["reason"]
+            again = await load.call(client, "run_command", command="echo back", sandbox_id=box)
+            assert again["detail"]["stdout"] == "back\n", again
+            assert (await load.call(client, "close_sandbox", sandbox_id=box))["ok"]
+        assert processes_with(f"sleep\0{marker}") == []
+        live_pid, processes = server.pid, descendants(server.pid)
+        server.signal(signal.SIGTERM)
+        assert server.wait() == 0, server.log()
+        assert settled_leftovers(root, live_pid, processes).none
+        assert "internal error" not in server.log()
+    finally:
+        server.stop()
+    answered_calls_are_logged(load.answers, root / "state" / "audit.jsonl")

@@ -2,9 +2,10 @@
 
 What this proves: the server exits 0 within its graceful-shutdown bound (over stdio, which has no
 grace period, too); every call a client got an answer for is in the audit log exactly once, and every
-call that started (a start record) has its end record, including the long command the shutdown cut short; the chain verifies; no process, mount, loop
-device or cgroup of the server is left. What it does not prove: a second SIGTERM during the cleanup (the
-server ignores it: `serve._signals_ignored`), or SIGKILL (test_fault_kill.py).
+call that started (a start record) has its end record, including the long command the shutdown cut
+short; the chain verifies; no process, mount, loop device or cgroup of the server is left. What it does
+not prove: a second SIGTERM during the cleanup (the server ignores it: `serve._signals_ignored`), or
+SIGKILL (test_fault_kill.py).
 """
 
 from __future__ import annotations
