@@ -11,6 +11,7 @@ accepts calls again with the chain unbroken. What it does not prove: a disk that
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +23,18 @@ from mcp import Client
 from bastion.safety.audit import verify
 from tests.helpers import mounts_under
 
-from .fault_server import Load, Served, answered_calls_are_logged, audit_records, fault_config, open_starts, until
+from .fault_server import (
+    Load,
+    Served,
+    answered_calls_are_logged,
+    audit_records,
+    descendants,
+    fault_config,
+    open_starts,
+    settled_leftovers,
+    unmount_all,
+    until,
+)
 
 pytestmark = [
     pytest.mark.anyio,
@@ -109,3 +121,62 @@ async def test_full_state_filesystem_fails_closed_and_recovers(tmp_path: Path, s
     }
     assert {p.name for p in workspace.glob("c*-*.txt")} == started
     assert {p.name for p in workspace.glob("r*-*.txt")} == touched
+
+
+@pytest.fixture
+def big_state(tmp_path: Path) -> Iterator[Path]:
+    mountpoint = tmp_path / "state"
+    mountpoint.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=96m,mode=0711", "tmpfs", str(mountpoint)], check=True)
+    yield mountpoint
+    unmount_all(tmp_path)
+
+
+async def _churn(load: Load, client: Client, index: int) -> None:
+    while not load.stop.is_set():
+        created = await load.call(client, "create_sandbox")
+        if created["ok"]:
+            box = created["detail"]["sandbox_id"]
+            await load.call(client, "write_file", path="f.txt", content="x" * 1000, sandbox_id=box)
+            await load.call(client, "close_sandbox", sandbox_id=box)
+
+
+@pytest.mark.bwrap
+async def test_full_state_filesystem_with_sandboxes_refuses_and_leaves_no_half_made_sandbox(
+    tmp_path: Path, big_state: Path
+) -> None:
+    """Invariant: sandboxes created and closed without pause while the state filesystem (which holds
+    their disk images) fills: every call is OK or a typed refusal, the warm pool's failed refills
+    leave no mount, loop device or folder behind, creating works again once space returns, and the
+    server stops with nothing left."""
+    config = fault_config(tmp_path / "demo", state_dir=big_state)
+    text = config.read_text().replace("disk_bytes = 2147483648", "disk_bytes = 33554432")
+    config.write_text(text.replace("state_reserve_bytes = 268435456", "state_reserve_bytes = 0"))
+    server = Served(config)
+    server.start()
+    try:
+        load = Load(server.mcp_url)
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(load.run, CLIENTS, _churn)
+            await until(lambda: load.codes("close_sandbox")["OK"] >= 2 * CLIENTS, what="sandboxes before the fault")
+            _fill(big_state)
+            await until(lambda: load.codes()["AUDIT_UNAVAILABLE"] >= 3 * CLIENTS, what="refusals")
+            (big_state / "filler").unlink()
+            ok_again = load.codes("close_sandbox")["OK"]
+            await until(lambda: load.codes("close_sandbox")["OK"] >= ok_again + 2 * CLIENTS, 30, "sandboxes after")
+            load.stop.set()
+        assert load.broken == []
+        pid, processes = server.pid, descendants(server.pid)
+        server.signal(signal.SIGTERM)
+        assert server.wait() == 0, server.log()
+    finally:
+        server.stop()
+    print(load.summary("state filesystem full, with sandboxes"))
+    assert "Traceback" not in server.log()
+    assert "INTERNAL_ERROR" not in load.codes(), load.codes()
+    gone = settled_leftovers(tmp_path, pid, processes)
+    assert (gone.processes, gone.loops, gone.cgroups) == ([], [], []), gone
+    assert gone.mounts == [str(big_state)], gone.mounts
+    assert [p.name for p in (big_state / "sandboxes").iterdir() if p.name.startswith("sb-")] == []
+    assert verify(big_state / "audit.jsonl").ok
+    answered_calls_are_logged(load.answers, big_state / "audit.jsonl", complete=False)
