@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 from collections.abc import Iterator
@@ -48,7 +49,8 @@ pytestmark = [
 ]
 
 CLIENTS = 3
-LONG_SLEEP = "sleep 24.75"  # longer than the 2 s graceful shutdown; unique on this machine's process list
+# Longer than the 2 s graceful shutdown; a duration no other run on this machine sleeps (it is looked for by name).
+LONG_SLEEP = f"sleep 24.{secrets.randbelow(10**9):09d}"
 
 
 @pytest.fixture
