@@ -170,6 +170,7 @@ class Load:
         assert result.is_error is (not payload["ok"]), payload
         OperationResult.model_validate(payload)
         assert "Traceback" not in json.dumps(payload), payload
+        assert payload["code"] != "INTERNAL_ERROR", payload  # an unexpected exception in the server
         self.answers.append(payload)
         return payload
 
@@ -195,7 +196,18 @@ class Load:
             async with self.session() as client:
                 await work(self, client, index)
         except Exception as exc:  # the session broke (the server died): kept, and the client stops
+            if _failed_check(exc):
+                raise  # a client's own assertion is the test failing, never a broken session
             self.broken.append(f"client {index}: {type(exc).__name__}: {exc}")
+
+
+def _failed_check(exc: BaseException) -> bool:
+    """Whether `exc` is (or holds, in an exception group) an AssertionError."""
+    if isinstance(exc, AssertionError):
+        return True
+    if isinstance(exc, BaseExceptionGroup):
+        return any(_failed_check(inner) for inner in exc.exceptions)
+    return False
 
 
 async def until(predicate: Callable[[], bool], timeout_s: float = 20.0, what: str = "condition") -> None:
@@ -215,6 +227,13 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float = 20.0, what: str
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
         time.sleep(0.02)
+
+
+def internal_errors(log: str) -> list[str]:
+    """The server log's lines about unexpected exceptions: a tool's internal error (its traceback is
+    logged as one line), one the ASGI server caught, or a plain traceback."""
+    markers = ("internal error in", "Exception in ASGI application", "Traceback (most recent call last)")
+    return [line for line in log.splitlines() if any(marker in line for marker in markers)]
 
 
 # --- what a server leaves behind --------------------------------------------------------------

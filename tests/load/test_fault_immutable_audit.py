@@ -22,7 +22,16 @@ from mcp import Client
 
 from bastion.safety.audit import verify
 
-from .fault_server import Load, Served, answered_calls_are_logged, audit_records, fault_config, open_starts, until
+from .fault_server import (
+    Load,
+    Served,
+    answered_calls_are_logged,
+    audit_records,
+    fault_config,
+    internal_errors,
+    open_starts,
+    until,
+)
 
 pytestmark = [
     pytest.mark.anyio,
@@ -82,6 +91,7 @@ async def test_immutable_audit_log_fails_closed_and_recovers(root: Path) -> None
             await until(lambda: load.codes()["OK"] >= ok_again + 4 * CLIENTS, what="calls after chattr -i")
             load.stop.set()
         assert load.broken == []
+        assert internal_errors(server.log()) == []
     finally:
         server.stop()
     assert set(load.codes()) == {"OK", "AUDIT_UNAVAILABLE"}, load.codes()

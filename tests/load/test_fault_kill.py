@@ -32,6 +32,7 @@ from .fault_server import (
     cgroups_of,
     descendants,
     fault_config,
+    internal_errors,
     loops_under,
     open_starts,
     settled_leftovers,
@@ -145,6 +146,8 @@ async def test_kill_9_under_load_then_restart_recovers_everything(root: Path) ->
         assert settled_leftovers(root, dead_pid, set()).none
     finally:
         server.stop()
+    for started in (1, 2):
+        assert internal_errors((root / f"server-{started}.log").read_text()) == []
     chain = verify(audit)
     assert chain.ok, chain.first_error
     answered_calls_are_logged(before + load.answers, audit, complete=False)

@@ -27,6 +27,7 @@ from mcp import Client
 
 from bastion.safety.audit import verify
 from bastion.tools._call import CANCELLED_REASON
+from bastion.transports.http.connections import CANCELLED_AT_SHUTDOWN
 from tests.helpers import BASTION, INITIALIZE_REQUEST, processes_with
 
 from .fault_server import (
@@ -36,6 +37,7 @@ from .fault_server import (
     audit_records,
     descendants,
     fault_config,
+    internal_errors,
     settled_leftovers,
     unmount_all,
     until,
@@ -93,7 +95,8 @@ async def test_sigterm_under_load_exits_0_and_leaves_nothing(root: Path) -> None
             pid, processes = server.pid, descendants(server.pid)
             server.signal(signal.SIGTERM)
             assert await anyio.to_thread.run_sync(server.wait) == 0, server.log()
-        assert "Traceback" not in server.log()
+        assert internal_errors(server.log()) == []
+        assert f"INFO uvicorn.error: {CANCELLED_AT_SHUTDOWN}" in server.log()
         gone = settled_leftovers(root, pid, processes)
         assert gone.none, gone
     finally:
