@@ -44,11 +44,9 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def fault_config(
-    root: Path, *, state_dir: Path | None = None, sandboxes: str = "", top: str = "", with_sandboxes: bool = True
-) -> Path:
-    """The demo config, served over HTTP on a free loopback port with auth off; `sandboxes` and `top`
-    are TOML lines added to `[sandboxes]` and to the top level."""
+def fault_config(root: Path, *, state_dir: Path | None = None, with_sandboxes: bool = True) -> Path:
+    """The demo config (`bastion init`), served over HTTP on a free loopback port with auth off and
+    INFO logging; the state folder moved to `state_dir` if given."""
     path = init_demo(root)
     port = free_port()
     text = path.read_text()
@@ -56,12 +54,11 @@ def fault_config(
     text = text.replace('public_url = "http://127.0.0.1:8765"', f'public_url = "http://127.0.0.1:{port}"')
     text = text.replace("[http]\n", "[http]\nauth = false\n", 1)
     text = text.replace('log_level = "WARNING"', 'log_level = "INFO"')
-    text = text.replace(
-        "[sandboxes]\nenabled = true\n", f"[sandboxes]\nenabled = {str(with_sandboxes).lower()}\n{sandboxes}\n", 1
-    )
+    if not with_sandboxes:
+        text = text.replace("[sandboxes]\nenabled = true\n", "[sandboxes]\nenabled = false\n", 1)
     if state_dir is not None:
         text = text.replace('state_dir = "state"', f'state_dir = "{state_dir}"')
-    path.write_text(f"{top}\n{text}" if top else text)
+    path.write_text(text)
     return path
 
 
