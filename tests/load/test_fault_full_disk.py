@@ -39,6 +39,7 @@ from .fault_server import (
 
 pytestmark = [
     pytest.mark.anyio,
+    pytest.mark.bwrap,
     pytest.mark.root,
     pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root"),
 ]
@@ -142,7 +143,6 @@ async def _churn(load: Load, client: Client, index: int) -> None:
             await load.call(client, "close_sandbox", sandbox_id=box)
 
 
-@pytest.mark.bwrap
 async def test_full_state_filesystem_with_sandboxes_refuses_and_leaves_no_half_made_sandbox(
     tmp_path: Path, big_state: Path
 ) -> None:

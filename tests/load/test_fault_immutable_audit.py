@@ -35,6 +35,7 @@ from .fault_server import (
 
 pytestmark = [
     pytest.mark.anyio,
+    pytest.mark.bwrap,
     pytest.mark.root,
     pytest.mark.skipif(os.geteuid() != 0, reason="chattr +i needs CAP_LINUX_IMMUTABLE"),
     pytest.mark.skipif(shutil.which("chattr") is None, reason="chattr (e2fsprogs) is not installed"),
