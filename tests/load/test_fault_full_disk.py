@@ -181,3 +181,51 @@ async def test_full_state_filesystem_with_sandboxes_refuses_and_leaves_no_half_m
     assert [p.name for p in (big_state / "sandboxes").iterdir() if p.name.startswith("sb-")] == []
     assert verify(big_state / "audit.jsonl").ok
     answered_calls_are_logged(load.answers, big_state / "audit.jsonl", complete=False)
+
+
+async def test_kill_9_on_a_full_state_filesystem_recovers_once_space_returns(tmp_path: Path, big_state: Path) -> None:
+    """Invariant: a server killed while the state filesystem is full restarts (recovery keeps each
+    crashed workspace as it is rather than fail the start, one error line each); after space returns,
+    the next start makes them `recovered` snapshots with their files; nothing is left at the end."""
+    config = fault_config(tmp_path / "demo", state_dir=big_state)
+    text = config.read_text().replace("disk_bytes = 2147483648", "disk_bytes = 33554432")
+    config.write_text(text.replace("state_reserve_bytes = 268435456", "state_reserve_bytes = 0"))
+    server = Served(config)
+    server.start()
+    try:
+        load = Load(server.mcp_url)
+        boxes: list[str] = []
+
+        async def work(load: Load, client: Client, index: int) -> None:
+            box = (await load.call(client, "create_sandbox"))["detail"]["sandbox_id"]
+            assert (await load.call(client, "write_file", path="kept.txt", content=box, sandbox_id=box))["ok"]
+            boxes.append(box)
+
+        await load.run(CLIENTS, work)
+        _fill(big_state)
+        server.signal(signal.SIGKILL)
+        server.wait()
+        server.start()  # on the full disk
+        kept = [line for line in server.log().splitlines() if "left by a crash kept as is" in line]
+        assert len(kept) == CLIENTS, server.log()
+        server.signal(signal.SIGTERM)
+        assert server.wait() == 0
+        (big_state / "filler").unlink()
+        server.start()
+        async with load.session() as client:
+            listed = await load.call(client, "list_snapshots")
+            recovered = {s["sandbox_id"]: s["snapshot_id"] for s in listed["detail"]["snapshots"] if s["recovered"]}
+            assert set(recovered) == set(boxes)
+            restored = await load.call(client, "restore_sandbox", snapshot_id=recovered[boxes[0]])
+            back = await load.call(client, "read_file", path="kept.txt", sandbox_id=restored["detail"]["sandbox_id"])
+            assert back["detail"]["content"] == boxes[0]
+        pid, processes = server.pid, descendants(server.pid)
+        server.signal(signal.SIGTERM)
+        assert server.wait() == 0, server.log()
+    finally:
+        server.stop()
+    print(load.summary("kill -9 on a full state filesystem"))
+    gone = settled_leftovers(tmp_path, pid, processes)
+    assert (gone.processes, gone.loops, gone.cgroups) == ([], [], []), gone
+    assert gone.mounts == [str(big_state)], gone.mounts
+    assert verify(big_state / "audit.jsonl").ok
