@@ -3,7 +3,10 @@
 What this proves: the command in flight in that sandbox is answered UNAVAILABLE (a typed error, not a
 hang or a traceback) and dies with the agent, the other clients' sandboxes answer every call OK
 throughout, the server goes on, the hit sandbox's next call starts a new agent over the same files,
-and the sandbox still closes cleanly with nothing left (process, mount, loop device, cgroup).
+and the sandbox still closes cleanly with nothing left (process, mount, loop device, cgroup); with a
+terminal, a background process and a code context open, every later call about them is a typed
+answer. (From inside, a command cannot do this: the agent is PID 1 of the sandbox's PID namespace,
+which ignores SIGKILL sent from within it; `kill -9 -1` there ends only the sandbox's own commands.)
 What it does not prove: an agent that stays alive but stops answering (the 5-second kill confirmation
 in `WarmSandbox` covers that).
 """
