@@ -89,6 +89,20 @@ def test_unusable_audit_log(demo_config: Config, demo_config_path: Path) -> None
     assert_nothing_open(demo_config, demo_config_path.parent, threads)
 
 
+def test_state_database_that_cannot_be_opened_stops_the_start_with_one_line(
+    demo_config: Config, demo_config_path: Path
+) -> None:
+    """Invariant: a `bastion.db` SQLite cannot use (here not a database; on a full state filesystem,
+    "disk I/O error" when its WAL cannot grow, seen by tests/load/test_fault_full_disk.py) stops the
+    start with one line saying what to do, not a traceback, and leaves nothing open or mounted."""
+    demo_config.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    demo_config.db_path.write_bytes(b"not a database, " * 512)
+    demo_config.db_path.chmod(0o600)
+    threads = set(threading.enumerate())
+    refused(demo_config, r"database .*bastion\.db cannot be opened \(file is not a database\): free space on")
+    assert_nothing_open(demo_config, demo_config_path.parent, threads)
+
+
 def test_journal_held_by_another_holder(demo_config: Config, demo_config_path: Path) -> None:
     [inbox] = demo_config.inbox
     holder = Journal(journal_path(demo_config.state_dir, inbox.id))

@@ -192,3 +192,22 @@ def test_leftovers_are_named(tmp_path: Path) -> None:
     finally:
         child.kill()
         child.wait()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the disk quota (and so this check) needs root")
+def test_sandbox_disks_that_overcommit_the_state_filesystem_are_a_warning(
+    capsys: pytest.CaptureFixture[str], demo_config_path: Path
+) -> None:
+    """Invariant: when max_sandboxes x disk_bytes cannot fit on the state filesystem (the images are
+    sparse), the doctor warns that one agent filling its disk can stop every call, and says how to fix
+    it; with room enough it says so. Seen by the fault tests (issue 19): SECURITY.md, "Limits"."""
+    text = demo_config_path.read_text()
+    demo_config_path.write_text(text.replace("max_sandboxes = 16", "max_sandboxes = 10000"))
+    code, checks, _ = _doctor(capsys, "--config", str(demo_config_path))
+    status, detail = checks["state-room"]
+    assert (code, status) == (0, "warn"), detail
+    assert detail.startswith("10001 sandboxes x 2 GiB + the 256 MiB reserve = "), detail
+    assert "holds the audit log too: one agent filling its disk can stop every call" in detail
+    demo_config_path.write_text(text.replace("max_sandboxes = 16", "max_sandboxes = 1"))
+    _, checks, _ = _doctor(capsys, "--config", str(demo_config_path))
+    assert checks["state-room"][0] == "ok", checks["state-room"]

@@ -225,7 +225,36 @@ def _quota_checks(config: Config) -> list[Check]:
     except ConfigError as exc:
         return [Check("disk-quota", "FAIL", str(exc))]
     size = _size(sandboxes.limits.disk_bytes)
-    return [Check("disk-quota", "ok", f"each sandbox's /workspace is a filesystem of {size}: writes past it fail")]
+    quota = Check("disk-quota", "ok", f"each sandbox's /workspace is a filesystem of {size}: writes past it fail")
+    return [quota, _state_room_check(config)]
+
+
+def _state_room_check(config: Config) -> Check:
+    """Whether every sandbox's disk fits on the state filesystem. The images are sparse: disks that do
+    not fit let one agent fill that filesystem, and the audit log too if it is there (SECURITY.md)."""
+    sandboxes = config.sandboxes
+    count = sandboxes.max_sandboxes + sandboxes.warm_pool
+    needed = count * sandboxes.limits.disk_bytes + sandboxes.state_reserve_bytes
+    folder = _existing_ancestor(config.sandboxes_dir)
+    try:
+        st = os.statvfs(folder)
+        shared = os.stat(folder).st_dev == os.stat(_existing_ancestor(config.audit_path.parent)).st_dev
+    except OSError as exc:
+        return Check("state-room", "warn", f"{folder} cannot be examined: {exc.strerror or exc}")
+    free = st.f_bavail * st.f_frsize
+    summary = (
+        f"{count} sandboxes x {_size(sandboxes.limits.disk_bytes)} + the {_size(sandboxes.state_reserve_bytes)} "
+        f"reserve = {_size(needed)}"
+    )
+    if needed <= free:
+        return Check("state-room", "ok", f"{summary}: fits in the {_size(free)} free under {folder}")
+    harm = (
+        "which holds the audit log too: one agent filling its disk can stop every call"
+        if shared
+        else "so one agent filling its disk can stop the others' disk writes"
+    )
+    fix = "give it more room, lower disk_bytes or max_sandboxes, or move [audit] path to another filesystem"
+    return Check("state-room", "warn", f"{summary}, more than the {_size(free)} free under {folder}, {harm}: {fix}")
 
 
 def _identity_checks(config: Config) -> list[Check]:

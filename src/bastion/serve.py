@@ -325,11 +325,13 @@ class _Front:
     """The HTTP front's apps, built over `services`: uvicorn settings per listener and the auth store."""
 
     def __init__(self, services: Services, listeners: _Listeners, listen: str | None) -> None:
+        from bastion.transports.http import connections
         from bastion.transports.http.app import build_http_app, build_preview_app
         from bastion.transports.http.preview import HideTokens
 
         http = services.config.http
         built = build_http_app(services, build_server(services, caller="http"), listen=listen)
+        logging.getLogger("uvicorn.error").addFilter(connections.ShutdownCancels())
         self.store = built.store
         self.endpoints = built.endpoints
         self.main = _uvicorn_config(built.app, http, listeners.listen, listeners.limits, preview=False)

@@ -226,6 +226,10 @@ class GatewayLab:
                 self.process.wait()
         shutil.rmtree(self.keys_dir, ignore_errors=True)
 
+    def restart_sshd(self) -> None:
+        """Start the lab's sshd again after a test ended it (same config, port, keys and log)."""
+        self.process = _start_sshd(self.root / "sshd_config", self.sshd_log, self.port)
+
     @classmethod
     def start(cls, root: Path) -> GatewayLab:
         if not os.path.exists(SSHD):

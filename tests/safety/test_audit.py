@@ -668,3 +668,19 @@ def test_audit_end_record_failure_says_the_operation_ran(log: AuditLog, log_path
         assert reason.startswith("the operation ran, but its end record could not be written (audit log unavailable: ")
         assert reason.endswith("); the audit log is unavailable until that is fixed")
         assert "nothing was done" not in reason
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chattr +i needs CAP_LINUX_IMMUTABLE")
+def test_immutable_log_refuses_with_the_fix_then_accepts_again(log: AuditLog, log_path: Path) -> None:
+    """Invariant: a log made immutable (chattr +i) under the open writer refuses each record with a
+    line naming the attribute and the fix, and accepts records again once it is cleared, chain intact."""
+    _write(log, 2)
+    subprocess.run(["chattr", "+i", str(log_path)], check=True)
+    try:
+        with pytest.raises(AuditUnavailable, match=r"is immutable \(chattr \+i\): run `chattr -i` on it; nothing"):
+            log.append({"action": "run_command"})
+    finally:
+        subprocess.run(["chattr", "-i", str(log_path)], check=True)
+    _write(log, 1)
+    report = verify(log_path)
+    assert (report.ok, report.records) == (True, 3)

@@ -484,3 +484,24 @@ async def test_create_while_the_pool_refills_takes_the_sandbox_being_started(ser
     assert {second.id} == starting
     for box in (first, second):
         await manager.close(box.id)
+
+
+@pytest.mark.parametrize(("inside", "kept"), [((), False), (("note.txt",), True)], ids=["empty", "holding-a-file"])
+def test_recovery_makes_no_snapshot_of_a_disk_caught_before_lost_found_was_removed(
+    demo_config_path: Path, inside: tuple[str, ...], kept: bool
+) -> None:
+    """Invariant: a crashed sandbox whose workspace holds only an empty `lost+found` (kill -9
+    between mkfs and make_disk's rmdir, seen under load) is discarded without a `recovered`
+    snapshot; a `lost+found` holding a file is kept, as any other file is."""
+    config = load_config(demo_config_path)
+    orphan = config.sandboxes_dir / "sb-0123456789ab" / "workspace"
+    (orphan / "lost+found").mkdir(parents=True)
+    for name in inside:
+        (orphan / "lost+found" / name).write_text("kept\n")
+    services = build_services(config)
+    try:
+        recovered = [s.metadata.get("sandbox_id") for s in services.sandboxes.snapshots()]
+    finally:
+        services.close()
+    assert recovered == (["sb-0123456789ab"] if kept else [])
+    assert not orphan.parent.exists()

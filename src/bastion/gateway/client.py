@@ -53,6 +53,21 @@ def _host_key_algs(pinned: asyncssh.SSHKey) -> list[str]:
     return list(dict.fromkeys(alg.decode("ascii") for alg in algs))
 
 
+def _lost_connection(group: ExceptionGroup[Exception]) -> Exception:
+    """The first SSH or socket error in the drains' failure, or the group itself if it holds another."""
+    leaves: list[Exception] = []
+    pending: list[Exception] = [group]
+    while pending:
+        error = pending.pop()
+        if isinstance(error, ExceptionGroup):
+            pending.extend(reversed(error.exceptions))
+        else:
+            leaves.append(error)
+    if all(isinstance(leaf, asyncssh.Error | OSError) for leaf in leaves):
+        return leaves[0]
+    return group
+
+
 class GatewayClient:
     """Sends checked literals to one gateway over a reused SSH connection."""
 
@@ -170,8 +185,29 @@ class GatewayClient:
         return GatewayOutput(exit_status=exit_status, stdout=stdout, stderr=stderr, truncated=truncated)
 
     async def _run(self, conn: asyncssh.SSHClientConnection, literal: str) -> tuple[int, bytes, bytes, bool]:
+        opened: list[asyncssh.SSHClientProcess[bytes]] = []
+        try:
+            with anyio.fail_after(self.config.call_timeout_s):
+                # The open too: a hung host (frozen, or a network dropping packets) never confirms the channel.
+                opened.append(await self._open(conn, literal))
+                out, err, truncated = await self._drain(opened[0])
+                await opened[0].wait_closed()
+        except TimeoutError:
+            for process in opened:
+                process.close()
+            raise Timeout(
+                f"gateway {self.config.name!r} gave no result within {self.config.call_timeout_s:g} s; "
+                "the action may still be running there, up to the host's own time limit"
+            ) from None
+        status = opened[0].exit_status
+        if status is None:
+            signal = opened[0].exit_signal
+            status = 128 + 9 if signal else 255
+        return status, out, err, truncated
+
+    async def _drain(self, process: asyncssh.SSHClientProcess[bytes]) -> tuple[bytes, bytes, bool]:
+        """Read both streams to their end, keeping at most the cap (plus the redaction margin) of each."""
         cap = self.config.max_output_bytes + _REDACT_MARGIN
-        process = await self._open(conn, literal)
         buffers: dict[str, bytearray] = {"out": bytearray(), "err": bytearray()}
         truncated = False
 
@@ -184,22 +220,13 @@ class GatewayClient:
                 buffers[name] += chunk[: max(room, 0)]
 
         try:
-            with anyio.fail_after(self.config.call_timeout_s):
-                async with anyio.create_task_group() as tasks:
-                    tasks.start_soon(drain, "out", process.stdout)
-                    tasks.start_soon(drain, "err", process.stderr)
-                await process.wait_closed()
-        except TimeoutError:
-            process.close()
-            raise Timeout(
-                f"gateway {self.config.name!r} gave no result within {self.config.call_timeout_s:g} s; "
-                "the action may still be running there, up to the host's own time limit"
-            ) from None
-        status = process.exit_status
-        if status is None:
-            signal = process.exit_signal
-            status = 128 + 9 if signal else 255
-        return status, bytes(buffers["out"]), bytes(buffers["err"]), truncated
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(drain, "out", process.stdout)
+                tasks.start_soon(drain, "err", process.stderr)
+        except ExceptionGroup as group:
+            # The connection lost mid-read fails both drains: answer it as the one loss it is.
+            raise _lost_connection(group) from None
+        return bytes(buffers["out"]), bytes(buffers["err"]), truncated
 
     async def _open(self, conn: asyncssh.SSHClientConnection, literal: str) -> asyncssh.SSHClientProcess[bytes]:
         """Open the session, waiting out sshd's slow release of finished ones.

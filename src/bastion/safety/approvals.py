@@ -38,7 +38,7 @@ from typing import Final, Literal, cast
 
 import anyio
 
-from bastion.safety.errors import ApprovalDenied, Conflict, InvalidRequest, NeedsApproval, NotFound
+from bastion.safety.errors import ApprovalDenied, ConfigError, Conflict, InvalidRequest, NeedsApproval, NotFound
 
 logger = logging.getLogger("bastion.approvals")
 
@@ -94,6 +94,12 @@ class Approval:
         return asdict(self)
 
 
+def database_problem(path: Path, exc: OSError | sqlite3.Error) -> str:
+    """The one line a start refused by the state database prints (a full state filesystem, a bad file)."""
+    why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    return f"database {path} cannot be opened ({why}): free space on its filesystem, or move the file aside"
+
+
 class ApprovalQueue:
     """A persisted queue of actions waiting for a human decision.
 
@@ -113,11 +119,14 @@ class ApprovalQueue:
         self.db_path = Path(db_path)
         self.webhook_url = webhook_url
         self._clock = clock
-        self.db_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        self.db_path.touch(mode=0o600, exist_ok=True)
-        with self._connect() as db:
-            db.execute("PRAGMA journal_mode=WAL")
-            db.executescript(_SCHEMA)
+        try:
+            self.db_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self.db_path.touch(mode=0o600, exist_ok=True)
+            with self._connect() as db:
+                db.execute("PRAGMA journal_mode=WAL")
+                db.executescript(_SCHEMA)
+        except (OSError, sqlite3.Error) as exc:
+            raise ConfigError(database_problem(self.db_path, exc)) from None
 
     @contextmanager
     def _connect(self) -> Iterator[sqlite3.Connection]:

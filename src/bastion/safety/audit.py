@@ -28,6 +28,7 @@ What it does not guarantee:
 
 from __future__ import annotations
 
+import array
 import errno
 import fcntl
 import hashlib
@@ -60,6 +61,8 @@ CHAIN_FIELDS: Final = frozenset({"id", "seq", "ts", "prev"})
 
 _OPEN_FLAGS: Final = os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
 _TAIL_READ_BYTES: Final = 64 * 1024
+_FS_IOC_GETFLAGS: Final = 0x80086601  # _IOR('f', 1, long), include/uapi/linux/fs.h; the kernel copies an int
+_FS_IMMUTABLE_FL: Final = 0x10
 NOTHING_DONE: Final = "nothing was done"
 _KNOWN_KEYS: Final = 4096  # keys remembered by `AuditLog._key`; past it, new keys are cleaned each time
 INLINE_SYNC_MAX_S: Final = 0.001
@@ -436,6 +439,8 @@ class AuditLog:
             self.syncs += 1
         except OSError as exc:
             message = f"audit log unavailable: {exc.strerror or exc}"
+            if exc.errno == errno.EPERM and _immutable(fd):
+                message = f"audit log unavailable: {self._path} is immutable (chattr +i): run `chattr -i` on it"
             self._undo(fd)
             return message
         return None
@@ -499,6 +504,16 @@ def _failure(cause: str, *, ran: bool) -> str:
             "the audit log is unavailable until that is fixed"
         )
     return f"{cause}; {NOTHING_DONE}"
+
+
+def _immutable(fd: int) -> bool:
+    """Whether the file has the immutable attribute (chattr +i): every write then fails with EPERM."""
+    flags = array.array("i", [0])
+    try:
+        fcntl.ioctl(fd, _FS_IOC_GETFLAGS, flags)
+    except OSError:  # a filesystem without attributes: not immutable
+        return False
+    return bool(flags[0] & _FS_IMMUTABLE_FL)
 
 
 def _path_problem(path: Path, ident: tuple[int, int]) -> str | None:

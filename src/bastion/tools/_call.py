@@ -8,6 +8,9 @@ operation ran and its end record is missing. A read-only call writes only the
 `end` record, and its answer is withheld if that write fails.
 Any exception that is not a `BastionError` becomes INTERNAL_ERROR with an
 incident id: the traceback goes to the server log, never to the client.
+A call cancelled mid-operation (graceful shutdown past its bound, a client
+gone) still writes its end record, shielded, with UNAVAILABLE and
+`CANCELLED_REASON`, then lets the cancellation go on.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
 
+import anyio
 from mcp.server.auth.middleware.auth_context import get_access_token
 from mcp_types import ImageContent
 
@@ -40,6 +44,7 @@ class Outcome:
 
 
 Operation = Callable[[], Awaitable[OperationResult | Outcome]]
+CANCELLED_REASON: Final = "cancelled before it finished (the server is stopping or the client went away)"
 UNNAMED: Final = ""
 UNKNOWN_TOOL: Final = "(unknown)"
 """The metrics label of a call to a tool this server does not have: a client's name never becomes a label."""
@@ -114,7 +119,11 @@ class CallRunner:
                 await self._record({**base, "event": "start"})
             except AuditUnavailable as exc:
                 return self._finish(OperationResult.failure(action, exc.code, exc.reason), started, None)
-        result, files, internal = await self._execute(action, operation)
+        try:
+            result, files, internal = await self._execute(action, operation)
+        except anyio.get_cancelled_exc_class():
+            await self._record_cancelled(base, started, mutating=mutating)
+            raise
         end: dict[str, object] = {
             **base,
             "event": "end",
@@ -131,6 +140,23 @@ class CallRunner:
         except AuditUnavailable as exc:
             return self._finish(OperationResult.failure(action, exc.code, exc.reason), started, None)
         return self._finish(result, started, audit_id)
+
+    async def _record_cancelled(self, base: Mapping[str, object], started: float, *, mutating: bool) -> None:
+        """A call cancelled mid-operation (the server stopping, or its client gone) still gets its end
+        record: without it the log would show a start and never say how the call ended."""
+        end = {
+            **base,
+            "event": "end",
+            "code": ResultCode.UNAVAILABLE.value,
+            "reason": CANCELLED_REASON,
+            "duration_ms": round((time.perf_counter() - started) * 1000, 3),
+            "files": [],
+        }
+        with anyio.CancelScope(shield=True):
+            try:
+                await self._record(end, ran=mutating)
+            except AuditUnavailable as exc:
+                logger.error("the end record of a cancelled %s call was not written: %s", base["tool"], exc.reason)
 
     async def refuse(self, action: str, arguments: Mapping[str, object], error: BastionError) -> OperationResult:
         """Record and return a refusal made before the tool's own code ran (unknown tool, bad arguments)."""

@@ -147,7 +147,7 @@ class BackgroundProcesses:
         if len(raw) > MAX_INPUT_BYTES:
             raise ResourceLimit(f"data is {len(raw)} bytes, over {MAX_INPUT_BYTES} per call: send it in parts")
         if record.process.exited:
-            raise Conflict(f"process {pid} has exited (status {record.process.status}): it reads no more input")
+            raise Conflict(f"process {pid} has {_ended(record.process.status)}: it reads no more input")
         if self._sandbox.paused:
             raise Conflict("the sandbox is paused: resume it first")
         written = await record.process.write(raw, timeout_s=INPUT_TIMEOUT_S) if raw else 0
@@ -202,3 +202,8 @@ def _clean_more(record: Background, budget: int) -> None:
         if raw or final:
             record.flushed[stream] = final
             record.log.append(stream, record.cleaners[stream].feed(raw, final=final))
+
+
+def _ended(status: int | None) -> str:
+    """How a process ended, for a refusal: no status means it ended with its sandbox (agent gone)."""
+    return "ended with its sandbox" if status is None else f"exited (status {status})"

@@ -821,7 +821,7 @@ class SandboxManager:
                         logger.error("sandbox %s left by a crash kept as is: %s", root.name, exc.reason)
                         continue
                 # An empty workspace (a warm-pool sandbox never handed out) has nothing to keep.
-                if workspace.is_dir() and not workspace.is_symlink() and any(workspace.iterdir()):
+                if workspace.is_dir() and not workspace.is_symlink() and _holds_files(workspace):
                     metadata = {"sandbox_id": root.name, "recovered": "true"}
                     try:
                         info = create_snapshot(
@@ -993,6 +993,23 @@ def _lower_priority() -> None:
     thread (setpriority with 0 is the calling thread); mkfs and mount inherit it."""
     with contextlib.suppress(OSError):
         os.setpriority(os.PRIO_PROCESS, 0, _FOLDER_NICE)
+
+
+def _holds_files(workspace: Path) -> bool:
+    """Whether a crashed sandbox's workspace has anything to keep. A disk the crash caught between
+    `make_disk`'s mkfs and its removal of the empty `lost+found` holds nothing (kill -9 under load
+    made such snapshots, one per crash, kept for `orphan_retention_s`)."""
+    entries = []
+    for entry in workspace.iterdir():
+        entries.append(entry)
+        if len(entries) > 1:
+            return True
+    if not entries:
+        return False
+    (only,) = entries
+    if only.name != "lost+found" or only.is_symlink() or not only.is_dir():
+        return True
+    return any(only.iterdir())
 
 
 def _discard(root: Path) -> None:

@@ -522,7 +522,8 @@ class Terminals:
         if not data:
             raise InvalidRequest("nothing to send: give text, keys, or both")
         if terminal.pty.exited or not terminal.output_open:
-            raise Conflict(f"terminal {terminal_id} has ended (status {terminal.pty.status}): open another")
+            ended = "with its sandbox" if terminal.pty.status is None else f"(status {terminal.pty.status})"
+            raise Conflict(f"terminal {terminal_id} has ended {ended}: open another")
         if self._sandbox.paused:
             raise Conflict("the sandbox is paused: resume it first")
         written = await terminal.send(data)

@@ -209,6 +209,22 @@ def guarded_protocol(max_connections: int, head_timeout_s: float, body_timeout_s
     return type("CappedH11Protocol", (GuardedH11Protocol,), attributes)
 
 
+CANCELLED_AT_SHUTDOWN: Final = "a request still running when the graceful shutdown ended was cancelled"
+
+
+class ShutdownCancels(logging.Filter):
+    """uvicorn logs each request its graceful shutdown cancels as "Exception in ASGI application" at
+    ERROR, with the CancelledError: an expected end (the call's audit end record says it was
+    cancelled), told as one INFO line instead of an error an operator would chase."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, asyncio.CancelledError) and record.getMessage().strip() == "Exception in ASGI application":
+            record.levelno, record.levelname = logging.INFO, logging.getLevelName(logging.INFO)
+            record.msg, record.args, record.exc_info, record.exc_text = CANCELLED_AT_SHUTDOWN, (), None, None
+        return True
+
+
 def quiet_loop_errors() -> Callable[[asyncio.AbstractEventLoop, dict[str, Any]], None]:
     """An event-loop exception handler: accept() out of file descriptors is one summary line per
     `LOG_EVERY_S` (asyncio logs a traceback each time, and retries every second); anything else is one

@@ -21,6 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+from bastion.safety.approvals import database_problem
+from bastion.safety.errors import ConfigError
+
 TOKEN_BYTES: Final = 32  # 256-bit opaque tokens
 _SCHEMA: Final = """
 CREATE TABLE IF NOT EXISTS oauth_clients (
@@ -129,13 +132,20 @@ class AuthStore:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        os.close(fd)
-        self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=10.0)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.execute("PRAGMA busy_timeout=10000")
-        self._db.executescript(_SCHEMA)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            os.close(fd)
+            self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=10.0)
+        except (OSError, sqlite3.Error) as exc:
+            raise ConfigError(database_problem(path, exc)) from None
+        try:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.execute("PRAGMA busy_timeout=10000")
+            self._db.executescript(_SCHEMA)
+        except sqlite3.Error as exc:
+            self._db.close()
+            raise ConfigError(database_problem(path, exc)) from None
 
     def close(self) -> None:
         self._db.close()

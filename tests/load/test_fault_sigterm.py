@@ -1,0 +1,178 @@
+"""Fault: SIGTERM (systemd stop) while clients have calls in flight, short ones and a long one.
+
+What this proves: the server exits 0 within its graceful-shutdown bound (over stdio, which has no
+grace period, too); every call a client got an answer for is in the audit log exactly once, and every
+call that started (a start record) has its end record, including the long command the shutdown cut
+short; the chain verifies; no process, mount, loop device or cgroup of the server is left. What it does
+not prove: a second SIGTERM during the cleanup (the server ignores it: `serve._signals_ignored`), or
+SIGKILL (test_fault_kill.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.abc
+import anyio.streams.text
+import pytest
+from mcp import Client
+
+from bastion.safety.audit import verify
+from bastion.tools._call import CANCELLED_REASON
+from bastion.transports.http.connections import CANCELLED_AT_SHUTDOWN
+from tests.helpers import BASTION, INITIALIZE_REQUEST, processes_with
+
+from .fault_server import (
+    Load,
+    Served,
+    answered_calls_are_logged,
+    audit_records,
+    descendants,
+    fault_config,
+    internal_errors,
+    settled_leftovers,
+    unmount_all,
+    until,
+)
+
+pytestmark = [
+    pytest.mark.anyio,
+    pytest.mark.bwrap,
+    pytest.mark.root,
+    pytest.mark.skipif(os.geteuid() != 0, reason="sandbox disks and cgroups need root"),
+]
+
+CLIENTS = 3
+# Longer than the 2 s graceful shutdown; a duration no other run on this machine sleeps (it is looked for by name).
+LONG_SLEEP = f"sleep 24.{secrets.randbelow(10**9):09d}"
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Iterator[Path]:
+    yield tmp_path / "demo"
+    unmount_all(tmp_path)
+
+
+async def _short_calls(boxes: list[str], load: Load, client: Client, index: int) -> None:
+    box = (await load.call(client, "create_sandbox"))["detail"]["sandbox_id"]
+    boxes.append(box)
+    count = 0
+    while True:  # until the server goes
+        count += 1
+        ran = await load.call(client, "run_command", command=f"echo {count} >> n.txt", sandbox_id=box)
+        assert ran["ok"], ran
+        wrote = await load.call(client, "write_file", path=f"f{count}.txt", content="x", sandbox_id=box)
+        assert wrote["ok"], wrote
+
+
+async def _long_call(load: Load, client: Client, index: int) -> None:
+    box = (await load.call(client, "create_sandbox"))["detail"]["sandbox_id"]
+    await load.call(client, "run_command", command=LONG_SLEEP, sandbox_id=box)
+
+
+async def test_sigterm_under_load_exits_0_and_leaves_nothing(root: Path) -> None:
+    """Invariant: SIGTERM with calls in flight ends the server with status 0; answered calls are
+    logged once, no start record lacks its end, the chain verifies, and nothing is left behind."""
+    server = Served(fault_config(root))
+    server.start()
+    marker = LONG_SLEEP.replace(" ", "\0")
+    try:
+        short = Load(server.mcp_url)
+        long = Load(server.mcp_url)
+        boxes: list[str] = []
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(short.run, CLIENTS, lambda ld, c, i: _short_calls(boxes, ld, c, i))
+            tasks.start_soon(long.run, 1, _long_call)
+            await until(lambda: len(processes_with(marker)) == 1 and len(short.answers) >= 6 * CLIENTS)
+            pid, processes = server.pid, descendants(server.pid)
+            server.signal(signal.SIGTERM)
+            assert await anyio.to_thread.run_sync(server.wait) == 0, server.log()
+        assert internal_errors(server.log()) == []
+        assert f"INFO uvicorn.error: {CANCELLED_AT_SHUTDOWN}" in server.log()
+        gone = settled_leftovers(root, pid, processes)
+        assert gone.none, gone
+    finally:
+        server.stop()
+    audit = root / "state" / "audit.jsonl"
+    report = verify(audit)
+    assert report.ok, report.first_error
+    answers = short.answers + long.answers
+    answered_calls_are_logged(answers, audit)
+    print(short.summary("SIGTERM (short calls)"), ";", long.summary("SIGTERM (long call)"))
+    (cut,) = [r for r in audit_records(audit) if r["event"] == "end" and r["args"].get("command") == LONG_SLEEP]
+    assert (cut["code"], cut["reason"]) == ("UNAVAILABLE", CANCELLED_REASON), cut
+
+
+class _Wire:
+    """JSON-RPC over a `bastion serve --stdio` process's pipes, one line a message (the server's
+    exit status is the point, so the test owns the process rather than the SDK's stdio client)."""
+
+    def __init__(self, process: anyio.abc.Process) -> None:
+        assert process.stdin is not None
+        assert process.stdout is not None
+        self.process = process
+        self.lines = anyio.streams.text.TextReceiveStream(process.stdout)
+        self.buffer = ""
+        self.answers: dict[int, dict[str, Any]] = {}
+
+    async def send(self, message: dict[str, Any]) -> None:
+        assert self.process.stdin is not None
+        await self.process.stdin.send(json.dumps(message).encode() + b"\n")
+
+    async def call(self, call_id: int, tool: str, **args: object) -> None:
+        await self.send(
+            {"jsonrpc": "2.0", "id": call_id, "method": "tools/call", "params": {"name": tool, "arguments": args}}
+        )
+
+    async def read_until(self, call_id: int | None) -> None:
+        """Read answers until `call_id` has one (None: until the server closes its stdout)."""
+        while call_id is None or call_id not in self.answers:
+            while "\n" not in self.buffer:
+                try:
+                    self.buffer += await self.lines.receive()
+                except anyio.EndOfStream:
+                    assert call_id is None, f"the server closed its stdout before answering {call_id}"
+                    return
+            line, self.buffer = self.buffer.split("\n", 1)
+            message = json.loads(line)
+            if "id" in message:
+                self.answers[message["id"]] = message
+
+
+async def test_sigterm_over_stdio_cuts_calls_with_their_end_records(root: Path) -> None:
+    """Invariant: over stdio a SIGTERM cancels the calls in flight at once (no grace period); each
+    still gets its end record, the server exits 0, and nothing is left behind."""
+    config_path = fault_config(root)
+    argv = [str(BASTION), "serve", "--config", str(config_path), "--stdio"]
+    async with await anyio.open_process(argv, stderr=subprocess.DEVNULL) as process:
+        wire = _Wire(process)
+        await wire.send(INITIALIZE_REQUEST)
+        await wire.read_until(1)
+        await wire.send({"jsonrpc": "2.0", "method": "notifications/initialized"})
+        await wire.call(2, "create_sandbox")
+        await wire.read_until(2)
+        box = wire.answers[2]["result"]["structuredContent"]["detail"]["sandbox_id"]
+        await wire.call(3, "run_command", command=LONG_SLEEP, sandbox_id=box)
+        for call_id in range(4, 8):
+            await wire.call(call_id, "run_command", command=f"echo {call_id} >> n.txt", sandbox_id=box)
+        await until(lambda: len(processes_with(LONG_SLEEP.replace(" ", "\0"))) == 1, what="the long call")
+        pid, processes = process.pid, descendants(process.pid)
+        process.send_signal(signal.SIGTERM)
+        await wire.read_until(None)
+        assert await process.wait() == 0
+    assert settled_leftovers(root, pid, processes).none
+    audit = root / "state" / "audit.jsonl"
+    assert verify(audit).ok
+    answered_calls_are_logged(
+        [a["result"]["structuredContent"] for a in wire.answers.values() if "result" in a and a["id"] > 1], audit
+    )
+    (cut,) = [r for r in audit_records(audit) if r["event"] == "end" and r["args"].get("command") == LONG_SLEEP]
+    assert (cut["code"], cut["reason"]) == ("UNAVAILABLE", CANCELLED_REASON), cut
