@@ -300,6 +300,7 @@ def open_audit(
         config.audit_path,
         redactor=redactor,
         rotate_bytes=config.audit.rotate_bytes,
+        reserve_bytes=config.audit.reserve_bytes,
         fail_closed=config.audit.fail_closed,
         metrics=metrics,
     )

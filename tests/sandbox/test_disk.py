@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from bastion.safety.errors import Unavailable
 from bastion.sandbox._disk import FormattedImage, ImageFormats, drop_disk, format_image, make_disk, mount_disk
 
 pytestmark = pytest.mark.root
@@ -146,6 +147,6 @@ def test_image_name_that_is_a_symlink_is_refused(tmp_path: Path, formatted: Form
     victim.write_text("host file\n")
     (tmp_path / "evil.img").symlink_to(victim)
     (tmp_path / "evil").mkdir()
-    with pytest.raises(FileExistsError):
+    with pytest.raises(Unavailable, match="File exists"):
         make_disk(tmp_path / "evil.img", tmp_path / "evil", formatted)
     assert victim.read_text() == "host file\n"

@@ -120,6 +120,8 @@ class AuditConfig(Model):
     fail_closed: bool = True
     """If false, a failed audit write only logs a warning. Dangerous: operations then run unrecorded."""
     rotate_bytes: Annotated[int, Field(ge=4096)] = 64 * 1024 * 1024
+    reserve_bytes: Annotated[int, Field(ge=0)] = 8 * 1024 * 1024
+    """Kept allocated past the log's end: records have room for a while after the state filesystem fills."""
 
 
 class RedactionConfig(Model):

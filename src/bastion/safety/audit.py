@@ -49,6 +49,7 @@ import anyio.to_thread
 from bastion.metrics import Metrics
 from bastion.safety.errors import AuditUnavailable
 from bastion.safety.redact import Redactor
+from bastion.safety.reserve import Reserve
 
 JSONValue: TypeAlias = "str | int | float | bool | list[JSONValue] | dict[str, JSONValue] | None"
 
@@ -119,6 +120,8 @@ class AuditLog:
         path: the log file; its directory must exist and should be writable only by us.
         redactor: applied to every string in a record (keys included).
         rotate_bytes: a file that would grow past this is renamed ``<name>.<N>``.
+        reserve_bytes: kept allocated past the file's end (`reserve.py`): records still have room
+            for a while when the state filesystem fills up.
         fail_closed: when False (dangerous, for development only) a record that could not
             be written is logged as a warning to ``bastion.audit`` instead of raising.
         metrics: where each append's latency and each failed record are counted.
@@ -130,6 +133,7 @@ class AuditLog:
         *,
         redactor: Redactor,
         rotate_bytes: int = 64 * 1024 * 1024,
+        reserve_bytes: int = 0,
         fail_closed: bool = True,
         metrics: Metrics | None = None,
     ) -> None:
@@ -139,6 +143,7 @@ class AuditLog:
         self._keys: dict[str, tuple[str, bool]] = {}
         """Key -> (cleaned key, whether it names a secret): records repeat the same few keys."""
         self._rotate_bytes = rotate_bytes
+        self._reserve = Reserve(min(reserve_bytes, rotate_bytes))
         self._fail_closed = fail_closed
         self._fd: int | None = None
         self._ident = (0, 0)  # (st_dev, st_ino) of the open file: an fd's inode never changes
@@ -182,6 +187,8 @@ class AuditLog:
                 raise
             self._offset = size
             self._broken = None
+            self._reserve.forget()
+            self._reserve.top_up(self._fd, size)
 
     def close(self) -> None:
         """Close the file; later appends raise until `open` is called again."""
@@ -414,6 +421,7 @@ class AuditLog:
                     return
                 self._prev, self._seq, self._offset = prev, seq, self._offset + size
                 _finish(segment, None)
+                self._reserve.top_up(self._fd, self._offset)
             if todo:
                 try:
                     self._rotate()
@@ -451,6 +459,7 @@ class AuditLog:
             if os.fstat(fd).st_size != self._offset:
                 os.ftruncate(fd, self._offset)
                 os.fsync(fd)
+                self._reserve.forget()  # the cut freed what was allocated past the end
         except OSError as exc:
             self._broken = f"audit log broken: a partial record could not be removed ({exc.strerror or exc})"
             _log.error("%s: reopen after repairing %s", self._broken, self._path)
@@ -481,6 +490,7 @@ class AuditLog:
         st, lst = os.fstat(fd), os.lstat(self._path)
         if (st.st_dev, st.st_ino) != (lst.st_dev, lst.st_ino):
             raise OSError(errno.ESTALE, f"{self._path} was replaced by another file")
+        os.ftruncate(fd, self._offset)  # a rotated file keeps no reserve (its size does not change)
         # link() fails with EEXIST, so an existing rotated file is never overwritten.
         os.link(self._path, rotated, follow_symlinks=False)
         os.unlink(self._path)
@@ -489,6 +499,8 @@ class AuditLog:
         new = os.fstat(self._fd)
         self._ident, self._offset = (new.st_dev, new.st_ino), 0
         _sync_dir(self._path.parent)
+        self._reserve.forget()
+        self._reserve.top_up(self._fd, 0)
 
     def _close_fd(self) -> None:
         if self._fd is not None:

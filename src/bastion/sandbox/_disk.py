@@ -106,6 +106,8 @@ def format_image(directory: Path, size_bytes: int) -> FormattedImage:
         # mkfs opens the file by its /proc name: the same inode, which has no other name.
         _run(["mkfs.ext4", *_MKFS_OPTIONS, f"/proc/{os.getpid()}/fd/{fd}"])
         return FormattedImage(size_bytes, tuple(_extents(fd, size_bytes)))
+    except OSError as exc:
+        raise Unavailable(f"cannot make a disk image in {directory}: {exc.strerror or exc}") from None
     finally:
         os.close(fd)
 
@@ -156,7 +158,10 @@ class ImageFormats:
 
 def make_disk(image: Path, mountpoint: Path, formatted: FormattedImage) -> None:
     """Create `image` as a copy of `formatted` (sparse), and mount it at `mountpoint` (empty)."""
-    fd = os.open(image, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fd = os.open(image, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise Unavailable(f"cannot make the sandbox's disk {image.name}: {exc.strerror or exc}") from None
     try:
         os.ftruncate(fd, formatted.size_bytes)
         for offset, data in formatted.extents:
@@ -164,6 +169,8 @@ def make_disk(image: Path, mountpoint: Path, formatted: FormattedImage) -> None:
             while view:
                 view = view[os.pwrite(fd, view, offset + len(data) - len(view)) :]
         _mount_image(fd, image, mountpoint)
+    except OSError as exc:  # e.g. the state filesystem is full: typed, as mkfs failing was
+        raise Unavailable(f"cannot make the sandbox's disk {image.name}: {exc.strerror or exc}") from None
     finally:
         os.close(fd)
     (mountpoint / "lost+found").rmdir()
