@@ -44,6 +44,9 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+AUDIT_RESERVE_BYTES = 65536
+
+
 def fault_config(root: Path, *, state_dir: Path | None = None, with_sandboxes: bool = True) -> Path:
     """The demo config (`bastion init`), served over HTTP on a free loopback port with auth off and
     INFO logging; the state folder moved to `state_dir` if given."""
@@ -54,6 +57,9 @@ def fault_config(root: Path, *, state_dir: Path | None = None, with_sandboxes: b
     text = text.replace('public_url = "http://127.0.0.1:8765"', f'public_url = "http://127.0.0.1:{port}"')
     text = text.replace("[http]\n", "[http]\nauth = false\n", 1)
     text = text.replace('log_level = "WARNING"', 'log_level = "INFO"')
+    # The audit log's reserve (8 MiB by default) small enough for the load to use it up in a moment:
+    # a full state filesystem then refuses calls within the tests' deadlines.
+    text = text.replace("[audit]\n", f"[audit]\nreserve_bytes = {AUDIT_RESERVE_BYTES}\n", 1)
     if not with_sandboxes:
         text = text.replace("[sandboxes]\nenabled = true\n", "[sandboxes]\nenabled = false\n", 1)
     if state_dir is not None:
