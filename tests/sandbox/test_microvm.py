@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -31,6 +33,7 @@ from bastion.sandbox.microvm import (
     MicroVMBackend,
     MicroVMSandbox,
     MicroVMSettings,
+    _Guest,
     console_tail,
     probe_microvm,
     vmm_argv,
@@ -385,3 +388,46 @@ async def test_a_crashed_servers_vmm_folder_and_cgroup_are_removed_at_the_next_s
         assert not run_dir.parent.exists()
     finally:
         layout.release()
+
+
+class _NoVMM:
+    """Stands for a VMM process: the channel reader below never needs a real one."""
+
+    pid = 0
+    stderr = None
+
+    def poll(self) -> int | None:
+        return None
+
+
+async def test_a_relay_flooding_its_channel_with_tiny_frames_does_not_stall_the_event_loop(tmp_path: Path) -> None:
+    """The guest's root writes any bytes to the agent port: its reader must still let other tasks run."""
+    guest_end, host_end = socket.socketpair()
+    host_end.setblocking(False)
+    vm = _Guest(_NoVMM(), tmp_path, None)  # type: ignore[arg-type]
+    reading = asyncio.get_running_loop().create_task(vm.read_frames(host_end))
+    gaps: list[float] = []
+
+    async def heartbeat() -> None:
+        while True:
+            before = time.monotonic()
+            await asyncio.sleep(0.005)
+            gaps.append(time.monotonic() - before)
+
+    def flood() -> None:
+        burst = struct.pack(">IcI", 5, b"O", 99) * 100_000  # output of a command that does not exist: ignored
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            guest_end.sendall(burst)
+
+    beat = asyncio.get_running_loop().create_task(heartbeat())
+    try:
+        await asyncio.to_thread(flood)
+        await asyncio.sleep(0.1)
+        assert len(gaps) > 20
+        assert max(gaps) < 0.25
+    finally:
+        beat.cancel()
+        reading.cancel()
+        guest_end.close()
+        host_end.close()

@@ -14,6 +14,7 @@ import socket
 import struct
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
@@ -193,4 +194,34 @@ async def test_a_sandbox_without_egress_has_every_stream_refused() -> None:
         await guest.send(frame(b"C", 7))
         assert await guest.next_frame() == (b"X", 7, b"")
     finally:
+        guest.close()
+
+
+def flood(sock: socket.socket, seconds: float) -> None:
+    """Tiny frames (for a stream never opened: each ignored) as fast as the socket takes them."""
+    burst = frame(b"D", 99) * 100_000
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        sock.sendall(burst)
+
+
+async def test_a_flood_of_tiny_frames_does_not_stall_the_event_loop() -> None:
+    """The port always has data: its reader must still let the server's other tasks run."""
+    guest = HostileGuest(None)
+    gaps: list[float] = []
+
+    async def heartbeat() -> None:
+        while True:
+            before = time.monotonic()
+            await asyncio.sleep(0.005)
+            gaps.append(time.monotonic() - before)
+
+    beat = asyncio.get_running_loop().create_task(heartbeat())
+    try:
+        await asyncio.to_thread(flood, guest.sock, 1.0)
+        await asyncio.sleep(0.1)
+        assert len(gaps) > 20
+        assert max(gaps) < 0.25
+    finally:
+        beat.cancel()
         guest.close()

@@ -87,6 +87,8 @@ class EgressPort:
                     payload = bytes(inbox[_HEADER.size : 4 + size])
                     del inbox[: 4 + size]
                     await self._on_frame(kind, stream_id, payload)
+                # sock_recv returns at once while data waits: a guest that always has more would hold the loop.
+                await asyncio.sleep(0)
         except OSError:
             return
         finally:

@@ -380,6 +380,8 @@ class _Guest:
                     body = bytes(inbox[4 : 4 + size])
                     del inbox[: 4 + size]
                     self.on_frame(body[:1], int.from_bytes(body[1:5], "big"), body[5:])
+                # sock_recv returns at once while data waits: a guest that always has more would hold the loop.
+                await asyncio.sleep(0)
         except OSError:
             return
         finally:
