@@ -431,3 +431,39 @@ async def test_a_relay_flooding_its_channel_with_tiny_frames_does_not_stall_the_
         reading.cancel()
         guest_end.close()
         host_end.close()
+
+
+def read_frame(sock: socket.socket) -> tuple[bytes, int, bytes]:
+    head = b""
+    while len(head) < 4:
+        head += sock.recv(4 - len(head))
+    body = b""
+    size = int.from_bytes(head, "big")
+    while len(body) < size:
+        body += sock.recv(size - len(body))
+    return body[:1], int.from_bytes(body[1:5], "big"), body[5:]
+
+
+async def test_a_send_cancelled_halfway_still_writes_its_whole_frame(tmp_path: Path) -> None:
+    """A client that gives up (cancels) while a large frame is being written to a slow channel: the frame
+    goes out whole, so the relay does not read the next frame's bytes as the rest of it."""
+    guest_end, host_end = socket.socketpair()
+    host_end.setblocking(False)
+    host_end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    guest_end.settimeout(5)
+    vm = _Guest(_NoVMM(), tmp_path, None)  # type: ignore[arg-type]
+    vm.sock = host_end
+    try:
+        big = asyncio.get_running_loop().create_task(vm.send(b"I", 1, b"z" * 200_000))
+        await asyncio.sleep(0.2)  # blocked halfway: the guest reads nothing yet
+        big.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await big
+        after = asyncio.get_running_loop().create_task(vm.send(b"E", 2))
+        assert await asyncio.to_thread(read_frame, guest_end) == (b"I", 1, b"z" * 200_000)
+        assert await asyncio.to_thread(read_frame, guest_end) == (b"E", 2, b"")
+        await after
+    finally:
+        vm.detach()
+        guest_end.close()
+        host_end.close()

@@ -253,6 +253,7 @@ class MicroVMProcess:
         self.exited = False
         self.stdin_open = True
         self.exit_event = asyncio.Event()
+        self.request_out = False  # its run request is (being) written to the guest
 
     @property
     def command_id(self) -> int:
@@ -298,6 +299,9 @@ class MicroVMProcess:
         await self._vm.send(b"I", self._id, data, timeout_s=timeout_s)
         return len(data)
 
+    def requested(self) -> None:
+        self.request_out = True
+
     def close_stdin(self) -> None:
         if self.stdin_open:
             self.stdin_open = False
@@ -326,6 +330,7 @@ class _Guest:
         self.task: asyncio.Task[None] | None = None
         self.ids = itertools.count(1)
         self.later: set[asyncio.Task[None]] = set()  # sends from sync callers (close_stdin)
+        self.writes: set[asyncio.Task[None]] = set()  # frames being written, each to its end
         # What its relay said before the last exit: /tmp and /dev/shm empty, OOM kills, shared memory.
         self.scratch_empty = True
         self.guest_ooms = 0
@@ -434,7 +439,13 @@ class _Guest:
             command.finish(None)
 
     async def send(
-        self, kind: bytes, command_id: int, payload: bytes = b"", *, timeout_s: float = _SEND_TIMEOUT_S
+        self,
+        kind: bytes,
+        command_id: int,
+        payload: bytes = b"",
+        *,
+        timeout_s: float = _SEND_TIMEOUT_S,
+        begun: Callable[[], None] | None = None,
     ) -> None:
         """Send one frame. A guest that does not take it in time ends: the relay always reads, so a
         stuck channel is a hostile or frozen guest, and a frame cut short cannot be taken back."""
@@ -442,13 +453,32 @@ class _Guest:
             raise Unavailable("the microVM has ended")
         frame = _HEADER.pack(len(payload) + 5, kind, command_id) + payload
         try:
-            async with asyncio.timeout(timeout_s), self.sending:
-                await asyncio.get_running_loop().sock_sendall(self.sock, frame)
+            async with asyncio.timeout(timeout_s):
+                await self.sending.acquire()
+                # A caller cancelled halfway (a client gave up) leaves the write to finish, holding the
+                # lock: a frame cut short would make the relay read the next frames' bytes as its rest.
+                write = asyncio.get_running_loop().create_task(self.write(self.sock, frame))
+                self.writes.add(write)
+                write.add_done_callback(self.written)
+                if begun is not None:
+                    begun()  # the frame goes out whole from here, cancelled or not
+                await asyncio.shield(write)
         except TimeoutError:
             self.kill_vmm()
             raise Unavailable(f"the microVM did not read its channel within {timeout_s:g} s: it was ended") from None
         except OSError as exc:
             raise Unavailable(f"the microVM's channel broke: {exc.strerror or exc}") from exc
+
+    async def write(self, sock: socket.socket, frame: bytes) -> None:
+        try:
+            await asyncio.get_running_loop().sock_sendall(sock, frame)
+        finally:
+            self.sending.release()
+
+    def written(self, write: asyncio.Task[None]) -> None:
+        self.writes.discard(write)
+        if not write.cancelled():
+            write.exception()  # retrieved: its sender, if still waiting, has it too
 
     def send_soon(self, kind: bytes, command_id: int, payload: bytes = b"") -> None:
         """Send from a sync caller; a guest that ended meanwhile needs it no more."""
@@ -477,6 +507,8 @@ class _Guest:
         """Stop reading the channels (called in the loop's thread), so their sockets can close under no reader."""
         if self.egress is not None:
             self.egress.close()
+        for write in list(self.writes):  # the channel is closing: a frame cut now is read by nobody
+            write.cancel()
         if self.task is None or self.task.done():
             return
         loop = self.task.get_loop()
@@ -708,7 +740,13 @@ class MicroVMSandbox:
             "env": dict(env),
             "stdin": stdin,
         }
-        await vm.send(b"M", 0, marshal.dumps(request))
+        try:
+            await vm.send(b"M", 0, marshal.dumps(request), begun=command.requested)
+        except asyncio.CancelledError:
+            if command.request_out:  # it goes out whole: the command may run, with nobody waiting for it
+                await asyncio.shield(self._kill_command(vm, command))
+            vm.forget(command_id)
+            raise
         return command
 
     async def run(
