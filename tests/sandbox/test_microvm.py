@@ -24,6 +24,7 @@ import pytest
 from bastion.config import load_config
 from bastion.safety.errors import InvalidRequest, NotFound, Unavailable
 from bastion.safety.redact import Redactor
+from bastion.sandbox import microvm
 from bastion.sandbox._spawn import SANDBOX_PATH, SandboxSpec
 from bastion.sandbox.backend import RunOutcome
 from bastion.sandbox.cgroups import CgroupLayout, Limits
@@ -467,3 +468,30 @@ async def test_a_send_cancelled_halfway_still_writes_its_whole_frame(tmp_path: P
         vm.detach()
         guest_end.close()
         host_end.close()
+
+
+def test_recovery_never_kills_a_process_that_took_a_matching_pid_after_the_scan(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between the scan of /proc and the kill, the VMM found may exit and its pid go to another process
+    (one a hostile local user times, by naming the folder in a process of its own): root must kill only
+    a process that still names the folder. One that does is still killed."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    outer = tmp_path / f"bastion-vm-{gone.pid}-x"
+    (outer / "vm").mkdir(parents=True)
+    needle = str(outer / "vm" / "agent.sock")
+    script = "import time; time.sleep(30)"
+    vmm = subprocess.Popen([sys.executable, "-c", script, needle])
+    other = subprocess.Popen([sys.executable, "-c", script])
+    scanned = microvm._users_of(outer / "vm")
+    assert scanned == [vmm.pid]
+    monkeypatch.setattr(microvm, "_users_of", lambda _: [vmm.pid, other.pid])  # other: the pid, reused
+    try:
+        assert microvm.recover_run_dirs(tmp_path) == [outer]
+        assert vmm.wait(timeout=5) == -9
+        assert other.poll() is None
+    finally:
+        for proc in (vmm, other):
+            proc.kill()
+            proc.wait()

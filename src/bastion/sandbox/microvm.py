@@ -583,8 +583,7 @@ def recover_run_dirs(temp: Path | None = None) -> list[Path]:
         if not owner.isdigit() or os.path.exists(f"/proc/{owner}") or not _own_folder(outer):
             continue
         for pid in _users_of(outer / "vm"):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+            _kill_user(pid, outer / "vm")
         _remove_run_dir(outer / "vm")
         if not outer.exists():
             removed.append(outer)
@@ -596,16 +595,34 @@ def _own_folder(path: Path) -> bool:
     return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
 
 
+def _kill_user(pid: int, run_dir: Path) -> None:
+    """SIGKILL `pid` if it still names the folder's agent socket: held by a pidfd first, so a pid
+    freed after the scan and taken by another process is never what root kills."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        if _names(pid, os.fsencode(run_dir / "agent.sock")):
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+    finally:
+        os.close(pidfd)
+
+
+def _names(pid: int, needle: bytes) -> bool:
+    try:
+        return needle in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
 def _users_of(run_dir: Path) -> list[int]:
     """Processes whose command line names the folder's agent socket: a VMM left running."""
     needle = os.fsencode(run_dir / "agent.sock")
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                if needle in (entry / "cmdline").read_bytes():
-                    found.append(int(entry.name))
-    return found
+    return [
+        int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit() and _names(int(entry.name), needle)
+    ]
 
 
 class MicroVMSandbox:
