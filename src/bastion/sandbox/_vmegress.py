@@ -242,4 +242,7 @@ class EgressPort:
             self._task.cancel()
         self._end_streams()
         for write in list(self._writes):  # the port is closing: a frame cut now is read by nobody
+            loop = write.get_loop()
+            if not loop.is_closed():  # now, before the fd number can be reused, not in the cancel's callback
+                loop.remove_writer(self._sock.fileno())
             write.cancel()

@@ -508,6 +508,9 @@ class _Guest:
         if self.egress is not None:
             self.egress.close()
         for write in list(self.writes):  # the channel is closing: a frame cut now is read by nobody
+            loop = write.get_loop()
+            if self.sock is not None and not loop.is_closed():  # now, before its fd number can be reused
+                loop.remove_writer(self.sock.fileno())
             write.cancel()
         if self.task is None or self.task.done():
             return
