@@ -495,3 +495,27 @@ def test_recovery_never_kills_a_process_that_took_a_matching_pid_after_the_scan(
         for proc in (vmm, other):
             proc.kill()
             proc.wait()
+
+
+async def test_a_relay_message_nested_past_the_recursion_limit_is_ignored_and_reading_goes_on(
+    tmp_path: Path,
+) -> None:
+    """JSON nested 100000 deep (within the 1 MiB a frame may hold) raised RecursionError out of the reader:
+    a traceback in the log, the channel no longer read. It is a malformed message like any other."""
+    guest_end, host_end = socket.socketpair()
+    host_end.setblocking(False)
+    vm = _Guest(_NoVMM(), tmp_path, None)  # type: ignore[arg-type]
+    reading = asyncio.get_running_loop().create_task(vm.read_frames(host_end))
+
+    def message(payload: bytes) -> bytes:
+        return struct.pack(">IcI", len(payload) + 5, b"M", 0) + payload
+
+    try:
+        guest_end.sendall(message(b"[" * 100_000) + message(b'{"event": "ready"}'))
+        async with asyncio.timeout(5):
+            await vm.ready
+        assert not reading.done()
+    finally:
+        reading.cancel()
+        guest_end.close()
+        host_end.close()

@@ -417,7 +417,7 @@ class _Guest:
     def on_message(self, payload: bytes) -> None:
         try:
             message = json.loads(payload)
-        except ValueError:
+        except (ValueError, RecursionError):  # a nesting deeper than the recursion limit: malformed too
             return
         if not isinstance(message, dict):
             return
