@@ -519,3 +519,17 @@ async def test_a_relay_message_nested_past_the_recursion_limit_is_ignored_and_re
         reading.cancel()
         guest_end.close()
         host_end.close()
+
+
+async def test_a_guest_flooding_a_spawned_commands_host_pipe_is_held_to_a_bounded_backlog() -> None:
+    """The guest's output for `spawn(stdout=...)` arrives whatever the pipe's reader takes (a reader pausing
+    between reads, or none): what the pipe cannot take is not kept without bound on the host."""
+    read_end, write_end = os.pipe2(os.O_CLOEXEC)
+    piped = microvm._Piped(write_end)
+    try:
+        for _ in range(1024):  # 64 MiB, nobody reading
+            piped.write(b"z" * 65536)
+        assert len(piped.pending) <= 8 << 20
+    finally:
+        piped.close()
+        os.close(read_end)

@@ -83,6 +83,7 @@ _READ_BYTES: Final = 65_536
 _VMM_OVERHEAD_BYTES: Final = 192 << 20  # QEMU itself and TCG's translation cache (tb-size below)
 _VMM_TASKS: Final = 64  # QEMU's own threads; the guest's processes are the guest kernel's business
 _CONSOLE_TAIL_BYTES: Final = 65_536
+_PIPED_BACKLOG: Final = 4 << 20  # a spawned command's output its host pipe has not taken yet
 _NOBODY: Final = 65534  # the probe's VMM, when bastion runs as root: no sandbox shares this uid
 _RUN_PREFIX: Final = "bastion-vm-"  # + the server's pid: recovery finds a crashed server's folders by it
 _group_ids = itertools.count(1)
@@ -206,9 +207,12 @@ class _Piped:
         os.set_blocking(fd, False)
 
     def write(self, data: bytes) -> None:
+        """Keep what the pipe cannot take yet, up to _PIPED_BACKLOG: the guest sends without waiting for
+        the pipe's reader (which may pause, or read nothing), so past that its bytes are lost, as a full
+        ring would lose them, rather than held by the host without bound."""
         if self.fd < 0:
             return
-        self.pending += data
+        self.pending += data[: max(0, _PIPED_BACKLOG - len(self.pending))]
         self.flush()
 
     def flush(self) -> None:
