@@ -265,3 +265,23 @@ async def test_a_stream_ended_while_its_data_is_being_sent_does_not_cut_the_fram
     finally:
         guest.close()
         server.close()
+
+
+async def test_a_proxy_connection_reset_under_a_silent_guest_ends_the_stream(tmp_path: Path) -> None:
+    """The proxy closes with the guest's bytes unread (a reset): the stream ends (X) at once, rather than
+    wait for a guest that sends nothing more, holding its fd and leaving the error unretrieved."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(tmp_path / "proxy.sock"))
+    listener.listen()
+    listener.setblocking(False)
+    guest = HostileGuest(str(tmp_path / "proxy.sock"))
+    try:
+        await guest.send(frame(b"C", 1) + frame(b"D", 1, b"GET / HTTP/1.1\r\n"))
+        accepted, _ = await asyncio.get_running_loop().sock_accept(listener)
+        assert await guest.next_frame() == (b"K", 1, (16).to_bytes(4, "big"))
+        accepted.close()  # the 16 bytes unread
+        assert await guest.next_frame() == (b"X", 1, b"")
+        assert guest.port.streams == 0
+    finally:
+        guest.close()
+        listener.close()

@@ -148,10 +148,16 @@ class EgressPort:
         stream.upstream = upstream
         try:
             await loop.sock_connect(upstream, proxy)
-            down = loop.create_task(self._downward(stream_id, stream, upstream))
-            stream.tasks.append(down)
-            await self._upward(stream_id, stream, upstream)
-            await down
+            both = (
+                loop.create_task(self._upward(stream_id, stream, upstream)),
+                loop.create_task(self._downward(stream_id, stream, upstream)),
+            )
+            stream.tasks.extend(both)
+            # Either way's error ends the stream at once: the other may wait on a peer that sends nothing more.
+            await asyncio.wait(both, return_when=asyncio.FIRST_EXCEPTION)
+            for way in both:
+                if way.done():
+                    way.result()  # raises its error; with none, both are done
         except OSError:
             if self._streams.get(stream_id) is stream:
                 await self._refuse(stream_id)
