@@ -533,3 +533,15 @@ async def test_a_guest_flooding_a_spawned_commands_host_pipe_is_held_to_a_bounde
     finally:
         piped.close()
         os.close(read_end)
+
+
+def test_a_folder_the_vmm_planted_in_its_run_dir_does_not_stop_recovery(tmp_path: Path) -> None:
+    """The VMM's uid owns its run folder: a directory where its socket was (`agent.sock/`) must not make
+    recovery (at the server's start) or a close raise; what cannot be removed is left."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    outer = tmp_path / f"bastion-vm-{gone.pid}-x"
+    (outer / "vm" / "agent.sock" / "inner").mkdir(parents=True)
+    (outer / "vm" / "console.log").write_text("")
+    assert microvm.recover_run_dirs(tmp_path) == []
+    assert not (outer / "vm" / "console.log").exists()
