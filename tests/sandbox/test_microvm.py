@@ -417,7 +417,7 @@ async def test_a_relay_flooding_its_channel_with_tiny_frames_does_not_stall_the_
 
     def flood() -> None:
         burst = struct.pack(">IcI", 5, b"O", 99) * 100_000  # output of a command that does not exist: ignored
-        deadline = time.monotonic() + 1.0
+        deadline = time.monotonic() + 2.0
         while time.monotonic() < deadline:
             guest_end.sendall(burst)
 
@@ -426,7 +426,7 @@ async def test_a_relay_flooding_its_channel_with_tiny_frames_does_not_stall_the_
         await asyncio.to_thread(flood)
         await asyncio.sleep(0.1)
         assert len(gaps) > 20
-        assert max(gaps) < 0.25
+        assert max(gaps) < 0.6  # the old reader held the loop for the whole flood
     finally:
         beat.cancel()
         reading.cancel()

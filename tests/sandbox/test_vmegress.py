@@ -232,10 +232,10 @@ async def test_a_flood_of_tiny_frames_does_not_stall_the_event_loop() -> None:
 
     beat = asyncio.get_running_loop().create_task(heartbeat())
     try:
-        await asyncio.to_thread(flood, guest.sock, 1.0)
+        await asyncio.to_thread(flood, guest.sock, 2.0)
         await asyncio.sleep(0.1)
         assert len(gaps) > 20
-        assert max(gaps) < 0.25
+        assert max(gaps) < 0.6  # the old reader held the loop for the whole flood
     finally:
         beat.cancel()
         guest.close()
