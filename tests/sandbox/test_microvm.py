@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import marshal
 import os
 import socket
 import struct
@@ -545,3 +546,37 @@ def test_a_folder_the_vmm_planted_in_its_run_dir_does_not_stop_recovery(tmp_path
     (outer / "vm" / "console.log").write_text("")
     assert microvm.recover_run_dirs(tmp_path) == []
     assert not (outer / "vm" / "console.log").exists()
+
+
+async def test_a_run_cancelled_while_its_request_is_written_has_its_command_killed(tmp_path: Path) -> None:
+    """The request goes out whole (see above), so the command starts with nobody waiting for it: it is killed."""
+    guest_end, host_end = socket.socketpair()
+    host_end.setblocking(False)
+    host_end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    guest_end.settimeout(5)
+    vm = _Guest(_NoVMM(), tmp_path, None)  # type: ignore[arg-type]
+    vm.sock = host_end
+    reading = asyncio.get_running_loop().create_task(vm.read_frames(host_end))
+    box = MicroVMSandbox.__new__(MicroVMSandbox)
+    out, err = microvm._Stream(100, newest=False), microvm._Stream(100, newest=False)
+    env = {"BIG": "x" * 200_000}
+    try:
+        launch = asyncio.get_running_loop().create_task(
+            box._launch(vm, "/bin/true", ["true"], "/", env, out, err, False)
+        )
+        await asyncio.sleep(0.2)  # the request half written: the guest reads nothing yet
+        launch.cancel()
+        kind, _, request = await asyncio.to_thread(read_frame, guest_end)
+        assert kind == b"M"
+        assert b"x" * 200_000 in request
+        assert await asyncio.to_thread(read_frame, guest_end) == (b"M", 0, marshal.dumps({"op": "kill", "id": 1}))
+        exit_event = b'{"event": "exit", "id": 1, "status": 137}'
+        guest_end.sendall(struct.pack(">IcI", len(exit_event) + 5, b"M", 0) + exit_event)
+        with pytest.raises(asyncio.CancelledError):
+            await launch
+        assert vm.commands == {}
+    finally:
+        reading.cancel()
+        vm.detach()
+        guest_end.close()
+        host_end.close()
