@@ -35,7 +35,6 @@ from bastion.sandbox.microvm import (
     MicroVMBackend,
     MicroVMSandbox,
     MicroVMSettings,
-    _Guest,
     console_tail,
     probe_microvm,
     vmm_argv,
@@ -406,7 +405,7 @@ async def test_a_relay_flooding_its_channel_with_tiny_frames_does_not_stall_the_
     """The guest's root writes any bytes to the agent port: its reader must still let other tasks run."""
     guest_end, host_end = socket.socketpair()
     host_end.setblocking(False)
-    vm = _Guest(_NoVMM(), tmp_path, None)  # type: ignore[arg-type]
+    vm = microvm._Guest(_NoVMM(), tmp_path, None)  # type: ignore[arg-type]
     reading = asyncio.get_running_loop().create_task(vm.read_frames(host_end))
     gaps: list[float] = []
 
@@ -453,7 +452,7 @@ async def test_a_send_cancelled_halfway_still_writes_its_whole_frame(tmp_path: P
     host_end.setblocking(False)
     host_end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
     guest_end.settimeout(5)
-    vm = _Guest(_NoVMM(), tmp_path, None)  # type: ignore[arg-type]
+    vm = microvm._Guest(_NoVMM(), tmp_path, None)  # type: ignore[arg-type]
     vm.sock = host_end
     try:
         big = asyncio.get_running_loop().create_task(vm.send(b"I", 1, b"z" * 200_000))
@@ -505,7 +504,7 @@ async def test_a_relay_message_nested_past_the_recursion_limit_is_ignored_and_re
     a traceback in the log, the channel no longer read. It is a malformed message like any other."""
     guest_end, host_end = socket.socketpair()
     host_end.setblocking(False)
-    vm = _Guest(_NoVMM(), tmp_path, None)  # type: ignore[arg-type]
+    vm = microvm._Guest(_NoVMM(), tmp_path, None)  # type: ignore[arg-type]
     reading = asyncio.get_running_loop().create_task(vm.read_frames(host_end))
 
     def message(payload: bytes) -> bytes:
@@ -554,7 +553,7 @@ async def test_a_run_cancelled_while_its_request_is_written_has_its_command_kill
     host_end.setblocking(False)
     host_end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
     guest_end.settimeout(5)
-    vm = _Guest(_NoVMM(), tmp_path, None)  # type: ignore[arg-type]
+    vm = microvm._Guest(_NoVMM(), tmp_path, None)  # type: ignore[arg-type]
     vm.sock = host_end
     reading = asyncio.get_running_loop().create_task(vm.read_frames(host_end))
     box = MicroVMSandbox.__new__(MicroVMSandbox)
