@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import marshal
 import os
+import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -22,6 +25,7 @@ import pytest
 from bastion.config import load_config
 from bastion.safety.errors import InvalidRequest, NotFound, Unavailable
 from bastion.safety.redact import Redactor
+from bastion.sandbox import microvm
 from bastion.sandbox._spawn import SANDBOX_PATH, SandboxSpec
 from bastion.sandbox.backend import RunOutcome
 from bastion.sandbox.cgroups import CgroupLayout, Limits
@@ -385,3 +389,193 @@ async def test_a_crashed_servers_vmm_folder_and_cgroup_are_removed_at_the_next_s
         assert not run_dir.parent.exists()
     finally:
         layout.release()
+
+
+class _NoVMM:
+    """Stands for a VMM process: the channel reader below never needs a real one."""
+
+    pid = 0
+    stderr = None
+
+    def poll(self) -> int | None:
+        return None
+
+
+async def test_a_relay_flooding_its_channel_with_tiny_frames_does_not_stall_the_event_loop(tmp_path: Path) -> None:
+    """The guest's root writes any bytes to the agent port: its reader must still let other tasks run."""
+    guest_end, host_end = socket.socketpair()
+    host_end.setblocking(False)
+    vm = microvm._Guest(_NoVMM(), tmp_path, None)  # type: ignore[arg-type]
+    reading = asyncio.get_running_loop().create_task(vm.read_frames(host_end))
+    gaps: list[float] = []
+
+    async def heartbeat() -> None:
+        while True:
+            before = time.monotonic()
+            await asyncio.sleep(0.005)
+            gaps.append(time.monotonic() - before)
+
+    def flood() -> None:
+        burst = struct.pack(">IcI", 5, b"O", 99) * 100_000  # output of a command that does not exist: ignored
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            guest_end.sendall(burst)
+
+    beat = asyncio.get_running_loop().create_task(heartbeat())
+    try:
+        await asyncio.to_thread(flood)
+        await asyncio.sleep(0.1)
+        assert len(gaps) > 20
+        assert max(gaps) < 0.6  # the old reader held the loop for the whole flood
+    finally:
+        beat.cancel()
+        reading.cancel()
+        guest_end.close()
+        host_end.close()
+
+
+def read_frame(sock: socket.socket) -> tuple[bytes, int, bytes]:
+    head = b""
+    while len(head) < 4:
+        head += sock.recv(4 - len(head))
+    body = b""
+    size = int.from_bytes(head, "big")
+    while len(body) < size:
+        body += sock.recv(size - len(body))
+    return body[:1], int.from_bytes(body[1:5], "big"), body[5:]
+
+
+async def test_a_send_cancelled_halfway_still_writes_its_whole_frame(tmp_path: Path) -> None:
+    """A client that gives up (cancels) while a large frame is being written to a slow channel: the frame
+    goes out whole, so the relay does not read the next frame's bytes as the rest of it."""
+    guest_end, host_end = socket.socketpair()
+    host_end.setblocking(False)
+    host_end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    guest_end.settimeout(5)
+    vm = microvm._Guest(_NoVMM(), tmp_path, None)  # type: ignore[arg-type]
+    vm.sock = host_end
+    try:
+        big = asyncio.get_running_loop().create_task(vm.send(b"I", 1, b"z" * 200_000))
+        await asyncio.sleep(0.2)  # blocked halfway: the guest reads nothing yet
+        big.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await big
+        after = asyncio.get_running_loop().create_task(vm.send(b"E", 2))
+        assert await asyncio.to_thread(read_frame, guest_end) == (b"I", 1, b"z" * 200_000)
+        assert await asyncio.to_thread(read_frame, guest_end) == (b"E", 2, b"")
+        await after
+    finally:
+        vm.detach()
+        guest_end.close()
+        host_end.close()
+
+
+def test_recovery_never_kills_a_process_that_took_a_matching_pid_after_the_scan(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between the scan of /proc and the kill, the VMM found may exit and its pid go to another process
+    (one a hostile local user times, by naming the folder in a process of its own): root must kill only
+    a process that still names the folder. One that does is still killed."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    outer = tmp_path / f"bastion-vm-{gone.pid}-x"
+    (outer / "vm").mkdir(parents=True)
+    needle = str(outer / "vm" / "agent.sock")
+    script = "import time; time.sleep(30)"
+    vmm = subprocess.Popen([sys.executable, "-c", script, needle])
+    other = subprocess.Popen([sys.executable, "-c", script])
+    scanned = microvm._users_of(outer / "vm")
+    assert scanned == [vmm.pid]
+    monkeypatch.setattr(microvm, "_users_of", lambda _: [vmm.pid, other.pid])  # other: the pid, reused
+    try:
+        assert microvm.recover_run_dirs(tmp_path) == [outer]
+        assert vmm.wait(timeout=5) == -9
+        assert other.poll() is None
+    finally:
+        for proc in (vmm, other):
+            proc.kill()
+            proc.wait()
+
+
+async def test_a_relay_message_nested_past_the_recursion_limit_is_ignored_and_reading_goes_on(
+    tmp_path: Path,
+) -> None:
+    """JSON nested 100000 deep (within the 1 MiB a frame may hold) raised RecursionError out of the reader:
+    a traceback in the log, the channel no longer read. It is a malformed message like any other."""
+    guest_end, host_end = socket.socketpair()
+    host_end.setblocking(False)
+    vm = microvm._Guest(_NoVMM(), tmp_path, None)  # type: ignore[arg-type]
+    reading = asyncio.get_running_loop().create_task(vm.read_frames(host_end))
+
+    def message(payload: bytes) -> bytes:
+        return struct.pack(">IcI", len(payload) + 5, b"M", 0) + payload
+
+    try:
+        guest_end.sendall(message(b"[" * 100_000) + message(b'{"event": "ready"}'))
+        async with asyncio.timeout(5):
+            await vm.ready
+        assert not reading.done()
+    finally:
+        reading.cancel()
+        guest_end.close()
+        host_end.close()
+
+
+async def test_a_guest_flooding_a_spawned_commands_host_pipe_is_held_to_a_bounded_backlog() -> None:
+    """The guest's output for `spawn(stdout=...)` arrives whatever the pipe's reader takes (a reader pausing
+    between reads, or none): what the pipe cannot take is not kept without bound on the host."""
+    read_end, write_end = os.pipe2(os.O_CLOEXEC)
+    piped = microvm._Piped(write_end)
+    try:
+        for _ in range(1024):  # 64 MiB, nobody reading
+            piped.write(b"z" * 65536)
+        assert len(piped.pending) <= 8 << 20
+    finally:
+        piped.close()
+        os.close(read_end)
+
+
+def test_a_folder_the_vmm_planted_in_its_run_dir_does_not_stop_recovery(tmp_path: Path) -> None:
+    """The VMM's uid owns its run folder: a directory where its socket was (`agent.sock/`) must not make
+    recovery (at the server's start) or a close raise; what cannot be removed is left."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    outer = tmp_path / f"bastion-vm-{gone.pid}-x"
+    (outer / "vm" / "agent.sock" / "inner").mkdir(parents=True)
+    (outer / "vm" / "console.log").write_text("")
+    assert microvm.recover_run_dirs(tmp_path) == []
+    assert not (outer / "vm" / "console.log").exists()
+
+
+async def test_a_run_cancelled_while_its_request_is_written_has_its_command_killed(tmp_path: Path) -> None:
+    """The request goes out whole (see above), so the command starts with nobody waiting for it: it is killed."""
+    guest_end, host_end = socket.socketpair()
+    host_end.setblocking(False)
+    host_end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    guest_end.settimeout(5)
+    vm = microvm._Guest(_NoVMM(), tmp_path, None)  # type: ignore[arg-type]
+    vm.sock = host_end
+    reading = asyncio.get_running_loop().create_task(vm.read_frames(host_end))
+    box = MicroVMSandbox.__new__(MicroVMSandbox)
+    out, err = microvm._Stream(100, newest=False), microvm._Stream(100, newest=False)
+    env = {"BIG": "x" * 200_000}
+    try:
+        launch = asyncio.get_running_loop().create_task(
+            box._launch(vm, "/bin/true", ["true"], "/", env, out, err, False)
+        )
+        await asyncio.sleep(0.2)  # the request half written: the guest reads nothing yet
+        launch.cancel()
+        kind, _, request = await asyncio.to_thread(read_frame, guest_end)
+        assert kind == b"M"
+        assert b"x" * 200_000 in request
+        assert await asyncio.to_thread(read_frame, guest_end) == (b"M", 0, marshal.dumps({"op": "kill", "id": 1}))
+        exit_event = b'{"event": "exit", "id": 1, "status": 137}'
+        guest_end.sendall(struct.pack(">IcI", len(exit_event) + 5, b"M", 0) + exit_event)
+        with pytest.raises(asyncio.CancelledError):
+            await launch
+        assert vm.commands == {}
+    finally:
+        reading.cancel()
+        vm.detach()
+        guest_end.close()
+        host_end.close()

@@ -9,11 +9,13 @@ The same path through a booted guest is in test_backend_conformance.py (`microvm
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import socket
 import struct
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
@@ -153,14 +155,27 @@ async def hostile(setup: EgressSetup) -> AsyncIterator[HostileGuest]:
     guest.close()
 
 
-async def test_a_stream_sending_past_its_window_is_ended(hostile: HostileGuest) -> None:
-    """The proxy reads a request head only: what the guest sends past it waits, up to the window."""
-    await hostile.send(frame(b"C", 1) + frame(b"D", 1, b"GET / HTTP/1.1\r\n"))
-    await hostile.send(b"".join(frame(b"D", 1, b"x" * 65536) for _ in range(WINDOW // 65536 + 2)))
-    while (found := await hostile.next_frame())[0] != b"X":
-        assert found[:2] == (b"K", 1)  # credits for what the proxy took before the excess came
-    assert found == (b"X", 1, b"")
-    assert hostile.port.streams == 0
+async def test_a_stream_sending_past_its_window_is_ended(tmp_path: Path) -> None:
+    """A proxy that reads nothing: what the guest sends past the socket's buffer waits, up to the window."""
+    taken: list[asyncio.StreamWriter] = []
+
+    async def proxy(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        taken.append(writer)  # kept open, never read
+
+    server = await asyncio.start_unix_server(proxy, str(tmp_path / "proxy.sock"))
+    hostile = HostileGuest(str(tmp_path / "proxy.sock"))
+    try:
+        await hostile.send(frame(b"C", 1))
+        await hostile.send(b"".join(frame(b"D", 1, b"x" * 65536) for _ in range(12)))
+        while (found := await hostile.next_frame())[0] != b"X":
+            assert found[:2] == (b"K", 1)  # credits for what the proxy's socket took before the excess came
+        assert found == (b"X", 1, b"")
+        assert hostile.port.streams == 0
+    finally:
+        hostile.close()
+        for writer in taken:
+            writer.close()
+        server.close()
 
 
 async def test_a_credit_never_owed_and_a_reused_id_end_the_stream(hostile: HostileGuest) -> None:
@@ -194,3 +209,79 @@ async def test_a_sandbox_without_egress_has_every_stream_refused() -> None:
         assert await guest.next_frame() == (b"X", 7, b"")
     finally:
         guest.close()
+
+
+def flood(sock: socket.socket, seconds: float) -> None:
+    """Tiny frames (for a stream never opened: each ignored) as fast as the socket takes them."""
+    burst = frame(b"D", 99) * 100_000
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        sock.sendall(burst)
+
+
+async def test_a_flood_of_tiny_frames_does_not_stall_the_event_loop() -> None:
+    """The port always has data: its reader must still let the server's other tasks run."""
+    guest = HostileGuest(None)
+    gaps: list[float] = []
+
+    async def heartbeat() -> None:
+        while True:
+            before = time.monotonic()
+            await asyncio.sleep(0.005)
+            gaps.append(time.monotonic() - before)
+
+    beat = asyncio.get_running_loop().create_task(heartbeat())
+    try:
+        await asyncio.to_thread(flood, guest.sock, 2.0)
+        await asyncio.sleep(0.1)
+        assert len(gaps) > 20
+        assert max(gaps) < 0.6  # the old reader held the loop for the whole flood
+    finally:
+        beat.cancel()
+        guest.close()
+
+
+async def test_a_stream_ended_while_its_data_is_being_sent_does_not_cut_the_frame(tmp_path: Path) -> None:
+    """The guest ends a stream (X) while the host is writing a 64 KiB frame of it to a full port:
+    the frame goes out whole, so the frames after it still parse (a benign guest's X would otherwise
+    garble every stream of its port)."""
+
+    async def proxy(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"y" * WINDOW)
+        with contextlib.suppress(OSError):
+            await writer.drain()
+
+    server = await asyncio.start_unix_server(proxy, str(tmp_path / "proxy.sock"))
+    guest = HostileGuest(str(tmp_path / "proxy.sock"))
+    guest.host_end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    guest.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    guest.sock.settimeout(3)
+    try:
+        await guest.send(frame(b"C", 1))
+        await asyncio.sleep(0.3)  # the host is now blocked in the middle of a D frame
+        await guest.send(frame(b"X", 1) + frame(b"C", 3) + frame(b"K", 3, (1).to_bytes(4, "big")))
+        while (found := await guest.next_frame())[:2] != (b"X", 3):
+            assert found[:2] == (b"D", 1), found[:2]
+    finally:
+        guest.close()
+        server.close()
+
+
+async def test_a_proxy_connection_reset_under_a_silent_guest_ends_the_stream(tmp_path: Path) -> None:
+    """The proxy closes with the guest's bytes unread (a reset): the stream ends (X) at once, rather than
+    wait for a guest that sends nothing more, holding its fd and leaving the error unretrieved."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(tmp_path / "proxy.sock"))
+    listener.listen()
+    listener.setblocking(False)
+    guest = HostileGuest(str(tmp_path / "proxy.sock"))
+    try:
+        await guest.send(frame(b"C", 1) + frame(b"D", 1, b"GET / HTTP/1.1\r\n"))
+        accepted, _ = await asyncio.get_running_loop().sock_accept(listener)
+        assert await guest.next_frame() == (b"K", 1, (16).to_bytes(4, "big"))
+        accepted.close()  # the 16 bytes unread
+        assert await guest.next_frame() == (b"X", 1, b"")
+        assert guest.port.streams == 0
+    finally:
+        guest.close()
+        listener.close()

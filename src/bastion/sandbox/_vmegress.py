@@ -20,6 +20,7 @@ import contextlib
 import logging
 import socket
 import struct
+from collections.abc import Callable
 from typing import Final
 
 __all__ = ["EgressPort"]
@@ -53,6 +54,15 @@ def _current_task() -> asyncio.Task[object] | None:
         return None
 
 
+def _forget_write(writes: set[asyncio.Task[None]]) -> Callable[[asyncio.Task[None]], None]:
+    def forget(write: asyncio.Task[None]) -> None:
+        writes.discard(write)
+        if not write.cancelled():
+            write.exception()  # retrieved: its sender, if still waiting, has it too
+
+    return forget
+
+
 class EgressPort:
     """Carries one guest's egress streams to `proxy_path` (None: the sandbox has no egress; every
     stream is refused), over `sock`, the VMM's egress chardev, until it ends or `close`."""
@@ -63,6 +73,7 @@ class EgressPort:
         self._name = name
         self._streams: dict[int, _Stream] = {}
         self._sending = asyncio.Lock()
+        self._writes: set[asyncio.Task[None]] = set()  # frames being written, each to its end
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -87,6 +98,8 @@ class EgressPort:
                     payload = bytes(inbox[_HEADER.size : 4 + size])
                     del inbox[: 4 + size]
                     await self._on_frame(kind, stream_id, payload)
+                # sock_recv returns at once while data waits: a guest that always has more would hold the loop.
+                await asyncio.sleep(0)
         except OSError:
             return
         finally:
@@ -135,10 +148,16 @@ class EgressPort:
         stream.upstream = upstream
         try:
             await loop.sock_connect(upstream, proxy)
-            down = loop.create_task(self._downward(stream_id, stream, upstream))
-            stream.tasks.append(down)
-            await self._upward(stream_id, stream, upstream)
-            await down
+            both = (
+                loop.create_task(self._upward(stream_id, stream, upstream)),
+                loop.create_task(self._downward(stream_id, stream, upstream)),
+            )
+            stream.tasks.extend(both)
+            # Either way's error ends the stream at once: the other may wait on a peer that sends nothing more.
+            await asyncio.wait(both, return_when=asyncio.FIRST_EXCEPTION)
+            for way in both:
+                if way.done():
+                    way.result()  # raises its error; with none, both are done
         except OSError:
             if self._streams.get(stream_id) is stream:
                 await self._refuse(stream_id)
@@ -180,9 +199,20 @@ class EgressPort:
             await self._send(b"D", stream_id, data)
 
     async def _send(self, kind: bytes, stream_id: int, payload: bytes = b"") -> None:
+        """Send one frame whole: a sender cancelled meanwhile (its stream dropped) leaves the write to
+        finish, holding the lock, for a frame cut short would garble every frame after it."""
         frame = _HEADER.pack(len(payload) + 5, kind, stream_id) + payload
-        async with self._sending:
+        await self._sending.acquire()
+        write = asyncio.get_running_loop().create_task(self._write(frame))
+        self._writes.add(write)
+        write.add_done_callback(_forget_write(self._writes))
+        await asyncio.shield(write)
+
+    async def _write(self, frame: bytes) -> None:
+        try:
             await asyncio.get_running_loop().sock_sendall(self._sock, frame)
+        finally:
+            self._sending.release()
 
     def _drop(self, stream_id: int) -> None:
         stream = self._streams.pop(stream_id, None)
@@ -217,3 +247,8 @@ class EgressPort:
                 loop.remove_writer(self._sock.fileno())
             self._task.cancel()
         self._end_streams()
+        for write in list(self._writes):  # the port is closing: a frame cut now is read by nobody
+            loop = write.get_loop()
+            if not loop.is_closed():  # now, before the fd number can be reused, not in the cancel's callback
+                loop.remove_writer(self._sock.fileno())
+            write.cancel()

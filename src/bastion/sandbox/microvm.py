@@ -83,6 +83,7 @@ _READ_BYTES: Final = 65_536
 _VMM_OVERHEAD_BYTES: Final = 192 << 20  # QEMU itself and TCG's translation cache (tb-size below)
 _VMM_TASKS: Final = 64  # QEMU's own threads; the guest's processes are the guest kernel's business
 _CONSOLE_TAIL_BYTES: Final = 65_536
+_PIPED_BACKLOG: Final = 4 << 20  # a spawned command's output its host pipe has not taken yet
 _NOBODY: Final = 65534  # the probe's VMM, when bastion runs as root: no sandbox shares this uid
 _RUN_PREFIX: Final = "bastion-vm-"  # + the server's pid: recovery finds a crashed server's folders by it
 _group_ids = itertools.count(1)
@@ -206,9 +207,12 @@ class _Piped:
         os.set_blocking(fd, False)
 
     def write(self, data: bytes) -> None:
+        """Keep what the pipe cannot take yet, up to _PIPED_BACKLOG: the guest sends without waiting for
+        the pipe's reader (which may pause, or read nothing), so past that its bytes are lost, as a full
+        ring would lose them, rather than held by the host without bound."""
         if self.fd < 0:
             return
-        self.pending += data
+        self.pending += data[: max(0, _PIPED_BACKLOG - len(self.pending))]
         self.flush()
 
     def flush(self) -> None:
@@ -253,6 +257,7 @@ class MicroVMProcess:
         self.exited = False
         self.stdin_open = True
         self.exit_event = asyncio.Event()
+        self.request_out = False  # its run request is (being) written to the guest
 
     @property
     def command_id(self) -> int:
@@ -298,6 +303,9 @@ class MicroVMProcess:
         await self._vm.send(b"I", self._id, data, timeout_s=timeout_s)
         return len(data)
 
+    def requested(self) -> None:
+        self.request_out = True
+
     def close_stdin(self) -> None:
         if self.stdin_open:
             self.stdin_open = False
@@ -326,6 +334,7 @@ class _Guest:
         self.task: asyncio.Task[None] | None = None
         self.ids = itertools.count(1)
         self.later: set[asyncio.Task[None]] = set()  # sends from sync callers (close_stdin)
+        self.writes: set[asyncio.Task[None]] = set()  # frames being written, each to its end
         # What its relay said before the last exit: /tmp and /dev/shm empty, OOM kills, shared memory.
         self.scratch_empty = True
         self.guest_ooms = 0
@@ -380,6 +389,8 @@ class _Guest:
                     body = bytes(inbox[4 : 4 + size])
                     del inbox[: 4 + size]
                     self.on_frame(body[:1], int.from_bytes(body[1:5], "big"), body[5:])
+                # sock_recv returns at once while data waits: a guest that always has more would hold the loop.
+                await asyncio.sleep(0)
         except OSError:
             return
         finally:
@@ -410,7 +421,7 @@ class _Guest:
     def on_message(self, payload: bytes) -> None:
         try:
             message = json.loads(payload)
-        except ValueError:
+        except (ValueError, RecursionError):  # a nesting deeper than the recursion limit: malformed too
             return
         if not isinstance(message, dict):
             return
@@ -432,7 +443,13 @@ class _Guest:
             command.finish(None)
 
     async def send(
-        self, kind: bytes, command_id: int, payload: bytes = b"", *, timeout_s: float = _SEND_TIMEOUT_S
+        self,
+        kind: bytes,
+        command_id: int,
+        payload: bytes = b"",
+        *,
+        timeout_s: float = _SEND_TIMEOUT_S,
+        begun: Callable[[], None] | None = None,
     ) -> None:
         """Send one frame. A guest that does not take it in time ends: the relay always reads, so a
         stuck channel is a hostile or frozen guest, and a frame cut short cannot be taken back."""
@@ -440,13 +457,32 @@ class _Guest:
             raise Unavailable("the microVM has ended")
         frame = _HEADER.pack(len(payload) + 5, kind, command_id) + payload
         try:
-            async with asyncio.timeout(timeout_s), self.sending:
-                await asyncio.get_running_loop().sock_sendall(self.sock, frame)
+            async with asyncio.timeout(timeout_s):
+                await self.sending.acquire()
+                # A caller cancelled halfway (a client gave up) leaves the write to finish, holding the
+                # lock: a frame cut short would make the relay read the next frames' bytes as its rest.
+                write = asyncio.get_running_loop().create_task(self.write(self.sock, frame))
+                self.writes.add(write)
+                write.add_done_callback(self.written)
+                if begun is not None:
+                    begun()  # the frame goes out whole from here, cancelled or not
+                await asyncio.shield(write)
         except TimeoutError:
             self.kill_vmm()
             raise Unavailable(f"the microVM did not read its channel within {timeout_s:g} s: it was ended") from None
         except OSError as exc:
             raise Unavailable(f"the microVM's channel broke: {exc.strerror or exc}") from exc
+
+    async def write(self, sock: socket.socket, frame: bytes) -> None:
+        try:
+            await asyncio.get_running_loop().sock_sendall(sock, frame)
+        finally:
+            self.sending.release()
+
+    def written(self, write: asyncio.Task[None]) -> None:
+        self.writes.discard(write)
+        if not write.cancelled():
+            write.exception()  # retrieved: its sender, if still waiting, has it too
 
     def send_soon(self, kind: bytes, command_id: int, payload: bytes = b"") -> None:
         """Send from a sync caller; a guest that ended meanwhile needs it no more."""
@@ -475,6 +511,11 @@ class _Guest:
         """Stop reading the channels (called in the loop's thread), so their sockets can close under no reader."""
         if self.egress is not None:
             self.egress.close()
+        for write in list(self.writes):  # the channel is closing: a frame cut now is read by nobody
+            loop = write.get_loop()
+            if self.sock is not None and not loop.is_closed():  # now, before its fd number can be reused
+                loop.remove_writer(self.sock.fileno())
+            write.cancel()
         if self.task is None or self.task.done():
             return
         loop = self.task.get_loop()
@@ -520,7 +561,7 @@ def _make_run_dir(identity: tuple[int, int] | None) -> Path:
 
 def _remove_run_dir(run_dir: Path) -> None:
     for name in ("agent.sock", "egress.sock", "console.log"):
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(OSError):  # gone, or a folder the VMM's uid made there: left, never followed
             (run_dir / name).unlink()
     for folder in (run_dir, run_dir.parent):
         with contextlib.suppress(OSError):
@@ -549,8 +590,7 @@ def recover_run_dirs(temp: Path | None = None) -> list[Path]:
         if not owner.isdigit() or os.path.exists(f"/proc/{owner}") or not _own_folder(outer):
             continue
         for pid in _users_of(outer / "vm"):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+            _kill_user(pid, outer / "vm")
         _remove_run_dir(outer / "vm")
         if not outer.exists():
             removed.append(outer)
@@ -562,16 +602,34 @@ def _own_folder(path: Path) -> bool:
     return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
 
 
+def _kill_user(pid: int, run_dir: Path) -> None:
+    """SIGKILL `pid` if it still names the folder's agent socket: held by a pidfd first, so a pid
+    freed after the scan and taken by another process is never what root kills."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        if _names(pid, os.fsencode(run_dir / "agent.sock")):
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+    finally:
+        os.close(pidfd)
+
+
+def _names(pid: int, needle: bytes) -> bool:
+    try:
+        return needle in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
 def _users_of(run_dir: Path) -> list[int]:
     """Processes whose command line names the folder's agent socket: a VMM left running."""
     needle = os.fsencode(run_dir / "agent.sock")
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                if needle in (entry / "cmdline").read_bytes():
-                    found.append(int(entry.name))
-    return found
+    return [
+        int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit() and _names(int(entry.name), needle)
+    ]
 
 
 class MicroVMSandbox:
@@ -706,7 +764,13 @@ class MicroVMSandbox:
             "env": dict(env),
             "stdin": stdin,
         }
-        await vm.send(b"M", 0, marshal.dumps(request))
+        try:
+            await vm.send(b"M", 0, marshal.dumps(request), begun=command.requested)
+        except asyncio.CancelledError:
+            if command.request_out:  # it goes out whole: the command may run, with nobody waiting for it
+                await asyncio.shield(self._kill_command(vm, command))
+            vm.forget(command_id)
+            raise
         return command
 
     async def run(
