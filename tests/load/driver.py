@@ -1,0 +1,632 @@
+"""The load and soak driver (issue 19): a real `bastion serve --http`, N real MCP clients, one mix.
+
+The server is the real command with sandboxes on, in a temporary folder, on loopback. Each client is
+the SDK's Streamable HTTP client with a bearer token of its own from `bastion admin token`, half on
+the 2026-07-28 protocol and half on the 2025-11-25 handshake. They share a population of sandboxes
+and issue a mix of work, lifecycle and hostile calls; each keeps its own tally per tool (ok, expected
+refusal, unexpected) with latencies, and checks what it reads back. At the end the caller compares
+the tallies with the audit log's `end` records, one for one, by the `audit_id` every answer carries.
+
+`ServerProbe` counts only what belongs to this server (tests run in parallel on the same host): its
+cgroups are named `sb-<server pid>-<n>`, its mounts and loop devices live under its folder, its
+processes descend from its pid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import re
+import statistics
+import subprocess
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx2
+from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
+
+from bastion.demo import init_demo
+from bastion.safety.audit import chain_files
+from bastion.transports.http.password import write_hash
+from tests.transports.http.live import BASTION, PASSWORD, LiveServer, free_port, serve_config
+
+OK = "OK"
+CLIENT_PREFIX = "load-"
+CALLER_PREFIX = f"http:cli:{CLIENT_PREFIX}"
+CALL_TIMEOUT_S = 120.0
+SETTLE_TIMEOUT_S = 60.0
+WARM_POOL = 1
+MODES = ("2026-07-28", "legacy")
+# Relative weights of the mix; "churn" is create, use, close, then a status call that must find nothing.
+MIX: dict[str, int] = {
+    "run_command": 25,
+    "write_file": 12,
+    "read_file": 12,
+    "edit_file": 10,
+    "execute_code": 12,
+    "list_sandboxes": 5,
+    "get_sandbox_status": 10,
+    "churn": 5,
+    "path_escape": 4,
+    "missing_file": 4,
+}
+
+
+def env_int(name: str, default: int) -> int:
+    """An integer from the environment (the make targets' overrides), else `default`."""
+    value = os.environ.get(name)
+    return int(value) if value else default
+
+
+def env_float(name: str, default: float) -> float:
+    value = os.environ.get(name)
+    return float(value) if value else default
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A run's sizes: `rate` calls/s in all (None: as fast as the clients go), `seed` for the mix."""
+
+    sandboxes: int
+    clients: int
+    duration_s: float
+    rate: float | None = None
+    seed: int = 19
+
+
+# --- tallies ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class ToolTally:
+    ok: int = 0
+    refused: int = 0
+    unexpected: int = 0
+    latencies_s: list[float] = field(default_factory=list)
+    audit_ids: list[str] = field(default_factory=list)
+
+    @property
+    def calls(self) -> int:
+        return self.ok + self.refused + self.unexpected
+
+
+@dataclass
+class Tally:
+    """One client's own account of its calls, per tool, and the first unexpected ones in words."""
+
+    tools: dict[str, ToolTally] = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)
+
+    def tool(self, name: str) -> ToolTally:
+        return self.tools.setdefault(name, ToolTally())
+
+    def unexpected(self, name: str, what: str) -> None:
+        self.tool(name).unexpected += 1
+        if len(self.failures) < 20:
+            self.failures.append(f"{name}: {what}")
+
+
+def merged(tallies: list[Tally]) -> Tally:
+    total = Tally()
+    for tally in tallies:
+        total.failures.extend(tally.failures)
+        for name, part in tally.tools.items():
+            into = total.tool(name)
+            into.ok += part.ok
+            into.refused += part.refused
+            into.unexpected += part.unexpected
+            into.latencies_s.extend(part.latencies_s)
+            into.audit_ids.extend(part.audit_ids)
+    return total
+
+
+# --- the server ------------------------------------------------------------------------------------
+
+
+def write_load_config(root: Path, port: int, plan: Plan) -> Path:
+    """The demo config with sandboxes on (disk quota, cgroups, warm pool) and room for the population
+    plus one churned sandbox per client."""
+    path = init_demo(root)
+    text = path.read_text()
+    text = text.replace("max_sandboxes = 16", f"max_sandboxes = {plan.sandboxes + plan.clients}", 1)
+    text = text.replace("http://127.0.0.1:8765", f"http://127.0.0.1:{port}")
+    text = text.replace('listen = "127.0.0.1:8765"', f'listen = "127.0.0.1:{port}"')
+    path.write_text(text)
+    write_hash(root / "state" / "admin-password.argon2", PASSWORD)
+    return path
+
+
+@contextlib.contextmanager
+def load_server(root: Path, plan: Plan) -> Iterator[LiveServer]:
+    port = free_port()
+    with serve_config(root, write_load_config(root, port, plan), port) as server:
+        yield server
+
+
+def issue_tokens(server: LiveServer, count: int) -> list[str]:
+    """One `bastion admin token` per client (the real CLI, a few at a time)."""
+
+    def issue(index: int) -> str:
+        command = [
+            str(BASTION), "admin", "token", "--config", str(server.config_path),
+            "--client", f"{CLIENT_PREFIX}{index}", "--scope", "workbench", "--ttl", "1d",
+        ]  # fmt: skip
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=True)
+        return done.stdout.strip()
+
+    with ThreadPoolExecutor(4) as pool:
+        return list(pool.map(issue, range(count)))
+
+
+# --- a client --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Worker:
+    """One MCP client's state in the mix: its files per sandbox (generation of the edit marker)."""
+
+    index: int
+    client: Client
+    tally: Tally
+    rng: random.Random
+    population: list[str]
+    files: dict[str, int] = field(default_factory=dict)
+    calls: int = 0
+
+    @property
+    def path(self) -> str:
+        return f"c{self.index}/notes.txt"
+
+    async def call(self, tool: str, args: dict[str, Any], expect: str = OK) -> dict[str, Any] | None:
+        """One tools/call; a result whose code is not `expect` counts as unexpected. None unless expected."""
+        self.calls += 1
+        started = time.perf_counter()
+        try:
+            with anyio.fail_after(CALL_TIMEOUT_S):
+                result = await self.client.call_tool(tool, args)
+        except Exception as exc:  # anything the transport raises is a finding, in words
+            self.tally.unexpected(tool, f"{type(exc).__name__}: {exc}"[:300])
+            return None
+        counts = self.tally.tool(tool)
+        counts.latencies_s.append(time.perf_counter() - started)
+        payload = result.structured_content
+        if payload is None or "code" not in payload:
+            self.tally.unexpected(tool, f"no OperationResult: {result.content!r}"[:300])
+            return None
+        if payload.get("audit_id"):
+            counts.audit_ids.append(payload["audit_id"])
+        if payload["code"] != expect:
+            self.tally.unexpected(tool, f"{payload['code']} (expected {expect}): {payload.get('reason')}"[:300])
+            return None
+        if expect == OK:
+            counts.ok += 1
+        else:
+            counts.refused += 1
+        return payload
+
+    def wrong(self, tool: str, what: str) -> None:
+        """A call that succeeded with the wrong answer: moved from ok to unexpected."""
+        self.tally.tool(tool).ok -= 1
+        self.tally.unexpected(tool, what)
+
+    def pick(self) -> str:
+        return self.rng.choice(self.population)
+
+    def content(self, sandbox_id: str) -> str:
+        generation = self.files[sandbox_id]
+        return f"client {self.index} in {sandbox_id}\ngen={generation}\n" + "x" * (100 + 64 * (self.index % 16))
+
+
+async def op_run_command(w: Worker) -> None:
+    box = w.pick()
+    token = f"{w.index}-{w.calls}"
+    done = await w.call("run_command", {"command": f"echo {token} && ls -a | wc -l", "sandbox_id": box})
+    if done is not None and not done["detail"]["stdout"].startswith(token + "\n"):
+        w.wrong("run_command", f"stdout {done['detail']['stdout']!r} lacks {token!r}")
+
+
+async def op_write_file(w: Worker) -> None:
+    box = w.pick()
+    w.files[box] = w.files.get(box, 0) + 1
+    done = await w.call("write_file", {"path": w.path, "content": w.content(box), "sandbox_id": box})
+    if done is None:
+        w.files.pop(box)  # unknown state: read it no more
+
+
+async def op_read_file(w: Worker) -> None:
+    if not w.files:
+        await op_write_file(w)
+        return
+    box = w.rng.choice(sorted(w.files))
+    done = await w.call("read_file", {"path": w.path, "sandbox_id": box})
+    if done is not None and done["detail"]["content"] != w.content(box):
+        w.wrong("read_file", f"{box}: read back something else than was written")
+
+
+async def op_edit_file(w: Worker) -> None:
+    if not w.files:
+        await op_write_file(w)
+        return
+    box = w.rng.choice(sorted(w.files))
+    generation = w.files[box]
+    args = {"path": w.path, "old": f"gen={generation}\n", "new": f"gen={generation + 1}\n", "sandbox_id": box}
+    w.files.pop(box)  # unknown state until the answer says
+    if await w.call("edit_file", args) is not None:
+        w.files[box] = generation + 1
+
+
+async def op_execute_code(w: Worker) -> None:
+    box = w.pick()
+    a, b = w.rng.randrange(1000), w.index
+    done = await w.call("execute_code", {"code": f"n = {a} * {b} + 1\nn", "sandbox_id": box})
+    if done is not None and done["detail"].get("value") != str(a * b + 1):
+        w.wrong("execute_code", f"value {done['detail'].get('value')!r}, expected {a * b + 1}")
+
+
+async def op_list_sandboxes(w: Worker) -> None:
+    done = await w.call("list_sandboxes", {})
+    if done is not None:
+        listed = {box["sandbox_id"] for box in done["detail"]["sandboxes"]}
+        if not set(w.population) <= listed:
+            w.wrong("list_sandboxes", f"{len(set(w.population) - listed)} population sandboxes missing")
+
+
+async def op_get_sandbox_status(w: Worker) -> None:
+    box = w.pick()
+    done = await w.call("get_sandbox_status", {"sandbox_id": box})
+    if done is not None and done["detail"]["state"] != "running":
+        w.wrong("get_sandbox_status", f"{box} is {done['detail']['state']}")
+
+
+async def op_churn(w: Worker) -> None:
+    """Create, use and close a sandbox of this client's; the closed one must then be gone for everyone."""
+    made = await w.call("create_sandbox", {"labels": {"load": f"churn-{w.index}"}})
+    if made is None:
+        return
+    box = made["detail"]["sandbox_id"]
+    await w.call("run_command", {"command": "echo churn > f && cat f", "sandbox_id": box})
+    if await w.call("close_sandbox", {"sandbox_id": box}) is not None:
+        await w.call("get_sandbox_status", {"sandbox_id": box}, expect="SANDBOX_NOT_FOUND")
+
+
+async def op_path_escape(w: Worker) -> None:
+    """A hostile agent's read outside its /workspace, under load: refused, every time."""
+    path = w.rng.choice(["../../../../etc/shadow", "/etc/passwd", "../" * 12 + "proc/1/environ"])
+    await w.call("read_file", {"path": path, "sandbox_id": w.pick()}, expect="PATH_ESCAPE")
+
+
+async def op_missing_file(w: Worker) -> None:
+    await w.call("read_file", {"path": f"c{w.index}/absent.txt", "sandbox_id": w.pick()}, expect="NOT_FOUND")
+
+
+OPS: dict[str, Callable[[Worker], Awaitable[None]]] = {
+    "run_command": op_run_command,
+    "write_file": op_write_file,
+    "read_file": op_read_file,
+    "edit_file": op_edit_file,
+    "execute_code": op_execute_code,
+    "list_sandboxes": op_list_sandboxes,
+    "get_sandbox_status": op_get_sandbox_status,
+    "churn": op_churn,
+    "path_escape": op_path_escape,
+    "missing_file": op_missing_file,
+}
+
+
+# --- the run ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Phase:
+    """What the clients do next, shared by all: set up, run the mix until `until`, or tear down."""
+
+    population: list[str] = field(default_factory=list)
+    until: float = 0.0
+    mix_started: float = 0.0
+    mix_ended: float = 0.0
+    calls_in_mix: int = 0
+
+
+@contextlib.asynccontextmanager
+async def connected(url: str, token: str, mode: str) -> AsyncIterator[Client]:
+    headers = {"Authorization": f"Bearer {token}"}
+    async with (
+        httpx2.AsyncClient(headers=headers, timeout=CALL_TIMEOUT_S) as http,
+        Client(streamable_http_client(url, http_client=http), mode=mode) as client,
+    ):
+        yield client
+
+
+async def run_load(
+    server: LiveServer,
+    plan: Plan,
+    *,
+    on_mix_started: Callable[[], None] | None = None,
+) -> tuple[list[Tally], Phase]:
+    """Set up the population, run the mix for `plan.duration_s`, close the population; every client's tally.
+
+    Set-up: the clients create the population between them and run one code cell in each sandbox (its
+    Python context then lives for the run, so the mix starts no process that outlives a call).
+    """
+    tokens = await anyio.to_thread.run_sync(issue_tokens, server, plan.clients)
+    tallies = [Tally() for _ in range(plan.clients)]
+    phase = Phase()
+    created: list[list[str]] = [[] for _ in range(plan.clients)]
+    ready = [anyio.Event() for _ in range(plan.clients)]
+    go = anyio.Event()
+
+    async def client_task(index: int) -> None:
+        async with connected(server.mcp_url, tokens[index], MODES[index % 2]) as client:
+            worker = Worker(index, client, tallies[index], random.Random(plan.seed * 1000 + index), phase.population)
+            share = range(index, plan.sandboxes, plan.clients)
+            for _ in share:
+                made = await worker.call("create_sandbox", {"labels": {"load": "population"}})
+                if made is not None:
+                    box = made["detail"]["sandbox_id"]
+                    created[index].append(box)
+                    await worker.call("execute_code", {"code": "0", "sandbox_id": box})
+            ready[index].set()
+            await go.wait()
+            await mix(worker, plan, phase)
+            for box in created[index]:
+                await worker.call("close_sandbox", {"sandbox_id": box})
+
+    async with anyio.create_task_group() as group:
+        for index in range(plan.clients):
+            group.start_soon(client_task, index)
+        for event in ready:
+            await event.wait()
+        phase.population.extend(box for boxes in created for box in boxes)
+        if not phase.population:
+            raise RuntimeError(f"no sandbox could be created: {merged(tallies).failures[:3]}")
+        if on_mix_started is not None:
+            on_mix_started()
+        phase.mix_started = time.monotonic()
+        phase.until = phase.mix_started + plan.duration_s
+        go.set()
+    return tallies, phase
+
+
+async def mix(worker: Worker, plan: Plan, phase: Phase) -> None:
+    names = list(MIX)
+    weights = [MIX[name] for name in names]
+    interval = plan.clients / plan.rate if plan.rate else 0.0
+    # Spread the clients' first calls over one interval, so a steady rate is steady from the start.
+    next_at = time.monotonic() + interval * worker.rng.random()
+    while True:
+        if interval:
+            await anyio.sleep(max(0.0, next_at - time.monotonic()))
+            # A client that fell behind does not burst to catch up: the rate is a ceiling.
+            next_at = max(next_at + interval, time.monotonic())
+        if time.monotonic() >= phase.until:
+            break
+        before = worker.calls
+        await OPS[worker.rng.choices(names, weights)[0]](worker)
+        phase.calls_in_mix += worker.calls - before
+        phase.mix_ended = max(phase.mix_ended, time.monotonic())
+
+
+# --- what the server holds -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Holdings:
+    """What one server holds on the host: cgroups, mounts, loop devices, processes (its descendants)."""
+
+    cgroups: int
+    mounts: int
+    loops: int
+    processes: int
+
+    def line(self) -> str:
+        return f"{self.cgroups} sandbox cgroups, {self.mounts} mounts, {self.loops} loop devices, {self.processes} processes"
+
+
+@dataclass(frozen=True)
+class Sample:
+    at: float
+    rss_bytes: int
+    fds: int
+
+
+class ServerProbe:
+    """Reads /proc and /sys for one server process and its folder `root`."""
+
+    def __init__(self, pid: int, root: Path) -> None:
+        self.pid = pid
+        self.root = str(root.resolve())
+
+    def sample(self) -> Sample:
+        status = Path(f"/proc/{self.pid}/status").read_text()
+        match = re.search(r"^VmRSS:\s+(\d+) kB", status, re.MULTILINE)
+        rss = int(match.group(1)) * 1024 if match else 0
+        return Sample(time.monotonic(), rss, len(os.listdir(f"/proc/{self.pid}/fd")))
+
+    def holdings(self) -> Holdings:
+        return Holdings(self._cgroups(), self._mounts(), self._loops(), len(self._descendants()))
+
+    def _cgroups(self) -> int:
+        """Sandboxes with a group left in any hierarchy (one sandbox has a group in each)."""
+        prefix = f"sb-{self.pid}-"
+        names: set[str] = set()
+        for base in (Path("/sys/fs/cgroup/bastion"), *Path("/sys/fs/cgroup").glob("*/bastion")):
+            if base.is_dir():
+                names.update(entry.name for entry in base.iterdir() if entry.name.startswith(prefix))
+        return len(names)
+
+    def _mounts(self) -> int:
+        # mountinfo's fifth field is the mount point, with spaces escaped as \040 (root has none).
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+        return sum(1 for line in lines if line.split()[4].startswith(self.root + "/"))
+
+    def _loops(self) -> int:
+        found = 0
+        for backing in Path("/sys/block").glob("loop*/loop/backing_file"):
+            with contextlib.suppress(OSError):
+                if backing.read_text().strip().startswith(self.root + "/"):
+                    found += 1
+        return found
+
+    def _descendants(self) -> set[int]:
+        parents: dict[int, int] = {}
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                with contextlib.suppress(OSError):
+                    stat = Path(f"/proc/{entry}/stat").read_text()
+                    parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+        found: set[int] = set()
+        frontier = {self.pid}
+        while frontier:
+            frontier = {pid for pid, parent in parents.items() if parent in frontier} - found
+            found |= frontier
+        return found
+
+    async def settled(self, expected: Holdings | None = None) -> Holdings:
+        """The holdings once two reads a moment apart agree (and equal `expected`, if given), or the last
+        read at the deadline: closes and the warm pool's refill finish in the background."""
+        deadline = time.monotonic() + SETTLE_TIMEOUT_S
+        last = self.holdings()
+        while time.monotonic() < deadline:
+            await anyio.sleep(0.25)
+            now = self.holdings()
+            if now == last and (expected is None or now == expected) and now.cgroups >= WARM_POOL:
+                return now
+            last = now
+        return last
+
+
+class Sampler:
+    """RSS and open fds of the server every `every_s` seconds, in a task of the caller's task group."""
+
+    def __init__(self, probe: ServerProbe, every_s: float) -> None:
+        self.probe = probe
+        self.every_s = every_s
+        self.samples: list[Sample] = []
+        self.holdings: list[Holdings] = []
+
+    async def run(self) -> None:
+        while True:
+            self.samples.append(self.probe.sample())
+            self.holdings.append(await anyio.to_thread.run_sync(self.probe.holdings))
+            await anyio.sleep(self.every_s)
+
+    def level(self, start: float, end: float) -> tuple[float, float]:
+        """Median RSS and fds of the samples taken in [start, end)."""
+        window = [s for s in self.samples if start <= s.at < end]
+        if not window:
+            raise AssertionError(f"no sample between {start:.1f} and {end:.1f}")
+        return statistics.median(s.rss_bytes for s in window), statistics.median(s.fds for s in window)
+
+
+# --- the audit log ---------------------------------------------------------------------------------
+
+
+@dataclass
+class AuditCount:
+    """The load clients' records: end record ids per tool, and start call ids without an end."""
+
+    ends: dict[str, list[str]] = field(default_factory=dict)
+    unended_starts: int = 0
+    records: int = 0
+
+
+def count_audit(path: Path) -> AuditCount:
+    files, missing = chain_files(path)
+    if missing is not None:
+        raise AssertionError(missing.first_error)
+    count = AuditCount()
+    starts: set[str] = set()
+    ended: set[str] = set()
+    for file in files:
+        with open(file, encoding="utf-8") as lines:
+            for line in lines:
+                record = json.loads(line)
+                count.records += 1
+                if not str(record.get("caller", "")).startswith(CALLER_PREFIX):
+                    continue
+                if record.get("event") == "start":
+                    starts.add(record["call"])
+                elif record.get("event") == "end":
+                    ended.add(record["call"])
+                    count.ends.setdefault(record["tool"], []).append(record["id"])
+    count.unended_starts = len(starts - ended)
+    return count
+
+
+def audit_mismatches(tally: Tally, audit: AuditCount) -> list[str]:
+    """Every answered call's end record present exactly once, and no end record no client saw."""
+    problems = []
+    for tool in sorted(set(tally.tools) | set(audit.ends)):
+        answered = Counter(tally.tools[tool].audit_ids if tool in tally.tools else [])
+        recorded = Counter(audit.ends.get(tool, []))
+        calls = tally.tools[tool].calls if tool in tally.tools else 0
+        if answered != recorded or calls != sum(recorded.values()):
+            problems.append(
+                f"{tool}: clients counted {calls} calls ({sum(answered.values())} audit ids), "
+                f"the log has {sum(recorded.values())} end records "
+                f"({len(recorded - answered)} unanswered, {len(answered - recorded)} missing, "
+                f"{sum(1 for n in recorded.values() if n > 1)} duplicated)"
+            )
+    if audit.unended_starts:
+        problems.append(f"{audit.unended_starts} start records have no end record")
+    return problems
+
+
+def verify_audit(server: LiveServer) -> subprocess.CompletedProcess[str]:
+    command = [str(BASTION), "audit", "verify", "--config", str(server.config_path)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+
+
+# --- the report ------------------------------------------------------------------------------------
+
+
+def percentile(values: list[float], fraction: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    return ordered[min(len(ordered) - 1, round(fraction * (len(ordered) - 1)))]
+
+
+def tool_table(tally: Tally) -> str:
+    rows = [
+        "| tool | calls | ok | expected refusals | unexpected | p50 ms | p99 ms |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name in sorted(tally.tools):
+        t = tally.tools[name]
+        p50, p99 = percentile(t.latencies_s, 0.5) * 1000, percentile(t.latencies_s, 0.99) * 1000
+        rows.append(f"| {name} | {t.calls} | {t.ok} | {t.refused} | {t.unexpected} | {p50:.1f} | {p99:.1f} |")
+    return "\n".join(rows)
+
+
+def machine_line() -> str:
+    memory = int(Path("/proc/meminfo").read_text().split()[1]) // (1024 * 1024)
+    return f"{os.cpu_count()} cores, {memory} GiB, Linux {os.uname().release}"
+
+
+def today() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%d")
+
+
+def write_section(path: Path, heading: str, body: str) -> None:
+    """Put `heading` + `body` in the markdown file at `path`, replacing that section if present (up to
+    the next `## ` heading) and keeping the others (the load, soak and fault runs each own one)."""
+    text = path.read_text() if path.exists() else "# Load, soak and fault report\n"
+    section = f"{heading}\n\n{body.strip()}\n"
+    pattern = re.compile(rf"(?ms)^{re.escape(heading)}\n.*?(?=^## |\Z)")
+    if pattern.search(text):
+        text = pattern.sub(lambda _: section + "\n", text, count=1).rstrip() + "\n"
+    else:
+        text = text.rstrip() + "\n\n" + section
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
