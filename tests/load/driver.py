@@ -15,6 +15,7 @@ processes descend from its pid.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import random
@@ -24,7 +25,6 @@ import subprocess
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -35,9 +35,12 @@ import httpx2
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 
+from bastion.config import load_config
 from bastion.demo import init_demo
 from bastion.safety.audit import chain_files
+from bastion.transports.http.admin_cli import issue_token
 from bastion.transports.http.password import write_hash
+from bastion.transports.http.store import AuthStore
 from tests.transports.http.live import BASTION, PASSWORD, LiveServer, free_port, serve_config
 
 OK = "OK"
@@ -82,6 +85,10 @@ class Plan:
     duration_s: float
     rate: float | None = None
     seed: int = 19
+
+    def __post_init__(self) -> None:
+        if self.sandboxes < self.clients:
+            raise ValueError("each client needs a sandbox of its own: sandboxes >= clients")
 
 
 # --- tallies ---------------------------------------------------------------------------------------
@@ -154,18 +161,21 @@ def load_server(root: Path, plan: Plan) -> Iterator[LiveServer]:
 
 
 def issue_tokens(server: LiveServer, count: int) -> list[str]:
-    """One `bastion admin token` per client (the real CLI, a few at a time)."""
-
-    def issue(index: int) -> str:
-        command = [
-            str(BASTION), "admin", "token", "--config", str(server.config_path),
-            "--client", f"{CLIENT_PREFIX}{index}", "--scope", "workbench", "--ttl", "1d",
-        ]  # fmt: skip
-        done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=True)
-        return done.stdout.strip()
-
-    with ThreadPoolExecutor(4) as pool:
-        return list(pool.map(issue, range(count)))
+    """One access token per client, issued by `bastion admin token`'s own function (`issue_token`) in
+    this process: the command costs ~1.4 s of CPU to start (it imports the HTTP app), 45 s for 32
+    clients on a loaded 2-core machine; tests/transports/http/test_admin_token.py runs the command."""
+    config = load_config(server.config_path)
+    store = AuthStore(config.db_path)
+    tokens = []
+    try:
+        for index in range(count):
+            printed = io.StringIO()
+            with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(io.StringIO()):
+                issue_token(config, store, client=f"{CLIENT_PREFIX}{index}", scopes=["workbench"], ttl_s=86_400)
+            tokens.append(printed.getvalue().strip())
+    finally:
+        store.close()
+    return tokens
 
 
 # --- a client --------------------------------------------------------------------------------------
@@ -180,6 +190,7 @@ class Worker:
     tally: Tally
     rng: random.Random
     population: list[str]
+    own: list[str] = field(default_factory=list)
     files: dict[str, int] = field(default_factory=dict)
     calls: int = 0
 
@@ -266,7 +277,8 @@ async def op_edit_file(w: Worker) -> None:
 
 
 async def op_execute_code(w: Worker) -> None:
-    box = w.pick()
+    # A code context runs one cell at a time (another's is CONFLICT): each client codes in its own sandboxes.
+    box = w.rng.choice(w.own)
     a, b = w.rng.randrange(1000), w.index
     done = await w.call("execute_code", {"code": f"n = {a} * {b} + 1\nn", "sandbox_id": box})
     if done is not None and done["detail"].get("value") != str(a * b + 1):
@@ -347,12 +359,7 @@ async def connected(url: str, token: str, mode: str) -> AsyncIterator[Client]:
         yield client
 
 
-async def run_load(
-    server: LiveServer,
-    plan: Plan,
-    *,
-    on_mix_started: Callable[[], None] | None = None,
-) -> tuple[list[Tally], Phase]:
+async def run_load(server: LiveServer, plan: Plan) -> tuple[list[Tally], Phase]:
     """Set up the population, run the mix for `plan.duration_s`, close the population; every client's tally.
 
     Set-up: the clients create the population between them and run one code cell in each sandbox (its
@@ -360,25 +367,30 @@ async def run_load(
     """
     tokens = await anyio.to_thread.run_sync(issue_tokens, server, plan.clients)
     tallies = [Tally() for _ in range(plan.clients)]
+    workers: list[Worker] = []
     phase = Phase()
-    created: list[list[str]] = [[] for _ in range(plan.clients)]
     ready = [anyio.Event() for _ in range(plan.clients)]
+    mixed = [anyio.Event() for _ in range(plan.clients)]
     go = anyio.Event()
 
     async def client_task(index: int) -> None:
         async with connected(server.mcp_url, tokens[index], MODES[index % 2]) as client:
             worker = Worker(index, client, tallies[index], random.Random(plan.seed * 1000 + index), phase.population)
-            share = range(index, plan.sandboxes, plan.clients)
-            for _ in share:
+            workers.append(worker)
+            for _ in range(index, plan.sandboxes, plan.clients):
                 made = await worker.call("create_sandbox", {"labels": {"load": "population"}})
                 if made is not None:
-                    box = made["detail"]["sandbox_id"]
-                    created[index].append(box)
-                    await worker.call("execute_code", {"code": "0", "sandbox_id": box})
+                    worker.own.append(made["detail"]["sandbox_id"])
+                    await worker.call("execute_code", {"code": "0", "sandbox_id": worker.own[-1]})
             ready[index].set()
             await go.wait()
-            await mix(worker, plan, phase)
-            for box in created[index]:
+            if worker.own:
+                await mix(worker, plan, phase)
+            # Tear down once every client is out of the mix: another may still be using these sandboxes.
+            mixed[index].set()
+            for event in mixed:
+                await event.wait()
+            for box in worker.own:
                 await worker.call("close_sandbox", {"sandbox_id": box})
 
     async with anyio.create_task_group() as group:
@@ -386,11 +398,9 @@ async def run_load(
             group.start_soon(client_task, index)
         for event in ready:
             await event.wait()
-        phase.population.extend(box for boxes in created for box in boxes)
-        if not phase.population:
-            raise RuntimeError(f"no sandbox could be created: {merged(tallies).failures[:3]}")
-        if on_mix_started is not None:
-            on_mix_started()
+        phase.population.extend(box for worker in workers for box in worker.own)
+        if len(workers) < plan.clients or not all(worker.own for worker in workers):
+            raise RuntimeError(f"a client could not create its sandboxes: {merged(tallies).failures[:3]}")
         phase.mix_started = time.monotonic()
         phase.until = phase.mix_started + plan.duration_s
         go.set()
@@ -404,16 +414,17 @@ async def mix(worker: Worker, plan: Plan, phase: Phase) -> None:
     # Spread the clients' first calls over one interval, so a steady rate is steady from the start.
     next_at = time.monotonic() + interval * worker.rng.random()
     while True:
-        if interval:
-            await anyio.sleep(max(0.0, next_at - time.monotonic()))
-            # A client that fell behind does not burst to catch up: the rate is a ceiling.
-            next_at = max(next_at + interval, time.monotonic())
+        await anyio.sleep(max(0.0, next_at - time.monotonic()))
         if time.monotonic() >= phase.until:
             break
         before = worker.calls
         await OPS[worker.rng.choices(names, weights)[0]](worker)
-        phase.calls_in_mix += worker.calls - before
+        made = worker.calls - before
+        phase.calls_in_mix += made
         phase.mix_ended = max(phase.mix_ended, time.monotonic())
+        # An op may make several calls (churn makes four). A client that fell behind does not burst to
+        # catch up: the rate is a ceiling.
+        next_at = max(next_at + interval * made, time.monotonic())
 
 
 # --- what the server holds -------------------------------------------------------------------------
@@ -429,7 +440,10 @@ class Holdings:
     processes: int
 
     def line(self) -> str:
-        return f"{self.cgroups} sandbox cgroups, {self.mounts} mounts, {self.loops} loop devices, {self.processes} processes"
+        return (
+            f"{self.cgroups} sandbox cgroups, {self.mounts} mounts, {self.loops} loop devices, "
+            f"{self.processes} processes"
+        )
 
 
 @dataclass(frozen=True)
@@ -587,6 +601,72 @@ def verify_audit(server: LiveServer) -> subprocess.CompletedProcess[str]:
     return subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
 
 
+# --- a whole run ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    """A run's tallies and what the server shows afterwards."""
+
+    plan: Plan
+    tally: Tally
+    phase: Phase
+    audit: AuditCount
+    verified: subprocess.CompletedProcess[str]
+    log: str
+    before: Holdings
+    after: Holdings
+    sampler: Sampler
+
+    @property
+    def seconds(self) -> float:
+        return self.phase.mix_ended - self.phase.mix_started
+
+    @property
+    def throughput(self) -> float:
+        return self.phase.calls_in_mix / self.seconds
+
+    def problems(self) -> list[str]:
+        """What a run must never show, whatever its size: each problem in one line."""
+        found = list(self.tally.failures)
+        found += audit_mismatches(self.tally, self.audit)
+        if self.verified.returncode != 0:
+            found.append(f"audit verify: {self.verified.stdout.strip()} {self.verified.stderr.strip()}")
+        if "Traceback" in self.log:
+            found.append(f"the server logged a traceback: {self.log[self.log.index('Traceback') :][:2000]}")
+        if self.after != self.before:
+            found.append(f"left behind: before {self.before.line()}, after {self.after.line()}")
+        return found
+
+    def summary(self) -> str:
+        unexpected = sum(t.unexpected for t in self.tally.tools.values())
+        mismatches = audit_mismatches(self.tally, self.audit)
+        verified = "intact" if self.verified.returncode == 0 else self.verified.stdout.strip()
+        return (
+            f"Unexpected errors: {unexpected}. Audit: {self.audit.records} records; every answer's end record "
+            f"present exactly once: {'yes' if not mismatches else '; '.join(mismatches)}; "
+            f"`bastion audit verify`: {verified}. The server held before the run and after closing every "
+            f"sandbox: {self.before.line()} / {self.after.line()}."
+        )
+
+
+async def run_checked(root: Path, plan: Plan, *, sample_every_s: float = 5.0) -> Run:
+    """Serve, set up, run the mix while sampling the server, close everything, and read what is left."""
+    with load_server(root, plan) as server:
+        probe = ServerProbe(server.process.pid, root)
+        before = await probe.settled()
+        sampler = Sampler(probe, sample_every_s)
+        async with anyio.create_task_group() as group:
+            group.start_soon(sampler.run)
+            tallies, phase = await run_load(server, plan)
+            group.cancel_scope.cancel()
+        after = await probe.settled(expected=before)
+        audit = await anyio.to_thread.run_sync(count_audit, server.root / "state" / "audit.jsonl")
+        verified = await anyio.to_thread.run_sync(verify_audit, server)
+        log = server.log()
+    return Run(plan, merged(tallies), phase, audit, verified, log, before, after, sampler)
+
+
 # --- the report ------------------------------------------------------------------------------------
 
 
@@ -607,6 +687,11 @@ def tool_table(tally: Tally) -> str:
         p50, p99 = percentile(t.latencies_s, 0.5) * 1000, percentile(t.latencies_s, 0.99) * 1000
         rows.append(f"| {name} | {t.calls} | {t.ok} | {t.refused} | {t.unexpected} | {p50:.1f} | {p99:.1f} |")
     return "\n".join(rows)
+
+
+def report_path(tmp_path: Path) -> Path:
+    """BASTION_LOAD_REPORT (the make targets point it at docs/load-report.md), else under `tmp_path`."""
+    return Path(os.environ.get("BASTION_LOAD_REPORT") or tmp_path / "load-report.md")
 
 
 def machine_line() -> str:
