@@ -49,6 +49,7 @@ CALLER_PREFIX = f"http:cli:{CLIENT_PREFIX}"
 CALL_TIMEOUT_S = 120.0
 SETTLE_TIMEOUT_S = 60.0
 WARM_POOL = 1
+AUDIT_ROTATE_BYTES = 1024 * 1024
 MODES = ("2026-07-28", "legacy")
 # Relative weights of the mix; "churn" is create, use, close, then a status call that must find nothing.
 MIX: dict[str, int] = {
@@ -145,6 +146,8 @@ def write_load_config(root: Path, port: int, plan: Plan) -> Path:
     plus one churned sandbox per client."""
     path = init_demo(root)
     text = path.read_text()
+    # Small files: the run rotates the log many times, under concurrent group commits.
+    text = text.replace("rotate_bytes = 67108864", f"rotate_bytes = {AUDIT_ROTATE_BYTES}", 1)
     text = text.replace("max_sandboxes = 16", f"max_sandboxes = {plan.sandboxes + plan.clients}", 1)
     text = text.replace("http://127.0.0.1:8765", f"http://127.0.0.1:{port}")
     text = text.replace('listen = "127.0.0.1:8765"', f'listen = "127.0.0.1:{port}"')
@@ -347,6 +350,11 @@ class Phase:
     mix_started: float = 0.0
     mix_ended: float = 0.0
     calls_in_mix: int = 0
+    load_average: tuple[float, float] = (0.0, 0.0)
+    """The host's 1-minute load average as the mix started and as it ended (other work shares the host)."""
+    server_cpu_s: float = 0.0
+    clients_cpu_s: float = 0.0
+    """CPU time over the mix of the server process, and of this process (every client's)."""
 
 
 @contextlib.asynccontextmanager
@@ -403,7 +411,14 @@ async def run_load(server: LiveServer, plan: Plan) -> tuple[list[Tally], Phase]:
             raise RuntimeError(f"a client could not create its sandboxes: {merged(tallies).failures[:3]}")
         phase.mix_started = time.monotonic()
         phase.until = phase.mix_started + plan.duration_s
+        cpu = cpu_seconds(server.process.pid), time.process_time()
+        load_start = os.getloadavg()[0]
         go.set()
+        for event in mixed:
+            await event.wait()
+        phase.load_average = (load_start, os.getloadavg()[0])
+        phase.server_cpu_s = cpu_seconds(server.process.pid) - cpu[0]
+        phase.clients_cpu_s = time.process_time() - cpu[1]
     return tallies, phase
 
 
@@ -428,6 +443,12 @@ async def mix(worker: Worker, plan: Plan, phase: Phase) -> None:
 
 
 # --- what the server holds -------------------------------------------------------------------------
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (its own threads, not its children)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 @dataclass(frozen=True)
@@ -552,13 +573,14 @@ class AuditCount:
     ends: dict[str, list[str]] = field(default_factory=dict)
     unended_starts: int = 0
     records: int = 0
+    files: int = 0
 
 
 def count_audit(path: Path) -> AuditCount:
     files, missing = chain_files(path)
     if missing is not None:
         raise AssertionError(missing.first_error)
-    count = AuditCount()
+    count = AuditCount(files=len(files))
     starts: set[str] = set()
     ended: set[str] = set()
     for file in files:
@@ -642,9 +664,16 @@ class Run:
         unexpected = sum(t.unexpected for t in self.tally.tools.values())
         mismatches = audit_mismatches(self.tally, self.audit)
         verified = "intact" if self.verified.returncode == 0 else self.verified.stdout.strip()
+        cpu = self.phase.server_cpu_s
         return (
-            f"Unexpected errors: {unexpected}. Audit: {self.audit.records} records; every answer's end record "
-            f"present exactly once: {'yes' if not mismatches else '; '.join(mismatches)}; "
+            f"Host load average (1 min) {self.phase.load_average[0]:.1f} as the mix started, "
+            f"{self.phase.load_average[1]:.1f} as it ended. Server CPU over the mix: {cpu:.0f} s "
+            f"({cpu / self.seconds:.0%} of one core, "
+            f"{cpu / self.phase.calls_in_mix * 1000:.1f} ms per call); the clients' process: "
+            f"{self.phase.clients_cpu_s / self.phase.calls_in_mix * 1000:.1f} ms per call. "
+            f"Unexpected errors: {unexpected}. Audit: {self.audit.records} records in {self.audit.files} files "
+            f"(rotated at {AUDIT_ROTATE_BYTES // 1024} KiB); every answer's end record present exactly once: "
+            f"{'yes' if not mismatches else '; '.join(mismatches)}; "
             f"`bastion audit verify`: {verified}. The server held before the run and after closing every "
             f"sandbox: {self.before.line()} / {self.after.line()}."
         )

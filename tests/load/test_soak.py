@@ -55,7 +55,7 @@ def full_soak() -> Soak:
         sandboxes=env_int("BASTION_SOAK_SANDBOXES", 100),
         clients=env_int("BASTION_SOAK_CLIENTS", 32),
         duration_s=env_float("BASTION_SOAK_SECONDS", 1800),
-        rate=env_float("BASTION_SOAK_RATE", 40),
+        rate=env_float("BASTION_SOAK_RATE", 30),
     )
     return Soak(plan, warmup_s=min(300, plan.duration_s / 5), window_s=min(120, plan.duration_s / 10), every_s=5)
 
