@@ -15,6 +15,7 @@ processes descend from its pid.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import os
@@ -61,6 +62,7 @@ MIX: dict[str, int] = {
     "list_sandboxes": 5,
     "get_sandbox_status": 10,
     "churn": 5,
+    "close_race": 2,
     "path_escape": 4,
     "missing_file": 4,
 }
@@ -201,8 +203,9 @@ class Worker:
     def path(self) -> str:
         return f"c{self.index}/notes.txt"
 
-    async def call(self, tool: str, args: dict[str, Any], expect: str = OK) -> dict[str, Any] | None:
-        """One tools/call; a result whose code is not `expect` counts as unexpected. None unless expected."""
+    async def call(self, tool: str, args: dict[str, Any], expect: str | frozenset[str] = OK) -> dict[str, Any] | None:
+        """One tools/call; a result whose code is not `expect` (or one of them) counts as unexpected.
+        Returns the answer, or None if it was unexpected."""
         self.calls += 1
         started = time.perf_counter()
         try:
@@ -219,10 +222,11 @@ class Worker:
             return None
         if payload.get("audit_id"):
             counts.audit_ids.append(payload["audit_id"])
-        if payload["code"] != expect:
+        allowed = {expect} if isinstance(expect, str) else expect
+        if payload["code"] not in allowed:
             self.tally.unexpected(tool, f"{payload['code']} (expected {expect}): {payload.get('reason')}"[:300])
             return None
-        if expect == OK:
+        if payload["code"] == OK:
             counts.ok += 1
         else:
             counts.refused += 1
@@ -314,6 +318,30 @@ async def op_churn(w: Worker) -> None:
         await w.call("get_sandbox_status", {"sandbox_id": box}, expect="SANDBOX_NOT_FOUND")
 
 
+RACING_CLOSE = frozenset({OK, "SANDBOX_NOT_FOUND", "UNAVAILABLE", "NOT_FOUND"})
+"""What a call on a sandbox another call is closing may answer: done, or a typed refusal."""
+
+
+async def op_close_race(w: Worker) -> None:
+    """Close a sandbox while other calls use it (one agent ends a sandbox another still works in)."""
+    made = await w.call("create_sandbox", {"labels": {"load": f"race-{w.index}"}})
+    if made is None:
+        return
+    box = made["detail"]["sandbox_id"]
+    await w.call("write_file", {"path": "a.txt", "content": "needle\n" * 5000, "sandbox_id": box})
+    racing: list[tuple[str, dict[str, Any]]] = [
+        ("read_file", {"path": "a.txt"}),
+        ("list_directory", {}),
+        ("search_files", {"pattern": "needle"}),
+        ("run_command", {"command": "wc -l a.txt"}),
+    ]
+    close_at = w.rng.randrange(len(racing) + 1)
+    async with anyio.create_task_group() as group:
+        for tool, args in [*racing[:close_at], ("close_sandbox", {}), *racing[close_at:]]:
+            expect = OK if tool == "close_sandbox" else RACING_CLOSE
+            group.start_soon(functools.partial(w.call, tool, {**args, "sandbox_id": box}, expect))
+
+
 async def op_path_escape(w: Worker) -> None:
     """A hostile agent's read outside its /workspace, under load: refused, every time."""
     path = w.rng.choice(["../../../../etc/shadow", "/etc/passwd", "../" * 12 + "proc/1/environ"])
@@ -333,6 +361,7 @@ OPS: dict[str, Callable[[Worker], Awaitable[None]]] = {
     "list_sandboxes": op_list_sandboxes,
     "get_sandbox_status": op_get_sandbox_status,
     "churn": op_churn,
+    "close_race": op_close_race,
     "path_escape": op_path_escape,
     "missing_file": op_missing_file,
 }
