@@ -25,7 +25,7 @@ from .driver import Plan, env_float, env_int, machine_line, report_path, run_che
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.root]
 
-FAST = Plan(sandboxes=20, clients=8, duration_s=45)
+FAST = Plan(sandboxes=20, clients=8, duration_s=35)
 
 
 def full_plan() -> Plan:
