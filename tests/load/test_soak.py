@@ -90,8 +90,15 @@ def report(run: Run, soak: Soak, rss: tuple[float, float], fds: tuple[float, flo
         f"| | after warm-up | at the end | drift |\n|---|---:|---:|---:|\n"
         f"| RSS (MiB) | {rss[0] / MIB:.1f} | {rss[1] / MIB:.1f} | {drift(*rss):+.1%} |\n"
         f"| open fds | {fds[0]:.0f} | {fds[1]:.0f} | {drift(*fds):+.1%} |\n\n"
+        f"RSS (MiB) and open fds, medians of each tenth of the mix: {trend(run)}.\n\n"
         f"Peak during the run: {peak.line()}.\n\n{tool_table(run.tally)}\n\n{run.summary()}"
     )
+
+
+def trend(run: Run) -> str:
+    start, step = run.phase.mix_started, run.seconds / 10
+    levels = [run.sampler.level(start + i * step, start + (i + 1) * step) for i in range(10)]
+    return ", ".join(f"{rss / MIB:.1f}/{fds:.0f}" for rss, fds in levels)
 
 
 @pytest.mark.anyio
