@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from .driver import Plan, env_float, env_int, machine_line, report_path, run_checked, today, tool_table, write_section
+from .driver import Plan, env_float, env_int, run_checked
+from .measure import machine_line, report_path, today, tool_table, write_section
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.root]
 
