@@ -28,6 +28,7 @@ from bastion.safety.errors import (
     PathEscape,
     PolicyDenied,
     ResourceLimit,
+    Unavailable,
 )
 from bastion.safety.paths import (
     DEFAULT_SECRET_PATTERNS,
@@ -606,8 +607,41 @@ def test_root_is_resolved_once_and_closed_jail_refuses(tmp_path: Path) -> None:
     assert jail.root == str((tmp_path / "real").resolve())
     jail.close()
     jail.close()
-    with pytest.raises(ValueError, match="closed"):
+    with pytest.raises(Unavailable, match="closed"):
         jail.read("x")
+
+
+def _fds_open_on(folder: Path) -> int:
+    target = str(folder.resolve())
+    return sum(1 for fd in os.listdir("/proc/self/fd") if _readlink_or_none(f"/proc/self/fd/{fd}") == target)
+
+
+def _readlink_or_none(path: str) -> str | None:
+    try:
+        return os.readlink(path)
+    except OSError:
+        return None
+
+
+def test_jail_closed_by_another_thread_keeps_its_root_fd_until_the_running_operation_ends(tmp_path: Path) -> None:
+    """Invariant: `close` while an operation runs (a worker thread reading a sandbox's files as
+    close_sandbox closes it) leaves the root fd open until that operation ends, so its number is
+    never handed to the next `open` of the process (another sandbox's root) beneath which the
+    operation would go on resolving paths; an operation starting after `close` is refused with
+    UNAVAILABLE (found by the load test: list_directory racing close_sandbox was INTERNAL_ERROR).
+    The running operation is held by the lease every public method takes; this does not run one.
+    """
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    jail = Jail(tmp_path / "a")
+    with jail._lease():  # what each operation holds for its run
+        jail.close()
+        other = Jail(tmp_path / "b")  # the next open of the process
+        assert _fds_open_on(tmp_path / "a") == 1, "the root stays open under the running operation"
+        with pytest.raises(Unavailable, match="closed"):
+            jail.list_dir(".")
+    assert _fds_open_on(tmp_path / "a") == 0, "and is closed when it ends"
+    other.close()
 
 
 def test_root_fd_survives_rename_of_root(tmp_path: Path) -> None:

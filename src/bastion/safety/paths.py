@@ -53,12 +53,13 @@ import functools
 import os
 import re
 import stat
+import threading
 import time
 import unicodedata
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Final, Literal, final
+from typing import Concatenate, Final, Literal, ParamSpec, TypeVar, final
 
 from bastion.safety._openat2 import RESOLVE, RESOLVE_NO_SYMLINKS, load_openat2
 from bastion.safety.errors import (
@@ -75,6 +76,7 @@ from bastion.safety.errors import (
 )
 
 MAX_PATH_CHARS: Final = 4096
+CLOSED_REASON: Final = "the workspace was closed (its sandbox ended, or the server is stopping): nothing was done"
 MAX_NAME_BYTES: Final = 255
 MAX_READ_BYTES: Final = 1_048_576
 MAX_WRITE_BYTES: Final = 10_485_760
@@ -383,13 +385,32 @@ def _error_from_os(exc: OSError, rel: str) -> BastionError:
     )
 
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _leased(method: Callable[Concatenate[Jail, _P], _R]) -> Callable[Concatenate[Jail, _P], _R]:
+    """A `Jail` operation that holds the root fd for its whole run (`Jail._lease`)."""
+
+    @functools.wraps(method)
+    def leased(self: Jail, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with self._lease():
+            return method(self, *args, **kwargs)
+
+    return leased
+
+
 @final
 class Jail:
     """File operations confined beneath one workspace folder, resolved by the kernel.
 
     Every method validates the path lexically, refuses secret-file names, then opens through
-    ``openat2`` relative to the root fd held since construction. Not safe to `close` while
-    another thread is using the jail.
+    ``openat2`` relative to the root fd held since construction. Each operation holds that fd
+    for its whole run: `close` from another thread (a sandbox closed while a worker thread
+    reads its files) refuses the operations that start after it and closes the fd when the
+    last running one ends. Closing it under a running one would free its number for the next
+    ``open`` of the process (another sandbox's root, say), beneath which the operation would
+    go on resolving its paths.
     """
 
     def __init__(
@@ -422,6 +443,9 @@ class Jail:
             ConfigError: a secret pattern is malformed.
         """
         self._fd = -1
+        self._lock = threading.Lock()
+        self._users = 0
+        self._closing = False
         self._secret = _compile_secret_patterns(secret_patterns)
         self._allow_hardlinks = allow_hardlinks
         self._owner = owner
@@ -483,10 +507,36 @@ class Jail:
         return self._root
 
     def close(self) -> None:
-        """Close the root fd; further calls raise ValueError. Closing twice is harmless."""
-        if self._fd >= 0:
-            fd, self._fd = self._fd, -1
+        """Close the root fd, once the operations running in other threads end; later calls raise
+        Unavailable. Closing twice is harmless."""
+        with self._lock:
+            self._closing = True
+            fd = self._release_fd()
+        if fd >= 0:
             os.close(fd)
+
+    def _release_fd(self) -> int:
+        """The fd to close now (the lock held): ours once closing and unused, else -1."""
+        if not self._closing or self._users or self._fd < 0:
+            return -1
+        fd, self._fd = self._fd, -1
+        return fd
+
+    @contextlib.contextmanager
+    def _lease(self) -> Iterator[None]:
+        """Keep the root fd open while an operation runs (see the class docstring)."""
+        with self._lock:
+            if self._closing:
+                raise Unavailable(CLOSED_REASON)
+            self._users += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._users -= 1
+                fd = self._release_fd()
+            if fd >= 0:
+                os.close(fd)
 
     def __enter__(self) -> Jail:
         return self
@@ -546,6 +596,7 @@ class Jail:
                 stack.append(part)
         return "/".join(stack) or "."
 
+    @_leased
     def read(self, path: str, *, offset: int = 0, length: int = MAX_READ_BYTES, margin: int = 0) -> ReadResult:
         """Read part of a regular file beneath the root.
 
@@ -593,6 +644,7 @@ class Jail:
             version=_version(info),
         )
 
+    @_leased
     def write(
         self, path: str, data: bytes, *, append: bool = False, create_parents: bool = False, exclusive: bool = False
     ) -> WriteResult:
@@ -649,6 +701,7 @@ class Jail:
             os.close(fd)
         return WriteResult(path=rel, bytes_written=written, created=created)
 
+    @_leased
     def list_dir(self, path: str = ".") -> tuple[DirEntry, ...]:
         """List a folder beneath the root, sorted by name; symlinks are reported, never followed.
 
@@ -678,6 +731,7 @@ class Jail:
         entries.sort(key=lambda entry: entry.name)
         return tuple(entries)
 
+    @_leased
     def walk(
         self,
         path: str = ".",
@@ -754,6 +808,7 @@ class Jail:
     def _secret_name(self, name: str) -> bool:
         return any(regex.match(name) for _, regex in self._secret)
 
+    @_leased
     def replace(self, path: str, data: bytes, *, version: tuple[int, int, int, int]) -> WriteResult:
         """Replace an existing regular file's content atomically: a new file beside it, renamed over it.
 
@@ -813,6 +868,7 @@ class Jail:
         finally:
             os.close(fd)
 
+    @_leased
     def real_path(self, path: str) -> str:
         """Where `path` leads beneath the root, every symlink (the last one too) resolved beneath it.
 
@@ -830,6 +886,7 @@ class Jail:
         finally:
             os.close(fd)
 
+    @_leased
     def open_dir_fd(self, path: str) -> int:
         """Open a folder beneath the root as an ``O_PATH`` fd, e.g. to use as a command's cwd.
 
@@ -843,6 +900,7 @@ class Jail:
         fd = self._open_dir(rel, os.O_PATH | os.O_DIRECTORY)
         return self._judged(fd, rel)
 
+    @_leased
     def stat(self, path: str) -> os.stat_result:
         """Stat an entry beneath the root; a final symlink is refused, not followed.
 
@@ -860,6 +918,7 @@ class Jail:
             raise PolicyDenied(f"'{rel}' is a symbolic link and stat does not follow links: use list_dir to see it")
         return info
 
+    @_leased
     def kind(self, path: str) -> EntryKind | None:
         """What is at `path`, a final symlink not followed; None when nothing is.
 
@@ -882,8 +941,8 @@ class Jail:
             os.close(fd)
 
     def _root_fd(self) -> int:
-        if self._fd < 0:
-            raise ValueError("the jail is closed: create a new Jail")
+        if self._fd < 0:  # only outside a lease: every public operation holds one
+            raise Unavailable(CLOSED_REASON)
         return self._fd
 
     def _checked(self, path: str, *, follow: bool = True) -> str:
