@@ -6,6 +6,7 @@ import os
 import subprocess
 from pathlib import Path
 
+import anyio
 import pytest
 from mcp import Client
 
@@ -57,6 +58,10 @@ async def _second_server_leaves_the_first_alone(client: Client, services: Servic
     box = await create(client)
     await sh(client, box, "echo kept > kept.txt")
     config = services.config
+    # The warm pool refills in the background (new mounts under the state folder): let it finish first.
+    with anyio.fail_after(60):
+        while services.sandboxes.pool_size < config.sandboxes.warm_pool:
+            await anyio.sleep(0.05)
     before = _tree(config.sandboxes_dir / box)
     audit_before = config.audit_path.read_bytes()
     snapshots_before = _tree(config.state_dir / "snapshots")
