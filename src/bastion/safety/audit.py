@@ -28,8 +28,6 @@ What it does not guarantee:
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import errno
 import fcntl
 import hashlib
@@ -47,7 +45,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Final, TypeAlias
 
-import anyio
+import anyio.to_thread
 
 from bastion.metrics import Metrics
 from bastion.safety.errors import AuditUnavailable
@@ -71,9 +69,6 @@ INLINE_SYNC_MAX_S: Final = 0.001
 costs ~0.1 ms). A slower disk (14 ms measured on a loaded host) would stall every other request for
 that long: 32 HTTP clients then got ~70 calls/s, each call "alone" because the others were still
 waiting in their sockets while the loop was blocked."""
-
-WRITER_IDLE_S: Final = 5.0
-"""The async writer thread ends after this long without a record (the next one starts another)."""
 
 _log = logging.getLogger("bastion.audit")
 
@@ -99,9 +94,13 @@ class _Pending:
 
 @dataclass(slots=True, eq=False)
 class _AsyncPending:
-    pending: _Pending
-    loop: asyncio.AbstractEventLoop
+    record: Mapping[str, object]
     event: anyio.Event = field(default_factory=anyio.Event)
+    pending: _Pending | None = None
+    exc: Exception | None = None
+    cause: str | None = None
+    finished: bool = False
+    lead: bool = False
 
 
 class AuditLog:
@@ -141,14 +140,9 @@ class AuditLog:
         self._cond = threading.Condition()
         self._queue: list[_Pending] = []
         self._writing = False
-        # Async group commit: records handed to the writer thread, which drains them batch after batch.
-        self._inbox: list[_AsyncPending] = []
-        self._inbox_cond = threading.Condition(threading.Lock())
-        self._writer: threading.Thread | None = None
-        self._writer_idle = False
-        self._stopping = False
-        self._async_pending = 0
-        """Records handed to the writer and not yet answered (event-loop side only)."""
+        # Async group commit: one event loop's waiters, and whether one of them is leading.
+        self._async_queue: list[_AsyncPending] = []
+        self._async_leading = False
         self._last_sync_s = 0.0
         """How long the last fdatasync took: decides whether a lone async record is written inline."""
         # The last "the file is not the configured path" problem logged, so a flood of refused calls logs it once.
@@ -180,7 +174,6 @@ class AuditLog:
 
     def close(self) -> None:
         """Close the file; later appends raise until `open` is called again."""
-        self._stop_writer()
         with self._cond:
             while self._writing:
                 self._cond.wait()
@@ -235,56 +228,61 @@ class AuditLog:
                 self._metrics.audit_append(started)
 
     async def _append_async(self, record: Mapping[str, object], *, alone: bool, ran: bool) -> str:
-        if alone and self._async_pending == 0 and self._last_sync_s < INLINE_SYNC_MAX_S:
+        if alone and not self._async_leading and self._last_sync_s < INLINE_SYNC_MAX_S:
             return self._append(record, ran=ran)
-        # Cleaned here, on the loop: the writer thread then holds the GIL only briefly between its syscalls.
-        waiter = _AsyncPending(self._prepare(record), asyncio.get_running_loop())
-        self._async_pending += 1
+        waiter = _AsyncPending(record)
+        self._async_queue.append(waiter)
+        if not self._async_leading:
+            self._async_leading = waiter.lead = True
         try:
-            self._submit(waiter)
-            await waiter.event.wait()
-        finally:
-            self._async_pending -= 1
+            while not waiter.lead:
+                await waiter.event.wait()
+                if waiter.finished:
+                    break
+            if not waiter.finished:
+                await self._lead_async()
+        except BaseException:
+            if waiter.lead and not waiter.finished:
+                self._pass_lead(exclude=waiter)
+            raise
+        if waiter.exc is not None:
+            raise waiter.exc
+        if waiter.cause is not None:
+            self._count_failure()
+            raise AuditUnavailable(_failure(waiter.cause, ran=ran))
+        assert waiter.pending is not None
         return self._result(waiter.pending, ran=ran)
 
-    def _submit(self, waiter: _AsyncPending) -> None:
-        with self._inbox_cond:
-            self._inbox.append(waiter)
-            if self._writer is None:
-                self._stopping = False
-                self._writer = threading.Thread(target=self._write_forever, name="bastion-audit", daemon=True)
-                self._writer.start()
-            elif self._writer_idle:
-                # Only a sleeping writer is woken: a busy one takes the record with its next batch, so
-                # under load a call costs no thread wake-up (each one cost the loop its CPU slot).
-                self._inbox_cond.notify()
+    async def _lead_async(self) -> None:
+        batch, self._async_queue = self._async_queue, []
+        try:
+            await anyio.to_thread.run_sync(self._prepare_and_commit, batch)
+        finally:
+            for waiter in batch:
+                if waiter.pending is None and waiter.exc is None:
+                    waiter.cause = "audit log unavailable: the write was interrupted"
+                waiter.finished = True
+                waiter.event.set()
+            self._pass_lead(exclude=None)
 
-    def _write_forever(self) -> None:
-        """The writer thread: batch after batch, each with one write and one fdatasync (group commit)."""
-        while True:
-            with self._inbox_cond:
-                if not self._inbox and not self._stopping:
-                    self._writer_idle = True
-                    self._inbox_cond.wait(WRITER_IDLE_S)
-                    self._writer_idle = False
-                if not self._inbox:
-                    self._writer = None  # idle or stopping: a later record starts another writer
-                    self._inbox_cond.notify_all()
-                    return
-                batch, self._inbox = self._inbox, []
+    def _pass_lead(self, exclude: _AsyncPending | None) -> None:
+        for waiter in self._async_queue:
+            if waiter is not exclude:
+                waiter.lead = True
+                waiter.event.set()
+                return
+        self._async_leading = False
+
+    def _prepare_and_commit(self, batch: list[_AsyncPending]) -> None:
+        pendings = []
+        for waiter in batch:
             try:
-                self._commit([waiter.pending for waiter in batch])
-            except BaseException:
-                _finish([w.pending for w in batch if not w.pending.done], "audit log unavailable: the write failed")
-                _log.exception("audit writer failed")
-            _answer(batch)
-
-    def _stop_writer(self) -> None:
-        with self._inbox_cond:
-            self._stopping = True
-            self._inbox_cond.notify_all()
-            while self._writer is not None and self._writer is not threading.current_thread():
-                self._inbox_cond.wait()
+                waiter.pending = self._prepare(waiter.record)
+            except Exception as exc:
+                waiter.exc = exc
+            else:
+                pendings.append(waiter.pending)
+        self._commit(pendings)
 
     def _prepare(self, record: Mapping[str, object]) -> _Pending:
         reserved = CHAIN_FIELDS.intersection(record)
@@ -512,21 +510,6 @@ def _path_problem(path: Path, ident: tuple[int, int]) -> str | None:
         return f"audit log unavailable: {path} was replaced by another file while the server ran: {fix}"
     problem = file_problem(path, lst)
     return None if problem is None else f"audit log unavailable: {problem}"
-
-
-def _answer(batch: list[_AsyncPending]) -> None:
-    """Wake each waiter of a written batch, on its own event loop (one call per loop)."""
-    loops: dict[asyncio.AbstractEventLoop, list[_AsyncPending]] = {}
-    for waiter in batch:
-        loops.setdefault(waiter.loop, []).append(waiter)
-    for loop, waiters in loops.items():
-        with contextlib.suppress(RuntimeError):  # that loop is closed: nobody waits any more
-            loop.call_soon_threadsafe(_set_all, waiters)
-
-
-def _set_all(waiters: list[_AsyncPending]) -> None:
-    for waiter in waiters:
-        waiter.event.set()
 
 
 def _finish(pendings: list[_Pending], error: str | None) -> None:
