@@ -28,7 +28,6 @@ What it does not guarantee:
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import fcntl
 import hashlib
@@ -41,13 +40,12 @@ import threading
 import time
 import uuid
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Final, TypeAlias
 
-import anyio
+import anyio.to_thread
 
 from bastion.metrics import Metrics
 from bastion.safety.errors import AuditUnavailable
@@ -143,7 +141,6 @@ class AuditLog:
         # Async group commit: one event loop's waiters, and whether one of them is leading.
         self._async_queue: list[_AsyncPending] = []
         self._async_leading = False
-        self._executor: ThreadPoolExecutor | None = None
         self._last_sync_s = 0.0
         """How long the last fdatasync took: decides whether a lone async record is written inline."""
         # The last "the file is not the configured path" problem logged, so a flood of refused calls logs it once.
@@ -180,9 +177,6 @@ class AuditLog:
                 self._cond.wait()
             self._close_fd()
             self._broken = "audit log is not open"
-        if self._executor is not None:
-            self._executor.shutdown(wait=False)
-            self._executor = None
 
     def append(self, record: Mapping[str, object], *, ran: bool = False) -> str:
         """Write one record durably and return its id.
@@ -260,10 +254,7 @@ class AuditLog:
     async def _lead_async(self) -> None:
         batch, self._async_queue = self._async_queue, []
         try:
-            # Shielded like anyio's to_thread: a cancelled leader still waits for the batch it handed over.
-            with anyio.CancelScope(shield=True):
-                pendings = [waiter.pending for waiter in batch]
-                await asyncio.get_running_loop().run_in_executor(self._worker(), self._commit, pendings)
+            await anyio.to_thread.run_sync(self._commit, [waiter.pending for waiter in batch])
         finally:
             for waiter in batch:
                 if not waiter.pending.done:
@@ -271,13 +262,6 @@ class AuditLog:
                 waiter.finished = True
                 waiter.event.set()
             self._pass_lead(exclude=None)
-
-    def _worker(self) -> ThreadPoolExecutor:
-        """The one thread batches are written on: a C-level queue, no capacity limiter shared with other
-        thread work; each hop costs the event loop less than `anyio.to_thread.run_sync` did."""
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bastion-audit")
-        return self._executor
 
     def _pass_lead(self, exclude: _AsyncPending | None) -> None:
         for waiter in self._async_queue:
