@@ -34,7 +34,11 @@ from mcp.client.streamable_http import streamable_http_client
 from servers import free_port, http_config, wait_serving
 
 REPO = Path(__file__).resolve().parent.parent
-BASTION = REPO / ".venv" / "bin" / "bastion"
+# A worktree has no .venv of its own: then the bastion next to this interpreter (with PYTHONPATH naming the tree).
+BASTION = next(
+    (p for p in (REPO / ".venv" / "bin" / "bastion", Path(sys.executable).parent / "bastion") if p.exists()),
+    REPO / ".venv" / "bin" / "bastion",
+)
 WARMUP_CALLS = 30
 CONCURRENT_CLIENTS = 32
 CALLS_PER_CLIENT = 40

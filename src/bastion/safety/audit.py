@@ -104,10 +104,8 @@ class _Pending:
 
 @dataclass(slots=True, eq=False)
 class _AsyncPending:
-    record: Mapping[str, object]
+    pending: _Pending
     event: anyio.Event = field(default_factory=anyio.Event)
-    pending: _Pending | None = None
-    exc: Exception | None = None
     cause: str | None = None
     finished: bool = False
     lead: bool = False
@@ -235,7 +233,8 @@ class AuditLog:
         requests that have not reached the call runner yet are served meanwhile.
 
         Records that arrive while a batch is being written form the next batch: one
-        worker thread cleans and writes it with one fdatasync, then wakes every waiter.
+        worker thread writes it with one fdatasync, then wakes every waiter (records are cleaned
+        on the event loop first).
         Use one event loop per `AuditLog`. A cancelled caller's record may still be written.
         """
         started = time.perf_counter()
@@ -248,7 +247,9 @@ class AuditLog:
     async def _append_async(self, record: Mapping[str, object], *, alone: bool, ran: bool) -> str:
         if alone and not self._async_leading and self._last_sync_s < INLINE_SYNC_MAX_S:
             return self._append(record, ran=ran)
-        waiter = _AsyncPending(record)
+        # Cleaned here, on the loop: on the worker, each record's uuid4 (getrandom releases the GIL) made
+        # the worker take the GIL back once more, and every such hand-over stalls the loop (convoy effect).
+        waiter = _AsyncPending(self._prepare(record))
         self._async_queue.append(waiter)
         if not self._async_leading:
             self._async_leading = waiter.lead = True
@@ -263,21 +264,18 @@ class AuditLog:
             if waiter.lead and not waiter.finished:
                 self._pass_lead(exclude=waiter)
             raise
-        if waiter.exc is not None:
-            raise waiter.exc
         if waiter.cause is not None:
             self._count_failure()
             raise AuditUnavailable(_failure(waiter.cause, ran=ran))
-        assert waiter.pending is not None
         return self._result(waiter.pending, ran=ran)
 
     async def _lead_async(self) -> None:
         batch, self._async_queue = self._async_queue, []
         try:
-            await anyio.to_thread.run_sync(self._prepare_and_commit, batch)
+            await anyio.to_thread.run_sync(self._commit, [waiter.pending for waiter in batch])
         finally:
             for waiter in batch:
-                if waiter.pending is None and waiter.exc is None:
+                if not waiter.pending.done:
                     waiter.cause = "audit log unavailable: the write was interrupted"
                 waiter.finished = True
                 waiter.event.set()
@@ -290,17 +288,6 @@ class AuditLog:
                 waiter.event.set()
                 return
         self._async_leading = False
-
-    def _prepare_and_commit(self, batch: list[_AsyncPending]) -> None:
-        pendings = []
-        for waiter in batch:
-            try:
-                waiter.pending = self._prepare(waiter.record)
-            except Exception as exc:
-                waiter.exc = exc
-            else:
-                pendings.append(waiter.pending)
-        self._commit(pendings)
 
     def _prepare(self, record: Mapping[str, object]) -> _Pending:
         reserved = CHAIN_FIELDS.intersection(record)

@@ -9,9 +9,11 @@ Layers, outermost first:
    challenge name the URL the client used (its SDK checks that), and whose tokens stay bound to
    `<public_url>/mcp`.
 2. `AccessLog`: method, path (never the query string, which could carry a token), status, address.
-3. The SDK's `AuthenticationMiddleware` with `BearerAuthBackend` over bastion's provider (the token is
+3. `McpLane` (lane.py): a POST to /mcp (every tool call) gets the bearer check and the auth context
+   below in one layer and goes straight to the /mcp endpoint of 5; everything else goes to Starlette.
+4. The SDK's `AuthenticationMiddleware` with `BearerAuthBackend` over bastion's provider (the token is
    looked up by its digest, checked for expiry, revocation and resource), and `AuthContextMiddleware`.
-4. Routes. /mcp: CORS for the configured origins, then `RequireToken` (401/403), then `SessionCap`
+5. Routes. /mcp: CORS for the configured origins, then `RequireToken` (401/403), then `SessionCap`
    (sessions per grant), then the SDK's app.
 """
 
@@ -57,6 +59,7 @@ from bastion.transports.http.endpoints import (
     protected_resource_metadata,
 )
 from bastion.transports.http.flow import AuthorizationFlow
+from bastion.transports.http.lane import McpLane
 from bastion.transports.http.observe import Observe, read_scrape_token
 from bastion.transports.http.password import AdminCredential
 from bastion.transports.http.preview import PreviewApp
@@ -353,6 +356,7 @@ def build_http_app(services: Services, server: BastionServer, *, listen: str | N
     middleware: list[Middleware] = []
     store: AuthStore | None = None
     verifier: CachedTokenVerifier | None = None
+    backend: BearerAuthBackend | None = None
     if config.http.auth:
         store = AuthStore(config.db_path)
         provider = BastionAuthProvider(store, config.http, endpoints)
@@ -436,7 +440,8 @@ def build_http_app(services: Services, server: BastionServer, *, listen: str | N
                     verifier.close()
 
     starlette = Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
-    guarded_app = HostGuard(CountCalls(AccessLog(starlette), server.runner), hosts, origins)
+    lane = McpLane(starlette, mcp_endpoint, backend)
+    guarded_app = HostGuard(CountCalls(AccessLog(lane), server.runner), hosts, origins)
     port = int((listen or config.http.listen).rpartition(":")[2])
     app = Observe(guarded_app, services, hosts, port, scrape_digest)
     return HttpApp(app=app, endpoints=endpoints, store=store)
