@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import socket
+import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -117,6 +120,17 @@ def processes_with(marker: str) -> list[int]:
         if marker.encode() in cmdline:
             found.append(int(pid))
     return found
+
+
+@contextlib.contextmanager
+def tmpfs(mountpoint: Path, size: str, mode: str = "0700") -> Iterator[Path]:
+    """A tmpfs of `size` (mount's syntax: 2m) mounted at `mountpoint` (made), lazily unmounted after."""
+    mountpoint.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode={mode}", "tmpfs", str(mountpoint)], check=True)
+    try:
+        yield mountpoint
+    finally:
+        subprocess.run(["umount", "-l", str(mountpoint)], check=False)
 
 
 def mounts_under(folder: Path) -> list[str]:

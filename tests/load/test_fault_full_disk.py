@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from mcp import Client
 
 from bastion.cli import EXIT_CONFIG
 from bastion.safety.audit import verify
-from tests.helpers import mounts_under
+from tests.helpers import mounts_under, tmpfs
 
 from .fault_server import (
     Load,
@@ -51,11 +50,8 @@ RAN_WITHOUT_END = "the operation ran, but its end record could not be written"
 
 @pytest.fixture
 def state(tmp_path: Path) -> Iterator[Path]:
-    mountpoint = tmp_path / "state"
-    mountpoint.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=0700", "tmpfs", str(mountpoint)], check=True)
-    yield mountpoint
-    subprocess.run(["umount", "-l", str(mountpoint)], check=False)
+    with tmpfs(tmp_path / "state", "4m") as mountpoint:
+        yield mountpoint
 
 
 def _fill(folder: Path) -> None:
@@ -128,11 +124,11 @@ async def test_full_state_filesystem_fails_closed_and_recovers(tmp_path: Path, s
 
 @pytest.fixture
 def big_state(tmp_path: Path) -> Iterator[Path]:
-    mountpoint = tmp_path / "state"
-    mountpoint.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=96m,mode=0711", "tmpfs", str(mountpoint)], check=True)
-    yield mountpoint
-    unmount_all(tmp_path)
+    with tmpfs(tmp_path / "state", "96m", "0711") as mountpoint:
+        try:
+            yield mountpoint
+        finally:
+            unmount_all(mountpoint)  # the sandboxes' disks mounted in it, deepest first
 
 
 async def _churn(load: Load, client: Client, index: int) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import pytest
 from bastion.safety.audit import AuditLog, verify
 from bastion.safety.errors import AuditUnavailable
 from bastion.safety.redact import Redactor
+from tests.helpers import tmpfs
 
 RESERVE = 256 * 1024
 
@@ -65,11 +65,8 @@ def test_rotated_files_keep_no_reserve(tmp_path: Path) -> None:
 def small_state(tmp_path: Path) -> Iterator[Path]:
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
-    mountpoint = tmp_path / "state"
-    mountpoint.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m,mode=0700", "tmpfs", str(mountpoint)], check=True)
-    yield mountpoint
-    subprocess.run(["umount", "-l", str(mountpoint)], check=False)
+    with tmpfs(tmp_path / "state", "2m") as mountpoint:
+        yield mountpoint
 
 
 def fill(folder: Path) -> Path:
