@@ -12,7 +12,9 @@ import contextlib
 import marshal
 import os
 import socket
-from collections.abc import AsyncIterator
+import subprocess
+import time
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import anyio
@@ -149,6 +151,25 @@ async def settled(expected: set[str]) -> set[str]:
     return open_fds()
 
 
+@contextlib.contextmanager
+def other_netns() -> Iterator[int]:
+    """An fd of a fresh network namespace (`unshare` holding it while the test uses it; no root needed)."""
+    holder = subprocess.Popen(["unshare", "--map-root-user", "--net", "sleep", "60"])
+    try:
+        deadline = time.monotonic() + 10
+        while os.stat(f"/proc/{holder.pid}/ns/net").st_ino == os.stat("/proc/self/ns/net").st_ino:
+            assert time.monotonic() < deadline, "unshare never entered its namespace"
+            time.sleep(0.01)  # polls until the child has unshared (it execs sleep after)
+        fd = os.open(f"/proc/{holder.pid}/ns/net", os.O_RDONLY)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def pipe_closed_by_reader(write_end: int) -> bool:
     """Whether every read end of the pipe is closed (a write fails with EPIPE)."""
     try:
@@ -186,8 +207,10 @@ async def test_fds_from_a_hostile_agent_are_closed_unless_they_answer_a_connect(
         request = marshal.loads(await loop.sock_recv(agent, 65536))
         assert request == {"op": "connect", "id": request["id"], "port": 8000}
         socket.send_fds(agent, [b'{"event": "netns"}'], [pipes[5][0]])  # asked, but a pipe
-        socket.send_fds(agent, [b'{"event": "netns"}'], [host_netns])  # asked, but the server's own
+        socket.send_fds(agent, [b'{"event": "netns"}'], [host_netns])  # the server's own (and a second answer)
         os.close(host_netns)
+        with other_netns() as foreign:  # a real namespace, but a second answer to one ask
+            socket.send_fds(agent, [b'{"event": "netns"}'], [foreign])
         socket.send_fds(agent, [f'{{"event": "connected", "id": {request["id"]}}}'.encode()], [pipes[3][0]])
         with pytest.raises(Unavailable, match="other than a connected TCP socket"):
             await pending

@@ -160,6 +160,7 @@ class WarmSandbox:
         # This run's network namespace, from the agent (netns.py): None until asked for and answered.
         self._netns: NetworkNamespace | None = None
         self._netns_asked = False
+        self._netns_awaited = False  # asked and not answered yet: only the first answer counts
         self._ptys: dict[int, PtyProcess] = {}  # commands on a terminal, by command id, until they exit
         # Terminals asked for and not yet answered: by command id, the future the answer settles and the argv.
         self._pty_openings: dict[int, tuple[asyncio.Future[PtyProcess], tuple[str, ...]]] = {}
@@ -351,7 +352,8 @@ class WarmSandbox:
 
     def _on_netns(self, fds: list[int]) -> None:
         """Keep the agent's network namespace if this run asked for it and it is one (not the server's)."""
-        if self._netns_asked and self._netns is None and len(fds) == 1 and is_foreign_netns(fds[0]):
+        awaited, self._netns_awaited = self._netns_awaited, False
+        if awaited and len(fds) == 1 and is_foreign_netns(fds[0]):
             self._netns = NetworkNamespace(fds.pop())
         _close_all(fds)
 
@@ -386,7 +388,7 @@ class WarmSandbox:
         self._connects[request_id] = waiter
         try:
             if not self._netns_asked:
-                self._netns_asked = True
+                self._netns_asked = self._netns_awaited = True
                 await self._send_fds(sock, marshal.dumps({"op": "netns"}), [])
             await self._send_fds(sock, marshal.dumps({"op": "connect", "id": request_id, "port": port}), [])
             async with asyncio.timeout(CONNECT_TIMEOUT_S):
@@ -458,7 +460,7 @@ class WarmSandbox:
                 connect.set_exception(Unavailable("the sandbox ended"))
         self._connects.clear()
         self._drop_netns()
-        self._netns_asked = False  # the next run has a namespace of its own
+        self._netns_asked = self._netns_awaited = False  # the next run has a namespace of its own
         for opening, _ in self._pty_openings.values():
             if not opening.done():
                 opening.set_exception(ended())
