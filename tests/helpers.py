@@ -133,6 +133,20 @@ def tmpfs(mountpoint: Path, size: str, mode: str = "0700") -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(mountpoint)], check=False)
 
 
+def fill(folder: Path) -> Path:
+    """A file `filler` in `folder` that takes every free block of its filesystem; returns its path."""
+    filler = folder / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        for chunk in (b"\0" * 65536, b"\0"):  # then byte by byte: the last partial block too
+            with contextlib.suppress(OSError):
+                while True:
+                    os.write(fd, chunk)
+    finally:
+        os.close(fd)
+    return filler
+
+
 def mounts_under(folder: Path) -> list[str]:
     """Mount points of this machine at or below `folder` (from /proc/self/mountinfo)."""
     text = Path("/proc/self/mountinfo").read_text()

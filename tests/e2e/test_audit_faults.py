@@ -29,6 +29,7 @@ from bastion.config import load_config
 from bastion.demo import init_demo
 from bastion.safety.audit import verify
 from bastion.safety.errors import ConfigError
+from tests.helpers import fill
 
 pytestmark = [
     pytest.mark.anyio,
@@ -59,17 +60,6 @@ def _demo_with_state(tmp_path: Path, state: Path) -> Path:
     return config_path
 
 
-def _fill(folder: Path) -> None:
-    fd = os.open(folder / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
-    try:
-        while True:
-            os.write(fd, b"\0" * 4096)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 async def test_full_filesystem_refuses_mutation_and_runs_nothing(tmp_path: Path, state_mount: Path) -> None:
     """Invariant: ENOSPC on the audit log means write_file and run_command do nothing and say AUDIT_UNAVAILABLE."""
     _mount("-t", "tmpfs", "-o", "size=256k,mode=0700", "tmpfs", str(state_mount))
@@ -80,7 +70,7 @@ async def test_full_filesystem_refuses_mutation_and_runs_nothing(tmp_path: Path,
             ok = await client.call_tool("run_command", {"command": "true"})
             assert ok.structured_content is not None
             assert ok.structured_content["ok"] is True
-            _fill(state_mount)
+            fill(state_mount)
             # The log's last page may still have room for a few records: use it up.
             for _ in range(100):
                 probe = await client.call_tool("explain_command", {"command": "ls"})

@@ -21,7 +21,7 @@ from mcp import Client
 
 from bastion.cli import EXIT_CONFIG
 from bastion.safety.audit import verify
-from tests.helpers import mounts_under, tmpfs
+from tests.helpers import fill, mounts_under, tmpfs
 
 from .fault_server import (
     Load,
@@ -54,23 +54,6 @@ def state(tmp_path: Path) -> Iterator[Path]:
         yield mountpoint
 
 
-def _fill(folder: Path) -> None:
-    """Take every free block of the filesystem."""
-    fd = os.open(folder / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
-    try:
-        while True:
-            os.write(fd, b"\0" * 65536)
-    except OSError:
-        pass
-    try:
-        while True:
-            os.write(fd, b"\0")
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 async def _writes(load: Load, client: Client, index: int) -> None:
     count = 0
     while not load.stop.is_set():
@@ -92,7 +75,7 @@ async def test_full_state_filesystem_fails_closed_and_recovers(tmp_path: Path, s
         async with anyio.create_task_group() as tasks:
             tasks.start_soon(load.run, CLIENTS, _writes)
             await until(lambda: len(load.answers) >= 6 * CLIENTS, what="calls before the fault")
-            _fill(state)
+            fill(state)
             await until(lambda: load.codes()["AUDIT_UNAVAILABLE"] >= 6 * CLIENTS, what="refusals")
             refused = [a for a in load.answers if a["code"] == "AUDIT_UNAVAILABLE"]
             (state / "filler").unlink()
@@ -157,7 +140,7 @@ async def test_full_state_filesystem_with_sandboxes_refuses_and_leaves_no_half_m
         async with anyio.create_task_group() as tasks:
             tasks.start_soon(load.run, CLIENTS, _churn)
             await until(lambda: load.codes("close_sandbox")["OK"] >= 2 * CLIENTS, what="sandboxes before the fault")
-            _fill(big_state)
+            fill(big_state)
             await until(lambda: load.codes()["AUDIT_UNAVAILABLE"] >= 3 * CLIENTS, what="refusals")
             (big_state / "filler").unlink()
             ok_again = load.codes("close_sandbox")["OK"]
@@ -202,7 +185,7 @@ async def test_kill_9_on_a_full_state_filesystem_recovers_once_space_returns(tmp
             boxes.append(box)
 
         await load.run(CLIENTS, work)
-        _fill(big_state)
+        fill(big_state)
         server.signal(signal.SIGKILL)
         server.wait()
         try:

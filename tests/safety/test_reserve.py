@@ -9,7 +9,6 @@ it does not prove: how the server's tools answer (tests/load/test_fault_full_dis
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 from collections.abc import Iterator
@@ -20,7 +19,7 @@ import pytest
 from bastion.safety.audit import AuditLog, verify
 from bastion.safety.errors import AuditUnavailable
 from bastion.safety.redact import Redactor
-from tests.helpers import tmpfs
+from tests.helpers import fill, tmpfs
 
 RESERVE = 256 * 1024
 
@@ -67,16 +66,6 @@ def small_state(tmp_path: Path) -> Iterator[Path]:
         pytest.skip("mounting a tmpfs needs root")
     with tmpfs(tmp_path / "state", "2m") as mountpoint:
         yield mountpoint
-
-
-def fill(folder: Path) -> Path:
-    """A file that takes every free block of the filesystem."""
-    filler = folder / "filler"
-    with filler.open("wb") as out, contextlib.suppress(OSError):
-        while True:
-            out.write(b"\0" * 65536)
-            out.flush()
-    return filler
 
 
 def append_until_refused(log: AuditLog) -> tuple[int, AuditUnavailable]:
