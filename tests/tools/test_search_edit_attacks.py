@@ -392,9 +392,9 @@ async def test_a_burst_of_searches_leaves_threads_for_the_other_tools(client: Cl
     (and every other tool that needs a thread) waiting behind them; searches queue behind a limit of
     their own, so a read asked after the burst answers before the first search does."""
     tree = workspace / "tree"
-    for folder in range(20):
+    for folder in range(10):
         (tree / str(folder)).mkdir(parents=True)
-        for name in range(200):
+        for name in range(150):
             (tree / str(folder) / f"{name}.txt").write_text("nothing to find here\n" * 20)
     (workspace / "note.txt").write_text("hello\n")
     finished: list[str] = []
