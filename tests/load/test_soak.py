@@ -37,7 +37,7 @@ class Soak:
     every_s: float
 
 
-FAST = Soak(Plan(sandboxes=10, clients=4, duration_s=140, rate=15), warmup_s=35, window_s=20, every_s=2)
+FAST = Soak(Plan(sandboxes=10, clients=4, duration_s=180, rate=15), warmup_s=35, window_s=20, every_s=2)
 
 
 def full_soak() -> Soak:
