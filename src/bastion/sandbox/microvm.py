@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Final
 
 from bastion.safety.errors import BastionError, Conflict, InvalidRequest, NotFound, ResourceLimit, Unavailable
+from bastion.safety.redact import sanitize_terminal
 from bastion.sandbox._spawn import (
     EGRESS_DIR,
     EGRESS_SOCKET_NAME,
@@ -61,6 +62,7 @@ __all__ = [
     "QEMU",
     "MicroVMBackend",
     "MicroVMProcess",
+    "MicroVMPty",
     "MicroVMSandbox",
     "MicroVMSettings",
     "console_tail",
@@ -86,6 +88,10 @@ _CONSOLE_TAIL_BYTES: Final = 65_536
 _PIPED_BACKLOG: Final = 4 << 20  # a spawned command's output its host pipe has not taken yet
 _NOBODY: Final = 65534  # the probe's VMM, when bastion runs as root: no sandbox shares this uid
 _RUN_PREFIX: Final = "bastion-vm-"  # + the server's pid: recovery finds a crashed server's folders by it
+_CONNECT_TIMEOUT_S: Final = 10.0  # a preview's connection: the guest connects on its loopback at once, or refuses
+_PTY_START_TIMEOUT_S: Final = 30.0  # a terminal: the agent starts its program under emulation, then the port accepts
+_NOTHING_ACCEPTS: Final = "nothing accepts connections on that port in the sandbox"
+_MAX_AGENT_ERROR_CHARS: Final = 500
 _group_ids = itertools.count(1)
 
 
@@ -317,6 +323,21 @@ class MicroVMProcess:
         self._vm.forget(self._id)
 
 
+class MicroVMPty(PtyProcess):
+    """A command on a terminal in the guest. `fd` is the host's end of a socket pair carried to the
+    guest's pty master over the stream port; a new size goes there as a frame."""
+
+    def __init__(self, command_id: int, argv: Sequence[str], egress: EgressPort, stream_id: int) -> None:
+        super().__init__(command_id, argv, -1)
+        self.egress = egress
+        self.stream_id = stream_id
+        # The agent's answer: None once the program runs, else why it did not start.
+        self.opened: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
+
+    def resize(self, rows: int, cols: int) -> None:
+        self.egress.resize(self.stream_id, rows, cols)
+
+
 class _Guest:
     """One booted guest: its VMM process, its cgroup and the serial channel to its relay."""
 
@@ -329,6 +350,7 @@ class _Guest:
         self.egress_sock: socket.socket | None = None
         self.sending = asyncio.Lock()  # one frame at a time: concurrent sends must not interleave
         self.commands: dict[int, MicroVMProcess] = {}
+        self.ptys: dict[int, MicroVMPty] = {}  # terminals, from their request to their exit
         self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.gone = asyncio.Event()
         self.task: asyncio.Task[None] | None = None
@@ -431,6 +453,23 @@ class _Guest:
             command_id, status = message.get("id"), message.get("status")
             if type(command_id) is int and type(status) is int and command_id in self.commands:
                 self.commands[command_id].finish(status)
+            if type(command_id) is int and type(status) is int and command_id in self.ptys:
+                self.ptys.pop(command_id).finish(status)
+        elif message.get("event") == "pty":
+            self.on_pty(message)
+
+    def on_pty(self, message: Mapping[str, object]) -> None:
+        """The agent's answer to a terminal request: its program runs (its master went to the stream
+        port), or why not. Only a terminal this host asked for and still waits for is answered."""
+        command_id = message.get("id")
+        pty = self.ptys.get(command_id) if type(command_id) is int else None
+        if pty is None or pty.opened.done():
+            return
+        error = message.get("error")
+        if error is None:
+            pty.opened.set_result(None)
+            return
+        pty.opened.set_result(sanitize_terminal(str(error))[:_MAX_AGENT_ERROR_CHARS] or "no reason given")
 
     def end_all(self) -> None:
         self.gone.set()
@@ -441,6 +480,11 @@ class _Guest:
             command.out.end()
             command.err.end()
             command.finish(None)
+        for pty in self.ptys.values():
+            if not pty.opened.done():
+                pty.opened.set_result("the microVM ended")
+            pty.finish(None)
+        self.ptys.clear()
 
     async def send(
         self,
@@ -828,7 +872,7 @@ class MicroVMSandbox:
     def _oom_killed_vm(self) -> bool:
         return self._vm is not None and self._vm.group is not None and self._vm.group.oom_kills() > 0
 
-    async def _kill_command(self, vm: _Guest, command: MicroVMProcess) -> None:
+    async def _kill_command(self, vm: _Guest, command: MicroVMProcess | MicroVMPty) -> None:
         """Ask the agent to SIGKILL the command (PID 1 of its own namespace: its whole tree goes);
         if the exit is not confirmed in time, end the whole VM."""
         if command.exited:
@@ -868,12 +912,55 @@ class MicroVMSandbox:
     async def open_pty(
         self, executable: str, argv: Sequence[str], *, cwd: str, env: Mapping[str, str], rows: int, cols: int
     ) -> PtyProcess:
-        raise Unavailable("terminals are not available in microVM sandboxes yet (a pty cannot cross a serial port)")
+        """The agent opens the terminal in the guest and hands its master to the stream port, which
+        carries it to the host end of a socket pair (`MicroVMPty.fd`) on a stream reserved here."""
+        vm = await self._ready_vm()
+        assert vm.egress is not None
+        try:
+            stream_id = vm.egress.reserve()
+        except ConnectionResetError as exc:
+            raise Unavailable(f"cannot open a terminal: {exc}") from None
+        command_id = next(vm.ids)
+        pty = vm.ptys[command_id] = MicroVMPty(command_id, argv, vm.egress, stream_id)
+        request = {
+            "op": "pty",
+            "id": command_id,
+            "exe": executable,
+            "argv": list(argv),
+            "cwd": cwd,
+            "env": dict(env),
+            "rows": rows,
+            "cols": cols,
+            "stream": stream_id,
+        }
+        try:
+            async with asyncio.timeout(_PTY_START_TIMEOUT_S):
+                await vm.send(b"M", 0, marshal.dumps(request))
+                error = await asyncio.shield(pty.opened)
+                if error is not None:
+                    raise Unavailable(f"the terminal's program did not start: {error}")
+                sock = await vm.egress.attach(stream_id, _PTY_START_TIMEOUT_S)
+        except BaseException as exc:
+            await asyncio.shield(self._give_up_pty(vm, pty))
+            if isinstance(exc, TimeoutError):
+                raise Unavailable("the microVM did not open the terminal in time") from None
+            if isinstance(exc, ConnectionRefusedError):
+                raise Unavailable("the microVM's terminal ended before it was connected") from None
+            raise
+        pty.fd = sock.detach()
+        return pty
+
+    async def _give_up_pty(self, vm: _Guest, pty: MicroVMPty) -> None:
+        """A terminal not handed out: end its stream, and its program if it started."""
+        pty.egress.end_soon(pty.stream_id)
+        if pty.opened.done() and pty.opened.result() is None:
+            await self._kill_command(vm, pty)
+        vm.ptys.pop(pty.command_id, None)
 
     async def kill(self, process: Process | PtyProcess) -> None:
         if self._paused:
             raise Conflict("the sandbox is paused: resume it first")
-        if self._vm is None or not isinstance(process, MicroVMProcess) or process.exited:
+        if self._vm is None or not isinstance(process, MicroVMProcess | MicroVMPty) or process.exited:
             return
         await self._kill_command(self._vm, process)
 
@@ -881,9 +968,23 @@ class MicroVMSandbox:
         return []  # each command is PID 1 of its own namespace in the guest: nothing outlives it
 
     async def connect(self, port: int) -> socket.socket:
-        if not 0 < port < 65536:
-            raise InvalidRequest(f"port {port} is not 1..65535")
-        raise Unavailable("previews are not available in microVM sandboxes yet (a socket cannot cross a serial port)")
+        """A socket carried over the stream port to a new connection to 127.0.0.1:`port` in the guest,
+        made there by the guest's stream port program. Does not boot a guest that is asleep."""
+        if type(port) is not int or not 0 < port < 65536:
+            raise InvalidRequest(f"port {port!r} is not a TCP port: give 1 to 65535")
+        if self._paused:
+            raise Conflict("the sandbox is paused: resume it first")
+        vm = self._vm
+        if vm is None or not self.alive or vm.egress is None:
+            raise Unavailable("the sandbox is not running")
+        try:
+            return await vm.egress.open_tcp(port, _CONNECT_TIMEOUT_S)
+        except TimeoutError:  # before OSError, its base class
+            raise Unavailable("the sandbox did not answer the connect in time") from None
+        except ConnectionRefusedError:
+            raise Unavailable(_NOTHING_ACCEPTS) from None
+        except OSError as exc:
+            raise Unavailable(f"cannot connect into the sandbox: {exc}") from None
 
     async def kill_leftover(self, pid: int) -> None:
         raise NotFound(f"no process left running has pid {pid} (microVM commands leave none)")
@@ -944,7 +1045,7 @@ class MicroVMSandbox:
         vm = self._vm
         if vm is None or not self.alive or self._paused or not vm.scratch_empty:
             return False
-        if any(not command.exited for command in vm.commands.values()):
+        if any(not command.exited for command in vm.commands.values()) or vm.ptys:
             return False
         self._vm = None
         self._retire(vm)
