@@ -17,29 +17,10 @@ from bastion.safety.errors import ConfigError
 from bastion.workbench.manager import SandboxManager
 from tests.helpers import call, create, sh
 from tests.sandbox.egress_helpers import HOSTS, OPEN_RANGES, Web
-from tests.sandbox.microvm_helpers import microvm_settings
+from tests.sandbox.microvm_helpers import microvm_settings, with_vm_template
+from tests.workbench.test_terminals import open_term, send, until
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap, pytest.mark.root]
-
-TEMPLATE = """
-[sandboxes.microvm]
-image_dir = "{image_dir}"
-allow_emulation = {emulation}
-probe_timeout_s = 3
-boot_timeout_s = 180
-
-[[template]]
-name = "vm"
-isolation = "microvm"
-vm_memory_mib = 256
-"""
-
-
-def with_vm_template(config: Path, image_dir: Path, *, emulation: bool, extra: str = "") -> Path:
-    text = config.read_text()
-    # [sandboxes.microvm] must come after the demo's own [sandboxes] keys: put it at the end of them.
-    config.write_text(text + TEMPLATE.format(image_dir=image_dir, emulation=str(emulation).lower()) + extra)
-    return config
 
 
 async def test_a_microvm_template_without_kvm_is_refused_in_one_line(
@@ -189,3 +170,44 @@ async def test_a_microvm_snapshot_restores_into_a_new_microvm_with_the_files_as_
             assert kernel.endswith("-amd64")  # the guest's kernel: a microVM again
     finally:
         services.close()
+
+
+@pytest.mark.microvm
+async def test_a_microvm_terminal_has_its_size_a_resize_job_control_and_ctrl_c(
+    demo_config_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Through the real tools, as tests/workbench/test_terminals.py proves it for namespaces: the guest's
+    pty is carried to the terminal code, which renders it, resizes it (a frame to the guest) and sends
+    keys that the guest's line discipline turns into job control."""
+    settings = microvm_settings(tmp_path_factory)
+    services = build_services(load_config(with_vm_template(demo_config_path, settings.image_dir, emulation=True)))
+    try:
+        async with Client(build_server(services, caller="test")) as client:
+            box = await create(client, template="vm")
+            term = await open_term(client, box, rows=24, cols=80)
+            await vm_line(client, term, "tty; stty size", "24 80")
+            resized = await call(client, "terminal_resize", terminal_id=term, rows=30, cols=100)
+            assert resized["ok"], resized
+            await vm_line(client, term, "stty size", "30 100")
+            await send(client, term, 'sh -c \'echo ar""med; read x; echo g""ot; exec sleep 100\'', "Enter")
+            await until(client, term, "(?m)^armed$", timeout_s=60)
+            await send(client, term, "", "Ctrl-Z")
+            await until(client, term, r"Stopped\s+sh -c", timeout_s=60)
+            await send(client, term, "fg", "Enter")
+            await send(client, term, "go", "Enter")
+            await until(client, term, "(?m)^got$", timeout_s=60)
+            await send(client, term, "", "Ctrl-C")
+            await vm_line(client, term, "echo status=$?", "status=130")
+            await vm_line(client, term, "sleep 100 & echo started-$((1 + 2))", "started-3")
+            closed = await call(client, "close_terminal", terminal_id=term)
+            assert closed["ok"], closed
+            left = await sh(client, box, "ps -eo args | grep -c '[s]leep 100' || true")
+            assert left["detail"]["stdout"].strip() == "0"
+    finally:
+        services.close()
+
+
+async def vm_line(client: Client, terminal: str, command: str, marker: str) -> None:
+    """Type a command line and wait (a guest under emulation: up to a minute) for a line that is `marker`."""
+    await send(client, terminal, command, "Enter")
+    await until(client, terminal, f"(?m)^{marker}$", timeout_s=60)
