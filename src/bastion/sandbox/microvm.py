@@ -66,6 +66,7 @@ __all__ = [
     "MicroVMSandbox",
     "MicroVMSettings",
     "console_tail",
+    "guest_binds",
     "missing_boot_files",
     "probe_microvm",
     "recover_run_dirs",
@@ -106,20 +107,23 @@ class MicroVMSettings:
     boot_timeout_s: float = 120.0
 
 
-def vmm_argv(settings: MicroVMSettings, run_dir: Path, workspace: str, tmp_bytes: int) -> list[str]:
-    """QEMU's command line for one sandbox.
+def vmm_argv(
+    settings: MicroVMSettings, run_dir: Path, workspace: str, tmp_bytes: int, binds: Sequence[str] = ()
+) -> list[str]:
+    """QEMU's command line for one sandbox; `binds`: host folders exported read-only (tags ro0, ro1...).
 
     `-M pc`, not `microvm`: on this kind of host, Debian's 6.1 kernel under TCG stops at "could not
     calculate TSC khz" with microvm's ACPI tables, and without them its virtio-mmio devices can only
     be named on the command line, which Debian's kernels are built without. The PC machine costs the
-    BIOS (~0.5 s of a cold boot) and nothing else we use.
+    BIOS (~0.5 s of a cold boot) and nothing else we use. `-cpu max`: QEMU's default model (qemu64) has
+    no SSE4.2 or POPCNT, and today's wheels (numpy 2) die on it with SIGILL.
     """
     accel = "kvm" if settings.accel == "kvm" else "tcg,tb-size=64"
     sock, workspace = _opt(str(run_dir / "agent.sock")), _opt(workspace)
     egress = _opt(str(run_dir / "egress.sock"))
     return [
         QEMU,
-        *("-M", "pc", "-accel", accel, "-m", str(settings.memory_mib), "-smp", str(settings.vcpus)),
+        *("-M", "pc", "-accel", accel, "-cpu", "max", "-m", str(settings.memory_mib), "-smp", str(settings.vcpus)),
         *("-nodefaults", "-no-user-config", "-nographic", "-no-reboot", "-nic", "none"),
         *("-kernel", str(settings.image_dir / KERNEL_NAME), "-initrd", str(settings.image_dir / INITRAMFS_NAME)),
         *("-append", f"console=ttyS0 quiet panic=-1 bastion.tmp={tmp_bytes}"),
@@ -133,8 +137,23 @@ def vmm_argv(settings: MicroVMSettings, run_dir: Path, workspace: str, tmp_bytes
         *("-device", "virtio-9p-pci,fsdev=usr,mount_tag=usr"),
         *("-fsdev", f"local,id=ws,path={workspace},security_model=none"),
         *("-device", "virtio-9p-pci,fsdev=ws,mount_tag=workspace"),
+        *_bind_args(binds),
         *("-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"),
     ]
+
+
+def _bind_args(binds: Sequence[str]) -> list[str]:
+    """A template's read-only folders, each a 9p export QEMU refuses to write through (readonly=on)."""
+    args = []
+    for index, source in enumerate(binds):
+        args += ["-fsdev", f"local,id=ro{index},path={_opt(source)},security_model=none,readonly=on"]
+        args += ["-device", f"virtio-9p-pci,fsdev=ro{index},mount_tag=ro{index}"]
+    return args
+
+
+def guest_binds(spec: SandboxSpec) -> list[tuple[str, str]]:
+    """The spec's read-only binds a guest mounts over 9p: all but the egress folder (a serial port there)."""
+    return [(source, dest) for source, dest in spec.read_only_binds if dest != EGRESS_DIR]
 
 
 def _opt(value: str) -> str:
@@ -157,12 +176,15 @@ def console_tail(path: Path, limit: int = _CONSOLE_TAIL_BYTES) -> str:
         return handle.read(limit).decode(errors="replace")
 
 
-def guest_program(limits: Limits | None) -> bytes:
-    """What the guest's /init runs: the relay, with the programs of inside/, the identity files and the
-    commands' task and memory limits in the guest (None: none) in front."""
+def guest_program(limits: Limits | None, dests: Sequence[str] = ()) -> bytes:
+    """What the guest's /init runs: the relay, with the programs of inside/, the identity files, the
+    commands' task and memory limits in the guest (None: none) and where to mount the 9p exports
+    ro0, ro1... (`dests`, in order) in front."""
     files = {**INSIDE_FILES, **IDENTITY_FILES}  # the agent and the code contexts' kernel and REPL
     pids, memory = (limits.pids, limits.memory_bytes) if limits is not None else (None, None)
-    source = f"FILES = {files!r}\nPIDS = {pids!r}\nMEMORY = {memory!r}\n" + _RELAY.read_text(encoding="utf-8")
+    mounts = [(f"ro{index}", dest) for index, dest in enumerate(dests)]
+    head = f"FILES = {files!r}\nPIDS = {pids!r}\nMEMORY = {memory!r}\nMOUNTS = {mounts!r}\n"
+    source = head + _RELAY.read_text(encoding="utf-8")
     data = source.encode()
     return len(data).to_bytes(8, "big") + data
 
@@ -366,7 +388,9 @@ class _Guest:
     def alive(self) -> bool:
         return not self.gone.is_set() and self.proc.poll() is None
 
-    async def connect(self, deadline: float, limits: Limits | None, proxy: str | None) -> None:
+    async def connect(
+        self, deadline: float, limits: Limits | None, proxy: str | None, dests: Sequence[str] = ()
+    ) -> None:
         """Connect to the VMM's agent and egress ports, send the guest its program, start reading."""
         loop = asyncio.get_running_loop()
         sock = self.sock = await self.open_port("agent.sock", deadline)
@@ -374,7 +398,7 @@ class _Guest:
         self.egress_sock = await self.open_port("egress.sock", deadline)
         self.egress = EgressPort(self.egress_sock, proxy, self.run_dir.parent.name)
         self.egress.start()
-        await loop.sock_sendall(sock, guest_program(limits))
+        await loop.sock_sendall(sock, guest_program(limits, dests))
         self.task = loop.create_task(self.read_frames(sock))
 
     async def open_port(self, name: str, deadline: float) -> socket.socket:
@@ -752,7 +776,8 @@ class MicroVMSandbox:
         try:
             group = self._make_group()
             procs = tuple(os.path.join(path, "cgroup.procs") for path in group.paths) if group else ()
-            argv = vmm_argv(self.settings, run_dir, self.spec.workspace, self.spec.tmp_size_bytes)
+            sources = [source for source, _ in guest_binds(self.spec)]
+            argv = vmm_argv(self.settings, run_dir, self.spec.workspace, self.spec.tmp_size_bytes, sources)
             proc = start_vmm(argv, identity=self.spec.identity, cgroup_procs=procs)
         except BaseException:
             if group is not None:
@@ -766,7 +791,8 @@ class MicroVMSandbox:
         vm = self._start_vmm()
         deadline = time.monotonic() + self.settings.boot_timeout_s
         try:
-            await vm.connect(deadline, self._limits, self._proxy_path())
+            dests = [dest for _, dest in guest_binds(self.spec)]
+            await vm.connect(deadline, self._limits, self._proxy_path(), dests)
             async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
                 await vm.ready
         except TimeoutError:

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     FILES: "dict[str, str]" = {}  # given by the host, in front of this source
     PIDS: "int | None" = None  # the guest's task limit, likewise
     MEMORY: "int | None" = None  # the commands' memory limit in bytes, likewise
+    MOUNTS: "list[tuple[str, str]]" = []  # (9p tag, where): a template's read-only folders, likewise
 
 HEADER = struct.Struct(">IcI")
 READ_BYTES = 65536
@@ -46,6 +47,8 @@ EGRESS_PORT = "/dev/vport0p2"  # the second port of the virtio-serial device (nr
 EGRESS_SOCKET = "/run/bastion/egress.sock"  # where the forwarder connects, as in a namespace sandbox
 GROUP = "/sys/fs/cgroup/sandbox"  # the guest's own cgroup v2 group: the agent, its commands and the relay
 PR_SET_DUMPABLE = 4
+MS_RDONLY, MS_NOSUID, MS_NODEV = 1, 2, 4
+P9_OPTIONS = b"trans=virtio,version=9p2000.L,msize=262144,cache=loose"
 
 
 class Relay:
@@ -253,6 +256,17 @@ def enter_group(pids: "int | None", memory: "int | None") -> None:
         out.write("0")
 
 
+def mount_binds(mounts: "list[tuple[str, str]]") -> None:
+    """Mount a template's read-only folders (9p exports QEMU opened read-only too) where the template
+    shows them; one that fails ends the relay, so the guest never runs without what its template shows."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    for tag, dest in mounts:
+        os.makedirs(dest, exist_ok=True)
+        flags = MS_RDONLY | MS_NOSUID | MS_NODEV
+        if libc.mount(tag.encode(), dest.encode(), b"9p", flags, P9_OPTIONS) != 0:
+            sys.exit(f"bastion-relay: cannot mount {dest}: {os.strerror(ctypes.get_errno())}")
+
+
 def write_files(files: "dict[str, str]") -> None:
     for path, text in files.items():
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -288,6 +302,7 @@ def main(port: int, files: "dict[str, str]") -> None:
     # write its /proc/N/mem, unless it is not dumpable (then both need CAP_SYS_PTRACE).
     if ctypes.CDLL(None).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
         sys.exit("bastion-relay: cannot make itself undumpable")
+    mount_binds(MOUNTS)
     write_files(files)
     # Commands run as the workspace's owner (the sandbox's host uid, through 9p): the agent keeps root's
     # effective ids for its namespaces and starts each command with these real ones (resetids).
