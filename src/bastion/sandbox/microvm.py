@@ -8,14 +8,17 @@ limits, and no network device at all. The guest boots Debian's kernel with the i
 virtio-9p (so the file tools and snapshots keep acting on the host folder, as the protocol says),
 a private /tmp, and runs the same resident agent (inside/agent.py) behind inside/relay.py, which
 carries its messages and each command's stdin, stdout and stderr over one virtio-serial port
-(a unix socket on the host). Egress takes a second port: the guest's forwarder reaches the
-sandbox's egress proxy through inside/egress_port.py and `_vmegress.EgressPort` (the proxy decides).
-
-What does not cross a serial port is a file descriptor, so the operations that hand one to the
-host are refused for microVMs in this slice, with one line: a terminal (`open_pty`: the pty's
-master), a preview's `connect` (a connected socket). Commands run as PID 1 of a PID namespace of
-their own in the guest (the agent's ``pids=per-command``): what a command starts ends with it,
-so `leftovers` is always empty.
+(a unix socket on the host). A second port carries numbered streams with flow control
+(inside/egress_port.py, `_vmegress.EgressPort`): egress, opened by the guest, where the guest's
+forwarder reaches the sandbox's egress proxy (the proxy decides); previews, opened by the host
+(`connect`: the guest connects to its own 127.0.0.1:PORT); and terminals (`open_pty`: the agent
+opens the pty in the guest, the relay hands its master to the stream port program, which carries
+it on a stream the host reserved; a resize is a frame). Descriptors do not cross a serial port,
+so what the host hands its callers is one end of a socket pair whose other end is carried.
+A template's read-only folders and python_env are 9p exports QEMU opens read-only, which the
+relay mounts read-only where the namespace backend binds them. Commands run as PID 1 of a PID
+namespace of their own in the guest (the agent's ``pids=per-command``): what a command starts
+ends with it, so `leftovers` is always empty.
 """
 
 from __future__ import annotations
