@@ -170,7 +170,10 @@ class Relay:
         command_id = json.loads(data).get("id")
         stream_id = self.pty_streams.pop(command_id, None) if type(command_id) is int else None
         if stream_id is not None and len(fds) == 1:
-            socket.send_fds(self.control, [stream_id.to_bytes(4, "big")], fds)
+            try:  # noqa: SIM105 - contextlib would cost import time at every start
+                socket.send_fds(self.control, [stream_id.to_bytes(4, "big")], fds)
+            except OSError:  # the stream port's program is gone: the host gives the terminal up in time
+                pass
 
     def on_output(self, fd: int, kind: bytes, command_id: int) -> None:
         data = os.read(fd, READ_BYTES)
