@@ -302,3 +302,33 @@ async def test_a_guest_whose_port_dies_refuses_a_waiting_connect_at_once(hostile
         hostile.port.reserve()
     with contextlib.suppress(OSError):
         hostile.sock.close()
+
+
+async def test_a_kind_only_the_host_sends_ends_the_guests_stream(hostile: Hostile) -> None:
+    opening = asyncio.get_running_loop().create_task(hostile.port.open_tcp(8000, 10))
+    _, stream_id, _ = await hostile.next_frame()
+    await hostile.send(frame(b"A", stream_id))
+    sock = await opening
+    with sock:
+        await hostile.send(frame(b"W", stream_id, b"\0\x18\0\x50"))
+        assert await hostile.next_frame() == (b"X", stream_id, b"")
+        assert hostile.port.streams == 0
+        assert await asyncio.get_running_loop().sock_recv(sock, 10) == b""  # the caller sees the end
+
+
+async def test_an_oversized_frame_ends_every_open_preview_and_terminal_stream(hostile: Hostile) -> None:
+    """The port ends: each caller's socket reads its end (no fd left waiting on a guest), and no new
+    stream can be opened on it."""
+    before = open_fds()
+    opening = asyncio.get_running_loop().create_task(hostile.port.open_tcp(8000, 10))
+    _, stream_id, _ = await hostile.next_frame()
+    await hostile.send(frame(b"A", stream_id))
+    sock = await opening
+    with sock:
+        await hostile.send(HEADER.pack(1 << 30, b"D", stream_id))
+        async with asyncio.timeout(5):
+            assert await asyncio.get_running_loop().sock_recv(sock, 10) == b""
+    assert hostile.port.streams == 0
+    with pytest.raises(ConnectionResetError):
+        hostile.port.reserve()
+    assert open_fds() <= before
