@@ -551,11 +551,18 @@ async def test_a_terminal_has_its_size_a_resize_and_ctrl_c_for_its_job(box: Sand
         os.close(pty.fd)
 
 
-async def test_a_read_only_bind_is_seen_and_cannot_be_written(harness: Harness, tmp_path: Path) -> None:
+async def test_a_read_only_bind_is_seen_cannot_be_written_and_its_links_resolve_inside(
+    harness: Harness, tmp_path: Path
+) -> None:
+    """A link in the folder to a host file outside it is followed inside the sandbox, where that path
+    does not exist: never on the host (for a microVM, QEMU's 9p server opens no link)."""
     data = tmp_path / "data"
     data.mkdir()
     (data / "table.csv").write_text("a,b\n")
+    (tmp_path / "secret").write_text("host only\n")
+    (data / "link").symlink_to(tmp_path / "secret")
     box = harness.sandbox(binds=((str(data), "/data"),))
-    outcome = await sh(box, "cat /data/table.csv; touch /data/new || echo refused", timeout_s=60)
-    assert outcome.stdout == b"a,b\nrefused\n", outcome.stderr
+    script = "cat /data/table.csv; touch /data/new || echo refused; cat /data/link || echo unseen"
+    outcome = await sh(box, script, timeout_s=60)
+    assert outcome.stdout == b"a,b\nrefused\nunseen\n", outcome.stderr
     assert not (data / "new").exists()
