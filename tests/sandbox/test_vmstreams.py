@@ -332,3 +332,16 @@ async def test_an_oversized_frame_ends_every_open_preview_and_terminal_stream(ho
     with pytest.raises(ConnectionResetError):
         hostile.port.reserve()
     assert open_fds() <= before
+
+
+async def test_resizes_to_a_guest_that_stops_reading_are_not_queued_without_bound(hostile: Hostile) -> None:
+    hostile.host_end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    hostile.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    opening = asyncio.get_running_loop().create_task(hostile.port.open_tcp(8000, 10))
+    _, stream_id, _ = await hostile.next_frame()
+    await hostile.send(frame(b"A", stream_id))
+    with await opening:
+        for _ in range(20_000):  # the guest reads none of them
+            hostile.port.resize(stream_id, 24, 80)
+            await asyncio.sleep(0)
+        assert len(hostile.port._later) <= MAX_HOST_STREAMS

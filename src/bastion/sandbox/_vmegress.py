@@ -308,7 +308,9 @@ class EgressPort:
             self._send_soon(b"X", stream_id)
 
     def _send_soon(self, kind: bytes, stream_id: int, payload: bytes = b"") -> None:
-        if self._task is None or self._task.done():
+        """Send without waiting; dropped when the port has ended, or when MAX_HOST_STREAMS such frames
+        wait already (a guest that stops reading its port must not make the host queue without bound)."""
+        if self._task is None or self._task.done() or len(self._later) >= MAX_HOST_STREAMS:
             return
         task = asyncio.get_running_loop().create_task(self._send_quietly(kind, stream_id, payload))
         self._later.add(task)
