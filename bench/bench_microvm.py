@@ -5,7 +5,10 @@
 2. Warm run("true") p50 in a booted microVM and in a warm bubblewrap sandbox.
 3. Idle memory per booted microVM (its VMM's cgroup, 256 MiB guest), and how many fit in this
    machine's memory at that figure.
-4. create_sandbox from the warm pool, server-side (SandboxManager.create, no MCP transport): a
+4. A preview's connection (connect + the server's first bytes) and a terminal's echo (a key to its
+   echo on the host end), p50, in a booted microVM and in a bubblewrap sandbox: over the guest's
+   stream port (a serial port) against a socket and a pty handed over directly.
+5. create_sandbox from the warm pool, server-side (SandboxManager.create, no MCP transport): a
    microvm template's pool of booted guests against the namespace pool. Target: at most 2 ms,
    under TCG too (the pool hides the boot).
 
@@ -65,6 +68,58 @@ async def true_p50(box: Sandbox) -> float:
     return statistics.median(times)
 
 
+LISTENER = (
+    "import socket\ns=socket.socket(); s.bind(('127.0.0.1', 8000)); s.listen(); print('up', flush=True)\n"
+    "while True:\n c,_=s.accept(); c.sendall(b'inside\\n'); c.close()\n"
+)
+
+
+async def preview_p50(box: Sandbox) -> float:
+    """connect(8000) to the first bytes of the server's answer, as a preview request starts."""
+    server = await box.spawn("/usr/bin/python3", ["python3", "-c", LISTENER], cwd="/", env=ENV, ring_bytes=64)
+    async with asyncio.timeout(120):
+        while b"up" not in server.stdout.read(0, 64)[1]:
+            await asyncio.sleep(0.05)  # the ring has no event for new output
+    loop = asyncio.get_running_loop()
+    times = []
+    for _ in range(CALLS):
+        start = time.perf_counter()
+        with await box.connect(8000) as conn:
+            conn.setblocking(False)
+            await loop.sock_recv(conn, 100)
+        times.append(time.perf_counter() - start)
+    await box.kill(server)
+    return statistics.median(times)
+
+
+def wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
+async def echo_p50(box: Sandbox) -> float:
+    """A key typed on a terminal (cat's, canonical mode) to its echo read on the host end."""
+    pty = await box.open_pty("/bin/cat", ["cat"], cwd="/", env=ENV, rows=24, cols=80)
+    loop = asyncio.get_running_loop()
+    times = []
+    try:
+        for _ in range(CALLS):
+            start = time.perf_counter()
+            os.write(pty.fd, b"x")
+            readable = loop.create_future()
+            loop.add_reader(pty.fd, wake, readable)
+            try:
+                await readable
+            finally:
+                loop.remove_reader(pty.fd)
+            os.read(pty.fd, 100)
+            times.append(time.perf_counter() - start)
+        await box.kill(pty)
+    finally:
+        os.close(pty.fd)
+    return statistics.median(times)
+
+
 def host_memory_bytes() -> int:
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemTotal:"):
@@ -88,10 +143,12 @@ async def measure(settings: MicroVMSettings, folder: Path) -> None:
             idle.append(usage.memory_bytes if usage else 0)
             if len(boots) == BOOTS:
                 vm_true = await true_p50(box)
+                vm_preview, vm_echo = await preview_p50(box), await echo_p50(box)
             await box.aclose(final=True)
         namespaces = BubblewrapBackend(layout).sandbox(spec, limits=limits)
         await namespaces.start()
         ns_true = await true_p50(namespaces)
+        ns_preview, ns_echo = await preview_p50(namespaces), await echo_p50(namespaces)
         await namespaces.aclose(final=True)
     finally:
         layout.release()
@@ -100,6 +157,8 @@ async def measure(settings: MicroVMSettings, folder: Path) -> None:
     print(f"cold boot to ready: p50 {statistics.median(boots):.2f} s (min {min(boots):.2f}, max {max(boots):.2f})")
     print(f"warm run('true') p50: microvm {vm_true * 1e3:.1f} ms, namespaces {ns_true * 1e3:.2f} ms")
     print(f"  ratio {vm_true / ns_true:.1f}x (KVM target: at most 2x; TCG: reported only)")
+    print(f"preview connect to first byte p50: microvm {vm_preview * 1e3:.1f} ms, namespaces {ns_preview * 1e3:.2f} ms")
+    print(f"terminal echo p50: microvm {vm_echo * 1e3:.1f} ms, namespaces {ns_echo * 1e3:.2f} ms")
     print(f"idle memory per booted microVM (its VMM cgroup): {memory / 2**20:.0f} MiB")
     print(f"  fit in this machine's {host_memory_bytes() / 2**30:.1f} GiB: about {host_memory_bytes() // memory}")
 

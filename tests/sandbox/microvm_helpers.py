@@ -39,3 +39,24 @@ async def guest_processes_with(box: MicroVMSandbox, marker: str) -> list[int]:
     env = {"PATH": SANDBOX_PATH}
     outcome = await box.run("/bin/sh", ["sh", "-c", script], cwd="/", env=env, timeout_s=30, max_output_bytes=65536)
     return [int(line.split("/")[2]) for line in outcome.stdout.decode().split()]
+
+
+TEMPLATE = """
+[sandboxes.microvm]
+image_dir = "{image_dir}"
+allow_emulation = {emulation}
+probe_timeout_s = 3
+boot_timeout_s = 180
+
+[[template]]
+name = "vm"
+isolation = "microvm"
+vm_memory_mib = 256
+"""
+
+
+def with_vm_template(config: Path, image_dir: Path, *, emulation: bool, extra: str = "") -> Path:
+    text = config.read_text()
+    # [sandboxes.microvm] must come after the demo's own [sandboxes] keys: put it at the end of them.
+    config.write_text(text + TEMPLATE.format(image_dir=image_dir, emulation=str(emulation).lower()) + extra)
+    return config

@@ -16,6 +16,7 @@ import asyncio
 import hashlib
 import inspect
 import os
+import socket
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -470,3 +471,98 @@ async def test_a_large_download_through_the_proxy_arrives_whole(harness: Harness
         "/usr/bin/python3", ["python3", "-c", script, url], cwd="/", env=env, timeout_s=120, max_output_bytes=4096
     )
     assert outcome.stdout.decode().strip() == hashlib.sha256(BIG).hexdigest(), outcome.stderr
+
+
+# previews and terminals: a connected socket, a terminal's host end
+
+
+# Listens on 127.0.0.1:PORT in the sandbox, answers each connection with "inside\n", prints "up".
+LISTENER = (
+    "import socket,sys\n"
+    "s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+    "s.bind(('127.0.0.1', int(sys.argv[1]))); s.listen(); print('up', flush=True)\n"
+    "while True:\n c,_=s.accept(); c.sendall(b'inside\\n'); c.close()\n"
+)
+
+
+async def test_connect_reaches_the_sandboxs_own_loopback_and_a_closed_port_is_refused(
+    harness: Harness, box: Sandbox
+) -> None:
+    """A host server on the same port is never what answers; a closed port is `Unavailable`, one line."""
+    with socket.socket() as host_server:
+        host_server.bind(("127.0.0.1", 0))
+        host_server.listen()
+        port = host_server.getsockname()[1]
+        server = await box.spawn(
+            "/usr/bin/python3", ["python3", "-c", LISTENER, str(port)], cwd="/", env=ENV, ring_bytes=64
+        )
+        await until(lambda: b"up" in server.stdout.read(0, 64)[1], harness.wait_s)
+        with await box.connect(port) as conn:
+            conn.setblocking(False)
+            async with asyncio.timeout(harness.wait_s):
+                assert await asyncio.get_running_loop().sock_recv(conn, 100) == b"inside\n"
+    with pytest.raises(Unavailable, match="nothing accepts connections on that port"):
+        await box.connect(9)
+    await box.kill(server)
+
+
+def wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
+async def tty_until(fd: int, seen: bytearray, texts: tuple[bytes, ...], after: int = 0) -> int:
+    """Read a terminal's host end until one of `texts` appears past `after`; where it ends."""
+    loop = asyncio.get_running_loop()
+    async with asyncio.timeout(60):
+        while not any(text in seen[after:] for text in texts):
+            readable = loop.create_future()
+            loop.add_reader(fd, wake, readable)
+            try:
+                await readable
+            finally:
+                loop.remove_reader(fd)
+            try:
+                chunk = os.read(fd, 65536)
+            except BlockingIOError:
+                continue
+            assert chunk, bytes(seen)
+            seen += chunk
+    found = next(text for text in texts if text in seen[after:])
+    return seen.index(found, after) + len(found)
+
+
+async def test_a_terminal_has_its_size_a_resize_and_ctrl_c_for_its_job(box: Sandbox) -> None:
+    pty = await box.open_pty("/bin/sh", ["sh"], cwd="/workspace", env=ENV, rows=24, cols=80)
+    seen = bytearray()
+    try:
+        os.write(pty.fd, b"tty; stty size\n")
+        await tty_until(pty.fd, seen, (b"24 80",), await tty_until(pty.fd, seen, (b"/dev/pts/",)))
+        pty.resize(30, 100)
+        os.write(pty.fd, b"stty size; sh -c 'echo ar\"\"med; exec sleep 100'\n")
+        await tty_until(pty.fd, seen, (b"armed",), await tty_until(pty.fd, seen, (b"30 100",)))
+        os.write(pty.fd, b"\x03")  # once the job holds the terminal (it says so)
+        await tty_until(pty.fd, seen, (b"$ ", b"# "), await tty_until(pty.fd, seen, (b"^C",)))
+        os.write(pty.fd, b"echo status=$?\n")
+        await tty_until(pty.fd, seen, (b"status=130",))
+        await box.kill(pty)
+        assert pty.exited
+    finally:
+        os.close(pty.fd)
+
+
+async def test_a_read_only_bind_is_seen_cannot_be_written_and_its_links_resolve_inside(
+    harness: Harness, tmp_path: Path
+) -> None:
+    """A link in the folder to a host file outside it is followed inside the sandbox, where that path
+    does not exist: never on the host (for a microVM, QEMU's 9p server opens no link)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "table.csv").write_text("a,b\n")
+    (tmp_path / "secret").write_text("host only\n")
+    (data / "link").symlink_to(tmp_path / "secret")
+    box = harness.sandbox(binds=((str(data), "/data"),))
+    script = "cat /data/table.csv; touch /data/new || echo refused; cat /data/link || echo unseen"
+    outcome = await sh(box, script, timeout_s=60)
+    assert outcome.stdout == b"a,b\nrefused\nunseen\n", outcome.stderr
+    assert not (data / "new").exists()

@@ -178,15 +178,16 @@ def test_the_initramfs_holds_init_busybox_and_the_modules_in_load_order() -> Non
     assert order.index("virtio") < order.index("virtio_pci") < order.index("virtio_console")
 
 
-async def test_a_terminal_and_a_preview_are_refused_with_one_line(tmp_path: Path) -> None:
-    """Their descriptors cannot cross a serial port: refused before any guest boots."""
+@pytest.mark.parametrize("port", [0, -1, 65536, True, "80"])
+async def test_a_preview_of_a_bad_port_or_a_guest_not_running_is_refused_with_one_line(
+    tmp_path: Path, port: object
+) -> None:
+    """Refused before any guest boots (a preview never boots one), as the namespace backend refuses them."""
     box = MicroVMSandbox(SandboxSpec(workspace=str(tmp_path)), MicroVMSettings(tmp_path), cgroups=None, limits=None)
-    with pytest.raises(Unavailable, match="terminals are not available in microVM"):
-        await box.open_pty("/bin/sh", ["sh"], cwd="/", env=ENV, rows=24, cols=80)
-    with pytest.raises(Unavailable, match="previews are not available in microVM"):
+    with pytest.raises(InvalidRequest, match="1 to 65535"):
+        await box.connect(port)  # type: ignore[arg-type]
+    with pytest.raises(Unavailable, match="not running"):
         await box.connect(8000)
-    with pytest.raises(InvalidRequest):
-        await box.connect(0)
     with pytest.raises(NotFound):
         await box.kill_leftover(1)
     assert box.leftovers() == []
@@ -308,6 +309,80 @@ async def test_a_guest_that_stops_reading_its_channel_cannot_hang_the_host(guest
             await process.write(b"x" * (16 << 20), timeout_s=2)
         await process.wait_exit()
     assert not guest.alive
+
+
+# Listens on 127.0.0.1:PORT in the guest, answers each connection with "inside\n", prints "up".
+LISTENER = (
+    "import socket,sys\n"
+    "s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+    "s.bind(('127.0.0.1', int(sys.argv[1]))); s.listen(); print('up', flush=True)\n"
+    "while True:\n c,_=s.accept(); c.sendall(b'inside\\n'); c.close()\n"
+)
+
+
+def open_fds() -> set[str]:
+    return {fd for fd in os.listdir("/proc/self/fd") if os.path.lexists(f"/proc/self/fd/{fd}")}
+
+
+class Screen:
+    """What a terminal's host end gave so far, read until a text appears after a point."""
+
+    def __init__(self, fd: int) -> None:
+        self.sock = socket.socket(fileno=fd)
+        self.seen = bytearray()
+
+    async def send(self, data: bytes) -> None:
+        await asyncio.get_running_loop().sock_sendall(self.sock, data)
+
+    async def until(self, text: bytes, after: int = 0) -> int:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(60):
+                while text not in self.seen[after:]:
+                    chunk = await asyncio.get_running_loop().sock_recv(self.sock, 65536)
+                    assert chunk, bytes(self.seen)
+                    self.seen.extend(chunk)
+        assert text in self.seen[after:], bytes(self.seen)
+        return self.seen.index(text, after) + len(text)
+
+
+@pytest.mark.microvm
+async def test_a_preview_and_a_terminal_reach_into_the_guest_and_leave_no_fd(guest: MicroVMSandbox) -> None:
+    """One boot: a preview's connection reaches a server on the guest's own loopback and a closed port is
+    refused as in a namespace sandbox; a terminal is a pts of the guest with its size, a resize, Ctrl-C
+    for its foreground job; killing it and closing both leave no stream and no host fd."""
+    server = await guest.spawn(
+        "/usr/bin/python3", ["python3", "-c", LISTENER, "8000"], cwd="/", env=ENV, ring_bytes=4096
+    )
+    async with asyncio.timeout(120):
+        while b"up" not in server.stdout.read(0, 100)[1]:
+            await asyncio.sleep(0.05)  # polls the ring for the server's "up" line
+    before = open_fds()
+    with await guest.connect(8000) as conn:  # carried by the server's loop: read it without blocking that
+        async with asyncio.timeout(60):
+            assert await asyncio.get_running_loop().sock_recv(conn, 100) == b"inside\n"
+    with pytest.raises(Unavailable, match="nothing accepts connections on that port"):
+        await guest.connect(8001)
+    pty = await guest.open_pty("/bin/sh", ["sh"], cwd="/workspace", env=ENV, rows=24, cols=80)
+    screen = Screen(pty.fd)
+    await screen.send(b"tty; stty size\n")
+    await screen.until(b"24 80", await screen.until(b"/dev/pts/"))
+    pty.resize(30, 100)
+    await screen.send(b"stty size; sh -c 'echo ar\"\"med; exec sleep 100'\n")
+    await screen.until(b"armed", await screen.until(b"30 100"))
+    await screen.send(b"\x03")  # typed once the job holds the terminal (it says so)
+    await screen.until(b"$ ", await screen.until(b"^C"))
+    await screen.send(b"echo status=$?\n")
+    await screen.until(b"status=130")
+    await guest.kill(pty)
+    assert pty.exited
+    screen.sock.close()
+    await guest.kill(server)
+    assert guest._vm is not None
+    assert guest._vm.egress is not None
+    async with asyncio.timeout(30):
+        while guest._vm.egress.streams:
+            await asyncio.sleep(0.05)
+    assert open_fds() <= before
 
 
 @pytest.mark.microvm

@@ -15,31 +15,12 @@ from bastion.app import build_server, build_services
 from bastion.config import load_config
 from bastion.safety.errors import ConfigError
 from bastion.workbench.manager import SandboxManager
-from tests.helpers import call, create, sh
+from tests.helpers import DATA_ENV, call, create, sh
 from tests.sandbox.egress_helpers import HOSTS, OPEN_RANGES, Web
-from tests.sandbox.microvm_helpers import microvm_settings
+from tests.sandbox.microvm_helpers import microvm_settings, with_vm_template
+from tests.workbench.test_terminals import open_term, send, until
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap, pytest.mark.root]
-
-TEMPLATE = """
-[sandboxes.microvm]
-image_dir = "{image_dir}"
-allow_emulation = {emulation}
-probe_timeout_s = 3
-boot_timeout_s = 180
-
-[[template]]
-name = "vm"
-isolation = "microvm"
-vm_memory_mib = 256
-"""
-
-
-def with_vm_template(config: Path, image_dir: Path, *, emulation: bool, extra: str = "") -> Path:
-    text = config.read_text()
-    # [sandboxes.microvm] must come after the demo's own [sandboxes] keys: put it at the end of them.
-    config.write_text(text + TEMPLATE.format(image_dir=image_dir, emulation=str(emulation).lower()) + extra)
-    return config
 
 
 async def test_a_microvm_template_without_kvm_is_refused_in_one_line(
@@ -96,11 +77,14 @@ async def test_a_microvm_template_runs_commands_and_says_its_isolation(
         services.close()
 
 
-def test_a_microvm_template_with_binds_is_a_config_error(demo_config_path: Path, tmp_path: Path) -> None:
+def test_a_microvm_template_with_more_folders_than_the_guest_has_slots_for_is_a_config_error(
+    demo_config_path: Path, tmp_path: Path
+) -> None:
+    """Each read-only folder is a 9p device of the guest (a PCI slot): at most 8, said in one line."""
     text = demo_config_path.read_text()
-    bind = f'read_only = [{{ source = "{tmp_path}", dest = "/data" }}]\n'
-    demo_config_path.write_text(text + '\n[[template]]\nname = "vm"\nisolation = "microvm"\n' + bind)
-    with pytest.raises(ConfigError, match="not available for microvm yet"):
+    binds = ", ".join(f'{{ source = "{tmp_path}", dest = "/data{n}" }}' for n in range(9))
+    demo_config_path.write_text(text + f'\n[[template]]\nname = "vm"\nisolation = "microvm"\nread_only = [{binds}]\n')
+    with pytest.raises(ConfigError, match="shows at most 8 read-only folders"):
         load_config(demo_config_path)
 
 
@@ -187,5 +171,79 @@ async def test_a_microvm_snapshot_restores_into_a_new_microvm_with_the_files_as_
             kept, deep, *listing, kernel, _ = seen["detail"]["stdout"].split("\n")
             assert (kept, deep, listing) == ("kept", "deep", ["file", "sub"])  # no "extra": made after
             assert kernel.endswith("-amd64")  # the guest's kernel: a microVM again
+    finally:
+        services.close()
+
+
+@pytest.mark.microvm
+async def test_a_microvm_terminal_has_its_size_a_resize_job_control_and_ctrl_c(
+    demo_config_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Through the real tools, as tests/workbench/test_terminals.py proves it for namespaces: the guest's
+    pty is carried to the terminal code, which renders it, resizes it (a frame to the guest) and sends
+    keys that the guest's line discipline turns into job control."""
+    settings = microvm_settings(tmp_path_factory)
+    services = build_services(load_config(with_vm_template(demo_config_path, settings.image_dir, emulation=True)))
+    try:
+        async with Client(build_server(services, caller="test")) as client:
+            box = await create(client, template="vm")
+            term = await open_term(client, box, rows=24, cols=80)
+            await vm_line(client, term, "tty; stty size", "24 80")
+            resized = await call(client, "terminal_resize", terminal_id=term, rows=30, cols=100)
+            assert resized["ok"], resized
+            await vm_line(client, term, "stty size", "30 100")
+            await send(client, term, 'sh -c \'echo ar""med; read x; echo g""ot; exec sleep 100\'', "Enter")
+            await until(client, term, "(?m)^armed$", timeout_s=60)
+            await send(client, term, "", "Ctrl-Z")
+            await until(client, term, r"Stopped\s+sh -c", timeout_s=60)
+            await send(client, term, "fg", "Enter")
+            await send(client, term, "go", "Enter")
+            await until(client, term, "(?m)^got$", timeout_s=60)
+            await send(client, term, "", "Ctrl-C")
+            await vm_line(client, term, "echo status=$?", "status=130")
+            await vm_line(client, term, "sleep 100 & echo started-$((1 + 2))", "started-3")
+            closed = await call(client, "close_terminal", terminal_id=term)
+            assert closed["ok"], closed
+            left = await sh(client, box, "ps -eo args | grep -c '[s]leep 100' || true")
+            assert left["detail"]["stdout"].strip() == "0"
+    finally:
+        services.close()
+
+
+async def vm_line(client: Client, terminal: str, command: str, marker: str) -> None:
+    """Type a command line and wait (a guest under emulation: up to a minute) for a line that is `marker`."""
+    await send(client, terminal, command, "Enter")
+    await until(client, terminal, f"(?m)^{marker}$", timeout_s=60)
+
+
+@pytest.mark.microvm
+@pytest.mark.skipif(
+    not (DATA_ENV / "pyvenv.cfg").is_file(), reason="the python-data environment is built by `make install`"
+)
+async def test_a_microvm_template_shows_its_folders_and_python_env_read_only(
+    demo_config_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A template's read_only folder and python_env reach the guest over 9p where the namespace backend
+    binds them (`python` is the env's, with its packages), read-only twice over: QEMU opens the export
+    read-only and the guest mounts it so (a write fails with EROFS, and nothing reaches the host)."""
+    settings = microvm_settings(tmp_path_factory)
+    data = tmp_path_factory.mktemp("vm-data")
+    (data / "table.csv").write_text("a,b\n1,2\n")
+    data.chmod(0o755)
+    extra = f'read_only = [{{ source = "{data}", dest = "/data" }}]\npython_env = "{DATA_ENV}"\n'
+    config = with_vm_template(demo_config_path, settings.image_dir, emulation=True, extra=extra)
+    services = build_services(load_config(config))
+    try:
+        async with Client(build_server(services, caller="test")) as client:
+            box = await create(client, template="vm")
+            script = "cat /data/table.csv; touch /data/new 2>&1; touch /opt/bastion/env/new 2>&1; "
+            script += "python -c 'import sys, numpy; print(sys.prefix, numpy.__name__)'"
+            seen = await sh(client, box, script, timeout_s=120)
+            lines = seen["detail"]["stdout"].splitlines()
+            assert lines[:2] == ["a,b", "1,2"], seen
+            assert "Read-only file system" in lines[2]
+            assert "Read-only file system" in lines[3]
+            assert lines[4] == "/opt/bastion/env numpy", seen
+            assert not (data / "new").exists()
     finally:
         services.close()

@@ -20,6 +20,7 @@ from bastion.sandbox import SCRATCH_INODES, SHM_SIZE_BYTES, TMP_SIZE_BYTES
 from bastion.sandbox.identity import DEFAULT_HOST_ID_COUNT, DEFAULT_HOST_ID_FIRST, parse_range
 from bastion.sandbox.vmimage import DEFAULT_IMAGE_DIR
 
+MAX_MICROVM_FOLDERS: Final = 8  # each a virtio-9p PCI device of the guest
 BASTION_OPT: Final = "/opt/bastion"  # inside a sandbox: a template's python_env is bound at <this>/env
 _RESERVED_DESTS: Final = frozenset(
     {"/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/proc", "/dev", "/tmp", "/workspace"}  # noqa: S108
@@ -97,9 +98,13 @@ class TemplateConfig(Model):
 
     @model_validator(mode="after")
     def _check_microvm(self) -> TemplateConfig:
-        # A guest sees /usr, /workspace and its own /tmp only: binds and envs do not reach it yet.
-        if self.isolation == "microvm" and (self.read_only or self.python_env is not None):
-            raise ValueError(f"template {self.name!r}: read_only and python_env are not available for microvm yet")
+        # A guest gets each read-only folder (and the python_env) as a 9p device of its own: a PCI slot.
+        folders = len(self.read_only) + (self.python_env is not None)
+        if self.isolation == "microvm" and folders > MAX_MICROVM_FOLDERS:
+            raise ValueError(
+                f"template {self.name!r}: a microvm template shows at most {MAX_MICROVM_FOLDERS} read-only "
+                f"folders (read_only and python_env), not {folders}"
+            )
         return self
 
     @field_validator("env")

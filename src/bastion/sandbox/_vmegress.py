@@ -1,4 +1,4 @@
-"""The host's end of a microVM's egress port: each stream the guest opens, a connection to its proxy. SECURITY BOUNDARY.
+"""The host's end of a microVM's stream port: egress out of the guest, previews and terminals in. SECURITY BOUNDARY.
 
 A microVM has no network device. Its forwarder (inside/forwarder.py, on 127.0.0.1:3128 as in a
 namespace sandbox) connects to a unix socket of the guest, which inside/egress_port.py carries
@@ -7,9 +7,15 @@ Here each stream becomes one connection to the sandbox's egress proxy socket, th
 namespace sandbox reaches at /run/bastion: the same allowlist, the same audit of every attempt,
 the same blocked ranges, decided by `bastion.egress.proxy`. The guest names no destination here.
 
+The host opens streams the other way (ids with the top bit set, `open_tcp` and `reserve` +
+`attach`): a preview's connection to the guest's 127.0.0.1:PORT, a terminal's pty master. The
+caller gets one end of a socket pair; the other is carried with the same flow control.
+
 The guest is hostile: a frame larger than it may send ends the port; a stream that sends past
-its window, credits what it was never sent, sends a kind it may not, opens past the cap or reuses
-a live id is ended (X); frames for ids it does not have open are ignored.
+its window, credits what it was never sent, sends a kind it may not, opens past the cap, opens
+an id of the host's, sends before the host's stream is accepted or reuses a live id is ended (X);
+frames for ids it does not have open are ignored. A host stream the guest does not accept in
+time is ended too (the caller gets TimeoutError), and never holds its caller.
 Frames and flow control are described in inside/egress_port.py.
 """
 
@@ -17,13 +23,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import socket
 import struct
 from collections.abc import Callable
 from typing import Final
 
-__all__ = ["EgressPort"]
+__all__ = ["HOST_IDS", "MAX_HOST_STREAMS", "EgressPort"]
 
 logger = logging.getLogger(__name__)
 
@@ -31,12 +38,15 @@ _HEADER: Final = struct.Struct(">IcI")
 WINDOW: Final = 131072  # as inside/egress_port.py's
 CHUNK: Final = 65536
 MAX_STREAMS: Final = 128
+MAX_HOST_STREAMS: Final = 128  # previews' connections and terminals open at once
+HOST_IDS: Final = 0x80000000  # the top bit of a stream id: the host opened it
 _MAX_FRAME: Final = 5 + CHUNK
 _READ_BYTES: Final = 65536
 
 
 class _Stream:
-    def __init__(self) -> None:
+    def __init__(self, opening: asyncio.Future[bool] | None = None) -> None:
+        self.opening = opening  # a host stream: True once the guest accepts it, False if it is ended first
         self.upstream: socket.socket | None = None
         self.pending = bytearray()  # from the guest, not yet taken by the proxy
         self.guest_eof = False
@@ -74,7 +84,9 @@ class EgressPort:
         self._streams: dict[int, _Stream] = {}
         self._sending = asyncio.Lock()
         self._writes: set[asyncio.Task[None]] = set()  # frames being written, each to its end
+        self._later: set[asyncio.Task[None]] = set()  # frames sent for sync callers (resize, a give-up's X)
         self._task: asyncio.Task[None] | None = None
+        self._host_ids = itertools.count(1)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._read())
@@ -112,6 +124,9 @@ class EgressPort:
         stream = self._streams.get(stream_id)
         if stream is None:
             return
+        if stream.opening is not None and not stream.opening.done():
+            await self._on_opening(kind, stream_id, stream)
+            return
         if kind == b"D" and len(payload) <= stream.allowance and not stream.guest_eof:
             stream.allowance -= len(payload)
             stream.pending += payload
@@ -129,8 +144,19 @@ class EgressPort:
             return
         stream.wake.set()
 
+    async def _on_opening(self, kind: bytes, stream_id: int, stream: _Stream) -> None:
+        """A host stream the guest has not accepted yet: A accepts it, X refuses it, anything else breaks it."""
+        assert stream.opening is not None
+        if kind == b"A":
+            stream.opening.set_result(True)
+        elif kind == b"X":
+            self._drop(stream_id)
+        else:
+            await self._refuse(stream_id)
+
     async def _open(self, stream_id: int) -> None:
-        if self._proxy is None or stream_id in self._streams or len(self._streams) >= MAX_STREAMS:
+        guest_streams = sum(1 for key in self._streams if not key & HOST_IDS)
+        if self._proxy is None or stream_id & HOST_IDS or stream_id in self._streams or guest_streams >= MAX_STREAMS:
             await self._refuse(stream_id)
             return
         stream = self._streams[stream_id] = _Stream()
@@ -142,12 +168,17 @@ class EgressPort:
         with contextlib.suppress(OSError):
             await self._send(b"X", stream_id)
 
-    async def _carry(self, stream_id: int, stream: _Stream, proxy: str) -> None:
+    async def _carry(self, stream_id: int, stream: _Stream, proxy: str | None) -> None:
+        """Carry a stream both ways: to a new connection to `proxy`, or (None) to its host socket."""
         loop = asyncio.get_running_loop()
-        upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
-        stream.upstream = upstream
+        if stream.upstream is None:
+            stream.upstream = socket.socket(
+                socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC
+            )
+        upstream = stream.upstream
         try:
-            await loop.sock_connect(upstream, proxy)
+            if proxy is not None:
+                await loop.sock_connect(upstream, proxy)
             both = (
                 loop.create_task(self._upward(stream_id, stream, upstream)),
                 loop.create_task(self._downward(stream_id, stream, upstream)),
@@ -214,10 +245,87 @@ class EgressPort:
         finally:
             self._sending.release()
 
+    def reserve(self) -> int:
+        """A new host stream, waiting for the guest to accept it: its id, to name in the request.
+
+        Raises:
+            ConnectionResetError: the port has ended, or MAX_HOST_STREAMS are open.
+        """
+        if self._task is None or self._task.done():
+            raise ConnectionResetError("the sandbox's stream port has ended")
+        if sum(1 for key in self._streams if key & HOST_IDS) >= MAX_HOST_STREAMS:
+            raise ConnectionResetError(f"{MAX_HOST_STREAMS} connections into the sandbox are open already")
+        stream_id = HOST_IDS | next(self._host_ids) % HOST_IDS
+        self._streams[stream_id] = _Stream(asyncio.get_running_loop().create_future())
+        return stream_id
+
+    async def attach(self, stream_id: int, timeout_s: float) -> socket.socket:
+        """Wait for the guest to accept a reserved stream; return the caller's end of a socket pair
+        carried to it (non-blocking, close-on-exec). The stream is ended on any failure.
+
+        Raises:
+            ConnectionRefusedError: the guest refused it (or the port ended).
+            TimeoutError: no answer within `timeout_s`.
+        """
+        stream = self._streams.get(stream_id)
+        if stream is None or stream.opening is None:
+            raise ConnectionRefusedError("the stream was ended")
+        try:
+            async with asyncio.timeout(timeout_s):
+                accepted = await asyncio.shield(stream.opening)
+        except BaseException:
+            self.end_soon(stream_id)
+            raise
+        if not accepted or self._streams.get(stream_id) is not stream:
+            raise ConnectionRefusedError("the sandbox refused the connection")
+        mine, theirs = socket.socketpair(
+            socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC
+        )
+        stream.upstream = mine
+        stream.tasks.append(asyncio.get_running_loop().create_task(self._carry(stream_id, stream, None)))
+        return theirs
+
+    async def open_tcp(self, port: int, timeout_s: float) -> socket.socket:
+        """A socket carried to a new connection to 127.0.0.1:`port` in the guest (see `attach`)."""
+        stream_id = self.reserve()
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._send(b"T", stream_id, port.to_bytes(2, "big"))
+        except BaseException:
+            self.end_soon(stream_id)
+            raise
+        return await self.attach(stream_id, timeout_s)
+
+    def resize(self, stream_id: int, rows: int, cols: int) -> None:
+        """Tell a terminal's stream its new size (the guest sets it on its pty master)."""
+        if stream_id in self._streams:
+            self._send_soon(b"W", stream_id, rows.to_bytes(2, "big") + cols.to_bytes(2, "big"))
+
+    def end_soon(self, stream_id: int) -> None:
+        """End a stream now and tell the guest when the port is free (a sync caller, or one giving up)."""
+        if self._streams.get(stream_id) is not None:
+            self._drop(stream_id)
+            self._send_soon(b"X", stream_id)
+
+    def _send_soon(self, kind: bytes, stream_id: int, payload: bytes = b"") -> None:
+        """Send without waiting; dropped when the port has ended, or when MAX_HOST_STREAMS such frames
+        wait already (a guest that stops reading its port must not make the host queue without bound)."""
+        if self._task is None or self._task.done() or len(self._later) >= MAX_HOST_STREAMS:
+            return
+        task = asyncio.get_running_loop().create_task(self._send_quietly(kind, stream_id, payload))
+        self._later.add(task)
+        task.add_done_callback(self._later.discard)
+
+    async def _send_quietly(self, kind: bytes, stream_id: int, payload: bytes) -> None:
+        with contextlib.suppress(OSError):
+            await self._send(kind, stream_id, payload)
+
     def _drop(self, stream_id: int) -> None:
         stream = self._streams.pop(stream_id, None)
         if stream is None:
             return
+        if stream.opening is not None and not stream.opening.done():
+            stream.opening.set_result(False)
         for task in stream.tasks:
             if not task.done() and task is not _current_task():
                 loop = task.get_loop()
@@ -247,6 +355,8 @@ class EgressPort:
                 loop.remove_writer(self._sock.fileno())
             self._task.cancel()
         self._end_streams()
+        for task in list(self._later):
+            task.cancel()
         for write in list(self._writes):  # the port is closing: a frame cut now is read by nobody
             loop = write.get_loop()
             if not loop.is_closed():  # now, before the fd number can be reused, not in the cancel's callback

@@ -8,14 +8,17 @@ limits, and no network device at all. The guest boots Debian's kernel with the i
 virtio-9p (so the file tools and snapshots keep acting on the host folder, as the protocol says),
 a private /tmp, and runs the same resident agent (inside/agent.py) behind inside/relay.py, which
 carries its messages and each command's stdin, stdout and stderr over one virtio-serial port
-(a unix socket on the host). Egress takes a second port: the guest's forwarder reaches the
-sandbox's egress proxy through inside/egress_port.py and `_vmegress.EgressPort` (the proxy decides).
-
-What does not cross a serial port is a file descriptor, so the operations that hand one to the
-host are refused for microVMs in this slice, with one line: a terminal (`open_pty`: the pty's
-master), a preview's `connect` (a connected socket). Commands run as PID 1 of a PID namespace of
-their own in the guest (the agent's ``pids=per-command``): what a command starts ends with it,
-so `leftovers` is always empty.
+(a unix socket on the host). A second port carries numbered streams with flow control
+(inside/egress_port.py, `_vmegress.EgressPort`): egress, opened by the guest, where the guest's
+forwarder reaches the sandbox's egress proxy (the proxy decides); previews, opened by the host
+(`connect`: the guest connects to its own 127.0.0.1:PORT); and terminals (`open_pty`: the agent
+opens the pty in the guest, the relay hands its master to the stream port program, which carries
+it on a stream the host reserved; a resize is a frame). Descriptors do not cross a serial port,
+so what the host hands its callers is one end of a socket pair whose other end is carried.
+A template's read-only folders and python_env are 9p exports QEMU opens read-only, which the
+relay mounts read-only where the namespace backend binds them. Commands run as PID 1 of a PID
+namespace of their own in the guest (the agent's ``pids=per-command``): what a command starts
+ends with it, so `leftovers` is always empty.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from pathlib import Path
 from typing import Final
 
 from bastion.safety.errors import BastionError, Conflict, InvalidRequest, NotFound, ResourceLimit, Unavailable
+from bastion.safety.redact import sanitize_terminal
 from bastion.sandbox._spawn import (
     EGRESS_DIR,
     EGRESS_SOCKET_NAME,
@@ -61,9 +65,11 @@ __all__ = [
     "QEMU",
     "MicroVMBackend",
     "MicroVMProcess",
+    "MicroVMPty",
     "MicroVMSandbox",
     "MicroVMSettings",
     "console_tail",
+    "guest_binds",
     "missing_boot_files",
     "probe_microvm",
     "recover_run_dirs",
@@ -86,6 +92,10 @@ _CONSOLE_TAIL_BYTES: Final = 65_536
 _PIPED_BACKLOG: Final = 4 << 20  # a spawned command's output its host pipe has not taken yet
 _NOBODY: Final = 65534  # the probe's VMM, when bastion runs as root: no sandbox shares this uid
 _RUN_PREFIX: Final = "bastion-vm-"  # + the server's pid: recovery finds a crashed server's folders by it
+_CONNECT_TIMEOUT_S: Final = 10.0  # a preview's connection: the guest connects on its loopback at once, or refuses
+_PTY_START_TIMEOUT_S: Final = 30.0  # a terminal: the agent starts its program under emulation, then the port accepts
+_NOTHING_ACCEPTS: Final = "nothing accepts connections on that port in the sandbox"
+_MAX_AGENT_ERROR_CHARS: Final = 500
 _group_ids = itertools.count(1)
 
 
@@ -100,20 +110,23 @@ class MicroVMSettings:
     boot_timeout_s: float = 120.0
 
 
-def vmm_argv(settings: MicroVMSettings, run_dir: Path, workspace: str, tmp_bytes: int) -> list[str]:
-    """QEMU's command line for one sandbox.
+def vmm_argv(
+    settings: MicroVMSettings, run_dir: Path, workspace: str, tmp_bytes: int, binds: Sequence[str] = ()
+) -> list[str]:
+    """QEMU's command line for one sandbox; `binds`: host folders exported read-only (tags ro0, ro1...).
 
     `-M pc`, not `microvm`: on this kind of host, Debian's 6.1 kernel under TCG stops at "could not
     calculate TSC khz" with microvm's ACPI tables, and without them its virtio-mmio devices can only
     be named on the command line, which Debian's kernels are built without. The PC machine costs the
-    BIOS (~0.5 s of a cold boot) and nothing else we use.
+    BIOS (~0.5 s of a cold boot) and nothing else we use. `-cpu max`: QEMU's default model (qemu64) has
+    no SSE4.2 or POPCNT, and today's wheels (numpy 2) die on it with SIGILL.
     """
     accel = "kvm" if settings.accel == "kvm" else "tcg,tb-size=64"
     sock, workspace = _opt(str(run_dir / "agent.sock")), _opt(workspace)
     egress = _opt(str(run_dir / "egress.sock"))
     return [
         QEMU,
-        *("-M", "pc", "-accel", accel, "-m", str(settings.memory_mib), "-smp", str(settings.vcpus)),
+        *("-M", "pc", "-accel", accel, "-cpu", "max", "-m", str(settings.memory_mib), "-smp", str(settings.vcpus)),
         *("-nodefaults", "-no-user-config", "-nographic", "-no-reboot", "-nic", "none"),
         *("-kernel", str(settings.image_dir / KERNEL_NAME), "-initrd", str(settings.image_dir / INITRAMFS_NAME)),
         *("-append", f"console=ttyS0 quiet panic=-1 bastion.tmp={tmp_bytes}"),
@@ -127,8 +140,23 @@ def vmm_argv(settings: MicroVMSettings, run_dir: Path, workspace: str, tmp_bytes
         *("-device", "virtio-9p-pci,fsdev=usr,mount_tag=usr"),
         *("-fsdev", f"local,id=ws,path={workspace},security_model=none"),
         *("-device", "virtio-9p-pci,fsdev=ws,mount_tag=workspace"),
+        *_bind_args(binds),
         *("-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"),
     ]
+
+
+def _bind_args(binds: Sequence[str]) -> list[str]:
+    """A template's read-only folders, each a 9p export QEMU refuses to write through (readonly=on)."""
+    args = []
+    for index, source in enumerate(binds):
+        args += ["-fsdev", f"local,id=ro{index},path={_opt(source)},security_model=none,readonly=on"]
+        args += ["-device", f"virtio-9p-pci,fsdev=ro{index},mount_tag=ro{index}"]
+    return args
+
+
+def guest_binds(spec: SandboxSpec) -> list[tuple[str, str]]:
+    """The spec's read-only binds a guest mounts over 9p: all but the egress folder (a serial port there)."""
+    return [(source, dest) for source, dest in spec.read_only_binds if dest != EGRESS_DIR]
 
 
 def _opt(value: str) -> str:
@@ -151,12 +179,15 @@ def console_tail(path: Path, limit: int = _CONSOLE_TAIL_BYTES) -> str:
         return handle.read(limit).decode(errors="replace")
 
 
-def guest_program(limits: Limits | None) -> bytes:
-    """What the guest's /init runs: the relay, with the programs of inside/, the identity files and the
-    commands' task and memory limits in the guest (None: none) in front."""
+def guest_program(limits: Limits | None, dests: Sequence[str] = ()) -> bytes:
+    """What the guest's /init runs: the relay, with the programs of inside/, the identity files, the
+    commands' task and memory limits in the guest (None: none) and where to mount the 9p exports
+    ro0, ro1... (`dests`, in order) in front."""
     files = {**INSIDE_FILES, **IDENTITY_FILES}  # the agent and the code contexts' kernel and REPL
     pids, memory = (limits.pids, limits.memory_bytes) if limits is not None else (None, None)
-    source = f"FILES = {files!r}\nPIDS = {pids!r}\nMEMORY = {memory!r}\n" + _RELAY.read_text(encoding="utf-8")
+    mounts = [(f"ro{index}", dest) for index, dest in enumerate(dests)]
+    head = f"FILES = {files!r}\nPIDS = {pids!r}\nMEMORY = {memory!r}\nMOUNTS = {mounts!r}\n"
+    source = head + _RELAY.read_text(encoding="utf-8")
     data = source.encode()
     return len(data).to_bytes(8, "big") + data
 
@@ -317,6 +348,21 @@ class MicroVMProcess:
         self._vm.forget(self._id)
 
 
+class MicroVMPty(PtyProcess):
+    """A command on a terminal in the guest. `fd` is the host's end of a socket pair carried to the
+    guest's pty master over the stream port; a new size goes there as a frame."""
+
+    def __init__(self, command_id: int, argv: Sequence[str], egress: EgressPort, stream_id: int) -> None:
+        super().__init__(command_id, argv, -1)
+        self.egress = egress
+        self.stream_id = stream_id
+        # The agent's answer: None once the program runs, else why it did not start.
+        self.opened: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
+
+    def resize(self, rows: int, cols: int) -> None:
+        self.egress.resize(self.stream_id, rows, cols)
+
+
 class _Guest:
     """One booted guest: its VMM process, its cgroup and the serial channel to its relay."""
 
@@ -329,6 +375,7 @@ class _Guest:
         self.egress_sock: socket.socket | None = None
         self.sending = asyncio.Lock()  # one frame at a time: concurrent sends must not interleave
         self.commands: dict[int, MicroVMProcess] = {}
+        self.ptys: dict[int, MicroVMPty] = {}  # terminals, from their request to their exit
         self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.gone = asyncio.Event()
         self.task: asyncio.Task[None] | None = None
@@ -344,7 +391,9 @@ class _Guest:
     def alive(self) -> bool:
         return not self.gone.is_set() and self.proc.poll() is None
 
-    async def connect(self, deadline: float, limits: Limits | None, proxy: str | None) -> None:
+    async def connect(
+        self, deadline: float, limits: Limits | None, proxy: str | None, dests: Sequence[str] = ()
+    ) -> None:
         """Connect to the VMM's agent and egress ports, send the guest its program, start reading."""
         loop = asyncio.get_running_loop()
         sock = self.sock = await self.open_port("agent.sock", deadline)
@@ -352,7 +401,7 @@ class _Guest:
         self.egress_sock = await self.open_port("egress.sock", deadline)
         self.egress = EgressPort(self.egress_sock, proxy, self.run_dir.parent.name)
         self.egress.start()
-        await loop.sock_sendall(sock, guest_program(limits))
+        await loop.sock_sendall(sock, guest_program(limits, dests))
         self.task = loop.create_task(self.read_frames(sock))
 
     async def open_port(self, name: str, deadline: float) -> socket.socket:
@@ -431,6 +480,23 @@ class _Guest:
             command_id, status = message.get("id"), message.get("status")
             if type(command_id) is int and type(status) is int and command_id in self.commands:
                 self.commands[command_id].finish(status)
+            if type(command_id) is int and type(status) is int and command_id in self.ptys:
+                self.ptys.pop(command_id).finish(status)
+        elif message.get("event") == "pty":
+            self.on_pty(message)
+
+    def on_pty(self, message: Mapping[str, object]) -> None:
+        """The agent's answer to a terminal request: its program runs (its master went to the stream
+        port), or why not. Only a terminal this host asked for and still waits for is answered."""
+        command_id = message.get("id")
+        pty = self.ptys.get(command_id) if type(command_id) is int else None
+        if pty is None or pty.opened.done():
+            return
+        error = message.get("error")
+        if error is None:
+            pty.opened.set_result(None)
+            return
+        pty.opened.set_result(sanitize_terminal(str(error))[:_MAX_AGENT_ERROR_CHARS] or "no reason given")
 
     def end_all(self) -> None:
         self.gone.set()
@@ -441,6 +507,11 @@ class _Guest:
             command.out.end()
             command.err.end()
             command.finish(None)
+        for pty in self.ptys.values():
+            if not pty.opened.done():
+                pty.opened.set_result("the microVM ended")
+            pty.finish(None)
+        self.ptys.clear()
 
     async def send(
         self,
@@ -708,7 +779,8 @@ class MicroVMSandbox:
         try:
             group = self._make_group()
             procs = tuple(os.path.join(path, "cgroup.procs") for path in group.paths) if group else ()
-            argv = vmm_argv(self.settings, run_dir, self.spec.workspace, self.spec.tmp_size_bytes)
+            sources = [source for source, _ in guest_binds(self.spec)]
+            argv = vmm_argv(self.settings, run_dir, self.spec.workspace, self.spec.tmp_size_bytes, sources)
             proc = start_vmm(argv, identity=self.spec.identity, cgroup_procs=procs)
         except BaseException:
             if group is not None:
@@ -722,7 +794,8 @@ class MicroVMSandbox:
         vm = self._start_vmm()
         deadline = time.monotonic() + self.settings.boot_timeout_s
         try:
-            await vm.connect(deadline, self._limits, self._proxy_path())
+            dests = [dest for _, dest in guest_binds(self.spec)]
+            await vm.connect(deadline, self._limits, self._proxy_path(), dests)
             async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
                 await vm.ready
         except TimeoutError:
@@ -828,7 +901,7 @@ class MicroVMSandbox:
     def _oom_killed_vm(self) -> bool:
         return self._vm is not None and self._vm.group is not None and self._vm.group.oom_kills() > 0
 
-    async def _kill_command(self, vm: _Guest, command: MicroVMProcess) -> None:
+    async def _kill_command(self, vm: _Guest, command: MicroVMProcess | MicroVMPty) -> None:
         """Ask the agent to SIGKILL the command (PID 1 of its own namespace: its whole tree goes);
         if the exit is not confirmed in time, end the whole VM."""
         if command.exited:
@@ -868,12 +941,55 @@ class MicroVMSandbox:
     async def open_pty(
         self, executable: str, argv: Sequence[str], *, cwd: str, env: Mapping[str, str], rows: int, cols: int
     ) -> PtyProcess:
-        raise Unavailable("terminals are not available in microVM sandboxes yet (a pty cannot cross a serial port)")
+        """The agent opens the terminal in the guest and hands its master to the stream port, which
+        carries it to the host end of a socket pair (`MicroVMPty.fd`) on a stream reserved here."""
+        vm = await self._ready_vm()
+        assert vm.egress is not None
+        try:
+            stream_id = vm.egress.reserve()
+        except ConnectionResetError as exc:
+            raise Unavailable(f"cannot open a terminal: {exc}") from None
+        command_id = next(vm.ids)
+        pty = vm.ptys[command_id] = MicroVMPty(command_id, argv, vm.egress, stream_id)
+        request = {
+            "op": "pty",
+            "id": command_id,
+            "exe": executable,
+            "argv": list(argv),
+            "cwd": cwd,
+            "env": dict(env),
+            "rows": rows,
+            "cols": cols,
+            "stream": stream_id,
+        }
+        try:
+            async with asyncio.timeout(_PTY_START_TIMEOUT_S):
+                await vm.send(b"M", 0, marshal.dumps(request))
+                error = await asyncio.shield(pty.opened)
+                if error is not None:
+                    raise Unavailable(f"the terminal's program did not start: {error}")
+                sock = await vm.egress.attach(stream_id, _PTY_START_TIMEOUT_S)
+        except BaseException as exc:
+            await asyncio.shield(self._give_up_pty(vm, pty))
+            if isinstance(exc, TimeoutError):
+                raise Unavailable("the microVM did not open the terminal in time") from None
+            if isinstance(exc, ConnectionRefusedError):
+                raise Unavailable("the microVM's terminal ended before it was connected") from None
+            raise
+        pty.fd = sock.detach()
+        return pty
+
+    async def _give_up_pty(self, vm: _Guest, pty: MicroVMPty) -> None:
+        """A terminal not handed out: end its stream, and its program if it started."""
+        pty.egress.end_soon(pty.stream_id)
+        if pty.opened.done() and pty.opened.result() is None:
+            await self._kill_command(vm, pty)
+        vm.ptys.pop(pty.command_id, None)
 
     async def kill(self, process: Process | PtyProcess) -> None:
         if self._paused:
             raise Conflict("the sandbox is paused: resume it first")
-        if self._vm is None or not isinstance(process, MicroVMProcess) or process.exited:
+        if self._vm is None or not isinstance(process, MicroVMProcess | MicroVMPty) or process.exited:
             return
         await self._kill_command(self._vm, process)
 
@@ -881,9 +997,23 @@ class MicroVMSandbox:
         return []  # each command is PID 1 of its own namespace in the guest: nothing outlives it
 
     async def connect(self, port: int) -> socket.socket:
-        if not 0 < port < 65536:
-            raise InvalidRequest(f"port {port} is not 1..65535")
-        raise Unavailable("previews are not available in microVM sandboxes yet (a socket cannot cross a serial port)")
+        """A socket carried over the stream port to a new connection to 127.0.0.1:`port` in the guest,
+        made there by the guest's stream port program. Does not boot a guest that is asleep."""
+        if type(port) is not int or not 0 < port < 65536:
+            raise InvalidRequest(f"port {port!r} is not a TCP port: give 1 to 65535")
+        if self._paused:
+            raise Conflict("the sandbox is paused: resume it first")
+        vm = self._vm
+        if vm is None or not self.alive or vm.egress is None:
+            raise Unavailable("the sandbox is not running")
+        try:
+            return await vm.egress.open_tcp(port, _CONNECT_TIMEOUT_S)
+        except TimeoutError:  # before OSError, its base class
+            raise Unavailable("the sandbox did not answer the connect in time") from None
+        except ConnectionRefusedError:
+            raise Unavailable(_NOTHING_ACCEPTS) from None
+        except OSError as exc:
+            raise Unavailable(f"cannot connect into the sandbox: {exc}") from None
 
     async def kill_leftover(self, pid: int) -> None:
         raise NotFound(f"no process left running has pid {pid} (microVM commands leave none)")
@@ -944,7 +1074,7 @@ class MicroVMSandbox:
         vm = self._vm
         if vm is None or not self.alive or self._paused or not vm.scratch_empty:
             return False
-        if any(not command.exited for command in vm.commands.values()):
+        if any(not command.exited for command in vm.commands.values()) or vm.ptys:
             return False
         self._vm = None
         self._retire(vm)

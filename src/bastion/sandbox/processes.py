@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import fcntl
 import os
+import struct
+import termios
 import time
 from collections.abc import Callable, Sequence
 from typing import Final
@@ -299,3 +302,11 @@ class PtyProcess:
 
     async def wait_exit(self) -> None:
         await self._exited.wait()
+
+    def resize(self, rows: int, cols: int) -> None:
+        """Give the terminal a new size (the kernel sends SIGWINCH to its foreground).
+
+        Raises:
+            OSError: the terminal is closed.
+        """
+        fcntl.ioctl(self.fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))

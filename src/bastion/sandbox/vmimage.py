@@ -58,6 +58,11 @@ tmp=$(/busybox sed -n 's/.*bastion.tmp=\\([0-9]*\\).*/\\1/p' /proc/cmdline)
 /busybox mount -t tmpfs -o nosuid,nodev,noexec,size=1m tmpfs /run
 /busybox ip link set lo up  # the only interface: the forwarder listens on 127.0.0.1:3128
 /busybox mkdir -p /dev/shm && /busybox mount -t tmpfs -o nosuid,nodev,size=16m tmpfs /dev/shm
+# Terminals: a slave is made by the agent (root) and opened by its command (the workspace's owner).
+# /dev/ptmx a link into /dev/pts, as bubblewrap makes it: Landlock lets commands write beneath /dev/pts only.
+/busybox mkdir -p /dev/pts
+/busybox mount -t devpts -o nosuid,noexec,mode=0660,ptmxmode=0666,gid=$(/busybox stat -c %g /workspace) devpts /dev/pts
+/busybox rm -f /dev/ptmx && /busybox ln -s pts/ptmx /dev/ptmx
 /busybox chmod 1777 /tmp /dev/shm
 /usr/bin/python3 -I -S -c '
 import os

@@ -19,15 +19,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import fcntl
 import inspect
 import logging
 import os
 import re
 import secrets
 import select
-import struct
-import termios
 import time
 import unicodedata
 from collections.abc import Callable, Mapping, Sequence
@@ -396,7 +393,7 @@ class Terminal:
         self._lines = [""] * rows
         self._screen.dirty.update(range(rows))
         with contextlib.suppress(OSError):  # the program closed it: only the screen changes
-            fcntl.ioctl(self.pty.fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+            self.pty.resize(rows, cols)
         self._notify()
 
     def screen_text(self) -> str:

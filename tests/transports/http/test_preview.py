@@ -31,6 +31,7 @@ from wsproto.events import Request as WsRequest
 from bastion.demo import init_demo
 from bastion.transports.http.password import write_hash
 from bastion.workbench.previews import token_id
+from tests.sandbox.microvm_helpers import microvm_settings, with_vm_template
 
 from .chromium import CHROMIUM, launch
 from .live import BASTION, PASSWORD, Browser, LiveServer, call_tool, free_port, serve_config
@@ -98,15 +99,20 @@ class Preview:
         assert result["ok"], result
         return str(result["detail"].get("stdout", ""))
 
-    def sandbox_with_servers(self) -> str:
+    def sandbox_with_servers(self, **create: object) -> str:
         """A sandbox running app.py on 8000 and ws_echo.py on 8001, both listening."""
-        created = self.tool("create_sandbox")
+        created = self.tool("create_sandbox", **create)
         assert created["ok"], created
         sandbox_id = str(created["detail"]["sandbox_id"])
         for name in ("app.py", "ws_echo.py", "index.html", "hostile.html"):
             written = self.tool("write_file", sandbox_id=sandbox_id, path=name, content=(APPS / name).read_text())
             assert written["ok"], written
-        self.run(sandbox_id, "python3 app.py 8000 >/dev/null 2>&1 &\npython3 ws_echo.py 8001 >/dev/null 2>&1 &")
+        if create.get("template") == "vm":  # what a microVM's command leaves running ends with it: background
+            for app in ("python3 app.py 8000", "python3 ws_echo.py 8001"):
+                started = self.tool("run_command", sandbox_id=sandbox_id, command=app, background=True)
+                assert started["ok"], started
+        else:
+            self.run(sandbox_id, "python3 app.py 8000 >/dev/null 2>&1 &\npython3 ws_echo.py 8001 >/dev/null 2>&1 &")
         self.run(sandbox_id, WAIT_LISTENING)
         return sandbox_id
 
@@ -191,6 +197,35 @@ def test_chromium_loads_a_page_and_a_websocket_echo_then_404_after_close(preview
         after = page.goto(f"{page_url}index.html")
         assert after is not None
         assert after.status == 404
+
+
+@pytest.mark.microvm
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed")
+def test_a_microvm_sandbox_serves_a_page_and_a_websocket_echo_through_its_preview_url(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """The same page and echo from a microVM sandbox: each connection the preview listener makes is a
+    stream the host opens over the guest's serial port to its own loopback; a closed port is a 502."""
+    settings = microvm_settings(tmp_path_factory)
+    root = tmp_path_factory.mktemp("vm-preview") / "demo"
+    port, preview_port = free_port(), free_port()
+    config = with_vm_template(config_text(root, port, preview_port), settings.image_dir, emulation=True)
+    config.write_text(config.read_text().replace("preview_timeout_s = 2\n", "preview_timeout_s = 30\n"))
+    with serve_config(root, config, port) as server:
+        preview = Preview(server, preview_port)
+        sandbox_id = preview.sandbox_with_servers(template="vm")
+        page_url = preview.expose(sandbox_id, 8000)
+        ws_url = preview.expose(sandbox_id, 8001).replace("http://", "ws://")
+        with launch() as chromium:
+            context = chromium.new_context()
+            context.add_cookies([_session_cookie(preview)])
+            page = context.new_page()
+            page.goto(f"{page_url}index.html?ws={ws_url}", timeout=60_000)
+            assert page.text_content("#hello") == "served from inside the sandbox"
+            page.wait_for_function("window.results.echo !== undefined", timeout=60_000)
+            assert page.evaluate("window.results.echo") == "ping from the page"
+        assert preview.get(preview.expose(sandbox_id, 8009) + "index.html").status_code == 502
+        assert preview.tool("close_sandbox", sandbox_id=sandbox_id)["ok"]
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed")

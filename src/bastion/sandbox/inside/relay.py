@@ -9,9 +9,10 @@ Why it exists: the agent (inside/agent.py, unchanged) takes each command's stdou
 stdin as file descriptors over a SOCK_SEQPACKET socket, and a serial port carries bytes, not
 descriptors. So the relay makes the pipes here, hands their ends to the agent over a local
 socket pair, and copies their bytes to and from the port as frames. The agent's other messages
-pass through unchanged (marshal from the host, JSON to it); a message from the agent that
-carries descriptors (a pty's master, a connected socket) cannot cross and is answered as
-refused (the host never asks for them in this slice).
+pass through unchanged (marshal from the host, JSON to it). A terminal's pty master, which the
+agent hands over with its "pty" event, goes to the stream port's program (inside/egress_port.py)
+with the id of the stream the host chose for it (the request's "stream"); every other descriptor
+from the agent is closed. Previews do not pass here: the host opens them on the stream port.
 
 Frame: 4-byte big-endian length of the rest, one kind byte, 4-byte command id, payload.
   host -> guest  M (an agent message, marshal), I (stdin bytes), E (close stdin)
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
     FILES: "dict[str, str]" = {}  # given by the host, in front of this source
     PIDS: "int | None" = None  # the guest's task limit, likewise
     MEMORY: "int | None" = None  # the commands' memory limit in bytes, likewise
+    MOUNTS: "list[tuple[str, str]]" = []  # (9p tag, where): a template's read-only folders, likewise
 
 HEADER = struct.Struct(">IcI")
 READ_BYTES = 65536
@@ -45,12 +47,16 @@ EGRESS_PORT = "/dev/vport0p2"  # the second port of the virtio-serial device (nr
 EGRESS_SOCKET = "/run/bastion/egress.sock"  # where the forwarder connects, as in a namespace sandbox
 GROUP = "/sys/fs/cgroup/sandbox"  # the guest's own cgroup v2 group: the agent, its commands and the relay
 PR_SET_DUMPABLE = 4
+MS_RDONLY, MS_NOSUID, MS_NODEV = 1, 2, 4
+P9_OPTIONS = b"trans=virtio,version=9p2000.L,msize=262144,cache=loose"
 
 
 class Relay:
-    def __init__(self, port: int, agent: socket.socket) -> None:
+    def __init__(self, port: int, agent: socket.socket, control: socket.socket) -> None:
         self.port = port
         self.agent = agent
+        self.control = control  # to the stream port's program: terminals' pty masters
+        self.pty_streams: dict[int, int] = {}  # command id -> the stream the host chose for its terminal
         self.sel = selectors.DefaultSelector()
         self.inbox = b""
         self.stdin: dict[int, int] = {}  # command id -> write end of its stdin pipe
@@ -93,6 +99,8 @@ class Relay:
 
     def to_agent(self, payload: bytes) -> None:
         req: dict[str, Any] = marshal.loads(payload)  # noqa: S302 - written by the host only
+        if req.get("op") == "pty":
+            self.pty_streams[int(req["id"])] = int(req["stream"])
         if req.get("op") != "run":
             self.agent.send(payload)
             return
@@ -145,13 +153,27 @@ class Relay:
 
     def on_agent(self) -> None:
         data, fds, _flags, _addr = socket.recv_fds(self.agent, 1 << 20, 4)
-        for fd in fds:  # a pty master or a socket: they do not cross a serial port
+        if data.startswith(b'{"event":"pty"'):
+            self.hand_over_pty(data, fds)
+        for fd in fds:  # the relay keeps no descriptor the agent gives
             os.close(fd)
         if not data:
             sys.exit(0)
         if data.startswith(b'{"event":"exit"'):
             self.send(b"S", 0, state())  # before the exit: the host sleeps and reports OOM kills on it
         self.send(b"M", 0, data)
+
+    def hand_over_pty(self, data: bytes, fds: "list[int]") -> None:
+        """Give a terminal's master to the stream port's program, named by its stream's id."""
+        import json
+
+        command_id = json.loads(data).get("id")
+        stream_id = self.pty_streams.pop(command_id, None) if type(command_id) is int else None
+        if stream_id is not None and len(fds) == 1:
+            try:  # noqa: SIM105 - contextlib would cost import time at every start
+                socket.send_fds(self.control, [stream_id.to_bytes(4, "big")], fds)
+            except OSError:  # the stream port's program is gone: the host gives the terminal up in time
+                pass
 
     def on_output(self, fd: int, kind: bytes, command_id: int) -> None:
         data = os.read(fd, READ_BYTES)
@@ -237,6 +259,17 @@ def enter_group(pids: "int | None", memory: "int | None") -> None:
         out.write("0")
 
 
+def mount_binds(mounts: "list[tuple[str, str]]") -> None:
+    """Mount a template's read-only folders (9p exports QEMU opened read-only too) where the template
+    shows them; one that fails ends the relay, so the guest never runs without what its template shows."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    for tag, dest in mounts:
+        os.makedirs(dest, exist_ok=True)
+        flags = MS_RDONLY | MS_NOSUID | MS_NODEV
+        if libc.mount(tag.encode(), dest.encode(), b"9p", flags, P9_OPTIONS) != 0:
+            sys.exit(f"bastion-relay: cannot mount {dest}: {os.strerror(ctypes.get_errno())}")
+
+
 def write_files(files: "dict[str, str]") -> None:
     for path, text in files.items():
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -244,16 +277,18 @@ def write_files(files: "dict[str, str]") -> None:
             out.write(text)
 
 
-def start_egress(uid: int, gid: int) -> None:
-    """Start the guest's end of egress (inside/egress_port.py), as root, outside the commands' group:
-    the socket listens before the agent starts, so no command finds it missing."""
+def start_egress(uid: int, gid: int) -> socket.socket:
+    """Start the guest's stream port (inside/egress_port.py), as root, outside the commands' group:
+    the socket listens before the agent starts, so no command finds it missing. Returns the socket
+    on which the relay hands it terminals' pty masters."""
     os.makedirs(os.path.dirname(EGRESS_SOCKET), mode=0o755, exist_ok=True)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(EGRESS_SOCKET)
     os.chown(EGRESS_SOCKET, uid, gid)  # the commands' uid connects (its mode is 0777 less the umask)
     listener.listen(64)
     port = os.open(EGRESS_PORT, os.O_RDWR)
-    fds = (port, listener.fileno())
+    control, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    fds = (port, listener.fileno(), theirs.fileno())
     for fd in fds:
         os.set_inheritable(fd, True)
     try:
@@ -261,6 +296,8 @@ def start_egress(uid: int, gid: int) -> None:
     finally:
         os.close(port)
         listener.close()
+        theirs.close()
+    return control
 
 
 def main(port: int, files: "dict[str, str]") -> None:
@@ -268,11 +305,12 @@ def main(port: int, files: "dict[str, str]") -> None:
     # write its /proc/N/mem, unless it is not dumpable (then both need CAP_SYS_PTRACE).
     if ctypes.CDLL(None).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
         sys.exit("bastion-relay: cannot make itself undumpable")
+    mount_binds(MOUNTS)
     write_files(files)
     # Commands run as the workspace's owner (the sandbox's host uid, through 9p): the agent keeps root's
     # effective ids for its namespaces and starts each command with these real ones (resetids).
     owner = os.stat("/workspace")
-    start_egress(owner.st_uid, owner.st_gid)
+    control = start_egress(owner.st_uid, owner.st_gid)
     enter_group(PIDS, MEMORY)
     os.setresgid(owner.st_gid, 0, 0)
     os.setresuid(owner.st_uid, 0, 0)
@@ -281,7 +319,7 @@ def main(port: int, files: "dict[str, str]") -> None:
     os.set_inheritable(there.fileno(), True)
     os.posix_spawn(sys.executable, argv, {})
     there.close()
-    Relay(port, here).loop()
+    Relay(port, here, control).loop()
 
 
 if __name__ == "__main__":
