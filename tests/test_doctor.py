@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import subprocess
 import tempfile
 from pathlib import Path
@@ -157,8 +158,9 @@ def test_doctor_says_which_isolation_and_fails_a_microvm_template_without_boot_f
 def test_canary_is_allowed_without_seccomp_and_landlock(tmp_path: Path) -> None:
     """The canary can fail: in a bare bubblewrap (no seccomp filter, no Landlock, the server's own
     uid) the same script creates a user namespace, writes at /, sets a setuid bit and may chmod the
-    host's /dev/null (run as root: to its own mode 0666, so nothing changes), and the check turns
-    that into a loud FAIL."""
+    /dev/null it is given (run as root: a copy of the host's node, as the chmod would change the
+    host's node's ctime under a test of another worker that watches it), and the check turns that
+    into a loud FAIL."""
     args = ["--unshare-user", "--uid", "1000", "--tmpfs", "/", "--ro-bind", "/usr", "/usr"]
     args += ["--bind", str(tmp_path), "/workspace"]
     for path in ("/bin", "/sbin", "/lib", "/lib64"):
@@ -166,9 +168,15 @@ def test_canary_is_allowed_without_seccomp_and_landlock(tmp_path: Path) -> None:
             args += ["--symlink", os.readlink(path), path]
         elif os.path.isdir(path):
             args += ["--ro-bind", path, path]
-    status, last = probe_bwrap(
-        [*args, "--proc", "/proc", "--dev", "/dev", "/usr/bin/python3", "-I", "-S", "-c", CANARY]
-    )
+    args += ["--proc", "/proc", "--dev", "/dev"]
+    node = tmp_path / "null-copy"
+    if os.geteuid() == 0:
+        os.mknod(node, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+        args += ["--dev-bind", str(node), "/dev/null"]
+    try:
+        status, last = probe_bwrap([*args, "/usr/bin/python3", "-I", "-S", "-c", CANARY])
+    finally:
+        node.unlink(missing_ok=True)  # a device node: gone at once
     (tmp_path / CANARY_FILE).unlink()  # setuid, and the server's: gone at once
     assert status == 0, last
     result = json.loads(last)

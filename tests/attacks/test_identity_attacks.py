@@ -107,7 +107,9 @@ read_only = [{{ source = {json.dumps(str(shared))}, dest = "{SHARED_DEST}" }}]
 
 def dev_state() -> dict[str, tuple[object, ...]]:
     """What a sandbox must not change about the host's /dev nodes (atime left out: reading
-    a node may move it, and no attack here needs it)."""
+    a node may move it, and no attack here needs it). /dev/tty's mtime is left out too: the
+    tty layer sets it when anyone on the host writes to a terminal opened through it (a test
+    of another worker, a shell), while a chmod, chown or xattr still moves its ctime."""
     state: dict[str, tuple[object, ...]] = {}
     for path in DEV_NODES:
         info = os.stat(path)
@@ -116,7 +118,7 @@ def dev_state() -> dict[str, tuple[object, ...]]:
             info.st_uid,
             info.st_gid,
             info.st_rdev,
-            info.st_mtime_ns,
+            None if path == "/dev/tty" else info.st_mtime_ns,
             info.st_ctime_ns,
             tuple(sorted(os.listxattr(path))),
         )
