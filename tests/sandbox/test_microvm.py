@@ -42,7 +42,7 @@ from bastion.sandbox.microvm import (
 from bastion.sandbox.vmimage import MODULES, ImageError, build, initramfs
 from bastion.workbench.manager import SandboxManager
 from tests.helpers import processes_with
-from tests.sandbox.microvm_helpers import microvm_settings
+from tests.sandbox.microvm_helpers import let_through, microvm_settings
 
 pytestmark = [pytest.mark.anyio, pytest.mark.root]
 
@@ -65,14 +65,6 @@ def layout() -> Iterator[CgroupLayout]:
 @pytest.fixture
 def settings(tmp_path_factory: pytest.TempPathFactory) -> MicroVMSettings:
     return microvm_settings(tmp_path_factory)
-
-
-def let_through(path: Path, top: Path) -> None:
-    """Let other uids traverse (not list) `path`'s folders up to `top`, pytest's 0700 base folder."""
-    for folder in (path, *path.parents):
-        os.chmod(folder, os.stat(folder).st_mode | 0o011)
-        if folder == top:
-            return
 
 
 @pytest.fixture
