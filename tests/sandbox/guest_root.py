@@ -32,7 +32,7 @@ import ctypes, errno, glob, os, select, socket, stat, struct, time
 
 libc = ctypes.CDLL(None, use_errno=True)
 P9 = "trans=virtio,version=9p2000.L,msize=262144"
-MS_REMOUNT, MNT_DETACH = 32, 2
+MS_NOSUID, MS_NODEV, MS_REMOUNT, MNT_DETACH = 2, 4, 32, 2
 HEADER = struct.Struct(">IcI")
 report = {}
 
@@ -81,8 +81,8 @@ def capabilities():
 def nine_p():
     paths = glob.glob("/sys/bus/virtio/drivers/9pnet_virtio/virtio*/mount_tag")
     tags = sorted(open(path, "rb").read().strip(b"\0\n").decode() for path in paths)
-    seen = {}
-    for tag in tags:
+    seen = {"workspace": sorted(os.listdir("/workspace"))}
+    for tag in set(tags) - {"usr", "workspace"}:  # those two are mounted: a 9p channel takes one mount
         mount(tag, "/mnt/tag", data=P9 + ",ro")
         seen[tag] = sorted(os.listdir("/mnt/tag"))[:50]
         umount("/mnt/tag")
@@ -91,31 +91,48 @@ def nine_p():
         guessed[tag] = attempt(lambda: mount(tag, "/mnt/guess"))
         if guessed[tag] == "ok":
             umount("/mnt/guess")
-    anames = {}
-    for aname in ("/", "/etc", "../../../etc", TARGET_DIR):
-        found = attempt(lambda: mount("workspace", "/mnt/aname", data=P9 + ",ro,aname=" + aname))
-        anames[aname] = sorted(os.listdir("/mnt/aname")) if found == "ok" else found
-        if found == "ok":
+    return {"tags": tags, "seen": seen, "guessed": guessed, "anames": anames()}
+
+
+def anames():
+    """The workspace's channel attached with another attach name: the export's root is QEMU's, not ours."""
+    umount("/workspace")
+    found = {}
+    for aname in ("/", "/etc", "../../../../etc", TARGET_DIR):
+        done = attempt(lambda: mount("workspace", "/mnt/aname", data=P9 + ",ro,aname=" + aname))
+        found[aname] = sorted(os.listdir("/mnt/aname")) if done == "ok" else done
+        if done == "ok":
             umount("/mnt/aname")
-    return {"tags": tags, "seen": seen, "guessed": guessed, "anames": anames}
+    mount("workspace", "/workspace", flags=MS_NOSUID | MS_NODEV)
+    return found
 
 
 def read_only():
     out = {"remount_usr_rw": attempt(lambda: mount("usr", "/usr", flags=MS_REMOUNT, data=""))}
-    out["write_usr"] = attempt(lambda: write("/usr/bastion-root-was-here"))
-    out["mount_usr_rw"] = attempt(lambda: mount("usr", "/mnt/usr"))
-    out["write_new_usr"] = attempt(lambda: write("/mnt/usr/bastion-root-was-here"))
-    out["overwrite_usr"] = attempt(lambda: write("/mnt/usr/bin/python3"))
-    out["mount_ro0_rw"] = attempt(lambda: mount("ro0", "/mnt/ro0"))
+    out["create_in_usr"] = attempt(lambda: write("/usr/bastion-root-was-here"))
+    python, release = "/usr/bin/python3", "/usr/lib/os-release"
+    out["open_usr_file_for_writing"] = attempt(lambda: os.close(os.open(release, os.O_WRONLY | os.O_APPEND)))
+    out["chmod_usr_file"] = attempt(lambda: os.chmod(python, stat.S_IMODE(os.stat(python).st_mode)))
+    out["mkdir_in_usr"] = attempt(lambda: os.mkdir("/usr/bastion-root-was-here.d"))
+    out["template"] = template()
+    return out
+
+
+def template():
+    """The template's read-only folder (tag ro0), mounted read-write by root of the guest."""
+    out = {"mount_ro0_rw": attempt(lambda: mount("ro0", "/mnt/ro0"))}
+    if out["mount_ro0_rw"] != "ok":
+        return out
     shown = "/mnt/ro0/shown.txt"
-    out["read_ro0"] = read(shown).decode()
-    out["overwrite_ro0"] = attempt(lambda: write(shown))
-    out["truncate_ro0"] = attempt(lambda: os.truncate(shown, 0))
-    out["chmod_ro0"] = attempt(lambda: os.chmod(shown, 0o777))
-    out["unlink_ro0"] = attempt(lambda: os.unlink(shown))
-    out["rename_ro0"] = attempt(lambda: os.rename(shown, "/mnt/ro0/moved"))
-    out["mkdir_ro0"] = attempt(lambda: os.mkdir("/mnt/ro0/new"))
-    out["symlink_ro0"] = attempt(lambda: os.symlink("/", "/mnt/ro0/link"))
+    out["read"] = read(shown).decode()
+    out["overwrite"] = attempt(lambda: write(shown))
+    out["truncate"] = attempt(lambda: os.truncate(shown, 0))
+    out["chmod"] = attempt(lambda: os.chmod(shown, 0o777))
+    out["unlink"] = attempt(lambda: os.unlink(shown))
+    out["rename"] = attempt(lambda: os.rename(shown, "/mnt/ro0/moved"))
+    out["mkdir"] = attempt(lambda: os.mkdir("/mnt/ro0/new"))
+    out["symlink"] = attempt(lambda: os.symlink("/", "/mnt/ro0/link"))
+    umount("/mnt/ro0")
     return out
 
 
@@ -134,6 +151,9 @@ def workspace():
     write(ws + "/planted")
     out["chown_root"] = attempt(lambda: os.chown(ws + "/planted", 0, 0))
     out["chmod_setuid"] = attempt(lambda: os.chmod(ws + "/planted", 0o4755))
+    out["chmod_setgid"] = attempt(lambda: os.chmod(ws + "/planted", 0o2755))
+    out["create_setuid"] = attempt(lambda: os.close(os.open(ws + "/made-setuid", os.O_WRONLY | os.O_CREAT, 0o4755)))
+    out["mkdir_setgid"] = attempt(lambda: os.mkdir(ws + "/setgid-folder", 0o2775))
     out["listing"] = sorted(os.listdir(ws))
     return out
 
