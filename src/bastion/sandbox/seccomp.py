@@ -51,6 +51,8 @@ a plain error):
   ``mkdir -m 2775``, which then makes no folder at all, ``cp -p`` or ``tar -xpf``
   of a setuid file, Python's shutil.copy2); every other mode, the sticky bit
   included, works as before.
+  These rules alone (`SETID_DENIED`) also hold a microVM's VMM (`_spawn.start_vmm`):
+  QEMU's 9p server makes the workspace's files as the guest asks.
 - File capabilities: setxattr, lsetxattr and fsetxattr fail with EOPNOTSUPP,
   for every attribute. Only ``security.capability`` matters, but the name sits
   in memory, which a filter cannot read. EOPNOTSUPP is what a file system
