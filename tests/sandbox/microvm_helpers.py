@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,14 @@ def microvm_settings(factory: pytest.TempPathFactory, memory_mib: int = 256) -> 
     if missing is not None:
         pytest.skip(missing)
     return settings
+
+
+def let_through(path: Path, top: Path) -> None:
+    """Let other uids traverse (not list) `path`'s folders up to `top`, pytest's 0700 base folder."""
+    for folder in (path, *path.parents):
+        os.chmod(folder, os.stat(folder).st_mode | 0o011)
+        if folder == top:
+            return
 
 
 async def guest_processes_with(box: MicroVMSandbox, marker: str) -> list[int]:

@@ -26,7 +26,7 @@ from bastion.config import load_config
 from bastion.safety.errors import InvalidRequest, NotFound, Unavailable
 from bastion.safety.redact import Redactor
 from bastion.sandbox import microvm
-from bastion.sandbox._spawn import SANDBOX_PATH, SandboxSpec
+from bastion.sandbox._spawn import SANDBOX_PATH, SandboxSpec, start_vmm
 from bastion.sandbox.backend import RunOutcome
 from bastion.sandbox.cgroups import CgroupLayout, Limits
 from bastion.sandbox.identity import DEFAULT_HOST_ID_COUNT, DEFAULT_HOST_ID_FIRST, IdentityPool
@@ -42,7 +42,7 @@ from bastion.sandbox.microvm import (
 from bastion.sandbox.vmimage import MODULES, ImageError, build, initramfs
 from bastion.workbench.manager import SandboxManager
 from tests.helpers import processes_with
-from tests.sandbox.microvm_helpers import microvm_settings
+from tests.sandbox.microvm_helpers import let_through, microvm_settings
 
 pytestmark = [pytest.mark.anyio, pytest.mark.root]
 
@@ -65,14 +65,6 @@ def layout() -> Iterator[CgroupLayout]:
 @pytest.fixture
 def settings(tmp_path_factory: pytest.TempPathFactory) -> MicroVMSettings:
     return microvm_settings(tmp_path_factory)
-
-
-def let_through(path: Path, top: Path) -> None:
-    """Let other uids traverse (not list) `path`'s folders up to `top`, pytest's 0700 base folder."""
-    for folder in (path, *path.parents):
-        os.chmod(folder, os.stat(folder).st_mode | 0o011)
-        if folder == top:
-            return
 
 
 @pytest.fixture
@@ -118,6 +110,66 @@ def test_a_comma_in_the_workspace_path_cannot_add_qemu_options(tmp_path: Path) -
     assert "local,id=ws,path=/srv/ws,,path=/,security_model=none" in argv
     assert f"socket,id=agent,path={tmp_path}/run,,x=y/agent.sock,server=on,wait=off" in argv
     assert f"file:{run_dir}/console.log" in argv  # -serial file: takes the rest of the value as it is
+
+
+def test_the_vmm_exports_only_the_workspace_usr_and_the_templates_folders_and_has_no_network(tmp_path: Path) -> None:
+    """What root of a guest could reach is what the VMM's argv gives it: three kinds of 9p export and
+    nothing else (no disk, no NIC, no other device than the serial ports). /usr and a template's folders
+    are `readonly=on`, so QEMU refuses writes a guest that remounted them read-write still sends.
+    `security_model=none`: QEMU keeps no ownership of its own (mapped modes would store the guest's
+    root and setuid bits in attributes), so the host's kernel judges each change as the VMM's uid."""
+    argv = vmm_argv(MicroVMSettings(tmp_path), tmp_path / "run", "/srv/ws", 1 << 20, ["/srv/ro-a", "/srv/ro-b"])
+    options = {arg for arg in argv if arg.startswith("-")}
+    values = {option: [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == option] for option in options}
+    assert values["-fsdev"] == [
+        "local,id=usr,path=/usr,security_model=none,readonly=on",
+        "local,id=ws,path=/srv/ws,security_model=none",
+        "local,id=ro0,path=/srv/ro-a,security_model=none,readonly=on",
+        "local,id=ro1,path=/srv/ro-b,security_model=none,readonly=on",
+    ]
+    assert values["-device"] == [
+        "virtio-serial-pci",
+        "virtserialport,chardev=agent,name=bastion.agent,nr=1",
+        "virtserialport,chardev=egress,name=bastion.egress,nr=2",
+        "virtio-9p-pci,fsdev=usr,mount_tag=usr",
+        "virtio-9p-pci,fsdev=ws,mount_tag=workspace",
+        "virtio-9p-pci,fsdev=ro0,mount_tag=ro0",
+        "virtio-9p-pci,fsdev=ro1,mount_tag=ro1",
+    ]
+    assert values["-nic"] == ["none"]
+    assert "-nodefaults" in argv
+    assert values["-sandbox"][0].startswith("on,")
+    assert not options & {
+        "-netdev",
+        "-net",
+        "-drive",
+        "-hda",
+        "-blockdev",
+        "-virtfs",
+        "-usb",
+        "-vga",
+        "-monitor",
+        "-qmp",
+    }
+
+
+def test_a_vmm_cannot_make_a_setuid_or_setgid_file(tmp_path: Path) -> None:
+    """QEMU's 9p server does what a guest asks as the VMM's uid: before the VMM ran under the seccomp
+    filter's setuid/setgid rules, a guest's `chmod 4755` in the workspace made a setuid file on the
+    host. A stand-in VMM started the same way (`start_vmm`) is refused those modes, not others."""
+    script = "chmod 4755 f; echo $?; chmod 2755 f; echo $?; mkdir -m 2775 d; echo $?; chmod 755 f; echo $?"
+    (tmp_path / "f").write_text("x")
+    argv = ["/bin/sh", "-c", f"cd {tmp_path} && ({script}) > rcs"]
+    proc = start_vmm(argv, identity=None, cgroup_procs=())
+    try:
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert (tmp_path / "rcs").read_text().split() == ["1", "1", "1", "0"]
+    assert err.count(b"Operation not permitted") == 3
+    assert (tmp_path / "f").stat().st_mode & 0o7777 == 0o755
+    assert not (tmp_path / "d").exists()
 
 
 def test_the_console_log_is_read_as_a_bounded_tail_never_through_a_link(tmp_path: Path) -> None:

@@ -24,7 +24,7 @@ from typing import Final, TypeAlias
 
 from bastion.safety.errors import Unavailable
 from bastion.sandbox._devices import DEVICES, SCRATCH, SHM_SIZE_BYTES, TMP_SIZE_BYTES
-from bastion.sandbox.seccomp import write_filter_fd
+from bastion.sandbox.seccomp import SETID_DENIED, write_filter_fd
 
 # The type of a started sandbox, so the layer above can hold one without importing subprocess.
 SandboxProcess: TypeAlias = subprocess.Popen[bytes]
@@ -365,25 +365,52 @@ def _data_fd(text: str | bytes) -> int:
     return fd
 
 
+# The VMM's own python step, after setpriv and before QEMU (same pid): it loads the setuid/setgid
+# part of the sandbox's seccomp filter (`seccomp.SETID_DENIED`, from the sealed memfd argv[1] names)
+# and execs QEMU. QEMU's 9p server does what the guest asks as the sandbox's uid (security_model=none),
+# so without it a guest's `chmod u+s` in the workspace made a setuid file on the host.
+_VMM_PYTHON: Final = "/usr/bin/python3"
+_VMM_SECCOMP: Final = """
+import ctypes, os, sys
+fd = int(sys.argv[1])
+program = os.pread(fd, os.fstat(fd).st_size, 0)
+os.close(fd)
+class Prog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
+prog = Prog(len(program) // 8, program)
+prctl = ctypes.CDLL(None, use_errno=True).prctl
+one, filter_mode = ctypes.c_ulong(1), ctypes.c_ulong(2)
+zero = ctypes.c_ulong(0)
+if prctl(38, one, zero, zero, zero) != 0 or prctl(22, filter_mode, ctypes.byref(prog), zero, zero) != 0:
+    sys.exit("bastion-vmm: cannot load the seccomp filter: " + os.strerror(ctypes.get_errno()))
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+
+
 def start_vmm(argv: Sequence[str], *, identity: tuple[int, int] | None, cgroup_procs: Sequence[str]) -> SandboxProcess:
     """Start a VMM (`bastion.sandbox.microvm`): in the given cgroups from its first instruction,
     as `identity` when given (setpriv), killed if the server dies, in a session of its own, with
-    only its argv and a bare PATH."""
+    only its argv and a bare PATH, under the seccomp filter's setuid/setgid rules (no_new_privs)."""
     # Killed with the server (bwrap has --die-with-parent; QEMU has no such option): a guest must
     # never outlive the process that holds its channel and its cgroup.
     prefix = setpriv_argv(*identity) if identity is not None else [*setpriv_argv(0, 0)[:1], "--"]
-    full = [*prefix[:-1], "--pdeathsig=KILL", "--", *argv]
-    if cgroup_procs:
-        full = ["/bin/sh", "-c", _JOIN_CGROUPS, "bastion-join", str(len(cgroup_procs)), *cgroup_procs, *full]
+    filter_fd = write_filter_fd(SETID_DENIED)
     try:
+        loader = [_VMM_PYTHON, "-I", "-S", "-c", _VMM_SECCOMP, str(filter_fd)]
+        full = [*prefix[:-1], "--pdeathsig=KILL", "--", *loader, *argv]
+        if cgroup_procs:
+            full = ["/bin/sh", "-c", _JOIN_CGROUPS, "bastion-join", str(len(cgroup_procs)), *cgroup_procs, *full]
         return subprocess.Popen(
             full,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             close_fds=True,
+            pass_fds=(filter_fd,),
             start_new_session=True,
             env=BWRAP_ENV,
         )
     except OSError as exc:
         raise Unavailable(f"cannot start the VMM {argv[0]}: {exc.strerror}") from exc
+    finally:
+        os.close(filter_fd)

@@ -51,6 +51,8 @@ a plain error):
   ``mkdir -m 2775``, which then makes no folder at all, ``cp -p`` or ``tar -xpf``
   of a setuid file, Python's shutil.copy2); every other mode, the sticky bit
   included, works as before.
+  These rules alone (`SETID_DENIED`) also hold a microVM's VMM (`_spawn.start_vmm`):
+  QEMU's 9p server makes the workspace's files as the guest asks.
 - File capabilities: setxattr, lsetxattr and fsetxattr fail with EOPNOTSUPP,
   for every attribute. Only ``security.capability`` matters, but the name sits
   in memory, which a filter cannot read. EOPNOTSUPP is what a file system
@@ -169,6 +171,22 @@ def _refuse_setid_mode(syscall: str, mode_arg: int, *, flags_arg: int | None = N
     )
 
 
+# Setuid and setgid files (chmod(2), open(2), mknod(2), mkdir(2)); the mode's position per syscall.
+SETID_DENIED: Final[tuple[Denial, ...]] = (
+    *_refuse_setid_mode("chmod", 1),
+    *_refuse_setid_mode("fchmod", 1),
+    *_refuse_setid_mode("fchmodat", 2),
+    *_refuse_setid_mode("fchmodat2", 2),
+    *_refuse_setid_mode("mkdir", 1),
+    *_refuse_setid_mode("mkdirat", 2),
+    *_refuse_setid_mode("mknod", 1),
+    *_refuse_setid_mode("mknodat", 2),
+    *_refuse_setid_mode("creat", 1),
+    *_refuse_setid_mode("open", 2, flags_arg=1),
+    *_refuse_setid_mode("openat", 3, flags_arg=2),
+    Denial("openat2", "its mode sits in a struct seccomp cannot read; ENOSYS makes libc use openat", errno.ENOSYS),
+)
+
 DENIED: Final[tuple[Denial, ...]] = (
     # Mounts: the sandbox's file system view is bubblewrap's, final (mount(2), mount_setattr(2)).
     Denial("mount", "changes the sandbox's file system view"),
@@ -229,19 +247,7 @@ DENIED: Final[tuple[Denial, ...]] = (
     Denial("vhangup", "hangs up the terminal"),
     Denial("nfsservctl", "NFS server control (removed in Linux 3.1)"),
     Denial("uselib", "obsolete a.out loader"),
-    # Setuid and setgid files (chmod(2), open(2), mknod(2), mkdir(2)); the mode's position per syscall.
-    *_refuse_setid_mode("chmod", 1),
-    *_refuse_setid_mode("fchmod", 1),
-    *_refuse_setid_mode("fchmodat", 2),
-    *_refuse_setid_mode("fchmodat2", 2),
-    *_refuse_setid_mode("mkdir", 1),
-    *_refuse_setid_mode("mkdirat", 2),
-    *_refuse_setid_mode("mknod", 1),
-    *_refuse_setid_mode("mknodat", 2),
-    *_refuse_setid_mode("creat", 1),
-    *_refuse_setid_mode("open", 2, flags_arg=1),
-    *_refuse_setid_mode("openat", 3, flags_arg=2),
-    Denial("openat2", "its mode sits in a struct seccomp cannot read; ENOSYS makes libc use openat", errno.ENOSYS),
+    *SETID_DENIED,
     # File capabilities: the attribute's name is in memory, so every setxattr is refused (xattr(7)).
     Denial("setxattr", "could set security.capability; the name is in memory", errno.EOPNOTSUPP),
     Denial("lsetxattr", "could set security.capability; the name is in memory", errno.EOPNOTSUPP),
@@ -466,8 +472,8 @@ def _check_needed_syscalls_reachable(lib: _LibSeccomp, first_unknown: int) -> No
 
 
 @functools.cache  # the program is the same every time: compile it once per process
-def build_filter() -> bytes:
-    """Compile the deny-list to classic BPF for ``bwrap --seccomp``.
+def build_filter(denied: tuple[Denial, ...] = DENIED) -> bytes:
+    """Compile a deny-list (the sandbox's, `DENIED`, by default) to classic BPF for ``bwrap --seccomp``.
 
     Returns:
         The filter program: an array of struct sock_filter in native byte order.
@@ -490,7 +496,7 @@ def build_filter() -> bytes:
         for arch in abis[1:]:
             _check(lib.arch_add(ctx, arch), "add the 32-bit x86 ABI")
         _check(lib.attr_set(ctx, SCMP_FLTATR_ACT_BADARCH, _errno_action(errno.ENOSYS)), "set the foreign ABI action")
-        for denial in DENIED:
+        for denial in denied:
             _add_denial(lib, ctx, denial)
         out = os.memfd_create("bastion-seccomp-export", os.MFD_CLOEXEC)
         try:
@@ -506,8 +512,8 @@ def build_filter() -> bytes:
     return program
 
 
-def write_filter_fd() -> int:
-    """A sealed memfd holding the compiled filter, positioned at 0.
+def write_filter_fd(denied: tuple[Denial, ...] = DENIED) -> int:
+    """A sealed memfd holding the compiled filter of `denied`, positioned at 0.
 
     The fd is close-on-exec (not inheritable); pass it to bubblewrap with
     ``pass_fds=(fd,)`` and ``--seccomp <fd>``, then close it in the parent.
@@ -520,7 +526,7 @@ def write_filter_fd() -> int:
     Raises:
         Unavailable: as for `build_filter`.
     """
-    program = build_filter()
+    program = build_filter(denied)
     fd = os.memfd_create("bastion-seccomp", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         view = memoryview(program)
