@@ -138,7 +138,7 @@ test: lint typecheck unit unprivileged
 
 # The whole conformance suite on real microVMs under software emulation (minutes, not seconds).
 test-microvm: install $(MICROVM_DIR)/initramfs.cpio
-	$(VENV)/bin/pytest -q -m microvm tests/sandbox/test_backend_conformance.py tests/sandbox/test_microvm.py tests/workbench/test_microvm_templates.py tests/transports/http/test_preview.py
+	$(VENV)/bin/pytest -q -m microvm tests/sandbox/test_backend_conformance.py tests/sandbox/test_microvm.py tests/sandbox/test_microvm_root.py tests/workbench/test_microvm_templates.py tests/transports/http/test_preview.py
 
 # Issue 19's full sizes (the default run has fast variants of both): each writes its section of
 # docs/load-report.md. Overrides: BASTION_LOAD_SANDBOXES, _CLIENTS, _SECONDS; BASTION_SOAK_SANDBOXES,
