@@ -18,7 +18,7 @@ from bastion.workbench.manager import SandboxManager
 from tests.helpers import DATA_ENV, call, create, sh
 from tests.sandbox.egress_helpers import HOSTS, OPEN_RANGES, Web
 from tests.sandbox.microvm_helpers import microvm_settings, with_vm_template
-from tests.workbench.test_terminals import open_term, send, until
+from tests.workbench.test_terminals import FG_PRINTED, open_term, send, until
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap, pytest.mark.root]
 
@@ -197,6 +197,7 @@ async def test_a_microvm_terminal_has_its_size_a_resize_job_control_and_ctrl_c(
             await send(client, term, "", "Ctrl-Z")
             await until(client, term, r"Stopped\s+sh -c", timeout_s=60)
             await send(client, term, "fg", "Enter")
+            await until(client, term, FG_PRINTED, timeout_s=60)  # see test_terminals.py
             await send(client, term, "go", "Enter")
             await until(client, term, "(?m)^got$", timeout_s=60)
             await send(client, term, "", "Ctrl-C")

@@ -37,6 +37,10 @@ async def send(client: Client, terminal: str, text: str = "", *keys: str) -> Pay
     return sent
 
 
+FG_PRINTED = r"\$ fg\s*\n\s*sh -c 'echo ar"
+"""What bash prints for `fg` once its readline has given the terminal back its cooked modes."""
+
+
 async def until(client: Client, terminal: str, pattern: str, timeout_s: float = 15) -> dict[str, object]:
     """terminal_read waiting for `pattern`; fails with the screen if it never matches."""
     read = await call(client, "terminal_read", terminal_id=terminal, wait_for=pattern, timeout_s=timeout_s)
@@ -147,8 +151,10 @@ async def test_tty_is_a_pts_and_job_control_works(client: Client) -> None:
     await until(client, term, r"Stopped\s+sh -c")
     await send(client, term, "jobs", "Enter")
     await until(client, term, r"(?m)^\[1\]\+\s+Stopped\s+sh -c 'echo")
-    # The job's `read` takes "go" only once `fg` gave it the terminal back.
+    # The job's `read` takes "go" only once `fg` gave it the terminal back: typed before bash printed
+    # the job it continues, "go" would meet readline's raw mode (no CR to NL) and never end a line.
     await send(client, term, "fg", "Enter")
+    await until(client, term, FG_PRINTED)
     await send(client, term, "go", "Enter")
     await until(client, term, "(?m)^got$")
     await send(client, term, "", "Ctrl-C")
