@@ -55,6 +55,22 @@ def pytest_configure(config: pytest.Config) -> None:
     tempfile.tempdir = None  # gettempdir() caches: read TMPDIR again
 
 
+LONG_FIRST = ("tests/load/test_soak.py", "tests/load/test_load.py")
+"""The longest files (minutes, mostly waiting), scheduled first."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The longest files first: under xdist's loadfile each goes to a worker while the others take the
+    rest, instead of one worker running the soak alone at the end. Scheduling only: no test depends
+    on another's order."""
+
+    def rank(item: pytest.Item) -> int:
+        path = item.nodeid.partition("::")[0]
+        return LONG_FIRST.index(path) if path in LONG_FIRST else len(LONG_FIRST)
+
+    items.sort(key=rank)
+
+
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
