@@ -6,6 +6,7 @@ import os
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import settings
@@ -56,19 +57,27 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 LONG_FIRST = ("tests/load/test_soak.py", "tests/load/test_load.py")
-"""The longest files (minutes, mostly waiting), scheduled first."""
+"""The longest files (minutes, mostly waiting on a steady rate): handed out first."""
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The longest files first: under xdist's loadfile each goes to a worker while the others take the
-    rest, instead of one worker running the soak alone at the end. Scheduling only: no test depends
-    on another's order."""
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`--dist loadfile`, with `LONG_FIRST` handed out before the rest: xdist orders files by their
+    number of tests, so the one-test soak went last and held one worker alone for its 3 minutes
+    while the other had finished. Scheduling only: no test depends on another's order."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling  # type: ignore[import-untyped]  # xdist ships no types
 
-    def rank(item: pytest.Item) -> int:
-        path = item.nodeid.partition("::")[0]
-        return LONG_FIRST.index(path) if path in LONG_FIRST else len(LONG_FIRST)
+    class LongFirst(LoadFileScheduling):  # type: ignore[misc]  # an untyped base
+        def _assign_work_unit(self, node: Any) -> None:
+            for scope in LONG_FIRST:
+                if scope in self.workqueue:
+                    self.workqueue.move_to_end(scope, last=False)
+                    break
+            super()._assign_work_unit(node)
 
-    items.sort(key=rank)
+    return LongFirst(config, log)
 
 
 @pytest.fixture
