@@ -192,7 +192,7 @@ def sleeps_in(group: SandboxCgroup) -> list[int]:
         try:
             if Path(f"/proc/{pid}/comm").read_text().strip() == "sleep":
                 found.append(pid)
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # exited since the listing (ESRCH mid-exit)
             continue
     return found
 
