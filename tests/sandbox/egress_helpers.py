@@ -3,9 +3,12 @@ and an HTTP server on the host's loopback that allowed names reach (127.0.0.0/8 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import http.server
 import json
+import socket
+import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -16,6 +19,7 @@ from bastion.config import DEFAULT_BLOCKED_RANGES, parse_allow_rules
 from bastion.egress.proxy import EgressService
 from bastion.safety.audit import AuditLog, verify
 from bastion.safety.redact import Redactor
+from bastion.sandbox._vmegress import EgressPort
 
 SANDBOX = "sb-0123456789ab"
 OPEN_RANGES = tuple(r for r in DEFAULT_BLOCKED_RANGES if r != "127.0.0.0/8")
@@ -98,3 +102,42 @@ def egress_setup(tmp: Path) -> Iterator[EgressSetup]:
         audit.close()
         report = verify(tmp / "audit.jsonl")
         assert report.ok, report
+
+
+HEADER = struct.Struct(">IcI")
+"""A stream port frame's head: length, kind, stream id (inside/egress_port.py)."""
+
+
+def frame(kind: bytes, stream_id: int, payload: bytes = b"") -> bytes:
+    return HEADER.pack(len(payload) + 5, kind, stream_id) + payload
+
+
+class HostileGuest:
+    """The test plays the guest: raw frames on the host end's socket pair."""
+
+    def __init__(self, proxy: str | None) -> None:
+        self.sock, host_end = socket.socketpair()
+        host_end.setblocking(False)
+        self.host_end = host_end
+        self.port = EgressPort(host_end, proxy, "hostile")
+        self.port.start()
+        self.sock.settimeout(10)
+        self.inbox = b""
+
+    async def send(self, data: bytes) -> None:
+        await asyncio.to_thread(self.sock.sendall, data)
+
+    async def next_frame(self) -> tuple[bytes, int, bytes]:
+        while len(self.inbox) < 4 or len(self.inbox) < 4 + int.from_bytes(self.inbox[:4], "big"):
+            data = await asyncio.to_thread(self.sock.recv, 65536)
+            assert data, "the host ended the port"
+            self.inbox += data
+        size = int.from_bytes(self.inbox[:4], "big")
+        _, kind, stream_id = HEADER.unpack_from(self.inbox)
+        payload, self.inbox = self.inbox[9 : 4 + size], self.inbox[4 + size :]
+        return kind, stream_id, payload
+
+    def close(self) -> None:
+        self.port.close()
+        self.host_end.close()
+        self.sock.close()

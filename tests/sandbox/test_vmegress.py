@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import hashlib
 import socket
-import struct
 import subprocess
 import sys
 import time
@@ -25,15 +24,9 @@ import pytest
 
 from bastion.sandbox._vmegress import MAX_STREAMS, WINDOW, EgressPort
 from bastion.sandbox.inside import egress_port, forwarder
-from tests.sandbox.egress_helpers import BIG, EgressSetup, egress_setup
+from tests.sandbox.egress_helpers import BIG, HEADER, EgressSetup, HostileGuest, egress_setup, frame
 
 pytestmark = pytest.mark.anyio
-
-HEADER = struct.Struct(">IcI")
-
-
-def frame(kind: bytes, stream_id: int, payload: bytes = b"") -> bytes:
-    return HEADER.pack(len(payload) + 5, kind, stream_id) + payload
 
 
 @pytest.fixture
@@ -115,37 +108,6 @@ async def test_a_download_of_many_windows_arrives_whole_beside_other_streams(
     assert big[0] == 200
     assert hashlib.sha256(big[1]).digest() == hashlib.sha256(BIG).digest()
     assert small == (200, b"hello from the host")
-
-
-class HostileGuest:
-    """The test plays the guest: raw frames on the host end's socket pair."""
-
-    def __init__(self, proxy: str | None) -> None:
-        self.sock, host_end = socket.socketpair()
-        host_end.setblocking(False)
-        self.host_end = host_end
-        self.port = EgressPort(host_end, proxy, "hostile")
-        self.port.start()
-        self.sock.settimeout(10)
-        self.inbox = b""
-
-    async def send(self, data: bytes) -> None:
-        await asyncio.to_thread(self.sock.sendall, data)
-
-    async def next_frame(self) -> tuple[bytes, int, bytes]:
-        while len(self.inbox) < 4 or len(self.inbox) < 4 + int.from_bytes(self.inbox[:4], "big"):
-            data = await asyncio.to_thread(self.sock.recv, 65536)
-            assert data, "the host ended the port"
-            self.inbox += data
-        size = int.from_bytes(self.inbox[:4], "big")
-        _, kind, stream_id = HEADER.unpack_from(self.inbox)
-        payload, self.inbox = self.inbox[9 : 4 + size], self.inbox[4 + size :]
-        return kind, stream_id, payload
-
-    def close(self) -> None:
-        self.port.close()
-        self.host_end.close()
-        self.sock.close()
 
 
 @pytest.fixture

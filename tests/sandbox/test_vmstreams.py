@@ -26,10 +26,10 @@ import pytest
 
 from bastion.sandbox._vmegress import HOST_IDS, MAX_HOST_STREAMS, WINDOW, EgressPort
 from bastion.sandbox.inside import egress_port
+from tests.sandbox.egress_helpers import HEADER, HostileGuest, frame
 
 pytestmark = pytest.mark.anyio
 
-HEADER = struct.Struct(">IcI")
 ECHO = "import socket,sys\nc=socket.socket(fileno=int(sys.argv[1]))\nwhile d:=c.recv(65536): c.sendall(d)\n"
 
 
@@ -39,10 +39,6 @@ SHELL = (
     "signal.pthread_sigmask(signal.SIG_SETMASK, [])\n"
     "os.execvp('setsid', ['setsid', '-c', 'sh', '-i'])"
 )
-
-
-def frame(kind: bytes, stream_id: int, payload: bytes = b"") -> bytes:
-    return HEADER.pack(len(payload) + 5, kind, stream_id) + payload
 
 
 def open_fds() -> set[str]:
@@ -203,45 +199,14 @@ async def test_a_terminal_handed_over_for_a_stream_never_reserved_is_closed(gues
     assert guest.port.streams <= 1
 
 
-class Hostile:
-    """The test plays the guest: raw frames on the host end's socket pair."""
-
-    def __init__(self) -> None:
-        self.sock, host_end = socket.socketpair()
-        host_end.setblocking(False)
-        self.host_end = host_end
-        self.port = EgressPort(host_end, None, "hostile")
-        self.port.start()
-        self.sock.settimeout(10)
-        self.inbox = b""
-
-    async def send(self, data: bytes) -> None:
-        await asyncio.to_thread(self.sock.sendall, data)
-
-    async def next_frame(self) -> tuple[bytes, int, bytes]:
-        while len(self.inbox) < 4 or len(self.inbox) < 4 + int.from_bytes(self.inbox[:4], "big"):
-            data = await asyncio.to_thread(self.sock.recv, 65536)
-            assert data, "the host ended the port"
-            self.inbox += data
-        size = int.from_bytes(self.inbox[:4], "big")
-        _, kind, stream_id = HEADER.unpack_from(self.inbox)
-        payload, self.inbox = self.inbox[9 : 4 + size], self.inbox[4 + size :]
-        return kind, stream_id, payload
-
-    def close(self) -> None:
-        self.port.close()
-        self.host_end.close()
-        self.sock.close()
-
-
 @pytest.fixture
-async def hostile() -> AsyncIterator[Hostile]:
-    made = Hostile()
+async def hostile() -> AsyncIterator[HostileGuest]:
+    made = HostileGuest(None)
     yield made
     made.close()
 
 
-async def test_a_connect_the_guest_never_answers_is_given_up_on_in_time(hostile: Hostile) -> None:
+async def test_a_connect_the_guest_never_answers_is_given_up_on_in_time(hostile: HostileGuest) -> None:
     with pytest.raises(TimeoutError):
         await hostile.port.open_tcp(8000, 0.3)
     kind, stream_id, payload = await hostile.next_frame()
@@ -251,14 +216,14 @@ async def test_a_connect_the_guest_never_answers_is_given_up_on_in_time(hostile:
     assert hostile.port.streams == 0
 
 
-async def test_a_guest_cannot_open_a_host_id_nor_accept_what_was_never_asked(hostile: Hostile) -> None:
+async def test_a_guest_cannot_open_a_host_id_nor_accept_what_was_never_asked(hostile: HostileGuest) -> None:
     await hostile.send(frame(b"C", HOST_IDS | 5))
     assert await hostile.next_frame() == (b"X", HOST_IDS | 5, b"")
     await hostile.send(frame(b"A", HOST_IDS | 6) + frame(b"D", HOST_IDS | 6, b"unasked"))  # ignored
     assert hostile.port.streams == 0
 
 
-async def test_bytes_before_the_guest_accepted_end_the_stream(hostile: Hostile) -> None:
+async def test_bytes_before_the_guest_accepted_end_the_stream(hostile: HostileGuest) -> None:
     opening = asyncio.get_running_loop().create_task(hostile.port.open_tcp(8000, 10))
     kind, stream_id, _ = await hostile.next_frame()
     assert kind == b"T"
@@ -269,7 +234,7 @@ async def test_bytes_before_the_guest_accepted_end_the_stream(hostile: Hostile) 
     assert hostile.port.streams == 0
 
 
-async def test_a_guest_flooding_a_preview_past_its_window_has_the_stream_ended(hostile: Hostile) -> None:
+async def test_a_guest_flooding_a_preview_past_its_window_has_the_stream_ended(hostile: HostileGuest) -> None:
     """The caller reads nothing: the host keeps at most a window unread, then ends the stream (X)."""
     opening = asyncio.get_running_loop().create_task(hostile.port.open_tcp(8000, 10))
     _, stream_id, _ = await hostile.next_frame()
@@ -283,14 +248,14 @@ async def test_a_guest_flooding_a_preview_past_its_window_has_the_stream_ended(h
         assert hostile.port.streams == 0
 
 
-async def test_host_streams_past_the_cap_are_refused(hostile: Hostile) -> None:
+async def test_host_streams_past_the_cap_are_refused(hostile: HostileGuest) -> None:
     for _ in range(MAX_HOST_STREAMS):
         hostile.port.reserve()
     with pytest.raises(ConnectionResetError, match="open already"):
         hostile.port.reserve()
 
 
-async def test_a_guest_whose_port_dies_refuses_a_waiting_connect_at_once(hostile: Hostile) -> None:
+async def test_a_guest_whose_port_dies_refuses_a_waiting_connect_at_once(hostile: HostileGuest) -> None:
     """The guest's program killed (its port closes) while a connect waits: refused now, not at the timeout."""
     opening = asyncio.get_running_loop().create_task(hostile.port.open_tcp(8000, 60))
     await hostile.next_frame()
@@ -304,7 +269,7 @@ async def test_a_guest_whose_port_dies_refuses_a_waiting_connect_at_once(hostile
         hostile.sock.close()
 
 
-async def test_a_kind_only_the_host_sends_ends_the_guests_stream(hostile: Hostile) -> None:
+async def test_a_kind_only_the_host_sends_ends_the_guests_stream(hostile: HostileGuest) -> None:
     opening = asyncio.get_running_loop().create_task(hostile.port.open_tcp(8000, 10))
     _, stream_id, _ = await hostile.next_frame()
     await hostile.send(frame(b"A", stream_id))
@@ -316,7 +281,7 @@ async def test_a_kind_only_the_host_sends_ends_the_guests_stream(hostile: Hostil
         assert await asyncio.get_running_loop().sock_recv(sock, 10) == b""  # the caller sees the end
 
 
-async def test_an_oversized_frame_ends_every_open_preview_and_terminal_stream(hostile: Hostile) -> None:
+async def test_an_oversized_frame_ends_every_open_preview_and_terminal_stream(hostile: HostileGuest) -> None:
     """The port ends: each caller's socket reads its end (no fd left waiting on a guest), and no new
     stream can be opened on it."""
     before = open_fds()
@@ -334,7 +299,7 @@ async def test_an_oversized_frame_ends_every_open_preview_and_terminal_stream(ho
     assert open_fds() <= before
 
 
-async def test_resizes_to_a_guest_that_stops_reading_are_not_queued_without_bound(hostile: Hostile) -> None:
+async def test_resizes_to_a_guest_that_stops_reading_are_not_queued_without_bound(hostile: HostileGuest) -> None:
     hostile.host_end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
     hostile.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     opening = asyncio.get_running_loop().create_task(hostile.port.open_tcp(8000, 10))
