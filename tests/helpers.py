@@ -107,6 +107,11 @@ def registry_reachable(host: str = "pypi.org") -> bool:
     return True
 
 
+def open_fds() -> set[str]:
+    """This process's open fds, without the one the listing itself used."""
+    return {fd for fd in os.listdir("/proc/self/fd") if os.path.lexists(f"/proc/self/fd/{fd}")}
+
+
 def processes_with(marker: str) -> list[int]:
     """Host pids whose command line contains `marker` (to prove no process survived)."""
     found = []

@@ -23,6 +23,7 @@ import pytest
 from bastion.safety.errors import InvalidRequest, Unavailable
 from bastion.sandbox._spawn import SANDBOX_PATH, SandboxSpec
 from bastion.sandbox.warm import CONNECT_TIMEOUT_S, WarmSandbox
+from tests.helpers import open_fds
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
 
@@ -54,11 +55,6 @@ async def serve(box: WarmSandbox, port: int) -> None:
     with anyio.fail_after(10):
         while b"up" not in process.stdout.read(0, 100)[1]:
             await anyio.sleep(0.01)  # polls the ring for the server's "up" line
-
-
-def open_fds() -> set[str]:
-    """The process's open fds, without the one the listing itself used."""
-    return {fd for fd in os.listdir("/proc/self/fd") if os.path.lexists(f"/proc/self/fd/{fd}")}
 
 
 async def test_connect_reaches_a_server_on_the_sandbox_loopback_not_the_hosts(sandbox: WarmSandbox) -> None:

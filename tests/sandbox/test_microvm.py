@@ -41,7 +41,7 @@ from bastion.sandbox.microvm import (
 )
 from bastion.sandbox.vmimage import MODULES, ImageError, build, initramfs
 from bastion.workbench.manager import SandboxManager
-from tests.helpers import processes_with
+from tests.helpers import open_fds, processes_with
 from tests.sandbox.microvm_helpers import let_through, microvm_settings
 
 pytestmark = [pytest.mark.anyio, pytest.mark.root]
@@ -372,10 +372,6 @@ LISTENER = (
 )
 
 
-def open_fds() -> set[str]:
-    return {fd for fd in os.listdir("/proc/self/fd") if os.path.lexists(f"/proc/self/fd/{fd}")}
-
-
 class Screen:
     """What a terminal's host end gave so far, read until a text appears after a point."""
 
@@ -572,15 +568,21 @@ def read_frame(sock: socket.socket) -> tuple[bytes, int, bytes]:
     return body[:1], int.from_bytes(body[1:5], "big"), body[5:]
 
 
-async def test_a_send_cancelled_halfway_still_writes_its_whole_frame(tmp_path: Path) -> None:
-    """A client that gives up (cancels) while a large frame is being written to a slow channel: the frame
-    goes out whole, so the relay does not read the next frame's bytes as the rest of it."""
+def slow_channel(tmp_path: Path) -> tuple[socket.socket, socket.socket, microvm._Guest]:
+    """A guest's channel whose host end takes 4 KiB at a time: (the guest's end, the host's, the guest)."""
     guest_end, host_end = socket.socketpair()
     host_end.setblocking(False)
     host_end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
     guest_end.settimeout(5)
     vm = microvm._Guest(_NoVMM(), tmp_path, None)  # type: ignore[arg-type]
     vm.sock = host_end
+    return guest_end, host_end, vm
+
+
+async def test_a_send_cancelled_halfway_still_writes_its_whole_frame(tmp_path: Path) -> None:
+    """A client that gives up (cancels) while a large frame is being written to a slow channel: the frame
+    goes out whole, so the relay does not read the next frame's bytes as the rest of it."""
+    guest_end, host_end, vm = slow_channel(tmp_path)
     try:
         big = asyncio.get_running_loop().create_task(vm.send(b"I", 1, b"z" * 200_000))
         await asyncio.sleep(0.2)  # blocked halfway: the guest reads nothing yet
@@ -676,12 +678,7 @@ def test_a_folder_the_vmm_planted_in_its_run_dir_does_not_stop_recovery(tmp_path
 
 async def test_a_run_cancelled_while_its_request_is_written_has_its_command_killed(tmp_path: Path) -> None:
     """The request goes out whole (see above), so the command starts with nobody waiting for it: it is killed."""
-    guest_end, host_end = socket.socketpair()
-    host_end.setblocking(False)
-    host_end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-    guest_end.settimeout(5)
-    vm = microvm._Guest(_NoVMM(), tmp_path, None)  # type: ignore[arg-type]
-    vm.sock = host_end
+    guest_end, host_end, vm = slow_channel(tmp_path)
     reading = asyncio.get_running_loop().create_task(vm.read_frames(host_end))
     box = MicroVMSandbox.__new__(MicroVMSandbox)
     out, err = microvm._Stream(100, newest=False), microvm._Stream(100, newest=False)

@@ -26,6 +26,7 @@ import pytest
 
 from bastion.sandbox._vmegress import HOST_IDS, MAX_HOST_STREAMS, WINDOW, EgressPort
 from bastion.sandbox.inside import egress_port
+from tests.helpers import open_fds
 from tests.sandbox.egress_helpers import HEADER, HostileGuest, frame
 
 pytestmark = pytest.mark.anyio
@@ -39,10 +40,6 @@ SHELL = (
     "signal.pthread_sigmask(signal.SIG_SETMASK, [])\n"
     "os.execvp('setsid', ['setsid', '-c', 'sh', '-i'])"
 )
-
-
-def open_fds() -> set[str]:
-    return {fd for fd in os.listdir("/proc/self/fd") if os.path.lexists(f"/proc/self/fd/{fd}")}
 
 
 class Guest:

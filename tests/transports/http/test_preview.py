@@ -175,19 +175,28 @@ def test_page_loads_with_the_admin_session_and_is_refused_without(preview: Previ
     assert forged.status_code == 403
 
 
+def page_and_echo(
+    chromium: Any, preview: Preview, page_url: str, ws_url: str, *, timeout_ms: int, load_timeout_ms: int | None = None
+) -> Any:
+    """Chromium, logged in, loads the sandbox's page, which echoes a message through its WebSocket
+    (`load_timeout_ms`: the page's load, Playwright's default when None)."""
+    context = chromium.new_context()
+    context.add_cookies([_session_cookie(preview)])
+    page = context.new_page()
+    page.goto(f"{page_url}index.html?ws={ws_url}", timeout=load_timeout_ms)
+    assert page.text_content("#hello") == "served from inside the sandbox"
+    page.wait_for_function("window.results.echo !== undefined", timeout=timeout_ms)
+    assert page.evaluate("window.results.echo") == "ping from the page"
+    return page
+
+
 @pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed")
 def test_chromium_loads_a_page_and_a_websocket_echo_then_404_after_close(preview: Preview) -> None:
     sandbox_id = preview.sandbox_with_servers()
     page_url = preview.expose(sandbox_id, 8000)
     ws_url = preview.expose(sandbox_id, 8001).replace("http://", "ws://")
     with launch() as chromium:
-        context = chromium.new_context()
-        context.add_cookies([_session_cookie(preview)])
-        page = context.new_page()
-        page.goto(f"{page_url}index.html?ws={ws_url}")
-        assert page.text_content("#hello") == "served from inside the sandbox"
-        page.wait_for_function("window.results.echo !== undefined", timeout=10_000)
-        assert page.evaluate("window.results.echo") == "ping from the page"
+        page = page_and_echo(chromium, preview, page_url, ws_url, timeout_ms=10_000)
         # Without the session the same URL is refused in the browser too.
         anonymous = chromium.new_page()
         response = anonymous.goto(f"{page_url}index.html")
@@ -217,13 +226,7 @@ def test_a_microvm_sandbox_serves_a_page_and_a_websocket_echo_through_its_previe
         page_url = preview.expose(sandbox_id, 8000)
         ws_url = preview.expose(sandbox_id, 8001).replace("http://", "ws://")
         with launch() as chromium:
-            context = chromium.new_context()
-            context.add_cookies([_session_cookie(preview)])
-            page = context.new_page()
-            page.goto(f"{page_url}index.html?ws={ws_url}", timeout=60_000)
-            assert page.text_content("#hello") == "served from inside the sandbox"
-            page.wait_for_function("window.results.echo !== undefined", timeout=60_000)
-            assert page.evaluate("window.results.echo") == "ping from the page"
+            page_and_echo(chromium, preview, page_url, ws_url, timeout_ms=60_000, load_timeout_ms=60_000)
         assert preview.get(preview.expose(sandbox_id, 8009) + "index.html").status_code == 502
         assert preview.tool("close_sandbox", sandbox_id=sandbox_id)["ok"]
 
