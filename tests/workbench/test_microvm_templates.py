@@ -143,7 +143,8 @@ async def test_a_pooled_microvm_is_handed_out_without_a_boot_and_its_egress_goes
     audit = demo_config_path.parent / "state" / "audit.jsonl"
     records = [json.loads(line) for line in audit.read_text().splitlines()]
     egress = [(r["domain"], r["decision"]) for r in records if r.get("event") == "egress"]
-    assert egress == [("allowed.test", "allow"), ("denied.test", "deny")]
+    # An allowed connection is audited when it ends, which may be after the next refusal: compare sorted.
+    assert sorted(egress) == [("allowed.test", "allow"), ("denied.test", "deny")]
 
 
 @pytest.mark.microvm
