@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from bastion.safety.errors import NotFound
+from bastion.sandbox import inside
 from bastion.sandbox._spawn import AGENT_PATH, FORWARDER_PATH, INSIDE_FILES, KERNEL_PATH, SANDBOX_PATH, SandboxSpec
 from bastion.sandbox.backend import RunOutcome
 from bastion.sandbox.cgroups import CgroupLayout, Limits
-from bastion.sandbox.inside import agent as agent_module
 from bastion.sandbox.processes import DRAIN_PAUSE_S
 from bastion.sandbox.warm import WarmSandbox
 from tests.helpers import processes_with
@@ -363,7 +363,7 @@ async def test_without_cgroups_each_command_still_has_a_pid_namespace_of_its_own
 def test_every_program_of_inside_is_bound_under_opt_bastion() -> None:
     """What runs inside reaches it as a read-only file, never as `-c <source>` on a command line."""
     names = {Path(dest).name for dest in INSIDE_FILES}
-    programs = {p.name for p in Path(agent_module.__file__).parent.glob("*.py")} - {"__init__.py", "landlock.py"}
+    programs = {p.name for p in Path(inside.__file__).parent.glob("*.py")} - {"__init__.py", "landlock.py"}
     assert names == programs
     assert {KERNEL_PATH, FORWARDER_PATH, AGENT_PATH} <= set(INSIDE_FILES)
     assert INSIDE_FILES[AGENT_PATH].index("def restrict(") < INSIDE_FILES[AGENT_PATH].index("class Agent")

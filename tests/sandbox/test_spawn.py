@@ -36,3 +36,30 @@ def test_agent_is_source_for_an_interpreter_that_cannot_say_its_magic(tmp_path: 
     fake.chmod(0o755)
     assert agent_image(str(fake)) == INSIDE_FILES[AGENT_PATH]
     assert agent_image(str(tmp_path / "missing")) == INSIDE_FILES[AGENT_PATH]
+
+
+# What the agent may load as it starts: modules written in C only (built in or extensions), whose
+# import is a lookup or a dlopen; a Python module (ctypes, os, struct...) costs ms at every start.
+IMPORT_PROBE = """
+import sys
+before = set(sys.modules)
+exec(compile(sys.stdin.read(), "agent", "exec"), {"__name__": "agent"})
+for name in sorted(set(sys.modules) - before):
+    origin = sys.modules[name].__spec__.origin
+    print(name, "C" if origin == "built-in" or origin.endswith(".so") else origin)
+"""
+
+
+def test_the_agent_loads_no_python_module_as_it_starts() -> None:
+    """Invariant: importing the agent's image (landlock.py's code in front, main not run) in the
+    sandbox's interpreter, as `_spawn` starts it, loads only built-in or extension modules."""
+    done = subprocess.run(
+        [sandbox_python(), "-I", "-S", "-c", IMPORT_PROBE],
+        input=INSIDE_FILES[AGENT_PATH],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    loaded = dict(line.split() for line in done.stdout.splitlines())
+    assert {"_ctypes", "_socket"} <= loaded.keys()  # the probe sees the agent's own imports
+    assert set(loaded.values()) == {"C"}, loaded

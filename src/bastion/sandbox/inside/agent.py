@@ -73,24 +73,24 @@ namespaces.
 """
 
 import _socket
-import ctypes
+import _struct
 import marshal
-import os
+import posix
 import select
-import struct
 import sys
 
 # Every import here is paid at each sandbox start (json+re, contextlib and typing cost
 # ~25 ms together on a slow machine): the agent uses builtins and string annotations, and the
-# C modules under signal, socket and selectors (whose enum and collections imports cost 5 ms of
-# CPU); struct comes with ctypes (array would bring collections.abc).
+# C modules under signal, socket, selectors, struct, os and ctypes (whose Python, with enum,
+# collections, abc and posixpath, cost 5 ms of CPU, and ctypes and os 3 ms more).
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    import _ctypes
     import signal as _signal  # the same functions, typed (typeshed has no stub for _signal)
     from typing import Any
 
-    # At run time `_spawn` prepends landlock.py's source to this file's, which defines it.
-    from bastion.sandbox.inside.landlock import restrict
+    # At run time `_spawn` prepends landlock.py's source to this file's, which defines them.
+    from bastion.sandbox.inside.landlock import Libc, byref, c_int, c_uint32, get_errno, restrict
 else:
     import _signal
 
@@ -114,20 +114,20 @@ EXIT_CANNOT_START = 127
 # signals are reset by posix_spawn itself; these are named too, to say so).
 DEFAULT_SIGNALS = (_signal.SIGPIPE, _signal.SIGXFSZ, _signal.SIGCHLD, _signal.SIGINT, _signal.SIGTERM)
 
-libc = ctypes.CDLL(None, use_errno=True)
+libc = Libc()
 
 
-class CapHeader(ctypes.Structure):
-    _fields_ = (("version", ctypes.c_uint32), ("pid", ctypes.c_int))
+class CapHeader(_ctypes.Structure):
+    _fields_ = (("version", c_uint32), ("pid", c_int))
 
 
-class CapData(ctypes.Structure):
-    _fields_ = (("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32))
+class CapData(_ctypes.Structure):
+    _fields_ = (("effective", c_uint32), ("permitted", c_uint32), ("inheritable", c_uint32))
 
 
 def check(rc: int, what: str) -> None:
     if rc != 0:
-        raise OSError(ctypes.get_errno(), what)
+        raise OSError(get_errno(), what)
 
 
 def keep_nothing_for_commands() -> None:
@@ -141,15 +141,15 @@ def keep_nothing_for_commands() -> None:
     check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
     for cap in range(CAP_LAST + 1):
         # EINVAL past the kernel's last capability: nothing left to drop.
-        if libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 and ctypes.get_errno() != 22:
-            raise OSError(ctypes.get_errno(), "drop a bounding capability")
+        if libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 and get_errno() != 22:
+            raise OSError(get_errno(), "drop a bounding capability")
     check(libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0), "clear ambient capabilities")
     header = CapHeader(LINUX_CAPABILITY_VERSION_3, 0)
     data = (CapData * 2)()
-    check(libc.capget(ctypes.byref(header), data), "capget")
+    check(libc.capget(byref(header), data), "capget")
     for half in data:
         half.inheritable = 0
-    check(libc.capset(ctypes.byref(header), data), "capset")
+    check(libc.capset(byref(header), data), "capset")
     check(libc.prctl(PR_SET_SECUREBITS, SECUREBITS, 0, 0, 0), "securebits")
     # Commands share its PID namespace: its /proc entries (fd, environ, mem) become root's, not
     # theirs. A command's own exec makes it dumpable again: this stays the agent's.
@@ -166,10 +166,10 @@ def enter_own_pid_namespace(sock: _socket.socket) -> None:
     agent's end by its socket closing, never by this parent.
     """
     check(libc.unshare(CLONE_NEWPID), "make the agent's PID namespace")
-    if os.fork() != 0:
+    if posix.fork() != 0:
         sock.close()
         try:  # noqa: SIM105 - contextlib would cost import time at every start
-            os.execv("/bin/sleep", ["sleep", "infinity"])  # noqa: S606 - a fixed argv, no shell
+            posix.execv("/bin/sleep", ["sleep", "infinity"])
         except OSError:
             pass
         while True:  # no sleep binary: wait here instead
@@ -180,9 +180,9 @@ class Agent:
     def __init__(self, sock: _socket.socket, per_command_pids: bool) -> None:
         self.sock = sock
         self.per_command_pids = per_command_pids
-        self.own_pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY)
-        self.net_ns = os.open("/proc/self/ns/net", os.O_RDONLY)
-        self.devnull = os.open("/dev/null", os.O_RDONLY)
+        self.own_pid_ns = posix.open("/proc/self/ns/pid", posix.O_RDONLY)
+        self.net_ns = posix.open("/proc/self/ns/net", posix.O_RDONLY)
+        self.devnull = posix.open("/dev/null", posix.O_RDONLY)
         self.running: dict[int, int] = {}  # command id -> pid, until reaped
         self.ids: dict[int, int] = {}  # pid -> command id
         self.home = -1  # the sandbox group's cgroup.procs (op "home"), when it has cgroups
@@ -194,7 +194,7 @@ class Agent:
             else:
                 self.sock.send(to_json(message).encode())
         except OSError:
-            os._exit(0)  # the host went away: the sandbox ends with it
+            posix._exit(0)  # the host went away: the sandbox ends with it
 
     def handle(self, req: "dict[str, Any]", fds: "list[int]") -> None:
         op = req.get("op")
@@ -202,7 +202,7 @@ class Agent:
         if op in ("run", "pty") and req.get("cgroup") is True and fds:
             group = fds.pop()
             if self.home < 0:  # no way back from the group: start it in a PID namespace instead
-                os.close(group)
+                posix.close(group)
                 group = -1
         if op == "run" and len(fds) in (2, 3):
             self.start(req, fds, group)
@@ -212,10 +212,10 @@ class Agent:
             return
         if op == "home" and len(fds) == 1 and self.home < 0:
             self.home = fds.pop()
-            os.set_inheritable(self.home, False)
+            posix.set_inheritable(self.home, False)
         for fd in (*fds, group):
             if fd >= 0:
-                os.close(fd)
+                posix.close(fd)
         if op == "connect":
             self.connect(req)
         if op == "netns":  # the host then makes a preview's sockets in it itself (sandbox/netns.py)
@@ -224,7 +224,7 @@ class Agent:
             pid = self.running.get(int(req.get("id", 0)))
             if pid is not None:
                 try:  # noqa: SIM105 - contextlib would cost import time at every start
-                    os.kill(pid, _signal.SIGKILL)
+                    posix.kill(pid, _signal.SIGKILL)
                 except ProcessLookupError:
                     pass
 
@@ -247,7 +247,7 @@ class Agent:
         try:
             send_fds(self.sock, to_json({"event": "connected", "id": request_id}).encode(), conn.fileno())
         except OSError:
-            os._exit(0)  # the host went away: the sandbox ends with it
+            posix._exit(0)  # the host went away: the sandbox ends with it
         finally:
             conn.close()
 
@@ -257,25 +257,25 @@ class Agent:
         command_id = int(req["id"])
         try:
             for fd in fds:
-                os.set_inheritable(fd, False)  # the spawn's dup2 gives the command its own 0-2
+                posix.set_inheritable(fd, False)  # the spawn's dup2 gives the command its own 0-2
             stdin = fds[2] if len(fds) > 2 else self.devnull
             actions = [
-                (os.POSIX_SPAWN_DUP2, stdin, 0),
-                (os.POSIX_SPAWN_DUP2, fds[0], 1),
-                (os.POSIX_SPAWN_DUP2, fds[1], 2),
+                (posix.POSIX_SPAWN_DUP2, stdin, 0),
+                (posix.POSIX_SPAWN_DUP2, fds[0], 1),
+                (posix.POSIX_SPAWN_DUP2, fds[1], 2),
             ]
             if group < 0 and self.per_command_pids:
                 check(libc.setns(self.own_pid_ns, CLONE_NEWPID), "reset the PID namespace for children")
                 check(libc.unshare(CLONE_NEWPID), "make a PID namespace")
-            os.chdir(req["cwd"])
+            posix.chdir(req["cwd"])
             try:
                 pid = self.spawn_in(group, req, actions)
             finally:
-                os.chdir("/")
+                posix.chdir("/")
         except (OSError, ValueError, TypeError, KeyError) as exc:
             argv0 = (req.get("argv") or ["?"])[0]
             try:  # noqa: SIM105 - contextlib would cost import time at every start
-                os.write(fds[1], f"bastion: cannot start {argv0!r}: {exc}\n".encode(errors="replace"))
+                posix.write(fds[1], f"bastion: cannot start {argv0!r}: {exc}\n".encode(errors="replace"))
             except OSError:
                 pass
             self.send({"event": "exit", "id": command_id, "status": EXIT_CANNOT_START})
@@ -285,29 +285,29 @@ class Agent:
         finally:
             for fd in (*fds, group):
                 if fd >= 0:
-                    os.close(fd)
+                    posix.close(fd)
 
     def start_pty(self, req: "dict[str, Any]", group: int) -> None:
         """Start one command on a new pseudo-terminal; hand its master to the host, or say why not."""
         command_id = int(req["id"])
         master = slave = -1
         try:
-            master, slave = os.openpty()  # both close-on-exec (PEP 446): the command opens the slave itself
+            master, slave = posix.openpty()  # both close-on-exec (PEP 446): the command opens the slave itself
             set_window(slave, int(req["rows"]), int(req["cols"]))
             # After setsid, a session leader opening a tty without O_NOCTTY makes it its controlling tty.
             actions = [
-                (os.POSIX_SPAWN_OPEN, 0, os.ttyname(slave), os.O_RDWR, 0),
-                (os.POSIX_SPAWN_DUP2, 0, 1),
-                (os.POSIX_SPAWN_DUP2, 0, 2),
+                (posix.POSIX_SPAWN_OPEN, 0, posix.ttyname(slave), posix.O_RDWR, 0),
+                (posix.POSIX_SPAWN_DUP2, 0, 1),
+                (posix.POSIX_SPAWN_DUP2, 0, 2),
             ]
             if group < 0 and self.per_command_pids:
                 check(libc.setns(self.own_pid_ns, CLONE_NEWPID), "reset the PID namespace for children")
                 check(libc.unshare(CLONE_NEWPID), "make a PID namespace")
-            os.chdir(req["cwd"])
+            posix.chdir(req["cwd"])
             try:
                 pid = self.spawn_in(group, req, actions, session=True)
             finally:
-                os.chdir("/")
+                posix.chdir("/")
         except (OSError, ValueError, TypeError, KeyError) as exc:
             self.send({"event": "pty", "id": command_id, "error": str(exc)[:500]})
         else:
@@ -317,17 +317,17 @@ class Agent:
         finally:
             for fd in (master, slave, group):
                 if fd >= 0:
-                    os.close(fd)
+                    posix.close(fd)
 
     def spawn_in(self, group: int, req: "dict[str, Any]", actions: "list[Any]", session: bool = False) -> int:
         """posix_spawn the command; with a group, from inside it (the child starts there), then back home.
         `session`: in a session of its own (setsid, before the file actions), else a process group of its own."""
         if group >= 0:
-            os.write(group, b"0")  # a refusal raises: the command does not start outside its group
+            posix.write(group, b"0")  # a refusal raises: the command does not start outside its group
         # A process group (or session) of its own: `kill 0` in a command ends that command, not the others.
         group_or_session: dict[str, Any] = {"setsid": True} if session else {"setpgroup": 0}
         try:
-            return os.posix_spawn(
+            return posix.posix_spawn(
                 req["exe"],
                 req["argv"],
                 req["env"],
@@ -335,7 +335,7 @@ class Agent:
                 setsigdef=DEFAULT_SIGNALS,
                 # In a microVM guest the relay starts the agent with the workspace owner's real ids and
                 # root's effective ones: each command runs as that owner (its exec makes the saved ids so).
-                resetids=os.getuid() != os.geteuid(),
+                resetids=posix.getuid() != posix.geteuid(),
                 setsigmask=(),
                 **group_or_session,
             )
@@ -346,7 +346,7 @@ class Agent:
     def reap(self) -> None:
         while True:
             try:
-                pid, raw = os.waitpid(-1, os.WNOHANG)
+                pid, raw = posix.waitpid(-1, posix.WNOHANG)
             except ChildProcessError:
                 return
             if pid == 0:
@@ -355,22 +355,21 @@ class Agent:
             if command_id is None:
                 continue
             del self.running[command_id]
-            code = os.waitstatus_to_exitcode(raw)
+            code = posix.waitstatus_to_exitcode(raw)
             self.send({"event": "exit", "id": command_id, "status": code if code >= 0 else 128 - code})
 
 
 def set_window(tty: int, rows: int, cols: int) -> None:
     """TIOCSWINSZ: the size a program reads with TIOCGWINSZ (`stty size`). Imported here: only terminals pay."""
     import fcntl
-    import struct
     import termios
 
-    fcntl.ioctl(tty, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+    fcntl.ioctl(tty, termios.TIOCSWINSZ, _struct.pack("HHHH", rows, cols, 0, 0))
 
 
 def send_fds(sock: _socket.socket, data: bytes, fd: int) -> None:
     """One message with one fd (SCM_RIGHTS), as socket.send_fds sends it."""
-    sock.sendmsg([data], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, struct.pack("i", fd))])
+    sock.sendmsg([data], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, _struct.pack("i", fd))])
 
 
 def recv_fds(sock: _socket.socket, size: int, max_fds: int) -> "tuple[bytes, list[int]]":
@@ -380,7 +379,7 @@ def recv_fds(sock: _socket.socket, size: int, max_fds: int) -> "tuple[bytes, lis
     for level, kind, payload in ancillary:
         if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
             whole = len(payload) - len(payload) % 4
-            fds += struct.unpack(f"{whole // 4}i", payload[:whole])
+            fds += _struct.unpack(f"{whole // 4}i", payload[:whole])
     return data, fds
 
 
@@ -388,9 +387,9 @@ def go_home(home: int) -> None:
     """Move the agent back to the sandbox's group; if it cannot, end the sandbox rather than live
     on in a command's group, whose kill would end the agent with the command."""
     try:
-        os.write(home, b"0")
+        posix.write(home, b"0")
     except OSError:
-        os._exit(1)
+        posix._exit(1)
 
 
 def to_json(value: object) -> str:
@@ -412,7 +411,7 @@ def to_json(value: object) -> str:
 
 def main() -> None:
     fd = int(sys.argv[1])
-    os.set_inheritable(fd, False)  # bwrap passed it down; no command may inherit it
+    posix.set_inheritable(fd, False)  # bwrap passed it down; no command may inherit it
     sock = _socket.socket(fileno=fd)
     sock.setblocking(True)
     # First, while single-threaded and before any command exists: writes only beneath
@@ -422,8 +421,8 @@ def main() -> None:
     keep_nothing_for_commands()
     if per_command_pids:
         enter_own_pid_namespace(sock)
-    os.chdir("/")  # hold no folder of the workspace; each command gets its own cwd
-    wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    posix.chdir("/")  # hold no folder of the workspace; each command gets its own cwd
+    wake_r, wake_w = posix.pipe2(posix.O_NONBLOCK | posix.O_CLOEXEC)
     _signal.set_wakeup_fd(wake_w)
     _signal.signal(_signal.SIGCHLD, lambda *_: None)
     # Commands share the agent's PID namespace: one sending SIGINT to PID 1 must not stop it.
@@ -432,7 +431,7 @@ def main() -> None:
     poller = select.poll()
     poller.register(fd, select.POLLIN)
     poller.register(wake_r, select.POLLIN)
-    agent.send({"event": "ready", "pid": os.getpid(), "landlock": landlock})
+    agent.send({"event": "ready", "pid": posix.getpid(), "landlock": landlock})
     while True:
         for ready, _ in poller.poll():
             if ready == fd:
@@ -441,15 +440,15 @@ def main() -> None:
                 except InterruptedError:
                     continue
                 if not data:
-                    os._exit(0)  # the host went away: the sandbox ends with it
+                    posix._exit(0)  # the host went away: the sandbox ends with it
                 for received in fds:
                     # recv_fds gives them inheritable: a command must not get its group's cgroup.procs
                     # (it could pull PID 1 into its group, whose kill on a timeout ends the agent).
-                    os.set_inheritable(received, False)
+                    posix.set_inheritable(received, False)
                 agent.handle(marshal.loads(data), fds)  # noqa: S302 - written by the host only
             else:
                 try:  # noqa: SIM105 - contextlib would cost import time at every start
-                    os.read(wake_r, 4096)
+                    posix.read(wake_r, 4096)
                 except BlockingIOError:
                     pass
         agent.reap()

@@ -1,4 +1,4 @@
-"""Landlock self-restriction for the sandbox agent. DANGEROUS: raw syscalls through ctypes.
+"""Landlock self-restriction for the sandbox agent. DANGEROUS: raw syscalls through _ctypes.
 
 A security layer under bubblewrap, not instead of it. bwrap decides what the
 mount namespace shows; Landlock decides what may be changed there. Inside the
@@ -26,12 +26,74 @@ https://docs.kernel.org/userspace-api/landlock.html
 This file runs inside the sandbox with its source prepended to the agent's:
 standard library only, Python 3.9 syntax, no ``from __future__`` import, no
 ``X | Y`` in evaluated annotations, and every private name prefixed ``_landlock``
-so that it cannot collide with the agent's.
+so that it cannot collide with the agent's. Its public C types and `Libc` serve the agent too.
 """
 
-import ctypes
-import os
-import stat
+# The C modules under ctypes, os and stat, not those packages: this file runs at every sandbox
+# start, where their Python (with struct, types, abc, posixpath...) cost about 3 ms of about 25.
+import _ctypes
+import _stat
+import posix
+
+# mypy takes MYPY as true, as it does TYPE_CHECKING, which the agent (this file's sequel) binds.
+MYPY = False
+if MYPY:
+    _landlock_IntData = _ctypes._SimpleCData[int]
+    _landlock_PointerData = _ctypes._SimpleCData[int | None]
+else:
+    _landlock_IntData = _landlock_PointerData = _ctypes._SimpleCData
+
+
+# ctypes' own definitions of the types used here (the codes are struct's; Linux, LP64).
+class c_int(_landlock_IntData):
+    _type_ = "i"
+
+
+class c_uint32(_landlock_IntData):
+    _type_ = "I"
+
+
+class c_long(_landlock_IntData):
+    _type_ = "l"
+
+
+class c_ulong(_landlock_IntData):
+    _type_ = "L"
+
+
+class c_uint64(_landlock_IntData):
+    _type_ = "Q"
+
+
+class c_void_p(_landlock_PointerData):
+    _type_ = "P"
+
+
+c_int32 = c_int
+byref = _ctypes.byref
+get_errno = _ctypes.get_errno
+
+
+class Libc:
+    """What `ctypes.CDLL(None, use_errno=True)` gives: the process's C library, each function found
+    by name at first use and returning a C int unless given a `restype`; errno kept for `get_errno`."""
+
+    def __init__(self) -> None:
+        # CFuncPtr((name, library)) looks the name up in library._handle.
+        self._handle = _ctypes.dlopen(None, _ctypes.RTLD_LOCAL)  # type: ignore[arg-type]  # None: the process
+
+    def function(self, name: str, restype: "type[_ctypes._SimpleCData[int]]" = c_int) -> "_ctypes.CFuncPtr":
+        class Function(_ctypes.CFuncPtr):
+            _flags_ = _ctypes.FUNCFLAG_CDECL | _ctypes.FUNCFLAG_USE_ERRNO
+            _restype_ = restype
+
+        return Function((name, self))  # type: ignore[arg-type]  # a CDLL, as far as it looks (_handle)
+
+    def __getattr__(self, name: str) -> "_ctypes.CFuncPtr":
+        found = self.function(name)
+        setattr(self, name, found)
+        return found
+
 
 # Syscall numbers: the same on x86_64 and aarch64 (asm-generic numbering since 5.13).
 _landlock_CREATE_RULESET, _landlock_ADD_RULE, _landlock_RESTRICT_SELF = 0, 1, 2
@@ -80,29 +142,28 @@ _landlock_DEV_SHM = "/dev/shm"  # noqa: S108 - the sandbox's own /dev, made by b
 # Read beneath only these (plus write_dirs and devices) when read_all is False.
 _landlock_SYSTEM_READ = ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32", "/etc", "/proc", "/dev")
 
-_landlock_libc = ctypes.CDLL(None, use_errno=True)
-_landlock_libc.syscall.restype = ctypes.c_long
-_landlock_libc.prctl.restype = ctypes.c_int
+_landlock_libc = Libc()
+_landlock_syscall_function = _landlock_libc.function("syscall", c_long)
 
 
-class _landlock_RulesetAttr(ctypes.Structure):
+class _landlock_RulesetAttr(_ctypes.Structure):
     _fields_ = (
-        ("handled_access_fs", ctypes.c_uint64),
-        ("handled_access_net", ctypes.c_uint64),
-        ("scoped", ctypes.c_uint64),
+        ("handled_access_fs", c_uint64),
+        ("handled_access_net", c_uint64),
+        ("scoped", c_uint64),
     )
 
 
-class _landlock_PathBeneathAttr(ctypes.Structure):
+class _landlock_PathBeneathAttr(_ctypes.Structure):
     _pack_ = 1  # __attribute__((packed)) in <linux/landlock.h>: 12 bytes
-    _fields_ = (("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32))
+    _fields_ = (("allowed_access", c_uint64), ("parent_fd", c_int32))
 
 
 def _landlock_syscall(index: int, *args: object) -> int:
     # syscall(2) is variadic: ctypes would pass a bare int as a 32-bit C int, so widen them.
-    number = _landlock_SYSCALLS[os.uname().machine][index]
-    wide = [ctypes.c_long(a) if isinstance(a, int) else a for a in args]
-    return int(_landlock_libc.syscall(ctypes.c_long(number), *wide))
+    number = _landlock_SYSCALLS[posix.uname().machine][index]
+    wide = [c_long(a) if isinstance(a, int) else a for a in args]
+    return int(_landlock_syscall_function(c_long(number), *wide))
 
 
 def landlock_abi() -> int:
@@ -112,11 +173,11 @@ def landlock_abi() -> int:
         The version (1 and up), or 0 when Landlock is missing, disabled at boot,
         or this machine's syscall numbers are unknown here.
     """
-    if os.uname().machine not in _landlock_SYSCALLS:
+    if posix.uname().machine not in _landlock_SYSCALLS:
         return 0
     abi = _landlock_syscall(
         _landlock_CREATE_RULESET,
-        ctypes.c_void_p(None),
+        c_void_p(None),
         0,
         LANDLOCK_CREATE_RULESET_VERSION,
     )
@@ -149,19 +210,19 @@ def landlock_missing(abi: int) -> list[str]:
 
 def _landlock_add_path(ruleset_fd: int, path: str, allowed: int) -> None:
     try:
-        fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+        fd = posix.open(path, posix.O_PATH | posix.O_CLOEXEC)
     except FileNotFoundError:
         return
     try:
-        if not stat.S_ISDIR(os.fstat(fd).st_mode):
+        if not _stat.S_ISDIR(posix.fstat(fd).st_mode):
             allowed &= _landlock_FILE_ONLY
         attr = _landlock_PathBeneathAttr(allowed, fd)
-        rc = _landlock_syscall(_landlock_ADD_RULE, ruleset_fd, LANDLOCK_RULE_PATH_BENEATH, ctypes.byref(attr), 0)
+        rc = _landlock_syscall(_landlock_ADD_RULE, ruleset_fd, LANDLOCK_RULE_PATH_BENEATH, byref(attr), 0)
         if rc != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"landlock_add_rule({path!r}) failed: {os.strerror(err)}")
+            err = get_errno()
+            raise OSError(err, f"landlock_add_rule({path!r}) failed: {posix.strerror(err)}")
     finally:
-        os.close(fd)
+        posix.close(fd)
 
 
 def restrict(write_dirs: list[str], *, read_all: bool = True) -> dict[str, object]:
@@ -190,7 +251,7 @@ def restrict(write_dirs: list[str], *, read_all: bool = True) -> dict[str, objec
     """
     abi = landlock_abi()
     if abi == 0:
-        machine = os.uname().machine
+        machine = posix.uname().machine
         why = "unknown machine " + machine if machine not in _landlock_SYSCALLS else "kernel has no Landlock"
         unapplied = f"landlock: not applied ({why}): only the bubblewrap namespaces confine this sandbox"
         return {"abi": 0, "applied": False, "scoped": False, "warning": unapplied}
@@ -200,10 +261,10 @@ def restrict(write_dirs: list[str], *, read_all: bool = True) -> dict[str, objec
     # The attr grew per ABI (fs; + net at 4; + scoped at 6); pass the size this kernel knows.
     attr = _landlock_RulesetAttr(handled, 0, scoped)
     size = 8 if abi < 4 else 16 if abi < 6 else 24
-    ruleset_fd = _landlock_syscall(_landlock_CREATE_RULESET, ctypes.byref(attr), size, 0)
+    ruleset_fd = _landlock_syscall(_landlock_CREATE_RULESET, byref(attr), size, 0)
     if ruleset_fd < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"landlock_create_ruleset failed: {os.strerror(err)}")
+        err = get_errno()
+        raise OSError(err, f"landlock_create_ruleset failed: {posix.strerror(err)}")
     try:
         device = LANDLOCK_ACCESS_FS_WRITE_FILE | (
             handled & (LANDLOCK_ACCESS_FS_TRUNCATE | LANDLOCK_ACCESS_FS_IOCTL_DEV)
@@ -219,19 +280,19 @@ def restrict(write_dirs: list[str], *, read_all: bool = True) -> dict[str, objec
         for path in [*write_dirs, _landlock_DEV_SHM]:
             _landlock_add_path(ruleset_fd, path, handled)
         if _landlock_libc.prctl(
-            ctypes.c_int(_landlock_PR_SET_NO_NEW_PRIVS),
-            ctypes.c_ulong(1),
-            ctypes.c_ulong(0),
-            ctypes.c_ulong(0),
-            ctypes.c_ulong(0),
+            c_int(_landlock_PR_SET_NO_NEW_PRIVS),
+            c_ulong(1),
+            c_ulong(0),
+            c_ulong(0),
+            c_ulong(0),
         ):
-            err = ctypes.get_errno()
-            raise OSError(err, f"prctl(PR_SET_NO_NEW_PRIVS) failed: {os.strerror(err)}")
+            err = get_errno()
+            raise OSError(err, f"prctl(PR_SET_NO_NEW_PRIVS) failed: {posix.strerror(err)}")
         if _landlock_syscall(_landlock_RESTRICT_SELF, ruleset_fd, 0) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"landlock_restrict_self failed: {os.strerror(err)}")
+            err = get_errno()
+            raise OSError(err, f"landlock_restrict_self failed: {posix.strerror(err)}")
     finally:
-        os.close(ruleset_fd)
+        posix.close(ruleset_fd)
 
     missing = landlock_missing(abi)
     warning = f"landlock ABI {abi}: " + "; ".join(missing) if missing else None
