@@ -165,7 +165,7 @@ async def test_an_idle_sandbox_holds_only_its_agent(sandbox: WarmSandbox) -> Non
     assert (await sh(sandbox, "true")).status == 0
     assert sandbox._proc is not None
     idle = len(_descendants(sandbox._proc.pid))
-    marker = "4248.25"  # unique among the tests: processes_with sees every worker's processes
+    marker = "4249.25"  # unique among the tests: processes_with sees every worker's processes
     background = await sandbox.spawn("/bin/sleep", ["sleep", marker], cwd="/", env=ENV, ring_bytes=1024)
     outcomes = await asyncio.gather(*(sh(sandbox, f"echo {n}") for n in range(3)))
     assert [o.stdout for o in outcomes] == [b"0\n", b"1\n", b"2\n"]
