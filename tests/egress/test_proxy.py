@@ -542,8 +542,8 @@ def test_large_download_is_intact(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     with egress_path(tmp_path, ["local.test:PORT"], blocked_ranges=OPEN_RANGES) as path:
         if not splice:
             source = FORWARDER.read_text()
-            assert 'SPLICE = hasattr(os, "splice")' in source
-            proc, port = start_forwarder(path.sock_path, source.replace('hasattr(os, "splice")', "False"))
+            assert 'SPLICE = hasattr(posix, "splice")' in source
+            proc, port = start_forwarder(path.sock_path, source.replace('hasattr(posix, "splice")', "False"))
             path.extra.append(proc)
             path.proxy_port = port
         status, body = fetch(path, "http://local.test:PORT/big")

@@ -7,25 +7,32 @@ import marshal
 import subprocess
 from pathlib import Path
 
-from bastion.sandbox._spawn import AGENT_PATH, INSIDE_FILES, agent_image, sandbox_python
+import pytest
+
+from bastion.sandbox._spawn import AGENT_PATH, FORWARDER_PATH, INSIDE_FILES, agent_image, program_image, sandbox_python
 
 
-def test_agent_is_bytecode_of_its_own_source_when_the_interpreter_reads_ours() -> None:
-    """Invariant: the image starts with this interpreter's magic number and holds the agent's source
-    compiled (landlock.py's code in front), so the sandbox runs exactly what the source says."""
+@pytest.mark.parametrize(
+    ("program", "names"),
+    [(AGENT_PATH, {"restrict", "Agent"}), (FORWARDER_PATH, {"Relay", "Pair"})],
+    ids=["agent", "forwarder"],
+)
+def test_a_program_is_bytecode_of_its_own_source_when_the_interpreter_reads_ours(program: str, names: set[str]) -> None:
+    """Invariant: the image starts with this interpreter's magic number and holds the program's source
+    compiled (the agent's with landlock.py's code in front), so the sandbox runs exactly what the source says."""
     python = sandbox_python()
     probe = "import _frozen_importlib_external as b, sys; sys.stdout.write(b.MAGIC_NUMBER.hex())"
     theirs = subprocess.run([python, "-I", "-S", "-c", probe], capture_output=True, text=True, check=True).stdout
-    image = agent_image(python)
+    image = program_image(python, program)
     if bytes.fromhex(theirs) != importlib.util.MAGIC_NUMBER:
-        assert image == INSIDE_FILES[AGENT_PATH]
+        assert image == INSIDE_FILES[program]
         return
     assert isinstance(image, bytes)
     assert image[:4] == importlib.util.MAGIC_NUMBER
     code = marshal.loads(image[16:])
-    assert code.co_code == compile(INSIDE_FILES[AGENT_PATH], AGENT_PATH, "exec", dont_inherit=True).co_code
-    assert "restrict" in code.co_names
-    assert "Agent" in code.co_names
+    assert code.co_code == compile(INSIDE_FILES[program], program, "exec", dont_inherit=True).co_code
+    assert names <= set(code.co_names)
+    assert agent_image(python) == program_image(python, AGENT_PATH)
 
 
 def test_agent_is_source_for_an_interpreter_that_cannot_say_its_magic(tmp_path: Path) -> None:
@@ -38,28 +45,32 @@ def test_agent_is_source_for_an_interpreter_that_cannot_say_its_magic(tmp_path: 
     assert agent_image(str(tmp_path / "missing")) == INSIDE_FILES[AGENT_PATH]
 
 
-# What the agent may load as it starts: modules written in C only (built in or extensions), whose
+# What the agent and the forwarder may load as they start: modules written in C only (built in or extensions), whose
 # import is a lookup or a dlopen; a Python module (ctypes, os, struct...) costs ms at every start.
 IMPORT_PROBE = """
 import sys
 before = set(sys.modules)
-exec(compile(sys.stdin.read(), "agent", "exec"), {"__name__": "agent"})
+exec(compile(sys.stdin.read(), "program", "exec"), {"__name__": "program"})
 for name in sorted(set(sys.modules) - before):
     origin = sys.modules[name].__spec__.origin
     print(name, "C" if origin == "built-in" or origin.endswith(".so") else origin)
 """
 
 
-def test_the_agent_loads_no_python_module_as_it_starts() -> None:
-    """Invariant: importing the agent's image (landlock.py's code in front, main not run) in the
-    sandbox's interpreter, as `_spawn` starts it, loads only built-in or extension modules."""
+@pytest.mark.parametrize(
+    ("program", "own"), [(AGENT_PATH, "_ctypes"), (FORWARDER_PATH, "select")], ids=["agent", "forwarder"]
+)
+def test_a_program_the_sandbox_waits_for_loads_no_python_module_as_it_starts(program: str, own: str) -> None:
+    """Invariant: importing the agent's image (landlock.py's code in front, main not run), or the
+    egress forwarder's, in the sandbox's interpreter as `_spawn` starts them, loads only built-in or
+    extension modules: each sandbox's start (and, with a network, its forwarder's) waits for them."""
     done = subprocess.run(
         [sandbox_python(), "-I", "-S", "-c", IMPORT_PROBE],
-        input=INSIDE_FILES[AGENT_PATH],
+        input=INSIDE_FILES[program],
         capture_output=True,
         text=True,
         check=True,
     )
     loaded = dict(line.split() for line in done.stdout.splitlines())
-    assert {"_ctypes", "_socket"} <= loaded.keys()  # the probe sees the agent's own imports
+    assert own in loaded  # the probe sees the program's own imports
     assert set(loaded.values()) == {"C"}, loaded

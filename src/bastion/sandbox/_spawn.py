@@ -260,7 +260,9 @@ def start_sandbox(spec: SandboxSpec) -> tuple[SandboxProcess, socket.socket]:
         for dest, text in IDENTITY_FILES.items():
             data_fds[dest] = _data_fd(text)
         python = sandbox_python()
-        data_fds |= inside_fds(agent=agent_image(python))
+        # The agent and the egress forwarder are what a start waits for, and run on `python` itself.
+        images = {dest: program_image(python, dest) for dest in (AGENT_PATH, FORWARDER_PATH)}
+        data_fds |= inside_fds(images=images)
         full = build_bwrap_argv(spec, agent_end.fileno(), python, seccomp_fd, data_fds)
         # bwrap is PID 1 inside, and /proc/1/cmdline is readable there: its options (host paths
         # of the workspace, the state folder, binds) go through a memfd, not the command line.
@@ -305,15 +307,15 @@ def start_sandbox(spec: SandboxSpec) -> tuple[SandboxProcess, socket.socket]:
     return proc, host_end
 
 
-def inside_fds(*, agent: str | bytes | None = None) -> dict[str, int]:
+def inside_fds(*, images: Mapping[str, str | bytes] | None = None) -> dict[str, int]:
     """memfds of the programs bastion runs inside (`INSIDE_FILES`), by destination; the caller closes them.
 
-    `agent`: what to show at `AGENT_PATH` instead of its source (`agent_image`).
+    `images`: what to show at some destinations instead of their source (`program_image`).
     """
     fds: dict[str, int] = {}
     try:
         for dest, text in INSIDE_FILES.items():
-            fds[dest] = _data_fd(agent if dest == AGENT_PATH and agent is not None else text)
+            fds[dest] = _data_fd((images or {}).get(dest, text))
     except BaseException:
         for fd in fds.values():
             os.close(fd)
@@ -322,17 +324,23 @@ def inside_fds(*, agent: str | bytes | None = None) -> dict[str, int]:
 
 
 def agent_image(python: str) -> str | bytes:
-    """What `python` runs fastest at `AGENT_PATH`: the agent compiled here when that interpreter reads
+    """What `python` runs fastest at `AGENT_PATH` (`program_image`)."""
+    return program_image(python, AGENT_PATH)
+
+
+def program_image(python: str, dest: str) -> str | bytes:
+    """What `python` runs fastest at `dest`: the program compiled here when that interpreter reads
     this one's bytecode (same magic number), else its source, which it would compile at every start
-    (3 ms of CPU). Python runs a file as bytecode when it starts with its magic number, whatever its
-    name (pythonrun.c, `maybe_pyc_file`), so the command line stays the same."""
+    (3 ms of CPU for the agent). Python runs a file as bytecode when it starts with its magic number,
+    whatever its name (pythonrun.c, `maybe_pyc_file`), so the command line stays the same. Only for
+    programs `python` itself runs: the code contexts' kernel and REPL may run on another Python."""
     try:
         st = os.stat(python)
     except OSError:
-        return INSIDE_FILES[AGENT_PATH]
+        return INSIDE_FILES[dest]
     if _bytecode_magic(python, st.st_ino, st.st_mtime_ns) != importlib.util.MAGIC_NUMBER:
-        return INSIDE_FILES[AGENT_PATH]
-    return _agent_bytecode()
+        return INSIDE_FILES[dest]
+    return _bytecode(dest)
 
 
 @functools.cache
@@ -349,9 +357,9 @@ def _bytecode_magic(python: str, _ino: int, _mtime_ns: int) -> bytes | None:
 
 
 @functools.cache
-def _agent_bytecode() -> bytes:
-    """A .pyc image of the agent: magic, flags 0, 8 unused bytes (a script's is not checked), the code."""
-    code = compile(INSIDE_FILES[AGENT_PATH], AGENT_PATH, "exec", dont_inherit=True, optimize=0)
+def _bytecode(dest: str) -> bytes:
+    """A .pyc image of a program: magic, flags 0, 8 unused bytes (a script's is not checked), the code."""
+    code = compile(INSIDE_FILES[dest], dest, "exec", dont_inherit=True, optimize=0)
     return importlib.util.MAGIC_NUMBER + bytes(12) + marshal.dumps(code)
 
 

@@ -69,8 +69,8 @@ def echo(conn: socket.socket) -> None:
 def source(request: pytest.FixtureRequest) -> str:
     if request.param:
         return SOURCE
-    assert 'SPLICE = hasattr(os, "splice")' in SOURCE
-    return SOURCE.replace('SPLICE = hasattr(os, "splice")', "SPLICE = False")
+    assert 'SPLICE = hasattr(posix, "splice")' in SOURCE
+    return SOURCE.replace('SPLICE = hasattr(posix, "splice")', "SPLICE = False")
 
 
 @contextlib.contextmanager
