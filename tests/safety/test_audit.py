@@ -684,3 +684,50 @@ def test_immutable_log_refuses_with_the_fix_then_accepts_again(log: AuditLog, lo
     _write(log, 1)
     report = verify(log_path)
     assert (report.ok, report.records) == (True, 3)
+
+
+def test_a_record_cancelled_in_the_queue_is_written_and_later_records_are_not_stuck(
+    log: AuditLog, log_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found when a SIGTERM cut calls over stdio: a record waiting behind a batch being synced was
+    cancelled (its call cut); the batch's leader then handed the lead to it, nobody took it, and every
+    later record waited for ever, so the server answered nothing more. A queued record's caller now
+    gets its cancellation once the record is written: it leads when its turn comes."""
+    gate = threading.Event()
+    entered = threading.Event()
+    real = os.fdatasync
+
+    def slow(fd: int) -> None:
+        if not entered.is_set():
+            entered.set()
+            assert gate.wait(10)
+        real(fd)
+
+    monkeypatch.setattr(os, "fdatasync", slow)
+
+    async def cut_call(cut: anyio.CancelScope, done: anyio.Event) -> None:
+        with cut:
+            await log.append_async({"i": "cut"})
+        done.set()
+
+    async def main() -> None:
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(log.append_async, {"i": "leader"})
+                await anyio.to_thread.run_sync(entered.wait, 10)  # the leader's batch is being synced
+                cut, cut_done = anyio.CancelScope(), anyio.Event()
+                tg.start_soon(cut_call, cut, cut_done)
+                tg.start_soon(log.append_async, {"i": "after"})
+                while len(log._async_queue) < 2:
+                    await anyio.sleep(0)
+                cut.cancel()
+                for _ in range(10):
+                    await anyio.sleep(0)
+                assert not cut_done.is_set()  # cancelled, it waits for its record all the same
+                gate.set()
+                await cut_done.wait()
+
+    anyio.run(main)
+    assert [json.loads(line)["i"] for line in log_path.read_text().splitlines()] == ["leader", "cut", "after"]
+    log.append({"i": "later"})  # the log still takes records
+    assert verify(log_path) == audit_mod.VerifyReport(True, 4)

@@ -235,7 +235,8 @@ class AuditLog:
         Records that arrive while a batch is being written form the next batch: one
         worker thread writes it with one fdatasync, then wakes every waiter (records are cleaned
         on the event loop first).
-        Use one event loop per `AuditLog`. A cancelled caller's record may still be written.
+        Use one event loop per `AuditLog`. A caller cancelled once its record is queued gets the
+        cancellation after the record is written (or has failed).
         """
         started = time.perf_counter()
         try:
@@ -253,17 +254,22 @@ class AuditLog:
         self._async_queue.append(waiter)
         if not self._async_leading:
             self._async_leading = waiter.lead = True
-        try:
-            while not waiter.lead:
-                await waiter.event.wait()
-                if waiter.finished:
-                    break
-            if not waiter.finished:
-                await self._lead_async()
-        except BaseException:
-            if waiter.lead and not waiter.finished:
-                self._pass_lead(exclude=waiter)
-            raise
+        # Shielded: a queued record is written (or fails) before its caller's cancellation goes on, so
+        # the caller's call is recorded as far as it went. A caller cancelled while waiting would leave
+        # its record queued with nobody to lead it, and a finished leader handing it the lead would leave
+        # every later record, so every later call, waiting for ever.
+        with anyio.CancelScope(shield=True):
+            try:
+                while not waiter.lead:
+                    await waiter.event.wait()
+                    if waiter.finished:
+                        break
+                if not waiter.finished:
+                    await self._lead_async()
+            except BaseException:
+                if waiter.lead and not waiter.finished:
+                    self._pass_lead(exclude=waiter)
+                raise
         if waiter.cause is not None:
             self._count_failure()
             raise AuditUnavailable(_failure(waiter.cause, ran=ran))
