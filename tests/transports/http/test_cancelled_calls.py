@@ -7,8 +7,7 @@ answers, and the audit log verifies.
 What it does not prove: the race that made this worth testing. A call cancelled while its audit record
 waited behind a batch being synced once left every later call waiting for ever (found by the SIGTERM
 fault test); this test and two heavier variants passed on that code too (3 runs each): the window
-is a sync's length. The race is
-reproduced deterministically in tests/safety/test_audit.py.
+is a sync's length. tests/safety/test_audit.py reproduces that race deterministically.
 """
 
 from __future__ import annotations
