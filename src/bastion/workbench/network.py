@@ -139,7 +139,7 @@ async def _start_forwarder(workspace: HostWorkspace, socket_path: str) -> Proces
             while b"ready" not in process.stdout.read(0, 64)[1]:
                 if process.exited:
                     break
-                await asyncio.sleep(0.001)  # it prints "ready" about 10 ms after its spawn; a create waits for it
+                await asyncio.sleep(0.001)  # a create waits for this line: a coarser poll only adds to it
     except TimeoutError:
         pass
     if process.exited or b"ready" not in process.stdout.read(0, 64)[1]:

@@ -1,6 +1,6 @@
 """Calls their clients cancel, many at once, against a live `bastion serve --http`.
 
-What this proves: 8 real MCP clients (the SDK's, with a token from `bastion admin token`) each start
+What this proves: 8 real MCP clients (the SDK's, with a token from `bastion admin token`'s function) each start
 40 mutating calls and give up on them at varied points, from before the send to mid-call (the SDK then
 sends `notifications/cancelled` and the server cancels the call); afterwards every client's next call
 answers, and the audit log verifies.
@@ -20,9 +20,9 @@ from mcp.client.streamable_http import streamable_http_client
 
 from bastion.safety.audit import verify
 from tests.helpers import call
+from tests.load.driver import issue_tokens
 
 from .live import LiveServer
-from .test_admin_token import issue
 
 pytestmark = pytest.mark.anyio
 CLIENTS = 8
@@ -32,7 +32,7 @@ ROUNDS = 40
 async def test_calls_cancelled_by_their_clients_under_load_leave_every_later_call_answered(
     server: LiveServer,
 ) -> None:
-    token, _ = issue(server, "--client", "canceller", "--scope", "workbench", "--ttl", "10m")
+    (token,) = issue_tokens(server, 1)
     answered: list[int] = []
 
     async def one_client(n: int) -> None:

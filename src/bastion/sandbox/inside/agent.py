@@ -82,7 +82,8 @@ import sys
 # Every import here is paid at each sandbox start (json+re, contextlib and typing cost
 # ~25 ms together on a slow machine): the agent uses builtins and string annotations, and the
 # C modules under signal, socket, selectors, struct, os and ctypes (whose Python, with enum,
-# collections, abc and posixpath, cost 5 ms of CPU, and ctypes and os 3 ms more).
+# collections, abc and posixpath, cost 5 ms of CPU; ctypes, os and stat cost about 6 ms more of
+# each start: a cold create_sandbox went from 27-31 to 22-24 ms without them).
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     import _ctypes
