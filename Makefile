@@ -134,7 +134,9 @@ service-test: install
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends systemd-container >/dev/null; }
 	bash scripts/test-service.sh
 
-test: lint typecheck unit unprivileged
+# The suite with the soak's CI variant and the unprivileged pass beside it (scripts/test-suite.sh).
+test: lint typecheck install test-deps node-tools $(MICROVM_DIR)/initramfs.cpio
+	VENV=$(VENV) bash scripts/test-suite.sh
 
 # The whole conformance suite on real microVMs under software emulation (minutes, not seconds).
 test-microvm: install $(MICROVM_DIR)/initramfs.cpio

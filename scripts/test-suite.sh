@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# `make test`'s test passes, side by side. The suite runs on two pytest workers; beside it run the two
+# passes that mostly wait: the soak's CI variant (a steady 15 calls/s for three minutes) and the
+# unprivileged pass (scripts/test-unprivileged.sh: about a minute of sandbox tests, a quarter of it on
+# a CPU). Run one after the other they added about four minutes. Each side pass's output is printed
+# whole once it ends; the exit status is non-zero if any pass failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+venv=${VENV:-.venv}
+logs=$(mktemp -d /tmp/bastion-test-passes.XXXXXX)
+side=()
+trap 'for p in "${side[@]}"; do kill "$p" 2>/dev/null; done; wait; rm -rf "$logs"' EXIT
+
+soak=tests/load/test_soak.py
+"$venv/bin/pytest" -q -p no:cacheprovider --basetemp="$logs/soak-tmp" "$soak" >"$logs/soak.log" 2>&1 &
+side+=($!)
+if [ "$(id -u)" = 0 ]; then
+  bash scripts/test-unprivileged.sh >"$logs/unprivileged.log" 2>&1 &
+  side+=($!)
+else
+  echo "skipping the unprivileged pass: it needs root to create the user and the cgroup"
+fi
+
+status=0
+"$venv/bin/pytest" -q -n 2 --dist loadfile --ignore="$soak" || status=1
+for pass in soak unprivileged; do
+  [ ${#side[@]} -gt 0 ] || break
+  pid=${side[0]}
+  side=("${side[@]:1}")
+  wait "$pid" || { status=1; echo "== the $pass pass FAILED"; }
+  echo "== the $pass pass:"
+  cat "$logs/$pass.log"
+done
+exit $status
