@@ -65,6 +65,18 @@ async def gone(marker: str) -> bool:
     return False
 
 
+async def started(marker: str, count: int) -> list[int]:
+    """The host pids with `marker`, polled until there are `count`: a job the shell forked with `&` runs
+    the shell's code until it execs, so its command line names the program only some time after the
+    prompt is back."""
+    for _ in range(500):
+        found = processes_with(marker)
+        if len(found) >= count:
+            return found
+        await anyio.sleep(0.01)
+    return processes_with(marker)
+
+
 async def test_python_repl_keeps_state_across_sends(client: Client) -> None:
     box = await create(client)
     term = await open_term(client, box, "python3")
@@ -199,7 +211,7 @@ async def test_close_terminal_leaves_no_survivors(client: Client) -> None:
     term = await open_term(client, box)
     await send(client, term, "sleep 91001 & setsid sleep 91002 & nohup sleep 91003 >/dev/null 2>&1 &", "Enter")
     await line(client, term, "echo started-$((1 + 2))", "started-3")
-    assert len(processes_with("sleep\x009100")) == 3
+    assert len(await started("sleep\x009100", 3)) == 3
     closed = await call(client, "close_terminal", terminal_id=term)
     assert closed["ok"], closed
     assert closed["detail"]["killed"] is True
@@ -213,7 +225,7 @@ async def test_close_sandbox_ends_its_terminals(client: Client) -> None:
     term = await open_term(client, box)
     await send(client, term, "sleep 92001 &", "Enter")
     await line(client, term, "echo up-$((2 + 2))", "up-4")
-    assert processes_with("sleep\x0092001")
+    assert await started("sleep\x0092001", 1)
     assert (await call(client, "close_sandbox", sandbox_id=box))["ok"]
     assert await gone("sleep\x0092001")
     assert (await call(client, "terminal_read", terminal_id=term))["code"] == "NOT_FOUND"
@@ -266,7 +278,7 @@ async def test_program_that_closes_its_terminal_and_runs_on_is_killed_by_close(c
     read = await call(client, "terminal_read", terminal_id=term, wait_for="never-shown", timeout_s=10)
     assert read["detail"]["output_open"] is False
     assert read["detail"]["state"] == "running"
-    assert processes_with("sleep\x0093001")
+    assert await started("sleep\x0093001", 1)  # the shell closes the output before it execs
     refused = await call(client, "terminal_send", terminal_id=term, text="x")
     assert refused["code"] == "CONFLICT"
     assert (await call(client, "close_terminal", terminal_id=term))["ok"]
