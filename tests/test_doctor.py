@@ -35,8 +35,30 @@ def _tree(root: Path) -> set[str]:
 
 
 def _our_temp_dirs() -> set[str]:
-    doctor = {name for name in os.listdir(tempfile.gettempdir()) if name.startswith("bastion-doctor-")}
-    return doctor | temp_socket_folders()
+    """The doctor's and the egress socket folders in the temp folder that this user owns: `make test` runs
+    the unprivileged pass beside the root one, whose doctor makes folders of the same names meanwhile."""
+    temp = tempfile.gettempdir()
+    names = {name for name in os.listdir(temp) if name.startswith("bastion-doctor-")} | temp_socket_folders()
+    return {name for name in names if _owner(os.path.join(temp, name)) == os.geteuid()}
+
+
+def _owner(path: str) -> int | None:
+    try:
+        return os.lstat(path).st_uid
+    except FileNotFoundError:
+        return None
+
+
+def _our_groups(layout: CgroupLayout) -> set[str]:
+    """The sandbox cgroups of this process (a sandbox's group is named with its server's pid): other
+    workers' and passes' sandboxes come and go meanwhile."""
+    return {name for name in layout.existing() if f"-{os.getpid()}-" in name}
+
+
+def _mounts_under(roots: list[str]) -> set[str]:
+    """The host's mounts whose mount point (mountinfo's fifth field) is under one of `roots`."""
+    lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    return {line for line in lines if any(f"{line.split()[4]}/".startswith(f"{root}/") for root in roots)}
 
 
 @pytest.mark.bwrap
@@ -46,7 +68,7 @@ def test_demo_config_passes_with_the_canary_refused_and_leaves_nothing(
     """Invariant: on this machine every check is ok or warn, a real sandbox starts, the kernel refuses
     the canary, and afterwards no sandbox cgroup, process, mount or file of the doctor remains."""
     layout = CgroupLayout.detect()
-    groups, mounts = layout.existing(), Path("/proc/self/mountinfo").read_text()
+    groups, mounts = _our_groups(layout), set(Path("/proc/self/mountinfo").read_text().splitlines())
     tree, temp, children = _tree(demo_config_path.parent), _our_temp_dirs(), set(child_pids())
 
     code, checks, err = _doctor(capsys, "--config", str(demo_config_path))
@@ -73,9 +95,11 @@ def test_demo_config_passes_with_the_canary_refused_and_leaves_nothing(
     assert checks["gateway:biscuit"][0] == "warn"
     assert "no pinned host_key" in checks["gateway:biscuit"][1]
 
-    # Nothing new (other tests' leftovers may still be going away: only additions are the doctor's).
-    assert set(layout.existing()) <= set(groups)
-    assert set(Path("/proc/self/mountinfo").read_text().splitlines()) <= set(mounts.splitlines())
+    # Nothing new (other tests' leftovers may still be going away: only additions are the doctor's). The
+    # doctor's state folder is one of this user's in the temp folder, gone unless something stays mounted.
+    assert _our_groups(layout) <= groups
+    ours = [os.path.join(tempfile.gettempdir(), name) for name in _our_temp_dirs()]
+    assert _mounts_under([str(demo_config_path.parent), *ours]) <= mounts
     assert _tree(demo_config_path.parent) == tree
     assert _our_temp_dirs() <= temp
     assert set(child_pids()) <= children  # nothing new (a fixture's child may have ended)

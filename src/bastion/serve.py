@@ -14,7 +14,7 @@ import socket
 import sys
 from collections.abc import Awaitable, Callable, Iterator
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 import anyio
 
@@ -239,8 +239,22 @@ def _clean_stop_server(notifier: Notifier, status: str) -> type[uvicorn.Server]:
         async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
             notifier.stopping()
             await super().shutdown(sockets)
+            await _cancelled_requests_finish(self)
 
     return CleanStopServer
+
+
+CANCELLED_CLEANUP_S: Final = 10.0
+"""How long the requests a graceful shutdown cancelled get to finish unwinding (a call's end record)."""
+
+
+async def _cancelled_requests_finish(server: uvicorn.Server) -> None:
+    """Wait, bounded, for the requests uvicorn's graceful shutdown cancelled: it returns without waiting
+    for them, and once `serve` returns asyncio.run cancels what is left again, natively, through any
+    anyio shield: a cancelled call writing its end record lost it (a start record without its end)."""
+    running = [task for task in server.server_state.tasks if not task.done()]
+    if running:
+        await asyncio.wait(running, timeout=CANCELLED_CLEANUP_S)
 
 
 def _uvicorn_config(app: ASGIApp, http: HttpConfig, listen: str, limits: FdLimits, *, preview: bool) -> uvicorn.Config:
@@ -355,6 +369,10 @@ def _quiet_server() -> type[uvicorn.Server]:
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:
             yield
+
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().shutdown(sockets)
+            await _cancelled_requests_finish(self)
 
     return QuietServer
 
