@@ -18,7 +18,7 @@ import anyio
 import pytest
 import uvicorn
 
-from bastion.serve import _clean_stop_server, _quiet_server, listen_socket
+from bastion.serve import clean_stop_server, listen_socket, quiet_server
 from bastion.systemd import Notifier
 
 UNWIND_S = 0.3
@@ -48,10 +48,10 @@ class SlowUnwind:
 
 
 def _server(kind: str, app: SlowUnwind) -> uvicorn.Server:
-    config = uvicorn.Config(app, lifespan="on", timeout_graceful_shutdown=0.1, log_level="critical")
+    config = uvicorn.Config(app, lifespan="on", timeout_graceful_shutdown=1, log_level="critical")
     if kind == "main":
-        return _clean_stop_server(Notifier(None), "serving")(config)
-    return _quiet_server()(config)
+        return clean_stop_server(Notifier(None), "serving")(config)
+    return quiet_server()(config)
 
 
 @pytest.mark.parametrize("kind", ["main", "quiet"])

@@ -206,7 +206,7 @@ def listen_socket(host: str, port: int, backlog: int) -> socket.socket:
     return sock
 
 
-def _clean_stop_server(notifier: Notifier, status: str) -> type[uvicorn.Server]:
+def clean_stop_server(notifier: Notifier, status: str) -> type[uvicorn.Server]:
     import uvicorn
 
     from bastion.transports.http.connections import quiet_loop_errors
@@ -361,7 +361,7 @@ class _Front:
             self.store.close()
 
 
-def _quiet_server() -> type[uvicorn.Server]:
+def quiet_server() -> type[uvicorn.Server]:
     """A uvicorn server that leaves the signals alone (another server, or the stdio loop, owns them)."""
     import uvicorn
 
@@ -381,7 +381,7 @@ async def _serve_both(
     main: uvicorn.Server, listener: socket.socket, preview_config: uvicorn.Config, preview_listener: socket.socket
 ) -> None:
     """Both listeners in one event loop (the sandboxes are this process's); the main one owns the signals."""
-    preview = _quiet_server()(preview_config)
+    preview = quiet_server()(preview_config)
     serving = asyncio.ensure_future(preview.serve(sockets=[preview_listener]))
     try:
         await main.serve(sockets=[listener])
@@ -398,7 +398,7 @@ async def _stdio_beside_http(serve_stdio: Callable[[], Awaitable[None]], front: 
 
     asyncio.get_running_loop().set_exception_handler(quiet_loop_errors())
     pairs = [(front.main, listeners.main), (front.preview, listeners.preview)]
-    servers = [(_quiet_server()(config), sock) for config, sock in pairs if config is not None and sock is not None]
+    servers = [(quiet_server()(config), sock) for config, sock in pairs if config is not None and sock is not None]
     serving = [asyncio.ensure_future(server.serve(sockets=[sock])) for server, sock in servers]
     try:
         await serve_stdio()
@@ -428,7 +428,7 @@ def serve_http(config: Config, config_path: str, listen: str | None = None) -> i
         announce(http_connect_help(front.endpoints.resource))
         if front.preview is not None:
             announce(f"bastion: serving preview URLs at {front.preview_origin}")
-        main = _clean_stop_server(notifier, f"serving MCP over HTTP on {where}")(front.main)
+        main = clean_stop_server(notifier, f"serving MCP over HTTP on {where}")(front.main)
         if front.preview is None or listeners.preview is None:
             main.run(sockets=[listeners.main])
         else:
