@@ -371,6 +371,78 @@ def test_group_commit_waiters_share_one_sync(log: AuditLog, log_path: Path, monk
     assert verify(log_path) == audit_mod.VerifyReport(True, 6)
 
 
+def test_a_record_that_need_not_be_durable_is_written_at_once_and_synced_by_the_flusher(
+    log: AuditLog, log_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`durable=False` (a call's end record) returns once the line is in the file; the flusher's sync
+    follows, and a durable record arriving meanwhile is written after that sync, never before it."""
+    _write(log, 1)
+    gate, entered = threading.Event(), threading.Event()
+    real = os.fdatasync
+
+    def held(fd: int) -> None:
+        entered.set()
+        assert gate.wait(10)
+        real(fd)
+
+    monkeypatch.setattr(os, "fdatasync", held)
+    syncs = log.syncs
+    end_id = log.append({"event": "end", "n": 1}, ran=True, durable=False)
+    assert json.loads(_lines(log_path)[-1])["id"] == end_id  # in the file while its sync is held
+    assert entered.wait(10)
+    durable = threading.Thread(target=log.append, args=({"event": "start", "n": 2},))
+    durable.start()
+    _wait_for(lambda: len(log._queue) == 1)  # waits behind the flusher's sync
+    assert len(_lines(log_path)) == 2
+    gate.set()
+    durable.join(10)
+    assert log.syncs == syncs + 2
+    assert verify(log_path) == audit_mod.VerifyReport(True, 3)
+
+
+def test_a_failed_flush_refuses_every_later_record_until_reopened(
+    log: AuditLog, log_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    _write(log, 1)
+    monkeypatch.setattr(os, "fdatasync", _fail(errno.EIO))
+    log.append({"event": "end"}, ran=True, durable=False)  # written: the sync fails after it returns
+    _wait_for(lambda: log.problem() is not None)
+    with pytest.raises(AuditUnavailable, match="records written could not be synced"):
+        log.append({"event": "start"})
+    assert "could not be synced (Input/output error)" in caplog.text
+    monkeypatch.undo()
+    assert verify(log_path) == audit_mod.VerifyReport(True, 2)
+    log.open()
+    _write(log, 1)
+    assert verify(log_path) == audit_mod.VerifyReport(True, 3)
+
+
+def test_close_syncs_what_was_written_and_ends_the_flusher(log_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    log = AuditLog(log_path, redactor=Redactor())
+    log.open()
+    synced = threading.Event()
+    real = os.fdatasync
+    gate = threading.Event()
+
+    def held(fd: int) -> None:
+        assert gate.wait(10)
+        real(fd)
+        synced.set()
+
+    monkeypatch.setattr(os, "fdatasync", held)
+    log.append({"event": "end"}, ran=True, durable=False)
+    flusher = log._flusher
+    assert flusher is not None
+    assert flusher.is_alive()
+    closing = threading.Thread(target=log.close)
+    closing.start()
+    gate.set()
+    closing.join(10)
+    assert synced.is_set()
+    assert not flusher.is_alive()
+    assert verify(log_path) == audit_mod.VerifyReport(True, 1)
+
+
 def _fail(err: int) -> Callable[..., int]:
     def failing(*args: object) -> int:
         raise OSError(err, os.strerror(err))

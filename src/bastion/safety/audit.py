@@ -8,6 +8,12 @@ What it guarantees:
     * Each record is on disk (fdatasync) before `AuditLog.append` returns. Any write or
       sync error raises `AuditUnavailable` and the caller must not act (fail-closed); a
       partly written line is truncated away, or the log refuses every later record.
+    * Except a record appended with ``durable=False`` (the end record of a call whose start
+      record is on disk): it is in the file when `append` returns (write(2) is done: a crash
+      of this process keeps it), and on disk once the fdatasync that a flusher thread starts
+      at once ends; every later record is written after that sync. Only a crash of the host
+      within that sync can lose it, leaving its call's start record without its end, as a
+      call cut short by a crash does. A failed sync refuses every later record.
     * Before each write (one per group commit) the open file is checked to still be the
       configured path: same device and inode as an ``lstat`` of the path, a regular file,
       ours, one link. A log deleted, renamed, or replaced by another file or a symlink
@@ -97,6 +103,7 @@ def _record_id() -> str:
 @dataclass(slots=True)
 class _Pending:
     body: dict[str, JSONValue]
+    durable: bool = True
     id: str = field(default_factory=_record_id)
     done: bool = False
     error: str | None = None
@@ -159,6 +166,9 @@ class AuditLog:
         """How long the last fdatasync took: decides whether a lone async record is written inline."""
         self.syncs = 0
         """fdatasync calls that made records durable so far: records / syncs is what group commit shares."""
+        self._owed = False
+        """Records were written (``durable=False``) and no fdatasync has covered them yet."""
+        self._flusher: threading.Thread | None = None
         # The last "the file is not the configured path" problem logged, so a flood of refused calls logs it once.
         self._stale: str | None = None
 
@@ -189,14 +199,18 @@ class AuditLog:
             self._reserve.top_up(self._fd, size)
 
     def close(self) -> None:
-        """Close the file; later appends raise until `open` is called again."""
+        """Close the file (after syncing what was written); later appends raise until `open` is called again."""
         with self._cond:
             while self._writing:
                 self._cond.wait()
             self._close_fd()
             self._broken = "audit log is not open"
+            flusher, self._flusher = self._flusher, None
+            self._cond.notify_all()
+        if flusher is not None and flusher is not threading.current_thread():
+            flusher.join()
 
-    def append(self, record: Mapping[str, object], *, ran: bool = False) -> str:
+    def append(self, record: Mapping[str, object], *, ran: bool = False, durable: bool = True) -> str:
         """Write one record durably and return its id.
 
         String values are redacted and capped at `MAX_ARG_CHARS`; values of keys naming a
@@ -206,6 +220,8 @@ class AuditLog:
             record: the fields to write; the chain fields are added here.
             ran: the record follows an operation that already ran (an ``end`` record): a
                 failure then says so, instead of "nothing was done".
+            durable: False returns once the record is written, not synced (module docstring):
+                only for a record that follows a durable one of the same call.
 
         Raises:
             AuditUnavailable: the record is not on disk; the caller must not act.
@@ -213,18 +229,20 @@ class AuditLog:
         """
         started = time.perf_counter()
         try:
-            return self._append(record, ran=ran)
+            return self._append(record, ran=ran, durable=durable)
         finally:
             if self._metrics is not None:
                 self._metrics.audit_append(started)
 
-    def _append(self, record: Mapping[str, object], *, ran: bool) -> str:
-        pending = self._prepare(record)
+    def _append(self, record: Mapping[str, object], *, ran: bool, durable: bool) -> str:
+        pending = self._prepare(record, durable)
         self._commit([pending])
         return self._result(pending, ran=ran)
 
-    async def append_async(self, record: Mapping[str, object], *, alone: bool = False, ran: bool = False) -> str:
-        """`append` off the event loop, with group commit (``ran`` as for `append`).
+    async def append_async(
+        self, record: Mapping[str, object], *, alone: bool = False, ran: bool = False, durable: bool = True
+    ) -> str:
+        """`append` off the event loop, with group commit (``ran`` and ``durable`` as for `append`).
 
         With ``alone=True`` (the caller knows no other call is in flight), no batch
         being written and a disk whose last fdatasync took under `INLINE_SYNC_MAX_S`, the
@@ -240,17 +258,17 @@ class AuditLog:
         """
         started = time.perf_counter()
         try:
-            return await self._append_async(record, alone=alone, ran=ran)
+            return await self._append_async(record, alone=alone, ran=ran, durable=durable)
         finally:
             if self._metrics is not None:
                 self._metrics.audit_append(started)
 
-    async def _append_async(self, record: Mapping[str, object], *, alone: bool, ran: bool) -> str:
+    async def _append_async(self, record: Mapping[str, object], *, alone: bool, ran: bool, durable: bool) -> str:
         if alone and not self._async_leading and self._last_sync_s < INLINE_SYNC_MAX_S:
-            return self._append(record, ran=ran)
+            return self._append(record, ran=ran, durable=durable)
         # Cleaned here, on the loop: on the worker, each record's uuid4 (getrandom releases the GIL) made
         # the worker take the GIL back once more, and every such hand-over stalls the loop (convoy effect).
-        waiter = _AsyncPending(self._prepare(record))
+        waiter = _AsyncPending(self._prepare(record, durable))
         self._async_queue.append(waiter)
         if not self._async_leading:
             self._async_leading = waiter.lead = True
@@ -295,11 +313,11 @@ class AuditLog:
                 return
         self._async_leading = False
 
-    def _prepare(self, record: Mapping[str, object]) -> _Pending:
+    def _prepare(self, record: Mapping[str, object], durable: bool = True) -> _Pending:
         reserved = CHAIN_FIELDS.intersection(record)
         if reserved:
             raise ValueError(f"audit record uses reserved keys {sorted(reserved)}: rename them")
-        return _Pending({self._key(k)[0]: self._clean(k, v, 0) for k, v in record.items()})
+        return _Pending({self._key(k)[0]: self._clean(k, v, 0) for k, v in record.items()}, durable)
 
     def _result(self, pending: _Pending, *, ran: bool) -> str:
         if pending.error is None:
@@ -408,7 +426,7 @@ class AuditLog:
                 prev, seq, size = hashlib.sha256(line).hexdigest(), seq + 1, size + len(line) + 1
             segment, todo = todo[: len(lines)], todo[len(lines) :]
             if segment:
-                error = self._write(b"\n".join(lines) + b"\n")
+                error = self._write(b"\n".join(lines) + b"\n", sync=any(p.durable for p in segment))
                 if error is not None:
                     _finish(segment + todo, error)
                     return
@@ -423,8 +441,9 @@ class AuditLog:
                     self._broken = f"audit log rotation failed: {reason or exc}"
                     _log.error("%s", self._broken)
 
-    def _write(self, data: bytes) -> str | None:
-        """Write and sync `data`; on failure undo it and return the error line."""
+    def _write(self, data: bytes, *, sync: bool) -> str | None:
+        """Write `data`, and sync it (or leave the sync to the flusher); on failure undo it and return the
+        error line."""
         fd = self._fd
         assert fd is not None
         try:
@@ -434,17 +453,58 @@ class AuditLog:
                 if n <= 0:
                     raise OSError(errno.EIO, "short write")
                 view = view[n:]
-            started = time.perf_counter()
-            os.fdatasync(fd)
-            self._last_sync_s = time.perf_counter() - started
-            self.syncs += 1
+            if sync:
+                self._sync(fd)
         except OSError as exc:
             message = f"audit log unavailable: {exc.strerror or exc}"
             if exc.errno == errno.EPERM and _immutable(fd):
                 message = f"audit log unavailable: {self._path} is immutable (chattr +i): run `chattr -i` on it"
             self._undo(fd)
             return message
+        if not sync:
+            self._owe()
         return None
+
+    def _sync(self, fd: int) -> None:
+        started = time.perf_counter()
+        os.fdatasync(fd)  # also makes durable what earlier unsynced writes left (`_owed`)
+        self._last_sync_s = time.perf_counter() - started
+        self.syncs += 1
+        self._owed = False
+
+    def _owe(self) -> None:
+        """Records are written but not synced: the flusher syncs them now (called with `_writing` held)."""
+        self._owed = True
+        if self._flusher is None:
+            self._flusher = threading.Thread(target=self._flush_forever, name="bastion-audit-flush", daemon=True)
+            self._flusher.start()
+
+    def _flush_forever(self) -> None:
+        """The flusher: syncs written records as soon as no batch is being written, until `close`."""
+        me = threading.current_thread()
+        with self._cond:
+            while self._flusher is me:
+                if not self._owed or self._writing or self._fd is None:
+                    self._cond.wait()
+                    continue
+                self._writing = True
+                fd = self._fd
+                self._cond.release()
+                try:
+                    self._flush(fd)
+                finally:
+                    self._cond.acquire()
+                    self._writing = False
+                    self._cond.notify_all()
+
+    def _flush(self, fd: int) -> None:
+        try:
+            self._sync(fd)
+        except OSError as exc:
+            # The records are in the file but may never reach the disk: refuse every later one.
+            self._owed = False
+            self._broken = f"audit log broken: records written could not be synced ({exc.strerror or exc})"
+            _log.error("%s: reopen after checking the disk holding %s", self._broken, self._path)
 
     def _undo(self, fd: int) -> None:
         """Cut a partly written line so the next record links to the last durable one."""
@@ -478,6 +538,8 @@ class AuditLog:
     def _rotate(self) -> None:
         fd = self._fd
         assert fd is not None
+        if self._owed:
+            self._sync(fd)  # the rotated file is complete on disk before the new one starts
         index = max(_rotated(self._path), default=0) + 1
         rotated = self._path.with_name(f"{self._path.name}.{index}")
         st, lst = os.fstat(fd), os.lstat(self._path)
@@ -498,6 +560,8 @@ class AuditLog:
     def _close_fd(self) -> None:
         if self._fd is not None:
             fd, self._fd = self._fd, None
+            if self._owed:
+                self._flush(fd)
             os.close(fd)
 
 

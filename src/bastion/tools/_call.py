@@ -6,6 +6,10 @@ record with the result code, before the result is returned. If that end record
 cannot be written, a mutating call answers AUDIT_UNAVAILABLE saying that the
 operation ran and its end record is missing. A read-only call writes only the
 `end` record, and its answer is withheld if that write fails.
+The start record, and a read-only call's only record, are on disk (fdatasync)
+before the call goes on; a mutating call's end record is in the file before the
+answer and on disk one sync later (`AuditLog.append`'s ``durable=False``): the
+answer does not wait for a second sync, and every later record waits for it.
 Any exception that is not a `BastionError` becomes INTERNAL_ERROR with an
 incident id: the traceback goes to the server log, never to the client.
 A call cancelled mid-operation (graceful shutdown past its bound, a client
@@ -71,10 +75,10 @@ class CallRunner:
         token = get_access_token()
         return f"{self.caller}:{token.client_id}" if token is not None else self.caller
 
-    async def _record(self, record: Mapping[str, object], *, ran: bool = False) -> str:
+    async def _record(self, record: Mapping[str, object], *, ran: bool = False, durable: bool = True) -> str:
         # Alone, the record is written inline; with company, group commit shares the fdatasync.
         alone = self._in_flight == 1 and self.requests_in_flight <= 1
-        return await self.audit.append_async(record, alone=alone, ran=ran)
+        return await self.audit.append_async(record, alone=alone, ran=ran, durable=durable)
 
     async def run(
         self,
@@ -136,7 +140,7 @@ class CallRunner:
             end["internal"] = internal
         try:
             # A mutating call has acted by now: a failure must say so, never "nothing was done".
-            audit_id = await self._record(end, ran=mutating)
+            audit_id = await self._record(end, ran=mutating, durable=not mutating)
         except AuditUnavailable as exc:
             return self._finish(OperationResult.failure(action, exc.code, exc.reason), started, None)
         return self._finish(result, started, audit_id)
@@ -154,7 +158,7 @@ class CallRunner:
         }
         with anyio.CancelScope(shield=True):
             try:
-                await self._record(end, ran=mutating)
+                await self._record(end, ran=mutating, durable=not mutating)
             except AuditUnavailable as exc:
                 logger.error("the end record of a cancelled %s call was not written: %s", base["tool"], exc.reason)
 
