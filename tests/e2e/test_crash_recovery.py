@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import tempfile
 from pathlib import Path
 
 import anyio
@@ -23,7 +24,10 @@ pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
 async def test_killed_server_leaves_nothing_and_next_start_recovers(demo_config_path: Path, reboot: bool) -> None:
     """Invariant: after kill -9 of the server, no sandbox process survives; the next server
     removes the orphan cgroup and folder and keeps the workspace as a restorable snapshot."""
-    params = StdioServerParameters(command=str(BASTION), args=["serve", "--config", str(demo_config_path), "--stdio"])
+    # The SDK starts the server with a few variables only, not TMPDIR: pass it, or under xdist the killed
+    # server's socket folder lands in /tmp, where neither the recovery nor the check below looks.
+    args = ["serve", "--config", str(demo_config_path), "--stdio"]
+    params = StdioServerParameters(command=str(BASTION), args=args, env={"TMPDIR": tempfile.gettempdir()})
     sockets_before = temp_socket_folders()
     marker = str(demo_config_path)
     seen: dict[str, str] = {}
