@@ -66,12 +66,13 @@ async def gone(marker: str) -> bool:
 
 
 async def started(marker: str, count: int) -> list[int]:
-    """The host pids with `marker`, polled until there are `count`: a job the shell forked with `&` runs
-    the shell's code until it execs, so its command line names the program only some time after the
-    prompt is back."""
+    """The host pids with `marker`, polled until there are exactly `count`: a job the shell forked with
+    `&` runs the shell's code until it execs, so its command line names the program only some time after
+    the prompt is back; and setsid(1) or nohup(1) name it in their own command line until they exec (a
+    group leader's setsid forks first: for a moment both match)."""
     for _ in range(500):
         found = processes_with(marker)
-        if len(found) >= count:
+        if len(found) == count:
             return found
         await anyio.sleep(0.01)
     return processes_with(marker)
