@@ -34,7 +34,7 @@ from typing import Any, Final, Protocol
 import pyte
 
 from bastion.config import TerminalsConfig
-from bastion.safety.errors import Conflict, InvalidRequest, NotFound, PolicyDenied, ResourceLimit
+from bastion.safety.errors import BastionError, Conflict, InvalidRequest, NotFound, PolicyDenied, ResourceLimit
 from bastion.safety.redact import Redactor, sanitize_terminal
 from bastion.safety.search import search_pattern
 from bastion.sandbox.backend import Sandbox
@@ -271,6 +271,7 @@ class Terminal:
         self.pty = pty
         self.argv = argv  # redacted
         self.used = time.monotonic()
+        self.reads = 0  # terminal_read calls waiting on it: in use however long they wait
         self.output_open = True
         self._loop = asyncio.get_running_loop()
         self._screen = _Screen(cols, rows, Scrollback(scrollback_chars))
@@ -534,11 +535,16 @@ class Terminals:
         if timeout_s is not None and not 0 <= timeout_s <= MAX_WAIT_S:
             raise InvalidRequest(f"timeout_s must be 0..{MAX_WAIT_S}")
         matched: bool | None = None
-        if wait_for is not None:
-            matcher = wait_pattern(wait_for)
-            matched = await self._wait(terminal, matcher, DEFAULT_WAIT_S if timeout_s is None else timeout_s)
-        elif timeout_s:
-            await terminal.changed(timeout_s)  # without a pattern: until any new output
+        terminal.reads += 1
+        try:
+            if wait_for is not None:
+                matcher = wait_pattern(wait_for)
+                matched = await self._wait(terminal, matcher, DEFAULT_WAIT_S if timeout_s is None else timeout_s)
+            elif timeout_s:
+                await terminal.changed(timeout_s)  # without a pattern: until any new output
+        finally:
+            terminal.reads -= 1
+            terminal.used = time.monotonic()
         scrolled, dropped = terminal.take_scrolled()
         detail = {
             **self._summary(terminal),
@@ -596,8 +602,15 @@ class Terminals:
         if terminal is None:
             return
         idle = time.monotonic() - terminal.used
+        if terminal.reads:  # a terminal_read waits on it: in use (its end counts as a use too)
+            self._arm(terminal_id, self._config.idle_close_s)
+            return
         if idle < self._config.idle_close_s:
             self._arm(terminal_id, self._config.idle_close_s - idle)
+            return
+        if self._sandbox.paused:  # its programs cannot be killed while frozen: look again once resumed
+            logger.info("%s: terminal %s idle while the sandbox is paused: kept for now", self._owner, terminal_id)
+            self._arm(terminal_id, self._config.idle_close_s)
             return
         logger.info("%s: terminal %s idle for %.0f s: closed", self._owner, terminal_id, idle)
         task = asyncio.get_running_loop().create_task(self._close_quietly(terminal_id))
@@ -607,7 +620,11 @@ class Terminals:
     async def _close_quietly(self, terminal_id: str) -> None:
         try:
             await self.close(terminal_id)
-        except Exception:  # the sandbox may be closing too: its end kills the program anyway
+        except BastionError as exc:  # paused meanwhile, say: tried again later (a closing sandbox forgets it)
+            logger.warning("%s: idle terminal %s not closed: %s", self._owner, terminal_id, exc.reason)
+            if terminal_id in self._open:
+                self._arm(terminal_id, self._config.idle_close_s)
+        except Exception:
             logger.exception("%s: idle terminal %s not closed", self._owner, terminal_id)
 
     def close_all(self) -> None:
