@@ -75,17 +75,35 @@ def assert_log_clean(server: LiveServer, *, max_bytes: int = 256 * 1024) -> str:
 
 
 @contextlib.contextmanager
-def idle_sockets(port: int, count: int) -> Iterator[list[socket.socket]]:
-    """`count` connections that never send a byte (fewer if the server's queue refuses some)."""
+def idle_sockets(port: int, count: int, burst: int = 16) -> Iterator[list[socket.socket]]:
+    """`count` connections that never send a byte, in order (fewer if the server's queue refuses some).
+    Paced `burst` at a time (the least backlog the server sets): each burst waits until the server has
+    accepted the one before. Unpaced, every connect that met a full queue waited for the kernel's SYN
+    retry, a second each: 18 s for 1,100."""
     opened: list[socket.socket] = []
     try:
-        for _ in range(count):
+        for n in range(count):
+            if n % burst == 0:
+                accepted_all(port)
             with contextlib.suppress(OSError):
                 opened.append(socket.create_connection(("127.0.0.1", port), timeout=5))
         yield opened
     finally:
         for sock in opened:
             sock.close()
+
+
+def accepted_all(port: int, within_s: float = 5) -> None:
+    """Wait until the listener on 127.0.0.1:`port` has no connection waiting for accept() (its accept
+    queue is the rx_queue of its LISTEN line in /proc/net/tcp), or `within_s` passes."""
+    local = f"0100007F:{port:04X}"
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        with open("/proc/net/tcp") as table:
+            queued = [line.split()[4] for line in table if f" {local} " in line and line.split()[3] == "0A"]
+        if not queued or queued[0].endswith(":00000000"):
+            return
+        time.sleep(0.001)
 
 
 def closed_by_server(sock: socket.socket, within_s: float) -> bool:
