@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# `make test`'s test passes, side by side. The suite runs on two pytest workers; beside it run the two
+# `make test`'s test passes, side by side. The suite runs on three pytest workers; beside it run the two
 # passes that mostly wait: the soak's CI variant (a steady 15 calls/s for three minutes) and the
 # unprivileged pass (scripts/test-unprivileged.sh: about a minute of sandbox tests, a quarter of it on
 # a CPU). Each side pass's output is printed whole once it ends; the exit status is non-zero if any
-# pass failed. WORKERS overrides the number of workers: three were faster on two cores (9:55 to 11:37
-# against 11:13 to 12:42) and load the machine more; two is what CI has passed with.
+# pass failed. WORKERS overrides the number of workers: on two cores, three took the suite from 11:57
+# to 10:55 (the machine was 80% busy), and two put CI at 908 s, over its 15 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 venv=${VENV:-.venv}
@@ -23,7 +23,7 @@ else
 fi
 
 status=0
-"$venv/bin/pytest" -q -n "${WORKERS:-2}" --dist loadfile --ignore="$soak" || status=1
+"$venv/bin/pytest" -q -n "${WORKERS:-3}" --dist loadfile --ignore="$soak" || status=1
 for pass in soak unprivileged; do
   [ ${#side[@]} -gt 0 ] || break
   pid=${side[0]}
