@@ -185,3 +185,26 @@ def test_no_cgroups(demo_config_path: Path) -> None:
     journal = journal_path(config.state_dir, config.inbox[0].id)
     assert stat.S_ISREG(journal.stat().st_mode)  # the organizer had opened it: the refusal came after
     assert_nothing_open(config, demo_config_path.parent, set(threading.enumerate()))
+
+
+def test_a_server_without_a_pinned_gateway_never_loads_asyncssh(demo_config_path: Path) -> None:
+    """asyncssh is about a seventh of the server's start (140 ms of a second's imports here): only a
+    gateway with a pinned host key, which has tools, loads it. The demo's gateway has no key yet."""
+    code = textwrap.dedent(
+        """
+        import sys
+        import bastion.serve, bastion.transports.http.app
+        from bastion.app import build_server, build_services
+        from bastion.config import load_config
+        services = build_services(load_config(sys.argv[1]))
+        try:
+            build_server(services, caller="test")
+            print(sorted(services.gateways), "asyncssh" in sys.modules)
+        finally:
+            services.close()
+        """
+    )
+    assert [g.host_key for g in load_config(demo_config_path).gateway] == [None]
+    done = subprocess.run([sys.executable, "-c", code, str(demo_config_path)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[] False"

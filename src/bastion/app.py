@@ -6,13 +6,13 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import anyio
 
 from bastion import __version__
 from bastion.config import Config
 from bastion.egress.proxy import EgressService
-from bastion.gateway.client import GatewayClient
 from bastion.metrics import Metrics
 from bastion.organizer import Organizer
 from bastion.safety.approvals import ApprovalQueue
@@ -38,6 +38,9 @@ from bastion.workbench.manager import SandboxManager
 from bastion.workbench.previews import PreviewRegistry
 from bastion.workbench.registry import WorkspaceRegistry
 from bastion.workbench.workspace import HostWorkspace, open_host_workspaces
+
+if TYPE_CHECKING:
+    from bastion.gateway.client import GatewayClient
 
 logger = logging.getLogger("bastion.app")
 DEVICES_DIR = "dev"  # in state_dir: the sandboxes' own device nodes, on a tmpfs, while the server runs
@@ -233,6 +236,16 @@ def scratch_sizes(config: Config) -> ScratchSizes:
     return ScratchSizes(tmp_bytes=box.tmp_bytes, shm_bytes=box.shm_bytes, inodes=box.scratch_inodes)
 
 
+def _gateway_clients(config: Config, redactor: Redactor) -> dict[str, GatewayClient]:
+    """A client per gateway with a pinned host key (one without has no tools: it would refuse every call)."""
+    pinned = [gateway for gateway in config.gateway if gateway.host_key is not None]
+    if not pinned:
+        return {}
+    from bastion.gateway.client import GatewayClient  # asyncssh: a seventh of the start, for gateways only
+
+    return {gateway.name: GatewayClient(gateway, redactor) for gateway in pinned}
+
+
 def build_services(config: Config) -> Services:
     """Lock the state folder, open the audit log and the workspaces; refuse to start with one line if unusable.
 
@@ -280,7 +293,7 @@ def build_services(config: Config) -> Services:
                 public_allowed=config.http.preview_public_allowed,
             ),
             approvals=ApprovalQueue(config.db_path, webhook_url=config.approvals.webhook_url),
-            gateways={gateway.name: GatewayClient(gateway, redactor) for gateway in config.gateway},
+            gateways=_gateway_clients(config, redactor),
             organizers=organizers,
             devices=devices,
             identities=identities,

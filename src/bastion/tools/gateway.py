@@ -23,7 +23,7 @@ import logging
 import time
 from collections.abc import Mapping
 from datetime import UTC, datetime
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import anyio
 from mcp.server.elicitation import (
@@ -39,13 +39,15 @@ from pydantic import BaseModel, Field
 
 from bastion.config import ApprovalsConfig, GatewayActionConfig, GatewayConfig
 from bastion.gateway.actions import GatewayCommand, build_command
-from bastion.gateway.client import GatewayClient, GatewayOutput
 from bastion.safety.approvals import Approval, ApprovalQueue
 from bastion.safety.errors import BastionError, Conflict, InvalidRequest
 from bastion.safety.results import OperationResult, ResultCode
 from bastion.tools._call import CallRunner
 from bastion.tools.audited import audited_tool
 from bastion.tools.server import GATEWAY_DEPLOY, GATEWAY_READ, BastionServer
+
+if TYPE_CHECKING:  # asyncssh, a seventh of the server's start: loaded only when a gateway is configured
+    from bastion.gateway.client import GatewayClient, GatewayOutput
 
 logger = logging.getLogger("bastion.tools.gateway")
 
