@@ -187,9 +187,10 @@ def test_no_cgroups(demo_config_path: Path) -> None:
     assert_nothing_open(config, demo_config_path.parent, set(threading.enumerate()))
 
 
-def test_a_server_without_a_pinned_gateway_never_loads_asyncssh(demo_config_path: Path) -> None:
-    """asyncssh is about a seventh of the server's start (140 ms of a second's imports here): only a
-    gateway with a pinned host key, which has tools, loads it. The demo's gateway has no key yet."""
+def test_a_server_starts_without_asyncssh_or_pyte_until_it_needs_them(demo_config_path: Path) -> None:
+    """asyncssh is about a seventh of the server's imports (140 ms of a second here), pyte and wcwidth a
+    twelfth: only a gateway with a pinned host key, which has tools, loads asyncssh (the demo's has no
+    key yet), and only the first terminal loads pyte."""
     code = textwrap.dedent(
         """
         import sys
@@ -199,7 +200,7 @@ def test_a_server_without_a_pinned_gateway_never_loads_asyncssh(demo_config_path
         services = build_services(load_config(sys.argv[1]))
         try:
             build_server(services, caller="test")
-            print(sorted(services.gateways), "asyncssh" in sys.modules)
+            print(sorted(services.gateways), "asyncssh" in sys.modules, "pyte" in sys.modules)
         finally:
             services.close()
         """
@@ -207,4 +208,4 @@ def test_a_server_without_a_pinned_gateway_never_loads_asyncssh(demo_config_path
     assert [g.host_key for g in load_config(demo_config_path).gateway] == [None]
     done = subprocess.run([sys.executable, "-c", code, str(demo_config_path)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "[] False"
+    assert done.stdout.strip() == "[] False False"

@@ -17,7 +17,8 @@ from mcp import Client
 
 from bastion.app import Services, build_server, build_services
 from bastion.config import Config, TerminalsConfig
-from bastion.workbench.terminals import KEYS, MAX_CELL_CHARS, MAX_SEND_BYTES, Scrollback
+from bastion.workbench.screen import MAX_CELL_CHARS, Scrollback
+from bastion.workbench.terminals import KEYS, MAX_SEND_BYTES
 from tests.helpers import LoopLag, Payload, audit_record, call, create, processes_with
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]

@@ -1,0 +1,336 @@
+"""A terminal's screen: the program's output, read from the master on the event loop, rendered by pyte.
+
+What the program prints never reaches the client raw: pyte interprets it into a screen of rows x cols
+characters, and the text of that screen and of the lines that scrolled off it is what `Terminals`
+sanitizes and redacts. pyte never writes to the program (device status and attribute queries go
+unanswered: its `write_process_input` is left a no-op), so nothing reaches the program that the
+caller did not send.
+
+pyte is pure Python (about 0.3 MB/s on this machine for a scrolling 80x24 screen): reading is
+paced so rendering takes at most a quarter of the event loop's time (`PACE_FACTOR`). A program
+that writes faster waits on its full terminal, as on a slow real one (a flood such as `yes`
+holds only the kernel's terminal buffer); `paced` in a read says it happened. pyte and wcwidth are
+a twelfth of the server's imports: `Terminals` loads this module at the first terminal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import inspect
+import logging
+import os
+import select
+import time
+import unicodedata
+from collections.abc import Callable, Mapping
+from typing import Any, Final
+
+import pyte
+
+from bastion.safety.errors import Conflict
+from bastion.sandbox.processes import PtyProcess
+
+logger = logging.getLogger("bastion.terminals")
+
+SEND_TIMEOUT_S: Final = 5.0  # for the program to take its input
+MATCH_SCROLLED_LINES: Final = 200  # of the lines scrolled off, the newest that wait_for also sees
+READ_CHUNK_BYTES: Final = 4096  # per read of the master: pyte renders it in about 10 ms at most
+PACE_FREE_S: Final = 0.0005  # rendering faster than this does not pace reading
+PACE_FACTOR: Final = 3.0  # after rendering for t, reading waits 3t: at most a quarter of the loop
+# pyte accumulates an escape sequence (an OSC title, CSI digits) with no bound: past this many bytes
+# inside one, its parser is replaced and the sequence dropped.
+MAX_SEQUENCE_BYTES: Final = 65_536
+# pyte appends each combining mark to its cell's text and NFC-normalizes all of it again: without a
+# cap, marks piled on one letter cost quadratic time on the event loop. Past this, marks are dropped.
+MAX_CELL_CHARS: Final = 32
+DECCKM: Final = 1 << 5  # private mode 1, as pyte stores private modes (shifted by 5); pyte.modes lacks it
+
+
+class Scrollback:
+    """Text of the lines that scrolled off the top of the screen since the last read, at most `cap` characters."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.lines: collections.deque[str] = collections.deque()
+        self.chars = 0
+        self.dropped = 0  # lines dropped for room since the last read
+
+    def add(self, line: str) -> None:
+        self.lines.append(line)
+        self.chars += len(line) + 1
+        while self.chars > self.cap and self.lines:
+            self.chars -= len(self.lines.popleft()) + 1
+            self.dropped += 1
+
+    def take(self) -> tuple[list[str], int]:
+        lines, dropped = list(self.lines), self.dropped
+        self.lines.clear()
+        self.chars = self.dropped = 0
+        return lines, dropped
+
+
+class _Screen(pyte.Screen):
+    """A pyte screen that keeps, as text, each line scrolling off its top."""
+
+    def __init__(self, columns: int, lines: int, scrollback: Scrollback) -> None:
+        super().__init__(columns, lines)
+        self.scrollback = scrollback
+
+    def draw(self, data: str) -> None:
+        """pyte's draw, with at most MAX_CELL_CHARS characters in any cell (combining marks dropped past it)."""
+        if data.isascii():
+            super().draw(data)
+            return
+        start = i = 0
+        while i < len(data):
+            if not unicodedata.combining(data[i]):
+                i += 1
+                continue
+            end = i
+            while end < len(data) and unicodedata.combining(data[end]):
+                end += 1
+            super().draw(data[start:i])
+            super().draw(data[i : i + max(0, MAX_CELL_CHARS - self._mark_target_chars())])
+            start = i = end
+        super().draw(data[start:])
+
+    def _mark_target_chars(self) -> int:
+        """Length of the cell a combining mark drawn now joins (as pyte picks it: the one left of the cursor)."""
+        x, y = self.cursor.x, self.cursor.y
+        if x:
+            return len(self.buffer[y][x - 1].data)
+        return len(self.buffer[y - 1][self.columns - 1].data) if y else 0
+
+    def erase_in_display(self, how: int = 0, *args: Any, **kwargs: Any) -> None:
+        if how in (0, 1, 2, 3):  # pyte raises on another (UnboundLocalError); xterm ignores it
+            super().erase_in_display(how, *args, **kwargs)
+
+    def erase_in_line(self, how: int = 0, private: bool = False) -> None:
+        if how in (0, 1, 2):
+            super().erase_in_line(how, private)
+
+    def index(self) -> None:
+        top, bottom = self.margins or pyte.screens.Margins(0, self.lines - 1)
+        if self.cursor.y == bottom and top == 0:
+            self.scrollback.add(_line_text(self.buffer[top], self.columns))
+        super().index()
+
+
+def _tolerant(name: str) -> Callable[..., None]:
+    """The screen's CSI handler `name`, taking what pyte's parser may pass it: more parameters than it
+    has (``CSI 1;2;3 A``), or `private` for a private (``CSI ?``) variant it has none of (xterm's
+    modifyOtherKeys, ``CSI > 4;2 m``, which vim sends, is no colour). pyte would raise mid-feed and lose
+    the rest of the output; extra parameters are dropped, unsupported private variants ignored."""
+    base = getattr(_Screen, name)  # pyte's, or the fix of it above
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    parameters = list(inspect.signature(base).parameters.values())[1:]
+    takes_private = any(p.name == "private" or p.kind is p.VAR_KEYWORD for p in parameters)
+    unbounded = any(p.kind is p.VAR_POSITIONAL for p in parameters)
+    most = len([p for p in parameters if p.kind in kinds and p.name != "private"])
+
+    def method(self: pyte.Screen, *params: int, private: bool = False) -> None:
+        kept = params if unbounded else params[:most]
+        if not private:
+            base(self, *kept)
+        elif takes_private:
+            base(self, *kept, private=True)
+
+    return method
+
+
+for _name in set(pyte.Stream.csi.values()):
+    setattr(_Screen, _name, _tolerant(_name))
+
+
+def _line_text(line: Mapping[int, pyte.screens.Char], columns: int) -> str:
+    return "".join(line[x].data for x in range(columns)).rstrip()
+
+
+class Terminal:
+    """One program on a terminal: its master fd read on the loop into a pyte screen."""
+
+    def __init__(
+        self, terminal_id: str, pty: PtyProcess, argv: tuple[str, ...], rows: int, cols: int, scrollback_chars: int
+    ) -> None:
+        self.id = terminal_id
+        self.pty = pty
+        self.argv = argv  # redacted
+        self.used = time.monotonic()
+        self.reads = 0  # terminal_read calls waiting on it: in use however long they wait
+        self.output_open = True
+        self._loop = asyncio.get_running_loop()
+        self._screen = _Screen(cols, rows, Scrollback(scrollback_chars))
+        self._stream = pyte.ByteStream(self._screen)
+        self._in_sequence = 0  # bytes fed since the parser left its ground state
+        self._emulator_failed = False
+        self._lines = [""] * rows
+        self._changed: asyncio.Future[None] = self._loop.create_future()
+        self._resume: asyncio.TimerHandle | None = None
+        self._paced = False
+        self._write_lock = asyncio.Lock()
+        self._closed = False
+        self._loop.add_reader(pty.fd, self._on_readable)
+
+    @property
+    def rows(self) -> int:
+        return int(self._screen.lines)
+
+    @property
+    def cols(self) -> int:
+        return int(self._screen.columns)
+
+    @property
+    def application_keys(self) -> bool:
+        return DECCKM in self._screen.mode
+
+    def _on_readable(self) -> None:
+        try:
+            data = os.read(self.pty.fd, READ_CHUNK_BYTES)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""  # EIO: no process holds the terminal any more
+        if not data:
+            self._end_output()
+            return
+        started = time.perf_counter()
+        self._feed(data)
+        spent = time.perf_counter() - started
+        self._notify()
+        if spent > PACE_FREE_S:
+            self._loop.remove_reader(self.pty.fd)
+            self._resume = self._loop.call_later(spent * PACE_FACTOR, self._read_again)
+
+    def _feed(self, data: bytes) -> None:
+        try:
+            self._stream.feed(data)
+        except Exception as exc:  # pyte on bytes it does not expect: its parser is gone, so make another
+            if not self._emulator_failed:  # once: a program repeating the sequence must not flood the log
+                self._emulator_failed = True
+                logger.warning(
+                    "terminal %s: the emulator failed on the program's output (%r); parser reset", self.id, exc
+                )
+            self._new_parser()
+            return
+        # pyte's parser is back in its ground state when it takes plain text again.
+        if getattr(self._stream, "_taking_plain_text", True):
+            self._in_sequence = 0
+            return
+        self._in_sequence += len(data)
+        if self._in_sequence > MAX_SEQUENCE_BYTES:
+            self._new_parser()
+
+    def _new_parser(self) -> None:
+        self._stream = pyte.ByteStream(self._screen)
+        self._in_sequence = 0
+
+    def _read_again(self) -> None:
+        self._resume = None
+        if not self._closed and self.output_open:
+            # Output waiting already: the program wrote faster than the screen renders, and waited.
+            self._paced = self._paced or bool(select.select([self.pty.fd], [], [], 0)[0])
+            self._loop.add_reader(self.pty.fd, self._on_readable)
+
+    def _end_output(self) -> None:
+        self.output_open = False
+        self._loop.remove_reader(self.pty.fd)
+        self._notify()
+
+    def _notify(self) -> None:
+        if not self._changed.done():
+            self._changed.set_result(None)
+        self._changed = self._loop.create_future()
+
+    async def send(self, data: bytes) -> int:
+        """Write `data` to the program; return how many bytes it took within `SEND_TIMEOUT_S`.
+
+        Raises:
+            Conflict: the terminal is closed.
+        """
+        self.used = time.monotonic()
+        written = 0
+        async with self._write_lock:
+            try:
+                async with asyncio.timeout(SEND_TIMEOUT_S):
+                    while written < len(data) and not self._closed:
+                        written += await self._write_some(data[written : written + READ_CHUNK_BYTES])
+            except TimeoutError:
+                pass
+            except OSError as exc:  # EIO: the program closed its side
+                raise Conflict(f"the terminal's program no longer reads it ({exc.strerror})") from None
+        return written
+
+    async def _write_some(self, data: bytes) -> int:
+        try:
+            return os.write(self.pty.fd, data)
+        except BlockingIOError:
+            writable: asyncio.Future[None] = self._loop.create_future()
+            self._loop.add_writer(self.pty.fd, writable.set_result, None)
+            try:
+                await writable
+            finally:
+                self._loop.remove_writer(self.pty.fd)
+            return 0
+
+    def resize(self, rows: int, cols: int) -> None:
+        """New size: the screen's, and the terminal's (the kernel sends SIGWINCH to its foreground)."""
+        self.used = time.monotonic()
+        self._screen.resize(rows, cols)
+        self._lines = [""] * rows
+        self._screen.dirty.update(range(rows))
+        with contextlib.suppress(OSError):  # the program closed it: only the screen changes
+            self.pty.resize(rows, cols)
+        self._notify()
+
+    def screen_text(self) -> str:
+        """The screen as text: `rows` lines, trailing spaces cut (rendered again only where it changed)."""
+        screen = self._screen
+        for y in screen.dirty:
+            if y < len(self._lines):
+                self._lines[y] = _line_text(screen.buffer[y], screen.columns)
+        screen.dirty.clear()
+        return "\n".join(self._lines)
+
+    def cursor(self) -> dict[str, int]:
+        return {"row": int(self._screen.cursor.y), "col": int(self._screen.cursor.x)}
+
+    def scrolled_tail(self) -> str:
+        """The newest scrolled-off lines, for wait_for (not taken)."""
+        lines = self._screen.scrollback.lines
+        return "\n".join(list(lines)[-MATCH_SCROLLED_LINES:])
+
+    def take_scrolled(self) -> tuple[str, int]:
+        """What scrolled off since the last take, and how many lines of it were dropped for room."""
+        lines, dropped = self._screen.scrollback.take()
+        return "\n".join(lines), dropped
+
+    def take_paced(self) -> bool:
+        paced, self._paced = self._paced, False
+        return paced
+
+    async def changed(self, timeout_s: float) -> bool:
+        """Wait at most `timeout_s` for new output, a resize or the end of output; False on timeout."""
+        if not self.output_open:
+            return False
+        try:
+            async with asyncio.timeout(timeout_s):
+                await asyncio.shield(self._changed)
+        except TimeoutError:
+            return False
+        return True
+
+    def close(self) -> None:
+        """Stop reading and close the master (the program's end: killed by the owner first)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._resume is not None:
+            self._resume.cancel()
+        with contextlib.suppress(RuntimeError):  # at server shutdown the loop may be closed already
+            self._loop.remove_reader(self.pty.fd)
+            self._loop.remove_writer(self.pty.fd)
+        os.close(self.pty.fd)
+        self.output_open = False
+        self._notify()
