@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from collections.abc import AsyncIterator, Iterator
@@ -43,17 +44,30 @@ settings.register_profile("bastion", deadline=None)
 settings.load_profile("bastion")
 
 
+WORKER_TEMP: list[Path] = []
+"""This worker's temp folder, removed at its end if the tests left it empty."""
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """Under pytest-xdist, each worker gets a temp folder of its own (TMPDIR, inherited by the servers
-    the tests start): tests that check the temp folder for leftovers see only their own worker's."""
+    the tests start): tests that check the temp folder for leftovers see only their own worker's. Its
+    name has the worker's pid: the root and unprivileged passes run side by side, each with a gw0."""
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if not worker:
         return
-    folder = Path(tempfile.gettempdir()) / f"bastion-tests-{worker}"
-    folder.mkdir(exist_ok=True)
-    folder.chmod(0o1777)  # as /tmp: the sandboxes' own ids and the unprivileged pass use it too
+    folder = Path(tempfile.gettempdir()) / f"bastion-tests-{worker}-{os.getpid()}"
+    folder.mkdir()
+    folder.chmod(0o1777)  # as /tmp: the sandboxes' own ids use it too
+    WORKER_TEMP.append(folder)
     os.environ["TMPDIR"] = str(folder)
     tempfile.tempdir = None  # gettempdir() caches: read TMPDIR again
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Remove the worker's temp folder if empty; one the tests left something in stays, to be seen."""
+    for folder in WORKER_TEMP:
+        with contextlib.suppress(OSError):
+            folder.rmdir()
 
 
 LONG_FIRST = ("tests/load/test_soak.py", "tests/load/test_load.py")

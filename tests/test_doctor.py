@@ -15,7 +15,7 @@ import pytest
 from bastion.cli import main
 from bastion.doctor import CANARY, CANARY_FILE, canary_check, child_pids, leftovers
 from bastion.sandbox._spawn import probe_bwrap
-from bastion.sandbox.cgroups import CgroupLayout
+from bastion.sandbox.cgroups import CgroupLayout, Limits
 from tests.helpers import temp_socket_folders
 
 STATUSES = {"ok", "warn", "FAIL"}
@@ -224,6 +224,25 @@ def test_leftovers_are_named(tmp_path: Path) -> None:
     finally:
         child.kill()
         child.wait()
+
+
+@pytest.mark.root
+def test_a_sandbox_another_server_makes_during_the_probe_is_not_a_leftover(tmp_path: Path) -> None:
+    """Attack (or just a busy host): a server running beside `bastion doctor` creates a sandbox while
+    the doctor probes. Its cgroup is new, but not the probe's: the doctor said "cleanup FAIL: closing
+    the sandbox left cgroup sb-7082-1" (seen with the suite's workers side by side). Only groups named
+    with the doctor's own pid are its leftovers."""
+    layout = CgroupLayout.detect()
+    before = set(layout.existing())
+    no_limits = Limits(memory_bytes=None, pids=None, cpu_cores=None)
+    names = (f"sb-{os.getpid() + 100_000}-1", f"sb-{os.getpid()}-99999")  # another server's, then ours
+    groups = [layout.create(name, no_limits) for name in names]
+    try:
+        assert leftovers(layout, before, tmp_path / "gone", set(child_pids())) == f"cgroup {names[1]}"
+    finally:
+        for group in groups:
+            group.destroy()
+    assert not set(names) & set(layout.existing())
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the disk quota (and so this check) needs root")

@@ -508,10 +508,15 @@ def canary_check(result: dict[str, str]) -> Check:
 def leftovers(
     cgroups: CgroupLayout | None, groups_before: set[str], sandboxes_dir: Path, children_before: set[int]
 ) -> str:
-    """What the probe left: new cgroups, anything in its sandboxes folder, new child processes."""
+    """What the probe left: new cgroups of this process, anything in its sandboxes folder, new child processes.
+
+    A group's name carries the pid of the process that made it (`sb-PID-N`, `vm-PID-N`): a server
+    running beside the doctor makes and removes its own meanwhile, and they are not the probe's.
+    """
     left = []
     if cgroups is not None:
-        left += [f"cgroup {name}" for name in sorted(set(cgroups.existing()) - groups_before)]
+        new = sorted(set(cgroups.existing()) - groups_before)
+        left += [f"cgroup {name}" for name in new if name.split("-")[-2:-1] == [str(os.getpid())]]
     with contextlib.suppress(FileNotFoundError):
         left += [f"folder {entry}" for entry in sorted(sandboxes_dir.iterdir())]
     left += [f"process {pid}" for pid in child_pids() if pid not in children_before]
