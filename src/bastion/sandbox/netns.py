@@ -83,7 +83,7 @@ def _executor() -> concurrent.futures.ThreadPoolExecutor:
         return _thread
 
 
-def _close_made(job: asyncio.Future[list[socket.socket]]) -> None:
+def _close_made(job: concurrent.futures.Future[list[socket.socket]]) -> None:
     if not job.cancelled() and job.exception() is None:
         for sock in job.result():
             sock.close()
@@ -99,6 +99,7 @@ class NetworkNamespace:
         self._spares: collections.deque[socket.socket] = collections.deque()
         self._refilling = False
         self._closed = False
+        self._state = threading.Lock()  # `close` against a refill's end, which runs on the thread
 
     async def connect(self, port: int, timeout_s: float) -> socket.socket:
         """A non-blocking socket connected to 127.0.0.1:`port` in the namespace; the caller owns it.
@@ -115,13 +116,13 @@ class NetworkNamespace:
         else:
             # Each job gets a duplicate of the fd: closing the namespace meanwhile cannot hand the thread
             # a reused fd number (another sandbox's namespace).
-            job = loop.run_in_executor(_executor(), _sockets_in, os.dup(self._fd), 1)
+            job = _executor().submit(_sockets_in, os.dup(self._fd), 1)
             try:
-                sock = (await asyncio.shield(job))[0]
+                sock = (await asyncio.shield(asyncio.wrap_future(job)))[0]
             except asyncio.CancelledError:
-                job.add_done_callback(_close_made)  # the socket still being made is nobody's
+                job.add_done_callback(_close_made)  # on the thread: the socket still being made is nobody's
                 raise
-        self._refill(loop)
+        self._refill()
         try:
             sock.setblocking(False)
             async with asyncio.timeout(timeout_s):
@@ -131,24 +132,31 @@ class NetworkNamespace:
             raise
         return sock
 
-    def _refill(self, loop: asyncio.AbstractEventLoop) -> None:
+    def _refill(self) -> None:
         if self._refilling or self._closed or len(self._spares) >= SPARES:
             return
         self._refilling = True
-        job = loop.run_in_executor(_executor(), _sockets_in, os.dup(self._fd), SPARES - len(self._spares))
+        # Its end is handled on the thread, not the loop: a loop closed meanwhile (the server's end)
+        # would never run a callback, and the sockets made would be dropped unclosed.
+        job = _executor().submit(_sockets_in, os.dup(self._fd), SPARES - len(self._spares))
         job.add_done_callback(self._refilled)
 
-    def _refilled(self, job: asyncio.Future[list[socket.socket]]) -> None:
-        self._refilling = False
+    def _refilled(self, job: concurrent.futures.Future[list[socket.socket]]) -> None:
         if job.cancelled() or job.exception() is not None:
+            self._refilling = False
             return  # the next connect makes its own socket, and says why if it cannot
-        if self._closed:
-            _close_made(job)
-            return
-        self._spares.extend(job.result())
+        with self._state:
+            self._refilling = False
+            if not self._closed:
+                self._spares.extend(job.result())
+                return
+        for sock in job.result():
+            sock.close()
 
     def close(self) -> None:
-        self._closed = True
-        while self._spares:
-            self._spares.popleft().close()
+        with self._state:
+            self._closed = True
+            spares, self._spares = self._spares, collections.deque()
+        for sock in spares:
+            sock.close()
         os.close(self._fd)
