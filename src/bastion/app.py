@@ -453,7 +453,5 @@ def register_toolsets(server: BastionServer, services: Services, *, caller: str)
         register_code(server, services.sandboxes, services.registry, config.sandboxes)
         if services.previews is not None and previews_off(config) is None:
             register_previews(server, services.previews, services.registry)
-    # A gateway without a pinned host key refuses every call: its tools could never work.
-    pinned = {name: client for name, client in services.gateways.items() if client.config.host_key is not None}
-    if services.approvals is not None and pinned:
-        register_gateway(server, pinned, services.approvals, config.approvals)
+    if services.approvals is not None and services.gateways:  # only gateways with a pinned key have clients
+        register_gateway(server, services.gateways, services.approvals, config.approvals)

@@ -37,7 +37,7 @@ from bastion.safety.errors import BastionError, ConfigError
 from bastion.safety.redact import Redactor
 from bastion.sandbox import idmap_supported
 from bastion.sandbox._spawn import SANDBOX_WORKSPACE, bwrap_path, probe_bwrap, sandbox_python
-from bastion.sandbox.cgroups import CgroupLayout
+from bastion.sandbox.cgroups import CgroupLayout, owner_pid
 from bastion.sandbox.inside.landlock import landlock_abi, landlock_missing  # the agent's own wording
 from bastion.sandbox.microvm import MicroVMSettings, missing_boot_files, probe_microvm
 from bastion.sandbox.seccomp import DENIED, write_filter_fd
@@ -516,7 +516,7 @@ def leftovers(
     left = []
     if cgroups is not None:
         new = sorted(set(cgroups.existing()) - groups_before)
-        left += [f"cgroup {name}" for name in new if name.split("-")[-2:-1] == [str(os.getpid())]]
+        left += [f"cgroup {name}" for name in new if owner_pid(name) == os.getpid()]
     with contextlib.suppress(FileNotFoundError):
         left += [f"folder {entry}" for entry in sorted(sandboxes_dir.iterdir())]
     left += [f"process {pid}" for pid in child_pids() if pid not in children_before]

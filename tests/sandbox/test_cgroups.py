@@ -22,7 +22,7 @@ import pytest
 
 from bastion.safety.errors import Conflict, InvalidRequest, NotFound, Unavailable
 from bastion.sandbox._hierarchies import Hierarchy, Roles, own_dir, parse_mountinfo, parse_self_cgroup
-from bastion.sandbox.cgroups import CgroupLayout, Limits, SandboxCgroup, Usage, fd_migration_supported
+from bastion.sandbox.cgroups import CgroupLayout, Limits, SandboxCgroup, Usage, fd_migration_supported, owner_pid
 
 pytestmark = pytest.mark.root
 
@@ -322,3 +322,13 @@ def test_mountinfo_and_own_cgroup_of_a_delegated_pure_v2_service() -> None:
 def test_command_groups_need_a_kernel_that_checks_the_fd_opener(release: str, supported: bool) -> None:
     """Before 5.16 a cgroup.procs write was checked against the writer: the agent's moves would fail."""
     assert fd_migration_supported(release) is supported
+
+
+@pytest.mark.parametrize(
+    ("name", "owner"),
+    [("sb-7082-1", 7082), ("vm-12-300", 12), ("sb-x-1", None), ("sb-7082", None), ("sb-1-2-3", None), ("base", None)],
+)
+def test_owner_pid_is_read_from_a_sandbox_groups_name_only(name: str, owner: int | None) -> None:
+    """Crash recovery removes the groups of servers that are gone, and the doctor counts only its own:
+    both read the server's pid from the name, and a name of another shape names no server."""
+    assert owner_pid(name) == owner

@@ -72,6 +72,13 @@ DESTROY_WAIT_S: Final = 2.0
 _NAME_RE: Final = re.compile(r"[a-z0-9-]{1,64}")
 
 
+def owner_pid(name: str) -> int | None:
+    """The pid of the server that made sandbox group `name` (`sb-PID-N`, `vm-PID-N`), or None for a
+    name of another shape."""
+    parts = name.split("-")
+    return int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else None
+
+
 @dataclass(frozen=True)
 class Limits:
     """Resource limits of one sandbox; None means unlimited.

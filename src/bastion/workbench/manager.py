@@ -54,7 +54,7 @@ from bastion.safety.errors import (
 from bastion.safety.redact import Redactor
 from bastion.sandbox import DeviceFolder, SandboxSpec, backend
 from bastion.sandbox._disk import ImageFormats, drop_disk, make_disk, mount_disk, mount_tmpfs, used_bytes
-from bastion.sandbox.cgroups import CgroupLayout, Limits
+from bastion.sandbox.cgroups import CgroupLayout, Limits, owner_pid
 from bastion.sandbox.identity import HostIdentity, IdentityPool
 from bastion.sandbox.microvm import MicroVMBackend, MicroVMSettings, probe_microvm, recover_run_dirs
 from bastion.sandbox.warm import BubblewrapBackend
@@ -795,8 +795,8 @@ class SandboxManager:
         """
         if self._cgroups is not None:
             for name in self._cgroups.existing():
-                owner_pid = name.split("-")[1] if name.count("-") == 2 else ""
-                if owner_pid.isdigit() and not os.path.exists(f"/proc/{owner_pid}"):
+                owner = owner_pid(name)
+                if owner is not None and not os.path.exists(f"/proc/{owner}"):
                     self._cgroups.open(name).destroy()
         for folder in recover_run_dirs():
             logger.info("a crashed server's microVM folder %s removed", folder)
