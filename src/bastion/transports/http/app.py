@@ -13,8 +13,8 @@ Layers, outermost first:
    below in one layer and goes straight to the /mcp endpoint of 5; everything else goes to Starlette.
 4. The SDK's `AuthenticationMiddleware` with `BearerAuthBackend` over bastion's provider (the token is
    looked up by its digest, checked for expiry, revocation and resource), and `AuthContextMiddleware`.
-5. Routes. /mcp: CORS for the configured origins, then `RequireToken` (401/403), then `SessionCap`
-   (sessions per grant), then the SDK's app.
+5. Routes. /mcp: CORS for the configured origins (cors.py: Starlette's for a request with an Origin),
+   then `RequireToken` (401/403), then `SessionCap` (sessions per grant), then the SDK's app.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ from bastion.safety.errors import ConfigError
 from bastion.tools import CallRunner
 from bastion.tools.server import SCOPES, BastionServer
 from bastion.transports.http.admin_pages import AdminPages
+from bastion.transports.http.cors import McpCors
 from bastion.transports.http.dashboard import Dashboard
 from bastion.transports.http.endpoints import (
     Registration,
@@ -417,7 +418,7 @@ def build_http_app(services: Services, server: BastionServer, *, listen: str | N
         verifier = CachedTokenVerifier(provider, config.db_path)
         backend = BearerAuthBackend(verifier)
         middleware = [Middleware(AuthenticationMiddleware, backend=backend), Middleware(AuthContextMiddleware)]
-    mcp_endpoint = CORSMiddleware(
+    mcp_endpoint = McpCors(
         mcp_app,
         allow_origins=origins,
         allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
