@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime
+import enum
 import errno
 import json
 import logging
@@ -10,11 +12,13 @@ import os
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import anyio
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from bastion.safety import audit as audit_mod
 from bastion.safety.audit import GENESIS, MAX_ARG_CHARS, MAX_RECORD_BYTES, AuditLog, verify
@@ -199,6 +203,82 @@ def test_record_values_are_redacted_and_capped(log: AuditLog, log_path: Path) ->
     record = json.loads(raw)
     assert record["env"] == {"GITHUB_TOKEN": "[REDACTED:credential]", "HOME": "/root"}
     assert record["argv"][0] == "x" * MAX_ARG_CHARS + "…[truncated 10 chars]"
+
+
+def _cleaned_as_before(log: AuditLog, key: object, value: object, depth: int) -> object:
+    """The record cleaning before it was flattened for speed (2026-12-05): the oracle for what it must still do."""
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(key, str) and log._key(key)[1]:
+        return "[REDACTED:credential]"
+    if type(value) is str:
+        return log._cap(value, MAX_ARG_CHARS)
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if depth >= audit_mod.MAX_DEPTH:
+        return "[nested too deep]"
+    if isinstance(value, Mapping):
+        return {log._key(k)[0]: _cleaned_as_before(log, k, v, depth + 1) for k, v in value.items()}
+    if isinstance(value, list | tuple | set | frozenset):
+        return [_cleaned_as_before(log, None, v, depth + 1) for v in value]
+    if isinstance(value, bytes | bytearray):
+        value = bytes(value).decode("utf-8", "backslashreplace")
+    return log._cap(str(value), MAX_ARG_CHARS)
+
+
+class Color(enum.Enum):
+    RED = "red"
+
+
+class Level(enum.IntEnum):
+    HIGH = 3
+
+
+_KEYS = st.sampled_from(["command", "password", "GITHUB_TOKEN", "env", "path", "api_key", 7, ("a", 1)])
+_LEAVES = (
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats()
+    | st.text(max_size=40)
+    | st.sampled_from([f"echo {AWS_KEY_ID}", "password=hunter22", "x" * (MAX_ARG_CHARS + 3), Color.RED, Level.HIGH])
+    | st.binary(max_size=20)
+)
+_VALUES = st.recursive(
+    _LEAVES,
+    lambda inner: st.lists(inner, max_size=4) | st.tuples(inner, inner) | st.dictionaries(_KEYS, inner, max_size=4),
+    max_leaves=30,
+)
+
+
+@given(st.dictionaries(_KEYS, _VALUES, max_size=6))
+@settings(max_examples=300)
+def test_record_cleaning_is_what_it_was(record: dict[object, object]) -> None:
+    log = AuditLog("/nonexistent/audit.jsonl", redactor=Redactor())
+    for _ in range(2):  # the second time from the caches
+        expected = {log._key(k)[0]: _cleaned_as_before(log, k, v, 0) for k, v in record.items()}
+        assert log._prepare(record).body == expected
+
+
+def test_record_cleaning_of_deep_nesting_stops_at_the_limit(log: AuditLog) -> None:
+    deep: object = "bottom"
+    for _ in range(audit_mod.MAX_DEPTH + 5):
+        deep = {"next": [deep]}
+    body = log._prepare({"deep": deep}).body
+    assert json.dumps(body).count("[nested too deep]") == 1
+    assert body == {"deep": _cleaned_as_before(log, "deep", deep, 0)}
+
+
+def test_timestamps_are_utc_milliseconds_of_now() -> None:
+    for _ in range(3):
+        before = time.time()
+        stamp = audit_mod._now()
+        after = time.time()
+        parsed = datetime.datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=datetime.UTC)
+        assert math.floor(before * 1000) / 1000 <= parsed.timestamp() <= after
+        assert len(stamp) == len("2026-12-05T12:00:00.000Z")
 
 
 def test_oversized_record_is_shrunk_to_the_line_limit(log: AuditLog, log_path: Path) -> None:

@@ -48,7 +48,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final, TypeAlias
+from typing import Any, Final, TypeAlias, cast
 
 import anyio.to_thread
 
@@ -72,6 +72,9 @@ _FS_IOC_GETFLAGS: Final = 0x80086601  # _IOR('f', 1, long), include/uapi/linux/f
 _FS_IMMUTABLE_FL: Final = 0x10
 NOTHING_DONE: Final = "nothing was done"
 _KNOWN_KEYS: Final = 4096  # keys remembered by `AuditLog._key`; past it, new keys are cleaned each time
+_KNOWN_TEXTS: Final = 4096  # short string values remembered by `AuditLog._text` (cleared when full)
+_SHORT_TEXT_CHARS: Final = 128
+_REDACTED_CREDENTIAL: Final = "[REDACTED:credential]"
 INLINE_SYNC_MAX_S: Final = 0.001
 """A lone record is written on the event loop only while fdatasync takes less than this (a thread hop
 costs ~0.1 ms). A slower disk (14 ms measured on a loaded host) would stall every other request for
@@ -147,6 +150,7 @@ class AuditLog:
         self._redactor = redactor
         self._keys: dict[str, tuple[str, bool]] = {}
         """Key -> (cleaned key, whether it names a secret): records repeat the same few keys."""
+        self._texts: dict[str, str] = {}
         self._rotate_bytes = rotate_bytes
         self._reserve = Reserve(min(reserve_bytes, rotate_bytes))
         self._fail_closed = fail_closed
@@ -317,7 +321,7 @@ class AuditLog:
         reserved = CHAIN_FIELDS.intersection(record)
         if reserved:
             raise ValueError(f"audit record uses reserved keys {sorted(reserved)}: rename them")
-        return _Pending({self._key(k)[0]: self._clean(k, v, 0) for k, v in record.items()}, durable)
+        return _Pending(self._clean_mapping(record, 0), durable)
 
     def _result(self, pending: _Pending, *, ran: bool) -> str:
         if pending.error is None:
@@ -358,13 +362,33 @@ class AuditLog:
         kept, cut = self._redactor.redact_then_truncate(text, limit)
         return f"{kept}…[truncated {len(text) - len(kept)} chars]" if cut else kept
 
-    def _clean(self, key: object, value: object, depth: int) -> JSONValue:
-        if value is None or isinstance(value, bool):
-            return value
-        if isinstance(key, str) and self._key(key)[1]:
-            return "[REDACTED:credential]"
-        if type(value) is str:  # the common case first
-            return self._cap(value, MAX_ARG_CHARS)
+    def _text(self, text: str) -> str:
+        """A string value redacted and capped; records repeat the same short strings (tool names, paths)."""
+        known = self._texts.get(text)
+        if known is None:
+            known = self._cap(text, MAX_ARG_CHARS)
+            if len(text) <= _SHORT_TEXT_CHARS:
+                if len(self._texts) >= _KNOWN_TEXTS:
+                    self._texts.clear()  # bounded, and holds recent strings rather than the first ones for ever
+                self._texts[text] = known
+        return known
+
+    def _clean_mapping(self, mapping: Mapping[Any, object], depth: int) -> dict[str, JSONValue]:
+        cleaned: dict[str, JSONValue] = {}
+        for key, value in mapping.items():
+            name, secret = self._key(key)
+            if secret and isinstance(key, str) and value is not None and not isinstance(value, bool):
+                cleaned[name] = _REDACTED_CREDENTIAL
+            else:
+                cleaned[name] = self._clean(value, depth)
+        return cleaned
+
+    def _clean(self, value: object, depth: int) -> JSONValue:
+        kind = type(value)
+        if kind is str:  # the common cases first, by exact type
+            return self._text(cast(str, value))
+        if value is None or kind is bool or kind is int:
+            return cast(JSONValue, value)
         if isinstance(value, int):
             return value
         if isinstance(value, float):
@@ -373,12 +397,12 @@ class AuditLog:
         if depth >= MAX_DEPTH:
             return "[nested too deep]"
         if isinstance(value, Mapping):
-            return {self._key(k)[0]: self._clean(k, v, depth + 1) for k, v in value.items()}
+            return self._clean_mapping(value, depth + 1)
         if isinstance(value, list | tuple | set | frozenset):
-            return [self._clean(None, v, depth + 1) for v in value]
+            return [self._clean(v, depth + 1) for v in value]
         if isinstance(value, bytes | bytearray):
             value = bytes(value).decode("utf-8", "backslashreplace")
-        return self._cap(str(value), MAX_ARG_CHARS)
+        return self._text(str(value))
 
     # -- writing --------------------------------------------------------------
 
@@ -611,11 +635,18 @@ def _finish(pendings: list[_Pending], error: str | None) -> None:
         p.done = True
 
 
+_second: tuple[int, str] = (-1, "")
+"""The last second `_now` formatted, and its text: records come many to a second."""
+
+
 def _now() -> str:
-    """UTC now as 2026-12-04T23:10:00.123Z (ISO 8601, milliseconds), in half datetime's CPU."""
-    milliseconds = time.time_ns() // 1_000_000
-    seconds, fraction = divmod(milliseconds, 1000)
-    return f"{time.strftime('%Y-%m-%dT%H:%M:%S', time.gmtime(seconds))}.{fraction:03d}Z"
+    """UTC now as 2026-12-04T23:10:00.123Z (ISO 8601, milliseconds)."""
+    global _second
+    seconds, fraction = divmod(time.time_ns() // 1_000_000, 1000)
+    second = _second  # one read: another thread may replace it meanwhile (a tuple, never half-written)
+    if second[0] != seconds:
+        second = _second = (seconds, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)))
+    return f"{second[1]}.{fraction:03d}Z"
 
 
 def _encode(obj: dict[str, JSONValue]) -> bytes:
