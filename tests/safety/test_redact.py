@@ -8,9 +8,10 @@ import re
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from bastion.safety import redact as redact_mod
 from bastion.safety.errors import ConfigError
 from bastion.safety.redact import SLICE_CONTEXT_BYTES, STREAM_HOLD_CAP_CHARS, Redactor, sanitize_terminal
 
@@ -436,3 +437,117 @@ def test_redact_keeping_lines_keeps_line_numbers_across_a_multiline_secret() -> 
     assert kept.split("\n")[5] == "b"
     assert "QWERTY" not in kept
     assert "MIIE" not in kept
+
+
+# -- which rules run: the needles present ---------------------------------------------------------------
+
+_NEEDLE_TEXT = st.lists(
+    st.sampled_from(redact_mod._ALL_NEEDLES)
+    | st.text(max_size=30)
+    | st.sampled_from(["\udc80", "\udcff", "ключ", "İ", "x" * 300, "KEY", "Bearer ", "\n"]),
+    max_size=40,
+).map("".join)
+
+
+@given(_NEEDLE_TEXT)
+@settings(max_examples=400)
+def test_the_needles_found_are_those_a_substring_test_finds(text: str) -> None:
+    lowered = text.lower()
+    for sample in (lowered, lowered * 20):  # both sides of the length where one RE2 pass takes over
+        assert redact_mod._present_needles(sample) == {n for n in redact_mod._ALL_NEEDLES if n in sample}
+
+
+def test_a_secret_at_the_end_of_a_large_text_is_still_redacted() -> None:
+    """One RE2 pass finds a needle past a mebibyte of text, so its rule still runs."""
+    filler = "lorem ipsum dolor sit amet, ключ " * 32_000
+    for secret_text, secret in ((f"token={AWS_SECRET}", AWS_SECRET), (f"id {AWS_KEY_ID}", AWS_KEY_ID), (JWT, JWT)):
+        redacted = Redactor().redact(filler + secret_text)
+        assert secret not in redacted
+        assert redacted.startswith(filler)
+
+
+def _spans_over_the_whole_text(redactor: Redactor, text: str, pos: int) -> list[tuple[int, int, str, int]]:
+    """`Redactor._spans` as it was before it ran one-line rules over needle lines only: the oracle."""
+    found = []
+    present = {n for n in redact_mod._ALL_NEEDLES if n in text[pos:].lower()}
+    for prio, rule in enumerate(redactor._rules):
+        if rule.needles and rule.needles.isdisjoint(present):
+            continue
+        for m in rule.regex.finditer(text, pos):
+            start, end = m.span()
+            for group in rule.groups:
+                if m.group(group) is not None:
+                    start, end = m.span(group)
+                    break
+            if end > start:
+                found.append((start, prio, end, m.start()))
+    found.sort()
+    merged: list[tuple[int, int, str, int]] = []
+    for start, prio, end, match_start in found:
+        if merged and start < merged[-1][1]:
+            last = merged[-1]
+            merged[-1] = (last[0], max(last[1], end), last[2], min(last[3], match_start))
+        else:
+            merged.append((start, end, redactor._rules[prio].kind, match_start))
+    return merged
+
+
+_SECRETISH = st.lists(
+    st.sampled_from(
+        [
+            "password",
+            "PassWord",
+            "db_",
+            "api_key",
+            "API-KEY",
+            "token",
+            "auth_token",
+            "secret",
+            "credentials",
+            "private_key",
+            "=",
+            ":",
+            " ",
+            "\t",
+            "\n",
+            "\r\n",
+            '"',
+            "'",
+            "abcdEFGH12345678xyz",
+            "x" * 40,
+            AWS_KEY_ID,
+            "aws_secret_access_key",
+            AWS_SECRET,
+            "Authorization: ",
+            "Bearer ",
+            JWT,
+            "ghp_" + "a" * 30,
+            "https://",
+            "user:pw@",
+            "host/",
+            "İ",
+            "ß",
+            "\udc80",
+            "ключ",
+            "-----BEGIN RSA PRIVATE KEY-----",
+            "-----END RSA PRIVATE KEY-----",
+            PEM_BODY,
+            "sk-ant-" + "b" * 24,
+            "xoxb-1234567890ab",
+        ]
+    )
+    | st.text(max_size=8),
+    max_size=60,
+).map("".join)
+
+
+@given(_SECRETISH, st.integers(min_value=0, max_value=20), st.booleans())
+@example('password="unterminated value\nnext line', 0, False)  # \Z must not match before a line break
+@example("İİİİİİİİ\nx password=hunter2222 and more", 0, False)  # lowering lengthens İ: positions shift
+@example("İ" * 40 + "token: abcdefgh12345678", 3, True)
+@settings(max_examples=500, suppress_health_check=[HealthCheck.too_slow])
+def test_spans_are_those_of_every_rule_run_over_the_whole_text(text: str, skip: int, custom: bool) -> None:
+    redactor = Redactor(extra_patterns=[r"zz\nzz"], secret_values=["pw@host"]) if custom else Redactor()
+    pos = min(skip, len(text))
+    assert redactor._spans(text, pos) == _spans_over_the_whole_text(redactor, text, pos)
+    assert redactor._spans(text * 8, pos) == _spans_over_the_whole_text(redactor, text * 8, pos)

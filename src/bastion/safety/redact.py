@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
+import re2  # type: ignore[import-untyped]  # google-re2 ships no type information
+
 from bastion.safety.errors import ConfigError
 
 # Values shorter than this are ignored: redacting every "abc" in output would mangle
@@ -117,15 +119,53 @@ class _Rule:
     # Lowercase substrings of which every match contains one: substring tests are far
     # cheaper than running each regex, and most text contains none. Empty: always run.
     needles: frozenset[str]
+    # No match crosses a line break: the regex need only run over the lines holding a needle.
+    one_line: bool = False
 
 
 def _rule(kind: str, regex: re.Pattern[str], needles: tuple[str, ...] = ()) -> _Rule:
-    return _Rule(kind, regex, tuple(g for g in _SECRET_GROUPS if g in regex.groupindex), frozenset(needles))
+    groups = tuple(g for g in _SECRET_GROUPS if g in regex.groupindex)
+    # Every built-in pattern but the PEM key's matches no line break (separators are [ \t], values exclude \s).
+    return _Rule(kind, regex, groups, frozenset(needles), one_line=bool(needles) and kind not in _MULTILINE_KINDS)
 
 
+_MULTILINE_KINDS: Final = frozenset({"private_key"})
 _BUILTINS: Final = tuple(_rule(kind, re.compile(pattern), needles) for kind, pattern, needles in _BUILTIN_RULES)
 
 _ALL_NEEDLES: Final = tuple(sorted({n for rule in _BUILTINS for n in rule.needles}))
+_NEEDLE_SET_MIN_CHARS: Final = 256
+"""From this length on, the needles present are found by one RE2 pass over the text rather than one
+`in` per needle: 12 to 17 us instead of 80 to 90 us for 4 KiB here; below it the loop is cheaper."""
+
+
+def _needle_set() -> re2.Set:
+    """Every needle as a literal, matched on bytes (Latin-1: a byte is a character) in one linear pass."""
+    if not all(needle.isascii() for needle in _ALL_NEEDLES):
+        raise AssertionError("needles must be ASCII: a UTF-8 byte match would otherwise differ from `in`")
+    options = re2.Options()
+    options.encoding = re2.Options.Encoding.LATIN1
+    found = re2.Set.SearchSet(options)
+    for index, needle in enumerate(_ALL_NEEDLES):
+        if found.Add(re.escape(needle)) != index:
+            raise AssertionError("RE2 numbered the needles out of order")
+    found.Compile()
+    return found
+
+
+_NEEDLE_SET: Final = _needle_set()
+
+
+def _present_needles(lowered: str) -> set[str]:
+    """The needles that occur in `lowered`.
+
+    An ASCII needle is in a text exactly when its bytes are in the text's UTF-8 form (surrogatepass: a
+    lone surrogate, as a read decoded with surrogateescape holds, becomes bytes above 0x7F, which no
+    needle has), so both ways give the same set.
+    """
+    if len(lowered) < _NEEDLE_SET_MIN_CHARS:
+        return {needle for needle in _ALL_NEEDLES if needle in lowered}
+    found = _NEEDLE_SET.Match(lowered.encode("utf-8", "surrogatepass"))
+    return {_ALL_NEEDLES[index] for index in found or ()}
 _PEM_END: Final = re.compile(r"-----END[ A-Z0-9]*PRIVATE KEY(?: BLOCK)?-----")
 _PEM_BEGIN: Final = re.compile(rb"-----BEGIN[ A-Z0-9]*PRIVATE KEY")
 _PEM_END_BYTES: Final = re.compile(rb"-----END[ A-Z0-9]*PRIVATE KEY(?: BLOCK)?-----")
@@ -286,18 +326,25 @@ class Redactor:
     def _spans(self, text: str, pos: int) -> list[_Span]:
         found: list[tuple[int, int, int, int]] = []
         lowered = text[pos:].lower()
-        present = {n for n in _ALL_NEEDLES if n in lowered}
+        present = _present_needles(lowered)
+        # Lowering can lengthen a character (İ): then positions in `lowered` are not those in `text`.
+        aligned = len(lowered) == len(text) - pos
         for prio, rule in enumerate(self._rules):
             if rule.needles and rule.needles.isdisjoint(present):
                 continue
-            for m in rule.regex.finditer(text, pos):
-                start, end = m.span()
-                for group in rule.groups:
-                    if m.group(group) is not None:
-                        start, end = m.span(group)
-                        break
-                if end > start:
-                    found.append((start, prio, end, m.start()))
+            if rule.one_line and aligned:
+                ranges = _needle_lines(lowered, rule.needles & present, pos)
+            else:
+                ranges = [(pos, len(text))]
+            for range_start, range_end in ranges:
+                for m in rule.regex.finditer(text, range_start, range_end):
+                    start, end = m.span()
+                    for group in rule.groups:
+                        if m.group(group) is not None:
+                            start, end = m.span(group)
+                            break
+                    if end > start:
+                        found.append((start, prio, end, m.start()))
         found.sort()
         merged: list[_Span] = []
         for start, prio, end, match_start in found:
@@ -310,6 +357,28 @@ class Redactor:
 
     def _hold_chars(self) -> int:
         return max(STREAM_HOLD_CHARS, self._longest_value)
+
+
+def _needle_lines(lowered: str, needles: frozenset[str], pos: int) -> list[tuple[int, int]]:
+    """The lines of `lowered` holding one of `needles`, as (start, end) in the text that `lowered` is
+    from `pos` on, runs of lines merged. Each end is past its line break: `\\Z` then matches only where
+    it would in the whole text. A regex that matches no line break finds over these what it finds over
+    the whole text: `re` still reads behind a range's start for a lookbehind, as it does there."""
+    lines: set[tuple[int, int]] = set()
+    for needle in needles:
+        at = lowered.find(needle)
+        while at >= 0:
+            start = lowered.rfind("\n", 0, at) + 1
+            end = lowered.find("\n", at) + 1 or len(lowered)
+            lines.add((start, end))
+            at = lowered.find(needle, end)
+    merged: list[tuple[int, int]] = []
+    for start, end in sorted(lines):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return [(pos + start, pos + end) for start, end in merged]
 
 
 def _byte_len(text: str) -> int:
