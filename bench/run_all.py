@@ -24,6 +24,7 @@ SCRIPTS = (
     "bench_http.py",
     "bench_login.py",
     "bench_search.py",
+    "bench_redact.py",
     "bench_preview.py",
     "bench_terminal.py",
     "bench_metrics.py",
