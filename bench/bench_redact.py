@@ -27,30 +27,14 @@ SIZES = (4096, 65_536)
 
 
 def whole_text_redact(redactor: Redactor, text: str) -> str:
-    """The reference: the spans of every rule whose needles are present, each run over the whole text."""
-    found = []
+    """The reference: the matches of every rule whose needles are present, each run over the whole text."""
     lowered = text.lower()
     present = {needle for needle in redact_mod._ALL_NEEDLES if needle in lowered}
+    found = []
     for prio, rule in enumerate(redactor._rules):
-        if rule.needles and rule.needles.isdisjoint(present):
-            continue
-        for m in rule.regex.finditer(text):
-            start, end = m.span()
-            for group in rule.groups:
-                if m.group(group) is not None:
-                    start, end = m.span(group)
-                    break
-            if end > start:
-                found.append((start, prio, end, m.start()))
-    found.sort()
-    merged: list[tuple[int, int, str, int]] = []
-    for start, prio, end, match_start in found:
-        if merged and start < merged[-1][1]:
-            last = merged[-1]
-            merged[-1] = (last[0], max(last[1], end), last[2], min(last[3], match_start))
-        else:
-            merged.append((start, end, redactor._rules[prio].kind, match_start))
-    return redact_mod._apply(text, merged, 0, len(text))
+        if not rule.needles or not rule.needles.isdisjoint(present):
+            found += redact_mod._matches(rule, prio, text, 0, len(text))
+    return redact_mod._apply(text, redact_mod._merge(found, redactor._rules), 0, len(text))
 
 
 def texts() -> dict[str, str]:

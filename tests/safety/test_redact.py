@@ -468,28 +468,12 @@ def test_a_secret_at_the_end_of_a_large_text_is_still_redacted() -> None:
 
 def _spans_over_the_whole_text(redactor: Redactor, text: str, pos: int) -> list[tuple[int, int, str, int]]:
     """`Redactor._spans` as it was before it ran one-line rules over needle lines only: the oracle."""
-    found = []
     present = {n for n in redact_mod._ALL_NEEDLES if n in text[pos:].lower()}
+    found = []
     for prio, rule in enumerate(redactor._rules):
-        if rule.needles and rule.needles.isdisjoint(present):
-            continue
-        for m in rule.regex.finditer(text, pos):
-            start, end = m.span()
-            for group in rule.groups:
-                if m.group(group) is not None:
-                    start, end = m.span(group)
-                    break
-            if end > start:
-                found.append((start, prio, end, m.start()))
-    found.sort()
-    merged: list[tuple[int, int, str, int]] = []
-    for start, prio, end, match_start in found:
-        if merged and start < merged[-1][1]:
-            last = merged[-1]
-            merged[-1] = (last[0], max(last[1], end), last[2], min(last[3], match_start))
-        else:
-            merged.append((start, end, redactor._rules[prio].kind, match_start))
-    return merged
+        if not rule.needles or not rule.needles.isdisjoint(present):
+            found += redact_mod._matches(rule, prio, text, pos, len(text))
+    return redact_mod._merge(found, redactor._rules)
 
 
 _SECRETISH = st.lists(

@@ -166,6 +166,8 @@ def _present_needles(lowered: str) -> set[str]:
         return {needle for needle in _ALL_NEEDLES if needle in lowered}
     found = _NEEDLE_SET.Match(lowered.encode("utf-8", "surrogatepass"))
     return {_ALL_NEEDLES[index] for index in found or ()}
+
+
 _PEM_END: Final = re.compile(r"-----END[ A-Z0-9]*PRIVATE KEY(?: BLOCK)?-----")
 _PEM_BEGIN: Final = re.compile(rb"-----BEGIN[ A-Z0-9]*PRIVATE KEY")
 _PEM_END_BYTES: Final = re.compile(rb"-----END[ A-Z0-9]*PRIVATE KEY(?: BLOCK)?-----")
@@ -337,26 +339,40 @@ class Redactor:
             else:
                 ranges = [(pos, len(text))]
             for range_start, range_end in ranges:
-                for m in rule.regex.finditer(text, range_start, range_end):
-                    start, end = m.span()
-                    for group in rule.groups:
-                        if m.group(group) is not None:
-                            start, end = m.span(group)
-                            break
-                    if end > start:
-                        found.append((start, prio, end, m.start()))
-        found.sort()
-        merged: list[_Span] = []
-        for start, prio, end, match_start in found:
-            if merged and start < merged[-1][1]:
-                last = merged[-1]
-                merged[-1] = (last[0], max(last[1], end), last[2], min(last[3], match_start))
-            else:
-                merged.append((start, end, self._rules[prio].kind, match_start))
-        return merged
+                found += _matches(rule, prio, text, range_start, range_end)
+        return _merge(found, self._rules)
 
     def _hold_chars(self) -> int:
         return max(STREAM_HOLD_CHARS, self._longest_value)
+
+
+def _matches(rule: _Rule, prio: int, text: str, pos: int, endpos: int) -> list[tuple[int, int, int, int]]:
+    """(start, prio, end, start of the whole match) of each match of `rule` in ``text[pos:endpos]``: the
+    secret group's span when the rule has one that matched, else the match's; empty ones are dropped."""
+    found = []
+    for m in rule.regex.finditer(text, pos, endpos):
+        start, end = m.span()
+        for group in rule.groups:
+            if m.group(group) is not None:
+                start, end = m.span(group)
+                break
+        if end > start:
+            found.append((start, prio, end, m.start()))
+    return found
+
+
+def _merge(found: list[tuple[int, int, int, int]], rules: Sequence[_Rule]) -> list[_Span]:
+    """The matches in text order, overlapping ones merged under the kind of the first (the earlier rule
+    when two start at the same place)."""
+    found.sort()
+    merged: list[_Span] = []
+    for start, prio, end, match_start in found:
+        if merged and start < merged[-1][1]:
+            last = merged[-1]
+            merged[-1] = (last[0], max(last[1], end), last[2], min(last[3], match_start))
+        else:
+            merged.append((start, end, rules[prio].kind, match_start))
+    return merged
 
 
 def _needle_lines(lowered: str, needles: frozenset[str], pos: int) -> list[tuple[int, int]]:
