@@ -468,7 +468,7 @@ def test_a_secret_at_the_end_of_a_large_text_is_still_redacted() -> None:
 
 def _spans_over_the_whole_text(redactor: Redactor, text: str, pos: int) -> list[tuple[int, int, str, int]]:
     """`Redactor._spans` as it was before it ran one-line rules over needle lines only: the oracle."""
-    present = {n for n in redact_mod._ALL_NEEDLES if n in text[pos:].lower()}
+    present = {n for n in redact_mod._ALL_NEEDLES if n in redact_mod._fold(text[pos:])}
     found = []
     for prio, rule in enumerate(redactor._rules):
         if not rule.needles or not rule.needles.isdisjoint(present):
@@ -518,6 +518,13 @@ _SECRETISH = st.lists(
             PEM_BODY,
             "sk-ant-" + "b" * 24,
             "xoxb-1234567890ab",
+            "ſ",
+            "ı",
+            "\u212a",
+            "ſecret",
+            "paſſword",
+            "credentıals",
+            "Authorızation: ",
         ]
     )
     | st.text(max_size=8),
@@ -529,9 +536,31 @@ _SECRETISH = st.lists(
 @example('password="unterminated value\nnext line', 0, False)  # \Z must not match before a line break
 @example("İİİİİİİİ\nx password=hunter2222 and more", 0, False)  # lowering lengthens İ: positions shift
 @example("İ" * 40 + "token: abcdefgh12345678", 3, True)
+@example("export TOKEN_FILE=/run/t\nſecret=hunter2hunter2\n", 0, False)  # found by an attack review
+@example("Authorization header follows\nAuthorızation: Basic dXNlcjpodW50ZXIy\n", 0, False)
 @settings(max_examples=500, suppress_health_check=[HealthCheck.too_slow])
 def test_spans_are_those_of_every_rule_run_over_the_whole_text(text: str, skip: int, custom: bool) -> None:
     redactor = Redactor(extra_patterns=[r"zz\nzz"], secret_values=["pw@host"]) if custom else Redactor()
     pos = min(skip, len(text))
     assert redactor._spans(text, pos) == _spans_over_the_whole_text(redactor, text, pos)
     assert redactor._spans(text * 8, pos) == _spans_over_the_whole_text(redactor, text * 8, pos)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "ſecret=hunter2hunter2",
+        "paſſword: hunter2hunter2",
+        "credentıals=hunter2hunter2",
+        "Authorızation: Basic dXNlcjpodW50ZXIy",
+        "Authorİzation: Basic dXNlcjpodW50ZXIy",
+        "api_\u212aey=hunter2hunter2",  # the Kelvin sign, which str.lower already makes a k
+    ],
+)
+def test_letters_regex_case_folding_matches_to_ascii_do_not_hide_a_key(text: str) -> None:
+    """`re`'s IGNORECASE matches ı and İ to i, ſ to s and K to k: each such key is still a key, alone in a
+    text or in a long one (the needle search folds them too)."""
+    for sample in (text, "lorem ipsum dolor\n" * 30 + text):
+        redacted = Redactor().redact(sample)
+        assert "hunter2hunter2" not in redacted
+        assert "dXNlcjpodW50ZXIy" not in redacted

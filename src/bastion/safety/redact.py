@@ -133,6 +133,26 @@ _MULTILINE_KINDS: Final = frozenset({"private_key"})
 _BUILTINS: Final = tuple(_rule(kind, re.compile(pattern), needles) for kind, pattern, needles in _BUILTIN_RULES)
 
 _ALL_NEEDLES: Final = tuple(sorted({n for rule in _BUILTINS for n in rule.needles}))
+_CASE_FOLDS: Final = (("\u0130", "i"), ("\u0131", "i"), ("\u017f", "s"))
+"""The letters `re`'s IGNORECASE matches to an ASCII letter that `str.lower` does not lower to it
+(İ lowers to two characters, ı and ſ to themselves; the Kelvin sign K lowers to k): found by trying
+every code point against every ASCII letter."""
+
+
+def _fold(text: str) -> str:
+    """`text` lower-cased for the needle search, with `_CASE_FOLDS` replaced first.
+
+    A case-insensitive rule matches `paſſword=...` or `Authorızation: ...`; without the fold, no needle
+    (`pass`, `authorization`) would be found in them and the rule would not run. One character stays
+    one character, so positions in the result are positions in `text`.
+    """
+    if not text.isascii():
+        for letter, ascii_letter in _CASE_FOLDS:
+            if letter in text:
+                text = text.replace(letter, ascii_letter)
+    return text.lower()
+
+
 _NEEDLE_SET_MIN_CHARS: Final = 256
 """From this length on, the needles present are found by one RE2 pass over the text rather than one
 `in` per needle: 12 to 17 us instead of 80 to 90 us for 4 KiB here; below it the loop is cheaper."""
@@ -327,9 +347,9 @@ class Redactor:
 
     def _spans(self, text: str, pos: int) -> list[_Span]:
         found: list[tuple[int, int, int, int]] = []
-        lowered = text[pos:].lower()
+        lowered = _fold(text[pos:])
         present = _present_needles(lowered)
-        # Lowering can lengthen a character (İ): then positions in `lowered` are not those in `text`.
+        # Had lowering lengthened a character, positions in `lowered` would not be those in `text`.
         aligned = len(lowered) == len(text) - pos
         for prio, rule in enumerate(self._rules):
             if rule.needles and rule.needles.isdisjoint(present):
