@@ -262,6 +262,28 @@ def test_record_cleaning_is_what_it_was(record: dict[object, object]) -> None:
         assert log._prepare(record).body == expected
 
 
+class _EqualsEverything(str):
+    """A string that claims to equal every other, hashing as "ls" does."""
+
+    def __eq__(self, other: object) -> bool:
+        return True
+
+    def __hash__(self) -> int:
+        return hash("ls")
+
+
+class _Shifty:
+    def __str__(self) -> str:
+        return _EqualsEverything("something else entirely")
+
+
+def test_a_str_subclass_never_stands_in_for_another_value_or_key(log: AuditLog) -> None:
+    """Found by an attack review: `str(value)` may be a subclass with its own equality; the caches of
+    short values and keys keep exact strings only, so it cannot become the entry of "ls"."""
+    log._prepare({"tool": _Shifty(), _Shifty(): 1})  # type: ignore[dict-item]
+    assert log._prepare({"tool": "ls", "ls": 2}).body == {"tool": "ls", "ls": 2}
+
+
 def test_record_cleaning_of_deep_nesting_stops_at_the_limit(log: AuditLog) -> None:
     deep: object = "bottom"
     for _ in range(audit_mod.MAX_DEPTH + 5):

@@ -354,7 +354,8 @@ class AuditLog:
         known = self._keys.get(text)
         if known is None:
             known = self._cap(text, MAX_KEY_CHARS), self._redactor.is_sensitive_key(text)
-            if len(self._keys) < _KNOWN_KEYS:
+            # Exact strings only: a subclass's own __eq__ and __hash__ could make it another key's entry.
+            if len(self._keys) < _KNOWN_KEYS and type(text) is str:
                 self._keys[text] = known
         return known
 
@@ -367,7 +368,7 @@ class AuditLog:
         known = self._texts.get(text)
         if known is None:
             known = self._cap(text, MAX_ARG_CHARS)
-            if len(text) <= _SHORT_TEXT_CHARS:
+            if len(text) <= _SHORT_TEXT_CHARS and type(text) is str:  # exact strings only, as in `_key`
                 if len(self._texts) >= _KNOWN_TEXTS:
                     self._texts.clear()  # bounded, and holds recent strings rather than the first ones for ever
                 self._texts[text] = known

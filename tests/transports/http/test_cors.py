@@ -85,3 +85,27 @@ def test_an_allowed_origin_gets_its_grant_and_the_exposed_headers() -> None:
     headers = dict(start["headers"])
     assert headers[b"access-control-allow-origin"] == ORIGINS[1].encode()
     assert b"mcp-session-id" in headers[b"access-control-expose-headers"].lower()
+
+
+def test_response_headers_given_as_a_one_shot_iterator_are_all_kept() -> None:
+    """ASGI allows any iterable of headers (found by an attack review: it was read twice)."""
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        headers = iter([(b"content-type", b"application/json"), (b"mcp-session-id", b"s1")])
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    sent: list[Message] = []
+
+    async def receive() -> Message:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    anyio.run(McpCors(app, **ARGUMENTS), _scope("POST", None), receive, send)
+    assert sorted(sent[0]["headers"]) == [
+        (b"content-type", b"application/json"),
+        (b"mcp-session-id", b"s1"),
+        (b"vary", b"Origin"),
+    ]

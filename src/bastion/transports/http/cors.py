@@ -10,7 +10,7 @@ preflights included, through Starlette's middleware unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -52,8 +52,9 @@ class McpCors:
         await self.app(scope, receive, vary_origin)
 
 
-def add_vary_origin(headers: Sequence[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+def add_vary_origin(headers: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
     """`headers` with their ``Vary`` values and Origin in one ``Vary`` header, as `CORSMiddleware` sends them."""
+    headers = list(headers)  # ASGI allows any iterable, and it is read twice below
     varies = [value for key, value in headers if key == b"vary"]  # ASGI names are lower case, as Starlette reads them
     if not varies:
         return [*headers, (b"vary", b"Origin")]
