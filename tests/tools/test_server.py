@@ -6,10 +6,15 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from mcp import Client
+from mcp_types import TextContent
 
 from bastion.app import Services, build_server
 from bastion.safety.audit import verify
+from bastion.safety.results import OperationResult
+from bastion.tools.server import to_call_result
 from bastion.workbench.workspace import HostWorkspace
 
 pytestmark = pytest.mark.anyio
@@ -103,3 +108,40 @@ async def test_every_result_carries_its_audit_id(client: Client, services: Servi
     assert payload["detail"]["allowed"] is True
     lines = services.config.audit_path.read_text().splitlines()
     assert json.loads(lines[-1])["id"] == payload["audit_id"]
+
+
+_LEAVES = (
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats()  # NaN and infinities too: both forms write them as null
+    | st.text(alphabet=st.characters(blacklist_categories=("Cs",)))
+)
+_DETAILS = st.dictionaries(
+    st.text(max_size=8),
+    st.recursive(_LEAVES, lambda x: st.lists(x, max_size=4) | st.dictionaries(st.text(max_size=5), x, max_size=4)),
+    max_size=5,
+)
+
+
+def _text_as_before(result: OperationResult) -> str:
+    return json.dumps(result.model_dump(mode="json"), ensure_ascii=False, separators=(",", ":"))
+
+
+@given(_DETAILS, st.text())
+@settings(max_examples=300)
+def test_the_text_block_holds_the_structured_content_as_json(detail: dict[str, object], reason: str) -> None:
+    """The text block is pydantic's JSON of the result: the same value as the structured content, and as the
+    text `json.dumps` wrote before (floats may be spelled otherwise: 5e-05 and 0.00005)."""
+    result = OperationResult.success("read_file", detail, reason=reason)
+    wire = to_call_result(result)
+    [block] = wire.content
+    assert isinstance(block, TextContent)
+    assert json.loads(block.text) == wire.structured_content == json.loads(_text_as_before(result))
+
+
+def test_a_value_pydantic_cannot_write_is_written_as_before() -> None:
+    result = OperationResult.success("run_command", {"stdout": "a\udc80b"})
+    [block] = to_call_result(result).content
+    assert isinstance(block, TextContent)
+    assert block.text == _text_as_before(result)
