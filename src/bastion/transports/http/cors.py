@@ -2,10 +2,10 @@
 
 A request without an Origin header (every non-browser client: Claude Code, scripts, the SDK's client)
 gets from Starlette's `CORSMiddleware` only a ``Vary: Origin`` on its response, but pays for its send
-wrapper, which rebuilds the response headers as `MutableHeaders`: measured on the tool-call path at
-about a tenth of a millisecond of server CPU per call. `McpCors` gives such a response the same header
-(merged with any ``Vary`` the app set, as Starlette does) and sends every request with an Origin,
-preflights included, through Starlette's middleware unchanged.
+wrapper, which rebuilds the response headers as `MutableHeaders`: about 10 us a request here against
+1.5 us for this one, some 0.5% of a tool call's server CPU. `McpCors` gives such a response the same
+header (merged with any ``Vary`` the app set, as Starlette does) and sends every request with an
+Origin, preflights included, through Starlette's middleware unchanged.
 """
 
 from __future__ import annotations
