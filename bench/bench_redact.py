@@ -15,6 +15,7 @@ Run: .venv/bin/python bench/bench_redact.py [--rounds N]
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -73,8 +74,8 @@ def main() -> None:
                 raise SystemExit(f"{name} {size}: bastion's redaction differs from the baseline's")
             base, ours = [], []
             for _ in range(args.rounds):
-                base.append(median_us(lambda text=text: whole_text_redact(redactor, text), 3))
-                ours.append(median_us(lambda text=text: redactor.redact(text), 3))
+                base.append(median_us(functools.partial(whole_text_redact, redactor, text), 3))
+                ours.append(median_us(functools.partial(redactor.redact, text), 3))
             b, o = statistics.median(base), statistics.median(ours)
             print(f"{name:<20}{size:>8,}{b:>13,.0f}{o:>12,.0f}{o / b:>7.2f}x")
 

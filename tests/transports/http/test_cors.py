@@ -44,7 +44,18 @@ def _answer(middleware: type[McpCors] | type[CORSMiddleware], scope: Scope, app:
     async def send(message: Message) -> None:
         sent.append(message)
 
-    anyio.run(middleware(app, **ARGUMENTS), scope, receive, send)
+    anyio.run(
+        middleware(
+            app,
+            allow_origins=ARGUMENTS["allow_origins"],
+            allow_methods=ARGUMENTS["allow_methods"],
+            allow_headers=ARGUMENTS["allow_headers"],
+            expose_headers=ARGUMENTS["expose_headers"],
+        ),
+        scope,
+        receive,
+        send,
+    )
     for message in sent:
         if "headers" in message:
             message["headers"] = sorted(tuple(pair) for pair in message["headers"])
