@@ -182,3 +182,19 @@ def test_limits_without_cgroups_are_refused_at_once(tmp_path: Path) -> None:
         BubblewrapBackend(None).sandbox(SandboxSpec(workspace=str(tmp_path)), limits=limits)
     with pytest.raises(Unavailable):
         BubblewrapBackend(None).sandbox(SandboxSpec(workspace=str(tmp_path)), limits=None).set_limits(limits)
+
+
+def test_a_second_event_loop_sees_the_commands_exit(tmp_path: Path) -> None:
+    """A program that embeds bastion may drive one sandbox from two event loops one after the other
+    (a test harness, a bench calling `anyio.run` twice). Invariant: the agent's messages are read on
+    the loop running now, so a command's exit is seen at once, not at its time limit."""
+    ws = tmp_path / "two-loops"
+    ws.mkdir()
+    box = WarmSandbox(SandboxSpec(workspace=str(ws)))
+    try:
+        first = asyncio.run(sh(box, "echo first"))
+        second = asyncio.run(sh(box, "echo second", timeout_s=30))
+        assert (first.stdout, first.status) == (b"first\n", 0)
+        assert (second.stdout, second.status, second.timed_out) == (b"second\n", 0, False)
+    finally:
+        box.close()

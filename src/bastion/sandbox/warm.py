@@ -154,6 +154,7 @@ class WarmSandbox:
         self._paused = False
         self._proc: SandboxProcess | None = None
         self._sock: socket.socket | None = None
+        self._reader_loop: asyncio.AbstractEventLoop | None = None  # where `_on_message` reads the agent
         self._waiters: dict[int, asyncio.Future[int]] = {}  # by command id, until it exits
         self._background: dict[int, BackgroundProcess] = {}  # by command id, until it exits
         self._connects: dict[int, asyncio.Future[socket.socket]] = {}  # by request id, until answered
@@ -264,6 +265,7 @@ class WarmSandbox:
         if self._group is not None and spec.command_groups:
             self._give_home(sock, self._group)
         loop.add_reader(sock.fileno(), self._on_message)
+        self._reader_loop = loop
 
     def _give_home(self, sock: socket.socket, group: SandboxCgroup) -> None:
         """Hand the agent its way back from a command's group; from now on commands get groups."""
@@ -383,6 +385,7 @@ class WarmSandbox:
             with contextlib.suppress(NamespaceUnusable):
                 return await self._connect_in_netns(self._netns, port)
             self._drop_netns()  # e.g. a server without CAP_SYS_ADMIN: the agent connects from now on
+        self._follow_loop(sock)
         request_id = next(self._command_ids)
         waiter: asyncio.Future[socket.socket] = asyncio.get_running_loop().create_future()
         self._connects[request_id] = waiter
@@ -446,10 +449,11 @@ class WarmSandbox:
     def _on_agent_gone(self) -> None:
         self._commands = None  # every command group goes with the sandbox's (`_reap`)
         if self._sock is not None:
-            with contextlib.suppress(RuntimeError):
-                asyncio.get_running_loop().remove_reader(self._sock.fileno())
+            if self._reader_loop is not None:
+                self._reader_loop.remove_reader(self._sock.fileno())  # a closed loop's: a no-op
             self._sock.close()
             self._sock = None
+        self._reader_loop = None
         ended = self._ending()
         for waiter in self._waiters.values():
             if not waiter.done():
@@ -686,6 +690,7 @@ class WarmSandbox:
         sock = self._sock
         if sock is None or not self.alive:
             raise Unavailable("the sandbox is not running")
+        self._follow_loop(sock)
         command_id = next(self._command_ids)
         commands = self._commands
         group_fd = -1
@@ -716,6 +721,18 @@ class WarmSandbox:
             if group_fd >= 0:
                 os.close(group_fd)
         return command_id
+
+    def _follow_loop(self, sock: socket.socket) -> None:
+        """Read the agent on the event loop running now. A program embedding bastion may drive a
+        sandbox from two loops one after the other (`asyncio.run` twice): the reader left on the
+        first would never run, and a command's exit would be seen only at its time limit."""
+        loop = asyncio.get_running_loop()
+        if self._reader_loop is loop:
+            return
+        if self._reader_loop is not None:
+            self._reader_loop.remove_reader(sock.fileno())
+        loop.add_reader(sock.fileno(), self._on_message)
+        self._reader_loop = loop
 
     @staticmethod
     async def _send_fds(sock: socket.socket, data: bytes, fds: list[int]) -> None:
