@@ -198,3 +198,32 @@ def test_a_second_event_loop_sees_the_commands_exit(tmp_path: Path) -> None:
         assert (second.stdout, second.status, second.timed_out) == (b"second\n", 0, False)
     finally:
         box.close()
+
+
+def test_a_background_process_is_killed_from_a_second_event_loop(tmp_path: Path) -> None:
+    """Invariant: `kill` waits for the exit the agent reports on the loop running now; left on the
+    first loop, it would wait out its grace time and then end the whole sandbox."""
+    ws = tmp_path / "two-loops-kill"
+    ws.mkdir()
+    box = WarmSandbox(SandboxSpec(workspace=str(ws)))
+    try:
+        process = asyncio.run(box.spawn("/bin/sleep", ["sleep", "60"], cwd="/", env=ENV, ring_bytes=1024))
+        asyncio.run(box.kill(process))
+        assert process.exited
+        assert box.alive, "the kill ended the whole sandbox"
+    finally:
+        box.close()
+
+
+async def test_a_connect_while_the_agent_starts_leaves_its_hello_to_the_start(sandbox: WarmSandbox) -> None:
+    """A preview request may reach a sandbox waking from sleep. Invariant: the connect does not take
+    the agent's socket from the start waiting for its hello: the start succeeds, the connect gets
+    its own answer, and commands run."""
+    starting = asyncio.create_task(sandbox.start())
+    while sandbox._sock is None:  # started: bwrap runs, the agent has not said hello yet
+        assert not starting.done(), starting
+        await asyncio.sleep(0)
+    with pytest.raises(Unavailable, match="nothing accepts connections"):
+        await sandbox.connect(1)  # nothing listens on port 1 in it
+    await starting
+    assert (await sh(sandbox, "echo up")).stdout == b"up\n"

@@ -466,20 +466,38 @@ async def test_metrics_count_sandboxes_by_state_and_the_warm_pool(client: Client
 
 
 def _count_starts(
-    manager: SandboxManager, monkeypatch: pytest.MonkeyPatch, fail_refills: bool = False
+    manager: SandboxManager,
+    monkeypatch: pytest.MonkeyPatch,
+    *,
+    failing_refills: tuple[float, ...] | None = None,
+    first_two_refills_end_together: bool = False,
 ) -> dict[str, Any]:
-    """Spy on the manager's sandbox starts: `peak` at once, `ids` started. `fail_refills`: the pool's
-    starts (no template: `_fill_one`'s) fail as a full state filesystem would."""
-    seen: dict[str, Any] = {"now": 0, "peak": 0, "ids": []}
+    """Spy on the manager's sandbox starts: `peak` at once, `ids` started, `failed` refills.
+    `failing_refills`: the pool's starts (no template: `_fill_one`'s) fail, as on a full state
+    filesystem, the first ones after these many seconds and the rest at once.
+    `first_two_refills_end_together`: the first two refills end in the same pass of the loop."""
+    seen: dict[str, Any] = {"now": 0, "peak": 0, "ids": [], "failed": 0, "refills": 0}
     prepare = manager._prepare
+    held = {"left": 2 if first_two_refills_end_together else 0}
+    together = asyncio.Event()
 
     async def counted(*args: Any, **kwargs: Any) -> Any:
-        if fail_refills and len(args) < 3:
+        refill = len(args) < 3
+        seen["refills"] += refill
+        if failing_refills is not None and refill:
+            delays = failing_refills[seen["refills"] - 1 :]
+            await asyncio.sleep(delays[0] if delays else 0)  # part way through, as a real start fails
+            seen["failed"] += 1
             raise Unavailable("the state filesystem is full (injected)")
         seen["now"] += 1
         seen["peak"] = max(seen["peak"], seen["now"])
         try:
             prepared = await prepare(*args, **kwargs)
+            if refill and held["left"]:
+                held["left"] -= 1
+                if not held["left"]:
+                    together.set()
+                await together.wait()
         finally:
             seen["now"] -= 1
         seen["ids"].append(prepared.id)
@@ -521,6 +539,29 @@ async def test_creates_waiting_on_an_empty_pool_get_two_starts_at_a_time(
         await manager.close(box.id)
 
 
+async def test_creates_waiting_together_stay_waiting_when_two_refills_end_at_once(
+    services: Services, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Creates from many clients at once, each still busy with the sandbox it took (a network to set
+    up) when the next looks at the pool. Invariant: when the two refills in flight end in the same
+    pass, the refill counts the creates still waiting before it wakes them, so they wait on for the
+    next starts instead of each starting one of its own beside them; never more than two at once."""
+    manager = services.sandboxes
+    await _pool_filled(manager)
+    seen = _count_starts(manager, monkeypatch, first_two_refills_end_together=True)
+    taken = [await manager._namespace_pooled()]  # the pooled one
+    manager.refill_pool()  # as the create that took it does
+    taken += await asyncio.gather(*(manager._namespace_pooled() for _ in range(6)))
+    try:
+        assert None not in taken, "a waiting create was sent to a start of its own"
+        assert seen["peak"] <= 2, seen
+    finally:
+        for prepared in taken:
+            if prepared is not None:
+                prepared.warm.close()
+                manager._discard_prepared(prepared.id, prepared.root)
+
+
 async def test_a_failing_refill_sends_the_waiting_create_to_a_start_of_its_own(
     services: Services, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -529,9 +570,12 @@ async def test_a_failing_refill_sends_the_waiting_create_to_a_start_of_its_own(
     manager = services.sandboxes
     await _pool_filled(manager)
     first = await manager.create(owner="test")  # from the pool: its refill fails from here on
-    seen = _count_starts(manager, monkeypatch, fail_refills=True)
+    # The two refills in flight fail at different times: the create must not wait on the second,
+    # and each failure start another beside it.
+    seen = _count_starts(manager, monkeypatch, failing_refills=(0.01, 0.2))
     second = await manager.create(owner="test")
     assert seen["ids"] == [second.id]  # its own start, the only one that worked
+    assert seen["failed"] <= 2, seen
     assert "warm pool not refilled: the state filesystem is full (injected)" in caplog.text
     assert not manager.pool_ready() or manager.pool_size
     ran = await second.workspace.run_argv("/bin/echo", ("echo", "ok"), timeout_s=20)

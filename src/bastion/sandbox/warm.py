@@ -727,8 +727,8 @@ class WarmSandbox:
         sandbox from two loops one after the other (`asyncio.run` twice): the reader left on the
         first would never run, and a command's exit would be seen only at its time limit."""
         loop = asyncio.get_running_loop()
-        if self._reader_loop is loop:
-            return
+        if self._reader_loop is None or self._reader_loop is loop:
+            return  # None: a start is under way, reading the agent's hello itself; it adds the reader after
         if self._reader_loop is not None:
             self._reader_loop.remove_reader(sock.fileno())
         loop.add_reader(sock.fileno(), self._on_message)
@@ -846,6 +846,8 @@ class WarmSandbox:
             return
         if self._paused:
             raise Conflict("the sandbox is paused: resume it first")
+        if self._sock is not None:
+            self._follow_loop(self._sock)  # the exit it waits for comes from the agent
         killed = self._kill_tree(process.command_id)
         try:
             async with asyncio.timeout(KILL_GRACE_S):

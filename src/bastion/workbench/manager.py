@@ -23,7 +23,7 @@ from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 import anyio.to_thread
 
@@ -218,7 +218,7 @@ class SandboxManager:
         self._building: dict[str, Path] = {}  # sandboxes whose folders a worker is making, until _prepare resumes
         self._refills: set[asyncio.Task[None]] = set()  # namespace sandboxes starting for the pool
         self._vm_refill: asyncio.Task[None] | None = None
-        self._pool_waiters: list[asyncio.Future[None]] = []  # creates waiting for the refill's next sandbox
+        self._pool_waiters: list[asyncio.Future[bool]] = []  # creates waiting for the refill's next sandbox
         self._pool_failed = False
         """The last refill of the warm pool failed (a readiness check reads it)."""
         self._pool_filled_once = False
@@ -490,9 +490,13 @@ class SandboxManager:
         returns its device folder. On failure or cancellation nothing of it is left."""
         self._building[sandbox_id] = root
         work = self._workers.submit(self._make_all, sandbox_id, root, identity, disk_bytes, socket_dir)
+        made = asyncio.wrap_future(work)
         try:
-            devices = await asyncio.shield(asyncio.wrap_future(work))
+            devices = await asyncio.shield(made)
         except BaseException:
+            # Cancelled: nothing awaits `made` any more. Its failure (mkfs on a failed disk) is taken
+            # here, else the loop would report it, when collected, as an error of whatever runs then.
+            made.add_done_callback(_taken)
             if not work.done():
                 # Cancelled mid-build: the worker goes on; removing its folders under it would race.
                 futures.wait([work])
@@ -560,39 +564,53 @@ class SandboxManager:
         while not self._pool:
             if all(refill.done() for refill in self._refills):
                 return None
-            waiter = asyncio.get_running_loop().create_future()
+            waiter: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
             self._pool_waiters.append(waiter)
             self._start_refills()
             try:
-                await asyncio.wait({waiter, *self._refills}, return_when=asyncio.FIRST_COMPLETED)
+                watched: set[asyncio.Future[Any]] = {waiter, *self._refills}
+                await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 with contextlib.suppress(ValueError):
                     self._pool_waiters.remove(waiter)
+            if waiter.done() and not waiter.result() and not self._pool:
+                # A refill failed: a start of its own works or says why. Waiting on for the other
+                # refill in flight would let each failure start another, and the create wait through them.
+                return None
         return self._pool.pop()
 
-    def _wake_pool_waiters(self) -> None:
+    def _wake_pool_waiters(self, *, started: bool) -> None:
         waiters, self._pool_waiters = self._pool_waiters, []
         for waiter in waiters:
             if not waiter.done():
-                waiter.set_result(None)
+                waiter.set_result(started)
 
     async def _fill_one(self) -> None:
         """Start one sandbox into the namespace pool, then what the pool still misses."""
         try:
             prepared = await self._prepare(_binds(self._default_template))
-        except BastionError as exc:
+        except BaseException as exc:
+            self._wake_pool_waiters(started=False)
+            if not isinstance(exc, Exception):
+                raise  # cancelled: the server is closing
+            # Said here: nothing awaits this task (an exception left in it would be reported only
+            # when it is collected, and then as an error of whatever runs at that moment).
             self._pool_failed = True
-            logger.warning("warm pool not refilled: %s", exc.reason)
-            self._wake_pool_waiters()  # each starts one of its own, which says why if it fails too
+            if isinstance(exc, BastionError):
+                logger.warning("warm pool not refilled: %s", exc.reason)
+            elif isinstance(exc, OSError):  # e.g. EIO from a failed state filesystem
+                logger.warning("warm pool not refilled: %s", exc.strerror or exc)
+            else:
+                logger.exception("warm pool not refilled")
             return
         self._pool.append(prepared)
         self._pool_failed = False
         self._pool_filled_once |= len(self._pool) >= self._config.warm_pool
-        self._wake_pool_waiters()
         refill = asyncio.current_task()
         if refill is not None:
             self._refills.discard(refill)  # done: not a start in flight any more
-        self._start_refills()
+        self._start_refills()  # before the wake-up, which takes the creates waiting off the count
+        self._wake_pool_waiters(started=True)
 
     async def _fill_vms(self) -> None:
         try:
@@ -973,6 +991,11 @@ class SandboxManager:
         """Stop the egress proxies' thread (after close_all; the server is ending)."""
         if self._egress is not None:
             self._egress.close()
+
+
+def _taken(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 def _owner(identity: HostIdentity | None) -> tuple[int, int] | None:
