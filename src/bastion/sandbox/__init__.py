@@ -4,14 +4,7 @@ What other packages use of the private modules is exported here. `_spawn` and `_
 may be imported only by the files pyproject.toml names (TID251); tests/test_contracts.py checks it.
 """
 
-from bastion.sandbox._devices import (
-    SCRATCH_INODES,
-    SHM_SIZE_BYTES,
-    TMP_SIZE_BYTES,
-    DeviceFolder,
-    SandboxDevices,
-    ScratchSizes,
-)
+from bastion.sandbox._devices import SCRATCH_INODES, SHM_SIZE_BYTES, TMP_SIZE_BYTES, DeviceFolder, ScratchSizes
 from bastion.sandbox._disk import quota_available
 from bastion.sandbox._idmap import idmap_supported, idmapped_mount, is_mounted, unmount
 from bastion.sandbox._spawn import (
@@ -47,7 +40,6 @@ __all__ = [
     "Process",
     "RunOutcome",
     "Sandbox",
-    "SandboxDevices",
     "SandboxSpec",
     "ScratchSizes",
     "WarmSandbox",

@@ -9,27 +9,24 @@ fresh inodes, in a small tmpfs of the server's, bound over bwrap's. What a sandb
 them is its own and goes with it. An unprivileged server cannot make device nodes: its
 sandboxes keep the host's, which every local user may touch the same way.
 
-Each sandbox's /tmp and /dev/shm are tmpfs of its own too, with a size and an inode cap
+Each sandbox's /tmp and /dev/shm are tmpfs of its own here too, with a size and an inode cap
 (bwrap's --tmpfs takes a size only, and its /dev/shm has none): filling either is ENOSPC
-inside, never the host's memory or an OOM kill of the whole sandbox. They are mounted in a
-mount namespace of the sandbox's own (`_mountns`), which bubblewrap starts in, so the host's
-mount table never holds them; the namespace outlives the sandbox's processes, so an idle
-sandbox can sleep without losing them, and goes when the sandbox is dropped or the server ends.
+inside, never the host's memory or an OOM kill of the whole sandbox. Being the server's mounts,
+they also outlive the sandbox's processes, so an idle sandbox can sleep without losing them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import stat
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from bastion.safety.errors import Unavailable
-from bastion.sandbox._disk import drop_disk, mount_tmpfs
-from bastion.sandbox._mountns import MountNamespace, MountNamespaces
+from bastion.sandbox._disk import drop_disk, mount_tmpfs, used_bytes
+from bastion.sandbox._idmap import unmount
 
 # The Linux character devices every sandbox gets (Documentation/admin-guide/devices.txt).
 DEVICES: Final[dict[str, tuple[int, int]]] = {
@@ -58,27 +55,13 @@ class ScratchSizes:
     """Files and folders in each; tmpfs inodes are kernel memory, so an empty-file flood needs a cap too."""
 
 
-@dataclass(frozen=True)
-class SandboxDevices:
-    """What `DeviceFolder.make` gives one sandbox (`SandboxSpec.devices`)."""
-
-    folder: str
-    """Its six device nodes, and the mount points of its /tmp and /dev/shm (`SCRATCH`)."""
-    namespace: MountNamespace
-    """The mount namespace its /tmp and /dev/shm are mounted in, and bubblewrap starts in."""
-
-
 class DeviceFolder:
     """`<state_dir>/dev`: a tmpfs (nosuid, noexec, devices allowed) holding one folder per sandbox:
-    its device nodes, and the mount points of its /tmp and /dev/shm (`SCRATCH`), tmpfs of their
-    own in the sandbox's mount namespace."""
+    its device nodes, and the mount points of its /tmp and /dev/shm (`SCRATCH`), tmpfs of their own."""
 
     def __init__(self, path: Path, sizes: ScratchSizes | None = None) -> None:
         self.path = path
         self.sizes = sizes or ScratchSizes()
-        self._namespaces: MountNamespaces | None = None
-        self._made: dict[str, MountNamespace] = {}  # by sandbox name
-        self._lock = threading.Lock()  # sandboxes are made in worker threads, two at a time
 
     def open(self) -> None:
         """Mount it, first dropping a crashed server's (whose nodes no sandbox uses any more)."""
@@ -86,13 +69,10 @@ class DeviceFolder:
         if os.path.ismount(self.path):
             drop_disk(self.path)  # lazily if a sandbox's /tmp is still mounted inside: the tree goes
         mount_tmpfs(self.path, _TMPFS_BYTES, _TMPFS_INODES, 0o711, devices=True)
-        self._namespaces = MountNamespaces()
 
-    def make(self, name: str, owner: tuple[int, int] | None = None) -> SandboxDevices:
-        """A folder of the six nodes for sandbox `name`, and its /tmp and /dev/shm in a mount
-        namespace of its own. `owner` (uid, gid): whose /tmp and /dev/shm are (the sandbox's id)."""
-        if self._namespaces is None:
-            raise Unavailable("the sandboxes' device folder is not open")
+    def make(self, name: str, owner: tuple[int, int] | None = None) -> str:
+        """A folder of the six nodes, /tmp and /dev/shm for sandbox `name`; returns its path
+        (for `SandboxSpec.devices`). `owner` (uid, gid): whose /tmp and /dev/shm are (the sandbox's id)."""
         folder = self.path / name
         folder.mkdir(mode=0o700)
         try:
@@ -105,38 +85,34 @@ class DeviceFolder:
             for node, (major, minor) in DEVICES.items():
                 os.mknod(folder / node, stat.S_IFCHR | 0o666, os.makedev(major, minor))
                 os.chmod(folder / node, 0o666)  # noqa: S103 - as the host's; mknod's mode passes the umask
-            for scratch in SCRATCH:
+            for scratch, size in zip(SCRATCH, (self.sizes.tmp_bytes, self.sizes.shm_bytes), strict=True):
                 (folder / scratch).mkdir(mode=0o700)
-            namespace = self._namespaces.make(lambda: self._mount_scratch(folder, owner))
-            with self._lock:
-                self._made[name] = namespace
+                # Executable as bwrap's own tmpfs is (programs built in /tmp run); never setuid or devices.
+                mount_tmpfs(folder / scratch, size, self.sizes.inodes, 0o1777, executable=True, owner=owner)
         except BaseException:
             self.drop(name)
             raise
-        return SandboxDevices(str(folder), namespace)
+        return str(folder)
 
-    def _mount_scratch(self, folder: Path, owner: tuple[int, int] | None) -> None:
-        """On the namespace thread, in the sandbox's new namespace."""
-        for scratch, size in zip(SCRATCH, (self.sizes.tmp_bytes, self.sizes.shm_bytes), strict=True):
-            # Executable as bwrap's own tmpfs is (programs built in /tmp run); never setuid or devices.
-            mount_tmpfs(folder / scratch, size, self.sizes.inodes, 0o1777, executable=True, owner=owner)
+    def scratch_bytes(self, name: str) -> dict[str, int]:
+        """Bytes used now in the sandbox's /tmp and /dev/shm, by their path inside."""
+        used: dict[str, int] = {}
+        for scratch, inside in zip(SCRATCH, ("/tmp", "/dev/shm"), strict=True):  # noqa: S108 - paths inside
+            with contextlib.suppress(OSError):
+                used[inside] = used_bytes(self.path / name / scratch)
+        return used
 
     def drop(self, name: str) -> None:
-        """Remove a sandbox's folder and let its namespace go: its /tmp and /dev/shm go with its last process."""
-        with self._lock:
-            namespace = self._made.pop(name, None)
-        if namespace is not None:
-            namespace.close()
+        """Remove a sandbox's folder: unmount its /tmp and /dev/shm (their files go), then its nodes."""
         folder = self.path / name
+        for scratch in SCRATCH:
+            unmount(folder / scratch)
         if shutil.rmtree.avoids_symlink_attacks:  # allowed in pyproject.toml: fd-based; on our own tmpfs only
             shutil.rmtree(folder, ignore_errors=True)  # allowed in pyproject.toml: see above
 
     def close(self) -> None:
-        with self._lock:
-            made, self._made = self._made, {}
-        for namespace in made.values():
-            namespace.close()
-        if self._namespaces is not None:
-            self._namespaces.close()
-            self._namespaces = None
+        with contextlib.suppress(OSError):
+            for name in os.listdir(self.path):
+                for scratch in SCRATCH:
+                    unmount(self.path / name / scratch)
         drop_disk(self.path)

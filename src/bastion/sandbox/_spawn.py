@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Final, TypeAlias
 
 from bastion.safety.errors import Unavailable
-from bastion.sandbox._devices import DEVICES, SCRATCH, SHM_SIZE_BYTES, TMP_SIZE_BYTES, SandboxDevices
+from bastion.sandbox._devices import DEVICES, SCRATCH, SHM_SIZE_BYTES, TMP_SIZE_BYTES
 from bastion.sandbox.seccomp import SETID_DENIED, write_filter_fd
 
 # The type of a started sandbox, so the layer above can hold one without importing subprocess.
@@ -104,9 +104,9 @@ class SandboxSpec:
     """Sizes of bwrap's own /tmp and /dev/shm, when `devices` is None (else they are its tmpfs of its own)."""
     cgroup_procs: tuple[str, ...] = ()
     """``cgroup.procs`` files bwrap must be inside before it starts, one per hierarchy."""
-    devices: SandboxDevices | None = None
-    """Device nodes of the sandbox's own (`_devices`), bound over bwrap's /dev ones, and its tmpfs
-    bound at /tmp and /dev/shm, which are in a mount namespace bwrap then starts in."""
+    devices: str | None = None
+    """A folder of device nodes of the sandbox's own (`_devices`), bound over bwrap's /dev ones, with
+    the tmpfs of its own bound at /tmp and /dev/shm."""
     identity: tuple[int, int] | None = None
     """Host (uid, gid) bwrap drops to before it starts, so the sandbox's uid maps to it, not to
     the server's root (see `bastion.sandbox.identity`). None: the server's own (not root)."""
@@ -227,10 +227,10 @@ def build_bwrap_argv(
     if spec.devices is not None:
         # Nodes of its own instead of the host's, whose times a write-access utimensat could change.
         for name in DEVICES:
-            argv += ["--dev-bind", f"{spec.devices.folder}/{name}", f"/dev/{name}"]
+            argv += ["--dev-bind", f"{spec.devices}/{name}", f"/dev/{name}"]
         # Caps on size and inodes, and they outlive the agent (an idle sandbox sleeps without losing them).
         for name, inside in zip(SCRATCH, (TMP_DIR, SHM_DIR), strict=True):
-            argv += ["--bind", f"{spec.devices.folder}/{name}", inside]
+            argv += ["--bind", f"{spec.devices}/{name}", inside]
     else:
         # A size cap only (bwrap has no inode option), and without it /dev/shm would have none.
         argv += ["--size", str(spec.tmp_size_bytes), "--tmpfs", TMP_DIR]
@@ -282,22 +282,16 @@ def start_sandbox(spec: SandboxSpec) -> tuple[SandboxProcess, socket.socket]:
                 *spec.cgroup_procs,
                 *argv,
             ]
-        passed = (agent_end.fileno(), seccomp_fd, args_fd, *data_fds.values())
-
-        def spawn() -> SandboxProcess:
-            return subprocess.Popen(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-                pass_fds=passed,
-                close_fds=True,
-                start_new_session=True,
-                env=BWRAP_ENV,
-            )
-
-        # In the sandbox's mount namespace, where its /tmp and /dev/shm are mounted.
-        proc = spawn() if spec.devices is None else spec.devices.namespace.run(spawn)
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            pass_fds=(agent_end.fileno(), seccomp_fd, args_fd, *data_fds.values()),
+            close_fds=True,
+            start_new_session=True,
+            env=BWRAP_ENV,
+        )
     except OSError as exc:
         host_end.close()
         raise Unavailable(f"cannot start bubblewrap: {exc.strerror}") from exc

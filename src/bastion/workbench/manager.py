@@ -52,7 +52,7 @@ from bastion.safety.errors import (
     Unavailable,
 )
 from bastion.safety.redact import Redactor
-from bastion.sandbox import DeviceFolder, SandboxDevices, SandboxSpec, backend
+from bastion.sandbox import DeviceFolder, SandboxSpec, backend
 from bastion.sandbox._disk import ImageFormats, drop_disk, make_disk, mount_disk, mount_tmpfs, used_bytes
 from bastion.sandbox.cgroups import CgroupLayout, Limits, owner_pid
 from bastion.sandbox.identity import HostIdentity, IdentityPool
@@ -485,9 +485,9 @@ class SandboxManager:
 
     async def _build(
         self, sandbox_id: str, root: Path, identity: HostIdentity, disk_bytes: int | None, socket_dir: Path
-    ) -> SandboxDevices | None:
+    ) -> str | None:
         """Make the sandbox's folders in a worker (mkfs and mount: tens of ms the loop would stall);
-        returns its devices. On failure or cancellation nothing of it is left."""
+        returns its device folder. On failure or cancellation nothing of it is left."""
         self._building[sandbox_id] = root
         work = self._workers.submit(self._make_all, sandbox_id, root, identity, disk_bytes, socket_dir)
         made = asyncio.wrap_future(work)
@@ -510,7 +510,7 @@ class SandboxManager:
 
     def _make_all(
         self, sandbox_id: str, root: Path, identity: HostIdentity, disk_bytes: int | None, socket_dir: Path
-    ) -> SandboxDevices | None:
+    ) -> str | None:
         self._make_folders(root, identity, disk_bytes)
         socket_dir.mkdir(mode=self._dir_mode)
         os.chmod(socket_dir, self._dir_mode)

@@ -38,7 +38,6 @@ from bastion.sandbox import (
     SANDBOX_PATH,
     SANDBOX_WORKSPACE,
     DeviceFolder,
-    SandboxDevices,
     SandboxSpec,
     idmap_supported,
     idmapped_mount,
@@ -152,7 +151,7 @@ class HostWorkspace:
         owner: tuple[int, int] | None = None,
         bind_source: str | None = None,
         unmount_on_close: bool = False,
-        devices: SandboxDevices | None = None,
+        devices: str | None = None,
     ) -> None:
         """A workspace behind a warm sandbox.
 
@@ -167,7 +166,7 @@ class HostWorkspace:
             owner: (uid, gid) the file tools give what they create: the folder's owner, or the identity.
             bind_source: what is bound at /workspace when it is not the folder itself (its idmapped mount).
             unmount_on_close: `bind_source` is a mount of the workspace's own, removed by `close`.
-            devices: device nodes, /tmp and /dev/shm of its own (`_devices`); None: the host's and bwrap's.
+            devices: a folder of device nodes of its own (`_devices`); None: the host's.
         """
         self.config = config
         self.via_sh = via_sh
@@ -609,12 +608,11 @@ def _open_host(
     identity = pool.acquire()
     target = mounts / config.id
     try:
+        devices = device_folder.make(f"ws-{config.id}", (identity.uid, identity.gid)) if device_folder else None
         target.mkdir(mode=0o700, exist_ok=True)
         if is_mounted(target):
             unmount(target)  # a crashed server's
         idmapped_mount(config.path, target, owner=owner, identity=(identity.uid, identity.gid))
-        # After the mount its bwrap binds: the devices' mount namespace starts as a copy of the host's.
-        devices = device_folder.make(f"ws-{config.id}", (identity.uid, identity.gid)) if device_folder else None
         return HostWorkspace(
             config,
             redactor,
@@ -626,8 +624,6 @@ def _open_host(
             devices=devices,
         )
     except BaseException:
-        with contextlib.suppress(Unavailable):
-            unmount(target)  # a no-op when the mount was not made
         pool.release(identity)
         raise
 
