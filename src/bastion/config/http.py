@@ -71,7 +71,8 @@ class HttpConfig(Model):
     the one that has waited longest for its request; when all are being served, the new one is refused."""
     request_head_timeout_s: Annotated[float, Field(gt=0, le=300)] = 10.0
     """A request's head (line and headers) must arrive within this of the connection opening or of the
-    previous response; a slow sender (slowloris) is disconnected."""
+    previous response; a slow sender (slowloris) is disconnected. It also closes an idle kept-alive
+    connection: keep it above clients' pool expiry (5 s for httpx), or a reused one may be cut mid-request."""
     request_body_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
     """A request's body must arrive within this, plus its declared length at 32 KiB/s."""
     max_sessions_per_grant: Annotated[int, Field(ge=1, le=10_000)] = 64

@@ -21,6 +21,7 @@ import subprocess
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
+from http.client import HTTPConnection
 from typing import Any
 
 import anyio
@@ -177,6 +178,28 @@ def test_slowloris_head_body_and_silent_sockets_are_cut_off(
         still_works(server)
         log = assert_log_clean(server)
         assert "closed connections that sent no complete request in time" in log
+
+
+def test_a_connection_idle_for_a_clients_whole_pool_expiry_is_still_served(server: LiveServer) -> None:
+    """The SDK's HTTP client (httpx) reuses a pooled connection for up to 5 s of idle time. With the
+    server's keep-alive also 5 s, a request sent as the server closed the connection failed with a read
+    error (seen in the load test). Invariant: a connection idle for the client's whole expiry is still open
+    and answers the next request on it."""
+    expiry = httpx2.Limits().keepalive_expiry
+    assert expiry is not None
+    connection = HTTPConnection("127.0.0.1", server.port, timeout=5)
+    try:
+        for request in range(2):
+            connection.request("GET", "/.well-known/oauth-protected-resource")
+            answer = connection.getresponse()
+            answer.read()
+            assert answer.status == 200, request
+            assert connection.sock is not None
+            if request == 0:
+                idle = connection.sock
+                assert not closed_by_server(idle, expiry + 0.5), "the server closed a connection a client would reuse"
+    finally:
+        connection.close()
 
 
 # -- logs ----------------------------------------------------------------------------------------------

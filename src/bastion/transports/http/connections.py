@@ -37,7 +37,11 @@ logger = logging.getLogger("bastion.http.connections")
 
 MIN_BODY_RATE: Final = 32 * 1024
 """Bytes a second a declared body may take beyond the body timeout (4 MiB: 128 s more)."""
-KEEP_ALIVE_S: Final = 5
+KEEP_ALIVE_S: Final = 15
+"""uvicorn's idle time for a kept-alive connection. Longer than the pool expiry of the MCP SDKs' HTTP
+clients (httpx 5 s, undici 4 s): the client drops an idle connection before the server does. With
+both at 5 s, a request sent on a connection the server was just closing failed with a read error.
+`request_head_timeout_s` (10 s by default) closes an idle connection first."""
 MAX_HEAD_BYTES: Final = 16 * 1024
 MAX_BACKLOG: Final = 128
 """listen() backlog at most, and what one accept burst may take before any connection is counted."""
