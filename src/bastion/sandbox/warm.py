@@ -729,8 +729,7 @@ class WarmSandbox:
         loop = asyncio.get_running_loop()
         if self._reader_loop is None or self._reader_loop is loop:
             return  # None: a start is under way, reading the agent's hello itself; it adds the reader after
-        if self._reader_loop is not None:
-            self._reader_loop.remove_reader(sock.fileno())
+        self._reader_loop.remove_reader(sock.fileno())
         loop.add_reader(sock.fileno(), self._on_message)
         self._reader_loop = loop
 
