@@ -153,6 +153,16 @@ def fill(folder: Path) -> Path:
     return filler
 
 
+def spawned_env(**extra: str) -> dict[str, str] | None:
+    """What a server spawned through the SDK's stdio client gets beyond the few variables the SDK passes:
+    `extra`, and this run's PYTHONPATH if it has one. A suite run from a worktree names its `src` there;
+    without it the spawned server would import the editable install's tree instead. None: nothing to add."""
+    env = dict(extra)
+    if "PYTHONPATH" in os.environ:
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+    return env or None
+
+
 def mounts_under(folder: Path) -> list[str]:
     """Mount points of this machine at or below `folder` (from /proc/self/mountinfo)."""
     text = Path("/proc/self/mountinfo").read_text()

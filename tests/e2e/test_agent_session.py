@@ -19,7 +19,7 @@ from mcp import Client, StdioServerParameters
 from mcp_types import ImageContent
 
 from bastion.safety.audit import verify
-from tests.helpers import BASTION, call, processes_with, registry_reachable
+from tests.helpers import BASTION, call, processes_with, registry_reachable, spawned_env
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap, pytest.mark.network]
 
@@ -56,7 +56,9 @@ async def test_an_agent_session_from_the_descriptions_alone(demo_config_path: Pa
     if not registry_reachable():
         pytest.skip("the package registry (pypi.org:443) is not reachable from this machine")
     marker = f"e2e-{secrets.token_hex(6)}"
-    params = StdioServerParameters(command=str(BASTION), args=["serve", "--config", str(demo_config_path), "--stdio"])
+    params = StdioServerParameters(
+        command=str(BASTION), args=["serve", "--config", str(demo_config_path), "--stdio"], env=spawned_env()
+    )
     async with Client(params) as client:
         tools = {tool.name: tool for tool in (await client.list_tools()).tools}
         description = tools["create_sandbox"].description or ""

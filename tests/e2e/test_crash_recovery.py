@@ -14,7 +14,7 @@ from mcp import Client, StdioServerParameters
 
 from bastion.app import build_server, build_services
 from bastion.config import load_config
-from tests.helpers import BASTION, temp_socket_folders
+from tests.helpers import BASTION, spawned_env, temp_socket_folders
 from tests.helpers import processes_with as pids_with
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
@@ -27,7 +27,7 @@ async def test_killed_server_leaves_nothing_and_next_start_recovers(demo_config_
     # The SDK starts the server with a few variables only, not TMPDIR: pass it, or under xdist the killed
     # server's socket folder lands in /tmp, where neither the recovery nor the check below looks.
     args = ["serve", "--config", str(demo_config_path), "--stdio"]
-    params = StdioServerParameters(command=str(BASTION), args=args, env={"TMPDIR": tempfile.gettempdir()})
+    params = StdioServerParameters(command=str(BASTION), args=args, env=spawned_env(TMPDIR=tempfile.gettempdir()))
     sockets_before = temp_socket_folders()
     marker = str(demo_config_path)
     seen: dict[str, str] = {}

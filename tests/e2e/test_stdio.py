@@ -13,7 +13,7 @@ from mcp import Client, StdioServerParameters
 
 from bastion.safety.audit import verify
 from bastion.serve import client_snippet
-from tests.helpers import BASTION, INSPECTOR, NODE_TOOLS_MISSING, node_env, node_tools_installed
+from tests.helpers import BASTION, INSPECTOR, NODE_TOOLS_MISSING, node_env, node_tools_installed, spawned_env
 
 pytestmark = pytest.mark.anyio
 
@@ -64,7 +64,7 @@ GATEWAY_PREFIX = "biscuit_"
 def snippet_params(config_path: Path) -> StdioServerParameters:
     entry = json.loads(client_snippet(str(config_path)))["mcpServers"]["bastion"]
     command = entry["command"] if os.path.isabs(entry["command"]) else str(BASTION)
-    return StdioServerParameters(command=command, args=entry["args"])
+    return StdioServerParameters(command=command, args=entry["args"], env=spawned_env())
 
 
 @pytest.mark.bwrap

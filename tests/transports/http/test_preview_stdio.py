@@ -22,7 +22,7 @@ import pytest
 from mcp import Client, StdioServerParameters
 from mcp.client.stdio import stdio_client
 
-from tests.helpers import call, create, sh
+from tests.helpers import call, create, sh, spawned_env
 
 from .live import BASTION, Browser, LiveServer, free_port
 from .test_preview import APPS, SESSION_COOKIE, WAIT_LISTENING, config_text
@@ -60,7 +60,9 @@ async def test_a_stdio_server_serves_its_sandboxes_previews_behind_the_admin_log
     root = tmp_path / "demo"
     port, preview_port = free_port(), free_port()
     config = config_text(root, port, preview_port)
-    params = StdioServerParameters(command=str(BASTION), args=["serve", "--config", str(config), "--stdio"])
+    params = StdioServerParameters(
+        command=str(BASTION), args=["serve", "--config", str(config), "--stdio"], env=spawned_env()
+    )
     with open(tmp_path / "stderr.log", "w") as errlog:
         async with Client(stdio_client(params, errlog=errlog)) as client:
             names = {tool.name for tool in (await client.list_tools()).tools}
