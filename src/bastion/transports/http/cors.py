@@ -2,8 +2,9 @@
 
 A request without an Origin header (every non-browser client: Claude Code, scripts, the SDK's client)
 gets from Starlette's `CORSMiddleware` only a ``Vary: Origin`` on its response, but pays for its send
-wrapper, which rebuilds the response headers as `MutableHeaders`: about 10 us a request here against
-1.5 us for this one, some 0.5% of a tool call's server CPU. `McpCors` gives such a response the same
+wrapper, which rebuilds the response headers as `MutableHeaders`. Measured in-process over 20,000
+requests: 11.2 us a request through Starlette's, 2.9 us through this one (1.4 us for the app alone),
+some 0.5% of a tool call's server CPU. `McpCors` gives such a response the same
 header (merged with any ``Vary`` the app set, as Starlette does) and sends every request with an
 Origin, preflights included, through Starlette's middleware unchanged.
 """
