@@ -264,6 +264,18 @@ def test_record_cleaning_is_what_it_was(record: dict[object, object]) -> None:
         assert log._prepare(cast(Mapping[str, object], record)).body == expected
 
 
+@given(st.dictionaries(_KEYS, _VALUES, max_size=6))
+@settings(max_examples=300)
+def test_record_encoding_is_what_the_json_encoder_writes(record: dict[object, object]) -> None:
+    """`_dumps` calls the C scanner made once; its bytes are those of `json.JSONEncoder.encode`."""
+    log = AuditLog("/nonexistent/audit.jsonl", redactor=Redactor())
+    body = log._prepare(cast(Mapping[str, object], record)).body
+    chained = {**body, "id": "0" * 32, "seq": 7, "ts": "2026-12-05T16:00:00.000Z", "prev": audit_mod.GENESIS}
+    written = audit_mod._ENCODER.encode(chained).encode("utf-8", "backslashreplace")
+    assert audit_mod._dumps(chained) == written
+    assert json.loads(written) == json.loads(audit_mod._dumps(chained))
+
+
 class _EqualsEverything(str):
     """A string that claims to equal every other, hashing as "ls" does."""
 

@@ -29,6 +29,8 @@ def clean_output(redactor: Redactor, raw: bytes, *, cut: bool) -> str:
     be the start of a secret; when the output was cut, that tail is dropped rather
     than flushed, so a cut never leaves half a secret behind.
     """
+    if not raw:
+        return ""  # most commands leave stderr (or both) empty: no stream redactor to build
     text = sanitize_terminal(codecs.decode(raw, "utf-8", errors="replace"))
     stream = redactor.stream()
     safe = stream.feed(text)
