@@ -1,0 +1,41 @@
+"""bastion with its audit log cut down, for bench_stdio's attribution columns: never a way to serve.
+
+It answers "how much of bastion's time over the naive server is its audit log?" in the same run:
+- `unsynced`: every record is cleaned, chained and written, but never fdatasync'd;
+- `none`: no record at all (`AuditLog.append_async` returns an id and writes nothing).
+Everything else (policy, jail, redaction, the call contract, the transport) is the real server's.
+Run: python bench/audit_variant.py unsynced|none serve --config CONFIG --stdio
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+
+from bastion.safety import audit
+
+
+def _unsynced(self: audit.AuditLog, fd: int) -> None:
+    self.syncs += 1  # as if synced: no flusher keeps retrying, no later record waits for a sync
+    self._owed = False
+
+
+async def _no_record(self: audit.AuditLog, record: Mapping[str, object], **_: object) -> str:
+    return "0" * 32
+
+
+def main() -> int:
+    mode, argv = sys.argv[1], sys.argv[2:]
+    if mode == "unsynced":
+        audit.AuditLog._sync = _unsynced  # type: ignore[method-assign]
+    elif mode == "none":
+        audit.AuditLog.append_async = _no_record  # type: ignore[method-assign]
+    else:
+        raise SystemExit(f"unknown mode {mode!r}: unsynced or none")
+    from bastion.cli import main as bastion_main
+
+    return bastion_main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
