@@ -273,7 +273,6 @@ def test_record_encoding_is_what_the_json_encoder_writes(record: dict[object, ob
     chained = {**body, "id": "0" * 32, "seq": 7, "ts": "2026-12-05T16:00:00.000Z", "prev": audit_mod.GENESIS}
     written = audit_mod._ENCODER.encode(chained).encode("utf-8", "backslashreplace")
     assert audit_mod._dumps(chained) == written
-    assert json.loads(written) == json.loads(audit_mod._dumps(chained))
 
 
 class _EqualsEverything(str):
