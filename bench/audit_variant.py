@@ -14,8 +14,20 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping
+from pathlib import Path
+from typing import Final
+
+from mcp import StdioServerParameters
 
 from bastion.safety import audit
+
+MODES: Final = ("unsynced", "none")
+
+
+def stdio_server(mode: str, config: Path) -> StdioServerParameters:
+    """How the SDK's stdio client spawns variant `mode` of `bastion serve --stdio` on `config`."""
+    argv = [str(Path(__file__).resolve()), mode, "serve", "--config", str(config), "--stdio"]
+    return StdioServerParameters(command=sys.executable, args=argv)
 
 
 def _unsynced(self: audit.AuditLog, fd: int) -> None:
@@ -34,7 +46,7 @@ def main() -> int:
     elif mode == "none":
         audit.AuditLog.append_async = _no_record  # type: ignore[method-assign]
     else:
-        raise SystemExit(f"unknown mode {mode!r}: unsynced or none")
+        raise SystemExit(f"unknown mode {mode!r}: one of {', '.join(MODES)}")
     from bastion.cli import main as bastion_main
 
     return bastion_main(argv)

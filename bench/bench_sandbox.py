@@ -34,6 +34,7 @@ from typing import Any
 import anyio
 from mcp import Client, StdioServerParameters
 
+from audit_variant import MODES, stdio_server
 from bastion.app import build_server, build_services
 from bastion.config import load_config
 
@@ -43,7 +44,6 @@ PYTHON = REPO / ".venv" / "bin" / "python"
 MIB = 1024 * 1024
 SETTLE_S = 2.0
 BURST = 50
-AUDIT_VARIANTS = ("unsynced", "none")
 
 
 def demo(tmp: Path, *, warm_pool: int, max_sandboxes: int) -> Path:
@@ -103,11 +103,11 @@ async def stdio_ratio(configs: dict[str, Path], calls: int) -> dict[str, float]:
     servers = {"naive": naive}
     for label, config in configs.items():
         argv = ["serve", "--config", str(config), "--stdio"]
-        if label == "bastion":
-            servers[label] = StdioServerParameters(command=str(BASTION), args=argv)
-        else:
-            variant = str(REPO / "bench" / "audit_variant.py")
-            servers[label] = StdioServerParameters(command=str(PYTHON), args=[variant, label, *argv])
+        servers[label] = (
+            StdioServerParameters(command=str(BASTION), args=argv)
+            if label == "bastion"
+            else (stdio_server(label, config))
+        )
     samples: dict[str, list[float]] = {label: [] for label in servers}
     async with AsyncExitStack() as stack:
         clients = {label: await stack.enter_async_context(Client(server)) for label, server in servers.items()}
@@ -202,7 +202,7 @@ def main() -> None:
         print("  target: p90 < 30 ms")
         ok &= burst_p90 < 30
         configs = {"bastion": pooled}
-        for mode in AUDIT_VARIANTS:  # each a demo of its own: a server's state folder is its alone
+        for mode in MODES:  # each a demo of its own: a server's state folder is its alone
             configs[mode] = demo(Path(tmp) / mode, warm_pool=1, max_sandboxes=8)
         p50 = anyio.run(stdio_ratio, configs, args.calls)
         base_ms, ours_ms = p50["naive"], p50["bastion"]

@@ -26,6 +26,8 @@ from typing import Any
 import anyio
 from mcp import Client, StdioServerParameters
 
+from audit_variant import MODES, stdio_server
+
 REPO = Path(__file__).resolve().parent.parent
 BASTION = REPO / ".venv" / "bin" / "bastion"
 PYTHON = REPO / ".venv" / "bin" / "python"
@@ -37,7 +39,6 @@ FIGURES: dict[str, tuple[str, dict[str, Any]]] = {
     "read_file source": ("read_file", {"path": "source4k.py"}),
 }
 TARGETS: dict[str, float | None] = {"run_command": 1.3, "read_file": 1.15, "read_file source": None}
-VARIANTS = ("unsynced", "none")
 
 
 async def timed(client: Client, name: str, args: dict[str, Any]) -> float:
@@ -59,8 +60,8 @@ async def measure(servers: dict[str, StdioServerParameters], calls: int) -> dict
                 for client in clients.values():
                     await timed(client, name, args)
             for _ in range(calls):
-                for server, client in clients.items():
-                    samples.setdefault(f"{server} {label}", []).append(await timed(client, name, args))
+                for who, client in clients.items():
+                    samples.setdefault(f"{who} {label}", []).append(await timed(client, name, args))
     return samples
 
 
@@ -71,19 +72,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=REPO / "bench", prefix=".tmp-") as tmp:
         os.chmod(tmp, 0o711)  # passable by the sandboxes' own ids, as a state folder's parents must be
         demo = make_demo(Path(tmp) / "demo")
-        variant = str(REPO / "bench" / "audit_variant.py")
         servers = {
             "naive": StdioServerParameters(
                 command=str(PYTHON), args=[str(REPO / "bench" / "naive_server.py"), str(demo / "workspace")]
             ),
-            "bastion": StdioServerParameters(command=str(BASTION), args=serve_args(demo)),
+            "bastion": StdioServerParameters(
+                command=str(BASTION), args=["serve", "--config", str(demo / "bastion.toml"), "--stdio"]
+            ),
             # Each in a demo of its own: a server's state folder is its alone.
-            **{
-                mode: StdioServerParameters(
-                    command=str(PYTHON), args=[variant, mode, *serve_args(make_demo(Path(tmp) / f"demo-{mode}"))]
-                )
-                for mode in VARIANTS
-            },
+            **{mode: stdio_server(mode, make_demo(Path(tmp) / f"demo-{mode}") / "bastion.toml") for mode in MODES},
         }
         samples = anyio.run(measure, servers, args.calls)
     print(f"{args.calls} alternating calls per figure after {WARMUP_CALLS} warm-up calls")
@@ -95,7 +92,7 @@ def main() -> None:
         ratio = ours_ms / naive_ms
         ok &= target is None or ratio <= target
         shown = "reported" if target is None else f"{target:.2f}x"
-        cut = "".join(f"{statistics.median(samples[f'{mode} {name}']) / naive_ms:>9.2f}x" for mode in VARIANTS)
+        cut = "".join(f"{statistics.median(samples[f'{mode} {name}']) / naive_ms:>9.2f}x" for mode in MODES)
         print(f"{name + ' p50':<24}{naive_ms:>10.3f}{ours_ms:>12.3f}{ratio:>7.2f}x{shown:>9}{cut}")
     print("unsynced: bastion whose audit records are never fdatasync'd; no audit: writing none (both reported)")
     sys.exit(0 if ok else 1)
@@ -108,10 +105,6 @@ def make_demo(demo: Path) -> Path:
     source = (REPO / "src" / "bastion" / "safety" / "audit.py").read_bytes()[:4096]
     (demo / "workspace" / "source4k.py").write_bytes(source[: source.rfind(b"\n") + 1])
     return demo
-
-
-def serve_args(demo: Path) -> list[str]:
-    return ["serve", "--config", str(demo / "bastion.toml"), "--stdio"]
 
 
 if __name__ == "__main__":

@@ -455,12 +455,11 @@ class AuditLog:
                 if self._offset + size + len(line) + 1 > self._rotate_bytes and self._offset + size > 0:
                     break
                 lines.append(line)
-                lines.append(b"\n")
                 sync = sync or p.durable
                 prev, seq, size = hashlib.sha256(line).hexdigest(), seq + 1, size + len(line) + 1
-            segment, todo = todo[: len(lines) // 2], todo[len(lines) // 2 :]
+            segment, todo = todo[: len(lines)], todo[len(lines) :]
             if segment:
-                error = self._write(b"".join(lines), sync=sync)
+                error = self._write(b"\n".join(lines) + b"\n", sync=sync)
                 if error is not None:
                     _finish(segment + todo, error)
                     return
