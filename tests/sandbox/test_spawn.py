@@ -1,14 +1,17 @@
-"""What `_spawn` shows the sandbox at /opt/bastion/agent.py: bytecode when the interpreter reads ours, else source."""
+"""What `_spawn` shows the sandbox: at /opt/bastion/agent.py bytecode when the interpreter reads ours, else
+source; which host /etc files it copies in rather than binds."""
 
 from __future__ import annotations
 
 import importlib.util
 import marshal
+import os
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from bastion.sandbox import _spawn
 from bastion.sandbox._spawn import AGENT_PATH, FORWARDER_PATH, INSIDE_FILES, agent_image, program_image, sandbox_python
 
 
@@ -74,3 +77,40 @@ def test_a_program_the_sandbox_waits_for_loads_no_python_module_as_it_starts(pro
     loaded = dict(line.split() for line in done.stdout.splitlines())
     assert own in loaded  # the probe sees the program's own imports
     assert set(loaded.values()) == {"C"}, loaded
+
+
+def test_fifo_at_an_etc_path_does_not_hold_a_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Attack: a FIFO (or a folder) where a host /etc file the sandbox sees should be. Invariant: opening
+    it does not block the server (non-blocking open), and it is not copied: bwrap binds it as before."""
+    fifo, folder, plain = tmp_path / "fifo", tmp_path / "folder", tmp_path / "plain"
+    os.mkfifo(fifo)
+    folder.mkdir()
+    plain.write_text("x = 1\n")
+    monkeypatch.setattr(_spawn, "_RO_ETC_FILES", (str(fifo), str(folder), str(plain), str(tmp_path / "absent")))
+    fds = _spawn.host_etc_fds()
+    try:
+        assert list(fds) == [str(plain)]
+        assert os.read(fds[str(plain)], 100) == b"x = 1\n"
+        argv: list[str] = []
+        _spawn._bind_system(argv, "/usr/bin/python3", fds)
+        assert ["--ro-bind", str(fifo), str(fifo)] == argv[argv.index(str(fifo)) - 1 : argv.index(str(fifo)) + 2]
+        assert ["--perms", "0444", "--file", str(fds[str(plain)]), str(plain)] == argv[-5:]
+        assert str(tmp_path / "absent") not in argv
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+def test_large_etc_file_is_bound_not_copied_into_each_sandbox(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Invariant: a host /etc file over the copy cap is bound (no copy of it in every sandbox's memory);
+    one at the cap is copied."""
+    big, at_cap = tmp_path / "big", tmp_path / "at_cap"
+    big.write_bytes(b"x" * (_spawn._ETC_COPY_MAX_BYTES + 1))
+    at_cap.write_bytes(b"x" * _spawn._ETC_COPY_MAX_BYTES)
+    monkeypatch.setattr(_spawn, "_RO_ETC_FILES", (str(big), str(at_cap)))
+    fds = _spawn.host_etc_fds()
+    try:
+        assert list(fds) == [str(at_cap)]
+    finally:
+        for fd in fds.values():
+            os.close(fd)

@@ -8,6 +8,7 @@ what is here is bubblewrap's own: namespaces, capabilities, seccomp, landlock, i
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import socket
 from collections.abc import AsyncIterator
@@ -111,11 +112,55 @@ async def test_each_command_is_pid_1_of_its_own_namespace(sandbox: WarmSandbox) 
 
 
 async def test_landlock_confines_writes_to_workspace_and_tmp(sandbox: WarmSandbox) -> None:
-    """Invariant: root inside the user namespace still cannot write bwrap's own tmpfs (/, /dev), only its trees."""
-    outcome = await sh(sandbox, "touch /dev/probe; mkdir /probe; touch /tmp/ok /workspace/ok && echo wrote")
+    """Invariant: root inside the user namespace still cannot write bwrap's own tmpfs: /dev, writable as a
+    mount, by Landlock; / by the mount itself, read-only since bwrap set it up; only the sandbox's trees."""
+    script = "touch /dev/probe; mkdir /dev/probe2; mkdir /probe; touch /tmp/ok /workspace/ok && echo wrote"
+    outcome = await sh(sandbox, script)
     errors = outcome.stderr.decode()
     assert errors.count("Permission denied") == 2, errors
+    assert "mkdir: cannot create directory ‘/probe’: Read-only file system" in errors
     assert outcome.stdout == b"wrote\n"
+
+
+# The mount flags of each path, and what chmod and a write of bastion's own programs and /etc files get.
+READ_ONLY_PROBE = """
+import errno, os
+for path in ("/", "/etc", "/opt/bastion", "/dev", "/tmp", "/workspace"):
+    print(path, "ro" if os.statvfs(path).f_flag & os.ST_RDONLY else "rw")
+for path in ("/opt/bastion/agent.py", "/etc/passwd", "/etc/ld.so.cache"):
+    for attempt in (lambda: os.chmod(path, 0o777), lambda: os.open(path, os.O_WRONLY | os.O_TRUNC)):
+        try:
+            attempt()
+            print(path, "CHANGED")
+        except OSError as exc:
+            print(path, errno.errorcode[exc.errno])
+"""
+
+
+async def test_command_cannot_rewrite_the_programs_or_etc_files_bastion_puts_inside(sandbox: WarmSandbox) -> None:
+    """Attack: a command chmods or truncates /opt/bastion/agent.py, the sandbox's /etc/passwd or a host
+    /etc file copied in. Invariant: refused by the read-only root mount (EROFS), not only by Landlock; the
+    root's read-only flag does not reach /dev, /tmp or /workspace (their own mounts)."""
+    outcome = await sh(sandbox, f"/usr/bin/python3 -I -S -c '{READ_ONLY_PROBE}'")
+    lines = outcome.stdout.decode().splitlines()
+    assert lines[:6] == ["/ ro", "/etc ro", "/opt/bastion ro", "/dev rw", "/tmp rw", "/workspace rw"], lines
+    files = ("/opt/bastion/agent.py", "/etc/passwd", "/etc/ld.so.cache")
+    assert lines[6:] == [f"{path} EROFS" for path in files for _attempt in ("chmod", "write")]
+
+
+async def test_host_etc_files_are_copies_on_the_root_not_binds(sandbox: WarmSandbox) -> None:
+    """Invariant: the host's regular /etc files a sandbox sees are byte-for-byte the host's, on the
+    sandbox's own root (its device), not bind mounts: a bind costs every start a read of the host's mount
+    table. /etc/ssl/certs, a folder, stays a bind (the host's device)."""
+    probe = "import os; print(*(os.stat(p).st_dev for p in ('/', '/etc/ld.so.cache', '/etc/ssl/certs')))"
+    outcome = await sh(sandbox, f'/usr/bin/python3 -I -S -c "{probe}"; sha256sum /etc/ld.so.cache /etc/nsswitch.conf')
+    lines = outcome.stdout.decode().splitlines()
+    root, copied, folder = lines[0].split()
+    assert copied == root
+    assert folder != root
+    for line in lines[1:]:
+        digest, path = line.split()
+        assert digest == hashlib.sha256(Path(path).read_bytes()).hexdigest(), path
 
 
 async def test_seccomp_filter_is_on_for_commands(sandbox: WarmSandbox) -> None:

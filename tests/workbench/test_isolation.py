@@ -465,9 +465,9 @@ async def test_no_network_only_loopback_and_host_listener_unreachable(client: Cl
 
 
 async def test_writes_outside_workspace_and_tmp_are_denied(client: Client) -> None:
-    """Invariant: creating files or folders outside /workspace and /tmp is Permission denied, though
-    / and /dev are writable tmpfs mounts under bubblewrap (so Landlock is what refuses); the two
-    writable trees still work."""
+    """Invariant: creating files or folders outside /workspace and /tmp is refused: in /dev, a writable
+    tmpfs mount under bubblewrap, with Permission denied (Landlock); at /, bwrap's root made read-only,
+    with Read-only file system (the mount); the two writable trees still work."""
     box = await create(client)
     out = detail(
         await sh(
@@ -477,7 +477,7 @@ async def test_writes_outside_workspace_and_tmp_are_denied(client: Client) -> No
         )
     )
     assert out["stdout"] == "writable\n", out
-    assert "touch: cannot touch '/probe': Permission denied" in out["stderr"]
+    assert "touch: cannot touch '/probe': Read-only file system" in out["stderr"]
     assert "mkdir: cannot create directory ‘/dev/x’: Permission denied" in out["stderr"]
     assert "/dev/probe: Permission denied" in out["stderr"]
     listed = detail(await sh(client, box, "ls -A / /dev"))

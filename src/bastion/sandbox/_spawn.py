@@ -15,6 +15,7 @@ import marshal
 import os
 import shutil
 import socket
+import stat
 import subprocess  # allowed in pyproject.toml: this is the dangerous layer
 import sys
 from collections.abc import Mapping, Sequence
@@ -76,6 +77,7 @@ IDENTITY_FILES: Final[dict[str, str]] = {
     "/etc/gitconfig": f"[user]\n\tname = {GIT_AUTHOR_NAME}\n\temail = {GIT_AUTHOR_EMAIL}\n",
 }
 
+_ETC_COPY_MAX_BYTES: Final = 1024 * 1024  # a larger /etc file is bound, not copied into each sandbox's memory
 # System folders bound read-only. /etc is not bound whole: only what programs
 # need to start and name users, never shadow files, keys or the host's config.
 _RO_SYSTEM_DIRS: Final = ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32")
@@ -189,14 +191,40 @@ def sandbox_python() -> str:
     return os.path.realpath(sys.executable)
 
 
-def _bind_system(argv: list[str], python: str) -> None:
+def host_etc_fds() -> dict[str, int]:
+    """Read-only fds of the host's /etc files a sandbox sees (`_RO_ETC_FILES`) that are regular files of
+    at most `_ETC_COPY_MAX_BYTES`, by path; the caller closes them. bwrap copies them in (`--file`): a bind
+    costs it a read of the host's whole mount table, which grows with each open sandbox."""
+    fds: dict[str, int] = {}
+    try:
+        for path in _RO_ETC_FILES:
+            try:
+                # Non-blocking: a FIFO put there cannot hold the server; such a path stays a bind.
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+            except OSError:
+                continue  # absent (as the bind list skips it) or unreadable: bwrap binds or skips it
+            info = os.fstat(fd)
+            if stat.S_ISREG(info.st_mode) and info.st_size <= _ETC_COPY_MAX_BYTES:
+                fds[path] = fd
+            else:
+                os.close(fd)
+    except BaseException:
+        for fd in fds.values():
+            os.close(fd)
+        raise
+    return fds
+
+
+def _bind_system(argv: list[str], python: str, copied: Mapping[str, int]) -> None:
     for path in _RO_SYSTEM_DIRS:
         if os.path.islink(path):
             argv += ["--symlink", os.readlink(path), path]
         elif os.path.isdir(path):
             argv += ["--ro-bind", path, path]
     for path in _RO_ETC_FILES:
-        if os.path.exists(path):
+        if path in copied:
+            argv += ["--perms", "0444", "--file", str(copied[path]), path]
+        elif os.path.exists(path):
             argv += ["--ro-bind", path, path]
     if not python.startswith("/usr/"):
         prefix = os.path.realpath(sys.base_prefix)
@@ -204,14 +232,20 @@ def _bind_system(argv: list[str], python: str) -> None:
 
 
 def build_bwrap_argv(
-    spec: SandboxSpec, agent_fd: int, python: str, seccomp_fd: int, data_fds: Mapping[str, int] | None = None
+    spec: SandboxSpec,
+    agent_fd: int,
+    python: str,
+    seccomp_fd: int,
+    data_fds: Mapping[str, int] | None = None,
+    etc_fds: Mapping[str, int] | None = None,
 ) -> list[str]:
     """The bubblewrap command line of a warm sandbox running the agent.
 
     Namespaces: user (the agent's capabilities only reach the sandbox's own
     namespaces), mount, PID, IPC, UTS, cgroup and network (loopback only).
     `data_fds`: files to show read-only, by destination (their content is read from the fd); they
-    must include `AGENT_PATH` (`inside_fds`).
+    must include `AGENT_PATH` (`inside_fds`). `etc_fds`: the host /etc files to copy in rather than
+    bind, by path (`host_etc_fds`).
     """
     argv = [bwrap_path(), "--unshare-all", "--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_GID)]
     argv += ["--die-with-parent", "--new-session", "--hostname", "bastion"]
@@ -220,9 +254,11 @@ def build_bwrap_argv(
     # empty the bounding set), both confined to the sandbox's user namespace; it leaves
     # nothing a command could inherit (see inside/agent.py).
     argv += ["--cap-drop", "ALL", "--cap-add", "CAP_SYS_ADMIN", "--cap-add", "CAP_SETPCAP"]
-    _bind_system(argv, python)
+    _bind_system(argv, python, etc_fds or {})
     for dest, fd in (data_fds or {}).items():
-        argv += ["--ro-bind-data", str(fd), dest]
+        # Copied onto the root tmpfs, which is made read-only below: one bind each (--ro-bind-data) cost
+        # bwrap a read of the host's whole mount table, a start ~1.3 ms, more with each open sandbox.
+        argv += ["--perms", "0600", "--file", str(fd), dest]
     argv += ["--proc", "/proc", "--dev", "/dev"]
     if spec.devices is not None:
         # Nodes of its own instead of the host's, whose times a write-access utimensat could change.
@@ -238,6 +274,10 @@ def build_bwrap_argv(
     argv += ["--bind", spec.workspace, SANDBOX_WORKSPACE]
     for source, dest in spec.read_only_binds:
         argv += ["--ro-bind", source, dest]
+    # Last of the mounts: bwrap's root tmpfs (/etc, /opt/bastion and the mount points) read-only, not
+    # just out of Landlock's reach; it has no size or inode cap of its own. Not recursive: /tmp,
+    # /dev and /workspace keep their own flags.
+    argv += ["--remount-ro", "/"]
     argv += ["--chdir", SANDBOX_WORKSPACE, "--clearenv", "--setenv", "PATH", SANDBOX_PATH]
     # bwrap loads the filter just before it execs the agent: the agent and every command run under it.
     argv += ["--seccomp", str(seccomp_fd)]
@@ -254,6 +294,7 @@ def start_sandbox(spec: SandboxSpec) -> tuple[SandboxProcess, socket.socket]:
     """Start bwrap with the agent inside; return the process and the host's socket end."""
     seccomp_fd = write_filter_fd()
     data_fds: dict[str, int] = {}
+    etc_fds: dict[str, int] = {}
     args_fd = -1
     host_end, agent_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
@@ -263,7 +304,8 @@ def start_sandbox(spec: SandboxSpec) -> tuple[SandboxProcess, socket.socket]:
         # The agent and the egress forwarder are what a start waits for, and run on `python` itself.
         images = {dest: program_image(python, dest) for dest in (AGENT_PATH, FORWARDER_PATH)}
         data_fds |= inside_fds(images=images)
-        full = build_bwrap_argv(spec, agent_end.fileno(), python, seccomp_fd, data_fds)
+        etc_fds = host_etc_fds()
+        full = build_bwrap_argv(spec, agent_end.fileno(), python, seccomp_fd, data_fds, etc_fds)
         # bwrap is PID 1 inside, and /proc/1/cmdline is readable there: its options (host paths
         # of the workspace, the state folder, binds) go through a memfd, not the command line.
         # The command after "--" must stay on the real command line (bwrap takes it from there).
@@ -287,7 +329,7 @@ def start_sandbox(spec: SandboxSpec) -> tuple[SandboxProcess, socket.socket]:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
-            pass_fds=(agent_end.fileno(), seccomp_fd, args_fd, *data_fds.values()),
+            pass_fds=(agent_end.fileno(), seccomp_fd, args_fd, *data_fds.values(), *etc_fds.values()),
             close_fds=True,
             start_new_session=True,
             env=BWRAP_ENV,
@@ -300,7 +342,7 @@ def start_sandbox(spec: SandboxSpec) -> tuple[SandboxProcess, socket.socket]:
         raise
     finally:
         agent_end.close()
-        for fd in (seccomp_fd, *data_fds.values()):
+        for fd in (seccomp_fd, *data_fds.values(), *etc_fds.values()):
             os.close(fd)
         if args_fd >= 0:
             os.close(args_fd)
@@ -364,7 +406,7 @@ def _bytecode(dest: str) -> bytes:
 
 
 def _data_fd(text: str | bytes) -> int:
-    """A memfd holding `text` (UTF-8 if a str), positioned at 0, for bwrap's --ro-bind-data and --args."""
+    """A memfd holding `text` (UTF-8 if a str), positioned at 0, for bwrap's --file and --args."""
     fd = os.memfd_create("bastion-data", os.MFD_CLOEXEC)
     view = memoryview(text.encode("utf-8") if isinstance(text, str) else text)
     while view:
