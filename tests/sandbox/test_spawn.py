@@ -79,14 +79,18 @@ def test_a_program_the_sandbox_waits_for_loads_no_python_module_as_it_starts(pro
     assert set(loaded.values()) == {"C"}, loaded
 
 
-def test_fifo_at_an_etc_path_does_not_hold_a_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Attack: a FIFO (or a folder) where a host /etc file the sandbox sees should be. Invariant: opening
-    it does not block the server (non-blocking open), and it is not copied: bwrap binds it as before."""
+def test_fifo_or_device_at_an_etc_path_is_not_opened_and_stays_a_bind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Attack: a FIFO, a folder or a device node (here /dev/null) where a host /etc file the sandbox sees
+    should be. Invariant: the root server never opens it for reading (a FIFO would hold the start, a device
+    could act), it is not copied, and bwrap binds it as before."""
     fifo, folder, plain = tmp_path / "fifo", tmp_path / "folder", tmp_path / "plain"
     os.mkfifo(fifo)
     folder.mkdir()
     plain.write_text("x = 1\n")
-    monkeypatch.setattr(_spawn, "_RO_ETC_FILES", (str(fifo), str(folder), str(plain), str(tmp_path / "absent")))
+    paths = (str(fifo), str(folder), "/dev/null", str(plain), str(tmp_path / "absent"))
+    monkeypatch.setattr(_spawn, "_RO_ETC_FILES", paths)
     fds = _spawn.host_etc_fds()
     try:
         assert list(fds) == [str(plain)]
@@ -111,6 +115,28 @@ def test_large_etc_file_is_bound_not_copied_into_each_sandbox(tmp_path: Path, mo
     fds = _spawn.host_etc_fds()
     try:
         assert list(fds) == [str(at_cap)]
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+def test_etc_file_the_sandbox_could_not_read_is_bound_not_copied(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Attack: a host /etc file (or a link's target) readable by its owner only. Invariant: the root server
+    does not copy it in world-readable; it stays a bind, which the sandbox's own id reads under the host's
+    permissions (refused), as before copies existed."""
+    private, public = tmp_path / "private", tmp_path / "public"
+    private.write_text("TOPSECRET\n")
+    private.chmod(0o600)
+    public.write_text("ok\n")
+    public.chmod(0o644)
+    link = tmp_path / "link"
+    link.symlink_to(private)
+    monkeypatch.setattr(_spawn, "_RO_ETC_FILES", (str(private), str(link), str(public)))
+    fds = _spawn.host_etc_fds()
+    try:
+        assert list(fds) == [str(public)]
     finally:
         for fd in fds.values():
             os.close(fd)

@@ -192,27 +192,43 @@ def sandbox_python() -> str:
 
 
 def host_etc_fds() -> dict[str, int]:
-    """Read-only fds of the host's /etc files a sandbox sees (`_RO_ETC_FILES`) that are regular files of
-    at most `_ETC_COPY_MAX_BYTES`, by path; the caller closes them. bwrap copies them in (`--file`): a bind
-    costs it a read of the host's whole mount table, which grows with each open sandbox."""
+    """Read-only fds of the host's /etc files a sandbox sees (`_RO_ETC_FILES`) that are regular,
+    world-readable files of at most `_ETC_COPY_MAX_BYTES`, by path; the caller closes them. bwrap copies
+    them in (`--file`): a bind costs it a read of the host's whole mount table, which grows with each open
+    sandbox. Anything else stays a bind, which the sandbox's own id reads under the host's permissions."""
     fds: dict[str, int] = {}
     try:
         for path in _RO_ETC_FILES:
-            try:
-                # Non-blocking: a FIFO put there cannot hold the server; such a path stays a bind.
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-            except OSError:
-                continue  # absent (as the bind list skips it) or unreadable: bwrap binds or skips it
-            info = os.fstat(fd)
-            if stat.S_ISREG(info.st_mode) and info.st_size <= _ETC_COPY_MAX_BYTES:
-                fds[path] = fd
-            else:
-                os.close(fd)
+            copied = _etc_copy_fd(path)
+            if copied is not None:
+                fds[path] = copied
     except BaseException:
         for fd in fds.values():
             os.close(fd)
         raise
     return fds
+
+
+def _etc_copy_fd(path: str) -> int | None:
+    """An fd to read `path` from, if it is to be copied in (`host_etc_fds`); else None.
+
+    Looked at through an O_PATH fd first: the server is root, and opening a device node or a FIFO
+    put at the path could act on it (a watchdog, a terminal) or wait; only a regular file is opened
+    for reading, through that same fd (no second lookup of the path).
+    """
+    try:
+        handle = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    except OSError:
+        return None  # absent: the bind list skips it too
+    try:
+        info = os.fstat(handle)
+        if not (stat.S_ISREG(info.st_mode) and info.st_mode & stat.S_IROTH and info.st_size <= _ETC_COPY_MAX_BYTES):
+            return None
+        return os.open(f"/proc/self/fd/{handle}", os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY)
+    except OSError:
+        return None
+    finally:
+        os.close(handle)
 
 
 def _bind_system(argv: list[str], python: str, copied: Mapping[str, int]) -> None:
@@ -258,6 +274,8 @@ def build_bwrap_argv(
     for dest, fd in (data_fds or {}).items():
         # Copied onto the root tmpfs, which is made read-only below: one bind each (--ro-bind-data) cost
         # bwrap a read of the host's whole mount table, a start ~1.3 ms, more with each open sandbox.
+        # --file writes through whatever is at `dest` (creat, following links): every one must come
+        # before the first writable bind, never beneath one, or it would write a host file.
         argv += ["--perms", "0600", "--file", str(fd), dest]
     argv += ["--proc", "/proc", "--dev", "/dev"]
     if spec.devices is not None:
