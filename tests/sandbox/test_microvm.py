@@ -613,6 +613,11 @@ def test_recovery_never_kills_a_process_that_took_a_matching_pid_after_the_scan(
     script = "import time; time.sleep(30)"
     vmm = subprocess.Popen([sys.executable, "-c", script, needle])
     other = subprocess.Popen([sys.executable, "-c", script])
+    # Popen returns once the child's exec has closed its fds, a moment before the kernel sets the new
+    # command line: until then /proc/PID/cmdline reads empty (seen under a loaded suite).
+    deadline = time.monotonic() + 10
+    while needle.encode() not in Path(f"/proc/{vmm.pid}/cmdline").read_bytes() and time.monotonic() < deadline:
+        time.sleep(0.01)
     scanned = microvm._users_of(outer / "vm")
     assert scanned == [vmm.pid]
     monkeypatch.setattr(microvm, "_users_of", lambda _: [vmm.pid, other.pid])  # other: the pid, reused

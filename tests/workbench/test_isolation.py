@@ -234,8 +234,15 @@ async def test_fork_bomb_stops_at_pids_limit_and_another_sandbox_keeps_answering
     assert 48 <= peak[0] <= 64
     assert during <= 3 * max(before, LATENCY_FLOOR_S), (before, during)
 
-    status = detail(await call(client, "get_sandbox_status", sandbox_id=a))
-    assert status["usage"]["pids"] <= 8, status
+    # The bomb's processes are gone when the TIMEOUT answer comes (their group is empty), but each
+    # still counts in pids until PID 1, the agent, reaps it: on a loaded machine that lags the answer.
+    async def few_pids() -> dict[str, Any]:
+        while (status := detail(await call(client, "get_sandbox_status", sandbox_id=a)))["usage"]["pids"] > 8:
+            await anyio.sleep(0.05)
+        return status
+
+    with anyio.fail_after(10):
+        await few_pids()
     alive = await sh(client, a, "echo alive")
     assert detail(alive)["stdout"] == "alive\n"
 
