@@ -146,7 +146,7 @@ async def test_a_local_user_cannot_reach_a_sandbox_scratch_folder_from_the_host(
     assert services.devices is not None
     for name in (box, "ws-default"):
         folder = services.devices.path / name
-        for argv in (["cat", f"{folder}/tmp/note"], ["touch", f"{folder}/tmp/planted"], ["ls", f"{folder}/shm"]):
+        for argv in (["cat", f"{folder}/tmp/note"], ["touch", f"{folder}/tmp/planted"], ["ls", f"{folder}/dev/shm"]):
             done = subprocess.run(
                 ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *argv],
                 capture_output=True,

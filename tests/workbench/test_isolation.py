@@ -29,6 +29,7 @@ import pytest
 from mcp import Client
 
 from bastion.app import Services
+from bastion.sandbox._devices import MAX_PTYS
 from tests.helpers import call, create, sh
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
@@ -466,6 +467,62 @@ async def test_no_network_only_loopback_and_host_listener_unreachable(client: Cl
         interfaces = [line.split(":")[0].strip() for line in lines[2:-1]]
         assert interfaces == ["lo"], out
         assert lines[-1] == errno.errorcode[errno.ECONNREFUSED], out
+
+
+# -- 9b. /dev: the sandbox's own ---------------------------------------------------------------------
+
+# Opens terminals until the kernel refuses one, then reports how many it held and why it stopped.
+PTY_FLOOD = """
+import errno, os
+held = []
+try:
+    while len(held) < 10_000:
+        held.append(os.openpty())
+    print(len(held), "NONE")
+except OSError as exc:
+    print(len(held), errno.errorcode[exc.errno])
+"""
+
+DEV_PROBE = """
+import os
+info = os.stat("/dev")
+print(sorted(os.listdir("/dev")))
+print(info.st_uid == os.getuid(), oct(info.st_mode & 0o7777), os.ttyname(os.openpty()[1]))
+"""
+
+
+async def test_dev_is_the_sandbox_own_folder_and_the_sandbox_cannot_add_to_it(
+    client: Client, services: Services
+) -> None:
+    """Invariant: a root server's sandbox sees its own /dev, bound whole (one bind, not bwrap's --dev
+    and six binds over it): the six nodes, bwrap's links, /dev/shm and /dev/pts; /dev belongs to an id
+    the sandbox does not have (mode 0755), so it cannot add to it even where Landlock is missing, and a
+    terminal opened in it is /dev/pts/N of its own devpts."""
+    if services.devices is None:
+        pytest.skip("a /dev of its own is a root server's")
+    box = await create(client)
+    out = detail(await sh(client, box, py(DEV_PROBE)))
+    listed, facts = out["stdout"].splitlines()
+    expected = ["core", "fd", "full", "null", "ptmx", "pts", "random", "shm", "stderr", "stdin", "stdout", "tty"]
+    assert listed == str(sorted([*expected, "urandom", "zero"])), out
+    assert facts == "False 0o755 /dev/pts/0", out
+
+
+async def test_pty_flood_stops_at_the_sandbox_cap_and_another_sandbox_still_gets_terminals(
+    client: Client, services: Services
+) -> None:
+    """Attack: a command opens terminals until the kernel refuses (kernel.pty.max is shared by every
+    devpts but the host's own). Invariant: it stops at the sandbox's cap (`MAX_PTYS`) with ENOSPC, and
+    another sandbox, and the same one once the command ended, still open terminals."""
+    if services.devices is None:
+        pytest.skip("a devpts with a cap is a root server's")
+    a = await create(client)
+    b = await create(client)
+    flood = detail(await sh(client, a, py(PTY_FLOOD)))
+    assert flood["stdout"] == f"{MAX_PTYS} ENOSPC\n", flood
+    for box in (b, a):
+        again = detail(await sh(client, box, py("import os; print(os.ttyname(os.openpty()[1]))")))
+        assert again["stdout"] == "/dev/pts/0\n", again
 
 
 # -- 10. Landlock ---------------------------------------------------------------------------------

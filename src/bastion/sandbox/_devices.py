@@ -13,6 +13,11 @@ Each sandbox's /tmp and /dev/shm are tmpfs of its own here too, with a size and 
 (bwrap's --tmpfs takes a size only, and its /dev/shm has none): filling either is ENOSPC
 inside, never the host's memory or an OOM kill of the whole sandbox. Being the server's mounts,
 they also outlive the sandbox's processes, so an idle sandbox can sleep without losing them.
+
+The whole /dev is made here, not by bwrap's ``--dev``: the nodes, the links bwrap makes (fd,
+stdin, stdout, stderr, core, ptmx), /dev/shm and a devpts of the sandbox's own at /dev/pts, with
+a cap on its terminals. bwrap binds the folder once. ``--dev`` plus the six nodes bound over its
+own were thirteen binds, and bubblewrap 0.8.0 reads the host's whole mount table at each bind.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from bastion.sandbox._disk import drop_disk, mount_tmpfs, used_bytes
+from bastion.sandbox._disk import drop_disk, mount_devpts, mount_tmpfs, used_bytes
 from bastion.sandbox._idmap import unmount
 
 # The Linux character devices every sandbox gets (Documentation/admin-guide/devices.txt).
@@ -37,9 +42,23 @@ DEVICES: Final[dict[str, tuple[int, int]]] = {
     "urandom": (1, 9),
     "tty": (5, 0),
 }
-_TMPFS_BYTES: Final = 64 * 1024  # nodes and folders only: no data
-_TMPFS_INODES: Final = 10 * 20_000  # per sandbox or host workspace: a folder, six nodes, two mount points
-SCRATCH: Final = ("tmp", "shm")  # in each sandbox's folder: the mount points of its /tmp and /dev/shm
+# The links bubblewrap's --dev makes in /dev, and what they point to.
+LINKS: Final[dict[str, str]] = {
+    "fd": "/proc/self/fd",
+    "stdin": "/proc/self/fd/0",
+    "stdout": "/proc/self/fd/1",
+    "stderr": "/proc/self/fd/2",
+    "core": "/proc/kcore",
+    "ptmx": "pts/ptmx",
+}
+DEV: Final = "dev"  # in each sandbox's folder: what bwrap binds at /dev
+PTS: Final = "dev/pts"  # its devpts
+# Terminals a sandbox may have open at once: the terminal tools' 64 at most, and as many for its commands' own.
+MAX_PTYS: Final = 128
+_TMPFS_BYTES: Final = 64 * 1024  # nodes, links and folders only: no data
+# Per sandbox or host workspace: two folders, six nodes, six links, three mount points.
+_TMPFS_INODES: Final = 20 * 20_000
+SCRATCH: Final = ("tmp", "dev/shm")  # in each sandbox's folder: the mount points of its /tmp and /dev/shm
 TMP_SIZE_BYTES: Final = 64 * 1024 * 1024
 SHM_SIZE_BYTES: Final = 64 * 1024 * 1024
 SCRATCH_INODES: Final = 16_384
@@ -71,8 +90,9 @@ class DeviceFolder:
         mount_tmpfs(self.path, _TMPFS_BYTES, _TMPFS_INODES, 0o711, devices=True)
 
     def make(self, name: str, owner: tuple[int, int] | None = None) -> str:
-        """A folder of the six nodes, /tmp and /dev/shm for sandbox `name`; returns its path
-        (for `SandboxSpec.devices`). `owner` (uid, gid): whose /tmp and /dev/shm are (the sandbox's id)."""
+        """A folder for sandbox `name`: its /dev (`DEV`: the six nodes, `LINKS`, /dev/shm and a devpts
+        of its own) and its /tmp; returns its path (for `SandboxSpec.devices`). `owner` (uid, gid): whose
+        /tmp and /dev/shm are (the sandbox's id); /dev itself is root's, so the sandbox adds nothing to it."""
         folder = self.path / name
         folder.mkdir(mode=0o700)
         try:
@@ -82,9 +102,16 @@ class DeviceFolder:
                 os.chown(folder, *owner)
             else:
                 os.chmod(folder, 0o711)  # noqa: S103 - passable, never listable
+            dev = folder / DEV
+            dev.mkdir(mode=0o755)
+            os.chmod(dev, 0o755)  # noqa: S103 - as the host's /dev; mkdir's mode passes the umask
             for node, (major, minor) in DEVICES.items():
-                os.mknod(folder / node, stat.S_IFCHR | 0o666, os.makedev(major, minor))
-                os.chmod(folder / node, 0o666)  # noqa: S103 - as the host's; mknod's mode passes the umask
+                os.mknod(dev / node, stat.S_IFCHR | 0o666, os.makedev(major, minor))
+                os.chmod(dev / node, 0o666)  # noqa: S103 - as the host's; mknod's mode passes the umask
+            for link, target in LINKS.items():
+                os.symlink(target, dev / link)
+            (folder / PTS).mkdir(mode=0o755)
+            mount_devpts(folder / PTS, MAX_PTYS)
             for scratch, size in zip(SCRATCH, (self.sizes.tmp_bytes, self.sizes.shm_bytes), strict=True):
                 (folder / scratch).mkdir(mode=0o700)
                 # Executable as bwrap's own tmpfs is (programs built in /tmp run); never setuid or devices.
@@ -103,16 +130,16 @@ class DeviceFolder:
         return used
 
     def drop(self, name: str) -> None:
-        """Remove a sandbox's folder: unmount its /tmp and /dev/shm (their files go), then its nodes."""
+        """Remove a sandbox's folder: unmount its /tmp, /dev/shm (their files go) and /dev/pts, then its nodes."""
         folder = self.path / name
-        for scratch in SCRATCH:
-            unmount(folder / scratch)
+        for mounted in (*SCRATCH, PTS):
+            unmount(folder / mounted)
         if shutil.rmtree.avoids_symlink_attacks:  # allowed in pyproject.toml: fd-based; on our own tmpfs only
             shutil.rmtree(folder, ignore_errors=True)  # allowed in pyproject.toml: see above
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
             for name in os.listdir(self.path):
-                for scratch in SCRATCH:
-                    unmount(self.path / name / scratch)
+                for mounted in (*SCRATCH, PTS):
+                    unmount(self.path / name / mounted)
         drop_disk(self.path)

@@ -268,6 +268,16 @@ def mount_tmpfs(
         raise Unavailable(f"cannot mount a tmpfs on {mountpoint}: {os.strerror(err)}")
 
 
+def mount_devpts(mountpoint: Path, max_ptys: int) -> None:
+    """Mount a new devpts instance on `mountpoint`, an existing folder: a sandbox's /dev/pts, its own
+    (ptmx 0666, as bubblewrap's) and capped at `max_ptys` terminals, so one sandbox cannot take the
+    terminals every other sandbox draws from (kernel.pty.max)."""
+    options = f"newinstance,ptmxmode=0666,mode=0620,max={max_ptys}"
+    if _libc.mount(b"bastion", os.fsencode(mountpoint), b"devpts", _MS_NOSUID | _MS_NOEXEC, options.encode()) != 0:
+        err = ctypes.get_errno()
+        raise Unavailable(f"cannot mount a devpts on {mountpoint}: {os.strerror(err)}")
+
+
 def used_bytes(mountpoint: Path) -> int:
     st = os.statvfs(mountpoint)
     return (st.f_blocks - st.f_bfree) * st.f_frsize

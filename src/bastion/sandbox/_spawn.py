@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Final, TypeAlias
 
 from bastion.safety.errors import Unavailable
-from bastion.sandbox._devices import DEVICES, SCRATCH, SHM_SIZE_BYTES, TMP_SIZE_BYTES
+from bastion.sandbox._devices import DEV, SCRATCH, SHM_SIZE_BYTES, TMP_SIZE_BYTES
 from bastion.sandbox.seccomp import SETID_DENIED, write_filter_fd
 
 # The type of a started sandbox, so the layer above can hold one without importing subprocess.
@@ -107,8 +107,8 @@ class SandboxSpec:
     cgroup_procs: tuple[str, ...] = ()
     """``cgroup.procs`` files bwrap must be inside before it starts, one per hierarchy."""
     devices: str | None = None
-    """A folder of device nodes of the sandbox's own (`_devices`), bound over bwrap's /dev ones, with
-    the tmpfs of its own bound at /tmp and /dev/shm."""
+    """A folder of the sandbox's own (`_devices`): its /dev (device nodes, links, a tmpfs at /dev/shm and a
+    devpts at /dev/pts), bound in place of bwrap's, and a tmpfs bound at /tmp."""
     identity: tuple[int, int] | None = None
     """Host (uid, gid) bwrap drops to before it starts, so the sandbox's uid maps to it, not to
     the server's root (see `bastion.sandbox.identity`). None: the server's own (not root)."""
@@ -277,16 +277,15 @@ def build_bwrap_argv(
         # --file writes through whatever is at `dest` (creat, following links): every one must come
         # before the first writable bind, never beneath one, or it would write a host file.
         argv += ["--perms", "0600", "--file", str(fd), dest]
-    argv += ["--proc", "/proc", "--dev", "/dev"]
+    argv += ["--proc", "/proc"]
     if spec.devices is not None:
-        # Nodes of its own instead of the host's, whose times a write-access utimensat could change.
-        for name in DEVICES:
-            argv += ["--dev-bind", f"{spec.devices}/{name}", f"/dev/{name}"]
-        # Caps on size and inodes, and they outlive the agent (an idle sandbox sleeps without losing them).
-        for name, inside in zip(SCRATCH, (TMP_DIR, SHM_DIR), strict=True):
-            argv += ["--bind", f"{spec.devices}/{name}", inside]
+        # A /dev of its own, in one bind (`_devices`): nodes instead of the host's, whose times a
+        # write-access utimensat could change; /dev/shm and /dev/pts mounted in it. /tmp and /dev/shm
+        # have caps on size and inodes, and outlive the agent (an idle sandbox sleeps without losing them).
+        argv += ["--dev-bind", f"{spec.devices}/{DEV}", "/dev", "--bind", f"{spec.devices}/{SCRATCH[0]}", TMP_DIR]
     else:
         # A size cap only (bwrap has no inode option), and without it /dev/shm would have none.
+        argv += ["--dev", "/dev"]
         argv += ["--size", str(spec.tmp_size_bytes), "--tmpfs", TMP_DIR]
         argv += ["--size", str(spec.shm_size_bytes), "--tmpfs", SHM_DIR]
     argv += ["--bind", spec.workspace, SANDBOX_WORKSPACE]
