@@ -158,6 +158,41 @@ async def test_a_local_user_cannot_reach_a_sandbox_scratch_folder_from_the_host(
     assert _stdout(await sh(client, box, "ls /tmp")) == "note\n"
 
 
+async def test_sandbox_id_cannot_rename_or_plant_in_its_device_folder_to_steer_root_unmounts(
+    client: Client, services: Services
+) -> None:
+    """Attack: the sandbox's host id (a host workspace's may be a real local user's) renames its folder's
+    dev/ and puts a link there, so that root's unmount of dev/pts and dev/shm at close follows it to the
+    host's /dev/pts (or, while the folder is made, root's mount of a 1777 tmpfs lands on a folder of the
+    attacker's choosing). Invariant: the folder is root's, passable by that id alone (an ACL): every
+    change is refused, the id still reaches /tmp and /dev/shm (bwrap binds them as it), and closing the
+    sandbox leaves no mount under it and the host's /dev/pts mounted."""
+    box = await create(client)
+    assert services.devices is not None
+    folder = services.devices.path / box
+    uid = (folder / "tmp").stat().st_uid  # the sandbox's id owns its /tmp
+    assert uid != 0
+    assert folder.stat().st_uid == 0
+    as_id = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
+    attempts = (
+        ["mv", f"{folder}/dev", f"{folder}/dev.x"],
+        ["ln", "-s", "/dev", f"{folder}/planted"],
+        ["mv", f"{folder}/tmp", f"{folder}/tmp.x"],
+        ["mkdir", f"{folder}/dev/x"],
+        ["ls", str(folder)],
+    )
+    for argv in attempts:
+        done = subprocess.run([*as_id, *argv], capture_output=True, text=True, check=False)
+        assert done.returncode != 0, argv
+        assert "Permission denied" in done.stderr, (argv, done.stderr)
+    for reachable in ("tmp", "dev/shm", "dev/pts"):
+        done = subprocess.run([*as_id, "stat", f"{folder}/{reachable}"], capture_output=True, check=False)
+        assert done.returncode == 0, (reachable, done.stderr)
+    await call(client, "close_sandbox", sandbox_id=box)
+    assert mounts_under(folder) == []
+    assert os.path.ismount("/dev/pts")
+
+
 async def test_memory_filled_by_tmpfs_kills_a_python_context_as_resource_limit_naming_it(
     client: Client, services: Services
 ) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from bastion.safety.errors import Unavailable
+from bastion.sandbox import _disk
 from bastion.sandbox._disk import FormattedImage, ImageFormats, drop_disk, format_image, make_disk, mount_disk
 
 pytestmark = pytest.mark.root
@@ -150,3 +151,21 @@ def test_image_name_that_is_a_symlink_is_refused(tmp_path: Path, formatted: Form
     with pytest.raises(Unavailable, match="File exists"):
         make_disk(tmp_path / "evil.img", tmp_path / "evil", formatted)
     assert victim.read_text() == "host file\n"
+
+
+def test_devpts_is_made_in_a_mount_namespace_of_its_own_and_attached_here(tmp_path: Path, mounts: list[Path]) -> None:
+    """Invariant: a sandbox's devpts is made by a thread in a mount namespace other than the server's (the
+    kernel lets only a devpts made from the initial namespace use the terminals kept for the host's own
+    logins, kernel.pty.reserve), then attached in the server's: nosuid, noexec, its cap and ptmx 0666."""
+    maker = _disk._maker()
+    assert maker.submit(os.readlink, "/proc/thread-self/ns/mnt").result() != os.readlink("/proc/self/ns/mnt")
+    target = tmp_path / "pts"
+    target.mkdir()
+    _disk.mount_devpts(target, 7)
+    mounts.append(target)
+    with open("/proc/self/mountinfo", encoding="utf-8") as info:
+        (line,) = (line.split() for line in info if line.split()[4] == str(target))
+    assert {"nosuid", "noexec"} <= set(line[5].split(","))
+    assert line[line.index("-") + 1] == "devpts"
+    assert {"mode=620", "ptmxmode=666", "max=7"} <= set(line[-1].split(","))
+    assert (target / "ptmx").stat().st_mode & 0o777 == 0o666

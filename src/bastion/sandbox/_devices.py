@@ -26,10 +26,12 @@ import contextlib
 import os
 import shutil
 import stat
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+from bastion.safety.errors import Unavailable
 from bastion.sandbox._disk import drop_disk, mount_devpts, mount_tmpfs, used_bytes
 from bastion.sandbox._idmap import unmount
 
@@ -62,6 +64,33 @@ SCRATCH: Final = ("tmp", "dev/shm")  # in each sandbox's folder: the mount point
 TMP_SIZE_BYTES: Final = 64 * 1024 * 1024
 SHM_SIZE_BYTES: Final = 64 * 1024 * 1024
 SCRATCH_INODES: Final = 16_384
+
+
+# A POSIX ACL as the kernel reads it from system.posix_acl_access (<linux/posix_acl_xattr.h>):
+# a version, then (tag, permissions, id) entries in tag order.
+_ACL_VERSION: Final = 2
+_ACL_USER_OBJ, _ACL_USER, _ACL_GROUP_OBJ, _ACL_MASK, _ACL_OTHER = 0x01, 0x02, 0x04, 0x10, 0x20
+_ACL_NO_ID: Final = 0xFFFFFFFF
+_SEARCH: Final = 1
+
+
+def _passable_only_by(folder: Path, uid: int) -> None:
+    """Make `folder` root's 0700, with search (no read, no write) for `uid` alone: an ACL entry, since
+    a group would let in whoever else is in it. Raises Unavailable where the filesystem has no ACLs."""
+    entries = (
+        (_ACL_USER_OBJ, 0o7, _ACL_NO_ID),
+        (_ACL_USER, _SEARCH, uid),
+        (_ACL_GROUP_OBJ, 0, _ACL_NO_ID),
+        (_ACL_MASK, _SEARCH, _ACL_NO_ID),
+        (_ACL_OTHER, 0, _ACL_NO_ID),
+    )
+    acl = struct.pack("<I", _ACL_VERSION) + b"".join(struct.pack("<HHI", *entry) for entry in entries)
+    try:
+        os.setxattr(folder, "system.posix_acl_access", acl, follow_symlinks=False)
+    except OSError as exc:
+        raise Unavailable(
+            f"cannot let only the sandbox's id pass {folder}: {exc.strerror} (the kernel needs CONFIG_TMPFS_POSIX_ACL)"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -98,8 +127,11 @@ class DeviceFolder:
         try:
             if owner is not None:
                 # Only the sandbox's id (bwrap binds from here as it) passes: its /tmp is 1777, and a
-                # local user must not reach a host workspace's by its predictable name (ws-<id>).
-                os.chown(folder, *owner)
+                # local user must not reach a host workspace's by its predictable name (ws-<id>). The
+                # folder stays root's: were it the id's (a host workspace's may be a real user's), the
+                # id could rename dev/ and put a link there, and root's mounts and unmounts of
+                # dev/pts and dev/shm would follow it to any folder of the host.
+                _passable_only_by(folder, owner[0])
             else:
                 os.chmod(folder, 0o711)  # noqa: S103 - passable, never listable
             dev = folder / DEV

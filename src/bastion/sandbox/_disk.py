@@ -23,6 +23,7 @@ import struct
 import subprocess  # allowed in pyproject.toml: this is a dangerous-layer module: mkfs and mount
 import tempfile
 import threading
+from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -64,6 +65,24 @@ _libc.mount.argtypes = (ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctype
 _libc.mount.restype = ctypes.c_int
 _libc.umount2.argtypes = (ctypes.c_char_p, ctypes.c_int)
 _libc.umount2.restype = ctypes.c_int
+_libc.unshare.argtypes = (ctypes.c_int,)
+_libc.unshare.restype = ctypes.c_int
+_libc.syscall.restype = ctypes.c_long
+# The new mount API (<linux/mount.h>; the same numbers on every architecture, Linux 5.2 and later).
+_SYS_MOVE_MOUNT: Final = 429
+_SYS_FSOPEN: Final = 430
+_SYS_FSCONFIG: Final = 431
+_SYS_FSMOUNT: Final = 432
+_FSOPEN_CLOEXEC: Final = 1
+_FSCONFIG_SET_STRING: Final = 1
+_FSCONFIG_CMD_CREATE: Final = 6
+_FSMOUNT_CLOEXEC: Final = 1
+_MOUNT_ATTR_NOSUID: Final = 0x2
+_MOUNT_ATTR_NOEXEC: Final = 0x8
+_MOVE_MOUNT_F_EMPTY_PATH: Final = 0x4
+_AT_FDCWD: Final = -100
+_CLONE_FS: Final = 0x200
+_CLONE_NEWNS: Final = 0x20000
 
 
 def quota_available() -> str | None:
@@ -268,14 +287,72 @@ def mount_tmpfs(
         raise Unavailable(f"cannot mount a tmpfs on {mountpoint}: {os.strerror(err)}")
 
 
+# The one thread that makes devpts instances (`mount_devpts`), in a mount namespace of its own.
+_devpts_maker: futures.ThreadPoolExecutor | None = None
+_devpts_maker_lock = threading.Lock()
+
+
 def mount_devpts(mountpoint: Path, max_ptys: int) -> None:
     """Mount a new devpts instance on `mountpoint`, an existing folder: a sandbox's /dev/pts, its own
-    (ptmx 0666, as bubblewrap's) and capped at `max_ptys` terminals, so one sandbox cannot take the
-    terminals every other sandbox draws from (kernel.pty.max)."""
-    options = f"newinstance,ptmxmode=0666,mode=0620,max={max_ptys}"
-    if _libc.mount(b"bastion", os.fsencode(mountpoint), b"devpts", _MS_NOSUID | _MS_NOEXEC, options.encode()) != 0:
+    (ptmx 0666, mode 0620, as bubblewrap's) and capped at `max_ptys` terminals, so one sandbox cannot
+    take the terminals every other sandbox draws from (kernel.pty.max).
+
+    The kernel lets a devpts made from the host's (initial) mount namespace use the terminals kept for
+    the host's own logins (kernel.pty.reserve); bubblewrap's, made in the sandbox's, cannot. So it is
+    made in a thread with a mount namespace of its own, detached (fsopen, fsmount), and attached here
+    with move_mount: a sandbox's terminals never reach the host's reserve.
+    """
+    try:
+        attached = _maker().submit(_detached_devpts, max_ptys).result()
+    except (OSError, futures.BrokenExecutor) as exc:
+        raise Unavailable(f"cannot make a devpts for {mountpoint}: {exc}") from None
+    try:
+        if (
+            _libc.syscall(_SYS_MOVE_MOUNT, attached, b"", _AT_FDCWD, os.fsencode(mountpoint), _MOVE_MOUNT_F_EMPTY_PATH)
+            != 0
+        ):
+            err = ctypes.get_errno()
+            raise Unavailable(f"cannot mount a devpts on {mountpoint}: {os.strerror(err)}")
+    finally:
+        os.close(attached)
+
+
+def _maker() -> futures.ThreadPoolExecutor:
+    global _devpts_maker  # one thread for the process, made on first use
+    with _devpts_maker_lock:
+        if _devpts_maker is None:
+            _devpts_maker = futures.ThreadPoolExecutor(1, "bastion-devpts", initializer=_own_mount_namespace)
+        return _devpts_maker
+
+
+def _own_mount_namespace() -> None:
+    """Give the calling thread (only) a mount namespace of its own; it never mounts anything there."""
+    if _libc.unshare(_CLONE_FS | _CLONE_NEWNS) != 0:
         err = ctypes.get_errno()
-        raise Unavailable(f"cannot mount a devpts on {mountpoint}: {os.strerror(err)}")
+        raise OSError(err, f"unshare of a mount namespace: {os.strerror(err)}")
+
+
+def _detached_devpts(max_ptys: int) -> int:
+    """A devpts instance made in this thread's own mount namespace, as a detached mount's fd."""
+    context = _checked(_libc.syscall(_SYS_FSOPEN, b"devpts", _FSOPEN_CLOEXEC), "fsopen devpts")
+    try:
+        for key, value in (("ptmxmode", "0666"), ("mode", "0620"), ("max", str(max_ptys))):
+            _checked(
+                _libc.syscall(_SYS_FSCONFIG, context, _FSCONFIG_SET_STRING, key.encode(), value.encode(), 0),
+                f"devpts option {key}",
+            )
+        _checked(_libc.syscall(_SYS_FSCONFIG, context, _FSCONFIG_CMD_CREATE, None, None, 0), "devpts create")
+        attrs = _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NOEXEC
+        return _checked(_libc.syscall(_SYS_FSMOUNT, context, _FSMOUNT_CLOEXEC, attrs), "fsmount devpts")
+    finally:
+        os.close(context)
+
+
+def _checked(result: int, what: str) -> int:
+    if result < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+    return result
 
 
 def used_bytes(mountpoint: Path) -> int:

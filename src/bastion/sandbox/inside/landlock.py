@@ -138,7 +138,7 @@ _landlock_FILE_ONLY = (
     | LANDLOCK_ACCESS_FS_IOCTL_DEV
 )
 _landlock_DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/tty", "/dev/random", "/dev/urandom", "/dev/pts")
-_landlock_DEV_SHM = "/dev/shm"  # noqa: S108 - the sandbox's own /dev, made by bwrap --dev
+_landlock_DEV_SHM = "/dev/shm"  # noqa: S108 - in the sandbox's own /dev (a root server's folder, else bwrap --dev)
 # Read beneath only these (plus write_dirs and devices) when read_all is False.
 _landlock_SYSTEM_READ = ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32", "/etc", "/proc", "/dev")
 
