@@ -186,8 +186,8 @@ async def test_sandbox_id_cannot_rename_or_plant_in_its_device_folder_to_steer_r
         assert done.returncode != 0, argv
         assert "Permission denied" in done.stderr, (argv, done.stderr)
     for reachable in ("tmp", "dev/shm", "dev/pts"):
-        done = subprocess.run([*as_id, "stat", f"{folder}/{reachable}"], capture_output=True, check=False)
-        assert done.returncode == 0, (reachable, done.stderr)
+        reached = subprocess.run([*as_id, "stat", f"{folder}/{reachable}"], capture_output=True, check=False)
+        assert reached.returncode == 0, (reachable, reached.stderr)
     await call(client, "close_sandbox", sandbox_id=box)
     assert mounts_under(folder) == []
     assert os.path.ismount("/dev/pts")
