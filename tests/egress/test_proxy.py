@@ -649,3 +649,32 @@ def test_async_front_from_another_event_loop(tmp_path: Path) -> None:
 
         asyncio.run(drive())
         assert sorted(str(r["decision"]) for r in path.wait_records(2)) == ["allow", "deny"]
+
+
+def test_a_connection_accepted_as_the_proxy_stops_is_closed_not_left_to_the_collector(tmp_path: Path) -> None:
+    """Attack: connect, and have the sandbox's proxy stop at once (the sandbox closing). The connection is
+    accepted and its task made, then cancelled before its first step, so its handler's `finally` never
+    runs. Invariant: the accepted socket is closed when the task ends (the client reads EOF at once),
+    not left for the garbage collector (a ResourceWarning, an error in this suite)."""
+    audit = AuditLog(tmp_path / "audit.jsonl", redactor=Redactor())
+    audit.open()
+    service = egress.EgressProxy(audit, egress.EgressSettings(blocked_ranges=(), hosts={}))
+    path = tmp_path / "egress.sock"
+
+    async def race() -> bytes:
+        await service.start("sb-race", [], path)
+        client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        client.connect(str(path))  # waits in the backlog
+        await asyncio.sleep(0)  # the accept loop takes it and queues its task, then this resumes first
+        (accepted,) = service._proxies["sb-race"].connections
+        await service.stop("sb-race")
+        assert accepted.cancelled()
+        client.settimeout(5)
+        with client:
+            return client.recv(1)
+
+    try:
+        assert asyncio.run(race()) == b""
+    finally:
+        asyncio.run(service.close())
+        audit.close()

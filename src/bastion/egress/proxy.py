@@ -77,6 +77,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import ipaddress
 import logging
 import os
@@ -202,6 +203,10 @@ class _SandboxProxy:
     report: asyncio.TimerHandle | None = None  # the pending egress_throttled record
 
 
+def _close_client(client: socket.socket, _: asyncio.Task[None]) -> None:
+    close_socket(client)
+
+
 class EgressProxy:
     """The asyncio side: every sandbox's listener and connections, on one event loop.
 
@@ -294,6 +299,9 @@ class EgressProxy:
             task = loop.create_task(self._serve(proxy, client))
             proxy.connections.add(task)
             task.add_done_callback(proxy.connections.discard)
+            # A task cancelled before its first step (the proxy stopping at once) never runs _serve's
+            # `finally`: the client would be left for the garbage collector. Closing twice is harmless.
+            task.add_done_callback(functools.partial(_close_client, client))
 
     async def _serve(self, proxy: _SandboxProxy, client: socket.socket) -> None:
         if not proxy.throttle.take():
