@@ -157,8 +157,9 @@ def test_devpts_is_made_in_a_mount_namespace_of_its_own_and_attached_here(tmp_pa
     """Invariant: a sandbox's devpts is made by a thread in a mount namespace other than the server's (the
     kernel lets only a devpts made from the initial namespace use the terminals kept for the host's own
     logins, kernel.pty.reserve), then attached in the server's: nosuid, noexec, its cap and ptmx 0666."""
-    maker = _disk._maker()
-    assert maker.submit(os.readlink, "/proc/thread-self/ns/mnt").result() != os.readlink("/proc/self/ns/mnt")
+    assert _disk.in_own_mount_namespace(lambda: os.readlink("/proc/thread-self/ns/mnt")) != os.readlink(
+        "/proc/self/ns/mnt"
+    )
     target = tmp_path / "pts"
     target.mkdir()
     _disk.mount_devpts(target, 7)

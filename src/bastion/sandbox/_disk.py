@@ -23,10 +23,10 @@ import struct
 import subprocess  # allowed in pyproject.toml: this is a dangerous-layer module: mkfs and mount
 import tempfile
 import threading
-from concurrent import futures
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import Final, TypeVar
 
 from bastion.safety.errors import Unavailable
 
@@ -83,6 +83,7 @@ _MOVE_MOUNT_F_EMPTY_PATH: Final = 0x4
 _AT_FDCWD: Final = -100
 _CLONE_FS: Final = 0x200
 _CLONE_NEWNS: Final = 0x20000
+T = TypeVar("T")
 
 
 def quota_available() -> str | None:
@@ -287,11 +288,6 @@ def mount_tmpfs(
         raise Unavailable(f"cannot mount a tmpfs on {mountpoint}: {os.strerror(err)}")
 
 
-# The one thread that makes devpts instances (`mount_devpts`), in a mount namespace of its own.
-_devpts_maker: futures.ThreadPoolExecutor | None = None
-_devpts_maker_lock = threading.Lock()
-
-
 def mount_devpts(mountpoint: Path, max_ptys: int) -> None:
     """Mount a new devpts instance on `mountpoint`, an existing folder: a sandbox's /dev/pts, its own
     (ptmx 0666, mode 0620, as bubblewrap's) and capped at `max_ptys` terminals, so one sandbox cannot
@@ -299,12 +295,12 @@ def mount_devpts(mountpoint: Path, max_ptys: int) -> None:
 
     The kernel lets a devpts made from the host's (initial) mount namespace use the terminals kept for
     the host's own logins (kernel.pty.reserve); bubblewrap's, made in the sandbox's, cannot. So it is
-    made in a thread with a mount namespace of its own, detached (fsopen, fsmount), and attached here
+    made detached (fsopen, fsmount) by a thread with a mount namespace of its own, and attached here
     with move_mount: a sandbox's terminals never reach the host's reserve.
     """
     try:
-        attached = _maker().submit(_detached_devpts, max_ptys).result()
-    except (OSError, futures.BrokenExecutor) as exc:
+        attached = in_own_mount_namespace(lambda: _detached_devpts(max_ptys))
+    except OSError as exc:
         raise Unavailable(f"cannot make a devpts for {mountpoint}: {exc}") from None
     try:
         if (
@@ -317,12 +313,28 @@ def mount_devpts(mountpoint: Path, max_ptys: int) -> None:
         os.close(attached)
 
 
-def _maker() -> futures.ThreadPoolExecutor:
-    global _devpts_maker  # one thread for the process, made on first use
-    with _devpts_maker_lock:
-        if _devpts_maker is None:
-            _devpts_maker = futures.ThreadPoolExecutor(1, "bastion-devpts", initializer=_own_mount_namespace)
-        return _devpts_maker
+def in_own_mount_namespace(work: Callable[[], T]) -> T:
+    """`work()`, run by a new thread with a mount namespace of its own, which goes with the thread.
+
+    A thread per call, not one kept: its namespace is a copy of the host's mounts, and a kept one
+    would hold copies of sandboxes' disks and tmpfs the host has since unmounted.
+    """
+    results: list[T] = []
+    errors: list[Exception] = []
+
+    def run() -> None:
+        try:
+            _own_mount_namespace()
+            results.append(work())
+        except Exception as exc:  # raised again in the calling thread, below
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, name="bastion-mount-namespace")
+    thread.start()
+    thread.join()
+    if errors:
+        raise errors[0]
+    return results[0]
 
 
 def _own_mount_namespace() -> None:
