@@ -529,9 +529,10 @@ async def test_pty_flood_stops_at_the_sandbox_cap_and_another_sandbox_still_gets
 
 
 async def test_writes_outside_workspace_and_tmp_are_denied(client: Client) -> None:
-    """Invariant: creating files or folders outside /workspace and /tmp is refused: in /dev, a writable
-    tmpfs mount under bubblewrap, with Permission denied (Landlock); at /, bwrap's root made read-only,
-    with Read-only file system (the mount); the two writable trees still work."""
+    """Invariant: creating files or folders outside /workspace and /tmp is refused: in /dev with
+    Permission denied (Landlock on bwrap's writable tmpfs, and under a root server the folder's owner
+    too); at /, bwrap's root made read-only, with Read-only file system (the mount); the two writable
+    trees still work."""
     box = await create(client)
     out = detail(
         await sh(
