@@ -153,3 +153,31 @@ def test_root_server_refuses_a_template_folder_its_sandboxes_ids_cannot_reach(tm
     )
     with pytest.raises(ConfigError, match=r"template 'docs': .*private cannot be passed through"):
         build_services(load_config(path))
+
+
+class _VanishingFolder(type(Path())):  # type: ignore[misc]
+    """A lock folder that another server, closing as the last one, removes right after each mkdir."""
+
+    removals = 2
+
+    def mkdir(self, mode: int = 0o777, parents: bool = False, exist_ok: bool = False) -> None:
+        super().mkdir(mode, parents, exist_ok)
+        if _VanishingFolder.removals:
+            _VanishingFolder.removals -= 1
+            self.rmdir()
+
+
+def test_lock_folder_removed_by_another_server_closing_between_mkdir_and_open(tmp_path: Path) -> None:
+    """Race: server B makes the lock folder, then server A, closing as the last holder, removes it (it
+    was empty) before B creates its lock file. Invariant: B makes the folder again and takes its id,
+    instead of failing to start with a traceback; the id is locked (a second pool cannot take it)."""
+    _VanishingFolder.removals = 2
+    locks = _VanishingFolder(tmp_path / "ids")
+    pool = IdentityPool(100_000, 1, server_uid=0, server_gid=0, lock_dir=locks)
+    identity = pool.acquire()
+    assert identity.uid == 100_000
+    assert _VanishingFolder.removals == 0
+    other = IdentityPool(100_000, 1, server_uid=0, server_gid=0, lock_dir=tmp_path / "ids")
+    with pytest.raises(ResourceLimit):
+        other.acquire()
+    pool.close()

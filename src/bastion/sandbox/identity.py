@@ -37,6 +37,7 @@ DEFAULT_HOST_ID_COUNT: Final = 65_536
 OVERFLOW_ID: Final = 65_534  # nobody/nogroup: what an unmapped id shows as
 MAX_ID: Final = 0xFFFFFFFE  # (uid_t)-1 means "no change" to the kernel
 LOCK_DIR: Final = Path("/run/bastion-ids")  # one lock file per id in use, shared by every server of the host
+_LOCK_DIR_ATTEMPTS: Final = 4  # another server may remove the folder as it closes, each time we make it
 ACCOUNT_FILES: Final = ("/etc/passwd", "/etc/group")
 SUBORDINATE_FILES: Final = ("/etc/subuid", "/etc/subgid")
 
@@ -171,7 +172,17 @@ class IdentityPool:
     def _take(self, number: int) -> int | None:
         """The locked fd of `number`'s lock file, or None if another server holds it."""
         path = self._lock_dir / str(number)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        for _ in range(_LOCK_DIR_ATTEMPTS):
+            try:
+                fd = os.open(path, flags, 0o600)
+                break
+            except FileNotFoundError:
+                # Another server, closing as the last one, removed the (then empty) folder after our
+                # mkdir: make it again (seen under a parallel test run, as a traceback at start).
+                self._lock_dir.mkdir(mode=0o700, exist_ok=True)
+        else:
+            fd = os.open(path, flags, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             # A holder that released meanwhile unlinked the file we opened: ours is then no lock at all.
