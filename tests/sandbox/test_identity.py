@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from bastion.app import build_services
 from bastion.config import load_config
-from bastion.safety.errors import ConfigError, ResourceLimit
+from bastion.safety.errors import ConfigError, ResourceLimit, Unavailable
 from bastion.sandbox.identity import (
     DEFAULT_HOST_ID_FIRST,
     IdentityPool,
@@ -181,3 +181,13 @@ def test_lock_folder_removed_by_another_server_closing_between_mkdir_and_open(tm
     with pytest.raises(ResourceLimit):
         other.acquire()
     pool.close()
+
+
+def test_lock_folder_removed_every_time_gives_a_typed_refusal_not_a_traceback(tmp_path: Path) -> None:
+    """Race, past the retries: the folder is removed after every mkdir. Invariant: acquire says so as
+    Unavailable (a one-line answer), never a raw FileNotFoundError."""
+    _VanishingFolder.removals = 100
+    pool = IdentityPool(100_000, 1, server_uid=0, server_gid=0, lock_dir=_VanishingFolder(tmp_path / "ids"))
+    with pytest.raises(Unavailable, match="removed 4 times"):
+        pool.acquire()
+    _VanishingFolder.removals = 0

@@ -151,8 +151,8 @@ async def test_command_cannot_rewrite_the_programs_or_etc_files_bastion_puts_ins
 async def test_host_etc_files_are_copies_on_the_root_not_binds(sandbox: WarmSandbox) -> None:
     """Invariant: the host's regular /etc files a sandbox sees are byte-for-byte the host's, on the
     sandbox's own root (its device), not bind mounts: a bind costs every start a read of the host's mount
-    table. /etc/ssl/certs, a folder, stays a bind (the host's device)."""
-    probe = "import os; print(*(os.stat(p).st_dev for p in ('/', '/etc/ld.so.cache', '/etc/ssl/certs')))"
+    table. /etc/ld.so.conf.d, a folder (libc-bin's: on every Debian), stays a bind (the host's device)."""
+    probe = "import os; print(*(os.stat(p).st_dev for p in ('/', '/etc/ld.so.cache', '/etc/ld.so.conf.d')))"
     outcome = await sh(sandbox, f'/usr/bin/python3 -I -S -c "{probe}"; sha256sum /etc/ld.so.cache /etc/nsswitch.conf')
     lines = outcome.stdout.decode().splitlines()
     root, copied, folder = lines[0].split()

@@ -170,7 +170,8 @@ class DeviceFolder:
             shutil.rmtree(folder, ignore_errors=True)  # allowed in pyproject.toml: see above
 
     def close(self) -> None:
-        with contextlib.suppress(OSError):
+        # Each unmount is best effort: dropping the tmpfs below detaches whatever is left, lazily.
+        with contextlib.suppress(OSError, Unavailable):
             for name in os.listdir(self.path):
                 for mounted in (*SCRATCH, PTS):
                     unmount(self.path / name / mounted)

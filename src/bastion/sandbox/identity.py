@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from bastion.safety.errors import ResourceLimit
+from bastion.safety.errors import ResourceLimit, Unavailable
 
 # Above systemd's container ranges (0x00080000-0x6FFFFFFF) and below its "foreign" range
 # (0x7FFE0000): no distribution or systemd component hands these out (systemd UIDS-GIDS.md).
@@ -152,6 +152,7 @@ class IdentityPool:
 
         Raises:
             ResourceLimit: every id of the range belongs to a live sandbox, of this server or another.
+            Unavailable: the shared lock folder kept being removed by other servers closing.
         """
         if not self.switches:
             return HostIdentity(self._uid, self._gid, switch=False)
@@ -182,7 +183,10 @@ class IdentityPool:
                 # mkdir: make it again (seen under a parallel test run, as a traceback at start).
                 self._lock_dir.mkdir(mode=0o700, exist_ok=True)
         else:
-            fd = os.open(path, flags, 0o600)
+            raise Unavailable(
+                f"{self._lock_dir} was removed {_LOCK_DIR_ATTEMPTS} times while taking an id "
+                "(other servers closing): try again"
+            )
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             # A holder that released meanwhile unlinked the file we opened: ours is then no lock at all.
