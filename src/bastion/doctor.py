@@ -171,7 +171,10 @@ def _landlock_check() -> Check:
     if missing:
         return Check("landlock", "warn", f"landlock ABI {abi}: " + "; ".join(missing))
     return Check(
-        "landlock", "ok", f"ABI {abi}: commands write only beneath /workspace and /tmp; signals and sockets scoped"
+        "landlock",
+        "ok",
+        f"ABI {abi}: commands write only beneath /workspace, /tmp and /dev/shm (and to /dev/null, the terminals...);"
+        " signals and sockets scoped",
     )
 
 
