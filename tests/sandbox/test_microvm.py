@@ -245,6 +245,56 @@ async def test_a_preview_of_a_bad_port_or_a_guest_not_running_is_refused_with_on
     assert box.leftovers() == []
 
 
+# What QEMU does when it cannot use KVM: it has opened its ports already, then exits with one line.
+_VMM_CLOSING_ITS_PORT = """
+import os, socket, sys
+agent = socket.socket(socket.AF_UNIX)
+agent.bind("agent.sock")
+agent.listen(1)
+conn, _ = agent.accept()
+conn.close()
+agent.close()
+egress = socket.socket(socket.AF_UNIX)
+egress.bind("egress.sock")
+egress.listen(1)
+egress.accept()
+sys.stderr.write("qemu-system-x86_64: -accel kvm: failed to initialize kvm: Permission denied\\n")
+sys.exit(1)
+"""
+
+
+async def test_a_vmm_exiting_between_its_ports_and_the_guest_program_is_refused_with_its_reason(
+    tmp_path: Path,
+) -> None:
+    """Seen in a full run: QEMU as nobody opened its ports, then failed to open /dev/kvm and exited while
+    the host was sending the guest its program. The send's EPIPE became INTERNAL_ERROR (a traceback in the
+    log) instead of the probe's one line. Here the stand-in closes the agent port before it opens the
+    egress port, so the host's send always meets a closed peer."""
+    run_dir = tmp_path / "vm"
+    run_dir.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _VMM_CLOSING_ITS_PORT], cwd=run_dir, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    guest = microvm._Guest(proc, run_dir, None)
+    try:
+        with pytest.raises(Unavailable) as refused:
+            await guest.connect(time.monotonic() + 10, None, None)
+        assert refused.value.reason == (
+            "the VMM exited while starting: qemu-system-x86_64: -accel kvm: failed to initialize kvm: Permission denied"
+        )
+        assert proc.wait(10) == 1
+    finally:
+        guest.detach()
+        for sock in (guest.sock, guest.egress_sock):
+            if sock is not None:
+                sock.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        assert proc.stderr is not None
+        proc.stderr.close()
+
+
 def test_a_vmm_dies_with_the_server() -> None:
     """QEMU has no --die-with-parent: start_vmm gives it a parent-death signal, so a server killed
     with SIGKILL leaves no guest running (here a stand-in VMM, the same launch path)."""

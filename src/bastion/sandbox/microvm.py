@@ -86,6 +86,7 @@ _MAX_FRAME: Final = (1 << 20) + _HEADER.size  # the relay sends at most 64 KiB o
 _KILL_WAIT_S: Final = 5.0
 _SEND_TIMEOUT_S: Final = 60.0  # a frame the guest's relay has not taken by then: the guest is stuck
 _READ_BYTES: Final = 65_536
+_EXIT_WAIT_S: Final = 2.0  # how long a VMM that closed its port is given to exit and say why
 _VMM_OVERHEAD_BYTES: Final = 192 << 20  # QEMU itself and TCG's translation cache (tb-size below)
 _VMM_TASKS: Final = 64  # QEMU's own threads; the guest's processes are the guest kernel's business
 _CONSOLE_TAIL_BYTES: Final = 65_536
@@ -394,15 +395,31 @@ class _Guest:
     async def connect(
         self, deadline: float, limits: Limits | None, proxy: str | None, dests: Sequence[str] = ()
     ) -> None:
-        """Connect to the VMM's agent and egress ports, send the guest its program, start reading."""
+        """Connect to the VMM's agent and egress ports, send the guest its program, start reading.
+
+        Raises:
+            Unavailable: the VMM exited, or closed a port, before the guest had its program.
+        """
         loop = asyncio.get_running_loop()
-        sock = self.sock = await self.open_port("agent.sock", deadline)
-        # QEMU opens its chardevs in argv order: the egress socket is there once the agent's is.
-        self.egress_sock = await self.open_port("egress.sock", deadline)
-        self.egress = EgressPort(self.egress_sock, proxy, self.run_dir.parent.name)
-        self.egress.start()
-        await loop.sock_sendall(sock, guest_program(limits, dests))
+        try:
+            sock = self.sock = await self.open_port("agent.sock", deadline)
+            # QEMU opens its chardevs in argv order: the egress socket is there once the agent's is.
+            self.egress_sock = await self.open_port("egress.sock", deadline)
+            self.egress = EgressPort(self.egress_sock, proxy, self.run_dir.parent.name)
+            self.egress.start()
+            await loop.sock_sendall(sock, guest_program(limits, dests))
+        except ConnectionError:
+            # QEMU opens its ports before its accelerator: one that cannot use KVM exits right after.
+            raise Unavailable("the VMM exited while starting: " + await self.exit_reason(deadline)) from None
         self.task = loop.create_task(self.read_frames(sock))
+
+    async def exit_reason(self, deadline: float) -> str:
+        """Why the VMM is going: its last words once it has exited (waited for until `deadline`, at most
+        `_EXIT_WAIT_S`: it closed its port, so it is on its way out)."""
+        wait_s = max(0.0, min(deadline - time.monotonic(), _EXIT_WAIT_S))
+        with contextlib.suppress(Exception):  # TimeoutExpired (subprocess is _spawn's): still running, killed at close
+            await asyncio.to_thread(self.proc.wait, wait_s)
+        return self.why()
 
     async def open_port(self, name: str, deadline: float) -> socket.socket:
         sock_path = os.path.join(self.run_dir, name)
