@@ -247,7 +247,7 @@ async def test_a_preview_of_a_bad_port_or_a_guest_not_running_is_refused_with_on
 
 # What QEMU does when it cannot use KVM: it has opened its ports already, then exits with one line.
 _VMM_CLOSING_ITS_PORT = """
-import os, socket, sys
+import socket, sys
 agent = socket.socket(socket.AF_UNIX)
 agent.bind("agent.sock")
 agent.listen(1)
