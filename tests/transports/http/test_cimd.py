@@ -11,8 +11,11 @@ public hosts (certificate chains, IPv6-only hosts).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
 import ssl
+import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -281,3 +284,62 @@ def test_t61_live_server_refuses_internal_client_id_urls(server: LiveServer, cli
         # Refused by the address guard, before any connection (not by a failed connect).
         assert f"{params['client_id']} refused: " in server.log()
         assert "resolves to a non-public address" in server.log().split(f"{params['client_id']} refused: ")[1]
+
+
+class HangUpServer:
+    """A loopback TCP server that hangs up on each client: at once (in the TLS handshake), or once the
+    handshake is done and the request is in (`after_request`), with a reset when `reset`."""
+
+    def __init__(self, folder: Path, *, after_request: bool, reset: bool) -> None:
+        self.cert, key = self_signed(folder)
+        self.context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        self.context.load_cert_chain(self.cert, key)
+        self.after_request, self.reset = after_request, reset
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            with contextlib.suppress(OSError):
+                if self.after_request:
+                    conn = self.context.wrap_socket(conn, server_side=True)
+                    conn.recv(4096)
+                if self.reset:
+                    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            conn.close()
+
+    def close(self) -> None:
+        self.listener.shutdown(socket.SHUT_RDWR)  # wakes the accept() (close alone does not, on Linux)
+        self.listener.close()
+        self.thread.join(10)
+        assert not self.thread.is_alive()
+
+
+@pytest.mark.parametrize(
+    ("after_request", "reset"),
+    [(False, False), (False, True), (True, False), (True, True)],
+    ids=["closed-in-handshake", "reset-in-handshake", "closed-after-request", "reset-after-request"],
+)
+async def test_a_document_host_hanging_up_is_a_refusal_not_a_500(
+    tmp_path: Path, after_request: bool, reset: bool
+) -> None:
+    """Found by a review (issue 20): a client_id URL whose host accepts, then closes or resets the
+    connection, made the fetch raise anyio's BrokenResourceError (neither OSError nor SSLError): /authorize
+    and /token answered 500 with a traceback, to anyone, and nothing was cached, so every retry fetched
+    again. Invariant: it is a refusal (None), logged, and cached like any failed fetch."""
+    server = HangUpServer(tmp_path, after_request=after_request, reset=reset)
+    try:
+        context = ssl.create_default_context(cafile=str(server.cert))
+        fetcher = CimdFetcher((), address_allowed=lambda address: address == "127.0.0.1", ssl_context=context)
+        url = f"https://127.0.0.1:{server.port}/client.json"
+        assert await fetcher.client(url) is None
+        assert url in fetcher._cache  # cached as a failure: a retry does not fetch again
+        assert fetcher._cache[url][1] is None
+    finally:
+        server.close()

@@ -138,6 +138,11 @@ def public_only(address: str) -> bool:
     return ip.is_global and not any(ip in net for net in SPECIAL_IPV6)
 
 
+# A host that closes or resets the connection (in the TLS handshake, or after the request): anyio says so
+# with its own exceptions, which are neither OSError nor SSLError.
+_BROKEN: Final = (OSError, ssl.SSLError, anyio.BrokenResourceError, anyio.ClosedResourceError, anyio.EndOfStream)
+
+
 class CimdFetcher:
     """Fetches and caches client metadata documents under the SSRF rules above."""
 
@@ -196,12 +201,14 @@ class CimdFetcher:
     async def _get(self, address: str, host: str, port: int, path: str) -> bytes:
         try:
             stream = await anyio.connect_tcp(address, port, ssl_context=self.ssl_context, tls_hostname=host)
-        except (OSError, ssl.SSLError) as exc:
-            raise CimdRefused(f"cannot connect to {host}: {exc}") from None
+        except _BROKEN as exc:
+            raise CimdRefused(f"cannot connect to {host}: {exc or type(exc).__name__}") from None
         try:
             return await self._exchange(stream, host, port, path)
         except h11.ProtocolError as exc:
             raise CimdRefused(f"malformed HTTP answer: {exc}") from None
+        except _BROKEN as exc:
+            raise CimdRefused(f"the connection to {host} broke: {exc or type(exc).__name__}") from None
         finally:
             # No TLS goodbye: waiting for the peer's close_notify would let it hold us past the time limit.
             await anyio.aclose_forcefully(stream)
