@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import hashlib
 import http.server
 import json
+import logging
 import shutil
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -678,3 +681,53 @@ def test_a_connection_accepted_as_the_proxy_stops_is_closed_not_left_to_the_coll
     finally:
         asyncio.run(service.close())
         audit.close()
+
+
+def _reset_pair() -> tuple[socket.socket, socket.socket]:
+    """A loopback TCP connection whose far end has reset it: recv and send on the near end fail at once."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        far = socket.create_connection(listener.getsockname())
+        near, _ = listener.accept()
+    far.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    far.close()  # RST
+    near.setblocking(False)
+    return near, far
+
+
+@pytest.mark.parametrize("splice", [True, False])
+def test_a_tunnel_failing_both_ways_at_once_leaves_no_unread_task_error(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, splice: bool
+) -> None:
+    """Asked by a review: a sandbox client resetting a busy tunnel makes both directions fail in the same
+    pass of the loop, and `carry` reads only the first failure. Were the second left unread, asyncio would
+    log "Task exception was never retrieved" with a traceback for each such connection (up to the attempt
+    rate, 20 a second per sandbox); `carry` cancels both tasks at its end, which marks it seen. Invariant:
+    the attempt ends with its reason, and nothing is logged."""
+    monkeypatch.setattr(_relay, "USE_SPLICE", splice)
+    client, _ = _reset_pair()
+    upstream, server = socket.socketpair()
+    upstream.setblocking(False)
+    server.sendall(b"data the client will never get")
+    attempt = _TallyStub()
+
+    async def main() -> None:
+        await _relay.carry(client, upstream, b"", attempt, idle_timeout_s=5, one_response=False)
+        gc.collect()
+        await asyncio.sleep(0)
+
+    try:
+        with caplog.at_level(logging.ERROR, logger="asyncio"):
+            asyncio.run(main())
+            gc.collect()
+    finally:
+        for sock in (client, upstream, server):
+            sock.close()
+    assert attempt.reason.startswith("ended: "), attempt.reason
+    assert "never retrieved" not in caplog.text
+
+
+@dataclass
+class _TallyStub:
+    reason: str = ""
+    bytes_up: int = 0
+    bytes_down: int = 0

@@ -421,7 +421,7 @@ class PreviewApp:
             logger.error("preview request not audited: %s", exc.reason)
 
     async def _websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
-        from bastion.transports.http.preview_ws import proxy_websocket
+        from bastion.transports.http.preview_ws import close_browser, proxy_websocket
 
         started = time.perf_counter()
         if (await receive())["type"] != "websocket.connect":
@@ -432,13 +432,13 @@ class PreviewApp:
         if refusal is None and origin is not None and origin.decode("latin-1") != self.origin:
             refusal = (403, "Forbidden: WebSocket from another origin", [])
         if preview is None or refusal is not None:
-            await send({"type": "websocket.close", "code": 1008})
+            await close_browser(send, 1008)
             if preview is not None:
                 await self._record(scope, path, preview, refusal[0] if refusal else 403, 0, started)
             return
         sock = await self._connect(preview)
         if sock is None:
-            await send({"type": "websocket.close", "code": 1011})
+            await close_browser(send, 1011)
             await self._record(scope, path, preview, 502, 0, started)
             return
         target = _split_token(scope, preview.token)

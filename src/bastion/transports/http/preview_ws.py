@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 from typing import Final
 
@@ -26,6 +27,7 @@ from wsproto.events import (
 )
 from wsproto.utilities import LocalProtocolError, RemoteProtocolError
 
+logger = logging.getLogger("bastion.http.preview")
 MAX_WS_MESSAGE_BYTES: Final = 1 << 20
 HANDSHAKE_TIMEOUT_S: Final = 10.0
 READ_BYTES: Final = 65_536
@@ -65,7 +67,10 @@ async def _handshake(link: _Link, port: int, target: bytes, subprotocols: list[s
 async def proxy_websocket(
     scope: Scope, receive: Receive, send: Send, sock: socket.socket, port: int, target: bytes
 ) -> tuple[int, int]:
-    """Run one proxied WebSocket to its end; (the status to audit, bytes sent to the browser)."""
+    """Run one proxied WebSocket to its end; (the status to audit, bytes sent to the browser).
+
+    The status: 101 once both sides were joined, 502 when the app refused or failed its handshake, 499 (as
+    nginx names it) when the browser left during the app's handshake."""
     reader, writer = await asyncio.open_connection(sock=sock, limit=MAX_WS_MESSAGE_BYTES)
     link = _Link(reader, writer)
     try:
@@ -74,17 +79,23 @@ async def proxy_websocket(
         except (TimeoutError, OSError, LocalProtocolError, RemoteProtocolError):
             accepted = None
         if accepted is None:
-            await send({"type": "websocket.close", "code": 1011})
+            await close_browser(send, 1011)
             return 502, 0
-        await send({"type": "websocket.accept", "subprotocol": accepted.subprotocol})
+        try:
+            await send({"type": "websocket.accept", "subprotocol": accepted.subprotocol})
+        except OSError:  # the browser left during the app's handshake
+            return 499, 0
         sent = [0]
         to_app = asyncio.ensure_future(_browser_to_app(receive, link))
         to_browser = asyncio.ensure_future(_app_to_browser(send, link, sent))
-        _, pending = await asyncio.wait({to_app, to_browser}, return_when=asyncio.FIRST_COMPLETED)
+        done, pending = await asyncio.wait({to_app, to_browser}, return_when=asyncio.FIRST_COMPLETED)
         for task in pending:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        for task in done:
+            if not task.cancelled() and task.exception() is not None:  # read, or asyncio logs it at collection
+                logger.warning("preview WebSocket to port %d ended: %r", port, task.exception())
         return 101, sent[0]
     finally:
         writer.close()
@@ -113,20 +124,27 @@ async def _app_to_browser(send: Send, link: _Link, sent: list[int]) -> None:
                 if isinstance(event, Ping):
                     await link.send(event.response())
                 elif isinstance(event, CloseConnection):
-                    await send({"type": "websocket.close", "code": event.code})
+                    await close_browser(send, event.code)
                     return
                 elif isinstance(event, Message):
                     parts.append(event.data)
                     size += len(event.data)
                     if size > MAX_WS_MESSAGE_BYTES:
-                        await send({"type": "websocket.close", "code": 1009})
+                        await close_browser(send, 1009)
                         return
                     if event.message_finished:
                         await _forward(send, parts)
                         sent[0] += size
                         parts, size = [], 0
     except (OSError, LocalProtocolError, RemoteProtocolError):
-        await send({"type": "websocket.close", "code": 1011})
+        await close_browser(send, 1011)
+
+
+async def close_browser(send: Send, code: int) -> None:
+    """Close the browser's side; a browser already gone (uvicorn's ClientDisconnected, an OSError) is not an
+    error: the connection is over either way, and its audit record must still be written."""
+    with contextlib.suppress(OSError):
+        await send({"type": "websocket.close", "code": code})
 
 
 async def _forward(send: Send, parts: list[str | bytes]) -> None:
