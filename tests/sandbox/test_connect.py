@@ -239,3 +239,31 @@ async def test_an_agent_that_never_answers_a_connect_is_unavailable_in_bounded_t
         sandbox._sock = real
         host.close()
         agent.close()
+
+
+async def test_a_send_waiting_for_room_in_the_agents_socket_fails_typed_when_the_agent_goes(tmp_path: Path) -> None:
+    """Found by a review: a send waiting for room in the agent's socket (the agent not reading: stuck, or
+    killed for memory) when the agent went away found its socket closed under it: removing the writer of
+    fd -1 raised ValueError (INTERNAL_ERROR, a traceback), or, closed from elsewhere, the send waited for
+    ever and left the number registered in the selector. Invariant: the waiting send fails with an OSError
+    (which the callers answer as UNAVAILABLE), at once, and the selector no longer holds the number."""
+    box = WarmSandbox(SandboxSpec(workspace=str(tmp_path)))
+    ours, agents = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    ours.setblocking(False)
+    box._sock = ours  # an agent that never reads
+    with contextlib.suppress(BlockingIOError):
+        while True:
+            ours.send(b"x" * 4096)
+    number = ours.fileno()
+    try:
+        send = asyncio.ensure_future(box._send_fds(ours, b"a request", []))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert not send.done()  # waiting for room
+        box._on_agent_gone()
+        with pytest.raises(ConnectionResetError):
+            await asyncio.wait_for(send, 5)
+        selector = asyncio.get_running_loop()._selector  # type: ignore[attr-defined]
+        assert number not in selector.get_map()
+    finally:
+        agents.close()

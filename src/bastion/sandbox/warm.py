@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import itertools
 import json
 import logging
@@ -158,6 +159,7 @@ class WarmSandbox:
         self._waiters: dict[int, asyncio.Future[int]] = {}  # by command id, until it exits
         self._background: dict[int, BackgroundProcess] = {}  # by command id, until it exits
         self._connects: dict[int, asyncio.Future[socket.socket]] = {}  # by request id, until answered
+        self._writables: set[asyncio.Future[None]] = set()  # sends waiting for room in the agent's socket
         # This run's network namespace, from the agent (netns.py): None until asked for and answered.
         self._netns: NetworkNamespace | None = None
         self._netns_asked = False
@@ -451,6 +453,7 @@ class WarmSandbox:
         if self._sock is not None:
             if self._reader_loop is not None:
                 self._reader_loop.remove_reader(self._sock.fileno())  # a closed loop's: a no-op
+            self._fail_sends(self._sock)
             self._sock.close()
             self._sock = None
         self._reader_loop = None
@@ -733,9 +736,12 @@ class WarmSandbox:
         loop.add_reader(sock.fileno(), self._on_message)
         self._reader_loop = loop
 
-    @staticmethod
-    async def _send_fds(sock: socket.socket, data: bytes, fds: list[int]) -> None:
-        """send_fds on the non-blocking socket, waiting while its buffer is full."""
+    async def _send_fds(self, sock: socket.socket, data: bytes, fds: list[int]) -> None:
+        """send_fds on the non-blocking socket, waiting while its buffer is full.
+
+        Raises:
+            OSError: the agent went away meanwhile (ConnectionResetError when it did during a wait).
+        """
         loop = asyncio.get_running_loop()
         while True:
             try:
@@ -743,11 +749,23 @@ class WarmSandbox:
                 return
             except BlockingIOError:
                 writable: asyncio.Future[None] = loop.create_future()
-                loop.add_writer(sock.fileno(), writable.set_result, None)
+                loop.add_writer(sock.fileno(), _settle_once, writable)
+                self._writables.add(writable)
                 try:
                     await writable
                 finally:
-                    loop.remove_writer(sock.fileno())
+                    self._writables.discard(writable)
+                    if sock.fileno() != -1:  # closed meanwhile: `_fail_sends` unregistered it first
+                        loop.remove_writer(sock.fileno())
+
+    def _fail_sends(self, sock: socket.socket) -> None:
+        """The agent is gone: the sends waiting for room in its socket fail now. Before the socket closes:
+        its number must leave the selector while it is still this socket's (a later socket may reuse it)."""
+        for writable in self._writables:
+            writable.get_loop().remove_writer(sock.fileno())
+            if not writable.done():
+                writable.set_exception(ConnectionResetError(errno.ECONNRESET, "the sandbox agent went away"))
+        self._writables.clear()
 
     async def _await_exit(self, command_id: int, waiter: asyncio.Future[int]) -> int | None:
         try:
@@ -978,6 +996,12 @@ def _connected_socket(fd: int) -> socket.socket:
         raise Unavailable("the sandbox's agent sent something other than a connected TCP socket") from None
     sock.setblocking(False)
     return sock
+
+
+def _settle_once(future: asyncio.Future[None]) -> None:
+    """A writer callback: the loop may call it again before the waiting task removes it."""
+    if not future.done():
+        future.set_result(None)
 
 
 def _reap(proc: SandboxProcess | None, group: SandboxCgroup | None, workspace: str) -> None:
