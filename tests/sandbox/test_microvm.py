@@ -295,6 +295,36 @@ async def test_a_vmm_exiting_between_its_ports_and_the_guest_program_is_refused_
         proc.stderr.close()
 
 
+async def test_a_frame_cut_by_the_channels_close_is_unavailable_not_a_stray_cancellation(tmp_path: Path) -> None:
+    """Found by a review: closing a microVM (its kill timed out, or it went to sleep) cancels the frames
+    being written to its channel, and a caller waiting on one got CancelledError although nobody cancelled
+    it: its tool call read as cancelled ("the client went away"). Invariant: the caller gets UNAVAILABLE
+    in one line. Here the guest never reads its channel and a live stand-in process is its VMM."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], stderr=subprocess.PIPE)
+    ours, theirs = socket.socketpair()
+    ours.setblocking(False)
+    with contextlib.suppress(BlockingIOError):
+        while True:
+            ours.send(b"\0" * 65536)
+    guest = microvm._Guest(proc, tmp_path, None)
+    guest.sock = ours
+    try:
+        sending = asyncio.ensure_future(guest.send(b"M", 0, b"a message"))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert not sending.done()
+        guest.detach()
+        with pytest.raises(Unavailable, match="closed while a frame was being sent"):
+            await sending
+    finally:
+        ours.close()
+        theirs.close()
+        proc.kill()
+        proc.wait()
+        assert proc.stderr is not None
+        proc.stderr.close()
+
+
 def test_a_vmm_dies_with_the_server() -> None:
     """QEMU has no --die-with-parent: start_vmm gives it a parent-death signal, so a server killed
     with SIGKILL leaves no guest running (here a stand-in VMM, the same launch path)."""

@@ -307,3 +307,32 @@ async def test_resizes_to_a_guest_that_stops_reading_are_not_queued_without_boun
             hostile.port.resize(stream_id, 24, 80)
             await asyncio.sleep(0)
         assert len(hostile.port._later) <= MAX_HOST_STREAMS
+
+
+async def test_a_frame_cut_by_the_ports_close_is_an_oserror_not_a_stray_cancellation() -> None:
+    """Found by a review: the port's close cancels the frames being written (a frame cut now is read by
+    nobody), and a sender waiting on one got CancelledError although nobody cancelled it: a tool call then
+    read as cancelled ("the client went away") and a preview's error passed its handler. Invariant: the
+    sender gets an OSError (ConnectionResetError), which every caller already answers; its own
+    cancellation still goes on as one."""
+    host_end, guest_end = socket.socketpair()  # a guest that never reads its port
+    host_end.setblocking(False)
+    with contextlib.suppress(BlockingIOError):
+        while True:
+            host_end.send(b"\0" * 65536)
+    port = EgressPort(host_end, None, "test")
+    try:
+        sending = asyncio.ensure_future(port._send(b"D", 1, b"x" * 1024))
+        cancelled = asyncio.ensure_future(port._send(b"D", 2, b"y"))  # waits for the lock behind it
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert not sending.done()
+        cancelled.cancel()
+        port.close()
+        with pytest.raises(ConnectionResetError):
+            await sending
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+    finally:
+        host_end.close()
+        guest_end.close()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import itertools
 import logging
 import socket
@@ -30,7 +31,7 @@ import struct
 from collections.abc import Callable
 from typing import Final
 
-__all__ = ["HOST_IDS", "MAX_HOST_STREAMS", "EgressPort"]
+__all__ = ["HOST_IDS", "MAX_HOST_STREAMS", "EgressPort", "cut_by_close"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,13 @@ def _current_task() -> asyncio.Task[object] | None:
         return asyncio.current_task()
     except RuntimeError:  # closed from outside any loop (a sync close at the end)
         return None
+
+
+def cut_by_close(write: asyncio.Task[None]) -> bool:
+    """Whether a CancelledError met while awaiting a shielded `write` comes from the write itself, cancelled
+    by a close of the channel, rather than from the awaiting task's own cancellation (which must go on)."""
+    task = asyncio.current_task()
+    return write.cancelled() and (task is None or task.cancelling() == 0)
 
 
 def _forget_write(writes: set[asyncio.Task[None]]) -> Callable[[asyncio.Task[None]], None]:
@@ -237,7 +245,12 @@ class EgressPort:
         write = asyncio.get_running_loop().create_task(self._write(frame))
         self._writes.add(write)
         write.add_done_callback(_forget_write(self._writes))
-        await asyncio.shield(write)
+        try:
+            await asyncio.shield(write)
+        except asyncio.CancelledError:
+            if cut_by_close(write):  # the port closed: an OSError, as for a broken socket, to every caller
+                raise ConnectionResetError(errno.ECONNRESET, "the microVM's stream port was closed") from None
+            raise
 
     async def _write(self, frame: bytes) -> None:
         try:

@@ -53,7 +53,7 @@ from bastion.sandbox._spawn import (
     SandboxSpec,
     start_vmm,
 )
-from bastion.sandbox._vmegress import EgressPort
+from bastion.sandbox._vmegress import EgressPort, cut_by_close
 from bastion.sandbox.backend import Backend, Process, RunOutcome, Sandbox
 from bastion.sandbox.cgroups import CgroupLayout, Limits, SandboxCgroup, Usage
 from bastion.sandbox.command_groups import Leftover
@@ -554,7 +554,12 @@ class _Guest:
                 write.add_done_callback(self.written)
                 if begun is not None:
                     begun()  # the frame goes out whole from here, cancelled or not
-                await asyncio.shield(write)
+                try:
+                    await asyncio.shield(write)
+                except asyncio.CancelledError:
+                    if cut_by_close(write):
+                        raise Unavailable("the microVM was closed while a frame was being sent") from None
+                    raise
         except TimeoutError:
             self.kill_vmm()
             raise Unavailable(f"the microVM did not read its channel within {timeout_s:g} s: it was ended") from None
