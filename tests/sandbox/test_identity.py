@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 from pathlib import Path
 
@@ -93,6 +94,34 @@ def test_two_servers_sharing_a_range_never_hand_out_one_id_at_once(tmp_path: Pat
     assert two.acquire().uid == 100_001
     assert second.uid == 100_001
     two.close()
+    assert not locks.exists()
+
+
+def test_a_crashed_servers_lock_files_do_not_keep_the_lock_folder_for_good(tmp_path: Path) -> None:
+    """Found after a full run left /run/bastion-ids holding one file: a server killed while it held an id
+    leaves the id's file (the kernel drops the lock, not the file), and the next server, taking other ids,
+    could not remove the folder at close. Invariant: a closing server removes the files no live server
+    holds, and never a held one."""
+    locks = tmp_path / "ids"
+    crashed = IdentityPool(100_000, 8, server_uid=0, server_gid=0, lock_dir=locks)
+    for _ in range(6):
+        crashed.acquire()
+    for fd in crashed._held.values():  # as a kill -9 leaves them: files in place, locks gone with the fds
+        os.close(fd)
+    live = IdentityPool(100_000, 8, server_uid=0, server_gid=0, lock_dir=locks)
+    held = live.acquire()
+    assert held.uid == 100_000  # a crashed server's id is free again
+    closing = IdentityPool(100_000, 8, server_uid=0, server_gid=0, lock_dir=locks)
+    closing.acquire()
+    closing.close()
+    assert sorted(os.listdir(locks)) == ["100000"]  # the live server's file stays, the stale ones went
+    blocked = os.open(locks / "100000", os.O_RDWR)
+    try:
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(blocked, fcntl.LOCK_EX | fcntl.LOCK_NB)  # and stays locked
+    finally:
+        os.close(blocked)
+    live.close()
     assert not locks.exists()
 
 

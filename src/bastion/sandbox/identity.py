@@ -213,7 +213,8 @@ class IdentityPool:
             return len(self._held)
 
     def close(self) -> None:
-        """Release every id (the server is ending) and remove the lock folder if no server uses it."""
+        """Release every id (the server is ending), remove the lock files of servers that crashed, and
+        remove the lock folder if no server uses it."""
         with self._lock:
             held, self._held = self._held, {}
         for offset, fd in held.items():
@@ -221,8 +222,32 @@ class IdentityPool:
                 os.unlink(self._lock_dir / str(self._first + offset))
             os.close(fd)
         if held:
+            self._remove_stale()
             with contextlib.suppress(OSError):
                 self._lock_dir.rmdir()
+
+    def _remove_stale(self) -> None:
+        """Unlink the lock files nobody holds: a crashed server's (the kernel drops its locks, not its files),
+        which would keep the folder in /run for good. Each is locked first and unlinked while locked, as
+        `release` does: a server opening that name meanwhile finds its file unlinked and takes another."""
+        try:
+            names = [name for name in os.listdir(self._lock_dir) if name.isdigit()]
+        except OSError:
+            return
+        for name in names:
+            path = self._lock_dir / name
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except OSError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if os.fstat(fd).st_ino == os.stat(path, follow_symlinks=False).st_ino:
+                    os.unlink(path)
+            except OSError:  # held by a live server (BlockingIOError), or gone meanwhile
+                pass
+            finally:
+                os.close(fd)
 
 
 def unreachable_folder(path: Path) -> Path | None:
