@@ -18,6 +18,8 @@ from mcp import Client
 from bastion.app import build_server, build_services
 from bastion.config import DEFAULT_BLOCKED_RANGES, load_config
 from bastion.safety.audit import verify
+from bastion.safety.errors import Unavailable
+from bastion.workbench import network as network_module
 from tests.helpers import call, create, sh
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
@@ -211,5 +213,40 @@ hosts = {{ "registry.test" = ["127.0.0.1"] }}
         after = await box.workspace.run_argv("/usr/bin/python3", fetch, timeout_s=20)
         assert "403" in after.stderr, after
         assert HITS == ["/"], HITS
+    finally:
+        services.close()
+
+
+async def test_an_install_whose_forwarder_fails_to_start_leaves_no_registry_access(
+    demo_config_path: Path, web: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a review: `widened` opened the registry (the proxy's rules widened) before it entered the
+    block that narrows them again, so an open that failed after the widening (the forwarder not starting:
+    an agent can kill it, its own uid, and hold its port) left the registry reachable for good.
+    Invariant: the proxy's rules are the sandbox's own again, and the failure is a typed refusal."""
+    blocked = [r for r in DEFAULT_BLOCKED_RANGES if r != "127.0.0.0/8"]
+    extra = f"""
+[sandboxes.network]
+registry = ["registry.test:{web}"]
+blocked_ranges = {json.dumps(blocked)}
+hosts = {{ "registry.test" = ["127.0.0.1"] }}
+"""
+    demo_config_path.write_text(
+        demo_config_path.read_text().replace("[sandboxes.limits]", extra + "\n[sandboxes.limits]")
+    )
+    services = build_services(load_config(demo_config_path))
+    registry = services.config.sandboxes.network.registry_rules
+
+    async def no_forwarder(workspace: object, socket_path: str) -> object:
+        raise Unavailable("the egress forwarder did not start (injected)")
+
+    try:
+        box = await services.sandboxes.create(owner="test")
+        monkeypatch.setattr(network_module, "_start_forwarder", no_forwarder)
+        with pytest.raises(Unavailable, match="injected"):
+            async with box.network.widened(box.workspace, registry):
+                pytest.fail("the block ran without a forwarder")
+        proxies = services.sandboxes._egress._proxy._proxies  # type: ignore[union-attr]
+        assert proxies[box.id].rules == ()  # the sandbox's own: none
     finally:
         services.close()

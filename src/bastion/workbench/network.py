@@ -19,7 +19,7 @@ from typing import Final
 
 from bastion.config import AllowRule
 from bastion.egress.proxy import EgressService
-from bastion.safety.errors import Unavailable
+from bastion.safety.errors import SandboxNotFound, Unavailable
 from bastion.sandbox import EGRESS_DIR, EGRESS_SOCKET_NAME, FORWARDER_PATH, sandbox_python
 from bastion.sandbox.backend import Process
 from bastion.workbench.workspace import HostWorkspace
@@ -75,8 +75,9 @@ class SandboxNetwork:
     async def widened(self, workspace: HostWorkspace, extra: Sequence[AllowRule]) -> AsyncIterator[None]:
         """The sandbox's allowlist plus `extra` (the package registry) for the duration of the block."""
         async with self._lock:
-            await self._open(workspace, (*self.rules, *extra))
             try:
+                # Inside: an open that fails after widening (the forwarder does not start) narrows too.
+                await self._open(workspace, (*self.rules, *extra))
                 yield
             finally:
                 # A cancelled install (the client gave up) cancels every await in this scope: the
@@ -89,8 +90,14 @@ class SandboxNetwork:
         if self._proxy_running:
             await self._egress.set_rules_async(self.sandbox_id, rules)
         else:
-            await self._egress.start_async(self.sandbox_id, rules, self._socket, self._owner)
+            # Owed a stop and a narrowing from here: a caller cancelled during this await leaves the start
+            # to finish on the egress thread.
             self._proxy_running = True
+            try:
+                await self._egress.start_async(self.sandbox_id, rules, self._socket, self._owner)
+            except Exception:
+                self._proxy_running = False  # refused: it did not start
+                raise
         if self._forwarder is None or self._forwarder.exited:
             self._forwarder = await _start_forwarder(workspace, f"{INSIDE_DIR}/{SOCKET_NAME}")
         workspace.extra_env.update(proxy_environment())
@@ -98,7 +105,8 @@ class SandboxNetwork:
     async def _narrow(self) -> None:
         # Back to the sandbox's own allowlist; with none, nothing is reachable once the install is over.
         if self._egress is not None and self._proxy_running:
-            await self._egress.set_rules_async(self.sandbox_id, self.rules)
+            with contextlib.suppress(SandboxNotFound):  # a start cancelled on its way that then failed
+                await self._egress.set_rules_async(self.sandbox_id, self.rules)
 
     def close(self, *, stop_proxy: bool = True) -> None:
         """Stop the proxy: in the background when an event loop runs (a stop can take seconds
