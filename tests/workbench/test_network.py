@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import http.server
 import json
+import os
 import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -250,3 +251,56 @@ hosts = {{ "registry.test" = ["127.0.0.1"] }}
         assert proxies[box.id].rules == ()  # the sandbox's own: none
     finally:
         services.close()
+
+
+async def test_a_create_whose_network_fails_to_open_leaves_no_fd_mount_or_loop_device(
+    demo_config_path: Path, web: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a review: when a create's network did not open (its forwarder not starting, or the call
+    cancelled meanwhile: a client can do that on purpose), the workspace's jail kept its fd on the
+    sandbox's folder, the root of its disk: the unmount went lazy, and the disk, its loop device and its
+    image stayed until the server restarted, once per attempt. Invariant: the refusal is typed, and no
+    fd, mount or loop device of that sandbox is left."""
+    blocked = [r for r in DEFAULT_BLOCKED_RANGES if r != "127.0.0.0/8"]
+    extra = f"""
+[sandboxes.network]
+allow = ["allowed.test:{web}"]
+blocked_ranges = {json.dumps(blocked)}
+hosts = {{ "allowed.test" = ["127.0.0.1"] }}
+"""
+    demo_config_path.write_text(
+        demo_config_path.read_text().replace("[sandboxes.limits]", extra + "\n[sandboxes.limits]")
+    )
+    services = build_services(load_config(demo_config_path))
+
+    async def no_forwarder(workspace: object, socket_path: str) -> object:
+        raise Unavailable("the egress forwarder did not start (injected)")
+
+    sandboxes_dir = str(services.config.sandboxes_dir)
+    try:
+        monkeypatch.setattr(network_module, "_start_forwarder", no_forwarder)
+        loops_before = _loop_devices()
+        with pytest.raises(Unavailable, match="injected"):
+            await services.sandboxes.create(owner="test", network_allow=[f"allowed.test:{web}"])
+        held = [fd for fd, target in _fd_targets().items() if target.startswith(sandboxes_dir + "/sb-")]
+        assert held == []
+        assert sandboxes_dir + "/sb-" not in Path("/proc/self/mountinfo").read_text()
+        assert _loop_devices() <= loops_before
+    finally:
+        services.close()
+
+
+def _fd_targets() -> dict[str, str]:
+    found = {}
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            found[fd] = os.readlink(f"/proc/self/fd/{fd}")
+    return found
+
+
+def _loop_devices() -> set[str]:
+    return {
+        name
+        for name in os.listdir("/sys/block")
+        if name.startswith("loop") and Path(f"/sys/block/{name}/loop").exists()
+    }

@@ -295,6 +295,7 @@ class SandboxManager:
         )
         files_owner = _owner(prepared.identity)
         network = SandboxNetwork(prepared.id, self._socket_dir(prepared.id), self._egress, rules, files_owner)
+        workspace: HostWorkspace | None = None
         try:
             config = self._workspace_config(prepared.id, prepared.root, narrowed, chosen, settings)
             via_sh = chosen.policy is None
@@ -314,7 +315,10 @@ class SandboxManager:
             await network.enable(workspace)
         except BaseException:
             network.close()
-            prepared.warm.close()
+            if workspace is not None:
+                workspace.close()  # its jail's fd holds the disk: the unmount below would be lazy, the loop kept
+            else:
+                prepared.warm.close()
             self._discard_prepared(prepared.id, prepared.root)
             raise
         box = Sandbox(

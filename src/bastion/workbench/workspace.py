@@ -188,20 +188,24 @@ class HostWorkspace:
             view_root=SANDBOX_WORKSPACE if sandboxed else None,
         )
         self.redactor = redactor
-        limits = None
-        if config.use_cgroups:
-            lim = config.limits
-            limits = Limits(memory_bytes=lim.memory_bytes, pids=lim.pids, cpu_cores=lim.cpu_cores)
-        if sandbox is None:
-            ids = None if identity is None or not identity.switch else (identity.uid, identity.gid)
-            spec = SandboxSpec(workspace=bind_source or self.jail.root, identity=ids, devices=devices)
-            sandbox = BubblewrapBackend(cgroups).sandbox(spec, limits=limits)
-        elif limits is not None:
-            sandbox.set_limits(limits)
-        self.sandbox = sandbox
-        self.processes = BackgroundProcesses(self.id, redactor, sandbox, config.max_output_bytes)
-        self.terminals = Terminals(self.id, redactor, sandbox, config.terminals)
-        self._folder = _held_folder(self.jail)
+        try:
+            limits = None
+            if config.use_cgroups:
+                lim = config.limits
+                limits = Limits(memory_bytes=lim.memory_bytes, pids=lim.pids, cpu_cores=lim.cpu_cores)
+            if sandbox is None:
+                ids = None if identity is None or not identity.switch else (identity.uid, identity.gid)
+                spec = SandboxSpec(workspace=bind_source or self.jail.root, identity=ids, devices=devices)
+                sandbox = BubblewrapBackend(cgroups).sandbox(spec, limits=limits)
+            elif limits is not None:
+                sandbox.set_limits(limits)
+            self.sandbox = sandbox
+            self.processes = BackgroundProcesses(self.id, redactor, sandbox, config.max_output_bytes)
+            self.terminals = Terminals(self.id, redactor, sandbox, config.terminals)
+            self._folder = _held_folder(self.jail)
+        except BaseException:
+            self.jail.close()  # its fd would hold the folder (a sandbox's disk: its mount and loop device)
+            raise
         self._replaced_logged = False
 
     @property
