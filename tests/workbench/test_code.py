@@ -5,6 +5,7 @@ kernel that breaks the protocol."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import struct
 import zlib
@@ -14,6 +15,7 @@ import pytest
 from mcp import Client
 from mcp_types import ImageContent
 
+from bastion.app import Services
 from tests.helpers import DATA_ENV, call, create
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
@@ -261,3 +263,43 @@ async def test_long_running_code_reports_progress_with_its_output(client: Client
     assert silent.structured_content["ok"]
     assert messages, "silent code reported no progress"
     assert messages[0] == "running; no output yet"
+
+
+async def test_a_context_start_cancelled_before_its_kernel_is_ready_leaves_no_kernel(
+    services: Services, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a review: a call cancelled (its client gone) while a new context's kernel was starting left
+    the kernel running, owned by nobody (a context is kept only once started): its three pipes and its
+    processes stayed until the sandbox closed, uncounted by the contexts' cap, once per cancelled call.
+    Invariant: the kernel is killed and its pipes closed."""
+    box = await services.sandboxes.create(owner="test")
+    sandbox = box.workspace.sandbox
+    spawned = asyncio.Event()
+    real_spawn = sandbox.spawn
+
+    async def spawn(*args: Any, **kwargs: Any) -> Any:
+        process = await real_spawn(*args, **kwargs)
+        spawned.set()
+        return process
+
+    monkeypatch.setattr(sandbox, "spawn", spawn)
+    try:
+        starting = asyncio.ensure_future(
+            box.code.run("1", language="python", context="cut", restart=False, timeout_s=None, progress=_quiet)
+        )
+        await asyncio.wait_for(spawned.wait(), 30)
+        assert not starting.done()  # its kernel is starting, not ready yet
+        starting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await starting
+        assert sandbox._background == {}  # type: ignore[attr-defined]
+        again = await box.code.run(
+            "1 + 1", language="python", context="cut", restart=False, timeout_s=None, progress=_quiet
+        )
+        assert again.value == "2"
+    finally:
+        await services.sandboxes.close(box.id)
+
+
+async def _quiet(message: str) -> None:
+    """A progress callback that drops the message."""

@@ -439,6 +439,11 @@ class CodeContext:
             reason = broke or self._stderr_tail() or ended
             await self.kill()
             raise Unavailable(f"the {NAMES[self.language]} context did not start: {reason}") from None
+        except BaseException:
+            # Cancelled (the client went away): nobody would own the kernel (its context is kept only once
+            # started), which would run on, holding its pipes, until the sandbox closes.
+            await asyncio.shield(self.kill())
+            raise
 
     def _stderr_tail(self) -> str:
         if self._process is None:
