@@ -272,3 +272,45 @@ async def test_a_connect_while_the_agent_starts_leaves_its_hello_to_the_start(sa
         await sandbox.connect(1)  # nothing listens on port 1 in it
     await starting
     assert (await sh(sandbox, "echo up")).stdout == b"up\n"
+
+
+async def test_a_start_cancelled_before_the_agents_hello_is_undone(tmp_path: Path) -> None:
+    """Found by a review: a start (a sleeping sandbox's wake-up) cancelled while it waited for the agent's
+    hello kept its process and socket with no reader on the socket: the sandbox counted as alive, and every
+    command then waited out its time limit. Invariant: the cancelled start is undone (nothing left
+    running), and the next command starts the sandbox again and runs."""
+    box = WarmSandbox(SandboxSpec(workspace=str(tmp_path)))
+    try:
+        starting = asyncio.ensure_future(box.start())
+        while box._proc is None:  # spawned, waiting for the hello
+            await asyncio.sleep(0)
+        starting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await starting
+        assert not box.alive
+        await box.settled()
+        # bwrap's child, killed with bwrap while it was still setting up, did not always die with it.
+        assert _sandbox_processes(tmp_path) == []
+        outcome = await box.run(
+            "/bin/echo",
+            ["echo", "woke"],
+            cwd="/workspace",
+            env={"PATH": SANDBOX_PATH},
+            timeout_s=20,
+            max_output_bytes=1024,
+        )
+        assert outcome.stdout == b"woke\n", outcome
+    finally:
+        await box.aclose(final=True)
+
+
+def _sandbox_processes(workspace: Path) -> list[int]:
+    """The host pids of processes whose /workspace is `workspace` (their mount table names it)."""
+    found = []
+    for pid in processes_with("/opt/bastion/agent.py"):
+        try:
+            if f" {workspace}" in Path(f"/proc/{pid}/mountinfo").read_text():
+                found.append(pid)
+        except OSError:
+            continue
+    return found

@@ -24,6 +24,7 @@ import logging
 import marshal
 import os
 import select
+import signal
 import socket
 import stat
 import sys
@@ -257,6 +258,11 @@ class WarmSandbox:
                 hello = await loop.sock_recv(sock, MAX_MESSAGE_BYTES)
         except (TimeoutError, OSError):
             hello = b""
+        except BaseException:
+            # Cancelled before the hello: undone, or it would count as alive with nobody reading the agent
+            # (every command then waiting out its time limit).
+            self._on_agent_gone()
+            raise
         if not hello:
             reason = self._stderr_tail(proc)
             self._on_agent_gone()
@@ -1012,6 +1018,11 @@ def _reap(proc: SandboxProcess | None, group: SandboxCgroup | None, workspace: s
         inits = _pidfds(_children(proc.pid))
         proc.kill()
         proc.wait()
+        for fd in inits:
+            # --die-with-parent holds only once bwrap's child has set it: a bwrap killed while it was still
+            # setting up (a start cancelled before the agent's hello) would leave its child waiting for ever.
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
         _wait_exited(inits, KILL_GRACE_S)
         if proc.stderr is not None:
             proc.stderr.close()
