@@ -279,13 +279,12 @@ hosts = {{ "allowed.test" = ["127.0.0.1"] }}
     sandboxes_dir = str(services.config.sandboxes_dir)
     try:
         monkeypatch.setattr(network_module, "_start_forwarder", no_forwarder)
-        loops_before = _loop_devices()
         with pytest.raises(Unavailable, match="injected"):
             await services.sandboxes.create(owner="test", network_allow=[f"allowed.test:{web}"])
         held = [fd for fd, target in _fd_targets().items() if target.startswith(sandboxes_dir + "/sb-")]
         assert held == []
         assert sandboxes_dir + "/sb-" not in Path("/proc/self/mountinfo").read_text()
-        assert _loop_devices() <= loops_before
+        assert _loops_backed_from(sandboxes_dir) == []  # other tests' loop devices may come and go meanwhile
     finally:
         services.close()
 
@@ -298,9 +297,11 @@ def _fd_targets() -> dict[str, str]:
     return found
 
 
-def _loop_devices() -> set[str]:
-    return {
-        name
-        for name in os.listdir("/sys/block")
-        if name.startswith("loop") and Path(f"/sys/block/{name}/loop").exists()
-    }
+def _loops_backed_from(folder: str) -> list[str]:
+    """The loop devices whose backing file lies in `folder` (its image may be deleted: "(deleted)")."""
+    found = []
+    for name in os.listdir("/sys/block"):
+        with contextlib.suppress(OSError):
+            if Path(f"/sys/block/{name}/loop/backing_file").read_text().startswith(folder + "/"):
+                found.append(name)
+    return found

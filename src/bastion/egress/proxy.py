@@ -668,6 +668,11 @@ class EgressService:
     def sandboxes(self) -> list[str]:
         return self._proxy.sandboxes()
 
+    @property
+    def closed(self) -> bool:
+        """The service has stopped (every proxy with it)."""
+        return self._closed
+
     def close(self) -> None:
         """Stop every proxy, then the loop and its thread. Idempotent."""
         if self._closed:

@@ -133,6 +133,8 @@ class SandboxNetwork:
         try:
             await egress.stop_async(self.sandbox_id)
         except Exception:
+            if egress.closed:  # the server closed meanwhile, and the service's close stopped every proxy
+                return
             logger.exception("egress proxy of %s did not stop cleanly", self.sandbox_id)
 
 
