@@ -188,16 +188,7 @@ async def test_closing_a_sandbox_stops_its_proxy(net_client: Client, web: int) -
 async def test_a_cancelled_install_leaves_no_registry_access(demo_config_path: Path, web: int) -> None:
     """The registry is reachable only while an install runs, even when the install is cancelled
     the way the SDK cancels a request (an anyio cancel scope, which cancels every later await)."""
-    blocked = [r for r in DEFAULT_BLOCKED_RANGES if r != "127.0.0.0/8"]
-    extra = f"""
-[sandboxes.network]
-registry = ["registry.test:{web}"]
-blocked_ranges = {json.dumps(blocked)}
-hosts = {{ "registry.test" = ["127.0.0.1"] }}
-"""
-    demo_config_path.write_text(
-        demo_config_path.read_text().replace("[sandboxes.limits]", extra + "\n[sandboxes.limits]")
-    )
+    _with_loopback_names(demo_config_path, "registry", "registry.test", web)
     services = build_services(load_config(demo_config_path))
     registry = services.config.sandboxes.network.registry_rules
     fetch = ("python3", "-c", FETCH_ARGV, f"http://registry.test:{web}/")
@@ -225,25 +216,13 @@ async def test_an_install_whose_forwarder_fails_to_start_leaves_no_registry_acce
     block that narrows them again, so an open that failed after the widening (the forwarder not starting:
     an agent can kill it, its own uid, and hold its port) left the registry reachable for good.
     Invariant: the proxy's rules are the sandbox's own again, and the failure is a typed refusal."""
-    blocked = [r for r in DEFAULT_BLOCKED_RANGES if r != "127.0.0.0/8"]
-    extra = f"""
-[sandboxes.network]
-registry = ["registry.test:{web}"]
-blocked_ranges = {json.dumps(blocked)}
-hosts = {{ "registry.test" = ["127.0.0.1"] }}
-"""
-    demo_config_path.write_text(
-        demo_config_path.read_text().replace("[sandboxes.limits]", extra + "\n[sandboxes.limits]")
-    )
+    _with_loopback_names(demo_config_path, "registry", "registry.test", web)
     services = build_services(load_config(demo_config_path))
     registry = services.config.sandboxes.network.registry_rules
 
-    async def no_forwarder(workspace: object, socket_path: str) -> object:
-        raise Unavailable("the egress forwarder did not start (injected)")
-
     try:
         box = await services.sandboxes.create(owner="test")
-        monkeypatch.setattr(network_module, "_start_forwarder", no_forwarder)
+        monkeypatch.setattr(network_module, "_start_forwarder", _no_forwarder)
         with pytest.raises(Unavailable, match="injected"):
             async with box.network.widened(box.workspace, registry):
                 pytest.fail("the block ran without a forwarder")
@@ -261,24 +240,12 @@ async def test_a_create_whose_network_fails_to_open_leaves_no_fd_mount_or_loop_d
     sandbox's folder, the root of its disk: the unmount went lazy, and the disk, its loop device and its
     image stayed until the server restarted, once per attempt. Invariant: the refusal is typed, and no
     fd, mount or loop device of that sandbox is left."""
-    blocked = [r for r in DEFAULT_BLOCKED_RANGES if r != "127.0.0.0/8"]
-    extra = f"""
-[sandboxes.network]
-allow = ["allowed.test:{web}"]
-blocked_ranges = {json.dumps(blocked)}
-hosts = {{ "allowed.test" = ["127.0.0.1"] }}
-"""
-    demo_config_path.write_text(
-        demo_config_path.read_text().replace("[sandboxes.limits]", extra + "\n[sandboxes.limits]")
-    )
+    _with_loopback_names(demo_config_path, "allow", "allowed.test", web)
     services = build_services(load_config(demo_config_path))
-
-    async def no_forwarder(workspace: object, socket_path: str) -> object:
-        raise Unavailable("the egress forwarder did not start (injected)")
 
     sandboxes_dir = str(services.config.sandboxes_dir)
     try:
-        monkeypatch.setattr(network_module, "_start_forwarder", no_forwarder)
+        monkeypatch.setattr(network_module, "_start_forwarder", _no_forwarder)
         with pytest.raises(Unavailable, match="injected"):
             await services.sandboxes.create(owner="test", network_allow=[f"allowed.test:{web}"])
         held = [fd for fd, target in _fd_targets().items() if target.startswith(sandboxes_dir + "/sb-")]
@@ -305,3 +272,19 @@ def _loops_backed_from(folder: str) -> list[str]:
             if Path(f"/sys/block/{name}/loop/backing_file").read_text().startswith(folder + "/"):
                 found.append(name)
     return found
+
+
+def _with_loopback_names(config_path: Path, key: str, name: str, port: int) -> None:
+    """Add `[sandboxes.network] key = ["name:port"]`, with `name` resolving to the host's loopback (un-blocked)."""
+    blocked = [r for r in DEFAULT_BLOCKED_RANGES if r != "127.0.0.0/8"]
+    extra = f"""
+[sandboxes.network]
+{key} = ["{name}:{port}"]
+blocked_ranges = {json.dumps(blocked)}
+hosts = {{ "{name}" = ["127.0.0.1"] }}
+"""
+    config_path.write_text(config_path.read_text().replace("[sandboxes.limits]", extra + "\n[sandboxes.limits]"))
+
+
+async def _no_forwarder(workspace: object, socket_path: str) -> object:
+    raise Unavailable("the egress forwarder did not start (injected)")
