@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import shutil
 import tempfile
@@ -603,3 +604,22 @@ def test_recovery_makes_no_snapshot_of_a_disk_caught_before_lost_found_was_remov
         services.close()
     assert recovered == (["sb-0123456789ab"] if kept else [])
     assert not orphan.parent.exists()
+
+
+async def test_a_create_that_cannot_make_its_socket_folder_holds_no_host_id(
+    services: Services, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a review: a create took its sandbox's host id before making the egress socket folder; when
+    that failed (a full state disk), the id stayed held until the server restarted, one per attempt, until
+    `host_id_range` ran out. Invariant: the refusal leaves no id held."""
+    manager = services.sandboxes
+    manager._net_dir = None  # as before the first sandbox
+
+    def full_disk() -> Path:
+        raise OSError(errno.ENOSPC, "No space left on device (injected)")
+
+    monkeypatch.setattr(manager, "_make_net_dir", full_disk)
+    held = manager._identities.in_use()
+    with pytest.raises(OSError, match="injected"):
+        await manager._prepare(())
+    assert manager._identities.in_use() == held

@@ -434,8 +434,8 @@ class SandboxManager:
         vm_backend = await self._microvm_backend(template) if template is not None and isolation == "microvm" else None
         sandbox_id = SANDBOX_ID_PREFIX + secrets.token_hex(_ID_HEX_BYTES)
         root = self._dir / sandbox_id
+        socket_dir = self._socket_dir(sandbox_id)  # first: it may fail (a full disk), and hold nothing yet
         identity = self._held[sandbox_id] = self._identities.acquire()
-        socket_dir = self._socket_dir(sandbox_id)
         devices = await self._build(sandbox_id, root, identity, disk_bytes, socket_dir)
         ceiling = self._config.limits
         limits = None
