@@ -154,7 +154,7 @@ async def _splice(
             try:
                 count = os.splice(src.fileno(), write_end, CHUNK_BYTES, flags=flags)
             except BlockingIOError:
-                await _ready(loop, src, write=False)
+                await ready(loop, src, write=False)
                 continue
             except OSError as exc:
                 if not moved and exc.errno in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
@@ -171,7 +171,7 @@ async def _splice(
                 try:
                     left -= os.splice(read_end, dst.fileno(), left, flags=flags)
                 except BlockingIOError:
-                    await _ready(loop, dst, write=True)
+                    await ready(loop, dst, write=True)
             setattr(attempt, counter, getattr(attempt, counter) + count)
             last[0] = loop.time()
     finally:
@@ -179,7 +179,7 @@ async def _splice(
         os.close(write_end)
 
 
-async def _ready(loop: asyncio.AbstractEventLoop, sock: socket.socket, *, write: bool) -> None:
+async def ready(loop: asyncio.AbstractEventLoop, sock: socket.socket, *, write: bool) -> None:
     """Wait until `sock` is readable (or writable)."""
     waiter: asyncio.Future[None] = loop.create_future()
 

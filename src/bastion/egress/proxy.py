@@ -92,7 +92,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 from bastion.config import DEFAULT_BLOCKED_RANGES, AllowRule, normalize_host
-from bastion.egress._relay import answer_and_linger, carry, close_socket, grow_buffers
+from bastion.egress._relay import answer_and_linger, carry, close_socket, grow_buffers, ready
 from bastion.egress._request import (
     SOCKS_REPLY,
     Reader,
@@ -120,6 +120,7 @@ IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 HEAD_TIMEOUT_S: Final = 30.0
 MAX_ADDRESSES_TRIED: Final = 4
 STOP_TIMEOUT_S: Final = 10.0
+_ACCEPTS_PER_PASS: Final = 32  # then the loop serves others before the listener again
 THROTTLE_REPORT_S: Final = 1.0  # at most one egress_throttled record per sandbox this often
 UNIX_PATH_MAX: Final = 107  # sun_path is 108 bytes, NUL included
 
@@ -286,22 +287,32 @@ class EgressProxy:
     # -- one connection ------------------------------------------------------------
 
     async def _accept(self, proxy: _SandboxProxy) -> None:
+        # Not `loop.sock_accept`: it accepts in one pass and resumes this task in the next, so a
+        # `stop` landing between the two dropped the accepted socket unclosed. Waiting for the
+        # listener, then accepting with no await in between, leaves nothing in flight to drop.
         loop = asyncio.get_running_loop()
         while True:
-            try:
-                client, _ = await loop.sock_accept(proxy.listener)
-            except OSError as exc:
-                _log.warning("egress proxy of %s cannot accept: %s", proxy.sandbox_id, exc)
-                await asyncio.sleep(0.1)
-                continue
-            client.setblocking(False)
-            grow_buffers(client)
-            task = loop.create_task(self._serve(proxy, client))
-            proxy.connections.add(task)
-            task.add_done_callback(proxy.connections.discard)
-            # A task cancelled before its first step (the proxy stopping at once) never runs _serve's
-            # `finally`: the client would be left for the garbage collector. Closing twice is harmless.
-            task.add_done_callback(functools.partial(_close_client, client))
+            await ready(loop, proxy.listener, write=False)
+            for _ in range(_ACCEPTS_PER_PASS):
+                try:
+                    client, _ = proxy.listener.accept()
+                except BlockingIOError:
+                    break
+                except OSError as exc:
+                    _log.warning("egress proxy of %s cannot accept: %s", proxy.sandbox_id, exc)
+                    await asyncio.sleep(0.1)
+                    break
+                self._adopt(proxy, client)
+
+    def _adopt(self, proxy: _SandboxProxy, client: socket.socket) -> None:
+        client.setblocking(False)
+        grow_buffers(client)
+        task = asyncio.get_running_loop().create_task(self._serve(proxy, client))
+        proxy.connections.add(task)
+        task.add_done_callback(proxy.connections.discard)
+        # A task cancelled before its first step (the proxy stopping at once) never runs _serve's
+        # `finally`: the client would be left for the garbage collector. Closing twice is harmless.
+        task.add_done_callback(functools.partial(_close_client, client))
 
     async def _serve(self, proxy: _SandboxProxy, client: socket.socket) -> None:
         if not proxy.throttle.take():
