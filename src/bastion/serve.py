@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Final
 
 import anyio
 
+from bastion import heap
 from bastion.app import Services, build_server, build_services
 from bastion.config import Config, HttpConfig
 from bastion.logs import announce, configure_logging
@@ -83,6 +84,7 @@ def serve_stdio(config: Config, config_path: str) -> int:
             )
             _warn_if_open(config)  # the HTTP front serves /mcp too: the user asked for stdio
             serve = functools.partial(_stdio_beside_http, server.run_stdio_async, front, listeners)
+        heap.settle()
         with stop_signals():
             notifier.ready(f"serving MCP over stdio from {os.path.abspath(config_path)}")
             anyio.run(_serve_until_stopped, serve)
@@ -429,6 +431,7 @@ def serve_http(config: Config, config_path: str, listen: str | None = None) -> i
         if front.preview is not None:
             announce(f"bastion: serving preview URLs at {front.preview_origin}")
         main = clean_stop_server(notifier, f"serving MCP over HTTP on {where}")(front.main)
+        heap.settle()
         if front.preview is None or listeners.preview is None:
             main.run(sockets=[listeners.main])
         else:
