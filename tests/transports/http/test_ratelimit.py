@@ -62,6 +62,19 @@ def test_back_off_doubles_then_caps_and_clears(clock: Clock) -> None:
     assert limiter.retry_after("a") == 0
 
 
+def test_an_address_that_keeps_guessing_for_days_stays_backed_off(clock: Clock) -> None:
+    """Attack: keep guessing at the back-off's pace. Past 1,024 failures over the free ones the back-off's
+    2.0 ** n overflowed: the failure answered 500 and the address was never backed off again.
+    Invariant: the thousandth-and-more failure still backs the address off by max_s."""
+    limiter = LoginLimiter(free=3, max_s=900.0, global_per_minute=1_000_000)
+    for _ in range(1_100):
+        clock.now += 900.0
+        fail(limiter, "a")
+    assert limiter.retry_after("a") == pytest.approx(900.0)
+    with pytest.raises(LoginRefused):
+        limiter.begin("a")
+
+
 def test_concurrent_burst_from_one_address_is_refused_before_any_check(clock: Clock) -> None:
     """The attempt is counted at `begin`: a second one from the same address while the first is being
     checked is refused, so 60 parallel guesses cost one argon2 check, not 60."""

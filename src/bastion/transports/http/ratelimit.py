@@ -32,6 +32,7 @@ logger = logging.getLogger("bastion.http.ratelimit")
 
 _WINDOW_S: Final = 60.0
 _MAX_TRACKED: Final = 10_000  # addresses remembered at most; oldest forgotten first
+_MAX_DOUBLINGS: Final = 62  # a back-off of 2**62 s is past any max_s; beyond, 2.0 ** n overflows at 1024
 MAX_CONCURRENT_CHECKS: Final = 2  # argon2id checks at once, server-wide (64 MiB each)
 _BUSY_RETRY_S: Final = 1.0
 _IPV6_PREFIX: Final = 64  # one subscriber's allocation (RFC 6177): one address for the limits
@@ -161,7 +162,9 @@ class LoginLimiter:
             return
         entry.in_flight = False
         if entry.count >= self.free:
-            entry.locked_until = time.monotonic() + min(self.max_s, 2.0 ** (entry.count - self.free))
+            # The exponent capped: 2.0 ** 1024 raises OverflowError, which left the address unlocked for good.
+            doubling = min(entry.count - self.free, _MAX_DOUBLINGS)
+            entry.locked_until = time.monotonic() + min(self.max_s, 2.0**doubling)
             logger.warning("admin login: %d failed attempts from %s; backing off", entry.count, attempt.key)
 
     def retry_after(self, ip: str) -> float:
