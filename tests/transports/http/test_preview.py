@@ -445,15 +445,31 @@ def test_a_body_over_the_cap_is_413_even_when_the_app_resets_before_reading_it(p
     assert under.status_code == 502
 
 
-def test_a_burst_of_requests_gets_429(preview: Preview, sandbox: str) -> None:
+def test_a_burst_of_requests_gets_429_counted_not_recorded_one_by_one(preview: Preview, sandbox: str) -> None:
+    """Attack: flood a preview past its rate. Invariant: 429s; the refusals are counted in a few
+    `preview_throttled` records (one per preview a second), not one record each, which let a flood fill
+    the audit log's disk; every request allowed is still recorded."""
     url = preview.expose(sandbox, 8000)
+    token = url.rstrip("/").rsplit("/", 1)[1]
+    over = 60
     statuses = []
     with httpx2.Client(timeout=30) as client:
-        for _ in range(PER_MINUTE + 5):
+        for _ in range(PER_MINUTE + over):
             headers = {"cookie": f"{SESSION_COOKIE}={preview.session}", "x-forwarded-for": "198.51.100.9"}
             statuses.append(client.get(url + "index.html", headers=headers).status_code)
     assert statuses[:PER_MINUTE] == [200] * PER_MINUTE
     assert set(statuses[PER_MINUTE:]) == {429}
+    deadline = time.monotonic() + 10
+    while True:
+        _, mine = _preview_records(preview, token, count=PER_MINUTE)
+        throttled = [r for r in mine if r["event"] == "preview_throttled"]
+        if sum(r["refused"] for r in throttled) >= over or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert [r["status"] for r in mine if r["event"] == "preview"] == [200] * PER_MINUTE
+    assert sum(r["refused"] for r in throttled) == over
+    assert 1 <= len(throttled) <= 10
+    assert all(r["workspace"] == sandbox and r["port"] == 8000 and r["status"] == 429 for r in throttled)
 
 
 def test_bastion_cookies_and_authorization_never_reach_the_app(preview: Preview, sandbox: str) -> None:

@@ -192,3 +192,15 @@ def test_window_limiter(clock: Clock) -> None:
     assert window.allow("b")
     clock.now += 3591
     assert window.allow("a")
+
+
+def test_a_window_sprayed_with_keys_stays_bounded_and_fast(clock: Clock, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Attack: one request from each of many addresses (an IPv6 /64 holds plenty) at a preview. Its old
+    table forgot only keys with no recent event, so past 100,000 it forgot none and rebuilt itself at
+    every request. Invariant: the table keeps at most its cap, the key counted the longest forgotten first."""
+    monkeypatch.setattr(ratelimit, "_MAX_TRACKED", 50)
+    window = WindowLimiter(limit=5, window_s=60.0)
+    for n in range(500):
+        assert window.allow(f"10.0.{n // 256}.{n % 256}")
+    assert len(window._events) <= 50
+    assert "10.0.0.0" not in window._events

@@ -14,8 +14,9 @@ host, no other sandbox, no other port is reachable from here. Previews of differ
 this one origin (its storage too): a page could read another preview only by knowing its token.
 
 A request for an unknown, expired or closed token gets 404 with no detail. Requests are rate limited
-per token and per client address, bodies capped both ways, and each one is audited (token digest,
-method, path without its query, status, bytes, address, sandbox, port).
+per token and per client address (an IPv6 /64), bodies capped both ways, and each one is audited (token
+digest, method, path without its query, status, bytes, address, sandbox, port), except those refused for
+the rate: counted, one `preview_throttled` record per preview a second.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ import logging
 import re
 import socket
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Final
@@ -39,12 +39,15 @@ from bastion.config import HttpConfig
 from bastion.safety.audit import AuditLog
 from bastion.safety.errors import BastionError
 from bastion.transports.http.admin_pages import SESSION_COOKIE
+from bastion.transports.http.ratelimit import WindowLimiter, address_key
 from bastion.transports.http.store import AuthStore
 from bastion.workbench.previews import Preview, PreviewRegistry, token_id
 
 logger = logging.getLogger("bastion.http.preview")
 
 MAX_AUDIT_PATH_CHARS: Final = 200
+THROTTLE_REPORT_S: Final = 1.0
+"""At most one `preview_throttled` record per preview this often: each 429 is counted, not recorded."""
 # RFC 9110 §7.6.1 and the proxy headers no app should see or send back.
 HOP_BY_HOP: Final = frozenset(
     {
@@ -83,25 +86,11 @@ _PREVIEW_TOKEN = re.compile(r"/preview/[A-Za-z0-9_-]+")
 
 
 @dataclass
-class Window:
-    """A sliding one-minute count of events per key (token digest, or address)."""
+class _Throttled:
+    """429s given for one preview since its last `preview_throttled` record, and the timer that writes the next."""
 
-    per_minute: int
-
-    def __post_init__(self) -> None:
-        self.seen: dict[str, deque[float]] = {}
-
-    def allow(self, key: str) -> bool:
-        now = time.monotonic()
-        times = self.seen.setdefault(key, deque())
-        while times and now - times[0] >= 60:
-            times.popleft()
-        if len(times) >= self.per_minute:
-            return False
-        times.append(now)
-        if len(self.seen) > 100_000:  # many addresses: forget the quiet ones
-            self.seen = {k: v for k, v in self.seen.items() if v}
-        return True
+    count: int = 0
+    report: asyncio.TimerHandle | None = None
 
 
 def split_target(path: str) -> tuple[str, str] | None:
@@ -255,8 +244,11 @@ class PreviewApp:
         self.audit = audit
         self.store = store
         self.origin = origin
-        self.per_token = Window(config.preview_requests_per_minute)
-        self.per_address = Window(config.preview_requests_per_minute)
+        # Capped tables (10,000 keys, oldest forgotten first), per IPv6 /64 as the other limits.
+        self.per_token = WindowLimiter(config.preview_requests_per_minute, 60.0)
+        self.per_address = WindowLimiter(config.preview_requests_per_minute, 60.0)
+        self._throttled: dict[str, _Throttled] = {}
+        self._reports: set[asyncio.Task[None]] = set()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -277,6 +269,12 @@ class PreviewApp:
         respond, send = send, tracked
         try:
             preview, refusal = self._admit(scope, path)
+            if refusal is not None and refusal[0] == 429:
+                assert preview is not None
+                self._count_throttled(preview)
+                preview = None  # counted, not recorded one by one: a flood would fill the disk
+                await _plain(send, *refusal)
+                return
             if refusal is not None:
                 status, text, extra = refusal
                 sent = await _plain(send, status, text, extra)
@@ -302,7 +300,7 @@ class PreviewApp:
         if preview is None:
             return None, (404, "Not Found", [])
         client = (scope.get("client") or ("-", 0))[0]
-        if not self.per_token.allow(token_id(preview.token)) or not self.per_address.allow(client):
+        if not self.per_token.allow(token_id(preview.token)) or not self.per_address.allow(address_key(client)):
             return preview, (429, "Too Many Requests: slow down", [(b"retry-after", b"60")])
         if _header(scope, b"service-worker") is not None:
             # A service worker outlives its token and could serve stale or forged pages: none on this origin.
@@ -401,6 +399,37 @@ class PreviewApp:
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         return sent
 
+    def _count_throttled(self, preview: Preview) -> None:
+        """A 429: counted, and reported in one record per preview a second (as the egress proxy does)."""
+        key = token_id(preview.token)
+        entry = self._throttled.setdefault(key, _Throttled())
+        entry.count += 1
+        if entry.report is None:
+            loop = asyncio.get_running_loop()
+            entry.report = loop.call_later(THROTTLE_REPORT_S, self._start_report, key, preview)
+
+    def _start_report(self, key: str, preview: Preview) -> None:
+        task = asyncio.get_running_loop().create_task(self._report_throttled(key, preview))
+        self._reports.add(task)
+        task.add_done_callback(self._reports.discard)
+
+    async def _report_throttled(self, key: str, preview: Preview) -> None:
+        entry = self._throttled.pop(key)
+        record = {
+            "event": "preview_throttled",
+            "tool": "preview_request",
+            "preview": key,
+            "workspace": preview.sandbox_id,
+            "port": preview.port,
+            "status": 429,
+            "refused": entry.count,
+            "per_minute": self.per_token.limit,
+        }
+        try:
+            await self.audit.append_async(record)
+        except BastionError as exc:
+            logger.error("%d throttled preview requests not audited: %s", entry.count, exc.reason)
+
     async def _record(self, scope: Scope, path: str, preview: Preview, status: int, sent: int, started: float) -> None:
         record = {
             "event": "preview",
@@ -433,7 +462,9 @@ class PreviewApp:
             refusal = (403, "Forbidden: WebSocket from another origin", [])
         if preview is None or refusal is not None:
             await close_browser(send, 1008)
-            if preview is not None:
+            if preview is not None and refusal is not None and refusal[0] == 429:
+                self._count_throttled(preview)
+            elif preview is not None:
                 await self._record(scope, path, preview, refusal[0] if refusal else 403, 0, started)
             return
         sock = await self._connect(preview)
