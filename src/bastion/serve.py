@@ -265,13 +265,18 @@ def _uvicorn_config(app: ASGIApp, http: HttpConfig, listen: str, limits: FdLimit
     import uvicorn
 
     from bastion.transports.http import connections
+    from bastion.transports.http.scopes import MAX_MCP_BODY_BYTES
 
     host, port = parse_listen(listen)
+    largest = http.preview_max_body_bytes if preview else MAX_MCP_BODY_BYTES
+    guarded = connections.guarded_protocol(
+        limits.cap, http.request_head_timeout_s, http.request_body_timeout_s, largest
+    )
     return uvicorn.Config(
         app,
         host=host,
         port=port,
-        http=connections.guarded_protocol(limits.cap, http.request_head_timeout_s, http.request_body_timeout_s),
+        http=guarded,
         ws="wsproto" if preview else "none",
         ws_max_size=1 << 20,
         backlog=limits.backlog,

@@ -180,6 +180,33 @@ def test_slowloris_head_body_and_silent_sockets_are_cut_off(
         assert "closed connections that sent no complete request in time" in log
 
 
+def test_a_form_declaring_a_huge_body_is_not_a_slowloris_pass(
+    start_server: Callable[..., AbstractContextManager[LiveServer]],
+) -> None:
+    """Attack: POST the login form declaring a body of 10**19 bytes, then trickle a byte now and then. The
+    body deadline grew with the declared length (about 3 * 10**14 s) and the form reader waited for the
+    body, so the connection was held for ever. Invariant: refused at once, or cut off within the body
+    timeout; the administrator still gets in."""
+    extra = "request_head_timeout_s = 1\nrequest_body_timeout_s = 1"
+    with start_server(http_extra=extra) as server:
+        host = f"Host: 127.0.0.1:{server.port}\r\n".encode()
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+            sock.sendall(
+                b"POST /admin/login HTTP/1.1\r\n" + host + b"Content-Type: application/x-www-form-urlencoded\r\n"
+            )
+            sock.sendall(b"Content-Length: 9999999999999999999\r\n\r\npassword=")
+            started = time.monotonic()
+            closed = False
+            while not closed and time.monotonic() - started < 10:
+                with contextlib.suppress(OSError):
+                    sock.sendall(b"x")
+                closed = closed_by_server(sock, 0.2)
+            assert closed, "a form declaring a huge body was held open"
+            assert time.monotonic() - started < 6
+        still_works(server)
+        assert_log_clean(server)
+
+
 def test_a_connection_idle_for_a_clients_whole_pool_expiry_is_still_served(server: LiveServer) -> None:
     """The SDK's HTTP client (httpx) reuses a pooled connection for up to 5 s of idle time. With the
     server's keep-alive also 5 s, a request sent as the server closed the connection failed with a read

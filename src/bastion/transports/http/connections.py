@@ -7,8 +7,9 @@ so idle sockets lock out everyone. Held sockets also use file descriptors: at th
 `accept()` fails (EMFILE) and nobody can connect. This module is the small protocol glue for that:
 
 - a request head must arrive within `[http] request_head_timeout_s` of the connection opening (or of
-  the previous response); a body within `request_body_timeout_s`, plus time for its declared length at
-  `MIN_BODY_RATE`; otherwise the connection is closed (slowloris);
+  the previous response); a body within `request_body_timeout_s`, plus time for its declared length
+  (at most the largest body the listener accepts) at `MIN_BODY_RATE`; otherwise the connection is
+  closed (slowloris);
 - at most `max_connections` are open. A new connection over the cap closes the connection that has
   waited longest for a request head or body (one the application is not serving yet); when every
   connection is being served, the new one is closed. The administrator's browser or a client thus
@@ -126,6 +127,7 @@ class GuardedH11Protocol(H11Protocol):
     max_connections: ClassVar[int]
     head_timeout_s: ClassVar[float]
     body_timeout_s: ClassVar[float]
+    max_body_bytes: ClassVar[int]
     evicted: ClassVar[SummaryLog]
     refused: ClassVar[SummaryLog]
     timed_out: ClassVar[SummaryLog]
@@ -168,7 +170,8 @@ class GuardedH11Protocol(H11Protocol):
         if phase == "head":
             self.deadline = self.loop.call_later(self.head_timeout_s, self._expire)
         elif phase == "body":
-            allowed = self.body_timeout_s + self._declared_length() / MIN_BODY_RATE
+            # The declared length is the client's word: past what this listener accepts it buys no more time.
+            allowed = self.body_timeout_s + min(self._declared_length(), self.max_body_bytes) / MIN_BODY_RATE
             self.deadline = self.loop.call_later(allowed, self._expire)
 
     def _declared_length(self) -> int:
@@ -199,13 +202,17 @@ class GuardedH11Protocol(H11Protocol):
             self.transport.close()
 
 
-def guarded_protocol(max_connections: int, head_timeout_s: float, body_timeout_s: float) -> type[GuardedH11Protocol]:
-    """A protocol class for `uvicorn.Config(http=...)` with its own limits and log counters."""
+def guarded_protocol(
+    max_connections: int, head_timeout_s: float, body_timeout_s: float, max_body_bytes: int
+) -> type[GuardedH11Protocol]:
+    """A protocol class for `uvicorn.Config(http=...)` with its own limits and log counters.
+    `max_body_bytes`: the largest body the listener's endpoints accept (its body deadline's bound)."""
     cap = max_connections
     attributes: dict[str, Any] = {
         "max_connections": cap,
         "head_timeout_s": head_timeout_s,
         "body_timeout_s": body_timeout_s,
+        "max_body_bytes": max_body_bytes,
         "evicted": SummaryLog(f"{cap} connections open: closed the one waiting longest for its request"),
         "refused": SummaryLog(f"{cap} connections open, all being served: refused new connections"),
         "timed_out": SummaryLog("closed connections that sent no complete request in time", logging.INFO),

@@ -34,7 +34,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from bastion.tools.server import SCOPES
-from bastion.transports.http.flow import client_ip, single_params
+from bastion.transports.http.flow import client_ip, declared_length, single_params
 from bastion.transports.http.provider import MAX_REDIRECT_URIS, BastionAuthProvider, registering_ip
 from bastion.transports.http.ratelimit import address_key
 from bastion.transports.http.redirects import normal_form, registration_problem
@@ -53,14 +53,6 @@ def oauth_error(error: str, description: str, status: int = 400, headers: dict[s
     return JSONResponse(
         {"error": error, "error_description": description}, status_code=status, headers={**_NO_STORE, **(headers or {})}
     )
-
-
-def declared_length(request: Request) -> int:
-    """The Content-Length header as a number (0 if absent); a malformed one counts as too large."""
-    value = request.headers.get("content-length")
-    if value is None:
-        return 0
-    return int(value) if value.isascii() and value.isdigit() else 1 << 62
 
 
 async def read_limited(request: Request, limit: int) -> bytes | None:

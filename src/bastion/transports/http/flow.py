@@ -110,9 +110,20 @@ def offered_scopes(asked: str, registered: str | None) -> tuple[tuple[str, ...],
     return offered, (least,) if least else ()
 
 
+def declared_length(request: Request) -> int:
+    """The Content-Length header as a number (0 if absent); a malformed one counts as too large."""
+    value = request.headers.get("content-length")
+    if value is None:
+        return 0
+    return int(value) if value.isascii() and value.isdigit() else 1 << 62
+
+
 async def form_body(request: Request) -> str | None:
-    """A form POST's body as text, or None if it is not urlencoded or longer than `MAX_FORM_BYTES`."""
+    """A form POST's body as text, or None if it is not urlencoded or longer than `MAX_FORM_BYTES`
+    (declared or sent: a huge declared length also stretched the connection's body deadline)."""
     if request.headers.get("content-type", "").split(";")[0].strip() != "application/x-www-form-urlencoded":
+        return None
+    if declared_length(request) > MAX_FORM_BYTES:
         return None
     body = b""
     async for chunk in request.stream():

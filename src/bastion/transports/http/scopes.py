@@ -107,7 +107,7 @@ class RequireToken:
         if scope.get("method") != "POST":
             await self.app(scope, receive, send)
             return
-        raw = await _read_body(receive)
+        raw = None if _declared_length(scope) > MAX_MCP_BODY_BYTES else await _read_body(receive)
         if raw is None:
             await _send_json(send, 413, {"error": "request_too_large"}, [])
             return
@@ -125,6 +125,14 @@ class RequireToken:
                 await _send_json(send, 403, body_out, [(b"www-authenticate", header.encode())])
                 return
         await self.app(scope, _replay(raw, receive), send)
+
+
+def _declared_length(scope: Scope) -> int:
+    """Content-Length as a number (0 if absent; h11 has refused a malformed one)."""
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length" and value.isdigit():
+            return int(value)
+    return 0
 
 
 async def _read_body(receive: Receive) -> bytes | None:
