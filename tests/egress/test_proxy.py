@@ -774,6 +774,58 @@ def test_a_tunnel_failing_both_ways_at_once_leaves_no_unread_task_error(
     assert "never retrieved" not in caplog.text
 
 
+def _tcp_pair() -> tuple[socket.socket, socket.socket]:
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        far = socket.create_connection(listener.getsockname())
+        near, _ = listener.accept()
+    near.setblocking(False)
+    return near, far
+
+
+@pytest.mark.parametrize("splice", [True, False])
+@pytest.mark.parametrize("closes_at_once", [True, False])
+def test_an_upstream_sending_urgent_data_cannot_stall_or_spin_the_tunnel(
+    monkeypatch: pytest.MonkeyPatch, splice: bool, closes_at_once: bool
+) -> None:
+    """Attack: an allowed server (or anyone on its path) sends a TCP urgent byte (MSG_OOB) mid-stream.
+    splice stops at the urgent mark for good: it answered EAGAIN while the socket polled readable for ever
+    (the proxy's loop, shared by every sandbox, spun, and the bytes after the mark never arrived), or 0,
+    read as the end, once the server's FIN was in (the bytes after the mark were lost). Invariant: the
+    bytes after the mark reach the client (the urgent byte is dropped, as the read-and-write copy drops
+    it) and the tunnel ends normally."""
+    monkeypatch.setattr(_relay, "USE_SPLICE", splice)
+    client, sandbox_side = _tcp_pair()
+    upstream, server = _tcp_pair()
+    attempt = _TallyStub()
+
+    async def main() -> bytes:
+        tunnel = asyncio.create_task(
+            _relay.carry(client, upstream, b"", attempt, idle_timeout_s=30, one_response=False)
+        )
+        server.sendall(b"before")
+        server.send(b"!", socket.MSG_OOB)
+        server.sendall(b"after")
+        if closes_at_once:
+            server.close()
+        received = b""
+        sandbox_side.settimeout(10)
+        while not received.endswith(b"after"):
+            chunk = await asyncio.to_thread(sandbox_side.recv, 4096)
+            assert chunk, received
+            received += chunk
+        server.close()
+        sandbox_side.close()
+        await asyncio.wait_for(tunnel, 10)
+        return received
+
+    try:
+        assert asyncio.run(main()) == b"beforeafter"
+    finally:
+        for sock in (client, sandbox_side, upstream, server):
+            sock.close()
+    assert attempt.bytes_down == len(b"beforeafter")
+
+
 @dataclass
 class _TallyStub:
     reason: str = ""

@@ -149,19 +149,28 @@ async def _splice(
     read_end, write_end = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     flags = os.SPLICE_F_MOVE | os.SPLICE_F_NONBLOCK
     moved = 0
+    woken = False
     try:
         while True:
             try:
                 count = os.splice(src.fileno(), write_end, CHUNK_BYTES, flags=flags)
             except BlockingIOError:
+                if woken and await _past_urgent_mark(loop, src, dst, attempt, counter, last):
+                    return True
                 await ready(loop, src, write=False)
+                woken = True
                 continue
             except OSError as exc:
                 if not moved and exc.errno in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
                     return False
                 raise
+            woken = False
             if not count:
-                return True
+                # Also what splice answers at an urgent mark once the peer's FIN is in: only a recv tells.
+                if await _past_urgent_mark(loop, src, dst, attempt, counter, last):
+                    return True
+                await ready(loop, src, write=False)
+                continue
             if moved < GROW_AFTER_BYTES <= moved + count:
                 with contextlib.suppress(OSError):  # refused past the user's pipe budget: the pipe stays small
                     fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
@@ -177,6 +186,31 @@ async def _splice(
     finally:
         os.close(read_end)
         os.close(write_end)
+
+
+async def _past_urgent_mark(
+    loop: asyncio.AbstractEventLoop,
+    src: socket.socket,
+    dst: socket.socket,
+    attempt: _Tally,
+    counter: str,
+    last: list[float],
+) -> bool:
+    """Splice stopped, though the socket is readable: TCP urgent data (MSG_OOB) stops splice at its mark for
+    good, answering EAGAIN while the poll says readable for ever (a peer could spin the proxy's loop), or
+    0 as if the stream ended once the peer's FIN is in (the bytes after the mark were lost). A recv reads
+    past the mark (the urgent byte is dropped, as the read-and-write copy drops it); True if it read the
+    stream's end."""
+    try:
+        data = src.recv(CHUNK_BYTES)
+    except (BlockingIOError, InterruptedError):
+        return False  # a wake-up with nothing to read after all
+    if not data:
+        return True
+    await loop.sock_sendall(dst, data)
+    setattr(attempt, counter, getattr(attempt, counter) + len(data))
+    last[0] = loop.time()
+    return False
 
 
 async def ready(loop: asyncio.AbstractEventLoop, sock: socket.socket, *, write: bool) -> None:
