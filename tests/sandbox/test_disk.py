@@ -80,6 +80,27 @@ def test_format_keeps_only_what_mkfs_wrote_and_leaves_no_file(tmp_path: Path, fo
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_client_asking_a_new_disk_size_each_time_keeps_few_formats(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Attack: create sandboxes each with a disk size of its own (any byte count in range). Each size's
+    mkfs output (70 to 90 KB) was kept for ever. Invariant: at most KEPT_FORMATS sizes are kept, the least
+    recently used forgotten first; a size asked again after that is formatted again."""
+    monkeypatch.setattr(_disk, "KEPT_FORMATS", 3)
+    formats = ImageFormats(tmp_path)
+    sizes = [SIZE + n * 4096 for n in range(6)]
+    first = formats.get(sizes[0])
+    for size in sizes[1:]:
+        assert formats.get(size).size_bytes == size
+        formats.get(sizes[1])  # used again and again: kept
+    assert len(formats._made) == 3
+    assert sizes[1] in formats._made
+    assert sizes[0] not in formats._made
+    again = formats.get(sizes[0])  # formatted again: a new image of the same size (mkfs stamps a new UUID)
+    assert again is not first
+    assert again.size_bytes == sizes[0]
+
+
 def test_copy_mounts_as_an_empty_ext4_of_its_size_nosuid_nodev(
     tmp_path: Path, formatted: FormattedImage, mounts: list[Path]
 ) -> None:

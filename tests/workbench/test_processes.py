@@ -12,7 +12,7 @@ from mcp import Client
 
 from bastion.app import Services
 from bastion.sandbox.processes import OutputLog
-from bastion.workbench.background import MAX_ARGV_CHARS, RING_BYTES
+from bastion.workbench.background import MAX_ARGV_CHARS, MAX_PROCESSES, RING_BYTES
 from tests.helpers import Payload, call, create, processes_with
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
@@ -285,6 +285,40 @@ async def test_close_sandbox_ends_background_processes(client: Client, services:
     assert len(os.listdir("/proc/self/fd")) <= fds_before
     gone = await call(client, "list_processes", sandbox_id=box)
     assert gone["code"] == "SANDBOX_NOT_FOUND"
+
+
+async def test_processes_dropped_from_a_full_table_let_go_of_their_output(client: Client) -> None:
+    """Attack: start background commands that exit at once but leave a child holding their output
+    (`sleep &`), well past the table's size. The oldest exited one was dropped from the table with its
+    pipes still open and read by the host (2 fds and up to 2 MiB of rings each) until the sandbox closed:
+    enough of them ran the server out of file descriptors. Invariant: the host's fds stay bounded as the
+    table turns over, and closing the sandbox ends the children."""
+    box = await create(client)
+    marker = "4253.5"
+
+    async def start_one_that_exits() -> None:
+        started = await call(
+            client, "run_command", command=f"sleep {marker} & echo started", sandbox_id=box, background=True
+        )
+        assert started["ok"], started
+        pid = started["detail"]["pid"]
+        for _ in range(500):
+            listed = await call(client, "list_processes", sandbox_id=box)
+            if any(p.get("pid") == pid and p["state"] == "exited" for p in listed["detail"]["processes"]):
+                return
+            await anyio.sleep(0.01)
+        raise AssertionError(f"background process {pid} did not exit")
+
+    for _ in range(MAX_PROCESSES):
+        await start_one_that_exits()
+    fds_full = len(os.listdir("/proc/self/fd"))
+    for _ in range(MAX_PROCESSES + 8):
+        await start_one_that_exits()
+    assert len(os.listdir("/proc/self/fd")) <= fds_full + 2
+    closed = await call(client, "close_sandbox", sandbox_id=box)
+    assert closed["ok"], closed
+    await wait_for(marker, present=False)
+    assert processes_with(marker) == []
 
 
 async def test_server_shutdown_with_a_running_background_process(demo_config_path: Path) -> None:

@@ -23,6 +23,7 @@ import struct
 import subprocess  # allowed in pyproject.toml: this is a dangerous-layer module: mkfs and mount
 import tempfile
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +48,7 @@ _MOUNT_OPTIONS: Final = "loop,nosuid,nodev,noatime"
 # zeroing thread (ext4lazyinit) would only write 64 MiB per 2 GiB sandbox for nothing.
 _EXT4_DATA: Final = b"noinit_itable"
 _TIMEOUT_S: Final = 30
+KEPT_FORMATS: Final = 8  # image sizes whose mkfs output is kept (`ImageFormats`)
 _MS_NOSUID: Final = 2
 _MS_NODEV: Final = 4
 _MS_NOEXEC: Final = 8
@@ -161,18 +163,24 @@ def _extents(fd: int, size: int) -> list[tuple[int, bytes]]:
 
 
 class ImageFormats:
-    """One `FormattedImage` per size, made on first use (mkfs once, not per sandbox). Thread-safe."""
+    """One `FormattedImage` per size, made on first use (mkfs once, not per sandbox). Thread-safe.
+
+    At most `KEPT_FORMATS` sizes, the least recently used forgotten first: a client may ask each sandbox
+    for a disk size of its own, and each size kept costs 70 to 90 KB."""
 
     def __init__(self, directory: Path) -> None:
         self._directory = directory
         self._lock = threading.Lock()
-        self._made: dict[int, FormattedImage] = {}
+        self._made: OrderedDict[int, FormattedImage] = OrderedDict()
 
     def get(self, size_bytes: int) -> FormattedImage:
         with self._lock:
             made = self._made.get(size_bytes)
             if made is None:
                 made = self._made[size_bytes] = format_image(self._directory, size_bytes)
+                while len(self._made) > KEPT_FORMATS:
+                    self._made.popitem(last=False)
+            self._made.move_to_end(size_bytes)
             return made
 
 

@@ -89,7 +89,8 @@ class BackgroundProcesses:
         exited = [pid for pid, record in self._records.items() if record.process.exited]
         if not exited:
             raise ResourceLimit(f"{MAX_PROCESSES} background processes are running: kill_process one first")
-        del self._records[exited[0]]
+        # Let go of its output too: a child it left running may hold the pipes open for ever.
+        self._records.pop(exited[0]).process.close()
 
     def add(self, process: Process, argv: tuple[str, ...]) -> Background:
         """Keep a started process (`argv` already redacted) under the next pid."""

@@ -678,7 +678,7 @@ class CodeRunner:
             dead = [key for key, ctx in self._contexts.items() if not ctx.alive]
             if not dead:
                 raise ResourceLimit(f"{MAX_CONTEXTS} contexts are open in this sandbox: restart one instead")
-            del self._contexts[dead[0]]
+            await self._contexts.pop(dead[0]).kill()  # lets go of its pipes, which a child it left may hold
         created = CodeContext(name, language, self._workspace, self._redactor, argv)
         await created.start()
         self._contexts[key] = created
