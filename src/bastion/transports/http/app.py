@@ -312,17 +312,19 @@ class CachedTokenVerifier:
         if version != self.version:
             self.known.clear()
             self.version = version
-        now = time.time()
+        # The recheck's age on the monotonic clock (a clock set back must not stretch it); expiry on the
+        # wall clock, as the database stores it.
+        checked = time.monotonic()
         found, checked_at = self.known.get(token, (None, 0.0))
-        if found is None or now - checked_at > self.RECHECK_S:
+        if found is None or checked - checked_at > self.RECHECK_S:
             found = await self.provider.load_access_token(token)
             if found is None:
                 self.known.pop(token, None)
                 return None
             if len(self.known) >= self.MAX_ENTRIES:
                 self.known.clear()
-            self.known[token] = (found, now)
-        if found.expires_at is not None and found.expires_at < now:
+            self.known[token] = (found, checked)
+        if found.expires_at is not None and found.expires_at < time.time():
             return None
         return found
 
