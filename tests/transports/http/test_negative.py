@@ -21,6 +21,7 @@ from typing import Any
 import httpx2
 import pytest
 
+from bastion.transports.http.endpoints import ROTATIONS_PER_MINUTE
 from tests.helpers import INITIALIZE_REQUEST, MCP_HEADERS
 
 from .live import BASTION, PASSWORD, Browser, LiveServer, callback_params, forms, get_tokens, pkce
@@ -867,6 +868,29 @@ def test_t52_rotation_and_reuse_detection(server: LiveServer, raw: httpx2.Client
     assert reused.json()["error"] == "invalid_grant"
     assert refresh(raw, client_id, second["refresh_token"]).json()["error"] == "invalid_grant"
     assert mcp_status(raw, second["access_token"]) == 401
+
+
+def test_t52_a_client_refreshing_in_a_loop_is_slowed(server: LiveServer, raw: httpx2.Client) -> None:
+    """Attack: an approved client refreshes in a loop. Each rotation writes rows (and kept the used token
+    for its whole lifetime: tests/transports/http/test_store.py), at whatever rate the client liked.
+    Invariant: past ROTATIONS_PER_MINUTE a refresh is 429 with Retry-After; the token it presented stays
+    good and the grant is not revoked."""
+    client_id = public_client(server)
+    current = tokens_for(server, client_id)
+    for _ in range(ROTATIONS_PER_MINUTE):
+        rotated = refresh(raw, client_id, current["refresh_token"])
+        assert rotated.status_code == 200, rotated.text
+        current = rotated.json()
+    slowed = refresh(raw, client_id, current["refresh_token"])
+    assert slowed.status_code == 429
+    assert int(slowed.headers["retry-after"]) >= 1
+    assert mcp_status(raw, current["access_token"]) == 200
+    with server.db() as db:
+        (used_at,) = db.execute(
+            "SELECT used_at FROM oauth_tokens WHERE digest = ?",
+            (hashlib.sha256(current["refresh_token"].encode()).hexdigest(),),
+        ).fetchone()
+    assert used_at is None  # refused before it was spent: the client retries with it later
 
 
 def test_t53_cross_client_refresh(server: LiveServer, raw: httpx2.Client) -> None:

@@ -19,6 +19,7 @@ import hashlib
 import hmac
 import json
 import logging
+import math
 import re
 import time
 from collections import deque
@@ -36,7 +37,7 @@ from starlette.responses import JSONResponse, Response
 from bastion.tools.server import SCOPES
 from bastion.transports.http.flow import client_ip, declared_length, single_params
 from bastion.transports.http.provider import MAX_REDIRECT_URIS, BastionAuthProvider, registering_ip
-from bastion.transports.http.ratelimit import address_key
+from bastion.transports.http.ratelimit import WindowLimiter, address_key
 from bastion.transports.http.redirects import normal_form, registration_problem
 from bastion.transports.http.store import IssuedTokens, digest
 
@@ -45,6 +46,9 @@ logger = logging.getLogger("bastion.http.endpoints")
 MAX_BODY_BYTES: Final = 64 * 1024
 _MAX_TRACKED_ADDRESSES: Final = 10_000
 _MAX_SUCCESSORS: Final = 10_000
+ROTATIONS_PER_MINUTE: Final = 60
+"""Refresh-token rotations per grant and minute (a client refreshes about once an hour); past it 429: each
+rotation writes rows and costs a sync."""
 _VERIFIER: Final = re.compile(r"[A-Za-z0-9._~-]{43,128}")
 _NO_STORE: Final = {"Cache-Control": "no-store", "Pragma": "no-cache", "X-Content-Type-Options": "nosniff"}
 
@@ -91,6 +95,7 @@ class TokenEndpoint:
         # digest of a rotated refresh token -> its successor. In memory only (one server per state
         # folder): no token is ever stored in the clear, and a restart just ends the grace windows.
         self._successors: dict[str, _Successor] = {}
+        self._rotations = WindowLimiter(ROTATIONS_PER_MINUTE, 60.0)  # per grant
 
     async def _form(self, request: Request) -> dict[str, str] | Response:
         if request.headers.get("content-type", "").split(";")[0].strip() != "application/x-www-form-urlencoded":
@@ -215,6 +220,10 @@ class TokenEndpoint:
             return oauth_error("invalid_grant", "the refresh token has expired")
         if not set(scope.split() if scope else ()) <= set(record.scopes):
             return oauth_error("invalid_scope", "a refresh may only ask for scopes already granted")
+        if not self._rotations.allow(record.grant_id):
+            wait = max(1, math.ceil(self._rotations.retry_after(record.grant_id)))
+            description = f"more than {ROTATIONS_PER_MINUTE} refreshes a minute for this grant: retry later"
+            return oauth_error("invalid_request", description, 429, {"Retry-After": str(wait)})
         issued = self.provider.rotate(token, scopes)
         if issued is None:
             self.provider.revoke_grant(record.grant_id, "refresh token used twice at once")

@@ -25,6 +25,9 @@ from bastion.safety.approvals import database_problem
 from bastion.safety.errors import ConfigError
 
 TOKEN_BYTES: Final = 32  # 256-bit opaque tokens
+KEPT_USED_REFRESH_TOKENS: Final = 64
+"""Used refresh tokens kept per grant to catch their reuse; an older one presented again is only invalid
+(an hourly refresh rotates 64 times in under three days)."""
 _SCHEMA: Final = """
 CREATE TABLE IF NOT EXISTS oauth_clients (
     client_id TEXT PRIMARY KEY,
@@ -410,6 +413,14 @@ class AuthStore:
                 "SELECT grant_id, client_id FROM oauth_tokens WHERE digest = ?", (digest(token),)
             ).fetchone()
             issued = self._issue(grant_id, client_id, scopes, now, access_lifetime_s, refresh_lifetime_s)
+            # A used refresh token is kept to catch its reuse (a theft), but only the grant's newest few:
+            # each rotation left a row for the token's whole lifetime, a disk a looping client could fill.
+            self._db.execute(
+                "DELETE FROM oauth_tokens WHERE grant_id = ? AND kind = 'refresh' AND used_at IS NOT NULL"
+                " AND digest NOT IN (SELECT digest FROM oauth_tokens WHERE grant_id = ? AND kind = 'refresh'"
+                " AND used_at IS NOT NULL ORDER BY used_at DESC LIMIT ?)",
+                (grant_id, grant_id, KEPT_USED_REFRESH_TOKENS),
+            )
             self._db.execute("COMMIT")
         except BaseException:
             self._db.execute("ROLLBACK")
