@@ -11,8 +11,8 @@ from pathlib import Path
 import anyio
 import pytest
 
-from bastion.safety.approvals import ApprovalQueue
-from bastion.safety.errors import ApprovalDenied, Conflict, InvalidRequest, NeedsApproval, NotFound
+from bastion.safety.approvals import KEEP_DECIDED_S, MAX_PENDING_PER_REQUESTER, ApprovalQueue
+from bastion.safety.errors import ApprovalDenied, Conflict, InvalidRequest, NeedsApproval, NotFound, ResourceLimit
 
 
 class FakeClock:
@@ -41,6 +41,30 @@ def test_request_is_pending_and_persisted(tmp_path: Path, queue: ApprovalQueue, 
     assert [a.id for a in again.pending()] == [asked.id]
     assert again.get(asked.id).literal == "deploy v1.2.3"
     assert (tmp_path / "state" / "bastion.db").stat().st_mode & 0o077 == 0
+
+
+def test_a_client_asking_in_a_loop_is_capped_and_old_requests_are_dropped(
+    queue: ApprovalQueue, clock: FakeClock
+) -> None:
+    """Attack: a client with the deploy scope calls in a loop without an approval id. Each call was a
+    pending row (never deleted), a line on the approvals page and a webhook POST. Invariant: at most
+    MAX_PENDING_PER_REQUESTER wait per client (then ResourceLimit, nothing added); other clients still
+    ask; expiry frees the room; decided requests older than KEEP_DECIDED_S are dropped."""
+    for n in range(MAX_PENDING_PER_REQUESTER):
+        queue.request("biscuit_deploy", f"deploy v{n}", "http:loop", ttl_s=60)
+    with pytest.raises(ResourceLimit):
+        queue.request("biscuit_deploy", "deploy v99", "http:loop", ttl_s=60)
+    assert len(queue.pending()) == MAX_PENDING_PER_REQUESTER
+    other = queue.request("biscuit_deploy", "deploy v1", "http:admin", ttl_s=60)
+    denied = queue.deny(other.id, "admin", "no")
+    clock.now += 61  # every request above expires
+    queue.request("biscuit_deploy", "deploy v100", "http:loop", ttl_s=60)
+    assert len(queue.recent(1000)) == MAX_PENDING_PER_REQUESTER + 2
+    clock.now += KEEP_DECIDED_S + 1
+    kept = queue.request("biscuit_deploy", "deploy v101", "http:loop", ttl_s=60)
+    assert [a.id for a in queue.recent(1000)] == [kept.id]  # the expired, used and denied ones are gone
+    with pytest.raises(NotFound):
+        queue.get(denied.id)
 
 
 def test_approved_runs_once_for_its_literal_only(queue: ApprovalQueue) -> None:

@@ -38,7 +38,15 @@ from typing import Final, Literal, cast
 
 import anyio
 
-from bastion.safety.errors import ApprovalDenied, ConfigError, Conflict, InvalidRequest, NeedsApproval, NotFound
+from bastion.safety.errors import (
+    ApprovalDenied,
+    ConfigError,
+    Conflict,
+    InvalidRequest,
+    NeedsApproval,
+    NotFound,
+    ResourceLimit,
+)
 
 logger = logging.getLogger("bastion.approvals")
 
@@ -52,6 +60,11 @@ MAX_REASON_CHARS: Final = 500
 POLL_INTERVAL_S: Final = 0.2
 PROGRESS_INTERVAL_S: Final = 1.0
 WEBHOOK_TIMEOUT_S: Final = 5.0
+MAX_PENDING_PER_REQUESTER: Final = 16
+"""Requests one client may have waiting at once: each is a row, a line on the approvals page and a webhook
+POST, which a client calling in a loop multiplied without bound."""
+KEEP_DECIDED_S: Final = 90 * 86_400
+"""How long a decided, used or expired request stays listed (the audit log keeps the calls for good)."""
 
 _SCHEMA: Final = """
 CREATE TABLE IF NOT EXISTS approvals (
@@ -155,6 +168,7 @@ class ApprovalQueue:
 
         Raises:
             InvalidRequest: an empty or oversized literal, or a non-positive ttl.
+            ResourceLimit: `requested_by` has `MAX_PENDING_PER_REQUESTER` requests waiting already.
         """
         if not literal or len(literal) > MAX_LITERAL_CHARS:
             raise InvalidRequest(f"approval literal must be 1 to {MAX_LITERAL_CHARS} characters")
@@ -171,6 +185,19 @@ class ApprovalQueue:
             state="pending",
         )
         with self._connect() as db:
+            self._expire(db)
+            waiting = db.execute(
+                "SELECT count(*) FROM approvals WHERE state = 'pending' AND requested_by = ?", (requested_by,)
+            ).fetchone()[0]
+            if waiting >= MAX_PENDING_PER_REQUESTER:
+                raise ResourceLimit(
+                    f"{waiting} approval requests of yours are waiting for a decision: "
+                    "wait for them (or their expiry) before asking again"
+                )
+            db.execute(
+                "DELETE FROM approvals WHERE state IN ('denied', 'expired', 'used') AND requested_at < ?",
+                (now - KEEP_DECIDED_S,),
+            )
             db.execute(
                 f"INSERT INTO approvals ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, NULL, NULL, '')",  # noqa: S608
                 (
