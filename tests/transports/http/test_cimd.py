@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import anyio
 import pytest
 
 from bastion.transports.http import cimd
@@ -130,6 +131,33 @@ async def test_a_good_document_is_a_public_client_and_is_cached(documents: Docum
     assert info.client_name == "Doc client"
     assert await fetcher.client(documents.url("/client.json")) is not None
     assert documents.hits["/client.json"] == 1
+
+
+async def test_many_asks_and_varied_paths_cannot_make_bastion_fetch_in_a_loop(
+    documents: DocumentServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Attack: an unauthenticated client sends /token or /authorize with a client_id URL at once from
+    many connections, then with a new path each time (each its own cache entry): bastion fetched once
+    per ask, as fast as the client asked, from a host the client chose. Invariant: one fetch per URL at
+    a time (the others read its answer), and at most FETCHES_PER_HOST_PER_MINUTE new fetches from a host
+    a minute; past it the ask is refused and not cached."""
+    monkeypatch.setattr(cimd, "FETCHES_PER_HOST_PER_MINUTE", 3)
+    fetcher = fetcher_for(documents)
+    results: list[object] = []
+
+    async def ask() -> None:
+        results.append(await fetcher.client(documents.url("/client.json")))
+
+    async with anyio.create_task_group() as tasks:
+        for _ in range(20):
+            tasks.start_soon(ask)
+    assert documents.hits["/client.json"] == 1
+    assert all(r is not None for r in results)
+    for n in range(5):
+        await fetcher.client(documents.url(f"/varied-{n}.json"))
+    assert sum(documents.hits.values()) == 3
+    assert await fetcher.client(documents.url("/varied-4.json")) is None
+    assert await fetcher.client(documents.url("/client.json")) is not None  # cached: no fetch needed
 
 
 @pytest.mark.parametrize("path", ["/redirect.json", "/big.json", "/other.json", "/evil-redirect.json", "/secret.json"])

@@ -12,7 +12,9 @@ SECURITY BOUNDARY (server-side request forgery). The URL comes from whoever open
 - the document must name itself (`client_id` equal to the URL), list valid redirect URIs, and be a
   public client (`token_endpoint_auth_method` none): it holds no secret. Its `scope`, narrowed to the
   scopes bastion knows, bounds what may be granted to it, as a registered client's does.
-Results, good or bad, are cached for a while, so a URL cannot be used to make bastion fetch in a loop.
+Results, good or bad, are cached for a while, so a URL cannot be used to make bastion fetch in a loop;
+one fetch per URL runs at a time (concurrent asks wait for it), and at most
+`FETCHES_PER_HOST_PER_MINUTE` new ones from a host, so varied paths cannot either.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from mcp.shared.auth import OAuthClientInformationFull
 from pydantic import ValidationError
 
 from bastion.tools.server import SCOPES
+from bastion.transports.http.ratelimit import WindowLimiter
 from bastion.transports.http.redirects import registration_problem
 
 logger = logging.getLogger("bastion.http.cimd")
@@ -44,6 +47,9 @@ FETCH_TIMEOUT_S: Final = 5.0
 CACHE_TTL_S: Final = 300.0
 FAILURE_TTL_S: Final = 60.0
 MAX_CACHED: Final = 1000
+FETCHES_PER_HOST_PER_MINUTE: Final = 30
+"""New fetches from one host a minute: URLs that differ by their path (each its own cache entry) would
+otherwise make bastion fetch from a host as fast as an unauthenticated client asks."""
 
 
 class CimdRefused(Exception):
@@ -157,13 +163,34 @@ class CimdFetcher:
         self.address_allowed = address_allowed
         self.ssl_context = ssl_context or ssl.create_default_context()
         self._cache: dict[str, tuple[float, OAuthClientInformationFull | None]] = {}
+        self._fetching: dict[str, anyio.Event] = {}
+        self._per_host = WindowLimiter(FETCHES_PER_HOST_PER_MINUTE, 60.0)
 
     async def client(self, url: str) -> OAuthClientInformationFull | None:
         """The client the document describes, or None if it is refused (the reason is logged)."""
-        now = time.monotonic()
+        while (fetching := self._fetching.get(url)) is not None:
+            await fetching.wait()  # one fetch per URL at a time: the others read its answer
         cached = self._cache.get(url)
-        if cached is not None and cached[0] > now:
+        if cached is not None and cached[0] > time.monotonic():
             return cached[1]
+        host = urlsplit(url).hostname or ""
+        if not self._per_host.allow(host):
+            # Not cached: the host's own client gets its document once the minute has passed.
+            logger.warning(
+                "client metadata document %s not fetched: %s fetches from %s this minute",
+                url[:200],
+                FETCHES_PER_HOST_PER_MINUTE,
+                host[:100],
+            )
+            return None
+        self._fetching[url] = done = anyio.Event()
+        try:
+            return await self._fetch(url)
+        finally:
+            del self._fetching[url]
+            done.set()
+
+    async def _fetch(self, url: str) -> OAuthClientInformationFull | None:
         try:
             info: OAuthClientInformationFull | None = await self._load(url)
             ttl = CACHE_TTL_S
@@ -172,7 +199,7 @@ class CimdFetcher:
             info, ttl = None, FAILURE_TTL_S
         while len(self._cache) >= MAX_CACHED:
             self._cache.pop(next(iter(self._cache)))
-        self._cache[url] = (now + ttl, info)
+        self._cache[url] = (time.monotonic() + ttl, info)
         return info
 
     async def _load(self, url: str) -> OAuthClientInformationFull:
