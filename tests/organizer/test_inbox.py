@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from bastion.organizer import Organizer
+from bastion.organizer import inbox as inbox_module
 from bastion.organizer.inbox import journal_path
 from bastion.safety.errors import Conflict, InvalidRequest, NotFound, PathEscape, PolicyDenied
 
@@ -254,6 +255,28 @@ def test_history_survives_restart(organizer: Organizer, inbox_dir: Path, state_d
         again.undo()
         assert (inbox_dir / "a.pdf").read_bytes() == b"a"
         assert not (inbox_dir / "Documents").exists()
+    finally:
+        again.close()
+
+
+def test_moves_and_undos_in_a_loop_keep_the_journal_bounded(
+    organizer: Organizer, inbox_dir: Path, state_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Attack: move a file and undo it, over and over. The journal grew by every record until the next
+    start, the only time it was compacted (the history in memory is capped, the file was not).
+    Invariant: it is compacted while serving once large; the history, undo included, survives a restart."""
+    monkeypatch.setattr(inbox_module, "COMPACT_BYTES", 4096)
+    (inbox_dir / "a.txt").write_bytes(b"a")
+    path = journal_path(state_dir, "inbox")
+    for _ in range(100):
+        organizer.move("a.txt", "A/a.txt")
+        organizer.undo()
+    assert path.stat().st_size < 8192
+    organizer.move("a.txt", "A/a.txt")
+    again = reopen(organizer, state_dir)
+    try:
+        again.undo()
+        assert (inbox_dir / "a.txt").read_bytes() == b"a"
     finally:
         again.close()
 

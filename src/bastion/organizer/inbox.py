@@ -25,6 +25,7 @@ from bastion.organizer.plan import Plan, assess, make_plan
 from bastion.organizer.rules import Hit, Rules, display_name, entry_kind
 from bastion.safety.errors import (
     BastionError,
+    ConfigError,
     Conflict,
     InvalidRequest,
     NotFound,
@@ -387,11 +388,26 @@ class Organizer:
             self._broken = exc.reason
             raise
         self.history.finish(txn, applied)
+        self._compact_if_large()
         if error is not None:
             raise error
         if kind in ("apply", "move"):
             return self.history.done[-1]
         return Action(txn.action, "move", moves)
+
+    def _compact_if_large(self) -> None:
+        """Rewrite the journal as its history once it is large: moves and undos in a loop grew it until the
+        next start (the history itself is capped). A failure leaves the journal as it was, still valid."""
+        if self.journal.size() <= COMPACT_BYTES:
+            return
+        try:
+            self.journal.compact(self.history, self._next_txn)
+        except (OSError, ConfigError) as exc:
+            if self.journal.is_open:  # the old journal stands, whole
+                logger.warning("inbox %s: journal not compacted (%s); the next start compacts it", self.id, exc)
+            else:
+                self._broken = f"inbox {self.id}: its journal could not be reopened after compaction ({exc})"
+                logger.error("%s", self._broken)
 
     def _done(self, action: Action, moves: tuple[Move, ...], mkdirs: tuple[str, ...]) -> dict[str, Any]:
         return {

@@ -294,6 +294,10 @@ class Journal:
     def size(self) -> int:
         return os.fstat(self._fd).st_size
 
+    @property
+    def is_open(self) -> bool:
+        return self._fd >= 0
+
     def compact(self, history: History, next_txn: int) -> None:
         """Replace the journal by one history record (temp file, fsync, rename, fsync the folder)."""
         temp = self.path.with_name(self.path.name + ".new")
