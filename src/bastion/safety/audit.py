@@ -35,6 +35,8 @@ What it does not guarantee:
 from __future__ import annotations
 
 import array
+import asyncio
+import concurrent.futures
 import errno
 import fcntl
 import hashlib
@@ -50,7 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, TypeAlias, cast
 
-import anyio.to_thread
+import anyio
 
 from bastion.metrics import Metrics
 from bastion.safety.errors import AuditUnavailable
@@ -173,6 +175,8 @@ class AuditLog:
         self._owed = False
         """Records were written (``durable=False``) and no fdatasync has covered them yet."""
         self._flusher: threading.Thread | None = None
+        self._hop: concurrent.futures.ThreadPoolExecutor | None = None
+        """Where `append_async` writes a batch (made at the first one, shut down at `close`)."""
         # The last "the file is not the configured path" problem logged, so a flood of refused calls logs it once.
         self._stale: str | None = None
 
@@ -210,9 +214,12 @@ class AuditLog:
             self._close_fd()
             self._broken = "audit log is not open"
             flusher, self._flusher = self._flusher, None
+            hop, self._hop = self._hop, None
             self._cond.notify_all()
         if flusher is not None and flusher is not threading.current_thread():
             flusher.join()
+        if hop is not None:
+            hop.shutdown(wait=False)  # idle: `_writing` is over, and a batch left waiting finds the log closed
 
     def append(self, record: Mapping[str, object], *, ran: bool = False, durable: bool = True) -> str:
         """Write one record durably and return its id.
@@ -299,8 +306,13 @@ class AuditLog:
 
     async def _lead_async(self) -> None:
         batch, self._async_queue = self._async_queue, []
+        if self._hop is None:
+            self._hop = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="bastion-audit")
         try:
-            await anyio.to_thread.run_sync(self._commit, [waiter.pending for waiter in batch])
+            # A thread of the log's own, not anyio's worker pool: its capacity limiter and queue, shared with
+            # every other to_thread call, cost the batches' waiters up to 0.2x of HTTP throughput (CHANGELOG).
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(self._hop, self._commit, [waiter.pending for waiter in batch])
         finally:
             for waiter in batch:
                 if not waiter.pending.done:
