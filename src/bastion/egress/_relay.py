@@ -27,6 +27,7 @@ import errno
 import fcntl
 import os
 import socket
+from dataclasses import dataclass
 from typing import Final, Protocol
 
 CHUNK_BYTES: Final = 1024 * 1024
@@ -71,8 +72,8 @@ async def carry(
         if forward:
             await loop.sock_sendall(upstream, forward)
             attempt.bytes_up += len(forward)
-        up = loop.create_task(_copy(loop, client, upstream, attempt, "bytes_up", last))
-        down = loop.create_task(_copy(loop, upstream, client, attempt, "bytes_down", last))
+        up = loop.create_task(_copy(_Direction(loop, client, upstream, attempt, "bytes_up", last)))
+        down = loop.create_task(_copy(_Direction(loop, upstream, client, attempt, "bytes_down", last)))
     except OSError as exc:
         attempt.reason = f"ended: {exc.strerror or exc}"
         return
@@ -99,52 +100,46 @@ async def carry(
         await asyncio.wait([up, down])
 
 
-async def _copy(
-    loop: asyncio.AbstractEventLoop,
-    src: socket.socket,
-    dst: socket.socket,
-    attempt: _Tally,
-    counter: str,
-    last: list[float],
-) -> None:
+@dataclass(frozen=True)
+class _Direction:
+    """One direction of a connection: where its bytes come from and go, and where they are counted."""
+
+    loop: asyncio.AbstractEventLoop
+    src: socket.socket
+    dst: socket.socket
+    attempt: _Tally
+    counter: str  # the attempt's field: "bytes_up" or "bytes_down"
+    last: list[float]  # when a byte last moved either way (the idle timeout's clock), shared by both
+
+    def moved(self, count: int) -> None:
+        setattr(self.attempt, self.counter, getattr(self.attempt, self.counter) + count)
+        self.last[0] = self.loop.time()
+
+
+async def _copy(way: _Direction) -> None:
     """Copy until EOF, then pass the EOF on (half-close).
 
     splice(2) through a pipe when the kernel allows it: the bytes never enter this
     process, which halves the proxy's CPU per byte; otherwise large reads and writes.
     """
-    if not (USE_SPLICE and await _splice(loop, src, dst, attempt, counter, last)):
-        await _read_write(loop, src, dst, attempt, counter, last)
+    if not (USE_SPLICE and await _splice(way)):
+        await _read_write(way)
     with contextlib.suppress(OSError):
-        dst.shutdown(socket.SHUT_WR)
+        way.dst.shutdown(socket.SHUT_WR)
 
 
-async def _read_write(
-    loop: asyncio.AbstractEventLoop,
-    src: socket.socket,
-    dst: socket.socket,
-    attempt: _Tally,
-    counter: str,
-    last: list[float],
-) -> None:
+async def _read_write(way: _Direction) -> None:
     buf = bytearray(CHUNK_BYTES)
     view = memoryview(buf)
     while True:
-        count = await loop.sock_recv_into(src, buf)
+        count = await way.loop.sock_recv_into(way.src, buf)
         if not count:
             return
-        await loop.sock_sendall(dst, view[:count])
-        setattr(attempt, counter, getattr(attempt, counter) + count)
-        last[0] = loop.time()
+        await way.loop.sock_sendall(way.dst, view[:count])
+        way.moved(count)
 
 
-async def _splice(
-    loop: asyncio.AbstractEventLoop,
-    src: socket.socket,
-    dst: socket.socket,
-    attempt: _Tally,
-    counter: str,
-    last: list[float],
-) -> bool:
+async def _splice(way: _Direction) -> bool:
     """Copy with splice(2); False if the kernel refuses it before any byte moved."""
     read_end, write_end = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     flags = os.SPLICE_F_MOVE | os.SPLICE_F_NONBLOCK
@@ -153,11 +148,11 @@ async def _splice(
     try:
         while True:
             try:
-                count = os.splice(src.fileno(), write_end, CHUNK_BYTES, flags=flags)
+                count = os.splice(way.src.fileno(), write_end, CHUNK_BYTES, flags=flags)
             except BlockingIOError:
-                if woken and await _past_urgent_mark(loop, src, dst, attempt, counter, last):
+                if woken and await _past_urgent_mark(way):
                     return True
-                await ready(loop, src, write=False)
+                await ready(way.loop, way.src, write=False)
                 woken = True
                 continue
             except OSError as exc:
@@ -167,9 +162,9 @@ async def _splice(
             woken = False
             if not count:
                 # Also what splice answers at an urgent mark once the peer's FIN is in: only a recv tells.
-                if await _past_urgent_mark(loop, src, dst, attempt, counter, last):
+                if await _past_urgent_mark(way):
                     return True
-                await ready(loop, src, write=False)
+                await ready(way.loop, way.src, write=False)
                 continue
             if moved < GROW_AFTER_BYTES <= moved + count:
                 with contextlib.suppress(OSError):  # refused past the user's pipe budget: the pipe stays small
@@ -178,38 +173,29 @@ async def _splice(
             left = count
             while left:
                 try:
-                    left -= os.splice(read_end, dst.fileno(), left, flags=flags)
+                    left -= os.splice(read_end, way.dst.fileno(), left, flags=flags)
                 except BlockingIOError:
-                    await ready(loop, dst, write=True)
-            setattr(attempt, counter, getattr(attempt, counter) + count)
-            last[0] = loop.time()
+                    await ready(way.loop, way.dst, write=True)
+            way.moved(count)
     finally:
         os.close(read_end)
         os.close(write_end)
 
 
-async def _past_urgent_mark(
-    loop: asyncio.AbstractEventLoop,
-    src: socket.socket,
-    dst: socket.socket,
-    attempt: _Tally,
-    counter: str,
-    last: list[float],
-) -> bool:
+async def _past_urgent_mark(way: _Direction) -> bool:
     """Splice stopped, though the socket is readable: TCP urgent data (MSG_OOB) stops splice at its mark for
     good, answering EAGAIN while the poll says readable for ever (a peer could spin the proxy's loop), or
     0 as if the stream ended once the peer's FIN is in (the bytes after the mark were lost). A recv reads
     past the mark (the urgent byte is dropped, as the read-and-write copy drops it); True if it read the
     stream's end."""
     try:
-        data = src.recv(CHUNK_BYTES)
+        data = way.src.recv(CHUNK_BYTES)
     except (BlockingIOError, InterruptedError):
         return False  # a wake-up with nothing to read after all
     if not data:
         return True
-    await loop.sock_sendall(dst, data)
-    setattr(attempt, counter, getattr(attempt, counter) + len(data))
-    last[0] = loop.time()
+    await way.loop.sock_sendall(way.dst, data)
+    way.moved(len(data))
     return False
 
 
