@@ -28,7 +28,7 @@ import asyncio
 import logging
 import resource
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Final, Literal
 
@@ -91,6 +91,14 @@ def raise_fd_limit() -> int:
         except (ValueError, OSError):
             pass
     return soft
+
+
+def declared_length(headers: Iterable[tuple[bytes, bytes]]) -> int:
+    """A request's Content-Length as a number (0 if absent; h11 has refused a malformed one)."""
+    for name, value in headers:
+        if name == b"content-length" and value.isdigit():
+            return int(value)
+    return 0
 
 
 class SummaryLog:
@@ -171,14 +179,9 @@ class GuardedH11Protocol(H11Protocol):
             self.deadline = self.loop.call_later(self.head_timeout_s, self._expire)
         elif phase == "body":
             # The declared length is the client's word: past what this listener accepts it buys no more time.
-            allowed = self.body_timeout_s + min(self._declared_length(), self.max_body_bytes) / MIN_BODY_RATE
+            declared = min(declared_length(self.headers or ()), self.max_body_bytes)
+            allowed = self.body_timeout_s + declared / MIN_BODY_RATE
             self.deadline = self.loop.call_later(allowed, self._expire)
-
-    def _declared_length(self) -> int:
-        for name, value in self.headers or ():
-            if name == b"content-length" and value.isdigit():
-                return int(value)
-        return 0
 
     def _disarm(self) -> None:
         if self.deadline is not None:

@@ -23,6 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from bastion.safety.errors import BastionError, Forbidden, InvalidRequest
 from bastion.tools.server import BastionServer, to_call_result
+from bastion.transports.http.connections import declared_length
 
 MAX_MCP_BODY_BYTES: Final = 4 * 1024 * 1024
 
@@ -107,7 +108,7 @@ class RequireToken:
         if scope.get("method") != "POST":
             await self.app(scope, receive, send)
             return
-        raw = None if _declared_length(scope) > MAX_MCP_BODY_BYTES else await _read_body(receive)
+        raw = None if declared_length(scope.get("headers", ())) > MAX_MCP_BODY_BYTES else await _read_body(receive)
         if raw is None:
             await _send_json(send, 413, {"error": "request_too_large"}, [])
             return
@@ -125,14 +126,6 @@ class RequireToken:
                 await _send_json(send, 403, body_out, [(b"www-authenticate", header.encode())])
                 return
         await self.app(scope, _replay(raw, receive), send)
-
-
-def _declared_length(scope: Scope) -> int:
-    """Content-Length as a number (0 if absent; h11 has refused a malformed one)."""
-    for name, value in scope.get("headers", ()):
-        if name == b"content-length" and value.isdigit():
-            return int(value)
-    return 0
 
 
 async def _read_body(receive: Receive) -> bytes | None:
