@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bastion.safety import audit as audit_mod
-from bastion.safety.audit import GENESIS, MAX_ARG_CHARS, MAX_RECORD_BYTES, AuditLog, verify
+from bastion.safety.audit import GENESIS, MAX_ARG_CHARS, MAX_RECORD_BYTES, AuditLog, Verbatim, verify
 from bastion.safety.errors import AuditUnavailable
 from bastion.safety.redact import Redactor
 
@@ -204,6 +204,20 @@ def test_record_values_are_redacted_and_capped(log: AuditLog, log_path: Path) ->
     record = json.loads(raw)
     assert record["env"] == {"GITHUB_TOKEN": "[REDACTED:credential]", "HOME": "/root"}
     assert record["argv"][0] == "x" * MAX_ARG_CHARS + "…[truncated 10 chars]"
+
+
+def test_a_verbatim_string_is_written_as_is_and_the_same_text_as_a_plain_string_is_redacted(
+    log: AuditLog, log_path: Path
+) -> None:
+    """Only the server makes a `Verbatim` (a call's id); a client's string with the same text is still
+    redacted, and a `Verbatim` too long for a value is capped as any string."""
+    secretish = f"password=hunter22 {AWS_KEY_ID}"
+    log.append({"made": Verbatim(secretish), "sent": secretish, "long": Verbatim("v" * (MAX_ARG_CHARS + 5))})
+    record = json.loads(log_path.read_text())
+    assert record["made"] == secretish
+    assert "hunter22" not in record["sent"]
+    assert AWS_KEY_ID not in record["sent"]
+    assert record["long"] == "v" * MAX_ARG_CHARS + "…[truncated 5 chars]"
 
 
 def _cleaned_as_before(log: AuditLog, key: object, value: object, depth: int) -> object:

@@ -31,7 +31,7 @@ from mcp.server.auth.middleware.auth_context import get_access_token
 from mcp_types import ImageContent
 
 from bastion.metrics import Metrics
-from bastion.safety.audit import AuditLog
+from bastion.safety.audit import AuditLog, Verbatim
 from bastion.safety.errors import AuditUnavailable, BastionError
 from bastion.safety.results import OperationResult, ResultCode
 
@@ -110,7 +110,7 @@ class CallRunner:
         workspace: str | None,
     ) -> OperationResult:
         started = time.perf_counter()
-        call_id = secrets.token_hex(16)
+        call_id = Verbatim(secrets.token_hex(16))
         base: dict[str, object] = {
             "call": call_id,
             "caller": self.identity(),
