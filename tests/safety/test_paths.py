@@ -14,6 +14,7 @@ import stat
 import struct
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from hypothesis import strategies as st
 from bastion.safety.errors import (
     BastionError,
     ConfigError,
+    Conflict,
     InvalidRequest,
     NotFound,
     PathEscape,
@@ -599,12 +601,20 @@ def test_root_validation(tmp_path: Path) -> None:
         Jail(tmp_path / "file")
 
 
-def test_root_is_resolved_once_and_closed_jail_refuses(tmp_path: Path) -> None:
-    """Invariant: a symlinked root is resolved at construction; a closed jail is unusable."""
+def test_a_root_reached_through_a_symlink_is_refused_and_a_closed_jail_refuses(tmp_path: Path) -> None:
+    """Attack: a user who owns a component of the configured folder (``code`` in /home/alice/code) turns it into
+    a link to /etc; realpath-then-open made the root server's file tools work in /etc. The root is opened with
+    no link allowed anywhere in its path, and the refusal names the real path to configure."""
     (tmp_path / "real").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "real")
-    jail = Jail(tmp_path / "link")
-    assert jail.root == str((tmp_path / "real").resolve())
+    with pytest.raises(InvalidRequest, match="goes through a symbolic link") as refused:
+        Jail(tmp_path / "link")
+    assert str(tmp_path / "real") in refused.value.reason
+    (tmp_path / "real" / "sub").mkdir()
+    with pytest.raises(InvalidRequest, match="goes through a symbolic link"):
+        Jail(tmp_path / "link" / "sub")  # a link in the middle of the path, not only the last component
+    jail = Jail(tmp_path / "real")
+    assert jail.root == str(tmp_path / "real")
     jail.close()
     jail.close()
     with pytest.raises(Unavailable, match="closed"):
@@ -1003,3 +1013,73 @@ def test_rename_race_refused_write_leaves_no_file_in_the_secret_folder(jail: Jai
     folder = _flipped_folder(ws)
     assert {p.name for p in folder.iterdir()} == written
     assert all((folder / name).read_bytes() == b"data" for name in written)
+
+
+def _swap_after_mkdir(monkeypatch: pytest.MonkeyPatch, replace: Callable[[str, int], None]) -> None:
+    """Make the jail's next mkdir be raced: right after the real one, `replace(name, dir_fd)` runs, as a local
+    user who can write the parent would do with renameat2(RENAME_EXCHANGE) before the jail's next step."""
+    real_mkdir = os.mkdir
+
+    def raced(name: str, mode: int = 0o777, *, dir_fd: int | None = None) -> None:
+        real_mkdir(name, mode, dir_fd=dir_fd)
+        monkeypatch.setattr(os, "mkdir", real_mkdir)
+        assert dir_fd is not None
+        replace(name, dir_fd)
+
+    monkeypatch.setattr(os, "mkdir", raced)
+
+
+@pytest.mark.root
+def test_a_hard_link_swapped_in_for_a_new_folder_is_not_chowned(
+    ws: Path, outside: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Attack: between the jail's mkdir of a missing parent and its chown, the new folder is renamed away and
+    a hard link to a file elsewhere on the filesystem (root's /etc/shadow, say) takes its name. A chown by
+    name gave that file to the workspace's owner; through the fd opened as a folder, nothing is chowned."""
+    victim = outside / "shadow"
+    victim.write_text("root:HASH:")
+    os.chown(victim, 4242, 4242)
+    victim.chmod(0o640)
+
+    def hard_link(name: str, dir_fd: int) -> None:
+        os.rename(name, "moved-away", src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        os.link(victim, name, dst_dir_fd=dir_fd)
+
+    with Jail(ws, owner=(1000, 1000)) as jail:
+        _swap_after_mkdir(monkeypatch, hard_link)
+        with pytest.raises(BastionError):
+            jail.write("made/notes.txt", b"x", create_parents=True)
+    info = victim.stat()
+    assert (info.st_uid, info.st_gid, stat.S_IMODE(info.st_mode)) == (4242, 4242, 0o640)
+    assert victim.read_text() == "root:HASH:"
+    assert not (ws / "moved-away" / "notes.txt").exists()
+
+
+@pytest.mark.root
+def test_a_foreign_folder_swapped_in_for_a_new_folder_is_not_chowned(
+    ws: Path, outside: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Attack: the same race with a folder someone else owns: it is refused as a concurrent change, not given to
+    the workspace's owner."""
+    foreign = ws / "foreign"
+    foreign.mkdir()
+    os.chown(foreign, 4242, 4242)
+
+    def folder(name: str, dir_fd: int) -> None:
+        os.rename(name, "moved-away", src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        os.rename("foreign", name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+
+    with Jail(ws, owner=(1000, 1000)) as jail:
+        _swap_after_mkdir(monkeypatch, folder)
+        with pytest.raises(Conflict, match="replaced while it was made"):
+            jail.write("made/notes.txt", b"x", create_parents=True)
+    assert (ws / "made").stat().st_uid == 4242
+    assert not (ws / "made" / "notes.txt").exists()
+
+
+@pytest.mark.root
+def test_folders_made_for_a_write_belong_to_the_workspace_owner(ws: Path) -> None:
+    with Jail(ws, owner=(1000, 1001)) as jail:
+        jail.write("a/b/notes.txt", b"x", create_parents=True)
+    for made in (ws / "a", ws / "a" / "b", ws / "a" / "b" / "notes.txt"):
+        assert (made.stat().st_uid, made.stat().st_gid) == (1000, 1001)

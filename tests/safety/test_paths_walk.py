@@ -6,10 +6,12 @@ tools' output (tests/tools/test_search_edit.py).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -152,3 +154,62 @@ def test_walk_stops_at_its_deadline_with_cut(tmp_path: Path) -> None:
         assert cut
         assert len(entries) < 6
         assert len(jail.walk()[0]) == 6
+
+
+class _CountingScandir:
+    """os.scandir that counts the names it hands out: what a walk really read, not what it kept."""
+
+    def __init__(self) -> None:
+        self.read = 0
+        self._real = os.scandir
+
+    def __call__(self, fd: int) -> Iterator[os.DirEntry[str]]:
+        @contextlib.contextmanager
+        def counted() -> Iterator[Iterator[os.DirEntry[str]]]:
+            with self._real(fd) as iterator:
+                yield self._count(iterator)
+
+        return counted()  # type: ignore[return-value]
+
+    def _count(self, iterator: Iterator[os.DirEntry[str]]) -> Iterator[os.DirEntry[str]]:
+        for item in iterator:
+            self.read += 1
+            yield item
+
+
+def _many_links(folder: Path, count: int, prefix: str = "n") -> None:
+    target = folder / "one"
+    target.write_text("x")
+    for i in range(count):
+        os.link(target, folder / f"{prefix}{i}")
+
+
+def test_a_folder_of_millions_of_hard_links_is_listed_only_as_far_as_the_walk_bound(
+    jail: Jail, ws: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Attack: hard links cost no inode, so an agent fills one folder with millions of names within its disk,
+    then searches: the walk listed and stat-ed every name of a folder before it looked at its bound
+    (~140 bytes of server memory and ~10 us a name). Names the walk leaves out (secret-named) count too."""
+    (ws / "deep").mkdir()
+    _many_links(ws / "deep", 3000)
+    _many_links(ws / "deep", 500, prefix=".env.")
+    counting = _CountingScandir()
+    monkeypatch.setattr(os, "scandir", counting)
+    entries, cut = jail.walk(max_entries=100)
+    assert cut
+    assert 0 < len(entries) <= 100  # secret names read are left out
+    assert counting.read <= 100 + 2  # the root's one name, and the name that found the bound
+
+
+def test_a_folder_listed_past_the_walk_deadline_stops_mid_listing(
+    jail: Jail, ws: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Attack: the same folder of links with a generous entry bound: the deadline, looked at every few
+    hundred names, stops the listing itself, not only the next folder."""
+    _many_links(ws, 3000)
+    counting = _CountingScandir()
+    monkeypatch.setattr(os, "scandir", counting)
+    entries, cut = jail.walk(deadline=time.monotonic() - 1)
+    assert cut
+    assert counting.read <= 256
+    assert len(entries) < 256

@@ -10,11 +10,14 @@ from pathlib import Path
 import pytest
 from mcp import Client
 
-from bastion.app import build_server, build_services
+from bastion.app import build_server, build_services, detect_cgroups
 from bastion.config import load_config
-from bastion.safety.errors import ConfigError
+from bastion.safety.errors import ConfigError, Unavailable
+from bastion.safety.redact import Redactor
 from bastion.sandbox._idmap import idmapped_mount, is_mounted, unmount
-from bastion.workbench.workspace import IDMAP_DIR
+from bastion.sandbox.identity import IdentityPool
+from bastion.workbench import workspace as workspace_module
+from bastion.workbench.workspace import IDMAP_DIR, HostWorkspace
 from tests.helpers import Payload, bubblewrap, demo_config_at
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
@@ -211,3 +214,79 @@ async def test_without_idmapped_mounts_a_users_folder_runs_as_that_user_and_a_ro
         services.close()
     info = (workspace / "made").stat()
     assert (info.st_uid, info.st_gid) == (12345, 12346)
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="idmapped mounts are a root server's")
+def test_a_mount_of_another_folder_than_the_jail_holds_is_refused_and_nothing_is_left(
+    demo_config_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Attack: the idmapped mount is made from the configured path, whose last component alone is not
+    followed; a user owning a middle component swaps it for a link between the file tools' open and the
+    mount's, so commands would write another folder as its owner. Simulated by mounting another folder:
+    the start is refused, the mount is removed, and the workspace's identity is free again."""
+    config = load_config(demo_config_path)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+
+    def swapped(source: object, target: Path, **ids: tuple[int, int]) -> None:
+        idmapped_mount(elsewhere, target, **ids)
+
+    monkeypatch.setattr("bastion.workbench.workspace.idmapped_mount", swapped)
+    pool = IdentityPool(*config.sandboxes.host_ids)
+    opened: dict[str, HostWorkspace] = {}
+    try:
+        with pytest.raises(Unavailable, match="not the one its file tools hold"):
+            opened.update(workspace_module.open_host_workspaces(config, Redactor(), detect_cgroups(config), pool))
+    finally:
+        for host in opened.values():  # without the check, the workspace served the other folder
+            host.close()
+    mounts = config.state_dir / IDMAP_DIR
+    assert _mounts_under(mounts) == []
+    assert pool.in_use() == 0  # the workspace's identity was released
+
+
+def test_a_workspace_folder_replaced_by_a_link_to_itself_is_refused_not_followed(demo_config_path: Path) -> None:
+    """Attack: the configured folder is moved and a symlink to it put at its path. Followed, the check saw the
+    same folder and served on; the server's checks never follow a link at the configured path."""
+    config = load_config(demo_config_path)
+    services = build_services(config)
+    try:
+        folder = config.workspace[0].path
+        moved = folder.with_name(folder.name + "-moved")
+        folder.rename(moved)
+        folder.symlink_to(moved)
+        try:
+            with pytest.raises(Unavailable, match="replaced by a link"):
+                services.registry.get(None).check_folder()
+        finally:
+            folder.unlink()
+            moved.rename(folder)
+        services.registry.get(None).check_folder()  # put back: served again
+    finally:
+        services.close()
+
+
+def test_a_config_whose_workspace_goes_through_a_symlink_is_refused(demo_config_path: Path) -> None:
+    """Attack: a user who owns a component of a configured folder turns it into a link to /etc before a restart;
+    the config naming that path is refused with the real path to configure."""
+    config = load_config(demo_config_path)
+    folder = config.workspace[0].path
+    real = folder.with_name(folder.name + "-real")
+    folder.rename(real)
+    folder.symlink_to(real)
+    with pytest.raises(ConfigError, match="goes through a symbolic link"):
+        load_config(demo_config_path)
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="idmapped mounts are a root server's")
+def test_a_host_workspace_that_fails_to_open_after_its_mount_leaves_no_mount(demo_config_path: Path) -> None:
+    """A workspace whose opening fails once its idmapped mount is made (here: limits configured, no cgroups
+    given) took the mount with it only at the next start; now at once, with its identity."""
+    config = load_config(demo_config_path)
+    pool = IdentityPool(*config.sandboxes.host_ids)
+    with pytest.raises(Unavailable, match="cgroups"):
+        workspace_module.open_host_workspaces(config, Redactor(), None, pool)
+    assert _mounts_under(config.state_dir / IDMAP_DIR) == []
+    assert pool.in_use() == 0

@@ -263,7 +263,8 @@ def _resolve_paths(raw: Config, base: Path) -> Config:
         update={
             "metrics": metrics,
             "gateway": gateways,
-            "state_dir": _absolute(base, raw.state_dir),
+            # Resolved once: sandboxes' folders beneath it are opened with no link allowed in their path.
+            "state_dir": Path(os.path.realpath(_absolute(base, raw.state_dir))),
             "workspace": workspaces,
             "inbox": inboxes,
             "audit": audit,
@@ -294,6 +295,12 @@ def _check_semantics(config: Config, *, envs_built: bool) -> None:
         if not folder_path.is_dir():
             raise ConfigError(f"{kind} {folder_id!r} root {folder_path} is not a directory: point it at a folder")
         real = folder_path.resolve()
+        if real != folder_path:
+            # Another user who owns a component could point it elsewhere (/etc) before a restart.
+            raise ConfigError(
+                f"{kind} {folder_id!r} root {folder_path} goes through a symbolic link (it leads to {real}): "
+                "configure the real path"
+            )
         if real in (Path("/"), home):
             raise ConfigError(f"{kind} {folder_id!r} root {real} is / or the home folder: use a dedicated folder")
         for name, guarded in (("audit log", config.audit_path), ("database", config.db_path)):

@@ -3,7 +3,9 @@
 What it guarantees:
 
 - The object checked is the object used. The workspace root is opened once, at construction,
-  as an ``O_PATH`` directory fd that the `Jail` holds until `Jail.close`. Every later open is
+  with no symlink allowed anywhere in its path (`open_real_folder`: a component another user
+  turned into a link cannot redirect it), as an ``O_PATH`` directory fd that the `Jail` holds
+  until `Jail.close`. Every later open is
   ``openat2(root_fd, relative_path)`` (or relative to a directory fd obtained that way) with
   ``RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS`` (see openat2(2)), so the kernel itself refuses,
   during the one lookup that produces the fd we then read or write, any ``..``, absolute
@@ -82,6 +84,8 @@ MAX_READ_BYTES: Final = 1_048_576
 MAX_WRITE_BYTES: Final = 10_485_760
 MAX_LIST_ENTRIES: Final = 10_000
 MAX_WALK_ENTRIES: Final = 100_000  # Jail.walk (search_files)
+_AT_FDCWD: Final = -100  # include/uapi/linux/fcntl.h
+_DEADLINE_EVERY: Final = 256  # names a folder's listing reads between two looks at the walk's deadline
 MAX_SCAN_ENTRIES: Final = 1_000_000  # privileged_file's walk of a host workspace at start
 
 DEFAULT_SECRET_PATTERNS: Final[tuple[str, ...]] = (
@@ -164,6 +168,41 @@ def privileged_file(root: str | os.PathLike[str], *, max_entries: int = MAX_SCAN
             elif stat.S_ISREG(info.st_mode) and _runs_privileged(entry.path, info.st_mode):
                 return rel, False
     return None, False
+
+
+def open_real_folder(path: str, *, what: str = "the folder") -> int:
+    """An ``O_PATH`` fd on the folder at the absolute `path`, refused if any component of it is a symlink.
+
+    Why: a configured folder often sits where other users write (``/home/alice/code``). Resolved with
+    ``realpath`` and then opened, a component she turned into a link (``code -> /etc``) made the root
+    server serve /etc; between the two, even a check of the real path could be raced. One openat2 with
+    RESOLVE_NO_SYMLINKS is the lookup that counts, and it follows no link at all.
+
+    Raises:
+        InvalidRequest: `path` is not absolute or not a folder, or a component is a symbolic link
+            (the message names the real path to configure instead).
+        NotFound: nothing is at `path`.
+        Unavailable: openat2 is missing or blocked.
+    """
+    if not os.path.isabs(path) or "\x00" in path:
+        raise InvalidRequest(f"{what} '{path}' is not an absolute path: give an absolute path")
+    fd = load_openat2()(_AT_FDCWD, os.fsencode(path), os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, 0, RESOLVE_NO_SYMLINKS)
+    if fd >= 0:
+        return fd
+    code = -fd
+    if code == errno.ELOOP:
+        real = os.path.realpath(path)
+        raise InvalidRequest(
+            f"{what} '{path}' goes through a symbolic link (it leads to '{real}'): configure the real path, "
+            "and check who made the link"
+        )
+    if code == errno.ENOENT:
+        raise NotFound(f"{what} '{path}' does not exist: create it first")
+    if code == errno.ENOTDIR:
+        raise InvalidRequest(f"{what} '{path}' is not a folder: give a folder")
+    if code == errno.ENOSYS:
+        raise Unavailable("openat2 is unavailable on this kernel: bastion needs Linux 5.6 or newer")
+    raise InvalidRequest(f"{what} '{path}' cannot be opened ({os.strerror(code)}): fix it")
 
 
 def _runs_privileged(path: str, mode: int) -> bool:
@@ -330,6 +369,10 @@ def _pread_all(fd: int, offset: int, length: int) -> bytes:
     return b"".join(chunks)
 
 
+def _past(deadline: float | None) -> bool:
+    return deadline is not None and time.monotonic() > deadline
+
+
 def _view_parts(view_root: str | None) -> tuple[str, ...]:
     if view_root is None:
         return ()
@@ -425,7 +468,7 @@ class Jail:
         """Open the workspace root and keep its fd.
 
         Args:
-            root: absolute path of an existing folder; resolved with realpath once, here.
+            root: absolute path of an existing folder, with no symbolic link anywhere in it (`open_real_folder`).
             secret_patterns: fnmatch patterns matched, ignoring case, against every path component.
             allow_hardlinks: dangerous; read and write files with more than one hard link,
                 which may be links to files outside the workspace.
@@ -437,7 +480,7 @@ class Jail:
                 `_in_view`); other absolute ones are refused. None: a host folder, no view.
 
         Raises:
-            InvalidRequest: the root is not absolute or not a folder.
+            InvalidRequest: the root is not absolute, not a folder, or reached through a symbolic link.
             NotFound: the root does not exist.
             Unavailable: openat2 is missing or blocked.
             ConfigError: a secret pattern is malformed.
@@ -456,20 +499,8 @@ class Jail:
             raise InvalidRequest("the workspace root must be a path string without NUL: fix the configuration")
         if not os.path.isabs(given):
             raise InvalidRequest(f"the workspace root '{given}' is not absolute: give an absolute path")
-        try:
-            real = os.path.realpath(given, strict=True)
-        except FileNotFoundError as exc:
-            raise NotFound(f"the workspace root '{given}' does not exist: create it first") from exc
-        except OSError as exc:
-            raise InvalidRequest(f"the workspace root '{given}' cannot be resolved ({exc.strerror}): fix it") from exc
-        try:
-            fd = os.open(real, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-        except NotADirectoryError as exc:
-            raise InvalidRequest(f"the workspace root '{real}' is not a folder: give a folder") from exc
-        except FileNotFoundError as exc:
-            raise NotFound(f"the workspace root '{real}' does not exist: create it first") from exc
-        except OSError as exc:
-            raise InvalidRequest(f"the workspace root '{real}' cannot be opened ({exc.strerror}): fix it") from exc
+        real = os.path.normpath(given)
+        fd = open_real_folder(real, what="the workspace root")
         probe = self._openat2(fd, b".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, 0, RESOLVE)
         if probe < 0:
             os.close(fd)
@@ -767,28 +798,46 @@ class Jail:
         finally:
             os.close(fd)
         found: list[WalkEntry] = []
-        pending = self._walk_folder(start)[::-1]
+        listed, cut = self._walk_folder(start, max_entries, deadline)
+        pending = listed[::-1]
         while pending:
             entry = pending.pop()
             if len(found) >= max_entries or (deadline is not None and time.monotonic() > deadline):
                 return tuple(found), True
             found.append(entry)
             if entry.kind == "dir" and entry.path.rpartition("/")[2] not in prune:
-                pending.extend(self._walk_folder(entry.path)[::-1])
-        return tuple(found), False
+                # What is found or waiting counts against the bound: a folder is listed only that far.
+                room = max_entries - len(found) - len(pending)
+                listed, folder_cut = self._walk_folder(entry.path, room, deadline)
+                pending.extend(listed[::-1])
+                cut = cut or folder_cut
+        return tuple(found), cut
 
-    def _walk_folder(self, folder: str) -> list[WalkEntry]:
-        """The entries of one folder met by `walk`, sorted; none if it cannot be opened as a folder now."""
+    def _walk_folder(self, folder: str, room: int, deadline: float | None) -> tuple[list[WalkEntry], bool]:
+        """The entries of one folder met by `walk`, sorted, and whether its listing was cut short.
+
+        The listing stops once `room` names were read (secret names and unreadable entries count
+        too) or at the deadline: one folder can hold millions of names (hard links cost no inode),
+        and listing it whole cost ~140 bytes of the server's memory and ~10 us a name. None if the
+        folder cannot be opened as a folder now.
+        """
+        if room <= 0:
+            return [], True
         try:
             fd = self._open(
                 self._root_fd(), folder, folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, resolve=_NO_LINKS
             )
         except BastionError:
-            return []
+            return [], False
         entries: list[WalkEntry] = []
+        read, cut = 0, False
         try:
             with os.scandir(fd) as iterator:
                 for item in iterator:
+                    read += 1
+                    if read > room or (read % _DEADLINE_EVERY == 0 and _past(deadline)):
+                        cut = True
+                        break
                     if self._secret_name(item.name):
                         continue
                     try:
@@ -799,11 +848,11 @@ class Jail:
                     path = item.name if folder == "." else f"{folder}/{item.name}"
                     entries.append(WalkEntry(path=path, kind=kind, size=info.st_size if kind == "file" else 0))
         except OSError:
-            return []
+            return [], False
         finally:
             os.close(fd)
         entries.sort(key=lambda entry: entry.path)
-        return entries
+        return entries, cut
 
     def _secret_name(self, name: str) -> bool:
         return any(regex.match(name) for _, regex in self._secret)
@@ -1133,10 +1182,23 @@ class Jail:
         with contextlib.suppress(OSError):
             os.removexattr(fd, _CAPABILITY_XATTR)
 
-    def _own_new_dir(self, parent_fd: int, name: str) -> None:
-        """chown a folder just made; never follows a link (one swapped in is changed itself, harmlessly)."""
-        if self._owner is not None:
-            os.chown(name, *self._owner, dir_fd=parent_fd, follow_symlinks=False)
+    def _own_new_dir(self, fd: int, rel: str) -> None:
+        """Give the folder just made, open as `fd`, the workspace's owner; `fd` is closed on a refusal.
+
+        Through the fd, never by name: whoever can write the parent can swap the new folder for a hard
+        link to any file of that filesystem (renameat2 RENAME_EXCHANGE) between mkdir and chown, and a
+        chown by name, even without following links, would give that file away. What the fd holds is a
+        folder (O_DIRECTORY); it is still the server's own, as a folder this call made is.
+        """
+        if self._owner is None:
+            return
+        try:
+            if os.fstat(fd).st_uid != os.geteuid():
+                raise Conflict(f"the folder '{rel}' was replaced while it was made (a concurrent change): try again")
+            os.fchown(fd, *self._owner)
+        except BaseException:
+            os.close(fd)
+            raise
 
     def _require_regular(self, info: os.stat_result, rel: str) -> None:
         mode = info.st_mode
@@ -1222,16 +1284,17 @@ class Jail:
                     try:
                         os.mkdir(part, _NEW_DIR_MODE, dir_fd=current)
                         made = True
-                        self._own_new_dir(current, part)
                     except FileExistsError:
                         pass
                     except OSError as os_exc:
                         raise _error_from_os(os_exc, rel) from os_exc
+                    # Not O_PATH: a new folder is chowned through this fd, and an O_PATH fd cannot be.
                     following = self._open(
-                        current, part, rel, os.O_PATH | os.O_DIRECTORY, resolve=RESOLVE | RESOLVE_NO_SYMLINKS
+                        current, part, rel, os.O_RDONLY | os.O_DIRECTORY, resolve=RESOLVE | RESOLVE_NO_SYMLINKS
                     )
                     if made:
                         following = self._judged_or_removed(current, part, following, prefix)
+                        self._own_new_dir(following, prefix)
                 following = self._judged(following, prefix)
                 os.close(current)
                 current = following

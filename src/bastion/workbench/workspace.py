@@ -31,7 +31,7 @@ from bastion.safety.errors import (
     Unavailable,
 )
 from bastion.safety.output import clean_output
-from bastion.safety.paths import MAX_READ_BYTES, MAX_SCAN_ENTRIES, Jail, privileged_file
+from bastion.safety.paths import MAX_READ_BYTES, MAX_SCAN_ENTRIES, Jail, open_real_folder, privileged_file
 from bastion.safety.redact import SLICE_CONTEXT_BYTES, Redactor, sanitize_terminal
 from bastion.safety.search import search_pattern
 from bastion.sandbox import (
@@ -254,9 +254,9 @@ class HostWorkspace:
             Unavailable: the path is gone or names another folder now.
         """
         try:
-            info = os.stat(self.config.path)
-        except OSError:
-            now = "was deleted or renamed"
+            info = _stat_folder(str(self.config.path))
+        except BastionError:
+            now = "was deleted or renamed, or a component of its path replaced by a link"
         else:
             if (info.st_dev, info.st_ino) == self._folder:
                 self._replaced_logged = False  # put back: a later replacement is logged again
@@ -558,6 +558,15 @@ def _default_shell() -> str:
     return "bash" if os.path.exists("/bin/bash") else "sh"
 
 
+def _stat_folder(path: str) -> os.stat_result:
+    """The status of the folder at `path`, which no symlink may lead to (`open_real_folder`)."""
+    fd = open_real_folder(path, what="the workspace folder")
+    try:
+        return os.fstat(fd)
+    finally:
+        os.close(fd)
+
+
 def _held_folder(jail: Jail) -> tuple[int, int]:
     """(st_dev, st_ino) of the folder the jail holds, opened beneath its own fd."""
     fd = jail.open_dir_fd(".")
@@ -590,7 +599,7 @@ def _open_host(
     if not pool.switches:
         return HostWorkspace(config, redactor, cgroups)
     _refuse_privileged_files(config)
-    info = os.stat(config.path)
+    info = _stat_folder(str(config.path))
     owner = (info.st_uid, info.st_gid)
     reason = idmap_supported(config.path)
     if reason is not None:
@@ -617,7 +626,7 @@ def _open_host(
         if is_mounted(target):
             unmount(target)  # a crashed server's
         idmapped_mount(config.path, target, owner=owner, identity=(identity.uid, identity.gid))
-        return HostWorkspace(
+        workspace = HostWorkspace(
             config,
             redactor,
             cgroups,
@@ -627,9 +636,29 @@ def _open_host(
             unmount_on_close=True,
             devices=devices,
         )
+        _require_same_folder(workspace, target)
     except BaseException:
+        if is_mounted(target):
+            unmount(target)  # a workspace that failed to open after its mount was made
         pool.release(identity)
         raise
+    return workspace
+
+
+def _require_same_folder(workspace: HostWorkspace, target: Path) -> None:
+    """The idmapped mount must show the folder the jail holds (a bind mount keeps its device and inode).
+
+    The mount is made from the path, whose last component alone is not followed: a middle component
+    swapped for a link between the jail's open and the mount's would bind another folder, which
+    commands would then write as its owner.
+    """
+    mounted = os.stat(target)
+    if (mounted.st_dev, mounted.st_ino) != _held_folder(workspace.jail):
+        workspace.close()
+        raise Unavailable(
+            f"workspace {workspace.id!r}: the folder mounted for its commands is not the one its file tools "
+            f"hold ({workspace.config.path} changed while the server opened it): check who can change that path"
+        )
 
 
 def _refuse_privileged_files(config: WorkspaceConfig) -> None:
