@@ -27,6 +27,7 @@ from bastion.safety.errors import (
     Conflict,
     InvalidRequest,
     NotFound,
+    OperationFailed,
     PathEscape,
     PolicyDenied,
     ResourceLimit,
@@ -1083,3 +1084,36 @@ def test_folders_made_for_a_write_belong_to_the_workspace_owner(ws: Path) -> Non
         jail.write("a/b/notes.txt", b"x", create_parents=True)
     for made in (ws / "a", ws / "a" / "b", ws / "a" / "b" / "notes.txt"):
         assert (made.stat().st_uid, made.stat().st_gid) == (1000, 1001)
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user is a root server's")
+def test_a_root_jail_acting_as_the_folder_owner_cannot_do_what_the_owner_could_not(ws: Path) -> None:
+    """Attack: in a folder shared by several users, a root server's file tools read another user's 0600 file,
+    overwrote a file made read-only, and wrote into another user's folder, all of which the workspace's commands
+    (acting as the folder's owner) are refused. Acting as the owner, the kernel refuses the same."""
+    os.chown(ws, 12345, 12346)
+    (ws / "bob.txt").write_text("bob's notes")
+    os.chown(ws / "bob.txt", 4242, 4242)
+    (ws / "bob.txt").chmod(0o600)
+    (ws / "frozen.txt").write_text("keep")
+    os.chown(ws / "frozen.txt", 12345, 12346)
+    (ws / "frozen.txt").chmod(0o444)
+    (ws / "bobs").mkdir()
+    os.chown(ws / "bobs", 4242, 4242)
+    with Jail(ws, owner=(12345, 12346), act_as_owner=True) as jail:
+        with pytest.raises(OperationFailed, match="refused access"):
+            jail.read("bob.txt")
+        with pytest.raises(OperationFailed, match="refused access"):
+            jail.write("frozen.txt", b"changed")
+        with pytest.raises(OperationFailed, match="refused access"):
+            jail.write("bobs/new.txt", b"x")
+        jail.write("mine/new.txt", b"mine", create_parents=True)
+        assert jail.read("mine/new.txt").data == b"mine"
+    assert (ws / "frozen.txt").read_text() == "keep"
+    assert not (ws / "bobs" / "new.txt").exists()
+    for made in (ws / "mine", ws / "mine" / "new.txt"):
+        assert (made.stat().st_uid, made.stat().st_gid) == (12345, 12346)
+    ids = dict(line.split(":\t", 1) for line in Path("/proc/thread-self/status").read_text().splitlines()[:12])
+    assert (ids["Uid"].split(), ids["Gid"].split()) == (["0"] * 4, ["0"] * 4)  # real, effective, saved, fs
+    assert (ws / "bob.txt").read_text() == "bob's notes"  # this thread is root again: its own checks are back

@@ -290,3 +290,34 @@ def test_a_host_workspace_that_fails_to_open_after_its_mount_leaves_no_mount(dem
         workspace_module.open_host_workspaces(config, Redactor(), None, pool)
     assert _mounts_under(config.state_dir / IDMAP_DIR) == []
     assert pool.in_use() == 0
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="acting as the folder's owner is a root server's")
+async def test_file_tools_in_a_shared_folder_are_refused_what_its_commands_are_refused(tmp_path: Path) -> None:
+    """Attack: another user's 0600 file in a host workspace owned by an ordinary user: `cat` in the workspace
+    is refused, and read_file, run by the root server, returned it. Both are refused now, and nothing of the
+    file reaches the client."""
+    config_path = demo_config_at(tmp_path / "demo")
+    workspace = load_config(config_path).workspace[0].path
+    for entry in (workspace, *workspace.rglob("*")):
+        os.chown(entry, 12345, 12346, follow_symlinks=False)
+    private = workspace / "bob-private.txt"
+    private.write_text("BOB-PRIVATE-NOTES")
+    os.chown(private, 4242, 4242)
+    private.chmod(0o600)
+    services = build_services(load_config(config_path))
+    try:
+        async with Client(build_server(services, caller="test")) as client:
+            ran = await _run(client, "cat bob-private.txt")
+            read = await client.call_tool("read_file", {"path": "bob-private.txt"})
+            written = await client.call_tool("write_file", {"path": "bob-private.txt", "content": "gone"})
+    finally:
+        services.close()
+    assert ran["detail"]["exit_status"] != 0, ran
+    assert "Permission denied" in str(ran["detail"]["stderr"])
+    for refused in (read, written):
+        assert refused.structured_content is not None
+        assert refused.structured_content["code"] == "OPERATION_FAILED", refused.structured_content
+        assert "BOB-PRIVATE-NOTES" not in str(refused.structured_content)
+    assert private.read_text() == "BOB-PRIVATE-NOTES"

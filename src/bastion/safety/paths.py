@@ -49,6 +49,7 @@ What it does not guarantee:
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fnmatch
 import functools
@@ -433,14 +434,42 @@ _R = TypeVar("_R")
 
 
 def _leased(method: Callable[Concatenate[Jail, _P], _R]) -> Callable[Concatenate[Jail, _P], _R]:
-    """A `Jail` operation that holds the root fd for its whole run (`Jail._lease`)."""
+    """A `Jail` operation that holds the root fd for its whole run (`Jail._lease`), as the jail's file
+    identity if it has one (`_file_identity`)."""
 
     @functools.wraps(method)
     def leased(self: Jail, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
         with self._lease():
-            return method(self, *args, **kwargs)
+            if self._acts_as is None:
+                return method(self, *args, **kwargs)
+            with _file_identity(*self._acts_as):
+                return method(self, *args, **kwargs)
 
     return leased
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+@contextlib.contextmanager
+def _file_identity(uid: int, gid: int) -> Iterator[None]:
+    """Run the block with this thread's filesystem ids set to `uid` and `gid` (setfsuid(2), setfsgid(2)).
+
+    The kernel then checks every access as that user and gives new files to them; a root thread's
+    capabilities that override file permissions are off meanwhile, and back after. Per thread, so
+    nothing else of the process is affected: a jail's operations never await, so the event loop runs
+    nothing else while one does.
+    """
+    old_gid = _libc.setfsgid(gid)
+    old_uid = _libc.setfsuid(uid)
+    try:
+        # Neither call reports an error; asking again returns the ids in force (setfsuid(2)).
+        if _libc.setfsuid(uid) != uid or _libc.setfsgid(gid) != gid:
+            raise Unavailable(f"could not act as uid {uid} and gid {gid} on files: the server needs CAP_SETUID")
+        yield
+    finally:
+        _libc.setfsuid(old_uid)
+        _libc.setfsgid(old_gid)
 
 
 @final
@@ -464,6 +493,7 @@ class Jail:
         allow_hardlinks: bool = False,
         owner: tuple[int, int] | None = None,
         view_root: str | None = None,
+        act_as_owner: bool = False,
     ) -> None:
         """Open the workspace root and keep its fd.
 
@@ -478,6 +508,9 @@ class Jail:
             view_root: where the programs using the workspace see it (a sandbox's ``/workspace``):
                 paths and absolute symlink targets under it name the workspace (`Jail.relative`,
                 `_in_view`); other absolute ones are refused. None: a host folder, no view.
+            act_as_owner: a root server's operations run with `owner` as the thread's filesystem ids,
+                so the kernel refuses what that user could not do (another user's 0600 file, a file
+                made read-only, a folder that is not theirs), as it does for the workspace's commands.
 
         Raises:
             InvalidRequest: the root is not absolute, not a folder, or reached through a symbolic link.
@@ -492,6 +525,8 @@ class Jail:
         self._secret = _compile_secret_patterns(secret_patterns)
         self._allow_hardlinks = allow_hardlinks
         self._owner = owner
+        acts = act_as_owner and owner is not None and os.geteuid() == 0 and owner != (0, 0)
+        self._acts_as = owner if acts else None
         self._view = _view_parts(view_root)
         self._openat2 = load_openat2()
         given = os.fspath(root)
@@ -1192,8 +1227,9 @@ class Jail:
         """
         if self._owner is None:
             return
+        maker = self._acts_as[0] if self._acts_as is not None else os.geteuid()
         try:
-            if os.fstat(fd).st_uid != os.geteuid():
+            if os.fstat(fd).st_uid != maker:
                 raise Conflict(f"the folder '{rel}' was replaced while it was made (a concurrent change): try again")
             os.fchown(fd, *self._owner)
         except BaseException:

@@ -186,6 +186,7 @@ class HostWorkspace:
             allow_hardlinks=config.allow_hardlinks,
             owner=owner,
             view_root=SANDBOX_WORKSPACE if sandboxed else None,
+            act_as_owner=not sandboxed,
         )
         self.redactor = redactor
         try:
