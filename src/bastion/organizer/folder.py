@@ -2,12 +2,21 @@
 
 What it guarantees:
 
+- The inbox is opened from ``/`` one component at a time with ``O_NOFOLLOW | O_DIRECTORY``
+  (`open_without_links`): a configured path with a symbolic link anywhere on it is refused,
+  never resolved, so a local user who owns a folder on the path cannot point the root
+  organizer elsewhere (``Downloads -> /etc``). `Folder.check_root` opens it the same way.
 - Paths are validated lexically by the jail (`bastion.safety.paths.Jail.relative`): no ``..``
   above the root, no absolute path outside it, no ``~``, no control or invisible characters.
 - Every folder is opened one component at a time from the root's fd with ``O_NOFOLLOW |
   O_DIRECTORY``: a symbolic link anywhere in a path is refused, never followed, even one that
   stays inside the folder. A folder swapped for a symlink after a plan was made is refused at
   the open that counts.
+- A folder the organizer creates is given the inbox's owner and group (a root server's would
+  be root's, and the user could no longer rename or delete what was moved into it). It is
+  chowned through an fd opened right after the mkdir, never by name: a name can be swapped
+  (``renameat2(RENAME_EXCHANGE)``) for a hard link to another file, which root would then
+  chown. Anything but the new empty folder found there refuses the action.
 - Every move is ``renameat2(RENAME_NOREPLACE)`` between two directory fds: the kernel refuses
   to replace an existing destination, including one created a microsecond earlier by a racing
   process. There is no fallback to rename(2).
@@ -19,7 +28,9 @@ What it does not guarantee:
 - A directory fd follows its folder: if another process renames a folder the organizer holds
   open to somewhere else on the same file system, a move lands there (as with the jail).
   The inbox itself is checked (`Folder.check_root`) at every call: one renamed, deleted or
-  replaced at its configured path is refused until the server restarts, point-in-time.
+  replaced (by another folder or a symbolic link) at its configured path is refused until the
+  server restarts, point-in-time.
+- A server not running as root cannot give a folder away: the folders it makes are its own.
 - Bind mounts inside the folder are crossed; a move across one fails with EXDEV.
 """
 
@@ -46,6 +57,7 @@ from bastion.safety.errors import (
 from bastion.safety.paths import Jail
 
 _DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_PATH_FLAGS: Final = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _NEW_DIR_MODE: Final = 0o755
 MAX_SCAN_ENTRIES: Final = 100_000
 
@@ -65,6 +77,72 @@ def _plain(name: str) -> str:
     if name in ("", ".", "..") or "/" in name or "\0" in name:
         raise PathEscape("a path with an empty, '.' or '..' component is refused: pass a plain path inside the folder")
     return name
+
+
+def _absolute(path: str) -> str:
+    """`path` with empty and ``.`` components dropped; refused unless absolute and free of ``..``."""
+    if not os.path.isabs(path) or "\0" in path:
+        raise InvalidRequest(f"the inbox path {path} is not absolute: configure an absolute path")
+    parts = [part for part in path.split("/") if part not in ("", ".")]
+    if ".." in parts:
+        raise InvalidRequest(f"the inbox path {path} has a '..' in it: configure the folder's real path")
+    return "/" + "/".join(parts)
+
+
+def open_without_links(path: str) -> int:
+    """An ``O_PATH`` fd on the folder at the absolute `path`, opened with no symbolic link followed on it.
+
+    One component at a time from ``/``, each with O_NOFOLLOW under its parent's fd: a realpath
+    and then an open would follow a link that a user owning a folder on the path put there
+    (``Downloads -> /etc``), and the root organizer would move files in /etc.
+
+    Raises:
+        BastionError: PathEscape (a component is a symbolic link), NotFound, InvalidRequest
+            (not absolute, or a component is not a folder), OperationFailed.
+    """
+    path = _absolute(path)
+    current = os.open("/", _PATH_FLAGS)
+    try:
+        reached = ""
+        for part in filter(None, path.split("/")):
+            reached = f"{reached}/{part}"
+            following = _open_component(current, part, reached, path)
+            os.close(current)
+            current = following
+    except BaseException:
+        os.close(current)
+        raise
+    return current
+
+
+def _open_component(parent: int, name: str, reached: str, path: str) -> int:
+    try:
+        return os.open(name, _PATH_FLAGS, dir_fd=parent)
+    except FileNotFoundError as exc:
+        raise NotFound(f"the inbox folder {path} does not exist ({reached} is missing): create it") from exc
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTDIR, errno.ELOOP):
+            raise OperationFailed(f"the inbox folder {path} cannot be opened ({reached}: {exc.strerror})") from exc
+        if _is_link(parent, name):
+            raise PathEscape(
+                f"the inbox path {path} goes through the symbolic link {reached}, and the organizer follows no "
+                f"link there: configure the folder's real path (realpath {path}), and check who made the link"
+            ) from exc
+        raise InvalidRequest(f"the inbox path {path} does not lead to a folder: {reached} is not one") from exc
+
+
+def _is_link(parent: int, name: str) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
+def _not_made(prefix: str, found: str) -> Conflict:
+    return Conflict(
+        f"'{prefix}' is not the empty folder the organizer just created there ({found}), so it was not given the "
+        "inbox's owner and the action was refused: look at what is there now"
+    )
 
 
 def _rename_error(code: int, src: str, dst: str) -> BastionError:
@@ -95,23 +173,35 @@ class Folder:
         """Open the folder.
 
         Raises:
-            BastionError: NotFound, InvalidRequest, Unavailable (no openat2 or renameat2).
+            BastionError: NotFound, InvalidRequest, PathEscape (a symbolic link on the path),
+                Unavailable (no openat2 or renameat2).
         """
         self._rename = load_renameat2()
-        self._configured = Path(root)
-        # The jail resolves the root once and provides the lexical path rules.
-        self._jail = Jail(os.fspath(root), secret_patterns=())
-        path_fd = self._jail.open_dir_fd(".")
+        self._path = _absolute(os.fspath(root))
+        path_fd = open_without_links(self._path)
         try:
             self._fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=path_fd)
         finally:
             os.close(path_fd)
         held = os.fstat(self._fd)
         self._held = (held.st_dev, held.st_ino)
+        try:
+            self._jail = self._lexical_rules()
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    def _lexical_rules(self) -> Jail:
+        """The jail, for its lexical path rules only: nothing is ever opened through its fd."""
+        jail = Jail(self._path, secret_patterns=())
+        if jail.root != self._path:  # its own lookup met a link put there since ours
+            jail.close()
+            raise OperationFailed(f"the inbox path {self._path} changed while it was opened: try again")
+        return jail
 
     @property
     def root(self) -> Path:
-        return Path(self._jail.root)
+        return Path(self._path)
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -123,21 +213,32 @@ class Folder:
         """Refuse when the configured path no longer names the folder held open since the start.
 
         An inbox deleted and re-created (or renamed away) under a running server would otherwise
-        be served from the old folder: empty listings, "moved: 0", NOT_FOUND.
+        be served from the old folder: empty listings, "moved: 0", NOT_FOUND. The path is opened
+        as at the start, following no link: a link put on it is refused, not followed.
 
         Raises:
-            Unavailable: the path is gone or is another folder now.
+            Unavailable: the path is gone, is another folder now, or goes through a symbolic link.
         """
         try:
-            info = os.stat(self._configured)
-        except OSError:
+            fd = open_without_links(self._path)
+        except PathEscape:
+            raise Unavailable(
+                f"the inbox folder {self._path} was replaced by a symbolic link (it or a folder on its path) while "
+                "the server ran, and the organizer follows no link there: configure the folder's real path and "
+                "restart the server"
+            ) from None
+        except BastionError:
             now = "was deleted or renamed"
         else:
+            try:
+                info = os.fstat(fd)
+            finally:
+                os.close(fd)
             if (info.st_dev, info.st_ino) == self._held:
                 return
             now = "was replaced by another folder"
         raise Unavailable(
-            f"the inbox folder {self._configured} {now} while the server ran, and the server still holds the "
+            f"the inbox folder {self._path} {now} while the server ran, and the server still holds the "
             "old one: restart the server to organize the folder now at that path"
         )
 
@@ -154,12 +255,12 @@ class Folder:
 
         Args:
             rel: a path from `relative`.
-            create: create missing folders (mode 0755) with mkdirat under their parent's fd.
+            create: create missing folders (mode 0755, the inbox's owner) with mkdirat under their parent's fd.
             created: receives the relative path of each folder this call created, in order.
 
         Raises:
             BastionError: NotFound (missing, without create), PathEscape (a symbolic link),
-                InvalidRequest (not a folder), OperationFailed.
+                InvalidRequest (not a folder), Conflict (a folder just made was swapped), OperationFailed.
         """
         if rel == ".":
             return os.dup(self._fd)
@@ -183,19 +284,64 @@ class Folder:
             except FileNotFoundError as exc:
                 if not create:
                     raise NotFound(f"the folder '{prefix}' does not exist", detail=f"{prefix}: ENOENT") from exc
-                try:
-                    os.mkdir(name, _NEW_DIR_MODE, dir_fd=parent)
-                except FileExistsError:
-                    continue  # created by someone else meanwhile: open it, still without following links
-                except OSError as mk_exc:
-                    raise OperationFailed(f"could not create the folder '{prefix}' ({mk_exc.strerror})") from mk_exc
-                if created is not None:
-                    created.append(prefix)
-            except (NotADirectoryError, OSError) as exc:
+            except OSError as exc:
                 if exc.errno not in (errno.ENOTDIR, errno.ELOOP):
                     raise OperationFailed(f"could not open the folder '{prefix}' ({exc.strerror})") from exc
                 raise self._not_a_folder(parent, name, prefix) from exc
+            if self._make(parent, name, prefix):
+                if created is not None:
+                    created.append(prefix)
+                return self._open_made(parent, name, prefix)
+            # created by someone else meanwhile: open it, still without following links
         raise OperationFailed(f"the folder '{prefix}' kept changing while it was opened: try again")
+
+    @staticmethod
+    def _make(parent: int, name: str, prefix: str) -> bool:
+        """mkdirat; False when the name was taken meanwhile."""
+        try:
+            os.mkdir(name, _NEW_DIR_MODE, dir_fd=parent)
+        except FileExistsError:
+            return False
+        except OSError as exc:
+            raise OperationFailed(f"could not create the folder '{prefix}' ({exc.strerror})") from exc
+        return True
+
+    def _open_made(self, parent: int, name: str, prefix: str) -> int:
+        """Open the folder just made and give it the inbox's owner through that fd, never by name.
+
+        Between the mkdir and this open, whoever can write the parent can swap the new folder for
+        a hard link to another file (renameat2 RENAME_EXCHANGE): O_DIRECTORY refuses a file,
+        O_NOFOLLOW a symbolic link, and a folder cannot be hard-linked.
+        """
+        try:
+            fd = os.open(name, _DIR_FLAGS, dir_fd=parent)
+        except OSError as exc:
+            if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+                raise _not_made(prefix, "it was removed, or replaced by a file or a link") from exc
+            raise OperationFailed(f"could not open the folder '{prefix}' just created ({exc.strerror})") from exc
+        try:
+            self._give_owner(fd, prefix)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _give_owner(self, fd: int, prefix: str) -> None:
+        try:
+            root, made = os.fstat(self._fd), os.fstat(fd)
+            owner = (root.st_uid, root.st_gid)
+            # Only root can give a folder away; a server not running as root keeps its own.
+            if (made.st_uid, made.st_gid) == owner or os.geteuid() != 0:
+                return
+            if made.st_uid != 0:
+                raise _not_made(prefix, f"a folder owned by uid {made.st_uid}")
+            if _has_entries(fd):
+                raise _not_made(prefix, "a folder with entries in it")
+            os.fchown(fd, *owner)
+        except OSError as exc:
+            raise OperationFailed(
+                f"could not give the new folder '{prefix}' the inbox's owner ({exc.strerror}): the action was refused"
+            ) from exc
 
     @staticmethod
     def _not_a_folder(parent: int, name: str, prefix: str) -> BastionError:
@@ -289,6 +435,11 @@ class Folder:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+def _has_entries(fd: int) -> bool:
+    with os.scandir(fd) as entries:
+        return next(entries, None) is not None
 
 
 class Dirs:
