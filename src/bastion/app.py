@@ -366,7 +366,9 @@ def recover(sandboxes: SandboxManager) -> None:
     try:
         made = sandboxes.recover()
     except BastionError as exc:
-        raise ConfigError(f"sandbox recovery: {exc.reason}") from None
+        # The administrator's line: the detail names what the client's reason leaves out (host paths).
+        detail = f" ({exc.detail})" if exc.detail else ""
+        raise ConfigError(f"sandbox recovery: {exc.reason}{detail}") from None
     for snapshot_id in made:
         logger.warning("a previous server left a sandbox: its workspace is snapshot %s", snapshot_id)
 

@@ -6,6 +6,7 @@ matching JSON record, so they pass the sha256 check and reach the extractor.
 
 from __future__ import annotations
 
+import gc
 import gzip
 import hashlib
 import io
@@ -15,8 +16,10 @@ import random
 import secrets
 import socket
 import stat
+import sys
 import tarfile
 import tracemalloc
+import types
 import uuid
 from pathlib import Path
 from typing import Any
@@ -26,6 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bastion.safety.errors import (
+    BastionError,
     Conflict,
     InvalidRequest,
     NotFound,
@@ -1025,3 +1029,187 @@ def test_sparse_final_hole_mark_counts_against_the_total_segment_cap(tmp_path: P
         assert archiver.tally.segments == _tarread.MAX_SPARSE_SEGMENTS_TOTAL - 3
     finally:
         os.close(fd)
+
+
+# --- attack review of the snapshot subsystem ---------------------------------------------
+
+
+def test_nested_folders_of_skipped_hard_links_are_refused_at_the_entry_limit(
+    dirs: tuple[Path, Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Invariant: every name the walk lists counts toward MAX_ENTRIES, skipped or not.
+
+    Before, only stored members counted and each folder's listing was bounded on its own, so
+    128 nested folders of 199,999 hard links named with "\\x01" (skipped) held 25 million
+    names (about 3.5 GB) in the root server during a snapshot, and again at every start's
+    recovery. Here: 4 nested folders of 20 such links each, under a limit of 50 (each folder
+    alone is under it). Does not prove: the memory used (the count is what bounds it).
+    """
+    workspace, archive, _ = dirs
+    (workspace / "target").write_bytes(b"x")
+    folder = workspace
+    for level in range(4):
+        folder = folder / f"level{level}"
+        folder.mkdir()
+        for index in range(20):
+            os.link(workspace / "target", folder / f"bad\x01{index}")
+    monkeypatch.setattr(_archive, "MAX_ENTRIES", 50)
+    with pytest.raises(ResourceLimit, match="skips"):
+        take(workspace, archive)
+    assert list(archive.iterdir()) == []
+
+    archiver = _archive.Archiver(gzip.GzipFile(fileobj=io.BytesIO(), mode="wb"))
+    root_fd = os.open(workspace, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with pytest.raises(ResourceLimit):
+            archiver.add_tree(root_fd, "", 0)
+    finally:
+        os.close(root_fd)
+    assert archiver.tally.listed == 51
+    assert archiver.tally.entries < 10
+
+
+def retained_bytes(root: object) -> int:
+    """The sizes of the objects reachable from `root`, each counted once (types and modules left out)."""
+    seen: set[int] = set()
+    stack = [root]
+    total = 0
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, type | types.ModuleType):
+            continue
+        seen.add(id(obj))
+        total += sys.getsizeof(obj)
+        stack.extend(gc.get_referents(obj))
+    return total
+
+
+def folder_member(name: str, mode: int = 0o755, mtime: float = 1_700_000_000) -> _tarread.Member:
+    return _tarread.Member(name, tarfile.DIRTYPE, mode, mtime, 0, "", 0, False)
+
+
+def per_sibling_folder_bytes(target: Path, depth: int) -> float:
+    """What one more folder costs a restore until it ends, for siblings `depth` folders deep."""
+    target.mkdir()
+    fd = os.open(target, os.O_RDONLY | os.O_DIRECTORY)
+    extractor = _extract._Extractor(fd)
+    reader = _tarread.TarReader(io.BytesIO())
+    try:
+        ancestors = "/".join(["level"] * depth)
+        for index in range(1, depth + 1):
+            extractor.add(folder_member("/".join(["level"] * index)), reader)
+        for index in range(8):
+            extractor.add(folder_member(f"{ancestors}/s{index:04d}"), reader)
+        before = retained_bytes(extractor)
+        for index in range(8, 264):
+            extractor.add(folder_member(f"{ancestors}/s{index:04d}"), reader)
+        return (retained_bytes(extractor) - before) / 256
+    finally:
+        extractor.close()
+        os.close(fd)
+
+
+def test_deep_sibling_folders_flood_restore_memory_per_folder_is_flat(tmp_path: Path) -> None:
+    """Invariant: what a restore keeps per folder until it sets folders' modes does not grow with depth.
+
+    Before, each folder's whole path was kept as a tuple of components: about 11 KB a folder
+    at depth 127, 2.3 GB for a snapshot of 200,000 sibling folders there. Measured as the
+    objects reachable from the extractor (deterministic sizes, not the allocator's).
+    Does not prove: the modes and mtimes set (test_restore_keeps_folder_modes_and_mtimes_in_any_member_order).
+    """
+    shallow = per_sibling_folder_bytes(tmp_path / "shallow", 1)
+    deep = per_sibling_folder_bytes(tmp_path / "deep", 100)
+    assert deep <= shallow + 8, (shallow, deep)
+    assert deep < 512
+
+
+def test_restore_keeps_folder_modes_and_mtimes_in_any_member_order(tmp_path: Path) -> None:
+    """Folders get their own mode and mtime, set last, whether a folder's member comes before its
+    content, after it, or the restore comes back into a folder it left; read-only ones included."""
+    target = tmp_path / "restored"
+    target.mkdir()
+    folders = {"ro/sub": (0o500, 1_600_000_001), "ro": (0o555, 1_600_000_002), "open": (0o750, 1_600_000_003)}
+    folders |= {"other": (0o700, 1_600_000_004), "open/deep/er": (0o705, 1_600_000_005)}
+
+    def folder(name: str) -> tarfile.TarInfo:
+        member = entry(name, tarfile.DIRTYPE)
+        member.mode, member.mtime = folders[name]
+        return member
+
+    members = [entry("ro/sub/f", data=b"f"), folder("ro/sub"), folder("ro"), folder("open")]
+    members += [entry("open/a", data=b"a"), folder("other"), entry("open/b", data=b"b"), folder("open/deep/er")]
+    snapshot_id = plant(tmp_path / "snapshots", members, {"ro/sub/f": b"f", "open/a": b"a", "open/b": b"b"})
+    restore_snapshot(tmp_path / "snapshots", snapshot_id, target)
+    for name, (mode, mtime) in folders.items():
+        info = (target / name).lstat()
+        assert (stat.S_IMODE(info.st_mode), info.st_mtime) == (mode, mtime), name
+    assert stat.S_IMODE((target / "open" / "deep").lstat().st_mode) == 0o755
+    assert (target / "ro" / "sub" / "f").read_bytes() == b"f"
+    assert sorted(p.name for p in (target / "open").iterdir()) == ["a", "b", "deep"]
+
+
+def test_restore_implicit_folder_flood_is_refused_at_the_entry_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Invariant: a folder no member names, made for a member inside it, counts as an entry.
+
+    Before, one member could make 127 such folders (`x1/a/a/.../f`), so a restore's folders
+    (and the tree that sets their modes) were bounded by 127 x MAX_ENTRIES, not MAX_ENTRIES.
+    This server's archives name every folder before its content, so none of theirs is refused.
+    """
+    target = tmp_path / "restored"
+    target.mkdir()
+    snapshot_id = plant(tmp_path / "snapshots", [entry(f"x{index}/a/b/f") for index in range(10)])
+    monkeypatch.setattr(_extract, "MAX_ENTRIES", 20)
+    with pytest.raises(ResourceLimit, match="entries"):
+        restore_snapshot(tmp_path / "snapshots", snapshot_id, target)
+
+
+def test_hole_only_file_past_the_byte_bound_snapshots_and_restores(
+    dirs: tuple[Path, Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Invariant: MAX_SNAPSHOT_BYTES bounds the file data an archive holds, on both sides, not sizes.
+
+    Before, `truncate -s 3G x` in a sandbox made its every snapshot fail ("over 2147483648
+    bytes"), though the archive stores a hole-only file as a sparse map of a few bytes. Here the
+    bound is 1 MiB and the file 3 MiB of holes. A dense file past the bound is still refused.
+    """
+    workspace, archive, target = dirs
+    monkeypatch.setattr(_archive, "MAX_SNAPSHOT_BYTES", MIB)
+    monkeypatch.setattr(_extract, "MAX_SNAPSHOT_BYTES", MIB)
+    with (workspace / "holes").open("wb") as stream:
+        stream.truncate(3 * MIB)
+    fill(workspace, "data", 1000)
+    info = take(workspace, archive)
+    restore_snapshot(archive, info.id, target)
+    assert (info.bytes, info.data_bytes) == (3 * MIB + 1000, 1000)
+    assert (target / "holes").stat().st_size == 3 * MIB
+    assert allocated(target / "holes") == 0
+    assert (target / "data").read_bytes() == (workspace / "data").read_bytes()
+    fill(workspace, "dense", MIB)
+    with pytest.raises(ResourceLimit, match="file data"):
+        take(workspace, archive)
+
+
+def test_snapshot_errors_leak_no_host_path_to_the_client(dirs: tuple[Path, Path, Path]) -> None:
+    """Invariant: a store error's reason (what the client sees) names no host path; its detail
+    (the audit log's) does. Before, NotFound and Conflict reasons named the state folder."""
+    workspace, archive, target = dirs
+    (workspace / "f").write_bytes(b"1")
+    info = take(workspace, archive)
+    (target / "taken").write_bytes(b"")
+    unknown = "snap-0123456789abcdef"
+    calls = [
+        lambda: restore_snapshot(archive.parent / "no-snapshots", unknown, target),
+        lambda: delete_snapshot(archive.parent / "no-snapshots", unknown),
+        lambda: restore_snapshot(archive, info.id, target.parent / "nowhere"),
+        lambda: restore_snapshot(archive, info.id, workspace / "f"),
+        lambda: restore_snapshot(archive, info.id, target),
+        lambda: take(workspace.parent / "no-workspace", archive),
+        lambda: take(workspace, workspace / "snapshots"),
+    ]
+    for index, call in enumerate(calls):
+        with pytest.raises(BastionError) as caught:
+            call()
+        assert str(workspace.parent) not in caught.value.reason, index
+        assert str(workspace.parent) in caught.value.detail, index

@@ -17,9 +17,11 @@ by the agent, which may be changing the tree at the same time:
 - Times are written as the exact decimals the reader takes (never tarfile's ``str(float)``,
   which writes ``1e-05``), held within the restore's bound.
 - Size, entry count and depth are bounded (`MAX_SNAPSHOT_BYTES`, `MAX_ENTRIES`, `MAX_DEPTH`,
-  the same bounds `bastion.snapshot._extract` enforces on a restore); so is the archive
-  written (`Budget`: what the snapshot caps and the state filesystem's reserve leave), checked
-  as it is written, so a snapshot stops at its bound instead of filling the disk.
+  the same bounds `bastion.snapshot._extract` enforces on a restore). The size is the file data
+  the archive holds: a sparse file's holes are not counted. Every name listed counts as an
+  entry, skipped ones too, so the walk never holds more than `MAX_ENTRIES` names. The archive
+  written is bounded too (`Budget`: what the snapshot caps and the state filesystem's reserve
+  leave), checked as it is written, so a snapshot stops at its bound instead of filling the disk.
 - A file with holes (``SEEK_DATA``/``SEEK_HOLE``) is stored as a GNU sparse 1.0 member (the
   form GNU tar and `tarfile` read): only its data is read and stored. Past
   `MAX_SPARSE_SEGMENTS` segments (per file or in total) it is stored whole instead; the
@@ -63,7 +65,7 @@ from bastion.snapshot._extract import (
     MTIME_LIMIT_S,
     link_problem,
 )
-from bastion.snapshot._space import SpaceGuard
+from bastion.snapshot._space import NoRoom, SpaceGuard
 from bastion.snapshot._tarread import MAX_SPARSE_SEGMENTS, MAX_SPARSE_SEGMENTS_TOTAL
 
 GZIP_LEVEL: Final = 6
@@ -80,6 +82,7 @@ class _Tally:
     bytes: int = 0
     data_bytes: int = 0  # bytes of content stored: holes excluded
     entries: int = 0
+    listed: int = 0  # names the walk listed, stored or skipped
     skipped: int = 0
     segments: int = 0
 
@@ -109,14 +112,14 @@ class _HashingSink:
             return len(data)
         if self.size + len(data) > self._budget.limit:
             self._over = True
-            raise ResourceLimit(self._budget.message)
+            raise NoRoom(self._budget.message)
         self._raw.write(data)
         self.hash.update(data)
         self.size += len(data)
         if self._budget.guard is not None:
             try:
                 self._budget.guard.wrote(len(data), self._raw.fileno(), "snapshot")
-            except ResourceLimit:
+            except NoRoom:
                 self._over = True
                 raise
         return len(data)
@@ -170,18 +173,36 @@ class Archiver:
         self.tally = _Tally()
 
     def add_tree(self, dir_fd: int, prefix: str, depth: int) -> None:
+        names = self._storable_names(dir_fd, prefix)
+        names.sort(reverse=True)
+        # Popped as visited: while a subfolder is walked, this level keeps only the names still to come.
+        while names:
+            name = names.pop()
+            self._add_entry(dir_fd, name, prefix + name, depth)
+
+    def _storable_names(self, dir_fd: int, prefix: str) -> list[str]:
+        """The names in a folder a restore would take; the others are counted as skipped, never kept.
+
+        Every name listed counts toward `MAX_ENTRIES`, skipped or not: counting only the stored
+        ones let 128 nested folders of skipped names (hard links named with a control character)
+        hold 25 million names in memory.
+        """
         names: list[str] = []
         with os.scandir(dir_fd) as entries:
             for entry in entries:
-                if self.tally.entries + len(names) >= MAX_ENTRIES:
-                    raise ResourceLimit(f"the workspace has more than {MAX_ENTRIES} entries: delete some first")
-                names.append(entry.name)
-        for name in sorted(names):
-            too_long = len((prefix + name).encode("utf-8", "surrogateescape")) > MAX_PATH_BYTES
-            if too_long or name_problem(name) is not None:
-                self.tally.skipped += 1
-                continue
-            self._add_entry(dir_fd, name, prefix + name, depth)
+                self.tally.listed += 1
+                if self.tally.listed > MAX_ENTRIES:
+                    raise ResourceLimit(
+                        f"the workspace has more than {MAX_ENTRIES} entries, counting the ones a snapshot skips "
+                        "(special files, bad names): delete some first"
+                    )
+                name = entry.name
+                too_long = len((prefix + name).encode("utf-8", "surrogateescape")) > MAX_PATH_BYTES
+                if too_long or name_problem(name) is not None:
+                    self.tally.skipped += 1
+                else:
+                    names.append(name)
+        return names
 
     def finish(self) -> None:
         # End of archive: two zero blocks (POSIX.1-2001 ustar).
@@ -260,24 +281,26 @@ class Archiver:
             if not stat.S_ISREG(opened.st_mode) or not _same_file(opened, seen):
                 return False
             size = opened.st_size
-            if self.tally.bytes + size > MAX_SNAPSHOT_BYTES:
-                raise ResourceLimit(
-                    f"the workspace holds over {MAX_SNAPSHOT_BYTES} bytes at '{rel}': delete files before the snapshot"
-                )
             member = self._member(rel, tarfile.REGTYPE, opened.st_mode, opened.st_mtime_ns)
             segments = self._data_segments(fd, size)
+            # What the archive holds: a sparse member stores its data, not its holes (`truncate -s 3G`).
+            data = size if segments is None else sum(length for _, length in segments)
+            if self.tally.data_bytes + data > MAX_SNAPSHOT_BYTES:
+                raise ResourceLimit(
+                    f"the workspace holds over {MAX_SNAPSHOT_BYTES} bytes of file data at '{rel}': "
+                    "delete files before the snapshot"
+                )
             if segments is None:
                 member.size = size
                 self._write_header(member)
                 self._copy(fd, 0, size, rel)
-                stored = size
             else:
-                stored = self._write_sparse(fd, member, size, segments, rel)
+                self._write_sparse(fd, member, size, segments, rel)
         finally:
             os.close(fd)
         self.tally.files += 1
         self.tally.bytes += size
-        self.tally.data_bytes += stored
+        self.tally.data_bytes += data
         return True
 
     def _data_segments(self, fd: int, size: int) -> list[tuple[int, int]] | None:
@@ -316,7 +339,7 @@ class Archiver:
 
     def _write_sparse(
         self, fd: int, member: tarfile.TarInfo, size: int, segments: list[tuple[int, int]], rel: str
-    ) -> int:
+    ) -> None:
         """A GNU sparse 1.0 member: the real name and size in PAX keys, then the map, then the data runs."""
         lines = [str(len(segments))] + [f"{offset}\n{length}" for offset, length in segments]
         sparse_map = ("\n".join(lines) + "\n").encode("ascii")
@@ -339,7 +362,6 @@ class Archiver:
         for offset, length in segments:
             self._copy(fd, offset, length, rel, pad=False)
         self._pad(stored)
-        return stored
 
     def _copy(self, fd: int, offset: int, size: int, rel: str, *, pad: bool = True) -> None:
         os.lseek(fd, offset, os.SEEK_SET)  # SEEK_DATA and SEEK_HOLE moved it

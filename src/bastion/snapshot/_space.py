@@ -22,6 +22,15 @@ from bastion.safety.errors import OperationFailed, ResourceLimit
 CHECK_EVERY_BYTES: Final = 16 * 1024 * 1024
 
 
+class NoRoom(ResourceLimit):
+    """No room for the write now (the reserve, a byte cap, a full disk): it may fit once room is freed.
+
+    The client sees RESOURCE_LIMIT, as for any bound. Crash recovery keeps a workspace it could
+    not snapshot for this reason, for the next start; a snapshot refused by the workspace's own
+    size, entry count or depth is refused at every start, so that workspace is deleted.
+    """
+
+
 class SpaceGuard:
     """Keeps `reserve_bytes` free on the filesystem holding `folder` (a path, or a folder fd it does not own)."""
 
@@ -46,17 +55,17 @@ class SpaceGuard:
         """Refuse `what` if writing `needed` bytes would leave less than the reserve.
 
         Raises:
-            ResourceLimit: naming the reserve and how to free room.
+            NoRoom: naming the reserve and how to free room.
         """
         free = self.free_bytes()
         if free - needed < self.reserve_bytes:
-            raise ResourceLimit(self._message(what, free, needed))
+            raise NoRoom(self._message(what, free, needed))
 
     def wrote(self, size: int, fd: int, what: str) -> None:
         """Count `size` bytes written to `fd`; every `CHECK_EVERY_BYTES`, flush it and check the reserve.
 
         Raises:
-            ResourceLimit: the filesystem went below the reserve while writing.
+            NoRoom: the filesystem went below the reserve while writing.
         """
         self._unchecked += size
         if self._unchecked < CHECK_EVERY_BYTES:
@@ -66,7 +75,7 @@ class SpaceGuard:
         os.fdatasync(fd)
         free = self.free_bytes()
         if free < self.reserve_bytes:
-            raise ResourceLimit(self._message(what, free, 0))
+            raise NoRoom(self._message(what, free, 0))
 
     def _message(self, what: str, free: int, needed: int) -> str:
         wants = f" and {needed} more are needed" if needed else ""

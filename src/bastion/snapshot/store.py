@@ -59,6 +59,7 @@ from bastion.snapshot._extract import DIR_FLAGS, extract
 from bastion.snapshot._extract import MAX_DEPTH as MAX_DEPTH
 from bastion.snapshot._extract import MAX_ENTRIES as MAX_ENTRIES
 from bastion.snapshot._extract import MAX_SNAPSHOT_BYTES as MAX_SNAPSHOT_BYTES
+from bastion.snapshot._space import NoRoom as NoRoom
 from bastion.snapshot._space import SpaceGuard
 
 MAX_LABEL_CHARS: Final = 200
@@ -148,19 +149,23 @@ def create_snapshot(
 
     Raises:
         BastionError: InvalidRequest (label, metadata, archive_dir inside the workspace),
-            NotFound (no workspace), ResourceLimit (a cap, the reserve, a full disk, the
-            workspace's size), OperationFailed.
+            NotFound (no workspace), ResourceLimit (a count cap, the workspace's size,
+            entries or depth), NoRoom, a ResourceLimit (a byte cap, the reserve, a full disk:
+            it may fit once room is freed), OperationFailed.
     """
     _check_label(label)
     extra = _checked_metadata(metadata)
     if archive_dir.resolve().is_relative_to(workspace.resolve()):
         raise InvalidRequest(
-            f"snapshot folder {archive_dir} is inside workspace {workspace}: keep snapshots outside the workspace"
+            "the snapshot folder is inside the workspace: keep snapshots outside the workspace",
+            detail=f"snapshot folder {archive_dir}, workspace {workspace}",
         )
     try:
         root_fd = os.open(workspace, DIR_FLAGS)
     except OSError as exc:
-        raise NotFound(f"workspace {workspace} is not an existing folder: check the sandbox id") from exc
+        raise NotFound(
+            "the workspace is not an existing folder: check the sandbox id", detail=f"{workspace}: {exc!r}"
+        ) from exc
     created: list[str] = []
     try:
         archive_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -201,9 +206,9 @@ def create_snapshot(
             os.close(dir_fd)
     except OSError as exc:
         if exc.errno in _FULL_ERRNOS:
-            raise ResourceLimit(
-                f"the snapshot did not fit: the disk of {archive_dir} is full: delete snapshots with delete_snapshot",
-                detail=repr(exc),
+            raise NoRoom(
+                "the snapshot did not fit: the state filesystem is full: delete snapshots with delete_snapshot",
+                detail=f"{archive_dir}: {exc!r}",
             ) from exc
         raise OperationFailed(
             f"the snapshot could not be written: {exc.strerror or exc}", detail=f"{archive_dir}: {exc!r}"
@@ -217,7 +222,8 @@ def _budget(dir_fd: int, limits: SnapshotLimits, source: str | None) -> Budget:
     """How much archive the next snapshot may write, refusing it now if the answer is nothing.
 
     Raises:
-        ResourceLimit: a count cap is reached, or no room is left under a byte cap or the reserve.
+        ResourceLimit: a count cap is reached.
+        NoRoom: no room is left under a byte cap or the reserve.
     """
     infos = _load_all(dir_fd)
     own = [info for info in infos if source is not None and info.metadata.get("sandbox_id") == source]
@@ -255,7 +261,7 @@ def _budget(dir_fd: int, limits: SnapshotLimits, source: str | None) -> Budget:
         )
     room, why = min(rooms)
     if room <= 0:
-        raise ResourceLimit(f"snapshot refused: {why}: {how}")
+        raise NoRoom(f"snapshot refused: {why}: {how}")
     return Budget(room, f"snapshot refused: {why}: delete snapshots with delete_snapshot, or files first", guard)
 
 
@@ -292,7 +298,7 @@ def restore_snapshot(
             target's disk, a bound of the archive), OperationFailed (corrupt snapshot).
     """
     _check_id(snapshot_id)
-    dir_fd = _open_archive_dir(archive_dir)
+    dir_fd = _open_archive_dir(archive_dir, snapshot_id)
     try:
         info = _load_info(dir_fd, snapshot_id)
         target_fd = _open_empty_target(target)
@@ -354,7 +360,10 @@ def list_snapshots(archive_dir: Path) -> list[SnapshotInfo]:
     except FileNotFoundError:
         return []
     except OSError as exc:
-        raise OperationFailed(f"snapshot folder {archive_dir} cannot be opened: {exc.strerror}") from exc
+        raise OperationFailed(
+            f"the snapshot folder cannot be opened: {exc.strerror}",
+            detail=f"snapshot folder {archive_dir} cannot be opened: {exc!r}",
+        ) from exc
     try:
         return _load_all(dir_fd)
     finally:
@@ -393,7 +402,7 @@ def delete_snapshot(archive_dir: Path, snapshot_id: str) -> None:
         BastionError: InvalidRequest (bad id), NotFound, OperationFailed.
     """
     _check_id(snapshot_id)
-    dir_fd = _open_archive_dir(archive_dir)
+    dir_fd = _open_archive_dir(archive_dir, snapshot_id)
     try:
         removed = False
         for name in (f"{snapshot_id}.json", f"{snapshot_id}.tar.gz"):
@@ -447,25 +456,35 @@ def _new_id(dir_fd: int) -> str:
             return snapshot_id
 
 
-def _open_archive_dir(archive_dir: Path) -> int:
+def _open_archive_dir(archive_dir: Path, snapshot_id: str) -> int:
+    """The snapshot folder's fd; the errors name `snapshot_id`, and the folder's path only in their detail."""
     try:
         return os.open(archive_dir, DIR_FLAGS)
     except FileNotFoundError as exc:
-        raise NotFound(f"snapshot folder {archive_dir} does not exist: take a snapshot first") from exc
+        raise NotFound(
+            f"snapshot {snapshot_id} does not exist: list the snapshots to find its id",
+            detail=f"snapshot folder {archive_dir} does not exist",
+        ) from exc
     except OSError as exc:
-        raise OperationFailed(f"snapshot folder {archive_dir} cannot be opened: {exc.strerror}") from exc
+        raise OperationFailed(
+            f"the snapshot folder cannot be opened: {exc.strerror}",
+            detail=f"snapshot folder {archive_dir} cannot be opened: {exc!r}",
+        ) from exc
 
 
 def _open_empty_target(target: Path) -> int:
+    where = f"restore target {target}"
     try:
         fd = os.open(target, DIR_FLAGS)
     except FileNotFoundError as exc:
-        raise Conflict(f"restore target {target} does not exist: create an empty folder first") from exc
+        raise Conflict("the restore target does not exist: create an empty folder first", detail=where) from exc
     except OSError as exc:
-        raise Conflict(f"restore target {target} is not a folder: pass an empty folder") from exc
+        raise Conflict("the restore target is not a folder: pass an empty folder", detail=where) from exc
     try:
         if os.listdir(fd):
-            raise Conflict(f"restore target {target} is not empty: nothing is overwritten; pass an empty folder")
+            raise Conflict(
+                "the restore target is not empty: nothing is overwritten; pass an empty folder", detail=where
+            )
     except BaseException:
         os.close(fd)
         raise

@@ -59,6 +59,7 @@ from bastion.sandbox.identity import HostIdentity, IdentityPool
 from bastion.sandbox.microvm import MicroVMBackend, MicroVMSettings, probe_microvm, recover_run_dirs
 from bastion.sandbox.warm import BubblewrapBackend
 from bastion.snapshot.store import (
+    NoRoom,
     SnapshotInfo,
     SnapshotLimits,
     create_snapshot,
@@ -205,6 +206,8 @@ class SandboxManager:
         self._snapshot_turn = anyio.Lock()  # snapshots are written one at a time: they wait here, unfrozen
         # Sandboxes whose workspace a snapshot is reading: closing one removes its files only after.
         self._archiving: dict[str, anyio.Event] = {}
+        # Sandboxes a restore is writing (as their host id): closing one removes the files, and frees the id, after.
+        self._restoring: dict[str, anyio.Event] = {}
         self._redactor = redactor
         self._cgroups = cgroups
         self._boxes: dict[str, Sandbox] = {}
@@ -760,25 +763,42 @@ class SandboxManager:
 
     async def restore(self, snapshot_id: str, *, owner: str) -> tuple[Sandbox, SnapshotInfo]:
         """A new sandbox whose workspace is the snapshot's, byte for byte, of the source's template
-        (a microVM's snapshot comes back as a microVM) while that template exists, else the default."""
+        (a microVM's snapshot comes back as a microVM) while that template exists, else the default.
+
+        Raises:
+            BastionError: as `create` and `restore_snapshot` (the new sandbox is then closed), or
+                SandboxNotFound when the new sandbox was closed (a call, the reaper) during the restore.
+        """
         box = await self.create(owner=owner, template=await self._template_of(snapshot_id))
+        # No await since create registered the box: a close from here on waits for the restore (see close).
+        restoring = self._restoring[box.id] = anyio.Event()
         try:
-            info = await anyio.to_thread.run_sync(
-                functools.partial(
-                    restore_snapshot,
-                    self._snapshots,
-                    snapshot_id,
-                    box.root / "workspace",
-                    owner=_owner(box.workspace.identity),
-                    # The workspace's blocks land in the sandbox's folder (its disk image): the state filesystem.
-                    state_dir=box.root,
-                    reserve_bytes=self._config.state_reserve_bytes,
-                ),
-                limiter=self._snapshot_threads,
-            )
+            try:
+                info = await anyio.to_thread.run_sync(
+                    functools.partial(
+                        restore_snapshot,
+                        self._snapshots,
+                        snapshot_id,
+                        box.root / "workspace",
+                        owner=_owner(box.workspace.identity),
+                        # The workspace's blocks land in the sandbox's folder (its disk image): the state filesystem.
+                        state_dir=box.root,
+                        reserve_bytes=self._config.state_reserve_bytes,
+                    ),
+                    limiter=self._snapshot_threads,
+                )
+            finally:
+                del self._restoring[box.id]
+                restoring.set()
         except BaseException:
-            await self.close(box.id)
+            # Closed meanwhile (a call, the reaper): that close removes the files; its absence is not the error.
+            with contextlib.suppress(SandboxNotFound):
+                await self.close(box.id)
             raise
+        if box.id not in self._boxes:
+            raise SandboxNotFound(
+                f"sandbox {box.id} was closed while snapshot {snapshot_id} was restored into it: restore it again"
+            )
         return box, info
 
     async def _template_of(self, snapshot_id: str) -> str | None:
@@ -828,7 +848,8 @@ class SandboxManager:
         """Clean what a crashed server left: its cgroups, and its sandboxes' folders, which
         are kept as snapshots (label ``recovered``) until `orphan_retention_s` passes. Expired
         snapshots and an interrupted snapshot's files go first; a workspace whose snapshot would
-        eat the state reserve is kept as it is, for the next start.
+        eat the state reserve is kept as it is, for the next start, and one that cannot be
+        snapshotted for another reason is deleted (see `_recover_sandbox`).
 
         Processes need no cleaning: bwrap's --die-with-parent ended them with the server, and a
         VMM's parent-death signal; a VMM that outlived it anyway is killed with its folder.
@@ -850,29 +871,41 @@ class SandboxManager:
         limits = SnapshotLimits(reserve_bytes=self._config.state_reserve_bytes)
         if self._dir.is_dir():
             for root in sorted(self._dir.iterdir()):
-                if not root.name.startswith(SANDBOX_ID_PREFIX) or root.name in self._boxes:
-                    continue
-                workspace = root / "workspace"
-                image = root / _DISK_IMAGE
-                if image.is_file() and not os.path.ismount(workspace):
-                    # After a host reboot the image is no longer mounted: mount it to keep its files.
-                    try:
-                        mount_disk(image, workspace)
-                    except BastionError as exc:
-                        logger.error("sandbox %s left by a crash kept as is: %s", root.name, exc.reason)
-                        continue
-                # An empty workspace (a warm-pool sandbox never handed out) has nothing to keep.
-                if workspace.is_dir() and not workspace.is_symlink() and _holds_files(workspace):
-                    metadata = {"sandbox_id": root.name, "recovered": "true"}
-                    try:
-                        info = create_snapshot(
-                            workspace, self._snapshots, label="recovered", metadata=metadata, limits=limits
-                        )
-                    except BastionError as exc:
-                        logger.error("sandbox %s left by a crash kept as is: %s", root.name, exc.reason)
-                        continue
-                    made.append(info.id)
-                _discard(root)
+                if root.name.startswith(SANDBOX_ID_PREFIX) and root.name not in self._boxes:
+                    made.extend(self._recover_sandbox(root, limits))
+        return made
+
+    def _recover_sandbox(self, root: Path, limits: SnapshotLimits) -> list[str]:
+        """Keep a crashed sandbox's workspace as a snapshot, then delete its folder; returns the snapshot made.
+
+        Kept as it is when its image does not mount, or when the state filesystem has no room
+        (`NoRoom`): a later start may succeed. A snapshot refused for another reason (over the
+        snapshot bounds: entries, file data, depth) would be refused at every start, each time
+        holding the folder's mount, loop device and image: the folder is deleted, with one line.
+        """
+        workspace = root / "workspace"
+        image = root / _DISK_IMAGE
+        if image.is_file() and not os.path.ismount(workspace):
+            # After a host reboot the image is no longer mounted: mount it to keep its files.
+            try:
+                mount_disk(image, workspace)
+            except BastionError as exc:
+                logger.error("sandbox %s left by a crash kept as is: %s", root.name, exc.reason)
+                return []
+        made = []
+        # An empty workspace (a warm-pool sandbox never handed out) has nothing to keep.
+        if workspace.is_dir() and not workspace.is_symlink() and _holds_files(workspace):
+            metadata = {"sandbox_id": root.name, "recovered": "true"}
+            try:
+                info = create_snapshot(workspace, self._snapshots, label="recovered", metadata=metadata, limits=limits)
+            except NoRoom as exc:
+                logger.error("sandbox %s left by a crash kept as is, for the next start: %s", root.name, exc.reason)
+                return []
+            except BastionError as exc:
+                logger.error("sandbox %s left by a crash deleted without a snapshot: %s", root.name, exc.reason)
+            else:
+                made.append(info.id)
+        _discard(root)
         return made
 
     def _remove_stale_sockets(self) -> None:
@@ -903,6 +936,7 @@ class SandboxManager:
         exit, the cgroup emptying, unmounting and deleting many files: seconds for a tmpfs of
         700,000 files) run in worker threads, so other calls go on meanwhile. Once begun, it runs
         to the end even if the caller is cancelled (a half-closed sandbox would leak its mounts).
+        A snapshot or restore of the sandbox under way ends before its files are removed.
 
         Raises:
             SandboxNotFound: no such sandbox (or it is being closed already).
@@ -912,9 +946,11 @@ class SandboxManager:
             box.network.close()
             await box.workspace.sandbox.aclose(final=True)
             box.workspace.close()  # nothing left to wait for: its jail's fds, its records
-            archiving = self._archiving.get(box.id)
-            if archiving is not None:
-                await archiving.wait()  # a snapshot under way reads the files: they stay until it is whole
+            # A snapshot under way reads the files, a restore writes them as the sandbox's host id:
+            # the files, and the id, stay until it ends.
+            for busy in (self._archiving.get(box.id), self._restoring.get(box.id)):
+                if busy is not None:
+                    await busy.wait()
             await asyncio.wrap_future(self._workers.submit(self._discard_files, box.id, box.root))
             self._release_identity(box.id)
 
