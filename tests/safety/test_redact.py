@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import unicodedata
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,13 @@ from hypothesis import strategies as st
 
 from bastion.safety import redact as redact_mod
 from bastion.safety.errors import ConfigError
-from bastion.safety.redact import SLICE_CONTEXT_BYTES, STREAM_HOLD_CAP_CHARS, Redactor, sanitize_terminal
+from bastion.safety.redact import (
+    SLICE_CONTEXT_BYTES,
+    STREAM_HOLD_CAP_CHARS,
+    Redactor,
+    sanitize_name,
+    sanitize_terminal,
+)
 
 CORPUS_FILE = Path(__file__).resolve().parents[1] / "attacks" / "attack-corpus.json"
 CORPUS = {e["id"]: e for e in json.loads(CORPUS_FILE.read_text())}
@@ -564,3 +571,19 @@ def test_letters_regex_case_folding_matches_to_ascii_do_not_hide_a_key(text: str
         redacted = Redactor().redact(sample)
         assert "hunter2hunter2" not in redacted
         assert "dXNlcjpodW50ZXIy" not in redacted
+
+
+@given(st.text(), st.text())
+def test_two_different_names_never_show_the_same(first: str, second: str) -> None:
+    """Attack: a name crafted to look like another (an escape sequence removed, a zero-width mark, a backslash
+    imitating an escape) steered an agent to the wrong file. Shown names are one-to-one with names, and hold no
+    control or invisible character."""
+    shown = sanitize_name(first)
+    assert (shown == sanitize_name(second)) == (first == second)
+    assert not any(unicodedata.category(char) in {"Cc", "Cf", "Cs", "Zl", "Zp"} for char in shown)
+
+
+def test_a_name_with_an_escape_sequence_is_shown_escaped_not_cleaned() -> None:
+    assert sanitize_name("rep\x1b[0mort.txt") == "rep\\u001b[0mort.txt"
+    assert sanitize_name("a\u200bb\nc\\d") == "a\\u200bb\\u000ac\\\\d"
+    assert sanitize_name("caf\udce9.txt") == "caf\\xe9.txt"

@@ -122,23 +122,30 @@ PEM_LINES = [("QkFTRTY0" * 8)[:64] for _ in range(60)]  # about 4 KiB of key bod
 
 
 @pytest.mark.bwrap
-async def test_list_directory_names_are_redacted_like_ls(client: Client) -> None:
-    """Invariant: list_directory shows a folder's names as `ls` of it shows them through
-    run_command: the same cleaning and the same redactor, so a token or key=value in a file
-    name is hidden by both and an escape sequence in one reaches neither.
+async def test_list_directory_names_are_redacted_like_ls_and_an_escape_sequence_never_reads_as_another_name(
+    client: Client,
+) -> None:
+    """Invariant: list_directory hides a token or key=value in a file name with the same redactor as `ls`
+    through run_command. Attack: `ls`'s cleaning removes an escape sequence, so `a<ESC>[31mb` showed as `ab`,
+    the name of another file beside it, and an agent acted on the wrong file; a name's control characters are
+    shown escaped instead, never removed.
     """
     box = await create(client)
     made = await sh(
-        client, box, f"mkdir d && cd d && touch {TOKEN} 'password=hunter2secret' plain.txt \"$(printf 'a\\033[31mb')\""
+        client,
+        box,
+        f"mkdir d && cd d && touch {TOKEN} 'password=hunter2secret' plain.txt ab \"$(printf 'a\\033[31mb')\"",
     )
     assert made["detail"]["exit_status"] == 0, made
     listed = await call(client, "list_directory", path="d", sandbox_id=box)
     names = sorted(entry["name"] for entry in listed["detail"]["entries"])
-    ls = await sh(client, box, "ls -A1 d")
-    assert names == sorted(ls["detail"]["stdout"].splitlines())
-    assert names == sorted(["[REDACTED:github_token]", "ab", "password=[REDACTED:credential]", "plain.txt"])
+    assert names == sorted(
+        ["[REDACTED:github_token]", "ab", "a\\u001b[31mb", "password=[REDACTED:credential]", "plain.txt"]
+    )
     assert TOKEN not in json.dumps(listed)
     assert "hunter2secret" not in json.dumps(listed)
+    found = await call(client, "search_files", pattern="b", path="d", sandbox_id=box)
+    assert {"d/a\\u001b[31mb", "d/ab"} <= set(found["detail"]["name_matches"]), found
 
 
 async def test_read_file_slices_never_show_a_token_cut_in_two(client: Client, workspace: Path) -> None:

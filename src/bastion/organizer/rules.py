@@ -11,12 +11,12 @@ from __future__ import annotations
 import fnmatch
 import re
 import stat
-import unicodedata
 from dataclasses import dataclass
 from typing import Final
 
 from bastion.config import InboxConfig, SkipKind, SkipRule
 from bastion.safety.paths import name_problem
+from bastion.safety.redact import sanitize_name
 from bastion.safety.results import ResultCode
 
 # The code a refusal by a protection rule of each kind carries; pattern rules are POLICY_DENIED.
@@ -28,21 +28,10 @@ _KIND_CODES: Final[dict[str, ResultCode]] = {
     "occupied_destination": ResultCode.CONFLICT,
     "folder": ResultCode.POLICY_DENIED,
 }
-_ESCAPED_CATEGORIES: Final = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
 
 
-def display_name(name: str) -> str:
-    """A name safe to show: control and invisible characters, and undecodable bytes, escaped."""
-    out: list[str] = []
-    for char in name:
-        point = ord(char)
-        if 0xDC80 <= point <= 0xDCFF:  # os.fsdecode's surrogateescape for an undecodable byte
-            out.append(f"\\x{point - 0xDC00:02x}")
-        elif char == "\\" or unicodedata.category(char) in _ESCAPED_CATEGORIES:
-            out.append("\\\\" if char == "\\" else f"\\u{point:04x}")
-        else:
-            out.append(char)
-    return "".join(out)
+display_name = sanitize_name
+"""A name safe to show (`bastion.safety.redact.sanitize_name`)."""
 
 
 def entry_kind(mode: int) -> str:

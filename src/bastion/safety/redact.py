@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import re
+import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
@@ -557,6 +558,31 @@ def sanitize_terminal(text: str) -> str:
     text = _CONTROLS.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
     text = _SURROGATES.sub(_escaped_surrogate, text)
     return _BIDI.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+
+
+_ESCAPED_NAME_CATEGORIES: Final = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
+
+
+def sanitize_name(name: str) -> str:
+    """A file name safe to show and never mistaken for another.
+
+    Every control and invisible character (Unicode categories Cc, Cf, Cs, Zl, Zp: ESC, newline,
+    zero-width and bidi marks) is shown as ``\\uNNNN``, an undecodable byte (os.fsdecode's lone
+    surrogate) as ``\\xNN``, and a backslash doubled. Unlike `sanitize_terminal`, an escape sequence
+    is shown, not removed: ``rep\\x1b[0mort.txt`` would otherwise read as ``report.txt``, another file.
+    """
+    out: list[str] = []
+    for char in name:
+        point = ord(char)
+        if 0xDC80 <= point <= 0xDCFF:
+            out.append(f"\\x{point - 0xDC00:02x}")
+        elif char == "\\":
+            out.append("\\\\")
+        elif unicodedata.category(char) in _ESCAPED_NAME_CATEGORIES:
+            out.append(f"\\u{point:04x}")
+        else:
+            out.append(char)
+    return "".join(out)
 
 
 def _escaped_surrogate(match: re.Match[str]) -> str:

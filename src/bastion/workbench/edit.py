@@ -17,7 +17,7 @@ from typing import Final
 
 from bastion.safety.errors import InvalidRequest, NotFound, ResourceLimit
 from bastion.safety.paths import MAX_READ_BYTES, MAX_WRITE_BYTES, Jail
-from bastion.safety.redact import Redactor, sanitize_terminal
+from bastion.safety.redact import Redactor, sanitize_name, sanitize_terminal
 
 MAX_DIFF_CHARS: Final = 64 * 1024
 MAX_EDIT_BYTES: Final = MAX_READ_BYTES
@@ -46,7 +46,7 @@ def edit_text(
             raise InvalidRequest(f"{name} has a lone surrogate character, which is not text: remove it") from None
     # A link to a file of the workspace is edited at its target and stays a link (as an editor does).
     read = jail.read(jail.real_path(path), length=MAX_EDIT_BYTES)
-    shown = redactor.redact(sanitize_terminal(read.path))  # the real path: names a sandbox chose
+    shown = redactor.redact(sanitize_name(read.path))  # the real path: names a sandbox chose
     if not read.eof:
         raise ResourceLimit(
             f"{shown} is {read.size} bytes, over the {MAX_EDIT_BYTES} byte limit of edit_file: use write_file"

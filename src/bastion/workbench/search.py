@@ -17,7 +17,7 @@ from typing import Final
 
 from bastion.safety.errors import BastionError, InvalidRequest
 from bastion.safety.paths import Jail, WalkEntry
-from bastion.safety.redact import Redactor, sanitize_terminal
+from bastion.safety.redact import Redactor, sanitize_name, sanitize_terminal
 from bastion.safety.search import SEARCH_BUDGET_S, SearchPattern
 
 DEFAULT_SEARCH_RESULTS: Final = 100
@@ -118,11 +118,11 @@ def _search_entry(
     max_results: int,
     deadline: float,
 ) -> None:
-    name = redactor.redact(sanitize_terminal(entry.path.rpartition("/")[2]))
+    name = redactor.redact(sanitize_name(entry.path.rpartition("/")[2]))
     if pattern.found_in(name):
         if _full(tally, max_results):
             return
-        tally.names.append(redactor.redact(sanitize_terminal(entry.path)))
+        tally.names.append(redactor.redact(sanitize_name(entry.path)))
     if entry.kind != "file":
         return
     if entry.size > MAX_SEARCH_FILE_BYTES:
@@ -135,7 +135,7 @@ def _search_entry(
     if text is None:
         return
     tally.scanned_files += 1
-    shown_path = redactor.redact(sanitize_terminal(entry.path))
+    shown_path = redactor.redact(sanitize_name(entry.path))
     # Cleaned before redaction (an escape sequence inside a token must not hide it); both keep the line breaks.
     lines = redactor.redact_keeping_lines(sanitize_terminal(text)).split("\n")
     for number, line in enumerate(lines, start=1):

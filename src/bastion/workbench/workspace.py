@@ -32,7 +32,7 @@ from bastion.safety.errors import (
 )
 from bastion.safety.output import clean_output
 from bastion.safety.paths import MAX_READ_BYTES, MAX_SCAN_ENTRIES, Jail, open_real_folder, privileged_file
-from bastion.safety.redact import SLICE_CONTEXT_BYTES, Redactor, sanitize_terminal
+from bastion.safety.redact import SLICE_CONTEXT_BYTES, Redactor, sanitize_name
 from bastion.safety.search import search_pattern
 from bastion.sandbox import (
     SANDBOX_PATH,
@@ -458,8 +458,8 @@ class HostWorkspace:
         }
 
     def _shown_name(self, name: str) -> str:
-        # A file name is output too: cleaned and redacted as `ls` printing it would be.
-        return self.redactor.redact(sanitize_terminal(name))
+        # Escaped, not cleaned as output is: a name with an escape sequence in it must not read as another's.
+        return self.redactor.redact(sanitize_name(name))
 
     # Background processes (sandboxes only): started by run_command(background=true).
 
