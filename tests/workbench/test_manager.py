@@ -612,6 +612,33 @@ def test_recovery_makes_no_snapshot_of_a_disk_caught_before_lost_found_was_remov
     assert not orphan.parent.exists()
 
 
+def test_a_recovered_snapshot_outlives_a_clock_step_forward_in_the_start_that_made_it(demo_config_path: Path) -> None:
+    """Attack (the host's clock, not an agent): a host booting with its clock far behind (no RTC, before NTP)
+    stamps the snapshots recovered at start in the past, and the sync's step forward made the next reap delete
+    them, a crashed sandbox's only copy. Within the start that made it, a recovered snapshot is also aged on the
+    monotonic clock; a later start, with no such memory, expires it by its record as before."""
+    config = load_config(demo_config_path)
+    orphan = config.sandboxes_dir / "sb-0123456789ab" / "workspace"
+    orphan.mkdir(parents=True)
+    (orphan / "work.txt").write_text("only copy\n")
+    services = build_services(config)
+    try:
+        (info,) = services.sandboxes.snapshots()
+        record = config.state_dir / "snapshots" / f"{info.id}.json"
+        stamped = json.loads(record.read_text())
+        stamped["created"] = time.time() - 10 * config.sandboxes.orphan_retention_s  # the clock stepped forward
+        record.write_text(json.dumps(stamped))
+        assert services.sandboxes.expire_snapshots() == []
+        assert [s.id for s in services.sandboxes.snapshots()] == [info.id]
+    finally:
+        services.close()
+    services = build_services(config)
+    try:
+        assert services.sandboxes.snapshots() == []
+    finally:
+        services.close()
+
+
 async def test_a_create_that_cannot_make_its_socket_folder_holds_no_host_id(
     services: Services, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -206,6 +206,8 @@ class SandboxManager:
         self._snapshot_turn = anyio.Lock()  # snapshots are written one at a time: they wait here, unfrozen
         # Sandboxes whose workspace a snapshot is reading: closing one removes its files only after.
         self._archiving: dict[str, anyio.Event] = {}
+        self._made_at: dict[str, float] = {}
+        """Snapshot id -> `time.monotonic()` when this process recovered it (`expire_snapshots`)."""
         # Sandboxes a restore is writing (as their host id): closing one removes the files, and frees the id, after.
         self._restoring: dict[str, anyio.Event] = {}
         self._redactor = redactor
@@ -834,11 +836,22 @@ class SandboxManager:
         return info.created + (self._config.orphan_retention_s if recovered else self._config.snapshot_retention_s)
 
     def expire_snapshots(self) -> list[str]:
-        """Delete the snapshots past their retention (see `snapshot_expires`); return their ids. Blocking (unlinks)."""
-        now = time.time()
+        """Delete the snapshots past their retention (see `snapshot_expires`); return their ids. Blocking (unlinks).
+
+        A snapshot this process recovered at its start is also aged on the monotonic clock, and
+        kept while either clock says it is young: a host that boots with its clock far behind (no
+        RTC, before NTP) stamps them in the past, and the sync's step forward would otherwise delete
+        them, a crashed sandbox's only copy, at the next reap.
+        """
+        now, ticks = time.time(), time.monotonic()
+        found = list_snapshots(self._snapshots)
+        self._made_at = {info.id: self._made_at[info.id] for info in found if info.id in self._made_at}
         expired = []
-        for info in list_snapshots(self._snapshots):
-            if self.snapshot_expires(info) < now:
+        for info in found:
+            retention = self.snapshot_expires(info) - info.created
+            made = self._made_at.get(info.id)
+            age = now - info.created if made is None else min(now - info.created, ticks - made)
+            if age > retention:
                 with contextlib.suppress(NotFound):  # deleted meanwhile by a call
                     delete_snapshot(self._snapshots, info.id)
                     expired.append(info.id)
@@ -904,6 +917,7 @@ class SandboxManager:
             except BastionError as exc:
                 logger.error("sandbox %s left by a crash deleted without a snapshot: %s", root.name, exc.reason)
             else:
+                self._made_at[info.id] = time.monotonic()
                 made.append(info.id)
         _discard(root)
         return made
