@@ -7,6 +7,7 @@ under pytest's tmp_path: ``ws`` is the workspace root, ``outside`` a folder besi
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fnmatch
 import json
 import os
@@ -21,6 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from bastion.safety import paths as paths_module
 from bastion.safety.errors import (
     BastionError,
     ConfigError,
@@ -1114,6 +1116,72 @@ def test_a_root_jail_acting_as_the_folder_owner_cannot_do_what_the_owner_could_n
     assert not (ws / "bobs" / "new.txt").exists()
     for made in (ws / "mine", ws / "mine" / "new.txt"):
         assert (made.stat().st_uid, made.stat().st_gid) == (12345, 12346)
-    ids = dict(line.split(":\t", 1) for line in Path("/proc/thread-self/status").read_text().splitlines()[:12])
-    assert (ids["Uid"].split(), ids["Gid"].split()) == (["0"] * 4, ["0"] * 4)  # real, effective, saved, fs
+    _assert_thread_is_the_servers()
     assert (ws / "bob.txt").read_text() == "bob's notes"  # this thread is root again: its own checks are back
+
+
+def _thread_ids() -> dict[str, list[str]]:
+    fields = dict(line.split(":\t", 1) for line in Path("/proc/thread-self/status").read_text().splitlines())
+    return {name: fields[name].split() for name in ("Uid", "Gid", "Groups")}
+
+
+def _assert_thread_is_the_servers() -> None:
+    ids = _thread_ids()
+    assert (ids["Uid"], ids["Gid"]) == (["0"] * 4, ["0"] * 4)  # real, effective, saved, filesystem
+    assert ids["Groups"] == [str(group) for group in os.getgroups()]
+    assert ctypes.CDLL(None).prctl(3, 0, 0, 0, 0) == 1  # PR_GET_DUMPABLE: as before the switch
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user is a root server's")
+def test_acting_as_the_owner_drops_the_servers_groups_and_keeps_a_setgid_folders(ws: Path) -> None:
+    """Attack: the switch kept root's supplementary groups, so a root:root 0640 file in the owner's folder
+    was readable though commands (run with no supplementary group) are refused it; and a file made in a
+    setgid folder was chowned to the owner's primary group instead of the folder's."""
+    os.chown(ws, 12345, 12346)
+    (ws / "root-group.txt").write_text("root group only")
+    (ws / "root-group.txt").chmod(0o640)
+    os.setgroups([0, 4242])
+    try:
+        shared = ws / "shared"
+        shared.mkdir()
+        os.chown(shared, 12345, 4242)
+        shared.chmod(0o2775)
+        with Jail(ws, owner=(12345, 12346), act_as_owner=True) as jail:
+            with pytest.raises(OperationFailed, match="refused access"):
+                jail.read("root-group.txt")
+            jail.write("shared/made.txt", b"x")
+            jail.write("shared/sub/made.txt", b"x", create_parents=True)
+        for made in (shared / "made.txt", shared / "sub", shared / "sub" / "made.txt"):
+            assert (made.stat().st_uid, made.stat().st_gid) == (12345, 4242), made
+        _assert_thread_is_the_servers()
+    finally:
+        os.setgroups([0])
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user is a root server's")
+def test_a_signal_cutting_the_restore_leaves_the_thread_as_the_server_and_is_raised(
+    ws: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Attack: a jail operation runs on the event loop's thread, where a signal's handler can raise
+    (KeyboardInterrupt) between two calls of the restore; the thread stayed as the user, and the server's
+    later work (removing state folders, the audit log) ran as them. The restore runs again, then the
+    interruption goes on."""
+    os.chown(ws, 12345, 12346)
+    real = paths_module._restore_server_identity
+    calls = []
+
+    def interrupted(groups: list[int]) -> None:
+        calls.append(groups)
+        if len(calls) == 1:
+            paths_module._libc.setfsuid(os.geteuid())  # cut after its first call
+            raise KeyboardInterrupt
+        real(groups)
+
+    monkeypatch.setattr(paths_module, "_restore_server_identity", interrupted)
+    with Jail(ws, owner=(12345, 12346), act_as_owner=True) as jail, pytest.raises(KeyboardInterrupt):
+        jail.write("notes.txt", b"x")
+    assert len(calls) == 2
+    _assert_thread_is_the_servers()
+    assert (ws / "notes.txt").stat().st_uid == 12345

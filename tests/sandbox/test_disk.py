@@ -8,6 +8,8 @@ file under tmp_path: the kernel detaches an autoclear device once its last user 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -191,3 +193,25 @@ def test_devpts_is_made_in_a_mount_namespace_of_its_own_and_attached_here(tmp_pa
     assert line[line.index("-") + 1] == "devpts"
     assert {"mode=620", "ptmxmode=666", "max=7"} <= set(line[-1].split(","))
     assert (target / "ptmx").stat().st_mode & 0o777 == 0o666
+
+
+def test_an_image_is_formatted_by_a_server_that_is_not_dumpable_and_has_no_ptrace(tmp_path: Path) -> None:
+    """Attack (found by review): a host workspace's file tools change their thread's file ids, which makes the
+    kernel mark the server not dumpable; under the shipped unit (no CAP_SYS_PTRACE) mkfs could then no longer
+    open the image as /proc/<server>/fd/N, and every sandbox failed to get a disk. mkfs gets the fd itself."""
+    script = (
+        "import ctypes, sys\n"
+        "from pathlib import Path\n"
+        "assert ctypes.CDLL(None).prctl(4, 0, 0, 0, 0) == 0  # PR_SET_DUMPABLE 0, as after a file-id change\n"
+        "from bastion.sandbox._disk import format_image\n"
+        "print(len(format_image(Path(sys.argv[1]), int(sys.argv[2])).extents))\n"
+    )
+    done = subprocess.run(
+        ["setpriv", "--bounding-set", "-sys_ptrace", sys.executable, "-c", script, str(tmp_path), str(SIZE)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout) > 0

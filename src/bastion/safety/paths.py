@@ -449,27 +449,65 @@ def _leased(method: Callable[Concatenate[Jail, _P], _R]) -> Callable[Concatenate
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
+_PR_SET_DUMPABLE: Final = 4  # include/uapi/linux/prctl.h
+_RESTORE_ATTEMPTS: Final = (
+    3  # a restore cut by a signal's exception is tried again; a real failure is not retried for ever
+)
+# setgroups(2) as the raw system call: glibc's applies the groups to every thread of the process.
+_SYS_SETGROUPS: Final = {"x86_64": 116, "amd64": 116, "aarch64": 159, "arm64": 159}.get(os.uname().machine.lower())
+
+
+def _set_thread_groups(groups: Sequence[int]) -> None:
+    if _SYS_SETGROUPS is None:
+        raise Unavailable(f"cannot set one thread's groups on machine type {os.uname().machine}")
+    array = (ctypes.c_uint32 * len(groups))(*groups)
+    if _libc.syscall(_SYS_SETGROUPS, len(groups), array) != 0:
+        code = ctypes.get_errno()
+        raise Unavailable(f"could not set this thread's groups ({os.strerror(code)}): the server needs CAP_SETGID")
 
 
 @contextlib.contextmanager
 def _file_identity(uid: int, gid: int) -> Iterator[None]:
-    """Run the block with this thread's filesystem ids set to `uid` and `gid` (setfsuid(2), setfsgid(2)).
+    """Run the block with this thread's filesystem ids set to `uid` and `gid`, and no supplementary group.
 
-    The kernel then checks every access as that user and gives new files to them; a root thread's
-    capabilities that override file permissions are off meanwhile, and back after. Per thread, so
-    nothing else of the process is affected: a jail's operations never await, so the event loop runs
-    nothing else while one does.
+    The kernel then checks every access as that user with only their primary group, as the
+    workspace's commands run (``setpriv --clear-groups``), and gives new files to them (a setgid
+    folder's group still passes on); a root thread's capabilities that override file permissions are
+    off meanwhile. Per thread (setfsuid(2), setfsgid(2), the raw setgroups(2)): a jail's operations
+    never await, so the event loop runs nothing else while one does.
+
+    The restore sets the server's own ids whatever happened, and again if an exception (a signal's,
+    on the main thread) cut it short: a thread left as the user would do the server's later work as
+    them. Changing file ids makes the kernel mark the process not dumpable; it is marked dumpable
+    again, as it was (children such as mkfs look into /proc/<pid>, which needs that).
     """
-    old_gid = _libc.setfsgid(gid)
-    old_uid = _libc.setfsuid(uid)
+    groups = os.getgroups()
     try:
+        _set_thread_groups(())
+        _libc.setfsgid(gid)
+        _libc.setfsuid(uid)
         # Neither call reports an error; asking again returns the ids in force (setfsuid(2)).
         if _libc.setfsuid(uid) != uid or _libc.setfsgid(gid) != gid:
             raise Unavailable(f"could not act as uid {uid} and gid {gid} on files: the server needs CAP_SETUID")
         yield
     finally:
-        _libc.setfsuid(old_uid)
-        _libc.setfsgid(old_gid)
+        cut: BaseException | None = None
+        for _ in range(_RESTORE_ATTEMPTS):
+            try:
+                _restore_server_identity(groups)
+            except BaseException as exc:  # restore again first; what cut it is raised after
+                cut = cut or exc
+                continue
+            break
+        if cut is not None:
+            raise cut
+
+
+def _restore_server_identity(groups: Sequence[int]) -> None:
+    _libc.setfsuid(os.geteuid())
+    _libc.setfsgid(os.getegid())
+    _set_thread_groups(groups)
+    _libc.prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)
 
 
 @final
@@ -1208,7 +1246,7 @@ class Jail:
         A root server writing into a setuid file would keep the bit (it holds CAP_FSETID),
         so new bytes would run with the owner's privileges: the bits go before any byte does.
         """
-        if created and self._owner is not None:
+        if created and self._owner is not None and self._acts_as is None:  # acting as the owner: theirs already
             os.fchown(fd, *self._owner)
         mode = os.fstat(fd).st_mode
         if mode & _PRIVILEGE_BITS:
@@ -1231,7 +1269,8 @@ class Jail:
         try:
             if os.fstat(fd).st_uid != maker:
                 raise Conflict(f"the folder '{rel}' was replaced while it was made (a concurrent change): try again")
-            os.fchown(fd, *self._owner)
+            if self._acts_as is None:  # acting as the owner, it is theirs, with the group a setgid parent gives
+                os.fchown(fd, *self._owner)
         except BaseException:
             os.close(fd)
             raise

@@ -98,9 +98,9 @@ def quota_available() -> str | None:
     return None
 
 
-def _run(argv: list[str]) -> None:
+def _run(argv: list[str], pass_fds: tuple[int, ...] = ()) -> None:
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=_TIMEOUT_S, check=False)
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=_TIMEOUT_S, check=False, pass_fds=pass_fds)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise Unavailable(f"{argv[0]} failed: {exc}") from exc
     if done.returncode != 0:
@@ -125,8 +125,10 @@ def format_image(directory: Path, size_bytes: int) -> FormattedImage:
         raise Unavailable(f"cannot make a disk image in {directory}: {exc.strerror}") from exc
     try:
         os.ftruncate(fd, size_bytes)
-        # mkfs opens the file by its /proc name: the same inode, which has no other name.
-        _run(["mkfs.ext4", *_MKFS_OPTIONS, f"/proc/{os.getpid()}/fd/{fd}"])
+        # mkfs opens the file as its own fd (the same inode, which has no other name), not as ours under
+        # /proc/<our pid>: once the server's threads changed their file ids (`paths._file_identity`) the
+        # kernel makes it non-dumpable, and a child then needs CAP_SYS_PTRACE to look into its /proc.
+        _run(["mkfs.ext4", *_MKFS_OPTIONS, f"/dev/fd/{fd}"], pass_fds=(fd,))
         return FormattedImage(size_bytes, tuple(_extents(fd, size_bytes)))
     except OSError as exc:
         raise Unavailable(f"cannot make a disk image in {directory}: {exc.strerror or exc}") from None
