@@ -23,7 +23,7 @@ from bastion.safety.audit import verify
 from bastion.safety.errors import InvalidRequest
 from bastion.safety.results import OperationResult
 from bastion.tools._call import UNNAMED, Outcome
-from bastion.tools.audited import Audit, _binder, audited_tool, workspace_of
+from bastion.tools.audited import Audit, audited_tool, binder, workspace_of
 from bastion.tools.server import ORGANIZER, BastionServer
 from tests.helpers import audit_record, call
 
@@ -110,15 +110,15 @@ async def test_images_of_an_outcome_follow_the_result(services: Services) -> Non
     assert result.content[1] == image
 
 
-def test_the_binder_gives_what_signature_bind_gives_and_refuses_the_same() -> None:
-    """`_binder` stands in for `inspect.Signature.bind` on the hot path: the same arguments in the same
+def test_thebinder_gives_what_signature_bind_gives_and_refuses_the_same() -> None:
+    """`binder` stands in for `inspect.Signature.bind` on the hot path: the same arguments in the same
     order, defaults applied, and the same TypeError for a missing or an unknown name."""
 
     async def body(a: int, b: int = 1, *, c: str | None = None, d: str = "x") -> dict[str, Any]:
         return {}
 
     signature = inspect.signature(body)
-    bind = _binder(signature)
+    bind = binder(signature)
     for given in ({"a": 1}, {"a": 1, "d": "y", "b": 3}, {"c": "z", "a": 0}):
         expected = signature.bind(**given)
         expected.apply_defaults()
@@ -131,8 +131,8 @@ def test_the_binder_gives_what_signature_bind_gives_and_refuses_the_same() -> No
         assert str(ours.value) == str(theirs.value)
 
 
-def test_the_binder_of_a_body_with_star_arguments_is_signature_bind() -> None:
+def test_thebinder_of_a_body_with_star_arguments_is_signature_bind() -> None:
     async def body(a: int, **rest: Any) -> dict[str, Any]:
         return {}
 
-    assert _binder(inspect.signature(body))({"a": 1, "z": 2}) == {"a": 1, "rest": {"z": 2}}
+    assert binder(inspect.signature(body))({"a": 1, "z": 2}) == {"a": 1, "rest": {"z": 2}}

@@ -65,6 +65,9 @@ def web() -> Iterator[int]:
     server.server_close()
 
 
+EGRESS_WAIT_S = 10.0
+
+
 @contextlib.asynccontextmanager
 async def network_client(config_path: Path, network_toml: str) -> AsyncIterator[Client]:
     config_path.write_text(config_path.read_text().replace("[sandboxes.limits]", network_toml + "\n[sandboxes.limits]"))
@@ -89,6 +92,16 @@ hosts = {{ "allowed.test" = ["127.0.0.1"], "denied.test" = ["127.0.0.1"], "metad
 """
     async with network_client(demo_config_path, extra) as client:
         yield client
+
+
+async def egress_records_once(config_path: Path, count: int) -> list[dict[str, Any]]:
+    """The egress records once there are `count`: a connection's record is written as the proxy sees it end,
+    which can be just after the command that made it has returned (curl's last connection, closed at its exit).
+    Bounded: what is still missing after EGRESS_WAIT_S fails the assertion that counts them."""
+    with anyio.move_on_after(EGRESS_WAIT_S):
+        while len(egress_records(config_path)) < count:
+            await anyio.sleep(0.02)
+    return egress_records(config_path)
 
 
 def egress_records(config_path: Path) -> list[dict[str, Any]]:
@@ -118,7 +131,7 @@ async def test_refusals_are_answered_and_audited(net_client: Client, demo_config
     # One record per attempt: the redirect is followed on a new connection, checked on its own. A
     # connection's record is written as it ends, and curl ends the redirect's two connections together
     # when it exits: those two come in either order, and so may the first allowed one and the next refusal.
-    records = egress_records(demo_config_path)
+    records = await egress_records_once(demo_config_path, 5)
     seen = [(r["domain"], r["port"], r["decision"]) for r in records]
     assert sorted(seen[:3]) == [
         ("allowed.test", web, "allow"),

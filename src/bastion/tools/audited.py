@@ -63,7 +63,7 @@ def audited_tool(
     def register(body: Body) -> Body:
         signature = inspect.signature(body, eval_str=True)
         rules = {p.name: _rule(p.annotation) for p in signature.parameters.values()}
-        bind = _binder(signature)
+        bind = binder(signature)
 
         async def tool(**kwargs: Any) -> CallToolResult:
             arguments = bind(kwargs)
@@ -91,7 +91,7 @@ def audited_tool(
     return register
 
 
-def _binder(signature: inspect.Signature) -> Callable[[Mapping[str, Any]], dict[str, Any]]:
+def binder(signature: inspect.Signature) -> Callable[[Mapping[str, Any]], dict[str, Any]]:
     """What `signature.bind(**kwargs)` then `apply_defaults()` give as `arguments`, for keyword calls.
 
     The SDK calls a tool with every parameter by name, already validated: binding them again through
