@@ -180,3 +180,19 @@ def test_inbox_swapped_for_a_symlink_after_start_is_refused_not_followed(
         organizer.close()
     real = tmp_path / ("home/Downloads-real" if link == "the inbox" else "home-real/Downloads")
     assert snapshot(real) == {"a.pdf": ("file", b"a")}
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="a root organizer's")
+def test_an_inbox_another_user_could_replace_is_refused(tmp_path: Path) -> None:
+    """Attack (found by review): a user owning the inbox's parent renames a root-owned folder into the
+    configured name; only links were refused, so the root organizer moved root's files about. Refused, naming
+    who; the same inbox owned by the parent's owner is served."""
+    home = tmp_path / "alice"
+    inbox = home / "Downloads"
+    inbox.mkdir(parents=True)
+    os.chown(home, 12345, 12345)
+    with pytest.raises(BastionError, match="could be replaced by another folder by uid 12345"):
+        Folder(inbox).close()
+    os.chown(inbox, 12345, 12345)
+    Folder(inbox).close()

@@ -45,6 +45,7 @@ from bastion.safety.paths import (
     DirEntry,
     Jail,
     privileged_file,
+    replaceable_by,
 )
 
 CORPUS_FILE = Path(__file__).resolve().parents[1] / "attacks" / "attack-corpus.json"
@@ -1110,8 +1111,12 @@ def test_a_root_jail_acting_as_the_folder_owner_cannot_do_what_the_owner_could_n
             jail.write("frozen.txt", b"changed")
         with pytest.raises(OperationFailed, match="refused access"):
             jail.write("bobs/new.txt", b"x")
+        with pytest.raises(OperationFailed, match="refused access"):
+            jail.replace("frozen.txt", b"changed", version=jail.read("frozen.txt").version)
         jail.write("mine/new.txt", b"mine", create_parents=True)
         assert jail.read("mine/new.txt").data == b"mine"
+        jail.replace("mine/new.txt", b"edited", version=jail.read("mine/new.txt").version)
+    assert (ws / "mine" / "new.txt").read_text() == "edited"
     assert (ws / "frozen.txt").read_text() == "keep"
     assert not (ws / "bobs" / "new.txt").exists()
     for made in (ws / "mine", ws / "mine" / "new.txt"):
@@ -1185,3 +1190,29 @@ def test_a_signal_cutting_the_restore_leaves_the_thread_as_the_server_and_is_rai
     assert len(calls) == 2
     _assert_thread_is_the_servers()
     assert (ws / "notes.txt").stat().st_uid == 12345
+
+
+def _folder(path: Path, owner: tuple[int, int], mode: int) -> Path:
+    path.mkdir(exist_ok=True)
+    os.chown(path, *owner)
+    path.chmod(mode)
+    return path
+
+
+@pytest.mark.root
+def test_who_can_replace_a_folder_by_renaming_another_into_its_path(tmp_path: Path) -> None:
+    """Attack: whoever can write a folder on the way can rename any folder it holds into the configured name,
+    a root-owned one included, and a root server then served it as root. `replaceable_by` names them."""
+    alice, bob = (12345, 12346), (4242, 4242)
+    home = _folder(tmp_path / "alice", alice, 0o755)
+    assert replaceable_by(str(_folder(home / "code", alice, 0o755)), alice) is None
+    assert "uid 12345" in str(replaceable_by(str(_folder(home / "root-data", (0, 0), 0o700)), (0, 0)))
+    shared = _folder(tmp_path / "shared", (0, 4242), 0o775)
+    assert "group 4242" in str(replaceable_by(str(_folder(shared / "ws", alice, 0o755)), alice))
+    private_group = _folder(tmp_path / "upg", (0, alice[1]), 0o775)
+    assert replaceable_by(str(_folder(private_group / "ws", alice, 0o755)), alice) is None
+    open_to_all = _folder(tmp_path / "open", (0, 0), 0o777)
+    assert "any user" in str(replaceable_by(str(_folder(open_to_all / "ws", alice, 0o755)), alice))
+    sticky = _folder(tmp_path / "sticky", (0, 0), 0o1777)
+    assert replaceable_by(str(_folder(sticky / "mine", alice, 0o755)), alice) is None
+    assert "uid 4242" in str(replaceable_by(str(_folder(sticky / "bobs", bob, 0o755) / "ws"), alice))

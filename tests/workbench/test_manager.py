@@ -686,6 +686,38 @@ def test_recovery_deletes_a_crashed_workspace_over_the_snapshot_bounds(
     assert "entries" in lines[0]
 
 
+def test_recovery_keeps_a_crashed_workspace_whose_snapshot_fails_otherwise(
+    demo_config_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Attack (found by review): recovery deleted a crashed workspace on any snapshot failure but a lack of
+    room, so one file a crash left unreadable (EIO from a damaged image, here injected) destroyed the whole
+    workspace recovery exists to keep. Only a workspace over the bounds themselves is deleted now."""
+    config = load_config(demo_config_path)
+    orphan = config.sandboxes_dir / "sb-0123456789ab" / "workspace"
+    orphan.mkdir(parents=True)
+    (orphan / "work.txt").write_text("only copy\n")
+    real_read = os.read
+
+    def damaged(fd: int, length: int) -> bytes:
+        if os.path.basename(os.readlink(f"/proc/self/fd/{fd}")) == "work.txt":
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real_read(fd, length)
+
+    monkeypatch.setattr(os, "read", damaged)
+    with caplog.at_level(logging.ERROR, logger="bastion.sandboxes"):
+        services = build_services(config)
+        try:
+            snapshots = services.sandboxes.snapshots()
+        finally:
+            services.close()
+    monkeypatch.setattr(os, "read", real_read)
+    assert snapshots == []
+    assert (orphan / "work.txt").read_text() == "only copy\n"
+    lines = [record.getMessage() for record in caplog.records if "sb-0123456789ab" in record.getMessage()]
+    assert len(lines) == 1
+    assert "kept as is, for the next start" in lines[0]
+
+
 async def test_restore_of_unknown_snapshot_with_no_snapshot_folder_names_no_host_path(
     client: Client, services: Services
 ) -> None:

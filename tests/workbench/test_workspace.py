@@ -236,7 +236,7 @@ def test_a_mount_of_another_folder_than_the_jail_holds_is_refused_and_nothing_is
     pool = IdentityPool(*config.sandboxes.host_ids)
     opened: dict[str, HostWorkspace] = {}
     try:
-        with pytest.raises(Unavailable, match="not the one its file tools hold"):
+        with pytest.raises(Unavailable, match="are not the same"):
             opened.update(workspace_module.open_host_workspaces(config, Redactor(), detect_cgroups(config), pool))
     finally:
         for host in opened.values():  # without the check, the workspace served the other folder
@@ -321,3 +321,24 @@ async def test_file_tools_in_a_shared_folder_are_refused_what_its_commands_are_r
         assert refused.structured_content["code"] == "OPERATION_FAILED", refused.structured_content
         assert "BOB-PRIVATE-NOTES" not in str(refused.structured_content)
     assert private.read_text() == "BOB-PRIVATE-NOTES"
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="a root server's")
+def test_a_workspace_another_user_could_replace_is_refused_at_start(demo_config_path: Path) -> None:
+    """Attack (found by review): a user owning the workspace's parent renames a root-owned folder of theirs
+    (say a container's data) into the configured name; only links were refused, so the root server served
+    it as its owner, root, and the file tools and commands wrote root's files. A workspace that a user other
+    than root and its owner could replace is refused at start, naming who."""
+    config = load_config(demo_config_path)
+    folder = config.workspace[0].path
+    os.chown(folder.parent, 12345, 12345)
+    for inbox in config.inbox:  # the demo's inbox beside it is theirs: only the workspace is in question
+        for entry in (inbox.path, *inbox.path.rglob("*")):
+            os.chown(entry, 12345, 12345, follow_symlinks=False)
+    with pytest.raises(ConfigError, match=r"workspace 'default': .* could be replaced by another folder by uid 12345"):
+        build_services(config).close()  # closed if served anyway, so a failure leaves no mount
+    assert _mounts_under(config.state_dir / IDMAP_DIR) == []
+    for entry in (folder, *folder.rglob("*")):
+        os.chown(entry, 12345, 12345, follow_symlinks=False)
+    build_services(config).close()  # the folder is the parent's owner's now: served

@@ -54,7 +54,7 @@ from bastion.safety.errors import (
     ResourceLimit,
     Unavailable,
 )
-from bastion.safety.paths import Jail
+from bastion.safety.paths import Jail, replaceable_by
 
 _DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _PATH_FLAGS: Final = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -173,8 +173,8 @@ class Folder:
         """Open the folder.
 
         Raises:
-            BastionError: NotFound, InvalidRequest, PathEscape (a symbolic link on the path),
-                Unavailable (no openat2 or renameat2).
+            BastionError: NotFound, InvalidRequest (also: another user could replace it), PathEscape (a
+                symbolic link on the path), Unavailable (no openat2 or renameat2).
         """
         self._rename = load_renameat2()
         self._path = _absolute(os.fspath(root))
@@ -186,10 +186,21 @@ class Folder:
         held = os.fstat(self._fd)
         self._held = (held.st_dev, held.st_ino)
         try:
+            self._refuse_replaceable((held.st_uid, held.st_gid))
             self._jail = self._lexical_rules()
         except BaseException:
             os.close(self._fd)
             raise
+
+    def _refuse_replaceable(self, owner: tuple[int, int]) -> None:
+        """A root organizer refuses an inbox another user could swap for a folder of theirs (`replaceable_by`):
+        a root-owned one renamed into the path would have its files moved about by root."""
+        who = replaceable_by(self._path, owner) if os.geteuid() == 0 else None
+        if who is not None:
+            raise InvalidRequest(
+                f"the inbox {self._path} (owned by uid {owner[0]}) could be replaced by another folder by {who}: "
+                "move the inbox to a folder only root or its owner can write"
+            )
 
     def _lexical_rules(self) -> Jail:
         """The jail, for its lexical path rules only: nothing is ever opened through its fd."""

@@ -206,6 +206,38 @@ def open_real_folder(path: str, *, what: str = "the folder") -> int:
     raise InvalidRequest(f"{what} '{path}' cannot be opened ({os.strerror(code)}): fix it")
 
 
+def replaceable_by(path: str, owner: tuple[int, int]) -> str | None:
+    """Who, besides root and the folder's `owner`, could put another folder at `path`, or None.
+
+    Whoever can write a folder on the way can rename any folder it holds into the configured name
+    (no write permission on the moved folder is needed within one parent), and the server would
+    then serve that folder as its owner: a root-owned one as root. Writing a parent means owning it
+    (with its write bit), or its group or everyone having write without the sticky bit; in a sticky
+    folder, the owner of the entry on the path can rename it. A group-writable parent of the owner's
+    own group is taken as theirs (user private groups).
+
+    Returns:
+        One line naming who and through which folder.
+    """
+    parts = [part for part in path.split("/") if part]
+    for depth in range(len(parts), 0, -1):
+        parent = "/" + "/".join(parts[: depth - 1])
+        info = os.lstat(parent)
+        mode = info.st_mode
+        sticky = bool(mode & stat.S_ISVTX)
+        if info.st_uid not in (0, owner[0]) and mode & stat.S_IWUSR:
+            return f"uid {info.st_uid}, who owns {parent}"
+        if mode & stat.S_IWOTH and not sticky:
+            return f"any user: {parent} is writable by all"
+        if mode & stat.S_IWGRP and info.st_gid not in (0, owner[1]) and not sticky:
+            return f"the members of group {info.st_gid}: {parent} is writable by that group"
+        if sticky and mode & (stat.S_IWGRP | stat.S_IWOTH):
+            entry = os.lstat(os.path.join(parent, parts[depth - 1]))
+            if entry.st_uid not in (0, owner[0]):
+                return f"uid {entry.st_uid}, who owns {os.path.join(parent, parts[depth - 1])} in a sticky folder"
+    return None
+
+
 def _runs_privileged(path: str, mode: int) -> bool:
     if mode & stat.S_ISUID or (mode & stat.S_ISGID and mode & stat.S_IXGRP):
         return True
@@ -951,8 +983,11 @@ class Jail:
             raise ResourceLimit(f"the new content is {len(data)} bytes, over the {MAX_WRITE_BYTES} byte limit")
         parent, _, name = rel.rpartition("/")
         parent_fd = self._open_parent(parent, rel, create=False)
+        # Acting as the owner, opened for writing, not written: the rename needs only the folder's write
+        # permission, and would replace a file the owner made read-only, or root's, with one of theirs.
+        access = os.O_RDWR if self._acts_as is not None else os.O_RDONLY
         try:
-            fd = self._open_regular(parent_fd, name, rel, os.O_RDONLY | os.O_NOFOLLOW, _NO_LINKS)
+            fd = self._open_regular(parent_fd, name, rel, access | os.O_NOFOLLOW, _NO_LINKS)
             try:
                 self._judge(fd, rel)
                 info = os.fstat(fd)

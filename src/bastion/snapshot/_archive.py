@@ -50,7 +50,7 @@ import tarfile
 from dataclasses import dataclass
 from typing import BinaryIO, Final
 
-from bastion.safety.errors import OperationFailed, ResourceLimit
+from bastion.safety.errors import OperationFailed
 from bastion.safety.paths import name_problem
 
 # The bounds and the symlink rule are the extractor's: a snapshot never holds what a restore refuses.
@@ -65,7 +65,7 @@ from bastion.snapshot._extract import (
     MTIME_LIMIT_S,
     link_problem,
 )
-from bastion.snapshot._space import NoRoom, SpaceGuard
+from bastion.snapshot._space import NoRoom, OverBound, SpaceGuard
 from bastion.snapshot._tarread import MAX_SPARSE_SEGMENTS, MAX_SPARSE_SEGMENTS_TOTAL
 
 GZIP_LEVEL: Final = 6
@@ -192,7 +192,7 @@ class Archiver:
             for entry in entries:
                 self.tally.listed += 1
                 if self.tally.listed > MAX_ENTRIES:
-                    raise ResourceLimit(
+                    raise OverBound(
                         f"the workspace has more than {MAX_ENTRIES} entries, counting the ones a snapshot skips "
                         "(special files, bad names): delete some first"
                     )
@@ -247,7 +247,7 @@ class Archiver:
 
     def _add_dir(self, dir_fd: int, name: str, rel: str, seen: os.stat_result, depth: int) -> bool:
         if depth >= MAX_DEPTH:
-            raise ResourceLimit(f"the workspace is nested more than {MAX_DEPTH} folders deep at '{rel}': flatten it")
+            raise OverBound(f"the workspace is nested more than {MAX_DEPTH} folders deep at '{rel}': flatten it")
         try:
             fd = os.open(name, DIR_FLAGS | os.O_NONBLOCK, dir_fd=dir_fd)
         except FileNotFoundError:
@@ -286,7 +286,7 @@ class Archiver:
             # What the archive holds: a sparse member stores its data, not its holes (`truncate -s 3G`).
             data = size if segments is None else sum(length for _, length in segments)
             if self.tally.data_bytes + data > MAX_SNAPSHOT_BYTES:
-                raise ResourceLimit(
+                raise OverBound(
                     f"the workspace holds over {MAX_SNAPSHOT_BYTES} bytes of file data at '{rel}': "
                     "delete files before the snapshot"
                 )
@@ -379,7 +379,7 @@ class Archiver:
     def _member(self, rel: str, kind: bytes, mode: int, mtime_ns: int) -> tarfile.TarInfo:
         self.tally.entries += 1
         if self.tally.entries > MAX_ENTRIES:
-            raise ResourceLimit(f"the workspace has more than {MAX_ENTRIES} entries: delete some first")
+            raise OverBound(f"the workspace has more than {MAX_ENTRIES} entries: delete some first")
         member = tarfile.TarInfo(rel)
         member.type = kind
         member.mode = mode & KEPT_MODE_BITS

@@ -31,6 +31,14 @@ class NoRoom(ResourceLimit):
     """
 
 
+class OverBound(ResourceLimit):
+    """The workspace itself is over a snapshot's bounds (entries, file data, depth): refused at every attempt.
+
+    Crash recovery deletes a workspace refused for this reason alone; any other failure (no room,
+    an unreadable file of a damaged image, too many open files) may pass later, so it is kept.
+    """
+
+
 class SpaceGuard:
     """Keeps `reserve_bytes` free on the filesystem holding `folder` (a path, or a folder fd it does not own)."""
 

@@ -60,6 +60,7 @@ from bastion.snapshot._extract import MAX_DEPTH as MAX_DEPTH
 from bastion.snapshot._extract import MAX_ENTRIES as MAX_ENTRIES
 from bastion.snapshot._extract import MAX_SNAPSHOT_BYTES as MAX_SNAPSHOT_BYTES
 from bastion.snapshot._space import NoRoom as NoRoom
+from bastion.snapshot._space import OverBound as OverBound
 from bastion.snapshot._space import SpaceGuard
 
 MAX_LABEL_CHARS: Final = 200

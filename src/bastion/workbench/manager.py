@@ -59,7 +59,7 @@ from bastion.sandbox.identity import HostIdentity, IdentityPool
 from bastion.sandbox.microvm import MicroVMBackend, MicroVMSettings, probe_microvm, recover_run_dirs
 from bastion.sandbox.warm import BubblewrapBackend
 from bastion.snapshot.store import (
-    NoRoom,
+    OverBound,
     SnapshotInfo,
     SnapshotLimits,
     create_snapshot,
@@ -891,10 +891,11 @@ class SandboxManager:
     def _recover_sandbox(self, root: Path, limits: SnapshotLimits) -> list[str]:
         """Keep a crashed sandbox's workspace as a snapshot, then delete its folder; returns the snapshot made.
 
-        Kept as it is when its image does not mount, or when the state filesystem has no room
-        (`NoRoom`): a later start may succeed. A snapshot refused for another reason (over the
-        snapshot bounds: entries, file data, depth) would be refused at every start, each time
-        holding the folder's mount, loop device and image: the folder is deleted, with one line.
+        Kept as it is when its image does not mount, or its snapshot fails for a reason a later start
+        may not meet (no room, a file a damaged image cannot read, too many open files). A workspace
+        over the snapshot bounds themselves (`OverBound`: entries, file data, depth) would be refused at
+        every start, each time holding the folder's mount, loop device and image: it is deleted, with
+        one line.
         """
         workspace = root / "workspace"
         image = root / _DISK_IMAGE
@@ -911,11 +912,11 @@ class SandboxManager:
             metadata = {"sandbox_id": root.name, "recovered": "true"}
             try:
                 info = create_snapshot(workspace, self._snapshots, label="recovered", metadata=metadata, limits=limits)
-            except NoRoom as exc:
+            except OverBound as exc:
+                logger.error("sandbox %s left by a crash deleted without a snapshot: %s", root.name, exc.reason)
+            except BastionError as exc:  # no room, a file a damaged image cannot read...: a later start may pass
                 logger.error("sandbox %s left by a crash kept as is, for the next start: %s", root.name, exc.reason)
                 return []
-            except BastionError as exc:
-                logger.error("sandbox %s left by a crash deleted without a snapshot: %s", root.name, exc.reason)
             else:
                 self._made_at[info.id] = time.monotonic()
                 made.append(info.id)

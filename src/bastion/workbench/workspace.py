@@ -31,7 +31,14 @@ from bastion.safety.errors import (
     Unavailable,
 )
 from bastion.safety.output import clean_output
-from bastion.safety.paths import MAX_READ_BYTES, MAX_SCAN_ENTRIES, Jail, open_real_folder, privileged_file
+from bastion.safety.paths import (
+    MAX_READ_BYTES,
+    MAX_SCAN_ENTRIES,
+    Jail,
+    open_real_folder,
+    privileged_file,
+    replaceable_by,
+)
 from bastion.safety.redact import SLICE_CONTEXT_BYTES, Redactor, sanitize_name
 from bastion.safety.search import search_pattern
 from bastion.sandbox import (
@@ -208,6 +215,11 @@ class HostWorkspace:
             self.jail.close()  # its fd would hold the folder (a sandbox's disk: its mount and loop device)
             raise
         self._replaced_logged = False
+
+    @property
+    def folder_id(self) -> tuple[int, int]:
+        """(st_dev, st_ino) of the folder its jail holds."""
+        return self._folder
 
     @property
     def is_sandbox(self) -> bool:
@@ -602,6 +614,7 @@ def _open_host(
     _refuse_privileged_files(config)
     info = _stat_folder(str(config.path))
     owner = (info.st_uid, info.st_gid)
+    _refuse_replaceable(config, owner)
     reason = idmap_supported(config.path)
     if reason is not None:
         if owner[0] == 0:
@@ -618,7 +631,9 @@ def _open_host(
         logger.warning("workspace %s runs as its folder's owner, uid %d: %s", config.id, owner[0], reason)
         identity = HostIdentity(owner[0], owner[1], switch=True)
         devices = device_folder.make(f"ws-{config.id}", owner) if device_folder is not None else None
-        return HostWorkspace(config, redactor, cgroups, identity=identity, owner=owner, devices=devices)
+        workspace = HostWorkspace(config, redactor, cgroups, identity=identity, owner=owner, devices=devices)
+        _require_same_folder(workspace, info, None)
+        return workspace
     identity = pool.acquire()
     target = mounts / config.id
     try:
@@ -637,29 +652,46 @@ def _open_host(
             unmount_on_close=True,
             devices=devices,
         )
-        _require_same_folder(workspace, target)
+        _require_same_folder(workspace, info, target)
     except BaseException:
-        if is_mounted(target):
-            unmount(target)  # a workspace that failed to open after its mount was made
-        pool.release(identity)
+        try:
+            if is_mounted(target):
+                unmount(target)  # a workspace that failed to open after its mount was made
+        finally:
+            pool.release(identity)
         raise
     return workspace
 
 
-def _require_same_folder(workspace: HostWorkspace, target: Path) -> None:
-    """The idmapped mount must show the folder the jail holds (a bind mount keeps its device and inode).
-
-    The mount is made from the path, whose last component alone is not followed: a middle component
-    swapped for a link between the jail's open and the mount's would bind another folder, which
-    commands would then write as its owner.
-    """
-    mounted = os.stat(target)
-    if (mounted.st_dev, mounted.st_ino) != _held_folder(workspace.jail):
-        workspace.close()
-        raise Unavailable(
-            f"workspace {workspace.id!r}: the folder mounted for its commands is not the one its file tools "
-            f"hold ({workspace.config.path} changed while the server opened it): check who can change that path"
+def _refuse_replaceable(config: WorkspaceConfig, owner: tuple[int, int]) -> None:
+    who = replaceable_by(str(config.path), owner)
+    if who is not None:
+        raise ConfigError(
+            f"workspace {config.id!r}: {config.path} (owned by uid {owner[0]}) could be replaced by another folder "
+            f"by {who}, and the server would serve that one as its owner: move the workspace to a folder only "
+            "root or its owner can write"
         )
+
+
+def _require_same_folder(workspace: HostWorkspace, chosen: os.stat_result, target: Path | None) -> None:
+    """The folder the jail holds must be the one whose owner was chosen, and the idmapped mount must show it.
+
+    Each was found by the path on its own (a bind mount keeps the device and inode): a folder renamed
+    into the path, or a component swapped for a link, in between would give the file tools or the
+    commands another folder, or the folder another owner's rights. The workspace is closed on a refusal.
+    """
+    try:
+        held = workspace.folder_id
+        mounted = os.stat(target) if target is not None else chosen
+        if {(chosen.st_dev, chosen.st_ino), (mounted.st_dev, mounted.st_ino)} != {held}:
+            raise Unavailable(
+                f"workspace {workspace.id!r}: the folder its file tools hold, the one mounted for its commands and "
+                f"the one its owner was taken from are not the same ({workspace.config.path} changed while the "
+                "server opened it): check who can change that path"
+            )
+    except BaseException:
+        workspace.close()
+        raise
 
 
 def _refuse_privileged_files(config: WorkspaceConfig) -> None:
