@@ -196,3 +196,26 @@ def test_an_inbox_another_user_could_replace_is_refused(tmp_path: Path) -> None:
         Folder(inbox).close()
     os.chown(inbox, 12345, 12345)
     Folder(inbox).close()
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="only a root server acts as the inbox's owner")
+def test_a_root_organizer_never_moves_what_the_inbox_owner_could_not(inbox_dir: Path, state_dir: Path) -> None:
+    """Attack (found by review): a root organizer moved entries out of another user's 0700 folder inside the
+    inbox, into folders the inbox's owner controls, who could then read them. It acts as the inbox's owner: the
+    move is refused, and the file stays where it was, unread."""
+    os.chown(inbox_dir, *USER)
+    private = inbox_dir / "bobs"
+    private.mkdir()
+    (private / "diary.txt").write_text("bob's")
+    os.chown(private / "diary.txt", *OTHER)
+    os.chown(private, *OTHER)
+    private.chmod(0o700)
+    organizer = _organizer(inbox_dir, state_dir)
+    try:
+        with pytest.raises(BastionError):
+            organizer.move("bobs/diary.txt", "Documents/diary.txt")
+    finally:
+        organizer.close()
+    assert (private / "diary.txt").read_text() == "bob's"
+    assert not (inbox_dir / "Documents" / "diary.txt").exists()

@@ -1202,17 +1202,69 @@ def _folder(path: Path, owner: tuple[int, int], mode: int) -> Path:
 @pytest.mark.root
 def test_who_can_replace_a_folder_by_renaming_another_into_its_path(tmp_path: Path) -> None:
     """Attack: whoever can write a folder on the way can rename any folder it holds into the configured name,
-    a root-owned one included, and a root server then served it as root. `replaceable_by` names them."""
+    a root-owned one included, and a root server then served it as root. `replaceable_by` names them: the
+    owner of a folder on the way (with or without its write bit: they can chmod), a writing group with members
+    other than root and the folder's owner (gid 4242 is named by no group here: who is in it cannot be told),
+    everyone, and users or groups an ACL lets write, which the mode bits do not show."""
     alice, bob = (12345, 12346), (4242, 4242)
     home = _folder(tmp_path / "alice", alice, 0o755)
     assert replaceable_by(str(_folder(home / "code", alice, 0o755)), alice) is None
     assert "uid 12345" in str(replaceable_by(str(_folder(home / "root-data", (0, 0), 0o700)), (0, 0)))
-    shared = _folder(tmp_path / "shared", (0, 4242), 0o775)
-    assert "group 4242" in str(replaceable_by(str(_folder(shared / "ws", alice, 0o755)), alice))
-    private_group = _folder(tmp_path / "upg", (0, alice[1]), 0o775)
-    assert replaceable_by(str(_folder(private_group / "ws", alice, 0o755)), alice) is None
+    read_only = _folder(tmp_path / "bobs-read-only", bob, 0o555)
+    assert "uid 4242" in str(replaceable_by(str(read_only / "ws"), alice))
+    shared = _folder(tmp_path / "shared", (0, 4242), 0o2775)
+    assert "group 4242" in str(replaceable_by(str(_folder(shared / "ws", (12345, 4242), 0o755)), (12345, 4242)))
+    root_group = _folder(tmp_path / "root-group", (0, 0), 0o775)
+    assert replaceable_by(str(_folder(root_group / "ws", alice, 0o755)), alice) is None
     open_to_all = _folder(tmp_path / "open", (0, 0), 0o777)
     assert "any user" in str(replaceable_by(str(_folder(open_to_all / "ws", alice, 0o755)), alice))
     sticky = _folder(tmp_path / "sticky", (0, 0), 0o1777)
     assert replaceable_by(str(_folder(sticky / "mine", alice, 0o755)), alice) is None
-    assert "uid 4242" in str(replaceable_by(str(_folder(sticky / "bobs", bob, 0o755) / "ws"), alice))
+    assert "uid 4242" in str(replaceable_by(str(_folder(sticky / "bobs", bob, 0o755)), alice))
+    acl = _folder(tmp_path / "acl", (0, 0), 0o755)
+    entries = [
+        (0x01, 7, 0xFFFFFFFF),
+        (0x02, 7, 4242),
+        (0x04, 5, 0xFFFFFFFF),
+        (0x10, 7, 0xFFFFFFFF),
+        (0x20, 5, 0xFFFFFFFF),
+    ]
+    os.setxattr(
+        acl, "system.posix_acl_access", struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *e) for e in entries)
+    )
+    assert "uid 4242 (an ACL entry)" in str(replaceable_by(str(_folder(acl / "ws", alice, 0o755)), alice))
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user is a root server's")
+def test_an_edit_that_cannot_keep_a_files_group_never_gives_its_rights_to_another(ws: Path) -> None:
+    """Attack (found by review): acting as the owner, with no supplementary group, edit_file's new file could not
+    be given the old one's group (the owner is not in it here), and got the old mode anyway: `secrets.env`,
+    alice:team 0640 in alice's folder, became alice:alice 0640, readable by another group. The group's rights
+    go with the group now."""
+    os.chown(ws, 12345, 12346)
+    secret = ws / "secrets.env"
+    secret.write_text("TOKEN=1")
+    os.chown(secret, 12345, 4242)
+    secret.chmod(0o660)
+    with Jail(ws, owner=(12345, 12346), act_as_owner=True) as jail:
+        jail.replace("secrets.env", b"TOKEN=2", version=jail.read("secrets.env").version)
+    info = secret.stat()
+    assert (info.st_uid, info.st_gid, stat.S_IMODE(info.st_mode)) == (12345, 12346, 0o600)
+    assert secret.read_text() == "TOKEN=2"
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user is a root server's")
+def test_a_switch_inside_a_switch_neither_switches_nor_restores(ws: Path) -> None:
+    """Found by review: a leased operation calling another captured the outer switch's empty groups as the
+    server's, and its restore made the thread root halfway through the outer operation. Inside a switch, the same
+    ids do nothing and other ids are refused; the outer switch alone restores."""
+    with paths_module.acting_as(12345, 12346):
+        with paths_module.acting_as(12345, 12346):
+            pass
+        assert _thread_ids()["Uid"][3] == "12345"  # still acting: the inner one did not restore
+        with pytest.raises(Unavailable, match="already acting"), paths_module.acting_as(4242, 4242):
+            pass
+        assert _thread_ids()["Groups"] == []
+    _assert_thread_is_the_servers()

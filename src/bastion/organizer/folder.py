@@ -37,11 +37,13 @@ What it does not guarantee:
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
-from typing import Final
+from typing import Any, Final, TypeVar, cast
 
 from bastion.organizer._rename import RENAME_NOREPLACE, load_renameat2
 from bastion.safety.errors import (
@@ -54,7 +56,7 @@ from bastion.safety.errors import (
     ResourceLimit,
     Unavailable,
 )
-from bastion.safety.paths import Jail, replaceable_by
+from bastion.safety.paths import Jail, acting_as, replaceable_by
 
 _DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _PATH_FLAGS: Final = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -166,6 +168,22 @@ def _rename_error(code: int, src: str, dst: str) -> BastionError:
     return OperationFailed(f"could not move '{src}' to '{dst}' ({os.strerror(code)})", detail=detail)
 
 
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _as_owner(method: _F) -> _F:
+    """A `Folder` operation run as the inbox's owner when the organizer acts as them (`Folder._acts_as`)."""
+
+    @functools.wraps(method)
+    def acting(self: Folder, *args: Any, **kwargs: Any) -> Any:
+        if self._acts_as is None:
+            return method(self, *args, **kwargs)
+        with acting_as(*self._acts_as):
+            return method(self, *args, **kwargs)
+
+    return cast(_F, acting)
+
+
 class Folder:
     """One organizer folder (an inbox), held open as a directory fd from construction to `close`."""
 
@@ -185,6 +203,10 @@ class Folder:
             os.close(path_fd)
         held = os.fstat(self._fd)
         self._held = (held.st_dev, held.st_ino)
+        owner = (held.st_uid, held.st_gid)
+        # A root organizer acts as the inbox's owner: it never moves what they could not (another user's
+        # folder in the inbox, a root-owned file), and what it makes is theirs (`acting_as`).
+        self._acts_as = owner if os.geteuid() == 0 and owner != (0, 0) else None
         try:
             self._refuse_replaceable((held.st_uid, held.st_gid))
             self._jail = self._lexical_rules()
@@ -261,6 +283,7 @@ class Folder:
         """
         return self._jail.relative(path)
 
+    @_as_owner
     def open_dir(self, rel: str, *, create: bool = False, created: list[str] | None = None) -> int:
         """Open a folder, one component at a time, never following a link; the caller closes the fd.
 
@@ -341,6 +364,10 @@ class Folder:
         try:
             root, made = os.fstat(self._fd), os.fstat(fd)
             owner = (root.st_uid, root.st_gid)
+            if self._acts_as is not None:  # made as the owner: theirs, with the group a setgid parent gives
+                if made.st_uid != owner[0]:
+                    raise _not_made(prefix, f"a folder owned by uid {made.st_uid}")
+                return
             # Only root can give a folder away; a server not running as root keeps its own.
             if (made.st_uid, made.st_gid) == owner or os.geteuid() != 0:
                 return
@@ -364,6 +391,7 @@ class Folder:
             return PathEscape(f"'{prefix}' is a symbolic link: the organizer never follows links")
         return InvalidRequest(f"'{prefix}' is not a folder")
 
+    @_as_owner
     def lstat_at(self, dir_fd: int, name: str) -> os.stat_result | None:
         """lstat of `name` in an open folder; None when it does not exist."""
         try:
@@ -371,6 +399,7 @@ class Folder:
         except FileNotFoundError:
             return None
 
+    @_as_owner
     def lstat(self, rel: str) -> os.stat_result | None:
         """lstat of a path, its parents opened without following links; None when it or a parent is missing.
 
@@ -389,6 +418,7 @@ class Folder:
         finally:
             os.close(fd)
 
+    @_as_owner
     def scan(self, rel: str) -> list[tuple[str, os.stat_result]]:
         """Every entry of a folder with its lstat, sorted by name; entries that vanish meanwhile are left out.
 
@@ -413,6 +443,7 @@ class Folder:
         found.sort(key=lambda item: item[0])
         return found
 
+    @_as_owner
     def rename(self, src_fd: int, src_name: str, dst_fd: int, dst_name: str, *, src: str, dst: str) -> None:
         """renameat2(RENAME_NOREPLACE) between two open folders.
 
@@ -424,6 +455,7 @@ class Folder:
         if result < 0:
             raise _rename_error(-result, src, dst)
 
+    @_as_owner
     def rmdir_if_empty(self, rel: str) -> bool:
         """Remove a folder only if it is empty (the kernel decides); True when it was removed."""
         parent, name = split(rel)

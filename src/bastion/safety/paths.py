@@ -53,9 +53,12 @@ import ctypes
 import errno
 import fnmatch
 import functools
+import grp
 import os
+import pwd
 import re
 import stat
+import struct
 import threading
 import time
 import unicodedata
@@ -211,31 +214,97 @@ def replaceable_by(path: str, owner: tuple[int, int]) -> str | None:
 
     Whoever can write a folder on the way can rename any folder it holds into the configured name
     (no write permission on the moved folder is needed within one parent), and the server would
-    then serve that folder as its owner: a root-owned one as root. Writing a parent means owning it
-    (with its write bit), or its group or everyone having write without the sticky bit; in a sticky
-    folder, the owner of the entry on the path can rename it. A group-writable parent of the owner's
-    own group is taken as theirs (user private groups).
+    then serve that folder as its owner: a root-owned one as root. A folder on the way is another
+    user's if they own it (they can give themselves write), if its group may write and has members
+    other than root and the owner, if everyone may write, or if an ACL entry lets another user or
+    such a group write; with the sticky bit, only the owner of the entry on the path can rename it.
 
     Returns:
         One line naming who and through which folder.
     """
     parts = [part for part in path.split("/") if part]
+    groups = _GroupMembers()
     for depth in range(len(parts), 0, -1):
         parent = "/" + "/".join(parts[: depth - 1])
         info = os.lstat(parent)
-        mode = info.st_mode
-        sticky = bool(mode & stat.S_ISVTX)
-        if info.st_uid not in (0, owner[0]) and mode & stat.S_IWUSR:
+        if info.st_uid not in (0, owner[0]):
             return f"uid {info.st_uid}, who owns {parent}"
-        if mode & stat.S_IWOTH and not sticky:
-            return f"any user: {parent} is writable by all"
-        if mode & stat.S_IWGRP and info.st_gid not in (0, owner[1]) and not sticky:
-            return f"the members of group {info.st_gid}: {parent} is writable by that group"
-        if sticky and mode & (stat.S_IWGRP | stat.S_IWOTH):
-            entry = os.lstat(os.path.join(parent, parts[depth - 1]))
-            if entry.st_uid not in (0, owner[0]):
-                return f"uid {entry.st_uid}, who owns {os.path.join(parent, parts[depth - 1])} in a sticky folder"
+        writers = _writers(parent, info, owner, groups)
+        if writers is None:
+            continue
+        if not info.st_mode & stat.S_ISVTX:
+            return f"{writers}: they may write {parent}"
+        entry = os.path.join(parent, parts[depth - 1])
+        entry_owner = os.lstat(entry).st_uid
+        if entry_owner not in (0, owner[0]):
+            return f"uid {entry_owner}, who owns {entry} in the sticky folder {parent}"
     return None
+
+
+def _writers(folder: str, info: os.stat_result, owner: tuple[int, int], groups: _GroupMembers) -> str | None:
+    """Who besides root and `owner` may write `folder` by its mode or its ACL, or None."""
+    mode = info.st_mode
+    if mode & stat.S_IWOTH:
+        return "any user"
+    if mode & stat.S_IWGRP and not groups.only(info.st_gid, owner[0]):
+        return f"the members of group {info.st_gid}"
+    for tag, ident in _acl_writers(folder):
+        if tag == _ACL_USER and ident not in (0, owner[0]):
+            return f"uid {ident} (an ACL entry)"
+        if tag == _ACL_GROUP and not groups.only(ident, owner[0]):
+            return f"the members of group {ident} (an ACL entry)"
+    return None
+
+
+_ACL_USER: Final = 0x02  # include/uapi/linux/posix_acl.h
+_ACL_GROUP: Final = 0x08
+_ACL_WRITE: Final = 0x02
+
+
+def _acl_writers(folder: str) -> list[tuple[int, int]]:
+    """(tag, id) of the named user and group entries of `folder`'s access ACL that grant write.
+
+    Read by hand from the ``system.posix_acl_access`` attribute (a version word, then 8-byte
+    entries: tag, permissions, id): the standard library has no ACL reader. A mode's group bits
+    show only the ACL's mask, so a folder with ``u:alice:rwx`` can look 0755.
+    """
+    try:
+        raw = os.getxattr(folder, "system.posix_acl_access", follow_symlinks=False)
+    except OSError as exc:
+        if exc.errno in (errno.ENODATA, errno.ENOTSUP, errno.EOPNOTSUPP):
+            return []
+        raise
+    entries = struct.iter_unpack("<HHI", raw[4:]) if len(raw) >= 4 and (len(raw) - 4) % 8 == 0 else ()
+    return [(tag, ident) for tag, perm, ident in entries if tag in (_ACL_USER, _ACL_GROUP) and perm & _ACL_WRITE]
+
+
+class _GroupMembers:
+    """Whether a group holds anyone but root and one user (members, or accounts whose primary group it is)."""
+
+    def __init__(self) -> None:
+        self._primaries: dict[int, set[int]] | None = None
+
+    def only(self, gid: int, uid: int) -> bool:
+        try:
+            names = grp.getgrgid(gid).gr_mem
+        except KeyError:
+            return False  # a group the system does not name: who is in it cannot be told
+        members = {self._uid_of(name) for name in names}
+        return (members | self._primary(gid)) <= {0, uid}
+
+    @staticmethod
+    def _uid_of(name: str) -> int:
+        try:
+            return pwd.getpwnam(name).pw_uid
+        except KeyError:
+            return -1  # a member the user database does not know: counted as someone else
+
+    def _primary(self, gid: int) -> set[int]:
+        if self._primaries is None:
+            self._primaries = {}
+            for account in pwd.getpwall():
+                self._primaries.setdefault(account.pw_gid, set()).add(account.pw_uid)
+        return self._primaries.get(gid, set())
 
 
 def _runs_privileged(path: str, mode: int) -> bool:
@@ -467,14 +536,14 @@ _R = TypeVar("_R")
 
 def _leased(method: Callable[Concatenate[Jail, _P], _R]) -> Callable[Concatenate[Jail, _P], _R]:
     """A `Jail` operation that holds the root fd for its whole run (`Jail._lease`), as the jail's file
-    identity if it has one (`_file_identity`)."""
+    identity if it has one (`acting_as`)."""
 
     @functools.wraps(method)
     def leased(self: Jail, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
         with self._lease():
             if self._acts_as is None:
                 return method(self, *args, **kwargs)
-            with _file_identity(*self._acts_as):
+            with acting_as(*self._acts_as):
                 return method(self, *args, **kwargs)
 
     return leased
@@ -482,38 +551,62 @@ def _leased(method: Callable[Concatenate[Jail, _P], _R]) -> Callable[Concatenate
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _PR_SET_DUMPABLE: Final = 4  # include/uapi/linux/prctl.h
-_RESTORE_ATTEMPTS: Final = (
-    3  # a restore cut by a signal's exception is tried again; a real failure is not retried for ever
-)
-# setgroups(2) as the raw system call: glibc's applies the groups to every thread of the process.
-_SYS_SETGROUPS: Final = {"x86_64": 116, "amd64": 116, "aarch64": 159, "arm64": 159}.get(os.uname().machine.lower())
+_RESTORE_ATTEMPTS: Final = 3  # a restore cut by a signal's exception is tried again, a real failure not for ever
+
+
+def _setgroups_number() -> int | None:
+    """setgroups(2)'s number for this process, to call it raw: glibc's applies the groups to every thread.
+
+    Known for 64-bit x86 and Arm processes only: a 32-bit process on a 64-bit kernel reports the
+    kernel's machine but has another table (159 there is another call), so it gets None and the
+    switch refuses to run.
+    """
+    if struct.calcsize("P") != 8:
+        return None
+    return {"x86_64": 116, "amd64": 116, "aarch64": 159, "arm64": 159}.get(os.uname().machine.lower())
+
+
+_SYS_SETGROUPS: Final = _setgroups_number()
+_acting = threading.local()
+"""This thread's switch, if any (`acting_as`): ``ids`` (uid, gid) while one runs."""
 
 
 def _set_thread_groups(groups: Sequence[int]) -> None:
     if _SYS_SETGROUPS is None:
-        raise Unavailable(f"cannot set one thread's groups on machine type {os.uname().machine}")
+        raise Unavailable(
+            f"cannot set one thread's groups in this process ({os.uname().machine}, {struct.calcsize('P') * 8}-bit): "
+            "acting as a workspace's owner needs a 64-bit x86 or Arm server"
+        )
     array = (ctypes.c_uint32 * len(groups))(*groups)
-    if _libc.syscall(_SYS_SETGROUPS, len(groups), array) != 0:
+    if _libc.syscall(_SYS_SETGROUPS, len(groups), array) != 0 or os.getgroups() != list(groups):
         code = ctypes.get_errno()
         raise Unavailable(f"could not set this thread's groups ({os.strerror(code)}): the server needs CAP_SETGID")
 
 
 @contextlib.contextmanager
-def _file_identity(uid: int, gid: int) -> Iterator[None]:
+def acting_as(uid: int, gid: int) -> Iterator[None]:
     """Run the block with this thread's filesystem ids set to `uid` and `gid`, and no supplementary group.
 
     The kernel then checks every access as that user with only their primary group, as the
     workspace's commands run (``setpriv --clear-groups``), and gives new files to them (a setgid
     folder's group still passes on); a root thread's capabilities that override file permissions are
     off meanwhile. Per thread (setfsuid(2), setfsgid(2), the raw setgroups(2)): a jail's operations
-    never await, so the event loop runs nothing else while one does.
+    never await, so the event loop runs nothing else while one does. A switch inside a switch of the
+    same ids does nothing (the outer one restores); of other ids, it is refused.
 
     The restore sets the server's own ids whatever happened, and again if an exception (a signal's,
-    on the main thread) cut it short: a thread left as the user would do the server's later work as
-    them. Changing file ids makes the kernel mark the process not dumpable; it is marked dumpable
-    again, as it was (children such as mkfs look into /proc/<pid>, which needs that).
+    on the main thread) cut it short, and checks they took: a thread left as the user would do the
+    server's later work as them. Changing file ids makes the kernel mark the process not dumpable; it
+    is marked dumpable again, as it was.
     """
+    inside = getattr(_acting, "ids", None)
+    if inside is not None:
+        if inside != (uid, gid):
+            raise Unavailable(f"already acting as uid {inside[0]} on files: cannot act as uid {uid} inside that")
+        yield
+        return
     groups = os.getgroups()
+    _acting.ids = (uid, gid)
     try:
         _set_thread_groups(())
         _libc.setfsgid(gid)
@@ -530,14 +623,18 @@ def _file_identity(uid: int, gid: int) -> Iterator[None]:
             except BaseException as exc:  # restore again first; what cut it is raised after
                 cut = cut or exc
                 continue
+            _acting.ids = None
             break
         if cut is not None:
             raise cut
 
 
 def _restore_server_identity(groups: Sequence[int]) -> None:
-    _libc.setfsuid(os.geteuid())
-    _libc.setfsgid(os.getegid())
+    uid, gid = os.geteuid(), os.getegid()
+    _libc.setfsuid(uid)
+    _libc.setfsgid(gid)
+    if _libc.setfsuid(uid) != uid or _libc.setfsgid(gid) != gid:
+        raise Unavailable("could not give this thread the server's file ids back")
     _set_thread_groups(groups)
     _libc.prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)
 
@@ -1005,9 +1102,12 @@ class Jail:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
         fd = self._open(parent_fd, temp, rel, flags, mode=0o600, resolve=_NO_LINKS)
         try:
-            with contextlib.suppress(PermissionError):  # a server that is not root keeps its own id
+            with contextlib.suppress(PermissionError):  # a server not root, or acting as a user, keeps its own ids
                 os.fchown(fd, old.st_uid, old.st_gid)
-            os.fchmod(fd, stat.S_IMODE(old.st_mode) & ~_PRIVILEGE_BITS)
+            mode = stat.S_IMODE(old.st_mode) & ~_PRIVILEGE_BITS
+            if os.fstat(fd).st_gid != old.st_gid:
+                mode &= ~0o070  # the old group's rights must not pass to the group the new file got instead
+            os.fchmod(fd, mode)
             view = memoryview(data)
             written = 0
             while written < len(data):

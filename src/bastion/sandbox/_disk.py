@@ -126,7 +126,7 @@ def format_image(directory: Path, size_bytes: int) -> FormattedImage:
     try:
         os.ftruncate(fd, size_bytes)
         # mkfs opens the file as its own fd (the same inode, which has no other name), not as ours under
-        # /proc/<our pid>: once the server's threads changed their file ids (`paths._file_identity`) the
+        # /proc/<our pid>: once the server's threads changed their file ids (`paths.acting_as`) the
         # kernel makes it non-dumpable, and a child then needs CAP_SYS_PTRACE to look into its /proc.
         _run(["mkfs.ext4", *_MKFS_OPTIONS, f"/dev/fd/{fd}"], pass_fds=(fd,))
         return FormattedImage(size_bytes, tuple(_extents(fd, size_bytes)))
