@@ -836,3 +836,25 @@ async def test_close_during_a_failing_restore_keeps_the_restores_error(
     assert "corrupt" in str(held.restored["reason"])
     assert held.files_removed_after_restore == [True]
     assert not (services.config.sandboxes_dir / held.sandbox_id).exists()
+
+
+async def test_delete_snapshot_is_not_held_behind_long_restores(client: Client, services: Services) -> None:
+    """Attack (found by review): one client's four long restores (or snapshots) took every snapshot thread, and
+    delete_snapshot, list and the reaper's expiry waited behind them: no one could free room meanwhile. Short
+    snapshot work has threads of its own."""
+    box = await create(client)
+    taken = await call(client, "snapshot_sandbox", sandbox_id=box)
+    assert taken["ok"], taken
+    manager = services.sandboxes
+    holders = [object() for _ in range(int(manager._snapshot_threads.total_tokens))]
+    for holder in holders:  # as four restores under way would
+        await manager._snapshot_threads.acquire_on_behalf_of(holder)
+    try:
+        with anyio.fail_after(30):  # a bound for the failure case only: the delete does not wait at all
+            deleted = await call(client, "delete_snapshot", snapshot_id=taken["detail"]["snapshot_id"])
+            listed = await call(client, "list_snapshots")
+    finally:
+        for holder in holders:
+            manager._snapshot_threads.release_on_behalf_of(holder)
+    assert deleted["ok"], deleted
+    assert listed["detail"]["snapshots"] == []

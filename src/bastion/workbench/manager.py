@@ -90,7 +90,8 @@ _NARROWABLE: Final = frozenset(SandboxLimitsConfig.model_fields)
 _DISK_WALK_MAX_ENTRIES: Final = 100_000
 _DISK_IMAGE: Final = "disk.img"
 _FOLDER_NICE: Final = 10
-_SNAPSHOT_THREADS: Final = 4  # snapshot, restore, delete and expiry work at once; more calls wait unthreaded
+_SNAPSHOT_THREADS: Final = 4  # snapshots and restores at once; more calls wait unthreaded
+_SNAPSHOT_ADMIN_THREADS: Final = 2  # listing, deleting and expiring snapshots at once, beside them
 _FOLDER_WORKERS: Final = 4  # threads making and removing sandboxes' folders (mkfs, mount, unmount, delete)
 _NET_TMPFS_BYTES: Final = 1 << 20  # holds sockets and folders only
 _NET_TMPFS_INODES: Final = 4 * 10_000 + 64  # a folder, a socket and a temp name per sandbox, at most
@@ -203,6 +204,9 @@ class SandboxManager:
         # shared pool, which the audit log's commits need: 45 snapshot calls waiting in threads for
         # the snapshot lock held all 40 and stopped every call of every sandbox until it was free.
         self._snapshot_threads = anyio.CapacityLimiter(_SNAPSHOT_THREADS)
+        # Short snapshot work (list, delete, expire) has threads of its own: behind four long restores it
+        # waited, so a client could not free room with delete_snapshot, and the reaper's expiry stalled.
+        self._snapshot_admin = anyio.CapacityLimiter(_SNAPSHOT_ADMIN_THREADS)
         self._snapshot_turn = anyio.Lock()  # snapshots are written one at a time: they wait here, unfrozen
         # Sandboxes whose workspace a snapshot is reading: closing one removes its files only after.
         self._archiving: dict[str, anyio.Event] = {}
@@ -735,7 +739,7 @@ class SandboxManager:
         box = self.get(sandbox_id)
         async with self._snapshot_turn:
             # what has expired never holds a cap
-            await anyio.to_thread.run_sync(self.expire_snapshots, limiter=self._snapshot_threads)
+            await anyio.to_thread.run_sync(self.expire_snapshots, limiter=self._snapshot_admin)
             # Closed while this call waited? From here to _archiving there is no await, so a close
             # either came first (SandboxNotFound) or will wait for the archive.
             box = self.get(sandbox_id)
@@ -804,7 +808,7 @@ class SandboxManager:
         return box, info
 
     async def _template_of(self, snapshot_id: str) -> str | None:
-        found = await anyio.to_thread.run_sync(list_snapshots, self._snapshots, limiter=self._snapshot_threads)
+        found = await anyio.to_thread.run_sync(list_snapshots, self._snapshots, limiter=self._snapshot_admin)
         name = next((info.metadata.get("template") for info in found if info.id == snapshot_id), None)
         return name if name in self._templates else None
 
@@ -817,7 +821,7 @@ class SandboxManager:
         Raises:
             BastionError: InvalidRequest (bad id), NotFound, OperationFailed.
         """
-        await anyio.to_thread.run_sync(delete_snapshot, self._snapshots, snapshot_id, limiter=self._snapshot_threads)
+        await anyio.to_thread.run_sync(delete_snapshot, self._snapshots, snapshot_id, limiter=self._snapshot_admin)
 
     def snapshot_limits(self) -> SnapshotLimits:
         """The caps an agent's snapshot is taken under, from the config."""
@@ -1005,7 +1009,7 @@ class SandboxManager:
     async def _expire_snapshots_logged(self) -> None:
         """The reaper's turn at `expire_snapshots`, in a worker thread; a failure is logged, never raised."""
         try:
-            for snapshot_id in await anyio.to_thread.run_sync(self.expire_snapshots, limiter=self._snapshot_threads):
+            for snapshot_id in await anyio.to_thread.run_sync(self.expire_snapshots, limiter=self._snapshot_admin):
                 logger.info("snapshot %s expired: deleted", snapshot_id)
         except BastionError as exc:
             logger.warning("expired snapshots not deleted: %s", exc.reason)
