@@ -262,3 +262,17 @@ def test_sandbox_disks_that_overcommit_the_state_filesystem_are_a_warning(
     demo_config_path.write_text(text.replace("max_sandboxes = 16", "max_sandboxes = 1"))
     _, checks, _ = _doctor(capsys, "--config", str(demo_config_path))
     assert checks["state-room"][0] == "ok", checks["state-room"]
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="a root server's check")
+def test_a_workspace_another_user_could_replace_fails_as_serve_refuses_it(
+    capsys: pytest.CaptureFixture[str], demo_config_path: Path
+) -> None:
+    """The doctor says what `serve` refuses (tests/workbench/test_workspace.py): a root-owned workspace whose
+    parent another user owns could be swapped for a folder of theirs."""
+    os.chown(demo_config_path.parent, 12345, 12345)
+    code, checks, _ = _doctor(capsys, "--config", str(demo_config_path))
+    assert code == 1
+    assert checks["idmap:default"][0] == "FAIL"
+    assert "could be replaced by another folder by uid 12345" in checks["idmap:default"][1]

@@ -34,6 +34,7 @@ from bastion.app import check_disk_quota, detect_cgroups, identity_problem
 from bastion.config import Config, GatewayConfig, load_config, resolve_config_path
 from bastion.safety.audit import file_problem
 from bastion.safety.errors import BastionError, ConfigError
+from bastion.safety.paths import replaceable_by
 from bastion.safety.redact import Redactor
 from bastion.sandbox import idmap_supported
 from bastion.sandbox._spawn import SANDBOX_WORKSPACE, bwrap_path, probe_bwrap, sandbox_python
@@ -281,6 +282,17 @@ def _identity_checks(config: Config) -> list[Check]:
 def _idmap_check(workspace_id: str, path: Path) -> Check:
     """How a root server will bind a host workspace (as `workspaces._open_host`); probed with a real idmapped mount."""
     name = f"idmap:{workspace_id}"
+    try:
+        info = path.stat()
+        who = replaceable_by(str(path), (info.st_uid, info.st_gid))
+    except OSError as exc:
+        return Check(name, "FAIL", f"{path} cannot be examined: {exc.strerror}")
+    if who is not None:
+        return Check(
+            name,
+            "FAIL",
+            f"{path} could be replaced by another folder by {who}: move it where only root or its owner writes",
+        )
     reason = idmap_supported(path)
     if reason is None:
         return Check(name, "ok", f"{path} is bound through an idmapped mount: commands' files are its owner's")
