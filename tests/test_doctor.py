@@ -88,6 +88,7 @@ def test_demo_config_passes_with_the_canary_refused_and_leaves_nothing(
     assert checks["identity"][0] == "ok", checks["identity"]
     if os.geteuid() == 0:
         assert checks["idmap:default"][0] == "ok", checks
+        assert checks["inbox:inbox"][0] == "ok", checks
     assert checks["disk-quota"][0] == ("ok" if os.geteuid() == 0 else "warn")
     # The demo sets no admin password and has a gateway with no key and no pinned host key.
     assert checks["http-auth"][0] == "warn"
@@ -276,3 +277,5 @@ def test_a_workspace_another_user_could_replace_fails_as_serve_refuses_it(
     assert code == 1
     assert checks["idmap:default"][0] == "FAIL"
     assert "could be replaced by another folder by uid 12345" in checks["idmap:default"][1]
+    assert checks["inbox:inbox"][0] == "FAIL"  # the demo's inbox beside it, root's too
+    assert "could be replaced by another folder by uid 12345" in checks["inbox:inbox"][1]

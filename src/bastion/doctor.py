@@ -32,6 +32,7 @@ from urllib.parse import urlsplit
 
 from bastion.app import check_disk_quota, detect_cgroups, identity_problem
 from bastion.config import Config, GatewayConfig, load_config, resolve_config_path
+from bastion.organizer.folder import Folder
 from bastion.safety.audit import file_problem
 from bastion.safety.errors import BastionError, ConfigError
 from bastion.safety.paths import replaceable_by
@@ -276,7 +277,22 @@ def _identity_checks(config: Config) -> list[Check]:
         f"sandboxes and host workspaces run as uids {first}-{first + count - 1}, one each, never root; "
         "no account or subordinate range is in that range"
     )
-    return [Check("identity", "ok", detail), *(_idmap_check(ws.id, ws.path) for ws in config.workspace)]
+    return [
+        Check("identity", "ok", detail),
+        *(_idmap_check(ws.id, ws.path) for ws in config.workspace),
+        *(_inbox_check(inbox.id, inbox.path) for inbox in config.inbox),
+    ]
+
+
+def _inbox_check(inbox_id: str, path: Path) -> Check:
+    """Whether a root server's organizer will open an inbox (`Folder`: no link on its path, nobody else able to
+    replace it or, root-owned, to write it)."""
+    name = f"inbox:{inbox_id}"
+    try:
+        Folder(path).close()
+    except BastionError as exc:
+        return Check(name, "FAIL", exc.reason)
+    return Check(name, "ok", f"{path}: only root and its owner can replace it; the organizer acts as its owner")
 
 
 def _idmap_check(workspace_id: str, path: Path) -> Check:

@@ -219,3 +219,51 @@ def test_a_root_organizer_never_moves_what_the_inbox_owner_could_not(inbox_dir: 
         organizer.close()
     assert (private / "diary.txt").read_text() == "bob's"
     assert not (inbox_dir / "Documents" / "diary.txt").exists()
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="only a root server acts as the inbox's owner")
+def test_a_folder_the_owner_cannot_search_is_a_clear_refusal_and_recovery_keeps_its_move(
+    inbox_dir: Path, state_dir: Path
+) -> None:
+    """Attack (found by review): acting as the owner, a folder of theirs made 0644 (listable, not searchable)
+    raised a bare PermissionError: list_files and plan answered INTERNAL_ERROR, and a crash's recovery stopped the
+    server's start with a traceback. It is a refusal now, and recovery keeps the move it cannot examine in the
+    history instead of dropping it."""
+    os.chown(inbox_dir, *USER)
+    photos = inbox_dir / "Photos"
+    photos.mkdir()
+    (photos / "a.jpg").write_bytes(b"a")
+    info = os.lstat(photos / "a.jpg")
+    for entry in (photos, photos / "a.jpg"):
+        os.chown(entry, *USER)
+    photos.chmod(0o644)
+    txn = Txn(txn=1, kind="move", action=1, moves=(Move("a.jpg", "Photos/a.jpg", info.st_dev, info.st_ino),))
+    journal = Journal(state_dir / "journal.jsonl")
+    journal.open()
+    folder = Folder(inbox_dir)
+    try:
+        with pytest.raises(BastionError, match="cannot be examined"):
+            folder.scan("Photos")
+        journal.begin(txn)
+        assert Mover(folder, journal).recover(txn) == [0]  # kept as in effect: it could not be examined
+    finally:
+        journal.close()
+        folder.close()
+        photos.chmod(0o755)
+    assert (photos / "a.jpg").read_bytes() == b"a"
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="a root organizer's")
+def test_a_root_owned_inbox_others_may_write_is_refused(tmp_path: Path) -> None:
+    """Attack (found by review): a shared root-owned inbox (1777) is organized as root, which moved one user's
+    file into a folder another user made there, where that user could delete it; the sticky bit protects
+    what is in the inbox, not what is moved. Refused at start."""
+    inbox = tmp_path / "shared-inbox"
+    inbox.mkdir()
+    inbox.chmod(0o1777)
+    with pytest.raises(BastionError, match="who may write the root-owned inbox itself"):
+        Folder(inbox).close()
+    inbox.chmod(0o755)
+    Folder(inbox).close()

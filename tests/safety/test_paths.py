@@ -1268,3 +1268,31 @@ def test_a_switch_inside_a_switch_neither_switches_nor_restores(ws: Path) -> Non
             pass
         assert _thread_ids()["Groups"] == []
     _assert_thread_is_the_servers()
+
+
+def test_a_file_really_named_deleted_is_not_read_as_another(jail: Jail, ws: Path) -> None:
+    """Attack (found by review): the kernel names an unlinked file's fd with a ' (deleted)' suffix, and it was
+    stripped from every real path: `notes.txt (deleted)` resolved to `notes.txt`, and edit_file read and wrote
+    that other file. The suffix is dropped only for a file that has no name left."""
+    (ws / "notes.txt").write_text("the real notes")
+    (ws / "notes.txt (deleted)").write_text("the decoy")
+    assert jail.real_path("notes.txt (deleted)") == "notes.txt (deleted)"
+    assert jail.read("notes.txt (deleted)").data == b"the decoy"
+
+
+@pytest.mark.root
+def test_an_acl_mask_limits_its_named_entries(tmp_path: Path) -> None:
+    """Found by review: a named entry's write was counted though the ACL's mask takes it away (what the mode's
+    group bits show): an administrator's `chmod g-w` did not clear the refusal."""
+    alice = (12345, 12346)
+
+    def acl(folder: Path, entries: list[tuple[int, int, int]], version: int = 2) -> None:
+        raw = struct.pack("<I", version) + b"".join(struct.pack("<HHI", *entry) for entry in entries)
+        os.setxattr(folder, "system.posix_acl_access", raw)
+
+    masked = _folder(tmp_path / "masked", (0, 0), 0o755)
+    acl(
+        masked,
+        [(0x01, 7, 0xFFFFFFFF), (0x02, 7, 4242), (0x04, 5, 0xFFFFFFFF), (0x10, 5, 0xFFFFFFFF), (0x20, 5, 0xFFFFFFFF)],
+    )
+    assert replaceable_by(str(_folder(masked / "ws", alice, 0o755)), alice) is None  # the mask takes the write away

@@ -56,7 +56,7 @@ from bastion.safety.errors import (
     ResourceLimit,
     Unavailable,
 )
-from bastion.safety.paths import Jail, acting_as, replaceable_by
+from bastion.safety.paths import Jail, acting_as, other_writers, replaceable_by
 
 _DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _PATH_FLAGS: Final = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -205,7 +205,7 @@ class Folder:
         self._held = (held.st_dev, held.st_ino)
         owner = (held.st_uid, held.st_gid)
         # A root organizer acts as the inbox's owner: it never moves what they could not (another user's
-        # folder in the inbox, a root-owned file), and what it makes is theirs (`acting_as`).
+        # folder in the inbox), and what it makes is theirs (`acting_as`).
         self._acts_as = owner if os.geteuid() == 0 and owner != (0, 0) else None
         try:
             self._refuse_replaceable((held.st_uid, held.st_gid))
@@ -217,7 +217,17 @@ class Folder:
     def _refuse_replaceable(self, owner: tuple[int, int]) -> None:
         """A root organizer refuses an inbox another user could swap for a folder of theirs (`replaceable_by`):
         a root-owned one renamed into the path would have its files moved about by root."""
-        who = replaceable_by(self._path, owner) if os.geteuid() == 0 else None
+        if os.geteuid() != 0:
+            return
+        try:
+            who = replaceable_by(self._path, owner)
+            if who is None and owner[0] == 0:
+                # Run as root, a root-owned inbox others may write would move their files into folders
+                # of others' (a sticky bit protects what is in the inbox, not what is moved).
+                others = other_writers(self._path, owner)
+                who = None if others is None else f"{others}, who may write the root-owned inbox itself"
+        except OSError as exc:
+            raise InvalidRequest(f"the inbox {self._path} cannot be examined ({exc.strerror})") from exc
         if who is not None:
             raise InvalidRequest(
                 f"the inbox {self._path} (owned by uid {owner[0]}) could be replaced by another folder by {who}: "
@@ -398,6 +408,8 @@ class Folder:
             return os.stat(_plain(name), dir_fd=dir_fd, follow_symlinks=False)
         except FileNotFoundError:
             return None
+        except OSError as exc:  # acting as the owner: a folder they cannot search (mode 0644)
+            raise OperationFailed(f"'{name}' cannot be examined ({exc.strerror})") from exc
 
     @_as_owner
     def lstat(self, rel: str) -> os.stat_result | None:
@@ -438,6 +450,8 @@ class Folder:
                         found.append((entry.name, entry.stat(follow_symlinks=False)))
                     except FileNotFoundError:
                         continue
+                    except OSError as exc:  # acting as the owner: a folder they can list but not search
+                        raise OperationFailed(f"'{rel}' cannot be examined ({exc.strerror})") from exc
         finally:
             os.close(fd)
         found.sort(key=lambda item: item[0])

@@ -130,6 +130,9 @@ class Mover:
             try:
                 info = self._folder.lstat(move.dst)
             except BastionError:
+                # Cannot tell (a folder on the way its owner cannot search): taken as done, so it is put
+                # back if it can be, and kept in the history as in effect if not, never dropped from it.
+                applied.append(index)
                 continue
             if info is not None and (info.st_dev, info.st_ino) == (move.dev, move.ino):
                 applied.append(index)

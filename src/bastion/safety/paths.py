@@ -241,6 +241,11 @@ def replaceable_by(path: str, owner: tuple[int, int]) -> str | None:
     return None
 
 
+def other_writers(folder: str, owner: tuple[int, int]) -> str | None:
+    """Who besides root and `owner` may write `folder` itself, by its mode or its ACL, or None."""
+    return _writers(folder, os.lstat(folder), owner, _GroupMembers())
+
+
 def _writers(folder: str, info: os.stat_result, owner: tuple[int, int], groups: _GroupMembers) -> str | None:
     """Who besides root and `owner` may write `folder` by its mode or its ACL, or None."""
     mode = info.st_mode
@@ -249,6 +254,8 @@ def _writers(folder: str, info: os.stat_result, owner: tuple[int, int], groups: 
     if mode & stat.S_IWGRP and not groups.only(info.st_gid, owner[0]):
         return f"the members of group {info.st_gid}"
     for tag, ident in _acl_writers(folder):
+        if tag == _UNKNOWN:
+            return "someone (its ACL cannot be read)"
         if tag == _ACL_USER and ident not in (0, owner[0]):
             return f"uid {ident} (an ACL entry)"
         if tag == _ACL_GROUP and not groups.only(ident, owner[0]):
@@ -256,9 +263,12 @@ def _writers(folder: str, info: os.stat_result, owner: tuple[int, int], groups: 
     return None
 
 
+_ACL_VERSION: Final = 2  # include/uapi/linux/posix_acl_xattr.h
 _ACL_USER: Final = 0x02  # include/uapi/linux/posix_acl.h
 _ACL_GROUP: Final = 0x08
+_ACL_MASK: Final = 0x10
 _ACL_WRITE: Final = 0x02
+_UNKNOWN: Final = -1  # an ACL that does not parse: who may write cannot be told
 
 
 def _acl_writers(folder: str) -> list[tuple[int, int]]:
@@ -266,7 +276,8 @@ def _acl_writers(folder: str) -> list[tuple[int, int]]:
 
     Read by hand from the ``system.posix_acl_access`` attribute (a version word, then 8-byte
     entries: tag, permissions, id): the standard library has no ACL reader. A mode's group bits
-    show only the ACL's mask, so a folder with ``u:alice:rwx`` can look 0755.
+    show only the ACL's mask, so a folder with ``u:alice:rwx`` can look 0755; the mask also limits
+    what a named entry grants. An attribute that does not parse counts as a writer (`_UNKNOWN`).
     """
     try:
         raw = os.getxattr(folder, "system.posix_acl_access", follow_symlinks=False)
@@ -274,37 +285,33 @@ def _acl_writers(folder: str) -> list[tuple[int, int]]:
         if exc.errno in (errno.ENODATA, errno.ENOTSUP, errno.EOPNOTSUPP):
             return []
         raise
-    entries = struct.iter_unpack("<HHI", raw[4:]) if len(raw) >= 4 and (len(raw) - 4) % 8 == 0 else ()
-    return [(tag, ident) for tag, perm, ident in entries if tag in (_ACL_USER, _ACL_GROUP) and perm & _ACL_WRITE]
+    if len(raw) < 4 or (len(raw) - 4) % 8 or struct.unpack_from("<I", raw)[0] != _ACL_VERSION:
+        return [(_UNKNOWN, -1)]
+    entries = list(struct.iter_unpack("<HHI", raw[4:]))
+    mask = next((perm for tag, perm, _ in entries if tag == _ACL_MASK), _ACL_WRITE)
+    return [(tag, ident) for tag, perm, ident in entries if tag in (_ACL_USER, _ACL_GROUP) and perm & mask & _ACL_WRITE]
 
 
 class _GroupMembers:
-    """Whether a group holds anyone but root and one user (members, or accounts whose primary group it is)."""
+    """Whether a group can hold no one but root and one user, told from the user database alone.
 
-    def __init__(self) -> None:
-        self._primaries: dict[int, set[int]] | None = None
+    Fail closed: only the root group with no listed member, or a user private group (the user's
+    primary group, named after them, listing no one else) count. Who else has a group as primary
+    cannot be listed where accounts come from a directory (SSSD, LDAP: enumeration is off).
+    """
 
     def only(self, gid: int, uid: int) -> bool:
         try:
-            names = grp.getgrgid(gid).gr_mem
+            group = grp.getgrgid(gid)
         except KeyError:
             return False  # a group the system does not name: who is in it cannot be told
-        members = {self._uid_of(name) for name in names}
-        return (members | self._primary(gid)) <= {0, uid}
-
-    @staticmethod
-    def _uid_of(name: str) -> int:
+        if gid == 0:
+            return not group.gr_mem
         try:
-            return pwd.getpwnam(name).pw_uid
+            account = pwd.getpwuid(uid)
         except KeyError:
-            return -1  # a member the user database does not know: counted as someone else
-
-    def _primary(self, gid: int) -> set[int]:
-        if self._primaries is None:
-            self._primaries = {}
-            for account in pwd.getpwall():
-                self._primaries.setdefault(account.pw_gid, set()).add(account.pw_uid)
-        return self._primaries.get(gid, set())
+            return False
+        return account.pw_gid == gid and group.gr_name == account.pw_name and set(group.gr_mem) <= {account.pw_name}
 
 
 def _runs_privileged(path: str, mode: int) -> bool:
@@ -1348,8 +1355,10 @@ class Jail:
                 f"could not tell where '{rel}' leads (/proc/self/fd is unreadable): ask the administrator",
                 detail=f"{rel}: readlink: {exc.strerror}",
             ) from exc
-        # An entry unlinked since it was opened is named with this suffix (d_path in fs/d_path.c).
-        target = target.removesuffix(_DELETED)
+        # An entry unlinked since it was opened is named with this suffix (d_path in fs/d_path.c); a file
+        # that is really named so keeps it (stripped, `notes.txt (deleted)` read as another file).
+        if target.endswith(_DELETED) and os.fstat(fd).st_nlink == 0:
+            target = target.removesuffix(_DELETED)
         if target == root:
             return "."
         prefix = root.rstrip("/") + "/"

@@ -560,14 +560,20 @@ def sanitize_terminal(text: str) -> str:
     return _BIDI.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
 
 
-_ESCAPED_NAME_CATEGORIES: Final = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
+_ESCAPED_NAME_CATEGORIES: Final = frozenset({"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp", "Zs"})
+# Shown as nothing, or as a space, though not in those categories: fillers, the blank braille cell, the
+# combining grapheme joiner and the variation selectors. Other combining marks are letters' accents.
+_INVISIBLE: Final = frozenset(
+    {0x034F, 0x115F, 0x1160, 0x2800, 0x3164, 0xFFA0, *range(0xFE00, 0xFE10), *range(0xE0100, 0xE01F0)}
+)
 
 
 def sanitize_name(name: str) -> str:
     """A file name safe to show and never mistaken for another.
 
-    Every control and invisible character (Unicode categories Cc, Cf, Cs, Zl, Zp: ESC, newline,
-    zero-width and bidi marks) is shown as ``\\uNNNN``, an undecodable byte (os.fsdecode's lone
+    Every control, invisible or unassigned character and every space but U+0020 (Unicode categories
+    C*, Z*, fillers and variation selectors: ESC, newline, zero-width and bidi marks, no-break
+    spaces) is shown as ``\\uNNNN`` (``\\UNNNNNNNN`` past U+FFFF), an undecodable byte (os.fsdecode's lone
     surrogate) as ``\\xNN``, and a backslash doubled. Unlike `sanitize_terminal`, an escape sequence
     is shown, not removed: ``rep\\x1b[0mort.txt`` would otherwise read as ``report.txt``, another file.
     """
@@ -578,8 +584,8 @@ def sanitize_name(name: str) -> str:
             out.append(f"\\x{point - 0xDC00:02x}")
         elif char == "\\":
             out.append("\\\\")
-        elif unicodedata.category(char) in _ESCAPED_NAME_CATEGORIES:
-            out.append(f"\\u{point:04x}")
+        elif char != " " and (unicodedata.category(char) in _ESCAPED_NAME_CATEGORIES or point in _INVISIBLE):
+            out.append(f"\\u{point:04x}" if point <= 0xFFFF else f"\\U{point:08x}")  # fixed width: one reading
         else:
             out.append(char)
     return "".join(out)

@@ -664,7 +664,10 @@ def _open_host(
 
 
 def _refuse_replaceable(config: WorkspaceConfig, owner: tuple[int, int]) -> None:
-    who = replaceable_by(str(config.path), owner)
+    try:
+        who = replaceable_by(str(config.path), owner)
+    except OSError as exc:
+        raise ConfigError(f"workspace {config.id!r}: {config.path} cannot be examined ({exc.strerror})") from exc
     if who is not None:
         raise ConfigError(
             f"workspace {config.id!r}: {config.path} (owned by uid {owner[0]}) could be replaced by another folder "
