@@ -16,6 +16,7 @@ import asyncio
 import hashlib
 import inspect
 import os
+import secrets
 import socket
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -40,6 +41,12 @@ pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
 BACKENDS = ["bubblewrap", pytest.param("microvm", marks=pytest.mark.microvm)]
 ENV = {"PATH": SANDBOX_PATH, "HOME": "/workspace", "LANG": "C.UTF-8"}
 LIMITS = Limits(memory_bytes=96 << 20, pids=32, cpu_cores=1.0)
+
+
+def unique_marker(seconds: int) -> str:
+    """A `sleep` duration found on no other process: the leftover checks look at every process of the host,
+    and both backends' variants of a test (and other workers) run at once under xdist."""
+    return f"{seconds}.{secrets.randbelow(10**6):06d}"
 
 
 @dataclass
@@ -181,7 +188,7 @@ async def test_output_is_capped_and_counted(box: Sandbox) -> None:
 
 async def test_timeout_kills_setsid_and_double_forked_processes(harness: Harness, either: Sandbox) -> None:
     """Invariant: after a timeout no process the command started survives, however it detached."""
-    marker = "4242.25"
+    marker = unique_marker(4242)
     script = f"setsid sleep {marker} & (sleep {marker} &) ; nohup sleep {marker} >/dev/null 2>&1 & sleep {marker}"
     outcome = await sh(either, script, timeout_s=0.5)
     assert outcome.timed_out
@@ -192,7 +199,7 @@ async def test_timeout_kills_setsid_and_double_forked_processes(harness: Harness
 async def test_without_cgroups_a_normal_exit_leaves_no_background_process(harness: Harness, box: Sandbox) -> None:
     """`box` has no limits, so no cgroups: each command has a PID namespace of its own. With them,
     what it leaves running lives on (tests/sandbox/test_command_groups.py)."""
-    marker = "4243.5"
+    marker = unique_marker(4243)
     outcome = await sh(box, f"setsid sleep {marker} & echo started")
     assert outcome.status == 0
     assert outcome.stdout == b"started\n"
@@ -200,7 +207,7 @@ async def test_without_cgroups_a_normal_exit_leaves_no_background_process(harnes
 
 
 async def test_cancellation_kills_the_tree(harness: Harness, either: Sandbox) -> None:
-    marker = "4244.75"
+    marker = unique_marker(4244)
     task = asyncio.create_task(sh(either, f"(sleep {marker} &) ; sleep {marker}"))
     await until(lambda: some_left(harness, marker), harness.wait_s)
     task.cancel()
@@ -264,7 +271,7 @@ async def test_spawn_reads_stdout_with_the_given_reader(box: Sandbox) -> None:
 
 
 async def test_kill_ends_a_background_command_and_what_it_started(harness: Harness, either: Sandbox) -> None:
-    marker = "4245.5"
+    marker = unique_marker(4245)
     process = await either.spawn(
         "/bin/sh", ["sh", "-c", f"setsid sleep {marker} & exec sleep {marker}"], cwd="/", env=ENV, ring_bytes=1024
     )
@@ -398,7 +405,7 @@ async def test_an_idle_sandbox_with_scratch_files_stays_awake(box: Sandbox) -> N
 
 
 async def test_close_leaves_nothing_running_and_a_new_command_starts_it_again(harness: Harness, box: Sandbox) -> None:
-    marker = "4246.25"
+    marker = unique_marker(4246)
     process = await box.spawn("/bin/sleep", ["sleep", marker], cwd="/", env=ENV, ring_bytes=64)
     await until(lambda: some_left(harness, marker), harness.wait_s)
     box.close()
@@ -409,7 +416,7 @@ async def test_close_leaves_nothing_running_and_a_new_command_starts_it_again(ha
 
 
 async def test_aclose_final_is_for_good(harness: Harness, box: Sandbox) -> None:
-    marker = "4247.75"
+    marker = unique_marker(4247)
     await box.spawn("/bin/sleep", ["sleep", marker], cwd="/", env=ENV, ring_bytes=64)
     await until(lambda: some_left(harness, marker), harness.wait_s)
     await box.aclose(final=True)

@@ -878,6 +878,14 @@ class WarmSandbox:
                 await self._all_gone(killed)
         except TimeoutError:
             # The agent did not confirm the kill: end the whole sandbox, which ends every process in it.
+            waited = "its processes to be gone" if process.exited else "the agent to report its exit"
+            logger.warning(
+                "sandbox for %s: a killed command was still not over after %s s (waiting for %s): the sandbox is "
+                "ended instead",
+                self.spec.workspace,
+                KILL_GRACE_S,
+                waited,
+            )
             await self.aclose()
 
     def close(self) -> None:
