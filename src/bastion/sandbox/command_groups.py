@@ -77,16 +77,10 @@ class CommandGroups:
         Raises:
             OperationFailed: the kernel refused.
         """
-        group = self.doom(command_id)
-        if group is not None:
-            group.kill()
-        return group
-
-    def doom(self, command_id: int) -> CommandCgroup | None:
-        """Mark a running command's group as one that will be killed, without killing it yet (see `kill`)."""
         group = self._running.get(command_id)
         if group is not None:
             self._killed.add(command_id)
+            group.kill()
         return group
 
     def exited(self, command_id: int) -> None:

@@ -579,17 +579,6 @@ class WarmSandbox:
             logger.error("sandbox for %s: command group not killed: %s", self.spec.workspace, exc.reason)
             return None
 
-    def _kill_group(self, group: CommandCgroup | None) -> CommandCgroup | None:
-        """SIGKILL what a command left in its group (returned, to wait until it is empty)."""
-        if group is None:
-            return None
-        try:
-            group.kill()
-        except BastionError as exc:
-            logger.error("sandbox for %s: command group not killed: %s", self.spec.workspace, exc.reason)
-            return None
-        return group
-
     @staticmethod
     async def _all_gone(group: CommandCgroup | None) -> None:
         """Wait, off the event loop, until a killed command's every process has exited."""
@@ -882,15 +871,10 @@ class WarmSandbox:
             raise Conflict("the sandbox is paused: resume it first")
         if self._sock is not None:
             self._follow_loop(self._sock)  # the exit it waits for comes from the agent
-        # The group is killed once the agent reports the exit, not with the request: the agent starts a
-        # command from inside its group, and a kill sent right after the spawn could land while it is
-        # there and end the agent, and with it the whole sandbox. The agent handles the run before the kill.
-        self._tell_agent("kill", process.command_id)
-        doomed = self._commands.doom(process.command_id) if self._commands is not None else None
+        killed = self._kill_tree(process.command_id)
         try:
             async with asyncio.timeout(KILL_GRACE_S):
                 await process.wait_exit()
-                killed = self._kill_group(doomed)
                 await self._all_gone(killed)
         except TimeoutError:
             # The agent did not confirm the kill: end the whole sandbox, which ends every process in it.
