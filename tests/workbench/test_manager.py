@@ -22,7 +22,7 @@ from mcp import Client
 from prometheus_client.parser import text_string_to_metric_families
 
 from bastion.app import Services, build_server, build_services
-from bastion.config import load_config
+from bastion.config import Config, load_config
 from bastion.safety.errors import Unavailable
 from bastion.sandbox.cgroups import Usage
 from bastion.snapshot import _archive, _extract
@@ -658,6 +658,18 @@ async def test_a_create_that_cannot_make_its_socket_folder_holds_no_host_id(
     assert manager._identities.in_use() == held
 
 
+def _recover(config: Config, caplog: pytest.LogCaptureFixture, sandbox_id: str) -> tuple[list[Any], list[str]]:
+    """Start (and close) a server on `config`: the snapshots its recovery left, and its error lines naming
+    `sandbox_id`."""
+    with caplog.at_level(logging.ERROR, logger="bastion.sandboxes"):
+        services = build_services(config)
+        try:
+            snapshots = services.sandboxes.snapshots()
+        finally:
+            services.close()
+    return snapshots, [record.getMessage() for record in caplog.records if sandbox_id in record.getMessage()]
+
+
 def test_recovery_deletes_a_crashed_workspace_over_the_snapshot_bounds(
     demo_config_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -672,15 +684,9 @@ def test_recovery_deletes_a_crashed_workspace_over_the_snapshot_bounds(
     for index in range(5):
         (orphan / f"f{index}").write_text("work\n")
     monkeypatch.setattr(_archive, "MAX_ENTRIES", 3)
-    with caplog.at_level(logging.ERROR, logger="bastion.sandboxes"):
-        services = build_services(config)
-        try:
-            snapshots = services.sandboxes.snapshots()
-        finally:
-            services.close()
+    snapshots, lines = _recover(config, caplog, "sb-0123456789ab")
     assert snapshots == []
     assert not orphan.parent.exists()
-    lines = [record.getMessage() for record in caplog.records if "sb-0123456789ab" in record.getMessage()]
     assert len(lines) == 1
     assert "deleted without a snapshot" in lines[0]
     assert "entries" in lines[0]
@@ -704,16 +710,10 @@ def test_recovery_keeps_a_crashed_workspace_whose_snapshot_fails_otherwise(
         return real_read(fd, length)
 
     monkeypatch.setattr(os, "read", damaged)
-    with caplog.at_level(logging.ERROR, logger="bastion.sandboxes"):
-        services = build_services(config)
-        try:
-            snapshots = services.sandboxes.snapshots()
-        finally:
-            services.close()
+    snapshots, lines = _recover(config, caplog, "sb-0123456789ab")
     monkeypatch.setattr(os, "read", real_read)
     assert snapshots == []
     assert (orphan / "work.txt").read_text() == "only copy\n"
-    lines = [record.getMessage() for record in caplog.records if "sb-0123456789ab" in record.getMessage()]
     assert len(lines) == 1
     assert "kept as is, for the next start" in lines[0]
 

@@ -223,13 +223,12 @@ def replaceable_by(path: str, owner: tuple[int, int]) -> str | None:
         One line naming who and through which folder.
     """
     parts = [part for part in path.split("/") if part]
-    groups = _GroupMembers()
     for depth in range(len(parts), 0, -1):
         parent = "/" + "/".join(parts[: depth - 1])
         info = os.lstat(parent)
         if info.st_uid not in (0, owner[0]):
             return f"uid {info.st_uid}, who owns {parent}"
-        writers = _writers(parent, info, owner, groups)
+        writers = _writers(parent, info, owner)
         if writers is None:
             continue
         if not info.st_mode & stat.S_ISVTX:
@@ -243,22 +242,22 @@ def replaceable_by(path: str, owner: tuple[int, int]) -> str | None:
 
 def other_writers(folder: str, owner: tuple[int, int]) -> str | None:
     """Who besides root and `owner` may write `folder` itself, by its mode or its ACL, or None."""
-    return _writers(folder, os.lstat(folder), owner, _GroupMembers())
+    return _writers(folder, os.lstat(folder), owner)
 
 
-def _writers(folder: str, info: os.stat_result, owner: tuple[int, int], groups: _GroupMembers) -> str | None:
+def _writers(folder: str, info: os.stat_result, owner: tuple[int, int]) -> str | None:
     """Who besides root and `owner` may write `folder` by its mode or its ACL, or None."""
     mode = info.st_mode
     if mode & stat.S_IWOTH:
         return "any user"
-    if mode & stat.S_IWGRP and not groups.only(info.st_gid, owner[0]):
+    if mode & stat.S_IWGRP and not _group_only_of(info.st_gid, owner[0]):
         return f"the members of group {info.st_gid}"
     for tag, ident in _acl_writers(folder):
         if tag == _UNKNOWN:
             return "someone (its ACL cannot be read)"
         if tag == _ACL_USER and ident not in (0, owner[0]):
             return f"uid {ident} (an ACL entry)"
-        if tag == _ACL_GROUP and not groups.only(ident, owner[0]):
+        if tag == _ACL_GROUP and not _group_only_of(ident, owner[0]):
             return f"the members of group {ident} (an ACL entry)"
     return None
 
@@ -292,26 +291,24 @@ def _acl_writers(folder: str) -> list[tuple[int, int]]:
     return [(tag, ident) for tag, perm, ident in entries if tag in (_ACL_USER, _ACL_GROUP) and perm & mask & _ACL_WRITE]
 
 
-class _GroupMembers:
-    """Whether a group can hold no one but root and one user, told from the user database alone.
+def _group_only_of(gid: int, uid: int) -> bool:
+    """Whether group `gid` can hold no one but root and user `uid`, told from the user database alone.
 
     Fail closed: only the root group with no listed member, or a user private group (the user's
     primary group, named after them, listing no one else) count. Who else has a group as primary
     cannot be listed where accounts come from a directory (SSSD, LDAP: enumeration is off).
     """
-
-    def only(self, gid: int, uid: int) -> bool:
-        try:
-            group = grp.getgrgid(gid)
-        except KeyError:
-            return False  # a group the system does not name: who is in it cannot be told
-        if gid == 0:
-            return not group.gr_mem
-        try:
-            account = pwd.getpwuid(uid)
-        except KeyError:
-            return False
-        return account.pw_gid == gid and group.gr_name == account.pw_name and set(group.gr_mem) <= {account.pw_name}
+    try:
+        group = grp.getgrgid(gid)
+    except KeyError:
+        return False  # a group the system does not name: who is in it cannot be told
+    if gid == 0:
+        return not group.gr_mem
+    try:
+        account = pwd.getpwuid(uid)
+    except KeyError:
+        return False
+    return account.pw_gid == gid and group.gr_name == account.pw_name and set(group.gr_mem) <= {account.pw_name}
 
 
 def _runs_privileged(path: str, mode: int) -> bool:
