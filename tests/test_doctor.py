@@ -73,9 +73,10 @@ def test_demo_config_passes_with_the_canary_refused_and_leaves_nothing(
 
     code, checks, err = _doctor(capsys, "--config", str(demo_config_path))
 
+    failed = {name: check for name, check in checks.items() if check[0] not in ("ok", "warn")}
+    assert not failed, failed
     assert code == 0, checks
     assert err == ""
-    assert {status for status, _ in checks.values()} <= {"ok", "warn"}, checks
     for name in ("config", "bwrap", "userns", "seccomp", "cgroups", "audit", "sandbox"):
         assert checks[name][0] == "ok", (name, checks[name])
     assert checks["sandbox"][1].startswith("started in "), checks["sandbox"]

@@ -184,15 +184,17 @@ FORK_BOMB = py(
     "    except ChildProcessError:\n"
     "        pass\n"
 )
-LATENCY_FLOOR_S = 0.005
+# A `true` through the in-process server costs about 1 ms of this process's CPU; below 2 ms a ratio is noise.
+CPU_FLOOR_S = 0.002
 
 
-async def _latencies(client: Client, box: str, runs: int, on_each: Any = None) -> list[float]:
+async def _cpu_per_call(client: Client, box: str, runs: int, on_each: Any = None) -> list[float]:
+    """This process's CPU (server and client, every thread) for each of `runs` calls of `true` in `box`."""
     took = []
     for _ in range(runs):
-        start = time.perf_counter()
+        start = time.process_time()
         out = await sh(client, box, "true")
-        took.append(time.perf_counter() - start)
+        took.append(time.process_time() - start)
         assert out["ok"], out
         if on_each is not None:
             on_each()
@@ -202,16 +204,21 @@ async def _latencies(client: Client, box: str, runs: int, on_each: Any = None) -
 async def test_fork_bomb_stops_at_pids_limit_and_another_sandbox_keeps_answering(
     client: Client, services: Services
 ) -> None:
-    """Invariant: a fork bomb in sandbox A (pids 64) never holds more than 64 pids, and meanwhile
-    `true` in sandbox B has a p50 within 3x its p50 before the bomb (before is floored at 5 ms so
-    scheduler noise on a fast run cannot fail the test); afterwards A is back to a few pids and
-    answers. A is also narrowed to half a core: on a 2-core test machine a full core of fork churn
-    left the in-process server too little CPU and B's p50 went past 3x in about 1 run in 4 (the
-    CPU limit has its own test). Does not prove fairness under load from many sandboxes at once."""
+    """Invariant: a fork bomb in sandbox A (pids 64, half a core) never holds more than 64 pids and
+    never more than its half core, and meanwhile sandbox B answers every call with the server spending
+    no more than 3x its CPU per call before the bomb (floored at 2 ms); afterwards A is back to a few
+    pids and answers.
+
+    The server's CPU per call, not B's wall-clock latency: this runs beside the rest of the suite on
+    two cores, and a wall-clock ratio failed CI once (4 ms before, 18 ms during) with nothing wrong in
+    the server. What keeps B answering is the kernel's share (A's quota, asserted from its cgroup) and
+    a server whose work per call does not grow with A's processes (the CPU ratio). B's wall-clock
+    latency under a bomb is a benchmark (bench/bench_sandbox.py). Does not prove fairness under load
+    from many sandboxes at once."""
     a = await create(client, limits={"pids": 64, "cpu_cores": 0.5})
     b = await create(client)
     group_a = services.sandboxes.get(a).workspace.sandbox
-    before = statistics.median(await _latencies(client, b, 10))
+    before = statistics.median(await _cpu_per_call(client, b, 10))
 
     peak = [0]
 
@@ -221,6 +228,11 @@ async def test_fork_bomb_stops_at_pids_limit_and_another_sandbox_keeps_answering
         peak[0] = max(peak[0], usage.pids)
         return usage.pids
 
+    def a_cpu_s() -> float:
+        usage = group_a.usage()
+        assert usage is not None
+        return usage.cpu_usec / 1e6
+
     bomb: dict[str, object] = {}
 
     async def run_bomb() -> None:
@@ -229,11 +241,15 @@ async def test_fork_bomb_stops_at_pids_limit_and_another_sandbox_keeps_answering
     async with anyio.create_task_group() as tasks:
         tasks.start_soon(run_bomb)
         assert await wait_for(lambda: sample() >= 48, 2.0), f"the bomb never reached the limit (peak {peak[0]})"
-        during = statistics.median(await _latencies(client, b, 10, on_each=sample))
+        wall, used = time.monotonic(), a_cpu_s()
+        during = statistics.median(await _cpu_per_call(client, b, 10, on_each=sample))
+        wall, used = time.monotonic() - wall, a_cpu_s() - used
         assert not bomb, "the bomb ended before the measurement did"
     assert bomb["code"] == "TIMEOUT", bomb
     assert 48 <= peak[0] <= 64
-    assert during <= 3 * max(before, LATENCY_FLOOR_S), (before, during)
+    # Half a core, 50 ms per 100 ms period: the two periods the window cuts hold at most one more quota each.
+    assert used <= 0.5 * wall + 0.1, (used, wall)
+    assert during <= 3 * max(before, CPU_FLOOR_S), (before, during)
 
     # The bomb's processes are gone when the TIMEOUT answer comes (their group is empty), but each
     # still counts in pids until PID 1, the agent, reaps it: on a loaded machine that lags the answer.

@@ -51,6 +51,7 @@ class CommandGroups:
         self._killed: set[int] = set()  # command ids whose group was killed
         self._left: list[CommandCgroup] = []  # exited commands' groups that still hold processes
         self._draining: list[CommandCgroup] = []  # killed groups, until their processes have gone
+        self._doomed: dict[int, CommandCgroup] = {}  # by command id: groups marked killed, not yet killed
 
     def take(self, command_id: int) -> CommandCgroup:
         """A group for a command about to start: a free one, else a new one.
@@ -77,9 +78,27 @@ class CommandGroups:
         Raises:
             OperationFailed: the kernel refused.
         """
+        self.doom(command_id)
+        return self.kill_doomed(command_id)
+
+    def doom(self, command_id: int) -> CommandCgroup | None:
+        """Mark a running command's group as killed without killing it yet: `kill_doomed` does, once the
+        agent cannot be in it (it starts a command from inside the command's group). Until then the group
+        is not given to another command. Returns the group, None if the command has no group."""
         group = self._running.get(command_id)
         if group is not None:
             self._killed.add(command_id)
+            self._doomed[command_id] = group
+        return group
+
+    def kill_doomed(self, command_id: int) -> CommandCgroup | None:
+        """SIGKILL a group `doom` marked, once (None if it was not marked, or was killed already).
+
+        Raises:
+            OperationFailed: the kernel refused.
+        """
+        group = self._doomed.pop(command_id, None)
+        if group is not None:
             group.kill()
         return group
 
@@ -98,8 +117,9 @@ class CommandGroups:
 
     def _sweep(self) -> None:
         """Free the left and killed groups that have emptied since."""
+        doomed = [id(group) for group in self._doomed.values()]
         for pool in (self._left, self._draining):
-            for group in [g for g in pool if not g.populated()]:
+            for group in [g for g in pool if id(g) not in doomed and not g.populated()]:
                 pool.remove(group)
                 self._free.append(group)
 

@@ -56,6 +56,8 @@ START_TIMEOUT_S: Final = 10.0
 _GROUP_PREFIX: Final = "sb"
 _group_ids = itertools.count(1)
 KILL_GRACE_S: Final = 5.0
+# A killed command's group is killed when the agent answers the kill, or after this (see `_kill_tree`).
+KILL_ACK_S: Final = 1.0
 OUTPUT_GRACE_S: Final = 0.2  # after a command's exit, for output still on its way (see `_output_after_exit`)
 MAX_MESSAGE_BYTES: Final = 65_536
 _NOTHING_ACCEPTS: Final = "nothing accepts connections on that port in the sandbox"
@@ -326,6 +328,8 @@ class WarmSandbox:
         if message.get("event") == "netns":
             self._on_netns(fds)
             return
+        if message.get("event") == "killed" and self._commands is not None:
+            self._kill_doomed(self._commands, _int(message.get("id")))
         _close_all(fds)  # fds come only with the answer to a terminal or connect request
         if exited is None:
             return
@@ -568,16 +572,27 @@ class WarmSandbox:
 
     def _kill_tree(self, command_id: int) -> CommandCgroup | None:
         """Kill a command and everything it started: its cgroup (returned, to wait until it is
-        empty), or else its PID namespace's PID 1."""
+        empty), or else its PID namespace's PID 1.
+
+        The agent SIGKILLs the command at once; its group is killed when the agent answers ("killed"),
+        or after KILL_ACK_S. The agent starts a command from inside the command's group and then moves
+        back: a group killed with the request, right after a spawn, could end the agent with it, and so
+        the whole sandbox. It handles messages in order, so its answer comes from outside the group."""
         self._tell_agent("kill", command_id)
-        if self._commands is None:
+        commands = self._commands
+        if commands is None:
             return None
+        group = commands.doom(command_id)
+        if group is not None:
+            asyncio.get_running_loop().call_later(KILL_ACK_S, self._kill_doomed, commands, command_id)
+        return group
+
+    def _kill_doomed(self, commands: CommandGroups, command_id: int) -> None:
         try:
-            return self._commands.kill(command_id)
+            commands.kill_doomed(command_id)
         except BastionError as exc:
             # The agent's SIGKILL still ends the command; what it started may live on, so say so.
             logger.error("sandbox for %s: command group not killed: %s", self.spec.workspace, exc.reason)
-            return None
 
     @staticmethod
     async def _all_gone(group: CommandCgroup | None) -> None:

@@ -29,6 +29,8 @@ agent; fds via SCM_RIGHTS):
                   of either end. Or {"event": "pty", "id": N, "error": "..."} with no fd: it did not start
                   (no "exit" follows).
   host -> agent   {"op": "kill", "id": N}
+  agent -> host   {"event": "killed", "id": N}, once it has sent the command SIGKILL (if it was running): the
+                  host then kills the command's group, which the agent has left by then (see below)
   agent -> host   {"event": "exit", "id": N, "status": S}   S: exit code, or 128 + signal number
   host -> agent   {"op": "connect", "id": N, "port": P}   (a preview URL's request)
   agent -> host   {"event": "connected", "id": N} with one fd: a TCP socket connected to 127.0.0.1:P
@@ -222,12 +224,15 @@ class Agent:
         if op == "netns":  # the host then makes a preview's sockets in it itself (sandbox/netns.py)
             self.send({"event": "netns"}, self.net_ns)
         if op == "kill":
-            pid = self.running.get(int(req.get("id", 0)))
+            command_id = int(req.get("id", 0))
+            pid = self.running.get(command_id)
             if pid is not None:
                 try:  # noqa: SIM105 - contextlib would cost import time at every start
                     posix.kill(pid, _signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+            # The host kills the command's group on this answer: the agent is out of every group by now.
+            self.send({"event": "killed", "id": command_id})
 
     def connect(self, req: "dict[str, Any]") -> None:
         """Connect to 127.0.0.1:port in the sandbox's own network namespace; hand the socket to the host."""
