@@ -2,23 +2,27 @@
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import os
 import re
 import stat
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
 
 from bastion.cli import main
-from bastion.doctor import CANARY, CANARY_FILE, canary_check, child_pids, leftovers
+from bastion.doctor import CANARY, CANARY_FILE, Check, canary_check, child_pids, leftovers, userns_check
 from bastion.sandbox._spawn import probe_bwrap
 from bastion.sandbox.cgroups import CgroupLayout, Limits
 from tests.helpers import temp_socket_folders
 
 STATUSES = {"ok", "warn", "FAIL"}
+MNT_DETACH = 2
 
 
 def _doctor(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict[str, tuple[str, str]], str]:
@@ -105,6 +109,48 @@ def test_demo_config_passes_with_the_canary_refused_and_leaves_nothing(
     assert _tree(demo_config_path.parent) == tree
     assert _our_temp_dirs() <= temp
     assert set(child_pids()) <= children  # nothing new (a fixture's child may have ended)
+
+
+CHURN_POINTS = 20
+CHURN_CYCLES = 200
+MIN_PROBES = 30
+
+
+@pytest.mark.bwrap
+@pytest.mark.root
+def test_user_namespace_probe_passes_while_mounts_come_and_go(tmp_path: Path) -> None:
+    """Attack (found by the CI): a busy host's mounts change while the doctor probes, as sandboxes start
+    and end beside it. The probe bound the host's whole root, and bwrap failed when a mount under it went
+    away (its folder removed) before bwrap's read-only remount of it: the doctor said user namespaces did
+    not work. A thread mounts a tmpfs on 20 new folders, then unmounts them and removes the folders, for
+    CHURN_CYCLES rounds; the doctor probes all along. Every probe passes; the mounts are gone afterwards."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    points = [bytes(tmp_path / f"churn-{i}") for i in range(CHURN_POINTS)]
+
+    def churn() -> None:
+        # As a sandbox's /tmp and /dev/pts come and go: made, mounted, unmounted, removed.
+        for _ in range(CHURN_CYCLES):
+            for point in points:
+                os.mkdir(point)
+                libc.mount(b"bastion-churn", point, b"tmpfs", 0, None)
+            for point in points:
+                libc.umount2(point, 0)
+                os.rmdir(point)
+
+    thread = threading.Thread(target=churn)
+    thread.start()
+    checks: list[Check] = []
+    try:
+        while thread.is_alive() or len(checks) < MIN_PROBES:
+            checks.append(userns_check())
+    finally:
+        thread.join()
+        for point in points:
+            libc.umount2(point, MNT_DETACH)
+            with contextlib.suppress(FileNotFoundError):
+                os.rmdir(point)
+    assert [check for check in checks if check.status != "ok"] == []
+    assert not _mounts_under([str(tmp_path)])
 
 
 @pytest.mark.bwrap

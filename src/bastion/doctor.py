@@ -38,7 +38,7 @@ from bastion.safety.errors import BastionError, ConfigError
 from bastion.safety.paths import replaceable_by
 from bastion.safety.redact import Redactor
 from bastion.sandbox import idmap_supported
-from bastion.sandbox._spawn import SANDBOX_WORKSPACE, bwrap_path, probe_bwrap, sandbox_python
+from bastion.sandbox._spawn import SANDBOX_WORKSPACE, bwrap_path, probe_bwrap, sandbox_python, system_binds
 from bastion.sandbox.cgroups import CgroupLayout, owner_pid
 from bastion.sandbox.inside.landlock import landlock_abi, landlock_missing  # the agent's own wording
 from bastion.sandbox.microvm import MicroVMSettings, missing_boot_files, probe_microvm
@@ -145,19 +145,26 @@ def _bwrap_checks() -> list[Check]:
         _, version = probe_bwrap(["--version"])
     except BastionError as exc:
         return [Check("bwrap", "FAIL", f"{exc.reason}: no command or sandbox can run")]
-    found = Check("bwrap", "ok", f"{version or 'bubblewrap (version unknown)'} at {path}")
+    return [Check("bwrap", "ok", f"{version or 'bubblewrap (version unknown)'} at {path}"), userns_check()]
+
+
+def userns_check() -> Check:
+    """Whether bwrap can make a user namespace and run a command in it."""
     try:
-        status, last = probe_bwrap(["--unshare-user", "--ro-bind", "/", "/", "true"])
+        # The system folders a sandbox sees, not the host's whole root: bwrap remounts each mount under a
+        # bound folder read-only, and on a busy host (sandboxes starting and ending) one gone meanwhile made
+        # the probe fail ("Can't bind mount /oldroot/ on /newroot/").
+        status, last = probe_bwrap(["--unshare-user", *system_binds(), "true"])
     except BastionError as exc:
         status, last = -1, exc.reason
     if status == 0:
-        return [found, Check("userns", "ok", "user namespaces work: 'bwrap --unshare-user' ran a command")]
+        return Check("userns", "ok", "user namespaces work: 'bwrap --unshare-user' ran a command")
     why = last or f"exit status {status}"
     fix = (
         "allow user namespaces (sysctl user.max_user_namespaces > 0; on Debian/Ubuntu also "
         "kernel.unprivileged_userns_clone = 1, or kernel.apparmor_restrict_unprivileged_userns = 0)"
     )
-    return [found, Check("userns", "FAIL", f"'bwrap --unshare-user' failed ({why}): {fix}")]
+    return Check("userns", "FAIL", f"'bwrap --unshare-user' failed ({why}): {fix}")
 
 
 def _landlock_check() -> Check:

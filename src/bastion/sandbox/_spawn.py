@@ -231,12 +231,20 @@ def _etc_copy_fd(path: str) -> int | None:
         os.close(handle)
 
 
-def _bind_system(argv: list[str], python: str, copied: Mapping[str, int]) -> None:
+def system_binds() -> list[str]:
+    """bwrap arguments showing the system's programs and libraries (/usr, /bin, /lib...) read-only, as in a
+    sandbox: links stay links, folders are bound."""
+    argv: list[str] = []
     for path in _RO_SYSTEM_DIRS:
         if os.path.islink(path):
             argv += ["--symlink", os.readlink(path), path]
         elif os.path.isdir(path):
             argv += ["--ro-bind", path, path]
+    return argv
+
+
+def _bind_system(argv: list[str], python: str, copied: Mapping[str, int]) -> None:
+    argv += system_binds()
     for path in _RO_ETC_FILES:
         if path in copied:
             argv += ["--perms", "0444", "--file", str(copied[path]), path]
