@@ -17,7 +17,7 @@ import pytest
 
 from bastion.cli import main
 from bastion.doctor import CANARY, CANARY_FILE, Check, canary_check, child_pids, leftovers, userns_check
-from bastion.sandbox._spawn import probe_bwrap
+from bastion.sandbox._spawn import probe_bwrap, system_binds
 from bastion.sandbox.cgroups import CgroupLayout, Limits
 from tests.helpers import temp_socket_folders
 
@@ -233,14 +233,8 @@ def test_canary_is_allowed_without_seccomp_and_landlock(tmp_path: Path) -> None:
     /dev/null it is given (run as root: a copy of the host's node, as the chmod would change the
     host's node's ctime under a test of another worker that watches it), and the check turns that
     into a loud FAIL."""
-    args = ["--unshare-user", "--uid", "1000", "--tmpfs", "/", "--ro-bind", "/usr", "/usr"]
-    args += ["--bind", str(tmp_path), "/workspace"]
-    for path in ("/bin", "/sbin", "/lib", "/lib64"):
-        if os.path.islink(path):
-            args += ["--symlink", os.readlink(path), path]
-        elif os.path.isdir(path):
-            args += ["--ro-bind", path, path]
-    args += ["--proc", "/proc", "--dev", "/dev"]
+    args = ["--unshare-user", "--uid", "1000", "--tmpfs", "/", *system_binds()]
+    args += ["--bind", str(tmp_path), "/workspace", "--proc", "/proc", "--dev", "/dev"]
     node = tmp_path / "null-copy"
     if os.geteuid() == 0:
         os.mknod(node, stat.S_IFCHR | 0o666, os.makedev(1, 3))
