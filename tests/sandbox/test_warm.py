@@ -314,3 +314,67 @@ def _sandbox_processes(workspace: Path) -> list[int]:
         except OSError:
             continue
     return found
+
+
+# A listener whose backlog is full and which never accepts: a connect to it waits for the agent's time limit.
+_FULL_LISTENER = (
+    "import socket, time\n"
+    "s = socket.socket()\n"
+    "s.bind(('127.0.0.1', 0))\n"
+    "s.listen(0)\n"
+    "port = s.getsockname()[1]\n"
+    "held = []\n"
+    "for _ in range(4):\n"
+    "    c = socket.socket()\n"
+    "    c.setblocking(False)\n"
+    "    c.connect_ex(('127.0.0.1', port))\n"
+    "    held.append(c)\n"
+    "print(port, flush=True)\n"
+    "time.sleep(600)\n"
+)
+_FILLERS = 12
+_FILLER_ENV_BYTES = 28_000  # under the tools' 32 KB of environment per call
+
+
+async def test_a_kill_behind_a_busy_agent_and_a_full_socket_is_sent_and_answered(limited: WarmSandbox) -> None:
+    """Attack: the agent is busy for 2 s (a connect to a listener that never accepts), a client queues a
+    command, then a dozen with big environments (its socket fills: sends wait for room), then cancels the
+    first. The kill found no room and was dropped, so the command, started later, was never killed; and of
+    two sends waiting for room at once, one waited for ever. Now the kill waits for room, the agent answers
+    it once it has started the command, and the group dies then: the command and what it started are gone,
+    every queued command ran, and the sandbox lives on (its listener still runs)."""
+    listener = await limited.spawn(
+        "/usr/bin/python3", ["python3", "-c", _FULL_LISTENER], cwd="/", env=ENV, ring_bytes=1024
+    )
+    async with asyncio.timeout(10):
+        while not (printed := listener.stdout.read(0, 64)[1]).endswith(b"\n"):
+            assert not listener.exited, listener.stderr.read(0, 1024)
+            await asyncio.sleep(0.01)
+    port = int(printed)
+    marker = f"4251.{os.getpid()}"
+    busy = asyncio.ensure_future(limited.connect(port))  # the first connect of a run goes through the agent
+    first = asyncio.ensure_future(sh(limited, f"setsid sleep {marker} & exec sleep {marker}", timeout_s=60))
+    await asyncio.sleep(0)  # its hand-off, before the fillers'
+    filler_env = {**ENV, "FILLER": "x" * _FILLER_ENV_BYTES}
+    fillers = [
+        asyncio.ensure_future(
+            limited.run("/bin/true", ["true"], cwd="/", env=filler_env, timeout_s=60, max_output_bytes=1024)
+        )
+        for _ in range(_FILLERS)
+    ]
+    async with asyncio.timeout(10):
+        while len(limited._writables) < 2:  # two sends at least wait for room
+            await asyncio.sleep(0.01)
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    with pytest.raises(Unavailable):
+        await busy
+    async with asyncio.timeout(30):
+        outcomes = await asyncio.gather(*fillers)
+    assert [outcome.status for outcome in outcomes] == [0] * _FILLERS
+    async with asyncio.timeout(10):
+        while processes_with(marker):
+            await asyncio.sleep(0.05)
+    assert not listener.exited
+    await limited.kill(listener)

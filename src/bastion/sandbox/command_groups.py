@@ -8,8 +8,11 @@ kills everything the command started, and nothing else.
 
 Groups are reused rather than made and removed per command: a command that exits leaves an
 empty group (free again at once) or one still holding processes (left running, listed by
-`leftovers` until they end; then free again). A killed group is free once empty. Closing
-the sandbox removes them all (`SandboxCgroup.destroy`).
+`leftovers` until they end; then free again). A killed group is free once empty. A kill comes in
+two steps: `doom` marks the group (given to no other command from then on) when the host asks the
+agent to kill the command, and `kill_doomed` kills it when the agent has answered, from outside it
+(the agent starts each command from inside the command's group). Closing the sandbox removes them
+all (`SandboxCgroup.destroy`).
 
 What the host reads of a left process (/proc/PID/cmdline) is the sandbox's to write: it is
 read bounded, and returned raw for the layer above to clean.
@@ -70,16 +73,6 @@ class CommandGroups:
         group = self._running.pop(command_id, None)
         if group is not None:
             self._free.append(group)
-
-    def kill(self, command_id: int) -> CommandCgroup | None:
-        """SIGKILL every process of a running command's group: its whole tree, daemons included.
-        Returns the group (to wait until it is empty), None if the command has no group.
-
-        Raises:
-            OperationFailed: the kernel refused.
-        """
-        self.doom(command_id)
-        return self.kill_doomed(command_id)
 
     def doom(self, command_id: int) -> CommandCgroup | None:
         """Mark a running command's group as killed without killing it yet: `kill_doomed` does, once the

@@ -56,8 +56,6 @@ START_TIMEOUT_S: Final = 10.0
 _GROUP_PREFIX: Final = "sb"
 _group_ids = itertools.count(1)
 KILL_GRACE_S: Final = 5.0
-# A killed command's group is killed when the agent answers the kill, or after this (see `_kill_tree`).
-KILL_ACK_S: Final = 1.0
 OUTPUT_GRACE_S: Final = 0.2  # after a command's exit, for output still on its way (see `_output_after_exit`)
 MAX_MESSAGE_BYTES: Final = 65_536
 _NOTHING_ACCEPTS: Final = "nothing accepts connections on that port in the sandbox"
@@ -163,6 +161,7 @@ class WarmSandbox:
         self._background: dict[int, BackgroundProcess] = {}  # by command id, until it exits
         self._connects: dict[int, asyncio.Future[socket.socket]] = {}  # by request id, until answered
         self._writables: set[asyncio.Future[None]] = set()  # sends waiting for room in the agent's socket
+        self._kill_answers: dict[int, asyncio.Future[None]] = {}  # by command id: kills the agent has not answered
         # This run's network namespace, from the agent (netns.py): None until asked for and answered.
         self._netns: NetworkNamespace | None = None
         self._netns_asked = False
@@ -328,8 +327,8 @@ class WarmSandbox:
         if message.get("event") == "netns":
             self._on_netns(fds)
             return
-        if message.get("event") == "killed" and self._commands is not None:
-            self._kill_doomed(self._commands, _int(message.get("id")))
+        if message.get("event") == "killed":
+            self._on_killed(_int(message.get("id")))
         _close_all(fds)  # fds come only with the answer to a terminal or connect request
         if exited is None:
             return
@@ -467,6 +466,9 @@ class WarmSandbox:
             self._sock.close()
             self._sock = None
         self._reader_loop = None
+        for answer in self._kill_answers.values():
+            _settle(answer)  # its command ended with the sandbox
+        self._kill_answers.clear()
         ended = self._ending()
         for waiter in self._waiters.values():
             if not waiter.done():
@@ -574,25 +576,54 @@ class WarmSandbox:
         """Kill a command and everything it started: its cgroup (returned, to wait until it is
         empty), or else its PID namespace's PID 1.
 
-        The agent SIGKILLs the command at once; its group is killed when the agent answers ("killed"),
-        or after KILL_ACK_S. The agent starts a command from inside the command's group and then moves
-        back: a group killed with the request, right after a spawn, could end the agent with it, and so
-        the whole sandbox. It handles messages in order, so its answer comes from outside the group."""
-        self._tell_agent("kill", command_id)
-        commands = self._commands
-        if commands is None:
-            return None
-        group = commands.doom(command_id)
-        if group is not None:
-            asyncio.get_running_loop().call_later(KILL_ACK_S, self._kill_doomed, commands, command_id)
+        The agent SIGKILLs the command; the host kills the command's group when the agent answers
+        ("killed"). The agent starts a command from inside the command's group and then moves back: a
+        group killed with the request, right after a spawn, could end the agent with it, and so the whole
+        sandbox. It handles messages in order, so its answer comes from outside every group. No answer
+        within KILL_GRACE_S (the sandbox not paused): the sandbox is ended, and every process in it."""
+        group = self._commands.doom(command_id) if self._commands is not None else None
+        if self._sock is not None:
+            task = asyncio.get_running_loop().create_task(self._ask_kill(self._sock, command_id))
+            self._reaping_tasks.add(task)
+            task.add_done_callback(self._reaping_tasks.discard)
         return group
 
-    def _kill_doomed(self, commands: CommandGroups, command_id: int) -> None:
-        try:
-            commands.kill_doomed(command_id)
-        except BastionError as exc:
-            # The agent's SIGKILL still ends the command; what it started may live on, so say so.
-            logger.error("sandbox for %s: command group not killed: %s", self.spec.workspace, exc.reason)
+    async def _ask_kill(self, sock: socket.socket, command_id: int) -> None:
+        """Send the agent a kill, waiting for room in its socket rather than dropping it, and wait for its
+        answer; end the sandbox if none comes in time."""
+        answer = self._kill_answers.setdefault(command_id, asyncio.get_running_loop().create_future())
+        sent = False
+        while True:
+            try:
+                async with asyncio.timeout(KILL_GRACE_S):
+                    if not sent:
+                        await self._send_fds(sock, marshal.dumps({"op": "kill", "id": command_id}), [])
+                        sent = True
+                    await asyncio.shield(answer)
+                return
+            except TimeoutError:
+                if not self._paused:  # a frozen agent reads and answers once resumed
+                    break
+            except OSError:
+                return  # the agent went away: the command ended with the sandbox
+        logger.warning(
+            "sandbox for %s: the agent did not answer a kill within %s s: the sandbox is ended instead",
+            self.spec.workspace,
+            KILL_GRACE_S,
+        )
+        await self.aclose()
+
+    def _on_killed(self, command_id: int) -> None:
+        """The agent's answer to a kill: it has signalled the command and is out of every group."""
+        answer = self._kill_answers.pop(command_id, None)
+        if answer is not None:
+            _settle(answer)
+        if self._commands is not None:  # it kills only a group marked by a kill of this sandbox's
+            try:
+                self._commands.kill_doomed(command_id)
+            except BastionError as exc:
+                # The agent's SIGKILL still ended the command; what it started may live on, so say so.
+                logger.error("sandbox for %s: command group not killed: %s", self.spec.workspace, exc.reason)
 
     @staticmethod
     async def _all_gone(group: CommandCgroup | None) -> None:
@@ -620,11 +651,6 @@ class WarmSandbox:
             await asyncio.to_thread(_wait_exited, [os.dup(fd)], KILL_GRACE_S)
         finally:
             os.close(fd)
-
-    def _tell_agent(self, op: str, command_id: int) -> None:
-        if self._sock is not None:
-            with contextlib.suppress(OSError):
-                self._sock.send(marshal.dumps({"op": op, "id": command_id}))
 
     async def run(
         self,
@@ -769,15 +795,24 @@ class WarmSandbox:
                 socket.send_fds(sock, [data], fds)
                 return
             except BlockingIOError:
+                # One writer callback wakes every waiting send: a second add_writer would replace the
+                # first's, and that send would wait for ever.
                 writable: asyncio.Future[None] = loop.create_future()
-                loop.add_writer(sock.fileno(), _settle_once, writable)
+                if not self._writables:
+                    loop.add_writer(sock.fileno(), self._wake_sends)
                 self._writables.add(writable)
                 try:
                     await writable
                 finally:
                     self._writables.discard(writable)
-                    if sock.fileno() != -1:  # closed meanwhile: `_fail_sends` unregistered it first
+                    if not self._writables and sock.fileno() != -1:  # closed: `_fail_sends` unregistered it
                         loop.remove_writer(sock.fileno())
+
+    def _wake_sends(self) -> None:
+        """The agent's socket has room: every waiting send tries again (those that find none wait again)."""
+        for writable in self._writables:
+            if not writable.done():
+                writable.set_result(None)
 
     def _fail_sends(self, sock: socket.socket) -> None:
         """The agent is gone: the sends waiting for room in its socket fail now. Before the socket closes:
@@ -962,6 +997,13 @@ def _is_pty_master(fd: int) -> bool:
     return stat.S_ISCHR(info.st_mode) and (os.major(info.st_rdev), os.minor(info.st_rdev)) == PTMX_DEVICE
 
 
+def _settle(future: asyncio.Future[None]) -> None:
+    """Settle a future unless it is settled or its loop has closed (a program embedding bastion may end
+    the loop that asked, then drive the sandbox from another)."""
+    if not future.done() and not future.get_loop().is_closed():
+        future.set_result(None)
+
+
 def _int(value: object) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
@@ -1025,12 +1067,6 @@ def _connected_socket(fd: int) -> socket.socket:
         raise Unavailable("the sandbox's agent sent something other than a connected TCP socket") from None
     sock.setblocking(False)
     return sock
-
-
-def _settle_once(future: asyncio.Future[None]) -> None:
-    """A writer callback: the loop may call it again before the waiting task removes it."""
-    if not future.done():
-        future.set_result(None)
 
 
 def _reap(proc: SandboxProcess | None, group: SandboxCgroup | None, workspace: str) -> None:

@@ -51,7 +51,9 @@ namespace (bwrap --as-pid-1) and commands run in it, as in a container: `ps`, `k
 fork, a daemon) lives on, reparented to the agent (which reaps it), until the sandbox closes.
 Each command starts in a child cgroup of its own, made by the host, which kills that
 group's whole tree on a timeout or cancel: the agent writes "0" to the group's
-cgroup.procs fd (it moves itself), spawns, and writes "0" to its home fd (moves back).
+cgroup.procs fd (it moves itself), spawns, and writes "0" to its home fd (moves back). So
+the host kills a group only once the agent has answered its kill ("killed"): the agent
+handles messages in order, and is then outside every group.
 The kernel checks those moves against the opener's credentials and cgroup namespace
 (Linux >= 5.16), so fds the host opened work from in here; the sandbox sees no cgroupfs,
 and a command cannot reach the agent's fds (CLOEXEC, and the agent keeps capabilities
