@@ -6,6 +6,7 @@ Only `bastion.safety.paths` may use it; the jail there is what makes it safe.
 from __future__ import annotations
 
 import ctypes
+import functools
 import platform
 from collections.abc import Callable
 from typing import Final
@@ -36,8 +37,12 @@ class _OpenHow(ctypes.Structure):
 Openat2 = Callable[[int, bytes, int, int, int], int]
 
 
+@functools.cache
 def load_openat2() -> Openat2:
-    """Return a raw ``openat2`` caller returning the fd or ``-errno``, or raise `Unavailable`."""
+    """Return a raw ``openat2`` caller returning the fd or ``-errno``, or raise `Unavailable`.
+
+    Loaded once: `ctypes.CDLL` builds a class at each call, about 55 us, and a host workspace's every
+    call opens its folder with this (`paths.open_real_folder`)."""
     machine = platform.machine().lower()
     if machine not in _UNIFIED_TABLE_MACHINES:
         raise Unavailable(f"openat2 is not known on machine type '{machine}': run bastion on x86_64 or aarch64 Linux")
