@@ -11,6 +11,7 @@ import asyncio
 import hashlib
 import os
 import socket
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -378,3 +379,99 @@ async def test_a_kill_behind_a_busy_agent_and_a_full_socket_is_sent_and_answered
             await asyncio.sleep(0.05)
     assert not listener.exited
     await limited.kill(listener)
+
+
+def _limited_box(tmp_path: Path) -> tuple[WarmSandbox, CgroupLayout]:
+    ws = tmp_path / "limited-sync"
+    ws.mkdir()
+    layout = CgroupLayout.detect(base_name=f"bastion-test-{os.getpid()}")
+    limits = Limits(memory_bytes=96 << 20, pids=32, cpu_cores=1.0)
+    return WarmSandbox(SandboxSpec(workspace=str(ws)), cgroups=layout, limits=limits), layout
+
+
+def _until_gone(marker: str, limit_s: float = 10) -> list[int]:
+    """Poll (from a thread with no event loop) until no process has `marker`; what is left after `limit_s`."""
+    deadline = time.monotonic() + limit_s
+    while (left := processes_with(marker)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
+
+
+def test_a_run_cancelled_as_its_event_loop_ends_leaves_nothing_running(tmp_path: Path) -> None:
+    """Attack (review): a program embedding bastion ends its event loop (`asyncio.run` returns) while a
+    command runs. The cancel's kill then waited for the agent's answer on a loop that was gone, and what
+    the command had started (`setsid sleep`) lived on. A started command's group is killed at once when the
+    agent is out of it; nothing is left, and the sandbox still answers on the next loop."""
+    box, layout = _limited_box(tmp_path)
+    marker = f"4252.{os.getpid()}"
+
+    left: list[asyncio.Future[object]] = []  # cancelled by the end of their loop
+
+    async def start_and_leave() -> None:
+        left.append(asyncio.ensure_future(sh(box, f"setsid sleep {marker} & exec sleep {marker}", timeout_s=60)))
+        async with asyncio.timeout(10):
+            while len(processes_with(marker)) < 2:
+                await asyncio.sleep(0.02)
+
+    try:
+        asyncio.run(start_and_leave())
+        assert _until_gone(marker) == []
+        assert asyncio.run(sh(box, "echo next")).stdout == b"next\n"
+    finally:
+        box.close()
+        layout.release()
+
+
+def test_a_kill_left_waiting_by_an_ended_loop_is_sent_on_the_next_and_close_works(tmp_path: Path) -> None:
+    """Attack (review): the agent busy and its socket full, the loop ends while a queued command is
+    cancelled. Its kill, waiting for room on that loop, was never sent: the command started later and
+    lived on. The send left waiting also made `close` raise ("Event loop is closed") and kept the next
+    loop's sends from ever being woken. Now the next loop sends the kill again, its sends run, nothing
+    of the command is left, and the sandbox closes."""
+    box, layout = _limited_box(tmp_path)
+    marker = f"4253.{os.getpid()}"
+
+    left: list[asyncio.Future[object]] = []  # cancelled by the end of their loop
+
+    async def fill_and_leave() -> None:
+        listener = await box.spawn(
+            "/usr/bin/python3", ["python3", "-c", _FULL_LISTENER], cwd="/", env=ENV, ring_bytes=64
+        )
+        async with asyncio.timeout(10):
+            while not (printed := listener.stdout.read(0, 64)[1]).endswith(b"\n"):
+                await asyncio.sleep(0.01)
+        left.append(asyncio.ensure_future(box.connect(int(printed))))  # the agent waits 2 s for it
+        left.append(asyncio.ensure_future(sh(box, f"setsid sleep {marker} & exec sleep {marker}", timeout_s=60)))
+        await asyncio.sleep(0)
+        filler_env = {**ENV, "FILLER": "x" * _FILLER_ENV_BYTES}
+        left.extend(
+            asyncio.ensure_future(
+                box.run("/bin/true", ["true"], cwd="/", env=filler_env, timeout_s=60, max_output_bytes=64)
+            )
+            for _ in range(_FILLERS)
+        )
+        async with asyncio.timeout(10):
+            while len(box._writables) < 2:
+                await asyncio.sleep(0.01)
+
+    try:
+        asyncio.run(fill_and_leave())  # its end cancels them all, the queued command among them
+        filler_env = {**ENV, "FILLER": "x" * _FILLER_ENV_BYTES}
+
+        async def next_loop() -> list[RunOutcome]:
+            async with asyncio.timeout(30):
+                return await asyncio.gather(
+                    *(
+                        box.run(
+                            "/bin/echo", ["echo", "next"], cwd="/", env=filler_env, timeout_s=30, max_output_bytes=64
+                        )
+                        for _ in range(_FILLERS)
+                    )
+                )
+
+        assert [outcome.stdout for outcome in asyncio.run(next_loop())] == [b"next\n"] * _FILLERS
+        assert _until_gone(marker) == []
+        assert box.alive
+    finally:
+        box.close()
+        layout.release()

@@ -22,6 +22,7 @@ import itertools
 import json
 import logging
 import marshal
+import math
 import os
 import select
 import signal
@@ -30,8 +31,8 @@ import stat
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import Final
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from typing import Any, Final
 
 from bastion.safety.errors import BastionError, Conflict, InvalidRequest, NotFound, ResourceLimit, Unavailable
 from bastion.safety.redact import sanitize_terminal
@@ -161,7 +162,10 @@ class WarmSandbox:
         self._background: dict[int, BackgroundProcess] = {}  # by command id, until it exits
         self._connects: dict[int, asyncio.Future[socket.socket]] = {}  # by request id, until answered
         self._writables: set[asyncio.Future[None]] = set()  # sends waiting for room in the agent's socket
-        self._kill_answers: dict[int, asyncio.Future[None]] = {}  # by command id: kills the agent has not answered
+        # By command id: kills the agent has not answered yet, and when to end the sandbox if it never does.
+        self._kill_deadlines: dict[int, asyncio.TimerHandle] = {}
+        self._agent_pid: int | None = None  # the agent's pid on the host, once it has said hello
+        self._resumed_at = -math.inf  # monotonic time of the last resume (a frozen agent answers nothing)
         # This run's network namespace, from the agent (netns.py): None until asked for and answered.
         self._netns: NetworkNamespace | None = None
         self._netns_asked = False
@@ -203,6 +207,7 @@ class WarmSandbox:
     def resume(self) -> None:
         self._require_group().thaw()
         self._paused = False
+        self._resumed_at = time.monotonic()
 
     def usage(self) -> Usage | None:
         """Live memory, pids and CPU of the whole sandbox; None before it has started."""
@@ -271,6 +276,8 @@ class WarmSandbox:
         landlock = json.loads(hello).get("landlock", {})
         if landlock.get("warning"):
             logger.warning("sandbox for %s: %s", self.spec.workspace, landlock["warning"])
+        children = _children(proc.pid)  # bwrap's one child is the agent (PID 1 inside)
+        self._agent_pid = children[0] if len(children) == 1 else None
         if self._group is not None and spec.command_groups:
             self._give_home(sock, self._group)
         loop.add_reader(sock.fileno(), self._on_message)
@@ -437,7 +444,11 @@ class WarmSandbox:
             if fd >= 0:
                 os.close(fd)
             if opening is None:
-                return  # not this sandbox's request (or given up on, and killed then)
+                # Not this sandbox's request, or given up on and killed then: one that did not start has no
+                # exit to come, and its group is released here (else it stayed taken until the close).
+                if error is not None and self._commands is not None:
+                    self._release(self._commands, command_id)
+                return
             if error is None:
                 self._all_gone_later(self._kill_tree(command_id))  # it may run: its terminal was refused
             elif self._commands is not None:
@@ -466,9 +477,10 @@ class WarmSandbox:
             self._sock.close()
             self._sock = None
         self._reader_loop = None
-        for answer in self._kill_answers.values():
-            _settle(answer)  # its command ended with the sandbox
-        self._kill_answers.clear()
+        for deadline in self._kill_deadlines.values():
+            deadline.cancel()  # its command ended with the sandbox
+        self._kill_deadlines.clear()
+        self._agent_pid = None
         ended = self._ending()
         for waiter in self._waiters.values():
             if not waiter.done():
@@ -576,54 +588,87 @@ class WarmSandbox:
         """Kill a command and everything it started: its cgroup (returned, to wait until it is
         empty), or else its PID namespace's PID 1.
 
-        The agent SIGKILLs the command; the host kills the command's group when the agent answers
-        ("killed"). The agent starts a command from inside the command's group and then moves back: a
-        group killed with the request, right after a spawn, could end the agent with it, and so the whole
-        sandbox. It handles messages in order, so its answer comes from outside every group. No answer
-        within KILL_GRACE_S (the sandbox not paused): the sandbox is ended, and every process in it."""
-        group = self._commands.doom(command_id) if self._commands is not None else None
-        if self._sock is not None:
-            task = asyncio.get_running_loop().create_task(self._ask_kill(self._sock, command_id))
-            self._reaping_tasks.add(task)
-            task.add_done_callback(self._reaping_tasks.discard)
+        The agent SIGKILLs the command and answers ("killed"). The agent starts a command from inside
+        the command's group and then moves back, so a group killed right after a start could end the
+        agent with it, and the whole sandbox: the group is killed at once only when the agent is out of
+        it for good (`_agent_left`), else on the agent's answer (it handles messages in order, so it
+        answers from outside every group). No answer within KILL_GRACE_S, the sandbox not paused: the
+        sandbox is ended, and every process in it."""
+        commands, sock = self._commands, self._sock
+        group = commands.doom(command_id) if commands is not None else None
+        if commands is not None and group is not None and self._agent_left(group):
+            self._kill_doomed(commands, command_id)
+        if sock is None:
+            return group
+        self._send_kill(sock, command_id)
+        if command_id not in self._kill_deadlines:
+            self._arm_kill_deadline(command_id)
         return group
 
-    async def _ask_kill(self, sock: socket.socket, command_id: int) -> None:
-        """Send the agent a kill, waiting for room in its socket rather than dropping it, and wait for its
-        answer; end the sandbox if none comes in time."""
-        answer = self._kill_answers.setdefault(command_id, asyncio.get_running_loop().create_future())
-        sent = False
-        while True:
-            try:
-                async with asyncio.timeout(KILL_GRACE_S):
-                    if not sent:
-                        await self._send_fds(sock, marshal.dumps({"op": "kill", "id": command_id}), [])
-                        sent = True
-                    await asyncio.shield(answer)
-                return
-            except TimeoutError:
-                if not self._paused:  # a frozen agent reads and answers once resumed
-                    break
-            except OSError:
-                return  # the agent went away: the command ended with the sandbox
+    def _agent_left(self, group: CommandCgroup) -> bool:
+        """Whether the agent is out of a command's group for good: the group holds a process and not the
+        agent, so the command has started (the agent enters a group only to start its command) and the
+        agent has gone home since."""
+        try:
+            pids = group.pids()
+        except (OSError, BastionError):
+            return False
+        return self._agent_pid is not None and bool(pids) and self._agent_pid not in pids
+
+    def _send_kill(self, sock: socket.socket, command_id: int) -> None:
+        """Send the agent a kill now, or as soon as its socket has room: never dropped. A send that fails
+        otherwise leaves the kill unanswered, and its deadline ends the sandbox."""
+        data = marshal.dumps({"op": "kill", "id": command_id})
+        try:
+            sock.send(data)
+        except BlockingIOError:
+            self._track(self._send_later(sock, data))
+        except OSError:
+            pass
+
+    async def _send_later(self, sock: socket.socket, data: bytes) -> None:
+        with contextlib.suppress(OSError):
+            await self._send_fds(sock, data, [])
+
+    def _track(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run `work` as a task of the loop running now, kept until it ends."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._reaping_tasks.add(task)
+        task.add_done_callback(self._reaping_tasks.discard)
+
+    def _arm_kill_deadline(self, command_id: int) -> None:
+        loop = asyncio.get_running_loop()
+        self._kill_deadlines[command_id] = loop.call_later(KILL_GRACE_S, self._kill_unanswered, command_id)
+
+    def _kill_unanswered(self, command_id: int) -> None:
+        """A kill's deadline: unless answered meanwhile, end the sandbox. A paused sandbox's agent (frozen)
+        answers once resumed: its deadline starts again, and again after a resume."""
+        if self._kill_deadlines.pop(command_id, None) is None:
+            return
+        if self._paused or time.monotonic() - self._resumed_at < KILL_GRACE_S:
+            self._arm_kill_deadline(command_id)
+            return
         logger.warning(
             "sandbox for %s: the agent did not answer a kill within %s s: the sandbox is ended instead",
             self.spec.workspace,
             KILL_GRACE_S,
         )
-        await self.aclose()
+        self._track(self.aclose())
 
     def _on_killed(self, command_id: int) -> None:
         """The agent's answer to a kill: it has signalled the command and is out of every group."""
-        answer = self._kill_answers.pop(command_id, None)
-        if answer is not None:
-            _settle(answer)
+        deadline = self._kill_deadlines.pop(command_id, None)
+        if deadline is not None:
+            deadline.cancel()
         if self._commands is not None:  # it kills only a group marked by a kill of this sandbox's
-            try:
-                self._commands.kill_doomed(command_id)
-            except BastionError as exc:
-                # The agent's SIGKILL still ended the command; what it started may live on, so say so.
-                logger.error("sandbox for %s: command group not killed: %s", self.spec.workspace, exc.reason)
+            self._kill_doomed(self._commands, command_id)
+
+    def _kill_doomed(self, commands: CommandGroups, command_id: int) -> None:
+        try:
+            commands.kill_doomed(command_id)
+        except BastionError as exc:
+            # The agent's SIGKILL still ends the command; what it started may live on, so say so.
+            logger.error("sandbox for %s: command group not killed: %s", self.spec.workspace, exc.reason)
 
     @staticmethod
     async def _all_gone(group: CommandCgroup | None) -> None:
@@ -782,6 +827,12 @@ class WarmSandbox:
         self._reader_loop.remove_reader(sock.fileno())
         loop.add_reader(sock.fileno(), self._on_message)
         self._reader_loop = loop
+        # Kills still unanswered: their deadlines (and a send waiting for room) were the old loop's, which
+        # may have ended with them. Sent again (the agent answers each) and timed on this loop.
+        for command_id in list(self._kill_deadlines):
+            self._kill_deadlines.pop(command_id).cancel()
+            self._send_kill(sock, command_id)
+            self._arm_kill_deadline(command_id)
 
     async def _send_fds(self, sock: socket.socket, data: bytes, fds: list[int]) -> None:
         """send_fds on the non-blocking socket, waiting while its buffer is full.
@@ -795,30 +846,41 @@ class WarmSandbox:
                 socket.send_fds(sock, [data], fds)
                 return
             except BlockingIOError:
-                # One writer callback wakes every waiting send: a second add_writer would replace the
-                # first's, and that send would wait for ever.
-                writable: asyncio.Future[None] = loop.create_future()
-                if not self._writables:
-                    loop.add_writer(sock.fileno(), self._wake_sends)
-                self._writables.add(writable)
-                try:
-                    await writable
-                finally:
-                    self._writables.discard(writable)
-                    if not self._writables and sock.fileno() != -1:  # closed: `_fail_sends` unregistered it
-                        loop.remove_writer(sock.fileno())
+                await self._room(sock, loop)
+
+    async def _room(self, sock: socket.socket, loop: asyncio.AbstractEventLoop) -> None:
+        """Wait until the agent's socket may have room. One writer callback per loop wakes every send waiting
+        on it: a second add_writer would replace the first's, and that send would wait for ever. Sends left
+        by a loop that has closed (a program embedding bastion ran one and ended it) are forgotten."""
+        self._writables = {w for w in self._writables if not w.get_loop().is_closed()}
+        writable: asyncio.Future[None] = loop.create_future()
+        if not any(w.get_loop() is loop for w in self._writables):
+            loop.add_writer(sock.fileno(), self._wake_sends)
+        self._writables.add(writable)
+        try:
+            await writable
+        finally:
+            self._writables.discard(writable)
+            # Closed meanwhile: `_fail_sends` unregistered it first.
+            if sock.fileno() != -1 and not any(w.get_loop() is loop for w in self._writables):
+                loop.remove_writer(sock.fileno())
 
     def _wake_sends(self) -> None:
-        """The agent's socket has room: every waiting send tries again (those that find none wait again)."""
+        """The agent's socket has room: every send waiting on this loop tries again (those that find none
+        wait again)."""
+        loop = asyncio.get_running_loop()
         for writable in self._writables:
-            if not writable.done():
+            if writable.get_loop() is loop and not writable.done():
                 writable.set_result(None)
 
     def _fail_sends(self, sock: socket.socket) -> None:
         """The agent is gone: the sends waiting for room in its socket fail now. Before the socket closes:
         its number must leave the selector while it is still this socket's (a later socket may reuse it)."""
         for writable in self._writables:
-            writable.get_loop().remove_writer(sock.fileno())
+            loop = writable.get_loop()
+            if loop.is_closed():
+                continue  # its task is gone with its loop
+            loop.remove_writer(sock.fileno())
             if not writable.done():
                 writable.set_exception(ConnectionResetError(errno.ECONNRESET, "the sandbox agent went away"))
         self._writables.clear()
@@ -909,9 +971,7 @@ class WarmSandbox:
 
     def _all_gone_later(self, killed: CommandCgroup | None) -> None:
         if killed is not None:
-            task = asyncio.get_running_loop().create_task(self._all_gone(killed))
-            self._reaping_tasks.add(task)
-            task.add_done_callback(self._reaping_tasks.discard)
+            self._track(self._all_gone(killed))
 
     async def kill(self, process: Process | PtyProcess) -> None:
         """SIGKILL a background process and everything it started (its cgroup, or its PID namespace)."""
@@ -995,13 +1055,6 @@ def _is_pty_master(fd: int) -> bool:
     except OSError:
         return False
     return stat.S_ISCHR(info.st_mode) and (os.major(info.st_rdev), os.minor(info.st_rdev)) == PTMX_DEVICE
-
-
-def _settle(future: asyncio.Future[None]) -> None:
-    """Settle a future unless it is settled or its loop has closed (a program embedding bastion may end
-    the loop that asked, then drive the sandbox from another)."""
-    if not future.done() and not future.get_loop().is_closed():
-        future.set_result(None)
 
 
 def _int(value: object) -> int:
