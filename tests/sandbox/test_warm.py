@@ -475,3 +475,17 @@ def test_a_kill_left_waiting_by_an_ended_loop_is_sent_on_the_next_and_close_work
     finally:
         box.close()
         layout.release()
+
+
+async def test_the_agent_pid_the_host_trusts_is_the_agents(limited: WarmSandbox) -> None:
+    """A killed command's group is killed at once only when it holds the command and not the agent: the pid
+    taken for the agent's must be PID 1 of the sandbox, running the agent (else the check could pass while
+    the agent is inside, and a kill end the sandbox)."""
+    await sh(limited, "true")
+    pid = limited._agent_pid
+    assert pid is not None
+    with open(f"/proc/{pid}/status") as status:
+        nspid = next(line.split()[1:] for line in status if line.startswith("NSpid:"))
+    assert nspid[-1] == "1"
+    with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+        assert b"/opt/bastion/agent.py" in cmdline.read().split(b"\0")

@@ -10,9 +10,10 @@ Groups are reused rather than made and removed per command: a command that exits
 empty group (free again at once) or one still holding processes (left running, listed by
 `leftovers` until they end; then free again). A killed group is free once empty. A kill comes in
 two steps: `doom` marks the group (given to no other command from then on) when the host asks the
-agent to kill the command, and `kill_doomed` kills it when the agent has answered, from outside it
-(the agent starts each command from inside the command's group). Closing the sandbox removes them
-all (`SandboxCgroup.destroy`).
+agent to kill the command, and `kill_doomed` kills it once the agent is out of it (the agent starts
+each command from inside the command's group): at once if the command has started and the agent has
+gone home, else when the agent has answered. Closing the sandbox removes them all
+(`SandboxCgroup.destroy`).
 
 What the host reads of a left process (/proc/PID/cmdline) is the sandbox's to write: it is
 read bounded, and returned raw for the layer above to clean.
@@ -92,7 +93,11 @@ class CommandGroups:
         """
         group = self._doomed.pop(command_id, None)
         if group is not None:
-            group.kill()
+            try:
+                group.kill()
+            except BaseException:
+                self._doomed[command_id] = group  # tried again at the agent's answer, still given to no one
+                raise
         return group
 
     def exited(self, command_id: int) -> None:

@@ -164,7 +164,7 @@ class WarmSandbox:
         self._writables: set[asyncio.Future[None]] = set()  # sends waiting for room in the agent's socket
         # By command id: kills the agent has not answered yet, and when to end the sandbox if it never does.
         self._kill_deadlines: dict[int, asyncio.TimerHandle] = {}
-        self._agent_pid: int | None = None  # the agent's pid on the host, once it has said hello
+        self._agent_pid: int | None = None  # the agent's pid on the host, with command groups (`_agent_of`)
         self._resumed_at = -math.inf  # monotonic time of the last resume (a frozen agent answers nothing)
         # This run's network namespace, from the agent (netns.py): None until asked for and answered.
         self._netns: NetworkNamespace | None = None
@@ -276,9 +276,8 @@ class WarmSandbox:
         landlock = json.loads(hello).get("landlock", {})
         if landlock.get("warning"):
             logger.warning("sandbox for %s: %s", self.spec.workspace, landlock["warning"])
-        children = _children(proc.pid)  # bwrap's one child is the agent (PID 1 inside)
-        self._agent_pid = children[0] if len(children) == 1 else None
         if self._group is not None and spec.command_groups:
+            self._agent_pid = _agent_of(proc)
             self._give_home(sock, self._group)
         loop.add_reader(sock.fileno(), self._on_message)
         self._reader_loop = loop
@@ -616,8 +615,9 @@ class WarmSandbox:
         return self._agent_pid is not None and bool(pids) and self._agent_pid not in pids
 
     def _send_kill(self, sock: socket.socket, command_id: int) -> None:
-        """Send the agent a kill now, or as soon as its socket has room: never dropped. A send that fails
-        otherwise leaves the kill unanswered, and its deadline ends the sandbox."""
+        """Send the agent a kill now, or as soon as its socket has room (if this event loop ends first, the
+        next loop that drives the sandbox sends it again: `_follow_loop`). A send that fails otherwise leaves
+        the kill unanswered, and its deadline ends the sandbox."""
         data = marshal.dumps({"op": "kill", "id": command_id})
         try:
             sock.send(data)
@@ -643,6 +643,7 @@ class WarmSandbox:
     def _kill_unanswered(self, command_id: int) -> None:
         """A kill's deadline: unless answered meanwhile, end the sandbox. A paused sandbox's agent (frozen)
         answers once resumed: its deadline starts again, and again after a resume."""
+        self._read_waiting()  # an answer may be in the socket, not read yet (the loop was behind)
         if self._kill_deadlines.pop(command_id, None) is None:
             return
         if self._paused or time.monotonic() - self._resumed_at < KILL_GRACE_S:
@@ -653,7 +654,15 @@ class WarmSandbox:
             self.spec.workspace,
             KILL_GRACE_S,
         )
-        self._track(self.aclose())
+        self._on_agent_gone()  # now, not a loop pass later (a restart meanwhile would be the one ended)
+
+    def _read_waiting(self, most: int = 256) -> None:
+        """Handle the agent's messages already in its socket, up to `most`."""
+        for _ in range(most):
+            sock = self._sock
+            if sock is None or not select.select([sock], [], [], 0)[0]:
+                return
+            self._on_message()
 
     def _on_killed(self, command_id: int) -> None:
         """The agent's answer to a kill: it has signalled the command and is out of every group."""
@@ -1055,6 +1064,20 @@ def _is_pty_master(fd: int) -> bool:
     except OSError:
         return False
     return stat.S_ISCHR(info.st_mode) and (os.major(info.st_rdev), os.minor(info.st_rdev)) == PTMX_DEVICE
+
+
+def _agent_of(proc: SandboxProcess) -> int | None:
+    """The agent's pid on the host: bwrap's one child (`--as-pid-1`), checked to be PID 1 of its namespace;
+    None if that cannot be told (then a killed command's group waits for the agent's answer)."""
+    children = _children(proc.pid)
+    if len(children) != 1:
+        return None
+    try:
+        with open(f"/proc/{children[0]}/status", encoding="ascii", errors="replace") as status:
+            nspid = next((line.split()[1:] for line in status if line.startswith("NSpid:")), [])
+    except OSError:
+        return None
+    return children[0] if nspid[-1:] == ["1"] else None
 
 
 def _int(value: object) -> int:

@@ -30,7 +30,7 @@ agent; fds via SCM_RIGHTS):
                   (no "exit" follows).
   host -> agent   {"op": "kill", "id": N}
   agent -> host   {"event": "killed", "id": N}, once it has sent the command SIGKILL (if it was running): the
-                  host then kills the command's group, which the agent has left by then (see below)
+                  host kills the command's group then, if it has not already (see below)
   agent -> host   {"event": "exit", "id": N, "status": S}   S: exit code, or 128 + signal number
   host -> agent   {"op": "connect", "id": N, "port": P}   (a preview URL's request)
   agent -> host   {"event": "connected", "id": N} with one fd: a TCP socket connected to 127.0.0.1:P
@@ -52,8 +52,9 @@ fork, a daemon) lives on, reparented to the agent (which reaps it), until the sa
 Each command starts in a child cgroup of its own, made by the host, which kills that
 group's whole tree on a timeout or cancel: the agent writes "0" to the group's
 cgroup.procs fd (it moves itself), spawns, and writes "0" to its home fd (moves back). So
-the host kills a group only once the agent has answered its kill ("killed"): the agent
-handles messages in order, and is then outside every group.
+the host kills a group at once only when it holds the command and not the agent, else once
+the agent has answered its kill ("killed"): it handles messages in order, and is then
+outside every group.
 The kernel checks those moves against the opener's credentials and cgroup namespace
 (Linux >= 5.16), so fds the host opened work from in here; the sandbox sees no cgroupfs,
 and a command cannot reach the agent's fds (CLOEXEC, and the agent keeps capabilities
@@ -233,7 +234,7 @@ class Agent:
                     posix.kill(pid, _signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-            # The host kills the command's group on this answer: the agent is out of every group by now.
+            # The host kills the command's group on this answer if it has not yet: the agent is out of every group.
             self.send({"event": "killed", "id": command_id})
 
     def connect(self, req: "dict[str, Any]") -> None:
