@@ -8,7 +8,11 @@ cd "$(dirname "$0")/.."
 user=bastion-ci
 group=bastion-ci-$$
 home=$(mktemp -d /tmp/bastion-ci-home.XXXXXX)
-id "$user" >/dev/null 2>&1 || useradd --system --no-create-home --shell /usr/sbin/nologin "$user"
+made_user=
+if ! id "$user" >/dev/null 2>&1; then
+  useradd --system --no-create-home --shell /usr/sbin/nologin "$user"
+  made_user=1  # removed at the end: the machine is left as it was found
+fi
 chown "$user" "$home"
 
 # The hierarchies bastion uses: pure cgroup v2, or v1 controllers (+ the v2 tree) on a hybrid host.
@@ -26,6 +30,7 @@ cleanup() {
     [ -d "$r/$group" ] && find "$r/$group" -depth -type d -exec rmdir {} + 2>/dev/null || true
   done
   rm -rf "$home"
+  [ -z "$made_user" ] || userdel "$user" 2>/dev/null || echo "user $user not removed: remove it with 'userdel $user'"
 }
 trap cleanup EXIT
 
