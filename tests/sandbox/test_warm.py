@@ -489,3 +489,29 @@ async def test_the_agent_pid_the_host_trusts_is_the_agents(limited: WarmSandbox)
     assert nspid[-1] == "1"
     with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
         assert b"/opt/bastion/agent.py" in cmdline.read().split(b"\0")
+
+
+async def test_a_run_timing_out_in_a_paused_sandbox_answers_and_leaves_the_sandbox(limited: WarmSandbox) -> None:
+    """A command's time limit passes while its sandbox is paused: its agent, frozen, cannot report the exit.
+    The host waited 5 s for it and then ended the whole sandbox, every process in it. The answer now comes as
+    a timeout with no status, and after the resume the sandbox and a process started before still run."""
+    witness = await limited.spawn("/bin/cat", ["cat"], cwd="/", env=ENV, ring_bytes=64)
+    marker = f"4254.{os.getpid()}"
+    running = asyncio.ensure_future(sh(limited, f"exec sleep {marker}", timeout_s=1))
+    async with asyncio.timeout(10):
+        while not processes_with(marker):
+            await asyncio.sleep(0.02)
+    limited.pause()
+    try:
+        async with asyncio.timeout(30):
+            outcome = await running
+        assert outcome.timed_out
+        assert outcome.status is None
+    finally:
+        limited.resume()
+    assert not witness.exited
+    assert (await sh(limited, "echo alive")).stdout == b"alive\n"
+    async with asyncio.timeout(10):
+        while processes_with(marker):
+            await asyncio.sleep(0.05)
+    await limited.kill(witness)

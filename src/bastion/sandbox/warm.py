@@ -895,15 +895,20 @@ class WarmSandbox:
         self._writables.clear()
 
     async def _await_exit(self, command_id: int, waiter: asyncio.Future[int]) -> int | None:
-        try:
-            async with asyncio.timeout(KILL_GRACE_S):
-                return await asyncio.shield(waiter)
-        except TimeoutError:
-            # The agent did not confirm the kill: end the whole sandbox, which ends every process in it.
-            self._waiters.pop(command_id, None)
-            waiter.cancel()
-            await self.aclose()
+        """The exit status of a command just killed; None if the agent does not report it."""
+        if not self._paused:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(KILL_GRACE_S):
+                    return await asyncio.shield(waiter)
+        self._waiters.pop(command_id, None)
+        waiter.cancel()
+        if self._paused:
+            # A frozen agent reports nothing until resumed: the answer goes without the exit status, and the
+            # sandbox lives on (the kill's own deadline waits for the resume too).
             return None
+        # The agent did not confirm the kill: end the whole sandbox, which ends every process in it.
+        await self.aclose()
+        return None
 
     async def spawn(
         self,
