@@ -7,8 +7,9 @@ import asyncio
 import contextlib
 import logging
 import os
+import resource
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import anyio
@@ -199,6 +200,48 @@ async def test_flood_is_paced_bounded_and_the_loop_stays_responsive(client: Clie
         await line(client, term, "echo done-$((40 + 2))", "done-42")
     assert paced
     assert lag.worst < 0.2, f"the event loop stalled {lag.worst:.3f} s"
+
+
+FD_SETSIZE = 1024
+
+
+@contextlib.contextmanager
+def _fds_past_fd_setsize() -> Iterator[None]:
+    """Hold every fd number up to past FD_SETSIZE, so the next fd this process opens is above it (as on a
+    server with many sandboxes and connections); the soft limit raised for it, and both put back."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    needed = FD_SETSIZE + 256
+    if hard != resource.RLIM_INFINITY and hard < needed:
+        pytest.skip(f"the hard limit on open files is {hard}: fds past {FD_SETSIZE} cannot be had")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, needed), hard))
+    held: list[int] = []
+    try:
+        while not held or held[-1] <= FD_SETSIZE + 8:
+            held.append(os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC))
+        yield
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+async def test_a_flood_on_a_terminal_whose_fd_is_past_fd_setsize_is_paced_and_read(client: Client) -> None:
+    """Attack: a busy server's fds pass 1024. Pacing a flooded terminal looked at its master fd with
+    select(), which refuses fds past FD_SETSIZE ("filedescriptor out of range"): the read was never
+    resumed and the terminal froze. With every fd below 1030 held, `yes` is paced, Ctrl-C reaches it and
+    the shell answers."""
+    box = await create(client)
+    with _fds_past_fd_setsize():
+        term = await open_term(client, box)
+        await send(client, term, "yes flood-line-xyz", "Enter")
+        await until(client, term, "(?m)^flood-line-xyz$")
+        paced = False
+        for _ in range(10):
+            read = await call(client, "terminal_read", terminal_id=term, timeout_s=1)
+            paced = paced or read["detail"]["paced"]
+        await send(client, term, "", "Ctrl-C")
+        await line(client, term, "echo done-$((40 + 2))", "done-42")
+    assert paced
 
 
 async def test_random_bytes_never_reach_the_client_raw(client: Client) -> None:

@@ -660,7 +660,11 @@ class WarmSandbox:
         """Handle the agent's messages already in its socket, up to `most`."""
         for _ in range(most):
             sock = self._sock
-            if sock is None or not select.select([sock], [], [], 0)[0]:
+            if sock is None:
+                return
+            ready = select.poll()  # not select.select: a busy server's fds pass FD_SETSIZE (1024)
+            ready.register(sock.fileno(), select.POLLIN)
+            if not ready.poll(0):
                 return
             self._on_message()
 

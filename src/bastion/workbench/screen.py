@@ -230,7 +230,7 @@ class Terminal:
         self._resume = None
         if not self._closed and self.output_open:
             # Output waiting already: the program wrote faster than the screen renders, and waited.
-            self._paced = self._paced or bool(select.select([self.pty.fd], [], [], 0)[0])
+            self._paced = self._paced or _readable(self.pty.fd)
             self._loop.add_reader(self.pty.fd, self._on_readable)
 
     def _end_output(self) -> None:
@@ -334,3 +334,10 @@ class Terminal:
         os.close(self.pty.fd)
         self.output_open = False
         self._notify()
+
+
+def _readable(fd: int) -> bool:
+    """Whether `fd` has input waiting, now. poll, not select: a busy server's fds pass FD_SETSIZE (1024)."""
+    ready = select.poll()
+    ready.register(fd, select.POLLIN)
+    return bool(ready.poll(0))
