@@ -19,7 +19,7 @@ import pytest
 
 from bastion.safety.errors import Unavailable
 from bastion.sandbox._spawn import SANDBOX_PATH, SandboxSpec
-from bastion.sandbox.cgroups import CgroupLayout, Limits
+from bastion.sandbox.cgroups import CgroupLayout, Limits, SandboxCgroup
 from bastion.sandbox.warm import BubblewrapBackend, RunOutcome, WarmSandbox
 from tests.helpers import processes_with
 
@@ -515,3 +515,19 @@ async def test_a_run_timing_out_in_a_paused_sandbox_answers_and_leaves_the_sandb
         while processes_with(marker):
             await asyncio.sleep(0.05)
     await limited.kill(witness)
+
+
+async def test_a_sandbox_whose_command_groups_cannot_be_set_up_is_refused(
+    limited: WarmSandbox, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Fault: the agent's way home from a command's group cannot be opened (EMFILE, a cgroup gone). The
+    sandbox used to start anyway with its commands in the agent's PID namespace and no group of their own: a
+    kill reached a command's first process only, and what it started lived on. The start is refused now,
+    leaving no process and no cgroup. (The path is the only thing faked: the sandbox and kernel are real.)"""
+    monkeypatch.setattr(SandboxCgroup, "home_procs", lambda _self: str(tmp_path / "gone" / "cgroup.procs"))
+    with pytest.raises(Unavailable, match="command groups cannot be set up") as refused:
+        await sh(limited, "true")
+    assert "No such file or directory" in refused.value.detail
+    assert not limited.alive
+    await limited.settled()
+    assert limited._group is None

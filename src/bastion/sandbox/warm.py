@@ -278,24 +278,31 @@ class WarmSandbox:
             logger.warning("sandbox for %s: %s", self.spec.workspace, landlock["warning"])
         if self._group is not None and spec.command_groups:
             self._agent_pid = _agent_of(proc)
-            self._give_home(sock, self._group)
+            problem = self._give_home(sock, self._group)
+            if problem is not None:
+                # Its commands would share its PID namespace with no group of their own: a kill would reach a
+                # command's first process only, and what it started would live on. Refused instead.
+                self._on_agent_gone()
+                logger.warning("sandbox for %s: no command groups: %s", self.spec.workspace, problem)
+                raise Unavailable("sandbox failed to start: its command groups cannot be set up", detail=problem)
         loop.add_reader(sock.fileno(), self._on_message)
         self._reader_loop = loop
 
-    def _give_home(self, sock: socket.socket, group: SandboxCgroup) -> None:
-        """Hand the agent its way back from a command's group; from now on commands get groups."""
+    def _give_home(self, sock: socket.socket, group: SandboxCgroup) -> str | None:
+        """Hand the agent its way back from a command's group; from now on commands get groups. Returns
+        why that failed, or None."""
         try:
             fd = os.open(group.home_procs(), os.O_WRONLY | os.O_CLOEXEC)
         except OSError as exc:
-            logger.warning("sandbox for %s: no command groups (%s)", self.spec.workspace, exc.strerror)
-            return
+            return f"{group.home_procs()}: {exc.strerror}"
         try:
             socket.send_fds(sock, [marshal.dumps({"op": "home"})], [fd])
-        except OSError:
-            return  # the agent is gone: its end is noticed by the reader
+        except OSError as exc:
+            return f"the agent did not take its way home: {exc.strerror}"
         finally:
             os.close(fd)
         self._commands = CommandGroups(group)
+        return None
 
     @staticmethod
     def _stderr_tail(proc: SandboxProcess) -> str:
