@@ -13,6 +13,7 @@ import asyncio
 import collections
 import fcntl
 import os
+import select
 import struct
 import termios
 import time
@@ -30,6 +31,13 @@ DRAIN_PAUSE_S: Final = 0.05
 
 OutputSink = Callable[[bytes], None]
 """Sees each chunk a pipe gives as it is read (a progress reporter), before any cap."""
+
+
+def readable(fd: int) -> bool:
+    """Whether `fd` has input waiting, now. poll, not select: a busy server's fds pass FD_SETSIZE (1024)."""
+    ready = select.poll()
+    ready.register(fd, select.POLLIN)
+    return bool(ready.poll(0))
 
 
 class PipeCapture:

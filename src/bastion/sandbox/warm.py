@@ -49,7 +49,14 @@ from bastion.sandbox.cgroups import (
 )
 from bastion.sandbox.command_groups import CommandGroups, Leftover, kill_pidfd
 from bastion.sandbox.netns import NamespaceUnusable, NetworkNamespace, is_foreign_netns
-from bastion.sandbox.processes import BackgroundProcess, OutputSink, PipeCapture, PtyProcess, RingCapture
+from bastion.sandbox.processes import (
+    BackgroundProcess,
+    OutputSink,
+    PipeCapture,
+    PtyProcess,
+    RingCapture,
+    readable,
+)
 
 logger = logging.getLogger("bastion.sandbox")
 
@@ -667,11 +674,7 @@ class WarmSandbox:
         """Handle the agent's messages already in its socket, up to `most`."""
         for _ in range(most):
             sock = self._sock
-            if sock is None:
-                return
-            ready = select.poll()  # not select.select: a busy server's fds pass FD_SETSIZE (1024)
-            ready.register(sock.fileno(), select.POLLIN)
-            if not ready.poll(0):
+            if sock is None or not readable(sock.fileno()):
                 return
             self._on_message()
 

@@ -21,7 +21,6 @@ import contextlib
 import inspect
 import logging
 import os
-import select
 import time
 import unicodedata
 from collections.abc import Callable, Mapping
@@ -30,7 +29,7 @@ from typing import Any, Final
 import pyte
 
 from bastion.safety.errors import Conflict
-from bastion.sandbox.processes import PtyProcess
+from bastion.sandbox.processes import PtyProcess, readable
 
 logger = logging.getLogger("bastion.terminals")
 
@@ -230,7 +229,7 @@ class Terminal:
         self._resume = None
         if not self._closed and self.output_open:
             # Output waiting already: the program wrote faster than the screen renders, and waited.
-            self._paced = self._paced or _readable(self.pty.fd)
+            self._paced = self._paced or readable(self.pty.fd)
             self._loop.add_reader(self.pty.fd, self._on_readable)
 
     def _end_output(self) -> None:
@@ -334,10 +333,3 @@ class Terminal:
         os.close(self.pty.fd)
         self.output_open = False
         self._notify()
-
-
-def _readable(fd: int) -> bool:
-    """Whether `fd` has input waiting, now. poll, not select: a busy server's fds pass FD_SETSIZE (1024)."""
-    ready = select.poll()
-    ready.register(fd, select.POLLIN)
-    return bool(ready.poll(0))
