@@ -153,7 +153,7 @@ def test_inbox_configured_through_a_symlink_is_refused_at_start(tmp_path: Path, 
         Organizer(InboxConfig(id="inbox", path=inbox), state_dir)
     reason = refused.value.reason
     assert "\n" not in reason
-    assert f"the inbox path {inbox} goes through the symbolic link {named}" in reason
+    assert f"the inbox path '{inbox}' goes through the symbolic link '{named}'" in reason
     assert "configure the folder's real path" in reason
     assert snapshot(tmp_path / "etc") == before
 
@@ -263,7 +263,7 @@ def test_a_root_owned_inbox_others_may_write_is_refused(tmp_path: Path) -> None:
     inbox = tmp_path / "shared-inbox"
     inbox.mkdir()
     inbox.chmod(0o1777)
-    with pytest.raises(BastionError, match="who may write the root-owned inbox itself"):
+    with pytest.raises(BastionError, match="who may write the root-owned folder itself"):
         Folder(inbox).close()
     inbox.chmod(0o755)
     Folder(inbox).close()

@@ -2,8 +2,8 @@
 
 What it guarantees:
 
-- The inbox is opened from ``/`` one component at a time with ``O_NOFOLLOW | O_DIRECTORY``
-  (`open_without_links`): a configured path with a symbolic link anywhere on it is refused,
+- The inbox is opened by one lookup that follows no symbolic link (`paths.open_real_folder`):
+  a configured path with a symbolic link anywhere on it is refused,
   never resolved, so a local user who owns a folder on the path cannot point the root
   organizer elsewhere (``Downloads -> /etc``). `Folder.check_root` opens it the same way.
 - Paths are validated lexically by the jail (`bastion.safety.paths.Jail.relative`): no ``..``
@@ -36,6 +36,7 @@ What it does not guarantee:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import os
@@ -56,10 +57,9 @@ from bastion.safety.errors import (
     ResourceLimit,
     Unavailable,
 )
-from bastion.safety.paths import Jail, acting_as, other_writers, replaceable_by
+from bastion.safety.paths import Jail, acting_as, moved_into_by, open_real_folder, owner_identity
 
 _DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_PATH_FLAGS: Final = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _NEW_DIR_MODE: Final = 0o755
 MAX_SCAN_ENTRIES: Final = 100_000
 
@@ -89,55 +89,6 @@ def _absolute(path: str) -> str:
     if ".." in parts:
         raise InvalidRequest(f"the inbox path {path} has a '..' in it: configure the folder's real path")
     return "/" + "/".join(parts)
-
-
-def open_without_links(path: str) -> int:
-    """An ``O_PATH`` fd on the folder at the absolute `path`, opened with no symbolic link followed on it.
-
-    One component at a time from ``/``, each with O_NOFOLLOW under its parent's fd: a realpath
-    and then an open would follow a link that a user owning a folder on the path put there
-    (``Downloads -> /etc``), and the root organizer would move files in /etc.
-
-    Raises:
-        BastionError: PathEscape (a component is a symbolic link), NotFound, InvalidRequest
-            (not absolute, or a component is not a folder), OperationFailed.
-    """
-    path = _absolute(path)
-    current = os.open("/", _PATH_FLAGS)
-    try:
-        reached = ""
-        for part in filter(None, path.split("/")):
-            reached = f"{reached}/{part}"
-            following = _open_component(current, part, reached, path)
-            os.close(current)
-            current = following
-    except BaseException:
-        os.close(current)
-        raise
-    return current
-
-
-def _open_component(parent: int, name: str, reached: str, path: str) -> int:
-    try:
-        return os.open(name, _PATH_FLAGS, dir_fd=parent)
-    except FileNotFoundError as exc:
-        raise NotFound(f"the inbox folder {path} does not exist ({reached} is missing): create it") from exc
-    except OSError as exc:
-        if exc.errno not in (errno.ENOTDIR, errno.ELOOP):
-            raise OperationFailed(f"the inbox folder {path} cannot be opened ({reached}: {exc.strerror})") from exc
-        if _is_link(parent, name):
-            raise PathEscape(
-                f"the inbox path {path} goes through the symbolic link {reached}, and the organizer follows no "
-                f"link there: configure the folder's real path (realpath {path}), and check who made the link"
-            ) from exc
-        raise InvalidRequest(f"the inbox path {path} does not lead to a folder: {reached} is not one") from exc
-
-
-def _is_link(parent: int, name: str) -> bool:
-    try:
-        return stat.S_ISLNK(os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode)
-    except OSError:
-        return False
 
 
 def _not_made(prefix: str, found: str) -> Conflict:
@@ -176,9 +127,7 @@ def _as_owner(method: _F) -> _F:
 
     @functools.wraps(method)
     def acting(self: Folder, *args: Any, **kwargs: Any) -> Any:
-        if self._acts_as is None:
-            return method(self, *args, **kwargs)
-        with acting_as(*self._acts_as):
+        with acting_as(*self._acts_as) if self._acts_as is not None else contextlib.nullcontext():
             return method(self, *args, **kwargs)
 
     return cast(_F, acting)
@@ -196,7 +145,7 @@ class Folder:
         """
         self._rename = load_renameat2()
         self._path = _absolute(os.fspath(root))
-        path_fd = open_without_links(self._path)
+        path_fd = open_real_folder(self._path, what="the inbox path")
         try:
             self._fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=path_fd)
         finally:
@@ -205,27 +154,22 @@ class Folder:
         self._held = (held.st_dev, held.st_ino)
         owner = (held.st_uid, held.st_gid)
         # A root organizer acts as the inbox's owner: it never moves what they could not (another user's
-        # folder in the inbox), and what it makes is theirs (`acting_as`).
-        self._acts_as = owner if os.geteuid() == 0 and owner != (0, 0) else None
+        # folder in the inbox), and what it makes is theirs.
+        self._acts_as = owner_identity(owner)
         try:
-            self._refuse_replaceable((held.st_uid, held.st_gid))
+            self._refuse_replaceable(owner)
             self._jail = self._lexical_rules()
         except BaseException:
             os.close(self._fd)
             raise
 
     def _refuse_replaceable(self, owner: tuple[int, int]) -> None:
-        """A root organizer refuses an inbox another user could swap for a folder of theirs (`replaceable_by`):
-        a root-owned one renamed into the path would have its files moved about by root."""
+        """A root organizer refuses an inbox another user could swap for a folder of theirs, or, root-owned, write
+        (`moved_into_by`): a root-owned one renamed into the path would have its files moved about by root."""
         if os.geteuid() != 0:
             return
         try:
-            who = replaceable_by(self._path, owner)
-            if who is None and owner[0] == 0:
-                # Run as root, a root-owned inbox others may write would move their files into folders
-                # of others' (a sticky bit protects what is in the inbox, not what is moved).
-                others = other_writers(self._path, owner)
-                who = None if others is None else f"{others}, who may write the root-owned inbox itself"
+            who = moved_into_by(self._path, owner)
         except OSError as exc:
             raise InvalidRequest(f"the inbox {self._path} cannot be examined ({exc.strerror})") from exc
         if who is not None:
@@ -263,7 +207,7 @@ class Folder:
             Unavailable: the path is gone, is another folder now, or goes through a symbolic link.
         """
         try:
-            fd = open_without_links(self._path)
+            fd = open_real_folder(self._path, what="the inbox path")
         except PathEscape:
             raise Unavailable(
                 f"the inbox folder {self._path} was replaced by a symbolic link (it or a folder on its path) while "

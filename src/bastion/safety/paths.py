@@ -183,8 +183,8 @@ def open_real_folder(path: str, *, what: str = "the folder") -> int:
     RESOLVE_NO_SYMLINKS is the lookup that counts, and it follows no link at all.
 
     Raises:
-        InvalidRequest: `path` is not absolute or not a folder, or a component is a symbolic link
-            (the message names the real path to configure instead).
+        PathEscape: a component is a symbolic link (the message names it and the real path to configure).
+        InvalidRequest: `path` is not absolute or not a folder.
         NotFound: nothing is at `path`.
         Unavailable: openat2 is missing or blocked.
     """
@@ -195,9 +195,9 @@ def open_real_folder(path: str, *, what: str = "the folder") -> int:
         return fd
     code = -fd
     if code == errno.ELOOP:
-        real = os.path.realpath(path)
-        raise InvalidRequest(
-            f"{what} '{path}' goes through a symbolic link (it leads to '{real}'): configure the real path, "
+        raise PathEscape(
+            f"{what} '{path}' goes through the symbolic link '{_first_link(path)}' (it leads to "
+            f"'{os.path.realpath(path)}'), and bastion follows no link there: configure the folder's real path, "
             "and check who made the link"
         )
     if code == errno.ENOENT:
@@ -207,6 +207,30 @@ def open_real_folder(path: str, *, what: str = "the folder") -> int:
     if code == errno.ENOSYS:
         raise Unavailable("openat2 is unavailable on this kernel: bastion needs Linux 5.6 or newer")
     raise InvalidRequest(f"{what} '{path}' cannot be opened ({os.strerror(code)}): fix it")
+
+
+def _first_link(path: str) -> str:
+    """The first component of `path` that is a symbolic link, for a refusal's message only (racy: the
+    refusal itself came from the kernel's lookup); `path` itself if none is found any more."""
+    reached = ""
+    for part in filter(None, path.split("/")):
+        reached = f"{reached}/{part}"
+        try:
+            if stat.S_ISLNK(os.lstat(reached).st_mode):
+                return reached
+        except OSError:
+            break
+    return path
+
+
+def owner_identity(owner: tuple[int, int]) -> tuple[int, int] | None:
+    """The file identity a root server takes to act in a folder of `owner`'s (`acting_as`), or None.
+
+    Why: as root it would do what the owner could not (move another user's folder, write a file made
+    read-only) and leave root's files in their folder. A server that is not root, or a root-owned
+    folder, keeps the server's own ids.
+    """
+    return owner if os.geteuid() == 0 and owner != (0, 0) else None
 
 
 def replaceable_by(path: str, owner: tuple[int, int]) -> str | None:
@@ -240,9 +264,18 @@ def replaceable_by(path: str, owner: tuple[int, int]) -> str | None:
     return None
 
 
-def other_writers(folder: str, owner: tuple[int, int]) -> str | None:
-    """Who besides root and `owner` may write `folder` itself, by its mode or its ACL, or None."""
-    return _writers(folder, os.lstat(folder), owner)
+def moved_into_by(path: str, owner: tuple[int, int]) -> str | None:
+    """`replaceable_by`, and for a root-owned folder, who else may write the folder itself, or None.
+
+    For a folder whose entries a root server moves about (the organizer's inbox): run as root in a
+    root-owned folder others may write, it would move their files into folders of other users' (a
+    sticky bit protects what is in the folder, not what is moved into a subfolder someone else made).
+    """
+    who = replaceable_by(path, owner)
+    if who is None and owner[0] == 0:
+        others = _writers(path, os.lstat(path), owner)
+        who = None if others is None else f"{others}, who may write the root-owned folder itself"
+    return who
 
 
 def _writers(folder: str, info: os.stat_result, owner: tuple[int, int]) -> str | None:
@@ -696,8 +729,7 @@ class Jail:
         self._secret = _compile_secret_patterns(secret_patterns)
         self._allow_hardlinks = allow_hardlinks
         self._owner = owner
-        acts = act_as_owner and owner is not None and os.geteuid() == 0 and owner != (0, 0)
-        self._acts_as = owner if acts else None
+        self._acts_as = owner_identity(owner) if act_as_owner and owner is not None else None
         self._view = _view_parts(view_root)
         self._openat2 = load_openat2()
         given = os.fspath(root)
