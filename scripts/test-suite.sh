@@ -17,7 +17,7 @@ trap 'for p in "${side[@]}"; do kill "$p" 2>/dev/null; done; wait; rm -rf "$logs
 bases_before=$(ls -d /sys/fs/cgroup/bastion /sys/fs/cgroup/*/bastion 2>/dev/null)
 
 soak=tests/load/test_soak.py
-"$venv/bin/pytest" -q -p no:cacheprovider --basetemp="$logs/soak-tmp" "$soak" >"$logs/soak.log" 2>&1 &
+BASTION_TESTS_KEEP_CGROUP_BASES=1 "$venv/bin/pytest" -q -p no:cacheprovider --basetemp="$logs/soak-tmp" "$soak" >"$logs/soak.log" 2>&1 &
 side+=($!)
 if [ "$(id -u)" = 0 ]; then
   bash scripts/test-unprivileged.sh >"$logs/unprivileged.log" 2>&1 &
@@ -27,7 +27,7 @@ else
 fi
 
 status=0
-"$venv/bin/pytest" -q -n "${WORKERS:-3}" --dist loadfile --ignore="$soak" || status=1
+BASTION_TESTS_KEEP_CGROUP_BASES=1 "$venv/bin/pytest" -q -n "${WORKERS:-3}" --dist loadfile --ignore="$soak" || status=1
 for pass in soak unprivileged; do
   [ ${#side[@]} -gt 0 ] || break
   pid=${side[0]}

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import pytest
 from hypothesis import settings
@@ -48,12 +49,26 @@ WORKER_TEMP: list[Path] = []
 """This worker's temp folder, removed at its end if the tests left it empty."""
 
 
+CGROUP_BASES: Final = "/sys/fs/cgroup/bastion", "/sys/fs/cgroup/*/bastion"
+"""Where the tests' servers make their base cgroup (`CgroupLayout.detect`), as root."""
+KEEP_CGROUP_BASES: Final = "BASTION_TESTS_KEEP_CGROUP_BASES"
+"""Set by scripts/test-suite.sh: other passes run beside this one and may still use the bases; it removes
+them itself once every pass is over."""
+BASES_BEFORE: set[str] = set()
+"""The base cgroups that existed when this run started: never removed by it."""
+
+
+def _cgroup_bases() -> set[str]:
+    return {base for pattern in CGROUP_BASES for base in glob.glob(pattern) if os.path.isdir(base)}
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """Under pytest-xdist, each worker gets a temp folder of its own (TMPDIR, inherited by the servers
     the tests start): tests that check the temp folder for leftovers see only their own worker's. Its
     name has the worker's pid: the root and unprivileged passes run side by side, each with a gw0."""
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if not worker:
+        BASES_BEFORE.update(_cgroup_bases())
         return
     folder = Path(tempfile.gettempdir()) / f"bastion-tests-{worker}-{os.getpid()}"
     folder.mkdir()
@@ -64,10 +79,17 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    """Remove the worker's temp folder if empty; one the tests left something in stays, to be seen."""
+    """Remove the worker's temp folder if empty; one the tests left something in stays, to be seen. The run
+    (not a worker) removes the base cgroups its servers made, if empty: a server keeps its base while it
+    runs, and one holding a sandbox's group stays, to be seen."""
     for folder in WORKER_TEMP:
         with contextlib.suppress(OSError):
             folder.rmdir()
+    if os.environ.get("PYTEST_XDIST_WORKER") or os.environ.get(KEEP_CGROUP_BASES):
+        return
+    for base in _cgroup_bases() - BASES_BEFORE:
+        with contextlib.suppress(OSError):
+            os.rmdir(base)
 
 
 LONG_FIRST = ("tests/load/test_soak.py", "tests/load/test_load.py")

@@ -501,6 +501,15 @@ def test_read_offset_length_and_eof(jail: Jail, ws: Path) -> None:
         jail.read("f.txt", offset=-1)
 
 
+@pytest.mark.parametrize("offset", [2**63 - 1, 2**63, 2**64, 10**30])
+def test_an_offset_past_what_pread_takes_reads_nothing_instead_of_failing(jail: Jail, ws: Path, offset: int) -> None:
+    """Attack: read_file(offset=2**64) reached pread(2), which refuses an offset past 2**63 - 1 with Python's
+    OverflowError: INTERNAL_ERROR and a traceback in the log. Past the end of a file there is nothing to read."""
+    (ws / "f.txt").write_bytes(b"0123456789")
+    past = jail.read("f.txt", offset=offset, margin=16)
+    assert (past.data, past.eof, past.size, past.before, past.after) == (b"", True, 10, b"", b"")
+
+
 def test_read_is_capped(jail: Jail, ws: Path) -> None:
     """Invariant: no read returns more than MAX_READ_BYTES, whatever length is asked."""
     (ws / "big").write_bytes(b"x" * (MAX_READ_BYTES + 10))

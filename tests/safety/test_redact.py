@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import time
 import unicodedata
 from pathlib import Path
 
@@ -592,3 +593,25 @@ def test_a_name_with_an_escape_sequence_is_shown_escaped_not_cleaned() -> None:
     assert sanitize_name("a\u00a0b\u3164c d") == "a\\u00a0b\\u3164c d"
     assert sanitize_name("x\U000e0100") == "x\\U000e0100"
     assert sanitize_name("\ue010" + "0") != sanitize_name("\U000e0100")
+
+
+@pytest.mark.parametrize("opener", ["\x9d", "\x90", "\x98", "\x9e", "\x9f"])
+def test_a_run_of_unterminated_c1_string_openers_is_cleaned_in_linear_time(opener: str) -> None:
+    """Attack: a command prints 64 KiB of U+009D (OSC) with no terminator. Each opener began a try that
+    scanned to the end of the text, with the GIL held: 8.5 s of a frozen server for one run_command, 26
+    minutes for a search over a 1 MiB file. Four times the text now costs about four times the time, not
+    16; every opener is still shown as text, none reaches the client."""
+
+    def cpu_s(text: str) -> float:
+        took = []
+        for _ in range(3):
+            started = time.thread_time()
+            sanitize_terminal(text)
+            took.append(time.thread_time() - started)
+        return min(took)
+
+    small, large = opener * 4_000, opener * 16_000
+    ratio = cpu_s(large) / max(cpu_s(small), 1e-6)
+    assert ratio < 8, f"4x the text took {ratio:.1f}x the time: quadratic"
+    assert sanitize_terminal(opener + "title" + opener) == f"\\x{ord(opener):02x}title\\x{ord(opener):02x}"
+    assert sanitize_terminal(f"a{opener}x{opener}8;;http://evil\x07b") == f"a\\x{ord(opener):02x}xb"

@@ -12,7 +12,9 @@ from __future__ import annotations
 import os
 import re
 import stat
+import time
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import anyio
@@ -416,3 +418,57 @@ async def test_a_burst_of_searches_leaves_threads_for_the_other_tools(client: Cl
         group.start_soon(read)
     assert finished.count("search") == 45
     assert finished[0] == "read", finished[:3]
+
+
+def _thread_cpu_s(work: Callable[[], object]) -> float:
+    """The least thread CPU time of three runs of `work` (CPU, not wall time: the machine is shared)."""
+    took = []
+    for _ in range(3):
+        started = time.thread_time()
+        work()
+        took.append(time.thread_time() - started)
+    return min(took)
+
+
+def test_an_edit_between_every_two_lines_is_diffed_in_linear_time(tmp_path: Path) -> None:
+    """Attack: edit_file(dry_run) of a file of unique lines, old="\\n", new="\\nx\\n", replace_all: a line
+    inserted between every two. difflib's matcher found one line at a time at the left: 12,000 lines took
+    33 s of CPU in a worker thread that cannot be cancelled (a 1 MiB file, an hour). Four times the lines
+    now cost about four times the time, not 16, and the diff shown still applies: its old lines, then its
+    new ones."""
+    jail = Jail(tmp_path)
+    redactor = Redactor()
+    for name, count in (("small.txt", 1_500), ("large.txt", 6_000)):
+        (tmp_path / name).write_text("".join(f"{i:07d}\n" for i in range(count)))
+
+    def edit(name: str) -> dict[str, object]:
+        return edit_text(jail, redactor, name, "\n", "\nx\n", replace_all=True, dry_run=True)
+
+    ratio = _thread_cpu_s(lambda: edit("large.txt")) / max(_thread_cpu_s(lambda: edit("small.txt")), 1e-6)
+    assert ratio < 8, f"4x the lines took {ratio:.1f}x the time: quadratic"
+    shown = edit("small.txt")
+    assert shown["replacements"] == 1_500
+    assert shown["diff_truncated"] is False
+    lines = str(shown["diff"]).splitlines()
+    assert lines[:3] == ["--- a/small.txt", "+++ b/small.txt", "@@ -1,1500 +1,3000 @@"]
+    # The first line is the same in both, the context of one hunk: the old lines, then the new.
+    assert lines[3:] == [" 0000000", *(f"-{i:07d}" for i in range(1, 1_500)), "+x"] + [
+        f"+{line}" for i in range(1, 1_500) for line in (f"{i:07d}", "x")
+    ]
+    assert (tmp_path / "small.txt").read_text() == "".join(f"{i:07d}\n" for i in range(1_500))  # a dry run
+    jail.close()
+
+
+async def test_read_file_at_an_offset_past_2_63_is_an_empty_read_not_an_internal_error(
+    client: Client, workspace: Path
+) -> None:
+    """Attack: read_file(offset=2**64), in a host workspace and in a sandbox, answered INTERNAL_ERROR (pread's
+    OverflowError) with a traceback in the log. It is the read past the end of the file it is."""
+    (workspace / "a.txt").write_text("abc\n")
+    sandbox_id = await create(client)
+    assert (await sh(client, sandbox_id, "printf 'abc\\n' > a.txt"))["ok"]
+    for where in ({}, {"sandbox_id": sandbox_id}):
+        for encoding in ("utf-8", "base64"):
+            read = await call(client, "read_file", path="a.txt", offset=2**64, encoding=encoding, **where)
+            assert read["ok"], read
+            assert (read["detail"]["content"], read["detail"]["eof"], read["detail"]["size"]) == ("", True, 4)

@@ -10,13 +10,13 @@ import codecs
 import re
 from typing import Final
 
-from bastion.safety.redact import Redactor, StreamRedactor, sanitize_terminal
+from bastion.safety.redact import STRING_BODY_CHAR, Redactor, StreamRedactor, sanitize_terminal
 
 # An escape sequence (or CR of a CRLF) still open at the end of a chunk: held until more arrives,
 # so the chunks are sanitized as the whole would be. Bounded: a longer tail is not held.
 UNFINISHED_ESCAPE: Final = re.compile(
     r"(?:\x1b\[[0-?]*[ -/]*|\x1b[ -/]*|\x9b[0-?]*[ -/]*"
-    r"|(?:\x1b[\]PX^_]|[\x90\x98\x9d\x9e\x9f])[^\x07\x1b\x9c]*\x1b?|\r)\Z"
+    rf"|(?:\x1b[\]PX^_]|[\x90\x98\x9d\x9e\x9f]){STRING_BODY_CHAR}*\x1b?|\r)\Z"
 )
 ESCAPE_HOLD_CHARS: Final = 4096
 

@@ -895,7 +895,8 @@ class Jail:
             self._judge(fd, rel)
             info = os.fstat(fd)
             size = info.st_size
-            window = _pread_all(fd, start, offset + length + margin - start)
+            # Past the end there is nothing to read, and pread(2) refuses an offset past 2**63 - 1 (OverflowError).
+            window = _pread_all(fd, start, offset + length + margin - start) if start <= size else b""
         except OSError as exc:
             raise _error_from_os(exc, rel) from exc
         finally:

@@ -528,14 +528,20 @@ def _move_out_of_spans(cut: int, spans: Sequence[_Span]) -> int:
 
 
 # ECMA-48 §5.4 (CSI), §8.3.89 (OSC) and the string controls DCS/SOS/PM/APC; OSC 8 is
-# the hyperlink escape that makes shown text point somewhere else.
+# the hyperlink escape that makes shown text point somewhere else. A string's body never holds the
+# start of another string (ECMA-48 §5.6: a command string is made of 08-0D and 20-7E): were an
+# opener allowed in it, each opener of an unterminated run would be tried, and each try scan to the
+# end of the text, quadratic time with the GIL held (64 KiB of U+009D took 8.5 s of a frozen server).
+STRING_BODY_CHAR: Final = r"[^\x07\x1b\x9c\x90\x98\x9d\x9e\x9f]"
+"""A character of an escape string's body (`safety.output` holds an unfinished one by the same rule)."""
+_STRING_BODY: Final = rf"{STRING_BODY_CHAR}*(?:\x07|\x1b\\|\x9c)"
 _ESCAPES: Final = re.compile(
     r"\x1b\[[0-?]*[ -/]*[@-~]"
     r"|\x9b[0-?]*[ -/]*[@-~]"
-    r"|[\x1b]\][^\x07\x1b\x9c]*(?:\x07|\x1b\\|\x9c)"
-    r"|\x9d[^\x07\x1b\x9c]*(?:\x07|\x1b\\|\x9c)"
-    r"|\x1b[PX^_][^\x07\x1b\x9c]*(?:\x07|\x1b\\|\x9c)"
-    r"|[\x90\x98\x9e\x9f][^\x07\x1b\x9c]*(?:\x07|\x1b\\|\x9c)"
+    rf"|[\x1b]\]{_STRING_BODY}"
+    rf"|\x9d{_STRING_BODY}"
+    rf"|\x1b[PX^_]{_STRING_BODY}"
+    rf"|[\x90\x98\x9e\x9f]{_STRING_BODY}"
     r"|\x1b[ -/]*[0-~]"
 )
 _CONTROLS: Final = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
@@ -554,7 +560,9 @@ def sanitize_terminal(text: str) -> str:
     a file name that is not UTF-8, as os.fsdecode gives it) becomes ``\\xNN`` too: JSON
     cannot carry it.
     """
-    text = _ESCAPES.sub("", text).replace("\r\n", "\n")
+    # CRLF first: an escape removed from between a CR and a LF does not make them a line end (a stream
+    # cleaned chunk by chunk could not know, and a hidden CR could rewrite a line).
+    text = _ESCAPES.sub("", text.replace("\r\n", "\n"))
     text = _CONTROLS.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
     text = _SURROGATES.sub(_escaped_surrogate, text)
     return _BIDI.sub(lambda m: f"\\u{ord(m.group()):04x}", text)

@@ -13,6 +13,7 @@ short `old` by a long `new` could otherwise ask for terabytes).
 from __future__ import annotations
 
 import difflib
+from collections.abc import Iterable, Iterator
 from typing import Final
 
 from bastion.safety.errors import InvalidRequest, NotFound, ResourceLimit
@@ -21,6 +22,11 @@ from bastion.safety.redact import Redactor, sanitize_name, sanitize_terminal
 
 MAX_DIFF_CHARS: Final = 64 * 1024
 MAX_EDIT_BYTES: Final = MAX_READ_BYTES
+MAX_DIFF_PAIRS: Final = 1_000_000
+"""Line pairs difflib may compare between the texts' common first and last lines. Its matcher takes time
+quadratic in them (a line inserted between every two of 12,000 took 33 s of CPU, a 1 MiB file would take
+an hour); a larger change is shown as one hunk: its old lines, then its new ones."""
+DIFF_CONTEXT: Final = 3
 
 
 def edit_text(
@@ -117,8 +123,54 @@ def _diff(redactor: Redactor, path: str, before: str, after: str) -> tuple[str, 
     """A unified diff of the redacted texts, cleaned for display and capped."""
     old_lines = redactor.redact(sanitize_terminal(before)).splitlines(keepends=True)
     new_lines = redactor.redact(sanitize_terminal(after)).splitlines(keepends=True)
-    lines = difflib.unified_diff(old_lines, new_lines, fromfile=f"a/{path}", tofile=f"b/{path}")
-    text = "".join(line if line.endswith("\n") else line + "\n" for line in lines)
-    if len(text) <= MAX_DIFF_CHARS:
-        return text, False
-    return text[:MAX_DIFF_CHARS], True
+    head = _common_head(old_lines, new_lines)
+    tail = _common_head(old_lines[head:][::-1], new_lines[head:][::-1])
+    if (len(old_lines) - head - tail) * (len(new_lines) - head - tail) <= MAX_DIFF_PAIRS:
+        lines: Iterable[str] = difflib.unified_diff(
+            old_lines, new_lines, fromfile=f"a/{path}", tofile=f"b/{path}", n=DIFF_CONTEXT
+        )
+    else:
+        lines = _one_hunk(old_lines, new_lines, head, tail, path)
+    parts: list[str] = []
+    size = 0
+    for line in lines:
+        parts.append(line if line.endswith("\n") else line + "\n")
+        size += len(parts[-1])
+        if size > MAX_DIFF_CHARS:
+            return "".join(parts)[:MAX_DIFF_CHARS], True
+    return "".join(parts), False
+
+
+def _common_head(a: list[str], b: list[str]) -> int:
+    """How many first lines `a` and `b` share."""
+    count = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        count += 1
+    return count
+
+
+def _one_hunk(old: list[str], new: list[str], head: int, tail: int, path: str) -> Iterator[str]:
+    """The unified diff of a change that spans lines `head` to `tail` from the end, as one hunk with context.
+
+    Written by hand: difflib formats only what its own (quadratic) matcher found.
+    """
+    start = max(0, head - DIFF_CONTEXT)
+    context_after = min(tail, DIFF_CONTEXT)
+    old_stop, new_stop = len(old) - tail + context_after, len(new) - tail + context_after
+    yield f"--- a/{path}\n"
+    yield f"+++ b/{path}\n"
+    yield f"@@ -{_unified_range(start, old_stop)} +{_unified_range(start, new_stop)} @@\n"
+    yield from (" " + line for line in old[start:head])
+    yield from ("-" + line for line in old[head : len(old) - tail])
+    yield from ("+" + line for line in new[head : len(new) - tail])
+    yield from (" " + line for line in old[len(old) - tail : old_stop])
+
+
+def _unified_range(start: int, stop: int) -> str:
+    """A hunk's line range as unified diffs write it (difflib's own rule: "N" for one line, "N-1,0" for none)."""
+    length = stop - start
+    if length == 1:
+        return str(start + 1)
+    return f"{start if length == 0 else start + 1},{length}"
