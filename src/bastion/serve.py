@@ -348,7 +348,7 @@ class _Front:
     def __init__(self, services: Services, listeners: _Listeners, listen: str | None) -> None:
         from bastion.transports.http import connections
         from bastion.transports.http.app import build_http_app, build_preview_app
-        from bastion.transports.http.preview import HideTokens
+        from bastion.transports.http.preview import HideTokens, QuietCuts
 
         http = services.config.http
         built = build_http_app(services, build_server(services, caller="http"), listen=listen)
@@ -361,6 +361,7 @@ class _Front:
         if http.preview_listen is not None:
             preview_app, self.preview_origin = build_preview_app(services, built, http.preview_listen)
             logging.getLogger("uvicorn.error").addFilter(HideTokens())
+            logging.getLogger("uvicorn.error").addFilter(QuietCuts())
             self.preview = _uvicorn_config(preview_app, http, http.preview_listen, listeners.limits, preview=True)
 
     def close(self) -> None:

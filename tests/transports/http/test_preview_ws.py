@@ -11,13 +11,14 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
 import socket
 from collections.abc import Iterator
 
 import pytest
 from starlette.types import Message
 from wsproto import ConnectionType, WSConnection
-from wsproto.events import AcceptConnection, Request
+from wsproto.events import AcceptConnection, CloseConnection, Event, Request
 
 from bastion.transports.http.preview_ws import proxy_websocket
 
@@ -102,3 +103,130 @@ def test_a_browser_gone_during_the_apps_handshake_is_audited_as_499(
         assert _run(proxy_side, app_side, browser) == (499, 0)
     assert browser.sends == [{"type": "websocket.accept", "subprotocol": None}]
     assert "never retrieved" not in caplog.text
+
+
+# An app that floods the browser's side (security review, finding 6): each piece of a message used to count
+# only its payload toward MAX_WS_MESSAGE_BYTES, so empty continuation frames (2 bytes each) grew the message
+# for ever: 2 M of them held 19 MiB and 14 s of CPU, 8 M 65 MiB and 61 s, and the message never ended.
+
+WAIT_S = 10.0
+"""The bound on a proxied WebSocket's run in these tests (a failure, never a pace)."""
+
+
+class RecordingBrowser:
+    """An ASGI browser side that stays connected, sends nothing, and records what bastion sends it."""
+
+    def __init__(self) -> None:
+        self.sends: list[Message] = []
+
+    async def send(self, message: Message) -> None:
+        self.sends.append(message)
+
+    async def receive(self) -> Message:
+        await asyncio.Event().wait()  # until the proxy ends the connection (it cancels this)
+        raise AssertionError("unreachable")
+
+
+async def _app_sending(sock: socket.socket, frames: bytes, received: list[Event]) -> None:
+    """A WebSocket server on `sock`: accepts, writes `frames` as they are, then reads to the end."""
+    reader, writer = await asyncio.open_connection(sock=sock)
+    ws = WSConnection(ConnectionType.SERVER)
+    try:
+        while data := await reader.read(65536):
+            ws.receive_data(data)
+            for event in ws.events():
+                received.append(event)
+                if isinstance(event, Request):
+                    writer.write(ws.send(AcceptConnection()) + frames)
+                    await writer.drain()
+    finally:
+        writer.close()
+        await writer.wait_closed()
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _proxy_from_app(frames: bytes) -> tuple[tuple[int, int], RecordingBrowser, list[Event], int]:
+    """Proxy one WebSocket whose app sends `frames`: (status and bytes, the browser, what the app received,
+    open file descriptors left beyond those before)."""
+    proxy_side, app_side = socket.socketpair()
+    for sock in (proxy_side, app_side):
+        sock.setblocking(False)
+    browser, received = RecordingBrowser(), list[Event]()
+    fds = _open_fds() - 2
+
+    async def main() -> tuple[int, int]:
+        app = asyncio.ensure_future(_app_sending(app_side, frames, received))
+        async with asyncio.timeout(WAIT_S):
+            result = await proxy_websocket(SCOPE, browser.receive, browser.send, proxy_side, 8080, b"/ws")
+            await app  # it reads to the end: the proxy closed its side
+        assert asyncio.all_tasks() == {asyncio.current_task()}
+        return result
+
+    try:
+        result = asyncio.run(main())
+    finally:
+        proxy_side.close()
+        app_side.close()
+    gc.collect()
+    return result, browser, received, _open_fds() - fds
+
+
+def _frame(opcode: int, payload: bytes, *, fin: bool) -> bytes:
+    """A server's (unmasked) frame, as any app may write it."""
+    length = len(payload)
+    size = bytes([length]) if length < 126 else b"\x7e" + length.to_bytes(2, "big")
+    return bytes([(0x80 if fin else 0) | opcode]) + size + payload
+
+
+def test_an_app_sending_endless_empty_fragments_is_closed_with_1009() -> None:
+    """A text message begun, then 20,000 empty continuation frames (40 KB) and never finished: the browser
+    gets 1009 (Message Too Big), the app a close frame, and no socket or task is left behind."""
+    frames = _frame(0x1, b"", fin=False) + _frame(0x0, b"", fin=False) * 20_000
+    (status, sent), browser, received, left = _proxy_from_app(frames)
+    assert (status, sent) == (101, 0)
+    assert browser.sends == [
+        {"type": "websocket.accept", "subprotocol": None},
+        {"type": "websocket.close", "code": 1009},
+    ]
+    assert [e.code for e in received if isinstance(e, CloseConnection)] == [1009]
+    assert left == 0
+
+
+def test_what_an_app_sends_with_its_accept_reaches_the_browser() -> None:
+    """An app that greets in the same write as its 101 (found with the tests above): the frames read along
+    with the accept were dropped, so the greeting, and here the close, never reached the browser."""
+    frames = _frame(0x1, b"hello", fin=True) + _frame(0x8, (1000).to_bytes(2, "big"), fin=True)
+    (status, sent), browser, _, left = _proxy_from_app(frames)
+    assert (status, sent) == (101, 5)
+    assert browser.sends[1:] == [
+        {"type": "websocket.send", "text": "hello"},
+        {"type": "websocket.close", "code": 1000},
+    ]
+    assert left == 0
+
+
+def test_a_message_of_many_small_fragments_under_the_cap_is_passed_on_whole() -> None:
+    """The charge per piece still lets an app stream a message in reasonable fragments (1,000 of 512 bytes)."""
+    piece = b"x" * 512
+    frames = _frame(0x1, piece, fin=False) + _frame(0x0, piece, fin=False) * 998 + _frame(0x0, piece, fin=True)
+    frames += _frame(0x8, (1000).to_bytes(2, "big"), fin=True)
+    (status, sent), browser, _, left = _proxy_from_app(frames)
+    assert (status, sent) == (101, 512_000)
+    assert browser.sends[1:] == [
+        {"type": "websocket.send", "text": "x" * 512_000},
+        {"type": "websocket.close", "code": 1000},
+    ]
+    assert left == 0
+
+
+def test_a_text_message_over_the_cap_in_utf8_bytes_is_closed_with_1009() -> None:
+    """The cap counts bytes, not characters: 300,000 four-byte characters (1.2 MB) are over it."""
+    text = ("\U0001f600" * 1000).encode()
+    frames = _frame(0x1, text, fin=False) + _frame(0x0, text, fin=False) * 299 + _frame(0x0, b"", fin=True)
+    (status, sent), browser, _, left = _proxy_from_app(frames)
+    assert (status, sent) == (101, 0)
+    assert browser.sends[1:] == [{"type": "websocket.close", "code": 1009}]
+    assert left == 0

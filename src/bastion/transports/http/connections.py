@@ -16,7 +16,11 @@ so idle sockets lock out everyone. Held sockets also use file descriptors: at th
   always gets in while the sockets held open are idle ones.
 - the cap, and the accept burst, stay below the file-descriptor limit, so accept() does not fail for
   want of one (see `fd_limits` for the sockets a flood keeps in flight beyond the cap);
-- refusals are logged as one summary line per `LOG_EVERY_S`, never a line (or traceback) per socket.
+- refusals are logged as one summary line per `LOG_EVERY_S`, never a line (or traceback) per socket;
+- a WebSocket upgrade ends the head deadline: uvicorn hands the socket to its WebSocket protocol, which
+  takes this one's place in the count and is served (never evicted) until it closes. Its keepalive pings
+  (uvicorn's 20 s interval and timeout) close a peer that is gone or stops reading; one that answers
+  stays, as an idle WebSocket (a dev server's reload socket) is meant to, within the cap.
 
 What this does not do: limit a client that completes its requests (rate limits are per endpoint), or
 time TLS handshakes (asyncio allows 60 s).
@@ -32,6 +36,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Final, Literal
 
+import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 logger = logging.getLogger("bastion.http.connections")
@@ -143,6 +148,7 @@ class GuardedH11Protocol(H11Protocol):
     phase: Phase | None = None
     phase_since = 0.0
     deadline: asyncio.TimerHandle | None = None
+    upgraded = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -162,6 +168,13 @@ class GuardedH11Protocol(H11Protocol):
         super().on_response_complete()
         self._follow()
 
+    def handle_websocket_upgrade(self, event: h11.Request) -> None:
+        # The transport moves to the WebSocket protocol: this one's connection_lost never runs, so a deadline
+        # left armed would close a live WebSocket. uvicorn moves the count in `connections` to the new protocol.
+        self.upgraded = True
+        self._disarm()
+        super().handle_websocket_upgrade(event)
+
     def _current(self) -> Phase:
         cycle = self.cycle
         if cycle is None or cycle.response_complete:
@@ -171,7 +184,7 @@ class GuardedH11Protocol(H11Protocol):
     def _follow(self) -> None:
         """Start the deadline of the phase the connection just entered (trickled bytes never extend it)."""
         phase = self._current()
-        if phase == self.phase or self.transport.is_closing():
+        if phase == self.phase or self.upgraded or self.transport.is_closing():
             return
         self.phase, self.phase_since = phase, time.monotonic()
         self._disarm()

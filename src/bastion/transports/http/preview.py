@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import re
 import socket
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import Final
 from urllib.parse import unquote
@@ -71,6 +72,14 @@ RESPONSE_DROPPED: Final = frozenset(
     {"strict-transport-security", "clear-site-data", "alt-svc", "server", "service-worker-allowed", "www-authenticate"}
 )
 _BASTION_COOKIE = re.compile(r"(?i)^(__host-|__secure-|bastion)")
+CHUNK_CHARGE_BYTES: Final = 1024
+"""What each piece of an app's response body counts toward `preview_max_response_bytes` at least. A piece
+costs the server about 10 us whatever its size (parsed, then passed on): an app sending 1-byte chunks made
+one request cost 20 s of CPU per MiB. Charged so, a response has at most cap / 1 KiB pieces."""
+MAX_STATUS: Final = 599
+"""The highest status passed on: h11 reads up to 999 from the app, uvicorn has no phrase past 599."""
+_CUT: contextvars.ContextVar[bool] = contextvars.ContextVar("bastion_preview_cut", default=False)
+"""Set in the request's context when a response is cut on purpose (`QuietCuts`)."""
 
 
 class HideTokens(logging.Filter):
@@ -83,6 +92,23 @@ class HideTokens(logging.Filter):
 
 
 _PREVIEW_TOKEN = re.compile(r"/preview/[A-Za-z0-9_-]+")
+
+
+class QuietCuts(logging.Filter):
+    """A preview response cut on purpose (the app broke it, or it went past the cap) is ended by returning
+    without its last chunk, so uvicorn closes the connection and the browser sees it incomplete, never a
+    whole (cacheable) page. uvicorn logs that as an error: the proxy already logged why, in one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (_CUT.get() and record.msg == "ASGI callable returned without completing response.")
+
+
+@dataclass
+class _Progress:
+    """How far a request got: what its audit record says, even for one cancelled midway (server stopping)."""
+
+    status: int = 0
+    sent: int = 0
 
 
 @dataclass
@@ -258,7 +284,7 @@ class PreviewApp:
             return
         started = time.perf_counter()
         path = scope.get("raw_path", b"").decode("latin-1").split("?", 1)[0]
-        preview, status, sent = None, 0, 0
+        preview, progress = None, _Progress()
         started_response = False
 
         async def tracked(message: Message) -> None:
@@ -276,20 +302,20 @@ class PreviewApp:
                 await _plain(send, *refusal)
                 return
             if refusal is not None:
-                status, text, extra = refusal
-                sent = await _plain(send, status, text, extra)
+                progress.status = refusal[0]
+                progress.sent = await _plain(send, *refusal)
                 return
             assert preview is not None
-            status, sent = await self._proxy(scope, receive, send, preview)
+            progress.status, progress.sent = await self._proxy(scope, receive, send, preview, progress)
         except Exception as exc:  # whatever a hostile app provokes: one line, no traceback
             logger.warning("preview request failed: %s: %s", type(exc).__name__, str(exc)[:200])
-            status = status or 502
+            progress.status = progress.status or 502
             if not started_response:
                 with contextlib.suppress(OSError, RuntimeError):  # the browser may be gone too
-                    sent = await _plain(send, 502, "Bad Gateway: the sandbox's app broke the exchange")
+                    progress.sent = await _plain(send, 502, "Bad Gateway: the sandbox's app broke the exchange")
         finally:
             if preview is not None:
-                await self._record(scope, path, preview, status, sent, started)
+                await self._record(scope, path, preview, progress.status, progress.sent, started)
 
     def _admit(self, scope: Scope, path: str) -> tuple[Preview | None, Refusal | None]:
         """The preview a request may reach, or the refusal to send (status, text, headers)."""
@@ -327,7 +353,9 @@ class PreviewApp:
             logger.info("preview %s: %s", token_id(preview.token), exc.reason)
             return None
 
-    async def _proxy(self, scope: Scope, receive: Receive, send: Send, preview: Preview) -> tuple[int, int]:
+    async def _proxy(
+        self, scope: Scope, receive: Receive, send: Send, preview: Preview, progress: _Progress
+    ) -> tuple[int, int]:
         declared = _header(scope, b"content-length")
         if declared is not None and _header(scope, b"transfer-encoding") is not None:
             # The classic smuggling pair (RFC 9112 §6.1): h11 reads the body by its chunks, but its
@@ -345,12 +373,18 @@ class PreviewApp:
         origin = httpcore2.Origin(b"http", b"127.0.0.1", preview.port)
         connection = httpcore2.AsyncHTTP11Connection(origin, stream)
         try:
-            return await self._exchange(scope, receive, send, preview, connection)
+            return await self._exchange(scope, receive, send, preview, connection, progress)
         finally:
             await connection.aclose()
 
     async def _exchange(
-        self, scope: Scope, receive: Receive, send: Send, preview: Preview, connection: httpcore2.AsyncHTTP11Connection
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        preview: Preview,
+        connection: httpcore2.AsyncHTTP11Connection,
+        progress: _Progress,
     ) -> tuple[int, int]:
         target = _split_token(scope, preview.token)
         timeout = self.config.preview_timeout_s
@@ -375,29 +409,16 @@ class PreviewApp:
             if await body.over_cap():
                 return 413, await _plain(send, 413, too_large)
             return 502, await _plain(send, 502, "Bad Gateway: the sandbox's app did not answer with HTTP")
+        if response.status > MAX_STATUS:
+            await response.aclose()
+            return 502, await _plain(send, 502, "Bad Gateway: the sandbox's app answered with an invalid status")
         headers = response_headers(response.headers, preview.token)
         await send({"type": "http.response.start", "status": response.status, "headers": headers})
-        sent = await self._stream_body(send, response)
-        return response.status, sent
-
-    async def _stream_body(self, send: Send, response: httpcore2.Response) -> int:
-        """Pass the body on; past the cap, or on a stall or a broken app, the response is cut short."""
-        sent = 0
-        cap = self.config.preview_max_response_bytes
-        try:
-            async for chunk in response.aiter_stream():
-                chunk = chunk[: cap - sent]
-                sent += len(chunk)
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                if sent >= cap:
-                    logger.info("preview response cut at %d bytes", cap)
-                    break
-        except (httpcore2.TimeoutException, httpcore2.NetworkError, httpcore2.ProtocolError):
-            pass
-        finally:
-            await response.aclose()
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-        return sent
+        progress.status = response.status
+        await _Body(response, send, body, self.config.preview_max_response_bytes, progress).relay(
+            lambda: self.registry.lookup(preview.token) is preview
+        )
+        return response.status, progress.sent
 
     def _count_throttled(self, preview: Preview) -> None:
         """A 429: counted, and reported in one record per preview a second (as the egress proxy does)."""
@@ -512,6 +533,8 @@ class CappedBody:
         self.cap = cap
         self.received = 0
         self.done = False
+        self.gone = False
+        """The browser disconnected."""
 
     def __aiter__(self) -> AsyncIterator[bytes]:
         return self._chunks()
@@ -525,7 +548,7 @@ class CappedBody:
     async def _next(self) -> bytes:
         message: Message = await self.receive()
         if message["type"] == "http.disconnect":
-            self.done = True
+            self.done = self.gone = True
             return b""
         chunk = bytes(message.get("body", b""))
         self.received += len(chunk)
@@ -543,3 +566,87 @@ class CappedBody:
         except BodyTooLarge:
             return True
         return False
+
+    async def until_gone(self) -> None:
+        """Return once the browser has gone (what is left of its body, still capped, is read and dropped)."""
+        with contextlib.suppress(BodyTooLarge):
+            while not self.done:
+                await self._next()
+        if not self.gone:
+            while (await self.receive())["type"] != "http.disconnect":
+                pass
+
+
+class _Body:
+    """An app's response body passed on to the browser, while the browser stays and the preview is still
+    exposed; cut at the response cap (`CHUNK_CHARGE_BYTES`). What arrives while a send is under way goes
+    out in the next send: a flood of small pieces costs one send per read from the app, not one per piece.
+
+    A body the app broke (a stall past `preview_timeout_s`, a short body, a protocol error), one cut at the
+    cap or one whose preview went away is ended without its last chunk: uvicorn then closes the connection,
+    and the browser sees it incomplete rather than caching a truncated page as whole.
+    """
+
+    def __init__(self, response: httpcore2.Response, send: Send, body: CappedBody, cap: int, progress: _Progress):
+        self.response = response
+        self.send = send
+        self.body = body
+        self.cap = cap
+        self.progress = progress
+        self.pending = bytearray()
+        self.wake = asyncio.Event()
+        self.ended: str | None = None
+        """Why no more will come: "complete", "cut", "broken" or "gone"."""
+
+    async def relay(self, exposed: Callable[[], bool]) -> None:
+        tasks = [asyncio.create_task(self._pull()), asyncio.create_task(self._watch())]
+        try:
+            while True:
+                await self.wake.wait()
+                self.wake.clear()
+                if self.ended == "gone":
+                    return
+                if self.pending:
+                    data = bytes(self.pending)
+                    self.pending.clear()
+                    await self.send({"type": "http.response.body", "body": data, "more_body": True})
+                    self.progress.sent += len(data)
+                if self.ended is None and not exposed():
+                    self._end("revoked")
+                if self.ended is not None and not self.pending:
+                    break
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self.response.aclose()
+        if self.ended == "complete":
+            await self.send({"type": "http.response.body", "body": b"", "more_body": False})
+        else:
+            logger.info("preview response ended early after %d bytes (%s)", self.progress.sent, self.ended)
+            _CUT.set(True)  # no last chunk: uvicorn closes the connection (`QuietCuts`)
+
+    async def _pull(self) -> None:
+        charged = 0
+        try:
+            async for chunk in self.response.aiter_stream():
+                room = self.cap - charged
+                charged += max(len(chunk), CHUNK_CHARGE_BYTES)
+                if charged > self.cap:
+                    self.pending += chunk[: max(room, 0)]
+                    self._end("cut")
+                    return
+                self.pending += chunk
+                self.wake.set()
+            self._end("complete")
+        except (httpcore2.TimeoutException, httpcore2.NetworkError, httpcore2.ProtocolError):
+            self._end("broken")
+
+    async def _watch(self) -> None:
+        await self.body.until_gone()
+        self._end("gone")
+
+    def _end(self, why: str) -> None:
+        if self.ended is None:
+            self.ended = why
+        self.wake.set()

@@ -1,7 +1,7 @@
 """A preview's WebSocket: the browser's (uvicorn's, ASGI) joined to the app's, spoken with wsproto over
-the socket the sandbox's agent connected. Messages are capped (`MAX_WS_MESSAGE_BYTES`); the app's
-handshake must end within `HANDSHAKE_TIMEOUT_S`. Everything from the app is hostile: a malformed frame
-ends the connection (wsproto raises), never the server."""
+the socket the sandbox's agent connected. Messages are capped (`MAX_WS_MESSAGE_BYTES`, each piece charged
+at least `MIN_PIECE_CHARGE`); the app's handshake must end within `HANDSHAKE_TIMEOUT_S`. Everything from
+the app is hostile: a malformed frame ends the connection (wsproto raises), never the server."""
 
 from __future__ import annotations
 
@@ -29,6 +29,11 @@ from wsproto.utilities import LocalProtocolError, RemoteProtocolError
 
 logger = logging.getLogger("bastion.http.preview")
 MAX_WS_MESSAGE_BYTES: Final = 1 << 20
+MIN_PIECE_CHARGE: Final = 256
+"""What each piece of an app's message (a frame, or the part of one a read brought) counts toward the cap at
+least. Empty continuation frames, 2 bytes each on the wire, otherwise grew a message for ever (2 M of them:
+19 MiB and 14 s of CPU). Charged so, a message has at most 4,096 pieces. The browser's side needs none:
+uvicorn appends its pieces to one buffer, capped by bytes."""
 HANDSHAKE_TIMEOUT_S: Final = 10.0
 READ_BYTES: Final = 65_536
 
@@ -40,12 +45,16 @@ class _Link:
         self.ws = WSConnection(ConnectionType.CLIENT)
         self.reader = reader
         self.writer = writer
+        self.early: list[Event] = []  # what came in the same read as the app's accept
 
     async def send(self, event: Event) -> None:
         self.writer.write(self.ws.send(event))
         await self.writer.drain()
 
     async def events(self) -> list[Event]:
+        if self.early:
+            early, self.early = self.early, []
+            return early
         data = await self.reader.read(READ_BYTES)
         if not data:
             raise OSError("the app closed the connection")
@@ -57,8 +66,10 @@ async def _handshake(link: _Link, port: int, target: bytes, subprotocols: list[s
     await link.send(Request(host=f"127.0.0.1:{port}", target=target.decode("latin-1"), subprotocols=subprotocols))
     async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):
         while True:
-            for event in await link.events():
+            events = await link.events()
+            for index, event in enumerate(events):
                 if isinstance(event, AcceptConnection):
+                    link.early = events[index + 1 :]
                     return event
                 if isinstance(event, RejectConnection | RejectData):
                     return None
@@ -117,7 +128,7 @@ async def _browser_to_app(receive: Receive, link: _Link) -> None:
 async def _app_to_browser(send: Send, link: _Link, sent: list[int]) -> None:
     """Whole messages from the app to the browser; a close, a broken app or an oversized message ends it."""
     parts: list[str | bytes] = []
-    size = 0
+    size = charged = 0
     try:
         while True:
             for event in await link.events():
@@ -128,16 +139,25 @@ async def _app_to_browser(send: Send, link: _Link, sent: list[int]) -> None:
                     return
                 elif isinstance(event, Message):
                     parts.append(event.data)
-                    size += len(event.data)
-                    if size > MAX_WS_MESSAGE_BYTES:
+                    length = len(event.data.encode()) if isinstance(event.data, str) else len(event.data)
+                    size += length
+                    charged += max(length, MIN_PIECE_CHARGE)
+                    if charged > MAX_WS_MESSAGE_BYTES:
+                        _close_app(link, 1009)
                         await close_browser(send, 1009)
                         return
                     if event.message_finished:
                         await _forward(send, parts)
                         sent[0] += size
-                        parts, size = [], 0
+                        parts, size, charged = [], 0, 0
     except (OSError, LocalProtocolError, RemoteProtocolError):
         await close_browser(send, 1011)
+
+
+def _close_app(link: _Link, code: int) -> None:
+    """Tell the app why (its socket closes next); not awaited, as an app that stops reading must not hold us."""
+    with contextlib.suppress(LocalProtocolError):
+        link.writer.write(link.ws.send(CloseConnection(code=code)))
 
 
 async def close_browser(send: Send, code: int) -> None:

@@ -1,0 +1,45 @@
+"""A hostile app for the preview body tests (stdlib only, runs INSIDE a sandbox), writing its answers byte by
+byte as no framework would: /tinychunks?n=N (N chunks of one byte), /short (a Content-Length of 100 and 10
+bytes), /status999, /trickle (a one-byte chunk every 0.1 s until the proxy goes away)."""
+
+import contextlib
+import socket
+import sys
+import threading
+import time
+from urllib.parse import parse_qs, urlsplit
+
+
+def answer(conn: socket.socket, target: str) -> None:
+    url = urlsplit(target)
+    if url.path == "/tinychunks":
+        n = int(parse_qs(url.query)["n"][0])
+        conn.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + b"1\r\nx\r\n" * n + b"0\r\n\r\n")
+    elif url.path == "/short":
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\nCache-Control: max-age=3600\r\n\r\n0123456789")
+    elif url.path == "/status999":
+        conn.sendall(b"HTTP/1.1 999 Odd\r\nContent-Length: 2\r\n\r\nok")
+    elif url.path == "/trickle":
+        conn.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        while True:
+            conn.sendall(b"1\r\nt\r\n")
+            time.sleep(0.1)
+    else:
+        conn.sendall(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
+
+
+def serve(conn: socket.socket) -> None:
+    with conn:
+        head = b""
+        while b"\r\n\r\n" not in head:
+            data = conn.recv(65536)
+            if not data:
+                return
+            head += data
+        with contextlib.suppress(OSError):  # the proxy went away
+            answer(conn, head.split(b" ", 2)[1].decode())
+
+
+listener = socket.create_server(("127.0.0.1", int(sys.argv[1])))
+while True:
+    threading.Thread(target=serve, args=(listener.accept()[0],), daemon=True).start()

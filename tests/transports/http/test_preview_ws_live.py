@@ -1,0 +1,102 @@
+"""A preview's WebSocket end to end (security review, findings 4 and 6): a live `bastion serve --http`, a
+real sandbox running the app, and a WebSocket client (wsproto over a socket) with the administrator's login.
+
+- Every preview WebSocket was cut `request_head_timeout_s` after its connection opened (10 s by default),
+  with no close frame. The server here has a short head deadline; its passing is seen, not slept: a plain
+  socket opened after the WebSocket, which the server closes at its own deadline.
+- An app sending endless empty fragments grew the proxy's memory with no limit; now it gets 1009.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from wsproto import ConnectionType, WSConnection
+from wsproto.events import AcceptConnection, CloseConnection, Event, Request, TextMessage
+
+from .live import free_port, serve_config
+from .test_preview import APPS, SESSION_COOKIE, WAIT_LISTENING, Preview, config_text
+
+pytestmark = pytest.mark.bwrap
+
+HEAD_TIMEOUT_S = 0.5
+WAIT_S = 10.0
+"""The bound on any one wait for the server (a failure, never a pace)."""
+
+
+class Client:
+    """A browser's WebSocket to a preview URL: the session cookie, the preview origin."""
+
+    def __init__(self, preview: Preview, url: str) -> None:
+        host, port, path = re.fullmatch(r"http://([^:]+):(\d+)(/.*)", url).groups()  # type: ignore[union-attr]
+        self.sock = socket.create_connection((host, int(port)), timeout=WAIT_S)
+        self.ws = WSConnection(ConnectionType.CLIENT)
+        extra = [(b"cookie", f"{SESSION_COOKIE}={preview.session}".encode()), (b"origin", preview.origin.encode())]
+        self.sock.sendall(self.ws.send(Request(host=f"{host}:{port}", target=path, extra_headers=extra)))
+        self.pending: list[Event] = []
+
+    def __enter__(self) -> Client:
+        assert isinstance(self.next(), AcceptConnection)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.sock.close()
+
+    def next(self) -> Event:
+        while not self.pending:
+            data = self.sock.recv(65536)
+            if not data:
+                raise EOFError("the server closed the connection")
+            self.ws.receive_data(data)
+            self.pending.extend(self.ws.events())
+        return self.pending.pop(0)
+
+    def echo(self, text: str) -> str:
+        self.sock.sendall(self.ws.send(TextMessage(data=text)))
+        reply = self.next()
+        assert isinstance(reply, TextMessage), reply
+        return reply.data
+
+
+@pytest.fixture(scope="module")
+def preview(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Preview]:
+    root = tmp_path_factory.mktemp("preview-ws") / "demo"
+    port, preview_port = free_port(), free_port()
+    config = config_text(root, port, preview_port, f"request_head_timeout_s = {HEAD_TIMEOUT_S}\n")
+    with serve_config(root, config, port) as server:
+        yield Preview(server, preview_port)
+
+
+def test_a_preview_websocket_outlives_the_request_head_deadline(preview: Preview) -> None:
+    sandbox_id = preview.sandbox_with_servers()
+    with Client(preview, preview.expose(sandbox_id, 8001)) as client:
+        assert client.echo("before") == "before"
+        host, port = preview.origin.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=WAIT_S) as idle:
+            assert idle.recv(1) == b""  # its head deadline, armed after the WebSocket's, has passed
+        assert client.echo("after the head deadline") == "after the head deadline"
+        client.sock.sendall(client.ws.send(CloseConnection(code=1000)))
+        closed = client.next()
+        assert isinstance(closed, CloseConnection)
+        assert closed.code == 1000
+    assert preview.tool("close_sandbox", sandbox_id=sandbox_id)["ok"]
+
+
+def test_a_sandbox_app_sending_endless_empty_fragments_is_closed_with_1009(preview: Preview) -> None:
+    sandbox_id = preview.sandbox_with_servers()
+    written = preview.tool(
+        "write_file", sandbox_id=sandbox_id, path="ws_fragments.py", content=Path(APPS / "ws_fragments.py").read_text()
+    )
+    assert written["ok"], written
+    preview.run(sandbox_id, "python3 ws_fragments.py 8002 20000 >/dev/null 2>&1 &")
+    preview.run(sandbox_id, WAIT_LISTENING.replace("(8000, 8001)", "(8002,)"))
+    with Client(preview, preview.expose(sandbox_id, 8002)) as client:
+        closed = client.next()
+    assert isinstance(closed, CloseConnection)
+    assert closed.code == 1009
+    assert preview.tool("close_sandbox", sandbox_id=sandbox_id)["ok"]
+    assert "Traceback" not in preview.server.log()
