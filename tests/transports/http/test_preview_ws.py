@@ -60,7 +60,7 @@ def _run(proxy_side: socket.socket, app_side: socket.socket | None, browser: Gon
     async def main() -> tuple[int, int]:
         app = asyncio.ensure_future(_accepting_app(app_side)) if app_side is not None else None
         try:
-            return await proxy_websocket(SCOPE, browser.receive, browser.send, proxy_side, 8080, b"/ws")
+            return await proxy_websocket(SCOPE, browser.receive, browser.send, proxy_side, 8080, b"/ws", lambda: True)
         finally:
             if app is not None:
                 app.cancel()
@@ -160,7 +160,7 @@ def _proxy_from_app(frames: bytes) -> tuple[tuple[int, int], RecordingBrowser, l
     async def main() -> tuple[int, int]:
         app = asyncio.ensure_future(_app_sending(app_side, frames, received))
         async with asyncio.timeout(WAIT_S):
-            result = await proxy_websocket(SCOPE, browser.receive, browser.send, proxy_side, 8080, b"/ws")
+            result = await proxy_websocket(SCOPE, browser.receive, browser.send, proxy_side, 8080, b"/ws", lambda: True)
             await app  # it reads to the end: the proxy closed its side
         assert asyncio.all_tasks() == {asyncio.current_task()}
         return result

@@ -100,3 +100,22 @@ def test_a_sandbox_app_sending_endless_empty_fragments_is_closed_with_1009(previ
     assert closed.code == 1009
     assert preview.tool("close_sandbox", sandbox_id=sandbox_id)["ok"]
     assert "Traceback" not in preview.server.log()
+
+
+@pytest.mark.parametrize("revoke", ["unexpose_port", "close_sandbox"])
+def test_an_idle_websocket_ends_when_its_preview_is_revoked(preview: Preview, revoke: str) -> None:
+    """Attack: a WebSocket opened before unexpose_port (or the sandbox's close) kept carrying the app's
+    messages: a revoked URL still served, for as long as the browser and the app kept it. An idle one now
+    gets close 1008 within about a second (`EXPOSED_CHECK_S`), and the URL is a 404."""
+    sandbox_id = preview.sandbox_with_servers()
+    url = preview.expose(sandbox_id, 8001)
+    with Client(preview, url) as client:
+        assert client.echo("before") == "before"
+        arguments = {"port": 8001} if revoke == "unexpose_port" else {}
+        assert preview.tool(revoke, sandbox_id=sandbox_id, **arguments)["ok"]
+        closed = client.next()  # nothing else is sent: the close is the server's own
+    assert isinstance(closed, CloseConnection)
+    assert closed.code == 1008 or revoke == "close_sandbox", closed  # a closed sandbox's app may close first
+    assert preview.get(url).status_code == 404
+    if revoke == "unexpose_port":
+        assert preview.tool("close_sandbox", sandbox_id=sandbox_id)["ok"]

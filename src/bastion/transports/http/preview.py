@@ -494,7 +494,9 @@ class PreviewApp:
             await self._record(scope, path, preview, 502, 0, started)
             return
         target = _split_token(scope, preview.token)
-        status, sent = await proxy_websocket(scope, receive, send, sock, preview.port, target)
+        status, sent = await proxy_websocket(
+            scope, receive, send, sock, preview.port, target, lambda: self.registry.lookup(preview.token) is preview
+        )
         await self._record(scope, path, preview, status, sent, started)
 
 

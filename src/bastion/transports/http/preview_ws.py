@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+from collections.abc import Callable
 from typing import Final
 
 from starlette.types import Receive, Scope, Send
@@ -35,6 +36,8 @@ least. Empty continuation frames, 2 bytes each on the wire, otherwise grew a mes
 19 MiB and 14 s of CPU). Charged so, a message has at most 4,096 pieces. The browser's side needs none:
 uvicorn appends its pieces to one buffer, capped by bytes."""
 HANDSHAKE_TIMEOUT_S: Final = 10.0
+EXPOSED_CHECK_S: Final = 1.0
+"""How often a live WebSocket checks that its preview is still exposed (a poll: the registry has no events)."""
 READ_BYTES: Final = 65_536
 
 
@@ -76,10 +79,18 @@ async def _handshake(link: _Link, port: int, target: bytes, subprotocols: list[s
 
 
 async def proxy_websocket(
-    scope: Scope, receive: Receive, send: Send, sock: socket.socket, port: int, target: bytes
+    scope: Scope,
+    receive: Receive,
+    send: Send,
+    sock: socket.socket,
+    port: int,
+    target: bytes,
+    exposed: Callable[[], bool],
 ) -> tuple[int, int]:
     """Run one proxied WebSocket to its end; (the status to audit, bytes sent to the browser).
 
+    `exposed` says whether its preview is still live: checked every `EXPOSED_CHECK_S`, so a WebSocket ends
+    (close 1008 both ways) soon after unexpose_port, the URL's expiry or its sandbox's close, even an idle one.
     The status: 101 once both sides were joined, 502 when the app refused or failed its handshake, 499 (as
     nginx names it) when the browser left during the app's handshake."""
     reader, writer = await asyncio.open_connection(sock=sock, limit=MAX_WS_MESSAGE_BYTES)
@@ -99,7 +110,8 @@ async def proxy_websocket(
         sent = [0]
         to_app = asyncio.ensure_future(_browser_to_app(receive, link))
         to_browser = asyncio.ensure_future(_app_to_browser(send, link, sent))
-        done, pending = await asyncio.wait({to_app, to_browser}, return_when=asyncio.FIRST_COMPLETED)
+        revoked = asyncio.ensure_future(_until_revoked(exposed, send, link))
+        done, pending = await asyncio.wait({to_app, to_browser, revoked}, return_when=asyncio.FIRST_COMPLETED)
         for task in pending:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -110,6 +122,14 @@ async def proxy_websocket(
         return 101, sent[0]
     finally:
         writer.close()
+
+
+async def _until_revoked(exposed: Callable[[], bool], send: Send, link: _Link) -> None:
+    """Return once the preview is no longer exposed, having closed both sides (1008: the URL is revoked)."""
+    while exposed():  # noqa: ASYNC110 - polled: the registry has no events (an expiry is a time, not a call)
+        await asyncio.sleep(EXPOSED_CHECK_S)
+    _close_app(link, 1008)
+    await close_browser(send, 1008)
 
 
 async def _browser_to_app(receive: Receive, link: _Link) -> None:
