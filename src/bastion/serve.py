@@ -273,7 +273,7 @@ def _uvicorn_config(app: ASGIApp, http: HttpConfig, listen: str, limits: FdLimit
         limits.cap, http.request_head_timeout_s, http.request_body_timeout_s, largest
     )
     return uvicorn.Config(
-        app,
+        connections.HeadCap(app),
         host=host,
         port=port,
         http=guarded,

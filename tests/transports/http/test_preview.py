@@ -255,6 +255,58 @@ def test_hostile_page_cannot_read_admin_pages_or_the_login_cookie(preview: Previ
     assert re.search(r"GET /admin 403 ", preview.server.log()), "the preview page's fetch of /admin was served"
 
 
+COOKIE_BOMB = """<!doctype html><html><body><script>
+const big = "x".repeat(3900);  // 40 cookies for every path and port of the host, set by script, for a year
+for (let i = 0; i < 40; i++) document.cookie = `bomb${i}=${big}; Path=/; Max-Age=31536000`;
+window.done = document.cookie.length;
+</script></body></html>
+"""
+
+
+def test_a_preview_page_bombing_the_hosts_cookies_locks_the_administrator_out_for_one_page(
+    preview: Preview, sandbox: str
+) -> None:
+    """Attack: a preview page's script sets 40 cookies of 3.9 KB with Path=/ (the host's cookies are shared by
+    every port): every request of the administrator's browser to bastion was then over the 16 KiB head cap,
+    and /admin, the login and /healthz failed for a year. The first refused request gets a 431 that clears the
+    host's cookies (Clear-Site-Data); the next page is the login page. Proved in Chromium."""
+    written = preview.tool("write_file", sandbox_id=sandbox, path="bomb.html", content=COOKIE_BOMB)
+    assert written["ok"], written
+    url = preview.expose(sandbox, 8000)
+    with launch() as chromium:
+        context = chromium.new_context()
+        context.add_cookies([_session_cookie(preview)])
+        page = context.new_page()
+        page.goto(f"{url}bomb.html")
+        page.wait_for_function("window.done !== undefined", timeout=10_000)
+        assert page.evaluate("window.done") > 150_000
+        admin = f"{preview.server.base}/admin"
+        first = page.goto(admin)
+        # The 431 itself, or (Chromium sees the server close a connection it was still writing its head to,
+        # and sends the request again once the cookies are cleared) the login page straight away.
+        assert first is not None
+        assert first.status in (431, 200), first.status
+        again = page.goto(admin)
+        assert again is not None
+        assert again.status == 200
+        assert "password" in page.content().lower()  # the login page: the session went with the bomb
+        assert not [c for c in context.cookies() if c["name"].startswith("bomb")]
+
+
+@pytest.mark.parametrize("listener", ["main", "preview"])
+def test_a_head_over_the_cap_is_a_431_that_clears_cookies_however_it_arrives(preview: Preview, listener: str) -> None:
+    """Attack: the same 156 KB Cookie header as the bomb, written at once. h11 enforces its head cap only on a
+    head that arrives in pieces: one read in whole went through (to pages that then misbehaved), one read in
+    pieces was a bare 400. Both listeners now answer 431 with Clear-Site-Data, whatever the reads."""
+    origin = preview.server.base if listener == "main" else preview.origin
+    host = origin.removeprefix("http://")
+    cookies = "; ".join(f"bomb{i}={'x' * 3900}" for i in range(40))
+    answer = raw_request(origin, f"GET /healthz HTTP/1.1\r\nHost: {host}\r\nCookie: {cookies}\r\n\r\n".encode())
+    head = answer.split(b"\r\n\r\n", 1)[0].lower()
+    assert head.startswith(b"http/1.1 431 "), answer[:200]
+    assert b'clear-site-data: "cookies"' in head
+
+
 def _session_cookie(preview: Preview) -> dict[str, Any]:
     return {
         "name": SESSION_COOKIE,

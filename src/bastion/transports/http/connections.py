@@ -134,6 +134,44 @@ class SummaryLog:
             self.last = time.monotonic()
 
 
+LINGER_S: Final = 2.0
+"""How long a connection refused for its head's size reads and drops the rest before it closes."""
+HEAD_TOO_LARGE_BODY: Final = (
+    b"Request Header Fields Too Large: this browser sent over 16 KiB of headers, most likely cookies a page "
+    b"on this host set (a sandbox's preview). They are cleared now: reload, and log in again.\n"
+)
+HEAD_TOO_LARGE_HEADERS: Final = (
+    (b"content-type", b"text/plain; charset=utf-8"),
+    (b"content-length", str(len(HEAD_TOO_LARGE_BODY)).encode()),
+    (b"clear-site-data", b'"cookies"'),
+)
+
+
+class HeadCap:
+    """The head cap for a head h11 read whole: it enforces `MAX_HEAD_BYTES` only on one that arrives in pieces,
+    so a 156 KB Cookie header sent in one write passed or not by the timing of reads. Refused the same way
+    (`GuardedH11Protocol.send_400_response`); a WebSocket handshake is refused before it is accepted."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] in ("http", "websocket") and _head_bytes(scope) > MAX_HEAD_BYTES:
+            if scope["type"] == "websocket":
+                await send({"type": "websocket.close", "code": 1009})
+                return
+            await send({"type": "http.response.start", "status": 431, "headers": list(HEAD_TOO_LARGE_HEADERS)})
+            await send({"type": "http.response.body", "body": HEAD_TOO_LARGE_BODY})
+            return
+        await self.app(scope, receive, send)
+
+
+def _head_bytes(scope: dict[str, Any]) -> int:
+    """About what the request's head took on the wire: its target and its header lines."""
+    target = len(scope.get("raw_path", b"")) + len(scope.get("query_string", b""))
+    return target + sum(len(key) + len(value) + 4 for key, value in scope.get("headers", ()))
+
+
 class GuardedH11Protocol(H11Protocol):
     """uvicorn's h11 protocol with head and body deadlines and the connection cap (see the module doc)."""
 
@@ -149,6 +187,7 @@ class GuardedH11Protocol(H11Protocol):
     phase_since = 0.0
     deadline: asyncio.TimerHandle | None = None
     upgraded = False
+    lingering = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -161,12 +200,51 @@ class GuardedH11Protocol(H11Protocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self.lingering:
+            return  # the rest of a refused head: read and dropped (`_linger`)
         super().data_received(data)
         self._follow()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
         self._follow()
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's 400 for a request h11 refused; a head over `MAX_HEAD_BYTES` gets a 431 that also asks the
+        browser to clear this host's cookies (RFC 9110 §15.5.20 is silent on how to recover; Clear-Site-Data is).
+
+        Why: a page of a preview shares the host's cookies with bastion's pages (other ports, one host), and a
+        script there can set cookies for every path (`document.cookie`): 40 of 3.9 KB made each request of the
+        administrator's browser too large, locking them out of /admin and the login for a year. The first refused
+        page now clears them (the login cookie too: they log in again).
+        """
+        if len(self.conn.trailing_data[0]) <= MAX_HEAD_BYTES:
+            super().send_400_response(msg)
+            return
+        headers = [*HEAD_TOO_LARGE_HEADERS, (b"connection", b"close")]
+        for event in (
+            h11.Response(status_code=431, headers=headers),
+            h11.Data(data=HEAD_TOO_LARGE_BODY),
+            h11.EndOfMessage(),
+        ):
+            self.transport.write(self.conn.send(event) or b"")
+        self._linger()
+
+    def _linger(self) -> None:
+        """Close after the answer without losing it: closed with the head's rest unread, the socket sends a
+        reset, which can destroy the answer in the client's buffer before it is read (a browser then sends the
+        request again, never seeing the 431). The rest is read and dropped until the client closes, or for
+        `LINGER_S` at most (as web servers' lingering close)."""
+        self.lingering = True
+        self._disarm()
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.deadline = self.loop.call_later(LINGER_S, self.transport.close)
+
+    def eof_received(self) -> None:
+        if self.lingering:
+            self.transport.close()
+        super().eof_received()
 
     def handle_websocket_upgrade(self, event: h11.Request) -> None:
         # The transport moves to the WebSocket protocol: this one's connection_lost never runs, so a deadline
@@ -184,7 +262,7 @@ class GuardedH11Protocol(H11Protocol):
     def _follow(self) -> None:
         """Start the deadline of the phase the connection just entered (trickled bytes never extend it)."""
         phase = self._current()
-        if phase == self.phase or self.upgraded or self.transport.is_closing():
+        if phase == self.phase or self.upgraded or self.lingering or self.transport.is_closing():
             return
         self.phase, self.phase_since = phase, time.monotonic()
         self._disarm()
