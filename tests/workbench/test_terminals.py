@@ -4,22 +4,25 @@ sandbox, its screen rendered by pyte, caps, closes, and what a hostile program o
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
 import resource
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import anyio
+import pyte
 import pytest
 from mcp import Client
 
 from bastion.app import Services, build_server, build_services
 from bastion.config import Config, TerminalsConfig
-from bastion.workbench.screen import MAX_CELL_CHARS, Scrollback
-from bastion.workbench.terminals import KEYS, MAX_SEND_BYTES
+from bastion.workbench import screen
+from bastion.workbench.screen import FEED_SLICE_BYTES, MAX_CELL_CHARS, Scrollback, Terminal
+from bastion.workbench.terminals import KEYS, MAX_SEND_BYTES, MAX_WAITING_READS, Terminals
 from tests.helpers import LoopLag, Payload, audit_record, call, create, processes_with
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
@@ -203,6 +206,21 @@ async def _flood_then_interrupt(client: Client, term: str, reads: int) -> list[P
     await send(client, term, "", "Ctrl-C")
     await line(client, term, "echo done-$((40 + 2))", "done-42")
     return done
+
+
+async def test_a_read_rendered_over_many_steps_is_read_on(client: Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read whose rendering takes longer than a step may (STEP_BUDGET_S) is rendered over several steps,
+    paced between them. Here each step renders one slice (a budget of 0), so every read ends with a cheap
+    step that is not paced: reading must resume after it as after a pause. Invariant: a `seq` flood on a
+    100x250 terminal is read on (line 300 shows), Ctrl-C reaches the program and the shell answers."""
+    monkeypatch.setattr(screen, "STEP_BUDGET_S", 0.0)
+    box = await create(client)
+    term = await open_term(client, box, rows=100, cols=250)
+    await send(client, term, "seq -f '%0245.0f' 100000000", "Enter")
+    for n in (100, 200, 300):
+        await until(client, term, f"(?m)^0+{n}$")
+    await send(client, term, "", "Ctrl-C")
+    await line(client, term, "echo done-$((40 + 2))", "done-42")
 
 
 FD_SETSIZE = 1024
@@ -584,3 +602,161 @@ async def extra_fds(before: dict[str, str]) -> dict[str, str]:
             break
         await anyio.sleep(0.01)
     return extra
+
+
+class TerminalSteps:
+    """What the event loop does for terminals' output while watched: the CPU time of each step (a read
+    of a master, or a paced resumption of one) and the bytes pyte was handed per call."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.step_cpu_s: list[float] = []
+        self.fed: list[int] = []
+        for name in ("_on_readable", "_read_again"):
+            monkeypatch.setattr(Terminal, name, self._timed(getattr(Terminal, name)))
+        feed = pyte.ByteStream.feed
+
+        def counted(stream: pyte.ByteStream, data: bytes) -> None:
+            self.fed.append(len(data))
+            feed(stream, data)
+
+        monkeypatch.setattr(pyte.ByteStream, "feed", counted)
+
+    def _timed(self, step: Callable[[Terminal], None]) -> Callable[[Terminal], None]:
+        def timed(terminal: Terminal) -> None:
+            started = time.thread_time()
+            try:
+                step(terminal)
+            finally:
+                self.step_cpu_s.append(time.thread_time() - started)
+
+        return timed
+
+
+SCREEN_WIDE = {
+    "decaln": b"\x1b#8",
+    "erase-in-colour": b"\x1b[41m\x1b[2J",
+    "reverse-video-toggles": b"\x1b[?5h\x1b[?5l",
+    "132-column-toggles": b"\x1b[?3h\x1b[?3l",
+    "reset-then-align": b"\x1bc\x1b#8",
+}
+
+
+@pytest.mark.parametrize("sequence", SCREEN_WIDE.values(), ids=SCREEN_WIDE.keys())
+async def test_screen_wide_sequence_flood_does_not_freeze_the_server(
+    client: Client, monkeypatch: pytest.MonkeyPatch, sequence: bytes
+) -> None:
+    """Attack: 4 KiB of a sequence that costs pyte every cell of a 100x250 screen (DECALN, `ESC # 8`,
+    27 ms each): one read of it held the event loop, and the whole server, for 27 s. Invariant: pyte
+    is handed at most FEED_SLICE_BYTES at a time, each step of the loop for a terminal's output takes
+    at most 0.1 s of CPU (a few ms here), and the screen shows what comes after. Does not prove a bound
+    on steps of other work."""
+    steps = TerminalSteps(monkeypatch)
+    flood = b"\x1b#8" + (sequence * (4096 // len(sequence) + 1))[:4096] + b"\x1b[m\x1b[H\x1b[2Jafter-flood\r\n"
+    script = f"import os\nos.write(1, {flood!r})\nos.read(0, 1)\n"
+    box = await create(client)
+    assert (await call(client, "write_file", sandbox_id=box, path="flood.py", content=script))["ok"]
+    term = await open_term(client, box, "python3 flood.py", rows=100, cols=250)
+    shown = await until(client, term, "(?m)^after-flood$", timeout_s=60)
+    assert str(shown["screen"]).split("\n")[1:] == [""] * 99
+    assert max(steps.fed) <= FEED_SLICE_BYTES
+    assert max(steps.step_cpu_s) < 0.1, f"a step of the terminal's output took {max(steps.step_cpu_s):.3f} s of CPU"
+
+
+WAITED_FLOOD = (
+    "import sys\n"
+    "print('ready', flush=True)\n"
+    "sys.stdin.readline()\n"
+    "for n in range(1500):\n"
+    "    print(f'{n:08d} ' + 'w' * 230)\n"
+)
+
+
+class Waits:
+    """How many terminal_read calls wait on their terminal's next change now (are in `Terminal.changed`)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.now = 0
+        changed = Terminal.changed
+
+        async def counted(terminal: Terminal, timeout_s: float) -> bool:
+            self.now += 1
+            try:
+                return await changed(terminal, timeout_s)
+            finally:
+                self.now -= 1
+
+        monkeypatch.setattr(Terminal, "changed", counted)
+
+    async def reach(self, count: int) -> None:
+        """Poll (bounded) until `count` reads wait."""
+        for _ in range(1000):
+            if self.now >= count:
+                return
+            await anyio.sleep(0.01)
+        raise AssertionError(f"{count} reads were never all waiting ({self.now} were)")
+
+
+async def test_many_waiting_reads_render_each_change_of_a_flooded_screen_once(
+    client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Attack: terminal_read(wait_for) calls waiting together on a 100x250 terminal flooded with long
+    lines. Each change woke every waiter and each rendered, sanitized and redacted the screen and 200
+    scrolled lines again: 10 waiters cost the server 13 s of CPU in 15 s, unpaced. Invariant: what
+    wait_for looks at is cleaned once per change, whatever the number of waiters (a text cleaned twice
+    is a repeat: at their end, each read's answer may repeat its screen, its scrolled lines and, once
+    another read took those, what it waited on). Does not measure CPU time."""
+    cleaned: collections.Counter[str] = collections.Counter()
+    clean = Terminals._clean
+
+    def counted(terminals: Terminals, text: str) -> str:
+        cleaned[text] += 1
+        return clean(terminals, text)
+
+    monkeypatch.setattr(Terminals, "_clean", counted)
+    waits = Waits(monkeypatch)
+    box = await create(client)
+    assert (await call(client, "write_file", sandbox_id=box, path="flood.py", content=WAITED_FLOOD))["ok"]
+    term = await open_term(client, box, "python3 flood.py", rows=100, cols=250)
+    await until(client, term, "(?m)^ready$")
+    answers: list[Payload] = []
+
+    async def wait() -> None:
+        answers.append(await call(client, "terminal_read", terminal_id=term, wait_for="never-shown", timeout_s=60))
+
+    async with anyio.create_task_group() as group:
+        for _ in range(MAX_WAITING_READS):
+            group.start_soon(wait)
+        await waits.reach(MAX_WAITING_READS)
+        cleaned.clear()
+        await send(client, term, "", "Enter")  # the flood starts; its end (the program exits) ends the waits
+    assert [(a["ok"], a["detail"]["matched"], a["detail"]["output_open"]) for a in answers] == [
+        (True, False, False)
+    ] * MAX_WAITING_READS
+    repeats = sum(cleaned.values()) - len(cleaned)
+    assert len(cleaned) >= 20, "the waiters saw too few changes to tell"
+    assert repeats <= 3 * MAX_WAITING_READS, f"{repeats} texts cleaned again, over {len(cleaned)} changes"
+
+
+async def test_waiting_reads_past_the_cap_are_refused(client: Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Attack: more terminal_read(wait_for) calls on one terminal than MAX_WAITING_READS, each looking at
+    every change of its screen. Invariant: one more is refused with RESOURCE_LIMIT, saying why; a read
+    that does not wait is served; the waiting ones end with their terminal."""
+    waits = Waits(monkeypatch)
+    box = await create(client)
+    term = await open_term(client, box, "cat")
+    answers: list[Payload] = []
+
+    async def wait() -> None:
+        answers.append(await call(client, "terminal_read", terminal_id=term, wait_for="never-shown", timeout_s=60))
+
+    async with anyio.create_task_group() as group:
+        for _ in range(MAX_WAITING_READS):
+            group.start_soon(wait)
+        await waits.reach(MAX_WAITING_READS)
+        refused = await call(client, "terminal_read", terminal_id=term, wait_for="never-shown", timeout_s=0)
+        assert refused["code"] == "RESOURCE_LIMIT", refused
+        assert f"{MAX_WAITING_READS} terminal_read calls already wait" in refused["reason"]
+        assert (await call(client, "terminal_read", terminal_id=term))["ok"]
+        assert (await call(client, "close_terminal", terminal_id=term))["ok"]
+    assert len(answers) == MAX_WAITING_READS
+    assert all(a["ok"] or a["code"] == "NOT_FOUND" for a in answers), answers

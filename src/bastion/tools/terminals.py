@@ -24,6 +24,7 @@ from bastion.workbench.terminals import (
     MAX_ROWS,
     MAX_SEND_BYTES,
     MAX_WAIT_S,
+    MAX_WAITING_READS,
     MIN_COLS,
     MIN_ROWS,
 )
@@ -113,6 +114,7 @@ def register_terminals(server: BastionServer, registry: WorkspaceRegistry) -> No
             "regular expression (RE2; a line is matched by '(?m)^...$', e.g. '(?m)^>>>$' for a Python prompt); "
             "first wait until the screen or those lines match it (matched), the program's output ends, or "
             f"timeout_s (default 10, at most {MAX_WAIT_S:.0f}). Without wait_for, timeout_s waits for any new output. "
+            f"At most {MAX_WAITING_READS} reads wait on one terminal at once. "
             "paced=true: the program wrote faster than the terminal renders, and waited."
         ),
     )

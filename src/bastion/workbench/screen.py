@@ -7,10 +7,17 @@ unanswered: its `write_process_input` is left a no-op), so nothing reaches the p
 caller did not send.
 
 pyte is pure Python (about 0.3 MB/s on this machine for a scrolling 80x24 screen): reading is
-paced so rendering takes at most a quarter of the event loop's time (`PACE_FACTOR`). A program
+paced so rendering (pyte's, and what waiting reads spend on each change: `charge`) takes at most a
+quarter of the event loop's time (`PACE_FACTOR`). A program
 that writes faster waits on its full terminal, as on a slow real one (a flood such as `yes`
 holds only the kernel's terminal buffer); `paced` in a read says it happened. pyte and wcwidth are
 a twelfth of the server's imports: `Terminals` loads this module at the first terminal.
+
+Some sequences cost pyte the whole screen each (a few bytes rewriting 25,000 cells at 100x250):
+`_Screen` does those in C-level dict operations, and pyte gets `FEED_SLICE_BYTES` at a time, at most
+`STEP_BUDGET_S` of them per turn of the loop, so one step stays short whatever the program writes.
+Colours and other attributes are never shown to the client: where pyte's cost is in keeping them
+(DECALN, DECSCNM, a full erase), `_Screen` may set them back to the defaults; its text stays pyte's.
 """
 
 from __future__ import annotations
@@ -19,11 +26,13 @@ import asyncio
 import collections
 import contextlib
 import inspect
+import itertools
 import logging
+import operator
 import os
 import time
 import unicodedata
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, Final
 
 import pyte
@@ -35,7 +44,12 @@ logger = logging.getLogger("bastion.terminals")
 
 SEND_TIMEOUT_S: Final = 5.0  # for the program to take its input
 MATCH_SCROLLED_LINES: Final = 200  # of the lines scrolled off, the newest that wait_for also sees
-READ_CHUNK_BYTES: Final = 4096  # per read of the master: pyte renders it in about 10 ms at most
+READ_CHUNK_BYTES: Final = 4096  # per read of the master
+# Handed to pyte at once: its costliest sequences, made cheap in `_Screen`, still cost up to about
+# 0.15 ms a byte on a 100x250 screen (RIS and DECALN in turn, each row freed and filled again), so a
+# slice renders in about 10 ms at most. Slicing costs plain text nothing measurable.
+FEED_SLICE_BYTES: Final = 64
+STEP_BUDGET_S: Final = 0.005  # slices fed in one turn of the loop; the rest waits for the pacing delay
 PACE_FREE_S: Final = 0.0005  # rendering faster than this does not pace reading
 PACE_FACTOR: Final = 3.0  # after rendering for t, reading waits 3t: at most a quarter of the loop
 # pyte accumulates an escape sequence (an OSC title, CSI digits) with no bound: past this many bytes
@@ -45,6 +59,11 @@ MAX_SEQUENCE_BYTES: Final = 65_536
 # cap, marks piled on one letter cost quadratic time on the event loop. Past this, marks are dropped.
 MAX_CELL_CHARS: Final = 32
 DECCKM: Final = 1 << 5  # private mode 1, as pyte stores private modes (shifted by 5); pyte.modes lacks it
+# pyte keeps every DECSC (ESC 7) on a stack of its own, unbounded: 84 MiB held per MiB of them. xterm
+# keeps one; past this many, the oldest is dropped.
+MAX_SAVED_CURSORS: Final = 32
+_DECSCNM_PARAM: Final = pyte.modes.DECSCNM >> 5  # as `CSI ? 5 h` passes it
+_DECCOLM_PARAM: Final = pyte.modes.DECCOLM >> 5
 
 
 class Scrollback:
@@ -103,12 +122,104 @@ class _Screen(pyte.Screen):
         return len(self.buffer[y - 1][self.columns - 1].data) if y else 0
 
     def erase_in_display(self, how: int = 0, *args: Any, **kwargs: Any) -> None:
-        if how in (0, 1, 2, 3):  # pyte raises on another (UnboundLocalError); xterm ignores it
-            super().erase_in_display(how, *args, **kwargs)
+        """pyte's, without its loop over each cell (25,000 at 100x250, 0.9 ms per 4-byte `CSI 2 J`): an
+        erased row is emptied (its cells read as its default) or, in other attributes than its default,
+        filled from one row of blanks built once, in C. Another `how` is ignored, as xterm does (pyte raises)."""
+        if how == 0:
+            rows = range(self.cursor.y + 1, self.lines)
+        elif how == 1:
+            rows = range(self.cursor.y)
+        elif how in (2, 3):
+            rows = range(self.lines)
+        else:
+            return
+        self.dirty.update(rows)
+        attrs = self.cursor.attrs
+        blanks: dict[int, pyte.screens.Char] | None = None
+        for y in rows:
+            line = self.buffer[y]  # made if missing, as pyte does: its delete_lines moves only rows that exist
+            line.clear()
+            if attrs != line.default:
+                blanks = blanks or dict.fromkeys(range(self.columns), attrs)
+                line.update(blanks)
+        if how in (0, 1):
+            self.erase_in_line(how)
 
     def erase_in_line(self, how: int = 0, private: bool = False) -> None:
-        if how in (0, 1, 2):
-            super().erase_in_line(how, private)
+        """pyte's, in one C-level update; another `how` is ignored, as xterm does (pyte raises)."""
+        if how == 0:
+            columns = range(self.cursor.x, self.columns)
+        elif how == 1:
+            columns = range(self.cursor.x + 1)
+        elif how == 2:
+            columns = range(self.columns)
+        else:
+            return
+        self.dirty.add(self.cursor.y)
+        self.buffer[self.cursor.y].update(dict.fromkeys(columns, self.cursor.attrs))
+
+    def alignment_display(self) -> None:
+        """DECALN (`ESC # 8`) fills the screen with E. pyte rewrites each cell with `_replace`, keeping
+        its colours: 27 ms per 3 bytes at 100x250. Here one row of E in the default attributes is built
+        once and copied into each row in C (0.1 ms)."""
+        self.dirty.update(range(self.lines))
+        row = dict.fromkeys(range(self.columns), self.default_char._replace(data="E"))
+        for y in range(self.lines):
+            line = self.buffer[y]
+            line.clear()  # into an empty dict, update copies the row's table whole
+            line.update(row)
+
+    def set_mode(self, *modes: int, **kwargs: Any) -> None:
+        """pyte's, with DECSCNM and DECCOLM done cheaply (`_screen_wide_modes`)."""
+        if kwargs.get("private") and (_DECSCNM_PARAM in modes or _DECCOLM_PARAM in modes):
+            self._screen_wide_modes(modes, setting=True)
+        else:
+            super().set_mode(*modes, **kwargs)
+
+    def reset_mode(self, *modes: int, **kwargs: Any) -> None:
+        """pyte's, with DECSCNM and DECCOLM done cheaply (`_screen_wide_modes`)."""
+        if kwargs.get("private") and (_DECSCNM_PARAM in modes or _DECCOLM_PARAM in modes):
+            self._screen_wide_modes(modes, setting=False)
+        else:
+            super().reset_mode(*modes, **kwargs)
+
+    def _screen_wide_modes(self, modes: tuple[int, ...], *, setting: bool) -> None:
+        """Private modes with DECSCNM or DECCOLM among them, in pyte's order and with pyte's text.
+
+        DECSCNM (reverse video): pyte flips `reverse` in every cell with `_replace` (18 s per 4 KiB of
+        `CSI ? 5 h` / `CSI ? 5 l` at 100x250); the client never sees it, so only the rows' default
+        and the cursor's attributes change. DECCOLM (132 columns) resizes, then erases the screen:
+        emptied first, its rows have no columns for the resize to drop one at a time."""
+        flags = {mode << 5 for mode in modes}
+        if setting:
+            self.mode.update(flags)
+        else:
+            self.mode.difference_update(flags)
+        if pyte.modes.DECSCNM in flags:
+            self.dirty.update(range(self.lines))
+        if pyte.modes.DECCOLM in flags:
+            self.buffer.clear()
+            if setting:
+                self.saved_columns = self.columns
+                self.resize(columns=132)
+            elif self.columns == 132 and self.saved_columns is not None:
+                self.resize(columns=self.saved_columns)
+                self.saved_columns = None
+            self.erase_in_display(2)
+            self.cursor_position()
+        others = [mode for mode in modes if mode not in (_DECSCNM_PARAM, _DECCOLM_PARAM)]  # DECOM, DECTCEM
+        method = super().set_mode if setting else super().reset_mode
+        method(*others, private=True)
+        if pyte.modes.DECSCNM in flags:
+            default = self.default_char
+            for line in self.buffer.values():
+                line.default = default
+            self.select_graphic_rendition(7 if setting else 27)
+
+    def save_cursor(self) -> None:
+        super().save_cursor()
+        if len(self.savepoints) > MAX_SAVED_CURSORS:
+            del self.savepoints[0]
 
     def index(self) -> None:
         top, bottom = self.margins or pyte.screens.Margins(0, self.lines - 1)
@@ -143,8 +254,14 @@ for _name in set(pyte.Stream.csi.values()):
     setattr(_Screen, _name, _tolerant(_name))
 
 
-def _line_text(line: Mapping[int, pyte.screens.Char], columns: int) -> str:
-    return "".join(line[x].data for x in range(columns)).rstrip()
+_DATA: Final = operator.attrgetter("data")
+
+
+def _line_text(line: pyte.screens.StaticDefaultDict[int, pyte.screens.Char], columns: int) -> str:
+    # In C: each line scrolling off a 250-column screen goes through here.
+    if not line:
+        return ""
+    return "".join(map(_DATA, map(line.get, range(columns), itertools.repeat(line.default)))).rstrip()
 
 
 class Terminal:
@@ -166,6 +283,9 @@ class Terminal:
         self._emulator_failed = False
         self._lines = [""] * rows
         self._changed: asyncio.Future[None] = self._loop.create_future()
+        self.version = 0  # bumped at each change of what a read shows: a render of it is good until then
+        self._pending = b""  # read, not yet fed to pyte
+        self._charged = 0.0
         self._resume: asyncio.TimerHandle | None = None
         self._paced = False
         self._write_lock = asyncio.Lock()
@@ -194,13 +314,31 @@ class Terminal:
         if not data:
             self._end_output()
             return
+        self._pending = data
+        self._render()
+
+    def _render(self) -> None:
+        """Feed what was read to pyte a slice at a time for at most `STEP_BUDGET_S`, then pace: reading
+        (or the rest of this read) waits `PACE_FACTOR` times what this step and the reads charged cost."""
         started = time.perf_counter()
-        self._feed(data)
-        spent = time.perf_counter() - started
+        fed = 0
+        while fed < len(self._pending):
+            self._feed(self._pending[fed : fed + FEED_SLICE_BYTES])
+            fed += FEED_SLICE_BYTES
+            if time.perf_counter() - started >= STEP_BUDGET_S:
+                break
+        self._pending = self._pending[fed:]
+        spent = time.perf_counter() - started + self._charged
+        self._charged = 0.0
         self._notify()
-        if spent > PACE_FREE_S:
+        if self._pending or spent > PACE_FREE_S:
             self._loop.remove_reader(self.pty.fd)
             self._resume = self._loop.call_later(spent * PACE_FACTOR, self._read_again)
+
+    def charge(self, spent_s: float) -> None:
+        """Count `spent_s` of work done on the loop for this terminal's output (rendering it for a
+        `wait_for`) in the pacing of its next step, as if pyte had spent it."""
+        self._charged += spent_s
 
     def _feed(self, data: bytes) -> None:
         try:
@@ -227,9 +365,13 @@ class Terminal:
 
     def _read_again(self) -> None:
         self._resume = None
-        if not self._closed and self.output_open:
-            # Output waiting already: the program wrote faster than the screen renders, and waited.
-            self._paced = self._paced or readable(self.pty.fd)
+        if self._closed or not self.output_open:
+            return
+        # Output waiting already: the program wrote faster than the screen renders, and waited.
+        self._paced = self._paced or bool(self._pending) or readable(self.pty.fd)
+        if self._pending:
+            self._render()
+        if self._resume is None:  # the rest of the read rendered, without a pause: read on
             self._loop.add_reader(self.pty.fd, self._on_readable)
 
     def _end_output(self) -> None:
@@ -238,6 +380,7 @@ class Terminal:
         self._notify()
 
     def _notify(self) -> None:
+        self.version += 1
         if not self._changed.done():
             self._changed.set_result(None)
         self._changed = self._loop.create_future()
@@ -303,6 +446,8 @@ class Terminal:
     def take_scrolled(self) -> tuple[str, int]:
         """What scrolled off since the last take, and how many lines of it were dropped for room."""
         lines, dropped = self._screen.scrollback.take()
+        if lines:
+            self.version += 1  # the scrolled tail wait_for sees changed
         return "\n".join(lines), dropped
 
     def take_paced(self) -> bool:

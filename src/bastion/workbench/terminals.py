@@ -43,6 +43,8 @@ MAX_SEND_BYTES: Final = 65_536  # per terminal_send
 MAX_WAIT_S: Final = 60.0  # terminal_read's timeout_s
 DEFAULT_WAIT_S: Final = 10.0  # with wait_for and no timeout_s
 MAX_PATTERN_CHARS: Final = 1000
+# terminal_read calls waiting on one terminal at once: each looks at every change of its screen.
+MAX_WAITING_READS: Final = 4
 TERM: Final = "xterm-256color"
 
 # Special keys by name: xterm's sequences (ctlseqs, "PC-Style Function Keys").
@@ -147,6 +149,8 @@ class Terminals:
         self._open: dict[str, Terminal] = {}
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self._closing: set[asyncio.Task[None]] = set()
+        # Per terminal: what wait_for looks at, cleaned, and the terminal's version it was made at.
+        self._seen: dict[str, tuple[int, str]] = {}
 
     def has(self, terminal_id: str) -> bool:
         return terminal_id in self._open
@@ -224,6 +228,10 @@ class Terminals:
         if timeout_s is not None and not 0 <= timeout_s <= MAX_WAIT_S:
             raise InvalidRequest(f"timeout_s must be 0..{MAX_WAIT_S}")
         matched: bool | None = None
+        if (wait_for is not None or timeout_s) and terminal.reads >= MAX_WAITING_READS:
+            raise ResourceLimit(
+                f"{MAX_WAITING_READS} terminal_read calls already wait on {terminal_id}: wait for one to return"
+            )
         terminal.reads += 1
         try:
             if wait_for is not None:
@@ -251,13 +259,27 @@ class Terminals:
     async def _wait(self, terminal: Terminal, matcher: Matcher, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
         while True:
-            tail = terminal.scrolled_tail()
-            seen = self._clean(f"{tail}\n{terminal.screen_text()}" if tail else terminal.screen_text())
-            if matcher.found_in(seen):
+            started = time.perf_counter()
+            found = matcher.found_in(self._seen_text(terminal))
+            # Rendering and matching for a wait is work on the loop per change of the output, like pyte's:
+            # counted in the terminal's pacing, so waiters cannot make its output cost more than its share.
+            terminal.charge(time.perf_counter() - started)
+            if found:
                 return True
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not await terminal.changed(remaining):
                 return False
+
+    def _seen_text(self, terminal: Terminal) -> str:
+        """The newest scrolled lines and the screen, cleaned: what wait_for looks at. Made once per
+        version of the terminal and shared by every read that waits on it."""
+        cached = self._seen.get(terminal.id)
+        if cached is not None and cached[0] == terminal.version:
+            return cached[1]
+        version, tail, screen = terminal.version, terminal.scrolled_tail(), terminal.screen_text()
+        seen = self._clean(f"{tail}\n{screen}" if tail else screen)
+        self._seen[terminal.id] = (version, seen)
+        return seen
 
     def _clean(self, text: str) -> str:
         return self._redactor.redact_keeping_lines(sanitize_terminal(text))
@@ -278,6 +300,7 @@ class Terminals:
 
     def _forget(self, terminal: Terminal) -> None:
         self._open.pop(terminal.id, None)
+        self._seen.pop(terminal.id, None)
         timer = self._timers.pop(terminal.id, None)
         if timer is not None:
             timer.cancel()
