@@ -49,8 +49,6 @@ BANNED_CALLS: dict[str, str] = {
     "bastion/sandbox/inside/agent.py": "runs inside the sandbox: forks and spawns the commands",
     "bastion/sandbox/inside/repl.py": "runs inside the sandbox: spawns the bash or node of a context",
     "bastion/sandbox/inside/relay.py": "runs inside a microVM guest: spawns the agent",
-    "bastion/sandbox/_devices.py": "shutil.rmtree on its own tmpfs",
-    "bastion/workbench/manager.py": "shutil.rmtree of a sandbox's state folder",
 }
 IMPORTING_CALLS = frozenset({"__import__", "import_module"})
 

@@ -259,7 +259,7 @@ async def _cancelled_requests_finish(server: uvicorn.Server) -> None:
         await asyncio.wait(running, timeout=CANCELLED_CLEANUP_S)
 
 
-def _uvicorn_config(app: ASGIApp, http: HttpConfig, listen: str, limits: FdLimits, *, preview: bool) -> uvicorn.Config:
+def uvicorn_config(app: ASGIApp, http: HttpConfig, listen: str, limits: FdLimits, *, preview: bool) -> uvicorn.Config:
     """A listener's uvicorn settings: the connection guards, timeouts and TLS both listeners share. The
     main one runs the server's lifespan and no WebSockets; the preview one WebSockets (wsproto) only."""
     import uvicorn
@@ -355,14 +355,14 @@ class _Front:
         logging.getLogger("uvicorn.error").addFilter(connections.ShutdownCancels())
         self.store = built.store
         self.endpoints = built.endpoints
-        self.main = _uvicorn_config(built.app, http, listeners.listen, listeners.limits, preview=False)
+        self.main = uvicorn_config(built.app, http, listeners.listen, listeners.limits, preview=False)
         self.preview: uvicorn.Config | None = None
         self.preview_origin = ""
         if http.preview_listen is not None:
             preview_app, self.preview_origin = build_preview_app(services, built, http.preview_listen)
             logging.getLogger("uvicorn.error").addFilter(HideTokens())
             logging.getLogger("uvicorn.error").addFilter(QuietCuts())
-            self.preview = _uvicorn_config(preview_app, http, http.preview_listen, listeners.limits, preview=True)
+            self.preview = uvicorn_config(preview_app, http, http.preview_listen, listeners.limits, preview=True)
 
     def close(self) -> None:
         if self.store is not None:

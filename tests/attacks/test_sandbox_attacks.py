@@ -244,3 +244,35 @@ async def test_snapshot_that_leaves_files_out_tells_the_agent(tmp_path: pytest.T
         snap = await call(client, "snapshot_sandbox", sandbox_id=box)
         assert snap["ok"], snap
         assert detail(snap).get("skipped") == 2, snap
+
+
+DEEP = 1_200
+"""Folders nested in one another: past Python's recursion limit (1,000) for os.fwalk and shutil.rmtree."""
+
+
+@pytest.mark.parametrize("disk_quota", ["false", "true"])
+async def test_folders_nested_past_the_recursion_limit_are_shown_and_closed(
+    tmp_path: pytest.TempPathFactory, disk_quota: str
+) -> None:
+    """Attack: an agent nests 1,200 folders. Without a disk of its own, the status walk (os.fwalk) raised
+    RecursionError: the dashboard's sandbox list answered 500 for every sandbox, and the close (shutil.rmtree)
+    stopped half done, as did the server's shutdown, leaving other sandboxes' mounts. The status now counts
+    the tree, the close removes it, and nothing is left."""
+    config = configure(tmp_path / "demo", disk_quota=disk_quota)  # type: ignore[operator]
+    async with serve(config) as (client, services):
+        box = await create(client)
+        group = bubblewrap(services.sandboxes.get(box).workspace.sandbox)._group
+        cgroups = tuple(group.paths) if group is not None else ()
+        made = await sh(
+            client,
+            box,
+            f"python3 -c \"import os\nfor i in range({DEEP}):\n    os.mkdir('d'); os.chdir('d')\n"
+            "open('f', 'w').write('x' * 5000)\"",
+        )
+        assert made["ok"], made
+        status = await call(client, "get_sandbox_status", sandbox_id=box)
+        assert status["ok"], status
+        assert detail(status)["usage"]["disk_bytes"] > 0
+        closed = await call(client, "close_sandbox", sandbox_id=box)
+        assert closed["ok"], closed
+        assert leftovers(services, box, cgroups) == []

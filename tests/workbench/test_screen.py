@@ -1,4 +1,4 @@
-"""The terminal's screen (`bastion.workbench.screen._Screen`) against stock pyte: the sequences it does
+"""The terminal's screen (`bastion.workbench.screen.TerminalScreen`) against stock pyte: the sequences it does
 its own way for speed leave the text pyte would show, and none of them costs the whole screen cell by cell."""
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bastion.workbench.screen import MAX_SAVED_CURSORS, Scrollback, _Screen
+from bastion.workbench.screen import MAX_SAVED_CURSORS, Scrollback, TerminalScreen
 
 if TYPE_CHECKING:
     from _typeshed import TraceFunction
 
-# Escape-heavy output: the sequences `_Screen` does its own way (DECALN, erases in and out of colour,
+# Escape-heavy output: the sequences `TerminalScreen` does its own way (DECALN, erases in and out of colour,
 # DECSCNM, DECCOLM, RIS, DECSC) among those that move the cursor, scroll and edit around them.
 TOKENS = (
     b"ab",
@@ -101,7 +101,7 @@ def test_screen_shows_what_pyte_shows_on_escape_heavy_output(
     assert tokens.count(b"\x1b7") <= MAX_SAVED_CURSORS
     data = b"".join(tokens)
     columns, lines = size
-    ours = _fed(_Screen(columns, lines, Scrollback(10_000)), data, slices)
+    ours = _fed(TerminalScreen(columns, lines, Scrollback(10_000)), data, slices)
     stock = _fed(pyte.Screen(columns, lines), data, [])
     assert (ours.columns, ours.lines) == (stock.columns, stock.lines)
     assert _text(ours) == _text(stock)
@@ -145,7 +145,7 @@ def test_screen_wide_sequence_costs_python_work_per_row_not_per_cell(sequence: b
     DECALN and DECSCNM call `_replace` per cell: 27 ms each, 36 s per 4 KiB read on the event loop).
     Invariant: each runs at most 20 lines of Python per row (the cells are handled in C), so a
     FEED_SLICE_BYTES slice of them costs a few ms. Does not bound the C work (0.1 ms a sequence here)."""
-    screen = _Screen(250, 100, Scrollback(1 << 20))
+    screen = TerminalScreen(250, 100, Scrollback(1 << 20))
     stream = pyte.ByteStream(screen)
     stream.feed(b"\x1b[31;42m" + b"y" * 25_000 + b"\x1b[m\x1b[50;100H")  # every cell written, in colour
     if sequence.endswith(b"l"):
@@ -157,7 +157,7 @@ def test_saved_cursor_flood_holds_at_most_max_saved_cursors() -> None:
     """Attack: DECSC (`ESC 7`) over and over. pyte pushed each onto a list of its own, unbounded: 84 MiB
     of the server's memory per MiB of output. Invariant: at most MAX_SAVED_CURSORS are kept (xterm keeps
     one), the newest: DECRC (`ESC 8`) goes back to the last one saved."""
-    screen = _Screen(80, 24, Scrollback(10_000))
+    screen = TerminalScreen(80, 24, Scrollback(10_000))
     stream = pyte.ByteStream(screen)
     stream.feed(b"\x1b7" * 30_000 + b"\x1b[5;9H\x1b7\x1b[H\x1b8")
     assert len(screen.savepoints) <= MAX_SAVED_CURSORS

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import stat
 import struct
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ from pathlib import Path
 from typing import Final
 
 from bastion.safety.errors import Unavailable
+from bastion.safety.trees import remove_tree
 from bastion.sandbox._disk import drop_disk, mount_devpts, mount_tmpfs, used_bytes
 from bastion.sandbox._idmap import unmount
 
@@ -166,8 +166,7 @@ class DeviceFolder:
         folder = self.path / name
         for mounted in (*SCRATCH, PTS):
             unmount(folder / mounted)
-        if shutil.rmtree.avoids_symlink_attacks:  # allowed in pyproject.toml: fd-based; on our own tmpfs only
-            shutil.rmtree(folder, ignore_errors=True)  # allowed in pyproject.toml: see above
+        remove_tree(folder)  # no link followed, at any depth (`trees`)
 
     def close(self) -> None:
         # Each unmount is best effort: dropping the tmpfs below detaches whatever is left, lazily.

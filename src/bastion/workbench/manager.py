@@ -14,7 +14,6 @@ import functools
 import logging
 import os
 import secrets
-import shutil
 import stat
 import tempfile
 import time
@@ -52,6 +51,7 @@ from bastion.safety.errors import (
     Unavailable,
 )
 from bastion.safety.redact import Redactor
+from bastion.safety.trees import remove_tree, tree_bytes
 from bastion.sandbox import DeviceFolder, SandboxSpec, backend
 from bastion.sandbox._disk import ImageFormats, drop_disk, make_disk, mount_disk, mount_tmpfs, used_bytes
 from bastion.sandbox.cgroups import CgroupLayout, Limits, owner_pid
@@ -1131,27 +1131,13 @@ def _is_own_temp_net_dir(path: Path) -> bool:
 
 
 def _remove_tree(root: Path) -> None:
-    # shutil.rmtree walks with directory fds and never follows a symlink on Linux
-    # (rmtree.avoids_symlink_attacks), so an agent's symlink cannot redirect it.
-    if not shutil.rmtree.avoids_symlink_attacks:  # allowed in pyproject.toml: see above
-        raise OSError("this platform's rmtree can follow symlinks: refusing to delete sandbox files")
-    shutil.rmtree(root, ignore_errors=True)  # allowed in pyproject.toml: fd-based, symlink-safe, on the state dir only
+    # No link followed, at any depth (an agent's 1,200 nested folders made shutil.rmtree recurse past
+    # Python's limit, and a close stop half done): `trees.remove_tree`.
+    remove_tree(root)
 
 
 def _disk_bytes(workspace: Path) -> int:
-    """Allocated bytes of the workspace, counted without following symlinks (bounded walk)."""
+    """Allocated bytes of the workspace, counted without following symlinks (bounded walk, any depth)."""
     if os.path.ismount(workspace):
         return used_bytes(workspace)
-    total = entries = 0
-    for _dirpath, dirnames, filenames, dirfd in os.fwalk(workspace, follow_symlinks=False):
-        for name in dirnames + filenames:
-            entries += 1
-            if entries > _DISK_WALK_MAX_ENTRIES:
-                return total
-            try:
-                st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
-            except OSError:
-                continue
-            if not stat.S_ISLNK(st.st_mode):
-                total += st.st_blocks * 512
-    return total
+    return tree_bytes(workspace, max_entries=_DISK_WALK_MAX_ENTRIES)

@@ -14,10 +14,10 @@ holds only the kernel's terminal buffer); `paced` in a read says it happened. py
 a twelfth of the server's imports: `Terminals` loads this module at the first terminal.
 
 Some sequences cost pyte the whole screen each (a few bytes rewriting 25,000 cells at 100x250):
-`_Screen` does those in C-level dict operations, and pyte gets `FEED_SLICE_BYTES` at a time, at most
+`TerminalScreen` does those in C-level dict operations, and pyte gets `FEED_SLICE_BYTES` at a time, at most
 `STEP_BUDGET_S` of them per turn of the loop, so one step stays short whatever the program writes.
 Colours and other attributes are never shown to the client: where pyte's cost is in keeping them
-(DECALN, DECSCNM, a full erase), `_Screen` may set them back to the defaults; its text stays pyte's.
+(DECALN, DECSCNM, a full erase), `TerminalScreen` may set them back to the defaults; its text stays pyte's.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ logger = logging.getLogger("bastion.terminals")
 SEND_TIMEOUT_S: Final = 5.0  # for the program to take its input
 MATCH_SCROLLED_LINES: Final = 200  # of the lines scrolled off, the newest that wait_for also sees
 READ_CHUNK_BYTES: Final = 4096  # per read of the master
-# Handed to pyte at once: its costliest sequences, made cheap in `_Screen`, still cost up to about
+# Handed to pyte at once: its costliest sequences, made cheap in `TerminalScreen`, still cost up to about
 # 0.15 ms a byte on a 100x250 screen (RIS and DECALN in turn, each row freed and filled again), so a
 # slice renders in about 10 ms at most. Slicing costs plain text nothing measurable.
 FEED_SLICE_BYTES: Final = 64
@@ -89,7 +89,7 @@ class Scrollback:
         return lines, dropped
 
 
-class _Screen(pyte.Screen):
+class TerminalScreen(pyte.Screen):
     """A pyte screen that keeps, as text, each line scrolling off its top."""
 
     def __init__(self, columns: int, lines: int, scrollback: Scrollback) -> None:
@@ -233,7 +233,7 @@ def _tolerant(name: str) -> Callable[..., None]:
     has (``CSI 1;2;3 A``), or `private` for a private (``CSI ?``) variant it has none of (xterm's
     modifyOtherKeys, ``CSI > 4;2 m``, which vim sends, is no colour). pyte would raise mid-feed and lose
     the rest of the output; extra parameters are dropped, unsupported private variants ignored."""
-    base = getattr(_Screen, name)  # pyte's, or the fix of it above
+    base = getattr(TerminalScreen, name)  # pyte's, or the fix of it above
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     parameters = list(inspect.signature(base).parameters.values())[1:]
     takes_private = any(p.name == "private" or p.kind is p.VAR_KEYWORD for p in parameters)
@@ -251,7 +251,7 @@ def _tolerant(name: str) -> Callable[..., None]:
 
 
 for _name in set(pyte.Stream.csi.values()):
-    setattr(_Screen, _name, _tolerant(_name))
+    setattr(TerminalScreen, _name, _tolerant(_name))
 
 
 _DATA: Final = operator.attrgetter("data")
@@ -277,7 +277,7 @@ class Terminal:
         self.reads = 0  # terminal_read calls waiting on it: in use however long they wait
         self.output_open = True
         self._loop = asyncio.get_running_loop()
-        self._screen = _Screen(cols, rows, Scrollback(scrollback_chars))
+        self._screen = TerminalScreen(cols, rows, Scrollback(scrollback_chars))
         self._stream = pyte.ByteStream(self._screen)
         self._in_sequence = 0  # bytes fed since the parser left its ground state
         self._emulator_failed = False

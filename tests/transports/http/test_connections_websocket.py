@@ -2,7 +2,7 @@
 WebSocket protocol, so the request head's deadline, armed when the connection opened, closed every live
 WebSocket `request_head_timeout_s` after its connection opened (10 s by default), with no close frame.
 
-Against a real uvicorn server built by `serve._uvicorn_config` as the preview listener's (the guarded h11
+Against a real uvicorn server built by `serve.uvicorn_config` as the preview listener's (the guarded h11
 protocol, wsproto), a real ASGI echo app, and WebSocket clients (wsproto over sockets). Time is driven by a
 short head deadline, and its passing is seen, not slept: a plain socket opened after the WebSocket, which
 the server closes at its own head deadline.
@@ -24,7 +24,7 @@ from wsproto import ConnectionType, WSConnection
 from wsproto.events import AcceptConnection, CloseConnection, Event, Request, TextMessage
 
 from bastion.config.http import HttpConfig
-from bastion.serve import _uvicorn_config
+from bastion.serve import uvicorn_config
 from bastion.transports.http.connections import FdLimits, GuardedH11Protocol
 
 HEAD_TIMEOUT_S = 0.3
@@ -107,7 +107,7 @@ def open_fds() -> int:
 async def listener(*, cap: int = 16, ping_s: float | None = None) -> AsyncIterator[tuple[uvicorn.Server, int]]:
     """The preview listener's uvicorn server (production settings, a short head deadline) on a free port."""
     http = HttpConfig(request_head_timeout_s=HEAD_TIMEOUT_S)
-    config = _uvicorn_config(echo_app, http, "127.0.0.1:1", FdLimits(backlog=16, cap=cap), preview=True)
+    config = uvicorn_config(echo_app, http, "127.0.0.1:1", FdLimits(backlog=16, cap=cap), preview=True)
     if ping_s is not None:
         config.ws_ping_interval = config.ws_ping_timeout = ping_s
     sock = socket.socket()
@@ -188,7 +188,7 @@ def test_websockets_at_the_cap_are_served_not_evicted_and_released_when_they_end
 def test_an_upgraded_connection_whose_peer_stops_answering_pings_is_closed_and_uncounted() -> None:
     """An upgraded connection is still bounded: no head deadline, but the keepalive pings the preview
     listener keeps on close a peer that is gone or stops reading (1011), and its count is released."""
-    production = _uvicorn_config(echo_app, HttpConfig(), "127.0.0.1:1", FdLimits(16, 16), preview=True)
+    production = uvicorn_config(echo_app, HttpConfig(), "127.0.0.1:1", FdLimits(16, 16), preview=True)
     assert production.ws_ping_interval is not None
     assert production.ws_ping_timeout is not None
     assert isinstance(production.http, type)

@@ -1,0 +1,179 @@
+"""Folder trees an agent made, walked and deleted by the server (as root) at any depth.
+
+What it guarantees:
+
+- No symbolic link is followed: every folder is opened with ``O_NOFOLLOW | O_DIRECTORY`` under its
+  parent's fd, and entries are told apart by ``lstat``; a link is counted or unlinked as itself.
+- Depth costs no recursion and no fd per level. `remove_tree` moves each subfolder into one new folder
+  of the top one before it empties it (a rename within one filesystem), so it holds three folders open
+  at most;
+  `tree_bytes` holds one fd per level, to `MAX_WALK_DEPTH` levels. Python's own walks recurse once per
+  level (``os.fwalk``, and ``shutil.rmtree`` before 3.13): 1,200 nested folders raised RecursionError,
+  which made the dashboard answer 500 and a sandbox's close, and the server's shutdown, stop half done
+  (mounts of other sandboxes left behind).
+- A folder's entries are read a batch at a time: a folder of millions of names is never held in memory.
+
+What it does not guarantee: `remove_tree` is for trees nothing else changes meanwhile (a closed sandbox's
+state, once its processes are gone); what it cannot remove (a mount point, a read-only filesystem) stays,
+and is reported by the caller's check of the top folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Final
+
+_DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+MAX_WALK_DEPTH: Final = 256
+"""Levels `tree_bytes` descends: below that, folders are counted, not entered (a lower bound)."""
+_BATCH: Final = 4096
+"""Entries of one folder read before any is removed or moved (the folder is then read again)."""
+_PILE_PREFIX: Final = ".bastion-removing-"
+
+
+def remove_tree(root: Path) -> None:
+    """Delete `root` and everything beneath it, at any depth, never following a symbolic link (best effort).
+
+    Every subfolder, wherever it is, is first moved into one new folder of `root` (the pile), under a
+    name of its own; each folder of the pile is then emptied the same way and removed.
+    """
+    try:
+        top = os.open(root, _DIR_FLAGS)
+    except FileNotFoundError:
+        return
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(root)  # a file or a link where the folder was: removed as itself
+        return
+    try:
+        pile_name = _new_folder(top)
+        pile = os.open(pile_name, _DIR_FLAGS, dir_fd=top)
+    except OSError:
+        os.close(top)
+        return
+    names = (str(n) for n in itertools.count())
+    try:
+        todo = _empty(top, pile, names, skip=pile_name)
+        while todo:
+            name = todo.pop()
+            with contextlib.suppress(OSError):
+                fd = os.open(name, _DIR_FLAGS, dir_fd=pile)
+                try:
+                    todo += _empty(fd, pile, names, skip=None)
+                finally:
+                    os.close(fd)
+                os.rmdir(name, dir_fd=pile)
+        os.close(pile)
+        with contextlib.suppress(OSError):
+            os.rmdir(pile_name, dir_fd=top)
+    finally:
+        os.close(top)
+    with contextlib.suppress(OSError):
+        os.rmdir(root)
+
+
+def _empty(fd: int, pile: int, names: Iterator[str], *, skip: str | None) -> list[str]:
+    """Unlink what is in the folder `fd` and move its subfolders into `pile`; return their names there."""
+    moved: list[str] = []
+    with contextlib.suppress(OSError):
+        os.fchmod(fd, 0o700)  # a folder made read-only: a server that is not root could not empty it
+    while batch := [(name, is_dir) for name, is_dir in _entries(fd) if name != skip]:
+        progress = False
+        for name, is_dir in batch:
+            try:
+                if is_dir:
+                    to = next(names)
+                    os.rename(name, to, src_dir_fd=fd, dst_dir_fd=pile)  # the pile is new: nothing is replaced
+                    moved.append(to)
+                else:
+                    os.unlink(name, dir_fd=fd)
+                progress = True
+            except OSError:
+                continue
+        if not progress:
+            break  # what is left cannot be removed (a mount point, a read-only filesystem)
+    return moved
+
+
+def _new_folder(fd: int) -> str:
+    """Make a folder in `fd` under a name not taken yet, and return the name."""
+    for n in itertools.count():
+        name = f"{_PILE_PREFIX}{n}"
+        try:
+            os.mkdir(name, 0o700, dir_fd=fd)
+        except FileExistsError:
+            continue
+        return name
+    raise AssertionError("unreachable")
+
+
+def _entries(fd: int) -> list[tuple[str, bool]]:
+    """Up to `_BATCH` entries of the folder `fd`, as (name, whether it is a folder, not following links)."""
+    found: list[tuple[str, bool]] = []
+    with os.scandir(fd) as entries:
+        for entry in entries:
+            try:
+                found.append((entry.name, entry.is_dir(follow_symlinks=False)))
+            except OSError:
+                continue
+            if len(found) >= _BATCH:
+                break
+    return found
+
+
+def tree_bytes(root: Path, *, max_entries: int) -> int:
+    """Allocated bytes beneath `root` (each entry's blocks, links as themselves), from at most `max_entries`
+    entries and `MAX_WALK_DEPTH` levels: past either, a lower bound."""
+    try:
+        top = os.open(root, _DIR_FLAGS)
+    except OSError:
+        return 0
+    try:
+        levels = [(top, os.scandir(top))]
+    except OSError:
+        os.close(top)
+        return 0
+    total = seen = 0
+    try:
+        while levels:
+            fd, entries = levels[-1]
+            entry = next(entries, None)
+            if entry is None:
+                entries.close()
+                os.close(fd)
+                levels.pop()
+                continue
+            seen += 1
+            if seen > max_entries:
+                break
+            try:
+                info = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if not stat.S_ISLNK(info.st_mode):
+                total += info.st_blocks * 512
+            if stat.S_ISDIR(info.st_mode) and len(levels) < MAX_WALK_DEPTH:
+                child = _open_folder(fd, entry.name)
+                if child is not None:
+                    try:
+                        levels.append((child, os.scandir(child)))
+                    except OSError:
+                        os.close(child)
+    finally:
+        for fd, entries in levels:
+            entries.close()
+            os.close(fd)
+    return total
+
+
+def _open_folder(parent: int, name: str) -> int | None:
+    """The subfolder `name` of `parent`, opened following no link, or None if it is not one (any more)."""
+    try:
+        return os.open(name, _DIR_FLAGS, dir_fd=parent)
+    except OSError:
+        return None
