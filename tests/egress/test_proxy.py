@@ -17,6 +17,7 @@ import hashlib
 import http.server
 import json
 import logging
+import os
 import shutil
 import socket
 import struct
@@ -831,3 +832,76 @@ class _TallyStub:
     reason: str = ""
     bytes_up: int = 0
     bytes_down: int = 0
+
+
+def test_throttle_reports_never_count_toward_the_connection_cap(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Attack: a crawler past the attempt rate, second after second. Each second's egress_throttled record was
+    written by a task left among the sandbox's open connections once done: past `max_connections` of them
+    (64 busy seconds by default), every later attempt was 503 "too many open connections" for the sandbox's
+    whole life, package installs included. Here a record is due every 10 ms and the cap is 4."""
+    monkeypatch.setattr(egress, "THROTTLE_REPORT_S", 0.01)
+    request = b"GET http://local.test:PORT/x HTTP/1.1\r\nHost: local.test\r\n\r\n"
+    with egress_path(
+        tmp_path, ["local.test:PORT"], blocked_ranges=OPEN_RANGES, attempts_per_s=20, attempt_burst=2, max_connections=4
+    ) as path:
+        request = request.replace(b"PORT", str(path.port).encode())
+        for written in range(1, 11):
+            while status_line(raw(path, request)).split(" ")[1] != "429":  # past the burst: a record is due
+                pass
+            wait_for(lambda n=written: len(_throttled_records(tmp_path)) >= n)  # type: ignore[misc]
+        served = _served_again(path, request)
+    assert served.startswith("HTTP/1.1 200 "), served
+
+
+def _served_again(path: Egress, request: bytes) -> str:
+    """The status line of `request` once neither the attempt rate (429) nor the connections still open
+    (503) refuse it; the last refusal's if that takes over 10 s."""
+    deadline = time.monotonic() + 10
+    while (status := status_line(raw(path, request))).split(" ")[1] in ("429", "503"):
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    return status
+
+
+def _throttled_records(tmp_path: Path) -> list[dict[str, object]]:
+    lines = (tmp_path / "audit.jsonl").read_text().split("\n")[:-1]
+    return [r for r in map(json.loads, lines) if r.get("event") == "egress_throttled"]
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_flood_of_held_connections_holds_at_most_twice_the_cap(tmp_path: Path) -> None:
+    """Attack: a sandbox connects to its egress socket as fast as it can and holds each connection. Each one
+    past the rate or the cap was accepted, answered and held for 2 s (to be read): 11,000 of the server's fds
+    and a core of its CPU. Past twice `max_connections`, attempts now wait unaccepted in the backlog; once
+    the flood ends, the sandbox's attempts are served again."""
+    with egress_path(tmp_path, ["local.test:PORT"], blocked_ranges=OPEN_RANGES, max_connections=4) as path:
+        before = _open_fds()
+        clients = []
+        try:
+            for _ in range(100):
+                client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                client.setblocking(False)
+                try:
+                    client.connect(str(path.sock_path))
+                except (BlockingIOError, ConnectionRefusedError):  # the backlog is full: the rest would wait
+                    client.close()
+                    break
+                clients.append(client)
+            wait_for(lambda: _open_fds() - before - len(clients) >= 8)
+            # Absence cannot be waited for: a moment in which the old proxy took all of them (each at once).
+            time.sleep(0.2)
+            held = _open_fds() - before - len(clients)
+        finally:
+            for client in clients:
+                client.close()
+        assert len(clients) > 20, "the flood never got past the backlog: the test proved nothing"
+        assert held <= 2 * 4 + 2, held
+        request = f"GET http://local.test:{path.port}/ HTTP/1.1\r\n\r\n".encode()
+        served = _served_again(path, request)
+    assert served.startswith("HTTP/1.1 200 "), served

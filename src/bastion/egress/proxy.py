@@ -121,6 +121,9 @@ HEAD_TIMEOUT_S: Final = 30.0
 MAX_ADDRESSES_TRIED: Final = 4
 STOP_TIMEOUT_S: Final = 10.0
 _ACCEPTS_PER_PASS: Final = 32  # then the loop serves others before the listener again
+HELD_PER_CAP: Final = 2
+"""A sandbox's proxy holds at most this many times `max_connections` (open ones, and refused ones lingering
+for their answer to be read); the rest wait unaccepted in the listener's backlog."""
 THROTTLE_REPORT_S: Final = 1.0  # at most one egress_throttled record per sandbox this often
 UNIX_PATH_MAX: Final = 107  # sun_path is 108 bytes, NUL included
 
@@ -202,6 +205,8 @@ class _SandboxProxy:
     accept_task: asyncio.Task[None] | None = None
     connections: set[asyncio.Task[None]] = field(default_factory=set)
     report: asyncio.TimerHandle | None = None  # the pending egress_throttled record
+    reports: set[asyncio.Task[None]] = field(default_factory=set)  # egress_throttled records being written
+    room: asyncio.Event = field(default_factory=asyncio.Event)  # set as a connection ends (`_accept` waits)
 
 
 def _close_client(client: socket.socket, _: asyncio.Task[None]) -> None:
@@ -266,7 +271,7 @@ class EgressProxy:
             st = os.lstat(proxy.path)
             if (st.st_dev, st.st_ino) == proxy.inode:
                 os.unlink(proxy.path)
-        tasks = [t for t in (proxy.accept_task, *proxy.connections) if t is not None]
+        tasks = [t for t in (proxy.accept_task, *proxy.connections, *proxy.reports) if t is not None]
         for task in tasks:
             task.cancel()
         if tasks:
@@ -291,9 +296,16 @@ class EgressProxy:
         # `stop` landing between the two dropped the accepted socket unclosed. Waiting for the
         # listener, then accepting with no await in between, leaves nothing in flight to drop.
         loop = asyncio.get_running_loop()
+        held = self._settings.max_connections * HELD_PER_CAP
         while True:
+            while len(proxy.connections) >= held:
+                # Connections past the cap are refused (503, or 429 past the rate) and linger for the answer to
+                # be read: a flood of them held an fd and a task each, 11,000 fds and a core of the server's CPU.
+                # Past this many, attempts wait in the listener's backlog (the sandbox's connect waits).
+                proxy.room.clear()
+                await proxy.room.wait()
             await ready(loop, proxy.listener, write=False)
-            for _ in range(_ACCEPTS_PER_PASS):
+            for _ in range(min(_ACCEPTS_PER_PASS, held - len(proxy.connections))):
                 try:
                     client, _ = proxy.listener.accept()
                 except BlockingIOError:
@@ -310,6 +322,7 @@ class EgressProxy:
         task = asyncio.get_running_loop().create_task(self._serve(proxy, client))
         proxy.connections.add(task)
         task.add_done_callback(proxy.connections.discard)
+        task.add_done_callback(lambda _: proxy.room.set())
         # A task cancelled before its first step (the proxy stopping at once) never runs _serve's
         # `finally`: the client would be left for the garbage collector. Closing twice is harmless.
         task.add_done_callback(functools.partial(_close_client, client))
@@ -481,14 +494,19 @@ class EgressProxy:
             self._metrics.egress_attempt("refused")
         if proxy.report is None:
             loop = asyncio.get_running_loop()
-            proxy.report = loop.call_later(
-                THROTTLE_REPORT_S, lambda: proxy.connections.add(loop.create_task(self._report_throttled(proxy)))
-            )
+            proxy.report = loop.call_later(THROTTLE_REPORT_S, self._start_report, proxy)
         rate = proxy.throttle.rate_per_s
         try:
             await answer_and_linger(client, reply(429, f"more than {rate:g} connection attempts a second: slow down"))
         finally:
             close_socket(client)
+
+    def _start_report(self, proxy: _SandboxProxy) -> None:
+        # Not among the connections: a finished report left there counted toward the cap for ever, and after
+        # about 64 busy seconds every attempt of the sandbox was 503.
+        task = asyncio.get_running_loop().create_task(self._report_throttled(proxy))
+        proxy.reports.add(task)
+        task.add_done_callback(proxy.reports.discard)
 
     async def _report_throttled(self, proxy: _SandboxProxy) -> None:
         proxy.report = None
