@@ -16,6 +16,7 @@ import pytest
 from mcp import Client
 
 from bastion.app import Services
+from bastion.workbench.code import MAX_IMAGES, MAX_SVG_BYTES
 from tests.helpers import LoopLag, audit_record, call, create, sh
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
@@ -241,3 +242,25 @@ async def test_protocol_output_in_one_byte_messages_is_whole_and_redacted(client
     expected = "".join(f"{i}:" for i in range(8000)) + " key [REDACTED:aws_access_key_id] end"
     assert result["detail"]["stdout"] == expected
     assert "ABCDEFGHIJKLMNOP" not in str(result)
+
+
+async def test_svg_images_of_secret_shaped_text_are_redacted_off_the_loop_and_capped(client: Client) -> None:
+    """Attack: the code sends 8 SVG images of 4 MiB of `token: a` lines on its own protocol channel. Each was
+    redacted on the event loop in one step: 18 s in which every client and sandbox waited. An SVG over
+    `MAX_SVG_BYTES` is now dropped (`truncated`); those under it are redacted in a worker thread."""
+    a, b = await prepared(client)
+    fill = "token: a\n"
+    code = CHANNEL + (
+        f"body = ('<svg>' + {fill!r} * ({MAX_SVG_BYTES} // {len(fill)})).encode()[:{MAX_SVG_BYTES}]\n"
+        f"for size in [{MAX_SVG_BYTES + 1}] + [len(body)] * {MAX_IMAGES - 1}:\n"
+        "    kernel.emit({'event': 'image', 'id': cell, 'mime': 'image/svg+xml', 'width': 1, 'height': 1},"
+        " (body + b' ' * size)[:size])\n"
+    )
+    result, _, stall = await while_busy(client, b, lambda: run(client, a, code, timeout_s=60))
+    assert result["ok"], result
+    assert stall < MAX_STALL_S, f"the loop stalled {stall:.2f} s"
+    images = result["detail"]["images"]
+    assert len(images) == MAX_IMAGES - 1  # the one over the cap dropped
+    assert all(image["bytes"] > MAX_SVG_BYTES for image in images)  # redacted: every token a marker
+    assert result["detail"]["truncated"] is True
+    await assert_sandbox_lives(client, a)

@@ -50,6 +50,11 @@ MAX_CODE_BYTES: Final = 1 << 20
 MAX_HEADER_BYTES: Final = 4096
 MAX_IMAGE_BYTES: Final = 4 << 20
 MAX_IMAGES: Final = 8
+MAX_SVG_BYTES: Final = 512 << 10
+"""An SVG is text, redacted like output: 0.4 s of CPU per MiB of the worst text (secret-shaped
+`token: a` lines); eight of 4 MiB held the event loop for 18 s. A plot is tens of KiB; a larger SVG
+is dropped (`truncated`), and the rest are redacted in a worker thread (the loop then waits at most
+for one regex pass over one SVG, about 0.1 s)."""
 MAX_TEXT_CHARS: Final = 65_536  # of a value or an error field, as the client sees it
 MAX_TEXT_PAYLOAD_BYTES: Final = 4 * MAX_TEXT_CHARS  # of UTF-8
 # What one message may carry, by event; a header with "bytes" over its cap breaks the protocol.
@@ -350,6 +355,9 @@ class _Cell:
             return
         if mime_type == SVG and b"<svg" not in data:
             return
+        if mime_type == SVG and len(data) > MAX_SVG_BYTES:
+            self.truncated = True
+            return
         self.images.append(Image(data, mime_type, max(0, width), max(0, height)))
 
     def finish(self) -> tuple[str, str]:
@@ -559,7 +567,9 @@ class CodeContext:
             except TimeoutError:
                 # Silent code reports too: a client may reset its request timeout on progress.
                 await progress(cell.tail())
-        return self._result(cell, message, timed_out)
+        done = message is not None and message.get("event") == "done"
+        images = await asyncio.to_thread(self._redacted_images, cell.images) if done and cell.images else []
+        return self._result(cell, message, timed_out, images)
 
     async def _interrupt(self, cell: _Cell) -> dict[str, Any] | None:
         """KeyboardInterrupt in the code; if it does not stop within the grace period, kill the kernel."""
@@ -571,7 +581,7 @@ class CodeContext:
             await self.kill()
             return None
 
-    def _result(self, cell: _Cell, message: dict[str, Any] | None, timed_out: bool) -> CellResult:
+    def _result(self, cell: _Cell, message: dict[str, Any] | None, timed_out: bool, images: list[Image]) -> CellResult:
         stdout, stderr = cell.finish()
         done = message is not None and message.get("event") == "done"
         broken = message is not None and message.get("event") == "invalid"
@@ -582,7 +592,7 @@ class CodeContext:
             stderr=stderr,
             value=self._text(cell.value) if done and cell.value is not None else None,
             error={key: self._text(cell.error.get(key, b"")) for key in _ERROR_FIELDS} if done and cell.error else None,
-            images=[kept for image in cell.images if (kept := self._redacted(image))] if done else [],
+            images=images,
             markdown=shown.get("text/markdown"),
             html=shown.get("text/html"),
             exit_status=status if type(status) is int else None,
@@ -592,6 +602,10 @@ class CodeContext:
             context_alive=self.alive and done,
             protocol_error=str(message.get("reason", "")) if broken and message is not None else "",
         )
+
+    def _redacted_images(self, images: list[Image]) -> list[Image]:
+        """The images to return, SVGs redacted (run in a worker thread: `MAX_SVG_BYTES`)."""
+        return [kept for image in images if (kept := self._redacted(image))]
 
     def _redacted(self, image: Image) -> Image | None:
         """An SVG is text the agent made: redacted like its output (a secret in it becomes [REDACTED]);
