@@ -53,9 +53,13 @@ def write_log(path: Path, count: int) -> None:
 
 @pytest.fixture(scope="module")
 def log_230(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """230 tool-call records and one egress record, written once for the module (read-only below)."""
+    """230 tool-call records, an egress record and a connection being made, written once for the module."""
     path = tmp_path_factory.mktemp("audit") / "audit.jsonl"
     write_log(path, 230)
+    log = AuditLog(path, redactor=Redactor())
+    log.open()
+    log.append({"event": "egress_open", "sandbox": "sb-8", "domain": "tunnel.example", "n": 231})
+    log.close()
     return path
 
 
@@ -73,9 +77,9 @@ def walk(path: Path, wanted: AuditFilter, **kwargs: int) -> list[int]:
 
 def test_pages_are_newest_first_and_the_cursor_misses_nothing(log_230: Path) -> None:
     path = log_230
-    assert walk(path, AuditFilter(), limit=50) == list(range(230, -1, -1))
+    assert walk(path, AuditFilter(), limit=50) == list(range(231, -1, -1))
     # A small scan window stops pages early (fewer than `limit`); the cursor still covers everything.
-    assert walk(path, AuditFilter(), limit=50, scan_bytes=1000) == list(range(230, -1, -1))
+    assert walk(path, AuditFilter(), limit=50, scan_bytes=1000) == list(range(231, -1, -1))
 
 
 @pytest.mark.parametrize(
@@ -85,8 +89,11 @@ def test_pages_are_newest_first_and_the_cursor_misses_nothing(log_230: Path) -> 
         ({"code": "NOT_FOUND"}, [n for n in range(230) if n % 4 == 0]),
         ({"caller": "client-1"}, [n for n in range(230) if n % 2 == 1]),
         ({"sandbox": "sb-0", "tool": "t2"}, [n for n in range(230) if n % 2 == 0 and n % 3 == 2]),
-        ({"kind": "egress"}, [230]),
+        # An open tunnel (egress_open, its end not yet recorded) is on the egress page, as allowed: it was on
+        # no page but the whole log until it closed, hours later for one kept open (attack).
+        ({"kind": "egress"}, [230, 231]),
         ({"kind": "egress", "decision": "deny", "sandbox": "sb-9"}, [230]),
+        ({"kind": "egress", "decision": "allow", "sandbox": "sb-8"}, [231]),
         ({"kind": "admin"}, []),
     ],
 )

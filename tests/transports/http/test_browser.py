@@ -134,7 +134,9 @@ def test_chromium_approves_a_pending_action(
     with start_server() as server:
         queue = ApprovalQueue(server.db_path)
         pending = queue.request("biscuit_deploy", "deploy v1.2.3", "test-client", ttl_s=600)
-        denied = queue.request("biscuit_deploy", "deploy v9.9.9", "test-client", ttl_s=600)
+        # Attack: a literal whose dangerous end is past 200 characters: the decisions' history cut it there.
+        long = "deploy v1.2.3 " + "x" * 200 + " target=prod-all-regions,drop-db"
+        denied = queue.request("biscuit_deploy", long, "test-client", ttl_s=600)
         page = browser.new_page()
         page.goto(f"{server.base}/admin/approvals")
         page.wait_for_url("**/admin/login")
@@ -153,6 +155,7 @@ def test_chromium_approves_a_pending_action(
         assert queue.get(pending.id).state == "approved"
         assert queue.get(denied.id).state == "denied"
         assert queue.get(denied.id).reason == "not today"
+        assert "target=prod-all-regions,drop-db" in page.locator("table").inner_text()  # the history, whole
         # Without the session's CSRF token the same POST is refused.
         with server.http() as raw:
             forged = raw.post("/admin/approvals", data={"id": pending.id, "decision": "deny"})

@@ -116,6 +116,31 @@ def shoot(page: Any, name: str, tmp: Path) -> None:
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (make system-deps)")
+def test_a_long_label_without_spaces_pushes_no_column_off_the_page(dash: Dash) -> None:
+    """Attack: a label value of 256 letters and no space: label values did not wrap, so the table grew to
+    3,765 pixels and every sandbox's State column and Close button went off a 1,280-pixel screen."""
+    wide = dash.sandbox(name="wide", labels={"team": "A" * 256})
+    plain = dash.sandbox(name="plain")
+    try:
+        with launch() as chromium:
+            context = chromium.new_context(viewport={"width": 1280, "height": 760})
+            page = context.new_page()
+            page.goto(f"{dash.server.base}/admin/sandboxes")
+            page.fill("input[name=password]", PASSWORD)
+            page.click("button[type=submit]")
+            page.wait_for_url("**/admin")
+            page.goto(f"{dash.server.base}/admin/sandboxes")
+            assert page.evaluate("document.documentElement.scrollWidth") <= 1280
+            for sandbox_id in (wide, plain):
+                close = page.locator("tr", has_text=sandbox_id).locator("button", has_text="Close").bounding_box()
+                assert close is not None
+                assert close["x"] + close["width"] <= 1280, close
+    finally:
+        for sandbox_id in (wide, plain):
+            dash.tool("close_sandbox", sandbox_id=sandbox_id)
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (make system-deps)")
 def test_chromium_sees_an_agents_sandbox_closes_it_and_filters_the_audit_log(dash: Dash, tmp_path: Path) -> None:
     sandbox_id = dash.sandbox(name=HOSTILE_NAME, labels={"project": HOSTILE_LABEL, "owner": "blog"})
     other = dash.sandbox(name="build", network_allow=[f"allowed.test:{dash.server.port}"])

@@ -44,9 +44,16 @@ _NAME: Final = re.compile(r"[A-Za-z0-9_.:-]{1,100}")
 _CODES: Final = frozenset(code.value for code in ResultCode)
 _EVENTS: Final[Mapping[str, frozenset[str]]] = {
     "calls": frozenset({"start", "end"}),
-    "egress": frozenset({"egress", "egress_throttled"}),
+    # egress_open: an allowed connection as it is made; its "egress" record comes when it ends, hours later for
+    # a tunnel kept open. Without it, a connection open now was on no page but the whole log.
+    "egress": frozenset({"egress", "egress_open", "egress_throttled"}),
     "admin": frozenset({"admin"}),
 }
+
+
+def _decision(record: Mapping[str, object]) -> object:
+    """A record's egress decision; an `egress_open` record is an allowed connection being made."""
+    return "allow" if record.get("event") == "egress_open" else record.get("decision")
 
 
 @dataclass(frozen=True)
@@ -68,7 +75,7 @@ class AuditFilter:
             return False
         if self.code and record.get("code") != self.code:
             return False
-        if self.decision and record.get("decision") != self.decision:
+        if self.decision and _decision(record) != self.decision:
             return False
         if self.caller and self.caller not in str(record.get("caller", "")):
             return False
