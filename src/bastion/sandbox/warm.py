@@ -74,14 +74,22 @@ MAX_AGENT_ERROR_CHARS: Final = 200
 
 
 def _descendants(pid: int) -> list[int]:
-    found = []
-    try:
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{task}/children", encoding="ascii") as handle:
-                for child in handle.read().split():
-                    found += [int(child), *_descendants(int(child))]
-    except OSError:
-        pass
+    """`pid`'s descendants, depth first (each followed by its own), without recursion: a chain of processes
+    as deep as the pids limit allows must not reach Python's recursion limit."""
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        if parent != pid:
+            found.append(parent)
+        children: list[int] = []
+        try:
+            for task in os.listdir(f"/proc/{parent}/task"):
+                with open(f"/proc/{parent}/task/{task}/children", encoding="ascii") as handle:
+                    children += [int(child) for child in handle.read().split()]
+        except OSError:
+            pass
+        todo += children[::-1]
     return found
 
 
