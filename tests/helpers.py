@@ -11,7 +11,8 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -238,3 +239,14 @@ def bubblewrap(sandbox: Sandbox) -> WarmSandbox:
     """The bubblewrap sandbox behind the `Backend` protocol, for tests of bubblewrap's own internals."""
     assert isinstance(sandbox, WarmSandbox), f"not a bubblewrap sandbox: {type(sandbox).__name__}"
     return sandbox
+
+
+def least_cpu_s(work: Callable[[], object]) -> float:
+    """The least thread CPU time of three runs of `work`: CPU, not wall time (the machine is shared), for tests
+    that compare the cost of an input with that of one four times as large (linear, or quadratic?)."""
+    took = []
+    for _ in range(3):
+        started = time.thread_time()
+        work()
+        took.append(time.thread_time() - started)
+    return min(took)

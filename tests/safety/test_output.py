@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bastion.safety.output import UNFINISHED_ESCAPE, OutputCleaner, clean_output
 from bastion.safety.redact import Redactor, sanitize_terminal
+from tests.helpers import least_cpu_s
 
 RAW = "a\x1b[31mb\x1b]8;;http://x\x07link\x1b]8;;\x1b\\ c\r\nd token=hunter2secret \u00e9\n".encode()
 
@@ -54,22 +52,12 @@ def test_chunked_cleaning_of_any_escape_shaped_text_matches_the_whole(text: str,
     assert not any(char == "\x1b" or "\x80" <= char <= "\x9f" for char in whole)
 
 
-def _cpu_s(work: Callable[[], object]) -> float:
-    """The least thread CPU time of three runs of `work` (CPU, not wall time: the machine is shared)."""
-    took = []
-    for _ in range(3):
-        started = time.thread_time()
-        work()
-        took.append(time.thread_time() - started)
-    return min(took)
-
-
 def test_an_unfinished_escape_tail_of_c1_openers_is_found_in_linear_time() -> None:
     """Attack: a command prints a run of U+009D (OSC) ending in BEL and one more character, chunk after
     chunk. Each opener of the held tail was tried, and each try scanned the tail to its end: 0.12 s of a
     frozen server per chunk of 4,000. Four times the tail now costs about four times the time, not 16."""
     small, large = ("\x9d" * n + "\x07x" for n in (1_000, 4_000))
-    ratio = _cpu_s(lambda: [UNFINISHED_ESCAPE.search(large) for _ in range(20)]) / max(
-        _cpu_s(lambda: [UNFINISHED_ESCAPE.search(small) for _ in range(20)]), 1e-6
+    ratio = least_cpu_s(lambda: [UNFINISHED_ESCAPE.search(large) for _ in range(20)]) / max(
+        least_cpu_s(lambda: [UNFINISHED_ESCAPE.search(small) for _ in range(20)]), 1e-6
     )
     assert ratio < 8, f"4x the tail took {ratio:.1f}x the time: quadratic"

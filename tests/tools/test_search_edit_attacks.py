@@ -12,9 +12,7 @@ from __future__ import annotations
 import os
 import re
 import stat
-import time
 import zlib
-from collections.abc import Callable
 from pathlib import Path
 
 import anyio
@@ -26,7 +24,7 @@ from bastion.safety.paths import MAX_WALK_ENTRIES, MAX_WRITE_BYTES, Jail
 from bastion.safety.redact import Redactor
 from bastion.workbench.edit import edit_text
 from bastion.workbench.media import MAX_IMAGE_BYTES
-from tests.helpers import call, create, sh
+from tests.helpers import call, create, least_cpu_s, sh
 
 pytestmark = pytest.mark.anyio
 
@@ -420,16 +418,6 @@ async def test_a_burst_of_searches_leaves_threads_for_the_other_tools(client: Cl
     assert finished[0] == "read", finished[:3]
 
 
-def _thread_cpu_s(work: Callable[[], object]) -> float:
-    """The least thread CPU time of three runs of `work` (CPU, not wall time: the machine is shared)."""
-    took = []
-    for _ in range(3):
-        started = time.thread_time()
-        work()
-        took.append(time.thread_time() - started)
-    return min(took)
-
-
 def test_an_edit_between_every_two_lines_is_diffed_in_linear_time(tmp_path: Path) -> None:
     """Attack: edit_file(dry_run) of a file of unique lines, old="\\n", new="\\nx\\n", replace_all: a line
     inserted between every two. difflib's matcher found one line at a time at the left: 12,000 lines took
@@ -444,7 +432,7 @@ def test_an_edit_between_every_two_lines_is_diffed_in_linear_time(tmp_path: Path
     def edit(name: str) -> dict[str, object]:
         return edit_text(jail, redactor, name, "\n", "\nx\n", replace_all=True, dry_run=True)
 
-    ratio = _thread_cpu_s(lambda: edit("large.txt")) / max(_thread_cpu_s(lambda: edit("small.txt")), 1e-6)
+    ratio = least_cpu_s(lambda: edit("large.txt")) / max(least_cpu_s(lambda: edit("small.txt")), 1e-6)
     assert ratio < 8, f"4x the lines took {ratio:.1f}x the time: quadratic"
     shown = edit("small.txt")
     assert shown["replacements"] == 1_500
