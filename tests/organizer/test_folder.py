@@ -23,6 +23,7 @@ from bastion.config import InboxConfig
 from bastion.organizer import Organizer
 from bastion.organizer._rename import load_renameat2
 from bastion.organizer.folder import Folder
+from bastion.organizer.inbox import MAX_MOVE_DEPTH
 from bastion.organizer.journal import Journal, Move, Txn
 from bastion.organizer.mover import Mover
 from bastion.safety.errors import BastionError, Conflict, PathEscape, Unavailable
@@ -267,3 +268,68 @@ def test_a_root_owned_inbox_others_may_write_is_refused(tmp_path: Path) -> None:
         Folder(inbox).close()
     inbox.chmod(0o755)
     Folder(inbox).close()
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="a root organizer's, acting as the inbox's owner")
+@pytest.mark.parametrize("made_by", ["another user", "the owner, 0777"])
+def test_a_category_folder_someone_else_controls_is_never_moved_into(
+    inbox_dir: Path, state_dir: Path, made_by: str
+) -> None:
+    """Attack (found by review): the inbox is its owner's and 1777 (others drop files; the sticky bit keeps
+    them from the owner's). Another user makes `Documents` 0777 before the organizer runs: plan and apply moved
+    the owner's 0600 report into it, where that user deleted it and put their own file in its place (which
+    undo then moved back as the owner's: same inode number). A destination folder someone else owns or may
+    write is refused now, in plan_organize and move_file; the report stays where it was."""
+    os.chown(inbox_dir, *USER)
+    inbox_dir.chmod(0o1777)
+    report = inbox_dir / "report.pdf"
+    report.write_text("the owner's")
+    os.chown(report, *USER)
+    report.chmod(0o600)
+    documents = inbox_dir / "Documents"
+    documents.mkdir()
+    os.chown(documents, *(OTHER if made_by == "another user" else USER))
+    documents.chmod(0o777)
+    organizer = _organizer(inbox_dir, state_dir)
+    try:
+        plan = organizer.plan()
+        assert plan["moves"] == []
+        (skipped,) = [entry for entry in plan["skipped"] if entry["path"] == "report.pdf"]
+        assert "Documents" in skipped["reason"]
+        with pytest.raises(PathEscape, match=r"the destination folder 'Documents' is (owned by uid|writable by)"):
+            organizer.move("report.pdf", "Documents/report.pdf")
+    finally:
+        organizer.close()
+    assert report.read_text() == "the owner's"
+    assert os.listdir(documents) == []
+
+
+def test_a_move_deeper_than_the_cap_is_refused_and_undo_still_works(inbox_dir: Path, state_dir: Path) -> None:
+    """Attack (found by review): a file 1,500 folders deep moved to the top: the move worked, then every undo
+    raised RecursionError (INTERNAL_ERROR), and no earlier action could be undone behind it; 950 levels took
+    10.7 s a move. Paths deeper than `MAX_MOVE_DEPTH` are refused; one at the cap moves and undoes."""
+    deep = inbox_dir
+    for _ in range(MAX_MOVE_DEPTH):  # the entry itself is one level more: over the cap
+        deep = deep / "d"
+    deep.mkdir(parents=True)
+    (deep / "f.txt").write_text("deep")
+    (deep.parent / "g.txt").write_text("at the cap")
+    (inbox_dir / "top.txt").write_text("top")
+    organizer = _organizer(inbox_dir, state_dir)
+    try:
+        organizer.move("top.txt", "moved.txt")
+        too_deep = "/".join(["d"] * MAX_MOVE_DEPTH) + "/f.txt"
+        with pytest.raises(BastionError, match=f"{MAX_MOVE_DEPTH + 1} folders deep"):
+            organizer.move(too_deep, "f.txt")
+        with pytest.raises(BastionError, match=f"{MAX_MOVE_DEPTH + 1} folders deep"):
+            organizer.move("moved.txt", too_deep.replace("f.txt", "x.txt"))
+        at_cap = "/".join(["d"] * (MAX_MOVE_DEPTH - 1)) + "/g.txt"
+        organizer.move(at_cap, "g.txt")
+        organizer.undo()  # g.txt goes back, 64 deep
+        organizer.undo()  # and the move before it still undoes
+    finally:
+        organizer.close()
+    assert (deep.parent / "g.txt").read_text() == "at the cap"
+    assert (inbox_dir / "top.txt").read_text() == "top"
+    assert (deep / "f.txt").read_text() == "deep"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import zlib
 from pathlib import Path
 
 import pytest
@@ -87,3 +89,42 @@ def test_compaction_keeps_the_history(tmp_path: Path) -> None:
     replay = Journal(path).open()
     assert replay.history == history
     assert replay.next_txn == 4
+
+
+def _signed(record: dict[str, object] | bytes) -> bytes:
+    """A journal line with a valid checksum: what a forger who can write the state folder would write."""
+    body = record if isinstance(record, bytes) else json.dumps(record, separators=(",", ":")).encode()
+    return b"%08x %s\n" % (zlib.crc32(body), body)
+
+
+BEGIN = {
+    "t": "begin",
+    "txn": 1,
+    "kind": "apply",
+    "action": 1,
+    "moves": [["a.pdf", "Documents/a.pdf", 1, 2]],
+    "mkdirs": [],
+    "rmdirs": [],
+    "plan_id": None,
+}
+
+
+@pytest.mark.parametrize(
+    "lines",
+    [
+        [_signed(BEGIN), _signed({"t": "end", "txn": 1, "applied": [5]})],
+        [_signed(BEGIN), _signed({"t": "end", "txn": 1, "applied": [-1]})],
+        [_signed(BEGIN), _signed({"t": "end", "txn": 1, "applied": "0"})],
+        [_signed(BEGIN), _signed({"t": "end", "txn": 1, "applied": [0, 0]})],
+        [_signed(b"[" * 100_000 + b"]" * 100_000), _signed({"t": "x"})],
+    ],
+    ids=["index past the moves", "negative index", "a string", "an index twice", "JSON nested 100,000 deep"],
+)
+def test_forged_lines_with_valid_checksums_are_a_damaged_journal(tmp_path: Path, lines: list[bytes]) -> None:
+    """Attack (found by review): lines whose checksums are right but whose content is not (an index past the
+    transaction's moves, JSON nested past the recursion limit) raised IndexError or RecursionError out of the
+    server's start, not the journal's "damaged" refusal; a negative index was replayed as the last move."""
+    path = tmp_path / "journal.jsonl"
+    path.write_bytes(b"".join(lines) + _signed({"t": "x"}))
+    with pytest.raises(ConfigError, match="damaged at line"):
+        Journal(path).open()

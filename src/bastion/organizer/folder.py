@@ -57,7 +57,14 @@ from bastion.safety.errors import (
     ResourceLimit,
     Unavailable,
 )
-from bastion.safety.paths import Jail, acting_as, moved_into_by, open_real_folder, owner_identity
+from bastion.safety.paths import (
+    Jail,
+    acting_as,
+    moved_into_by,
+    open_real_folder,
+    owner_identity,
+    writers_besides,
+)
 
 _DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _NEW_DIR_MODE: Final = 0o755
@@ -153,6 +160,7 @@ class Folder:
         held = os.fstat(self._fd)
         self._held = (held.st_dev, held.st_ino)
         owner = (held.st_uid, held.st_gid)
+        self._owner = owner
         # A root organizer acts as the inbox's owner: it never moves what they could not (another user's
         # folder in the inbox), and what it makes is theirs.
         self._acts_as = owner_identity(owner)
@@ -228,6 +236,21 @@ class Folder:
             f"the inbox folder {self._path} {now} while the server ran, and the server still holds the "
             "old one: restart the server to organize the folder now at that path"
         )
+
+    def foreign(self, rel: str, info: os.stat_result) -> str | None:
+        """Who besides the inbox's owner and root owns folder `rel` of the inbox (`info`: its lstat), or may
+        write it (its mode or ACL), said as "owned by ..." or "writable by ..."; None if no one.
+
+        Point-in-time, by path: a folder swapped after it is judged is refused at the open that counts only
+        if it became a link; the owner of a folder in the inbox can always change its mode.
+        """
+        if info.st_uid not in (0, self._owner[0]):
+            return f"owned by uid {info.st_uid}"
+        try:
+            who = writers_besides(os.path.join(self._path, rel), self._owner)
+        except OSError as exc:
+            return f"unreadable ({exc.strerror})"
+        return None if who is None else f"writable by {who}"
 
     def relative(self, path: str) -> str:
         """The normalized folder-relative path (``.`` for the root), checked without touching the disk.

@@ -96,6 +96,11 @@ class _Targets:
             self._hits[category] = self._rules.protection_hit(
                 "occupied_destination", f"'{category}' exists and is not a folder"
             )
+        elif (who := self._folder.foreign(category, info)) is not None:
+            # Its files would be theirs to delete or replace (`Inbox._refuse_foreign`).
+            self._hits[category] = self._rules.protection_hit(
+                "outside_folder", f"the category folder '{category}' is {who}"
+            )
         else:
             try:
                 self._fds[category] = self._folder.open_dir(category)

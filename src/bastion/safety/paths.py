@@ -264,6 +264,11 @@ def replaceable_by(path: str, owner: tuple[int, int]) -> str | None:
     return None
 
 
+def writers_besides(folder: str, owner: tuple[int, int]) -> str | None:
+    """Who besides root and `owner` may write `folder` itself, by its mode or its ACL, or None."""
+    return _writers(folder, os.lstat(folder), owner)
+
+
 def moved_into_by(path: str, owner: tuple[int, int]) -> str | None:
     """`replaceable_by`, and for a root-owned folder, who else may write the folder itself, or None.
 
@@ -273,7 +278,7 @@ def moved_into_by(path: str, owner: tuple[int, int]) -> str | None:
     """
     who = replaceable_by(path, owner)
     if who is None and owner[0] == 0:
-        others = _writers(path, os.lstat(path), owner)
+        others = writers_besides(path, owner)
         who = None if others is None else f"{others}, who may write the root-owned folder itself"
     return who
 

@@ -43,6 +43,7 @@ _ZERO_BLOCK: Final = bytes(BLOCK)
 _POSIX_MAGIC: Final = b"ustar\x0000"
 _GNU_MAGIC: Final = b"ustar  \x00"
 _MAX_DIGITS: Final = 20
+_MAX_FILE_OFFSET: Final = 2**63 - 1  # off_t
 _MTIME_RE: Final = re.compile(r"-?[0-9]{1,20}(\.[0-9]{1,20})?")
 _SPARSE_KEYS_OLD: Final = frozenset(
     {"GNU.sparse.size", "GNU.sparse.numblocks", "GNU.sparse.offset", "GNU.sparse.numbytes", "GNU.sparse.map"}
@@ -299,7 +300,9 @@ def _text(raw: bytes) -> str:
 def _decimal(text: bytes, what: str) -> int:
     if not 0 < len(text) <= _MAX_DIGITS or not text.isdigit():
         raise CorruptArchive(f"{what} is not a decimal number")
-    return int(text)
+    if (value := int(text)) > _MAX_FILE_OFFSET:
+        raise CorruptArchive(f"{what} is past what a file can hold")  # ftruncate would raise OverflowError
+    return value
 
 
 def _pax_mtime(text: str) -> float:
