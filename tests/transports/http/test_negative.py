@@ -175,6 +175,24 @@ def test_t08_insufficient_scope(server: LiveServer, raw: httpx2.Client) -> None:
     assert f'resource_metadata="{server.base}/.well-known/oauth-protected-resource/mcp"' in header
 
 
+@pytest.mark.parametrize("method", [b"tools\\/call", b"\\u0074ools/call"])
+def test_t08_an_escaped_method_name_gets_the_same_403(server: LiveServer, raw: httpx2.Client, method: bytes) -> None:
+    r"""Attack (found by review): "tools\/call" is the same JSON string as "tools/call", but the edge looked
+    for the raw bytes and let it through to the inner check, which refused it without the 403 and its
+    challenge that names the scope to ask for."""
+    tokens = tokens_for(server, public_client(server), scopes=["organizer"])
+    body = b'{"jsonrpc":"2.0","id":2,"method":"' + method + b'","params":{"name":"read_file","arguments":{"path":"x"}}}'
+    headers = {
+        **MCP_HEADERS,
+        "Authorization": f"Bearer {tokens['access_token']}",
+        "Mcp-Protocol-Version": "2026-07-28",
+        "Content-Type": "application/json",
+    }
+    response = raw.post("/mcp", content=body, headers=headers)
+    assert response.status_code == 403
+    assert 'error="insufficient_scope"' in response.headers["www-authenticate"]
+
+
 def test_t09_session_of_one_grant_is_refused_to_another(server: LiveServer, raw: httpx2.Client) -> None:
     client_id = public_client(server)
     first, second = tokens_for(server, client_id), tokens_for(server, client_id)

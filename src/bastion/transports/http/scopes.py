@@ -70,7 +70,9 @@ async def _send_parse_error(send: Send) -> None:
 
 def _called_tools(body: bytes) -> list[str] | None:
     """Names of the tools a JSON-RPC message (or batch) calls; [] if it calls none; None if it does not parse."""
-    if b"tools/call" not in body:
+    # A fast pass for most messages; JSON may also spell the method with an escape ("tools\/call", "\u0074..."),
+    # which skipped this check (the inner one still refused, without the 403 that names the scope to ask for).
+    if b"tools/call" not in body and b"\\" not in body:
         return []
     try:
         message = json.loads(body)
