@@ -110,6 +110,28 @@ async def test_every_result_carries_its_audit_id(client: Client, services: Servi
     assert json.loads(lines[-1])["id"] == payload["audit_id"]
 
 
+async def test_a_refused_call_records_its_arguments_by_the_tools_audit_rules(
+    client: Client, services: Services
+) -> None:
+    """Attack (found by review): a call refused for a bad argument recorded the client's arguments as sent,
+    past the tool's audit rules: upload_file's whole content (recorded as its length when the call runs) and
+    create_run_close's files' contents (recorded as their names). Refused, they are recorded as when they run."""
+    content = "c2VjcmV0IGZpbGUgYm9keQ=="
+    refused = await client.call_tool(
+        "upload_file", {"path": "f.bin", "content_base64": content, "overwrite": "notabool"}
+    )
+    assert refused.is_error
+    await client.call_tool("create_run_close", {"command": "true", "files": {"f": "file body"}, "timeout_s": "x"})
+    text = services.config.audit_path.read_text()
+    assert content not in text
+    assert "file body" not in text
+    records = [json.loads(line) for line in text.splitlines()]
+    upload = next(r for r in records if r.get("tool") == "upload_file")
+    assert upload["args"]["content_base64_chars"] == len(content)
+    run = next(r for r in records if r.get("tool") == "create_run_close")
+    assert run["args"]["files"] == ["f"]
+
+
 _LEAVES = (
     st.none()
     | st.booleans()

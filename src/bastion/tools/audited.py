@@ -86,6 +86,7 @@ def audited_tool(
         hints = {p.name: p.annotation for p in signature.parameters.values() if p.annotation is not p.empty}
         tool.__annotations__ = {**hints, "return": Result}
         server.tool(name, description=description, annotations=annotations, scope=toolset, title=title)(tool)
+        server.refused_arguments[name] = functools.partial(_refused, rules=rules)
         return body
 
     return register
@@ -151,6 +152,24 @@ def _audited(arguments: Mapping[str, Any], rules: Mapping[str, Audit | None]) ->
             audited[key] = sorted(value or {})
         elif isinstance(value, BaseModel):
             audited[key] = value.model_dump(exclude_none=True)
+        else:
+            audited[key] = value
+    return audited
+
+
+def _refused(arguments: dict[str, Any], *, rules: Mapping[str, Audit | None]) -> dict[str, object]:
+    """`_audited` for a call refused before it ran: its values may be of any type (they failed validation), and
+    names the tool does not take are kept as given. Without it, a refused upload_file recorded the file's
+    content itself, and a refused create_run_close its files' contents."""
+    audited: dict[str, object] = {}
+    for key, value in arguments.items():
+        rule = rules.get(key)
+        if rule is Audit.OMIT:
+            continue
+        if rule is Audit.LENGTH:
+            audited[f"{key}_chars"] = len(value) if isinstance(value, str | bytes | list | dict) else None
+        elif rule is Audit.KEYS:
+            audited[key] = sorted(str(k) for k in value) if isinstance(value, dict) else type(value).__name__
         else:
             audited[key] = value
     return audited

@@ -76,6 +76,8 @@ class BastionServer(MCPServer[Any]):
         self.runner = runner
         self.tool_scopes: dict[str, str] = {}
         """Tool name -> the scope (toolset) a caller needs to see and call it."""
+        self.refused_arguments: dict[str, Callable[[dict[str, Any]], dict[str, object]]] = {}
+        """Tool name -> what a refused call's arguments are recorded as (its audit rules: `audited_tool`)."""
         self._arguments: dict[str, frozenset[str]] | None = None
 
     def tool(  # type: ignore[override]
@@ -120,25 +122,32 @@ class BastionServer(MCPServer[Any]):
             lowlevel = self.session_manager.app
             await lowlevel.run(read_stream, write_stream, lowlevel.create_initialization_options())
 
+    def _recorded(self, name: str, arguments: dict[str, Any]) -> dict[str, object]:
+        """A refused call's arguments as its audit record holds them: by the tool's audit rules (a file's content
+        as its length, a dict's keys only), as a call that runs would record them; an unknown tool's as given
+        (the record's size bounds them)."""
+        recorded = self.refused_arguments.get(name)
+        return recorded(arguments) if recorded is not None else arguments
+
     async def call_tool(
         self, name: str, arguments: dict[str, Any], context: Context[Any, Any] | None = None
     ) -> CallToolResult | InputRequiredResult:
         known = await self._known_arguments(name)
         if known is None:
             error = InvalidRequest(f"unknown tool {name!r}: list the tools to see what this server offers")
-            return to_call_result(await self.runner.refuse(name, arguments, error))
+            return to_call_result(await self.runner.refuse(name, self._recorded(name, arguments), error))
         unknown = sorted(set(arguments) - known)
         if unknown:
             hint = _ARGUMENT_HINTS.get(unknown[0], f"{name} takes {', '.join(sorted(known)) or 'no arguments'}")
             error = InvalidRequest(f"unknown argument {unknown[0]!r}: {hint}")
-            return to_call_result(await self.runner.refuse(name, arguments, error))
+            return to_call_result(await self.runner.refuse(name, self._recorded(name, arguments), error))
         try:
             return await super().call_tool(name, arguments, context)
         except UnexpectedToolError:
             # Tools catch their own errors; reaching here is a bug in bastion, logged with its traceback.
             logger.exception("tool %s failed outside its call runner", name)
             internal = InternalError("internal error; the server log has the details")
-            return to_call_result(await self.runner.refuse(name, arguments, internal))
+            return to_call_result(await self.runner.refuse(name, self._recorded(name, arguments), internal))
         except ToolError as exc:
             cause = exc.__cause__
             if isinstance(cause, ValidationError):
@@ -149,4 +158,4 @@ class BastionServer(MCPServer[Any]):
                 error = InvalidRequest(f"invalid arguments: {', '.join(fields)}{hint}: check their types and limits")
             else:
                 error = InvalidRequest("the tool refused the call")
-            return to_call_result(await self.runner.refuse(name, arguments, error))
+            return to_call_result(await self.runner.refuse(name, self._recorded(name, arguments), error))
