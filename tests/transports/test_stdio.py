@@ -186,3 +186,28 @@ def test_sigterm_closes_the_services_and_leaves_no_mount(demo_config_path: Path)
                         stream.close()
         assert mounts_under(demo_config_path.parent) == []
         assert not list((state / "sandboxes").glob("sb-*"))
+
+
+def test_a_cancelled_call_does_not_keep_the_server_after_stdin_closes(demo_config_path: Path) -> None:
+    """Attack (found by review): a call cancelled with notifications/cancelled gets no answer (the protocol
+    sends none), and the end of stdin waited for its answer for an hour, the state folder locked: the client's
+    next server refused to start. The server now ends with stdin; the call's audit record says it was cut."""
+    raw = Raw(demo_config_path)
+    raw.initialize()
+    raw.send(call(7, "run_command", command="sleep 30"))
+    raw.send(line({"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": 7}}))
+    raw.send(call(8, "explain_command", command="true"))  # answered: the cancel was read before stdin ends
+    assert raw.answer()["id"] == 8
+    assert raw.stdin is not None
+    raw.stdin.close()
+    try:
+        raw.process.wait(timeout=30)  # not the hour
+    except subprocess.TimeoutExpired:
+        raw.process.terminate()
+        raise
+    status, replies, err = raw.finish()
+    assert status == 0, err
+    assert all(reply.get("id") != 7 for reply in replies)
+    audit = (demo_config_path.parent / "state" / "audit.jsonl").read_text()
+    ends = [json.loads(entry) for entry in audit.splitlines() if '"run_command"' in entry and '"end"' in entry]
+    assert [entry["code"] for entry in ends] == ["UNAVAILABLE"]

@@ -17,6 +17,7 @@ a copy of the same pipe sees it too) and made blocking again at exit.
 from __future__ import annotations
 
 import asyncio
+import collections
 import fcntl
 import logging
 import os
@@ -118,23 +119,39 @@ def _file_lines(fd: int) -> Callable[[], Awaitable[bytes]]:
 
 class _Unanswered:
     """Requests read and not yet answered: stdin's end waits for them (bounded), so a client that
-    writes its calls and closes its end still gets every answer, however long a call takes."""
+    writes its calls and closes its end still gets every answer, however long a call takes.
+
+    A request the client cancels (``notifications/cancelled``) gets no answer (the protocol says none is
+    sent): it is not waited for. It was, for an hour, holding the state folder's lock, so the client's next
+    server could not start. Ids are counted: a client that reuses an id in flight gets both answers.
+    """
 
     def __init__(self) -> None:
-        self._ids: set[int | str] = set()
+        self._ids: collections.Counter[int | str] = collections.Counter()
         self._none_left = asyncio.Event()
         self._none_left.set()
 
     def read(self, message: object) -> None:
         if isinstance(message, types.JSONRPCRequest):
-            self._ids.add(message.id)
+            self._ids[message.id] += 1
             self._none_left.clear()
+        elif isinstance(message, types.JSONRPCNotification) and message.method == "notifications/cancelled":
+            params = message.params if isinstance(message.params, dict) else {}
+            request = params.get("requestId")
+            if isinstance(request, int | str) and not isinstance(request, bool):
+                self._forget(request)
 
     def answered(self, message: object) -> None:
-        if isinstance(message, types.JSONRPCResponse | types.JSONRPCError):
-            self._ids.discard(message.id)
-            if not self._ids:
-                self._none_left.set()
+        if isinstance(message, types.JSONRPCResponse | types.JSONRPCError) and message.id is not None:
+            self._forget(message.id)
+
+    def _forget(self, request: int | str) -> None:
+        if self._ids[request] > 1:
+            self._ids[request] -= 1
+        else:
+            self._ids.pop(request, None)
+        if not self._ids:
+            self._none_left.set()
 
     async def drain(self) -> None:
         if self._ids:
