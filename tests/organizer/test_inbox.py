@@ -53,6 +53,21 @@ def test_plan_changes_nothing_not_even_folders(organizer: Organizer, inbox_dir: 
     assert detail["uncategorized"] == ["notes"]
 
 
+def test_a_plan_lists_at_most_a_thousand_skipped_and_uncategorized_entries(
+    organizer: Organizer, inbox_dir: Path
+) -> None:
+    """Attack (found by review): 99,000 files of 250-character names no category takes: plan_organize
+    answered every one, 25 MB. At most 1,000 of each are listed; how many more is said."""
+    for n in range(1_200):
+        (inbox_dir / f"{n:04d}.unknownext").write_bytes(b"")
+        (inbox_dir / f".hidden{n:04d}").write_bytes(b"")  # a dotfile: skipped, by a restraint rule
+    detail = organizer.plan()
+    assert len(detail["uncategorized"]) == 1_000
+    assert detail["uncategorized_not_listed"] == 200
+    assert len(detail["skipped"]) == 1_000
+    assert detail["skipped_not_listed"] == 200
+
+
 def test_apply_moves_then_undo_restores_exact_tree(organizer: Organizer, inbox_dir: Path) -> None:
     _fill(inbox_dir)
     before = snapshot(inbox_dir)

@@ -11,11 +11,14 @@ import os
 import secrets
 import stat
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 from bastion.organizer.folder import Folder
 from bastion.organizer.rules import Hit, Rules, display_name, entry_kind
 from bastion.safety.errors import BastionError
+
+MAX_LISTED: Final = 1000
+"""Skipped and uncategorized entries a plan lists, each; the rest are counted."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,13 +155,18 @@ def make_plan(assessed: list[Assessment], max_moves: int) -> tuple[Plan, dict[st
         if a.dst is not None
     )
     plan = Plan(plan_id="plan-" + secrets.token_hex(8), moves=moves)
-    skipped = [{"path": display_name(a.name), **a.hit.as_dict()} for a in assessed if a.hit is not None]
-    unmatched = [display_name(a.name) for a in assessed if a.dst is None and a.hit is None and a.category is None]
+    kept = [a for a in assessed if a.hit is not None]
+    unmatched = [a for a in assessed if a.dst is None and a.hit is None and a.category is None]
     detail: dict[str, Any] = {
         "plan_id": plan.plan_id,
         "moves": [{"src": m.src, "dst": m.dst, "size": m.size} for m in moves],
-        "skipped": skipped,
-        "uncategorized": unmatched,
+        # At most MAX_LISTED of each, and how many more: 99,000 long names were a 25 MB answer.
+        "skipped": [{"path": display_name(a.name), **a.hit.as_dict()} for a in kept[:MAX_LISTED] if a.hit],
+        "uncategorized": [display_name(a.name) for a in unmatched[:MAX_LISTED]],
         "left_out": len(moving) - len(chosen),
     }
+    if len(kept) > MAX_LISTED:
+        detail["skipped_not_listed"] = len(kept) - MAX_LISTED
+    if len(unmatched) > MAX_LISTED:
+        detail["uncategorized_not_listed"] = len(unmatched) - MAX_LISTED
     return plan, detail
