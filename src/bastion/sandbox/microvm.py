@@ -513,7 +513,9 @@ class _Guest:
         if error is None:
             pty.opened.set_result(None)
             return
-        pty.opened.set_result(sanitize_terminal(str(error))[:_MAX_AGENT_ERROR_CHARS] or "no reason given")
+        # Cut before it is cleaned: the guest's 1 MiB of NULs cost the event loop 0.2 s to clean whole.
+        shown = sanitize_terminal(str(error)[: 4 * _MAX_AGENT_ERROR_CHARS])[:_MAX_AGENT_ERROR_CHARS]
+        pty.opened.set_result(shown or "no reason given")
 
     def end_all(self) -> None:
         self.gone.set()

@@ -475,7 +475,8 @@ class WarmSandbox:
             elif self._commands is not None:
                 self._release(self._commands, command_id)  # it did not start: no exit follows
             if not opening.done():
-                why = sanitize_terminal(str(error or "the agent sent no terminal"))[:MAX_AGENT_ERROR_CHARS]
+                raw = str(error or "the agent sent no terminal")[: 4 * MAX_AGENT_ERROR_CHARS]  # cut, then cleaned
+                why = sanitize_terminal(raw)[:MAX_AGENT_ERROR_CHARS]
                 opening.set_exception(Unavailable(f"the terminal's program did not start: {why}"))
             return
         os.set_blocking(fd, False)
