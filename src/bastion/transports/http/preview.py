@@ -76,6 +76,8 @@ CHUNK_CHARGE_BYTES: Final = 1024
 """What each piece of an app's response body counts toward `preview_max_response_bytes` at least. A piece
 costs the server about 10 us whatever its size (parsed, then passed on): an app sending 1-byte chunks made
 one request cost 20 s of CPU per MiB. Charged so, a response has at most cap / 1 KiB pieces."""
+PENDING_BYTES: Final = 256 * 1024
+"""Of an app's body read and not yet sent to the browser: past it, the app is not read until the browser takes it."""
 MAX_STATUS: Final = 599
 """The highest status passed on: h11 reads up to 999 from the app, uvicorn has no phrase past 599."""
 _CUT: contextvars.ContextVar[bool] = contextvars.ContextVar("bastion_preview_cut", default=False)
@@ -597,8 +599,9 @@ class _Body:
         self.progress = progress
         self.pending = bytearray()
         self.wake = asyncio.Event()
+        self.drained = asyncio.Event()
         self.ended: str | None = None
-        """Why no more will come: "complete", "cut", "broken" or "gone"."""
+        """Why no more will come: "complete", "cut", "broken", "revoked" or "gone"."""
 
     async def relay(self, exposed: Callable[[], bool]) -> None:
         tasks = [asyncio.create_task(self._pull()), asyncio.create_task(self._watch())]
@@ -611,6 +614,7 @@ class _Body:
                 if self.pending:
                     data = bytes(self.pending)
                     self.pending.clear()
+                    self.drained.set()
                     await self.send({"type": "http.response.body", "body": data, "more_body": True})
                     self.progress.sent += len(data)
                 if self.ended is None and not exposed():
@@ -640,6 +644,11 @@ class _Body:
                     return
                 self.pending += chunk
                 self.wake.set()
+                while len(self.pending) >= PENDING_BYTES:
+                    # A browser reading slowly holds the app back, as a send awaited in turn did: not the cap's
+                    # worth (64 MiB) of the app's body in the server's memory per request.
+                    self.drained.clear()
+                    await self.drained.wait()
             self._end("complete")
         except (httpcore2.TimeoutException, httpcore2.NetworkError, httpcore2.ProtocolError):
             self._end("broken")
