@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from bastion.sandbox import _vmegress as vmegress
 from bastion.sandbox._vmegress import MAX_STREAMS, WINDOW, EgressPort
 from bastion.sandbox.inside import egress_port, forwarder
 from tests.sandbox.egress_helpers import BIG, HEADER, EgressSetup, HostileGuest, egress_setup, frame
@@ -248,3 +249,23 @@ async def test_a_proxy_connection_reset_under_a_silent_guest_ends_the_stream(tmp
     finally:
         guest.close()
         listener.close()
+
+
+async def test_a_guest_that_stops_reading_and_breaks_the_protocol_ends_its_port(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Attack (found by review): the guest reads nothing from its stream port, then sends 20,000 frames the
+    host refuses. The refusals filled the socket, the port's reader waited on one for ever, and never saw the
+    guest's end (nor its later frames): the port stayed stuck until the sandbox closed. A frame not taken
+    within `SEND_TIMEOUT_S` (here 0.3 s) now ends the port, as on the agent's port."""
+    monkeypatch.setattr(vmegress, "SEND_TIMEOUT_S", 0.3)
+    guest = HostileGuest(None)
+    guest.host_end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    try:
+        await guest.send(b"".join(frame(b"C", n) for n in range(1, 20_000)))
+        guest.sock.shutdown(socket.SHUT_WR)
+        reader = guest.port._task
+        assert reader is not None
+        await asyncio.wait_for(asyncio.shield(reader), timeout=10)  # the port's reader ended, not stuck
+    finally:
+        guest.close()

@@ -43,6 +43,8 @@ MAX_HOST_STREAMS: Final = 128  # previews' connections and terminals open at onc
 HOST_IDS: Final = 0x80000000  # the top bit of a stream id: the host opened it
 _MAX_FRAME: Final = 5 + CHUNK
 _READ_BYTES: Final = 65536
+SEND_TIMEOUT_S: Final = 60.0
+"""A frame the guest has not taken by then ends the port (the agent port's rule, `microvm._SEND_TIMEOUT_S`)."""
 
 
 class _Stream:
@@ -254,7 +256,17 @@ class EgressPort:
 
     async def _write(self, frame: bytes) -> None:
         try:
-            await asyncio.get_running_loop().sock_sendall(self._sock, frame)
+            async with asyncio.timeout(SEND_TIMEOUT_S):
+                await asyncio.get_running_loop().sock_sendall(self._sock, frame)
+        except TimeoutError:
+            # The guest took nothing for that long: the port is stuck. Its reader may be the one waiting here (a
+            # refusal of the guest's frame), and would never see the guest's end: shut the port down instead.
+            logger.warning(
+                "microVM %s took no egress frame in %g s: its stream port is ended", self._name, SEND_TIMEOUT_S
+            )
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RDWR)
+            raise ConnectionResetError(errno.ECONNRESET, "the microVM's stream port is stuck") from None
         finally:
             self._sending.release()
 
