@@ -182,13 +182,17 @@ class LoopLag:
     `worst` leaves out the time the loop's thread waited for a CPU while runnable (its run-queue
     wait, /proc/.../schedstat): on a machine busy with other processes that is the scheduler's doing,
     not a stall of the loop's own. What the loop's own callbacks spend, on the CPU or blocked in a
-    syscall, counts. `wall_worst` is the plain lateness."""
+    syscall, counts. `wall_worst` is the plain lateness. `cpu_worst` is the most CPU time the loop's
+    thread spent between two ticks: what its own callbacks computed, leaving out a syscall that blocked
+    (such as an fdatasync the disk made slow) as well as the scheduler's doing."""
 
     def __init__(self, tick_s: float = 0.005) -> None:
         self.tick_s = tick_s
         self.worst = 0.0
         self.wall_worst = 0.0
+        self.cpu_worst = 0.0
         self._due = 0.0
+        self._cpu = 0.0
         self._waited = 0.0
         self._schedstat = -1
         self._handle: asyncio.TimerHandle | None = None
@@ -198,6 +202,7 @@ class LoopLag:
         with contextlib.suppress(OSError):  # no schedstat (CONFIG_SCHED_INFO off): wall lateness only
             self._schedstat = os.open(f"/proc/self/task/{threading.get_native_id()}/schedstat", os.O_RDONLY)
         self._waited = self._run_queue_wait()
+        self._cpu = time.thread_time()
         self._due = loop.time() + self.tick_s
         self._handle = loop.call_at(self._due, self._tick)
         return self
@@ -215,6 +220,9 @@ class LoopLag:
         self.wall_worst = max(self.wall_worst, late)
         self.worst = max(self.worst, late - (waited - self._waited))
         self._waited = waited
+        cpu = time.thread_time()
+        self.cpu_worst = max(self.cpu_worst, cpu - self._cpu)
+        self._cpu = cpu
         self._due = now + self.tick_s
         self._handle = loop.call_at(self._due, self._tick)
 
