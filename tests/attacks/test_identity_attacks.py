@@ -23,6 +23,7 @@ from __future__ import annotations
 import base64
 import ctypes
 import errno
+import fcntl
 import io
 import itertools
 import json
@@ -30,6 +31,7 @@ import os
 import shlex
 import shutil
 import stat
+import sys
 import tarfile
 import zipfile
 from pathlib import Path
@@ -1274,3 +1276,199 @@ async def test_sandboxes_of_two_servers_on_one_host_do_not_share_an_id(
     assert len(seen) == 4, seen
     assert set(seen).isdisjoint(first_ids.values()), (first_ids, seen)
     assert seen == dict.fromkeys(seen, "public EACCES\n"), (first_ids, seen)
+
+
+# -- 11. lasting marks on host files: inode flags, device nodes, core dumps ------------------------
+
+# Runs inside (or on the host, unconfined, for the calibration): argv[1] is a JSON list of targets
+# (files and folders to mark), argv[2] a fresh folder to make nodes in. Prints {attempt: outcome}.
+INODE_PROBE = r"""
+import ctypes, errno, fcntl, json, os, struct, sys
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+libc.syscall.argtypes = (ctypes.c_long,) * 6
+out = {}
+
+def attempt(name, fn):
+    try:
+        fn()
+        out[name] = "OK"
+    except OSError as exc:
+        out[name] = errno.errorcode.get(exc.errno, str(exc.errno))
+
+def raw(number, *args):
+    kept = [ctypes.create_string_buffer(a) if isinstance(a, bytes) else a for a in args]  # alive until the call ends
+    words = [ctypes.addressof(a) if isinstance(a, ctypes.Array) else a for a in kept]
+    if libc.syscall(number, *(words + [0] * 5)[:5]) < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+def on(path, request, arg):
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        fcntl.ioctl(fd, request, arg)
+    finally:
+        os.close(fd)
+
+def flags_of(path):
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        return struct.unpack("l", fcntl.ioctl(fd, 0x80086601, bytes(8)))[0]
+    finally:
+        os.close(fd)
+
+def xattr_of(path):  # struct fsxattr (FS_IOC_FSGETXATTR)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        return bytearray(fcntl.ioctl(fd, 0x801C581F, bytes(28)))
+    finally:
+        os.close(fd)
+
+def high_bits(path):  # the request with junk above bit 31, which the kernel ignores
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        flags = ctypes.c_long(flags_of(path) | 0x40)
+        raw(16, fd, (1 << 32) | 0x40086602, ctypes.addressof(flags))
+    finally:
+        os.close(fd)
+
+def with_nodump(path):
+    found = xattr_of(path)
+    struct.pack_into("I", found, 0, struct.unpack_from("I", found)[0] | 0x80)  # FS_XFLAG_NODUMP
+    return bytes(found)
+
+for target in json.loads(sys.argv[1]):
+    attempt(f"getflags {target}", lambda: flags_of(target))
+    attempt(f"setflags nodump {target}", lambda: on(target, 0x40086602, struct.pack("l", flags_of(target) | 0x40)))
+    attempt(f"setflags32 nodump {target}", lambda: on(target, 0x40046602, struct.pack("i", flags_of(target) | 0x40)))
+    attempt(f"setflags high bits {target}", lambda: high_bits(target))
+    attempt(f"fssetxattr nodump {target}", lambda: on(target, 0x401C5820, with_nodump(target)))
+    attempt(f"setversion {target}", lambda: on(target, 0x40087602, struct.pack("l", 7)))
+os.mkdir(sys.argv[2])
+os.chdir(sys.argv[2])
+open("own", "w").close()
+os.mkdir("empty")
+attempt("enable_verity", lambda: on("own", 0x40806685, struct.pack("II", 1, 1) + bytes(120)))
+attempt("set_encryption_policy", lambda: on("empty", 0x800C6613, bytes([0, 1, 4, 0]) + b"k" * 8))
+attempt("mkfifo", lambda: os.mkfifo("fifo"))
+attempt("mknod_char_0_0", lambda: os.mknod("whiteout", 0o20600, os.makedev(0, 0)))
+attempt("mknod_char_1_3", lambda: os.mknod("null", 0o20666, os.makedev(1, 3)))
+attempt("mknod_block_7_0", lambda: os.mknod("loop", 0o60600, os.makedev(7, 0)))
+attempt("mknodat_char_0_0", lambda: raw(259, -100, b"whiteout2", 0o20600, 0))
+open("moved", "w").close()
+attempt("renameat2_whiteout", lambda: raw(316, -100, b"moved", -100, b"gone", 4))
+print(json.dumps(out))
+"""
+MARKS = ("setflags nodump", "setflags32 nodump", "setflags high bits", "fssetxattr nodump", "setversion")
+NODES = ("mknod_char_0_0", "mknodat_char_0_0", "renameat2_whiteout")
+
+
+def inode_flags(path: Path) -> int:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return int.from_bytes(fcntl.ioctl(fd, 0x80086601, bytes(8))[:4], sys.byteorder)
+    finally:
+        os.close(fd)
+
+
+def device_nodes(root: Path) -> list[str]:
+    found = []
+    for folder, dirs, files in os.walk(root, onerror=_raise, followlinks=False):
+        for name in (*dirs, *files):
+            mode = os.lstat(os.path.join(folder, name)).st_mode
+            if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+                found.append(os.path.join(folder, name))
+    return found
+
+
+async def test_a_command_sets_no_inode_flag_and_makes_no_device_node_on_host_files(
+    client: Client, demo_config: Config, tmp_path: Path, dev_before: dict[str, tuple[object, ...]]
+) -> None:
+    """Attack: a command in a workspace sets ioctl_iflags(2) on the host's files and on the workspace
+    folder (no-dump hides them from backups; sync, noatime...), through FS_IOC_SETFLAGS (both sizes of
+    long, junk above bit 31), FS_IOC_FSSETXATTR or FS_IOC_SETVERSION, enables fs-verity or an
+    encryption policy, and makes device nodes: a 0:0 character device (overlayfs's whiteout, which
+    needs no capability) by mknod, mknodat or renameat2's RENAME_WHITEOUT. Invariant: every one fails
+    with EPERM in each host workspace and in an agent sandbox, reading the flags and making a FIFO
+    still work, and the host's files keep their flags; the same probe unconfined, as an ordinary user
+    on a folder of its own, sets the flag and makes the whiteouts (the refusals are the filter's).
+    Does not cover the 32-bit x86 ABI (the filter's rules are the same for it: the setuid test)."""
+    calibration = tmp_path / "calibration"
+    calibration.mkdir()
+    (calibration / "mine").write_text("x")
+    for path in (calibration, calibration / "mine"):
+        os.chown(path, ORDINARY, ORDINARY)
+    as_ordinary = ("setpriv", f"--reuid={ORDINARY}", f"--regid={ORDINARY}", "--clear-groups")
+    unconfined = await anyio.run_process(
+        [*as_ordinary, "/usr/bin/python3", "-I", "-S", "-c", INODE_PROBE, json.dumps(["mine"]), "nodes"],
+        cwd=calibration,
+    )
+    made = json.loads(unconfined.stdout)
+    # FS_IOC32_SETFLAGS is a 32-bit program's: ENOTTY from a 64-bit one, filter or not.
+    marked = [f"{mark} mine" for mark in MARKS if mark != "setflags32 nodump"]
+    assert {name: made[name] for name in (*marked, "mkfifo", *NODES)} == dict.fromkeys(
+        (*marked, "mkfifo", *NODES), "OK"
+    )
+    shutil.rmtree(calibration)
+
+    box = await create(client)
+    for where in (OPEN, USER, box):
+        folder = host_folder(demo_config, where)
+        (folder / "admin.txt").write_text("the host's file\n")
+        os.chown(folder / "admin.txt", *((ORDINARY, ORDINARY) if where == USER else (os.lstat(folder).st_uid,) * 2))
+        before = {path: inode_flags(path) for path in (folder, folder / "admin.txt")}
+        written = await call(client, "write_file", path="inode.py", content=INODE_PROBE, sandbox_id=where)
+        assert written["ok"], written
+        argv = ("python3", "-I", "-S", "inode.py", json.dumps([".", "admin.txt"]), "nodes")
+        found = json.loads(ran(await sh(client, where, shlex.join(argv)))["stdout"])
+        for target in (".", "admin.txt"):
+            assert found[f"getflags {target}"] == "OK", (where, found)
+            for mark in MARKS:
+                assert found[f"{mark} {target}"] == "EPERM", (where, mark, target, found)
+        for name in ("enable_verity", "set_encryption_policy", "mknod_char_1_3", "mknod_block_7_0", *NODES):
+            assert found[name] == "EPERM", (where, name, found)
+        assert found["mkfifo"] == "OK", (where, found)
+        assert {path: inode_flags(path) for path in before} == before, where
+        assert device_nodes(folder) == [], where
+    assert_host_intact(demo_config, tmp_path, dev_before)
+
+
+CORE_PROBE = r"""
+import os, resource, signal
+print(resource.getrlimit(resource.RLIMIT_CORE))
+for wanted in ((resource.RLIM_INFINITY, resource.RLIM_INFINITY), (0, 0), (1, 1)):
+    try:
+        resource.setrlimit(resource.RLIMIT_CORE, wanted)
+        print("set", wanted)
+    except (ValueError, OSError) as exc:
+        print("refused", wanted, type(exc).__name__)
+print(resource.getrlimit(resource.RLIMIT_CORE), flush=True)
+os.kill(os.getpid(), signal.SIGSEGV)
+"""
+
+
+async def test_a_crashing_command_cannot_raise_its_core_limit_and_leaves_no_core(
+    client: Client, demo_config: Config, tmp_path: Path
+) -> None:
+    """Attack: a command raises its core-size limit and crashes, so the kernel writes a core into the
+    workspace (past the sandbox's disk quota in a host workspace) or, on a host whose core_pattern is
+    a pipe (systemd-coredump, apport), hands the crash to a root helper on the host. Invariant: in the
+    host workspaces that run python3 and an agent sandbox the limit is (1, 1), it cannot be raised (it may be lowered, to
+    0), the crash leaves no core file, and the kernel would skip a pipe helper (it does for exactly 1).
+    Does not run a pipe helper: core_pattern is the host's, and a test must not change it."""
+    box = await create(client)
+    for where in (OPEN, USER, box):  # the demo's own workspace runs no python3; its sandbox is alike
+        name = "crash.py"
+        written = await call(client, "write_file", path=name, content=CORE_PROBE, sandbox_id=where)
+        assert written["ok"], written
+        crashed = await sh(client, where, shlex.join(("python3", "-I", "-S", name)))
+        lines = detail(crashed)["stdout"].splitlines()
+        assert lines == [
+            "(1, 1)",
+            "refused (-1, -1) ValueError",
+            "set (0, 0)",
+            "refused (1, 1) ValueError",
+            "(0, 0)",
+        ], (where, crashed)
+        assert detail(crashed)["exit_status"] != 0, crashed
+        assert not [p for p in host_folder(demo_config, where).iterdir() if p.name.startswith("core")], where

@@ -708,6 +708,8 @@ def test_every_denial_is_in_the_program_for_each_abi(program: bytes) -> None:
         args = [0] * 6
         for index, mask in denial.args_have:
             args[index] |= mask
+        for index, mask, value in denial.args_equal:
+            args[index] = args[index] & ~mask | value
         for arch in (AUDIT_ARCH_X86_64, AUDIT_ARCH_I386):
             nr = resolve(arch, denial.syscall)
             if nr >= 0:
@@ -773,6 +775,39 @@ def test_setid_modes_are_refused_on_each_abi(program: bytes, syscall: str) -> No
                 assert verdict(flags, 0o6777) == ALLOW, (syscall, hex(arch), oct(flags))
 
 
+@pytest.mark.skipif(not IS_X86_64, reason="checks the x86_64 and i386 programs")
+def test_inode_attribute_ioctls_and_device_nodes_are_refused_on_each_abi(program: bytes) -> None:
+    """Invariant: on both x86 ABIs the ioctls that set inode flags, fscrypt policies and fs-verity are
+    refused whatever the request's bits above 32 hold (the kernel ignores them), and other ioctls
+    (reading the flags, a terminal's, FIONREAD) are allowed; mknod and mknodat refuse a character or
+    block device and allow a FIFO, a socket and a regular file; renameat2 refuses RENAME_WHITEOUT only."""
+    refused = errno_action(errno.EPERM)
+    others = (0x80086601, 0x5401, 0x541B, 0x40086603, 0x40086602 ^ 1)  # GETFLAGS, TCGETS, FIONREAD, near misses
+    for arch in (AUDIT_ARCH_X86_64, AUDIT_ARCH_I386):
+        ioctl = resolve(arch, "ioctl")
+        for request in seccomp.INODE_ATTRIBUTE_IOCTLS.values():
+            for high in (0, 0xFFFFFFFF_00000000, 1 << 32):
+                assert run_bpf(program, ioctl, arch, [3, high | request]) == refused, (hex(arch), hex(request), high)
+        for request in others:
+            assert run_bpf(program, ioctl, arch, [3, request]) == ALLOW, (hex(arch), hex(request))
+        for syscall, index in (("mknod", 1), ("mknodat", 2)):
+            nr = resolve(arch, syscall)
+            for kind, verdict in (
+                (stat.S_IFCHR, refused),
+                (stat.S_IFBLK, refused),
+                (stat.S_IFIFO, ALLOW),
+                (stat.S_IFSOCK, ALLOW),
+                (stat.S_IFREG, ALLOW),
+                (0, ALLOW),
+            ):
+                args = [0] * 6
+                args[index] = kind | 0o600
+                assert run_bpf(program, nr, arch, args) == verdict, (syscall, hex(arch), oct(kind))
+        renameat2 = resolve(arch, "renameat2")
+        for flags, verdict in ((0, ALLOW), (1, ALLOW), (2, ALLOW), (4, refused), (5, refused)):
+            assert run_bpf(program, renameat2, arch, [0, 0, 0, 0, flags]) == verdict, (hex(arch), flags)
+
+
 def named(arch: int, nr: int) -> bool:
     """Whether libseccomp's table names syscall `nr` of ABI `arch`."""
     name = _LIB.seccomp_syscall_resolve_num_arch(arch, nr)
@@ -803,7 +838,11 @@ def test_numbers_libseccomp_cannot_name_get_enosys_on_each_abi(program: bytes) -
     for arch in (AUDIT_ARCH_X86_64, AUDIT_ARCH_I386):
         for nr in range(first, 1024):
             assert run_bpf(program, nr, arch) == enosys, (nr, hex(arch))
-        named = {resolve(arch, d.syscall): d for d in seccomp.DENIED if not d.args_have and not d.arg1_except}
+        named = {
+            resolve(arch, d.syscall): d
+            for d in seccomp.DENIED
+            if not d.args_have and not d.arg1_except and not d.args_equal
+        }
         for nr in range(424, first):
             expected = errno_action(named[nr].errno) if nr in named else ALLOW
             assert run_bpf(program, nr, arch) == expected, (nr, hex(arch))

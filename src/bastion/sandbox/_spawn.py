@@ -13,6 +13,7 @@ import functools
 import importlib.util
 import marshal
 import os
+import resource
 import shutil
 import socket
 import stat
@@ -126,6 +127,22 @@ _JOIN_CGROUPS: Final = """n=$1; shift
 while [ "$n" -gt 0 ]; do echo 0 > "$1" || exit 126; shift; n=$((n - 1)); done
 exec "$@"
 """
+
+
+NO_CORE_DUMPS: Final = (1, 1)
+"""RLIMIT_CORE (soft, hard) of the server and so of every process a sandbox starts. A hard limit only goes
+down without CAP_SYS_RESOURCE in the host's user namespace, so nothing inside can raise it. 1, not 0: a
+core file needs at least a page, and the kernel skips a `core_pattern` pipe helper (systemd-coredump,
+apport: root, on the host) for a limit of exactly 1, never for 0. The server holds tokens and keys: it
+leaves no core either."""
+
+
+def limit_core_dumps() -> None:
+    """Lower this process's core-size limit to `NO_CORE_DUMPS` (before a sandbox starts: it is inherited)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_CORE)
+    if (soft, hard) == NO_CORE_DUMPS or hard == 0:  # a hard 0 cannot be raised without privilege: no file cores
+        return
+    resource.setrlimit(resource.RLIMIT_CORE, NO_CORE_DUMPS)
 
 
 def setpriv_argv(uid: int, gid: int) -> list[str]:
@@ -317,6 +334,7 @@ def build_bwrap_argv(
 
 def start_sandbox(spec: SandboxSpec) -> tuple[SandboxProcess, socket.socket]:
     """Start bwrap with the agent inside; return the process and the host's socket end."""
+    limit_core_dumps()
     seccomp_fd = write_filter_fd()
     data_fds: dict[str, int] = {}
     etc_fds: dict[str, int] = {}
@@ -469,6 +487,7 @@ def start_vmm(argv: Sequence[str], *, identity: tuple[int, int] | None, cgroup_p
     # Killed with the server (bwrap has --die-with-parent; QEMU has no such option): a guest must
     # never outlive the process that holds its channel and its cgroup.
     prefix = setpriv_argv(*identity) if identity is not None else [*setpriv_argv(0, 0)[:1], "--"]
+    limit_core_dumps()
     filter_fd = write_filter_fd(SETID_DENIED)
     try:
         loader = [_VMM_PYTHON, "-I", "-S", "-c", _VMM_SECCOMP, str(filter_fd)]

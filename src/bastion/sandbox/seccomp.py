@@ -59,6 +59,16 @@ a plain error):
   without extended attributes answers, and what ``cp -a`` and shutil.copy2
   ignore and ``tar --xattrs`` only warns about (``cp --preserve=xattr`` fails).
   Reading, listing and removing attributes stay allowed.
+- Inode attributes and device nodes. The kernel lets a file's owner set its
+  ioctl_iflags(2) (no-dump, which backup tools honour; synchronous writes; no
+  atime...), an fscrypt policy on an empty folder (the host could no longer
+  make files in it) and fs-verity (read-only for ever), and lets anyone make a
+  0:0 character device (overlayfs's whiteout, also by renameat2's
+  RENAME_WHITEOUT). A workspace's files, its folder included, are the host's, so
+  the ioctls that set these (`INODE_ATTRIBUTE_IOCTLS`, by request number, bits
+  above 32 masked as the kernel ignores them) and mknod of a character or block
+  device fail with EPERM. Reading the flags (lsattr), FIFOs and sockets stay
+  allowed; ``chattr`` fails.
 - Syscalls newer than the installed libseccomp, with ENOSYS, as on an older
   kernel. libseccomp gives rules only to the syscalls its table names, so from
   the first number its table lacks (searched from 424, where every ABI here
@@ -141,7 +151,8 @@ class Denial(NamedTuple):
     """One rule: `syscall` fails with `errno` when all its conditions hold (always, if it has none).
 
     Each ``(index, mask)`` of `args_have` holds when argument `index` has every bit of
-    `mask`; `arg1_except`, if set, holds when argument 1 is anything but it.
+    `mask`; `arg1_except`, if set, holds when argument 1 is anything but it; each of
+    `args_equal` when the argument's masked bits are exactly a value.
     libseccomp ANDs the conditions of one rule and ORs rules with the same action.
     """
 
@@ -150,6 +161,8 @@ class Denial(NamedTuple):
     errno: int = errno.EPERM
     args_have: tuple[tuple[int, int], ...] = ()
     arg1_except: int = 0
+    args_equal: tuple[tuple[int, int, int], ...] = ()
+    """``(index, mask, value)``: holds when argument `index` ANDed with `mask` is `value`."""
 
 
 _SETID_BITS: Final = (stat.S_ISUID, stat.S_ISGID)
@@ -186,6 +199,49 @@ SETID_DENIED: Final[tuple[Denial, ...]] = (
     *_refuse_setid_mode("openat", 3, flags_arg=2),
     Denial("openat2", "its mode sits in a struct seccomp cannot read; ENOSYS makes libc use openat", errno.ENOSYS),
 )
+
+
+def _ioc(direction: int, kind: str, number: int, size: int) -> int:
+    """An ioctl request number, as the kernel's _IOC macro (asm-generic/ioctl.h) makes it."""
+    return direction << 30 | size << 16 | ord(kind) << 8 | number
+
+
+_IOC_WRITE: Final = 1
+_IOC_READ: Final = 2
+# The ioctls that change what a file or folder is on disk, beyond its bytes, mode and owner
+# (ioctl_iflags(2), fscrypt and fs-verity): the kernel lets a file's owner make them, and a workspace's
+# files, its folder included, are the host's. Both sizes of `long` where the request names one.
+INODE_ATTRIBUTE_IOCTLS: Final[dict[str, int]] = {
+    "FS_IOC_SETFLAGS": _ioc(_IOC_WRITE, "f", 2, 8),
+    "FS_IOC32_SETFLAGS": _ioc(_IOC_WRITE, "f", 2, 4),
+    "FS_IOC_FSSETXATTR": _ioc(_IOC_WRITE, "X", 32, 28),
+    "FS_IOC_SETVERSION": _ioc(_IOC_WRITE, "v", 2, 8),
+    "FS_IOC32_SETVERSION": _ioc(_IOC_WRITE, "v", 2, 4),
+    "FS_IOC_SET_ENCRYPTION_POLICY": _ioc(_IOC_READ, "f", 19, 12),
+    "FS_IOC_ADD_ENCRYPTION_KEY": _ioc(_IOC_READ | _IOC_WRITE, "f", 23, 80),
+    "FS_IOC_ENABLE_VERITY": _ioc(_IOC_WRITE, "f", 133, 128),
+}
+_IOCTL_REQUEST_BITS: Final = 0xFFFFFFFF
+"""The kernel reads an ioctl's request as an unsigned int: bits above 32 are ignored, so they are masked."""
+_FILE_TYPE_BITS: Final = 0o170000  # S_IFMT (Python's stat.S_IFMT is a function)
+RENAME_WHITEOUT: Final = 1 << 2
+
+
+def _refuse_ioctls(requests: dict[str, int]) -> tuple[Denial, ...]:
+    return tuple(
+        Denial("ioctl", f"{name} changes a host file's attributes", args_equal=((1, _IOCTL_REQUEST_BITS, value),))
+        for name, value in requests.items()
+    )
+
+
+def _refuse_device_nodes(syscall: str, mode_arg: int) -> tuple[Denial, ...]:
+    """mknod(2) of a character or block device: no capability is needed for 0:0, the overlayfs whiteout."""
+    reason = "a device node (a 0:0 one is an overlayfs whiteout) in a workspace stays on the host"
+    return tuple(
+        Denial(syscall, reason, args_equal=((mode_arg, _FILE_TYPE_BITS, kind),))
+        for kind in (stat.S_IFCHR, stat.S_IFBLK)
+    )
+
 
 DENIED: Final[tuple[Denial, ...]] = (
     # Mounts: the sandbox's file system view is bubblewrap's, final (mount(2), mount_setattr(2)).
@@ -254,6 +310,11 @@ DENIED: Final[tuple[Denial, ...]] = (
     Denial("fsetxattr", "could set security.capability; the name is in memory", errno.EOPNOTSUPP),
     # Named for a libseccomp that knows it (newer than 2.5.4); until then the unknown-syscall range refuses it.
     Denial("setxattrat", "could set security.capability; the name is in memory", errno.EOPNOTSUPP),
+    # Lasting marks on host files (no-dump, sync, encryption policies, verity) and device nodes.
+    *_refuse_ioctls(INODE_ATTRIBUTE_IOCTLS),
+    *_refuse_device_nodes("mknod", 1),
+    *_refuse_device_nodes("mknodat", 2),
+    Denial("renameat2", "RENAME_WHITEOUT leaves a 0:0 device node", args_have=((4, RENAME_WHITEOUT),)),
 )
 
 # Syscalls the sandbox itself makes (the agent applies Landlock after the filter
@@ -378,6 +439,7 @@ def _add_denial(lib: _LibSeccomp, ctx: int, denial: Denial) -> None:
         # the range `_unknown_syscalls_prefix` refuses.
         return
     cmps = tuple(_ArgCmp(index, SCMP_CMP_MASKED_EQ, mask, mask) for index, mask in denial.args_have)
+    cmps += tuple(_ArgCmp(index, SCMP_CMP_MASKED_EQ, mask, value) for index, mask, value in denial.args_equal)
     if denial.arg1_except:
         cmps += (_ArgCmp(1, SCMP_CMP_NE, denial.arg1_except, 0),)
     rc = lib.rule_add(ctx, _errno_action(denial.errno), nr, cmps)
