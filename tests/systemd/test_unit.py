@@ -75,3 +75,14 @@ def test_shipped_files_are_the_packaged_ones() -> None:
     packaged = REPO / "src/bastion/systemd"
     assert (REPO / "deploy/bastion.service").read_text() == (packaged / "bastion.service").read_text()
     assert (REPO / "deploy/bastion.service.d/root.conf").read_text() == (packaged / "root.conf").read_text()
+
+
+def test_a_start_recovering_crashed_sandboxes_is_not_killed_by_systemds_default_start_timeout() -> None:
+    """Attack (a5): crash the server with sandboxes full of data; the next start snapshots each one before
+    READY=1 (about a minute of gzip per 2 GiB workspace). Invariant: the unit gives the start far more than
+    systemd's default 90 s (which killed it part-way, and each restart began the recovery again).
+    Does not prove: that 30 min covers every config (it scales with max_sandboxes; the comment says so)."""
+    text = (REPO / "src/bastion/systemd/bastion.service").read_text()
+    found = re.search(r"^TimeoutStartSec=(\d+)min$", text, re.MULTILINE)
+    assert found is not None, "TimeoutStartSec=<n>min missing from the unit"
+    assert int(found.group(1)) >= 15

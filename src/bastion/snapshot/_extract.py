@@ -6,8 +6,13 @@ server wrote it:
 
 - `tarfile.TarFile.extractall` is not used. Member names must be relative, without ``..``,
   empty or ``.`` components, backslashes, control or invisible characters. Only regular
-  files, folders and symlinks are accepted: hard links, devices, FIFOs and anything else
-  refuse the whole restore.
+  files, folders, symlinks and hard links to a file restored before are accepted: devices,
+  FIFOs and anything else refuse the whole restore.
+- A hard link member's target follows the member name rules; it is reached from the target
+  folder's fd one component at a time (``O_NOFOLLOW``, never made) and must be a regular file
+  of the target's filesystem (and the owner's, with an owner): ``linkat`` without
+  ``AT_SYMLINK_FOLLOW`` then makes the new name. A link to a host file, a symlink, a folder or
+  a name not restored yet refuses the restore. A link adds a name, never data.
 - Every write happens relative to a folder fd opened ``O_DIRECTORY | O_NOFOLLOW`` one
   component at a time from the target, and files are created ``O_CREAT | O_EXCL |
   O_NOFOLLOW``: a symlink made by an earlier member (``a -> /etc``) can never redirect a
@@ -98,7 +103,7 @@ _IMPLICIT_DIR_MODE: Final = 0o755
 DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _CREATE_FLAGS: Final = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC
 
-_Kind = Literal["file", "dir", "symlink"]
+_Kind = Literal["file", "dir", "symlink", "link"]
 
 
 class _BoundedReader:
@@ -210,6 +215,10 @@ class _Extractor:
         self._guard = guard
         # The parent folder of the last member, one (name, open fd, tree node) per component.
         self._chain: list[tuple[str, int, _Folder]] = []
+        # The folder of the last hard link's target, one (name, open fd) per component: many links to one file
+        # 127 folders deep open them once.
+        self._link_chain: list[tuple[str, int]] = []
+        self._root_dev = os.fstat(root_fd).st_dev
         self._root = _Folder()
         self.entries = 0
         self.files = 0
@@ -237,15 +246,62 @@ class _Extractor:
                 raise _duplicate(member.name) from exc
             self._own(parent_fd, name)
             os.utime(name, times=(mtime, mtime), dir_fd=parent_fd, follow_symlinks=False)
+        elif kind == "link":
+            self._make_link(parent_fd, name, member)
         else:
             self._make_file(parent_fd, name, member, reader, mtime)
 
     def finish(self) -> None:
         self._close_chain(0)
+        self._close_link_chain(0)
         self._set_folders(self._root_fd, self._root, "")
 
     def close(self) -> None:
         self._close_chain(0)
+        self._close_link_chain(0)
+
+    def _make_link(self, parent_fd: int, name: str, member: Member) -> None:
+        """Another name for a regular file restored before, inside the target (see the module docstring)."""
+        parts = _member_parts(member.linkname)
+        source_fd = self._link_folder(parts[:-1], member)
+        try:
+            found = os.stat(parts[-1], dir_fd=source_fd, follow_symlinks=False)
+        except (FileNotFoundError, NotADirectoryError):
+            found = None
+        owned = self._owner is None or (found is not None and (found.st_uid, found.st_gid) == self._owner)
+        if found is None or not stat.S_ISREG(found.st_mode) or found.st_dev != self._root_dev or not owned:
+            raise PolicyDenied(
+                f"snapshot member '{member.name}' is a hard link to '{member.linkname}', which is not a file "
+                "restored before it: the snapshot is refused"
+            )
+        try:
+            os.link(parts[-1], name, src_dir_fd=source_fd, dst_dir_fd=parent_fd, follow_symlinks=False)
+        except FileExistsError as exc:
+            raise _duplicate(member.name) from exc
+
+    def _link_folder(self, parts: tuple[str, ...], member: Member) -> int:
+        """The fd of the folder holding a hard link's target, opened (never made) one component at a time."""
+        common = 0
+        while common < min(len(self._link_chain), len(parts)) and self._link_chain[common][0] == parts[common]:
+            common += 1
+        self._close_link_chain(common)
+        for index in range(common, len(parts)):
+            parent_fd = self._link_chain[-1][1] if self._link_chain else self._root_fd
+            prefix = "/".join(parts[: index + 1])
+            try:
+                fd = self._open_dir(parent_fd, parts[index], member.name, prefix)
+            except FileNotFoundError as exc:
+                raise PolicyDenied(
+                    f"snapshot member '{member.name}' is a hard link into '{prefix}', which was not restored before "
+                    "it: the snapshot is refused"
+                ) from exc
+            self._link_chain.append((parts[index], fd))
+        return self._link_chain[-1][1] if self._link_chain else self._root_fd
+
+    def _close_link_chain(self, keep: int) -> None:
+        for _, fd in self._link_chain[keep:]:
+            os.close(fd)
+        del self._link_chain[keep:]
 
     def _count_entry(self) -> None:
         self.entries += 1
@@ -411,8 +467,9 @@ def _member_kind(member: Member) -> _Kind:
         return "dir"
     if kind == tarfile.SYMTYPE:
         return "symlink"
+    if kind == tarfile.LNKTYPE:
+        return "link"
     what = {
-        tarfile.LNKTYPE: "a hard link",
         tarfile.CHRTYPE: "a character device",
         tarfile.BLKTYPE: "a block device",
         tarfile.FIFOTYPE: "a named pipe",

@@ -247,7 +247,7 @@ def register_sandboxes(
         title="Pause sandbox",
         description=(
             "Freeze every process of a sandbox: it uses no CPU until resume_sandbox. Nothing is lost: files stay "
-            "reachable and processes go on where they stopped."
+            "reachable and processes go on where they stopped. A pause during snapshot_sandbox is kept after it."
         ),
     )
     async def pause_sandbox(sandbox_id: SandboxIdArg) -> dict[str, object]:
@@ -261,7 +261,10 @@ def register_sandboxes(
         annotations=_FREEZES,
         workspace=in_sandbox,
         title="Resume sandbox",
-        description="Thaw a paused sandbox: its processes go on where they stopped.",
+        description=(
+            "Thaw a paused sandbox: its processes go on where they stopped. While snapshot_sandbox copies it, the "
+            "sandbox stays frozen and this answers CONFLICT."
+        ),
     )
     async def resume_sandbox(sandbox_id: SandboxIdArg) -> dict[str, object]:
         agent_owned(sandbox_id, "resume_sandbox")

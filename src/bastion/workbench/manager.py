@@ -17,7 +17,7 @@ import secrets
 import stat
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -85,6 +85,7 @@ NET_TEMP_PREFIX: Final = "bastion-net-"
 ENV_DEST: Final = f"{BASTION_OPT}/env"
 SLEEP_AFTER_S: Final = 120.0
 _MAX_NAME_CHARS: Final = 64
+_MAX_SHOWN_CHARS: Final = 64  # of a client's id or name echoed in a reason
 _SHELL_POLICY: Final = CommandPolicyConfig(allow=("*",))
 _NARROWABLE: Final = frozenset(SandboxLimitsConfig.model_fields)
 _DISK_WALK_MAX_ENTRIES: Final = 100_000
@@ -133,6 +134,13 @@ class Sandbox:
         }
 
 
+def shown(text: str) -> str:
+    """A client's id or name, quoted for a reason, cut to `_MAX_SHOWN_CHARS` (a 100,000-character id came back)."""
+    if len(text) > _MAX_SHOWN_CHARS:
+        return repr(text[:_MAX_SHOWN_CHARS]) + f"... (cut, {len(text)} characters)"
+    return repr(text)
+
+
 def narrow_limits(ceiling: SandboxLimitsConfig, requested: Mapping[str, object] | None) -> SandboxLimitsConfig:
     """The ceiling, with each requested value taken if it is not above it.
 
@@ -144,7 +152,7 @@ def narrow_limits(ceiling: SandboxLimitsConfig, requested: Mapping[str, object] 
         return ceiling
     unknown = sorted(set(requested) - _NARROWABLE)
     if unknown:
-        raise InvalidRequest(f"unknown limit {unknown[0]!r}: use {', '.join(sorted(_NARROWABLE))}")
+        raise InvalidRequest(f"unknown limit {shown(unknown[0])}: use {', '.join(sorted(_NARROWABLE))}")
     try:
         narrowed = SandboxLimitsConfig.model_validate({**ceiling.model_dump(), **requested})
     except ValueError:
@@ -210,6 +218,8 @@ class SandboxManager:
         self._snapshot_turn = anyio.Lock()  # snapshots are written one at a time: they wait here, unfrozen
         # Sandboxes whose workspace a snapshot is reading: closing one removes its files only after.
         self._archiving: dict[str, anyio.Event] = {}
+        # Sandboxes a snapshot froze and will thaw at its end: a user's pause is apart (`pause`, `resume`).
+        self._frozen_for_snapshot: set[str] = set()
         self._made_at: dict[str, float] = {}
         """Snapshot id -> `time.monotonic()` when this process recovered it (`expire_snapshots`)."""
         # Sandboxes a restore is writing (as their host id): closing one removes the files, and frees the id, after.
@@ -217,6 +227,8 @@ class SandboxManager:
         self._redactor = redactor
         self._cgroups = cgroups
         self._boxes: dict[str, Sandbox] = {}
+        self._opening = 0  # creates past `_check_room` and not yet registered or failed (`_slot`)
+        self._closing = 0  # closes whose sandbox is out of `_boxes` but whose files are not yet removed
         self._pool: list[_Prepared] = []
         self._vm_pools: dict[str, list[_Prepared]] = {}  # booted guests by microvm template name
         self._starting: dict[str, _Prepared] = {}  # so close_all can end one mid-start
@@ -245,7 +257,7 @@ class SandboxManager:
     def get(self, sandbox_id: str) -> Sandbox:
         box = self._boxes.get(sandbox_id)
         if box is None:
-            raise SandboxNotFound(f"no sandbox {sandbox_id!r}: it was closed, or never existed (list_sandboxes)")
+            raise SandboxNotFound(f"no sandbox {shown(sandbox_id)}: it was closed, or never existed (list_sandboxes)")
         box.last_used = time.monotonic()
         return box
 
@@ -277,8 +289,7 @@ class SandboxManager:
         """
         if not self._config.enabled:
             raise PolicyDenied("sandboxes are disabled on this server: use a configured workspace")
-        if len(self._boxes) >= self._config.max_sandboxes:
-            raise ResourceLimit(f"{self._config.max_sandboxes} sandboxes are open: close one first")
+        self._check_room()
         if name is not None and (len(name) > _MAX_NAME_CHARS or not name.isprintable()):
             raise InvalidRequest(f"name must be printable and at most {_MAX_NAME_CHARS} characters")
         chosen = self._template(template)
@@ -299,6 +310,43 @@ class SandboxManager:
             and narrowed.disk_bytes == self._config.limits.disk_bytes
             and chosen.isolation == self._default_template.isolation == "namespaces"
         )
+        with self._slot():
+            box = await self._start(name, owner, chosen, narrowed, settings, rules, standard=standard)
+        self.refill_pool()
+        return box
+
+    def _check_room(self) -> None:
+        """Refuse a sandbox past `max_sandboxes`, counting those being made or closed: each holds its disk
+        image, mounts and host id until it is registered or its files are gone."""
+        if len(self._boxes) + self._opening + self._closing >= self._config.max_sandboxes:
+            raise ResourceLimit(
+                f"{self._config.max_sandboxes} sandboxes are open (or being made or closed): close one first"
+            )
+
+    @contextlib.contextmanager
+    def _slot(self) -> Iterator[None]:
+        """A place under `max_sandboxes` for a sandbox being made, taken before its first await and held
+        until it is registered or has failed: concurrent creates all passed a check of `_boxes` alone."""
+        self._check_room()
+        self._opening += 1
+        try:
+            yield
+        finally:
+            self._opening -= 1
+
+    async def _start(
+        self,
+        name: str | None,
+        owner: str,
+        chosen: TemplateConfig,
+        narrowed: SandboxLimitsConfig,
+        settings: SandboxSettings,
+        rules: tuple[AllowRule, ...],
+        *,
+        standard: bool,
+    ) -> Sandbox:
+        """Start (or take from a pool) the sandbox `create` checked, and register it."""
+        binds = _binds(chosen)
         prepared = await self._pooled(chosen, narrowed.disk_bytes, standard) or await self._prepare(
             binds, narrowed.disk_bytes, chosen
         )
@@ -344,7 +392,6 @@ class SandboxManager:
             settings=settings,
         )
         self._boxes[box.id] = box
-        self.refill_pool()
         return box
 
     async def _pooled(self, template: TemplateConfig, disk_bytes: int | None, standard: bool) -> _Prepared | None:
@@ -428,7 +475,7 @@ class SandboxManager:
         found = self._templates.get(name)
         if found is None:
             known = ", ".join(sorted({*self._templates, self._default_template.name}))
-            raise NotFound(f"no sandbox template {name!r}: use one of {known} (list_templates)")
+            raise NotFound(f"no sandbox template {shown(name)}: use one of {known} (list_templates)")
         return found
 
     async def _prepare(
@@ -694,7 +741,7 @@ class SandboxManager:
         """
         box = self._boxes.get(sandbox_id)
         if box is None:
-            raise SandboxNotFound(f"no sandbox {sandbox_id!r}: it was closed, or never existed")
+            raise SandboxNotFound(f"no sandbox {shown(sandbox_id)}: it was closed, or never existed")
         return box
 
     def status(self, sandbox_id: str) -> dict[str, object]:
@@ -717,16 +764,35 @@ class SandboxManager:
         return detail
 
     def pause(self, sandbox_id: str) -> Sandbox:
+        """Freeze the sandbox until `resume`. During a snapshot it is frozen already: the pause is taken,
+        and the sandbox stays frozen when the snapshot ends.
+
+        Raises:
+            Conflict: it is paused already, asleep, or not running.
+        """
         box = self.get(sandbox_id)
+        if box.id in self._frozen_for_snapshot:
+            self._frozen_for_snapshot.discard(box.id)  # the snapshot's end leaves it to the caller's resume
+            return box
         if box.workspace.sandbox.paused:
-            raise Conflict(f"sandbox {sandbox_id} is already paused")
+            raise Conflict(f"sandbox {box.id} is already paused")
         box.workspace.sandbox.pause()
         return box
 
     def resume(self, sandbox_id: str) -> Sandbox:
+        """Thaw a paused sandbox.
+
+        Raises:
+            Conflict: it is not paused, or a snapshot of it is being taken (it stays frozen while it is copied).
+        """
         box = self.get(sandbox_id)
+        if box.id in self._archiving:
+            raise Conflict(
+                f"a snapshot of sandbox {box.id} is being taken and it stays frozen until the snapshot ends: "
+                "resume it after snapshot_sandbox returns"
+            )
         if not box.workspace.sandbox.paused:
-            raise Conflict(f"sandbox {sandbox_id} is not paused")
+            raise Conflict(f"sandbox {box.id} is not paused")
         box.workspace.sandbox.resume()
         return box
 
@@ -744,9 +810,9 @@ class SandboxManager:
             # either came first (SandboxNotFound) or will wait for the archive.
             box = self.get(sandbox_id)
             warm = box.workspace.sandbox
-            freeze = not warm.paused and warm.usage() is not None
-            if freeze:
+            if not warm.paused and warm.usage() is not None:
                 warm.pause()
+                self._frozen_for_snapshot.add(box.id)
             archived = self._archiving[box.id] = anyio.Event()
             try:
                 metadata = {"sandbox_id": box.id, "owner": box.owner, "name": box.name or "", "template": box.template}
@@ -764,7 +830,10 @@ class SandboxManager:
             finally:
                 del self._archiving[box.id]
                 archived.set()
-                if freeze and warm.paused:  # a close meanwhile ended the sandbox: nothing to thaw
+                # Only the snapshot's own freeze: not one a pause during the snapshot took over (see `pause`).
+                thaw = box.id in self._frozen_for_snapshot
+                self._frozen_for_snapshot.discard(box.id)
+                if thaw and warm.paused:  # a close meanwhile ended the sandbox: nothing to thaw
                     warm.resume()
 
     async def restore(self, snapshot_id: str, *, owner: str) -> tuple[Sandbox, SnapshotInfo]:
@@ -961,22 +1030,30 @@ class SandboxManager:
             SandboxNotFound: no such sandbox (or it is being closed already).
         """
         box = self._take(sandbox_id)
+        self._closing += 1
         with anyio.CancelScope(shield=True):
-            box.network.close()
-            await box.workspace.sandbox.aclose(final=True)
-            box.workspace.close()  # nothing left to wait for: its jail's fds, its records
-            # A snapshot under way reads the files, a restore writes them as the sandbox's host id:
-            # the files, and the id, stay until it ends.
-            for busy in (self._archiving.get(box.id), self._restoring.get(box.id)):
-                if busy is not None:
-                    await busy.wait()
-            await asyncio.wrap_future(self._workers.submit(self._discard_files, box.id, box.root))
-            self._release_identity(box.id)
+            try:
+                await self._end(box)
+            finally:
+                self._closing -= 1
+
+    async def _end(self, box: Sandbox) -> None:
+        """`close`'s work, in order, once the sandbox is out of `_boxes`."""
+        box.network.close()
+        await box.workspace.sandbox.aclose(final=True)
+        box.workspace.close()  # nothing left to wait for: its jail's fds, its records
+        # A snapshot under way reads the files, a restore writes them as the sandbox's host id:
+        # the files, and the id, stay until it ends.
+        for busy in (self._archiving.get(box.id), self._restoring.get(box.id)):
+            if busy is not None:
+                await busy.wait()
+        await asyncio.wrap_future(self._workers.submit(self._discard_files, box.id, box.root))
+        self._release_identity(box.id)
 
     def _take(self, sandbox_id: str) -> Sandbox:
         box = self._boxes.pop(sandbox_id, None)
         if box is None:
-            raise SandboxNotFound(f"no sandbox {sandbox_id!r}: it was closed, or never existed (list_sandboxes)")
+            raise SandboxNotFound(f"no sandbox {shown(sandbox_id)}: it was closed, or never existed (list_sandboxes)")
         return box
 
     def sleep_idle(self, sleep_after_s: float = SLEEP_AFTER_S) -> int:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from bastion.safety.errors import NotFound, SandboxNotFound
 from bastion.safety.redact import sanitize_terminal
-from bastion.workbench.manager import Sandbox, SandboxManager
+from bastion.workbench.manager import Sandbox, SandboxManager, shown
 from bastion.workbench.workspace import HostWorkspace
 
 
@@ -68,7 +68,7 @@ class WorkspaceRegistry:
         if self._sandboxes.owns(key):
             box = self._sandboxes.get(key)
             return Target(key, box.workspace, box)
-        raise SandboxNotFound(f"no workspace or sandbox named {key!r}: see list_sandboxes or the config")
+        raise SandboxNotFound(f"no workspace or sandbox named {shown(key)}: see list_sandboxes or the config")
 
     def known_id(self, workspace_id: str | None) -> str | None:
         """The id a call names if a workspace or live sandbox has it, else None. Checks nothing else."""

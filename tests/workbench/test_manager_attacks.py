@@ -1,0 +1,272 @@
+"""Attacks on the sandbox manager's lifecycle through the real tools: the sandbox cap under concurrent calls,
+a snapshot's freeze against pause and resume, and the length of the ids echoed back."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from mcp import Client
+
+from bastion.app import Services, build_server, build_services
+from bastion.config import load_config
+from bastion.sandbox.cgroups import owner_pid
+from bastion.snapshot import store
+from bastion.workbench import manager as manager_module
+from tests.helpers import Payload, bubblewrap, call, create, mounts_under, sh
+
+pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
+
+_WAIT_S = 60  # a bound for the failure case only
+
+
+@pytest.fixture
+def capped(demo_config_path: Path) -> Iterator[Services]:
+    """A server of the demo config with max_sandboxes = 2."""
+    text = demo_config_path.read_text()
+    assert "max_sandboxes = 16" in text
+    demo_config_path.write_text(text.replace("max_sandboxes = 16", "max_sandboxes = 2"))
+    built = build_services(load_config(demo_config_path))
+    yield built
+    built.close()
+
+
+@pytest.fixture
+async def capped_client(capped: Services) -> AsyncIterator[Client]:
+    async with Client(build_server(capped, caller="test")) as connected:
+        yield connected
+
+
+def _own_groups(services: Services) -> set[str]:
+    """The sandbox cgroups this process's servers hold."""
+    if services.cgroups is None:
+        return set()
+    return {name for name in services.cgroups.existing() if owner_pid(name) == os.getpid()}
+
+
+async def _wait_for(condition: Callable[[], bool]) -> None:
+    with anyio.fail_after(_WAIT_S):
+        while not condition():
+            await anyio.sleep(0.02)
+
+
+async def test_a_burst_of_creates_restores_and_create_run_close_past_max_sandboxes_gets_resource_limit(
+    capped_client: Client, capped: Services
+) -> None:
+    """Attack: 3 create_sandbox, 3 restore_sandbox and 3 create_run_close at once against max_sandboxes = 2.
+
+    Invariant: at most 2 sandboxes exist at any moment; the calls past the cap answer RESOURCE_LIMIT; once
+    they are closed nothing is left (folders, mounts, cgroups) and the full cap is free again. Before, the cap
+    was checked against the registered sandboxes only, and each call awaited (warm pool, start, network)
+    before registering: all 9 got a sandbox of 2 GiB disk image, 1 GiB memory ceiling and a host id.
+    The create_run_close commands wait for a file the test writes, so their sandboxes are all open at once.
+    Does not prove: a cap under creates from several server processes (one server owns a state folder).
+    """
+    client, manager = capped_client, capped.sandboxes
+    groups_before = _own_groups(capped)
+    source = await create(client)
+    await sh(client, source, "echo kept > f")
+    snapshot_id = (await call(client, "snapshot_sandbox", sandbox_id=source))["detail"]["snapshot_id"]
+    assert (await call(client, "close_sandbox", sandbox_id=source))["ok"]
+    calls: list[tuple[str, dict[str, object]]] = [
+        *[("create_sandbox", {})] * 3,
+        *[("restore_sandbox", {"snapshot_id": snapshot_id})] * 3,
+        *[("create_run_close", {"command": "until [ -e go ]; do sleep 0.01; done; echo ran", "timeout_s": 60})] * 3,
+    ]
+    answers: dict[int, Payload] = {}
+
+    async def one(index: int, tool: str, args: dict[str, object]) -> None:
+        answers[index] = await call(client, tool, **args)
+
+    def kept() -> set[str]:
+        return {str(answers[i]["detail"]["sandbox_id"]) for i in range(6) if i in answers and answers[i]["ok"]}
+
+    def settled() -> bool:
+        # Every create and restore answered; every create_run_close answered or has its sandbox open.
+        running = {box.id for box in manager.all()} - kept()
+        return all(i in answers for i in range(6)) and len(running) + sum(i in answers for i in range(6, 9)) == 3
+
+    async with anyio.create_task_group() as tasks:
+        for index, (tool, args) in enumerate(calls):
+            tasks.start_soon(one, index, tool, args)
+        await _wait_for(settled)  # every call answered, or holding its sandbox
+        peak = len(manager.all())
+        for box in manager.all():
+            if box.id not in kept():
+                assert (await call(client, "write_file", path="go", content="", sandbox_id=box.id))["ok"]
+    codes = [answers[i]["code"] for i in range(9)]
+    assert peak == 2, codes
+    assert sorted(codes) == ["OK"] * 2 + ["RESOURCE_LIMIT"] * 7, codes
+    refused = [answers[i] for i in range(9) if answers[i]["code"] == "RESOURCE_LIMIT"]
+    assert all("close one first" in str(answer["reason"]) for answer in refused)
+    for sandbox_id in kept():
+        assert (await call(client, "close_sandbox", sandbox_id=sandbox_id))["ok"]
+    assert (await call(client, "list_sandboxes"))["detail"]["sandboxes"] == []
+    # The slots came back: the cap is whole again.
+    again = [await create(client), await create(client)]
+    assert (await call(client, "create_sandbox"))["code"] == "RESOURCE_LIMIT"
+    for sandbox_id in again:
+        assert (await call(client, "close_sandbox", sandbox_id=sandbox_id))["ok"]
+    capped.close()
+    sandboxes_dir = capped.config.sandboxes_dir
+    assert [p.name for p in sandboxes_dir.iterdir() if p.name.startswith("sb-")] == []
+    assert mounts_under(sandboxes_dir) == []
+    assert _own_groups(capped) <= groups_before  # the base is shared with other servers: only this process's
+
+
+class _HeldSnapshot:
+    """snapshot_sandbox's archive work, held in its thread until `release`: the sandbox is frozen meanwhile."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.started, self._go = threading.Event(), threading.Event()
+        archive = store.create_snapshot
+
+        def held(*args: Any, **kwargs: Any) -> Any:
+            self.started.set()
+            assert self._go.wait(_WAIT_S)
+            return archive(*args, **kwargs)
+
+        monkeypatch.setattr(manager_module, "create_snapshot", held)
+
+    def release(self) -> None:
+        self._go.set()
+
+
+async def _state(client: Client, sandbox_id: str) -> str:
+    return str((await call(client, "get_sandbox_status", sandbox_id=sandbox_id))["detail"]["state"])
+
+
+async def test_resume_during_a_snapshot_is_refused_and_the_sandbox_stays_frozen_while_copied(
+    client: Client, services: Services, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Attack: resume_sandbox while snapshot_sandbox copies the workspace, then pause_sandbox.
+
+    Invariant: the sandbox stays frozen (its cgroup, as the kernel reports it) until the copy ends; resume is
+    CONFLICT saying a snapshot is being taken; a pause during the snapshot is taken, and the sandbox is still
+    paused after the snapshot, until resume_sandbox. Before, resume took the snapshot's freeze for the user's
+    pause and thawed the sandbox mid-copy; pause then answered "already paused", and the snapshot's end
+    thawed what the user had paused. The archive work is held in its thread while the calls are made.
+    """
+    box = await create(client)
+    await sh(client, box, "echo data > f")
+    group = bubblewrap(services.sandboxes.get(box).workspace.sandbox)._group
+    assert group is not None
+    held = _HeldSnapshot(monkeypatch)
+    taken: dict[str, Payload] = {}
+
+    async def snapshot() -> None:
+        taken["answer"] = await call(client, "snapshot_sandbox", sandbox_id=box)
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(snapshot)
+        assert await anyio.to_thread.run_sync(held.started.wait, _WAIT_S)
+        try:
+            resumed = await call(client, "resume_sandbox", sandbox_id=box)
+            frozen_after_resume = group._frozen()
+            paused = await call(client, "pause_sandbox", sandbox_id=box)
+            resumed_again = await call(client, "resume_sandbox", sandbox_id=box)
+            frozen_at_the_end_of_the_copy = group._frozen()
+        finally:
+            held.release()
+    assert resumed["code"] == "CONFLICT", resumed
+    assert "snapshot" in str(resumed["reason"])
+    assert frozen_after_resume
+    assert paused["ok"], paused
+    assert resumed_again["code"] == "CONFLICT", resumed_again
+    assert frozen_at_the_end_of_the_copy
+    assert taken["answer"]["ok"], taken["answer"]
+    # The user's pause outlives the snapshot; resume_sandbox ends it.
+    assert await _state(client, box) == "paused"
+    assert group._frozen()
+    assert (await call(client, "resume_sandbox", sandbox_id=box))["ok"]
+    assert not group._frozen()
+    assert (await sh(client, box, "cat f"))["detail"]["stdout"] == "data\n"
+
+
+async def test_a_sandbox_paused_before_a_snapshot_is_not_thawed_during_or_after_it(
+    client: Client, services: Services, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Attack: pause_sandbox, then snapshot_sandbox, then resume_sandbox while it copies.
+
+    Invariant: the snapshot thaws only what it froze: a sandbox the user paused first is not thawed by resume
+    during the copy (CONFLICT) nor by the snapshot's end; a sandbox the snapshot froze is running after it.
+    """
+    paused_box, running_box = await create(client), await create(client)
+    assert (await call(client, "pause_sandbox", sandbox_id=paused_box))["ok"]
+    group = bubblewrap(services.sandboxes.get(paused_box).workspace.sandbox)._group
+    assert group is not None
+    held = _HeldSnapshot(monkeypatch)
+    taken: dict[str, Payload] = {}
+
+    async def snapshot() -> None:
+        taken["answer"] = await call(client, "snapshot_sandbox", sandbox_id=paused_box)
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(snapshot)
+        assert await anyio.to_thread.run_sync(held.started.wait, _WAIT_S)
+        try:
+            resumed = await call(client, "resume_sandbox", sandbox_id=paused_box)
+            frozen_during = group._frozen()
+        finally:
+            held.release()
+    assert resumed["code"] == "CONFLICT", resumed
+    assert frozen_during
+    assert taken["answer"]["ok"], taken["answer"]
+    assert await _state(client, paused_box) == "paused"
+    assert group._frozen()
+    monkeypatch.undo()
+    assert (await call(client, "snapshot_sandbox", sandbox_id=running_box))["ok"]
+    assert await _state(client, running_box) == "running"
+    assert (await sh(client, running_box, "echo alive"))["detail"]["stdout"] == "alive\n"
+
+
+@pytest.mark.parametrize("tool", ["close_sandbox", "get_sandbox_status", "resume_sandbox", "run_command"])
+async def test_a_huge_sandbox_id_is_not_echoed_whole(client: Client, tool: str) -> None:
+    """Attack: a 100,000-character sandbox_id. Invariant: SANDBOX_NOT_FOUND with a reason of a few hundred
+    characters at most, saying the id was cut (before: the whole id, a 100,069-character reason)."""
+    args: dict[str, object] = {"sandbox_id": "sb-" + "a" * 100_000}
+    if tool == "run_command":
+        args["command"] = "true"
+    refused = await call(client, tool, **args)
+    assert refused["code"] == "SANDBOX_NOT_FOUND", refused
+    reason = str(refused["reason"])
+    assert len(reason) < 300, len(reason)
+    assert "cut" in reason
+
+
+async def test_a_huge_template_name_is_not_echoed_whole(client: Client, services: Services) -> None:
+    """Attack: create_sandbox with a 100,000-character template name: NOT_FOUND, a short reason, no sandbox."""
+    refused = await call(client, "create_sandbox", template="t" * 100_000)
+    assert refused["code"] == "NOT_FOUND", refused
+    assert len(str(refused["reason"])) < 400
+    assert services.sandboxes.all() == []
+
+
+async def test_a_sandbox_file_hard_linked_ten_times_is_snapshotted_once_and_restored_with_its_links(
+    client: Client,
+) -> None:
+    """Attack (a5, at the sandbox level): a 2 MiB file of random data hard-linked 10 times in a sandbox, then
+    snapshot_sandbox and restore_sandbox. Invariant: the archive holds the data once (before: 11 copies, the
+    cost crash recovery paid at the next start), and the restored sandbox has one inode with 11 names, owned
+    as the sandbox's other files are. Does not prove: recovery's own timing (the same writer, by
+    tests/snapshot/test_store.py)."""
+    box = await create(client)
+    made = await sh(client, box, "head -c 2097152 /dev/urandom > big && for i in $(seq 10); do ln big h$i; done")
+    assert made["ok"], made
+    taken = await call(client, "snapshot_sandbox", sandbox_id=box)
+    assert taken["ok"], taken
+    assert int(taken["detail"]["archive_bytes"]) < 3 * 1024 * 1024, taken["detail"]
+    restored = await call(client, "restore_sandbox", snapshot_id=taken["detail"]["snapshot_id"])
+    assert restored["ok"], restored
+    check = "stat -c '%h %u' big h10; cmp big h10 && touch mine && stat -c %u mine"
+    before = await sh(client, box, check)
+    after = await sh(client, str(restored["detail"]["sandbox_id"]), check)
+    assert after["detail"]["stdout"].split("\n")[:2] == before["detail"]["stdout"].split("\n")[:2]
+    lines = str(after["detail"]["stdout"]).split()
+    assert lines[0] == "11"
+    assert lines[1] == lines[-1]  # owned as a file the sandbox makes itself
