@@ -171,3 +171,37 @@ def test_init_takes_a_python_env_or_builds_one_not_both(capsys: pytest.CaptureFi
     assert exited.value.code == 2
     assert "not allowed with argument" in capsys.readouterr().err
     assert not (tmp_path / "demo").exists()
+
+
+@pytest.mark.parametrize("inside", ["state/organizer", "state/sandboxes", "state/gateway"])
+def test_workspace_inside_the_state_folder_is_refused(
+    capsys: pytest.CaptureFixture[str], config: Path, inside: str
+) -> None:
+    """Invariant: no workspace overlaps the state folder (database, audit log, sandboxes' disks, gateway
+    keys), which its commands and file tools would otherwise reach; the line names the settings to change,
+    and the refused start leaves the state folder as it was."""
+    state = config.parent / "state"
+    (config.parent / inside).mkdir(parents=True, exist_ok=True)
+    (config.parent / inside / "kept").write_text("state data")
+    before = sorted(state.rglob("*"))
+    _edit(config, 'path = "workspace"', f'path = "{inside}"')
+    line = _refusal(capsys, config)
+    assert f"workspace 'default' ({config.parent / inside}) and the state folder {state} overlap" in line
+    assert "change the workspace's path or state_dir" in line
+    assert sorted(state.rglob("*")) == before
+    assert (config.parent / inside / "kept").read_text() == "state data"
+
+
+@pytest.mark.parametrize(("workspace", "inbox"), [("workspace", "workspace/inbox"), ("inbox/ws", "inbox")])
+def test_inbox_overlapping_a_workspace_is_refused(
+    capsys: pytest.CaptureFixture[str], config: Path, workspace: str, inbox: str
+) -> None:
+    """Invariant: an inbox and a workspace never share files: an agent's commands would move files under
+    the organizer's journal (or the organizer theirs)."""
+    for folder in (workspace, inbox):
+        (config.parent / folder).mkdir(parents=True, exist_ok=True)
+    _edit(config, 'path = "inbox"', f'path = "{inbox}"')
+    _edit(config, 'path = "workspace"', f'path = "{workspace}"')
+    line = _refusal(capsys, config)
+    assert f"inbox 'inbox' ({config.parent / inbox}) and workspace 'default' ({config.parent / workspace})" in line
+    assert "overlap: change one of their paths" in line

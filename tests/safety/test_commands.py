@@ -10,13 +10,16 @@ import dataclasses
 import os
 import shlex
 import shutil
+import stat
 import unicodedata
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
+from bastion.safety import commands
 from bastion.safety.commands import (
     DEMO_POLICY,
     FIXED_PATH,
@@ -528,6 +531,93 @@ def test_refuses_alias_symlink_of_denied_program() -> None:
     assert info.value.detail == f"deny: {real} (via {alias})"
 
 
+WILDCARD = CommandPolicy(CommandPolicyConfig(allow=("*",), deny=DEMO_POLICY.deny))
+
+
+@pytest.mark.parametrize(
+    ("command", "denied"),
+    [
+        ("python3.11 -c 'import os; print(os.getuid())'", "python3"),
+        ("/usr/bin/python3.11 -c 1", "python3"),
+        ("perl5.36.0 -e 'print 1'", "perl"),
+        ("perl5.36-x86_64-linux-gnu -e 'print 1'", "perl"),
+        ("pydoc3.11 -h", "pydoc3"),
+        ("tclsh8.6 /dev/null", "tclsh"),
+        ("pip-3.11 install x", "pip"),
+        ("node18 -e 1", "node"),
+        ("python2 -c 1", "python"),
+    ],
+)
+def test_wildcard_refuses_versioned_name_of_denied_interpreter(command: str, denied: str) -> None:
+    """Invariant: with allow = ["*"], a denied name followed by a version is denied too, installed or not.
+    Does not prove the deny list names every interpreter: with "*" it is only as good as its names."""
+    name = os.path.basename(parse_command(command)[0])
+    rule = f"deny: {denied} (version {name})"
+    with pytest.raises(PolicyDenied) as info:
+        WILDCARD.check(command)
+    assert info.value.detail == rule
+    assert info.value.reason == f"{name!r} is a version of {denied!r}, which is denied by policy: use another command"
+    decision = WILDCARD.explain(command)
+    assert (decision.allowed, decision.rule, decision.reason) == (False, rule, info.value.reason)
+
+
+def _hard_linked_pair() -> tuple[str, str] | None:
+    """Two names on the fixed PATH for one file (perlbug and perlthanks on Debian), neither a version of the other."""
+    for directory in FIXED_PATH.split(":"):
+        if not os.path.isdir(directory) or os.path.islink(directory):
+            continue
+        seen: dict[tuple[int, int], str] = {}
+        for name in sorted(os.listdir(directory)):
+            info = os.lstat(os.path.join(directory, name))
+            # Plain names only: perl5.36.0 is also perl's, but the version rule would answer first.
+            if not stat.S_ISREG(info.st_mode) or info.st_nlink < 2 or not name.isalnum():
+                continue
+            first = seen.setdefault((info.st_dev, info.st_ino), name)
+            if first != name and not name.startswith(first) and not first.startswith(name):
+                return first, name
+    return None
+
+
+def test_wildcard_refuses_hard_link_of_denied_program() -> None:
+    """Invariant: a hard link of a denied program (same st_dev and st_ino) is denied under any name."""
+    pair = _hard_linked_pair()
+    if pair is None:
+        pytest.skip("no hard-linked program on the fixed PATH")
+    denied, other = pair
+    policy = CommandPolicy(CommandPolicyConfig(allow=("*",), deny=(denied,)))
+    with pytest.raises(PolicyDenied) as info:
+        policy.check(other)
+    assert info.value.detail == f"deny: {denied} (same file as {other})"
+    assert info.value.reason == f"{other!r} is the same program as the denied {denied!r}: use another command"
+    assert policy.explain(other).rule == info.value.detail
+
+
+def test_hard_link_made_after_the_first_check_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Invariant: the denied files are found again when a folder of the PATH changes, so a link made
+    (or a denied program replaced) after the policy first looked is still its program. Uses a temporary
+    PATH folder, not the system's."""
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    monkeypatch.setattr(commands, "FIXED_PATH", str(folder))
+    monkeypatch.setattr(commands, "_FIXED_DIRS", frozenset({str(folder)}))
+    for name in ("interp", "harmless"):
+        (folder / name).write_bytes(b"#!/bin/true\n" + name.encode())
+        (folder / name).chmod(0o755)
+    policy = CommandPolicy(CommandPolicyConfig(allow=("*",), deny=("interp",)))
+    assert policy.check("harmless").executable == str(folder / "harmless")
+    os.link(folder / "interp", folder / "renamed")
+    with pytest.raises(PolicyDenied, match="same program as the denied 'interp'"):
+        policy.check("renamed")
+    # An upgrade replaces the denied file by rename: the new one is found by its new inode.
+    (folder / "interp.new").write_bytes(b"#!/bin/true\nnew")
+    (folder / "interp.new").chmod(0o755)
+    os.replace(folder / "interp.new", folder / "interp")
+    os.link(folder / "interp", folder / "renamed2")
+    with pytest.raises(PolicyDenied, match="same program as the denied 'interp'"):
+        policy.check("renamed2")
+    assert policy.check("harmless").rule == "allow: * (harmless)"
+
+
 def test_allowed_but_missing_command_is_not_found() -> None:
     policy = CommandPolicy(CommandPolicyConfig(allow=("bastion-no-such-program",)))
     with pytest.raises(NotFound, match="not found on the fixed PATH"):
@@ -607,12 +697,96 @@ def test_deny_arg_matching(deny: str, token: str, denied: bool) -> None:
     assert decision.rule.startswith("rule true:") is denied
 
 
-def test_subcommand_rule_ignores_options_and_errs_toward_denial() -> None:
-    """The first non-option word is the subcommand; an option's separate value is taken for it (denied)."""
+def test_subcommand_rule_refuses_options_before_the_subcommand_that_may_take_a_value() -> None:
+    """A listed flag may come before the subcommand; an option that may take the next word is refused."""
     assert DEMO.explain("git --no-pager log").rule.startswith(("allow", "not found"))
     decision = DEMO.explain("git -C repo status")
     assert not decision.allowed
-    assert decision.rule == "rule git: subcommand 'repo' is not allowed"
+    assert decision.rule == "rule git: option '-C' before the subcommand is not allowed"
+
+
+@pytest.mark.parametrize(
+    ("command", "option"),
+    [
+        ("git --namespace status clean -fdx", "--namespace"),
+        ("git -C status --git-dir=/workspace/.git config alias.x '!echo ALIAS-SHELL'", "-C"),
+        ("git --namespace status x", "--namespace"),
+        (
+            "git --namespace status clone -q -u 'touch /workspace/UPLOAD_PACK_RAN; false' /workspace/.git c",
+            "--namespace",
+        ),
+        ("git --git-dir status archive -o x HEAD", "--git-dir"),
+        ("git --work-tree status clean -f", "--work-tree"),
+        ("git --super-prefix status clean -f", "--super-prefix"),
+        ("git --list-cmds status", "--list-cmds"),
+        ("git -- status clean -f", "--"),
+        ("git -pC status clean -f", "-pC"),
+    ],
+)
+def test_refuses_git_global_option_whose_value_is_an_allowed_subcommand(command: str, option: str) -> None:
+    """Invariant: with a subcommand allow-list, an option that takes a separate value cannot come before
+    the subcommand, so its value (status) never passes for it while the real one (clean) runs.
+    Does not prove git has no other way to read a word as its subcommand (aliases live in .git/config)."""
+    rule = f"rule git: option {option!r} before the subcommand is not allowed"
+    with pytest.raises(PolicyDenied) as info:
+        DEMO.check(command)
+    assert info.value.detail == rule
+    decision = DEMO.explain(command)
+    assert (decision.allowed, decision.rule, decision.reason) == (False, rule, info.value.reason)
+
+
+@_needs("git")
+@pytest.mark.parametrize(
+    "command",
+    [
+        "git --no-pager log",
+        "git -P log -p",
+        "git --paginate status",
+        "git --no-optional-locks status",
+        "git --namespace=x status",
+        "git --git-dir=.git --work-tree=. status",
+        "git --version",
+        "git log -C -n 3",
+    ],
+)
+def test_git_flag_only_options_and_attached_values_may_precede_the_subcommand(command: str) -> None:
+    assert DEMO.check(command).rule == "allow: git"
+
+
+WHEN_RULES = CommandPolicy(
+    CommandPolicyConfig(
+        allow=("git",),
+        rules=tuple(rule for rule in DEMO_POLICY.rules if rule.command == "git" and rule.subcommands is None),
+    )
+)
+
+
+@pytest.mark.parametrize(
+    ("policy", "command", "matched"),
+    [
+        (WHEN_RULES, "git clone -q -u 'touch /workspace/UPLOAD_PACK_RAN; false' ./repo copy", "'-u'"),
+        (WHEN_RULES, "git clone -qu'touch X' ./repo copy", "'-qutouch X'"),
+        (WHEN_RULES, "git rebase -x 'sh -c id' main", "'-x'"),
+        (DEMO, "git archive --remote=./repo --exec='sh -c id' HEAD", "'--exec=sh -c id'"),
+        (DEMO, "git push --exec='sh -c id' origin", "'--exec=sh -c id'"),
+    ],
+)
+def test_refuses_git_short_and_alias_forms_of_denied_program_options(
+    policy: CommandPolicy, command: str, matched: str
+) -> None:
+    """-u is clone's --upload-pack and -x rebase's --exec; --exec is push's --receive-pack and archive's
+    remote helper. Refused even where an administrator adds those subcommands to the allow-list."""
+    with pytest.raises(PolicyDenied) as info:
+        policy.check(command)
+    assert info.value.detail is not None
+    assert info.value.detail.endswith(f"(matched {matched})"), info.value.detail
+
+
+@_needs("git")
+def test_short_option_rules_leave_the_same_letter_alone_in_other_subcommands() -> None:
+    """git add -u (update tracked files) is not clone's -u."""
+    assert WHEN_RULES.check("git add -u").rule == "allow: git"
+    assert DEMO.check("git add -u").rule == "allow: git"
 
 
 # --- check_argv ------------------------------------------------------------------------------
@@ -715,6 +889,11 @@ def test_property_explain_never_raises(text: str) -> None:
         {"command": "/usr/bin/git"},
         {"command": ""},
         {"command": "git", "extra": 1},
+        {"command": "git", "flags_before_subcommand": ("--no-pager",)},
+        {"command": "git", "subcommands": ("log",), "flags_before_subcommand": ("no-pager",)},
+        {"command": "git", "subcommands": ("log",), "flags_before_subcommand": ("--git-dir=x",)},
+        {"command": "git", "subcommands": ("log",), "flags_before_subcommand": ("--",)},
+        {"command": "git", "subcommands": ("log",), "flags_before_subcommand": ("-",)},
     ],
 )
 def test_argument_rule_rejects_bad_entries(kwargs: dict[str, object]) -> None:

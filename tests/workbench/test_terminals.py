@@ -398,6 +398,39 @@ async def test_host_workspace_opens_only_what_its_policy_allows(client: Client) 
     assert (await call(client, "close_terminal", terminal_id=term))["ok"]
 
 
+async def test_host_terminal_git_starts_no_editor_or_pager_whose_shell_escape_runs(
+    client: Client, workspace: Path
+) -> None:
+    """Invariant: in a host workspace, an allowed git on a terminal gets an editor that refuses and a pager
+    that only prints, so the attacker's vim `:!` and less `!` reach no shell (sh is denied by the policy).
+    Sends the attacker's keys whatever is on the screen, then checks that they ran nothing and that the
+    commit was not made. Does not cover programs an administrator names in the workspace's env."""
+    gitconfig = "[user]\n\tname = Agent\n\temail = agent@example.com\n"
+    assert (await call(client, "write_file", path=".gitconfig", content=gitconfig))["ok"]
+    assert (await call(client, "run_command", command="git init -q"))["ok"]
+    for n in range(3):  # more than a 5-row screen: less would not quit at once (git runs it with LESS=FRX)
+        made = await call(client, "run_command", command=f"git commit --allow-empty -q -m commit-{n}")
+        assert made["detail"]["exit_status"] == 0, made
+    editor = await open_term(client, None, "git commit --allow-empty -q", rows=5, cols=80)
+    pager = await open_term(client, None, "git log", rows=5, cols=80)
+    for term, shown, escape in (
+        (editor, "Please supply the message", ":!touch /workspace/EDITOR_SHELL_RAN"),
+        (pager, "commit-0", "!touch /workspace/PAGER_SHELL_RAN"),
+    ):
+        ended = await call(client, "terminal_read", terminal_id=term, wait_for="never-shown", timeout_s=10)
+        sent = await call(client, "terminal_send", terminal_id=term, text=escape, keys=["Enter"])
+        if sent["ok"]:  # an editor or pager still holds the terminal: let the escape run before looking
+            await call(client, "terminal_read", terminal_id=term, wait_for="Press ENTER|done", timeout_s=10)
+        assert sent["code"] == "CONFLICT", ended["detail"]["screen"]
+        assert ended["detail"]["output_open"] is False
+        assert shown in ended["detail"]["scrolled_off"] + ended["detail"]["screen"]
+        assert (await call(client, "close_terminal", terminal_id=term))["ok"]
+    assert not (workspace / "EDITOR_SHELL_RAN").exists()
+    assert not (workspace / "PAGER_SHELL_RAN").exists()
+    log = await call(client, "run_command", command="git log --oneline")
+    assert len(log["detail"]["stdout"].splitlines()) == 3
+
+
 async def test_sent_text_is_audited_redacted(client: Client, services: Services) -> None:
     box = await create(client)
     term = await open_term(client, box, "cat")

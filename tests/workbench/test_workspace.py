@@ -342,3 +342,71 @@ def test_a_workspace_another_user_could_replace_is_refused_at_start(demo_config_
     for entry in (folder, *folder.rglob("*")):
         os.chown(entry, 12345, 12345, follow_symlinks=False)
     build_services(config).close()  # the folder is the parent's owner's now: served
+
+
+async def _explained(client: Client, command: str) -> Payload:
+    result = await client.call_tool("explain_command", {"command": command})
+    assert result.structured_content is not None
+    return result.structured_content
+
+
+async def test_git_global_option_valued_as_an_allowed_subcommand_runs_nothing(client: Client, workspace: Path) -> None:
+    """Invariant: `git --namespace status clean` (and -C, --git-dir with a separate value) is refused, as
+    `git clean` is: the option's value never passes for the subcommand. Runs the attacker's three commands
+    in the real host workspace and checks that no file was deleted, no program ran and no alias was made.
+    Does not cover what a .git/config the agent wrote makes git do (see the policy's docstring)."""
+    assert (await _run(client, "git init -q"))["ok"]
+    assert (await _run(client, "touch precious.txt"))["ok"]
+    assert (await _run(client, "mkdir status"))["ok"]
+    before = sorted(p.name for p in workspace.iterdir())
+    git_status = (await _run(client, "git --no-pager status --short"))["detail"]["stdout"]
+    assert "?? precious.txt\n" in git_status
+    attacks = [
+        "git --namespace status clean -fdx",
+        "git --namespace status clone -q -u 'touch /workspace/UPLOAD_PACK_RAN; false' /workspace/.git cloned",
+        "git -C status --git-dir=/workspace/.git config alias.x '!touch /workspace/ALIAS_RAN'",
+        "git --namespace status x",
+    ]
+    for command in attacks:
+        refused = await _run(client, command)
+        assert refused["code"] == "POLICY_DENIED", (command, refused)
+        explained = await _explained(client, command)
+        assert explained["detail"]["allowed"] is False
+        assert explained["detail"]["reason"] == refused["reason"]
+    assert (workspace / "precious.txt").exists()
+    assert sorted(p.name for p in workspace.iterdir()) == before
+    assert "alias" not in (workspace / ".git" / "config").read_text()
+    assert (await _run(client, "git --no-pager status --short"))["detail"]["stdout"] == git_status
+
+
+async def test_wildcard_policy_runs_no_versioned_or_hard_linked_name_of_a_denied_interpreter(
+    demo_config_path: Path,
+) -> None:
+    """Invariant: with allow = ["*"] and the demo's deny list, python3.11 (the file behind the denied
+    python3), perl5.36.0 (a hard link of perl), pydoc3.11 and tclsh8.6 are refused, and none of them ran.
+    Does not prove the deny list names every interpreter a system has."""
+    text = demo_config_path.read_text()
+    start = text.index("allow = [", text.index("[workspace.policy]"))
+    demo_config_path.write_text(text[:start] + 'allow = ["*"]' + text[text.index("\n", start) :])
+    config = load_config(demo_config_path)
+    workspace = config.workspace[0].path
+    attacks = [
+        'python3.11 -c \'open("/workspace/PY_RAN", "w")\'',
+        "perl5.36.0 -e 'open(F, \">/workspace/PERL_RAN\")'",
+        "/usr/bin/perl5.36.0 -e 'open(F, \">/workspace/PERL_RAN\")'",
+        "pydoc3.11 -w json",
+        "tclsh8.6 /dev/null",
+    ]
+    before = sorted(p.name for p in workspace.iterdir())
+    services = build_services(config)
+    try:
+        async with Client(build_server(services, caller="test")) as client:
+            for command in attacks:
+                refused = await _run(client, command)
+                assert refused["code"] == "POLICY_DENIED", (command, refused)
+                explained = await _explained(client, command)
+                assert explained["detail"]["allowed"] is False
+                assert explained["detail"]["reason"] == refused["reason"]
+    finally:
+        services.close()
+    assert sorted(p.name for p in workspace.iterdir()) == before

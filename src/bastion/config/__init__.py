@@ -308,20 +308,43 @@ def _check_semantics(config: Config, *, envs_built: bool) -> None:
                 raise ConfigError(
                     f"{name} {guarded} is inside {kind} {folder_id!r} ({folder_path}): move it out of the {kind}"
                 )
-    for index, ib in enumerate(config.inbox):
-        if _inside(ib.path, config.state_dir) or _inside(config.state_dir, ib.path):
-            raise ConfigError(
-                f"inbox {ib.id!r} ({ib.path}) and the state folder {config.state_dir} overlap: keep them apart"
-            )
-        for other in config.inbox[index + 1 :]:
-            # Two journals over one tree could each move the other's files: one folder, one organizer.
-            if _inside(ib.path, other.path) or _inside(other.path, ib.path):
-                raise ConfigError(f"inboxes {ib.id!r} and {other.id!r} overlap: give each its own folder")
+    _check_apart(config, folders)
     _check_templates(config, home, envs_built=envs_built)
     _check_gateways(config, folders)
     for ws in config.workspace:
         if not ws.policy.allow and not ws.policy.deny:
             raise ConfigError(f"workspace {ws.id!r} policy has neither allow nor deny: list the commands it may run")
+
+
+def _overlap(first: Path, second: Path) -> bool:
+    return _inside(first, second) or _inside(second, first)
+
+
+def _check_apart(config: Config, folders: list[tuple[str, str, Path]]) -> None:
+    """Agents' folders stay out of the state folder, and inboxes out of every other agent's folder.
+
+    The state folder holds the database, the audit log, sandboxes' disks, gateway keys and the
+    administrator's password hash: a workspace over any of it would let an agent's commands and
+    file tools read or change them.
+    """
+    for kind, folder_id, path in folders:
+        if _overlap(path, config.state_dir):
+            raise ConfigError(
+                f"{kind} {folder_id!r} ({path}) and the state folder {config.state_dir} overlap: "
+                f"change the {kind}'s path or state_dir to keep them apart"
+            )
+    for index, ib in enumerate(config.inbox):
+        for ws in config.workspace:
+            # An agent's commands would move files under the organizer's journal, or it theirs.
+            if _overlap(ib.path, ws.path):
+                raise ConfigError(
+                    f"inbox {ib.id!r} ({ib.path}) and workspace {ws.id!r} ({ws.path}) overlap: "
+                    "change one of their paths to keep them apart"
+                )
+        for other in config.inbox[index + 1 :]:
+            # Two journals over one tree could each move the other's files: one folder, one organizer.
+            if _overlap(ib.path, other.path):
+                raise ConfigError(f"inboxes {ib.id!r} and {other.id!r} overlap: give each its own folder")
 
 
 def _check_gateways(config: Config, folders: list[tuple[str, str, Path]]) -> None:

@@ -17,13 +17,15 @@ can write, so git can always run code inside the sandbox.
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import time
 import unicodedata
 from collections.abc import Sequence
 from dataclasses import InitVar, dataclass
 from typing import Final, final
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 from bastion.safety.errors import BastionError, InvalidRequest, NotFound, PolicyDenied
 
@@ -56,6 +58,13 @@ _FORBIDDEN_CATEGORIES: Final = {
 }
 
 _MAX_SHOWN_CHARS: Final = 60
+# A denied name with a version after it is another build of the same program: python3.11, perl5.36.0,
+# pip-3, perl5.36-x86_64-linux-gnu (a platform after the version).
+_VERSION_SUFFIX: Final = re.compile(r"[.-]?[0-9][0-9.]*(?:-[A-Za-z0-9_.+-]*)?")
+_MAX_LINK_HOPS: Final = 40  # the kernel's own limit on symlinks in one lookup (path_resolution(7))
+# File times tick with the kernel's coarse clock (a few ms): a folder changed this recently may change
+# again without its mtime moving, so its scan is not kept (git's "racy clean" entries, racy-git.txt).
+_RACY_NS: Final = 1_000_000_000
 
 
 def _forbidden_char(text: str) -> str | None:
@@ -190,7 +199,11 @@ class ArgumentRule(BaseModel):
             ``--long`` also matches ``--long=value`` and unambiguous abbreviations (``--outp``);
             ``-x`` matches any single-dash cluster containing ``x`` (``-uf``, ``-xvalue``);
             ``-word`` matches ``-word`` and ``-word=value``; a plain word matches itself.
-        subcommands: if set, the first non-option argument, when present, must be one of these.
+        subcommands: if set, the first non-option argument, when present, must be one of these, and
+            only options in `flags_before_subcommand` or written ``--option=value`` may come before it.
+        flags_before_subcommand: options that take no value and may come before the subcommand, e.g.
+            ``--no-pager``. Any other option there could take the next word as its value (``git -C status
+            clean``), so that the subcommand check would judge the value instead of the subcommand.
         bundled_first_arg: the first argument is an option cluster even without a leading ``-``,
             as in tar's traditional ``tar xIf``; single-letter denials then match it too.
     """
@@ -201,6 +214,7 @@ class ArgumentRule(BaseModel):
     when: tuple[str, ...] = ()
     deny_args: tuple[str, ...] = ()
     subcommands: tuple[str, ...] | None = None
+    flags_before_subcommand: tuple[str, ...] = ()
     bundled_first_arg: bool = False
 
     @field_validator("command")
@@ -217,6 +231,20 @@ class ArgumentRule(BaseModel):
                 if alternative in ("", "-", "--") or alternative != alternative.strip():
                     raise ValueError(f"deny_args entry {entry!r} has an empty or blank alternative: fix the list")
         return value
+
+    @field_validator("flags_before_subcommand")
+    @classmethod
+    def _flags_are_options(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for flag in value:
+            if not _is_option(flag) or flag == "--" or "=" in flag or flag != flag.strip():
+                raise ValueError(f"flags_before_subcommand entry {flag!r} is not an option such as '--no-pager'")
+        return value
+
+    @model_validator(mode="after")
+    def _flags_need_subcommands(self) -> ArgumentRule:
+        if self.flags_before_subcommand and self.subcommands is None:
+            raise ValueError("flags_before_subcommand applies only with subcommands: add subcommands or remove it")
+        return self
 
 
 class CommandPolicyConfig(BaseModel):
@@ -326,6 +354,7 @@ class _CompiledRule:
     when: frozenset[str]
     deny: tuple[tuple[str, tuple[str, ...]], ...]
     subcommands: frozenset[str] | None
+    flags_before_subcommand: frozenset[str]
     bundled_first_arg: bool
 
 
@@ -354,12 +383,14 @@ class CommandPolicy:
         """
         self._allow = frozenset(config.allow)
         self._deny = frozenset(config.deny)
+        self._denied_files = _DeniedFiles(config.deny)
         rules: dict[str, list[_CompiledRule]] = {}
         for rule in config.rules:
             compiled = _CompiledRule(
                 when=frozenset(rule.when),
                 deny=tuple((entry, tuple(entry.split("|"))) for entry in rule.deny_args),
                 subcommands=None if rule.subcommands is None else frozenset(rule.subcommands),
+                flags_before_subcommand=frozenset(rule.flags_before_subcommand),
                 bundled_first_arg=rule.bundled_first_arg,
             )
             rules.setdefault(rule.command, []).append(compiled)
@@ -462,6 +493,14 @@ class CommandPolicy:
         name, search_path = _resolve_name(argv[0])
         if name in self._deny:
             raise _Refusal(PolicyDenied(f"{_shown(name)} is denied by policy: use another command"), f"deny: {name}")
+        denied = _versioned(name, self._deny)
+        if denied is not None:
+            raise _Refusal(
+                PolicyDenied(
+                    f"{_shown(name)} is a version of {denied!r}, which is denied by policy: use another command"
+                ),
+                f"deny: {denied} (version {name})",
+            )
         if name in self._allow:
             allow_rule = f"allow: {name}"
         elif "*" in self._allow:
@@ -481,15 +520,134 @@ class CommandPolicy:
                 f"not found: {_shown(name)} is not on {search_path}",
             )
         executable = os.path.abspath(executable)
-        # An alias symlink (awk -> mawk, sh -> dash) must not dodge a deny on the real program.
+        self._refuse_other_names(name, executable)
+        return executable, allow_rule
+
+    def _refuse_other_names(self, name: str, executable: str) -> None:
+        """Refuse a program that a denied name also leads to, by another name.
+
+        An alias symlink (awk -> mawk, sh -> dash), the versioned file behind it (python3.11) or a
+        hard link (perl5.36.0 is perl) must not dodge a deny on the program. A point-in-time check,
+        like the lookup itself: the file could be replaced between this and the exec.
+        """
         real_name = os.path.basename(os.path.realpath(executable))
-        if real_name in self._deny:
+        denied = real_name if real_name in self._deny else _versioned(real_name, self._deny)
+        if denied is not None:
             raise _Refusal(
                 PolicyDenied(f"{_shown(name)} is {real_name!r}, which is denied by policy: use another command"),
-                f"deny: {real_name} (via {name})",
+                f"deny: {denied} (via {name})",
                 executable,
             )
-        return executable, allow_rule
+        try:
+            info = os.stat(executable)
+        except OSError:
+            raise _Refusal(
+                NotFound(f"{_shown(name)} vanished while it was checked: try again"),
+                f"not found: {_shown(name)} vanished from {executable}",
+                executable,
+            ) from None
+        denied = self._denied_files.name_of(info)
+        if denied is not None:
+            raise _Refusal(
+                PolicyDenied(f"{_shown(name)} is the same program as the denied {denied!r}: use another command"),
+                f"deny: {denied} (same file as {name})",
+                executable,
+            )
+
+
+def _versioned(name: str, denied: frozenset[str]) -> str | None:
+    """The denied name that `name` is a version of (python3.11 of python3, perl5.36.0 of perl), or None."""
+    longest = max((len(d) for d in denied), default=0)
+    # Longest prefix first, so python3.11 names python3 rather than python when both are denied.
+    for cut in range(min(len(name) - 1, longest), 0, -1):
+        if name[:cut] in denied and _VERSION_SUFFIX.fullmatch(name, cut):
+            return name[:cut]
+    return None
+
+
+_FolderKey = tuple[tuple[str, int, int], ...]
+
+
+def _folder_key(folders: tuple[str, ...]) -> _FolderKey:
+    """(path, inode, mtime) of each folder: an entry added, removed or renamed in one changes it."""
+    key: list[tuple[str, int, int]] = []
+    for folder in folders:
+        try:
+            info = os.stat(folder)
+        except OSError:
+            key.append((folder, -1, -1))
+        else:
+            key.append((folder, info.st_ino, info.st_mtime_ns))
+    return tuple(key)
+
+
+def _settled(key: _FolderKey) -> bool:
+    """Whether no folder of `key` changed so recently that a change after it could keep its mtime."""
+    recent = time.time_ns() - _RACY_NS
+    return all(mtime < recent for _, _, mtime in key)
+
+
+@dataclass(frozen=True)
+class _DeniedSnapshot:
+    folders: tuple[str, ...]
+    key: _FolderKey
+    files: dict[tuple[int, int], str]
+
+
+class _DeniedFiles:
+    """The files that denied names lead to on the fixed PATH, by (st_dev, st_ino).
+
+    Scanning costs about a millisecond for the demo's deny list, so it is kept and scanned again
+    only when a folder it went through (the fixed PATH's, and those its symlinks led into, such
+    as /etc/alternatives) changed; checking that costs a few stat calls.
+    """
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        # In the config's order: a file two denied names lead to (vi, vim) is reported as the first one's.
+        self._names = tuple(dict.fromkeys(names))
+        folders = tuple(sorted(_FIXED_DIRS))
+        self._snapshot = _DeniedSnapshot(folders, (), {})
+
+    def name_of(self, info: os.stat_result) -> str | None:
+        """The denied name whose file `info` is, or None."""
+        if not self._names:
+            return None
+        snapshot = self._snapshot
+        key = _folder_key(snapshot.folders)
+        if key != snapshot.key:
+            # The key is taken before the scan: a change during it shows at the next check.
+            folders, files = self._scan()
+            kept = key if folders == snapshot.folders and _settled(key) else ()
+            snapshot = _DeniedSnapshot(folders, kept, files)
+            self._snapshot = snapshot
+        return snapshot.files.get((info.st_dev, info.st_ino))
+
+    def _scan(self) -> tuple[tuple[str, ...], dict[tuple[int, int], str]]:
+        folders = set(_FIXED_DIRS)
+        files: dict[tuple[int, int], str] = {}
+        for directory in FIXED_PATH.split(":"):
+            for name in self._names:
+                path = os.path.join(directory, name)
+                folders.update(_link_folders(path))
+                try:
+                    info = os.stat(path)
+                except OSError:
+                    continue
+                files.setdefault((info.st_dev, info.st_ino), name)
+        return tuple(sorted(folders)), files
+
+
+def _link_folders(path: str) -> list[str]:
+    """The folders that the symlinks from `path` lead through (/etc/alternatives for /usr/bin/editor)."""
+    found: list[str] = []
+    for _ in range(_MAX_LINK_HOPS):
+        try:
+            target = os.readlink(path)
+        except OSError:
+            break
+        path = os.path.normpath(os.path.join(os.path.dirname(path), target))
+        found.append(os.path.dirname(path))
+    return found
 
 
 def _apply_rule(name: str, rule: _CompiledRule, argv: tuple[str, ...]) -> None:
@@ -509,14 +667,37 @@ def _apply_rule(name: str, rule: _CompiledRule, argv: tuple[str, ...]) -> None:
                         PolicyDenied(f"{name} may not run with {_shown(shown)}: the policy denies {entry!r}"),
                         f"rule {name}: deny {entry!r} (matched {_shown(shown)})",
                     )
-    # Known limitation: an option with a separate value (git -C dir status) makes the value
-    # look like the subcommand; that errs toward denial.
-    if rule.subcommands is not None and positional and positional[0] not in rule.subcommands:
-        sub = positional[0]
-        raise _Refusal(
-            PolicyDenied(f"{name} subcommand {_shown(sub)} is not allowed: use one of the allowed subcommands"),
-            f"rule {name}: subcommand {_shown(sub)} is not allowed",
-        )
+    if rule.subcommands is not None:
+        _check_subcommand(name, rule.subcommands, rule.flags_before_subcommand, args)
+
+
+def _check_subcommand(name: str, subcommands: frozenset[str], flags: frozenset[str], args: tuple[str, ...]) -> None:
+    """The first non-option word must be an allowed subcommand, and only known flags may come before it."""
+    for token in args:
+        if not _is_option(token):
+            if token not in subcommands:
+                raise _Refusal(
+                    PolicyDenied(
+                        f"{name} subcommand {_shown(token)} is not allowed: use one of the allowed subcommands"
+                    ),
+                    f"rule {name}: subcommand {_shown(token)} is not allowed",
+                )
+            return
+        # An option with a separate value (git --namespace status clean) would make its value
+        # pass for the subcommand; only an attached value leaves the next word alone.
+        if token not in flags and not _is_long_with_value(token):
+            raise _Refusal(
+                PolicyDenied(
+                    f"{name} may not run with {_shown(token)} before its subcommand: put only the options "
+                    "the policy lists, or --option=value, before it"
+                ),
+                f"rule {name}: option {_shown(token)} before the subcommand is not allowed",
+            )
+
+
+def _is_long_with_value(token: str) -> bool:
+    option, equals, _ = token.partition("=")
+    return option.startswith("--") and len(option) > 2 and bool(equals)
 
 
 def _resolve_name(argv0: str) -> tuple[str, str]:
@@ -582,8 +763,10 @@ DEMO_POLICY: Final = CommandPolicyConfig(
         # shells (busybox is one; denying it fails closed where coreutils are busybox links)
         "sh", "bash", "dash", "zsh", "ksh", "fish", "csh", "tcsh", "busybox",
         # interpreters and programmable tools (sed has 'e' and 'w' commands)
-        "python", "python3", "perl", "node", "ruby", "php", "lua",
+        "python", "python3", "pydoc", "pydoc3", "perl", "node", "ruby", "php", "lua", "tclsh", "wish", "expect",
         "awk", "gawk", "mawk", "nawk", "sed",
+        # editors and pagers, which run a shell on request (vim's :!, less's !)
+        "vi", "vim", "ex", "ed", "editor", "less", "more", "pager", "man",
         # wrappers that run another command
         "env", "xargs", "nice", "nohup", "timeout", "stdbuf", "setsid", "chroot", "unshare", "nsenter",
         # network and package managers
@@ -600,8 +783,16 @@ DEMO_POLICY: Final = CommandPolicyConfig(
                 "status", "log", "diff", "show", "add", "commit", "branch", "checkout", "switch",
                 "restore", "init", "rev-parse", "ls-files", "grep", "blame", "tag", "stash", "mv",
             ),
+            # git's global options that take no value; -C, --namespace, --git-dir DIR... take the next
+            # word, which would then pass for the subcommand (the =value forms are accepted).
+            flags_before_subcommand=(
+                "--no-pager", "-P", "-p", "--paginate", "--bare", "--no-replace-objects", "--literal-pathspecs",
+                "--glob-pathspecs", "--noglob-pathspecs", "--icase-pathspecs", "--no-optional-locks", "--no-advice",
+                "--version",
+            ),
             deny_args=(
                 "-c|--config-env",  # sets any config key: core.pager, core.sshCommand...
+                "--exec",  # archive/push/fetch-pack: the remote helper to run; rebase: a command per commit
                 "--exec-path",  # runs git-* helpers from another directory
                 "--upload-pack",
                 "--receive-pack",
@@ -611,6 +802,8 @@ DEMO_POLICY: Final = CommandPolicyConfig(
             ),
         ),
         ArgumentRule(command="git", when=("grep",), deny_args=("-O",)),  # -O is --open-files-in-pager
+        ArgumentRule(command="git", when=("clone",), deny_args=("-u",)),  # -u is --upload-pack
+        ArgumentRule(command="git", when=("rebase",), deny_args=("-x",)),  # -x is --exec
         ArgumentRule(
             command="find",
             deny_args=("-exec", "-execdir", "-ok", "-okdir", "-delete", "-fprint", "-fprint0", "-fprintf", "-fls"),

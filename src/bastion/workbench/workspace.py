@@ -21,6 +21,7 @@ from typing import Final, Literal
 
 from bastion.config import Config, WorkspaceConfig
 from bastion.safety.commands import ApprovedCommand, CommandPolicy, Decision
+from bastion.safety.environment import no_shell_escape_env
 from bastion.safety.errors import (
     BastionError,
     ConfigError,
@@ -183,6 +184,8 @@ class HostWorkspace:
         self.extra_env: dict[str, str] = {}
         """Set by bastion itself (the egress proxy's address), never by an agent."""
         self.policy = CommandPolicy(config.policy)
+        # An agent's sandbox is its own box with a shell: its editors and pagers are its to use.
+        self._quiet_env = {} if sandboxed else no_shell_escape_env(config.env)
         self.identity = identity
         self._bind_source = bind_source
         self._unmount_on_close = unmount_on_close
@@ -285,8 +288,10 @@ class HostWorkspace:
         raise Unavailable(message)
 
     def environment(self) -> dict[str, str]:
-        """Exactly PATH, HOME and LANG, plus the administrator's variables."""
-        return {"PATH": self._path, "HOME": SANDBOX_WORKSPACE, "LANG": LANG, **self.config.env, **self.extra_env}
+        """PATH, HOME and LANG; in a host workspace, editors that refuse and pagers that only print
+        (`no_shell_escape_env`); then the administrator's variables."""
+        fixed = {"PATH": self._path, "HOME": SANDBOX_WORKSPACE, "LANG": LANG}
+        return {**fixed, **self._quiet_env, **self.config.env, **self.extra_env}
 
     def explain(self, command: str) -> Decision:
         decision = self.policy.explain_script(command) if self.via_sh else self.policy.explain(command)
