@@ -411,8 +411,13 @@ async def test_host_terminal_git_starts_no_editor_or_pager_whose_shell_escape_ru
     for n in range(3):  # more than a 5-row screen: less would not quit at once (git runs it with LESS=FRX)
         made = await call(client, "run_command", command=f"git commit --allow-empty -q -m commit-{n}")
         assert made["detail"]["exit_status"] == 0, made
-    editor = await open_term(client, None, "git commit --allow-empty -q", rows=5, cols=80)
-    pager = await open_term(client, None, "git log", rows=5, cols=80)
+    # Fixed, git may have ended before open_terminal answers (state "exited"): the terminal stays readable.
+    terms = []
+    for command in ("git commit --allow-empty -q", "git log"):
+        opened = await call(client, "open_terminal", sandbox_id=None, command=command, rows=5, cols=80)
+        assert opened["ok"], opened
+        terms.append(opened["detail"]["terminal_id"])
+    editor, pager = terms
     for term, shown, escape in (
         (editor, "Please supply the message", ":!touch /workspace/EDITOR_SHELL_RAN"),
         (pager, "commit-0", "!touch /workspace/PAGER_SHELL_RAN"),
