@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-from .lab import GatewayLab
+from .lab import GatewayLab, HeldLab
 
 
 @pytest.fixture
@@ -19,3 +20,14 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayLab]:
     started = GatewayLab.start(tmp_path_factory.mktemp("gateway") / "lab")
     yield started
     started.stop()
+
+
+@pytest.fixture
+def held(tmp_path: Path) -> Iterator[HeldLab]:
+    lab = GatewayLab.start(tmp_path / "lab")
+    held = HeldLab(lab)
+    try:
+        yield held
+    finally:
+        held.settle()
+        lab.stop()

@@ -505,6 +505,35 @@ def _bastion_toml(port: int, host_key_line: str, target: Path) -> str:
         """)
 
 
+DEADLINE_S = 30.0
+
+
+class HeldLab:
+    """A lab of its own whose `sleep` action runs until the test releases it (no timing involved)."""
+
+    def __init__(self, lab: GatewayLab) -> None:
+        self.lab = lab
+        self.release = lab.root / "release"
+        self.marker = f"{lab.root}/release"
+        toml = lab.root / "target" / "dispatch.toml"
+        text = toml.read_text().replace("timeout_s = 5", "timeout_s = 120")
+        held = f'argv = ["/bin/sh", "-c", "while [ ! -e {self.release} ]; do sleep 0.02; done"]'
+        text = text.replace(f'argv = ["{lab.root / "target" / "bin" / "action"}", "sleep"]', held)
+        assert held in text
+        toml.write_text(text)
+
+    def running(self) -> int:
+        return len(processes_with(self.marker))
+
+    def settle(self) -> None:
+        """Release every held action and wait until none runs."""
+        self.release.touch()
+        deadline = time.monotonic() + DEADLINE_S
+        while self.running():
+            assert time.monotonic() < deadline, "the held actions did not end"
+            time.sleep(0.02)
+
+
 # -- what the gateway tests ask of a lab ---------------------------------------------------------
 
 

@@ -201,3 +201,21 @@ def test_dead_webhook_does_not_block_requests(tmp_path: Path) -> None:
     queue = ApprovalQueue(tmp_path / "bastion.db", webhook_url="http://127.0.0.1:9/closed")
     asked = queue.request("biscuit_deploy", "deploy v1", "stdio", ttl_s=60)
     assert queue.get(asked.id).state == "pending"
+
+
+def test_give_back_returns_only_a_used_unexpired_approval(queue: ApprovalQueue, clock: FakeClock) -> None:
+    """A use that sent nothing is given back once; a pending, approved, denied or expired one is not."""
+    asked = queue.request("biscuit_deploy", "deploy v1.0.0", "stdio", ttl_s=60)
+    with pytest.raises(Conflict):
+        queue.give_back(asked.id)  # pending
+    queue.approve(asked.id, "admin")
+    with pytest.raises(Conflict):
+        queue.give_back(asked.id)  # approved, not used
+    queue.consume(asked.id, "biscuit_deploy", "deploy v1.0.0")
+    assert queue.give_back(asked.id).state == "approved"
+    assert queue.consume(asked.id, "biscuit_deploy", "deploy v1.0.0").state == "used"
+    clock.now += 61
+    with pytest.raises(Conflict):
+        queue.give_back(asked.id)  # expired meanwhile: it stays spent
+    with pytest.raises(NotFound):
+        queue.give_back("ap-0000000000000000")

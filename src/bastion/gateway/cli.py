@@ -1,17 +1,25 @@
-"""`bastion gateway dispatch-script|keygen|authorized-keys` and `bastion approvals list|approve|deny`."""
+"""`bastion gateway dispatch-script|keygen|authorized-keys` and `bastion approvals list|approve|deny`.
+
+A CLI decision is made as ``cli:<login user>`` (the real uid's name; `--by` is only a note after it).
+It is not written to the audit chain: the running server holds the chain's head in memory, and no
+CLI command appends to it (the decision reaches the chain in ``approval_used`` when it is used).
+"""
 
 from __future__ import annotations
 
 import argparse
-import getpass
 import os
+import pwd
 import sys
 import time
 from pathlib import Path
+from typing import Final
 
 from bastion.config import Config, GatewayConfig, add_config_option, load_config, resolve_config_path
 from bastion.safety.approvals import Approval, ApprovalQueue
 from bastion.safety.errors import NotFound
+
+MAX_NOTE_CHARS: Final = 100
 
 
 def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -35,7 +43,9 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     for name in ("approve", "deny"):
         decide = approvals_sub.add_parser(name, help=f"{name} a pending request")
         decide.add_argument("id")
-        decide.add_argument("--by", help="who decides (default: cli:<user>)")
+        decide.add_argument(
+            "--by", help="a note kept after the decider's name (the decider is always cli:<your login user>)"
+        )
         if name == "deny":
             decide.add_argument("--reason", default="", help="told to the agent")
     for command in (listing, *approvals_sub.choices.values()):
@@ -86,6 +96,16 @@ def _show(approval: Approval) -> str:
     )
 
 
+def decider(note: str | None) -> str:
+    """``cli:<login user>``, from the process's real uid (not $USER, which anyone sets); `--by` follows as a note.
+
+    The note is free text: it is cut and kept to printable characters, and never stands as the name.
+    """
+    name = f"cli:{pwd.getpwuid(os.getuid()).pw_name}"
+    text = "".join(ch for ch in (note or "") if ch.isprintable()).strip()[:MAX_NOTE_CHARS]
+    return f"{name} (note: {text})" if text else name
+
+
 def run_approvals(args: argparse.Namespace) -> int:
     config = load_config(resolve_config_path(args.config))
     queue = ApprovalQueue(config.db_path)
@@ -96,7 +116,7 @@ def run_approvals(args: argparse.Namespace) -> int:
         if not items:
             print("no pending approvals" if not args.all else "no approvals")
         return 0
-    by = args.by or f"cli:{getpass.getuser()}"
+    by = decider(args.by)
     if args.approvals_command == "approve":
         print(_show(queue.approve(args.id, by)))
     else:

@@ -5,12 +5,23 @@ The host key is pinned from config (`host_key`): an unknown or changed key is re
 is read. The client asks for no pty, no forwarding and sends no environment; the target's
 ``restrict`` key option refuses those anyway. Only a `GatewayCommand` (a checked literal)
 is ever sent. Output is capped and redacted here whatever the target does.
+
+Sessions: at most `MAX_SESSIONS` on the connection, each counted until the host closes its channel,
+not until bastion stops waiting: a call that passed call_timeout_s or was cancelled keeps running on
+the host (dispatch.py lets it finish) and keeps its sshd session until then. One caller holds at most
+`CALLER_SHARE` of them, running or abandoned. A host whose MaxSessions is lower still refuses some
+opens: those are retried for ~3 s, then refused (nothing was sent). The whole of a call (a free slot,
+the connection, the action) is bounded by call_timeout_s; one connect answers every call waiting for it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from dataclasses import dataclass
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from typing import Final
 
 import anyio
@@ -19,7 +30,7 @@ from asyncssh.public_key import get_default_public_key_algs
 
 from bastion.config import GatewayConfig
 from bastion.gateway.actions import GatewayCommand
-from bastion.safety.errors import Forbidden, PolicyDenied, Timeout, Unavailable
+from bastion.safety.errors import BastionError, Forbidden, PolicyDenied, ResourceLimit, Timeout, Unavailable
 from bastion.safety.redact import Redactor, sanitize_terminal
 
 logger = logging.getLogger("bastion.gateway")
@@ -29,6 +40,12 @@ EXIT_TIMEOUT: Final = 124
 REFUSED_PREFIX: Final = "dispatch: refused: "
 _CHUNK: Final = 65536
 MAX_SESSIONS: Final = 8
+CALLER_SHARE: Final = MAX_SESSIONS // 2
+"""Sessions one caller may hold, running or abandoned: a caller whose calls it gave up on (each still
+running on the host until its own time limit) cannot take every session from the others."""
+LOCAL_CALLER: Final = "local"
+FAILURE_STANDS_S: Final = 1.0
+"""How long a failed connect answers new calls (they fail at once with its reason) before the next one."""
 _REDACT_MARGIN: Final = 4096
 # Pauses between tries to open a session the live connection refused (about 3 s in all).
 _OPEN_RETRY_PAUSES: Final = (0.02, 0.05, 0.1, 0.2, 0.4, 0.8, 1.5)
@@ -68,16 +85,135 @@ def _lost_connection(group: ExceptionGroup[Exception]) -> Exception:
     return group
 
 
+class _Unsent(Exception):
+    """A call failed before its session opened: nothing reached the host (carries the error to raise)."""
+
+    def __init__(self, error: BastionError) -> None:
+        super().__init__(error.reason)
+        self.error = error
+
+
+def _again(error: BastionError) -> BastionError:
+    """A fresh copy of `error`, for each call a shared failure answers (one raise per exception object)."""
+    return type(error)(error.reason, detail=error.detail)
+
+
+@dataclass
+class _Attempt:
+    """One connect, shared by every call that waits on it."""
+
+    done: anyio.Event = field(default_factory=anyio.Event)
+    conn: asyncssh.SSHClientConnection | None = None
+    error: BastionError | None = None
+    ended: float = 0.0
+
+    def answers_now(self, now: float) -> bool:
+        """Still running, connected, or failed recently enough that its failure still stands."""
+        if not self.done.is_set():
+            return True
+        if self.conn is not None:
+            return not self.conn.is_closed()
+        return now - self.ended < FAILURE_STANDS_S
+
+
+@dataclass
+class _Slot:
+    """One call's session slot; `process` is set while the host may still hold the session open."""
+
+    process: asyncssh.SSHClientProcess[bytes] | None = None
+    opening: bool = False
+
+
+class _Slots:
+    """The sessions bastion holds on a gateway, each counted until the host closes its channel.
+
+    sshd counts a session against MaxSessions until the action's process ends (dispatch.py lets an
+    action finish when its client is gone), whatever bastion does: a call bastion stopped waiting for
+    (its call_timeout_s, or its client cancelled) keeps its slot until then. One caller holds at most
+    `share` slots, running or abandoned, so the other callers always find the rest.
+    """
+
+    def __init__(self, gateway: str, total: int, share: int) -> None:
+        self.gateway = gateway
+        self.total = total
+        self.share = share
+        self.used = 0
+        self.running: dict[str, int] = {}
+        self.abandoned: dict[str, int] = {}
+        self._freed: anyio.Event | None = None
+        self._waiters: set[asyncio.Task[None]] = set()
+
+    @asynccontextmanager
+    async def hold(self, caller: str) -> AsyncIterator[_Slot]:
+        await self._take(caller)
+        slot = _Slot()
+        try:
+            yield slot
+        finally:
+            _add(self.running, caller, -1)
+            process = slot.process
+            if process is None:
+                self._free()
+            else:
+                # Abandoned: close our side; the slot stays taken until the host closes the channel.
+                process.close()
+                _add(self.abandoned, caller, 1)
+                task = asyncio.get_running_loop().create_task(self._release_when_closed(caller, process))
+                self._waiters.add(task)
+                task.add_done_callback(self._waiters.discard)
+
+    async def _take(self, caller: str) -> None:
+        while True:
+            abandoned = self.abandoned.get(caller, 0)
+            if abandoned >= self.share:
+                raise ResourceLimit(
+                    f"gateway {self.gateway!r}: {abandoned} of your earlier calls were abandoned (timed out or "
+                    f"cancelled) and still run on the host, the most one client may hold ({self.share} of "
+                    f"{self.total} sessions): wait for them to end (up to the host's own time limit)"
+                )
+            if self.used < self.total and self.running.get(caller, 0) + abandoned < self.share:
+                self.used += 1
+                _add(self.running, caller, 1)
+                return
+            if self._freed is None:
+                self._freed = anyio.Event()
+            await self._freed.wait()
+
+    async def _release_when_closed(self, caller: str, process: asyncssh.SSHClientProcess[bytes]) -> None:
+        try:
+            # Returns once the host answered our close (its action ended) or the connection is gone.
+            await process.wait_closed()
+        except Exception:  # a task nobody awaits: its failure is only logged
+            logger.debug("waiting for an abandoned session to close failed", exc_info=True)
+        finally:
+            _add(self.abandoned, caller, -1)
+            self._free()
+
+    def _free(self) -> None:
+        self.used -= 1
+        freed, self._freed = self._freed, None
+        if freed is not None:
+            freed.set()
+
+
+def _add(counts: dict[str, int], key: str, step: int) -> None:
+    value = counts.get(key, 0) + step
+    if value:
+        counts[key] = value
+    else:
+        counts.pop(key, None)  # callers come and go: keep only those holding something
+
+
 class GatewayClient:
     """Sends checked literals to one gateway over a reused SSH connection."""
 
     def __init__(self, config: GatewayConfig, redactor: Redactor) -> None:
         self.config = config
         self.redactor = redactor
-        self._conn: asyncssh.SSHClientConnection | None = None
-        self._lock = anyio.Lock()
+        self._attempt: _Attempt | None = None
+        self._connecting: asyncio.Task[None] | None = None
         # Below sshd's default MaxSessions (10) on the one shared connection.
-        self._sessions = anyio.Semaphore(MAX_SESSIONS)
+        self._slots = _Slots(config.name, MAX_SESSIONS, CALLER_SHARE)
 
     async def _connect(self) -> asyncssh.SSHClientConnection:
         cfg = self.config
@@ -129,50 +265,135 @@ class GatewayClient:
             raise Unavailable(f"gateway {cfg.name!r} cannot be reached", detail=str(exc)) from None
 
     async def connection(self) -> asyncssh.SSHClientConnection:
-        """The warm connection, opened (or reopened) on demand."""
-        async with self._lock:
-            if self._conn is None or self._conn.is_closed():
-                self._conn = await self._connect()
-            return self._conn
+        """The warm connection, opened (or reopened) on demand.
 
-    async def call(self, command: GatewayCommand, *, retry: bool = False) -> GatewayOutput:
+        One connect answers every call waiting for it; its failure answers the calls that come within
+        `FAILURE_STANDS_S` after it, so calls to a hung host fail together, not one connect_timeout_s each.
+        """
+        attempt = self._attempt
+        if attempt is None or not attempt.answers_now(time.monotonic()):
+            attempt = self._attempt = _Attempt()
+            # A task of its own: a caller giving up (its deadline, a cancel) does not stop the others' connect.
+            self._connecting = asyncio.get_running_loop().create_task(self._connect_for(attempt))
+        await attempt.done.wait()
+        if attempt.conn is None:
+            assert attempt.error is not None
+            raise _again(attempt.error)
+        return attempt.conn
+
+    async def _connect_for(self, attempt: _Attempt) -> None:
+        try:
+            attempt.conn = await self._connect()
+        except BastionError as exc:
+            attempt.error = exc
+        except Exception as exc:  # never leave the waiters without an answer
+            attempt.error = Unavailable(f"gateway {self.config.name!r} cannot be reached", detail=repr(exc))
+        except BaseException:
+            attempt.error = Unavailable(f"gateway {self.config.name!r}: the connection attempt was stopped")
+            raise
+        finally:
+            attempt.ended = time.monotonic()
+            attempt.done.set()
+
+    async def call(
+        self,
+        command: GatewayCommand,
+        *,
+        retry: bool = False,
+        caller: str = LOCAL_CALLER,
+        before_send: Callable[[], Awaitable[None]] | None = None,
+        if_unsent: Callable[[BastionError], Awaitable[None]] | None = None,
+    ) -> GatewayOutput:
         """Run one checked literal on the gateway; the target's dispatch decides whether it runs.
+
+        The whole call (a free session slot, the connection, the action) is bounded by call_timeout_s.
 
         Args:
             command: the checked literal.
             retry: reconnect and send again once if the warm connection was dropped. Only for actions
                 that are safe to repeat: a dropped connection may hide a request that already ran.
+            caller: who asks (`CallRunner.identity`): one caller holds at most `CALLER_SHARE` sessions.
+            before_send: awaited once the slot and the connection are there, just before the session
+                opens (an approval is spent here); an error from it ends the call with nothing sent.
+            if_unsent: awaited with the error when the call fails after `before_send` and the failure
+                proves nothing reached the host (the session was never opened).
 
         Raises:
             PolicyDenied: dispatch refused it (exit 126).
             Timeout: no answer within call_timeout_s, or dispatch's own timeout.
+            ResourceLimit: `caller` has abandoned calls holding its share of the sessions.
             Forbidden / Unavailable: the connection could not be made, or was lost.
         """
-        async with self._sessions:
-            return await self._call(command, retry=retry)
-
-    async def _call(self, command: GatewayCommand, *, retry: bool) -> GatewayOutput:
-        conn = await self.connection()
+        slot = _Slot()
         try:
-            exit_status, out, err, truncated = await self._run(conn, command.literal)
+            with anyio.fail_after(self.config.call_timeout_s):
+                async with self._slots.hold(caller) as slot:
+                    conn = await self.connection()
+                    if before_send is not None:
+                        await before_send()
+                    exit_status, out, err, truncated = await self._send(conn, command.literal, slot, retry=retry)
+        except _Unsent as unsent:
+            if if_unsent is not None:
+                await if_unsent(unsent.error)
+            raise unsent.error from None
+        except TimeoutError:
+            raise self._timeout(slot) from None
+        return self._output(exit_status, out, err, truncated)
+
+    def _timeout(self, slot: _Slot) -> Timeout:
+        limit = f"{self.config.call_timeout_s:g} s"
+        if not slot.opening:
+            return Timeout(f"gateway {self.config.name!r}: no session or connection within {limit}: nothing was sent")
+        return Timeout(
+            f"gateway {self.config.name!r} gave no result within {limit}; "
+            "the action may still be running there, up to the host's own time limit"
+        )
+
+    async def _send(
+        self, conn: asyncssh.SSHClientConnection, literal: str, slot: _Slot, *, retry: bool
+    ) -> tuple[int, bytes, bytes, bool]:
+        try:
+            return await self._run(conn, literal, slot)
         except (asyncssh.ChannelOpenError, asyncssh.DisconnectError, OSError) as exc:
             opened = not isinstance(exc, asyncssh.ChannelOpenError)
             if not opened and not conn.is_closed():
-                # The live connection refused one more session (sshd's MaxSessions): keep it for the others.
-                raise Unavailable(f"gateway {self.config.name!r} refused a new session: try again") from None
-            await self.close()
+                raise _Unsent(self._refused_session()) from None
+            # The connection is gone, and with it every session the host held for it.
+            slot.process = None
+            self._drop(conn)
             if opened and not retry:
                 raise Unavailable(
                     f"gateway {self.config.name!r} dropped the connection; the action may or may not have run",
                     detail=str(exc),
                 ) from None
             # The session never opened (so nothing was sent), or the action is safe to repeat.
+            return await self._send_again(literal, slot, sent=opened)
+
+    async def _send_again(self, literal: str, slot: _Slot, *, sent: bool) -> tuple[int, bytes, bytes, bool]:
+        try:
             conn = await self.connection()
-            try:
-                exit_status, out, err, truncated = await self._run(conn, command.literal)
-            except (asyncssh.Error, OSError) as again:
-                await self.close()
-                raise Unavailable(f"gateway {self.config.name!r} failed twice", detail=str(again)) from None
+        except BastionError as lost:
+            raise (lost if sent else _Unsent(lost)) from None
+        try:
+            return await self._run(conn, literal, slot)
+        except (asyncssh.Error, OSError) as again:
+            unopened = isinstance(again, asyncssh.ChannelOpenError)
+            if unopened and not conn.is_closed():
+                failure: BastionError = self._refused_session()
+            else:
+                slot.process = None
+                self._drop(conn)
+                failure = Unavailable(f"gateway {self.config.name!r} failed twice", detail=str(again))
+            raise (_Unsent(failure) if unopened and not sent else failure) from None
+
+    def _refused_session(self) -> Unavailable:
+        return Unavailable(
+            f"gateway {self.config.name!r} refused a new session with {self._slots.used} of bastion's open "
+            f"(its sshd's MaxSessions is below {MAX_SESSIONS + 2}, or it is slow to reap ended ones): "
+            "nothing was sent; try again when a call ends"
+        )
+
+    def _output(self, exit_status: int, out: bytes, err: bytes, truncated: bool) -> GatewayOutput:
         stdout, cut_out = self._clean(out)
         stderr, cut_err = self._clean(err)
         truncated = truncated or cut_out or cut_err
@@ -184,24 +405,19 @@ class GatewayClient:
             raise Timeout(f"the action ran past the gateway's time limit and was killed: {stderr.strip()[-200:]}")
         return GatewayOutput(exit_status=exit_status, stdout=stdout, stderr=stderr, truncated=truncated)
 
-    async def _run(self, conn: asyncssh.SSHClientConnection, literal: str) -> tuple[int, bytes, bytes, bool]:
-        opened: list[asyncssh.SSHClientProcess[bytes]] = []
-        try:
-            with anyio.fail_after(self.config.call_timeout_s):
-                # The open too: a hung host (frozen, or a network dropping packets) never confirms the channel.
-                opened.append(await self._open(conn, literal))
-                out, err, truncated = await self._drain(opened[0])
-                await opened[0].wait_closed()
-        except TimeoutError:
-            for process in opened:
-                process.close()
-            raise Timeout(
-                f"gateway {self.config.name!r} gave no result within {self.config.call_timeout_s:g} s; "
-                "the action may still be running there, up to the host's own time limit"
-            ) from None
-        status = opened[0].exit_status
+    async def _run(
+        self, conn: asyncssh.SSHClientConnection, literal: str, slot: _Slot
+    ) -> tuple[int, bytes, bytes, bool]:
+        # Under the call's deadline, the open too: a hung host (frozen, or a network dropping packets)
+        # never confirms the channel.
+        slot.opening = True
+        process = slot.process = await self._open(conn, literal)
+        out, err, truncated = await self._drain(process)
+        await process.wait_closed()
+        slot.process = None  # the host closed the channel: its session is free again
+        status = process.exit_status
         if status is None:
-            signal = opened[0].exit_signal
+            signal = process.exit_signal
             status = 128 + 9 if signal else 255
         return status, out, err, truncated
 
@@ -250,8 +466,19 @@ class GatewayClient:
         text = sanitize_terminal(data.decode("utf-8", errors="replace"))
         return self.redactor.redact_then_truncate(text, self.config.max_output_bytes)
 
+    def _drop(self, conn: asyncssh.SSHClientConnection) -> None:
+        """Close `conn`, which failed; it stops being the warm one only if it still is (a call that
+        reconnected meanwhile keeps its new connection)."""
+        conn.close()
+        if self._attempt is not None and self._attempt.conn is conn:
+            self._attempt = None
+
     async def close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            await self._conn.wait_closed()
-            self._conn = None
+        """Close the warm connection (the server is stopping); the next call connects again."""
+        attempt, self._attempt = self._attempt, None
+        connecting, self._connecting = self._connecting, None
+        if connecting is not None and not connecting.done():
+            connecting.cancel()
+        if attempt is not None and attempt.conn is not None:
+            attempt.conn.close()
+            await attempt.conn.wait_closed()

@@ -8,6 +8,8 @@ Public API (stable; the admin pages and the CLI build on it):
     queue.approve(a.id, by)  /  queue.deny(a.id, by, reason)
     await queue.wait(a.id, timeout_s, on_progress)            # -> Approval, when decided or on timeout
     queue.consume(a.id, action, literal)                      # the one use of an approved request
+    queue.give_back(a.id)                                     # that use sent nothing: approved again
+    await queue.decide_recorded(audit, a.id, "approve", by=..., channel="web")  # audited, then decided
 
 An approval is bound to the exact literal it was asked for (``action`` is the tool,
 e.g. ``biscuit_deploy``; ``literal`` the exact string sent, e.g. ``deploy v1.2.3``):
@@ -34,12 +36,13 @@ from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Final, Literal, cast
+from typing import TYPE_CHECKING, Final, Literal, cast
 
 import anyio
 
 from bastion.safety.errors import (
     ApprovalDenied,
+    BastionError,
     ConfigError,
     Conflict,
     InvalidRequest,
@@ -48,9 +51,15 @@ from bastion.safety.errors import (
     ResourceLimit,
 )
 
+if TYPE_CHECKING:
+    from bastion.safety.audit import AuditLog
+
 logger = logging.getLogger("bastion.approvals")
 
 ApprovalState = Literal["pending", "approved", "denied", "expired", "used"]
+Decision = Literal["approve", "deny"]
+Channel = Literal["web", "cli", "elicitation"]
+"""Where a human decided: the admin page, `bastion approvals`, or the agent's client (elicitation)."""
 ProgressCallback = Callable[[float, str], Awaitable[None]]
 """Called while waiting with (seconds waited, a one-line message)."""
 
@@ -288,6 +297,70 @@ class ApprovalQueue:
             current = self._row(db, approval_id)
         raise_for_state(current)
         raise ApprovalDenied(f"approval {approval_id} cannot be used")  # unreachable: the row was not approved
+
+    def give_back(self, approval_id: str) -> Approval:
+        """Make a ``used`` approval usable again: its use failed before anything reached the host.
+
+        Only the call that spent it may do this, once that failure proves nothing was sent (the
+        caller audits it first). One conditional UPDATE, like `consume`: an expired one stays used.
+
+        Raises:
+            NotFound: no such approval.
+            Conflict: it is not ``used``, or has expired.
+        """
+        with self._connect() as db:
+            changed = db.execute(
+                "UPDATE approvals SET state = 'approved' WHERE id = ? AND state = 'used' AND expires_at > ?",
+                (approval_id, self._clock()),
+            ).rowcount
+            current = self._row(db, approval_id)
+        if not changed:
+            raise Conflict(f"approval {approval_id} is {current.state}: it cannot be given back")
+        return current
+
+    async def decide_recorded(
+        self,
+        audit: AuditLog,
+        approval_id: str,
+        decision: Decision,
+        *,
+        by: str,
+        channel: Channel,
+        reason: str = "",
+    ) -> Approval:
+        """Approve or deny, with the decision in the audit chain before it is committed.
+
+        The record (``event: admin``, as the dashboard's own actions) names the approval, its tool
+        and literal, the decision, who made it and through which channel; an end record says how it went.
+
+        Raises:
+            AuditUnavailable: the record could not be written; nothing was decided.
+            NotFound / Conflict: as `approve` and `deny`.
+        """
+        current = self.get(approval_id)
+        if current.state != "pending":
+            raise Conflict(f"approval {approval_id} is {current.state}, not pending: it cannot be decided again")
+        record: dict[str, object] = {
+            "event": "admin",
+            "tool": f"{decision}_approval",
+            "caller": by,
+            "channel": channel,
+            "approval": current.id,
+            "action": current.action,
+            "literal": current.literal,
+            "requested_by": current.requested_by,
+            "decision": decision,
+        }
+        if decision == "deny":
+            record["denial_reason"] = reason[:MAX_REASON_CHARS]
+        await audit.append_async({**record, "phase": "start"})
+        try:
+            decided = self.approve(approval_id, by) if decision == "approve" else self.deny(approval_id, by, reason)
+        except BastionError as exc:
+            await audit.append_async({**record, "phase": "end", "code": exc.code.value, "refusal": exc.reason})
+            raise
+        await audit.append_async({**record, "phase": "end", "code": "OK", "state": decided.state}, ran=True)
+        return decided
 
     async def wait(self, approval_id: str, timeout_s: float, on_progress: ProgressCallback | None = None) -> Approval:
         """Wait until the request is decided (or expires), at most `timeout_s` seconds.

@@ -4,7 +4,9 @@ Wiring only: arguments are checked by `bastion.gateway.actions`, approvals are d
 `bastion.safety.approvals`, the host is reached by `bastion.gateway.client`, and the
 target's dispatch.py has the last word. An action marked `approval = true` sends nothing
 until a human approves the exact literal; a denied, expired or already used approval
-never sends anything.
+never sends anything. The approval is spent once the session slot and the connection are
+there, just before the session opens; if the host then refuses the session (nothing was
+sent), it is given back, both steps audited. An elicited decision is audited before it counts.
 
 With `[approvals] elicitation = true` and a client that declared form elicitation, the
 request is also put to the user through elicitation, on both protocol eras: on the
@@ -39,7 +41,7 @@ from pydantic import BaseModel, Field
 
 from bastion.config import ApprovalsConfig, GatewayActionConfig, GatewayConfig
 from bastion.gateway.actions import GatewayCommand, build_command
-from bastion.safety.approvals import Approval, ApprovalQueue
+from bastion.safety.approvals import Approval, ApprovalQueue, raise_for_state
 from bastion.safety.errors import BastionError, Conflict, InvalidRequest
 from bastion.safety.results import OperationResult, ResultCode
 from bastion.tools._call import CallRunner
@@ -140,7 +142,7 @@ class _ActionTool:
         answer = _answer(kwargs.pop(_ANSWER, None))
         command = build_command(self.action, {key: str(value) for key, value in kwargs.items()})
         if not self.action.approval:
-            out = await self.client.call(command, retry=True)
+            out = await self.client.call(command, retry=True, caller=self.runner.identity())
             return _output_result(self.name, command, out, {"gateway": self.gateway.name})
         return await self._with_approval(ctx, command, approval_id, asked, answer)
 
@@ -154,7 +156,7 @@ class _ActionTool:
     ) -> OperationResult:
         if asked is not None and answer is not None:
             # Asked through InputRequiredResult (2026-07-28) in an earlier round of this call.
-            approval = self._decide(self._bound(asked, command), answer)
+            approval = await self._decide(self._bound(asked, command), answer)
         elif approval_id is None:
             approval = self.queue.request(self.name, command.literal, self.runner.identity(), self.approvals.ttl_s)
             logger.warning("approval %s requested: %s %r", approval.id, self.name, command.literal)
@@ -184,19 +186,12 @@ class _ActionTool:
             approval = await self.queue.wait(approval.id, total, progress)
         if approval.state == "pending":
             return self._needs_approval(approval)
-        used = self.queue.consume(approval.id, self.name, command.literal)  # raises if denied, expired or used
-        # The human decision joins the hash chain before the action is sent; if it cannot, nothing is sent.
-        await self.runner.audit.append_async(
-            {
-                "event": "approval_used",
-                "tool": self.name,
-                "approval": used.id,
-                "literal": used.literal,
-                "requested_by": used.requested_by,
-                "decided_by": used.decided_by,
-            }
+        raise_for_state(approval)  # denied, expired or used: refused before connecting
+        spent = _Spending(self, approval, command)
+        out = await self.client.call(
+            command, retry=False, caller=self.runner.identity(), before_send=spent.spend, if_unsent=spent.give_back
         )
-        out = await self.client.call(command, retry=False)
+        used = spent.approval
         extra: dict[str, object] = {"gateway": self.gateway.name, APPROVAL_ID: used.id, "approved_by": used.decided_by}
         return _output_result(self.name, command, out, extra)
 
@@ -221,14 +216,19 @@ class _ActionTool:
             raise InvalidRequest(f"approval {approval.id} is for {approval.action} {approval.literal!r}, not this call")
         return approval
 
-    def _decide(self, approval: Approval, approve: bool) -> Approval:
-        """Record the user's answer; a decision made elsewhere first (CLI, admin page) or expiry stands."""
+    async def _decide(self, approval: Approval, approve: bool) -> Approval:
+        """Record the user's answer (audited first); a decision made elsewhere first (CLI, admin page) or
+        expiry stands."""
         by = ELICITATION_PREFIX + self.runner.identity()
         try:
-            if approve:
-                decided = self.queue.approve(approval.id, by)
-            else:
-                decided = self.queue.deny(approval.id, by, ELICITATION_DENIAL)
+            decided = await self.queue.decide_recorded(
+                self.runner.audit,
+                approval.id,
+                "approve" if approve else "deny",
+                by=by,
+                channel="elicitation",
+                reason="" if approve else ELICITATION_DENIAL,
+            )
         except Conflict:
             return self.queue.get(approval.id)
         logger.warning("approval %s %s through elicitation by %s", approval.id, decided.state, by)
@@ -259,7 +259,7 @@ class _ActionTool:
             tasks.start_soon(ask)
             tasks.start_soon(watch)
         answer = _answer(outcome)
-        return self.queue.get(approval.id) if answer is None else self._decide(approval, answer)
+        return self.queue.get(approval.id) if answer is None else await self._decide(approval, answer)
 
     def _to_ask(self, ctx: Context[Any, Any], values: dict[str, str], approval_id: str | None) -> Approval | None:
         """Resolver body (2026-07-28): the pending approval to ask about, found again on every round.
@@ -364,6 +364,52 @@ class _ActionTool:
 
         question.__annotations__ = {"approval": asked}
         return {_ASKED: asked, _ANSWER: Annotated[ElicitationResult[ApproveAnswer], Resolve(question)]}
+
+
+class _Spending:
+    """Spends one approval just before its literal is sent, and gives it back if nothing was sent."""
+
+    def __init__(self, tool: _ActionTool, approval: Approval, command: GatewayCommand) -> None:
+        self.tool = tool
+        self.approval = approval
+        self.command = command
+
+    async def spend(self) -> None:
+        """Called once the session slot and the connection are there: a refusal before this spends nothing."""
+        tool = self.tool
+        used = tool.queue.consume(self.approval.id, tool.name, self.command.literal)  # denied, expired or used
+        self.approval = used
+        # The human decision joins the hash chain before the action is sent; if it cannot, nothing is sent.
+        await tool.runner.audit.append_async(
+            {
+                "event": "approval_used",
+                "tool": tool.name,
+                "approval": used.id,
+                "literal": used.literal,
+                "requested_by": used.requested_by,
+                "decided_by": used.decided_by,
+            }
+        )
+
+    async def give_back(self, error: BastionError) -> None:
+        """The session never opened: nothing reached the host, so the approval is not spent (audited first)."""
+        tool, used = self.tool, self.approval
+        try:
+            await tool.runner.audit.append_async(
+                {
+                    "event": "approval_returned",
+                    "tool": tool.name,
+                    "approval": used.id,
+                    "literal": used.literal,
+                    "why": f"nothing was sent: {error.reason}",
+                }
+            )
+            self.approval = tool.queue.give_back(used.id)
+        except BastionError as exc:  # it stays used: the safe side
+            logger.warning("approval %s not given back: %s", used.id, exc.reason)
+            return
+        error.reason = f"{error.reason}; approval {used.id} was not spent: call again with it"
+        logger.warning("approval %s given back: %s", used.id, error.reason)
 
 
 def _actions_detail(gateway: GatewayConfig) -> dict[str, object]:

@@ -22,6 +22,7 @@ from starlette.routing import Route
 
 from bastion.config import Config
 from bastion.safety.approvals import ApprovalQueue
+from bastion.safety.audit import AuditLog
 from bastion.safety.errors import BastionError
 from bastion.safety.results import ResultCode
 from bastion.transports.http import pages
@@ -41,7 +42,8 @@ from bastion.transports.http.ratelimit import LoginLimiter, LoginRefused
 from bastion.transports.http.store import AuthStore
 
 SESSION_COOKIE: Final = "__Host-bastion-admin"
-_DECIDE_STATUS: Final = {ResultCode.NOT_FOUND: 404, ResultCode.CONFLICT: 409}
+_DECIDE_STATUS: Final = {ResultCode.NOT_FOUND: 404, ResultCode.CONFLICT: 409, ResultCode.AUDIT_UNAVAILABLE: 503}
+WEB_DECIDER: Final = "administrator (web)"
 
 
 class AdminPages:
@@ -53,10 +55,13 @@ class AdminPages:
         config: Config,
         *,
         rebind: Callable[[str, str], None] | None = None,
+        audit: AuditLog | None = None,
     ) -> None:
         """`rebind(old digest, new digest)`: moves the browser's pending authorization requests to the
         cookie value a login here issues (`BastionAuthProvider.rebind_browser`), so a login page open in
-        another tab still works after it."""
+        another tab still works after it. `audit`: the server's audit log, where each approval decision is
+        written before it is made (without it, decisions are refused)."""
+        self.audit = audit
         self.store = store
         self.rebind = rebind
         self.credential = credential
@@ -161,13 +166,21 @@ class AdminPages:
 
     async def decide(self, request: Request, form: dict[str, str], csrf: str) -> Response:
         approval_id, decision = form.get("id", ""), form.get("decision")
+        if decision not in ("approve", "deny"):
+            return pages.error_page("decision must be approve or deny", status=400)
+        if self.audit is None:  # fail closed: a decision is never made unrecorded
+            return pages.error_page(
+                "the audit log is not available to this page: decide with 'bastion approvals'", status=503
+            )
         try:
-            if decision == "approve":
-                self.approvals.approve(approval_id, by="administrator (web)")
-            elif decision == "deny":
-                self.approvals.deny(approval_id, by="administrator (web)", reason=form.get("reason", ""))
-            else:
-                return pages.error_page("decision must be approve or deny", status=400)
+            await self.approvals.decide_recorded(
+                self.audit,
+                approval_id,
+                "approve" if decision == "approve" else "deny",
+                by=WEB_DECIDER,
+                channel="web",
+                reason=form.get("reason", ""),
+            )
         except BastionError as exc:
             # Answered here, not carried in a redirect's query: a link could then show any text as ours.
             return pages.error_page(exc.reason, status=_DECIDE_STATUS.get(exc.code, 400))

@@ -1,0 +1,157 @@
+"""When an approval is spent, and who the audit chain says decided it, against the real sshd lab.
+
+What this proves: a human-approved deploy whose call fails before anything reaches the host (the host
+cannot be reached, or its sshd refuses one more session) leaves the approval usable: the retry with the
+same approval_id runs the deploy once, and the audit chain holds `approval_used`, `approval_returned`,
+`approval_used`. A decision made through elicitation is written to the audit chain (an `admin` record
+naming the approval, literal, decision, decider and channel) before it counts. A CLI decision is made
+as `cli:<login user>`, whatever `--by` says. What it does not prove: the admin page's records
+(tests/transports/http/test_approvals_audit.py); a CLI decision's record (the CLI cannot write the chain
+while the server holds it; see the module docstring of bastion.gateway.cli).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from mcp import Client
+from mcp_types import ElicitRequestParams, ElicitResult
+
+from bastion.app import build_server, build_services
+from bastion.config import load_config
+from bastion.safety.approvals import ApprovalQueue
+from bastion.safety.audit import verify
+from tests.helpers import call
+
+from .lab import DEADLINE_S, GatewayLab, HeldLab, approvals_cli, host_saw, variant
+
+pytestmark = pytest.mark.anyio
+
+CALLER = "deployer"
+
+
+@asynccontextmanager
+async def connect(config: Path, caller: str = CALLER, **options: Any) -> AsyncIterator[Client]:
+    services = build_services(load_config(config))
+    try:
+        async with Client(build_server(services, caller=caller), **options) as client:
+            yield client
+    finally:
+        services.close()
+
+
+def audit_records(config: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in load_config(config).audit_path.read_text().splitlines()]
+
+
+async def approved(lab: GatewayLab, config: Path, version: str) -> str:
+    async with connect(config) as client:
+        asked = await call(client, "biscuit_deploy", project="biscuit", version=version)
+    assert asked["code"] == "NEEDS_APPROVAL", asked
+    approval_id = str(asked["detail"]["approval_id"])
+    approvals_cli(lab, config, "approve", approval_id)
+    return approval_id
+
+
+async def test_deploy_to_an_unreachable_host_does_not_spend_its_approval(lab: GatewayLab) -> None:
+    """Invariant: a connect that fails sends nothing, so the approval stays approved."""
+    approval_id = await approved(lab, lab.config_path, "v3.1.4")
+    closed = variant(lab, "bastion-spend-closed-port.toml", f"port = {lab.port}", "port = 9")
+    async with connect(closed) as client:
+        failed = await call(client, "biscuit_deploy", project="biscuit", version="v3.1.4", approval_id=approval_id)
+    assert failed["code"] == "UNAVAILABLE", failed
+    queue = ApprovalQueue(load_config(lab.config_path).db_path)
+    assert queue.get(approval_id).state == "approved"
+    assert not host_saw(lab, "deploy biscuit v3.1.4")
+    async with connect(lab.config_path) as client:
+        done = await call(client, "biscuit_deploy", project="biscuit", version="v3.1.4", approval_id=approval_id)
+    assert done["ok"], done
+    assert sum(run["argv"] == ["deploy", "biscuit", "v3.1.4"] for run in lab.action_runs()) == 1
+    assert queue.get(approval_id).state == "used"
+
+
+async def test_reader_filling_the_hosts_sessions_does_not_burn_an_approved_deploy(held: HeldLab) -> None:
+    """Invariant: a session the host refuses (its MaxSessions reached) sent nothing: the approval is
+    given back (audited), and the retry with the same id deploys once."""
+    lab = held.lab
+    with lab.second_sshd("one-session", "MaxSessions 1") as port:
+        config = variant(lab, "bastion-one-session.toml", f"port = {lab.port}", f"port = {port}")
+        approval_id = await approved(lab, config, "v2.0.0")
+        services = build_services(load_config(config))
+        try:
+            async with (
+                Client(build_server(services, caller=CALLER)) as deployer,
+                Client(build_server(services, caller="reader")) as reader,
+            ):
+                async with anyio.create_task_group() as tasks:
+                    tasks.start_soon(call, reader, "biscuit_sleep")  # holds the host's one session
+                    with anyio.fail_after(DEADLINE_S):
+                        while not held.running():
+                            await anyio.sleep(0.02)
+                    refused = await call(
+                        deployer, "biscuit_deploy", project="biscuit", version="v2.0.0", approval_id=approval_id
+                    )
+                    held.release.touch()
+                assert refused["code"] == "UNAVAILABLE", refused
+                assert "was not spent" in str(refused["reason"])
+                assert ApprovalQueue(services.config.db_path).get(approval_id).state == "approved"
+                assert not host_saw(lab, "deploy biscuit v2.0.0")
+                done = await call(
+                    deployer, "biscuit_deploy", project="biscuit", version="v2.0.0", approval_id=approval_id
+                )
+        finally:
+            services.close()
+    assert done["ok"], done
+    assert sum(run["argv"] == ["deploy", "biscuit", "v2.0.0"] for run in lab.action_runs()) == 1
+    events = [r["event"] for r in audit_records(config) if r.get("approval") == approval_id]
+    assert events == ["approval_used", "approval_returned", "approval_used"]
+    assert verify(load_config(config).audit_path).ok
+
+
+@pytest.mark.parametrize("approve", [True, False], ids=["approve", "deny"])
+async def test_elicited_decision_is_in_the_audit_chain_before_it_counts(lab: GatewayLab, approve: bool) -> None:
+    """Invariant: a decision made through elicitation has its `admin` record (decision, decider, channel)
+    in the chain, and it comes before the approval is used."""
+    version = "v9.4.1" if approve else "v9.4.2"
+    config = variant(lab, f"bastion-elicit-audit-{approve}.toml", "ttl_s = 600", "ttl_s = 600\nelicitation = true")
+
+    async def user(context: object, params: ElicitRequestParams) -> ElicitResult:
+        return ElicitResult(action="accept", content={"approve": approve})
+
+    async with connect(config, mode="legacy", elicitation_callback=user) as client:
+        result = await call(client, "biscuit_deploy", project="biscuit", version=version)
+    assert result["code"] == ("OK" if approve else "APPROVAL_DENIED"), result
+    literal = f"deploy biscuit {version}"
+    records = [r for r in audit_records(config) if r.get("literal") == literal and r.get("event") != "start"]
+    decision = "approve" if approve else "deny"
+    decided = [r for r in records if r.get("event") == "admin"]
+    assert [(r["phase"], r["decision"], r["channel"], r["caller"]) for r in decided] == [
+        ("start", decision, "elicitation", f"elicitation:{CALLER}"),
+        ("end", decision, "elicitation", f"elicitation:{CALLER}"),
+    ]
+    assert decided[-1]["code"] == "OK"
+    used = [i for i, r in enumerate(records) if r.get("event") == "approval_used"]
+    assert used == ([records.index(decided[-1]) + 1] if approve else [])
+    assert host_saw(lab, literal) is approve
+
+
+async def test_cli_approval_cannot_claim_to_be_the_web_admin(lab: GatewayLab) -> None:
+    """Invariant: the CLI decides as cli:<login user> (from the real uid); `--by` is only a note after it."""
+    async with connect(lab.config_path) as client:
+        asked = await call(client, "biscuit_deploy", project="biscuit", version="v7.7.7")
+        approval_id = str(asked["detail"]["approval_id"])
+        approvals_cli(lab, lab.config_path, "approve", approval_id, "--by", "administrator (web)\x1b[2K")
+        done = await call(client, "biscuit_deploy", project="biscuit", version="v7.7.7", approval_id=approval_id)
+    me = f"cli:{pwd.getpwuid(os.getuid()).pw_name}"
+    assert done["ok"], done
+    assert done["detail"]["approved_by"] == f"{me} (note: administrator (web)[2K)"
+    used = [r for r in audit_records(lab.config_path) if r.get("event") == "approval_used"]
+    assert used[-1]["decided_by"].startswith(f"{me} ")
