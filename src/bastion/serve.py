@@ -333,9 +333,18 @@ def _check_http(config: Config, config_path: str, listen: str | None) -> None:
 
     http = config.http
     host, _ = parse_listen(listen or http.listen)
-    endpoints_for(config, listen)  # a listen address its public_url cannot name is refused here
     if not http.auth and not is_loopback(host):
         raise ConfigError("[http] auth = false is only allowed on a loopback listen address: turn auth on")
+    plain = http.tls_cert is None and (http.public_url or "").startswith("http://")
+    if plain and not is_loopback(host):
+        # A plain-http public_url is loopback-only (the config refuses others), but any host reaching a
+        # wildcard listen may send `Host: 127.0.0.1:PORT`: the password would cross the network in clear.
+        raise ConfigError(
+            f"listen address {listen or http.listen} would serve the password login in plain http beyond "
+            "this machine: set [http] tls_cert and tls_key, or put a TLS reverse proxy in front and set "
+            "[http] public_url to its https URL, or listen on 127.0.0.1"
+        )
+    endpoints_for(config, listen)  # a listen address its public_url cannot name is refused here
     if (http.tls_cert is None) != (http.tls_key is None):
         raise ConfigError("[http] tls_cert and tls_key go together: set both or neither")
     if http.auth and not config.admin_hash_path.exists():

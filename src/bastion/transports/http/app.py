@@ -9,6 +9,8 @@ Layers, outermost first:
    challenge name the URL the client used (its SDK checks that), and whose tokens stay bound to
    `<public_url>/mcp`.
 2. `AccessLog`: method, path (never the query string, which could carry a token), status, address.
+   Inside it `BrowserStepGuard`: /authorize, the login and consent pages and every /oauth and /admin
+   form POST refuse what another page sends (Fetch Metadata), before any limit counts it.
 3. `McpLane` (lane.py): a POST to /mcp (every tool call) gets the bearer check and the auth context
    below in one layer and goes straight to the /mcp endpoint of 5; everything else goes to Starlette.
 4. The SDK's `AuthenticationMiddleware` with `BearerAuthBackend` over bastion's provider (the token is
@@ -37,6 +39,7 @@ from mcp.server.auth.provider import AccessToken
 from mcp.server.streamable_http_manager import StreamableHTTPASGIApp
 from mcp.server.transport_security import TransportSecuritySettings
 from starlette.applications import Starlette
+from starlette.datastructures import Headers
 from starlette.middleware import Middleware
 from starlette.middleware.authentication import AuthenticationMiddleware
 from starlette.middleware.cors import CORSMiddleware
@@ -50,6 +53,7 @@ from bastion.config import Config
 from bastion.safety.errors import ConfigError
 from bastion.tools import CallRunner
 from bastion.tools.server import SCOPES, BastionServer
+from bastion.transports.http import pages
 from bastion.transports.http.admin_pages import AdminPages
 from bastion.transports.http.cors import McpCors
 from bastion.transports.http.dashboard import Dashboard
@@ -59,7 +63,13 @@ from bastion.transports.http.endpoints import (
     authorization_server_metadata,
     protected_resource_metadata,
 )
-from bastion.transports.http.flow import AuthorizationFlow
+from bastion.transports.http.flow import (
+    NOT_A_NAVIGATION,
+    NOT_OUR_FORM,
+    AuthorizationFlow,
+    not_a_navigation,
+    posted_by_another_page,
+)
 from bastion.transports.http.lane import McpLane
 from bastion.transports.http.observe import Observe, read_scrape_token
 from bastion.transports.http.password import AdminCredential
@@ -236,6 +246,44 @@ async def _plain(send: Send, status: int, body: bytes) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+NAVIGATION_STEPS: Final = ("/authorize", "/oauth/login", "/oauth/consent", "/admin/login")
+"""Pages only the browser's own navigation opens: each /authorize counts against the browser's device
+and adds a pending request."""
+FORM_PREFIXES: Final = ("/oauth/", "/admin/")
+"""Where every POST is a form of bastion's own pages (login, consent, the administrator's decisions)."""
+
+
+class BrowserStepGuard:
+    """403 for a request another page sent to the login and consent steps, before any limit counts it.
+
+    A sandbox's preview page (another port of this host, same-site) could otherwise post wrong passwords
+    with the administrator's device cookie (its back-off, up to `login_backoff_max_s`) and fetch
+    /authorize until the device's pending requests are full. Fetch Metadata tells such requests from the
+    administrator's own: a form POST must come from bastion's origin, a page must be a top-level navigation.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            refusal = self._refusal(scope)
+            if refusal is not None:
+                await pages.error_page(refusal, status=403)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    @staticmethod
+    def _refusal(scope: Scope) -> str | None:
+        path: str = scope["path"]
+        if scope["method"] == "POST":
+            if path.startswith(FORM_PREFIXES) and posted_by_another_page(Headers(scope=scope)):
+                return NOT_OUR_FORM
+        elif path in NAVIGATION_STEPS and not_a_navigation(Headers(scope=scope)):  # GET and HEAD
+            return NOT_A_NAVIGATION
+        return None
+
+
 class CountCalls:
     """Keeps `CallRunner.requests_in_flight` to the /mcp POSTs being served, from the moment they arrive."""
 
@@ -373,7 +421,7 @@ def build_http_app(services: Services, server: BastionServer, *, listen: str | N
         flow = AuthorizationFlow(provider, credential, limiter)
         tokens = TokenEndpoint(provider)
         registration = Registration(provider)
-        admin = AdminPages(store, credential, limiter, config, rebind=provider.rebind_browser)
+        admin = AdminPages(store, credential, limiter, config, rebind=provider.rebind_browser, audit=services.audit)
         dashboard = Dashboard(admin, services.sandboxes, services.audit)
         as_meta = authorization_server_metadata(endpoints.issuer)
         get_options = ["GET", "OPTIONS"]
@@ -444,7 +492,7 @@ def build_http_app(services: Services, server: BastionServer, *, listen: str | N
 
     starlette = Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
     lane = McpLane(starlette, mcp_endpoint, backend)
-    guarded_app = HostGuard(CountCalls(AccessLog(lane), server.runner), hosts, origins)
+    guarded_app = HostGuard(CountCalls(AccessLog(BrowserStepGuard(lane)), server.runner), hosts, origins)
     port = int((listen or config.http.listen).rpartition(":")[2])
     app = Observe(guarded_app, services, hosts, port, scrape_digest)
     return HttpApp(app=app, endpoints=endpoints, store=store)

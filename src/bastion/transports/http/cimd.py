@@ -14,16 +14,24 @@ SECURITY BOUNDARY (server-side request forgery). The URL comes from whoever open
   scopes bastion knows, bounds what may be granted to it, as a registered client's does.
 Results, good or bad, are cached for a while, so a URL cannot be used to make bastion fetch in a loop;
 one fetch per URL runs at a time (concurrent asks wait for it), and at most
-`FETCHES_PER_HOST_PER_MINUTE` new ones from a host, so varied paths cannot either.
+`FETCHES_PER_HOST_PER_MINUTE` new ones from a host, so varied paths cannot either. A URL refused by its
+shape costs no fetch and none of that budget, and a URL that has fetched well since start refreshes
+outside it: a stranger spending a host's budget cannot make a working client unknown.
+Name resolution runs in threads of its own, at most `MAX_LOOKUPS` at once counting those given up on
+(one kept for known URLs); past that a lookup is refused at once: hostnames whose DNS never answers can
+neither hold the event loop's shared executor nor pile up threads.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import ipaddress
 import json
 import logging
 import socket
 import ssl
+import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Final
@@ -50,6 +58,9 @@ MAX_CACHED: Final = 1000
 FETCHES_PER_HOST_PER_MINUTE: Final = 30
 """New fetches from one host a minute: URLs that differ by their path (each its own cache entry) would
 otherwise make bastion fetch from a host as fast as an unauthenticated client asks."""
+MAX_LOOKUPS: Final = 4
+"""Name lookups at once, including those still running after their fetch gave up; the last is kept
+for URLs that have fetched well before."""
 
 
 class CimdRefused(Exception):
@@ -165,6 +176,13 @@ class CimdFetcher:
         self._cache: dict[str, tuple[float, OAuthClientInformationFull | None]] = {}
         self._fetching: dict[str, anyio.Event] = {}
         self._per_host = WindowLimiter(FETCHES_PER_HOST_PER_MINUTE, 60.0)
+        # URLs whose document was good since start, most recent last. Their refreshes skip the host budget
+        # (the cache and one-fetch-per-URL already bound them to one a URL every CACHE_TTL_S), so strangers
+        # spending a host's budget on other paths cannot turn its working client into "unknown client".
+        # Simpler than a budget per (address, host): the fetcher never learns who asks (/token asks too).
+        self._known_good: dict[str, None] = {}
+        self._lookups = 0
+        self._lookups_lock = threading.Lock()
 
     async def client(self, url: str) -> OAuthClientInformationFull | None:
         """The client the document describes, or None if it is refused (the reason is logged)."""
@@ -173,8 +191,14 @@ class CimdFetcher:
         cached = self._cache.get(url)
         if cached is not None and cached[0] > time.monotonic():
             return cached[1]
-        host = urlsplit(url).hostname or ""
-        if not self._per_host.allow(host):
+        try:
+            target = check_url(url)  # before the budget: a malformed URL costs no fetch, so it spends nothing
+        except CimdRefused as exc:
+            logger.warning("client metadata document %s refused: %s", url[:200], exc)
+            self._remember(url, None, FAILURE_TTL_S)
+            return None
+        host = target[0]
+        if url not in self._known_good and not self._per_host.allow(host):
             # Not cached: the host's own client gets its document once the minute has passed.
             logger.warning(
                 "client metadata document %s not fetched: %s fetches from %s this minute",
@@ -185,39 +209,90 @@ class CimdFetcher:
             return None
         self._fetching[url] = done = anyio.Event()
         try:
-            return await self._fetch(url)
+            return await self._fetch(url, target)
         finally:
             del self._fetching[url]
             done.set()
 
-    async def _fetch(self, url: str) -> OAuthClientInformationFull | None:
+    async def _fetch(self, url: str, target: tuple[str, int, str]) -> OAuthClientInformationFull | None:
         try:
-            info: OAuthClientInformationFull | None = await self._load(url)
+            info: OAuthClientInformationFull | None = await self._load(url, target)
             ttl = CACHE_TTL_S
         except CimdRefused as exc:
             logger.warning("client metadata document %s refused: %s", url[:200], exc)
             info, ttl = None, FAILURE_TTL_S
+        if info is not None:
+            self._known_good.pop(url, None)
+            self._known_good[url] = None
+            while len(self._known_good) > MAX_CACHED:
+                self._known_good.pop(next(iter(self._known_good)))
+        self._remember(url, info, ttl)
+        return info
+
+    def _remember(self, url: str, info: OAuthClientInformationFull | None, ttl: float) -> None:
         while len(self._cache) >= MAX_CACHED:
             self._cache.pop(next(iter(self._cache)))
         self._cache[url] = (time.monotonic() + ttl, info)
-        return info
 
-    async def _load(self, url: str) -> OAuthClientInformationFull:
-        host, port, path = check_url(url)
+    async def _load(self, url: str, target: tuple[str, int, str]) -> OAuthClientInformationFull:
+        host, port, path = target
         body = b""
         with anyio.move_on_after(FETCH_TIMEOUT_S) as scope:
-            address = await self._resolve(host, port)
+            address = await self._resolve(host, port, known=url in self._known_good)
             body = await self._get(address, host, port, path)
         if scope.cancel_called:
             raise CimdRefused(f"no complete answer within {FETCH_TIMEOUT_S:g} s")
         return self._parse(url, body)
 
-    async def _resolve(self, host: str, port: int) -> str:
+    async def _lookup(self, host: str, port: int, *, known: bool) -> list[str]:
+        """The addresses of `host`, looked up in a daemon thread of its own, counted until it returns.
+
+        Not the loop's default executor (a few threads, shared with all else that resolves), nor anyio's
+        worker threads (one given up on stops counting against its limiter, but keeps running): a lookup
+        whose DNS never answers holds its thread until the system resolver gives up, and counts till then.
+        """
+        with self._lookups_lock:
+            if self._lookups >= (MAX_LOOKUPS if known else MAX_LOOKUPS - 1):
+                raise CimdRefused(f"{self._lookups} name lookups are already running: try again shortly")
+            self._lookups += 1
+        loop = asyncio.get_running_loop()
+        answer: asyncio.Future[list[str]] = loop.create_future()
+
+        def settle(addresses: list[str], error: Exception | None) -> None:
+            if answer.done():
+                return  # the fetch gave up on it
+            if error is not None:
+                answer.set_exception(error)
+            else:
+                answer.set_result(addresses)
+
+        def run() -> None:
+            addresses: list[str] = []
+            error: Exception | None = None
+            try:
+                addresses = [str(found[4][0]) for found in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)]
+            except (OSError, ValueError) as exc:  # gaierror; UnicodeError for a name IDNA cannot encode
+                error = exc
+            finally:
+                with self._lookups_lock:
+                    self._lookups -= 1
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
+                loop.call_soon_threadsafe(settle, addresses, error)
+
         try:
-            found = await anyio.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        except OSError as exc:
+            threading.Thread(target=run, name="cimd-lookup", daemon=True).start()
+        except RuntimeError:  # no thread to be had (the process limit)
+            with self._lookups_lock:
+                self._lookups -= 1
+            raise CimdRefused("no thread for a name lookup: try again shortly") from None
+        return await answer
+
+    async def _resolve(self, host: str, port: int, *, known: bool = False) -> str:
+        try:
+            found = await self._lookup(host, port, known=known)
+        except (OSError, ValueError) as exc:
             raise CimdRefused(f"cannot resolve {host}: {exc}") from None
-        addresses = sorted({str(entry[4][0]) for entry in found})
+        addresses = sorted(set(found))
         if not addresses:
             raise CimdRefused(f"{host} has no address")
         refused = [a for a in addresses if not self.address_allowed(a)]

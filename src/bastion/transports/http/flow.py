@@ -21,6 +21,10 @@ SECURITY BOUNDARY.
 - Each authorization needs the administrator's password, in this transaction: there is no "already
   logged in" shortcut a new client could ride on (a consent cookie never carries over to another client).
 - POSTs answer 303; pages cannot be framed; failures say the same thing whatever went wrong.
+- Only the administrator's own navigations and forms reach these steps (Fetch Metadata, `app.py`'s
+  `BrowserStepGuard`): a sandbox's preview page is same-site (another port of the host), so its scripts
+  would otherwise send the SameSite=Strict cookies with their requests, spend the device's login
+  back-off and fill its pending requests. The refusal comes before anything is counted.
 """
 
 from __future__ import annotations
@@ -33,13 +37,14 @@ from typing import Final
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import anyio
+from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.responses import Response
 
 from bastion.safety.errors import ResourceLimit
 from bastion.tools.server import GATEWAY_DEPLOY, GATEWAY_READ, ORGANIZER, SCOPES, WORKBENCH
 from bastion.transports.http import pages
-from bastion.transports.http.devices import DEVICE_COOKIE, TrustedDevices
+from bastion.transports.http.devices import DEVICE_COOKIE, DEVICE_LIFETIME_S, TrustedDevices
 from bastion.transports.http.password import AdminCredential
 from bastion.transports.http.provider import BastionAuthProvider, Transaction
 from bastion.transports.http.ratelimit import LoginLimiter, LoginRefused, WindowLimiter, address_key, device_key
@@ -53,6 +58,8 @@ LOGIN_FAILED: Final = "Login failed."
 EXPIRED: Final = "This request expired or was already decided: start again from the app."
 OTHER_BROWSER: Final = "This request was started in another browser: start again from the app in this one."
 CSRF_FAILED: Final = "This form is not valid for this browser (CSRF check failed)."
+NOT_OUR_FORM: Final = "This form was sent by another site's page, not by bastion's: submit it from bastion's own page."
+NOT_A_NAVIGATION: Final = "This page opens only in the browser's own window, not inside or from another site's page."
 # Least privileged first: the organizer only moves files inside the inboxes (journalled, undoable);
 # the workbench runs commands; the gateway acts on production hosts.
 BY_PRIVILEGE: Final = (ORGANIZER, WORKBENCH, GATEWAY_READ, GATEWAY_DEPLOY)
@@ -60,6 +67,28 @@ BY_PRIVILEGE: Final = (ORGANIZER, WORKBENCH, GATEWAY_READ, GATEWAY_DEPLOY)
 
 def client_ip(request: Request) -> str:
     return request.client.host if request.client else "unknown"
+
+
+def posted_by_another_page(headers: Headers) -> bool:
+    """A POST that a page of another origin sent (a fetch, or a form it submitted), by Fetch Metadata.
+
+    Another port of this host is same-site, so SameSite=Strict does not keep its requests from carrying
+    the administrator's cookies; `Sec-Fetch-Site` (W3C Fetch Metadata, sent to https and loopback URLs)
+    tells them apart. `none` is the user's own action; a client without Fetch Metadata is let through
+    (it has no browser's cookies to borrow).
+    """
+    return headers.get("sec-fetch-site", "same-origin") not in ("same-origin", "none")
+
+
+def not_a_navigation(headers: Headers) -> bool:
+    """A request that is not a top-level navigation (fetch, img, a frame), by Fetch Metadata.
+
+    A navigation from any site must work: claude.ai sends the browser here cross-site, the MCP Inspector
+    from another localhost port (same-site). A script's fetch or a frame is refused: X-Frame-Options stops
+    a frame's display, not the work behind it. A client without Fetch Metadata is let through.
+    """
+    mode, dest = headers.get("sec-fetch-mode", "navigate"), headers.get("sec-fetch-dest", "document")
+    return mode != "navigate" or dest != "document"
 
 
 def browser_digest(value: str) -> str:
@@ -219,8 +248,17 @@ class AuthorizationFlow:
         return response
 
     def _set_browser_cookie(self, response: Response, value: str) -> None:
+        # As long as the device cookie: a script (all a sandbox's preview page has: the preview relay drops
+        # bastion's Set-Cookie) cannot overwrite an HttpOnly cookie, so while this one lasts, across browser
+        # restarts too, no other page can plant a value. A login still replaces it (session fixation).
         response.set_cookie(
-            BROWSER_COOKIE, value, path="/", secure=self.secure_cookie, httponly=True, samesite="strict"
+            BROWSER_COOKIE,
+            value,
+            max_age=DEVICE_LIFETIME_S,
+            path="/",
+            secure=self.secure_cookie,
+            httponly=True,
+            samesite="strict",
         )
 
     def _txn_for_get(self, request: Request) -> Transaction | None:
