@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import functools
 import ipaddress
 import json
@@ -192,6 +193,14 @@ def listen_socket(host: str, port: int, backlog: int) -> socket.socket:
     Raises:
         Unavailable: the address is in use, not this machine's, or not allowed to this user.
     """
+    try:
+        return _bound(host, port, backlog)
+    except OSError as exc:
+        why = os.strerror(exc.errno) if exc.errno else str(exc)
+        raise Unavailable(f"cannot listen on {host}:{port}: {why}") from None
+
+
+def _bound(host: str, port: int, backlog: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # IPPROTO_TCP named, not 0: asyncio turns Nagle off (TCP_NODELAY) only on sockets whose proto says TCP,
     # and accepted sockets inherit the listener's. With proto 0 every small response waited ~40 ms for a
@@ -199,13 +208,53 @@ def listen_socket(host: str, port: int, backlog: int) -> socket.socket:
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
         sock.bind((host, port))
         sock.listen(backlog)
-    except OSError as exc:
+    except BaseException:
         sock.close()
-        why = os.strerror(exc.errno) if exc.errno else str(exc)
-        raise Unavailable(f"cannot listen on {host}:{port}: {why}") from None
+        raise
     return sock
+
+
+LOOPBACK_ADDRESSES: Final = ("127.0.0.1", "::1")
+"""What `localhost`, `127.0.0.1` and `[::1]` (one server for a loopback `public_url`) reach."""
+
+
+def loopback_twins(host: str, port: int, backlog: int) -> list[socket.socket]:
+    """Listeners on the loopback addresses a loopback `host` does not bind itself, at the same port.
+
+    A client may reach a loopback server as `localhost` or `[::1]` (the README says so), and only the
+    address bound is the server's: any local user could bind the other (`[::1]:8765`, which `localhost`
+    resolves to first on many hosts), pose as bastion's login page and take the password and bearer
+    tokens. So the server holds them all. An address this machine does not have (no IPv6) is skipped:
+    nobody can bind it either.
+
+    Raises:
+        Unavailable: another process holds one of them (named, with what to do).
+    """
+    if not is_loopback(host):
+        return []
+    taken = {"127.0.0.1" if host == "localhost" else host}  # `localhost` binds as IPv4 (`_bound`)
+    twins: list[socket.socket] = []
+    for address in LOOPBACK_ADDRESSES:
+        if address in taken:
+            continue
+        try:
+            twins.append(_bound(address, port, backlog))
+        except OSError as exc:
+            if exc.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
+                continue
+            for sock in twins:
+                sock.close()
+            shown = f"[{address}]" if ":" in address else address
+            raise Unavailable(
+                f"cannot listen on {shown}:{port} ({os.strerror(exc.errno or 0)}), which clients may use for this "
+                f"server as localhost or {shown}: another process there could pose as it; stop that process "
+                "or choose another port"
+            ) from None
+    return twins
 
 
 def clean_stop_server(notifier: Notifier, status: str) -> type[uvicorn.Server]:
@@ -309,16 +358,24 @@ class _Listeners:
         self.limits = connections.fd_limits(http.max_connections, listeners=1 if http.preview_listen is None else 2)
         # Bound before anything starts or prints: a port in use is one line and exit 1, not a banner then a trace.
         self.main = listen_socket(self.host, self.port, self.limits.backlog)
+        self.twins: list[socket.socket] = []
         self.preview: socket.socket | None = None
-        if http.preview_listen is not None:
-            try:
+        try:
+            self.twins = loopback_twins(self.host, self.port, self.limits.backlog)
+            if http.preview_listen is not None:
                 self.preview = listen_socket(*parse_listen(http.preview_listen), self.limits.backlog)
-            except Unavailable:
-                self.main.close()
-                raise
+        except Unavailable:
+            self.close()
+            raise
+
+    @property
+    def mains(self) -> list[socket.socket]:
+        """The main listener and its loopback twins: one server."""
+        return [self.main, *self.twins]
 
     def close(self) -> None:
-        self.main.close()
+        for sock in self.mains:
+            sock.close()
         if self.preview is not None:
             self.preview.close()
 
@@ -395,13 +452,16 @@ def quiet_server() -> type[uvicorn.Server]:
 
 
 async def _serve_both(
-    main: uvicorn.Server, listener: socket.socket, preview_config: uvicorn.Config, preview_listener: socket.socket
+    main: uvicorn.Server,
+    listeners: list[socket.socket],
+    preview_config: uvicorn.Config,
+    preview_listener: socket.socket,
 ) -> None:
     """Both listeners in one event loop (the sandboxes are this process's); the main one owns the signals."""
     preview = quiet_server()(preview_config)
     serving = asyncio.ensure_future(preview.serve(sockets=[preview_listener]))
     try:
-        await main.serve(sockets=[listener])
+        await main.serve(sockets=listeners)
     finally:
         preview.should_exit = True
         await serving
@@ -414,9 +474,10 @@ async def _stdio_beside_http(serve_stdio: Callable[[], Awaitable[None]], front: 
     from bastion.transports.http.connections import quiet_loop_errors
 
     asyncio.get_running_loop().set_exception_handler(quiet_loop_errors())
-    pairs = [(front.main, listeners.main), (front.preview, listeners.preview)]
-    servers = [(quiet_server()(config), sock) for config, sock in pairs if config is not None and sock is not None]
-    serving = [asyncio.ensure_future(server.serve(sockets=[sock])) for server, sock in servers]
+    preview = [listeners.preview] if listeners.preview is not None else []
+    pairs = [(front.main, listeners.mains), (front.preview, preview)]
+    servers = [(quiet_server()(config), socks) for config, socks in pairs if config is not None and socks]
+    serving = [asyncio.ensure_future(server.serve(sockets=socks)) for server, socks in servers]
     try:
         await serve_stdio()
     finally:
@@ -448,9 +509,9 @@ def serve_http(config: Config, config_path: str, listen: str | None = None) -> i
         main = clean_stop_server(notifier, f"serving MCP over HTTP on {where}")(front.main)
         heap.settle()
         if front.preview is None or listeners.preview is None:
-            main.run(sockets=[listeners.main])
+            main.run(sockets=listeners.mains)
         else:
-            asyncio.run(_serve_both(main, listeners.main, front.preview, listeners.preview))
+            asyncio.run(_serve_both(main, listeners.mains, front.preview, listeners.preview))
     finally:
         notifier.stopping()  # sent once: uvicorn's shutdown sent it already unless the start failed
         listeners.close()
