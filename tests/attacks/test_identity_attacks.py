@@ -1453,8 +1453,9 @@ async def test_a_crashing_command_cannot_raise_its_core_limit_and_leaves_no_core
     """Attack: a command raises its core-size limit and crashes, so the kernel writes a core into the
     workspace (past the sandbox's disk quota in a host workspace) or, on a host whose core_pattern is
     a pipe (systemd-coredump, apport), hands the crash to a root helper on the host. Invariant: in the
-    host workspaces that run python3 and an agent sandbox the limit is (1, 1), it cannot be raised (it may be lowered, to
-    0), the crash leaves no core file, and the kernel would skip a pipe helper (it does for exactly 1).
+    host workspaces that run python3 and an agent sandbox the limit is (1, 1), it cannot be raised (it may
+    be lowered, to 0), the crash leaves no core file, and the kernel would skip a pipe helper (it does for
+    exactly 1).
     Does not run a pipe helper: core_pattern is the host's, and a test must not change it."""
     box = await create(client)
     for where in (OPEN, USER, box):  # the demo's own workspace runs no python3; its sandbox is alike

@@ -18,8 +18,9 @@ import httpx2
 import pytest
 
 from bastion.serve import loopback_twins
+from bastion.transports.http.password import write_hash
 
-from .live import BASTION, PASSWORD, free_port, serve_config, write_config, write_hash
+from .live import BASTION, PASSWORD, free_port, serve_config, write_config
 
 
 def has_ipv6_loopback() -> bool:
