@@ -17,7 +17,7 @@ from bastion.safety.redact import Redactor
 from bastion.sandbox._idmap import idmapped_mount, is_mounted, unmount
 from bastion.sandbox.identity import IdentityPool
 from bastion.workbench import workspace as workspace_module
-from bastion.workbench.workspace import IDMAP_DIR, HostWorkspace
+from bastion.workbench.workspace import IDMAP_DIR, IDMAP_MOUNT, HostWorkspace
 from tests.helpers import Payload, bubblewrap, demo_config_at
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
@@ -120,28 +120,31 @@ def test_host_workspace_mount_is_gone_after_close_and_a_crashed_servers_is_dropp
 ) -> None:
     """Invariant: a root server's idmapped mount of a host workspace lives only while the server
     does: closing removes it, and one a crashed server left (or one of a workspace no longer in the
-    config) is unmounted and removed at the next start, so mounts never pile up."""
+    config, or one an older server mounted at idmap/<id> itself) is unmounted and removed at the next
+    start, so mounts never pile up."""
     config = load_config(demo_config_path)
     services = build_services(config)
     mounts = config.state_dir / IDMAP_DIR
     try:
-        assert [line.split()[4] for line in _mounts_under(mounts)] == [str(mounts / "default")]
+        assert [line.split()[4] for line in _mounts_under(mounts)] == [str(mounts / "default" / IDMAP_MOUNT)]
     finally:
         services.close()
     assert _mounts_under(mounts) == []
-    # As a killed server leaves them: the workspace's mount and one of a workspace since removed.
-    for name in ("default", "gone"):
-        (mounts / name).mkdir(exist_ok=True)
-        idmapped_mount(config.workspace[0].path, mounts / name, owner=(0, 0), identity=(1879048192, 1879048192))
+    # As killed servers leave them: the workspace's mount, one of a workspace since removed, an older layout's.
+    stale = (mounts / "default" / IDMAP_MOUNT, mounts / "gone" / IDMAP_MOUNT, mounts / "older")
+    for target in stale:
+        target.mkdir(parents=True, exist_ok=True)
+        idmapped_mount(config.workspace[0].path, target, owner=(0, 0), identity=(1879048192, 1879048192))
     try:
         services = build_services(config)
         services.close()
     finally:
-        for name in ("default", "gone"):
-            if is_mounted(mounts / name):
-                unmount(mounts / name)
+        for target in stale:
+            if is_mounted(target):
+                unmount(target)
     assert _mounts_under(mounts) == []
     assert not (mounts / "gone").exists()
+    assert not (mounts / "older").exists()
 
 
 @pytest.mark.root

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from typing import Annotated, Final, Literal
+from urllib.parse import unquote
 
 from pydantic import Field, field_validator, model_validator
 
@@ -191,6 +192,15 @@ class SandboxesConfig(Model):
     def _check_host_id_range(cls, text: str) -> str:
         parse_range(text)
         return text
+
+    @field_validator("pip_index_url")
+    @classmethod
+    def _check_index_credentials(cls, url: str) -> str:
+        # They reach pip decoded, in a netrc file written from an environment variable (`packages`).
+        userinfo = url.removeprefix("https://").split("/", 1)[0].rpartition("@")[0]
+        if any(ord(char) < 0x20 or ord(char) == 0x7F for char in unquote(userinfo)):
+            raise ValueError("pip_index_url: its user or password percent-encodes a control character: remove it")
+        return url
 
     @model_validator(mode="after")
     def _check_scratch(self) -> SandboxesConfig:

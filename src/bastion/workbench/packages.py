@@ -9,15 +9,24 @@ distribution's build code is untrusted), with ``--`` before the requirement and 
 widened to the package registry for the duration of the install only. pip reads no config
 file; npm reads the sandbox's ``.npmrc``, whose settings its command line overrides (and
 whatever it says, the proxy admits only the registry).
+
+Credentials in ``pip_index_url`` never go on a command line, which every local user can read
+(/proc/<pid>/cmdline): pip gets the URL without them and reads them from a netrc file that a
+shell writes from its environment (readable only by the sandbox's own id and root) into the
+sandbox's /tmp. Not a secret from the agent: the file, and the environment of the installer,
+are its sandbox's to read while the install runs.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, Protocol
+from urllib.parse import unquote, urlsplit
 
 from bastion.safety.errors import NotFound, OperationFailed, PathEscape
 from bastion.safety.requirements import Manager, check_requirement
@@ -62,6 +71,64 @@ def pip_command(requirement: str, index_url: str, cert: str | None) -> tuple[str
     return (*argv, "--", requirement)
 
 
+@dataclass(frozen=True)
+class PipIndex:
+    """`pip_index_url` split in two: what may go on pip's command line, and the credentials."""
+
+    url: str
+    """The index URL without its user and password."""
+    netrc: str | None
+    """A netrc entry giving the user and password to the index's host; None: the URL had none."""
+
+
+def pip_index(url: str) -> PipIndex:
+    """Split the credentials (``https://user:token@host/...``) out of a pip index URL.
+
+    pip percent-decodes them (its ``split_auth_from_netloc``) and so does this; the host is
+    taken as requests matches netrc entries (the netloc up to its first colon).
+    """
+    scheme, netloc = urlsplit(url)[:2]
+    userinfo, at, host_port = netloc.rpartition("@")
+    if not at:
+        return PipIndex(url, None)
+    public = f"{scheme}://{host_port}{url[len(scheme) + 3 + len(netloc) :]}"
+    user, colon, password = userinfo.partition(":")
+    entry = f"machine {_netrc_token(host_port.split(':')[0])} login {_netrc_token(unquote(user))}"
+    if colon and password:
+        entry += f" password {_netrc_token(unquote(password))}"
+    return PipIndex(public, entry)
+
+
+_NETRC_BARE: Final = re.compile(r'[^\s"\\#]+')
+
+
+def _netrc_token(text: str) -> str:
+    # Bare when it can be; quoted otherwise, with \ and " escaped (Python 3.11's netrc reads both).
+    if _NETRC_BARE.fullmatch(text):
+        return text
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+NETRC_VAR: Final = "BASTION_PIP_NETRC"
+# pip puts its index URL, credentials and all, on the command line of the pip that installs an
+# sdist's build dependencies (pip/_internal/build_env.py): so they reach pip as a netrc file
+# (requests reads the one $NETRC names), written by the shell's printf builtin (no new process).
+_WITH_NETRC: Final = (
+    "umask 077 && netrc=$(mktemp) || exit 1\n"
+    f'printf "%s\\n" "${NETRC_VAR}" > "$netrc" || exit 1\n'
+    f"unset {NETRC_VAR}\n"
+    'NETRC=$netrc "$@"\n'
+    "status=$?\n"
+    'rm -f "$netrc"\n'
+    'exit "$status"\n'
+)
+
+
+def with_netrc(argv: tuple[str, ...]) -> tuple[str, ...]:
+    """`argv` run by a shell that first writes ``$BASTION_PIP_NETRC`` to a netrc file named by ``NETRC``."""
+    return (SHELL, "-c", _WITH_NETRC, "sh", *argv)
+
+
 def npm_command(requirement: str, registry_url: str, cert: str | None) -> tuple[str, ...]:
     # --ignore-scripts: a package's install scripts do not run at install time.
     argv = ["npm", "install", "--prefix", NPM_PREFIX, "--no-audit", "--no-fund", "--no-update-notifier"]
@@ -92,6 +159,7 @@ class Installable(Protocol):
 
 
 ENV: Final = "/usr/bin/env"
+SHELL: Final = "/bin/sh"
 PIP_NO_CONFIG: Final = f"PIP_CONFIG_FILE={os.devnull}"
 VENV_TIMEOUT_S: Final = 120.0
 
@@ -133,9 +201,14 @@ async def install(
         if not has_venv:
             _tell(progress, f"making the sandbox's own venv ({OWN_VENV})")
             await _make_venv(workspace)
-        argv = pip_command(checked, config.pip_index_url, _ca_bundle())
+        index = pip_index(config.pip_index_url)
+        argv = pip_command(checked, index.url, _ca_bundle())
+        env: dict[str, str] = {}
+        if index.netrc is not None:
+            argv, env = with_netrc(argv), {NETRC_VAR: index.netrc}
         _tell(progress, f"pip install {checked}")
-        return checked, await workspace.run_argv(argv[0], argv, timeout_s=None, ceiling_s=ceiling, on_output=sinks)
+        out = await workspace.run_argv(argv[0], argv, timeout_s=None, ceiling_s=ceiling, on_output=sinks, env=env)
+        return checked, out
 
 
 def _tell(progress: LineProgress | None, step: str) -> None:

@@ -15,6 +15,7 @@ import hashlib
 import logging
 import os
 import stat
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, Literal
@@ -66,7 +67,8 @@ from bastion.workbench.terminals import TERM, Terminals
 logger = logging.getLogger("bastion.workspaces")
 
 Encoding = Literal["utf-8", "base64"]
-IDMAP_DIR: Final = "idmap"  # in state_dir: one idmapped mount per host workspace, while the server runs
+IDMAP_DIR: Final = "idmap"  # in state_dir: one folder per host workspace, holding its idmapped mount
+IDMAP_MOUNT: Final = "root"  # in idmap/<id>: the mount point, while the server runs
 LANG: Final = "C.UTF-8"
 SYSTEM_PYTHON: Final = "/usr/bin/python3"
 OWN_VENV: Final = f"{SANDBOX_WORKSPACE}/.venv"  # a sandbox's own environment (install_package)
@@ -335,11 +337,13 @@ class HostWorkspace:
         timeout_s: float | None,
         ceiling_s: float | None = None,
         on_output: tuple[OutputSink, OutputSink] | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> CommandOutput:
         """Run a program bastion chose (an interpreter, an installer) in a sandbox that allows a shell.
 
         `ceiling_s` replaces the per-command time limit (installs take longer than commands);
-        `on_output` sees the raw output as it comes (a progress reporter cleans and redacts it).
+        `on_output` sees the raw output as it comes (a progress reporter cleans and redacts it);
+        `env` adds to `environment()` for this program alone (what must stay off its command line).
         """
         self.require_shell("programs bastion chooses (interpreters, installers)")
         ceiling = self.config.timeout_s if ceiling_s is None else ceiling_s
@@ -350,7 +354,7 @@ class HostWorkspace:
             executable,
             argv,
             cwd=SANDBOX_WORKSPACE,
-            env=self.environment(),
+            env={**self.environment(), **(env or {})},
             timeout_s=limit,
             max_output_bytes=self.config.max_output_bytes,
             on_output=on_output,
@@ -640,9 +644,10 @@ def _open_host(
         _require_same_folder(workspace, info, None)
         return workspace
     identity = pool.acquire()
-    target = mounts / config.id
+    target = mounts / config.id / IDMAP_MOUNT
     try:
         devices = device_folder.make(f"ws-{config.id}", (identity.uid, identity.gid)) if device_folder else None
+        _make_passable_only_by(target.parent, identity.gid)
         target.mkdir(mode=0o700, exist_ok=True)
         if is_mounted(target):
             unmount(target)  # a crashed server's
@@ -666,6 +671,26 @@ def _open_host(
             pool.release(identity)
         raise
     return workspace
+
+
+def _make_passable_only_by(folder: Path, gid: int) -> None:
+    """Make `folder` root's, mode 0710, group `gid`: only the workspace's own id passes to its mount.
+
+    The mount's root shows the workspace folder's own mode (often 0755), and the folders above it in
+    a private home (0700) are not on this path: a local user who could pass `folder` read the workspace
+    through the state folder. bwrap binds the mount as the workspace's id, so that id must pass. A group,
+    not an ACL (as `DeviceFolder` gives its folders): `gid` is of host_id_range, which no account holds
+    (`identity`), and the state folder's filesystem may have no ACLs.
+    """
+    folder.mkdir(mode=0o700, exist_ok=True)
+    if is_mounted(folder):  # an older server's mount that `_drop_stale_mounts` could not remove: not ours to chown
+        raise Unavailable(f"{folder} is still a mount point: unmount it (umount -l) and start again")
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        os.fchown(fd, 0, gid)
+        os.fchmod(fd, 0o710)
+    finally:
+        os.close(fd)
 
 
 def _refuse_replaceable(config: WorkspaceConfig, owner: tuple[int, int]) -> None:
@@ -731,7 +756,12 @@ def _drop_stale_mounts(mounts: Path) -> None:
     for entry in mounts.iterdir():
         try:
             if is_mounted(entry):
-                unmount(entry)
+                unmount(entry)  # an older server's, mounted at idmap/<id> itself: never look inside it
+            inner = entry / IDMAP_MOUNT
+            if is_mounted(inner):
+                unmount(inner)
+            with contextlib.suppress(FileNotFoundError):
+                inner.rmdir()
             entry.rmdir()
         except (BastionError, OSError) as exc:
             reason = exc.reason if isinstance(exc, BastionError) else str(exc)

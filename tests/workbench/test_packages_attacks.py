@@ -1,0 +1,174 @@
+"""The private index's credentials in ``pip_index_url``: never on a command line, never in output or audit.
+
+Every local user reads every process's /proc/<pid>/cmdline; /proc/<pid>/environ only the process's
+own uid and root. The installs here use an index the egress proxy refuses (no registry rule for
+it): pip runs, retries and fails, and nothing leaves the machine.
+"""
+
+from __future__ import annotations
+
+import json
+import netrc
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from mcp import Client
+
+from bastion.app import build_server, build_services
+from bastion.config import load_config
+from bastion.safety.errors import ConfigError
+from bastion.workbench.packages import pip_index
+from tests.helpers import call, create, sh
+
+SECRET = "s3cr3tIndexToken"
+INDEX = f"https://deploy:{SECRET}@registry.test/simple"
+
+
+def with_index(demo_config_path: Path, url: str) -> Path:
+    text = demo_config_path.read_text()
+    demo_config_path.write_text(text.replace("[sandboxes.limits]", f"pip_index_url = {url!r}\n\n[sandboxes.limits]"))
+    return demo_config_path
+
+
+class ProcScan:
+    """What a watcher with root's view of /proc saw while it ran: command lines, and the uids of the
+    processes whose environment held the secret."""
+
+    def __init__(self) -> None:
+        self.cmdlines: list[str] = []
+        self.environ_uids: set[int] = set()
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        needle = SECRET.encode()
+        while not self.stop.is_set():
+            for pid in filter(str.isdigit, os.listdir("/proc")):
+                try:
+                    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+                    environ = Path(f"/proc/{pid}/environ").read_bytes()
+                    uid = os.stat(f"/proc/{pid}").st_uid
+                except OSError:
+                    continue  # gone meanwhile
+                if needle in cmdline:
+                    self.cmdlines.append(cmdline.replace(b"\0", b" ").decode(errors="replace"))
+                if needle in environ:
+                    self.environ_uids.add(uid)
+
+
+@contextmanager
+def watching_proc() -> Iterator[ProcScan]:
+    scan = ProcScan()
+    thread = threading.Thread(target=scan.run, name="proc-scan", daemon=True)
+    thread.start()
+    try:
+        yield scan
+    finally:
+        scan.stop.set()
+        thread.join(timeout=30)
+        assert not thread.is_alive()
+
+
+@pytest.mark.anyio
+@pytest.mark.bwrap
+async def test_a_local_user_reads_the_private_index_password_from_pips_command_line(demo_config_path: Path) -> None:
+    """Attack (pipcreds.py): while install_package runs with a credentialed pip_index_url, a neighbour
+    polls every /proc/<pid>/cmdline for the password. Invariant: no process's command line holds it for
+    the whole install; it is only in the environment of the sandbox's own processes (seen there, so
+    the watch covered the install), and neither the result nor the audit log shows it.
+    Does not prove pip uses the credentials (test_pip_reads_the_index_credentials_from_a_netrc_file)."""
+    config = load_config(with_index(demo_config_path, INDEX))
+    services = build_services(config)
+    try:
+        async with Client(build_server(services, caller="test")) as client:
+            sandbox = await create(client)
+            with watching_proc() as scan:
+                result = await call(client, "install_package", name="tomli-w", sandbox_id=sandbox)
+            closed = await call(client, "close_sandbox", sandbox_id=sandbox)
+            assert closed["ok"], closed
+    finally:
+        services.close()
+    assert result["code"] == "OPERATION_FAILED", result
+    assert "registry.test" in result["detail"]["stdout"] + result["detail"]["stderr"], result
+    assert scan.cmdlines == []
+    assert scan.environ_uids, "the watch never saw the install's environment"
+    first, count = config.sandboxes.host_ids
+    if os.geteuid() == 0:  # a root server's sandboxes run as ids of their own: not root's, not a neighbour's
+        assert all(first <= uid < first + count for uid in scan.environ_uids), scan.environ_uids
+    assert SECRET not in json.dumps(result)
+    assert SECRET not in (config.state_dir / "audit.jsonl").read_text()
+
+
+# Stands in for the venv's python: records what pip would be given (its argv, the netrc NETRC names).
+RECORDER = """#!/bin/sh
+exec /usr/bin/python3 -I -c '
+import json, netrc, os, sys
+entry = netrc.netrc(os.environ["NETRC"]).authenticators("registry.test")
+left = sorted(name for name, value in os.environ.items() if "tok" in value)
+json.dump({"argv": sys.argv[1:], "netrc": entry, "env": left}, open("/workspace/seen.json", "w"))
+' "$@"
+"""
+
+
+@pytest.mark.anyio
+@pytest.mark.bwrap
+async def test_pip_reads_the_index_credentials_from_a_netrc_file(demo_config_path: Path) -> None:
+    """Invariant: pip is given the index URL without its credentials, and a netrc file (named by
+    NETRC) holding them, percent-decoded, for the index's host alone; the variable that carried them
+    is gone from pip's environment. Seen by a recorder at the venv's python, which pip runs from.
+    The agent can do the same: the credentials are not a secret from the sandbox (SECURITY.md)."""
+    config = load_config(with_index(demo_config_path, "https://deploy:tok%40en%23%22x@registry.test:8443/simple"))
+    services = build_services(config)
+    try:
+        async with Client(build_server(services, caller="test")) as client:
+            sandbox = await create(client)
+            written = await call(client, "write_file", path=".venv/bin/python", content=RECORDER, sandbox_id=sandbox)
+            assert written["ok"], written
+            assert (await sh(client, sandbox, "chmod +x .venv/bin/python"))["ok"]
+            result = await call(client, "install_package", name="tomli-w", sandbox_id=sandbox)
+            assert result["ok"], result
+            seen = json.loads((await sh(client, sandbox, "cat seen.json"))["detail"]["stdout"])
+            left = (await sh(client, sandbox, "ls -A /tmp"))["detail"]["stdout"]
+    finally:
+        services.close()
+    assert seen["netrc"] == ["deploy", "", 'tok@en#"x'], seen
+    assert seen["env"] == [], seen
+    argv = seen["argv"]
+    assert argv[argv.index("--index-url") + 1] == "https://registry.test:8443/simple", argv
+    assert "tok" not in " ".join(argv), argv
+    assert left == "", "the netrc file was left in the sandbox's /tmp"
+
+
+@pytest.mark.parametrize(
+    ("url", "public", "entry"),
+    [
+        ("https://pypi.org/simple", "https://pypi.org/simple", None),
+        ("https://u:p@h.example/simple", "https://h.example/simple", ("u", "", "p")),
+        ("https://tok@h.example:444/x/simple/", "https://h.example:444/x/simple/", ("tok", "", "")),
+        ("https://a%20b:c%5Cd%22e%23@h.example/s?x=1", "https://h.example/s?x=1", ("a b", "", 'c\\d"e#')),
+        ("https://u:p@ss@h.example/simple", "https://h.example/simple", ("u", "", "p@ss")),
+    ],
+)
+def test_index_credentials_split_into_a_netrc_entry(
+    url: str, public: str, entry: tuple[str, str, str] | None, tmp_path: Path
+) -> None:
+    """As pip reads them (user and password percent-decoded, the last @ ends them); Python's own netrc
+    parser gives them back for the host, quoted or not."""
+    index = pip_index(url)
+    assert index.url == public
+    if entry is None:
+        assert index.netrc is None
+        return
+    assert index.netrc is not None
+    (tmp_path / "netrc").write_text(index.netrc + "\n")
+    assert netrc.netrc(str(tmp_path / "netrc")).authenticators("h.example") == entry
+
+
+@pytest.mark.parametrize("userinfo", ["u:a%0Ab", "u%00:p", "u:p%7F"])
+def test_index_credentials_with_a_control_character_are_refused_at_load(demo_config_path: Path, userinfo: str) -> None:
+    """A NUL cannot be in an environment variable, nor a line break in a netrc entry kept on one line."""
+    with pytest.raises(ConfigError, match="percent-encodes a control character"):
+        load_config(with_index(demo_config_path, f"https://{userinfo}@registry.test/simple"))
