@@ -210,3 +210,31 @@ def test_a_server_starts_without_asyncssh_or_pyte_until_it_needs_them(demo_confi
     done = subprocess.run([sys.executable, "-c", code, str(demo_config_path)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[] False False"
+
+
+def test_config_with_env_secrets_readable_by_others_warns_at_start(
+    demo_config_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Attack (/tmp/atk-local/config_mode.sh): `bastion init` wrote bastion.toml 0644, and the token an
+    administrator put in a workspace's env was readable by every local user. Now init writes it 0600, and a
+    server started on one that holds env values and that others may read logs one warning line naming the file
+    and the fix (the value itself is not in it); a private one, or one without env values, logs none."""
+    assert stat.S_IMODE(demo_config_path.stat().st_mode) == 0o600
+    token = "ghp_neighbourCanReadThis0123456789"
+    text = demo_config_path.read_text().replace("env = {}", f'env = {{ GITHUB_TOKEN = "{token}" }}', 1)
+    demo_config_path.write_text(text)
+
+    def warnings() -> list[str]:
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="bastion.app"):
+            build_services(load_config(demo_config_path)).close()
+        return [r.getMessage() for r in caplog.records if r.name == "bastion.app" and "config file" in r.getMessage()]
+
+    assert warnings() == []
+    demo_config_path.chmod(0o644)
+    assert warnings() == [
+        f"config file {demo_config_path} holds secret values (env, a package index URL's password) and any user "
+        "may read it: chmod 600 it"
+    ]
+    demo_config_path.write_text(text.replace(f'env = {{ GITHUB_TOKEN = "{token}" }}', "env = {}"))
+    assert warnings() == []

@@ -312,11 +312,88 @@ def test_a_workspace_another_user_could_replace_fails_as_serve_refuses_it(
     capsys: pytest.CaptureFixture[str], demo_config_path: Path
 ) -> None:
     """The doctor says what `serve` refuses (tests/workbench/test_workspace.py): a root-owned workspace whose
-    parent another user owns could be swapped for a folder of theirs."""
+    parent another user owns could be swapped for a folder of theirs. The config and the state folder stay
+    in a folder of root's (in the other user's, the config itself is refused: see below)."""
+    config = _moved_to_a_root_folder(demo_config_path)
     os.chown(demo_config_path.parent, 12345, 12345)
-    code, checks, _ = _doctor(capsys, "--config", str(demo_config_path))
+    code, checks, _ = _doctor(capsys, "--config", str(config))
     assert code == 1
     assert checks["idmap:default"][0] == "FAIL"
     assert "could be replaced by another folder by uid 12345" in checks["idmap:default"][1]
     assert checks["inbox:inbox"][0] == "FAIL"  # the demo's inbox beside it, root's too
     assert "could be replaced by another folder by uid 12345" in checks["inbox:inbox"][1]
+
+
+def _moved_to_a_root_folder(demo_config_path: Path) -> Path:
+    """The demo config, moved with its state folder to a folder of root's beside the demo's; the workspace and
+    the inbox stay where they are (named by absolute path)."""
+    demo = demo_config_path.parent
+    admin = demo.parent / "admin"
+    admin.mkdir(mode=0o755)
+    text = demo_config_path.read_text()
+    for name in ("workspace", "inbox"):
+        assert text.count(f'path = "{name}"') == 1, name
+        text = text.replace(f'path = "{name}"', f'path = "{demo / name}"')
+    config = admin / "bastion.toml"
+    config.write_text(text)
+    config.chmod(0o600)
+    return config
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="a root server's check")
+def test_neighbour_owned_folder_above_the_state_folder_fails_as_serve_refuses_it(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, demo_config_path: Path
+) -> None:
+    """The doctor says what `serve` refuses (tests/attacks/test_neighbour_attacks.py): a state folder in a folder
+    an ordinary user (12345) owns, who could swap it for a link while the server runs; and writes no test file
+    into that folder's audit log folder meanwhile."""
+    neighbour = tmp_path / "neighbour"
+    neighbour.mkdir(mode=0o755)
+    os.chown(neighbour, 12345, 12345)
+    text = demo_config_path.read_text().replace('state_dir = "state"', f'state_dir = "{neighbour / "state"}"')
+    demo_config_path.write_text(text)
+    code, checks, _ = _doctor(capsys, "--config", str(demo_config_path))
+    assert code == 1
+    status, detail = checks["state"]
+    assert status == "FAIL"
+    assert detail.startswith(f"state folder {neighbour / 'state'} could be replaced by uid 12345, who owns {neighbour}")
+    assert "audit" not in checks
+    assert list(neighbour.iterdir()) == []
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="a root server's check")
+def test_config_a_neighbour_can_replace_fails_to_load(
+    capsys: pytest.CaptureFixture[str], demo_config_path: Path
+) -> None:
+    """A root doctor loads the config as `serve` does: one in a folder an ordinary user owns is refused."""
+    os.chown(demo_config_path.parent, 12345, 12345)
+    code, checks, _ = _doctor(capsys, "--config", str(demo_config_path))
+    assert code == 1
+    status, detail = checks["config"]
+    assert status == "FAIL"
+    assert f"could be replaced by uid 12345, who owns {demo_config_path.parent}" in detail
+
+
+def test_config_with_env_secrets_readable_by_others_warns(
+    capsys: pytest.CaptureFixture[str], demo_config_path: Path
+) -> None:
+    """Attack: `bastion init` wrote bastion.toml 0644 and an administrator put a token in a workspace's env, which
+    every local user could then read. The doctor warns while the file holds env values and others may read it."""
+    assert stat.S_IMODE(demo_config_path.stat().st_mode) == 0o600
+    _, checks, _ = _doctor(capsys, "--config", str(demo_config_path))
+    assert "config-secrets" not in checks  # no env value yet
+    text = demo_config_path.read_text().replace("env = {}", 'env = { GITHUB_TOKEN = "ghp_neighbourCanReadThis0123" }')
+    demo_config_path.write_text(text)
+    _, checks, _ = _doctor(capsys, "--config", str(demo_config_path))
+    assert "config-secrets" not in checks  # 0600: only its owner reads it
+    demo_config_path.chmod(0o644)
+    _, checks, _ = _doctor(capsys, "--config", str(demo_config_path))
+    status, detail = checks["config-secrets"]
+    assert status == "warn"
+    assert detail == (
+        f"config file {demo_config_path} holds secret values (env, a package index URL's password) and any user "
+        "may read it: chmod 600 it"
+    )
+    assert "ghp_" not in detail

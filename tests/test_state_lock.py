@@ -276,3 +276,25 @@ def test_state_lock_planted_lock_file_refused(tmp_path: Path, planted: str) -> N
     after = os.lstat(lock_path)
     assert (after.st_ino, after.st_mode, after.st_size) == (before.st_ino, before.st_mode, before.st_size)
     assert sorted(p.name for p in state.iterdir()) == [PID_FILE]
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="chowns a folder to an ordinary user")
+def test_state_lock_refuses_a_state_folder_a_neighbour_could_rename_away(tmp_path: Path) -> None:
+    """Attack: a root-owned, private state folder in a folder an ordinary user (12345) owns, as `bastion init`
+    into a folder they made first left it (or as made at start in a sticky folder after they made its parent):
+    they could rename it away while the server runs and put a link there, which root's unmounts at stop would
+    follow. Invariant: the lock itself refuses it with one line naming the folder and uid 12345 (whoever starts
+    a server through it), and creates nothing in it."""
+    theirs = tmp_path / "docdemo"
+    theirs.mkdir(mode=0o755)
+    os.chown(theirs, 12345, 12345)
+    state = theirs / "state"
+    state.mkdir(mode=0o700)
+    with pytest.raises(ConfigError, match=rf"^state folder {state} could be replaced by uid 12345, who owns {theirs}:"):
+        StateLock(state).acquire()
+    assert list(state.iterdir()) == []
+    os.chown(theirs, 0, 0)
+    lock = StateLock(state)
+    lock.acquire()  # root's all the way up: served
+    lock.release()

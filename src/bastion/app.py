@@ -22,7 +22,7 @@ from bastion.safety.redact import Redactor
 from bastion.sandbox import DeviceFolder, ScratchSizes, quota_available
 from bastion.sandbox.cgroups import CgroupLayout
 from bastion.sandbox.identity import IdentityPool, range_conflict, unreachable_folder
-from bastion.state_lock import StateLock
+from bastion.state_lock import StateLock, replaceable_problem
 from bastion.tools import CallRunner
 from bastion.tools.code import register_code
 from bastion.tools.gateway import register_gateway
@@ -212,6 +212,20 @@ def identity_problem(config: Config) -> str | None:
     return None
 
 
+def state_problem(config: Config) -> str | None:
+    """Why another user could replace the state folder or the audit log's folder (one line), or None.
+
+    The state folder holds the database, the admin password's hash and the mounts a root server
+    unmounts by path at stop; a custom [audit] path's folder holds the log. Judged where they will
+    be made when they do not exist yet.
+    """
+    problem = replaceable_problem(config.state_dir, "state folder", "choose a state_dir elsewhere")
+    audit_folder = config.audit_path.parent
+    if problem is None and audit_folder != config.state_dir:
+        problem = replaceable_problem(audit_folder, "the audit log's folder", "choose another [audit] path")
+    return problem
+
+
 def open_identities(config: Config) -> IdentityPool:
     """The host ids sandboxes and host workspaces run as; checked when the server is root (it hands them out).
 
@@ -253,6 +267,13 @@ def build_services(config: Config) -> Services:
     it, in reverse order (a held journal lock, state lock or mount would stop the next start).
     """
     redactor = Redactor(extra_patterns=config.redaction.patterns, secret_values=config.secret_values())
+    problem = state_problem(config)
+    if problem is not None:
+        raise ConfigError(problem)
+    warning = config.exposed_secrets()
+    if warning is not None:
+        logger.warning("%s", warning)
+    # Made only where no one else could replace it; `StateLock.acquire` judges it again as made.
     config.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     metrics = Metrics() if config.metrics.enabled else None
     with contextlib.ExitStack() as opened:

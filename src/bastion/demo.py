@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from pathlib import Path
 from typing import Final
 
 from bastion.config import DEFAULT_CATEGORIES, DEFAULT_SKIP_RULES
 from bastion.safety.commands import DEMO_POLICY, ArgumentRule
 from bastion.safety.errors import ConfigError
+from bastion.safety.paths import folder_replaceable_by, writers_besides
 
 DATA_ENV_DIR: Final = "envs/python-data"  # under DIR: where `bastion init --python-data` builds it
 
@@ -283,17 +285,19 @@ def init_demo(
     python_env: str | os.PathLike[str] | None = None,
     build_python_data: bool = False,
 ) -> Path:
-    """Create the demo layout; never overwrite an existing config.
+    """Create the demo layout; never overwrite an existing config, never fill a folder someone else could change.
 
     `python_env`: the python-data template's virtual environment, when one was built; it becomes
     the default template (create_sandbox() then has numpy, pandas and matplotlib).
     `build_python_data`: build that environment first, into DIR/envs/python-data, from bastion's lock.
 
     Raises:
-        ConfigError: the config exists, or `python_env` is not a virtual environment.
+        ConfigError: the config exists, `python_env` is not a virtual environment, or DIR (or a folder
+            above it) is not the caller's alone (see `own_folder`).
         Unavailable, OperationFailed: the python-data environment could not be built (no config is written).
     """
     root = Path(directory).absolute()
+    own_folder(root)
     config = root / "bastion.toml"
     if config.exists():
         raise ConfigError(f"{config} already exists: remove it or choose another folder")
@@ -311,9 +315,53 @@ def init_demo(
     example = root / "gateway" / "dispatch.toml"
     if not example.exists():
         example.write_text(DISPATCH_EXAMPLE, encoding="utf-8")
-    with open(config, "x", encoding="utf-8") as handle:
+    # 0600 whatever the umask: the workspaces' and sandboxes' env secrets are meant to go in it.
+    fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with open(fd, "w", encoding="utf-8") as handle:
         handle.write(demo_config_text(Path(python_env).absolute() if python_env is not None else None))
     return config
+
+
+def own_folder(root: Path) -> None:
+    """Make `root` (0755), or accept it existing only if it is the caller's and no one else could change it.
+
+    Why: `bastion init /tmp/docdemo` as root into a folder a neighbour made first wrote root's config
+    there; the neighbour, owning the folder, swapped it for theirs, and root's `serve` ran it. The
+    folder is judged where it will be made, made, then judged as made (a folder made meanwhile by
+    someone else in a sticky folder is theirs, and refused).
+
+    Raises:
+        ConfigError: someone else owns `root`, may write it, or could replace it or a folder above it.
+    """
+    owner = (os.geteuid(), os.getegid())
+    if not os.path.lexists(root):
+        _refuse_open_folder(root, owner)
+        try:
+            root.mkdir(mode=0o755, parents=True)
+        except FileExistsError:
+            raise ConfigError(f"{root} was made by someone else meanwhile: choose another folder") from None
+        except OSError as exc:
+            raise ConfigError(f"{root} cannot be made: {exc.strerror or exc}") from None
+    info = os.lstat(root)
+    if not stat.S_ISDIR(info.st_mode):
+        raise ConfigError(f"{root} is not a folder: choose a folder")
+    if info.st_uid != owner[0]:
+        raise ConfigError(f"{root} is owned by uid {info.st_uid}, not you: choose a folder of your own")
+    _refuse_open_folder(root, owner)
+
+
+def _refuse_open_folder(root: Path, owner: tuple[int, int]) -> None:
+    """Refuse `root` (or, not made yet, where it will be made) if anyone else may write or replace it."""
+    try:
+        # Sticky or not: a folder someone else may write could hold their `workspace` before init makes it.
+        writers = writers_besides(str(root), owner) if os.path.lexists(root) else None
+        who = folder_replaceable_by(str(root), owner)
+    except OSError as exc:
+        raise ConfigError(f"{root} cannot be examined: {exc.strerror or exc}") from None
+    if writers is not None:
+        raise ConfigError(f"{root} may be written by {writers}: chmod go-w it, or choose another folder")
+    if who is not None:
+        raise ConfigError(f"{root} could be replaced by {who}: choose a folder in folders only you and root can write")
 
 
 def _build_python_data(target: Path) -> Path:

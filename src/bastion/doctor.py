@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Final, Literal
 from urllib.parse import urlsplit
 
-from bastion.app import check_disk_quota, detect_cgroups, identity_problem
+from bastion.app import check_disk_quota, detect_cgroups, identity_problem, state_problem
 from bastion.config import Config, GatewayConfig, load_config, resolve_config_path
 from bastion.organizer.folder import Folder
 from bastion.safety.audit import file_problem
@@ -99,11 +99,17 @@ def run_checks(config_arg: str | None) -> list[Check]:
     checks = [loaded, *_bwrap_checks(), _landlock_check(), _seccomp_check()]
     if config is None:
         return checks
+    secrets = config.exposed_secrets()
+    if secrets is not None:
+        checks.insert(1, Check("config-secrets", "warn", secrets))
     cgroups, cgroup_check = _cgroup_check(config)
     checks.append(cgroup_check)
     checks += _quota_checks(config)
     checks += _identity_checks(config)
-    checks.append(_audit_check(config))
+    state = _state_check(config)
+    checks.append(state)
+    if state.status == "ok":  # no test file is written where someone else could swap the folder
+        checks.append(_audit_check(config))
     checks += _sandbox_checks(config, cgroups, ready=not any(c.status == "FAIL" for c in checks))
     checks.append(_microvm_check(config))
     checks += _http_checks(config, path)
@@ -332,7 +338,17 @@ def _size(count: int) -> str:
     return f"{count / 1024**3:g} GiB" if count >= 1024**3 else f"{count / 1024**2:g} MiB"
 
 
-# -- audit log -------------------------------------------------------------------------------
+# -- state folder and audit log --------------------------------------------------------------
+
+
+def _state_check(config: Config) -> Check:
+    """The server's own refusal (`state_problem`): a state folder or audit folder another user could replace."""
+    problem = state_problem(config)
+    if problem is not None:
+        return Check("state", "FAIL", problem)
+    who = "root" if os.geteuid() == 0 else f"root and uid {os.geteuid()}"
+    detail = f"{config.state_dir} and the audit log's folder: only {who} can replace them or a folder above"
+    return Check("state", "ok", detail)
 
 
 def _audit_check(config: Config) -> Check:

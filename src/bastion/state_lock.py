@@ -16,6 +16,12 @@ holder's pid is written in the file, a hint read only to name the holder when th
 busy. The kernel drops an flock when its holder dies (even by SIGKILL), so a crash never
 leaves the folder locked. Commands that only read the state folder (``bastion doctor``,
 ``bastion audit verify``, the approvals and admin commands) do not take the lock.
+
+Nor may anyone else be able to replace the folder, through any folder above it
+(`replaceable_problem`): a root server unmounts its sandboxes' mounts under it by path
+(umount's UMOUNT_NOFOLLOW covers the last component only), and a user who owns a folder above
+could rename the state folder away and put a link there while it runs, so that root's
+unmounts at stop follow it to the host's /tmp, /dev/shm or /dev/pts.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from pathlib import Path
 from typing import Final
 
 from bastion.safety.errors import ConfigError
+from bastion.safety.paths import folder_replaceable_by
 
 PID_FILE: Final = "server.lock"
 _MAX_PID_BYTES: Final = 32
@@ -58,6 +65,9 @@ class StateLock:
             raise ConfigError(f"state folder {self.folder} cannot be opened: {exc.strerror or exc}") from None
         try:
             self._check_folder(os.fstat(folder))
+            problem = replaceable_problem(self.folder, "state folder", "choose a state_dir elsewhere")
+            if problem is not None:
+                raise ConfigError(problem)
             fd = self._open_lock_file(folder)
         except BaseException:
             os.close(folder)
@@ -142,6 +152,28 @@ class StateLock:
         if text.isdigit() and os.path.exists(f"/proc/{text}"):
             return f"pid {text}"
         return "pid unknown"
+
+
+def replaceable_problem(folder: Path, what: str, elsewhere: str) -> str | None:
+    """One line refusing `folder` if a user besides root and this process's could replace it, or None.
+
+    Args:
+        folder: an absolute path; when it does not exist yet, where it would be made is judged.
+        what: how the line names it ("state folder").
+        elsewhere: the other fix, after chown and chmod ("choose a state_dir elsewhere").
+    """
+    owner = (os.geteuid(), os.getegid())
+    try:
+        who = folder_replaceable_by(str(folder), owner)
+    except OSError as exc:
+        return f"{what} {folder} cannot be examined ({exc.strerror or exc}): fix its path"
+    if who is None:
+        return None
+    ours = "root's" if owner[0] == 0 else f"root's or uid {owner[0]}'s"
+    return (
+        f"{what} {folder} could be replaced by {who}: make it and every folder above it {ours} and not "
+        f"writable by others (chown, chmod go-w), or {elsewhere}"
+    )
 
 
 def _lock_file_problem(info: os.stat_result) -> str | None:

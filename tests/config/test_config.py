@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from mcp import Client
 
+from bastion.app import build_server, build_services
 from bastion.cli import EXIT_CONFIG, main
 from bastion.config import load_config
 from bastion.demo import init_demo
@@ -205,3 +209,43 @@ def test_inbox_overlapping_a_workspace_is_refused(
     line = _refusal(capsys, config)
     assert f"inbox 'inbox' ({config.parent / inbox}) and workspace 'default' ({config.parent / workspace})" in line
     assert "overlap: change one of their paths" in line
+
+
+def test_init_writes_the_config_only_its_owner_can_read(tmp_path: Path) -> None:
+    """Attack (/tmp/atk-local/config_mode.sh): bastion.toml, where env secrets go, was written with the umask's
+    mode (0644) and read by a local user. Invariant: `bastion init` writes it 0600 whatever the umask, and never
+    through a link planted at its name."""
+    old = os.umask(0)
+    try:
+        config = init_demo(tmp_path / "demo")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(config.stat().st_mode) == 0o600
+
+
+@pytest.mark.anyio
+@pytest.mark.bwrap
+async def test_pip_index_url_password_is_redacted_from_output_and_audit(config: Path) -> None:
+    """Attack (/tmp/atk-local/pipcreds.py): a private index's `user:token@` in [sandboxes] pip_index_url was not a
+    configured secret, so output or audit records that carried it showed it. Invariant: the password, the whole
+    userinfo and the password %-decoded are redacted from a command's output as configured values, and the
+    audit log holds none of them."""
+    token = "s3cr3tIndexToken%2Fx"
+    _edit(
+        config,
+        "[sandboxes]\nenabled = true\n",
+        f'[sandboxes]\nenabled = true\npip_index_url = "https://deploy:{token}@pypi.internal.example/simple"\n',
+    )
+    loaded = load_config(config)
+    assert {f"deploy:{token}", token, "s3cr3tIndexToken/x"} <= set(loaded.secret_values())
+    services = build_services(loaded)
+    try:
+        async with Client(build_server(services, caller="test")) as client:
+            result = await client.call_tool("run_command", {"command": f"echo deploy:{token} s3cr3tIndexToken/x"})
+    finally:
+        services.close()
+    assert result.structured_content is not None
+    stdout = result.structured_content["detail"]["stdout"]
+    assert "s3cr3tIndexToken" not in stdout
+    assert stdout.count("[REDACTED:secret_value]") == 2, stdout
+    assert "s3cr3tIndexToken" not in loaded.audit_path.read_text()

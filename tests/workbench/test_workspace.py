@@ -333,6 +333,9 @@ def test_a_workspace_another_user_could_replace_is_refused_at_start(demo_config_
     (say a container's data) into the configured name; only links were refused, so the root server served
     it as its owner, root, and the file tools and commands wrote root's files. A workspace that a user other
     than root and its owner could replace is refused at start, naming who."""
+    # The state folder stays in a folder of root's: in the other user's it is refused first (test_neighbour_attacks).
+    state = demo_config_path.parent.parent / "state"
+    demo_config_path.write_text(demo_config_path.read_text().replace('state_dir = "state"', f'state_dir = "{state}"'))
     config = load_config(demo_config_path)
     folder = config.workspace[0].path
     os.chown(folder.parent, 12345, 12345)

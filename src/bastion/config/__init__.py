@@ -17,11 +17,14 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import stat
 import tomllib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Final, Literal
+from urllib.parse import unquote, urlsplit
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, PrivateAttr, ValidationError, field_validator
 
 from bastion.config.base import ID_PATTERN, Model
 from bastion.config.gateway import ApprovalsConfig as ApprovalsConfig
@@ -58,7 +61,7 @@ from bastion.config.terminals import TerminalsConfig as TerminalsConfig
 from bastion.safety.commands import CommandPolicyConfig
 from bastion.safety.environment import checked_env
 from bastion.safety.errors import ConfigError, PolicyDenied
-from bastion.safety.paths import DEFAULT_SECRET_PATTERNS
+from bastion.safety.paths import DEFAULT_SECRET_PATTERNS, group_only_of, replaceable_by, writers_besides
 
 __all__ = [
     "ADMIN_HASH_NAME",
@@ -79,6 +82,7 @@ __all__ = [
     "ApprovalsConfig",
     "AuditConfig",
     "Config",
+    "ConfigFile",
     "GatewayActionConfig",
     "GatewayArgConfig",
     "GatewayConfig",
@@ -177,6 +181,15 @@ class WorkspaceConfig(Model):
         return value
 
 
+@dataclass(frozen=True)
+class ConfigFile:
+    """The file a `Config` was loaded from, as it was when read (for `Config.exposed_secrets`)."""
+
+    path: Path
+    mode: int
+    gid: int
+
+
 class Config(Model):
     state_dir: Path
     default_workspace: str
@@ -200,6 +213,8 @@ class Config(Model):
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "WARNING"
     log_format: Literal["text", "json"] = "text"
     """The server log on stderr: escaped text lines, or one JSON object a line; `--log-format` overrides it."""
+    _file: ConfigFile | None = PrivateAttr(default=None)
+    """Set by `load_config` (never from the TOML: a private attribute is no key)."""
 
     @property
     def audit_path(self) -> Path:
@@ -213,10 +228,32 @@ class Config(Model):
         return next((ws for ws in self.workspace if ws.id == workspace_id), None)
 
     def secret_values(self) -> tuple[str, ...]:
+        """What output and audit records are redacted of: env values, and a package index URL's credentials."""
         values = [value for ws in self.workspace for value in ws.env.values()]
         values += self.sandboxes.env.values()
         values += [value for template in self.template for value in template.env.values()]
+        for url in (self.sandboxes.pip_index_url, self.sandboxes.npm_registry_url):
+            values += url_credentials(url)
         return tuple(value for value in values if value)
+
+    @property
+    def file(self) -> ConfigFile | None:
+        """The file this config was loaded from (None when built otherwise)."""
+        return self._file
+
+    def exposed_secrets(self) -> str | None:
+        """A one-line warning when the file this config came from holds secret values and users besides its
+        owner may read it, or None. Best effort: judged by the file's mode bits when it was read (an ACL
+        entry is seen only through the group bits it widens)."""
+        if self._file is None or not self.secret_values():
+            return None
+        readers = _readers(self._file)
+        if readers is None:
+            return None
+        return (
+            f"config file {self._file.path} holds secret values (env, a package index URL's password) and "
+            f"{readers} may read it: chmod 600 it"
+        )
 
     @property
     def sandboxes_dir(self) -> Path:
@@ -226,6 +263,25 @@ class Config(Model):
     def admin_hash_path(self) -> Path:
         """The administrator's argon2id password hash: under the state folder, never in the config file."""
         return self.state_dir / ADMIN_HASH_NAME
+
+
+def url_credentials(url: str) -> list[str]:
+    """The userinfo of `url` (``user:token``), its password, and the password %-decoded, when it has any."""
+    netloc = urlsplit(url).netloc
+    userinfo, at, _ = netloc.rpartition("@")
+    if not at:
+        return []
+    password = userinfo.partition(":")[2]
+    return [userinfo, password, unquote(password), unquote(userinfo)]
+
+
+def _readers(file: ConfigFile) -> str | None:
+    """Who besides the file's owner (and root) may read it, by its mode bits, or None."""
+    if file.mode & stat.S_IROTH:
+        return "any user"
+    if file.mode & stat.S_IRGRP and not group_only_of(file.gid, os.geteuid()):
+        return f"the members of group {file.gid}"
+    return None
 
 
 def _absolute(base: Path, path: Path) -> Path:
@@ -447,12 +503,7 @@ def load_config(path: str | os.PathLike[str], *, envs_built: bool = True) -> Con
         ConfigError: with one line saying what is wrong and what to do.
     """
     file = Path(path)
-    try:
-        text = file.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"config file {file} does not exist: run 'bastion init DIR' or fix the path") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"config file {file} cannot be read: {exc}") from None
+    text, info = _read_config_file(file)
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -463,7 +514,63 @@ def load_config(path: str | os.PathLike[str], *, envs_built: bool = True) -> Con
         raise ConfigError(f"config file {file}: {_first_error(exc)}") from None
     config = _resolve_paths(raw, file.resolve().parent)
     _check_semantics(config, envs_built=envs_built)
+    config._file = ConfigFile(path=Path(os.path.abspath(file)), mode=info.st_mode, gid=info.st_gid)
     return config
+
+
+def _read_config_file(file: Path) -> tuple[str, os.stat_result]:
+    """The file's text and what fstat says of it; as root, only a file no one else could write or replace.
+
+    Raises:
+        ConfigError: it does not exist, cannot be read, is not UTF-8, or (as root) is unsafe.
+    """
+    try:
+        # O_NONBLOCK: a FIFO planted at the path must not hang the open; reads block again below.
+        fd = os.open(file, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {file} does not exist: run 'bastion init DIR' or fix the path") from None
+    except OSError as exc:
+        raise ConfigError(f"config file {file} cannot be read: {exc}") from None
+    with open(fd, "rb") as handle:
+        info = os.fstat(fd)
+        if os.geteuid() == 0:
+            _refuse_unsafe_for_root(file, info)
+        try:
+            os.set_blocking(fd, True)
+            return handle.read().decode("utf-8"), info
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"config file {file} cannot be read: {exc}") from None
+
+
+def _refuse_unsafe_for_root(file: Path, info: os.stat_result) -> None:
+    """Refuse a config another user could write or replace: root would run what they wrote (which
+    folders it serves, mounts and chowns, which commands workspaces allow).
+
+    The opened file is the one judged (fstat), and the folders above its real path; a link on the way
+    to it is read through once, as it points now.
+    """
+    if not stat.S_ISREG(info.st_mode):
+        raise ConfigError(f"config file {file} is not a regular file: as root, give the path of a plain file")
+    if info.st_uid != 0:
+        raise ConfigError(
+            f"config file {file} is owned by uid {info.st_uid}, who could change what root serves: "
+            "chown it to root (or run bastion as that user)"
+        )
+    real = os.path.realpath(file)
+    try:
+        seen = os.lstat(real)
+        writers = writers_besides(real, (0, 0))
+        who = replaceable_by(real, (0, 0))
+    except OSError as exc:
+        raise ConfigError(f"config file {file} cannot be examined ({exc.strerror or exc}): fix its path") from None
+    if (seen.st_dev, seen.st_ino) != (info.st_dev, info.st_ino):
+        raise ConfigError(f"config file {file} changed while it was read: check who can change {real}")
+    if writers is not None:
+        raise ConfigError(f"config file {file} may be written by {writers}: chmod go-w it")
+    if who is not None:
+        raise ConfigError(
+            f"config file {file} could be replaced by {who}: keep it in a folder only root can write (/etc/bastion)"
+        )
 
 
 def add_config_option(parser: argparse.ArgumentParser) -> None:

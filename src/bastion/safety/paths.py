@@ -264,6 +264,41 @@ def replaceable_by(path: str, owner: tuple[int, int]) -> str | None:
     return None
 
 
+def folder_replaceable_by(path: str, owner: tuple[int, int]) -> str | None:
+    """Who besides root and `owner` could put another folder at `path`, or change what it holds, or None.
+
+    For a folder a root server keeps its state in (its mounts are later unmounted by path there) or
+    reads its config from: the folder itself (or, not made yet, the nearest folder above it, where it
+    will be made) must be root's or `owner`'s and writable by no one else unless sticky, and no folder
+    above may let anyone else rename it away (`replaceable_by`). A symbolic link on the way counts as
+    replaceable: whoever owns the folder holding it could point it elsewhere. Point-in-time: a folder
+    made later in a sticky folder is judged when it exists (call again).
+
+    Returns:
+        One line naming who and through which folder, or None.
+
+    Raises:
+        OSError: a folder on the way cannot be examined.
+    """
+    existing = os.path.abspath(path)
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if os.path.realpath(existing) != existing:
+        return f"whoever may change the symbolic link {_first_link(existing)} on its path (give the real path)"
+    info = os.lstat(existing)
+    if info.st_uid not in (0, owner[0]):
+        return f"uid {info.st_uid}, who owns {existing}"
+    writers = _writers(existing, info, owner)
+    if writers is not None and not info.st_mode & stat.S_ISVTX:
+        return f"{writers}: they may write {existing}"
+    return replaceable_by(existing, owner)
+
+
+def group_only_of(gid: int, uid: int) -> bool:
+    """Whether group `gid` can hold no one but root and user `uid` (fail closed: see `_group_only_of`)."""
+    return _group_only_of(gid, uid)
+
+
 def writers_besides(folder: str, owner: tuple[int, int]) -> str | None:
     """Who besides root and `owner` may write `folder` itself, by its mode or its ACL, or None."""
     return _writers(folder, os.lstat(folder), owner)
