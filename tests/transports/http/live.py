@@ -30,6 +30,7 @@ from urllib.parse import parse_qs, urlencode, urljoin, urlsplit
 
 import anyio
 import httpx2
+import pytest
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 
@@ -157,6 +158,20 @@ def serve_config(root: Path, config_path: Path, port: int, *, nofile: int | None
         yield server
     finally:
         server.stop()
+
+
+def refused_start(config: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    """`bastion serve --http` on `config`, expected to refuse at start; one that serves instead is stopped
+    cleanly (SIGTERM: its mounts are undone) and fails the test."""
+    args = [str(BASTION), "serve", "--config", str(config), "--http", *extra]
+    with subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as process:
+        try:
+            out, err = process.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.terminate()
+            process.communicate(timeout=30)
+            pytest.fail(f"bastion serve {' '.join(extra)} served instead of refusing to start")
+    return subprocess.CompletedProcess(args, process.returncode, out, err)
 
 
 def _wait_ready(server: LiveServer) -> None:

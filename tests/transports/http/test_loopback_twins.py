@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import errno
 import socket
-import subprocess
 from pathlib import Path
 
 import httpx2
@@ -20,7 +19,7 @@ import pytest
 from bastion.serve import loopback_twins
 from bastion.transports.http.password import write_hash
 
-from .live import BASTION, PASSWORD, free_port, serve_config, write_config
+from .live import PASSWORD, free_port, refused_start, serve_config, write_config
 
 
 def has_ipv6_loopback() -> bool:
@@ -42,20 +41,6 @@ def config_at(root: Path) -> tuple[Path, int]:
     config = write_config(root, port)
     write_hash(root / "state" / "admin-password.argon2", PASSWORD)
     return config, port
-
-
-def refused_start(config: Path) -> subprocess.CompletedProcess[str]:
-    """`bastion serve --http`, expected to refuse at start; one that serves instead is stopped cleanly
-    (SIGTERM: its mounts are undone) and fails the test."""
-    args = [str(BASTION), "serve", "--config", str(config), "--http"]
-    with subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as process:
-        try:
-            out, err = process.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.terminate()
-            process.communicate(timeout=30)
-            pytest.fail("bastion serve started beside a process holding [::1] on its port")
-    return subprocess.CompletedProcess(args, process.returncode, out, err)
 
 
 def test_a_neighbour_holding_the_ipv6_loopback_port_stops_the_start(tmp_path: Path) -> None:

@@ -17,24 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from .live import BASTION, free_port, get_tokens, serve_config, write_config
+from .live import BASTION, free_port, get_tokens, refused_start, serve_config, write_config
 from .live import PASSWORD as ADMIN_PASSWORD
 
 EX_CONFIG = 78
-
-
-def serve(config: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    """`bastion serve --http`, expected to refuse at start; one that serves instead is stopped cleanly
-    (SIGTERM: its mounts are undone) and fails the test."""
-    args = [str(BASTION), "serve", "--config", str(config), "--http", *extra]
-    with subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as process:
-        try:
-            out, err = process.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.terminate()
-            process.communicate(timeout=30)
-            pytest.fail(f"bastion serve {' '.join(extra)} served instead of refusing to start")
-    return subprocess.CompletedProcess(args, process.returncode, out, err)
 
 
 def nothing_listens(port: int) -> bool:
@@ -67,9 +53,9 @@ def test_wildcard_listen_with_a_plain_http_public_url_is_refused(tmp_path: Path,
     if listen == "config":
         text = config.read_text()
         config.write_text(text.replace(f'listen = "127.0.0.1:{port}"', f'listen = "0.0.0.0:{port}"'))
-        result = serve(config)
+        result = refused_start(config)
     else:
-        result = serve(config, "--listen", f"{listen}:{port}")
+        result = refused_start(config, "--listen", f"{listen}:{port}")
     assert result.returncode == EX_CONFIG, result.stderr
     lines = [line for line in result.stderr.splitlines() if "plain http" in line]
     assert len(lines) == 1, result.stderr
@@ -89,7 +75,7 @@ def test_https_public_url_may_still_listen_on_every_interface(tmp_path: Path) ->
     config = write_config(tmp_path / "demo", port)
     text = config.read_text()
     config.write_text(text.replace(f'public_url = "http://127.0.0.1:{port}"', 'public_url = "https://bastion.example"'))
-    result = serve(config, "--listen", f"0.0.0.0:{port}")
+    result = refused_start(config, "--listen", f"0.0.0.0:{port}")
     assert result.returncode == EX_CONFIG, result.stderr
     assert "admin set-password" in result.stderr
     assert "plain http" not in result.stderr
