@@ -561,6 +561,62 @@ def test_wildcard_refuses_versioned_name_of_denied_interpreter(command: str, den
     assert (decision.allowed, decision.rule, decision.reason) == (False, rule, info.value.reason)
 
 
+def _script_on_path(interpreter: str) -> str | None:
+    """A `#!` script on the fixed PATH run by `interpreter` (directly or through env), or None."""
+    for name in ("pdb3", "py3compile", "cpan", "pod2usage", "json_pp"):
+        found = shutil.which(name, path=commands.FIXED_PATH)
+        if found is None:
+            continue
+        with open(found, "rb") as file:
+            head = file.read(256).split(b"\n", 1)[0]
+        if head.startswith(b"#!") and interpreter.encode() in head:
+            return name
+    return None
+
+
+@pytest.mark.parametrize("interpreter", ["python3", "perl"])
+def test_wildcard_refuses_a_script_whose_interpreter_is_denied(interpreter: str) -> None:
+    """Attack (a review of the versioned-name fix): with allow = ["*"], `pdb3` (`#! /usr/bin/env python3`, an
+    interactive Python) and `cpan` (a Perl shell) ran although python3 and perl were denied. Invariant: a
+    `#!` script run by a denied interpreter, directly or through env, is denied, naming the interpreter."""
+    name = _script_on_path(interpreter)
+    if name is None:
+        pytest.skip(f"no {interpreter} script on this machine's fixed PATH")
+    with pytest.raises(PolicyDenied) as info:
+        WILDCARD.check(name)
+    assert info.value.detail == f"deny: {interpreter} (the interpreter of {name})"
+    assert "a script run by the denied" in info.value.reason
+
+
+def test_wildcard_still_runs_shell_scripts_and_names_that_only_look_versioned() -> None:
+    """A shell script runs its own fixed lines (gunzip, which and zcat are shell scripts on Debian), and
+    python3-config is not a build of python: with sh and python denied, each is still allowed; a
+    machine-named tail after a version is still a build (perl5.36-x86_64-linux-gnu)."""
+    for name in ("gunzip", "which", "zcat", "python3-config", "sha256sum", "x86_64-linux-gnu-gcc-12"):
+        if shutil.which(name, path=commands.FIXED_PATH) is not None:
+            assert WILDCARD.explain(name).allowed, name
+    assert commands._versioned("perl5.36-x86_64-linux-gnu", frozenset({"perl"})) == "perl"
+    assert commands._versioned("python3-config", frozenset({"python", "python3"})) is None
+
+
+def test_git_help_after_a_subcommand_is_refused() -> None:
+    """Attack: `git log --help` is `git help log`, which runs man (both denied by the demo policy), while the
+    subcommand check saw only `log`. Invariant: --help (and its abbreviations) is denied; -h (usage) is not."""
+    policy = CommandPolicy(DEMO_POLICY)
+    for command in ("git log --help", "git status --hel", "git diff --he"):
+        assert not policy.explain(command).allowed, command
+    assert policy.explain("git log -h").allowed
+
+
+def test_a_fixed_path_folder_dated_in_the_future_is_not_rescanned_at_every_check() -> None:
+    """A folder whose mtime is ahead of the clock (a restored archive's, a clock set back) is settled: a
+    recent change is what may hide another, a future date is not one."""
+    now = commands.time.time_ns()
+    assert commands._settled((("/usr/bin", 1, now + 3600 * 10**9),))
+    assert not commands._settled((("/usr/bin", 1, now),))
+    assert commands._settled((("/usr/bin", 1, now - 5 * 10**9),))
+
+
 def _hard_linked_pair() -> tuple[str, str] | None:
     """Two names on the fixed PATH for one file (perlbug and perlthanks on Debian), neither a version of the other."""
     for directory in FIXED_PATH.split(":"):

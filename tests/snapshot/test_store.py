@@ -290,6 +290,45 @@ def test_hard_links_are_stored_once_and_restored_as_links(dirs: tuple[Path, Path
     assert describe(target) == describe(workspace)
 
 
+def test_a_file_made_in_a_stored_files_freed_inode_during_the_walk_is_stored_whole(
+    dirs: tuple[Path, Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Attack (a review of the hard-link change): a sandbox not frozen during its snapshot deletes a stored file
+    that had two names and makes new files; one gets the freed inode number, and the walk met it later as
+    "another name" of the stored file: it was archived as a link to the old name, its own content lost with no
+    error. Invariant: every restored file has the content it had, the reused inode's file included. The writes
+    during the walk are this test's, made right after the first file is stored (what an unfrozen sandbox does)."""
+    workspace, archive, target = dirs
+    (workspace / "a").write_bytes(b"old content of a\n")
+    os.link(workspace / "a", workspace / "a2")
+    (workspace / "z").mkdir()
+    store_file = _archive.Archiver._add_file
+    reused: list[str] = []
+
+    def meanwhile(self: _archive.Archiver, dir_fd: int, name: str, rel: str, seen: os.stat_result) -> bool:
+        done = store_file(self, dir_fd, name, rel, seen)
+        if rel == "a":
+            freed = os.stat(workspace / "a").st_ino
+            os.unlink(workspace / "a2")
+            os.unlink(workspace / "a")
+            for index in range(64):
+                made = workspace / "z" / f"b{index:02d}"
+                made.write_bytes(b"new file %02d\n" % index)
+                if made.stat().st_ino == freed:
+                    reused.append(made.name)
+                    break
+        return done
+
+    monkeypatch.setattr(_archive.Archiver, "_add_file", meanwhile)
+    info = take(workspace, archive)
+    if not reused:
+        pytest.skip("this filesystem did not reuse the freed inode number")
+    restore_snapshot(archive, info.id, target)
+    for made in (workspace / "z").iterdir():
+        assert (target / "z" / made.name).read_bytes() == made.read_bytes(), made.name
+    assert members_of(archive, info)[f"z/{reused[0]}"].type == tarfile.REGTYPE
+
+
 def test_a_workspace_of_one_file_with_many_hard_links_costs_its_data_once(
     dirs: tuple[Path, Path, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -320,7 +359,8 @@ def test_hard_link_names_past_their_memory_bound_are_stored_as_files(
     for name in ("a", "b"):
         (workspace / name).write_bytes(name.encode())
         os.link(workspace / name, workspace / f"{name}-link")
-    monkeypatch.setattr(_archive, "_MAX_LINK_NAME_BYTES", 70)  # room for one name
+    one = len("a") + _archive._FIRST_NAME_OVERHEAD
+    monkeypatch.setattr(_archive, "_MAX_LINK_NAME_BYTES", one + 6)  # room for one name
     info = take(workspace, archive)
     members = members_of(archive, info)
     assert [members[name].type for name in ("a-link", "b-link")] == [tarfile.LNKTYPE, tarfile.REGTYPE]

@@ -60,7 +60,12 @@ _FORBIDDEN_CATEGORIES: Final = {
 _MAX_SHOWN_CHARS: Final = 60
 # A denied name with a version after it is another build of the same program: python3.11, perl5.36.0,
 # pip-3, perl5.36-x86_64-linux-gnu (a platform after the version).
-_VERSION_SUFFIX: Final = re.compile(r"[.-]?[0-9][0-9.]*(?:-[A-Za-z0-9_.+-]*)?")
+# The platform tail is a machine's name (x86_64-linux-gnu...): python3-config is not a build of python.
+_PLATFORM: Final = r"(?:x86_64|i[3-6]86|aarch64|arm|riscv|ppc|s390|mips)"
+_VERSION_SUFFIX: Final = re.compile(rf"[.-]?[0-9][0-9.]*(?:-{_PLATFORM}[A-Za-z0-9_.+-]*)?")
+# A shell script runs its own fixed lines (gunzip, which, zcat are ones): a denied shell still lets them run.
+_SHELLS: Final = frozenset({"sh", "dash", "bash"})
+_SCRIPT_HEAD_BYTES: Final = 256  # the kernel reads a #! line from the first 256 bytes (BINPRM_BUF_SIZE)
 _MAX_LINK_HOPS: Final = 40  # the kernel's own limit on symlinks in one lookup (path_resolution(7))
 # File times tick with the kernel's coarse clock (a few ms): a folder changed this recently may change
 # again without its mtime moving, so its scan is not kept (git's "racy clean" entries, racy-git.txt).
@@ -553,6 +558,47 @@ class CommandPolicy:
                 f"deny: {denied} (same file as {name})",
                 executable,
             )
+        interpreter = _script_interpreter(executable)
+        shell = interpreter is not None and os.path.basename(interpreter) in _SHELLS
+        denied = None if interpreter is None or shell else self._denied_program(interpreter)
+        if denied is not None:
+            raise _Refusal(
+                PolicyDenied(f"{_shown(name)} is a script run by the denied {denied!r}: use another command"),
+                f"deny: {denied} (the interpreter of {name})",
+                executable,
+            )
+
+    def _denied_program(self, path: str) -> str | None:
+        """The denied name that the program at `path` (a script's interpreter) is, by name, version or file."""
+        for candidate in (os.path.basename(path), os.path.basename(os.path.realpath(path))):
+            denied = candidate if candidate in self._deny else _versioned(candidate, self._deny)
+            if denied is not None:
+                return denied
+        try:
+            return self._denied_files.name_of(os.stat(path))
+        except OSError:
+            return None
+
+
+def _script_interpreter(executable: str) -> str | None:
+    """The program a `#!` script runs (through `env`, the program env runs: pdb3 is `#!/usr/bin/env python3`),
+    or None for a binary or an unreadable file. A denied interpreter must not run by way of an allowed name."""
+    try:
+        with open(executable, "rb") as file:
+            head = file.read(_SCRIPT_HEAD_BYTES)
+    except OSError:
+        return None
+    if not head.startswith(b"#!"):
+        return None
+    words = head[2:].split(b"\n", 1)[0].decode("utf-8", "replace").split()
+    if not words:
+        return None
+    if os.path.basename(words[0]) != "env":
+        return words[0]
+    program = next((word for word in words[1:] if not word.startswith("-") and "=" not in word), None)
+    if program is None:
+        return None
+    return program if "/" in program else (shutil.which(program, path=FIXED_PATH) or program)
 
 
 def _versioned(name: str, denied: frozenset[str]) -> str | None:
@@ -582,9 +628,11 @@ def _folder_key(folders: tuple[str, ...]) -> _FolderKey:
 
 
 def _settled(key: _FolderKey) -> bool:
-    """Whether no folder of `key` changed so recently that a change after it could keep its mtime."""
-    recent = time.time_ns() - _RACY_NS
-    return all(mtime < recent for _, _, mtime in key)
+    """Whether no folder of `key` changed so recently that a change after it could keep its mtime.
+    A time in the future (a restored archive's, a clock set back) is not recent: it would rescan at every
+    check until the clock caught up."""
+    now = time.time_ns()
+    return all(mtime < now - _RACY_NS or mtime > now + _RACY_NS for _, _, mtime in key)
 
 
 @dataclass(frozen=True)
@@ -766,9 +814,10 @@ DEMO_POLICY: Final = CommandPolicyConfig(
         "python", "python3", "pydoc", "pydoc3", "perl", "node", "ruby", "php", "lua", "tclsh", "wish", "expect",
         "awk", "gawk", "mawk", "nawk", "sed",
         # editors and pagers, which run a shell on request (vim's :!, less's !)
-        "vi", "vim", "ex", "ed", "editor", "less", "more", "pager", "man",
+        "vi", "vim", "ex", "ed", "editor", "less", "more", "pager", "man", "vimtutor",
         # wrappers that run another command
         "env", "xargs", "nice", "nohup", "timeout", "stdbuf", "setsid", "chroot", "unshare", "nsenter",
+        "script", "watch", "flock", "setpriv", "prlimit", "taskset", "chrt", "ionice", "strace", "gdb", "git-shell",
         # network and package managers
         "curl", "wget", "nc", "ncat", "socat", "ssh", "scp", "rsync", "pip", "pip3",
         # tools with plugin or exec options
@@ -793,6 +842,7 @@ DEMO_POLICY: Final = CommandPolicyConfig(
             deny_args=(
                 "-c|--config-env",  # sets any config key: core.pager, core.sshCommand...
                 "--exec",  # archive/push/fetch-pack: the remote helper to run; rebase: a command per commit
+                "--help",  # git log --help is git help log: it runs man
                 "--exec-path",  # runs git-* helpers from another directory
                 "--upload-pack",
                 "--receive-pack",

@@ -80,6 +80,7 @@ _MTIME_LIMIT_NS: Final = int(MTIME_LIMIT_S) * 1_000_000_000
 _READ_FLAGS: Final = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 # The first names of files with several links, kept for their later names: 200,000 paths of 4 KiB would be 800 MB.
 _MAX_LINK_NAME_BYTES: Final = 16 << 20
+_FIRST_NAME_OVERHEAD: Final = 256  # a dict slot, two tuples, three ints and a str header, about (CPython 3.11)
 
 
 @dataclass
@@ -178,7 +179,8 @@ class Archiver:
     def __init__(self, stream: gzip.GzipFile) -> None:
         self._stream = stream
         self.tally = _Tally()
-        self._first_names: dict[tuple[int, int], str] = {}  # (st_dev, st_ino) -> the name it is stored under
+        # (st_dev, st_ino) -> the name the file is stored under, and its ctime then (`_same_file`).
+        self._first_names: dict[tuple[int, int], tuple[str, int]] = {}
         self._first_name_bytes = 0
 
     def add_tree(self, dir_fd: int, prefix: str, depth: int) -> None:
@@ -228,8 +230,8 @@ class Archiver:
                 done = self._add_symlink(dir_fd, name, rel, seen)
             elif stat.S_ISDIR(seen.st_mode):
                 done = self._add_dir(dir_fd, name, rel, seen, depth)
-            elif stat.S_ISREG(seen.st_mode) and (seen.st_dev, seen.st_ino) in self._first_names:
-                done = self._add_hard_link(rel, self._first_names[seen.st_dev, seen.st_ino], seen)
+            elif stat.S_ISREG(seen.st_mode) and self._first_name(seen) is not None:
+                done = self._add_hard_link(rel, self._first_name(seen) or "", seen)
             elif stat.S_ISREG(seen.st_mode):
                 done = self._add_file(dir_fd, name, rel, seen)
             else:
@@ -319,10 +321,23 @@ class Archiver:
         """Keep the name a file with other links is stored under, while the names kept stay within their bound."""
         if opened.st_nlink < 2:
             return
-        cost = len(rel) + 64
+        # What the entry holds in memory, about: the name's UTF-8, the key and value tuples and their ints.
+        cost = len(rel.encode("utf-8", "surrogateescape")) + _FIRST_NAME_OVERHEAD
         if self._first_name_bytes + cost <= _MAX_LINK_NAME_BYTES:
-            self._first_names[opened.st_dev, opened.st_ino] = rel
+            self._first_names[opened.st_dev, opened.st_ino] = (rel, opened.st_ctime_ns)
             self._first_name_bytes += cost
+
+    def _first_name(self, seen: os.stat_result) -> str | None:
+        """The name this file was stored under, if it is still that file.
+
+        An inode number is reused once its file is gone: a sandbox that deletes a stored file and makes another
+        during the walk would have the new one stored as a link to the old name, its content lost. A file keeps
+        its ctime unless its links or metadata change (then it is stored whole, as without links).
+        """
+        found = self._first_names.get((seen.st_dev, seen.st_ino))
+        if found is None or found[1] != seen.st_ctime_ns:
+            return None
+        return found[0]
 
     def _add_hard_link(self, rel: str, first: str, seen: os.stat_result) -> bool:
         """Another name of a file stored already: a hard link member naming it, without its data again."""
