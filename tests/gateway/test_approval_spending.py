@@ -155,3 +155,42 @@ async def test_cli_approval_cannot_claim_to_be_the_web_admin(lab: GatewayLab) ->
     assert done["detail"]["approved_by"] == f"{me} (note: administrator (web)[2K)"
     used = [r for r in audit_records(lab.config_path) if r.get("event") == "approval_used"]
     assert used[-1]["decided_by"].startswith(f"{me} ")
+
+
+async def test_deadline_in_the_retries_of_a_refused_session_gives_the_approval_back(held: HeldLab) -> None:
+    """Attack (a review of the spending fix): a reader holds the host's one session while an approved deploy's
+    open is refused and retried; the deploy's call_timeout_s (2 s here) ended in a retry's pause, and the
+    approval stayed used although nothing was sent, with an answer saying the deploy might still be running.
+    Invariant: the answer is TIMEOUT saying nothing was sent, the approval is given back, and the retry with
+    the same id deploys once."""
+    lab = held.lab
+    with lab.second_sshd("one-session-short", "MaxSessions 1") as port:
+        config = variant(lab, "bastion-one-session-short.toml", f"port = {lab.port}", f"port = {port}")
+        config.write_text(config.read_text().replace("call_timeout_s = 20", "call_timeout_s = 2", 1))
+        approval_id = await approved(lab, config, "v2.7.1")
+        services = build_services(load_config(config))
+        try:
+            async with (
+                Client(build_server(services, caller=CALLER)) as deployer,
+                Client(build_server(services, caller="reader")) as reader,
+            ):
+                async with anyio.create_task_group() as tasks:
+                    tasks.start_soon(call, reader, "biscuit_sleep")  # holds the host's one session
+                    with anyio.fail_after(DEADLINE_S):
+                        while not held.running():
+                            await anyio.sleep(0.02)
+                    late = await call(
+                        deployer, "biscuit_deploy", project="biscuit", version="v2.7.1", approval_id=approval_id
+                    )
+                    held.release.touch()
+                assert late["code"] == "TIMEOUT", late
+                assert "nothing was sent" in str(late["reason"])
+                assert ApprovalQueue(services.config.db_path).get(approval_id).state == "approved"
+                assert not host_saw(lab, "deploy biscuit v2.7.1")
+                done = await call(
+                    deployer, "biscuit_deploy", project="biscuit", version="v2.7.1", approval_id=approval_id
+                )
+        finally:
+            services.close()
+    assert done["ok"], done
+    assert sum(run["argv"] == ["deploy", "biscuit", "v2.7.1"] for run in lab.action_runs()) == 1

@@ -20,6 +20,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import anyio
+import asyncssh
 import pytest
 from mcp import Client
 
@@ -223,3 +224,23 @@ async def test_late_failure_on_an_old_connection_does_not_cut_the_new_one(held: 
         assert [r.exit_status for r in results] == [0]
     finally:
         await client.close()
+
+
+def test_only_the_hosts_refusal_to_open_a_session_counts_as_nothing_sent() -> None:
+    """Attack (a review of the spending fix, reproduced with a proxy delaying sshd's answers): the connection
+    closed while the exec request's answer was on its way, and asyncssh raised ChannelOpenError("Session
+    request failed") although sshd had run the deploy; bastion took it for a refused open, sent the deploy
+    again (or gave its approval back) and the host ran it twice. Invariant: only the host's own open
+    refusals (RFC 4254 5.1 codes) mean nothing was sent; asyncssh's session-request failures do not."""
+    from bastion.gateway import client
+
+    for code in (
+        asyncssh.OPEN_ADMINISTRATIVELY_PROHIBITED,
+        asyncssh.OPEN_CONNECT_FAILED,
+        asyncssh.OPEN_UNKNOWN_CHANNEL_TYPE,
+        asyncssh.OPEN_RESOURCE_SHORTAGE,
+    ):
+        assert client._refused_open(asyncssh.ChannelOpenError(code, "refused"))
+    for code in (asyncssh.OPEN_REQUEST_SESSION_FAILED, asyncssh.OPEN_REQUEST_PTY_FAILED):
+        assert not client._refused_open(asyncssh.ChannelOpenError(code, "Session request failed"))
+    assert not client._refused_open(OSError("connection lost"))

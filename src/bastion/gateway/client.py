@@ -116,6 +116,25 @@ class _Attempt:
         return now - self.ended < FAILURE_STANDS_S
 
 
+_SERVER_OPEN_REFUSALS: Final = frozenset(
+    {
+        asyncssh.OPEN_ADMINISTRATIVELY_PROHIBITED,
+        asyncssh.OPEN_CONNECT_FAILED,
+        asyncssh.OPEN_UNKNOWN_CHANNEL_TYPE,
+        asyncssh.OPEN_RESOURCE_SHORTAGE,
+    }
+)
+
+
+def _refused_open(exc: BaseException) -> bool:
+    """The host refused to open the session: its command was never sent.
+
+    asyncssh also raises ChannelOpenError ("Session request failed", its own OPEN_REQUEST_SESSION_FAILED)
+    when the channel opened and the exec request went out but its answer never came (the connection
+    closed meanwhile): the command may have run, so that is no refusal (a deploy was sent twice)."""
+    return isinstance(exc, asyncssh.ChannelOpenError) and exc.code in _SERVER_OPEN_REFUSALS
+
+
 @dataclass
 class _Slot:
     """One call's session slot; `process` is set while the host may still hold the session open."""
@@ -337,7 +356,10 @@ class GatewayClient:
                 await if_unsent(unsent.error)
             raise unsent.error from None
         except TimeoutError:
-            raise self._timeout(slot) from None
+            timeout = self._timeout(slot)
+            if not slot.opening and if_unsent is not None:
+                await if_unsent(timeout)  # no session open was under way: nothing reached the host
+            raise timeout from None
         return self._output(exit_status, out, err, truncated)
 
     def _timeout(self, slot: _Slot) -> Timeout:
@@ -355,7 +377,7 @@ class GatewayClient:
         try:
             return await self._run(conn, literal, slot)
         except (asyncssh.ChannelOpenError, asyncssh.DisconnectError, OSError) as exc:
-            opened = not isinstance(exc, asyncssh.ChannelOpenError)
+            opened = not _refused_open(exc)
             if not opened and not conn.is_closed():
                 raise _Unsent(self._refused_session()) from None
             # The connection is gone, and with it every session the host held for it.
@@ -377,7 +399,7 @@ class GatewayClient:
         try:
             return await self._run(conn, literal, slot)
         except (asyncssh.Error, OSError) as again:
-            unopened = isinstance(again, asyncssh.ChannelOpenError)
+            unopened = _refused_open(again)
             if unopened and not conn.is_closed():
                 failure: BastionError = self._refused_session()
             else:
@@ -411,7 +433,7 @@ class GatewayClient:
         # Under the call's deadline, the open too: a hung host (frozen, or a network dropping packets)
         # never confirms the channel.
         slot.opening = True
-        process = slot.process = await self._open(conn, literal)
+        process = slot.process = await self._open(conn, literal, slot)
         out, err, truncated = await self._drain(process)
         await process.wait_closed()
         slot.process = None  # the host closed the channel: its session is free again
@@ -444,7 +466,9 @@ class GatewayClient:
             raise _lost_connection(group) from None
         return bytes(buffers["out"]), bytes(buffers["err"]), truncated
 
-    async def _open(self, conn: asyncssh.SSHClientConnection, literal: str) -> asyncssh.SSHClientProcess[bytes]:
+    async def _open(
+        self, conn: asyncssh.SSHClientConnection, literal: str, slot: _Slot
+    ) -> asyncssh.SSHClientProcess[bytes]:
         """Open the session, waiting out sshd's slow release of finished ones.
 
         sshd frees a session slot only once it has reaped the session's child, which under load
@@ -454,10 +478,12 @@ class GatewayClient:
         for pause in _OPEN_RETRY_PAUSES:
             try:
                 return await conn.create_process(literal, encoding=None, request_pty=False, stdin=asyncssh.DEVNULL)
-            except asyncssh.ChannelOpenError:
-                if conn.is_closed():
+            except asyncssh.ChannelOpenError as exc:
+                if conn.is_closed() or not _refused_open(exc):
                     raise
+            slot.opening = False  # refused: nothing was sent, and a deadline in the pause says so
             await anyio.sleep(pause)
+            slot.opening = True
         return await conn.create_process(literal, encoding=None, request_pty=False, stdin=asyncssh.DEVNULL)
 
     def _clean(self, data: bytes) -> tuple[str, bool]:

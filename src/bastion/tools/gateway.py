@@ -373,12 +373,13 @@ class _Spending:
         self.tool = tool
         self.approval = approval
         self.command = command
+        self.spent = False
 
     async def spend(self) -> None:
         """Called once the session slot and the connection are there: a refusal before this spends nothing."""
         tool = self.tool
         used = tool.queue.consume(self.approval.id, tool.name, self.command.literal)  # denied, expired or used
-        self.approval = used
+        self.approval, self.spent = used, True
         # The human decision joins the hash chain before the action is sent; if it cannot, nothing is sent.
         await tool.runner.audit.append_async(
             {
@@ -393,6 +394,8 @@ class _Spending:
 
     async def give_back(self, error: BastionError) -> None:
         """The session never opened: nothing reached the host, so the approval is not spent (audited first)."""
+        if not self.spent:  # refused before it was spent (no slot or connection in time): nothing to give back
+            return
         tool, used = self.tool, self.approval
         try:
             await tool.runner.audit.append_async(
