@@ -265,3 +265,68 @@ def test_login_steps_refuse_what_another_page_sends_before_counting_it(
         admin.close()
         assert "backing off" not in server.log()
         assert_clients_connect(server)
+
+
+@BROWSER_ONLY
+def test_preview_page_with_one_click_cannot_fill_pending_requests_through_its_popup(
+    start_server: Callable[..., AbstractContextManager[LiveServer]],
+) -> None:
+    """Attack (a review of the Fetch Metadata guard, Chromium): a page on another port of the host gets one
+    click, opens a popup and keeps its handle, then sets the popup's location to /authorize again and again.
+    Each is a real top-level navigation (the browser even marks those within 5 s of the click as the user's),
+    so each added a pending request against the administrator's device until its cap (3 here) refused the
+    administrator's own: 429 for 10 minutes. Invariant: navigations that pages of this host start count
+    apart (`Sec-Fetch-Site: same-site`), so after the attack the administrator's own navigation (a client
+    opening the browser) opens the login page at once and the client is authorized. A same-site page's own
+    Connect button (the MCP Inspector's way: a fetch, then a navigation) works before the attack; after it,
+    such pages share what the attacker filled (for up to 10 minutes)."""
+    with start_server(http_extra=TIGHT) as server, launch() as chromium:
+        attackers = [server.register(client_name=f"attacker {n}")["client_id"] for n in range(5)]
+        _, challenge = pkce()
+        urls = [authorize_url(server, client, challenge) for client in attackers]
+        popup_script = f"""<button id="b">preview</button><script>
+        document.getElementById("b").onclick = async () => {{
+          const popup = window.open("about:blank", "x");
+          for (const url of {json.dumps(urls)}) {{
+            popup.location = url;
+            await new Promise((done) => setTimeout(done, 300));
+          }}
+          window.done = true;
+        }};</script>"""
+        inspector = server.register(client_name="inspector")["client_id"]
+        metadata = json.dumps(server.base + "/.well-known/oauth-authorization-server")
+        context = chromium.new_context()
+        try:
+            page = context.new_page()
+
+            def click_connect(url: str) -> None:
+                connect_script = f"""<button id="c">connect</button><script>
+                document.getElementById("c").onclick = async () => {{
+                  await fetch({metadata}, {{mode: "no-cors"}});
+                  window.location.href = {json.dumps(url)};
+                }};</script>"""
+                with page_on_another_port(connect_script) as inspector_url:
+                    page.goto(inspector_url)
+                    page.click("#c")
+                    page.wait_for_url("**/oauth/login?*")
+
+            assert _approve_in(page, server, inspector, click_connect)["scope"] == "organizer"
+            answered: list[int] = []
+            context.on(
+                "response",
+                lambda response: (
+                    answered.append(response.status) if response.url.startswith(f"{server.base}/authorize") else None
+                ),
+            )
+            with page_on_another_port(popup_script) as evil_url:
+                evil = context.new_page()
+                evil.goto(evil_url)
+                evil.click("#b")
+                evil.wait_for_function("window.done === true", timeout=30_000)
+            assert 429 in answered, answered  # the popup's navigations filled the same-site share...
+            mine = server.register(client_name="administrator's app")["client_id"]
+            admin = context.new_page()
+            assert _approve_in(admin, server, mine, admin.goto)["scope"] == "organizer"  # ...and only that
+        finally:
+            context.close()
+        assert_clients_connect(server)

@@ -193,9 +193,17 @@ class AuthorizationFlow:
     def _requester(self, request: Request) -> str:
         """Whom /authorize counts: a browser that has logged in before (its device cookie, sent on a
         navigation the administrator or a local app starts, SameSite=Strict), else its address. An
-        attacker on the same host shares the address, never the device."""
+        attacker on the same host shares the address, never the device.
+
+        A navigation a page of this host started (another port: `Sec-Fetch-Site: same-site`) counts apart:
+        a sandbox's preview page that got one click kept its popup's handle and set its location to
+        /authorize again and again, each a real navigation with the device cookie, until the device's
+        pending requests were full and the administrator's own were refused. Such pages can now fill only
+        their own share (the MCP Inspector, on another localhost port, shares it with them); a client that
+        opens the browser (`none`) or a site elsewhere (claude.ai, `cross-site`) keeps the rest."""
         device = TrustedDevices(self.credential).device(request.cookies.get(DEVICE_COOKIE, ""))
-        return device_key(device) if device else address_key(client_ip(request))
+        key = device_key(device) if device else address_key(client_ip(request))
+        return f"{key}:same-site" if request.headers.get("sec-fetch-site") == "same-site" else key
 
     async def authorize(self, request: Request) -> Response:
         address = self._requester(request)
