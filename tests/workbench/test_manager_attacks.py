@@ -270,3 +270,36 @@ async def test_a_sandbox_file_hard_linked_ten_times_is_snapshotted_once_and_rest
     lines = str(after["detail"]["stdout"]).split()
     assert lines[0] == "11"
     assert lines[1] == lines[-1]  # owned as a file the sandbox makes itself
+
+
+async def test_a_command_during_the_snapshot_of_an_asleep_sandbox_cannot_write_mid_copy(
+    client: Client, services: Services, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Attack (a review of this session's snapshot changes): snapshot an asleep sandbox (idle, stopped), then
+    run a command while its workspace is copied. Nothing was frozen (nothing ran), so the command woke it and
+    wrote mid-copy: the copy was not consistent, and a file made then could take a stored file's freed inode.
+    Invariant: the snapshot wakes and freezes it, so the command is CONFLICT (paused) and writes nothing; after
+    the snapshot the sandbox runs commands again and the snapshot holds the workspace as it was."""
+    box = await create(client)
+    await sh(client, box, "echo data > f")
+    assert services.sandboxes.sleep_idle(0) == 1
+    assert await _state(client, box) == "asleep"
+    held = _HeldSnapshot(monkeypatch)
+    taken: dict[str, Payload] = {}
+
+    async def snapshot() -> None:
+        taken["answer"] = await call(client, "snapshot_sandbox", sandbox_id=box)
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(snapshot)
+        assert await anyio.to_thread.run_sync(held.started.wait, _WAIT_S)
+        try:
+            during = await sh(client, box, "echo written-during-copy > mid")
+        finally:
+            held.release()
+    assert during["code"] == "CONFLICT", during
+    assert "paused" in str(during["reason"])
+    assert taken["answer"]["ok"], taken["answer"]
+    after = await sh(client, box, "ls")
+    assert after["ok"], after
+    assert after["detail"]["stdout"].split() == ["f"]

@@ -810,11 +810,15 @@ class SandboxManager:
             # either came first (SandboxNotFound) or will wait for the archive.
             box = self.get(sandbox_id)
             warm = box.workspace.sandbox
-            if not warm.paused and warm.usage() is not None:
-                warm.pause()
-                self._frozen_for_snapshot.add(box.id)
             archived = self._archiving[box.id] = anyio.Event()
             try:
+                if warm.asleep:
+                    # Nothing runs to freeze, but a command would wake it mid-copy, unfrozen (and a file it
+                    # made then could take a stored file's freed inode): woken, then frozen like the rest.
+                    await warm.start()
+                if not warm.paused and warm.usage() is not None:
+                    warm.pause()
+                    self._frozen_for_snapshot.add(box.id)
                 metadata = {"sandbox_id": box.id, "owner": box.owner, "name": box.name or "", "template": box.template}
                 return await anyio.to_thread.run_sync(
                     functools.partial(
