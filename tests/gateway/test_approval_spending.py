@@ -17,6 +17,7 @@ import os
 import pwd
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -78,14 +79,31 @@ async def test_deploy_to_an_unreachable_host_does_not_spend_its_approval(lab: Ga
     assert queue.get(approval_id).state == "used"
 
 
-async def test_reader_filling_the_hosts_sessions_does_not_burn_an_approved_deploy(held: HeldLab) -> None:
-    """Invariant: a session the host refuses (its MaxSessions reached) sent nothing: the approval is
-    given back (audited), and the retry with the same id deploys once."""
+@dataclass
+class HeldDeploy:
+    """An approved deploy sent while a reader's slow call held the host's one session (MaxSessions 1)."""
+
+    config: Path
+    approval_id: str
+    first: dict[str, Any]
+    state_then: str
+    host_saw_it_then: bool
+    retry: dict[str, Any]
+
+
+async def deploy_while_the_one_session_is_held(
+    held: HeldLab, version: str, *, call_timeout_s: int | None = None
+) -> HeldDeploy:
+    """The deploy's first answer, its approval's state and whether the host saw it then, and the answer of
+    the retry with the same id once the reader's call has ended."""
     lab = held.lab
-    with lab.second_sshd("one-session", "MaxSessions 1") as port:
-        config = variant(lab, "bastion-one-session.toml", f"port = {lab.port}", f"port = {port}")
-        approval_id = await approved(lab, config, "v2.0.0")
+    with lab.second_sshd(f"one-session-{version}", "MaxSessions 1") as port:
+        config = variant(lab, f"bastion-one-session-{version}.toml", f"port = {lab.port}", f"port = {port}")
+        if call_timeout_s is not None:
+            config.write_text(config.read_text().replace("call_timeout_s = 20", f"call_timeout_s = {call_timeout_s}"))
+        approval_id = await approved(lab, config, version)
         services = build_services(load_config(config))
+        deploy = {"project": "biscuit", "version": version, "approval_id": approval_id}
         try:
             async with (
                 Client(build_server(services, caller=CALLER)) as deployer,
@@ -96,24 +114,46 @@ async def test_reader_filling_the_hosts_sessions_does_not_burn_an_approved_deplo
                     with anyio.fail_after(DEADLINE_S):
                         while not held.running():
                             await anyio.sleep(0.02)
-                    refused = await call(
-                        deployer, "biscuit_deploy", project="biscuit", version="v2.0.0", approval_id=approval_id
-                    )
+                    first = await call(deployer, "biscuit_deploy", **deploy)
                     held.release.touch()
-                assert refused["code"] == "UNAVAILABLE", refused
-                assert "was not spent" in str(refused["reason"])
-                assert ApprovalQueue(services.config.db_path).get(approval_id).state == "approved"
-                assert not host_saw(lab, "deploy biscuit v2.0.0")
-                done = await call(
-                    deployer, "biscuit_deploy", project="biscuit", version="v2.0.0", approval_id=approval_id
-                )
+                state_then = ApprovalQueue(services.config.db_path).get(approval_id).state
+                saw_then = host_saw(lab, f"deploy biscuit {version}")
+                retry = await call(deployer, "biscuit_deploy", **deploy)
         finally:
             services.close()
-    assert done["ok"], done
-    assert sum(run["argv"] == ["deploy", "biscuit", "v2.0.0"] for run in lab.action_runs()) == 1
-    events = [r["event"] for r in audit_records(config) if r.get("approval") == approval_id]
+    return HeldDeploy(config, approval_id, first, state_then, saw_then, retry)
+
+
+def deployed_once(lab: GatewayLab, version: str) -> bool:
+    return sum(run["argv"] == ["deploy", "biscuit", version] for run in lab.action_runs()) == 1
+
+
+async def test_reader_filling_the_hosts_sessions_does_not_burn_an_approved_deploy(held: HeldLab) -> None:
+    """Invariant: a session the host refuses (its MaxSessions reached) sent nothing: the approval is
+    given back (audited), and the retry with the same id deploys once."""
+    sent = await deploy_while_the_one_session_is_held(held, "v2.0.0")
+    assert sent.first["code"] == "UNAVAILABLE", sent.first
+    assert "was not spent" in str(sent.first["reason"])
+    assert (sent.state_then, sent.host_saw_it_then) == ("approved", False)
+    assert sent.retry["ok"], sent.retry
+    assert deployed_once(held.lab, "v2.0.0")
+    events = [r["event"] for r in audit_records(sent.config) if r.get("approval") == sent.approval_id]
     assert events == ["approval_used", "approval_returned", "approval_used"]
-    assert verify(load_config(config).audit_path).ok
+    assert verify(load_config(sent.config).audit_path).ok
+
+
+async def test_deadline_in_the_retries_of_a_refused_session_gives_the_approval_back(held: HeldLab) -> None:
+    """Attack (a review of the spending fix): a reader holds the host's one session while an approved deploy's
+    open is refused and retried; the deploy's call_timeout_s (2 s here) ended in a retry's pause, and the
+    approval stayed used although nothing was sent, with an answer saying the deploy might still be running.
+    Invariant: the answer is TIMEOUT saying nothing was sent, the approval is given back, and the retry with
+    the same id deploys once."""
+    sent = await deploy_while_the_one_session_is_held(held, "v2.7.1", call_timeout_s=2)
+    assert sent.first["code"] == "TIMEOUT", sent.first
+    assert "nothing was sent" in str(sent.first["reason"])
+    assert (sent.state_then, sent.host_saw_it_then) == ("approved", False)
+    assert sent.retry["ok"], sent.retry
+    assert deployed_once(held.lab, "v2.7.1")
 
 
 @pytest.mark.parametrize("approve", [True, False], ids=["approve", "deny"])
@@ -155,42 +195,3 @@ async def test_cli_approval_cannot_claim_to_be_the_web_admin(lab: GatewayLab) ->
     assert done["detail"]["approved_by"] == f"{me} (note: administrator (web)[2K)"
     used = [r for r in audit_records(lab.config_path) if r.get("event") == "approval_used"]
     assert used[-1]["decided_by"].startswith(f"{me} ")
-
-
-async def test_deadline_in_the_retries_of_a_refused_session_gives_the_approval_back(held: HeldLab) -> None:
-    """Attack (a review of the spending fix): a reader holds the host's one session while an approved deploy's
-    open is refused and retried; the deploy's call_timeout_s (2 s here) ended in a retry's pause, and the
-    approval stayed used although nothing was sent, with an answer saying the deploy might still be running.
-    Invariant: the answer is TIMEOUT saying nothing was sent, the approval is given back, and the retry with
-    the same id deploys once."""
-    lab = held.lab
-    with lab.second_sshd("one-session-short", "MaxSessions 1") as port:
-        config = variant(lab, "bastion-one-session-short.toml", f"port = {lab.port}", f"port = {port}")
-        config.write_text(config.read_text().replace("call_timeout_s = 20", "call_timeout_s = 2", 1))
-        approval_id = await approved(lab, config, "v2.7.1")
-        services = build_services(load_config(config))
-        try:
-            async with (
-                Client(build_server(services, caller=CALLER)) as deployer,
-                Client(build_server(services, caller="reader")) as reader,
-            ):
-                async with anyio.create_task_group() as tasks:
-                    tasks.start_soon(call, reader, "biscuit_sleep")  # holds the host's one session
-                    with anyio.fail_after(DEADLINE_S):
-                        while not held.running():
-                            await anyio.sleep(0.02)
-                    late = await call(
-                        deployer, "biscuit_deploy", project="biscuit", version="v2.7.1", approval_id=approval_id
-                    )
-                    held.release.touch()
-                assert late["code"] == "TIMEOUT", late
-                assert "nothing was sent" in str(late["reason"])
-                assert ApprovalQueue(services.config.db_path).get(approval_id).state == "approved"
-                assert not host_saw(lab, "deploy biscuit v2.7.1")
-                done = await call(
-                    deployer, "biscuit_deploy", project="biscuit", version="v2.7.1", approval_id=approval_id
-                )
-        finally:
-            services.close()
-    assert done["ok"], done
-    assert sum(run["argv"] == ["deploy", "biscuit", "v2.7.1"] for run in lab.action_runs()) == 1
