@@ -160,7 +160,7 @@ async def test_deadline_in_the_retries_of_a_refused_session_gives_the_approval_b
 async def test_elicited_decision_is_in_the_audit_chain_before_it_counts(lab: GatewayLab, approve: bool) -> None:
     """Invariant: a decision made through elicitation has its `admin` record (decision, decider, channel)
     in the chain, and it comes before the approval is used."""
-    version = "v9.4.1" if approve else "v9.4.2"
+    version = "v9.7.1" if approve else "v9.7.2"  # the lab is shared: a version no other test deploys
     config = variant(lab, f"bastion-elicit-audit-{approve}.toml", "ttl_s = 600", "ttl_s = 600\nelicitation = true")
 
     async def user(context: object, params: ElicitRequestParams) -> ElicitResult:
