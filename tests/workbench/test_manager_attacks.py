@@ -3,6 +3,7 @@ a snapshot's freeze against pause and resume, and the length of the ids echoed b
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -137,6 +138,25 @@ class _HeldSnapshot:
         self._go.set()
 
 
+@contextlib.asynccontextmanager
+async def _while_copied(client: Client, box: str, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[dict[str, Payload]]:
+    """snapshot_sandbox of `box`, its archive work held in its thread while the body runs; its answer is in the
+    dict's "answer" once the block ends."""
+    held = _HeldSnapshot(monkeypatch)
+    taken: dict[str, Payload] = {}
+
+    async def snapshot() -> None:
+        taken["answer"] = await call(client, "snapshot_sandbox", sandbox_id=box)
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(snapshot)
+        assert await anyio.to_thread.run_sync(held.started.wait, _WAIT_S)
+        try:
+            yield taken
+        finally:
+            held.release()
+
+
 async def _state(client: Client, sandbox_id: str) -> str:
     return str((await call(client, "get_sandbox_status", sandbox_id=sandbox_id))["detail"]["state"])
 
@@ -156,23 +176,12 @@ async def test_resume_during_a_snapshot_is_refused_and_the_sandbox_stays_frozen_
     await sh(client, box, "echo data > f")
     group = bubblewrap(services.sandboxes.get(box).workspace.sandbox)._group
     assert group is not None
-    held = _HeldSnapshot(monkeypatch)
-    taken: dict[str, Payload] = {}
-
-    async def snapshot() -> None:
-        taken["answer"] = await call(client, "snapshot_sandbox", sandbox_id=box)
-
-    async with anyio.create_task_group() as tasks:
-        tasks.start_soon(snapshot)
-        assert await anyio.to_thread.run_sync(held.started.wait, _WAIT_S)
-        try:
-            resumed = await call(client, "resume_sandbox", sandbox_id=box)
-            frozen_after_resume = group._frozen()
-            paused = await call(client, "pause_sandbox", sandbox_id=box)
-            resumed_again = await call(client, "resume_sandbox", sandbox_id=box)
-            frozen_at_the_end_of_the_copy = group._frozen()
-        finally:
-            held.release()
+    async with _while_copied(client, box, monkeypatch) as taken:
+        resumed = await call(client, "resume_sandbox", sandbox_id=box)
+        frozen_after_resume = group._frozen()
+        paused = await call(client, "pause_sandbox", sandbox_id=box)
+        resumed_again = await call(client, "resume_sandbox", sandbox_id=box)
+        frozen_at_the_end_of_the_copy = group._frozen()
     assert resumed["code"] == "CONFLICT", resumed
     assert "snapshot" in str(resumed["reason"])
     assert frozen_after_resume
@@ -200,20 +209,9 @@ async def test_a_sandbox_paused_before_a_snapshot_is_not_thawed_during_or_after_
     assert (await call(client, "pause_sandbox", sandbox_id=paused_box))["ok"]
     group = bubblewrap(services.sandboxes.get(paused_box).workspace.sandbox)._group
     assert group is not None
-    held = _HeldSnapshot(monkeypatch)
-    taken: dict[str, Payload] = {}
-
-    async def snapshot() -> None:
-        taken["answer"] = await call(client, "snapshot_sandbox", sandbox_id=paused_box)
-
-    async with anyio.create_task_group() as tasks:
-        tasks.start_soon(snapshot)
-        assert await anyio.to_thread.run_sync(held.started.wait, _WAIT_S)
-        try:
-            resumed = await call(client, "resume_sandbox", sandbox_id=paused_box)
-            frozen_during = group._frozen()
-        finally:
-            held.release()
+    async with _while_copied(client, paused_box, monkeypatch) as taken:
+        resumed = await call(client, "resume_sandbox", sandbox_id=paused_box)
+        frozen_during = group._frozen()
     assert resumed["code"] == "CONFLICT", resumed
     assert frozen_during
     assert taken["answer"]["ok"], taken["answer"]
@@ -284,19 +282,8 @@ async def test_a_command_during_the_snapshot_of_an_asleep_sandbox_cannot_write_m
     await sh(client, box, "echo data > f")
     assert services.sandboxes.sleep_idle(0) == 1
     assert await _state(client, box) == "asleep"
-    held = _HeldSnapshot(monkeypatch)
-    taken: dict[str, Payload] = {}
-
-    async def snapshot() -> None:
-        taken["answer"] = await call(client, "snapshot_sandbox", sandbox_id=box)
-
-    async with anyio.create_task_group() as tasks:
-        tasks.start_soon(snapshot)
-        assert await anyio.to_thread.run_sync(held.started.wait, _WAIT_S)
-        try:
-            during = await sh(client, box, "echo written-during-copy > mid")
-        finally:
-            held.release()
+    async with _while_copied(client, box, monkeypatch) as taken:
+        during = await sh(client, box, "echo written-during-copy > mid")
     assert during["code"] == "CONFLICT", during
     assert "paused" in str(during["reason"])
     assert taken["answer"]["ok"], taken["answer"]

@@ -65,6 +65,7 @@ _PLATFORM: Final = r"(?:x86_64|i[3-6]86|aarch64|arm|riscv|ppc|s390|mips)"
 _VERSION_SUFFIX: Final = re.compile(rf"[.-]?[0-9][0-9.]*(?:-{_PLATFORM}[A-Za-z0-9_.+-]*)?")
 # A shell script runs its own fixed lines (gunzip, which, zcat are ones): a denied shell still lets them run.
 _SHELLS: Final = frozenset({"sh", "dash", "bash"})
+_MAX_KNOWN_PROGRAMS: Final = 1024  # interpreters remembered per policy (a fixed PATH holds a few thousand files)
 _SCRIPT_HEAD_BYTES: Final = 256  # the kernel reads a #! line from the first 256 bytes (BINPRM_BUF_SIZE)
 _MAX_LINK_HOPS: Final = 40  # the kernel's own limit on symlinks in one lookup (path_resolution(7))
 # File times tick with the kernel's coarse clock (a few ms): a folder changed this recently may change
@@ -389,6 +390,9 @@ class CommandPolicy:
         self._allow = frozenset(config.allow)
         self._deny = frozenset(config.deny)
         self._denied_files = _DeniedFiles(config.deny)
+        # A program's #! interpreter by (st_dev, st_ino, st_ctime_ns): reading its head cost ~20 us a command,
+        # and any change to the file (content, mode, links) moves its ctime.
+        self._interpreters: dict[tuple[int, int, int], str | None] = {}
         rules: dict[str, list[_CompiledRule]] = {}
         for rule in config.rules:
             compiled = _CompiledRule(
@@ -558,7 +562,7 @@ class CommandPolicy:
                 f"deny: {denied} (same file as {name})",
                 executable,
             )
-        interpreter = _script_interpreter(executable)
+        interpreter = self._interpreter(executable, info)
         shell = interpreter is not None and os.path.basename(interpreter) in _SHELLS
         denied = None if interpreter is None or shell else self._denied_program(interpreter)
         if denied is not None:
@@ -567,6 +571,14 @@ class CommandPolicy:
                 f"deny: {denied} (the interpreter of {name})",
                 executable,
             )
+
+    def _interpreter(self, executable: str, info: os.stat_result) -> str | None:
+        key = (info.st_dev, info.st_ino, info.st_ctime_ns)
+        if key not in self._interpreters:
+            if len(self._interpreters) >= _MAX_KNOWN_PROGRAMS:
+                self._interpreters.clear()
+            self._interpreters[key] = _script_interpreter(executable)
+        return self._interpreters[key]
 
     def _denied_program(self, path: str) -> str | None:
         """The denied name that the program at `path` (a script's interpreter) is, by name, version or file."""

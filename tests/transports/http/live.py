@@ -314,13 +314,19 @@ def get_tokens(
         )
     finally:
         browser.close()
-    code = callback_params(location)["code"][0]
+    return redeem_code(server, location, verifier, client_id, redirect_uri, **extra)
+
+
+def redeem_code(
+    server: LiveServer, callback: str, verifier: str, client_id: str, redirect_uri: str, **extra: str
+) -> dict[str, Any]:
+    """The token response for the code in `callback` (the URL the browser was sent back to); asserts 200."""
     with server.http() as client:
         response = client.post(
             "/token",
             data={
                 "grant_type": "authorization_code",
-                "code": code,
+                "code": callback_params(callback)["code"][0],
                 "code_verifier": verifier,
                 "client_id": client_id,
                 "redirect_uri": redirect_uri,

@@ -28,7 +28,7 @@ from bastion.transports.http.flow import NOT_A_NAVIGATION, NOT_OUR_FORM
 
 from .chromium import BROWSER_COOKIE, CALLBACK, CHROMIUM, authorize_url, catch_callback, launch
 from .clients import assert_clients_connect
-from .live import PASSWORD, Browser, LiveServer, callback_params, forms, pkce
+from .live import PASSWORD, Browser, LiveServer, forms, pkce, redeem_code
 
 # One failure backs a key off, and three pending requests fill it: the attack needs only a few requests.
 TIGHT = "login_failures_before_backoff = 1\nlogin_backoff_max_s = 900\npending_authorizations_per_ip = 3"
@@ -97,20 +97,7 @@ def _approve_in(page: Any, server: LiveServer, client_id: str, start: Callable[[
     page.wait_for_url("**/oauth/consent?*")
     page.click("button[value=approve]")
     page.wait_for_url(f"{CALLBACK}*")
-    with server.http() as raw:
-        tokens = raw.post(
-            "/token",
-            data={
-                "grant_type": "authorization_code",
-                "code": callback_params(seen[-1])["code"][0],
-                "code_verifier": verifier,
-                "client_id": client_id,
-                "redirect_uri": CALLBACK,
-            },
-        )
-    assert tokens.status_code == 200, tokens.text
-    result: dict[str, Any] = tokens.json()
-    return result
+    return redeem_code(server, seen[-1], verifier, client_id, CALLBACK)
 
 
 def restarted(chromium: Any, before: Any) -> Any:
