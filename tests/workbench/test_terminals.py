@@ -195,7 +195,7 @@ async def test_flood_is_paced_bounded_and_the_loop_stays_responsive(client: Clie
         reads = await _flood_then_interrupt(client, term, 20)
     assert any(read["detail"]["paced"] for read in reads)
     assert all(len(read["detail"]["scrolled_off"]) <= 256 * 1024 for read in reads)
-    assert lag.worst < 0.2, f"the event loop stalled {lag.worst:.3f} s"
+    assert lag.cpu_worst < 0.2, f"the event loop was held {lag.cpu_worst:.3f} s"
 
 
 async def _flood_then_interrupt(client: Client, term: str, reads: int) -> list[Payload]:
@@ -269,7 +269,7 @@ async def test_random_bytes_never_reach_the_client_raw(client: Client) -> None:
         await send(client, term, f"python3 -c '{noise}'; printf '\\033c'; echo end-$((1 + 1))", "Enter")
         shown = await until(client, term, "(?m)^end-2$", timeout_s=60)
     assert "\x1b" not in str(shown["screen"]) + str(shown["scrolled_off"])
-    assert lag.worst < 0.2, f"the event loop stalled {lag.worst:.3f} s"
+    assert lag.cpu_worst < 0.2, f"the event loop was held {lag.cpu_worst:.3f} s"
 
 
 async def test_close_terminal_leaves_no_survivors(client: Client) -> None:
@@ -335,7 +335,7 @@ async def test_an_escape_sequence_that_never_ends_is_cut(client: Client) -> None
     term = await open_term(client, box, "python3 title.py")
     with LoopLag() as lag:
         await until(client, term, "(?m)^after-title$", timeout_s=60)
-    assert lag.worst < 0.2, f"the event loop stalled {lag.worst:.3f} s"
+    assert lag.cpu_worst < 0.2, f"the event loop was held {lag.cpu_worst:.3f} s"
 
 
 async def test_program_that_closes_its_terminal_and_runs_on_is_killed_by_close(client: Client) -> None:
@@ -553,7 +553,7 @@ async def test_combining_marks_piled_on_one_character_do_not_stall_the_server(cl
         shown = await until(client, term, "(?m)^after-marks$", timeout_s=60)
     first_line = str(shown["screen"]).split("\n")[0]
     assert 0 < len(first_line) <= MAX_CELL_CHARS, ascii(first_line)
-    assert lag.worst < 0.2, f"the event loop stalled {lag.worst:.3f} s"
+    assert lag.cpu_worst < 0.2, f"the event loop was held {lag.cpu_worst:.3f} s"
 
 
 BAD_ERASES = (
