@@ -35,7 +35,7 @@ from bastion.config import Config, GatewayConfig, load_config, resolve_config_pa
 from bastion.organizer.folder import Folder
 from bastion.safety.audit import file_problem
 from bastion.safety.errors import BastionError, ConfigError
-from bastion.safety.paths import replaceable_by
+from bastion.safety.paths import replaceable_by, secret_file_problem
 from bastion.safety.redact import Redactor
 from bastion.sandbox import idmap_supported
 from bastion.sandbox._spawn import SANDBOX_WORKSPACE, bwrap_path, probe_bwrap, sandbox_python, system_binds
@@ -43,7 +43,7 @@ from bastion.sandbox.cgroups import CgroupLayout, owner_pid
 from bastion.sandbox.inside.landlock import landlock_abi, landlock_missing  # the agent's own wording
 from bastion.sandbox.microvm import MicroVMSettings, missing_boot_files, probe_microvm
 from bastion.sandbox.seccomp import DENIED, write_filter_fd
-from bastion.serve import is_loopback
+from bastion.serve import is_loopback, tls_key_problem
 from bastion.workbench.manager import SandboxManager
 from bastion.workbench.workspace import HostWorkspace
 
@@ -628,10 +628,10 @@ def _http_tls_check(config: Config) -> Check | None:
             fd = os.open(file, os.O_RDONLY | os.O_CLOEXEC)  # opened, never read: no key material
         except OSError as exc:
             return Check("http-tls", "FAIL", f"{name} {file} cannot be read: {exc.strerror}")
-        mode = stat.S_IMODE(os.fstat(fd).st_mode)
         os.close(fd)
-        if name == "tls_key" and mode & 0o077:
-            return Check("http-tls", "warn", f"tls_key {file} is readable by others (mode {mode:04o}): chmod 600 it")
+    problem = tls_key_problem(key)
+    if problem is not None:
+        return Check("http-tls", "FAIL", problem)
     return Check("http-tls", "ok", "tls_cert and tls_key are readable: serve --http speaks https itself")
 
 
@@ -658,17 +658,15 @@ def _gateway_check(gateway: GatewayConfig) -> Check:
     name = f"gateway:{gateway.name}"
     problems = []
     try:
-        st = os.lstat(gateway.key_path)
+        problem = secret_file_problem(str(gateway.key_path), (os.geteuid(), os.getegid()))
     except OSError:
         problems.append(f"no key at {gateway.key_path} (bastion gateway keygen --config PATH {gateway.name})")
     else:
-        if not stat.S_ISREG(st.st_mode):
-            problems.append(f"key {gateway.key_path} is not a regular file")
-        elif st.st_mode & 0o077:
-            problems.append(f"key {gateway.key_path} has mode {stat.S_IMODE(st.st_mode):04o}: chmod 600 it")
+        if problem is not None:
+            problems.append(f"key {gateway.key_path} is not the server's alone ({problem}): chmod 600 it")
     if gateway.host_key is None:
         problems.append("no pinned host_key (ssh-keyscan -t ed25519 HOST)")
     if problems:
         return Check(name, "warn", "; ".join(problems) + ": its calls are refused until fixed")
     kind = gateway.host_key.split()[0] if gateway.host_key else ""
-    return Check(name, "ok", f"key {gateway.key_path} is 0600; host key pinned ({kind})")
+    return Check(name, "ok", f"key {gateway.key_path} is the server's alone; host key pinned ({kind})")

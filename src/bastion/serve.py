@@ -14,6 +14,7 @@ import signal
 import socket
 import sys
 from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Final
 
@@ -24,6 +25,7 @@ from bastion.app import Services, build_server, build_services
 from bastion.config import Config, HttpConfig
 from bastion.logs import announce, configure_logging
 from bastion.safety.errors import ConfigError, Unavailable
+from bastion.safety.paths import secret_file_problem
 from bastion.systemd import Notifier
 
 if TYPE_CHECKING:
@@ -404,8 +406,23 @@ def _check_http(config: Config, config_path: str, listen: str | None) -> None:
     endpoints_for(config, listen)  # a listen address its public_url cannot name is refused here
     if (http.tls_cert is None) != (http.tls_key is None):
         raise ConfigError("[http] tls_cert and tls_key go together: set both or neither")
+    problem = None if http.tls_key is None else tls_key_problem(http.tls_key)
+    if problem is not None:
+        raise ConfigError(problem)
     if http.auth and not config.admin_hash_path.exists():
         raise ConfigError(f"no admin password is set: run 'bastion admin set-password --config {config_path}' first")
+
+
+def tls_key_problem(key: Path) -> str | None:
+    """Why the server must not use `key` as its TLS private key, or None: anyone else who may read it can
+    pose as this server, and anyone who may swap it can choose the key clients' secrets are sent under."""
+    try:
+        problem = secret_file_problem(str(key), (os.geteuid(), os.getegid()))
+    except OSError as exc:
+        return f"[http] tls_key {key} cannot be read: {exc.strerror or exc}"
+    if problem is None:
+        return None
+    return f"[http] tls_key {key} is not the server's alone ({problem}): chmod 600 it, in a folder only root can write"
 
 
 class _Front:

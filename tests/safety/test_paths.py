@@ -46,6 +46,7 @@ from bastion.safety.paths import (
     Jail,
     privileged_file,
     replaceable_by,
+    secret_file_problem,
 )
 
 CORPUS_FILE = Path(__file__).resolve().parents[1] / "attacks" / "attack-corpus.json"
@@ -1245,6 +1246,55 @@ def test_who_can_replace_a_folder_by_renaming_another_into_its_path(tmp_path: Pa
         acl, "system.posix_acl_access", struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *e) for e in entries)
     )
     assert "uid 4242 (an ACL entry)" in str(replaceable_by(str(_folder(acl / "ws", alice, 0o755)), alice))
+
+
+def _secret(path: Path, owner: tuple[int, int], mode: int) -> Path:
+    path.write_text("key material")
+    os.chown(path, *owner)
+    path.chmod(mode)
+    return path
+
+
+@pytest.mark.root
+def test_a_secret_file_others_may_read_or_swap_is_named(tmp_path: Path) -> None:
+    """Attack (a root server's private keys): a key others may read lets them act as the server (a gateway
+    key runs the production host's actions with no approval); one they may swap, by its mode, its folder or a
+    link on its way, chooses the key. `secret_file_problem` names who, as ssh refuses such a key."""
+    root, bob = (0, 0), (4242, 4242)
+    safe = _folder(tmp_path / "etc-bastion", root, 0o755)
+    assert secret_file_problem(str(_secret(safe / "ok", root, 0o600)), root) is None
+    assert "any user: they may read" in str(secret_file_problem(str(_secret(safe / "o", root, 0o604)), root))
+    assert "group 100" in str(secret_file_problem(str(_secret(safe / "g", (0, 100), 0o640)), root))
+    assert "any user: they may write" in str(secret_file_problem(str(_secret(safe / "w", root, 0o602)), root))
+    assert "uid 4242 owns" in str(secret_file_problem(str(_secret(safe / "b", bob, 0o600)), root))
+    bobs = _folder(tmp_path / "bobs", bob, 0o755)
+    assert "uid 4242, who owns" in str(secret_file_problem(str(_secret(bobs / "k", root, 0o600)), root))
+    # A link in a root folder to a root file (/etc/letsencrypt/live/NAME/privkey.pem): fine.
+    archive = _folder(tmp_path / "archive", root, 0o700)
+    _secret(archive / "privkey1.pem", root, 0o600)
+    live = _folder(tmp_path / "live", root, 0o755)
+    (live / "privkey.pem").symlink_to("../archive/privkey1.pem")
+    assert secret_file_problem(str(live / "privkey.pem"), root) is None
+    # The same link kept in a folder bob may write, or leading through bob's folder: he could repoint it.
+    shared = _folder(tmp_path / "shared", (0, 0), 0o777)
+    (shared / "key.pem").symlink_to(archive / "privkey1.pem")
+    assert "any user: they may write" in str(secret_file_problem(str(shared / "key.pem"), root))
+    (live / "via-bob").symlink_to(bobs / "k")
+    assert "uid 4242, who owns" in str(secret_file_problem(str(live / "via-bob"), root))
+    acl = _secret(safe / "acl", root, 0o600)
+    entries = [
+        (0x01, 6, 0xFFFFFFFF),
+        (0x02, 4, 4242),
+        (0x04, 0, 0xFFFFFFFF),
+        (0x10, 4, 0xFFFFFFFF),
+        (0x20, 0, 0xFFFFFFFF),
+    ]
+    os.setxattr(
+        acl, "system.posix_acl_access", struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *e) for e in entries)
+    )
+    assert "uid 4242 (an ACL entry): they may read" in str(secret_file_problem(str(acl), root))
+    with pytest.raises(FileNotFoundError):
+        secret_file_problem(str(safe / "missing"), root)
 
 
 @pytest.mark.root

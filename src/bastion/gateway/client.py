@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -31,6 +32,7 @@ from asyncssh.public_key import get_default_public_key_algs
 from bastion.config import GatewayConfig
 from bastion.gateway.actions import GatewayCommand
 from bastion.safety.errors import BastionError, Forbidden, PolicyDenied, ResourceLimit, Timeout, Unavailable
+from bastion.safety.paths import secret_file_problem
 from bastion.safety.redact import Redactor, sanitize_terminal
 
 logger = logging.getLogger("bastion.gateway")
@@ -243,12 +245,19 @@ class GatewayClient:
         except (asyncssh.KeyImportError, ValueError):
             raise Forbidden(f"gateway {cfg.name!r} host_key cannot be read: fix it in config") from None
         try:
+            # As ssh does: a key others may read or swap is refused (a copy would deploy without approval).
+            problem = secret_file_problem(str(cfg.key_path), (os.geteuid(), os.getegid()))
             client_key = asyncssh.read_private_key(str(cfg.key_path))
         except (OSError, asyncssh.KeyImportError) as exc:
             raise Unavailable(
                 f"gateway {cfg.name!r} key {cfg.key_path} cannot be read: run 'bastion gateway keygen'",
                 detail=str(exc),
             ) from None
+        if problem is not None:
+            raise Forbidden(
+                f"gateway {cfg.name!r} key {cfg.key_path} is not the server's alone ({problem}): "
+                "chmod 600 it and keep it in a folder only root can write"
+            )
         try:
             with anyio.fail_after(cfg.connect_timeout_s):
                 return await asyncssh.connect(

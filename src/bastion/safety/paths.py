@@ -248,19 +248,100 @@ def replaceable_by(path: str, owner: tuple[int, int]) -> str | None:
     """
     parts = [part for part in path.split("/") if part]
     for depth in range(len(parts), 0, -1):
-        parent = "/" + "/".join(parts[: depth - 1])
-        info = os.lstat(parent)
-        if info.st_uid not in (0, owner[0]):
-            return f"uid {info.st_uid}, who owns {parent}"
-        writers = _writers(parent, info, owner)
-        if writers is None:
+        who = _entry_replaceable_by("/" + "/".join(parts[:depth]), owner)
+        if who is not None:
+            return who
+    return None
+
+
+def _entry_replaceable_by(entry: str, owner: tuple[int, int]) -> str | None:
+    """Who besides root and `owner` could put something else at `entry` through its folder (no link), or None."""
+    parent = os.path.dirname(entry)
+    info = os.lstat(parent)
+    if info.st_uid not in (0, owner[0]):
+        return f"uid {info.st_uid}, who owns {parent}"
+    writers = _writers(parent, info, owner)
+    if writers is None:
+        return None
+    if not info.st_mode & stat.S_ISVTX:
+        return f"{writers}: they may write {parent}"
+    entry_owner = os.lstat(entry).st_uid
+    if entry_owner not in (0, owner[0]):
+        return f"uid {entry_owner}, who owns {entry} in the sticky folder {parent}"
+    return None
+
+
+def secret_file_problem(path: str, owner: tuple[int, int]) -> str | None:
+    """Why the file at `path` is not a secret only root and `owner` hold (a private key, a token), or None.
+
+    What ssh asks of a private key, and what a neighbour could otherwise swap under a server that
+    trusts the file: a regular file owned by root or `owner`, that no one else may read or write (by
+    its mode or an ACL entry), reached through folders and symbolic links that no one else could
+    change. Links are allowed when they are root's or `owner`'s too (/etc/letsencrypt/live/ is links).
+
+    Raises:
+        OSError: the file or a folder on the way cannot be examined.
+    """
+    for entry in _lookups(path):
+        who = _entry_replaceable_by(entry, owner)
+        if who is not None:
+            return f"{who}, and so could replace {path}"
+    real = os.path.realpath(path)
+    info = os.lstat(real)
+    if not stat.S_ISREG(info.st_mode):
+        return f"{real} is not a regular file"
+    if info.st_uid not in (0, owner[0]):
+        return f"uid {info.st_uid} owns {real}"
+    writers = _writers(real, info, owner)
+    if writers is not None:
+        return f"{writers}: they may write {real}"
+    readers = _readers(real, info, owner)
+    if readers is not None:
+        return f"{readers}: they may read {real}"
+    return None
+
+
+def _lookups(path: str) -> list[str]:
+    """Every entry the kernel looks up to resolve `path`, symbolic links followed, each named by the real
+    folder it is in (so that the folder, not a link's own mode, is what is judged)."""
+    pending = [part for part in reversed(os.path.abspath(path).split("/")) if part]
+    current, entries, hops = "/", [], 0
+    while pending:
+        part = pending.pop()
+        if part == ".":
             continue
-        if not info.st_mode & stat.S_ISVTX:
-            return f"{writers}: they may write {parent}"
-        entry = os.path.join(parent, parts[depth - 1])
-        entry_owner = os.lstat(entry).st_uid
-        if entry_owner not in (0, owner[0]):
-            return f"uid {entry_owner}, who owns {entry} in the sticky folder {parent}"
+        if part == "..":
+            current = os.path.dirname(current)
+            continue
+        entry = os.path.join(current, part)
+        entries.append(entry)
+        if not os.path.islink(entry):
+            current = entry
+            continue
+        hops += 1
+        if hops > _MAX_LINKS:
+            raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), path)
+        target = os.readlink(entry)
+        if target.startswith("/"):
+            current = "/"
+        pending.extend(part for part in reversed(target.split("/")) if part)
+    return entries
+
+
+def _readers(path: str, info: os.stat_result, owner: tuple[int, int]) -> str | None:
+    """Who besides root and `owner` may read the file at `path` by its mode or its ACL, or None."""
+    mode = info.st_mode
+    if mode & stat.S_IROTH:
+        return "any user"
+    if mode & stat.S_IRGRP and not _group_only_of(info.st_gid, owner[0]):
+        return f"the members of group {info.st_gid}"
+    for tag, ident in _acl_granting(path, _ACL_READ):
+        if tag == _UNKNOWN:
+            return "someone (its ACL cannot be read)"
+        if tag == _ACL_USER and ident not in (0, owner[0]):
+            return f"uid {ident} (an ACL entry)"
+        if tag == _ACL_GROUP and not _group_only_of(ident, owner[0]):
+            return f"the members of group {ident} (an ACL entry)"
     return None
 
 
@@ -325,7 +406,7 @@ def _writers(folder: str, info: os.stat_result, owner: tuple[int, int]) -> str |
         return "any user"
     if mode & stat.S_IWGRP and not _group_only_of(info.st_gid, owner[0]):
         return f"the members of group {info.st_gid}"
-    for tag, ident in _acl_writers(folder):
+    for tag, ident in _acl_granting(folder, _ACL_WRITE):
         if tag == _UNKNOWN:
             return "someone (its ACL cannot be read)"
         if tag == _ACL_USER and ident not in (0, owner[0]):
@@ -340,11 +421,12 @@ _ACL_USER: Final = 0x02  # include/uapi/linux/posix_acl.h
 _ACL_GROUP: Final = 0x08
 _ACL_MASK: Final = 0x10
 _ACL_WRITE: Final = 0x02
+_ACL_READ: Final = 0x04
 _UNKNOWN: Final = -1  # an ACL that does not parse: who may write cannot be told
 
 
-def _acl_writers(folder: str) -> list[tuple[int, int]]:
-    """(tag, id) of the named user and group entries of `folder`'s access ACL that grant write.
+def _acl_granting(folder: str, permission: int) -> list[tuple[int, int]]:
+    """(tag, id) of the named user and group entries of `folder`'s access ACL that grant `permission`.
 
     Read by hand from the ``system.posix_acl_access`` attribute (a version word, then 8-byte
     entries: tag, permissions, id): the standard library has no ACL reader. A mode's group bits
@@ -360,8 +442,8 @@ def _acl_writers(folder: str) -> list[tuple[int, int]]:
     if len(raw) < 4 or (len(raw) - 4) % 8 or struct.unpack_from("<I", raw)[0] != _ACL_VERSION:
         return [(_UNKNOWN, -1)]
     entries = list(struct.iter_unpack("<HHI", raw[4:]))
-    mask = next((perm for tag, perm, _ in entries if tag == _ACL_MASK), _ACL_WRITE)
-    return [(tag, ident) for tag, perm, ident in entries if tag in (_ACL_USER, _ACL_GROUP) and perm & mask & _ACL_WRITE]
+    mask = next((perm for tag, perm, _ in entries if tag == _ACL_MASK), permission)
+    return [(tag, ident) for tag, perm, ident in entries if tag in (_ACL_USER, _ACL_GROUP) and perm & mask & permission]
 
 
 def _group_only_of(gid: int, uid: int) -> bool:

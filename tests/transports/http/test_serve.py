@@ -12,6 +12,7 @@ lifetime outside 60-120 s is refused. Test keys are made at test time.
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import ssl
 import subprocess
@@ -121,6 +122,23 @@ def test_builtin_tls(tmp_path: Path) -> None:
         process.stderr.close()
     assert status == 0
     assert mounts_under(tmp_path) == []
+
+
+def test_serve_refuses_a_tls_key_others_may_read(tmp_path: Path) -> None:
+    """Anyone who may read the TLS key can pose as the server and read the password on its way in."""
+    tmp_path.mkdir(exist_ok=True)
+    cert, key = self_signed(tmp_path)
+    os.chmod(key, 0o644)
+    config = write_config(tmp_path / "demo", free_port(), http_extra=f'tls_cert = "{cert}"\ntls_key = "{key}"')
+    bastion("admin", "set-password", "--config", str(config), stdin="a long enough password\n")
+    result = bastion("serve", "--config", str(config), "--http")
+    assert result.returncode == 78, result.stderr
+    assert f"[http] tls_key {key} is not the server's alone" in result.stderr
+    assert "any user: they may read" in result.stderr
+    assert "Traceback" not in result.stderr
+    doctor = bastion("doctor", "--config", str(config))
+    assert "http-tls" in doctor.stdout
+    assert "not the server's alone" in doctor.stdout
 
 
 def test_set_password_stores_a_hash_and_generate_prints_once(tmp_path: Path) -> None:
