@@ -67,6 +67,8 @@ NR = {
         "kexec_load",
         "init_module",
         "io_uring_setup",
+        "io_setup",
+        "io_destroy",
         "open_by_handle_at",
         "chmod",
         "fchmod",
@@ -222,6 +224,20 @@ def test_clone3_fails_with_enosys_so_libc_falls_back() -> None:
     code = 'print(call("clone3", None, 0))'
     assert probe(code) == "ENOSYS"
     assert probe(code, filtered=False) == "EINVAL"
+
+
+def test_aio_contexts_that_would_take_the_hosts_whole_budget_are_refused() -> None:
+    """Attack (found by attack): fs.aio-max-nr counts every AIO context on the host, in no namespace or cgroup;
+    one sandbox's io_setup(4096) loop took all 65,536, and io_setup then failed with EAGAIN in every other
+    sandbox and on the host. It now reports ENOSYS (libaio's users fall back to threads); without the
+    filter the same call makes a context."""
+    code = (
+        "ctx = ctypes.c_ulong(0)\n"
+        'print(call("io_setup", 4096, ctypes.byref(ctx)))\n'
+        'if ctx.value: call("io_destroy", ctx.value)'
+    )
+    assert probe(code) == "ENOSYS"
+    assert probe(code, filtered=False) == "OK"
 
 
 def test_unshare_tool_cannot_make_a_user_namespace() -> None:

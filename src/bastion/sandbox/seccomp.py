@@ -275,6 +275,9 @@ DENIED: Final[tuple[Denial, ...]] = (
     Denial("io_uring_setup", "io_uring operations run without passing seccomp"),
     Denial("io_uring_enter", "io_uring operations run without passing seccomp"),
     Denial("io_uring_register", "io_uring operations run without passing seccomp"),
+    # fs.aio-max-nr is one count for the whole host, limited by no namespace or cgroup: one sandbox's
+    # contexts refused io_setup to every other and to the host. ENOSYS: libaio's users fall back to threads.
+    Denial("io_setup", "Linux AIO contexts count against one host-wide limit", errno.ENOSYS),
     Denial("keyctl", "kernel keyrings are not namespaced"),
     Denial("add_key", "kernel keyrings are not namespaced"),
     Denial("request_key", "kernel keyrings are not namespaced; may call a host helper"),
