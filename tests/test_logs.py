@@ -58,6 +58,20 @@ def test_a_hostile_value_never_forges_a_text_line() -> None:
 
 
 @pytest.mark.usefixtures("restore_logging")
+def test_a_bidi_override_in_a_client_id_never_reorders_a_text_line() -> None:
+    """Attack (found by attack): an unauthenticated /authorize with U+202E, U+2066 and U+200B in its client_id
+    put them raw in the text log, where a bidi-aware terminal showed the line's end as "ok: client admin logged
+    in". Format characters are escaped like controls now; the text is otherwise the same."""
+    stream = io.StringIO()
+    configure_logging("INFO", stream, log_format="text")
+    logging.getLogger("bastion.test").warning("client_id %s", "x\u202eni deggol nimda tneilc :ko \u2066\u200b é")
+    line = stream.getvalue()
+    assert line.count("\n") == 1
+    assert "x\\u202eni deggol nimda tneilc :ko \\u2066\\u200b é" in line
+    assert not any(0x200B <= ord(c) <= 0x206F for c in line)
+
+
+@pytest.mark.usefixtures("restore_logging")
 def test_a_hostile_value_never_forges_a_json_line() -> None:
     lines = logged("json")
     assert len(lines) == 2, lines

@@ -19,6 +19,8 @@ import sys
 from types import TracebackType
 from typing import Final, Literal, TextIO, TypeAlias
 
+from bastion.safety.redact import escape_hidden
+
 ExcInfo: TypeAlias = tuple[type[BaseException], BaseException, TracebackType | None] | tuple[None, None, None]
 
 FORMAT: Final = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -31,8 +33,9 @@ _ESCAPES.update({0x2028: "\\u2028", 0x2029: "\\u2029"})
 
 
 def escape(text: str) -> str:
-    """`text` on one line: control characters and line separators written as escapes."""
-    return text.translate(_ESCAPES)
+    """`text` on one line: control characters and line separators written as escapes, and the invisible
+    format characters (bidi overrides, zero-width ones) too, which could reorder or hide part of a line."""
+    return escape_hidden(text.translate(_ESCAPES))
 
 
 class OneLineFormatter(logging.Formatter):

@@ -56,7 +56,7 @@ import anyio
 
 from bastion.metrics import Metrics
 from bastion.safety.errors import AuditUnavailable
-from bastion.safety.redact import Redactor
+from bastion.safety.redact import Redactor, escape_hidden
 from bastion.safety.reserve import Reserve
 
 JSONValue: TypeAlias = "str | int | float | bool | list[JSONValue] | dict[str, JSONValue] | None"
@@ -749,8 +749,9 @@ _C_ENCODER: Final = _c_encoder()
 
 def _dumps(obj: dict[str, JSONValue]) -> bytes:
     text = "".join(_C_ENCODER(obj, 0)) if _C_ENCODER is not None else _ENCODER.encode(obj)
-    # A lone surrogate cannot be UTF-8: write it as a JSON \\u escape instead.
-    return text.encode("utf-8", "backslashreplace")
+    # An agent's 8-bit CSI or bidi override would act on the terminal of whoever reads the log with cat or jq:
+    # written as JSON escapes, the same strings to a reader. A lone surrogate cannot be UTF-8: an escape too.
+    return escape_hidden(text).encode("utf-8", "backslashreplace")
 
 
 def _shrink(obj: dict[str, JSONValue]) -> bytes:

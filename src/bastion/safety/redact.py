@@ -550,6 +550,32 @@ _BIDI: Final = re.compile(r"[\u202a-\u202e\u2066-\u2069]")
 _SURROGATES: Final = re.compile(r"[\ud800-\udfff]")
 
 
+# Every character past ASCII that a terminal acts on or shows as nothing: the C1 controls (8-bit CSI and
+# OSC), format characters (bidi overrides and isolates, zero-width ones, tags) and the line and paragraph
+# separators, i.e. Unicode 14's Cc, Cf, Zl and Zp past U+007F (a test checks them against unicodedata).
+HIDDEN_RANGES: Final = (
+    (0x0080, 0x009F), (0x00AD, 0x00AD), (0x0600, 0x0605), (0x061C, 0x061C), (0x06DD, 0x06DD), (0x070F, 0x070F),
+    (0x0890, 0x0891), (0x08E2, 0x08E2), (0x180E, 0x180E), (0x200B, 0x200F), (0x2028, 0x202E), (0x2060, 0x2064),
+    (0x2066, 0x206F), (0xFEFF, 0xFEFF), (0xFFF9, 0xFFFB), (0x110BD, 0x110BD), (0x110CD, 0x110CD),
+    (0x13430, 0x13438), (0x1BCA0, 0x1BCA3), (0x1D173, 0x1D17A), (0xE0001, 0xE0001), (0xE0020, 0xE007F),
+)  # fmt: skip
+_HIDDEN: Final = re.compile("[" + "".join(f"{chr(low)}-{chr(high)}" for low, high in HIDDEN_RANGES) + "]")
+
+
+def _json_escape(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    if code <= 0xFFFF:
+        return f"\\u{code:04x}"
+    code -= 0x10000
+    return f"\\u{0xD800 + (code >> 10):04x}\\u{0xDC00 + (code & 0x3FF):04x}"
+
+
+def escape_hidden(text: str) -> str:
+    """`text` with every hidden character (`HIDDEN_RANGES`) written as a JSON escape (`\\u009b`, a surrogate
+    pair past U+FFFF): the same string to a JSON reader, and nothing a terminal acts on or hides."""
+    return text if text.isascii() else _HIDDEN.sub(_json_escape, text)
+
+
 def sanitize_terminal(text: str) -> str:
     """Make program output safe to display.
 
