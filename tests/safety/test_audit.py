@@ -987,3 +987,35 @@ def test_hidden_ranges_are_this_pythons_unicode_controls_and_format_characters()
     assert listed == {code for code in range(*hidden) if unicodedata.category(chr(code)) in ("Cc", "Cf", "Zl", "Zp")}, (
         f"Unicode {unicodedata.unidata_version} changed: update HIDDEN_RANGES"
     )
+
+
+def test_verify_beside_a_server_that_rotates_never_calls_an_intact_chain_broken(log_path: Path) -> None:
+    """Attack (found by attack): an agent pushing records until the log rotated made `bastion audit verify`,
+    run beside the server as the docs allow, report BROKEN about 5 times in 72: it listed the files, then the
+    log became `name.N+1` and a new `name` began before it was read. A chain that changed while it was read
+    is read again."""
+    log = AuditLog(log_path, redactor=Redactor(), rotate_bytes=4096)
+    log.open()
+    stop = threading.Event()
+
+    def writer() -> None:
+        while not stop.is_set():
+            log.append({"action": "run_command", "command": "x" * 300})
+
+    def rotations() -> int:
+        return len(list(log_path.parent.glob("audit.jsonl.*")))
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    reports = []
+    try:
+        _wait_for(lambda: rotations() >= 2)
+        while rotations() < 40 and len(reports) < 2000:
+            reports.append(verify(log_path))
+    finally:
+        stop.set()
+        thread.join()
+        log.close()
+    assert rotations() >= 40, "it rotated all along"
+    assert [r.first_error for r in reports if not r.ok] == []
+    assert verify(log_path).ok

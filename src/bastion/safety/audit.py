@@ -946,6 +946,10 @@ class ChainHead:
     records: int = 0
 
 
+_VERIFY_TRIES: Final = 10
+_ROTATION_WAIT_S: Final = 0.005
+
+
 def chain_files(path: str | os.PathLike[str]) -> tuple[list[Path], VerifyReport | None]:
     """The files of a log in chain order (``name.1``, ``name.2``, ..., ``name``), or a report of the missing one."""
     base = Path(path)
@@ -957,28 +961,77 @@ def chain_files(path: str | os.PathLike[str]) -> tuple[list[Path], VerifyReport 
     return [base.with_name(f"{base.name}.{i}") for i in indexes] + [base], None
 
 
+def chain_identities(path: str | os.PathLike[str]) -> tuple[tuple[str, int, int, int], ...]:
+    """(name, inode, size, mtime) of the rotated files in order, then the log: what a record, a rotation or an
+    edit changes."""
+    files, _ = chain_files(path)
+    out = []
+    for file in files:
+        try:
+            st = os.lstat(file)
+        except OSError:
+            continue
+        out.append((file.name, st.st_ino, st.st_size, st.st_mtime_ns))
+    return tuple(out)
+
+
 def verify(path: str | os.PathLike[str]) -> VerifyReport:
     """Check the chain of a log and its rotated files (``name.1``, ``name.2``, ..., ``name``).
 
     Detects edited, deleted, inserted or swapped records, torn lines and missing files;
-    not a consistent rewrite of the whole chain, nor records cut from the very end.
+    not a consistent rewrite of the whole chain, nor records cut from the very end. Safe beside a
+    running server: the log is held open once its files are listed, so a rotation (which renames
+    that very file) cannot put a newer file after the listed ones; a log caught in the middle of a
+    rotation, or that looked broken while a record was being appended, is read again (up to
+    `_VERIFY_TRIES` times in all).
     """
-    files, missing = chain_files(path)
-    if missing is not None:
-        return missing
-    return verify_files(files, ChainHead())[0]
+    report = VerifyReport(False, 0, f"{path} kept rotating while it was read: run verify again", str(path), None)
+    for _ in range(_VERIFY_TRIES):
+        before = chain_identities(path)
+        files, missing = chain_files(path)
+        if missing is not None:
+            return missing
+        fd, problem = _open_regular(files[-1])
+        if chain_files(path)[0] != files or _mid_rotation(files, fd):
+            if fd is not None:
+                os.close(fd)
+            elif problem:
+                report = VerifyReport(False, 0, problem, str(files[-1]), None)
+            time.sleep(_ROTATION_WAIT_S)  # a writer in another thread or process ends its rotation
+            continue
+        if fd is None:
+            return VerifyReport(False, 0, problem, str(files[-1]), None)
+        report = verify_files(files, ChainHead(), last_fd=fd)[0]
+        if report.ok or chain_identities(path) == before:
+            return report
+    return report
+
+
+def _mid_rotation(files: list[Path], fd: int | None) -> bool:
+    """Whether the log is between its rotation's link and its new file: absent, or still the last rotated file."""
+    if len(files) < 2:
+        return False
+    if fd is None:
+        return not os.path.lexists(files[-1])
+    try:
+        last = os.lstat(files[-2])
+    except OSError:
+        return True
+    current = os.fstat(fd)
+    return (current.st_dev, current.st_ino) == (last.st_dev, last.st_ino)
 
 
 def verify_files(
-    files: list[Path], head: ChainHead, previous_file: Path | None = None
+    files: list[Path], head: ChainHead, previous_file: Path | None = None, *, last_fd: int | None = None
 ) -> tuple[VerifyReport, ChainHead]:
     """Check `files` in order as the continuation of a chain verified up to `head` (ending in `previous_file`).
+    `last_fd`: the last file, already open (it is closed here).
 
     Returns the report and the head after the last good record.
     """
     prev, seq, records = head.prev, head.seq, head.records
-    for file in files:
-        fd, problem = _open_regular(file)
+    for index, file in enumerate(files):
+        fd, problem = (last_fd, "") if last_fd is not None and index == len(files) - 1 else _open_regular(file)
         if fd is None:
             return VerifyReport(False, records, problem, str(file), None), ChainHead(prev, seq, records)
         with os.fdopen(fd, "rb") as f:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final, Literal
 
-from bastion.safety.audit import ChainHead, chain_files, verify_files
+from bastion.safety.audit import ChainHead, chain_files, chain_identities, verify_files
 from bastion.safety.errors import InvalidRequest
 from bastion.safety.results import ResultCode
 
@@ -260,13 +260,13 @@ class ChainStatus:
     def check(self) -> ChainState:
         """The chain's status (blocking: call it in a worker thread)."""
         with self._lock:
-            key = _identities(self.path)
+            key = chain_identities(self.path)
             state = self._state
             if state is not None and (key == self._key or _recent(state, self.every_s)):
                 return state
             self._state = self._verify(key)
-            if self._state.state == "broken" and _identities(self.path) != key:
-                key = _identities(self.path)  # rotated or appended while verifying: look again once
+            if self._state.state == "broken" and chain_identities(self.path) != key:
+                key = chain_identities(self.path)  # rotated or appended while verifying: look again once
                 self._state = self._verify(key)
             self._key = key
             return self._state
@@ -301,19 +301,6 @@ class ChainStatus:
             return _checked("broken", f"BROKEN at {report.file}:{report.line}: {report.first_error}")
         self._rotated = (key, head)
         return head
-
-
-def _identities(path: Path) -> tuple[tuple[str, int, int, int], ...]:
-    """(name, inode, size, mtime) of the rotated files in order, then the log: what a record or an edit changes."""
-    files, _ = chain_files(path)
-    out = []
-    for file in files:
-        try:
-            st = os.lstat(file)
-        except OSError:
-            continue
-        out.append((file.name, st.st_ino, st.st_size, st.st_mtime_ns))
-    return tuple(out)
 
 
 def _checked(state: Literal["ok", "broken"], message: str) -> ChainState:
