@@ -7,13 +7,18 @@ it): pip runs, retries and fails, and nothing leaves the machine.
 
 from __future__ import annotations
 
+import base64
+import http.server
 import json
 import netrc
 import os
+import shutil
+import subprocess
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 from mcp import Client
@@ -21,7 +26,7 @@ from mcp import Client
 from bastion.app import build_server, build_services
 from bastion.config import load_config
 from bastion.safety.errors import ConfigError
-from bastion.workbench.packages import pip_index
+from bastion.workbench.packages import NpmRegistry, npm_registry, pip_index
 from tests.helpers import call, create, sh
 
 SECRET = "s3cr3tIndexToken"
@@ -38,13 +43,13 @@ class ProcScan:
     """What a watcher with root's view of /proc saw while it ran: command lines, and the uids of the
     processes whose environment held the secret."""
 
-    def __init__(self) -> None:
+    def __init__(self, needles: tuple[bytes, ...]) -> None:
+        self.needles = needles
         self.cmdlines: list[str] = []
         self.environ_uids: set[int] = set()
         self.stop = threading.Event()
 
     def run(self) -> None:
-        needle = SECRET.encode()
         while not self.stop.is_set():
             for pid in filter(str.isdigit, os.listdir("/proc")):
                 try:
@@ -53,15 +58,15 @@ class ProcScan:
                     uid = os.stat(f"/proc/{pid}").st_uid
                 except OSError:
                     continue  # gone meanwhile
-                if needle in cmdline:
+                if any(needle in cmdline for needle in self.needles):
                     self.cmdlines.append(cmdline.replace(b"\0", b" ").decode(errors="replace"))
-                if needle in environ:
+                if any(needle in environ for needle in self.needles):
                     self.environ_uids.add(uid)
 
 
 @contextmanager
-def watching_proc() -> Iterator[ProcScan]:
-    scan = ProcScan()
+def watching_proc(*needles: bytes) -> Iterator[ProcScan]:
+    scan = ProcScan(needles or (SECRET.encode(),))
     thread = threading.Thread(target=scan.run, name="proc-scan", daemon=True)
     thread.start()
     try:
@@ -172,3 +177,75 @@ def test_index_credentials_with_a_control_character_are_refused_at_load(demo_con
     """A NUL cannot be in an environment variable, nor a line break in a netrc entry kept on one line."""
     with pytest.raises(ConfigError, match="percent-encodes a control character"):
         load_config(with_index(demo_config_path, f"https://{userinfo}@registry.test/simple"))
+
+
+def with_registry(demo_config_path: Path, url: str) -> Path:
+    text = demo_config_path.read_text()
+    demo_config_path.write_text(text.replace("[sandboxes.limits]", f"npm_registry_url = {url!r}\n\n[sandboxes.limits]"))
+    return demo_config_path
+
+
+@pytest.mark.anyio
+@pytest.mark.bwrap
+async def test_a_local_user_reads_the_npm_registry_token_from_npms_command_line(demo_config_path: Path) -> None:
+    """Attack (found by attack): with a credentialed npm_registry_url, npm ran with `--registry
+    https://deploy:TOKEN@...` on its command line, which every local user reads (70 command lines seen, by
+    uid 65534 too). The token is now only in the environment of the sandbox's own npm."""
+    if shutil.which("npm") is None:
+        pytest.skip("npm is not installed on this machine (make test installs it)")
+    config = load_config(with_registry(demo_config_path, f"https://deploy:{SECRET}@registry.test/"))
+    services = build_services(config)
+    try:
+        async with Client(build_server(services, caller="test")) as client:
+            sandbox = await create(client)
+            as_basic_auth = base64.b64encode(f"deploy:{SECRET}".encode())
+            with watching_proc(SECRET.encode(), as_basic_auth) as scan:
+                result = await call(client, "install_package", name="left-pad", manager="npm", sandbox_id=sandbox)
+            assert (await call(client, "close_sandbox", sandbox_id=sandbox))["ok"]
+    finally:
+        services.close()
+    assert result["code"] == "OPERATION_FAILED", result
+    assert scan.cmdlines == []
+    assert scan.environ_uids, "the watch never saw the install's environment"
+    first, count = config.sandboxes.host_ids
+    if os.geteuid() == 0:
+        assert all(first <= uid < first + count for uid in scan.environ_uids), scan.environ_uids
+    assert SECRET not in json.dumps(result)
+    assert SECRET not in (config.state_dir / "audit.jsonl").read_text()
+
+
+class _Registry(http.server.BaseHTTPRequestHandler):
+    seen: ClassVar[list[tuple[str, str | None]]] = []
+
+    def do_GET(self) -> None:
+        self.seen.append((self.path, self.headers.get("authorization")))
+        self.send_response(404)
+        self.send_header("content-length", "0")
+        self.end_headers()
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+def test_npm_sends_the_registry_credentials_it_reads_from_its_environment(tmp_path: Path) -> None:
+    """Invariant: the real npm, given the URL without credentials and `npm_registry`'s environment, sends
+    them to the registry as it did from the URL (basic auth, percent-decoded), here to a loopback registry."""
+    if shutil.which("npm") is None:
+        pytest.skip("npm is not installed on this machine (make test installs it)")
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Registry)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        port = server.server_address[1]
+        registry = npm_registry(f"http://u%40x:p%3Ass@127.0.0.1:{port}/npm/")
+        assert registry.url == f"http://127.0.0.1:{port}/npm/"
+        env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "npm_config_cache": str(tmp_path / "cache")}
+        argv = ["npm", "view", "left-pad", "--registry", registry.url, "--json"]
+        subprocess.run(argv, env={**env, **registry.env}, capture_output=True, timeout=120, check=False)
+    finally:
+        server.shutdown()
+        thread.join()
+        server.server_close()
+    expected = "Basic " + base64.b64encode(b"u@x:p:ss").decode()
+    assert ("/npm/left-pad", expected) in _Registry.seen, _Registry.seen
+    assert npm_registry("https://registry.npmjs.org/") == NpmRegistry("https://registry.npmjs.org/", {})

@@ -10,15 +10,17 @@ widened to the package registry for the duration of the install only. pip reads 
 file; npm reads the sandbox's ``.npmrc``, whose settings its command line overrides (and
 whatever it says, the proxy admits only the registry).
 
-Credentials in ``pip_index_url`` never go on a command line, which every local user can read
-(/proc/<pid>/cmdline): pip gets the URL without them and reads them from a netrc file that a
-shell writes from its environment (readable only by the sandbox's own id and root) into the
-sandbox's /tmp. Not a secret from the agent: the file, and the environment of the installer,
-are its sandbox's to read while the install runs.
+Credentials in ``pip_index_url`` and ``npm_registry_url`` never go on a command line, which every
+local user can read (/proc/<pid>/cmdline): pip gets the URL without them and reads them from a netrc
+file that a shell writes from its environment (readable only by the sandbox's own id and root) into
+the sandbox's /tmp; npm reads them from its environment as its own ``//host/:_auth`` setting. Not a
+secret from the agent: the file, and the environment of the installer, are its sandbox's to read
+while the install runs.
 """
 
 from __future__ import annotations
 
+import base64
 import os
 import re
 import shutil
@@ -129,6 +131,35 @@ def with_netrc(argv: tuple[str, ...]) -> tuple[str, ...]:
     return (SHELL, "-c", _WITH_NETRC, "sh", *argv)
 
 
+@dataclass(frozen=True)
+class NpmRegistry:
+    """`npm_registry_url` split in two: what may go on npm's command line, and the credentials."""
+
+    url: str
+    """The registry URL without its user and password."""
+    env: dict[str, str]
+    """npm's setting of them, as an environment variable (empty: the URL had none)."""
+
+
+def npm_registry(url: str) -> NpmRegistry:
+    """Split the credentials (``https://user:token@host/...``) out of an npm registry URL.
+
+    npm sends a registry URL's user and password, percent-decoded, as basic auth; the same from its
+    ``//host/dir/:_auth`` setting, which it reads from ``npm_config_//host/dir/:_auth`` unchanged (an
+    environment variable: /proc/<pid>/environ is the sandbox's own, cmdline any local user's). The key is
+    npm's "nerf dart" of the URL: host and port, and the path up to its last slash.
+    """
+    scheme, netloc, path = urlsplit(url)[:3]
+    userinfo, at, host_port = netloc.rpartition("@")
+    if not at:
+        return NpmRegistry(url, {})
+    public = f"{scheme}://{host_port}{url[len(scheme) + 3 + len(netloc) :]}"
+    user, _, password = userinfo.partition(":")
+    basic = base64.b64encode(f"{unquote(user)}:{unquote(password)}".encode()).decode("ascii")
+    folder = path[: path.rfind("/") + 1] or "/"
+    return NpmRegistry(public, {f"npm_config_//{host_port}{folder}:_auth": basic})
+
+
 def npm_command(requirement: str, registry_url: str, cert: str | None) -> tuple[str, ...]:
     # --ignore-scripts: a package's install scripts do not run at install time.
     argv = ["npm", "install", "--prefix", NPM_PREFIX, "--no-audit", "--no-fund", "--no-update-notifier"]
@@ -195,9 +226,12 @@ async def install(
             npm = shutil.which("npm", path=SANDBOX_PATH)
             if npm is None:
                 raise NotFound("npm is not installed in this sandbox's template")
-            argv = npm_command(checked, config.npm_registry_url, _ca_bundle())
+            registry_url = npm_registry(config.npm_registry_url)
+            argv = npm_command(checked, registry_url.url, _ca_bundle())
             _tell(progress, f"npm install {checked}")
-            return checked, await workspace.run_argv(npm, argv, timeout_s=None, ceiling_s=ceiling, on_output=sinks)
+            return checked, await workspace.run_argv(
+                npm, argv, timeout_s=None, ceiling_s=ceiling, on_output=sinks, env=registry_url.env
+            )
         if not has_venv:
             _tell(progress, f"making the sandbox's own venv ({OWN_VENV})")
             await _make_venv(workspace)
