@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from bastion.cli import main
+from bastion.config import load_config
 from bastion.doctor import CANARY, CANARY_FILE, Check, canary_check, child_pids, leftovers, userns_check
 from bastion.sandbox._spawn import probe_bwrap, system_binds
 from bastion.sandbox.cgroups import CgroupLayout, Limits
@@ -304,6 +305,30 @@ def test_sandbox_disks_that_overcommit_the_state_filesystem_are_a_warning(
     demo_config_path.write_text(text.replace("max_sandboxes = 16", "max_sandboxes = 1"))
     _, checks, _ = _doctor(capsys, "--config", str(demo_config_path))
     assert checks["state-room"][0] == "ok", checks["state-room"]
+
+
+def test_sandboxes_that_could_fill_the_hosts_file_table_are_a_warning(
+    capsys: pytest.CaptureFixture[str], demo_config_path: Path
+) -> None:
+    """Attack (found by attack): fs.file-max is one count for the host; a sandbox's open files cost its memory
+    cgroup about 390 bytes each, so a few sandboxes within their memory limits could fill it, and opens then
+    fail in the others and in host services. Unless the host's limit is high (systemd 240+ raises it at boot),
+    the doctor warns and says how to fix it; with few, small sandboxes it says they fit."""
+    file_max = int(Path("/proc/sys/fs/file-max").read_text())
+    text = demo_config_path.read_text()
+    demo_config_path.write_text(text.replace("max_sandboxes = 16", "max_sandboxes = 10000"))
+    _, checks, _ = _doctor(capsys, "--config", str(demo_config_path))
+    status, detail = checks["file-table"]
+    memory = load_config(demo_config_path).sandboxes.limits.memory_bytes
+    needed = 10000 * (memory // 384)
+    if needed > file_max:
+        assert status == "warn", detail
+        assert f"can hold {needed:,} open files, more than the host's fs.file-max of {file_max:,}" in detail
+        assert "sysctl -w fs.file-max=9223372036854775807" in detail
+    demo_config_path.write_text(text.replace("max_sandboxes = 16", "max_sandboxes = 1"))
+    _, checks, _ = _doctor(capsys, "--config", str(demo_config_path))
+    if memory // 384 <= file_max:
+        assert checks["file-table"][0] == "ok", checks["file-table"]
 
 
 @pytest.mark.root

@@ -105,6 +105,9 @@ def run_checks(config_arg: str | None) -> list[Check]:
     cgroups, cgroup_check = _cgroup_check(config)
     checks.append(cgroup_check)
     checks += _quota_checks(config)
+    file_table = _file_table_check(config)
+    if file_table is not None:
+        checks.append(file_table)
     checks += _identity_checks(config)
     state = _state_check(config)
     checks.append(state)
@@ -245,6 +248,38 @@ def _quota_checks(config: Config) -> list[Check]:
     size = _size(sandboxes.limits.disk_bytes)
     quota = Check("disk-quota", "ok", f"each sandbox's /workspace is a filesystem of {size}: writes past it fail")
     return [quota, _state_room_check(config)]
+
+
+_FILE_MAX: Final = "/proc/sys/fs/file-max"
+_LONG_MAX: Final = (1 << 63) - 1
+_BYTES_PER_OPEN_FILE: Final = 384  # what an open file (O_PATH) cost a sandbox's memory cgroup here: the fewest
+
+
+def _file_table_check(config: Config) -> Check | None:
+    """Whether the sandboxes, within their memory limits, could fill the host's table of open files: one
+    count for the whole host (fs.file-max), in no namespace; past it, opens fail for the other sandboxes and
+    for every host process without CAP_SYS_ADMIN (the server keeps it). systemd 240+ raises it at boot."""
+    sandboxes = config.sandboxes
+    if not sandboxes.enabled:
+        return None
+    try:
+        with open(_FILE_MAX, encoding="ascii") as file:
+            file_max = int(file.read())
+    except (OSError, ValueError) as exc:
+        return Check("file-table", "warn", f"{_FILE_MAX} cannot be read: {exc}")
+    per_sandbox = sandboxes.limits.memory_bytes // _BYTES_PER_OPEN_FILE
+    needed = sandboxes.max_sandboxes * per_sandbox
+    memory = _size(sandboxes.limits.memory_bytes)
+    summary = f"{sandboxes.max_sandboxes} sandboxes x {memory} of memory can hold {needed:,} open files"
+    if needed <= file_max:
+        return Check("file-table", "ok", f"{summary}: the host's fs.file-max is {file_max:,}")
+    return Check(
+        "file-table",
+        "warn",
+        f"{summary}, more than the host's fs.file-max of {file_max:,}: past it, opens fail in the other "
+        "sandboxes and host services; raise it as systemd 240+ does at boot (sysctl -w "
+        f"fs.file-max={_LONG_MAX}) or lower memory_bytes or max_sandboxes",
+    )
 
 
 def _state_room_check(config: Config) -> Check:
