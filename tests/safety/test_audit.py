@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bastion.safety import audit as audit_mod
-from bastion.safety.audit import GENESIS, MAX_ARG_CHARS, MAX_RECORD_BYTES, AuditLog, Verbatim, verify
+from bastion.safety.audit import GENESIS, MAX_ARG_CHARS, MAX_RECORD_BYTES, AuditLog, Verbatim, VerifyReport, verify
 from bastion.safety.errors import AuditUnavailable
 from bastion.safety.redact import Redactor, escape_hidden
 from tests.helpers import least_cpu_s
@@ -1007,7 +1007,7 @@ def test_verify_beside_a_server_that_rotates_never_calls_an_intact_chain_broken(
 
     thread = threading.Thread(target=writer)
     thread.start()
-    reports = []
+    reports: list[VerifyReport] = []
     try:
         _wait_for(lambda: rotations() >= 2)
         while rotations() < 40 and len(reports) < 2000:
