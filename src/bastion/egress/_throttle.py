@@ -1,17 +1,35 @@
-"""A token bucket per sandbox for egress attempts, and a count of the attempts it refused.
+"""Per-sandbox bounds on the egress proxy's work: attempts a second, and name lookups at once.
 
-Why: every egress attempt is a fsync'd audit record, and code in a sandbox can open
-connections to its proxy as fast as the loopback allows. Unbounded, one sandbox could fill
-the audit log's disk, and a full audit log stops the whole server (fail-closed). Past the
-rate, attempts are refused (429) and only counted; the proxy writes one record per second
+Attempts (`AttemptThrottle`). Every egress attempt is a fsync'd audit record, and code in a
+sandbox can open connections to its proxy as fast as the loopback allows. Unbounded, one sandbox
+could fill the audit log's disk, and a full audit log stops the whole server (fail-closed). Past
+the rate, attempts are refused (429) and only counted; the proxy writes one record per second
 with the count (``event: "egress_throttled"``), so the log grows by a bounded amount however
 hard a sandbox tries.
+
+Name lookups (`NameLookups`). glibc's getaddrinfo cannot be interrupted: a lookup the proxy gives
+up on still holds its thread until the resolver returns (its timeouts and retries, tens of seconds
+against a DNS server that never answers). On the event loop's default executor (cpus + 4 threads,
+shared by every sandbox), one sandbox asking for its own allowed names whose DNS never answers held
+every thread, and other sandboxes' lookups queued behind them until they timed out (504). Each
+sandbox now has its own threads (`limit` at most, made as needed, kept while its proxy runs), and a
+lookup holds one of its sandbox's `limit` slots until its thread returns; past `limit` at once, a
+sandbox's lookups wait for one of its own slots. So a lookup never waits for a thread held by
+another sandbox, nor for a stuck one of its own sandbox: a sandbox's slow DNS delays only that sandbox.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import contextlib
+import errno
+import socket
 import time
 from collections.abc import Callable
+
+Resolved = list[tuple[int, str]]
+"""What a lookup found: (address family, address text) per getaddrinfo entry."""
 
 
 class AttemptThrottle:
@@ -42,3 +60,71 @@ class AttemptThrottle:
         """The attempts refused since the last drain; the count starts again at zero."""
         count, self.refused = self.refused, 0
         return count
+
+
+class LookupsBusy(Exception):
+    """No lookup slot of the sandbox came free before the deadline."""
+
+
+class NameLookups:
+    """One sandbox's name lookups, on threads of its own, at most `limit` at once.
+
+    Use from the event loop that made it (the egress proxy's); `running` counts the lookups still in the resolver.
+    """
+
+    def __init__(self, limit: int, thread_name: str) -> None:
+        if limit < 1:
+            raise ValueError("a sandbox needs at least one name lookup at a time")
+        self.limit = limit
+        self.running = 0
+        self._slots = asyncio.Semaphore(limit)
+        # As many threads as slots: a lookup holding a slot has a thread, and never queues behind a stuck one.
+        self._threads = concurrent.futures.ThreadPoolExecutor(max_workers=limit, thread_name_prefix=thread_name)
+
+    async def getaddrinfo(self, host: str, port: int, deadline: float) -> Resolved:
+        """Resolve `host` with the host's resolver (glibc: /etc/hosts, then DNS) by `deadline` (loop time).
+
+        Raises:
+            LookupsBusy: every slot was still held at the deadline.
+            TimeoutError: the lookup itself did not end by the deadline (its thread and slot go on until it does).
+            OSError: the resolver's failure (`socket.gaierror`), or no thread could be started.
+        """
+        try:
+            async with asyncio.timeout_at(deadline):
+                await self._slots.acquire()
+        except TimeoutError:
+            raise LookupsBusy from None
+        loop = asyncio.get_running_loop()
+        answer: asyncio.Future[Resolved] = loop.create_future()
+        try:
+            self._threads.submit(self._lookup, loop, answer, host, port)
+        except RuntimeError as exc:  # "can't start new thread", or the sandbox's proxy has stopped
+            self._slots.release()
+            raise OSError(errno.EAGAIN, f"no thread for the lookup ({exc})") from None
+        self.running += 1
+        async with asyncio.timeout_at(deadline):
+            return await answer
+
+    def close(self) -> None:
+        """Let the threads end; one still in the resolver ends when the resolver returns."""
+        self._threads.shutdown(wait=False, cancel_futures=True)
+
+    def _lookup(self, loop: asyncio.AbstractEventLoop, answer: asyncio.Future[Resolved], host: str, port: int) -> None:
+        outcome: Resolved | Exception
+        try:
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)
+            outcome = [(family, str(sockaddr[0])) for family, _, _, _, sockaddr in infos]
+        except Exception as exc:  # gaierror, or UnicodeError for a name IDNA refuses: the caller's to judge
+            outcome = exc
+        with contextlib.suppress(RuntimeError):  # the loop is closed (the service stopped): nobody waits
+            loop.call_soon_threadsafe(self._finished, answer, outcome)
+
+    def _finished(self, answer: asyncio.Future[Resolved], outcome: Resolved | Exception) -> None:
+        self.running -= 1
+        self._slots.release()
+        if answer.done():  # the caller stopped waiting: its timeout, or its sandbox's proxy stopping
+            return
+        if isinstance(outcome, Exception):
+            answer.set_exception(outcome)
+        else:
+            answer.set_result(outcome)

@@ -36,6 +36,10 @@ What it enforces (a security boundary):
       Bytes a client sends after its request still go only to the server it checked.
     * Bounds: head timeout, connect timeout and a cap on open connections per sandbox, here;
       the request head size in `_request`, the idle timeout in `_relay`.
+    * Name lookups per sandbox (`_throttle.NameLookups`): on the sandbox's own threads, 8 at once
+      by default, each holding its slot until the resolver returns (not until the proxy stops
+      waiting). Past the cap a sandbox's lookups wait for one of its own slots, until the connect
+      timeout (then 503): a sandbox whose DNS never answers delays its own attempts, never another's.
     * A rate of attempts per sandbox (`_throttle`: a token bucket, 20 a second and bursts of
       200 by default). Past it an attempt is refused with 429 before its request is read,
       and counted instead of recorded: one ``event: "egress_throttled"`` record a second
@@ -68,8 +72,8 @@ From a coroutine on another loop (the server's), `start_async`, `set_rules_async
 
 Refusals answer the client with an HTTP status and a one-line reason (SOCKS5: a reply
 code), never a silent close: 400 malformed request, 403 refused by policy, 408 request head
-too slow, 429 too many attempts, 431 head too large, 502 name or connection failure, 503 too many connections or
-audit unavailable, 504 connect timeout.
+too slow, 429 too many attempts, 431 head too large, 502 name or connection failure, 503 too many connections,
+too many name lookups in progress or audit unavailable, 504 lookup or connect timeout.
 """
 
 from __future__ import annotations
@@ -106,7 +110,7 @@ from bastion.egress._request import (
 
 # Re-exported: `Refused` is raised by the request parsing too, so it is defined there.
 from bastion.egress._request import Refused as Refused
-from bastion.egress._throttle import AttemptThrottle
+from bastion.egress._throttle import AttemptThrottle, LookupsBusy, NameLookups
 from bastion.metrics import EgressVerdict, Metrics
 from bastion.safety.errors import AuditUnavailable, Conflict, InvalidRequest, OperationFailed, SandboxNotFound
 
@@ -142,6 +146,7 @@ class EgressSettings:
     head_timeout_s: float = HEAD_TIMEOUT_S
     attempts_per_s: float = 20.0
     attempt_burst: int = 200
+    max_lookups: int = 8
 
 
 def parse_ranges(texts: Iterable[str]) -> tuple[IPNetwork, ...]:
@@ -202,6 +207,7 @@ class _SandboxProxy:
     path: Path
     inode: tuple[int, int]
     throttle: AttemptThrottle
+    lookups: NameLookups
     accept_task: asyncio.Task[None] | None = None
     connections: set[asyncio.Task[None]] = field(default_factory=set)
     report: asyncio.TimerHandle | None = None  # the pending egress_throttled record
@@ -247,7 +253,8 @@ class EgressProxy:
         path = Path(socket_path)
         listener, inode = _listen(path, owner)
         throttle = AttemptThrottle(self._settings.attempts_per_s, self._settings.attempt_burst)
-        proxy = _SandboxProxy(sandbox_id, tuple(rules), listener, path, inode, throttle)
+        lookups = NameLookups(self._settings.max_lookups, f"egress-lookup-{sandbox_id}")
+        proxy = _SandboxProxy(sandbox_id, tuple(rules), listener, path, inode, throttle, lookups)
         self._proxies[sandbox_id] = proxy
         proxy.accept_task = asyncio.get_running_loop().create_task(self._accept(proxy))
 
@@ -277,6 +284,7 @@ class EgressProxy:
         if tasks:
             await asyncio.wait(tasks, timeout=STOP_TIMEOUT_S)
         close_socket(proxy.listener)
+        proxy.lookups.close()
         if proxy.report is not None:
             proxy.report.cancel()
         await self._report_throttled(proxy)
@@ -388,7 +396,7 @@ class EgressProxy:
         if not any(rule.matches(request.host, request.port) for rule in proxy.rules):
             what = "IP address" if _literal(request.host) else "destination"
             raise Refused(403, f"{what} {_show(request.host, request.port)} is not on this sandbox's allowlist")
-        addresses = await self._resolve(request.host, request.port)
+        addresses = await self._resolve(proxy.lookups, request.host, request.port)
         allowed: list[IPAddress] = []
         for address in addresses:
             network = blocked_by(address, self._settings.blocked_ranges)
@@ -416,31 +424,34 @@ class EgressProxy:
         if not await self._append(record):
             raise Refused(503, "the audit log is unavailable: no connection is made unrecorded")
 
-    async def _resolve(self, host: str, port: int) -> list[IPAddress]:
+    async def _resolve(self, lookups: NameLookups, host: str, port: int) -> list[IPAddress]:
         literal = _literal(host)
         if literal is not None:
             return [literal]
         mapped = self._settings.hosts.get(host)
         if mapped is not None:
             return list(mapped)
-        loop = asyncio.get_running_loop()
         # The host's resolver (glibc: /etc/hosts, then DNS). No trailing dot is added against
         # search-list expansion: /etc/hosts names would no longer match. A name the search list
         # expands into an internal one still meets the blocked ranges.
+        timeout_s = self._settings.connect_timeout_s
         try:
-            async with asyncio.timeout(self._settings.connect_timeout_s):
-                infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)
-        except TimeoutError:
+            infos = await lookups.getaddrinfo(host, port, asyncio.get_running_loop().time() + timeout_s)
+        except LookupsBusy:
             raise refused_error(
-                504, f"resolving {host} took longer than {self._settings.connect_timeout_s:g} s"
+                503,
+                f"resolving {host} waited {timeout_s:g} s for one of this sandbox's {lookups.limit} name lookups"
+                " in progress to end: its DNS answers slowly, try again later",
             ) from None
+        except TimeoutError:
+            raise refused_error(504, f"resolving {host} took longer than {timeout_s:g} s") from None
         except OSError as exc:
             raise refused_error(502, f"{host} cannot be resolved: {exc.strerror or exc}") from None
         found: list[IPAddress] = []
-        for family, _, _, _, sockaddr in infos:
+        for family, text in infos:
             if family in (socket.AF_INET, socket.AF_INET6):
                 # A scope id ("fe80::1%eth0") is dropped: such addresses are link-local, hence blocked.
-                address = ipaddress.ip_address(str(sockaddr[0]).partition("%")[0])
+                address = ipaddress.ip_address(text.partition("%")[0])
                 if address not in found:
                     found.append(address)
         if not found:
@@ -590,6 +601,7 @@ class EgressService:
         hosts: names resolved to these addresses instead of through DNS.
         connect_timeout_s, idle_timeout_s, max_connections: per connection / per sandbox bounds.
         attempts_per_s, attempt_burst: the rate of connection attempts per sandbox.
+        max_lookups: name lookups of one sandbox in progress at once (each holds a thread until glibc returns).
         metrics: where attempts and bytes are counted.
     """
 
@@ -605,6 +617,7 @@ class EgressService:
         head_timeout_s: float = HEAD_TIMEOUT_S,
         attempts_per_s: float = 20.0,
         attempt_burst: int = 200,
+        max_lookups: int = 8,
         metrics: Metrics | None = None,
     ) -> None:
         settings = EgressSettings(
@@ -619,6 +632,7 @@ class EgressService:
             head_timeout_s=head_timeout_s,
             attempts_per_s=attempts_per_s,
             attempt_burst=attempt_burst,
+            max_lookups=max_lookups,
         )
         self._loop = asyncio.new_event_loop()
         self._proxy = EgressProxy(audit, settings, metrics)
