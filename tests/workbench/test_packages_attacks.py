@@ -227,18 +227,21 @@ class _Registry(http.server.BaseHTTPRequestHandler):
         pass
 
 
-def test_npm_sends_the_registry_credentials_it_reads_from_its_environment(tmp_path: Path) -> None:
+@pytest.mark.parametrize("path", ["/npm/", "/a/./b/../npm/", "/npm"])
+def test_npm_sends_the_registry_credentials_it_reads_from_its_environment(tmp_path: Path, path: str) -> None:
     """Invariant: the real npm, given the URL without credentials and `npm_registry`'s environment, sends
-    them to the registry as it did from the URL (basic auth, percent-decoded), here to a loopback registry."""
+    them to the registry as it did from the URL (basic auth, percent-decoded), here to a loopback registry,
+    also for a path npm normalises (found by review: a key written as the URL was spelt was not found)."""
     if shutil.which("npm") is None:
         pytest.skip("npm is not installed on this machine (make test installs it)")
+    _Registry.seen.clear()
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Registry)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
         port = server.server_address[1]
-        registry = npm_registry(f"http://u%40x:p%3Ass@127.0.0.1:{port}/npm/")
-        assert registry.url == f"http://127.0.0.1:{port}/npm/"
+        registry = npm_registry(f"http://u%40x:p%3Ass@127.0.0.1:{port}{path}")
+        assert registry.url == f"http://127.0.0.1:{port}{path}"
         env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "npm_config_cache": str(tmp_path / "cache")}
         argv = ["npm", "view", "left-pad", "--registry", registry.url, "--json"]
         subprocess.run(argv, env={**env, **registry.env}, capture_output=True, timeout=120, check=False)
@@ -247,5 +250,41 @@ def test_npm_sends_the_registry_credentials_it_reads_from_its_environment(tmp_pa
         thread.join()
         server.server_close()
     expected = "Basic " + base64.b64encode(b"u@x:p:ss").decode()
-    assert ("/npm/left-pad", expected) in _Registry.seen, _Registry.seen
+    assert _Registry.seen, "npm asked the registry nothing"
+    assert all(auth == expected for _, auth in _Registry.seen), _Registry.seen
     assert npm_registry("https://registry.npmjs.org/") == NpmRegistry("https://registry.npmjs.org/", {})
+
+
+NERF_DART_JS = """
+const fs = require("fs"), path = require("path");
+const cli = path.dirname(fs.realpathSync(process.argv[1]));
+const nerfDart = require(require.resolve("@npmcli/config/lib/nerf-dart.js", { paths: [cli] }));
+console.log(JSON.stringify(JSON.parse(process.argv[2]).map(nerfDart)));
+"""
+
+
+def test_the_credentials_key_is_the_one_npm_derives_from_the_url() -> None:
+    """Found by review: npm keys a registry's credentials by its `nerfDart` of the URL (host lower-cased,
+    default port dropped, dot segments resolved); `npm_registry` must name the same key, or npm sends none.
+    Checked against npm's own function, run by node."""
+    npm, node = shutil.which("npm"), shutil.which("node")
+    if npm is None or node is None:
+        pytest.skip("npm is not installed on this machine (make test installs it)")
+    urls = [
+        "https://registry.corp:443/",
+        "https://Registry.Corp/npm/registry",
+        "http://h:80/a/./b/../npm/",
+        "https://h:8443/a/b/..",
+        "https://h/%7e/x/",
+        "https://[::1]:8443/x",
+        "https://h",
+    ]
+    ours = [npm_registry(url.replace("://", "://u:p@", 1)).env for url in urls]
+    run = subprocess.run(
+        [node, "-e", NERF_DART_JS, npm, json.dumps(urls)], capture_output=True, text=True, timeout=60, check=False
+    )
+    if "Cannot find module" in run.stderr:
+        pytest.skip("this npm keeps @npmcli/config elsewhere")
+    assert run.returncode == 0, run.stderr
+    theirs = json.loads(run.stdout)
+    assert [list(env) for env in ours] == [[f"npm_config_{key}:_auth"] for key in theirs]

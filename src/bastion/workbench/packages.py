@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, Protocol
-from urllib.parse import unquote, urlsplit
+from urllib.parse import SplitResult, unquote, urljoin, urlsplit
 
 from bastion.safety.errors import NotFound, OperationFailed, PathEscape
 from bastion.safety.requirements import Manager, check_requirement
@@ -149,15 +149,33 @@ def npm_registry(url: str) -> NpmRegistry:
     environment variable: /proc/<pid>/environ is the sandbox's own, cmdline any local user's). The key is
     npm's "nerf dart" of the URL: host and port, and the path up to its last slash.
     """
-    scheme, netloc, path = urlsplit(url)[:3]
+    parts = urlsplit(url)
+    scheme, netloc = parts[:2]
     userinfo, at, host_port = netloc.rpartition("@")
     if not at:
         return NpmRegistry(url, {})
     public = f"{scheme}://{host_port}{url[len(scheme) + 3 + len(netloc) :]}"
     user, _, password = userinfo.partition(":")
     basic = base64.b64encode(f"{unquote(user)}:{unquote(password)}".encode()).decode("ascii")
-    folder = path[: path.rfind("/") + 1] or "/"
-    return NpmRegistry(public, {f"npm_config_//{host_port}{folder}:_auth": basic})
+    return NpmRegistry(public, {f"npm_config_{_nerf_dart(parts)}:_auth": basic})
+
+
+_DEFAULT_PORTS: Final = {"http": 80, "https": 443}
+
+
+def _nerf_dart(parts: SplitResult) -> str:
+    """npm's key for a registry's settings (its `nerfDart`): ``//host[:port]/dir/`` of the URL as WHATWG URL
+    reads it, the host lower-cased, the scheme's default port left out, dot segments resolved, and the path
+    cut after its last slash. A key written otherwise is not found, and npm sends no credentials."""
+    host = (parts.hostname or "").lower()
+    if ":" in host:
+        host = f"[{host}]"
+    port = parts.port
+    if port is not None and port != _DEFAULT_PORTS.get(parts.scheme):
+        host += f":{port}"
+    # urljoin resolves dot segments as RFC 3986 does; joining "." then cuts after the last slash.
+    folder = urlsplit(urljoin(urljoin("http://x/", parts.path or "/"), ".")).path
+    return f"//{host}{folder}"
 
 
 def npm_command(requirement: str, registry_url: str, cert: str | None) -> tuple[str, ...]:
