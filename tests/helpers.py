@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -258,3 +259,15 @@ def least_cpu_s(work: Callable[[], object]) -> float:
         work()
         took.append(time.thread_time() - started)
     return min(took)
+
+
+@contextlib.contextmanager
+def passable_folder() -> Iterator[Path]:
+    """A folder in /tmp that every user may pass, removed afterwards: pytest's own temporary folders are 0700,
+    so no one else can read what is in them whatever its mode (checks of who may read a key see that)."""
+    folder = Path(tempfile.mkdtemp(prefix="bastion-test-keys-", dir="/tmp"))
+    folder.chmod(0o755)
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder)

@@ -422,7 +422,10 @@ def tls_key_problem(key: Path) -> str | None:
         return f"[http] tls_key {key} cannot be read: {exc.strerror or exc}"
     if problem is None:
         return None
-    return f"[http] tls_key {key} is not the server's alone ({problem}): chmod 600 it, in a folder only root can write"
+    return (
+        f"[http] tls_key {key} is not the server's alone ({problem}): chmod 600 it in a folder only root can "
+        "write, or give bastion a copy of its own if other services share it"
+    )
 
 
 class _Front:

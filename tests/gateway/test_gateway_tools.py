@@ -33,7 +33,7 @@ from bastion.safety.approvals import ApprovalQueue
 from bastion.safety.errors import Forbidden
 from bastion.safety.redact import Redactor
 from bastion.tools.server import GATEWAY_DEPLOY, GATEWAY_READ
-from tests.helpers import call
+from tests.helpers import call, passable_folder
 
 from .lab import GatewayLab, approvals_cli, host_saw, variant
 
@@ -371,18 +371,20 @@ async def test_calls_wait_for_a_host_with_few_sessions(lab: GatewayLab) -> None:
 async def test_gateway_key_readable_by_others_is_refused_before_connecting(lab: GatewayLab, mode: int) -> None:
     """A copy of the key anyone may read would let them run the host's actions without an approval: as ssh
     does, bastion refuses to use it, and says how to fix it. The same copy at 0600 works."""
-    copy = lab.key_path.with_name(f"readable_{mode:o}_ed25519")
-    copy.write_bytes(lab.key_path.read_bytes())
-    os.chmod(copy, mode)
-    os.chown(copy, 0, 100)  # group users: a group with members besides root
-    config = variant(lab, f"bastion-key-{mode:o}.toml", 'key_path = "state/biscuit_ed25519"', f'key_path = "{copy}"')
-    before = len(lab.dispatch_records())
-    async with connect(config) as client:
-        result = await call(client, "biscuit_status", project="biscuit")
-        assert result["code"] == "FORBIDDEN", result
-        assert "not the server's alone" in result["reason"]
-        assert "chmod 600" in result["reason"]
-        assert len(lab.dispatch_records()) == before
-    os.chmod(copy, 0o600)
-    async with connect(config) as client:
-        assert (await call(client, "biscuit_status", project="biscuit"))["ok"]
+    with passable_folder() as keys:
+        copy = keys / f"readable_{mode:o}_ed25519"
+        copy.write_bytes(lab.key_path.read_bytes())
+        os.chmod(copy, mode)
+        os.chown(copy, 0, 100)  # group users: a group with members besides root
+        old = 'key_path = "state/biscuit_ed25519"'
+        config = variant(lab, f"bastion-key-{mode:o}.toml", old, f'key_path = "{copy}"')
+        before = len(lab.dispatch_records())
+        async with connect(config) as client:
+            result = await call(client, "biscuit_status", project="biscuit")
+            assert result["code"] == "FORBIDDEN", result
+            assert "not the server's alone" in result["reason"]
+            assert "chmod 600" in result["reason"]
+            assert len(lab.dispatch_records()) == before
+        os.chmod(copy, 0o600)
+        async with connect(config) as client:
+            assert (await call(client, "biscuit_status", project="biscuit"))["ok"]

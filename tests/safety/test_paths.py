@@ -15,7 +15,7 @@ import stat
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -48,6 +48,7 @@ from bastion.safety.paths import (
     replaceable_by,
     secret_file_problem,
 )
+from tests.helpers import passable_folder
 
 CORPUS_FILE = Path(__file__).resolve().parents[1] / "attacks" / "attack-corpus.json"
 
@@ -1255,11 +1256,18 @@ def _secret(path: Path, owner: tuple[int, int], mode: int) -> Path:
     return path
 
 
+@pytest.fixture
+def open_folder() -> Iterator[Path]:
+    with passable_folder() as folder:
+        yield folder
+
+
 @pytest.mark.root
-def test_a_secret_file_others_may_read_or_swap_is_named(tmp_path: Path) -> None:
+def test_a_secret_file_others_may_read_or_swap_is_named(open_folder: Path) -> None:
     """Attack (a root server's private keys): a key others may read lets them act as the server (a gateway
     key runs the production host's actions with no approval); one they may swap, by its mode, its folder or a
     link on its way, chooses the key. `secret_file_problem` names who, as ssh refuses such a key."""
+    tmp_path = open_folder
     root, bob = (0, 0), (4242, 4242)
     safe = _folder(tmp_path / "etc-bastion", root, 0o755)
     assert secret_file_problem(str(_secret(safe / "ok", root, 0o600)), root) is None
@@ -1295,6 +1303,19 @@ def test_a_secret_file_others_may_read_or_swap_is_named(tmp_path: Path) -> None:
     assert "uid 4242 (an ACL entry): they may read" in str(secret_file_problem(str(acl), root))
     with pytest.raises(FileNotFoundError):
         secret_file_problem(str(safe / "missing"), root)
+
+
+@pytest.mark.root
+def test_a_key_readable_by_mode_in_a_folder_no_one_else_may_pass_is_not_refused(open_folder: Path) -> None:
+    """Found by review: certbot's older keys are 0644 in its 0700 archive/ folder, which no one else may pass,
+    and were refused as "any user may read"; Debian's 0640 root:ssl-cert key in /etc/ssl/private (0710
+    root:ssl-cert) is readable by the group's members and is still named."""
+    root = (0, 0)
+    archive = _folder(open_folder / "archive", root, 0o700)
+    assert secret_file_problem(str(_secret(archive / "privkey3.pem", root, 0o644)), root) is None
+    private = _folder(open_folder / "private", (0, 100), 0o710)
+    assert "group 100" in str(secret_file_problem(str(_secret(private / "shared.key", (0, 100), 0o640)), root))
+    assert "any user" in str(secret_file_problem(str(_secret(private / "open.key", root, 0o604)), root))
 
 
 @pytest.mark.root

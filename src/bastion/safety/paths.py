@@ -328,8 +328,25 @@ def _lookups(path: str) -> list[str]:
     return entries
 
 
+def _passable_by_others(folder: str, owner: tuple[int, int]) -> bool:
+    """Whether someone besides root and `owner` may pass every folder from `/` to `folder` (a real path), by
+    mode or ACL. Generous where it cannot tell: any group with others in it, or any ACL entry, passes."""
+    while True:
+        info = os.lstat(folder)
+        mode = info.st_mode
+        grouped = mode & stat.S_IXGRP and not _group_only_of(info.st_gid, owner[0])
+        if not (mode & stat.S_IXOTH or grouped or _acl_granting(folder, _ACL_EXECUTE)):
+            return False
+        if folder == "/":
+            return True
+        folder = os.path.dirname(folder)
+
+
 def _readers(path: str, info: os.stat_result, owner: tuple[int, int]) -> str | None:
-    """Who besides root and `owner` may read the file at `path` by its mode or its ACL, or None."""
+    """Who besides root and `owner` may read the file at `path` by its mode or its ACL, or None. A file in a
+    folder only root and `owner` may pass is read by no one else, whatever its mode (certbot's archive/)."""
+    if not _passable_by_others(os.path.dirname(path), owner):
+        return None
     mode = info.st_mode
     if mode & stat.S_IROTH:
         return "any user"
@@ -422,6 +439,7 @@ _ACL_GROUP: Final = 0x08
 _ACL_MASK: Final = 0x10
 _ACL_WRITE: Final = 0x02
 _ACL_READ: Final = 0x04
+_ACL_EXECUTE: Final = 0x01
 _UNKNOWN: Final = -1  # an ACL that does not parse: who may write cannot be told
 
 

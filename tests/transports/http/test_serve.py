@@ -24,7 +24,7 @@ import pytest
 
 from bastion.config import HttpConfig
 from bastion.serve import listen_socket
-from tests.helpers import mounts_under
+from tests.helpers import mounts_under, passable_folder
 
 from .live import BASTION, Browser, free_port, get_tokens, live_server, pkce, serve_config, write_config
 from .tls import self_signed
@@ -127,16 +127,17 @@ def test_builtin_tls(tmp_path: Path) -> None:
 def test_serve_refuses_a_tls_key_others_may_read(tmp_path: Path) -> None:
     """Anyone who may read the TLS key can pose as the server and read the password on its way in."""
     tmp_path.mkdir(exist_ok=True)
-    cert, key = self_signed(tmp_path)
-    os.chmod(key, 0o644)
-    config = write_config(tmp_path / "demo", free_port(), http_extra=f'tls_cert = "{cert}"\ntls_key = "{key}"')
-    bastion("admin", "set-password", "--config", str(config), stdin="a long enough password\n")
-    result = bastion("serve", "--config", str(config), "--http")
+    with passable_folder() as keys:
+        cert, key = self_signed(keys)
+        os.chmod(key, 0o644)
+        config = write_config(tmp_path / "demo", free_port(), http_extra=f'tls_cert = "{cert}"\ntls_key = "{key}"')
+        bastion("admin", "set-password", "--config", str(config), stdin="a long enough password\n")
+        result = bastion("serve", "--config", str(config), "--http")
+        doctor = bastion("doctor", "--config", str(config))
     assert result.returncode == 78, result.stderr
     assert f"[http] tls_key {key} is not the server's alone" in result.stderr
     assert "any user: they may read" in result.stderr
     assert "Traceback" not in result.stderr
-    doctor = bastion("doctor", "--config", str(config))
     assert "http-tls" in doctor.stdout
     assert "not the server's alone" in doctor.stdout
 
