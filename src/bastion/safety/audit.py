@@ -1002,9 +1002,24 @@ def verify(path: str | os.PathLike[str]) -> VerifyReport:
         if fd is None:
             return VerifyReport(False, 0, problem, str(files[-1]), None)
         report = verify_files(files, ChainHead(), last_fd=fd)[0]
-        if report.ok or chain_identities(path) == before:
+        if report.ok or not _changed_under(report, files, before, chain_identities(path)):
             return report
     return report
+
+
+def _changed_under(
+    report: VerifyReport,
+    files: list[Path],
+    before: tuple[tuple[str, int, int, int], ...],
+    after: tuple[tuple[str, int, int, int], ...],
+) -> bool:
+    """Whether the file `report` found broken may have changed while it was read: the log itself (a record
+    being appended), or a rotated file (renamed or replaced). A break in a rotated file that stayed as it was
+    is final: reading the whole chain again would only take as long again."""
+    if report.file == str(files[-1]):
+        return after != before
+    rotated = len(before) - 1
+    return after[:rotated] != before[:rotated]
 
 
 def _mid_rotation(files: list[Path], fd: int | None) -> bool:
