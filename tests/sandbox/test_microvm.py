@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import marshal
 import os
 import socket
@@ -35,13 +36,12 @@ from bastion.sandbox.microvm import (
     MicroVMBackend,
     MicroVMSandbox,
     MicroVMSettings,
-    console_tail,
     probe_microvm,
     vmm_argv,
 )
 from bastion.sandbox.vmimage import MODULES, ImageError, build, initramfs
 from bastion.workbench.manager import SandboxManager
-from tests.helpers import open_fds, processes_with
+from tests.helpers import LoopLag, open_fds, processes_with
 from tests.sandbox.microvm_helpers import let_through, microvm_settings
 
 pytestmark = [pytest.mark.anyio, pytest.mark.root]
@@ -109,7 +109,7 @@ def test_a_comma_in_the_workspace_path_cannot_add_qemu_options(tmp_path: Path) -
     argv = vmm_argv(MicroVMSettings(tmp_path), run_dir, "/srv/ws,path=/", 1 << 20)
     assert "local,id=ws,path=/srv/ws,,path=/,security_model=none" in argv
     assert f"socket,id=agent,path={tmp_path}/run,,x=y/agent.sock,server=on,wait=off" in argv
-    assert f"file:{run_dir}/console.log" in argv  # -serial file: takes the rest of the value as it is
+    assert argv[argv.index("-serial") + 1] == "stdio"  # the console is a pipe, no path at all
 
 
 def test_the_vmm_exports_only_the_workspace_usr_and_the_templates_folders_and_has_no_network(tmp_path: Path) -> None:
@@ -172,22 +172,37 @@ def test_a_vmm_cannot_make_a_setuid_or_setgid_file(tmp_path: Path) -> None:
     assert not (tmp_path / "d").exists()
 
 
-def test_the_console_log_is_read_as_a_bounded_tail_never_through_a_link(tmp_path: Path) -> None:
-    """The VMM's uid owns the folder of its console log: a link there to a host file root reads must
-    read nothing, and a log the guest filled is read from its end, not whole."""
-    secret = tmp_path / "shadow"
-    secret.write_text("root:$6$secret\n")
-    planted = tmp_path / "console.log"
-    planted.symlink_to(secret)
-    assert console_tail(planted) == ""
-    fifo = tmp_path / "fifo.log"
-    os.mkfifo(fifo)
-    assert console_tail(fifo) == ""  # neither blocks on a fifo
-    flooded = tmp_path / "flooded.log"
-    flooded.write_bytes(b"x" * 1_000_000 + b"\nKernel panic: the last line\n")
-    tail = console_tail(flooded, limit=4096)
-    assert len(tail) == 4096
-    assert tail.endswith("Kernel panic: the last line\n")
+# A stand-in VMM that writes 4 MiB on its console (stdout), then a kernel's last words, and exits.
+_VMM_FLOODING_ITS_CONSOLE = """
+import os
+for chunk in [b"x" * 65536] * 64 + [b"\\nKernel panic: the last line\\n"]:
+    view = memoryview(chunk)
+    while view:
+        view = view[os.write(1, view) :]
+"""
+
+
+async def test_a_guest_flooding_its_console_fills_no_host_file_and_its_last_line_is_still_told(
+    tmp_path: Path,
+) -> None:
+    """The console was a file QEMU appended to in the VMM's folder: a guest's root grew it on the host's disk
+    without bound. It is the VMM's stdout now (`start_vmm`), whose newest 64 KiB the host keeps in memory:
+    a stand-in VMM started the same way writes 4 MiB there, and the host keeps 64 KiB, makes no file, and a
+    failed boot's reason (`why`) is still the console's last line."""
+    proc = start_vmm([sys.executable, "-c", _VMM_FLOODING_ITS_CONSOLE], identity=None, cgroup_procs=())
+    guest = microvm._Guest(proc, tmp_path, None)
+    try:
+        assert await asyncio.to_thread(proc.wait, 30) == 0  # it wrote everything: the host read it meanwhile
+        assert guest.why() == "Kernel panic: the last line"
+        assert len(guest.console.kept) == 65536
+        assert list(tmp_path.iterdir()) == []
+    finally:
+        guest.detach()
+        proc.kill()
+        proc.wait()
+        for pipe in (proc.stdout, proc.stderr):
+            assert pipe is not None
+            pipe.close()
 
 
 def test_building_the_image_never_writes_or_chmods_through_a_planted_link(tmp_path: Path) -> None:
@@ -595,10 +610,11 @@ async def test_a_crashed_servers_vmm_folder_and_cgroup_are_removed_at_the_next_s
 
 
 class _NoVMM:
-    """Stands for a VMM process: the channel reader below never needs a real one."""
+    """Stands for a VMM process: the channel reader below never needs a real one (never ended: pid 0)."""
 
     pid = 0
     stderr = None
+    stdout = None
 
     def poll(self) -> int | None:
         return None
@@ -714,8 +730,8 @@ def test_recovery_never_kills_a_process_that_took_a_matching_pid_after_the_scan(
 async def test_a_relay_message_nested_past_the_recursion_limit_is_ignored_and_reading_goes_on(
     tmp_path: Path,
 ) -> None:
-    """JSON nested 100000 deep (within the 1 MiB a frame may hold) raised RecursionError out of the reader:
-    a traceback in the log, the channel no longer read. It is a malformed message like any other."""
+    """JSON nested 16000 deep (within the 16 KiB a message frame may hold) raised RecursionError out of the
+    reader: a traceback in the log, the channel no longer read. It is a malformed message like any other."""
     guest_end, host_end = socket.socketpair()
     host_end.setblocking(False)
     vm = microvm._Guest(_NoVMM(), tmp_path, None)  # type: ignore[arg-type]
@@ -725,7 +741,7 @@ async def test_a_relay_message_nested_past_the_recursion_limit_is_ignored_and_re
         return struct.pack(">IcI", len(payload) + 5, b"M", 0) + payload
 
     try:
-        guest_end.sendall(message(b"[" * 100_000) + message(b'{"event": "ready"}'))
+        guest_end.sendall(message(b"[" * 16_000) + message(b'{"event": "ready"}'))
         async with asyncio.timeout(5):
             await vm.ready
         assert not reading.done()
@@ -786,5 +802,120 @@ async def test_a_run_cancelled_while_its_request_is_written_has_its_command_kill
     finally:
         reading.cancel()
         vm.detach()
+        guest_end.close()
+        host_end.close()
+
+
+def frame(kind: bytes, command_id: int, payload: bytes) -> bytes:
+    return struct.pack(">IcI", len(payload) + 5, kind, command_id) + payload
+
+
+@pytest.mark.parametrize(
+    ("kind", "size"),
+    [(b"O", 1 << 20), (b"R", 65537), (b"M", (16 << 10) + 1), (b"S", 65), (b"o", 1), (b"X", 0)],
+)
+async def test_a_relay_frame_over_its_kinds_cap_or_of_a_kind_it_never_sends_ends_the_vm(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, kind: bytes, size: int
+) -> None:
+    """Every frame kind could hold 1 MiB: an "M" one cost ~25 ms of json.loads on the event loop, and an "O"
+    one of 1 MiB of newlines ~26 ms of an install's progress lines (`LineProgress`, the run's output sink).
+    Each kind now holds at most what the relay sends (64 KiB of output, 16 KiB of message, a short state,
+    nothing for an end); past it, or for a kind it never sends, the header alone ends the VM, with one log
+    line. Here a stand-in VMM in a session of its own; the 64 KiB of output before is fed as it comes."""
+    vmm = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True, stderr=subprocess.PIPE
+    )
+    guest_end, host_end = socket.socketpair()
+    host_end.setblocking(False)
+    guest_end.settimeout(5)
+    vm = microvm._Guest(vmm, tmp_path, None)
+    chunks: list[int] = []
+    out = microvm._Stream(1 << 20, newest=False, sink=lambda chunk: chunks.append(len(chunk)))
+    command = vm.commands[7] = microvm.MicroVMProcess(vm, 7, ["pip"], out, microvm._Stream(10, newest=False))
+    reading = asyncio.get_running_loop().create_task(vm.read_frames(host_end))
+    payload = b"\n" * size
+    try:
+        with caplog.at_level(logging.WARNING, logger="bastion.sandbox.microvm"):
+            sending = asyncio.to_thread(guest_end.sendall, frame(b"O", 7, b"\n" * 65536) + frame(kind, 7, payload))
+            with contextlib.suppress(OSError):  # the rest of a 1 MiB frame is never read: it times out
+                await sending
+            async with asyncio.timeout(10):
+                await reading
+        assert await asyncio.to_thread(vmm.wait, 10) == -9
+        assert chunks == [65536]  # the most a sink is ever handed at once
+        assert (command.exited, command.status) == (True, None)
+        assert [record.getMessage() for record in caplog.records] == [
+            f"microVM {tmp_path.name} sent a {kind!r} frame of {size + 5} bytes: ending it"
+        ]
+    finally:
+        reading.cancel()
+        guest_end.close()
+        host_end.close()
+        vmm.kill()
+        vmm.wait()
+        assert vmm.stderr is not None
+        vmm.stderr.close()
+
+
+async def test_a_relay_flooding_valid_small_messages_is_read_at_its_parse_budgets_pace(tmp_path: Path) -> None:
+    """A guest's root writes valid 8 KiB messages (arrays of zeros: the costliest JSON per byte) as fast as
+    its channel takes them: the reader parsed them all, as fast as they came, on the event loop. Now a
+    guest's messages draw on a budget (256 KiB a second past a 1 MiB burst) and the reader waits for it.
+    Invariant: the loop's thread spends a small share of its CPU on a 2 s flood, and no tick is held long.
+    (The booted-guest variant: test_microvm_guest_attacks.py.)"""
+    guest_end, host_end = socket.socketpair()
+    host_end.setblocking(False)
+    guest_end.settimeout(0.2)
+    vm = microvm._Guest(_NoVMM(), tmp_path, None)  # type: ignore[arg-type]
+    burst = frame(b"M", 0, b'{"event": "noise", "pad": [' + b"0," * 4080 + b"0]}") * 8
+
+    def flood() -> int:
+        sent, deadline = 0, time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            with contextlib.suppress(TimeoutError):  # whole frames only: a cut one would read as garbage
+                sent += guest_end.send(burst[sent % len(burst) :])
+        return sent
+
+    reading = asyncio.get_running_loop().create_task(vm.read_frames(host_end))
+    try:
+        with LoopLag() as lag:
+            cpu, wall = time.thread_time(), time.monotonic()
+            sent = await asyncio.to_thread(flood)
+            cpu, wall = time.thread_time() - cpu, time.monotonic() - wall
+        assert sent > 1 << 20  # more than the burst: the budget was reached
+        assert cpu / wall < 0.15, f"the loop's thread spent {cpu:.2f} s of CPU in {wall:.1f} s"
+        assert lag.cpu_worst < 0.05, lag.cpu_worst
+        assert not reading.done()
+    finally:
+        reading.cancel()
+        guest_end.close()
+        host_end.close()
+
+
+async def test_a_guest_running_thousands_of_commands_never_waits_for_the_parse_budget(tmp_path: Path) -> None:
+    """The budget must not slow an honest guest: each command's exit is two frames (its state, its exit
+    event). 2000 commands' exits at once are read at once: the budget is never owed, so never waited for."""
+    guest_end, host_end = socket.socketpair()
+    host_end.setblocking(False)
+    vm = microvm._Guest(_NoVMM(), tmp_path, None)  # type: ignore[arg-type]
+    commands = [
+        microvm.MicroVMProcess(vm, i, ["true"], microvm._Stream(10, newest=False), microvm._Stream(10, newest=False))
+        for i in range(1, 2001)
+    ]
+    vm.commands = {command.command_id: command for command in commands}
+    exits = b"".join(
+        frame(b"S", 0, b"1 0 0") + frame(b"M", 0, b'{"event":"exit","id":%d,"status":0}' % command.command_id)
+        for command in commands
+    )
+    reading = asyncio.get_running_loop().create_task(vm.read_frames(host_end))
+    try:
+        await asyncio.to_thread(guest_end.sendall, exits)
+        async with asyncio.timeout(10):
+            for command in commands:
+                await command.wait_exit()
+        assert all(command.status == 0 for command in commands)
+        assert vm.budget.tokens > 0
+    finally:
+        reading.cancel()
         guest_end.close()
         host_end.close()

@@ -31,7 +31,7 @@ from bastion.sandbox import microvm
 from bastion.sandbox._spawn import EGRESS_DIR, SandboxSpec
 from bastion.sandbox.cgroups import CgroupLayout, Limits
 from bastion.sandbox.identity import DEFAULT_HOST_ID_COUNT, DEFAULT_HOST_ID_FIRST, IdentityPool
-from bastion.sandbox.microvm import MicroVMBackend, MicroVMSandbox, console_tail
+from bastion.sandbox.microvm import MicroVMBackend, MicroVMSandbox
 from tests.helpers import processes_with
 from tests.sandbox.egress_helpers import EgressSetup, egress_setup
 from tests.sandbox.guest_root import GUESSES, parse_report, program
@@ -76,17 +76,17 @@ def host_traces(top: Path, layout: CgroupLayout) -> dict[str, object]:
 
 
 async def read_report(box: MicroVMSandbox) -> dict[str, object]:
-    """The guest's report from its console log, polled until it is whole or the VMM ends."""
+    """The guest's report from its console, polled until it is whole or the VMM ends."""
     vm = box._vm
     assert vm is not None
     deadline = time.monotonic() + BOOT_TIMEOUT_S
     while time.monotonic() < deadline:
-        report = parse_report(console_tail(vm.run_dir / "console.log"))
+        report = parse_report(vm.console.tail())
         if report is not None:
             return report
         if vm.proc.poll() is not None:
             pytest.fail(f"the guest ended before it reported: {vm.why()}")
-        await asyncio.sleep(0.2)  # the console is a file QEMU appends to: nothing to wait on
+        await asyncio.sleep(0.2)  # the host reads the console pipe on its own: nothing to wait on
     pytest.fail("the guest's root did not report in time")
 
 

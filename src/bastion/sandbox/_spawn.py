@@ -483,7 +483,9 @@ os.execv(sys.argv[2], sys.argv[2:])
 def start_vmm(argv: Sequence[str], *, identity: tuple[int, int] | None, cgroup_procs: Sequence[str]) -> SandboxProcess:
     """Start a VMM (`bastion.sandbox.microvm`): in the given cgroups from its first instruction,
     as `identity` when given (setpriv), killed if the server dies, in a session of its own, with
-    only its argv and a bare PATH, under the seccomp filter's setuid/setgid rules (no_new_privs)."""
+    only its argv and a bare PATH, under the seccomp filter's setuid/setgid rules (no_new_privs).
+    Its stdout is a pipe (the guest's serial console, `-serial stdio`): a file there would be one the
+    guest can grow on the host's disk without bound, and RLIMIT_FSIZE would cap its workspace's files too."""
     # Killed with the server (bwrap has --die-with-parent; QEMU has no such option): a guest must
     # never outlive the process that holds its channel and its cgroup.
     prefix = setpriv_argv(*identity) if identity is not None else [*setpriv_argv(0, 0)[:1], "--"]
@@ -497,7 +499,7 @@ def start_vmm(argv: Sequence[str], *, identity: tuple[int, int] | None, cgroup_p
         return subprocess.Popen(
             full,
             stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             close_fds=True,
             pass_fds=(filter_fd,),

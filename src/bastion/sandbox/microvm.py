@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import IO, Final
 
 from bastion.safety.errors import BastionError, Conflict, InvalidRequest, NotFound, ResourceLimit, Unavailable
 from bastion.safety.redact import sanitize_terminal
@@ -68,7 +68,6 @@ __all__ = [
     "MicroVMPty",
     "MicroVMSandbox",
     "MicroVMSettings",
-    "console_tail",
     "guest_binds",
     "missing_boot_files",
     "probe_microvm",
@@ -82,14 +81,25 @@ ISOLATION: Final = "microvm"
 QEMU: Final = "/usr/bin/qemu-system-x86_64"
 _RELAY: Final = Path(__file__).parent / "inside" / "relay.py"
 _HEADER: Final = struct.Struct(">IcI")
-_MAX_FRAME: Final = (1 << 20) + _HEADER.size  # the relay sends at most 64 KiB of output, 1 MiB of message
 _KILL_WAIT_S: Final = 5.0
 _SEND_TIMEOUT_S: Final = 60.0  # a frame the guest's relay has not taken by then: the guest is stuck
-_READ_BYTES: Final = 65_536
+_READ_BYTES: Final = 65_536  # also the relay's READ_BYTES: the most output one frame of it carries
+# The most payload the relay sends in a frame of each kind (inside/relay.py): an agent event is a few
+# hundred bytes (inside/agent.py's protocol; a "pty" error at most 500 characters, escaped), "S" three
+# numbers. A frame over its kind's cap, or of a kind the relay never sends, is a hostile guest's: it ends.
+_MAX_PAYLOAD: Final = {b"M": 16 << 10, b"S": 64, b"O": _READ_BYTES, b"R": _READ_BYTES, b"o": 0, b"r": 0}
+# Frames the host parses ("M": json.loads, ~30 ns a byte at worst) draw on a budget per guest, so a guest
+# flooding valid ones holds at most ~1% of the event loop; the burst is thousands of commands' exits.
+_PARSED: Final = (b"M", b"S")
+_PARSE_RATE_BYTES_S: Final = 256 << 10
+_PARSE_BURST_BYTES: Final = 1 << 20
+_FRAME_COST_BYTES: Final = 128  # a frame's own cost in the reader (~4 us), counted as that many bytes
 _EXIT_WAIT_S: Final = 2.0  # how long a VMM that closed its port is given to exit and say why
 _VMM_OVERHEAD_BYTES: Final = 192 << 20  # QEMU itself and TCG's translation cache (tb-size below)
 _VMM_TASKS: Final = 64  # QEMU's own threads; the guest's processes are the guest kernel's business
 _CONSOLE_TAIL_BYTES: Final = 65_536
+_CONSOLE_PAUSE_S: Final = 0.05  # between reads of the console: QEMU writes it a byte at a time
+_CONSOLE_READS: Final = 16  # reads of the console pipe at most, each time it is read
 _PIPED_BACKLOG: Final = 4 << 20  # a spawned command's output its host pipe has not taken yet
 _NOBODY: Final = 65534  # the probe's VMM, when bastion runs as root: no sandbox shares this uid
 _RUN_PREFIX: Final = "bastion-vm-"  # + the server's pid: recovery finds a crashed server's folders by it
@@ -120,7 +130,8 @@ def vmm_argv(
     calculate TSC khz" with microvm's ACPI tables, and without them its virtio-mmio devices can only
     be named on the command line, which Debian's kernels are built without. The PC machine costs the
     BIOS (~0.5 s of a cold boot) and nothing else we use. `-cpu max`: QEMU's default model (qemu64) has
-    no SSE4.2 or POPCNT, and today's wheels (numpy 2) die on it with SIGILL.
+    no SSE4.2 or POPCNT, and today's wheels (numpy 2) die on it with SIGILL. The serial console is
+    QEMU's stdout, a pipe the host reads into memory (`_Console`), not a file: the guest writes it.
     """
     accel = "kvm" if settings.accel == "kvm" else "tcg,tb-size=64"
     sock, workspace = _opt(str(run_dir / "agent.sock")), _opt(workspace)
@@ -131,7 +142,7 @@ def vmm_argv(
         *("-nodefaults", "-no-user-config", "-nographic", "-no-reboot", "-nic", "none"),
         *("-kernel", str(settings.image_dir / KERNEL_NAME), "-initrd", str(settings.image_dir / INITRAMFS_NAME)),
         *("-append", f"console=ttyS0 quiet panic=-1 bastion.tmp={tmp_bytes}"),
-        *("-serial", f"file:{run_dir / 'console.log'}"),
+        *("-serial", "stdio"),
         *("-device", "virtio-serial-pci"),
         *("-chardev", f"socket,id=agent,path={sock},server=on,wait=off"),
         *("-device", "virtserialport,chardev=agent,name=bastion.agent,nr=1"),
@@ -165,19 +176,88 @@ def _opt(value: str) -> str:
     return value.replace(",", ",,")
 
 
-def console_tail(path: Path, limit: int = _CONSOLE_TAIL_BYTES) -> str:
-    """The last `limit` bytes of a guest's console log, read as root: never through a link (the VMM's
-    uid owns its folder and could plant one to /etc/shadow), never whole (the guest writes it)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return ""
-    with os.fdopen(fd, "rb") as handle:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            return ""
-        handle.seek(max(0, st.st_size - limit))
-        return handle.read(limit).decode(errors="replace")
+class _Console:
+    """A guest's serial console: the VMM's stdout, a pipe whose newest `_CONSOLE_TAIL_BYTES` the host keeps
+    in memory. It was a file QEMU appended to, and a guest's root grew it on the host's disk without bound.
+    Read at most every `_CONSOLE_PAUSE_S` (the pipe holds 64 KiB meanwhile): QEMU writes it a byte per call,
+    and a reader woken for each byte would spend the event loop on a guest that writes without end."""
+
+    def __init__(self, pipe: IO[bytes] | None) -> None:
+        self.kept = bytearray()
+        self._fd = pipe.fileno() if pipe is not None else -1
+        self._loop = asyncio.get_running_loop()
+        self._later: asyncio.TimerHandle | None = None
+        self._watching = self._fd >= 0
+        if self._watching:
+            os.set_blocking(self._fd, False)
+            self._loop.add_reader(self._fd, self._readable)
+
+    def _readable(self) -> None:
+        self._loop.remove_reader(self._fd)
+        if self.drain():
+            self._later = self._loop.call_later(_CONSOLE_PAUSE_S, self._watch)
+
+    def _watch(self) -> None:
+        self._later = None
+        if self._watching:
+            self._loop.add_reader(self._fd, self._readable)
+
+    def drain(self) -> bool:
+        """Take what the pipe holds (in the loop's thread); False once it ended or is no longer watched."""
+        if not self._watching:
+            return False
+        try:
+            for _ in range(_CONSOLE_READS):
+                data = os.read(self._fd, _CONSOLE_TAIL_BYTES)
+                if not data:
+                    self.stop()
+                    return False
+                self.kept += data
+                del self.kept[: max(0, len(self.kept) - _CONSOLE_TAIL_BYTES)]
+        except BlockingIOError:
+            pass
+        except OSError:
+            self.stop()
+            return False
+        return True
+
+    def stop(self) -> None:
+        """Read no more (in the loop's thread, before the pipe closes: its fd number may then be reused)."""
+        if self._watching:
+            self._watching = False
+            self._loop.remove_reader(self._fd)
+        if self._later is not None:
+            self._later.cancel()
+            self._later = None
+
+    def tail(self) -> str:
+        """The newest `_CONSOLE_TAIL_BYTES` the guest (or QEMU) wrote on its console."""
+        self.drain()
+        return self.kept.decode(errors="replace")
+
+
+class _Budget:
+    """A token bucket: `rate` a second, at most `burst` saved up; a spend past it is owed, and waited for."""
+
+    def __init__(self, rate: float, burst: float) -> None:
+        self.rate = rate
+        self.burst = burst
+        self.tokens = burst
+        self.stamp = time.monotonic()
+
+    def spend(self, amount: int) -> float:
+        """Take `amount`; return how long to wait before the work it pays for (0: at once)."""
+        now = time.monotonic()
+        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate) - amount
+        self.stamp = now
+        return max(0.0, -self.tokens / self.rate)
+
+
+def _oversized(kind: bytes, size: int) -> bool:
+    """Whether a frame of `size` bytes after its length is more than the relay sends of its kind, or of
+    a kind it never sends."""
+    cap = _MAX_PAYLOAD.get(kind)
+    return cap is None or not 5 <= size <= 5 + cap
 
 
 def guest_program(limits: Limits | None, dests: Sequence[str] = ()) -> bytes:
@@ -365,12 +445,14 @@ class MicroVMPty(PtyProcess):
 
 
 class _Guest:
-    """One booted guest: its VMM process, its cgroup and the serial channel to its relay."""
+    """One booted guest: its VMM process, its cgroup, its console and the serial channel to its relay."""
 
     def __init__(self, proc: SandboxProcess, run_dir: Path, group: SandboxCgroup | None) -> None:
         self.proc = proc
         self.run_dir = run_dir
         self.group = group
+        self.console = _Console(proc.stdout)
+        self.budget = _Budget(_PARSE_RATE_BYTES_S, _PARSE_BURST_BYTES)  # for the messages it sends
         self.sock: socket.socket | None = None
         self.egress: EgressPort | None = None
         self.egress_sock: socket.socket | None = None
@@ -438,23 +520,27 @@ class _Guest:
                 await asyncio.sleep(0.02)
 
     async def read_frames(self, sock: socket.socket) -> None:
-        """Read frames until the channel ends; a frame too large for the relay to have sent ends the VM."""
+        """Read frames until the channel ends. A frame larger than the relay sends of its kind (`_MAX_PAYLOAD`)
+        ends the VM; a message waits for the guest's parsing budget (`_PARSED`) before it is parsed."""
         loop = asyncio.get_running_loop()
         inbox = bytearray()
         try:
             while data := await loop.sock_recv(sock, _READ_BYTES):
                 inbox += data
-                while len(inbox) >= 4:
-                    size = int.from_bytes(inbox[:4], "big")
-                    if not 5 <= size <= _MAX_FRAME:
-                        logger.warning("microVM %s sent a frame of %d bytes: ending it", self.run_dir.name, size)
+                while len(inbox) >= 5:
+                    size, kind = int.from_bytes(inbox[:4], "big"), bytes(inbox[4:5])
+                    if _oversized(kind, size):
+                        name = self.run_dir.name
+                        logger.warning("microVM %s sent a %r frame of %d bytes: ending it", name, kind, size)
                         self.kill_vmm()
                         return
                     if len(inbox) < 4 + size:
                         break
                     body = bytes(inbox[4 : 4 + size])
                     del inbox[: 4 + size]
-                    self.on_frame(body[:1], int.from_bytes(body[1:5], "big"), body[5:])
+                    if kind in _PARSED and (wait_s := self.budget.spend(size + _FRAME_COST_BYTES)) > 0:
+                        await asyncio.sleep(wait_s)  # the channel is not read meanwhile: the guest waits
+                    self.on_frame(kind, int.from_bytes(body[1:5], "big"), body[5:])
                 # sock_recv returns at once while data waits: a guest that always has more would hold the loop.
                 await asyncio.sleep(0)
         except OSError:
@@ -513,7 +599,7 @@ class _Guest:
         if error is None:
             pty.opened.set_result(None)
             return
-        # Cut before it is cleaned: the guest's 1 MiB of NULs cost the event loop 0.2 s to clean whole.
+        # Cut before it is cleaned: a guest's 1 MiB of NULs (before the frame caps) cost the loop 0.2 s to clean.
         shown = sanitize_terminal(str(error)[: 4 * _MAX_AGENT_ERROR_CHARS])[:_MAX_AGENT_ERROR_CHARS]
         pty.opened.set_result(shown or "no reason given")
 
@@ -595,7 +681,7 @@ class _Guest:
 
     def why(self) -> str:
         """The last lines the VMM or the guest's console wrote: the reason it did not start."""
-        text = console_tail(self.run_dir / "console.log")
+        text = self.console.tail()
         lines = [line for line in text.splitlines() if line.strip() and not line.startswith("\x1b")]
         if self.proc.poll() is not None and self.proc.stderr is not None:
             with contextlib.suppress(OSError, ValueError):
@@ -604,6 +690,7 @@ class _Guest:
 
     def detach(self) -> None:
         """Stop reading the channels (called in the loop's thread), so their sockets can close under no reader."""
+        self.console.stop()
         if self.egress is not None:
             self.egress.close()
         for write in list(self.writes):  # the channel is closing: a frame cut now is read by nobody
@@ -632,8 +719,9 @@ class _Guest:
                 sock.close()
         with contextlib.suppress(Exception):
             self.proc.wait(timeout=_KILL_WAIT_S)
-        if self.proc.stderr is not None:
-            self.proc.stderr.close()
+        for pipe in (self.proc.stderr, self.proc.stdout):
+            if pipe is not None:
+                pipe.close()
         _remove_run_dir(self.run_dir)
         if self.group is not None:
             self.group.kill()
@@ -642,7 +730,7 @@ class _Guest:
 
 
 def _make_run_dir(identity: tuple[int, int] | None) -> Path:
-    """The VMM's folder (its socket, its console log), owned by its uid inside a folder of root's: the
+    """The VMM's folder (its sockets), owned by its uid inside a folder of root's: the
     VMM's uid may write in it but not rename it, so the paths root later reads, connects to and
     removes stay this folder (in /tmp, the owner of an entry may rename it and plant a link)."""
     outer = Path(tempfile.mkdtemp(prefix=f"{_RUN_PREFIX}{os.getpid()}-"))
@@ -655,7 +743,7 @@ def _make_run_dir(identity: tuple[int, int] | None) -> Path:
 
 
 def _remove_run_dir(run_dir: Path) -> None:
-    for name in ("agent.sock", "egress.sock", "console.log"):
+    for name in ("agent.sock", "egress.sock", "console.log"):  # console.log: an older server's (a file then)
         with contextlib.suppress(OSError):  # gone, or a folder the VMM's uid made there: left, never followed
             (run_dir / name).unlink()
     for folder in (run_dir, run_dir.parent):
@@ -676,7 +764,7 @@ def _mib(size: int) -> str:
 
 
 def recover_run_dirs(temp: Path | None = None) -> list[Path]:
-    """Remove the VMM folders (sockets, console logs) of servers no longer running, after killing any
+    """Remove the VMM folders (sockets; an older server's console logs) of servers no longer running, after killing any
     VMM still using one (its parent-death signal ends it with the server; this is for when it did not).
     A live server's folders, and anything not made by this account, are left alone. Returns those removed."""
     removed = []
