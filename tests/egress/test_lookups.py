@@ -29,6 +29,7 @@ from typing import TypeVar
 import pytest
 
 from bastion.config import parse_allow_rules
+from bastion.egress import _throttle
 from bastion.egress.proxy import EgressService
 from bastion.safety.audit import AuditLog, verify
 from bastion.safety.redact import Redactor
@@ -284,3 +285,43 @@ def test_sandbox_flooding_slow_dns_names_cannot_starve_another_sandboxs_lookups(
 
 def _records(tmp: Path) -> list[dict[str, object]]:
     return [json.loads(line) for line in (tmp / "audit.jsonl").read_text().splitlines()]
+
+
+def test_closing_and_making_sandboxes_whose_lookups_hang_cannot_grow_the_servers_threads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: a sandbox's lookups outlive its proxy (glibc cannot be interrupted), and each new
+    proxy had 8 fresh slots, so closing and making sandboxes whose lookups hang added 8 stuck threads each
+    time, against the server's task limit. Lookups in the resolver are counted for the whole process (here
+    capped at 12): past it, an attempt is refused 503 naming the reason, and no thread is made."""
+    cap = 12
+    monkeypatch.setattr(_throttle, "MAX_IN_RESOLVER", cap)
+    with _two_sandboxes(tmp_path) as two, concurrent.futures.ThreadPoolExecutor(LOOKUPS) as clients:
+        flood = [clients.submit(_connect_a, two, i) for i in range(LOOKUPS)]
+        wait_for(lambda: two.lookups_running(SANDBOX_A) == LOOKUPS)
+        two.service.stop(SANDBOX_A)  # its 8 lookups go on in the resolver
+        [f.result() for f in flood]
+        again = tmp_path / "a2.sock"
+        two.service.start(SANDBOX_A, parse_allow_rules(["*.slow.test:80"]), again)
+        forwarder, port = start_forwarder(again)
+        try:
+            second = [clients.submit(_ask_a, port, i) for i in range(LOOKUPS)]
+            statuses = sorted(f.result()[0] for f in second)
+            lookup_threads = sum(t.name.startswith("egress-lookup-") for t in threading.enumerate())
+            assert _throttle._in_resolver == cap
+            assert lookup_threads <= cap, lookup_threads
+            full = [s for s in statuses if "name lookups of all sandboxes are still waiting" in s]
+            assert len(full) == 2 * LOOKUPS - cap, statuses
+            assert all(s.startswith("HTTP/1.1 503") for s in full), statuses
+            # B too, while the resolver is full: the price of bounding the server's threads (SECURITY.md).
+            assert _get_b(two)[0].startswith("HTTP/1.1 503"), "B is refused while the resolver is full"
+            two.dns.release()
+            wait_for(lambda: _throttle._in_resolver == 0)
+            assert _ask_a(port, LOOKUPS)[0].startswith("HTTP/1.1 502 Bad Gateway"), "a slot again"
+            assert _get_b(two)[0] == "HTTP/1.1 200 OK"
+        finally:
+            stop_process(forwarder)
+
+
+def _ask_a(port: int, index: int) -> tuple[str, bytes, float]:
+    return _ask(port, f"CONNECT h{index}.slow.test:80 HTTP/1.1\r\nHost: h{index}.slow.test:80\r\n\r\n".encode())

@@ -25,6 +25,7 @@ import concurrent.futures
 import contextlib
 import errno
 import socket
+import threading
 import time
 from collections.abc import Callable
 
@@ -66,6 +67,34 @@ class LookupsBusy(Exception):
     """No lookup slot of the sandbox came free before the deadline."""
 
 
+class ResolverFull(Exception):
+    """`MAX_IN_RESOLVER` lookups of all sandboxes, stopped ones' included, are still in the resolver."""
+
+
+MAX_IN_RESOLVER = 256
+"""Lookups in glibc's resolver at once in this process, each on a thread of its own. A sandbox's lookups
+outlive its proxy (nothing interrupts glibc), so closing and making sandboxes could otherwise add 8 stuck
+threads each time, against the server's task limit, until their resolver gave up."""
+
+_in_resolver = 0
+_in_resolver_lock = threading.Lock()
+
+
+def _enter_resolver() -> bool:
+    global _in_resolver
+    with _in_resolver_lock:
+        if _in_resolver >= MAX_IN_RESOLVER:
+            return False
+        _in_resolver += 1
+        return True
+
+
+def _leave_resolver() -> None:
+    global _in_resolver
+    with _in_resolver_lock:
+        _in_resolver -= 1
+
+
 class NameLookups:
     """One sandbox's name lookups, on threads of its own, at most `limit` at once.
 
@@ -86,6 +115,7 @@ class NameLookups:
 
         Raises:
             LookupsBusy: every slot was still held at the deadline.
+            ResolverFull: `MAX_IN_RESOLVER` lookups of all sandboxes are still in the resolver.
             TimeoutError: the lookup itself did not end by the deadline (its thread and slot go on until it does).
             OSError: the resolver's failure (`socket.gaierror`), or no thread could be started.
         """
@@ -96,9 +126,13 @@ class NameLookups:
             raise LookupsBusy from None
         loop = asyncio.get_running_loop()
         answer: asyncio.Future[Resolved] = loop.create_future()
+        if not _enter_resolver():
+            self._slots.release()
+            raise ResolverFull
         try:
             self._threads.submit(self._lookup, loop, answer, host, port)
         except RuntimeError as exc:  # "can't start new thread", or the sandbox's proxy has stopped
+            _leave_resolver()
             self._slots.release()
             raise OSError(errno.EAGAIN, f"no thread for the lookup ({exc})") from None
         self.running += 1
@@ -116,6 +150,8 @@ class NameLookups:
             outcome = [(family, str(sockaddr[0])) for family, _, _, _, sockaddr in infos]
         except Exception as exc:  # gaierror, or UnicodeError for a name IDNA refuses: the caller's to judge
             outcome = exc
+        finally:
+            _leave_resolver()  # here, not on the loop: a stopped proxy's loop may never run again
         with contextlib.suppress(RuntimeError):  # the loop is closed (the service stopped): nobody waits
             loop.call_soon_threadsafe(self._finished, answer, outcome)
 

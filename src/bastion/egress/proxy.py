@@ -110,7 +110,7 @@ from bastion.egress._request import (
 
 # Re-exported: `Refused` is raised by the request parsing too, so it is defined there.
 from bastion.egress._request import Refused as Refused
-from bastion.egress._throttle import AttemptThrottle, LookupsBusy, NameLookups
+from bastion.egress._throttle import MAX_IN_RESOLVER, AttemptThrottle, LookupsBusy, NameLookups, ResolverFull
 from bastion.metrics import EgressVerdict, Metrics
 from bastion.safety.errors import AuditUnavailable, Conflict, InvalidRequest, OperationFailed, SandboxNotFound
 
@@ -442,6 +442,12 @@ class EgressProxy:
                 503,
                 f"resolving {host} waited {timeout_s:g} s for one of this sandbox's {lookups.limit} name lookups"
                 " in progress to end: its DNS answers slowly, try again later",
+            ) from None
+        except ResolverFull:
+            raise refused_error(
+                503,
+                f"resolving {host}: {MAX_IN_RESOLVER} name lookups of all sandboxes are still waiting for the "
+                "host's resolver (DNS answers slowly): try again later",
             ) from None
         except TimeoutError:
             raise refused_error(504, f"resolving {host} took longer than {timeout_s:g} s") from None
