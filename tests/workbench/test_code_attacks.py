@@ -16,7 +16,7 @@ import pytest
 from mcp import Client
 
 from bastion.app import Services
-from bastion.workbench.code import MAX_IMAGES, MAX_SVG_BYTES
+from bastion.workbench.code import MAX_CELL_IMAGE_BYTES, MAX_IMAGES, MAX_SVG_BYTES
 from tests.helpers import LoopLag, audit_record, call, create, sh
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
@@ -247,7 +247,8 @@ async def test_protocol_output_in_one_byte_messages_is_whole_and_redacted(client
 async def test_svg_images_of_secret_shaped_text_are_redacted_off_the_loop_and_capped(client: Client) -> None:
     """Attack: the code sends 8 SVG images of 4 MiB of `token: a` lines on its own protocol channel. Each was
     redacted on the event loop in one step: 18 s in which every client and sandbox waited. An SVG over
-    `MAX_SVG_BYTES` is now dropped (`truncated`); those under it are redacted in a worker thread."""
+    `MAX_SVG_BYTES` is now dropped (`truncated`); those under it are redacted in a worker thread, and returned
+    within `MAX_CELL_IMAGE_BYTES` once redacted (a marker is longer than the `a` it replaces)."""
     a, b = await prepared(client)
     fill = "token: a\n"
     code = CHANNEL + (
@@ -260,7 +261,10 @@ async def test_svg_images_of_secret_shaped_text_are_redacted_off_the_loop_and_ca
     assert result["ok"], result
     assert stall < MAX_STALL_S, f"the loop stalled {stall:.2f} s"
     images = result["detail"]["images"]
-    assert len(images) == MAX_IMAGES - 1  # the one over the cap dropped
+    assert 0 < len(images) < MAX_IMAGES - 1  # the one over the SVG cap dropped, then what did not fit
+    assert sum(image["bytes"] for image in images) <= MAX_CELL_IMAGE_BYTES
     assert all(image["bytes"] > MAX_SVG_BYTES for image in images)  # redacted: every token a marker
     assert result["detail"]["truncated"] is True
+    dropped = MAX_IMAGES - len(images)
+    assert result["detail"]["images_note"].startswith(f"{dropped} image(s) dropped: a cell returns at most"), result
     await assert_sandbox_lives(client, a)

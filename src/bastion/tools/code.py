@@ -5,9 +5,10 @@ Wiring only (`audited_tool`): the contexts live in `bastion.workbench.code`; the
 
 from __future__ import annotations
 
+import asyncio
 import base64
 from collections.abc import Callable
-from typing import Annotated, Literal
+from typing import Annotated, Final, Literal
 
 from mcp.server.mcpserver import Context
 from mcp_types import ImageContent, ToolAnnotations
@@ -19,8 +20,9 @@ from bastion.tools._call import UNNAMED, Outcome
 from bastion.tools.audited import Audit, audited_tool, workspace_of
 from bastion.tools.server import BastionServer
 from bastion.tools.workbench import command_result
-from bastion.workbench.code import CellResult, Language
+from bastion.workbench.code import CellResult, Image, Language
 from bastion.workbench.manager import SandboxManager
+from bastion.workbench.media import ImageBudget
 from bastion.workbench.packages import install
 from bastion.workbench.progress import LineProgress
 from bastion.workbench.registry import WorkspaceRegistry
@@ -33,6 +35,9 @@ _READS = ToolAnnotations(read_only_hint=True, destructive_hint=False, idempotent
 # It reaches the package registry; it adds to the sandbox's own environment (an upgrade replaces a version,
 # nothing else), and the same requirement twice leaves the same environment.
 _INSTALLS = ToolAnnotations(read_only_hint=False, destructive_hint=False, idempotent_hint=True, open_world_hint=True)
+# binascii holds the GIL for one whole call (~3 ms per MiB): encoded in pieces, a worker thread lets the
+# event loop in between. A multiple of 3, so that the pieces' encodings join into the whole's.
+_BASE64_PIECE_BYTES: Final = 3 << 16
 
 
 def cell_result(result: CellResult, extra: dict[str, object]) -> OperationResult:
@@ -57,6 +62,7 @@ def cell_result(result: CellResult, extra: dict[str, object]) -> OperationResult
             }
             for i, image in enumerate(result.images)
         ],
+        "images_note": result.image_note or None,
         "truncated": result.truncated,
         "context_state": "alive" if result.context_alive else "dead",
     }
@@ -82,11 +88,24 @@ def cell_result(result: CellResult, extra: dict[str, object]) -> OperationResult
     return OperationResult.success(UNNAMED, detail, code=code)
 
 
+def image_contents(images: list[Image]) -> list[ImageContent]:
+    """The images as MCP content, base64-encoded (run in a worker thread: up to MAX_CELL_IMAGE_BYTES)."""
+    return [ImageContent(type="image", data=_base64(image.data), mime_type=image.mime_type) for image in images]
+
+
+def _base64(data: bytes) -> str:
+    view = memoryview(data)
+    pieces = (base64.b64encode(view[at : at + _BASE64_PIECE_BYTES]) for at in range(0, len(data), _BASE64_PIECE_BYTES))
+    return b"".join(pieces).decode("ascii")
+
+
 def register_code(
     server: BastionServer, sandboxes: SandboxManager, registry: WorkspaceRegistry, config: SandboxesConfig
 ) -> None:
     """Add the code tools to `server`; install_package only if the config names a package registry."""
     in_sandbox = workspace_of("sandbox_id")
+    # One per server (a process serves one): the image bytes its code calls hold, all sandboxes together.
+    image_budget = ImageBudget()
     network = bool(config.network.allow)
     runs = ToolAnnotations(read_only_hint=False, destructive_hint=True, idempotent_hint=False, open_world_hint=network)
 
@@ -136,14 +155,19 @@ def register_code(
 
         sandbox_only(sandbox_id, "execute_code")
         box = sandboxes.get(sandbox_id)
-        result = await box.code.run(
-            code, language=language, context=context, restart=restart, timeout_s=timeout_s, progress=progress
-        )
-        images = [
-            ImageContent(type="image", data=base64.b64encode(image.data).decode("ascii"), mime_type=image.mime_type)
-            for image in result.images
-        ]
-        return Outcome(cell_result(result, {"language": language, "context": context}), images=images)
+        # The lease holds the images' bytes until this returns: not while the transport sends the answer.
+        with image_budget.lease() as lease:
+            result = await box.code.run(
+                code,
+                language=language,
+                context=context,
+                restart=restart,
+                timeout_s=timeout_s,
+                progress=progress,
+                images=lease,
+            )
+            images = await asyncio.to_thread(image_contents, result.images) if result.images else []
+            return Outcome(cell_result(result, {"language": language, "context": context}), images=images)
 
     @audited_tool(
         server,

@@ -33,6 +33,7 @@ from bastion.safety.redact import Redactor
 from bastion.sandbox import KERNEL_PATH, REPL_PATH, SANDBOX_PATH, SANDBOX_WORKSPACE
 from bastion.sandbox.backend import Process
 from bastion.sandbox.processes import RingCapture
+from bastion.workbench.media import ImageLease
 from bastion.workbench.workspace import OWN_VENV, SYSTEM_PYTHON, HostWorkspace
 
 logger = logging.getLogger("bastion.code")
@@ -50,6 +51,10 @@ MAX_CODE_BYTES: Final = 1 << 20
 MAX_HEADER_BYTES: Final = 4096
 MAX_IMAGE_BYTES: Final = 4 << 20
 MAX_IMAGES: Final = 8
+MAX_CELL_IMAGE_BYTES: Final = 4 << 20
+"""Of all the images of one cell, as their headers declare them and as returned (an SVG grows when redacted).
+Eight of 4 MiB each, base64-encoded on the event loop, took half a GiB of server memory per 8 contexts and
+stalled other sandboxes for seconds. An image past it is never read: dropped on its header, with a note."""
 MAX_SVG_BYTES: Final = 512 << 10
 """An SVG is text, redacted like output: 0.4 s of CPU per MiB of the worst text (secret-shaped
 `token: a` lines); eight of 4 MiB held the event loop for 18 s. A plot is tens of KiB; a larger SVG
@@ -126,6 +131,8 @@ class CellResult:
     """The value's `_repr_html_`, as text."""
     exit_status: int | None = None
     """bash: the cell's $?."""
+    image_note: str = ""
+    """Which images were dropped, and why (the cell's caps, or the server's budget of images in flight)."""
 
 
 PayloadSink = Callable[[bytes | None], None]
@@ -310,6 +317,12 @@ class _Cell:
     display: dict[str, bytes] = field(default_factory=dict)
     error: dict[str, bytes] = field(default_factory=dict)
     images: list[Image] = field(default_factory=list)
+    lease: ImageLease | None = None
+    """The call's share of the server's image budget; None: no budget but the cell's own caps."""
+    image_count: int = 0  # images taken on their headers
+    image_bytes: int = 0
+    images_over_cap: int = 0
+    images_over_budget: int = 0
 
     def add(self, stream: int, raw: bytes | None) -> None:
         """Gather output to clean in batches of _CLEAN_BATCH_BYTES. Past the cap, bytes only mark
@@ -348,17 +361,60 @@ class _Cell:
             self.truncated = True
             self.sizes[stream] = self.cap
 
-    def add_image(self, data: bytes, mime_type: str, width: int, height: int) -> None:
-        # Only a real PNG, or UTF-8 text with an <svg> element, goes to the client as an image
-        # (an SVG is redacted when the result is made); the size fields are the kernel's word.
-        if mime_type == PNG and not data.startswith(b"\x89PNG\r\n\x1a\n"):
-            return
-        if mime_type == SVG and b"<svg" not in data:
-            return
-        if mime_type == SVG and len(data) > MAX_SVG_BYTES:
-            self.truncated = True
-            return
-        self.images.append(Image(data, mime_type, max(0, width), max(0, height)))
+    def image_sink(self, size: int, mime_type: str, width: int, height: int) -> PayloadSink:
+        """Where an image's payload goes: gathered if the cell takes it (`admit_image`), else dropped unread."""
+        if not self.admit_image(size, mime_type):
+            return _discard
+        parts = bytearray()
+
+        def sink(chunk: bytes | None) -> None:
+            if self.done.done():
+                parts.clear()  # the call has ended (the kernel died mid-image): nobody takes it
+            elif chunk is not None:
+                parts.extend(chunk)
+            elif mime_type != PNG or parts.startswith(b"\x89PNG\r\n\x1a\n"):
+                # Only a PNG by its magic, or an SVG (checked when redacted), goes to the client as an
+                # image; the size fields are the kernel's word.
+                self.images.append(Image(bytes(parts), mime_type, max(0, width), max(0, height)))
+
+        return sink
+
+    def admit_image(self, size: int, mime_type: str) -> bool:
+        """Whether an image whose header declares `size` bytes is taken: within the cell's count and bytes
+        (an SVG within MAX_SVG_BYTES) and the server's budget. Decided on the header, so the payload of one
+        refused is never held; each refusal is counted for the note."""
+        if self.done.done():
+            return False
+        if (
+            self.image_count >= MAX_IMAGES
+            or self.image_bytes + size > MAX_CELL_IMAGE_BYTES
+            or (mime_type == SVG and size > MAX_SVG_BYTES)
+        ):
+            self.images_over_cap += 1
+        elif self.lease is not None and not self.lease.take(size):
+            self.images_over_budget += 1
+        else:
+            self.image_count += 1
+            self.image_bytes += size
+            return True
+        self.truncated = True
+        return False
+
+    def image_note(self) -> str:
+        """One line on the images dropped, if any."""
+        notes = []
+        if self.images_over_cap:
+            notes.append(
+                f"{self.images_over_cap} image(s) dropped: a cell returns at most {MAX_IMAGES} images of "
+                f"{MAX_CELL_IMAGE_BYTES >> 20} MiB in all (an SVG at most {MAX_SVG_BYTES >> 10} KiB); "
+                "save larger ones to a file and read them from there"
+            )
+        if self.images_over_budget and self.lease is not None:
+            notes.append(
+                f"{self.images_over_budget} image(s) dropped: the server already holds its "
+                f"{self.lease.budget.limit_bytes >> 20} MiB of images for calls in progress; run the code again"
+            )
+        return "; ".join(notes)
 
     def finish(self) -> tuple[str, str]:
         for stream, cleaner in enumerate((self.stdout, self.stderr)):
@@ -401,6 +457,9 @@ class CodeContext:
         self._count = 0
         self._lock = asyncio.Lock()
         self._killing: asyncio.Task[None] | None = None  # held: a task nobody references may vanish
+        self._starting: asyncio.Task[None] | None = None
+        self._waiters = 0  # calls waiting for the start
+        self._on_failure: Callable[[], None] = lambda: None
         self.broken = ""  # how the kernel broke the protocol, once it has
         self.started = time.monotonic()
 
@@ -416,10 +475,52 @@ class CodeContext:
         return {
             "context": self.name,
             "language": self.language,
-            "state": ("busy" if self.busy else "idle") if self.alive else "dead",
+            "state": ("busy" if self.busy or self.starting else "idle") if self.alive or self.starting else "dead",
             "execution_count": self._count,
             "age_s": round(time.monotonic() - self.started, 3),
         }
+
+    @property
+    def starting(self) -> bool:
+        return self._starting is not None and not self._starting.done()
+
+    def begin(self, *, after: CodeContext | None, on_failure: Callable[[], None]) -> None:
+        """Start the kernel in a task of the context's own (once `after`, a dead context it replaces, is
+        killed): every call waiting for this context shares the one start. `on_failure` runs if the start
+        fails, or once every call waiting for it has gone away."""
+
+        async def run() -> None:
+            try:
+                if after is not None:
+                    await after.kill()  # lets go of its pipes, which a child it left may hold
+                await self.start()
+            except BaseException:
+                on_failure()
+                raise
+
+        self._on_failure = on_failure
+        self._starting = asyncio.get_running_loop().create_task(run())
+        # Its error reaches every waiter; if none is left, retrieving it here keeps asyncio from logging it.
+        self._starting.add_done_callback(lambda task: task.cancelled() or task.exception())
+
+    async def wait_started(self) -> None:
+        """Wait for the start `begin` made. A caller cancelled leaves it to the others; the last one to go
+        cancels it, and returns once the kernel is killed (nobody would own it).
+
+        Raises:
+            Unavailable: the kernel did not start (or another error of the start, the same for every waiter).
+        """
+        task = self._starting
+        assert task is not None
+        self._waiters += 1
+        try:
+            await asyncio.shield(task)
+        finally:
+            self._waiters -= 1
+            if not self._waiters and not task.done():
+                self._on_failure()  # out of the table at once: a call from now on starts a fresh context
+                task.cancel()
+                await asyncio.wait([task])
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -448,8 +549,8 @@ class CodeContext:
             await self.kill()
             raise Unavailable(f"the {NAMES[self.language]} context did not start: {reason}") from None
         except BaseException:
-            # Cancelled (the client went away): nobody would own the kernel (its context is kept only once
-            # started), which would run on, holding its pipes, until the sandbox closes.
+            # Cancelled (the server is stopping): the kernel would run on, holding its pipes, until the
+            # sandbox closes.
             await asyncio.shield(self.kill())
             raise
 
@@ -487,14 +588,12 @@ class CodeContext:
         if event == "error":
             name = message.get("field")
             return _collect(lambda data: cell.error.__setitem__(str(name), data)) if name in _ERROR_FIELDS else _discard
-        if len(cell.images) >= MAX_IMAGES:
-            return _discard
         mime = message.get("mime", PNG)
         if mime not in (PNG, SVG):
             return _discard
         width, height = message.get("width"), message.get("height")
         size = (width if type(width) is int else 0, height if type(height) is int else 0)
-        return _collect(lambda data: cell.add_image(data, str(mime), *size))
+        return cell.image_sink(message["bytes"], str(mime), *size)
 
     def _on_eof(self) -> None:
         """The kernel exited or was killed: the context is over."""
@@ -519,7 +618,15 @@ class CodeContext:
         if cell is not None and not cell.done.done():
             cell.done.set_result(message)
 
-    async def execute(self, code: str, *, timeout_s: float, max_output_chars: int, progress: Progress) -> CellResult:
+    async def execute(
+        self,
+        code: str,
+        *,
+        timeout_s: float,
+        max_output_chars: int,
+        progress: Progress,
+        images: ImageLease | None = None,
+    ) -> CellResult:
         if self._lock.locked():
             raise Conflict(f"context {self.name!r} is running other code: wait for it, or restart the context")
         async with self._lock:
@@ -535,6 +642,7 @@ class CodeContext:
                 stderr=OutputCleaner(self._redactor),
                 cap=max_output_chars,
                 done=loop.create_future(),
+                lease=images,
             )
             self._cell = cell
             try:
@@ -568,7 +676,12 @@ class CodeContext:
                 # Silent code reports too: a client may reset its request timeout on progress.
                 await progress(cell.tail())
         done = message is not None and message.get("event") == "done"
-        images = await asyncio.to_thread(self._redacted_images, cell.images) if done and cell.images else []
+        images: list[Image] = []
+        if done and cell.images:
+            # A copy: the kernel may still send images of this cell (dropped: it is done) meanwhile.
+            images, cut = await asyncio.to_thread(self._redacted_images, list(cell.images))
+            cell.images_over_cap += cut
+            cell.truncated = cell.truncated or cut > 0
         return self._result(cell, message, timed_out, images)
 
     async def _interrupt(self, cell: _Cell) -> dict[str, Any] | None:
@@ -601,17 +714,32 @@ class CodeContext:
             timed_out=timed_out,
             context_alive=self.alive and done,
             protocol_error=str(message.get("reason", "")) if broken and message is not None else "",
+            image_note=cell.image_note(),
         )
 
-    def _redacted_images(self, images: list[Image]) -> list[Image]:
-        """The images to return, SVGs redacted (run in a worker thread: `MAX_SVG_BYTES`)."""
-        return [kept for image in images if (kept := self._redacted(image))]
+    def _redacted_images(self, images: list[Image]) -> tuple[list[Image], int]:
+        """The images to return, SVGs redacted, within MAX_CELL_IMAGE_BYTES once redacted; and how many did
+        not fit (run in a worker thread: `MAX_SVG_BYTES`)."""
+        kept: list[Image] = []
+        total = cut = 0
+        for image in images:
+            redacted = self._redacted(image)
+            if redacted is None:
+                continue
+            if total + len(redacted.data) > MAX_CELL_IMAGE_BYTES:
+                cut += 1
+                continue
+            total += len(redacted.data)
+            kept.append(redacted)
+        return kept, cut
 
     def _redacted(self, image: Image) -> Image | None:
         """An SVG is text the agent made: redacted like its output (a secret in it becomes [REDACTED]);
-        one that is not UTF-8 is no SVG, and is dropped."""
+        one that is not UTF-8 or has no <svg> element is no SVG, and is dropped."""
         if image.mime_type != SVG:
             return image
+        if b"<svg" not in image.data:
+            return None
         try:
             text = image.data.decode("utf-8")
         except UnicodeDecodeError:
@@ -653,8 +781,10 @@ class CodeRunner:
         restart: bool,
         timeout_s: float | None,
         progress: Progress,
+        images: ImageLease | None = None,
     ) -> CellResult:
-        """Run `code` in the named context of `language`, started (or restarted) as needed.
+        """Run `code` in the named context of `language`, started (or restarted) as needed. Its images take
+        their bytes from `images` (the server's budget; None: the cell's own caps only).
 
         Raises:
             InvalidRequest: bad code, context name or timeout; an unknown language.
@@ -670,33 +800,61 @@ class CodeRunner:
         limit = _limit(timeout_s, config.timeout_s)
         sandbox = self._workspace.sandbox
         ooms = sandbox.oom_kills()
-        result = await ctx.execute(code, timeout_s=limit, max_output_chars=config.max_output_bytes, progress=progress)
+        result = await ctx.execute(
+            code, timeout_s=limit, max_output_chars=config.max_output_bytes, progress=progress, images=images
+        )
         if not result.context_alive and sandbox.oom_kills() > ooms:
             result.oom_killed = True
             result.memory_note = sandbox.memory_note()
         return result
 
     async def _context(self, language: Language, name: str, restart: bool) -> CodeContext:
+        """The named context, started once however many calls ask for it at the same time.
+
+        A context is entered in `_contexts` (and counts against MAX_CONTEXTS) before its kernel starts, and
+        the calls that find it starting wait for that one start: overlapping calls started a kernel each,
+        past the limit, and all but the last were left running, owned by nobody. A restart finding the
+        context starting takes that fresh start as its own.
+        """
         if not name or len(name) > _CONTEXT_NAME_MAX or not name.replace("-", "").replace("_", "").isalnum():
             raise InvalidRequest(f"context names are letters, digits, '-' and '_', at most {_CONTEXT_NAME_MAX}")
         key = (language, name)
         existing = self._contexts.get(key)
-        if existing is not None and restart:
-            await existing.kill()  # a busy context too: restart is how an agent gets out of a stuck one
+        if existing is not None and restart and not existing.starting:
+            # Out of the table before the await: a call meanwhile starts a fresh one, which this one then uses.
             del self._contexts[key]
-            existing = None
-        if existing is not None:
-            return existing
+            # A busy context too: restart is how an agent gets out of a stuck one. Shielded: a caller that
+            # goes away mid-kill would leave a kernel nobody owns.
+            await asyncio.shield(existing.kill())
+            existing = self._contexts.get(key)
+        if existing is None:
+            existing = self._reserve(key)
+        await existing.wait_started()
+        return existing
+
+    def _reserve(self, key: tuple[Language, str]) -> CodeContext:
+        """A new context entered under `key` and starting, without awaiting anything before it is entered.
+
+        Raises:
+            ResourceLimit: MAX_CONTEXTS are open (starting ones included) and none of them is dead.
+        """
+        language, name = key
         argv = self._argv(language)
+        dead: CodeContext | None = None
         if len(self._contexts) >= MAX_CONTEXTS:
-            dead = [key for key, ctx in self._contexts.items() if not ctx.alive]
-            if not dead:
+            dead_key = next((k for k, ctx in self._contexts.items() if not ctx.alive and not ctx.starting), None)
+            if dead_key is None:
                 raise ResourceLimit(f"{MAX_CONTEXTS} contexts are open in this sandbox: restart one instead")
-            await self._contexts.pop(dead[0]).kill()  # lets go of its pipes, which a child it left may hold
+            dead = self._contexts.pop(dead_key)
         created = CodeContext(name, language, self._workspace, self._redactor, argv)
-        await created.start()
         self._contexts[key] = created
+        created.begin(after=dead, on_failure=lambda: self._forget(key, created))
         return created
+
+    def _forget(self, key: tuple[Language, str], context: CodeContext) -> None:
+        """Take out a context whose start failed (unless a restart has already replaced it)."""
+        if self._contexts.get(key) is context:
+            del self._contexts[key]
 
     def _argv(self, language: Language) -> tuple[str, ...]:
         """How a context of `language` starts; bash and JavaScript need a sandbox that allows a shell."""

@@ -1,7 +1,10 @@
-"""Images a file tool returns as MCP image content: the type told by the magic bytes, never the name."""
+"""Images returned as MCP image content: a file tool's (the type told by the magic bytes, never the name),
+and the server-wide budget of image bytes that code calls hold."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Final
 
@@ -33,3 +36,55 @@ def image_type(data: bytes) -> str | None:
     if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
         return "image/webp"
     return None
+
+
+MAX_IMAGE_BYTES_IN_FLIGHT: Final = 16 << 20
+"""Image bytes the server holds for the code calls in progress, all sandboxes together: four cells' worth
+(`bastion.workbench.code.MAX_CELL_IMAGE_BYTES`). 32 contexts each returning 32 MiB of images took 1.4 GiB of
+server memory and stalled every other sandbox for seconds."""
+
+
+class ImageBudget:
+    """The image bytes held by calls in progress, server-wide; a call takes its share through a lease.
+
+    What it bounds: an image counts, at the size its header declares, from the moment its header is read
+    (before its bytes are) until the tool call that asked for it returns. It does not count the answer
+    after that, while the transport sends it (a slow client's answers queue in the MCP SDK); each call's
+    own cap bounds that. Used on the event loop only (no lock).
+    """
+
+    def __init__(self, limit_bytes: int = MAX_IMAGE_BYTES_IN_FLIGHT) -> None:
+        self.limit_bytes = limit_bytes
+        self.held_bytes = 0
+
+    @contextlib.contextmanager
+    def lease(self) -> Iterator[ImageLease]:
+        """A share for one call, given back whole when the block ends (an error or a cancellation too)."""
+        lease = ImageLease(self)
+        try:
+            yield lease
+        finally:
+            lease.close()
+
+
+class ImageLease:
+    """One call's share of an `ImageBudget`."""
+
+    def __init__(self, budget: ImageBudget) -> None:
+        self.budget = budget
+        self.taken_bytes = 0
+        self.closed = False
+
+    def take(self, size: int) -> bool:
+        """Hold `size` bytes more; False, holding nothing, if the budget has no room or the call has ended."""
+        budget = self.budget
+        if self.closed or budget.held_bytes + size > budget.limit_bytes:
+            return False
+        budget.held_bytes += size
+        self.taken_bytes += size
+        return True
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.budget.held_bytes -= self.taken_bytes
