@@ -12,6 +12,7 @@ from mcp import Client
 
 from bastion.app import Services
 from bastion.sandbox.processes import OutputLog
+from bastion.workbench import background
 from bastion.workbench.background import MAX_ARGV_CHARS, MAX_PROCESSES, RING_BYTES
 from tests.helpers import Payload, call, create, processes_with
 
@@ -440,3 +441,50 @@ async def test_a_hostile_command_line_is_listed_cleaned_and_bounded(client: Clie
     assert argv[:5] == ["python3", "-c", "import time; time.sleep(4323.5)", "red", "[REDACTED:github_token]"]
     assert set(argv[5]) == {"x"}  # the huge argument, cut
     assert sum(len(arg) for arg in argv) <= MAX_ARGV_CHARS
+
+
+def _held(services: Services, box: str) -> list[tuple[int, int, int]]:
+    """(stdout ring bytes, stderr ring bytes, log characters) the server holds for each of a sandbox's processes."""
+    records = services.sandboxes.get(box).workspace.processes._records.values()
+    return [(r.process.stdout.total - r.process.stdout.start, r.process.stderr.total - r.process.stderr.start,
+             r.log.end - r.log.start) for r in records]  # fmt: skip
+
+
+async def test_many_sandboxes_of_chatty_background_processes_cannot_hold_the_servers_memory(
+    client: Client, services: Services, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Attack (found by attack): 16 background processes writing without end in each of 16 sandboxes; each kept
+    1 MiB of raw output a stream and 1M characters of cleaned log (4 MB of emoji), ~85 MiB a sandbox and ~1.3
+    GiB in all, past the ~300 MiB the systemd unit leaves the server. Every process's share is now an equal
+    part of the server's room (here shrunk to 1 MiB of rings and 256 Ki characters of logs): the oldest output
+    goes first, reads say what was dropped, and a process ending gives its share back."""
+    monkeypatch.setattr(background, "SERVER_RING_BYTES", 1 << 20)
+    monkeypatch.setattr(background, "SERVER_LOG_CHARS", 256 << 10)
+    first = await create(client)
+    pids = [await start(client, first, "yes '\U0001f98a chatty'") for _ in range(4)]
+    deadline = time.monotonic() + 30
+    while True:
+        listed = (await call(client, "list_processes", sandbox_id=first))["detail"]["processes"]
+        if all(int(p["output_bytes"]) > 2 << 20 for p in listed):
+            break
+        assert time.monotonic() < deadline, listed
+        await anyio.sleep(0.05)
+    for pid in pids:
+        for _ in range(4):  # each read cleans at most max_output_bytes into the log
+            await read(client, first, pid)
+    for out, err, log in _held(services, first):
+        assert out <= 128 << 10, out  # 1 MiB over 4 processes' 2 streams
+        assert err == 0
+        assert log <= 64 << 10, log
+    second = await create(client)
+    for _ in range(4):
+        await start(client, second, "sleep 600")
+    for out, _, log in _held(services, first):  # 8 processes now: the first four's shares halved at once
+        assert out <= 64 << 10, out
+        assert log <= 32 << 10, log
+    assert (await call(client, "close_sandbox", sandbox_id=second))["ok"]
+    assert background.SHARES.shares() == (128 << 10, 64 << 10), "the closed sandbox's processes gave theirs back"
+    detail = await read(client, first, pids[0])
+    assert int(str(detail["dropped_bytes"])) > 0
+    assert "\U0001f98a chatty\n" in str(detail["stdout"])
+    assert (await call(client, "close_sandbox", sandbox_id=first))["ok"]

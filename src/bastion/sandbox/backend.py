@@ -79,6 +79,10 @@ class OutputRing(Protocol):
         """At most `limit` bytes from `offset` (or from `start`, if later), and where they begin."""
         ...
 
+    def limit(self, cap: int) -> None:
+        """Keep at most the newest `cap` bytes from now on; the oldest beyond them go at once."""
+        ...
+
 
 class Process(Protocol):
     """A command running in the background of a sandbox, as the host sees it."""

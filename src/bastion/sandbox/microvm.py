@@ -304,6 +304,12 @@ class _Stream:
         self.closed = True
         self.ended.set()
 
+    def limit(self, cap: int) -> None:
+        """A background ring keeps at most the newest `cap` bytes from now on."""
+        self.cap = cap
+        if self.newest:
+            del self.kept[: max(0, len(self.kept) - cap)]
+
     def read(self, offset: int, limit: int) -> tuple[int, bytes]:
         begin = max(offset, self.start)
         index = begin - self.start

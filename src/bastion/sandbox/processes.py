@@ -125,9 +125,17 @@ class RingCapture(PipeCapture):
 
     def _keep(self, chunk: bytes) -> None:
         self._ring += chunk
+        self._trim()
+
+    def _trim(self) -> None:
         excess = len(self._ring) - self.cap
         if excess > 0:
             del self._ring[:excess]  # O(1) at the front of a bytearray
+
+    def limit(self, cap: int) -> None:
+        """Keep at most the newest `cap` bytes from now on (the server's share for it: `OutputShares`)."""
+        self.cap = cap
+        self._trim()
 
     def read(self, offset: int, limit: int) -> tuple[int, bytes]:
         """At most `limit` bytes from `offset` (or from `start`, if that is later); and where they begin."""
@@ -256,6 +264,14 @@ class OutputLog:
             return
         self._chunks.append((self.end, stream, text))
         self.end += len(text)
+        self._trim()
+
+    def limit(self, cap: int) -> None:
+        """Keep at most the newest `cap` characters from now on."""
+        self.cap = cap
+        self._trim()
+
+    def _trim(self) -> None:
         while self.end - self.start > self.cap:
             offset, kind, chunk = self._chunks[0]
             excess = self.end - self.cap - offset

@@ -22,8 +22,12 @@ from bastion.sandbox.command_groups import Leftover
 from bastion.sandbox.processes import OutputLog
 
 MAX_PROCESSES: Final = 16  # background processes per sandbox, running or exited (the oldest exited go first)
-RING_BYTES: Final = 1 << 20  # raw output kept per stream of a background process
-LOG_CHARS: Final = 1 << 20  # cleaned output kept per background process, both streams
+RING_BYTES: Final = 1 << 20  # raw output kept per stream of a background process, while the server has room
+LOG_CHARS: Final = 1 << 20  # cleaned output kept per background process, both streams, likewise
+SERVER_RING_BYTES: Final = 64 << 20  # raw output kept for all background processes of the server
+SERVER_LOG_CHARS: Final = 16 << 20  # cleaned output kept for all of them (a character is up to 4 bytes)
+MIN_RING_BYTES: Final = 16 << 10  # a process's share when very many run
+MIN_LOG_CHARS: Final = 16 << 10
 MAX_INPUT_BYTES: Final = 65_536  # per send_process_input call
 INPUT_TIMEOUT_S: Final = 5.0  # for the process to take its input
 EXIT_OUTPUT_WAIT_S: Final = 1.0  # after an exit, for the last output to arrive
@@ -67,6 +71,44 @@ class Background:
         }
 
 
+class OutputShares:
+    """The server's room for background processes' output, shared out equally among all of them.
+
+    Each keeps `RING_BYTES` of raw output a stream and `LOG_CHARS` of cleaned log while that fits in
+    `SERVER_RING_BYTES` and `SERVER_LOG_CHARS`, and an equal share of them as more run (the oldest output of
+    each goes first, as when its own ring is full). Per sandbox alone, 16 processes x 16 sandboxes held up to
+    ~1.3 GiB of the server's memory, past the ~300 MiB the systemd unit leaves it beside its sandboxes.
+    """
+
+    def __init__(self) -> None:
+        self._records: dict[int, Background] = {}
+
+    def join(self, record: Background) -> None:
+        self._records[id(record)] = record
+        self._share()
+
+    def leave(self, record: Background) -> None:
+        if self._records.pop(id(record), None) is not None:
+            self._share()
+
+    def shares(self) -> tuple[int, int]:
+        """(bytes of ring a stream, characters of log) each process may keep now."""
+        count = max(1, len(self._records))
+        ring = max(MIN_RING_BYTES, min(RING_BYTES, SERVER_RING_BYTES // (2 * count)))
+        return ring, max(MIN_LOG_CHARS, min(LOG_CHARS, SERVER_LOG_CHARS // count))
+
+    def _share(self) -> None:
+        ring, log = self.shares()
+        for record in self._records.values():
+            record.process.stdout.limit(ring)
+            record.process.stderr.limit(ring)
+            record.log.limit(log)
+
+
+SHARES: Final = OutputShares()
+"""One per server process: every sandbox's background processes share it."""
+
+
 class BackgroundProcesses:
     """The background processes of one sandbox, by pid, at most `MAX_PROCESSES`."""
 
@@ -90,7 +132,9 @@ class BackgroundProcesses:
         if not exited:
             raise ResourceLimit(f"{MAX_PROCESSES} background processes are running: kill_process one first")
         # Let go of its output too: a child it left running may hold the pipes open for ever.
-        self._records.pop(exited[0]).process.close()
+        dropped = self._records.pop(exited[0])
+        SHARES.leave(dropped)
+        dropped.process.close()
 
     def add(self, process: Process, argv: tuple[str, ...]) -> Background:
         """Keep a started process (`argv` already redacted) under the next pid."""
@@ -103,6 +147,7 @@ class BackgroundProcesses:
         )
         self._next_id += 1
         self._records[record.id] = record
+        SHARES.join(record)
         return record
 
     def _get(self, pid: int) -> Background:
@@ -164,6 +209,8 @@ class BackgroundProcesses:
         return {**record.summary(), "killed": was_running}
 
     def clear(self) -> None:
+        for record in self._records.values():
+            SHARES.leave(record)
         self._records.clear()
 
     def leftovers(self) -> list[dict[str, object]]:
