@@ -12,16 +12,15 @@ up on still holds its thread until the resolver returns (its timeouts and retrie
 against a DNS server that never answers). On the event loop's default executor (cpus + 4 threads,
 shared by every sandbox), one sandbox asking for its own allowed names whose DNS never answers held
 every thread, and other sandboxes' lookups queued behind them until they timed out (504). Each
-sandbox now has its own threads (`limit` at most, made as needed, kept while its proxy runs), and a
-lookup holds one of its sandbox's `limit` slots until its thread returns; past `limit` at once, a
-sandbox's lookups wait for one of its own slots. So a lookup never waits for a thread held by
-another sandbox, nor for a stuck one of its own sandbox: a sandbox's slow DNS delays only that sandbox.
+sandbox now has threads of its own (one per lookup, `limit` at most), and a lookup holds one of its
+sandbox's `limit` slots until its thread returns; past `limit` at once, a sandbox's lookups wait for one
+of its own slots. So a lookup never waits for a thread held by another sandbox, nor for a stuck one of
+its own sandbox: a sandbox's slow DNS delays only that sandbox.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import errno
 import socket
@@ -96,9 +95,14 @@ def _leave_resolver() -> None:
 
 
 class NameLookups:
-    """One sandbox's name lookups, on threads of its own, at most `limit` at once.
+    """One sandbox's name lookups, each on a thread of its own, at most `limit` at once.
 
-    Use from the event loop that made it (the egress proxy's); `running` counts the lookups still in the resolver.
+    A thread per lookup rather than a pool: its bookkeeping (the sandbox's slot, the server's count of
+    lookups in the resolver) is then exact on every path. A pool queued the work before it started a
+    thread, so a thread that could not start, or a pool shut down with work queued, left a count taken
+    and never given back (or given back twice). Daemon threads: a server stopping does not wait for a
+    resolver that never answers. Use from the event loop that made it (the egress proxy's); `running`
+    counts its lookups still in the resolver.
     """
 
     def __init__(self, limit: int, thread_name: str) -> None:
@@ -107,8 +111,8 @@ class NameLookups:
         self.limit = limit
         self.running = 0
         self._slots = asyncio.Semaphore(limit)
-        # As many threads as slots: a lookup holding a slot has a thread, and never queues behind a stuck one.
-        self._threads = concurrent.futures.ThreadPoolExecutor(max_workers=limit, thread_name_prefix=thread_name)
+        self._thread_name = thread_name
+        self._made = 0
 
     async def getaddrinfo(self, host: str, port: int, deadline: float) -> Resolved:
         """Resolve `host` with the host's resolver (glibc: /etc/hosts, then DNS) by `deadline` (loop time).
@@ -129,9 +133,12 @@ class NameLookups:
         if not _enter_resolver():
             self._slots.release()
             raise ResolverFull
+        self._made += 1
+        name = f"{self._thread_name}_{self._made}"
+        thread = threading.Thread(target=self._lookup, args=(loop, answer, host, port), name=name, daemon=True)
         try:
-            self._threads.submit(self._lookup, loop, answer, host, port)
-        except RuntimeError as exc:  # "can't start new thread", or the sandbox's proxy has stopped
+            thread.start()
+        except RuntimeError as exc:  # "can't start new thread": it never runs, so the counts are given back here
             _leave_resolver()
             self._slots.release()
             raise OSError(errno.EAGAIN, f"no thread for the lookup ({exc})") from None
@@ -140,8 +147,7 @@ class NameLookups:
             return await answer
 
     def close(self) -> None:
-        """Let the threads end; one still in the resolver ends when the resolver returns."""
-        self._threads.shutdown(wait=False, cancel_futures=True)
+        """Nothing to stop: a lookup still in the resolver ends, and gives its counts back, when it returns."""
 
     def _lookup(self, loop: asyncio.AbstractEventLoop, answer: asyncio.Future[Resolved], host: str, port: int) -> None:
         outcome: Resolved | Exception
