@@ -88,8 +88,9 @@ _READ_BYTES: Final = 65_536  # also the relay's READ_BYTES: the most output one 
 # hundred bytes (inside/agent.py's protocol; a "pty" error at most 500 characters, escaped), "S" three
 # numbers. A frame over its kind's cap, or of a kind the relay never sends, is a hostile guest's: it ends.
 _MAX_PAYLOAD: Final = {b"M": 16 << 10, b"S": 64, b"O": _READ_BYTES, b"R": _READ_BYTES, b"o": 0, b"r": 0}
-# Frames the host parses ("M": json.loads, ~30 ns a byte at worst) draw on a budget per guest, so a guest
-# flooding valid ones holds at most ~1% of the event loop; the burst is thousands of commands' exits.
+# Every frame draws on a budget per guest (its reader's cost, ~4 us), and the frames the host parses ("M":
+# json.loads, ~30 ns a byte at worst) their size too, so a guest flooding frames of any kind, valid or
+# for ids that do not exist, holds at most ~1% of the event loop; the burst is thousands of commands' exits.
 _PARSED: Final = (b"M", b"S")
 _PARSE_RATE_BYTES_S: Final = 256 << 10
 _PARSE_BURST_BYTES: Final = 1 << 20
@@ -527,7 +528,7 @@ class _Guest:
 
     async def read_frames(self, sock: socket.socket) -> None:
         """Read frames until the channel ends. A frame larger than the relay sends of its kind (`_MAX_PAYLOAD`)
-        ends the VM; a message waits for the guest's parsing budget (`_PARSED`) before it is parsed."""
+        ends the VM; a frame waits for the guest's budget (its own cost; a message's size too: `_PARSED`)."""
         loop = asyncio.get_running_loop()
         inbox = bytearray()
         try:
@@ -544,7 +545,8 @@ class _Guest:
                         break
                     body = bytes(inbox[4 : 4 + size])
                     del inbox[: 4 + size]
-                    if kind in _PARSED and (wait_s := self.budget.spend(size + _FRAME_COST_BYTES)) > 0:
+                    cost = _FRAME_COST_BYTES + (size if kind in _PARSED else 0)
+                    if (wait_s := self.budget.spend(cost)) > 0:
                         await asyncio.sleep(wait_s)  # the channel is not read meanwhile: the guest waits
                     self.on_frame(kind, int.from_bytes(body[1:5], "big"), body[5:])
                 # sock_recv returns at once while data waits: a guest that always has more would hold the loop.
