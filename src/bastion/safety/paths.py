@@ -330,12 +330,12 @@ def _lookups(path: str) -> list[str]:
 
 def _passable_by_others(folder: str, owner: tuple[int, int]) -> bool:
     """Whether someone besides root and `owner` may pass every folder from `/` to `folder` (a real path), by
-    mode or ACL. Generous where it cannot tell: any group with others in it, or any ACL entry, passes."""
+    mode or ACL. Generous where it cannot tell: a group with others in it, or an ACL that does not parse."""
     while True:
         info = os.lstat(folder)
         mode = info.st_mode
         grouped = mode & stat.S_IXGRP and not _group_only_of(info.st_gid, owner[0])
-        if not (mode & stat.S_IXOTH or grouped or _acl_granting(folder, _ACL_EXECUTE)):
+        if not (mode & stat.S_IXOTH or grouped or _acl_others(folder, _ACL_EXECUTE, owner)):
             return False
         if folder == "/":
             return True
@@ -352,14 +352,7 @@ def _readers(path: str, info: os.stat_result, owner: tuple[int, int]) -> str | N
         return "any user"
     if mode & stat.S_IRGRP and not _group_only_of(info.st_gid, owner[0]):
         return f"the members of group {info.st_gid}"
-    for tag, ident in _acl_granting(path, _ACL_READ):
-        if tag == _UNKNOWN:
-            return "someone (its ACL cannot be read)"
-        if tag == _ACL_USER and ident not in (0, owner[0]):
-            return f"uid {ident} (an ACL entry)"
-        if tag == _ACL_GROUP and not _group_only_of(ident, owner[0]):
-            return f"the members of group {ident} (an ACL entry)"
-    return None
+    return _acl_others(path, _ACL_READ, owner)
 
 
 def folder_replaceable_by(path: str, owner: tuple[int, int]) -> str | None:
@@ -423,7 +416,12 @@ def _writers(folder: str, info: os.stat_result, owner: tuple[int, int]) -> str |
         return "any user"
     if mode & stat.S_IWGRP and not _group_only_of(info.st_gid, owner[0]):
         return f"the members of group {info.st_gid}"
-    for tag, ident in _acl_granting(folder, _ACL_WRITE):
+    return _acl_others(folder, _ACL_WRITE, owner)
+
+
+def _acl_others(path: str, permission: int, owner: tuple[int, int]) -> str | None:
+    """Who besides root and `owner` an ACL entry of `path` grants `permission`, or None."""
+    for tag, ident in _acl_granting(path, permission):
         if tag == _UNKNOWN:
             return "someone (its ACL cannot be read)"
         if tag == _ACL_USER and ident not in (0, owner[0]):
