@@ -325,6 +325,30 @@ def test_session_flood_per_grant_is_capped(start_server: Callable[..., AbstractC
         assert "MCP sessions open, none idle: refused a new one" in log
 
 
+def test_session_flood_with_auth_off_is_capped(start_server: Callable[..., AbstractContextManager[LiveServer]]) -> None:
+    """Attack (found by attack): with auth off (loopback only) nothing capped MCP sessions: one client opened
+    2,000 in 4.6 s (+75 MiB), each kept for the SDK's 30-minute idle timeout. Every client is now one grant
+    to the cap (4 here): a new session closes the one idle longest, and the server still answers calls."""
+    with start_server(http_extra="max_sessions_per_grant = 4", auth=False) as server, server.http() as http:
+        sessions = []
+        for _ in range(7):
+            opened = http.post("/mcp", json=INITIALIZE_REQUEST, headers=MCP_HEADERS)
+            assert opened.status_code == 200, opened.text
+            sessions.append(opened.headers["mcp-session-id"])
+
+        def alive(session_id: str) -> bool:
+            headers = {**MCP_HEADERS, "mcp-session-id": session_id, "mcp-protocol-version": "2025-11-25"}
+            initialized = {"jsonrpc": "2.0", "method": "notifications/initialized"}
+            return http.post("/mcp", json=initialized, headers=headers).status_code != 404
+
+        deadline = time.monotonic() + 10
+        while any(alive(s) for s in sessions[:3]):
+            assert time.monotonic() < deadline, "the oldest idle sessions were not closed"
+        assert all(alive(s) for s in sessions[3:])
+        assert anyio.run(_call_tool, server.mcp_url, "unused: auth is off", "2026-07-28")["ok"]
+        assert "reached 4 MCP sessions: closed the one idle longest" in assert_log_clean(server)
+
+
 async def _all_busy_then_refused(server: LiveServer, token: str, live: list[str]) -> None:
     """Hold a GET stream on each live session: no session is idle, so a new one is refused (429)."""
     async with httpx2.AsyncClient(base_url=server.base, timeout=30) as http, contextlib.AsyncExitStack() as streams:

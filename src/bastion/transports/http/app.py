@@ -468,6 +468,8 @@ def build_http_app(services: Services, server: BastionServer, *, listen: str | N
         verifier = CachedTokenVerifier(provider, config.db_path)
         backend = BearerAuthBackend(verifier)
         middleware = [Middleware(AuthenticationMiddleware, backend=backend), Middleware(AuthContextMiddleware)]
+    if not config.http.auth:  # every local client is one grant to the cap
+        mcp_app = SessionCap(mcp_app, session_manager, config.http.max_sessions_per_grant)
     mcp_endpoint = McpCors(
         mcp_app,
         allow_origins=origins,
