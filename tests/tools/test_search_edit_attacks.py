@@ -9,6 +9,7 @@ does not prove: every interleaving of the races (each proves none of those that 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import stat
@@ -460,3 +461,32 @@ async def test_read_file_at_an_offset_past_2_63_is_an_empty_read_not_an_internal
             read = await call(client, "read_file", path="a.txt", offset=2**64, encoding=encoding, **where)
             assert read["ok"], read
             assert (read["detail"]["content"], read["detail"]["eof"], read["detail"]["size"]) == ("", True, 4)
+
+
+async def test_read_file_of_control_characters_answers_within_its_size_and_pages_on(
+    client: Client, workspace: Path
+) -> None:
+    """Attack (found by attack): 1 MiB of \\x01 is UTF-8 text, but six bytes a character in JSON, and the answer
+    carries the content twice: read_file answered 13.6 MiB, about 42 MiB of the server's while its client did
+    not read it, and 30 such calls took the server to 1.36 GiB. The read now stops where its escaped text would
+    pass 1.5 MiB, and says so (`bytes`, `eof`): reading on from there gives the rest, none lost. A text file
+    of 1 MiB, newlines and all, still comes back in one read."""
+    (workspace / "controls.txt").write_bytes(b"\x01" * (1 << 20))
+    (workspace / "text.txt").write_bytes(b"a line of text\tand a tab\n" * ((1 << 20) // 25))
+    first = await call(client, "read_file", path="controls.txt")
+    assert first["ok"], first
+    detail = first["detail"]
+    assert detail["eof"] is False
+    assert 0 < detail["bytes"] <= (3 << 20) // 2 // 6
+    assert len(json.dumps(first)) < 4 << 20, "the whole answer, content twice and escaped"
+    total, offset = 0, 0
+    while True:
+        page = (await call(client, "read_file", path="controls.txt", offset=offset))["detail"]
+        assert set(page["content"]) <= {"\x01"}
+        total += len(page["content"])
+        offset += page["bytes"]
+        if page["eof"]:
+            break
+    assert total == 1 << 20
+    text = (await call(client, "read_file", path="text.txt"))["detail"]
+    assert (text["eof"], text["bytes"]) == (True, ((1 << 20) // 25) * 25)

@@ -99,12 +99,25 @@ class CommandOutput:
 
 
 MAX_UNDECODABLE_BYTES: Final = 32
+"""A page with more bytes than this that are not UTF-8 (or with a NUL) is binary: read_file refuses it as text
+and says to use base64, instead of answering with a page of U+FFFD."""
 INLINE_READ_BYTES: Final = 8 * 1024
 """A file up to this size is read and redacted on the event loop (`is_small_file`): ~0.1 ms of work,
 less than the two thread wake-ups a hop costs on a busy machine. Secret-dense text redacts at ~0.8 s
 per MiB, so the worst inline stall stays near Python's 5 ms thread switch interval."""
-"""A page with more bytes than this that are not UTF-8 (or with a NUL) is binary: read_file refuses it as text
-and says to use base64, instead of answering with a page of U+FFFD."""
+MAX_ESCAPED_READ_BYTES: Final = MAX_READ_BYTES * 3 // 2
+"""What a read's text may take once escaped for JSON: a text file's newlines and tabs cost it a few percent."""
+_TWO_BYTE_ESCAPES: Final = b'\b\f\n\r\t"\\'
+_SIX_BYTE_ESCAPES: Final = bytes(c for c in range(0x20) if c not in b"\b\f\n\r\t")
+
+
+def _escaped_size(data: bytes) -> int:
+    """The length of `data`'s text as a JSON string (its UTF-8 bytes, and what each escape adds)."""
+    short = len(data) - len(data.translate(None, _TWO_BYTE_ESCAPES))
+    long = len(data) - len(data.translate(None, _SIX_BYTE_ESCAPES))
+    return len(data) + short + 5 * long
+
+
 _SIGNATURES: Final = (
     (b"\x89PNG\r\n\x1a\n", "a PNG image"),
     (b"\xff\xd8\xff", "a JPEG image"),
@@ -404,6 +417,12 @@ class HostWorkspace:
         else:
             # Redacted with context on both sides: a secret the slice cuts is hidden as the whole file would hide it.
             result = self.jail.read(path, offset=offset, length=want, margin=SLICE_CONTEXT_BYTES)
+            while (escaped := _escaped_size(result.data)) > MAX_ESCAPED_READ_BYTES and len(result.data) > 1:
+                # Control characters are text, but six bytes each in JSON, and the answer carries the content
+                # twice: 1 MiB of them made a 13.6 MiB answer, ~42 MiB of the server's while a client did not
+                # read it. The read stops earlier instead (it says where: `bytes`, `eof`).
+                want = max(1, len(result.data) * MAX_ESCAPED_READ_BYTES // escaped)
+                result = self.jail.read(path, offset=offset, length=want, margin=SLICE_CONTEXT_BYTES)
             undecodable = undecodable_bytes(result.data, cut_before=offset > 0, cut_after=not result.eof)
             if undecodable > MAX_UNDECODABLE_BYTES or b"\0" in result.data:
                 raise InvalidRequest(
