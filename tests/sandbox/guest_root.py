@@ -2,8 +2,8 @@
 
 `/init` runs what the host writes on the agent port as PID 1's child with every capability (the
 relay drops them for commands; this program keeps them). It tries to leave the guest and prints
-what each attempt did, one JSON line after `MARKER` on the guest's serial console (the host's
-console.log). Each attempt is recorded as "ok" or the errno's name, so a test can assert the exact
+what each attempt did, one JSON line after `MARKER` on the guest's serial console (the tail the
+host keeps of it). Each attempt is recorded as "ok" or the errno's name, so a test can assert the exact
 refusal. Standard library only: it runs on the host's /usr, from the guest. Its settings come in
 front of it (`program`).
 """
@@ -286,7 +286,7 @@ def program(*, target: str, web_port: int, host_pid: int, egress_hosts: tuple[st
 
 
 def parse_report(console: str) -> dict[str, object] | None:
-    """The report line in a console log's text, once it is whole; None before."""
+    """The report line in the console's text, once it is whole; None before."""
     start = console.find(MARKER)
     end = console.find("\n", start)
     if start < 0 or end < 0:
