@@ -61,7 +61,7 @@ from bastion.config.terminals import TerminalsConfig as TerminalsConfig
 from bastion.safety.commands import CommandPolicyConfig
 from bastion.safety.environment import checked_env
 from bastion.safety.errors import ConfigError, PolicyDenied
-from bastion.safety.paths import DEFAULT_SECRET_PATTERNS, group_only_of, replaceable_by, writers_besides
+from bastion.safety.paths import DEFAULT_SECRET_PATTERNS, mode_readers, replaceable_by, writers_besides
 
 __all__ = [
     "ADMIN_HASH_NAME",
@@ -247,7 +247,7 @@ class Config(Model):
         entry is seen only through the group bits it widens)."""
         if self._file is None or not self.secret_values():
             return None
-        readers = _readers(self._file)
+        readers = mode_readers(self._file.mode, self._file.gid, os.geteuid())
         if readers is None:
             return None
         return (
@@ -273,15 +273,6 @@ def url_credentials(url: str) -> list[str]:
         return []
     password = userinfo.partition(":")[2]
     return [userinfo, password, unquote(password), unquote(userinfo)]
-
-
-def _readers(file: ConfigFile) -> str | None:
-    """Who besides the file's owner (and root) may read it, by its mode bits, or None."""
-    if file.mode & stat.S_IROTH:
-        return "any user"
-    if file.mode & stat.S_IRGRP and not group_only_of(file.gid, os.geteuid()):
-        return f"the members of group {file.gid}"
-    return None
 
 
 def _absolute(base: Path, path: Path) -> Path:

@@ -347,12 +347,16 @@ def _readers(path: str, info: os.stat_result, owner: tuple[int, int]) -> str | N
     folder only root and `owner` may pass is read by no one else, whatever its mode (certbot's archive/)."""
     if not _passable_by_others(os.path.dirname(path), owner):
         return None
-    mode = info.st_mode
+    return mode_readers(info.st_mode, info.st_gid, owner[0]) or _acl_others(path, _ACL_READ, owner)
+
+
+def mode_readers(mode: int, gid: int, uid: int) -> str | None:
+    """Who besides root and user `uid` may read a file of `mode` and group `gid`, by its mode bits, or None."""
     if mode & stat.S_IROTH:
         return "any user"
-    if mode & stat.S_IRGRP and not _group_only_of(info.st_gid, owner[0]):
-        return f"the members of group {info.st_gid}"
-    return _acl_others(path, _ACL_READ, owner)
+    if mode & stat.S_IRGRP and not _group_only_of(gid, uid):
+        return f"the members of group {gid}"
+    return None
 
 
 def folder_replaceable_by(path: str, owner: tuple[int, int]) -> str | None:
@@ -383,11 +387,6 @@ def folder_replaceable_by(path: str, owner: tuple[int, int]) -> str | None:
     if writers is not None and not info.st_mode & stat.S_ISVTX:
         return f"{writers}: they may write {existing}"
     return replaceable_by(existing, owner)
-
-
-def group_only_of(gid: int, uid: int) -> bool:
-    """Whether group `gid` can hold no one but root and user `uid` (fail closed: see `_group_only_of`)."""
-    return _group_only_of(gid, uid)
 
 
 def writers_besides(folder: str, owner: tuple[int, int]) -> str | None:
