@@ -41,9 +41,9 @@ from bastion.sandbox import idmap_supported
 from bastion.sandbox._spawn import SANDBOX_WORKSPACE, bwrap_path, probe_bwrap, sandbox_python, system_binds
 from bastion.sandbox.cgroups import CgroupLayout, owner_pid
 from bastion.sandbox.inside.landlock import landlock_abi, landlock_missing  # the agent's own wording
-from bastion.sandbox.microvm import MicroVMSettings, missing_boot_files, probe_microvm
+from bastion.sandbox.microvm import MicroVMSettings, boot_files_problem, missing_boot_files, probe_microvm
 from bastion.sandbox.seccomp import DENIED, write_filter_fd
-from bastion.serve import is_loopback, tls_key_problem
+from bastion.serve import is_loopback, tls_cert_problem, tls_key_problem
 from bastion.workbench.manager import SandboxManager
 from bastion.workbench.workspace import HostWorkspace
 
@@ -443,7 +443,7 @@ def _microvm_check(config: Config) -> Check:
     which = ", ".join(names)
     vm = config.sandboxes.microvm
     settings = MicroVMSettings(vm.image_dir, accel="kvm", boot_timeout_s=vm.probe_timeout_s)
-    missing = missing_boot_files(settings)
+    missing = missing_boot_files(settings) or boot_files_problem(vm.image_dir)
     if missing is not None:
         return Check("microvm", "FAIL", f"templates {which} are refused: {missing}")
     reason = asyncio.run(probe_microvm(settings, vm.probe_timeout_s))
@@ -658,15 +658,16 @@ def _http_tls_check(config: Config) -> Check | None:
         return None
     if cert is None or key is None:
         return Check("http-tls", "FAIL", "[http] tls_cert and tls_key go together: set both or neither")
+    # Judged before they are opened: a FIFO planted at either path would hang the open.
+    problem = tls_key_problem(key) or tls_cert_problem(cert)
+    if problem is not None:
+        return Check("http-tls", "FAIL", problem)
     for name, file in (("tls_cert", cert), ("tls_key", key)):
         try:
-            fd = os.open(file, os.O_RDONLY | os.O_CLOEXEC)  # opened, never read: no key material
+            fd = os.open(file, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)  # opened, never read: no key material
         except OSError as exc:
             return Check("http-tls", "FAIL", f"{name} {file} cannot be read: {exc.strerror}")
         os.close(fd)
-    problem = tls_key_problem(key)
-    if problem is not None:
-        return Check("http-tls", "FAIL", problem)
     return Check("http-tls", "ok", "tls_cert and tls_key are readable: serve --http speaks https itself")
 
 

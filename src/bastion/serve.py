@@ -25,14 +25,15 @@ from bastion.app import Services, build_server, build_services
 from bastion.config import Config, HttpConfig
 from bastion.logs import announce, configure_logging
 from bastion.safety.errors import ConfigError, Unavailable
-from bastion.safety.paths import secret_file_problem
+from bastion.safety.paths import file_replaceable_by, secret_file_problem
+from bastion.sandbox.microvm import boot_files_problem
 from bastion.systemd import Notifier
 
 if TYPE_CHECKING:
     import uvicorn
     from starlette.types import ASGIApp
 
-    from bastion.transports.http.connections import FdLimits
+    from bastion.transports.http.connections import FdLimits, UnsentWatch
 
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
@@ -67,6 +68,7 @@ def client_snippet(config_path: str) -> str:
 
 def serve_stdio(config: Config, config_path: str) -> int:
     """Serve MCP over stdio; with `[http] preview_listen`, the HTTP front (login, admin, previews) too."""
+    check_boot_files(config)
     listeners = None if config.http.preview_listen is None else _Listeners(config, config_path, None)
     configure_logging(config.log_level, log_format=config.log_format)
     notifier = Notifier.from_environment()  # before anything starts a process that would inherit it
@@ -310,18 +312,34 @@ async def _cancelled_requests_finish(server: uvicorn.Server) -> None:
         await asyncio.wait(running, timeout=CANCELLED_CLEANUP_S)
 
 
-def uvicorn_config(app: ASGIApp, http: HttpConfig, listen: str, limits: FdLimits, *, preview: bool) -> uvicorn.Config:
+def unsent_watch(http: HttpConfig) -> UnsentWatch:
+    from bastion.transports.http import connections
+
+    return connections.UnsentWatch(http.max_unsent_mib << 20, http.send_stall_timeout_s)
+
+
+def uvicorn_config(
+    app: ASGIApp,
+    http: HttpConfig,
+    listen: str,
+    limits: FdLimits,
+    *,
+    preview: bool,
+    unsent: UnsentWatch | None = None,
+) -> uvicorn.Config:
     """A listener's uvicorn settings: the connection guards, timeouts and TLS both listeners share. The
-    main one runs the server's lifespan and no WebSockets; the preview one WebSockets (wsproto) only."""
+    main one runs the server's lifespan and no WebSockets; the preview one WebSockets (wsproto) only.
+    `unsent`: the bound on unread answers the server's listeners share (one of this listener's own if None)."""
     import uvicorn
 
     from bastion.transports.http import connections
-    from bastion.transports.http.scopes import MAX_MCP_BODY_BYTES
+    from bastion.transports.http.bodies import MAX_MCP_BODY_BYTES
 
     host, port = parse_listen(listen)
     largest = http.preview_max_body_bytes if preview else MAX_MCP_BODY_BYTES
+    unsent = unsent or unsent_watch(http)
     guarded = connections.guarded_protocol(
-        limits.cap, http.request_head_timeout_s, http.request_body_timeout_s, largest
+        limits.cap, http.request_head_timeout_s, http.request_body_timeout_s, largest, unsent
     )
     return uvicorn.Config(
         connections.HeadCap(app),
@@ -407,6 +425,8 @@ def _check_http(config: Config, config_path: str, listen: str | None) -> None:
     if (http.tls_cert is None) != (http.tls_key is None):
         raise ConfigError("[http] tls_cert and tls_key go together: set both or neither")
     problem = None if http.tls_key is None else tls_key_problem(http.tls_key)
+    if problem is None and http.tls_cert is not None:
+        problem = tls_cert_problem(http.tls_cert)
     if problem is not None:
         raise ConfigError(problem)
     if http.auth and not config.admin_hash_path.exists():
@@ -428,6 +448,35 @@ def tls_key_problem(key: Path) -> str | None:
     )
 
 
+def tls_cert_problem(cert: Path) -> str | None:
+    """Why the server must not present `cert`, or None. A certificate is public: who may read it does not
+    matter. Who may replace it does: they would choose what the server shows clients as itself, and what it
+    opens at start (a FIFO there hangs it; a certificate for another key stops TLS). It cannot make them the
+    server: that takes the key, which `tls_key_problem` keeps the server's alone."""
+    try:
+        problem = file_replaceable_by(str(cert), (os.geteuid(), os.getegid()))
+    except OSError as exc:
+        return f"[http] tls_cert {cert} cannot be read: {exc.strerror or exc}"
+    if problem is None:
+        return None
+    return (
+        f"[http] tls_cert {cert} could be replaced by others ({problem}): make it root's (or the server's), "
+        "chmod go-w it, in a folder only root can write"
+    )
+
+
+def check_boot_files(config: Config) -> None:
+    """Refuse, at start, microVM boot files another user could change (each guest's start refuses them too).
+
+    Raises:
+        ConfigError: who could change them, and what to do.
+    """
+    if any(template.isolation == "microvm" for template in config.template):
+        problem = boot_files_problem(config.sandboxes.microvm.image_dir)
+        if problem is not None:
+            raise ConfigError(problem)
+
+
 class _Front:
     """The HTTP front's apps, built over `services`: uvicorn settings per listener and the auth store."""
 
@@ -441,14 +490,17 @@ class _Front:
         logging.getLogger("uvicorn.error").addFilter(connections.ShutdownCancels())
         self.store = built.store
         self.endpoints = built.endpoints
-        self.main = uvicorn_config(built.app, http, listeners.listen, listeners.limits, preview=False)
+        unsent = unsent_watch(http)
+        self.main = uvicorn_config(built.app, http, listeners.listen, listeners.limits, preview=False, unsent=unsent)
         self.preview: uvicorn.Config | None = None
         self.preview_origin = ""
         if http.preview_listen is not None:
             preview_app, self.preview_origin = build_preview_app(services, built, http.preview_listen)
             logging.getLogger("uvicorn.error").addFilter(HideTokens())
             logging.getLogger("uvicorn.error").addFilter(QuietCuts())
-            self.preview = uvicorn_config(preview_app, http, http.preview_listen, listeners.limits, preview=True)
+            self.preview = uvicorn_config(
+                preview_app, http, http.preview_listen, listeners.limits, preview=True, unsent=unsent
+            )
 
     def close(self) -> None:
         if self.store is not None:
@@ -509,6 +561,7 @@ async def _stdio_beside_http(serve_stdio: Callable[[], Awaitable[None]], front: 
 
 def serve_http(config: Config, config_path: str, listen: str | None = None) -> int:
     """Serve Streamable HTTP (and the authorization server) with uvicorn until interrupted."""
+    check_boot_files(config)
     listeners = _Listeners(config, config_path, listen)
     configure_logging(config.log_level, log_format=config.log_format)
     notifier = Notifier.from_environment()  # before anything starts a process that would inherit it

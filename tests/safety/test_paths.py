@@ -44,6 +44,9 @@ from bastion.safety.paths import (
     MAX_WRITE_BYTES,
     DirEntry,
     Jail,
+    file_replaceable_by,
+    folder_changeable_by,
+    folder_replaceable_by,
     privileged_file,
     replaceable_by,
     secret_file_problem,
@@ -1316,6 +1319,32 @@ def test_a_key_readable_by_mode_in_a_folder_no_one_else_may_pass_is_not_refused(
     private = _folder(open_folder / "private", (0, 100), 0o710)
     assert "group 100" in str(secret_file_problem(str(_secret(private / "shared.key", (0, 100), 0o640)), root))
     assert "any user" in str(secret_file_problem(str(_secret(private / "open.key", root, 0o604)), root))
+
+
+@pytest.mark.root
+def test_a_public_file_others_may_swap_is_named_but_not_one_they_may_only_read(open_folder: Path) -> None:
+    """Attack (what a root server trusts but need not hide: a TLS certificate, a microVM's kernel, a venv's
+    python): another user who may write the file, owns it, or could replace it through a folder or a link on
+    its way chooses what runs or is presented. `file_replaceable_by` names them as `secret_file_problem` does,
+    and lets everyone read; `folder_changeable_by` also names who may add entries to a sticky folder."""
+    root, bob = (0, 0), (4242, 4242)
+    safe = _folder(open_folder / "etc", root, 0o755)
+    assert file_replaceable_by(str(_secret(safe / "cert.pem", root, 0o644)), root) is None
+    assert "any user: they may write" in str(file_replaceable_by(str(_secret(safe / "w", root, 0o646)), root))
+    assert "uid 4242 owns" in str(file_replaceable_by(str(_secret(safe / "b", bob, 0o644)), root))
+    bobs = _folder(open_folder / "bobs", bob, 0o755)
+    assert "uid 4242, who owns" in str(file_replaceable_by(str(_secret(bobs / "c", root, 0o644)), root))
+    (safe / "via-bob").symlink_to(bobs / "c")
+    assert "uid 4242, who owns" in str(file_replaceable_by(str(safe / "via-bob"), root))
+    os.mkfifo(safe / "fifo")
+    assert "is not a regular file" in str(file_replaceable_by(str(safe / "fifo"), root))
+    with pytest.raises(FileNotFoundError):
+        file_replaceable_by(str(safe / "missing"), root)
+    sticky = _folder(open_folder / "sticky", root, 0o1777)
+    assert folder_replaceable_by(str(sticky), root) is None  # nobody can rename it away
+    assert "any user: they may write" in str(folder_changeable_by(str(sticky), root))  # but may add names
+    assert folder_changeable_by(str(safe), root) is None
+    assert "uid 4242, who owns" in str(folder_changeable_by(str(bobs / "missing"), root))
 
 
 @pytest.mark.root

@@ -57,6 +57,7 @@ from bastion.config.sandboxes import SandboxesConfig as SandboxesConfig
 from bastion.config.sandboxes import SandboxLimitsConfig as SandboxLimitsConfig
 from bastion.config.sandboxes import TemplateConfig as TemplateConfig
 from bastion.config.sandboxes import TemplateLimitsConfig as TemplateLimitsConfig
+from bastion.config.sandboxes import python_env_problem
 from bastion.config.terminals import TerminalsConfig as TerminalsConfig
 from bastion.safety.commands import CommandPolicyConfig
 from bastion.safety.environment import checked_env
@@ -448,6 +449,10 @@ def _check_templates(config: Config, home: Path, *, envs_built: bool) -> None:
             if real in (Path("/"), home) or _inside(config.state_dir, real) or _inside(real, config.state_dir):
                 raise ConfigError(f"{where} is /, the home folder, or overlaps the state folder: use its own folder")
         _check_agent_writable(config, template)
+        if envs_built and template.python_env is not None:
+            problem = python_env_problem(template.name, template.python_env)
+            if problem is not None:
+                raise ConfigError(problem)
     default = config.sandboxes.default_template
     if default != "default" and default not in names:
         raise ConfigError(f"[sandboxes] default_template {default!r} is not a [[template]] name: add it or fix it")

@@ -75,6 +75,16 @@ class HttpConfig(Model):
     connection: keep it above clients' pool expiry (5 s for httpx), or a reused one may be cut mid-request."""
     request_body_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
     """A request's body must arrive within this, plus its declared length at 32 KiB/s."""
+    max_unsent_mib: Annotated[int, Field(ge=1, le=1 << 20)] = 64
+    """Answers written that their clients have not read yet (the server's buffers and the kernel's send
+    queues), across connections, in MiB at most. Past it, the connections that have held theirs longest are
+    reset: a client that does not read its answers cannot make the server hold them (the calls ran and are
+    audited; only the unread answers are lost)."""
+    send_stall_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
+    """A connection holding an answer of which its client reads nothing for this long is reset."""
+    max_request_bodies_mib: Annotated[int, Field(ge=8, le=1 << 20)] = 32
+    """Request bodies at /mcp being read or served at once, across clients, in MiB at most (each counts
+    its declared length). A request past it waits up to `request_body_timeout_s` for room, then gets 503."""
     max_sessions_per_grant: Annotated[int, Field(ge=1, le=10_000)] = 64
     """Open MCP sessions (2025-11-25 handshake era) per grant. A new one past it closes that grant's
     session idle the longest; when none is idle it gets 429."""

@@ -17,6 +17,7 @@ from bastion.config.network import NetworkConfig, checked_rules
 from bastion.config.terminals import TerminalsConfig
 from bastion.safety.commands import CommandPolicyConfig
 from bastion.safety.environment import checked_env
+from bastion.safety.paths import file_replaceable_by, folder_changeable_by
 from bastion.sandbox import SCRATCH_INODES, SHM_SIZE_BYTES, TMP_SIZE_BYTES
 from bastion.sandbox.identity import DEFAULT_HOST_ID_COUNT, DEFAULT_HOST_ID_FIRST, parse_range
 from bastion.sandbox.vmimage import DEFAULT_IMAGE_DIR
@@ -117,6 +118,48 @@ class TemplateConfig(Model):
     @classmethod
     def _check_network_allow(cls, texts: tuple[str, ...]) -> tuple[str, ...]:
         return checked_rules(texts)
+
+
+def python_env_changeable_by(env: Path, owner: tuple[int, int]) -> str | None:
+    """Who besides root and `owner` could change what a template's venv runs, or None.
+
+    Its python runs every execute_code cell of the template's sandboxes, and its site-packages' ``.pth``
+    files run with it: whoever could replace the venv, its ``bin``, ``lib`` or site-packages folders, or
+    ``bin/python`` (and what it links to) or ``pyvenv.cfg``, would run code in each of them. Not every file
+    inside is judged (a venv holds thousands): a package another user owns deeper in is not seen. A name
+    that is missing is judged by its folder, where only root and `owner` could make it.
+
+    Raises:
+        OSError: an entry or a folder on the way cannot be examined.
+    """
+    sites = sorted(env.glob("lib/python3*/site-packages"))
+    for folder in (env, env / "bin", env / "lib", *(site.parent for site in sites), *sites):
+        who = folder_changeable_by(str(folder), owner)
+        if who is not None:
+            return who
+    for file in (env / "pyvenv.cfg", env / "bin" / "python"):
+        who = file_replaceable_by(str(file), owner) if os.path.lexists(file) else None
+        if who is not None:
+            return who
+    return None
+
+
+def python_env_problem(name: str, env: Path) -> str | None:
+    """One line refusing template `name`'s venv `env` if a user besides root and this process's could change
+    what it runs (`python_env_changeable_by`), or None."""
+    owner = (os.geteuid(), os.getegid())
+    try:
+        who = python_env_changeable_by(env, owner)
+    except OSError as exc:
+        return f"template {name!r} python_env {env} cannot be examined ({exc.strerror or exc}): fix it or rebuild it"
+    if who is None:
+        return None
+    ours = "root's" if owner[0] == 0 else f"root's or uid {owner[0]}'s"
+    return (
+        f"template {name!r} python_env {env} could be changed by {who}, and so run code in every sandbox of the "
+        f"template: make it and the folders above it {ours} and not writable by others (chown, chmod go-w), "
+        f"or rebuild it elsewhere ('bastion template build {name}')"
+    )
 
 
 class MicroVMConfig(Model):

@@ -282,20 +282,11 @@ def secret_file_problem(path: str, owner: tuple[int, int]) -> str | None:
     Raises:
         OSError: the file or a folder on the way cannot be examined.
     """
-    for entry in _lookups(path):
-        who = _entry_replaceable_by(entry, owner)
-        if who is not None:
-            return f"{who}, and so could replace {path}"
+    who = file_replaceable_by(path, owner)
+    if who is not None:
+        return who
     real = os.path.realpath(path)
-    info = os.lstat(real)
-    if not stat.S_ISREG(info.st_mode):
-        return f"{real} is not a regular file"
-    if info.st_uid not in (0, owner[0]):
-        return f"uid {info.st_uid} owns {real}"
-    writers = _writers(real, info, owner)
-    if writers is not None:
-        return f"{writers}: they may write {real}"
-    readers = _readers(real, info, owner)
+    readers = _readers(real, os.lstat(real), owner)
     if readers is not None:
         return f"{readers}: they may read {real}"
     return None
@@ -392,6 +383,48 @@ def folder_replaceable_by(path: str, owner: tuple[int, int]) -> str | None:
 def writers_besides(folder: str, owner: tuple[int, int]) -> str | None:
     """Who besides root and `owner` may write `folder` itself, by its mode or its ACL, or None."""
     return _writers(folder, os.lstat(folder), owner)
+
+
+def folder_changeable_by(path: str, owner: tuple[int, int]) -> str | None:
+    """`folder_replaceable_by`, and who else may write the folder itself even when it is sticky, or None.
+
+    For a folder whose entries a server trusts by name (a venv's ``bin``, a microVM's image folder): in a
+    sticky folder others may still add the names that are missing, and those would be run.
+
+    Raises:
+        OSError: a folder on the way cannot be examined.
+    """
+    who = folder_replaceable_by(path, owner)
+    if who is None and os.path.lexists(path):
+        writers = writers_besides(path, owner)
+        who = None if writers is None else f"{writers}: they may write {path}"
+    return who
+
+
+def file_replaceable_by(path: str, owner: tuple[int, int]) -> str | None:
+    """Who besides root and `owner` could change what the file at `path` holds, or None.
+
+    `secret_file_problem` without its readers: for a file that is public but trusted (a certificate, a
+    microVM's kernel, a venv's python). A regular file owned by root or `owner` that no one else may write
+    (mode or ACL), reached through folders and symbolic links no one else could change.
+
+    Raises:
+        OSError: the file or a folder on the way cannot be examined (a missing file too).
+    """
+    for entry in _lookups(path):
+        who = _entry_replaceable_by(entry, owner)
+        if who is not None:
+            return f"{who}, and so could replace {path}"
+    real = os.path.realpath(path)
+    info = os.lstat(real)
+    if not stat.S_ISREG(info.st_mode):
+        return f"{real} is not a regular file"
+    if info.st_uid not in (0, owner[0]):
+        return f"uid {info.st_uid} owns {real}"
+    writers = _writers(real, info, owner)
+    if writers is not None:
+        return f"{writers}: they may write {real}"
+    return None
 
 
 def moved_into_by(path: str, owner: tuple[int, int]) -> str | None:

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import IO, Final
 
 from bastion.safety.errors import BastionError, Conflict, InvalidRequest, NotFound, ResourceLimit, Unavailable
+from bastion.safety.paths import file_replaceable_by, folder_changeable_by
 from bastion.safety.redact import sanitize_terminal
 from bastion.sandbox._spawn import (
     EGRESS_DIR,
@@ -68,6 +69,7 @@ __all__ = [
     "MicroVMPty",
     "MicroVMSandbox",
     "MicroVMSettings",
+    "boot_files_problem",
     "guest_binds",
     "missing_boot_files",
     "probe_microvm",
@@ -894,6 +896,9 @@ class MicroVMSandbox:
         return self._cgroups.create(f"vm-{os.getpid()}-{next(_group_ids)}", limits)
 
     def _start_vmm(self) -> _Guest:
+        problem = boot_files_problem(self.settings.image_dir)
+        if problem is not None:
+            raise Unavailable(problem)
         run_dir = _make_run_dir(self.spec.identity)
         group: SandboxCgroup | None = None
         try:
@@ -1265,11 +1270,42 @@ def missing_boot_files(settings: MicroVMSettings) -> str | None:
     return None
 
 
+def boot_files_problem(image_dir: Path) -> str | None:
+    """One line refusing the boot files in `image_dir` if a user besides root and this process's could change
+    them (the folder, a folder or link on its way, the kernel or the initramfs), or None. Every guest boots
+    them with the sandbox's workspace and egress; a file that is missing is judged by its folder (only root
+    and this process's user could make it) and left to `missing_boot_files`."""
+    owner = (os.geteuid(), os.getegid())
+    try:
+        who = folder_changeable_by(str(image_dir), owner)
+        for name in (KERNEL_NAME, INITRAMFS_NAME):
+            path = image_dir / name
+            if who is None and os.path.lexists(path):
+                who = file_replaceable_by(str(path), owner)
+    except OSError as exc:
+        return f"the microVM boot files in {image_dir} cannot be examined ({exc.strerror or exc}): fix the folder"
+    if who is None:
+        return None
+    ours = "root's" if owner[0] == 0 else f"root's or uid {owner[0]}'s"
+    return (
+        f"the microVM boot files in {image_dir} could be changed by {who}, and so run in every guest: make the "
+        f"folder, its files and the folders above it {ours} and not writable by others (chown, chmod go-w), "
+        "or build them elsewhere (python -m bastion.sandbox.vmimage DIR) and set [sandboxes.microvm] image_dir"
+    )
+
+
 async def probe_microvm(settings: MicroVMSettings, timeout_s: float) -> str | None:
-    """Boot a tiny guest and run `true` in it: None if it works, else one line saying why not."""
+    """Boot a tiny guest and run `true` in it: None if it works, else one line saying why not.
+
+    Raises:
+        Unavailable: another user could change the boot files (`boot_files_problem`); no guest is started.
+    """
     missing = missing_boot_files(settings)
     if missing:
         return missing
+    untrusted = boot_files_problem(settings.image_dir)
+    if untrusted is not None:  # not KVM's failure: emulation would boot the same files
+        raise Unavailable(untrusted)
     # Never QEMU as root: the boot files may be another account's to replace (the default folder lies
     # in /var/lib/bastion), and a root VMM would give that guest's 9p mknod and open the host's disks.
     identity = (_NOBODY, _NOBODY) if os.geteuid() == 0 else None

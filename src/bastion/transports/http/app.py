@@ -55,6 +55,7 @@ from bastion.tools import CallRunner
 from bastion.tools.server import SCOPES, BastionServer
 from bastion.transports.http import pages
 from bastion.transports.http.admin_pages import AdminPages
+from bastion.transports.http.bodies import BodyBudget, Budgeted
 from bastion.transports.http.cors import McpCors
 from bastion.transports.http.dashboard import Dashboard
 from bastion.transports.http.endpoints import (
@@ -402,6 +403,7 @@ def build_http_app(services: Services, server: BastionServer, *, listen: str | N
     )
     server.streamable_http_app(streamable_http_path="/mcp", transport_security=security)
     session_manager = server.session_manager
+    bodies = BodyBudget(config.http.max_request_bodies_mib << 20, config.http.request_body_timeout_s)
     mcp_app: ASGIApp = StreamableHTTPASGIApp(session_manager)
     routes: list[Route] = []
     middleware: list[Middleware] = []
@@ -461,6 +463,7 @@ def build_http_app(services: Services, server: BastionServer, *, listen: str | N
                 tool_scopes=server.tool_scopes,
                 resource_metadata=f"{origin}/.well-known/oauth-protected-resource/mcp",
                 scopes=" ".join(SCOPES),
+                bodies=bodies,
             ),
         )
         # No resource_server_url: load_access_token already requires the canonical resource, exactly (the
@@ -468,8 +471,8 @@ def build_http_app(services: Services, server: BastionServer, *, listen: str | N
         verifier = CachedTokenVerifier(provider, config.db_path)
         backend = BearerAuthBackend(verifier)
         middleware = [Middleware(AuthenticationMiddleware, backend=backend), Middleware(AuthContextMiddleware)]
-    if not config.http.auth:  # every local client is one grant to the cap
-        mcp_app = SessionCap(mcp_app, session_manager, config.http.max_sessions_per_grant)
+    if not config.http.auth:  # every local client is one grant to the caps
+        mcp_app = Budgeted(SessionCap(mcp_app, session_manager, config.http.max_sessions_per_grant), bodies)
     mcp_endpoint = McpCors(
         mcp_app,
         allow_origins=origins,

@@ -17,6 +17,13 @@ so idle sockets lock out everyone. Held sockets also use file descriptors: at th
 - the cap, and the accept burst, stay below the file-descriptor limit, so accept() does not fail for
   want of one (see `fd_limits` for the sockets a flood keeps in flight beyond the cap);
 - refusals are logged as one summary line per `LOG_EVERY_S`, never a line (or traceback) per socket;
+- answers a client does not read are bounded (`UnsentWatch`): what all connections hold unsent (uvicorn's
+  buffers and the kernel's send queues) stays under `[http] max_unsent_mib`, the connections that have
+  held theirs longest reset first, and a connection whose client takes none of its answer for
+  `send_stall_timeout_s` is reset. Found by attack: 400 connections of one client, each asking for a
+  1 MiB file and never reading, held 3.4 MB apiece in the kernel and ~1 MiB in the server (1,024 of them:
+  about 4.5 GiB, charged to the cgroup the sandboxes share); a connection closed with its answer unread
+  also kept its slot for ever;
 - a WebSocket upgrade ends the head deadline: uvicorn hands the socket to its WebSocket protocol, which
   takes this one's place in the count and is served (never evicted) until it closes. Its keepalive pings
   (uvicorn's 20 s interval and timeout) close a peer that is gone or stops reading; one that answers
@@ -29,8 +36,13 @@ time TLS handshakes (asyncio allows 60 s).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import logging
 import resource
+import socket
+import struct
+import termios
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -172,6 +184,141 @@ def _head_bytes(scope: dict[str, Any]) -> int:
     return target + sum(len(key) + len(value) + 4 for key, value in scope.get("headers", ()))
 
 
+WATCH_MIN_BYTES: Final = 64 * 1024
+"""Unsent bytes below this are not watched: a small answer in a socket's queue costs what its slot does."""
+_INT = struct.Struct("i")
+_LINGER_NONE: Final = struct.pack("ii", 1, 0)
+_TCP_INFO_BYTES: Final = 136
+_BYTES_ACKED = struct.Struct("Q")
+_BYTES_ACKED_AT: Final = 120
+"""`tcpi_bytes_acked` in Linux's `struct tcp_info` (4.1 and later; the struct only grows at its end)."""
+
+
+def unsent_bytes(transport: asyncio.Transport) -> int:
+    """What `transport` holds that its peer has not acknowledged: its own buffer and its socket's send queue."""
+    held = transport.get_write_buffer_size()
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return held
+    try:
+        queued = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, bytes(_INT.size))  # SIOCOUTQ on a socket
+    except OSError:
+        return held
+    return held + int(_INT.unpack(queued)[0])
+
+
+def acked_bytes(transport: asyncio.Transport) -> int | None:
+    """How many bytes the peer has acknowledged so far (TCP only; None when unknown)."""
+    sock = transport.get_extra_info("socket")
+    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return None
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_BYTES)
+    except OSError:
+        return None
+    if len(info) < _BYTES_ACKED_AT + _BYTES_ACKED.size:
+        return None
+    return int(_BYTES_ACKED.unpack_from(info, _BYTES_ACKED_AT)[0])
+
+
+@dataclass
+class _Held:
+    size: int
+    acked: int | None
+    timer: asyncio.TimerHandle
+
+
+class UnsentWatch:
+    """Answers written to connections whose clients have not taken them: bounded in bytes and in time.
+
+    Measured when an answer is complete and when a connection's buffer passes its high-water mark (the
+    only moments what a connection holds grows); between them it only shrinks, so the sum kept here
+    is never below the truth, and only when it passes the limit is every held connection measured
+    again. Then the connections that have held theirs longest are reset (`abort`: their answers are
+    dropped, in the server and in the kernel) until the rest fit. A connection whose client acknowledges
+    nothing for `stall_s` is reset too. Resetting loses only answers: the calls ran, and the audit log
+    has them.
+    """
+
+    def __init__(self, limit_bytes: int, stall_s: float) -> None:
+        self.limit = limit_bytes
+        self.stall_s = stall_s
+        self.held: dict[asyncio.Transport, _Held] = {}
+        self.total = 0
+        self.reset = SummaryLog(
+            f"reset connections whose clients did not read their answers (over {limit_bytes >> 20} MiB "
+            f"unsent in all, or nothing read for {stall_s:g} s)"
+        )
+
+    def measure(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        """Count what `transport` holds unsent now (after an answer, or part of one, was written to it)."""
+        size = unsent_bytes(transport)
+        held = self.held.get(transport)
+        if held is not None:
+            self.total += size - held.size
+            held.size = size
+            if size < WATCH_MIN_BYTES:
+                self.forget(transport)
+        elif size >= WATCH_MIN_BYTES:
+            timer = loop.call_later(self.stall_s, self._check_stalled, transport, loop)
+            self.held[transport] = _Held(size, acked_bytes(transport), timer)
+            self.total += size
+        if self.total > self.limit:
+            self._shed(loop)
+
+    def forget(self, transport: asyncio.Transport) -> None:
+        held = self.held.pop(transport, None)
+        if held is not None:
+            held.timer.cancel()
+            self.total -= held.size
+
+    def _shed(self, loop: asyncio.AbstractEventLoop) -> None:
+        for transport, held in list(self.held.items()):
+            size = unsent_bytes(transport)
+            self.total += size - held.size
+            held.size = size
+            if size < WATCH_MIN_BYTES:
+                self.forget(transport)
+        for transport in list(self.held):  # oldest first: a dict keeps its insertion order
+            if self.total <= self.limit:
+                break
+            self._reset(transport, loop)
+
+    def _check_stalled(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        held = self.held.get(transport)
+        if held is None:
+            return
+        size, acked = unsent_bytes(transport), acked_bytes(transport)
+        progressed = _progressed(held, size, acked)
+        self.total += size - held.size
+        held.size = size
+        if size < WATCH_MIN_BYTES:
+            self.forget(transport)
+        elif progressed:
+            held.acked = acked
+            held.timer = loop.call_later(self.stall_s, self._check_stalled, transport, loop)
+        else:
+            self._reset(transport, loop)
+
+    def _reset(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self.forget(transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            # A reset, not a close: a closed socket keeps its unsent queue in the kernel, still sending.
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_NONE)
+        transport.abort()
+        self.reset.add(loop)
+
+
+def _progressed(held: _Held, size: int, acked: int | None) -> bool:
+    """Whether the client took some of its answer since `held` was measured: TCP's count of acknowledged
+    bytes grew (or, without it, what is held shrank)."""
+    if acked is not None and held.acked is not None:
+        return acked > held.acked
+    return size < held.size
+
+
 class GuardedH11Protocol(H11Protocol):
     """uvicorn's h11 protocol with head and body deadlines and the connection cap (see the module doc)."""
 
@@ -182,6 +329,7 @@ class GuardedH11Protocol(H11Protocol):
     evicted: ClassVar[SummaryLog]
     refused: ClassVar[SummaryLog]
     timed_out: ClassVar[SummaryLog]
+    unsent: ClassVar[UnsentWatch]
 
     phase: Phase | None = None
     phase_since = 0.0
@@ -197,6 +345,7 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self.unsent.forget(self.transport)
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -207,7 +356,12 @@ class GuardedH11Protocol(H11Protocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
+        self.unsent.measure(self.transport, self.loop)
         self._follow()
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self.unsent.measure(self.transport, self.loop)
 
     def send_400_response(self, msg: str) -> None:
         """uvicorn's 400 for a request h11 refused; a head over `MAX_HEAD_BYTES` gets a 431 that also asks the
@@ -251,6 +405,7 @@ class GuardedH11Protocol(H11Protocol):
         # left armed would close a live WebSocket. uvicorn moves the count in `connections` to the new protocol.
         self.upgraded = True
         self._disarm()
+        self.unsent.forget(self.transport)
         super().handle_websocket_upgrade(event)
 
     def _current(self) -> Phase:
@@ -297,10 +452,11 @@ class GuardedH11Protocol(H11Protocol):
 
 
 def guarded_protocol(
-    max_connections: int, head_timeout_s: float, body_timeout_s: float, max_body_bytes: int
+    max_connections: int, head_timeout_s: float, body_timeout_s: float, max_body_bytes: int, unsent: UnsentWatch
 ) -> type[GuardedH11Protocol]:
     """A protocol class for `uvicorn.Config(http=...)` with its own limits and log counters.
-    `max_body_bytes`: the largest body the listener's endpoints accept (its body deadline's bound)."""
+    `max_body_bytes`: the largest body the listener's endpoints accept (its body deadline's bound);
+    `unsent`: the bound on unread answers, shared by the server's listeners."""
     cap = max_connections
     attributes: dict[str, Any] = {
         "max_connections": cap,
@@ -310,6 +466,7 @@ def guarded_protocol(
         "evicted": SummaryLog(f"{cap} connections open: closed the one waiting longest for its request"),
         "refused": SummaryLog(f"{cap} connections open, all being served: refused new connections"),
         "timed_out": SummaryLog("closed connections that sent no complete request in time", logging.INFO),
+        "unsent": unsent,
     }
     return type("CappedH11Protocol", (GuardedH11Protocol,), attributes)
 

@@ -12,20 +12,17 @@ SECURITY BOUNDARY. Two checks, on purpose (a tools/list-only filter is a known C
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable
-from typing import Any, Final
+from typing import Any
 
 from mcp.server.auth.middleware.auth_context import get_access_token
 from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
 from mcp.server.context import CallNext, HandlerResult, ServerRequestContext
 from mcp_types import ListToolsResult
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from bastion.safety.errors import BastionError, Forbidden, InvalidRequest
 from bastion.tools.server import BastionServer, to_call_result
-from bastion.transports.http.connections import declared_length
-
-MAX_MCP_BODY_BYTES: Final = 4 * 1024 * 1024
+from bastion.transports.http.bodies import BodyBudget, Refused, read_leased, replay, send_json
 
 
 def _challenge(resource_metadata: str, scopes: str, error: str | None, description: str | None) -> str:
@@ -37,23 +34,6 @@ def _challenge(resource_metadata: str, scopes: str, error: str | None, descripti
     parts.append(f'resource_metadata="{resource_metadata}"')
     parts.append(f'scope="{scopes}"')
     return "Bearer " + ", ".join(parts)
-
-
-async def _send_json(send: Send, status: int, body: dict[str, str], headers: list[tuple[bytes, bytes]]) -> None:
-    data = json.dumps(body).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(data)).encode()),
-                (b"x-content-type-options", b"nosniff"),
-                *headers,
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": data})
 
 
 async def _send_parse_error(send: Send) -> None:
@@ -91,11 +71,14 @@ def _called_tools(body: bytes) -> list[str] | None:
 class RequireToken:
     """ASGI wrapper for /mcp: a valid token, and the scope of every tool a request calls."""
 
-    def __init__(self, app: ASGIApp, *, tool_scopes: dict[str, str], resource_metadata: str, scopes: str) -> None:
+    def __init__(
+        self, app: ASGIApp, *, tool_scopes: dict[str, str], resource_metadata: str, scopes: str, bodies: BodyBudget
+    ) -> None:
         self.app = app
         self.tool_scopes = tool_scopes
         self.resource_metadata = resource_metadata
         self.scopes = scopes
+        self.bodies = bodies
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         user = scope.get("user")
@@ -105,15 +88,19 @@ class RequireToken:
             description = "the access token is invalid, expired or revoked" if presented else None
             header = _challenge(self.resource_metadata, self.scopes, error, description)
             body = {"error": error or "invalid_request", "error_description": description or "authorization required"}
-            await _send_json(send, 401, body, [(b"www-authenticate", header.encode())])
+            await send_json(send, 401, body, [(b"www-authenticate", header.encode())])
             return
         if scope.get("method") != "POST":
             await self.app(scope, receive, send)
             return
-        raw = None if declared_length(scope.get("headers", ())) > MAX_MCP_BODY_BYTES else await _read_body(receive)
-        if raw is None:
-            await _send_json(send, 413, {"error": "request_too_large"}, [])
-            return
+        async with read_leased(self.bodies, scope, receive) as raw:
+            if isinstance(raw, Refused):
+                await send_json(send, raw.status, raw.body, list(raw.headers))
+                return
+            await self._checked(user, raw, scope, receive, send)
+
+    async def _checked(self, user: AuthenticatedUser, raw: bytes, scope: Scope, receive: Receive, send: Send) -> None:
+        """Pass the request on if every tool it calls is in the token's scopes; else 403 naming the one needed."""
         called = _called_tools(raw)
         if called is None:
             await _send_parse_error(send)
@@ -125,38 +112,9 @@ class RequireToken:
                 description = f"{name} needs the {needed} scope"
                 header = _challenge(self.resource_metadata, needed, "insufficient_scope", description)
                 body_out = {"error": "insufficient_scope", "error_description": description}
-                await _send_json(send, 403, body_out, [(b"www-authenticate", header.encode())])
+                await send_json(send, 403, body_out, [(b"www-authenticate", header.encode())])
                 return
-        await self.app(scope, _replay(raw, receive), send)
-
-
-async def _read_body(receive: Receive) -> bytes | None:
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":
-            return b"".join(chunks)
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > MAX_MCP_BODY_BYTES:
-            return None
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(chunks)
-
-
-def _replay(body: bytes, receive: Receive) -> Callable[[], Awaitable[Message]]:
-    sent = False
-
-    async def replay() -> Message:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return replay
+        await self.app(scope, replay(raw, receive), send)
 
 
 def token_scopes(ctx: ServerRequestContext[Any, Any]) -> set[str] | None:

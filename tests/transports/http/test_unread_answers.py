@@ -1,0 +1,192 @@
+"""Answers a client never reads, against a live `bastion serve --http` (found by attack).
+
+One client (auth off here: one grant, as any approved client is) opened 400 connections, each asking for a
+1 MiB file of control characters (a 3.4 MB answer) and reading nothing: the server held ~3.4 MB of each in
+the kernel's send queue and ~1 MiB in its own memory (1,024 connections: about 4.5 GiB, charged to the
+cgroup the sandboxes share), for as long as the client liked. What holds now: the answers held unsent stay
+under `[http] max_unsent_mib` (the connections that held theirs longest are reset), a connection whose
+client reads nothing for `send_stall_timeout_s` is reset, every call is still in the audit log, and other
+clients are served all along.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from bastion.safety.audit import verify
+
+from .live import LiveServer, live_server
+
+ANSWERS = 12
+FILE_BYTES = 1 << 20
+"""A file of control characters: its answer is about 3.4 MB (six bytes a character, the content twice)."""
+LIMIT_MIB = 8
+VERSION = "2025-11-25"
+
+
+def _session(server: LiveServer) -> str:
+    headers = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
+    initialize = {
+        "jsonrpc": "2.0",
+        "id": 0,
+        "method": "initialize",
+        "params": {"protocolVersion": VERSION, "capabilities": {}, "clientInfo": {"name": "raw", "version": "1"}},
+    }
+    with server.http() as http:
+        opened = http.post("/mcp", json=initialize, headers=headers)
+        assert opened.status_code == 200, opened.text
+        session = opened.headers["mcp-session-id"]
+        initialized = {"jsonrpc": "2.0", "method": "notifications/initialized"}
+        headers.update({"mcp-session-id": session, "mcp-protocol-version": VERSION})
+        assert http.post("/mcp", json=initialized, headers=headers).status_code == 202
+    return session
+
+
+@contextlib.contextmanager
+def unread_calls(
+    server: LiveServer, session: str, count: int, receive_buffer: int = 4096
+) -> Iterator[list[socket.socket]]:
+    """`count` connections, each asking for big.txt, none reading its answer (a small receive buffer)."""
+    opened: list[socket.socket] = []
+    try:
+        for n in range(count):
+            body = json.dumps(
+                {
+                    "jsonrpc": "2.0",
+                    "id": n + 1,
+                    "method": "tools/call",
+                    "params": {"name": "read_file", "arguments": {"path": "big.txt"}},
+                }
+            ).encode()
+            head = (
+                f"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\nContent-Type: application/json\r\n"
+                f"Accept: application/json, text/event-stream\r\nmcp-session-id: {session}\r\n"
+                f"mcp-protocol-version: {VERSION}\r\nContent-Length: {len(body)}\r\n\r\n"
+            ).encode()
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+            sock.connect(("127.0.0.1", server.port))
+            sock.sendall(head + body)
+            opened.append(sock)
+        yield opened
+    finally:
+        for sock in opened:
+            sock.close()
+
+
+def server_send_queues(port: int) -> list[int]:
+    """The send queue (bytes not acknowledged) of each connection the server holds on `port`."""
+    local = f":{port:04X}"
+    queues = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(FileNotFoundError), open(table) as lines:
+            for line in list(lines)[1:]:
+                fields = line.split()
+                if fields[1].endswith(local) and fields[3] == "01":  # ESTABLISHED, local end is the server's
+                    queues.append(int(fields[4].split(":")[0], 16))
+    return queues
+
+
+def all_written(port: int) -> bool:
+    """Whether each connection the server still holds on `port` has its answer queued (none is still
+    being answered), and at least one is held."""
+    held = server_send_queues(port)
+    return bool(held) and all(held)
+
+
+def ended_reads(server: LiveServer) -> int:
+    audit = server.root / "state" / "audit.jsonl"
+    records = [json.loads(line) for line in audit.read_text().splitlines()]
+    return sum(1 for r in records if r.get("tool") == "read_file" and r.get("event") == "end")
+
+
+def wait_for(condition: object, within_s: float, what: str) -> None:
+    deadline = time.monotonic() + within_s
+    while not condition():  # type: ignore[operator]
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def still_served(server: LiveServer) -> None:
+    """Another client (a session of its own) calls a tool and reads its answer."""
+    headers = {
+        "Accept": "application/json, text/event-stream",
+        "Content-Type": "application/json",
+        "mcp-session-id": _session(server),
+        "mcp-protocol-version": VERSION,
+    }
+    called = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "list_directory", "arguments": {}}}
+    with server.http() as http:
+        answer = http.post("/mcp", json=called, headers=headers)
+    assert answer.status_code == 200
+    assert '"ok\\":true' in answer.text.replace(" ", ""), answer.text[:500]
+
+
+def big_file(root: Path) -> None:
+    (root / "workspace" / "big.txt").write_bytes(b"\x01" * FILE_BYTES)
+
+
+def test_answers_never_read_are_held_only_to_the_limit(tmp_path: Path) -> None:
+    extra = f"max_unsent_mib = {LIMIT_MIB}\nsend_stall_timeout_s = 600"
+    with live_server(tmp_path, http_extra=extra, auth=False) as server:
+        big_file(tmp_path)
+        session = _session(server)
+        with unread_calls(server, session, ANSWERS):
+            wait_for(lambda: ended_reads(server) == ANSWERS, 60, "every read_file call ends, in the audit log")
+            # Every answer written: each connection left holds its answer unsent, the others were reset.
+            wait_for(lambda: all_written(server.port), 30, "every answer is written or its connection reset")
+            held = server_send_queues(server.port)
+            # 3.4 MB answers under an 8 MiB limit: two at most are held (the kernel's queues here; the rest
+            # of each answer is in the server's buffers, inside the same limit), their data dropped with them.
+            assert len(held) <= LIMIT_MIB // 3, held
+            assert sum(held) <= LIMIT_MIB << 20
+            assert "did not read their answers" in server.log()
+            still_served(server)
+        assert verify(server.root / "state" / "audit.jsonl").ok
+        log = server.log()
+        assert "Traceback" not in log
+
+
+def test_a_connection_whose_client_reads_nothing_is_reset_after_the_stall_timeout(tmp_path: Path) -> None:
+    # The head timeout (after an answer, the next request's) would close these too, in its own time: not here.
+    extra = "send_stall_timeout_s = 1\nrequest_head_timeout_s = 300"
+    with live_server(tmp_path, http_extra=extra, auth=False) as server:
+        big_file(tmp_path)
+        session = _session(server)
+        with unread_calls(server, session, 2) as socks:
+            wait_for(lambda: ended_reads(server) == 2, 60, "both calls end")
+            wait_for(lambda: len(server_send_queues(server.port)) == 2 and all_written(server.port), 30, "answers out")
+            # Gone from the server's side (reset, not left open), then seen as such by the client.
+            wait_for(lambda: not server_send_queues(server.port), 30, "the stalled connections are reset")
+            for sock in socks:
+                sock.settimeout(10)
+                with contextlib.suppress(ConnectionResetError):
+                    while sock.recv(65536):
+                        pass
+            still_served(server)
+        assert "did not read their answers" in server.log()
+
+
+def test_a_client_reading_slowly_gets_its_whole_answer(tmp_path: Path) -> None:
+    """The stall timeout counts what the client takes, not how long the answer takes: a client reading a
+    big answer a little at a time, over longer than the timeout, is not reset."""
+    with live_server(tmp_path, http_extra="send_stall_timeout_s = 1", auth=False) as server:
+        big_file(tmp_path)
+        session = _session(server)
+        with unread_calls(server, session, 1, receive_buffer=64 * 1024) as (sock,):
+            wait_for(lambda: ended_reads(server) == 1, 60, "the call ends")
+            received = bytearray()
+            started = time.monotonic()
+            sock.settimeout(10)
+            while not received.endswith(b"\r\n0\r\n\r\n"):
+                chunk = sock.recv(256 * 1024)
+                assert chunk, "the connection closed before the answer was whole"
+                received += chunk
+                time.sleep(0.05)  # a slow reader: at most 128 KiB at a time, the 3.4 MB answer over 1 s or more
+            assert time.monotonic() - started > 1
+        assert len(received) > 3 << 20
