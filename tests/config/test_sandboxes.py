@@ -50,8 +50,9 @@ def _tree(root: Path) -> dict[str, tuple[int, int, str]]:
     return found
 
 
-def _acl_write_for(path: Path, uid: int) -> None:
-    """An ACL entry letting `uid` write `path`, which its mode bits (0755) do not show."""
+def _acl_write_for(path: Path, uid: int, *, default: bool = False) -> None:
+    """An ACL entry letting `uid` write `path`, which its mode bits (0755) do not show (`default`: what is
+    made in the folder `path` later)."""
     entries = [
         (0x01, 7, 0xFFFFFFFF),
         (0x02, 7, uid),
@@ -60,7 +61,7 @@ def _acl_write_for(path: Path, uid: int) -> None:
         (0x20, 5, 0xFFFFFFFF),
     ]
     raw = struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *entry) for entry in entries)
-    os.setxattr(path, "system.posix_acl_access", raw)
+    os.setxattr(path, "system.posix_acl_default" if default else "system.posix_acl_access", raw)
 
 
 def _link_python_into_bobs_folder(srv: Path, env: Path) -> None:
@@ -82,7 +83,29 @@ ATTACKS: dict[str, tuple[Callable[[Path, Path], None], str]] = {
     "has-an-acl-entry-on-lib": (lambda srv, env: _acl_write_for(env / "lib", BOB[0]), "uid 4242 (an ACL entry)"),
     "may-write-pyvenv-cfg": (lambda srv, env: (env / "pyvenv.cfg").chmod(0o666), "they may write {env}/pyvenv.cfg"),
     "controls-what-bin-python-links-to": (_link_python_into_bobs_folder, "uid 4242, who owns {srv}/bob"),
+    # Found by review: only six entries were judged at first; any file of the venv may run.
+    "owns-a-pth-file-in-roots-site-packages": (
+        lambda srv, env: _owned_by_bob(env / SITE / "bob.pth", "import os\n"),
+        "uid 4242, who owns {env}/" + SITE + "/bob.pth",
+    ),
+    "owns-debians-extra-site-folder": (
+        lambda srv, env: _owned_by_bob(env / "local" / "lib" / "python3.11" / "dist-packages" / "bob.pth", ""),
+        "uid 4242, who owns {env}/local",
+    ),
+    "has-a-default-acl-on-site-packages": (
+        lambda srv, env: _acl_write_for(env / SITE, BOB[0], default=True),
+        "uid 4242 (an ACL entry): a default ACL of {env}/" + SITE,
+    ),
 }
+
+
+def _owned_by_bob(file: Path, text: str) -> None:
+    """`file` (and the folders made for it under the venv) given to bob, as if he had written it."""
+    made = [folder for folder in reversed(file.parents) if not folder.exists()]
+    file.parent.mkdir(parents=True, exist_ok=True)
+    file.write_text(text)
+    for entry in [*made, file]:
+        os.chown(entry, *BOB)
 
 
 @pytest.mark.parametrize("attack", sorted(ATTACKS))
@@ -175,3 +198,16 @@ def test_a_venv_only_root_can_change_passes_in_a_sticky_folder_too(tmp_path: Pat
     assert load_config(config).template[0].python_env == env
     (env / "bin").chmod(0o777)
     assert load_config(config, envs_built=False).template[0].python_env == env
+
+
+def test_uvs_lock_file_writable_by_all_is_not_a_refusal(tmp_path: Path) -> None:
+    """Not a refusal: uv leaves an empty `.lock` (0666) at a venv's top for anyone's uv to lock it; nothing
+    in the venv reads it. Every other file of the venv is judged."""
+    env = _venv(tmp_path / "env")
+    (env / ".lock").touch()
+    (env / ".lock").chmod(0o666)
+    config = demo_config_at(tmp_path / "demo", env)
+    assert load_config(config).template[0].python_env == env
+    (env / "bin" / "activate").chmod(0o666)
+    with pytest.raises(ConfigError, match=f"any user: they may write {env / 'bin' / 'activate'}"):
+        load_config(config)

@@ -1277,7 +1277,7 @@ def test_a_secret_file_others_may_read_or_swap_is_named(open_folder: Path) -> No
     assert "any user: they may read" in str(secret_file_problem(str(_secret(safe / "o", root, 0o604)), root))
     assert "group 100" in str(secret_file_problem(str(_secret(safe / "g", (0, 100), 0o640)), root))
     assert "any user: they may write" in str(secret_file_problem(str(_secret(safe / "w", root, 0o602)), root))
-    assert "uid 4242 owns" in str(secret_file_problem(str(_secret(safe / "b", bob, 0o600)), root))
+    assert "uid 4242, who owns" in str(secret_file_problem(str(_secret(safe / "b", bob, 0o600)), root))
     bobs = _folder(tmp_path / "bobs", bob, 0o755)
     assert "uid 4242, who owns" in str(secret_file_problem(str(_secret(bobs / "k", root, 0o600)), root))
     # A link in a root folder to a root file (/etc/letsencrypt/live/NAME/privkey.pem): fine.
@@ -1331,7 +1331,7 @@ def test_a_public_file_others_may_swap_is_named_but_not_one_they_may_only_read(o
     safe = _folder(open_folder / "etc", root, 0o755)
     assert file_replaceable_by(str(_secret(safe / "cert.pem", root, 0o644)), root) is None
     assert "any user: they may write" in str(file_replaceable_by(str(_secret(safe / "w", root, 0o646)), root))
-    assert "uid 4242 owns" in str(file_replaceable_by(str(_secret(safe / "b", bob, 0o644)), root))
+    assert "uid 4242, who owns" in str(file_replaceable_by(str(_secret(safe / "b", bob, 0o644)), root))
     bobs = _folder(open_folder / "bobs", bob, 0o755)
     assert "uid 4242, who owns" in str(file_replaceable_by(str(_secret(bobs / "c", root, 0o644)), root))
     (safe / "via-bob").symlink_to(bobs / "c")

@@ -86,7 +86,7 @@ ATTACKS: dict[str, tuple[Callable[[Path, Path], Path | None], str]] = {
     ),
     "owns-the-initramfs": (
         lambda top, image: os.chown(image / INITRAMFS_NAME, *BOB),
-        "uid 4242 owns {image}/initramfs.cpio",
+        "uid 4242, who owns {image}/initramfs.cpio",
     ),
     "controls-a-link-on-the-way": (_owned_link, "whoever may change the symbolic link {top}/bob/image"),
 }

@@ -177,6 +177,29 @@ def test_template_build_never_runs_a_venv_another_user_made(capsys: pytest.Captu
     assert not mark.exists()
 
 
+@pytest.mark.root
+def test_template_build_never_runs_a_venv_where_another_user_put_a_pth_file(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Attack (found by review): root's venv, but another user owns its site-packages and left a ``.pth`` there.
+    `template build` ("brings it up to the lock") ran the venv's python with pip as root, and the .pth with
+    it, on the host. Now the whole venv is judged first: refused, and nothing in it ran."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to give a folder to another uid")
+    env = tmp_path / "envs" / "python-data"
+    subprocess.run(["/usr/bin/python3", "-I", "-m", "venv", "--without-pip", str(env)], check=True, cwd="/")
+    site = next(env.glob("lib/python3*/site-packages"))
+    mark = tmp_path / "pth-ran"
+    (site / "bob.pth").write_text(f"import os; os.close(os.open({str(mark)!r}, os.O_CREAT | os.O_WRONLY))\n")
+    os.chown(site / "bob.pth", 12345, 12345)
+    config = config_with(tmp_path, f'name = "python-data"\npython_env = "{env}"\n')
+    code, _, err = build(capsys, config, "python-data")
+    assert code == EXIT_CONFIG
+    assert f"could be changed by uid 12345, who owns {site / 'bob.pth'}" in err
+    assert "remove it and run 'bastion template build python-data'" in err
+    assert not mark.exists()
+
+
 @pytest.mark.network
 def test_template_build_makes_a_venv_from_a_hashed_lock_and_refuses_a_forged_hash(
     capsys: pytest.CaptureFixture[str], tmp_path: Path

@@ -17,7 +17,7 @@ from bastion.config.network import NetworkConfig, checked_rules
 from bastion.config.terminals import TerminalsConfig
 from bastion.safety.commands import CommandPolicyConfig
 from bastion.safety.environment import checked_env
-from bastion.safety.paths import file_replaceable_by, folder_changeable_by
+from bastion.safety.paths import folder_changeable_by, tree_changeable_by
 from bastion.sandbox import SCRATCH_INODES, SHM_SIZE_BYTES, TMP_SIZE_BYTES
 from bastion.sandbox.identity import DEFAULT_HOST_ID_COUNT, DEFAULT_HOST_ID_FIRST, parse_range
 from bastion.sandbox.vmimage import DEFAULT_IMAGE_DIR
@@ -120,28 +120,22 @@ class TemplateConfig(Model):
         return checked_rules(texts)
 
 
+_NEVER_RUN: Final = frozenset({".lock"})
+"""uv's lock file at a venv's top, writable by all (0666) so that anyone's uv may lock the venv; empty, read
+by nothing in the venv."""
+
+
 def python_env_changeable_by(env: Path, owner: tuple[int, int]) -> str | None:
     """Who besides root and `owner` could change what a template's venv runs, or None.
 
-    Its python runs every execute_code cell of the template's sandboxes, and its site-packages' ``.pth``
-    files run with it: whoever could replace the venv, its ``bin``, ``lib`` or site-packages folders, or
-    ``bin/python`` (and what it links to) or ``pyvenv.cfg``, would run code in each of them. Not every file
-    inside is judged (a venv holds thousands): a package another user owns deeper in is not seen. A name
-    that is missing is judged by its folder, where only root and `owner` could make it.
+    Its python runs every execute_code cell of the template's sandboxes (and pip, as root, at `template
+    build`), and any ``.pth`` file or module in it runs with it: every entry of the venv is judged, and
+    the folders on the way to it, and where its links lead out of it (``bin/python`` to the system's).
 
     Raises:
         OSError: an entry or a folder on the way cannot be examined.
     """
-    sites = sorted(env.glob("lib/python3*/site-packages"))
-    for folder in (env, env / "bin", env / "lib", *(site.parent for site in sites), *sites):
-        who = folder_changeable_by(str(folder), owner)
-        if who is not None:
-            return who
-    for file in (env / "pyvenv.cfg", env / "bin" / "python"):
-        who = file_replaceable_by(str(file), owner) if os.path.lexists(file) else None
-        if who is not None:
-            return who
-    return None
+    return folder_changeable_by(str(env), owner) or tree_changeable_by(str(env), owner, skip=_NEVER_RUN)
 
 
 def python_env_problem(name: str, env: Path) -> str | None:
@@ -157,8 +151,8 @@ def python_env_problem(name: str, env: Path) -> str | None:
     ours = "root's" if owner[0] == 0 else f"root's or uid {owner[0]}'s"
     return (
         f"template {name!r} python_env {env} could be changed by {who}, and so run code in every sandbox of the "
-        f"template: make it and the folders above it {ours} and not writable by others (chown, chmod go-w), "
-        f"or rebuild it elsewhere ('bastion template build {name}')"
+        f"template: remove it and run 'bastion template build {name}' (in folders {ours} alone), or make it and "
+        f"the folders above it {ours} alone (chown -R, chmod -R go-w, no ACL entries for others)"
     )
 
 

@@ -418,13 +418,72 @@ def file_replaceable_by(path: str, owner: tuple[int, int]) -> str | None:
     real = os.path.realpath(path)
     info = os.lstat(real)
     if not stat.S_ISREG(info.st_mode):
-        return f"{real} is not a regular file"
+        return f"whoever made {real}, which is not a regular file"
     if info.st_uid not in (0, owner[0]):
-        return f"uid {info.st_uid} owns {real}"
+        return f"uid {info.st_uid}, who owns {real}"
     writers = _writers(real, info, owner)
     if writers is not None:
         return f"{writers}: they may write {real}"
     return None
+
+
+def tree_changeable_by(
+    root: str, owner: tuple[int, int], *, max_entries: int = MAX_SCAN_ENTRIES, skip: frozenset[str] = frozenset()
+) -> str | None:
+    """Who besides root and `owner` could change an entry beneath `root` (not `root` itself), or None.
+
+    For a tree whose every file may run (a venv: any ``.pth`` in site-packages, any module, runs with its
+    python). Each entry must be root's or `owner`'s and writable by no one else (mode or ACL); a folder
+    must also have no default ACL giving others write (files made in it later would be theirs to change).
+    A symbolic link leading out of the tree is judged by where it leads. Never follows a link; a mount
+    point inside, or more than `max_entries` entries, is refused rather than left unseen. `skip`: names at
+    the top of the tree not judged (their content is never run).
+
+    Raises:
+        OSError: an entry cannot be examined.
+    """
+    seen = 0
+    device = os.lstat(root).st_dev
+    inside = os.path.realpath(root) + os.sep
+    folders = [root]
+    while folders:
+        folder = folders.pop()
+        who = _acl_others(folder, _ACL_WRITE, owner, default=True)
+        if who is not None:
+            return f"{who}: a default ACL of {folder} lets them write what is made in it"
+        with os.scandir(folder) as entries:
+            listed = list(entries)
+        for entry in listed:
+            if folder == root and entry.name in skip:
+                continue
+            seen += 1
+            if seen > max_entries:
+                return f"nobody known: {root} holds over {max_entries} entries, too many to check"
+            who = _entry_changeable_by(entry.path, entry.stat(follow_symlinks=False), owner, inside, device)
+            if who is not None:
+                return who
+            if entry.is_dir(follow_symlinks=False):
+                folders.append(entry.path)
+    return None
+
+
+def _entry_changeable_by(
+    path: str, info: os.stat_result, owner: tuple[int, int], inside: str, device: int
+) -> str | None:
+    if info.st_uid not in (0, owner[0]):
+        return f"uid {info.st_uid}, who owns {path}"
+    if stat.S_ISLNK(info.st_mode):
+        target = os.path.realpath(path)
+        if target.startswith(inside):
+            return None
+        # Judged through the link, so that every hop on the way to the target is judged too.
+        if os.path.isdir(target):
+            return folder_changeable_by(path, owner)
+        return file_replaceable_by(path, owner) if os.path.lexists(target) else None
+    if stat.S_ISDIR(info.st_mode) and info.st_dev != device:
+        return f"whoever mounted {path}, a mount point"
+    writers = _writers(path, info, owner)
+    return None if writers is None else f"{writers}: they may write {path}"
 
 
 def moved_into_by(path: str, owner: tuple[int, int]) -> str | None:
@@ -451,9 +510,10 @@ def _writers(folder: str, info: os.stat_result, owner: tuple[int, int]) -> str |
     return _acl_others(folder, _ACL_WRITE, owner)
 
 
-def _acl_others(path: str, permission: int, owner: tuple[int, int]) -> str | None:
-    """Who besides root and `owner` an ACL entry of `path` grants `permission`, or None."""
-    for tag, ident in _acl_granting(path, permission):
+def _acl_others(path: str, permission: int, owner: tuple[int, int], *, default: bool = False) -> str | None:
+    """Who besides root and `owner` an ACL entry of `path` grants `permission` (`default`: its default ACL,
+    what entries made in the folder later get), or None."""
+    for tag, ident in _acl_granting(path, permission, default=default):
         if tag == _UNKNOWN:
             return "someone (its ACL cannot be read)"
         if tag == _ACL_USER and ident not in (0, owner[0]):
@@ -473,7 +533,7 @@ _ACL_EXECUTE: Final = 0x01
 _UNKNOWN: Final = -1  # an ACL that does not parse: who may write cannot be told
 
 
-def _acl_granting(folder: str, permission: int) -> list[tuple[int, int]]:
+def _acl_granting(folder: str, permission: int, *, default: bool = False) -> list[tuple[int, int]]:
     """(tag, id) of the named user and group entries of `folder`'s access ACL that grant `permission`.
 
     Read by hand from the ``system.posix_acl_access`` attribute (a version word, then 8-byte
@@ -482,7 +542,8 @@ def _acl_granting(folder: str, permission: int) -> list[tuple[int, int]]:
     what a named entry grants. An attribute that does not parse counts as a writer (`_UNKNOWN`).
     """
     try:
-        raw = os.getxattr(folder, "system.posix_acl_access", follow_symlinks=False)
+        name = "system.posix_acl_default" if default else "system.posix_acl_access"
+        raw = os.getxattr(folder, name, follow_symlinks=False)
     except OSError as exc:
         if exc.errno in (errno.ENODATA, errno.ENOTSUP, errno.EOPNOTSUPP):
             return []

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Final
 
 from bastion.config import TemplateConfig
+from bastion.config.sandboxes import python_env_problem
 from bastion.safety.errors import ConfigError
 from bastion.templates._pip import install_lock, make_venv
 
@@ -119,12 +120,17 @@ def _check_target(name: str, target: Path) -> None:
             "choose a new or empty folder"
         )
     _check_ancestors(name, target)
-    # An existing venv's python and pip run on the host: only one this user made is trusted.
+    # An existing venv's python and pip run on the host: only one this user made is trusted, and only if
+    # no one else could have changed a file in it (a .pth in site-packages runs with pip, as root).
     if target.is_dir() and (owner := target.stat().st_uid) != os.geteuid():
         raise ConfigError(
             f"template {name!r} python_env {target} belongs to uid {owner}, not to this user: "
             "remove it, or build as its owner"
         )
+    if _is_venv(target):
+        problem = python_env_problem(name, target)
+        if problem is not None:
+            raise ConfigError(problem)
 
 
 def _check_ancestors(name: str, target: Path) -> None:
