@@ -39,6 +39,7 @@ import asyncio
 import contextlib
 import fcntl
 import logging
+import os
 import resource
 import socket
 import struct
@@ -194,23 +195,22 @@ _BYTES_ACKED_AT: Final = 120
 """`tcpi_bytes_acked` in Linux's `struct tcp_info` (4.1 and later; the struct only grows at its end)."""
 
 
-def unsent_bytes(transport: asyncio.Transport) -> int:
-    """What `transport` holds that its peer has not acknowledged: its own buffer and its socket's send queue."""
-    held = transport.get_write_buffer_size()
-    sock = transport.get_extra_info("socket")
-    if sock is None:
-        return held
+MAX_KEPT_CLOSED: Final = 256
+"""Closed connections kept open in the kernel's name at most (`UnsentWatch.closing`): a file each."""
+
+
+def queued_bytes(sock: socket.socket) -> int:
+    """What `sock`'s peer has not acknowledged of what was sent on it (its send queue, SIOCOUTQ)."""
     try:
-        queued = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, bytes(_INT.size))  # SIOCOUTQ on a socket
+        queued = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, bytes(_INT.size))
     except OSError:
-        return held
-    return held + int(_INT.unpack(queued)[0])
+        return 0
+    return int(_INT.unpack(queued)[0])
 
 
-def acked_bytes(transport: asyncio.Transport) -> int | None:
-    """How many bytes the peer has acknowledged so far (TCP only; None when unknown)."""
-    sock = transport.get_extra_info("socket")
-    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+def acked_bytes(sock: socket.socket) -> int | None:
+    """How many bytes `sock`'s peer has acknowledged so far (TCP only; None when unknown)."""
+    if sock.family not in (socket.AF_INET, socket.AF_INET6):
         return None
     try:
         info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_BYTES)
@@ -223,27 +223,43 @@ def acked_bytes(transport: asyncio.Transport) -> int | None:
 
 @dataclass
 class _Held:
+    """An answer its client has not taken: on a live connection (`transport`), or on one the server has
+    closed (`transport` None: `sock` is a duplicate of its socket, kept so its queue is still counted)."""
+
+    sock: socket.socket
+    transport: asyncio.Transport | None
     size: int
     acked: int | None
-    timer: asyncio.TimerHandle
+    timer: asyncio.TimerHandle | None = None
+
+    def unsent(self) -> int:
+        held = self.transport.get_write_buffer_size() if self.transport is not None else 0
+        return held + queued_bytes(self.sock)
 
 
 class UnsentWatch:
     """Answers written to connections whose clients have not taken them: bounded in bytes and in time.
 
-    Measured when an answer is complete and when a connection's buffer passes its high-water mark (the
-    only moments what a connection holds grows); between them it only shrinks, so the sum kept here
-    is never below the truth, and only when it passes the limit is every held connection measured
-    again. Then the connections that have held theirs longest are reset (`abort`: their answers are
-    dropped, in the server and in the kernel) until the rest fit. A connection whose client acknowledges
-    nothing for `stall_s` is reset too. Resetting loses only answers: the calls ran, and the audit log
-    has them.
+    Measured when an answer is complete, when a connection's buffer passes its high-water mark (the only
+    moments what a connection holds grows) and when the server closes a connection; between them it only
+    shrinks, so the sum kept here is never below the truth, and only when it passes the limit is every
+    held answer measured again. Then the ones held longest are reset (their answers dropped, in the
+    server and in the kernel) until the rest fit. One whose client acknowledges nothing for `stall_s` is
+    reset too. Resetting loses only answers: the calls ran, and the audit log has them.
+
+    A connection the server closes (after its head timeout, on ``Connection: close``) with an answer still
+    in the kernel's queue would leave that queue to the kernel, uncounted, for as long as the client keeps
+    its end open (found by attack: 120 such sockets held 267 MiB past the limit). Its socket is kept open
+    (`closing`) and counted until it drains, stalls or is shed; the kernel's own timer (`TCP_USER_TIMEOUT`,
+    set by the protocol) ends it too.
     """
 
     def __init__(self, limit_bytes: int, stall_s: float) -> None:
         self.limit = limit_bytes
         self.stall_s = stall_s
-        self.held: dict[asyncio.Transport, _Held] = {}
+        self.held: dict[object, _Held] = {}
+        """By transport (a live connection) or by the kept socket (a closed one), oldest first."""
+        self.closed = 0
         self.total = 0
         self.reset = SummaryLog(
             f"reset connections whose clients did not read their answers (over {limit_bytes >> 20} MiB "
@@ -252,63 +268,99 @@ class UnsentWatch:
 
     def measure(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
         """Count what `transport` holds unsent now (after an answer, or part of one, was written to it)."""
-        size = unsent_bytes(transport)
         held = self.held.get(transport)
         if held is not None:
-            self.total += size - held.size
-            held.size = size
-            if size < WATCH_MIN_BYTES:
-                self.forget(transport)
-        elif size >= WATCH_MIN_BYTES:
-            timer = loop.call_later(self.stall_s, self._check_stalled, transport, loop)
-            self.held[transport] = _Held(size, acked_bytes(transport), timer)
-            self.total += size
+            self._update(transport, held, held.unsent())
+        else:
+            sock = transport.get_extra_info("socket")
+            if sock is None:
+                return
+            size = transport.get_write_buffer_size() + queued_bytes(sock)
+            if size >= WATCH_MIN_BYTES:
+                self._hold(transport, _Held(sock, transport, size, acked_bytes(sock)), loop)
         if self.total > self.limit:
             self._shed(loop)
 
-    def forget(self, transport: asyncio.Transport) -> None:
-        held = self.held.pop(transport, None)
-        if held is not None:
-            held.timer.cancel()
-            self.total -= held.size
+    def closing(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        """`transport`'s connection is being closed, its socket still open: keep it while it holds an answer."""
+        self.forget(transport)
+        sock = transport.get_extra_info("socket")
+        if sock is None or _resetting(sock):
+            return
+        size = queued_bytes(sock)
+        if size < WATCH_MIN_BYTES:
+            return
+        kept = socket.socket(fileno=os.dup(sock.fileno()))
+        self.closed += 1
+        self._hold(kept, _Held(kept, None, size, acked_bytes(kept)), loop)
+        if self.closed > MAX_KEPT_CLOSED:
+            oldest = next(key for key, held in self.held.items() if held.transport is None)
+            self._reset(oldest, loop)
+        if self.total > self.limit:
+            self._shed(loop)
 
-    def _shed(self, loop: asyncio.AbstractEventLoop) -> None:
-        for transport, held in list(self.held.items()):
-            size = unsent_bytes(transport)
-            self.total += size - held.size
-            held.size = size
-            if size < WATCH_MIN_BYTES:
-                self.forget(transport)
-        for transport in list(self.held):  # oldest first: a dict keeps its insertion order
-            if self.total <= self.limit:
-                break
-            self._reset(transport, loop)
-
-    def _check_stalled(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
-        held = self.held.get(transport)
+    def forget(self, key: object) -> None:
+        held = self.held.pop(key, None)
         if held is None:
             return
-        size, acked = unsent_bytes(transport), acked_bytes(transport)
-        progressed = _progressed(held, size, acked)
+        if held.timer is not None:
+            held.timer.cancel()
+        self.total -= held.size
+        if held.transport is None:
+            self.closed -= 1
+            held.sock.close()  # nothing left in its queue, or reset just before
+
+    def _hold(self, key: object, held: _Held, loop: asyncio.AbstractEventLoop) -> None:
+        held.timer = loop.call_later(self.stall_s, self._check_stalled, key, loop)
+        self.held[key] = held
+        self.total += held.size
+
+    def _update(self, key: object, held: _Held, size: int) -> None:
         self.total += size - held.size
         held.size = size
         if size < WATCH_MIN_BYTES:
-            self.forget(transport)
-        elif progressed:
-            held.acked = acked
-            held.timer = loop.call_later(self.stall_s, self._check_stalled, transport, loop)
-        else:
-            self._reset(transport, loop)
+            self.forget(key)
 
-    def _reset(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
-        self.forget(transport)
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            # A reset, not a close: a closed socket keeps its unsent queue in the kernel, still sending.
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_NONE)
-        transport.abort()
+    def _shed(self, loop: asyncio.AbstractEventLoop) -> None:
+        for key, held in list(self.held.items()):
+            self._update(key, held, held.unsent())
+        for key in list(self.held):  # oldest first: a dict keeps its insertion order
+            if self.total <= self.limit:
+                break
+            self._reset(key, loop)
+
+    def _check_stalled(self, key: object, loop: asyncio.AbstractEventLoop) -> None:
+        held = self.held.get(key)
+        if held is None:
+            return
+        size, acked = held.unsent(), acked_bytes(held.sock)
+        progressed = _progressed(held, size, acked)
+        self._update(key, held, size)
+        if key not in self.held:
+            return
+        if progressed:
+            held.acked = acked
+            held.timer = loop.call_later(self.stall_s, self._check_stalled, key, loop)
+        else:
+            self._reset(key, loop)
+
+    def _reset(self, key: object, loop: asyncio.AbstractEventLoop) -> None:
+        held = self.held[key]
+        # A reset, not a close: a closed socket keeps its unsent queue in the kernel, still sending.
+        with contextlib.suppress(OSError):
+            held.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_NONE)
+        self.forget(key)
+        if held.transport is not None:
+            held.transport.abort()
         self.reset.add(loop)
+
+
+def _resetting(sock: socket.socket) -> bool:
+    """Whether `sock` is set to reset when closed (`UnsentWatch._reset` did): its queue goes with it."""
+    try:
+        return sock.getsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _INT.size * 2) == _LINGER_NONE
+    except OSError:
+        return True
 
 
 def _progressed(held: _Held, size: int, acked: int | None) -> bool:
@@ -339,13 +391,18 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            # The kernel ends a connection (closed or not) whose peer acknowledges nothing sent for this long.
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(self.unsent.stall_s * 1000))
         self._follow()
         if len(self.connections) > self.max_connections:
             self._make_room()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
-        self.unsent.forget(self.transport)
+        self.unsent.closing(self.transport, self.loop)  # asyncio closes the socket after this returns
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
