@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Final
 
 from bastion.safety.errors import ConfigError
-from bastion.safety.paths import folder_replaceable_by
+from bastion.safety.paths import folder_replaceable_by, owners_phrase
 
 PID_FILE: Final = "server.lock"
 _MAX_PID_BYTES: Final = 32
@@ -169,7 +169,7 @@ def replaceable_problem(folder: Path, what: str, elsewhere: str) -> str | None:
         return f"{what} {folder} cannot be examined ({exc.strerror or exc}): fix its path"
     if who is None:
         return None
-    ours = "root's" if owner[0] == 0 else f"root's or uid {owner[0]}'s"
+    ours = owners_phrase(owner)
     return (
         f"{what} {folder} could be replaced by {who}: make it and every folder above it {ours} and not "
         f"writable by others (chown, chmod go-w), or {elsewhere}"

@@ -17,7 +17,7 @@ from bastion.config.network import NetworkConfig, checked_rules
 from bastion.config.terminals import TerminalsConfig
 from bastion.safety.commands import CommandPolicyConfig
 from bastion.safety.environment import checked_env
-from bastion.safety.paths import folder_changeable_by, tree_changeable_by
+from bastion.safety.paths import folder_changeable_by, owners_phrase, tree_changeable_by
 from bastion.sandbox import SCRATCH_INODES, SHM_SIZE_BYTES, TMP_SIZE_BYTES
 from bastion.sandbox.identity import DEFAULT_HOST_ID_COUNT, DEFAULT_HOST_ID_FIRST, parse_range
 from bastion.sandbox.vmimage import DEFAULT_IMAGE_DIR
@@ -148,7 +148,7 @@ def python_env_problem(name: str, env: Path) -> str | None:
         return f"template {name!r} python_env {env} cannot be examined ({exc.strerror or exc}): fix it or rebuild it"
     if who is None:
         return None
-    ours = "root's" if owner[0] == 0 else f"root's or uid {owner[0]}'s"
+    ours = owners_phrase(owner)
     return (
         f"template {name!r} python_env {env} could be changed by {who}, and so run code in every sandbox of the "
         f"template: remove it and run 'bastion template build {name}' (in folders {ours} alone), or make it and "

@@ -385,6 +385,11 @@ def writers_besides(folder: str, owner: tuple[int, int]) -> str | None:
     return _writers(folder, os.lstat(folder), owner)
 
 
+def owners_phrase(owner: tuple[int, int]) -> str:
+    """Whose a trusted path must be, as a refusal says it: "root's", or "root's or uid N's"."""
+    return "root's" if owner[0] == 0 else f"root's or uid {owner[0]}'s"
+
+
 def folder_changeable_by(path: str, owner: tuple[int, int]) -> str | None:
     """`folder_replaceable_by`, and who else may write the folder itself even when it is sticky, or None.
 

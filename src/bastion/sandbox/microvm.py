@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import IO, Final
 
 from bastion.safety.errors import BastionError, Conflict, InvalidRequest, NotFound, ResourceLimit, Unavailable
-from bastion.safety.paths import file_replaceable_by, folder_changeable_by
+from bastion.safety.paths import file_replaceable_by, folder_changeable_by, owners_phrase
 from bastion.safety.redact import sanitize_terminal
 from bastion.sandbox._spawn import (
     EGRESS_DIR,
@@ -1286,7 +1286,7 @@ def boot_files_problem(image_dir: Path) -> str | None:
         return f"the microVM boot files in {image_dir} cannot be examined ({exc.strerror or exc}): fix the folder"
     if who is None:
         return None
-    ours = "root's" if owner[0] == 0 else f"root's or uid {owner[0]}'s"
+    ours = owners_phrase(owner)
     return (
         f"the microVM boot files in {image_dir} could be changed by {who}, and so run in every guest: make the "
         f"folder, its files and the folders above it {ours} and not writable by others (chown, chmod go-w), "

@@ -31,6 +31,7 @@ __all__ = [
     "BodyBudget",
     "Budgeted",
     "Refused",
+    "body_or_refusal",
     "read_leased",
     "replay",
     "send_json",
@@ -128,6 +129,19 @@ async def read_leased(budget: BodyBudget, scope: Scope, receive: Receive) -> Asy
         yield TOO_LARGE if body is None else body
 
 
+@asynccontextmanager
+async def body_or_refusal(
+    budget: BodyBudget, scope: Scope, receive: Receive, send: Send
+) -> AsyncIterator[bytes | None]:
+    """`read_leased`, with its refusal sent (then None)."""
+    async with read_leased(budget, scope, receive) as body:
+        if isinstance(body, Refused):
+            await send_json(send, body.status, body.body, list(body.headers))
+            yield None
+        else:
+            yield body
+
+
 async def _read(receive: Receive) -> bytes | None:
     """The whole body, or None past `MAX_MCP_BODY_BYTES`."""
     chunks: list[bytes] = []
@@ -188,8 +202,6 @@ class Budgeted:
         if scope.get("method") != "POST":
             await self.app(scope, receive, send)
             return
-        async with read_leased(self.budget, scope, receive) as body:
-            if isinstance(body, Refused):
-                await send_json(send, body.status, body.body, list(body.headers))
-                return
-            await self.app(scope, replay(body, receive), send)
+        async with body_or_refusal(self.budget, scope, receive, send) as body:
+            if body is not None:
+                await self.app(scope, replay(body, receive), send)

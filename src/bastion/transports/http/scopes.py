@@ -22,7 +22,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from bastion.safety.errors import BastionError, Forbidden, InvalidRequest
 from bastion.tools.server import BastionServer, to_call_result
-from bastion.transports.http.bodies import BodyBudget, Refused, read_leased, replay, send_json
+from bastion.transports.http.bodies import BodyBudget, body_or_refusal, replay, send_json
 
 
 def _challenge(resource_metadata: str, scopes: str, error: str | None, description: str | None) -> str:
@@ -93,11 +93,9 @@ class RequireToken:
         if scope.get("method") != "POST":
             await self.app(scope, receive, send)
             return
-        async with read_leased(self.bodies, scope, receive) as raw:
-            if isinstance(raw, Refused):
-                await send_json(send, raw.status, raw.body, list(raw.headers))
-                return
-            await self._checked(user, raw, scope, receive, send)
+        async with body_or_refusal(self.bodies, scope, receive, send) as raw:
+            if raw is not None:
+                await self._checked(user, raw, scope, receive, send)
 
     async def _checked(self, user: AuthenticatedUser, raw: bytes, scope: Scope, receive: Receive, send: Send) -> None:
         """Pass the request on if every tool it calls is in the token's scopes; else 403 naming the one needed."""
