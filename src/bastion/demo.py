@@ -305,6 +305,9 @@ def init_demo(
         python_env = _build_python_data(root / DATA_ENV_DIR)
     if python_env is not None and not is_venv(Path(python_env)):
         raise ConfigError(f"--python-env {python_env} is not a virtual environment: build one or omit it")
+    if python_env is not None:
+        # Its real path: a config naming a python_env through a symbolic link is refused at load.
+        python_env = Path(python_env).resolve()
     for sub in ("workspace", "inbox"):
         (root / sub).mkdir(parents=True, exist_ok=True)
     (root / "state").mkdir(mode=0o700, parents=True, exist_ok=True)

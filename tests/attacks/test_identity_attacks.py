@@ -43,7 +43,7 @@ from mcp import Client
 
 from bastion.app import build_server, build_services
 from bastion.config import Config, load_config
-from tests.helpers import REPO, call, create, demo_config_at, sh
+from tests.helpers import DATA_ENV, call, create, demo_config_at, sh
 
 pytestmark = [
     pytest.mark.anyio,
@@ -52,7 +52,6 @@ pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="the identity layer is a root server's: run as root"),
 ]
 
-DATA_ENV = REPO / ".venv-python-data"
 DEFAULT, OPEN, USER = "default", "open", "user"  # the host workspaces of the config below
 ORDINARY = 12345  # the owner of the `user` workspace folder: an ordinary host user
 SHARED_DEST = "/shared"

@@ -211,3 +211,17 @@ def test_uvs_lock_file_writable_by_all_is_not_a_refusal(tmp_path: Path) -> None:
     (env / "bin" / "activate").chmod(0o666)
     with pytest.raises(ConfigError, match=f"any user: they may write {env / 'bin' / 'activate'}"):
         load_config(config)
+
+
+def test_init_names_the_real_path_of_a_python_env_given_through_a_link(tmp_path: Path) -> None:
+    """Not a refusal: `bastion init --python-env` through a link (a checkout whose environment is a link to
+    another's) writes where the link leads, which loads; the link itself in a config is refused."""
+    env = _venv(tmp_path / "real-env")
+    (tmp_path / "link").symlink_to(env)
+    config = demo_config_at(tmp_path / "demo", tmp_path / "link")
+    assert load_config(config).template[0].python_env == env
+    linked = config.with_name("linked.toml")
+    linked.write_text(config.read_text().replace(str(env), str(tmp_path / "link")))
+    linked.chmod(0o600)
+    with pytest.raises(ConfigError, match="symbolic link"):
+        load_config(linked)
