@@ -315,7 +315,7 @@ async def _cancelled_requests_finish(server: uvicorn.Server) -> None:
 def unsent_watch(http: HttpConfig) -> UnsentWatch:
     from bastion.transports.http import connections
 
-    return connections.UnsentWatch(http.max_unsent_mib << 20, http.send_stall_timeout_s)
+    return connections.UnsentWatch(http.max_unsent_mib << 20, http.send_stall_timeout_s, connections.kept_limit())
 
 
 def uvicorn_config(

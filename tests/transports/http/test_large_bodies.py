@@ -18,6 +18,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import anyio
+import pytest
+
+from bastion.transports.http.bodies import BodyBudget
 from tests.helpers import INITIALIZE_REQUEST, MCP_HEADERS
 
 from .live import LiveServer, live_server
@@ -177,3 +181,72 @@ def test_a_body_let_in_is_given_back_when_answered(tmp_path: Path) -> None:
                 answer = http.post("/mcp", json=call, headers=headers)
                 assert answer.status_code == 200, answer.text[:300]
         assert all((tmp_path / "workspace" / f"n{n}.txt").stat().st_size == BODY_BYTES for n in range(6))
+
+
+def test_a_body_cut_by_a_disconnect_is_never_run(tmp_path: Path) -> None:
+    """Attack (found by review): a client declares a write_file body of 200 kB, sends half and goes away. The
+    half was run as the whole request (the file written with what had come, an audit `end` record "OK").
+    Now a body cut short runs nothing."""
+    with live_server(tmp_path, auth=False) as server:
+        headers = session(server)
+        call = {
+            "jsonrpc": "2.0",
+            "id": 7,
+            "method": "tools/call",
+            "params": {"name": "write_file", "arguments": {"path": "cut.txt", "content": "z" * 100}},
+        }
+        body = json.dumps(call).encode() + b" " * 200_000  # JSON may end in spaces: the cut falls in them
+        head = f"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\nContent-Length: {len(body)}\r\n"
+        head += "".join(f"{name}: {value}\r\n" for name, value in headers.items()) + "\r\n"
+        with socket.create_connection(("127.0.0.1", server.port)) as sock:
+            sock.sendall(head.encode() + body[: len(body) // 2])
+        deadline = time.monotonic() + 30
+        while "POST /mcp 0 " not in server.log():  # the access line of the request whose client left
+            assert time.monotonic() < deadline, "the cut request never ended"
+            time.sleep(0.05)
+        assert not (tmp_path / "workspace" / "cut.txt").exists()
+        audit = (tmp_path / "state" / "audit.jsonl").read_text()
+        assert '"write_file"' not in audit
+
+
+@pytest.mark.anyio
+async def test_a_large_body_waits_its_turn_before_smaller_ones_that_came_later() -> None:
+    """Found by review: every waiter was woken at once and took room as it came, so smaller bodies from other
+    clients passed a large one again and again until it got 503. Now the first that waits for the whole
+    budget keeps its turn; one that only its own grant's half holds back does not hold back the others."""
+    mib = 1 << 20
+    budget = BodyBudget(8 * mib, wait_s=30)
+    assert await budget.take("a", 4 * mib)
+    assert await budget.take("c", 2 * mib)
+    order: list[str] = []
+
+    async def waits(grant: str, size: int) -> None:
+        assert await budget.take(grant, size)
+        order.append(grant)
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(waits, "b", 4 * mib)  # needs the whole budget to have room: waits first
+        await anyio.wait_all_tasks_blocked()
+        tasks.start_soon(waits, "d", 2 * mib)  # would fit now, but b came first
+        await anyio.wait_all_tasks_blocked()
+        assert order == []
+        budget.give("c", 2 * mib)  # room for b (4 + 4), not for both
+        await anyio.wait_all_tasks_blocked()
+        assert order == ["b"]
+        budget.give("a", 4 * mib)
+    assert order == ["b", "d"]
+    assert budget.used == 8 * mib - 2 * mib  # b and d hold theirs: what was given came back
+
+
+@pytest.mark.anyio
+async def test_a_grant_at_its_half_does_not_hold_back_another() -> None:
+    mib = 1 << 20
+    budget = BodyBudget(8 * mib, wait_s=30)
+    assert await budget.take("a", 4 * mib)
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(budget.take, "a", 1 * mib)  # a is at its half: waits
+        await anyio.wait_all_tasks_blocked()
+        assert await budget.take("b", 4 * mib)  # not held back by a's waiter
+        budget.give("a", 4 * mib)
+        budget.give("b", 4 * mib)
+    assert budget.used == 1 * mib

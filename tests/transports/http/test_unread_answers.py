@@ -214,3 +214,22 @@ def test_answers_left_on_connections_the_server_closed_are_held_only_to_the_limi
             wait_for(lambda: sum(server_send_queues(server.port, both)) <= LIMIT_MIB << 20, 15, "closed ones counted")
             wait_for(lambda: "did not read their answers" in server.log(), 15, "the resets are logged")
             still_served(server)
+
+
+def test_a_client_asking_for_close_gets_its_whole_answer_and_then_the_end(tmp_path: Path) -> None:
+    """Found by review: a closed connection kept for its unsent answer held back the FIN as well, so a
+    ``Connection: close`` client reading a little late got its answer and then waited `send_stall_timeout_s`
+    for the end (a proxy reading close-delimited bodies hung as long). The end now follows the answer."""
+    with live_server(tmp_path, http_extra="send_stall_timeout_s = 600", auth=False) as server:
+        big_file(tmp_path)
+        session = _session(server)
+        with unread_calls(server, session, 1, receive_buffer=64 * 1024, close=True) as (sock,):
+            wait_for(lambda: ended_reads(server) == 1, 60, "the call ends")
+            wait_for(lambda: any(server_send_queues(server.port, ("01", "04"))), 30, "its answer is queued")
+            received = bytearray()
+            sock.settimeout(10)  # the end comes at once after the answer, or not for 600 s
+            while chunk := sock.recv(1 << 20):
+                received += chunk
+        assert received.startswith(b"HTTP/1.1 200")
+        assert received.endswith(b"\r\n0\r\n\r\n")
+        assert len(received) > 3 << 20

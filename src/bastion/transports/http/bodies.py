@@ -42,44 +42,79 @@ SMALL_BODY_BYTES: Final = 64 * 1024
 RETRY_AFTER_S: Final = 1
 
 
+@dataclass(eq=False)
+class _Waiter:
+    grant: str
+    size: int
+    woken: anyio.Event
+    granted: bool = False
+
+
 class BodyBudget:
-    """Bytes of large request bodies held at once: `limit` in all, half of it per grant."""
+    """Bytes of large request bodies held at once: `limit` in all, half of it per grant; waiters in turn.
+
+    A waiter that only its own grant's half holds back does not hold back the others; one the whole
+    budget holds back does, so a large body is never passed over by smaller ones until it times out.
+    """
 
     def __init__(self, limit: int, wait_s: float) -> None:
         self.limit = limit
         self.wait_s = wait_s
         self.used = 0
         self.by_grant: Counter[str] = Counter()
-        self._waiters: list[anyio.Event] = []
+        self._queue: list[_Waiter] = []
 
-    def _fits(self, grant: str, size: int) -> bool:
-        return self.used + size <= self.limit and self.by_grant[grant] + size <= self.limit // 2
+    def _grant_fits(self, grant: str, size: int) -> bool:
+        return self.by_grant[grant] + size <= self.limit // 2
+
+    def _blocks(self, waiter: _Waiter) -> bool:
+        """Whether `waiter` waits for the whole budget (and so goes before later requests)."""
+        return self._grant_fits(waiter.grant, waiter.size)
 
     async def take(self, grant: str, size: int) -> bool:
-        """Take `size` bytes for `grant`, waiting up to `wait_s` for room; False if none came."""
-        with anyio.move_on_after(self.wait_s):
-            while not self._fits(grant, size):
-                woken = anyio.Event()
-                self._waiters.append(woken)
-                try:
-                    await woken.wait()
-                finally:
-                    if woken in self._waiters:
-                        self._waiters.remove(woken)
-        if not self._fits(grant, size):
-            return False
-        self.used += size
-        self.by_grant[grant] += size
-        return True
+        """Take `size` bytes for `grant`, waiting in turn up to `wait_s` for room; False if none came."""
+        if not any(self._blocks(w) for w in self._queue) and self._fits(grant, size):
+            self._add(grant, size)
+            return True
+        waiter = _Waiter(grant, size, anyio.Event())
+        self._queue.append(waiter)
+        try:
+            with anyio.move_on_after(self.wait_s):
+                await waiter.woken.wait()
+        except BaseException:
+            if waiter.granted:  # given room, then cancelled before it could use it
+                self.give(grant, size)
+            raise
+        finally:
+            if not waiter.granted:
+                self._queue.remove(waiter)
+                self._wake()  # it may have held back the ones behind it
+        return waiter.granted
 
     def give(self, grant: str, size: int) -> None:
         self.used -= size
         self.by_grant[grant] -= size
         if not self.by_grant[grant]:
             del self.by_grant[grant]
-        waiters, self._waiters = self._waiters, []
-        for woken in waiters:
-            woken.set()
+        self._wake()
+
+    def _fits(self, grant: str, size: int) -> bool:
+        return self.used + size <= self.limit and self._grant_fits(grant, size)
+
+    def _add(self, grant: str, size: int) -> None:
+        self.used += size
+        self.by_grant[grant] += size
+
+    def _wake(self) -> None:
+        for waiter in list(self._queue):
+            if not self._grant_fits(waiter.grant, waiter.size):
+                continue  # its own grant holds it back: the next may go
+            if self.used + waiter.size > self.limit:
+                return  # the first that waits for the whole budget keeps its turn
+            self._add(waiter.grant, waiter.size)
+            waiter.granted = True
+            self._queue.remove(waiter)
+            waiter.woken.set()
 
     @asynccontextmanager
     async def held(self, grant: str, size: int) -> AsyncIterator[bool]:
@@ -112,9 +147,10 @@ BUSY: Final = Refused(
 
 
 @asynccontextmanager
-async def read_leased(budget: BodyBudget, scope: Scope, receive: Receive) -> AsyncIterator[bytes | Refused]:
-    """The request's body, read whole under its share of `budget` (held until the block ends), or why not.
-    A body with no declared length (chunked) counts as the largest one may be."""
+async def read_leased(budget: BodyBudget, scope: Scope, receive: Receive) -> AsyncIterator[bytes | Refused | None]:
+    """The request's body, read whole under its share of `budget` (held until the block ends), why not, or
+    None if the client went away before it was whole (nothing to run, no one to answer). A body with no
+    declared length (chunked) counts as the largest one may be."""
     headers = scope.get("headers", ())
     declared = declared_length(headers)
     if declared > MAX_MCP_BODY_BYTES:
@@ -125,15 +161,14 @@ async def read_leased(budget: BodyBudget, scope: Scope, receive: Receive) -> Asy
         if not room:
             yield BUSY
             return
-        body = await _read(receive)
-        yield TOO_LARGE if body is None else body
+        yield await _read(receive)
 
 
 @asynccontextmanager
 async def body_or_refusal(
     budget: BodyBudget, scope: Scope, receive: Receive, send: Send
 ) -> AsyncIterator[bytes | None]:
-    """`read_leased`, with its refusal sent (then None)."""
+    """`read_leased`, with its refusal sent (then None; None too when the client went away)."""
     async with read_leased(budget, scope, receive) as body:
         if isinstance(body, Refused):
             await send_json(send, body.status, body.body, list(body.headers))
@@ -142,18 +177,19 @@ async def body_or_refusal(
             yield body
 
 
-async def _read(receive: Receive) -> bytes | None:
-    """The whole body, or None past `MAX_MCP_BODY_BYTES`."""
+async def _read(receive: Receive) -> bytes | Refused | None:
+    """The whole body, `TOO_LARGE` past `MAX_MCP_BODY_BYTES`, or None if the client went away first.
+    Found by review: a body cut by a disconnect was run as the whole one (a write_file of half its content)."""
     chunks: list[bytes] = []
     size = 0
     while True:
         message = await receive()
         if message["type"] != "http.request":
-            return b"".join(chunks)
+            return None
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > MAX_MCP_BODY_BYTES:
-            return None
+            return TOO_LARGE
         chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)

@@ -197,6 +197,18 @@ _BYTES_ACKED_AT: Final = 120
 
 MAX_KEPT_CLOSED: Final = 256
 """Closed connections kept open in the kernel's name at most (`UnsentWatch.closing`): a file each."""
+POLL_S: Final = 1.0
+"""How often a held answer is measured again: a drained one is let go within this."""
+
+
+def kept_limit(soft: int | None = None) -> int:
+    """Closed connections `UnsentWatch` may keep, at the open-file limit `soft` (the process's if None): a
+    sixteenth of it, within 16 and `MAX_KEPT_CLOSED`, out of what `fd_limits` leaves beyond the connections."""
+    if soft is None:
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return MAX_KEPT_CLOSED
+    return max(16, min(MAX_KEPT_CLOSED, soft // 16))
 
 
 def queued_bytes(sock: socket.socket) -> int:
@@ -230,6 +242,8 @@ class _Held:
     transport: asyncio.Transport | None
     size: int
     acked: int | None
+    since: float = 0.0
+    """When the client last took some of it (monotonic)."""
     timer: asyncio.TimerHandle | None = None
 
     def unsent(self) -> int:
@@ -254,9 +268,12 @@ class UnsentWatch:
     set by the protocol) ends it too.
     """
 
-    def __init__(self, limit_bytes: int, stall_s: float) -> None:
+    def __init__(self, limit_bytes: int, stall_s: float, max_kept: int = MAX_KEPT_CLOSED) -> None:
         self.limit = limit_bytes
         self.stall_s = stall_s
+        self.max_kept = max_kept
+        """Closed connections kept at most (`closing`): a file each."""
+        self.poll_s = min(POLL_S, stall_s)
         self.held: dict[object, _Held] = {}
         """By transport (a live connection) or by the kept socket (a closed one), oldest first."""
         self.closed = 0
@@ -290,10 +307,16 @@ class UnsentWatch:
         size = queued_bytes(sock)
         if size < WATCH_MIN_BYTES:
             return
-        kept = socket.socket(fileno=os.dup(sock.fileno()))
+        try:
+            kept = socket.socket(fileno=os.dup(sock.fileno()))
+        except OSError:  # no file left for it: the kernel's own timer ends the socket (TCP_USER_TIMEOUT)
+            return
+        # The FIN after the answer, as the close being made would send it: the client sees the end at once.
+        with contextlib.suppress(OSError):
+            kept.shutdown(socket.SHUT_WR)
         self.closed += 1
         self._hold(kept, _Held(kept, None, size, acked_bytes(kept)), loop)
-        if self.closed > MAX_KEPT_CLOSED:
+        if self.closed > self.max_kept:
             oldest = next(key for key, held in self.held.items() if held.transport is None)
             self._reset(oldest, loop)
         if self.total > self.limit:
@@ -311,7 +334,8 @@ class UnsentWatch:
             held.sock.close()  # nothing left in its queue, or reset just before
 
     def _hold(self, key: object, held: _Held, loop: asyncio.AbstractEventLoop) -> None:
-        held.timer = loop.call_later(self.stall_s, self._check_stalled, key, loop)
+        held.since = loop.time()
+        held.timer = loop.call_later(self.poll_s, self._check, key, loop)
         self.held[key] = held
         self.total += held.size
 
@@ -329,7 +353,9 @@ class UnsentWatch:
                 break
             self._reset(key, loop)
 
-    def _check_stalled(self, key: object, loop: asyncio.AbstractEventLoop) -> None:
+    def _check(self, key: object, loop: asyncio.AbstractEventLoop) -> None:
+        """Measure a held answer again: let it go once drained, reset it once its client took nothing for
+        `stall_s`."""
         held = self.held.get(key)
         if held is None:
             return
@@ -339,10 +365,11 @@ class UnsentWatch:
         if key not in self.held:
             return
         if progressed:
-            held.acked = acked
-            held.timer = loop.call_later(self.stall_s, self._check_stalled, key, loop)
-        else:
+            held.acked, held.since = acked, loop.time()
+        elif loop.time() - held.since >= self.stall_s:
             self._reset(key, loop)
+            return
+        held.timer = loop.call_later(self.poll_s, self._check, key, loop)
 
     def _reset(self, key: object, loop: asyncio.AbstractEventLoop) -> None:
         held = self.held[key]
@@ -402,8 +429,10 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
-        self.unsent.closing(self.transport, self.loop)  # asyncio closes the socket after this returns
-        super().connection_lost(exc)
+        try:
+            self.unsent.closing(self.transport, self.loop)  # asyncio closes the socket after this returns
+        finally:
+            super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
         if self.lingering:
