@@ -24,7 +24,7 @@ from bastion.transports.http.preview import CHUNK_CHARGE_BYTES
 from bastion.workbench.previews import token_id
 
 from .live import free_port, serve_config
-from .test_preview import APPS, MAX_RESPONSE, SESSION_COOKIE, Preview, config_text
+from .test_preview import APPS, MAX_BODY, MAX_RESPONSE, SESSION_COOKIE, Preview, config_text
 
 pytestmark = pytest.mark.bwrap
 
@@ -192,3 +192,46 @@ def test_a_response_cut_by_the_server_stopping_is_audited_with_what_it_sent(tmp_
     assert len(record) == 1
     assert record[0]["status"] == 200
     assert record[0]["bytes"] >= len(received) > 0
+
+
+def _held_by_the_app(preview: Preview, sandbox_id: str, port: int) -> list[int]:
+    """The receive queue of each connection the app on `port` holds open, as the sandbox's kernel shows it."""
+    table = preview.run(sandbox_id, "cat /proc/net/tcp /proc/net/tcp6 2>/dev/null")
+    queues = []
+    for line in table.splitlines()[1:]:
+        fields = line.split()
+        if len(fields) > 4 and fields[1].endswith(f":{port:04X}") and fields[3] == "01":
+            queues.append(int(fields[4].split(":")[1], 16))
+    return queues
+
+
+def test_a_body_the_app_never_reads_leaves_no_socket_holding_it(tmp_path: Path) -> None:
+    """Attack (found by attacking previews): an app reads nothing past a request's head. The browser's 16 MiB
+    body filled the sockets, the app timed out with a 504, and the server's close then waited for the app to
+    take the rest, for ever: 20 such requests held 74 MiB until the sandbox closed. The server's end is now
+    reset when the app has not taken everything (the app sees its connection go)."""
+    port, preview_port = free_port(), free_port()
+    root = tmp_path / "demo"
+    config = config_text(root, port, preview_port)
+    config.write_text(
+        config.read_text().replace(f"preview_max_body_bytes = {MAX_BODY}", "preview_max_body_bytes = 16777216")
+    )
+    with serve_config(root, config, port) as server:
+        live = Preview(server, preview_port)
+        created = live.tool("create_sandbox")
+        sandbox_id = str(created["detail"]["sandbox_id"])
+        assert live.tool(
+            "write_file", sandbox_id=sandbox_id, path="raw_app.py", content=(APPS / "raw_app.py").read_text()
+        )["ok"]
+        live.run(sandbox_id, f"python3 raw_app.py {PORT} >/dev/null 2>&1 &")
+        live.run(sandbox_id, WAIT_LISTENING)
+        url = live.expose(sandbox_id, PORT)
+        cookie = {"cookie": f"{SESSION_COOKIE}={live.session}"}
+        with httpx2.Client(timeout=30) as client, contextlib.suppress(httpx2.TransportError):
+            # The 504 may come while the body is still on its way: the client may see its send cut instead.
+            answered = client.post(url + "sink", content=b"b" * (16 << 20), headers=cookie)
+            assert answered.status_code == 504
+        deadline = time.monotonic() + 30
+        while any(_held_by_the_app(live, sandbox_id, PORT)):
+            assert time.monotonic() < deadline, "the server's end still holds the body the app never read"
+            time.sleep(0.2)

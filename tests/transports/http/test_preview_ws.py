@@ -230,3 +230,46 @@ def test_a_text_message_over_the_cap_in_utf8_bytes_is_closed_with_1009() -> None
     assert (status, sent) == (101, 0)
     assert browser.sends[1:] == [{"type": "websocket.close", "code": 1009}]
     assert left == 0
+
+
+class FloodingBrowser(RecordingBrowser):
+    """A browser that sends 1 MiB messages as fast as they are taken."""
+
+    async def receive(self) -> Message:
+        return {"type": "websocket.receive", "bytes": b"m" * (1 << 20)}
+
+
+async def _deaf_app(sock: socket.socket) -> None:
+    """A WebSocket server on `sock` that accepts, then never reads again."""
+    reader, writer = await asyncio.open_connection(sock=sock)
+    try:
+        ws = WSConnection(ConnectionType.SERVER)
+        ws.receive_data(await reader.read(65536))
+        assert any(isinstance(event, Request) for event in ws.events())
+        writer.write(ws.send(AcceptConnection()))
+        await writer.drain()
+        await asyncio.Event().wait()
+    finally:
+        writer.close()
+
+
+def test_a_relay_to_an_app_that_never_reads_ends_after_the_timeout(pair: tuple[socket.socket, socket.socket]) -> None:
+    """Attack (found by attacking previews): a browser sends into a WebSocket whose app never reads. The relay
+    waited for the app for ever, past the browser's leaving and the server's pings: 20 such held 258 MiB of
+    the server's socket memory until the sandbox closed. It now ends once the app took nothing for the
+    preview timeout, and the socket to the app is dropped, not kept for it."""
+    proxy_side, app_side = pair
+
+    async def main() -> tuple[int, int]:
+        app = asyncio.ensure_future(_deaf_app(app_side))
+        try:
+            browser = FloodingBrowser()
+            return await asyncio.wait_for(
+                proxy_websocket(SCOPE, browser.receive, browser.send, proxy_side, 8080, b"/ws", lambda: True, 0.5),
+                WAIT_S,
+            )
+        finally:
+            app.cancel()
+            await asyncio.gather(app, return_exceptions=True)
+
+    assert asyncio.run(main())[0] == 101

@@ -215,9 +215,22 @@ def queued_bytes(sock: socket.socket) -> int:
     """What `sock`'s peer has not acknowledged of what was sent on it (its send queue, SIOCOUTQ)."""
     try:
         queued = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, bytes(_INT.size))
-    except OSError:
+    except (OSError, ValueError):  # ValueError: closed already (its fileno is -1)
         return 0
     return int(_INT.unpack(queued)[0])
+
+
+def close_or_reset(transport: asyncio.WriteTransport) -> None:
+    """Close `transport`, or reset it when its peer has not taken all that was written to it: a close would
+    keep that, in the server's buffer or the kernel's queue, for as long as the peer reads nothing."""
+    sock = transport.get_extra_info("socket")
+    if not transport.get_write_buffer_size() and (sock is None or not queued_bytes(sock)):
+        transport.close()
+        return
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_NONE)
+    transport.abort()
 
 
 def acked_bytes(sock: socket.socket) -> int | None:

@@ -28,6 +28,8 @@ from wsproto.events import (
 )
 from wsproto.utilities import LocalProtocolError, RemoteProtocolError
 
+from bastion.transports.http.connections import close_or_reset
+
 logger = logging.getLogger("bastion.http.preview")
 MAX_WS_MESSAGE_BYTES: Final = 1 << 20
 MIN_PIECE_CHARGE: Final = 256
@@ -44,15 +46,19 @@ READ_BYTES: Final = 65_536
 class _Link:
     """The app's side: a wsproto client over the socket."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, timeout_s: float) -> None:
         self.ws = WSConnection(ConnectionType.CLIENT)
         self.reader = reader
         self.writer = writer
+        self.timeout_s = timeout_s
         self.early: list[Event] = []  # what came in the same read as the app's accept
 
     async def send(self, event: Event) -> None:
+        """Raises TimeoutError (an OSError) when the app takes nothing for `timeout_s`: found by attack, a
+        relay to an app that never read waited for ever, past the browser's leaving."""
         self.writer.write(self.ws.send(event))
-        await self.writer.drain()
+        async with asyncio.timeout(self.timeout_s):
+            await self.writer.drain()
 
     async def events(self) -> list[Event]:
         if self.early:
@@ -86,15 +92,17 @@ async def proxy_websocket(
     port: int,
     target: bytes,
     exposed: Callable[[], bool],
+    app_timeout_s: float = 30.0,
 ) -> tuple[int, int]:
     """Run one proxied WebSocket to its end; (the status to audit, bytes sent to the browser).
 
     `exposed` says whether its preview is still live: checked every `EXPOSED_CHECK_S`, so a WebSocket ends
     (close 1008 both ways) soon after unexpose_port, the URL's expiry or its sandbox's close, even an idle one.
     The status: 101 once both sides were joined, 502 when the app refused or failed its handshake, 499 (as
-    nginx names it) when the browser left during the app's handshake."""
+    nginx names it) when the browser left during the app's handshake. `app_timeout_s`: how long the app may take
+    nothing the browser sends before the WebSocket ends."""
     reader, writer = await asyncio.open_connection(sock=sock, limit=MAX_WS_MESSAGE_BYTES)
-    link = _Link(reader, writer)
+    link = _Link(reader, writer, app_timeout_s)
     try:
         try:
             accepted = await _handshake(link, port, target, list(scope.get("subprotocols", [])))
@@ -121,7 +129,7 @@ async def proxy_websocket(
                 logger.warning("preview WebSocket to port %d ended: %r", port, task.exception())
         return 101, sent[0]
     finally:
-        writer.close()
+        close_or_reset(writer.transport)  # what the app did not take is dropped, not kept for it
 
 
 async def _until_revoked(exposed: Callable[[], bool], send: Send, link: _Link) -> None:

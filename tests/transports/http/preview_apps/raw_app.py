@@ -1,6 +1,7 @@
 """A hostile app for the preview body tests (stdlib only, runs INSIDE a sandbox), writing its answers byte by
 byte as no framework would: /tinychunks?n=N (N chunks of one byte), /short (a Content-Length of 100 and 10
-bytes), /status999, /trickle (a one-byte chunk every 0.1 s until the proxy goes away)."""
+bytes), /status999, /trickle (a one-byte chunk every 0.1 s until the proxy goes away), /sink (reads nothing
+past the head, answers nothing)."""
 
 import contextlib
 import socket
@@ -24,6 +25,8 @@ def answer(conn: socket.socket, target: str) -> None:
         while True:
             conn.sendall(b"1\r\nt\r\n")
             time.sleep(0.1)
+    elif url.path == "/sink":
+        time.sleep(3600)
     else:
         conn.sendall(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
 
