@@ -14,19 +14,30 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
+import ssl
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx2
+
 from bastion.safety.audit import verify
 
-from .live import LiveServer, live_server
+from .live import BASTION, LiveServer, free_port, live_server, write_config
+from .tls import self_signed
 
 ANSWERS = 12
 FILE_BYTES = 1 << 20
 """A file of control characters: its answer is about 3.4 MB (six bytes a character, the content twice)."""
 LIMIT_MIB = 8
 VERSION = "2025-11-25"
+_INITIALIZE = {
+    "jsonrpc": "2.0",
+    "id": 0,
+    "method": "initialize",
+    "params": {"protocolVersion": VERSION, "capabilities": {}, "clientInfo": {"name": "raw", "version": "1"}},
+}
 
 
 def _session(server: LiveServer) -> str:
@@ -233,3 +244,82 @@ def test_a_client_asking_for_close_gets_its_whole_answer_and_then_the_end(tmp_pa
         assert received.startswith(b"HTTP/1.1 200")
         assert received.endswith(b"\r\n0\r\n\r\n")
         assert len(received) > 3 << 20
+
+
+def test_over_tls_answers_left_on_closed_connections_are_held_only_to_the_limit(tmp_path: Path) -> None:
+    """Found by review: over TLS asyncio closes a connection's socket before the protocol hears of it, so an
+    answer left in the queue of a connection the server closed was counted nowhere: each wave of unread
+    answers left up to the limit's worth behind and the next wave added as much again (four waves: 26 MiB
+    against 8). A TLS connection keeps a duplicate of its socket for that moment. About 65 s: the server's
+    TLS close waits 30 s for the client's close_notify, once per wave."""
+    limit_mib = 4
+    cert, key = self_signed(tmp_path)
+    port = free_port()
+    extra = f'tls_cert = "{cert}"\ntls_key = "{key}"\nmax_unsent_mib = {limit_mib}\nsend_stall_timeout_s = 600'
+    config = write_config(tmp_path / "demo", port, http_extra=extra, auth=False)
+    text = config.read_text().replace(
+        f'public_url = "http://127.0.0.1:{port}"', f'public_url = "https://127.0.0.1:{port}"'
+    )
+    config.write_text(text)
+    (tmp_path / "demo" / "workspace" / "big.txt").write_bytes(b"\x01" * FILE_BYTES)
+    context = ssl.create_default_context(cafile=str(cert))
+    log = tmp_path / "server.log"
+    with open(log, "wb") as out:
+        process = subprocess.Popen(
+            [str(BASTION), "serve", "--config", str(config), "--http"], stdout=out, stderr=subprocess.STDOUT
+        )
+    opened: list[ssl.SSLSocket] = []
+    try:
+        headers = _tls_session(f"https://127.0.0.1:{port}", context, process, log)
+        records = tmp_path / "demo" / "state" / "audit.jsonl"
+        for wave in (1, 2):
+            opened += [_tls_unread_call(port, context, headers, n) for n in range(3)]
+            wait_for(lambda: _ended_in(records) == 3 * wave, 60, "the wave's calls end")  # noqa: B023
+            wait_for(lambda: not server_send_queues(port), 60, "the server closed every connection")
+        held = server_send_queues(port, ("04",))
+        assert sum(held) <= limit_mib << 20, held
+    finally:
+        for sock in opened:
+            sock.close()
+        process.terminate()
+        process.wait(30)
+    assert "Traceback" not in log.read_text()
+
+
+def _tls_session(base: str, context: ssl.SSLContext, process: subprocess.Popen[bytes], log: Path) -> dict[str, str]:
+    headers = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
+    with httpx2.Client(verify=context, timeout=10) as http:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                opened = http.post(f"{base}/mcp", json=_INITIALIZE, headers=headers)
+                break
+            except httpx2.TransportError:
+                assert process.poll() is None, log.read_text()
+                assert time.monotonic() < deadline, log.read_text()
+                time.sleep(0.05)
+        headers.update({"mcp-session-id": opened.headers["mcp-session-id"], "mcp-protocol-version": VERSION})
+        initialized = {"jsonrpc": "2.0", "method": "notifications/initialized"}
+        assert http.post(f"{base}/mcp", json=initialized, headers=headers).status_code == 202
+    return headers
+
+
+def _tls_unread_call(port: int, context: ssl.SSLContext, headers: dict[str, str], n: int) -> ssl.SSLSocket:
+    """read_file of big.txt over TLS with ``Connection: close``, its answer never read."""
+    call = {"jsonrpc": "2.0", "id": n + 1, "method": "tools/call"}
+    call["params"] = {"name": "read_file", "arguments": {"path": "big.txt"}}
+    body = json.dumps(call).encode()
+    head = f"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n"
+    head += "".join(f"{name}: {value}\r\n" for name, value in headers.items())
+    head += f"Content-Length: {len(body)}\r\n\r\n"
+    raw = socket.socket()
+    raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    raw.connect(("127.0.0.1", port))
+    tls = context.wrap_socket(raw, server_hostname="127.0.0.1")
+    tls.sendall(head.encode() + body)
+    return tls
+
+
+def _ended_in(records: Path) -> int:
+    lines = records.read_text().splitlines()
+    return sum(1 for line in lines if '"read_file"' in line and '"end"' in line)

@@ -311,17 +311,23 @@ class UnsentWatch:
         if self.total > self.limit:
             self._shed(loop)
 
-    def closing(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
-        """`transport`'s connection is being closed, its socket still open: keep it while it holds an answer."""
+    def closing(
+        self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop, own: socket.socket | None = None
+    ) -> None:
+        """`transport`'s connection is being closed: keep its socket while it holds an answer. `own`: a duplicate
+        of the socket made at the start (over TLS asyncio closes its socket before this runs), used or closed
+        here; without one, the transport's socket, still open."""
         self.forget(transport)
-        sock = transport.get_extra_info("socket")
-        if sock is None or _resetting(sock):
+        sock = own if own is not None else transport.get_extra_info("socket")
+        if sock is None:
+            return
+        if _resetting(sock) or queued_bytes(sock) < WATCH_MIN_BYTES:
+            if own is not None:
+                own.close()
             return
         size = queued_bytes(sock)
-        if size < WATCH_MIN_BYTES:
-            return
         try:
-            kept = socket.socket(fileno=os.dup(sock.fileno()))
+            kept = own if own is not None else socket.socket(fileno=os.dup(sock.fileno()))
         except OSError:  # no file left for it: the kernel's own timer ends the socket (TCP_USER_TIMEOUT)
             return
         # The FIN after the answer, as the close being made would send it: the client sees the end at once.
@@ -425,6 +431,8 @@ class GuardedH11Protocol(H11Protocol):
 
     phase: Phase | None = None
     phase_since = 0.0
+    own: socket.socket | None = None
+    """Over TLS, a duplicate of the connection's socket for `UnsentWatch.closing` (asyncio closes its own first)."""
     deadline: asyncio.TimerHandle | None = None
     upgraded = False
     lingering = False
@@ -436,14 +444,20 @@ class GuardedH11Protocol(H11Protocol):
             # The kernel ends a connection (closed or not) whose peer acknowledges nothing sent for this long.
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(self.unsent.stall_s * 1000))
+            if transport.get_extra_info("ssl_object") is not None:
+                # Found by review: over TLS, connection_lost runs after asyncio closed the socket, so an answer
+                # left in its queue was counted nowhere. A file more per TLS connection, while it is open.
+                with contextlib.suppress(OSError):
+                    self.own = socket.socket(fileno=os.dup(sock.fileno()))
         self._follow()
         if len(self.connections) > self.max_connections:
             self._make_room()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        own, self.own = self.own, None
         try:
-            self.unsent.closing(self.transport, self.loop)  # asyncio closes the socket after this returns
+            self.unsent.closing(self.transport, self.loop, own)  # without TLS, asyncio closes the socket after this
         finally:
             super().connection_lost(exc)
 
@@ -505,6 +519,9 @@ class GuardedH11Protocol(H11Protocol):
         self.upgraded = True
         self._disarm()
         self.unsent.forget(self.transport)
+        if self.own is not None:  # the WebSocket protocol takes the connection: not watched there
+            self.own.close()
+            self.own = None
         super().handle_websocket_upgrade(event)
 
     def _current(self) -> Phase:
