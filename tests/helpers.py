@@ -60,6 +60,22 @@ def demo_config_at(folder: Path, python_env: Path | None = None) -> Path:
     return path
 
 
+def refused_stdio_start(config: Path) -> str:
+    """`bastion serve --stdio` on `config`, which must refuse at start (exit 78, EX_CONFIG): its one line."""
+    served = subprocess.run(
+        [str(BASTION), "serve", "--config", str(config), "--stdio"],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert served.returncode == 78, served.stderr
+    lines = served.stderr.strip().splitlines()
+    assert len(lines) == 1, served.stderr
+    return lines[0]
+
+
 def temp_socket_folders() -> set[str]:
     """The egress socket folders servers made in the temp folder (for a state path too long)."""
     return {name for name in os.listdir(tempfile.gettempdir()) if name.startswith(NET_TEMP_PREFIX)}

@@ -19,12 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from bastion.cli import EXIT_CONFIG, main
+from bastion.cli import main
 from bastion.config import load_config
 from bastion.safety.errors import ConfigError
-from tests.helpers import demo_config_at
+from tests.helpers import demo_config_at, refused_stdio_start
 
-BASTION = Path(sys.executable).parent / "bastion"
 BOB = (4242, 4242)
 SITE = "lib/python{}.{}/site-packages".format(*sys.version_info[:2])
 
@@ -156,17 +155,7 @@ def test_serve_refuses_a_python_env_another_user_could_change_before_anything_st
     (env / SITE / "bob.pth").write_text(f"import os; os.close(os.open({str(mark)!r}, os.O_CREAT | os.O_WRONLY))\n")
     os.chown(env / SITE, *BOB)
     config = demo_config_at(tmp_path / "demo", env)
-    served = subprocess.run(
-        [str(BASTION), "serve", "--config", str(config), "--stdio"],
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert served.returncode == EXIT_CONFIG, served.stderr
-    lines = served.stderr.strip().splitlines()
-    assert len(lines) == 1, served.stderr
+    lines = [refused_stdio_start(config)]
     assert f"python_env {env} could be changed by uid 4242, who owns {env / SITE}" in lines[0]
     assert list((tmp_path / "demo" / "state").iterdir()) == []
     assert not mark.exists()

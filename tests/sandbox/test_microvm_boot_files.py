@@ -13,8 +13,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-import subprocess
-import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -23,16 +21,15 @@ import pytest
 from mcp import Client
 
 from bastion.app import build_server, build_services
-from bastion.cli import EXIT_CONFIG, main
+from bastion.cli import main
 from bastion.config import load_config
 from bastion.safety.errors import Unavailable
 from bastion.sandbox._spawn import SandboxSpec
 from bastion.sandbox.microvm import MicroVMSandbox, MicroVMSettings, boot_files_problem, missing_boot_files
 from bastion.sandbox.vmimage import INITRAMFS_NAME, KERNEL_NAME
-from tests.helpers import processes_with
+from tests.helpers import processes_with, refused_stdio_start
 from tests.sandbox.microvm_helpers import with_vm_template
 
-BASTION = Path(sys.executable).parent / "bastion"
 BOB = (4242, 4242)
 
 pytestmark = [
@@ -165,17 +162,7 @@ def test_serve_refuses_boot_files_another_user_could_change_at_start(demo_config
     sandbox (not only at the first microVM's start)."""
     _, configured, words = _attacked(tmp_path, "owns-a-folder-above")
     config = with_vm_template(demo_config_path, configured, emulation=True)
-    served = subprocess.run(
-        [str(BASTION), "serve", "--config", str(config), "--stdio"],
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert served.returncode == EXIT_CONFIG, served.stderr
-    lines = served.stderr.strip().splitlines()
-    assert len(lines) == 1, served.stderr
+    lines = [refused_stdio_start(config)]
     assert lines[0].startswith(f"bastion: the microVM boot files in {configured} could be changed by {words}")
     assert list((demo_config_path.parent / "state").iterdir()) == []
 
