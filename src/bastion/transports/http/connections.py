@@ -321,11 +321,11 @@ class UnsentWatch:
         sock = own if own is not None else transport.get_extra_info("socket")
         if sock is None:
             return
-        if _resetting(sock) or queued_bytes(sock) < WATCH_MIN_BYTES:
+        size = 0 if _resetting(sock) else queued_bytes(sock)
+        if size < WATCH_MIN_BYTES:
             if own is not None:
                 own.close()
             return
-        size = queued_bytes(sock)
         try:
             kept = own if own is not None else socket.socket(fileno=os.dup(sock.fileno()))
         except OSError:  # no file left for it: the kernel's own timer ends the socket (TCP_USER_TIMEOUT)
