@@ -281,7 +281,17 @@ class GatewayLab:
             keys_dir=keys_dir,
         )
         try:
-            lab.process = _start_sshd(root / "sshd_config", root / "sshd.log", port)
+            for attempt in range(PORT_ATTEMPTS):
+                try:
+                    lab.process = _start_sshd(root / "sshd_config", root / "sshd.log", lab.port)
+                    break
+                except PortTaken:
+                    if attempt == PORT_ATTEMPTS - 1:
+                        raise
+                    lab.port = _free_port()  # and every file that names it
+                    config_path.write_text(_bastion_toml(lab.port, host_key_line, target))
+                    (root / "known_hosts").write_text(f"[127.0.0.1]:{lab.port} {host_key_line}\n")
+                    (root / "sshd_config").write_text(_sshd_config(root, lab.port, authorized))
         except BaseException:
             lab.stop()
             raise
@@ -345,22 +355,42 @@ def _sshd_accepts_parents(folder: Path, home: Path, uid: int) -> bool:
     return True
 
 
+PORT_ATTEMPTS = 3
+
+
+class PortTaken(RuntimeError):
+    """sshd could not bind its port: another test's socket took it after `_free_port` let it go."""
+
+
 def _start_sshd(config: Path, log: Path, port: int) -> subprocess.Popen[bytes]:
-    """Start sshd in the foreground and wait until it listens on `port`."""
+    """Start sshd in the foreground and wait until it answers on `port` with its banner.
+
+    The banner, not a connection: a full run once saw another test's server take the port first; sshd
+    exited on its bind, the connection reached the other server, and every later test of the lab failed.
+
+    Raises:
+        PortTaken: the port was taken (the caller tries another).
+    """
     # -E, not -e: with -e a DEBUG sshd writes its session child's log lines into the client's stderr.
     process = subprocess.Popen([SSHD, "-D", "-E", str(log), "-f", str(config)])
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"sshd exited: {log.read_text()[-2000:]}")
+            text = log.read_text()[-2000:]
+            if "Address already in use" in text:
+                raise PortTaken(f"sshd could not bind port {port}: {text}")
+            raise RuntimeError(f"sshd exited: {text}")
         try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return process
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as probe:
+                probe.settimeout(2)
+                if probe.recv(8).startswith(b"SSH-") and process.poll() is None:
+                    return process
         except OSError:
-            time.sleep(0.05)
+            pass
+        time.sleep(0.05)
     process.kill()
     process.wait()
-    raise RuntimeError("sshd did not start listening within 10 s")
+    raise RuntimeError("sshd did not start answering within 10 s")
 
 
 def _sshd_config(root: Path, port: int, authorized: Path) -> str:
