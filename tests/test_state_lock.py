@@ -14,7 +14,7 @@ from bastion.app import Services, build_server, build_services
 from bastion.config import load_config
 from bastion.safety.errors import ConfigError
 from bastion.state_lock import PID_FILE, StateLock
-from tests.helpers import BASTION, call, create, sh
+from tests.helpers import BASTION, call, create, refused_stdio_start, sh
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
 
@@ -67,19 +67,9 @@ async def _second_server_leaves_the_first_alone(client: Client, services: Servic
     snapshots_before = _tree(config.state_dir / "snapshots")
     mounts_before = Path("/proc/self/mountinfo").read_text().count(str(config.state_dir))
 
-    second = subprocess.run(
-        [str(BASTION), "serve", "--config", str(config_path), "--stdio"],
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-
-    assert second.returncode == 78, second.stderr
-    assert second.stderr == (
+    assert refused_stdio_start(config_path) == (
         f"bastion: state folder {config.state_dir} is in use by another bastion server (pid {os.getpid()}): "
-        "stop it, or give this server a state_dir of its own\n"
+        "stop it, or give this server a state_dir of its own"
     )
     assert _tree(config.sandboxes_dir / box) == before
     assert _tree(config.state_dir / "snapshots") == snapshots_before
