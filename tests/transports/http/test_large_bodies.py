@@ -22,15 +22,14 @@ import anyio
 import pytest
 
 from bastion.transports.http.bodies import BodyBudget
-from tests.helpers import INITIALIZE_REQUEST, MCP_HEADERS
 
 from .live import LiveServer, live_server
+from .test_unread_answers import server_session
 
 CONNECTIONS = 24
 BODY_BYTES = 4 * 1024 * 1024 - 512
 LIMIT_MIB = 8
 WAIT_S = 3
-VERSION = "2025-11-25"
 
 
 def rss_mib(pid: int) -> int:
@@ -56,16 +55,6 @@ def peak_rss(pid: int) -> Iterator[list[int]]:
     finally:
         done.set()
         sampler.join()
-
-
-def session(server: LiveServer) -> dict[str, str]:
-    with server.http() as http:
-        opened = http.post("/mcp", json=INITIALIZE_REQUEST, headers=MCP_HEADERS)
-        assert opened.status_code == 200, opened.text
-        headers = {**MCP_HEADERS, "mcp-session-id": opened.headers["mcp-session-id"], "mcp-protocol-version": VERSION}
-        initialized = {"jsonrpc": "2.0", "method": "notifications/initialized"}
-        assert http.post("/mcp", json=initialized, headers=headers).status_code == 202
-    return headers
 
 
 @contextlib.contextmanager
@@ -144,7 +133,7 @@ def answer_of(sock: socket.socket, within_s: float) -> bytes:
 def test_large_bodies_past_the_budget_wait_unread_then_get_503(tmp_path: Path) -> None:
     extra = f"max_request_bodies_mib = {LIMIT_MIB}\nrequest_body_timeout_s = {WAIT_S}"
     with live_server(tmp_path, http_extra=extra, auth=False) as server:
-        headers = session(server)
+        headers = server_session(server)
         idle = rss_mib(server.process.pid)
         with peak_rss(server.process.pid) as peak, bodies_but_the_last_byte(server, headers) as calls:
             # Small calls are served while the large ones wait.
@@ -169,7 +158,7 @@ def test_large_bodies_past_the_budget_wait_unread_then_get_503(tmp_path: Path) -
 def test_a_body_let_in_is_given_back_when_answered(tmp_path: Path) -> None:
     """Large calls one after another, each under the budget, are all served: what one held is given back."""
     with live_server(tmp_path, http_extra=f"max_request_bodies_mib = {LIMIT_MIB}", auth=False) as server:
-        headers = session(server)
+        headers = server_session(server)
         with server.http() as http:
             for n in range(6):
                 call = {
@@ -188,7 +177,7 @@ def test_a_body_cut_by_a_disconnect_is_never_run(tmp_path: Path) -> None:
     half was run as the whole request (the file written with what had come, an audit `end` record "OK").
     Now a body cut short runs nothing."""
     with live_server(tmp_path, auth=False) as server:
-        headers = session(server)
+        headers = server_session(server)
         call = {
             "jsonrpc": "2.0",
             "id": 7,

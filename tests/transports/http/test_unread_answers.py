@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx2
 
 from bastion.safety.audit import verify
+from tests.helpers import INITIALIZE_REQUEST, MCP_HEADERS
 
 from .live import BASTION, LiveServer, free_port, live_server, write_config
 from .tls import self_signed
@@ -32,60 +33,48 @@ FILE_BYTES = 1 << 20
 """A file of control characters: its answer is about 3.4 MB (six bytes a character, the content twice)."""
 LIMIT_MIB = 8
 VERSION = "2025-11-25"
-_INITIALIZE = {
-    "jsonrpc": "2.0",
-    "id": 0,
-    "method": "initialize",
-    "params": {"protocolVersion": VERSION, "capabilities": {}, "clientInfo": {"name": "raw", "version": "1"}},
-}
 
 
-def _session(server: LiveServer) -> str:
-    headers = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
-    initialize = {
-        "jsonrpc": "2.0",
-        "id": 0,
-        "method": "initialize",
-        "params": {"protocolVersion": VERSION, "capabilities": {}, "clientInfo": {"name": "raw", "version": "1"}},
-    }
+def open_session(http: httpx2.Client, url: str) -> dict[str, str]:
+    """An MCP session (2025-11-25 era) at `url`: the headers its requests carry."""
+    opened = http.post(url, json=INITIALIZE_REQUEST, headers=MCP_HEADERS)
+    assert opened.status_code == 200, opened.text
+    headers = {**MCP_HEADERS, "mcp-session-id": opened.headers["mcp-session-id"], "mcp-protocol-version": VERSION}
+    initialized = {"jsonrpc": "2.0", "method": "notifications/initialized"}
+    assert http.post(url, json=initialized, headers=headers).status_code == 202
+    return headers
+
+
+def server_session(server: LiveServer) -> dict[str, str]:
+    """A session of its own on `server`: the headers its requests carry."""
     with server.http() as http:
-        opened = http.post("/mcp", json=initialize, headers=headers)
-        assert opened.status_code == 200, opened.text
-        session = opened.headers["mcp-session-id"]
-        initialized = {"jsonrpc": "2.0", "method": "notifications/initialized"}
-        headers.update({"mcp-session-id": session, "mcp-protocol-version": VERSION})
-        assert http.post("/mcp", json=initialized, headers=headers).status_code == 202
-    return session
+        return open_session(http, "/mcp")
+
+
+def read_file_request(port: int, headers: dict[str, str], n: int, *, close: bool = False) -> bytes:
+    """A raw POST calling read_file on big.txt in the session of `headers`; `close`: with ``Connection: close``
+    (the server closes the connection after its answer)."""
+    call = {"jsonrpc": "2.0", "id": n + 1, "method": "tools/call"}
+    call["params"] = {"name": "read_file", "arguments": {"path": "big.txt"}}
+    body = json.dumps(call).encode()
+    head = f"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n" + ("Connection: close\r\n" if close else "")
+    head += "".join(f"{name}: {value}\r\n" for name, value in headers.items())
+    return (head + f"Content-Length: {len(body)}\r\n\r\n").encode() + body
 
 
 @contextlib.contextmanager
 def unread_calls(
-    server: LiveServer, session: str, count: int, receive_buffer: int = 4096, *, close: bool = False
+    server: LiveServer, session: dict[str, str], count: int, receive_buffer: int = 4096, *, close: bool = False
 ) -> Iterator[list[socket.socket]]:
     """`count` connections, each asking for big.txt, none reading its answer (a small receive buffer);
     `close`: each asks the server to close the connection after its answer (``Connection: close``)."""
-    close_header = "Connection: close\r\n" if close else ""
     opened: list[socket.socket] = []
     try:
         for n in range(count):
-            body = json.dumps(
-                {
-                    "jsonrpc": "2.0",
-                    "id": n + 1,
-                    "method": "tools/call",
-                    "params": {"name": "read_file", "arguments": {"path": "big.txt"}},
-                }
-            ).encode()
-            head = (
-                f"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\n{close_header}"
-                "Content-Type: application/json\r\n"
-                f"Accept: application/json, text/event-stream\r\nmcp-session-id: {session}\r\n"
-                f"mcp-protocol-version: {VERSION}\r\nContent-Length: {len(body)}\r\n\r\n"
-            ).encode()
             sock = socket.socket()
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
             sock.connect(("127.0.0.1", server.port))
-            sock.sendall(head + body)
+            sock.sendall(read_file_request(server.port, session, n, close=close))
             opened.append(sock)
         yield opened
     finally:
@@ -115,7 +104,11 @@ def all_written(port: int) -> bool:
 
 
 def ended_reads(server: LiveServer) -> int:
-    audit = server.root / "state" / "audit.jsonl"
+    return ended_in(server.root / "state" / "audit.jsonl")
+
+
+def ended_in(audit: Path) -> int:
+    """The read_file calls whose `end` record is in the audit log at `audit`."""
     records = [json.loads(line) for line in audit.read_text().splitlines()]
     return sum(1 for r in records if r.get("tool") == "read_file" and r.get("event") == "end")
 
@@ -129,15 +122,9 @@ def wait_for(condition: object, within_s: float, what: str) -> None:
 
 def still_served(server: LiveServer) -> None:
     """Another client (a session of its own) calls a tool and reads its answer."""
-    headers = {
-        "Accept": "application/json, text/event-stream",
-        "Content-Type": "application/json",
-        "mcp-session-id": _session(server),
-        "mcp-protocol-version": VERSION,
-    }
     called = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "list_directory", "arguments": {}}}
     with server.http() as http:
-        answer = http.post("/mcp", json=called, headers=headers)
+        answer = http.post("/mcp", json=called, headers=open_session(http, "/mcp"))
     assert answer.status_code == 200
     assert '"ok\\":true' in answer.text.replace(" ", ""), answer.text[:500]
 
@@ -150,7 +137,7 @@ def test_answers_never_read_are_held_only_to_the_limit(tmp_path: Path) -> None:
     extra = f"max_unsent_mib = {LIMIT_MIB}\nsend_stall_timeout_s = 600"
     with live_server(tmp_path, http_extra=extra, auth=False) as server:
         big_file(tmp_path)
-        session = _session(server)
+        session = server_session(server)
         with unread_calls(server, session, ANSWERS):
             wait_for(lambda: ended_reads(server) == ANSWERS, 60, "every read_file call ends, in the audit log")
             # Every answer written: each connection left holds its answer unsent, the others were reset.
@@ -173,7 +160,7 @@ def test_a_connection_whose_client_reads_nothing_is_reset_after_the_stall_timeou
     extra = "send_stall_timeout_s = 1\nrequest_head_timeout_s = 300"
     with live_server(tmp_path, http_extra=extra, auth=False) as server:
         big_file(tmp_path)
-        session = _session(server)
+        session = server_session(server)
         with unread_calls(server, session, 2) as socks:
             wait_for(lambda: ended_reads(server) == 2, 60, "both calls end")
             wait_for(lambda: len(server_send_queues(server.port)) == 2 and all_written(server.port), 30, "answers out")
@@ -192,7 +179,7 @@ def test_a_client_reading_slowly_gets_its_whole_answer(tmp_path: Path) -> None:
     big answer a little at a time, over longer than the timeout, is not reset."""
     with live_server(tmp_path, http_extra="send_stall_timeout_s = 1", auth=False) as server:
         big_file(tmp_path)
-        session = _session(server)
+        session = server_session(server)
         with unread_calls(server, session, 1, receive_buffer=64 * 1024) as (sock,):
             wait_for(lambda: ended_reads(server) == 1, 60, "the call ends")
             received = bytearray()
@@ -217,7 +204,7 @@ def test_answers_left_on_connections_the_server_closed_are_held_only_to_the_limi
         tmp_path, http_extra=f"max_unsent_mib = {LIMIT_MIB}\nsend_stall_timeout_s = 600", auth=False
     ) as server:
         (tmp_path / "workspace" / "big.txt").write_bytes(b"\x01" * 180_000)
-        session = _session(server)
+        session = server_session(server)
         count = 30
         with unread_calls(server, session, count, close=True):
             wait_for(lambda: ended_reads(server) == count, 60, "every read_file call ends, in the audit log")
@@ -233,7 +220,7 @@ def test_a_client_asking_for_close_gets_its_whole_answer_and_then_the_end(tmp_pa
     for the end (a proxy reading close-delimited bodies hung as long). The end now follows the answer."""
     with live_server(tmp_path, http_extra="send_stall_timeout_s = 600", auth=False) as server:
         big_file(tmp_path)
-        session = _session(server)
+        session = server_session(server)
         with unread_calls(server, session, 1, receive_buffer=64 * 1024, close=True) as (sock,):
             wait_for(lambda: ended_reads(server) == 1, 60, "the call ends")
             wait_for(lambda: any(server_send_queues(server.port, ("01", "04"))), 30, "its answer is queued")
@@ -274,7 +261,7 @@ def test_over_tls_answers_left_on_closed_connections_are_held_only_to_the_limit(
         records = tmp_path / "demo" / "state" / "audit.jsonl"
         for wave in (1, 2):
             opened += [_tls_unread_call(port, context, headers, n) for n in range(3)]
-            wait_for(lambda: _ended_in(records) == 3 * wave, 60, "the wave's calls end")  # noqa: B023
+            wait_for(lambda: ended_in(records) == 3 * wave, 60, "the wave's calls end")  # noqa: B023
             wait_for(lambda: not server_send_queues(port), 60, "the server closed every connection")
         held = server_send_queues(port, ("04",))
         assert sum(held) <= limit_mib << 20, held
@@ -287,39 +274,23 @@ def test_over_tls_answers_left_on_closed_connections_are_held_only_to_the_limit(
 
 
 def _tls_session(base: str, context: ssl.SSLContext, process: subprocess.Popen[bytes], log: Path) -> dict[str, str]:
-    headers = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
+    """`open_session` over TLS, once the server answers."""
     with httpx2.Client(verify=context, timeout=10) as http:
         deadline = time.monotonic() + 30
         while True:
             try:
-                opened = http.post(f"{base}/mcp", json=_INITIALIZE, headers=headers)
-                break
+                return open_session(http, f"{base}/mcp")
             except httpx2.TransportError:
                 assert process.poll() is None, log.read_text()
                 assert time.monotonic() < deadline, log.read_text()
                 time.sleep(0.05)
-        headers.update({"mcp-session-id": opened.headers["mcp-session-id"], "mcp-protocol-version": VERSION})
-        initialized = {"jsonrpc": "2.0", "method": "notifications/initialized"}
-        assert http.post(f"{base}/mcp", json=initialized, headers=headers).status_code == 202
-    return headers
 
 
 def _tls_unread_call(port: int, context: ssl.SSLContext, headers: dict[str, str], n: int) -> ssl.SSLSocket:
     """read_file of big.txt over TLS with ``Connection: close``, its answer never read."""
-    call = {"jsonrpc": "2.0", "id": n + 1, "method": "tools/call"}
-    call["params"] = {"name": "read_file", "arguments": {"path": "big.txt"}}
-    body = json.dumps(call).encode()
-    head = f"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n"
-    head += "".join(f"{name}: {value}\r\n" for name, value in headers.items())
-    head += f"Content-Length: {len(body)}\r\n\r\n"
     raw = socket.socket()
     raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     raw.connect(("127.0.0.1", port))
     tls = context.wrap_socket(raw, server_hostname="127.0.0.1")
-    tls.sendall(head.encode() + body)
+    tls.sendall(read_file_request(port, headers, n, close=True))
     return tls
-
-
-def _ended_in(records: Path) -> int:
-    lines = records.read_text().splitlines()
-    return sum(1 for line in lines if '"read_file"' in line and '"end"' in line)
