@@ -67,13 +67,10 @@ class BodyBudget:
     def _grant_fits(self, grant: str, size: int) -> bool:
         return self.by_grant[grant] + size <= self.limit // 2
 
-    def _blocks(self, waiter: _Waiter) -> bool:
-        """Whether `waiter` waits for the whole budget (and so goes before later requests)."""
-        return self._grant_fits(waiter.grant, waiter.size)
-
     async def take(self, grant: str, size: int) -> bool:
         """Take `size` bytes for `grant`, waiting in turn up to `wait_s` for room; False if none came."""
-        if not any(self._blocks(w) for w in self._queue) and self._fits(grant, size):
+        # A waiter its own grant's half does not hold back waits for the whole budget: it goes first.
+        if not any(self._grant_fits(w.grant, w.size) for w in self._queue) and self._fits(grant, size):
             self._add(grant, size)
             return True
         waiter = _Waiter(grant, size, anyio.Event())

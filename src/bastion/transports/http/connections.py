@@ -228,9 +228,14 @@ def close_or_reset(transport: asyncio.WriteTransport) -> None:
         transport.close()
         return
     if sock is not None:
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_NONE)
+        _reset_at_close(sock)
     transport.abort()
+
+
+def _reset_at_close(sock: socket.socket) -> None:
+    """A reset, not a close, when `sock` is closed: a closed socket keeps its unsent queue in the kernel."""
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_NONE)
 
 
 def acked_bytes(sock: socket.socket) -> int | None:
@@ -392,9 +397,7 @@ class UnsentWatch:
 
     def _reset(self, key: object, loop: asyncio.AbstractEventLoop) -> None:
         held = self.held[key]
-        # A reset, not a close: a closed socket keeps its unsent queue in the kernel, still sending.
-        with contextlib.suppress(OSError):
-            held.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_NONE)
+        _reset_at_close(held.sock)
         self.forget(key)
         if held.transport is not None:
             held.transport.abort()
