@@ -117,8 +117,8 @@ def _records(preview: Preview, url: str, path: str, count: int) -> list[dict[str
 
 def test_a_body_of_one_byte_chunks_is_cut_after_cap_over_1_kib_pieces(raw: tuple[Preview, str]) -> None:
     """Attack: 100,000 chunks of one byte each (600 KB on the wire). Each piece cost the server about 20 us
-    whatever its size: 20 s of CPU per MiB, outside the sandbox's cgroup. A piece now counts at least
-    1 KiB toward the response cap, and the cut body reaches the browser incomplete."""
+    whatever its size: 20 s of CPU per MiB, outside the sandbox's cgroup. A response now has at most
+    cap / 1 KiB pieces, and the cut body reaches the browser incomplete."""
     preview, url = raw
     with _stream(preview, url + "tinychunks?n=100000") as response:
         assert response.status_code == 200
@@ -128,6 +128,31 @@ def test_a_body_of_one_byte_chunks_is_cut_after_cap_over_1_kib_pieces(raw: tuple
     assert set(body) == {ord("x")}
     record = _records(preview, url, "tinychunks", 1)[-1]
     assert (record["status"], record["bytes"]) == (200, len(body))
+
+
+def test_a_small_piece_does_not_cut_a_body_short_of_the_cap(raw: tuple[Preview, str]) -> None:
+    """Found by CI: a piece under 1 KiB counted 1 KiB toward the byte cap, so a body with one small piece
+    (a short read from the app) was cut up to 1 KiB short of it (1,047,605 bytes of 1,048,576). Bytes are
+    now counted exactly; pieces are bounded apart."""
+    preview, url = raw
+    with _stream(preview, url + f"smallfirst?n={2 * MAX_RESPONSE}") as response:
+        assert response.status_code == 200
+        body, complete = _read_all(response.iter_raw())
+    assert not complete
+    assert len(body) == MAX_RESPONSE
+    assert body[:10] == b"0123456789"
+    assert set(body[10:]) == {ord("y")}
+    record = _records(preview, url, "smallfirst", 1)[-1]
+    assert (record["status"], record["bytes"]) == (200, MAX_RESPONSE)
+
+
+def test_a_whole_body_of_exactly_the_cap_arrives_complete(raw: tuple[Preview, str]) -> None:
+    """Not a refusal: a body of exactly the cap, a small piece first, is passed on whole."""
+    preview, url = raw
+    with _stream(preview, url + f"smallfirst?n={MAX_RESPONSE - 10}") as response:
+        body, complete = _read_all(response.iter_raw())
+    assert complete
+    assert len(body) == MAX_RESPONSE
 
 
 def test_a_body_shorter_than_its_content_length_reaches_the_browser_incomplete(raw: tuple[Preview, str]) -> None:

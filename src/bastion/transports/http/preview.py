@@ -74,9 +74,10 @@ RESPONSE_DROPPED: Final = frozenset(
 )
 _BASTION_COOKIE = re.compile(r"(?i)^(__host-|__secure-|bastion)")
 CHUNK_CHARGE_BYTES: Final = 1024
-"""What each piece of an app's response body counts toward `preview_max_response_bytes` at least. A piece
-costs the server about 10 us whatever its size (parsed, then passed on): an app sending 1-byte chunks made
-one request cost 20 s of CPU per MiB. Charged so, a response has at most cap / 1 KiB pieces."""
+"""What each piece of an app's response body is allowed on average: a response may have at most
+`preview_max_response_bytes` / 1 KiB pieces. A piece costs the server about 10 us whatever its size (parsed,
+then passed on): an app sending 1-byte chunks made one request cost 20 s of CPU per MiB. Bytes are counted
+apart and exactly: a body of ordinary pieces is cut at the cap to the byte."""
 PENDING_BYTES: Final = 256 * 1024
 """Of an app's body read and not yet sent to the browser: past it, the app is not read until the browser takes it."""
 MAX_STATUS: Final = 599
@@ -593,8 +594,9 @@ class CappedBody:
 
 class _Body:
     """An app's response body passed on to the browser, while the browser stays and the preview is still
-    exposed; cut at the response cap (`CHUNK_CHARGE_BYTES`). What arrives while a send is under way goes
-    out in the next send: a flood of small pieces costs one send per read from the app, not one per piece.
+    exposed; cut at the response cap, or at its number of pieces (`CHUNK_CHARGE_BYTES`). What arrives while
+    a send is under way goes out in the next send: a flood of small pieces costs one send per read from the
+    app, not one per piece.
 
     A body the app broke (a stall past `preview_timeout_s`, a short body, a protocol error), one cut at the
     cap or one whose preview went away is ended without its last chunk: uvicorn then closes the connection,
@@ -643,15 +645,17 @@ class _Body:
             _CUT.set(True)  # no last chunk: uvicorn closes the connection (`QuietCuts`)
 
     async def _pull(self) -> None:
-        charged = 0
+        read, pieces, max_pieces = 0, 0, max(1, self.cap // CHUNK_CHARGE_BYTES)
         try:
             async for chunk in self.response.aiter_stream():
-                room = self.cap - charged
-                charged += max(len(chunk), CHUNK_CHARGE_BYTES)
-                if charged > self.cap:
-                    self.pending += chunk[: max(room, 0)]
+                pieces += 1
+                room = self.cap - read
+                if pieces > max_pieces or len(chunk) > room:
+                    if pieces <= max_pieces:
+                        self.pending += chunk[:room]
                     self._end("cut")
                     return
+                read += len(chunk)
                 self.pending += chunk
                 self.wake.set()
                 while len(self.pending) >= PENDING_BYTES:

@@ -1,5 +1,6 @@
 """A hostile app for the preview body tests (stdlib only, runs INSIDE a sandbox), writing its answers byte by
-byte as no framework would: /tinychunks?n=N (N chunks of one byte), /short (a Content-Length of 100 and 10
+byte as no framework would: /tinychunks?n=N (N chunks of one byte), /smallfirst?n=N (a chunk of 10 bytes,
+then N bytes in chunks of 64 KiB), /short (a Content-Length of 100 and 10
 bytes), /status999, /trickle (a one-byte chunk every 0.1 s until the proxy goes away), /sink (reads nothing
 past the head, answers nothing)."""
 
@@ -16,6 +17,13 @@ def answer(conn: socket.socket, target: str) -> None:
     if url.path == "/tinychunks":
         n = int(parse_qs(url.query)["n"][0])
         conn.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + b"1\r\nx\r\n" * n + b"0\r\n\r\n")
+    elif url.path == "/smallfirst":
+        n = int(parse_qs(url.query)["n"][0])
+        conn.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\na\r\n0123456789\r\n")
+        for at in range(0, n, 65536):
+            piece = b"y" * min(65536, n - at)
+            conn.sendall(b"%x\r\n%b\r\n" % (len(piece), piece))
+        conn.sendall(b"0\r\n\r\n")
     elif url.path == "/short":
         conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\nCache-Control: max-age=3600\r\n\r\n0123456789")
     elif url.path == "/status999":
