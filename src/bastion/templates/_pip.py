@@ -6,16 +6,23 @@ What keeps the install from running a package's code: `--only-binary=:all:` (whe
 setup.py or build backend runs) and `--require-hashes` (every file must match the lock's digest).
 Both Pythons run isolated (`-I`) from "/": the caller's working folder is never on sys.path, so a
 `venv.py` or `pip/` planted there (in /tmp, say) does not run as root.
+Credentials in the index URL never go on pip's command line, which every local user can read
+(/proc/<pid>/cmdline): pip reads them from a netrc file only root can read, named by ``NETRC`` and
+removed once pip is done (requests reads it; ``--isolated`` leaves it on).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess  # allowed in pyproject.toml: this module builds template environments
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Final
 
 from bastion.safety.errors import OperationFailed, Unavailable
+from bastion.workbench.packages import pip_index
 
 # Sandboxes see the host's /usr, so an environment made on this interpreter runs inside them too.
 SYSTEM_PYTHON: Final = "/usr/bin/python3"
@@ -54,6 +61,7 @@ def install_lock(target: Path, lock: Path, index_url: str) -> None:
     Raises:
         OperationFailed: pip exited non-zero (a hash mismatch, an unpinned dependency, no wheel...).
     """
+    index = pip_index(index_url)
     argv = [
         str(target.absolute() / "bin" / "python"),
         "-I",  # not the working folder's modules, nor PYTHON* variables, nor the user's site-packages
@@ -68,12 +76,29 @@ def install_lock(target: Path, lock: Path, index_url: str) -> None:
         "--require-hashes",
         "--only-binary=:all:",
         "--index-url",
-        index_url,
+        index.url,
         "--requirement",
         str(lock.absolute()),
     ]
-    done = subprocess.run(argv, env=_clean_env(), cwd="/", stdin=subprocess.DEVNULL, check=False)
+    with _netrc_env(index.netrc) as env:
+        done = subprocess.run(argv, env=env, cwd="/", stdin=subprocess.DEVNULL, check=False)
     if done.returncode != 0:
         raise OperationFailed(
             f"pip could not install {lock} into {target} (exit {done.returncode}): see its message above"
         )
+
+
+@contextlib.contextmanager
+def _netrc_env(entry: str | None) -> Iterator[dict[str, str]]:
+    """pip's environment: with `entry`, ``NETRC`` names a file holding it (mode 0600, removed after)."""
+    env = _clean_env()
+    if entry is None:
+        yield env
+        return
+    fd, name = tempfile.mkstemp(prefix="bastion-netrc-")  # 0600, O_EXCL: no other user reads or plants it
+    try:
+        with os.fdopen(fd, "w") as file:
+            file.write(entry + "\n")
+        yield {**env, "NETRC": name}
+    finally:
+        os.unlink(name)
