@@ -395,14 +395,28 @@ def _check_apart(config: Config, folders: list[tuple[str, str, Path]]) -> None:
                 raise ConfigError(f"inboxes {ib.id!r} and {other.id!r} overlap: give each its own folder")
 
 
+def _check_gateway_tool_names(gateway: GatewayConfig, tools: dict[str, str]) -> None:
+    """Each gateway's tools (`<gateway>_actions`, `<gateway>_<action>`) named once across all gateways, in
+    `tools` (name -> what makes it): found by attack, gateway "a_b" action "c" and gateway "a" action "b_c"
+    made one tool whose scope was the last one's, a deploy's reachable with gateway:read."""
+    made = [(f"{gateway.name}_actions", f"gateway {gateway.name!r} (its list of actions)")]
+    made += [(f"{gateway.name}_{a.name}", f"gateway {gateway.name!r} action {a.name!r}") for a in gateway.action]
+    for name, what in made:
+        if name in tools:
+            raise ConfigError(f"{tools[name]} and {what} both make the tool {name!r}: rename one of them")
+        tools[name] = what
+
+
 def _check_gateways(config: Config, folders: list[tuple[str, str, Path]]) -> None:
     names = [g.name for g in config.gateway]
     if len(set(names)) != len(names):
         raise ConfigError("two [[gateway]] entries share a name: give each a unique name")
+    tools: dict[str, str] = {}
     for gateway in config.gateway:
         actions = [a.name for a in gateway.action]
         if len(set(actions)) != len(actions):
             raise ConfigError(f"gateway {gateway.name!r} lists an action twice: give each a unique name")
+        _check_gateway_tool_names(gateway, tools)
         for kind, folder_id, folder_path in folders:
             if _inside(gateway.key_path, folder_path):
                 raise ConfigError(

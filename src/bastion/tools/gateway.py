@@ -42,7 +42,7 @@ from pydantic import BaseModel, Field
 from bastion.config import ApprovalsConfig, GatewayActionConfig, GatewayConfig
 from bastion.gateway.actions import GatewayCommand, build_command
 from bastion.safety.approvals import Approval, ApprovalQueue, raise_for_state
-from bastion.safety.errors import BastionError, Conflict, InvalidRequest
+from bastion.safety.errors import BastionError, ConfigError, Conflict, InvalidRequest
 from bastion.safety.results import OperationResult, ResultCode
 from bastion.tools._call import CallRunner
 from bastion.tools.audited import audited_tool
@@ -438,9 +438,11 @@ def register_gateway(
     """Add `<gateway>_actions` and one tool per action of each configured gateway."""
     for client in clients.values():
         gateway = client.config
+        _check_free(server, f"{gateway.name}_actions", f"gateway {gateway.name!r} (its list of actions)")
         _register_actions_tool(server, gateway)
         for action in gateway.action:
             tool = _ActionTool(gateway, action, client, queue, approvals, server.runner)
+            _check_free(server, tool.name, f"gateway {gateway.name!r} action {action.name!r}")
             audited_tool(
                 server,
                 tool.name,
@@ -451,6 +453,12 @@ def register_gateway(
                 workspace=f"gateway:{gateway.name}",
                 title=f"{gateway.name}: {action.name}",
             )(tool.as_function())
+
+
+def _check_free(server: BastionServer, name: str, what: str) -> None:
+    """Refuse a gateway's tool named as one of bastion's own (gateway "run", action "command": run_command)."""
+    if name in server.tool_scopes:
+        raise ConfigError(f"{what} makes the tool {name!r}, which bastion already has: rename the gateway or action")
 
 
 def _register_actions_tool(server: BastionServer, gateway: GatewayConfig) -> None:

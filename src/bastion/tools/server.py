@@ -93,6 +93,9 @@ class BastionServer(MCPServer[Any]):
         and has a title for people (default: its name in words, e.g. "Run command")."""
         if scope not in SCOPES:
             raise ValueError(f"unknown scope {scope!r}")
+        if name in self.tool_scopes:
+            # The SDK would keep the first tool's body under the second one's scope.
+            raise ValueError(f"tool {name!r} is registered twice")
         self.tool_scopes[name] = scope
         self.runner.tools.add(name)
         shown = title or default_title(name)
