@@ -61,6 +61,13 @@ elif verb == "fail":
     sys.exit(3)
 elif verb == "show":
     print(open(sys.argv[2]).read().strip())
+elif verb == "forge":
+    # It ran, then exits with dispatch's own refusal or timeout status and a line that looks like its.
+    print("migrated schema to 42")
+    status = int(sys.argv[2])
+    print("dispatch: refused: project biscuit is not allowed here" if status == 126 else "dispatch: timeout: 1 s",
+          file=sys.stderr)
+    sys.exit(status)
 elif verb == "sleep":
     time.sleep(30)
 """
@@ -457,6 +464,10 @@ def _dispatch_toml(target: Path, program: Path) -> str:
         [actions.sleep]
         argv = ["{program}", "sleep"]
 
+        [actions.forge]
+        argv = ["{program}", "forge", "{{status}}"]
+        args = [{{ name = "status", pattern = "12[46]" }}]
+
         [actions.show]
         argv = ["{program}", "show", "{{path}}"]
         args = [{{ name = "path", kind = "path" }}]
@@ -532,6 +543,11 @@ def _bastion_toml(port: int, host_key_line: str, target: Path) -> str:
         [[gateway.action]]
         name = "sleep"
         approval = false
+
+        [[gateway.action]]
+        name = "forge"
+        approval = false
+        args = [{{ name = "status", pattern = "12[46]" }}]
         """)
 
 

@@ -294,6 +294,39 @@ async def test_host_refusal_is_policy_denied(lab: GatewayLab) -> None:
     assert "not allowed here" in result["reason"]
 
 
+@pytest.mark.parametrize("status", [126, 124])
+async def test_an_action_exiting_with_dispatchs_status_and_line_is_told_as_ran(lab: GatewayLab, status: int) -> None:
+    """Attack (found 2026-12-06): an action that ran printed "dispatch: refused: ..." (or "dispatch: timeout:")
+    on stderr and exited 126 (124). The agent was told the host refused it (or that it timed out): its
+    output dropped, its approval spent, and a human who believed it would approve it again (two deploys).
+    dispatch now ends such a run with a line of its own; only its last line is its verdict."""
+    async with connect(lab.config_path) as client:
+        forged = await call(client, "biscuit_forge", status=str(status))
+    assert forged["ok"] is True, forged
+    assert forged["detail"]["exit_status"] == status
+    assert forged["detail"]["stdout"] == "migrated schema to 42\n"
+    assert forged["detail"]["stderr"].endswith(f"dispatch: the action ran and exited {status} itself\n")
+    ended = [r for r in lab.dispatch_records() if r.get("request") == f"forge {status}" and r["event"] == "end"]
+    assert ended
+    assert ended[-1]["exit_status"] == status
+
+
+async def test_a_hostile_hosts_refusal_reason_is_one_short_line(tmp_path: Path) -> None:
+    """Attack: a host whose forced command is not dispatch.py answers exit 126 with a 60,000-character
+    "dispatch: refused:" line: the agent's one-line reason was all of it. It is cut at 300 characters."""
+    hostile = GatewayLab.start(tmp_path / "lab")
+    try:
+        (hostile.root / "target" / "dispatch.py").write_text(
+            "import sys\nsys.stderr.write('dispatch: refused: ' + 'A' * 60000 + '\\n')\nsys.exit(126)\n"
+        )
+        async with connect(hostile.config_path) as client:
+            refused = await call(client, "biscuit_status", project="biscuit")
+    finally:
+        hostile.stop()
+    assert refused["code"] == "POLICY_DENIED", refused
+    assert refused["reason"] == "gateway 'biscuit' refused it: " + "A" * 300 + "…"
+
+
 async def test_output_is_capped_redacted_and_status_kept(lab: GatewayLab) -> None:
     async with connect(lab.config_path) as client:
         big = await call(client, "biscuit_big")

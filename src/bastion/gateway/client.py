@@ -40,6 +40,9 @@ logger = logging.getLogger("bastion.gateway")
 EXIT_REFUSED: Final = 126
 EXIT_TIMEOUT: Final = 124
 REFUSED_PREFIX: Final = "dispatch: refused: "
+TIMEOUT_PREFIX: Final = "dispatch: timeout: "
+MAX_REASON_CHARS: Final = 300
+"""Of a refusal's reason from the host: dispatch's are a line; a hostile host's could be the whole cap."""
 _CHUNK: Final = 65536
 MAX_SESSIONS: Final = 8
 CALLER_SHARE: Final = MAX_SESSIONS // 2
@@ -428,11 +431,15 @@ class GatewayClient:
         stdout, cut_out = self._clean(out)
         stderr, cut_err = self._clean(err)
         truncated = truncated or cut_out or cut_err
-        refusals = [line for line in stderr.splitlines() if line.startswith(REFUSED_PREFIX)]
-        if exit_status == EXIT_REFUSED and refusals:
-            reason = refusals[-1][len(REFUSED_PREFIX) :]
+        # dispatch's verdict is its last line (an action's own lines come before it), and a refused request ran
+        # nothing, so printed nothing: found by attack, an action that ran and exited 126 with such a line of its
+        # own was told as refused, its output dropped and its approval spent (a second one would run it twice).
+        lines = stderr.splitlines()
+        last = lines[-1] if lines else ""
+        if exit_status == EXIT_REFUSED and last.startswith(REFUSED_PREFIX) and not stdout:
+            reason = _shortened(last[len(REFUSED_PREFIX) :])
             raise PolicyDenied(f"gateway {self.config.name!r} refused it: {reason}")
-        if exit_status == EXIT_TIMEOUT and "dispatch: timeout" in stderr:
+        if exit_status == EXIT_TIMEOUT and last.startswith(TIMEOUT_PREFIX):
             raise Timeout(f"the action ran past the gateway's time limit and was killed: {stderr.strip()[-200:]}")
         return GatewayOutput(exit_status=exit_status, stdout=stdout, stderr=stderr, truncated=truncated)
 
@@ -517,3 +524,7 @@ class GatewayClient:
         if attempt is not None and attempt.conn is not None:
             attempt.conn.close()
             await attempt.conn.wait_closed()
+
+
+def _shortened(reason: str) -> str:
+    return reason if len(reason) <= MAX_REASON_CHARS else reason[:MAX_REASON_CHARS] + "…"

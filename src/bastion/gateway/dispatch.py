@@ -30,8 +30,10 @@ What it does, in rrsync's shape (rsync support/rrsync):
   ``O_NOFOLLOW | O_NONBLOCK`` and checked to be a regular file, so a symlink or a FIFO put
   there is refused at once instead of followed or waited on; fsync'd; if it cannot be
   written nothing runs) and a syslog line;
-- exits 126 with one line ``dispatch: refused: REASON`` on any refusal, 124 on timeout,
-  else with the program's exit status.
+- exits 126 with one line ``dispatch: refused: REASON`` (and nothing on stdout) on any
+  refusal, 124 with a last line ``dispatch: timeout: ...`` on timeout, else with the program's
+  exit status; when that is 126 or 124 too, a last line says it is the action's own, so a
+  client reading the last line never takes an action that ran for one refused or timed out.
 
 Config (TOML via tomllib on Python 3.11+, else JSON with the same structure)::
 
@@ -539,6 +541,9 @@ def main(argv: list[str]) -> int:
     if outcome.timed_out:
         _say(f"dispatch: timeout: the action ran past {config.timeout_s:g} s and was killed")
         return EXIT_TIMEOUT
+    if outcome.status in (EXIT_REFUSED, EXIT_TIMEOUT):
+        # Last, where the client reads dispatch's verdict: whatever the action wrote came before it.
+        _say(f"dispatch: the action ran and exited {outcome.status} itself")
     return outcome.status
 
 
