@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bastion.config import load_config
 from tests.helpers import processes_with
 
 SSHD = "/usr/sbin/sshd"
@@ -602,6 +603,11 @@ def variant(lab: GatewayLab, name: str, old: str, new: str) -> Path:
     path = lab.config_path.with_name(name)
     path.write_text(text.replace(old, new, 1))
     return path
+
+
+def audit_records(config: Path) -> list[dict[str, Any]]:
+    """The records of `config`'s audit log (its current file)."""
+    return [json.loads(line) for line in load_config(config).audit_path.read_text().splitlines()]
 
 
 def host_saw(lab: GatewayLab, literal: str) -> bool:

@@ -12,7 +12,6 @@ while the server holds it; see the module docstring of bastion.gateway.cli).
 
 from __future__ import annotations
 
-import json
 import os
 import pwd
 from collections.abc import AsyncIterator
@@ -32,7 +31,7 @@ from bastion.safety.approvals import ApprovalQueue
 from bastion.safety.audit import verify
 from tests.helpers import call
 
-from .lab import DEADLINE_S, GatewayLab, HeldLab, approvals_cli, host_saw, variant
+from .lab import DEADLINE_S, GatewayLab, HeldLab, approvals_cli, audit_records, host_saw, variant
 
 pytestmark = pytest.mark.anyio
 
@@ -47,10 +46,6 @@ async def connect(config: Path, caller: str = CALLER, **options: Any) -> AsyncIt
             yield client
     finally:
         services.close()
-
-
-def audit_records(config: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in load_config(config).audit_path.read_text().splitlines()]
 
 
 async def approved(lab: GatewayLab, config: Path, version: str) -> str:

@@ -26,6 +26,7 @@ import anyio
 import pytest
 from mcp import Client
 from mcp.client.session import ElicitationFnT
+from mcp.shared.exceptions import MCPError
 from mcp_types import ElicitRequestParams, ElicitResult, ErrorData
 
 from bastion.app import build_server, build_services
@@ -33,7 +34,7 @@ from bastion.config import load_config
 from bastion.safety.approvals import ApprovalQueue
 from tests.helpers import call
 
-from .lab import GatewayLab, approvals_cli, host_saw, variant
+from .lab import GatewayLab, approvals_cli, audit_records, host_saw, variant
 
 pytestmark = pytest.mark.anyio
 
@@ -231,3 +232,47 @@ async def test_the_answer_cannot_be_passed_as_an_argument(lab: GatewayLab, mode:
     assert result["code"] == "INVALID_REQUEST", result
     assert user.messages == []
     assert not host_saw(lab, f"deploy biscuit {version}")
+
+
+async def test_a_request_asked_through_input_required_is_in_the_audit_chain(lab: GatewayLab) -> None:
+    """Attack (found 2026-12-06): on 2026-07-28 the question's round never reaches the call runner, and
+    the request it asks about was made there: queued, on the admin page and the webhook, in no record. A
+    client whose user never answers left three such requests. Each now has its record, naming its id."""
+    version = "v9.8.1"
+    config = elicitation_on(lab, "bastion-elicit-recorded.toml")
+    user = User(ErrorData(code=-32603, message="no user here"))  # the call is never retried
+    # The SDK's client ends the call with the user's error, raised through its task groups.
+    with pytest.RaisesGroup(MCPError, flatten_subgroups=True):
+        async with connect(config, "auto", user) as client:
+            await client.call_tool("biscuit_deploy", {"project": "biscuit", "version": version})
+    literal = f"deploy biscuit {version}"
+    pending = [a for a in ApprovalQueue(load_config(config).db_path).pending() if a.literal == literal]
+    assert len(pending) == 1
+    recorded = [r for r in audit_records(config) if r.get("event") == "approval_requested" and r["literal"] == literal]
+    assert [(r["approval"], r["tool"], r["requested_by"], r["channel"]) for r in recorded] == [
+        (pending[0].id, "biscuit_deploy", CALLER, "elicitation")
+    ]
+
+
+async def test_no_request_is_made_while_the_audit_log_is_down(lab: GatewayLab, tmp_path: Path) -> None:
+    """Attack: with the audit log unavailable (here: renamed while the server runs), the question's round
+    still queued a request. Now it makes none: the call answers AUDIT_UNAVAILABLE, as every other does."""
+    version = "v9.8.2"
+    config = elicitation_on(lab, "bastion-elicit-down.toml")
+    audit = load_config(config).audit_path
+    user = User(ElicitResult(action="accept", content={"approve": True}))
+    services = build_services(load_config(config))
+    try:
+        async with Client(build_server(services, caller=CALLER), mode="auto", elicitation_callback=user) as client:
+            audit.rename(tmp_path / "moved.jsonl")
+            try:
+                result = await call(client, "biscuit_deploy", project="biscuit", version=version)
+            finally:
+                (tmp_path / "moved.jsonl").rename(audit)
+    finally:
+        services.close()
+    assert result["code"] == "AUDIT_UNAVAILABLE", result
+    assert user.messages == []
+    literal = f"deploy biscuit {version}"
+    assert not [a for a in ApprovalQueue(load_config(config).db_path).recent(200) if a.literal == literal]
+    assert not host_saw(lab, literal)

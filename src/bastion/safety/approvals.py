@@ -122,6 +122,11 @@ def database_problem(path: Path, exc: OSError | sqlite3.Error) -> str:
     return f"database {path} cannot be opened ({why}): free space on its filesystem, or move the file aside"
 
 
+def new_approval_id() -> str:
+    """A fresh approval id (64 random bits)."""
+    return ID_PREFIX + secrets.token_hex(8)
+
+
 class ApprovalQueue:
     """A persisted queue of actions waiting for a human decision.
 
@@ -172,8 +177,12 @@ class ApprovalQueue:
             raise NotFound(f"no approval {approval_id!r}: list them with 'bastion approvals list'")
         return _approval(row)
 
-    def request(self, action: str, literal: str, requested_by: str, ttl_s: float) -> Approval:
+    def request(
+        self, action: str, literal: str, requested_by: str, ttl_s: float, *, approval_id: str | None = None
+    ) -> Approval:
         """Queue a request; it stays pending until approved, denied, or `ttl_s` seconds pass.
+
+        `approval_id` (from `new_approval_id`): the id an audit record already names; a new one if None.
 
         Raises:
             InvalidRequest: an empty or oversized literal, or a non-positive ttl.
@@ -185,7 +194,7 @@ class ApprovalQueue:
             raise InvalidRequest("approval ttl_s must be positive")
         now = self._clock()
         approval = Approval(
-            id=ID_PREFIX + secrets.token_hex(8),
+            id=approval_id or new_approval_id(),
             action=action,
             literal=literal,
             requested_by=requested_by,

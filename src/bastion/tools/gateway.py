@@ -41,7 +41,7 @@ from pydantic import BaseModel, Field
 
 from bastion.config import ApprovalsConfig, GatewayActionConfig, GatewayConfig
 from bastion.gateway.actions import GatewayCommand, build_command
-from bastion.safety.approvals import Approval, ApprovalQueue, raise_for_state
+from bastion.safety.approvals import Approval, ApprovalQueue, new_approval_id, raise_for_state
 from bastion.safety.errors import BastionError, ConfigError, Conflict, InvalidRequest
 from bastion.safety.results import OperationResult, ResultCode
 from bastion.tools._call import CallRunner
@@ -261,11 +261,12 @@ class _ActionTool:
         answer = _answer(outcome)
         return self.queue.get(approval.id) if answer is None else await self._decide(approval, answer)
 
-    def _to_ask(self, ctx: Context[Any, Any], values: dict[str, str], approval_id: str | None) -> Approval | None:
+    async def _to_ask(self, ctx: Context[Any, Any], values: dict[str, str], approval_id: str | None) -> Approval | None:
         """Resolver body (2026-07-28): the pending approval to ask about, found again on every round.
 
         The oldest pending request for this tool, literal and caller is reused, so the retry finds the
         one the question named; None when nothing is to be asked (the call body then does the rest).
+        A new request is audited first: this round never reaches the call runner, whose records would.
         """
         if approval_id is not None or not _input_required_era(ctx) or not self._elicits(ctx):
             return None
@@ -277,7 +278,17 @@ class _ActionTool:
         for pending in self.queue.pending():
             if (pending.action, pending.literal, pending.requested_by) == (self.name, command.literal, requester):
                 return pending
-        approval = self.queue.request(self.name, command.literal, requester, self.approvals.ttl_s)
+        new_id = new_approval_id()
+        record = {"event": "approval_requested", "tool": self.name, "approval": new_id, "literal": command.literal}
+        try:
+            await self.runner.audit.append_async({**record, "requested_by": requester, "channel": "elicitation"})
+            approval = self.queue.request(
+                self.name, command.literal, requester, self.approvals.ttl_s, approval_id=new_id
+            )
+        except BastionError:
+            # Found by attack: requests reached the queue, the admin page and the webhook unaudited, even with
+            # the audit log down. The call body asks instead, through the runner: refused as it says why.
+            return None
         logger.warning(
             "approval %s requested (asking through elicitation): %s %r", approval.id, self.name, command.literal
         )
@@ -352,7 +363,7 @@ class _ActionTool:
 
         async def to_ask(ctx: Context[Any, Any], **kwargs: Any) -> Approval | None:
             approval_id = kwargs.pop(APPROVAL_ID, None)
-            return self._to_ask(ctx, {key: str(value) for key, value in kwargs.items()}, approval_id)
+            return await self._to_ask(ctx, {key: str(value) for key, value in kwargs.items()}, approval_id)
 
         # The resolver takes the ctx and this tool's arguments by name (the SDK reads its signature).
         to_ask.__signature__ = signature.replace(return_annotation=inspect.Signature.empty)  # type: ignore[attr-defined]
