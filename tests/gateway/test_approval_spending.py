@@ -190,3 +190,18 @@ async def test_cli_approval_cannot_claim_to_be_the_web_admin(lab: GatewayLab) ->
     assert done["detail"]["approved_by"] == f"{me} (note: administrator (web)[2K)"
     used = [r for r in audit_records(lab.config_path) if r.get("event") == "approval_used"]
     assert used[-1]["decided_by"].startswith(f"{me} ")
+
+
+def test_approvals_list_escapes_who_asked_who_decided_and_why(lab: GatewayLab) -> None:
+    """Attack (found 2026-12-06): a metadata-document client's id (an https URL) may hold a bidi override or an
+    8-bit CSI, and `bastion approvals list` printed it raw as "asked by": it reordered the line the administrator
+    decides from, or acted on their terminal. Who asked, who decided and why are now escaped."""
+    queue = ApprovalQueue(load_config(lab.config_path).db_path)
+    asker = "https://agent.example/\u202egnp.\x9b2J"
+    asked = queue.request("biscuit_deploy", "deploy biscuit v9.6.1", asker, 600)
+    queue.deny(asked.id, by="admin\u2066", reason="\x1b]52;c;aGk=\x07")
+    listed = approvals_cli(lab, lab.config_path, "list", "--all")
+    line = next(line for line in listed.splitlines() if line.startswith(asked.id))
+    assert "asked by https://agent.example/\\u202egnp.\\x9b2J at " in line
+    assert line.endswith("by admin\\u2066 (\\x1b]52;c;aGk=\\x07)")
+    assert not {"\u202e", "\x9b", "\u2066", "\x1b", "\x07"} & set(listed)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Final
 
 from bastion.config import Config, GatewayConfig, add_config_option, load_config, resolve_config_path
+from bastion.logs import escape
 from bastion.safety.approvals import Approval, ApprovalQueue
 from bastion.safety.errors import NotFound
 
@@ -86,13 +87,16 @@ def run_gateway(args: argparse.Namespace) -> int:
 
 
 def _show(approval: Approval) -> str:
+    """One line per approval; who asked or decided and why are escaped (`logs.escape`): a client_id (an
+    https URL for a metadata-document client) may hold C1 controls or bidi overrides that would act on the
+    administrator's terminal, or reorder the line they decide from."""
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(approval.requested_at))
     left = max(0, int(approval.expires_at - time.time()))
-    tail = f"expires in {left}s" if approval.state == "pending" else f"by {approval.decided_by or '-'}"
-    reason = f" ({approval.reason})" if approval.reason else ""
+    tail = f"expires in {left}s" if approval.state == "pending" else f"by {escape(approval.decided_by or '-')}"
+    reason = f" ({escape(approval.reason)})" if approval.reason else ""
     return (
-        f"{approval.id}  {approval.state:<8}  {approval.action}  {approval.literal!r}  "
-        f"asked by {approval.requested_by} at {when}Z  {tail}{reason}"
+        f"{approval.id}  {approval.state:<8}  {escape(approval.action)}  {approval.literal!r}  "
+        f"asked by {escape(approval.requested_by)} at {when}Z  {tail}{reason}"
     )
 
 
