@@ -71,6 +71,11 @@ elif verb == "forge":
     sys.exit(status)
 elif verb == "sleep":
     time.sleep(30)
+elif verb == "noisy":
+    # More stderr than bastion keeps, then past the host's time limit: dispatch's verdict comes after it all.
+    sys.stderr.write("noise\\n" * 20000)
+    sys.stderr.flush()
+    time.sleep(30)
 """
 
 
@@ -465,6 +470,9 @@ def _dispatch_toml(target: Path, program: Path) -> str:
         [actions.sleep]
         argv = ["{program}", "sleep"]
 
+        [actions.noisy]
+        argv = ["{program}", "noisy"]
+
         [actions.forge]
         argv = ["{program}", "forge", "{{status}}"]
         args = [{{ name = "status", pattern = "12[46]" }}]
@@ -543,6 +551,10 @@ def _bastion_toml(port: int, host_key_line: str, target: Path) -> str:
 
         [[gateway.action]]
         name = "sleep"
+        approval = false
+
+        [[gateway.action]]
+        name = "noisy"
         approval = false
 
         [[gateway.action]]

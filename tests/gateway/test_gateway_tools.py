@@ -312,12 +312,12 @@ async def test_an_action_exiting_with_dispatchs_status_and_line_is_told_as_ran(l
 
 
 async def test_a_hostile_hosts_refusal_reason_is_one_short_line(tmp_path: Path) -> None:
-    """Attack: a host whose forced command is not dispatch.py answers exit 126 with a 60,000-character
-    "dispatch: refused:" line: the agent's one-line reason was all of it. It is cut at 300 characters."""
+    """Attack: a host whose forced command is not dispatch.py answers exit 126 with a long "dispatch: refused:"
+    line (60,000 characters when found): the agent's one-line reason was all of it. It is cut at 300."""
     hostile = GatewayLab.start(tmp_path / "lab")
     try:
         (hostile.root / "target" / "dispatch.py").write_text(
-            "import sys\nsys.stderr.write('dispatch: refused: ' + 'A' * 60000 + '\\n')\nsys.exit(126)\n"
+            "import sys\nsys.stderr.write('dispatch: refused: ' + 'A' * 3000 + '\\n')\nsys.exit(126)\n"
         )
         async with connect(hostile.config_path) as client:
             refused = await call(client, "biscuit_status", project="biscuit")
@@ -359,6 +359,20 @@ async def test_call_timeout_gives_timeout(lab: GatewayLab) -> None:
         assert result["code"] == "TIMEOUT", result
         # The connection is still good for the next call.
         assert (await call(client, "biscuit_status", project="biscuit"))["ok"]
+
+
+async def test_the_hosts_timeout_after_a_flood_of_stderr_is_still_a_timeout(lab: GatewayLab) -> None:
+    """Attack (found reviewing the last-line verdict): an action writes 120 KB to stderr, past the 64 KiB
+    bastion keeps, then runs past the host's 5 s limit. dispatch's timeout line came after the part kept,
+    so the killed action was told as one that ran and exited 124. stderr's end is now read apart."""
+    async with connect(lab.config_path) as client:
+        with anyio.fail_after(18):
+            result = await call(client, "biscuit_noisy")
+    assert result["code"] == "TIMEOUT", result
+    assert result["reason"] == (
+        "the action ran past the gateway's time limit and was killed: "
+        "dispatch: timeout: the action ran past 5 s and was killed"
+    )
 
 
 async def test_unreachable_gateway_is_unavailable(lab: GatewayLab) -> None:

@@ -23,7 +23,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, NamedTuple
 
 import anyio
 import asyncssh
@@ -138,6 +138,28 @@ def _refused_open(exc: BaseException) -> bool:
     when the channel opened and the exec request went out but its answer never came (the connection
     closed meanwhile): the command may have run, so that is no refusal (a deploy was sent twice)."""
     return isinstance(exc, asyncssh.ChannelOpenError) and exc.code in _SERVER_OPEN_REFUSALS
+
+
+class _Answer(NamedTuple):
+    """What the host answered: its exit status, the head of each stream (the cap plus the redaction margin),
+    whether one was cut, and stderr's last line, read whole however much came before it: dispatch's verdict."""
+
+    status: int
+    out: bytes
+    err: bytes
+    truncated: bool
+    last_err_line: bytes
+
+
+_TAIL_BYTES: Final = 4096
+"""Of stderr's end kept apart from its head, for its last line (dispatch's are under 300 bytes; a longer one
+is no verdict of dispatch's: the answer is told as it came, exit status and output)."""
+
+
+def _last_line(tail: bytes) -> bytes:
+    """The last whole line of stderr's `tail` (its newline dropped); empty if the tail holds only part of one."""
+    lines = tail.rstrip(b"\n").rsplit(b"\n", 1)
+    return lines[-1] if len(lines) > 1 or len(tail) < _TAIL_BYTES else b""
 
 
 @dataclass
@@ -362,7 +384,7 @@ class GatewayClient:
                     conn = await self.connection()
                     if before_send is not None:
                         await before_send()
-                    exit_status, out, err, truncated = await self._send(conn, command.literal, slot, retry=retry)
+                    answer = await self._send(conn, command.literal, slot, retry=retry)
         except _Unsent as unsent:
             if if_unsent is not None:
                 await if_unsent(unsent.error)
@@ -372,7 +394,7 @@ class GatewayClient:
             if not slot.opening and if_unsent is not None:
                 await if_unsent(timeout)  # no session open was under way: nothing reached the host
             raise timeout from None
-        return self._output(exit_status, out, err, truncated)
+        return self._output(answer)
 
     def _timeout(self, slot: _Slot) -> Timeout:
         limit = f"{self.config.call_timeout_s:g} s"
@@ -383,9 +405,7 @@ class GatewayClient:
             "the action may still be running there, up to the host's own time limit"
         )
 
-    async def _send(
-        self, conn: asyncssh.SSHClientConnection, literal: str, slot: _Slot, *, retry: bool
-    ) -> tuple[int, bytes, bytes, bool]:
+    async def _send(self, conn: asyncssh.SSHClientConnection, literal: str, slot: _Slot, *, retry: bool) -> _Answer:
         try:
             return await self._run(conn, literal, slot)
         except (asyncssh.ChannelOpenError, asyncssh.DisconnectError, OSError) as exc:
@@ -403,7 +423,7 @@ class GatewayClient:
             # The session never opened (so nothing was sent), or the action is safe to repeat.
             return await self._send_again(literal, slot, sent=opened)
 
-    async def _send_again(self, literal: str, slot: _Slot, *, sent: bool) -> tuple[int, bytes, bytes, bool]:
+    async def _send_again(self, literal: str, slot: _Slot, *, sent: bool) -> _Answer:
         try:
             conn = await self.connection()
         except BastionError as lost:
@@ -427,42 +447,42 @@ class GatewayClient:
             "nothing was sent; try again when a call ends"
         )
 
-    def _output(self, exit_status: int, out: bytes, err: bytes, truncated: bool) -> GatewayOutput:
-        stdout, cut_out = self._clean(out)
-        stderr, cut_err = self._clean(err)
-        truncated = truncated or cut_out or cut_err
+    def _output(self, answer: _Answer) -> GatewayOutput:
+        exit_status = answer.status
+        stdout, cut_out = self._clean(answer.out)
+        stderr, cut_err = self._clean(answer.err)
+        truncated = answer.truncated or cut_out or cut_err
         # dispatch's verdict is its last line (an action's own lines come before it), and a refused request ran
         # nothing, so printed nothing: found by attack, an action that ran and exited 126 with such a line of its
         # own was told as refused, its output dropped and its approval spent (a second one would run it twice).
-        lines = stderr.splitlines()
-        last = lines[-1] if lines else ""
+        last, _ = self._clean(answer.last_err_line)
         if exit_status == EXIT_REFUSED and last.startswith(REFUSED_PREFIX) and not stdout:
             reason = _shortened(last[len(REFUSED_PREFIX) :])
             raise PolicyDenied(f"gateway {self.config.name!r} refused it: {reason}")
         if exit_status == EXIT_TIMEOUT and last.startswith(TIMEOUT_PREFIX):
-            raise Timeout(f"the action ran past the gateway's time limit and was killed: {stderr.strip()[-200:]}")
+            raise Timeout(f"the action ran past the gateway's time limit and was killed: {_shortened(last)}")
         return GatewayOutput(exit_status=exit_status, stdout=stdout, stderr=stderr, truncated=truncated)
 
-    async def _run(
-        self, conn: asyncssh.SSHClientConnection, literal: str, slot: _Slot
-    ) -> tuple[int, bytes, bytes, bool]:
+    async def _run(self, conn: asyncssh.SSHClientConnection, literal: str, slot: _Slot) -> _Answer:
         # Under the call's deadline, the open too: a hung host (frozen, or a network dropping packets)
         # never confirms the channel.
         slot.opening = True
         process = slot.process = await self._open(conn, literal, slot)
-        out, err, truncated = await self._drain(process)
+        out, err, truncated, tail = await self._drain(process)
         await process.wait_closed()
         slot.process = None  # the host closed the channel: its session is free again
         status = process.exit_status
         if status is None:
             signal = process.exit_signal
             status = 128 + 9 if signal else 255
-        return status, out, err, truncated
+        return _Answer(status, out, err, truncated, _last_line(tail))
 
-    async def _drain(self, process: asyncssh.SSHClientProcess[bytes]) -> tuple[bytes, bytes, bool]:
-        """Read both streams to their end, keeping at most the cap (plus the redaction margin) of each."""
+    async def _drain(self, process: asyncssh.SSHClientProcess[bytes]) -> tuple[bytes, bytes, bool, bytes]:
+        """Read both streams to their end, keeping at most the cap (plus the redaction margin) of each, and
+        stderr's last `_TAIL_BYTES`: a flood of output must not hide dispatch's verdict after it."""
         cap = self.config.max_output_bytes + _REDACT_MARGIN
         buffers: dict[str, bytearray] = {"out": bytearray(), "err": bytearray()}
+        tail = bytearray()
         truncated = False
 
         async def drain(name: str, stream: asyncssh.SSHReader[bytes]) -> None:
@@ -472,6 +492,8 @@ class GatewayClient:
                 if len(chunk) > room:
                     truncated = True
                 buffers[name] += chunk[: max(room, 0)]
+                if name == "err":
+                    tail[:] = (tail + chunk)[-_TAIL_BYTES:]
 
         try:
             async with anyio.create_task_group() as tasks:
@@ -480,7 +502,7 @@ class GatewayClient:
         except ExceptionGroup as group:
             # The connection lost mid-read fails both drains: answer it as the one loss it is.
             raise _lost_connection(group) from None
-        return bytes(buffers["out"]), bytes(buffers["err"]), truncated
+        return bytes(buffers["out"]), bytes(buffers["err"]), truncated, bytes(tail)
 
     async def _open(
         self, conn: asyncssh.SSHClientConnection, literal: str, slot: _Slot
