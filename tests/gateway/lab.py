@@ -63,11 +63,20 @@ elif verb == "fail":
 elif verb == "show":
     print(open(sys.argv[2]).read().strip())
 elif verb == "forge":
-    # It ran, then exits with dispatch's own refusal or timeout status and a line that looks like its.
-    print("migrated schema to 42")
-    status = int(sys.argv[2])
-    print("dispatch: refused: project biscuit is not allowed here" if status == 126 else "dispatch: timeout: 1 s",
-          file=sys.stderr)
+    # It ran, then exits with dispatch's refusal or timeout status after a line that looks like dispatch's:
+    # whole after output (plain), left open (nolf), ending in a PEM header that redaction swallows to the
+    # end (pem), or straddling bastion's 64 KiB output cap (cap).
+    status, mode = int(sys.argv[2]), sys.argv[3]
+    line = "dispatch: refused: project biscuit is not allowed here" if status == 126 else "dispatch: timeout: 1 s"
+    if mode == "plain":
+        print("migrated schema to 42")
+        sys.stderr.write(line + "\\n")
+    elif mode == "nolf":
+        sys.stderr.write("migrating...\\n" + line)
+    elif mode == "pem":
+        sys.stderr.write("migrating...\\n" + line + " -----BEGIN RSA PRIVATE KEY-----\\n")
+    else:
+        sys.stderr.write("migrating...\\n" * 100 + line + " " * 70000 + "\\n")
     sys.exit(status)
 elif verb == "sleep":
     time.sleep(30)
@@ -474,8 +483,8 @@ def _dispatch_toml(target: Path, program: Path) -> str:
         argv = ["{program}", "noisy"]
 
         [actions.forge]
-        argv = ["{program}", "forge", "{{status}}"]
-        args = [{{ name = "status", pattern = "12[46]" }}]
+        argv = ["{program}", "forge", "{{status}}", "{{mode}}"]
+        args = [{{ name = "status", pattern = "12[46]" }}, {{ name = "mode", pattern = "plain|nolf|pem|cap" }}]
 
         [actions.show]
         argv = ["{program}", "show", "{{path}}"]
@@ -560,7 +569,7 @@ def _bastion_toml(port: int, host_key_line: str, target: Path) -> str:
         [[gateway.action]]
         name = "forge"
         approval = false
-        args = [{{ name = "status", pattern = "12[46]" }}]
+        args = [{{ name = "status", pattern = "12[46]" }}, {{ name = "mode", pattern = "plain|nolf|pem|cap" }}]
         """)
 
 

@@ -294,21 +294,28 @@ async def test_host_refusal_is_policy_denied(lab: GatewayLab) -> None:
     assert "not allowed here" in result["reason"]
 
 
+@pytest.mark.parametrize("mode", ["plain", "nolf", "pem", "cap"])
 @pytest.mark.parametrize("status", [126, 124])
-async def test_an_action_exiting_with_dispatchs_status_and_line_is_told_as_ran(lab: GatewayLab, status: int) -> None:
+async def test_an_action_exiting_with_dispatchs_status_and_line_is_told_as_ran(
+    lab: GatewayLab, status: int, mode: str
+) -> None:
     """Attack (found 2026-12-06): an action that ran printed "dispatch: refused: ..." (or "dispatch: timeout:")
     on stderr and exited 126 (124). The agent was told the host refused it (or that it timed out): its
     output dropped, its approval spent, and a human who believed it would approve it again (two deploys).
-    dispatch now ends such a run with a line of its own; only its last line is its verdict."""
+    dispatch now ends such a run with a line of its own, starting a new line, and only that raw last line
+    is its verdict; a refusal is the whole of stderr. Found by review of that fix: the forged line left open
+    (nolf), ending in a PEM header whose redaction swallowed dispatch's line (pem), or straddling bastion's
+    64 KiB output cap (cap) still passed for dispatch's."""
     async with connect(lab.config_path) as client:
-        forged = await call(client, "biscuit_forge", status=str(status))
+        forged = await call(client, "biscuit_forge", status=str(status), mode=mode)
     assert forged["ok"] is True, forged
     assert forged["detail"]["exit_status"] == status
-    assert forged["detail"]["stdout"] == "migrated schema to 42\n"
-    assert forged["detail"]["stderr"].endswith(f"dispatch: the action ran and exited {status} itself\n")
-    ended = [r for r in lab.dispatch_records() if r.get("request") == f"forge {status}" and r["event"] == "end"]
-    assert ended
-    assert ended[-1]["exit_status"] == status
+    if mode == "plain":
+        assert forged["detail"]["stdout"] == "migrated schema to 42\n"
+        assert forged["detail"]["stderr"].endswith(f"\ndispatch: the action ran and exited {status} itself\n")
+    runs = [r for r in lab.dispatch_records() if r.get("request") == f"forge {status} {mode}" and r["event"] == "end"]
+    assert runs
+    assert runs[-1]["exit_status"] == status
 
 
 async def test_a_hostile_hosts_refusal_reason_is_one_short_line(tmp_path: Path) -> None:

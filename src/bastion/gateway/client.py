@@ -156,6 +156,12 @@ _TAIL_BYTES: Final = 4096
 is no verdict of dispatch's: the answer is told as it came, exit status and output)."""
 
 
+def _only_line(answer: _Answer) -> bool:
+    """Whether stderr is one whole line and stdout empty, as a refusal is: dispatch refuses before any action
+    runs, and follows an action that ran with a line of its own."""
+    return not answer.out and answer.err.count(b"\n") == 1 and answer.err == answer.last_err_line + b"\n"
+
+
 def _last_line(tail: bytes) -> bytes:
     """The last whole line of stderr's `tail` (its newline dropped); empty if the tail holds only part of one."""
     lines = tail.rstrip(b"\n").rsplit(b"\n", 1)
@@ -452,11 +458,12 @@ class GatewayClient:
         stdout, cut_out = self._clean(answer.out)
         stderr, cut_err = self._clean(answer.err)
         truncated = answer.truncated or cut_out or cut_err
-        # dispatch's verdict is its last line (an action's own lines come before it), and a refused request ran
-        # nothing, so printed nothing: found by attack, an action that ran and exited 126 with such a line of its
-        # own was told as refused, its output dropped and its approval spent (a second one would run it twice).
+        # dispatch's verdict is its last line, as it came (an action's own lines come before it, and redaction
+        # or the cap could change which line is last), and a refused request ran nothing, so printed nothing else:
+        # found by attack, an action that ran and exited 126 with such a line of its own was told as refused, its
+        # output dropped and its approval spent (a second one would run it twice).
         last, _ = self._clean(answer.last_err_line)
-        if exit_status == EXIT_REFUSED and last.startswith(REFUSED_PREFIX) and not stdout:
+        if exit_status == EXIT_REFUSED and _only_line(answer) and last.startswith(REFUSED_PREFIX):
             reason = _shortened(last[len(REFUSED_PREFIX) :])
             raise PolicyDenied(f"gateway {self.config.name!r} refused it: {reason}")
         if exit_status == EXIT_TIMEOUT and last.startswith(TIMEOUT_PREFIX):

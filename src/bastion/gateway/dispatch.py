@@ -33,7 +33,8 @@ What it does, in rrsync's shape (rsync support/rrsync):
 - exits 126 with one line ``dispatch: refused: REASON`` (and nothing on stdout) on any
   refusal, 124 with a last line ``dispatch: timeout: ...`` on timeout, else with the program's
   exit status; when that is 126 or 124 too, a last line says it is the action's own, so a
-  client reading the last line never takes an action that ran for one refused or timed out.
+  client reading the last line never takes an action that ran for one refused or timed out
+  (dispatch's lines after an action's always start a line: one the action left open is ended).
 
 Config (TOML via tomllib on Python 3.11+, else JSON with the same structure)::
 
@@ -388,6 +389,8 @@ class Outcome:
         self.timed_out = False
         self.truncated = False
         self.client_gone = False
+        self.err_mid_line = False
+        """The action's stderr, as passed on, ends without a newline: dispatch's own line starts a new one."""
 
 
 def run(argv: list[str], fds: list[int], config: Config) -> Outcome:
@@ -451,6 +454,8 @@ def _pump(process: subprocess.Popen[bytes], config: Config, deadline: float, out
                     # A client that went away does not stop the action halfway: it runs on, drained,
                     # under the same timeout, and its end is recorded.
                     outcome.client_gone = not _write_all(sinks[key.fd], chunk)
+                    if sinks[key.fd] == 2:
+                        outcome.err_mid_line = not chunk.endswith(b"\n")
 
 
 def _write_all(fd: int, data: bytes) -> bool:
@@ -536,6 +541,8 @@ def main(argv: list[str]) -> int:
     end = {"event": "end", "action": action.name, "exit_status": outcome.status, "timed_out": outcome.timed_out}
     end.update(truncated=outcome.truncated, client_gone=outcome.client_gone)
     _log_after_start(log, {**base, **end, "duration_ms": round((time.monotonic() - started) * 1000, 3)})
+    if outcome.err_mid_line:
+        _say("")  # dispatch's lines start lines of their own, never the end of one the action left open
     if outcome.truncated:
         _say(f"dispatch: output truncated at {config.max_output_bytes} bytes per stream")
     if outcome.timed_out:
