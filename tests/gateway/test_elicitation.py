@@ -276,3 +276,30 @@ async def test_no_request_is_made_while_the_audit_log_is_down(lab: GatewayLab, t
     literal = f"deploy biscuit {version}"
     assert not [a for a in ApprovalQueue(load_config(config).db_path).recent(200) if a.literal == literal]
     assert not host_saw(lab, literal)
+
+
+async def test_two_identical_calls_at_once_ask_about_one_request_and_deploy_once(lab: GatewayLab) -> None:
+    """Attack (found reviewing the audited request): with the record awaited between finding no request
+    pending and queueing one, two identical calls at once each queued their own, the user said yes to both,
+    and the deploy ran twice. They now share the one request: the second call finds it spent."""
+    version = "v9.8.3"
+    config = elicitation_on(lab, "bastion-elicit-twice.toml")
+
+    async def user(context: object, params: ElicitRequestParams) -> ElicitResult:
+        await anyio.sleep(0.2)  # both calls are in flight before either is answered
+        return ElicitResult(action="accept", content={"approve": True})
+
+    results: list[dict[str, Any]] = []
+    async with connect(config, "auto", user) as client:
+
+        async def deploy() -> None:
+            results.append(await call(client, "biscuit_deploy", project="biscuit", version=version))
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(deploy)
+            tasks.start_soon(deploy)
+    literal = f"deploy biscuit {version}"
+    made = [a for a in ApprovalQueue(load_config(config).db_path).recent(200) if a.literal == literal]
+    assert [a.state for a in made] == ["used"]
+    assert sorted(str(r["code"]) for r in results) == ["APPROVAL_DENIED", "OK"], results
+    assert sum(run["argv"] == ["deploy", "biscuit", version] for run in lab.action_runs()) == 1

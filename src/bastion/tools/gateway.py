@@ -23,6 +23,7 @@ from __future__ import annotations
 import inspect
 import logging
 import time
+import weakref
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Annotated, Any
@@ -275,20 +276,23 @@ class _ActionTool:
         except BastionError:
             return None  # the call body reports the bad argument through the runner
         requester = self.runner.identity()
-        for pending in self.queue.pending():
-            if (pending.action, pending.literal, pending.requested_by) == (self.name, command.literal, requester):
-                return pending
-        new_id = new_approval_id()
-        record = {"event": "approval_requested", "tool": self.name, "approval": new_id, "literal": command.literal}
-        try:
-            await self.runner.audit.append_async({**record, "requested_by": requester, "channel": "elicitation"})
-            approval = self.queue.request(
-                self.name, command.literal, requester, self.approvals.ttl_s, approval_id=new_id
-            )
-        except BastionError:
-            # Found by attack: requests reached the queue, the admin page and the webhook unaudited, even with
-            # the audit log down. The call body asks instead, through the runner: refused as it says why.
-            return None
+        # Found by review: with the audit awaited between finding none pending and queueing one, two identical
+        # calls at once each queued a request, and the user's two yeses deployed twice.
+        async with _asking(self.queue):
+            for pending in self.queue.pending():
+                if (pending.action, pending.literal, pending.requested_by) == (self.name, command.literal, requester):
+                    return pending
+            new_id = new_approval_id()
+            record = {"event": "approval_requested", "tool": self.name, "approval": new_id, "literal": command.literal}
+            try:
+                await self.runner.audit.append_async({**record, "requested_by": requester, "channel": "elicitation"})
+                approval = self.queue.request(
+                    self.name, command.literal, requester, self.approvals.ttl_s, approval_id=new_id
+                )
+            except BastionError:
+                # Found by attack: requests reached the queue, the admin page and the webhook unaudited, even with
+                # the audit log down. The call body asks instead, through the runner: refused as it says why.
+                return None
         logger.warning(
             "approval %s requested (asking through elicitation): %s %r", approval.id, self.name, command.literal
         )
@@ -464,6 +468,14 @@ def register_gateway(
                 workspace=f"gateway:{gateway.name}",
                 title=f"{gateway.name}: {action.name}",
             )(tool.as_function())
+
+
+_ASKING: weakref.WeakKeyDictionary[ApprovalQueue, anyio.Lock] = weakref.WeakKeyDictionary()
+"""One lock per approval queue: every server of the process (a session each) finds or makes requests in turn."""
+
+
+def _asking(queue: ApprovalQueue) -> anyio.Lock:
+    return _ASKING.setdefault(queue, anyio.Lock())
 
 
 def _check_free(server: BastionServer, name: str, what: str) -> None:
