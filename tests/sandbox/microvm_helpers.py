@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 
 import pytest
 
-from bastion.sandbox._spawn import SANDBOX_PATH
-from bastion.sandbox.microvm import MicroVMSandbox, MicroVMSettings, missing_boot_files
+from bastion.sandbox._spawn import SANDBOX_PATH, SandboxSpec
+from bastion.sandbox.cgroups import CgroupLayout, Limits
+from bastion.sandbox.identity import DEFAULT_HOST_ID_COUNT, DEFAULT_HOST_ID_FIRST, IdentityPool
+from bastion.sandbox.microvm import MicroVMBackend, MicroVMSandbox, MicroVMSettings, missing_boot_files
 from bastion.sandbox.vmimage import ImageError, build
 
 # Software emulation on a loaded 2-core machine: a cold boot takes 10-40 s here.
@@ -28,6 +32,32 @@ def microvm_settings(factory: pytest.TempPathFactory, memory_mib: int = 256) -> 
     if missing is not None:
         pytest.skip(missing)
     return settings
+
+
+@contextlib.asynccontextmanager
+async def own_guest(
+    top: Path, base: Path, settings: MicroVMSettings, layout: CgroupLayout, files: Mapping[str, str] | None = None
+) -> AsyncIterator[MicroVMSandbox]:
+    """A guest (not started) whose VMM runs as an identity of its own, as the manager starts them, with its
+    workspace `top`/ws holding `files`; closed for good after. `base`: pytest's base temp folder."""
+    ws = top / "ws"
+    ws.mkdir()
+    for name, text in (files or {}).items():
+        (ws / name).write_text(text)
+    pool = IdentityPool(DEFAULT_HOST_ID_FIRST, DEFAULT_HOST_ID_COUNT, lock_dir=top / "ids")
+    try:
+        identity = pool.acquire()
+        os.chown(ws, identity.uid, identity.gid)
+        for folder in (ws, settings.image_dir):
+            let_through(folder, base)
+        spec = SandboxSpec(workspace=str(ws), identity=(identity.uid, identity.gid))
+        box = MicroVMBackend(settings, layout).sandbox(spec, limits=Limits(None, None, 1.0))
+        try:
+            yield box
+        finally:
+            await box.aclose(final=True)
+    finally:
+        pool.close()
 
 
 def let_through(path: Path, top: Path) -> None:

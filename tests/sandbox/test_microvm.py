@@ -29,11 +29,9 @@ from bastion.safety.redact import Redactor
 from bastion.sandbox import microvm
 from bastion.sandbox._spawn import SANDBOX_PATH, SandboxSpec, start_vmm
 from bastion.sandbox.backend import RunOutcome
-from bastion.sandbox.cgroups import CgroupLayout, Limits
-from bastion.sandbox.identity import DEFAULT_HOST_ID_COUNT, DEFAULT_HOST_ID_FIRST, IdentityPool
+from bastion.sandbox.cgroups import CgroupLayout
 from bastion.sandbox.microvm import (
     QEMU,
-    MicroVMBackend,
     MicroVMSandbox,
     MicroVMSettings,
     probe_microvm,
@@ -42,7 +40,7 @@ from bastion.sandbox.microvm import (
 from bastion.sandbox.vmimage import MODULES, ImageError, build, initramfs
 from bastion.workbench.manager import SandboxManager
 from tests.helpers import LoopLag, open_fds, processes_with
-from tests.sandbox.microvm_helpers import let_through, microvm_settings
+from tests.sandbox.microvm_helpers import let_through, microvm_settings, own_guest
 
 pytestmark = [pytest.mark.anyio, pytest.mark.root]
 
@@ -72,18 +70,8 @@ async def guest(
     tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, settings: MicroVMSettings, layout: CgroupLayout
 ) -> AsyncIterator[MicroVMSandbox]:
     """A guest whose VMM runs as an identity of its own, as the manager starts them."""
-    ws = tmp_path / "ws"
-    ws.mkdir()
-    pool = IdentityPool(DEFAULT_HOST_ID_FIRST, DEFAULT_HOST_ID_COUNT, lock_dir=tmp_path / "ids")
-    identity = pool.acquire()
-    os.chown(ws, identity.uid, identity.gid)
-    for folder in (ws, settings.image_dir):
-        let_through(folder, tmp_path_factory.getbasetemp())
-    spec = SandboxSpec(workspace=str(ws), identity=(identity.uid, identity.gid))
-    box = MicroVMBackend(settings, layout).sandbox(spec, limits=Limits(None, None, 1.0))
-    yield box
-    await box.aclose(final=True)
-    pool.close()
+    async with own_guest(tmp_path, tmp_path_factory.getbasetemp(), settings, layout) as box:
+        yield box
 
 
 def entries(archive: bytes) -> dict[str, bytes]:

@@ -26,13 +26,12 @@ import pytest
 
 from bastion.safety.errors import Unavailable
 from bastion.sandbox import microvm
-from bastion.sandbox._spawn import SANDBOX_PATH, SandboxSpec
+from bastion.sandbox._spawn import SANDBOX_PATH
 from bastion.sandbox.backend import RunOutcome
 from bastion.sandbox.cgroups import CgroupLayout, Limits
-from bastion.sandbox.identity import DEFAULT_HOST_ID_COUNT, DEFAULT_HOST_ID_FIRST, IdentityPool
-from bastion.sandbox.microvm import MicroVMBackend, MicroVMSandbox
+from bastion.sandbox.microvm import MicroVMSandbox
 from tests.helpers import LoopLag
-from tests.sandbox.microvm_helpers import let_through, microvm_settings
+from tests.sandbox.microvm_helpers import microvm_settings, own_guest
 
 pytestmark = [pytest.mark.anyio, pytest.mark.root, pytest.mark.microvm]
 
@@ -124,25 +123,14 @@ async def hostile(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Hos
     """One booted guest whose root is the attacker's, as its own host uid, in a cgroup of its own."""
     settings = microvm_settings(tmp_path_factory)
     top = tmp_path_factory.mktemp("vmattacks")
-    ws = top / "ws"
-    ws.mkdir()
-    (ws / "frames.py").write_text(FRAMES)
-    pool = IdentityPool(DEFAULT_HOST_ID_FIRST, DEFAULT_HOST_ID_COUNT, lock_dir=top / "ids")
     layout = CgroupLayout.detect(base_name=f"bastion-vmattack-{os.getpid()}")
-    identity = pool.acquire()
-    os.chown(ws, identity.uid, identity.gid)
-    for folder in (ws, settings.image_dir):
-        let_through(folder, tmp_path_factory.getbasetemp())
-    spec = SandboxSpec(workspace=str(ws), identity=(identity.uid, identity.gid))
-    box = MicroVMBackend(settings, layout).sandbox(spec, limits=Limits(None, None, 1.0))
     try:
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(microvm, "guest_program", rooted_program)
-            await box.start()
-            yield Hostile(box, ws)
+        async with own_guest(top, tmp_path_factory.getbasetemp(), settings, layout, {"frames.py": FRAMES}) as box:
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(microvm, "guest_program", rooted_program)
+                await box.start()
+                yield Hostile(box, top / "ws")
     finally:
-        await box.aclose(final=True)
-        pool.close()
         layout.release()
 
 
