@@ -99,6 +99,34 @@ def test_state_inside_inbox(capsys: pytest.CaptureFixture[str], config: Path) ->
     assert "inside inbox" in _refusal(capsys, config)
 
 
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="the link is given to another user (lchown needs root)")
+def test_a_state_dir_link_another_user_planted_is_refused_and_its_target_untouched(
+    capsys: pytest.CaptureFixture[str], config: Path, tmp_path: Path
+) -> None:
+    """Attack (found 2026-12-06): state_dir names a folder not made yet in a sticky folder (as /tmp is);
+    another user plants a link there to a folder of root's. Resolved at load, the link was judged by its
+    target: root chmodded that folder 0711 and wrote its state into it. Now a state_dir that is not its own
+    real path is refused, in one line, and the target is left as it was."""
+    sticky = tmp_path / "sticky"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    victim = tmp_path / "victim"
+    victim.mkdir(mode=0o755)
+    (victim / "precious.txt").write_text("root's\n")
+    planted = sticky / "bastion-state"
+    planted.symlink_to(victim)
+    os.lchown(planted, 65534, 65534)
+    _edit(config, 'state_dir = "state"', f'state_dir = "{planted}"')
+    line = _refusal(capsys, config)
+    assert line == (
+        f"bastion: state_dir {planted} goes through a symbolic link (to {victim}): give its real path, so that "
+        "no one who may change a link on the way can move the server's state"
+    )
+    assert stat.S_IMODE(victim.stat().st_mode) == 0o755
+    assert sorted(os.listdir(victim)) == ["precious.txt"]
+
+
 def test_invalid_redaction_regex(capsys: pytest.CaptureFixture[str], config: Path) -> None:
     _edit(config, "patterns = []", 'patterns = ["(unclosed"]')
     assert "not a valid regex" in _refusal(capsys, config)

@@ -311,8 +311,7 @@ def _resolve_paths(raw: Config, base: Path) -> Config:
         update={
             "metrics": metrics,
             "gateway": gateways,
-            # Resolved once: sandboxes' folders beneath it are opened with no link allowed in their path.
-            "state_dir": Path(os.path.realpath(_absolute(base, raw.state_dir))),
+            "state_dir": _real_state_dir(_absolute(base, raw.state_dir)),
             "workspace": workspaces,
             "inbox": inboxes,
             "audit": audit,
@@ -320,6 +319,20 @@ def _resolve_paths(raw: Config, base: Path) -> Config:
             "http": http,
         }
     )
+
+
+def _real_state_dir(configured: Path) -> Path:
+    """`configured`, which must be its own real path: the state folder is judged, and then opened beneath with
+    no link allowed, by that path. Found by attack: resolved here, a link another user planted on the way (in
+    a sticky /tmp) was judged by its target, and root took any folder of its as its state (chmod 0711, its
+    files, its mounts)."""
+    real = Path(os.path.realpath(configured))
+    if real != configured:
+        raise ConfigError(
+            f"state_dir {configured} goes through a symbolic link (to {real}): give its real path, so that no "
+            "one who may change a link on the way can move the server's state"
+        )
+    return real
 
 
 def _inside(child: Path, parent: Path) -> bool:
