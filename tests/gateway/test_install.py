@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import stat
 from pathlib import Path
@@ -35,6 +36,54 @@ def test_keygen_then_authorized_keys(tmp_path: Path, capsys: pytest.CaptureFixtu
     before = key.read_bytes()
     assert main(["gateway", "keygen", "--config", str(config), "biscuit"]) == 1  # refused: CONFLICT
     assert key.read_bytes() == before
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="the folder is given to another user (chown needs root)")
+def test_keygen_never_writes_root_s_key_through_another_users_link(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Attack (found 2026-12-06): key_path names a folder not made yet in a sticky folder; another user
+    links that name to a folder of theirs. keygen followed the link: root's new key was in their folder,
+    and they could swap in a key of their own before `authorized-keys` printed the line to install."""
+    config = init_demo(tmp_path / "demo")
+    sticky = tmp_path / "sticky"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    theirs = sticky / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, 65534, 65534)
+    planted = sticky / "keys"
+    planted.symlink_to(theirs)
+    os.lchown(planted, 65534, 65534)
+    text = config.read_text().replace('key_path = "state/gateway/biscuit_ed25519"', f'key_path = "{planted}/biscuit"')
+    config.write_text(text)
+    assert main(["gateway", "keygen", "--config", str(config), "biscuit"]) == 78
+    err = capsys.readouterr().err
+    assert err == (
+        f"bastion: gateway 'biscuit' key folder {planted}: whoever may change the symbolic link {planted} on its "
+        "path (give the real path); choose a key_path in a folder of root's\n"
+    )
+    assert os.listdir(theirs) == []
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="the folder is given to another user (chown needs root)")
+def test_authorized_keys_refuses_a_key_another_user_could_replace(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Attack: the key sits in a folder another user owns (made so by an older keygen, or by hand): they may
+    swap in their own key, and the printed line would install it on the production host. Refused."""
+    config = init_demo(tmp_path / "demo")
+    assert main(["gateway", "keygen", "--config", str(config), "biscuit"]) == 0
+    folder = tmp_path / "demo" / "state" / "gateway"
+    os.chown(folder, 65534, 65534)
+    capsys.readouterr()
+    assert main(["gateway", "authorized-keys", "--config", str(config), "biscuit"]) == 78
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.startswith(f"bastion: gateway 'biscuit' key {folder}/biscuit_ed25519: uid 65534, who owns {folder}")
+    assert err.endswith("; make a new key elsewhere\n")
 
 
 def test_dispatch_script_is_printed_and_written(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

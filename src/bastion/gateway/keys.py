@@ -11,6 +11,7 @@ import asyncssh
 
 from bastion.config import GatewayConfig
 from bastion.safety.errors import ConfigError, Conflict, NotFound
+from bastion.safety.paths import folder_replaceable_by, secret_file_problem
 
 _ONE_LINE = re.compile(r"[ -~]+")
 
@@ -25,12 +26,15 @@ def generate_key(gateway: GatewayConfig) -> str:
 
     Raises:
         Conflict: a key is already there (a key is never overwritten: it may be installed on a host).
+        ConfigError: another user could change the key's folder (then they would hold the key).
     """
     private_path = gateway.key_path
     public_path = Path(f"{private_path}.pub")
     if private_path.exists() or public_path.exists():
         raise Conflict(f"{private_path} already exists: remove it first to make a new key")
+    _check_folder(gateway)  # where it will be made: no one else's folder, no link on the way
     private_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _check_folder(gateway)  # as made: a link planted meanwhile was followed by mkdir, and is seen now
     key = asyncssh.generate_private_key("ssh-ed25519", comment=f"bastion-gateway-{gateway.name}")
     public = key.export_public_key("openssh").decode("ascii").strip()
     _write_new(private_path, key.export_private_key("openssh"), 0o600)
@@ -46,8 +50,34 @@ def _write_new(path: Path, data: bytes, mode: int) -> None:
         os.fsync(handle.fileno())
 
 
+def _check_folder(gateway: GatewayConfig) -> None:
+    """Found by attack: keygen followed another user's link (or folder) on the way to key_path, so they held
+    root's new key, and could swap in a key of theirs before `authorized-keys` printed its line."""
+    folder = gateway.key_path.parent
+    who = folder_replaceable_by(str(folder), _owner())
+    if who is not None:
+        raise ConfigError(
+            f"gateway {gateway.name!r} key folder {folder}: {who}; choose a key_path in a folder of root's"
+        )
+
+
+def _owner() -> tuple[int, int]:
+    return os.geteuid(), os.getegid()
+
+
 def public_key(gateway: GatewayConfig) -> str:
-    """The gateway key's public line (`TYPE BASE64 COMMENT`). Raises NotFound if there is no key."""
+    """The gateway key's public line (`TYPE BASE64 COMMENT`).
+
+    Raises:
+        NotFound: there is no key.
+        ConfigError: another user could read or replace it (its line would install their key, or a copy).
+    """
+    try:
+        problem = secret_file_problem(str(gateway.key_path), _owner())
+    except OSError:
+        problem = None  # missing: said below
+    if problem is not None:
+        raise ConfigError(f"gateway {gateway.name!r} key {gateway.key_path}: {problem}; make a new key elsewhere")
     try:
         key = asyncssh.read_private_key(str(gateway.key_path))
     except (OSError, asyncssh.KeyImportError):
