@@ -6,8 +6,9 @@ read in /proc/<pid>/cmdline while pip runs. The index here is a real HTTPS serve
 pip is the real one of the venv the build makes: while pip fetches, the server reads every running pip's
 command line and the netrc file its environment names.
 
-What this proves: pip gets the credentials (the build installs the package) from a root-only netrc file,
-never from its command line; the file is gone once the build ends, also when pip fails.
+What this proves: pip gets the credentials (the build installs the package) from a netrc file held in
+memory (a memfd only pip's own fds reach), never from its command line, and never from a file on disk (one
+in /tmp outlived a build killed by SIGTERM).
 What it does not prove: sandboxes' installs (tests/workbench/test_packages_attacks.py).
 """
 
@@ -19,7 +20,6 @@ import http.server
 import io
 import os
 import ssl
-import stat
 import subprocess
 import threading
 import zipfile
@@ -62,13 +62,13 @@ def _wheel() -> bytes:
 @dataclass
 class Seen:
     """What the index saw while pip fetched: each request's Authorization, the command line of each pip
-    running from `python` (the build's venv; other tests run pips of their own) and the netrc files (path,
-    mode, owner, text) their environments named."""
+    running from `python` (the build's venv; other tests run pips of their own) and the netrc files (what
+    the fd named /dev/fd/N in their environment is, and its text) they read."""
 
     python: str
     authorizations: list[str | None] = field(default_factory=list)
     cmdlines: list[str] = field(default_factory=list)
-    netrcs: list[tuple[str, int, int, str]] = field(default_factory=list)
+    netrcs: list[tuple[str, str]] = field(default_factory=list)
 
 
 def _running_pips(seen: Seen) -> None:
@@ -84,9 +84,9 @@ def _running_pips(seen: Seen) -> None:
         seen.cmdlines.append(b" ".join(argv).decode(errors="replace"))
         for entry in environ:
             if entry.startswith(b"NETRC="):
-                path = entry.removeprefix(b"NETRC=").decode()
-                st = os.stat(path)
-                seen.netrcs.append((path, stat.S_IMODE(st.st_mode), st.st_uid, Path(path).read_text()))
+                # /dev/fd/N is pip's own fd N: seen from here through /proc (as root only).
+                path = entry.removeprefix(b"NETRC=").decode().replace("/dev/fd/", f"/proc/{pid}/fd/", 1)
+                seen.netrcs.append((os.readlink(path), Path(path).read_text()))
 
 
 @dataclass
@@ -173,20 +173,19 @@ def test_template_build_keeps_index_credentials_off_pips_command_line(
     assert seen.cmdlines, "the index saw no pip running"
     assert all(TOKEN not in line and USER not in line for line in seen.cmdlines), seen.cmdlines
     assert all("--index-url https://127.0.0.1:" in line for line in seen.cmdlines), seen.cmdlines
-    assert {(mode, uid) for _, mode, uid, _ in seen.netrcs} == {(0o600, 0)}
-    assert {text for *_, text in seen.netrcs} == {f"machine 127.0.0.1 login {USER} password {TOKEN}\n"}
-    assert not any(os.path.exists(path) for path, *_ in seen.netrcs)
+    assert {target for target, _ in seen.netrcs} == {"/memfd:bastion-netrc (deleted)"}  # on no disk
+    assert {text for _, text in seen.netrcs} == {f"machine 127.0.0.1 login {USER} password {TOKEN}\n"}
     assert TOKEN not in output
 
 
-def test_a_failed_template_build_leaves_no_netrc_file(
+def test_a_failed_template_build_still_reads_its_netrc_from_memory(
     tmp_path: Path, index: Index, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """pip fails (a lock whose digest no file has): the build says so, and the credentials' file is gone."""
+    """pip fails (a lock whose digest no file has): the build says so; the credentials were never on disk."""
     monkeypatch.setenv("REQUESTS_CA_BUNDLE", str(index.cert))
     code, output = _build(tmp_path, index, "tinyx==1.0 --hash=sha256:" + "0" * 64 + "\n", capsys)
     assert code == EXIT_FAILED
     assert "pip could not install" in output
     assert index.seen.netrcs, "pip did not run with a netrc file"
-    assert not any(os.path.exists(path) for path, *_ in index.seen.netrcs)
+    assert {target for target, _ in index.seen.netrcs} == {"/memfd:bastion-netrc (deleted)"}
     assert TOKEN not in output

@@ -7,8 +7,8 @@ setup.py or build backend runs) and `--require-hashes` (every file must match th
 Both Pythons run isolated (`-I`) from "/": the caller's working folder is never on sys.path, so a
 `venv.py` or `pip/` planted there (in /tmp, say) does not run as root.
 Credentials in the index URL never go on pip's command line, which every local user can read
-(/proc/<pid>/cmdline): pip reads them from a netrc file only root can read, named by ``NETRC`` and
-removed once pip is done (requests reads it; ``--isolated`` leaves it on).
+(/proc/<pid>/cmdline): pip reads them from a netrc file only root can read, named by ``NETRC``, held in
+memory only (requests reads it; ``--isolated`` leaves it on).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess  # allowed in pyproject.toml: this module builds template environments
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Final
@@ -80,8 +79,8 @@ def install_lock(target: Path, lock: Path, index_url: str) -> None:
         "--requirement",
         str(lock.absolute()),
     ]
-    with _netrc_env(index.netrc) as env:
-        done = subprocess.run(argv, env=env, cwd="/", stdin=subprocess.DEVNULL, check=False)
+    with _netrc_env(index.netrc) as (env, fds):
+        done = subprocess.run(argv, env=env, pass_fds=fds, cwd="/", stdin=subprocess.DEVNULL, check=False)
     if done.returncode != 0:
         raise OperationFailed(
             f"pip could not install {lock} into {target} (exit {done.returncode}): see its message above"
@@ -89,16 +88,20 @@ def install_lock(target: Path, lock: Path, index_url: str) -> None:
 
 
 @contextlib.contextmanager
-def _netrc_env(entry: str | None) -> Iterator[dict[str, str]]:
-    """pip's environment: with `entry`, ``NETRC`` names a file holding it (mode 0600, removed after)."""
+def _netrc_env(entry: str | None) -> Iterator[tuple[dict[str, str], tuple[int, ...]]]:
+    """pip's environment and the fds it inherits: with `entry`, ``NETRC`` names a memory file holding it.
+
+    Never on disk: a file in /tmp was left behind when the build was killed (SIGTERM skips `finally`; found
+    by review). Reached as /dev/fd/N, which opens it afresh at each read (requests reads it per host); other
+    users cannot open another process's fds.
+    """
     env = _clean_env()
     if entry is None:
-        yield env
+        yield env, ()
         return
-    fd, name = tempfile.mkstemp(prefix="bastion-netrc-")  # 0600, O_EXCL: no other user reads or plants it
+    fd = os.memfd_create("bastion-netrc", os.MFD_CLOEXEC)
     try:
-        with os.fdopen(fd, "w") as file:
-            file.write(entry + "\n")
-        yield {**env, "NETRC": name}
+        os.write(fd, (entry + "\n").encode())  # a few hundred bytes at most: one write to a memory file
+        yield {**env, "NETRC": f"/dev/fd/{fd}"}, (fd,)
     finally:
-        os.unlink(name)
+        os.close(fd)
