@@ -239,3 +239,62 @@ def test_an_exec_other_users_can_rewrite_is_refused(tmp_path: Path, hole: str) -
         "service runs: install bastion where only root writes (e.g. /opt/bastion)"
     ]
     assert result.stdout == ""
+
+
+NOBODY = 65534  # the other local user of these attacks
+
+
+def shared_tmp(tmp_path: Path) -> Path:
+    """A folder like /tmp: everyone writes it, the sticky bit keeps each entry its maker's."""
+    sticky = tmp_path / "sticky"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    return sticky
+
+
+def entries(folder: Path) -> list[str]:
+    return sorted(str(path.relative_to(folder)) for path in folder.rglob("*"))
+
+
+@pytest.mark.parametrize("hole", ["link-in-tmp", "folder-of-theirs", "new-in-tmp"])
+def test_install_refuses_a_prefix_another_user_could_redirect(tmp_path: Path, hole: str) -> None:
+    """Attack (found by review): building an image as root with --prefix /tmp/image, where another user had
+    planted `image -> ` a folder of theirs (or owned a folder on the way, or could make `image` first in the
+    sticky /tmp). Root's unit and config went into their folder, and they rewrote its ExecStart before the
+    image shipped. Now the prefix and the folders above it are judged first: refused, nothing written."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to give the folder to another uid")
+    sticky = shared_tmp(tmp_path)
+    theirs = sticky / "nob"
+    theirs.mkdir(mode=0o755)
+    os.chown(theirs, NOBODY, NOBODY)
+    if hole == "link-in-tmp":
+        prefix = sticky / "image"
+        prefix.symlink_to(theirs)
+        os.chown(prefix, NOBODY, NOBODY, follow_symlinks=False)
+        who = f"whoever may change the symbolic link {prefix} on its path (give the real path)"
+    elif hole == "folder-of-theirs":
+        prefix = theirs / "image"
+        who = f"uid {NOBODY}, who owns {theirs}"
+    else:
+        prefix = sticky / "image"
+        who = f"any user: they may write {sticky}"
+    result = install(prefix, "--as-root")
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        f"bastion: --prefix {prefix} could be changed by {who}, and so the unit and config installed there: "
+        "install into a folder root's alone, reached through no symbolic link"
+    ]
+    assert result.stdout == ""
+    assert entries(sticky) == (["image", "nob"] if hole == "link-in-tmp" else ["nob"])
+    assert entries(theirs) == []
+
+
+def test_a_prefix_through_dot_dot_is_refused(tmp_path: Path) -> None:
+    """`..` after a link is resolved by the kernel from where the link leads, not as the text judged."""
+    (tmp_path / "image").mkdir()
+    prefix = tmp_path / "image" / ".." / "image"
+    result = install(prefix, "--dry-run")
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [f"bastion: --prefix {prefix} goes through '..': give the folder's real path"]
+    assert entries(tmp_path) == ["image"]

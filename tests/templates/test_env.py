@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 from pathlib import Path
+from typing import Final
 
 import pytest
 
@@ -317,7 +318,9 @@ def test_template_build_refuses_an_env_under_a_folder_other_users_write(
     config = config_with(tmp_path, f'name = "small"\npython_env = "{folder}/envs/small"\n')
     code, _, err = build(capsys, config, "small")
     assert code == EXIT_CONFIG
-    assert f"{folder} is writable by other users, who could swap what pip runs" in err
+    culprit = "any user: they may write" if shared == "sticky" else "uid 12345, who owns"
+    assert f"python_env {folder}/envs/small could be changed by {culprit} {folder}, and so what venv and pip" in err
+    assert err.count("\n") == 1
     assert not (folder / "envs").exists()
 
 
@@ -335,5 +338,103 @@ def test_template_build_refuses_a_lock_other_users_can_write(
     config = config_with(tmp_path, f'name = "small"\npython_env = "envs/small"\npython_lock = "{lock}"\n')
     code, _, err = build(capsys, config, "small")
     assert code == EXIT_CONFIG
-    assert f"python_lock {lock}: {lock} is writable by other users, who could choose what pip installs" in err
+    assert f"python_lock {lock} would let other users choose what pip installs (any user: they may write {lock})" in err
     assert not (config.parent / "envs").exists()
+
+
+NOBODY: Final = 65534  # the other local user of these attacks
+
+
+def planted_link(sticky: Path, name: str, target: Path) -> Path:
+    """A link another user made in the sticky folder `sticky` (/tmp), pointing at `target`: theirs to re-point."""
+    link = sticky / name
+    link.symlink_to(target)
+    os.chown(link, NOBODY, NOBODY, follow_symlinks=False)
+    return link
+
+
+def shared_tmp(tmp_path: Path) -> Path:
+    """A folder like /tmp: everyone writes it, the sticky bit keeps each entry its maker's."""
+    sticky = tmp_path / "sticky"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    return sticky
+
+
+@pytest.mark.root
+def test_template_build_refuses_an_env_behind_a_link_another_user_planted_in_tmp(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Attack (found by review): python_env under /tmp/envs, where another user planted `envs -> /opt/envs` (a
+    folder of root's). The folders were judged through the link (root's: passed), then venv and pip ran
+    <python_env>/bin/python by path, as root, while the user re-pointed the link at their own venv. Now the link
+    itself is judged: refused before anything is made or run. Not shown: the re-pointing race (nothing runs)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to give the link to another uid")
+    sticky = shared_tmp(tmp_path)
+    roots = tmp_path / "rootenvs"
+    roots.mkdir(mode=0o755)
+    theirs = sticky / "nob"
+    mark = planted_venv(theirs / "data")
+    link = planted_link(sticky, "envs", roots)
+    lock = tmp_path / "empty.lock"
+    lock.write_text("# nothing to install\n")
+    env = link / "data"
+    config = config_with(tmp_path, f'name = "small"\npython_env = "{env}"\npython_lock = "{lock}"\n')
+    code, _, err = build(capsys, config, "small")
+    assert code == EXIT_CONFIG
+    assert err == (
+        f"bastion: template 'small' python_env {env} could be changed by whoever may change the symbolic link "
+        f"{link} on its path (give the real path), and so what venv and pip run as this user: build it in a folder "
+        "root's alone, reached through no symbolic link\n"
+    )
+    assert list(roots.iterdir()) == []
+    assert os.readlink(link) == str(roots)
+    assert not mark.exists()
+
+
+@pytest.mark.root
+def test_template_build_refuses_a_lock_behind_a_link_another_user_planted_in_tmp(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Attack (found by review): python_lock /tmp/locks/six.lock, where another user planted `locks ->` a folder
+    of root's. The lock was judged through the link, then read by path: re-pointed meanwhile, the user chose the
+    wheels (a wheel's .pth runs as root with the venv's python). Now refused, and no venv is made."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to give the link to another uid")
+    sticky = shared_tmp(tmp_path)
+    locks = tmp_path / "rootlocks"
+    locks.mkdir(mode=0o755)
+    (locks / "six.lock").write_text(SIX_LOCK)
+    link = planted_link(sticky, "locks", locks)
+    lock = link / "six.lock"
+    config = config_with(tmp_path, f'name = "small"\npython_env = "envs/small"\npython_lock = "{lock}"\n')
+    code, _, err = build(capsys, config, "small")
+    assert code == EXIT_CONFIG
+    assert err == (
+        f"bastion: template 'small' python_lock {lock} would let other users choose what pip installs "
+        f"(uid {NOBODY}, who owns {link} in the sticky folder {sticky}, and so could replace {lock}): keep the lock "
+        "where root's alone may write, reached through no one else's link\n"
+    )
+    assert not (config.parent / "envs").exists()
+    assert (locks / "six.lock").read_text() == SIX_LOCK
+
+
+@pytest.mark.root
+def test_template_build_still_builds_in_a_folder_of_roots_inside_tmp(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """What the checks above must keep: /tmp/build/envs/small, with /tmp/build root's (a sticky folder on the
+    way lets no one else rename root's entry in it). The venv is made and an empty lock installed into it."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: the folder in the sticky one must be root's")
+    sticky = shared_tmp(tmp_path)
+    (sticky / "build").mkdir(mode=0o755)
+    lock = tmp_path / "empty.lock"
+    lock.write_text("# nothing to install\n")
+    env = sticky / "build" / "envs" / "small"
+    config = config_with(tmp_path, f'name = "small"\npython_env = "{env}"\npython_lock = "{lock}"\n')
+    code, out, err = build(capsys, config, "small")
+    assert code == 0, err
+    assert out == f"template 'small': {env} built (0 packages from {lock})\n"
+    assert (env / "pyvenv.cfg").is_file()

@@ -406,6 +406,23 @@ def folder_changeable_by(path: str, owner: tuple[int, int]) -> str | None:
     return who
 
 
+def folder_to_make_changeable_by(path: str, owner: tuple[int, int]) -> str | None:
+    """`folder_changeable_by` of `path`, or, while it is missing, of the nearest folder above it, or None.
+
+    For a folder a root command makes and then uses by path (a venv it runs, an image's root it fills):
+    in a folder others may write, sticky or not, another user could make a missing name first (their
+    folder, or a link), and what is made beneath it would be theirs. Point-in-time like the rest: once it
+    passes, no one but root and `owner` can change any folder on the way.
+
+    Raises:
+        OSError: a folder on the way cannot be examined.
+    """
+    existing = os.path.abspath(path)
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    return folder_changeable_by(existing, owner)
+
+
 def file_replaceable_by(path: str, owner: tuple[int, int]) -> str | None:
     """Who besides root and `owner` could change what the file at `path` holds, or None.
 

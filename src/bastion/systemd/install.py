@@ -27,6 +27,7 @@ from typing import Final, TextIO
 
 from bastion.demo import demo_config_text
 from bastion.safety.errors import Conflict, InvalidRequest, OperationFailed, Unavailable
+from bastion.safety.paths import folder_to_make_changeable_by, owners_phrase
 
 __all__ = [
     "CONFIG_PATH",
@@ -139,6 +140,7 @@ def _install(options: InstallOptions, out: TextIO) -> None:
 def _check(options: InstallOptions) -> None:
     if not options.prefix.is_absolute():
         raise InvalidRequest(f"--prefix {options.prefix} must be an absolute path")
+    _check_prefix(options.prefix)
     if not _USER_NAME.fullmatch(options.user) or options.user == "root":
         raise InvalidRequest(
             f"--user {options.user!r} must be an account name (lower case, digits, _ and -); for root use --as-root"
@@ -151,6 +153,25 @@ def _check(options: InstallOptions) -> None:
         raise InvalidRequest(f"--exec {exe} is not an executable file: name the bastion the service should run")
     if options.prefix == Path("/"):
         _check_not_writable_by_others(options.executable)
+
+
+def _check_prefix(prefix: Path) -> None:
+    """Every step writes beneath `prefix` by path, as root: it (or, not made yet, the folder it will be
+    made in) and the folders above it must be ones only root and this user could change, reached through
+    no symbolic link. Else a link another user planted in /tmp sends the unit and root's config into their
+    folder, or a folder of theirs on the way lets them rewrite the unit's ExecStart before the image ships."""
+    if ".." in prefix.parts:  # judged as text, it would be resolved by the kernel after a link
+        raise InvalidRequest(f"--prefix {prefix} goes through '..': give the folder's real path")
+    owner = (os.geteuid(), os.getegid())
+    try:
+        who = folder_to_make_changeable_by(str(prefix), owner)
+    except OSError as exc:
+        raise InvalidRequest(f"--prefix {prefix} cannot be examined ({exc.strerror or exc}): fix the path") from None
+    if who is not None:
+        raise InvalidRequest(
+            f"--prefix {prefix} could be changed by {who}, and so the unit and config installed there: "
+            f"install into a folder {owners_phrase(owner)} alone, reached through no symbolic link"
+        )
 
 
 def _check_not_writable_by_others(executable: Path) -> None:

@@ -10,7 +10,6 @@ import contextlib
 import importlib.resources
 import os
 import re
-import stat
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from typing import Final
 from bastion.config import TemplateConfig
 from bastion.config.sandboxes import python_env_problem
 from bastion.safety.errors import ConfigError
+from bastion.safety.paths import file_replaceable_by, folder_to_make_changeable_by, owners_phrase
 from bastion.templates._pip import install_lock, make_venv
 
 _LOCK_SUFFIX = ".lock"
@@ -119,7 +119,6 @@ def _check_target(name: str, target: Path) -> None:
             f"template {name!r} python_env {target} holds files and is not a virtual environment: "
             "choose a new or empty folder"
         )
-    _check_ancestors(name, target)
     # An existing venv's python and pip run on the host: only one this user made is trusted, and only if
     # no one else could have changed a file in it (a .pth in site-packages runs with pip, as root).
     if target.is_dir() and (owner := target.stat().st_uid) != os.geteuid():
@@ -127,48 +126,52 @@ def _check_target(name: str, target: Path) -> None:
             f"template {name!r} python_env {target} belongs to uid {owner}, not to this user: "
             "remove it, or build as its owner"
         )
+    _check_folders(name, target)
     if _is_venv(target):
         problem = python_env_problem(name, target)
         if problem is not None:
             raise ConfigError(problem)
 
 
-def _check_ancestors(name: str, target: Path) -> None:
-    """Every folder above `target` must be this user's or root's and closed to others: whoever can
-    write one can swap the venv's bin/python between its creation and pip's run, as root. A shared
-    sticky folder (/tmp) is passable, but nothing may be created in one (another user could be first)."""
-    existing = [folder for folder in target.absolute().parents if folder.exists()]
-    culprit = _writable_by_others(existing)
-    if culprit is not None:
+def _check_folders(name: str, target: Path) -> None:
+    """`target` (or, not made yet, the folder it will be made in) and every folder above it must be ones
+    only root and this user could change, reached through no symbolic link: venv and pip then use the
+    path, and whoever could swap a folder or link on it would choose the bin/python they run (as root).
+    Judged without following links (a link another user planted in /tmp, pointing at a folder of
+    root's, passed a check that looked through it); a sticky folder (/tmp) is passable, but nothing
+    may be made in one (another user could be first)."""
+    owner = (os.geteuid(), os.getegid())
+    try:
+        who = folder_to_make_changeable_by(str(target), owner)
+    except OSError as exc:
         raise ConfigError(
-            f"template {name!r} python_env {target}: {culprit} is writable by other users, "
-            "who could swap what pip runs: build under a folder only root (or this user) writes"
+            f"template {name!r} python_env {target} cannot be examined ({exc.strerror or exc}): fix the path"
+        ) from None
+    if who is not None:
+        raise ConfigError(
+            f"template {name!r} python_env {target} could be changed by {who}, and so what venv and pip run as "
+            f"this user: build it in a folder {owners_phrase(owner)} alone, reached through no symbolic link"
         )
-
-
-def _writable_by_others(paths: list[Path]) -> Path | None:
-    """The first of `paths` (nearest first) another user owns or may write; a sticky folder passes
-    except the first (another user could create the name in it before us)."""
-    for depth, path in enumerate(paths):
-        st = path.stat()
-        open_to_others = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
-        sticky = st.st_mode & stat.S_ISVTX and depth > 0
-        if st.st_uid not in (0, os.geteuid()) or (open_to_others and not sticky):
-            return path
-    return None
 
 
 @contextlib.contextmanager
 def _private_lock(name: str, lock: Path) -> Iterator[Path]:
     """A copy of the checked lock in a folder of this user's, which pip reads: the lock's own path
-    could change between the check and pip. A lock another user may write is refused: they would
-    choose the wheels, and a wheel's .pth runs whenever the venv's python starts (as root, here)."""
+    could change between the check and pip. A lock another user could change is refused: they would
+    choose the wheels, and a wheel's .pth runs whenever the venv's python starts (as root, here).
+    Links on the way are judged as links (who may re-point them), not by where they lead now."""
     lock = lock.absolute()
-    culprit = _writable_by_others([lock, *lock.parents])
-    if culprit is not None:
+    owner = (os.geteuid(), os.getegid())
+    try:
+        who = file_replaceable_by(str(lock), owner)
+    except OSError as exc:
         raise ConfigError(
-            f"template {name!r} python_lock {lock}: {culprit} is writable by other users, who could "
-            "choose what pip installs: keep the lock where only root (or this user) writes"
+            f"template {name!r} python_lock {lock} cannot be examined ({exc.strerror or exc}): fix the path"
+        ) from None
+    if who is not None:
+        raise ConfigError(
+            f"template {name!r} python_lock {lock} would let other users choose what pip installs ({who}): "
+            f"keep the lock where {owners_phrase(owner)} alone may write, reached through no one else's link"
         )
     text = lock.read_text(encoding="utf-8", errors="replace")
     _check_lock_text(name, lock, text)
@@ -197,9 +200,10 @@ def build_template_env(template: TemplateConfig, *, index_url: str) -> BuiltEnv:
         Unavailable: the system Python cannot make a venv.
         OperationFailed: pip failed.
     """
-    target = template.python_env
-    if target is None:
+    if template.python_env is None:
         raise ConfigError(f"template {template.name!r} has no python_env: set the folder to build it in")
+    # The path judged is the path used: `..` is resolved once here, as text, not by the kernel after a link.
+    target = Path(os.path.abspath(template.python_env))
     _check_target(template.name, target)
     with template_lock(template) as lock, _private_lock(template.name, lock) as copy:
         created = not _is_venv(target)
