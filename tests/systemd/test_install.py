@@ -215,10 +215,11 @@ def test_a_program_that_cannot_run_is_refused_before_any_step() -> None:
     assert result.stdout == ""
 
 
-@pytest.mark.parametrize("hole", ["folder-owner", "group-writable-script"])
+@pytest.mark.parametrize("hole", ["folder-owner", "world-writable-script", "link-of-theirs"])
 def test_an_exec_other_users_can_rewrite_is_refused(tmp_path: Path, hole: str) -> None:
     """ExecStart runs as root with --as-root (as the service's account without): a script in a folder a
-    local user owns, or that others can write, is theirs to replace."""
+    local user owns, that others can write, or reached through a link of theirs (judged as the link, not by
+    where it leads now: found 2026-12-06) is theirs to replace."""
     if os.geteuid() != 0:
         pytest.skip("needs root to give the folder to another uid")
     folder = tmp_path / "alice" / "bin"
@@ -226,17 +227,26 @@ def test_an_exec_other_users_can_rewrite_is_refused(tmp_path: Path, hole: str) -
     script = folder / "bastion"
     script.write_text(f"#!{sys.executable}\n")
     script.chmod(0o755)
+    named = script
     if hole == "folder-owner":
         os.chown(tmp_path / "alice", 12345, 12345)
-        culprit = tmp_path / "alice"
+        who = f"uid 12345, who owns {tmp_path / 'alice'}, and so could replace {script}"
+    elif hole == "world-writable-script":
+        script.chmod(0o757)
+        who = f"any user: they may write {script}"
     else:
-        script.chmod(0o775)
-        culprit = script
-    result = install(Path("/"), "--exec", str(script), "--as-root", "--dry-run")
+        sticky = tmp_path / "sticky"
+        sticky.mkdir(mode=0o777)
+        sticky.chmod(0o1777)
+        named = sticky / "bastion"
+        named.symlink_to(script)
+        os.lchown(named, 12345, 12345)
+        who = f"uid 12345, who owns {named} in the sticky folder {sticky}, and so could replace {named}"
+    result = install(Path("/"), "--exec", str(named), "--as-root", "--dry-run")
     assert result.returncode == 2
     assert result.stderr.splitlines() == [
-        f"bastion: --exec {script}: {culprit} is writable by a user other than root, who could change what the "
-        "service runs: install bastion where only root writes (e.g. /opt/bastion)"
+        f"bastion: --exec {named}: {who}; the service would run what they put there: install bastion where only "
+        "root writes (e.g. /opt/bastion)"
     ]
     assert result.stdout == ""
 

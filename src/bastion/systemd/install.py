@@ -27,7 +27,7 @@ from typing import Final, TextIO
 
 from bastion.demo import demo_config_text
 from bastion.safety.errors import Conflict, InvalidRequest, OperationFailed, Unavailable
-from bastion.safety.paths import folder_to_make_changeable_by, owners_phrase
+from bastion.safety.paths import file_replaceable_by, folder_to_make_changeable_by, owners_phrase
 
 __all__ = [
     "CONFIG_PATH",
@@ -176,16 +176,19 @@ def _check_prefix(prefix: Path) -> None:
 
 def _check_not_writable_by_others(executable: Path) -> None:
     """The service runs ExecStart (as root with --as-root): the script, its interpreter and every folder
-    above them must be root's and closed to others, else a local user rewrites what the service runs."""
-    for program in (executable.resolve(), *_interpreter(executable)):
-        for path in (program, *program.parents):
-            st = path.stat()
-            sticky = bool(st.st_mode & stat.S_ISVTX) and path != program
-            if st.st_uid != 0 or (st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not sticky):
-                raise InvalidRequest(
-                    f"--exec {executable}: {path} is writable by a user other than root, who could change "
-                    "what the service runs: install bastion where only root writes (e.g. /opt/bastion)"
-                )
+    and link on the way to them must be root's and closed to others, else a local user rewrites what the
+    service runs. Links are judged as links (who may re-point them), not by where they lead now: ExecStart
+    names the path, links and all."""
+    for program in (executable, *_interpreter(executable)):
+        try:
+            who = file_replaceable_by(str(program), (0, 0))
+        except OSError as exc:
+            raise InvalidRequest(f"--exec {executable}: {program} cannot be examined ({exc.strerror or exc})") from None
+        if who is not None:
+            raise InvalidRequest(
+                f"--exec {executable}: {who}; the service would run what they put there: install bastion where "
+                "only root writes (e.g. /opt/bastion)"
+            )
 
 
 class _Runner:
@@ -366,7 +369,8 @@ def _next_steps(options: InstallOptions, out: TextIO) -> None:
         return
     as_user = "" if options.as_root else f"runuser -u {options.user} -- "
     exe = options.executable
-    runs = [exe, exe.resolve(), *_interpreter(exe)]
+    interpreters = _interpreter(exe)
+    runs = [exe, exe.resolve(), *interpreters, *(path.resolve() for path in interpreters)]
     hidden = next((str(top) for top in _HIDDEN for path in runs if _under(path, top)), None)
     if hidden is not None:
         out.write(f"warning: {exe} is under {hidden}, which the unit hides (ProtectHome=, PrivateTmp=): ")
@@ -380,7 +384,7 @@ def _next_steps(options: InstallOptions, out: TextIO) -> None:
 
 
 def _interpreter(script: Path) -> list[Path]:
-    """The resolved interpreter of a `#!` script (a venv's bin/bastion), if it is one."""
+    """The interpreter of a `#!` script (a venv's bin/bastion), if it is one, as the script names it."""
     try:
         with open(script, "rb") as handle:
             first = handle.readline(4096)
@@ -388,7 +392,7 @@ def _interpreter(script: Path) -> list[Path]:
         return []
     if not first.startswith(b"#!") or not first[2:].split():
         return []
-    return [Path(os.fsdecode(first[2:].split()[0])).resolve()]
+    return [Path(os.fsdecode(first[2:].split()[0]))]
 
 
 def _under(path: Path, top: Path) -> bool:
