@@ -13,6 +13,7 @@ import json
 import os
 import stat
 import struct
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -559,6 +560,39 @@ def test_write_parents_through_inner_symlink(jail: Jail, ws: Path) -> None:
     (ws / "alias").symlink_to("real")
     jail.write("alias/new/x.txt", b"x", create_parents=True)
     assert (ws / "real" / "new" / "x.txt").read_bytes() == b"x"
+
+
+def test_write_parents_through_an_inner_link_to_a_secret_folder_is_still_judged(jail: Jail, ws: Path) -> None:
+    """Invariant: parents made beneath a link are judged by their real path, as when every part was looked
+    up from the root (the walk now looks each part up beneath the last)."""
+    (ws / ".ssh").mkdir()
+    (ws / "keys").symlink_to(".ssh")
+    with pytest.raises(PolicyDenied, match="secret-file rule"):
+        jail.write("keys/new/authorized_keys2", b"x", create_parents=True)
+    assert list((ws / ".ssh").iterdir()) == []
+
+
+def test_a_deep_new_path_costs_linear_lookups_not_quadratic(
+    jail: Jail, ws: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Attack (found 2026-12-06): write_file to a new path 2,000 folders deep opened every prefix from the
+    root again, about d^2/2 lookups of a part: 0.7 s a call. Each part is now looked up beneath the last.
+    Counted as the kernel is asked: the parts of every path given to openat2 (the real one, counted)."""
+    real, asked = jail._openat2, [0]
+
+    def counted(dirfd: int, path: bytes, flags: int, mode: int, resolve: int) -> int:
+        asked[0] += len([part for part in path.split(b"/") if part])
+        return real(dirfd, path, flags, mode, resolve)
+
+    monkeypatch.setattr(jail, "_openat2", counted)
+    depth = 2_000
+    try:
+        jail.write("n/" + "d/" * depth + "f", b"x", create_parents=True)
+        made = (ws / "n").is_dir()
+    finally:
+        subprocess.run(["rm", "-rf", str(ws / "n")], check=True)  # deeper than pytest's own cleanup can recurse
+    assert made
+    assert asked[0] < 5 * depth, f"{asked[0]} parts looked up for a path {depth} deep"
 
 
 def test_list_dir(jail: Jail, ws: Path) -> None:
