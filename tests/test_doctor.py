@@ -20,7 +20,7 @@ from bastion.config import load_config
 from bastion.doctor import CANARY, CANARY_FILE, Check, canary_check, child_pids, leftovers, userns_check
 from bastion.sandbox._spawn import probe_bwrap, system_binds
 from bastion.sandbox.cgroups import CgroupLayout, Limits
-from tests.helpers import temp_socket_folders
+from tests.helpers import passable_folder, temp_socket_folders
 
 STATUSES = {"ok", "warn", "FAIL"}
 MNT_DETACH = 2
@@ -422,3 +422,32 @@ def test_config_with_env_secrets_readable_by_others_warns(
         "may read it: chmod 600 it"
     )
     assert "ghp_" not in detail
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user needs root")
+def test_a_sticky_audit_folder_where_a_neighbour_planted_a_fifo_fails_as_serve_refuses_it(
+    capsys: pytest.CaptureFixture[str], demo_config_path: Path
+) -> None:
+    """Attack (tests/test_serve_audit_folder.py): `[audit] path` in a root-owned sticky folder, where uid 65534
+    made ``audit.jsonl.1`` a FIFO. The doctor fails `state` with serve's line (it said ok: the sticky bit passed),
+    and writes no test file into that folder nor opens the FIFO."""
+    with passable_folder() as folder:
+        logs = folder / "logs"
+        logs.mkdir()
+        logs.chmod(0o1777)
+        planted = logs / "audit.jsonl.1"
+        nobody = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups"]
+        subprocess.run([*nobody, "mkfifo", "-m", "644", str(planted)], check=True, timeout=30)
+        text = demo_config_path.read_text().replace("[audit]\n", f'[audit]\npath = "{logs / "audit.jsonl"}"\n', 1)
+        demo_config_path.write_text(text)
+        code, checks, _ = _doctor(capsys, "--config", str(demo_config_path))
+        assert code == 1
+        assert checks["state"] == (
+            "FAIL",
+            f"the audit log's folder {logs} could be replaced by any user: they may write {logs}: make it and every "
+            "folder above it root's and not writable by others (chown, chmod go-w), or choose another [audit] path",
+        )
+        assert "audit" not in checks
+        assert list(logs.iterdir()) == [planted]
+        assert os.lstat(planted).st_uid == 65534

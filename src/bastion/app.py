@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import anyio
@@ -18,6 +20,7 @@ from bastion.organizer import Organizer
 from bastion.safety.approvals import ApprovalQueue
 from bastion.safety.audit import AuditLog
 from bastion.safety.errors import AuditUnavailable, BastionError, ConfigError
+from bastion.safety.paths import folder_changeable_by, owners_phrase
 from bastion.safety.redact import Redactor
 from bastion.sandbox import DeviceFolder, ScratchSizes, quota_available
 from bastion.sandbox.cgroups import CgroupLayout
@@ -213,17 +216,34 @@ def identity_problem(config: Config) -> str | None:
 
 
 def state_problem(config: Config) -> str | None:
-    """Why another user could replace the state folder or the audit log's folder (one line), or None.
+    """Why another user could replace the state folder or change the audit log's folder (one line), or None.
 
     The state folder holds the database, the admin password's hash and the mounts a root server
-    unmounts by path at stop; a custom [audit] path's folder holds the log. Judged where they will
-    be made when they do not exist yet.
+    unmounts by path at stop; the audit log's folder (the state folder, or a custom [audit] path's)
+    holds the log and its rotated files. Judged where they will be made when they do not exist yet.
     """
     problem = replaceable_problem(config.state_dir, "state folder", "choose a state_dir elsewhere")
-    audit_folder = config.audit_path.parent
-    if problem is None and audit_folder != config.state_dir:
-        problem = replaceable_problem(audit_folder, "the audit log's folder", "choose another [audit] path")
-    return problem
+    return problem if problem is not None else audit_folder_problem(config.audit_path.parent)
+
+
+def audit_folder_problem(folder: Path) -> str | None:
+    """Why a user besides root and this process's could change what `folder` holds (one line), or None.
+
+    Stricter than the state folder's check: a sticky folder others may write (/tmp) is refused too, since
+    they may still add the names that are missing there, and the log trusts its rotated files by name:
+    a FIFO as the newest ``audit.jsonl.N`` hung the start, a chain forged from genesis passed `audit verify`.
+    """
+    owner = (os.geteuid(), os.getegid())
+    try:
+        who = folder_changeable_by(str(folder), owner)
+    except OSError as exc:
+        return f"the audit log's folder {folder} cannot be examined ({exc.strerror or exc}): fix its path"
+    if who is None:
+        return None
+    return (
+        f"the audit log's folder {folder} could be replaced by {who}: make it and every folder above it "
+        f"{owners_phrase(owner)} and not writable by others (chown, chmod go-w), or choose another [audit] path"
+    )
 
 
 def open_identities(config: Config) -> IdentityPool:

@@ -44,6 +44,7 @@ from bastion.sandbox.inside.landlock import landlock_abi, landlock_missing  # th
 from bastion.sandbox.microvm import MicroVMSettings, boot_files_problem, missing_boot_files, probe_microvm
 from bastion.sandbox.seccomp import DENIED, write_filter_fd
 from bastion.serve import is_loopback, tls_cert_problem, tls_key_problem
+from bastion.transports.http.observe import scrape_token_problem
 from bastion.workbench.manager import SandboxManager
 from bastion.workbench.workspace import HostWorkspace
 
@@ -116,6 +117,9 @@ def run_checks(config_arg: str | None) -> list[Check]:
     checks += _sandbox_checks(config, cgroups, ready=not any(c.status == "FAIL" for c in checks))
     checks.append(_microvm_check(config))
     checks += _http_checks(config, path)
+    token = _metrics_token_check(config)
+    if token is not None:
+        checks.append(token)
     checks += [_gateway_check(gateway) for gateway in config.gateway]
     return checks
 
@@ -669,6 +673,17 @@ def _http_tls_check(config: Config) -> Check | None:
             return Check("http-tls", "FAIL", f"{name} {file} cannot be read: {exc.strerror}")
         os.close(fd)
     return Check("http-tls", "ok", "tls_cert and tls_key are readable: serve --http speaks https itself")
+
+
+def _metrics_token_check(config: Config) -> Check | None:
+    """Serve's refusal of `[metrics] token_file`, judged without opening it (a FIFO there would hang us)."""
+    token_file = config.metrics.token_file
+    if token_file is None:
+        return None
+    problem = scrape_token_problem(token_file)
+    if problem is not None:
+        return Check("metrics-token", "FAIL", problem)
+    return Check("metrics-token", "ok", f"{token_file} is the server's alone: /metrics wants its token")
 
 
 def _http_url_check(config: Config) -> Check:

@@ -20,7 +20,10 @@ What it guarantees:
       while the server runs refuses every record (and logs one error line) until the
       original is back or the server restarts; no record goes to the moved file.
     * `verify` detects an edited, deleted, inserted or reordered record, a torn line,
-      and a missing rotated file.
+      and a missing rotated file. A rotated file must be a regular file with one link that
+      no group or other user may write, owned by root or the log's own user (the server's, or
+      whoever verifies a copy): one another user put beside the log fails it, and `open`
+      continues no chain but its own user's (a FIFO there is refused, never waited on).
 
 What it does not guarantee:
     * Someone who can write the file (root, or this user) can rewrite the whole chain
@@ -874,16 +877,16 @@ def _sync_dir(directory: Path) -> None:
 
 
 def _chain_head(path: Path, fd: int, size: int) -> tuple[str, int]:
-    """The hash of the last line and the next seq, from this file or the newest rotated one."""
+    """The hash of the last line and the next seq, from this file or the newest rotated one (which must pass
+    `chain_file_problem` as this process's own: it is found by name)."""
     if size == 0:
         newest = max(_rotated(path), default=0)
         if not newest:
             return GENESIS, 0
         rotated = path.with_name(f"{path.name}.{newest}")
-        try:
-            rfd = os.open(rotated, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError as exc:
-            raise AuditUnavailable(f"audit log {rotated} cannot be read: {exc.strerror or exc}") from None
+        rfd, problem = _open_regular(rotated, frozenset({os.geteuid()}), one_link=True)
+        if rfd is None:
+            raise AuditUnavailable(problem)
         try:
             rsize = os.fstat(rfd).st_size
             if rsize == 0:
@@ -983,7 +986,8 @@ def verify(path: str | os.PathLike[str]) -> VerifyReport:
     running server: the log is held open once its files are listed, so a rotation (which renames
     that very file) cannot put a newer file after the listed ones; a log caught in the middle of a
     rotation, or that looked broken while a record was being appended, is read again (up to
-    `_VERIFY_TRIES` times in all).
+    `_VERIFY_TRIES` times in all). A rotated file must be root's, the verifier's or the log's owner's
+    (`chain_file_problem`): a copy of root's log, or a service user's log verified by root, verifies.
     """
     report = VerifyReport(False, 0, f"{path} kept rotating while it was read: run verify again", str(path), None)
     for _ in range(_VERIFY_TRIES):
@@ -1001,7 +1005,10 @@ def verify(path: str | os.PathLike[str]) -> VerifyReport:
             continue
         if fd is None:
             return VerifyReport(False, 0, problem, str(files[-1]), None)
-        report = verify_files(files, ChainHead(), last_fd=fd)[0]
+        # A copy of root's log, or the log of the server's own user, is that user's to verify: rotated files
+        # of anyone else were put beside it.
+        owners = frozenset({0, os.geteuid(), os.fstat(fd).st_uid})
+        report = verify_files(files, ChainHead(), last_fd=fd, owners=owners)[0]
         if report.ok or not _changed_under(report, files, before, chain_identities(path)):
             return report
     return report
@@ -1037,16 +1044,24 @@ def _mid_rotation(files: list[Path], fd: int | None) -> bool:
 
 
 def verify_files(
-    files: list[Path], head: ChainHead, previous_file: Path | None = None, *, last_fd: int | None = None
+    files: list[Path],
+    head: ChainHead,
+    previous_file: Path | None = None,
+    *,
+    last_fd: int | None = None,
+    owners: frozenset[int] | None = None,
 ) -> tuple[VerifyReport, ChainHead]:
     """Check `files` in order as the continuation of a chain verified up to `head` (ending in `previous_file`).
-    `last_fd`: the last file, already open (it is closed here).
+    `last_fd`: the last file, already open (it is closed here). Each file opened here must pass
+    `chain_file_problem` for `owners` (by default root and this process's user).
 
     Returns the report and the head after the last good record.
     """
     prev, seq, records = head.prev, head.seq, head.records
+    trusted = owners if owners is not None else frozenset({0, os.geteuid()})
     for index, file in enumerate(files):
-        fd, problem = (last_fd, "") if last_fd is not None and index == len(files) - 1 else _open_regular(file)
+        opened = last_fd is not None and index == len(files) - 1
+        fd, problem = (last_fd, "") if opened else _open_regular(file, trusted)
         if fd is None:
             return VerifyReport(False, records, problem, str(file), None), ChainHead(prev, seq, records)
         with os.fdopen(fd, "rb") as f:
@@ -1060,16 +1075,51 @@ def verify_files(
     return VerifyReport(True, records), ChainHead(prev, seq, records)
 
 
-def _open_regular(file: Path) -> tuple[int | None, str]:
-    """A read-only fd on `file` if it is a regular file (never a symlink), or why not."""
+def _open_regular(
+    file: Path, owners: frozenset[int] | None = None, *, one_link: bool = False
+) -> tuple[int | None, str]:
+    """A read-only fd on `file` if it is a regular file (never a symlink, a FIFO never waited on), or why not.
+
+    `owners`, `one_link`: judge it as a file of the chain another user must not have made (`chain_file_problem`).
+    """
     try:
         fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return None, f"{file} is a symlink: the files of an audit log never are"
         return None, f"cannot open {file}: {exc.strerror or exc}"
-    if not stat.S_ISREG(os.fstat(fd).st_mode):  # before fdopen, which raises on a folder
+    st = os.fstat(fd)
+    if owners is not None:
+        problem = chain_file_problem(file, st, owners, one_link=one_link)
+    else:  # before fdopen, which raises on a folder
+        problem = None if stat.S_ISREG(st.st_mode) else f"{file} is not a regular file"
+    if problem is not None:
         os.close(fd)
-        return None, f"{file} is not a regular file"
+        return None, problem
     return fd, ""
+
+
+def chain_file_problem(file: Path, st: os.stat_result, owners: frozenset[int], *, one_link: bool) -> str | None:
+    """Why `file` is not a file of the chain as the server leaves one, or None: a regular file owned by one of
+    `owners`, that no group or other user may write, and with `one_link`, with one link (what `file_problem`
+    asks of the log; `verify` does not ask it, so a backup made with hard links, as rsnapshot makes them,
+    verifies).
+
+    Why: the rotated files are found by name, so whoever can add a name to the log's folder (a sticky one)
+    could put a FIFO there (the start hung opening it) or a chain forged from genesis that `verify` passed
+    and the server continued. Never "chown it": a file someone else made is evidence, not the log.
+    """
+    if not stat.S_ISREG(st.st_mode):
+        why = "is not a regular file"
+    elif st.st_uid not in owners:
+        why = f"is owned by uid {st.st_uid}, not {' or '.join(str(uid) for uid in sorted(owners))}"
+    elif one_link and st.st_nlink != 1:
+        why = f"has {st.st_nlink} hard links"
+    elif st.st_mode & 0o022:
+        why = "is writable by group or others"
+    else:
+        return None
+    return f"{file} {why} (the server never leaves one so): move it out of the log's folder and find who made it"
 
 
 def _check_line(raw: bytes, number: int, prev: str, seq: int, previous_file: Path | None) -> str | None:

@@ -29,7 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from bastion.safety.errors import ConfigError
 from bastion.tools import UNKNOWN_TOOL
 from bastion.transports.http.observe import MIN_TOKEN_CHARS, read_scrape_token
-from tests.helpers import call
+from tests.helpers import call, passable_folder
 
 from .live import Browser, LiveServer, free_port, pkce, serve_config, write_config
 from .sdk_client import MemoryStorage, mcp_client, sdk_provider
@@ -190,12 +190,14 @@ def test_a_scrape_token_must_be_long_and_private(tmp_path: Path) -> None:
         read_scrape_token(tmp_path / "short")
     with pytest.raises(ConfigError, match="unset token_file"):
         read_scrape_token(tmp_path / "missing")
-    (tmp_path / "good").write_text(" " + "t" * MIN_TOKEN_CHARS + "\n")
-    (tmp_path / "good").chmod(0o644)
-    with pytest.raises(ConfigError, match="readable by others"):
-        read_scrape_token(tmp_path / "good")
-    (tmp_path / "good").chmod(0o640)
-    assert read_scrape_token(tmp_path / "good") == hashlib.sha256(b"t" * MIN_TOKEN_CHARS).digest()
+    # In a folder every user may pass: in pytest's own (0700), no one else reads a file whatever its mode.
+    with passable_folder() as folder:
+        (folder / "good").write_text(" " + "t" * MIN_TOKEN_CHARS + "\n")
+        (folder / "good").chmod(0o644)
+        with pytest.raises(ConfigError, match="any user: they may read"):
+            read_scrape_token(folder / "good")
+        (folder / "good").chmod(0o600)
+        assert read_scrape_token(folder / "good") == hashlib.sha256(b"t" * MIN_TOKEN_CHARS).digest()
 
 
 def test_readyz_turns_503_while_the_audit_log_is_moved_away(server: LiveServer) -> None:

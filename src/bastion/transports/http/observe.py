@@ -19,6 +19,7 @@ opens cannot read the metrics through the browser's loopback connection.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import ipaddress
@@ -34,8 +35,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from bastion.app import Services
 from bastion.metrics import CONTENT_TYPE, Metrics
 from bastion.safety.errors import ConfigError
+from bastion.safety.paths import file_replaceable_by
 
-__all__ = ["MIN_TOKEN_CHARS", "Observe", "read_scrape_token"]
+__all__ = ["MIN_TOKEN_CHARS", "Observe", "read_scrape_token", "scrape_token_problem"]
 
 logger = logging.getLogger("bastion.http.observe")
 MIN_TOKEN_CHARS: Final = 32
@@ -48,28 +50,68 @@ _PATHS: Final = frozenset({"/healthz", "/readyz", "/metrics"})
 def read_scrape_token(path: Path) -> bytes:
     """The SHA-256 digest of the token in `path` (surrounding whitespace ignored).
 
-    Only the digest is kept: the token itself leaves no copy in the server's memory to leak.
+    Only the digest is kept: the token itself leaves no copy in the server's memory to leak. The file is
+    judged first as the other secrets are (`scrape_token_problem`), then opened without following a link or
+    waiting on a FIFO, and read only if what was opened is a regular file.
 
     Raises:
-        ConfigError: the file cannot be read, is readable by others, or holds fewer than
-            `MIN_TOKEN_CHARS` characters.
+        ConfigError: the file is not the server's alone, cannot be read, is not a regular file, or holds
+            fewer than `MIN_TOKEN_CHARS` characters.
     """
+    problem = scrape_token_problem(path)
+    if problem is not None:
+        raise ConfigError(problem)
     try:
-        with path.open("rb") as f:
-            others_read = os.fstat(f.fileno()).st_mode & stat.S_IROTH
-            token = f.read(MAX_TOKEN_BYTES + 1).strip()
+        token = _read_regular(path).strip()
     except OSError as exc:
-        raise ConfigError(
-            f"[metrics] token_file {path}: {exc.strerror or exc}: create it or unset token_file"
-        ) from None
-    if others_read:
-        raise ConfigError(f"[metrics] token_file {path} is readable by others: run 'chmod o-r' on it")
+        raise ConfigError(_unreadable(path, exc)) from None
     if len(token) < MIN_TOKEN_CHARS or len(token) > MAX_TOKEN_BYTES:
         raise ConfigError(
             f"[metrics] token_file {path} must hold one token of {MIN_TOKEN_CHARS} to {MAX_TOKEN_BYTES} characters "
             "(e.g. from 'openssl rand -hex 32')"
         )
     return hashlib.sha256(token).digest()
+
+
+def scrape_token_problem(path: Path) -> str | None:
+    """Why the server must not take its scrape token from `path` (one line), or None; opens nothing.
+
+    Whoever may replace the file chooses the token, or puts a FIFO there that hangs `serve --http` at start
+    (found by attack): it must be a regular file no one but root or the server could change (owner, mode,
+    ACL, a folder on the way), and no symbolic link (it is opened without following one). Whoever may read
+    it may scrape: any user may not; its group may, as documented, so Prometheus reads the same file.
+    """
+    if os.path.islink(path):
+        return f"[metrics] token_file {path} is a symbolic link: point token_file at the real file"
+    try:
+        problem = file_replaceable_by(str(path), (os.geteuid(), os.getegid()))
+        if problem is None and os.stat(path).st_mode & stat.S_IROTH:
+            problem = f"any user: they may read {path}"
+    except OSError as exc:
+        return _unreadable(path, exc)
+    if problem is None:
+        return None
+    return (
+        f"[metrics] token_file {path} is not the server's to trust ({problem}): keep it in a folder only root "
+        "can write, mode 0640 at most (the group may be Prometheus')"
+    )
+
+
+def _read_regular(path: Path) -> bytes:
+    """Up to `MAX_TOKEN_BYTES` + 1 bytes of the regular file at `path`: a link or a FIFO put there after
+    the check is refused, never followed or waited on."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ConfigError(f"[metrics] token_file {path} is not a regular file: give a plain file")
+    with os.fdopen(fd, "rb") as f:
+        return f.read(MAX_TOKEN_BYTES + 1)
+
+
+def _unreadable(path: Path, exc: OSError) -> str:
+    if exc.errno == errno.ELOOP:
+        return f"[metrics] token_file {path} is a symbolic link: point token_file at the real file"
+    return f"[metrics] token_file {path}: {exc.strerror or exc}: create it or unset token_file"
 
 
 class Observe:
