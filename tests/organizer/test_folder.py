@@ -49,10 +49,11 @@ def _organizer(inbox: Path, state: Path) -> Organizer:
 @pytest.mark.root
 @pytest.mark.skipif(os.geteuid() != 0, reason="only a root server makes folders that belong to someone else")
 @pytest.mark.parametrize("how", ["apply", "move_file"])
-def test_folders_made_in_a_users_inbox_are_not_left_to_root(organizer: Organizer, inbox_dir: Path, how: str) -> None:
+def test_folders_made_in_a_users_inbox_are_not_left_to_root(inbox_dir: Path, state_dir: Path, how: str) -> None:
     """Invariant: every folder made by a move belongs to the inbox's owner and group, so the user can
     still rename and delete what was moved into it."""
     os.chown(inbox_dir, *USER)
+    organizer = _organizer(inbox_dir, state_dir)  # it acts as the owner it finds at open
     (inbox_dir / "a.pdf").write_bytes(b"a")
     if how == "apply":
         organizer.apply(organizer.plan()["plan_id"])
@@ -60,6 +61,7 @@ def test_folders_made_in_a_users_inbox_are_not_left_to_root(organizer: Organizer
     else:
         organizer.move("a.pdf", "Papers/2024/a.pdf")
         made = ["Papers", "Papers/2024"]
+    organizer.close()
     for rel in made:
         assert _owner(inbox_dir / rel) == USER, rel
 
@@ -90,12 +92,13 @@ def test_folder_remade_by_a_rollback_is_not_left_to_root(inbox_dir: Path, state_
 @pytest.mark.skipif(os.geteuid() != 0, reason="only a root server chowns what it makes")
 @pytest.mark.parametrize("how", ["apply", "move_file"])
 def test_new_folder_swapped_for_a_hard_link_never_gives_the_linked_file_away(
-    organizer: Organizer, inbox_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+    inbox_dir: Path, state_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
 ) -> None:
     """Invariant: a user who can write the inbox swaps the folder just made for a hard link to a file
     of another user (as to /etc/shadow) between mkdir and chown: that file keeps its owner, mode and
     bytes, the action is refused as a conflict, and nothing in the inbox is moved, deleted or overwritten."""
     os.chown(inbox_dir, *USER)
+    organizer = _organizer(inbox_dir, state_dir)  # it acts as the owner it finds at open
     victim = tmp_path / "shadow"
     victim.write_bytes(b"root:secret\n")
     os.chown(victim, *OTHER)
@@ -129,6 +132,7 @@ def test_new_folder_swapped_for_a_hard_link_never_gives_the_linked_file_away(
     # The attacker's swap is all that changed: the link now at Documents, the new folder at .swap.
     assert after == {**before, "Documents": before[".swap"], ".swap": ("dir", b"")}
     assert organizer.history.done == []
+    organizer.close()
 
 
 @pytest.mark.parametrize("link", ["the inbox", "a folder on its path"])

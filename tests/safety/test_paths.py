@@ -1228,12 +1228,12 @@ def test_a_signal_cutting_the_restore_leaves_the_thread_as_the_server_and_is_rai
     real = paths_module._restore_server_identity
     calls = []
 
-    def interrupted(groups: list[int]) -> None:
+    def interrupted(groups: list[int], capabilities: tuple[int, int] | None) -> None:
         calls.append(groups)
         if len(calls) == 1:
             paths_module._libc.setfsuid(os.geteuid())  # cut after its first call
             raise KeyboardInterrupt
-        real(groups)
+        real(groups, capabilities)
 
     monkeypatch.setattr(paths_module, "_restore_server_identity", interrupted)
     with Jail(ws, owner=(12345, 12346), act_as_owner=True) as jail, pytest.raises(KeyboardInterrupt):

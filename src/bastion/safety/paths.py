@@ -227,10 +227,12 @@ def owner_identity(owner: tuple[int, int]) -> tuple[int, int] | None:
     """The file identity a root server takes to act in a folder of `owner`'s (`acting_as`), or None.
 
     Why: as root it would do what the owner could not (move another user's folder, write a file made
-    read-only) and leave root's files in their folder. A server that is not root, or a root-owned
-    folder, keeps the server's own ids.
+    read-only) and leave root's files in their folder. For a root-owned folder that identity is root's
+    with its file capabilities off (found by attack: the file tools read and wrote another user's 0600
+    file there, which the folder's commands, with no capability, are refused). A server that is not root
+    keeps its own ids.
     """
-    return owner if os.geteuid() == 0 and owner != (0, 0) else None
+    return owner if os.geteuid() == 0 else None
 
 
 def replaceable_by(path: str, owner: tuple[int, int]) -> str | None:
@@ -857,6 +859,47 @@ def _setgroups_number() -> int | None:
 
 
 _SYS_SETGROUPS: Final = _setgroups_number()
+_CAPABILITY_VERSION_3: Final = 0x20080522  # <linux/capability.h>: two 32-bit words per set
+_FILE_CAPABILITIES: Final = (0, 1, 2, 3, 4, 9, 27, 32)
+"""What the kernel takes from a thread whose fsuid leaves 0 (CAP_FS_MASK): CHOWN, DAC_OVERRIDE,
+DAC_READ_SEARCH, FOWNER, FSETID, LINUX_IMMUTABLE, MKNOD, MAC_OVERRIDE."""
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = (("version", ctypes.c_uint32), ("pid", ctypes.c_int))
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = (("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32))
+
+
+def _thread_capabilities() -> tuple[_CapHeader, ctypes.Array[_CapData]]:
+    """This thread's capability sets (capget(2) with pid 0: the calling thread's)."""
+    header, data = _CapHeader(_CAPABILITY_VERSION_3, 0), (_CapData * 2)()
+    if _libc.capget(ctypes.byref(header), data) != 0:
+        raise Unavailable(f"could not read this thread's capabilities ({os.strerror(ctypes.get_errno())})")
+    return header, data
+
+
+def _set_effective_capabilities(effective: tuple[int, int]) -> None:
+    """Set this thread's effective capabilities (capset(2) is per thread), its other sets unchanged."""
+    header, data = _thread_capabilities()
+    data[0].effective, data[1].effective = effective
+    if _libc.capset(ctypes.byref(header), data) != 0:
+        raise Unavailable(f"could not set this thread's capabilities ({os.strerror(ctypes.get_errno())})")
+
+
+def _file_capabilities_off() -> tuple[int, int]:
+    """Take this thread's file capabilities out of its effective set; the set before, to give back."""
+    _, data = _thread_capabilities()
+    before = (int(data[0].effective), int(data[1].effective))
+    effective = [before[0], before[1]]
+    for capability in _FILE_CAPABILITIES:
+        effective[capability // 32] &= ~(1 << (capability % 32))
+    _set_effective_capabilities((effective[0], effective[1]))
+    return before
+
+
 _acting = threading.local()
 """This thread's switch, if any (`acting_as`): ``ids`` (uid, gid) while one runs."""
 
@@ -897,6 +940,7 @@ def acting_as(uid: int, gid: int) -> Iterator[None]:
         return
     groups = os.getgroups()
     _acting.ids = (uid, gid)
+    capabilities: tuple[int, int] | None = None
     try:
         _set_thread_groups(())
         _libc.setfsgid(gid)
@@ -904,12 +948,14 @@ def acting_as(uid: int, gid: int) -> Iterator[None]:
         # Neither call reports an error; asking again returns the ids in force (setfsuid(2)).
         if _libc.setfsuid(uid) != uid or _libc.setfsgid(gid) != gid:
             raise Unavailable(f"could not act as uid {uid} and gid {gid} on files: the server needs CAP_SETUID")
+        if uid == 0:  # an fsuid leaving 0 takes these off; staying 0, it is done here
+            capabilities = _file_capabilities_off()
         yield
     finally:
         cut: BaseException | None = None
         for _ in range(_RESTORE_ATTEMPTS):
             try:
-                _restore_server_identity(groups)
+                _restore_server_identity(groups, capabilities)
             except BaseException as exc:  # restore again first; what cut it is raised after
                 cut = cut or exc
                 continue
@@ -919,7 +965,9 @@ def acting_as(uid: int, gid: int) -> Iterator[None]:
             raise cut
 
 
-def _restore_server_identity(groups: Sequence[int]) -> None:
+def _restore_server_identity(groups: Sequence[int], capabilities: tuple[int, int] | None) -> None:
+    if capabilities is not None:
+        _set_effective_capabilities(capabilities)
     uid, gid = os.geteuid(), os.getegid()
     _libc.setfsuid(uid)
     _libc.setfsgid(gid)
