@@ -546,7 +546,8 @@ os.mkdir("d")
 fd = os.open("f", os.O_RDONLY)
 CREATE = os.O_CREAT | os.O_WRONLY
 attempt("control_chmod_0700", lambda: os.chmod("f", 0o700), "f")
-attempt("control_chmod_sticky_dir_1777", lambda: os.chmod("d", 0o1777), "d")
+# 1775, not 1777: a host workspace's filter refuses others' write (S_IWOTH) too (test_host_workspace_mode_attacks).
+attempt("control_chmod_sticky_dir_1775", lambda: os.chmod("d", 0o1775), "d")
 attempt("control_open_creat_0755", lambda: os.close(os.open("c1", CREATE, 0o755)), "c1")
 attempt("chmod_4755", lambda: os.chmod("f", 0o4755), "f")
 attempt("chmod_2755", lambda: os.chmod("f", 0o2755), "f")
@@ -668,7 +669,7 @@ NOT_SUPPORTED = errno.errorcode[errno.EOPNOTSUPP]  # ENOTSUP: the same number on
 # What each attempt gets inside a sandbox or a host workspace, and which layer says so.
 MODE_PROBE_EXPECTED: dict[str, str] = {
     "control_chmod_0700": "OK",
-    "control_chmod_sticky_dir_1777": "OK",
+    "control_chmod_sticky_dir_1775": "OK",
     "control_open_creat_0755": "OK",
     "control_i386_getpid": "OK",
     "control_i386_mkdirat_0755": "OK",

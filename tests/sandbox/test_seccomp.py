@@ -791,6 +791,40 @@ def test_setid_modes_are_refused_on_each_abi(program: bytes, syscall: str) -> No
                 assert verdict(flags, 0o6777) == ALLOW, (syscall, hex(arch), oct(flags))
 
 
+CHMOD_MODE_ARGUMENT = {name: MODE_ARGUMENT[name][0] for name in ("chmod", "fchmod", "fchmodat", "fchmodat2")}
+
+
+@pytest.mark.skipif(not IS_X86_64, reason="checks the x86_64 and i386 programs")
+def test_host_workspace_commands_cannot_give_other_users_write_on_either_abi(program: bytes) -> None:
+    """Attack (p5_world_writable_root.py): ``tar -xpf`` of an archive whose ``./`` is 0777, or ``umask 0``
+    then ``mkdir``, in a root-owned host workspace opened it to every local user. Invariant: on both x86
+    ABIs the host workspace filter refuses chmod, fchmod, fchmodat and fchmodat2 any mode with S_IWOTH
+    (EPERM), skips umask(2) of a mask without S_IWOTH (errno 0: the call returns 0, the mask stays), and
+    keeps every rule of the sandbox's filter; the sandbox's own filter allows all of these. Does not prove
+    the sandbox starts with S_IWOTH in its mask (test_warm)."""
+    host = seccomp.build_filter(seccomp.HOST_WORKSPACE_DENIED)
+    assert set(seccomp.DENIED) < set(seccomp.HOST_WORKSPACE_DENIED)
+    for arch in (AUDIT_ARCH_X86_64, AUDIT_ARCH_I386):
+        for syscall, mode_index in CHMOD_MODE_ARGUMENT.items():
+            nr = resolve(arch, syscall)
+            for mode in (0o777, 0o1777, 0o002, 0o666, 0xFFFFFFFF_00000000 | 0o757, 0o4777):
+                args = [0] * 6
+                args[mode_index] = mode
+                assert run_bpf(host, nr, arch, args) == errno_action(errno.EPERM), (syscall, hex(arch), oct(mode))
+                assert run_bpf(program, nr, arch, args) == (errno_action(errno.EPERM) if mode & SETID else ALLOW)
+            for mode in (0o755, 0o775, 0o1775, 0o644, 0):
+                args = [0] * 6
+                args[mode_index] = mode
+                assert run_bpf(host, nr, arch, args) == ALLOW, (syscall, hex(arch), oct(mode))
+        umask = resolve(arch, "umask")
+        for mask in (0, 0o020, 0o775, 0xFFFFFFFF_00000000):
+            assert run_bpf(host, umask, arch, [mask]) == errno_action(0), (hex(arch), oct(mask))
+            assert run_bpf(program, umask, arch, [mask]) == ALLOW
+        for mask in (0o002, 0o022, 0o077, 0o777):
+            assert run_bpf(host, umask, arch, [mask]) == ALLOW, (hex(arch), oct(mask))
+        assert run_bpf(host, resolve(arch, "mkdir"), arch, [0, 0o6777]) == errno_action(errno.EPERM)
+
+
 @pytest.mark.skipif(not IS_X86_64, reason="checks the x86_64 and i386 programs")
 def test_inode_attribute_ioctls_and_device_nodes_are_refused_on_each_abi(program: bytes) -> None:
     """Invariant: on both x86 ABIs the ioctls that set inode flags, fscrypt policies and fs-verity are

@@ -11,6 +11,7 @@ import asyncio
 import hashlib
 import os
 import socket
+import stat
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -531,3 +532,58 @@ async def test_a_sandbox_whose_command_groups_cannot_be_set_up_is_refused(
     assert not limited.alive
     await limited.settled()
     assert limited._group is None
+
+
+# What a command does to give other users write permission, then the mask it ran with.
+OPEN_TO_OTHERS = """umask 0; mkdir d; touch f; mkfifo p
+python3 -I -S -c 'import os; os.umask(0); os.mkdir("py", 0o777)'
+mkdir -m 777 m; chmod 777 . || echo chmod refused; chmod 777 d || echo chmod refused
+chmod o+w f || echo chmod refused; chmod 1777 d || echo sticky refused
+chmod 775 d && chmod 1775 d && echo group and sticky allowed
+grep Umask /proc/self/status
+"""
+
+
+def others_may_write(folder: Path) -> list[str]:
+    """The entries of `folder`, itself included, that other users may write, as seen from the host."""
+    found = [folder, *folder.rglob("*")]
+    return sorted(str(path.relative_to(folder)) for path in found if path.lstat().st_mode & stat.S_IWOTH)
+
+
+async def test_host_folder_commands_cannot_give_other_users_write(tmp_path: Path) -> None:
+    """Attack (p5_world_writable_root.py): a host workspace's commands act as its folder's owner, and
+    ``umask 0`` then ``mkdir``, ``chmod 777`` or ``tar -xpf`` of a 0777 ``./`` opened the administrator's
+    folder to every local user. Invariant: in a host folder's sandbox, even started by a server whose own
+    umask is 0, nothing a command makes or changes is others' to write: the mask starts with S_IWOTH and
+    ``umask 0`` leaves it, chmod of a mode with S_IWOTH fails (EPERM, the tool says so); group write and the
+    sticky bit still work. Does not prove the start check of a folder opened before (test_workspace)."""
+    folder = tmp_path / "ws"
+    folder.mkdir(mode=0o755)
+    box = WarmSandbox(SandboxSpec(workspace=str(folder), host_folder=True))
+    server_umask = os.umask(0)  # the sandbox's processes inherit it: the start must add S_IWOTH itself
+    try:
+        outcome = await sh(box, OPEN_TO_OTHERS)
+    finally:
+        os.umask(server_umask)
+        box.close()
+    out = outcome.stdout.decode()
+    assert out.count("refused") == 4, out
+    assert "group and sticky allowed" in out
+    assert "Umask:\t0002" in out
+    assert outcome.stderr.decode().count("Operation not permitted") == 5  # mkdir -m and the four chmods
+    assert others_may_write(folder) == []
+    assert sorted(p.name for p in folder.iterdir()) == ["d", "f", "m", "p", "py"]
+
+
+async def test_agent_sandbox_commands_may_still_give_other_users_write(tmp_path: Path) -> None:
+    """Control: an agent sandbox's own workspace is no other user's to reach, so there ``umask 0``,
+    ``mkdir -m 777`` and ``chmod 777`` work as on any machine."""
+    folder = tmp_path / "ws"
+    folder.mkdir(mode=0o755)
+    box = WarmSandbox(SandboxSpec(workspace=str(folder)))
+    try:
+        outcome = await sh(box, OPEN_TO_OTHERS)
+    finally:
+        box.close()
+    assert "refused" not in outcome.stdout.decode()
+    assert others_may_write(folder) == [".", "f", "m", "p", "py"]

@@ -12,6 +12,7 @@ import base64
 import hashlib
 import json
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -343,3 +344,36 @@ async def test_read_file_of_a_secret_dense_small_file_stalls_the_loop_briefly(cl
             assert read["ok"], read
             assert "abcdefgh" not in str(read["detail"]["content"])
     assert lag.cpu_worst < 0.1, lag.cpu_worst
+
+
+# -- deep new paths written off the event loop -------------------------------------------------------
+
+DEEP_FOLDERS = 2000  # a path of 2,000 new folders stays under PATH_MAX (4096) from the workspace
+
+
+async def test_deep_new_paths_written_again_and_again_do_not_stall_the_loop(client: Client, workspace: Path) -> None:
+    """Attack (p6_deep_write.py): write_file and upload_file of a file 2,000 new folders deep, each call under
+    a new top folder. The folders were made on the event loop (0.78 s of it a call, every other call
+    waiting). Invariant: the writes run in a worker thread, so the loop's thread spends little CPU between
+    two ticks, and every file arrives with its content. Does not prove how long the write itself takes (the
+    jail's folder making: tests/safety)."""
+    paths = {f"{tool}{i}/{'a/' * DEEP_FOLDERS}f": f"{tool} {i}\n" for i in range(2) for tool in ("write", "upload")}
+    # Each tool's first call builds what it needs once (~0.1 s): not what is measured.
+    assert (await call(client, "write_file", path="warm.txt", content="x"))["ok"]
+    assert (await call(client, "upload_file", path="warm.bin", content_base64=b64(b"x")))["ok"]
+    try:
+        with LoopLag(0.002) as lag:
+            for path, text in paths.items():
+                if path.startswith("write"):
+                    done = await call(client, "write_file", path=path, content=text)
+                else:
+                    done = await call(client, "upload_file", path=path, content_base64=b64(text.encode()))
+                assert done["ok"], done
+        assert lag.cpu_worst < 0.05, lag.cpu_worst
+        for path, text in paths.items():
+            read = await call(client, "read_file", path=path)
+            assert read["detail"]["content"] == text, read
+    finally:
+        # shutil.rmtree (pytest's too, on its next run) recurses once per folder: past Python's limit here.
+        tops = [str(workspace / path.split("/")[0]) for path in paths]
+        subprocess.run(["rm", "-rf", "--one-file-system", *tops], check=True, timeout=60)

@@ -297,33 +297,43 @@ def test_a_host_workspace_that_fails_to_open_after_its_mount_leaves_no_mount(dem
 
 @pytest.mark.root
 @pytest.mark.skipif(os.geteuid() != 0, reason="acting as the folder's owner is a root server's")
-async def test_file_tools_in_a_shared_folder_are_refused_what_its_commands_are_refused(tmp_path: Path) -> None:
-    """Attack: another user's 0600 file in a host workspace owned by an ordinary user: `cat` in the workspace
-    is refused, and read_file, run by the root server, returned it. Both are refused now, and nothing of the
-    file reaches the client."""
+@pytest.mark.parametrize("owner", ["a-user", "root"])
+async def test_file_tools_in_a_shared_folder_are_refused_what_its_commands_are_refused(
+    tmp_path: Path, owner: str
+) -> None:
+    """Attack: another user's 0600 file (and 0700 folder) in a host workspace: `cat` in the workspace is
+    refused, and read_file, run by the root server, returned it. Both are refused now, and nothing of the
+    file reaches the client. Found again 2026-12-06 for a folder of root's (the demo's): the file tools kept
+    root's file capabilities there, read and wrote the file, and made a file in the other user's folder."""
     config_path = demo_config_at(tmp_path / "demo")
     workspace = load_config(config_path).workspace[0].path
-    for entry in (workspace, *workspace.rglob("*")):
-        os.chown(entry, 12345, 12346, follow_symlinks=False)
+    if owner == "a-user":
+        for entry in (workspace, *workspace.rglob("*")):
+            os.chown(entry, 12345, 12346, follow_symlinks=False)
     private = workspace / "bob-private.txt"
     private.write_text("BOB-PRIVATE-NOTES")
     os.chown(private, 4242, 4242)
     private.chmod(0o600)
+    theirs = workspace / "bob-dir"
+    theirs.mkdir(mode=0o700)
+    os.chown(theirs, 4242, 4242)
     services = build_services(load_config(config_path))
     try:
         async with Client(build_server(services, caller="test")) as client:
             ran = await _run(client, "cat bob-private.txt")
             read = await client.call_tool("read_file", {"path": "bob-private.txt"})
             written = await client.call_tool("write_file", {"path": "bob-private.txt", "content": "gone"})
+            planted = await client.call_tool("write_file", {"path": "bob-dir/planted.txt", "content": "x"})
     finally:
         services.close()
     assert ran["detail"]["exit_status"] != 0, ran
     assert "Permission denied" in str(ran["detail"]["stderr"])
-    for refused in (read, written):
+    for refused in (read, written, planted):
         assert refused.structured_content is not None
         assert refused.structured_content["code"] == "OPERATION_FAILED", refused.structured_content
         assert "BOB-PRIVATE-NOTES" not in str(refused.structured_content)
     assert private.read_text() == "BOB-PRIVATE-NOTES"
+    assert os.listdir(theirs) == []
 
 
 @pytest.mark.root
@@ -348,6 +358,35 @@ def test_a_workspace_another_user_could_replace_is_refused_at_start(demo_config_
     for entry in (folder, *folder.rglob("*")):
         os.chown(entry, 12345, 12345, follow_symlinks=False)
     build_services(config).close()  # the folder is the parent's owner's now: served
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="a root server's")
+@pytest.mark.parametrize("mode", [0o777, 0o1777])
+def test_a_host_workspace_other_users_may_write_is_refused_at_start(demo_config_path: Path, mode: int) -> None:
+    """Attack (p5_world_writable_root.py): a root-owned workspace made 0777 (by a command, before its filter
+    refused that, or by hand) let any local user rename root's files in it, and plant a setuid file that
+    then kept the server from starting. Invariant: a host workspace folder that users besides root and its
+    owner may write (sticky or not) is refused at start, in one line naming who and what to do, before the
+    setuid scan, leaving no mount; once chmod go-w it is served. Does not look at the folders inside it."""
+    config = load_config(demo_config_path)
+    folder = config.workspace[0].path
+    planted = folder / "tool"
+    planted.write_bytes(b"")
+    os.chown(planted, 65534, 65534)
+    planted.chmod(0o4755)
+    folder.chmod(mode)
+    with pytest.raises(ConfigError) as refused:
+        build_services(config).close()  # closed if served anyway, so a failure leaves no mount
+    assert str(refused.value) == (
+        f"workspace 'default': {folder} may be written by any user, who could rename or plant files in it: "
+        "chmod go-w it (and remove ACL entries that grant write)"
+    )
+    assert _mounts_under(config.state_dir / IDMAP_DIR) == []
+    assert folder.stat().st_mode & 0o7777 == mode
+    folder.chmod(0o755)
+    planted.unlink()
+    build_services(config).close()
 
 
 async def _explained(client: Client, command: str) -> Payload:

@@ -26,7 +26,7 @@ from typing import Final, TypeAlias
 
 from bastion.safety.errors import Unavailable
 from bastion.sandbox._devices import DEV, SCRATCH, SHM_SIZE_BYTES, TMP_SIZE_BYTES
-from bastion.sandbox.seccomp import SETID_DENIED, write_filter_fd
+from bastion.sandbox.seccomp import DENIED, HOST_WORKSPACE_DENIED, SETID_DENIED, write_filter_fd
 
 # The type of a started sandbox, so the layer above can hold one without importing subprocess.
 SandboxProcess: TypeAlias = subprocess.Popen[bytes]
@@ -116,6 +116,10 @@ class SandboxSpec:
     command_groups: bool = False
     """Commands share the sandbox's PID namespace, the agent its PID 1, each command in a cgroup
     of its own (`bastion.sandbox.command_groups`); else each gets a PID namespace of its own."""
+    host_folder: bool = False
+    """`workspace` is a host workspace's folder, which other local users can reach: its processes start
+    with a umask withholding others' write permission and may neither drop it nor chmod o+w
+    (`seccomp.HOST_WORKSPACE_DENIED`). False: an agent sandbox's own folder, no one else's to reach."""
 
 
 # Joins the cgroups, then becomes bwrap (same pid; through setpriv when it drops to the
@@ -332,10 +336,24 @@ def build_bwrap_argv(
     return argv
 
 
+def _host_folder_umask() -> int:
+    """This process's umask with S_IWOTH added: what a host workspace's processes start with.
+
+    Read from /proc (Linux 4.7): umask(2) can only read the mask by setting it, which would
+    race the server's other threads making files.
+    """
+    with open("/proc/self/status", encoding="ascii") as status:
+        for line in status:
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8) | stat.S_IWOTH
+    raise Unavailable("/proc/self/status shows no umask: run bastion on Linux 4.7 or later")
+
+
 def start_sandbox(spec: SandboxSpec) -> tuple[SandboxProcess, socket.socket]:
     """Start bwrap with the agent inside; return the process and the host's socket end."""
     limit_core_dumps()
-    seccomp_fd = write_filter_fd()
+    umask = _host_folder_umask() if spec.host_folder else -1  # -1: Popen keeps the server's
+    seccomp_fd = write_filter_fd(HOST_WORKSPACE_DENIED if spec.host_folder else DENIED)
     data_fds: dict[str, int] = {}
     etc_fds: dict[str, int] = {}
     args_fd = -1
@@ -376,6 +394,7 @@ def start_sandbox(spec: SandboxSpec) -> tuple[SandboxProcess, socket.socket]:
             close_fds=True,
             start_new_session=True,
             env=BWRAP_ENV,
+            umask=umask,
         )
     except OSError as exc:
         host_end.close()

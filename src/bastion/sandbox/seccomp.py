@@ -82,6 +82,21 @@ a plain error):
   agent makes under the filter, must lie below that range: a libseccomp too old
   to name them is refused.
 
+A host workspace's commands get `HOST_WORKSPACE_DENIED`: all of the above, and
+no write permission for other users. Its folder is an administrator's (often
+root's), which other local users can reach, and its commands act as the
+folder's owner on disk: a ``chmod 777`` of the workspace (``tar -xpf`` of an
+archive whose ``./`` is 0777) let any local user rename the owner's files or
+plant a setuid one. chmod, fchmod, fchmodat and fchmodat2 refuse a mode with
+S_IWOTH (EPERM), and umask(2) with a mask lacking S_IWOTH is skipped (it returns
+0, the mask stays), so the mask the sandbox starts with (`_spawn.start_sandbox`
+adds S_IWOTH to it) holds for every file, folder, FIFO and socket made. A
+shell's ``umask`` then prints 0000: it reads the mask with umask(0), which is
+skipped too. An agent sandbox's own workspace keeps ``chmod 777``: no other
+user can reach it. Group write stays allowed: where the folder's group has
+members besides its owner, a command can still open it to them, and only the
+next start refuses the folder (`workspace._refuse_open_to_others`).
+
 The same rules hold for the 32-bit x86 ABI (``int 0x80``) on x86_64, so a 32-bit
 syscall number cannot walk around them; any other ABI (x32, or a foreign
 architecture) gets ENOSYS for every syscall, as on a kernel built without it.
@@ -93,7 +108,10 @@ It does not confine file access (the mounts and Landlock do), nor the network
 flags are harmless with mmap_min_addr and no setuid binaries, and libseccomp
 cannot express "any value except these"). It does not remove a bit that is
 already there: a setuid file the host put in a workspace stays setuid, and a
-folder made inside a setgid folder inherits S_ISGID from it (mkdir(2)).
+folder made inside a setgid folder inherits S_ISGID from it (mkdir(2)). Nor
+does it remove others' write permission a host workspace's files already have,
+or that a default ACL the host set gives new ones (beneath a default ACL the
+umask does not apply: acl(5)).
 """
 
 from __future__ import annotations
@@ -148,7 +166,8 @@ _ABIS: Final[dict[str, tuple[int, ...]]] = {
 
 
 class Denial(NamedTuple):
-    """One rule: `syscall` fails with `errno` when all its conditions hold (always, if it has none).
+    """One rule: `syscall` fails with `errno` when all its conditions hold (always, if it has none);
+    `errno` 0 skips the call, which returns 0 (seccomp(2), SECCOMP_RET_ERRNO).
 
     Each ``(index, mask)`` of `args_have` holds when argument `index` has every bit of
     `mask`; `arg1_except`, if set, holds when argument 1 is anything but it; each of
@@ -168,20 +187,25 @@ class Denial(NamedTuple):
 _SETID_BITS: Final = (stat.S_ISUID, stat.S_ISGID)
 
 
-def _refuse_setid_mode(syscall: str, mode_arg: int, *, flags_arg: int | None = None) -> tuple[Denial, ...]:
-    """The rules that refuse `syscall` a mode (argument `mode_arg`) with S_ISUID or S_ISGID.
+def _refuse_mode_bits(
+    syscall: str, mode_arg: int, bits: tuple[int, ...], reason: str, *, flags_arg: int | None = None
+) -> tuple[Denial, ...]:
+    """The rules that refuse `syscall` a mode (argument `mode_arg`) with any of `bits`.
 
     One rule per bit, since a rule's conditions are ANDed. With `flags_arg` (open,
     openat) only when the flags create a file, O_CREAT or O_TMPFILE: otherwise the
     kernel ignores the mode argument, and a caller may leave anything in it.
     """
-    reason = "a setuid or setgid file in a workspace keeps its bit on the host"
     creating: tuple[tuple[tuple[int, int], ...], ...] = (
         ((),) if flags_arg is None else (((flags_arg, O_CREAT),), ((flags_arg, O_TMPFILE_BIT),))
     )
-    return tuple(
-        Denial(syscall, reason, args_have=(*when, (mode_arg, bit))) for when in creating for bit in _SETID_BITS
-    )
+    return tuple(Denial(syscall, reason, args_have=(*when, (mode_arg, bit))) for when in creating for bit in bits)
+
+
+def _refuse_setid_mode(syscall: str, mode_arg: int, *, flags_arg: int | None = None) -> tuple[Denial, ...]:
+    """The rules that refuse `syscall` a mode (argument `mode_arg`) with S_ISUID or S_ISGID."""
+    reason = "a setuid or setgid file in a workspace keeps its bit on the host"
+    return _refuse_mode_bits(syscall, mode_arg, _SETID_BITS, reason, flags_arg=flags_arg)
 
 
 # Setuid and setgid files (chmod(2), open(2), mknod(2), mkdir(2)); the mode's position per syscall.
@@ -318,6 +342,24 @@ DENIED: Final[tuple[Denial, ...]] = (
     *_refuse_device_nodes("mknod", 1),
     *_refuse_device_nodes("mknodat", 2),
     Denial("renameat2", "RENAME_WHITEOUT leaves a 0:0 device node", args_have=((4, RENAME_WHITEOUT),)),
+)
+
+_OTHERS_WRITE_REASON: Final = "other local users could then rename, replace or plant files in the host's folder"
+
+# A host workspace's filter: `DENIED`, and no write permission for others (chmod(2), umask(2)).
+HOST_WORKSPACE_DENIED: Final[tuple[Denial, ...]] = (
+    *DENIED,
+    *_refuse_mode_bits("chmod", 1, (stat.S_IWOTH,), _OTHERS_WRITE_REASON),
+    *_refuse_mode_bits("fchmod", 1, (stat.S_IWOTH,), _OTHERS_WRITE_REASON),
+    *_refuse_mode_bits("fchmodat", 2, (stat.S_IWOTH,), _OTHERS_WRITE_REASON),
+    *_refuse_mode_bits("fchmodat2", 2, (stat.S_IWOTH,), _OTHERS_WRITE_REASON),
+    # Skipped, not refused: shells and libc read the mask with umask(0) and put it back, and must not fail.
+    Denial(
+        "umask",
+        "a mask without S_IWOTH lets new files be others' to write",
+        errno=0,
+        args_equal=((0, stat.S_IWOTH, 0),),
+    ),
 )
 
 # Syscalls the sandbox itself makes (the agent applies Landlock after the filter

@@ -237,7 +237,9 @@ def register_workbench(server: BastionServer, registry: WorkspaceRegistry, *, sa
         append: bool = False,
         sandbox_id: SandboxId = None,
     ) -> Outcome:
-        detail = registry.get(sandbox_id).write_file(path, content, encoding=encoding, append=append)
+        # Missing parents are made one by one, a path's depth of syscalls: off the event loop.
+        write = functools.partial(registry.get(sandbox_id).write_file, path, content, encoding=encoding, append=append)
+        detail = await anyio.to_thread.run_sync(write)
         return Outcome(OperationResult.success(UNNAMED, detail), files=[str(detail["path"])])
 
     @audited_tool(
@@ -260,7 +262,8 @@ def register_workbench(server: BastionServer, registry: WorkspaceRegistry, *, sa
         overwrite: bool = False,
         sandbox_id: SandboxId = None,
     ) -> Outcome:
-        detail = registry.get(sandbox_id).upload_file(path, content_base64, overwrite=overwrite)
+        upload = functools.partial(registry.get(sandbox_id).upload_file, path, content_base64, overwrite=overwrite)
+        detail = await anyio.to_thread.run_sync(upload)
         return Outcome(OperationResult.success(UNNAMED, detail), files=[str(detail["path"])])
 
     @audited_tool(

@@ -40,6 +40,7 @@ from bastion.safety.paths import (
     open_real_folder,
     privileged_file,
     replaceable_by,
+    writers_besides,
 )
 from bastion.safety.redact import SLICE_CONTEXT_BYTES, Redactor, sanitize_name
 from bastion.safety.search import search_pattern
@@ -221,7 +222,9 @@ class HostWorkspace:
                 limits = Limits(memory_bytes=lim.memory_bytes, pids=lim.pids, cpu_cores=lim.cpu_cores)
             if sandbox is None:
                 ids = None if identity is None or not identity.switch else (identity.uid, identity.gid)
-                spec = SandboxSpec(workspace=bind_source or self.jail.root, identity=ids, devices=devices)
+                spec = SandboxSpec(
+                    workspace=bind_source or self.jail.root, identity=ids, devices=devices, host_folder=not sandboxed
+                )
                 sandbox = BubblewrapBackend(cgroups).sandbox(spec, limits=limits)
             elif limits is not None:
                 sandbox.set_limits(limits)
@@ -635,14 +638,16 @@ def _open_host(
 
     Raises:
         ConfigError: this kernel or filesystem has no idmapped mounts and the folder is root's, or
-            is owned by an id of the range (which a sandbox could be given too).
+            is owned by an id of the range (which a sandbox could be given too); or users besides root
+            and its owner may write or replace it, or it holds a setuid, setgid or capability file.
     """
     if not pool.switches:
         return HostWorkspace(config, redactor, cgroups)
-    _refuse_privileged_files(config)
     info = _stat_folder(str(config.path))
     owner = (info.st_uid, info.st_gid)
     _refuse_replaceable(config, owner)
+    _refuse_open_to_others(config, owner)  # before the setuid scan: an open folder is how one gets planted
+    _refuse_privileged_files(config)
     reason = idmap_supported(config.path)
     if reason is not None:
         if owner[0] == 0:
@@ -722,6 +727,27 @@ def _refuse_replaceable(config: WorkspaceConfig, owner: tuple[int, int]) -> None
             f"workspace {config.id!r}: {config.path} (owned by uid {owner[0]}) could be replaced by another folder "
             f"by {who}, and the server would serve that one as its owner: move the workspace to a folder only "
             "root or its owner can write"
+        )
+
+
+def _refuse_open_to_others(config: WorkspaceConfig, owner: tuple[int, int]) -> None:
+    """A host workspace folder that users besides root and its owner may write stops the start.
+
+    They could rename or replace the owner's files in it, which its commands and file tools then act on as
+    the owner, or plant a setuid file. Commands cannot open it (`seccomp.HOST_WORKSPACE_DENIED`); this
+    catches a folder opened before. The folder itself only: a sub-folder opened before stays open to them.
+
+    Raises:
+        ConfigError: someone else may write it.
+    """
+    try:
+        who = writers_besides(str(config.path), owner)
+    except OSError as exc:
+        raise ConfigError(f"workspace {config.id!r}: {config.path} cannot be examined ({exc.strerror})") from exc
+    if who is not None:
+        raise ConfigError(
+            f"workspace {config.id!r}: {config.path} may be written by {who}, who could rename or plant files in "
+            "it: chmod go-w it (and remove ACL entries that grant write)"
         )
 
 
