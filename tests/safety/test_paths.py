@@ -595,6 +595,17 @@ def test_a_deep_new_path_costs_linear_lookups_not_quadratic(
     assert asked[0] < 5 * depth, f"{asked[0]} parts looked up for a path {depth} deep"
 
 
+def test_a_path_past_path_max_with_the_workspaces_own_is_refused_in_plain_words(jail: Jail, ws: Path) -> None:
+    """Found by the full suite: a file ~2,000 folders deep passed 4,096 characters with the workspace's own
+    path, the kernel could not name where it leads, and the refusal said /proc/self/fd was unreadable."""
+    rel = "n/" + "d/" * (2_048 - len(str(ws)) // 2) + "f"
+    try:
+        with pytest.raises(InvalidRequest, match="is too deep to check: with the workspace folder's own path"):
+            jail.write(rel, b"x", create_parents=True)
+    finally:
+        subprocess.run(["rm", "-rf", str(ws / "n")], check=True)  # deeper than pytest's own cleanup can recurse
+
+
 def test_list_dir(jail: Jail, ws: Path) -> None:
     """Invariant: entries are sorted, typed with lstat, and symlinks are never followed."""
     (ws / "b.txt").write_text("12345")

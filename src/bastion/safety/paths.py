@@ -1682,6 +1682,12 @@ class Jail:
             root = os.readlink(f"/proc/self/fd/{self._root_fd()}")
             target = os.readlink(f"/proc/self/fd/{fd}")
         except OSError as exc:
+            if exc.errno == errno.ENAMETOOLONG:  # the kernel names no path past PATH_MAX
+                raise InvalidRequest(
+                    f"'{rel}' is too deep to check: with the workspace folder's own path it passes the kernel's "
+                    "4,096 characters; use a shorter path",
+                    detail=f"{rel}: readlink: {exc.strerror}",
+                ) from exc
             raise OperationFailed(
                 f"could not tell where '{rel}' leads (/proc/self/fd is unreadable): ask the administrator",
                 detail=f"{rel}: readlink: {exc.strerror}",
