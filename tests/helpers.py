@@ -310,3 +310,13 @@ def passable_folder() -> Iterator[Path]:
         yield folder
     finally:
         shutil.rmtree(folder)
+
+
+@contextlib.contextmanager
+def sticky_folder() -> Iterator[Path]:
+    """A root-owned sticky folder every user may write, as /tmp is, in a folder every user may pass."""
+    with passable_folder() as folder:
+        sticky = folder / "sticky"
+        sticky.mkdir()
+        sticky.chmod(0o1777)
+        yield sticky

@@ -205,8 +205,10 @@ def test_missing_audit_folder_fails(capsys: pytest.CaptureFixture[str], demo_con
     demo_config_path.write_text(text)
     code, checks, _ = _doctor(capsys, "--config", str(demo_config_path))
     assert code == 1
-    assert checks["audit"][0] == "FAIL"
-    assert "no-such-folder does not exist" in checks["audit"][1]
+    # The server's own refusal at start (`state_problem`): no test file is written there either.
+    assert checks["state"][0] == "FAIL"
+    assert "no-such-folder does not exist" in checks["state"][1]
+    assert "audit" not in checks
     assert not (demo_config_path.parent / "no-such-folder").exists()
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from bastion.config import load_config
-from tests.helpers import BASTION, demo_config_at, passable_folder
+from tests.helpers import BASTION, demo_config_at, refused_stdio_start, sticky_folder
 
 pytestmark = [
     pytest.mark.root,
@@ -37,12 +37,8 @@ FORGED = b'{"event":"gateway_call deploy approved-by-admin","id":"ffff","prev":"
 
 @pytest.fixture
 def sticky() -> Iterator[Path]:
-    """A root-owned sticky folder every user may write, as /tmp is, in a folder every user may pass."""
-    with passable_folder() as folder:
-        logs = folder / "logs"
-        logs.mkdir()
-        logs.chmod(0o1777)
-        yield logs
+    with sticky_folder() as folder:
+        yield folder
 
 
 def plant(planted: Path, kind: str) -> None:
@@ -106,3 +102,21 @@ def test_a_neighbour_who_plants_a_rotated_log_in_a_sticky_audit_folder_is_refuse
     if kind == "forged":
         assert planted.read_bytes() == FORGED
     assert list(load_config(config).state_dir.iterdir()) == []
+
+
+def test_an_audit_folder_not_made_yet_in_a_sticky_folder_is_refused_before_anyone_can_make_it(
+    tmp_path: Path, sticky: Path
+) -> None:
+    """Attack (found reviewing the folder check): `[audit] path` names a folder not made yet in a sticky
+    folder. It was judged by the sticky folder above it, which passed, and the log was then opened there by
+    name: another user who made the folder in between would hold root's log folder. A missing audit folder
+    is refused at once (the server makes none but its state folder), and nothing is made."""
+    config = demo_config_at(tmp_path / "demo")
+    folder = sticky / "new"
+    text = config.read_text().replace("[audit]\n", f'[audit]\npath = "{folder / "audit.jsonl"}"\n', 1)
+    config.write_text(text)
+    assert refused_stdio_start(config) == (
+        f"bastion: the audit log's folder {folder} does not exist: make it (not writable by others) or choose "
+        "another [audit] path"
+    )
+    assert list(sticky.iterdir()) == []

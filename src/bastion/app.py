@@ -223,7 +223,18 @@ def state_problem(config: Config) -> str | None:
     holds the log and its rotated files. Judged where they will be made when they do not exist yet.
     """
     problem = replaceable_problem(config.state_dir, "state folder", "choose a state_dir elsewhere")
-    return problem if problem is not None else audit_folder_problem(config.audit_path.parent)
+    if problem is not None:
+        return problem
+    folder = config.audit_path.parent
+    if folder != config.state_dir and not os.path.lexists(folder):
+        # Found by review: judged by the sticky folder above it, a missing one passed, and the log was then
+        # opened there by name: another user could make the folder first. The server makes no folder but its
+        # state folder (judged again once made: `StateLock.acquire`).
+        return (
+            f"the audit log's folder {folder} does not exist: make it (not writable by others) or choose another "
+            "[audit] path"
+        )
+    return audit_folder_problem(folder)
 
 
 def audit_folder_problem(folder: Path) -> str | None:

@@ -27,7 +27,7 @@ import pytest
 from bastion.safety.audit import GENESIS, AuditLog, VerifyReport, verify
 from bastion.safety.errors import AuditUnavailable
 from bastion.safety.redact import Redactor
-from tests.helpers import passable_folder
+from tests.helpers import sticky_folder
 
 pytestmark = [
     pytest.mark.root,
@@ -47,12 +47,8 @@ def as_nobody(*argv: str, stdin: bytes | None = None) -> None:
 
 @pytest.fixture
 def sticky() -> Iterator[Path]:
-    """A root-owned sticky folder every user may write, as /tmp is, in a folder every user may pass."""
-    with passable_folder() as folder:
-        logs = folder / "logs"
-        logs.mkdir()
-        logs.chmod(0o1777)
-        yield logs
+    with sticky_folder() as folder:
+        yield folder
 
 
 def forged_chain(count: int) -> bytes:
