@@ -108,16 +108,20 @@ def test_garbage_line_gets_no_reply_and_the_session_goes_on(demo_config_path: Pa
 
 
 def test_large_messages_cross_whole_even_at_exit(demo_config_path: Path, workspace: Path) -> None:
-    """An 8 MiB request, and a 1 MiB reply still being written when stdin closes, arrive whole."""
+    """An 8 MiB request, and a 1 MiB reply still being written when stdin closes, arrive whole. The read is
+    sent once the write has answered: calls are served concurrently (write_file runs off the event loop),
+    so a client that needs one call's effect in the next waits for its answer, as MCP clients do."""
     content = "0123456789abcdef" * (512 * 1024)
     server = Raw(demo_config_path)
     server.initialize()
     server.send(call(2, "write_file", path="big.txt", content=content))
+    written = server.answer()
+    assert written["id"] == 2
+    assert written["result"]["structuredContent"]["detail"]["bytes_written"] == len(content)
     server.send(call(3, "read_file", path="big.txt", length=MAX_READ_BYTES))
     code, replies, err = server.finish()
-    assert [r["id"] for r in replies] == [2, 3]
-    assert replies[0]["result"]["structuredContent"]["detail"]["bytes_written"] == len(content)
-    assert replies[1]["result"]["structuredContent"]["detail"]["content"] == content[:MAX_READ_BYTES]
+    assert [r["id"] for r in replies] == [3]
+    assert replies[0]["result"]["structuredContent"]["detail"]["content"] == content[:MAX_READ_BYTES]
     assert (workspace / "big.txt").read_text() == content
     assert code == 0, err
 
