@@ -95,8 +95,9 @@ shell's ``umask`` then prints 0000: it reads the mask with umask(0), which is
 skipped too. So a script that saves the mask, tightens it (``umask 077``, allowed)
 and puts the saved one back keeps the tighter one: what it makes afterwards is
 private (found by review; seccomp cannot return the real mask, and skipping the
-tightening too would leave a script's secrets readable). An agent sandbox's own workspace keeps ``chmod 777``: no other
-user can reach it. Group write stays allowed: where the folder's group has
+tightening too would leave a script's secrets readable). An agent sandbox's own
+workspace keeps ``chmod 777``: no other user can reach it. Group write stays
+allowed: where the folder's group has
 members besides its owner, a command can still open it to them, and only the
 next start refuses the folder (`workspace._refuse_open_to_others`).
 
