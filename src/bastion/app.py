@@ -20,7 +20,7 @@ from bastion.organizer import Organizer
 from bastion.safety.approvals import ApprovalQueue
 from bastion.safety.audit import AuditLog
 from bastion.safety.errors import AuditUnavailable, BastionError, ConfigError
-from bastion.safety.paths import folder_changeable_by, owners_phrase
+from bastion.safety.paths import folder_changeable_by
 from bastion.safety.redact import Redactor
 from bastion.sandbox import DeviceFolder, ScratchSizes, quota_available
 from bastion.sandbox.cgroups import CgroupLayout
@@ -244,17 +244,7 @@ def audit_folder_problem(folder: Path) -> str | None:
     they may still add the names that are missing there, and the log trusts its rotated files by name:
     a FIFO as the newest ``audit.jsonl.N`` hung the start, a chain forged from genesis passed `audit verify`.
     """
-    owner = (os.geteuid(), os.getegid())
-    try:
-        who = folder_changeable_by(str(folder), owner)
-    except OSError as exc:
-        return f"the audit log's folder {folder} cannot be examined ({exc.strerror or exc}): fix its path"
-    if who is None:
-        return None
-    return (
-        f"the audit log's folder {folder} could be replaced by {who}: make it and every folder above it "
-        f"{owners_phrase(owner)} and not writable by others (chown, chmod go-w), or choose another [audit] path"
-    )
+    return replaceable_problem(folder, "the audit log's folder", "choose another [audit] path", folder_changeable_by)
 
 
 def open_identities(config: Config) -> IdentityPool:

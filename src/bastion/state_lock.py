@@ -31,6 +31,7 @@ import fcntl
 import logging
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 from typing import Final
 
@@ -154,17 +155,20 @@ class StateLock:
         return "pid unknown"
 
 
-def replaceable_problem(folder: Path, what: str, elsewhere: str) -> str | None:
+def replaceable_problem(
+    folder: Path, what: str, elsewhere: str, judge: Callable[[str, tuple[int, int]], str | None] = folder_replaceable_by
+) -> str | None:
     """One line refusing `folder` if a user besides root and this process's could replace it, or None.
 
     Args:
         folder: an absolute path; when it does not exist yet, where it would be made is judged.
         what: how the line names it ("state folder").
         elsewhere: the other fix, after chown and chmod ("choose a state_dir elsewhere").
+        judge: who could change it (`folder_changeable_by` for a folder whose entries are trusted by name).
     """
     owner = (os.geteuid(), os.getegid())
     try:
-        who = folder_replaceable_by(str(folder), owner)
+        who = judge(str(folder), owner)
     except OSError as exc:
         return f"{what} {folder} cannot be examined ({exc.strerror or exc}): fix its path"
     if who is None:
