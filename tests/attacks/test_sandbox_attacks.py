@@ -16,7 +16,7 @@ import pytest
 
 from bastion.app import Services
 from tests.attacks.demo import configure, detail, serve
-from tests.helpers import Payload, bubblewrap, call, create, mounts_under, processes_with, sh
+from tests.helpers import LoopLag, Payload, bubblewrap, call, create, mounts_under, processes_with, sh
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
 
@@ -276,3 +276,33 @@ async def test_folders_nested_past_the_recursion_limit_are_shown_and_closed(
         closed = await call(client, "close_sandbox", sandbox_id=box)
         assert closed["ok"], closed
         assert leftovers(services, box, cgroups) == []
+
+
+async def test_a_path_deep_in_a_sandbox_is_resolved_off_the_event_loop(tmp_path: pytest.TempPathFactory) -> None:
+    """Attack (p1_deep_view.py, p2_install_venv_link.py): the sandbox nests 1,400 folders and calls the tools
+    on the file at the bottom. The jail resolves a sandbox's links itself, and did it on the event loop for
+    read_file (twice), run_command's cwd and install_package's venv check: 0.24 s of the loop a call, 2.8 s
+    for 16 calls at once, every other client waiting. Invariant: the loop's thread spends little CPU between
+    two ticks, and every call still gets its answer (the file's content, the command run in that folder)."""
+    depth = 1_400
+    async with serve(configure(tmp_path / "demo")) as (client, _):  # type: ignore[operator]
+        box = await create(client)
+        made = await sh(
+            client,
+            box,
+            f"python3 -c \"import os\nfor i in range({depth}):\n    os.mkdir('d'); os.chdir('d')\n"
+            "open('f', 'w').write('deep\\n')\"",
+        )
+        assert made["ok"], made
+        deep = "d/" * depth
+        assert (await call(client, "read_file", path="warm", sandbox_id=box))["code"] == "NOT_FOUND"  # first use
+        with LoopLag(0.002) as lag:
+            read = await call(client, "read_file", path=f"{deep}f", sandbox_id=box)
+            absolute = await call(client, "read_file", path=f"/workspace/{deep}f", sandbox_id=box)
+            ran = await call(client, "run_command", command="cat f", cwd=deep, sandbox_id=box)
+            missing = await call(client, "read_file", path=f"{deep}nope", sandbox_id=box)
+        assert lag.cpu_worst < 0.02, lag.cpu_worst
+        assert detail(read)["content"] == detail(absolute)["content"] == "deep\n", (read, absolute)
+        assert ran["ok"], ran
+        assert detail(ran)["stdout"] == "deep\n", ran
+        assert missing["code"] == "NOT_FOUND", missing

@@ -213,6 +213,35 @@ def test_links_to_deep_targets_are_refused_at_a_bounded_cost(jail: Jail, ws: Pat
         _remove_deep(ws / "d")
 
 
+def test_a_deep_path_is_looked_up_one_part_at_a_time(jail: Jail, ws: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Attack (p1_deep_view.py): a sandbox reads a file 1,400 folders deep. Each part was looked up from the
+    root again, so one lookup walked ~1 million parts (0.12 s of the event loop, twice a read_file). Invariant:
+    the parts the kernel is asked to walk grow with the depth, not its square, and the file is read."""
+    depth = 1400
+    _deep_folders(ws, depth)
+    walked = [0]
+    real = jail._openat2
+
+    def counted(dirfd: int, path: bytes, flags: int, mode: int, resolve: int) -> int:
+        walked[0] += path.count(b"/") + 1
+        return real(dirfd, path, flags, mode, resolve)
+
+    monkeypatch.setattr(jail, "_openat2", counted)
+    deep = "/".join(["d"] * depth)
+    try:
+        folder = os.open(ws / deep, os.O_RDONLY)
+        try:
+            os.close(os.open("f", os.O_CREAT | os.O_WRONLY, 0o644, dir_fd=folder))
+            os.symlink("../d/f", "up", dir_fd=folder)  # a relative link, resolved from where the walk is
+        finally:
+            os.close(folder)
+        assert jail.read(f"/workspace/{deep}/f").data == b""
+        assert jail.read(f"{deep}/up").data == b""  # d/../d/f beneath the deepest folder: the same file
+        assert walked[0] < 8 * depth, walked[0]
+    finally:
+        _remove_deep(ws / "d")
+
+
 def _deep_folders(top: Path, depth: int) -> None:
     """`depth` nested folders named d under `top`, made through fds (a path that long is past PATH_MAX)."""
     fd = os.open(top, os.O_RDONLY)

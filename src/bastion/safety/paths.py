@@ -119,10 +119,10 @@ EntryKind = Literal["file", "dir", "symlink", "other"]
 _RETRIES: Final = 32
 # What the kernel allows in one lookup (MAXSYMLINKS, include/linux/namei.h); `Jail._in_view` too.
 _MAX_LINKS: Final = 40
-# `Jail._in_view` opens each prefix from the root, so a lookup costs the sum of their depths: 40
-# links to 1000-deep targets took 2.4 s (a write_file runs on the event loop). This allows a path
-# 1400 folders deep with no link, and about 0.1 s of lookups.
-_MAX_VIEW_STEPS: Final = 1_048_576
+# The parts `Jail._in_view` looks up for one path, links' targets included, one open each: a path
+# 2,048 folders deep (PATH_MAX) with no link, and a few ms of lookups. 40 links to 1000-deep targets
+# (each restarting at the root) are refused. A ``..`` counts for the folder it reopens (1 a 32 parts).
+_MAX_VIEW_STEPS: Final = 4096
 _NO_LINKS: Final = RESOLVE | RESOLVE_NO_SYMLINKS
 
 # Control characters, invisible format characters (bidi overrides, zero-width), lone
@@ -1576,41 +1576,54 @@ class Jail:
         silently name ``<root>/etc/passwd``, neither what the sandbox sees. Here a target under
         the view root restarts at the root, any other absolute target (``/etc``, ``/proc/self/root``)
         and any ``..`` above the root are PathEscape: the sandbox would see something outside
-        the workspace. Each link is read through an fd opened beneath the root with no symlink
-        followed; the result is a string, and the open that uses it is still the kernel's
-        RESOLVE_BENEATH one, so a folder swapped for a link after this step is judged there.
+        the workspace. Each part is looked up beneath the folder reached so far, with no symlink
+        followed, so a lookup costs one open a part; the result is a string, and the open that uses
+        it is still the kernel's RESOLVE_BENEATH one, so a folder swapped for a link after this step
+        is judged there.
 
         Raises:
             PathEscape: a link or ``..`` leads outside the root, or more than 40 links (a loop).
+            InvalidRequest: more than `_MAX_VIEW_STEPS` parts to look up (links' targets included).
         """
         pending = rel.split("/")[::-1]
         done: list[str] = []
         links = steps = 0
-        while pending:
-            part = pending.pop()
-            if part in ("", "."):
-                continue
-            if part == "..":
-                if not done:
-                    raise PathEscape(self._outside_reason(f"'{rel}' climbs with '..' or through a symbolic link and"))
-                done.pop()
-                continue
-            steps += len(done) + 1
-            if steps > _MAX_VIEW_STEPS:
-                raise InvalidRequest(
-                    f"'{rel}' is too deep or goes through too many long links to follow: fix the links"
-                )
-            target = self._link_target([*done, part], rel) if pending or follow else None
-            if target is None:
-                done.append(part)
-                continue
-            links += 1
-            if links > _MAX_LINKS:
-                raise PathEscape(f"'{rel}' goes through more than {_MAX_LINKS} symbolic links (a loop?): fix the links")
-            if target.startswith("/"):
-                done = []
-                target = self._view_relative(target, rel)
-            pending.extend(target.split("/")[::-1])
+        walk = _ViewWalk(self, rel)
+        try:
+            while pending:
+                part = pending.pop()
+                if part in ("", "."):
+                    continue
+                if part == "..":
+                    if not done:
+                        raise PathEscape(
+                            self._outside_reason(f"'{rel}' climbs with '..' or through a symbolic link and")
+                        )
+                    done.pop()
+                    walk.restart()
+                    steps += len(done) // 32
+                    continue
+                steps += 1
+                if steps > _MAX_VIEW_STEPS:
+                    raise InvalidRequest(
+                        f"'{rel}' is too deep or goes through too many long links to follow: fix the links"
+                    )
+                target = walk.step(done, part, last=not (pending or follow))
+                if target is None:
+                    done.append(part)
+                    continue
+                links += 1
+                if links > _MAX_LINKS:
+                    raise PathEscape(
+                        f"'{rel}' goes through more than {_MAX_LINKS} symbolic links (a loop?): fix the links"
+                    )
+                if target.startswith("/"):
+                    done = []
+                    walk.restart()
+                    target = self._view_relative(target, rel)
+                pending.extend(target.split("/")[::-1])
+        finally:
+            walk.close()
         return "/".join(done) or "."
 
     def _view_relative(self, target: str, rel: str) -> str:
@@ -1621,21 +1634,6 @@ class Jail:
             # The target is not shown: a sandbox chose its bytes (escapes, a secret, a fake instruction).
             raise PathEscape(self._outside_reason(f"'{rel}' goes through a symbolic link whose target"))
         return "/".join(parts[depth:])
-
-    def _link_target(self, parts: list[str], rel: str) -> str | None:
-        """The target of the symlink at `parts` (beneath the root, no link followed), or None for anything else."""
-        try:
-            fd = self._open(self._root_fd(), "/".join(parts), rel, os.O_PATH | os.O_NOFOLLOW, resolve=_NO_LINKS)
-        except NotFound:
-            return None  # missing or under a non-folder: the open that counts says which
-        try:
-            if not stat.S_ISLNK(os.fstat(fd).st_mode):
-                return None
-            return os.readlink("", dir_fd=fd)
-        except OSError as exc:
-            raise _error_from_os(exc, rel) from exc
-        finally:
-            os.close(fd)
 
     def _check_secret(self, rel: str) -> None:
         if rel == ".":
@@ -1919,3 +1917,76 @@ class Jail:
                 continue
             return fd, True
         raise OperationFailed(f"'{rel}' kept appearing and disappearing while it was opened: try again")
+
+
+class _ViewWalk:
+    """The folder `Jail._in_view` has reached, held open: each part is one lookup beneath it.
+
+    Looking each prefix up from the root again made a lookup cost the sum of the prefixes' depths: a
+    file 1,400 folders deep in a sandbox cost 0.12 s of the event loop a call (read_file looks a path up
+    twice). After ``..`` or an absolute link the folder is found again from the root, by path, when the
+    next part needs it. A part that is missing or not a folder holds nothing: no part beneath it is a
+    link (the open that counts says what is wrong).
+    """
+
+    def __init__(self, jail: Jail, rel: str) -> None:
+        self._jail = jail
+        self._rel = rel
+        self._fd = -1  # the folder reached; -1: the root, or nothing (`_lost`)
+        self._stale = False  # the folder reached is `done`, to open from the root before the next lookup
+        self._lost = False  # a part on the way is missing or not a folder
+
+    def restart(self) -> None:
+        """The folder reached changed by name (``..``, or an absolute link restarting at the root)."""
+        self._hold(-1)
+        self._stale, self._lost = True, False
+
+    def step(self, done: list[str], part: str, *, last: bool) -> str | None:
+        """The target if `part`, beneath the folder `done` names, is a symlink; otherwise None, and the
+        walk is in `part`. A `last` part is not followed: nothing is looked up."""
+        if last:
+            return None
+        here = self._here(done)
+        if here < 0:
+            return None
+        try:
+            fd = self._jail._open(here, part, self._rel, os.O_PATH | os.O_NOFOLLOW, resolve=_NO_LINKS)
+        except NotFound:
+            self._hold(-1)
+            self._lost = True
+            return None
+        try:
+            mode = os.fstat(fd).st_mode
+            target = os.readlink("", dir_fd=fd) if stat.S_ISLNK(mode) else None
+        except OSError as exc:
+            os.close(fd)
+            raise _error_from_os(exc, self._rel) from exc
+        if target is not None or not stat.S_ISDIR(mode):
+            os.close(fd)
+            self._lost = target is None  # a link leaves the walk where it was; a file ends it
+            return target
+        self._hold(fd)
+        return None
+
+    def close(self) -> None:
+        self._hold(-1)
+
+    def _here(self, done: list[str]) -> int:
+        """The fd of the folder reached (the root's at the top), or -1 if it is lost."""
+        if self._stale:
+            self._stale = False
+            if done:
+                try:
+                    self._hold(
+                        self._jail._open(self._jail._root_fd(), "/".join(done), self._rel, os.O_PATH, resolve=_NO_LINKS)
+                    )
+                except NotFound:
+                    self._lost = True
+        if self._lost:
+            return -1
+        return self._fd if self._fd >= 0 else self._jail._root_fd()
+
+    def _hold(self, fd: int) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+        self._fd = fd

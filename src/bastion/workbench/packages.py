@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, Protocol
 from urllib.parse import SplitResult, unquote, urljoin, urlsplit
 
+import anyio
+
 from bastion.safety.errors import NotFound, OperationFailed, PathEscape
 from bastion.safety.requirements import Manager, check_requirement
 from bastion.sandbox import SANDBOX_PATH
@@ -236,7 +238,8 @@ async def install(
     workspace = box.workspace
     workspace.require_shell("package installs")
     registry = config.network.registry_rules
-    has_venv = manager == "pip" and _has_venv(workspace.jail)  # refused before the network is widened
+    # Refused before the network is widened; in a worker thread, as the jail resolves the sandbox's links.
+    has_venv = manager == "pip" and await anyio.to_thread.run_sync(_has_venv, workspace.jail)
     sinks = progress.sinks() if progress is not None else None
     ceiling = config.install_timeout_s
     async with box.network.widened(workspace, registry):

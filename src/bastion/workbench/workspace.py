@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, Literal
 
+import anyio
+
 from bastion.config import Config, WorkspaceConfig
 from bastion.safety.commands import ApprovedCommand, CommandPolicy, Decision
 from bastion.safety.environment import no_shell_escape_env
@@ -329,9 +331,16 @@ class HostWorkspace:
         os.close(fd)
         return SANDBOX_WORKSPACE if relative in ("", ".") else f"{SANDBOX_WORKSPACE}/{relative}"
 
+    async def _checked_cwd(self, cwd: str | None) -> str:
+        """`sandbox_cwd`; in a sandbox in a worker thread (its links are the jail's to resolve: see
+        `is_small_file`)."""
+        if cwd is None or cwd in ("", ".") or not self.is_sandbox:
+            return self.sandbox_cwd(cwd)
+        return await anyio.to_thread.run_sync(self.sandbox_cwd, cwd)
+
     async def run(self, command: str, *, cwd: str | None, timeout_s: float | None) -> CommandOutput:
         approved = self.policy.check_script(command) if self.via_sh else self.policy.check(command)
-        sandbox_cwd = self.sandbox_cwd(cwd)
+        sandbox_cwd = await self._checked_cwd(cwd)
         limit = self.config.timeout_s if timeout_s is None else min(timeout_s, self.config.timeout_s)
         if limit <= 0:
             raise InvalidRequest("timeout_s must be positive")
@@ -399,8 +408,12 @@ class HostWorkspace:
         """Whether `path` names a regular file of at most `INLINE_READ_BYTES` right now.
 
         A point-in-time guess for where to do the work, never a check: the read checks everything
-        again (a file grown meanwhile is only read more slowly). Any refusal says False.
+        again (a file grown meanwhile is only read more slowly). Any refusal says False. In a sandbox,
+        False: the jail resolves the sandbox's links itself, up to thousands of lookups for a path the
+        sandbox made deep (milliseconds a call), so the read goes to a worker thread.
         """
+        if self.is_sandbox:
+            return False
         try:
             info = self.jail.stat(path)
         except (BastionError, OSError):
@@ -510,7 +523,7 @@ class HostWorkspace:
         """Start `command` in the background; return its summary (pid is this sandbox's own number)."""
         self.require_shell("background processes")
         approved = self.policy.check_script(command)
-        sandbox_cwd = self.sandbox_cwd(cwd)
+        sandbox_cwd = await self._checked_cwd(cwd)
         self.processes.make_room()
         process = await self.sandbox.spawn(
             approved.executable, approved.argv, cwd=sandbox_cwd, env=self.environment(), ring_bytes=RING_BYTES
