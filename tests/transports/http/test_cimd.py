@@ -165,6 +165,16 @@ async def test_bad_documents_are_refused(documents: DocumentServer, path: str) -
     assert await fetcher_for(documents).client(documents.url(path)) is None
 
 
+async def test_a_client_id_url_with_one_non_ascii_character_is_refused_not_a_500(documents: DocumentServer) -> None:
+    """Attack (cimd_unicode.py): an "é" in a client_id URL's path passed the URL check and reached h11,
+    whose UnicodeEncodeError escaped the fetcher: /authorize and /token answered 500 to anyone, and the
+    failure, never cached, was fetched again at each request. Invariant: refused (None) before any fetch;
+    the same document at its ASCII URL is still a client."""
+    fetcher = fetcher_for(documents)
+    assert await fetcher.client(documents.url("/caf\u00e9.json")) is None
+    assert await fetcher.client(documents.url("/caf%C3%A9.json")) is not None
+
+
 async def test_slow_document_is_cut_off(documents: DocumentServer, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cimd, "FETCH_TIMEOUT_S", 0.5)
     started = time.monotonic()
@@ -273,6 +283,9 @@ def test_cimd_ordinary_public_address_is_fetched(address: str) -> None:
         "https://user@example.com/c.json",
         "https://example.com:99999/c.json",
         "https://exa mple.com/c.json",
+        "https://example.com/caf\u00e9.json",
+        "https://ex\u00e4mple.com/c.json",
+        "https://example.com/c\u200b.json",
     ],
 )
 def test_url_shape(url: str) -> None:

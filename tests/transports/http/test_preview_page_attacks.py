@@ -17,6 +17,7 @@ import html
 import http.server
 import json
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
@@ -317,3 +318,51 @@ def test_preview_page_with_one_click_cannot_fill_pending_requests_through_its_po
         finally:
             context.close()
         assert_clients_connect(server)
+
+
+def _access_lines(server: LiveServer, request: str, status: int, count: int) -> list[str]:
+    """The access log's lines for `request` (e.g. "GET /authorize") with `status`, once there are `count`
+    of them (a prefetch is the browser's to make: it is waited for, up to 30 s)."""
+    deadline = time.monotonic() + 30
+    while True:
+        lines = [line for line in server.log().splitlines() if f" {request} {status} " in line]
+        if len(lines) >= count or time.monotonic() > deadline:
+            return lines
+        time.sleep(0.05)
+
+
+@BROWSER_ONLY
+def test_preview_page_speculation_rules_prefetch_nothing_with_the_administrators_cookies(
+    start_server: Callable[..., AbstractContextManager[LiveServer]],
+) -> None:
+    """Attack (Chromium, prefetch_authorize.py and prefetch_loop.py): a page on another port lists twelve
+    /authorize URLs and ten dashboard pages in `<script type="speculationrules">`. With no click, Chromium
+    prefetched each as the administrator's own navigation (`Sec-Fetch-Site: none`) with their SameSite=Strict
+    cookies: the twelve filled the device's pending requests (the administrator's next /authorize got 429)
+    and the dashboard pages were rendered with their session. Invariant: every prefetch is refused (403,
+    `Sec-Purpose: prefetch`) before anything counts it; the administrator then opens /authorize and logs in."""
+    with start_server() as server, launch() as chromium:
+        attackers = [server.register(client_name=f"attacker {n}")["client_id"] for n in range(12)]
+        _, challenge = pkce()
+        urls = [authorize_url(server, client, challenge) for client in attackers]
+        urls += [f"{server.base}/admin/audit?n={n}" for n in range(10)]
+        rules = json.dumps({"prefetch": [{"source": "list", "urls": urls, "eagerness": "immediate"}]})
+        context = chromium.new_context()
+        try:
+            admin = context.new_page()
+            admin.goto(f"{server.base}/admin/login")
+            admin.fill("input[name=password]", PASSWORD)
+            admin.click("button[type=submit]")
+            admin.wait_for_url("**/admin")
+            page = f'<!doctype html><p>a preview</p><script type="speculationrules">{rules}</script>'
+            with page_on_another_port(page) as evil_url:
+                context.new_page().goto(evil_url)
+                refused = _access_lines(server, "GET /authorize", 403, 12)
+                assert len(refused) == 12, server.log()
+                assert len(_access_lines(server, "GET /admin/audit", 403, 10)) == 10, server.log()
+            assert not [line for line in server.log().splitlines() if " GET /admin/audit 200 " in line]
+            mine = server.register(client_name="administrator's app")["client_id"]
+            fresh = context.new_page()
+            assert _approve_in(fresh, server, mine, fresh.goto)["scope"] == "organizer"
+        finally:
+            context.close()

@@ -261,3 +261,44 @@ def test_same_host_process_cannot_claim_other_addresses_with_forwarded_headers(
         with server.db() as db:
             assert db.execute("SELECT count(*) FROM oauth_clients").fetchone()[0] == 3
         assert "Traceback" not in server.log()
+
+
+PREFETCH = {"Sec-Fetch-Site": "none", "Sec-Fetch-Mode": "navigate", "Sec-Fetch-Dest": "document"}
+
+
+def test_prefetches_a_page_asks_for_are_refused_before_anything_counts(
+    start_server: Callable[..., AbstractContextManager[LiveServer]],
+) -> None:
+    """Attack (prefetch_authorize.py, prefetch_loop.py): a page on another port of this host lists /authorize
+    URLs, or dashboard pages, in speculation rules. Chromium prefetches them as if the administrator had
+    opened them (`Sec-Fetch-Site: none`, a document navigation) with the SameSite=Strict cookies, marked only
+    by `Sec-Purpose: prefetch`: twelve filled the administrator's pending requests with no click (their next
+    /authorize got 429), and a loop had the server render 584 audit pages in 15 s. Invariant: each such
+    request (any browser's purpose header) is 403 before a limit counts it or a page is made; afterwards the
+    administrator's own /authorize opens the login page and the dashboard still shows."""
+    with start_server() as server:
+        admin = Browser(server)
+        try:
+            assert admin_login(admin).status_code == 303
+            client_id = server.register(client_name="attacker")["client_id"]
+            _, challenge = pkce()
+            url = admin.authorize_url(client_id, challenge)
+            purposes = [
+                {"Sec-Purpose": "prefetch"},
+                {"Sec-Purpose": "prefetch;prerender"},
+                {"Purpose": "prefetch"},
+                {"X-Purpose": "preview"},
+                {"X-Moz": "prefetch"},
+            ]
+            for purpose in purposes * 8:  # 40: past the 10 pending requests and the 30 a minute
+                for path in (url, "/oauth/login", "/admin/login", "/admin/audit", "/admin/sandboxes"):
+                    refused = admin.client.get(path, headers={**PREFETCH, **purpose})
+                    assert refused.status_code == 403, (path, purpose, refused.status_code)
+            mine = server.register(client_name="administrator's app")["client_id"]
+            opened = admin.open(admin.authorize_url(mine, challenge))
+            assert opened.status_code == 200, opened.text
+            assert "Log in to decide on the request of" in opened.text
+            assert admin.client.get("/admin/audit", headers=PREFETCH).status_code == 200
+        finally:
+            admin.close()
+        assert "Traceback" not in server.log()

@@ -70,6 +70,7 @@ from bastion.transports.http.flow import (
     AuthorizationFlow,
     not_a_navigation,
     posted_by_another_page,
+    speculative,
 )
 from bastion.transports.http.lane import McpLane
 from bastion.transports.http.observe import Observe, read_scrape_token
@@ -280,8 +281,10 @@ class BrowserStepGuard:
         if scope["method"] == "POST":
             if path.startswith(FORM_PREFIXES) and posted_by_another_page(Headers(scope=scope)):
                 return NOT_OUR_FORM
-        elif path in NAVIGATION_STEPS and not_a_navigation(Headers(scope=scope)):  # GET and HEAD
-            return NOT_A_NAVIGATION
+        elif path in NAVIGATION_STEPS:  # GET and HEAD
+            headers = Headers(scope=scope)
+            if not_a_navigation(headers) or speculative(headers):
+                return NOT_A_NAVIGATION
         return None
 
 

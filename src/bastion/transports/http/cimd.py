@@ -75,6 +75,10 @@ def check_url(url: str) -> tuple[str, int, str]:
     """(host, port, path with query) of an acceptable client-id URL, or CimdRefused."""
     if len(url) > MAX_URL_CHARS:
         raise CimdRefused("client id URL is too long")
+    if not url.isascii():
+        # HTTP and TLS carry ASCII names and paths (an internationalized one in its encoded form); an
+        # "é" reached h11 and gave /authorize and /token a 500. Also no look-alike client ids on the consent page.
+        raise CimdRefused("client id URL must be ASCII: percent-encode its path and give its host in punycode")
     try:
         parts = urlsplit(url)
         port = parts.port or 443
@@ -309,6 +313,8 @@ class CimdFetcher:
             return await self._exchange(stream, host, port, path)
         except h11.ProtocolError as exc:
             raise CimdRefused(f"malformed HTTP answer: {exc}") from None
+        except UnicodeError:  # `check_url` refuses it first: never a traceback if it ever does not
+            raise CimdRefused("client id URL is not ASCII") from None
         except _BROKEN as exc:
             raise CimdRefused(f"the connection to {host} broke: {exc or type(exc).__name__}") from None
         finally:

@@ -27,6 +27,7 @@ from bastion.safety.errors import BastionError, SandboxNotFound
 from bastion.safety.results import ResultCode
 from bastion.transports.http import audit_view, pages, views
 from bastion.transports.http.admin_pages import AdminPages
+from bastion.transports.http.flow import speculative
 from bastion.workbench.manager import Sandbox, SandboxManager
 
 ADMIN_CALLER: Final = "administrator (web)"
@@ -86,7 +87,7 @@ class Dashboard:
         """Wrap a GET handler: the session's CSRF token, or a redirect to the login; a refusal as a page."""
 
         async def checked(request: Request) -> Response:
-            if _background_from_another_site(request):
+            if _background_from_another_site(request) or speculative(request.headers):
                 return pages.error_page(NAVIGATION_ONLY, status=403)
             csrf = self.admin.session_csrf(request)
             if csrf is None:

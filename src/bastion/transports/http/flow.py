@@ -91,6 +91,22 @@ def not_a_navigation(headers: Headers) -> bool:
     return mode != "navigate" or dest != "document"
 
 
+def speculative(headers: Headers) -> bool:
+    """A prefetch or prerender the browser made because a page asked for it (speculation rules, a
+    `<link rel=prefetch>`), by its purpose header: `Sec-Purpose` (Chromium), `Purpose`, `X-Purpose` or `X-Moz`.
+
+    Chromium sends such a request as if the user had opened the page (`Sec-Fetch-Site: none`, a navigation
+    of a document) and with the SameSite=Strict cookies: a page on another port listed /authorize twelve
+    times and filled the administrator's pending requests without a click. Refused, the browser drops it and
+    asks again, for real, if the administrator opens the page.
+    """
+    for name in ("sec-purpose", "purpose", "x-purpose", "x-moz"):
+        value = headers.get(name, "").lower()
+        if "prefetch" in value or "prerender" in value or "preview" in value:
+            return True
+    return False
+
+
 def browser_digest(value: str) -> str:
     """What a transaction keeps of the browser cookie it is bound to."""
     return hashlib.sha256(value.encode()).hexdigest()
