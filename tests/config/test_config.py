@@ -277,3 +277,16 @@ async def test_pip_index_url_password_is_redacted_from_output_and_audit(config: 
     assert "s3cr3tIndexToken" not in stdout
     assert stdout.count("[REDACTED:secret_value]") == 2, stdout
     assert "s3cr3tIndexToken" not in loaded.audit_path.read_text()
+
+
+@pytest.mark.parametrize(
+    ("line", "number"), [("timeout_s = 30", "nan"), ("idle_timeout_s = 1800", "inf"), ("idle_timeout_s = 1800", "nan")]
+)
+def test_a_nan_or_infinite_number_in_the_config_is_refused(
+    capsys: pytest.CaptureFixture[str], config: Path, line: str, number: str
+) -> None:
+    """Attack (repro_nan.py, from a client): a NaN time limit passed every `<=` check and became an event-loop
+    timer that upset the loop's others. TOML has `nan` and `inf` too, and a bound such as `gt=0` let `inf`
+    through: a config naming either is refused at load, saying the number must be finite."""
+    _edit(config, line, f"{line.split(' = ')[0]} = {number}")
+    assert "finite" in _refusal(capsys, config)

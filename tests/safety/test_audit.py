@@ -1060,3 +1060,20 @@ def test_verify_beside_a_busy_server_reads_a_broken_rotated_file_once(log_path: 
     assert not report.ok
     assert report.file == str(rotated[-1]), report
     assert read < 2 * size, f"read {read} bytes of a {size}-byte chain"
+
+
+def test_argument_names_alike_in_their_first_256_characters_keep_both_values(log: AuditLog, log_path: Path) -> None:
+    """Attack (repro_misc.py part C): two argument names that differ past the 256 characters a key keeps,
+    of the same length, were one key once capped: the record kept the second value only, the first (say, the
+    harmful one) lost. Invariant: both values are in the record, the second under `<key>#2`; thousands of
+    names alike cost one step each (a search from #2 for each would be quadratic)."""
+    first, second = "k" * 256 + "a" * 44, "k" * 256 + "b" * 44
+    log.append({"args": {first: "rm -rf /", second: "harmless"}})
+    many = {"k" * 256 + f"{n:08d}": n for n in range(5_000)}
+    log.append({"args": many})
+    records = [json.loads(line) for line in _lines(log_path)]
+    values = records[0]["args"]
+    assert sorted(values.values()) == ["harmless", "rm -rf /"]
+    assert [key for key in values if key.endswith("#2")], values
+    assert len(records) == 2  # written (cut to the line's size as any record too large)
+    assert verify(log_path).ok

@@ -215,3 +215,68 @@ def test_a_cancelled_call_does_not_keep_the_server_after_stdin_closes(demo_confi
     audit = (demo_config_path.parent / "state" / "audit.jsonl").read_text()
     ends = [json.loads(entry) for entry in audit.splitlines() if '"run_command"' in entry and '"end"' in entry]
     assert [entry["code"] for entry in ends] == ["UNAVAILABLE"]
+
+
+@pytest.mark.bwrap
+@pytest.mark.parametrize(("call_id", "cancel_id"), [(5, "5"), ("5", 5), (5, "05")], ids=["int-str", "str-int", "zero"])
+def test_a_call_cancelled_by_its_id_spelled_otherwise_does_not_keep_the_server(
+    demo_config_path: Path, call_id: int | str, cancel_id: int | str
+) -> None:
+    """Attack (s1.py): a call with id 5 cancelled as "5" (or the reverse, or "05"). The SDK correlates ids as
+    one ("5" is 5) and cancelled the call, which then gets no answer; the end of stdin waited for it by its
+    exact id, for an hour, holding the state folder: the client's next server refused to start. The server
+    now ends with stdin, and a second server on the same config starts."""
+    raw = Raw(demo_config_path)
+    raw.initialize()
+    request = {"name": "run_command", "arguments": {"command": "sleep 30"}}
+    raw.send(line({"jsonrpc": "2.0", "id": call_id, "method": "tools/call", "params": request}))
+    raw.send(line({"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": cancel_id}}))
+    raw.send(call(8, "explain_command", command="true"))  # answered: the cancel was read before stdin ends
+    assert raw.answer()["id"] == 8
+    assert raw.stdin is not None
+    raw.stdin.close()
+    try:
+        raw.process.wait(timeout=30)  # not the hour
+    except subprocess.TimeoutExpired:
+        raw.process.terminate()
+        raise
+    status, replies, err = raw.finish()
+    assert status == 0, err
+    assert all(reply.get("id") not in (5, "5") for reply in replies)
+    second = Raw(demo_config_path)
+    second.initialize()
+    assert second.finish()[0] == 0
+
+
+@pytest.mark.bwrap
+def test_nan_and_infinite_numbers_are_refused_and_time_limits_still_hold(demo_config_path: Path) -> None:
+    """Attack (repro_nan.py, s2.py): `timeout_s` NaN passed every `<=` check (NaN compares false) and became
+    an event-loop timer, which NaN left out of order: other calls' time limits fired seconds late, a 35 s
+    sleep ran past the 30 s limit, and the HTTP server no longer heard SIGINT. JSON parsers take `NaN`,
+    `Infinity` and `1e400`. Invariant: each is INVALID_REQUEST naming the argument, before anything runs,
+    and a call's time limit still ends its command."""
+    raw = Raw(demo_config_path)
+    raw.initialize()
+    for request_id, number in enumerate(("NaN", "Infinity", "-Infinity", "1e400"), start=10):
+        text = (
+            f'{{"jsonrpc":"2.0","id":{request_id},"method":"tools/call","params":{{"name":"run_command",'
+            f'"arguments":{{"command":"sleep 30","timeout_s":{number}}}}}}}\n'
+        )
+        raw.send(text.encode())
+        answer = raw.answer()
+        assert answer["id"] == request_id
+        result = answer["result"]["structuredContent"]
+        assert result["code"] == "INVALID_REQUEST", (number, result)
+        assert "timeout_s must be a finite number" in result["reason"]
+    raw.send(call(20, "run_command", command="sleep 30", timeout_s=0.5))
+    timed_out = raw.answer()["result"]["structuredContent"]
+    assert timed_out["code"] == "TIMEOUT", timed_out
+    status, _, err = raw.finish()
+    assert status == 0, err
+    audit = (demo_config_path.parent / "state" / "audit.jsonl").read_text()
+    for entry in audit.splitlines():  # the refused arguments are recorded as text strict JSON can carry
+        json.loads(entry, parse_constant=_not_json)
+
+
+def _not_json(constant: str) -> None:
+    raise AssertionError(f"{constant} is not JSON")

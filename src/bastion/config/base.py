@@ -14,4 +14,5 @@ ID_PATTERN: Final = r"^[a-z][a-z0-9_-]{0,31}$"
 
 
 class Model(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # TOML has `nan` and `inf`: a NaN limit passes every `<=` check and, as a timer, upsets the event loop's.
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)

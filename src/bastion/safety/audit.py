@@ -416,6 +416,7 @@ class AuditLog:
         # they hold (a call's arguments) shares the record's budget.
         keys, texts, top = self._keys, self._texts, depth == 0
         cleaned: dict[str, JSONValue] = {}
+        renamed: dict[str, int] | None = None
         for done, (key, value) in enumerate(mapping.items()):
             budget[0] -= _ENTRY_COST
             if budget[0] < 0 and not top:
@@ -423,6 +424,9 @@ class AuditLog:
                 break
             known = keys.get(key) if type(key) is str else None  # exact strings only, as in `_key`
             name, secret = known if known is not None else self._key(key)
+            if name in cleaned:  # two keys alike once capped or redacted: the second value is kept too
+                renamed = renamed if renamed is not None else {}
+                name = _unused_key(name, cleaned, renamed)
             if secret and isinstance(key, str) and value is not None and not isinstance(value, bool):
                 cleaned[name] = _REDACTED_CREDENTIAL
             elif type(value) is str and (text := texts.get(value)) is not None:
@@ -659,6 +663,16 @@ class AuditLog:
             if self._owed:
                 self._flush(fd)
             os.close(fd)
+
+
+def _unused_key(name: str, taken: Mapping[str, object], last: dict[str, int]) -> str:
+    """`name#2`, `name#3`... the first free one; `last` remembers where each name's count is, so thousands
+    of keys alike cost one step each, not a search from #2 each."""
+    number = last.get(name, 1) + 1
+    while f"{name}#{number}" in taken:
+        number += 1
+    last[name] = number
+    return f"{name}#{number}"
 
 
 def _failure(cause: str, *, ran: bool) -> str:

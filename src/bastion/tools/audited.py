@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 from collections.abc import Awaitable, Callable, Mapping
 from enum import Enum
 from typing import Annotated, Any, get_args, get_origin
@@ -19,6 +20,7 @@ from mcp.server.mcpserver import Context, Resolve
 from mcp_types import CallToolResult, ImageContent, ToolAnnotations
 from pydantic import BaseModel
 
+from bastion.safety.errors import InvalidRequest
 from bastion.safety.results import OperationResult
 from bastion.tools._call import Outcome
 from bastion.tools.server import WORKBENCH, BastionServer, to_call_result
@@ -63,6 +65,7 @@ def audited_tool(
     def register(body: Body) -> Body:
         signature = inspect.signature(body, eval_str=True)
         rules = {p.name: _rule(p.annotation) for p in signature.parameters.values()}
+        numbers = tuple(p.name for p in signature.parameters.values() if _may_hold_float(p.annotation))
         bind = binder(signature)
 
         async def tool(**kwargs: Any) -> CallToolResult:
@@ -70,6 +73,8 @@ def audited_tool(
             images: list[ImageContent] = []
 
             async def operation() -> OperationResult | Outcome:
+                for number in numbers:
+                    _require_finite(number, arguments[number])
                 done = await body(**arguments)
                 if isinstance(done, Outcome):
                     images.extend(done.images)
@@ -121,6 +126,35 @@ def _bound(signature: inspect.Signature, kwargs: Mapping[str, Any]) -> dict[str,
     bound = signature.bind(**kwargs)
     bound.apply_defaults()
     return dict(bound.arguments)
+
+
+def _may_hold_float(annotation: object) -> bool:
+    """Whether a parameter of this type can hold a float: itself, in a union, a container or a model's field."""
+    if annotation is float:
+        return True
+    if inspect.isclass(annotation) and issubclass(annotation, BaseModel):
+        return any(_may_hold_float(field.annotation) for field in annotation.model_fields.values())
+    return any(_may_hold_float(arg) for arg in get_args(annotation))
+
+
+def _require_finite(name: str, value: object) -> None:
+    """Refuse NaN and Infinity anywhere in an argument (JSON parsers take them, and `1e400` is Infinity).
+
+    A NaN `timeout_s` passed every `<=` check and became an event-loop timer: NaN compares false with every
+    other, so the loop's timer heap stopped firing in order (other clients' time limits ran late, SIGINT
+    was not heard)."""
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise InvalidRequest(f"{name} must be a finite number: NaN and Infinity are refused")
+    elif isinstance(value, BaseModel):
+        for field, inner in value:
+            _require_finite(f"{name}.{field}", inner)
+    elif isinstance(value, list | tuple):
+        for inner in value:
+            _require_finite(name, inner)
+    elif isinstance(value, dict):
+        for inner in value.values():
+            _require_finite(name, inner)
 
 
 def _rule(annotation: object) -> Audit | None:

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Final, Self
 
 import anyio
 import mcp_types as types
+from mcp.shared.dispatcher import coerce_request_id
 from mcp.shared.message import SessionMessage
 
 if TYPE_CHECKING:
@@ -123,7 +124,9 @@ class _Unanswered:
 
     A request the client cancels (``notifications/cancelled``) gets no answer (the protocol says none is
     sent): it is not waited for. It was, for an hour, holding the state folder's lock, so the client's next
-    server could not start. Ids are counted: a client that reuses an id in flight gets both answers.
+    server could not start. Ids are counted: a client that reuses an id in flight gets both answers. Ids are
+    compared as the SDK correlates them (`coerce_request_id`: "5" is 5): a call 5 cancelled as "5" is
+    cancelled there, and was waited for here.
     """
 
     def __init__(self) -> None:
@@ -133,17 +136,17 @@ class _Unanswered:
 
     def read(self, message: object) -> None:
         if isinstance(message, types.JSONRPCRequest):
-            self._ids[message.id] += 1
+            self._ids[coerce_request_id(message.id)] += 1
             self._none_left.clear()
         elif isinstance(message, types.JSONRPCNotification) and message.method == "notifications/cancelled":
             params = message.params if isinstance(message.params, dict) else {}
             request = params.get("requestId")
             if isinstance(request, int | str) and not isinstance(request, bool):
-                self._forget(request)
+                self._forget(coerce_request_id(request))
 
     def answered(self, message: object) -> None:
         if isinstance(message, types.JSONRPCResponse | types.JSONRPCError) and message.id is not None:
-            self._forget(message.id)
+            self._forget(coerce_request_id(message.id))
 
     def _forget(self, request: int | str) -> None:
         if self._ids[request] > 1:

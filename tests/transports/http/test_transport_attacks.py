@@ -537,3 +537,28 @@ def test_revoked_token_is_refused_at_the_next_request_despite_the_cache(server: 
             # Another connection's write: the cache is dropped and the new expiry read.
             db.execute("UPDATE oauth_tokens SET expires_at = ? WHERE kind = 'access'", (time.time() - 1,))
         assert status(third["access_token"]) == 401
+
+
+def test_a_get_stream_asking_to_resume_gets_a_fresh_stream_not_a_500(
+    start_server: Callable[..., AbstractContextManager[LiveServer]],
+) -> None:
+    """Attack (repro_misc.py part B): GET /mcp with any `Last-Event-ID`. bastion keeps no event store, and the
+    SDK then answered nothing at all: uvicorn's 500 and an error line per request, a log flood for any token
+    holder. Invariant: the stream opens as a GET without the header does (200, event-stream), the log has no
+    error, and the session still answers a call."""
+    with start_server() as server:
+        token = get_tokens(server, server.register()["client_id"])["access_token"]
+        with server.http() as http:
+            opened = _open_session(http, token)
+            assert opened.status_code == 200, opened.text
+            session = opened.headers["mcp-session-id"]
+            headers = {**bearer(token), "mcp-session-id": session, "mcp-protocol-version": "2025-11-25"}
+            http.post("/mcp", json={"jsonrpc": "2.0", "method": "notifications/initialized"}, headers=headers)
+            for event_id in ("0", "not-an-event", "x" * 200):
+                with http.stream("GET", "/mcp", headers={**headers, "last-event-id": event_id}) as stream:
+                    assert stream.status_code == 200, event_id
+                    assert stream.headers["content-type"].startswith("text/event-stream")
+        assert anyio.run(_call_tool, server.mcp_url, token, "legacy")["ok"]
+        log = assert_log_clean(server)
+        assert "returned without starting response" not in log
+        assert " 500 " not in log

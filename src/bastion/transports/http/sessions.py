@@ -52,7 +52,12 @@ def _opens_session(scope: Scope) -> bool:
 
 
 class SessionCap:
-    """ASGI wrapper for /mcp, inside the bearer check (the grant is known)."""
+    """ASGI wrapper for /mcp, inside the bearer check (the grant is known).
+
+    Also drops a GET stream's `Last-Event-ID`: bastion keeps no event store, so there is nothing to replay,
+    and the SDK answered such a GET with nothing at all (a 500 and an error line in the log, each time).
+    The stream starts afresh, as a GET without it does.
+    """
 
     def __init__(self, app: ASGIApp, manager: StreamableHTTPSessionManager, per_grant: int) -> None:
         self.app = app
@@ -62,6 +67,8 @@ class SessionCap:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         # With auth off (loopback only) every client is one grant: 2,000 sessions opened in 4.6 s held 75 MiB.
+        if scope.get("method") == "GET" and _header(scope, b"last-event-id") is not None:
+            scope = {**scope, "headers": [(k, v) for k, v in scope["headers"] if k != b"last-event-id"]}
         grant = grant_of(scope)
         if not _opens_session(scope):
             await self.app(scope, receive, send)
