@@ -9,7 +9,9 @@ import contextlib
 import logging
 import os
 import resource
+import threading
 import time
+import unicodedata
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
@@ -206,6 +208,63 @@ async def _flood_then_interrupt(client: Client, term: str, reads: int) -> list[P
     await send(client, term, "", "Ctrl-C")
     await line(client, term, "echo done-$((40 + 2))", "done-42")
     return done
+
+
+FLOODED_LINES = 30
+NUMBERED_FLOOD = (
+    "import sys\n"
+    "print('ready', flush=True)\n"
+    "sys.stdin.readline()\n"
+    f"for n in range({FLOODED_LINES}):\n"
+    "    sys.stdout.write(f'\\x1b[4h{n:08d} ' + 'x' * 240 + '\\n')\n"
+    "print('flood-' + sys.argv[1] + '-done', flush=True)\n"
+    "sys.stdin.readline()\n"
+)
+
+
+async def test_many_terminals_flooded_at_once_share_one_quarter_of_the_loop(client: Client) -> None:
+    """Attack: flood every terminal of several sandboxes at once. Each terminal's reading was paced to a
+    quarter of the loop alone, so 4 flooded terminals took 89% of it and 16 all of it (a tool call waited
+    0.2 s). Invariant: the rendering of all of them together stays within the one quarter (the loop's
+    thread is on the CPU under 45% of the time it could run, test and client included: 22% here, 80% when
+    each was paced alone), and each terminal still shows all its output, up to its last line. Does not
+    bound the programs' own CPU time, nor how long one terminal waits for the others' turns."""
+    boxes = [await create(client) for _ in range(2)]
+    terms: list[str] = []
+    for n in range(8):
+        box = boxes[n % len(boxes)]
+        assert (await call(client, "write_file", sandbox_id=box, path="flood.py", content=NUMBERED_FLOOD))["ok"]
+        terms.append(await open_term(client, box, f"python3 flood.py {n}", rows=100, cols=250))
+    for term in terms:
+        await until(client, term, "(?m)^ready$")
+    shown: list[dict[str, object]] = []
+    with LoopLag() as lag:
+        cpu_before, wall_before, waited_before = time.thread_time(), time.perf_counter(), _run_queue_wait_s()
+        for term in terms:
+            await send(client, term, "", "Enter")
+        for n, term in enumerate(terms):
+            shown.append(await until(client, term, f"(?m)^flood-{n}-done$", timeout_s=60))
+        cpu = time.thread_time() - cpu_before - lag.gc_cpu
+        wall = time.perf_counter() - wall_before
+        runnable = wall - (_run_queue_wait_s() - waited_before)
+    assert cpu / runnable < 0.45, f"the loop's thread was busy {cpu:.1f} s of {runnable:.1f} s it could run"
+    assert lag.cpu_worst < 0.2, f"the event loop was held {lag.cpu_worst:.3f} s"
+    for n, (term, read) in enumerate(zip(terms, shown, strict=True)):
+        rows = f"{read['scrolled_off']}\n{read['screen']}".split("\n")
+        numbers = [row[:8] for row in rows if row.endswith("x" * 240)]
+        assert numbers == [f"{line:08d}" for line in range(FLOODED_LINES)], numbers
+        assert rows.index(f"flood-{n}-done") > rows.index(f"{FLOODED_LINES - 1:08d} " + "x" * 240)
+        assert (await call(client, "close_terminal", terminal_id=term))["ok"]
+
+
+def _run_queue_wait_s() -> float:
+    """How long the calling thread has waited for a CPU while runnable (0 without schedstat): the machine's
+    other work, which a share of the loop's time leaves out."""
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as stat:
+            return int(stat.read().split()[1]) / 1e9
+    except OSError:
+        return 0.0
 
 
 async def test_a_read_rendered_over_many_steps_is_read_on(client: Client, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -554,6 +613,19 @@ async def test_combining_marks_piled_on_one_character_do_not_stall_the_server(cl
     first_line = str(shown["screen"]).split("\n")[0]
     assert 0 < len(first_line) <= MAX_CELL_CHARS, ascii(first_line)
     assert lag.cpu_worst < 0.2, f"the event loop was held {lag.cpu_worst:.3f} s"
+
+
+def test_combining_marks_that_normalization_expands_stay_within_the_cell_cap() -> None:
+    """Attack: U+0344, the one combining mark NFC makes longer (U+0308 U+0301), piled on a letter at the
+    start of a row and on one in the last column (where pyte wraps before it combines). The cap counted
+    the marks drawn, not the cell pyte made of them: "a" + 5,000 of U+0344 left a cell of 63 characters.
+    Invariant: no cell holds more than MAX_CELL_CHARS characters; the letters and the text after stay."""
+    terminal_screen = screen.TerminalScreen(10, 3, Scrollback(cap=1000))
+    terminal_screen.draw("a" + "\u0344" * 5000 + "b" * 9 + "\u0344" * 5000 + "after")
+    cells = [cell.data for line in terminal_screen.buffer.values() for cell in line.values()]
+    assert max(map(len, cells)) == MAX_CELL_CHARS
+    letters = [unicodedata.normalize("NFD", row).encode("ascii", "ignore").decode() for row in terminal_screen.display]
+    assert [row.rstrip() for row in letters] == ["a" + "b" * 9, "after", ""]
 
 
 BAD_ERASES = (

@@ -7,9 +7,9 @@ unanswered: its `write_process_input` is left a no-op), so nothing reaches the p
 caller did not send.
 
 pyte is pure Python (about 0.3 MB/s on this machine for a scrolling 80x24 screen): reading is
-paced so rendering (pyte's, and what waiting reads spend on each change: `charge`) takes at most a
-quarter of the event loop's time (`PACE_FACTOR`). A program
-that writes faster waits on its full terminal, as on a slow real one (a flood such as `yes`
+paced so rendering (pyte's, and what waiting reads spend on each change: `charge`) of all terminals
+together takes at most a quarter of the event loop's time (`PACE_FACTOR`, one `Pacer` per loop). A
+program that writes faster waits on its full terminal, as on a slow real one (a flood such as `yes`
 holds only the kernel's terminal buffer); `paced` in a read says it happened. pyte and wcwidth are
 a twelfth of the server's imports: `Terminals` loads this module at the first terminal.
 
@@ -32,6 +32,7 @@ import operator
 import os
 import time
 import unicodedata
+import weakref
 from collections.abc import Callable
 from typing import Any, Final
 
@@ -50,13 +51,14 @@ READ_CHUNK_BYTES: Final = 4096  # per read of the master
 # slice renders in about 10 ms at most. Slicing costs plain text nothing measurable.
 FEED_SLICE_BYTES: Final = 64
 STEP_BUDGET_S: Final = 0.005  # slices fed in one turn of the loop; the rest waits for the pacing delay
-PACE_FREE_S: Final = 0.0005  # rendering faster than this does not pace reading
+PACE_FREE_S: Final = 0.0005  # a slot ending under PACE_FACTOR times this from now does not pause reading
 PACE_FACTOR: Final = 3.0  # after rendering for t, reading waits 3t: at most a quarter of the loop
 # pyte accumulates an escape sequence (an OSC title, CSI digits) with no bound: past this many bytes
 # inside one, its parser is replaced and the sequence dropped.
 MAX_SEQUENCE_BYTES: Final = 65_536
 # pyte appends each combining mark to its cell's text and NFC-normalizes all of it again: without a
-# cap, marks piled on one letter cost quadratic time on the event loop. Past this, marks are dropped.
+# cap, marks piled on one letter cost quadratic time on the event loop. Past this, marks are dropped
+# (and a cell that normalization made longer, as U+0344 becomes two marks, is cut to it).
 MAX_CELL_CHARS: Final = 32
 DECCKM: Final = 1 << 5  # private mode 1, as pyte stores private modes (shifted by 5); pyte.modes lacks it
 # pyte keeps every DECSC (ESC 7) on a stack of its own, unbounded: 84 MiB held per MiB of them. xterm
@@ -110,16 +112,31 @@ class TerminalScreen(pyte.Screen):
             while end < len(data) and unicodedata.combining(data[end]):
                 end += 1
             super().draw(data[start:i])
-            super().draw(data[i : i + max(0, MAX_CELL_CHARS - self._mark_target_chars())])
+            self._combine(data[i:end])
             start = i = end
         super().draw(data[start:])
 
-    def _mark_target_chars(self) -> int:
-        """Length of the cell a combining mark drawn now joins (as pyte picks it: the one left of the cursor)."""
+    def _combine(self, marks: str) -> None:
+        """Draw combining `marks` into the cell they join, keeping it within MAX_CELL_CHARS characters
+        after pyte's NFC normalization (which may make one mark two, or three)."""
+        room = MAX_CELL_CHARS - len(self._mark_target()[2])
+        if room <= 0:
+            return
+        super().draw(marks[:room])
+        y, x, text = self._mark_target()  # pyte may have wrapped the cursor first: the same cell, found again
+        if len(text) > MAX_CELL_CHARS:
+            line = self.buffer[y]
+            line[x] = line[x]._replace(data=text[:MAX_CELL_CHARS])
+
+    def _mark_target(self) -> tuple[int, int, str]:
+        """Row, column and text of the cell a combining mark drawn now joins (as pyte picks it: the one
+        left of the cursor, or the last of the row above); (-1, -1, "") when there is none."""
         x, y = self.cursor.x, self.cursor.y
         if x:
-            return len(self.buffer[y][x - 1].data)
-        return len(self.buffer[y - 1][self.columns - 1].data) if y else 0
+            return y, x - 1, self.buffer[y][x - 1].data
+        if y:
+            return y - 1, self.columns - 1, self.buffer[y - 1][self.columns - 1].data
+        return -1, -1, ""
 
     def erase_in_display(self, how: int = 0, *args: Any, **kwargs: Any) -> None:
         """pyte's, without its loop over each cell (25,000 at 100x250, 0.9 ms per 4-byte `CSI 2 J`): an
@@ -264,6 +281,36 @@ def _line_text(line: pyte.screens.StaticDefaultDict[int, pyte.screens.Char], col
     return "".join(map(_DATA, map(line.get, range(columns), itertools.repeat(line.default)))).rstrip()
 
 
+class Pacer:
+    """The event loop's time for all its terminals' output together, as one timeline of slots.
+
+    Each step of rendering, whichever terminal's, takes a slot of `PACE_FACTOR` + 1 times its cost
+    after the slots booked before it, and its terminal reads again only when the slot ends: together
+    the terminals render at most a quarter of the time, in turn (with 16 flooded, a terminal reads
+    again about 0.4 s after its step). Each terminal paced alone let 16 flooded ones take the whole
+    loop (a tool call waited 0.2 s). Not a bound on the programs' own CPU time.
+    """
+
+    def __init__(self) -> None:
+        self._free_at = 0.0  # loop time at which the last slot ends
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop) -> Pacer:
+        """The pacer all terminals read on `loop` share."""
+        pacer = _PACERS.get(loop)
+        if pacer is None:
+            pacer = _PACERS[loop] = cls()
+        return pacer
+
+    def slot(self, started: float, spent_s: float) -> float:
+        """Book a step that began at loop time `started` and cost `spent_s`; return when its slot ends."""
+        self._free_at = max(self._free_at, started) + spent_s * (1 + PACE_FACTOR)
+        return self._free_at
+
+
+_PACERS: Final[weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Pacer]] = weakref.WeakKeyDictionary()
+
+
 class Terminal:
     """One program on a terminal: its master fd read on the loop into a pyte screen."""
 
@@ -277,6 +324,7 @@ class Terminal:
         self.reads = 0  # terminal_read calls waiting on it: in use however long they wait
         self.output_open = True
         self._loop = asyncio.get_running_loop()
+        self._pacer = Pacer.of(self._loop)
         self._screen = TerminalScreen(cols, rows, Scrollback(scrollback_chars))
         self._stream = pyte.ByteStream(self._screen)
         self._in_sequence = 0  # bytes fed since the parser left its ground state
@@ -319,7 +367,9 @@ class Terminal:
 
     def _render(self) -> None:
         """Feed what was read to pyte a slice at a time for at most `STEP_BUDGET_S`, then pace: reading
-        (or the rest of this read) waits `PACE_FACTOR` times what this step and the reads charged cost."""
+        (or the rest of this read) waits for the end of the slot that this step and what the reads
+        charged take in the loop's `Pacer` (alone, `PACE_FACTOR` times their cost)."""
+        booked = self._loop.time()
         started = time.perf_counter()
         fed = 0
         while fed < len(self._pending):
@@ -328,12 +378,12 @@ class Terminal:
             if time.perf_counter() - started >= STEP_BUDGET_S:
                 break
         self._pending = self._pending[fed:]
-        spent = time.perf_counter() - started + self._charged
+        slot_end = self._pacer.slot(booked, time.perf_counter() - started + self._charged)
         self._charged = 0.0
         self._notify()
-        if self._pending or spent > PACE_FREE_S:
+        if self._pending or slot_end - self._loop.time() > PACE_FREE_S * PACE_FACTOR:
             self._loop.remove_reader(self.pty.fd)
-            self._resume = self._loop.call_later(spent * PACE_FACTOR, self._read_again)
+            self._resume = self._loop.call_at(slot_end, self._read_again)
 
     def charge(self, spent_s: float) -> None:
         """Count `spent_s` of work done on the loop for this terminal's output (rendering it for a
