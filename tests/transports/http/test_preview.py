@@ -5,8 +5,9 @@ Chromium through expose_port's URL with the administrator's login; the same URL 
 (403) and a dead token (closed sandbox, unexposed, never existed) is the same bare 404; a hostile page
 cannot read /admin or the login cookie; a token reaches only its own port of its own sandbox; path,
 Host and request-line tricks, a closed port (502), a slow (504) or huge (capped) response, a large
-body (413) and a burst (429) are each handled; bastion's cookies and Authorization never reach the
-app, and the app cannot set cookies beyond its preview; every request is audited without the token.
+body (413) and a burst (429) are each handled; only the app's own cookies reach it (never bastion's, nor
+other cookies of the host) and no Authorization, and the app cannot set cookies beyond its preview; every
+request is audited without the token.
 What it does not prove: other browsers, or previews behind a TLS reverse proxy.
 """
 
@@ -30,6 +31,7 @@ from wsproto.events import Request as WsRequest
 
 from bastion.demo import init_demo
 from bastion.transports.http.password import write_hash
+from bastion.transports.http.preview import cookie_prefix
 from bastion.workbench.previews import token_id
 from tests.sandbox.microvm_helpers import microvm_settings, with_vm_template
 
@@ -525,9 +527,13 @@ def test_a_burst_of_requests_gets_429_counted_not_recorded_one_by_one(preview: P
 
 
 def test_bastion_cookies_and_authorization_never_reach_the_app(preview: Preview, sandbox: str) -> None:
+    """Invariant: of the browser's cookies the app gets only those its own responses set (prefixed names, the
+    prefix removed): never bastion's, nor a cookie of the host it did not set (`theirs=kept`: another port's
+    app's or another preview's), nor Authorization."""
     url = preview.expose(sandbox, 8000)
+    mine = cookie_prefix(url.rstrip("/").rsplit("/", 1)[1])
     headers = {
-        "cookie": f"{SESSION_COOKIE}={preview.session}; __Host-bastion-browser=b; theirs=kept",
+        "cookie": f"{SESSION_COOKIE}={preview.session}; __Host-bastion-browser=b; theirs=kept; {mine}app=ok",
         "authorization": "Bearer secret-of-bastion",
     }
     response = preview.get(url + "headers", session=False, headers=headers)
@@ -536,7 +542,8 @@ def test_bastion_cookies_and_authorization_never_reach_the_app(preview: Preview,
     assert preview.session.lower() not in seen
     assert "bastion" not in seen
     assert "authorization" not in seen
-    assert "cookie: theirs=kept" in seen
+    assert "theirs" not in seen
+    assert "cookie: app=ok\n" in seen
     assert "host: 127.0.0.1:8000" in seen
 
 
@@ -545,7 +552,8 @@ def test_the_app_cannot_set_cookies_beyond_its_preview_nor_clear_site_data(previ
     response = preview.get(url + "headers")
     cookies = response.headers.get_list("set-cookie")
     prefix = url[len(preview.origin) :]
-    assert cookies == [f"app=ok; HttpOnly; Path={prefix}"], cookies
+    mine = cookie_prefix(url.rstrip("/").rsplit("/", 1)[1])
+    assert cookies == [f"{mine}app=ok; HttpOnly; Path={prefix}"], cookies
     assert "clear-site-data" not in response.headers
     redirect = preview.get(url + "redirect", follow_redirects=False)
     assert redirect.headers["location"] == f"{prefix}landing"

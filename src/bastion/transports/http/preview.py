@@ -5,13 +5,16 @@ So previews have an origin of their own (`[http] preview_listen`, another port):
 /admin or /oauth (cross-origin: no CORS), and the login cookie is HttpOnly. A Content-Security-Policy
 sandbox (an opaque origin) was weighed and rejected: Chromium then sends no SameSite cookie with the
 page's own subresource requests and refuses its fetches to its own server (CORS from "null"), so no
-real app would work and the login check could not be made. Requests reach the app with bastion's
-cookies and any Authorization header removed; its responses cannot set cookies for other paths or
-domains, nor `__Host-`/`__Secure-`/bastion names, nor clear site data (the origin shares the host's
-cookies with the admin pages). The bytes cross the sandbox boundary only over a socket the sandbox's
-agent connects to 127.0.0.1:<port> in the sandbox's own network namespace (`WarmSandbox.connect`): no
-host, no other sandbox, no other port is reachable from here. Previews of different sandboxes share
-this one origin (its storage too): a page could read another preview only by knowing its token.
+real app would work and the login check could not be made. Requests reach the app with no
+Authorization header and only the cookies its own responses set: browsers send every cookie of the host
+(other ports' apps' login cookies, other previews' `Path=/` script cookies) to every preview, so an app's
+cookies are renamed with a prefix derived from its token (`cookie_prefix`) and every other cookie is
+dropped. Its responses cannot set cookies for other paths or domains, nor `__Host-`/`__Secure-`/bastion
+names, nor clear site data (the origin shares the host's cookies with the admin pages). The bytes cross
+the sandbox boundary only over a socket the sandbox's agent connects to 127.0.0.1:<port> in the sandbox's
+own network namespace (`WarmSandbox.connect`): no host, no other sandbox, no other port is reachable from
+here. Previews of different sandboxes share this one origin (its storage too): a page could read another
+preview only by knowing its token.
 
 A request for an unknown, expired or closed token gets 404 with no detail. Requests are rate limited
 per token and per client address (an IPv6 /64), bodies capped both ways, and each one is audited (token
@@ -24,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import hashlib
 import logging
 import re
 import socket
@@ -73,6 +77,9 @@ RESPONSE_DROPPED: Final = frozenset(
     {"strict-transport-security", "clear-site-data", "alt-svc", "server", "service-worker-allowed", "www-authenticate"}
 )
 _BASTION_COOKIE = re.compile(r"(?i)^(__host-|__secure-|bastion)")
+COOKIE_PREFIX_HEX: Final = 12
+"""Hex digits of a preview's cookie prefix (48 bits): a page can set only about 180 cookies on a host, so
+another preview's or port's page cannot guess its way to a name this preview's app receives."""
 CHUNK_CHARGE_BYTES: Final = 1024
 """What each piece of an app's response body is allowed on average: a response may have at most
 `preview_max_response_bytes` / 1 KiB pieces. A piece costs the server about 10 us whatever its size (parsed,
@@ -135,9 +142,19 @@ def split_target(path: str) -> tuple[str, str] | None:
     return match.group(1), rest
 
 
-def request_headers(headers: Iterable[tuple[bytes, bytes]], port: int, length: int | None) -> list[tuple[bytes, bytes]]:
-    """The browser's headers for the app: hop-by-hop, Authorization and bastion's cookies removed, Host
-    rewritten, the body framed by `length` (checked against the cap) or else chunked."""
+def cookie_prefix(token: str) -> str:
+    """The name prefix of a preview's cookies: from its secret token (not `token_id`, which the audit log
+    shows), so no other page of the host can name a cookie this preview's app receives."""
+    digest = hashlib.sha256(b"bastion-preview-cookie:" + token.encode()).hexdigest()
+    return f"pv{digest[:COOKIE_PREFIX_HEX]}_"
+
+
+def request_headers(
+    headers: Iterable[tuple[bytes, bytes]], port: int, length: int | None, token: str
+) -> list[tuple[bytes, bytes]]:
+    """The browser's headers for the app: hop-by-hop and Authorization removed, only this preview's own
+    cookies kept (`own_cookies`), Host rewritten, the body framed by `length` (checked against the cap) or
+    else chunked."""
     named_by_connection = set()
     framing = (b"content-length", str(length).encode()) if length is not None else (b"transfer-encoding", b"chunked")
     kept: list[tuple[bytes, bytes]] = [(b"host", f"127.0.0.1:{port}".encode()), framing]
@@ -151,16 +168,24 @@ def request_headers(headers: Iterable[tuple[bytes, bytes]], port: int, length: i
         if name.startswith(b"sec-websocket"):
             continue
         if name == b"cookie":
-            value = _foreign_cookies(value)
+            value = own_cookies(value, token)
             if not value:
                 continue
         kept.append((name, value))
     return kept
 
 
-def _foreign_cookies(header: bytes) -> bytes:
-    pairs = [p.strip() for p in header.split(b";")]
-    return b"; ".join(p for p in pairs if p and not _BASTION_COOKIE.match(p.decode("latin-1")))
+def own_cookies(header: bytes, token: str) -> bytes:
+    """The cookies of a Cookie header that this preview's responses set, under the names the app gave them.
+    Every other one is dropped: bastion's, other ports' apps' (browsers send a host's cookies to all its
+    ports, HttpOnly and SameSite=Strict ones too) and other previews' (they share this origin)."""
+    prefix = cookie_prefix(token).encode()
+    kept = []
+    for pair in header.split(b";"):
+        name, equals, value = pair.strip().partition(b"=")
+        if equals and name.startswith(prefix) and len(name) > len(prefix):
+            kept.append(name[len(prefix) :] + b"=" + value)
+    return b"; ".join(kept)
 
 
 def response_headers(headers: Iterable[tuple[bytes, bytes]], token: str) -> list[tuple[bytes, bytes]]:
@@ -173,7 +198,7 @@ def response_headers(headers: Iterable[tuple[bytes, bytes]], token: str) -> list
         if text in HOP_BY_HOP or text in RESPONSE_DROPPED:
             continue
         if name == b"set-cookie":
-            confined = confine_cookie(value.decode("latin-1"), prefix)
+            confined = confine_cookie(value.decode("latin-1"), token)
             if confined is not None:
                 kept.append((name, confined.encode("latin-1")))
             continue
@@ -183,12 +208,14 @@ def response_headers(headers: Iterable[tuple[bytes, bytes]], token: str) -> list
     return kept
 
 
-def confine_cookie(header: str, prefix: str) -> str | None:
-    """A Set-Cookie limited to the preview's own path, or None: a Domain attribute, a `__Host-`, `__Secure-`
-    or bastion name would reach beyond it (the admin pages share the host's cookies)."""
+def confine_cookie(header: str, token: str) -> str | None:
+    """A Set-Cookie limited to the preview's own path and renamed with its `cookie_prefix`, or None: a Domain
+    attribute, a `__Host-`, `__Secure-` or bastion name would reach beyond it (the admin pages share the
+    host's cookies), and a cookie without a name could not carry the prefix."""
     name_value, *attributes = header.split(";")
-    name = name_value.split("=", 1)[0].strip()
-    if not name or _BASTION_COOKIE.match(name):
+    name, equals, value = name_value.partition("=")
+    name = name.strip()
+    if not equals or not name or _BASTION_COOKIE.match(name):
         return None
     kept = []
     for attribute in attributes:
@@ -197,7 +224,7 @@ def confine_cookie(header: str, prefix: str) -> str | None:
             return None
         if key != "path":
             kept.append(attribute.strip())
-    return "; ".join([name_value.strip(), *kept, f"Path={prefix}/"])
+    return "; ".join([f"{cookie_prefix(token)}{name}={value.strip()}", *kept, f"Path=/preview/{token}/"])
 
 
 class SocketStream(httpcore2.AsyncNetworkStream):
@@ -398,7 +425,7 @@ class PreviewApp:
         request = httpcore2.Request(
             scope["method"],
             httpcore2.URL(scheme=b"http", host=b"127.0.0.1", port=preview.port, target=target),
-            headers=request_headers(scope.get("headers", ()), preview.port, _declared_length(scope)),
+            headers=request_headers(scope.get("headers", ()), preview.port, _declared_length(scope), preview.token),
             content=body,
             extensions={"timeout": {"connect": timeout, "read": timeout, "write": timeout, "pool": timeout}},
         )
