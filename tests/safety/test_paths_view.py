@@ -242,6 +242,44 @@ def test_a_deep_path_is_looked_up_one_part_at_a_time(jail: Jail, ws: Path, monke
         _remove_deep(ws / "d")
 
 
+def test_dot_dot_pairs_and_long_climbs_cost_one_step_per_open(
+    jail: Jail, ws: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Attack (cost.py, dotdot_refused.py, a review of the linear walk): each ``..`` reopens the folder
+    reached from the root, and was charged by its depth only (nothing under 32 folders): 40 links of
+    `e/..` pairs cost ~8,000 opens a lookup. And a run of ``..`` was charged for each, though only one
+    reopen happens: a link climbing back 520 folders was refused, which the sandbox and the old code
+    resolve. Invariant: the opens of a refused lookup stay near the 4,096-step limit, and the climb reads
+    its file."""
+    (ws / "e").mkdir()
+    for index in range(40):
+        os.symlink("e/../" * 800 + f"l{index + 1}", ws / f"l{index}")
+    (ws / "l40").write_text("end")
+    opens = [0]
+    real = jail._openat2
+
+    def counted(dirfd: int, path: bytes, flags: int, mode: int, resolve: int) -> int:
+        opens[0] += 1
+        return real(dirfd, path, flags, mode, resolve)
+
+    monkeypatch.setattr(jail, "_openat2", counted)
+    with pytest.raises(InvalidRequest, match="too deep or goes through too many long links"):
+        jail.read("l0")
+    assert opens[0] < 4096 + 64, opens[0]
+    depth = 1000
+    _deep_folders(ws, depth)
+    try:
+        (ws / "top.txt").write_text("top")
+        folder = os.open(ws / "/".join(["d"] * depth), os.O_RDONLY)
+        try:
+            os.symlink("../" * depth + "top.txt", "up", dir_fd=folder)
+        finally:
+            os.close(folder)
+        assert jail.read("/".join(["d"] * depth) + "/up").data == b"top"
+    finally:
+        _remove_deep(ws / "d")
+
+
 def _deep_folders(top: Path, depth: int) -> None:
     """`depth` nested folders named d under `top`, made through fds (a path that long is past PATH_MAX)."""
     fd = os.open(top, os.O_RDONLY)

@@ -379,3 +379,23 @@ async def test_deep_new_paths_written_again_and_again_do_not_stall_the_loop(clie
         # shutil.rmtree (pytest's too, on its next run) recurses once per folder: past Python's limit here.
         tops = [str(workspace / path.split("/")[0]) for path in paths]
         subprocess.run(["rm", "-rf", "--one-file-system", *tops], check=True, timeout=60)
+
+
+async def test_lone_surrogates_are_refused_in_every_argument_before_anything_runs(client: Client) -> None:
+    """Attack (surrogate_env.py, a review of the write_file fix): the 2026-07-28 era's JSON parser takes
+    "\\ud800", which no file, command line or environment can hold. Refused in write_file alone, it still
+    reached a sandbox's env (every later command of that sandbox then failed to start: exit 127) and
+    run_command (reported OK, exit 127). Invariant: any string argument, or a key or value of one, with a
+    lone surrogate is INVALID_REQUEST naming it, before the tool runs; nothing is made."""
+    refused = [
+        await call(client, "create_sandbox", env={"A": "x\ud800y"}),
+        await call(client, "run_command", command="echo \ud800"),
+        await call(client, "write_file", path="odd.txt", content="a\ud800b"),
+    ]
+    for answer in refused:
+        assert answer["code"] == "INVALID_REQUEST", answer
+        assert "lone surrogate" in answer["reason"], answer
+    listed = await call(client, "list_sandboxes")
+    assert listed["ok"], listed
+    assert listed["detail"]["sandboxes"] == [], listed
+    assert (await call(client, "run_command", command="echo fine"))["ok"]

@@ -871,3 +871,25 @@ async def test_waiting_reads_past_the_cap_are_refused(client: Client, monkeypatc
         assert (await call(client, "close_terminal", terminal_id=term))["ok"]
     assert len(answers) == MAX_WAITING_READS
     assert all(a["ok"] or a["code"] == "NOT_FOUND" for a in answers), answers
+
+
+async def test_one_terminals_charged_debt_does_not_hold_back_the_others(client: Client, services: Services) -> None:
+    """Attack (test_pacer20.py, a review of the shared pacer): an agent resizes its terminal for 20 s while
+    reads wait on it; each resize re-matches the waiting reads, charged to that terminal (10 s of the loop).
+    Its next byte of output booked all of it in the one timeline all terminals share: every terminal of
+    every sandbox then waited 11 s to read. Invariant: one step books at most `MAX_SHARED_SLOT_S` there; what
+    a terminal owes past it delays that terminal alone. Another sandbox's terminal still echoes at once."""
+    first, second = await create(client), await create(client)
+    debtor = await open_term(client, first, "cat")
+    other = await open_term(client, second, "cat")
+    terminal = services.registry.find_terminal(debtor).workspace.terminals._get(debtor)
+    loop = asyncio.get_running_loop()
+    pacer = screen.Pacer.of(loop)
+    terminal.charge(10.0)  # what 20 s of resizes under waiting reads ran up
+    await send(client, debtor, "owed", "Enter")
+    await until(client, debtor, "(?m)^owed$")  # rendered: pacing delays its next read, not this one
+    assert pacer._free_at - loop.time() < 4 * screen.MAX_SHARED_SLOT_S + 0.5, pacer._free_at - loop.time()
+    await send(client, other, "prompt", "Enter")
+    await until(client, other, "(?m)^prompt$", timeout_s=5)
+    for term in (debtor, other):
+        assert (await call(client, "close_terminal", terminal_id=term))["ok"]

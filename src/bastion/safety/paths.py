@@ -121,7 +121,8 @@ _RETRIES: Final = 32
 _MAX_LINKS: Final = 40
 # The parts `Jail._in_view` looks up for one path, links' targets included, one open each: a path
 # 2,048 folders deep (PATH_MAX) with no link, and a few ms of lookups. 40 links to 1000-deep targets
-# (each restarting at the root) are refused. A ``..`` counts for the folder it reopens (1 a 32 parts).
+# (each restarting at the root) are refused. A folder reopened after ``..`` counts one step, plus one a
+# 32 parts it walks (once for a run of ``..``: a link climbing back 1,000 folders still resolves).
 _MAX_VIEW_STEPS: Final = 4096
 _NO_LINKS: Final = RESOLVE | RESOLVE_NO_SYMLINKS
 
@@ -1601,10 +1602,9 @@ class Jail:
                         )
                     done.pop()
                     walk.restart()
-                    steps += len(done) // 32
                     continue
                 steps += 1
-                if steps > _MAX_VIEW_STEPS:
+                if steps + walk.reopened > _MAX_VIEW_STEPS:
                     raise InvalidRequest(
                         f"'{rel}' is too deep or goes through too many long links to follow: fix the links"
                     )
@@ -1935,6 +1935,8 @@ class _ViewWalk:
         self._fd = -1  # the folder reached; -1: the root, or nothing (`_lost`)
         self._stale = False  # the folder reached is `done`, to open from the root before the next lookup
         self._lost = False  # a part on the way is missing or not a folder
+        self.reopened = 0
+        """What reopening folders from the root cost, in steps: one open, plus one a 32 parts it walks."""
 
     def restart(self) -> None:
         """The folder reached changed by name (``..``, or an absolute link restarting at the root)."""
@@ -1976,6 +1978,7 @@ class _ViewWalk:
         if self._stale:
             self._stale = False
             if done:
+                self.reopened += 1 + len(done) // 32
                 try:
                     self._hold(
                         self._jail._open(self._jail._root_fd(), "/".join(done), self._rel, os.O_PATH, resolve=_NO_LINKS)

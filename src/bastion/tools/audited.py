@@ -12,9 +12,10 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import re
 from collections.abc import Awaitable, Callable, Mapping
 from enum import Enum
-from typing import Annotated, Any, get_args, get_origin
+from typing import Annotated, Any, Final, get_args, get_origin
 
 from mcp.server.mcpserver import Context, Resolve
 from mcp_types import CallToolResult, ImageContent, ToolAnnotations
@@ -65,7 +66,7 @@ def audited_tool(
     def register(body: Body) -> Body:
         signature = inspect.signature(body, eval_str=True)
         rules = {p.name: _rule(p.annotation) for p in signature.parameters.values()}
-        numbers = tuple(p.name for p in signature.parameters.values() if _may_hold_float(p.annotation))
+        given = tuple(p.name for p in signature.parameters.values() if _from_client(p.annotation))
         bind = binder(signature)
 
         async def tool(**kwargs: Any) -> CallToolResult:
@@ -73,8 +74,8 @@ def audited_tool(
             images: list[ImageContent] = []
 
             async def operation() -> OperationResult | Outcome:
-                for number in numbers:
-                    _require_finite(number, arguments[number])
+                for argument in given:
+                    _require_sound(argument, arguments[argument])
                 done = await body(**arguments)
                 if isinstance(done, Outcome):
                     images.extend(done.images)
@@ -128,33 +129,39 @@ def _bound(signature: inspect.Signature, kwargs: Mapping[str, Any]) -> dict[str,
     return dict(bound.arguments)
 
 
-def _may_hold_float(annotation: object) -> bool:
-    """Whether a parameter of this type can hold a float: itself, in a union, a container or a model's field."""
-    if annotation is float:
-        return True
-    if inspect.isclass(annotation) and issubclass(annotation, BaseModel):
-        return any(_may_hold_float(field.annotation) for field in annotation.model_fields.values())
-    return any(_may_hold_float(arg) for arg in get_args(annotation))
+def _require_sound(name: str, value: object) -> None:
+    """Refuse NaN and Infinity, and lone surrogates, anywhere in an argument (keys of a mapping included).
 
-
-def _require_finite(name: str, value: object) -> None:
-    """Refuse NaN and Infinity anywhere in an argument (JSON parsers take them, and `1e400` is Infinity).
-
-    A NaN `timeout_s` passed every `<=` check and became an event-loop timer: NaN compares false with every
-    other, so the loop's timer heap stopped firing in order (other clients' time limits ran late, SIGINT
-    was not heard)."""
-    if isinstance(value, float):
+    JSON parsers take `NaN`, `Infinity` and `1e400`: a NaN `timeout_s` passed every `<=` check and became an
+    event-loop timer, which NaN left out of order (other clients' time limits ran late, SIGINT was not
+    heard). The 2026-07-28 era's parser takes "\\ud800", which no file, command line or environment holds:
+    a sandbox env value with one made every later command of that sandbox fail to start."""
+    if isinstance(value, str):
+        if not value.isascii() and _SURROGATE.search(value):  # isascii is O(1): most strings stop there
+            raise InvalidRequest(f"{name} has a lone surrogate character, which is not text: remove it")
+    elif isinstance(value, float):
         if not math.isfinite(value):
             raise InvalidRequest(f"{name} must be a finite number: NaN and Infinity are refused")
     elif isinstance(value, BaseModel):
         for field, inner in value:
-            _require_finite(f"{name}.{field}", inner)
+            _require_sound(f"{name}.{field}", inner)
     elif isinstance(value, list | tuple):
         for inner in value:
-            _require_finite(name, inner)
+            _require_sound(name, inner)
     elif isinstance(value, dict):
-        for inner in value.values():
-            _require_finite(name, inner)
+        for key, inner in value.items():
+            _require_sound(name, key)
+            _require_sound(name, inner)
+
+
+_SURROGATE: Final = re.compile("[\ud800-\udfff]")
+
+
+def _from_client(annotation: object) -> bool:
+    """Whether a parameter is the client's to give (not the SDK's context, nor a resolver's value)."""
+    if _is_context(annotation):
+        return False
+    return get_origin(annotation) is not Annotated or not any(isinstance(m, Resolve) for m in get_args(annotation)[1:])
 
 
 def _rule(annotation: object) -> Audit | None:

@@ -53,6 +53,9 @@ FEED_SLICE_BYTES: Final = 64
 STEP_BUDGET_S: Final = 0.005  # slices fed in one turn of the loop; the rest waits for the pacing delay
 PACE_FREE_S: Final = 0.0005  # a slot ending under PACE_FACTOR times this from now does not pause reading
 PACE_FACTOR: Final = 3.0  # after rendering for t, reading waits 3t: at most a quarter of the loop
+# The most one step of one terminal books in the loop's shared `Pacer` (a step renders for at most
+# STEP_BUDGET_S and one slice, ~10 ms): what its reads charged past this delays that terminal alone.
+MAX_SHARED_SLOT_S: Final = 0.02
 # pyte accumulates an escape sequence (an OSC title, CSI digits) with no bound: past this many bytes
 # inside one, its parser is replaced and the sequence dropped.
 MAX_SEQUENCE_BYTES: Final = 65_536
@@ -378,12 +381,16 @@ class Terminal:
             if time.perf_counter() - started >= STEP_BUDGET_S:
                 break
         self._pending = self._pending[fed:]
-        slot_end = self._pacer.slot(booked, time.perf_counter() - started + self._charged)
+        spent = time.perf_counter() - started + self._charged
+        shared = min(spent, MAX_SHARED_SLOT_S)
+        # What the reads charged past that is this terminal's own debt, paid on its own clock: booked in the
+        # shared timeline, 10 s of `wait_for` re-matching run up by resizing froze every terminal for 11 s.
+        resume_at = max(self._pacer.slot(booked, shared), self._loop.time() + (spent - shared) * PACE_FACTOR)
         self._charged = 0.0
         self._notify()
-        if self._pending or slot_end - self._loop.time() > PACE_FREE_S * PACE_FACTOR:
+        if self._pending or resume_at - self._loop.time() > PACE_FREE_S * PACE_FACTOR:
             self._loop.remove_reader(self.pty.fd)
-            self._resume = self._loop.call_at(slot_end, self._read_again)
+            self._resume = self._loop.call_at(resume_at, self._read_again)
 
     def charge(self, spent_s: float) -> None:
         """Count `spent_s` of work done on the loop for this terminal's output (rendering it for a

@@ -553,7 +553,7 @@ def test_the_app_cannot_set_cookies_beyond_its_preview_nor_clear_site_data(previ
     cookies = response.headers.get_list("set-cookie")
     prefix = url[len(preview.origin) :]
     mine = cookie_prefix(url.rstrip("/").rsplit("/", 1)[1])
-    assert cookies == [f"{mine}app=ok; HttpOnly; Path={prefix}"], cookies
+    assert cookies == [f"{mine}app=ok; HttpOnly; Path={prefix}; Priority=Low"], cookies
     assert "clear-site-data" not in response.headers
     redirect = preview.get(url + "redirect", follow_redirects=False)
     assert redirect.headers["location"] == f"{prefix}landing"

@@ -21,7 +21,7 @@ import pytest
 from bastion.transports.http.preview import cookie_prefix
 
 from .chromium import CHROMIUM, launch
-from .live import free_port, serve_config
+from .live import PASSWORD, free_port, serve_config
 from .test_preview import Preview, _session_cookie, config_text
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed")]
@@ -187,3 +187,56 @@ def test_other_ports_and_other_previews_cookies_never_reach_a_preview_app(
     assert kept[f"{cookie_prefix(url_b.rstrip('/').rsplit('/', 1)[1])}app"] == "ok"
     assert f"jupyter_session={HOST_SECRET}" in OtherApp.seen[-1]
     assert HOST_SECRET not in preview.server.log()
+
+
+FLOOD_APP = """
+import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def log_message(self, *a): pass
+    def do_GET(self):
+        n = int(self.path.rsplit("/", 1)[1]) if self.path.startswith("/flood/") else 0
+        self.send_response(200)
+        for i in range(n * 60, n * 60 + 60):
+            self.send_header("Set-Cookie", f"c{i}=v; Max-Age=86400; Secure")
+        body = b"<p id=ok>flooded</p>"
+        self.send_header("Content-Type", "text/html"); self.send_header("Content-Length", str(len(body)))
+        self.end_headers(); self.wfile.write(body)
+http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_a_preview_app_setting_hundreds_of_cookies_cannot_log_the_administrator_out(preview: Preview) -> None:
+    """Attack (test_evict_secure.py, a review of the cookie prefix): the host's cookie jar is one, shared by
+    every port (Chromium keeps about 180 cookies a host). An app set 240 `Secure` cookies and Chromium evicted
+    the oldest: bastion's session, device and browser cookies, so the administrator was logged out. Invariant:
+    an app's cookies are of low priority, which Chromium evicts first: after the flood bastion's three cookies
+    are still there and the dashboard still opens. What it does not prove: a flood by the page's own script
+    (document.cookie), which bastion cannot see (SECURITY.md)."""
+    created = preview.tool("create_sandbox")
+    assert created["ok"], created
+    box = str(created["detail"]["sandbox_id"])
+    try:
+        assert preview.tool("write_file", sandbox_id=box, path="flood.py", content=FLOOD_APP)["ok"]
+        preview.run(box, "python3 flood.py 8005 >/dev/null 2>&1 &")
+        preview.run(box, WAIT_LOGIN.replace(str(LOGIN_PORT), "8005"))
+        url = preview.expose(box, 8005)
+        base = preview.server.base
+        with launch() as chromium:
+            context = chromium.new_context()
+            page = context.new_page()
+            page.goto(f"{base}/admin/login")
+            page.fill("input[name=password]", PASSWORD)
+            page.click("button[type=submit]")
+            page.wait_for_url("**/admin")
+            ours = sorted(c["name"] for c in context.cookies() if c["name"].startswith("__Host-bastion"))
+            assert len(ours) == 3, ours
+            for n in range(4):
+                page.goto(f"{url}flood/{n}")
+            names = [c["name"] for c in context.cookies()]
+            assert len([name for name in names if name.startswith(cookie_prefix(url.split("/")[-2]))]) > 100
+            assert sorted(name for name in names if name.startswith("__Host-bastion")) == ours
+            page.goto(f"{base}/admin")
+            assert page.url == f"{base}/admin", page.url  # not sent back to the login page
+            context.close()
+    finally:
+        preview.tool("close_sandbox", sandbox_id=box)

@@ -80,10 +80,11 @@ def test_the_cookie_prefix_comes_from_the_secret_token_not_its_audited_digest() 
 @pytest.mark.parametrize(
     ("header", "confined"),
     [
-        ("a=1", "{p}a=1; Path=/preview/T/"),
-        ("a=1; Path=/; HttpOnly", "{p}a=1; HttpOnly; Path=/preview/T/"),
-        ("a=1; path=/admin; Secure", "{p}a=1; Secure; Path=/preview/T/"),
-        (" a = 1 ; Max-Age=0", "{p}a=1; Max-Age=0; Path=/preview/T/"),
+        ("a=1", "{p}a=1; Path=/preview/T/; Priority=Low"),
+        ("a=1; Path=/; HttpOnly", "{p}a=1; HttpOnly; Path=/preview/T/; Priority=Low"),
+        ("a=1; path=/admin; Secure", "{p}a=1; Secure; Path=/preview/T/; Priority=Low"),
+        (" a = 1 ; Max-Age=0", "{p}a=1; Max-Age=0; Path=/preview/T/; Priority=Low"),
+        ("a=1; Priority=High; Secure", "{p}a=1; Secure; Path=/preview/T/; Priority=Low"),
         ("a=1; Domain=example.com", None),
         ("__Host-bastion-admin=evil; Path=/; Secure", None),
         ("__Secure-x=1", None),
@@ -110,6 +111,6 @@ def test_response_headers_drop_host_wide_ones_and_prefix_redirects() -> None:
     ]
     assert response_headers(headers, TOKEN) == [
         (b"location", f"/preview/{TOKEN}/next".encode()),
-        (b"set-cookie", f"{MINE}sid=1; HttpOnly; Path=/preview/{TOKEN}/".encode()),
+        (b"set-cookie", f"{MINE}sid=1; HttpOnly; Path=/preview/{TOKEN}/; Priority=Low".encode()),
         (b"content-type", b"text/html"),
     ]

@@ -209,9 +209,14 @@ def response_headers(headers: Iterable[tuple[bytes, bytes]], token: str) -> list
 
 
 def confine_cookie(header: str, token: str) -> str | None:
-    """A Set-Cookie limited to the preview's own path and renamed with its `cookie_prefix`, or None: a Domain
-    attribute, a `__Host-`, `__Secure-` or bastion name would reach beyond it (the admin pages share the
-    host's cookies), and a cookie without a name could not carry the prefix."""
+    """A Set-Cookie limited to the preview's own path, renamed with its `cookie_prefix` and of low priority,
+    or None: a Domain attribute, a `__Host-`, `__Secure-` or bastion name would reach beyond it (the admin
+    pages share the host's cookies), and a cookie without a name could not carry the prefix.
+
+    Low priority: the host's cookie jar is shared (Chromium keeps about 180 cookies a host), and an app
+    that set 240 `Secure` cookies evicted bastion's own (the administrator was logged out) and other previews'.
+    Chromium evicts low-priority cookies first and keeps the newest 30 of them, so an app's flood now evicts
+    its own and other previews' cookies, never bastion's (the page's own scripts still can: SECURITY.md)."""
     name_value, *attributes = header.split(";")
     name, equals, value = name_value.partition("=")
     name = name.strip()
@@ -222,9 +227,10 @@ def confine_cookie(header: str, token: str) -> str | None:
         key = attribute.split("=", 1)[0].strip().lower()
         if key == "domain":
             return None
-        if key != "path":
+        if key not in ("path", "priority"):
             kept.append(attribute.strip())
-    return "; ".join([f"{cookie_prefix(token)}{name}={value.strip()}", *kept, f"Path=/preview/{token}/"])
+    shown = f"{cookie_prefix(token)}{name}={value.strip()}"
+    return "; ".join([shown, *kept, f"Path=/preview/{token}/", "Priority=Low"])
 
 
 class SocketStream(httpcore2.AsyncNetworkStream):
