@@ -197,8 +197,14 @@ async def test_bash_flood_is_capped_and_the_context_lives(client: Client) -> Non
 
 
 async def test_bash_odd_text_in_code_does_not_break_the_context(client: Client) -> None:
+    """A lone surrogate in a cell is refused before it runs (INVALID_REQUEST, as in every tool's text since
+    2026-12-06: no file or program holds one); an unclosed quote is bash's own syntax error. Either way the
+    context lives on."""
     sandbox = await create(client)
-    odd = await bash(client, sandbox, "echo 'lone \ud800 surrogate'\necho \"quote never closed")
+    refused = await bash(client, sandbox, "echo 'lone \ud800 surrogate'")
+    assert refused["code"] == "INVALID_REQUEST", refused
+    assert "lone surrogate" in refused["reason"]
+    odd = await bash(client, sandbox, "echo 'lone'\necho \"quote never closed")
     assert odd["ok"], odd
     assert "lone" in odd["detail"]["stdout"]
     assert odd["detail"]["exit_status"] == 2  # bash's syntax error, in the cell's own file
