@@ -398,6 +398,18 @@ def _until_gone(marker: str, limit_s: float = 10) -> list[int]:
     return left
 
 
+def _agent_out_of(box: WarmSandbox, pids: list[int]) -> bool:
+    """Whether two or more `pids` run and the sandbox's agent is in none of their cgroups."""
+    agent = box._agent_pid
+    if len(pids) < 2 or agent is None:
+        return False
+    try:
+        home = Path(f"/proc/{agent}/cgroup").read_text()
+        return all(Path(f"/proc/{pid}/cgroup").read_text() != home for pid in pids)
+    except OSError:  # one ended meanwhile: look again
+        return False
+
+
 def test_a_run_cancelled_as_its_event_loop_ends_leaves_nothing_running(tmp_path: Path) -> None:
     """Attack (review): a program embedding bastion ends its event loop (`asyncio.run` returns) while a
     command runs. The cancel's kill then waited for the agent's answer on a loop that was gone, and what
@@ -411,7 +423,10 @@ def test_a_run_cancelled_as_its_event_loop_ends_leaves_nothing_running(tmp_path:
     async def start_and_leave() -> None:
         left.append(asyncio.ensure_future(sh(box, f"setsid sleep {marker} & exec sleep {marker}", timeout_s=60)))
         async with asyncio.timeout(10):
-            while len(processes_with(marker)) < 2:
+            # Both sleeps run, and the agent has gone home from their group: it enters it only to start the
+            # command, and on a loaded machine both sleeps were seen before it left (then the group is
+            # killed on the agent's answer, which a loop that has ended never reads: until the next one).
+            while not _agent_out_of(box, processes_with(marker)):
                 await asyncio.sleep(0.02)
 
     try:
