@@ -15,6 +15,7 @@ import contextlib
 import gc
 import hashlib
 import http.server
+import ipaddress
 import json
 import logging
 import os
@@ -905,3 +906,95 @@ def test_a_flood_of_held_connections_holds_at_most_twice_the_cap(tmp_path: Path)
         request = f"GET http://local.test:{path.port}/ HTTP/1.1\r\n\r\n".encode()
         served = _served_again(path, request)
     assert served.startswith("HTTP/1.1 200 "), served
+
+
+def test_a_tunnel_opened_while_an_install_widened_the_allowlist_ends_when_it_narrows(tmp_path: Path) -> None:
+    """Attack (test_widen_tunnel.py): a process in the sandbox opens a CONNECT tunnel to the package registry
+    while an install has widened the allowlist. The narrowing replaced the rules only: the tunnel kept its
+    route to the registry after the install, for as long as a byte crossed it every idle timeout (a way out
+    for ever). Invariant: narrowing ends every open connection the new allowlist does not allow, with a
+    record saying so; one it still allows stays open and works."""
+    with egress_path(tmp_path, ["local.test:PORT", "evil.test:PORT"], blocked_ranges=OPEN_RANGES) as path:
+        with (
+            socket.create_connection(("127.0.0.1", path.proxy_port), timeout=10) as registry,
+            socket.create_connection(("127.0.0.1", path.proxy_port), timeout=10) as kept,
+        ):
+            registry.sendall(f"CONNECT evil.test:{path.port} HTTP/1.1\r\n\r\n".encode())
+            assert registry.recv(100).startswith(b"HTTP/1.1 200")
+            kept.sendall(f"CONNECT local.test:{path.port} HTTP/1.1\r\n\r\n".encode())
+            assert kept.recv(100).startswith(b"HTTP/1.1 200")
+            path.service.set_rules(SANDBOX, parse_allow_rules([f"local.test:{path.port}"]))  # the install ends
+            assert registry.recv(100) == b""  # ended, not left to its idle timeout (300 s)
+            kept.sendall(b"GET /still HTTP/1.1\r\nHost: local.test\r\nConnection: close\r\n\r\n")
+            answer = b""
+            while chunk := kept.recv(65536):
+                answer += chunk
+            assert b"hello /still" in answer
+        records = path.wait_records(2)
+    ended = [r for r in records if r["domain"] == "evil.test"]
+    assert len(ended) == 1, records
+    assert str(ended[0]["reason"]).endswith("ended: the allowlist no longer allows it"), ended
+    assert str(next(r for r in records if r["domain"] == "local.test")["reason"]) == "allowed"
+
+
+def test_a_long_method_or_control_characters_in_the_target_are_refused_and_records_stay_small(
+    tmp_path: Path,
+) -> None:
+    """Attack (audit_growth.py): a method of 4 KiB and a target of 4 KiB of control characters (6 bytes
+    of JSON each) made each attempt's two records 58 KB: within the 20 attempts a second, one sandbox grew
+    the audit log by 50 to 100 GB a day. Invariant: such a request is 400; a long visible target is
+    recorded cut to 512 characters; a plain request's records are unchanged."""
+    with egress_path(tmp_path, ["local.test:PORT"], blocked_ranges=OPEN_RANGES) as path:
+        long_method = ("A" * 4096 + f" http://local.test:{path.port}/ HTTP/1.1\r\n\r\n").encode()
+        controls = (f"GET http://local.test:{path.port}/" + "\x01" * 4090 + " HTTP/1.1\r\n\r\n").encode()
+        for request in (long_method, controls):
+            assert status_line(raw(path, request)).startswith("HTTP/1.1 400 ")
+        long_path = "/" + "a" * 20_000
+        status, _ = fetch(path, f"http://local.test:PORT{long_path}")
+        assert status == 200
+        records = path.wait_records(3)
+        cut = len(f"http://local.test:{path.port}{long_path}") - 512
+    for record in records:
+        assert len(json.dumps(record)) < 2_000, record
+    assert str(records[-1]["url"]).endswith(f"…[{cut} more characters]"), records[-1]["url"]
+
+
+def _this_hosts_address() -> str | None:
+    """The address this host would send from to a documentation address (RFC 5737): a UDP connect sends
+    nothing. None without a route (a machine with loopback only)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.1", 9))
+        except OSError:
+            return None
+        address = str(probe.getsockname()[0])
+    return None if address.startswith("127.") else address
+
+
+def test_a_name_resolving_to_an_address_of_this_host_is_refused(tmp_path: Path) -> None:
+    """Attack (host_own_address.py): an allowed name whose DNS a hostile upstream controls points at this
+    host's own public address, and a service of the host bound to 0.0.0.0 answered the sandbox: the blocked
+    ranges hold loopback and private ranges, not the host's own addresses (the service here listens on that
+    address only, so no other machine can reach it during the test). Invariant: a connection whose
+    peer is this host (it would come from that same address) is refused (403) and recorded so; nothing of
+    the service reaches the sandbox. The blocked ranges are opened here so that only this rule decides."""
+    address = _this_hosts_address()
+    if address is None:
+        pytest.skip("this machine has no address but loopback")
+    service = http.server.ThreadingHTTPServer((address, 0), _Handler)  # a service of the host on its own address
+    service.paths = []  # type: ignore[attr-defined]
+    threading.Thread(target=service.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    try:
+        port = service.server_address[1]
+        hosts = {**HOSTS, "own.test": [address]}
+        ranges = tuple(r for r in OPEN_RANGES if ipaddress.ip_address(address) not in ipaddress.ip_network(r))
+        with egress_path(tmp_path, [f"own.test:{port}"], blocked_ranges=ranges, hosts=hosts) as path:
+            response = raw(path, f"GET http://own.test:{port}/secret HTTP/1.1\r\n\r\n".encode())
+            assert status_line(response).startswith("HTTP/1.1 403 "), response[:200]
+            assert b"an address of this host" in response
+            (record,) = path.wait_records(1)
+        assert service.paths == []  # type: ignore[attr-defined]
+        assert record["decision"] == "deny", record
+    finally:
+        service.shutdown()
+        service.server_close()

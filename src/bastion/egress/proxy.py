@@ -164,6 +164,9 @@ def blocked_by(address: IPAddress, ranges: Sequence[IPNetwork]) -> IPNetwork | N
     return None
 
 
+MAX_RECORDED_URL_CHARS: Final = 512
+
+
 @dataclass(slots=True)
 class _Attempt:
     """One audit record in the making."""
@@ -213,6 +216,31 @@ class _SandboxProxy:
     report: asyncio.TimerHandle | None = None  # the pending egress_throttled record
     reports: set[asyncio.Task[None]] = field(default_factory=set)  # egress_throttled records being written
     room: asyncio.Event = field(default_factory=asyncio.Event)  # set as a connection ends (`_accept` waits)
+    destinations: dict[asyncio.Task[None], tuple[str, int]] = field(default_factory=dict)  # open, allowed ones
+    narrowed: set[asyncio.Task[None]] = field(default_factory=set)  # ended by `set_rules`
+
+
+def _recorded(url: str | None) -> str | None:
+    """A URL as its records keep it: its first `MAX_RECORDED_URL_CHARS` (a target may fill a 64 KiB head,
+    written twice an attempt, 20 attempts a second)."""
+    if url is None or len(url) <= MAX_RECORDED_URL_CHARS:
+        return url
+    return f"{url[:MAX_RECORDED_URL_CHARS]}…[{len(url) - MAX_RECORDED_URL_CHARS} more characters]"
+
+
+def _allows(rules: Sequence[AllowRule], host: str, port: int) -> bool:
+    return any(rule.matches(host, port) for rule in rules)
+
+
+def _to_this_host(sock: socket.socket) -> bool:
+    """Whether a connected socket's peer is this host: the kernel then uses the peer's own address as
+    ours. The blocked ranges hold loopback and private ranges, not the host's public addresses, which an
+    allowed name's DNS can name (a service of the host bound to 0.0.0.0 or ::, reached from a sandbox).
+    Loopback stays the blocked ranges' to decide (blocked by default; a test's server is let through)."""
+    try:
+        return bool(sock.getsockname()[0] == sock.getpeername()[0])
+    except OSError:
+        return False
 
 
 def _close_client(client: socket.socket, _: asyncio.Task[None]) -> None:
@@ -259,7 +287,11 @@ class EgressProxy:
         proxy.accept_task = asyncio.get_running_loop().create_task(self._accept(proxy))
 
     def set_rules(self, sandbox_id: str, rules: Sequence[AllowRule]) -> None:
-        """Replace a sandbox's allowlist; open connections keep the decision they were given.
+        """Replace a sandbox's allowlist, and end its open connections the new one does not allow.
+
+        A tunnel opened while an install widened the allowlist kept its route to the registry for as long
+        as a byte crossed it every `idle_timeout_s`: a way out for ever after the install. Each connection
+        so ended gets its record (`ended: the allowlist no longer allows it`).
 
         Raises:
             SandboxNotFound: the sandbox has no proxy.
@@ -268,6 +300,10 @@ class EgressProxy:
         if proxy is None:
             raise SandboxNotFound(f"sandbox {sandbox_id} has no egress proxy: start one first")
         proxy.rules = tuple(rules)
+        for task, (host, port) in list(proxy.destinations.items()):
+            if not _allows(proxy.rules, host, port):
+                proxy.narrowed.add(task)
+                task.cancel()
 
     async def stop(self, sandbox_id: str) -> None:
         """Stop listening, end the sandbox's connections (their records are written), remove the socket."""
@@ -348,6 +384,11 @@ class EgressProxy:
             request = await self._read_request(client, attempt)
             socks = request.protocol == "socks5"
             upstream = await self._open(proxy, request, attempt)
+            if not _allows(proxy.rules, request.host, request.port):  # narrowed while it connected
+                raise Refused(403, f"{_show(request.host, request.port)} is no longer on this sandbox's allowlist")
+            task = asyncio.current_task()
+            if task is not None:
+                proxy.destinations[task] = (request.host, request.port)
             await self._relay(client, upstream, request, attempt)
         except Refused as exc:
             attempt.decision, attempt.reason = exc.decision, exc.reason
@@ -357,12 +398,18 @@ class EgressProxy:
             # The client went away during the handshake; the decision already made stands.
             attempt.reason = f"{attempt.reason or 'failed'}; ended: {exc.strerror or exc}"
         except asyncio.CancelledError:
-            attempt.reason = f"{attempt.reason or 'no decision'}; ended: the sandbox's proxy stopped"
+            narrowed = asyncio.current_task() in proxy.narrowed
+            ended = "the allowlist no longer allows it" if narrowed else "the sandbox's proxy stopped"
+            attempt.reason = f"{attempt.reason or 'no decision'}; ended: {ended}"
             raise
         except Exception as exc:
             _log.exception("egress proxy error for %s", proxy.sandbox_id)
             attempt.decision, attempt.reason = "error", f"internal error: {type(exc).__name__}"
         finally:
+            task = asyncio.current_task()
+            if task is not None:
+                proxy.destinations.pop(task, None)
+                proxy.narrowed.discard(task)
             close_socket(client)
             if upstream is not None:
                 close_socket(upstream)
@@ -387,13 +434,13 @@ class EgressProxy:
         except OSError as exc:
             raise refused_error(400, f"the client connection failed: {exc.strerror or exc}") from None
         request = parse_http(head, bytes(reader.buf))
-        attempt.protocol, attempt.method, attempt.url = request.protocol, request.method, request.url
+        attempt.protocol, attempt.method, attempt.url = request.protocol, request.method, _recorded(request.url)
         return request
 
     async def _open(self, proxy: _SandboxProxy, request: Request, attempt: _Attempt) -> socket.socket:
         """Check, resolve, check again and connect; the socket returned is to an address that was checked."""
         attempt.method, attempt.domain, attempt.port = request.method, request.host, request.port
-        if not any(rule.matches(request.host, request.port) for rule in proxy.rules):
+        if not _allows(proxy.rules, request.host, request.port):
             what = "IP address" if _literal(request.host) else "destination"
             raise Refused(403, f"{what} {_show(request.host, request.port)} is not on this sandbox's allowlist")
         addresses = await self._resolve(proxy.lookups, request.host, request.port)
@@ -486,6 +533,9 @@ class EgressProxy:
             except BaseException:
                 close_socket(sock)
                 raise
+            if not address.is_loopback and _to_this_host(sock):  # loopback: the blocked ranges decide
+                close_socket(sock)
+                raise Refused(403, f"{address} is an address of this host: bastion's host is not a destination")
             return sock, address
         raise failure
 
