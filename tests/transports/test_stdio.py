@@ -79,6 +79,27 @@ class Raw:
         return self.process.wait(timeout=30), replies, err
 
 
+def _cancelled_then_closed(raw: Raw, call_id: int | str, cancel_id: int | str) -> list[dict[str, Any]]:
+    """Start a 30 s command as `call_id`, cancel `cancel_id`, close stdin: the server must end at once (not
+    after the hour it waits for calls still unanswered). Its remaining replies."""
+    raw.initialize()
+    request = {"name": "run_command", "arguments": {"command": "sleep 30"}}
+    raw.send(line({"jsonrpc": "2.0", "id": call_id, "method": "tools/call", "params": request}))
+    raw.send(line({"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": cancel_id}}))
+    raw.send(call(8, "explain_command", command="true"))  # answered: the cancel was read before stdin ends
+    assert raw.answer()["id"] == 8
+    assert raw.stdin is not None
+    raw.stdin.close()
+    try:
+        raw.process.wait(timeout=30)  # not the hour
+    except subprocess.TimeoutExpired:
+        raw.process.terminate()
+        raise
+    status, replies, err = raw.finish()
+    assert status == 0, err
+    return replies
+
+
 @pytest.mark.bwrap
 def test_wire_fds_are_diverted_while_serving(demo_config_path: Path) -> None:
     """Children of the server cannot read the client's requests or write into the replies."""
@@ -196,21 +217,7 @@ def test_a_cancelled_call_does_not_keep_the_server_after_stdin_closes(demo_confi
     """Attack (found by review): a call cancelled with notifications/cancelled gets no answer (the protocol
     sends none), and the end of stdin waited for its answer for an hour, the state folder locked: the client's
     next server refused to start. The server now ends with stdin; the call's audit record says it was cut."""
-    raw = Raw(demo_config_path)
-    raw.initialize()
-    raw.send(call(7, "run_command", command="sleep 30"))
-    raw.send(line({"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": 7}}))
-    raw.send(call(8, "explain_command", command="true"))  # answered: the cancel was read before stdin ends
-    assert raw.answer()["id"] == 8
-    assert raw.stdin is not None
-    raw.stdin.close()
-    try:
-        raw.process.wait(timeout=30)  # not the hour
-    except subprocess.TimeoutExpired:
-        raw.process.terminate()
-        raise
-    status, replies, err = raw.finish()
-    assert status == 0, err
+    replies = _cancelled_then_closed(Raw(demo_config_path), 7, 7)
     assert all(reply.get("id") != 7 for reply in replies)
     audit = (demo_config_path.parent / "state" / "audit.jsonl").read_text()
     ends = [json.loads(entry) for entry in audit.splitlines() if '"run_command"' in entry and '"end"' in entry]
@@ -226,22 +233,7 @@ def test_a_call_cancelled_by_its_id_spelled_otherwise_does_not_keep_the_server(
     one ("5" is 5) and cancelled the call, which then gets no answer; the end of stdin waited for it by its
     exact id, for an hour, holding the state folder: the client's next server refused to start. The server
     now ends with stdin, and a second server on the same config starts."""
-    raw = Raw(demo_config_path)
-    raw.initialize()
-    request = {"name": "run_command", "arguments": {"command": "sleep 30"}}
-    raw.send(line({"jsonrpc": "2.0", "id": call_id, "method": "tools/call", "params": request}))
-    raw.send(line({"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": cancel_id}}))
-    raw.send(call(8, "explain_command", command="true"))  # answered: the cancel was read before stdin ends
-    assert raw.answer()["id"] == 8
-    assert raw.stdin is not None
-    raw.stdin.close()
-    try:
-        raw.process.wait(timeout=30)  # not the hour
-    except subprocess.TimeoutExpired:
-        raw.process.terminate()
-        raise
-    status, replies, err = raw.finish()
-    assert status == 0, err
+    replies = _cancelled_then_closed(Raw(demo_config_path), call_id, cancel_id)
     assert all(reply.get("id") not in (5, "5") for reply in replies)
     second = Raw(demo_config_path)
     second.initialize()
