@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx2
 
-from .live import LiveServer
+from .live import PASSWORD, LiveServer
 
 CHROMIUM = shutil.which("chromium")
 CALLBACK = "http://127.0.0.1/callback"
@@ -54,3 +54,11 @@ def catch_callback(page: Any) -> list[str]:
 
     page.route(f"{CALLBACK}*", fulfil)
     return seen
+
+
+def admin_login(page: Any, base: str) -> None:
+    """Log `page` in to the admin pages at `base` with the right password, as the administrator does."""
+    page.goto(f"{base}/admin/login")
+    page.fill("input[name=password]", PASSWORD)
+    page.click("button[type=submit]")
+    page.wait_for_url("**/admin")

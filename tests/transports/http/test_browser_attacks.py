@@ -20,7 +20,7 @@ import pytest
 from bastion.safety.approvals import ApprovalQueue
 from tests.helpers import INITIALIZE_REQUEST, MCP_HEADERS
 
-from .chromium import BROWSER_COOKIE, CALLBACK, CHROMIUM, authorize_url, catch_callback, launch
+from .chromium import BROWSER_COOKIE, CALLBACK, CHROMIUM, admin_login, authorize_url, catch_callback, launch
 from .clients import CLAUDE_CODE, assert_clients_connect
 from .live import PASSWORD, LiveServer, callback_params, pkce
 
@@ -106,10 +106,7 @@ def test_same_host_authorize_flood_does_not_block_a_browser_that_logged_in_befor
         context = chromium.new_context()
         try:
             page = context.new_page()
-            page.goto(f"{server.base}/admin/login")
-            page.fill("input[name=password]", PASSWORD)
-            page.click("button[type=submit]")
-            page.wait_for_url("**/admin")
+            admin_login(page, server.base)
             assert DEVICE_COOKIE in {c["name"] for c in context.cookies(server.base)}
             url = authorize_url(server, flooder, challenge)
             with server.http() as attacker:
@@ -216,10 +213,7 @@ def test_admin_login_in_another_tab_keeps_a_pending_request(
             txn = app_tab.input_value("input[name=txn]")
             old = next(c["value"] for c in context.cookies(server.base) if c["name"] == BROWSER_COOKIE)
             admin_tab = context.new_page()
-            admin_tab.goto(f"{server.base}/admin/login")
-            admin_tab.fill("input[name=password]", PASSWORD)
-            admin_tab.click("button[type=submit]")
-            admin_tab.wait_for_url("**/admin")
+            admin_login(admin_tab, server.base)
             admin_tab.close()  # Playwright routes a tab's redirects only while it is the last one opened
             assert old not in [c["value"] for c in context.cookies(server.base) if c["name"] == BROWSER_COOKIE]
             with server.http(headers={"Cookie": f"{BROWSER_COOKIE}={old}"}) as holder:

@@ -20,8 +20,8 @@ import pytest
 
 from bastion.transports.http.preview import cookie_prefix
 
-from .chromium import CHROMIUM, launch
-from .live import PASSWORD, free_port, serve_config
+from .chromium import CHROMIUM, admin_login, launch
+from .live import free_port, serve_config
 from .test_preview import Preview, _session_cookie, config_text
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed")]
@@ -224,10 +224,7 @@ def test_a_preview_app_setting_hundreds_of_cookies_cannot_log_the_administrator_
         with launch() as chromium:
             context = chromium.new_context()
             page = context.new_page()
-            page.goto(f"{base}/admin/login")
-            page.fill("input[name=password]", PASSWORD)
-            page.click("button[type=submit]")
-            page.wait_for_url("**/admin")
+            admin_login(page, base)
             ours = sorted(c["name"] for c in context.cookies() if c["name"].startswith("__Host-bastion"))
             assert len(ours) == 3, ours
             for n in range(4):

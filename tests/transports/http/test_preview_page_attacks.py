@@ -27,7 +27,7 @@ import pytest
 from bastion.transports.http.devices import DEVICE_COOKIE, DEVICE_LIFETIME_S
 from bastion.transports.http.flow import NOT_A_NAVIGATION, NOT_OUR_FORM
 
-from .chromium import BROWSER_COOKIE, CALLBACK, CHROMIUM, authorize_url, catch_callback, launch
+from .chromium import BROWSER_COOKIE, CALLBACK, CHROMIUM, admin_login, authorize_url, catch_callback, launch
 from .clients import assert_clients_connect
 from .live import PASSWORD, Browser, LiveServer, forms, pkce, redeem_code
 
@@ -153,10 +153,7 @@ def test_preview_page_on_another_port_cannot_lock_the_administrator_out(
         urls = [authorize_url(server, client, challenge) for client in attacker_clients]
         first = chromium.new_context()
         admin = first.new_page()
-        admin.goto(f"{server.base}/admin/login")
-        admin.fill("input[name=password]", PASSWORD)
-        admin.click("button[type=submit]")
-        admin.wait_for_url("**/admin")
+        admin_login(admin, server.base)
         context = restarted(chromium, first)
         try:
             assert DEVICE_COOKIE in {c["name"] for c in context.cookies(server.base)}
@@ -350,10 +347,7 @@ def test_preview_page_speculation_rules_prefetch_nothing_with_the_administrators
         context = chromium.new_context()
         try:
             admin = context.new_page()
-            admin.goto(f"{server.base}/admin/login")
-            admin.fill("input[name=password]", PASSWORD)
-            admin.click("button[type=submit]")
-            admin.wait_for_url("**/admin")
+            admin_login(admin, server.base)
             page = f'<!doctype html><p>a preview</p><script type="speculationrules">{rules}</script>'
             with page_on_another_port(page) as evil_url:
                 context.new_page().goto(evil_url)
