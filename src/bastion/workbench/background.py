@@ -189,10 +189,7 @@ class BackgroundProcesses:
     async def send_input(self, pid: int, data: str, *, eof: bool) -> dict[str, object]:
         """Write `data` to the process's stdin; with `eof`, close it afterwards."""
         record = self._get(pid)
-        try:
-            raw = data.encode("utf-8")
-        except UnicodeEncodeError:  # JSON carries a lone surrogate ("\ud800"), which no program reads as text
-            raise InvalidRequest("data has a lone surrogate character, which is not text: remove it") from None
+        raw = data.encode("utf-8")  # a lone surrogate never gets here: the tool decorator refuses it
         if len(raw) > MAX_INPUT_BYTES:
             raise ResourceLimit(f"data is {len(raw)} bytes, over {MAX_INPUT_BYTES} per call: send it in parts")
         if record.process.exited:

@@ -491,10 +491,8 @@ class HostWorkspace:
         return edit_text(self.jail, self.redactor, path, old, new, replace_all=replace_all, dry_run=dry_run)
 
     def write_file(self, path: str, content: str, *, encoding: Encoding, append: bool) -> dict[str, object]:
-        try:
-            data = decode_base64(content) if encoding == "base64" else content.encode("utf-8")
-        except UnicodeEncodeError:  # JSON carries a lone surrogate ("\ud800"), which no file holds
-            raise InvalidRequest("content has a lone surrogate character, which is not text: remove it") from None
+        # A lone surrogate ("\ud800") never gets here: the tool decorator refuses it in any argument.
+        data = decode_base64(content) if encoding == "base64" else content.encode("utf-8")
         result = self.jail.write(path, data, append=append, create_parents=True)
         return {"path": result.path, "bytes_written": result.bytes_written, "created": result.created}
 
