@@ -11,17 +11,15 @@ from __future__ import annotations
 
 import functools
 import inspect
-import math
-import re
 from collections.abc import Awaitable, Callable, Mapping
 from enum import Enum
-from typing import Annotated, Any, Final, get_args, get_origin
+from typing import Annotated, Any, get_args, get_origin
 
 from mcp.server.mcpserver import Context, Resolve
 from mcp_types import CallToolResult, ImageContent, ToolAnnotations
 from pydantic import BaseModel
 
-from bastion.safety.errors import InvalidRequest
+from bastion.safety.arguments import require_sound
 from bastion.safety.results import OperationResult
 from bastion.tools._call import Outcome
 from bastion.tools.server import WORKBENCH, BastionServer, to_call_result
@@ -75,7 +73,7 @@ def audited_tool(
 
             async def operation() -> OperationResult | Outcome:
                 for argument in given:
-                    _require_sound(argument, arguments[argument])
+                    require_sound(argument, arguments[argument])
                 done = await body(**arguments)
                 if isinstance(done, Outcome):
                     images.extend(done.images)
@@ -127,34 +125,6 @@ def _bound(signature: inspect.Signature, kwargs: Mapping[str, Any]) -> dict[str,
     bound = signature.bind(**kwargs)
     bound.apply_defaults()
     return dict(bound.arguments)
-
-
-def _require_sound(name: str, value: object) -> None:
-    """Refuse NaN and Infinity, and lone surrogates, anywhere in an argument (keys of a mapping included).
-
-    JSON parsers take `NaN`, `Infinity` and `1e400`: a NaN `timeout_s` passed every `<=` check and became an
-    event-loop timer, which NaN left out of order (other clients' time limits ran late, SIGINT was not
-    heard). The 2026-07-28 era's parser takes "\\ud800", which no file, command line or environment holds:
-    a sandbox env value with one made every later command of that sandbox fail to start."""
-    if isinstance(value, str):
-        if not value.isascii() and _SURROGATE.search(value):  # isascii is O(1): most strings stop there
-            raise InvalidRequest(f"{name} has a lone surrogate character, which is not text: remove it")
-    elif isinstance(value, float):
-        if not math.isfinite(value):
-            raise InvalidRequest(f"{name} must be a finite number: NaN and Infinity are refused")
-    elif isinstance(value, BaseModel):
-        for field, inner in value:
-            _require_sound(f"{name}.{field}", inner)
-    elif isinstance(value, list | tuple):
-        for inner in value:
-            _require_sound(name, inner)
-    elif isinstance(value, dict):
-        for key, inner in value.items():
-            _require_sound(name, key)
-            _require_sound(name, inner)
-
-
-_SURROGATE: Final = re.compile("[\ud800-\udfff]")
 
 
 def _from_client(annotation: object) -> bool:
