@@ -19,6 +19,7 @@ import secrets
 import signal
 import socket
 import sqlite3
+import ssl
 import subprocess
 import sys
 import time
@@ -36,6 +37,8 @@ from mcp.client.streamable_http import streamable_http_client
 
 from bastion.demo import init_demo
 from bastion.transports.http.password import write_hash
+
+from .tls import self_signed
 
 REPO = Path(__file__).resolve().parents[2]
 BASTION = Path(sys.executable).with_name("bastion")
@@ -78,10 +81,13 @@ class LiveServer:
     config_path: Path
     process: subprocess.Popen[bytes]
     log_path: Path
+    tls: ssl.SSLContext | None = None
+    """A client context trusting the server's certificate, when it serves https (`live_tls_server`)."""
 
     @property
     def base(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        scheme = "http" if self.tls is None else "https"
+        return f"{scheme}://127.0.0.1:{self.port}"
 
     @property
     def mcp_url(self) -> str:
@@ -98,6 +104,8 @@ class LiveServer:
         return self.log_path.read_text(errors="replace")
 
     def http(self, **kwargs: Any) -> httpx2.Client:
+        if self.tls is not None:
+            kwargs.setdefault("verify", self.tls)
         return httpx2.Client(base_url=self.base, timeout=30, **kwargs)
 
     def register(self, **metadata: Any) -> dict[str, Any]:
@@ -139,8 +147,26 @@ def live_server(
 
 
 @contextlib.contextmanager
-def serve_config(root: Path, config_path: Path, port: int, *, nofile: int | None = None) -> Iterator[LiveServer]:
-    """`bastion serve --http` on a config written by the caller (its `[http]` names 127.0.0.1:`port`)."""
+def live_tls_server(root: Path, *, http_extra: str = "", auth: bool = True) -> Iterator[LiveServer]:
+    """`live_server` serving https, with a certificate made at test time (`LiveServer.tls` trusts it)."""
+    cert, key = self_signed(root)
+    port = free_port()
+    extra = f'tls_cert = "{cert}"\ntls_key = "{key}"\n{http_extra}'
+    config_path = write_config(root, port, http_extra=extra, auth=auth)
+    text = config_path.read_text()
+    config_path.write_text(text.replace(f'"http://127.0.0.1:{port}"', f'"https://127.0.0.1:{port}"'))
+    if auth:
+        write_hash(root / "state" / "admin-password.argon2", PASSWORD)
+    with serve_config(root, config_path, port, tls=ssl.create_default_context(cafile=str(cert))) as server:
+        yield server
+
+
+@contextlib.contextmanager
+def serve_config(
+    root: Path, config_path: Path, port: int, *, nofile: int | None = None, tls: ssl.SSLContext | None = None
+) -> Iterator[LiveServer]:
+    """`bastion serve --http` on a config written by the caller (its `[http]` names 127.0.0.1:`port`);
+    `tls`: it serves https, with a certificate this client context trusts."""
     log_path = root / "server.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with open(log_path, "wb") as log:
@@ -152,7 +178,7 @@ def serve_config(root: Path, config_path: Path, port: int, *, nofile: int | None
             env=env,
             preexec_fn=None if nofile is None else lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile)),
         )
-    server = LiveServer(root, port, config_path, process, log_path)
+    server = LiveServer(root, port, config_path, process, log_path, tls)
     try:
         _wait_ready(server)
         yield server
@@ -180,7 +206,7 @@ def _wait_ready(server: LiveServer) -> None:
         if server.process.poll() is not None:
             raise RuntimeError(f"server exited: {server.log()}")
         try:
-            with httpx2.Client(timeout=1) as client:
+            with httpx2.Client(timeout=1, verify=server.tls or True) as client:
                 client.get(f"{server.base}/.well-known/oauth-protected-resource")
             return
         except httpx2.TransportError:

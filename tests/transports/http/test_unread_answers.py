@@ -15,7 +15,6 @@ import contextlib
 import json
 import socket
 import ssl
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,8 +24,7 @@ import httpx2
 from bastion.safety.audit import verify
 from tests.helpers import INITIALIZE_REQUEST, MCP_HEADERS
 
-from .live import BASTION, LiveServer, free_port, live_server, write_config
-from .tls import self_signed
+from .live import LiveServer, live_server, live_tls_server
 
 ANSWERS = 12
 FILE_BYTES = 1 << 20
@@ -237,60 +235,55 @@ def test_over_tls_answers_left_on_closed_connections_are_held_only_to_the_limit(
     """Found by review: over TLS asyncio closes a connection's socket before the protocol hears of it, so an
     answer left in the queue of a connection the server closed was counted nowhere: each wave of unread
     answers left up to the limit's worth behind and the next wave added as much again (four waves: 26 MiB
-    against 8). A TLS connection keeps a duplicate of its socket for that moment. About 65 s: the server's
-    TLS close waits 30 s for the client's close_notify, once per wave."""
+    against 8). A TLS connection keeps a duplicate of its socket for that moment."""
     limit_mib = 4
-    cert, key = self_signed(tmp_path)
-    port = free_port()
-    extra = f'tls_cert = "{cert}"\ntls_key = "{key}"\nmax_unsent_mib = {limit_mib}\nsend_stall_timeout_s = 600'
-    config = write_config(tmp_path / "demo", port, http_extra=extra, auth=False)
-    text = config.read_text().replace(
-        f'public_url = "http://127.0.0.1:{port}"', f'public_url = "https://127.0.0.1:{port}"'
-    )
-    config.write_text(text)
-    (tmp_path / "demo" / "workspace" / "big.txt").write_bytes(b"\x01" * FILE_BYTES)
-    context = ssl.create_default_context(cafile=str(cert))
-    log = tmp_path / "server.log"
-    with open(log, "wb") as out:
-        process = subprocess.Popen(
-            [str(BASTION), "serve", "--config", str(config), "--http"], stdout=out, stderr=subprocess.STDOUT
-        )
-    opened: list[ssl.SSLSocket] = []
-    try:
-        headers = _tls_session(f"https://127.0.0.1:{port}", context, process, log)
-        records = tmp_path / "demo" / "state" / "audit.jsonl"
-        for wave in (1, 2):
-            opened += [_tls_unread_call(port, context, headers, n) for n in range(3)]
-            wait_for(lambda: ended_in(records) == 3 * wave, 60, "the wave's calls end")  # noqa: B023
-            wait_for(lambda: not server_send_queues(port), 60, "the server closed every connection")
-        held = server_send_queues(port, ("04",))
-        assert sum(held) <= limit_mib << 20, held
-    finally:
-        for sock in opened:
-            sock.close()
-        process.terminate()
-        process.wait(30)
-    assert "Traceback" not in log.read_text()
+    extra = f"max_unsent_mib = {limit_mib}\nsend_stall_timeout_s = 600"
+    with live_tls_server(tmp_path, http_extra=extra, auth=False) as server:
+        # Answers of about 1.6 MB, which the kernel's queue takes whole: the server then ends each connection
+        # at once (`tls_flushed`), where it waited 30 s for a close_notify.
+        (tmp_path / "workspace" / "big.txt").write_bytes(b"\x01" * (FILE_BYTES // 8))
+        headers = server_session(server)
+        opened: list[ssl.SSLSocket] = []
+        try:
+            for wave in (1, 2, 3):
+                opened += [_tls_unread_call(server, headers, n) for n in range(3)]
+                wait_for(lambda: ended_reads(server) == 3 * wave, 60, "the wave's calls end")  # noqa: B023
+                wait_for(lambda: not server_send_queues(server.port), 60, "the server closed every connection")
+            held = server_send_queues(server.port, ("04",))
+            assert sum(held) <= limit_mib << 20, held
+        finally:
+            for sock in opened:
+                sock.close()
+    assert "Traceback" not in server.log()
 
 
-def _tls_session(base: str, context: ssl.SSLContext, process: subprocess.Popen[bytes], log: Path) -> dict[str, str]:
-    """`open_session` over TLS, once the server answers."""
-    with httpx2.Client(verify=context, timeout=10) as http:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                return open_session(http, f"{base}/mcp")
-            except httpx2.TransportError:
-                assert process.poll() is None, log.read_text()
-                assert time.monotonic() < deadline, log.read_text()
-                time.sleep(0.05)
-
-
-def _tls_unread_call(port: int, context: ssl.SSLContext, headers: dict[str, str], n: int) -> ssl.SSLSocket:
+def _tls_unread_call(server: LiveServer, headers: dict[str, str], n: int) -> ssl.SSLSocket:
     """read_file of big.txt over TLS with ``Connection: close``, its answer never read."""
+    assert server.tls is not None
     raw = socket.socket()
     raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    raw.connect(("127.0.0.1", port))
-    tls = context.wrap_socket(raw, server_hostname="127.0.0.1")
-    tls.sendall(read_file_request(port, headers, n, close=True))
+    raw.connect(("127.0.0.1", server.port))
+    tls = server.tls.wrap_socket(raw, server_hostname="127.0.0.1")
+    tls.sendall(read_file_request(server.port, headers, n, close=True))
     return tls
+
+
+def test_over_tls_a_client_asking_for_close_gets_its_whole_answer_and_then_the_end(tmp_path: Path) -> None:
+    """A TLS connection the server closes ends once all of it is in the kernel's queue (`tls_flushed`), not
+    before: a client reading late still gets the whole answer (3.4 MB, more than the kernel's queue holds
+    for a reader this slow), then the server's close_notify and the end."""
+    with live_tls_server(tmp_path, http_extra="send_stall_timeout_s = 600", auth=False) as server:
+        big_file(tmp_path)
+        headers = server_session(server)
+        sock = _tls_unread_call(server, headers, 0)
+        with sock:
+            wait_for(lambda: ended_reads(server) == 1, 60, "the call ends")
+            received = bytearray()
+            sock.settimeout(10)  # the end comes at once after the answer
+            with contextlib.suppress(ssl.SSLZeroReturnError):  # the server's close_notify
+                while chunk := sock.recv(1 << 20):
+                    received += chunk
+    assert received.startswith(b"HTTP/1.1 200")
+    assert received.endswith(b"\r\n0\r\n\r\n")
+    assert len(received) > 3 << 20
+    assert "Traceback" not in server.log()

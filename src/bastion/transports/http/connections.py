@@ -29,6 +29,10 @@ so idle sockets lock out everyone. Held sockets also use file descriptors: at th
   (uvicorn's 20 s interval and timeout) close a peer that is gone or stops reading; one that answers
   stays, as an idle WebSocket (a dev server's reload socket) is meant to, within the cap.
 
+- over TLS, a connection the server closes ends once all it wrote (the answer and its close_notify) is in
+  the kernel's queue (`tls_flushed`), as a plain connection does, instead of asyncio's wait of up to 30 s for
+  the client's close_notify: a client that never sends one held the connection's slot that long.
+
 What this does not do: limit a client that completes its requests (rate limits are per endpoint), or
 time TLS handshakes (asyncio allows 60 s).
 """
@@ -36,6 +40,7 @@ time TLS handshakes (asyncio allows 60 s).
 from __future__ import annotations
 
 import asyncio
+import asyncio.sslproto
 import contextlib
 import fcntl
 import logging
@@ -67,6 +72,8 @@ MAX_BACKLOG: Final = 128
 IN_FLIGHT_BURSTS: Final = 4
 """Accept bursts a flood can hold beyond the cap (see `fd_limits`)."""
 LOG_EVERY_S: Final = 10.0
+TLS_CLOSE_POLL_S: Final = 0.1
+"""How often a TLS connection the server is closing is checked for all it wrote having reached the kernel."""
 
 Phase = Literal["head", "body", "served"]
 
@@ -404,6 +411,22 @@ class UnsentWatch:
         self.reset.add(loop)
 
 
+def tls_flushed(transport: asyncio.BaseTransport) -> bool:
+    """Whether the TLS `transport`, being closed by the server, has handed all it wrote to the kernel: the
+    answer and its close_notify, so that only the client's close_notify is awaited (asyncio waits up to 30 s).
+
+    asyncio says this nowhere in public: read from its SSL protocol (Python 3.11's `asyncio.sslproto`).
+    Where those names are missing (another Python), this answers False and asyncio's own wait applies.
+    """
+    protocol = getattr(transport, "_ssl_protocol", None)
+    inner = getattr(protocol, "_transport", None)
+    outgoing = getattr(protocol, "_outgoing", None)
+    if inner is None or outgoing is None:
+        return False
+    shutting = getattr(protocol, "_state", None) is asyncio.sslproto.SSLProtocolState.SHUTDOWN
+    return shutting and not outgoing.pending and not inner.get_write_buffer_size()
+
+
 def _resetting(sock: socket.socket) -> bool:
     """Whether `sock` is set to reset when closed (`UnsentWatch._reset` did): its queue goes with it."""
     try:
@@ -474,6 +497,23 @@ class GuardedH11Protocol(H11Protocol):
         super().on_response_complete()
         self.unsent.measure(self.transport, self.loop)
         self._follow()
+        self._closing()
+
+    def _close(self) -> None:
+        self.transport.close()
+        self._closing()
+
+    def _closing(self) -> None:
+        """After a close by the server (its own, or uvicorn's): over TLS, end the connection once `tls_flushed`
+        (see the module doc). Found by attack: 16 TLS clients asking `Connection: close` and never sending
+        close_notify held every slot of a 16-connection cap for 30 s, and the server refused everyone else.
+        The socket's queue stays with the kernel, counted by `UnsentWatch.closing` (which sends the FIN after it)."""
+        if self.own is None or not self.transport.is_closing():
+            return  # not TLS, not closing, or connection_lost ran
+        if tls_flushed(self.transport):
+            self.transport.abort()
+        else:
+            self.loop.call_later(TLS_CLOSE_POLL_S, self._closing)
 
     def pause_writing(self) -> None:
         super().pause_writing()
@@ -490,6 +530,7 @@ class GuardedH11Protocol(H11Protocol):
         """
         if len(self.conn.trailing_data[0]) <= MAX_HEAD_BYTES:
             super().send_400_response(msg)
+            self._closing()
             return
         headers = [*HEAD_TOO_LARGE_HEADERS, (b"connection", b"close")]
         for event in (
@@ -509,11 +550,11 @@ class GuardedH11Protocol(H11Protocol):
         self._disarm()
         if self.transport.can_write_eof():
             self.transport.write_eof()
-        self.deadline = self.loop.call_later(LINGER_S, self.transport.close)
+        self.deadline = self.loop.call_later(LINGER_S, self._close)
 
     def eof_received(self) -> None:
         if self.lingering:
-            self.transport.close()
+            self._close()
         super().eof_received()
 
     def handle_websocket_upgrade(self, event: h11.Request) -> None:
@@ -557,17 +598,17 @@ class GuardedH11Protocol(H11Protocol):
         self.deadline = None
         if not self.transport.is_closing():
             self.timed_out.add(self.loop)
-            self.transport.close()
+            self._close()
 
     def _make_room(self) -> None:
         waiting = [c for c in self.connections if isinstance(c, GuardedH11Protocol) and c.phase != "served"]
         waiting = [c for c in waiting if c is not self and not c.transport.is_closing()]
         if waiting:
-            min(waiting, key=lambda c: c.phase_since).transport.close()
+            min(waiting, key=lambda c: c.phase_since)._close()
             self.evicted.add(self.loop)
         else:
             self.refused.add(self.loop)
-            self.transport.close()
+            self._close()
 
 
 def guarded_protocol(
