@@ -13,6 +13,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from types import FrameType
@@ -50,13 +51,16 @@ def _stop(signum: int, _frame: FrameType | None) -> None:
 
 @contextlib.contextmanager
 def stop_signals() -> Iterator[None]:
-    """While serving stdio: SIGTERM and SIGHUP (systemd stop, a closed terminal) end the server cleanly."""
-    previous = {sig: signal.signal(sig, _stop) for sig in _STOP_SIGNALS}
+    """SIGTERM and SIGHUP (systemd stop, a closed terminal) end the server cleanly: from the start (recovery can
+    take minutes), while stdio serves, and around uvicorn's own handling of them over HTTP. Left ignored at the
+    end: what follows is the process's exit, which a repeated `systemctl stop` would turn into a kill."""
+    for sig in _STOP_SIGNALS:
+        signal.signal(sig, _stop)
     try:
         yield
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        for sig in _STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
 
 
 def client_snippet(config_path: str) -> str:
@@ -75,34 +79,37 @@ def serve_stdio(config: Config, config_path: str) -> int:
     if listeners is None:
         # No listener serves them: counting would cost every call for nothing.
         config = config.model_copy(update={"metrics": config.metrics.model_copy(update={"enabled": False})})
-    services = build_services(config)
-    front = None
-    try:
-        server = build_server(services, caller="stdio")
-        _stdio_banner(config, config_path)
-        serve: Callable[[], Awaitable[None]] = server.run_stdio_async
-        if listeners is not None:
-            front = _Front(services, listeners, None)
-            announce(
-                f"bastion: the administrator logs in at {front.endpoints.issuer}/admin; "
-                f"preview URLs are served at {front.preview_origin}"
-            )
-            _warn_if_open(config)  # the HTTP front serves /mcp too: the user asked for stdio
-            serve = functools.partial(_stdio_beside_http, server.run_stdio_async, front, listeners)
-        heap.settle()
-        with stop_signals():
+    services = front = None
+    # From the start: recovery can take minutes, and a SIGTERM then ended the process on the spot. The cleanup
+    # switches the handler to "ignore" within this block, so no default action comes in between.
+    with stop_signals():
+        try:
+            services = build_services(config)
+            server = build_server(services, caller="stdio")
+            _stdio_banner(config, config_path)
+            serve: Callable[[], Awaitable[None]] = server.run_stdio_async
+            if listeners is not None:
+                front = _Front(services, listeners, None)
+                announce(
+                    f"bastion: the administrator logs in at {front.endpoints.issuer}/admin; "
+                    f"preview URLs are served at {front.preview_origin}"
+                )
+                _warn_if_open(config)  # the HTTP front serves /mcp too: the user asked for stdio
+                serve = functools.partial(_stdio_beside_http, server.run_stdio_async, front, listeners)
+            heap.settle()
             notifier.ready(f"serving MCP over stdio from {os.path.abspath(config_path)}")
             anyio.run(_serve_until_stopped, serve)
-    except Stopped:
-        pass
-    finally:
-        notifier.stopping()
-        with _signals_ignored():
-            if listeners is not None:
-                listeners.close()
-            if front is not None:
-                front.close()
-            services.close()
+        except Stopped:
+            pass
+        finally:
+            with _signals_ignored():
+                notifier.stopping()
+                if listeners is not None:
+                    listeners.close()
+                if front is not None:
+                    front.close()
+                if services is not None:
+                    services.close()
     return 0
 
 
@@ -274,11 +281,18 @@ def clean_stop_server(notifier: Notifier, status: str) -> type[uvicorn.Server]:
 
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:
-            with super().capture_signals():
-                try:
-                    yield
-                finally:
-                    self._captured_signals.clear()
+            # uvicorn stops on SIGINT and SIGTERM only: SIGHUP (a closed terminal) stops it as they do.
+            main = threading.current_thread() is threading.main_thread()
+            previous = signal.signal(signal.SIGHUP, self.handle_exit) if main else None
+            try:
+                with super().capture_signals():
+                    try:
+                        yield
+                    finally:
+                        self._captured_signals.clear()
+            finally:
+                if previous is not None:
+                    signal.signal(signal.SIGHUP, previous)
 
         async def serve(self, sockets: list[socket.socket] | None = None) -> None:
             # asyncio logs a traceback for every accept() that runs out of descriptors: one line instead.
@@ -565,30 +579,42 @@ def serve_http(config: Config, config_path: str, listen: str | None = None) -> i
     listeners = _Listeners(config, config_path, listen)
     configure_logging(config.log_level, log_format=config.log_format)
     notifier = Notifier.from_environment()  # before anything starts a process that would inherit it
-    services = build_services(config)
-    front = None
-    try:
-        front = _Front(services, listeners, listen)
-        http = config.http
-        where = f"{listeners.host}:{listeners.port}"
-        announce(f"bastion: serving MCP over HTTP from {os.path.abspath(config_path)} on {where}")
-        _warn_if_open(config)
-        issuer = front.endpoints.issuer
-        if http.public_url is not None and issuer != http.public_url:
-            announce(f"bastion: public_url follows --listen: {issuer} (the config has {http.public_url})")
-        announce(http_connect_help(front.endpoints.resource))
-        if front.preview is not None:
-            announce(f"bastion: serving preview URLs at {front.preview_origin}")
-        main = clean_stop_server(notifier, f"serving MCP over HTTP on {where}")(front.main)
-        heap.settle()
-        if front.preview is None or listeners.preview is None:
-            main.run(sockets=listeners.mains)
-        else:
-            asyncio.run(_serve_both(main, listeners.mains, front.preview, listeners.preview))
-    finally:
-        notifier.stopping()  # sent once: uvicorn's shutdown sent it already unless the start failed
-        listeners.close()
-        if front is not None:
-            front.close()
-        services.close()
+    services = front = None
+    # uvicorn handles SIGTERM once it serves (`clean_stop_server`); before that (recovery can take minutes) this
+    # does. The cleanup switches the handler to "ignore" within this block, so no default action comes in between.
+    with stop_signals():
+        try:
+            services = build_services(config)
+            front = _Front(services, listeners, listen)
+            _serve_front(config, config_path, notifier, listeners, front)
+        except Stopped:
+            pass
+        finally:
+            # Found by attack: a second SIGTERM here ended the process on the spot, every sandbox still mounted.
+            with _signals_ignored():
+                notifier.stopping()  # sent once: uvicorn's shutdown sent it already unless the start failed
+                listeners.close()
+                if front is not None:
+                    front.close()
+                if services is not None:
+                    services.close()
     return 0
+
+
+def _serve_front(config: Config, config_path: str, notifier: Notifier, listeners: _Listeners, front: _Front) -> None:
+    http = config.http
+    where = f"{listeners.host}:{listeners.port}"
+    announce(f"bastion: serving MCP over HTTP from {os.path.abspath(config_path)} on {where}")
+    _warn_if_open(config)
+    issuer = front.endpoints.issuer
+    if http.public_url is not None and issuer != http.public_url:
+        announce(f"bastion: public_url follows --listen: {issuer} (the config has {http.public_url})")
+    announce(http_connect_help(front.endpoints.resource))
+    if front.preview is not None:
+        announce(f"bastion: serving preview URLs at {front.preview_origin}")
+    main = clean_stop_server(notifier, f"serving MCP over HTTP on {where}")(front.main)
+    heap.settle()
+    if front.preview is None or listeners.preview is None:
+        main.run(sockets=listeners.mains)
+    else:
+        asyncio.run(_serve_both(main, listeners.mains, front.preview, listeners.preview))

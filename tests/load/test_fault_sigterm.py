@@ -3,13 +3,14 @@
 What this proves: the server exits 0 within its graceful-shutdown bound (over stdio, which has no
 grace period, too); every call a client got an answer for is in the audit log exactly once, and every
 call that started (a start record) has its end record, including the long command the shutdown cut
-short; the chain verifies; no process, mount, loop device or cgroup of the server is left. What it does
-not prove: a second SIGTERM during the cleanup (the server ignores it: `serve._signals_ignored`), or
-SIGKILL (test_fault_kill.py).
+short; the chain verifies; no process, mount, loop device or cgroup of the server is left. A SIGTERM
+sent again and again through the HTTP server's cleanup, a SIGHUP, and a SIGTERM while a restart's
+recovery runs end it the same way. What it does not prove: SIGKILL (test_fault_kill.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -38,6 +39,8 @@ from .fault_server import (
     descendants,
     fault_config,
     internal_errors,
+    loops_under,
+    mounts_under,
     settled_leftovers,
     unmount_all,
     until,
@@ -176,3 +179,95 @@ async def test_sigterm_over_stdio_cuts_calls_with_their_end_records(root: Path) 
     )
     (cut,) = [r for r in audit_records(audit) if r["event"] == "end" and r["args"].get("command") == LONG_SLEEP]
     assert (cut["code"], cut["reason"]) == ("UNAVAILABLE", CANCELLED_REASON), cut
+
+
+def _signal_until_gone(server: Served, signum: int) -> int:
+    """Send `signum` to the server every 5 ms until it exits: one during every step of its stop. Its status."""
+    assert server.process is not None
+    while server.process.poll() is None:
+        server.signal(signum)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            server.process.wait(0.005)
+    return server.process.returncode
+
+
+async def _three_sandboxes(load: Load, client: Client, index: int) -> None:
+    for n in range(3):
+        box = (await load.call(client, "create_sandbox"))["detail"]["sandbox_id"]
+        await load.call(client, "write_file", path="kept.txt", content=f"{n}", sandbox_id=box)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["sigterm", "sighup"])
+async def test_stop_signals_repeated_through_the_http_servers_cleanup_exit_0_and_leave_nothing(
+    root: Path, signum: int
+) -> None:
+    """Found by attack: uvicorn gives SIGTERM back its default action once it has stopped, so a second one
+    during the cleanup (unmounting the sandboxes' disks) ended the process on the spot: 22 mounts and 4 loop
+    devices left. A SIGHUP (a closed terminal) did that at any time, uvicorn not handling it at all."""
+    server = Served(fault_config(root))
+    server.start()
+    try:
+        load = Load(server.mcp_url)
+        await load.run(1, _three_sandboxes)
+        assert load.codes() == {"OK": 6}, load.answers
+        pid, processes = server.pid, descendants(server.pid)
+        assert await anyio.to_thread.run_sync(_signal_until_gone, server, signum) == 0, server.log()
+        gone = settled_leftovers(root, pid, processes)
+        assert gone.none, gone
+    finally:
+        server.stop()
+    assert verify(root / "state" / "audit.jsonl").ok
+    assert "Traceback" not in server.log()
+
+
+async def test_sigterm_while_a_restarts_recovery_runs_exits_0_and_leaves_nothing(root: Path) -> None:
+    """Found by attack: a restart's recovery (a crashed server's sandboxes kept as snapshots: minutes of
+    gzip for big workspaces) ran before any stop handler was set, so `systemctl stop` then ended the process
+    on the spot: 8 mounts, 3 loop devices and a half-written snapshot left, with no line said. Now it stops
+    cleanly, and the next start recovers the sandbox."""
+    config = fault_config(root)
+    server = Served(config)
+    server.start()
+    try:
+        load = Load(server.mcp_url)
+        await load.run(1, _big_workspace)
+        server.signal(signal.SIGKILL)
+        assert server.wait() == -signal.SIGKILL
+    finally:
+        server.stop()
+    snapshots = root / "state" / "snapshots"
+    crashed = (mounts_under(root), loops_under(root))  # the killed server's: its sandboxes' disks
+    argv = [str(BASTION), "serve", "--config", str(config), "--http"]
+    with open(root / "restart.log", "wb") as log:
+        restart = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        await until(lambda: any(snapshots.glob(".tmp-*")), 60, "recovery writes the crashed sandbox's snapshot")
+        pid, processes = restart.pid, descendants(restart.pid)
+        restart.send_signal(signal.SIGTERM)
+        assert await anyio.to_thread.run_sync(restart.wait, 60) == 0, (root / "restart.log").read_text()
+    finally:
+        if restart.poll() is None:
+            restart.kill()
+            restart.wait()
+    gone = settled_leftovers(root, pid, processes)
+    assert not gone.processes
+    assert not gone.cgroups
+    # Nothing of its own: at most what the kill left (the crashed sandboxes' disks), for the next start.
+    assert set(gone.mounts) <= set(crashed[0])
+    assert set(gone.loops) <= set(crashed[1])
+    assert not list(snapshots.glob(".tmp-*"))
+    assert "Traceback" not in (root / "restart.log").read_text()
+    server.start()  # the next start keeps the crashed sandbox's workspace, as it would have
+    try:
+        await until(lambda: any(snapshots.glob("*.json")), 60, "the crashed sandbox kept as a snapshot")
+        pid, processes = server.pid, descendants(server.pid)
+    finally:
+        server.stop()
+    assert settled_leftovers(root, pid, processes).none
+
+
+async def _big_workspace(load: Load, client: Client, index: int) -> None:
+    """A sandbox holding 96 MiB that gzip cannot shrink: its recovery snapshot takes a while."""
+    box = (await load.call(client, "create_sandbox"))["detail"]["sandbox_id"]
+    made = await load.call(client, "run_command", command="head -c 96M /dev/urandom > big.bin", sandbox_id=box)
+    assert made["ok"], made
