@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import random
+import resource
 import signal
 import subprocess
 import sys
@@ -35,6 +36,7 @@ from bastion.config import InboxConfig
 from bastion.organizer import Organizer
 from bastion.organizer.folder import Folder
 from bastion.organizer.journal import Journal
+from bastion.safety.errors import ConfigError
 
 from .trees import Tree, snapshot
 
@@ -245,4 +247,42 @@ def test_apply_killed_from_outside_recovers(tmp_path: Path, seed: int) -> None:
         child.wait(timeout=30)
         if child.stdout is not None:
             child.stdout.close()
+    _check_recovered(config, state, inbox, outside, original)
+
+
+def _open_past_a_size_limit(config: InboxConfig, state: Path, reason: Path) -> Callable[[], None]:
+    """In a child: the next start, where no file may grow (RLIMIT_FSIZE: its writes fail as on a full
+    filesystem, EFBIG for ENOSPC); the refusal's reason written to `reason`."""
+
+    def work() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of killing
+        reason.touch()
+        resource.setrlimit(resource.RLIMIT_FSIZE, (0, resource.RLIM_INFINITY))
+        organizer = Organizer(config, state)
+        try:
+            organizer.open()
+        except ConfigError as exc:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+            reason.write_text(str(exc))
+
+    return work
+
+
+def test_restart_that_cannot_write_its_journal_refuses_in_one_line_and_loses_nothing(tmp_path: Path) -> None:
+    """Found by attack: apply_plan killed part-way, then a restart on a full state filesystem: the rollback's
+    end record could not be written and the server died with a traceback (an OSError from the journal). It
+    now refuses with one line saying what to do; the files are back where they were, and the start after
+    space returns finishes the recovery."""
+    inbox, state, outside = tmp_path / "inbox", tmp_path / "state", tmp_path / "outside"
+    for folder in (inbox, state, outside):
+        folder.mkdir()
+    _fill(inbox)
+    original: Tree = snapshot(inbox)
+    config = InboxConfig(id="inbox", path=inbox, max_plan_moves=FILES)
+    _in_child(_apply(config, state, 30, torn=False))
+    reason = tmp_path / "reason.txt"
+    _in_child(_open_past_a_size_limit(config, state, reason))
+    assert reason.read_text().startswith("inbox 'inbox': its journal ")
+    assert "(File too large): free space on the state filesystem and start again" in reason.read_text()
+    assert snapshot(inbox) == original  # the moves were put back before the write that failed
     _check_recovered(config, state, inbox, outside, original)

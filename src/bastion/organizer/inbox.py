@@ -93,8 +93,20 @@ class Organizer:
             A one-line message when something was recovered, else None.
 
         Raises:
-            ConfigError: the journal is damaged or held by another server.
+            ConfigError: the journal is damaged, held by another server, or cannot be written.
         """
+        try:
+            return self._open()
+        except OSError as exc:
+            # Found by attack: a restart on a full state filesystem died with a traceback. The moves were put
+            # back before the write that failed, and the journal still holds the crash's transaction.
+            raise ConfigError(
+                f"inbox {self.id!r}: its journal {self.journal.path} could not be written "
+                f"({os.strerror(exc.errno) if exc.errno else exc}): free space on the state filesystem and start "
+                "again; the next start finishes rolling back what a crash left unfinished"
+            ) from None
+
+    def _open(self) -> str | None:
         with self._lock:
             replay = self.journal.open()
             message = None
