@@ -113,6 +113,11 @@ class Served:
                 stderr=subprocess.STDOUT,
                 env=env,
             )
+        self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Until the server answers, or its start failed."""
+        assert self.process is not None
         deadline = time.monotonic() + READY_S
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 from collections.abc import Iterator
+from glob import glob
 from pathlib import Path
 
 import anyio
@@ -183,3 +184,68 @@ def test_torn_last_record_stops_the_next_start_with_one_line(root: Path) -> None
     assert report.returncode != 0
     assert report.stdout.startswith(f"BROKEN at {audit}:4: "), report.stdout
     assert "torn record" in report.stdout
+
+
+class _PidOne(Served):
+    """The server as pid 1 of a pid namespace of its own, as in a container: the same pid at every start."""
+
+    def start(self) -> None:
+        self.starts += 1
+        argv = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"]
+        argv += [str(BASTION), "serve", "--config", str(self.config_path), "--http"]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env
+            )
+        self.wait_ready()
+
+    @property
+    def inner(self) -> int:
+        """The server's pid as the host sees it (the child of `unshare`)."""
+        found = subprocess.run(["pgrep", "-P", str(self.pid)], capture_output=True, text=True, check=False)
+        return int(found.stdout.split()[0])
+
+
+def _pid_one_groups() -> list[str]:
+    """The sandbox groups a pid-1 server made, in every hierarchy."""
+    paths = glob("/sys/fs/cgroup/bastion/sb-1-*") + glob("/sys/fs/cgroup/*/bastion/sb-1-*")
+    return sorted({Path(path).name for path in paths})
+
+
+async def test_kill_9_of_a_server_that_is_pid_1_then_restart_removes_its_groups(root: Path) -> None:
+    """Found by attack: recovery removed a dead server's cgroups only when no process had its pid. A server
+    that is pid 1 of a container has the same pid at every start: its dead groups stayed for ever, and the
+    restarted one asked for the same names, so its first create_sandbox was refused (CONFLICT, "cgroup sb-1-2
+    already exists") and its warm pool was not refilled. Now a group whose owner is the server itself, or a
+    process younger than the group, is a dead server's."""
+    assert _pid_one_groups() == []
+    server = _PidOne(fault_config(root))
+    server.start()
+    try:
+        load = Load(server.mcp_url)
+        async with load.session() as client:
+            assert (await load.call(client, "create_sandbox"))["ok"]
+        assert _pid_one_groups()
+        os.kill(server.inner, signal.SIGKILL)
+        server.wait()
+        server.start()  # the same names again: sb-1-1, sb-1-2...
+        async with load.session() as client:
+            for _ in range(3):
+                assert (await load.call(client, "create_sandbox"))["ok"]
+        assert "already exists" not in server.log()
+        os.kill(server.inner, signal.SIGTERM)
+        assert server.wait() == 0, server.log()
+    finally:
+        if server.process is not None and server.process.poll() is None:
+            os.kill(server.inner, signal.SIGTERM)
+            server.wait()
+        left = _pid_one_groups()
+        _remove_pid_one_groups()  # a failure's leftovers: every process of the namespace is gone
+    assert left == []
+
+
+def _remove_pid_one_groups() -> None:
+    for group in glob("/sys/fs/cgroup/bastion/sb-1-*") + glob("/sys/fs/cgroup/*/bastion/sb-1-*"):
+        for folder, _, _ in sorted(os.walk(group), key=lambda entry: -len(entry[0])):
+            os.rmdir(folder)

@@ -947,9 +947,9 @@ class SandboxManager:
         """
         if self._cgroups is not None:
             for name in self._cgroups.existing():
-                owner = owner_pid(name)
-                if owner is not None and not os.path.exists(f"/proc/{owner}"):
-                    self._cgroups.open(name).destroy()
+                group = self._cgroups.open(name)
+                if _left_by_a_crash(name, group.paths):
+                    group.destroy()
         for folder in recover_run_dirs():
             logger.info("a crashed server's microVM folder %s removed", folder)
         made = []
@@ -1222,3 +1222,36 @@ def _disk_bytes(workspace: Path) -> int:
     if os.path.ismount(workspace):
         return used_bytes(workspace)
     return tree_bytes(workspace, max_entries=_DISK_WALK_MAX_ENTRIES)
+
+def _left_by_a_crash(name: str, paths: tuple[str, ...]) -> bool:
+    """Whether the sandbox group `name` (folders `paths`) is a dead server's: the server whose pid it bears
+    (`owner_pid`) is gone, is this one (which has made none yet: a restart under the same pid, as pid 1 of a
+    container always is), or is a process started after the group was made (the pid was reused).
+
+    Found by attack: only a missing pid counted, so the groups of a server killed in a container stayed for
+    ever, and the restarted one's first sandbox was refused (its name was taken). A live server's groups on
+    a shared hierarchy (another state folder) are younger than that server: kept.
+    """
+    owner = owner_pid(name)
+    if owner is None:
+        return False  # not a name a server makes
+    if owner == os.getpid():
+        return True
+    started = _process_start(owner)
+    if started is None:
+        return True
+    made = [os.stat(path).st_mtime for path in paths if os.path.isdir(path)]
+    return bool(made) and started > min(made)
+
+
+def _process_start(pid: int) -> float | None:
+    """When process `pid` started (seconds since the epoch), or None when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat_file:
+            fields = stat_file.read().rsplit(b")", 1)[1].split()
+        with open("/proc/stat", "rb") as system:
+            boot = next(int(line.split()[1]) for line in system if line.startswith(b"btime "))
+    except (OSError, IndexError, StopIteration, ValueError):
+        return None
+    # Field 22 of stat(5), the start in clock ticks since boot; `fields` begins at field 3 (the state).
+    return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
