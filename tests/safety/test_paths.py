@@ -11,6 +11,7 @@ import ctypes
 import fnmatch
 import json
 import os
+import signal
 import stat
 import struct
 import subprocess
@@ -1453,3 +1454,25 @@ def test_an_acl_mask_limits_its_named_entries(tmp_path: Path) -> None:
         [(0x01, 7, 0xFFFFFFFF), (0x02, 7, 4242), (0x04, 5, 0xFFFFFFFF), (0x10, 5, 0xFFFFFFFF), (0x20, 5, 0xFFFFFFFF)],
     )
     assert replaceable_by(str(_folder(masked / "ws", alice, 0o755)), alice) is None  # the mask takes the write away
+
+
+def test_a_server_killed_while_it_writes_an_edit_leaves_no_file_in_the_folder(jail: Jail, ws: Path) -> None:
+    """Found by attack: edit_file's new content went to `.bastion-edit-*.tmp` beside the file, and a server
+    killed during its write or sync left that file (with the edit's content) in the user's folder for good.
+    The new file is nameless until whole; here the kill lands at its sync."""
+    (ws / "notes.txt").write_text("hello world\n")
+    version = jail.read("notes.txt").version
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.fsync = lambda fd: os.kill(os.getpid(), signal.SIGKILL)
+            jail.replace("notes.txt", b"goodbye world\n", version=version)
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status), status  # killed mid-edit, as the attack did
+    assert sorted(path.name for path in ws.iterdir()) == ["notes.txt"]
+    assert (ws / "notes.txt").read_text() == "hello world\n"
+    jail.replace("notes.txt", b"goodbye world\n", version=version)  # the next edit is whole
+    assert (ws / "notes.txt").read_text() == "goodbye world\n"
+    assert sorted(path.name for path in ws.iterdir()) == ["notes.txt"]

@@ -1437,9 +1437,18 @@ class Jail:
         return WriteResult(path=rel, bytes_written=len(data), created=False)
 
     def _rename_new(self, parent_fd: int, name: str, rel: str, data: bytes, old: os.stat_result) -> None:
+        """Write `data` to a new file in `parent_fd` and rename it over `name`.
+
+        Found by attack: a server killed while it wrote or synced the new file left it in the user's folder
+        (`.bastion-edit-*.tmp`, with the edit's content) for good. The file is now nameless (O_TMPFILE) until
+        it is whole: it gets its temporary name only for the moment before the rename.
+        """
         temp = f".bastion-edit-{os.urandom(6).hex()}.tmp"  # fixed length: any name fits NAME_MAX
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-        fd = self._open(parent_fd, temp, rel, flags, mode=0o600, resolve=_NO_LINKS)
+        fd = self._nameless(parent_fd, rel)
+        named = fd is None
+        if fd is None:  # a filesystem without O_TMPFILE
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+            fd = self._open(parent_fd, temp, rel, flags, mode=0o600, resolve=_NO_LINKS)
         try:
             with contextlib.suppress(PermissionError):  # a server not root, or acting as a user, keeps its own ids
                 os.fchown(fd, old.st_uid, old.st_gid)
@@ -1452,17 +1461,35 @@ class Jail:
             while written < len(data):
                 written += os.write(fd, view[written:])
             os.fsync(fd)
+            if not named:
+                os.link(f"/proc/self/fd/{fd}", temp, dst_dir_fd=parent_fd)  # linkat(AT_SYMLINK_FOLLOW)
+                named = True
             os.rename(temp, name, src_dir_fd=parent_fd, dst_dir_fd=parent_fd)
         except OSError as exc:
-            with contextlib.suppress(OSError):
-                os.unlink(temp, dir_fd=parent_fd)
+            if named:
+                with contextlib.suppress(OSError):
+                    os.unlink(temp, dir_fd=parent_fd)
             raise _error_from_os(exc, rel) from exc
         except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(temp, dir_fd=parent_fd)
+            if named:
+                with contextlib.suppress(OSError):
+                    os.unlink(temp, dir_fd=parent_fd)
             raise
         finally:
             os.close(fd)
+
+    def _nameless(self, parent_fd: int, rel: str) -> int | None:
+        """A new, nameless file (O_TMPFILE) in the folder `parent_fd`, or None where its filesystem has none."""
+        flags = os.O_WRONLY | os.O_TMPFILE | os.O_CLOEXEC
+        for _ in range(_RETRIES):
+            result = self._openat2(parent_fd, b".", flags, 0o600, _NO_LINKS)
+            if result >= 0:
+                return result
+            if -result in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+                return None
+            if -result not in (errno.EAGAIN, errno.EINTR):
+                raise _error_from_os(OSError(-result, os.strerror(-result)), rel)
+        return None
 
     @_leased
     def real_path(self, path: str) -> str:
