@@ -29,7 +29,7 @@ from mcp import Client
 from bastion.safety.audit import verify
 from bastion.tools._call import CANCELLED_REASON
 from bastion.transports.http.connections import CANCELLED_AT_SHUTDOWN
-from tests.helpers import BASTION, INITIALIZE_REQUEST, processes_with
+from tests.helpers import BASTION, INITIALIZE_REQUEST, mounts_under, processes_with
 
 from .fault_server import (
     Load,
@@ -40,7 +40,6 @@ from .fault_server import (
     fault_config,
     internal_errors,
     loops_under,
-    mounts_under,
     settled_leftovers,
     unmount_all,
     until,
