@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from bastion.safety.errors import Conflict, InvalidRequest, NotFound, Unavailable
+from bastion.safety.errors import Conflict, InvalidRequest, NotFound, OperationFailed, Unavailable
 from bastion.sandbox._hierarchies import Hierarchy, Roles, own_dir, parse_mountinfo, parse_self_cgroup
 from bastion.sandbox.cgroups import CgroupLayout, Limits, SandboxCgroup, Usage, fd_migration_supported, owner_pid
 
@@ -158,6 +158,86 @@ sys.stdin.readline()
     assert group.usage().pids <= 16
     group.kill()
     assert proc.wait(timeout=5) == -9
+
+
+# Loopback TCP pairs, each sender filling its send queue and the peer's receive queue without reading.
+TCP_FILL = """
+import socket
+listener = socket.socket()
+listener.bind(("127.0.0.1", 0))
+listener.listen(64)
+pairs, queued = [], 0
+for _ in range(60):
+    sender = socket.create_connection(listener.getsockname())
+    pairs.append((sender, listener.accept()[0]))
+    sender.setblocking(False)
+    try:
+        while True:
+            queued += sender.send(b"x" * 65536)
+    except BlockingIOError:
+        pass
+print(queued >> 20, flush=True)
+"""
+
+
+def memory_dir(group: SandboxCgroup) -> Path:
+    """The group's folder in the hierarchy that holds its memory limit."""
+    found = [
+        Path(p) for p in group.paths if any((Path(p) / f).exists() for f in ("memory.max", "memory.limit_in_bytes"))
+    ]
+    assert len(found) == 1, group.paths
+    return found[0]
+
+
+def test_loopback_tcp_buffers_past_the_memory_limit_are_refused(make_group: MakeGroup, spawn: Spawn) -> None:
+    """Attack (found by attack): on cgroup v1 TCP buffers are counted only once memory.kmem.tcp.limit_in_bytes
+    is written; 54 loopback pairs queued 402 MB with the group at 4 of 128 MiB, and tcp_mem is one budget for
+    every socket on the host. Invariant: 60 pairs in a 64 MiB group queue no more than about 64 MiB (v1: the
+    TCP limit is the memory limit; v2: memory.max counts them), and the group's socket memory is back to 0
+    once the process is gone. Without the limit the same pairs queue over 100 MiB here."""
+    group = make_group(Limits(memory_bytes=64 * MIB, pids=None, cpu_cores=None))
+    memory = memory_dir(group)
+    v1 = (memory / "memory.limit_in_bytes").exists()
+    if v1 and not (memory / "memory.kmem.tcp.limit_in_bytes").exists():
+        pytest.skip("this kernel's v1 memory controller has no TCP accounting")
+    if v1:
+        assert (memory / "memory.kmem.tcp.limit_in_bytes").read_text().strip() == str(64 * MIB)
+    proc = spawn(group, python(TCP_FILL))
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0
+    assert int(out) <= 72, f"{int(out)} MiB queued in a 64 MiB group"
+
+    def socket_memory() -> int:
+        if v1:
+            return int((memory / "memory.kmem.tcp.usage_in_bytes").read_text())
+        return int(dict(line.split() for line in (memory / "memory.stat").read_text().splitlines())["sock"])
+
+    wait_for(lambda: socket_memory() == 0)
+
+
+def test_v1_tcp_buffer_limit_is_written_and_a_refusal_stops_the_start(tmp_path: Path) -> None:
+    """The v1 branch against plain files laid out like cgroupfs: memory.kmem.tcp.limit_in_bytes gets the
+    memory limit (-1 for none); where it exists but cannot be written (here a folder), set_limits fails with
+    OperationFailed naming it, so the sandbox does not start with its TCP buffers counted nowhere; a kernel
+    without the file is left alone."""
+    group_dir = tmp_path / "base" / "box"
+    group_dir.mkdir(parents=True)
+    for name in ("memory.limit_in_bytes", "memory.swappiness", "pids.max", "cpu.cfs_period_us", "cpu.cfs_quota_us"):
+        (group_dir / name).write_text("")
+    v1 = Hierarchy(1, str(tmp_path / "base"))
+    group = SandboxCgroup("box", Roles(v1, v1, v1, v1, v1, None, False, (v1,)))
+    group.set_limits(Limits(memory_bytes=64 * MIB, pids=16, cpu_cores=None))  # no TCP file: left alone
+    assert not (group_dir / "memory.kmem.tcp.limit_in_bytes").exists()
+    (group_dir / "memory.kmem.tcp.limit_in_bytes").write_text("")
+    group.set_limits(Limits(memory_bytes=64 * MIB, pids=16, cpu_cores=None))
+    assert (group_dir / "memory.kmem.tcp.limit_in_bytes").read_text() == str(64 * MIB)
+    (group_dir / "memory.kmem.tcp.limit_in_bytes").write_text("")
+    group.set_limits(UNLIMITED)
+    assert (group_dir / "memory.kmem.tcp.limit_in_bytes").read_text() == "-1"
+    (group_dir / "memory.kmem.tcp.limit_in_bytes").unlink()
+    (group_dir / "memory.kmem.tcp.limit_in_bytes").mkdir()
+    with pytest.raises(OperationFailed, match="cannot limit the TCP buffers of cgroup box"):
+        group.set_limits(Limits(memory_bytes=64 * MIB, pids=16, cpu_cores=None))
 
 
 def test_cpu_limit_holds_a_busy_loop_to_a_fifth_of_a_core(make_group: MakeGroup, spawn: Spawn) -> None:

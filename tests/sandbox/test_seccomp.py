@@ -88,6 +88,10 @@ NR = {
         "fremovexattr",
         "landlock_create_ruleset",
         "setxattrat",
+        "fanotify_init",
+        "inotify_init1",
+        "socket",
+        "socketpair",
     )
 }
 
@@ -273,6 +277,91 @@ assert int80(20) == "OK"  # getpid: the 32-bit ABI works at all
 def test_unshare_through_the_32bit_abi_is_refused() -> None:
     """Invariant: a 32-bit syscall (int 0x80) meets the same rule as the native one."""
     code = INT80 + "print(int80(310, 0x10000000))"  # i386 unshare(CLONE_NEWUSER)
+    assert probe(code) == "EPERM"
+    assert probe(code, filtered=False) == "OK"
+
+
+# -- socket families, socketcall and fanotify ---------------------------------------------------------
+
+AF_NETLINK, NETLINK_ROUTE, NETLINK_USERSOCK = 16, 0, 2
+FAN_CLASS_NOTIF, FAN_REPORT_FID = 0, 0x200
+SOCKET = """
+def sock(*args):
+    try:
+        socket.socket(*args).close()
+        return "OK"
+    except OSError as e:
+        return errno.errorcode[e.errno]
+"""
+
+
+def test_netlink_usersock_queue_flood_is_refused() -> None:
+    """Attack (found by attack): 1,500 NETLINK_USERSOCK sockets each sending to itself queued 281 MB of host
+    memory that the sandbox's memory cgroup never counted. Invariant: a netlink socket of any protocol but
+    NETLINK_ROUTE fails with EPROTONOSUPPORT (as on a kernel without the protocol), NETLINK_ROUTE still opens;
+    without the filter the same socket opens and queues. Does not prove the other families' queues are
+    counted (AF_UNIX's and AF_INET's are the sandbox's own business, within its open-file limit)."""
+    code = SOCKET + (
+        f"print(sock({AF_NETLINK}, socket.SOCK_RAW, {NETLINK_USERSOCK}), sock({AF_NETLINK}, socket.SOCK_DGRAM, 4),"
+        f" sock({AF_NETLINK}, socket.SOCK_RAW, {NETLINK_ROUTE}))"
+    )
+    assert probe(code) == "EPROTONOSUPPORT EPROTONOSUPPORT OK"
+    queued = SOCKET + (
+        f"s = socket.socket({AF_NETLINK}, socket.SOCK_RAW, {NETLINK_USERSOCK})\n"
+        "s.bind((0, 0))\n"
+        "s.sendto(b'x' * 4096, (s.getsockname()[0], 0))\n"
+        "print('OK' if len(s.recv(8192)) == 4096 else 'FAILED')"
+    )
+    assert probe(queued, filtered=False) == "OK"
+
+
+@pytest.mark.parametrize(
+    "family",
+    [
+        ("AF_VSOCK", 40, socket.SOCK_STREAM),
+        ("AF_PACKET", 17, socket.SOCK_RAW),
+        ("AF_ALG", 38, socket.SOCK_SEQPACKET),
+        ("AF_KEY", 15, socket.SOCK_RAW),
+        ("AF_TIPC", 30, socket.SOCK_RDM),
+        ("AF_UNSPEC", 0, socket.SOCK_STREAM),
+        ("AF_AX25", 3, socket.SOCK_SEQPACKET),
+        ("AF_INET with bits above 32", 1 << 32 | 2, socket.SOCK_STREAM),
+    ],
+    ids=lambda family: str(family[0]),
+)
+def test_socket_of_a_family_the_sandbox_does_not_use_is_refused(family: tuple[str, int, int]) -> None:
+    """Attack (found by attack): AF_VSOCK sockets are not network-namespaced (a sandbox held a vsock port
+    host-wide), and a stock kernel loads a module for a family on its first socket. Invariant: socket(2) and
+    socketpair(2) of any family but AF_UNIX, AF_INET, AF_INET6 and AF_NETLINK fail with EAFNOSUPPORT before the
+    kernel sees them (so no module is loaded), whatever the argument's bits above 32 hold. Not run without the
+    filter: that would load the modules on the test host."""
+    _, number, kind = family
+    code = (
+        f'print(call("socket", ctypes.c_long({number}), {kind}, 0),'
+        f' call("socketpair", ctypes.c_long({number}), {kind}, 0, (ctypes.c_int * 2)()))'
+    )
+    assert probe(code) == "EAFNOSUPPORT EAFNOSUPPORT"
+
+
+@pytest.mark.skipif(not IS_X86_64, reason="the 32-bit x86 ABI exists only on x86_64")
+def test_socket_through_the_i386_socketcall_multiplexer_is_refused() -> None:
+    """Attack: socketcall(2) takes socket()'s arguments from memory, where the family rules cannot read them.
+    Invariant: i386 socketcall fails with ENOSYS for every call (the direct socket(2) is checked);
+    without the filter it opens an AF_UNIX socket."""
+    code = INT80 + (
+        "import struct\n"
+        "args = low(struct.pack('<3I', 1, socket.SOCK_STREAM, 0), 0)\n"  # AF_UNIX, SOCK_STREAM, 0
+        "print(int80(102, 1, args))"  # socketcall(SYS_SOCKET, args)
+    )
+    assert probe(code) == "ENOSYS"
+    assert probe(code, filtered=False) == "OK"
+
+
+def test_fanotify_watch_of_the_shared_folders_is_refused() -> None:
+    """Attack (found by attack): unprivileged fanotify (Linux 5.13) watches what the host and other sandboxes
+    open in the folders they share read-only. Invariant: fanotify_init fails with EPERM, as it does for an
+    unprivileged process on an older kernel; without the filter it works here."""
+    code = f'print(call("fanotify_init", {FAN_CLASS_NOTIF | FAN_REPORT_FID}, os.O_RDONLY))'
     assert probe(code) == "EPERM"
     assert probe(code, filtered=False) == "OK"
 
@@ -578,6 +667,18 @@ NEEDED = {
         "data, fds, _, _ = socket.recv_fds(b, 16, 1)\n"
         "print('OK' if data == b'x' and len(fds) == 1 else 'FAILED')"
     ),
+    # The families a sandbox uses: the agent, the egress forwarder, `ip` and getaddrinfo (NETLINK_ROUTE).
+    "sockets_of_the_sandboxes_own_families": (
+        SOCKET + f"got = [sock(socket.AF_UNIX, socket.SOCK_STREAM), sock(socket.AF_INET, socket.SOCK_DGRAM),"
+        f" sock(socket.AF_INET6, socket.SOCK_STREAM), sock({AF_NETLINK}, socket.SOCK_RAW, {NETLINK_ROUTE})]\n"
+        "a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)\n"
+        "print('OK' if got == ['OK'] * 4 and [n for _, n in socket.if_nameindex()] == ['lo'] else got)"
+    ),
+    # inotify stays allowed: file watchers (node's fs.watch, chokidar) fail rather than poll without it.
+    "inotify_watch": (
+        'fd = libc.syscall(NR["inotify_init1"], 0)\n'
+        "print('OK' if fd >= 0 and libc.inotify_add_watch(fd, b'/tmp', 0x100) >= 0 else 'FAILED')"
+    ),
     # Landlock's syscalls (444-446) sit in the unified numbering, below the unknown-syscall range.
     "landlock_abi_version": (
         'abi = libc.syscall(NR["landlock_create_ruleset"], None, 0, 1)\n'  # LANDLOCK_CREATE_RULESET_VERSION
@@ -709,6 +810,10 @@ def resolve(arch: int, name: str) -> int:
     return nr
 
 
+# libseccomp names i386's socket calls by socketcall's pseudo-numbers; their direct numbers (Linux 4.3).
+I386_DIRECT_SOCKET_CALLS = {"socket": 359, "socketpair": 360}
+
+
 @pytest.mark.skipif(not IS_X86_64, reason="checks the x86_64 and i386 programs")
 def test_every_denial_is_in_the_program_for_each_abi(program: bytes) -> None:
     """Invariant: every row of the deny table that a 64- or 32-bit x86 ABI has is enforced on that ABI.
@@ -718,7 +823,11 @@ def test_every_denial_is_in_the_program_for_each_abi(program: bytes) -> None:
     cannot name must be one that ABI lacks, or one newer than its table, which the
     unknown-syscall range then refuses with ENOSYS.
     """
-    not_in_abi = {("umount", AUDIT_ARCH_X86_64), ("kexec_file_load", AUDIT_ARCH_I386)}
+    not_in_abi = {
+        ("umount", AUDIT_ARCH_X86_64),
+        ("kexec_file_load", AUDIT_ARCH_I386),
+        ("socketcall", AUDIT_ARCH_X86_64),
+    }
     newer = {"setxattrat": 463, "open_tree_attr": 467}  # unified numbers, the same on both ABIs
     for denial in seccomp.DENIED:
         args = [0] * 6
@@ -726,8 +835,11 @@ def test_every_denial_is_in_the_program_for_each_abi(program: bytes) -> None:
             args[index] |= mask
         for index, mask, value in denial.args_equal:
             args[index] = args[index] & ~mask | value
+        for index, value in denial.args_above:
+            args[index] = value + 1
         for arch in (AUDIT_ARCH_X86_64, AUDIT_ARCH_I386):
-            nr = resolve(arch, denial.syscall)
+            nr = I386_DIRECT_SOCKET_CALLS.get(denial.syscall, -1) if arch == AUDIT_ARCH_I386 else -1
+            nr = nr if nr >= 0 else resolve(arch, denial.syscall)
             if nr >= 0:
                 assert run_bpf(program, nr, arch, args) == errno_action(denial.errno), (denial.syscall, hex(arch))
             elif denial.syscall in newer:
@@ -858,6 +970,39 @@ def test_inode_attribute_ioctls_and_device_nodes_are_refused_on_each_abi(program
             assert run_bpf(program, renameat2, arch, [0, 0, 0, 0, flags]) == verdict, (hex(arch), flags)
 
 
+@pytest.mark.skipif(not IS_X86_64, reason="checks the x86_64 and i386 programs")
+def test_socket_families_and_socketcall_are_refused_on_each_abi(program: bytes) -> None:
+    """Invariant: on both x86 ABIs socket and socketpair allow AF_UNIX, AF_INET, AF_INET6 and AF_NETLINK with
+    NETLINK_ROUTE, whatever the type; every other family (all 32-bit values, and on x86_64 any value with bits
+    above 32, which the kernel ignores: refused, never allowed) fails with EAFNOSUPPORT, any other netlink
+    protocol with EPROTONOSUPPORT; i386's socketcall fails with ENOSYS for every call; fanotify_init with EPERM."""
+    allowed = {1, 2, 10}
+    kinds = (socket.SOCK_STREAM, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC, socket.SOCK_RAW)
+    families = [*range(64), 0x7FFFFFFF, 0xFFFFFFFF, 1 << 32 | 1, 1 << 32 | 16]
+    for arch, calls in ((AUDIT_ARCH_X86_64, (41, 53)), (AUDIT_ARCH_I386, (359, 360))):
+        for nr in calls:
+            for family in families:
+                low = family & 0xFFFFFFFF
+                wide = arch == AUDIT_ARCH_X86_64 and family >> 32
+                for kind in kinds:
+                    for protocol in (0, 2, 4, 0xFFFFFFFF):
+                        if low in allowed and not wide:
+                            expected = {ALLOW}
+                        elif low == 16 and not wide:
+                            expected = {ALLOW if protocol == 0 else errno_action(errno.EPROTONOSUPPORT)}
+                        elif wide:  # refused by the rule on the family, or by netlink's on its protocol
+                            expected = {errno_action(errno.EAFNOSUPPORT), errno_action(errno.EPROTONOSUPPORT)}
+                        else:
+                            expected = {errno_action(errno.EAFNOSUPPORT)}
+                        got = run_bpf(program, nr, arch, [family, kind, protocol])
+                        assert got in expected, (hex(arch), nr, hex(family), kind, protocol)
+        fanotify = resolve(arch, "fanotify_init")
+        assert run_bpf(program, fanotify, arch, [FAN_CLASS_NOTIF | FAN_REPORT_FID, 0]) == errno_action(errno.EPERM)
+        assert run_bpf(program, resolve(arch, "inotify_init1"), arch) == ALLOW
+    for call_number in range(21):  # SYS_SOCKET (1) to SYS_SENDMMSG (20), and 0
+        assert run_bpf(program, 102, AUDIT_ARCH_I386, [call_number, 0]) == errno_action(errno.ENOSYS)
+
+
 def named(arch: int, nr: int) -> bool:
     """Whether libseccomp's table names syscall `nr` of ABI `arch`."""
     name = _LIB.seccomp_syscall_resolve_num_arch(arch, nr)
@@ -891,7 +1036,7 @@ def test_numbers_libseccomp_cannot_name_get_enosys_on_each_abi(program: bytes) -
         named = {
             resolve(arch, d.syscall): d
             for d in seccomp.DENIED
-            if not d.args_have and not d.arg1_except and not d.args_equal
+            if not d.args_have and not d.arg1_except and not d.args_equal and not d.args_above
         }
         for nr in range(424, first):
             expected = errno_action(named[nr].errno) if nr in named else ALLOW

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import marshal
 import os
+import resource
 import subprocess
 from pathlib import Path
 
@@ -140,3 +141,19 @@ def test_etc_file_the_sandbox_could_not_read_is_bound_not_copied(
     finally:
         for fd in fds.values():
             os.close(fd)
+
+
+def test_open_files_limit_is_bounded_and_never_above_the_servers() -> None:
+    """Attack (found by attack): a sandbox inherited the server's open-file limit (20,000) and one process held
+    1,500 netlink sockets. Invariant: a sandbox starts with `OPEN_FILES_LIMIT` (1024 soft, 4096 hard), or the
+    server's own soft limit where that is lower (a hard limit is never asked above the server's). The limit in
+    a real sandbox, and that it cannot be raised, is tested in tests/attacks/test_kernel_attacks.py."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < _spawn.OPEN_FILES_LIMIT[1]:
+        pytest.skip(f"the hard limit on open files is {hard}: below the sandbox's")
+    assert _spawn.open_files_limit() == (min(1024, soft), 4096)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (512, hard))
+    try:
+        assert _spawn.open_files_limit() == (512, 4096)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -122,7 +122,7 @@ class SandboxSpec:
     (`seccomp.HOST_WORKSPACE_DENIED`). False: an agent sandbox's own folder, no one else's to reach."""
 
 
-# Joins the cgroups, then becomes bwrap (same pid; through setpriv when it drops to the
+# Joins the cgroups (none: "0"), then becomes bwrap (same pid; through setpriv when it drops to the
 # sandbox's own identity), so bwrap and everything it forks start inside: attaching
 # bwrap's pid after spawn would miss the children it forks at once. `echo` is the
 # shell's builtin, so the shell itself moves ("0" = the writer).
@@ -131,6 +131,28 @@ _JOIN_CGROUPS: Final = """n=$1; shift
 while [ "$n" -gt 0 ]; do echo 0 > "$1" || exit 126; shift; n=$((n - 1)); done
 exec "$@"
 """
+
+
+# A sandbox's first step, before `_JOIN_CGROUPS` in the same shell: the open-file limit, soft then hard
+# (a soft limit above the new hard one would be refused).
+_LIMIT_OPEN_FILES: Final = """ulimit -S -n "$1" && ulimit -H -n "$2" || exit 126; shift 2
+"""
+
+OPEN_FILES_LIMIT: Final = (1024, 4096)
+"""RLIMIT_NOFILE (soft, hard) of a sandbox's processes; the server's own where that is lower. Inherited, the
+server's (20,000, or systemd's 65,536) let one process hold 1,500 netlink sockets whose queues no memory
+cgroup counted. A hard limit only goes down without CAP_SYS_RESOURCE in the host's user namespace; a process
+may raise its soft limit to 4096 (node does). Per process: a sandbox's whole count is this times its pids
+limit, bounded in memory by its cgroup (an open file is charged to it)."""
+
+
+def open_files_limit() -> tuple[int, int]:
+    """`OPEN_FILES_LIMIT`, each lowered to this process's own limit where that is lower."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want_soft, want_hard = OPEN_FILES_LIMIT
+    new_hard = want_hard if hard == resource.RLIM_INFINITY else min(want_hard, hard)
+    new_soft = want_soft if soft == resource.RLIM_INFINITY else min(want_soft, soft)
+    return min(new_soft, new_hard), new_hard
 
 
 NO_CORE_DUMPS: Final = (1, 1)
@@ -375,16 +397,16 @@ def start_sandbox(spec: SandboxSpec) -> tuple[SandboxProcess, socket.socket]:
         argv = [full[0], "--args", str(args_fd), *full[split:]]
         if spec.identity is not None:
             argv = [*setpriv_argv(*spec.identity), *argv]
-        if spec.cgroup_procs:
-            argv = [
-                "/bin/sh",
-                "-c",
-                _JOIN_CGROUPS,
-                "bastion-join",
-                str(len(spec.cgroup_procs)),
-                *spec.cgroup_procs,
-                *argv,
-            ]
+        argv = [
+            "/bin/sh",
+            "-c",
+            _LIMIT_OPEN_FILES + _JOIN_CGROUPS,
+            "bastion-join",
+            *map(str, open_files_limit()),
+            str(len(spec.cgroup_procs)),
+            *spec.cgroup_procs,
+            *argv,
+        ]
         proc = subprocess.Popen(
             argv,
             stdin=subprocess.DEVNULL,

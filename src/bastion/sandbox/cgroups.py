@@ -24,8 +24,10 @@ double-forked children included. It is not an isolation boundary: a process that
 can write to a cgroup filesystem (root in the init user namespace, or a writable
 ``/sys/fs/cgroup`` bound into the sandbox) can leave its group, so the sandbox
 must never see cgroupfs writable. The memory limit counts page cache as well as
-anonymous memory; swap is turned off for the group (``memory.swap.max`` 0 on v2,
-``memory.swappiness`` 0 on v1). ``pids.max`` counts threads, not only processes.
+anonymous memory, and TCP buffers on v2; v1 counts those against a limit of
+their own, ``memory.kmem.tcp.limit_in_bytes``, set to the memory limit (so they
+may hold as much again). Swap is turned off for the group (``memory.swap.max``
+0 on v2, ``memory.swappiness`` 0 on v1). ``pids.max`` counts threads, not only processes.
 A cpu quota bounds throughput per period, not latency. Calls block for bounded
 times (freeze, kill, destroy): run them off the event loop.
 """
@@ -317,6 +319,7 @@ class SandboxCgroup:
                 write_file(swap, "0")
         else:
             write_file(self._file(r.memory, "memory.limit_in_bytes"), str(limits.memory_bytes or -1))
+            self._limit_tcp_buffers(str(limits.memory_bytes or -1))
             # v1: swappiness 0 keeps the group's anonymous memory in RAM; best-effort, some kernels refuse it.
             with contextlib.suppress(OSError):
                 write_raw(self._file(r.memory, "memory.swappiness"), "0")
@@ -326,6 +329,29 @@ class SandboxCgroup:
         else:
             write_file(self._file(r.cpu, "cpu.cfs_period_us"), str(CPU_PERIOD_US))
             write_file(self._file(r.cpu, "cpu.cfs_quota_us"), str(-1 if quota is None else quota))
+
+    def _limit_tcp_buffers(self, value: str) -> None:
+        """v1: charge the group's TCP buffers, up to `value` bytes.
+
+        v1 counts them apart from the memory limit, and only once ``memory.kmem.tcp.limit_in_bytes``
+        is written (Documentation/admin-guide/cgroup-v1/memory.rst, kmem.tcp); until then they are the
+        host's, and ``tcp_mem`` is one budget for every socket on it: a sandbox's loopback connections
+        held 402 MB with its group at 4 of 128 MiB. v2 counts them in memory.max (``sock`` in memory.stat).
+        A kernel without the file (no kmem accounting) is left as it is.
+
+        Raises:
+            OperationFailed: the file is there but the kernel refused the limit.
+        """
+        path = self._file(self._roles.memory, "memory.kmem.tcp.limit_in_bytes")
+        if not os.path.exists(path):
+            return
+        try:
+            write_raw(path, value)
+        except OSError as exc:
+            raise OperationFailed(
+                f"cannot limit the TCP buffers of cgroup {self.name} ({path}): {exc.strerror}; "
+                "without the limit they are charged to no group: fix the v1 memory controller or use cgroup v2"
+            ) from exc
 
     def usage(self) -> Usage:
         """Current memory (bytes, page cache included), task count, cumulative CPU time (µs), and frozen state."""

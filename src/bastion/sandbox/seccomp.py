@@ -30,6 +30,22 @@ a plain error):
   to win), io_uring (requests travel through a shared ring, not syscalls, so this
   filter never sees them: io_uring(7)), keyctl(2), add_key(2), request_key(2)
   (keyrings are not namespaced).
+- Socket families a sandbox does not use. socket(2) and socketpair(2) are
+  allowed only for AF_UNIX, AF_INET, AF_INET6 and AF_NETLINK, and netlink
+  only with NETLINK_ROUTE (`ip`, getaddrinfo, if_nameindex); any other family
+  fails with EAFNOSUPPORT, another netlink protocol with EPROTONOSUPPORT, what
+  a kernel built without them answers, so programs fall back. A stock kernel
+  loads a module for a family on first use (AF_VSOCK's is not even
+  network-namespaced), and netlink receive queues hold host memory that no
+  memory cgroup counts: 1,500 NETLINK_USERSOCK sockets sending to themselves
+  took 737 MiB of the host with the sandbox's cgroup at 5 of 128 MiB.
+  socketcall(2), i386's multiplexer, fails with ENOSYS: its arguments sit in
+  memory, where no rule can read the family. A 32-bit program must use the
+  direct calls (socket(2) on i386 since Linux 4.3); one whose libc only
+  multiplexes (glibc built for older kernels) opens no socket here.
+- fanotify_init(2): unprivileged since Linux 5.13, it would watch what the
+  host and other sandboxes open in the folders they share read-only. inotify
+  is left allowed (see below).
 - Host administration, already refused to a process without capabilities in the
   initial user namespace, denied here too in case of a kernel bug: modules,
   kexec, reboot, swap, acct, setting clocks, quotas, port I/O (iopl, ioperm),
@@ -62,8 +78,10 @@ a plain error):
 - Inode attributes and device nodes. The kernel lets a file's owner set its
   ioctl_iflags(2) (no-dump, which backup tools honour; synchronous writes; no
   atime...), an fscrypt policy on an empty folder (the host could no longer
-  make files in it) and fs-verity (read-only for ever), and lets anyone make a
-  0:0 character device (overlayfs's whiteout, also by renameat2's
+  make files in it) and fs-verity (read-only for ever), each file system's own
+  attributes (ext4's inode generation, through EXT4_IOC_SETVERSION as well as
+  FS_IOC_SETVERSION; btrfs subvolumes; F2FS pinning and compression), and lets
+  anyone make a 0:0 character device (overlayfs's whiteout, also by renameat2's
   RENAME_WHITEOUT). A workspace's files, its folder included, are the host's, so
   the ioctls that set these (`INODE_ATTRIBUTE_IOCTLS`, by request number, bits
   above 32 masked as the kernel ignores them) and mknod of a character or block
@@ -116,6 +134,14 @@ folder made inside a setgid folder inherits S_ISGID from it (mkdir(2)). Nor
 does it remove others' write permission a host workspace's files already have,
 or that a default ACL the host set gives new ones (beneath a default ACL the
 umask does not apply: acl(5)).
+
+Nor does it hide activity in the folders sandboxes share with the host and
+with each other (/usr, a template's environment): inotify(7) is allowed, and
+a watch on such a folder reports the names of the files anyone opens or
+reads there, the host and other sandboxes included, though not who opened
+them nor anything else about the process. Refusing inotify_init would close
+that and break every file watcher (node's fs.watch and chokidar, behind vite,
+webpack and nodemon, report an error rather than poll).
 """
 
 from __future__ import annotations
@@ -151,6 +177,7 @@ SCMP_CMP_MASKED_EQ: Final = 7
 NR_SCMP_ERROR: Final = -1  # seccomp_syscall_resolve_name: a name libseccomp does not know
 
 SCMP_CMP_NE: Final = 1
+SCMP_CMP_GT: Final = 6
 CLONE_NEWUSER: Final = 0x10000000
 CLONE_NEWPID: Final = 0x20000000
 # open(2) flags: the same values on x86_64, i386, aarch64 and riscv64. O_TMPFILE is
@@ -175,7 +202,8 @@ class Denial(NamedTuple):
 
     Each ``(index, mask)`` of `args_have` holds when argument `index` has every bit of
     `mask`; `arg1_except`, if set, holds when argument 1 is anything but it; each of
-    `args_equal` when the argument's masked bits are exactly a value.
+    `args_equal` when the argument's masked bits are exactly a value; each ``(index, value)``
+    of `args_above` when the argument, unsigned and all 64 bits of it on a 64-bit ABI, is above `value`.
     libseccomp ANDs the conditions of one rule and ORs rules with the same action.
     """
 
@@ -186,6 +214,7 @@ class Denial(NamedTuple):
     arg1_except: int = 0
     args_equal: tuple[tuple[int, int, int], ...] = ()
     """``(index, mask, value)``: holds when argument `index` ANDed with `mask` is `value`."""
+    args_above: tuple[tuple[int, int], ...] = ()
 
 
 _SETID_BITS: Final = (stat.S_ISUID, stat.S_ISGID)
@@ -234,20 +263,49 @@ def _ioc(direction: int, kind: str, number: int, size: int) -> int:
     return direction << 30 | size << 16 | ord(kind) << 8 | number
 
 
+_IOC_NONE: Final = 0
 _IOC_WRITE: Final = 1
 _IOC_READ: Final = 2
+_BTRFS: Final = "\x94"  # BTRFS_IOCTL_MAGIC (linux/btrfs.h)
+_F2FS: Final = "\xf5"  # F2FS_IOCTL_MAGIC (linux/f2fs.h)
 # The ioctls that change what a file or folder is on disk, beyond its bytes, mode and owner
-# (ioctl_iflags(2), fscrypt and fs-verity): the kernel lets a file's owner make them, and a workspace's
-# files, its folder included, are the host's. Both sizes of `long` where the request names one.
+# (ioctl_iflags(2), fscrypt and fs-verity, and each file system's own forms of them): the kernel lets a
+# file's owner (or anyone who may write it) make them, and a workspace's files, its folder included, are
+# the host's. Both sizes of `long` where the request names one. The file systems' aliases of the generic
+# numbers (EXT4_IOC_SETFLAGS, XFS_IOC_SETXFLAGS, XFS_IOC_FSSETXATTR, F2FS_IOC_SETFLAGS, btrfs's flags) are
+# the same numbers; their set-ioctls that need a capability the sandbox lacks (EXT4_IOC_SETFSUUID,
+# FS_IOC_SETFSLABEL, btrfs's labels, features and quotas) are left to the kernel; btrfs's properties
+# are extended attributes (setxattr is refused).
 INODE_ATTRIBUTE_IOCTLS: Final[dict[str, int]] = {
     "FS_IOC_SETFLAGS": _ioc(_IOC_WRITE, "f", 2, 8),
     "FS_IOC32_SETFLAGS": _ioc(_IOC_WRITE, "f", 2, 4),
     "FS_IOC_FSSETXATTR": _ioc(_IOC_WRITE, "X", 32, 28),
     "FS_IOC_SETVERSION": _ioc(_IOC_WRITE, "v", 2, 8),
     "FS_IOC32_SETVERSION": _ioc(_IOC_WRITE, "v", 2, 4),
+    # ext4's own numbers for the inode's generation (fs/ext4/ext4.h), past FS_IOC_SETVERSION's rule.
+    "EXT4_IOC_SETVERSION": _ioc(_IOC_WRITE, "f", 4, 8),
+    "EXT4_IOC32_SETVERSION": _ioc(_IOC_WRITE, "f", 4, 4),
+    # Sets EXT4_EXTENTS_FL for good: the inode's block map is rewritten as extents.
+    "EXT4_IOC_MIGRATE": _ioc(_IOC_NONE, "f", 9, 0),
     "FS_IOC_SET_ENCRYPTION_POLICY": _ioc(_IOC_READ, "f", 19, 12),
     "FS_IOC_ADD_ENCRYPTION_KEY": _ioc(_IOC_READ | _IOC_WRITE, "f", 23, 80),
     "FS_IOC_ENABLE_VERITY": _ioc(_IOC_WRITE, "f", 133, 128),
+    # btrfs: subvolumes made, snapshotted or removed, made read-only, given a received UUID. A
+    # subvolume is left out of every snapshot of the folder holding it (a backup by btrfs snapshots).
+    "BTRFS_IOC_SNAP_CREATE": _ioc(_IOC_WRITE, _BTRFS, 1, 4096),
+    "BTRFS_IOC_SUBVOL_CREATE": _ioc(_IOC_WRITE, _BTRFS, 14, 4096),
+    "BTRFS_IOC_SNAP_DESTROY": _ioc(_IOC_WRITE, _BTRFS, 15, 4096),
+    "BTRFS_IOC_SNAP_CREATE_V2": _ioc(_IOC_WRITE, _BTRFS, 23, 4096),
+    "BTRFS_IOC_SUBVOL_CREATE_V2": _ioc(_IOC_WRITE, _BTRFS, 24, 4096),
+    "BTRFS_IOC_SUBVOL_SETFLAGS": _ioc(_IOC_WRITE, _BTRFS, 26, 8),
+    "BTRFS_IOC_SET_RECEIVED_SUBVOL": _ioc(_IOC_READ | _IOC_WRITE, _BTRFS, 37, 200),
+    "BTRFS_IOC_SET_RECEIVED_SUBVOL_32": _ioc(_IOC_READ | _IOC_WRITE, _BTRFS, 37, 192),
+    "BTRFS_IOC_SNAP_DESTROY_V2": _ioc(_IOC_WRITE, _BTRFS, 63, 4096),
+    # F2FS: a pinned file (its blocks never move), a compression setting, compressed blocks released
+    # (the file is then read-only until they are reserved again).
+    "F2FS_IOC_SET_PIN_FILE": _ioc(_IOC_WRITE, _F2FS, 13, 4),
+    "F2FS_IOC_RELEASE_COMPRESS_BLOCKS": _ioc(_IOC_READ, _F2FS, 18, 8),
+    "F2FS_IOC_SET_COMPRESS_OPTION": _ioc(_IOC_WRITE, _F2FS, 22, 2),
 }
 _IOCTL_REQUEST_BITS: Final = 0xFFFFFFFF
 """The kernel reads an ioctl's request as an unsigned int: bits above 32 are ignored, so they are masked."""
@@ -259,6 +317,48 @@ def _refuse_ioctls(requests: dict[str, int]) -> tuple[Denial, ...]:
     return tuple(
         Denial("ioctl", f"{name} changes a host file's attributes", args_equal=((1, _IOCTL_REQUEST_BITS, value),))
         for name, value in requests.items()
+    )
+
+
+# The socket families a sandbox opens (address_families(7)): unix sockets (the agent, the egress proxy's
+# socket), IPv4 and IPv6 (loopback, the egress forwarder), and netlink for NETLINK_ROUTE only (`ip`,
+# getaddrinfo's AI_ADDRCONFIG, if_nameindex, getifaddrs for node). Every other family may load a kernel
+# module on a stock kernel, and netlink's other protocols queue memory that no memory cgroup counts.
+AF_UNIX: Final = 1
+AF_INET: Final = 2
+AF_INET6: Final = 10
+AF_NETLINK: Final = 16
+NETLINK_ROUTE: Final = 0
+SOCKET_FAMILIES: Final = frozenset({AF_UNIX, AF_INET, AF_INET6, AF_NETLINK})
+_INT_BITS: Final = 0xFFFFFFFF
+
+
+def _refuse_other_families(syscall: str) -> tuple[Denial, ...]:
+    """socket(2) or socketpair(2) of a family outside `SOCKET_FAMILIES`, or of netlink but for NETLINK_ROUTE.
+
+    A rule holds one comparison per argument (libseccomp), so a family below the largest allowed
+    gets a rule of its own; one more rule takes every number above it. That one compares all 64 bits
+    on x86_64, where the kernel reads an int: a family with bits set above 32 is refused, never let
+    through. EAFNOSUPPORT and EPROTONOSUPPORT are what a kernel built without the family or the
+    netlink protocol answers, so programs fall back (libaudit, ss).
+    """
+    reason = "a socket family the sandbox does not use: may load a kernel module"
+    largest = max(SOCKET_FAMILIES)
+    below = tuple(
+        Denial(syscall, reason, errno.EAFNOSUPPORT, args_equal=((0, _INT_BITS, family),))
+        for family in range(largest)
+        if family not in SOCKET_FAMILIES
+    )
+    return (
+        *below,
+        Denial(syscall, reason, errno.EAFNOSUPPORT, args_above=((0, largest),)),
+        Denial(
+            syscall,
+            "netlink protocols other than NETLINK_ROUTE queue memory no memory cgroup counts",
+            errno.EPROTONOSUPPORT,
+            args_equal=((0, _INT_BITS, AF_NETLINK),),
+            args_above=((2, NETLINK_ROUTE),),
+        ),
     )
 
 
@@ -306,6 +406,13 @@ DENIED: Final[tuple[Denial, ...]] = (
     # fs.aio-max-nr is one count for the whole host, limited by no namespace or cgroup: one sandbox's
     # contexts refused io_setup to every other and to the host. ENOSYS: libaio's users fall back to threads.
     Denial("io_setup", "Linux AIO contexts count against one host-wide limit", errno.ENOSYS),
+    # Sockets: the families a sandbox uses, and netlink for routes only (address_families(7)).
+    *_refuse_other_families("socket"),
+    *_refuse_other_families("socketpair"),
+    # libseccomp also turns the socket rules into socketcall rules for i386; this one refuses every call.
+    Denial("socketcall", "i386's multiplexer: socket's family sits in memory, where no rule reads it", errno.ENOSYS),
+    # Unprivileged since Linux 5.13; watches what the host and other sandboxes open in shared folders.
+    Denial("fanotify_init", "watches the host's and other sandboxes' file access in shared folders"),
     Denial("keyctl", "kernel keyrings are not namespaced"),
     Denial("add_key", "kernel keyrings are not namespaced"),
     Denial("request_key", "kernel keyrings are not namespaced; may call a host helper"),
@@ -491,6 +598,7 @@ def _add_denial(lib: _LibSeccomp, ctx: int, denial: Denial) -> None:
     cmps += tuple(_ArgCmp(index, SCMP_CMP_MASKED_EQ, mask, value) for index, mask, value in denial.args_equal)
     if denial.arg1_except:
         cmps += (_ArgCmp(1, SCMP_CMP_NE, denial.arg1_except, 0),)
+    cmps += tuple(_ArgCmp(index, SCMP_CMP_GT, value, 0) for index, value in denial.args_above)
     rc = lib.rule_add(ctx, _errno_action(denial.errno), nr, cmps)
     # A negative `nr` other than NR_SCMP_ERROR is libseccomp's pseudo-number for
     # a syscall the native ABI lacks (umount on x86_64); libseccomp translates
