@@ -6,6 +6,8 @@ The refusals run offline; the builds reach PyPI (marked `network`) and install o
 from __future__ import annotations
 
 import os
+import signal
+import socket
 import subprocess
 from pathlib import Path
 from typing import Final
@@ -17,7 +19,7 @@ from bastion.cli import EXIT_CONFIG, EXIT_FAILED, main
 from bastion.config import TemplateConfig, load_config
 from bastion.safety.errors import ConfigError
 from bastion.templates import builtin_lock_names, check_lock, template_lock
-from tests.helpers import demo_config_at, registry_reachable
+from tests.helpers import BASTION, demo_config_at, registry_reachable
 
 # One small pure-Python wheel, pinned with its hashes (uv pip compile --generate-hashes).
 SIX_LOCK = """six==1.17.0 \\
@@ -438,3 +440,43 @@ def test_template_build_still_builds_in_a_folder_of_roots_inside_tmp(
     assert code == 0, err
     assert out == f"template 'small': {env} built (0 packages from {lock})\n"
     assert (env / "pyvenv.cfg").is_file()
+
+
+def _build_killed_in_pip(config: Path, env: Path, index: socket.socket) -> None:
+    """`bastion template build small`, killed (SIGKILL, pip included) once pip has reached the index,
+    which never answers: a build stopped part-way, its venv made and its packages not."""
+    argv = [str(BASTION), "template", "build", "small", "--config", str(config)]
+    build = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        index.settimeout(120)
+        reached, _ = index.accept()  # pip connects: the venv is made, the lock not installed
+        reached.close()
+        assert (env / "pyvenv.cfg").is_file()
+    finally:
+        os.killpg(build.pid, signal.SIGKILL)
+        build.wait()
+
+
+def test_a_build_killed_part_way_leaves_an_env_the_server_refuses_and_a_build_finishes(tmp_path: Path) -> None:
+    """Found by attack: `template build` made the venv in place, so a build that failed or was killed while
+    pip ran left one with pip alone, and the server served it as the template (`import numpy` failed in
+    every sandbox). The folder is marked until the lock is in: the server refuses it, naming the build
+    command, and the next build takes it up where the last one stopped."""
+    with socket.create_server(("127.0.0.1", 0)) as index:
+        port = index.getsockname()[1]
+        lock = tmp_path / "six.lock"
+        lock.write_text(SIX_LOCK)
+        config = config_with(tmp_path, f'name = "small"\npython_env = "envs/small"\npython_lock = "{lock}"\n')
+        index_url = f'pip_index_url = "https://127.0.0.1:{port}/simple"'
+        config.write_text(config.read_text().replace("[sandboxes]\n", f"[sandboxes]\n{index_url}\n", 1))
+        env = config.parent / "envs" / "small"
+        _build_killed_in_pip(config, env, index)
+        with pytest.raises(ConfigError) as refused:
+            load_config(config)
+        assert str(refused.value) == (
+            f"template 'small' python_env {env} was left half made by a build that failed or was stopped: "
+            "run 'bastion template build small --config CONFIG' again"
+        )
+        _build_killed_in_pip(config, env, index)  # the next build gets to pip again: the folder is its own
+        with pytest.raises(ConfigError, match="left half made"):
+            load_config(config)

@@ -57,7 +57,7 @@ from bastion.config.sandboxes import SandboxesConfig as SandboxesConfig
 from bastion.config.sandboxes import SandboxLimitsConfig as SandboxLimitsConfig
 from bastion.config.sandboxes import TemplateConfig as TemplateConfig
 from bastion.config.sandboxes import TemplateLimitsConfig as TemplateLimitsConfig
-from bastion.config.sandboxes import python_env_problem
+from bastion.config.sandboxes import python_env_problem, unfinished_env_problem
 from bastion.config.terminals import TerminalsConfig as TerminalsConfig
 from bastion.safety.commands import CommandPolicyConfig
 from bastion.safety.environment import checked_env
@@ -477,7 +477,8 @@ def _check_templates(config: Config, home: Path, *, envs_built: bool) -> None:
                 raise ConfigError(f"{where} is /, the home folder, or overlaps the state folder: use its own folder")
         _check_agent_writable(config, template)
         if envs_built and template.python_env is not None:
-            problem = python_env_problem(template.name, template.python_env)
+            env = template.python_env
+            problem = unfinished_env_problem(template.name, env) or python_env_problem(template.name, env)
             if problem is not None:
                 raise ConfigError(problem)
     default = config.sandboxes.default_template

@@ -138,6 +138,22 @@ def python_env_changeable_by(env: Path, owner: tuple[int, int]) -> str | None:
     return folder_changeable_by(str(env), owner) or tree_changeable_by(str(env), owner, skip=_NEVER_RUN)
 
 
+UNFINISHED_MARK: Final = ".bastion-unfinished"
+"""A file in a template's new python_env while `bastion template build` makes it, removed once the lock is
+installed: an environment a failed or killed build left half made is refused (found by attack: it was served
+without its packages)."""
+
+
+def unfinished_env_problem(name: str, env: Path) -> str | None:
+    """One line refusing template `name`'s venv `env` if its build did not finish (`UNFINISHED_MARK`), or None."""
+    if not (env / UNFINISHED_MARK).exists():
+        return None
+    return (
+        f"template {name!r} python_env {env} was left half made by a build that failed or was stopped: "
+        f"run 'bastion template build {name} --config CONFIG' again"
+    )
+
+
 def python_env_problem(name: str, env: Path) -> str | None:
     """One line refusing template `name`'s venv `env` if a user besides root and this process's could change
     what it runs (`python_env_changeable_by`), or None."""

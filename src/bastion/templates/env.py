@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Final
 
 from bastion.config import TemplateConfig
-from bastion.config.sandboxes import python_env_problem
+from bastion.config.sandboxes import UNFINISHED_MARK, python_env_problem
 from bastion.safety.errors import ConfigError
 from bastion.safety.paths import file_replaceable_by, folder_to_make_changeable_by, owners_phrase
 from bastion.templates._pip import install_lock, make_venv
@@ -114,7 +114,8 @@ def _check_target(name: str, target: Path) -> None:
         raise ConfigError(f"template {name!r} python_env {target} is a symbolic link: name the real folder")
     if target.exists() and not target.is_dir():
         raise ConfigError(f"template {name!r} python_env {target} is not a folder: choose a new path")
-    if target.is_dir() and not _is_venv(target) and any(target.iterdir()):
+    unfinished = (target / UNFINISHED_MARK).exists()  # an earlier build's, stopped part-way: built over
+    if target.is_dir() and not _is_venv(target) and not unfinished and any(target.iterdir()):
         raise ConfigError(
             f"template {name!r} python_env {target} holds files and is not a virtual environment: "
             "choose a new or empty folder"
@@ -208,7 +209,12 @@ def build_template_env(template: TemplateConfig, *, index_url: str) -> BuiltEnv:
     with template_lock(template) as lock, _private_lock(template.name, lock) as copy:
         created = not _is_venv(target)
         if created:
+            # Marked before the venv is made in it, unmarked once the lock is in: a build that fails or is
+            # killed part-way leaves a folder the server refuses (`unfinished_env_problem`), not one it serves.
+            target.mkdir(mode=0o755, parents=True, exist_ok=True)
+            (target / UNFINISHED_MARK).touch(mode=0o644)
             make_venv(target)
         install_lock(target, copy, index_url)
+        (target / UNFINISHED_MARK).unlink(missing_ok=True)
     shipped = template.python_lock is None
     return BuiltEnv(target, f"bastion's {template.name}{_LOCK_SUFFIX}" if shipped else str(lock), created)
