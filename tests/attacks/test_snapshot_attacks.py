@@ -33,12 +33,15 @@ ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="mounts a filesystem (r
 
 
 @contextlib.contextmanager
-def small_ext4(mountpoint: Path, size_bytes: int) -> Iterator[Path]:
-    """A real, small ext4 filesystem loop-mounted at `mountpoint`; unmounted (and its loop device freed) after."""
+def small_ext4(mountpoint: Path, size_bytes: int, *mkfs_options: str) -> Iterator[Path]:
+    """A real, small ext4 filesystem loop-mounted at `mountpoint`; unmounted (and its loop device freed) after.
+
+    `mkfs_options` go to mkfs.ext4 (``-b 4096``: the block size of a larger one; ``-N 512``: few inodes).
+    """
     image = mountpoint.parent / f"{mountpoint.name}.ext4"
     with image.open("wb") as stream:
         stream.truncate(size_bytes)
-    subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", str(image)], check=True, capture_output=True)
+    subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", *mkfs_options, str(image)], check=True, capture_output=True)
     mountpoint.mkdir(exist_ok=True)
     subprocess.run(["mount", "-o", "loop", str(image), str(mountpoint)], check=True, capture_output=True)
     try:
@@ -258,3 +261,66 @@ async def test_recovery_keeps_a_crashed_workspace_rather_than_eat_the_reserve(tm
         listed = detail(await call(client, "list_snapshots"))["snapshots"]
         assert [(s["label"], s["recovered"]) for s in listed] == [("recovered", True)]
         assert not orphan.parent.exists()
+
+
+@pytest.mark.root
+@ROOT_ONLY
+async def test_restores_of_a_snapshot_of_empty_folders_stop_at_the_reserve(tmp_path: Path) -> None:
+    """Attack: a snapshot of 10,000 empty folders (a few hundred KB, no file data) restored again and
+    again. Each restore wrote a block and an inode per folder into its sandbox's disk image on the state
+    filesystem, unchecked (the reserve check counted file data and files only), and answered OK until
+    the state filesystem was full; then every create and restore failed with INTERNAL_ERROR.
+
+    Invariant: every restore that answers OK leaves state_reserve_bytes free (measured after a sync);
+    the first that would not is refused with RESOURCE_LIMIT naming it, its sandbox removed; the
+    sandboxes restored before keep all their folders and still take writes; the audit chain verifies.
+    The state folder is a real 320 MiB ext4. Does not prove: the bound against other writers.
+    """
+    reserve = 64 * MIB
+    folders = 10_000
+    config_path = configure(tmp_path / "demo", state_reserve_bytes=reserve, max_snapshots_per_sandbox=100)
+    config_path.write_text(config_path.read_text().replace("disk_bytes = 2147483648", f"disk_bytes = {1024 * MIB}"))
+    state = tmp_path / "demo" / "state"
+    with small_ext4(state, 320 * MIB, "-b", "4096"):
+        async with serve(config_path) as (client, services):
+            source = await create(client)
+            made = await sh(
+                client,
+                source,
+                f"python3 -c \"import os\nfor i in range({folders}): os.mkdir('d%05d' % i)\" && ls | wc -l",
+                timeout_s=120,
+            )
+            assert detail(made)["stdout"] == f"{folders}\n", made
+            snap = await call(client, "snapshot_sandbox", sandbox_id=source)
+            assert snap["ok"], snap
+            snapshot_id = str(detail(snap)["snapshot_id"])
+            assert (await call(client, "close_sandbox", sandbox_id=source))["ok"]
+
+            restored: list[str] = []
+            refused = None
+            for _ in range(8):
+                answer = await call(client, "restore_sandbox", snapshot_id=snapshot_id)
+                os.sync()
+                if not answer["ok"]:
+                    refused = answer
+                    break
+                restored.append(str(detail(answer)["sandbox_id"]))
+                assert free_bytes(state) >= reserve, (len(restored), free_bytes(state))
+            assert refused is not None, "no restore was refused"
+            assert refused["code"] == "RESOURCE_LIMIT", refused
+            assert "state_reserve_bytes" in str(refused["reason"])
+            assert restored, "the first restore had room and was refused"
+            listed = await call(client, "list_sandboxes")
+            assert sorted(s["sandbox_id"] for s in detail(listed)["sandboxes"]) == sorted(restored)
+            on_disk = [name for name in os.listdir(services.config.sandboxes_dir) if name.startswith("sb-")]
+            assert sorted(on_disk) == sorted(restored)  # the refused restore's sandbox is gone
+            for box in restored:
+                kept = await sh(client, box, "ls | wc -l && touch new && echo written")
+                assert detail(kept)["stdout"] == f"{folders}\nwritten\n", kept
+            assert [s["snapshot_id"] for s in detail(await call(client, "list_snapshots"))["snapshots"]] == [
+                snapshot_id
+            ]
+        verified = verify(services.config.audit_path)
+        assert verified.ok, verified
+        assert mounts_under(state) == [str(state)]
+    assert mounts_under(state) == []

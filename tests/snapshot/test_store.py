@@ -38,7 +38,8 @@ from bastion.safety.errors import (
     PolicyDenied,
     ResourceLimit,
 )
-from bastion.snapshot import _archive, _extract, _tarread
+from bastion.safety.trees import remove_tree
+from bastion.snapshot import _archive, _extract, _space, _tarread
 from bastion.snapshot.store import (
     SnapshotInfo,
     SnapshotLimits,
@@ -1209,8 +1210,8 @@ def retained_bytes(root: object) -> int:
     return total
 
 
-def folder_member(name: str, mode: int = 0o755, mtime: float = 1_700_000_000) -> _tarread.Member:
-    return _tarread.Member(name, tarfile.DIRTYPE, mode, mtime, 0, "", 0, False)
+def folder_member(name: str, mode: int = 0o755, mtime_ns: int = 1_700_000_000 * 10**9) -> _tarread.Member:
+    return _tarread.Member(name, tarfile.DIRTYPE, mode, mtime_ns, 0, "", 0, False)
 
 
 def per_sibling_folder_bytes(target: Path, depth: int) -> float:
@@ -1338,3 +1339,172 @@ def test_snapshot_errors_leak_no_host_path_to_the_client(dirs: tuple[Path, Path,
             call()
         assert str(workspace.parent) not in caught.value.reason, index
         assert str(workspace.parent) in caught.value.detail, index
+
+
+# --- restores that fill the state filesystem with entries, skipped subtrees, exact mtimes (fix S) ------------
+
+ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small ext4 of its own (root only)")
+
+
+def empty_folders(workspace: Path, count: int) -> None:
+    for index in range(count):
+        (workspace / f"d{index:05d}").mkdir()
+
+
+def state_free(state: Path) -> int:
+    st = os.statvfs(state)
+    return st.f_bavail * st.f_frsize
+
+
+@pytest.mark.root
+@ROOT_ONLY
+def test_restore_of_a_snapshot_of_empty_folders_is_refused_before_it_eats_the_reserve(
+    dirs: tuple[Path, Path, Path], tmp_path: Path
+) -> None:
+    """Attack: a snapshot of thousands of empty folders (a few hundred KB, no file data) made each
+    restore write a 4 KiB block and an inode per folder into the state filesystem unchecked: the
+    reserve check asked room for data + files x 4 KiB, 0 here. The record now counts its entries
+    and the restore asks room for a block and an inode each, before anything is written.
+
+    The state filesystem is a private 64 MiB ext4 (no other writer): room above the reserve is
+    half of what the 3,000 folders need. Does not prove: the same through a sandbox's disk image
+    (tests/attacks/test_snapshot_attacks.py).
+    """
+    from tests.attacks.test_snapshot_attacks import small_ext4
+
+    workspace, archive, _ = dirs
+    empty_folders(workspace, 3000)
+    info = take(workspace, archive)
+    assert (info.files, info.data_bytes, info.entries) == (0, 0, 3000)
+    with small_ext4(tmp_path / "state", 64 * 1024 * 1024, "-b", "4096") as state:
+        target = state / "target"
+        target.mkdir()
+        reserve = state_free(state) - 3000 * 4096 // 2
+        with pytest.raises(ResourceLimit, match="state_reserve_bytes") as refused:
+            restore_snapshot(archive, info.id, target, state_dir=state, reserve_bytes=reserve)
+        assert isinstance(refused.value, _space.NoRoom)
+        assert list(target.iterdir()) == []  # refused before anything was written
+        assert state_free(state) >= reserve
+    assert list_snapshots(archive) == [info]
+
+
+@pytest.mark.root
+@ROOT_ONLY
+def test_restore_of_an_old_record_counts_each_folder_made_against_the_reserve(
+    dirs: tuple[Path, Path, Path], tmp_path: Path
+) -> None:
+    """Attack, with a record older than its entry count: the up-front check sees no data and no
+    entries, so the restore counts a block per folder as it makes them (checked every 16 MiB), and
+    checks the reserve again once the target's filesystem is synced: refused, not answered OK
+    below the reserve. The caller discards the partly filled target (as for any failed restore)."""
+    from tests.attacks.test_snapshot_attacks import small_ext4
+
+    workspace, archive, _ = dirs
+    empty_folders(workspace, 6000)
+    info = take(workspace, archive)
+    record = json.loads((archive / f"{info.id}.json").read_text())
+    del record["entries"]
+    (archive / f"{info.id}.json").write_text(json.dumps(record))
+    assert list_snapshots(archive)[0].entries == 0  # as files: 0
+    with small_ext4(tmp_path / "state", 96 * 1024 * 1024, "-b", "4096") as state:
+        target = state / "target"
+        target.mkdir()
+        reserve = state_free(state) - 8 * 1024 * 1024
+        with pytest.raises(ResourceLimit, match="state_reserve_bytes"):
+            restore_snapshot(archive, info.id, target, state_dir=state, reserve_bytes=reserve)
+        remove_tree(target)
+        assert state_free(state) >= reserve
+
+
+def test_record_without_entries_reads_as_its_files(dirs: tuple[Path, Path, Path]) -> None:
+    """Records written before entries existed still load and restore, their files as the entry count."""
+    workspace, archive, target = dirs
+    fill(workspace, "f", 1000)
+    (workspace / "d").mkdir()
+    info = take(workspace, archive)
+    assert info.entries == 2
+    record = json.loads((archive / f"{info.id}.json").read_text())
+    del record["entries"]
+    (archive / f"{info.id}.json").write_text(json.dumps(record))
+    assert list_snapshots(archive)[0].entries == 1
+    restore_snapshot(archive, info.id, target)
+    assert (target / "f").read_bytes() == (workspace / "f").read_bytes()
+
+
+def test_snapshot_of_a_skipped_folder_counts_everything_under_it(dirs: tuple[Path, Path, Path]) -> None:
+    """Attack: a folder named with a control character is skipped with its whole subtree, but the
+    answer said "skipped: 1" for 500 files not kept. Now everything under it counts (listed by fd,
+    never following a link: the link below to a folder of 50 files counts as one entry)."""
+    workspace, archive, target = dirs
+    (workspace / "keep").mkdir()
+    (workspace / "keep" / "a").write_text("a")
+    hidden = workspace / "notes\x01"
+    (hidden / "sub").mkdir(parents=True)
+    for index in range(500):
+        (hidden / f"file{index}.txt").write_text(f"work {index}\n")
+    for index in range(20):
+        (hidden / "sub" / f"more{index}").write_text("more\n")
+    outside = workspace.parent / "outside"
+    outside.mkdir()
+    for index in range(50):
+        (outside / f"x{index}").write_text("x")
+    (hidden / "link").symlink_to(outside)
+    info = take(workspace, archive)
+    assert info.files == 1
+    assert info.metadata["skipped"] == str(1 + 500 + 1 + 20 + 1)
+    restore_snapshot(archive, info.id, target)
+    assert sorted(p.name for p in target.iterdir()) == ["keep"]
+
+
+def test_a_skipped_folder_counts_toward_the_entry_bound(
+    dirs: tuple[Path, Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Invariant: the names counted under a skipped folder are listed names, bounded by MAX_ENTRIES like the rest."""
+    workspace, archive, _ = dirs
+    hidden = workspace / "bad\x02"
+    hidden.mkdir()
+    for index in range(30):
+        (hidden / f"f{index}").write_text("x")
+    monkeypatch.setattr(_archive, "MAX_ENTRIES", 20)
+    with pytest.raises(ResourceLimit, match="entries"):
+        take(workspace, archive)
+    assert list_snapshots(archive) == []
+
+
+MTIMES_NS = {
+    "file": 1_700_000_000_123_456_789,
+    "folder": 1_600_000_000_000_000_001,
+    "link": 1_500_000_000_987_654_321,
+    "folder/old": -1_500_000_001,
+}
+
+
+def test_restore_keeps_mtimes_to_the_nanosecond(dirs: tuple[Path, Path, Path]) -> None:
+    """Attack (found by fuzzing round trips): a PAX mtime was parsed as a float, so 1700000000.123456789
+    came back as ...123456716: every restored file, folder and symlink lost its last digits. Parsed as
+    integers now and set with ``os.utime(ns=...)``; a time before 1970 is exact too."""
+    workspace, archive, target = dirs
+    (workspace / "file").write_text("content")
+    (workspace / "folder").mkdir()
+    (workspace / "folder" / "old").write_text("old")
+    (workspace / "link").symlink_to("file")
+    for name in ("folder/old", "file", "link", "folder"):
+        os.utime(workspace / name, ns=(MTIMES_NS[name], MTIMES_NS[name]), follow_symlinks=False)
+    info = take(workspace, archive)
+    restore_snapshot(archive, info.id, target)
+    restored = {name: (target / name).lstat().st_mtime_ns for name in MTIMES_NS}
+    assert restored == MTIMES_NS
+
+
+@pytest.mark.parametrize(
+    ("text", "ns"),
+    [
+        ("1700000000.123456789", 1_700_000_000_123_456_789),
+        ("-1.5", -1_500_000_000),
+        ("0.0000000019", 1),
+        ("42", 42 * 10**9),
+    ],
+)
+def test_pax_mtime_is_read_as_exact_nanoseconds(text: str, ns: int) -> None:
+    """Decimals past the ninth are below a nanosecond and dropped toward zero."""
+    assert _tarread._pax_mtime_ns(text) == ns

@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bastion.app import Services, build_server, build_services
 from bastion.config import Config, load_config
-from bastion.safety.errors import Unavailable
+from bastion.safety.errors import ResourceLimit, Unavailable
 from bastion.sandbox.cgroups import Usage
 from bastion.snapshot import _archive, _extract
 from bastion.snapshot.store import restore_snapshot
@@ -653,8 +653,9 @@ async def test_a_create_that_cannot_make_its_socket_folder_holds_no_host_id(
 
     monkeypatch.setattr(manager, "_make_net_dir", full_disk)
     held = manager._identities.in_use()
-    with pytest.raises(OSError, match="injected"):
+    with pytest.raises(ResourceLimit, match="state filesystem is full") as refused:
         await manager._prepare(())
+    assert "injected" in refused.value.detail
     assert manager._identities.in_use() == held
 
 

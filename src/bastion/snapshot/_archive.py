@@ -12,7 +12,9 @@ by the agent, which may be changing the tree at the same time:
 - Symlinks are stored as symlinks: their target text, never what it points at.
 - FIFOs, sockets and devices are skipped, never opened for I/O (files are opened
   ``O_NONBLOCK``), and counted in ``metadata["skipped"]``, as are names a restore would
-  refuse (control or invisible characters, backslash, not UTF-8, over 255 bytes).
+  refuse (control or invisible characters, backslash, not UTF-8, over 255 bytes). A skipped
+  folder counts with everything under it (listed by fd, never following a link, down to
+  `MAX_DEPTH`): one folder of 500 files was "skipped: 1".
 - setuid and setgid bits are dropped; owners are not stored (uid/gid 0, no names).
 - Times are written as the exact decimals the reader takes (never tarfile's ``str(float)``,
   which writes ``1e-05``), held within the restore's bound.
@@ -184,14 +186,14 @@ class Archiver:
         self._first_name_bytes = 0
 
     def add_tree(self, dir_fd: int, prefix: str, depth: int) -> None:
-        names = self._storable_names(dir_fd, prefix)
+        names = self._storable_names(dir_fd, prefix, depth)
         names.sort(reverse=True)
         # Popped as visited: while a subfolder is walked, this level keeps only the names still to come.
         while names:
             name = names.pop()
             self._add_entry(dir_fd, name, prefix + name, depth)
 
-    def _storable_names(self, dir_fd: int, prefix: str) -> list[str]:
+    def _storable_names(self, dir_fd: int, prefix: str, depth: int) -> list[str]:
         """The names in a folder a restore would take; the others are counted as skipped, never kept.
 
         Every name listed counts toward `MAX_ENTRIES`, skipped or not: counting only the stored
@@ -201,19 +203,46 @@ class Archiver:
         names: list[str] = []
         with os.scandir(dir_fd) as entries:
             for entry in entries:
-                self.tally.listed += 1
-                if self.tally.listed > MAX_ENTRIES:
-                    raise OverBound(
-                        f"the workspace has more than {MAX_ENTRIES} entries, counting the ones a snapshot skips "
-                        "(special files, bad names): delete some first"
-                    )
+                self._count_listed()
                 name = entry.name
                 too_long = len((prefix + name).encode("utf-8", "surrogateescape")) > MAX_PATH_BYTES
                 if too_long or name_problem(name) is not None:
-                    self.tally.skipped += 1
+                    under = self._skipped_under(dir_fd, name, depth) if entry.is_dir(follow_symlinks=False) else 0
+                    self.tally.skipped += 1 + under
                 else:
                     names.append(name)
         return names
+
+    def _skipped_under(self, dir_fd: int, name: str, depth: int) -> int:
+        """How many entries a skipped folder holds, at any depth down to `MAX_DEPTH`, each counted as listed.
+
+        Opened by fd like any folder: a folder swapped for a symlink (or gone) counts as itself alone.
+        """
+        if depth >= MAX_DEPTH:
+            return 0
+        try:
+            fd = os.open(name, DIR_FLAGS | os.O_NONBLOCK, dir_fd=dir_fd)
+        except OSError:
+            return 0
+        found = 0
+        try:
+            with os.scandir(fd) as entries:
+                for entry in entries:
+                    self._count_listed()
+                    found += 1
+                    if entry.is_dir(follow_symlinks=False):
+                        found += self._skipped_under(fd, entry.name, depth + 1)
+        finally:
+            os.close(fd)
+        return found
+
+    def _count_listed(self) -> None:
+        self.tally.listed += 1
+        if self.tally.listed > MAX_ENTRIES:
+            raise OverBound(
+                f"the workspace has more than {MAX_ENTRIES} entries, counting the ones a snapshot skips "
+                "(special files, bad names): delete some first"
+            )
 
     def finish(self) -> None:
         # End of archive: two zero blocks (POSIX.1-2001 ustar).

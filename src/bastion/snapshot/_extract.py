@@ -33,7 +33,9 @@ server wrote it:
   block of zeros in a file's content is skipped (seeked over) rather than written, so a
   1.5 GiB file of holes takes its data's blocks, not 1.5 GiB.
 - With a `SpaceGuard`, the free space of the state filesystem is checked every 16 MiB
-  written; a full disk (``ENOSPC``) is a ResourceLimit.
+  written, a block counted for every folder and symlink made (30,000 empty folders, a 432 KB
+  snapshot, took 125 MB of the disk image); a full disk (``ENOSPC``) is a ResourceLimit.
+- mtimes are restored to the nanosecond (`os.utime` with ``ns``, never through a float).
 
 What it does not guarantee:
 
@@ -51,7 +53,6 @@ from __future__ import annotations
 
 import errno
 import gzip
-import math
 import os
 import stat
 import tarfile
@@ -94,8 +95,10 @@ _MAX_LINK_BYTES: Final = 4095
 _STREAM_BYTES_PER_ENTRY: Final = 5 * tarfile.BLOCKSIZE + 2 * MAX_PATH_BYTES
 _STREAM_SLACK_BYTES: Final = 1 << 20
 MTIME_LIMIT_S: Final = 2.0**40
+_MTIME_LIMIT_NS: Final = int(MTIME_LIMIT_S) * 1_000_000_000
 CHUNK_BYTES: Final = 1 << 20
 _HOLE_BYTES: Final = 4096  # the block size of ext4 and tmpfs: a block of zeros is left a hole
+_ENTRY_BLOCK_BYTES: Final = 4096  # what a folder (its first block) or a long symlink's target takes
 _ZERO_HOLE: Final = bytes(_HOLE_BYTES)
 _ZERO_CHUNK: Final = bytes(CHUNK_BYTES)
 _IMPLICIT_DIR_MODE: Final = 0o755
@@ -189,11 +192,11 @@ class _Folder:
     grow with its depth (a path per folder, 200,000 sibling folders at depth 127, took 2.3 GB).
     """
 
-    __slots__ = ("children", "mode", "mtime")
+    __slots__ = ("children", "mode", "mtime_ns")
 
     def __init__(self) -> None:
         self.mode: int | None = None  # None: made for a member inside it, left as made
-        self.mtime = 0.0
+        self.mtime_ns = 0
         self.children: dict[str, _Folder] | None = None
 
     def child(self, name: str) -> _Folder:
@@ -229,13 +232,13 @@ class _Extractor:
         self._count_entry()
         parts = _member_parts(member.name)
         kind = _member_kind(member)
-        mtime = _member_mtime(member)
+        mtime_ns = _member_mtime_ns(member)
         parent_fd, parent = self._parent(parts[:-1], member.name)
         name = parts[-1]
         if kind == "dir":
             self._make_dir(parent_fd, name, member.name)
             folder = parent.child(name)
-            folder.mode, folder.mtime = member.mode & KEPT_MODE_BITS, mtime
+            folder.mode, folder.mtime_ns = member.mode & KEPT_MODE_BITS, mtime_ns
         elif kind == "symlink":
             problem = link_problem(member.linkname)
             if problem is not None:
@@ -244,12 +247,13 @@ class _Extractor:
                 os.symlink(member.linkname, name, dir_fd=parent_fd)
             except FileExistsError as exc:
                 raise _duplicate(member.name) from exc
+            self._made_block(parent_fd)
             self._own(parent_fd, name)
-            os.utime(name, times=(mtime, mtime), dir_fd=parent_fd, follow_symlinks=False)
+            os.utime(name, ns=(mtime_ns, mtime_ns), dir_fd=parent_fd, follow_symlinks=False)
         elif kind == "link":
             self._make_link(parent_fd, name, member)
         else:
-            self._make_file(parent_fd, name, member, reader, mtime)
+            self._make_file(parent_fd, name, member, reader, mtime_ns)
 
     def finish(self) -> None:
         self._close_chain(0)
@@ -324,7 +328,7 @@ class _Extractor:
                 self._set_folders(child_fd, child, rel + "/")
                 if child.mode is not None:
                     os.fchmod(child_fd, child.mode)
-                    os.utime(child_fd, times=(child.mtime, child.mtime))
+                    os.utime(child_fd, ns=(child.mtime_ns, child.mtime_ns))
             finally:
                 os.close(child_fd)
 
@@ -335,14 +339,20 @@ class _Extractor:
             if not stat.S_ISDIR(os.stat(name, dir_fd=parent_fd, follow_symlinks=False).st_mode):
                 raise _duplicate(rel) from exc
             return
+        self._made_block(parent_fd)
         self._own(parent_fd, name)
+
+    def _made_block(self, parent_fd: int) -> None:
+        """Count the block a folder or symlink just made takes: `_HoleWriter` counts only file data."""
+        if self._guard is not None:
+            self._guard.wrote(_ENTRY_BLOCK_BYTES, parent_fd, "restore")
 
     def _own(self, parent_fd: int, name: str) -> None:
         """chown what was just made, never through a link (nothing else writes here during a restore)."""
         if self._owner is not None:
             os.chown(name, *self._owner, dir_fd=parent_fd, follow_symlinks=False)
 
-    def _make_file(self, parent_fd: int, name: str, member: Member, reader: TarReader, mtime: float) -> None:
+    def _make_file(self, parent_fd: int, name: str, member: Member, reader: TarReader, mtime_ns: int) -> None:
         size = member.realsize
         segments = reader.sparse_map(member) if member.sparse else ((0, member.size),)
         # The data written, as `bastion.snapshot._archive` counts it: a sparse file's holes are free.
@@ -367,7 +377,7 @@ class _Extractor:
             # The size, past a final hole that was never written.
             os.ftruncate(fd, size)
             os.fchmod(fd, member.mode & KEPT_MODE_BITS)
-            os.utime(fd, times=(mtime, mtime))
+            os.utime(fd, ns=(mtime_ns, mtime_ns))
         finally:
             os.close(fd)
         self.files += 1
@@ -406,6 +416,7 @@ class _Extractor:
         except FileExistsError:
             pass
         else:
+            self._made_block(parent_fd)
             self._own(parent_fd, name)
         return self._open_dir(parent_fd, name, rel, prefix)
 
@@ -478,11 +489,10 @@ def _member_kind(member: Member) -> _Kind:
     raise PolicyDenied(f"snapshot member {member.name!r} is {what}: the snapshot is refused")
 
 
-def _member_mtime(member: Member) -> float:
-    mtime = float(member.mtime)
-    if not math.isfinite(mtime) or abs(mtime) > MTIME_LIMIT_S:
+def _member_mtime_ns(member: Member) -> int:
+    if abs(member.mtime_ns) > _MTIME_LIMIT_NS:
         raise OperationFailed(f"snapshot member {member.name!r} has an impossible mtime: the snapshot is corrupt")
-    return mtime
+    return member.mtime_ns
 
 
 def link_problem(target: str) -> str | None:

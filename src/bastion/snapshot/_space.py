@@ -5,6 +5,9 @@ mutating call. `SpaceGuard` keeps `reserve_bytes` free on one filesystem: `requi
 before an operation writes (statvfs), `wrote` checks again every `CHECK_EVERY_BYTES` written,
 after flushing the file being written so that the filesystem's count includes it.
 
+`sync_filesystem` flushes a whole filesystem and reports its write-back errors: a restore
+into a loop-mounted disk image learns only then that the image's blocks did not fit.
+
 What it does not guarantee: the checks are points in time. Another writer (a sandbox filling
 its disk image, a second restore) may use the room between two checks; the reserve is sized
 to absorb that, not to prevent it. ``f_bavail`` is used (the room an unprivileged writer has),
@@ -13,6 +16,7 @@ so a root server keeps the filesystem's own root reserve on top of this one.
 
 from __future__ import annotations
 
+import ctypes
 import os
 from pathlib import Path
 from typing import Final
@@ -20,6 +24,24 @@ from typing import Final
 from bastion.safety.errors import OperationFailed, ResourceLimit
 
 CHECK_EVERY_BYTES: Final = 16 * 1024 * 1024
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syncfs.argtypes = (ctypes.c_int,)
+_libc.syncfs.restype = ctypes.c_int
+
+
+def sync_filesystem(fd: int) -> None:
+    """syncfs(2) the filesystem holding `fd`: its dirty data and metadata written out.
+
+    Since Linux 5.8 it returns the write-back errors of the filesystem (EIO, ENOSPC from a full
+    disk under a loop-mounted image) that plain writes never saw (Python's `os` has no syncfs).
+
+    Raises:
+        OSError: the error syncfs reported.
+    """
+    if _libc.syncfs(fd) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
 
 
 class NoRoom(ResourceLimit):

@@ -20,7 +20,10 @@ what each refuses and what it does not guarantee. Checked here:
 - Restoring (`restore_snapshot`), the archive is treated as hostile even though this module
   wrote it: its sha256 must match the JSON before anything is extracted; the same open fd
   is hashed and then read. The target must be an existing, empty folder, with room for the
-  snapshot's data on its filesystem, and the state filesystem must keep its reserve.
+  snapshot's data on its filesystem, and the state filesystem must keep its reserve with the
+  snapshot's data and a block and an inode per entry written (the record counts them). The
+  target's filesystem is synced at the end: a write-back error (a disk image whose blocks did
+  not fit the state filesystem) fails the restore instead of losing its writes unseen.
 
 What it does not guarantee:
 
@@ -61,7 +64,7 @@ from bastion.snapshot._extract import MAX_ENTRIES as MAX_ENTRIES
 from bastion.snapshot._extract import MAX_SNAPSHOT_BYTES as MAX_SNAPSHOT_BYTES
 from bastion.snapshot._space import NoRoom as NoRoom
 from bastion.snapshot._space import OverBound as OverBound
-from bastion.snapshot._space import SpaceGuard
+from bastion.snapshot._space import SpaceGuard, sync_filesystem
 
 MAX_LABEL_CHARS: Final = 200
 MAX_INFO_BYTES: Final = 1_048_576
@@ -70,8 +73,11 @@ _ID_RE: Final = re.compile(r"snap-[0-9a-f]{16}")
 _INFO_NAME_RE: Final = re.compile(r"(snap-[0-9a-f]{16})\.json")
 _SHA256_RE: Final = re.compile(r"[0-9a-f]{64}")
 _LEFTOVER_RE: Final = re.compile(r"\.tmp-snap-[0-9a-f]{16}\.(tar\.gz|json)|(snap-[0-9a-f]{16})\.tar\.gz")
-# Allocation of a restored file beyond its data: its last, partly used block.
+# Allocation of a restored entry beyond its data: a file's last, partly used block, a folder's first
+# block, a long symlink's target; and its inode's slot of the inode table (ext4's 256 bytes), which a
+# sparse disk image allocates only once it is written.
 _BLOCK_BYTES: Final = 4096
+_INODE_BYTES: Final = 256
 _NO_CAP: Final = sys.maxsize
 _FULL_ERRNOS: Final = (errno.ENOSPC, errno.EDQUOT)
 # Taking a snapshot checks the caps and writes under this lock: two calls cannot both take the last room.
@@ -91,9 +97,12 @@ class SnapshotInfo:
         bytes: their total size, uncompressed.
         archive_bytes: size of ``<id>.tar.gz``.
         sha256: hex sha256 of ``<id>.tar.gz``.
-        metadata: the caller's metadata plus ``skipped``: entries not stored (special files, bad names).
+        metadata: the caller's metadata plus ``skipped``: entries not stored (special files, bad names,
+            everything under a skipped folder).
         data_bytes: file content stored, holes excluded: what a restore writes (``bytes`` in
             records older than this field).
+        entries: files, folders and symlinks stored, each an inode and up to a block when
+            restored; hard links excluded (``files`` in records older than this field).
     """
 
     id: str
@@ -105,6 +114,7 @@ class SnapshotInfo:
     sha256: str
     metadata: dict[str, str] = field(default_factory=dict)
     data_bytes: int = 0
+    entries: int = 0
 
 
 @final
@@ -188,6 +198,7 @@ def create_snapshot(
                     sha256=digest,
                     metadata={**extra, "skipped": str(tally.skipped)},
                     data_bytes=tally.data_bytes,
+                    entries=tally.entries - tally.links,
                 )
                 payload = _info_to_json(info)
                 if len(payload) > MAX_INFO_BYTES:
@@ -314,6 +325,7 @@ def restore_snapshot(
                     raise OperationFailed(f"snapshot {snapshot_id} is corrupt: delete it and take a new one")
                 raw.seek(0)
                 extract(raw, target_fd, info, owner, guard)
+            _flush_restore(info, target_fd, guard)
         except OSError as exc:
             if exc.errno in _FULL_ERRNOS:
                 raise ResourceLimit(
@@ -346,8 +358,20 @@ def _restore_guard(info: SnapshotInfo, target_fd: int, state_dir: Path | None, r
     if state_dir is None or reserve_bytes <= 0:
         return None
     guard = SpaceGuard(state_dir, reserve_bytes)
-    guard.require(info.data_bytes + info.files * _BLOCK_BYTES, f"restore of snapshot {info.id}")
+    guard.require(info.data_bytes + info.entries * (_BLOCK_BYTES + _INODE_BYTES), f"restore of snapshot {info.id}")
     return guard
+
+
+def _flush_restore(info: SnapshotInfo, target_fd: int, guard: SpaceGuard | None) -> None:
+    """Write the restored tree out, failing on a write-back error, then check the reserve once its blocks count.
+
+    Raises:
+        OSError: EIO or ENOSPC from the write-back (a disk image's blocks that did not fit).
+        NoRoom: the state filesystem is below its reserve now.
+    """
+    sync_filesystem(target_fd)
+    if guard is not None:
+        guard.require(0, f"restore of snapshot {info.id}")
 
 
 def list_snapshots(archive_dir: Path) -> list[SnapshotInfo]:
@@ -525,6 +549,7 @@ def _info_to_json(info: SnapshotInfo) -> bytes:
         "sha256": info.sha256,
         "metadata": info.metadata,
         "data_bytes": info.data_bytes,
+        "entries": info.entries,
     }
     return json.dumps(record, indent=2, sort_keys=True, ensure_ascii=False).encode("utf-8") + b"\n"
 
@@ -563,6 +588,8 @@ def _info_from_json(data: object) -> SnapshotInfo | None:
     counts = [record.get(key) for key in ("files", "bytes", "archive_bytes")]
     # Records written before data_bytes was kept: the whole size is the bound a restore can use.
     counts.append(record.get("data_bytes", record.get("bytes")))
+    # Records written before entries was kept: their files, which the restore's reserve check counted then.
+    counts.append(record.get("entries", record.get("files")))
     if not isinstance(snapshot_id, str) or not (label is None or isinstance(label, str)):
         return None
     if isinstance(created, bool) or not isinstance(created, int | float):
@@ -590,4 +617,5 @@ def _info_from_json(data: object) -> SnapshotInfo | None:
         sha256=sha256,
         metadata=strings,
         data_bytes=numbers[3],
+        entries=numbers[4],
     )

@@ -300,7 +300,7 @@ def register_sandboxes(
                 "Save a sandbox's /workspace (files, folders, symlinks, modes) to a compressed snapshot. "
                 "restore_sandbox makes a new sandbox from it. Snapshots are capped in number and size, per sandbox "
                 "and in total, and expire (see 'expires'); delete_snapshot frees room. FIFOs, sockets, devices and "
-                "names a restore would refuse are not stored: 'skipped' counts them."
+                "names a restore would refuse are not stored: 'skipped' counts them, and all inside a skipped folder."
             ),
         )(snapshot_sandbox)
 
@@ -312,7 +312,8 @@ def register_sandboxes(
         title="Restore sandbox",
         description=(
             "Create a new sandbox whose /workspace is a snapshot's, byte for byte. Only files are restored: it "
-            "has the default template, limits and network, and no env or labels (create_sandbox's are not kept)."
+            "has the source sandbox's template while this server still has it (else the default), with that "
+            "template's limits and network, and no env or labels (create_sandbox's choices are not kept)."
         ),
     )
     async def restore_sandbox(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import functools
 import logging
 import os
@@ -17,7 +18,7 @@ import secrets
 import stat
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -96,6 +97,9 @@ _SNAPSHOT_ADMIN_THREADS: Final = 2  # listing, deleting and expiring snapshots a
 _FOLDER_WORKERS: Final = 4  # threads making and removing sandboxes' folders (mkfs, mount, unmount, delete)
 _NET_TMPFS_BYTES: Final = 1 << 20  # holds sockets and folders only
 _NET_TMPFS_INODES: Final = 4 * 10_000 + 64  # a folder, a socket and a temp name per sandbox, at most
+# In a sandbox's folder while a snapshot is restored into it: recovery deletes a folder holding it.
+RESTORING_MARKER: Final = "restoring"
+_FULL_ERRNOS: Final = (errno.ENOSPC, errno.EDQUOT)
 
 logger = logging.getLogger("bastion.sandboxes")
 
@@ -490,7 +494,8 @@ class SandboxManager:
         vm_backend = await self._microvm_backend(template) if template is not None and isolation == "microvm" else None
         sandbox_id = SANDBOX_ID_PREFIX + secrets.token_hex(_ID_HEX_BYTES)
         root = self._dir / sandbox_id
-        socket_dir = self._socket_dir(sandbox_id)  # first: it may fail (a full disk), and hold nothing yet
+        with _state_room():
+            socket_dir = self._socket_dir(sandbox_id)  # first: it may fail (a full disk), and hold nothing yet
         identity = self._held[sandbox_id] = self._identities.acquire()
         devices = await self._build(sandbox_id, root, identity, disk_bytes, socket_dir)
         ceiling = self._config.limits
@@ -571,10 +576,11 @@ class SandboxManager:
     def _make_all(
         self, sandbox_id: str, root: Path, identity: HostIdentity, disk_bytes: int | None, socket_dir: Path
     ) -> str | None:
-        self._make_folders(root, identity, disk_bytes)
-        socket_dir.mkdir(mode=self._dir_mode)
-        os.chmod(socket_dir, self._dir_mode)
-        return self._devices.make(sandbox_id, _owner(identity)) if self._devices is not None else None
+        with _state_room():
+            self._make_folders(root, identity, disk_bytes)
+            socket_dir.mkdir(mode=self._dir_mode)
+            os.chmod(socket_dir, self._dir_mode)
+            return self._devices.make(sandbox_id, _owner(identity)) if self._devices is not None else None
 
     def _make_folders(self, root: Path, identity: HostIdentity, disk_bytes: int | None) -> None:
         """The sandbox's folder and its workspace (its own filesystem with a quota), the workspace its identity's."""
@@ -853,18 +859,18 @@ class SandboxManager:
         restoring = self._restoring[box.id] = anyio.Event()
         try:
             try:
+                restore = functools.partial(
+                    restore_snapshot,
+                    self._snapshots,
+                    snapshot_id,
+                    box.root / "workspace",
+                    owner=_owner(box.workspace.identity),
+                    # The workspace's blocks land in the sandbox's folder (its disk image): the state filesystem.
+                    state_dir=box.root,
+                    reserve_bytes=self._config.state_reserve_bytes,
+                )
                 info = await anyio.to_thread.run_sync(
-                    functools.partial(
-                        restore_snapshot,
-                        self._snapshots,
-                        snapshot_id,
-                        box.root / "workspace",
-                        owner=_owner(box.workspace.identity),
-                        # The workspace's blocks land in the sandbox's folder (its disk image): the state filesystem.
-                        state_dir=box.root,
-                        reserve_bytes=self._config.state_reserve_bytes,
-                    ),
-                    limiter=self._snapshot_threads,
+                    _restore_marked, box.root, restore, limiter=self._snapshot_threads
                 )
             finally:
                 del self._restoring[box.id]
@@ -959,21 +965,36 @@ class SandboxManager:
             logger.info("snapshot %s expired: deleted", snapshot_id)
         # Not the agents' caps (a crash's leftovers are kept, whatever their number), only the reserve.
         limits = SnapshotLimits(reserve_bytes=self._config.state_reserve_bytes)
+        kept = {
+            info.metadata.get("sandbox_id", "")
+            for info in list_snapshots(self._snapshots)
+            if info.metadata.get("recovered") == "true"
+        }
         if self._dir.is_dir():
             for root in sorted(self._dir.iterdir()):
                 if root.name.startswith(SANDBOX_ID_PREFIX) and root.name not in self._boxes:
-                    made.extend(self._recover_sandbox(root, limits))
+                    made.extend(self._recover_sandbox(root, limits, kept))
         return made
 
-    def _recover_sandbox(self, root: Path, limits: SnapshotLimits) -> list[str]:
+    def _recover_sandbox(self, root: Path, limits: SnapshotLimits, kept: set[str]) -> list[str]:
         """Keep a crashed sandbox's workspace as a snapshot, then delete its folder; returns the snapshot made.
 
         Kept as it is when its image does not mount, or its snapshot fails for a reason a later start
         may not meet (no room, a file a damaged image cannot read, too many open files). A workspace
         over the snapshot bounds themselves (`OverBound`: entries, file data, depth) would be refused at
         every start, each time holding the folder's mount, loop device and image: it is deleted, with
-        one line.
+        one line. So is one no snapshot should keep: a restore's target the crash cut short (its
+        `RESTORING_MARKER` is there; the snapshot it came from is kept), or a workspace already kept
+        as a `recovered` snapshot (`kept`: a crash between that snapshot and this deletion).
         """
+        if os.path.lexists(root / RESTORING_MARKER):
+            logger.error("sandbox %s was being restored when the server stopped: deleted, half restored", root.name)
+            _discard(root)
+            return []
+        if root.name in kept:
+            logger.error("sandbox %s left by a crash has its recovered snapshot already: deleted", root.name)
+            _discard(root)
+            return []
         workspace = root / "workspace"
         image = root / _DISK_IMAGE
         if image.is_file() and not os.path.ismount(workspace):
@@ -1194,6 +1215,43 @@ def _holds_files(workspace: Path) -> bool:
     return any(only.iterdir())
 
 
+@contextlib.contextmanager
+def _state_room() -> Iterator[None]:
+    """A full state filesystem (ENOSPC, EDQUOT) while a sandbox's folders are made: a typed refusal saying so."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in _FULL_ERRNOS:
+            raise
+        raise ResourceLimit(
+            "no room for a new sandbox: the state filesystem is full: "
+            "delete snapshots with delete_snapshot, or close sandboxes",
+            detail=repr(exc),
+        ) from exc
+
+
+def _restore_marked(root: Path, restore: Callable[[], SnapshotInfo]) -> SnapshotInfo:
+    """Run `restore` with `RESTORING_MARKER` in the sandbox's folder, removed once it succeeded.
+
+    A kill -9 mid-restore leaves the marker, and recovery deletes the half-restored workspace
+    instead of keeping it as a `recovered` snapshot. Both changes are made durable (fsync of the
+    folder): a power loss must not lose the marker before the restore's files, or bring it back after.
+    """
+    root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        with _state_room():
+            os.close(
+                os.open(RESTORING_MARKER, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600, dir_fd=root_fd)
+            )
+            os.fsync(root_fd)
+        info = restore()
+        os.unlink(RESTORING_MARKER, dir_fd=root_fd)
+        os.fsync(root_fd)
+    finally:
+        os.close(root_fd)
+    return info
+
+
 def _discard(root: Path) -> None:
     """Unmount a sandbox's workspace filesystem if it has one, then delete its folder."""
     drop_disk(root / "workspace")
@@ -1222,6 +1280,7 @@ def _disk_bytes(workspace: Path) -> int:
     if os.path.ismount(workspace):
         return used_bytes(workspace)
     return tree_bytes(workspace, max_entries=_DISK_WALK_MAX_ENTRIES)
+
 
 def _left_by_a_crash(name: str, paths: tuple[str, ...]) -> bool:
     """Whether the sandbox group `name` (folders `paths`) is a dead server's: the server whose pid it bears
