@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -23,8 +24,11 @@ import pytest
 
 from bastion.app import build_services
 from bastion.config import Config, load_config
+from bastion.organizer import Organizer
+from bastion.organizer.folder import Folder
 from bastion.organizer.inbox import journal_path
 from bastion.organizer.journal import Journal
+from bastion.safety.audit import verify
 from bastion.safety.errors import ConfigError
 from bastion.state_lock import StateLock
 
@@ -238,3 +242,42 @@ def test_config_with_env_secrets_readable_by_others_warns_at_start(
     ]
     demo_config_path.write_text(text.replace(f'env = {{ GITHUB_TOKEN = "{token}" }}', "env = {}"))
     assert warnings() == []
+
+
+def test_a_start_after_a_crash_records_its_rollback_in_the_audit_log(demo_config: Config) -> None:
+    """Found by attack: an apply_plan killed part-way left a start record with no end, and the next start's
+    rollback of its moves was told only on stderr: nothing in the audit chain said the moves were undone.
+    The start now appends a `recovery` record saying what it rolled back."""
+    [inbox] = demo_config.inbox
+    for n in range(8):
+        (inbox.path / f"file {n}.pdf").write_bytes(b"%PDF-1.4\n")
+    pid = os.fork()
+    if pid == 0:  # the server that dies: killed at its fourth move
+        try:
+            moved = [0]
+            rename = Folder.rename
+
+            def dying(self: Folder, *args: object, **kwargs: object) -> None:
+                moved[0] += 1
+                if moved[0] == 4:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                rename(self, *args, **kwargs)  # type: ignore[arg-type]
+
+            Folder.rename = dying  # type: ignore[method-assign]
+            organizer = Organizer(inbox, demo_config.state_dir)
+            organizer.open()
+            organizer.apply(organizer.plan()["plan_id"])
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status), status
+    services = build_services(demo_config)
+    services.close()
+    records = [json.loads(line) for line in demo_config.audit_path.read_text().splitlines()]
+    (recovery,) = [record for record in records if record.get("event") == "recovery"]
+    assert recovery["tool"] == "server_start"
+    assert recovery["what"] == "organizer"
+    assert recovery["inbox"] == inbox.id
+    assert recovery["message"] == f"inbox {inbox.id!r}: rolled back an interrupted apply of 8 moves"
+    assert verify(demo_config.audit_path).ok
+    assert sorted(path.name for path in inbox.path.iterdir()) == [f"file {n}.pdf" for n in range(8)]

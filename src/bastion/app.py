@@ -303,7 +303,7 @@ def build_services(config: Config) -> Services:
         state_lock.acquire()
         opened.callback(state_lock.release)
         audit = open_audit(config, redactor, opened, metrics)
-        organizers = open_organizers(config)
+        organizers = open_organizers(config, audit)
         for organizer in organizers.values():
             opened.callback(organizer.close)
         cgroups = detect_cgroups(config)
@@ -319,7 +319,7 @@ def build_services(config: Config) -> Services:
             opened.callback(egress.close)
         sandboxes = SandboxManager(config, redactor, cgroups, egress, identities, devices)
         opened.callback(sandboxes.close_all)
-        recover(sandboxes)
+        recover(sandboxes, audit)
         if metrics is not None:
             metrics.watch_sandboxes(sandboxes)
         registry = WorkspaceRegistry(hosts, sandboxes, default=config.default_workspace)
@@ -399,11 +399,11 @@ def open_hosts(
     return hosts
 
 
-def recover(sandboxes: SandboxManager) -> None:
-    """Keep what a crashed server's sandboxes left as snapshots (`SandboxManager.recover`).
+def recover(sandboxes: SandboxManager, audit: AuditLog) -> None:
+    """Keep what a crashed server's sandboxes left as snapshots (`SandboxManager.recover`), each in the audit log.
 
     Raises:
-        ConfigError: the state folder's sandboxes or snapshots cannot be read.
+        ConfigError: the state folder's sandboxes or snapshots cannot be read, or the audit log written.
     """
     try:
         made = sandboxes.recover()
@@ -412,11 +412,27 @@ def recover(sandboxes: SandboxManager) -> None:
         detail = f" ({exc.detail})" if exc.detail else ""
         raise ConfigError(f"sandbox recovery: {exc.reason}{detail}") from None
     for snapshot_id in made:
-        logger.warning("a previous server left a sandbox: its workspace is snapshot %s", snapshot_id)
+        message = f"a previous server left a sandbox: its workspace is snapshot {snapshot_id}"
+        logger.warning("%s", message)
+        record_recovery(audit, {"what": "sandbox", "snapshot_id": snapshot_id, "message": message})
 
 
-def open_organizers(config: Config) -> dict[str, Organizer]:
-    """One organizer per inbox, each after rolling back what a crash left unfinished in its journal."""
+def record_recovery(audit: AuditLog, record: dict[str, object]) -> None:
+    """An audit record of what a start did about a crash. Found by attack: recovery's rollbacks and kept
+    sandboxes were told only on stderr, and the chain showed a start record with no end and nothing after.
+
+    Raises:
+        ConfigError: the record cannot be written (fail-closed: the start stops).
+    """
+    try:
+        audit.append({"event": "recovery", "tool": "server_start", **record})
+    except BastionError as exc:
+        raise ConfigError(f"audit log {audit.path}: the crash recovery cannot be recorded: {exc.reason}") from None
+
+
+def open_organizers(config: Config, audit: AuditLog) -> dict[str, Organizer]:
+    """One organizer per inbox, each after rolling back what a crash left unfinished in its journal (recorded
+    in the audit log)."""
     organizers: dict[str, Organizer] = {}
     try:
         for inbox in config.inbox:
@@ -428,6 +444,7 @@ def open_organizers(config: Config) -> dict[str, Organizer]:
             message = organizer.open()
             if message is not None:
                 logger.warning("%s", message)
+                record_recovery(audit, {"what": "organizer", "inbox": inbox.id, "message": message})
     except BaseException:
         for organizer in organizers.values():
             organizer.close()
