@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -116,3 +119,32 @@ def test_any_tree_is_removed_whole_and_nothing_outside_it(tmp_path: Path, tree: 
     assert not root.exists()
     assert sorted(os.listdir(tmp_path)) == ["outside"]
     assert os.listdir(outside) == ["keep"]
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs")
+def test_a_tree_on_a_full_filesystem_is_removed(tmp_path: Path) -> None:
+    """Found by review: `remove_tree` first makes a folder (its pile), which a full filesystem refuses, and
+    then removed nothing: a sandbox refused on a full state filesystem, or closed there, left its folder and
+    disk image for ever, the room they held included. Files and empty folders now go first."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,nr_inodes=64", "bastion-test", str(mount)], check=True)
+    try:
+        root = mount / "sandbox"
+        (root / "workspace").mkdir(parents=True)
+        (root / "disk.img").write_bytes(b"x" * 4096)
+        (root / "nested" / "deeper").mkdir(parents=True)
+        (root / "nested" / "deeper" / "file").write_text("kept until now")
+        filler = mount / "filler"
+        filler.mkdir()
+        with contextlib.suppress(OSError):  # every inode taken: no folder can be made
+            for n in range(1000):
+                (filler / str(n)).touch()
+        with pytest.raises(OSError, match="No space left on device"):
+            (mount / "one more").mkdir()
+        remove_tree(root)
+        assert not root.exists()
+        assert len(os.listdir(filler)) > 0  # nothing outside the tree
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)

@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 import anyio
@@ -48,11 +49,31 @@ def use_every_inode(folder: Path) -> int:
         made += 1
 
 
+def use_every_block(folder: Path) -> int:
+    """Write a file in `folder` until its filesystem has no block left (a MiB at a time, then a block at a
+    time); how many bytes were written."""
+    written = 0
+    fd = os.open(folder / "f", os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        for size in (MIB, 4096):
+            with contextlib.suppress(OSError):
+                while True:
+                    written += os.write(fd, bytes(size))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return written
+
+
 @pytest.mark.root
 @ROOT_ONLY
-async def test_create_sandbox_on_a_full_state_filesystem_is_resource_limit(tmp_path: Path) -> None:
-    """Attack: with the state filesystem full (here: out of inodes, another writer took them), create_sandbox
-    failed making the sandbox's folder and answered INTERNAL_ERROR, its traceback in the log.
+@pytest.mark.parametrize("fill", [use_every_inode, use_every_block], ids=["inodes", "blocks"])
+async def test_create_sandbox_on_a_full_state_filesystem_is_resource_limit(
+    tmp_path: Path, fill: Callable[[Path], int]
+) -> None:
+    """Attack: with the state filesystem full (out of inodes, or of blocks: another writer took them),
+    create_sandbox failed making the sandbox's folder and answered INTERNAL_ERROR, its traceback in the log;
+    failing to copy the sandbox's disk image, it answered UNAVAILABLE.
 
     Invariant: RESOURCE_LIMIT naming the state filesystem and no host path; nothing of the refused sandbox
     is left (folder, host id); the sandbox open before still runs; once room is freed a create works.
@@ -64,7 +85,7 @@ async def test_create_sandbox_on_a_full_state_filesystem_is_resource_limit(tmp_p
             first = await create(client)
             filler = state / "filler"
             filler.mkdir()
-            assert use_every_inode(filler) > 0
+            assert fill(filler) > 0
             held = services.sandboxes._identities.in_use()
 
             refused = await call(client, "create_sandbox")

@@ -52,6 +52,18 @@ def remove_tree(root: Path) -> None:
         return
     try:
         pile_name = _new_folder(top)
+    except OSError:
+        # Found by review: the pile takes a block, so on a full filesystem nothing was removed, a closed
+        # sandbox's disk image included: the files and empty folders go first, the pile in the room left.
+        _remove_shallow(top)
+        try:
+            pile_name = _new_folder(top)
+        except OSError:
+            os.close(top)
+            with contextlib.suppress(OSError):
+                os.rmdir(root)  # all was shallow: nothing left in it
+            return
+    try:
         pile = os.open(pile_name, _DIR_FLAGS, dir_fd=top)
     except OSError:
         os.close(top)
@@ -98,6 +110,21 @@ def _empty(fd: int, pile: int, names: Iterator[str], *, skip: str | None) -> lis
         if not progress:
             break  # what is left cannot be removed (a mount point, a read-only filesystem)
     return moved
+
+
+def _remove_shallow(fd: int) -> None:
+    """Unlink what is not a folder in the folder `fd`, and remove its empty folders (best effort)."""
+    while batch := _entries(fd):
+        removed = False
+        for name, is_dir in batch:
+            with contextlib.suppress(OSError):
+                if is_dir:
+                    os.rmdir(name, dir_fd=fd)
+                else:
+                    os.unlink(name, dir_fd=fd)
+                removed = True
+        if not removed:
+            return
 
 
 def _new_folder(fd: int) -> str:

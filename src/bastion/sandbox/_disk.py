@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, TypeVar
 
-from bastion.safety.errors import Unavailable
+from bastion.safety.errors import BastionError, ResourceLimit, Unavailable
 
 _MKFS_OPTIONS: Final = (
     "-q",
@@ -191,7 +191,7 @@ def make_disk(image: Path, mountpoint: Path, formatted: FormattedImage) -> None:
     try:
         fd = os.open(image, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     except OSError as exc:
-        raise Unavailable(f"cannot make the sandbox's disk {image.name}: {exc.strerror or exc}") from None
+        raise _disk_error(image, exc) from None
     try:
         os.ftruncate(fd, formatted.size_bytes)
         for offset, data in formatted.extents:
@@ -200,11 +200,23 @@ def make_disk(image: Path, mountpoint: Path, formatted: FormattedImage) -> None:
                 view = view[os.pwrite(fd, view, offset + len(data) - len(view)) :]
         _mount_image(fd, image, mountpoint)
     except OSError as exc:  # e.g. the state filesystem is full: typed, as mkfs failing was
-        raise Unavailable(f"cannot make the sandbox's disk {image.name}: {exc.strerror or exc}") from None
+        raise _disk_error(image, exc) from None
     finally:
         os.close(fd)
     (mountpoint / "lost+found").rmdir()
     os.chmod(mountpoint, 0o700)
+
+
+def _disk_error(image: Path, exc: OSError) -> BastionError:
+    """A failure to make a sandbox's disk, typed: a full state filesystem is RESOURCE_LIMIT (found by review:
+    UNAVAILABLE, where the rest of a create on a full state filesystem says RESOURCE_LIMIT)."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return ResourceLimit(
+            "no room for a new sandbox: the state filesystem is full: "
+            "delete snapshots with delete_snapshot, or close sandboxes",
+            detail=f"{image}: {exc.strerror}",
+        )
+    return Unavailable(f"cannot make the sandbox's disk {image.name}: {exc.strerror or exc}")
 
 
 def mount_disk(image: Path, mountpoint: Path) -> None:
