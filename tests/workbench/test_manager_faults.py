@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import glob
 import json
 import os
 import shutil
@@ -222,3 +223,28 @@ def test_a_kill_between_a_recovery_snapshot_and_the_folders_removal_makes_no_sec
     finally:
         services.close()
     assert not orphan.exists()
+
+
+@pytest.mark.root
+@ROOT_ONLY
+async def test_a_second_server_in_the_same_process_leaves_the_first_ones_sandboxes_alone(tmp_path: Path) -> None:
+    """Found by review: recovery took every group bearing this process's pid for a dead predecessor's (a
+    restarted pid 1), so a second server built in the same process (as the tests build theirs) destroyed the
+    first one's live sandbox groups. A group is a dead server's only if it is older than its owner."""
+    async with serve(configure(tmp_path / "one")) as (first, _):
+        box = await create(first)
+        assert detail(await sh(first, box, "echo started"))["stdout"] == "started\n"
+        groups = own_groups()
+        assert groups  # the sandbox's, in every hierarchy
+        async with serve(configure(tmp_path / "two")) as (second, _):
+            assert own_groups() >= groups  # not taken for a dead server's and destroyed
+            assert detail(await sh(first, box, "echo still here"))["stdout"] == "still here\n"
+            other = await create(second)
+            assert detail(await sh(second, other, "echo here too"))["stdout"] == "here too\n"
+        assert detail(await sh(first, box, "echo and after"))["stdout"] == "and after\n"
+
+
+def own_groups() -> set[str]:
+    """The sandbox groups bearing this process's pid, in every hierarchy."""
+    pattern = f"bastion/sb-{os.getpid()}-*"
+    return {*glob.glob(f"/sys/fs/cgroup/{pattern}"), *glob.glob(f"/sys/fs/cgroup/*/{pattern}")}

@@ -953,7 +953,10 @@ class SandboxManager:
         """
         if self._cgroups is not None:
             for name in self._cgroups.existing():
-                group = self._cgroups.open(name)
+                try:
+                    group = self._cgroups.open(name)
+                except NotFound:
+                    continue  # removed meanwhile, by the live server that made it
                 if _left_by_a_crash(name, group.paths):
                     group.destroy()
         for folder in recover_run_dirs():
@@ -1283,34 +1286,36 @@ def _disk_bytes(workspace: Path) -> int:
 
 
 def _left_by_a_crash(name: str, paths: tuple[str, ...]) -> bool:
-    """Whether the sandbox group `name` (folders `paths`) is a dead server's: the server whose pid it bears
-    (`owner_pid`) is gone, is this one (which has made none yet: a restart under the same pid, as pid 1 of a
-    container always is), or is a process started after the group was made (the pid was reused).
+    """Whether the sandbox group `name` (folders `paths`) is a dead server's: the process whose pid it bears
+    (`owner_pid`) is gone, or started after the group was made (the pid was reused: a restarted server that is
+    pid 1 of a container always has its predecessor's pid, this one included).
 
     Found by attack: only a missing pid counted, so the groups of a server killed in a container stayed for
-    ever, and the restarted one's first sandbox was refused (its name was taken). A live server's groups on
-    a shared hierarchy (another state folder) are younger than that server: kept.
+    ever, and the restarted one's first sandbox was refused (its name was taken). Groups of live servers
+    (another state folder's, or another manager of this process) are younger than their server: kept.
     """
     owner = owner_pid(name)
     if owner is None:
         return False  # not a name a server makes
-    if owner == os.getpid():
-        return True
     started = _process_start(owner)
     if started is None:
         return True
-    made = [os.stat(path).st_mtime for path in paths if os.path.isdir(path)]
+    made = []
+    for path in paths:
+        with contextlib.suppress(OSError):  # a hierarchy a crash left it out of, or removed meanwhile
+            made.append(os.stat(path).st_mtime)
     return bool(made) and started > min(made)
 
 
 def _process_start(pid: int) -> float | None:
-    """When process `pid` started (seconds since the epoch), or None when there is no such process."""
+    """When process `pid` started (seconds since the epoch, to a clock tick), or None when there is none."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as stat_file:
             fields = stat_file.read().rsplit(b")", 1)[1].split()
-        with open("/proc/stat", "rb") as system:
-            boot = next(int(line.split()[1]) for line in system if line.startswith(b"btime "))
-    except (OSError, IndexError, StopIteration, ValueError):
+        ticks = int(fields[19])  # field 22 of proc_pid_stat(5); `fields` begins at field 3 (the state)
+    except (OSError, IndexError, ValueError):
         return None
-    # Field 22 of stat(5), the start in clock ticks since boot; `fields` begins at field 3 (the state).
-    return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    # The boot's wall time from the clocks themselves: /proc/stat's btime is cut to the second, and a server
+    # restarted within that second would take its predecessor's groups for its own.
+    booted = time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)
+    return booted + ticks / os.sysconf("SC_CLK_TCK")
