@@ -12,8 +12,9 @@ import pytest
 from mcp import Client
 from mcp_types import ImageContent
 
+from bastion.app import Services
 from bastion.workbench.code import MAX_TEXT_CHARS
-from tests.helpers import call, create
+from tests.helpers import audit_record, call, create
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
 
@@ -180,3 +181,85 @@ async def test_a_repr_returning_a_hostile_str_subclass_is_copied_not_trusted(cli
     assert result["detail"]["value"] == "Obj()"
     assert result["detail"]["html"] == "<i>obj</i>"
     assert result["detail"]["context_state"] == "alive"
+
+
+# What a terminal acts on or hides: an OSC 8 link, a title, a screen clear (7-bit and C1), a lone CR, a bidi
+# override; and an AWS key split by a colour reset, which only the stripping of escapes makes whole again.
+HOSTILE = (
+    "\x1b]8;;http://evil.example/\x07link\x1b]8;;\x07 \x1b]0;title\x07\x1b[2J\x9b2J\r\u202e AKIA\x1b[0mABCDEFGHIJKLMNOP"
+)
+SECRET_TAIL = "ABCDEFGHIJKLMNOP"
+RAW_CONTROLS = ("\x1b", "\x07", "\x9b", "\r", "\u202e")
+
+
+def assert_cleaned(text: str) -> None:
+    """No escape, control or bidi character as such, and the split key redacted whole."""
+    assert not any(char in text for char in RAW_CONTROLS), ascii(text)
+    assert "[REDACTED:aws_access_key_id]" in text, ascii(text)
+    assert SECRET_TAIL not in text, ascii(text)
+
+
+async def test_escapes_and_a_split_secret_in_a_value_its_rich_forms_and_an_error_are_cleaned(
+    client: Client, services: Services
+) -> None:
+    """Attack (found by review): a value's repr, its markdown and HTML, an exception's message and traceback,
+    and a JavaScript error carry terminal escapes: stdout was cleaned, these fields only redacted, so an OSC 8
+    link, a screen clear and a bidi override reached the client, and an AWS key split by ESC[0m was not
+    redacted. Invariant: every text field is cleaned as stdout is (escapes removed, controls shown as text,
+    then redacted), and the secret is nowhere in the answer nor in the audit record. Does not prove how a
+    client renders the HTML or markdown it gets (as text, never run by bastion)."""
+    sandbox = await create(client)
+    # Made from its repr in the cell: the traceback's source line is not the one that holds it.
+    assert (await call(client, "execute_code", code=f"H = {HOSTILE!r}", sandbox_id=sandbox))["ok"]
+    code = (
+        "class V:\n"
+        "    def __repr__(self): return 'v:' + H\n"
+        "    def _repr_html_(self): return '<b>' + H + '</b>'\n"
+        "    def _repr_markdown_(self): return 'md ' + H\n"
+        "V()"
+    )
+    shown = await call(client, "execute_code", code=code, sandbox_id=sandbox)
+    assert shown["ok"], shown
+    for name in ("value", "html", "markdown"):
+        assert_cleaned(shown["detail"][name])
+    assert shown["detail"]["value"].startswith("v:link ")
+    raised = await call(client, "execute_code", code="raise ValueError('err:' + H)", sandbox_id=sandbox)
+    error = raised["detail"]["error"]
+    assert error["type"] == "ValueError"
+    assert_cleaned(error["message"])
+    assert_cleaned(error["traceback"])
+    await call(client, "execute_code", code=f"globalThis.H = {HOSTILE!r}", sandbox_id=sandbox, language="javascript")
+    thrown = await call(
+        client, "execute_code", code="throw new Error('js:' + H)", sandbox_id=sandbox, language="javascript"
+    )
+    if thrown["code"] != "NOT_FOUND":  # node is not installed on every machine
+        assert_cleaned(thrown["detail"]["error"]["message"])
+        assert_cleaned(thrown["detail"]["error"]["traceback"])
+    for answer in (shown, raised, thrown):
+        assert SECRET_TAIL not in str(answer)
+        assert SECRET_TAIL not in str(audit_record(services.config.audit_path, answer["audit_id"]))
+    after = await call(client, "execute_code", code="6 * 7", sandbox_id=sandbox)
+    assert after["detail"]["value"] == "42"
+
+
+async def test_a_secret_split_by_an_escape_across_the_text_cap_is_not_shown(client: Client) -> None:
+    """Attack: the code sends, on its own protocol channel, a markdown form past MAX_TEXT_CHARS whose AWS key,
+    split by ESC[0m, straddles the cut. Invariant: the field is cut to MAX_TEXT_CHARS after the escapes are
+    removed and the text redacted (a margin past the cut is seen), so neither the escape nor any part of
+    the key's secret half comes back."""
+    sandbox = await create(client)
+    before = MAX_TEXT_CHARS - 10
+    code = (
+        "import sys\nkernel = sys.modules['__main__']\ncell = kernel._current['id']\n"
+        f"text = 'x' * {before} + ' AKIA\\x1b[0mABCDEFGHIJKLMNOP ' + 'y' * 5000\n"
+        "kernel.emit({'event': 'display', 'id': cell, 'mime': 'text/markdown'}, text.encode())\n"
+        "1"
+    )
+    result = await call(client, "execute_code", code=code, sandbox_id=sandbox)
+    assert result["ok"], result
+    markdown = result["detail"]["markdown"]
+    assert len(markdown) == MAX_TEXT_CHARS
+    assert markdown.startswith("x" * before)
+    assert markdown.startswith("x" * before + " [REDACTED"), ascii(markdown[before:])
+    assert "\x1b" not in markdown
+    assert "ABCD" not in markdown

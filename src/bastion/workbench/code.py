@@ -9,7 +9,8 @@ protocol fd): only small headers are parsed (at most MAX_HEADER_BYTES, nothing e
 JSON), payloads are bounded per kind and handled as they arrive, output past the cap is
 counted, never cleaned, and every text is cleaned and redacted like command output. A
 kernel that breaks the protocol is killed; the call says why. No step costs the event loop
-more than one read's worth of work, so a flooding context cannot stall other sandboxes.
+more than one read's worth of work, and all contexts together handle messages for at most a share of the
+loop's time (`_HeaderPacer`), so flooding contexts cannot stall other sandboxes.
 
 A timeout first interrupts the code (KeyboardInterrupt inside, the context lives on);
 if the code does not stop within a grace period, the kernel is killed and the
@@ -23,13 +24,14 @@ import json
 import logging
 import shutil
 import time
+import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
 from bastion.safety.errors import Conflict, InvalidRequest, NotFound, ResourceLimit, Unavailable
 from bastion.safety.output import OutputCleaner
-from bastion.safety.redact import Redactor
+from bastion.safety.redact import Redactor, sanitize_terminal
 from bastion.sandbox import KERNEL_PATH, REPL_PATH, SANDBOX_PATH, SANDBOX_WORKSPACE
 from bastion.sandbox.backend import Process
 from bastion.sandbox.processes import RingCapture
@@ -81,13 +83,14 @@ _CLEAN_SLACK_BYTES: Final = 256  # an escape sequence or a character split at th
 # (up to 16 Ki characters) at every feed, so cleaning each of a flood of 1-byte messages on its
 # own cost ~2 ms apiece, seconds of event loop per read.
 _CLEAN_BATCH_BYTES: Final = 65_536
-# Headers handled per turn; the rest of a read waits HEADER_PAUSE_S (the pipe is not read
-# meanwhile). 64 KiB of 18-byte headers took 15 ms in one callback; 64 take ~0.3 ms. The pause
-# keeps a flood of tiny messages to a share of the loop: resumed at every turn instead, it still
-# made another sandbox's run_command 15-25x slower (its call takes ~150 turns of the loop). Real
-# output comes in reads of a few messages and never waits.
+# Headers handled in one step; the rest of a read waits for the step's slot in the loop's `_HeaderPacer`
+# (the pipe is not read meanwhile). 64 KiB of 18-byte headers took 15 ms in one callback; 64 take ~0.3 ms.
 MAX_HEADERS_PER_TURN: Final = 64
-HEADER_PAUSE_S: Final = 0.001
+PACE_FACTOR: Final = 3.0  # after handling messages for t, that context reads again 3t later: a quarter of the loop
+PACE_FREE_S: Final = 0.0015  # a slot ending within this from now does not pause reading: real output never waits
+# The most one step books in the shared timeline (a step may clean a 64 KiB batch of output): what it spent
+# past this delays its own context alone, so one costly step does not hold every other context's reading.
+MAX_SHARED_SLOT_S: Final = 0.02
 _REDACT_MARGIN_CHARS: Final = 1024  # text past a cut kept while redacting, so a secret across it is still seen
 START_TIMEOUT_S: Final = 30.0  # a cold interpreter on a busy machine
 GRACE_S: Final = 5.0
@@ -132,7 +135,18 @@ class CellResult:
     exit_status: int | None = None
     """bash: the cell's $?."""
     image_note: str = ""
-    """Which images were dropped, and why (the cell's caps, or the server's budget of images in flight)."""
+    """Which images were dropped, and why (the cell's caps, the sandbox's share of the server's budget of images
+    in flight, or that budget)."""
+
+
+@dataclass(frozen=True)
+class _Texts:
+    """A cell's text fields as the client sees them: cleaned and redacted (`CodeContext._text`)."""
+
+    value: str | None = None
+    markdown: str | None = None
+    html: str | None = None
+    error: dict[str, str] | None = None
 
 
 PayloadSink = Callable[[bytes | None], None]
@@ -241,43 +255,97 @@ class _ProtocolReader:
         self._on_broken(reason)
 
 
+_INLINE_TEXT_BYTES: Final = 4096
+"""A done cell's text fields up to this many bytes in all are cleaned on the loop (a value like `2`), larger
+ones in a worker thread."""
+
+
+def _text_bytes(value: bytes | None, display: dict[str, bytes], error: dict[str, bytes]) -> int:
+    return len(value or b"") + sum(map(len, display.values())) + sum(map(len, error.values()))
+
+
+class _HeaderPacer:
+    """The event loop's time for the protocol messages of all code contexts together, as one timeline of slots.
+
+    Each step of one context (at most MAX_HEADERS_PER_TURN headers of a read, their payloads handled) takes a
+    slot of PACE_FACTOR + 1 times its cost after the slots booked before it, and that context reads again
+    only when its slot ends: however many contexts flood, together they take at most about a quarter of the
+    loop. Paced per context instead (64 headers, then 1 ms), eight flooding contexts made another sandbox's
+    run_command 16-35x slower. The idea of `bastion.workbench.screen.Pacer`, which terminals share (a
+    timeline of their own: that module loads pyte). Not a bound on the kernels' own CPU time.
+    """
+
+    def __init__(self) -> None:
+        self._free_at = 0.0  # loop time at which the last slot ends
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop) -> _HeaderPacer:
+        """The pacer all code contexts read on `loop` share."""
+        pacer = _PACERS.get(loop)
+        if pacer is None:
+            pacer = _PACERS[loop] = cls()
+        return pacer
+
+    def slot(self, started: float, spent_s: float) -> float:
+        """Book a step that began at loop time `started` and cost `spent_s`; return when its slot ends."""
+        self._free_at = max(self._free_at, started) + spent_s * (1 + PACE_FACTOR)
+        return self._free_at
+
+
+_PACERS: Final[weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _HeaderPacer]] = weakref.WeakKeyDictionary()
+
+
 class _MessageCapture(RingCapture):
     """The kernel's protocol channel, fed to a `_ProtocolReader` one read at a time; a few KiB are
     kept for diagnosis. Closing it (EOF, or the context killed) calls `on_eof` once.
 
-    A read holding more headers than one turn may handle is finished in later turns of the
-    loop, HEADER_PAUSE_S apart, with the pipe unread meanwhile (the kernel waits on a full pipe):
-    a flood of tiny messages costs a turn at most MAX_HEADERS_PER_TURN headers."""
+    Each step (a read, or the part of one that MAX_HEADERS_PER_TURN headers allow) is paced by the
+    loop's `_HeaderPacer`: when its slot ends later than PACE_FREE_S from now, the pipe is left unread
+    until then (the kernel waits on a full pipe), and the rest of the read is handled then."""
 
     def __init__(self, fd: int, reader: _ProtocolReader, on_eof: Callable[[], None]) -> None:
         self._reader = reader
         self._on_eof = on_eof
         self._rest = b""
         self._rest_at = 0
+        self._timer: asyncio.TimerHandle | None = None
         super().__init__(fd, 4096)
+        self._pacer = _HeaderPacer.of(self._loop)
 
     def _keep(self, chunk: bytes) -> None:
+        booked, started = self._loop.time(), time.perf_counter()
         super()._keep(chunk)
-        self._feed(chunk, 0)
+        self._step(chunk, 0, booked, started)
 
-    def _feed(self, data: bytes, pos: int) -> None:
+    def _step(self, data: bytes, pos: int, booked: float, started: float) -> None:
+        """Feed `data` from `pos`, book what it cost, and pause reading until the slot ends if it must."""
         stopped = self._reader.feed(data, pos)
-        if stopped < len(data) and not self.closed:
-            self._rest, self._rest_at = data, stopped
-            self._loop.remove_reader(self.fd)
-            self._loop.call_later(HEADER_PAUSE_S, self._resume)
+        spent = time.perf_counter() - started
+        shared = min(spent, MAX_SHARED_SLOT_S)
+        now = self._loop.time()
+        resume_at = max(self._pacer.slot(booked, shared), now + (spent - shared) * PACE_FACTOR)
+        if self.closed or (stopped == len(data) and resume_at - now <= PACE_FREE_S):
+            return
+        self._rest, self._rest_at = data, stopped
+        self._loop.remove_reader(self.fd)
+        self._timer = self._loop.call_at(resume_at, self._resume)
 
     def _resume(self) -> None:
+        self._timer = None
         data, pos = self._rest, self._rest_at
         self._rest, self._rest_at = b"", 0
         if self.closed:
             return
-        self._feed(data, pos)
-        if not self._rest and not self.closed:
+        if pos < len(data):
+            self._step(data, pos, self._loop.time(), time.perf_counter())
+        if self._timer is None and not self.closed:
             self._loop.add_reader(self.fd, self._on_readable)
 
     def close(self) -> None:
         was_closed = self.closed
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         super().close()
         if not was_closed:
             self._on_eof()
@@ -323,6 +391,7 @@ class _Cell:
     image_bytes: int = 0
     images_over_cap: int = 0
     images_over_budget: int = 0
+    images_over_share: int = 0
 
     def add(self, stream: int, raw: bytes | None) -> None:
         """Gather output to clean in batches of _CLEAN_BATCH_BYTES. Past the cap, bytes only mark
@@ -381,8 +450,8 @@ class _Cell:
 
     def admit_image(self, size: int, mime_type: str) -> bool:
         """Whether an image whose header declares `size` bytes is taken: within the cell's count and bytes
-        (an SVG within MAX_SVG_BYTES) and the server's budget. Decided on the header, so the payload of one
-        refused is never held; each refusal is counted for the note."""
+        (an SVG within MAX_SVG_BYTES), its sandbox's share of the server's budget and that budget. Decided on
+        the header, so the payload of one refused is never held; each refusal is counted for the note."""
         if self.done.done():
             return False
         if (
@@ -391,8 +460,11 @@ class _Cell:
             or (mime_type == SVG and size > MAX_SVG_BYTES)
         ):
             self.images_over_cap += 1
-        elif self.lease is not None and not self.lease.take(size):
-            self.images_over_budget += 1
+        elif self.lease is not None and (refused := self.lease.take(size)) is not None:
+            if refused == "sandbox":
+                self.images_over_share += 1
+            else:
+                self.images_over_budget += 1
         else:
             self.image_count += 1
             self.image_bytes += size
@@ -408,6 +480,11 @@ class _Cell:
                 f"{self.images_over_cap} image(s) dropped: a cell returns at most {MAX_IMAGES} images of "
                 f"{MAX_CELL_IMAGE_BYTES >> 20} MiB in all (an SVG at most {MAX_SVG_BYTES >> 10} KiB); "
                 "save larger ones to a file and read them from there"
+            )
+        if self.images_over_share and self.lease is not None:
+            notes.append(
+                f"{self.images_over_share} image(s) dropped: this sandbox's calls in progress already hold its "
+                f"{self.lease.budget.sandbox_limit_bytes >> 20} MiB of images; run the code again once they return"
             )
         if self.images_over_budget and self.lease is not None:
             notes.append(
@@ -558,7 +635,7 @@ class CodeContext:
         if self._process is None:
             return ""
         _, raw = self._process.stderr.read(0, 16_384)
-        lines = self._redactor.redact(raw.decode("utf-8", "replace")).strip().splitlines()
+        lines = self._redactor.redact(sanitize_terminal(raw.decode("utf-8", "replace"))).strip().splitlines()
         return lines[-1][:300] if lines else ""
 
     def _on_header(self, message: dict[str, Any]) -> PayloadSink | None:
@@ -677,12 +754,21 @@ class CodeContext:
                 await progress(cell.tail())
         done = message is not None and message.get("event") == "done"
         images: list[Image] = []
+        texts = _Texts()
         if done and cell.images:
             # A copy: the kernel may still send images of this cell (dropped: it is done) meanwhile.
             images, cut = await asyncio.to_thread(self._redacted_images, list(cell.images))
             cell.images_over_cap += cut
             cell.truncated = cell.truncated or cut > 0
-        return self._result(cell, message, timed_out, images)
+        if done and (cell.value is not None or cell.display or cell.error):
+            fields = (cell.value, dict(cell.display), dict(cell.error))
+            if _text_bytes(*fields) <= _INLINE_TEXT_BYTES:
+                texts = self._texts(*fields)  # `1+1`: microseconds, not a thread's hop
+            else:
+                # Copies, cleaned in a worker thread: up to six fields of 64 Ki characters, the worst of them
+                # (all controls, all secret-shaped) some tens of milliseconds each.
+                texts = await asyncio.to_thread(self._texts, *fields)
+        return self._result(cell, message, timed_out, images, texts)
 
     async def _interrupt(self, cell: _Cell) -> dict[str, Any] | None:
         """KeyboardInterrupt in the code; if it does not stop within the grace period, kill the kernel."""
@@ -694,20 +780,21 @@ class CodeContext:
             await self.kill()
             return None
 
-    def _result(self, cell: _Cell, message: dict[str, Any] | None, timed_out: bool, images: list[Image]) -> CellResult:
+    def _result(
+        self, cell: _Cell, message: dict[str, Any] | None, timed_out: bool, images: list[Image], texts: _Texts
+    ) -> CellResult:
         stdout, stderr = cell.finish()
         done = message is not None and message.get("event") == "done"
         broken = message is not None and message.get("event") == "invalid"
         status = message.get("exit_status") if done and message is not None else None
-        shown = {mime: self._text(data) for mime, data in cell.display.items()} if done else {}
         return CellResult(
             stdout=stdout,
             stderr=stderr,
-            value=self._text(cell.value) if done and cell.value is not None else None,
-            error={key: self._text(cell.error.get(key, b"")) for key in _ERROR_FIELDS} if done and cell.error else None,
+            value=texts.value,
+            error=texts.error,
             images=images,
-            markdown=shown.get("text/markdown"),
-            html=shown.get("text/html"),
+            markdown=texts.markdown,
+            html=texts.html,
             exit_status=status if type(status) is int else None,
             truncated=cell.truncated,
             execution_count=cell.id,
@@ -746,12 +833,26 @@ class CodeContext:
             return None
         return Image(self._redactor.redact(text).encode("utf-8"), SVG, image.width, image.height)
 
+    def _texts(self, value: bytes | None, display: dict[str, bytes], error: dict[str, bytes]) -> _Texts:
+        """A done cell's value, rich forms and error, each cleaned by `_text` (run in a worker thread)."""
+        return _Texts(
+            value=None if value is None else self._text(value),
+            markdown=self._text(display["text/markdown"]) if "text/markdown" in display else None,
+            html=self._text(display["text/html"]) if "text/html" in display else None,
+            error={key: self._text(error.get(key, b"")) for key in _ERROR_FIELDS} if error else None,
+        )
+
     def _text(self, raw: bytes) -> str:
-        """A value or error field, cut to MAX_TEXT_CHARS and redacted (a secret across the cut is still seen)."""
+        """A value, rich form or error field cleaned as output is: terminal escapes out first (a secret split
+        by one, `AKIA<ESC>[0m...`, is whole again), then redacted, then cut to MAX_TEXT_CHARS. Text past
+        MAX_TEXT_CHARS + _REDACT_MARGIN_CHARS is never looked at; a tail at that cut that could begin a
+        secret is dropped (the stream redactor holds it back and is not flushed)."""
         text = raw.decode("utf-8", "replace")
-        if len(text) <= MAX_TEXT_CHARS:
-            return self._redactor.redact(text)
-        return self._redactor.redact(text[: MAX_TEXT_CHARS + _REDACT_MARGIN_CHARS])[:MAX_TEXT_CHARS]
+        stream = self._redactor.stream()
+        clean = stream.feed(sanitize_terminal(text[: MAX_TEXT_CHARS + _REDACT_MARGIN_CHARS]))
+        if len(text) <= MAX_TEXT_CHARS + _REDACT_MARGIN_CHARS:
+            clean += stream.flush()
+        return clean[:MAX_TEXT_CHARS]
 
     async def kill(self) -> None:
         if self._process is not None and not self._process.exited:
@@ -797,6 +898,8 @@ class CodeRunner:
             raise Conflict("the sandbox is paused: resume it first")
         ctx = await self._context(_language(language), context, restart)
         config = self._workspace.config
+        if images is not None:
+            images.bind(self._workspace.id)  # a sandbox holds its share of the server's image budget, no more
         limit = _limit(timeout_s, config.timeout_s)
         sandbox = self._workspace.sandbox
         ooms = sandbox.oom_kills()
