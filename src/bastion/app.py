@@ -23,7 +23,7 @@ from bastion.safety.errors import AuditUnavailable, BastionError, ConfigError
 from bastion.safety.paths import folder_changeable_by
 from bastion.safety.redact import Redactor
 from bastion.sandbox import DeviceFolder, ScratchSizes, quota_available
-from bastion.sandbox.cgroups import CgroupLayout
+from bastion.sandbox.cgroups import CgroupLayout, owner_of
 from bastion.sandbox.identity import IdentityPool, range_conflict, unreachable_folder
 from bastion.state_lock import StateLock, replaceable_problem
 from bastion.tools import CallRunner
@@ -150,8 +150,9 @@ class Services:
             self.state_lock.release()
 
 
-def detect_cgroups(config: Config) -> CgroupLayout | None:
-    """The cgroup layout, when sandboxes are on or a workspace uses cgroups; else None.
+def detect_cgroups(config: Config, owner: str = "") -> CgroupLayout | None:
+    """The cgroup layout, when sandboxes are on or a workspace uses cgroups; else None. `owner`: the token of
+    this server's group names (`owner_of`; the doctor's trial sandboxes have none).
 
     Raises:
         ConfigError: cgroups are needed and cannot be used here.
@@ -159,9 +160,21 @@ def detect_cgroups(config: Config) -> CgroupLayout | None:
     if not config.sandboxes.enabled and not any(ws.use_cgroups for ws in config.workspace):
         return None
     try:
-        return CgroupLayout.detect()
+        return CgroupLayout.detect(owner=owner)
     except BastionError as exc:
         raise ConfigError(f"cgroups: {exc.reason} ({without_cgroups(config)})") from None
+
+
+def owner_token(config: Config) -> str:
+    """This server's cgroup owner token (`owner_of`), read or made under the state folder's lock.
+
+    Raises:
+        ConfigError: the state folder's token file cannot be read or written.
+    """
+    try:
+        return owner_of(config.state_dir)
+    except BastionError as exc:
+        raise ConfigError(f"cgroups: {exc.reason}") from None
 
 
 def without_cgroups(config: Config) -> str:
@@ -306,7 +319,7 @@ def build_services(config: Config) -> Services:
         organizers = open_organizers(config, audit)
         for organizer in organizers.values():
             opened.callback(organizer.close)
-        cgroups = detect_cgroups(config)
+        cgroups = detect_cgroups(config, owner_token(config))
         check_disk_quota(config)
         identities = open_identities(config)
         opened.callback(identities.close)

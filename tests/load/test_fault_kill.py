@@ -253,3 +253,35 @@ def _remove_pid_one_groups() -> None:
     for group in glob("/sys/fs/cgroup/bastion/sb-1-*") + glob("/sys/fs/cgroup/*/bastion/sb-1-*"):
         for folder, _, _ in sorted(os.walk(group), key=lambda entry: -len(entry[0])):
             os.rmdir(folder)
+
+
+async def test_two_servers_that_are_pid_1_of_their_containers_leave_each_others_sandboxes_alone(
+    tmp_path: Path,
+) -> None:
+    """Found by review: a group's pid names a process only in its server's own pid namespace. A server that is
+    pid 1 of a container, starting, read another container's pid-1 groups as its own dead predecessor's and
+    destroyed them, killing that server's live sandboxes. Group names now carry their state folder's token."""
+    assert _pid_one_groups() == []
+    first, second = _PidOne(fault_config(tmp_path / "first")), _PidOne(fault_config(tmp_path / "second"))
+    first.start()
+    try:
+        load = Load(first.mcp_url)
+        async with load.session() as client:
+            box = (await load.call(client, "create_sandbox"))["detail"]["sandbox_id"]
+            assert (await load.call(client, "run_command", command="true", sandbox_id=box))["ok"]
+            token = (tmp_path / "first" / "state" / "cgroup-owner").read_text().strip()
+            held = {name for name in _pid_one_groups() if name.endswith(f"-{token}")}
+            assert held
+            second.start()  # its recovery runs
+            assert held <= set(_pid_one_groups())
+            ran = await load.call(client, "run_command", command="echo still here", sandbox_id=box)
+            assert ran["detail"]["stdout"] == "still here\n"
+    finally:
+        for server in (second, first):
+            if server.process is not None and server.process.poll() is None:
+                os.kill(server.inner, signal.SIGTERM)
+                server.wait()
+        left = _pid_one_groups()
+        _remove_pid_one_groups()
+        unmount_all(tmp_path)
+    assert left == []

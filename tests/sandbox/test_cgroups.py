@@ -22,7 +22,15 @@ import pytest
 
 from bastion.safety.errors import Conflict, InvalidRequest, NotFound, OperationFailed, Unavailable
 from bastion.sandbox._hierarchies import Hierarchy, Roles, own_dir, parse_mountinfo, parse_self_cgroup
-from bastion.sandbox.cgroups import CgroupLayout, Limits, SandboxCgroup, Usage, fd_migration_supported, owner_pid
+from bastion.sandbox.cgroups import (
+    CgroupLayout,
+    Limits,
+    SandboxCgroup,
+    Usage,
+    fd_migration_supported,
+    owner_pid,
+    owner_token,
+)
 
 pytestmark = pytest.mark.root
 
@@ -405,10 +413,21 @@ def test_command_groups_need_a_kernel_that_checks_the_fd_opener(release: str, su
 
 
 @pytest.mark.parametrize(
-    ("name", "owner"),
-    [("sb-7082-1", 7082), ("vm-12-300", 12), ("sb-x-1", None), ("sb-7082", None), ("sb-1-2-3", None), ("base", None)],
+    ("name", "owner", "token"),
+    [
+        ("sb-7082-1", 7082, None),
+        ("vm-12-300", 12, None),
+        ("sb-1-2-0a1b2c3d", 1, "0a1b2c3d"),
+        ("sb-x-1", None, None),
+        ("sb-7082", None, None),
+        ("sb-1-2-3", None, None),
+        ("sb-1-2-0A1B2C3D", None, None),
+        ("base", None, None),
+    ],
 )
-def test_owner_pid_is_read_from_a_sandbox_groups_name_only(name: str, owner: int | None) -> None:
+def test_owner_pid_is_read_from_a_sandbox_groups_name_only(name: str, owner: int | None, token: str | None) -> None:
     """Crash recovery removes the groups of servers that are gone, and the doctor counts only its own:
-    both read the server's pid from the name, and a name of another shape names no server."""
+    both read the server's pid from the name (and its state folder's token, `owner_of`), and a name of
+    another shape names no server."""
     assert owner_pid(name) == owner
+    assert owner_token(name) == token

@@ -39,10 +39,12 @@ import errno
 import math
 import os
 import re
+import secrets
 import signal
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Final, final
 
 from bastion.safety.errors import Conflict, InvalidRequest, NotFound, OperationFailed, Timeout, Unavailable
@@ -74,11 +76,53 @@ DESTROY_WAIT_S: Final = 2.0
 _NAME_RE: Final = re.compile(r"[a-z0-9-]{1,64}")
 
 
+_OWNER_RE: Final = re.compile(r"[0-9a-f]{8}")
+
+
 def owner_pid(name: str) -> int | None:
-    """The pid of the server that made sandbox group `name` (`sb-PID-N`, `vm-PID-N`), or None for a
-    name of another shape."""
+    """The pid of the server that made sandbox group `name` (`sb-PID-N`, `vm-PID-N`, each maybe `-OWNER`), or
+    None for a name of another shape."""
     parts = name.split("-")
-    return int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else None
+    if len(parts) == 4 and not _OWNER_RE.fullmatch(parts[3]):
+        return None
+    return int(parts[1]) if len(parts) in (3, 4) and parts[1].isdigit() and parts[2].isdigit() else None
+
+
+def owner_token(name: str) -> str | None:
+    """The owner token in sandbox group `name` (`sb-PID-N-OWNER`: its server's state folder, `owner_of`), or
+    None for a name without one (made before tokens, or by a layout without an owner: the doctor's)."""
+    parts = name.split("-")
+    return parts[3] if owner_pid(name) is not None and len(parts) == 4 else None
+
+
+OWNER_FILE: Final = "cgroup-owner"
+
+
+def owner_of(state_dir: Path) -> str:
+    """The token the sandbox groups of the server on `state_dir` carry in their names, made once and kept there.
+
+    Found by review: a group's pid names a process only in its server's own pid namespace, so a server that is
+    pid 1 of a container read another container's pid-1 groups as its own dead predecessor's, and destroyed
+    them, live sandboxes included. The token tells servers apart by what they own: their state folder. The
+    caller holds the state folder's lock: no other server writes the file.
+    """
+    path = state_dir / OWNER_FILE
+    try:
+        token = path.read_text(encoding="ascii").strip()
+    except FileNotFoundError:
+        token = ""
+    except (OSError, UnicodeDecodeError) as exc:
+        raise Unavailable(f"cannot read {path}: {exc}") from exc
+    if _OWNER_RE.fullmatch(token):
+        return token
+    token = secrets.token_hex(4)
+    temporary = path.with_name(f".{OWNER_FILE}.tmp")
+    try:
+        temporary.write_text(token + "\n", encoding="ascii")
+        os.replace(temporary, path)
+    except OSError as exc:
+        raise Unavailable(f"cannot write {path}: {exc.strerror}") from exc
+    return token
 
 
 @dataclass(frozen=True)
@@ -128,17 +172,25 @@ def _validate_name(name: str, what: str) -> None:
 class CgroupLayout:
     """Where each controller lives on this host, and the base group of every sandbox. Detect once at start-up."""
 
-    def __init__(self, base_name: str, mode: Mode, roles: Roles) -> None:
+    def __init__(self, base_name: str, mode: Mode, roles: Roles, owner: str = "") -> None:
         self.base_name = base_name
         self.mode: Mode = mode
         self._roles = roles
+        self.owner = owner
+        """The token this server's group names end with (`owner_of`); "" for none."""
+
+    def new_name(self, kind: str, number: int) -> str:
+        """A group name of this server: `KIND-PID-NUMBER`, then `-OWNER` when the layout has an owner."""
+        name = f"{kind}-{os.getpid()}-{number}"
+        return f"{name}-{self.owner}" if self.owner else name
 
     @classmethod
-    def detect(cls, base_name: str = "bastion") -> CgroupLayout:
+    def detect(cls, base_name: str = "bastion", owner: str = "") -> CgroupLayout:
         """Find the hierarchies, pick the parent, and create the base group in each.
 
         Args:
             base_name: the folder under the parent that holds every sandbox group.
+            owner: the token of the server's groups (`owner_of`), or "" for names without one.
 
         Returns:
             The layout; its base groups exist.
@@ -164,7 +216,7 @@ class CgroupLayout:
             if isinstance(exc, (NotFound, OperationFailed)):
                 raise Unavailable(exc.reason, detail=exc.detail) from exc
             raise
-        return cls(base_name, mode, roles)
+        return cls(base_name, mode, roles, owner)
 
     @property
     def locations(self) -> Mapping[str, str]:

@@ -893,7 +893,7 @@ class MicroVMSandbox:
         if self._cgroups is None or limits is None:
             return None
         # "<kind>-<server pid>-<n>", as the namespace backend's: recovery finds a crashed server's by its pid.
-        return self._cgroups.create(f"vm-{os.getpid()}-{next(_group_ids)}", limits)
+        return self._cgroups.create(self._cgroups.new_name("vm", next(_group_ids)), limits)
 
     def _start_vmm(self) -> _Guest:
         problem = boot_files_problem(self.settings.image_dir)

@@ -247,7 +247,7 @@ class WarmSandbox:
     def _make_group(self) -> SandboxSpec:
         if self._cgroups is None or self._limits is None:
             return self.spec
-        name = f"{_GROUP_PREFIX}-{os.getpid()}-{next(_group_ids)}"
+        name = self._cgroups.new_name(_GROUP_PREFIX, next(_group_ids))
         self._group = self._cgroups.create(name, self._limits)
         procs = tuple(os.path.join(path, "cgroup.procs") for path in self._group.paths)
         # Before 5.16 the kernel would check the agent's moves against its own credentials: each

@@ -55,7 +55,7 @@ from bastion.safety.redact import Redactor
 from bastion.safety.trees import remove_tree, tree_bytes
 from bastion.sandbox import DeviceFolder, SandboxSpec, backend
 from bastion.sandbox._disk import ImageFormats, drop_disk, make_disk, mount_disk, mount_tmpfs, used_bytes
-from bastion.sandbox.cgroups import CgroupLayout, Limits, owner_pid
+from bastion.sandbox.cgroups import CgroupLayout, Limits, SandboxCgroup, owner_pid, owner_token
 from bastion.sandbox.identity import HostIdentity, IdentityPool
 from bastion.sandbox.microvm import MicroVMBackend, MicroVMSettings, probe_microvm, recover_run_dirs
 from bastion.sandbox.warm import BubblewrapBackend
@@ -957,7 +957,7 @@ class SandboxManager:
                     group = self._cgroups.open(name)
                 except NotFound:
                     continue  # removed meanwhile, by the live server that made it
-                if _left_by_a_crash(name, group.paths):
+                if _left_by_a_crash(name, group, self._cgroups.owner):
                     group.destroy()
         for folder in recover_run_dirs():
             logger.info("a crashed server's microVM folder %s removed", folder)
@@ -1285,23 +1285,35 @@ def _disk_bytes(workspace: Path) -> int:
     return tree_bytes(workspace, max_entries=_DISK_WALK_MAX_ENTRIES)
 
 
-def _left_by_a_crash(name: str, paths: tuple[str, ...]) -> bool:
-    """Whether the sandbox group `name` (folders `paths`) is a dead server's: the process whose pid it bears
-    (`owner_pid`) is gone, or started after the group was made (the pid was reused: a restarted server that is
-    pid 1 of a container always has its predecessor's pid, this one included).
+def _left_by_a_crash(name: str, group: SandboxCgroup, owner: str) -> bool:
+    """Whether the sandbox group `name` is a dead server's, at this server's start (it has made none yet).
 
-    Found by attack: only a missing pid counted, so the groups of a server killed in a container stayed for
-    ever, and the restarted one's first sandbox was refused (its name was taken). Groups of live servers
-    (another state folder's, or another manager of this process) are younger than their server: kept.
+    A name with an owner token (`owner_of`) is this state folder's server's or another's: this server's
+    predecessor's (ours, at start: the state lock says no other server runs on this folder) is dead; another
+    folder's is left to its own server, live or not. Found by review: a group's pid names a process only in its
+    server's own pid namespace, and a server that is pid 1 of a container destroyed the live groups of another
+    container's pid 1, taking them for its own predecessor's.
+
+    A name without one (made before tokens) is dead when the process whose pid it bears is gone, or, holding no
+    process, when that process started after the group was made (its pid reused: found by attack, a restarted
+    pid 1 left its predecessor's groups for ever, and its first sandbox was refused: its name was taken).
     """
-    owner = owner_pid(name)
-    if owner is None:
+    token = owner_token(name)
+    if token is not None:
+        return token == owner
+    pid = owner_pid(name)
+    if pid is None:
         return False  # not a name a server makes
-    started = _process_start(owner)
+    started = _process_start(pid)
     if started is None:
         return True
+    try:
+        if group.usage().pids:
+            return False  # in use: a live server's, in a pid namespace of its own
+    except BastionError:
+        return False  # removed meanwhile
     made = []
-    for path in paths:
+    for path in group.paths:
         with contextlib.suppress(OSError):  # a hierarchy a crash left it out of, or removed meanwhile
             made.append(os.stat(path).st_mtime)
     return bool(made) and started > min(made)
