@@ -49,10 +49,10 @@ def tls_clients(server: LiveServer, count: int, request: bytes = b"") -> Iterato
             sock.close()
 
 
-def ended_by_server(sock: ssl.SSLSocket) -> bytes:
-    """What `sock` receives until the server's end (its close_notify or FIN), within 10 s."""
+def ended_by_server(sock: ssl.SSLSocket, within_s: float = 10) -> bytes:
+    """What `sock` receives until the server's end (its close_notify or FIN), within `within_s`."""
     received = bytearray()
-    sock.settimeout(10)
+    sock.settimeout(within_s)
     with contextlib.suppress(ssl.SSLZeroReturnError, ssl.SSLEOFError):
         while chunk := sock.recv(65536):
             received += chunk
@@ -85,3 +85,16 @@ def test_silent_tls_clients_closed_at_the_head_timeout_do_not_hold_every_slot(se
         for sock in clients:
             assert ended_by_server(sock) == b""  # closed by the head timeout (1 s), not by the client
         served(server)
+
+
+def test_tls_clients_kept_alive_then_silent_do_not_hold_every_slot(tmp_path: Path) -> None:
+    """Found by review: with a head timeout longer than uvicorn's keep-alive (15 s), uvicorn closes an idle
+    kept-alive connection itself, and that close waited 30 s for the TLS client's close_notify as the
+    server's own did: 16 clients that each read an answer and went silent held a 16-connection cap."""
+    extra = f"max_connections = {CAP}\nrequest_head_timeout_s = 120"
+    with live_tls_server(tmp_path, http_extra=extra, auth=False) as server:
+        kept_alive = request(server).replace(b"Connection: close\r\n", b"")
+        with tls_clients(server, CAP, kept_alive) as clients:
+            for sock in clients:
+                assert ended_by_server(sock, within_s=30).startswith(b"HTTP/1.1 200")  # at the keep-alive's end
+            served(server)

@@ -499,6 +499,12 @@ class GuardedH11Protocol(H11Protocol):
         self._follow()
         self._closing()
 
+    def timeout_keep_alive_handler(self) -> None:
+        # Found by review: uvicorn's own close of an idle kept-alive connection (past `KEEP_ALIVE_S`, which
+        # comes first when `request_head_timeout_s` is longer) waited for the TLS client's close_notify too.
+        super().timeout_keep_alive_handler()
+        self._closing()
+
     def _close(self) -> None:
         self.transport.close()
         self._closing()
