@@ -38,6 +38,9 @@ if TYPE_CHECKING:
 
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+_CLEANUP_SIGNALS = (*_STOP_SIGNALS, signal.SIGINT)
+"""Ignored while the services close, and after: Ctrl-C too (found by review: pressed again during the HTTP
+server's cleanup, it ended the process with every sandbox mounted). SIGKILL still ends a cleanup that hangs."""
 
 
 class Stopped(SystemExit):
@@ -59,7 +62,7 @@ def stop_signals() -> Iterator[None]:
     try:
         yield
     finally:
-        for sig in _STOP_SIGNALS:
+        for sig in _CLEANUP_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
 
 
@@ -159,7 +162,7 @@ async def _serve_until_stopped(serve: Callable[[], Awaitable[None]]) -> None:
 def _signals_ignored() -> Iterator[None]:
     """While the services close: a second SIGTERM must not cut the cleanup short (systemd's
     SIGKILL after its timeout still ends a cleanup that hangs)."""
-    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in _STOP_SIGNALS}
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in _CLEANUP_SIGNALS}
     try:
         yield
     finally:

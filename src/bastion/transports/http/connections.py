@@ -640,6 +640,9 @@ def guarded_protocol(
 CANCELLED_AT_SHUTDOWN: Final = "a request still running when the graceful shutdown ended was cancelled"
 
 
+LIFESPAN_CUT_SHORT: Final = "a forced stop (a second Ctrl-C) cut the application's shutdown short"
+
+
 class ShutdownCancels(logging.Filter):
     """uvicorn logs each request its graceful shutdown cancels as "Exception in ASGI application" at
     ERROR, with the CancelledError: an expected end (the call's audit end record says it was
@@ -647,10 +650,19 @@ class ShutdownCancels(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
-        if isinstance(exc, asyncio.CancelledError) and record.getMessage().strip() == "Exception in ASGI application":
-            record.levelno, record.levelname = logging.INFO, logging.getLevelName(logging.INFO)
-            record.msg, record.args, record.exc_info, record.exc_text = CANCELLED_AT_SHUTDOWN, (), None, None
+        message = record.getMessage().strip()
+        if isinstance(exc, asyncio.CancelledError) and message == "Exception in ASGI application":
+            self._told(record, CANCELLED_AT_SHUTDOWN)
+        elif message.startswith("Traceback") and message.endswith("CancelledError"):
+            # Found by review: a second Ctrl-C forces uvicorn's exit, and starlette sends the cancelled
+            # lifespan's traceback as its shutdown failure, which uvicorn logs at ERROR as the message.
+            self._told(record, LIFESPAN_CUT_SHORT)
         return True
+
+    @staticmethod
+    def _told(record: logging.LogRecord, line: str) -> None:
+        record.levelno, record.levelname = logging.INFO, logging.getLevelName(logging.INFO)
+        record.msg, record.args, record.exc_info, record.exc_text = line, (), None, None
 
 
 def quiet_loop_errors() -> Callable[[asyncio.AbstractEventLoop, dict[str, Any]], None]:
