@@ -480,3 +480,23 @@ def test_a_build_killed_part_way_leaves_an_env_the_server_refuses_and_a_build_fi
         _build_killed_in_pip(config, env, index)  # the next build gets to pip again: the folder is its own
         with pytest.raises(ConfigError, match="left half made"):
             load_config(config)
+
+
+def test_a_rebuild_killed_part_way_leaves_an_env_the_server_refuses(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Found by review: only a new environment was marked, so a rebuild (the lock changed) killed while pip
+    ran left an environment without the lock's packages that the server accepted."""
+    with socket.create_server(("127.0.0.1", 0)) as index:
+        lock = tmp_path / "six.lock"
+        lock.write_text("")  # nothing to install: built offline
+        config = config_with(tmp_path, f'name = "small"\npython_env = "envs/small"\npython_lock = "{lock}"\n')
+        index_url = f'pip_index_url = "https://127.0.0.1:{index.getsockname()[1]}/simple"'
+        config.write_text(config.read_text().replace("[sandboxes]\n", f"[sandboxes]\n{index_url}\n", 1))
+        env = config.parent / "envs" / "small"
+        assert build(capsys, config, "small")[0] == 0
+        assert load_config(config).template[0].python_env == env
+        lock.write_text(SIX_LOCK)
+        _build_killed_in_pip(config, env, index)
+        with pytest.raises(ConfigError, match="left half made by a build that failed or was stopped"):
+            load_config(config)

@@ -208,11 +208,12 @@ def build_template_env(template: TemplateConfig, *, index_url: str) -> BuiltEnv:
     _check_target(template.name, target)
     with template_lock(template) as lock, _private_lock(template.name, lock) as copy:
         created = not _is_venv(target)
+        # Marked before the venv is made in it or the lock installed, unmarked once the lock is in: a build that
+        # fails or is killed part-way (a rebuild too: found by review) leaves a folder the server refuses
+        # (`unfinished_env_problem`), not one it serves.
+        target.mkdir(mode=0o755, parents=True, exist_ok=True)
+        (target / UNFINISHED_MARK).touch(mode=0o644)
         if created:
-            # Marked before the venv is made in it, unmarked once the lock is in: a build that fails or is
-            # killed part-way leaves a folder the server refuses (`unfinished_env_problem`), not one it serves.
-            target.mkdir(mode=0o755, parents=True, exist_ok=True)
-            (target / UNFINISHED_MARK).touch(mode=0o644)
             make_venv(target)
         install_lock(target, copy, index_url)
         (target / UNFINISHED_MARK).unlink(missing_ok=True)
