@@ -133,18 +133,21 @@ def test_a_tree_on_a_full_filesystem_is_removed(tmp_path: Path) -> None:
     try:
         root = mount / "sandbox"
         (root / "workspace").mkdir(parents=True)
-        (root / "disk.img").write_bytes(b"x" * 4096)
+        (root / "workspace" / "disk.img").write_bytes(b"x" * 4096)
         (root / "nested" / "deeper").mkdir(parents=True)
         (root / "nested" / "deeper" / "file").write_text("kept until now")
-        filler = mount / "filler"
-        filler.mkdir()
+        (mount / "kept").write_text("outside the tree")
+        filler = root / "workspace" / "a" / "b"  # found by review: the room sits deep in the tree
+        filler.mkdir(parents=True)
         with contextlib.suppress(OSError):  # every inode taken: no folder can be made
             for n in range(1000):
                 (filler / str(n)).touch()
+        outside = mount / "outside"
         with pytest.raises(OSError, match="No space left on device"):
-            (mount / "one more").mkdir()
+            outside.mkdir()
         remove_tree(root)
         assert not root.exists()
-        assert len(os.listdir(filler)) > 0  # nothing outside the tree
+        outside.mkdir()  # the room is back
+        assert (mount / "kept").read_text() == "outside the tree"
     finally:
         subprocess.run(["umount", str(mount)], check=True)

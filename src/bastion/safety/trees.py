@@ -54,14 +54,15 @@ def remove_tree(root: Path) -> None:
         pile_name = _new_folder(top)
     except OSError:
         # Found by review: the pile takes a block, so on a full filesystem nothing was removed, a closed
-        # sandbox's disk image included: the files and empty folders go first, the pile in the room left.
-        _remove_shallow(top)
+        # sandbox's disk image included: the files go first, at any depth the walk reaches, and the pile is
+        # made in the room they leave.
+        _free_room(top)
         try:
             pile_name = _new_folder(top)
         except OSError:
             os.close(top)
             with contextlib.suppress(OSError):
-                os.rmdir(root)  # all was shallow: nothing left in it
+                os.rmdir(root)  # all was within reach: nothing left in it
             return
     try:
         pile = os.open(pile_name, _DIR_FLAGS, dir_fd=top)
@@ -112,18 +113,28 @@ def _empty(fd: int, pile: int, names: Iterator[str], *, skip: str | None) -> lis
     return moved
 
 
-def _remove_shallow(fd: int) -> None:
-    """Unlink what is not a folder in the folder `fd`, and remove its empty folders (best effort)."""
+def _free_room(fd: int, depth: int = 0) -> None:
+    """Unlink the files beneath the folder `fd` and remove the folders that empties, down to `MAX_WALK_DEPTH`
+    levels (one fd and one call a level), making nothing: what a full filesystem still allows. Best effort.
+    Found by review: the space of a full filesystem sat in a workspace's subfolders, which this reaches."""
+    with contextlib.suppress(OSError):
+        os.fchmod(fd, 0o700)  # a folder made read-only: a server that is not root could not empty it
     while batch := _entries(fd):
-        removed = False
+        progress = False
         for name, is_dir in batch:
             with contextlib.suppress(OSError):
                 if is_dir:
+                    if depth < MAX_WALK_DEPTH:
+                        child = os.open(name, _DIR_FLAGS, dir_fd=fd)
+                        try:
+                            _free_room(child, depth + 1)
+                        finally:
+                            os.close(child)
                     os.rmdir(name, dir_fd=fd)
                 else:
                     os.unlink(name, dir_fd=fd)
-                removed = True
-        if not removed:
+                progress = True
+        if not progress:
             return
 
 
