@@ -250,7 +250,7 @@ async def test_protocol_floods_of_tiny_messages_from_many_contexts_share_one_pac
     """Attack (found by review): every context a sandbox may have (eight) writes `{"event":"ready"}` x 2000 in
     a loop on its protocol fd. Headers were paced per context (64, then 1 ms), so together they kept the loop
     busy: another sandbox's run_command went from 2.4 ms to 89 ms (median). Invariant: the message handling
-    of all contexts shares one pacing of the loop (`_HeaderPacer`), so eight floods cost what one did: the
+    of all contexts shares one pacing of the loop (`pacing.Pacer`), so eight floods cost what one did: the
     other sandbox's calls stay within a few times their quiet figure (the kernels' own CPU use alone doubles
     it on two cores), the loop's thread is never held, and the sandbox, its files and every context live.
     Does not prove a bound on the kernels' own CPU time (their sandbox's cgroup bounds that)."""

@@ -23,6 +23,7 @@ from mcp import Client
 from bastion.app import Services, build_server, build_services
 from bastion.config import Config, TerminalsConfig
 from bastion.workbench import screen
+from bastion.workbench.pacing import Pacer
 from bastion.workbench.screen import FEED_SLICE_BYTES, MAX_CELL_CHARS, Scrollback, Terminal
 from bastion.workbench.terminals import KEYS, MAX_SEND_BYTES, MAX_WAITING_READS, Terminals
 from tests.helpers import LoopLag, Payload, audit_record, call, create, processes_with
@@ -884,11 +885,11 @@ async def test_one_terminals_charged_debt_does_not_hold_back_the_others(client: 
     other = await open_term(client, second, "cat")
     terminal = services.registry.find_terminal(debtor).workspace.terminals._get(debtor)
     loop = asyncio.get_running_loop()
-    pacer = screen.Pacer.of(loop)
+    pacer = Pacer.of(loop, "terminals")
     terminal.charge(10.0)  # what 20 s of resizes under waiting reads ran up
     await send(client, debtor, "owed", "Enter")
     await until(client, debtor, "(?m)^owed$")  # rendered: pacing delays its next read, not this one
-    assert pacer._free_at - loop.time() < 4 * screen.MAX_SHARED_SLOT_S + 0.5, pacer._free_at - loop.time()
+    assert pacer.free_at - loop.time() < 4 * screen.MAX_SHARED_SLOT_S + 0.5, pacer.free_at - loop.time()
     await send(client, other, "prompt", "Enter")
     await until(client, other, "(?m)^prompt$", timeout_s=5)
     for term in (debtor, other):

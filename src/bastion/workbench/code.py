@@ -10,7 +10,7 @@ JSON), payloads are bounded per kind and handled as they arrive, output past the
 counted, never cleaned, and every text is cleaned and redacted like command output. A
 kernel that breaks the protocol is killed; the call says why. No step costs the event loop
 more than one read's worth of work, and all contexts together handle messages for at most a share of the
-loop's time (`_HeaderPacer`), so flooding contexts cannot stall other sandboxes.
+loop's time (`Pacer`, the "code" timeline), so flooding contexts cannot stall other sandboxes.
 
 A timeout first interrupts the code (KeyboardInterrupt inside, the context lives on);
 if the code does not stop within a grace period, the kernel is killed and the
@@ -24,7 +24,6 @@ import json
 import logging
 import shutil
 import time
-import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
@@ -36,6 +35,7 @@ from bastion.sandbox import KERNEL_PATH, REPL_PATH, SANDBOX_PATH, SANDBOX_WORKSP
 from bastion.sandbox.backend import Process
 from bastion.sandbox.processes import RingCapture
 from bastion.workbench.media import ImageLease
+from bastion.workbench.pacing import PACE_FACTOR, Pacer
 from bastion.workbench.workspace import OWN_VENV, SYSTEM_PYTHON, HostWorkspace
 
 logger = logging.getLogger("bastion.code")
@@ -83,10 +83,9 @@ _CLEAN_SLACK_BYTES: Final = 256  # an escape sequence or a character split at th
 # (up to 16 Ki characters) at every feed, so cleaning each of a flood of 1-byte messages on its
 # own cost ~2 ms apiece, seconds of event loop per read.
 _CLEAN_BATCH_BYTES: Final = 65_536
-# Headers handled in one step; the rest of a read waits for the step's slot in the loop's `_HeaderPacer`
+# Headers handled in one step; the rest of a read waits for the step's slot in the loop's `Pacer` ("code" timeline)
 # (the pipe is not read meanwhile). 64 KiB of 18-byte headers took 15 ms in one callback; 64 take ~0.3 ms.
 MAX_HEADERS_PER_TURN: Final = 64
-PACE_FACTOR: Final = 3.0  # after handling messages for t, that context reads again 3t later: a quarter of the loop
 PACE_FREE_S: Final = 0.0015  # a slot ending within this from now does not pause reading: real output never waits
 # The most one step books in the shared timeline (a step may clean a 64 KiB batch of output): what it spent
 # past this delays its own context alone, so one costly step does not hold every other context's reading.
@@ -264,43 +263,12 @@ def _text_bytes(value: bytes | None, display: dict[str, bytes], error: dict[str,
     return len(value or b"") + sum(map(len, display.values())) + sum(map(len, error.values()))
 
 
-class _HeaderPacer:
-    """The event loop's time for the protocol messages of all code contexts together, as one timeline of slots.
-
-    Each step of one context (at most MAX_HEADERS_PER_TURN headers of a read, their payloads handled) takes a
-    slot of PACE_FACTOR + 1 times its cost after the slots booked before it, and that context reads again
-    only when its slot ends: however many contexts flood, together they take at most about a quarter of the
-    loop. Paced per context instead (64 headers, then 1 ms), eight flooding contexts made another sandbox's
-    run_command 16-35x slower. The idea of `bastion.workbench.screen.Pacer`, which terminals share (a
-    timeline of their own: that module loads pyte). Not a bound on the kernels' own CPU time.
-    """
-
-    def __init__(self) -> None:
-        self._free_at = 0.0  # loop time at which the last slot ends
-
-    @classmethod
-    def of(cls, loop: asyncio.AbstractEventLoop) -> _HeaderPacer:
-        """The pacer all code contexts read on `loop` share."""
-        pacer = _PACERS.get(loop)
-        if pacer is None:
-            pacer = _PACERS[loop] = cls()
-        return pacer
-
-    def slot(self, started: float, spent_s: float) -> float:
-        """Book a step that began at loop time `started` and cost `spent_s`; return when its slot ends."""
-        self._free_at = max(self._free_at, started) + spent_s * (1 + PACE_FACTOR)
-        return self._free_at
-
-
-_PACERS: Final[weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _HeaderPacer]] = weakref.WeakKeyDictionary()
-
-
 class _MessageCapture(RingCapture):
     """The kernel's protocol channel, fed to a `_ProtocolReader` one read at a time; a few KiB are
     kept for diagnosis. Closing it (EOF, or the context killed) calls `on_eof` once.
 
     Each step (a read, or the part of one that MAX_HEADERS_PER_TURN headers allow) is paced by the
-    loop's `_HeaderPacer`: when its slot ends later than PACE_FREE_S from now, the pipe is left unread
+    loop's `Pacer` ("code" timeline): when its slot ends later than PACE_FREE_S from now, the pipe is left unread
     until then (the kernel waits on a full pipe), and the rest of the read is handled then."""
 
     def __init__(self, fd: int, reader: _ProtocolReader, on_eof: Callable[[], None]) -> None:
@@ -310,7 +278,7 @@ class _MessageCapture(RingCapture):
         self._rest_at = 0
         self._timer: asyncio.TimerHandle | None = None
         super().__init__(fd, 4096)
-        self._pacer = _HeaderPacer.of(self._loop)
+        self._pacer = Pacer.of(self._loop, "code")
 
     def _keep(self, chunk: bytes) -> None:
         booked, started = self._loop.time(), time.perf_counter()

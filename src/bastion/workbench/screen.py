@@ -32,7 +32,6 @@ import operator
 import os
 import time
 import unicodedata
-import weakref
 from collections.abc import Callable
 from typing import Any, Final
 
@@ -40,6 +39,7 @@ import pyte
 
 from bastion.safety.errors import Conflict
 from bastion.sandbox.processes import PtyProcess, readable
+from bastion.workbench.pacing import PACE_FACTOR, Pacer
 
 logger = logging.getLogger("bastion.terminals")
 
@@ -52,7 +52,6 @@ READ_CHUNK_BYTES: Final = 4096  # per read of the master
 FEED_SLICE_BYTES: Final = 64
 STEP_BUDGET_S: Final = 0.005  # slices fed in one turn of the loop; the rest waits for the pacing delay
 PACE_FREE_S: Final = 0.0005  # a slot ending under PACE_FACTOR times this from now does not pause reading
-PACE_FACTOR: Final = 3.0  # after rendering for t, reading waits 3t: at most a quarter of the loop
 # The most one step of one terminal books in the loop's shared `Pacer` (a step renders for at most
 # STEP_BUDGET_S and one slice, ~10 ms): what its reads charged past this delays that terminal alone.
 MAX_SHARED_SLOT_S: Final = 0.02
@@ -284,36 +283,6 @@ def _line_text(line: pyte.screens.StaticDefaultDict[int, pyte.screens.Char], col
     return "".join(map(_DATA, map(line.get, range(columns), itertools.repeat(line.default)))).rstrip()
 
 
-class Pacer:
-    """The event loop's time for all its terminals' output together, as one timeline of slots.
-
-    Each step of rendering, whichever terminal's, takes a slot of `PACE_FACTOR` + 1 times its cost
-    after the slots booked before it, and its terminal reads again only when the slot ends: together
-    the terminals render at most a quarter of the time, in turn (with 16 flooded, a terminal reads
-    again about 0.4 s after its step). Each terminal paced alone let 16 flooded ones take the whole
-    loop (a tool call waited 0.2 s). Not a bound on the programs' own CPU time.
-    """
-
-    def __init__(self) -> None:
-        self._free_at = 0.0  # loop time at which the last slot ends
-
-    @classmethod
-    def of(cls, loop: asyncio.AbstractEventLoop) -> Pacer:
-        """The pacer all terminals read on `loop` share."""
-        pacer = _PACERS.get(loop)
-        if pacer is None:
-            pacer = _PACERS[loop] = cls()
-        return pacer
-
-    def slot(self, started: float, spent_s: float) -> float:
-        """Book a step that began at loop time `started` and cost `spent_s`; return when its slot ends."""
-        self._free_at = max(self._free_at, started) + spent_s * (1 + PACE_FACTOR)
-        return self._free_at
-
-
-_PACERS: Final[weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Pacer]] = weakref.WeakKeyDictionary()
-
-
 class Terminal:
     """One program on a terminal: its master fd read on the loop into a pyte screen."""
 
@@ -327,7 +296,7 @@ class Terminal:
         self.reads = 0  # terminal_read calls waiting on it: in use however long they wait
         self.output_open = True
         self._loop = asyncio.get_running_loop()
-        self._pacer = Pacer.of(self._loop)
+        self._pacer = Pacer.of(self._loop, "terminals")
         self._screen = TerminalScreen(cols, rows, Scrollback(scrollback_chars))
         self._stream = pyte.ByteStream(self._screen)
         self._in_sequence = 0  # bytes fed since the parser left its ground state
