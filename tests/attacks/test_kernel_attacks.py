@@ -1,15 +1,16 @@
 """Kernel attacks from a shell inside a real sandbox (found by attack): memory the sandbox's cgroup never
-counted (netlink queues, TCP buffers on cgroup v1), socket families that are not network-namespaced or load
-kernel modules, ext4's own ioctl for an inode's generation, and fanotify on the folders sandboxes share.
-Each runs through the real tools over the real MCP client, against a real root server and real bubblewrap,
-in an agent sandbox (``create_sandbox``) and, where the host's files are the target, in a root-owned host
-workspace whose policy allows every program (``open``: the kernel layers must hold on their own).
+counted (netlink queues, NETLINK_ROUTE's dumps included; TCP buffers on cgroup v1), socket families that
+are not network-namespaced or load kernel modules, ext4's own ioctl for an inode's generation, and fanotify
+on the folders sandboxes share. Each runs through the real tools over the real MCP client, against a real
+root server and real bubblewrap, in an agent sandbox (``create_sandbox``) and, where the host's files are
+the target, in a root-owned host workspace whose policy allows every program (``open``: the kernel layers
+must hold on their own).
 
-Each asserts the refusal, that the sandbox's ordinary networking still works afterwards (``ip``,
-if_nameindex, getaddrinfo, node, an allowed destination through the egress proxy), and that nothing the
-attack aimed at changed. What this does not prove: anything about a kernel bug, cgroup v2 hosts (this
-host is hybrid: the v2 path is read from the code and `test_cgroups`), or inotify, which stays allowed
-(see `bastion.sandbox.seccomp`).
+Each asserts the refusal, that the sandbox's ordinary networking still works afterwards (getaddrinfo,
+"localhost", node's network interfaces, an allowed destination through the egress proxy; `ip` and
+if_nameindex need netlink, which is refused), and that nothing the attack aimed at changed. What this does
+not prove: anything about a kernel bug, cgroup v2 hosts (this host is hybrid: the v2 path is read from the
+code and `test_cgroups`), or inotify, which stays allowed (see `bastion.sandbox.seccomp`).
 """
 
 from __future__ import annotations
@@ -108,32 +109,48 @@ async def run_python(client: Client, where: str, source: str, *args: str) -> dic
     return ran(await sh(client, where, shlex.join(("python3", "-I", "-S", name, *args)), timeout_s=120))
 
 
-# What a sandbox's ordinary networking needs: NETLINK_ROUTE (if_nameindex, getaddrinfo's AI_ADDRCONFIG, `ip`),
-# unix and loopback sockets, and (with a network) the egress proxy through the forwarder.
+# What a sandbox's ordinary networking needs without netlink: unix and loopback sockets, getaddrinfo (with
+# AI_ADDRCONFIG glibc assumes both families when netlink is refused; "localhost" from the sandbox's /etc/hosts),
+# and (with a network) the egress proxy through the forwarder.
 NETWORKING = """
 import socket, sys, urllib.request
 a, b = socket.socketpair()
 listener = socket.create_server(("127.0.0.1", 0))
 client = socket.create_connection(listener.getsockname())
-print("if_nameindex", *[name for _, name in socket.if_nameindex()])
 print("addrinfo", *sorted({info[4][0] for info in socket.getaddrinfo("127.0.0.1", 80, flags=socket.AI_ADDRCONFIG)}))
+print("localhost", *sorted({info[4][0] for info in socket.getaddrinfo("localhost", 80, flags=socket.AI_ADDRCONFIG)}))
 if len(sys.argv) > 1:
     print("egress", urllib.request.urlopen(sys.argv[1], timeout=30).read().decode())
 """
-NODE_INTERFACES = 'node -e \'console.log(Object.keys(require("os").networkInterfaces()).join(" "))\''
+NODE_INTERFACES = "node -e 'console.log(JSON.stringify(require(\"os\").networkInterfaces()))'"
+NODE_LOOPBACK_V4 = {
+    "address": "127.0.0.1",
+    "netmask": "255.0.0.0",
+    "family": "IPv4",
+    "mac": "00:00:00:00:00:00",
+    "internal": True,
+    "cidr": "127.0.0.1/8",
+}
+NODE_LOOPBACK_V6 = {
+    "address": "::1",
+    "netmask": "ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff",
+    "family": "IPv6",
+    "mac": "00:00:00:00:00:00",
+    "internal": True,
+    "cidr": "::1/128",
+    "scopeid": 0,
+}
 
 
 async def assert_networking_works(client: Client, where: str, url: str | None = None) -> None:
     out = await run_python(client, where, NETWORKING, *([url] if url else []))
     lines = out["stdout"].splitlines()
-    assert lines[:2] == ["if_nameindex lo", "addrinfo 127.0.0.1"], out
+    assert lines[:2] == ["addrinfo 127.0.0.1", "localhost 127.0.0.1"], out
     if url:
         assert lines[2] == f"egress {BODY.decode()}", out
-    ip = ran(await sh(client, where, "ip -o addr show lo"))
-    assert "127.0.0.1/8" in ip["stdout"], ip
     if shutil.which("node"):
         node = ran(await sh(client, where, NODE_INTERFACES))
-        assert node["stdout"].split() == ["lo"], node
+        assert json.loads(node["stdout"]) == {"lo": [NODE_LOOPBACK_V4, NODE_LOOPBACK_V6]}, node
 
 
 FAMILIES = """
@@ -167,9 +184,9 @@ FAMILIES_REFUSED = {
     "bluetooth": "EAFNOSUPPORT",
     "rds": "EAFNOSUPPORT",
     "socketpair_tipc": "EAFNOSUPPORT",
-    "netlink_usersock": "EPROTONOSUPPORT",
-    "netlink_audit": "EPROTONOSUPPORT",
-    "netlink_route": "OK",
+    "netlink_usersock": "EAFNOSUPPORT",
+    "netlink_audit": "EAFNOSUPPORT",
+    "netlink_route": "EAFNOSUPPORT",
     "nofile": "1024 4096",
     "raise": "refused",
 }
@@ -179,11 +196,11 @@ async def test_netlink_usersock_flood_and_vsock_sockets_are_refused(client: Clie
     """Attack (found by attack): 1,500 NETLINK_USERSOCK sockets sending to themselves queued 281 MB (737 MiB
     gone from the host) with the sandbox's cgroup at 5 of 128 MiB, under the server's open-file limit of
     20,000; AF_VSOCK sockets, not network-namespaced, held a vsock port host-wide. Invariant: in an agent
-    sandbox with a network and in a host workspace, netlink opens for NETLINK_ROUTE only (others:
-    EPROTONOSUPPORT), AF_VSOCK and every family but unix, inet, inet6 and netlink fail with EAFNOSUPPORT,
-    the open-file limit is 1024 (soft) / 4096 (hard) and cannot be raised; and afterwards `ip`,
-    if_nameindex, getaddrinfo, node and the egress proxy still work. Does not prove a sandbox's AF_UNIX
-    queues are counted (bounded per process by the open-file limit)."""
+    sandbox with a network and in a host workspace, netlink of every protocol (NETLINK_ROUTE too, since
+    `test_netlink_route_dump_flood_is_refused`), AF_VSOCK and every family but unix, inet and inet6 fail with
+    EAFNOSUPPORT, the open-file limit is 1024 (soft) / 4096 (hard) and cannot be raised; and afterwards
+    getaddrinfo, node's os.networkInterfaces() and the egress proxy still work. Does not prove a sandbox's
+    AF_UNIX queues are counted (bounded per process by the open-file limit)."""
     box = await create(client, network_allow=[f"allowed.test:{web}"])
     for where in (box, OPEN):
         out = await run_python(client, where, FAMILIES)
@@ -191,6 +208,123 @@ async def test_netlink_usersock_flood_and_vsock_sockets_are_refused(client: Clie
         assert seen == FAMILIES_REFUSED, (where, out)
     await assert_networking_works(client, box, f"http://allowed.test:{web}/")
     await assert_networking_works(client, OPEN)
+
+
+# The reviewer's flood (r1), bounded: NETLINK_ROUTE sockets with a large receive buffer, sent RTM_GETLINK dumps
+# (rtnetlink(7)) they never read, natively and through the 32-bit ABI; then what netlink queues in the namespace.
+ROUTE_FLOOD = """
+import ctypes, errno, mmap, socket, struct
+def attempt(make):
+    try:
+        make()
+        return "OK"
+    except OSError as exc:
+        return errno.errorcode[exc.errno]
+DUMP = struct.pack("=IHHII", 32, 18, 0x301, 1, 0) + bytes(16)  # RTM_GETLINK, NLM_F_REQUEST | NLM_F_DUMP
+held = []
+def flood(kind):
+    s = socket.socket(socket.AF_NETLINK, kind, 0)
+    held.append(s)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 30)
+    s.bind((0, 0))
+    for _ in range(200):
+        s.send(DUMP, socket.MSG_DONTWAIT)
+print("route_raw", attempt(lambda: [flood(socket.SOCK_RAW) for _ in range(20)]))
+print("route_dgram", attempt(lambda: flood(socket.SOCK_DGRAM)))
+# int 0x80 from 64-bit code: i386's socket(2) is 359 (mov eax, 359; mov ebx, family; mov ecx, type; int 0x80).
+page = mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC, flags=mmap.MAP_PRIVATE | 0x40)
+code = b"\\x53\\xb8" + (359).to_bytes(4, "little") + b"\\xbb" + (16).to_bytes(4, "little")
+code += b"\\xb9" + (3).to_bytes(4, "little") + b"\\xba" + bytes(4) + b"\\xcd\\x80\\x5b\\xc3"
+page[: len(code)] = code
+rc = ctypes.CFUNCTYPE(ctypes.c_int)(ctypes.addressof(ctypes.c_char.from_buffer(page)))()
+print("route_i386", "OK" if rc >= 0 else errno.errorcode[-rc])
+rows = [line.split() for line in open("/proc/net/netlink").read().splitlines()[1:]]
+print("queued", sum(int(row[4]) for row in rows))
+"""
+
+
+async def test_netlink_route_dump_flood_is_refused(client: Client) -> None:
+    """Attack (found by review, r1): NETLINK_ROUTE was left open (for `ip`, getaddrinfo, if_nameindex), and its
+    receive queues are charged to no memory cgroup: 50 sockets with SO_RCVBUF raised, sent RTM_GETLINK dumps
+    they never read, held ~480 MiB of host memory with the sandbox's cgroup at 7 of 64 MiB. Invariant: in a
+    64 MiB agent sandbox and in a host workspace, socket(AF_NETLINK, ..., NETLINK_ROUTE) fails with
+    EAFNOSUPPORT, raw and datagram, native and through the 32-bit ABI; nothing is queued in the sandbox's
+    netlink sockets afterwards (/proc/net/netlink's Rmem, the kernel's own sockets included), and getaddrinfo,
+    "localhost", node's os.networkInterfaces() (through bastion's shim) and loopback servers still work. Does
+    not prove the host's free memory is untouched (too noisy to measure here): it proves no netlink queue can
+    be made."""
+    box = await create(client, limits={"memory_bytes": 64 * MIB})
+    for where in (box, OPEN):
+        out = await run_python(client, where, ROUTE_FLOOD)
+        seen = dict(line.split(" ", 1) for line in out["stdout"].splitlines())
+        refused = {"route_raw": "EAFNOSUPPORT", "route_dgram": "EAFNOSUPPORT", "route_i386": "EAFNOSUPPORT"}
+        assert seen == {**refused, "queued": "0"}, (where, out)
+        assert ran(await sh(client, where, "echo alive"))["stdout"] == "alive\n"
+        await assert_networking_works(client, where)
+
+
+LOCALHOST_SERVERS = r"""
+import subprocess, sys, time, urllib.request
+server = subprocess.Popen([sys.executable, "-I", "-m", "http.server", "--bind", "localhost", "8000"],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+deadline = time.monotonic() + 60
+while True:
+    try:
+        asked = urllib.request.urlopen("http://localhost:8000/", timeout=10).status
+        print("python", asked, urllib.request.urlopen("http://127.0.0.1:8000/", timeout=10).status)
+        break
+    except OSError as exc:
+        if server.poll() is not None or time.monotonic() > deadline:
+            print("python", "failed", server.poll(), exc)
+            break
+        time.sleep(0.05)  # the server's start, not a timing: the deadline bounds the wait
+server.kill()
+server.wait()
+"""
+NODE_LOCALHOST = (
+    'node -e \'const http = require("http");'
+    ' const server = http.createServer((q, r) => r.end("answered")).listen(0, "localhost", () => {'
+    ' http.get({host: "localhost", port: server.address().port}, (r) => { let body = "";'
+    ' r.on("data", (d) => body += d); r.on("end", () => { console.log("node", body); server.close(); }); })'
+    '.on("error", (e) => { console.log("node", e.code); server.close(); }); })'
+    '.on("error", (e) => console.log("node", e.code));\''
+)
+
+
+async def test_localhost_resolves_and_servers_bound_to_it_answer(client: Client) -> None:
+    """Found by review (r1): a sandbox had no /etc/hosts, so "localhost" went to DNS, which its namespace does
+    not reach (EAI_AGAIN): `python3 -m http.server --bind localhost`, node's listen(port, "localhost") and vite's
+    default host failed. Invariant: in an agent sandbox and a host workspace, /etc/hosts names loopback only
+    (not the host's file); getaddrinfo and node's dns.lookup resolve localhost to 127.0.0.1 alone, where a
+    preview connects; a python and a node server bound to localhost answer a client that asks for localhost
+    (python's on 127.0.0.1 too). Does not prove any other name resolves (none should without the egress proxy,
+    which resolves on the host)."""
+    box = await create(client)
+    for where in (box, OPEN):
+        hosts = ran(await sh(client, where, "cat /etc/hosts"))
+        assert hosts["stdout"] == "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n", where
+        out = await run_python(client, where, LOCALHOST_SERVERS)
+        assert out["stdout"] == "python 200 200\n", (where, out)
+        if shutil.which("node"):
+            lookup = 'node -e \'require("dns").lookup("localhost", {all: true}, (e, a) => console.log(e && e.code,'
+            lookup += ' a.map((x) => x.address).sort().join(" ")))\''
+            assert ran(await sh(client, where, lookup))["stdout"] == "null 127.0.0.1\n", where
+            assert ran(await sh(client, where, NODE_LOCALHOST))["stdout"] == "node answered\n", where
+
+
+async def test_agent_that_drops_node_options_loses_only_the_shim(client: Client) -> None:
+    """Attack: a command unsets or replaces NODE_OPTIONS (create_sandbox refuses it: test_settings), dropping
+    bastion's node shim. Invariant: the shim is a convenience, not a layer: node then throws the error the
+    kernel's refusal gives (ERR_SYSTEM_ERROR from uv_interface_addresses), netlink stays refused, and the
+    sandbox's default environment still carries the shim for the next command."""
+    box = await create(client)
+    dropped = 'env -u NODE_OPTIONS node -e \'try { require("os").networkInterfaces() }'
+    dropped += " catch (e) { console.log(e.code) }'"
+    assert ran(await sh(client, box, dropped))["stdout"] == "ERR_SYSTEM_ERROR\n"
+    replaced = "NODE_OPTIONS=--max-old-space-size=64 " + NODE_INTERFACES
+    assert "ERR_SYSTEM_ERROR" in ran(await sh(client, box, replaced + " 2>&1 || true"))["stdout"]
+    assert ran(await sh(client, box, 'printf %s "$NODE_OPTIONS"'))["stdout"] == "--require=/opt/bastion/netif.js"
+    await assert_networking_works(client, box)
 
 
 TCP_FILL = """

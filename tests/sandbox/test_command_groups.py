@@ -361,9 +361,10 @@ async def test_without_cgroups_each_command_still_has_a_pid_namespace_of_its_own
 
 
 def test_every_program_of_inside_is_bound_under_opt_bastion() -> None:
-    """What runs inside reaches it as a read-only file, never as `-c <source>` on a command line."""
+    """What runs inside reaches it as a read-only file, never as `-c <source>` on a command line (node's shim too)."""
     names = {Path(dest).name for dest in INSIDE_FILES}
-    programs = {p.name for p in Path(inside.__file__).parent.glob("*.py")} - {"__init__.py", "landlock.py"}
+    files = Path(inside.__file__).parent.iterdir()
+    programs = {p.name for p in files if p.suffix in (".py", ".js")} - {"__init__.py", "landlock.py"}
     assert names == programs
     assert {KERNEL_PATH, FORWARDER_PATH, AGENT_PATH} <= set(INSIDE_FILES)
     assert INSIDE_FILES[AGENT_PATH].index("def restrict(") < INSIDE_FILES[AGENT_PATH].index("class Agent")

@@ -384,7 +384,7 @@ async def test_a_guest_boots_runs_a_command_and_leaves_nothing(
     assert net == "lo"
     assert guest.spec.identity is not None
     assert uid == str(guest.spec.identity[0])  # commands are the workspace's owner, not the guest's root
-    assert rest[:3] == ["gitconfig", "group", "passwd"]
+    assert rest[:4] == ["gitconfig", "group", "hosts", "passwd"]  # bastion's own (`_spawn.IDENTITY_FILES`)
     assert "host" in rest
     assert "egress-port" in rest
     assert (tmp_path / "ws" / "from-inside").read_text() == "inside\n"

@@ -13,7 +13,18 @@ from pathlib import Path
 import pytest
 
 from bastion.sandbox import _spawn
-from bastion.sandbox._spawn import AGENT_PATH, FORWARDER_PATH, INSIDE_FILES, agent_image, program_image, sandbox_python
+from bastion.sandbox._spawn import (
+    AGENT_PATH,
+    FORWARDER_PATH,
+    IDENTITY_FILES,
+    INSIDE_FILES,
+    NETIF_SHIM_PATH,
+    PROGRAMS_DIR,
+    SANDBOX_NODE_OPTIONS,
+    agent_image,
+    program_image,
+    sandbox_python,
+)
 
 
 @pytest.mark.parametrize(
@@ -157,3 +168,21 @@ def test_open_files_limit_is_bounded_and_never_above_the_servers() -> None:
         assert _spawn.open_files_limit() == (512, 4096)
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_node_shim_ships_where_the_default_node_options_name_it() -> None:
+    """Invariant: the sandbox's default NODE_OPTIONS preloads exactly the file `_spawn` shows under /opt/bastion
+    (as it shows the agent: bwrap copies it in read-only; a microVM's relay writes it), holding inside/netif.js.
+    A missing file would make every node command fail ("Cannot find module"). That it works is tested in
+    tests/sandbox/test_seccomp.py and tests/attacks/test_kernel_attacks.py."""
+    source = Path(_spawn.__file__).parent / "inside" / "netif.js"
+    assert SANDBOX_NODE_OPTIONS.removeprefix("--require=") == NETIF_SHIM_PATH
+    assert NETIF_SHIM_PATH.startswith(f"{PROGRAMS_DIR}/")
+    assert INSIDE_FILES[NETIF_SHIM_PATH] == source.read_text(encoding="utf-8")
+
+
+def test_hosts_file_names_loopback_only() -> None:
+    """Invariant: the sandbox's /etc/hosts (written like /etc/passwd) names localhost for loopback and nothing
+    of the host's; localhost's first line is 127.0.0.1, the address a preview connects to."""
+    lines = [line.split() for line in IDENTITY_FILES["/etc/hosts"].splitlines()]
+    assert lines == [["127.0.0.1", "localhost"], ["::1", "localhost", "ip6-localhost", "ip6-loopback"]]

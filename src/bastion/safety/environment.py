@@ -1,7 +1,8 @@
 """The environment bastion.toml (or create_sandbox) may give commands: valid names only, never one that
 changes how code loads.
 
-PATH, HOME and LANG are bastion's own (`HostWorkspace.environment`); variables that make a
+PATH, HOME, LANG and NODE_OPTIONS are bastion's own (`HostWorkspace.environment`; NODE_OPTIONS preloads
+node's network-interface shim, a convenience a command may drop, not a layer); variables that make a
 program load other code (LD_PRELOAD, PYTHONPATH, GIT_*, NODE_OPTIONS...) are never settable.
 A host workspace's commands also get editors that refuse and pagers that only print
 (`no_shell_escape_env`).

@@ -42,10 +42,14 @@ AGENT_PATH: Final = f"{PROGRAMS_DIR}/agent.py"
 KERNEL_PATH: Final = f"{PROGRAMS_DIR}/kernel.py"
 FORWARDER_PATH: Final = f"{PROGRAMS_DIR}/forwarder.py"
 REPL_PATH: Final = f"{PROGRAMS_DIR}/repl.py"
+# Node's os.networkInterfaces() throws where the seccomp filter refuses netlink; this shim, preloaded into
+# every node process, answers with the loopback interface instead (see inside/netif.js). Not a security layer.
+NETIF_SHIM_PATH: Final = f"{PROGRAMS_DIR}/netif.js"
+SANDBOX_NODE_OPTIONS: Final = f"--require={NETIF_SHIM_PATH}"
 SHARED_PIDS: Final = "pids=shared"  # the agent's mode argument (inside/agent.py)
 PER_COMMAND_PIDS: Final = "pids=per-command"
 _INSIDE: Final = Path(__file__).parent / "inside"
-# Every program of inside/ under its own name; the agent with Landlock's code in front.
+# Every program of inside/ under its own name; the agent with Landlock's code in front; node's shim.
 INSIDE_FILES: Final = {
     **{
         f"{PROGRAMS_DIR}/{path.name}": path.read_text(encoding="utf-8")
@@ -53,6 +57,7 @@ INSIDE_FILES: Final = {
         if path.name not in ("__init__.py", "landlock.py", "agent.py")
     },
     AGENT_PATH: "\n\n".join((_INSIDE / name).read_text(encoding="utf-8") for name in ("landlock.py", "agent.py")),
+    NETIF_SHIM_PATH: (_INSIDE / "netif.js").read_text(encoding="utf-8"),
 }
 TMP_DIR: Final = "/tmp"  # noqa: S108 - the sandbox's own tmpfs
 SHM_DIR: Final = "/dev/shm"  # noqa: S108 - the sandbox's own tmpfs
@@ -76,6 +81,11 @@ IDENTITY_FILES: Final[dict[str, str]] = {
     # A default author, so `git commit` works in a fresh sandbox; a repository's or HOME's config overrides it.
     # Replaces the host's /etc/gitconfig, which is the host's business (and could name hooks or helpers).
     "/etc/gitconfig": f"[user]\n\tname = {GIT_AUTHOR_NAME}\n\temail = {GIT_AUTHOR_EMAIL}\n",
+    # Loopback names, so "localhost" resolves (`--bind localhost`, node's listen(port, "localhost"), vite):
+    # without a hosts file glibc asks DNS, which a sandbox's namespace does not reach (EAI_AGAIN). Not the
+    # host's /etc/hosts, which names its own machines. With no /etc/host.conf ("multi off", host.conf(5)) glibc
+    # answers a name's first line only: localhost is 127.0.0.1, where a preview connects (`WarmSandbox.connect`).
+    "/etc/hosts": "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n",
 }
 
 _ETC_COPY_MAX_BYTES: Final = 1024 * 1024  # a larger /etc file is bound, not copied into each sandbox's memory

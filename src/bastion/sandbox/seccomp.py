@@ -31,14 +31,21 @@ a plain error):
   filter never sees them: io_uring(7)), keyctl(2), add_key(2), request_key(2)
   (keyrings are not namespaced).
 - Socket families a sandbox does not use. socket(2) and socketpair(2) are
-  allowed only for AF_UNIX, AF_INET, AF_INET6 and AF_NETLINK, and netlink
-  only with NETLINK_ROUTE (`ip`, getaddrinfo, if_nameindex); any other family
-  fails with EAFNOSUPPORT, another netlink protocol with EPROTONOSUPPORT, what
-  a kernel built without them answers, so programs fall back. A stock kernel
-  loads a module for a family on first use (AF_VSOCK's is not even
-  network-namespaced), and netlink receive queues hold host memory that no
-  memory cgroup counts: 1,500 NETLINK_USERSOCK sockets sending to themselves
-  took 737 MiB of the host with the sandbox's cgroup at 5 of 128 MiB.
+  allowed only for AF_UNIX, AF_INET and AF_INET6; any other family fails with
+  EAFNOSUPPORT, what a kernel built without it answers, so programs fall back.
+  A stock kernel loads a module for a family on first use (AF_VSOCK's is not
+  even network-namespaced), and netlink receive queues hold host memory that
+  no memory cgroup counts, whatever the protocol: 1,500 NETLINK_USERSOCK
+  sockets sending to themselves took 737 MiB of the host with the sandbox's
+  cgroup at 5 of 128 MiB, and 50 NETLINK_ROUTE sockets queueing link dumps
+  they never read took 480 MiB with it at 7 of 64 MiB. Without netlink a
+  sandbox loses `ip`, ss's netlink path (it says "Cannot open netlink socket"
+  and reads /proc instead), if_nameindex(3) and what is built on it (psutil's
+  interfaces); glibc's getaddrinfo with AI_ADDRCONFIG assumes both IPv4 and
+  IPv6 when it cannot ask. Node's os.networkInterfaces() throws: a shim that
+  bastion preloads (inside/netif.js, through NODE_OPTIONS) answers with the
+  loopback interface, the only one a sandbox has; it is a convenience, not a
+  layer (a command that drops it gets node's error, never a socket).
   socketcall(2), i386's multiplexer, fails with ENOSYS: its arguments sit in
   memory, where no rule can read the family. A 32-bit program must use the
   direct calls (socket(2) on i386 since Linux 4.3); one whose libc only
@@ -321,45 +328,32 @@ def _refuse_ioctls(requests: dict[str, int]) -> tuple[Denial, ...]:
 
 
 # The socket families a sandbox opens (address_families(7)): unix sockets (the agent, the egress proxy's
-# socket), IPv4 and IPv6 (loopback, the egress forwarder), and netlink for NETLINK_ROUTE only (`ip`,
-# getaddrinfo's AI_ADDRCONFIG, if_nameindex, getifaddrs for node). Every other family may load a kernel
-# module on a stock kernel, and netlink's other protocols queue memory that no memory cgroup counts.
+# socket), IPv4 and IPv6 (loopback, the egress forwarder). Every other family may load a kernel module on a
+# stock kernel, and netlink's receive queues (NETLINK_ROUTE's dumps too) hold memory no memory cgroup counts.
 AF_UNIX: Final = 1
 AF_INET: Final = 2
 AF_INET6: Final = 10
-AF_NETLINK: Final = 16
-NETLINK_ROUTE: Final = 0
-SOCKET_FAMILIES: Final = frozenset({AF_UNIX, AF_INET, AF_INET6, AF_NETLINK})
+SOCKET_FAMILIES: Final = frozenset({AF_UNIX, AF_INET, AF_INET6})
 _INT_BITS: Final = 0xFFFFFFFF
 
 
 def _refuse_other_families(syscall: str) -> tuple[Denial, ...]:
-    """socket(2) or socketpair(2) of a family outside `SOCKET_FAMILIES`, or of netlink but for NETLINK_ROUTE.
+    """socket(2) or socketpair(2) of a family outside `SOCKET_FAMILIES`.
 
     A rule holds one comparison per argument (libseccomp), so a family below the largest allowed
     gets a rule of its own; one more rule takes every number above it. That one compares all 64 bits
     on x86_64, where the kernel reads an int: a family with bits set above 32 is refused, never let
-    through. EAFNOSUPPORT and EPROTONOSUPPORT are what a kernel built without the family or the
-    netlink protocol answers, so programs fall back (libaudit, ss).
+    through. EAFNOSUPPORT is what a kernel built without the family answers, so programs fall back
+    (glibc's getaddrinfo, libaudit, ss).
     """
-    reason = "a socket family the sandbox does not use: may load a kernel module"
+    reason = "a socket family the sandbox does not use: may load a kernel module, or queue uncounted memory"
     largest = max(SOCKET_FAMILIES)
     below = tuple(
         Denial(syscall, reason, errno.EAFNOSUPPORT, args_equal=((0, _INT_BITS, family),))
         for family in range(largest)
         if family not in SOCKET_FAMILIES
     )
-    return (
-        *below,
-        Denial(syscall, reason, errno.EAFNOSUPPORT, args_above=((0, largest),)),
-        Denial(
-            syscall,
-            "netlink protocols other than NETLINK_ROUTE queue memory no memory cgroup counts",
-            errno.EPROTONOSUPPORT,
-            args_equal=((0, _INT_BITS, AF_NETLINK),),
-            args_above=((2, NETLINK_ROUTE),),
-        ),
-    )
+    return (*below, Denial(syscall, reason, errno.EAFNOSUPPORT, args_above=((0, largest),)))
 
 
 def _refuse_device_nodes(syscall: str, mode_arg: int) -> tuple[Denial, ...]:
@@ -406,7 +400,7 @@ DENIED: Final[tuple[Denial, ...]] = (
     # fs.aio-max-nr is one count for the whole host, limited by no namespace or cgroup: one sandbox's
     # contexts refused io_setup to every other and to the host. ENOSYS: libaio's users fall back to threads.
     Denial("io_setup", "Linux AIO contexts count against one host-wide limit", errno.ENOSYS),
-    # Sockets: the families a sandbox uses, and netlink for routes only (address_families(7)).
+    # Sockets: the families a sandbox uses; netlink refused (address_families(7)).
     *_refuse_other_families("socket"),
     *_refuse_other_families("socketpair"),
     # libseccomp also turns the socket rules into socketcall rules for i386; this one refuses every call.

@@ -47,6 +47,7 @@ from bastion.safety.paths import (
 from bastion.safety.redact import SLICE_CONTEXT_BYTES, Redactor, sanitize_name
 from bastion.safety.search import search_pattern
 from bastion.sandbox import (
+    SANDBOX_NODE_OPTIONS,
     SANDBOX_PATH,
     SANDBOX_WORKSPACE,
     DeviceFolder,
@@ -308,9 +309,10 @@ class HostWorkspace:
         raise Unavailable(message)
 
     def environment(self) -> dict[str, str]:
-        """PATH, HOME and LANG; in a host workspace, editors that refuse and pagers that only print
-        (`no_shell_escape_env`); then the administrator's variables."""
-        fixed = {"PATH": self._path, "HOME": SANDBOX_WORKSPACE, "LANG": LANG}
+        """PATH, HOME, LANG and NODE_OPTIONS (node's network-interface shim: `_spawn.SANDBOX_NODE_OPTIONS`);
+        in a host workspace, editors that refuse and pagers that only print (`no_shell_escape_env`); then
+        the administrator's variables."""
+        fixed = {"PATH": self._path, "HOME": SANDBOX_WORKSPACE, "LANG": LANG, "NODE_OPTIONS": SANDBOX_NODE_OPTIONS}
         return {**fixed, **self._quiet_env, **self.config.env, **self.extra_env}
 
     def explain(self, command: str) -> Decision:
