@@ -391,7 +391,8 @@ async def test_background_and_left_running_processes_are_told_apart(client: Clie
     await start(client, box, "sleep 4321.5")
     # The command ends once the left process has exec'd sleep (until then its argv is the shell's, or none).
     left = "nohup sleep 4321.75 >/dev/null 2>&1 & while ! grep -q 4321 /proc/$!/cmdline; do :; done"
-    await call(client, "run_command", command=left, sandbox_id=box)
+    ran = await call(client, "run_command", command=left, sandbox_id=box)
+    assert ran["ok"], ran  # it ended once the left process's argv was sleep's
     listed = (await call(client, "list_processes", sandbox_id=box))["detail"]["processes"]
     assert [(entry["started_by"], entry["argv"]) for entry in listed] == [
         ("background", ["sh", "-c", "sleep 4321.5"]),
