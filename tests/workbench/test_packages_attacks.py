@@ -8,6 +8,7 @@ it): pip runs, retries and fails, and nothing leaves the machine.
 from __future__ import annotations
 
 import base64
+import functools
 import http.server
 import json
 import netrc
@@ -20,6 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import ClassVar
 
+import anyio
 import pytest
 from mcp import Client
 
@@ -288,3 +290,27 @@ def test_the_credentials_key_is_the_one_npm_derives_from_the_url() -> None:
     assert run.returncode == 0, run.stderr
     theirs = json.loads(run.stdout)
     assert [list(env) for env in ours] == [[f"npm_config_{key}:_auth"] for key in theirs]
+
+
+@pytest.mark.anyio
+@pytest.mark.bwrap
+async def test_install_racing_close_leaves_no_egress_proxy_of_the_closed_sandbox(demo_config_path: Path) -> None:
+    """Found by attack: install_package started, then close_sandbox at the next turn of the loop. The close
+    found no proxy running yet and returned; the install then started one for the closed sandbox, which
+    nothing stopped: a listener and its task for the server's life, 4 in 20 tries, repeatable at will.
+    Invariant: once every such pair has answered, no proxy runs for a closed sandbox."""
+    services = build_services(load_config(with_index(demo_config_path, INDEX)))
+    try:
+        async with Client(build_server(services, caller="test")) as client:
+            closed: list[str] = []
+            for _ in range(12):
+                sandbox = await create(client)
+                async with anyio.create_task_group() as tasks:
+                    install = functools.partial(call, client, "install_package", name="tomli-w", sandbox_id=sandbox)
+                    tasks.start_soon(install)
+                    await anyio.sleep(0)
+                    assert (await call(client, "close_sandbox", sandbox_id=sandbox))["ok"]
+                closed.append(sandbox)
+            assert not set(services.sandboxes.egress_proxies()) & set(closed)
+    finally:
+        services.close()

@@ -1151,6 +1151,10 @@ class SandboxManager:
             with contextlib.suppress(OSError):
                 (self._dir / NET_TEMP_LINK).unlink()
 
+    def egress_proxies(self) -> list[str]:
+        """The sandboxes whose egress proxy runs now."""
+        return self._egress.sandboxes() if self._egress is not None else []
+
     def close_egress(self) -> None:
         """Stop the egress proxies' thread (after close_all; the server is ending)."""
         if self._egress is not None:
@@ -1288,30 +1292,34 @@ def _disk_bytes(workspace: Path) -> int:
 def _left_by_a_crash(name: str, group: SandboxCgroup, owner: str) -> bool:
     """Whether the sandbox group `name` is a dead server's, at this server's start (it has made none yet).
 
+    Never one holding a process: a dead server's sandboxes die with it (bwrap's --die-with-parent, a VMM's
+    parent-death signal), and a live server may be one whose pid this server cannot see (found by review: the
+    doctor's trial sandboxes, or a server of another pid namespace, lost their live groups).
+
     A name with an owner token (`owner_of`) is this state folder's server's or another's: this server's
     predecessor's (ours, at start: the state lock says no other server runs on this folder) is dead; another
-    folder's is left to its own server, live or not. Found by review: a group's pid names a process only in its
-    server's own pid namespace, and a server that is pid 1 of a container destroyed the live groups of another
+    folder's is left to its own server. Found by review: a group's pid names a process only in its server's
+    own pid namespace, and a server that is pid 1 of a container destroyed the live groups of another
     container's pid 1, taking them for its own predecessor's.
 
-    A name without one (made before tokens) is dead when the process whose pid it bears is gone, or, holding no
-    process, when that process started after the group was made (its pid reused: found by attack, a restarted
-    pid 1 left its predecessor's groups for ever, and its first sandbox was refused: its name was taken).
+    A name without one (made before tokens, or the doctor's) is dead when the process whose pid it bears is
+    gone, or started after the group was made (its pid reused: found by attack, a restarted pid 1 left its
+    predecessor's groups for ever, and its first sandbox was refused: its name was taken).
     """
-    token = owner_token(name)
-    if token is not None:
-        return token == owner
     pid = owner_pid(name)
     if pid is None:
         return False  # not a name a server makes
+    try:
+        if group.usage().pids:
+            return False  # in use
+    except BastionError:
+        return False  # removed meanwhile
+    token = owner_token(name)
+    if token is not None:
+        return token == owner
     started = _process_start(pid)
     if started is None:
         return True
-    try:
-        if group.usage().pids:
-            return False  # in use: a live server's, in a pid namespace of its own
-    except BastionError:
-        return False  # removed meanwhile
     made = []
     for path in group.paths:
         with contextlib.suppress(OSError):  # a hierarchy a crash left it out of, or removed meanwhile

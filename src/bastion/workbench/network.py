@@ -61,6 +61,7 @@ class SandboxNetwork:
         self._forwarder: Process | None = None
         self._lock = asyncio.Lock()
         self._stopping: asyncio.Task[None] | None = None
+        self._closed = False
 
     def summary(self) -> list[str]:
         return [str(rule) for rule in self.rules]
@@ -87,6 +88,10 @@ class SandboxNetwork:
     async def _open(self, workspace: HostWorkspace, rules: Sequence[AllowRule]) -> None:
         if self._egress is None:
             raise Unavailable("network egress is not available on this server")
+        if self._closed:
+            # Found by attack: an install that reached here after its sandbox closed started a proxy for it
+            # that nothing would stop (a listener and its task for the server's life, repeatable at will).
+            raise Unavailable("the sandbox was closed")
         if self._proxy_running:
             await self._egress.set_rules_async(self.sandbox_id, rules)
         else:
@@ -111,6 +116,7 @@ class SandboxNetwork:
     def close(self, *, stop_proxy: bool = True) -> None:
         """Stop the proxy: in the background when an event loop runs (a stop can take seconds
         to end open connections), else here. `stop_proxy=False`: the whole service is closing."""
+        self._closed = True
         if self._egress is None or not self._proxy_running:
             return
         self._proxy_running = False
