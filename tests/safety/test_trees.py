@@ -151,3 +151,32 @@ def test_a_tree_on_a_full_filesystem_is_removed(tmp_path: Path) -> None:
         assert (mount / "kept").read_text() == "outside the tree"
     finally:
         subprocess.run(["umount", str(mount)], check=True)
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs and a bind mount")
+def test_a_tree_on_a_full_filesystem_is_removed_without_entering_a_mount_in_it(tmp_path: Path) -> None:
+    """Found by review: on a full filesystem the walk that frees room went into a filesystem mounted inside
+    the tree and deleted its files. A mount point stays, with all it shows, as on a filesystem with room."""
+    mount, precious = tmp_path / "small", tmp_path / "precious"
+    mount.mkdir()
+    precious.mkdir()
+    (precious / "keep.txt").write_text("not the tree's")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,nr_inodes=64", "bastion-test", str(mount)], check=True)
+    try:
+        root = mount / "sandbox"
+        (root / "mounted").mkdir(parents=True)
+        subprocess.run(["mount", "--bind", str(precious), str(root / "mounted")], check=True)
+        try:
+            filler = root / "workspace"
+            filler.mkdir()
+            with contextlib.suppress(OSError):  # every inode taken: no folder can be made
+                for n in range(1000):
+                    (filler / str(n)).touch()
+            remove_tree(root)
+            assert (precious / "keep.txt").read_text() == "not the tree's"
+            assert not filler.exists()
+        finally:
+            subprocess.run(["umount", str(root / "mounted")], check=True)
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)

@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from mcp import Client
 from bastion.app import build_services
 from bastion.config import load_config
 from bastion.safety.audit import verify
+from bastion.sandbox.cgroups import CgroupLayout, Limits
 from bastion.workbench.manager import RESTORING_MARKER
 from tests.attacks.demo import configure, detail, serve
 from tests.attacks.test_snapshot_attacks import small_ext4
@@ -248,3 +250,44 @@ def own_groups() -> set[str]:
     """The sandbox groups bearing this process's pid, in every hierarchy."""
     pattern = f"bastion/sb-{os.getpid()}-*"
     return {*glob.glob(f"/sys/fs/cgroup/{pattern}"), *glob.glob(f"/sys/fs/cgroup/*/{pattern}")}
+
+
+@pytest.mark.root
+@ROOT_ONLY
+async def test_a_server_on_a_copy_of_another_state_folder_leaves_its_sandboxes_alone(tmp_path: Path) -> None:
+    """Found by review: the cgroup owner token was whatever the state folder's file said, so a server started
+    on a copy of another's state folder (a backup restored beside it, a cloned instance) took that server's
+    token and destroyed its live groups. The token is kept with its folder's device and inode."""
+    async with serve(configure(tmp_path / "one")) as (first, services):
+        box = await create(first)
+        assert detail(await sh(first, box, "echo started"))["stdout"] == "started\n"
+        groups = own_groups()
+        assert groups
+        copy = configure(tmp_path / "copy")
+        shutil.copy(services.config.state_dir / "cgroup-owner", copy.parent / "state" / "cgroup-owner")
+        async with serve(copy) as (second, _):
+            assert own_groups() >= groups
+            other = await create(second)
+            assert detail(await sh(second, other, "echo here too"))["stdout"] == "here too\n"
+        assert detail(await sh(first, box, "echo still here"))["stdout"] == "still here\n"
+
+
+@pytest.mark.root
+@ROOT_ONLY
+async def test_a_tokenless_group_holding_a_process_is_never_taken_for_a_dead_servers(tmp_path: Path) -> None:
+    """Found by review: a group named by a pid this server cannot see (a server of another pid namespace, the
+    doctor's trial sandbox there) was destroyed with the processes in it. A group holding a process is in use."""
+    layout = CgroupLayout.detect()
+    gone = 2**22 - 7  # above any pid this kernel hands out (pid_max is at most 2**22)
+    name = f"sb-{gone}-1"
+    group = layout.create(name, Limits(memory_bytes=None, pids=None, cpu_cores=None))
+    sleeper = subprocess.Popen(["sleep", "600"])
+    try:
+        group.attach(sleeper.pid)
+        async with serve(configure(tmp_path / "demo")):
+            assert name in layout.existing()
+            assert sleeper.poll() is None
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        group.destroy()

@@ -127,7 +127,9 @@ def _free_room(fd: int, depth: int = 0) -> None:
                     if depth < MAX_WALK_DEPTH:
                         child = os.open(name, _DIR_FLAGS, dir_fd=fd)
                         try:
-                            _free_room(child, depth + 1)
+                            # Found by review: never into another filesystem mounted here (a mount point stays).
+                            if os.fstat(child).st_dev == os.fstat(fd).st_dev:
+                                _free_room(child, depth + 1)
                         finally:
                             os.close(child)
                     os.rmdir(name, dir_fd=fd)

@@ -103,22 +103,26 @@ def owner_of(state_dir: Path) -> str:
 
     Found by review: a group's pid names a process only in its server's own pid namespace, so a server that is
     pid 1 of a container read another container's pid-1 groups as its own dead predecessor's, and destroyed
-    them, live sandboxes included. The token tells servers apart by what they own: their state folder. The
+    them, live sandboxes included. The token tells servers apart by what they own: their state folder. It is
+    kept with the folder's device and inode, and made anew when they differ (found by review: a copy of the
+    folder, or a backup restored beside the running server, took the original's token and its groups). The
     caller holds the state folder's lock: no other server writes the file.
     """
     path = state_dir / OWNER_FILE
+    folder = os.stat(state_dir)
+    here = f"{folder.st_dev}:{folder.st_ino}"
     try:
-        token = path.read_text(encoding="ascii").strip()
+        token, _, where = path.read_text(encoding="ascii").strip().partition(" ")
     except FileNotFoundError:
-        token = ""
+        token, where = "", ""
     except (OSError, UnicodeDecodeError) as exc:
         raise Unavailable(f"cannot read {path}: {exc}") from exc
-    if _OWNER_RE.fullmatch(token):
+    if _OWNER_RE.fullmatch(token) and where == here:
         return token
     token = secrets.token_hex(4)
     temporary = path.with_name(f".{OWNER_FILE}.tmp")
     try:
-        temporary.write_text(token + "\n", encoding="ascii")
+        temporary.write_text(f"{token} {here}\n", encoding="ascii")
         os.replace(temporary, path)
     except OSError as exc:
         raise Unavailable(f"cannot write {path}: {exc.strerror}") from exc
