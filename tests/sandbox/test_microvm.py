@@ -558,7 +558,7 @@ from bastion.sandbox.cgroups import CgroupLayout, Limits
 from bastion.sandbox.microvm import MicroVMBackend, MicroVMSettings
 
 async def main() -> None:
-    layout = CgroupLayout.detect(base_name=sys.argv[3])
+    layout = CgroupLayout.detect(base_name=sys.argv[3], owner=sys.argv[4])
     backend = MicroVMBackend(MicroVMSettings(Path(sys.argv[1]), boot_timeout_s=600), layout)
     await backend.sandbox(SandboxSpec(workspace=sys.argv[2]), limits=Limits(None, 16, 1.0)).start()
 
@@ -573,9 +573,10 @@ async def test_a_crashed_servers_vmm_folder_and_cgroup_are_removed_at_the_next_s
     stay, and the next server's recovery removes them. (No boot: the VMM is killed while it starts.)"""
     base = f"bastion-vmcrash-{os.getpid()}"
     (tmp_path / "ws").mkdir()
-    argv = [sys.executable, "-c", CRASHING_SERVER, str(settings.image_dir), str(tmp_path / "ws"), base]
+    owner = "0a1b2c3d"  # the state folder's token (`owner_of`): the crashed server's and the next one's
+    argv = [sys.executable, "-c", CRASHING_SERVER, str(settings.image_dir), str(tmp_path / "ws"), base, owner]
     server = subprocess.Popen(argv)
-    layout = CgroupLayout.detect(base_name=base)
+    layout = CgroupLayout.detect(base_name=base, owner=owner)
     try:
         deadline = time.monotonic() + 60
         while not (sockets := list(Path(tempfile.gettempdir()).glob(f"bastion-vm-{server.pid}-*/vm/agent.sock"))):
@@ -588,7 +589,7 @@ async def test_a_crashed_servers_vmm_folder_and_cgroup_are_removed_at_the_next_s
         while processes_with(str(sockets[0])):
             assert time.monotonic() < deadline
             await asyncio.sleep(0.02)
-        assert layout.existing() == [f"vm-{server.pid}-1"]
+        assert layout.existing() == [f"vm-{server.pid}-1-{owner}"]
         config = load_config(demo_config_path)
         SandboxManager(config, Redactor(), layout).recover()
         assert layout.existing() == []

@@ -951,6 +951,9 @@ class SandboxManager:
         VMM's parent-death signal; a VMM that outlived it anyway is killed with its folder.
         Returns the snapshot ids made.
         """
+        # First: a VMM that outlived its server is killed with its folder, and its group then holds nothing.
+        for folder in recover_run_dirs():
+            logger.info("a crashed server's microVM folder %s removed", folder)
         if self._cgroups is not None:
             for name in self._cgroups.existing():
                 try:
@@ -959,8 +962,6 @@ class SandboxManager:
                     continue  # removed meanwhile, by the live server that made it
                 if _left_by_a_crash(name, group, self._cgroups.owner):
                     group.destroy()
-        for folder in recover_run_dirs():
-            logger.info("a crashed server's microVM folder %s removed", folder)
         made = []
         self._remove_stale_sockets()
         remove_leftovers(self._snapshots)
@@ -1292,31 +1293,29 @@ def _disk_bytes(workspace: Path) -> int:
 def _left_by_a_crash(name: str, group: SandboxCgroup, owner: str) -> bool:
     """Whether the sandbox group `name` is a dead server's, at this server's start (it has made none yet).
 
-    Never one holding a process: a dead server's sandboxes die with it (bwrap's --die-with-parent, a VMM's
-    parent-death signal), and a live server may be one whose pid this server cannot see (found by review: the
-    doctor's trial sandboxes, or a server of another pid namespace, lost their live groups).
-
-    A name with an owner token (`owner_of`) is this state folder's server's or another's: this server's
-    predecessor's (ours, at start: the state lock says no other server runs on this folder) is dead; another
-    folder's is left to its own server. Found by review: a group's pid names a process only in its server's
-    own pid namespace, and a server that is pid 1 of a container destroyed the live groups of another
+    A name with an owner token (`owner_of`) is this state folder's server's or another's. This server's
+    predecessor's is dead, whatever still runs in it (killed with it: a VMM's helper that outlived it): the
+    state lock says no other server runs on this folder, and a copy of the folder makes a token of its own.
+    Another folder's is left to its own server. Found by review: a group's pid names a process only in its
+    server's own pid namespace, and a server that is pid 1 of a container destroyed the live groups of another
     container's pid 1, taking them for its own predecessor's.
 
-    A name without one (made before tokens, or the doctor's) is dead when the process whose pid it bears is
-    gone, or started after the group was made (its pid reused: found by attack, a restarted pid 1 left its
-    predecessor's groups for ever, and its first sandbox was refused: its name was taken).
+    A name without one (made before tokens, or the doctor's) is dead when it holds no process and the process
+    whose pid it bears is gone, or started after the group was made (its pid reused: found by attack, a
+    restarted pid 1 left its predecessor's groups for ever, and its first sandbox was refused). One holding a
+    process may be a live server's whose pid this server cannot see (found by review: destroyed live).
     """
     pid = owner_pid(name)
     if pid is None:
         return False  # not a name a server makes
+    token = owner_token(name)
+    if token is not None:
+        return token == owner
     try:
         if group.usage().pids:
             return False  # in use
     except BastionError:
         return False  # removed meanwhile
-    token = owner_token(name)
-    if token is not None:
-        return token == owner
     started = _process_start(pid)
     if started is None:
         return True
