@@ -489,3 +489,121 @@ async def test_many_sandboxes_of_chatty_background_processes_cannot_hold_the_ser
     assert int(str(detail["dropped_bytes"])) > 0
     assert "\U0001f98a chatty\n" in str(detail["stdout"])
     assert (await call(client, "close_sandbox", sandbox_id=first))["ok"]
+
+
+# -- attacks on the table's size and the server's CPU --------------------------------------------------
+
+
+async def test_concurrent_background_starts_on_a_sleeping_sandbox_stop_at_the_table_size(
+    client: Client, services: Services
+) -> None:
+    """Attack (found by attack): put a sandbox to sleep, then start many background commands at once. Each
+    checked the table before awaiting the sandbox's start and was added after it, so all of them got in
+    (300 of 300: 254 sleeps ran, 300 shares of the server's output budget sized for 16 a sandbox). Now a
+    start holds its slot while it waits: 16 run, the rest are refused as a 17th sequential start is."""
+    box = await create(client)
+    assert (await call(client, "run_command", command="true", sandbox_id=box))["ok"]
+    assert services.sandboxes.sleep_idle(0) >= 1
+    shares_before = len(background.SHARES._records)
+    marker = "4254.5"
+    results: list[Payload] = []
+
+    async def start_one() -> None:
+        results.append(await call(client, "run_command", command=f"sleep {marker}", sandbox_id=box, background=True))
+
+    async with anyio.create_task_group() as group:
+        for _ in range(3 * MAX_PROCESSES):
+            group.start_soon(start_one)
+    started = [r for r in results if r["ok"]]
+    refused = {(r["code"], r["reason"]) for r in results if not r["ok"]}
+    sequential = await call(client, "run_command", command=f"sleep {marker}", sandbox_id=box, background=True)
+    assert sequential["code"] == "RESOURCE_LIMIT", sequential
+    assert refused == {(sequential["code"], sequential["reason"])}
+    assert len(started) == MAX_PROCESSES
+    listed = (await call(client, "list_processes", sandbox_id=box))["detail"]["processes"]
+    assert sorted(p["pid"] for p in listed if p["started_by"] == "background") == list(range(1, MAX_PROCESSES + 1))
+    assert len(background.SHARES._records) == shares_before + MAX_PROCESSES
+    deadline = time.monotonic() + 30
+    while len(sleeps_with(marker)) < MAX_PROCESSES:
+        assert time.monotonic() < deadline, sleeps_with(marker)
+        await anyio.sleep(0.02)
+    assert len(sleeps_with(marker)) == MAX_PROCESSES
+    assert (await call(client, "kill_process", pid=1, sandbox_id=box))["ok"]
+    again = await call(client, "run_command", command=f"sleep {marker}", sandbox_id=box, background=True)
+    assert again["ok"], again  # the table's slots all came back: one freed, one taken
+    assert (await call(client, "close_sandbox", sandbox_id=box))["ok"]
+    await wait_for(marker, present=False)
+    assert processes_with(marker) == []
+    assert len(background.SHARES._records) == shares_before
+
+
+async def test_starts_refused_by_a_paused_sandbox_give_their_slots_back(client: Client) -> None:
+    """A start that fails in the sandbox releases the slot it held: the table is whole again after."""
+    box = await create(client)
+    assert (await call(client, "pause_sandbox", sandbox_id=box))["ok"]
+    for _ in range(MAX_PROCESSES + 4):
+        refused = await call(client, "run_command", command="sleep 4254.75", sandbox_id=box, background=True)
+        assert refused["code"] == "CONFLICT", refused
+    assert (await call(client, "resume_sandbox", sandbox_id=box))["ok"]
+    for _ in range(MAX_PROCESSES):
+        await start(client, box, "sleep 4254.75")
+    full = await call(client, "run_command", command="sleep 4254.75", sandbox_id=box, background=True)
+    assert full["code"] == "RESOURCE_LIMIT", full
+    assert (await call(client, "close_sandbox", sandbox_id=box))["ok"]
+    await wait_for("4254.75", present=False)
+    assert processes_with("4254.75") == []
+
+
+def _cpu_s() -> float:
+    """This process's CPU time (all its threads): the in-process server's."""
+    times = os.times()
+    return times.user + times.system
+
+
+async def test_a_background_process_writing_without_end_cannot_take_a_core_of_the_server(client: Client) -> None:
+    """Attack (found by attack): a background `yes` nobody reads. Its ring was filled at full speed, ~1.2 GB
+    read in 1.5 s only to be dropped: 63 % of the server's core for one writer, 98 % for 16. Once the ring has
+    dropped bytes nobody read, it is read one chunk per DRAIN_PAUSE_S: the writer waits on its full pipe, the
+    server stays idle, and the newest output is still there to read."""
+    box = await create(client)
+    pid = await start(client, box, "yes")
+    await until_written(client, box, RING_BYTES + 1)  # the ring has wrapped over unread output
+    cpu_before, wall_before = _cpu_s(), time.monotonic()
+    written_before = 0
+    while True:  # ~2 s more of `yes`, checked every 0.1 s
+        [entry] = (await call(client, "list_processes", sandbox_id=box))["detail"]["processes"]
+        written_before = written_before or int(entry["output_bytes"])
+        if time.monotonic() - wall_before >= 2:
+            break
+        await anyio.sleep(0.1)
+    share = (_cpu_s() - cpu_before) / (time.monotonic() - wall_before)
+    assert share < 0.25, f"the server spent {share:.0%} of a core reading a writer nobody reads"
+    assert int(entry["output_bytes"]) - written_before < 20 << 20  # ~1.3 MB/s got through, not ~1 GB/s
+    detail = await read(client, box, pid)
+    assert set(str(detail["stdout"])) == {"y", "\n"}
+    assert int(str(detail["dropped_bytes"])) > 0
+    assert detail["more"] is True
+    killed = await call(client, "kill_process", pid=pid, sandbox_id=box)
+    assert killed["ok"], killed
+    _, last = await read_until_exit(client, box, pid, limit_s=30)
+    assert last["exit_status"] == 128 + 9
+
+
+async def test_a_paced_writer_still_reaches_its_last_line(client: Client) -> None:
+    """Pacing slows a flooding writer but never stalls it: what it writes after the flood is read, in order."""
+    box = await create(client)
+    pid = await start(client, box, f"yes | head -c {3 * RING_BYTES}; echo; echo flood over; exec sleep 4255.5")
+    deadline = time.monotonic() + 60
+    text, since = "", 0
+    while "flood over\n" not in text:
+        assert time.monotonic() < deadline, text[-200:]
+        detail = await read(client, box, pid, since)
+        text = (text if detail["since"] == since else "") + str(detail["stdout"])  # restart past a drop
+        since = int(str(detail["next"]))
+        if not detail["stdout"]:
+            await anyio.sleep(0.05)
+    assert text.endswith("y\n\nflood over\n")
+    assert detail["state"] == "running"
+    assert (await call(client, "close_sandbox", sandbox_id=box))["ok"]
+    await wait_for("4255.5", present=False)
+    assert processes_with("4255.5") == []

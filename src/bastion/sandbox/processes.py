@@ -2,8 +2,9 @@
 
 A foreground command's output is read to EOF into a capped buffer (`PipeCapture`). A
 background process outlives the call that started it: its output is read as it comes
-into a ring that keeps the newest bytes (`RingCapture`), so the process never blocks on
-a full pipe and the host never holds more than the ring; its stdin is a pipe the host
+into a ring that keeps the newest bytes (`RingCapture`), so the host never holds more
+than the ring; once the process outruns its reader it waits on a full pipe (`RingCapture.pace`),
+rather than costing the host a core to read what would be dropped; its stdin is a pipe the host
 writes to (`BackgroundProcess.write`). Reading never blocks the event loop.
 """
 
@@ -25,7 +26,8 @@ from bastion.safety.errors import Conflict
 READ_CHUNK_BYTES: Final = 65_536
 # After its command returned, a pipe still held by a process it left running is drained one chunk per
 # pause: a `yes &` read at full speed cost the server's event loop 60 % of a core until the sandbox
-# closed. The writer waits on its full pipe instead (at most 1.3 MB/s gets through).
+# closed. The writer waits on its full pipe instead (at most 1.3 MB/s gets through). A paced ring
+# (`RingCapture.pace`) reads so once the writer has outrun its reader.
 DRAIN_PAUSE_S: Final = 0.05
 
 
@@ -72,9 +74,13 @@ class PipeCapture:
         self._keep(chunk)
         if self._on_chunk is not None:
             self._on_chunk(chunk)
-        if self._dropping:
+        if self._pausing():
             self._loop.remove_reader(self.fd)
             self._drain_timer = self._loop.call_later(DRAIN_PAUSE_S, self._read_again)
+
+    def _pausing(self) -> bool:
+        """Whether to wait DRAIN_PAUSE_S before the next read."""
+        return self._dropping
 
     def _read_again(self) -> None:
         self._drain_timer = None
@@ -117,7 +123,18 @@ class RingCapture(PipeCapture):
 
     def __init__(self, fd: int, cap: int) -> None:
         self._ring = bytearray()
+        self._paced = False
+        self._read_to = 0  # the end of what `read` has given
         super().__init__(fd, cap)
+
+    def pace(self) -> None:
+        """Read one chunk per DRAIN_PAUSE_S while the ring has dropped bytes nobody read: a `yes` read
+        at full speed cost the server 63 % of a core only to be thrown away. The writer waits on its
+        full pipe instead; the ring still holds the newest of what was read."""
+        self._paced = True
+
+    def _pausing(self) -> bool:
+        return super()._pausing() or (self._paced and self.start > self._read_to)
 
     @property
     def start(self) -> int:
@@ -141,7 +158,9 @@ class RingCapture(PipeCapture):
         """At most `limit` bytes from `offset` (or from `start`, if that is later); and where they begin."""
         begin = max(offset, self.start)
         index = begin - self.start
-        return begin, bytes(self._ring[index : index + limit])
+        data = bytes(self._ring[index : index + limit])
+        self._read_to = max(self._read_to, begin + len(data))
+        return begin, data
 
 
 class BackgroundProcess:

@@ -10,7 +10,9 @@ their command lines are the sandbox's to write, so they are cleaned like output.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -19,7 +21,7 @@ from bastion.safety.output import OutputCleaner
 from bastion.safety.redact import Redactor, sanitize_terminal
 from bastion.sandbox.backend import Process, Sandbox
 from bastion.sandbox.command_groups import Leftover
-from bastion.sandbox.processes import OutputLog
+from bastion.sandbox.processes import OutputLog, RingCapture
 
 MAX_PROCESSES: Final = 16  # background processes per sandbox, running or exited (the oldest exited go first)
 RING_BYTES: Final = 1 << 20  # raw output kept per stream of a background process, while the server has room
@@ -118,15 +120,31 @@ class BackgroundProcesses:
         self._sandbox = sandbox
         self._max_output_chars = max_output_chars
         self._records: dict[int, Background] = {}
+        self._starting = 0  # slots `reserved` for starts still awaiting the sandbox
         self._next_id = 1
 
-    def make_room(self) -> None:
-        """Forget the oldest exited process when the table is full.
+    @contextlib.contextmanager
+    def reserved(self) -> Iterator[None]:
+        """Hold a slot of the table while a process starts (`add` it inside): the start awaits the
+        sandbox, and concurrent starts counted only the added ones, so 300 got past a table of 16.
 
         Raises:
-            ResourceLimit: all of them are running.
+            ResourceLimit: every slot is running or starting.
         """
-        if len(self._records) < MAX_PROCESSES:
+        self._make_room()
+        self._starting += 1
+        try:
+            yield
+        finally:
+            self._starting -= 1
+
+    def _make_room(self) -> None:
+        """Forget the oldest exited process when the table (with the starts under way) is full.
+
+        Raises:
+            ResourceLimit: all of them are running or starting.
+        """
+        if len(self._records) + self._starting < MAX_PROCESSES:
             return
         exited = [pid for pid, record in self._records.items() if record.process.exited]
         if not exited:
@@ -148,6 +166,9 @@ class BackgroundProcesses:
         self._next_id += 1
         self._records[record.id] = record
         SHARES.join(record)
+        for capture in (process.stdout, process.stderr):
+            if isinstance(capture, RingCapture):  # a VM's streams come from its channel, not a pipe
+                capture.pace()
         return record
 
     def _get(self, pid: int) -> Background:

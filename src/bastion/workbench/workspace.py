@@ -527,11 +527,11 @@ class HostWorkspace:
         self.require_shell("background processes")
         approved = self.policy.check_script(command)
         sandbox_cwd = await self._checked_cwd(cwd)
-        self.processes.make_room()
-        process = await self.sandbox.spawn(
-            approved.executable, approved.argv, cwd=sandbox_cwd, env=self.environment(), ring_bytes=RING_BYTES
-        )
-        record = self.processes.add(process, self._redact_argv(approved.argv))
+        with self.processes.reserved():
+            process = await self.sandbox.spawn(
+                approved.executable, approved.argv, cwd=sandbox_cwd, env=self.environment(), ring_bytes=RING_BYTES
+            )
+            record = self.processes.add(process, self._redact_argv(approved.argv))
         return {**record.summary(), "cwd": sandbox_cwd}
 
     def list_processes(self) -> list[dict[str, object]]:
