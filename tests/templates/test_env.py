@@ -446,7 +446,13 @@ def _build_killed_in_pip(config: Path, env: Path, index: socket.socket) -> None:
     """`bastion template build small`, killed (SIGKILL, pip included) once pip has reached the index,
     which never answers: a build stopped part-way, its venv made and its packages not."""
     argv = [str(BASTION), "template", "build", "small", "--config", str(config)]
-    build = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    # A temp folder of its own: the kill leaves the lock's copy and pip's build folders there.
+    temp = config.parent / "build-tmp"
+    temp.mkdir(exist_ok=True)
+    environment = {**os.environ, "TMPDIR": str(temp)}
+    build = subprocess.Popen(
+        argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=environment
+    )
     try:
         index.settimeout(120)
         reached, _ = index.accept()  # pip connects: the venv is made, the lock not installed
