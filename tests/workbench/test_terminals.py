@@ -894,3 +894,34 @@ async def test_one_terminals_charged_debt_does_not_hold_back_the_others(client: 
     await until(client, other, "(?m)^prompt$", timeout_s=5)
     for term in (debtor, other):
         assert (await call(client, "close_terminal", terminal_id=term))["ok"]
+
+
+async def test_concurrent_opens_on_a_sleeping_sandbox_stop_at_max_open(client: Client, services: Services) -> None:
+    """Attack (the background table's race, found by attack, looked for here by review): put a sandbox to sleep,
+    then open many terminals at once. Each checked `max_open` before awaiting its pty (the sandbox wakes
+    first) and was counted after it. Now an open holds its slot while it waits: `max_open` open, the rest are
+    refused as one more sequential open is, and closing them leaves nothing running."""
+    box = await create(client)
+    assert (await call(client, "run_command", command="true", sandbox_id=box))["ok"]
+    assert services.sandboxes.sleep_idle(0) >= 1
+    cap = services.config.sandboxes.terminals.max_open
+    results: list[Payload] = []
+
+    async def open_one() -> None:
+        results.append(await call(client, "open_terminal", sandbox_id=box, command="sleep 4255.5"))
+
+    async with anyio.create_task_group() as group:
+        for _ in range(4 * cap):
+            group.start_soon(open_one)
+    opened = [r["detail"]["terminal_id"] for r in results if r["ok"]]
+    sequential = await call(client, "open_terminal", sandbox_id=box, command="sleep 4255.5")
+    assert sequential["code"] == "RESOURCE_LIMIT", sequential
+    assert {(r["code"], r["reason"]) for r in results if not r["ok"]} == {(sequential["code"], sequential["reason"])}
+    assert len(opened) == cap
+    for terminal in opened:
+        assert (await call(client, "close_terminal", terminal_id=terminal))["ok"]
+    assert (await call(client, "close_sandbox", sandbox_id=box))["ok"]
+    deadline = time.monotonic() + 30
+    while processes_with("sleep\0004255.5"):
+        assert time.monotonic() < deadline
+        await anyio.sleep(0.02)

@@ -147,6 +147,7 @@ class Terminals:
         self._sandbox = sandbox
         self._config = config
         self._open: dict[str, Terminal] = {}
+        self._starting = 0  # opens waiting for their pty (a sleeping sandbox wakes first): they hold a slot
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self._closing: set[asyncio.Task[None]] = set()
         # Per terminal: what wait_for looks at, cleaned, and the terminal's version it was made at.
@@ -167,9 +168,9 @@ class Terminals:
         if cap == 0:
             raise PolicyDenied(f"terminals are off in {self._owner} (its [terminals] max_open is 0)")
         exited = [t for t in self._open.values() if t.pty.exited]
-        while len(self._open) >= cap and exited:
+        while len(self._open) + self._starting >= cap and exited:
             self._forget(exited.pop(0))
-        if len(self._open) >= cap:
+        if len(self._open) + self._starting >= cap:
             raise ResourceLimit(f"{cap} terminals are open in {self._owner}: close_terminal one first")
 
     async def open(
@@ -186,7 +187,13 @@ class Terminals:
         """Start `argv` on a new terminal (`shown`: argv redacted); return its first view."""
         check_size(rows, cols)
         self._make_room()
-        pty = await self._sandbox.open_pty(executable, argv, cwd=cwd, env=env, rows=rows, cols=cols)
+        # Held while the pty opens (found by review of the same race in background processes: concurrent starts
+        # on a sleeping sandbox all passed the check before the first one was added).
+        self._starting += 1
+        try:
+            pty = await self._sandbox.open_pty(executable, argv, cwd=cwd, env=env, rows=rows, cols=cols)
+        finally:
+            self._starting -= 1
         from bastion.workbench.screen import Terminal  # pyte: loaded at the first terminal, not at every start
 
         terminal = Terminal(f"term-{secrets.token_hex(8)}", pty, shown, rows, cols, self._config.scrollback_bytes)
