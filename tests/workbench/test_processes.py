@@ -607,3 +607,29 @@ async def test_a_paced_writer_still_reaches_its_last_line(client: Client) -> Non
     assert (await call(client, "close_sandbox", sandbox_id=box))["ok"]
     await wait_for("4255.5", present=False)
     assert processes_with("4255.5") == []
+
+
+async def test_a_process_that_exited_while_its_child_still_writes_says_more_is_coming(client: Client) -> None:
+    """Found by attack: a background process that exited while a child it left running kept writing to its
+    pipes answered `state: exited, more: false`, which clients (and this file's `read_until_exit`) take for
+    the end of its output, missing what the child wrote after. `more` stays true while a pipe is held."""
+    box = await create(client)
+    started = await call(
+        client,
+        "run_command",
+        command="(while :; do echo child; sleep 0.1; done) & echo parent-done",
+        sandbox_id=box,
+        background=True,
+    )
+    assert started["ok"], started
+    pid = started["detail"]["pid"]
+    deadline = time.monotonic() + 30
+    while True:
+        read = (await call(client, "read_process_output", pid=pid, sandbox_id=box))["detail"]
+        if read["state"] == "exited" and "child" in read["stdout"]:
+            break
+        assert time.monotonic() < deadline, read
+        await anyio.sleep(0.05)
+    assert "parent-done" in read["stdout"]
+    assert read["more"] is True, read  # the child still holds the pipe
+    assert (await call(client, "close_sandbox", sandbox_id=box))["ok"]

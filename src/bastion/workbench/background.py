@@ -193,6 +193,9 @@ class BackgroundProcesses:
         first, (stdout, stderr), following = record.log.read(start, cap)
         process = record.process
         unread_raw = process.stdout.total > record.consumed[0] or process.stderr.total > record.consumed[1]
+        # Found by attack: a process that exited while a child it left still writes to its pipes said
+        # `more: false`, which clients take for the end of its output.
+        still_written = process.exited and not (process.stdout.closed and process.stderr.closed)
         summary = record.summary()
         return {
             "pid": pid,
@@ -202,7 +205,7 @@ class BackgroundProcesses:
             "stderr": stderr,
             "since": first,
             "next": following,
-            "more": following < record.log.end or unread_raw,
+            "more": following < record.log.end or unread_raw or still_written,
             "skipped_chars": first - start,
             "dropped_bytes": summary["dropped_bytes"],
         }
