@@ -52,6 +52,16 @@ def _fill(inbox: Path) -> None:
         (inbox / name).write_bytes(f"content of file {index}\n".encode())
 
 
+def _filled(tmp_path: Path) -> tuple[Path, Path, Path, Tree, InboxConfig]:
+    """An inbox of `FILES` files beside an empty state folder and an empty folder outside: the inbox, the state
+    folder, the outside one, the inbox's tree, and its config."""
+    inbox, state, outside = tmp_path / "inbox", tmp_path / "state", tmp_path / "outside"
+    for folder in (inbox, state, outside):
+        folder.mkdir()
+    _fill(inbox)
+    return inbox, state, outside, snapshot(inbox), InboxConfig(id="inbox", path=inbox, max_plan_moves=FILES)
+
+
 def _die_at(event: int, torn: bool) -> None:
     """In the child: SIGKILL ourselves at the `event`-th journal write or rename."""
     seen = [0]
@@ -124,14 +134,7 @@ def _points() -> list[tuple[int, bool, int | None]]:
 def test_apply_killed_at_random_point_recovers(
     tmp_path: Path, event: int, torn: bool, kill_recovery: int | None
 ) -> None:
-    inbox = tmp_path / "inbox"
-    state = tmp_path / "state"
-    outside = tmp_path / "outside"
-    for folder in (inbox, state, outside):
-        folder.mkdir()
-    _fill(inbox)
-    original: Tree = snapshot(inbox)
-    config = InboxConfig(id="inbox", path=inbox, max_plan_moves=FILES)
+    inbox, state, outside, original, config = _filled(tmp_path)
 
     _in_child(_apply(config, state, event, torn))
     if kill_recovery is not None:
@@ -227,12 +230,7 @@ KILL_WINDOW_S = 0.03
 
 @pytest.mark.parametrize("seed", range(10))
 def test_apply_killed_from_outside_recovers(tmp_path: Path, seed: int) -> None:
-    inbox, state, outside = tmp_path / "inbox", tmp_path / "state", tmp_path / "outside"
-    for folder in (inbox, state, outside):
-        folder.mkdir()
-    _fill(inbox)
-    original: Tree = snapshot(inbox)
-    config = InboxConfig(id="inbox", path=inbox, max_plan_moves=FILES)
+    inbox, state, outside, original, config = _filled(tmp_path)
     child = subprocess.Popen(
         [sys.executable, "-c", _CHILD, str(inbox), str(state), str(FILES)],
         stdout=subprocess.PIPE,
@@ -273,12 +271,7 @@ def test_restart_that_cannot_write_its_journal_refuses_in_one_line_and_loses_not
     end record could not be written and the server died with a traceback (an OSError from the journal). It
     now refuses with one line saying what to do; the files are back where they were, and the start after
     space returns finishes the recovery."""
-    inbox, state, outside = tmp_path / "inbox", tmp_path / "state", tmp_path / "outside"
-    for folder in (inbox, state, outside):
-        folder.mkdir()
-    _fill(inbox)
-    original: Tree = snapshot(inbox)
-    config = InboxConfig(id="inbox", path=inbox, max_plan_moves=FILES)
+    inbox, state, outside, original, config = _filled(tmp_path)
     _in_child(_apply(config, state, 30, torn=False))
     reason = tmp_path / "reason.txt"
     _in_child(_open_past_a_size_limit(config, state, reason))
