@@ -82,6 +82,24 @@ def temp_socket_folders() -> set[str]:
 
 
 # A raw JSON-RPC initialize request, for tests that speak the wire without the SDK's client.
+# Loopback TCP pairs, each sender filling its send queue and the peer's receive queue without reading; prints
+# the MiB queued. Run inside a group or sandbox, it shows whether TCP buffers are charged to its memory limit.
+TCP_FILL = """
+import socket
+listener = socket.create_server(("127.0.0.1", 0), backlog=64)
+pairs, queued = [], 0
+for _ in range(60):
+    sender = socket.create_connection(listener.getsockname())
+    pairs.append((sender, listener.accept()[0]))
+    sender.setblocking(False)
+    try:
+        while True:
+            queued += sender.send(b"x" * 65536)
+    except BlockingIOError:
+        pass
+print(queued >> 20, flush=True)
+"""
+
 INITIALIZE_REQUEST = {
     "jsonrpc": "2.0",
     "id": 1,

@@ -18,7 +18,6 @@ from __future__ import annotations
 import array
 import fcntl
 import hashlib
-import http.server
 import json
 import os
 import shlex
@@ -32,7 +31,8 @@ import pytest
 from mcp import Client
 
 from bastion.config import DEFAULT_BLOCKED_RANGES, Config
-from tests.helpers import DATA_ENV, call, create, demo_config_at, sh
+from tests.helpers import DATA_ENV, TCP_FILL, call, create, demo_config_at, sh
+from tests.sandbox.egress_helpers import Web
 
 pytestmark = [
     pytest.mark.anyio,
@@ -45,25 +45,14 @@ OPEN = "open"  # the host workspace of the config below whose policy allows ever
 MIB = 1024 * 1024
 # Ids of this test process's own (see test_identity_attacks): servers of other runs start at the default.
 HOST_ID_RANGE = f"{0x70000000 + 0x10000 * (1 + os.getpid() % 0x7FF)}:65536"
-BODY = b"hello from the host"
+BODY = b"hello from the host"  # what `Web` answers
 FS_IOC_GETVERSION = 0x80087601  # _IOR('v', 1, long)
-
-
-class _Hello(http.server.BaseHTTPRequestHandler):
-    def do_GET(self) -> None:
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(BODY)))
-        self.end_headers()
-        self.wfile.write(BODY)
-
-    def log_message(self, format: str, *args: object) -> None:
-        pass
 
 
 @pytest.fixture
 def web() -> Iterator[int]:
     """An HTTP server on the host's loopback: the allowed destination of the sandboxes' egress proxy."""
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Hello)
+    server = Web()
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield server.server_address[1]
@@ -325,23 +314,6 @@ async def test_agent_that_drops_node_options_loses_only_the_shim(client: Client)
     assert "ERR_SYSTEM_ERROR" in ran(await sh(client, box, replaced + " 2>&1 || true"))["stdout"]
     assert ran(await sh(client, box, 'printf %s "$NODE_OPTIONS"'))["stdout"] == "--require=/opt/bastion/netif.js"
     await assert_networking_works(client, box)
-
-
-TCP_FILL = """
-import socket
-listener = socket.create_server(("127.0.0.1", 0), backlog=64)
-pairs, queued = [], 0
-for _ in range(60):
-    sender = socket.create_connection(listener.getsockname())
-    pairs.append((sender, listener.accept()[0]))
-    sender.setblocking(False)
-    try:
-        while True:
-            queued += sender.send(b"x" * 65536)
-    except BlockingIOError:
-        pass
-print(queued >> 20)
-"""
 
 
 async def test_loopback_tcp_buffers_past_the_memory_limit_are_refused(client: Client) -> None:

@@ -31,6 +31,7 @@ from bastion.sandbox.cgroups import (
     owner_pid,
     owner_token,
 )
+from tests.helpers import TCP_FILL
 
 pytestmark = pytest.mark.root
 
@@ -166,26 +167,6 @@ sys.stdin.readline()
     assert group.usage().pids <= 16
     group.kill()
     assert proc.wait(timeout=5) == -9
-
-
-# Loopback TCP pairs, each sender filling its send queue and the peer's receive queue without reading.
-TCP_FILL = """
-import socket
-listener = socket.socket()
-listener.bind(("127.0.0.1", 0))
-listener.listen(64)
-pairs, queued = [], 0
-for _ in range(60):
-    sender = socket.create_connection(listener.getsockname())
-    pairs.append((sender, listener.accept()[0]))
-    sender.setblocking(False)
-    try:
-        while True:
-            queued += sender.send(b"x" * 65536)
-    except BlockingIOError:
-        pass
-print(queued >> 20, flush=True)
-"""
 
 
 def memory_dir(group: SandboxCgroup) -> Path:
