@@ -207,15 +207,24 @@ def make_disk(image: Path, mountpoint: Path, formatted: FormattedImage) -> None:
     os.chmod(mountpoint, 0o700)
 
 
+STATE_FULL_ERRNOS: Final = (errno.ENOSPC, errno.EDQUOT)
+
+
+def state_full(detail: str) -> ResourceLimit:
+    """The refusal of a new sandbox whose folders or disk do not fit the state filesystem (`detail`: what failed,
+    for the audit log, never the client)."""
+    return ResourceLimit(
+        "no room for a new sandbox: the state filesystem is full: delete snapshots with delete_snapshot, "
+        "or close sandboxes",
+        detail=detail,
+    )
+
+
 def _disk_error(image: Path, exc: OSError) -> BastionError:
     """A failure to make a sandbox's disk, typed: a full state filesystem is RESOURCE_LIMIT (found by review:
     UNAVAILABLE, where the rest of a create on a full state filesystem says RESOURCE_LIMIT)."""
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return ResourceLimit(
-            "no room for a new sandbox: the state filesystem is full: "
-            "delete snapshots with delete_snapshot, or close sandboxes",
-            detail=f"{image}: {exc.strerror}",
-        )
+    if exc.errno in STATE_FULL_ERRNOS:
+        return state_full(f"{image}: {exc.strerror}")
     return Unavailable(f"cannot make the sandbox's disk {image.name}: {exc.strerror or exc}")
 
 

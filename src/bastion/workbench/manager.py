@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import functools
 import logging
 import os
@@ -54,7 +53,16 @@ from bastion.safety.errors import (
 from bastion.safety.redact import Redactor
 from bastion.safety.trees import remove_tree, tree_bytes
 from bastion.sandbox import DeviceFolder, SandboxSpec, backend
-from bastion.sandbox._disk import ImageFormats, drop_disk, make_disk, mount_disk, mount_tmpfs, used_bytes
+from bastion.sandbox._disk import (
+    STATE_FULL_ERRNOS,
+    ImageFormats,
+    drop_disk,
+    make_disk,
+    mount_disk,
+    mount_tmpfs,
+    state_full,
+    used_bytes,
+)
 from bastion.sandbox.cgroups import CgroupLayout, Limits, SandboxCgroup, owner_pid, owner_token
 from bastion.sandbox.identity import HostIdentity, IdentityPool
 from bastion.sandbox.microvm import MicroVMBackend, MicroVMSettings, probe_microvm, recover_run_dirs
@@ -99,7 +107,6 @@ _NET_TMPFS_BYTES: Final = 1 << 20  # holds sockets and folders only
 _NET_TMPFS_INODES: Final = 4 * 10_000 + 64  # a folder, a socket and a temp name per sandbox, at most
 # In a sandbox's folder while a snapshot is restored into it: recovery deletes a folder holding it.
 RESTORING_MARKER: Final = "restoring"
-_FULL_ERRNOS: Final = (errno.ENOSPC, errno.EDQUOT)
 
 logger = logging.getLogger("bastion.sandboxes")
 
@@ -1229,13 +1236,9 @@ def _state_room() -> Iterator[None]:
     try:
         yield
     except OSError as exc:
-        if exc.errno not in _FULL_ERRNOS:
+        if exc.errno not in STATE_FULL_ERRNOS:
             raise
-        raise ResourceLimit(
-            "no room for a new sandbox: the state filesystem is full: "
-            "delete snapshots with delete_snapshot, or close sandboxes",
-            detail=repr(exc),
-        ) from exc
+        raise state_full(repr(exc)) from exc
 
 
 def _restore_marked(root: Path, restore: Callable[[], SnapshotInfo]) -> SnapshotInfo:
