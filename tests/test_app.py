@@ -244,11 +244,10 @@ def test_config_with_env_secrets_readable_by_others_warns_at_start(
     assert warnings() == []
 
 
-def test_a_start_after_a_crash_records_its_rollback_in_the_audit_log(demo_config: Config) -> None:
-    """Found by attack: an apply_plan killed part-way left a start record with no end, and the next start's
-    rollback of its moves was told only on stderr: nothing in the audit chain said the moves were undone.
-    The start now appends a `recovery` record saying what it rolled back."""
-    [inbox] = demo_config.inbox
+def _apply_killed_at_fourth_move(config: Config) -> None:
+    """An apply_plan of 8 files killed (SIGKILL) at its fourth move, in a child process: its journal holds
+    the unfinished transaction the next start rolls back."""
+    [inbox] = config.inbox
     for n in range(8):
         (inbox.path / f"file {n}.pdf").write_bytes(b"%PDF-1.4\n")
     pid = os.fork()
@@ -264,20 +263,67 @@ def test_a_start_after_a_crash_records_its_rollback_in_the_audit_log(demo_config
                 rename(self, *args, **kwargs)  # type: ignore[arg-type]
 
             Folder.rename = dying  # type: ignore[method-assign]
-            organizer = Organizer(inbox, demo_config.state_dir)
+            organizer = Organizer(inbox, config.state_dir)
             organizer.open()
             organizer.apply(organizer.plan()["plan_id"])
         finally:
             os._exit(0)
     _, status = os.waitpid(pid, 0)
     assert os.WIFSIGNALED(status), status
+
+
+def _recoveries(config: Config) -> list[dict[str, object]]:
+    records = [json.loads(line) for line in config.audit_path.read_text().splitlines()]
+    return [record for record in records if record.get("event") == "recovery"]
+
+
+def test_a_start_after_a_crash_records_its_rollback_in_the_audit_log(demo_config: Config) -> None:
+    """Found by attack: an apply_plan killed part-way left a start record with no end, and the next start's
+    rollback of its moves was told only on stderr: nothing in the audit chain said the moves were undone.
+    The start now appends a `recovery` record before the rollback and one after, saying what it rolled back."""
+    [inbox] = demo_config.inbox
+    _apply_killed_at_fourth_move(demo_config)
     services = build_services(demo_config)
     services.close()
-    records = [json.loads(line) for line in demo_config.audit_path.read_text().splitlines()]
-    (recovery,) = [record for record in records if record.get("event") == "recovery"]
-    assert recovery["tool"] == "server_start"
-    assert recovery["what"] == "organizer"
-    assert recovery["inbox"] == inbox.id
-    assert recovery["message"] == f"inbox {inbox.id!r}: rolled back an interrupted apply of 8 moves"
+    before, after = _recoveries(demo_config)
+    for record in (before, after):
+        assert record["tool"] == "server_start"
+        assert record["what"] == "organizer"
+        assert record["inbox"] == inbox.id
+    assert (before["phase"], after["phase"]) == ("start", "end")
+    assert before["message"] == f"inbox {inbox.id!r}: rolling back an interrupted apply of 8 moves"
+    assert after["message"] == f"inbox {inbox.id!r}: rolled back an interrupted apply of 8 moves"
     assert verify(demo_config.audit_path).ok
     assert sorted(path.name for path in inbox.path.iterdir()) == [f"file {n}.pdf" for n in range(8)]
+
+
+def test_a_crash_between_a_rollback_and_its_record_leaves_the_recovery_in_the_chain(demo_config: Config) -> None:
+    """Found by review: the start wrote its one `recovery` record after the rollback, so a crash between the
+    two (a kill, a full disk) left the moves undone and nothing in the chain. The record of what the start is
+    about to roll back is on disk before any file moves."""
+    [inbox] = demo_config.inbox
+    _apply_killed_at_fourth_move(demo_config)
+    pid = os.fork()
+    if pid == 0:  # the restart that dies once its files are back, before it could say so
+        try:
+
+            def dying(*_: object, **__: object) -> None:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            Journal.end = dying  # type: ignore[method-assign]  # every move put back, not yet journaled
+            build_services(demo_config)
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status), status
+    assert sorted(path.name for path in inbox.path.glob("*.pdf")) == [f"file {n}.pdf" for n in range(8)]
+    (started,) = _recoveries(demo_config)
+    assert started["phase"] == "start"
+    assert started["message"] == f"inbox {inbox.id!r}: rolling back an interrupted apply of 8 moves"
+    assert verify(demo_config.audit_path).ok
+    # The next start finishes: the journal still held the transaction, so it is rolled back (nothing to move)
+    # and recorded again, start and end.
+    services = build_services(demo_config)
+    services.close()
+    assert [record["phase"] for record in _recoveries(demo_config)] == ["start", "start", "end"]
+    assert sorted(path.name for path in inbox.path.glob("*.pdf")) == [f"file {n}.pdf" for n in range(8)]

@@ -418,21 +418,29 @@ def recover(sandboxes: SandboxManager, audit: AuditLog) -> None:
     Raises:
         ConfigError: the state folder's sandboxes or snapshots cannot be read, or the audit log written.
     """
+
+    def keeping(sandbox_id: str) -> None:
+        message = f"a previous server left sandbox {sandbox_id}: keeping its workspace as a snapshot"
+        record_recovery(audit, {"what": "sandbox", "phase": "start", "sandbox_id": sandbox_id, "message": message})
+
     try:
-        made = sandboxes.recover()
+        made = sandboxes.recover(keeping)
     except BastionError as exc:
         # The administrator's line: the detail names what the client's reason leaves out (host paths).
         detail = f" ({exc.detail})" if exc.detail else ""
         raise ConfigError(f"sandbox recovery: {exc.reason}{detail}") from None
-    for snapshot_id in made:
+    for sandbox_id, snapshot_id in made:
         message = f"a previous server left a sandbox: its workspace is snapshot {snapshot_id}"
         logger.warning("%s", message)
-        record_recovery(audit, {"what": "sandbox", "snapshot_id": snapshot_id, "message": message})
+        record = {"what": "sandbox", "phase": "end", "sandbox_id": sandbox_id, "snapshot_id": snapshot_id}
+        record_recovery(audit, {**record, "message": message})
 
 
 def record_recovery(audit: AuditLog, record: dict[str, object]) -> None:
     """An audit record of what a start did about a crash. Found by attack: recovery's rollbacks and kept
     sandboxes were told only on stderr, and the chain showed a start record with no end and nothing after.
+    Each comes in two: ``phase`` "start" before the recovery acts, "end" after (found by review: a crash
+    between the act and a single record after it left nothing in the chain).
 
     Raises:
         ConfigError: the record cannot be written (fail-closed: the start stops).
@@ -454,10 +462,15 @@ def open_organizers(config: Config, audit: AuditLog) -> dict[str, Organizer]:
             except BastionError as exc:
                 raise ConfigError(f"inbox {inbox.id!r} ({inbox.path}): {exc.reason}") from None
             organizers[inbox.id] = organizer
-            message = organizer.open()
+            recovery: dict[str, object] = {"what": "organizer", "inbox": inbox.id}
+
+            def rolling_back(message: str, recovery: dict[str, object] = recovery) -> None:
+                record_recovery(audit, {**recovery, "phase": "start", "message": message})
+
+            message = organizer.open(rolling_back)
             if message is not None:
                 logger.warning("%s", message)
-                record_recovery(audit, {"what": "organizer", "inbox": inbox.id, "message": message})
+                record_recovery(audit, {**recovery, "phase": "end", "message": message})
     except BaseException:
         for organizer in organizers.values():
             organizer.close()

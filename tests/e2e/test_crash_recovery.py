@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -14,6 +16,7 @@ from mcp import Client, StdioServerParameters
 
 from bastion.app import build_server, build_services
 from bastion.config import load_config
+from bastion.safety.audit import verify
 from tests.helpers import BASTION, spawned_env, temp_socket_folders
 from tests.helpers import processes_with as pids_with
 
@@ -79,3 +82,80 @@ async def test_killed_server_leaves_nothing_and_next_start_recovers(demo_config_
         services.close()
     # The killed server's egress socket folder (a temp folder, for this long state path) is gone too.
     assert temp_socket_folders() <= sockets_before
+
+
+_RESTART_DYING_AFTER_THE_SNAPSHOT = """
+import os, signal, sys
+from bastion.app import build_services
+from bastion.config import load_config
+from bastion.workbench import manager
+
+snapshot = manager.create_snapshot
+
+def dying(*args, **kwargs):
+    snapshot(*args, **kwargs)
+    os.kill(os.getpid(), signal.SIGKILL)  # the snapshot is made, its record is not
+
+manager.create_snapshot = dying
+build_services(load_config(sys.argv[1]))
+"""
+
+
+def _recoveries(audit_path: Path) -> list[dict[str, object]]:
+    records = [json.loads(line) for line in audit_path.read_text().splitlines()]
+    return [record for record in records if record.get("event") == "recovery"]
+
+
+async def test_a_restart_killed_after_a_recovery_snapshot_leaves_its_recovery_in_the_chain(
+    demo_config_path: Path,
+) -> None:
+    """Found by review: a start kept a crashed sandbox as a snapshot, deleted its folder, and only then wrote
+    its `recovery` record, so a crash between (a kill, a full disk) left a recovered snapshot the audit chain
+    never mentioned. The start's record of what it is about to keep is on disk before the snapshot, and the
+    next start closes it with an end record naming the snapshot (made once: no second one)."""
+    params = StdioServerParameters(
+        command=str(BASTION),
+        args=["serve", "--config", str(demo_config_path), "--stdio"],
+        env=spawned_env(TMPDIR=tempfile.gettempdir()),
+    )
+    marker = str(demo_config_path)
+    seen: dict[str, str] = {}
+
+    async def create_then_kill_the_server() -> None:
+        async with Client(params) as client:
+            created = await client.call_tool("create_sandbox", {})
+            assert created.structured_content is not None
+            seen["box"] = created.structured_content["detail"]["sandbox_id"]
+            await client.call_tool("run_command", {"command": "echo survived > kept.txt", "sandbox_id": seen["box"]})
+            (server_pid,) = pids_with(marker)
+            os.kill(server_pid, signal.SIGKILL)
+            await client.call_tool("list_sandboxes", {})
+
+    with pytest.raises(BaseException):  # noqa: B017, PT011 - the transport breaks in whatever way it breaks
+        await create_then_kill_the_server()
+    box = seen["box"]
+    config = load_config(demo_config_path)
+    for _ in range(100):
+        if not pids_with(marker):
+            break
+        await anyio.sleep(0.05)
+    env = {**os.environ, "TMPDIR": tempfile.gettempdir()}
+    dying = subprocess.run(
+        [sys.executable, "-c", _RESTART_DYING_AFTER_THE_SNAPSHOT, str(demo_config_path)], env=env, check=False
+    )
+    assert dying.returncode == -signal.SIGKILL
+    (started,) = _recoveries(config.audit_path)
+    assert (started["phase"], started["what"], started["sandbox_id"]) == ("start", "sandbox", box)
+    assert verify(config.audit_path).ok
+    services = build_services(config)
+    try:
+        assert not (config.sandboxes_dir / box).exists()
+        async with Client(build_server(services, caller="test")) as client:
+            listed = await client.call_tool("list_snapshots", {})
+            assert listed.structured_content is not None
+            (recovered,) = [s for s in listed.structured_content["detail"]["snapshots"] if s["sandbox_id"] == box]
+    finally:
+        services.close()
+    ended = [record for record in _recoveries(config.audit_path) if record["phase"] == "end"]
+    assert [(record["sandbox_id"], record["snapshot_id"]) for record in ended] == [(box, recovered["snapshot_id"])]
+    assert verify(config.audit_path).ok

@@ -137,7 +137,7 @@ async def test_kill_9_under_load_then_restart_recovers_everything(root: Path) ->
             recovered = {s["sandbox_id"]: s for s in listed["detail"]["snapshots"] if s["recovered"]}
             assert set(recovered) == set(boxes.values()), listed["detail"]["snapshots"]
             # Each is in the audit log, as the start's own record (found by attack: told on stderr only).
-            records = [r for r in audit_records(audit) if r.get("event") == "recovery" and r["what"] == "sandbox"]
+            records = [r for r in audit_records(audit) if r.get("event") == "recovery" and r["phase"] == "end"]
             assert {r["snapshot_id"] for r in records} == {s["snapshot_id"] for s in recovered.values()}
             index, box = next(iter(boxes.items()))
             restored = await load.call(client, "restore_sandbox", snapshot_id=recovered[box]["snapshot_id"])

@@ -15,6 +15,7 @@ import re
 import stat
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final
 
@@ -86,8 +87,11 @@ class Organizer:
         self._broken: str | None = None
         self._replaced: str | None = None  # the last "folder replaced" line logged
 
-    def open(self) -> str | None:
+    def open(self, rolling_back: Callable[[str], None] | None = None) -> str | None:
         """Read the journal and roll back a transaction a crash left unfinished.
+
+        `rolling_back` is told what is about to be rolled back, before any file moves (the start's audit
+        record: a crash during the rollback still leaves it); it may raise to stop the start.
 
         Returns:
             A one-line message when something was recovered, else None.
@@ -96,7 +100,7 @@ class Organizer:
             ConfigError: the journal is damaged, held by another server, or cannot be written.
         """
         try:
-            return self._open()
+            return self._open(rolling_back)
         except OSError as exc:
             # Found by attack: a restart on a full state filesystem died with a traceback. The moves were put
             # back before the write that failed, and the journal still holds the crash's transaction.
@@ -106,12 +110,16 @@ class Organizer:
                 "again; the next start finishes rolling back what a crash left unfinished"
             ) from None
 
-    def _open(self) -> str | None:
+    def _open(self, rolling_back: Callable[[str], None] | None) -> str | None:
         with self._lock:
             replay = self.journal.open()
             message = None
             if replay.pending is not None:
                 pending = replay.pending
+                if rolling_back is not None:
+                    rolling_back(
+                        f"inbox {self.id!r}: rolling back an interrupted {pending.kind} of {len(pending.moves)} moves"
+                    )
                 kept = self._mover.recover(pending)
                 replay.history.finish(pending, kept)
                 message = (

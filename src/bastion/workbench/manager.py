@@ -947,16 +947,18 @@ class SandboxManager:
                     expired.append(info.id)
         return expired
 
-    def recover(self) -> list[str]:
+    def recover(self, keeping: Callable[[str], None] | None = None) -> list[tuple[str, str]]:
         """Clean what a crashed server left: its cgroups, and its sandboxes' folders, which
         are kept as snapshots (label ``recovered``) until `orphan_retention_s` passes. Expired
         snapshots and an interrupted snapshot's files go first; a workspace whose snapshot would
         eat the state reserve is kept as it is, for the next start, and one that cannot be
         snapshotted for another reason is deleted (see `_recover_sandbox`).
 
+        `keeping` is told a sandbox's id before its workspace is snapshotted (the start's audit
+        record: a crash before the snapshot is recorded still leaves it); it may raise to stop.
         Processes need no cleaning: bwrap's --die-with-parent ended them with the server, and a
         VMM's parent-death signal; a VMM that outlived it anyway is killed with its folder.
-        Returns the snapshot ids made.
+        Returns each sandbox kept, with its snapshot's id.
         """
         # First: a VMM that outlived its server is killed with its folder, and its group then holds nothing.
         for folder in recover_run_dirs():
@@ -969,7 +971,7 @@ class SandboxManager:
                     continue  # removed meanwhile, by the live server that made it
                 if _left_by_a_crash(name, group, self._cgroups.owner):
                     group.destroy()
-        made = []
+        made: list[tuple[str, str]] = []
         self._remove_stale_sockets()
         remove_leftovers(self._snapshots)
         for snapshot_id in self.expire_snapshots():
@@ -977,18 +979,21 @@ class SandboxManager:
         # Not the agents' caps (a crash's leftovers are kept, whatever their number), only the reserve.
         limits = SnapshotLimits(reserve_bytes=self._config.state_reserve_bytes)
         kept = {
-            info.metadata.get("sandbox_id", "")
+            info.metadata.get("sandbox_id", ""): info.id
             for info in list_snapshots(self._snapshots)
             if info.metadata.get("recovered") == "true"
         }
         if self._dir.is_dir():
             for root in sorted(self._dir.iterdir()):
                 if root.name.startswith(SANDBOX_ID_PREFIX) and root.name not in self._boxes:
-                    made.extend(self._recover_sandbox(root, limits, kept))
+                    made.extend((root.name, made_id) for made_id in self._recover_sandbox(root, limits, kept, keeping))
         return made
 
-    def _recover_sandbox(self, root: Path, limits: SnapshotLimits, kept: set[str]) -> list[str]:
-        """Keep a crashed sandbox's workspace as a snapshot, then delete its folder; returns the snapshot made.
+    def _recover_sandbox(
+        self, root: Path, limits: SnapshotLimits, kept: Mapping[str, str], keeping: Callable[[str], None] | None
+    ) -> list[str]:
+        """Keep a crashed sandbox's workspace as a snapshot, then delete its folder; returns the snapshot made
+        (or, for a workspace `kept` already, that snapshot: its recovery's end was not recorded).
 
         Kept as it is when its image does not mount, or its snapshot fails for a reason a later start
         may not meet (no room, a file a damaged image cannot read, too many open files). A workspace
@@ -1005,7 +1010,7 @@ class SandboxManager:
         if root.name in kept:
             logger.error("sandbox %s left by a crash has its recovered snapshot already: deleted", root.name)
             _discard(root)
-            return []
+            return [kept[root.name]]
         workspace = root / "workspace"
         image = root / _DISK_IMAGE
         if image.is_file() and not os.path.ismount(workspace):
@@ -1019,6 +1024,8 @@ class SandboxManager:
         # An empty workspace (a warm-pool sandbox never handed out) has nothing to keep.
         if workspace.is_dir() and not workspace.is_symlink() and _holds_files(workspace):
             metadata = {"sandbox_id": root.name, "recovered": "true"}
+            if keeping is not None:
+                keeping(root.name)
             try:
                 info = create_snapshot(workspace, self._snapshots, label="recovered", metadata=metadata, limits=limits)
             except OverBound as exc:
