@@ -23,7 +23,7 @@ import anyio
 
 from bastion import heap
 from bastion.app import Services, build_server, build_services
-from bastion.config import Config, HttpConfig
+from bastion.config import Config, HttpConfig, split_listen
 from bastion.logs import announce, configure_logging
 from bastion.safety.errors import ConfigError, Unavailable
 from bastion.safety.paths import file_replaceable_by, secret_file_problem
@@ -194,11 +194,10 @@ def is_loopback(host: str) -> bool:
 
 def parse_listen(value: str) -> tuple[str, int]:
     """HOST:PORT (IPv6 in brackets) as (host, port); ConfigError with one line if it is not one."""
-    host, sep, port = value.rpartition(":")
-    host = host.removeprefix("[").removesuffix("]")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    split = split_listen(value)
+    if split is None:
         raise ConfigError(f"--listen {value!r} must be HOST:PORT with a port from 1 to 65535, e.g. 127.0.0.1:8765")
-    return host, int(port)
+    return split
 
 
 def listen_socket(host: str, port: int, backlog: int) -> socket.socket:

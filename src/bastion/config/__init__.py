@@ -33,6 +33,7 @@ from bastion.config.gateway import GatewayArgConfig as GatewayArgConfig
 from bastion.config.gateway import GatewayConfig as GatewayConfig
 from bastion.config.http import DEFAULT_APP_CALLBACKS as DEFAULT_APP_CALLBACKS
 from bastion.config.http import HttpConfig as HttpConfig
+from bastion.config.http import split_listen as split_listen
 from bastion.config.inbox import DEFAULT_CATEGORIES as DEFAULT_CATEGORIES
 from bastion.config.inbox import DEFAULT_SKIP_RULES as DEFAULT_SKIP_RULES
 from bastion.config.inbox import PROTECTION_KINDS as PROTECTION_KINDS

@@ -16,6 +16,19 @@ from pydantic import Field, field_validator
 from bastion.config.base import Model
 
 # Known native-app callbacks (RFC 8252 private-use schemes) accepted at registration by exact match.
+_PORT: Final = re.compile(r"[0-9]{1,5}")
+"""ASCII digits only: `str.isdigit` passes '²' (which `int` refuses) and other scripts' digits (which it takes)."""
+
+
+def split_listen(value: str) -> tuple[str, int] | None:
+    """HOST:PORT (IPv6 in brackets) as (host, port) with a port from 1 to 65535, or None."""
+    host, sep, port = value.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not _PORT.fullmatch(port) or not 0 < int(port) < 65536:
+        return None
+    return host, int(port)
+
+
 DEFAULT_APP_CALLBACKS: Final = ("cursor://anysphere.cursor-mcp/oauth/callback",)
 
 
@@ -127,8 +140,7 @@ class HttpConfig(Model):
     @field_validator("listen")
     @classmethod
     def _check_listen(cls, value: str) -> str:
-        host, sep, port = value.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        if split_listen(value) is None:
             raise ValueError(f"listen {value!r} must be HOST:PORT, e.g. 127.0.0.1:8765")
         return value
 

@@ -270,6 +270,10 @@ def test_listen_with_an_invalid_port_or_address_is_refused(tmp_path: Path) -> No
         ("localhost", "HOST:PORT"),
         (":8765", "HOST:PORT"),
         ("192.0.2.10:8765", "set [http] public_url"),
+        # Found by attack: `str.isdigit` passed both, then int() raised (a traceback), or took the
+        # Arabic-Indic digits, bound port 19002 and crashed when the URL was built.
+        ("127.0.0.1:\u00b2", "port from 1 to 65535"),
+        ("127.0.0.1:\u0661\u0669\u0660\u0660\u0662", "port from 1 to 65535"),
     ]:
         result = bastion("serve", "--config", str(config), "--http", "--listen", listen)
         assert result.returncode == 78, (listen, result.stderr)

@@ -19,7 +19,7 @@ import time
 from datetime import UTC, datetime
 from typing import Any, Final
 
-from bastion.config import Config, add_config_option, load_config, resolve_config_path
+from bastion.config import Config, add_config_option, load_config, resolve_config_path, split_listen
 from bastion.safety.errors import InvalidRequest, NotFound
 from bastion.transports.http.password import check_new_password, generate_password, write_hash
 from bastion.transports.http.store import AuthStore
@@ -64,7 +64,7 @@ def add_admin_parser(sub: Any) -> None:
 PRUNE_MIN_AGE_S: Final = 600.0  # an authorization request lives 10 minutes
 CLI_CLIENT_PREFIX: Final = "cli:"
 _CLIENT_NAME: Final = re.compile(r"[A-Za-z0-9._-]{1,64}")
-_DURATION: Final = re.compile(r"(\d{1,9})([smhd]?)")
+_DURATION: Final = re.compile(r"([0-9]{1,9})([smhd]?)")
 _UNITS: Final = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86_400}
 
 
@@ -169,8 +169,7 @@ def _token_scopes(requested: list[str]) -> tuple[str, ...]:
 def _checked_listen(listen: str | None) -> str | None:
     if listen is None:
         return None
-    host, sep, port = listen.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if split_listen(listen) is None:
         raise InvalidRequest(f"--listen {listen!r} must be HOST:PORT, as given to 'bastion serve --listen'")
     return listen
 
