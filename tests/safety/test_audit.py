@@ -9,6 +9,7 @@ import json
 import logging
 import math
 import os
+import resource
 import subprocess
 import threading
 import time
@@ -1077,3 +1078,90 @@ def test_argument_names_alike_in_their_first_256_characters_keep_both_values(log
     assert [key for key in values if key.endswith("#2")], values
     assert len(records) == 2  # written (cut to the line's size as any record too large)
     assert verify(log_path).ok
+
+
+def _fill_fds() -> list[int]:
+    """Open /dev/null until the process has no fd left (EMFILE); the caller closes them."""
+    fillers: list[int] = []
+    while True:
+        try:
+            fillers.append(os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC))
+        except OSError as exc:
+            if exc.errno != errno.EMFILE:
+                raise
+            return fillers
+
+
+def _append_until_refused(log: AuditLog, accepted: list[str]) -> AuditUnavailable:
+    """Append records until one is refused (within 100); the accepted ones' ids go to `accepted`."""
+    for n in range(100):
+        try:
+            accepted.append(log.append({"action": "run_command", "n": n}))
+        except AuditUnavailable as exc:
+            return exc
+    raise AssertionError("100 records accepted: no rotation was refused")
+
+
+def test_a_rotation_at_the_open_file_limit_refuses_then_recovers_when_fds_return(
+    log_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by attack: a rotation needs fds (the folder, the new file); one that met the process's open-file
+    limit (an agent's pipes can fill it) broke the log for good, refusing every call until a restart. It is
+    refused while no fd is left, and the next record after fds return rotates and is accepted."""
+    log = AuditLog(log_path, redactor=Redactor(), rotate_bytes=2000)
+    log.open()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    accepted = _write(log, 5)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 32, hard))
+    fillers = _fill_fds()
+    try:
+        # The records that fit are written; the one to rotate is refused.
+        assert "rotation unfinished: Too many open files" in _append_until_refused(log, accepted).reason
+        with pytest.raises(AuditUnavailable, match="rotation unfinished"):
+            log.append({"action": "refused again"})
+    finally:
+        for fd in fillers:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    accepted.extend(_write(log, 40))
+    log.close()
+    assert log_path.with_name("audit.jsonl.1").exists()
+    report = verify(log_path)
+    assert report.ok, report.first_error
+    ids = [json.loads(line)["id"] for path in sorted(log_path.parent.iterdir()) for line in _lines(path)]
+    assert set(accepted) <= set(ids)  # nothing accepted was lost
+    assert sum("rotation unfinished" in r.getMessage() for r in caplog.records) == 1  # logged once
+    assert any("rotation finished" in r.getMessage() for r in caplog.records)
+
+
+def test_a_rotation_that_cannot_open_its_new_file_opens_it_at_the_next_record(
+    log_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by attack (the same limit, later in a rotation): once the full file has moved away, a new file
+    that cannot be opened yet (another thread took the fd the old one freed) refuses records, and the next
+    record opens it and continues the chain; nothing was lost."""
+    log = AuditLog(log_path, redactor=Redactor(), rotate_bytes=2000)
+    log.open()
+    opened = audit_mod._open_log
+    failures = [1]
+
+    def no_fd_once(path: Path, *, exclusive: bool) -> int:
+        if failures[0]:
+            failures[0] -= 1
+            raise AuditUnavailable(f"audit log {path} cannot be opened: Too many open files")
+        return opened(path, exclusive=exclusive)
+
+    monkeypatch.setattr(audit_mod, "_open_log", no_fd_once)
+    accepted: list[str] = []
+    refused = _append_until_refused(log, accepted).reason
+    assert "rotation unfinished: audit log" in refused
+    assert "Too many open files" in refused
+    assert not log_path.exists()  # moved to audit.jsonl.1, the new one not made yet
+    assert log.problem() is not None
+    accepted.extend(_write(log, 10))
+    assert log.problem() is None
+    log.close()
+    report = verify(log_path)
+    assert report.ok, report.first_error
+    ids = [json.loads(line)["id"] for path in sorted(log_path.parent.iterdir()) for line in _lines(path)]
+    assert set(accepted) <= set(ids)

@@ -128,6 +128,10 @@ def _record_id() -> str:
     return raw.hex()
 
 
+class _RotationDeferred(Exception):
+    """A rotation that changed nothing, or moved the full file but could not open the new one yet."""
+
+
 @dataclass(slots=True)
 class _Pending:
     body: dict[str, JSONValue]
@@ -202,6 +206,11 @@ class AuditLog:
         """Where `append_async` writes a batch (made at the first one, shut down at `close`)."""
         # The last "the file is not the configured path" problem logged, so a flood of refused calls logs it once.
         self._stale: str | None = None
+        self._deferred: str | None = None
+        """Why the last rotation could not finish (no fd left...): records are refused and the next batch
+        tries again (`_RotationDeferred`); logged once while it stays the same."""
+        self._moved_away = False
+        """A rotation moved the full file away and the new one is not open (or its name not durable) yet."""
 
     @property
     def path(self) -> Path:
@@ -225,7 +234,8 @@ class AuditLog:
                 self._close_fd()
                 raise
             self._offset = size
-            self._broken = None
+            self._broken = self._deferred = None
+            self._moved_away = False
             self._reserve.forget()
             self._reserve.top_up(self._fd, size)
 
@@ -379,7 +389,7 @@ class AuditLog:
         """
         broken, fd = self._broken, self._fd
         if broken is not None or fd is None:
-            return broken or "audit log is not open"
+            return broken or self._deferred or "audit log is not open"
         return _path_problem(self._path, self._ident)
 
     # -- cleaning -------------------------------------------------------------
@@ -506,6 +516,13 @@ class AuditLog:
 
     def _write_batch(self, batch: list[_Pending]) -> None:
         todo = batch
+        if self._moved_away and self._broken is None:
+            try:
+                self._open_next(None)
+            except _RotationDeferred as exc:
+                self._defer(str(exc))
+                _finish(todo, self._deferred)
+                return
         while todo:
             if self._broken is not None or self._fd is None:
                 _finish(todo, self._broken or "audit log is not open")
@@ -536,10 +553,21 @@ class AuditLog:
             if todo:
                 try:
                     self._rotate()
+                except _RotationDeferred as exc:
+                    self._defer(str(exc))
+                    _finish(todo, self._deferred)
+                    return
                 except (OSError, AuditUnavailable) as exc:
                     reason = exc.strerror if isinstance(exc, OSError) else exc.reason
                     self._broken = f"audit log rotation failed: {reason or exc}"
                     _log.error("%s", self._broken)
+
+    def _defer(self, cause: str) -> None:
+        """A rotation that could not finish: its records are refused, and the next batch tries again."""
+        problem = f"audit log rotation unfinished: {cause}; nothing was lost, and the next record tries again"
+        if problem != self._deferred:
+            _log.error("%s", problem)
+        self._deferred = problem
 
     def _write(self, data: bytes, *, sync: bool) -> str | None:
         """Write `data`, and sync it (or leave the sync to the flusher); on failure undo it and return the
@@ -636,25 +664,60 @@ class AuditLog:
         return problem
 
     def _rotate(self) -> None:
+        """Rename the full file `<name>.<N>` and start an empty one. Found by attack: a rotation at the
+        process's open-file limit failed opening the folder to sync it, after the move, and broke the log
+        until a restart. The folder is opened before anything changes, and a new file that cannot be
+        opened yet is opened by a later batch (`_RotationDeferred`)."""
         fd = self._fd
         assert fd is not None
         if self._owed:
             self._sync(fd)  # the rotated file is complete on disk before the new one starts
-        index = max(_rotated(self._path), default=0) + 1
-        rotated = self._path.with_name(f"{self._path.name}.{index}")
-        st, lst = os.fstat(fd), os.lstat(self._path)
-        if (st.st_dev, st.st_ino) != (lst.st_dev, lst.st_ino):
-            raise OSError(errno.ESTALE, f"{self._path} was replaced by another file")
-        os.ftruncate(fd, self._offset)  # a rotated file keeps no reserve (its size does not change)
-        # link() fails with EEXIST, so an existing rotated file is never overwritten.
-        os.link(self._path, rotated, follow_symlinks=False)
-        os.unlink(self._path)
-        self._close_fd()
-        self._fd = _open_log(self._path, exclusive=True)
-        new = os.fstat(self._fd)
-        self._ident, self._offset = (new.st_dev, new.st_ino), 0
-        _sync_dir(self._path.parent)
-        self._reserve.forget()
+        try:
+            folder = os.open(self._path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise _RotationDeferred(exc.strerror or str(exc)) from None
+        try:
+            index = max(_rotated(self._path), default=0) + 1
+            rotated = self._path.with_name(f"{self._path.name}.{index}")
+            st, lst = os.fstat(fd), os.lstat(self._path)
+            if (st.st_dev, st.st_ino) != (lst.st_dev, lst.st_ino):
+                raise OSError(errno.ESTALE, f"{self._path} was replaced by another file")
+            os.ftruncate(fd, self._offset)  # a rotated file keeps no reserve (its size does not change)
+            self._reserve.forget()
+            # link() fails with EEXIST, so an existing rotated file is never overwritten.
+            os.link(self._path, rotated, follow_symlinks=False)
+            os.unlink(self._path)
+            self._moved_away = True
+            self._close_fd()
+            self._open_next(folder)
+        finally:
+            os.close(folder)
+
+    def _open_next(self, folder: int | None) -> None:
+        """Open the new, empty file once the full one has moved away, and make its name durable (through
+        `folder` if open already).
+
+        Raises:
+            _RotationDeferred: it cannot be opened or its folder synced now (no fd left, no room...).
+        """
+        if self._fd is None:
+            try:
+                self._fd = _open_log(self._path, exclusive=True)
+            except AuditUnavailable as exc:
+                raise _RotationDeferred(exc.reason) from None
+            new = os.fstat(self._fd)
+            self._ident, self._offset = (new.st_dev, new.st_ino), 0
+        try:
+            if folder is None:
+                _sync_dir(self._path.parent)
+            else:
+                os.fsync(folder)
+        except OSError as exc:
+            raise _RotationDeferred(f"its folder could not be synced ({exc.strerror or exc})") from None
+        self._moved_away = False
+        if self._deferred is not None:
+            _log.warning("audit log %s: the rotation finished, records are accepted again", self._path)
+            self._deferred = None
         self._reserve.top_up(self._fd, 0)
 
     def _close_fd(self) -> None:
