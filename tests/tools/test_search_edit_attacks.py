@@ -419,6 +419,41 @@ async def test_a_burst_of_searches_leaves_threads_for_the_other_tools(client: Cl
     assert finished[0] == "read", finished[:3]
 
 
+@pytest.mark.bwrap
+async def test_a_burst_of_file_calls_from_one_workspace_leaves_threads_for_another(
+    client: Client, workspace: Path
+) -> None:
+    """Attack: 60 list_directory calls at once on a big folder held all 40 of the server's worker threads,
+    and another agent's read_file (in a thread: over 8 KiB) waited seconds behind them. A workspace's file
+    tools share at most MAX_THREADS_PER_WORKSPACE threads, so the other sandbox's read, asked after the
+    burst, answers before most of it."""
+    big = workspace / "big"
+    big.mkdir()
+    for name in range(3000):
+        (big / f"{name}.txt").touch()
+    other = await create(client)
+    assert (await sh(client, other, "head -c 65536 /dev/zero | tr '\\0' x > note.txt"))["ok"]
+    finished: list[str] = []
+
+    async def listing() -> None:
+        answer = await call(client, "list_directory", path="big")
+        assert answer["ok"], answer
+        finished.append("list")
+
+    async def read() -> None:
+        answer = await call(client, "read_file", path="note.txt", sandbox_id=other)
+        assert answer["detail"]["content"] == "x" * 65536
+        finished.append("read")
+
+    async with anyio.create_task_group() as group:
+        for _ in range(60):
+            group.start_soon(listing)
+        await anyio.wait_all_tasks_blocked()
+        group.start_soon(read)
+    assert finished.count("list") == 60
+    assert finished.index("read") < 20, finished.index("read")
+
+
 def test_an_edit_between_every_two_lines_is_diffed_in_linear_time(tmp_path: Path) -> None:
     """Attack: edit_file(dry_run) of a file of unique lines, old="\\n", new="\\nx\\n", replace_all: a line
     inserted between every two. difflib's matcher found one line at a time at the left: 12,000 lines took

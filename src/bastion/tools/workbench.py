@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import base64
 import functools
-from typing import Annotated, Final, Literal
+import weakref
+from collections.abc import Callable
+from typing import Annotated, Final, Literal, TypeVar
 
 import anyio.to_thread
 from mcp_types import ImageContent, ToolAnnotations
@@ -37,6 +39,8 @@ SandboxId = Annotated[
 EncodingArg = Annotated[Literal["utf-8", "base64"], Field(description="utf-8 text (redacted) or base64 bytes.")]
 
 MAX_PARALLEL_SEARCHES: Final = 2
+MAX_THREADS_PER_WORKSPACE: Final = 4
+"""Worker threads one workspace's file tools hold at once (`ThreadShares`); anyio's server-wide limit is 40."""
 _READ_ONLY = ToolAnnotations(read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=False)
 _WRITES = ToolAnnotations(read_only_hint=False, destructive_hint=True, idempotent_hint=False, open_world_hint=False)
 _SEARCH = ToolAnnotations(
@@ -51,6 +55,7 @@ _EDITS = ToolAnnotations(
     idempotent_hint=False,
     open_world_hint=False,
 )
+T = TypeVar("T")
 _PATHS_NOTE = (
     " Paths are relative to the workspace; in a sandbox, /workspace/... works too and symlinks resolve as its "
     "commands see them, but never to anything outside /workspace."
@@ -58,6 +63,25 @@ _PATHS_NOTE = (
 PathArg = Annotated[str, Field(description="Relative to the workspace (in a sandbox: or /workspace/...).")]
 # The same upload twice leaves the same file (or answers CONFLICT without overwrite): no further effect.
 _UPLOADS = ToolAnnotations(read_only_hint=False, destructive_hint=True, idempotent_hint=True, open_world_hint=False)
+
+
+class ThreadShares:
+    """Each workspace's share of the worker threads its file tools run in. Found by attack: 60 concurrent
+    list_directory calls from one agent held all 40 of anyio's threads, and another agent's read_file
+    waited 10 s behind them: a workspace's calls now queue behind its own, at most
+    `MAX_THREADS_PER_WORKSPACE` at once, within the server-wide limit."""
+
+    def __init__(self) -> None:
+        # Weak: a closed sandbox's share goes with its workspace.
+        self._shares: weakref.WeakKeyDictionary[HostWorkspace, anyio.CapacityLimiter] = weakref.WeakKeyDictionary()
+
+    async def run(self, ws: HostWorkspace, work: Callable[[], T], *, limiter: anyio.CapacityLimiter | None = None) -> T:
+        """`work()` in a worker thread once `ws` has a thread to spare (and `limiter`, or anyio's default, too)."""
+        share = self._shares.get(ws)
+        if share is None:
+            share = self._shares[ws] = anyio.CapacityLimiter(MAX_THREADS_PER_WORKSPACE)
+        async with share:
+            return await anyio.to_thread.run_sync(work, limiter=limiter)
 
 
 def command_result(out: CommandOutput, extra: dict[str, object]) -> OperationResult:
@@ -111,6 +135,7 @@ def register_workbench(server: BastionServer, registry: WorkspaceRegistry, *, sa
     """Add the work tools to `server`: `sandboxes` whether sandboxes are on, `network` whether any
     destination is allowed to them (host workspaces never have a network)."""
     in_workspace = workspace_of("sandbox_id", registry.get_id)
+    threads = ThreadShares()
     runs = ToolAnnotations(read_only_hint=False, destructive_hint=True, idempotent_hint=False, open_world_hint=network)
 
     @audited_tool(
@@ -206,7 +231,7 @@ def register_workbench(server: BastionServer, registry: WorkspaceRegistry, *, sa
         if as_image:
             if offset or length is not None or encoding != "utf-8":
                 raise InvalidRequest("as_image reads the whole image: leave out offset, length and encoding")
-            return await anyio.to_thread.run_sync(_image_outcome, ws, path)
+            return await threads.run(ws, functools.partial(_image_outcome, ws, path))
         if (length is None or 0 < length <= MAX_READ_BYTES) and ws.is_small_file(path):
             # On the loop, cheaper than a thread hop; capped, so a file grown meanwhile costs no more.
             cap = INLINE_READ_BYTES if length is None else min(length, INLINE_READ_BYTES)
@@ -215,7 +240,7 @@ def register_workbench(server: BastionServer, registry: WorkspaceRegistry, *, sa
                 return detail
         # Redacting up to 1 MiB of secret-dense text takes most of a second: off the event loop.
         read = functools.partial(ws.read_file, path, offset=offset, length=length, encoding=encoding)
-        return await anyio.to_thread.run_sync(read)
+        return await threads.run(ws, read)
 
     @audited_tool(
         server,
@@ -238,8 +263,10 @@ def register_workbench(server: BastionServer, registry: WorkspaceRegistry, *, sa
         sandbox_id: SandboxId = None,
     ) -> Outcome:
         # Missing parents are made one by one, a path's depth of syscalls: off the event loop.
-        write = functools.partial(registry.get(sandbox_id).write_file, path, content, encoding=encoding, append=append)
-        detail = await anyio.to_thread.run_sync(write)
+        ws = registry.get(sandbox_id)
+        detail = await threads.run(
+            ws, functools.partial(ws.write_file, path, content, encoding=encoding, append=append)
+        )
         return Outcome(OperationResult.success(UNNAMED, detail), files=[str(detail["path"])])
 
     @audited_tool(
@@ -262,8 +289,8 @@ def register_workbench(server: BastionServer, registry: WorkspaceRegistry, *, sa
         overwrite: bool = False,
         sandbox_id: SandboxId = None,
     ) -> Outcome:
-        upload = functools.partial(registry.get(sandbox_id).upload_file, path, content_base64, overwrite=overwrite)
-        detail = await anyio.to_thread.run_sync(upload)
+        ws = registry.get(sandbox_id)
+        detail = await threads.run(ws, functools.partial(ws.upload_file, path, content_base64, overwrite=overwrite))
         return Outcome(OperationResult.success(UNNAMED, detail), files=[str(detail["path"])])
 
     @audited_tool(
@@ -279,14 +306,14 @@ def register_workbench(server: BastionServer, registry: WorkspaceRegistry, *, sa
         ),
     )
     async def list_directory(path: str = ".", sandbox_id: SandboxId = None) -> dict[str, object]:
-        listing = functools.partial(registry.get(sandbox_id).list_directory, path)
-        return await anyio.to_thread.run_sync(listing)
+        ws = registry.get(sandbox_id)
+        return await threads.run(ws, functools.partial(ws.list_directory, path))
 
-    register_search_and_edit(server, registry)
+    register_search_and_edit(server, registry, threads)
 
 
-def register_search_and_edit(server: BastionServer, registry: WorkspaceRegistry) -> None:
-    """Add search_files and edit_file to `server`."""
+def register_search_and_edit(server: BastionServer, registry: WorkspaceRegistry, threads: ThreadShares) -> None:
+    """Add search_files and edit_file to `server`, sharing `threads` with the other file tools."""
     in_workspace = workspace_of("sandbox_id", registry.get_id)
     # A search may hold a worker thread for its whole time budget: a burst of them queues here
     # instead of taking every thread the other tools (and the audit log) need.
@@ -323,7 +350,7 @@ def register_search_and_edit(server: BastionServer, registry: WorkspaceRegistry)
     ) -> dict[str, object]:
         ws = registry.get(sandbox_id)
         search = functools.partial(ws.search_files, pattern, path=path, glob=glob, regex=regex, max_results=max_results)
-        return await anyio.to_thread.run_sync(search, limiter=searches)
+        return await threads.run(ws, search, limiter=searches)
 
     @audited_tool(
         server,
@@ -351,6 +378,6 @@ def register_search_and_edit(server: BastionServer, registry: WorkspaceRegistry)
     ) -> Outcome:
         ws = registry.get(sandbox_id)
         edit = functools.partial(ws.edit_file, path, old, new, replace_all=replace_all, dry_run=dry_run)
-        detail = await anyio.to_thread.run_sync(edit)
+        detail = await threads.run(ws, edit)
         files = [] if dry_run else [str(detail["path"])]
         return Outcome(OperationResult.success(UNNAMED, detail), files=files)
