@@ -284,6 +284,36 @@ async def test_kill_ends_a_background_command_and_what_it_started(harness: Harne
     await either.kill(process)  # a no-op once it has exited
 
 
+async def test_a_kill_after_the_first_process_exited_ends_what_it_left_and_its_output(
+    harness: Harness, either: Sandbox
+) -> None:
+    """Found by attack: a background `sh -c` that exits leaving a child that writes to its stdout, then
+    `kill`: a no-op, since its first process had exited, and the child wrote on until the sandbox closed.
+    Invariant: `kill` ends everything the command started, its first process exited or not: nothing of it
+    runs after, its output ends, and it returns whether anything was running (in a microVM or without
+    cgroups, nothing: the child ended with sh's PID namespace). A process started before lives on."""
+    witness = await either.spawn("/bin/cat", ["cat"], cwd="/", env=ENV, ring_bytes=1024)
+    marker = unique_marker(4260)
+    # sh exits once the child has written (without cgroups the child then ends with it).
+    flag = f"/tmp/written-{marker}"
+    script = (
+        f"sleep {marker} & (echo x; : > {flag}; while :; do echo x; sleep 0.1; done) & until [ -e {flag} ]; do :; done"
+    )
+    process = await either.spawn("/bin/sh", ["sh", "-c", script], cwd="/", env=ENV, ring_bytes=1024)
+    await process.wait_exit()
+    assert process.status == 0
+    left = await harness.leftovers(marker)
+    assert await either.kill(process) is bool(left)
+    await until(functools.partial(none_left, harness, marker), harness.wait_s)
+    await process.wait_output(harness.wait_s)
+    assert process.stdout.closed
+    assert process.stderr.closed
+    assert process.stdout.read(0, 2) == (0, b"x\n")  # the child did run
+    assert await either.kill(process) is False
+    assert not witness.exited
+    assert await either.kill(witness) is True
+
+
 KILLS_RIGHT_AFTER_THE_START = 10
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import time
 from pathlib import Path
 
@@ -632,4 +633,66 @@ async def test_a_process_that_exited_while_its_child_still_writes_says_more_is_c
         await anyio.sleep(0.05)
     assert "parent-done" in read["stdout"]
     assert read["more"] is True, read  # the child still holds the pipe
+    assert (await call(client, "close_sandbox", sandbox_id=box))["ok"]
+
+
+async def _in_sandbox(client: Client, box: str, os_pids: list[int], *, zombies: bool) -> list[int]:
+    """Which of `os_pids` are processes in the sandbox now (its own /proc); `zombies`: counting those that
+    have exited and wait for the agent, their parent now, to reap them."""
+    running = "" if zombies else " && ! grep -q '^State:.Z' /proc/$p/status"
+    script = f"for p in {' '.join(map(str, os_pids))}; do [ -e /proc/$p/status ]{running} && echo $p; done; true"
+    ran = await call(client, "run_command", command=script, sandbox_id=box)
+    assert ran["ok"], ran
+    return [int(line) for line in str(ran["detail"]["stdout"]).split()]
+
+
+async def test_kill_process_after_its_first_process_exited_kills_what_it_left_running(client: Client) -> None:
+    """Found by attack: a background `sh -c` that exited leaving a child that writes to its pipes, then
+    kill_process(pid): nothing was killed (its first process had exited), the child wrote on, `more`
+    stayed true and its output share stayed held, until the sandbox closed. Now the kill ends everything the
+    process started: the child's pids are gone from the sandbox, the output ends (`more` false), and `killed`
+    says something was running. Another background process and another command's leftover live on. Does not
+    prove anything for a child that left the command's cgroup (it cannot: the sandbox sees no cgroupfs)."""
+    box = await create(client)
+    # Unique: other runs of this test (other workers, other checkouts' suites) may be on the host at once.
+    marker, other = (f"{whole}.{secrets.randbelow(10**6):06d}" for whole in (4261, 4262))
+    witness = await start(client, box, f"exec sleep {other}")
+    kept = await call(client, "run_command", command=f"sleep {other}1 >/dev/null 2>&1 &", sandbox_id=box)
+    assert kept["ok"], kept
+    pid = await start(client, box, f"sleep {marker} & (while :; do echo x; sleep 0.1; done) & echo parent-done")
+    deadline = time.monotonic() + 30
+    while True:
+        detail = await read(client, box, pid)
+        if detail["state"] == "exited" and "x" in str(detail["stdout"]).split():
+            break
+        assert time.monotonic() < deadline, detail
+        await anyio.sleep(0.05)
+    assert detail["more"] is True, detail  # the child still holds the pipe
+    # The sleep and the loop's subshell: both carry the marker (the subshell has sh's command line).
+    left = [entry for entry in await left_running(client, box) if marker in " ".join(map(str, entry["argv"]))]
+    assert len(left) >= 2, left
+    os_pids = [int(entry["os_pid"]) for entry in left]
+    killed = await call(client, "kill_process", pid=pid, sandbox_id=box)
+    assert killed["ok"], killed
+    assert killed["detail"]["killed"] is True, killed
+    assert await _in_sandbox(client, box, os_pids, zombies=False) == []
+    deadline = time.monotonic() + 10
+    while await _in_sandbox(client, box, os_pids, zombies=True):
+        assert time.monotonic() < deadline, "the agent did not reap the killed processes"
+        await anyio.sleep(0.02)
+    assert processes_with(marker) == []
+    text, last = await read_until_exit(client, box, pid)
+    assert last["more"] is False, last
+    assert "parent-done" in text.split()
+    final = await read(client, box, pid, since=int(str(last["next"])))
+    assert (final["stdout"], final["more"]) == ("", False), final
+    again = await call(client, "kill_process", pid=pid, sandbox_id=box)
+    assert again["ok"], again
+    assert again["detail"]["killed"] is False, again
+    # The sandbox's other processes are untouched.
+    listed = (await call(client, "list_processes", sandbox_id=box))["detail"]["processes"]
+    running = [(entry["started_by"], entry["argv"]) for entry in listed if entry["state"] == "running"]
+    assert running == [("background", ["sh", "-c", f"exec sleep {other}"]), ("command", ["sleep", f"{other}1"])]
+    assert (await read(client, box, witness))["state"] == "running"
+    assert len(sleeps_with(other)) == 2
     assert (await call(client, "close_sandbox", sandbox_id=box))["ok"]

@@ -237,11 +237,12 @@ class Sandbox(Protocol):
         """
         ...
 
-    async def kill(self, process: Process | PtyProcess) -> None:
+    async def kill(self, process: Process | PtyProcess) -> bool:
         """Kill a background command and everything it started; return once it has exited.
 
-        A no-op if it has exited already. If the backend cannot confirm the kill in time,
-        it ends the whole sandbox, which ends every command in it.
+        Its first process having exited, what it left running (`leftovers`) is killed still;
+        a no-op if it left nothing. Returns whether anything of it was running. If the backend
+        cannot confirm the kill in time, it ends the whole sandbox, which ends every command in it.
 
         Raises:
             Conflict: the sandbox is paused.

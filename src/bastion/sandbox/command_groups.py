@@ -8,12 +8,12 @@ kills everything the command started, and nothing else.
 
 Groups are reused rather than made and removed per command: a command that exits leaves an
 empty group (free again at once) or one still holding processes (left running, listed by
-`leftovers` until they end; then free again). A killed group is free once empty. A kill comes in
-two steps: `doom` marks the group (given to no other command from then on) when the host asks the
-agent to kill the command, and `kill_doomed` kills it once the agent is out of it (the agent starts
-each command from inside the command's group): at once if the command has started and the agent has
-gone home, else when the agent has answered. Closing the sandbox removes them all
-(`SandboxCgroup.destroy`).
+`leftovers` until they end or a kill of the command ends them, `kill_left`; then free again). A
+killed group is free once empty. A kill of a running command comes in two steps: `doom` marks the
+group (given to no other command from then on) when the host asks the agent to kill the command, and
+`kill_doomed` kills it once the agent is out of it (the agent starts each command from inside the
+command's group): at once if the command has started and the agent has gone home, else when the agent
+has answered. Closing the sandbox removes them all (`SandboxCgroup.destroy`).
 
 What the host reads of a left process (/proc/PID/cmdline) is the sandbox's to write: it is
 read bounded, and returned raw for the layer above to clean.
@@ -53,7 +53,7 @@ class CommandGroups:
         self._free: list[CommandCgroup] = []
         self._running: dict[int, CommandCgroup] = {}
         self._killed: set[int] = set()  # command ids whose group was killed
-        self._left: list[CommandCgroup] = []  # exited commands' groups that still hold processes
+        self._left: dict[int, CommandCgroup] = {}  # by command id: exited commands' groups still holding processes
         self._draining: list[CommandCgroup] = []  # killed groups, until their processes have gone
         self._doomed: dict[int, CommandCgroup] = {}  # by command id: groups marked killed, not yet killed
 
@@ -109,22 +109,46 @@ class CommandGroups:
             self._killed.discard(command_id)
             self._draining.append(group)
         elif group.populated():
-            self._left.append(group)
+            self._left[command_id] = group
         else:
             self._free.append(group)
+
+    def left_by(self, command_id: int) -> bool:
+        """Whether the exited command `command_id` left processes running."""
+        group = self._left.get(command_id)
+        return group is not None and group.populated()
+
+    def kill_left(self, command_id: int) -> CommandCgroup | None:
+        """SIGKILL what an exited command left running (its group); None if it left nothing running.
+
+        The agent is never in an exited command's group: it moves back before it reports any exit.
+
+        Raises:
+            OperationFailed: the kernel refused (the group stays listed by `leftovers`).
+        """
+        if not self.left_by(command_id):
+            return None
+        group = self._left[command_id]
+        group.kill()
+        del self._left[command_id]
+        self._draining.append(group)
+        return group
 
     def _sweep(self) -> None:
         """Free the left and killed groups that have emptied since."""
         doomed = [id(group) for group in self._doomed.values()]
-        for pool in (self._left, self._draining):
-            for group in [g for g in pool if id(g) not in doomed and not g.populated()]:
-                pool.remove(group)
+        for command_id, group in list(self._left.items()):
+            if not group.populated():
+                del self._left[command_id]
                 self._free.append(group)
+        for group in [g for g in self._draining if id(g) not in doomed and not g.populated()]:
+            self._draining.remove(group)
+            self._free.append(group)
 
     def left_pids(self) -> list[int]:
         """The server's pids of the processes commands left running."""
         self._sweep()
-        return sorted(pid for group in self._left for pid in group.pids())
+        return sorted(pid for group in self._left.values() for pid in group.pids())
 
     def leftovers(self) -> list[Leftover]:
         """What exited commands left running, oldest pid first."""

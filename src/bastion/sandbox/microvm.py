@@ -1111,12 +1111,14 @@ class MicroVMSandbox:
             await self._kill_command(vm, pty)
         vm.ptys.pop(pty.command_id, None)
 
-    async def kill(self, process: Process | PtyProcess) -> None:
+    async def kill(self, process: Process | PtyProcess) -> bool:
+        """An exited command left nothing to kill: its PID namespace in the guest ended with it."""
         if self._paused:
             raise Conflict("the sandbox is paused: resume it first")
         if self._vm is None or not isinstance(process, MicroVMProcess | MicroVMPty) or process.exited:
-            return
+            return False
         await self._kill_command(self._vm, process)
+        return True
 
     def leftovers(self) -> list[Leftover]:
         return []  # each command is PID 1 of its own namespace in the guest: nothing outlives it

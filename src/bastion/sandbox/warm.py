@@ -1010,10 +1010,11 @@ class WarmSandbox:
         if killed is not None:
             self._track(self._all_gone(killed))
 
-    async def kill(self, process: Process | PtyProcess) -> None:
-        """SIGKILL a background process and everything it started (its cgroup, or its PID namespace)."""
+    async def kill(self, process: Process | PtyProcess) -> bool:
+        """SIGKILL a background process and everything it started (its cgroup, or its PID namespace), its
+        first process exited or not; return whether anything of it was running."""
         if process.exited:
-            return
+            return await self._kill_left(process.command_id)
         if self._paused:
             raise Conflict("the sandbox is paused: resume it first")
         if self._sock is not None:
@@ -1034,6 +1035,21 @@ class WarmSandbox:
                 waited,
             )
             await self.aclose()
+        return True
+
+    async def _kill_left(self, command_id: int) -> bool:
+        """SIGKILL what an exited command left running (its group: `x &`, setsid, a daemon) and wait until
+        it is gone; whether it left anything. Found by attack: such a child went on writing to a background
+        process's pipes, and a kill of the process, whose first process had exited, killed nothing. Without
+        command groups nothing is left: each command's PID namespace ends with its first process."""
+        commands = self._commands
+        if commands is None or not self.alive or not commands.left_by(command_id):
+            return False
+        if self._paused:
+            raise Conflict("the sandbox is paused: resume it first")
+        killed = commands.kill_left(command_id)
+        await self._all_gone(killed)
+        return killed is not None
 
     def close(self) -> None:
         """Kill the sandbox: its PID namespace dies, and with it every process inside. Blocks until

@@ -226,11 +226,11 @@ class BackgroundProcesses:
         return {"pid": pid, "bytes": len(raw), "bytes_written": written, "eof": eof and written == len(raw)}
 
     async def kill(self, pid: int) -> dict[str, object]:
-        """SIGKILL the process's PID 1: everything it started dies with its PID namespace."""
+        """SIGKILL the process and everything it started, also once its first process has exited (a child
+        it left may still hold its pipes). `killed`: whether anything of it was running."""
         record = self._get(pid)
-        was_running = not record.process.exited
-        await self._sandbox.kill(record.process)
-        return {**record.summary(), "killed": was_running}
+        killed = await self._sandbox.kill(record.process)
+        return {**record.summary(), "killed": killed}
 
     def clear(self) -> None:
         for record in self._records.values():
