@@ -346,6 +346,24 @@ async def test_close_terminal_leaves_no_survivors(client: Client) -> None:
     assert again["code"] == "NOT_FOUND"
 
 
+async def test_close_terminal_after_its_shell_exited_ends_what_the_shell_left(client: Client) -> None:
+    """Found by attack (on background processes, the same kill): a shell that exited leaving a child
+    (`sleep &; exit`) had close_terminal kill nothing and say `killed: false`, the child running on until
+    the sandbox closed. The close ends what the terminal's program left, and says so."""
+    box = await create(client)
+    term = await open_term(client, box)
+    await send(client, term, "setsid sleep 91011 </dev/null >/dev/null 2>&1 &", "Enter")
+    assert len(await started("sleep\x0091011", 1)) == 1
+    await send(client, term, "exit", "Enter")
+    with anyio.fail_after(10):
+        while (await call(client, "terminal_read", terminal_id=term))["detail"]["state"] != "exited":
+            await anyio.sleep(0.05)
+    closed = await call(client, "close_terminal", terminal_id=term)
+    assert closed["ok"], closed
+    assert closed["detail"]["killed"] is True
+    assert processes_with("sleep\x0091011") == []  # the close waits until the terminal's group is empty
+
+
 async def test_close_sandbox_ends_its_terminals(client: Client) -> None:
     box = await create(client)
     term = await open_term(client, box)

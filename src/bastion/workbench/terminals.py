@@ -300,10 +300,9 @@ class Terminals:
     async def close(self, terminal_id: str) -> dict[str, object]:
         """Kill the program and everything it started, then close the terminal."""
         terminal = self._get(terminal_id)
-        was_running = not terminal.pty.exited
-        await self._sandbox.kill(terminal.pty)
+        killed = await self._sandbox.kill(terminal.pty)  # what an exited shell left running, too
         self._forget(terminal)
-        return {**self._summary(terminal), "closed": True, "killed": was_running}
+        return {**self._summary(terminal), "closed": True, "killed": killed}
 
     def _forget(self, terminal: Terminal) -> None:
         self._open.pop(terminal.id, None)
