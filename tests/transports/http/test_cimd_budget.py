@@ -47,25 +47,25 @@ def _authorize(client_id: str, challenge: str) -> str:
 
 
 def test_malformed_urls_on_a_host_do_not_spend_its_fetch_budget(
-    start_server: Callable[..., AbstractContextManager[LiveServer]],
+    start_proxied_server: Callable[..., AbstractContextManager[LiveServer]],
 ) -> None:
-    """The attack against a live server: from another address (127.0.0.2), 30 /authorize with client_id
+    """The attack against a live server: from another address (played with X-Forwarded-For: all of loopback
+    is one address now), 30 /authorize with client_id
     URLs on the victim's host that have a space in the path. Before, each spent one of the host's 30
     fetches a minute though none was fetched, and the host's real client URL was then "not fetched" and
     /authorize said "unknown client" for the rest of the minute, every minute. Invariant: a URL refused by
     its shape costs none of the budget, so the real URL is fetched (here: refused by the address guard,
     127.0.0.1 not being public, which shows the fetch ran); registered clients still connect."""
-    with start_server() as server:
+    with start_proxied_server() as server:
         _, challenge = pkce()
         host = f"127.0.0.1:{server.port}"
-        stranger = httpx2.Client(base_url=server.base, transport=httpx2.HTTPTransport(local_address="127.0.0.2"))
-        with stranger:
+        with server.http(headers={"X-Forwarded-For": "198.51.100.7"}) as stranger:
             for n in range(cimd.FETCHES_PER_HOST_PER_MINUTE):  # also /authorize's limit per address
                 answer = stranger.get(_authorize(f"https://{host}/x {n}", challenge))
                 assert answer.status_code == 400
                 assert "unknown client" in answer.text
         real = f"https://{host}/oauth/client-metadata.json"
-        with server.http() as raw:
+        with server.http(headers={"X-Forwarded-For": "198.51.100.8"}) as raw:
             assert raw.get(_authorize(real, challenge)).status_code == 400
         log = server.log()
         assert "not fetched" not in log

@@ -23,8 +23,9 @@ from contextlib import AbstractContextManager
 
 import httpx2
 
-from .clients import assert_clients_connect
+from .clients import assert_clients_connect, from_address
 from .live import PASSWORD, Browser, LiveServer, forms, pkce
+from .test_front_door_attacks import login_form
 
 MIB = 1024 * 1024
 BROWSER_COOKIE = "__Host-bastion-browser"
@@ -131,15 +132,18 @@ def test_parallel_password_burst_from_one_address_is_refused_not_verified(
 def test_argon2_memory_bomb_200_parallel_logins_stay_bounded(
     start_proxied_server: Callable[..., AbstractContextManager[LiveServer]],
 ) -> None:
-    """200 parallel attempts from 200 addresses (each a first attempt, so no back-off applies): at most two
+    """200 parallel attempts from 200 addresses, each on its own authorization request (each a first
+    attempt, so no back-off applies): at most two
     argon2 checks (64 MiB each) run at once, the others are refused at once with 503, and the server's peak
     RSS stays under 300 MiB above idle (before issue 20: 88 MiB to 2.1 GiB for 60). Then the administrator
     logs in and clients connect."""
     with start_proxied_server() as server:
-        fields, cookie = oauth_login_form(server)
+        addresses = [f"10.9.{n // 250}.{n % 250 + 1}" for n in range(200)]
+        client_id = server.register(client_name="attacker")["client_id"]
+        own = [(a, *login_form(server, client_id, from_address(a))) for a in addresses]
         idle = rss_bytes(server)
         reset_peak_rss(server)
-        statuses = burst(server, "/oauth/login", fields, cookie, [f"10.9.{n // 250}.{n % 250 + 1}" for n in range(200)])
+        statuses = asyncio.run(_burst_own(server, own))
         peak = rss_bytes(server, "VmHWM")
         assert sum(statuses.values()) == 200
         assert set(statuses) <= {401, 503}, statuses
@@ -150,6 +154,19 @@ def test_argon2_memory_bomb_200_parallel_logins_stay_bounded(
         assert_clients_connect(server)
 
 
+async def _burst_own(server: LiveServer, own: list[tuple[str, dict[str, str], str]]) -> Counter[int]:
+    """All at once: each address posts a wrong password to its own authorization request."""
+    limits = httpx2.Limits(max_connections=len(own), max_keepalive_connections=0)
+    async with httpx2.AsyncClient(base_url=server.base, timeout=60, limits=limits) as client:
+
+        async def post(address: str, fields: dict[str, str], cookie: str) -> int:
+            headers = {**from_address(address), "Cookie": f"{BROWSER_COOKIE}={cookie}"}
+            response = await client.post("/oauth/login", data={**fields, "password": "wrong"}, headers=headers)
+            return response.status_code
+
+        return Counter(await asyncio.gather(*(post(*one) for one in own)))
+
+
 def test_login_flood_from_elsewhere_does_not_lock_out_the_administrator(
     start_proxied_server: Callable[..., AbstractContextManager[LiveServer]],
 ) -> None:
@@ -157,13 +174,15 @@ def test_login_flood_from_elsewhere_does_not_lock_out_the_administrator(
     the right password then got 429 for everyone for a minute. Now only addresses that failed wait; the
     administrator's address, which has not failed, logs in at once (within 5 s)."""
     with start_proxied_server(http_extra="global_login_failures_per_minute = 10") as server:
-        fields, cookie = oauth_login_form(server)
+        client_id = server.register(client_name="attacker")["client_id"]
         addresses = [f"203.0.113.{n + 1}" for n in range(60)]
-        for address in addresses[:12]:  # one after another: each is checked, and fails
-            assert burst(server, "/oauth/login", fields, cookie, [address]) == Counter({401: 1})
-        burst(server, "/oauth/login", fields, cookie, addresses[12:])  # the other 48 at once
+        own = [(a, *login_form(server, client_id, from_address(a))) for a in addresses]
+        for one in own[:12]:  # one after another: each is checked, and fails
+            assert asyncio.run(_burst_own(server, [one])) == Counter({401: 1})
+        asyncio.run(_burst_own(server, own[12:]))  # the other 48 at once
         assert "limiting" in server.log()
         # A failed address is held back by the global limit, even with the right password.
+        fields, cookie = own[0][1], own[0][2]
         again = asyncio.run(_burst(server, "/oauth/login", fields, cookie, addresses[:1], PASSWORD))
         assert again == Counter({429: 1}), again
         client_id = server.register(client_name="administrator's app")["client_id"]

@@ -636,11 +636,12 @@ def test_t36_wrong_password(start_proxied_server: Callable[..., AbstractContextM
             assert int(limited.headers["retry-after"]) >= 1
             # From five addresses: the global limit stops every address that has failed, even with the
             # right password; an address with no failure (the administrator's) is never locked out (issue 20).
+            # Each posts a request of its own: one request's form takes five passwords in all.
             for n in range(5):
                 forwarded = {"X-Forwarded-For": f"192.0.2.{n + 10}"}
-                form = forms(login.text)[0]
+                form = forms(browser.open(browser.authorize_url(client_id, challenge)).text)[0]
                 browser.client.post("/oauth/login", data={**form["fields"], "password": "nope"}, headers=forwarded)
-            fresh = forms(login.text)[0]
+            fresh = forms(browser.open(browser.authorize_url(client_id, challenge)).text)[0]
             blocked = browser.client.post(
                 "/oauth/login",
                 data={**fresh["fields"], "password": PASSWORD},

@@ -11,6 +11,7 @@ test_login_attacks.py and test_negative.py).
 
 from __future__ import annotations
 
+import anyio
 import pytest
 
 from bastion.transports.http import ratelimit
@@ -204,3 +205,42 @@ def test_a_window_sprayed_with_keys_stays_bounded_and_fast(clock: Clock, monkeyp
         assert window.allow(f"10.0.{n // 256}.{n % 256}")
     assert len(window._events) <= 50
     assert "10.0.0.0" not in window._events
+
+
+def test_every_loopback_form_is_one_address() -> None:
+    """Attack: a local user binds 127.0.0.2, 127.1.2.3, ... (all of 127.0.0.0/8 is on `lo`) or ::1, each a
+    fresh address to the limits. Invariant: every loopback form is one key; others keep their own."""
+    for ip in ("127.0.0.1", "127.0.0.2", "127.255.254.1", "::1", "::ffff:127.0.0.9", "::127.3.2.1"):
+        assert address_key(ip) == ratelimit.LOOPBACK_KEY, ip
+    assert address_key("::192.0.2.5") == "192.0.2.5"
+    assert address_key("::") == "::/64"
+    assert address_key("128.0.0.1") == "128.0.0.1"
+
+
+@pytest.mark.anyio
+async def test_a_busy_slot_is_handed_to_the_waiter_with_fewest_failures_not_the_fastest_asker() -> None:
+    """Attack: a flood retries the shared check slot every few milliseconds, so the first-come slot always
+    went to it and a fresh browser got 503 on every try. Invariant: one that finds the slot busy waits; a
+    freed slot goes to the waiter with the fewest failures (then the longest waiting), never to a newcomer."""
+    limiter = LoginLimiter(free=100, max_s=900.0, global_per_minute=1000)
+    fail(limiter, "198.51.100.1")
+    running = limiter.begin("198.51.100.2")
+    order: list[str] = []
+
+    async def login(ip: str) -> None:
+        attempt = await limiter.acquire(ip)
+        order.append(ip)
+        limiter.finish(attempt, ok=False)
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(login, "198.51.100.1")  # failed before: goes last
+        await anyio.wait_all_tasks_blocked()
+        tasks.start_soon(login, "192.0.2.7")
+        await anyio.wait_all_tasks_blocked()
+        with pytest.raises(LoginRefused) as busy:
+            limiter.begin("203.0.113.9")  # a newcomer never jumps the line
+        assert busy.value.status == 503
+        limiter.finish(running, ok=False)
+    assert order == ["192.0.2.7", "198.51.100.1"]
+    assert limiter._running == limiter._running_untrusted == 0
+    assert not limiter._line

@@ -41,7 +41,8 @@ def add_admin_parser(sub: Any) -> None:
         type=_duration,
         default=PRUNE_MIN_AGE_S,
         metavar="DURATION",
-        help="prune: only clients registered longer ago than this (default 10m: keeps one being authorized)",
+        help="prune: only clients registered longer ago than this (default 10m); one whose authorization "
+        "started in the last 10 minutes is always kept",
     )
     tokens = admin_sub.add_parser("tokens", help="list active grants (tokens)")
     add_config_option(tokens)
@@ -131,7 +132,8 @@ def list_clients(store: AuthStore, *, as_json: bool) -> int:
 
 
 def prune_clients(store: AuthStore, older_than_s: float, *, as_json: bool) -> int:
-    """Forget clients that never got a grant, registered more than `older_than_s` ago."""
+    """Forget clients that never got a grant, registered more than `older_than_s` ago (not one whose
+    authorization is under way: `AuthStore.expire_unused_clients`)."""
     removed = store.expire_unused_clients(older_than_s)
     if as_json:
         print(json.dumps({"removed": removed}))

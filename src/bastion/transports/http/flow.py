@@ -12,12 +12,14 @@ SECURITY BOUNDARY.
   successful login therefore issues a fresh value and moves the transaction to it (session fixation,
   OWASP ASVS V3.2.1), so a planted value opens nothing once the administrator has logged in.
 - Password checks go through `LoginLimiter` (reserved before the argon2 work, one per address, two at a
-  time server-wide); /authorize is rate limited and its pending requests capped per address, and a flood
-  never drops a request in progress: it is refused instead. A browser that has logged in before is
-  counted by its device cookie instead of its address (`devices.py`): an attacker on the same host
-  shares the administrator's address, never that cookie.
+  time server-wide); one request's login form takes `MAX_LOGIN_TRIES` passwords, then it is closed (its
+  form posted from rotating addresses was an unlimited supply of guesses). /authorize is rate limited and
+  its pending requests capped per address, and a flood never drops a request in progress: it is refused
+  instead. A browser that has logged in before is counted by its device cookie instead of its address
+  (`devices.py`): an attacker on the same host shares the administrator's address, never that cookie.
 - A client's registered `scope` bounds what /authorize offers; without a known scope in the request
-  only the least-privileged toolset is ticked on the consent page (never `gateway:*`).
+  only the least-privileged toolset is ticked on the consent page; `gateway:*` is never ticked, whatever
+  the client asks: only the administrator ticks it.
 - Each authorization needs the administrator's password, in this transaction: there is no "already
   logged in" shortcut a new client could ride on (a consent cookie never carries over to another client).
 - POSTs answer 303; pages cannot be framed; failures say the same thing whatever went wrong.
@@ -41,12 +43,12 @@ from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.responses import Response
 
-from bastion.safety.errors import ResourceLimit
+from bastion.safety.errors import NotFound, ResourceLimit
 from bastion.tools.server import GATEWAY_DEPLOY, GATEWAY_READ, ORGANIZER, SCOPES, WORKBENCH
 from bastion.transports.http import pages
 from bastion.transports.http.devices import DEVICE_COOKIE, DEVICE_LIFETIME_S, TrustedDevices
 from bastion.transports.http.password import AdminCredential
-from bastion.transports.http.provider import BastionAuthProvider, Transaction
+from bastion.transports.http.provider import MAX_LOGIN_TRIES, BastionAuthProvider, Transaction
 from bastion.transports.http.ratelimit import LoginLimiter, LoginRefused, WindowLimiter, address_key, device_key
 from bastion.transports.http.redirects import LOOPBACK_HOSTS, matches_registered
 
@@ -56,6 +58,8 @@ MAX_STATE_CHARS: Final = 2048
 MAX_FORM_BYTES: Final = 16 * 1024
 LOGIN_FAILED: Final = "Login failed."
 EXPIRED: Final = "This request expired or was already decided: start again from the app."
+TOO_MANY_TRIES: Final = "Too many wrong passwords for this request: start again from the app."
+CLIENT_GONE: Final = "This app's registration was removed while you were deciding: start again from the app."
 OTHER_BROWSER: Final = "This request was started in another browser: start again from the app in this one."
 CSRF_FAILED: Final = "This form is not valid for this browser (CSRF check failed)."
 NOT_OUR_FORM: Final = "This form was sent by another site's page, not by bastion's: submit it from bastion's own page."
@@ -121,14 +125,15 @@ def same_token(given: str, expected: str) -> bool:
 
 
 async def check_password(limiter: LoginLimiter, credential: AdminCredential, request: Request, password: str) -> bool:
-    """The argon2 check behind the limiter: reserved first, released whatever happens. A valid device
-    cookie counts the attempt against that browser rather than its address (`devices.py`).
+    """The argon2 check behind the limiter: reserved first (waiting for a turn if the shared slot is busy),
+    released whatever happens. A valid device cookie counts the attempt against that browser rather than its
+    address (`devices.py`).
 
     Raises:
         LoginRefused: the attempt is refused before any argon2 work (429 or 503).
     """
     device = TrustedDevices(credential).device(request.cookies.get(DEVICE_COOKIE, ""))
-    attempt = limiter.begin(client_ip(request), device=device)
+    attempt = await limiter.acquire(client_ip(request), device=device)
     ok = False
     try:
         ok = await anyio.to_thread.run_sync(credential.verify, password)
@@ -142,17 +147,24 @@ def offered_scopes(asked: str, registered: str | None) -> tuple[tuple[str, ...],
     client's registered ones.
 
     The registered `scope` (RFC 7591 §2) bounds the request. Scopes the request names are offered and
-    ticked; with none it names (claude.ai asks for `claudeai`), every scope within the bound is offered
-    and only the least-privileged non-gateway one is ticked: the administrator ticks more on purpose.
+    ticked, but never `gateway:*`: the MCP SDK's client asks for every scope the 401 names (all four), so
+    a ticked gateway scope was one click from production. With none it names (claude.ai asks for
+    `claudeai`), every scope within the bound is offered and only the least-privileged non-gateway one is
+    ticked: the administrator ticks more on purpose.
     """
     bound = set(SCOPES) & set((registered or "").split()) or set(SCOPES)
     named = set(SCOPES) & set(asked.split())
     if named:
         chosen = tuple(s for s in SCOPES if s in named and s in bound)
-        return (chosen, chosen) if chosen else None
+        return (chosen, tuple(s for s in chosen if not is_gateway(s))) if chosen else None
     offered = tuple(s for s in SCOPES if s in bound)
-    least = next((s for s in BY_PRIVILEGE if s in bound and not s.startswith("gateway:")), None)
+    least = next((s for s in BY_PRIVILEGE if s in bound and not is_gateway(s)), None)
     return offered, (least,) if least else ()
+
+
+def is_gateway(scope: str) -> bool:
+    """A scope that acts on production hosts: offered when asked, never ticked for the administrator."""
+    return scope.startswith("gateway:")
 
 
 def declared_length(request: Request) -> int:
@@ -333,10 +345,19 @@ class AuthorizationFlow:
             return pages.error_page(EXPIRED, status=403)
         if not self._bound(request, txn, form):
             return pages.error_page(CSRF_FAILED, status=403)
+        if txn.login_tries >= MAX_LOGIN_TRIES:
+            self.provider.finish_transaction(txn.txn_id)
+            return pages.error_page(TOO_MANY_TRIES, status=403)
+        # Reserved before the check: one request's form posted from many addresses at once gets its tries, no more.
+        txn.login_tries += 1
         try:
             ok = await check_password(self.limiter, self.credential, request, form.get("password", ""))
         except LoginRefused as exc:
+            txn.login_tries -= 1  # refused before any check
             return pages.too_many(exc.retry_after_s, exc.reason, status=exc.status)
+        if not ok and txn.login_tries >= MAX_LOGIN_TRIES:
+            self.provider.finish_transaction(txn.txn_id)
+            return pages.error_page(TOO_MANY_TRIES, status=401)
         if not ok:
             return self._login_page(txn, message=LOGIN_FAILED, status=401)
         if self.provider.transaction(txn.txn_id) is not txn:
@@ -395,7 +416,10 @@ class AuthorizationFlow:
         granted = tuple(s for s in txn.scopes if s in chosen)
         if single.get("decision") != "approve" or not granted:
             return pages.see_other(_redirect(txn.redirect_uri, error="access_denied", state=txn.state, iss=issuer))
-        code = self.provider.issue_code(txn, granted)
+        try:
+            code = self.provider.issue_code(txn, granted)
+        except NotFound:
+            return pages.error_page(CLIENT_GONE, status=403)
         self.approved_redirects.add(txn.redirect_uri)
         return pages.see_other(_redirect(txn.redirect_uri, code=code, state=txn.state, iss=issuer))
 

@@ -27,7 +27,7 @@ from bastion.tools.server import SCOPES
 from bastion.transports.http.cimd import CimdFetcher, is_url_client_id
 from bastion.transports.http.ratelimit import is_device_key
 from bastion.transports.http.redirects import registration_problem
-from bastion.transports.http.store import AuthStore, IssuedTokens
+from bastion.transports.http.store import AUTHORIZATION_KEPT_S, AuthStore, IssuedTokens
 
 logger = logging.getLogger("bastion.http.auth")
 
@@ -35,7 +35,9 @@ MAX_REDIRECT_URIS: Final = 5
 MAX_NAME_CHARS: Final = 200
 MAX_FIELD_CHARS: Final = 2000
 MAX_METADATA_BYTES: Final = 16 * 1024
-TRANSACTION_TTL_S: Final = 600.0
+TRANSACTION_TTL_S: Final = AUTHORIZATION_KEPT_S
+MAX_LOGIN_TRIES: Final = 5
+"""Passwords one authorization request's login form takes; then it is closed and the app must start again."""
 MAX_TRANSACTIONS: Final = 1000
 """Pending authorization requests in all; past it (or an address's own cap) a new one is refused: a flood
 never drops a request in progress (issue 20). A browser with a device cookie has its own cap and is not
@@ -73,6 +75,8 @@ class Transaction:
     """The rate-limit key (`ratelimit.address_key`) of the address that opened it: pending ones are capped per key."""
     csrf: str = field(default_factory=lambda: secrets.token_urlsafe(32))
     authenticated: bool = False
+    login_tries: int = 0
+    """Passwords checked (or being checked) for it: at `MAX_LOGIN_TRIES` it is closed."""
     credential_version: str = ""
     """`AdminCredential.version()` at login: a password change since then voids the login."""
     created: float = field(default_factory=time.monotonic)
@@ -211,6 +215,9 @@ class BastionAuthProvider:
             address=address,
         )
         self._transactions[txn.txn_id] = txn
+        if not is_url_client_id(client_id):
+            # Neither `clients prune` nor the table's eviction may remove it while this is pending.
+            self.store.mark_authorizing(client_id)
         return txn
 
     def rebind_browser(self, old_digest: str, new_digest: str) -> None:
@@ -235,6 +242,11 @@ class BastionAuthProvider:
             del self._transactions[txn_id]
 
     def issue_code(self, txn: Transaction, scopes: tuple[str, ...]) -> str:
+        """A code for the administrator's approval.
+
+        Raises:
+            NotFound: the client's registration is gone (deleted by hand, or expired): no grant is made.
+        """
         return self.store.create_grant_with_code(
             client_id=txn.client_id,
             scopes=scopes,
@@ -243,6 +255,7 @@ class BastionAuthProvider:
             code_challenge=txn.code_challenge,
             code_lifetime_s=self.config.code_lifetime_s,
             grant_lifetime_s=self.config.grant_lifetime_s,
+            registered=not is_url_client_id(txn.client_id),
         )
 
     # -- tokens ------------------------------------------------------------------------------------------

@@ -3,13 +3,19 @@
 Login (RFC 6749 §10.10, OAuth 2.1 §7.5 credentials guessing; issue 20):
 - An attempt is reserved (counted) before its password is checked, and one address (an IPv6 address by
   its /64) has at most one check in flight: a burst from one address is refused, not verified in parallel.
-- At most `max_checks` argon2 checks run at once in the whole server (each holds 64 MiB); more are refused
-  at once with 503, never queued, so memory stays bounded whatever the burst.
+- At most `max_checks` argon2 checks run at once in the whole server (each holds 64 MiB); the argon2 work
+  is never queued, so memory stays bounded whatever the burst.
+- Addresses without a device cookie share one check slot. One that finds it busy waits for its turn
+  (at most `MAX_WAITING` wait, each at most `TURN_WAIT_S`; past that, 503 at once). Turns go to the
+  address with the fewest failures on record, then the longest waiting: first-come let a flood that retried
+  every few milliseconds take every free turn, and the administrator's login got 503 for good.
 - After `free` failures from one address, each further failure doubles that address's waiting time, up
   to `max_s`. A success clears the address's count.
 - When more than `global_per_minute` attempts arrive in a minute from all addresses together, addresses
   that have failed wait until the minute has passed; an address with no failure on record may still try,
   so a flood from elsewhere never locks the administrator out of a login from their own address.
+- All of loopback (127.0.0.0/8, ::1, and their IPv4-mapped and -compatible forms) is one address: any
+  local user can bind any of 127.0.0.0/8, so each was a fresh address with its own allowance.
 - A browser that has logged in before (a valid device cookie, `devices.py`) is counted by that cookie,
   not its address, and one of the `max_checks` slots is kept for such browsers: an attacker on the same
   host (the same address) or with many addresses can neither back it off nor keep it waiting.
@@ -19,11 +25,14 @@ These are best-effort limits on guessing, not a boundary: the password's strengt
 from __future__ import annotations
 
 import ipaddress
+import itertools
 import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Final
+
+import anyio
 
 from bastion.metrics import Metrics
 from bastion.safety.errors import ResourceLimit
@@ -37,19 +46,36 @@ MAX_CONCURRENT_CHECKS: Final = 2  # argon2id checks at once, server-wide (64 MiB
 _BUSY_RETRY_S: Final = 1.0
 _IPV6_PREFIX: Final = 64  # one subscriber's allocation (RFC 6177): one address for the limits
 DEVICE_PREFIX: Final = "device:"  # never the start of an address key
+LOOPBACK_KEY: Final = "loopback"  # all of loopback: any local user can bind any 127.0.0.0/8 address
+MAX_WAITING: Final = 16  # addresses waiting for the shared check slot (about 0.3 s of argon2 each)
+TURN_WAIT_S: Final = 10.0  # how long one waits for its turn before 503
 
 
 def address_key(ip: str) -> str:
-    """The unit the limits count: an IPv4 address, or an IPv6 address's /64 (IPv4-mapped as IPv4)."""
+    """The unit the limits count: an IPv4 address, or an IPv6 address's /64 (IPv4-mapped and -compatible
+    as IPv4); all of loopback is one key (`LOOPBACK_KEY`)."""
     try:
         address = ipaddress.ip_address(ip)
     except ValueError:
         return ip
     if isinstance(address, ipaddress.IPv6Address):
-        if address.ipv4_mapped is not None:
-            return str(address.ipv4_mapped)
-        return str(ipaddress.IPv6Network((address, _IPV6_PREFIX), strict=False))
-    return str(address)
+        embedded = _embedded_ipv4(address)
+        if embedded is not None:
+            address = embedded
+        elif address.is_loopback:
+            return LOOPBACK_KEY
+        else:
+            return str(ipaddress.IPv6Network((address, _IPV6_PREFIX), strict=False))
+    return LOOPBACK_KEY if address.is_loopback else str(address)
+
+
+def _embedded_ipv4(address: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
+    """The IPv4 address of an IPv4-mapped (::ffff:a.b.c.d) or -compatible (::a.b.c.d, RFC 4291 §2.5.5.1)
+    address; None for others, and for :: and ::1, which are not IPv4-compatible."""
+    if address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    value = int(address)
+    return ipaddress.IPv4Address(value) if 1 < value < 1 << 32 else None
 
 
 def device_key(device: str) -> str:
@@ -83,6 +109,24 @@ class _Failures:
     count: int = 0
     locked_until: float = 0.0
     in_flight: bool = False
+    """A check is running or waiting for its turn: another from this key is refused."""
+
+
+@dataclass(eq=False)
+class _Turn:
+    """An address waiting for the shared check slot; `attempt` is set when the slot is handed to it."""
+
+    key: str
+    failures: int
+    order: int
+    given: anyio.Event = field(default_factory=anyio.Event)
+    attempt: LoginAttempt | None = None
+
+
+def _busy() -> LoginRefused:
+    return LoginRefused(
+        "The server is busy checking other logins: try again in a second.", retry_after_s=_BUSY_RETRY_S, status=503
+    )
 
 
 @dataclass
@@ -97,9 +141,11 @@ class LoginLimiter:
     _recent: deque[float] = field(default_factory=deque)
     _running: int = 0
     _running_untrusted: int = 0
+    _line: list[_Turn] = field(default_factory=list)
+    _order: itertools.count[int] = field(default_factory=itertools.count)
 
     def begin(self, ip: str, *, device: str | None = None) -> LoginAttempt:
-        """Reserve a password check for `ip`, counted as a failure until `finish` says otherwise.
+        """Reserve a password check for `ip` now, counted as a failure until `finish` says otherwise.
 
         `device`: the id of a valid device cookie (`devices.TrustedDevices`): the attempt is then counted
         against that browser, not its address, and may use the check slot kept for such browsers.
@@ -108,34 +154,92 @@ class LoginLimiter:
             LoginRefused: this address has a check in flight or must wait (429), or the server is busy (503).
         """
         try:
-            return self._begin(ip, device)
+            key = device_key(device) if device else address_key(ip)
+            self._refuse_if_held(key, global_limit=device is None)
+            if not self._slot_free(trusted=device is not None):
+                raise _busy()
+            return self._start(key, trusted=device is not None)
         except LoginRefused:
-            if self.metrics is not None:
-                self.metrics.login_failure("refused")
+            self._count_refusal()
             raise
 
-    def _begin(self, ip: str, device: str | None) -> LoginAttempt:
-        key = device_key(device) if device else address_key(ip)
-        now = time.monotonic()
+    async def acquire(self, ip: str, *, device: str | None = None) -> LoginAttempt:
+        """As `begin`, but an address without a device cookie that finds the shared slot busy waits for its
+        turn (fewest failures first, then the longest waiting) instead of being refused at once.
+
+        Raises:
+            LoginRefused: as `begin`; 503 if `MAX_WAITING` already wait or the turn does not come in time.
+        """
+        if device is not None or self._slot_free(trusted=False):
+            return self.begin(ip, device=device)
+        key = address_key(ip)
+        try:
+            self._refuse_if_held(key, global_limit=True)
+            if len(self._line) >= MAX_WAITING:
+                raise _busy()
+        except LoginRefused:
+            self._count_refusal()
+            raise
+        return await self._wait_turn(key)
+
+    async def _wait_turn(self, key: str) -> LoginAttempt:
+        entry = self._by_key.pop(key, None) or _Failures()
+        entry.in_flight = True
+        self._by_key[key] = entry
+        turn = _Turn(key, entry.count, next(self._order))
+        self._line.append(turn)
+        try:
+            with anyio.move_on_after(TURN_WAIT_S):
+                await turn.given.wait()
+        except BaseException:
+            self._leave(turn)
+            raise
+        if turn.attempt is None:
+            self._leave(turn)
+            self._count_refusal()
+            raise _busy()
+        return turn.attempt
+
+    def _leave(self, turn: _Turn) -> None:
+        """A waiter gave up (timed out or went away): out of the line, or its slot given back unused."""
+        if turn.attempt is not None:
+            self._release(turn.attempt)
+            entry = self._by_key.get(turn.key)
+            if entry is not None:
+                entry.count = max(0, entry.count - 1)
+            return
+        self._line.remove(turn)
+        entry = self._by_key.get(turn.key)
+        if entry is not None:
+            entry.in_flight = False
+
+    def _refuse_if_held(self, key: str, *, global_limit: bool) -> None:
+        """429 if `key` has a check in flight or must wait; `global_limit=False` for a device cookie: only a
+        login makes one, so a guessing flood is not its."""
         entry = self._by_key.get(key)
         if entry is not None and entry.in_flight:
             raise LoginRefused(
                 "A login from this address is already being checked: wait for its answer.",
                 retry_after_s=_BUSY_RETRY_S,
             )
-        wait = self._wait(entry, now, global_limit=device is None)
+        wait = self._wait(entry, time.monotonic(), global_limit=global_limit)
         if wait > 0:
             raise LoginRefused(f"Too many failed attempts. Try again in {_seconds(wait)} s.", retry_after_s=wait)
-        # One slot stays free for browsers that logged in before: a flood never takes the last one.
-        untrusted_cap = max(1, self.max_checks - 1)
-        if self._running >= self.max_checks or (device is None and self._running_untrusted >= untrusted_cap):
-            raise LoginRefused(
-                "The server is busy checking other logins: try again in a second.",
-                retry_after_s=_BUSY_RETRY_S,
-                status=503,
-            )
+
+    def _slot_free(self, *, trusted: bool) -> bool:
+        """One slot stays free for browsers that logged in before: a flood never takes the last one; and
+        an address without a device cookie never passes those waiting in line."""
+        if trusted:
+            return self._running < self.max_checks
+        return not self._line and self._untrusted_free()
+
+    def _untrusted_free(self) -> bool:
+        return self._running < self.max_checks and self._running_untrusted < max(1, self.max_checks - 1)
+
+    def _start(self, key: str, *, trusted: bool) -> LoginAttempt:
+        now = time.monotonic()
         self._running += 1
-        if device is None:
+        if not trusted:
             self._running_untrusted += 1
         self._recent.append(now)
         entry = self._by_key.pop(key, None) or _Failures()
@@ -145,34 +249,45 @@ class LoginLimiter:
         self._forget_oldest()
         if len(self._recent) == self.global_per_minute:
             logger.warning("admin login: %d attempts in a minute from all addresses; limiting", len(self._recent))
-        return LoginAttempt(key, device=device is not None)
+        return LoginAttempt(key, device=trusted)
+
+    def _count_refusal(self) -> None:
+        if self.metrics is not None:
+            self.metrics.login_failure("refused")
 
     def finish(self, attempt: LoginAttempt, ok: bool) -> None:
         """The check is over: a success clears the address, a failure may start its back-off."""
-        self._running -= 1
-        if not attempt.device:
-            self._running_untrusted -= 1
         entry = self._by_key.get(attempt.key)
         if ok:
             self._by_key.pop(attempt.key, None)
-            return
-        if self.metrics is not None:
+        elif self.metrics is not None:
             self.metrics.login_failure("wrong_password")
-        if entry is None:
-            return
-        entry.in_flight = False
-        if entry.count >= self.free:
+        if not ok and entry is not None and entry.count >= self.free:
             # The exponent capped: 2.0 ** 1024 raises OverflowError, which left the address unlocked for good.
             doubling = min(entry.count - self.free, _MAX_DOUBLINGS)
             entry.locked_until = time.monotonic() + min(self.max_s, 2.0**doubling)
             logger.warning("admin login: %d failed attempts from %s; backing off", entry.count, attempt.key)
+        self._release(attempt)
+
+    def _release(self, attempt: LoginAttempt) -> None:
+        """Give the slot back and hand it to the next in line, so that no newcomer takes it first."""
+        self._running -= 1
+        if not attempt.device:
+            self._running_untrusted -= 1
+        entry = self._by_key.get(attempt.key)
+        if entry is not None:
+            entry.in_flight = False
+        while self._line and self._untrusted_free():
+            turn = min(self._line, key=lambda t: (t.failures, t.order))
+            self._line.remove(turn)
+            turn.attempt = self._start(turn.key, trusted=False)
+            turn.given.set()
 
     def retry_after(self, ip: str) -> float:
         """Seconds this address must wait before it may try a password; 0 if it may try now."""
         return max(0.0, self._wait(self._by_key.get(address_key(ip)), time.monotonic()))
 
     def _wait(self, entry: _Failures | None, now: float, *, global_limit: bool = True) -> float:
-        """`global_limit=False` for a device cookie: only a login makes one, so a guessing flood is not its."""
         while self._recent and self._recent[0] < now - _WINDOW_S:
             self._recent.popleft()
         if entry is None:
@@ -183,7 +298,7 @@ class LoginLimiter:
         return max(waits)
 
     def _forget_oldest(self) -> None:
-        """Bound memory; an address with a check in flight is kept (at most `max_checks` of them)."""
+        """Bound memory; an address with a check in flight or waiting is kept (a few dozen at most)."""
         while len(self._by_key) > _MAX_TRACKED:
             oldest = next(k for k, v in self._by_key.items() if not v.in_flight)
             del self._by_key[oldest]

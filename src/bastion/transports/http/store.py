@@ -22,9 +22,12 @@ from pathlib import Path
 from typing import Final
 
 from bastion.safety.approvals import database_problem
-from bastion.safety.errors import ConfigError
+from bastion.safety.errors import ConfigError, NotFound
 
 TOKEN_BYTES: Final = 32  # 256-bit opaque tokens
+AUTHORIZATION_KEPT_S: Final = 600.0
+"""A client whose authorization started this recently is neither pruned nor evicted (the lifetime of a
+pending authorization request, `provider.TRANSACTION_TTL_S`)."""
 KEPT_USED_REFRESH_TOKENS: Final = 64
 """Used refresh tokens kept per grant to catch their reuse; an older one presented again is only invalid
 (an hourly refresh rotates 64 times in under three days)."""
@@ -35,7 +38,8 @@ CREATE TABLE IF NOT EXISTS oauth_clients (
     secret_digest TEXT,
     ip TEXT NOT NULL,
     created_at REAL NOT NULL,
-    last_used_at REAL
+    last_used_at REAL,
+    authorizing_at REAL
 );
 CREATE TABLE IF NOT EXISTS oauth_grants (
     grant_id TEXT PRIMARY KEY,
@@ -146,12 +150,19 @@ class AuthStore:
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.execute("PRAGMA busy_timeout=10000")
             self._db.executescript(_SCHEMA)
+            self._add_authorizing_column()
         except sqlite3.Error as exc:
             self._db.close()
             raise ConfigError(database_problem(path, exc)) from None
 
     def close(self) -> None:
         self._db.close()
+
+    def _add_authorizing_column(self) -> None:
+        """A database made before `authorizing_at` existed gets the column (SQLite has no ADD IF NOT EXISTS)."""
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(oauth_clients)")}
+        if "authorizing_at" not in columns:
+            self._db.execute("ALTER TABLE oauth_clients ADD COLUMN authorizing_at REAL")
 
     def _begin(self) -> None:
         self._db.execute("BEGIN IMMEDIATE")
@@ -172,13 +183,17 @@ class AuthStore:
         params: tuple[object, ...] = (client_id,)
         if unused_ttl_s is not None:
             # last_used_at is set when the client's first grant is made: NULL means it never got one.
-            sql += " AND (last_used_at IS NOT NULL OR created_at >= ?)"
-            params = (client_id, time.time() - unused_ttl_s)
+            sql += " AND (last_used_at IS NOT NULL OR created_at >= ? OR authorizing_at >= ?)"
+            params = (client_id, time.time() - unused_ttl_s, time.time() - AUTHORIZATION_KEPT_S)
         row = self._db.execute(sql, params).fetchone()
         if row is None:
             return None
         info: dict[str, object] = json.loads(row[0])
         return info, row[1]
+
+    def mark_authorizing(self, client_id: str) -> None:
+        """An authorization for the client started now: it is kept for `AUTHORIZATION_KEPT_S`."""
+        self._db.execute("UPDATE oauth_clients SET authorizing_at = ? WHERE client_id = ?", (time.time(), client_id))
 
     def touch_client(self, client_id: str) -> None:
         self._db.execute("UPDATE oauth_clients SET last_used_at = ? WHERE client_id = ?", (time.time(), client_id))
@@ -187,11 +202,14 @@ class AuthStore:
         return int(self._db.execute("SELECT count(*) FROM oauth_clients").fetchone()[0])
 
     def expire_unused_clients(self, older_than_s: float) -> int:
-        """Forget clients registered more than `older_than_s` ago that never got a grant."""
+        """Forget clients registered more than `older_than_s` ago that never got a grant, but not one whose
+        authorization started in the last `AUTHORIZATION_KEPT_S` (its approval may be a click away)."""
+        now = time.time()
         cursor = self._db.execute(
             "DELETE FROM oauth_clients WHERE last_used_at IS NULL AND created_at < ? "
+            "AND (authorizing_at IS NULL OR authorizing_at < ?) "
             "AND client_id NOT IN (SELECT client_id FROM oauth_grants)",
-            (time.time() - older_than_s,),
+            (now - older_than_s, now - AUTHORIZATION_KEPT_S),
         )
         return cursor.rowcount
 
@@ -199,13 +217,14 @@ class AuthStore:
         """Forget up to `count` never-used clients registered more than `older_than_s` ago, oldest first.
 
         Called when the table is full, so that a registration flood cannot keep a real client out: what a
-        flood leaves behind is unused, and only the youngest (whose authorization may be under way) stay.
+        flood leaves behind is unused; the youngest and those whose authorization started recently stay.
         """
+        now = time.time()
         cursor = self._db.execute(
             "DELETE FROM oauth_clients WHERE client_id IN (SELECT client_id FROM oauth_clients "
-            "WHERE last_used_at IS NULL AND created_at < ? "
+            "WHERE last_used_at IS NULL AND created_at < ? AND (authorizing_at IS NULL OR authorizing_at < ?) "
             "AND client_id NOT IN (SELECT client_id FROM oauth_grants) ORDER BY created_at LIMIT ?)",
-            (time.time() - older_than_s, max(count, 0)),
+            (now - older_than_s, now - AUTHORIZATION_KEPT_S, max(count, 0)),
         )
         return cursor.rowcount
 
@@ -216,6 +235,9 @@ class AuthStore:
             "AND client_id NOT IN (SELECT client_id FROM oauth_grants)"
         ).fetchone()
         return None if row[0] is None else float(row[0])
+
+    def _has_client(self, client_id: str) -> bool:
+        return self._db.execute("SELECT 1 FROM oauth_clients WHERE client_id = ?", (client_id,)).fetchone() is not None
 
     def client_scopes(self, client_id: str) -> tuple[str, ...] | None:
         """The scopes the client registered (already narrowed to known ones), or None if it named none.
@@ -260,20 +282,28 @@ class AuthStore:
         code_challenge: str,
         code_lifetime_s: float,
         grant_lifetime_s: float,
+        registered: bool = True,
     ) -> str:
         """Record the administrator's approval and return a fresh authorization code.
 
         The scopes are narrowed to those the client registered, if it registered any: a backstop behind
         the consent page, which should never offer more.
+
+        Raises:
+            NotFound: `registered` (a client of this table, not a metadata-document URL) and the client is
+                no longer in the table; nothing is recorded (a grant for a deleted client skipped the
+                scope backstop).
         """
         now = time.time()
         code = new_secret()
         grant_id = secrets.token_hex(16)
         self._begin()
         try:
-            registered = self.client_scopes(client_id)
-            if registered is not None:
-                scopes = tuple(scope for scope in scopes if scope in registered)
+            if registered and not self._has_client(client_id):
+                raise NotFound(f"client {client_id} is no longer registered: start the authorization again")
+            bound = self.client_scopes(client_id)
+            if bound is not None:
+                scopes = tuple(scope for scope in scopes if scope in bound)
             self._db.execute(
                 "INSERT INTO oauth_grants (grant_id, client_id, scopes, resource, created_at, expires_at) "
                 "VALUES (?, ?, ?, ?, ?, ?)",
