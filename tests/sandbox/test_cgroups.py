@@ -255,6 +255,40 @@ def test_freeze_stops_cpu_use_and_thaw_resumes_it(make_group: MakeGroup, spawn: 
     wait_for(lambda: group.usage().cpu_usec - thawed_at > 50_000)
 
 
+def _state(pid: int) -> str:
+    """The kernel's one-letter state of a process (/proc/PID/stat, after the parenthesized name)."""
+    return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+
+
+def test_freeze_waits_for_the_groups_own_processes_beside_an_empty_command_group(
+    make_group: MakeGroup, spawn: Spawn
+) -> None:
+    """Three groups, each with processes of its own (as a sandbox's bubblewrap and agent) and an empty command
+    group, held back by a 1% CPU quota, frozen once. Invariant: freeze() returns once every process is stopped
+    (none left runnable, "R", on its way to the freezer) and the group reads frozen. Before, the kernel reported
+    the group frozen as soon as the empty command group was (kernel/cgroup/freezer.c: cgroup_propagate_frozen
+    does not count the group's own processes): freeze() returned at once, and the report fell to "not frozen"
+    when the first of the two stopped. Does not prove: a syscall already running ends first (the kernel
+    finishes it, then stops the process)."""
+    for _ in range(3):
+        _freeze_busy_and_idle_once(make_group(Limits(memory_bytes=None, pids=None, cpu_cores=0.01)), spawn)
+
+
+def _freeze_busy_and_idle_once(group: SandboxCgroup, spawn: Spawn) -> None:
+    group.command_group("c1")
+    busy = spawn(group, python("while True:\n    pass\n"))
+    idle = spawn(group, python("sys.stdin.readline()\n"))
+    wait_for(lambda: group.usage().cpu_usec > 5_000)  # the quota is spent: the next wake waits for a period
+    group.freeze()
+    states = [_state(busy.pid), _state(idle.pid)]
+    assert "R" not in states, states
+    assert group.usage().frozen
+    group.thaw()
+    assert not group.usage().frozen
+    assert busy.poll() is None
+    assert idle.poll() is None
+
+
 def sleeps_in(group: SandboxCgroup) -> list[int]:
     found = []
     for pid in group.pids():

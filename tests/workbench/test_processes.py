@@ -390,8 +390,13 @@ async def test_a_server_started_with_ampersand_is_listed_reachable_and_killable(
 async def test_background_and_left_running_processes_are_told_apart(client: Client) -> None:
     box = await create(client)
     await start(client, box, "sleep 4321.5")
-    # The command ends once the left process has exec'd sleep (until then its argv is the shell's, or none).
-    left = "nohup sleep 4321.75 >/dev/null 2>&1 & while ! grep -q 4321 /proc/$!/cmdline; do :; done"
+    # The command ends once the left process has exec'd sleep. Until then its argv is the shell's (which holds
+    # this text), then nohup's, then none within each execve: its name is sleep's from the exec's start, and
+    # its command line is there once the exec has set it up.
+    left = (
+        "nohup sleep 4321.75 >/dev/null 2>&1 & "
+        'until [ "$(cat /proc/$!/comm)" = sleep ] && grep -q . /proc/$!/cmdline; do :; done'
+    )
     ran = await call(client, "run_command", command=left, sandbox_id=box)
     assert ran["ok"], ran  # it ended once the left process's argv was sleep's
     listed = (await call(client, "list_processes", sandbox_id=box))["detail"]["processes"]
@@ -399,6 +404,29 @@ async def test_background_and_left_running_processes_are_told_apart(client: Clie
         ("background", ["sh", "-c", "sleep 4321.5"]),
         ("command", ["sleep", "4321.75"]),
     ]
+
+
+async def test_a_left_process_whose_main_thread_ended_is_listed_by_its_name(client: Client) -> None:
+    """A command leaves a process whose main thread has ended (exit(2) of that thread) while another sleeps on: it
+    runs, and the kernel gives no command line for it (/proc/PID/cmdline is empty, as within an execve or an
+    exit). Invariant: list_processes shows it by its name in brackets, as ps does, never with an empty argv;
+    kill_process ends it. Before, it was listed with argv [] (and so, under load, was a process caught
+    within its exec)."""
+    box = await create(client)
+    script = (
+        "python3 -c 'import ctypes, os, threading, time\n"
+        "threading.Thread(target=time.sleep, args=(4324.5,)).start()\n"
+        # SYS_exit ends the calling thread only; pthread_exit's unwinding through Python frames could hang.
+        'ctypes.CDLL(None).syscall({"x86_64": 60, "aarch64": 93}[os.uname().machine], 0)\' >/dev/null 2>&1 & '
+        "p=$!; until grep -q '^State:.Z' /proc/$p/status; do :; done"  # its main thread has ended
+    )
+    ran = await call(client, "run_command", command=script, sandbox_id=box)
+    assert ran["ok"], ran
+    [entry] = await left_running(client, box)
+    assert entry["argv"] == ["[python3]"], entry
+    killed = await call(client, "kill_process", os_pid=entry["os_pid"], sandbox_id=box)
+    assert killed["ok"], killed
+    assert await left_running(client, box) == []
 
 
 async def test_kill_process_refuses_a_pid_of_the_host_or_of_another_sandbox(client: Client) -> None:

@@ -477,8 +477,7 @@ class SandboxCgroup:
     def _set_frozen(self, frozen: bool) -> None:
         h = self._roles.freeze
         if h.version == 2:
-            write_file(self._file(h, "cgroup.freeze"), "1" if frozen else "0")
-            done = wait_events(h.group(self.name), "frozen", 1 if frozen else 0, FREEZE_WAIT_S)
+            done = self._freeze_v2(h, frozen)
         else:
             want = "FROZEN" if frozen else "THAWED"
             write_file(self._file(h, "freezer.state"), want)
@@ -488,6 +487,28 @@ class SandboxCgroup:
             raise Timeout(
                 f"cgroup {self.name} did not {verb} within {FREEZE_WAIT_S} s: a task may be in uninterruptible sleep"
             )
+
+    def _freeze_v2(self, h: Hierarchy, frozen: bool) -> bool:
+        """Freeze (children first) or thaw (children first, then the group); whether the kernel said done in time.
+
+        The group holds processes of its own (bubblewrap, the agent) beside its command groups, and the kernel
+        reports "frozen 1" for such a group as soon as either its own processes or all its child groups are
+        frozen (kernel/cgroup/freezer.c: cgroup_propagate_frozen checks the children only, cgroup_update_frozen
+        its own processes only). Frozen at once together, the empty command groups made it report frozen while
+        the agent still ran. Each command group is frozen first, by its own cgroup.freeze: then only the
+        group's own processes move its state, and "frozen 1" means all of them are stopped too.
+        """
+        deadline = time.monotonic() + FREEZE_WAIT_S
+        value = "1" if frozen else "0"
+        for child in _tree(h.group(self.name))[1:]:
+            try:
+                write_file(os.path.join(child, "cgroup.freeze"), value)
+            except NotFound:
+                continue  # removed meanwhile: nothing of it to freeze
+            if frozen and not wait_events(child, "frozen", 1, max(0.0, deadline - time.monotonic())):
+                return False
+        write_file(self._file(h, "cgroup.freeze"), value)
+        return wait_events(h.group(self.name), "frozen", 1 if frozen else 0, max(0.0, deadline - time.monotonic()))
 
     def freeze(self) -> None:
         """Stop every process in the group (they keep their memory), waiting until the kernel reports it frozen.

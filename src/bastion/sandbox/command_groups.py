@@ -207,5 +207,16 @@ def _inner_pid(host_pid: int) -> int | None:
 
 
 def _argv(host_pid: int) -> tuple[bytes, ...]:
+    """The process's command line; if the kernel gives none, its name in brackets, as ps(1) shows it.
+
+    /proc/PID/cmdline is empty while an execve is between its new memory and its arguments, while the
+    process exits, and for a process whose main thread has ended while others run (listed as it still
+    runs). Kernel threads have none either, but never sit in a sandbox's group.
+    """
     raw = _read_bounded(f"/proc/{host_pid}/cmdline", MAX_CMDLINE_BYTES)
-    return tuple(raw.rstrip(b"\0").split(b"\0")) if raw else ()
+    if raw:
+        return tuple(raw.rstrip(b"\0").split(b"\0"))
+    for line in _read_bounded(f"/proc/{host_pid}/status", _STATUS_BYTES).split(b"\n"):
+        if line.startswith(b"Name:"):
+            return (b"[" + line.partition(b":")[2].strip() + b"]",)
+    return ()
