@@ -1165,3 +1165,32 @@ def test_a_rotation_that_cannot_open_its_new_file_opens_it_at_the_next_record(
     assert report.ok, report.first_error
     ids = [json.loads(line)["id"] for path in sorted(log_path.parent.iterdir()) for line in _lines(path)]
     assert set(accepted) <= set(ids)
+
+
+def test_a_rotation_with_exactly_one_fd_left_finishes(log_path: Path) -> None:
+    """Found by review: with one fd left, the rotation's folder took it, listing the rotated files then
+    failed and was taken for none, and the link met `audit.jsonl.1` (EEXIST): the log was broken for good.
+    The folder is listed first and opened next, one fd after the other, and the rotation finishes."""
+    log = AuditLog(log_path, redactor=Redactor(), rotate_bytes=2000)
+    log.open()
+    accepted: list[str] = []
+    while not log_path.with_name("audit.jsonl.2").exists():  # two rotations made normally
+        accepted.append(log.append({"action": "run_command", "n": len(accepted)}))
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 32, hard))
+    fillers = _fill_fds()
+    os.close(fillers.pop())  # exactly one fd free
+    try:
+        while not log_path.with_name("audit.jsonl.3").exists():
+            accepted.append(log.append({"action": "run_command", "n": len(accepted)}))
+        accepted.append(log.append({"action": "after the rotation"}))
+    finally:
+        for fd in fillers:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert log.problem() is None
+    log.close()
+    report = verify(log_path)
+    assert report.ok, report.first_error
+    ids = [json.loads(line)["id"] for path in sorted(log_path.parent.iterdir()) for line in _lines(path)]
+    assert ids == accepted  # every record accepted, in order, and nothing else

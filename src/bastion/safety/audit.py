@@ -673,11 +673,14 @@ class AuditLog:
         if self._owed:
             self._sync(fd)  # the rotated file is complete on disk before the new one starts
         try:
+            # Listed first, the folder opened next: each needs an fd, one after the other. A listing that
+            # failed was taken for an empty folder, and the link then met the first rotated file (found by
+            # review: at exactly one free fd, EEXIST broke the log for good).
+            index = max(_rotated(self._path, strict=True), default=0) + 1
             folder = os.open(self._path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError as exc:
             raise _RotationDeferred(exc.strerror or str(exc)) from None
         try:
-            index = max(_rotated(self._path), default=0) + 1
             rotated = self._path.with_name(f"{self._path.name}.{index}")
             st, lst = os.fstat(fd), os.lstat(self._path)
             if (st.st_dev, st.st_ino) != (lst.st_dev, lst.st_ino):
@@ -1002,12 +1005,18 @@ def _last_line(path: Path, fd: int, size: int) -> bytes:
     return b"".join(reversed(chunks))
 
 
-def _rotated(path: Path) -> list[int]:
-    """Indexes N of the existing ``<name>.N`` files."""
+def _rotated(path: Path, *, strict: bool = False) -> list[int]:
+    """Indexes N of the existing ``<name>.N`` files; none if the folder cannot be listed, unless `strict`.
+
+    Raises:
+        OSError: with `strict`, the folder cannot be listed.
+    """
     prefix = path.name + "."
     try:
         names = os.listdir(path.parent)
     except OSError:
+        if strict:
+            raise
         return []
     out = []
     for name in names:
