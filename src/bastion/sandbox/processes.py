@@ -94,7 +94,8 @@ class PipeCapture:
 
     def drop_rest(self) -> None:
         """Keep reading until the pipe closes, but keep nothing more (nor what was kept): the
-        writer, left running, must not block on a full pipe nor die of a closed one."""
+        writer, left running, must not block on a full pipe nor die of a closed one. Its sandbox
+        bounds how many such pipes it keeps reading (`WarmSandbox._hold`), and closes the oldest past that."""
         if not self.closed:
             self.cap = 0
             self.data = bytearray()

@@ -71,6 +71,14 @@ CONNECT_TIMEOUT_S: Final = 5.0  # the agent gives up after 2 s (`CONNECT_TIMEOUT
 # The pseudo-terminal multiplexer, /dev/ptmx (Documentation/admin-guide/devices.txt): what a master fd stats as.
 PTMX_DEVICE: Final = (5, 2)
 MAX_AGENT_ERROR_CHARS: Final = 200
+# Pipes of commands that have returned, still read (and dropped) for what they left running: per sandbox (`_hold`).
+MAX_HELD_PIPES: Final = 64
+
+# Sandbox cgroups whose removal failed (EMFILE writing cgroup.kill at a close): each later `_reap` and the
+# manager's reaper try again (`destroy_left_groups`). Shared by every sandbox of the process: a closed one
+# has no next close of its own.
+_undestroyed: list[SandboxCgroup] = []
+_undestroyed_lock = threading.Lock()
 
 
 def _descendants(pid: int) -> list[int]:
@@ -194,6 +202,8 @@ class WarmSandbox:
         self._reaping: list[threading.Thread] = []  # ending earlier runs' processes and cgroups
         self._closed = False  # closed for good (aclose(final=True)): it never starts again
         self._reaping_tasks: set[asyncio.Task[None]] = set()
+        # Pipes of returned commands still open (a process they left holds them), oldest first: an ordered set.
+        self._held: dict[PipeCapture, None] = {}
 
     def set_limits(self, limits: Limits) -> None:
         """Change the limits, live if the sandbox runs (lowering memory below current use fails)."""
@@ -524,6 +534,8 @@ class WarmSandbox:
         while self._background:
             # Its processes die with the sandbox; their pipes are closed here, their output stays readable.
             self._background.popitem()[1].close()
+        while self._held:
+            self._held.popitem()[0].close()  # so are what returned commands left running
         self._reap_soon(self._proc, self._group)
         self._proc = None
         self._group = None
@@ -747,8 +759,7 @@ class WarmSandbox:
         ooms_before = self.oom_kills()
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[int] = loop.create_future()
-        out_r, out_w = os.pipe2(os.O_CLOEXEC)
-        err_r, err_w = os.pipe2(os.O_CLOEXEC)
+        (out_r, out_w), (err_r, err_w) = _pipes(2)
         request = {"exe": executable, "argv": list(argv), "cwd": cwd, "env": dict(env)}
         try:
             command_id = await self._hand_off(request, [out_w, err_w], waiter)
@@ -784,20 +795,32 @@ class WarmSandbox:
                 await self._all_gone(killed)
                 out.close()
                 err.close()
+        kept = (bytes(out.data), bytes(err.data), out.total, err.total)
+        self._hold(out, err)  # first: the OOM check below may fail (EMFILE), and the pipes must not go uncounted
         oom_killed = self._group is not None and self.oom_kills() > ooms_before
         note = self.memory_note() if oom_killed else ""
-        outcome = RunOutcome(
-            status, bytes(out.data), bytes(err.data), out.total, err.total, timed_out, cancelled, oom_killed, note
-        )
-        out.drop_rest()
-        err.drop_rest()
-        return outcome
+        return RunOutcome(status, *kept, timed_out, cancelled, oom_killed, note)
+
+    def _hold(self, *captures: PipeCapture) -> None:
+        """Keep reading and dropping a returned command's pipes that are still open, at most MAX_HELD_PIPES of
+        the sandbox's: past that its oldest held pipe is closed, and whatever still writes to that pipe gets
+        EPIPE (or dies of SIGPIPE) at its next write, as a command's output does on any machine once nobody
+        reads it. Found by attack: each command passed its stdout and stderr to one process (SCM_RIGHTS) and
+        exited, and the server held 2 pipes per run_command until the sandbox closed, past its fd limit.
+        Background processes' pipes are not counted here: their table (workbench/background.py) bounds them."""
+        for capture in captures:
+            capture.drop_rest()
+        self._held = {capture: None for capture in (*self._held, *captures) if not capture.closed}
+        while len(self._held) > MAX_HELD_PIPES:
+            oldest = next(iter(self._held))
+            del self._held[oldest]
+            oldest.close()
 
     @staticmethod
     async def _output_after_exit(out: PipeCapture, err: PipeCapture) -> None:
         """Wait for the end of both streams. A process the command left running (`server &`) may hold
         them open: then what came within OUTPUT_GRACE_S of the exit is the output, and the rest is read
-        and dropped until they close (closing them now would kill it with SIGPIPE at its next write)."""
+        and dropped until they close (`_hold`: closing them now would kill it with SIGPIPE at its next write)."""
         pending = [capture.done for capture in (out, err) if not capture.done.done()]
         if pending:
             await asyncio.wait(pending, timeout=OUTPUT_GRACE_S)
@@ -953,9 +976,7 @@ class WarmSandbox:
         if self._paused:
             raise Conflict("the sandbox is paused: resume it first")
         await self.start()
-        out_r, out_w = os.pipe2(os.O_CLOEXEC)
-        err_r, err_w = os.pipe2(os.O_CLOEXEC)
-        in_r, in_w = os.pipe2(os.O_CLOEXEC)
+        (out_r, out_w), (err_r, err_w), (in_r, in_w) = _pipes(3)
         request = {"exe": executable, "argv": list(argv), "cwd": cwd, "env": dict(env)}
         try:
             command_id = await self._hand_off(request, [out_w, err_w, in_r], None)
@@ -1101,6 +1122,22 @@ def _close_all(fds: list[int]) -> None:
             os.close(fd)
 
 
+def _pipes(count: int) -> list[tuple[int, int]]:
+    """`count` close-on-exec pipes (read end, write end), or none: a failure closes those made already.
+
+    Raises:
+        Unavailable: a pipe could not be made (EMFILE, ENFILE: the server or the machine is out of fds).
+    """
+    made: list[tuple[int, int]] = []
+    try:
+        while len(made) < count:
+            made.append(os.pipe2(os.O_CLOEXEC))
+    except OSError as exc:
+        _close_all([fd for pair in made for fd in pair])
+        raise Unavailable(f"cannot make the command's pipes: {exc.strerror}: try again later") from None
+    return made
+
+
 def _is_pty_master(fd: int) -> bool:
     """Whether `fd` is a pseudo-terminal master (it stats as /dev/ptmx), not a file, socket or slave."""
     try:
@@ -1205,8 +1242,27 @@ def _reap(proc: SandboxProcess | None, group: SandboxCgroup | None, workspace: s
         _wait_exited(inits, KILL_GRACE_S)
         if proc.stderr is not None:
             proc.stderr.close()
+    destroy_left_groups()
     if group is not None:
         try:
             group.destroy()
         except BastionError as exc:
-            logger.error("cgroup %s of %s not removed: %s", group.name, workspace, exc.reason)
+            logger.error("cgroup %s of %s not removed (tried again later): %s", group.name, workspace, exc.reason)
+            with _undestroyed_lock:
+                _undestroyed.append(group)
+
+
+def destroy_left_groups() -> None:
+    """Try again to remove the cgroups of closed sandboxes whose removal failed; blocking. Found by attack:
+    a sandbox closed while the server was out of fds (EMFILE writing cgroup.kill) left its groups for ever."""
+    with _undestroyed_lock:
+        groups = _undestroyed[:]
+        _undestroyed.clear()
+    for group in groups:
+        try:
+            group.destroy()
+        except BastionError:
+            with _undestroyed_lock:
+                _undestroyed.append(group)
+        else:
+            logger.info("cgroup %s removed after all", group.name)

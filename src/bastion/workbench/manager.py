@@ -66,7 +66,7 @@ from bastion.sandbox._disk import (
 from bastion.sandbox.cgroups import CgroupLayout, Limits, SandboxCgroup, owner_pid, owner_token
 from bastion.sandbox.identity import HostIdentity, IdentityPool
 from bastion.sandbox.microvm import MicroVMBackend, MicroVMSettings, probe_microvm, recover_run_dirs
-from bastion.sandbox.warm import BubblewrapBackend
+from bastion.sandbox.warm import BubblewrapBackend, destroy_left_groups
 from bastion.snapshot.store import (
     OverBound,
     SnapshotInfo,
@@ -1110,7 +1110,7 @@ class SandboxManager:
 
     async def reap(self) -> list[str]:
         """Close sandboxes past their idle timeout or lifetime; return their ids. Puts idle ones to sleep,
-        and deletes the snapshots past their retention."""
+        deletes the snapshots past their retention, and removes the cgroups a close could not (EMFILE)."""
         self.sleep_idle()
         now = time.monotonic()
         expired = [
@@ -1124,6 +1124,8 @@ class SandboxManager:
                 await self.close(sandbox_id)
                 closed.append(sandbox_id)
         await self._expire_snapshots_logged()
+        if self._cgroups is not None:
+            await anyio.to_thread.run_sync(destroy_left_groups)
         return closed
 
     async def _expire_snapshots_logged(self) -> None:
