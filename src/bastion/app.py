@@ -35,6 +35,7 @@ from bastion.tools.processes import register_processes
 from bastion.tools.sandboxes import register_sandboxes
 from bastion.tools.server import BastionServer
 from bastion.tools.terminals import register_terminals
+from bastion.tools.threads import ThreadShares
 from bastion.tools.workbench import register_workbench
 from bastion.workbench.catalog import template_catalog
 from bastion.workbench.manager import SandboxManager
@@ -520,9 +521,10 @@ def register_toolsets(server: BastionServer, services: Services, *, caller: str)
     config = services.config
     sandboxes = config.sandboxes.enabled
     network = sandboxes and bool(config.sandboxes.network.allow)
-    register_workbench(server, services.registry, sandboxes=sandboxes, network=network)
+    threads = ThreadShares()
+    register_workbench(server, services.registry, threads, sandboxes=sandboxes, network=network)
     if config.inbox:
-        register_organizer(server, Inboxes(services.organizers))
+        register_organizer(server, Inboxes(services.organizers), threads)
     if sandboxes:
         catalog = template_catalog(config.sandboxes, config.template)
         packages = bool(config.sandboxes.network.registry)

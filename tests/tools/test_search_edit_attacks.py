@@ -20,6 +20,7 @@ import anyio
 import pytest
 from mcp import Client
 
+from bastion.config import Config
 from bastion.safety.errors import InvalidRequest
 from bastion.safety.paths import MAX_WALK_ENTRIES, MAX_WRITE_BYTES, Jail
 from bastion.safety.redact import Redactor
@@ -425,7 +426,7 @@ async def test_a_burst_of_file_calls_from_one_workspace_leaves_threads_for_anoth
 ) -> None:
     """Attack: 60 list_directory calls at once on a big folder held all 40 of the server's worker threads,
     and another agent's read_file (in a thread: over 8 KiB) waited seconds behind them. A workspace's file
-    tools share at most MAX_THREADS_PER_WORKSPACE threads, so the other sandbox's read, asked after the
+    tools share at most MAX_THREADS_PER_PLACE threads, so the other sandbox's read, asked after the
     burst, answers before most of it."""
     big = workspace / "big"
     big.mkdir()
@@ -451,6 +452,38 @@ async def test_a_burst_of_file_calls_from_one_workspace_leaves_threads_for_anoth
         await anyio.wait_all_tasks_blocked()
         group.start_soon(read)
     assert finished.count("list") == 60
+    assert finished.index("read") < 20, finished.index("read")
+
+
+@pytest.mark.bwrap
+async def test_a_burst_of_organizer_calls_leaves_threads_for_a_sandbox(client: Client, demo_config: Config) -> None:
+    """Found by review: the organizer's tools ran on anyio's shared threads outside any share, and 120
+    list_files calls on an inbox folder of 8,000 files made a sandbox's read_file wait 9.4 s (position 81 of
+    121). An inbox holds a place's share as a workspace does."""
+    big = demo_config.inbox[0].path / "big"
+    big.mkdir()
+    for name in range(8000):
+        (big / f"{name}.txt").touch()
+    other = await create(client)
+    assert (await sh(client, other, "head -c 65536 /dev/zero | tr '\\0' x > note.txt"))["ok"]
+    finished: list[str] = []
+
+    async def listing() -> None:
+        answer = await call(client, "list_files", subdir="big")
+        assert answer["ok"], answer
+        finished.append("list")
+
+    async def read() -> None:
+        answer = await call(client, "read_file", path="note.txt", sandbox_id=other)
+        assert answer["detail"]["content"] == "x" * 65536
+        finished.append("read")
+
+    async with anyio.create_task_group() as group:
+        for _ in range(120):
+            group.start_soon(listing)
+        await anyio.wait_all_tasks_blocked()
+        group.start_soon(read)
+    assert finished.count("list") == 120
     assert finished.index("read") < 20, finished.index("read")
 
 

@@ -7,10 +7,10 @@ milliseconds); each inbox serializes its own calls.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Annotated, Any
 
-import anyio
 from mcp_types import ToolAnnotations
 from pydantic import Field
 
@@ -20,6 +20,7 @@ from bastion.safety.results import OperationResult
 from bastion.tools._call import UNNAMED, Outcome
 from bastion.tools.audited import audited_tool
 from bastion.tools.server import ORGANIZER, BastionServer
+from bastion.tools.threads import ThreadShares
 
 InboxId = Annotated[str | None, Field(description="A configured inbox id; default: the first inbox of the config.")]
 
@@ -48,14 +49,15 @@ class Inboxes:
         return next(iter(self._by_id), None) if inbox is None else inbox
 
 
-def register_organizer(server: BastionServer, inboxes: Inboxes) -> None:
+def register_organizer(server: BastionServer, inboxes: Inboxes, threads: ThreadShares) -> None:
     """Add the organizer tools to `server`, under the `organizer` scope."""
 
     def in_inbox(arguments: Mapping[str, Any]) -> str | None:
         return inboxes.id_of(arguments["inbox"])
 
     async def organize(inbox: str | None, work: Callable[[Organizer], dict[str, Any]]) -> Outcome:
-        detail = await anyio.to_thread.run_sync(work, inboxes.get(inbox))
+        organizer = inboxes.get(inbox)
+        detail = await threads.run(organizer, functools.partial(work, organizer))
         # The organizer names what it moved; that is for the audit record, not the client.
         files = detail.pop("files_touched", [])
         return Outcome(OperationResult.success(UNNAMED, detail), files=files)

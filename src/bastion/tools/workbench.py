@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import base64
 import functools
-import weakref
-from collections.abc import Callable
-from typing import Annotated, Final, Literal, TypeVar
+from typing import Annotated, Final, Literal
 
-import anyio.to_thread
+import anyio
 from mcp_types import ImageContent, ToolAnnotations
 from pydantic import Field
 
@@ -22,6 +20,7 @@ from bastion.safety.results import OperationResult, ResultCode
 from bastion.tools._call import UNNAMED, Outcome
 from bastion.tools.audited import Audit, audited_tool, workspace_of
 from bastion.tools.server import BastionServer
+from bastion.tools.threads import ThreadShares
 from bastion.workbench.media import MAX_IMAGE_BYTES
 from bastion.workbench.registry import WorkspaceRegistry
 from bastion.workbench.search import DEFAULT_SEARCH_RESULTS, MAX_SEARCH_RESULTS
@@ -39,8 +38,6 @@ SandboxId = Annotated[
 EncodingArg = Annotated[Literal["utf-8", "base64"], Field(description="utf-8 text (redacted) or base64 bytes.")]
 
 MAX_PARALLEL_SEARCHES: Final = 2
-MAX_THREADS_PER_WORKSPACE: Final = 4
-"""Worker threads one workspace's file tools hold at once (`ThreadShares`); anyio's server-wide limit is 40."""
 _READ_ONLY = ToolAnnotations(read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=False)
 _WRITES = ToolAnnotations(read_only_hint=False, destructive_hint=True, idempotent_hint=False, open_world_hint=False)
 _SEARCH = ToolAnnotations(
@@ -55,7 +52,6 @@ _EDITS = ToolAnnotations(
     idempotent_hint=False,
     open_world_hint=False,
 )
-T = TypeVar("T")
 _PATHS_NOTE = (
     " Paths are relative to the workspace; in a sandbox, /workspace/... works too and symlinks resolve as its "
     "commands see them, but never to anything outside /workspace."
@@ -63,25 +59,6 @@ _PATHS_NOTE = (
 PathArg = Annotated[str, Field(description="Relative to the workspace (in a sandbox: or /workspace/...).")]
 # The same upload twice leaves the same file (or answers CONFLICT without overwrite): no further effect.
 _UPLOADS = ToolAnnotations(read_only_hint=False, destructive_hint=True, idempotent_hint=True, open_world_hint=False)
-
-
-class ThreadShares:
-    """Each workspace's share of the worker threads its file tools run in. Found by attack: 60 concurrent
-    list_directory calls from one agent held all 40 of anyio's threads, and another agent's read_file
-    waited 10 s behind them: a workspace's calls now queue behind its own, at most
-    `MAX_THREADS_PER_WORKSPACE` at once, within the server-wide limit."""
-
-    def __init__(self) -> None:
-        # Weak: a closed sandbox's share goes with its workspace.
-        self._shares: weakref.WeakKeyDictionary[HostWorkspace, anyio.CapacityLimiter] = weakref.WeakKeyDictionary()
-
-    async def run(self, ws: HostWorkspace, work: Callable[[], T], *, limiter: anyio.CapacityLimiter | None = None) -> T:
-        """`work()` in a worker thread once `ws` has a thread to spare (and `limiter`, or anyio's default, too)."""
-        share = self._shares.get(ws)
-        if share is None:
-            share = self._shares[ws] = anyio.CapacityLimiter(MAX_THREADS_PER_WORKSPACE)
-        async with share:
-            return await anyio.to_thread.run_sync(work, limiter=limiter)
 
 
 def command_result(out: CommandOutput, extra: dict[str, object]) -> OperationResult:
@@ -131,11 +108,12 @@ def run_command_description(*, sandboxes: bool) -> str:
     )
 
 
-def register_workbench(server: BastionServer, registry: WorkspaceRegistry, *, sandboxes: bool, network: bool) -> None:
+def register_workbench(
+    server: BastionServer, registry: WorkspaceRegistry, threads: ThreadShares, *, sandboxes: bool, network: bool
+) -> None:
     """Add the work tools to `server`: `sandboxes` whether sandboxes are on, `network` whether any
     destination is allowed to them (host workspaces never have a network)."""
     in_workspace = workspace_of("sandbox_id", registry.get_id)
-    threads = ThreadShares()
     runs = ToolAnnotations(read_only_hint=False, destructive_hint=True, idempotent_hint=False, open_world_hint=network)
 
     @audited_tool(

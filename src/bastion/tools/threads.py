@@ -1,0 +1,57 @@
+"""Worker threads shared fairly among the places and callers whose tools run in them.
+
+Found by attack: anyio's worker threads are one pool of 40 for the whole server. 60 concurrent
+`list_directory` calls from one agent held all of them and another agent's `read_file` waited 10 s;
+review then found the same through the organizer's tools, and through one agent's many sandboxes
+(4 threads each). A call now holds its place's share (a workspace, an inbox: at most
+`MAX_THREADS_PER_PLACE`) and its caller's (an OAuth client, or the one local caller: at most
+`MAX_THREADS_PER_CALLER`) before it takes a thread, so a burst queues behind its own.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Final, TypeVar
+
+import anyio
+import anyio.to_thread
+from mcp.server.auth.middleware.auth_context import get_access_token
+
+MAX_THREADS_PER_PLACE: Final = 4
+MAX_THREADS_PER_CALLER: Final = 8
+"""Well under anyio's 40: five callers at their share leave threads for the audit log's and the rest."""
+LOCAL_CALLER: Final = ""
+"""A call with no OAuth token (stdio, or HTTP with auth off): one caller."""
+
+T = TypeVar("T")
+
+
+class ThreadShares:
+    """The shares of one server's tools (`run`)."""
+
+    def __init__(self) -> None:
+        # Weak: a closed sandbox's share goes with its workspace.
+        self._places: weakref.WeakKeyDictionary[object, anyio.CapacityLimiter] = weakref.WeakKeyDictionary()
+        # Callers are OAuth clients, bounded by the client table (and its eviction).
+        self._callers: dict[str, anyio.CapacityLimiter] = {}
+
+    async def run(self, place: object, work: Callable[[], T], *, limiter: anyio.CapacityLimiter | None = None) -> T:
+        """`work()` in a worker thread once `place` and this call's caller have a thread to spare (and
+        `limiter`, or anyio's default limiter, too)."""
+        async with self._place(place), self._caller():
+            return await anyio.to_thread.run_sync(work, limiter=limiter)
+
+    def _place(self, place: object) -> anyio.CapacityLimiter:
+        share = self._places.get(place)
+        if share is None:
+            share = self._places[place] = anyio.CapacityLimiter(MAX_THREADS_PER_PLACE)
+        return share
+
+    def _caller(self) -> anyio.CapacityLimiter:
+        token = get_access_token()
+        caller = LOCAL_CALLER if token is None else token.client_id
+        share = self._callers.get(caller)
+        if share is None:
+            share = self._callers[caller] = anyio.CapacityLimiter(MAX_THREADS_PER_CALLER)
+        return share
