@@ -111,6 +111,7 @@ __all__ = [
     "parse_allow_rule",
     "parse_allow_rules",
     "resolve_config_path",
+    "split_listen",
 ]
 
 CONFIG_ENV: Final = "BASTION_CONFIG"
