@@ -510,6 +510,10 @@ def build_server(services: Services, *, caller: str) -> BastionServer:
         instructions=server_instructions(services.config, caller=caller),
         log_level=services.config.log_level,
         lifespan=lifespan,
+        # bastion sends no list_changed or resource events: a `subscriptions/listen` stream (2026-07-28) would
+        # only hold a connection. Found by attack: one token's 1,024 of them took every connection slot, and
+        # revoking it ended none.
+        subscriptions=False,
     )
     register_toolsets(server, services, caller=caller)
     logging.getLogger("bastion").setLevel(services.config.log_level)

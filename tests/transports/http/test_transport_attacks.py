@@ -283,6 +283,34 @@ def test_nested_json_at_mcp_is_a_parse_error_not_a_500(server: LiveServer, era: 
     assert not re.search(r"POST /mcp 500 ", log)
 
 
+def test_subscriptions_listen_is_not_served_so_one_token_cannot_hold_every_connection(server: LiveServer) -> None:
+    """Attack: in the 2026-07-28 era a `subscriptions/listen` POST stays open as an event stream with no
+    session, so no per-grant cap applied: one token (any scope) held all 1,024 connection slots with them,
+    everyone else (the administrator's browser included) was refused, and revoking the token ended none.
+    bastion sends no events: listen is not served, and a burst of them holds nothing."""
+    token = get_tokens(server, server.register()["client_id"])["access_token"]
+    body = {
+        "jsonrpc": "2.0",
+        "id": 7,
+        "method": "subscriptions/listen",
+        "params": {
+            "notifications": {"toolsListChanged": True},
+            "_meta": {
+                "io.modelcontextprotocol/protocolVersion": "2026-07-28",
+                "io.modelcontextprotocol/clientCapabilities": {},
+            },
+        },
+    }
+    headers = {**bearer(token), "mcp-protocol-version": "2026-07-28", "mcp-method": "subscriptions/listen"}
+    with server.http() as http:
+        for _ in range(20):
+            answer = http.post("/mcp", json=body, headers=headers)
+            assert answer.status_code != 200 or "text/event-stream" not in answer.headers.get("content-type", "")
+            assert "error" in answer.json(), answer.text[:200]
+        assert http.get("/admin/login").status_code == 200
+    assert anyio.run(_call_tool, server.mcp_url, token, "2026-07-28")["ok"]
+
+
 def _open_session(http: httpx2.Client, token: str) -> httpx2.Response:
     return http.post("/mcp", json=INITIALIZE_REQUEST, headers=bearer(token))
 
