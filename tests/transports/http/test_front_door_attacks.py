@@ -4,12 +4,14 @@ addresses, the SDK's client asking for every scope, and a client pruned in the m
 Other addresses are played with `X-Forwarded-For` (servers that trust it from 127.0.0.1) or, for loopback,
 by binding the client socket to another address of 127.0.0.0/8 (any local user can). What this proves: all
 of loopback is one address to the login limits; one request's login form takes five passwords; a fresh
-browser's login gets its turn within 5 s while other addresses flood the shared argon2 slot; the consent
+browser's login gets its turn within 5 s while other addresses flood the shared argon2 slot, also when more
+than `MAX_WAITING` addresses flood it at once (fresh IPv4 addresses, fresh IPv6 /64s of one /48); the consent
 page never ticks `gateway:*` for the SDK's client; a client whose authorization is under way survives
 `bastion admin clients prune`, and one deleted anyway is refused with "start again" and no grant. What it
 does not prove: a fresh browser's login during a flood from loopback itself (it shares the address: only a
-browser with a device cookie gets through, tested here), or a flood from more than `MAX_WAITING` addresses
-at once (the late ones are refused with 503 and retry).
+browser with a device cookie gets through, tested here), or one from fresh addresses in many networks
+(/24s, IPv6 /48s), each used for a handful of attempts: those rank with the administrator's browser, which
+gets 503 while they keep the line full (documented in `ratelimit.py`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import re
 import subprocess
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -34,6 +36,7 @@ from mcp.shared.auth import AuthorizationCodeResult, OAuthClientMetadata
 
 from bastion.tools.server import SCOPES
 from bastion.transports.http.provider import MAX_LOGIN_TRIES
+from bastion.transports.http.ratelimit import MAX_WAITING
 from bastion.transports.http.store import AuthStore
 
 from .clients import CLAUDE_CODE, assert_clients_connect, from_address
@@ -188,14 +191,54 @@ def test_sustained_login_flood_from_other_addresses_leaves_a_fresh_browser_its_t
         assert_clients_connect(server)
 
 
+def _flood_addresses() -> Iterator[str]:
+    """A new IPv4 address for each request, through 10.0.0.0/8 (another /24 every 256 requests)."""
+    return (f"10.{n // 65536}.{n // 256 % 256}.{n % 256}" for n in range(1, 1 << 20))
+
+
+def _flood_64s_of_one_48() -> Iterator[str]:
+    """A new IPv6 /64 for each request, all in 2001:db8:7::/48 (one site's allocation holds 65,536)."""
+    return (f"2001:db8:7:{n:x}::1" for n in range(1, 1 << 16))
+
+
+def test_login_flood_from_more_than_max_waiting_addresses_leaves_a_fresh_browser_its_turn(
+    start_proxied_server: Callable[..., AbstractContextManager[LiveServer]],
+) -> None:
+    """The attack: more than `MAX_WAITING` workers post wrong passwords without pause, each request from
+    a fresh address (0 failures on record), and retry each 503 at once. The line for the shared argon2
+    slot was always full, and a fresh browser at 127.0.0.1 with the right password got 503 at once.
+    Invariant: a full line drops its worst-ranked waiter for a newcomer ranked better, and rank counts
+    failed and refused attempts of the address's network (/24, IPv6 /48): the administrator's fresh
+    browser logs in on its first POST within 5 s, against fresh IPv4 addresses and fresh IPv6 /64s of one
+    /48 alike; the flood was answered 503 (the line was full) and clients still connect afterwards."""
+    workers = 2 * MAX_WAITING
+    with start_proxied_server() as server:
+        client_id = server.register(client_name="attacker")["client_id"]
+        requests = [login_form(server, client_id, from_address(f"203.0.113.{n + 1}")) for n in range(80)]
+        for addresses in (_flood_addresses(), _flood_64s_of_one_48()):
+            flood = _flood_while_admin_logs_in(server, requests[:40], workers=workers, addresses=addresses)
+            admin_status, admin_s, attacker = asyncio.run(flood)
+            assert admin_status == 303, (admin_status, attacker)
+            assert admin_s < 5.0, (admin_s, attacker)
+            assert attacker[503] > 0, attacker  # the line was full
+            assert set(attacker) <= {401, 403, 429, 503}, attacker
+            del requests[:40]
+        assert "Traceback" not in server.log()
+        assert_clients_connect(server)
+
+
 async def _flood_while_admin_logs_in(
-    server: LiveServer, requests: list[tuple[dict[str, str], str]]
+    server: LiveServer,
+    requests: list[tuple[dict[str, str], str]],
+    *,
+    workers: int = FLOOD_WORKERS,
+    addresses: Iterator[str] | None = None,
 ) -> tuple[int, float, Counter[int]]:
     statuses: Counter[int] = Counter()
     stop = asyncio.Event()
     tries = [(fields, cookie) for fields, cookie in requests for _ in range(MAX_LOGIN_TRIES)]
-    addresses = (f"10.{n // 65536}.{n // 256 % 256}.{n % 256}" for n in range(1, 1 << 20))
-    limits = httpx2.Limits(max_connections=FLOOD_WORKERS, max_keepalive_connections=0)
+    addresses = addresses or _flood_addresses()
+    limits = httpx2.Limits(max_connections=workers, max_keepalive_connections=0)
     async with httpx2.AsyncClient(base_url=server.base, timeout=60, limits=limits) as client:
 
         async def worker() -> None:
@@ -207,15 +250,15 @@ async def _flood_while_admin_logs_in(
                 if answer.status_code == 503:
                     tries.append((fields, cookie))  # not checked: the attacker tries it again at once
 
-        workers = [asyncio.create_task(worker()) for _ in range(FLOOD_WORKERS)]
+        tasks = [asyncio.create_task(worker()) for _ in range(workers)]
         with anyio.fail_after(60):
-            while statuses[401] < FLOOD_WORKERS:
+            while statuses[401] < workers:
                 await asyncio.sleep(0.05)
         try:
             status, seconds = await asyncio.to_thread(_fresh_browser_logs_in, server)
         finally:
             stop.set()
-            await asyncio.gather(*workers)
+            await asyncio.gather(*tasks)
     return status, seconds, statuses
 
 

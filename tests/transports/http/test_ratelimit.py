@@ -5,8 +5,9 @@ refused and a burst is never verified in parallel; at most `max_checks` checks r
 that, at once); an address waits after `free` failures, doubling up to the maximum, and a success clears
 it; IPv6 addresses are counted by /64; the global limit stops addresses that have failed and never one
 that has not (a flood from elsewhere does not lock the administrator out); the tracked addresses stay
-bounded; the window limiter counts per key. What it does not prove: the HTTP answers (tested live in
-test_login_attacks.py and test_negative.py).
+bounded; a full line of waiters drops its worst-ranked one for a newcomer from a network with fewer
+failed or refused attempts, never for an equal; the window limiter counts per key. What it does not prove:
+the HTTP answers (tested live in test_login_attacks.py, test_front_door_attacks.py and test_negative.py).
 """
 
 from __future__ import annotations
@@ -15,7 +16,14 @@ import anyio
 import pytest
 
 from bastion.transports.http import ratelimit
-from bastion.transports.http.ratelimit import LoginLimiter, LoginRefused, WindowLimiter, address_key
+from bastion.transports.http.ratelimit import (
+    MAX_WAITING,
+    LoginLimiter,
+    LoginRefused,
+    WindowLimiter,
+    address_key,
+    network_key,
+)
 
 
 class Clock:
@@ -244,3 +252,92 @@ async def test_a_busy_slot_is_handed_to_the_waiter_with_fewest_failures_not_the_
     assert order == ["192.0.2.7", "198.51.100.1"]
     assert limiter._running == limiter._running_untrusted == 0
     assert not limiter._line
+
+
+async def _log_in(limiter: LoginLimiter, ip: str, refused: dict[str, int], order: list[str]) -> None:
+    """Wait for a turn and fail, or note the refusal's status."""
+    try:
+        attempt = await limiter.acquire(ip)
+    except LoginRefused as refusal:
+        refused[ip] = refusal.status
+        return
+    order.append(ip)
+    limiter.finish(attempt, ok=False)
+
+
+@pytest.mark.anyio
+async def test_flooding_the_line_from_fresh_64s_of_one_48_drops_a_flood_waiter_for_a_fresh_browser() -> None:
+    """Attack: more than MAX_WAITING fresh addresses (IPv6 /64s of one /48, none with a failure of its
+    own) keep the line full and retry each 503 at once: a fresh browser got 503 at once. Invariant: a
+    waiter's rank counts its network's failed and refused attempts; a full line drops its worst-ranked
+    waiter (503) for a newcomer from a clean network, who gets the next turn; the flood's own newcomers
+    rank no better and get 503 at once; the line never holds more than MAX_WAITING."""
+    limiter = LoginLimiter(free=100, max_s=900.0, global_per_minute=1000)
+    fail(limiter, "2001:db8:7:ffff::1")
+    running = limiter.begin("2001:db8:7:fffe::1")
+    refused: dict[str, int] = {}
+    order: list[str] = []
+    flood = [f"2001:db8:7:{n:x}::1" for n in range(MAX_WAITING + 1)]
+    async with anyio.create_task_group() as tasks:
+        for ip in flood:
+            tasks.start_soon(_log_in, limiter, ip, refused, order)
+            await anyio.wait_all_tasks_blocked()
+        assert refused == {flood[-1]: 503}  # full, and the flood's newcomer ranks no better
+        tasks.start_soon(_log_in, limiter, "192.0.2.7", refused, order)
+        await anyio.wait_all_tasks_blocked()
+        assert refused == {flood[-1]: 503, flood[-2]: 503}  # the newest of the worst-ranked made room
+        assert len(limiter._line) == MAX_WAITING
+        limiter.finish(running, ok=False)
+    assert order[0] == "192.0.2.7"
+    assert sorted(order[1:]) == sorted(flood[:-2])
+    assert limiter._running == limiter._running_untrusted == 0
+    assert not limiter._line
+    assert not any(entry.in_flight for entry in limiter._by_key.values())
+
+
+@pytest.mark.anyio
+async def test_flooding_the_line_from_many_fresh_networks_still_refuses_a_fresh_browser() -> None:
+    """The documented limit: a flood whose waiters each come from a network with nothing on record ranks
+    with the administrator's fresh browser, and an equal never displaces a waiter: the browser gets 503
+    (the device cookie, not the line, keeps a returning administrator's login open). Every waiter still
+    gets its turn, in arrival order."""
+    limiter = LoginLimiter(free=100, max_s=900.0, global_per_minute=1000)
+    running = limiter.begin("203.0.113.1")
+    refused: dict[str, int] = {}
+    order: list[str] = []
+    flood = [f"10.{n}.0.1" for n in range(MAX_WAITING)]
+    async with anyio.create_task_group() as tasks:
+        for ip in flood:
+            tasks.start_soon(_log_in, limiter, ip, refused, order)
+            await anyio.wait_all_tasks_blocked()
+        with pytest.raises(LoginRefused) as busy:
+            await limiter.acquire("192.0.2.7")
+        assert busy.value.status == 503
+        limiter.finish(running, ok=False)
+    assert order == flood
+    assert not refused
+    assert not limiter._line
+
+
+def test_networks_are_ipv4_24s_and_ipv6_48s_bounded_and_cleared_by_a_success(
+    clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A network's record is bounded like the addresses' (the longest ago counted forgotten first), and a
+    right password clears it: the administrator's own typos do not rank their network behind others."""
+    assert network_key(address_key("192.0.2.77")) == "192.0.2.0/24"
+    assert network_key(address_key("2001:db8:7:1234::5")) == "2001:db8:7::/48"
+    assert network_key(address_key("::ffff:192.0.2.77")) == "192.0.2.0/24"
+    assert network_key(address_key("127.0.0.9")) == ratelimit.LOOPBACK_KEY
+    monkeypatch.setattr(ratelimit, "_MAX_TRACKED", 50)
+    limiter = LoginLimiter(free=100, max_s=900.0, global_per_minute=100_000)
+    for n in range(500):
+        fail(limiter, f"10.{n // 256}.{n % 256}.1")
+    assert len(limiter._by_network) <= 50
+    assert "10.0.0.0/24" not in limiter._by_network
+    fail(limiter, "192.0.2.1")
+    fail(limiter, "192.0.2.2")
+    assert limiter._by_network["192.0.2.0/24"] == 2
+    limiter.finish(limiter.begin("192.0.2.3"), ok=True)
+    assert "192.0.2.0/24" not in limiter._by_network
+    fail(limiter, "192.0.2.1", device="browser")
+    assert "device:browser" not in limiter._by_network

@@ -6,9 +6,19 @@ Login (RFC 6749 §10.10, OAuth 2.1 §7.5 credentials guessing; issue 20):
 - At most `max_checks` argon2 checks run at once in the whole server (each holds 64 MiB); the argon2 work
   is never queued, so memory stays bounded whatever the burst.
 - Addresses without a device cookie share one check slot. One that finds it busy waits for its turn
-  (at most `MAX_WAITING` wait, each at most `TURN_WAIT_S`; past that, 503 at once). Turns go to the
-  address with the fewest failures on record, then the longest waiting: first-come let a flood that retried
-  every few milliseconds take every free turn, and the administrator's login got 503 for good.
+  (at most `MAX_WAITING` wait, each at most `TURN_WAIT_S`). Turns go by rank: the fewest failed or refused
+  attempts on record from the address's network (an IPv4 /24, an IPv6 /48: `network_key`), then from the
+  address, then the longest waiting. First-come let a flood that retried every few milliseconds take every
+  free turn; an address's own count alone ranked a flood of fresh addresses (any number of /64s in one
+  IPv6 /48) with the administrator. A full line drops its worst-ranked waiter (503) for a newcomer ranked
+  strictly better; a newcomer ranked no better gets 503 at once. So the administrator's fresh browser, from
+  a network the flood does not use, takes a flood waiter's place and gets the next turn (after any earlier
+  waiter from a network as clean). The line and the per-network counts are bounded (`_MAX_TRACKED`).
+  Best-effort, not a boundary: an attacker with addresses in many networks (a botnet, many /24s, an IPv6
+  /32's /48s), each used for a handful of attempts, ranks as well as the administrator. Such a flood keeps
+  the line full of equals and a fresh browser gets 503 until the flood pauses; so does a fresh browser
+  that shares its network with the flood (one NAT, one /24). A browser with a device cookie is not in the
+  line at all: that, not the line, is what keeps a returning administrator's login open.
 - After `free` failures from one address, each further failure doubles that address's waiting time, up
   to `max_s`. A success clears the address's count.
 - When more than `global_per_minute` attempts arrive in a minute from all addresses together, addresses
@@ -49,6 +59,8 @@ DEVICE_PREFIX: Final = "device:"  # never the start of an address key
 LOOPBACK_KEY: Final = "loopback"  # all of loopback: any local user can bind any 127.0.0.0/8 address
 MAX_WAITING: Final = 16  # addresses waiting for the shared check slot (about 0.3 s of argon2 each)
 TURN_WAIT_S: Final = 10.0  # how long one waits for its turn before 503
+_IPV4_NETWORK_PREFIX: Final = 24  # the smallest block routed between providers: one site's addresses
+_IPV6_NETWORK_PREFIX: Final = 48  # one site's allocation (RFC 6177), holding 65,536 /64s
 
 
 def address_key(ip: str) -> str:
@@ -67,6 +79,17 @@ def address_key(ip: str) -> str:
         else:
             return str(ipaddress.IPv6Network((address, _IPV6_PREFIX), strict=False))
     return LOOPBACK_KEY if address.is_loopback else str(address)
+
+
+def network_key(key: str) -> str:
+    """The network of an address key (`address_key`) whose failures rank its waiters: an IPv4 /24, an
+    IPv6 /48; loopback and keys that are not addresses are their own network."""
+    try:
+        network = ipaddress.ip_network(key, strict=False)
+    except ValueError:
+        return key
+    prefix = _IPV4_NETWORK_PREFIX if network.version == 4 else _IPV6_NETWORK_PREFIX
+    return str(network.supernet(new_prefix=prefix))
 
 
 def _embedded_ipv4(address: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
@@ -117,7 +140,7 @@ class _Turn:
     """An address waiting for the shared check slot; `attempt` is set when the slot is handed to it."""
 
     key: str
-    failures: int
+    network: str
     order: int
     given: anyio.Event = field(default_factory=anyio.Event)
     attempt: LoginAttempt | None = None
@@ -138,6 +161,8 @@ class LoginLimiter:
     metrics: Metrics | None = None
     """Where failed and refused logins are counted."""
     _by_key: dict[str, _Failures] = field(default_factory=dict)
+    _by_network: dict[str, int] = field(default_factory=dict)
+    """Failed or refused attempts per network (`network_key`), most recently counted last."""
     _recent: deque[float] = field(default_factory=deque)
     _running: int = 0
     _running_untrusted: int = 0
@@ -153,41 +178,64 @@ class LoginLimiter:
         Raises:
             LoginRefused: this address has a check in flight or must wait (429), or the server is busy (503).
         """
+        key = device_key(device) if device else address_key(ip)
         try:
-            key = device_key(device) if device else address_key(ip)
             self._refuse_if_held(key, global_limit=device is None)
             if not self._slot_free(trusted=device is not None):
                 raise _busy()
             return self._start(key, trusted=device is not None)
         except LoginRefused:
-            self._count_refusal()
+            self._count_refusal(key)
             raise
 
     async def acquire(self, ip: str, *, device: str | None = None) -> LoginAttempt:
         """As `begin`, but an address without a device cookie that finds the shared slot busy waits for its
-        turn (fewest failures first, then the longest waiting) instead of being refused at once.
+        turn (by `_rank`) instead of being refused at once.
 
         Raises:
-            LoginRefused: as `begin`; 503 if `MAX_WAITING` already wait or the turn does not come in time.
+            LoginRefused: as `begin`; 503 if `MAX_WAITING` already wait, none ranked worse, or the turn does
+                not come in time, or if a better-ranked newcomer takes this one's place in the line.
         """
         if device is not None or self._slot_free(trusted=False):
             return self.begin(ip, device=device)
         key = address_key(ip)
         try:
             self._refuse_if_held(key, global_limit=True)
-            if len(self._line) >= MAX_WAITING:
-                raise _busy()
+            turn = self._join(key)
         except LoginRefused:
-            self._count_refusal()
+            self._count_refusal(key)
             raise
-        return await self._wait_turn(key)
+        return await self._wait_turn(turn)
 
-    async def _wait_turn(self, key: str) -> LoginAttempt:
+    def _join(self, key: str) -> _Turn:
+        """Into the line; a full line drops its worst-ranked waiter for a newcomer ranked strictly better
+        (ties keep the one waiting, so a flood of equals does not churn the line)."""
+        turn = _Turn(key, network_key(key), next(self._order))
+        if len(self._line) >= MAX_WAITING:
+            worst = max(self._line, key=self._rank)
+            if self._rank(turn) > self._rank(worst):  # the newcomer's order is the last: ties rank it worse
+                raise _busy()
+            self._drop(worst)
         entry = self._by_key.pop(key, None) or _Failures()
         entry.in_flight = True
         self._by_key[key] = entry
-        turn = _Turn(key, entry.count, next(self._order))
         self._line.append(turn)
+        return turn
+
+    def _rank(self, turn: _Turn) -> tuple[int, int, int]:
+        """Lower goes first: failed or refused attempts from the network, from the address, then arrival."""
+        entry = self._by_key.get(turn.key)
+        return self._by_network.get(turn.network, 0), entry.count if entry else 0, turn.order
+
+    def _drop(self, turn: _Turn) -> None:
+        """Out of the line without a turn: its `_wait_turn` answers 503."""
+        self._line.remove(turn)
+        entry = self._by_key.get(turn.key)
+        if entry is not None:
+            entry.in_flight = False
+        turn.given.set()
+
+    async def _wait_turn(self, turn: _Turn) -> LoginAttempt:
         try:
             with anyio.move_on_after(TURN_WAIT_S):
                 await turn.given.wait()
@@ -196,7 +244,7 @@ class LoginLimiter:
             raise
         if turn.attempt is None:
             self._leave(turn)
-            self._count_refusal()
+            self._count_refusal(turn.key)
             raise _busy()
         return turn.attempt
 
@@ -207,7 +255,10 @@ class LoginLimiter:
             entry = self._by_key.get(turn.key)
             if entry is not None:
                 entry.count = max(0, entry.count - 1)
+            self._count_network(turn.key, -1)
             return
+        if turn not in self._line:
+            return  # dropped for a better-ranked newcomer: its address is already free
         self._line.remove(turn)
         entry = self._by_key.get(turn.key)
         if entry is not None:
@@ -247,19 +298,36 @@ class LoginLimiter:
         entry.in_flight = True
         self._by_key[key] = entry  # most recent last, for eviction
         self._forget_oldest()
+        self._count_network(key, 1)
         if len(self._recent) == self.global_per_minute:
             logger.warning("admin login: %d attempts in a minute from all addresses; limiting", len(self._recent))
         return LoginAttempt(key, device=trusted)
 
-    def _count_refusal(self) -> None:
+    def _count_refusal(self, key: str) -> None:
+        """A refused attempt counts against its network's rank: a flood that retries each 503 at once
+        ranks its network behind one that does not."""
+        self._count_network(key, 1)
         if self.metrics is not None:
             self.metrics.login_failure("refused")
+
+    def _count_network(self, key: str, change: int) -> None:
+        """Add `change` to the count of `key`'s network (not for a device cookie: it has none); bounded,
+        the network counted the longest ago forgotten first."""
+        if is_device_key(key):
+            return
+        network = network_key(key)
+        count = self._by_network.pop(network, 0) + change
+        if count > 0:
+            self._by_network[network] = count
+        while len(self._by_network) > _MAX_TRACKED:
+            del self._by_network[next(iter(self._by_network))]
 
     def finish(self, attempt: LoginAttempt, ok: bool) -> None:
         """The check is over: a success clears the address, a failure may start its back-off."""
         entry = self._by_key.get(attempt.key)
         if ok:
             self._by_key.pop(attempt.key, None)
+            self._by_network.pop(network_key(attempt.key), None)  # a right password: its network ranks first again
         elif self.metrics is not None:
             self.metrics.login_failure("wrong_password")
         if not ok and entry is not None and entry.count >= self.free:
@@ -278,7 +346,7 @@ class LoginLimiter:
         if entry is not None:
             entry.in_flight = False
         while self._line and self._untrusted_free():
-            turn = min(self._line, key=lambda t: (t.failures, t.order))
+            turn = min(self._line, key=self._rank)
             self._line.remove(turn)
             turn.attempt = self._start(turn.key, trusted=False)
             turn.given.set()
