@@ -23,7 +23,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, Final
 from urllib.parse import parse_qs, urlsplit
 
 import anyio
@@ -169,6 +169,12 @@ async def _burst(server: LiveServer, fields: dict[str, str], cookie: str, addres
         return Counter(await asyncio.gather(*(post(a) for a in addresses)))
 
 
+ADMIN_WAITS_AT_MOST: Final = 3
+"""Flood passwords checked while the fresh browser waits: the one under way when it asked, the one that may
+take the slot between its arrival and its place in line, and one more answered as it was asked (HTTP
+answers are counted when they arrive). Before the line, the flood took every turn."""
+
+
 def test_sustained_login_flood_from_other_addresses_leaves_a_fresh_browser_its_turn(
     start_proxied_server: Callable[..., AbstractContextManager[LiveServer]],
 ) -> None:
@@ -177,14 +183,16 @@ def test_sustained_login_flood_from_other_addresses_leaves_a_fresh_browser_its_t
     That slot went to whoever asked first after it freed: the flood, retrying every few milliseconds,
     took every turn, and a fresh browser at 127.0.0.1 with the right password got 503 on all 18 tries.
     Invariant: a browser that finds the slot busy waits for its turn, fewest failures first: the
-    administrator's fresh browser logs in on its first POST within 5 s (issue 20's figure)."""
+    administrator's fresh browser logs in on its first POST, with at most the checks already under way
+    finishing before it (issue 20's 5 s is measured by bench/bench_login.py: under a loaded test run the
+    seconds follow the machine, the order does not)."""
     with start_proxied_server() as server:
         client_id = server.register(client_name="attacker")["client_id"]
         requests = [login_form(server, client_id, from_address(f"203.0.113.{n + 1}")) for n in range(40)]
         flood = asyncio.run(_flood_while_admin_logs_in(server, requests))
-        admin_status, admin_s, attacker = flood
+        admin_status, checked_meanwhile, attacker = flood
         assert admin_status == 303, (admin_status, attacker)
-        assert admin_s < 5.0, (admin_s, attacker)
+        assert checked_meanwhile <= ADMIN_WAITS_AT_MOST, (checked_meanwhile, attacker)
         assert attacker[401] >= FLOOD_WORKERS, attacker  # the flood was running all along
         assert set(attacker) <= {401, 403, 429, 503}, attacker
         assert "Traceback" not in server.log()
@@ -209,7 +217,7 @@ def test_login_flood_from_more_than_max_waiting_addresses_leaves_a_fresh_browser
     slot was always full, and a fresh browser at 127.0.0.1 with the right password got 503 at once.
     Invariant: a full line drops its worst-ranked waiter for a newcomer ranked better, and rank counts
     failed and refused attempts of the address's network (/24, IPv6 /48): the administrator's fresh
-    browser logs in on its first POST within 5 s, against fresh IPv4 addresses and fresh IPv6 /64s of one
+    browser logs in on its first POST, next in line, against fresh IPv4 addresses and fresh IPv6 /64s of one
     /48 alike; the flood was answered 503 (the line was full) and clients still connect afterwards."""
     workers = 2 * MAX_WAITING
     with start_proxied_server() as server:
@@ -217,9 +225,9 @@ def test_login_flood_from_more_than_max_waiting_addresses_leaves_a_fresh_browser
         requests = [login_form(server, client_id, from_address(f"203.0.113.{n + 1}")) for n in range(80)]
         for addresses in (_flood_addresses(), _flood_64s_of_one_48()):
             flood = _flood_while_admin_logs_in(server, requests[:40], workers=workers, addresses=addresses)
-            admin_status, admin_s, attacker = asyncio.run(flood)
+            admin_status, checked_meanwhile, attacker = asyncio.run(flood)
             assert admin_status == 303, (admin_status, attacker)
-            assert admin_s < 5.0, (admin_s, attacker)
+            assert checked_meanwhile <= ADMIN_WAITS_AT_MOST, (checked_meanwhile, attacker)
             assert attacker[503] > 0, attacker  # the line was full
             assert set(attacker) <= {401, 403, 429, 503}, attacker
             del requests[:40]
@@ -233,8 +241,11 @@ async def _flood_while_admin_logs_in(
     *,
     workers: int = FLOOD_WORKERS,
     addresses: Iterator[str] | None = None,
-) -> tuple[int, float, Counter[int]]:
+) -> tuple[int, int, Counter[int]]:
+    """The fresh browser's answer, how many of the flood's passwords were checked (401) while it waited,
+    and the flood's answers."""
     statuses: Counter[int] = Counter()
+    checked: list[float] = []  # when each of the flood's 401s came
     stop = asyncio.Event()
     tries = [(fields, cookie) for fields, cookie in requests for _ in range(MAX_LOGIN_TRIES)]
     addresses = addresses or _flood_addresses()
@@ -247,6 +258,8 @@ async def _flood_while_admin_logs_in(
                 headers = {**from_address(next(addresses)), "Cookie": f"{BROWSER_COOKIE}={cookie}"}
                 answer = await client.post("/oauth/login", data={**fields, "password": "wrong"}, headers=headers)
                 statuses[answer.status_code] += 1
+                if answer.status_code == 401:
+                    checked.append(time.monotonic())
                 if answer.status_code == 503:
                     tries.append((fields, cookie))  # not checked: the attacker tries it again at once
 
@@ -255,14 +268,14 @@ async def _flood_while_admin_logs_in(
             while statuses[401] < workers:
                 await asyncio.sleep(0.05)
         try:
-            status, seconds = await asyncio.to_thread(_fresh_browser_logs_in, server)
+            status, started, ended = await asyncio.to_thread(_fresh_browser_logs_in, server)
         finally:
             stop.set()
             await asyncio.gather(*tasks)
-    return status, seconds, statuses
+    return status, sum(started < at < ended for at in checked), statuses
 
 
-def _fresh_browser_logs_in(server: LiveServer) -> tuple[int, float]:
+def _fresh_browser_logs_in(server: LiveServer) -> tuple[int, float, float]:
     browser = Browser(server)
     try:
         client_id = server.register(client_name="administrator's app")["client_id"]
@@ -271,7 +284,7 @@ def _fresh_browser_logs_in(server: LiveServer) -> tuple[int, float]:
         assert page.status_code == 200, page.text
         started = time.monotonic()
         answer = browser.login(page)
-        return answer.status_code, time.monotonic() - started
+        return answer.status_code, started, time.monotonic()
     finally:
         browser.close()
 
