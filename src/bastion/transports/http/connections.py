@@ -27,7 +27,9 @@ so idle sockets lock out everyone. Held sockets also use file descriptors: at th
 - a WebSocket upgrade ends the head deadline: uvicorn hands the socket to its WebSocket protocol, which
   takes this one's place in the count and is served (never evicted) until it closes. Its keepalive pings
   (uvicorn's 20 s interval and timeout) close a peer that is gone or stops reading; one that answers
-  stays, as an idle WebSocket (a dev server's reload socket) is meant to, within the cap.
+  stays, as an idle WebSocket (a dev server's reload socket) is meant to, within the cap. Its unsent bytes
+  leave `UnsentWatch` there: the application gets the connection (`WebSocketConnection`, a scope extension)
+  to bound them itself (the preview relay waits for the browser to take each message, and resets a stalled one).
 
 - over TLS, a connection the server closes ends once all it wrote (the answer and its close_notify) is in
   the kernel's queue (`tls_flushed`), as a plain connection does, instead of asyncio's wait of up to 30 s for
@@ -411,6 +413,28 @@ class UnsentWatch:
         self.reset.add(loop)
 
 
+WEBSOCKET_CONNECTION: Final = "bastion.connection"
+"""The scope extension that gives a WebSocket's application its `WebSocketConnection`."""
+
+
+@dataclass(frozen=True)
+class WebSocketConnection:
+    """A WebSocket's connection, for its application (the preview relay): unsent bytes are not counted by
+    `UnsentWatch` once the connection is upgraded, so the relay bounds them itself. It waits for `transport`'s
+    buffer to drain before reading more, and resets a connection whose client took nothing for `stall_s`
+    (`send_stall_timeout_s`, as for HTTP answers)."""
+
+    transport: asyncio.Transport
+    stall_s: float
+
+
+def _offer_connection(transport: asyncio.Transport, stall_s: float) -> None:
+    """Put the connection in the scope of the WebSocket application uvicorn just made (its task has not run)."""
+    scope = getattr(transport.get_protocol(), "scope", None)
+    if isinstance(scope, dict):  # None when the handshake was refused: no application runs
+        scope.setdefault("extensions", {})[WEBSOCKET_CONNECTION] = WebSocketConnection(transport, stall_s)
+
+
 def tls_flushed(transport: asyncio.BaseTransport) -> bool:
     """Whether the TLS `transport`, being closed by the server, has handed all it wrote to the kernel: the
     answer and its close_notify, so that only the client's close_notify is awaited (asyncio waits up to 30 s).
@@ -573,6 +597,7 @@ class GuardedH11Protocol(H11Protocol):
             self.own.close()
             self.own = None
         super().handle_websocket_upgrade(event)
+        _offer_connection(self.transport, self.unsent.stall_s)
 
     def _current(self) -> Phase:
         cycle = self.cycle

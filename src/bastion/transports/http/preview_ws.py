@@ -1,7 +1,13 @@
 """A preview's WebSocket: the browser's (uvicorn's, ASGI) joined to the app's, spoken with wsproto over
-the socket the sandbox's agent connected. Messages are capped (`MAX_WS_MESSAGE_BYTES`, each piece charged
-at least `MIN_PIECE_CHARGE`); the app's handshake must end within `HANDSHAKE_TIMEOUT_S`. Everything from
-the app is hostile: a malformed frame ends the connection (wsproto raises), never the server."""
+the socket the sandbox's agent connected. Messages are capped (`MAX_WS_MESSAGE_BYTES`, in at most
+`MAX_PIECES` pieces); the app's handshake must end within `HANDSHAKE_TIMEOUT_S`. Everything from
+the app is hostile: a malformed frame ends the connection (wsproto raises), never the server.
+
+Backpressure: nothing more is read from the app until the browser's connection has taken what it was sent
+(`_Browser.taken`), so a WebSocket holds one message at most in the server, and the app's own sends wait in
+its sandbox. A browser that takes nothing for `send_stall_timeout_s` meanwhile is reset. Found by attack:
+200 public-preview WebSockets that never read, to an app pushing 1 MiB messages, held 3.4 MB of the server's
+memory and ~6 MB of kernel socket memory each, counted by no limit (`max_unsent_mib` ends at the upgrade)."""
 
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ import socket
 from collections.abc import Callable
 from typing import Final
 
+from starlette.types import Message as AsgiMessage
 from starlette.types import Receive, Scope, Send
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import (
@@ -28,19 +35,72 @@ from wsproto.events import (
 )
 from wsproto.utilities import LocalProtocolError, RemoteProtocolError
 
-from bastion.transports.http.connections import close_or_reset
+from bastion.transports.http.connections import (
+    WEBSOCKET_CONNECTION,
+    SummaryLog,
+    WebSocketConnection,
+    close_or_reset,
+)
 
 logger = logging.getLogger("bastion.http.preview")
 MAX_WS_MESSAGE_BYTES: Final = 1 << 20
-MIN_PIECE_CHARGE: Final = 256
-"""What each piece of an app's message (a frame, or the part of one a read brought) counts toward the cap at
-least. Empty continuation frames, 2 bytes each on the wire, otherwise grew a message for ever (2 M of them:
-19 MiB and 14 s of CPU). Charged so, a message has at most 4,096 pieces. The browser's side needs none:
-uvicorn appends its pieces to one buffer, capped by bytes."""
+MAX_PIECES: Final = 4096
+"""Pieces of an app's message (a frame, or the part of one a read brought) at most. Empty continuation frames,
+2 bytes each on the wire, otherwise grew a message for ever (2 M of them: 19 MiB and 14 s of CPU). Counted
+apart from the bytes: charged 256 bytes each against the byte cap instead, a message of exactly the cap was
+refused (1009) whenever a read ended a few bytes into it. The browser's side needs none: uvicorn appends its
+pieces to one buffer, capped by bytes."""
 HANDSHAKE_TIMEOUT_S: Final = 10.0
 EXPOSED_CHECK_S: Final = 1.0
 """How often a live WebSocket checks that its preview is still exposed (a poll: the registry has no events)."""
 READ_BYTES: Final = 65_536
+"""What one read from the app takes; the app's stream buffers at most twice this before it stops reading."""
+APP_RECEIVE_BUFFER: Final = 65_536
+"""The kernel's receive buffer for the app's socket (Linux doubles it; its default grows to tcp_rmem's 32 MiB):
+what the relay does not read stays in the app's own send queue, in its sandbox."""
+DRAIN_POLL_S: Final = 0.005
+MAX_DRAIN_POLL_S: Final = 1.0
+"""How often a browser's connection that is not drained is measured again: `DRAIN_POLL_S`, doubling up to this
+while the browser takes nothing (a stalled one costs a wake-up a second, a reading one waits little)."""
+_stalled = SummaryLog("reset preview WebSockets whose browsers took nothing of a message in time", logging.INFO)
+
+
+class BrowserStalled(OSError):
+    """The browser took nothing it was sent for its connection's stall time."""
+
+
+class _Browser:
+    """The browser's side: ASGI `send`, and the connection (offered by the server: `WebSocketConnection`) whose
+    buffer the relay waits on. Without one (a server that does not offer it), nothing is waited for."""
+
+    def __init__(self, scope: Scope, send: Send) -> None:
+        offered = scope.get("extensions", {}).get(WEBSOCKET_CONNECTION)
+        self.send = send
+        self.connection = offered if isinstance(offered, WebSocketConnection) else None
+
+    async def taken(self) -> None:
+        """Return once the server holds no more for the browser than its connection's low-water mark (the
+        kernel took the rest; uvicorn's send, which waits on that mark too, then does not wait).
+
+        Raises BrowserStalled, having reset the connection, when the browser took nothing for the stall time:
+        uvicorn's close would wait for the buffer to drain, for as long as the browser reads nothing."""
+        if self.connection is None:
+            return
+        transport, loop = self.connection.transport, asyncio.get_running_loop()
+        drained, _ = transport.get_write_buffer_limits()
+        held, since, pause = transport.get_write_buffer_size(), loop.time(), DRAIN_POLL_S
+        while held > drained:
+            await asyncio.sleep(pause)
+            now = transport.get_write_buffer_size()
+            if now < held:
+                since, pause = loop.time(), DRAIN_POLL_S
+            elif loop.time() - since >= self.connection.stall_s:
+                close_or_reset(transport)
+                _stalled.add(loop)
+                raise BrowserStalled(f"the browser took nothing for {self.connection.stall_s:g} s")
+            else:
+                pause = min(pause * 2, MAX_DRAIN_POLL_S)
+            held = now
 
 
 class _Link:
@@ -101,7 +161,9 @@ async def proxy_websocket(
     The status: 101 once both sides were joined, 502 when the app refused or failed its handshake, 499 (as
     nginx names it) when the browser left during the app's handshake. `app_timeout_s`: how long the app may take
     nothing the browser sends before the WebSocket ends."""
-    reader, writer = await asyncio.open_connection(sock=sock, limit=MAX_WS_MESSAGE_BYTES)
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, APP_RECEIVE_BUFFER)
+    reader, writer = await asyncio.open_connection(sock=sock, limit=READ_BYTES)
     link = _Link(reader, writer, app_timeout_s)
     try:
         try:
@@ -117,7 +179,7 @@ async def proxy_websocket(
             return 499, 0
         sent = [0]
         to_app = asyncio.ensure_future(_browser_to_app(receive, link))
-        to_browser = asyncio.ensure_future(_app_to_browser(send, link, sent))
+        to_browser = asyncio.ensure_future(_app_to_browser(_Browser(scope, send), link, sent))
         revoked = asyncio.ensure_future(_until_revoked(exposed, send, link))
         done, pending = await asyncio.wait({to_app, to_browser, revoked}, return_when=asyncio.FIRST_COMPLETED)
         for task in pending:
@@ -153,12 +215,15 @@ async def _browser_to_app(receive: Receive, link: _Link) -> None:
                 await link.send(BytesMessage(data=message["bytes"]))
 
 
-async def _app_to_browser(send: Send, link: _Link, sent: list[int]) -> None:
-    """Whole messages from the app to the browser; a close, a broken app or an oversized message ends it."""
+async def _app_to_browser(browser: _Browser, link: _Link, sent: list[int]) -> None:
+    """Whole messages from the app to the browser, each read once the browser took the one before; a close,
+    a broken app, an oversized message or a browser that stalls ends it."""
+    send = browser.send
     parts: list[str | bytes] = []
-    size = charged = 0
+    size = pieces = 0
     try:
         while True:
+            await browser.taken()
             for event in await link.events():
                 if isinstance(event, Ping):
                     await link.send(event.response())
@@ -169,15 +234,17 @@ async def _app_to_browser(send: Send, link: _Link, sent: list[int]) -> None:
                     parts.append(event.data)
                     length = len(event.data.encode()) if isinstance(event.data, str) else len(event.data)
                     size += length
-                    charged += max(length, MIN_PIECE_CHARGE)
-                    if charged > MAX_WS_MESSAGE_BYTES:
+                    pieces += 1
+                    if size > MAX_WS_MESSAGE_BYTES or pieces > MAX_PIECES:
                         _close_app(link, 1009)
                         await close_browser(send, 1009)
                         return
                     if event.message_finished:
                         await _forward(send, parts)
                         sent[0] += size
-                        parts, size, charged = [], 0, 0
+                        parts, size, pieces = [], 0, 0
+    except BrowserStalled:
+        _close_app(link, 1001)
     except (OSError, LocalProtocolError, RemoteProtocolError):
         await close_browser(send, 1011)
 
@@ -196,7 +263,11 @@ async def close_browser(send: Send, code: int) -> None:
 
 
 async def _forward(send: Send, parts: list[str | bytes]) -> None:
+    """Send the message made of `parts`, emptied first: the message is then held once, not twice."""
+    message: AsgiMessage
     if isinstance(parts[0], str):
-        await send({"type": "websocket.send", "text": "".join(str(p) for p in parts)})
+        message = {"type": "websocket.send", "text": "".join(str(p) for p in parts)}
     else:
-        await send({"type": "websocket.send", "bytes": b"".join(p for p in parts if isinstance(p, bytes))})
+        message = {"type": "websocket.send", "bytes": b"".join(p for p in parts if isinstance(p, bytes))}
+    parts.clear()
+    await send(message)
