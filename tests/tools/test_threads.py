@@ -24,6 +24,30 @@ class _Place:
     """A workspace or an inbox, for the shares: any object a weak reference can name."""
 
 
+class _Blocked:
+    """Work that waits in its thread until released, counting how many run at once (now and at most)."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.running = self.most = 0
+        self._lock = threading.Lock()
+
+    def __call__(self) -> None:
+        with self._lock:
+            self.running += 1
+            self.most = max(self.most, self.running)
+        self.release.wait(30)
+        with self._lock:
+            self.running -= 1
+
+    async def until_running(self, count: int) -> None:
+        """Wait until `count` run, and the tasks that could start more are all waiting."""
+        with anyio.fail_after(10):
+            while self.running < count:
+                await anyio.sleep(0.01)
+        await anyio.wait_all_tasks_blocked()
+
+
 def _as(client_id: str) -> None:
     token = AccessToken(token=f"t-{client_id}", client_id=client_id, scopes=["workbench"], expires_at=None)
     auth_context_var.set(AuthenticatedUser(token))
@@ -35,24 +59,12 @@ async def test_one_callers_burst_over_many_places_leaves_threads_for_another_cal
     MAX_THREADS_PER_CALLER threads across its places."""
     shares = ThreadShares()
     places = [_Place() for _ in range(11)]
-    release = threading.Event()
-    running = [0]
-    most = [0]
-    lock = threading.Lock()
-
-    def blocked() -> None:
-        with lock:
-            running[0] += 1
-            most[0] = max(most[0], running[0])
-        release.wait(30)
-        with lock:
-            running[0] -= 1
-
+    work = _Blocked()
     other_ran = anyio.Event()
 
     async def burst(place: _Place) -> None:
         _as("agent-a")
-        await shares.run(place, blocked)
+        await shares.run(place, work)
 
     async def other() -> None:
         _as("agent-b")
@@ -62,41 +74,23 @@ async def test_one_callers_burst_over_many_places_leaves_threads_for_another_cal
     async with anyio.create_task_group() as group:
         for n in range(66):
             group.start_soon(burst, places[n % len(places)])
-        with anyio.fail_after(10):
-            while running[0] < MAX_THREADS_PER_CALLER:
-                await anyio.sleep(0.01)
-        await anyio.wait_all_tasks_blocked()
+        await work.until_running(MAX_THREADS_PER_CALLER)
         group.start_soon(other)
         with anyio.fail_after(10):
             await other_ran.wait()  # while every call of agent-a's is still held
-        assert running[0] == MAX_THREADS_PER_CALLER
-        release.set()
-    assert most[0] == MAX_THREADS_PER_CALLER
+        assert work.running == MAX_THREADS_PER_CALLER
+        work.release.set()
+    assert work.most == MAX_THREADS_PER_CALLER
 
 
 async def test_one_place_holds_at_most_its_share() -> None:
     shares = ThreadShares()
     place = _Place()
-    release = threading.Event()
-    running = [0]
-    most = [0]
-    lock = threading.Lock()
-
-    def blocked() -> None:
-        with lock:
-            running[0] += 1
-            most[0] = max(most[0], running[0])
-        release.wait(30)
-        with lock:
-            running[0] -= 1
-
+    work = _Blocked()
     async with anyio.create_task_group() as group:
         for _ in range(20):
-            group.start_soon(shares.run, place, blocked)
-        with anyio.fail_after(10):
-            while running[0] < MAX_THREADS_PER_PLACE:
-                await anyio.sleep(0.01)
-        await anyio.wait_all_tasks_blocked()
-        assert running[0] == MAX_THREADS_PER_PLACE
-        release.set()
-    assert most[0] == MAX_THREADS_PER_PLACE
+            group.start_soon(shares.run, place, work)
+        await work.until_running(MAX_THREADS_PER_PLACE)
+        assert work.running == MAX_THREADS_PER_PLACE
+        work.release.set()
+    assert work.most == MAX_THREADS_PER_PLACE
