@@ -105,14 +105,14 @@ def serve_stdio(config: Config, config_path: str) -> int:
         except Stopped:
             pass
         finally:
-            with _signals_ignored():
-                notifier.stopping()
-                if listeners is not None:
-                    listeners.close()
-                if front is not None:
-                    front.close()
-                if services is not None:
-                    services.close()
+            _ignore_stop_signals()
+            notifier.stopping()
+            if listeners is not None:
+                listeners.close()
+            if front is not None:
+                front.close()
+            if services is not None:
+                services.close()
     return 0
 
 
@@ -158,16 +158,12 @@ async def _serve_until_stopped(serve: Callable[[], Awaitable[None]]) -> None:
                 signal.signal(sig, _stop)  # asyncio leaves the default action, which ends the process at once
 
 
-@contextlib.contextmanager
-def _signals_ignored() -> Iterator[None]:
-    """While the services close: a second SIGTERM must not cut the cleanup short (systemd's
-    SIGKILL after its timeout still ends a cleanup that hangs)."""
-    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in _CLEANUP_SIGNALS}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+def _ignore_stop_signals() -> None:
+    """From the cleanup to the exit: a second SIGTERM or Ctrl-C must not cut the cleanup short (systemd's
+    SIGKILL after its timeout still ends a cleanup that hangs). Not restored after it: what follows is the
+    exit (found by the repeated-signal test: a Ctrl-C between a restore and the exit ended the process 130)."""
+    for sig in _CLEANUP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def http_connect_help(mcp_url: str) -> str:
@@ -295,6 +291,11 @@ def clean_stop_server(notifier: Notifier, status: str) -> type[uvicorn.Server]:
             finally:
                 if previous is not None:
                     signal.signal(signal.SIGHUP, previous)
+                if main:
+                    # uvicorn gave SIGINT back Python's handler: a Ctrl-C while asyncio.run cancels what is left
+                    # (the lifespan) raised KeyboardInterrupt inside it, a traceback in the log (found by the
+                    # repeated-signal test). What follows is the stop: the cleanup and the exit.
+                    _ignore_stop_signals()
 
         async def serve(self, sockets: list[socket.socket] | None = None) -> None:
             # asyncio logs a traceback for every accept() that runs out of descriptors: one line instead.
@@ -589,17 +590,19 @@ def serve_http(config: Config, config_path: str, listen: str | None = None) -> i
             services = build_services(config)
             front = _Front(services, listeners, listen)
             _serve_front(config, config_path, notifier, listeners, front)
-        except Stopped:
+        except (Stopped, KeyboardInterrupt):
+            # A Ctrl-C once uvicorn has given SIGINT back its default handler (it stops on the first itself):
+            # the stop is under way, and it ends as one (found by the repeated-signal test: exit 130).
             pass
         finally:
             # Found by attack: a second SIGTERM here ended the process on the spot, every sandbox still mounted.
-            with _signals_ignored():
-                notifier.stopping()  # sent once: uvicorn's shutdown sent it already unless the start failed
-                listeners.close()
-                if front is not None:
-                    front.close()
-                if services is not None:
-                    services.close()
+            _ignore_stop_signals()
+            notifier.stopping()  # sent once: uvicorn's shutdown sent it already unless the start failed
+            listeners.close()
+            if front is not None:
+                front.close()
+            if services is not None:
+                services.close()
     return 0
 
 
