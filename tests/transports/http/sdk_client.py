@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import anyio
 import httpx2
 from mcp import Client
@@ -31,14 +33,24 @@ class MemoryStorage:
 
 
 def sdk_provider(
-    server: LiveServer, browser: Browser, storage: MemoryStorage, scope: str | None, log: list[str]
+    server: LiveServer,
+    browser: Browser,
+    storage: MemoryStorage,
+    scope: str | None,
+    log: list[str],
+    approve: Callable[[str], str] | None = None,
 ) -> OAuthClientProvider:
+    """The SDK's provider whose browser approves as the administrator would: `approve(authorize URL)` returns
+    the callback location (by default the browser logs in and approves `scope`, unticking the rest)."""
     location: dict[str, str] = {}
+    consent = scope.split() if scope else None
+
+    def approved(url: str) -> str:
+        return browser.approve(url, scopes=consent) if approve is None else approve(url)
 
     async def redirect_handler(url: str) -> None:
         log.append(url)
-        consent = scope.split() if scope else None  # the administrator unticks the rest
-        location["value"] = await anyio.to_thread.run_sync(lambda: browser.approve(url, scopes=consent))
+        location["value"] = await anyio.to_thread.run_sync(approved, url)
 
     async def callback_handler() -> AuthorizationCodeResult:
         params = callback_params(location["value"])

@@ -30,9 +30,7 @@ import anyio
 import httpx2
 import pytest
 from mcp import Client
-from mcp.client.auth import OAuthClientProvider
 from mcp.client.streamable_http import streamable_http_client
-from mcp.shared.auth import AuthorizationCodeResult, OAuthClientMetadata
 
 from bastion.tools.server import SCOPES
 from bastion.transports.http.provider import MAX_LOGIN_TRIES
@@ -40,8 +38,8 @@ from bastion.transports.http.ratelimit import MAX_WAITING
 from bastion.transports.http.store import AuthStore
 
 from .clients import CLAUDE_CODE, assert_clients_connect, from_address
-from .live import BASTION, PASSWORD, Browser, LiveServer, callback_params, forms, pkce, redeem_code
-from .sdk_client import MemoryStorage
+from .live import BASTION, PASSWORD, Browser, LiveServer, forms, pkce, redeem_code
+from .sdk_client import MemoryStorage, sdk_provider
 from .test_loopback_twins import has_ipv6_loopback
 
 BROWSER_COOKIE = "__Host-bastion-browser"
@@ -303,32 +301,16 @@ async def test_sdk_client_asking_for_every_scope_never_gets_gateway_ticked(
         storage = MemoryStorage()
         seen: dict[str, Any] = {}
 
-        async def redirect_handler(url: str) -> None:
-            def decide() -> str:
-                seen["asked"] = parse_qs(urlsplit(url).query)["scope"][0].split()
-                consent = browser.open(browser.login(browser.open(url)).headers["location"])
-                seen["offered"] = forms(consent.text)[0]["checkboxes"]
-                seen["ticked"] = [s for s in SCOPES if re.search(rf'value="{re.escape(s)}" checked', consent.text)]
-                decided = browser.consent(consent, scopes=seen["ticked"])
-                assert decided.status_code == 303, decided.text
-                return str(decided.headers["location"])
+        def decide(url: str) -> str:
+            seen["asked"] = parse_qs(urlsplit(url).query)["scope"][0].split()
+            consent = browser.open(browser.login(browser.open(url)).headers["location"])
+            seen["offered"] = forms(consent.text)[0]["checkboxes"]
+            seen["ticked"] = [s for s in SCOPES if re.search(rf'value="{re.escape(s)}" checked', consent.text)]
+            decided = browser.consent(consent, scopes=seen["ticked"])
+            assert decided.status_code == 303, decided.text
+            return str(decided.headers["location"])
 
-            seen["callback"] = await anyio.to_thread.run_sync(decide)
-
-        async def callback_handler() -> AuthorizationCodeResult:
-            params = callback_params(seen["callback"])
-            return AuthorizationCodeResult(code=params["code"][0], state=params["state"][0], iss=params["iss"][0])
-
-        metadata = OAuthClientMetadata.model_validate(
-            {
-                "client_name": "Claude Code-shaped (SDK)",
-                "redirect_uris": ["http://127.0.0.1/callback"],
-                "grant_types": ["authorization_code", "refresh_token"],
-                "response_types": ["code"],
-                "token_endpoint_auth_method": "none",
-            }
-        )
-        auth = OAuthClientProvider(server.mcp_url, metadata, storage, redirect_handler, callback_handler)
+        auth = sdk_provider(server, browser, storage, None, [], approve=decide)
         try:
             async with (
                 httpx2.AsyncClient(auth=auth, timeout=30) as http,
