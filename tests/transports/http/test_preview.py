@@ -140,13 +140,19 @@ WAIT_LISTENING = (
 )
 
 
+@contextlib.contextmanager
+def serving_preview(tmp_path_factory: pytest.TempPathFactory, name: str, extra_http: str = "") -> Iterator[Preview]:
+    """A live server with a preview listener (`config_text`, plus `extra_http` in `[http]`), in a fresh folder."""
+    root = tmp_path_factory.mktemp(name) / "demo"
+    port, preview_port = free_port(), free_port()
+    with serve_config(root, config_text(root, port, preview_port, extra_http), port) as server:
+        yield Preview(server, preview_port)
+
+
 @pytest.fixture(scope="module")
 def preview(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Preview]:
-    root = tmp_path_factory.mktemp("preview") / "demo"
-    port, preview_port = free_port(), free_port()
-    config = config_text(root, port, preview_port)
-    with serve_config(root, config, port) as server:
-        yield Preview(server, preview_port)
+    with serving_preview(tmp_path_factory, "preview") as served:
+        yield served
 
 
 @pytest.fixture(scope="module")

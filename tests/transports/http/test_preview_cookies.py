@@ -21,8 +21,7 @@ import pytest
 from bastion.transports.http.preview import cookie_prefix
 
 from .chromium import CHROMIUM, admin_login, launch
-from .live import free_port, serve_config
-from .test_preview import Preview, _session_cookie, config_text
+from .test_preview import Preview, _session_cookie, serving_preview
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed")]
 
@@ -120,10 +119,8 @@ def other_app() -> Iterator[http.server.HTTPServer]:
 
 @pytest.fixture(scope="module")
 def preview(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Preview]:
-    root = tmp_path_factory.mktemp("preview-cookies") / "demo"
-    port, preview_port = free_port(), free_port()
-    with serve_config(root, config_text(root, port, preview_port), port) as server:
-        yield Preview(server, preview_port)
+    with serving_preview(tmp_path_factory, "preview-cookies") as served:
+        yield served
 
 
 def _login_sandbox(preview: Preview) -> str:

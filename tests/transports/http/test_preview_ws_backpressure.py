@@ -23,8 +23,7 @@ import pytest
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import BytesMessage, CloseConnection, Request
 
-from .live import free_port, serve_config
-from .test_preview import APPS, SESSION_COOKIE, WAIT_LISTENING, Preview, config_text
+from .test_preview import APPS, SESSION_COOKIE, WAIT_LISTENING, Preview, serving_preview
 from .test_preview_ws_live import Client
 
 pytestmark = pytest.mark.bwrap
@@ -45,11 +44,8 @@ TCP_TIME_WAIT = "06"
 
 @pytest.fixture(scope="module")
 def preview(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Preview]:
-    root = tmp_path_factory.mktemp("preview-ws-backpressure") / "demo"
-    port, preview_port = free_port(), free_port()
-    config = config_text(root, port, preview_port, f"send_stall_timeout_s = {STALL_S}\n")
-    with serve_config(root, config, port) as server:
-        yield Preview(server, preview_port)
+    with serving_preview(tmp_path_factory, "preview-ws-backpressure", f"send_stall_timeout_s = {STALL_S}\n") as served:
+        yield served
 
 
 @pytest.fixture(scope="module")

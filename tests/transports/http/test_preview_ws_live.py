@@ -18,8 +18,7 @@ import pytest
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import AcceptConnection, CloseConnection, Event, Request, TextMessage
 
-from .live import free_port, serve_config
-from .test_preview import APPS, SESSION_COOKIE, WAIT_LISTENING, Preview, config_text
+from .test_preview import APPS, SESSION_COOKIE, WAIT_LISTENING, Preview, serving_preview
 
 pytestmark = pytest.mark.bwrap
 
@@ -64,11 +63,8 @@ class Client:
 
 @pytest.fixture(scope="module")
 def preview(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Preview]:
-    root = tmp_path_factory.mktemp("preview-ws") / "demo"
-    port, preview_port = free_port(), free_port()
-    config = config_text(root, port, preview_port, f"request_head_timeout_s = {HEAD_TIMEOUT_S}\n")
-    with serve_config(root, config, port) as server:
-        yield Preview(server, preview_port)
+    with serving_preview(tmp_path_factory, "preview-ws", f"request_head_timeout_s = {HEAD_TIMEOUT_S}\n") as served:
+        yield served
 
 
 def test_a_preview_websocket_outlives_the_request_head_deadline(preview: Preview) -> None:
