@@ -37,7 +37,9 @@ from bastion.demo import init_demo
 from servers import free_port
 
 REPO = Path(__file__).resolve().parent.parent
-WS_ECHO = REPO / "tests" / "transports" / "http" / "preview_apps" / "ws_echo.py"
+APPS = REPO / "tests" / "transports" / "http" / "preview_apps"
+WS_APP_FILES = ("ws_echo.py", "ws_handshake.py")
+"""The WebSocket echo and the handshake it imports, written side by side in the sandbox."""
 TARGET_ADDED_MS = 2.0
 INSIDE = """
 import http.client, statistics, sys, time
@@ -89,7 +91,8 @@ async def prepare(base: str) -> tuple[str, str, str]:
     """A sandbox with both servers; (its id, the page's URL, the echo's URL)."""
     sandbox = str((await tool(base, "create_sandbox"))["sandbox_id"])
     await tool(base, "write_file", sandbox_id=sandbox, path="index.html", content="<p>hello</p>\n" * 20)
-    await tool(base, "write_file", sandbox_id=sandbox, path="ws_echo.py", content=WS_ECHO.read_text())
+    for name in WS_APP_FILES:
+        await tool(base, "write_file", sandbox_id=sandbox, path=name, content=(APPS / name).read_text())
     await tool(base, "write_file", sandbox_id=sandbox, path="inside.py", content=INSIDE)
     start = "python3 -m http.server 8000 --bind 127.0.0.1 >/dev/null 2>&1 &\npython3 ws_echo.py 8001 >/dev/null 2>&1 &"
     await tool(base, "run_command", sandbox_id=sandbox, command=start)

@@ -102,11 +102,12 @@ class Preview:
         return str(result["detail"].get("stdout", ""))
 
     def sandbox_with_servers(self, **create: object) -> str:
-        """A sandbox running app.py on 8000 and ws_echo.py on 8001, both listening."""
+        """A sandbox running app.py on 8000 and ws_echo.py on 8001, both listening (and `ws_handshake.py`, which
+        the WebSocket apps import, beside them)."""
         created = self.tool("create_sandbox", **create)
         assert created["ok"], created
         sandbox_id = str(created["detail"]["sandbox_id"])
-        for name in ("app.py", "ws_echo.py", "index.html", "hostile.html"):
+        for name in ("app.py", "ws_echo.py", "ws_handshake.py", "index.html", "hostile.html"):
             written = self.tool("write_file", sandbox_id=sandbox_id, path=name, content=(APPS / name).read_text())
             assert written["ok"], written
         if create.get("template") == "vm":  # what a microVM's command leaves running ends with it: background

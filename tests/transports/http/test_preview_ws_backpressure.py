@@ -54,8 +54,9 @@ def sandbox_id(preview: Preview) -> Iterator[str]:
     created = preview.tool("create_sandbox")
     assert created["ok"], created
     sandbox_id = str(created["detail"]["sandbox_id"])
-    content = Path(APPS / "ws_numbered.py").read_text()
-    assert preview.tool("write_file", sandbox_id=sandbox_id, path="ws_numbered.py", content=content)["ok"]
+    for name in ("ws_numbered.py", "ws_handshake.py"):
+        content = Path(APPS / name).read_text()
+        assert preview.tool("write_file", sandbox_id=sandbox_id, path=name, content=content)["ok"]
     preview.run(
         sandbox_id,
         f"python3 ws_numbered.py {FLOOD_PORT} 1000000000 >/dev/null 2>&1 &\n"

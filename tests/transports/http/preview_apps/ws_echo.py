@@ -1,13 +1,11 @@
 """A WebSocket echo server for the preview tests (stdlib only, runs INSIDE a sandbox; RFC 6455)."""
 
-import base64
-import hashlib
 import socket
 import struct
 import sys
 import threading
 
-GUID = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
+from ws_handshake import accept
 
 
 def read_exact(conn, n):
@@ -21,18 +19,7 @@ def read_exact(conn, n):
 
 
 def serve(conn):
-    head = b""
-    while b"\r\n\r\n" not in head:
-        head += conn.recv(4096)
-    key = next(
-        line.split(b":", 1)[1].strip() for line in head.split(b"\r\n") if line.lower().startswith(b"sec-websocket-key:")
-    )
-    accept = base64.b64encode(hashlib.sha1(key + GUID.encode()).digest())
-    conn.sendall(
-        b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Accept: "
-        + accept
-        + b"\r\n\r\n"
-    )
+    accept(conn)
     try:
         while True:
             b1, b2 = read_exact(conn, 2)

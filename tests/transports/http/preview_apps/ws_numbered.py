@@ -2,31 +2,19 @@
 sends COUNT binary messages of 1 MiB, message i being `random.Random(i).randbytes(1 MiB)`, as fast as the
 connection takes them, then a close (1000). Usage: ws_numbered.py PORT COUNT"""
 
-import base64
-import hashlib
 import random
 import socket
 import struct
 import sys
 import threading
 
-GUID = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
+from ws_handshake import accept
+
 SIZE = 1 << 20
 
 
 def serve(conn, count):
-    head = b""
-    while b"\r\n\r\n" not in head:
-        head += conn.recv(4096)
-    key = next(
-        line.split(b":", 1)[1].strip() for line in head.split(b"\r\n") if line.lower().startswith(b"sec-websocket-key:")
-    )
-    accept = base64.b64encode(hashlib.sha1(key + GUID.encode()).digest())
-    conn.sendall(
-        b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Accept: "
-        + accept
-        + b"\r\n\r\n"
-    )
+    accept(conn)
     try:
         for i in range(count):
             conn.sendall(b"\x82\x7f" + struct.pack("!Q", SIZE) + random.Random(i).randbytes(SIZE))
