@@ -1167,6 +1167,52 @@ def test_a_rotation_that_cannot_open_its_new_file_opens_it_at_the_next_record(
     assert set(accepted) <= set(ids)
 
 
+def test_verify_during_an_unfinished_rotation_reads_the_rotated_files_and_names_both_causes(
+    log_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Left alone last session: while a rotation waits for its new file (no fd left), `bastion audit verify`
+    said only "cannot open audit.jsonl". It still fails (a deleted log looks the same from its files), but it
+    reads the rotated files, counts their records and names both causes."""
+    log = AuditLog(log_path, redactor=Redactor(), rotate_bytes=2000)
+    log.open()
+    opened = audit_mod._open_log
+
+    def no_fd(path: Path, *, exclusive: bool) -> int:
+        raise AuditUnavailable(f"audit log {path} cannot be opened: Too many open files")
+
+    monkeypatch.setattr(audit_mod, "_open_log", no_fd)
+    accepted: list[str] = []
+    _append_until_refused(log, accepted)
+    assert not log_path.exists()
+    report = verify(log_path)
+    assert not report.ok
+    assert report.records == len(accepted) == len(_lines(log_path.with_name("audit.jsonl.1")))
+    assert report.first_error is not None
+    assert "rotation has not finished" in report.first_error
+    assert "deleted" in report.first_error
+    monkeypatch.setattr(audit_mod, "_open_log", opened)
+    _write(log, 3)
+    log.close()
+    assert verify(log_path).ok
+
+
+def test_verify_of_a_deleted_log_with_a_broken_rotated_file_reports_the_break(log_path: Path) -> None:
+    """The absent log's report never hides a break in the rotated files before it."""
+    log = AuditLog(log_path, redactor=Redactor(), rotate_bytes=2000)
+    log.open()
+    _write(log, 40)
+    log.close()
+    first = log_path.with_name("audit.jsonl.1")
+    lines = _lines(first)
+    first.write_bytes(b"".join(lines[:1] + lines[2:]))
+    log_path.unlink()
+    report = verify(log_path)
+    assert not report.ok
+    assert report.file == str(first)
+    assert report.first_error is not None
+    assert "line 2" in report.first_error
+
+
 def test_a_rotation_with_exactly_one_fd_left_finishes(log_path: Path) -> None:
     """Found by review: with one fd left, the rotation's folder took it, listing the rotated files then
     failed and was taken for none, and the link met `audit.jsonl.1` (EEXIST): the log was broken for good.

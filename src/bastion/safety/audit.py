@@ -1101,7 +1101,28 @@ def verify(path: str | os.PathLike[str]) -> VerifyReport:
         report = verify_files(files, ChainHead(), last_fd=fd, owners=owners)[0]
         if report.ok or not _changed_under(report, files, before, chain_identities(path)):
             return report
-    return report
+    return _absent_log(report, path)
+
+
+def _absent_log(report: VerifyReport, path: str | os.PathLike[str]) -> VerifyReport:
+    """A log still absent after every try: say what the rotated files before it hold, and the two causes.
+
+    A server whose rotation could not open the new file (no fd left, no room) leaves the log absent until a
+    later record opens it, refusing records meanwhile; a deleted log looks the same from its files. Not ok
+    either way: the files cannot tell them apart, but the verdict need not leave the rotated files unread.
+    """
+    files, missing = chain_files(path)
+    if missing is not None or len(files) < 2 or os.path.lexists(files[-1]):
+        return report
+    rotated, _ = verify_files(files[:-1], ChainHead())
+    if not rotated.ok:
+        return rotated
+    why = (
+        f"{files[-1]} is absent; the {len(files) - 1} rotated files before it verify ({rotated.records} records). "
+        "Either the server's rotation has not finished (its log says 'audit log rotation unfinished', and it "
+        "refuses records until the new file opens) or the log was deleted"
+    )
+    return VerifyReport(False, rotated.records, why, str(files[-1]), None)
 
 
 def _changed_under(
