@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 
 from bastion.safety.errors import Conflict, InvalidRequest, NotFound, OperationFailed, Unavailable
+from bastion.sandbox import cgroups
+from bastion.sandbox._cgroupfs import poll_until
 from bastion.sandbox._hierarchies import Hierarchy, Roles, own_dir, parse_mountinfo, parse_self_cgroup
 from bastion.sandbox.cgroups import (
     CgroupLayout,
@@ -285,6 +287,152 @@ def _freeze_busy_and_idle_once(group: SandboxCgroup, spawn: Spawn) -> None:
     assert group.usage().frozen
     group.thaw()
     assert not group.usage().frozen
+    assert busy.poll() is None
+    assert idle.poll() is None
+
+
+def _frozen_report(directory: str) -> bool:
+    text = Path(directory, "cgroup.events").read_text()
+    return dict(line.split() for line in text.splitlines()).get("frozen") == "1"
+
+
+def test_a_command_started_in_a_group_made_mid_freeze_is_stopped_when_freeze_returns(
+    make_group: MakeGroup, spawn: Spawn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A command starts while its sandbox is being frozen: its command group is made after freeze() listed the
+    command groups and before it froze the sandbox's group, and a busy process (held back by a 1% CPU quota, so
+    it stops late) joins it, as the agent's command does. Invariant: freeze() returns once that process is
+    stopped too (not runnable, its group reads frozen), and thaw() lets it and the sandbox's own idle process
+    run on. Before, the group's report counted its own processes only: freeze() returned with the command still
+    running, and a snapshot copied files it changed. Does not prove: a syscall already running ends first."""
+    for _ in range(3):
+        _start_a_command_mid_freeze_once(
+            make_group(Limits(memory_bytes=None, pids=None, cpu_cores=0.01)), spawn, monkeypatch
+        )
+
+
+def _start_a_command_mid_freeze_once(group: SandboxCgroup, spawn: Spawn, monkeypatch: pytest.MonkeyPatch) -> None:
+    group.command_group("c1")
+    idle = spawn(group, python("sys.stdin.readline()\n"))  # as the agent, waiting for a request
+    busy = spawn(group, python("while True:\n    pass\n"))
+    wait_for(lambda: group.usage().cpu_usec > 5_000)  # the quota is spent: the next wake waits for a period
+    listing = cgroups._tree
+    late: list[str] = []
+
+    def list_then_start_a_command(directory: str) -> list[str]:
+        listed = listing(directory)
+        if not late:
+            late.append(group.command_group("late").path)
+            Path(late[0], "cgroup.procs").write_text(str(busy.pid))
+        return listed
+
+    monkeypatch.setattr(cgroups, "_tree", list_then_start_a_command)
+    group.freeze()
+    monkeypatch.undo()
+    assert late
+    assert _state(busy.pid) != "R"
+    assert _frozen_report(late[0])
+    assert group.usage().frozen
+    group.thaw()
+    assert not group.usage().frozen
+    assert not _frozen_report(late[0])
+    used = group.usage().cpu_usec
+    wait_for(lambda: group.usage().cpu_usec > used)  # the command runs again
+    assert busy.poll() is None
+    assert idle.poll() is None
+
+
+def test_a_command_started_in_a_frozen_sandbox_does_not_run_until_thaw(
+    make_group: MakeGroup, spawn: Spawn, tmp_path: Path
+) -> None:
+    """A command starts while its sandbox is paused: its command group, made under the frozen group, starts
+    frozen (the kernel gives a new group its parent's freeze), and a running process that joins it stops there
+    before it runs a line of its own. Invariant: nothing it would do happens before thaw(), and all of it
+    after. Pins the kernel's behaviour that freeze() relies on for groups made once the group is frozen."""
+    group = make_group()
+    idle = spawn(group, python("sys.stdin.readline()\n"))
+    group.freeze()
+    late = group.command_group("late")
+    assert _frozen_report(late.path)
+    marker = tmp_path / "ran"
+    joiner = subprocess.Popen(python(f"open({str(marker)!r}, 'w').close()\n"), stdin=subprocess.PIPE)
+    try:
+        Path(late.path, "cgroup.procs").write_text(str(joiner.pid))
+        assert joiner.stdin is not None
+        joiner.stdin.write(b"go\n")
+        joiner.stdin.flush()
+        wait_for(lambda: _frozen_report(late.path))
+        assert group.usage().frozen
+        assert not marker.exists()
+        assert _state(joiner.pid) != "R"
+        group.thaw()
+        assert joiner.wait(timeout=10) == 0
+        assert marker.exists()
+        assert idle.poll() is None
+    finally:
+        if joiner.stdin is not None:
+            joiner.stdin.close()
+        if joiner.poll() is None:
+            joiner.kill()  # a frozen process still takes SIGKILL
+        joiner.wait(timeout=5)
+
+
+@pytest.fixture
+def v1_freezer(layout: CgroupLayout) -> Iterator[CgroupLayout]:
+    """The layout with the v1 freezer for freeze and command groups (pure v1's), where this host mounts one."""
+    if layout.mode == "v1":
+        yield layout
+        return
+    mounts = parse_mountinfo(Path("/proc/self/mountinfo").read_text())
+    mount = next((m.point for m in mounts if m.fstype == "cgroup" and "freezer" in m.super_options), None)
+    if mount is None:
+        pytest.skip("no v1 freezer hierarchy on this host")
+    freezer = Hierarchy(1, os.path.join(mount, BASE_NAME))
+    os.mkdir(freezer.base)
+    old = layout._roles
+    v1_only = tuple(h for h in old.all if h.version == 1)
+    roles = dataclasses.replace(old, freeze=freezer, unified=None, cgroup_kill=False, all=(*v1_only, freezer))
+    try:
+        yield CgroupLayout(layout.base_name, "v1", roles)
+    finally:
+        os.rmdir(freezer.base)
+
+
+def _v1_state(directory: str) -> str:
+    return Path(directory, "freezer.state").read_text().strip()
+
+
+def test_a_command_started_in_a_v1_group_made_mid_freeze_is_stopped_when_freeze_returns(
+    v1_freezer: CgroupLayout, make_group: MakeGroup, spawn: Spawn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The v1 freezer: a command group is made, and a busy process (1% CPU quota) joins it, after the sandbox's
+    freezer.state was written and before it read FROZEN. Invariant: freeze() returns once that process is stopped
+    too, and thaw() lets it run on. The v1 freezer walks the child groups at each read of freezer.state
+    (cgroup_freezer.c: update_if_frozen) and gives a new group its parent's freezing, so this holds without
+    the v2 path's listing: the test pins it."""
+    group = make_group(Limits(memory_bytes=None, pids=None, cpu_cores=0.01), on=v1_freezer)
+    idle = spawn(group, python("sys.stdin.readline()\n"))
+    busy = spawn(group, python("while True:\n    pass\n"))
+    wait_for(lambda: group.usage().cpu_usec > 5_000)
+    late: list[str] = []
+
+    def start_a_command_then_poll(done: Callable[[], bool], timeout_s: float) -> bool:
+        if not late:
+            late.append(group.command_group("late").path)
+            Path(late[0], "cgroup.procs").write_text(str(busy.pid))
+        return poll_until(done, timeout_s)
+
+    monkeypatch.setattr("bastion.sandbox.cgroups.poll_until", start_a_command_then_poll)
+    group.freeze()
+    monkeypatch.undo()
+    assert late
+    assert _state(busy.pid) != "R"
+    assert _v1_state(late[0]) == "FROZEN"
+    assert group.usage().frozen
+    group.thaw()
+    assert not group.usage().frozen
+    used = group.usage().cpu_usec
+    wait_for(lambda: group.usage().cpu_usec > used)
     assert busy.poll() is None
     assert idle.poll() is None
 

@@ -497,18 +497,31 @@ class SandboxCgroup:
         its own processes only). Frozen at once together, the empty command groups made it report frozen while
         the agent still ran. Each command group is frozen first, by its own cgroup.freeze: then only the
         group's own processes move its state, and "frozen 1" means all of them are stopped too.
+
+        Found by review: a command group made after the listing (a command starting during the freeze) froze
+        with the group, unwaited for: the group's report counted its own processes only, or that command
+        group's freezing, and freeze() returned while the command still ran. The children are listed again
+        after the group's report; when one was added, it is frozen on its own and the group frozen afresh.
         """
         deadline = time.monotonic() + FREEZE_WAIT_S
-        value = "1" if frozen else "0"
-        for child in _tree(h.group(self.name))[1:]:
-            try:
-                write_file(os.path.join(child, "cgroup.freeze"), value)
-            except NotFound:
-                continue  # removed meanwhile: nothing of it to freeze
-            if frozen and not wait_events(child, "frozen", 1, max(0.0, deadline - time.monotonic())):
+        group = h.group(self.name)
+        if not frozen:
+            return _thaw_v2(group, deadline)
+        listed = _tree(group)[1:]
+        while _freeze_each(listed, deadline):
+            write_file(os.path.join(group, "cgroup.freeze"), "1")
+            if not wait_events(group, "frozen", 1, _left(deadline)):
                 return False
-        write_file(self._file(h, "cgroup.freeze"), value)
-        return wait_events(h.group(self.name), "frozen", 1 if frozen else 0, max(0.0, deadline - time.monotonic()))
+            again = _tree(group)[1:]
+            if set(again) <= set(listed):  # none added (one removed meanwhile changes nothing)
+                return True
+            # The report may have been the new group's: it is frozen on its own (before the thaw, so it stays
+            # frozen), and the group thawed to be frozen again with every child already frozen.
+            if not _freeze_each(again, deadline) or time.monotonic() >= deadline:
+                return False
+            write_file(os.path.join(group, "cgroup.freeze"), "0")
+            listed = again
+        return False
 
     def freeze(self) -> None:
         """Stop every process in the group (they keep their memory), waiting until the kernel reports it frozen.
@@ -671,6 +684,31 @@ class CommandCgroup:
         except OSError:
             return False
         return True
+
+
+def _left(deadline: float) -> float:
+    return max(0.0, deadline - time.monotonic())
+
+
+def _thaw_v2(group: str, deadline: float) -> bool:
+    for child in _tree(group)[1:]:
+        with contextlib.suppress(NotFound):  # removed meanwhile: nothing of it to thaw
+            write_file(os.path.join(child, "cgroup.freeze"), "0")
+    write_file(os.path.join(group, "cgroup.freeze"), "0")
+    return wait_events(group, "frozen", 0, _left(deadline))
+
+
+def _freeze_each(children: list[str], deadline: float) -> bool:
+    """Freeze each command group by its own cgroup.freeze and wait for its report, which counts its own processes
+    only (it has no child groups); whether all did by `deadline`. A group removed meanwhile is skipped."""
+    for child in children:
+        try:
+            write_file(os.path.join(child, "cgroup.freeze"), "1")
+        except NotFound:
+            continue
+        if not wait_events(child, "frozen", 1, _left(deadline)) and os.path.isdir(child):
+            return False
+    return True
 
 
 def _tree(directory: str) -> list[str]:
