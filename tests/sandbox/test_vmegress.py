@@ -26,6 +26,7 @@ from bastion.sandbox import _vmegress as vmegress
 from bastion.sandbox._vmegress import MAX_STREAMS, WINDOW, EgressPort
 from bastion.sandbox.inside import egress_port, forwarder
 from tests.sandbox.egress_helpers import BIG, HEADER, EgressSetup, HostileGuest, egress_setup, frame
+from tests.sandbox.microvm_helpers import fds_left
 
 pytestmark = pytest.mark.anyio
 
@@ -269,3 +270,21 @@ async def test_a_guest_that_stops_reading_and_breaks_the_protocol_ends_its_port(
         await asyncio.wait_for(asyncio.shield(reader), timeout=10)  # the port's reader ended, not stuck
     finally:
         guest.close()
+
+
+async def test_a_guest_opening_a_stream_at_the_hosts_fd_limit_has_it_refused_not_kept(
+    setup: EgressSetup, hostile: HostileGuest
+) -> None:
+    """Attack: the guest opens egress streams while the server is at its fd limit: the host's socket to the
+    proxy failed with EMFILE in a task nobody awaited, so the stream was never answered and stayed open in
+    the port for good, counted against MAX_STREAMS. Invariant: it is refused (X) and forgotten, and once fds
+    are free the next stream reaches the proxy."""
+    with fds_left(0):
+        await hostile.send(frame(b"C", 1))
+        assert await hostile.next_frame() == (b"X", 1, b"")
+    assert hostile.port.streams == 0
+    request = f"GET http://allowed.test:{setup.port}/ HTTP/1.1\r\nHost: allowed.test\r\nConnection: close\r\n\r\n"
+    await hostile.send(frame(b"C", 2) + frame(b"D", 2, request.encode()))
+    while (found := await hostile.next_frame())[0] != b"D":
+        assert found[:2] == (b"K", 2)
+    assert found[2].startswith(b"HTTP/1.1 200")

@@ -51,6 +51,7 @@ class _Stream:
     def __init__(self, opening: asyncio.Future[bool] | None = None) -> None:
         self.opening = opening  # a host stream: True once the guest accepts it, False if it is ended first
         self.upstream: socket.socket | None = None
+        self.handout: socket.socket | None = None  # a host stream's caller's end, until `attach` gives it
         self.pending = bytearray()  # from the guest, not yet taken by the proxy
         self.guest_eof = False
         self.credit = WINDOW  # bytes the guest will still take
@@ -181,12 +182,12 @@ class EgressPort:
     async def _carry(self, stream_id: int, stream: _Stream, proxy: str | None) -> None:
         """Carry a stream both ways: to a new connection to `proxy`, or (None) to its host socket."""
         loop = asyncio.get_running_loop()
-        if stream.upstream is None:
-            stream.upstream = socket.socket(
-                socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC
-            )
-        upstream = stream.upstream
         try:
+            if stream.upstream is None:  # at the server's fd limit (EMFILE): refused below, as a proxy's refusal
+                stream.upstream = socket.socket(
+                    socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC
+                )
+            upstream = stream.upstream
             if proxy is not None:
                 await loop.sock_connect(upstream, proxy)
             both = (
@@ -271,17 +272,23 @@ class EgressPort:
             self._sending.release()
 
     def reserve(self) -> int:
-        """A new host stream, waiting for the guest to accept it: its id, to name in the request.
+        """A new host stream, waiting for the guest to accept it: its id, to name in the request. Its socket
+        pair is made here, before the guest is asked for anything: at the server's fd limit nothing is opened.
 
         Raises:
             ConnectionResetError: the port has ended, or MAX_HOST_STREAMS are open.
+            OSError: the socket pair could not be made (EMFILE, ENFILE); no stream was reserved.
         """
         if self._task is None or self._task.done():
             raise ConnectionResetError("the sandbox's stream port has ended")
         if sum(1 for key in self._streams if key & HOST_IDS) >= MAX_HOST_STREAMS:
             raise ConnectionResetError(f"{MAX_HOST_STREAMS} connections into the sandbox are open already")
+        stream = _Stream(asyncio.get_running_loop().create_future())
+        stream.upstream, stream.handout = socket.socketpair(
+            socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC
+        )
         stream_id = HOST_IDS | next(self._host_ids) % HOST_IDS
-        self._streams[stream_id] = _Stream(asyncio.get_running_loop().create_future())
+        self._streams[stream_id] = stream
         return stream_id
 
     async def attach(self, stream_id: int, timeout_s: float) -> socket.socket:
@@ -301,17 +308,14 @@ class EgressPort:
         except BaseException:
             self.end_soon(stream_id)
             raise
-        if not accepted or self._streams.get(stream_id) is not stream:
+        if not accepted or self._streams.get(stream_id) is not stream or stream.handout is None:
             raise ConnectionRefusedError("the sandbox refused the connection")
-        mine, theirs = socket.socketpair(
-            socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC
-        )
-        stream.upstream = mine
+        theirs, stream.handout = stream.handout, None
         stream.tasks.append(asyncio.get_running_loop().create_task(self._carry(stream_id, stream, None)))
         return theirs
 
     async def open_tcp(self, port: int, timeout_s: float) -> socket.socket:
-        """A socket carried to a new connection to 127.0.0.1:`port` in the guest (see `attach`)."""
+        """A socket carried to a new connection to 127.0.0.1:`port` in the guest (see `reserve`, `attach`)."""
         stream_id = self.reserve()
         try:
             async with asyncio.timeout(timeout_s):
@@ -358,8 +362,9 @@ class EgressPort:
                     loop.remove_reader(stream.upstream.fileno())
                     loop.remove_writer(stream.upstream.fileno())
                 task.cancel()
-        if stream.upstream is not None:
-            stream.upstream.close()
+        for sock in (stream.upstream, stream.handout):
+            if sock is not None:
+                sock.close()
 
     def _end_streams(self) -> None:
         for stream_id in list(self._streams):

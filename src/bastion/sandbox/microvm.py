@@ -61,6 +61,10 @@ from bastion.sandbox.command_groups import Leftover
 from bastion.sandbox.processes import OutputSink, PtyProcess, RingCapture
 from bastion.sandbox.vmimage import INITRAMFS_NAME, KERNEL_NAME
 
+# warm.py's retry list of cgroups a close could not remove, shared so that the manager's reaper
+# (`destroy_left_groups`) and every later close, of either backend, retry the VMMs' groups too.
+from bastion.sandbox.warm import destroy_left_groups, destroy_or_retry
+
 __all__ = [
     "ISOLATION",
     "QEMU",
@@ -82,6 +86,7 @@ logger = logging.getLogger(__name__)
 ISOLATION: Final = "microvm"
 QEMU: Final = "/usr/bin/qemu-system-x86_64"
 _RELAY: Final = Path(__file__).parent / "inside" / "relay.py"
+_RELAY_SOURCE: Final = _RELAY.read_text(encoding="utf-8")  # read once: a boot at the fd limit opens no file for it
 _HEADER: Final = struct.Struct(">IcI")
 _KILL_WAIT_S: Final = 5.0
 _SEND_TIMEOUT_S: Final = 60.0  # a frame the guest's relay has not taken by then: the guest is stuck
@@ -271,7 +276,7 @@ def guest_program(limits: Limits | None, dests: Sequence[str] = ()) -> bytes:
     pids, memory = (limits.pids, limits.memory_bytes) if limits is not None else (None, None)
     mounts = [(f"ro{index}", dest) for index, dest in enumerate(dests)]
     head = f"FILES = {files!r}\nPIDS = {pids!r}\nMEMORY = {memory!r}\nMOUNTS = {mounts!r}\n"
-    source = head + _RELAY.read_text(encoding="utf-8")
+    source = head + _RELAY_SOURCE
     data = source.encode()
     return len(data).to_bytes(8, "big") + data
 
@@ -518,7 +523,10 @@ class _Guest:
         while True:
             if self.proc.poll() is not None:
                 raise Unavailable("the VMM exited while starting: " + self.why())
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
+            try:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
+            except OSError as exc:
+                raise _out_of_fds(f"connect to the VMM's {name}", exc) from None
             try:
                 await loop.sock_connect(sock, sock_path)
                 return sock
@@ -718,8 +726,7 @@ class _Guest:
     def kill_vmm(self) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-        if self.group is not None:
-            self.group.thaw()  # a frozen VMM takes its SIGKILL only once thawed
+        _thaw(self.group)  # a frozen VMM takes its SIGKILL only once thawed
 
     def stop(self) -> None:
         """Kill the VMM and wait for it; remove its socket folder and its cgroup."""
@@ -733,9 +740,9 @@ class _Guest:
             if pipe is not None:
                 pipe.close()
         _remove_run_dir(self.run_dir)
+        destroy_left_groups()
         if self.group is not None:
-            self.group.kill()
-            self.group.destroy()
+            destroy_or_retry(self.group, f"microVM {self.run_dir.parent.name}")
         self.end_all()
 
 
@@ -759,6 +766,21 @@ def _remove_run_dir(run_dir: Path) -> None:
     for folder in (run_dir, run_dir.parent):
         with contextlib.suppress(OSError):
             folder.rmdir()
+
+
+def _out_of_fds(what: str, exc: OSError) -> Unavailable:
+    """The refusal of a host fd that could not be made (EMFILE, ENFILE: the server or the machine is out of fds)."""
+    return Unavailable(f"cannot {what}: {exc.strerror or exc}: try again later")
+
+
+def _thaw(group: SandboxCgroup | None) -> None:
+    """Thaw a VMM's group before it is killed, if it can be (not at the fd limit): a close must go on to kill
+    the VMM whatever this says, and the group's removal, retried later (`destroy_or_retry`), thaws it again."""
+    if group is not None:
+        try:
+            group.thaw()
+        except BastionError as exc:
+            logger.warning("cgroup %s not thawed: %s", group.name, exc.reason)
 
 
 def _vm_ooms(vm: _Guest) -> int:
@@ -907,10 +929,12 @@ class MicroVMSandbox:
             sources = [source for source, _ in guest_binds(self.spec)]
             argv = vmm_argv(self.settings, run_dir, self.spec.workspace, self.spec.tmp_size_bytes, sources)
             proc = start_vmm(argv, identity=self.spec.identity, cgroup_procs=procs)
-        except BaseException:
+        except BaseException as exc:
             if group is not None:
-                group.destroy()
+                destroy_or_retry(group, f"microVM {run_dir.parent.name}")
             _remove_run_dir(run_dir)
+            if isinstance(exc, OSError):  # the seccomp filter's memfd (EMFILE), before start_vmm's own refusals
+                raise _out_of_fds("start the VMM", exc) from None
             raise
         self._vm = _Guest(proc, run_dir, group)
         return self._vm
@@ -1053,13 +1077,15 @@ class MicroVMSandbox:
         out = _Stream(ring_bytes, newest=True)
         reader = None
         if stdout is not None:
-            read_end, write_end = os.pipe2(os.O_CLOEXEC)
-            piped = _Piped(write_end)
-            reader = stdout(read_end)
-            out = _Stream(0, newest=True, sink=piped.write)
-            out.ended = _EndsPipe(piped)
+            reader, out = _host_pipe(stdout)
         err = _Stream(ring_bytes, newest=True)
-        command = await self._launch(vm, executable, argv, cwd, env, out, err, stdin=True)
+        try:
+            command = await self._launch(vm, executable, argv, cwd, env, out, err, stdin=True)
+        except BaseException:
+            if reader is not None:  # all or none: the host pipe goes with the command that did not start
+                out.ended.set()
+                reader.close()
+            raise
         command.reader = reader
         return command
 
@@ -1074,6 +1100,8 @@ class MicroVMSandbox:
             stream_id = vm.egress.reserve()
         except ConnectionResetError as exc:
             raise Unavailable(f"cannot open a terminal: {exc}") from None
+        except OSError as exc:  # its socket pair, at the server's fd limit: nothing was asked of the guest
+            raise _out_of_fds("open a terminal", exc) from None
         command_id = next(vm.ids)
         pty = vm.ptys[command_id] = MicroVMPty(command_id, argv, vm.egress, stream_id)
         request = {
@@ -1219,8 +1247,7 @@ class MicroVMSandbox:
         self._paused = False
         if vm is not None:
             self._retire(vm)
-            if vm.group is not None:
-                vm.group.thaw()
+            _thaw(vm.group)
             vm.detach()
             vm.stop()
 
@@ -1230,13 +1257,35 @@ class MicroVMSandbox:
         self._paused = False
         if vm is not None:
             self._retire(vm)
-            if vm.group is not None:
-                vm.group.thaw()
+            _thaw(vm.group)
             vm.detach()
             await asyncio.to_thread(vm.stop)
             if vm.task is not None:
                 await asyncio.gather(vm.task, return_exceptions=True)
         await asyncio.gather(*self._stopping, return_exceptions=True)  # a slept guest's VMM, being reaped
+
+
+def _host_pipe(stdout: Callable[[int], RingCapture]) -> tuple[RingCapture, _Stream]:
+    """A spawned command's stdout as a host pipe: `stdout`'s reader of its read end, and the stream feeding
+    its write end (closed when the stream ends). Both or neither.
+
+    Raises:
+        Unavailable: the pipe could not be made (EMFILE, ENFILE: the server or the machine is out of fds).
+    """
+    try:
+        read_end, write_end = os.pipe2(os.O_CLOEXEC)
+    except OSError as exc:
+        raise _out_of_fds("make the command's pipe", exc) from None
+    piped = _Piped(write_end)
+    try:
+        reader = stdout(read_end)
+    except BaseException:
+        piped.close()
+        os.close(read_end)
+        raise
+    out = _Stream(0, newest=True, sink=piped.write)
+    out.ended = _EndsPipe(piped)
+    return reader, out
 
 
 class _EndsPipe(asyncio.Event):
