@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from bastion.safety.errors import Unavailable
+from bastion.safety.errors import Conflict, Unavailable
 from bastion.sandbox._spawn import SANDBOX_PATH, SandboxSpec
 from bastion.sandbox.cgroups import CgroupLayout, Limits, SandboxCgroup
 from bastion.sandbox.warm import BubblewrapBackend, RunOutcome, WarmSandbox
@@ -505,6 +505,36 @@ async def test_the_agent_pid_the_host_trusts_is_the_agents(limited: WarmSandbox)
     assert nspid[-1] == "1"
     with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
         assert b"/opt/bastion/agent.py" in cmdline.read().split(b"\0")
+
+
+async def test_a_pause_landing_while_a_command_awaits_the_start_answers_conflict_and_runs_nothing(
+    limited: WarmSandbox, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: `run` checked for a pause, then awaited the sandbox's start; a pause that came in that
+    await (the start lock held by another call, a sleeping sandbox waking) queued the command in the frozen agent,
+    and it ran at the resume with its time limit spent and no CONFLICT. It is refused now, and never runs."""
+    await sh(limited, "true")
+    started, go = asyncio.Event(), asyncio.Event()
+    real_start = limited.start
+
+    async def start_then_hold() -> None:
+        await real_start()
+        started.set()
+        await go.wait()
+
+    monkeypatch.setattr(limited, "start", start_then_hold)
+    command = asyncio.create_task(sh(limited, "touch /workspace/ran"))
+    await started.wait()
+    limited.pause()
+    go.set()
+    try:
+        with pytest.raises(Conflict, match="paused"):
+            await command
+    finally:
+        limited.resume()
+    monkeypatch.setattr(limited, "start", real_start)
+    assert (await sh(limited, "echo alive")).stdout == b"alive\n"
+    assert not (tmp_path / "limited" / "ran").exists()
 
 
 async def test_a_run_timing_out_in_a_paused_sandbox_answers_and_leaves_the_sandbox(limited: WarmSandbox) -> None:

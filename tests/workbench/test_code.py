@@ -7,16 +7,19 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import secrets
 import struct
+import time
 import zlib
 from typing import Any
 
+import anyio
 import pytest
 from mcp import Client
 from mcp_types import ImageContent
 
 from bastion.app import Services
-from tests.helpers import DATA_ENV, call, create
+from tests.helpers import DATA_ENV, call, create, processes_with, sh
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
 
@@ -127,6 +130,51 @@ async def test_code_that_ignores_the_interrupt_is_killed_then_restarted(client: 
     assert fresh["ok"]
     assert fresh["detail"]["value"] == "False"
     assert fresh["detail"]["execution_count"] == 1
+
+
+async def running_in_sandbox(client: Client, sandbox_id: str, pids: list[int]) -> list[int]:
+    """Which of `pids` (the sandbox's own numbers) are processes running in the sandbox now: not zombies
+    waiting for the agent, their parent once orphaned, to reap them."""
+    test = "[ -e /proc/$p/status ] && ! grep -q '^State:.Z' /proc/$p/status"
+    ran = await sh(client, sandbox_id, f"for p in {' '.join(map(str, pids))}; do {test} && echo $p; done; true")
+    assert ran["ok"], ran
+    return [int(line) for line in str(ran["detail"]["stdout"]).split()]
+
+
+async def test_a_kernel_that_exits_leaving_a_child_in_its_own_session_leaves_nothing_running(client: Client) -> None:
+    """Attack: the code starts `sleep` in a session of its own and the kernel exits (`os._exit`; an OOM kill of
+    the kernel does the same). The context was dead, but its child lived on until the sandbox closed: listed as
+    a left process, killed by no restart (a kill of a dead context skipped the sandbox's kill). Invariant: once
+    the kernel has exited, what it left is killed, its pid is gone from the sandbox, and a restart gives a fresh
+    context; another context, and the child it started likewise, live on untouched. Does not prove anything
+    for a process that left the kernel's cgroup (it cannot: the sandbox sees no cgroupfs)."""
+    sandbox = await create(client)
+    # Unique: other runs of this test (other workers, other checkouts' suites) may be on the host at once.
+    marker, other = (f"{whole}.{secrets.randbelow(10**6):06d}" for whole in (4265, 4266))
+    spawn = "import os, subprocess\nchild = subprocess.Popen(['sleep', {!r}], start_new_session=True)\n"
+    kept = await run(client, sandbox, spawn.format(other) + "child.pid", context="kept")
+    assert kept["ok"], kept
+    kept_child = int(kept["detail"]["value"])
+    # The pid goes to a file: output printed just before os._exit may never leave the kernel.
+    exiting = spawn.format(marker) + "open('/tmp/child', 'w').write(str(child.pid))\nos._exit(0)"
+    died = await run(client, sandbox, exiting, context="dying")
+    assert died["detail"]["context_state"] == "dead", died
+    child = int((await sh(client, sandbox, "cat /tmp/child"))["detail"]["stdout"])
+    deadline = time.monotonic() + 10
+    while await running_in_sandbox(client, sandbox, [child]):
+        assert time.monotonic() < deadline, "the dead kernel's child still runs"
+        await anyio.sleep(0.05)
+    listed = (await call(client, "list_processes", sandbox_id=sandbox))["detail"]["processes"]
+    assert [entry for entry in listed if marker in " ".join(map(str, entry["argv"]))] == [], listed
+    assert processes_with(marker) == []
+    fresh = await run(client, sandbox, "'child' in globals()", context="dying", restart=True)
+    assert fresh["detail"]["value"] == "False", fresh
+    # The other context and its own child are untouched.
+    assert await running_in_sandbox(client, sandbox, [kept_child]) == [kept_child]
+    alive = await run(client, sandbox, "child.poll() is None", context="kept")
+    assert alive["detail"]["value"] == "True", alive
+    assert len(processes_with(other)) == 1
+    assert (await call(client, "close_sandbox", sandbox_id=sandbox))["ok"]
 
 
 async def test_named_contexts_are_separate(client: Client) -> None:

@@ -15,6 +15,7 @@ from inside, and only in answer to its own request (`_on_pty`).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import errno
@@ -64,6 +65,9 @@ START_TIMEOUT_S: Final = 10.0
 _GROUP_PREFIX: Final = "sb"
 _group_ids = itertools.count(1)
 KILL_GRACE_S: Final = 5.0
+# How often a killed command's group is looked at until it is empty (`_emptied`): from the first, doubling to the last.
+EMPTY_CHECK_FIRST_S: Final = 0.001
+EMPTY_CHECK_LAST_S: Final = 0.02
 OUTPUT_GRACE_S: Final = 0.2  # after a command's exit, for output still on its way (see `_output_after_exit`)
 MAX_MESSAGE_BYTES: Final = 65_536
 _NOTHING_ACCEPTS: Final = "nothing accepts connections on that port in the sandbox"
@@ -138,6 +142,65 @@ def _wait_exited(pidfds: list[int], timeout_s: float) -> None:
             os.close(fd)
 
 
+async def _exited(pidfd: int, timeout_s: float) -> bool:
+    """Wait on the event loop, at most `timeout_s`, until the process exits (its pidfd turns readable); whether
+    it did. No worker thread: see `WarmSandbox.settled`."""
+    loop = asyncio.get_running_loop()
+    exited: asyncio.Future[None] = loop.create_future()
+    loop.add_reader(pidfd, _set_done, exited)
+    try:
+        async with asyncio.timeout(timeout_s):
+            await exited
+    except TimeoutError:
+        return False
+    finally:
+        loop.remove_reader(pidfd)
+    return True
+
+
+def _set_done(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+async def _emptied(group: CommandCgroup, timeout_s: float) -> bool:
+    """Wait, at most `timeout_s`, until a killed group holds no process; whether it does not. Looked at on the
+    event loop (a read of cgroup.events) between pauses that grow from EMPTY_CHECK_FIRST_S to EMPTY_CHECK_LAST_S:
+    no worker thread (see `WarmSandbox.settled`), and cgroup.events polls readable always under epoll (kernfs
+    flags a change with POLLPRI only), so the loop's selector cannot wait on it.
+
+    Raises:
+        OperationFailed: the group's files cannot be read.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    pause = EMPTY_CHECK_FIRST_S
+    while group.populated():
+        left = deadline - loop.time()
+        if left <= 0:
+            return False
+        await asyncio.sleep(min(pause, left))
+        pause = min(2 * pause, EMPTY_CHECK_LAST_S)
+    return True
+
+
+class _Reaping:
+    """A `_reap` in a thread of its own; `done` is set once it is over, even if it failed (as a thread's join
+    returns), so a loop awaits it without a worker thread (`asyncio.wrap_future`)."""
+
+    def __init__(self, proc: SandboxProcess | None, group: SandboxCgroup | None, workspace: str) -> None:
+        self.done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self.done.set_running_or_notify_cancel()  # an awaiting call cancelled cannot cancel the reap
+        thread = threading.Thread(target=self._run, args=(proc, group, workspace), name="bastion-reap", daemon=True)
+        thread.start()
+
+    def _run(self, proc: SandboxProcess | None, group: SandboxCgroup | None, workspace: str) -> None:
+        try:
+            _reap(proc, group, workspace)
+        finally:
+            self.done.set_result(None)
+
+
 def _scratch_is_empty(proc: SandboxProcess | None) -> bool:
     """Whether bwrap's own /tmp and /dev/shm (tmpfs in the sandbox's mount namespace) hold nothing."""
     if proc is None:
@@ -199,7 +262,7 @@ class WarmSandbox:
         self._start_lock = asyncio.Lock()
         self._command_ids = itertools.count(1)
         self._asleep = False  # stopped while idle; the next command starts it again
-        self._reaping: list[threading.Thread] = []  # ending earlier runs' processes and cgroups
+        self._reaping: list[_Reaping] = []  # ending earlier runs' processes and cgroups
         self._closed = False  # closed for good (aclose(final=True)): it never starts again
         self._reaping_tasks: set[asyncio.Task[None]] = set()
         # Pipes of returned commands still open (a process they left holds them), oldest first: an ordered set.
@@ -552,17 +615,17 @@ class WarmSandbox:
         except RuntimeError:
             _reap(proc, group, self.spec.workspace)
             return
-        thread = threading.Thread(target=_reap, args=(proc, group, self.spec.workspace), name="bastion-reap")
-        thread.daemon = True
-        thread.start()
-        self._reaping = [*(t for t in self._reaping if t.is_alive()), thread]
+        self._reaping = [*(r for r in self._reaping if not r.done.done()), _Reaping(proc, group, self.spec.workspace)]
 
     async def settled(self) -> None:
-        """Wait, off the event loop, until the processes and cgroups of earlier runs are gone."""
+        """Wait, without blocking the event loop or holding a worker thread, until the processes and cgroups of
+        earlier runs are gone. Found by attack: a wait in asyncio's default executor (6 threads on 2 cores, shared
+        by the whole server) queued behind one agent's image redactions, for seconds."""
         while self._reaping:
-            thread = self._reaping.pop()
-            if thread.is_alive():
-                await asyncio.to_thread(thread.join)
+            reaping = self._reaping[-1]
+            await asyncio.wrap_future(reaping.done)
+            with contextlib.suppress(ValueError):  # a concurrent `settled` took it out first
+                self._reaping.remove(reaping)
 
     def _ending(self) -> Callable[[], BastionError]:
         """The error for commands cut off by the agent's end: an OOM kill names what held the memory."""
@@ -716,8 +779,8 @@ class WarmSandbox:
 
     @staticmethod
     async def _all_gone(group: CommandCgroup | None) -> None:
-        """Wait, off the event loop, until a killed command's every process has exited."""
-        if group is not None and not await asyncio.to_thread(group.wait_empty, KILL_GRACE_S):
+        """Wait, without blocking the event loop, until a killed command's every process has exited."""
+        if group is not None and not await _emptied(group, KILL_GRACE_S):
             logger.error("command group %s still has processes %s s after SIGKILL", group.path, KILL_GRACE_S)
 
     def leftovers(self) -> list[Leftover]:
@@ -737,7 +800,7 @@ class WarmSandbox:
         fd = self._commands.open_leftover(pid)
         try:
             kill_pidfd(fd)
-            await asyncio.to_thread(_wait_exited, [os.dup(fd)], KILL_GRACE_S)
+            await _exited(fd, KILL_GRACE_S)
         finally:
             os.close(fd)
 
@@ -840,6 +903,10 @@ class WarmSandbox:
         sock = self._sock
         if sock is None or not self.alive:
             raise Unavailable("the sandbox is not running")
+        if self._paused:
+            # Found by review: a pause that came while the call awaited the sandbox's start queued the command,
+            # which then ran at the resume with its time limit spent; from here to the send nothing awaits.
+            raise Conflict("the sandbox is paused: resume it first")
         self._follow_loop(sock)
         command_id = next(self._command_ids)
         commands = self._commands
@@ -1077,10 +1144,10 @@ class WarmSandbox:
         they and the cgroup are gone: for shutdown and error paths; the server's calls use `aclose`."""
         self._on_agent_gone()
         while self._reaping:
-            self._reaping.pop().join()
+            self._reaping.pop().done.result()
 
     async def aclose(self, *, final: bool = False) -> None:
-        """`close` without blocking the event loop (the waits run in a worker thread).
+        """`close` without blocking the event loop (the waits run in a thread of their own: `settled`).
         `final`: the sandbox is closed for good; a call still in flight cannot start it again."""
         self._closed = self._closed or final
         self._on_agent_gone()
@@ -1244,12 +1311,17 @@ def _reap(proc: SandboxProcess | None, group: SandboxCgroup | None, workspace: s
             proc.stderr.close()
     destroy_left_groups()
     if group is not None:
-        try:
-            group.destroy()
-        except BastionError as exc:
-            logger.error("cgroup %s of %s not removed (tried again later): %s", group.name, workspace, exc.reason)
-            with _undestroyed_lock:
-                _undestroyed.append(group)
+        destroy_or_retry(group, workspace)
+
+
+def destroy_or_retry(group: SandboxCgroup, owner: str) -> None:
+    """Remove a closed sandbox's group (`owner` names it in the log), or keep it for `destroy_left_groups`."""
+    try:
+        group.destroy()
+    except BastionError as exc:
+        logger.error("cgroup %s of %s not removed (tried again later): %s", group.name, owner, exc.reason)
+        with _undestroyed_lock:
+            _undestroyed.append(group)
 
 
 def destroy_left_groups() -> None:

@@ -14,7 +14,8 @@ loop's time (`Pacer`, the "code" timeline), so flooding contexts cannot stall ot
 
 A timeout first interrupts the code (KeyboardInterrupt inside, the context lives on);
 if the code does not stop within a grace period, the kernel is killed and the
-context is dead until restarted.
+context is dead until restarted. A kernel killed, or exited on its own, takes what it
+started with it (`CodeContext.kill`, `CodeContext._end_with_kernel`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
-from bastion.safety.errors import Conflict, InvalidRequest, NotFound, ResourceLimit, Unavailable
+import anyio
+import anyio.to_thread
+
+from bastion.safety.errors import BastionError, Conflict, InvalidRequest, NotFound, ResourceLimit, Unavailable
 from bastion.safety.output import OutputCleaner
 from bastion.safety.redact import Redactor, sanitize_terminal
 from bastion.sandbox import KERNEL_PATH, REPL_PATH, SANDBOX_PATH, SANDBOX_WORKSPACE
@@ -91,6 +95,11 @@ PACE_FREE_S: Final = 0.0015  # a slot ending within this from now does not pause
 # past this delays its own context alone, so one costly step does not hold every other context's reading.
 MAX_SHARED_SLOT_S: Final = 0.02
 _REDACT_MARGIN_CHARS: Final = 1024  # text past a cut kept while redacting, so a secret across it is still seen
+CLEANING_THREADS_PER_SANDBOX: Final = 1
+"""Worker threads a sandbox's contexts clean their cells' images and texts in, at once (anyio's, under a limiter
+of the sandbox's own: never the pool another sandbox's calls wait in). Found by attack: in asyncio's default
+executor (6 threads on 2 cores, shared by the whole server) eight sandboxes' SVG redactions held every thread for
+seconds, another agent's kill_process waited past its grace period, and its whole sandbox was ended."""
 START_TIMEOUT_S: Final = 30.0  # a cold interpreter on a busy machine
 GRACE_S: Final = 5.0
 PROGRESS_EVERY_S: Final = 1.0
@@ -489,19 +498,28 @@ class CodeContext:
     """One persistent context in a sandbox: a Python kernel, or a driver of node or bash."""
 
     def __init__(
-        self, name: str, language: Language, workspace: HostWorkspace, redactor: Redactor, argv: tuple[str, ...]
+        self,
+        name: str,
+        language: Language,
+        workspace: HostWorkspace,
+        redactor: Redactor,
+        argv: tuple[str, ...],
+        *,
+        threads: anyio.CapacityLimiter,
     ) -> None:
         self.name = name
         self.language = language
         self._workspace = workspace
         self._redactor = redactor
         self._argv = argv
+        self._threads = threads  # its sandbox's share of worker threads (`CLEANING_THREADS_PER_SANDBOX`)
         self._process: Process | None = None
         self._ready: asyncio.Future[dict[str, Any]] | None = None
         self._cell: _Cell | None = None
         self._count = 0
         self._lock = asyncio.Lock()
         self._killing: asyncio.Task[None] | None = None  # held: a task nobody references may vanish
+        self._watching: asyncio.Task[None] | None = None  # `_end_with_kernel`'s, held likewise
         self._starting: asyncio.Task[None] | None = None
         self._waiters = 0  # calls waiting for the start
         self._on_failure: Callable[[], None] = lambda: None
@@ -583,6 +601,7 @@ class CodeContext:
             ring_bytes=16_384,
             stdout=lambda fd: _MessageCapture(fd, _ProtocolReader(self._on_header, self._on_broken), self._on_eof),
         )
+        self._watching = loop.create_task(self._end_with_kernel(self._process))
         try:
             async with asyncio.timeout(START_TIMEOUT_S):
                 await self._ready
@@ -725,7 +744,9 @@ class CodeContext:
         texts = _Texts()
         if done and cell.images:
             # A copy: the kernel may still send images of this cell (dropped: it is done) meanwhile.
-            images, cut = await asyncio.to_thread(self._redacted_images, list(cell.images))
+            images, cut = await anyio.to_thread.run_sync(
+                self._redacted_images, list(cell.images), limiter=self._threads
+            )
             cell.images_over_cap += cut
             cell.truncated = cell.truncated or cut > 0
         if done and (cell.value is not None or cell.display or cell.error):
@@ -735,7 +756,7 @@ class CodeContext:
             else:
                 # Copies, cleaned in a worker thread: up to six fields of 64 Ki characters, the worst of them
                 # (all controls, all secret-shaped) some tens of milliseconds each.
-                texts = await asyncio.to_thread(self._texts, *fields)
+                texts = await anyio.to_thread.run_sync(self._texts, *fields, limiter=self._threads)
         return self._result(cell, message, timed_out, images, texts)
 
     async def _interrupt(self, cell: _Cell) -> dict[str, Any] | None:
@@ -823,10 +844,35 @@ class CodeContext:
         return clean[:MAX_TEXT_CHARS]
 
     async def kill(self) -> None:
-        if self._process is not None and not self._process.exited:
-            await self._workspace.sandbox.kill(self._process)
-        if self._process is not None:
-            self._process.close()
+        """Kill the kernel and everything it started; a kernel that has exited, what it left running.
+
+        Raises:
+            Conflict: the sandbox is paused.
+        """
+        process = self._process
+        if process is None:
+            return
+        try:
+            await self._workspace.sandbox.kill(process)
+        finally:
+            if process.exited:
+                process.close()
+
+    async def _end_with_kernel(self, process: Process) -> None:
+        """Once the kernel has exited on its own (`os._exit`, an OOM kill), kill what it left running. Found by
+        attack: a child it started in a session of its own lived on until the sandbox closed, a restart of the
+        context included. Its pipes stay open: what the kernel sent last may still be on its way."""
+        await process.wait_exit()
+        try:
+            await self._workspace.sandbox.kill(process)
+        except BastionError as exc:  # paused, or the kernel refused: a restart or the sandbox's close ends them
+            logger.warning(
+                "%s context %r of %s: what its kernel left running was not killed: %s",
+                self.language,
+                self.name,
+                self._workspace.config.id,
+                exc.reason,
+            )
 
 
 class CodeRunner:
@@ -837,6 +883,7 @@ class CodeRunner:
         self._redactor = redactor
         self._python = f"{python_env}/bin/python" if python_env else SYSTEM_PYTHON
         self._contexts: dict[tuple[Language, str], CodeContext] = {}
+        self._threads = anyio.CapacityLimiter(CLEANING_THREADS_PER_SANDBOX)
 
     def contexts(self) -> list[dict[str, object]]:
         return [context.summary() for context in self._contexts.values()]
@@ -917,7 +964,7 @@ class CodeRunner:
             if dead_key is None:
                 raise ResourceLimit(f"{MAX_CONTEXTS} contexts are open in this sandbox: restart one instead")
             dead = self._contexts.pop(dead_key)
-        created = CodeContext(name, language, self._workspace, self._redactor, argv)
+        created = CodeContext(name, language, self._workspace, self._redactor, argv, threads=self._threads)
         self._contexts[key] = created
         created.begin(after=dead, on_failure=lambda: self._forget(key, created))
         return created
