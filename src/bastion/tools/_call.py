@@ -48,7 +48,9 @@ class Outcome:
 
 
 Operation = Callable[[], Awaitable[OperationResult | Outcome]]
-CANCELLED_REASON: Final = "cancelled before it finished (the server is stopping or the client went away)"
+CANCELLED_REASON: Final = (
+    "cancelled before it finished (the server is stopping, the client went away or its grant was revoked)"
+)
 UNNAMED: Final = ""
 UNKNOWN_TOOL: Final = "(unknown)"
 """The metrics label of a call to a tool this server does not have: a client's name never becomes a label."""

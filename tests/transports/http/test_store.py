@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bastion.transports.http.store import KEPT_USED_REFRESH_TOKENS, AuthStore
+from bastion.transports.http.store import IDS_PER_QUERY, KEPT_USED_REFRESH_TOKENS, AuthStore
 
 
 def test_a_grant_keeps_only_its_newest_used_refresh_tokens(tmp_path: Path) -> None:
@@ -42,5 +42,25 @@ def test_a_grant_keeps_only_its_newest_used_refresh_tokens(tmp_path: Path) -> No
         assert store.token(spent[0], "refresh") is None
         assert store.token(live, "refresh") is not None
         assert store.grant_of_token(spent[0]) is None
+    finally:
+        store.close()
+
+
+def test_a_revoked_or_expired_grant_is_not_live_among_more_ids_than_one_query_takes(tmp_path: Path) -> None:
+    """The server ends the MCP sessions of grants `live_grants` leaves out. Invariant: of more grant ids
+    than one statement takes (IDS_PER_QUERY), a revoked one, an expired one and an unknown one are left out
+    and every other is kept, whichever statement it falls in."""
+    store = AuthStore(tmp_path / "bastion.db")
+    try:
+        grants = [
+            store.issue_admin_token(client_id=f"cli:{n}", scopes=("workbench",), resource="r", lifetime_s=3600)[1]
+            for n in range(IDS_PER_QUERY + 20)
+        ]
+        revoked, expired = grants[3], grants[IDS_PER_QUERY + 5]
+        assert store.revoke_grant(revoked, "test")
+        store._db.execute("UPDATE oauth_grants SET expires_at = 0 WHERE grant_id = ?", (expired,))
+        live = store.live_grants([*grants, "no-such-grant"])
+        assert live == set(grants) - {revoked, expired}
+        assert store.live_grants([]) == set()
     finally:
         store.close()

@@ -17,6 +17,7 @@ Layers, outermost first:
    looked up by its digest, checked for expiry, revocation and resource), and `AuthContextMiddleware`.
 5. Routes. /mcp: CORS for the configured origins (cors.py: Starlette's for a request with an Origin),
    then `RequireToken` (401/403), then `SessionCap` (sessions per grant), then the SDK's app.
+Beside them, with auth on, `end_revoked_forever` ends the MCP sessions of revoked or expired grants.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ from bastion.transports.http.preview import PreviewApp
 from bastion.transports.http.provider import BastionAuthProvider, Endpoints
 from bastion.transports.http.ratelimit import LoginLimiter
 from bastion.transports.http.scopes import RequireToken, ScopeMiddleware
-from bastion.transports.http.sessions import SessionCap
+from bastion.transports.http.sessions import SessionCap, end_revoked_forever
 from bastion.transports.http.store import AuthStore
 
 access_logger = logging.getLogger("bastion.http.access")
@@ -491,6 +492,7 @@ def build_http_app(services: Services, server: BastionServer, *, listen: str | N
         async with session_manager.run(), anyio.create_task_group() as tasks:
             if store is not None:
                 tasks.start_soon(_purge_forever, store, config.http.unused_client_ttl_s)
+                tasks.start_soon(end_revoked_forever, session_manager, store.live_grants)
             try:
                 yield
             finally:

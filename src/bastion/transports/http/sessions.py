@@ -6,6 +6,13 @@ new one closes the grant's session idle the longest (as its idle timeout would; 
 of its sessions still connects); when every one is busy (a request or a GET stream in flight), the new
 session is refused with 429. Sessions of other grants are never touched.
 
+A grant revoked (or expired) ends what it holds: `end_revoked_forever` looks its sessions' grants up every
+`REVOKED_CHECK_S` and terminates the sessions of those no longer live, as a DELETE would: their GET
+streams end and their calls in flight are cancelled (each still gets its audit end record). Without it a
+revoked grant kept up to `per_grant` sessions and their streams for the idle timeout, a held GET stream
+for ever; the bearer check refuses only its next request. A revocation by the CLI is another process's
+write, so this polls the database rather than waiting to be told.
+
 The SDK keeps sessions in its session manager with the principal that opened them (`_session_owners`,
 whose `subject` is bastion's grant id: see `BastionAuthProvider.load_access_token`); it has no public
 accessor, so this reads that private mapping of the pinned SDK version (uv.lock).
@@ -15,9 +22,12 @@ from __future__ import annotations
 
 import logging
 import math
+import sqlite3
 from collections import Counter
+from collections.abc import Callable, Collection, Iterator
 from typing import Final
 
+import anyio
 from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
 from mcp.server.streamable_http import StreamableHTTPServerTransport
 from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
@@ -26,6 +36,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 logger = logging.getLogger("bastion.http.sessions")
 RETRY_AFTER_S: Final = 5
+REVOKED_CHECK_S: Final = 0.5
+"""How often the grants holding sessions are looked up: one query while any session is open (30 us for
+ten grants, 0.5 ms for 200)."""
 ANONYMOUS: Final = ""
 """The key of every session when auth is off (a grant id is never empty)."""
 
@@ -99,16 +112,7 @@ class SessionCap:
             del self.opening[grant]
 
     def _sessions_of(self, grant: str) -> list[StreamableHTTPServerTransport]:
-        owners = self.manager._session_owners  # private: see the module docstring
-        instances = self.manager._server_instances
-        found = []
-        for session_id, transport in instances.items():
-            owner = owners.get(session_id)  # none with auth off: the SDK records no principal
-            subject = (owner.get("subject") if owner is not None else None) or ANONYMOUS
-            closing = transport.idle_scope is not None and transport.idle_scope.cancel_called
-            if subject == grant and not closing:
-                found.append(transport)
-        return found
+        return [transport for subject, transport in open_sessions(self.manager) if subject == grant]
 
     def _make_room(self, grant: str) -> bool:
         """True if the grant may open one more session, after closing its longest-idle one if need be."""
@@ -127,6 +131,54 @@ class SessionCap:
         oldest.idle_scope.cancel()
         logger.info("grant %s reached %d MCP sessions: closed the one idle longest", _named(grant), self.per_grant)
         return True
+
+
+def open_sessions(manager: StreamableHTTPSessionManager) -> Iterator[tuple[str, StreamableHTTPServerTransport]]:
+    """(grant, transport) of each session neither ending nor ended."""
+    owners = manager._session_owners  # private: see the module docstring
+    for session_id, transport in list(manager._server_instances.items()):
+        owner = owners.get(session_id)  # none with auth off: the SDK records no principal
+        subject = (owner.get("subject") if owner is not None else None) or ANONYMOUS
+        closing = transport.idle_scope is not None and transport.idle_scope.cancel_called
+        if not closing and not transport.is_terminated:
+            yield subject, transport
+
+
+async def end_sessions_of_dead_grants(
+    manager: StreamableHTTPSessionManager, live: Callable[[Collection[str]], set[str]]
+) -> None:
+    """Terminate the sessions of every grant `live` does not return (revoked or expired).
+
+    Args:
+        manager: the SDK's session manager.
+        live: which of the given grant ids are still live (`AuthStore.live_grants`).
+    """
+    held: dict[str, list[StreamableHTTPServerTransport]] = {}
+    for grant, transport in open_sessions(manager):
+        if grant != ANONYMOUS:
+            held.setdefault(grant, []).append(transport)
+    if not held:
+        return
+    alive = live(held.keys())
+    for grant, transports in held.items():
+        if grant in alive:
+            continue
+        for transport in transports:
+            # As a DELETE: the streams close, the session's loop ends and cancels its calls in flight.
+            await transport.terminate()
+        logger.warning("grant %s is revoked or has expired: ended its %d MCP session(s)", grant, len(transports))
+
+
+async def end_revoked_forever(
+    manager: StreamableHTTPSessionManager, live: Callable[[Collection[str]], set[str]]
+) -> None:
+    """Run `end_sessions_of_dead_grants` every `REVOKED_CHECK_S` until cancelled (the server stopping)."""
+    while True:
+        await anyio.sleep(REVOKED_CHECK_S)
+        try:
+            await end_sessions_of_dead_grants(manager, live)
+        except sqlite3.Error as exc:  # a locked or failing database: the next round tries again
+            logger.warning("could not look up the grants holding MCP sessions: %s", exc)
 
 
 def _named(grant: str) -> str:

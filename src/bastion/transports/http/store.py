@@ -17,6 +17,7 @@ import os
 import secrets
 import sqlite3
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -31,6 +32,8 @@ pending authorization request, `provider.TRANSACTION_TTL_S`)."""
 KEPT_USED_REFRESH_TOKENS: Final = 64
 """Used refresh tokens kept per grant to catch their reuse; an older one presented again is only invalid
 (an hourly refresh rotates 64 times in under three days)."""
+IDS_PER_QUERY: Final = 500
+"""Grant ids looked up per statement (older SQLite builds allow 999 parameters)."""
 _SCHEMA: Final = """
 CREATE TABLE IF NOT EXISTS oauth_clients (
     client_id TEXT PRIMARY KEY,
@@ -496,6 +499,19 @@ class AuthStore:
             self._db.execute("ROLLBACK")
             raise
         return cursor.rowcount
+
+    def live_grants(self, grant_ids: Collection[str]) -> set[str]:
+        """Those of `grant_ids` that are neither revoked nor expired (the MCP sessions they hold may stay)."""
+        ids = list(grant_ids)
+        now = time.time()
+        live: set[str] = set()
+        for start in range(0, len(ids), IDS_PER_QUERY):
+            chunk = ids[start : start + IDS_PER_QUERY]
+            marks = ",".join("?" * len(chunk))
+            where = f"revoked_at IS NULL AND expires_at > ? AND grant_id IN ({marks})"
+            sql = f"SELECT grant_id FROM oauth_grants WHERE {where}"  # noqa: S608 (placeholders only)
+            live.update(row[0] for row in self._db.execute(sql, (now, *chunk)))
+        return live
 
     def grants(self, *, include_revoked: bool = False) -> list[Grant]:
         sql = "SELECT grant_id, client_id, scopes, resource, created_at, expires_at, revoked_at FROM oauth_grants"
