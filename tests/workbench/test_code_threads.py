@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -16,6 +17,7 @@ import pytest
 from mcp import Client
 
 from bastion.app import Services
+from bastion.tools.threads import MAX_THREADS_PER_CALLER, ThreadShares
 from tests.helpers import call, create, processes_with
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
@@ -132,3 +134,47 @@ async def test_cells_of_six_sandboxes_held_in_svg_redaction_do_not_hold_another_
         assert [image["mime_type"] for image in results[box]["detail"]["images"]] == ["image/svg+xml"]
         assert (await run(client, box, "2 + 2"))["detail"]["value"] == "4"
     assert processes_with(marker) == []
+
+
+async def test_one_agents_cells_in_many_sandboxes_clean_in_at_most_its_callers_share_of_threads(
+    client: Client, services: Services, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review of the fix above: each sandbox cleaned in a share of its own, so one agent with many
+    sandboxes (an administrator may allow 100) held one of anyio's 40 threads per sandbox, where its file tools
+    hold at most `MAX_THREADS_PER_CALLER`. Invariant: cells of one caller in more sandboxes than its share clean
+    in at most its share of threads at once; the rest wait, and every cell returns its image afterwards."""
+    held = HeldRedactions(services, f"held-{secrets.token_hex(4)}")
+    monkeypatch.setattr(services.redactor, "redact", held.redact)
+    arrived = [0]
+    real_run = ThreadShares.run
+
+    async def counted(self: ThreadShares, place: object, work: Callable[[], Any], **kw: Any) -> Any:
+        arrived[0] += 1
+        return await real_run(self, place, work, **kw)
+
+    attackers = [await create(client) for _ in range(MAX_THREADS_PER_CALLER + 2)]
+    for box in attackers:
+        assert (await run(client, box, "1"))["ok"]
+    monkeypatch.setattr(ThreadShares, "run", counted)
+    results: dict[str, dict[str, Any]] = {}
+
+    async def attack(box: str) -> None:
+        results[box] = await run(client, box, svg_cell(held.marker))
+
+    async with anyio.create_task_group() as tasks:
+        for box in attackers:
+            tasks.start_soon(attack, box)
+        try:
+            with anyio.fail_after(VICTIM_DEADLINE_S):
+                while arrived[0] < len(attackers) or held.entered < MAX_THREADS_PER_CALLER:
+                    await anyio.sleep(0.01)
+            listed = await call(client, "list_sandboxes")  # a round trip: time for a thread to take more
+            assert listed["ok"], listed
+            assert held.entered == MAX_THREADS_PER_CALLER
+            assert results == {}
+        finally:
+            held.release()
+    assert held.entered == len(attackers)
+    for box in attackers:
+        assert results[box]["ok"], results[box]
+        assert [image["mime_type"] for image in results[box]["detail"]["images"]] == ["image/svg+xml"]

@@ -5,10 +5,10 @@ Wiring only (`audited_tool`): the contexts live in `bastion.workbench.code`; the
 
 from __future__ import annotations
 
-import asyncio
 import base64
-from collections.abc import Callable
-from typing import Annotated, Final, Literal
+import functools
+from collections.abc import Awaitable, Callable
+from typing import Annotated, Final, Literal, TypeVar
 
 from mcp.server.mcpserver import Context
 from mcp_types import ImageContent, ToolAnnotations
@@ -19,6 +19,7 @@ from bastion.safety.results import OperationResult, ResultCode
 from bastion.tools._call import UNNAMED, Outcome
 from bastion.tools.audited import Audit, audited_tool, workspace_of
 from bastion.tools.server import BastionServer
+from bastion.tools.threads import ThreadShares
 from bastion.tools.workbench import command_result
 from bastion.workbench.code import CellResult, Image, Language
 from bastion.workbench.manager import SandboxManager
@@ -31,6 +32,7 @@ SandboxIdArg = Annotated[str, Field(description="The sandbox id from create_sand
 # The record's workspace names it, so it is not copied into the audited arguments.
 InSandbox = Annotated[str, Field(description="The sandbox id from create_sandbox."), Audit.OMIT]
 
+T = TypeVar("T")
 _READS = ToolAnnotations(read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=False)
 # It reaches the package registry; it adds to the sandbox's own environment (an upgrade replaces a version,
 # nothing else), and the same requirement twice leaves the same environment.
@@ -100,9 +102,14 @@ def _base64(data: bytes) -> str:
 
 
 def register_code(
-    server: BastionServer, sandboxes: SandboxManager, registry: WorkspaceRegistry, config: SandboxesConfig
+    server: BastionServer,
+    sandboxes: SandboxManager,
+    registry: WorkspaceRegistry,
+    config: SandboxesConfig,
+    threads: ThreadShares,
 ) -> None:
-    """Add the code tools to `server`; install_package only if the config names a package registry."""
+    """Add the code tools to `server`; install_package only if the config names a package registry. A cell's
+    images and texts are cleaned, and its images encoded, in `threads`' shares of the sandbox and the caller."""
     in_sandbox = workspace_of("sandbox_id")
     # One per server (a process serves one): the image bytes its code calls hold, all sandboxes together.
     image_budget = ImageBudget()
@@ -155,6 +162,11 @@ def register_code(
 
         sandbox_only(sandbox_id, "execute_code")
         box = sandboxes.get(sandbox_id)
+        ws = registry.get(sandbox_id)
+
+        def in_thread(work: Callable[[], T]) -> Awaitable[T]:
+            return threads.run(ws, work)
+
         # The lease holds the images' bytes until this returns: not while the transport sends the answer.
         with image_budget.lease() as lease:
             result = await box.code.run(
@@ -165,8 +177,9 @@ def register_code(
                 timeout_s=timeout_s,
                 progress=progress,
                 images=lease,
+                in_thread=in_thread,
             )
-            images = await asyncio.to_thread(image_contents, result.images) if result.images else []
+            images = await in_thread(functools.partial(image_contents, result.images)) if result.images else []
             return Outcome(cell_result(result, {"language": language, "context": context}), images=images)
 
     @audited_tool(

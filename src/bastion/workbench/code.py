@@ -21,13 +21,14 @@ started with it (`CodeContext.kill`, `CodeContext._end_with_kernel`).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import shutil
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, Protocol, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -100,6 +101,21 @@ CLEANING_THREADS_PER_SANDBOX: Final = 1
 of the sandbox's own: never the pool another sandbox's calls wait in). Found by attack: in asyncio's default
 executor (6 threads on 2 cores, shared by the whole server) eight sandboxes' SVG redactions held every thread for
 seconds, another agent's kill_process waited past its grace period, and its whole sandbox was ended."""
+T = TypeVar("T")
+
+
+class InThread(Protocol):
+    """Runs `work` in a worker thread under the shares its caller holds (the tools' `ThreadShares`: the
+    sandbox's and the OAuth client's), so one agent's many sandboxes clean in its own share."""
+
+    def __call__(self, work: Callable[[], T], /) -> Awaitable[T]: ...
+
+
+async def _any_thread(work: Callable[[], T]) -> T:
+    """`InThread` with no caller's shares (a call from outside the tools): anyio's pool."""
+    return await anyio.to_thread.run_sync(work)
+
+
 START_TIMEOUT_S: Final = 30.0  # a cold interpreter on a busy machine
 GRACE_S: Final = 5.0
 PROGRESS_EVERY_S: Final = 1.0
@@ -690,6 +706,7 @@ class CodeContext:
         max_output_chars: int,
         progress: Progress,
         images: ImageLease | None = None,
+        in_thread: InThread = _any_thread,
     ) -> CellResult:
         if self._lock.locked():
             raise Conflict(f"context {self.name!r} is running other code: wait for it, or restart the context")
@@ -711,7 +728,7 @@ class CodeContext:
             self._cell = cell
             try:
                 await self._send({"op": "exec", "id": cell.id, "code": code})
-                return await self._await_cell(cell, timeout_s, progress)
+                return await self._await_cell(cell, timeout_s, progress, in_thread)
             finally:
                 self._cell = None
 
@@ -722,7 +739,7 @@ class CodeContext:
         if written != len(data):
             raise Unavailable(f"the {NAMES[self.language]} context is not taking input")
 
-    async def _await_cell(self, cell: _Cell, timeout_s: float, progress: Progress) -> CellResult:
+    async def _await_cell(self, cell: _Cell, timeout_s: float, progress: Progress, in_thread: InThread) -> CellResult:
         deadline = time.monotonic() + timeout_s
         timed_out = False
         message: dict[str, Any] | None = None
@@ -744,9 +761,8 @@ class CodeContext:
         texts = _Texts()
         if done and cell.images:
             # A copy: the kernel may still send images of this cell (dropped: it is done) meanwhile.
-            images, cut = await anyio.to_thread.run_sync(
-                self._redacted_images, list(cell.images), limiter=self._threads
-            )
+            async with self._threads:
+                images, cut = await in_thread(functools.partial(self._redacted_images, list(cell.images)))
             cell.images_over_cap += cut
             cell.truncated = cell.truncated or cut > 0
         if done and (cell.value is not None or cell.display or cell.error):
@@ -756,7 +772,8 @@ class CodeContext:
             else:
                 # Copies, cleaned in a worker thread: up to six fields of 64 Ki characters, the worst of them
                 # (all controls, all secret-shaped) some tens of milliseconds each.
-                texts = await anyio.to_thread.run_sync(self._texts, *fields, limiter=self._threads)
+                async with self._threads:
+                    texts = await in_thread(functools.partial(self._texts, *fields))
         return self._result(cell, message, timed_out, images, texts)
 
     async def _interrupt(self, cell: _Cell) -> dict[str, Any] | None:
@@ -898,9 +915,11 @@ class CodeRunner:
         timeout_s: float | None,
         progress: Progress,
         images: ImageLease | None = None,
+        in_thread: InThread = _any_thread,
     ) -> CellResult:
         """Run `code` in the named context of `language`, started (or restarted) as needed. Its images take
-        their bytes from `images` (the server's budget; None: the cell's own caps only).
+        their bytes from `images` (the server's budget; None: the cell's own caps only); its images and texts
+        are cleaned by `in_thread`, within the sandbox's own share (`CLEANING_THREADS_PER_SANDBOX`).
 
         Raises:
             InvalidRequest: bad code, context name or timeout; an unknown language.
@@ -919,7 +938,12 @@ class CodeRunner:
         sandbox = self._workspace.sandbox
         ooms = sandbox.oom_kills()
         result = await ctx.execute(
-            code, timeout_s=limit, max_output_chars=config.max_output_bytes, progress=progress, images=images
+            code,
+            timeout_s=limit,
+            max_output_chars=config.max_output_bytes,
+            progress=progress,
+            images=images,
+            in_thread=in_thread,
         )
         if not result.context_alive and sandbox.oom_kills() > ooms:
             result.oom_killed = True
