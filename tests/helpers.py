@@ -7,6 +7,7 @@ import contextlib
 import gc
 import json
 import os
+import resource
 import shutil
 import socket
 import subprocess
@@ -150,6 +151,29 @@ def registry_reachable(host: str = "pypi.org") -> bool:
 def open_fds() -> set[str]:
     """This process's open fds, without the one the listing itself used."""
     return {fd for fd in os.listdir("/proc/self/fd") if os.path.lexists(f"/proc/self/fd/{fd}")}
+
+
+@contextlib.contextmanager
+def fds_left(free: int, *, below: int | None = None) -> Iterator[None]:
+    """This process may open only `free` more fds inside: RLIMIT_NOFILE lowered, the rest filled with /dev/null.
+    With `below`, the limit is then lowered to that fd number: fds closed inside at or above it are not reused
+    (as if other work of the server took them at once). Restored on the way out."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    filler: list[int] = []
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (max(int(fd) for fd in open_fds()) + 64, hard))
+        with contextlib.suppress(OSError):
+            while True:
+                filler.append(os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC))
+        for _ in range(free):
+            os.close(filler.pop())
+        if below is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (below, hard))
+        yield
+    finally:
+        for fd in filler:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 def processes_with(marker: str) -> list[int]:

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import resource
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,6 @@ from bastion.sandbox.cgroups import CgroupLayout, Limits
 from bastion.sandbox.identity import DEFAULT_HOST_ID_COUNT, DEFAULT_HOST_ID_FIRST, IdentityPool
 from bastion.sandbox.microvm import MicroVMBackend, MicroVMSandbox, MicroVMSettings, missing_boot_files
 from bastion.sandbox.vmimage import ImageError, build
-from tests.helpers import open_fds
 
 # Software emulation on a loaded 2-core machine: a cold boot takes 10-40 s here.
 BOOT_TIMEOUT_S = 180.0
@@ -101,26 +99,3 @@ def with_vm_template(config: Path, image_dir: Path, *, emulation: bool, extra: s
     # [sandboxes.microvm] must come after the demo's own [sandboxes] keys: put it at the end of them.
     config.write_text(text + TEMPLATE.format(image_dir=image_dir, emulation=str(emulation).lower()) + extra)
     return config
-
-
-@contextlib.contextmanager
-def fds_left(free: int, *, below: int | None = None) -> Iterator[None]:
-    """This process may open only `free` more fds inside: RLIMIT_NOFILE lowered, the rest filled with /dev/null.
-    With `below`, the limit is then lowered to that fd number: fds closed inside at or above it are not reused
-    (as if other work of the server took them at once). As test_warm_pipes.py's; restored on the way out."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    filler: list[int] = []
-    try:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (max(int(fd) for fd in open_fds()) + 64, hard))
-        with contextlib.suppress(OSError):
-            while True:
-                filler.append(os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC))
-        for _ in range(free):
-            os.close(filler.pop())
-        if below is not None:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (below, hard))
-        yield
-    finally:
-        for fd in filler:
-            os.close(fd)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

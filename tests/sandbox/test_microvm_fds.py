@@ -23,8 +23,8 @@ from bastion.sandbox.cgroups import CgroupLayout
 from bastion.sandbox.microvm import MicroVMSandbox, MicroVMSettings
 from bastion.sandbox.processes import RingCapture
 from bastion.sandbox.warm import destroy_left_groups
-from tests.helpers import open_fds, processes_with
-from tests.sandbox.microvm_helpers import fds_left, microvm_settings, own_guest
+from tests.helpers import fds_left, open_fds, processes_with
+from tests.sandbox.microvm_helpers import microvm_settings, own_guest
 
 pytestmark = [pytest.mark.anyio, pytest.mark.root]
 

@@ -25,8 +25,8 @@ import pytest
 from bastion.sandbox import _vmegress as vmegress
 from bastion.sandbox._vmegress import MAX_STREAMS, WINDOW, EgressPort
 from bastion.sandbox.inside import egress_port, forwarder
+from tests.helpers import fds_left
 from tests.sandbox.egress_helpers import BIG, HEADER, EgressSetup, HostileGuest, egress_setup, frame
-from tests.sandbox.microvm_helpers import fds_left
 
 pytestmark = pytest.mark.anyio
 

@@ -8,12 +8,10 @@ is restored before anything is asserted.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
-import resource
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -22,7 +20,7 @@ from bastion.safety.errors import BastionError, Unavailable
 from bastion.sandbox._spawn import SANDBOX_PATH, SandboxSpec
 from bastion.sandbox.cgroups import CgroupLayout, Limits
 from bastion.sandbox.warm import MAX_HELD_PIPES, RunOutcome, WarmSandbox
-from tests.helpers import open_fds
+from tests.helpers import fds_left, open_fds
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
 
@@ -79,29 +77,6 @@ async def sh(box: WarmSandbox, script: str) -> RunOutcome:
     return await box.run(
         "/bin/sh", ["sh", "-c", script], cwd="/workspace", env=ENV, timeout_s=20, max_output_bytes=4096
     )
-
-
-@contextlib.contextmanager
-def fds_left(free: int, *, below: int | None = None) -> Iterator[None]:
-    """This process may open only `free` more fds inside: RLIMIT_NOFILE lowered, the rest filled with /dev/null.
-    With `below`, the limit is then lowered to that fd number: fds closed inside at or above it are not reused
-    (those of a sandbox that closes: as if other work of the server took them at once)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    filler: list[int] = []
-    try:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (max(int(fd) for fd in open_fds()) + 64, hard))
-        with contextlib.suppress(OSError):
-            while True:
-                filler.append(os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC))
-        for _ in range(free):
-            os.close(filler.pop())
-        if below is not None:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (below, hard))
-        yield
-    finally:
-        for fd in filler:
-            os.close(fd)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 async def _until(check: object, limit_s: float = 10) -> None:
