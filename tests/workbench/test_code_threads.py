@@ -71,6 +71,19 @@ async def run(client: Client, sandbox_id: str, code: str, **args: object) -> dic
     return await call(client, "execute_code", code=code, sandbox_id=sandbox_id, **args)
 
 
+async def started_kernels(client: Client, count: int) -> list[str]:
+    """`count` sandboxes, each with its Python kernel started before the attack."""
+    boxes = [await create(client) for _ in range(count)]
+    for box in boxes:
+        assert (await run(client, box, "1"))["ok"]
+    return boxes
+
+
+async def attack(client: Client, box: str, marker: str, results: dict[str, dict[str, Any]]) -> None:
+    """A cell returning an SVG that holds `marker`: its redaction is held (`HeldRedactions`)."""
+    results[box] = await run(client, box, svg_cell(marker))
+
+
 async def victim_calls(client: Client, box: str, marker: str) -> None:
     """Another sandbox's calls, each of which needed a thread of asyncio's default executor: kill a background
     process (wait until its cgroup is empty), kill a process a command left (wait on its pidfd), run a cell
@@ -108,18 +121,12 @@ async def test_cells_of_six_sandboxes_held_in_svg_redaction_do_not_hold_another_
     held = HeldRedactions(services, f"held-{secrets.token_hex(4)}")
     monkeypatch.setattr(services.redactor, "redact", held.redact)
     victim = await create(client)
-    attackers = [await create(client) for _ in range(EXECUTOR_THREADS)]
-    for box in attackers:
-        assert (await run(client, box, "1"))["ok"]  # each kernel started before the attack
+    attackers = await started_kernels(client, EXECUTOR_THREADS)
     marker = f"4264.{secrets.randbelow(10**6):06d}"
     results: dict[str, dict[str, Any]] = {}
-
-    async def attack(box: str) -> None:
-        results[box] = await run(client, box, svg_cell(held.marker))
-
     async with anyio.create_task_group() as tasks:
         for box in attackers:
-            tasks.start_soon(attack, box)
+            tasks.start_soon(attack, client, box, held.marker, results)
         try:
             with anyio.fail_after(VICTIM_DEADLINE_S):
                 while held.entered < len(attackers):
@@ -152,18 +159,12 @@ async def test_one_agents_cells_in_many_sandboxes_clean_in_at_most_its_callers_s
         arrived[0] += 1
         return await real_run(self, place, work, **kw)
 
-    attackers = [await create(client) for _ in range(MAX_THREADS_PER_CALLER + 2)]
-    for box in attackers:
-        assert (await run(client, box, "1"))["ok"]
+    attackers = await started_kernels(client, MAX_THREADS_PER_CALLER + 2)
     monkeypatch.setattr(ThreadShares, "run", counted)
     results: dict[str, dict[str, Any]] = {}
-
-    async def attack(box: str) -> None:
-        results[box] = await run(client, box, svg_cell(held.marker))
-
     async with anyio.create_task_group() as tasks:
         for box in attackers:
-            tasks.start_soon(attack, box)
+            tasks.start_soon(attack, client, box, held.marker, results)
         try:
             with anyio.fail_after(VICTIM_DEADLINE_S):
                 while arrived[0] < len(attackers) or held.entered < MAX_THREADS_PER_CALLER:
