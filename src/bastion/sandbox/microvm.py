@@ -438,8 +438,12 @@ class MicroVMProcess:
             self._vm.send_soon(b"E", self._id)
 
     def close(self) -> None:
+        """Let go of the command. Its output streams end here: a stream's end frame that came after the command
+        was forgotten would be ignored, and a piped stdout's host pipe and reader stay open for good."""
         self.close_stdin()
         self.finish(self.status)
+        self.out.end()
+        self.err.end()
         self._vm.forget(self._id)
 
 
