@@ -102,7 +102,7 @@ def test_a_sandbox_app_sending_endless_empty_fragments_is_closed_with_1009(previ
 def test_an_idle_websocket_ends_when_its_preview_is_revoked(preview: Preview, revoke: str) -> None:
     """Attack: a WebSocket opened before unexpose_port (or the sandbox's close) kept carrying the app's
     messages: a revoked URL still served, for as long as the browser and the app kept it. An idle one now
-    gets close 1008 within about a second (`EXPOSED_CHECK_S`), and the URL is a 404."""
+    gets close 1008 within about a second (`STANDING_CHECK_S`), and the URL is a 404."""
     sandbox_id = preview.sandbox_with_servers()
     url = preview.expose(sandbox_id, 8001)
     with Client(preview, url) as client:

@@ -16,6 +16,10 @@ own network namespace (`WarmSandbox.connect`): no host, no other sandbox, no oth
 here. Previews of different sandboxes share this one origin (its storage too): a page could read another
 preview only by knowing its token.
 
+A preview that is not public needs the administrator's login session: checked when a request or a WebSocket
+opens, and again every `STANDING_CHECK_S` while its WebSocket or response goes on, so a logout, a revoke all,
+`admin set-password` or the session's expiry ends them (close 1008, or the response cut) within about a second.
+
 A request for an unknown, expired or closed token gets 404 with no detail. Requests are rate limited
 per token and per client address (an IPv6 /64), bodies capped both ways, and each one is audited (token
 digest, method, path without its query, status, bytes, address, sandbox, port), except those refused for
@@ -31,6 +35,7 @@ import hashlib
 import logging
 import re
 import socket
+import sqlite3
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
@@ -45,6 +50,7 @@ from bastion.safety.audit import AuditLog
 from bastion.safety.errors import BastionError
 from bastion.transports.http.admin_pages import SESSION_COOKIE
 from bastion.transports.http.connections import close_or_reset
+from bastion.transports.http.preview_ws import STANDING_CHECK_S, close_browser, proxy_websocket
 from bastion.transports.http.ratelimit import WindowLimiter, address_key
 from bastion.transports.http.store import AuthStore
 from bastion.workbench.previews import Preview, PreviewRegistry, token_id
@@ -298,6 +304,19 @@ def _cookie(scope: Scope, name: str) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class _Standing:
+    """Whether an open request or WebSocket of a preview may go on: its preview still exposed (`exposed`, a dict
+    lookup) and, unless the preview is public, the login session that opened it still valid (`logged_in`, a
+    database query: the relays call the whole check once every `STANDING_CHECK_S`, not per message)."""
+
+    exposed: Callable[[], bool]
+    logged_in: Callable[[], bool]
+
+    def __call__(self) -> bool:
+        return self.exposed() and self.logged_in()
+
+
 class PreviewApp:
     """The ASGI app of the preview listener (behind the Host check); nothing but /preview/."""
 
@@ -378,12 +397,32 @@ class PreviewApp:
         return preview, None
 
     def _logged_in(self, scope: Scope) -> bool:
+        return self._session_valid(_cookie(scope, SESSION_COOKIE))
+
+    def _session_valid(self, session: str | None) -> bool:
         if self.store is None:
             return not self.config.auth  # auth = false (loopback only): there is no login to require
-        session = _cookie(scope, SESSION_COOKIE)
         if not session:
             return False
         return self.store.admin_session_csrf(session) is not None
+
+    def _standing(self, scope: Scope, preview: Preview) -> _Standing:
+        """The check an open request or WebSocket of `preview` makes again while it goes on (`_Standing`)."""
+        session = _cookie(scope, SESSION_COOKIE)
+
+        def exposed() -> bool:
+            return self.registry.lookup(preview.token) is preview
+
+        def still_logged_in() -> bool:
+            if preview.public:
+                return True
+            try:
+                return self._session_valid(session)
+            except sqlite3.Error as exc:  # the session cannot be confirmed: end, as a failed login check would
+                logger.warning("preview %s: could not look its login up: %s", token_id(preview.token), exc)
+                return False
+
+        return _Standing(exposed, still_logged_in)
 
     async def _connect(self, preview: Preview) -> socket.socket | None:
         try:
@@ -455,7 +494,7 @@ class PreviewApp:
         await send({"type": "http.response.start", "status": response.status, "headers": headers})
         progress.status = response.status
         await _Body(response, send, body, self.config.preview_max_response_bytes, progress).relay(
-            lambda: self.registry.lookup(preview.token) is preview
+            self._standing(scope, preview)
         )
         return response.status, progress.sent
 
@@ -510,8 +549,6 @@ class PreviewApp:
             logger.error("preview request not audited: %s", exc.reason)
 
     async def _websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
-        from bastion.transports.http.preview_ws import close_browser, proxy_websocket
-
         started = time.perf_counter()
         if (await receive())["type"] != "websocket.connect":
             return
@@ -540,7 +577,7 @@ class PreviewApp:
             sock,
             preview.port,
             target,
-            lambda: self.registry.lookup(preview.token) is preview,
+            self._standing(scope, preview),
             self.config.preview_timeout_s,
         )
         await self._record(scope, path, preview, status, sent, started)
@@ -626,14 +663,15 @@ class CappedBody:
 
 
 class _Body:
-    """An app's response body passed on to the browser, while the browser stays and the preview is still
-    exposed; cut at the response cap, or at its number of pieces (`CHUNK_CHARGE_BYTES`). What arrives while
-    a send is under way goes out in the next send: a flood of small pieces costs one send per read from the
-    app, not one per piece.
+    """An app's response body passed on to the browser, while the browser stays and the request may go on
+    (`_Standing`: its preview's exposure checked at each piece, the whole check every `STANDING_CHECK_S`, so a
+    body the app sends nothing of ends too); cut at the response cap, or at its number of pieces
+    (`CHUNK_CHARGE_BYTES`). What arrives while a send is under way goes out in the next send: a flood of small
+    pieces costs one send per read from the app, not one per piece.
 
     A body the app broke (a stall past `preview_timeout_s`, a short body, a protocol error), one cut at the
-    cap or one whose preview went away is ended without its last chunk: uvicorn then closes the connection,
-    and the browser sees it incomplete rather than caching a truncated page as whole.
+    cap or one whose preview or login went away is ended without its last chunk: uvicorn then closes the
+    connection, and the browser sees it incomplete rather than caching a truncated page as whole.
     """
 
     def __init__(self, response: httpcore2.Response, send: Send, body: CappedBody, cap: int, progress: _Progress):
@@ -648,21 +686,23 @@ class _Body:
         self.ended: str | None = None
         """Why no more will come: "complete", "cut", "broken", "revoked" or "gone"."""
 
-    async def relay(self, exposed: Callable[[], bool]) -> None:
-        tasks = [asyncio.create_task(self._pull()), asyncio.create_task(self._watch())]
+    async def relay(self, standing: _Standing) -> None:
+        tasks = [asyncio.create_task(work) for work in (self._pull(), self._watch(), self._recheck(standing))]
         try:
             while True:
                 await self.wake.wait()
                 self.wake.clear()
                 if self.ended == "gone":
                     return
+                if self.ended == "revoked":
+                    break  # what the app sent meanwhile is dropped, not delivered after the revocation
                 if self.pending:
                     data = bytes(self.pending)
                     self.pending.clear()
                     self.drained.set()
                     await self.send({"type": "http.response.body", "body": data, "more_body": True})
                     self.progress.sent += len(data)
-                if self.ended is None and not exposed():
+                if self.ended is None and not standing.exposed():
                     self._end("revoked")
                 if self.ended is not None and not self.pending:
                     break
@@ -703,6 +743,15 @@ class _Body:
     async def _watch(self) -> None:
         await self.body.until_gone()
         self._end("gone")
+
+    async def _recheck(self, standing: _Standing) -> None:
+        """End the body once the request may no longer go on (its login ended, or its preview went away while
+        the app sent nothing): a poll, as the WebSocket's (`STANDING_CHECK_S`)."""
+        while True:
+            await asyncio.sleep(STANDING_CHECK_S)
+            if not standing():
+                self._end("revoked")
+                return
 
     def _end(self, why: str) -> None:
         if self.ended is None:

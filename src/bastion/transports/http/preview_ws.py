@@ -51,8 +51,10 @@ apart from the bytes: charged 256 bytes each against the byte cap instead, a mes
 refused (1009) whenever a read ended a few bytes into it. The browser's side needs none: uvicorn appends its
 pieces to one buffer, capped by bytes."""
 HANDSHAKE_TIMEOUT_S: Final = 10.0
-EXPOSED_CHECK_S: Final = 1.0
-"""How often a live WebSocket checks that its preview is still exposed (a poll: the registry has no events)."""
+STANDING_CHECK_S: Final = 1.0
+"""How often a live WebSocket checks that it may go on: its preview still exposed and, unless the preview is
+public, the administrator's login that opened it still valid (a poll: the registry has no events, an expiry is
+a time, and a logout, a revoke all or `admin set-password` is a database write, maybe by another process)."""
 READ_BYTES: Final = 65_536
 """What one read from the app takes; the app's stream buffers at most twice this before it stops reading."""
 APP_RECEIVE_BUFFER: Final = 65_536
@@ -151,13 +153,14 @@ async def proxy_websocket(
     sock: socket.socket,
     port: int,
     target: bytes,
-    exposed: Callable[[], bool],
+    standing: Callable[[], bool],
     app_timeout_s: float = 30.0,
 ) -> tuple[int, int]:
     """Run one proxied WebSocket to its end; (the status to audit, bytes sent to the browser).
 
-    `exposed` says whether its preview is still live: checked every `EXPOSED_CHECK_S`, so a WebSocket ends
-    (close 1008 both ways) soon after unexpose_port, the URL's expiry or its sandbox's close, even an idle one.
+    `standing` says whether it may go on: called every `STANDING_CHECK_S`, so a WebSocket ends (close 1008
+    both ways) soon after unexpose_port, the URL's expiry, its sandbox's close or the end of the login that
+    opened it, even an idle one.
     The status: 101 once both sides were joined, 502 when the app refused or failed its handshake, 499 (as
     nginx names it) when the browser left during the app's handshake. `app_timeout_s`: how long the app may take
     nothing the browser sends before the WebSocket ends."""
@@ -180,7 +183,7 @@ async def proxy_websocket(
         sent = [0]
         to_app = asyncio.ensure_future(_browser_to_app(receive, link))
         to_browser = asyncio.ensure_future(_app_to_browser(_Browser(scope, send), link, sent))
-        revoked = asyncio.ensure_future(_until_revoked(exposed, send, link))
+        revoked = asyncio.ensure_future(_until_revoked(standing, send, link))
         done, pending = await asyncio.wait({to_app, to_browser, revoked}, return_when=asyncio.FIRST_COMPLETED)
         for task in pending:
             task.cancel()
@@ -194,10 +197,11 @@ async def proxy_websocket(
         close_or_reset(writer.transport)  # what the app did not take is dropped, not kept for it
 
 
-async def _until_revoked(exposed: Callable[[], bool], send: Send, link: _Link) -> None:
-    """Return once the preview is no longer exposed, having closed both sides (1008: the URL is revoked)."""
-    while exposed():  # noqa: ASYNC110 - polled: the registry has no events (an expiry is a time, not a call)
-        await asyncio.sleep(EXPOSED_CHECK_S)
+async def _until_revoked(standing: Callable[[], bool], send: Send, link: _Link) -> None:
+    """Return once the WebSocket may no longer go on, having closed both sides (1008: the URL or the login
+    is revoked)."""
+    while standing():  # noqa: ASYNC110 - polled: see `STANDING_CHECK_S`
+        await asyncio.sleep(STANDING_CHECK_S)
     _close_app(link, 1008)
     await close_browser(send, 1008)
 
