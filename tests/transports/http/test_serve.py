@@ -21,7 +21,9 @@ from pathlib import Path
 
 import httpx2
 import pytest
+from argon2 import PasswordHasher
 
+from bastion.cli import main
 from bastion.config import HttpConfig
 from bastion.serve import listen_socket
 from tests.helpers import mounts_under, passable_folder
@@ -32,6 +34,20 @@ from .tls import self_signed
 
 def bastion(*args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
     return subprocess.run([str(BASTION), *args], input=stdin, capture_output=True, text=True, timeout=60, check=False)
+
+
+# For the tests that need a password set but do not test `admin set-password` (the tests below that do, run
+# it): what it stores, written in this process with a cheap argon2id (8 MiB, one pass), not an interpreter
+# start and a 64 MiB hash.
+CHEAP_HASHER = PasswordHasher(time_cost=1, memory_cost=8192, parallelism=1)
+
+
+def set_password(config: Path) -> None:
+    path = config.parent / "state" / "admin-password.argon2"
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as hash_file:
+        hash_file.write(CHEAP_HASHER.hash("a long enough password") + "\n")
 
 
 def test_serve_refuses_without_a_password(tmp_path: Path) -> None:
@@ -50,7 +66,7 @@ def test_serve_refuses_auth_off_on_a_public_address(tmp_path: Path) -> None:
 
 def test_serve_refuses_half_a_tls_pair(tmp_path: Path) -> None:
     config = write_config(tmp_path / "demo", free_port(), http_extra='tls_cert = "cert.pem"')
-    bastion("admin", "set-password", "--config", str(config), stdin="a long enough password\n")
+    set_password(config)
     result = bastion("serve", "--config", str(config), "--http")
     assert result.returncode == 78
     assert "tls_cert and tls_key" in result.stderr
@@ -92,7 +108,7 @@ def test_builtin_tls(tmp_path: Path) -> None:
             f'public_url = "http://127.0.0.1:{port}"', f'public_url = "https://127.0.0.1:{port}"'
         )
     )
-    bastion("admin", "set-password", "--config", str(config), stdin="a long enough password\n")
+    set_password(config)
     process = subprocess.Popen([str(BASTION), "serve", "--config", str(config), "--http"], stderr=subprocess.PIPE)
     try:
         context = ssl.create_default_context(cafile=str(cert))
@@ -131,7 +147,7 @@ def test_serve_refuses_a_tls_key_others_may_read(tmp_path: Path) -> None:
         cert, key = self_signed(keys)
         os.chmod(key, 0o644)
         config = write_config(tmp_path / "demo", free_port(), http_extra=f'tls_cert = "{cert}"\ntls_key = "{key}"')
-        bastion("admin", "set-password", "--config", str(config), stdin="a long enough password\n")
+        set_password(config)
         result = bastion("serve", "--config", str(config), "--http")
         doctor = bastion("doctor", "--config", str(config))
     assert result.returncode == 78, result.stderr
@@ -186,7 +202,7 @@ def test_listen_overrides_the_config_and_moves_a_loopback_public_url(tmp_path: P
     and accepts the port it listens on (the old port's Host is another server's: 421), and says so."""
     port = free_port()
     config = write_config(tmp_path / "demo", port)
-    bastion("admin", "set-password", "--config", str(config), stdin="a long enough password\n")
+    set_password(config)
     other = free_port()
     process = subprocess.Popen(
         [str(BASTION), "serve", "--config", str(config), "--http", "--listen", f"127.0.0.1:{other}"],
@@ -259,12 +275,18 @@ def test_code_lifetime_is_bounded_to_60_120_s(tmp_path: Path) -> None:
         assert (result.returncode == 0) is ok, (value, result.stderr)
 
 
-def test_listen_with_an_invalid_port_or_address_is_refused(tmp_path: Path) -> None:
+def test_listen_with_an_invalid_port_or_address_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`--listen localhost:99999` used to bind a random port; a port outside 1-65535, no port, or a
-    non-loopback address for a loopback public_url is refused with one line saying what to do."""
+    non-loopback address for a loopback public_url is refused with one line saying what to do.
+
+    The first case runs the real command; the others run the same CLI (`main`) in this process, where a
+    refusal costs no interpreter start (about 1 s of CPU each). A start that got past its checks there
+    fails the test at `build_services` instead of serving; an exception (a traceback) fails it too."""
     config = write_config(tmp_path / "demo", free_port())
-    bastion("admin", "set-password", "--config", str(config), stdin="a long enough password\n")
-    for listen, says in [
+    set_password(config)
+    cases = [
         ("localhost:99999", "port from 1 to 65535"),
         ("127.0.0.1:0", "port from 1 to 65535"),
         ("localhost", "HOST:PORT"),
@@ -274,12 +296,25 @@ def test_listen_with_an_invalid_port_or_address_is_refused(tmp_path: Path) -> No
         # Arabic-Indic digits, bound port 19002 and crashed when the URL was built.
         ("127.0.0.1:\u00b2", "port from 1 to 65535"),
         ("127.0.0.1:\u0661\u0669\u0660\u0660\u0662", "port from 1 to 65535"),
-    ]:
-        result = bastion("serve", "--config", str(config), "--http", "--listen", listen)
-        assert result.returncode == 78, (listen, result.stderr)
-        assert says in result.stderr, (listen, result.stderr)
-        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
-        assert "Traceback" not in result.stderr
+    ]
+    listen, says = cases[0]
+    result = bastion("serve", "--config", str(config), "--http", "--listen", listen)
+    assert result.returncode == 78, (listen, result.stderr)
+    assert says in result.stderr, (listen, result.stderr)
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+
+    def started(*_args: object) -> None:
+        raise AssertionError("serve got past its start-up checks")
+
+    monkeypatch.setattr("bastion.serve.build_services", started)
+    for listen, says in cases[1:]:
+        capsys.readouterr()
+        code = main(["serve", "--config", str(config), "--http", "--listen", listen])
+        stderr = capsys.readouterr().err
+        assert code == 78, (listen, stderr)
+        assert says in stderr, (listen, stderr)
+        assert len(stderr.strip().splitlines()) == 1, stderr
 
 
 @pytest.mark.anyio
