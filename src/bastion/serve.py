@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Final
 import anyio
 
 from bastion import heap
-from bastion.app import Services, build_server, build_services
 from bastion.config import Config, HttpConfig, split_listen
 from bastion.logs import announce, configure_logging
 from bastion.safety.errors import ConfigError, Unavailable
@@ -34,6 +33,7 @@ if TYPE_CHECKING:
     import uvicorn
     from starlette.types import ASGIApp
 
+    from bastion.app import Services
     from bastion.transports.http.connections import FdLimits, UnsentWatch
 
 
@@ -87,6 +87,8 @@ def serve_stdio(config: Config, config_path: str) -> int:
     # switches the handler to "ignore" within this block, so no default action comes in between.
     with stop_signals():
         try:
+            from bastion.app import build_server, build_services  # late: a refused start skips 0.7 s of imports
+
             services = build_services(config)
             server = build_server(services, caller="stdio")
             _stdio_banner(config, config_path)
@@ -498,6 +500,7 @@ class _Front:
     """The HTTP front's apps, built over `services`: uvicorn settings per listener and the auth store."""
 
     def __init__(self, services: Services, listeners: _Listeners, listen: str | None) -> None:
+        from bastion.app import build_server
         from bastion.transports.http import connections
         from bastion.transports.http.app import build_http_app, build_preview_app
         from bastion.transports.http.preview import HideTokens, QuietCuts
@@ -587,6 +590,8 @@ def serve_http(config: Config, config_path: str, listen: str | None = None) -> i
     # does. The cleanup switches the handler to "ignore" within this block, so no default action comes in between.
     with stop_signals():
         try:
+            from bastion.app import build_services  # late: a refused start skips 0.7 s of imports
+
             services = build_services(config)
             front = _Front(services, listeners, listen)
             _serve_front(config, config_path, notifier, listeners, front)

@@ -307,7 +307,7 @@ def test_listen_with_an_invalid_port_or_address_is_refused(
     def started(*_args: object) -> None:
         raise AssertionError("serve got past its start-up checks")
 
-    monkeypatch.setattr("bastion.serve.build_services", started)
+    monkeypatch.setattr("bastion.app.build_services", started)
     for listen, says in cases[1:]:
         capsys.readouterr()
         code = main(["serve", "--config", str(config), "--http", "--listen", listen])
