@@ -10,13 +10,12 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from argon2 import PasswordHasher
 
 from bastion.cli import main
 from bastion.config import load_config
 from bastion.safety.audit import AuditLog
 from bastion.safety.redact import Redactor
-from tests.helpers import BASTION
+from tests.helpers import BASTION, write_cheap_hash
 
 
 def test_policy_explain_allow(capsys: pytest.CaptureFixture[str], demo_config_path: Path) -> None:
@@ -84,17 +83,9 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
     return subprocess.run([str(BASTION), *args], capture_output=True, text=True, timeout=60, env=env, check=False)
 
 
-# The tests that only need a password set: what `admin set-password` stores, written in this process with a cheap
-# argon2id (8 MiB, one pass), not an interpreter start and a 64 MiB hash; the hash's cost is not their subject.
-CHEAP_HASHER = PasswordHasher(time_cost=1, memory_cost=8192, parallelism=1)
-
-
 def set_a_password(config: Path) -> None:
     path = load_config(config).admin_hash_path
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as hash_file:
-        hash_file.write(CHEAP_HASHER.hash("a long enough password") + "\n")
+    write_cheap_hash(path, "a long enough password")
 
 
 @pytest.mark.parametrize("flag", ["--version", "-V", "version"])

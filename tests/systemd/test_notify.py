@@ -23,10 +23,9 @@ from pathlib import Path
 
 import httpx2
 import pytest
-from argon2 import PasswordHasher
 
 from bastion.systemd.notify import NOTIFY_SOCKET_ENV, Notifier, notify_address
-from tests.helpers import BASTION, INITIALIZE_REQUEST
+from tests.helpers import BASTION, INITIALIZE_REQUEST, write_cheap_hash
 from tests.transports.http.live import free_port, write_config
 
 DEADLINE_S = 60
@@ -63,17 +62,9 @@ def serve(config: Path, transport: str, notify: str) -> Iterator[subprocess.Pope
             process.wait()
 
 
-# What `admin set-password` stores, written in this process with a cheap argon2id (8 MiB, one pass), not an
-# interpreter start and a 64 MiB hash: these tests need a password set (or serve refuses before it binds), not its cost.
-CHEAP_HASHER = PasswordHasher(time_cost=1, memory_cost=8192, parallelism=1)
-
-
 def set_password(config: Path) -> None:
     path = config.parent / "state" / "admin-password.argon2"
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as hash_file:
-        hash_file.write(CHEAP_HASHER.hash("a long enough password") + "\n")
+    write_cheap_hash(path, "a long enough password")
 
 
 def test_stdio_server_notifies_ready_then_stopping(tmp_path: Path, notify_socket: tuple[socket.socket, str]) -> None:

@@ -37,6 +37,7 @@ from mcp.client.streamable_http import streamable_http_client
 
 from bastion.demo import init_demo
 from bastion.transports.http.password import write_hash
+from tests.helpers import write_cheap_hash
 
 from .tls import self_signed
 
@@ -132,16 +133,28 @@ TRUST_LOOPBACK_PROXY = 'trusted_proxies = ["127.0.0.1"]'
 
 @contextlib.contextmanager
 def live_server(
-    root: Path, *, http_extra: str = "", auth: bool = True, nofile: int | None = None, behind_proxy: bool = False
+    root: Path,
+    *,
+    http_extra: str = "",
+    auth: bool = True,
+    nofile: int | None = None,
+    behind_proxy: bool = False,
+    cheap_hash: bool = False,
 ) -> Iterator[LiveServer]:
     """`nofile`: the server's open-file limit (soft and hard), for tests that exhaust it. `behind_proxy`:
-    the server believes X-Forwarded-For from 127.0.0.1 (`trusted_proxies`), so a test plays other addresses."""
+    the server believes X-Forwarded-For from 127.0.0.1 (`trusted_proxies`), so a test plays other addresses.
+    `cheap_hash`: the password is stored with `CHEAP_HASHER`, for tests whose subject is not the argon2 cost
+    nor a race that needs a slow check."""
     if behind_proxy:
         http_extra = f"{http_extra}\n{TRUST_LOOPBACK_PROXY}"
     port = free_port()
     config_path = write_config(root, port, http_extra=http_extra, auth=auth)
     if auth:
-        write_hash(root / "state" / "admin-password.argon2", PASSWORD)
+        hash_file = root / "state" / "admin-password.argon2"
+        if cheap_hash:
+            write_cheap_hash(hash_file, PASSWORD)
+        else:
+            write_hash(hash_file, PASSWORD)
     with serve_config(root, config_path, port, nofile=nofile) as server:
         yield server
 

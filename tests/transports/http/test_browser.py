@@ -40,7 +40,7 @@ def browser() -> Iterator[Any]:
 def test_chromium_logs_in_narrows_and_consents(
     start_server: Callable[..., AbstractContextManager[LiveServer]], browser: Any
 ) -> None:
-    with start_server() as server:
+    with start_server(cheap_hash=True) as server:
         client_id = server.register(client_name="Chromium test client")["client_id"]
         verifier, challenge = pkce()
         page = browser.new_page()
@@ -77,7 +77,7 @@ def test_chromium_logs_in_narrows_and_consents(
 def test_chromium_wrong_password_is_refused_then_rate_limited(
     start_server: Callable[..., AbstractContextManager[LiveServer]], browser: Any
 ) -> None:
-    with start_server(http_extra="login_failures_before_backoff = 3") as server:
+    with start_server(cheap_hash=True, http_extra="login_failures_before_backoff = 3") as server:
         client_id = server.register()["client_id"]
         _, challenge = pkce()
         page = browser.new_page()
@@ -100,7 +100,7 @@ def test_chromium_wrong_password_is_refused_then_rate_limited(
 def test_chromium_cross_site_post_without_csrf_fails(
     start_server: Callable[..., AbstractContextManager[LiveServer]], browser: Any
 ) -> None:
-    with start_server() as server:
+    with start_server(cheap_hash=True) as server:
         client_id = server.register()["client_id"]
         _, challenge = pkce()
         page = browser.new_page()
@@ -131,7 +131,7 @@ def test_chromium_cross_site_post_without_csrf_fails(
 def test_chromium_approves_a_pending_action(
     start_server: Callable[..., AbstractContextManager[LiveServer]], browser: Any
 ) -> None:
-    with start_server() as server:
+    with start_server(cheap_hash=True) as server:
         queue = ApprovalQueue(server.db_path)
         pending = queue.request("biscuit_deploy", "deploy v1.2.3", "test-client", ttl_s=600)
         # Attack: a literal whose dangerous end is past 200 characters: the decisions' history cut it there.
@@ -236,7 +236,7 @@ def test_browser_cookie_fixation_from_another_loopback_port_gets_the_attacker_no
     Afterwards the administrator approves a real client in the same browser, and claude.ai- and Claude
     Code-shaped clients connect. What it does not prove: that the administrator would not approve the
     attacker's client on the consent page they are shown (it names the client and its redirect)."""
-    with start_server() as server:
+    with start_server(cheap_hash=True) as server:
         attacker_client = server.register(client_name="Claude Code", scope="workbench gateway:deploy")["client_id"]
         planted = secrets.token_urlsafe(32)
         context = browser.new_context()
@@ -292,7 +292,7 @@ def test_authorize_flood_never_drops_the_administrators_login_in_progress(
     Before issue 20 the oldest pending requests were dropped at 1,000, the administrator's among them,
     and the login then said "CSRF check failed". Now the flood is refused (429) past 10 pending requests
     and 30 a minute from that address, and the administrator's login and consent complete."""
-    with start_proxied_server() as server:
+    with start_proxied_server(cheap_hash=True) as server:
         flooder = server.register(client_name="flooder")["client_id"]
         mine = server.register(client_name="administrator's app")["client_id"]
         verifier, challenge = pkce()
@@ -333,7 +333,7 @@ def test_expired_request_says_start_again_not_csrf_check_failed(
     """The login page is open when the request is gone (here: the server restarted, which forgets pending
     requests, as expiry does): submitting it says the request expired and to start again, not "CSRF check
     failed". Starting again then works in the same browser."""
-    with start_server() as server:
+    with start_server(cheap_hash=True) as server:
         client_id = server.register(client_name="patient client")["client_id"]
         _, challenge = pkce()
         page = browser.new_context().new_page()
@@ -360,7 +360,7 @@ def test_consent_pre_ticks_least_privileged_and_registered_scope_bounds_the_requ
     administrator who just clicks Approve grants the least. A client registered for `organizer` asking
     for `workbench gateway:deploy` is refused with invalid_scope; asking for `organizer gateway:deploy` is
     offered `organizer` only."""
-    with start_server() as server:
+    with start_server(cheap_hash=True) as server:
         claude = server.register(client_name="Claude", scope="claudeai")["client_id"]
         _, challenge = pkce()
         page = browser.new_context().new_page()
@@ -392,7 +392,7 @@ def test_bidi_override_in_a_client_name_is_shown_escaped(
     name read as another (CVE-2021-42574): the login and consent pages show them as `\\u202e`, and no
     such character reaches the page; the name is isolated in <bdi>."""
     name = "Claude\u202eedoC\u2066 \u200b\x07"
-    with start_server() as server:
+    with start_server(cheap_hash=True) as server:
         client_id = server.register(client_name=name)["client_id"]
         _, challenge = pkce()
         page = browser.new_page()
@@ -417,7 +417,7 @@ def test_chromium_flow_started_from_another_site_completes(
     browser cookie is withheld on that navigation. The binding checks still let the real flow through
     (the login page tolerates a missing cookie, never a different one; the POSTs and the consent page
     get it), and the code redeems. Guards the fixation fix against breaking real clients."""
-    with start_server() as server:
+    with start_server(cheap_hash=True) as server:
         client_id = server.register(client_name="Claude")["client_id"]
         verifier, challenge = pkce()
         context = browser.new_context()

@@ -60,7 +60,7 @@ def test_app_retry_in_another_tab_says_expired_not_csrf_failed(
     same client) replaces the first request rather than piling up, so an app cannot fill the pending
     requests. Submitting the old page says the request expired and to start again, never "CSRF check
     failed"; the new tab logs in and approves; claude.ai- and Claude Code-shaped clients connect."""
-    with start_server() as server:
+    with start_server(cheap_hash=True) as server:
         client_id = server.register(client_name="retrying app")["client_id"]
         verifier, challenge = pkce()
         context = chromium.new_context()
@@ -100,7 +100,7 @@ def test_same_host_authorize_flood_does_not_block_a_browser_that_logged_in_befor
     prove: a claude.ai-started request during such a flood (that navigation is cross-site, so the
     SameSite=Strict device cookie is not sent and the address counts: it waits for the flood's requests
     to expire, at most 10 minutes)."""
-    with start_proxied_server() as server:
+    with start_proxied_server(cheap_hash=True) as server:
         flooder = server.register(client_name="flooder")["client_id"]
         _, challenge = pkce()
         context = chromium.new_context()
@@ -174,7 +174,7 @@ def test_bidi_override_in_an_approval_requester_is_shown_escaped(
     """A pending gateway approval names who asked for it (`http:<client id>`; a URL client id is the
     client's choice). With U+202E in it, /admin/approvals showed the name reordered; now each invisible or
     bidi character is shown as `\\uXXXX`, and the administrator still approves it."""
-    with start_server() as server:
+    with start_server(cheap_hash=True) as server:
         queue = ApprovalQueue(server.db_path)
         pending = queue.request("biscuit_deploy", "deploy v1.2.3", "http:evil\u202etxt.exe", ttl_s=600)
         context = chromium.new_context()
@@ -202,7 +202,7 @@ def test_admin_login_in_another_tab_keeps_a_pending_request(
     """A login at /admin issues the browser cookie a fresh value (fixation); a login page for an app's
     request, open in another tab and bound to the old value, then said "CSRF check failed". The request now
     follows the browser to its new value: that tab logs in and approves; the old value opens nothing."""
-    with start_server() as server:
+    with start_server(cheap_hash=True) as server:
         client_id = server.register(client_name="waiting app")["client_id"]
         verifier, challenge = pkce()
         context = chromium.new_context()

@@ -25,7 +25,7 @@ import httpx2
 
 from .clients import assert_clients_connect, from_address
 from .live import PASSWORD, Browser, LiveServer, forms, pkce
-from .test_front_door_attacks import login_form
+from .test_front_door_attacks import login_forms
 
 MIB = 1024 * 1024
 BROWSER_COOKIE = "__Host-bastion-browser"
@@ -140,7 +140,7 @@ def test_argon2_memory_bomb_200_parallel_logins_stay_bounded(
     with start_proxied_server() as server:
         addresses = [f"10.9.{n // 250}.{n % 250 + 1}" for n in range(200)]
         client_id = server.register(client_name="attacker")["client_id"]
-        own = [(a, *login_form(server, client_id, from_address(a))) for a in addresses]
+        own = [(a, *form) for a, form in zip(addresses, login_forms(server, client_id, addresses), strict=True)]
         idle = rss_bytes(server)
         reset_peak_rss(server)
         statuses = asyncio.run(_burst_own(server, own))
@@ -173,10 +173,10 @@ def test_login_flood_from_elsewhere_does_not_lock_out_the_administrator(
     """Wrong passwords from 60 other addresses, past the global limit (10 a minute here): before issue 20
     the right password then got 429 for everyone for a minute. Now only addresses that failed wait; the
     administrator's address, which has not failed, logs in at once (within 5 s)."""
-    with start_proxied_server(http_extra="global_login_failures_per_minute = 10") as server:
+    with start_proxied_server(cheap_hash=True, http_extra="global_login_failures_per_minute = 10") as server:
         client_id = server.register(client_name="attacker")["client_id"]
         addresses = [f"203.0.113.{n + 1}" for n in range(60)]
-        own = [(a, *login_form(server, client_id, from_address(a))) for a in addresses]
+        own = [(a, *form) for a, form in zip(addresses, login_forms(server, client_id, addresses), strict=True)]
         for one in own[:12]:  # one after another: each is checked, and fails
             assert asyncio.run(_burst_own(server, [one])) == Counter({401: 1})
         asyncio.run(_burst_own(server, own[12:]))  # the other 48 at once
@@ -208,7 +208,7 @@ def test_authorize_flood_is_rate_limited_and_capped_per_address(
     issue 20 this dropped the administrator's request, whose login then said "CSRF check failed". A retry
     from the same browser for the same client replaces its own pending request rather than piling up.
     The administrator's request completes; claude.ai- and Claude Code-shaped clients connect."""
-    with start_proxied_server() as server:
+    with start_proxied_server(cheap_hash=True) as server:
         client_id = server.register(client_name="flooder")["client_id"]
         admin_client = server.register(client_name="administrator's app")["client_id"]
         _, challenge = pkce()

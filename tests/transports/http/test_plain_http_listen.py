@@ -11,12 +11,12 @@ missing admin password, the check that comes after.
 
 from __future__ import annotations
 
-import os
 import socket
 from pathlib import Path
 
 import pytest
-from argon2 import PasswordHasher
+
+from tests.helpers import write_cheap_hash
 
 from .live import PASSWORD as ADMIN_PASSWORD
 from .live import free_port, get_tokens, refused_start, serve_config, write_config
@@ -29,18 +29,9 @@ def nothing_listens(port: int) -> bool:
         return probe.connect_ex(("127.0.0.1", port)) != 0
 
 
-# The password's hash is not what this file tests: a cheap argon2id (8 MiB, one pass) written in this process
-# stands in for `bastion admin set-password` (an interpreter start and a 64 MiB hash); the login verifies it
-# with the parameters it names.
-CHEAP_HASHER = PasswordHasher(time_cost=1, memory_cost=8192, parallelism=1)
-
-
 def set_password(config: Path) -> None:
     path = config.parent / "state" / "admin-password.argon2"
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as hash_file:
-        hash_file.write(CHEAP_HASHER.hash(ADMIN_PASSWORD) + "\n")
+    write_cheap_hash(path, ADMIN_PASSWORD)
 
 
 @pytest.mark.parametrize("listen", ["0.0.0.0", "[::]", "192.0.2.10", "config"])

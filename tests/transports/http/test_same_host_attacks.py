@@ -115,7 +115,7 @@ def test_same_host_login_flood_does_not_lock_out_a_browser_that_logged_in_before
     then backs 127.0.0.1 off with wrong passwords: the attacker, even with the right password, now gets
     429 from that address (before this, so did the administrator, for up to 15 minutes). The
     administrator's browser, from the same address, logs in on /oauth/login and /admin/login within 5 s."""
-    with start_server(http_extra="global_login_failures_per_minute = 3") as server:
+    with start_server(cheap_hash=True, http_extra="global_login_failures_per_minute = 3") as server:
         admin = Browser(server)
         attacker = Browser(server)
         try:
@@ -179,7 +179,7 @@ def test_forged_or_stale_device_cookie_buys_nothing(
 ) -> None:
     """With 127.0.0.1 backed off, a made-up device cookie, the administrator's with its signature altered,
     and the administrator's after the password changed all count as that address: 429."""
-    with start_server(http_extra="global_login_failures_per_minute = 3") as server:
+    with start_server(cheap_hash=True, http_extra="global_login_failures_per_minute = 3") as server:
         admin = Browser(server)
         attacker = Browser(server)
         try:
@@ -205,7 +205,7 @@ def test_non_ascii_csrf_token_is_refused_not_a_server_error(
     """A CSRF field with non-ASCII text made the constant-time comparison raise (500, a traceback in the
     log) on /oauth/login, /oauth/consent, /admin/login and every admin POST. Now each is a 403 that says
     the form is not valid, and the administrator then logs in."""
-    with start_server() as server:
+    with start_server(cheap_hash=True) as server:
         browser = Browser(server)
         try:
             client_id = server.register()["client_id"]
@@ -235,7 +235,7 @@ def test_same_host_process_cannot_claim_other_addresses_with_forwarded_headers(
     configured (the default) the headers are ignored: registrations and logins with a fresh forged
     address each are all counted against 127.0.0.1, and the quota and back-off hold."""
     extra = "registrations_per_ip_per_hour = 3\nlogin_failures_before_backoff = 2"
-    with start_server(http_extra=extra) as server, server.http() as raw:
+    with start_server(cheap_hash=True, http_extra=extra) as server, server.http() as raw:
         statuses = [
             raw.post(
                 "/register",
@@ -276,7 +276,7 @@ def test_prefetches_a_page_asks_for_are_refused_before_anything_counts(
     /authorize got 429), and a loop had the server render 584 audit pages in 15 s. Invariant: each such
     request (any browser's purpose header) is 403 before a limit counts it or a page is made; afterwards the
     administrator's own /authorize opens the login page and the dashboard still shows."""
-    with start_server() as server:
+    with start_server(cheap_hash=True) as server:
         admin = Browser(server)
         try:
             assert admin_login(admin).status_code == 303

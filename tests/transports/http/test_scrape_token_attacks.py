@@ -24,10 +24,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from argon2 import PasswordHasher
 
 from bastion.transports.http.observe import scrape_token_problem
-from tests.helpers import passable_folder
+from tests.helpers import passable_folder, write_cheap_hash
 
 from .live import BASTION, PASSWORD, free_port, write_config
 
@@ -40,7 +39,6 @@ NOBODY = 65534
 AS_NOBODY = ["setpriv", "--reuid", str(NOBODY), "--regid", str(NOBODY), "--clear-groups"]
 DEADLINE_S = 60.0
 TOKEN = "nobody-chose-this-token-" + "0123456789abcdef" * 2
-CHEAP_HASHER = PasswordHasher(time_cost=1, memory_cost=8192, parallelism=1)
 
 
 @pytest.fixture
@@ -99,10 +97,7 @@ def _config(tmp_path: Path, token: Path, port: int) -> Path:
     config.write_text(config.read_text() + f'\n[metrics]\ntoken_file = "{token}"\n')
     # Nothing else stops the start. Never checked here: a cheap argon2id (8 MiB, one pass) instead of 64 MiB.
     hash_path = tmp_path / "demo" / "state" / "admin-password.argon2"
-    hash_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    fd = os.open(hash_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as hash_file:
-        hash_file.write(CHEAP_HASHER.hash(PASSWORD) + "\n")
+    write_cheap_hash(hash_path, PASSWORD)
     return config
 
 

@@ -21,12 +21,11 @@ from pathlib import Path
 
 import httpx2
 import pytest
-from argon2 import PasswordHasher
 
 from bastion.cli import main
 from bastion.config import HttpConfig
 from bastion.serve import listen_socket
-from tests.helpers import mounts_under, passable_folder
+from tests.helpers import mounts_under, passable_folder, write_cheap_hash
 
 from .live import BASTION, Browser, free_port, get_tokens, live_server, pkce, serve_config, write_config
 from .tls import self_signed
@@ -36,18 +35,9 @@ def bastion(*args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
     return subprocess.run([str(BASTION), *args], input=stdin, capture_output=True, text=True, timeout=60, check=False)
 
 
-# For the tests that need a password set but do not test `admin set-password` (the tests below that do, run
-# it): what it stores, written in this process with a cheap argon2id (8 MiB, one pass), not an interpreter
-# start and a 64 MiB hash.
-CHEAP_HASHER = PasswordHasher(time_cost=1, memory_cost=8192, parallelism=1)
-
-
 def set_password(config: Path) -> None:
     path = config.parent / "state" / "admin-password.argon2"
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as hash_file:
-        hash_file.write(CHEAP_HASHER.hash("a long enough password") + "\n")
+    write_cheap_hash(path, "a long enough password")
 
 
 def test_serve_refuses_without_a_password(tmp_path: Path) -> None:
