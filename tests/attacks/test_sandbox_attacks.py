@@ -84,7 +84,8 @@ async def test_snapshot_call_flood_does_not_starve_the_server_threads(tmp_path: 
     config = configure(tmp_path / "demo", max_snapshots_per_sandbox=1)  # type: ignore[operator]
     async with serve(config) as (client, services):
         a, b = await create(client), await create(client)
-        assert (await sh(client, a, "head -c 300M /dev/urandom > big", timeout_s=120))["ok"]
+        # Incompressible: the snapshot takes seconds to write (B's call takes milliseconds), not 300 MiB's dozen.
+        assert (await sh(client, a, "head -c 100M /dev/urandom > big", timeout_s=120))["ok"]
         assert (await sh(client, b, "true"))["ok"]
         folder = services.config.state_dir / "snapshots"
         results: list[dict[str, object]] = []
@@ -206,7 +207,8 @@ async def test_close_while_a_snapshot_is_written_keeps_the_snapshot_whole(
         made = await sh(
             client,
             box,
-            "mkdir d && for i in $(seq 200); do head -c 1M /dev/urandom > d/$i; done && cat d/* | sha256sum",
+            # 50 MiB of random data: the archive takes seconds, far longer than the close takes to reach it.
+            "mkdir d && for i in $(seq 200); do head -c 256K /dev/urandom > d/$i; done && cat d/* | sha256sum",
         )
         assert made["ok"], made
         folder = services.config.state_dir / "snapshots"

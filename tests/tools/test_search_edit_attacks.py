@@ -13,20 +13,33 @@ import json
 import os
 import re
 import stat
+import threading
 import zlib
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
 from mcp import Client
 
 from bastion.config import Config
+from bastion.organizer.inbox import Organizer
 from bastion.safety.errors import InvalidRequest
 from bastion.safety.paths import MAX_WALK_ENTRIES, MAX_WRITE_BYTES, Jail
 from bastion.safety.redact import Redactor
+from bastion.tools.threads import MAX_THREADS_PER_PLACE
 from bastion.workbench.edit import edit_text
 from bastion.workbench.media import MAX_IMAGE_BYTES
+from bastion.workbench.workspace import HostWorkspace
 from tests.helpers import call, create, least_cpu_s, sh
+
+BURST = 60
+"""More calls at once than a place's share, and than anyio's 40 threads less the few others need."""
+HELD_FOR_S = 60.0
+"""The most a held call waits for its release: a failed test must not hang."""
+READ_DEADLINE_S = 15.0
+"""A failure bound only: the read takes milliseconds while it has a thread, and it must end while every
+call of the burst is still held."""
 
 pytestmark = pytest.mark.anyio
 
@@ -420,57 +433,74 @@ async def test_a_burst_of_searches_leaves_threads_for_the_other_tools(client: Cl
     assert finished[0] == "read", finished[:3]
 
 
-async def _read_place_in_a_burst(client: Client, tool: str, args: dict[str, object], count: int) -> int:
-    """`count` calls of `tool` at once, then another sandbox's read_file of 64 KiB (in a worker thread: over
-    8 KiB): where the read's answer came among all the answers."""
+async def _read_while_a_burst_holds_threads(
+    client: Client, monkeypatch: pytest.MonkeyPatch, owner: type, method: str, tool: str, args: dict[str, Any]
+) -> None:
+    """`BURST` calls of `tool` at once, each holding its worker thread (`owner.method`, held for the folder
+    "big") until the end; meanwhile another sandbox's read_file of 64 KiB (in a worker thread: over 8 KiB)
+    must answer, and the burst holds no more threads than its place's share. Held, rather than slow: the
+    test does not depend on how long a call takes on a loaded machine (the read's place among the answers,
+    measured before, moved with the disk's speed)."""
+    release, lock, entered = threading.Event(), threading.Lock(), [0]
+    real = getattr(owner, method)
+
+    def held(self: object, folder: str = ".") -> Any:
+        if folder == "big":
+            with lock:
+                entered[0] += 1
+            release.wait(HELD_FOR_S)
+        return real(self, folder)
+
+    monkeypatch.setattr(owner, method, held)
     other = await create(client)
     assert (await sh(client, other, "head -c 65536 /dev/zero | tr '\\0' x > note.txt"))["ok"]
-    finished: list[str] = []
+    answers: list[dict[str, Any]] = []
 
     async def burst() -> None:
-        answer = await call(client, tool, **args)
-        assert answer["ok"], answer
-        finished.append(tool)
-
-    async def read() -> None:
-        answer = await call(client, "read_file", path="note.txt", sandbox_id=other)
-        assert answer["detail"]["content"] == "x" * 65536
-        finished.append("read")
+        answers.append(await call(client, tool, **args))
 
     async with anyio.create_task_group() as group:
-        for _ in range(count):
+        for _ in range(BURST):
             group.start_soon(burst)
-        await anyio.wait_all_tasks_blocked()
-        group.start_soon(read)
-    assert finished.count(tool) == count
-    return finished.index("read")
+        try:
+            with anyio.fail_after(READ_DEADLINE_S):
+                while entered[0] < MAX_THREADS_PER_PLACE:
+                    await anyio.sleep(0.01)
+                read = await call(client, "read_file", path="note.txt", sandbox_id=other)
+            assert read["detail"]["content"] == "x" * 65536
+            assert entered[0] == MAX_THREADS_PER_PLACE  # the burst holds its place's share, no more
+            assert answers == []
+        finally:
+            release.set()
+    assert len(answers) == BURST
+    assert all(answer["ok"] for answer in answers), answers
 
 
 @pytest.mark.bwrap
 async def test_a_burst_of_file_calls_from_one_workspace_leaves_threads_for_another(
-    client: Client, workspace: Path
+    client: Client, workspace: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Attack: 60 list_directory calls at once on a big folder held all 40 of the server's worker threads,
     and another agent's read_file (in a thread: over 8 KiB) waited seconds behind them. A workspace's file
-    tools share at most MAX_THREADS_PER_PLACE threads, so the other sandbox's read, asked after the
-    burst, answers before most of it."""
-    big = workspace / "big"
-    big.mkdir()
-    for name in range(3000):
-        (big / f"{name}.txt").touch()
-    assert await _read_place_in_a_burst(client, "list_directory", {"path": "big"}, 60) < 20
+    tools share at most MAX_THREADS_PER_PLACE threads, so the other sandbox's read answers while the whole
+    burst is still held."""
+    (workspace / "big").mkdir()
+    await _read_while_a_burst_holds_threads(
+        client, monkeypatch, HostWorkspace, "list_directory", "list_directory", {"path": "big"}
+    )
 
 
 @pytest.mark.bwrap
-async def test_a_burst_of_organizer_calls_leaves_threads_for_a_sandbox(client: Client, demo_config: Config) -> None:
+async def test_a_burst_of_organizer_calls_leaves_threads_for_a_sandbox(
+    client: Client, demo_config: Config, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Found by review: the organizer's tools ran on anyio's shared threads outside any share, and 120
     list_files calls on an inbox folder of 8,000 files made a sandbox's read_file wait 9.4 s (position 81 of
     121). An inbox holds a place's share as a workspace does."""
-    big = demo_config.inbox[0].path / "big"
-    big.mkdir()
-    for name in range(8000):
-        (big / f"{name}.txt").touch()
-    assert await _read_place_in_a_burst(client, "list_files", {"subdir": "big"}, 120) < 20
+    (demo_config.inbox[0].path / "big").mkdir()
+    await _read_while_a_burst_holds_threads(
+        client, monkeypatch, Organizer, "list_files", "list_files", {"subdir": "big"}
+    )
 
 
 def test_an_edit_between_every_two_lines_is_diffed_in_linear_time(tmp_path: Path) -> None:

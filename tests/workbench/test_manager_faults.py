@@ -146,7 +146,8 @@ async def test_kill_9_during_a_restore_leaves_no_recovered_snapshot_of_the_half_
                 "run_command",
                 sandbox_id=source,
                 timeout_s=120,
-                command=f"for i in $(seq 1 {files - 1}); do head -c {MIB} /dev/urandom > f$i.bin; done; "
+                # A quarter MiB each: the restore still takes far longer than the 20 ms poll that catches it.
+                command=f"for i in $(seq 1 {files - 1}); do head -c {MIB // 4} /dev/urandom > f$i.bin; done; "
                 "echo last > zz_last.txt; ls | wc -l",
             )
             assert filled["detail"]["stdout"] == f"{files}\n", filled
