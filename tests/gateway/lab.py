@@ -12,6 +12,8 @@ tests/attacks/test_gateway_attacks.py and bench/bench_gateway.py.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import pwd
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bastion.cli import main
 from bastion.config import load_config
 from tests.helpers import processes_with
 
@@ -95,12 +98,14 @@ def _free_port() -> int:
 
 
 def _bastion(*args: str) -> str:
-    done = subprocess.run(
-        [sys.executable, "-m", "bastion", *args], capture_output=True, text=True, timeout=60, check=False
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"bastion {' '.join(args)} failed: {done.stderr.strip()}")
-    return done.stdout
+    """The CLI's output, run in this process: each lab start ran three, about 1.5 s of interpreter start and
+    imports each (`test_install.py` tests the commands themselves)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(args))
+    if code != 0:
+        raise RuntimeError(f"bastion {' '.join(args)} failed: {err.getvalue().strip()}")
+    return out.getvalue()
 
 
 @dataclass
