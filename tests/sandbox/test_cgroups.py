@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from bastion.safety.errors import Conflict, InvalidRequest, NotFound, OperationFailed, Unavailable
+from bastion.safety.errors import Conflict, InvalidRequest, NotFound, OperationFailed, Timeout, Unavailable
 from bastion.sandbox import cgroups
 from bastion.sandbox._cgroupfs import poll_until
 from bastion.sandbox._hierarchies import Hierarchy, Roles, own_dir, parse_mountinfo, parse_self_cgroup
@@ -594,3 +594,30 @@ def test_owner_pid_is_read_from_a_sandbox_groups_name_only(name: str, owner: int
     another shape names no server."""
     assert owner_pid(name) == owner
     assert owner_token(name) == token
+
+
+def test_a_freeze_that_times_out_leaves_nothing_frozen(
+    make_group: MakeGroup, spawn: Spawn, layout: CgroupLayout, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: command groups whose processes a tiny CPU limit keeps from reaching the freezer in time
+    made `freeze` time out with some of them (or the whole group) left frozen, while the sandbox was not
+    paused: no resume could thaw them. A freeze that times out thaws everything it froze, then says so."""
+    if layout._roles.freeze.version != 2:
+        pytest.skip("the v1 freezer freezes the group in one write")
+    monkeypatch.setattr(cgroups, "FREEZE_WAIT_S", 0.05)  # the busy processes below take longer to stop
+    group = make_group(Limits(memory_bytes=None, pids=None, cpu_cores=0.01))
+    spawn(group, python("sys.stdin.readline()\n"))
+    children = [group.command_group(f"c{index}") for index in range(12)]
+    for child in children:
+        for _ in range(2):
+            busy = spawn(group, python("while True:\n    pass\n"))
+            Path(child.path, "cgroup.procs").write_text(str(busy.pid))
+    wait_for(lambda: group.usage().cpu_usec > 5_000)
+    with pytest.raises(Timeout, match="thawed again"):
+        group.freeze()
+    parent = os.path.dirname(children[0].path)
+    assert [Path(path, "cgroup.freeze").read_text().strip() for path in (parent, *(c.path for c in children))] == [
+        "0"
+    ] * 13
+    used = group.usage().cpu_usec
+    wait_for(lambda: group.usage().cpu_usec > used)  # its processes run again

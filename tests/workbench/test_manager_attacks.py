@@ -16,7 +16,7 @@ from mcp import Client
 
 from bastion.app import Services, build_server, build_services
 from bastion.config import load_config
-from bastion.sandbox.cgroups import owner_pid
+from bastion.sandbox.cgroups import SandboxCgroup, owner_pid
 from bastion.snapshot import store
 from bastion.workbench import manager as manager_module
 from tests.helpers import Payload, bubblewrap, call, create, mounts_under, sh
@@ -290,3 +290,40 @@ async def test_a_command_during_the_snapshot_of_an_asleep_sandbox_cannot_write_m
     after = await sh(client, box, "ls")
     assert after["ok"], after
     assert after["detail"]["stdout"].split() == ["f"]
+
+
+async def test_a_pause_waiting_for_its_freeze_holds_no_other_call(
+    client: Client, services: Services, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: a freeze waits for the kernel to report every process stopped (up to FREEZE_WAIT_S), and
+    it ran on the event loop: an agent whose sandbox held busy commands at a tiny CPU limit stopped every call
+    of the server, every agent's, for a second per pause_sandbox. Here the freeze is held in its thread until
+    the test releases it. Invariant: another call is answered meanwhile, and the pause then completes."""
+    box = await create(client)
+    assert (await sh(client, box, "true"))["ok"]
+    release, entered = threading.Event(), threading.Event()
+    real = SandboxCgroup.freeze
+
+    def held_freeze(self: SandboxCgroup) -> None:
+        entered.set()
+        release.wait(_WAIT_S)
+        real(self)
+
+    monkeypatch.setattr(SandboxCgroup, "freeze", held_freeze)
+    answers: dict[str, Payload] = {}
+
+    async def pause() -> None:
+        answers["pause"] = await call(client, "pause_sandbox", sandbox_id=box)
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(pause)
+        try:
+            await _wait_for(entered.is_set)
+            listed = await call(client, "list_sandboxes")
+            assert listed["ok"], listed
+            assert "pause" not in answers  # answered while the pause still waited for its freeze
+        finally:
+            release.set()
+    assert answers["pause"]["ok"], answers["pause"]
+    assert await _state(client, box) == "paused"
+    assert (await call(client, "resume_sandbox", sandbox_id=box))["ok"]

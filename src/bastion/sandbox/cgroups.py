@@ -482,10 +482,17 @@ class SandboxCgroup:
             want = "FROZEN" if frozen else "THAWED"
             write_file(self._file(h, "freezer.state"), want)
             done = poll_until(lambda: read_file(self._file(h, "freezer.state")).strip() == want, FREEZE_WAIT_S)
-        if not done:
-            verb = "freeze" if frozen else "thaw"
+        if not done and frozen:
+            # Found by review: a freeze that timed out left some command groups (or the whole group) frozen while
+            # the sandbox was not paused, and no resume could thaw them. All of it is thawed again.
+            self._set_frozen(False)
             raise Timeout(
-                f"cgroup {self.name} did not {verb} within {FREEZE_WAIT_S} s: a task may be in uninterruptible sleep"
+                f"cgroup {self.name} did not freeze within {FREEZE_WAIT_S} s (a task may be in uninterruptible "
+                "sleep, or held by its CPU limit): it was thawed again"
+            )
+        if not done:
+            raise Timeout(
+                f"cgroup {self.name} did not thaw within {FREEZE_WAIT_S} s: a task may be in uninterruptible sleep"
             )
 
     def _freeze_v2(self, h: Hierarchy, frozen: bool) -> bool:
@@ -527,7 +534,7 @@ class SandboxCgroup:
         """Stop every process in the group (they keep their memory), waiting until the kernel reports it frozen.
 
         Raises:
-            Timeout: not frozen within FREEZE_WAIT_S.
+            Timeout: not frozen within FREEZE_WAIT_S (then it is thawed again: nothing stays frozen).
         """
         self._set_frozen(True)
 

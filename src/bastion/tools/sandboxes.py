@@ -252,7 +252,7 @@ def register_sandboxes(
     )
     async def pause_sandbox(sandbox_id: SandboxIdArg) -> dict[str, object]:
         agent_owned(sandbox_id, "pause_sandbox")
-        return manager.pause(sandbox_id).summary()
+        return (await manager.pause(sandbox_id)).summary()
 
     @audited_tool(
         server,
@@ -268,7 +268,7 @@ def register_sandboxes(
     )
     async def resume_sandbox(sandbox_id: SandboxIdArg) -> dict[str, object]:
         agent_owned(sandbox_id, "resume_sandbox")
-        return manager.resume(sandbox_id).summary()
+        return (await manager.resume(sandbox_id)).summary()
 
     @audited_tool(
         server,

@@ -102,6 +102,10 @@ _DISK_IMAGE: Final = "disk.img"
 _FOLDER_NICE: Final = 10
 _SNAPSHOT_THREADS: Final = 4  # snapshots and restores at once; more calls wait unthreaded
 _SNAPSHOT_ADMIN_THREADS: Final = 2  # listing, deleting and expiring snapshots at once, beside them
+_FREEZE_THREADS: Final = 4
+"""Freezes and thaws at once, all sandboxes together. Found by review: a freeze waits for the kernel (up to
+`FREEZE_WAIT_S`), and on the event loop one agent's sandbox held at a tiny CPU limit stopped every call of
+the server for a second per pause_sandbox."""
 _FOLDER_WORKERS: Final = 4  # threads making and removing sandboxes' folders (mkfs, mount, unmount, delete)
 _NET_TMPFS_BYTES: Final = 1 << 20  # holds sockets and folders only
 _NET_TMPFS_INODES: Final = 4 * 10_000 + 64  # a folder, a socket and a temp name per sandbox, at most
@@ -129,6 +133,8 @@ class Sandbox:
     created_wall: float = field(default_factory=time.time)
     created: float = field(default_factory=time.monotonic)
     last_used: float = field(default_factory=time.monotonic)
+    freezing: anyio.Lock = field(default_factory=anyio.Lock)
+    """Held while its sandbox is frozen or thawed (`SandboxManager._set_frozen`): one at a time."""
 
     def summary(self) -> dict[str, object]:
         now = time.monotonic()
@@ -227,6 +233,7 @@ class SandboxManager:
         # waited, so a client could not free room with delete_snapshot, and the reaper's expiry stalled.
         self._snapshot_admin = anyio.CapacityLimiter(_SNAPSHOT_ADMIN_THREADS)
         self._snapshot_turn = anyio.Lock()  # snapshots are written one at a time: they wait here, unfrozen
+        self._freeze_threads = anyio.CapacityLimiter(_FREEZE_THREADS)
         # Sandboxes whose workspace a snapshot is reading: closing one removes its files only after.
         self._archiving: dict[str, anyio.Event] = {}
         # Sandboxes a snapshot froze and will thaw at its end: a user's pause is apart (`pause`, `resume`).
@@ -776,38 +783,48 @@ class SandboxManager:
         }
         return detail
 
-    def pause(self, sandbox_id: str) -> Sandbox:
+    async def pause(self, sandbox_id: str) -> Sandbox:
         """Freeze the sandbox until `resume`. During a snapshot it is frozen already: the pause is taken,
         and the sandbox stays frozen when the snapshot ends.
 
         Raises:
             Conflict: it is paused already, asleep, or not running.
+            Timeout: it did not freeze in time (then nothing of it stays frozen).
         """
         box = self.get(sandbox_id)
-        if box.id in self._frozen_for_snapshot:
-            self._frozen_for_snapshot.discard(box.id)  # the snapshot's end leaves it to the caller's resume
-            return box
-        if box.workspace.sandbox.paused:
-            raise Conflict(f"sandbox {box.id} is already paused")
-        box.workspace.sandbox.pause()
+        async with box.freezing:
+            if box.id in self._frozen_for_snapshot:
+                self._frozen_for_snapshot.discard(box.id)  # the snapshot's end leaves it to the caller's resume
+                return box
+            if box.workspace.sandbox.paused:
+                raise Conflict(f"sandbox {box.id} is already paused")
+            await self._set_frozen(box, True)
         return box
 
-    def resume(self, sandbox_id: str) -> Sandbox:
+    async def resume(self, sandbox_id: str) -> Sandbox:
         """Thaw a paused sandbox.
 
         Raises:
             Conflict: it is not paused, or a snapshot of it is being taken (it stays frozen while it is copied).
         """
         box = self.get(sandbox_id)
-        if box.id in self._archiving:
-            raise Conflict(
-                f"a snapshot of sandbox {box.id} is being taken and it stays frozen until the snapshot ends: "
-                "resume it after snapshot_sandbox returns"
-            )
-        if not box.workspace.sandbox.paused:
-            raise Conflict(f"sandbox {box.id} is not paused")
-        box.workspace.sandbox.resume()
+        async with box.freezing:
+            if box.id in self._archiving:
+                raise Conflict(
+                    f"a snapshot of sandbox {box.id} is being taken and it stays frozen until the snapshot ends: "
+                    "resume it after snapshot_sandbox returns"
+                )
+            if not box.workspace.sandbox.paused:
+                raise Conflict(f"sandbox {box.id} is not paused")
+            await self._set_frozen(box, False)
         return box
+
+    async def _set_frozen(self, box: Sandbox, frozen: bool) -> None:
+        """Freeze or thaw `box`'s sandbox in a worker thread (`_FREEZE_THREADS`), with `box.freezing` held. A
+        caller cancelled meanwhile does not cut it short: the sandbox's state stays as the kernel has it."""
+        sandbox = box.workspace.sandbox
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(sandbox.pause if frozen else sandbox.resume, limiter=self._freeze_threads)
 
     async def snapshot(self, sandbox_id: str, label: str | None) -> SnapshotInfo:
         """Archive a sandbox's workspace (paused meanwhile, so the copy is consistent), within the snapshot caps.
@@ -829,9 +846,10 @@ class SandboxManager:
                     # Nothing runs to freeze, but a command would wake it mid-copy, unfrozen (and a file it
                     # made then could take a stored file's freed inode): woken, then frozen like the rest.
                     await warm.start()
-                if not warm.paused and warm.usage() is not None:
-                    warm.pause()
-                    self._frozen_for_snapshot.add(box.id)
+                async with box.freezing:
+                    if not warm.paused and warm.usage() is not None:
+                        await self._set_frozen(box, True)
+                        self._frozen_for_snapshot.add(box.id)
                 metadata = {"sandbox_id": box.id, "owner": box.owner, "name": box.name or "", "template": box.template}
                 return await anyio.to_thread.run_sync(
                     functools.partial(
@@ -848,10 +866,12 @@ class SandboxManager:
                 del self._archiving[box.id]
                 archived.set()
                 # Only the snapshot's own freeze: not one a pause during the snapshot took over (see `pause`).
-                thaw = box.id in self._frozen_for_snapshot
-                self._frozen_for_snapshot.discard(box.id)
-                if thaw and warm.paused:  # a close meanwhile ended the sandbox: nothing to thaw
-                    warm.resume()
+                with anyio.CancelScope(shield=True):
+                    async with box.freezing:
+                        thaw = box.id in self._frozen_for_snapshot
+                        self._frozen_for_snapshot.discard(box.id)
+                        if thaw and warm.paused:  # a close meanwhile ended the sandbox: nothing to thaw
+                            await self._set_frozen(box, False)
 
     async def restore(self, snapshot_id: str, *, owner: str) -> tuple[Sandbox, SnapshotInfo]:
         """A new sandbox whose workspace is the snapshot's, byte for byte, of the source's template

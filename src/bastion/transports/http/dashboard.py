@@ -49,11 +49,11 @@ async def _close(manager: SandboxManager, sandbox_id: str) -> object:
 
 
 async def _pause(manager: SandboxManager, sandbox_id: str) -> object:
-    return manager.pause(sandbox_id)
+    return await manager.pause(sandbox_id)
 
 
 async def _resume(manager: SandboxManager, sandbox_id: str) -> object:
-    return manager.resume(sandbox_id)
+    return await manager.resume(sandbox_id)
 
 
 ACTIONS: Final[dict[str, Action]] = {"close": _close, "pause": _pause, "resume": _resume}
