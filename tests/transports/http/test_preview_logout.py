@@ -11,8 +11,9 @@ cut) within about a second (`STANDING_CHECK_S`).
 What this proves: the end comes within `END_BOUND_S` for each way a login ends; other sessions' connections,
 public previews and the sandbox's apps are untouched; the old cookie is refused afterwards, and a new login
 opens the same URL again.
-What it does not prove: the end while the app's answer has not begun (bounded by `preview_timeout_s` and the
-WebSocket handshake's timeout instead), nor the cost figure (one query a second per connection, by reading).
+What it does not prove: the refusal when the login ends while the app's answer has not begun (its response's
+head, its WebSocket's handshake: test_preview_standing.py, over the real relays), nor the cost figure (one query
+a second per connection, by reading; test_preview_standing.py counts it for a body).
 """
 
 from __future__ import annotations

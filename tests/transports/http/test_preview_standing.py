@@ -6,13 +6,19 @@ against a live server). The login is a database query: made for each piece of a 
 pieces as fast as it can would make the server query its database thousands of times a second per request.
 
 What this proves: the login is looked up at most once per `STANDING_CHECK_S` however many pieces pass, and the
-response ends, without its last chunk, within a period of the login ending while the app still sends.
-What it does not prove: the end against a real session store (test_preview_logout.py does).
+response ends, without its last chunk, within a period of the login ending while the app still sends. Found by
+review (2026-12), also: a login that ended while the app took its time to answer (its response's head, or its
+WebSocket's handshake) is looked up again before anything of the app goes out (403, nothing passed on); the
+first check during a body comes when due after the admission, not a whole period after the body began; a check
+that raises anything ends the response (it used to end only the check, and the body went on unchecked).
+What it does not prove: the end against a real session store (test_preview_logout.py does), nor the audit
+record of a late refusal (the status returned here is the one `PreviewApp` audits).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import time
 from collections.abc import Iterator
@@ -20,15 +26,21 @@ from collections.abc import Iterator
 import httpcore2
 import pytest
 from starlette.types import Message
+from wsproto import ConnectionType, WSConnection
+from wsproto.events import AcceptConnection, CloseConnection, Event, Request, TextMessage
 
-from bastion.transports.http.preview import CappedBody, SocketStream, _Body, _Progress, _Standing
-from bastion.transports.http.preview_ws import STANDING_CHECK_S
+from bastion.transports.http.preview import CappedBody, SocketStream, _Body, _Progress
+from bastion.transports.http.preview_ws import STANDING_CHECK_S, Standing, proxy_websocket
 
 PIECE_INTERVAL_S = 0.002
 PIECES_BEFORE_LOGOUT = 600
 """Pieces passed on before the login ends: over a second of them, so the check has run at least once."""
 WAIT_S = 10.0
 """The bound on the whole exchange (a failure, never a pace)."""
+LARGE_BODY = 4 << 20
+"""The body of an app's late answer: the reviewer's, delivered whole before the fix."""
+DUE_SOON_S = 0.1
+"""How long after the answer begins the check after the admission falls due (`test_..._checked_when_due`)."""
 
 
 async def _trickling_app(sock: socket.socket) -> None:
@@ -94,7 +106,9 @@ def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
     app_side.close()
 
 
-async def _relay(proxy_side: socket.socket, browser: _Browser, login: _Login) -> None:
+async def _relay(proxy_side: socket.socket, browser: _Browser, standing: Standing, *, start: bool = False) -> int:
+    """One request over `proxy_side` and its response's body relayed to `browser`; with `start`, the response
+    is started as the preview listener starts it (`_Body.answer`): the status it audits."""
     reader, writer = await asyncio.open_connection(sock=proxy_side)
     connection = httpcore2.AsyncHTTP11Connection(
         httpcore2.Origin(b"http", b"127.0.0.1", 8080), SocketStream(reader, writer)
@@ -104,8 +118,11 @@ async def _relay(proxy_side: socket.socket, browser: _Browser, login: _Login) ->
             "GET", httpcore2.URL("http://127.0.0.1:8080/trickle"), headers=[(b"host", b"127.0.0.1:8080")]
         )
         response = await connection.handle_async_request(request)
-        body = CappedBody(browser.receive, 1 << 20)
-        await _Body(response, browser.send, body, 1 << 20, _Progress()).relay(_Standing(lambda: True, login))
+        relay = _Body(response, browser.send, CappedBody(browser.receive, 1 << 20), LARGE_BODY * 2, _Progress())
+        if start:
+            return await relay.answer([], standing)
+        await relay.relay(standing)
+        return response.status
     finally:
         await connection.aclose()
 
@@ -122,7 +139,7 @@ def test_a_flood_of_pieces_makes_no_login_lookup_per_piece(pair: tuple[socket.so
         started = time.monotonic()
         try:
             async with asyncio.timeout(WAIT_S):
-                relay = asyncio.ensure_future(_relay(proxy_side, browser, login))
+                relay = asyncio.ensure_future(_relay(proxy_side, browser, Standing(lambda: True, login)))
                 await browser.enough.wait()
                 login.valid = False
                 ended = time.monotonic()
@@ -137,3 +154,178 @@ def test_a_flood_of_pieces_makes_no_login_lookup_per_piece(pair: tuple[socket.so
     assert login.lookups <= 2 + (streamed_s + cut_after_s) / STANDING_CHECK_S, (login.lookups, streamed_s)
     assert cut_after_s < STANDING_CHECK_S + 1.0
     assert all(message.get("more_body", True) for message in browser.messages), "the cut body was ended whole"
+
+
+def _admitted_long_ago() -> float:
+    """A `Standing.checked` for a request admitted a whole period ago: its app took that long to answer."""
+    return time.monotonic() - STANDING_CHECK_S
+
+
+async def _late_app(sock: socket.socket, whole: bool) -> None:
+    """An app whose answer comes once the login has ended: `LARGE_BODY` bytes of "x" under a Content-Length
+    (`whole`), or else 64 KiB chunks of "y" for ever."""
+    reader, writer = await asyncio.open_connection(sock=sock)
+    try:
+        await reader.readuntil(b"\r\n\r\n")
+        if whole:
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % LARGE_BODY + b"x" * LARGE_BODY)
+            await writer.drain()
+        else:
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+            while True:
+                writer.write(b"10000\r\n" + b"y" * 65536 + b"\r\n")
+                await writer.drain()
+                await asyncio.sleep(PIECE_INTERVAL_S)
+        await reader.read()  # until the proxy closes its side
+    except OSError:
+        pass
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize("whole", [True, False], ids=["content_length", "stream"])
+def test_a_logout_while_the_app_composes_its_answer_still_gets_the_answer(
+    pair: tuple[socket.socket, socket.socket], whole: bool
+) -> None:
+    """Attack: the administrator logs out while the app takes its time (up to `preview_timeout_s`) to answer a
+    request the login admitted; the answer then went out (a 4 MiB body whole, with no lookup, or a second of
+    a stream). Invariant: the login is looked up again as the answer begins (over a period after the
+    admission), the browser gets 403 and nothing of the app, and the app's connection is closed."""
+    proxy_side, app_side = pair
+    browser, login = _Browser(), _Login()
+    login.valid = False  # ended after the admission, before the app's answer
+    standing = Standing(lambda: True, login, checked=_admitted_long_ago())
+
+    async def main() -> int:
+        app = asyncio.ensure_future(_late_app(app_side, whole))
+        async with asyncio.timeout(WAIT_S):
+            status = await _relay(proxy_side, browser, standing, start=True)
+            await app  # it ends once the proxy closed its side: nothing left open
+        return status
+
+    assert asyncio.run(main()) == 403
+    assert browser.messages[0]["type"] == "http.response.start"
+    assert browser.messages[0]["status"] == 403
+    sent = b"".join(message.get("body", b"") for message in browser.messages)
+    assert sent.startswith(b"Forbidden"), sent[:100]  # the refusal's text, and nothing of the app's answer
+    assert len(sent) < 100
+    assert login.lookups == 1
+
+
+def test_a_logout_just_after_the_answer_began_is_checked_when_due_not_a_period_later(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    """Attack: the app answers just before the admission's check is a period old (no lookup as it begins: a
+    quick answer costs none), and the login ends right then; the first check came a whole period after the
+    body began, nearly two after the admission. Invariant: it comes when due after the admission, and the
+    body is cut then (incomplete)."""
+    proxy_side, app_side = pair
+    browser, login = _Browser(), _Login()
+    standing = Standing(lambda: True, login, checked=_admitted_long_ago() + DUE_SOON_S)
+
+    async def main() -> float:
+        app = asyncio.ensure_future(_trickling_app(app_side))
+        try:
+            async with asyncio.timeout(WAIT_S):
+                login.valid = False
+                began = time.monotonic()
+                await _relay(proxy_side, browser, standing, start=True)
+                return time.monotonic() - began
+        finally:
+            app.cancel()
+            await asyncio.gather(app, return_exceptions=True)
+
+    cut_after_s = asyncio.run(main())
+    assert browser.messages[0]["status"] == 200
+    assert all(message.get("more_body", True) for message in browser.messages), "the cut body was ended whole"
+    assert login.lookups == 1
+    assert cut_after_s < DUE_SOON_S + STANDING_CHECK_S / 2, f"cut {cut_after_s:.2f} s after the body began"
+
+
+def test_a_login_check_that_raises_leaves_the_response_unchecked(
+    pair: tuple[socket.socket, socket.socket], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Attack: the login's check raises something other than a database error (a store closed under it, a
+    bug); the relay's check task died silently and the body went on for as long as the app sent it (fails
+    open). Invariant: the response is cut (incomplete), with one log line and no traceback."""
+    proxy_side, app_side = pair
+    browser, lookups = _Browser(), [0]
+
+    def broken_login() -> bool:
+        lookups[0] += 1
+        raise RuntimeError("the session store went away")
+
+    async def main() -> None:
+        app = asyncio.ensure_future(_trickling_app(app_side))
+        try:
+            async with asyncio.timeout(WAIT_S):
+                await _relay(proxy_side, browser, Standing(lambda: True, broken_login))
+        finally:
+            app.cancel()
+            await asyncio.gather(app, return_exceptions=True)
+
+    with caplog.at_level(logging.WARNING, logger="bastion.http.preview"):
+        asyncio.run(main())
+    assert lookups[0] == 1
+    assert all(message.get("more_body", True) for message in browser.messages), "the cut body was ended whole"
+    failed = [r for r in caplog.records if "could not check" in r.getMessage()]
+    assert len(failed) == 1, caplog.text
+    assert failed[0].exc_info is None
+    assert "RuntimeError: the session store went away" in failed[0].getMessage()
+
+
+class _WsBrowser:
+    """The ASGI side of a browser's WebSocket: it stays, sends nothing, and records what it is sent."""
+
+    def __init__(self) -> None:
+        self.sends: list[Message] = []
+
+    async def send(self, message: Message) -> None:
+        self.sends.append(message)
+
+    async def receive(self) -> Message:
+        await asyncio.Event().wait()  # until the proxy ends the connection (it cancels this)
+        raise AssertionError("unreachable")
+
+
+async def _ws_app_with_buffered_message(sock: socket.socket, received: list[Event]) -> None:
+    """A WebSocket app that accepts and sends a message in the same write, then reads to the end."""
+    reader, writer = await asyncio.open_connection(sock=sock)
+    ws = WSConnection(ConnectionType.SERVER)
+    try:
+        while data := await reader.read(65536):
+            ws.receive_data(data)
+            for event in ws.events():
+                received.append(event)
+                if isinstance(event, Request):
+                    writer.write(ws.send(AcceptConnection()) + ws.send(TextMessage(data="for the admin only")))
+                    await writer.drain()
+    finally:
+        writer.close()
+
+
+def test_a_logout_during_a_slow_websocket_handshake_still_gets_the_accept(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    """Attack: the administrator logs out while the app takes its time over the WebSocket handshake (up to
+    `HANDSHAKE_TIMEOUT_S`); the browser was still accepted and got what the app sent with its accept before
+    the first check closed it. Invariant: the login is looked up once the handshake ends, the browser is
+    refused (close before accept: uvicorn's 403) with nothing of the app, and the app gets close 1008."""
+    proxy_side, app_side = pair
+    browser, login, received = _WsBrowser(), _Login(), list[Event]()
+    login.valid = False
+    standing = Standing(lambda: True, login, checked=_admitted_long_ago())
+    scope = {"type": "websocket", "subprotocols": []}
+
+    async def main() -> tuple[int, int]:
+        app = asyncio.ensure_future(_ws_app_with_buffered_message(app_side, received))
+        async with asyncio.timeout(WAIT_S):
+            result = await proxy_websocket(scope, browser.receive, browser.send, proxy_side, 8080, b"/ws", standing)
+            await app  # it reads to the end: the proxy closed its side
+        assert asyncio.all_tasks() == {asyncio.current_task()}
+        return result
+
+    assert asyncio.run(main()) == (403, 0)
+    assert browser.sends == [{"type": "websocket.close", "code": 1008}]
+    assert [e.code for e in received if isinstance(e, CloseConnection)] == [1008]
+    assert login.lookups == 1

@@ -20,9 +20,14 @@ from starlette.types import Message
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import AcceptConnection, CloseConnection, Event, Request
 
-from bastion.transports.http.preview_ws import proxy_websocket
+from bastion.transports.http.preview_ws import Standing, proxy_websocket
 
 SCOPE = {"type": "websocket", "subprotocols": []}
+
+
+def _standing() -> Standing:
+    """A WebSocket that may always go on (a public preview, still exposed)."""
+    return Standing(lambda: True, lambda: True)
 
 
 class GoneBrowser:
@@ -60,7 +65,7 @@ def _run(proxy_side: socket.socket, app_side: socket.socket | None, browser: Gon
     async def main() -> tuple[int, int]:
         app = asyncio.ensure_future(_accepting_app(app_side)) if app_side is not None else None
         try:
-            return await proxy_websocket(SCOPE, browser.receive, browser.send, proxy_side, 8080, b"/ws", lambda: True)
+            return await proxy_websocket(SCOPE, browser.receive, browser.send, proxy_side, 8080, b"/ws", _standing())
         finally:
             if app is not None:
                 app.cancel()
@@ -160,7 +165,7 @@ def _proxy_from_app(frames: bytes) -> tuple[tuple[int, int], RecordingBrowser, l
     async def main() -> tuple[int, int]:
         app = asyncio.ensure_future(_app_sending(app_side, frames, received))
         async with asyncio.timeout(WAIT_S):
-            result = await proxy_websocket(SCOPE, browser.receive, browser.send, proxy_side, 8080, b"/ws", lambda: True)
+            result = await proxy_websocket(SCOPE, browser.receive, browser.send, proxy_side, 8080, b"/ws", _standing())
             await app  # it reads to the end: the proxy closed its side
         assert asyncio.all_tasks() == {asyncio.current_task()}
         return result
@@ -265,7 +270,7 @@ def test_a_relay_to_an_app_that_never_reads_ends_after_the_timeout(pair: tuple[s
         try:
             browser = FloodingBrowser()
             return await asyncio.wait_for(
-                proxy_websocket(SCOPE, browser.receive, browser.send, proxy_side, 8080, b"/ws", lambda: True, 0.5),
+                proxy_websocket(SCOPE, browser.receive, browser.send, proxy_side, 8080, b"/ws", _standing(), 0.5),
                 WAIT_S,
             )
         finally:

@@ -17,8 +17,10 @@ here. Previews of different sandboxes share this one origin (its storage too): a
 preview only by knowing its token.
 
 A preview that is not public needs the administrator's login session: checked when a request or a WebSocket
-opens, and again every `STANDING_CHECK_S` while its WebSocket or response goes on, so a logout, a revoke all,
-`admin set-password` or the session's expiry ends them (close 1008, or the response cut) within about a second.
+opens, again when the app's answer (its response's head, its WebSocket's accept) comes over `STANDING_CHECK_S`
+later (the browser then gets 403 and nothing of the app), and every `STANDING_CHECK_S` while its WebSocket or
+response goes on, so a logout, a revoke all, `admin set-password` or the session's expiry ends them (close 1008,
+or the response cut) within about a second.
 
 A request for an unknown, expired or closed token gets 404 with no detail. Requests are rate limited
 per token and per client address (an IPv6 /64), bodies capped both ways, and each one is audited (token
@@ -37,7 +39,7 @@ import re
 import socket
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Final
 from urllib.parse import unquote
@@ -50,7 +52,7 @@ from bastion.safety.audit import AuditLog
 from bastion.safety.errors import BastionError
 from bastion.transports.http.admin_pages import SESSION_COOKIE
 from bastion.transports.http.connections import close_or_reset
-from bastion.transports.http.preview_ws import STANDING_CHECK_S, close_browser, proxy_websocket
+from bastion.transports.http.preview_ws import Standing, close_browser, proxy_websocket
 from bastion.transports.http.ratelimit import WindowLimiter, address_key
 from bastion.transports.http.store import AuthStore
 from bastion.workbench.previews import Preview, PreviewRegistry, token_id
@@ -304,19 +306,6 @@ def _cookie(scope: Scope, name: str) -> str | None:
     return None
 
 
-@dataclass(frozen=True)
-class _Standing:
-    """Whether an open request or WebSocket of a preview may go on: its preview still exposed (`exposed`, a dict
-    lookup) and, unless the preview is public, the login session that opened it still valid (`logged_in`, a
-    database query: the relays call the whole check once every `STANDING_CHECK_S`, not per message)."""
-
-    exposed: Callable[[], bool]
-    logged_in: Callable[[], bool]
-
-    def __call__(self) -> bool:
-        return self.exposed() and self.logged_in()
-
-
 class PreviewApp:
     """The ASGI app of the preview listener (behind the Host check); nothing but /preview/."""
 
@@ -406,8 +395,9 @@ class PreviewApp:
             return False
         return self.store.admin_session_csrf(session) is not None
 
-    def _standing(self, scope: Scope, preview: Preview) -> _Standing:
-        """The check an open request or WebSocket of `preview` makes again while it goes on (`_Standing`)."""
+    def _standing(self, scope: Scope, preview: Preview) -> Standing:
+        """The check an open request or WebSocket of `preview` makes again while it goes on (`Standing`): made
+        right after its admission, whose check it counts as the first."""
         session = _cookie(scope, SESSION_COOKIE)
 
         def exposed() -> bool:
@@ -422,7 +412,7 @@ class PreviewApp:
                 logger.warning("preview %s: could not look its login up: %s", token_id(preview.token), exc)
                 return False
 
-        return _Standing(exposed, still_logged_in)
+        return Standing(exposed, still_logged_in, f"preview {token_id(preview.token)}")
 
     async def _connect(self, preview: Preview) -> socket.socket | None:
         try:
@@ -434,6 +424,7 @@ class PreviewApp:
     async def _proxy(
         self, scope: Scope, receive: Receive, send: Send, preview: Preview, progress: _Progress
     ) -> tuple[int, int]:
+        standing = self._standing(scope, preview)  # no await since the admission: its check counts
         declared = _header(scope, b"content-length")
         if declared is not None and _header(scope, b"transfer-encoding") is not None:
             # The classic smuggling pair (RFC 9112 §6.1): h11 reads the body by its chunks, but its
@@ -451,7 +442,7 @@ class PreviewApp:
         origin = httpcore2.Origin(b"http", b"127.0.0.1", preview.port)
         connection = httpcore2.AsyncHTTP11Connection(origin, stream)
         try:
-            return await self._exchange(scope, receive, send, preview, connection, progress)
+            return await self._exchange(scope, receive, send, preview, connection, progress, standing)
         finally:
             await connection.aclose()
 
@@ -463,6 +454,7 @@ class PreviewApp:
         preview: Preview,
         connection: httpcore2.AsyncHTTP11Connection,
         progress: _Progress,
+        standing: Standing,
     ) -> tuple[int, int]:
         target = _split_token(scope, preview.token)
         timeout = self.config.preview_timeout_s
@@ -491,12 +483,8 @@ class PreviewApp:
             await response.aclose()
             return 502, await _plain(send, 502, "Bad Gateway: the sandbox's app answered with an invalid status")
         headers = response_headers(response.headers, preview.token)
-        await send({"type": "http.response.start", "status": response.status, "headers": headers})
-        progress.status = response.status
-        await _Body(response, send, body, self.config.preview_max_response_bytes, progress).relay(
-            self._standing(scope, preview)
-        )
-        return response.status, progress.sent
+        relay = _Body(response, send, body, self.config.preview_max_response_bytes, progress)
+        return await relay.answer(headers, standing), progress.sent
 
     def _count_throttled(self, preview: Preview) -> None:
         """A 429: counted, and reported in one record per preview a second (as the egress proxy does)."""
@@ -564,6 +552,7 @@ class PreviewApp:
             elif preview is not None:
                 await self._record(scope, path, preview, refusal[0] if refusal else 403, 0, started)
             return
+        standing = self._standing(scope, preview)  # no await since the admission: its check counts
         sock = await self._connect(preview)
         if sock is None:
             await close_browser(send, 1011)
@@ -577,7 +566,7 @@ class PreviewApp:
             sock,
             preview.port,
             target,
-            self._standing(scope, preview),
+            standing,
             self.config.preview_timeout_s,
         )
         await self._record(scope, path, preview, status, sent, started)
@@ -664,7 +653,7 @@ class CappedBody:
 
 class _Body:
     """An app's response body passed on to the browser, while the browser stays and the request may go on
-    (`_Standing`: its preview's exposure checked at each piece, the whole check every `STANDING_CHECK_S`, so a
+    (`Standing`: its preview's exposure checked at each piece, the whole check every `STANDING_CHECK_S`, so a
     body the app sends nothing of ends too); cut at the response cap, or at its number of pieces
     (`CHUNK_CHARGE_BYTES`). What arrives while a send is under way goes out in the next send: a flood of small
     pieces costs one send per read from the app, not one per piece.
@@ -686,7 +675,21 @@ class _Body:
         self.ended: str | None = None
         """Why no more will come: "complete", "cut", "broken", "revoked" or "gone"."""
 
-    async def relay(self, standing: _Standing) -> None:
+    async def answer(self, headers: list[tuple[bytes, bytes]], standing: Standing) -> int:
+        """Start the response with `headers`, then relay its body; the status to audit. If the request may no
+        longer go on once the app answered (`Standing.if_due`: found by review, a login ended while the app took
+        its time still got the whole answer), the browser gets 403 and nothing of the app."""
+        if not standing.if_due():
+            await self.response.aclose()
+            logger.info("preview response refused as it began: %s no longer stands", standing.label)
+            self.progress.sent = await _plain(self.send, 403, "Forbidden: the login or the preview has ended")
+            return 403
+        await self.send({"type": "http.response.start", "status": self.response.status, "headers": headers})
+        self.progress.status = self.response.status
+        await self.relay(standing)
+        return self.response.status
+
+    async def relay(self, standing: Standing) -> None:
         tasks = [asyncio.create_task(work) for work in (self._pull(), self._watch(), self._recheck(standing))]
         try:
             while True:
@@ -744,11 +747,12 @@ class _Body:
         await self.body.until_gone()
         self._end("gone")
 
-    async def _recheck(self, standing: _Standing) -> None:
+    async def _recheck(self, standing: Standing) -> None:
         """End the body once the request may no longer go on (its login ended, or its preview went away while
-        the app sent nothing): a poll, as the WebSocket's (`STANDING_CHECK_S`)."""
+        the app sent nothing): a poll, as the WebSocket's (`STANDING_CHECK_S`), the first time when the check
+        after the admission is due (not a whole period after the response began)."""
         while True:
-            await asyncio.sleep(STANDING_CHECK_S)
+            await asyncio.sleep(standing.due_in())
             if not standing():
                 self._end("revoked")
                 return

@@ -15,7 +15,9 @@ import asyncio
 import contextlib
 import logging
 import socket
+import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Final
 
 from starlette.types import Message as AsgiMessage
@@ -65,6 +67,44 @@ MAX_DRAIN_POLL_S: Final = 1.0
 """How often a browser's connection that is not drained is measured again: `DRAIN_POLL_S`, doubling up to this
 while the browser takes nothing (a stalled one costs a wake-up a second, a reading one waits little)."""
 _stalled = SummaryLog("reset preview WebSockets whose browsers took nothing of a message in time", logging.INFO)
+
+
+@dataclass
+class Standing:
+    """Whether an open request or WebSocket of a preview may go on: its preview still exposed (`exposed`, a dict
+    lookup) and, unless the preview is public, the login session that opened it still valid (`logged_in`, a
+    database query: made at most once every `STANDING_CHECK_S` per connection, not per message). `checked`: when
+    the whole check was last made (the admission's, by default: the standing is made right after it)."""
+
+    exposed: Callable[[], bool]
+    logged_in: Callable[[], bool]
+    label: str = "preview"
+    checked: float = field(default_factory=time.monotonic)
+
+    def __call__(self) -> bool:
+        """The whole check, now."""
+        self.checked = time.monotonic()
+        return self._safely(lambda: self.exposed() and self.logged_in())
+
+    def due_in(self) -> float:
+        """Seconds until the whole check is due again (0: it is)."""
+        return max(0.0, self.checked + STANDING_CHECK_S - time.monotonic())
+
+    def if_due(self) -> bool:
+        """The whole check if it is due, else only the exposure: for the moment an answer starts. An app may take
+        `preview_timeout_s` to answer, a WebSocket's handshake `HANDSHAKE_TIMEOUT_S`, and the login can end
+        meanwhile; a quick answer costs no query."""
+        return self() if self.due_in() == 0 else self._safely(self.exposed)
+
+    def _safely(self, check: Callable[[], bool]) -> bool:
+        """`check`, failing closed: a check that raises (whatever it is) ends the connection, in one log line.
+        Found by review: a check raising anything but sqlite3.Error ended the relay's watch, the body went on."""
+        try:
+            return check()
+        except Exception as exc:
+            reason = f"{type(exc).__name__}: {str(exc)[:200]}"
+            logger.warning("%s: could not check that it may go on, ended: %s", self.label, reason)
+            return False
 
 
 class BrowserStalled(OSError):
@@ -153,17 +193,18 @@ async def proxy_websocket(
     sock: socket.socket,
     port: int,
     target: bytes,
-    standing: Callable[[], bool],
+    standing: Standing,
     app_timeout_s: float = 30.0,
 ) -> tuple[int, int]:
     """Run one proxied WebSocket to its end; (the status to audit, bytes sent to the browser).
 
-    `standing` says whether it may go on: called every `STANDING_CHECK_S`, so a WebSocket ends (close 1008
-    both ways) soon after unexpose_port, the URL's expiry, its sandbox's close or the end of the login that
-    opened it, even an idle one.
-    The status: 101 once both sides were joined, 502 when the app refused or failed its handshake, 499 (as
-    nginx names it) when the browser left during the app's handshake. `app_timeout_s`: how long the app may take
-    nothing the browser sends before the WebSocket ends."""
+    `standing` says whether it may go on: checked after the app's handshake (if due: `Standing.if_due`), then
+    every `STANDING_CHECK_S`, so a WebSocket ends (close 1008 both ways) soon after unexpose_port, the URL's
+    expiry, its sandbox's close or the end of the login that opened it, even an idle one.
+    The status: 101 once both sides were joined, 502 when the app refused or failed its handshake, 403 when
+    the WebSocket could no longer go on once the app's handshake ended (the browser is refused, nothing of the
+    app passed on), 499 (as nginx names it) when the browser left during the app's handshake.
+    `app_timeout_s`: how long the app may take nothing the browser sends before the WebSocket ends."""
     with contextlib.suppress(OSError):
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, APP_RECEIVE_BUFFER)
     reader, writer = await asyncio.open_connection(sock=sock, limit=READ_BYTES)
@@ -176,6 +217,10 @@ async def proxy_websocket(
         if accepted is None:
             await close_browser(send, 1011)
             return 502, 0
+        if not standing.if_due():  # found by review: a login ended during a slow handshake was still accepted
+            _close_app(link, 1008)
+            await close_browser(send, 1008)  # before the accept: uvicorn answers the upgrade with 403
+            return 403, 0
         try:
             await send({"type": "websocket.accept", "subprotocol": accepted.subprotocol})
         except OSError:  # the browser left during the app's handshake
@@ -197,11 +242,13 @@ async def proxy_websocket(
         close_or_reset(writer.transport)  # what the app did not take is dropped, not kept for it
 
 
-async def _until_revoked(standing: Callable[[], bool], send: Send, link: _Link) -> None:
+async def _until_revoked(standing: Standing, send: Send, link: _Link) -> None:
     """Return once the WebSocket may no longer go on, having closed both sides (1008: the URL or the login
-    is revoked)."""
-    while standing():  # noqa: ASYNC110 - polled: see `STANDING_CHECK_S`
-        await asyncio.sleep(STANDING_CHECK_S)
+    is revoked). Polled (see `STANDING_CHECK_S`), the first time when the check after the admission is due."""
+    while True:
+        await asyncio.sleep(standing.due_in())
+        if not standing():
+            break
     _close_app(link, 1008)
     await close_browser(send, 1008)
 
