@@ -1,4 +1,4 @@
-"""What re-checking a preview's login costs a streaming response: the relay (`_Body`) between a real HTTP/1.1
+"""What re-checking a preview's login costs a streaming response: the relay (`ResponseRelay`) between a real HTTP/1.1
 connection to an app on a socket (httpcore, as the preview listener makes it) and an ASGI browser side.
 
 A response of a preview that is not public ends once the login that opened it does (test_preview_logout.py,
@@ -29,7 +29,7 @@ from starlette.types import Message
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import AcceptConnection, CloseConnection, Event, Request, TextMessage
 
-from bastion.transports.http.preview import CappedBody, SocketStream, _Body, _Progress
+from bastion.transports.http.preview import CappedBody, RelayProgress, ResponseRelay, SocketStream
 from bastion.transports.http.preview_ws import STANDING_CHECK_S, Standing, proxy_websocket
 
 PIECE_INTERVAL_S = 0.002
@@ -108,7 +108,7 @@ def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
 
 async def _relay(proxy_side: socket.socket, browser: _Browser, standing: Standing, *, start: bool = False) -> int:
     """One request over `proxy_side` and its response's body relayed to `browser`; with `start`, the response
-    is started as the preview listener starts it (`_Body.answer`): the status it audits."""
+    is started as the preview listener starts it (`ResponseRelay.answer`): the status it audits."""
     reader, writer = await asyncio.open_connection(sock=proxy_side)
     connection = httpcore2.AsyncHTTP11Connection(
         httpcore2.Origin(b"http", b"127.0.0.1", 8080), SocketStream(reader, writer)
@@ -118,7 +118,9 @@ async def _relay(proxy_side: socket.socket, browser: _Browser, standing: Standin
             "GET", httpcore2.URL("http://127.0.0.1:8080/trickle"), headers=[(b"host", b"127.0.0.1:8080")]
         )
         response = await connection.handle_async_request(request)
-        relay = _Body(response, browser.send, CappedBody(browser.receive, 1 << 20), LARGE_BODY * 2, _Progress())
+        relay = ResponseRelay(
+            response, browser.send, CappedBody(browser.receive, 1 << 20), LARGE_BODY * 2, RelayProgress()
+        )
         if start:
             return await relay.answer([], standing)
         await relay.relay(standing)

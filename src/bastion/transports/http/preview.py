@@ -123,7 +123,7 @@ class QuietCuts(logging.Filter):
 
 
 @dataclass
-class _Progress:
+class RelayProgress:
     """How far a request got: what its audit record says, even for one cancelled midway (server stopping)."""
 
     status: int = 0
@@ -331,7 +331,7 @@ class PreviewApp:
             return
         started = time.perf_counter()
         path = scope.get("raw_path", b"").decode("latin-1").split("?", 1)[0]
-        preview, progress = None, _Progress()
+        preview, progress = None, RelayProgress()
         started_response = False
 
         async def tracked(message: Message) -> None:
@@ -422,7 +422,7 @@ class PreviewApp:
             return None
 
     async def _proxy(
-        self, scope: Scope, receive: Receive, send: Send, preview: Preview, progress: _Progress
+        self, scope: Scope, receive: Receive, send: Send, preview: Preview, progress: RelayProgress
     ) -> tuple[int, int]:
         standing = self._standing(scope, preview)  # no await since the admission: its check counts
         declared = _header(scope, b"content-length")
@@ -453,7 +453,7 @@ class PreviewApp:
         send: Send,
         preview: Preview,
         connection: httpcore2.AsyncHTTP11Connection,
-        progress: _Progress,
+        progress: RelayProgress,
         standing: Standing,
     ) -> tuple[int, int]:
         target = _split_token(scope, preview.token)
@@ -483,7 +483,7 @@ class PreviewApp:
             await response.aclose()
             return 502, await _plain(send, 502, "Bad Gateway: the sandbox's app answered with an invalid status")
         headers = response_headers(response.headers, preview.token)
-        relay = _Body(response, send, body, self.config.preview_max_response_bytes, progress)
+        relay = ResponseRelay(response, send, body, self.config.preview_max_response_bytes, progress)
         return await relay.answer(headers, standing), progress.sent
 
     def _count_throttled(self, preview: Preview) -> None:
@@ -651,7 +651,7 @@ class CappedBody:
                 pass
 
 
-class _Body:
+class ResponseRelay:
     """An app's response body passed on to the browser, while the browser stays and the request may go on
     (`Standing`: its preview's exposure checked at each piece, the whole check every `STANDING_CHECK_S`, so a
     body the app sends nothing of ends too); cut at the response cap, or at its number of pieces
@@ -663,7 +663,7 @@ class _Body:
     connection, and the browser sees it incomplete rather than caching a truncated page as whole.
     """
 
-    def __init__(self, response: httpcore2.Response, send: Send, body: CappedBody, cap: int, progress: _Progress):
+    def __init__(self, response: httpcore2.Response, send: Send, body: CappedBody, cap: int, progress: RelayProgress):
         self.response = response
         self.send = send
         self.body = body
