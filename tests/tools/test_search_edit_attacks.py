@@ -28,6 +28,7 @@ from bastion.safety.errors import InvalidRequest
 from bastion.safety.paths import MAX_WALK_ENTRIES, MAX_WRITE_BYTES, Jail
 from bastion.safety.redact import Redactor
 from bastion.tools.threads import MAX_THREADS_PER_PLACE
+from bastion.tools.workbench import MAX_PARALLEL_SEARCHES
 from bastion.workbench.edit import edit_text
 from bastion.workbench.media import MAX_IMAGE_BYTES
 from bastion.workbench.workspace import HostWorkspace
@@ -402,35 +403,47 @@ async def test_special_files_are_never_opened_by_search_edit_or_as_image(client:
     assert found["detail"]["skipped"]["too_large"] == 1
 
 
-async def test_a_burst_of_searches_leaves_threads_for_the_other_tools(client: Client, workspace: Path) -> None:
+async def test_a_burst_of_searches_leaves_threads_for_the_other_tools(
+    client: Client, workspace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Attack: more slow searches at once than the server has worker threads (40) would leave read_file
     (and every other tool that needs a thread) waiting behind them; searches queue behind a limit of
-    their own, so a read asked after the burst answers before the first search does."""
-    tree = workspace / "tree"
-    for folder in range(10):
-        (tree / str(folder)).mkdir(parents=True)
-        for name in range(150):
-            (tree / str(folder) / f"{name}.txt").write_text("nothing to find here\n" * 20)
-    (workspace / "note.txt").write_text("hello\n")
-    finished: list[str] = []
+    their own. Found in the twenty-second session: the searches waiting for that limit held their workspace's
+    share of threads, so a read of the same workspace (a shared host workspace: another agent's) waited for
+    the whole burst. Here each search holds its thread until the end. Invariant: at most
+    MAX_PARALLEL_SEARCHES run, and a read of the same workspace that needs a thread answers meanwhile."""
+    (workspace / "tree").mkdir()
+    (workspace / "note.txt").write_text("x" * 65536)  # over the inline size: read in a worker thread
+    release, lock, entered = threading.Event(), threading.Lock(), [0]
+    real = HostWorkspace.search_files
+
+    def held(self: HostWorkspace, pattern: str, **kw: Any) -> dict[str, object]:
+        with lock:
+            entered[0] += 1
+        release.wait(HELD_FOR_S)
+        return real(self, pattern, **kw)
+
+    monkeypatch.setattr(HostWorkspace, "search_files", held)
+    answers: list[dict[str, Any]] = []
 
     async def search() -> None:
-        answer = await call(client, "search_files", pattern="absent", path="tree")
-        assert answer["ok"], answer
-        finished.append("search")
-
-    async def read() -> None:
-        answer = await call(client, "read_file", path="note.txt")
-        assert answer["detail"]["content"] == "hello\n"
-        finished.append("read")
+        answers.append(await call(client, "search_files", pattern="absent", path="tree"))
 
     async with anyio.create_task_group() as group:
         for _ in range(45):
             group.start_soon(search)
-        await anyio.wait_all_tasks_blocked()
-        group.start_soon(read)
-    assert finished.count("search") == 45
-    assert finished[0] == "read", finished[:3]
+        try:
+            with anyio.fail_after(READ_DEADLINE_S):
+                while entered[0] < MAX_PARALLEL_SEARCHES:
+                    await anyio.sleep(0.01)
+                read = await call(client, "read_file", path="note.txt")
+            assert read["detail"]["content"] == "x" * 65536
+            assert entered[0] == MAX_PARALLEL_SEARCHES
+            assert answers == []
+        finally:
+            release.set()
+    assert len(answers) == 45
+    assert all(answer["ok"] for answer in answers), answers
 
 
 async def _read_while_a_burst_holds_threads(

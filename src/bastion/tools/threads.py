@@ -10,6 +10,7 @@ review then found the same through the organizer's tools, and through one agent'
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable
 from typing import Final, TypeVar
@@ -37,10 +38,16 @@ class ThreadShares:
         self._callers: dict[str, anyio.CapacityLimiter] = {}
 
     async def run(self, place: object, work: Callable[[], T], *, limiter: anyio.CapacityLimiter | None = None) -> T:
-        """`work()` in a worker thread once `place` and this call's caller have a thread to spare (and
-        `limiter`, or anyio's default limiter, too)."""
-        async with self._place(place), self._caller():
-            return await anyio.to_thread.run_sync(work, limiter=limiter)
+        """`work()` in a worker thread (anyio's) once `limiter` (a tool's own bound, if any), then `place` and
+        this call's caller have one to spare. The tool's bound is taken first: found in the twenty-second session,
+        searches waiting for their bound of 2 held their workspace's share, and a burst of them left none for
+        any other tool there, another agent's reads of a shared host workspace included."""
+        async with contextlib.AsyncExitStack() as held:
+            if limiter is not None:
+                await held.enter_async_context(limiter)
+            await held.enter_async_context(self._place(place))
+            await held.enter_async_context(self._caller())
+            return await anyio.to_thread.run_sync(work)
 
     def _place(self, place: object) -> anyio.CapacityLimiter:
         share = self._places.get(place)
