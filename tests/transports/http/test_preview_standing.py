@@ -26,11 +26,11 @@ from collections.abc import Iterator
 import httpcore2
 import pytest
 from starlette.types import Message
-from wsproto import ConnectionType, WSConnection
-from wsproto.events import AcceptConnection, CloseConnection, Event, Request, TextMessage
+from wsproto.events import CloseConnection, Event
 
 from bastion.transports.http.preview import CappedBody, RelayProgress, ResponseRelay, SocketStream
 from bastion.transports.http.preview_ws import STANDING_CHECK_S, Standing, proxy_websocket
+from tests.transports.http.ws_relay import RecordingBrowser, app_sending, frame
 
 PIECE_INTERVAL_S = 0.002
 PIECES_BEFORE_LOGOUT = 600
@@ -276,36 +276,6 @@ def test_a_login_check_that_raises_leaves_the_response_unchecked(
     assert "RuntimeError: the session store went away" in failed[0].getMessage()
 
 
-class _WsBrowser:
-    """The ASGI side of a browser's WebSocket: it stays, sends nothing, and records what it is sent."""
-
-    def __init__(self) -> None:
-        self.sends: list[Message] = []
-
-    async def send(self, message: Message) -> None:
-        self.sends.append(message)
-
-    async def receive(self) -> Message:
-        await asyncio.Event().wait()  # until the proxy ends the connection (it cancels this)
-        raise AssertionError("unreachable")
-
-
-async def _ws_app_with_buffered_message(sock: socket.socket, received: list[Event]) -> None:
-    """A WebSocket app that accepts and sends a message in the same write, then reads to the end."""
-    reader, writer = await asyncio.open_connection(sock=sock)
-    ws = WSConnection(ConnectionType.SERVER)
-    try:
-        while data := await reader.read(65536):
-            ws.receive_data(data)
-            for event in ws.events():
-                received.append(event)
-                if isinstance(event, Request):
-                    writer.write(ws.send(AcceptConnection()) + ws.send(TextMessage(data="for the admin only")))
-                    await writer.drain()
-    finally:
-        writer.close()
-
-
 def test_a_logout_during_a_slow_websocket_handshake_still_gets_the_accept(
     pair: tuple[socket.socket, socket.socket],
 ) -> None:
@@ -314,13 +284,13 @@ def test_a_logout_during_a_slow_websocket_handshake_still_gets_the_accept(
     the first check closed it. Invariant: the login is looked up once the handshake ends, the browser is
     refused (close before accept: uvicorn's 403) with nothing of the app, and the app gets close 1008."""
     proxy_side, app_side = pair
-    browser, login, received = _WsBrowser(), _Login(), list[Event]()
+    browser, login, received = RecordingBrowser(), _Login(), list[Event]()
     login.valid = False
     standing = Standing(lambda: True, login, checked=_admitted_long_ago())
     scope = {"type": "websocket", "subprotocols": []}
 
     async def main() -> tuple[int, int]:
-        app = asyncio.ensure_future(_ws_app_with_buffered_message(app_side, received))
+        app = asyncio.ensure_future(app_sending(app_side, frame(0x1, b"for the admin only", fin=True), received))
         async with asyncio.timeout(WAIT_S):
             result = await proxy_websocket(scope, browser.receive, browser.send, proxy_side, 8080, b"/ws", standing)
             await app  # it reads to the end: the proxy closed its side

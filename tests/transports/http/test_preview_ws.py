@@ -21,6 +21,7 @@ from wsproto import ConnectionType, WSConnection
 from wsproto.events import AcceptConnection, CloseConnection, Event, Request
 
 from bastion.transports.http.preview_ws import Standing, proxy_websocket
+from tests.transports.http.ws_relay import RecordingBrowser, app_sending, frame
 
 SCOPE = {"type": "websocket", "subprotocols": []}
 
@@ -118,37 +119,6 @@ WAIT_S = 10.0
 """The bound on a proxied WebSocket's run in these tests (a failure, never a pace)."""
 
 
-class RecordingBrowser:
-    """An ASGI browser side that stays connected, sends nothing, and records what bastion sends it."""
-
-    def __init__(self) -> None:
-        self.sends: list[Message] = []
-
-    async def send(self, message: Message) -> None:
-        self.sends.append(message)
-
-    async def receive(self) -> Message:
-        await asyncio.Event().wait()  # until the proxy ends the connection (it cancels this)
-        raise AssertionError("unreachable")
-
-
-async def _app_sending(sock: socket.socket, frames: bytes, received: list[Event]) -> None:
-    """A WebSocket server on `sock`: accepts, writes `frames` as they are, then reads to the end."""
-    reader, writer = await asyncio.open_connection(sock=sock)
-    ws = WSConnection(ConnectionType.SERVER)
-    try:
-        while data := await reader.read(65536):
-            ws.receive_data(data)
-            for event in ws.events():
-                received.append(event)
-                if isinstance(event, Request):
-                    writer.write(ws.send(AcceptConnection()) + frames)
-                    await writer.drain()
-    finally:
-        writer.close()
-        await writer.wait_closed()
-
-
 def _open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
@@ -163,7 +133,7 @@ def _proxy_from_app(frames: bytes) -> tuple[tuple[int, int], RecordingBrowser, l
     fds = _open_fds() - 2
 
     async def main() -> tuple[int, int]:
-        app = asyncio.ensure_future(_app_sending(app_side, frames, received))
+        app = asyncio.ensure_future(app_sending(app_side, frames, received))
         async with asyncio.timeout(WAIT_S):
             result = await proxy_websocket(SCOPE, browser.receive, browser.send, proxy_side, 8080, b"/ws", _standing())
             await app  # it reads to the end: the proxy closed its side
@@ -179,17 +149,10 @@ def _proxy_from_app(frames: bytes) -> tuple[tuple[int, int], RecordingBrowser, l
     return result, browser, received, _open_fds() - fds
 
 
-def _frame(opcode: int, payload: bytes, *, fin: bool) -> bytes:
-    """A server's (unmasked) frame, as any app may write it."""
-    length = len(payload)
-    size = bytes([length]) if length < 126 else b"\x7e" + length.to_bytes(2, "big")
-    return bytes([(0x80 if fin else 0) | opcode]) + size + payload
-
-
 def test_an_app_sending_endless_empty_fragments_is_closed_with_1009() -> None:
     """A text message begun, then 20,000 empty continuation frames (40 KB) and never finished: the browser
     gets 1009 (Message Too Big), the app a close frame, and no socket or task is left behind."""
-    frames = _frame(0x1, b"", fin=False) + _frame(0x0, b"", fin=False) * 20_000
+    frames = frame(0x1, b"", fin=False) + frame(0x0, b"", fin=False) * 20_000
     (status, sent), browser, received, left = _proxy_from_app(frames)
     assert (status, sent) == (101, 0)
     assert browser.sends == [
@@ -203,7 +166,7 @@ def test_an_app_sending_endless_empty_fragments_is_closed_with_1009() -> None:
 def test_what_an_app_sends_with_its_accept_reaches_the_browser() -> None:
     """An app that greets in the same write as its 101 (found with the tests above): the frames read along
     with the accept were dropped, so the greeting, and here the close, never reached the browser."""
-    frames = _frame(0x1, b"hello", fin=True) + _frame(0x8, (1000).to_bytes(2, "big"), fin=True)
+    frames = frame(0x1, b"hello", fin=True) + frame(0x8, (1000).to_bytes(2, "big"), fin=True)
     (status, sent), browser, _, left = _proxy_from_app(frames)
     assert (status, sent) == (101, 5)
     assert browser.sends[1:] == [
@@ -216,8 +179,8 @@ def test_what_an_app_sends_with_its_accept_reaches_the_browser() -> None:
 def test_a_message_of_many_small_fragments_under_the_cap_is_passed_on_whole() -> None:
     """The charge per piece still lets an app stream a message in reasonable fragments (1,000 of 512 bytes)."""
     piece = b"x" * 512
-    frames = _frame(0x1, piece, fin=False) + _frame(0x0, piece, fin=False) * 998 + _frame(0x0, piece, fin=True)
-    frames += _frame(0x8, (1000).to_bytes(2, "big"), fin=True)
+    frames = frame(0x1, piece, fin=False) + frame(0x0, piece, fin=False) * 998 + frame(0x0, piece, fin=True)
+    frames += frame(0x8, (1000).to_bytes(2, "big"), fin=True)
     (status, sent), browser, _, left = _proxy_from_app(frames)
     assert (status, sent) == (101, 512_000)
     assert browser.sends[1:] == [
@@ -230,7 +193,7 @@ def test_a_message_of_many_small_fragments_under_the_cap_is_passed_on_whole() ->
 def test_a_text_message_over_the_cap_in_utf8_bytes_is_closed_with_1009() -> None:
     """The cap counts bytes, not characters: 300,000 four-byte characters (1.2 MB) are over it."""
     text = ("\U0001f600" * 1000).encode()
-    frames = _frame(0x1, text, fin=False) + _frame(0x0, text, fin=False) * 299 + _frame(0x0, b"", fin=True)
+    frames = frame(0x1, text, fin=False) + frame(0x0, text, fin=False) * 299 + frame(0x0, b"", fin=True)
     (status, sent), browser, _, left = _proxy_from_app(frames)
     assert (status, sent) == (101, 0)
     assert browser.sends[1:] == [{"type": "websocket.close", "code": 1009}]
