@@ -1,8 +1,10 @@
-"""Fixtures: a live `bastion serve --http` per module, and fresh ones for tests that change its state."""
+"""Fixtures: a live `bastion serve --http` per module, fresh ones for tests that change its state, and a
+socket pair for the preview relay tests."""
 
 from __future__ import annotations
 
 import functools
+import socket
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -67,3 +69,14 @@ def browsers() -> Iterator[Callable[[LiveServer], Browser]]:
     yield make
     for browser in made:
         browser.close()
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
+    """The relay's side and the app's side of one connection, both non-blocking."""
+    proxy_side, app_side = socket.socketpair()
+    for sock in (proxy_side, app_side):
+        sock.setblocking(False)
+    yield proxy_side, app_side
+    proxy_side.close()
+    app_side.close()

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
-import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -29,8 +27,7 @@ from typing import Any
 
 import httpx2
 import pytest
-from wsproto import ConnectionType, WSConnection
-from wsproto.events import AcceptConnection, CloseConnection, Event, RejectConnection, Request, TextMessage
+from wsproto.events import AcceptConnection, CloseConnection, RejectConnection
 
 from bastion.transports.http.preview_ws import STANDING_CHECK_S
 from bastion.transports.http.store import digest
@@ -38,6 +35,7 @@ from bastion.workbench.previews import token_id
 
 from .live import BASTION, PASSWORD, Browser, LiveServer, forms
 from .test_preview import APPS, SESSION_COOKIE, Preview, serving_preview
+from .ws_relay import BrowserWebSocket
 
 pytestmark = pytest.mark.bwrap
 
@@ -58,45 +56,13 @@ WAIT_LISTENING = (
 ).replace("PORTS", repr(WS_PORTS + STREAM_PORTS))
 
 
-class Ws:
-    """A browser's WebSocket to a preview URL, with the login cookie `session` (None: without one)."""
-
-    def __init__(self, origin: str, url: str, session: str | None) -> None:
-        host, port, path = re.fullmatch(r"http://([^:]+):(\d+)(/.*)", url).groups()  # type: ignore[union-attr]
-        self.sock = socket.create_connection((host, int(port)), timeout=WAIT_S)
-        self.ws = WSConnection(ConnectionType.CLIENT)
-        extra = [(b"origin", origin.encode())]
-        if session is not None:
-            extra.append((b"cookie", f"{SESSION_COOKIE}={session}".encode()))
-        self.sock.sendall(self.ws.send(Request(host=f"{host}:{port}", target=path, extra_headers=extra)))
-        self.pending: list[Event] = []
-
-    def close(self) -> None:
-        self.sock.close()
-
-    def next(self) -> Event:
-        while not self.pending:
-            data = self.sock.recv(65536)
-            if not data:
-                raise EOFError("the server closed the connection")
-            self.ws.receive_data(data)
-            self.pending.extend(self.ws.events())
-        return self.pending.pop(0)
-
-    def echo(self, text: str) -> str:
-        self.sock.sendall(self.ws.send(TextMessage(data=text)))
-        reply = self.next()
-        assert isinstance(reply, TextMessage), reply
-        return reply.data
-
-
 @pytest.fixture
-def websockets() -> Iterator[Callable[[str, str, str | None], Ws]]:
+def websockets() -> Iterator[Callable[[str, str, str | None], BrowserWebSocket]]:
     """Open WebSockets, each accepted, closed at the end of the test."""
-    opened: list[Ws] = []
+    opened: list[BrowserWebSocket] = []
 
-    def open_ws(origin: str, url: str, session: str | None) -> Ws:
-        ws = Ws(origin, url, session)
+    def open_ws(origin: str, url: str, session: str | None) -> BrowserWebSocket:
+        ws = BrowserWebSocket(origin, url, session)
         opened.append(ws)
         accepted = ws.next()
         assert isinstance(accepted, AcceptConnection), accepted
@@ -109,7 +75,7 @@ def websockets() -> Iterator[Callable[[str, str, str | None], Ws]]:
 
 def refused_status(origin: str, url: str, session: str | None) -> int:
     """The HTTP status of a WebSocket the server refuses (asserts it is refused)."""
-    ws = Ws(origin, url, session)
+    ws = BrowserWebSocket(origin, url, session)
     try:
         answer = ws.next()
     finally:
@@ -138,7 +104,7 @@ def ends_after(chunks: Iterator[bytes]) -> float:
     pytest.fail("the trickling response ended complete: it never does unless cut")
 
 
-def closes_after(ws: Ws) -> tuple[CloseConnection, float]:
+def closes_after(ws: BrowserWebSocket) -> tuple[CloseConnection, float]:
     """The server's close of an idle WebSocket and how long it took (asserts it came, and nothing else)."""
     start = time.monotonic()
     try:
@@ -241,7 +207,7 @@ def fresh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Preview, s
 
 
 def check_websockets_end(
-    preview: Preview, sandbox_id: str, how: str, open_ws: Callable[[str, str, str | None], Ws]
+    preview: Preview, sandbox_id: str, how: str, open_ws: Callable[[str, str, str | None], BrowserWebSocket]
 ) -> None:
     """The attack on WebSockets, for one way the login ends; the other session's preview is checked only when
     `how` leaves other sessions alone."""
@@ -312,7 +278,7 @@ def check_stream_cut(preview: Preview, sandbox_id: str, how: str) -> None:
 
 @pytest.mark.parametrize("how", ["logout", "session_expiry"])
 def test_logout_leaves_a_preview_websocket_open(
-    shared: tuple[Preview, str], how: str, websockets: Callable[[str, str, str | None], Ws]
+    shared: tuple[Preview, str], how: str, websockets: Callable[[str, str, str | None], BrowserWebSocket]
 ) -> None:
     """Attack: the administrator logs out (or the session expires) while a WebSocket of a preview that is not
     public, opened with that login, stays open: the app's messages kept flowing for as long as the browser and
@@ -330,7 +296,7 @@ def test_logout_leaves_a_preview_stream_running(shared: tuple[Preview, str], how
 
 
 def test_revoke_all_leaves_a_preview_websocket_open(
-    fresh: tuple[Preview, str], websockets: Callable[[str, str, str | None], Ws]
+    fresh: tuple[Preview, str], websockets: Callable[[str, str, str | None], BrowserWebSocket]
 ) -> None:
     """Attack: the dashboard's "revoke all" (every grant and every admin session) left a preview's WebSocket
     open. Invariant: it closes with 1008 within `END_BOUND_S`; a public preview's carries on; a new login
@@ -346,7 +312,7 @@ def test_password_change_leaves_a_preview_stream_running(fresh: tuple[Preview, s
 
 
 def test_password_change_leaves_a_preview_websocket_open(
-    fresh: tuple[Preview, str], websockets: Callable[[str, str, str | None], Ws]
+    fresh: tuple[Preview, str], websockets: Callable[[str, str, str | None], BrowserWebSocket]
 ) -> None:
     """Attack: as `test_password_change_leaves_a_preview_stream_running`, with a WebSocket: it gets close 1008."""
     check_websockets_end(*fresh, "password_change", websockets)

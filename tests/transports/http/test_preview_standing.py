@@ -21,7 +21,6 @@ import asyncio
 import logging
 import socket
 import time
-from collections.abc import Iterator
 
 import httpcore2
 import pytest
@@ -94,16 +93,6 @@ class _Login:
     def __call__(self) -> bool:
         self.lookups += 1
         return self.valid
-
-
-@pytest.fixture
-def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
-    proxy_side, app_side = socket.socketpair()
-    for sock in (proxy_side, app_side):
-        sock.setblocking(False)
-    yield proxy_side, app_side
-    proxy_side.close()
-    app_side.close()
 
 
 async def _relay(proxy_side: socket.socket, browser: _Browser, standing: Standing, *, start: bool = False) -> int:

@@ -13,7 +13,6 @@ import gc
 import logging
 import os
 import socket
-from collections.abc import Iterator
 
 import pytest
 from starlette.types import Message
@@ -74,16 +73,6 @@ def _run(proxy_side: socket.socket, app_side: socket.socket | None, browser: Gon
             gc.collect()
 
     return asyncio.run(main())
-
-
-@pytest.fixture
-def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
-    proxy_side, app_side = socket.socketpair()
-    for sock in (proxy_side, app_side):
-        sock.setblocking(False)
-    yield proxy_side, app_side
-    proxy_side.close()
-    app_side.close()
 
 
 def test_a_browser_gone_when_the_app_refuses_still_gets_a_status(

@@ -9,16 +9,15 @@ real sandbox running the app, and a WebSocket client (wsproto over a socket) wit
 
 from __future__ import annotations
 
-import re
 import socket
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from wsproto import ConnectionType, WSConnection
-from wsproto.events import AcceptConnection, CloseConnection, Event, Request, TextMessage
+from wsproto.events import AcceptConnection, CloseConnection
 
-from .test_preview import APPS, SESSION_COOKIE, WAIT_LISTENING, Preview, serving_preview
+from .test_preview import APPS, WAIT_LISTENING, Preview, serving_preview
+from .ws_relay import BrowserWebSocket
 
 pytestmark = pytest.mark.bwrap
 
@@ -27,38 +26,18 @@ WAIT_S = 10.0
 """The bound on any one wait for the server (a failure, never a pace)."""
 
 
-class Client:
-    """A browser's WebSocket to a preview URL: the session cookie, the preview origin."""
+class Client(BrowserWebSocket):
+    """A browser's WebSocket to a preview URL: the session cookie, the preview origin; accepted on entry."""
 
     def __init__(self, preview: Preview, url: str) -> None:
-        host, port, path = re.fullmatch(r"http://([^:]+):(\d+)(/.*)", url).groups()  # type: ignore[union-attr]
-        self.sock = socket.create_connection((host, int(port)), timeout=WAIT_S)
-        self.ws = WSConnection(ConnectionType.CLIENT)
-        extra = [(b"cookie", f"{SESSION_COOKIE}={preview.session}".encode()), (b"origin", preview.origin.encode())]
-        self.sock.sendall(self.ws.send(Request(host=f"{host}:{port}", target=path, extra_headers=extra)))
-        self.pending: list[Event] = []
+        super().__init__(preview.origin, url, preview.session)
 
     def __enter__(self) -> Client:
         assert isinstance(self.next(), AcceptConnection)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.sock.close()
-
-    def next(self) -> Event:
-        while not self.pending:
-            data = self.sock.recv(65536)
-            if not data:
-                raise EOFError("the server closed the connection")
-            self.ws.receive_data(data)
-            self.pending.extend(self.ws.events())
-        return self.pending.pop(0)
-
-    def echo(self, text: str) -> str:
-        self.sock.sendall(self.ws.send(TextMessage(data=text)))
-        reply = self.next()
-        assert isinstance(reply, TextMessage), reply
-        return reply.data
+        self.close()
 
 
 @pytest.fixture(scope="module")
