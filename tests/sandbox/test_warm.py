@@ -537,6 +537,29 @@ async def test_a_pause_landing_while_a_command_awaits_the_start_answers_conflict
     assert not (tmp_path / "limited" / "ran").exists()
 
 
+async def test_a_run_ending_while_it_is_frozen_is_not_left_paused(
+    limited: WarmSandbox, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: a pause freezes in a worker thread, and a run that ended meanwhile (the agent killed by an
+    OOM, its socket closed) had its state cleared by the loop before the thread marked it paused; the sandbox
+    then stayed "paused" with nothing to resume, refusing every command until closed. Invariant: the pause is
+    refused (CONFLICT), the sandbox is not paused, and the next command starts it again."""
+    await sh(limited, "true")
+    group = limited._group
+    assert group is not None
+    real = group.freeze
+
+    def freeze_then_the_run_ends() -> None:
+        real()
+        limited._on_agent_gone()  # what the loop does at the agent's end, between the freeze and the mark
+
+    monkeypatch.setattr(group, "freeze", freeze_then_the_run_ends)
+    with pytest.raises(Conflict, match="ended while it was being paused"):
+        limited.pause()
+    assert not limited.paused
+    assert (await sh(limited, "echo alive")).stdout == b"alive\n"
+
+
 async def test_a_run_timing_out_in_a_paused_sandbox_answers_and_leaves_the_sandbox(limited: WarmSandbox) -> None:
     """A command's time limit passes while its sandbox is paused: its agent, frozen, cannot report the exit.
     The host waited 5 s for it and then ended the whole sandbox, every process in it. The answer now comes as

@@ -47,7 +47,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, final
 
-from bastion.safety.errors import Conflict, InvalidRequest, NotFound, OperationFailed, Timeout, Unavailable
+from bastion.safety.errors import (
+    BastionError,
+    Conflict,
+    InvalidRequest,
+    NotFound,
+    OperationFailed,
+    Timeout,
+    Unavailable,
+)
 
 # The ``X as X`` imports re-export public constants of the layers below, where they are read.
 from bastion.sandbox._cgroupfs import MAX_FILE_BYTES as MAX_FILE_BYTES
@@ -474,15 +482,18 @@ class SandboxCgroup:
             return keyed(read_file(self._file(h, "cgroup.events"))).get("frozen") == 1
         return read_file(self._file(h, "freezer.state")).strip() == "FROZEN"
 
-    def _set_frozen(self, frozen: bool) -> None:
+    def _set_frozen(self, frozen: bool, *, thaw_on_failure: bool = True) -> None:
+        """`thaw_on_failure`: a freeze that fails or times out thaws what it froze (a kill, which signals what it
+        froze next, keeps it frozen)."""
         h = self._roles.freeze
-        if h.version == 2:
-            done = self._freeze_v2(h, frozen)
-        else:
-            want = "FROZEN" if frozen else "THAWED"
-            write_file(self._file(h, "freezer.state"), want)
-            done = poll_until(lambda: read_file(self._file(h, "freezer.state")).strip() == want, FREEZE_WAIT_S)
-        if not done and frozen:
+        try:
+            done = self._freeze_v2(h, frozen) if h.version == 2 else self._freeze_v1(h, frozen)
+        except BastionError:
+            if frozen and thaw_on_failure:
+                with contextlib.suppress(BastionError):
+                    self._set_frozen(False)
+            raise
+        if not done and frozen and thaw_on_failure:
             # Found by review: a freeze that timed out left some command groups (or the whole group) frozen while
             # the sandbox was not paused, and no resume could thaw them. All of it is thawed again.
             self._set_frozen(False)
@@ -491,9 +502,15 @@ class SandboxCgroup:
                 "sleep, or held by its CPU limit): it was thawed again"
             )
         if not done:
+            verb = "freeze" if frozen else "thaw"
             raise Timeout(
-                f"cgroup {self.name} did not thaw within {FREEZE_WAIT_S} s: a task may be in uninterruptible sleep"
+                f"cgroup {self.name} did not {verb} within {FREEZE_WAIT_S} s: a task may be in uninterruptible sleep"
             )
+
+    def _freeze_v1(self, h: Hierarchy, frozen: bool) -> bool:
+        want = "FROZEN" if frozen else "THAWED"
+        write_file(self._file(h, "freezer.state"), want)
+        return poll_until(lambda: read_file(self._file(h, "freezer.state")).strip() == want, FREEZE_WAIT_S)
 
     def _freeze_v2(self, h: Hierarchy, frozen: bool) -> bool:
         """Freeze (children first) or thaw (children first, then the group); whether the kernel said done in time.
@@ -559,7 +576,7 @@ class SandboxCgroup:
         """Freeze, SIGKILL each pid, thaw: frozen processes cannot fork or exit, so no pid is missed or reused."""
         # A half-created group, or a stuck task, must not stop us signalling what we can see.
         with contextlib.suppress(NotFound, Timeout):
-            self._set_frozen(True)
+            self._set_frozen(True, thaw_on_failure=False)  # what froze in time stays frozen while it is signalled
         for pid in self.pids():
             try:
                 os.kill(pid, signal.SIGKILL)

@@ -1183,9 +1183,14 @@ class MicroVMSandbox:
         return self._vm.group
 
     def pause(self) -> None:
-        """Freeze the VMM's cgroup: its vCPUs and device threads stop, the guest's clock jumps on resume."""
+        """Freeze the VMM's cgroup: its vCPUs and device threads stop, the guest's clock jumps on resume. Set, then
+        checked against the guest frozen, as `WarmSandbox.pause` (a guest that ended meanwhile is not left paused)."""
+        vm = self._vm
         self._require_group().freeze()
         self._paused = True
+        if self._vm is not vm or vm is None or not vm.alive:
+            self._paused = False
+            raise Conflict("the sandbox ended while it was being paused: nothing of it runs")
 
     def resume(self) -> None:
         self._require_group().thaw()

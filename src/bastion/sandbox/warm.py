@@ -288,9 +288,20 @@ class WarmSandbox:
         return self._group
 
     def pause(self) -> None:
-        """Freeze every process of the sandbox (cgroup freezer): it uses no CPU until resumed."""
-        self._require_group().freeze()
+        """Freeze every process of the sandbox (cgroup freezer): it uses no CPU until resumed. Thread-safe against
+        the loop's end of the run (`_on_agent_gone`, which drops the group, then clears `_paused`).
+
+        Raises:
+            Conflict: asleep, not running, or its run ended while it was being frozen.
+        """
+        group = self._require_group()
+        group.freeze()
+        # Set, then check that the run is the one frozen: found by review, a run that ended during the freeze (in a
+        # worker thread) had its `_paused` cleared before this set it, and the sandbox stayed "paused" for good.
         self._paused = True
+        if self._group is not group:
+            self._paused = False
+            raise Conflict("the sandbox ended while it was being paused: nothing of it runs")
 
     def resume(self) -> None:
         self._require_group().thaw()

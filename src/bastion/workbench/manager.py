@@ -871,7 +871,10 @@ class SandboxManager:
                         thaw = box.id in self._frozen_for_snapshot
                         self._frozen_for_snapshot.discard(box.id)
                         if thaw and warm.paused:  # a close meanwhile ended the sandbox: nothing to thaw
-                            await self._set_frozen(box, False)
+                            try:
+                                await self._set_frozen(box, False)
+                            except BastionError as exc:  # the snapshot is made: its answer stands (found by review)
+                                logger.warning("sandbox %s not thawed after its snapshot: %s", box.id, exc.reason)
 
     async def restore(self, snapshot_id: str, *, owner: str) -> tuple[Sandbox, SnapshotInfo]:
         """A new sandbox whose workspace is the snapshot's, byte for byte, of the source's template
