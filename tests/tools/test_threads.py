@@ -15,7 +15,7 @@ from mcp.server.auth.middleware.auth_context import auth_context_var
 from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
 from mcp.server.auth.provider import AccessToken
 
-from bastion.tools.threads import MAX_THREADS_PER_CALLER, MAX_THREADS_PER_PLACE, ThreadShares
+from bastion.tools.threads import MAX_THREADS_PER_CALLER, MAX_THREADS_PER_PLACE, CallerBound, ThreadShares
 
 pytestmark = pytest.mark.anyio
 
@@ -94,3 +94,35 @@ async def test_one_place_holds_at_most_its_share() -> None:
         assert work.running == MAX_THREADS_PER_PLACE
         work.release.set()
     assert work.most == MAX_THREADS_PER_PLACE
+
+
+async def test_one_callers_searches_waiting_for_its_full_share_leave_another_callers_search_alone() -> None:
+    """Found by review: searches take their bound (2) before the shares, and the bound was one for the whole
+    server, so agent-a's two searches, waiting for agent-a's caller share that its other calls filled, held
+    both slots and agent-b's search waited for agent-a's calls to end. The bound is per caller."""
+    shares, searches = ThreadShares(), CallerBound(2)
+    work = _Blocked()
+    searched = anyio.Event()
+
+    async def slow_call() -> None:
+        _as("agent-a")
+        await shares.run(_Place(), work)
+
+    async def search(client_id: str, done: anyio.Event | None = None) -> None:
+        _as(client_id)
+        await shares.run(_Place(), lambda: None, limiter=searches.mine())
+        if done is not None:
+            done.set()
+
+    async with anyio.create_task_group() as group:
+        for _ in range(MAX_THREADS_PER_CALLER):
+            group.start_soon(slow_call)
+        await work.until_running(MAX_THREADS_PER_CALLER)  # agent-a's caller share is full
+        for _ in range(2):
+            group.start_soon(search, "agent-a")
+        await anyio.wait_all_tasks_blocked()
+        group.start_soon(search, "agent-b", searched)
+        with anyio.fail_after(10):
+            await searched.wait()  # while agent-a's calls and searches are all still waiting
+        assert work.running == MAX_THREADS_PER_CALLER
+        work.release.set()

@@ -56,9 +56,29 @@ class ThreadShares:
         return share
 
     def _caller(self) -> anyio.CapacityLimiter:
-        token = get_access_token()
-        caller = LOCAL_CALLER if token is None else token.client_id
-        share = self._callers.get(caller)
-        if share is None:
-            share = self._callers[caller] = anyio.CapacityLimiter(MAX_THREADS_PER_CALLER)
-        return share
+        return _callers_limiter(self._callers, MAX_THREADS_PER_CALLER)
+
+
+class CallerBound:
+    """A tool's own bound, per caller (`mine`): `size` of its calls at once for each caller. Per caller, because a
+    call holds it while it waits for its shares (`ThreadShares.run`): found by review, one server-wide bound of 2
+    searches, held by one agent's searches waiting for its full caller share, kept every other agent's searches
+    waiting too."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._callers: dict[str, anyio.CapacityLimiter] = {}
+
+    def mine(self) -> anyio.CapacityLimiter:
+        """This call's caller's bound."""
+        return _callers_limiter(self._callers, self._size)
+
+
+def _callers_limiter(limiters: dict[str, anyio.CapacityLimiter], size: int) -> anyio.CapacityLimiter:
+    """The limiter of this call's caller (its OAuth client, or the one local caller) in `limiters`, made at first."""
+    token = get_access_token()
+    caller = LOCAL_CALLER if token is None else token.client_id
+    limiter = limiters.get(caller)
+    if limiter is None:
+        limiter = limiters[caller] = anyio.CapacityLimiter(size)
+    return limiter

@@ -10,7 +10,6 @@ import base64
 import functools
 from typing import Annotated, Final, Literal
 
-import anyio
 from mcp_types import ImageContent, ToolAnnotations
 from pydantic import Field
 
@@ -20,7 +19,7 @@ from bastion.safety.results import OperationResult, ResultCode
 from bastion.tools._call import UNNAMED, Outcome
 from bastion.tools.audited import Audit, audited_tool, workspace_of
 from bastion.tools.server import BastionServer
-from bastion.tools.threads import ThreadShares
+from bastion.tools.threads import CallerBound, ThreadShares
 from bastion.workbench.media import MAX_IMAGE_BYTES
 from bastion.workbench.registry import WorkspaceRegistry
 from bastion.workbench.search import DEFAULT_SEARCH_RESULTS, MAX_SEARCH_RESULTS
@@ -293,9 +292,9 @@ def register_workbench(
 def register_search_and_edit(server: BastionServer, registry: WorkspaceRegistry, threads: ThreadShares) -> None:
     """Add search_files and edit_file to `server`, sharing `threads` with the other file tools."""
     in_workspace = workspace_of("sandbox_id", registry.get_id)
-    # A search may hold a worker thread for its whole time budget: a burst of them queues here
+    # A search may hold a worker thread for its whole time budget: a caller's burst of them queues here
     # instead of taking every thread the other tools (and the audit log) need.
-    searches = anyio.CapacityLimiter(MAX_PARALLEL_SEARCHES)
+    searches = CallerBound(MAX_PARALLEL_SEARCHES)
 
     @audited_tool(
         server,
@@ -328,7 +327,7 @@ def register_search_and_edit(server: BastionServer, registry: WorkspaceRegistry,
     ) -> dict[str, object]:
         ws = registry.get(sandbox_id)
         search = functools.partial(ws.search_files, pattern, path=path, glob=glob, regex=regex, max_results=max_results)
-        return await threads.run(ws, search, limiter=searches)
+        return await threads.run(ws, search, limiter=searches.mine())
 
     @audited_tool(
         server,
