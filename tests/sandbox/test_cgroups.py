@@ -22,7 +22,7 @@ import pytest
 
 from bastion.safety.errors import Conflict, InvalidRequest, NotFound, OperationFailed, Timeout, Unavailable
 from bastion.sandbox import cgroups
-from bastion.sandbox._cgroupfs import poll_until
+from bastion.sandbox._cgroupfs import poll_until, write_file
 from bastion.sandbox._hierarchies import Hierarchy, Roles, own_dir, parse_mountinfo, parse_self_cgroup
 from bastion.sandbox.cgroups import (
     CgroupLayout,
@@ -624,3 +624,29 @@ def test_a_freeze_that_times_out_leaves_nothing_frozen(
     ] * 13
     used = group.usage().cpu_usec
     wait_for(lambda: group.usage().cpu_usec > used)  # its processes run again
+
+
+def test_a_freeze_that_fails_midway_leaves_nothing_frozen(
+    make_group: MakeGroup, spawn: Spawn, layout: CgroupLayout, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: a freeze that raised once some command groups were frozen (a write refused: EMFILE, a
+    group gone) left them frozen with the sandbox not paused. A failing freeze thaws what it froze."""
+    if layout._roles.freeze.version != 2:
+        pytest.skip("the v1 freezer freezes the group in one write")
+    group = make_group(Limits(memory_bytes=None, pids=None, cpu_cores=None))
+    spawn(group, python("sys.stdin.readline()\n"))
+    children = [group.command_group(f"c{index}") for index in range(3)]
+    for child in children:
+        Path(child.path, "cgroup.procs").write_text(str(spawn(group, python("sys.stdin.readline()\n")).pid))
+    parent = os.path.dirname(children[0].path)
+
+    def refused_at_the_parent(path: str, value: str) -> None:
+        if path == os.path.join(parent, "cgroup.freeze") and value == "1":
+            raise OperationFailed(f"cannot write {path}: Too many open files")
+        write_file(path, value)
+
+    monkeypatch.setattr(cgroups, "write_file", refused_at_the_parent)
+    with pytest.raises(OperationFailed, match="Too many open files"):
+        group.freeze()
+    states = [Path(path, "cgroup.freeze").read_text().strip() for path in (parent, *(c.path for c in children))]
+    assert states == ["0"] * 4
