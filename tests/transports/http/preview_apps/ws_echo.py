@@ -1,11 +1,9 @@
 """A WebSocket echo server for the preview tests (stdlib only, runs INSIDE a sandbox; RFC 6455)."""
 
-import socket
 import struct
 import sys
-import threading
 
-from ws_handshake import accept
+from ws_handshake import accept, serve_forever
 
 
 def read_exact(conn, n):
@@ -41,9 +39,4 @@ def serve(conn):
         conn.close()
 
 
-server = socket.socket()
-server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-server.bind(("127.0.0.1", int(sys.argv[1])))
-server.listen()
-while True:
-    threading.Thread(target=serve, args=(server.accept()[0],), daemon=True).start()
+serve_forever(int(sys.argv[1]), serve)

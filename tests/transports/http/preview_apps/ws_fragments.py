@@ -1,11 +1,9 @@
 """A hostile WebSocket server for the preview tests (stdlib only, runs INSIDE a sandbox): once a client
 connects it begins a text message, sends N empty continuation frames (2 bytes each) and never ends it."""
 
-import socket
 import sys
-import threading
 
-from ws_handshake import accept
+from ws_handshake import accept, serve_forever
 
 
 def serve(conn, frames):
@@ -20,9 +18,4 @@ def serve(conn, frames):
         conn.close()
 
 
-server = socket.socket()
-server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-server.bind(("127.0.0.1", int(sys.argv[1])))
-server.listen()
-while True:
-    threading.Thread(target=serve, args=(server.accept()[0], int(sys.argv[2])), daemon=True).start()
+serve_forever(int(sys.argv[1]), serve, int(sys.argv[2]))

@@ -1,8 +1,10 @@
-"""The server side of a WebSocket handshake (RFC 6455 §4.2), for the preview tests' apps (stdlib only, runs
-INSIDE a sandbox, written beside the app that imports it)."""
+"""The server side of a WebSocket handshake (RFC 6455 §4.2) and the accept loop, for the preview tests' apps
+(stdlib only, runs INSIDE a sandbox, written beside the app that imports it)."""
 
 import base64
 import hashlib
+import socket
+import threading
 
 GUID = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
 
@@ -21,3 +23,13 @@ def accept(conn):
         + accepted
         + b"\r\n\r\n"
     )
+
+
+def serve_forever(port, handle, *args, backlog=128):
+    """Accept connections on 127.0.0.1:`port` for ever, each handled as `handle(conn, *args)` in a thread."""
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind(("127.0.0.1", port))
+    server.listen(backlog)
+    while True:
+        threading.Thread(target=handle, args=(server.accept()[0], *args), daemon=True).start()

@@ -3,12 +3,10 @@ sends COUNT binary messages of 1 MiB, message i being `random.Random(i).randbyte
 connection takes them, then a close (1000). Usage: ws_numbered.py PORT COUNT"""
 
 import random
-import socket
 import struct
 import sys
-import threading
 
-from ws_handshake import accept
+from ws_handshake import accept, serve_forever
 
 SIZE = 1 << 20
 
@@ -27,9 +25,4 @@ def serve(conn, count):
         conn.close()
 
 
-server = socket.socket()
-server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-server.bind(("127.0.0.1", int(sys.argv[1])))
-server.listen(256)
-while True:
-    threading.Thread(target=serve, args=(server.accept()[0], int(sys.argv[2])), daemon=True).start()
+serve_forever(int(sys.argv[1]), serve, int(sys.argv[2]), backlog=256)
