@@ -44,26 +44,11 @@ class GoneBrowser:
         return {"type": "websocket.disconnect", "code": 1001}
 
 
-async def _accepting_app(sock: socket.socket) -> None:
-    """A WebSocket server on `sock` that accepts the handshake, then waits for the end."""
-    reader, writer = await asyncio.open_connection(sock=sock)
-    ws = WSConnection(ConnectionType.SERVER)
-    try:
-        while data := await reader.read(65536):
-            ws.receive_data(data)
-            for event in ws.events():
-                if isinstance(event, Request):
-                    writer.write(ws.send(AcceptConnection()))
-                    await writer.drain()
-    finally:
-        writer.close()
-
-
 def _run(proxy_side: socket.socket, app_side: socket.socket | None, browser: GoneBrowser) -> tuple[int, int]:
     """`proxy_websocket` over `proxy_side`, with an accepting app on `app_side` (None: nobody there)."""
 
     async def main() -> tuple[int, int]:
-        app = asyncio.ensure_future(_accepting_app(app_side)) if app_side is not None else None
+        app = asyncio.ensure_future(app_sending(app_side, b"", [])) if app_side is not None else None
         try:
             return await proxy_websocket(SCOPE, browser.receive, browser.send, proxy_side, 8080, b"/ws", _standing())
         finally:
