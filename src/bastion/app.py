@@ -537,6 +537,7 @@ def register_toolsets(server: BastionServer, services: Services, *, caller: str)
             services.sandboxes,
             services.registry,
             catalog,
+            threads=threads,
             network=network,
             package_registry=packages,
             snapshots=config.sandboxes.snapshots_allowed,

@@ -16,9 +16,12 @@ from mcp import Client
 
 from bastion.app import Services, build_server, build_services
 from bastion.config import load_config
+from bastion.safety.paths import MAX_WRITE_BYTES
 from bastion.sandbox.cgroups import SandboxCgroup, owner_pid
 from bastion.snapshot import store
+from bastion.tools.sandboxes import MAX_SEED_FILES
 from bastion.workbench import manager as manager_module
+from bastion.workbench.workspace import HostWorkspace
 from tests.helpers import Payload, bubblewrap, call, create, mounts_under, sh
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
@@ -327,3 +330,119 @@ async def test_a_pause_waiting_for_its_freeze_holds_no_other_call(
     assert answers["pause"]["ok"], answers["pause"]
     assert await _state(client, box) == "paused"
     assert (await call(client, "resume_sandbox", sandbox_id=box))["ok"]
+
+
+_HELD_S = 10  # how long a held worker waits for the test's release: only the old, blocking code ever waits it out
+
+
+class _Hold:
+    """Work held in its worker until the test releases it: `entered` once it is held, `left` once it goes on."""
+
+    def __init__(self) -> None:
+        self.entered, self.release, self.left = threading.Event(), threading.Event(), threading.Event()
+
+    def wait(self) -> None:
+        self.entered.set()
+        self.release.wait(_HELD_S)
+        self.left.set()
+
+    async def answered_meanwhile(self, client: Client) -> None:
+        """Once the work is held, another call is answered before it goes on (on the event loop, the held
+        work would block every other call until `_HELD_S` ran out)."""
+        try:
+            await _wait_for(self.entered.is_set)
+            listed = await call(client, "list_sandboxes")
+            assert listed["ok"], listed
+            assert not self.left.is_set()
+        finally:
+            self.release.set()
+
+
+async def test_create_run_close_with_many_files_holds_no_other_call(
+    client: Client, services: Services, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by attack: create_run_close wrote its `files` on the event loop, with no bound on how many.
+    60,000 empty files held every agent's calls for 6 s; 8,000 files 120 folders deep (2 MB of JSON) for
+    11 s, and another agent's list_sandboxes waited 40 s between answers. Here the write of one file is held
+    in its worker until the test releases it. Invariant: another call is answered meanwhile, and every file
+    is then written before the command runs."""
+    files = {f"d{n % 7}/f{n}": f"{n}\n" for n in range(200)}
+    hold = _Hold()
+    real = HostWorkspace.write_file
+
+    def held_write(self: HostWorkspace, path: str, content: str, **kwargs: Any) -> dict[str, object]:
+        if path == "d3/f3":
+            hold.wait()
+        return real(self, path, content, **kwargs)
+
+    monkeypatch.setattr(HostWorkspace, "write_file", held_write)
+    answers: dict[str, Payload] = {}
+
+    async def run_once() -> None:
+        command = "cat d*/f* | wc -l && cat d3/f3"
+        answers["run"] = await call(client, "create_run_close", command=command, files=files)
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(run_once)
+        await hold.answered_meanwhile(client)
+    assert answers["run"]["ok"], answers["run"]
+    assert answers["run"]["detail"]["stdout"].split() == ["200", "3"]
+    assert services.sandboxes.all() == []
+
+
+@pytest.mark.parametrize("too_much", ["files", "bytes"])
+async def test_create_run_close_past_its_files_bounds_is_refused_before_any_sandbox(
+    client: Client, services: Services, too_much: str
+) -> None:
+    """Attack: more files than create_run_close takes (`MAX_SEED_FILES`), or more bytes in all than one file may
+    hold (`MAX_WRITE_BYTES`, here in files each under it). Invariant: INVALID_REQUEST, and no sandbox was made
+    (none made and closed either: the refusal names the bound)."""
+    made: list[str] = []
+    real_create = services.sandboxes.create
+
+    async def counted(**kwargs: Any) -> Any:
+        box = await real_create(**kwargs)
+        made.append(box.id)
+        return box
+
+    services.sandboxes.create = counted  # type: ignore[method-assign]
+    if too_much == "files":
+        files = {f"f{n}": "" for n in range(MAX_SEED_FILES + 1)}
+    else:
+        piece = "x" * (MAX_WRITE_BYTES // 4)
+        files = {f"f{n}": piece for n in range(5)}
+    refused = await call(client, "create_run_close", command="true", files=files)
+    assert refused["code"] == "INVALID_REQUEST", refused
+    assert made == []
+    assert services.sandboxes.all() == []
+    ran = await call(client, "create_run_close", command="cat f", files={"f": "still works"})
+    assert ran["ok"], ran
+    assert ran["detail"]["stdout"] == "still works"
+
+
+async def test_status_of_a_sandbox_walked_for_its_disk_use_holds_no_other_call(
+    client: Client, services: Services, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by attack: without a disk quota (`disk_quota = false`, an unprivileged install's), get_sandbox_status
+    walks the workspace for its disk use, up to 100,000 entries, and did it on the event loop: 16 status calls
+    on a workspace of 100,000 files held every agent's calls for 4.8 s. Here the status is held in its worker
+    until the test releases it. Invariant: another call is answered meanwhile, and the status then answers."""
+    box = await create(client)
+    hold = _Hold()
+    real = manager_module.SandboxManager.detail
+
+    def held_detail(self: manager_module.SandboxManager, held: Any) -> dict[str, object]:
+        hold.wait()
+        return real(self, held)
+
+    monkeypatch.setattr(manager_module.SandboxManager, "detail", held_detail)
+    answers: dict[str, Payload] = {}
+
+    async def status() -> None:
+        answers["status"] = await call(client, "get_sandbox_status", sandbox_id=box)
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(status)
+        await hold.answered_meanwhile(client)
+    assert answers["status"]["ok"], answers["status"]
+    assert answers["status"]["detail"]["sandbox_id"] == box
