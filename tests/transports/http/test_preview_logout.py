@@ -18,9 +18,11 @@ a second per connection, by reading; test_preview_standing.py counts it for a bo
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -316,3 +318,59 @@ def test_password_change_leaves_a_preview_websocket_open(
 ) -> None:
     """Attack: as `test_password_change_leaves_a_preview_stream_running`, with a WebSocket: it gets close 1008."""
     check_websockets_end(*fresh, "password_change", websockets)
+
+
+UPLOAD_LINE_S = 0.05
+UPLOAD_LINES = 140
+"""An upload of one line every `UPLOAD_LINE_S` for 7 s: it goes on well past `END_BOUND_S` after the logout."""
+LINES_BEFORE_LOGOUT = 10
+
+
+def slow_upload(url: str, session: str, started: threading.Event) -> dict[str, object]:
+    """POST `url` a body of `UPLOAD_LINES` lines, each the client's clock as it is sent, one every `UPLOAD_LINE_S`,
+    as a slow browser's upload; `started` is set after `LINES_BEFORE_LOGOUT` of them. The answer's status, or the
+    transport error that ended it (the server may close before taking the whole body)."""
+    width = 16
+
+    def lines() -> Iterator[bytes]:
+        for n in range(UPLOAD_LINES):
+            if n == LINES_BEFORE_LOGOUT:
+                started.set()
+            yield f"{time.monotonic():{width - 1}.3f}\n".encode()
+            time.sleep(UPLOAD_LINE_S)
+
+    headers = {"cookie": f"{SESSION_COOKIE}={session}", "content-length": str(width * UPLOAD_LINES)}
+    try:
+        with httpx2.Client(timeout=WAIT_S) as client:
+            return {"status": client.post(url, content=lines(), headers=headers).status_code}
+    except httpx2.TransportError as exc:
+        return {"error": type(exc).__name__}
+
+
+def test_logout_leaves_a_preview_upload_reaching_the_app(shared: tuple[Preview, str]) -> None:
+    """Attack: a slow request body (an upload) to a preview that is not public, opened with a login that then
+    ends: its body went on reaching the sandbox's app to the end; only the app's answer was refused (403). So a
+    logged-out browser (or a page in it) could still push data into the app. Invariant: the body stops reaching
+    the app within `END_BOUND_S` of the logout (the app's own record of what it received), and the browser is
+    refused (403, or its connection cut mid-upload); the request is audited as 403.
+    What it does not prove: the bound to the millisecond (a poll, once per `STANDING_CHECK_S`)."""
+    preview, sandbox_id = shared
+    own = preview.expose(sandbox_id, STREAM_PORTS[0])
+    browser = log_in(preview.server)
+    session = browser.cookies[SESSION_COOKIE]
+    started, logged_out = threading.Event(), list[float]()
+    with concurrent.futures.ThreadPoolExecutor(1) as worker:
+        upload = worker.submit(slow_upload, own + "upload?name=slow-upload.log", session, started)
+        try:
+            assert started.wait(WAIT_S), "the upload did not start"
+            end_login("logout", browser)
+            logged_out.append(time.monotonic())
+        finally:
+            browser.close()
+        answer = upload.result(timeout=UPLOAD_LINES * UPLOAD_LINE_S + WAIT_S)
+    assert answer in ({"status": 403}, {"error": "WriteError"}, {"error": "RemoteProtocolError"}), answer
+    received = [float(line) for line in preview.run(sandbox_id, "cat slow-upload.log").split()]
+    assert len(received) >= LINES_BEFORE_LOGOUT, "the upload never reached the app"
+    late = received[-1] - logged_out[0]
+    assert late < END_BOUND_S, f"the app still received the upload {late:.1f} s after the logout"
+    assert audited(preview, own, 403), "the refused upload was not audited"

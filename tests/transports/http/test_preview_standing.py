@@ -95,13 +95,18 @@ class _Login:
         return self.valid
 
 
-async def _relay(proxy_side: socket.socket, browser: _Browser, standing: Standing, *, start: bool = False) -> int:
+async def _relay(
+    proxy_side: socket.socket,
+    browser: _Browser,
+    standing: Standing,
+    *,
+    start: bool = False,
+    stream: type[SocketStream] = SocketStream,
+) -> int:
     """One request over `proxy_side` and its response's body relayed to `browser`; with `start`, the response
     is started as the preview listener starts it (`ResponseRelay.answer`): the status it audits."""
     reader, writer = await asyncio.open_connection(sock=proxy_side)
-    connection = httpcore2.AsyncHTTP11Connection(
-        httpcore2.Origin(b"http", b"127.0.0.1", 8080), SocketStream(reader, writer)
-    )
+    connection = httpcore2.AsyncHTTP11Connection(httpcore2.Origin(b"http", b"127.0.0.1", 8080), stream(reader, writer))
     try:
         request = httpcore2.Request(
             "GET", httpcore2.URL("http://127.0.0.1:8080/trickle"), headers=[(b"host", b"127.0.0.1:8080")]
@@ -263,6 +268,48 @@ def test_a_login_check_that_raises_leaves_the_response_unchecked(
     assert len(failed) == 1, caplog.text
     assert failed[0].exc_info is None
     assert "RuntimeError: the session store went away" in failed[0].getMessage()
+
+
+class _FailingStream(SocketStream):
+    """The app's socket as the relay reads it, whose reads after the response's head raise what no httpcore
+    error is (a bug, or an error the stack below does not map): the app itself goes on trickling."""
+
+    reads = 0
+
+    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        self.reads += 1
+        if self.reads > 1:
+            raise RuntimeError("the stream broke in an unforeseen way")
+        return await super().read(max_bytes, timeout)
+
+
+def test_a_relay_whose_app_side_fails_unforeseen_waits_for_ever(
+    pair: tuple[socket.socket, socket.socket], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Attack: reading the app's body raises something other than httpcore's errors; the relay's reading task
+    died and the relay waited for the browser to leave or a failed check, which a public preview never has (the
+    browser's response hung, holding its connection). Invariant: the response ends at once (incomplete: no last
+    chunk), nothing is left running, with one log line naming the failure and no traceback.
+    What it does not prove: which real failure would do this (none is known; the stream here raises one)."""
+    proxy_side, app_side = pair
+    browser = _Browser()
+
+    async def main() -> None:
+        app = asyncio.ensure_future(_trickling_app(app_side))
+        try:
+            async with asyncio.timeout(WAIT_S):
+                await _relay(proxy_side, browser, Standing(lambda: True, lambda: True), stream=_FailingStream)
+            assert asyncio.all_tasks() == {asyncio.current_task(), app}
+        finally:
+            app.cancel()
+            await asyncio.gather(app, return_exceptions=True)
+
+    with caplog.at_level(logging.INFO, logger="bastion.http.preview"):
+        asyncio.run(main())
+    assert all(message.get("more_body", True) for message in browser.messages), "the broken body was ended whole"
+    assert len(caplog.records) == 1, caplog.text
+    assert caplog.records[0].exc_info is None
+    assert "RuntimeError: the stream broke in an unforeseen way" in caplog.records[0].getMessage()
 
 
 def test_a_logout_during_a_slow_websocket_handshake_still_gets_the_accept(

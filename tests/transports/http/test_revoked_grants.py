@@ -9,8 +9,9 @@ What this proves, with the SDK's own streamable HTTP client: after the revocatio
 are ended by the server within `BOUND_S`, each of its sessions is terminated (the server's log names
 each), a call in flight is cancelled with its end record in the audit log and its command killed, another
 grant's session and stream are untouched, and the administrator still logs in and connects.
-What it does not prove: how soon, to the millisecond (the server looks every 0.5 s); the 2026-07-28 era
-holds no session or stream, so there is nothing of it to end.
+The 2026-07-28 era holds no session, but its calls in flight ran to their own end after the revocation:
+now they are cancelled the same way, the client told why.
+What it does not prove: how soon, to the millisecond (the server looks every 0.5 s).
 """
 
 from __future__ import annotations
@@ -29,9 +30,13 @@ import httpx2
 import pytest
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
+from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
+from mcp.server.auth.provider import AccessToken
+from starlette.types import Message, Receive, Scope, Send
 
 from bastion.safety.audit import verify
 from bastion.tools._call import CANCELLED_REASON
+from bastion.transports.http.sessions import REVOKED_MESSAGE, GrantCalls
 from tests.helpers import call
 
 from .conftest import SHARED_HTTP
@@ -313,3 +318,136 @@ def test_revoked_grant_keeps_its_long_call_running(server: LiveServer) -> None:
     assert (end["code"], end["reason"]) == ("UNAVAILABLE", CANCELLED_REASON)
     assert verify(audit).ok
     assert_log_clean(server)
+
+
+@contextlib.asynccontextmanager
+async def modern_client(server: LiveServer, token: str) -> AsyncIterator[Client]:
+    """An SDK client on the stateless 2026-07-28 protocol: no session, one POST per request."""
+    async with (
+        httpx2.AsyncClient(headers={"Authorization": f"Bearer {token}"}, timeout=60) as http,
+        Client(streamable_http_client(server.mcp_url, http_client=http), mode="2026-07-28") as client,
+    ):
+        yield client
+
+
+@pytest.mark.bwrap
+@pytest.mark.parametrize(
+    ("how", "seconds"),
+    [
+        ("cli", "27.31"),
+        ("dashboard", "27.32"),
+        ("refresh-reuse", "27.33"),
+        ("client-revoke", "27.34"),
+        ("expiry", "27.35"),
+    ],
+)
+def test_revoked_grant_keeps_its_modern_era_call_running(server: LiveServer, how: str, seconds: str) -> None:
+    """A 2026-07-28 call in flight (no MCP session holds it) when its grant is revoked or expires: the
+    server cancels it as it ends a handshake-era session. Invariant: within `BOUND_S` the client gets a
+    refusal naming the revocation (a JSON-RPC error, no result), the command is killed, the audit log has
+    the call's start and its end record (UNAVAILABLE, cancelled) and verifies; another grant's call in
+    flight at the same time answers; the log has no traceback.
+    What it does not prove: the refusal of a call whose answer had already started as an event stream
+    (a call past 15 s or one sending progress; the unit test below covers that shape)."""
+    command = f"sleep {seconds}"
+    client_id = server.register()["client_id"]
+    tokens = get_tokens(server, client_id)
+    other = get_tokens(server, server.register()["client_id"])["access_token"]
+    outcome: dict[str, object] = {}
+
+    async def scenario() -> None:
+        async with modern_client(server, tokens["access_token"]) as client, modern_client(server, other) as bystander:
+
+            async def long_call() -> None:
+                try:
+                    outcome["answer"] = await client.call_tool("run_command", {"command": command})
+                except Exception as exc:
+                    outcome["error"] = exc
+
+            async def other_call() -> None:
+                outcome["other"] = await call(bystander, "run_command", command="sleep 1.5")
+
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(long_call)
+                tasks.start_soon(other_call)
+                await until(lambda: _running(["sleep", seconds]), "the command started")
+                await anyio.to_thread.run_sync(end_grant, server, how, client_id, tokens)
+                await until(lambda: "answer" in outcome or "error" in outcome, "the call ended")
+
+    anyio.run(scenario)
+    assert "answer" not in outcome, outcome
+    assert "revoked or has expired" in str(outcome["error"]), outcome
+    other_payload = outcome["other"]
+    assert isinstance(other_payload, dict)
+    assert other_payload["ok"], other_payload
+    anyio.run(until, lambda: not _running(["sleep", seconds]), "the command was killed")
+    audit = server.root / "state" / "audit.jsonl"
+    anyio.run(until, lambda: len(_audit_records(audit, command)) == 2, "the call's end record was written")
+    start, end = _audit_records(audit, command)
+    assert (start["event"], end["event"]) == ("start", "end")
+    assert (end["code"], end["reason"]) == ("UNAVAILABLE", CANCELLED_REASON)
+    assert verify(audit).ok
+    assert "is revoked or has expired: cancelled its 1 call(s) in flight" in server.log()
+    assert_log_clean(server)
+
+
+def test_revoked_grant_keeps_its_modern_era_event_stream_open() -> None:
+    """A 2026-07-28 answer already committed to an event stream (a progress event sent, or 15 s passed)
+    when its grant dies: `GrantCalls.end` cancels the app, whose stream then ends with one last event, the
+    JSON-RPC error for the request's id naming the revocation. Another grant's `end` touches nothing.
+    The app here is a stand-in for the SDK's stream (an event, then a wait); the live test above runs the
+    SDK's own, on the answer that had not started."""
+    cancelled = anyio.Event()
+
+    async def long_stream(scope: Scope, receive: Receive, send: Send) -> None:
+        await receive()
+        headers = [(b"content-type", b"text/event-stream")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": b"event: message\r\ndata: {}\r\n\r\n", "more_body": True})
+        try:
+            await anyio.sleep_forever()
+        finally:
+            cancelled.set()
+
+    calls = GrantCalls(long_stream)
+    token = AccessToken(token="t" * 43, client_id="c", scopes=["read"], subject="grant-1")
+    scope: Scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/mcp",
+        "headers": [(b"mcp-protocol-version", b"2026-07-28")],
+        "user": AuthenticatedUser(token),
+    }
+    request = {"jsonrpc": "2.0", "id": 7, "method": "tools/call", "params": {"name": "run_command"}}
+    pending: list[Message] = [{"type": "http.request", "body": json.dumps(request).encode(), "more_body": False}]
+    sent: list[Message] = []
+
+    async def receive() -> Message:
+        if pending:
+            return pending.pop()
+        await anyio.sleep_forever()
+        raise AssertionError  # unreachable
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    async def scenario() -> None:
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(calls, scope, receive, send)
+                await until(lambda: len(sent) == 2, "the event stream started")
+                assert calls.grants() == {"grant-1"}
+                assert calls.end("grant-2") == 0
+                assert calls.end("grant-1") == 1
+
+    anyio.run(scenario)
+    assert cancelled.is_set()
+    assert calls.grants() == set()
+    last = sent[-1]
+    assert len(sent) == 3
+    assert not last.get("more_body", False)
+    event = last["body"].decode()
+    assert event.startswith("event: message\r\ndata: ")
+    assert event.endswith("\r\n\r\n")
+    answer = json.loads(event.split("data: ", 1)[1])
+    assert answer == {"jsonrpc": "2.0", "id": 7, "error": {"code": -32000, "message": REVOKED_MESSAGE}}

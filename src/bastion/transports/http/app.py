@@ -16,8 +16,10 @@ Layers, outermost first:
 4. The SDK's `AuthenticationMiddleware` with `BearerAuthBackend` over bastion's provider (the token is
    looked up by its digest, checked for expiry, revocation and resource), and `AuthContextMiddleware`.
 5. Routes. /mcp: CORS for the configured origins (cors.py: Starlette's for a request with an Origin),
-   then `RequireToken` (401/403), then `SessionCap` (sessions per grant), then the SDK's app.
-Beside them, with auth on, `end_revoked_forever` ends the MCP sessions of revoked or expired grants.
+   then `RequireToken` (401/403), then `GrantCalls` (the 2026-07-28 era's calls in flight, by grant), then
+   `SessionCap` (sessions per grant), then the SDK's app.
+Beside them, with auth on, `end_revoked_forever` ends the MCP sessions and calls in flight of revoked or
+expired grants.
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ from bastion.transports.http.preview import PreviewApp
 from bastion.transports.http.provider import BastionAuthProvider, Endpoints
 from bastion.transports.http.ratelimit import LoginLimiter
 from bastion.transports.http.scopes import RequireToken, ScopeMiddleware
-from bastion.transports.http.sessions import SessionCap, end_revoked_forever
+from bastion.transports.http.sessions import GrantCalls, SessionCap, end_revoked_forever
 from bastion.transports.http.store import AuthStore
 
 access_logger = logging.getLogger("bastion.http.access")
@@ -412,6 +414,7 @@ def build_http_app(services: Services, server: BastionServer, *, listen: str | N
     routes: list[Route] = []
     middleware: list[Middleware] = []
     store: AuthStore | None = None
+    calls: GrantCalls | None = None
     verifier: CachedTokenVerifier | None = None
     backend: BearerAuthBackend | None = None
     if config.http.auth:
@@ -459,11 +462,11 @@ def build_http_app(services: Services, server: BastionServer, *, listen: str | N
             *dashboard.routes(),
         ]
         server.middleware.append(ScopeMiddleware(server))
-        guarded = SessionCap(mcp_app, session_manager, config.http.max_sessions_per_grant)
+        calls = GrantCalls(SessionCap(mcp_app, session_manager, config.http.max_sessions_per_grant))
         mcp_app = per_origin(
             public_url,
             lambda origin: RequireToken(
-                guarded,
+                calls,
                 tool_scopes=server.tool_scopes,
                 resource_metadata=f"{origin}/.well-known/oauth-protected-resource/mcp",
                 scopes=" ".join(SCOPES),
@@ -490,9 +493,9 @@ def build_http_app(services: Services, server: BastionServer, *, listen: str | N
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
         async with session_manager.run(), anyio.create_task_group() as tasks:
-            if store is not None:
+            if store is not None and calls is not None:
                 tasks.start_soon(_purge_forever, store, config.http.unused_client_ttl_s)
-                tasks.start_soon(end_revoked_forever, session_manager, store.live_grants)
+                tasks.start_soon(end_revoked_forever, session_manager, calls, store.live_grants)
             try:
                 yield
             finally:

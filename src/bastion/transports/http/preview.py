@@ -18,9 +18,9 @@ preview only by knowing its token.
 
 A preview that is not public needs the administrator's login session: checked when a request or a WebSocket
 opens, again when the app's answer (its response's head, its WebSocket's accept) comes over `STANDING_CHECK_S`
-later (the browser then gets 403 and nothing of the app), and every `STANDING_CHECK_S` while its WebSocket or
-response goes on, so a logout, a revoke all, `admin set-password` or the session's expiry ends them (close 1008,
-or the response cut) within about a second.
+later (the browser then gets 403 and nothing of the app), and every `STANDING_CHECK_S` while its request body is
+sent to the app, or its WebSocket or response goes on, so a logout, a revoke all, `admin set-password` or the
+session's expiry ends them (the body stopped and 403, close 1008, or the response cut) within about a second.
 
 A request for an unknown, expired or closed token gets 404 with no detail. Requests are rate limited
 per token and per client address (an IPv6 /64), bodies capped both ways, and each one is audited (token
@@ -39,7 +39,7 @@ import re
 import socket
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Coroutine, Iterable
 from dataclasses import dataclass
 from typing import Final
 from urllib.parse import unquote
@@ -468,7 +468,14 @@ class PreviewApp:
         )
         too_large = "Content Too Large: the request body is over the preview's cap"
         try:
-            response = await connection.handle_async_request(request)
+            if _declared_length(scope) == 0:
+                response = await connection.handle_async_request(request)
+            else:
+                found = await _while_standing(connection.handle_async_request(request), standing)
+                if found is None:
+                    logger.info("preview request body stopped: %s no longer stands", standing.label)
+                    return 403, await _plain(send, 403, "Forbidden: the login or the preview has ended")
+                response = found
         except BodyTooLarge:
             return 413, await _plain(send, 413, too_large)
         except httpcore2.TimeoutException:
@@ -570,6 +577,26 @@ class PreviewApp:
             self.config.preview_timeout_s,
         )
         await self._record(scope, path, preview, status, sent, started)
+
+
+async def _while_standing(
+    request: Coroutine[None, None, httpcore2.Response], standing: Standing
+) -> httpcore2.Response | None:
+    """`request` (its body sent to the app, its answer's head awaited), or None once the request may no longer go
+    on: `standing` checked when due, every `STANDING_CHECK_S` as the response's relay does. Found by review: a slow
+    upload to a preview that is not public went on reaching the app after a logout; only its answer was refused."""
+    sending = asyncio.ensure_future(request)
+    try:
+        while True:
+            done, _ = await asyncio.wait({sending}, timeout=standing.due_in())
+            if done:
+                return sending.result()
+            if not standing():
+                return None
+    finally:
+        if not sending.done():
+            sending.cancel()
+            await asyncio.gather(sending, return_exceptions=True)
 
 
 def _declared_length(scope: Scope) -> int | None:
@@ -674,6 +701,8 @@ class ResponseRelay:
         self.drained = asyncio.Event()
         self.ended: str | None = None
         """Why no more will come: "complete", "cut", "broken", "revoked" or "gone"."""
+        self.failure: str | None = None
+        """What a task of the relay raised, unforeseen (`_failed`)."""
 
     async def answer(self, headers: list[tuple[bytes, bytes]], standing: Standing) -> int:
         """Start the response with `headers`, then relay its body; the status to audit. If the request may no
@@ -691,6 +720,8 @@ class ResponseRelay:
 
     async def relay(self, standing: Standing) -> None:
         tasks = [asyncio.create_task(work) for work in (self._pull(), self._watch(), self._recheck(standing))]
+        for task in tasks:
+            task.add_done_callback(self._failed)
         try:
             while True:
                 await self.wake.wait()
@@ -717,7 +748,8 @@ class ResponseRelay:
         if self.ended == "complete":
             await self.send({"type": "http.response.body", "body": b"", "more_body": False})
         else:
-            logger.info("preview response ended early after %d bytes (%s)", self.progress.sent, self.ended)
+            why, level = (self.failure, logging.WARNING) if self.failure is not None else (self.ended, logging.INFO)
+            logger.log(level, "preview response ended early after %d bytes (%s)", self.progress.sent, why)
             _CUT.set(True)  # no last chunk: uvicorn closes the connection (`QuietCuts`)
 
     async def _pull(self) -> None:
@@ -756,6 +788,16 @@ class ResponseRelay:
             if not standing():
                 self._end("revoked")
                 return
+
+    def _failed(self, task: asyncio.Task[None]) -> None:
+        """End the relay when one of its tasks raised: found by review, an error `_pull` did not expect (not
+        httpcore's) ended only its task, and the relay waited for the browser to leave or a check to fail, which a
+        public preview never has."""
+        if task.cancelled() or task.exception() is None or self.ended is not None:
+            return
+        exc = task.exception()
+        self.failure = f"broken: {type(exc).__name__}: {str(exc)[:200]}"
+        self._end("broken")
 
     def _end(self, why: str) -> None:
         if self.ended is None:

@@ -13,6 +13,11 @@ revoked grant kept up to `per_grant` sessions and their streams for the idle tim
 for ever; the bearer check refuses only its next request. A revocation by the CLI is another process's
 write, so this polls the database rather than waiting to be told.
 
+The 2026-07-28 era holds no session, but its requests in flight (a long `tools/call`, a
+`subscriptions/listen` stream) ran to their own end after the revocation. `GrantCalls` keeps them by
+grant, and the same look-up cancels those of a dead grant: the call still gets its audit end record, the
+client a JSON-RPC error saying why (an event, if its answer had started as an event stream).
+
 The SDK keeps sessions in its session manager with the principal that opened them (`_session_owners`,
 whose `subject` is bastion's grant id: see `BastionAuthProvider.load_access_token`); it has no public
 accessor, so this reads that private mapping of the pinned SDK version (uv.lock).
@@ -20,11 +25,13 @@ accessor, so this reads that private mapping of the pinned SDK version (uv.lock)
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import sqlite3
 from collections import Counter
 from collections.abc import Callable, Collection, Iterator
+from dataclasses import dataclass, field
 from typing import Final
 
 import anyio
@@ -54,6 +61,12 @@ def grant_of(scope: Scope) -> str:
     """The grant behind a request (its token's subject), or `ANONYMOUS` with auth off."""
     user = scope.get("user")
     return (user.access_token.subject if isinstance(user, AuthenticatedUser) else None) or ANONYMOUS
+
+
+def _modern(scope: Scope) -> bool:
+    """A request the SDK serves on the 2026-07-28 era (its routing: a version header naming no handshake)."""
+    version = _header(scope, b"mcp-protocol-version")
+    return version is not None and version.decode("latin-1") not in HANDSHAKE_PROTOCOL_VERSIONS
 
 
 def _opens_session(scope: Scope) -> bool:
@@ -144,22 +157,123 @@ def open_sessions(manager: StreamableHTTPSessionManager) -> Iterator[tuple[str, 
             yield subject, transport
 
 
-async def end_sessions_of_dead_grants(
-    manager: StreamableHTTPSessionManager, live: Callable[[Collection[str]], set[str]]
+@dataclass(eq=False)
+class _Call:
+    """One 2026-07-28 request in flight: its cancel scope and what of its answer went out."""
+
+    scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
+    body: list[bytes] = field(default_factory=list)
+    started: bool = False
+    event_stream: bool = False
+    finished: bool = False
+
+
+class GrantCalls:
+    """ASGI wrapper for /mcp, inside the bearer check: the 2026-07-28 era's POSTs in flight, by grant.
+
+    `end` cancels a grant's calls (the poller of `end_revoked_forever` calls it); each is then answered
+    with `REVOKED_MESSAGE`: a 403 with a JSON-RPC error for the request's id if nothing was sent yet, that
+    error as the last event of a started event stream. Not a 401: an OAuth client answers 401 by
+    authorizing again and resending the request, and this call had already started running.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        self.running: dict[str, set[_Call]] = {}
+
+    def grants(self) -> set[str]:
+        return set(self.running)
+
+    def end(self, grant: str) -> int:
+        """Cancel the calls of `grant` in flight; returns how many."""
+        calls = list(self.running.get(grant, ()))
+        for call in calls:
+            call.scope.cancel()
+        return len(calls)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        grant = grant_of(scope)
+        if grant == ANONYMOUS or scope.get("method") != "POST" or not _modern(scope):
+            await self.app(scope, receive, send)
+            return
+        call = _Call()
+
+        async def kept() -> Message:
+            message = await receive()
+            if message["type"] == "http.request":
+                call.body.append(message.get("body", b""))
+            return message
+
+        async def watched(message: Message) -> None:
+            # Marked before the send: the server writes a message before it waits for the socket to drain.
+            if message["type"] == "http.response.start":
+                call.started = True
+                call.event_stream = (b"content-type", b"text/event-stream") in message.get("headers", ())
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                call.finished = True
+            await send(message)
+
+        self.running.setdefault(grant, set()).add(call)
+        try:
+            with call.scope:
+                await self.app(scope, kept, watched)
+        finally:
+            self._done(grant, call)
+        if call.scope.cancelled_caught and not call.finished:
+            await _refuse_revoked(call, send)
+
+    def _done(self, grant: str, call: _Call) -> None:
+        calls = self.running.get(grant)
+        if calls is not None:
+            calls.discard(call)
+            if not calls:
+                del self.running[grant]
+
+
+REVOKED_MESSAGE: Final = "the grant of this token was revoked or has expired: the call was cancelled; authorize again"
+
+
+def _request_id(body: bytes) -> str | int | None:
+    """The id of the JSON-RPC request in `body` (the SDK has parsed it already: this is a call in flight)."""
+    try:
+        message = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    found = message.get("id") if isinstance(message, dict) else None
+    return found if isinstance(found, str | int) and not isinstance(found, bool) else None
+
+
+async def _refuse_revoked(call: _Call, send: Send) -> None:
+    error = {"code": -32000, "message": REVOKED_MESSAGE}
+    data = json.dumps({"jsonrpc": "2.0", "id": _request_id(b"".join(call.body)), "error": error}).encode()
+    if not call.started:
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+        await send({"type": "http.response.start", "status": 403, "headers": headers})
+        await send({"type": "http.response.body", "body": data})
+    elif call.event_stream:
+        await send({"type": "http.response.body", "body": b"event: message\r\ndata: " + data + b"\r\n\r\n"})
+    else:  # a JSON answer cut between its head and its body: end it (the client sees a broken answer)
+        await send({"type": "http.response.body", "body": b""})
+
+
+async def end_dead_grants(
+    manager: StreamableHTTPSessionManager, calls: GrantCalls, live: Callable[[Collection[str]], set[str]]
 ) -> None:
-    """Terminate the sessions of every grant `live` does not return (revoked or expired).
+    """End what every grant `live` does not return (revoked or expired) holds: sessions and calls in flight.
 
     Args:
         manager: the SDK's session manager.
+        calls: the 2026-07-28 era's calls in flight.
         live: which of the given grant ids are still live (`AuthStore.live_grants`).
     """
     held: dict[str, list[StreamableHTTPServerTransport]] = {}
     for grant, transport in open_sessions(manager):
         if grant != ANONYMOUS:
             held.setdefault(grant, []).append(transport)
-    if not held:
+    busy = calls.grants()
+    if not held and not busy:
         return
-    alive = live(held.keys())
+    alive = live(held.keys() | busy)
     for grant, transports in held.items():
         if grant in alive:
             continue
@@ -167,18 +281,22 @@ async def end_sessions_of_dead_grants(
             # As a DELETE: the streams close, the session's loop ends and cancels its calls in flight.
             await transport.terminate()
         logger.warning("grant %s is revoked or has expired: ended its %d MCP session(s)", grant, len(transports))
+    for grant in busy - alive:
+        logger.warning(
+            "grant %s is revoked or has expired: cancelled its %d call(s) in flight", grant, calls.end(grant)
+        )
 
 
 async def end_revoked_forever(
-    manager: StreamableHTTPSessionManager, live: Callable[[Collection[str]], set[str]]
+    manager: StreamableHTTPSessionManager, calls: GrantCalls, live: Callable[[Collection[str]], set[str]]
 ) -> None:
-    """Run `end_sessions_of_dead_grants` every `REVOKED_CHECK_S` until cancelled (the server stopping)."""
+    """Run `end_dead_grants` every `REVOKED_CHECK_S` until cancelled (the server stopping)."""
     while True:
         await anyio.sleep(REVOKED_CHECK_S)
         try:
-            await end_sessions_of_dead_grants(manager, live)
+            await end_dead_grants(manager, calls, live)
         except sqlite3.Error as exc:  # a locked or failing database: the next round tries again
-            logger.warning("could not look up the grants holding MCP sessions: %s", exc)
+            logger.warning("could not look up the grants holding MCP sessions and calls: %s", exc)
 
 
 def _named(grant: str) -> str:

@@ -2,7 +2,8 @@
 byte as no framework would: /tinychunks?n=N (N chunks of one byte), /smallfirst?n=N (a chunk of 10 bytes,
 then N bytes in chunks of 64 KiB), /short (a Content-Length of 100 and 10
 bytes), /status999, /trickle (a one-byte chunk every 0.1 s until the proxy goes away), /sink (reads nothing
-past the head, answers nothing)."""
+past the head, answers nothing), /upload?name=NAME (the request's body appended to NAME as it comes, flushed at
+each piece, then a 200)."""
 
 import contextlib
 import socket
@@ -12,9 +13,27 @@ import time
 from urllib.parse import parse_qs, urlsplit
 
 
-def answer(conn: socket.socket, target: str) -> None:
+def receive_body(conn: socket.socket, head: bytes, name: str) -> None:
+    """The body after `head` (its Content-Length's worth), appended to the file `name` as it comes."""
+    lines = head.split(b"\r\n")
+    length = next(int(line.split(b":", 1)[1]) for line in lines if line.lower().startswith(b"content-length:"))
+    received = head.split(b"\r\n\r\n", 1)[1]
+    with open(name, "ab") as log:
+        log.write(received)
+        log.flush()
+        left = length - len(received)
+        while left > 0 and (data := conn.recv(65536)):
+            log.write(data)
+            log.flush()
+            left -= len(data)
+
+
+def answer(conn: socket.socket, target: str, head: bytes) -> None:
     url = urlsplit(target)
-    if url.path == "/tinychunks":
+    if url.path == "/upload":
+        receive_body(conn, head, parse_qs(url.query)["name"][0])
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+    elif url.path == "/tinychunks":
         n = int(parse_qs(url.query)["n"][0])
         conn.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + b"1\r\nx\r\n" * n + b"0\r\n\r\n")
     elif url.path == "/smallfirst":
@@ -48,7 +67,7 @@ def serve(conn: socket.socket) -> None:
                 return
             head += data
         with contextlib.suppress(OSError):  # the proxy went away
-            answer(conn, head.split(b" ", 2)[1].decode())
+            answer(conn, head.split(b" ", 2)[1].decode(), head)
 
 
 listener = socket.create_server(("127.0.0.1", int(sys.argv[1])))
