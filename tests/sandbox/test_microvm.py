@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -526,6 +527,76 @@ async def test_a_killed_vmm_is_unavailable_for_that_sandbox_and_the_next_command
     with pytest.raises(Unavailable):
         await sh(guest, "sleep 30")
     assert (await sh(guest, "echo two")).stdout == b"two\n"
+
+
+# Holds a process's exit for argv[2] seconds: a tracer (PTRACE_SEIZE, which does not stop it) that never waits
+# for it. A traced zombie is its tracer's to reap (wait(2)); its parent reaps it only once the tracer lets go.
+_EXIT_HOLDER = """
+import ctypes, sys, time
+if ctypes.CDLL(None, use_errno=True).ptrace(0x4206, int(sys.argv[1]), 0, 0) != 0:
+    sys.exit("PTRACE_SEIZE failed: errno " + str(ctypes.get_errno()))
+print("holding", flush=True)
+time.sleep(float(sys.argv[2]))
+"""
+_EXIT_HELD_S = 4.0  # under the close's own wait for a VMM's exit (_KILL_WAIT_S, 5 s): the close still reaps it
+
+
+def _hold_exit(pid: int) -> subprocess.Popen[bytes]:
+    holder = subprocess.Popen([sys.executable, "-c", _EXIT_HOLDER, str(pid), str(_EXIT_HELD_S)], stdout=subprocess.PIPE)
+    assert holder.stdout is not None
+    assert holder.stdout.readline() == b"holding\n"
+    return holder
+
+
+def _zombie(pid: int) -> bool:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def test_a_close_storm_of_guests_slow_to_exit_does_not_hold_the_shared_executor(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, settings: MicroVMSettings, layout: CgroupLayout
+) -> None:
+    """Found by a review: a close waited for its VMM's exit (up to 5 s) and its cgroup's removal in asyncio's
+    default executor, which the whole server shares (6 threads on 2 cores): a storm of closes of guests slow
+    to exit held every thread, and every other call needing one (other agents', the SDK's) waited. Here two
+    real VMMs (their guests still booting: a close does not care) are killed at once by their sandboxes'
+    closes while a tracer holds each one's exit for `_EXIT_HELD_S`, as a VMM in uninterruptible sleep on a
+    hung export would; the loop's default executor has two threads, one per close. Invariant: a call in that
+    executor runs at once meanwhile, and nothing is lost: each VMM is reaped, its folder and cgroup removed.
+    Does not prove the exit is waited for without a thread of any kind (the cgroup's removal takes one of its
+    own), nor anything of the synchronous `close`, which blocks by contract."""
+    base = tmp_path_factory.getbasetemp()
+    for top in ("a", "b"):
+        (tmp_path / top).mkdir()
+
+    async def storm() -> None:
+        loop = asyncio.get_running_loop()
+        loop.set_default_executor(ThreadPoolExecutor(max_workers=2))  # asyncio.run shuts it down
+        async with (
+            own_guest(tmp_path / "a", base, settings, layout) as first,
+            own_guest(tmp_path / "b", base, settings, layout) as second,
+        ):
+            vms = [first._start_vmm(), second._start_vmm()]
+            holders = [_hold_exit(vm.proc.pid) for vm in vms]
+            try:
+                closes = [asyncio.ensure_future(box.aclose()) for box in (first, second)]
+                async with asyncio.timeout(_EXIT_HELD_S / 2):
+                    while not all(_zombie(vm.proc.pid) for vm in vms):  # killed, their exits held
+                        await asyncio.sleep(0.01)
+                    await loop.run_in_executor(None, time.monotonic)
+                assert not any(close.done() for close in closes)  # the probe ran while both closes waited
+                async with asyncio.timeout(30):
+                    await asyncio.gather(*closes)
+            finally:
+                for holder in holders:
+                    holder.kill()
+                    holder.wait()
+                    assert holder.stdout is not None
+                    holder.stdout.close()
+            assert [vm.proc.returncode for vm in vms] == [-9, -9]  # reaped: no zombie left for the server
+            assert not any(vm.run_dir.parent.exists() for vm in vms)
+            assert layout.existing() == []
+
+    asyncio.run(storm())
 
 
 @pytest.mark.microvm

@@ -24,6 +24,7 @@ ends with it, so `leftovers` is always empty.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import itertools
@@ -36,6 +37,7 @@ import socket
 import stat
 import struct
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -103,6 +105,10 @@ _PARSE_RATE_BYTES_S: Final = 256 << 10
 _PARSE_BURST_BYTES: Final = 1 << 20
 _FRAME_COST_BYTES: Final = 128  # a frame's own cost in the reader (~4 us), counted as that many bytes
 _EXIT_WAIT_S: Final = 2.0  # how long a VMM that closed its port is given to exit and say why
+# A killed VMM whose exit is seen (its pidfd readable) but not yet reapable (a tracer holds its zombie), or with no
+# pidfd (at the fd limit): looked at again after pauses growing from the first to the last.
+_REAP_CHECK_FIRST_S: Final = 0.001
+_REAP_CHECK_LAST_S: Final = 0.02
 _VMM_OVERHEAD_BYTES: Final = 192 << 20  # QEMU itself and TCG's translation cache (tb-size below)
 _VMM_TASKS: Final = 64  # QEMU's own threads; the guest's processes are the guest kernel's business
 _CONSOLE_TAIL_BYTES: Final = 65_536
@@ -516,10 +522,8 @@ class _Guest:
     async def exit_reason(self, deadline: float) -> str:
         """Why the VMM is going: its last words once it has exited (waited for until `deadline`, at most
         `_EXIT_WAIT_S`: it closed its port, so it is on its way out)."""
-        wait_s = max(0.0, min(deadline - time.monotonic(), _EXIT_WAIT_S))
-        with contextlib.suppress(Exception):  # TimeoutExpired (subprocess is _spawn's): still running, killed at close
-            await asyncio.to_thread(self.proc.wait, wait_s)
-        return self.why()
+        await _reaped(self.proc, max(0.0, min(deadline - time.monotonic(), _EXIT_WAIT_S)))
+        return self.why()  # still running: killed at close
 
     async def open_port(self, name: str, deadline: float) -> socket.socket:
         sock_path = os.path.join(self.run_dir, name)
@@ -728,26 +732,121 @@ class _Guest:
         self.task.cancel()
 
     def kill_vmm(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
+        if self.proc.returncode is None:  # once reaped, its pid (its group's id) may be another process's
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
         _thaw(self.group)  # a frozen VMM takes its SIGKILL only once thawed
 
     def stop(self) -> None:
-        """Kill the VMM and wait for it; remove its socket folder and its cgroup."""
+        """Kill the VMM and wait for it; remove its socket folder and its cgroup. Blocking: `astop` on the loop."""
+        self.let_go()
+        with contextlib.suppress(Exception):  # TimeoutExpired (subprocess is _spawn's): its cgroup's kill is next
+            self.proc.wait(timeout=_KILL_WAIT_S)
+        self.clean_up()
+        self.remove_groups()
+        self.end_all()
+
+    async def astop(self) -> None:
+        """`stop` on the event loop, holding no worker thread of the loop's default executor while the VMM exits
+        (a pidfd the loop watches) or its cgroup is removed (a thread of its own). Found by a review: that
+        executor (6 threads on 2 cores) is shared by the whole server, and a close storm of guests slow to
+        exit held every thread of it for up to `_KILL_WAIT_S` each."""
+        self.let_go()
+        try:
+            await _reaped(self.proc, _KILL_WAIT_S)
+        except asyncio.CancelledError:  # the loop is closing (asyncio.Runner cancels its tasks): finish as `close`
+            self.stop()
+            raise
+        self.clean_up()
+        try:
+            await asyncio.wrap_future(_in_own_thread(self.remove_groups, "bastion-vm-reap"))
+        finally:
+            self.end_all()
+
+    def let_go(self) -> None:
         self.kill_vmm()
         for sock in (self.sock, self.egress_sock):
             if sock is not None:
                 sock.close()
-        with contextlib.suppress(Exception):
-            self.proc.wait(timeout=_KILL_WAIT_S)
+
+    def clean_up(self) -> None:
+        """Close the VMM's pipes and remove its socket folder, once it exited (or was given up on)."""
         for pipe in (self.proc.stderr, self.proc.stdout):
             if pipe is not None:
                 pipe.close()
         _remove_run_dir(self.run_dir)
+
+    def remove_groups(self) -> None:
+        """Remove its cgroup, and retry those earlier closes left (blocking: cgroup.kill, then a wait for it empty)."""
         destroy_left_groups()
         if self.group is not None:
             destroy_or_retry(self.group, f"microVM {self.run_dir.parent.name}")
-        self.end_all()
+
+
+async def _reaped(proc: SandboxProcess, timeout_s: float) -> bool:
+    """Wait on the event loop, at most `timeout_s`, until the VMM has exited and is reaped; whether it is. Its
+    pidfd, watched by the loop, says when it exits; a zombie a tracer holds is not ours to reap until the tracer
+    lets go (wait(2)), so it is looked at again between short pauses, as is a VMM with no pidfd (EMFILE)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    if proc.poll() is not None:
+        return True
+    try:
+        pidfd = os.pidfd_open(proc.pid)  # our unreaped child: its pid cannot have been reused
+    except OSError:
+        pidfd = -1
+    if pidfd >= 0:
+        try:
+            await _readable(loop, pidfd, timeout_s)
+        finally:
+            os.close(pidfd)
+    pause = _REAP_CHECK_FIRST_S
+    while proc.poll() is None:
+        left = deadline - loop.time()
+        if left <= 0:
+            return False
+        await asyncio.sleep(min(pause, left))
+        pause = min(2 * pause, _REAP_CHECK_LAST_S)
+    return True
+
+
+async def _readable(loop: asyncio.AbstractEventLoop, fd: int, timeout_s: float) -> None:
+    """Wait, at most `timeout_s`, until `fd` turns readable (a pidfd: its process exited)."""
+    ready: asyncio.Future[None] = loop.create_future()
+    loop.add_reader(fd, _settle, ready)
+    try:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                await ready
+    finally:
+        loop.remove_reader(fd)
+
+
+def _settle(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def _in_own_thread(work: Callable[[], None], name: str) -> concurrent.futures.Future[None]:
+    """Run `work` in a thread of its own, never in the loop's default executor (see `_Guest.astop`); the future
+    settles when it is over, awaited without a worker thread (`asyncio.wrap_future`), and an awaiting call
+    cancelled does not cancel it. With no thread to be had (the process's limit), it runs here."""
+    done: concurrent.futures.Future[None] = concurrent.futures.Future()
+    done.set_running_or_notify_cancel()
+
+    def run() -> None:
+        try:
+            work()
+        except BaseException as exc:
+            done.set_exception(exc)
+        else:
+            done.set_result(None)
+
+    try:
+        threading.Thread(target=run, name=name, daemon=True).start()
+    except RuntimeError:  # "can't start new thread"
+        run()
+    return done
 
 
 def _make_run_dir(identity: tuple[int, int] | None) -> Path:
@@ -895,7 +994,7 @@ class MicroVMSandbox:
                 raise Unavailable("the sandbox was closed")
             if self.alive:
                 return
-            self.close()
+            await self._end()
             await self._boot()
             self._asleep = False
 
@@ -952,10 +1051,10 @@ class MicroVMSandbox:
             async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
                 await vm.ready
         except TimeoutError:
-            self.close()
+            await self._end()
             raise Unavailable(f"the microVM did not boot within {self.settings.boot_timeout_s:g} s") from None
         except BaseException:
-            self.close()
+            await self._end()
             raise
 
     async def _ready_vm(self) -> _Guest:
@@ -1065,7 +1164,7 @@ class MicroVMSandbox:
                     await vm.send(b"M", 0, marshal.dumps({"op": "kill", "id": command.command_id}))
                 await command.wait_exit()
         except TimeoutError:
-            self.close()
+            await self._end()
 
     async def spawn(
         self,
@@ -1245,11 +1344,15 @@ class MicroVMSandbox:
         vm.detach()
         vm.kill_vmm()
         self._asleep = True
-        # The reaper calls this on the event loop: waiting for the VMM's exit and its cgroup runs in a thread.
-        task = asyncio.get_running_loop().create_task(asyncio.to_thread(vm.stop))
+        self._stop_soon(vm)  # the reaper calls this on the event loop: the VMM's exit is waited for there
+        return True
+
+    def _stop_soon(self, vm: _Guest) -> asyncio.Task[None]:
+        """Stop `vm` in a task `aclose` waits for, which runs to its end even if whoever awaits it is cancelled."""
+        task = asyncio.get_running_loop().create_task(vm.astop())
         self._stopping.add(task)
         task.add_done_callback(self._stopping.discard)
-        return True
+        return task
 
     def close(self) -> None:
         vm, self._vm = self._vm, None
@@ -1260,17 +1363,23 @@ class MicroVMSandbox:
             vm.detach()
             vm.stop()
 
-    async def aclose(self, *, final: bool = False) -> None:
-        self._closed = self._closed or final
+    async def _end(self) -> None:
+        """`close` on the event loop, for its own error paths too: a blocking `close` there stalled every
+        sandbox's calls while a guest slow to exit was waited for (up to `_KILL_WAIT_S`)."""
         vm, self._vm = self._vm, None
         self._paused = False
         if vm is not None:
             self._retire(vm)
             _thaw(vm.group)
             vm.detach()
-            await asyncio.to_thread(vm.stop)
-            if vm.task is not None:
-                await asyncio.gather(vm.task, return_exceptions=True)
+            await asyncio.shield(self._stop_soon(vm))
+
+    async def aclose(self, *, final: bool = False) -> None:
+        self._closed = self._closed or final
+        vm = self._vm
+        await self._end()
+        if vm is not None and vm.task is not None:
+            await asyncio.gather(vm.task, return_exceptions=True)
         await asyncio.gather(*self._stopping, return_exceptions=True)  # a slept guest's VMM, being reaped
 
 
