@@ -84,6 +84,25 @@ async def test_unknown_argument_is_refused_not_ignored(client: Client) -> None:
     assert other.structured_content["code"] == "INVALID_REQUEST"
 
 
+@pytest.mark.parametrize("huge", ["argument", "tool"])
+async def test_a_huge_unknown_name_is_not_echoed_whole(client: Client, huge: str) -> None:
+    """Found by attack: an unknown argument's name was quoted whole in the reason: a name of a million characters
+    came back as a reason (and a text block) of a million, and was redacted again in the audit record. Invariant:
+    the reason stays short, says the name was cut, and the call is refused as unknown."""
+    name = "k" * 1_000_000
+    if huge == "argument":
+        result = await client.call_tool("list_directory", {"path": ".", name: 1})
+    else:
+        result = await client.call_tool(name, {})
+    payload = result.structured_content
+    assert payload is not None
+    assert payload["code"] == "INVALID_REQUEST"
+    assert f"unknown {huge} 'kkkk" in payload["reason"]
+    assert "(cut, 1000000 characters)" in payload["reason"]
+    assert len(payload["reason"]) < 500
+    assert len(_text(result)) < 1500
+
+
 async def test_unknown_workspace_is_sandbox_not_found(client: Client) -> None:
     result = await client.call_tool("run_command", {"command": "ls", "sandbox_id": "nope"})
     assert result.structured_content is not None

@@ -23,9 +23,20 @@ internal error whose text stays on the server.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Final
 
 from bastion.safety.results import ResultCode
+
+MAX_SHOWN_CHARS: Final = 64
+"""Of a client's id, name or argument name quoted in a reason (`shown`)."""
+
+
+def shown(text: str) -> str:
+    """A client's id, name or argument name, quoted for a reason and cut to `MAX_SHOWN_CHARS`: a 100,000-character
+    sandbox id came back whole, and a million-character argument name made a reason of a million."""
+    if len(text) > MAX_SHOWN_CHARS:
+        return repr(text[:MAX_SHOWN_CHARS]) + f"... (cut, {len(text)} characters)"
+    return repr(text)
 
 
 class BastionError(Exception):

@@ -19,11 +19,13 @@ from mcp_types import CallToolResult, ImageContent, InputRequiredResult, TextCon
 from pydantic import ValidationError
 from pydantic_core import PydanticSerializationError
 
-from bastion.safety.errors import BastionError, InvalidRequest
+from bastion.safety.errors import BastionError, InvalidRequest, shown
 from bastion.safety.results import OperationResult, ResultCode
 from bastion.tools._call import CallRunner
 from bastion.transports.stdio import stdio_streams
 
+MAX_TOOL_NAME_CHARS: Final = 128
+"""MCP's tool names are 1 to 128 characters (its naming guidance): an unknown tool's name is cut to it in the answer."""
 logger = logging.getLogger("bastion.server")
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -98,8 +100,9 @@ class BastionServer(MCPServer[Any]):
             raise ValueError(f"tool {name!r} is registered twice")
         self.tool_scopes[name] = scope
         self.runner.tools.add(name)
-        shown = title or default_title(name)
-        return super().tool(name=name, title=shown, description=description, annotations=annotations)
+        return super().tool(
+            name=name, title=title or default_title(name), description=description, annotations=annotations
+        )
 
     def add_tool(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         self._arguments = None
@@ -137,12 +140,14 @@ class BastionServer(MCPServer[Any]):
     ) -> CallToolResult | InputRequiredResult:
         known = await self._known_arguments(name)
         if known is None:
-            error = InvalidRequest(f"unknown tool {name!r}: list the tools to see what this server offers")
-            return to_call_result(await self.runner.refuse(name, self._recorded(name, arguments), error))
+            error = InvalidRequest(f"unknown tool {shown(name)}: list the tools to see what this server offers")
+            # The answer's action and the audit record's tool name it: no tool's name is longer than MCP's bound.
+            action = name[:MAX_TOOL_NAME_CHARS]
+            return to_call_result(await self.runner.refuse(action, self._recorded(name, arguments), error))
         unknown = sorted(set(arguments) - known)
         if unknown:
             hint = _ARGUMENT_HINTS.get(unknown[0], f"{name} takes {', '.join(sorted(known)) or 'no arguments'}")
-            error = InvalidRequest(f"unknown argument {unknown[0]!r}: {hint}")
+            error = InvalidRequest(f"unknown argument {shown(unknown[0])}: {hint}")
             return to_call_result(await self.runner.refuse(name, self._recorded(name, arguments), error))
         try:
             return await super().call_tool(name, arguments, context)

@@ -49,6 +49,7 @@ from bastion.safety.errors import (
     ResourceLimit,
     SandboxNotFound,
     Unavailable,
+    shown,
 )
 from bastion.safety.redact import Redactor
 from bastion.safety.trees import remove_tree, tree_bytes
@@ -94,7 +95,6 @@ NET_TEMP_PREFIX: Final = "bastion-net-"
 ENV_DEST: Final = f"{BASTION_OPT}/env"
 SLEEP_AFTER_S: Final = 120.0
 _MAX_NAME_CHARS: Final = 64
-_MAX_SHOWN_CHARS: Final = 64  # of a client's id or name echoed in a reason
 _SHELL_POLICY: Final = CommandPolicyConfig(allow=("*",))
 _NARROWABLE: Final = frozenset(SandboxLimitsConfig.model_fields)
 _DISK_WALK_MAX_ENTRIES: Final = 100_000
@@ -149,13 +149,6 @@ class Sandbox:
             "network": self.network.summary(),
             "labels": dict(self.settings.labels),
         }
-
-
-def shown(text: str) -> str:
-    """A client's id or name, quoted for a reason, cut to `_MAX_SHOWN_CHARS` (a 100,000-character id came back)."""
-    if len(text) > _MAX_SHOWN_CHARS:
-        return repr(text[:_MAX_SHOWN_CHARS]) + f"... (cut, {len(text)} characters)"
-    return repr(text)
 
 
 def narrow_limits(ceiling: SandboxLimitsConfig, requested: Mapping[str, object] | None) -> SandboxLimitsConfig:

@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from bastion.safety.errors import NotFound, SandboxNotFound
+from bastion.safety.errors import NotFound, SandboxNotFound, shown
 from bastion.safety.redact import sanitize_terminal
-from bastion.workbench.manager import Sandbox, SandboxManager, shown
+from bastion.workbench.manager import Sandbox, SandboxManager
 from bastion.workbench.workspace import HostWorkspace
 
 
