@@ -126,6 +126,36 @@ async def call(client: Client, tool: str, **args: object) -> Payload:
     return payload
 
 
+class Hold:
+    """Work held in its worker thread until the test releases it: `entered` once it is held, `left` once it goes on.
+
+    A test calls `wait` from the work (a patched function), then `answered_meanwhile`: another call is answered
+    while the work is still held. On the event loop instead of a worker, the held work would block every other
+    call until `HOLD_S` ran out, and `left` would be set before the other call was answered."""
+
+    HOLD_S = 10.0
+
+    def __init__(self) -> None:
+        self.entered, self.release, self.left = threading.Event(), threading.Event(), threading.Event()
+
+    def wait(self) -> None:
+        self.entered.set()
+        self.release.wait(self.HOLD_S)
+        self.left.set()
+
+    async def answered_meanwhile(self, client: Client) -> None:
+        try:
+            deadline = time.monotonic() + 60
+            while not self.entered.is_set():
+                assert time.monotonic() < deadline, "the work was never held"
+                await asyncio.sleep(0.01)
+            listed = await call(client, "list_sandboxes")
+            assert listed["ok"], listed
+            assert not self.left.is_set()
+        finally:
+            self.release.set()
+
+
 async def create(client: Client, **args: object) -> str:
     """create_sandbox, and return the new sandbox's id."""
     payload = await call(client, "create_sandbox", **args)

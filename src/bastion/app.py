@@ -543,7 +543,7 @@ def register_toolsets(server: BastionServer, services: Services, *, caller: str)
             snapshots=config.sandboxes.snapshots_allowed,
         )
         register_processes(server, services.registry)
-        register_terminals(server, services.registry)
+        register_terminals(server, services.registry, threads)
         register_code(server, services.sandboxes, services.registry, config.sandboxes, threads)
         if services.previews is not None and previews_off(config) is None:
             register_previews(server, services.previews, services.registry)

@@ -22,7 +22,7 @@ from bastion.snapshot import store
 from bastion.tools.sandboxes import MAX_SEED_FILES
 from bastion.workbench import manager as manager_module
 from bastion.workbench.workspace import HostWorkspace
-from tests.helpers import Payload, bubblewrap, call, create, mounts_under, sh
+from tests.helpers import Hold, Payload, bubblewrap, call, create, mounts_under, sh
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
 
@@ -332,32 +332,6 @@ async def test_a_pause_waiting_for_its_freeze_holds_no_other_call(
     assert (await call(client, "resume_sandbox", sandbox_id=box))["ok"]
 
 
-_HELD_S = 10  # how long a held worker waits for the test's release: only the old, blocking code ever waits it out
-
-
-class _Hold:
-    """Work held in its worker until the test releases it: `entered` once it is held, `left` once it goes on."""
-
-    def __init__(self) -> None:
-        self.entered, self.release, self.left = threading.Event(), threading.Event(), threading.Event()
-
-    def wait(self) -> None:
-        self.entered.set()
-        self.release.wait(_HELD_S)
-        self.left.set()
-
-    async def answered_meanwhile(self, client: Client) -> None:
-        """Once the work is held, another call is answered before it goes on (on the event loop, the held
-        work would block every other call until `_HELD_S` ran out)."""
-        try:
-            await _wait_for(self.entered.is_set)
-            listed = await call(client, "list_sandboxes")
-            assert listed["ok"], listed
-            assert not self.left.is_set()
-        finally:
-            self.release.set()
-
-
 async def test_create_run_close_with_many_files_holds_no_other_call(
     client: Client, services: Services, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -367,7 +341,7 @@ async def test_create_run_close_with_many_files_holds_no_other_call(
     in its worker until the test releases it. Invariant: another call is answered meanwhile, and every file
     is then written before the command runs."""
     files = {f"d{n % 7}/f{n}": f"{n}\n" for n in range(200)}
-    hold = _Hold()
+    hold = Hold()
     real = HostWorkspace.write_file
 
     def held_write(self: HostWorkspace, path: str, content: str, **kwargs: Any) -> dict[str, object]:
@@ -428,7 +402,7 @@ async def test_status_of_a_sandbox_walked_for_its_disk_use_holds_no_other_call(
     on a workspace of 100,000 files held every agent's calls for 4.8 s. Here the status is held in its worker
     until the test releases it. Invariant: another call is answered meanwhile, and the status then answers."""
     box = await create(client)
-    hold = _Hold()
+    hold = Hold()
     real = manager_module.SandboxManager.detail
 
     def held_detail(self: manager_module.SandboxManager, held: Any) -> dict[str, object]:

@@ -22,11 +22,14 @@ from mcp import Client
 
 from bastion.app import Services, build_server, build_services
 from bastion.config import Config, TerminalsConfig
+from bastion.safety.redact import sanitize_terminal
 from bastion.workbench import screen
+from bastion.workbench import terminals as terminals_module
 from bastion.workbench.pacing import Pacer
 from bastion.workbench.screen import FEED_SLICE_BYTES, MAX_CELL_CHARS, Scrollback, Terminal
 from bastion.workbench.terminals import KEYS, MAX_SEND_BYTES, MAX_WAITING_READS, Terminals
-from tests.helpers import LoopLag, Payload, audit_record, call, create, processes_with
+from bastion.workbench.workers import INLINE_CLEAN_CHARS
+from tests.helpers import Hold, LoopLag, Payload, audit_record, call, create, processes_with
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
 
@@ -943,3 +946,34 @@ async def test_concurrent_opens_on_a_sleeping_sandbox_stop_at_max_open(client: C
     while processes_with("sleep\0004255.5"):
         assert time.monotonic() < deadline
         await anyio.sleep(0.02)
+
+
+async def test_a_long_scrollback_is_cleaned_off_the_event_loop(client: Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by attack: terminal_read cleaned and redacted what scrolled off on the event loop: 256 KiB of `key=`
+    lines (the default scrollback; it goes to 16 MiB) took 100 ms of every agent's calls. Here the cleaning of the
+    long scrollback is held in its worker until the test releases it. Invariant: another call is answered
+    meanwhile, and the read then returns every line that scrolled off."""
+    box = await create(client)
+    terminal = await open_term(client, box)
+    hold = Hold()
+    real = sanitize_terminal
+
+    def held(text: str) -> str:
+        if len(text) > INLINE_CLEAN_CHARS:
+            hold.wait()
+        return real(text)
+
+    monkeypatch.setattr(terminals_module, "sanitize_terminal", held)
+    await send(client, terminal, "seq 1 3000; echo DONE", "Enter")
+    answers: dict[str, Payload] = {}
+
+    async def read() -> None:
+        answers["read"] = await call(client, "terminal_read", terminal_id=terminal, wait_for="(?m)^DONE$", timeout_s=30)
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(read)
+        await hold.answered_meanwhile(client)
+    detail = answers["read"]["detail"]
+    assert detail["matched"], detail
+    assert "\n1\n2\n3\n" in f"\n{detail['scrolled_off']}"
+    assert detail["scrolled_off_dropped_lines"] == 0

@@ -7,18 +7,21 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
+import anyio
 import pytest
 from mcp import Client
 
 from bastion.app import build_server, build_services, detect_cgroups
 from bastion.config import load_config
 from bastion.safety.errors import ConfigError, Unavailable
+from bastion.safety.output import clean_output
 from bastion.safety.redact import Redactor
 from bastion.sandbox._idmap import idmapped_mount, is_mounted, unmount
 from bastion.sandbox.identity import IdentityPool
 from bastion.workbench import workspace as workspace_module
+from bastion.workbench.workers import INLINE_CLEAN_CHARS
 from bastion.workbench.workspace import IDMAP_DIR, IDMAP_MOUNT, HostWorkspace
-from tests.helpers import Payload, bubblewrap, demo_config_at
+from tests.helpers import Hold, Payload, bubblewrap, call, create, demo_config_at
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
 
@@ -455,3 +458,36 @@ async def test_wildcard_policy_runs_no_versioned_or_hard_linked_name_of_a_denied
     finally:
         services.close()
     assert sorted(p.name for p in workspace.iterdir()) == before
+
+
+async def test_a_command_with_long_output_is_cleaned_off_the_event_loop(
+    client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by attack: run_command cleaned and redacted its output on the event loop, about 1 us a character on
+    lines of `key=`: 64 KiB of them (the default cap; `max_output_bytes` goes to 16 MiB) took 40 to 70 ms of every
+    agent's calls. Here the cleaning of the long output is held in its worker until the test releases it.
+    Invariant: another call is answered meanwhile, and the output comes back whole and redacted."""
+    box = await create(client)
+    hold = Hold()
+    real = clean_output
+
+    def held(redactor: Redactor, raw: bytes, *, cut: bool) -> str:
+        if len(raw) > INLINE_CLEAN_CHARS:
+            hold.wait()
+        return real(redactor, raw, cut=cut)
+
+    monkeypatch.setattr(workspace_module, "clean_output", held)
+    answers: dict[str, Payload] = {}
+    command = "for i in $(seq 2000); do echo key=$i; done; echo password=hunter2hunter2"
+
+    async def run() -> None:
+        answers["run"] = await call(client, "run_command", sandbox_id=box, command=command)
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(run)
+        await hold.answered_meanwhile(client)
+    out = answers["run"]["detail"]["stdout"]
+    assert answers["run"]["ok"], answers["run"]
+    assert out.count("\n") == 2001
+    assert "hunter2hunter2" not in out
+    assert "[REDACTED:" in out

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import base64
 import functools
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Annotated, Final, Literal, TypeVar
 
 from mcp.server.mcpserver import Context
@@ -162,10 +162,7 @@ def register_code(
 
         sandbox_only(sandbox_id, "execute_code")
         box = sandboxes.get(sandbox_id)
-        ws = registry.get(sandbox_id)
-
-        def in_thread(work: Callable[[], T]) -> Awaitable[T]:
-            return threads.run(ws, work)
+        in_thread = threads.binding(registry.get(sandbox_id))
 
         # The lease holds the images' bytes until this returns: not while the transport sends the answer.
         with image_budget.lease() as lease:

@@ -412,7 +412,7 @@ def register_sandboxes(
             # One worker's job under the file tools' shares: on the loop, 60,000 small files held every
             # agent's calls for 6 s.
             await threads.run(ws, functools.partial(_write_seeds, ws, seeds))
-            out = await ws.run(command, cwd=None, timeout_s=timeout_s)
+            out = await ws.run(command, cwd=None, timeout_s=timeout_s, in_thread=threads.binding(ws))
         finally:
             await manager.close(box.id)
         return command_result(out, {"sandbox_id": box.id})

@@ -17,6 +17,7 @@ from bastion.safety.results import OperationResult, ResultCode
 from bastion.tools._call import UNNAMED
 from bastion.tools.audited import Audit, audited_tool, workspace_of
 from bastion.tools.server import BastionServer
+from bastion.tools.threads import ThreadShares
 from bastion.workbench.registry import WorkspaceRegistry
 from bastion.workbench.terminals import (
     KEYS,
@@ -43,8 +44,8 @@ _RESIZES = ToolAnnotations(read_only_hint=False, destructive_hint=False, idempot
 _CLOSES = ToolAnnotations(read_only_hint=False, destructive_hint=True, idempotent_hint=True, open_world_hint=False)
 
 
-def register_terminals(server: BastionServer, registry: WorkspaceRegistry) -> None:
-    """Add the terminal tools to `server`."""
+def register_terminals(server: BastionServer, registry: WorkspaceRegistry, threads: ThreadShares) -> None:
+    """Add the terminal tools to `server`; a read's long scrollback is cleaned in `threads`' shares."""
     in_workspace = workspace_of("sandbox_id", registry.get_id)
     of_terminal = workspace_of("terminal_id", registry.terminal_workspace)
 
@@ -125,8 +126,10 @@ def register_terminals(server: BastionServer, registry: WorkspaceRegistry) -> No
         ] = None,
         timeout_s: Annotated[float | None, Field(ge=0, le=MAX_WAIT_S, description="How long to wait.")] = None,
     ) -> dict[str, object]:
-        terminals = registry.find_terminal(terminal_id).workspace.terminals
-        return await terminals.read(terminal_id, wait_for=wait_for, timeout_s=timeout_s)
+        ws = registry.find_terminal(terminal_id).workspace
+        return await ws.terminals.read(
+            terminal_id, wait_for=wait_for, timeout_s=timeout_s, in_thread=threads.binding(ws)
+        )
 
     @audited_tool(
         server,

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Final, TypeVar
 
 import anyio
 import anyio.to_thread
 from mcp.server.auth.middleware.auth_context import get_access_token
+
+from bastion.workbench.workers import InThread
 
 MAX_THREADS_PER_PLACE: Final = 4
 MAX_THREADS_PER_CALLER: Final = 8
@@ -48,6 +50,14 @@ class ThreadShares:
             await held.enter_async_context(self._place(place))
             await held.enter_async_context(self._caller())
             return await anyio.to_thread.run_sync(work)
+
+    def binding(self, place: object) -> InThread:
+        """`run` for `place`, as workbench code takes it (`InThread`)."""
+
+        def in_thread(work: Callable[[], T]) -> Awaitable[T]:
+            return self.run(place, work)
+
+        return in_thread
 
     def _place(self, place: object) -> anyio.CapacityLimiter:
         share = self._places.get(place)

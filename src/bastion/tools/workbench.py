@@ -149,7 +149,8 @@ def register_workbench(
             if timeout_s is not None:
                 raise InvalidRequest("timeout_s does not apply to a background process: kill_process ends it")
             return await registry.get(sandbox_id).start_background(command, cwd=cwd)
-        out = await registry.get(sandbox_id).run(command, cwd=cwd, timeout_s=timeout_s)
+        ws = registry.get(sandbox_id)
+        out = await ws.run(command, cwd=cwd, timeout_s=timeout_s, in_thread=threads.binding(ws))
         return command_result(out, {"argv": list(out.argv), "cwd": out.cwd})
 
     @audited_tool(

@@ -28,7 +28,7 @@ import shutil
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal, Protocol, TypeVar
+from typing import Any, Final, Literal, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -41,6 +41,7 @@ from bastion.sandbox.backend import Process
 from bastion.sandbox.processes import RingCapture
 from bastion.workbench.media import ImageLease
 from bastion.workbench.pacing import PACE_FACTOR, Pacer
+from bastion.workbench.workers import InThread, any_thread
 from bastion.workbench.workspace import OWN_VENV, SYSTEM_PYTHON, HostWorkspace
 
 logger = logging.getLogger("bastion.code")
@@ -102,18 +103,6 @@ of the sandbox's own: never the pool another sandbox's calls wait in). Found by 
 executor (6 threads on 2 cores, shared by the whole server) eight sandboxes' SVG redactions held every thread for
 seconds, another agent's kill_process waited past its grace period, and its whole sandbox was ended."""
 T = TypeVar("T")
-
-
-class InThread(Protocol):
-    """Runs `work` in a worker thread under the shares its caller holds (the tools' `ThreadShares`: the
-    sandbox's and the OAuth client's), so one agent's many sandboxes clean in its own share."""
-
-    def __call__(self, work: Callable[[], T], /) -> Awaitable[T]: ...
-
-
-async def _any_thread(work: Callable[[], T]) -> T:
-    """`InThread` with no caller's shares (a call from outside the tools): anyio's pool."""
-    return await anyio.to_thread.run_sync(work)
 
 
 START_TIMEOUT_S: Final = 30.0  # a cold interpreter on a busy machine
@@ -706,7 +695,7 @@ class CodeContext:
         max_output_chars: int,
         progress: Progress,
         images: ImageLease | None = None,
-        in_thread: InThread = _any_thread,
+        in_thread: InThread = any_thread,
     ) -> CellResult:
         if self._lock.locked():
             raise Conflict(f"context {self.name!r} is running other code: wait for it, or restart the context")
@@ -915,7 +904,7 @@ class CodeRunner:
         timeout_s: float | None,
         progress: Progress,
         images: ImageLease | None = None,
-        in_thread: InThread = _any_thread,
+        in_thread: InThread = any_thread,
     ) -> CellResult:
         """Run `code` in the named context of `language`, started (or restarted) as needed. Its images take
         their bytes from `images` (the server's budget; None: the cell's own caps only); its images and texts

@@ -10,6 +10,7 @@ sandbox, their caps and idle close, keys by name, and `wait_for` patterns.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import re
 import secrets
@@ -23,6 +24,7 @@ from bastion.safety.errors import BastionError, Conflict, InvalidRequest, NotFou
 from bastion.safety.redact import Redactor, sanitize_terminal
 from bastion.safety.search import search_pattern
 from bastion.sandbox.backend import Sandbox
+from bastion.workbench.workers import INLINE_CLEAN_CHARS, InThread, any_thread
 
 if TYPE_CHECKING:
     from bastion.workbench.screen import Terminal
@@ -227,9 +229,13 @@ class Terminals:
         written = await terminal.send(data)
         return {"terminal_id": terminal_id, "bytes": len(data), "bytes_written": written}
 
-    async def read(self, terminal_id: str, *, wait_for: str | None, timeout_s: float | None) -> dict[str, object]:
+    async def read(
+        self, terminal_id: str, *, wait_for: str | None, timeout_s: float | None, in_thread: InThread = any_thread
+    ) -> dict[str, object]:
         """The screen and what scrolled off since the last read; with `wait_for`, first wait until it
-        matches the screen or the newest scrolled lines (redacted), the program's output ends, or the timeout."""
+        matches the screen or the newest scrolled lines (redacted), the program's output ends, or the timeout.
+        What scrolled off is cleaned by `in_thread` (the calling tool's thread shares) when it is long: found
+        by attack, 256 KiB of scrollback (the default; up to 16 MiB) took 100 ms of the event loop."""
         terminal = self._get(terminal_id)
         terminal.used = time.monotonic()
         if timeout_s is not None and not 0 <= timeout_s <= MAX_WAIT_S:
@@ -250,11 +256,16 @@ class Terminals:
             terminal.reads -= 1
             terminal.used = time.monotonic()
         scrolled, dropped = terminal.take_scrolled()
+        screen, cursor = terminal.screen_text(), terminal.cursor()
+        if len(scrolled) > INLINE_CLEAN_CHARS:
+            scrolled = await in_thread(functools.partial(self._clean, scrolled))
+        else:
+            scrolled = self._clean(scrolled)
         detail = {
             **self._summary(terminal),
-            "screen": self._clean(terminal.screen_text()),
-            "cursor": terminal.cursor(),
-            "scrolled_off": self._clean(scrolled),
+            "screen": self._clean(screen),
+            "cursor": cursor,
+            "scrolled_off": scrolled,
             "scrolled_off_dropped_lines": dropped,
             "output_open": terminal.output_open,
             "paced": terminal.take_paced(),

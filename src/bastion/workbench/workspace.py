@@ -11,6 +11,7 @@ import base64
 import codecs
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import logging
 import os
@@ -67,6 +68,7 @@ from bastion.workbench.edit import edit_text
 from bastion.workbench.media import MAX_IMAGE_BYTES, Image, image_type
 from bastion.workbench.search import search_tree
 from bastion.workbench.terminals import TERM, Terminals
+from bastion.workbench.workers import INLINE_CLEAN_CHARS, InThread, any_thread
 
 logger = logging.getLogger("bastion.workspaces")
 
@@ -340,7 +342,10 @@ class HostWorkspace:
             return self.sandbox_cwd(cwd)
         return await anyio.to_thread.run_sync(self.sandbox_cwd, cwd)
 
-    async def run(self, command: str, *, cwd: str | None, timeout_s: float | None) -> CommandOutput:
+    async def run(
+        self, command: str, *, cwd: str | None, timeout_s: float | None, in_thread: InThread = any_thread
+    ) -> CommandOutput:
+        """Run `command` to its end; large output is cleaned by `in_thread` (the calling tool's thread shares)."""
         approved = self.policy.check_script(command) if self.via_sh else self.policy.check(command)
         sandbox_cwd = await self._checked_cwd(cwd)
         limit = self.config.timeout_s if timeout_s is None else min(timeout_s, self.config.timeout_s)
@@ -354,7 +359,7 @@ class HostWorkspace:
             timeout_s=limit,
             max_output_bytes=self.config.max_output_bytes,
         )
-        return self._render(approved.argv, sandbox_cwd, outcome)
+        return await self._rendered(approved.argv, sandbox_cwd, outcome, in_thread)
 
     async def run_argv(
         self,
@@ -365,12 +370,14 @@ class HostWorkspace:
         ceiling_s: float | None = None,
         on_output: tuple[OutputSink, OutputSink] | None = None,
         env: Mapping[str, str] | None = None,
+        in_thread: InThread = any_thread,
     ) -> CommandOutput:
         """Run a program bastion chose (an interpreter, an installer) in a sandbox that allows a shell.
 
         `ceiling_s` replaces the per-command time limit (installs take longer than commands);
         `on_output` sees the raw output as it comes (a progress reporter cleans and redacts it);
-        `env` adds to `environment()` for this program alone (what must stay off its command line).
+        `env` adds to `environment()` for this program alone (what must stay off its command line);
+        large output is cleaned by `in_thread`.
         """
         self.require_shell("programs bastion chooses (interpreters, installers)")
         ceiling = self.config.timeout_s if ceiling_s is None else ceiling_s
@@ -386,7 +393,16 @@ class HostWorkspace:
             max_output_bytes=self.config.max_output_bytes,
             on_output=on_output,
         )
-        return self._render(argv, SANDBOX_WORKSPACE, outcome)
+        return await self._rendered(argv, SANDBOX_WORKSPACE, outcome, in_thread)
+
+    async def _rendered(
+        self, argv: tuple[str, ...], cwd: str, outcome: RunOutcome, in_thread: InThread
+    ) -> CommandOutput:
+        """`_render`, by `in_thread` for output over `INLINE_CLEAN_CHARS`: found by attack, a command's 64 KiB of
+        `key=` lines took 40 to 70 ms of the event loop to clean, and `max_output_bytes` goes up to 16 MiB."""
+        if len(outcome.stdout) + len(outcome.stderr) <= INLINE_CLEAN_CHARS:
+            return self._render(argv, cwd, outcome)
+        return await in_thread(functools.partial(self._render, argv, cwd, outcome))
 
     def _render(self, argv: tuple[str, ...], cwd: str, outcome: RunOutcome) -> CommandOutput:
         stdout = self._clean(outcome.stdout, cut=outcome.stdout_total > len(outcome.stdout))
