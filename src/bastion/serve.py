@@ -503,11 +503,12 @@ class _Front:
         from bastion.app import build_server
         from bastion.transports.http import connections
         from bastion.transports.http.app import build_http_app, build_preview_app
-        from bastion.transports.http.preview import HideTokens, QuietCuts
+        from bastion.transports.http.preview import HideTokens
 
         http = services.config.http
         built = build_http_app(services, build_server(services, caller="http"), listen=listen)
         logging.getLogger("uvicorn.error").addFilter(connections.ShutdownCancels())
+        logging.getLogger("uvicorn.error").addFilter(connections.QuietCuts())
         self.store = built.store
         self.endpoints = built.endpoints
         unsent = unsent_watch(http)
@@ -517,7 +518,6 @@ class _Front:
         if http.preview_listen is not None:
             preview_app, self.preview_origin = build_preview_app(services, built, http.preview_listen)
             logging.getLogger("uvicorn.error").addFilter(HideTokens())
-            logging.getLogger("uvicorn.error").addFilter(QuietCuts())
             self.preview = uvicorn_config(
                 preview_app, http, http.preview_listen, listeners.limits, preview=True, unsent=unsent
             )

@@ -21,6 +21,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -30,9 +31,10 @@ from bastion.safety.redact import Redactor
 from bastion.sandbox import microvm
 from bastion.sandbox._spawn import SANDBOX_PATH, SandboxSpec, start_vmm
 from bastion.sandbox.backend import RunOutcome
-from bastion.sandbox.cgroups import CgroupLayout
+from bastion.sandbox.cgroups import CgroupLayout, Limits
 from bastion.sandbox.microvm import (
     QEMU,
+    MicroVMBackend,
     MicroVMSandbox,
     MicroVMSettings,
     probe_microvm,
@@ -541,8 +543,11 @@ time.sleep(float(sys.argv[2]))
 _EXIT_HELD_S = 4.0  # under the close's own wait for a VMM's exit (_KILL_WAIT_S, 5 s): the close still reaps it
 
 
-def _hold_exit(pid: int) -> subprocess.Popen[bytes]:
-    holder = subprocess.Popen([sys.executable, "-c", _EXIT_HOLDER, str(pid), str(_EXIT_HELD_S)], stdout=subprocess.PIPE)
+_STUCK_S = 60.0  # past the close's own waits for a VMM's exit (_KILL_WAIT_S, 5 s, each): the closes give up on it
+
+
+def _hold_exit(pid: int, held_s: float = _EXIT_HELD_S) -> subprocess.Popen[bytes]:
+    holder = subprocess.Popen([sys.executable, "-c", _EXIT_HOLDER, str(pid), str(held_s)], stdout=subprocess.PIPE)
     assert holder.stdout is not None
     assert holder.stdout.readline() == b"holding\n"
     return holder
@@ -597,6 +602,82 @@ def test_a_close_storm_of_guests_slow_to_exit_does_not_hold_the_shared_executor(
             assert layout.existing() == []
 
     asyncio.run(storm())
+
+
+def test_a_server_stopping_with_guests_slow_to_exit_stops_them_side_by_side(
+    tmp_path: Path, settings: MicroVMSettings, layout: CgroupLayout
+) -> None:
+    """Found by review: a stop in flight when the server's loop closes (asyncio.run cancels its tasks) finished as
+    the blocking `close`, on the loop, one VMM after another: each stuck VMM cost its full 5 s wait in turn, and 18
+    of them pass systemd's stop timeout (its SIGKILL then lands before the mounts are undone). Here three VMMs'
+    exits are held past that wait (`_STUCK_S`) while their stops are in flight as the loop closes. Invariant: the
+    loop ends within well under three such waits (the stops ran side by side), and nothing is left of them once
+    their exits are let go: each reaped, its folder and cgroup removed."""
+    vms: list[Any] = []
+    holders: list[subprocess.Popen[bytes]] = []
+
+    async def stopping() -> float:
+        for top in ("a", "b", "c"):
+            (tmp_path / top).mkdir()
+            # Not `own_guest`: its close would wait for the stops before the loop closes.
+            box = MicroVMBackend(settings, layout).sandbox(
+                SandboxSpec(workspace=str(tmp_path / top)), limits=Limits(None, None, 1.0)
+            )
+            vm = box._start_vmm()
+            vms.append(vm)
+            holders.append(_hold_exit(vm.proc.pid, _STUCK_S))
+            box._vm = None
+            vm.detach()
+            box._stop_soon(vm)  # as `sleep` leaves it: a stop in flight
+        return time.monotonic()  # the loop closes now, its stops cancelled mid-wait
+
+    try:
+        returned = asyncio.run(stopping())
+        ended_in = time.monotonic() - returned
+    finally:
+        for holder in holders:
+            holder.kill()
+            holder.wait()
+            assert holder.stdout is not None
+            holder.stdout.close()
+    assert ended_in < 2 * microvm._KILL_WAIT_S, ended_in  # in turn: three waits
+    assert [vm.proc.wait(30) for vm in vms] == [-9, -9, -9]  # killed, and reaped once the tracer let go
+    assert not any(vm.run_dir.parent.exists() for vm in vms)
+    assert layout.existing() == []
+
+
+def test_a_close_for_good_while_a_dead_guest_restarts_boots_nothing(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, settings: MicroVMSettings, layout: CgroupLayout
+) -> None:
+    """Found by review: `start` stops a guest that is not alive, then boots another; once the stop awaited the
+    VMM's exit, a close for good (a close_sandbox) landing meanwhile found nothing to stop and returned, and the
+    start then booted a VMM nobody would close, under an identity the manager hands to another sandbox. Here
+    the dead guest's exit is held by a tracer while the close comes. Invariant: the start is refused
+    (UNAVAILABLE), no VMM is left and no cgroup."""
+
+    async def race() -> None:
+        async with own_guest(tmp_path, tmp_path_factory.getbasetemp(), settings, layout) as box:
+            dead = box._start_vmm()  # its guest never says ready: not alive, so `start` replaces it
+            holder = _hold_exit(dead.proc.pid)
+            try:
+                starting = asyncio.ensure_future(box.start())
+                async with asyncio.timeout(_EXIT_HELD_S / 2):
+                    while not _zombie(dead.proc.pid):  # `start` killed it and waits for its exit
+                        await asyncio.sleep(0.01)
+                async with asyncio.timeout(30):
+                    await box.aclose(final=True)
+                    with pytest.raises(Unavailable, match="closed"):
+                        await starting
+            finally:
+                holder.kill()
+                holder.wait()
+                assert holder.stdout is not None
+                holder.stdout.close()
+            assert box._vm is None
+            assert dead.proc.returncode == -9
+        assert layout.existing() == []
+
+    asyncio.run(race())
 
 
 @pytest.mark.microvm

@@ -391,6 +391,28 @@ def test_revoked_grant_keeps_its_modern_era_call_running(server: LiveServer, how
     assert_log_clean(server)
 
 
+def _one_modern_call() -> tuple[Scope, Receive]:
+    """The scope and the request body of one 2026-07-28 tools/call (id 7) of grant-1's token."""
+    token = AccessToken(token="t" * 43, client_id="c", scopes=["read"], subject="grant-1")
+    scope: Scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/mcp",
+        "headers": [(b"mcp-protocol-version", b"2026-07-28")],
+        "user": AuthenticatedUser(token),
+    }
+    request = {"jsonrpc": "2.0", "id": 7, "method": "tools/call", "params": {"name": "run_command"}}
+    pending: list[Message] = [{"type": "http.request", "body": json.dumps(request).encode(), "more_body": False}]
+
+    async def receive() -> Message:
+        if pending:
+            return pending.pop()
+        await anyio.sleep_forever()
+        raise AssertionError  # unreachable
+
+    return scope, receive
+
+
 def test_revoked_grant_keeps_its_modern_era_event_stream_open() -> None:
     """A 2026-07-28 answer already committed to an event stream (a progress event sent, or 15 s passed)
     when its grant dies: `GrantCalls.end` cancels the app, whose stream then ends with one last event, the
@@ -410,23 +432,8 @@ def test_revoked_grant_keeps_its_modern_era_event_stream_open() -> None:
             cancelled.set()
 
     calls = GrantCalls(long_stream)
-    token = AccessToken(token="t" * 43, client_id="c", scopes=["read"], subject="grant-1")
-    scope: Scope = {
-        "type": "http",
-        "method": "POST",
-        "path": "/mcp",
-        "headers": [(b"mcp-protocol-version", b"2026-07-28")],
-        "user": AuthenticatedUser(token),
-    }
-    request = {"jsonrpc": "2.0", "id": 7, "method": "tools/call", "params": {"name": "run_command"}}
-    pending: list[Message] = [{"type": "http.request", "body": json.dumps(request).encode(), "more_body": False}]
+    scope, receive = _one_modern_call()
     sent: list[Message] = []
-
-    async def receive() -> Message:
-        if pending:
-            return pending.pop()
-        await anyio.sleep_forever()
-        raise AssertionError  # unreachable
 
     async def send(message: Message) -> None:
         sent.append(message)
@@ -451,3 +458,52 @@ def test_revoked_grant_keeps_its_modern_era_event_stream_open() -> None:
     assert event.endswith("\r\n\r\n")
     answer = json.loads(event.split("data: ", 1)[1])
     assert answer == {"jsonrpc": "2.0", "id": 7, "error": {"code": -32000, "message": REVOKED_MESSAGE}}
+
+
+@pytest.mark.parametrize("held", ["head", "body"])
+def test_revoked_grant_whose_answer_waits_for_a_slow_reader_is_answered_broken(held: str) -> None:
+    """Found by review: GrantCalls counted an answer's head (or last body) as sent before uvicorn had written it,
+    and uvicorn waits for a slow reader's socket to drain before it writes. A call cancelled while its head
+    waited got the refusal's body first: a 500 and uvicorn's "Expected ASGI message 'http.response.start'" error
+    line. The send here waits, as uvicorn's does, until the test lets it go. Invariant: a head that never went out
+    is replaced by the 403 naming the revocation; a JSON answer whose head went out is ended without another
+    message (uvicorn then closes the connection: its body's length cannot be met)."""
+    sent: list[Message] = []
+    drained = anyio.Event()
+    app_cancelled = anyio.Event()
+
+    async def send(message: Message) -> None:
+        if not drained.is_set() and (message["type"] == "http.response.start") == (held == "head"):
+            await drained.wait()  # the slow reader: this message waits for the socket to drain
+        sent.append(message)
+
+    async def json_answer(scope: Scope, receive: Receive, send: Send) -> None:
+        await receive()
+        headers = [(b"content-type", b"application/json"), (b"content-length", b"20")]
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            await send({"type": "http.response.body", "body": b'{"jsonrpc":"2.0"...}'})
+        finally:
+            app_cancelled.set()
+
+    calls = GrantCalls(json_answer)
+    scope, receive = _one_modern_call()
+
+    async def scenario() -> None:
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(calls, scope, receive, send)
+                await until(lambda: calls.grants() == {"grant-1"} and len(sent) == (held == "body"), "the send waits")
+                assert calls.end("grant-1") == 1
+                await app_cancelled.wait()
+                drained.set()
+
+    anyio.run(scenario)
+    if held == "head":
+        assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]
+        assert sent[0]["status"] == 403
+        answer = json.loads(sent[1]["body"])
+        assert answer == {"jsonrpc": "2.0", "id": 7, "error": {"code": -32000, "message": REVOKED_MESSAGE}}
+    else:
+        assert [m["type"] for m in sent] == ["http.response.start"]  # ended there: no body of another length
+    assert calls.grants() == set()

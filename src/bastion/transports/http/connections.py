@@ -44,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import asyncio.sslproto
 import contextlib
+import contextvars
 import fcntl
 import logging
 import os
@@ -666,6 +667,25 @@ CANCELLED_AT_SHUTDOWN: Final = "a request still running when the graceful shutdo
 
 
 LIFESPAN_CUT_SHORT: Final = "a forced stop (a second Ctrl-C) cut the application's shutdown short"
+
+
+_CUT: contextvars.ContextVar[bool] = contextvars.ContextVar("bastion_cut", default=False)
+"""Set in the request's context when its response is cut on purpose (`QuietCuts`)."""
+
+
+def cut_on_purpose() -> None:
+    """Say that this request's response ends without its last chunk on purpose (`QuietCuts`)."""
+    _CUT.set(True)
+
+
+class QuietCuts(logging.Filter):
+    """A response cut on purpose (a preview's app broke it or went past the cap; a call of a revoked grant
+    cancelled after its head went out) is ended by returning without its last chunk, so uvicorn closes the
+    connection and the client sees it incomplete, never a whole (cacheable) answer. uvicorn logs that as an
+    error: whoever cut it already logged why, in one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (_CUT.get() and record.msg == "ASGI callable returned without completing response.")
 
 
 class ShutdownCancels(logging.Filter):

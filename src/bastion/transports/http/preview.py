@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import hashlib
 import logging
 import re
@@ -51,7 +50,7 @@ from bastion.config import HttpConfig
 from bastion.safety.audit import AuditLog
 from bastion.safety.errors import BastionError
 from bastion.transports.http.admin_pages import SESSION_COOKIE
-from bastion.transports.http.connections import close_or_reset
+from bastion.transports.http.connections import close_or_reset, cut_on_purpose
 from bastion.transports.http.preview_ws import Standing, close_browser, proxy_websocket
 from bastion.transports.http.ratelimit import WindowLimiter, address_key
 from bastion.transports.http.store import AuthStore
@@ -97,8 +96,6 @@ PENDING_BYTES: Final = 256 * 1024
 """Of an app's body read and not yet sent to the browser: past it, the app is not read until the browser takes it."""
 MAX_STATUS: Final = 599
 """The highest status passed on: h11 reads up to 999 from the app, uvicorn has no phrase past 599."""
-_CUT: contextvars.ContextVar[bool] = contextvars.ContextVar("bastion_preview_cut", default=False)
-"""Set in the request's context when a response is cut on purpose (`QuietCuts`)."""
 
 
 class HideTokens(logging.Filter):
@@ -111,15 +108,6 @@ class HideTokens(logging.Filter):
 
 
 _PREVIEW_TOKEN = re.compile(r"/preview/[A-Za-z0-9_-]+")
-
-
-class QuietCuts(logging.Filter):
-    """A preview response cut on purpose (the app broke it, or it went past the cap) is ended by returning
-    without its last chunk, so uvicorn closes the connection and the browser sees it incomplete, never a
-    whole (cacheable) page. uvicorn logs that as an error: the proxy already logged why, in one line."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (_CUT.get() and record.msg == "ASGI callable returned without completing response.")
 
 
 @dataclass
@@ -750,7 +738,7 @@ class ResponseRelay:
         else:
             why, level = (self.failure, logging.WARNING) if self.failure is not None else (self.ended, logging.INFO)
             logger.log(level, "preview response ended early after %d bytes (%s)", self.progress.sent, why)
-            _CUT.set(True)  # no last chunk: uvicorn closes the connection (`QuietCuts`)
+            cut_on_purpose()  # no last chunk: uvicorn closes the connection (`QuietCuts`)
 
     async def _pull(self) -> None:
         read, pieces, max_pieces = 0, 0, max(1, self.cap // CHUNK_CHARGE_BYTES)

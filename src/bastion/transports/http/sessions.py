@@ -41,6 +41,8 @@ from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from bastion.transports.http.connections import cut_on_purpose
+
 logger = logging.getLogger("bastion.http.sessions")
 RETRY_AFTER_S: Final = 5
 REVOKED_CHECK_S: Final = 0.5
@@ -205,13 +207,15 @@ class GrantCalls:
             return message
 
         async def watched(message: Message) -> None:
-            # Marked before the send: the server writes a message before it waits for the socket to drain.
+            # Marked once sent: uvicorn waits for the socket to drain before it writes a message. Found by review:
+            # marked before, a head still waiting for a slow reader counted as sent, and the refusal's body then
+            # came first (a 500, and uvicorn's error line).
+            await send(message)
             if message["type"] == "http.response.start":
                 call.started = True
                 call.event_stream = (b"content-type", b"text/event-stream") in message.get("headers", ())
             elif message["type"] == "http.response.body" and not message.get("more_body", False):
                 call.finished = True
-            await send(message)
 
         self.running.setdefault(grant, set()).add(call)
         try:
@@ -230,7 +234,10 @@ class GrantCalls:
                 del self.running[grant]
 
 
-REVOKED_MESSAGE: Final = "the grant of this token was revoked or has expired: the call was cancelled; authorize again"
+REVOKED_MESSAGE: Final = (
+    "the grant of this token was revoked or has expired: the call was ended, and may have run in part or whole (the "
+    "audit log says how far); authorize again"
+)
 
 
 def _request_id(body: bytes) -> str | int | None:
@@ -252,8 +259,10 @@ async def _refuse_revoked(call: _Call, send: Send) -> None:
         await send({"type": "http.response.body", "body": data})
     elif call.event_stream:
         await send({"type": "http.response.body", "body": b"event: message\r\ndata: " + data + b"\r\n\r\n"})
-    else:  # a JSON answer cut between its head and its body: end it (the client sees a broken answer)
-        await send({"type": "http.response.body", "body": b""})
+    else:
+        # A JSON answer cut between its head and its body (its Content-Length cannot be met): returned without
+        # its last chunk, so uvicorn closes the connection and the client sees the answer broken.
+        cut_on_purpose()
 
 
 async def end_dead_grants(
