@@ -325,7 +325,11 @@ class LoopLag:
 
     def _tick(self) -> None:
         loop = asyncio.get_running_loop()
-        now = loop.time()
+        self._measure(loop.time())
+        self._due = loop.time() + self.tick_s
+        self._handle = loop.call_at(self._due, self._tick)
+
+    def _measure(self, now: float) -> None:
         waited = self._run_queue_wait()
         late = now - self._due
         self.wall_worst = max(self.wall_worst, late)
@@ -334,14 +338,16 @@ class LoopLag:
         cpu = time.thread_time()
         self.cpu_worst = max(self.cpu_worst, cpu - self._cpu - self._gc_since_tick)
         self._cpu, self._gc_since_tick = cpu, 0.0
-        self._due = now + self.tick_s
-        self._handle = loop.call_at(self._due, self._tick)
 
     def __exit__(self, *_exc: object) -> None:
         with contextlib.suppress(ValueError):
             gc.callbacks.remove(self._on_gc)
         if self._handle is not None:
             self._handle.cancel()
+            if self._handle.when() <= asyncio.get_running_loop().time():
+                # The tick was due and never ran: a stall that ended the watch (the work right before the exit) is
+                # measured too, or it would go unseen.
+                self._measure(asyncio.get_running_loop().time())
         if self._schedstat >= 0:
             os.close(self._schedstat)
             self._schedstat = -1

@@ -540,12 +540,57 @@ _SECRETISH = st.lists(
 ).map("".join)
 
 
+def _redacted_whole_then_cut(redactor: Redactor, text: str, max_chars: int) -> tuple[str, bool]:
+    """`Redactor.redact_then_truncate` as it was before it redacted only a window past the cut: the oracle."""
+    red = redactor.redact(text)
+    if len(red) <= max_chars:
+        return red, False
+    cut = max_chars
+    for m in redact_mod._MARKER.finditer(red, max(0, cut - redact_mod._MAX_MARKER_CHARS), cut + 40):
+        if m.start() < cut < m.end():
+            cut = m.start()
+    return red[:cut], True
+
+
+@given(_SECRETISH, st.integers(min_value=0, max_value=3000), st.booleans())
+@example("password=" + "a" * 50, 12, False)
+@example("-----BEGIN RSA PRIVATE KEY-----\n" + "A" * 64, 40, False)  # no END: redacted to the text's end
+@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+def test_a_long_text_cut_is_redacted_as_the_whole_text_is(start: str, max_chars: int, custom: bool) -> None:
+    """Found by attack: `redact_then_truncate` redacted a 4 MiB argument whole to keep 4,096 characters (the audit
+    log's cap), 2.5 s of the event loop. Only a window past the cut is redacted now. Invariant: a text whose part
+    past the window holds no secret is cut exactly as when it was redacted whole (and is called cut whenever it goes
+    past the window, a secret running to its end included: what is past the window was not looked at)."""
+    redactor = Redactor(extra_patterns=[r"zz\nzz"], secret_values=["pw@host"]) if custom else Redactor()
+    text = start + "\n" + "plain words " * (SLICE_CONTEXT_BYTES // 4)
+    out, cut = redactor.redact_then_truncate(text, max_chars)
+    whole_out, whole_cut = _redacted_whole_then_cut(redactor, text, max_chars)
+    assert out == whole_out
+    assert cut == (whole_cut or len(text) > max_chars + SLICE_CONTEXT_BYTES)  # past the window: not looked at
+
+
+def test_a_huge_secret_dense_text_is_redacted_in_a_window_past_the_cut() -> None:
+    """The attack's input: 4 MiB of `key=` lines, the redactor's costliest text (a needle on every line), cut to the
+    audit log's 4,096 characters. Invariant: what is kept is redacted and cut, and the work is that of the window
+    (measured in CPU time against redacting the window alone, which a whole redaction would exceed a hundredfold)."""
+    redactor = Redactor()
+    text = "key=\n" * 800_000 + "password=hunter2hunter2\n"
+    window = text[: 4096 + SLICE_CONTEXT_BYTES]
+    out, cut = redactor.redact_then_truncate(text, 4096)
+    assert cut
+    assert out == window[:4096]
+    whole = least_cpu_s(lambda: redactor.redact_then_truncate(text, 4096))
+    alone = least_cpu_s(lambda: redactor.redact(window))
+    assert whole < 20 * alone + 0.005, (whole, alone)
+
+
 @given(_SECRETISH, st.integers(min_value=0, max_value=20), st.booleans())
 @example('password="unterminated value\nnext line', 0, False)  # \Z must not match before a line break
 @example("İİİİİİİİ\nx password=hunter2222 and more", 0, False)  # lowering lengthens İ: positions shift
 @example("İ" * 40 + "token: abcdefgh12345678", 3, True)
 @example("export TOKEN_FILE=/run/t\nſecret=hunter2hunter2\n", 0, False)  # found by an attack review
 @example("Authorization header follows\nAuthorızation: Basic dXNlcjpodW50ZXIy\n", 0, False)
+@example("key=\n" * 80 + "api_key=abcdEFGH12345678xyz\n", 0, False)  # needles dense: one pass over the whole text
 @settings(max_examples=500, suppress_health_check=[HealthCheck.too_slow])
 def test_spans_are_those_of_every_rule_run_over_the_whole_text(text: str, skip: int, custom: bool) -> None:
     redactor = Redactor(extra_patterns=[r"zz\nzz"], secret_values=["pw@host"]) if custom else Redactor()

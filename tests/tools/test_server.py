@@ -16,6 +16,7 @@ from bastion.safety.audit import verify
 from bastion.safety.results import OperationResult
 from bastion.tools.server import to_call_result
 from bastion.workbench.workspace import HostWorkspace
+from tests.helpers import LoopLag
 
 pytestmark = pytest.mark.anyio
 
@@ -101,6 +102,20 @@ async def test_a_huge_unknown_name_is_not_echoed_whole(client: Client, huge: str
     assert "(cut, 1000000 characters)" in payload["reason"]
     assert len(payload["reason"]) < 500
     assert len(_text(result)) < 1500
+
+
+async def test_a_huge_secret_dense_argument_holds_the_event_loop_no_longer_than_a_plain_one(client: Client) -> None:
+    """Found by attack: the audit record's cleaning redacted each string argument whole before cutting it to 4,096
+    characters, on the event loop: one 4 MiB argument of `key=` lines (the redactor's costliest text) to a tool
+    that does not exist held every agent's calls 2.5 s, and could be sent again and again. Invariant: the call is
+    refused as unknown, its record kept (cut), and the loop's longest stall (its own CPU) stays far under that
+    of the whole text's redaction (1.8 s for these 3 MB before the fix)."""
+    with LoopLag() as lag:
+        result = await client.call_tool("no_such_tool", {"text": "key=\n" * 600_000})
+    payload = result.structured_content
+    assert payload is not None
+    assert payload["code"] == "INVALID_REQUEST"
+    assert lag.cpu_worst < 0.4, lag.cpu_worst
 
 
 async def test_unknown_workspace_is_sandbox_not_found(client: Client) -> None:
