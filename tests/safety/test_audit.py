@@ -13,6 +13,7 @@ import resource
 import subprocess
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import cast
@@ -854,6 +855,49 @@ def test_audit_file_given_a_second_link_under_the_writer_fails_closed(log: Audit
     os.unlink(log_path.with_name("copy.jsonl"))
     _write(log, 1)
     assert verify(log_path) == audit_mod.VerifyReport(True, 2)
+
+
+def test_audit_file_made_group_writable_or_given_away_under_the_writer_fails_closed(
+    log: AuditLog, log_path: Path
+) -> None:
+    """Invariant: the per-batch check (one test of the common answer since issue 19) still refuses a live file
+    another user may write or that another user owns, and takes records again once it is put right. Does not
+    prove the owner check follows a change of the server's own uid: the server never makes one."""
+    _write(log, 1)
+    log_path.chmod(0o620)
+    with pytest.raises(AuditUnavailable, match="writable by group or others"):
+        log.append({"command": "x"})
+    log_path.chmod(0o600)
+    _write(log, 1)
+    if os.geteuid() == 0:
+        os.chown(log_path, 4242, -1)
+        with pytest.raises(AuditUnavailable, match="owned by uid 4242"):
+            log.append({"command": "x"})
+        os.chown(log_path, 0, -1)
+        _write(log, 1)
+    assert verify(log_path).ok
+
+
+def test_record_ids_are_uuid4_and_a_forked_child_never_repeats_its_parents(log: AuditLog) -> None:
+    """Invariant: ids are made many at a time from one read of the kernel's random source (a getrandom per
+    record cost ~0.8 us); each is a version-4 UUID, and a child forked while the pool is full makes its own
+    rather than the parent's next ones."""
+    ids = [log.append({"n": n}) for n in range(3)]
+    assert all(uuid.UUID(hex=i).version == 4 and uuid.UUID(hex=i).variant == uuid.RFC_4122 for i in ids)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its next ids, then out without running the parent's cleanup
+        try:
+            os.write(write, "".join(audit_mod._record_id() for _ in range(8)).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        child = pipe.read().decode()
+    os.waitpid(pid, 0)
+    parent = {audit_mod._record_id() for _ in range(8)}
+    assert len(child) == 8 * 32
+    assert not parent & {child[at : at + 32] for at in range(0, len(child), 32)}
 
 
 def test_audit_end_record_failure_says_the_operation_ran(log: AuditLog, log_path: Path) -> None:
