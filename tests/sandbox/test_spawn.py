@@ -186,3 +186,46 @@ def test_hosts_file_names_loopback_only() -> None:
     of the host's; localhost's first line is 127.0.0.1, the address a preview connects to."""
     lines = [line.split() for line in IDENTITY_FILES["/etc/hosts"].splitlines()]
     assert lines == [["127.0.0.1", "localhost"], ["::1", "localhost", "ip6-localhost", "ip6-loopback"]]
+
+
+@pytest.mark.bwrap
+@pytest.mark.parametrize(
+    "given", [None, b"no\n", b"gone\n", b"go"], ids=["closed", "other-word", "longer", "no-newline"]
+)
+def test_a_held_start_not_told_go_exits_before_bubblewrap(tmp_path: Path, given: bytes | None) -> None:
+    """Attack on the held start (the server closed, died, or wrote something else): its shell waits on a pipe
+    between joining the cgroups and running bwrap. Invariant: anything but the exact line "go" (EOF, another
+    word, an unfinished line) ends it with status 126, and bwrap never runs (its agent never says hello)."""
+    proc, sock, go = _spawn.hold_sandbox(_spawn.SandboxSpec(workspace=str(tmp_path)))
+    try:
+        if given is not None:
+            os.write(go, given)
+        os.close(go)
+        assert proc.wait(timeout=20) == 126
+        assert sock.recv(4096) == b""
+    finally:
+        sock.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        assert proc.stderr is not None
+        proc.stderr.close()
+
+
+@pytest.mark.bwrap
+def test_a_held_start_told_go_runs_the_agent_in_folders_made_after_it_began(tmp_path: Path) -> None:
+    """The held start's point: the workspace may be made while the shell waits. Invariant: once released, bwrap
+    binds what exists then and the agent says hello."""
+    workspace = tmp_path / "made-later"
+    proc, sock, go = _spawn.hold_sandbox(_spawn.SandboxSpec(workspace=str(workspace)))
+    try:
+        workspace.mkdir()
+        _spawn.release(go)
+        sock.settimeout(20)
+        assert b'"ready"' in sock.recv(65536)
+    finally:
+        sock.close()
+        proc.kill()
+        proc.wait()
+        assert proc.stderr is not None
+        proc.stderr.close()

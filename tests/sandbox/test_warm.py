@@ -655,3 +655,36 @@ async def test_agent_sandbox_commands_may_still_give_other_users_write(tmp_path:
         box.close()
     assert "refused" not in outcome.stdout.decode()
     assert others_may_write(folder) == [".", "f", "m", "p", "py"]
+
+
+async def test_a_held_start_closed_before_its_start_runs_nothing_and_leaves_no_cgroup(
+    limited: WarmSandbox, tmp_path: Path
+) -> None:
+    """`hold` begins a start while the manager makes the sandbox's folders; a create that fails or is cancelled
+    then closes it. Invariant: the waiting process (already in the sandbox's cgroup) is gone, its cgroup is
+    removed, no agent ever ran for the workspace, and the sandbox does not count as alive meanwhile."""
+    limited.hold()
+    holding = limited._holding
+    assert holding is not None
+    group = limited._group
+    assert group is not None
+    paths = group.paths
+    assert not limited.alive
+    limited.close()
+    assert holding.proc.poll() is not None
+    assert not any(os.path.exists(p) for p in paths)
+    assert _sandbox_processes(tmp_path / "limited") == []
+
+
+async def test_a_held_start_becomes_a_sandbox_in_its_cgroup_once_started(limited: WarmSandbox) -> None:
+    """Invariant: `start` after `hold` lets the held process go on: the agent runs in the group `hold` made
+    (its commands counted there), and commands run as in a sandbox started at once."""
+    limited.hold()
+    group = limited._group
+    await limited.start()
+    assert limited._group is group
+    assert limited.alive
+    assert (await sh(limited, "echo held")).stdout == b"held\n"
+    usage = limited.usage()
+    assert usage is not None
+    assert usage.pids >= 1

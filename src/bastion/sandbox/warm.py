@@ -37,7 +37,7 @@ from typing import Any, Final
 
 from bastion.safety.errors import BastionError, Conflict, InvalidRequest, NotFound, ResourceLimit, Unavailable
 from bastion.safety.redact import sanitize_terminal
-from bastion.sandbox._spawn import SandboxProcess, SandboxSpec, start_sandbox
+from bastion.sandbox._spawn import SandboxProcess, SandboxSpec, hold_sandbox, release, start_sandbox
 from bastion.sandbox.backend import Backend, Process, Sandbox
 from bastion.sandbox.backend import RunOutcome as RunOutcome
 from bastion.sandbox.cgroups import (
@@ -267,6 +267,7 @@ class WarmSandbox:
         self._reaping_tasks: set[asyncio.Task[None]] = set()
         # Pipes of returned commands still open (a process they left holds them), oldest first: an ordered set.
         self._held: dict[PipeCapture, None] = {}
+        self._holding: _Holding | None = None  # a start begun by `hold`, waiting for `start`
 
     def set_limits(self, limits: Limits) -> None:
         """Change the limits, live if the sandbox runs (lowering memory below current use fails)."""
@@ -328,6 +329,24 @@ class WarmSandbox:
                 self._on_agent_gone()
             await self._start()
 
+    def hold(self) -> None:
+        """Begin the first start ahead of `start`: the cgroup made and bwrap's first step spawned in it, waiting
+        (`_spawn.hold_sandbox`), while the caller makes what the spec names (the workspace, the device folder).
+        `start` lets it go on; `close` ends it. Blocking: a cgroup's mkdir and a spawn, about a millisecond.
+
+        Raises:
+            Unavailable, OperationFailed: the cgroup or the process could not be made (nothing is left).
+        """
+        if self._closed or self._proc is not None or self._holding is not None:
+            return  # started, held or closed already: `start` decides
+        try:
+            spec = self._make_group()
+            proc, sock, go = hold_sandbox(spec)
+        except BaseException:
+            self._drop_group()
+            raise
+        self._holding = _Holding(spec, proc, sock, go)
+
     def _make_group(self) -> SandboxSpec:
         if self._cgroups is None or self._limits is None:
             return self.spec
@@ -348,12 +367,17 @@ class WarmSandbox:
 
     async def _start(self) -> None:
         self._asleep = False
-        try:
-            spec = self._make_group()
-            proc, sock = start_sandbox(spec)
-        except BaseException:
-            self._drop_group()
-            raise
+        holding, self._holding = self._holding, None
+        if holding is not None:
+            spec, proc, sock = holding.spec, holding.proc, holding.sock
+            release(holding.go)
+        else:
+            try:
+                spec = self._make_group()
+                proc, sock = start_sandbox(spec)
+            except BaseException:
+                self._drop_group()
+                raise
         # Held at once, so close() can end a sandbox that is still starting.
         self._proc, self._sock = proc, sock
         sock.setblocking(False)
@@ -575,6 +599,11 @@ class WarmSandbox:
             logger.warning("sandbox for %s: command group not released: %s", self.spec.workspace, exc.reason)
 
     def _on_agent_gone(self) -> None:
+        holding, self._holding = self._holding, None
+        if holding is not None:
+            # Never let go: its shell reads the end of its stdin and exits before bwrap; reaped as a run.
+            os.close(holding.go)
+            self._proc, self._sock = holding.proc, holding.sock
         self._commands = None  # every command group goes with the sandbox's (`_reap`)
         if self._sock is not None:
             if self._reader_loop is not None:
@@ -1163,6 +1192,17 @@ class WarmSandbox:
         self._closed = self._closed or final
         self._on_agent_gone()
         await self.settled()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Holding:
+    """A start begun by `WarmSandbox.hold`: its spec (with its cgroup), the waiting process, the host's socket
+    end, and the fd that lets it go on (`_spawn.release`)."""
+
+    spec: SandboxSpec
+    proc: SandboxProcess
+    sock: socket.socket
+    go: int
 
 
 class BubblewrapBackend:
