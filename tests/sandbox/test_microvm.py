@@ -553,6 +553,15 @@ def _hold_exit(pid: int, held_s: float = _EXIT_HELD_S) -> subprocess.Popen[bytes
     return holder
 
 
+def _let_go(holders: list[subprocess.Popen[bytes]]) -> None:
+    """End the tracers holding VMMs' exits (`_hold_exit`)."""
+    for holder in holders:
+        holder.kill()
+        holder.wait()
+        assert holder.stdout is not None
+        holder.stdout.close()
+
+
 def _zombie(pid: int) -> bool:
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
 
@@ -592,11 +601,7 @@ def test_a_close_storm_of_guests_slow_to_exit_does_not_hold_the_shared_executor(
                 async with asyncio.timeout(30):
                     await asyncio.gather(*closes)
             finally:
-                for holder in holders:
-                    holder.kill()
-                    holder.wait()
-                    assert holder.stdout is not None
-                    holder.stdout.close()
+                _let_go(holders)
             assert [vm.proc.returncode for vm in vms] == [-9, -9]  # reaped: no zombie left for the server
             assert not any(vm.run_dir.parent.exists() for vm in vms)
             assert layout.existing() == []
@@ -635,11 +640,7 @@ def test_a_server_stopping_with_guests_slow_to_exit_stops_them_side_by_side(
         returned = asyncio.run(stopping())
         ended_in = time.monotonic() - returned
     finally:
-        for holder in holders:
-            holder.kill()
-            holder.wait()
-            assert holder.stdout is not None
-            holder.stdout.close()
+        _let_go(holders)
     assert ended_in < 2 * microvm._KILL_WAIT_S, ended_in  # in turn: three waits
     assert [vm.proc.wait(30) for vm in vms] == [-9, -9, -9]  # killed, and reaped once the tracer let go
     assert not any(vm.run_dir.parent.exists() for vm in vms)
@@ -669,10 +670,7 @@ def test_a_close_for_good_while_a_dead_guest_restarts_boots_nothing(
                     with pytest.raises(Unavailable, match="closed"):
                         await starting
             finally:
-                holder.kill()
-                holder.wait()
-                assert holder.stdout is not None
-                holder.stdout.close()
+                _let_go([holder])
             assert box._vm is None
             assert dead.proc.returncode == -9
         assert layout.existing() == []

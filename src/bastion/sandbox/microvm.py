@@ -65,7 +65,7 @@ from bastion.sandbox.vmimage import INITRAMFS_NAME, KERNEL_NAME
 
 # warm.py's retry list of cgroups a close could not remove, shared so that the manager's reaper
 # (`destroy_left_groups`) and every later close, of either backend, retry the VMMs' groups too.
-from bastion.sandbox.warm import destroy_left_groups, destroy_or_retry
+from bastion.sandbox.warm import destroy_left_groups, destroy_or_retry, exited, polled
 
 __all__ = [
     "ISOLATION",
@@ -800,34 +800,11 @@ async def _reaped(proc: SandboxProcess, timeout_s: float) -> bool:
         pidfd = -1
     if pidfd >= 0:
         try:
-            await _readable(loop, pidfd, timeout_s)
+            await exited(pidfd, timeout_s)
         finally:
             os.close(pidfd)
-    pause = _REAP_CHECK_FIRST_S
-    while proc.poll() is None:
-        left = deadline - loop.time()
-        if left <= 0:
-            return False
-        await asyncio.sleep(min(pause, left))
-        pause = min(2 * pause, _REAP_CHECK_LAST_S)
-    return True
-
-
-async def _readable(loop: asyncio.AbstractEventLoop, fd: int, timeout_s: float) -> None:
-    """Wait, at most `timeout_s`, until `fd` turns readable (a pidfd: its process exited)."""
-    ready: asyncio.Future[None] = loop.create_future()
-    loop.add_reader(fd, _settle, ready)
-    try:
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(timeout_s):
-                await ready
-    finally:
-        loop.remove_reader(fd)
-
-
-def _settle(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
+    left = max(0.0, deadline - loop.time())
+    return await polled(lambda: proc.poll() is not None, left, _REAP_CHECK_FIRST_S, _REAP_CHECK_LAST_S)
 
 
 def _in_own_thread(work: Callable[[], None], name: str) -> concurrent.futures.Future[None]:

@@ -142,7 +142,7 @@ def _wait_exited(pidfds: list[int], timeout_s: float) -> None:
             os.close(fd)
 
 
-async def _exited(pidfd: int, timeout_s: float) -> bool:
+async def exited(pidfd: int, timeout_s: float) -> bool:
     """Wait on the event loop, at most `timeout_s`, until the process exits (its pidfd turns readable); whether
     it did. No worker thread: see `WarmSandbox.settled`."""
     loop = asyncio.get_running_loop()
@@ -172,15 +172,21 @@ async def _emptied(group: CommandCgroup, timeout_s: float) -> bool:
     Raises:
         OperationFailed: the group's files cannot be read.
     """
+    return await polled(lambda: not group.populated(), timeout_s, EMPTY_CHECK_FIRST_S, EMPTY_CHECK_LAST_S)
+
+
+async def polled(done: Callable[[], bool], timeout_s: float, first_s: float, last_s: float) -> bool:
+    """Look at `done()` on the event loop, at most `timeout_s`, between pauses growing from `first_s` to `last_s`,
+    until it is true; whether it was. For what the loop's selector cannot wait on."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
-    pause = EMPTY_CHECK_FIRST_S
-    while group.populated():
+    pause = first_s
+    while not done():
         left = deadline - loop.time()
         if left <= 0:
             return False
         await asyncio.sleep(min(pause, left))
-        pause = min(2 * pause, EMPTY_CHECK_LAST_S)
+        pause = min(2 * pause, last_s)
     return True
 
 
@@ -840,7 +846,7 @@ class WarmSandbox:
         fd = self._commands.open_leftover(pid)
         try:
             kill_pidfd(fd)
-            await _exited(fd, KILL_GRACE_S)
+            await exited(fd, KILL_GRACE_S)
         finally:
             os.close(fd)
 

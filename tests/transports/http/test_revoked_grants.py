@@ -283,6 +283,17 @@ def _running(argv: list[str]) -> bool:
 
 
 @pytest.mark.bwrap
+def _assert_killed_and_recorded(server: LiveServer, command: str, seconds: str) -> None:
+    """The cancelled call's `sleep <seconds>` was killed, and its start and end records (cancelled) written."""
+    anyio.run(until, lambda: not _running(["sleep", seconds]), "the command was killed")
+    audit = server.root / "state" / "audit.jsonl"
+    anyio.run(until, lambda: len(_audit_records(audit, command)) == 2, "the call's end record was written")
+    start, end = _audit_records(audit, command)
+    assert (start["event"], end["event"]) == ("start", "end")
+    assert (end["code"], end["reason"]) == ("UNAVAILABLE", CANCELLED_REASON)
+    assert verify(audit).ok
+
+
 def test_revoked_grant_keeps_its_long_call_running(server: LiveServer) -> None:
     """A call in flight when its grant is revoked (`run_command` of a 28 s sleep) is cancelled with its
     session: the client's call ends within `BOUND_S` without an answer, the command is killed, and the
@@ -310,13 +321,7 @@ def test_revoked_grant_keeps_its_long_call_running(server: LiveServer) -> None:
 
     anyio.run(scenario)
     assert "answer" not in outcome, outcome
-    anyio.run(until, lambda: not _running(["sleep", "28.25"]), "the command was killed")
-    audit = server.root / "state" / "audit.jsonl"
-    anyio.run(until, lambda: len(_audit_records(audit, command)) == 2, "the call's end record was written")
-    start, end = _audit_records(audit, command)
-    assert (start["event"], end["event"]) == ("start", "end")
-    assert (end["code"], end["reason"]) == ("UNAVAILABLE", CANCELLED_REASON)
-    assert verify(audit).ok
+    _assert_killed_and_recorded(server, command, "28.25")
     assert_log_clean(server)
 
 
@@ -380,13 +385,7 @@ def test_revoked_grant_keeps_its_modern_era_call_running(server: LiveServer, how
     other_payload = outcome["other"]
     assert isinstance(other_payload, dict)
     assert other_payload["ok"], other_payload
-    anyio.run(until, lambda: not _running(["sleep", seconds]), "the command was killed")
-    audit = server.root / "state" / "audit.jsonl"
-    anyio.run(until, lambda: len(_audit_records(audit, command)) == 2, "the call's end record was written")
-    start, end = _audit_records(audit, command)
-    assert (start["event"], end["event"]) == ("start", "end")
-    assert (end["code"], end["reason"]) == ("UNAVAILABLE", CANCELLED_REASON)
-    assert verify(audit).ok
+    _assert_killed_and_recorded(server, command, seconds)
     assert "is revoked or has expired: cancelled its 1 call(s) in flight" in server.log()
     assert_log_clean(server)
 
