@@ -540,10 +540,15 @@ _SECRETISH = st.lists(
 ).map("".join)
 
 
-def _redacted_whole_then_cut(redactor: Redactor, text: str, max_chars: int) -> tuple[str, bool]:
-    """`Redactor.redact_then_truncate` as it was before it redacted only a window past the cut: the oracle."""
-    red = redactor.redact(text)
-    if len(red) <= max_chars:
+def _kept_of_the_whole_redaction(redactor: Redactor, text: str, max_chars: int) -> tuple[str, bool]:
+    """What `Redactor.redact_then_truncate` keeps, from the spans of the whole text: the oracle of its window."""
+    spans = redactor._spans(text, 0)
+    end = min(max_chars, len(text))
+    for start, stop, _, _ in spans:
+        if start < end < stop:
+            end = stop
+    red = redact_mod._apply(text, spans, 0, end)
+    if end == len(text) and len(red) <= max_chars:
         return red, False
     cut = max_chars
     for m in redact_mod._MARKER.finditer(red, max(0, cut - redact_mod._MAX_MARKER_CHARS), cut + 40):
@@ -564,9 +569,41 @@ def test_a_long_text_cut_is_redacted_as_the_whole_text_is(start: str, max_chars:
     redactor = Redactor(extra_patterns=[r"zz\nzz"], secret_values=["pw@host"]) if custom else Redactor()
     text = start + "\n" + "plain words " * (SLICE_CONTEXT_BYTES // 4)
     out, cut = redactor.redact_then_truncate(text, max_chars)
-    whole_out, whole_cut = _redacted_whole_then_cut(redactor, text, max_chars)
-    assert out == whole_out
-    assert cut == (whole_cut or len(text) > max_chars + SLICE_CONTEXT_BYTES)  # past the window: not looked at
+    kept, whole_cut = _kept_of_the_whole_redaction(redactor, text, max_chars)
+    assert out == kept
+    # A secret the window's end cuts (a PEM key with no END in it) runs to the window's end: the rest of the text
+    # was not looked at, so it is called cut, where the whole text's redaction knew the key ran to the end.
+    assert cut == whole_cut or (cut and len(text) > max_chars + SLICE_CONTEXT_BYTES)
+
+
+@pytest.mark.parametrize("last", ["value", "github"])
+def test_a_window_shrunk_by_redaction_never_shows_a_secret_cut_by_its_end(last: str) -> None:
+    """Found by review: the window past the cut is counted in raw characters, but the cut was made in the redacted
+    text. Ten 1,800-character keys shrink to markers, so the redacted window fitted under the cut whole, and a
+    secret that the window's end cut in two (a configured secret value, a `ghp_` token whose rule then needs 20
+    characters it no longer had) showed its start: 33 of a value's 36 characters in the audit log. Invariant:
+    nothing past the first `max_chars` raw characters is kept, so no part of the last secret shows."""
+    value = "prod-db-Hunter2-0123456789abcdefghij"
+    redactor = Redactor(secret_values=[value])
+    keys = "".join(f"SERVICE_{n}_API_KEY={'k' * 1800}\n" for n in range(10))
+    secret = value if last == "value" else "ghp_" + "Z" * 36
+    window = 4096 + SLICE_CONTEXT_BYTES
+    text = keys + "p" * (window - len(keys) - 10) + " " + secret + " tail"
+    out, cut = redactor.redact_then_truncate(text, 4096)
+    assert cut
+    assert secret[:6] not in out
+    assert len(out) <= 4096
+
+
+def test_an_administrators_pattern_needing_context_past_the_window_still_redacts_a_cut_text() -> None:
+    """Found by review: an administrator's pattern may need any context (a block from its BEGIN to its END line); with
+    only a window past the cut redacted, a 30,000-character block's body showed in the kept 4,096 characters.
+    Invariant: with administrator patterns the whole text is redacted, and the block is its marker."""
+    redactor = Redactor(extra_patterns=[r"(?s)BEGIN VAULT BLOB.*?END VAULT BLOB"])
+    text = "BEGIN VAULT BLOB\n" + "s3cr3t-body " * 2500 + "\nEND VAULT BLOB\nafter"
+    out, cut = redactor.redact_then_truncate(text, 4096)
+    assert out == "[REDACTED:custom]"  # and nothing past the first 4,096 characters: "after" is left out
+    assert cut
 
 
 def test_a_huge_secret_dense_text_is_redacted_in_a_window_past_the_cut() -> None:

@@ -266,20 +266,27 @@ class Redactor:
 
         Redacting first means the cut can never leave the prefix of a secret behind;
         a cut that would split a ``[REDACTED:...]`` marker drops the whole marker.
-        Only the first `max_chars` characters and a margin past them (`SLICE_CONTEXT_BYTES`, or the
-        longest secret value) are redacted: nothing past them is kept, and a secret across the cut is
-        seen within the margin, as `redact_slice` sees one at a slice's edge (a match the margin ends
-        is redacted to its end). Found by attack: the audit log redacted a 4 MiB argument whole to keep
-        4,096 characters of it, and held the event loop 2.5 s.
+        Only the characters before the cut are kept (a secret across it as its marker), and only they and a
+        margin past them (`SLICE_CONTEXT_BYTES`, or the longest secret value) are redacted, as `redact_slice`
+        redacts a slice's edges: found by attack, the audit log redacted a 4 MiB argument whole to keep 4,096
+        characters of it, and held the event loop 2.5 s. A text that secrets shrink keeps no more than its first
+        `max_chars` characters: kept past them, a secret cut by the margin's end showed its start (found by
+        review). With administrator patterns (which may need any context: a multi-line block) the whole text
+        is redacted, as before.
 
         Returns:
-            The text and whether it was cut (always, for a text longer than the window: its end was not looked at).
+            The text and whether it was cut (whether any of `text` was left out).
         """
-        window = text[: max(max_chars, 0) + max(SLICE_CONTEXT_BYTES, self._longest_value)]
-        red = self.redact(window)
-        if len(red) <= max_chars and len(window) == len(text):
-            return red, False
         cut = max(max_chars, 0)
+        window = text if self._custom else text[: cut + max(SLICE_CONTEXT_BYTES, self._longest_value)]
+        spans = self._spans(window, 0)
+        end = min(cut, len(window))
+        for start, stop, _, _ in spans:
+            if start < end < stop:
+                end = stop  # a secret across the cut: kept as its marker, or dropped with it below
+        red = _apply(window, spans, 0, end)
+        if end == len(text) and len(red) <= cut:
+            return red, False
         for m in _MARKER.finditer(red, max(0, cut - _MAX_MARKER_CHARS), cut + _MAX_MARKER_CHARS):
             if m.start() < cut < m.end():
                 cut = m.start()
