@@ -542,7 +542,7 @@ def register_toolsets(server: BastionServer, services: Services, *, caller: str)
             package_registry=packages,
             snapshots=config.sandboxes.snapshots_allowed,
         )
-        register_processes(server, services.registry)
+        register_processes(server, services.registry, threads)
         register_terminals(server, services.registry, threads)
         register_code(server, services.sandboxes, services.registry, config.sandboxes, threads)
         if services.previews is not None and previews_off(config) is None:

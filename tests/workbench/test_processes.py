@@ -12,10 +12,11 @@ import pytest
 from mcp import Client
 
 from bastion.app import Services
+from bastion.safety.redact import sanitize_terminal
 from bastion.sandbox.processes import OutputLog
 from bastion.workbench import background
 from bastion.workbench.background import MAX_ARGV_CHARS, MAX_PROCESSES, RING_BYTES
-from tests.helpers import Payload, call, create, processes_with
+from tests.helpers import Hold, Payload, call, create, processes_with
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
 
@@ -724,3 +725,41 @@ async def test_kill_process_after_its_first_process_exited_kills_what_it_left_ru
     assert (await read(client, box, witness))["state"] == "running"
     assert len(sleeps_with(other)) == 2
     assert (await call(client, "close_sandbox", sandbox_id=box))["ok"]
+
+
+async def test_listing_processes_with_long_command_lines_holds_no_other_call(
+    client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by attack: list_processes cleaned and redacted the command lines of what commands left running on the
+    event loop, each whole before its cut to `MAX_ARGV_CHARS`: 100 of 4 KiB of `key=` lines (the pids limit's
+    worth) took 100 ms of every agent's calls, per call. Here the cleaning of long command lines is held in its
+    worker until the test releases it. Invariant: another call is answered meanwhile, and the listing then
+    shows every process left running, each command line cut."""
+    box = await create(client)
+    long_arg = "key=" * 1000
+    # Each shell stays (it waits for its sleep), its command line holding `long_arg`: 4 shells and 4 sleeps left.
+    command = f"for i in 1 2 3 4; do setsid sh -c 'sleep 600; true' left {long_arg} & done"
+    started = await call(client, "run_command", sandbox_id=box, command=command)
+    assert started["ok"], started
+    hold = Hold()
+    real = sanitize_terminal
+
+    def held(text: str) -> str:
+        if len(text) > 1000:
+            hold.wait()
+        return real(text)
+
+    monkeypatch.setattr(background, "sanitize_terminal", held)
+    answers: dict[str, Payload] = {}
+
+    async def listing() -> None:
+        answers["list"] = await call(client, "list_processes", sandbox_id=box)
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(listing)
+        await hold.answered_meanwhile(client)
+    listed = answers["list"]
+    assert listed["ok"], listed
+    commands = [p for p in listed["detail"]["processes"] if p["started_by"] == "command"]
+    assert len(commands) == 8
+    assert all(sum(len(arg) for arg in p["argv"]) <= MAX_ARGV_CHARS + 3 for p in commands)

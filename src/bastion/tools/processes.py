@@ -17,6 +17,7 @@ from bastion.safety.results import OperationResult, ResultCode
 from bastion.tools._call import UNNAMED
 from bastion.tools.audited import Audit, audited_tool, workspace_of
 from bastion.tools.server import BastionServer
+from bastion.tools.threads import ThreadShares
 from bastion.workbench.background import MAX_INPUT_BYTES
 from bastion.workbench.registry import WorkspaceRegistry
 
@@ -41,8 +42,8 @@ _WRITES = ToolAnnotations(read_only_hint=False, destructive_hint=True, idempoten
 _KILLS = ToolAnnotations(read_only_hint=False, destructive_hint=True, idempotent_hint=True, open_world_hint=False)
 
 
-def register_processes(server: BastionServer, registry: WorkspaceRegistry) -> None:
-    """Add the background process tools to `server`."""
+def register_processes(server: BastionServer, registry: WorkspaceRegistry, threads: ThreadShares) -> None:
+    """Add the background process tools to `server`; long command lines are cleaned in `threads`' shares."""
     in_workspace = workspace_of("sandbox_id", registry.get_id)
 
     @audited_tool(
@@ -61,7 +62,8 @@ def register_processes(server: BastionServer, registry: WorkspaceRegistry) -> No
         ),
     )
     async def list_processes(sandbox_id: SandboxId = None) -> dict[str, object]:
-        return {"processes": registry.get(sandbox_id).list_processes()}
+        ws = registry.get(sandbox_id)
+        return {"processes": await ws.list_processes(threads.binding(ws))}
 
     @audited_tool(
         server,

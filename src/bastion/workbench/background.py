@@ -11,6 +11,7 @@ their command lines are the sandbox's to write, so they are cleaned like output.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from bastion.safety.redact import Redactor, sanitize_terminal
 from bastion.sandbox.backend import Process, Sandbox
 from bastion.sandbox.command_groups import Leftover
 from bastion.sandbox.processes import OutputLog, RingCapture
+from bastion.workbench.workers import INLINE_CLEAN_CHARS, InThread, any_thread
 
 MAX_PROCESSES: Final = 16  # background processes per sandbox, running or exited (the oldest exited go first)
 RING_BYTES: Final = 1 << 20  # raw output kept per stream of a background process, while the server has room
@@ -237,9 +239,17 @@ class BackgroundProcesses:
             SHARES.leave(record)
         self._records.clear()
 
-    def leftovers(self) -> list[dict[str, object]]:
-        """What commands left running, cleaned: at most `MAX_LEFTOVERS_LISTED`, the lowest pids first."""
-        return [self._shown(left) for left in self._sandbox.leftovers()[:MAX_LEFTOVERS_LISTED]]
+    async def leftovers(self, in_thread: InThread = any_thread) -> list[dict[str, object]]:
+        """What commands left running, cleaned: at most `MAX_LEFTOVERS_LISTED`, the lowest pids first. Cleaned by
+        `in_thread` (the calling tool's thread shares) when there are many: found by attack, 100 command lines of
+        4 KiB of `key=` lines each took 100 ms of the event loop a call."""
+        lefts = self._sandbox.leftovers()[:MAX_LEFTOVERS_LISTED]
+        if sum(len(arg) for left in lefts for arg in left.argv) <= INLINE_CLEAN_CHARS:
+            return [self._shown(left) for left in lefts]
+        return await in_thread(functools.partial(self._shown_all, lefts))
+
+    def _shown_all(self, lefts: list[Leftover]) -> list[dict[str, object]]:
+        return [self._shown(left) for left in lefts]
 
     def _shown(self, left: Leftover) -> dict[str, object]:
         argv: list[str] = []

@@ -550,9 +550,10 @@ class HostWorkspace:
             record = self.processes.add(process, self._redact_argv(approved.argv))
         return {**record.summary(), "cwd": sandbox_cwd}
 
-    def list_processes(self) -> list[dict[str, object]]:
-        """Background processes, then what commands left running."""
-        return [*self.processes.summaries(), *self.processes.leftovers()]
+    async def list_processes(self, in_thread: InThread = any_thread) -> list[dict[str, object]]:
+        """Background processes, then what commands left running (their command lines cleaned by `in_thread`
+        when long)."""
+        return [*self.processes.summaries(), *await self.processes.leftovers(in_thread)]
 
     async def read_process(self, pid: int, *, since: int | None) -> dict[str, object]:
         """Cleaned output from offset `since` (see `BackgroundProcesses.read`)."""

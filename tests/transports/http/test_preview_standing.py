@@ -29,6 +29,7 @@ from wsproto.events import CloseConnection, Event
 
 from bastion.transports.http.preview import CappedBody, RelayProgress, ResponseRelay, SocketStream
 from bastion.transports.http.preview_ws import STANDING_CHECK_S, Standing, proxy_websocket
+from tests.helpers import LoopLag
 from tests.transports.http.ws_relay import RecordingBrowser, app_sending, frame
 
 PIECE_INTERVAL_S = 0.002
@@ -102,6 +103,7 @@ async def _relay(
     *,
     start: bool = False,
     stream: type[SocketStream] = SocketStream,
+    cap: int = LARGE_BODY * 2,
 ) -> int:
     """One request over `proxy_side` and its response's body relayed to `browser`; with `start`, the response
     is started as the preview listener starts it (`ResponseRelay.answer`): the status it audits."""
@@ -112,9 +114,7 @@ async def _relay(
             "GET", httpcore2.URL("http://127.0.0.1:8080/trickle"), headers=[(b"host", b"127.0.0.1:8080")]
         )
         response = await connection.handle_async_request(request)
-        relay = ResponseRelay(
-            response, browser.send, CappedBody(browser.receive, 1 << 20), LARGE_BODY * 2, RelayProgress()
-        )
+        relay = ResponseRelay(response, browser.send, CappedBody(browser.receive, 1 << 20), cap, RelayProgress())
         if start:
             return await relay.answer([], standing)
         await relay.relay(standing)
@@ -150,6 +150,46 @@ def test_a_flood_of_pieces_makes_no_login_lookup_per_piece(pair: tuple[socket.so
     assert login.lookups <= 2 + (streamed_s + cut_after_s) / STANDING_CHECK_S, (login.lookups, streamed_s)
     assert cut_after_s < STANDING_CHECK_S + 1.0
     assert all(message.get("more_body", True) for message in browser.messages), "the cut body was ended whole"
+
+
+async def _bursting_app(sock: socket.socket, pieces: int) -> None:
+    """An app that answers with `pieces` one-byte pieces written at once, then its body's end."""
+    reader, writer = await asyncio.open_connection(sock=sock)
+    try:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + b"1\r\nx\r\n" * pieces + b"0\r\n\r\n")
+        await writer.drain()
+        await reader.read()  # until the proxy closes its side
+    finally:
+        writer.close()
+
+
+def test_a_body_of_one_byte_pieces_holds_the_event_loop_for_a_moment_only(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    """Found by attack: pieces of an app's body already buffered are parsed without an await, and one-byte pieces
+    never fill the relay's pending bytes (whose wait was its only await): the default cap's 65,536 of them held
+    every agent's calls 0.3 to 0.6 s in one block. Invariant: the loop gets a turn every `PIECES_PER_TURN`
+    pieces (its longest stall stays a small fraction of the block), and the body arrives whole."""
+    proxy_side, app_side = pair
+    browser = _Browser()
+    pieces = 40_000
+
+    async def main() -> float:
+        app = asyncio.ensure_future(_bursting_app(app_side, pieces))
+        try:
+            async with asyncio.timeout(WAIT_S):
+                with LoopLag() as lag:
+                    await _relay(proxy_side, browser, Standing(lambda: True, lambda: True), cap=pieces << 10)
+            return lag.cpu_worst
+        finally:
+            app.cancel()
+            await asyncio.gather(app, return_exceptions=True)
+
+    worst = asyncio.run(main())
+    assert browser.received == pieces
+    assert not browser.messages[-1].get("more_body", True)  # ended whole
+    assert worst < 0.05, worst
 
 
 def _admitted_long_ago() -> float:
