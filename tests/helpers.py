@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 from argon2 import PasswordHasher
 from mcp import Client
 
@@ -142,6 +143,18 @@ class Hold:
         self.entered.set()
         self.release.wait(self.HOLD_S)
         self.left.set()
+
+    async def call(self, client: Client, tool: str, **args: object) -> Payload:
+        """Call `tool`, whose work `wait`s in its worker, and show another call answered meanwhile; its answer."""
+        answers: list[Payload] = []
+
+        async def held_call() -> None:
+            answers.append(await call(client, tool, **args))
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(held_call)
+            await self.answered_meanwhile(client)
+        return answers[0]
 
     async def answered_meanwhile(self, client: Client) -> None:
         try:

@@ -350,17 +350,9 @@ async def test_create_run_close_with_many_files_holds_no_other_call(
         return real(self, path, content, **kwargs)
 
     monkeypatch.setattr(HostWorkspace, "write_file", held_write)
-    answers: dict[str, Payload] = {}
-
-    async def run_once() -> None:
-        command = "cat d*/f* | wc -l && cat d3/f3"
-        answers["run"] = await call(client, "create_run_close", command=command, files=files)
-
-    async with anyio.create_task_group() as tasks:
-        tasks.start_soon(run_once)
-        await hold.answered_meanwhile(client)
-    assert answers["run"]["ok"], answers["run"]
-    assert answers["run"]["detail"]["stdout"].split() == ["200", "3"]
+    ran = await hold.call(client, "create_run_close", command="cat d*/f* | wc -l && cat d3/f3", files=files)
+    assert ran["ok"], ran
+    assert ran["detail"]["stdout"].split() == ["200", "3"]
     assert services.sandboxes.all() == []
 
 
@@ -410,13 +402,6 @@ async def test_status_of_a_sandbox_walked_for_its_disk_use_holds_no_other_call(
         return real(self, held)
 
     monkeypatch.setattr(manager_module.SandboxManager, "detail", held_detail)
-    answers: dict[str, Payload] = {}
-
-    async def status() -> None:
-        answers["status"] = await call(client, "get_sandbox_status", sandbox_id=box)
-
-    async with anyio.create_task_group() as tasks:
-        tasks.start_soon(status)
-        await hold.answered_meanwhile(client)
-    assert answers["status"]["ok"], answers["status"]
-    assert answers["status"]["detail"]["sandbox_id"] == box
+    status = await hold.call(client, "get_sandbox_status", sandbox_id=box)
+    assert status["ok"], status
+    assert status["detail"]["sandbox_id"] == box

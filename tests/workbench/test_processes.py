@@ -750,15 +750,7 @@ async def test_listing_processes_with_long_command_lines_holds_no_other_call(
         return real(text)
 
     monkeypatch.setattr(background, "sanitize_terminal", held)
-    answers: dict[str, Payload] = {}
-
-    async def listing() -> None:
-        answers["list"] = await call(client, "list_processes", sandbox_id=box)
-
-    async with anyio.create_task_group() as tasks:
-        tasks.start_soon(listing)
-        await hold.answered_meanwhile(client)
-    listed = answers["list"]
+    listed = await hold.call(client, "list_processes", sandbox_id=box)
     assert listed["ok"], listed
     commands = [p for p in listed["detail"]["processes"] if p["started_by"] == "command"]
     assert len(commands) == 8

@@ -965,15 +965,8 @@ async def test_a_long_scrollback_is_cleaned_off_the_event_loop(client: Client, m
 
     monkeypatch.setattr(terminals_module, "sanitize_terminal", held)
     await send(client, terminal, "seq 1 3000; echo DONE", "Enter")
-    answers: dict[str, Payload] = {}
-
-    async def read() -> None:
-        answers["read"] = await call(client, "terminal_read", terminal_id=terminal, wait_for="(?m)^DONE$", timeout_s=30)
-
-    async with anyio.create_task_group() as tasks:
-        tasks.start_soon(read)
-        await hold.answered_meanwhile(client)
-    detail = answers["read"]["detail"]
+    read = await hold.call(client, "terminal_read", terminal_id=terminal, wait_for="(?m)^DONE$", timeout_s=30)
+    detail = read["detail"]
     assert detail["matched"], detail
     assert "\n1\n2\n3\n" in f"\n{detail['scrolled_off']}"
     assert detail["scrolled_off_dropped_lines"] == 0

@@ -7,7 +7,6 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
-import anyio
 import pytest
 from mcp import Client
 
@@ -21,7 +20,7 @@ from bastion.sandbox.identity import IdentityPool
 from bastion.workbench import workspace as workspace_module
 from bastion.workbench.workers import INLINE_CLEAN_CHARS
 from bastion.workbench.workspace import IDMAP_DIR, IDMAP_MOUNT, HostWorkspace
-from tests.helpers import Hold, Payload, bubblewrap, call, create, demo_config_at
+from tests.helpers import Hold, Payload, bubblewrap, create, demo_config_at
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
 
@@ -477,17 +476,10 @@ async def test_a_command_with_long_output_is_cleaned_off_the_event_loop(
         return real(redactor, raw, cut=cut)
 
     monkeypatch.setattr(workspace_module, "clean_output", held)
-    answers: dict[str, Payload] = {}
     command = "for i in $(seq 2000); do echo key=$i; done; echo password=hunter2hunter2"
-
-    async def run() -> None:
-        answers["run"] = await call(client, "run_command", sandbox_id=box, command=command)
-
-    async with anyio.create_task_group() as tasks:
-        tasks.start_soon(run)
-        await hold.answered_meanwhile(client)
-    out = answers["run"]["detail"]["stdout"]
-    assert answers["run"]["ok"], answers["run"]
+    ran = await hold.call(client, "run_command", sandbox_id=box, command=command)
+    out = ran["detail"]["stdout"]
+    assert ran["ok"], ran
     assert out.count("\n") == 2001
     assert "hunter2hunter2" not in out
     assert "[REDACTED:" in out
