@@ -118,6 +118,19 @@ class LiveServer:
         result: dict[str, Any] = response.json()
         return result
 
+    def admin(self, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+        """`bastion admin ARGS` on this server's config (another process, as the administrator's); it must succeed."""
+        done = subprocess.run(
+            [str(BASTION), "admin", *args, "--config", str(self.config_path)],
+            input=stdin,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr
+        return done
+
     def stop(self) -> None:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGINT)

@@ -12,7 +12,6 @@ import base64
 import concurrent.futures
 import hashlib
 import json
-import subprocess
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -24,7 +23,7 @@ import pytest
 from bastion.transports.http.endpoints import ROTATIONS_PER_MINUTE
 from tests.helpers import INITIALIZE_REQUEST, MCP_HEADERS
 
-from .live import BASTION, PASSWORD, Browser, LiveServer, callback_params, forms, get_tokens, pkce
+from .live import PASSWORD, Browser, LiveServer, callback_params, forms, get_tokens, pkce
 
 CLAUDE_CB = "https://claude.ai/api/mcp/auth_callback"
 LOOPBACK_CB = "http://127.0.0.1/callback"
@@ -76,14 +75,7 @@ def refresh(raw: httpx2.Client, client_id: str, token: str, **extra: str) -> htt
 
 def set_password(server: LiveServer, password: str) -> None:
     """`bastion admin set-password`, the password on stdin; it must succeed and never echo it."""
-    changed = subprocess.run(
-        [str(BASTION), "admin", "set-password", "--config", str(server.config_path)],
-        input=password + "\n",
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert changed.returncode == 0, changed.stderr
+    changed = server.admin("set-password", stdin=password + "\n")
     assert password not in changed.stdout + changed.stderr
 
 

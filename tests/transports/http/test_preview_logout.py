@@ -21,7 +21,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import json
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -35,7 +34,7 @@ from bastion.transports.http.preview_ws import STANDING_CHECK_S
 from bastion.transports.http.store import digest
 from bastion.workbench.previews import token_id
 
-from .live import BASTION, PASSWORD, Browser, LiveServer, forms
+from .live import PASSWORD, Browser, LiveServer, forms
 from .test_preview import APPS, SESSION_COOKIE, Preview, serving_preview
 from .ws_relay import BrowserWebSocket
 
@@ -135,18 +134,6 @@ def expire_session(server: LiveServer, session: str) -> None:
         db.execute("UPDATE admin_sessions SET expires_at = ? WHERE digest = ?", (time.time() - 1, digest(session)))
 
 
-def set_password(server: LiveServer) -> None:
-    changed = subprocess.run(
-        [str(BASTION), "admin", "set-password", "--config", str(server.config_path)],
-        input=NEW_PASSWORD + "\n",
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert changed.returncode == 0, changed.stderr
-
-
 def end_login(how: str, browser: Browser) -> None:
     """End the login of `browser` as the administrator would: a logout, revoke all, a new password, or expiry."""
     session = browser.cookies[SESSION_COOKIE]
@@ -155,7 +142,7 @@ def end_login(how: str, browser: Browser) -> None:
     elif how == "revoke_all":
         post_as_admin(browser, "/admin/revoke", grant="*")
     elif how == "password_change":
-        set_password(browser.server)
+        browser.server.admin("set-password", stdin=NEW_PASSWORD + "\n")
     else:
         expire_session(browser.server, session)
 

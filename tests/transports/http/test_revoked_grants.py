@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import subprocess
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AbstractContextManager
@@ -40,7 +39,7 @@ from bastion.transports.http.sessions import REVOKED_MESSAGE, GrantCalls
 from tests.helpers import call
 
 from .conftest import SHARED_HTTP
-from .live import BASTION, PASSWORD, Browser, LiveServer, forms, get_tokens, live_server, pkce, redeem_code
+from .live import PASSWORD, Browser, LiveServer, forms, get_tokens, live_server, pkce, redeem_code
 
 BOUND_S = 10.0
 """How long the server may take to end what a revoked grant holds (it looks every 0.5 s)."""
@@ -132,18 +131,6 @@ def grant_of(server: LiveServer, client_id: str) -> str:
     return str(row[0])
 
 
-def bastion_admin(server: LiveServer, *args: str, stdin: str | None = None) -> None:
-    done = subprocess.run(
-        [str(BASTION), "admin", *args, "--config", str(server.config_path)],
-        input=stdin,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-
-
 def revoke_on_dashboard(server: LiveServer, grant: str) -> None:
     browser = Browser(server)
     try:
@@ -174,7 +161,7 @@ def expire(server: LiveServer, grant: str) -> None:
 def end_grant(server: LiveServer, how: str, client_id: str, tokens: dict[str, Any]) -> None:
     grant = grant_of(server, client_id)
     if how == "cli":
-        bastion_admin(server, "revoke", grant)
+        server.admin("revoke", grant)
     elif how == "dashboard":
         revoke_on_dashboard(server, grant)
     elif how == "refresh-reuse":
@@ -256,9 +243,7 @@ def test_revoked_grant_keeps_every_session_open_after_a_password_reset(
 
         async def scenario() -> None:
             async with holding(server, first, 2) as (_, one), holding(server, second, 1) as (_, two):
-                await anyio.to_thread.run_sync(
-                    lambda: bastion_admin(server, "set-password", stdin="a brand new password\n")
-                )
+                await anyio.to_thread.run_sync(lambda: server.admin("set-password", stdin="a brand new password\n"))
                 everything = [*one.opened, *two.opened]
                 await until(lambda: set(everything) <= {*one.ended, *two.ended}, "every GET stream ended")
                 await until(lambda: set(everything) <= terminated(server), "every session terminated")
@@ -315,7 +300,7 @@ def test_revoked_grant_keeps_its_long_call_running(server: LiveServer) -> None:
             async with anyio.create_task_group() as tasks:
                 tasks.start_soon(long_call)
                 await until(lambda: _running(["sleep", "28.25"]), "the command started")
-                await anyio.to_thread.run_sync(bastion_admin, server, "revoke", grant_of(server, client_id))
+                await anyio.to_thread.run_sync(server.admin, "revoke", grant_of(server, client_id))
                 await until(lambda: bool(outcome), "the call ended")
             await until(lambda: set(held.opened) <= set(held.ended), "the GET stream ended")
 
