@@ -201,6 +201,7 @@ _PEM_TAIL_CHARS: Final = 80
 _Span = tuple[int, int, str, int]
 _MARKER: Final = re.compile(r"\[REDACTED:[a-z_]+\]")
 _MAX_MARKER_CHARS: Final = 40
+_CUSTOM: Final = "custom"  # the kind of the administrator's patterns
 
 
 class Redactor:
@@ -221,7 +222,7 @@ class Redactor:
         rules = list(_BUILTINS)
         for i, pattern in enumerate(extra_patterns):
             try:
-                rules.append(_rule("custom", re.compile(pattern)))
+                rules.append(_rule(_CUSTOM, re.compile(pattern)))
             except (re.error, TypeError, ValueError) as exc:
                 raise ConfigError(f"redaction pattern {i} {pattern!r} is not a valid regex: {exc}") from None
         values = sorted({v for v in secret_values if len(v) >= MIN_SECRET_VALUE_CHARS}, key=len, reverse=True)
@@ -271,20 +272,25 @@ class Redactor:
         redacts a slice's edges: found by attack, the audit log redacted a 4 MiB argument whole to keep 4,096
         characters of it, and held the event loop 2.5 s. A text that secrets shrink keeps no more than its first
         `max_chars` characters: kept past them, a secret cut by the margin's end showed its start (found by
-        review). With administrator patterns (which may need any context: a multi-line block) the whole text
-        is redacted, as before.
+        review). Administrator patterns (which may need any context: a multi-line block) still run over the
+        whole text, up to their first match past the cut; only the built-in rules are kept to the window. Found
+        by attack: with one administrator pattern, the built-in rules ran over all of a 4 MiB argument of
+        `password=` lines, 0.3 s of the event loop a call.
 
         Returns:
             The text and whether it was cut (whether any of `text` was left out).
         """
         cut = max(max_chars, 0)
-        window = text if self._custom else text[: cut + max(SLICE_CONTEXT_BYTES, self._longest_value)]
-        spans = self._spans(window, 0)
+        window = text[: cut + max(SLICE_CONTEXT_BYTES, self._longest_value)]
+        if self._custom and len(window) < len(text):
+            spans = _merge(self._found(window, 0, custom=False) + self._custom_found(text, cut), self._rules)
+        else:
+            spans = self._spans(window, 0)
         end = min(cut, len(window))
         for start, stop, _, _ in spans:
             if start < end < stop:
                 end = stop  # a secret across the cut: kept as its marker, or dropped with it below
-        red = _apply(window, spans, 0, end)
+        red = _apply(text, spans, 0, end)
         if end == len(text) and len(red) <= cut:
             return red, False
         for m in _MARKER.finditer(red, max(0, cut - _MAX_MARKER_CHARS), cut + _MAX_MARKER_CHARS):
@@ -362,13 +368,17 @@ class Redactor:
         return StreamRedactor(self)
 
     def _spans(self, text: str, pos: int) -> list[_Span]:
+        return _merge(self._found(text, pos), self._rules)
+
+    def _found(self, text: str, pos: int, *, custom: bool = True) -> list[tuple[int, int, int, int]]:
+        """Every rule's matches in ``text[pos:]`` (administrator patterns' only if `custom`), unmerged."""
         found: list[tuple[int, int, int, int]] = []
         lowered = _fold(text[pos:])
         present = _present_needles(lowered)
         # Had lowering lengthened a character, positions in `lowered` would not be those in `text`.
         aligned = len(lowered) == len(text) - pos
         for prio, rule in enumerate(self._rules):
-            if rule.needles and rule.needles.isdisjoint(present):
+            if (rule.needles and rule.needles.isdisjoint(present)) or (not custom and rule.kind == _CUSTOM):
                 continue
             if rule.one_line and aligned:
                 ranges = _needle_lines(lowered, rule.needles & present, pos)
@@ -376,18 +386,32 @@ class Redactor:
                 ranges = [(pos, len(text))]
             for range_start, range_end in ranges:
                 found += _matches(rule, prio, text, range_start, range_end)
-        return _merge(found, self._rules)
+        return found
+
+    def _custom_found(self, text: str, before: int) -> list[tuple[int, int, int, int]]:
+        """The administrator patterns' matches over the whole of `text` that start before `before`: those are
+        what they find there in the whole text, wherever they end."""
+        found: list[tuple[int, int, int, int]] = []
+        for prio, rule in enumerate(self._rules):
+            if rule.kind == _CUSTOM:
+                found += _matches(rule, prio, text, 0, len(text), before=before)
+        return found
 
     def _hold_chars(self) -> int:
         return max(STREAM_HOLD_CHARS, self._longest_value)
 
 
-def _matches(rule: _Rule, prio: int, text: str, pos: int, endpos: int) -> list[tuple[int, int, int, int]]:
-    """(start, prio, end, start of the whole match) of each match of `rule` in ``text[pos:endpos]``: the
-    secret group's span when the rule has one that matched, else the match's; empty ones are dropped."""
+def _matches(
+    rule: _Rule, prio: int, text: str, pos: int, endpos: int, *, before: int | None = None
+) -> list[tuple[int, int, int, int]]:
+    """(start, prio, end, start of the whole match) of each match of `rule` in ``text[pos:endpos]`` (that starts
+    before `before`, if given): the secret group's span when the rule has one that matched, else the match's;
+    empty ones are dropped."""
     found = []
     for m in rule.regex.finditer(text, pos, endpos):
         start, end = m.span()
+        if before is not None and start >= before:
+            break
         for group in rule.groups:
             if m.group(group) is not None:
                 start, end = m.span(group)
