@@ -491,3 +491,44 @@ def test_revoked_grant_whose_answer_waits_for_a_slow_reader_is_answered_broken(h
     else:
         assert [m["type"] for m in sent] == ["http.response.start"]  # ended there: no body of another length
     assert calls.grants() == set()
+
+
+def test_revoked_grant_whose_call_still_writes_its_end_record_is_cancelled_once() -> None:
+    """Found by review: a cancelled call stays in flight while it writes its end record, shielded (the audit log on a
+    slow disk), and the next poll, half a second later, cancelled and counted it again: the server log said once more
+    that it was cancelled. Invariant: `end` counts a call once, and a second `end` finds nothing more to cancel, the
+    call still running; it is answered with the refusal once it finishes."""
+    record_written = anyio.Event()
+    sent: list[Message] = []
+
+    async def writing_its_end_record(scope: Scope, receive: Receive, send: Send) -> None:
+        await receive()
+        try:
+            await anyio.sleep_forever()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await record_written.wait()  # the shielded end record, on a slow disk
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    calls = GrantCalls(writing_its_end_record)
+    scope, receive = _one_modern_call()
+
+    async def scenario() -> None:
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(calls, scope, receive, send)
+                try:
+                    await until(lambda: calls.grants() == {"grant-1"}, "the call is in flight")
+                    assert calls.end("grant-1") == 1
+                    await anyio.sleep(0)
+                    assert calls.grants() == {"grant-1"}  # still writing its record
+                    assert calls.end("grant-1") == 0
+                finally:
+                    record_written.set()
+
+    anyio.run(scenario)
+    assert calls.grants() == set()
+    assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]
+    assert sent[0]["status"] == 403

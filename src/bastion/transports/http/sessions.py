@@ -187,8 +187,10 @@ class GrantCalls:
         return set(self.running)
 
     def end(self, grant: str) -> int:
-        """Cancel the calls of `grant` in flight; returns how many."""
-        calls = list(self.running.get(grant, ()))
+        """Cancel the calls of `grant` in flight not cancelled yet; returns how many."""
+        # Not again: a cancelled call still writing its shielded end record (a slow disk) stays here past the next
+        # poll, and was counted, and logged, once more.
+        calls = [call for call in self.running.get(grant, ()) if not call.scope.cancel_called]
         for call in calls:
             call.scope.cancel()
         return len(calls)
@@ -291,9 +293,9 @@ async def end_dead_grants(
             await transport.terminate()
         logger.warning("grant %s is revoked or has expired: ended its %d MCP session(s)", grant, len(transports))
     for grant in busy - alive:
-        logger.warning(
-            "grant %s is revoked or has expired: cancelled its %d call(s) in flight", grant, calls.end(grant)
-        )
+        cancelled = calls.end(grant)
+        if cancelled:
+            logger.warning("grant %s is revoked or has expired: cancelled its %d call(s) in flight", grant, cancelled)
 
 
 async def end_revoked_forever(
