@@ -27,6 +27,7 @@ import pytest
 from bastion.safety.errors import Unavailable
 from bastion.sandbox import microvm
 from bastion.sandbox._spawn import SANDBOX_PATH
+from bastion.sandbox._vmegress import FRAME_COST_BYTES, GUEST_BURST_BYTES
 from bastion.sandbox.backend import RunOutcome
 from bastion.sandbox.cgroups import CgroupLayout, Limits
 from bastion.sandbox.microvm import MicroVMSandbox
@@ -80,6 +81,35 @@ while sent == 0 or time.monotonic() < end:
 print("sent", sent, len(payload))
 """
 
+# Run by the guest's root: takes the stream port from the guest's own end of it (inside/egress_port.py), then writes
+# 9-byte "D" frames for a stream it never opened for SECONDS, reading what the host sends meanwhile.
+STREAMS = """
+import os, struct, sys, threading, time
+seconds = float(sys.argv[1])
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        if b"egress_port.py" in open("/proc/%s/cmdline" % pid, "rb").read():
+            os.kill(int(pid), 9)
+    except OSError:
+        pass
+for _ in range(50):
+    try:
+        port = os.open("/dev/vport0p2", os.O_RDWR)
+        break
+    except OSError:
+        time.sleep(0.1)
+threading.Thread(target=lambda: [None for _ in iter(lambda: os.read(port, 65536), b"")], daemon=True).start()
+frame = struct.pack(">IcI", 5, b"D", 7)
+block = frame * 455
+sent, end = 0, time.monotonic() + seconds
+while time.monotonic() < end:
+    view = memoryview(block)
+    while view:
+        view = view[os.write(port, view) :]
+    sent += 455
+print("sent", sent)
+"""
+
 _original_program = microvm.guest_program
 
 
@@ -125,7 +155,9 @@ async def hostile(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Hos
     top = tmp_path_factory.mktemp("vmattacks")
     layout = CgroupLayout.detect(base_name=f"bastion-vmattack-{os.getpid()}")
     try:
-        async with own_guest(top, tmp_path_factory.getbasetemp(), settings, layout, {"frames.py": FRAMES}) as box:
+        async with own_guest(
+            top, tmp_path_factory.getbasetemp(), settings, layout, {"frames.py": FRAMES, "streams.py": STREAMS}
+        ) as box:
             with pytest.MonkeyPatch.context() as patch:
                 patch.setattr(microvm, "guest_program", rooted_program)
                 await box.start()
@@ -182,6 +214,27 @@ async def test_guest_root_flooding_valid_small_messages_holds_a_bounded_share_of
     fields = out.split()
     assert fields[0] == "sent", out
     assert int(fields[1]) * int(fields[2]) > 2 << 20  # more than the burst: the budget was reached
+    assert cpu / wall < 0.15, f"the loop's thread spent {cpu:.2f} s of CPU in {wall:.1f} s"
+    assert lag.cpu_worst < 0.1, lag.cpu_worst
+    after = await hostile.sh("echo after")
+    assert (after.status, after.stdout) == (0, b"after\n")
+
+
+async def test_guest_root_flooding_its_stream_port_with_tiny_frames_holds_a_bounded_share_of_the_event_loop(
+    hostile: Hostile,
+) -> None:
+    """Found by attack: the agent port's frames drew on the guest's budget, its stream port's (egress, previews,
+    terminals) did not. The guest's root, holding that port itself, wrote 9-byte "D" frames for a stream it never
+    opened: the loop's thread was 50 to 80% busy, and another sandbox's `true` went from 0.9 to 23-35 ms (p50).
+    Invariant: a 4 s flood, past the budget's burst, costs the loop's thread a small share of its CPU, no tick is
+    held long, and a command in the guest still runs afterwards. Takes the guest's stream port for good."""
+    with LoopLag() as lag:
+        cpu, wall = time.thread_time(), time.monotonic()
+        out = await hostile.root("python3 -I /workspace/streams.py 4")
+        cpu, wall = time.thread_time() - cpu, time.monotonic() - wall
+    fields = out.split()
+    assert fields[0] == "sent", out
+    assert int(fields[1]) > GUEST_BURST_BYTES // FRAME_COST_BYTES  # past the burst: the budget was reached
     assert cpu / wall < 0.15, f"the loop's thread spent {cpu:.2f} s of CPU in {wall:.1f} s"
     assert lag.cpu_worst < 0.1, lag.cpu_worst
     after = await hostile.sh("echo after")

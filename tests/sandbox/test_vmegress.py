@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 
 from bastion.sandbox import _vmegress as vmegress
-from bastion.sandbox._vmegress import MAX_STREAMS, WINDOW, EgressPort
+from bastion.sandbox._vmegress import FRAME_COST_BYTES, GUEST_BURST_BYTES, MAX_STREAMS, WINDOW, EgressPort
 from bastion.sandbox.inside import egress_port, forwarder
-from tests.helpers import fds_left
+from tests.helpers import LoopLag, fds_left
 from tests.sandbox.egress_helpers import BIG, HEADER, EgressSetup, HostileGuest, egress_setup, frame
 
 pytestmark = pytest.mark.anyio
@@ -176,12 +176,23 @@ async def test_a_sandbox_without_egress_has_every_stream_refused() -> None:
         guest.close()
 
 
-def flood(sock: socket.socket, seconds: float) -> None:
-    """Tiny frames (for a stream never opened: each ignored) as fast as the socket takes them."""
-    burst = frame(b"D", 99) * 100_000
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        sock.sendall(burst)
+def flood(sock: socket.socket, seconds: float) -> int:
+    """Tiny frames (for a stream never opened: each ignored) as fast as the socket takes them for `seconds`, whole
+    ones only; how many."""
+    one = frame(b"D", 99)
+    burst = one * 100_000
+    sent, deadline = 0, time.monotonic() + seconds
+    timeout = sock.gettimeout()
+    sock.settimeout(0.05)  # the host reads at its budget's pace: a send may wait
+    try:
+        while time.monotonic() < deadline:
+            with contextlib.suppress(TimeoutError):
+                sent += sock.send(burst[sent % len(burst) :])
+        sock.settimeout(timeout)
+        sock.sendall(one[sent % len(one) :] if sent % len(one) else b"")  # the last frame whole
+    finally:
+        sock.settimeout(timeout)
+    return -(-sent // len(one))
 
 
 async def test_a_flood_of_tiny_frames_does_not_stall_the_event_loop() -> None:
@@ -203,6 +214,28 @@ async def test_a_flood_of_tiny_frames_does_not_stall_the_event_loop() -> None:
         assert max(gaps) < 0.6  # the old reader held the loop for the whole flood
     finally:
         beat.cancel()
+        guest.close()
+
+
+async def test_a_guest_flooding_tiny_frames_for_an_id_it_never_opened_holds_a_small_share_of_the_loop() -> None:
+    """Found by attack: the agent port's frames drew on a budget per guest, this port's did not. A guest's root
+    writing 9-byte "D" frames for an id it never opened (each ignored after one lookup, ~7,000 a read) held the
+    loop's thread 50 to 80% busy, and another sandbox's `true` went from 2.4 to 67 ms (p50). Now every frame draws
+    on the guest's budget (shared with its agent port), and past it the port is not read. Invariant: a 2 s flood,
+    past the budget's burst, costs the loop's thread a small share of its CPU, no tick is held long, and the port
+    is still read. (The booted-guest variant: test_microvm_guest_attacks.py.)"""
+    guest = HostileGuest(None)
+    try:
+        with LoopLag() as lag:
+            cpu, wall = time.thread_time(), time.monotonic()
+            frames = await asyncio.to_thread(flood, guest.sock, 2.0)
+            cpu, wall = time.thread_time() - cpu, time.monotonic() - wall
+        assert frames > GUEST_BURST_BYTES // FRAME_COST_BYTES  # past the burst: the budget was reached
+        assert cpu / wall < 0.15, f"the loop's thread spent {cpu:.2f} s of CPU in {wall:.1f} s"
+        assert lag.cpu_worst < 0.05, lag.cpu_worst
+        assert guest.port._task is not None
+        assert not guest.port._task.done()
+    finally:
         guest.close()
 
 

@@ -56,7 +56,7 @@ from bastion.sandbox._spawn import (
     SandboxSpec,
     start_vmm,
 )
-from bastion.sandbox._vmegress import EgressPort, cut_by_close
+from bastion.sandbox._vmegress import FRAME_COST_BYTES, Budget, EgressPort, cut_by_close
 from bastion.sandbox.backend import Backend, Process, RunOutcome, Sandbox
 from bastion.sandbox.cgroups import CgroupLayout, Limits, SandboxCgroup, Usage
 from bastion.sandbox.command_groups import Leftover
@@ -97,13 +97,9 @@ _READ_BYTES: Final = 65_536  # also the relay's READ_BYTES: the most output one 
 # hundred bytes (inside/agent.py's protocol; a "pty" error at most 500 characters, escaped), "S" three
 # numbers. A frame over its kind's cap, or of a kind the relay never sends, is a hostile guest's: it ends.
 _MAX_PAYLOAD: Final = {b"M": 16 << 10, b"S": 64, b"O": _READ_BYTES, b"R": _READ_BYTES, b"o": 0, b"r": 0}
-# Every frame draws on a budget per guest (its reader's cost, ~4 us), and the frames the host parses ("M":
-# json.loads, ~30 ns a byte at worst) their size too, so a guest flooding frames of any kind, valid or
-# for ids that do not exist, holds at most ~1% of the event loop; the burst is thousands of commands' exits.
+# Every frame draws on the guest's budget (`_vmegress.Budget.per_guest`, shared with its egress port: its reader's
+# cost, ~4 us), and the frames the host parses ("M": json.loads, ~30 ns a byte at worst) their size too.
 _PARSED: Final = (b"M", b"S")
-_PARSE_RATE_BYTES_S: Final = 256 << 10
-_PARSE_BURST_BYTES: Final = 1 << 20
-_FRAME_COST_BYTES: Final = 128  # a frame's own cost in the reader (~4 us), counted as that many bytes
 _EXIT_WAIT_S: Final = 2.0  # how long a VMM that closed its port is given to exit and say why
 # A killed VMM whose exit is seen (its pidfd readable) but not yet reapable (a tracer holds its zombie), or with no
 # pidfd (at the fd limit): looked at again after pauses growing from the first to the last.
@@ -248,23 +244,6 @@ class _Console:
         """The newest `_CONSOLE_TAIL_BYTES` the guest (or QEMU) wrote on its console."""
         self.drain()
         return self.kept.decode(errors="replace")
-
-
-class _Budget:
-    """A token bucket: `rate` a second, at most `burst` saved up; a spend past it is owed, and waited for."""
-
-    def __init__(self, rate: float, burst: float) -> None:
-        self.rate = rate
-        self.burst = burst
-        self.tokens = burst
-        self.stamp = time.monotonic()
-
-    def spend(self, amount: int) -> float:
-        """Take `amount`; return how long to wait before the work it pays for (0: at once)."""
-        now = time.monotonic()
-        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate) - amount
-        self.stamp = now
-        return max(0.0, -self.tokens / self.rate)
 
 
 def _oversized(kind: bytes, size: int) -> bool:
@@ -476,7 +455,7 @@ class _Guest:
         self.run_dir = run_dir
         self.group = group
         self.console = _Console(proc.stdout)
-        self.budget = _Budget(_PARSE_RATE_BYTES_S, _PARSE_BURST_BYTES)  # for the messages it sends
+        self.budget = Budget.per_guest()  # for the frames it sends, on both ports
         self.sock: socket.socket | None = None
         self.egress: EgressPort | None = None
         self.egress_sock: socket.socket | None = None
@@ -511,7 +490,7 @@ class _Guest:
             sock = self.sock = await self.open_port("agent.sock", deadline)
             # QEMU opens its chardevs in argv order: the egress socket is there once the agent's is.
             self.egress_sock = await self.open_port("egress.sock", deadline)
-            self.egress = EgressPort(self.egress_sock, proxy, self.run_dir.parent.name)
+            self.egress = EgressPort(self.egress_sock, proxy, self.run_dir.parent.name, self.budget)
             self.egress.start()
             await loop.sock_sendall(sock, guest_program(limits, dests))
         except ConnectionError:
@@ -563,7 +542,7 @@ class _Guest:
                         break
                     body = bytes(inbox[4 : 4 + size])
                     del inbox[: 4 + size]
-                    cost = _FRAME_COST_BYTES + (size if kind in _PARSED else 0)
+                    cost = FRAME_COST_BYTES + (size if kind in _PARSED else 0)
                     if (wait_s := self.budget.spend(cost)) > 0:
                         await asyncio.sleep(wait_s)  # the channel is not read meanwhile: the guest waits
                     self.on_frame(kind, int.from_bytes(body[1:5], "big"), body[5:])
