@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from bastion.logs import LogFormat, configure_logging
-from tests.helpers import BASTION
+from bastion.logs import MAX_MESSAGE_CHARS, LogFormat, configure_logging
+from tests.helpers import BASTION, least_cpu_s
 from tests.transports.http.live import free_port, write_config
 
 HOSTILE = "client says hi\n2026-12-04T00:00:00+0000 ERROR bastion.audit: forged\r\x1b[2J\x7f\x85\u2028end"
@@ -99,3 +99,32 @@ def test_stdio_serve_with_log_format_json_writes_json_lines(tmp_path: Path) -> N
     assert entries, "nothing was logged"
     assert any("serving MCP over stdio" in entry["message"] for entry in entries)
     assert all({"ts", "level", "logger", "message"} <= entry.keys() for entry in entries)
+
+
+@pytest.mark.usefixtures("restore_logging")
+@pytest.mark.parametrize("log_format", ["text", "json"])
+def test_a_huge_client_string_in_a_record_is_cut_before_it_is_escaped(log_format: LogFormat) -> None:
+    """Found by attack: the SDK logs a client's strings whole, at ERROR (shown at the default level): `prompts/get`
+    with a name of 1.3 M zero-width spaces (a 3.9 MB body) wrote "handler raised ... Unknown prompt: <name>", and
+    escaping each hidden character held the event loop 1 s and wrote 7.8 MB of log a request. Invariant: the
+    message and the exception's text are each cut to `MAX_MESSAGE_CHARS` before they are escaped, saying how much
+    was left out, and logging the huge name costs about what logging its first `MAX_MESSAGE_CHARS` does."""
+    stream = io.StringIO()
+    configure_logging("INFO", stream, log_format=log_format)
+    logger = logging.getLogger("mcp.shared.jsonrpc_dispatcher")
+
+    def log_unknown(name: str) -> None:
+        try:
+            raise ValueError(f"Unknown prompt: {name}")
+        except ValueError:
+            logger.exception("handler for %r raised", name)
+
+    huge = "\u200b" * 1_300_000
+    took = least_cpu_s(lambda: log_unknown(huge))
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 3
+    assert all(len(line) < 16 * MAX_MESSAGE_CHARS for line in lines), max(len(line) for line in lines)
+    assert lines[0].count(" more characters)") == 2  # the message's cut and the exception's
+    assert "Unknown prompt: " in lines[0]
+    cut = least_cpu_s(lambda: log_unknown(huge[:MAX_MESSAGE_CHARS]))
+    assert took < 20 * cut + 0.005, (took, cut)

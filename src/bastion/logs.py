@@ -30,6 +30,24 @@ _ESCAPES: Final = {code: f"\\x{code:02x}" for code in [*range(0x20), *range(0x7F
 _ESCAPES.update({ord("\\"): "\\\\", ord("\n"): "\\n", ord("\r"): "\\r", ord("\t"): "\\t"})
 # Unicode line and paragraph separators end a line for some readers too.
 _ESCAPES.update({0x2028: "\\u2028", 0x2029: "\\u2029"})
+MAX_MESSAGE_CHARS: Final = 4096
+"""A record's message, and its exception's text, are cut to this before they are escaped: the SDK logs a client's
+strings whole (an unknown prompt's name, a resource's URI), and a 4 MB name of hidden characters cost 1 s of the
+event loop to escape and wrote 7.8 MB of log a request (found by attack)."""
+MAX_TRACEBACK_CHARS: Final = 64 * 1024
+"""A traceback (written at DEBUG only) is cut to this: its last line holds the exception's text."""
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text) - limit} more characters)"
+
+
+def _cut_args(record: logging.LogRecord) -> None:
+    """Cut a record's long string arguments before they are formatted into its message (a ``%r`` of 4 MB of
+    hidden characters is itself 24 MB to build)."""
+    args = record.args
+    if isinstance(args, tuple) and any(type(arg) is str and len(arg) > MAX_MESSAGE_CHARS for arg in args):
+        record.args = tuple(_cut(arg, MAX_MESSAGE_CHARS) if type(arg) is str else arg for arg in args)
 
 
 def escape(text: str) -> str:
@@ -44,23 +62,29 @@ class OneLineFormatter(logging.Formatter):
     megabytes of tracebacks)."""
 
     def format(self, record: logging.LogRecord) -> str:
+        _cut_args(record)
         return escape(super().format(record))
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = _cut(record.message, MAX_MESSAGE_CHARS)
+        return super().formatMessage(record)
 
     def formatException(self, ei: ExcInfo) -> str:
         if logging.getLogger().isEnabledFor(logging.DEBUG):
-            return super().formatException(ei)
-        return f"{type(ei[1]).__name__}: {ei[1]}"
+            return _cut(super().formatException(ei), MAX_TRACEBACK_CHARS)
+        return _cut(f"{type(ei[1]).__name__}: {ei[1]}", MAX_MESSAGE_CHARS)
 
 
 class JsonFormatter(OneLineFormatter):
     """One JSON object a line: ts, level, logger, message, and exc for a record with an exception."""
 
     def format(self, record: logging.LogRecord) -> str:
+        _cut_args(record)
         entry: dict[str, str] = {
             "ts": self.formatTime(record, self.datefmt),
             "level": record.levelname,
             "logger": record.name,
-            "message": record.getMessage(),
+            "message": _cut(record.getMessage(), MAX_MESSAGE_CHARS),
         }
         if record.exc_info is not None and record.exc_info[0] is not None:
             entry["exc"] = self.formatException(record.exc_info)

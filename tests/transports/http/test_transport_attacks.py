@@ -20,6 +20,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from http.client import HTTPConnection
 from typing import Any
@@ -590,3 +591,66 @@ def test_a_get_stream_asking_to_resume_gets_a_fresh_stream_not_a_500(
         log = assert_log_clean(server)
         assert "returned without starting response" not in log
         assert " 500 " not in log
+
+
+# -- request ids ---------------------------------------------------------------------------------------
+
+
+def test_a_request_id_reused_in_flight_on_a_session_is_refused_not_held_open_for_ever(server: LiveServer) -> None:
+    """Found by attack: the SDK keys a session's answers by `str(id)`, so a ping sent as id 7 while a call with
+    id 7 ran replaced the call's answer stream: the call's POST was never answered and stayed open for ever, its
+    event stream's pings keeping it alive, through a DELETE of the session and the grant's revocation; 30 of
+    them held a cap of 32 connections, which the cap cannot evict (each is being served). Invariant: while id 7
+    is in flight on the session, a request with id 7 (or "7", the same key) is refused with 409, and so is the
+    SDK's own key of the GET stream; the call is answered; once it is, id 7 is free again."""
+    token = get_tokens(server, server.register()["client_id"])["access_token"]
+    with server.http() as http, ThreadPoolExecutor(1) as pool:
+        session = _open_session(http, token).headers["mcp-session-id"]
+        headers = {**bearer(token), "mcp-session-id": session, "mcp-protocol-version": "2025-11-25"}
+        http.post("/mcp", json={"jsonrpc": "2.0", "method": "notifications/initialized"}, headers=headers)
+        params = {"name": "run_command", "arguments": {"command": "sleep 2"}}
+        call_7 = {"jsonrpc": "2.0", "id": 7, "method": "tools/call", "params": params}
+        ping_7 = {"jsonrpc": "2.0", "id": 7, "method": "ping"}
+
+        def first_call() -> httpx2.Response:
+            with server.http() as own:
+                return own.post("/mcp", json=call_7, headers=headers, timeout=10)  # held for ever, it ends here
+
+        first = pool.submit(first_call)
+        deadline = time.monotonic() + 10
+        while (again := http.post("/mcp", json=ping_7, headers=headers)).status_code != 409:
+            assert again.status_code == 200, again.text
+            assert not first.done(), "never saw the call in flight"
+            assert time.monotonic() < deadline, "never saw the call in flight"
+        assert "already in flight on this session" in again.json()["error"]["message"]
+        for clash in ("7", "_GET_stream"):
+            refused = http.post("/mcp", json={"jsonrpc": "2.0", "id": clash, "method": "ping"}, headers=headers)
+            assert refused.status_code == 409, refused.text
+        answer = first.result(timeout=30)
+        assert answer.status_code == 200
+        assert '"id":7' in answer.text.replace(" ", "")
+        assert '"result"' in answer.text
+        free = http.post("/mcp", json=ping_7, headers=headers)
+        assert free.status_code == 200, free.text
+    assert_log_clean(server, max_bytes=4 << 20)
+
+
+def test_a_huge_unknown_prompt_name_does_not_flood_the_server_log(server: LiveServer) -> None:
+    """Found by attack: `prompts/get` with a name of 1.3 M zero-width spaces (a 3.9 MB body, under the 4 MiB cap)
+    on a 2025-11-25 session: the SDK logs the name whole at ERROR ("Unknown prompt: <name>", shown at the default
+    level), and escaping it wrote 7.8 MB of log a request (8.8 MB/s from one client) and held the event loop 1 s.
+    Invariant: three such requests are answered and grow the log by a few KiB each."""
+    token = get_tokens(server, server.register()["client_id"])["access_token"]
+    with server.http() as http:
+        session = _open_session(http, token).headers["mcp-session-id"]
+        headers = {**bearer(token), "mcp-session-id": session, "mcp-protocol-version": "2025-11-25"}
+        http.post("/mcp", json={"jsonrpc": "2.0", "method": "notifications/initialized"}, headers=headers)
+        request = {"jsonrpc": "2.0", "id": 2, "method": "prompts/get", "params": {"name": "\u200b" * 1_300_000}}
+        body = json.dumps(request, ensure_ascii=False).encode()
+        before = server.log_path.stat().st_size
+        for _ in range(3):
+            answer = http.post("/mcp", content=body, headers=headers)
+            assert answer.status_code == 200
+            assert "Unknown prompt" in answer.text
+    grown = server.log_path.stat().st_size - before
+    assert grown < 3 * 64 * 1024, f"the log grew {grown} bytes for 3 requests"

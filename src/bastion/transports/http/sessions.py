@@ -36,7 +36,7 @@ from typing import Final
 
 import anyio
 from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
-from mcp.server.streamable_http import StreamableHTTPServerTransport
+from mcp.server.streamable_http import GET_STREAM_KEY, StreamableHTTPServerTransport
 from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -80,11 +80,16 @@ def _opens_session(scope: Scope) -> bool:
 
 
 class SessionCap:
-    """ASGI wrapper for /mcp, inside the bearer check (the grant is known).
+    """ASGI wrapper for /mcp, inside the bearer check (the grant is known), and the body read (replayed).
 
     Also drops a GET stream's `Last-Event-ID`: bastion keeps no event store, so there is nothing to replay,
     and the SDK answered such a GET with nothing at all (a 500 and an error line in the log, each time).
     The stream starts afresh, as a GET without it does.
+
+    And refuses (409) a request on a session whose id is that of one still in flight there: the SDK keys a
+    session's answers by ``str(id)``, so the second request's stream replaced the first's, whose POST was never
+    answered and stayed open for ever, through a DELETE of the session and the grant's revocation, kept alive
+    by its event stream's pings (found by attack: 30 such POSTs held a cap of 32 connections, unevictable).
     """
 
     def __init__(self, app: ASGIApp, manager: StreamableHTTPSessionManager, per_grant: int) -> None:
@@ -92,6 +97,8 @@ class SessionCap:
         self.manager = manager
         self.per_grant = per_grant
         self.opening: Counter[str] = Counter()
+        self.in_flight: dict[bytes, set[str]] = {}
+        """Session id -> the ``str(id)`` of each of its requests in flight (the SDK's keys)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         # With auth off (loopback only) every client is one grant: 2,000 sessions opened in 4.6 s held 75 MiB.
@@ -99,7 +106,11 @@ class SessionCap:
             scope = {**scope, "headers": [(k, v) for k, v in scope["headers"] if k != b"last-event-id"]}
         grant = grant_of(scope)
         if not _opens_session(scope):
-            await self.app(scope, receive, send)
+            session = _header(scope, b"mcp-session-id") if scope.get("method") == "POST" else None
+            if session is None or _modern(scope):
+                await self.app(scope, receive, send)
+            else:
+                await self._one_id_at_a_time(session, scope, receive, send)
             return
         if not self._make_room(grant):
             await _too_many(send, self.per_grant)
@@ -120,6 +131,35 @@ class SessionCap:
         finally:
             if pending:
                 self._opened(grant)
+
+    async def _one_id_at_a_time(self, session: bytes, scope: Scope, receive: Receive, send: Send) -> None:
+        """Pass a POST on `session` on, unless it is a request whose id the session has in flight (409)."""
+        first = await receive()
+        body = first.get("body", b"") if first["type"] == "http.request" else b""
+        key = _request_key(body)
+        held = self.in_flight.setdefault(session, set())
+        if key is not None and (key in held or key == GET_STREAM_KEY):
+            await _id_in_flight(send, key)
+            if not held:
+                del self.in_flight[session]
+            return
+        if key is not None:
+            held.add(key)
+        given = False
+
+        async def again() -> Message:  # the message read here, then the connection's next ones
+            nonlocal given
+            if given:
+                return await receive()
+            given = True
+            return first
+
+        try:
+            await self.app(scope, again, send)
+        finally:
+            held.discard(key or "")
+            if not held and self.in_flight.get(session) is held:
+                del self.in_flight[session]
 
     def _opened(self, grant: str) -> None:
         self.opening[grant] -= 1
@@ -146,6 +186,36 @@ class SessionCap:
         oldest.idle_scope.cancel()
         logger.info("grant %s reached %d MCP sessions: closed the one idle longest", _named(grant), self.per_grant)
         return True
+
+
+def _request_key(body: bytes) -> str | None:
+    """The SDK's key of the JSON-RPC request in `body` (``str`` of its id), or None if it is none (a notification,
+    a response, a body the SDK refuses)."""
+    if b'"id"' not in body and b"\\" not in body:  # no id, unless spelled with an escape
+        return None
+    try:
+        message = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(message, dict) or "method" not in message:
+        return None
+    found = message.get("id")
+    return str(found) if isinstance(found, str | int) and not isinstance(found, bool) else None
+
+
+async def _id_in_flight(send: Send, key: str) -> None:
+    message = (
+        f"a request with id {key[:64]!r} is already in flight on this session: send each request with an id of its own"
+    )
+    error = {"jsonrpc": "2.0", "id": None, "error": {"code": -32600, "message": message}}
+    data = json.dumps(error).encode()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(data)).encode()),
+        (b"x-content-type-options", b"nosniff"),
+    ]
+    await send({"type": "http.response.start", "status": 409, "headers": headers})
+    await send({"type": "http.response.body", "body": data})
 
 
 def open_sessions(manager: StreamableHTTPSessionManager) -> Iterator[tuple[str, StreamableHTTPServerTransport]]:
