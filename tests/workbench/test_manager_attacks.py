@@ -18,6 +18,7 @@ from bastion.app import Services, build_server, build_services
 from bastion.config import load_config
 from bastion.safety.paths import MAX_WRITE_BYTES
 from bastion.sandbox.cgroups import SandboxCgroup, owner_pid
+from bastion.sandbox.warm import START_TIMEOUT_S, WarmSandbox
 from bastion.snapshot import store
 from bastion.tools.sandboxes import MAX_SEED_FILES
 from bastion.workbench import manager as manager_module
@@ -405,3 +406,56 @@ async def test_status_of_a_sandbox_walked_for_its_disk_use_holds_no_other_call(
     status = await hold.call(client, "get_sandbox_status", sandbox_id=box)
     assert status["ok"], status
     assert status["detail"]["sandbox_id"] == box
+
+
+async def _starting(warm: WarmSandbox) -> None:
+    """Until `warm`'s start waits for its agent's hello: bwrap spawned (alive), the start not over."""
+    with anyio.fail_after(_WAIT_S):
+        while not (warm._start_lock.locked() and warm.alive):
+            await anyio.sleep(0)
+
+
+async def test_a_reaper_tick_during_a_wake_up_start_leaves_the_start_alone(client: Client, services: Services) -> None:
+    """Found by attack: `WarmSandbox.sleep` asked only whether the sandbox was alive, which it is while a start
+    waits for the agent's hello; a reaper tick then put the waking sandbox back to sleep under its start, and the
+    command waited 10 s (the start's time limit, on the closed socket) and answered INTERNAL_ERROR ("read of closed
+    file" in the server log). Invariant: a sandbox that is starting does not go to sleep, and the command answers."""
+    box = await create(client)
+    assert (await sh(client, box, "true"))["ok"]
+    warm = bubblewrap(services.sandboxes.get(box).workspace.sandbox)
+    assert services.sandboxes.sleep_idle(0) == 1
+    assert warm.asleep
+    answers: list[Payload] = []
+    async with anyio.create_task_group() as group:
+        group.start_soon(lambda: _append(answers, sh(client, box, "echo awake")))
+        await _starting(warm)
+        assert services.sandboxes.sleep_idle(0) == 0  # a tick with every sandbox past the idle threshold
+    assert answers[0]["code"] == "OK", answers[0]
+    assert answers[0]["detail"]["stdout"] == "awake\n"
+    assert (await call(client, "close_sandbox", sandbox_id=box))["ok"]
+
+
+async def test_a_close_during_a_start_answers_the_waking_command_at_once(client: Client, services: Services) -> None:
+    """Found by attack (the same race, with a close): the start went on waiting for the hello on the socket the
+    close had shut, for its 10 s limit, then read the reaped process's closed pipe (INTERNAL_ERROR). Invariant: the
+    start ends with the close, the command gets a typed refusal, and nothing of the sandbox is left."""
+    box = await create(client)
+    assert (await sh(client, box, "true"))["ok"]
+    warm = bubblewrap(services.sandboxes.get(box).workspace.sandbox)
+    assert services.sandboxes.sleep_idle(0) == 1
+    answers: list[Payload] = []
+    with anyio.fail_after(_WAIT_S):
+        async with anyio.create_task_group() as group:
+            group.start_soon(lambda: _append(answers, sh(client, box, "echo awake")))
+            await _starting(warm)
+            started = anyio.current_time()
+            warm.close()
+        took = anyio.current_time() - started
+    assert answers[0]["code"] not in ("OK", "INTERNAL_ERROR"), answers[0]
+    assert took < START_TIMEOUT_S / 2, f"the waking command was answered {took:.1f} s after the close"
+    assert not warm.alive
+    assert (await call(client, "close_sandbox", sandbox_id=box))["ok"]
+
+
+async def _append(answers: list[Payload], answer: Any) -> None:
+    answers.append(await answer)

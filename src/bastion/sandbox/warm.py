@@ -35,7 +35,15 @@ import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, Final
 
-from bastion.safety.errors import BastionError, Conflict, InvalidRequest, NotFound, ResourceLimit, Unavailable
+from bastion.safety.errors import (
+    BastionError,
+    Conflict,
+    InvalidRequest,
+    NotFound,
+    OperationFailed,
+    ResourceLimit,
+    Unavailable,
+)
 from bastion.safety.redact import sanitize_terminal
 from bastion.sandbox._spawn import SandboxProcess, SandboxSpec, hold_sandbox, release, start_sandbox
 from bastion.sandbox.backend import Backend, Process, Sandbox
@@ -274,6 +282,7 @@ class WarmSandbox:
         # Pipes of returned commands still open (a process they left holds them), oldest first: an ordered set.
         self._held: dict[PipeCapture, None] = {}
         self._holding: _Holding | None = None  # a start begun by `hold`, waiting for `start`
+        self._greeting: asyncio.Task[bytes] | None = None  # a start's wait for the agent's hello
 
     def set_limits(self, limits: Limits) -> None:
         """Change the limits, live if the sandbox runs (lowering memory below current use fails)."""
@@ -302,7 +311,13 @@ class WarmSandbox:
             Conflict: asleep, not running, or its run ended while it was being frozen.
         """
         group = self._require_group()
-        group.freeze()
+        try:
+            group.freeze()
+        except NotFound as exc:
+            # Found by attack: a pause racing a sleep or a close answered with the host's path of the group's file.
+            if self._group is not group:
+                raise Conflict("the sandbox ended while it was being paused: nothing of it runs") from None
+            raise OperationFailed("the sandbox's cgroup freezer is not available", detail=exc.reason) from None
         # Set, then check that the run is the one frozen: found by review, a run that ended during the freeze (in a
         # worker thread) had its `_paused` cleared before this set it, and the sandbox stayed "paused" for good.
         self._paused = True
@@ -311,7 +326,13 @@ class WarmSandbox:
             raise Conflict("the sandbox ended while it was being paused: nothing of it runs")
 
     def resume(self) -> None:
-        self._require_group().thaw()
+        group = self._require_group()
+        try:
+            group.thaw()
+        except NotFound as exc:
+            if self._group is not group:
+                raise Conflict("the sandbox ended while it was being resumed: nothing of it runs") from None
+            raise OperationFailed("the sandbox's cgroup freezer is not available", detail=exc.reason) from None
         self._paused = False
         self._resumed_at = time.monotonic()
 
@@ -389,15 +410,16 @@ class WarmSandbox:
         sock.setblocking(False)
         loop = asyncio.get_running_loop()
         try:
-            async with asyncio.timeout(START_TIMEOUT_S):
-                hello = await loop.sock_recv(sock, MAX_MESSAGE_BYTES)
-        except (TimeoutError, OSError):
-            hello = b""
+            hello = await self._greeted(sock)
         except BaseException:
             # Cancelled before the hello: undone, or it would count as alive with nobody reading the agent
             # (every command then waiting out its time limit).
             self._on_agent_gone()
             raise
+        if self._sock is not sock:
+            # Ended meanwhile (a close): whoever ended it reaps its process. Found by attack: the wait went on for
+            # START_TIMEOUT_S on the closed socket, then read the reaped process's closed pipe (INTERNAL_ERROR).
+            raise Unavailable("the sandbox was stopped while it was starting")
         if not hello:
             reason = self._stderr_tail(proc)
             self._on_agent_gone()
@@ -416,6 +438,21 @@ class WarmSandbox:
                 raise Unavailable("sandbox failed to start: its command groups cannot be set up", detail=problem)
         loop.add_reader(sock.fileno(), self._on_message)
         self._reader_loop = loop
+
+    async def _greeted(self, sock: socket.socket) -> bytes:
+        """The agent's hello; b"" if none came within START_TIMEOUT_S, the socket failed, or the sandbox was ended
+        meanwhile (`_on_agent_gone` cancels the wait)."""
+        loop = asyncio.get_running_loop()
+        greeting = self._greeting = loop.create_task(loop.sock_recv(sock, MAX_MESSAGE_BYTES))
+        try:
+            await asyncio.wait((greeting,), timeout=START_TIMEOUT_S)
+        finally:
+            self._greeting = None
+            if not greeting.done():
+                greeting.cancel()
+        if not greeting.done() or greeting.cancelled() or greeting.exception() is not None:
+            return b""
+        return greeting.result()
 
     def _give_home(self, sock: socket.socket, group: SandboxCgroup) -> str | None:
         """Hand the agent its way back from a command's group; from now on commands get groups. Returns
@@ -611,6 +648,8 @@ class WarmSandbox:
             os.close(holding.go)
             self._proc, self._sock = holding.proc, holding.sock
         self._commands = None  # every command group goes with the sandbox's (`_reap`)
+        if self._greeting is not None:
+            self._greeting.cancel()  # a start waiting for the hello: it ends at once
         if self._sock is not None:
             if self._reader_loop is not None:
                 self._reader_loop.remove_reader(self._sock.fileno())  # a closed loop's: a no-op
@@ -713,6 +752,10 @@ class WarmSandbox:
         would be lost). Its processes, cgroup and memory go; the next command starts it again
         (tens of ms). Returns whether it went to sleep."""
         if not self.alive or self._paused or self._waiters or self._background or self._ptys or self._left_running():
+            return False
+        if self._start_lock.locked():
+            # Found by attack: a start waits for the agent's hello with the sandbox already alive, and a sleep then
+            # ended it under the start (the command waited 10 s, then answered INTERNAL_ERROR).
             return False
         if self.spec.devices is None and not _scratch_is_empty(self._proc):
             return False
