@@ -310,14 +310,7 @@ class WarmSandbox:
         Raises:
             Conflict: asleep, not running, or its run ended while it was being frozen.
         """
-        group = self._require_group()
-        try:
-            group.freeze()
-        except NotFound as exc:
-            # Found by attack: a pause racing a sleep or a close answered with the host's path of the group's file.
-            if self._group is not group:
-                raise Conflict("the sandbox ended while it was being paused: nothing of it runs") from None
-            raise OperationFailed("the sandbox's cgroup freezer is not available", detail=exc.reason) from None
+        group = self._frozen(True)
         # Set, then check that the run is the one frozen: found by review, a run that ended during the freeze (in a
         # worker thread) had its `_paused` cleared before this set it, and the sandbox stayed "paused" for good.
         self._paused = True
@@ -326,15 +319,25 @@ class WarmSandbox:
             raise Conflict("the sandbox ended while it was being paused: nothing of it runs")
 
     def resume(self) -> None:
-        group = self._require_group()
-        try:
-            group.thaw()
-        except NotFound as exc:
-            if self._group is not group:
-                raise Conflict("the sandbox ended while it was being resumed: nothing of it runs") from None
-            raise OperationFailed("the sandbox's cgroup freezer is not available", detail=exc.reason) from None
+        self._frozen(False)
         self._paused = False
         self._resumed_at = time.monotonic()
+
+    def _frozen(self, frozen: bool) -> SandboxCgroup:
+        """Freeze or thaw the running sandbox's group; the group."""
+        group = self._require_group()
+        try:
+            if frozen:
+                group.freeze()
+            else:
+                group.thaw()
+        except NotFound as exc:
+            # Found by attack: a pause racing a sleep or a close answered with the host's path of the group's file.
+            if self._group is not group:
+                verb = "paused" if frozen else "resumed"
+                raise Conflict(f"the sandbox ended while it was being {verb}: nothing of it runs") from None
+            raise OperationFailed("the sandbox's cgroup freezer is not available", detail=exc.reason) from None
+        return group
 
     def usage(self) -> Usage | None:
         """Live memory, pids and CPU of the whole sandbox; None before it has started."""

@@ -23,6 +23,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from bastion.safety.errors import BastionError, Forbidden, InvalidRequest
 from bastion.tools.server import BastionServer, to_call_result
 from bastion.transports.http.bodies import BodyBudget, body_or_refusal, replay, send_json
+from bastion.transports.http.sessions import send_rpc_error
 
 
 def _challenge(resource_metadata: str, scopes: str, error: str | None, description: str | None) -> str:
@@ -38,14 +39,7 @@ def _challenge(resource_metadata: str, scopes: str, error: str | None, descripti
 
 async def _send_parse_error(send: Send) -> None:
     """400 with a JSON-RPC parse error (-32700), as the SDK's transport answers a body it cannot parse."""
-    data = b'{"jsonrpc":"2.0","id":null,"error":{"code":-32700,"message":"Parse error: the body is not valid JSON"}}'
-    headers = [
-        (b"content-type", b"application/json"),
-        (b"content-length", str(len(data)).encode()),
-        (b"x-content-type-options", b"nosniff"),
-    ]
-    await send({"type": "http.response.start", "status": 400, "headers": headers})
-    await send({"type": "http.response.body", "body": data})
+    await send_rpc_error(send, 400, -32700, "Parse error: the body is not valid JSON")
 
 
 def _called_tools(body: bytes) -> list[str] | None:

@@ -204,17 +204,20 @@ def _request_key(body: bytes) -> str | None:
 
 
 async def _id_in_flight(send: Send, key: str) -> None:
-    message = (
-        f"a request with id {key[:64]!r} is already in flight on this session: send each request with an id of its own"
-    )
-    error = {"jsonrpc": "2.0", "id": None, "error": {"code": -32600, "message": message}}
+    message = f"a request with id {key[:64]!r} is already in flight on this session: give each request an id of its own"
+    await send_rpc_error(send, 409, -32600, message)
+
+
+async def send_rpc_error(send: Send, status: int, code: int, message: str, request_id: str | int | None = None) -> None:
+    """An answer of HTTP `status` holding one JSON-RPC error (with `nosniff`, as every JSON answer)."""
+    error = {"jsonrpc": "2.0", "id": request_id, "error": {"code": code, "message": message}}
     data = json.dumps(error).encode()
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(data)).encode()),
         (b"x-content-type-options", b"nosniff"),
     ]
-    await send({"type": "http.response.start", "status": 409, "headers": headers})
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": data})
 
 
@@ -323,12 +326,11 @@ def _request_id(body: bytes) -> str | int | None:
 
 
 async def _refuse_revoked(call: _Call, send: Send) -> None:
+    request_id = _request_id(b"".join(call.body))
     error = {"code": -32000, "message": REVOKED_MESSAGE}
-    data = json.dumps({"jsonrpc": "2.0", "id": _request_id(b"".join(call.body)), "error": error}).encode()
+    data = json.dumps({"jsonrpc": "2.0", "id": request_id, "error": error}).encode()
     if not call.started:
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
-        await send({"type": "http.response.start", "status": 403, "headers": headers})
-        await send({"type": "http.response.body", "body": data})
+        await send_rpc_error(send, 403, -32000, REVOKED_MESSAGE, request_id)
     elif call.event_stream:
         await send({"type": "http.response.body", "body": b"event: message\r\ndata: " + data + b"\r\n\r\n"})
     else:
