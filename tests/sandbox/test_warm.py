@@ -10,11 +10,13 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import selectors
 import socket
 import stat
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import cast
 
 import pytest
 
@@ -688,3 +690,53 @@ async def test_a_held_start_becomes_a_sandbox_in_its_cgroup_once_started(limited
     usage = limited.usage()
     assert usage is not None
     assert usage.pids >= 1
+
+
+async def test_a_socket_opened_right_after_a_close_during_a_start_gets_its_reader(tmp_path: Path) -> None:
+    """Found by review: close a sandbox while its start waits for the agent's hello; in the same turn of the loop,
+    open a socket (it takes the freed fd number, as a preview's connection or another sandbox's start would), read it.
+    `_on_agent_gone` cancels the hello's task and closes the socket at once, but the task's `sock_recv` leaves its
+    selector key for the fd until its done-callback runs a turn later: the new socket's `add_reader` only replaces
+    the key's data (no epoll_ctl), and the new fd is never watched. Invariant: the new socket's reader runs."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    box = WarmSandbox(SandboxSpec(workspace=str(ws)))
+    loop = asyncio.get_running_loop()
+    start = loop.create_task(box.start())
+    while not (box._start_lock.locked() and box.alive and box._greeting is not None):
+        await asyncio.sleep(0)
+    assert box._sock is not None
+    freed = box._sock.fileno()
+    selector = cast(selectors.BaseSelector, loop._selector)  # type: ignore[attr-defined]
+    while selector.get_map().get(freed) is None:  # the hello's read is registered with the loop
+        await asyncio.sleep(0)
+    box.close()
+    fillers: list[socket.socket] = []
+    mine, theirs = socket.socketpair()
+    while freed not in (mine.fileno(), theirs.fileno()):  # lower free fds first: the freed one comes in order
+        fillers += (mine, theirs)
+        mine, theirs = socket.socketpair()
+    if theirs.fileno() == freed:
+        mine, theirs = theirs, mine
+    for filler in fillers:
+        filler.close()
+    try:
+        mine.setblocking(False)
+        heard: asyncio.Future[bytes] = loop.create_future()
+
+        def readable() -> None:
+            if not heard.done():
+                heard.set_result(mine.recv(16))
+
+        loop.add_reader(mine.fileno(), readable)
+        theirs.send(b"hello")
+        try:
+            got = await asyncio.wait_for(asyncio.shield(heard), 3)
+        finally:
+            loop.remove_reader(mine.fileno())
+        assert got == b"hello"
+    finally:
+        mine.close()
+        theirs.close()
+        with pytest.raises(Unavailable):
+            await start

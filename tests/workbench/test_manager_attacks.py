@@ -459,3 +459,33 @@ async def test_a_close_during_a_start_answers_the_waking_command_at_once(client:
 
 async def _append(answers: list[Payload], answer: Any) -> None:
     answers.append(await answer)
+
+
+async def test_a_pause_during_a_wake_up_start_is_refused_and_the_start_goes_on(
+    client: Client, services: Services
+) -> None:
+    """Found by review: a pause while a command woke an asleep sandbox (the start waiting for the agent's hello, the
+    sandbox alive already) froze it before the hello: the pause answered OK, the command waited out the start's 10 s
+    and failed, the pause was lost, and in 7 of 12 attempts the start's read of bwrap's stderr then blocked the
+    event loop for good (the sandbox's PID 1, frozen, held the pipe). Invariant: the pause is refused (CONFLICT) or
+    comes after the start, the command answers OK, and the sandbox is not left frozen."""
+    box = await create(client)
+    assert (await sh(client, box, "true"))["ok"]
+    warm = bubblewrap(services.sandboxes.get(box).workspace.sandbox)
+    assert services.sandboxes.sleep_idle(0) == 1
+    answers: list[Payload] = []
+    paused: list[Payload] = []
+    with anyio.fail_after(_WAIT_S):
+        async with anyio.create_task_group() as group:
+            group.start_soon(lambda: _append(answers, sh(client, box, "echo awake")))
+            await _starting(warm)
+            paused.append(await call(client, "pause_sandbox", sandbox_id=box))
+    assert paused[0]["code"] in ("CONFLICT", "OK"), paused[0]
+    if paused[0]["ok"]:
+        assert (await call(client, "resume_sandbox", sandbox_id=box))["ok"]
+    else:
+        assert "starting" in paused[0]["reason"]
+    assert answers[0]["code"] == "OK", answers[0]
+    assert answers[0]["detail"]["stdout"] == "awake\n"
+    assert not warm.paused
+    assert (await call(client, "close_sandbox", sandbox_id=box))["ok"]

@@ -1243,6 +1243,8 @@ class MicroVMSandbox:
     def _require_group(self) -> SandboxCgroup:
         if self._vm is None or not self._vm.alive or self._vm.group is None:
             raise Conflict("the sandbox is not running or has no cgroup: run a command in it first")
+        if self._start_lock.locked():  # a VMM frozen while it boots misses its boot deadline (as `WarmSandbox`'s)
+            raise Conflict("the sandbox is starting: try again once it runs")
         return self._vm.group
 
     def pause(self) -> None:

@@ -70,6 +70,7 @@ from bastion.sandbox.processes import (
 logger = logging.getLogger("bastion.sandbox")
 
 START_TIMEOUT_S: Final = 10.0
+_STDERR_TAIL_BYTES: Final = 64 * 1024  # what a failed start's reason is looked for in
 _GROUP_PREFIX: Final = "sb"
 _group_ids = itertools.count(1)
 KILL_GRACE_S: Final = 5.0
@@ -301,6 +302,10 @@ class WarmSandbox:
             raise Conflict("the sandbox is asleep (idle, nothing running): there is nothing to pause")
         if self._group is None or not self.alive:
             raise Conflict("the sandbox is not running or has no cgroup: run a command in it first")
+        if self._start_lock.locked():
+            # Found by review: a freeze before the agent's hello (alive already) stopped the start, which gave up
+            # 10 s later on a sandbox whose PID 1 stayed frozen, and whose pipe it then read on the event loop.
+            raise Conflict("the sandbox is starting: try again once it runs")
         return self._group
 
     def pause(self) -> None:
@@ -452,7 +457,7 @@ class WarmSandbox:
         finally:
             self._greeting = None
             if not greeting.done():
-                greeting.cancel()
+                _stop_greeting(greeting, sock)
         if not greeting.done() or greeting.cancelled() or greeting.exception() is not None:
             return b""
         return greeting.result()
@@ -475,8 +480,18 @@ class WarmSandbox:
 
     @staticmethod
     def _stderr_tail(proc: SandboxProcess) -> str:
+        """The last line bwrap wrote to stderr, of what is there now: never waited for on the event loop (found by
+        review: a frozen PID 1 of the sandbox held the pipe open, and `communicate` blocked the server for good)."""
         proc.kill()
-        lines = (proc.communicate()[1] or b"").decode(errors="replace").strip().splitlines()
+        if proc.stderr is None:
+            return ""
+        fd = proc.stderr.fileno()
+        os.set_blocking(fd, False)
+        chunks: list[bytes] = []
+        with contextlib.suppress(BlockingIOError, OSError):
+            while (chunk := os.read(fd, 65536)) and sum(map(len, chunks)) < _STDERR_TAIL_BYTES:
+                chunks.append(chunk)
+        lines = b"".join(chunks).decode(errors="replace").strip().splitlines()
         return lines[-1] if lines else ""
 
     def _on_message(self) -> None:
@@ -651,8 +666,8 @@ class WarmSandbox:
             os.close(holding.go)
             self._proc, self._sock = holding.proc, holding.sock
         self._commands = None  # every command group goes with the sandbox's (`_reap`)
-        if self._greeting is not None:
-            self._greeting.cancel()  # a start waiting for the hello: it ends at once
+        if self._greeting is not None and self._sock is not None:
+            _stop_greeting(self._greeting, self._sock)  # a start waiting for the hello: it ends at once
         if self._sock is not None:
             if self._reader_loop is not None:
                 self._reader_loop.remove_reader(self._sock.fileno())  # a closed loop's: a no-op
@@ -1394,6 +1409,15 @@ def _connected_socket(fd: int) -> socket.socket:
         raise Unavailable("the sandbox's agent sent something other than a connected TCP socket") from None
     sock.setblocking(False)
     return sock
+
+
+def _stop_greeting(greeting: asyncio.Task[bytes], sock: socket.socket) -> None:
+    """Cancel a start's wait for the hello, its reader removed first: a cancelled `sock_recv` removes it a loop
+    turn later, and a socket that took the fd meanwhile (this one closed) had its reader replaced, never called
+    (found by review)."""
+    with contextlib.suppress(OSError, ValueError):  # a closed socket's fileno is -1
+        greeting.get_loop().remove_reader(sock.fileno())
+    greeting.cancel()
 
 
 def _reap(proc: SandboxProcess | None, group: SandboxCgroup | None, workspace: str) -> None:

@@ -654,3 +654,70 @@ def test_a_huge_unknown_prompt_name_does_not_flood_the_server_log(server: LiveSe
             assert "Unknown prompt" in answer.text
     grown = server.log_path.stat().st_size - before
     assert grown < 3 * 64 * 1024, f"the log grew {grown} bytes for 3 requests"
+
+
+@contextlib.contextmanager
+def _get_streams(server: LiveServer, headers: dict[str, str], count: int) -> Iterator[list[socket.socket]]:
+    """`count` GETs of a session's event stream, sent at once on as many connections; yields those answered 200."""
+    lines = ["GET /mcp HTTP/1.1", f"Host: 127.0.0.1:{server.port}", "Accept: text/event-stream"]
+    lines += [f"{k}: {v}" for k, v in headers.items() if k.lower() not in ("accept", "content-type")]
+    request = ("\r\n".join(lines) + "\r\n\r\n").encode()
+    socks = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(count)]
+    try:
+        for sock in socks:
+            sock.sendall(request)
+        answered = []
+        for sock in socks:
+            sock.settimeout(10)
+            head = b""
+            while b"\r\n\r\n" not in head and (chunk := sock.recv(4096)):
+                head += chunk
+            if head.startswith(b"HTTP/1.1 200"):
+                answered.append(sock)
+        yield answered
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def _stream_ended(sock: socket.socket, within_s: float) -> bool:
+    """Whether the event stream on `sock` ends (its last chunk, or the connection closed) within `within_s`."""
+    deadline = time.monotonic() + within_s
+    seen = b""
+    while time.monotonic() < deadline:
+        sock.settimeout(max(0.01, min(0.2, deadline - time.monotonic())))
+        try:
+            chunk = sock.recv(65536)
+        except TimeoutError:
+            continue
+        except OSError:
+            return True
+        seen += chunk
+        if not chunk or seen.endswith(b"0\r\n\r\n"):
+            return True
+    return False
+
+
+def test_get_streams_sent_together_on_a_session_are_one_stream_that_ends_with_it(server: LiveServer) -> None:
+    """Found by review: the SDK looks for a session's GET stream before its response's task registers it, so 8 GETs
+    sent together were all served; each replaced the last in the SDK's map, and the 7 replaced ones, in no map,
+    outlived the session's DELETE and the grant's revocation, pinging for ever (one grant held 1,023 streams of a
+    1,024-connection cap, and every other client was refused). Invariant: one GET stream per session is served
+    (the others 409), and it ends with the session's DELETE, then with the grant's revocation."""
+    client_id = server.register()["client_id"]
+    token = get_tokens(server, client_id)["access_token"]
+    with server.http() as http:
+        for ending in ("delete", "revoke"):
+            session = _open_session(http, token).headers["mcp-session-id"]
+            headers = {**bearer(token), "mcp-session-id": session, "mcp-protocol-version": "2025-11-25"}
+            http.post("/mcp", json={"jsonrpc": "2.0", "method": "notifications/initialized"}, headers=headers)
+            with _get_streams(server, headers, 8) as answered:
+                assert len(answered) == 1, f"{len(answered)} GET streams served on one session"
+                if ending == "delete":
+                    assert http.delete("/mcp", headers=headers).status_code == 200
+                else:
+                    with contextlib.closing(server.db()) as db:
+                        grant = db.execute("SELECT grant_id FROM oauth_grants WHERE client_id = ?", (client_id,))
+                        server.admin("revoke", str(grant.fetchone()[0]))
+                assert _stream_ended(answered[0], 10), f"the GET stream outlived the session's {ending}"
+    assert_log_clean(server, max_bytes=4 << 20)

@@ -99,6 +99,8 @@ class SessionCap:
         self.opening: Counter[str] = Counter()
         self.in_flight: dict[bytes, set[str]] = {}
         """Session id -> the ``str(id)`` of each of its requests in flight (the SDK's keys)."""
+        self.streaming: set[bytes] = set()
+        """Sessions with a GET stream being served."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         # With auth off (loopback only) every client is one grant: 2,000 sessions opened in 4.6 s held 75 MiB.
@@ -106,9 +108,12 @@ class SessionCap:
             scope = {**scope, "headers": [(k, v) for k, v in scope["headers"] if k != b"last-event-id"]}
         grant = grant_of(scope)
         if not _opens_session(scope):
-            session = _header(scope, b"mcp-session-id") if scope.get("method") == "POST" else None
+            method = scope.get("method")
+            session = _header(scope, b"mcp-session-id") if method in ("POST", "GET") else None
             if session is None or _modern(scope):
                 await self.app(scope, receive, send)
+            elif method == "GET":
+                await self._one_stream(session, scope, receive, send)
             else:
                 await self._one_id_at_a_time(session, scope, receive, send)
             return
@@ -131,6 +136,20 @@ class SessionCap:
         finally:
             if pending:
                 self._opened(grant)
+
+    async def _one_stream(self, session: bytes, scope: Scope, receive: Receive, send: Send) -> None:
+        """Serve a GET stream of `session` unless one is being served (409). Found by review: the SDK checks for a
+        session's stream before its response's task registers it, so GETs sent together all passed; each
+        replaced the last, and the replaced streams, in no map, outlived the session's DELETE and the grant's
+        revocation, pinging for ever (one grant held 1,023 of a 1,024-connection cap)."""
+        if session in self.streaming:
+            await send_rpc_error(send, 409, -32600, "this session's event stream is open already: one GET stream each")
+            return
+        self.streaming.add(session)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.streaming.discard(session)
 
     async def _one_id_at_a_time(self, session: bytes, scope: Scope, receive: Receive, send: Send) -> None:
         """Pass a POST on `session` on, unless it is a request whose id the session has in flight (409)."""
