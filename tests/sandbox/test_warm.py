@@ -703,7 +703,7 @@ async def test_a_socket_opened_right_after_a_close_during_a_start_gets_its_reade
     box = WarmSandbox(SandboxSpec(workspace=str(ws)))
     loop = asyncio.get_running_loop()
     start = loop.create_task(box.start())
-    while not (box._start_lock.locked() and box.alive and box._greeting is not None):
+    while not (box._starting and box.alive and box._greeting is not None):
         await asyncio.sleep(0)
     assert box._sock is not None
     freed = box._sock.fileno()

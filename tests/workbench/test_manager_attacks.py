@@ -411,7 +411,7 @@ async def test_status_of_a_sandbox_walked_for_its_disk_use_holds_no_other_call(
 async def _starting(warm: WarmSandbox) -> None:
     """Until `warm`'s start waits for its agent's hello: bwrap spawned (alive), the start not over."""
     with anyio.fail_after(_WAIT_S):
-        while not (warm._start_lock.locked() and warm.alive):
+        while not (warm._starting and warm.alive):
             await anyio.sleep(0)
 
 

@@ -929,6 +929,7 @@ class MicroVMSandbox:
         self._past_ooms = 0  # OOM kills of guests this sandbox had before the current one
         self._stopping: set[asyncio.Task[None]] = set()  # slept guests' VMMs being reaped
         self._start_lock = asyncio.Lock()
+        self._starting = False  # a boot under way (read by a pause's worker thread: see `WarmSandbox._starting`)
 
     @property
     def isolation(self) -> str:
@@ -954,12 +955,16 @@ class MicroVMSandbox:
                 raise Unavailable("the sandbox was closed")
             if self.alive:
                 return
-            await self._end()
-            if self._closed:
-                # Found by review: closed for good while the dead guest was stopped (the stop awaits now): a boot
-                # here would run a VMM nobody closes, under an id the manager hands to another sandbox.
-                raise Unavailable("the sandbox was closed")
-            await self._boot()
+            self._starting = True
+            try:
+                await self._end()
+                if self._closed:
+                    # Found by review: closed for good while the dead guest was stopped (the stop awaits now): a boot
+                    # here would run a VMM nobody closes, under an id the manager hands to another sandbox.
+                    raise Unavailable("the sandbox was closed")
+                await self._boot()
+            finally:
+                self._starting = False
             self._asleep = False
 
     def _proxy_path(self) -> str | None:
@@ -1243,7 +1248,7 @@ class MicroVMSandbox:
     def _require_group(self) -> SandboxCgroup:
         if self._vm is None or not self._vm.alive or self._vm.group is None:
             raise Conflict("the sandbox is not running or has no cgroup: run a command in it first")
-        if self._start_lock.locked():  # a VMM frozen while it boots misses its boot deadline (as `WarmSandbox`'s)
+        if self._starting:  # a VMM frozen while it boots misses its boot deadline (as `WarmSandbox`'s)
             raise Conflict("the sandbox is starting: try again once it runs")
         return self._vm.group
 

@@ -275,6 +275,9 @@ class WarmSandbox:
         # Terminals asked for and not yet answered: by command id, the future the answer settles and the argv.
         self._pty_openings: dict[int, tuple[asyncio.Future[PtyProcess], tuple[str, ...]]] = {}
         self._start_lock = asyncio.Lock()
+        # A start under way (not `start`'s check of a sandbox already running, which takes the lock too): read from
+        # worker threads (a pause), which would see the lock taken by every command's check (found by review).
+        self._starting = False
         self._command_ids = itertools.count(1)
         self._asleep = False  # stopped while idle; the next command starts it again
         self._reaping: list[_Reaping] = []  # ending earlier runs' processes and cgroups
@@ -302,7 +305,7 @@ class WarmSandbox:
             raise Conflict("the sandbox is asleep (idle, nothing running): there is nothing to pause")
         if self._group is None or not self.alive:
             raise Conflict("the sandbox is not running or has no cgroup: run a command in it first")
-        if self._start_lock.locked():
+        if self._starting:
             # Found by review: a freeze before the agent's hello (alive already) stopped the start, which gave up
             # 10 s later on a sandbox whose PID 1 stayed frozen, and whose pipe it then read on the event loop.
             raise Conflict("the sandbox is starting: try again once it runs")
@@ -362,7 +365,11 @@ class WarmSandbox:
                 return
             if self._proc is not None:
                 self._on_agent_gone()
-            await self._start()
+            self._starting = True
+            try:
+                await self._start()
+            finally:
+                self._starting = False
 
     def hold(self) -> None:
         """Begin the first start ahead of `start`: the cgroup made and bwrap's first step spawned in it, waiting
@@ -771,7 +778,7 @@ class WarmSandbox:
         (tens of ms). Returns whether it went to sleep."""
         if not self.alive or self._paused or self._waiters or self._background or self._ptys or self._left_running():
             return False
-        if self._start_lock.locked():
+        if self._starting:
             # Found by attack: a start waits for the agent's hello with the sandbox already alive, and a sleep then
             # ended it under the start (the command waited 10 s, then answered INTERNAL_ERROR).
             return False
