@@ -604,34 +604,40 @@ def test_a_request_id_reused_in_flight_on_a_session_is_refused_not_held_open_for
     is in flight on the session, a request with id 7 (or "7", the same key) is refused with 409, and so is the
     SDK's own key of the GET stream; the call is answered; once it is, id 7 is free again."""
     token = get_tokens(server, server.register()["client_id"])["access_token"]
+    audit = server.root / "state" / "audit.jsonl"
     with server.http() as http, ThreadPoolExecutor(1) as pool:
         session = _open_session(http, token).headers["mcp-session-id"]
         headers = {**bearer(token), "mcp-session-id": session, "mcp-protocol-version": "2025-11-25"}
         http.post("/mcp", json={"jsonrpc": "2.0", "method": "notifications/initialized"}, headers=headers)
-        params = {"name": "run_command", "arguments": {"command": "sleep 2"}}
+        marker = f"sleep 3.{int(session[:8], 16) % 10**6:06d}"  # this test's own call, in the audit log
+        params = {"name": "run_command", "arguments": {"command": marker}}
         call_7 = {"jsonrpc": "2.0", "id": 7, "method": "tools/call", "params": params}
-        ping_7 = {"jsonrpc": "2.0", "id": 7, "method": "ping"}
 
         def first_call() -> httpx2.Response:
             with server.http() as own:
-                return own.post("/mcp", json=call_7, headers=headers, timeout=10)  # held for ever, it ends here
+                return own.post("/mcp", json=call_7, headers=headers, timeout=15)  # held for ever, it ends here
 
         first = pool.submit(first_call)
         deadline = time.monotonic() + 10
-        while (again := http.post("/mcp", json=ping_7, headers=headers)).status_code != 409:
-            assert again.status_code == 200, again.text
-            assert not first.done(), "never saw the call in flight"
-            assert time.monotonic() < deadline, "never saw the call in flight"
-        assert "already in flight on this session" in again.json()["error"]["message"]
-        for clash in ("7", "_GET_stream"):
+        while marker not in audit.read_text():  # its start record: the call is in flight
+            assert not first.done(), first.result().text
+            assert time.monotonic() < deadline, "the call never started"
+            time.sleep(0.01)
+        for clash in (7, "7", "_GET_stream"):
             refused = http.post("/mcp", json={"jsonrpc": "2.0", "id": clash, "method": "ping"}, headers=headers)
             assert refused.status_code == 409, refused.text
+            assert "already in flight on this session" in refused.json()["error"]["message"]
+        assert not first.done(), "the call ended before the clashes were sent: give it longer"
         answer = first.result(timeout=30)
         assert answer.status_code == 200
         assert '"id":7' in answer.text.replace(" ", "")
         assert '"result"' in answer.text
-        free = http.post("/mcp", json=ping_7, headers=headers)
-        assert free.status_code == 200, free.text
+        # Free again once the call's POST has ended on the server too (its answer may reach the client first).
+        deadline = time.monotonic() + 10
+        ping_7 = {"jsonrpc": "2.0", "id": 7, "method": "ping"}
+        while (free := http.post("/mcp", json=ping_7, headers=headers)).status_code != 200:
+            assert free.status_code == 409, free.text
+            assert time.monotonic() < deadline, "id 7 stayed in flight after its call was answered"
     assert_log_clean(server, max_bytes=4 << 20)
 
 
