@@ -489,3 +489,24 @@ async def test_a_pause_during_a_wake_up_start_is_refused_and_the_start_goes_on(
     assert answers[0]["detail"]["stdout"] == "awake\n"
     assert not warm.paused
     assert (await call(client, "close_sandbox", sandbox_id=box))["ok"]
+
+
+async def test_a_snapshot_during_a_wake_up_start_waits_for_the_start(client: Client, services: Services) -> None:
+    """Found by review: with a freeze of a starting sandbox refused, an agent's snapshot sent beside the command that
+    wakes its sandbox (parallel tool calls) answered CONFLICT, where a snapshot of the asleep sandbox wakes it
+    itself. Invariant: the snapshot waits for the start and is taken, the command answers, nothing stays frozen."""
+    box = await create(client)
+    warm = bubblewrap(services.sandboxes.get(box).workspace.sandbox)
+    assert (await sh(client, box, "echo x > f"))["ok"]
+    assert services.sandboxes.sleep_idle(0) == 1
+    answers: list[Payload] = []
+    with anyio.fail_after(_WAIT_S):
+        async with anyio.create_task_group() as group:
+            group.start_soon(lambda: _append(answers, sh(client, box, "echo awake")))
+            await _starting(warm)
+            snapshot = await call(client, "snapshot_sandbox", sandbox_id=box)
+    assert snapshot["ok"], snapshot
+    assert answers[0]["code"] == "OK", answers[0]
+    assert not warm.paused
+    assert (await sh(client, box, "true"))["ok"]
+    assert (await call(client, "close_sandbox", sandbox_id=box))["ok"]

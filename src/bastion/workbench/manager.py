@@ -875,9 +875,10 @@ class SandboxManager:
             warm = box.workspace.sandbox
             archived = self._archiving[box.id] = anyio.Event()
             try:
-                if warm.asleep:
-                    # Nothing runs to freeze, but a command would wake it mid-copy, unfrozen (and a file it
-                    # made then could take a stored file's freed inode): woken, then frozen like the rest.
+                if warm.asleep or warm.usage() is not None:
+                    # Asleep: nothing runs to freeze, but a command would wake it mid-copy, unfrozen (and a file it
+                    # made then could take a stored file's freed inode): woken, then frozen like the rest. Alive:
+                    # a start under way (a command waking it) is waited for, as a freeze of it is refused.
                     await warm.start()
                 async with box.freezing:
                     if not warm.paused and warm.usage() is not None:
