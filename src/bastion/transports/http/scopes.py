@@ -11,7 +11,6 @@ SECURITY BOUNDARY. Two checks, on purpose (a tools/list-only filter is a known C
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from mcp.server.auth.middleware.auth_context import get_access_token
@@ -23,7 +22,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from bastion.safety.errors import BastionError, Forbidden, InvalidRequest
 from bastion.tools.server import BastionServer, to_call_result
 from bastion.transports.http.bodies import BodyBudget, body_or_refusal, replay, send_json
-from bastion.transports.http.sessions import send_rpc_error
+from bastion.transports.http.sessions import body_facts, send_rpc_error
 
 
 def _challenge(resource_metadata: str, scopes: str, error: str | None, description: str | None) -> str:
@@ -42,24 +41,14 @@ async def _send_parse_error(send: Send) -> None:
     await send_rpc_error(send, 400, -32700, "Parse error: the body is not valid JSON")
 
 
-def _called_tools(body: bytes) -> list[str] | None:
+def _called_tools(scope: Scope, body: bytes) -> list[str] | None:
     """Names of the tools a JSON-RPC message (or batch) calls; [] if it calls none; None if it does not parse."""
     # A fast pass for most messages; JSON may also spell the method with an escape ("tools\/call", "\u0074..."),
     # which skipped this check (the inner one still refused, without the 403 that names the scope to ask for).
     if b"tools/call" not in body and b"\\" not in body:
         return []
-    try:
-        message = json.loads(body)
-    except (ValueError, RecursionError):  # RecursionError: nested too deep (it is not a ValueError)
-        return None
-    messages = message if isinstance(message, list) else [message]
-    names = []
-    for item in messages:
-        if isinstance(item, dict) and item.get("method") == "tools/call":
-            params = item.get("params")
-            name = params.get("name") if isinstance(params, dict) else None
-            names.append(name if isinstance(name, str) else "")
-    return names
+    facts = body_facts(scope, body)
+    return list(facts.tools) if facts.parsed else None
 
 
 class RequireToken:
@@ -93,7 +82,7 @@ class RequireToken:
 
     async def _checked(self, user: AuthenticatedUser, raw: bytes, scope: Scope, receive: Receive, send: Send) -> None:
         """Pass the request on if every tool it calls is in the token's scopes; else 403 naming the one needed."""
-        called = _called_tools(raw)
+        called = _called_tools(scope, raw)
         if called is None:
             await _send_parse_error(send)
             return
