@@ -415,20 +415,39 @@ async def _starting(warm: WarmSandbox) -> None:
             await anyio.sleep(0)
 
 
+async def _asleep(client: Client, services: Services, command: str = "true") -> tuple[str, WarmSandbox]:
+    """A sandbox that ran `command`, then was put to sleep (a reaper tick with every sandbox past its threshold)."""
+    box = await create(client)
+    assert (await sh(client, box, command))["ok"]
+    warm = bubblewrap(services.sandboxes.get(box).workspace.sandbox)
+    assert services.sandboxes.sleep_idle(0) == 1
+    assert warm.asleep
+    return box, warm
+
+
+@contextlib.asynccontextmanager
+async def _waking(client: Client, box: str, warm: WarmSandbox) -> AsyncIterator[list[Payload]]:
+    """The block runs while `echo awake` wakes `box`, its start waiting for the agent's hello; the command's answer
+    is in the list once the block is over."""
+    answers: list[Payload] = []
+
+    async def wake() -> None:
+        answers.append(await sh(client, box, "echo awake"))
+
+    with anyio.fail_after(_WAIT_S):
+        async with anyio.create_task_group() as group:
+            group.start_soon(wake)
+            await _starting(warm)
+            yield answers
+
+
 async def test_a_reaper_tick_during_a_wake_up_start_leaves_the_start_alone(client: Client, services: Services) -> None:
     """Found by attack: `WarmSandbox.sleep` asked only whether the sandbox was alive, which it is while a start
     waits for the agent's hello; a reaper tick then put the waking sandbox back to sleep under its start, and the
     command waited 10 s (the start's time limit, on the closed socket) and answered INTERNAL_ERROR ("read of closed
     file" in the server log). Invariant: a sandbox that is starting does not go to sleep, and the command answers."""
-    box = await create(client)
-    assert (await sh(client, box, "true"))["ok"]
-    warm = bubblewrap(services.sandboxes.get(box).workspace.sandbox)
-    assert services.sandboxes.sleep_idle(0) == 1
-    assert warm.asleep
-    answers: list[Payload] = []
-    async with anyio.create_task_group() as group:
-        group.start_soon(lambda: _append(answers, sh(client, box, "echo awake")))
-        await _starting(warm)
+    box, warm = await _asleep(client, services)
+    async with _waking(client, box, warm) as answers:
         assert services.sandboxes.sleep_idle(0) == 0  # a tick with every sandbox past the idle threshold
     assert answers[0]["code"] == "OK", answers[0]
     assert answers[0]["detail"]["stdout"] == "awake\n"
@@ -439,26 +458,15 @@ async def test_a_close_during_a_start_answers_the_waking_command_at_once(client:
     """Found by attack (the same race, with a close): the start went on waiting for the hello on the socket the
     close had shut, for its 10 s limit, then read the reaped process's closed pipe (INTERNAL_ERROR). Invariant: the
     start ends with the close, the command gets a typed refusal, and nothing of the sandbox is left."""
-    box = await create(client)
-    assert (await sh(client, box, "true"))["ok"]
-    warm = bubblewrap(services.sandboxes.get(box).workspace.sandbox)
-    assert services.sandboxes.sleep_idle(0) == 1
-    answers: list[Payload] = []
-    with anyio.fail_after(_WAIT_S):
-        async with anyio.create_task_group() as group:
-            group.start_soon(lambda: _append(answers, sh(client, box, "echo awake")))
-            await _starting(warm)
-            started = anyio.current_time()
-            warm.close()
-        took = anyio.current_time() - started
+    box, warm = await _asleep(client, services)
+    async with _waking(client, box, warm) as answers:
+        started = anyio.current_time()
+        warm.close()
+    took = anyio.current_time() - started
     assert answers[0]["code"] not in ("OK", "INTERNAL_ERROR"), answers[0]
     assert took < START_TIMEOUT_S / 2, f"the waking command was answered {took:.1f} s after the close"
     assert not warm.alive
     assert (await call(client, "close_sandbox", sandbox_id=box))["ok"]
-
-
-async def _append(answers: list[Payload], answer: Any) -> None:
-    answers.append(await answer)
 
 
 async def test_a_pause_during_a_wake_up_start_is_refused_and_the_start_goes_on(
@@ -469,22 +477,14 @@ async def test_a_pause_during_a_wake_up_start_is_refused_and_the_start_goes_on(
     and failed, the pause was lost, and in 7 of 12 attempts the start's read of bwrap's stderr then blocked the
     event loop for good (the sandbox's PID 1, frozen, held the pipe). Invariant: the pause is refused (CONFLICT) or
     comes after the start, the command answers OK, and the sandbox is not left frozen."""
-    box = await create(client)
-    assert (await sh(client, box, "true"))["ok"]
-    warm = bubblewrap(services.sandboxes.get(box).workspace.sandbox)
-    assert services.sandboxes.sleep_idle(0) == 1
-    answers: list[Payload] = []
-    paused: list[Payload] = []
-    with anyio.fail_after(_WAIT_S):
-        async with anyio.create_task_group() as group:
-            group.start_soon(lambda: _append(answers, sh(client, box, "echo awake")))
-            await _starting(warm)
-            paused.append(await call(client, "pause_sandbox", sandbox_id=box))
-    assert paused[0]["code"] in ("CONFLICT", "OK"), paused[0]
-    if paused[0]["ok"]:
+    box, warm = await _asleep(client, services)
+    async with _waking(client, box, warm) as answers:
+        paused = await call(client, "pause_sandbox", sandbox_id=box)
+    assert paused["code"] in ("CONFLICT", "OK"), paused
+    if paused["ok"]:
         assert (await call(client, "resume_sandbox", sandbox_id=box))["ok"]
     else:
-        assert "starting" in paused[0]["reason"]
+        assert "starting" in paused["reason"]
     assert answers[0]["code"] == "OK", answers[0]
     assert answers[0]["detail"]["stdout"] == "awake\n"
     assert not warm.paused
@@ -495,16 +495,9 @@ async def test_a_snapshot_during_a_wake_up_start_waits_for_the_start(client: Cli
     """Found by review: with a freeze of a starting sandbox refused, an agent's snapshot sent beside the command that
     wakes its sandbox (parallel tool calls) answered CONFLICT, where a snapshot of the asleep sandbox wakes it
     itself. Invariant: the snapshot waits for the start and is taken, the command answers, nothing stays frozen."""
-    box = await create(client)
-    warm = bubblewrap(services.sandboxes.get(box).workspace.sandbox)
-    assert (await sh(client, box, "echo x > f"))["ok"]
-    assert services.sandboxes.sleep_idle(0) == 1
-    answers: list[Payload] = []
-    with anyio.fail_after(_WAIT_S):
-        async with anyio.create_task_group() as group:
-            group.start_soon(lambda: _append(answers, sh(client, box, "echo awake")))
-            await _starting(warm)
-            snapshot = await call(client, "snapshot_sandbox", sandbox_id=box)
+    box, warm = await _asleep(client, services, "echo x > f")
+    async with _waking(client, box, warm) as answers:
+        snapshot = await call(client, "snapshot_sandbox", sandbox_id=box)
     assert snapshot["ok"], snapshot
     assert answers[0]["code"] == "OK", answers[0]
     assert not warm.paused
