@@ -389,11 +389,11 @@ def _request_id(body: bytes) -> str | int | None:
 
 async def _refuse_revoked(call: _Call, send: Send) -> None:
     request_id = _request_id(b"".join(call.body))
-    error = {"code": -32000, "message": REVOKED_MESSAGE}
-    data = json.dumps({"jsonrpc": "2.0", "id": request_id, "error": error}).encode()
     if not call.started:
         await send_rpc_error(send, 403, -32000, REVOKED_MESSAGE, request_id)
     elif call.event_stream:
+        error = {"code": -32000, "message": REVOKED_MESSAGE}
+        data = json.dumps({"jsonrpc": "2.0", "id": request_id, "error": error}).encode()
         await send({"type": "http.response.body", "body": b"event: message\r\ndata: " + data + b"\r\n\r\n"})
     else:
         # A JSON answer cut between its head and its body (its Content-Length cannot be met): returned without
