@@ -104,6 +104,7 @@ def _proxy_from_app(frames: bytes) -> tuple[tuple[int, int], RecordingBrowser, l
     for sock in (proxy_side, app_side):
         sock.setblocking(False)
     browser, received = RecordingBrowser(), list[Event]()
+    gc.collect()  # an earlier test's garbage closing its sockets during this one is not this one's count
     fds = _open_fds() - 2
 
     async def main() -> tuple[int, int]:

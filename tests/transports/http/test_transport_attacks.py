@@ -686,6 +686,30 @@ def _get_streams(server: LiveServer, headers: dict[str, str], count: int) -> Ite
             sock.close()
 
 
+def test_a_client_reopening_its_event_stream_at_once_gets_it_and_the_old_one_ends(server: LiveServer) -> None:
+    """Found by CI: a client that closed its GET stream and opened another at once got 409 when the old one's end
+    had not reached the server yet, and so would a client whose old connection died unseen (a laptop asleep).
+    Invariant: the session's newest GET is served, the stream it replaces ends, and another grant knowing the
+    session id cannot end it."""
+    token = get_tokens(server, server.register()["client_id"])["access_token"]
+    other = get_tokens(server, server.register()["client_id"])["access_token"]
+    with server.http() as http:
+        session = _open_session(http, token).headers["mcp-session-id"]
+        headers = {**bearer(token), "mcp-session-id": session, "mcp-protocol-version": "2025-11-25"}
+        http.post("/mcp", json={"jsonrpc": "2.0", "method": "notifications/initialized"}, headers=headers)
+        with _get_streams(server, headers, 1) as first:
+            assert len(first) == 1
+            with _get_streams(server, {**headers, **bearer(other)}, 1) as stranger:
+                assert not stranger, "another grant was served this session's event stream"
+            assert not _stream_ended(first[0], 0.5), "another grant ended this session's event stream"
+            with _get_streams(server, headers, 1) as second:  # the first still open on the client's side
+                assert len(second) == 1, "the session's newest GET stream was refused"
+                assert _stream_ended(first[0], 5), "the replaced GET stream was not ended"
+                assert not _stream_ended(second[0], 0.5)
+        assert anyio.run(_call_tool, server.mcp_url, token, "legacy")["ok"]
+    assert_log_clean(server)
+
+
 def _stream_ended(sock: socket.socket, within_s: float) -> bool:
     """Whether the event stream on `sock` ends (its last chunk, or the connection closed) within `within_s`."""
     deadline = time.monotonic() + within_s
@@ -709,7 +733,8 @@ def test_get_streams_sent_together_on_a_session_are_one_stream_that_ends_with_it
     sent together were all served; each replaced the last in the SDK's map, and the 7 replaced ones, in no map,
     outlived the session's DELETE and the grant's revocation, pinging for ever (one grant held 1,023 streams of a
     1,024-connection cap, and every other client was refused). Invariant: one GET stream per session is served
-    (the others 409), and it ends with the session's DELETE, then with the grant's revocation."""
+    at a time (each new one ends the last, or gets 409), and the one left ends with the session's DELETE, then
+    with the grant's revocation."""
     client_id = server.register()["client_id"]
     token = get_tokens(server, client_id)["access_token"]
     with server.http() as http:
@@ -718,12 +743,13 @@ def test_get_streams_sent_together_on_a_session_are_one_stream_that_ends_with_it
             headers = {**bearer(token), "mcp-session-id": session, "mcp-protocol-version": "2025-11-25"}
             http.post("/mcp", json={"jsonrpc": "2.0", "method": "notifications/initialized"}, headers=headers)
             with _get_streams(server, headers, 8) as answered:
-                assert len(answered) == 1, f"{len(answered)} GET streams served on one session"
+                live = [sock for sock in answered if not _stream_ended(sock, 1)]
+                assert len(live) == 1, f"{len(live)} of {len(answered)} GET streams served on one session still live"
                 if ending == "delete":
                     assert http.delete("/mcp", headers=headers).status_code == 200
                 else:
                     with contextlib.closing(server.db()) as db:
                         grant = db.execute("SELECT grant_id FROM oauth_grants WHERE client_id = ?", (client_id,))
                         server.admin("revoke", str(grant.fetchone()[0]))
-                assert _stream_ended(answered[0], 10), f"the GET stream outlived the session's {ending}"
+                assert _stream_ended(live[0], 10), f"the GET stream outlived the session's {ending}"
     assert_log_clean(server, max_bytes=4 << 20)

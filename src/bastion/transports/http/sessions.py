@@ -51,6 +51,9 @@ REVOKED_CHECK_S: Final = 0.5
 ten grants, 0.5 ms for 200)."""
 ANONYMOUS: Final = ""
 """The key of every session when auth is off (a grant id is never empty)."""
+STREAM_HANDOVER_S: Final = 2.0
+"""How long a session's new GET stream waits for the one it replaces to end before it is refused (409)."""
+_HANDOVER_STEP_S: Final = 0.1
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:
@@ -100,8 +103,8 @@ class SessionCap:
         self.opening: Counter[str] = Counter()
         self.in_flight: dict[bytes, set[str]] = {}
         """Session id -> the ``str(id)`` of each of its requests in flight (the SDK's keys)."""
-        self.streaming: set[bytes] = set()
-        """Sessions with a GET stream being served."""
+        self.streaming: dict[bytes, anyio.Event] = {}
+        """Sessions with a GET stream being served -> an event set once it has ended."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         # With auth off (loopback only) every client is one grant: 2,000 sessions opened in 4.6 s held 75 MiB.
@@ -139,18 +142,41 @@ class SessionCap:
                 self._opened(grant)
 
     async def _one_stream(self, session: bytes, scope: Scope, receive: Receive, send: Send) -> None:
-        """Serve a GET stream of `session` unless one is being served (409). Found by review: the SDK checks for a
-        session's stream before its response's task registers it, so GETs sent together all passed; each
-        replaced the last, and the replaced streams, in no map, outlived the session's DELETE and the grant's
-        revocation, pinging for ever (one grant held 1,023 of a 1,024-connection cap)."""
-        if session in self.streaming:
-            await send_rpc_error(send, 409, -32600, "this session's event stream is open already: one GET stream each")
-            return
-        self.streaming.add(session)
+        """Serve a GET stream of `session`, once the one being served (if any) has ended: the newest wins.
+
+        Found by review: the SDK checks for a session's stream before its response's task registers it, so GETs
+        sent together all passed; each replaced the last, and the replaced streams, in no map, outlived the
+        session's DELETE and the grant's revocation, pinging for ever (one grant held 1,023 of a 1,024-connection
+        cap). Refusing every GET while one was served then refused a client reconnecting at once: its old
+        stream's end (or a dead peer's, found only when a write fails) had not reached the server yet. So a new
+        GET of the session's own grant ends the old stream and waits up to `STREAM_HANDOVER_S` for it (a step at
+        a time: the old one may not have registered its stream with the SDK yet); one stream is served at a time.
+        """
+        deadline = anyio.current_time() + STREAM_HANDOVER_S
+        while (ended := self.streaming.get(session)) is not None:
+            transport = self._own_session(session, grant_of(scope))
+            left = deadline - anyio.current_time()
+            if transport is None or left <= 0:
+                await send_rpc_error(
+                    send, 409, -32600, "this session's event stream is open already: one GET stream each"
+                )
+                return
+            transport.close_standalone_sse_stream()
+            with anyio.move_on_after(min(_HANDOVER_STEP_S, left)):
+                await ended.wait()
+        ended = anyio.Event()
+        self.streaming[session] = ended
         try:
             await self.app(scope, receive, send)
         finally:
-            self.streaming.discard(session)
+            del self.streaming[session]
+            ended.set()
+
+    def _own_session(self, session: bytes, grant: str) -> StreamableHTTPServerTransport | None:
+        """The transport of `session` if `grant` opened it (only its own client may end its stream)."""
+        session_id = session.decode("latin-1")
+        transport = self.manager._server_instances.get(session_id)  # private: see the module docstring
+        return transport if transport is not None and _subject(self.manager, session_id) == grant else None
 
     async def _one_id_at_a_time(self, session: bytes, scope: Scope, receive: Receive, send: Send) -> None:
         """Pass a POST on `session` on, unless it is a request whose id the session has in flight (409)."""
@@ -285,13 +311,16 @@ async def send_rpc_error(send: Send, status: int, code: int, message: str, reque
 
 def open_sessions(manager: StreamableHTTPSessionManager) -> Iterator[tuple[str, StreamableHTTPServerTransport]]:
     """(grant, transport) of each session neither ending nor ended."""
-    owners = manager._session_owners  # private: see the module docstring
-    for session_id, transport in list(manager._server_instances.items()):
-        owner = owners.get(session_id)  # none with auth off: the SDK records no principal
-        subject = (owner.get("subject") if owner is not None else None) or ANONYMOUS
+    for session_id, transport in list(manager._server_instances.items()):  # private: see the module docstring
         closing = transport.idle_scope is not None and transport.idle_scope.cancel_called
         if not closing and not transport.is_terminated:
-            yield subject, transport
+            yield _subject(manager, session_id), transport
+
+
+def _subject(manager: StreamableHTTPSessionManager, session_id: str) -> str:
+    """The grant that opened `session_id`."""
+    owner = manager._session_owners.get(session_id)  # none with auth off: the SDK records no principal
+    return (owner.get("subject") if owner is not None else None) or ANONYMOUS
 
 
 @dataclass(eq=False)
