@@ -36,9 +36,10 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bastion.config import DEFAULT_BLOCKED_RANGES, parse_allow_rules
+from bastion.config import DEFAULT_BLOCKED_RANGES, DEFAULT_BYTE_BURST, DEFAULT_BYTES_PER_S, parse_allow_rules
 from bastion.egress import _relay
 from bastion.egress import proxy as egress
+from bastion.egress._throttle import ByteRate
 from bastion.egress.proxy import EgressService
 from bastion.metrics import Metrics
 from bastion.safety.audit import AuditLog, verify
@@ -761,7 +762,7 @@ def test_a_tunnel_failing_both_ways_at_once_leaves_no_unread_task_error(
     attempt = _TallyStub()
 
     async def main() -> None:
-        await _relay.carry(client, upstream, b"", attempt, idle_timeout_s=5, one_response=False)
+        await _relay.carry(client, upstream, b"", attempt, budget=_budget(), idle_timeout_s=5, one_response=False)
         gc.collect()
         await asyncio.sleep(0)
 
@@ -802,7 +803,7 @@ def test_an_upstream_sending_urgent_data_cannot_stall_or_spin_the_tunnel(
 
     async def main() -> bytes:
         tunnel = asyncio.create_task(
-            _relay.carry(client, upstream, b"", attempt, idle_timeout_s=30, one_response=False)
+            _relay.carry(client, upstream, b"", attempt, budget=_budget(), idle_timeout_s=30, one_response=False)
         )
         server.sendall(b"before")
         server.send(b"!", socket.MSG_OOB)
@@ -826,6 +827,10 @@ def test_an_upstream_sending_urgent_data_cannot_stall_or_spin_the_tunnel(
         for sock in (client, sandbox_side, upstream, server):
             sock.close()
     assert attempt.bytes_down == len(b"beforeafter")
+
+
+def _budget() -> ByteRate:
+    return ByteRate(DEFAULT_BYTES_PER_S, DEFAULT_BYTE_BURST)
 
 
 @dataclass

@@ -269,6 +269,87 @@ async def test_a_create_whose_network_fails_to_open_leaves_no_fd_mount_or_loop_d
         services.close()
 
 
+class _Endless(http.server.BaseHTTPRequestHandler):
+    """An allowed destination as fast as the host's loopback, with a body that never ends."""
+
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", str(1 << 40))
+        self.end_headers()
+        chunk = bytes(256 * 1024)
+        with contextlib.suppress(OSError):
+            while True:
+                self.wfile.write(chunk)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+FLOOD = """
+import os, socket, sys, threading, time
+host, port = os.environ["HTTP_PROXY"].split("//")[1].rstrip("/").split(":")
+url, seconds, total = sys.argv[1], float(sys.argv[2]), []
+def pull():
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(("GET %s HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n" % url).encode())
+    got, end = 0, time.monotonic() + seconds
+    while time.monotonic() < end and (data := sock.recv(1 << 20)):
+        got += len(data)
+    total.append(got)
+threads = [threading.Thread(target=pull) for _ in range(8)]
+for thread in threads: thread.start()
+for thread in threads: thread.join()
+print(sum(total))
+"""
+RATE = 4 * 1024 * 1024
+BURST = 1024 * 1024
+FLOOD_S = 3.0
+
+
+async def test_a_sandbox_pulling_a_fast_destination_over_many_connections_is_held_to_its_byte_rate(
+    demo_config_path: Path, web: int
+) -> None:
+    """Found by attack: code in one sandbox pulled an allowed destination's endless body over 8 connections; the
+    proxy's relay, one thread of the server in the server's cgroup, moved 1.3 GB/s, half a core outside the
+    sandbox's `cpu_cores`, and another sandbox's fetches through its own proxy went from a p90 of 4 to 8 ms to 35
+    to 48 ms. Invariant: the sandbox's connections together move no more than its byte budget (the burst, the
+    rate, and at most one splice each past it), and another sandbox, with a budget of its own, still fetches."""
+    endless = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Endless)
+    endless.daemon_threads = True
+    threading.Thread(target=endless.serve_forever, daemon=True).start()
+    fast = endless.server_address[1]
+    blocked = [r for r in DEFAULT_BLOCKED_RANGES if r != "127.0.0.0/8"]
+    extra = f"""
+[sandboxes.network]
+allow = ["allowed.test:{web}", "fast.test:{fast}"]
+blocked_ranges = {json.dumps(blocked)}
+hosts = {{ "allowed.test" = ["127.0.0.1"], "fast.test" = ["127.0.0.1"] }}
+bytes_per_s = {RATE}
+byte_burst = {BURST}
+"""
+    try:
+        async with network_client(demo_config_path, extra) as client:
+            puller = await create(client, network_allow=[f"fast.test:{fast}"])
+            other = await create(client, network_allow=[f"allowed.test:{web}"])
+            await sh(client, puller, f"cat > flood.py <<'EOF'\n{FLOOD}\nEOF")
+            flooded: dict[str, Any] = {}
+
+            async def flood() -> None:
+                flooded.update(await sh(client, puller, f"python3 flood.py http://fast.test:{fast}/ {FLOOD_S}"))
+
+            async with anyio.create_task_group() as group:
+                group.start_soon(flood)
+                fetched = await sh(client, other, FETCH.format(url=f"http://allowed.test:{web}/"))
+            assert fetched["detail"]["stdout"].strip() == BODY.decode()
+            assert flooded["detail"]["exit_status"] == 0, flooded["detail"]["stderr"]
+            pulled = int(flooded["detail"]["stdout"])
+            most = BURST + RATE * (FLOOD_S + 1) + 8 * 1024 * 1024  # a second of slack; a splice of 1 MiB each
+            assert RATE <= pulled <= most, f"{pulled / 2**20:.1f} MiB in {FLOOD_S} s at {RATE / 2**20:.0f} MiB/s"
+    finally:
+        endless.shutdown()
+        endless.server_close()
+
+
 def _fd_targets() -> dict[str, str]:
     found = {}
     for fd in os.listdir("/proc/self/fd"):

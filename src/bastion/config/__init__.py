@@ -42,6 +42,8 @@ from bastion.config.inbox import SkipKind as SkipKind
 from bastion.config.inbox import SkipRule as SkipRule
 from bastion.config.metrics import MetricsConfig as MetricsConfig
 from bastion.config.network import DEFAULT_BLOCKED_RANGES as DEFAULT_BLOCKED_RANGES
+from bastion.config.network import DEFAULT_BYTE_BURST as DEFAULT_BYTE_BURST
+from bastion.config.network import DEFAULT_BYTES_PER_S as DEFAULT_BYTES_PER_S
 from bastion.config.network import DEFAULT_PORTS as DEFAULT_PORTS
 from bastion.config.network import DEFAULT_REGISTRY as DEFAULT_REGISTRY
 from bastion.config.network import MAX_ALLOW_RULES as MAX_ALLOW_RULES
@@ -73,6 +75,8 @@ __all__ = [
     "DB_NAME",
     "DEFAULT_APP_CALLBACKS",
     "DEFAULT_BLOCKED_RANGES",
+    "DEFAULT_BYTES_PER_S",
+    "DEFAULT_BYTE_BURST",
     "DEFAULT_CATEGORIES",
     "DEFAULT_PORTS",
     "DEFAULT_REGISTRY",

@@ -17,6 +17,11 @@ from pydantic import Field, field_validator
 from bastion.config.base import Model
 from bastion.safety.errors import InvalidRequest, PolicyDenied
 
+DEFAULT_BYTES_PER_S: Final = 64 * 1024 * 1024
+"""A sandbox's egress, both ways together: 64 MiB/s (more than most links), about 4% of a core of the relay's."""
+DEFAULT_BYTE_BURST: Final = 16 * 1024 * 1024
+"""Bytes a sandbox moves at the link's speed before the rate applies."""
+
 # Ranges the egress proxy never connects to, whatever name led there (DNS rebinding).
 # An explicit list on purpose, not "not is_global": the documentation ranges
 # (192.0.2.0/24, 198.51.100.0/24, 203.0.113.0/24) hold real registry addresses on some
@@ -214,6 +219,11 @@ class NetworkConfig(Model):
     """Connection attempts per sandbox per second, on average; past it the proxy answers 429."""
     attempt_burst: Annotated[int, Field(ge=1, le=100_000)] = 200
     """Connection attempts a sandbox may make at once before the rate applies."""
+    bytes_per_s: Annotated[int, Field(ge=64 * 1024, le=1 << 40)] = DEFAULT_BYTES_PER_S
+    """Bytes per sandbox per second through the proxy, all its connections both ways, on average. The relay runs
+    on the server's CPU, not the sandbox's: this bounds what one sandbox's traffic costs the server."""
+    byte_burst: Annotated[int, Field(ge=64 * 1024, le=1 << 40)] = DEFAULT_BYTE_BURST
+    """Bytes a sandbox may move at once before the rate applies."""
 
     @field_validator("allow", "registry")
     @classmethod

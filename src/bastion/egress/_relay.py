@@ -10,6 +10,8 @@ guarantees:
 - The connection ends when a direction fails, when no byte has moved for the idle timeout,
   and, for plain HTTP, as soon as the server's side ends: the client's next request must come
   on a new connection, to be checked. Cancelling `carry` ends both directions.
+- Every byte moved is spent from the sandbox's `ByteRate` (shared by its connections, both ways): a
+  direction in debt waits before it reads again, so the relay's CPU (the server's) stays bounded per sandbox.
 - splice(2) through a pipe when the kernel allows it (the bytes never enter this process);
   otherwise reads and writes of `CHUNK_BYTES`. A pipe grows to `PIPE_BYTES` only after
   `GROW_AFTER_BYTES`, and stays small if the user's pipe budget refuses.
@@ -29,6 +31,8 @@ import os
 import socket
 from dataclasses import dataclass
 from typing import Final, Protocol
+
+from bastion.egress._throttle import ByteRate
 
 CHUNK_BYTES: Final = 1024 * 1024
 # A direction's pipe starts at the kernel's default (64 KiB) and grows to PIPE_BYTES once it has
@@ -57,6 +61,7 @@ async def carry(
     forward: bytes,
     attempt: _Tally,
     *,
+    budget: ByteRate,
     idle_timeout_s: float,
     one_response: bool,
 ) -> None:
@@ -64,6 +69,7 @@ async def carry(
 
     Args:
         forward: bytes already read from the client, for the server first.
+        budget: the sandbox's bytes a second, spent by every byte moved either way.
         one_response: plain HTTP: end when the server's side ends.
     """
     loop = asyncio.get_running_loop()
@@ -72,8 +78,8 @@ async def carry(
         if forward:
             await loop.sock_sendall(upstream, forward)
             attempt.bytes_up += len(forward)
-        up = loop.create_task(_copy(_Direction(loop, client, upstream, attempt, "bytes_up", last)))
-        down = loop.create_task(_copy(_Direction(loop, upstream, client, attempt, "bytes_down", last)))
+        up = loop.create_task(_copy(_Direction(loop, client, upstream, attempt, "bytes_up", last, budget)))
+        down = loop.create_task(_copy(_Direction(loop, upstream, client, attempt, "bytes_down", last, budget)))
     except OSError as exc:
         attempt.reason = f"ended: {exc.strerror or exc}"
         return
@@ -110,10 +116,14 @@ class _Direction:
     attempt: _Tally
     counter: str  # the attempt's field: "bytes_up" or "bytes_down"
     last: list[float]  # when a byte last moved either way (the idle timeout's clock), shared by both
+    budget: ByteRate
 
-    def moved(self, count: int) -> None:
+    async def moved(self, count: int) -> None:
+        """Count `count` bytes moved, then wait while the sandbox's byte budget is in debt."""
         setattr(self.attempt, self.counter, getattr(self.attempt, self.counter) + count)
         self.last[0] = self.loop.time()
+        await self.budget.spend(count)
+        self.last[0] = self.loop.time()  # waiting for the budget is not being idle
 
 
 async def _copy(way: _Direction) -> None:
@@ -136,7 +146,7 @@ async def _read_write(way: _Direction) -> None:
         if not count:
             return
         await way.loop.sock_sendall(way.dst, view[:count])
-        way.moved(count)
+        await way.moved(count)
 
 
 async def _splice(way: _Direction) -> bool:
@@ -176,7 +186,7 @@ async def _splice(way: _Direction) -> bool:
                     left -= os.splice(read_end, way.dst.fileno(), left, flags=flags)
                 except BlockingIOError:
                     await ready(way.loop, way.dst, write=True)
-            way.moved(count)
+            await way.moved(count)
     finally:
         os.close(read_end)
         os.close(write_end)
@@ -195,7 +205,7 @@ async def _past_urgent_mark(way: _Direction) -> bool:
     if not data:
         return True
     await way.loop.sock_sendall(way.dst, data)
-    way.moved(len(data))
+    await way.moved(len(data))
     return False
 
 

@@ -45,6 +45,10 @@ What it enforces (a security boundary):
       and counted instead of recorded: one ``event: "egress_throttled"`` record a second
       carries the count, so a sandbox cannot fill the audit log's disk (which would stop
       the server) by opening connections in a loop.
+    * A rate of bytes per sandbox (`_throttle.ByteRate`: 64 MiB a second, both ways and every
+      connection together, bursts of 16 MiB by default). The relay is the server's CPU, not
+      the sandbox's: found by attack, one sandbox's download from a fast destination took
+      half a core of it and slowed every other sandbox's connections.
     * Every attempt within the rate, allowed or refused, is one audit record
       (``event: "egress"``) with the sandbox, domain, port, resolved address, decision,
       reason, bytes each way and
@@ -56,7 +60,7 @@ What it enforces (a security boundary):
 What it does not do:
     * Look inside CONNECT tunnels: TLS is end to end, so the SNI and Host inside a tunnel are
       not checked. The tunnel's bytes still reach only the address that was checked.
-    * Limit the bandwidth of a connection.
+    * Share the bandwidth fairly among one sandbox's connections: the byte budget is the sandbox's.
     * Answer SOCKS5 in its own terms when throttling: a throttled SOCKS client gets the HTTP 429.
 
 Usage from sync code (one event loop, in a daemon thread, serves every sandbox)::
@@ -95,7 +99,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
-from bastion.config import DEFAULT_BLOCKED_RANGES, AllowRule, normalize_host
+from bastion.config import DEFAULT_BLOCKED_RANGES, DEFAULT_BYTE_BURST, DEFAULT_BYTES_PER_S, AllowRule, normalize_host
 from bastion.egress._relay import answer_and_linger, carry, close_socket, grow_buffers, ready
 from bastion.egress._request import (
     SOCKS_REPLY,
@@ -110,7 +114,14 @@ from bastion.egress._request import (
 
 # Re-exported: `Refused` is raised by the request parsing too, so it is defined there.
 from bastion.egress._request import Refused as Refused
-from bastion.egress._throttle import MAX_IN_RESOLVER, AttemptThrottle, LookupsBusy, NameLookups, ResolverFull
+from bastion.egress._throttle import (
+    MAX_IN_RESOLVER,
+    AttemptThrottle,
+    ByteRate,
+    LookupsBusy,
+    NameLookups,
+    ResolverFull,
+)
 from bastion.metrics import EgressVerdict, Metrics
 from bastion.safety.errors import AuditUnavailable, Conflict, InvalidRequest, OperationFailed, SandboxNotFound
 
@@ -147,6 +158,8 @@ class EgressSettings:
     attempts_per_s: float = 20.0
     attempt_burst: int = 200
     max_lookups: int = 8
+    bytes_per_s: int = DEFAULT_BYTES_PER_S
+    byte_burst: int = DEFAULT_BYTE_BURST
 
 
 def parse_ranges(texts: Iterable[str]) -> tuple[IPNetwork, ...]:
@@ -211,6 +224,7 @@ class _SandboxProxy:
     inode: tuple[int, int]
     throttle: AttemptThrottle
     lookups: NameLookups
+    budget: ByteRate
     accept_task: asyncio.Task[None] | None = None
     connections: set[asyncio.Task[None]] = field(default_factory=set)
     report: asyncio.TimerHandle | None = None  # the pending egress_throttled record
@@ -282,7 +296,8 @@ class EgressProxy:
         listener, inode = _listen(path, owner)
         throttle = AttemptThrottle(self._settings.attempts_per_s, self._settings.attempt_burst)
         lookups = NameLookups(self._settings.max_lookups, f"egress-lookup-{sandbox_id}")
-        proxy = _SandboxProxy(sandbox_id, tuple(rules), listener, path, inode, throttle, lookups)
+        budget = ByteRate(self._settings.bytes_per_s, self._settings.byte_burst)
+        proxy = _SandboxProxy(sandbox_id, tuple(rules), listener, path, inode, throttle, lookups, budget)
         self._proxies[sandbox_id] = proxy
         proxy.accept_task = asyncio.get_running_loop().create_task(self._accept(proxy))
 
@@ -389,7 +404,7 @@ class EgressProxy:
             task = asyncio.current_task()
             if task is not None:
                 proxy.destinations[task] = (request.host, request.port)
-            await self._relay(client, upstream, request, attempt)
+            await self._relay(client, upstream, request, attempt, proxy.budget)
         except Refused as exc:
             attempt.decision, attempt.reason = exc.decision, exc.reason
             message = socks_reply(SOCKS_REPLY.get(exc.status, 1)) if socks else reply(exc.status, exc.reason)
@@ -539,7 +554,9 @@ class EgressProxy:
             return sock, address
         raise failure
 
-    async def _relay(self, client: socket.socket, upstream: socket.socket, request: Request, attempt: _Attempt) -> None:
+    async def _relay(
+        self, client: socket.socket, upstream: socket.socket, request: Request, attempt: _Attempt, budget: ByteRate
+    ) -> None:
         loop = asyncio.get_running_loop()
         attempt.decision, attempt.reason = "allow", "allowed"
         if request.protocol == "connect":
@@ -551,6 +568,7 @@ class EgressProxy:
             upstream,
             request.forward,
             attempt,
+            budget=budget,
             idle_timeout_s=self._settings.idle_timeout_s,
             one_response=request.protocol == "http",
         )
@@ -658,6 +676,7 @@ class EgressService:
         connect_timeout_s, idle_timeout_s, max_connections: per connection / per sandbox bounds.
         attempts_per_s, attempt_burst: the rate of connection attempts per sandbox.
         max_lookups: name lookups of one sandbox in progress at once (each holds a thread until glibc returns).
+        bytes_per_s, byte_burst: the bytes per second of a sandbox's connections, both ways together.
         metrics: where attempts and bytes are counted.
     """
 
@@ -674,6 +693,8 @@ class EgressService:
         attempts_per_s: float = 20.0,
         attempt_burst: int = 200,
         max_lookups: int = 8,
+        bytes_per_s: int = DEFAULT_BYTES_PER_S,
+        byte_burst: int = DEFAULT_BYTE_BURST,
         metrics: Metrics | None = None,
     ) -> None:
         settings = EgressSettings(
@@ -689,6 +710,8 @@ class EgressService:
             attempts_per_s=attempts_per_s,
             attempt_burst=attempt_burst,
             max_lookups=max_lookups,
+            bytes_per_s=bytes_per_s,
+            byte_burst=byte_burst,
         )
         self._loop = asyncio.new_event_loop()
         self._proxy = EgressProxy(audit, settings, metrics)
@@ -708,6 +731,8 @@ class EgressService:
             max_connections=network.max_connections,
             attempts_per_s=network.attempts_per_s,
             attempt_burst=network.attempt_burst,
+            bytes_per_s=network.bytes_per_s,
+            byte_burst=network.byte_burst,
         )
 
     def _run(self) -> None:
