@@ -39,24 +39,34 @@ Resolved = list[tuple[int, str]]
 """What a lookup found: (address family, address text) per getaddrinfo entry."""
 
 
-class AttemptThrottle:
-    """Allow `burst` attempts at once, refilled at `rate_per_s`; count what is refused."""
+class _Bucket:
+    """A token bucket: `burst` tokens at once, refilled at `rate_per_s`."""
 
-    def __init__(self, rate_per_s: float, burst: int, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, rate_per_s: float, burst: int, clock: Callable[[], float], what: str) -> None:
         if rate_per_s <= 0 or burst < 1:
-            raise ValueError("the attempt rate must be positive and the burst at least 1")
+            raise ValueError(f"the {what} rate must be positive and the burst at least 1")
         self.rate_per_s = rate_per_s
         self.burst = burst
         self._clock = clock
         self._tokens = float(burst)
         self._refilled = clock()
+
+    def _refill(self) -> None:
+        now = self._clock()
+        self._tokens = min(float(self.burst), self._tokens + (now - self._refilled) * self.rate_per_s)
+        self._refilled = now
+
+
+class AttemptThrottle(_Bucket):
+    """Allow `burst` attempts at once, refilled at `rate_per_s`; count what is refused."""
+
+    def __init__(self, rate_per_s: float, burst: int, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(rate_per_s, burst, clock, "attempt")
         self.refused = 0
 
     def take(self) -> bool:
         """Spend one attempt; False (and one more refused) if the bucket is empty."""
-        now = self._clock()
-        self._tokens = min(float(self.burst), self._tokens + (now - self._refilled) * self.rate_per_s)
-        self._refilled = now
+        self._refill()
         if self._tokens >= 1.0:
             self._tokens -= 1.0
             return True
@@ -69,7 +79,7 @@ class AttemptThrottle:
         return count
 
 
-class ByteRate:
+class ByteRate(_Bucket):
     """`burst` bytes at once, refilled at `rate_per_s`; every connection of a sandbox, both ways, spends from it.
 
     A spend never refuses: it takes the bytes already moved and, if the bucket is in debt, waits until the
@@ -78,19 +88,11 @@ class ByteRate:
     """
 
     def __init__(self, rate_per_s: float, burst: int, clock: Callable[[], float] = time.monotonic) -> None:
-        if rate_per_s <= 0 or burst < 1:
-            raise ValueError("the byte rate must be positive and the burst at least 1")
-        self.rate_per_s = rate_per_s
-        self.burst = burst
-        self._clock = clock
-        self._tokens = float(burst)
-        self._refilled = clock()
+        super().__init__(rate_per_s, burst, clock, "byte")
 
     def owed_s(self, count: int) -> float:
         """Spend `count` bytes; the seconds to wait before moving more (0 if the bucket holds them)."""
-        now = self._clock()
-        self._tokens = min(float(self.burst), self._tokens + (now - self._refilled) * self.rate_per_s)
-        self._refilled = now
+        self._refill()
         self._tokens -= count
         return -self._tokens / self.rate_per_s if self._tokens < 0 else 0.0
 
