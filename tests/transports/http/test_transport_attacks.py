@@ -26,6 +26,7 @@ from http.client import HTTPConnection
 from typing import Any
 
 import anyio
+import anyio.streams.buffered
 import httpx2
 import pytest
 from mcp import Client
@@ -708,6 +709,71 @@ def test_a_client_reopening_its_event_stream_at_once_gets_it_and_the_old_one_end
                 assert not _stream_ended(second[0], 0.5)
         assert anyio.run(_call_tool, server.mcp_url, token, "legacy")["ok"]
     assert_log_clean(server)
+
+
+def test_a_sessions_get_re_sent_on_many_connections_does_not_hold_every_connection_slot(
+    start_server: Callable[..., AbstractContextManager[LiveServer]],
+) -> None:
+    """Found by review: once a session's new GET waited for the stream it replaces to end (up to 2 s, inside the
+    application, where the connection cap cannot evict it), one grant re-sending its session's GET on 70
+    connections held a 64-connection cap: another grant's client was refused 87 to 98% of the time. Invariant:
+    one GET a session waits, the newest (the one it replaces answers 409 at once), so the other grant connects."""
+    with start_server(http_extra="max_connections = 64\nmax_sessions_per_grant = 8\n") as server:
+        token = get_tokens(server, server.register()["client_id"])["access_token"]
+        other = get_tokens(server, server.register()["client_id"])["access_token"]
+        with server.http() as http:
+            session = _open_session(http, token).headers["mcp-session-id"]
+            headers = {**bearer(token), "mcp-session-id": session, "mcp-protocol-version": "2025-11-25"}
+            http.post("/mcp", json={"jsonrpc": "2.0", "method": "notifications/initialized"}, headers=headers)
+        stop = time.monotonic() + 8
+        with ThreadPoolExecutor(1) as pool:
+            flood = pool.submit(anyio.run, _re_send_gets, server.port, headers, 70, stop)
+            time.sleep(1)  # the flood under way: what follows measures it, nothing waits on its order
+            served = refused = 0
+            while time.monotonic() < stop - 1 and served + refused < 40:
+                try:
+                    with httpx2.Client(base_url=server.base, timeout=5) as client:
+                        served += _open_session(client, other).status_code == 200
+                except httpx2.HTTPError:
+                    refused += 1
+            answers = flood.result()
+        assert answers["200"] > 0, answers
+        assert refused <= served // 4, f"another grant was refused {refused} times of {served + refused}"
+        assert_log_clean(server, max_bytes=16 << 20)
+
+
+async def _re_send_gets(port: int, headers: dict[str, str], connections: int, stop: float) -> dict[str, int]:
+    """`connections` connections, each re-sending a session's GET as soon as its answer ends, until `stop`; the
+    answers' status codes counted."""
+    lines = ["GET /mcp HTTP/1.1", f"Host: 127.0.0.1:{port}", "Accept: text/event-stream"]
+    lines += [f"{k}: {v}" for k, v in headers.items() if k.lower() not in ("accept", "content-type")]
+    request = ("\r\n".join(lines) + "\r\n\r\n").encode()
+    answers: dict[str, int] = {"200": 0}
+
+    async def one() -> None:
+        while time.monotonic() < stop:
+            with contextlib.suppress(
+                OSError, anyio.BrokenResourceError, anyio.EndOfStream, anyio.IncompleteRead, TimeoutError
+            ):
+                async with await anyio.connect_tcp("127.0.0.1", port) as stream:
+                    buffered = anyio.streams.buffered.BufferedByteReceiveStream(stream)
+                    while time.monotonic() < stop:
+                        await stream.send(request)
+                        with anyio.fail_after(max(0.1, stop - time.monotonic())):
+                            head = await buffered.receive_until(b"\r\n\r\n", 65536)
+                            status = head.split(b" ", 2)[1].decode()
+                            answers[status] = answers.get(status, 0) + 1
+                            length = re.search(rb"(?im)^content-length: *(\d+)", head)
+                            if length is not None:
+                                await buffered.receive_exactly(int(length[1]))
+                            else:  # an event stream, chunked: to its last chunk
+                                await buffered.receive_until(b"0\r\n\r\n", 1 << 20)
+            await anyio.sleep(0.05)
+
+    async with anyio.create_task_group() as group:
+        for _ in range(connections):
+            group.start_soon(one)
+    return answers
 
 
 def _stream_ended(sock: socket.socket, within_s: float) -> bool:

@@ -103,8 +103,10 @@ class SessionCap:
         self.opening: Counter[str] = Counter()
         self.in_flight: dict[bytes, set[str]] = {}
         """Session id -> the ``str(id)`` of each of its requests in flight (the SDK's keys)."""
-        self.streaming: dict[bytes, anyio.Event] = {}
-        """Sessions with a GET stream being served -> an event set once it has ended."""
+        self.streaming: set[bytes] = set()
+        """Sessions with a GET stream being served."""
+        self.waiting: dict[bytes, _Waiter] = {}
+        """Sessions with a GET waiting for the stream being served to end -> that GET (one a session, the newest)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         # With auth off (loopback only) every client is one grant: 2,000 sessions opened in 4.6 s held 75 MiB.
@@ -150,27 +152,56 @@ class SessionCap:
         cap). Refusing every GET while one was served then refused a client reconnecting at once: its old
         stream's end (or a dead peer's, found only when a write fails) had not reached the server yet. So a new
         GET of the session's own grant ends the old stream and waits up to `STREAM_HANDOVER_S` for it (a step at
-        a time: the old one may not have registered its stream with the SDK yet); one stream is served at a time.
+        a time: the old one may not have registered its stream with the SDK yet). One GET a session waits, the
+        newest: the one it replaces answers 409 at once (found by review: with every GET waiting, one grant
+        re-sending its session's GET on 70 connections held every connection slot, each one being served).
+        A GET of a session that is not the grant's own, or gone, goes to the SDK, which answers 404.
         """
-        deadline = anyio.current_time() + STREAM_HANDOVER_S
-        while (ended := self.streaming.get(session)) is not None:
-            transport = self._own_session(session, grant_of(scope))
-            left = deadline - anyio.current_time()
-            if transport is None or left <= 0:
+        grant = grant_of(scope)
+        if self._own_session(session, grant) is None:
+            await self.app(scope, receive, send)  # the SDK answers 404 and serves no stream
+            return
+        if (session in self.streaming or session in self.waiting) and not await self._handed_over(session):
+            if self._own_session(session, grant) is None:  # ended meanwhile (a DELETE): 404, as it now is
+                await self.app(scope, receive, send)
+            else:
                 await send_rpc_error(
                     send, 409, -32600, "this session's event stream is open already: one GET stream each"
                 )
-                return
-            transport.close_standalone_sse_stream()
-            with anyio.move_on_after(min(_HANDOVER_STEP_S, left)):
-                await ended.wait()
-        ended = anyio.Event()
-        self.streaming[session] = ended
+            return
+        self.streaming.add(session)
         try:
             await self.app(scope, receive, send)
         finally:
-            del self.streaming[session]
-            ended.set()
+            self.streaming.discard(session)
+            waiter = self.waiting.get(session)
+            if waiter is not None:
+                waiter.wake.set()
+
+    async def _handed_over(self, session: bytes) -> bool:
+        """End `session`'s stream and wait for it to end; False if a newer GET came meanwhile, or time ran out."""
+        previous = self.waiting.get(session)
+        if previous is not None:
+            previous.superseded = True
+            previous.wake.set()
+        me = self.waiting[session] = _Waiter()
+        deadline = anyio.current_time() + STREAM_HANDOVER_S
+        try:
+            while session in self.streaming:
+                transport = self.manager._server_instances.get(session.decode("latin-1"))  # private: module docstring
+                left = deadline - anyio.current_time()
+                if transport is None or left <= 0:
+                    return False
+                transport.close_standalone_sse_stream()
+                with anyio.move_on_after(min(_HANDOVER_STEP_S, left)):
+                    await me.wake.wait()
+                if me.superseded:
+                    return False
+                me.wake = anyio.Event()
+            return True
+        finally:
+            if self.waiting.get(session) is me:
+                del self.waiting[session]
 
     def _own_session(self, session: bytes, grant: str) -> StreamableHTTPServerTransport | None:
         """The transport of `session` if `grant` opened it (only its own client may end its stream)."""
@@ -232,6 +263,14 @@ class SessionCap:
         oldest.idle_scope.cancel()
         logger.info("grant %s reached %d MCP sessions: closed the one idle longest", _named(grant), self.per_grant)
         return True
+
+
+@dataclass(eq=False)
+class _Waiter:
+    """A GET waiting for its session's stream to end: woken by that end, or by a newer GET (superseded)."""
+
+    wake: anyio.Event = field(default_factory=anyio.Event)
+    superseded: bool = False
 
 
 @dataclass(frozen=True, slots=True)
