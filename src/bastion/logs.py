@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 from types import TracebackType
 from typing import Final, Literal, TextIO, TypeAlias
@@ -30,6 +31,11 @@ _ESCAPES: Final = {code: f"\\x{code:02x}" for code in [*range(0x20), *range(0x7F
 _ESCAPES.update({ord("\\"): "\\\\", ord("\n"): "\\n", ord("\r"): "\\r", ord("\t"): "\\t"})
 # Unicode line and paragraph separators end a line for some readers too.
 _ESCAPES.update({0x2028: "\\u2028", 0x2029: "\\u2029"})
+# Blank characters (the space separators): a run of them is how a value pads its own text to the start of a
+# terminal's next row, where it reads as a line of the server's (found by attack: a client_id of "https://",
+# 75 spaces and a forged line, logged at WARNING for any stranger). All but a run's first plain space are written
+# as escapes, so padding shows; a value can still pad with visible characters (see SECURITY.md).
+_BLANK_RUN: Final = re.compile("[ \u00a0\u1680\u2000-\u200a\u202f\u205f\u3000]{2,}")
 MAX_MESSAGE_CHARS: Final = 4096
 """A record's message, and its exception's text, are cut to this before they are escaped: the SDK logs a client's
 strings whole (an unknown prompt's name, a resource's URI), and a 4 MB name of hidden characters cost 1 s of the
@@ -51,9 +57,16 @@ def _cut_args(record: logging.LogRecord) -> None:
 
 
 def escape(text: str) -> str:
-    """`text` on one line: control characters and line separators written as escapes, and the invisible
-    format characters (bidi overrides, zero-width ones) too, which could reorder or hide part of a line."""
-    return escape_hidden(text.translate(_ESCAPES))
+    """`text` on one line: control characters and line separators written as escapes, the invisible format
+    characters (bidi overrides, zero-width ones) too, which could reorder or hide part of a line, and every blank
+    of a run of blanks but a first plain space."""
+    return _BLANK_RUN.sub(_escape_blanks, escape_hidden(text.translate(_ESCAPES)))
+
+
+def _escape_blanks(match: re.Match[str]) -> str:
+    run = match.group()
+    first = " " if run[0] == " " else f"\\u{ord(run[0]):04x}"
+    return first + "".join(f"\\x{ord(c):02x}" if c == " " else f"\\u{ord(c):04x}" for c in run[1:])
 
 
 class OneLineFormatter(logging.Formatter):
