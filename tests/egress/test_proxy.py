@@ -39,11 +39,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from bastion.config import DEFAULT_BLOCKED_RANGES, DEFAULT_BYTE_BURST, DEFAULT_BYTES_PER_S, parse_allow_rules
 from bastion.egress import _relay
 from bastion.egress import proxy as egress
-from bastion.egress._throttle import ByteRate
 from bastion.egress.proxy import EgressService
 from bastion.metrics import Metrics
 from bastion.safety.audit import AuditLog, verify
 from bastion.safety.errors import Conflict, InvalidRequest, SandboxNotFound
+from bastion.safety.rates import ByteRate
 from bastion.safety.redact import Redactor
 
 FORWARDER = Path(egress.__file__).parents[1] / "sandbox" / "inside" / "forwarder.py"

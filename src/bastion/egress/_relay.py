@@ -32,7 +32,7 @@ import socket
 from dataclasses import dataclass
 from typing import Final, Protocol
 
-from bastion.egress._throttle import ByteRate
+from bastion.safety.rates import ByteRate
 
 CHUNK_BYTES: Final = 1024 * 1024
 # A direction's pipe starts at the kernel's default (64 KiB) and grows to PIPE_BYTES once it has

@@ -1,4 +1,4 @@
-"""Per-sandbox bounds on the egress proxy's work: attempts a second, bytes a second, and name lookups at once.
+"""Per-sandbox bounds on the egress proxy's work: attempts a second and name lookups at once (and bytes a second).
 
 Attempts (`AttemptThrottle`). Every egress attempt is a fsync'd audit record, and code in a
 sandbox can open connections to its proxy as fast as the loopback allows. Unbounded, one sandbox
@@ -7,12 +7,13 @@ the rate, attempts are refused (429) and only counted; the proxy writes one reco
 with the count (``event: "egress_throttled"``), so the log grows by a bounded amount however
 hard a sandbox tries.
 
-Bytes (`ByteRate`). The proxy's relay runs on one thread of the server, in the server's cgroup, not the
-sandbox's: found by attack, code in one sandbox pulling an allowed fast destination's endless body over 8
-connections had the relay move 1.3 GB/s, half a core of the server's CPU outside the sandbox's `cpu_cores`,
-and another sandbox's fetches through its own proxy went from a p90 of 4 to 8 ms to 35 to 48 ms. Each
-sandbox's connections, both ways together, now share a byte budget (a token bucket): a direction that moved
-more than the budget holds waits before it reads again, so the sandbox's TCP windows fill and its peers slow.
+Bytes (`bastion.safety.rates.ByteRate`, one per sandbox's proxy). The relay runs on one thread of the
+server, in the server's cgroup, not the sandbox's: found by attack, code in one sandbox pulling an allowed
+fast destination's endless body over 8 connections had the relay move 1.3 GB/s, half a core of the server's
+CPU outside the sandbox's `cpu_cores`, and another sandbox's fetches through its own proxy went from a p90
+of 4 to 8 ms to 35 to 48 ms. Each sandbox's connections, both ways together, now share a byte budget: a
+direction that moved more than the budget holds waits before it reads again, so the sandbox's TCP windows
+fill and its peers slow.
 
 Name lookups (`NameLookups`). glibc's getaddrinfo cannot be interrupted: a lookup the proxy gives
 up on still holds its thread until the resolver returns (its timeouts and retries, tens of seconds
@@ -35,29 +36,13 @@ import threading
 import time
 from collections.abc import Callable
 
+from bastion.safety.rates import TokenBucket
+
 Resolved = list[tuple[int, str]]
 """What a lookup found: (address family, address text) per getaddrinfo entry."""
 
 
-class _Bucket:
-    """A token bucket: `burst` tokens at once, refilled at `rate_per_s`."""
-
-    def __init__(self, rate_per_s: float, burst: int, clock: Callable[[], float], what: str) -> None:
-        if rate_per_s <= 0 or burst < 1:
-            raise ValueError(f"the {what} rate must be positive and the burst at least 1")
-        self.rate_per_s = rate_per_s
-        self.burst = burst
-        self._clock = clock
-        self._tokens = float(burst)
-        self._refilled = clock()
-
-    def _refill(self) -> None:
-        now = self._clock()
-        self._tokens = min(float(self.burst), self._tokens + (now - self._refilled) * self.rate_per_s)
-        self._refilled = now
-
-
-class AttemptThrottle(_Bucket):
+class AttemptThrottle(TokenBucket):
     """Allow `burst` attempts at once, refilled at `rate_per_s`; count what is refused."""
 
     def __init__(self, rate_per_s: float, burst: int, clock: Callable[[], float] = time.monotonic) -> None:
@@ -77,30 +62,6 @@ class AttemptThrottle(_Bucket):
         """The attempts refused since the last drain; the count starts again at zero."""
         count, self.refused = self.refused, 0
         return count
-
-
-class ByteRate(_Bucket):
-    """`burst` bytes at once, refilled at `rate_per_s`; every connection of a sandbox, both ways, spends from it.
-
-    A spend never refuses: it takes the bytes already moved and, if the bucket is in debt, waits until the
-    debt is repaid. Connections spending together each wait out the debt they found, so the sandbox's whole
-    traffic keeps to the rate however many connections share it.
-    """
-
-    def __init__(self, rate_per_s: float, burst: int, clock: Callable[[], float] = time.monotonic) -> None:
-        super().__init__(rate_per_s, burst, clock, "byte")
-
-    def owed_s(self, count: int) -> float:
-        """Spend `count` bytes; the seconds to wait before moving more (0 if the bucket holds them)."""
-        self._refill()
-        self._tokens -= count
-        return -self._tokens / self.rate_per_s if self._tokens < 0 else 0.0
-
-    async def spend(self, count: int) -> None:
-        """Spend `count` bytes, waiting while the bucket is in debt."""
-        wait = self.owed_s(count)
-        if wait > 0:
-            await asyncio.sleep(wait)
 
 
 class LookupsBusy(Exception):

@@ -45,7 +45,7 @@ What it enforces (a security boundary):
       and counted instead of recorded: one ``event: "egress_throttled"`` record a second
       carries the count, so a sandbox cannot fill the audit log's disk (which would stop
       the server) by opening connections in a loop.
-    * A rate of bytes per sandbox (`_throttle.ByteRate`: 64 MiB a second, both ways and every
+    * A rate of bytes per sandbox (`bastion.safety.rates.ByteRate`: 64 MiB a second, both ways and every
       connection together, bursts of 16 MiB by default). The relay is the server's CPU, not
       the sandbox's: found by attack, one sandbox's download from a fast destination took
       half a core of it and slowed every other sandbox's connections.
@@ -114,16 +114,10 @@ from bastion.egress._request import (
 
 # Re-exported: `Refused` is raised by the request parsing too, so it is defined there.
 from bastion.egress._request import Refused as Refused
-from bastion.egress._throttle import (
-    MAX_IN_RESOLVER,
-    AttemptThrottle,
-    ByteRate,
-    LookupsBusy,
-    NameLookups,
-    ResolverFull,
-)
+from bastion.egress._throttle import MAX_IN_RESOLVER, AttemptThrottle, LookupsBusy, NameLookups, ResolverFull
 from bastion.metrics import EgressVerdict, Metrics
 from bastion.safety.errors import AuditUnavailable, Conflict, InvalidRequest, OperationFailed, SandboxNotFound
+from bastion.safety.rates import ByteRate
 
 if TYPE_CHECKING:
     from bastion.config import NetworkConfig

@@ -1,0 +1,56 @@
+"""Token buckets: how fast something a sandbox drives may go, on the server's CPU.
+
+`TokenBucket` holds `burst` tokens, refilled at `rate_per_s`. `ByteRate` never refuses: a spender takes the
+bytes it already moved, and waits out the debt (`owed_s`, or `spend` on the event loop). Used where a sandbox's
+traffic costs the server's CPU rather than its own cgroup's: the egress relay (`bastion.egress`), a command's
+output read past its cap (`bastion.sandbox.processes`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+
+class TokenBucket:
+    """A token bucket: `burst` tokens at once, refilled at `rate_per_s`; `what` names it in errors."""
+
+    def __init__(self, rate_per_s: float, burst: int, clock: Callable[[], float], what: str) -> None:
+        if rate_per_s <= 0 or burst < 1:
+            raise ValueError(f"the {what} rate must be positive and the burst at least 1")
+        self.rate_per_s = rate_per_s
+        self.burst = burst
+        self._clock = clock
+        self._tokens = float(burst)
+        self._refilled = clock()
+
+    def _refill(self) -> None:
+        now = self._clock()
+        self._tokens = min(float(self.burst), self._tokens + (now - self._refilled) * self.rate_per_s)
+        self._refilled = now
+
+
+class ByteRate(TokenBucket):
+    """`burst` bytes at once, refilled at `rate_per_s`, shared by what one sandbox drives (all its connections,
+    both ways; all its commands' pipes).
+
+    A spend never refuses: it takes the bytes already moved and, if the bucket is in debt, waits until the
+    debt is repaid. Spenders sharing it each wait out the debt they found, so their whole traffic keeps to
+    the rate however many share it.
+    """
+
+    def __init__(self, rate_per_s: float, burst: int, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(rate_per_s, burst, clock, "byte")
+
+    def owed_s(self, count: int) -> float:
+        """Spend `count` bytes; the seconds to wait before moving more (0 if the bucket holds them)."""
+        self._refill()
+        self._tokens -= count
+        return -self._tokens / self.rate_per_s if self._tokens < 0 else 0.0
+
+    async def spend(self, count: int) -> None:
+        """Spend `count` bytes, waiting while the bucket is in debt."""
+        wait = self.owed_s(count)
+        if wait > 0:
+            await asyncio.sleep(wait)
