@@ -19,6 +19,7 @@ import pytest
 from bastion.safety.errors import BastionError, Unavailable
 from bastion.sandbox._spawn import SANDBOX_PATH, SandboxSpec
 from bastion.sandbox.cgroups import CgroupLayout, Limits
+from bastion.sandbox.processes import PAST_CAP_BURST_BYTES, PAST_CAP_BYTES_PER_S, READ_CHUNK_BYTES
 from bastion.sandbox.warm import MAX_HELD_PIPES, RunOutcome, WarmSandbox
 from tests.helpers import fds_left, open_fds
 
@@ -114,6 +115,52 @@ async def test_commands_handing_their_pipes_to_one_collector_hold_at_most_max_he
     await limited.kill(collector)
     await _until(lambda: len(open_fds()) <= before)
     assert (await sh(limited, "echo still")).stdout == b"still\n"
+
+
+FLOOD_S = 3.0
+
+
+@pytest.mark.parametrize("writer", ["cat /dev/zero", "python3 -c 'import os\nwhile 1: os.write(1, b\"x\")'"])
+async def test_a_command_printing_past_its_cap_is_read_at_the_sandboxs_rate_not_the_servers_cpu(
+    limited: WarmSandbox, writer: str
+) -> None:
+    """Found by attack: one `run_command("cat /dev/zero")` had the server read its output at full speed for the
+    command's whole timeout, 0.4 to 0.6 cores of the server's CPU (not the sandbox's cgroup) for bytes it then
+    dropped; a writer of one byte at a time cost up to 0.9 cores, and another sandbox's `run_command("true")` p50
+    went from 11.6 to 19.9 ms. Invariant: what the cap keeps is kept and the rest counted, the server reads past
+    the cap at the sandbox's rate (a read counts as a whole chunk), so its CPU stays a small share of a core."""
+    cpu = os.times()
+    began = time.monotonic()
+    outcome = await limited.run(
+        "/bin/sh", ["sh", "-c", writer], cwd="/workspace", env=ENV, timeout_s=FLOOD_S, max_output_bytes=4096
+    )
+    spent = os.times()
+    elapsed = time.monotonic() - began
+    cores = (spent.user + spent.system - cpu.user - cpu.system) / elapsed
+    assert outcome.timed_out
+    assert len(outcome.stdout) == 4096
+    assert set(outcome.stdout) == ({0} if "zero" in writer else {ord("x")})
+    reads_allowed = (PAST_CAP_BURST_BYTES + PAST_CAP_BYTES_PER_S * elapsed) / READ_CHUNK_BYTES + 2
+    assert 4096 < outcome.stdout_total <= reads_allowed * READ_CHUNK_BYTES
+    assert cores < 0.2, f"the server spent {cores:.2f} cores reading one command's output past its cap"
+
+
+async def test_a_command_printing_a_little_past_its_cap_still_ends_at_once(limited: WarmSandbox) -> None:
+    """What the rate must not cost: a command whose output passes its cap by less than the burst ends as before,
+    its bytes counted."""
+    began = time.monotonic()
+    outcome = await limited.run(
+        "/bin/sh",
+        ["sh", "-c", "head -c 8388608 /dev/zero"],
+        cwd="/workspace",
+        env=ENV,
+        timeout_s=20,
+        max_output_bytes=4096,
+    )
+    assert outcome.status == 0
+    assert outcome.stdout_total == 8 << 20
+    assert len(outcome.stdout) == 4096
+    assert time.monotonic() - began < 5
 
 
 @pytest.mark.parametrize("background", [False, True], ids=["foreground", "background"])
