@@ -1,14 +1,13 @@
 """Token buckets: how fast something a sandbox drives may go, on the server's CPU.
 
 `TokenBucket` holds `burst` tokens, refilled at `rate_per_s`. `ByteRate` never refuses: a spender takes the
-bytes it already moved, and waits out the debt (`owed_s`, or `spend` on the event loop). Used where a sandbox's
+bytes it already moved, and waits out the debt it is told (`owed_s`). Used where a sandbox's
 traffic costs the server's CPU rather than its own cgroup's: the egress relay (`bastion.egress`), a command's
 output read past its cap (`bastion.sandbox.processes`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable
 
@@ -48,9 +47,3 @@ class ByteRate(TokenBucket):
         self._refill()
         self._tokens -= count
         return -self._tokens / self.rate_per_s if self._tokens < 0 else 0.0
-
-    async def spend(self, count: int) -> None:
-        """Spend `count` bytes, waiting while the bucket is in debt."""
-        wait = self.owed_s(count)
-        if wait > 0:
-            await asyncio.sleep(wait)
