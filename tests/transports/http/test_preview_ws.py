@@ -19,10 +19,17 @@ from starlette.types import Message
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import AcceptConnection, CloseConnection, Event, Request
 
-from bastion.transports.http.preview_ws import Standing, proxy_websocket
+from bastion.safety.rates import ByteRate
+from bastion.transports.http.preview import PREVIEW_BURST_BYTES, PREVIEW_BYTES_PER_S
+from bastion.transports.http.preview_ws import PIECE_COST_BYTES, Standing, proxy_websocket
 from tests.transports.http.ws_relay import RecordingBrowser, app_sending, frame
 
 SCOPE = {"type": "websocket", "subprotocols": []}
+
+
+def _rate() -> ByteRate:
+    """A sandbox's preview rate as the server makes it."""
+    return ByteRate(PREVIEW_BYTES_PER_S, PREVIEW_BURST_BYTES)
 
 
 def _standing() -> Standing:
@@ -50,7 +57,9 @@ def _run(proxy_side: socket.socket, app_side: socket.socket | None, browser: Gon
     async def main() -> tuple[int, int]:
         app = asyncio.ensure_future(app_sending(app_side, b"", [])) if app_side is not None else None
         try:
-            return await proxy_websocket(SCOPE, browser.receive, browser.send, proxy_side, 8080, b"/ws", _standing())
+            return await proxy_websocket(
+                SCOPE, browser.receive, browser.send, proxy_side, 8080, b"/ws", _standing(), _rate()
+            )
         finally:
             if app is not None:
                 app.cancel()
@@ -110,7 +119,9 @@ def _proxy_from_app(frames: bytes) -> tuple[tuple[int, int], RecordingBrowser, l
     async def main() -> tuple[int, int]:
         app = asyncio.ensure_future(app_sending(app_side, frames, received))
         async with asyncio.timeout(WAIT_S):
-            result = await proxy_websocket(SCOPE, browser.receive, browser.send, proxy_side, 8080, b"/ws", _standing())
+            result = await proxy_websocket(
+                SCOPE, browser.receive, browser.send, proxy_side, 8080, b"/ws", _standing(), _rate()
+            )
             await app  # it reads to the end: the proxy closed its side
         assert asyncio.all_tasks() == {asyncio.current_task()}
         return result
@@ -208,7 +219,9 @@ def test_a_relay_to_an_app_that_never_reads_ends_after_the_timeout(pair: tuple[s
         try:
             browser = FloodingBrowser()
             return await asyncio.wait_for(
-                proxy_websocket(SCOPE, browser.receive, browser.send, proxy_side, 8080, b"/ws", _standing(), 0.5),
+                proxy_websocket(
+                    SCOPE, browser.receive, browser.send, proxy_side, 8080, b"/ws", _standing(), _rate(), 0.5
+                ),
                 WAIT_S,
             )
         finally:
@@ -216,3 +229,60 @@ def test_a_relay_to_an_app_that_never_reads_ends_after_the_timeout(pair: tuple[s
             await asyncio.gather(app, return_exceptions=True)
 
     assert asyncio.run(main())[0] == 101
+
+
+async def _flooding_app(sock: socket.socket, until: float) -> None:
+    """A WebSocket app on `sock` that accepts, then sends 1-byte text messages as fast as they are taken."""
+    reader, writer = await asyncio.open_connection(sock=sock)
+    ws = WSConnection(ConnectionType.SERVER)
+    try:
+        ws.receive_data(await reader.read(65536))
+        assert any(isinstance(event, Request) for event in ws.events())
+        writer.write(ws.send(AcceptConnection()))
+        one = frame(0x1, b"x", fin=True)
+        while asyncio.get_running_loop().time() < until:
+            writer.write(one * 4096)
+            await writer.drain()
+    except OSError:
+        pass  # the relay ended the connection
+    finally:
+        writer.close()
+
+
+def test_an_app_flooding_an_open_tab_with_tiny_messages_is_held_to_its_sandboxs_rate() -> None:
+    """Found by attack: a preview's app sending endless 1-byte WebSocket messages to an open tab had the server
+    pass each on, half a core of the server's CPU (not the sandbox's) for as long as the tab stayed open. Invariant:
+    a message spends at least `PIECE_COST_BYTES` of its sandbox's preview rate, so what passes in a few seconds is
+    what the rate allows, and the relay still ends as its standing says."""
+    proxy_side, app_side = socket.socketpair()
+    for sock in (proxy_side, app_side):
+        sock.setblocking(False)
+    rate = ByteRate(1 << 20, 1 << 20)  # 1 MiB a second, bursts of 1 MiB: 64 messages, then 64 a second
+    browser = RecordingBrowser()
+
+    async def main() -> tuple[tuple[int, int], float]:
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        end = began + 2.0
+        app = asyncio.ensure_future(_flooding_app(app_side, end + 5))
+        standing = Standing(lambda: loop.time() < end, lambda: True)
+        async with asyncio.timeout(WAIT_S):
+            result = await proxy_websocket(
+                SCOPE, browser.receive, browser.send, proxy_side, 8080, b"/ws", standing, rate
+            )
+        elapsed = loop.time() - began
+        app.cancel()
+        await asyncio.gather(app, return_exceptions=True)
+        return result, elapsed
+
+    try:
+        (status, sent), elapsed = asyncio.run(main())
+    finally:
+        proxy_side.close()
+        app_side.close()
+    messages = [m for m in browser.sends if m["type"] == "websocket.send"]
+    assert status == 101
+    assert browser.sends[-1] == {"type": "websocket.close", "code": 1008}
+    allowed = ((1 << 20) + (1 << 20) * elapsed) / PIECE_COST_BYTES + 2
+    assert 64 <= len(messages) <= allowed, f"{len(messages)} messages in {elapsed:.1f} s, {allowed:.0f} allowed"
+    assert sent == len(messages)

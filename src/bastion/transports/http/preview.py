@@ -49,9 +49,10 @@ from starlette.types import Message, Receive, Scope, Send
 from bastion.config import HttpConfig
 from bastion.safety.audit import AuditLog
 from bastion.safety.errors import BastionError
+from bastion.safety.rates import ByteRate
 from bastion.transports.http.admin_pages import SESSION_COOKIE
 from bastion.transports.http.connections import close_or_reset, cut_on_purpose
-from bastion.transports.http.preview_ws import Standing, close_browser, proxy_websocket
+from bastion.transports.http.preview_ws import PIECE_COST_BYTES, Standing, close_browser, proxy_websocket
 from bastion.transports.http.ratelimit import WindowLimiter, address_key
 from bastion.transports.http.store import AuthStore
 from bastion.workbench.previews import Preview, PreviewRegistry, token_id
@@ -92,6 +93,12 @@ CHUNK_CHARGE_BYTES: Final = 1024
 `preview_max_response_bytes` / 1 KiB pieces. A piece costs the server about 10 us whatever its size (parsed,
 then passed on): an app sending 1-byte chunks made one request cost 20 s of CPU per MiB. Bytes are counted
 apart and exactly: a body of ordinary pieces is cut at the cap to the byte."""
+PREVIEW_BYTES_PER_S: Final = 64 * 1024 * 1024
+"""What a sandbox's apps send its previews' browsers, every response body and WebSocket message together, on
+average; a piece (a read of a body, a message) counts at least `PIECE_COST_BYTES`. The relay is the server's CPU,
+not the sandbox's: found by attack, an app sending endless 1-byte WebSocket messages to an open tab cost the server
+half a core for as long as the tab stayed open (and a page's own script can keep its tab fetching)."""
+PREVIEW_BURST_BYTES: Final = 16 * 1024 * 1024
 PIECES_PER_TURN: Final = 64
 """Pieces of an app's body read before the relay gives the event loop a turn (about a millisecond's parsing)."""
 PENDING_BYTES: Final = 256 * 1024
@@ -113,6 +120,25 @@ _PREVIEW_TOKEN = re.compile(r"/preview/[A-Za-z0-9_-]+")
 
 
 @dataclass
+class SandboxRates:
+    """One `ByteRate` per sandbox for what its apps send through previews. A bucket unused for longer than it takes
+    to refill is the same as a new one, so such buckets are dropped once there are many."""
+
+    def __init__(self, rate_per_s: float = PREVIEW_BYTES_PER_S, burst: int = PREVIEW_BURST_BYTES) -> None:
+        self.rate_per_s = rate_per_s
+        self.burst = burst
+        self._rates: dict[str, tuple[ByteRate, float]] = {}
+
+    def of(self, sandbox_id: str) -> ByteRate:
+        now = time.monotonic()
+        if len(self._rates) > 64:
+            full = self.burst / self.rate_per_s
+            self._rates = {key: kept for key, kept in self._rates.items() if now - kept[1] < full}
+        rate = self._rates.get(sandbox_id, (ByteRate(self.rate_per_s, self.burst), now))[0]
+        self._rates[sandbox_id] = (rate, now)
+        return rate
+
+
 class RelayProgress:
     """How far a request got: what its audit record says, even for one cancelled midway (server stopping)."""
 
@@ -312,6 +338,7 @@ class PreviewApp:
         self.per_address = WindowLimiter(config.preview_requests_per_minute, 60.0)
         self._throttled: dict[str, _Throttled] = {}
         self._reports: set[asyncio.Task[None]] = set()
+        self.rates = SandboxRates()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -480,7 +507,8 @@ class PreviewApp:
             await response.aclose()
             return 502, await _plain(send, 502, "Bad Gateway: the sandbox's app answered with an invalid status")
         headers = response_headers(response.headers, preview.token)
-        relay = ResponseRelay(response, send, body, self.config.preview_max_response_bytes, progress)
+        rate = self.rates.of(preview.sandbox_id)
+        relay = ResponseRelay(response, send, body, self.config.preview_max_response_bytes, progress, rate)
         return await relay.answer(headers, standing), progress.sent
 
     def _count_throttled(self, preview: Preview) -> None:
@@ -564,6 +592,7 @@ class PreviewApp:
             preview.port,
             target,
             standing,
+            self.rates.of(preview.sandbox_id),
             self.config.preview_timeout_s,
         )
         await self._record(scope, path, preview, status, sent, started)
@@ -680,8 +709,17 @@ class ResponseRelay:
     connection, and the browser sees it incomplete rather than caching a truncated page as whole.
     """
 
-    def __init__(self, response: httpcore2.Response, send: Send, body: CappedBody, cap: int, progress: RelayProgress):
+    def __init__(
+        self,
+        response: httpcore2.Response,
+        send: Send,
+        body: CappedBody,
+        cap: int,
+        progress: RelayProgress,
+        rate: ByteRate,
+    ):
         self.response = response
+        self.rate = rate
         self.send = send
         self.body = body
         self.cap = cap
@@ -756,7 +794,10 @@ class ResponseRelay:
                 read += len(chunk)
                 self.pending += chunk
                 self.wake.set()
-                if pieces % PIECES_PER_TURN == 0:
+                wait = self.rate.owed_s(max(len(chunk), PIECE_COST_BYTES))
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                elif pieces % PIECES_PER_TURN == 0:
                     # Pieces already buffered are parsed without an await: found by attack, 65,536 one-byte pieces
                     # (the default cap's) held every agent's calls 0.3 to 0.6 s in one block.
                     await asyncio.sleep(0)

@@ -37,6 +37,7 @@ from wsproto.events import (
 )
 from wsproto.utilities import LocalProtocolError, RemoteProtocolError
 
+from bastion.safety.rates import ByteRate
 from bastion.transports.http.connections import (
     WEBSOCKET_CONNECTION,
     SummaryLog,
@@ -52,6 +53,8 @@ MAX_PIECES: Final = 4096
 apart from the bytes: charged 256 bytes each against the byte cap instead, a message of exactly the cap was
 refused (1009) whenever a read ended a few bytes into it. The browser's side needs none: uvicorn appends its
 pieces to one buffer, capped by bytes."""
+PIECE_COST_BYTES: Final = 16 * 1024
+"""What a message to the browser spends of its sandbox's preview rate at least (`preview.PREVIEW_BYTES_PER_S`)."""
 HANDSHAKE_TIMEOUT_S: Final = 10.0
 STANDING_CHECK_S: Final = 1.0
 """How often a live WebSocket checks that it may go on: its preview still exposed and, unless the preview is
@@ -194,6 +197,7 @@ async def proxy_websocket(
     port: int,
     target: bytes,
     standing: Standing,
+    rate: ByteRate,
     app_timeout_s: float = 30.0,
 ) -> tuple[int, int]:
     """Run one proxied WebSocket to its end; (the status to audit, bytes sent to the browser).
@@ -204,7 +208,8 @@ async def proxy_websocket(
     The status: 101 once both sides were joined, 502 when the app refused or failed its handshake, 403 when
     the WebSocket could no longer go on once the app's handshake ended (the browser is refused, nothing of the
     app passed on), 499 (as nginx names it) when the browser left during the app's handshake.
-    `app_timeout_s`: how long the app may take nothing the browser sends before the WebSocket ends."""
+    `rate`: the sandbox's, spent by each message to the browser (`PIECE_COST_BYTES` at least), which waits while
+    it is in debt. `app_timeout_s`: how long the app may take nothing the browser sends before the WebSocket ends."""
     with contextlib.suppress(OSError):
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, APP_RECEIVE_BUFFER)
     reader, writer = await asyncio.open_connection(sock=sock, limit=READ_BYTES)
@@ -227,7 +232,7 @@ async def proxy_websocket(
             return 499, 0
         sent = [0]
         to_app = asyncio.ensure_future(_browser_to_app(receive, link))
-        to_browser = asyncio.ensure_future(_app_to_browser(_Browser(scope, send), link, sent))
+        to_browser = asyncio.ensure_future(_app_to_browser(_Browser(scope, send), link, sent, rate))
         revoked = asyncio.ensure_future(_until_revoked(standing, send, link))
         done, pending = await asyncio.wait({to_app, to_browser, revoked}, return_when=asyncio.FIRST_COMPLETED)
         for task in pending:
@@ -266,9 +271,9 @@ async def _browser_to_app(receive: Receive, link: _Link) -> None:
                 await link.send(BytesMessage(data=message["bytes"]))
 
 
-async def _app_to_browser(browser: _Browser, link: _Link, sent: list[int]) -> None:
-    """Whole messages from the app to the browser, each read once the browser took the one before; a close,
-    a broken app, an oversized message or a browser that stalls ends it."""
+async def _app_to_browser(browser: _Browser, link: _Link, sent: list[int], rate: ByteRate) -> None:
+    """Whole messages from the app to the browser, each read once the browser took the one before and the sandbox's
+    rate allows; a close, a broken app, an oversized message or a browser that stalls ends it."""
     send = browser.send
     parts: list[str | bytes] = []
     size = pieces = 0
@@ -293,7 +298,10 @@ async def _app_to_browser(browser: _Browser, link: _Link, sent: list[int]) -> No
                     if event.message_finished:
                         await _forward(send, parts)
                         sent[0] += size
+                        wait = rate.owed_s(max(size, PIECE_COST_BYTES))
                         parts, size, pieces = [], 0, 0
+                        if wait > 0:
+                            await asyncio.sleep(wait)
     except BrowserStalled:
         _close_app(link, 1001)
     except (OSError, LocalProtocolError, RemoteProtocolError):
