@@ -317,6 +317,14 @@ def _open_session(http: httpx2.Client, token: str) -> httpx2.Response:
     return http.post("/mcp", json=INITIALIZE_REQUEST, headers=bearer(token))
 
 
+def _initialized(http: httpx2.Client, token: str) -> dict[str, str]:
+    """A new 2025-11-25 session of `token`, initialized: the headers of its requests."""
+    session = _open_session(http, token).headers["mcp-session-id"]
+    headers = {**bearer(token), "mcp-session-id": session, "mcp-protocol-version": "2025-11-25"}
+    http.post("/mcp", json={"jsonrpc": "2.0", "method": "notifications/initialized"}, headers=headers)
+    return headers
+
+
 def _session_alive(http: httpx2.Client, token: str, session_id: str) -> bool:
     headers = {**bearer(token), "mcp-session-id": session_id, "mcp-protocol-version": "2025-11-25"}
     response = http.post("/mcp", json={"jsonrpc": "2.0", "method": "notifications/initialized"}, headers=headers)
@@ -607,9 +615,8 @@ def test_a_request_id_reused_in_flight_on_a_session_is_refused_not_held_open_for
     token = get_tokens(server, server.register()["client_id"])["access_token"]
     audit = server.root / "state" / "audit.jsonl"
     with server.http() as http, ThreadPoolExecutor(1) as pool:
-        session = _open_session(http, token).headers["mcp-session-id"]
-        headers = {**bearer(token), "mcp-session-id": session, "mcp-protocol-version": "2025-11-25"}
-        http.post("/mcp", json={"jsonrpc": "2.0", "method": "notifications/initialized"}, headers=headers)
+        headers = _initialized(http, token)
+        session = headers["mcp-session-id"]
         marker = f"sleep 3.{int(session[:8], 16) % 10**6:06d}"  # this test's own call, in the audit log
         params = {"name": "run_command", "arguments": {"command": marker}}
         call_7 = {"jsonrpc": "2.0", "id": 7, "method": "tools/call", "params": params}
@@ -649,9 +656,7 @@ def test_a_huge_unknown_prompt_name_does_not_flood_the_server_log(server: LiveSe
     Invariant: three such requests are answered and grow the log by a few KiB each."""
     token = get_tokens(server, server.register()["client_id"])["access_token"]
     with server.http() as http:
-        session = _open_session(http, token).headers["mcp-session-id"]
-        headers = {**bearer(token), "mcp-session-id": session, "mcp-protocol-version": "2025-11-25"}
-        http.post("/mcp", json={"jsonrpc": "2.0", "method": "notifications/initialized"}, headers=headers)
+        headers = _initialized(http, token)
         request = {"jsonrpc": "2.0", "id": 2, "method": "prompts/get", "params": {"name": "\u200b" * 1_300_000}}
         body = json.dumps(request, ensure_ascii=False).encode()
         before = server.log_path.stat().st_size
@@ -695,9 +700,7 @@ def test_a_client_reopening_its_event_stream_at_once_gets_it_and_the_old_one_end
     token = get_tokens(server, server.register()["client_id"])["access_token"]
     other = get_tokens(server, server.register()["client_id"])["access_token"]
     with server.http() as http:
-        session = _open_session(http, token).headers["mcp-session-id"]
-        headers = {**bearer(token), "mcp-session-id": session, "mcp-protocol-version": "2025-11-25"}
-        http.post("/mcp", json={"jsonrpc": "2.0", "method": "notifications/initialized"}, headers=headers)
+        headers = _initialized(http, token)
         with _get_streams(server, headers, 1) as first:
             assert len(first) == 1
             with _get_streams(server, {**headers, **bearer(other)}, 1) as stranger:
@@ -722,9 +725,7 @@ def test_a_sessions_get_re_sent_on_many_connections_does_not_hold_every_connecti
         token = get_tokens(server, server.register()["client_id"])["access_token"]
         other = get_tokens(server, server.register()["client_id"])["access_token"]
         with server.http() as http:
-            session = _open_session(http, token).headers["mcp-session-id"]
-            headers = {**bearer(token), "mcp-session-id": session, "mcp-protocol-version": "2025-11-25"}
-            http.post("/mcp", json={"jsonrpc": "2.0", "method": "notifications/initialized"}, headers=headers)
+            headers = _initialized(http, token)
         stop = time.monotonic() + 8
         with ThreadPoolExecutor(1) as pool:
             flood = pool.submit(anyio.run, _re_send_gets, server.port, headers, 70, stop)
@@ -805,9 +806,7 @@ def test_get_streams_sent_together_on_a_session_are_one_stream_that_ends_with_it
     token = get_tokens(server, client_id)["access_token"]
     with server.http() as http:
         for ending in ("delete", "revoke"):
-            session = _open_session(http, token).headers["mcp-session-id"]
-            headers = {**bearer(token), "mcp-session-id": session, "mcp-protocol-version": "2025-11-25"}
-            http.post("/mcp", json={"jsonrpc": "2.0", "method": "notifications/initialized"}, headers=headers)
+            headers = _initialized(http, token)
             with _get_streams(server, headers, 8) as answered:
                 live = [sock for sock in answered if not _stream_ended(sock, 1)]
                 assert len(live) == 1, f"{len(live)} of {len(answered)} GET streams served on one session still live"
