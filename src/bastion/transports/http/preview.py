@@ -99,6 +99,10 @@ average; a piece (a read of a body, a message) counts at least `PIECE_COST_BYTES
 not the sandbox's: found by attack, an app sending endless 1-byte WebSocket messages to an open tab cost the server
 half a core for as long as the tab stayed open (and a page's own script can keep its tab fetching)."""
 PREVIEW_BURST_BYTES: Final = 16 * 1024 * 1024
+MAX_INTERIM_RESPONSES: Final = 16
+"""Interim (1xx) responses an app may send before its final one (RFC 9110 allows several: 100, 103...)."""
+MAX_HEAD_BYTES: Final = 128 * 1024
+"""One response head at most (httpcore's own parser stops at 100 KiB)."""
 PIECES_PER_TURN: Final = 64
 """Pieces of an app's body read before the relay gives the event loop a turn (about a millisecond's parsing)."""
 PENDING_BYTES: Final = 256 * 1024
@@ -119,7 +123,6 @@ class HideTokens(logging.Filter):
 _PREVIEW_TOKEN = re.compile(r"/preview/[A-Za-z0-9_-]+")
 
 
-@dataclass
 class SandboxRates:
     """One `ByteRate` per sandbox for what its apps send through previews. A bucket unused for longer than it takes
     to refill is the same as a new one, so such buckets are dropped once there are many."""
@@ -139,6 +142,7 @@ class SandboxRates:
         return rate
 
 
+@dataclass
 class RelayProgress:
     """How far a request got: what its audit record says, even for one cancelled midway (server stopping)."""
 
@@ -257,21 +261,62 @@ def confine_cookie(header: str, token: str) -> str | None:
     return "; ".join([shown, *kept, f"Path=/preview/{token}/", "Priority=Low"])
 
 
-class SocketStream(httpcore2.AsyncNetworkStream):
-    """httpcore's view of the socket the sandbox's agent connected (asyncio streams over it)."""
+class ResponseHeads:
+    """Follows the heads an app sends before its final response, from the bytes as read: found by attack, an app
+    answering with endless `100 Continue` had httpcore parse them for as long as it sent them (it skips interim
+    responses, and each read reset the read timeout): a core of the server, every caller's calls 1.4 s, and the
+    server deaf to SIGTERM. Past `MAX_INTERIM_RESPONSES`, or a head past `MAX_HEAD_BYTES`, the exchange fails."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def __init__(self) -> None:
+        self.interim = 0
+        self.done = False
+        self._head = b""
+
+    def feed(self, data: bytes) -> None:
+        """Raises httpcore2.RemoteProtocolError (a 502) past the caps."""
+        while data and not self.done:
+            joined = self._head + data
+            end = joined.find(b"\r\n\r\n", max(0, len(self._head) - 3))
+            if end < 0:
+                if len(joined) > MAX_HEAD_BYTES:
+                    raise httpcore2.RemoteProtocolError(f"the app's response head is over {MAX_HEAD_BYTES} bytes")
+                self._head = joined
+                return
+            head, data = joined[: end + 4], joined[end + 4 :]
+            self._head = b""
+            if head[9:10] != b"1":  # "HTTP/1.1 1xx": an interim response; any other status ends the heads
+                self.done = True
+            else:
+                self.interim += 1
+                if self.interim > MAX_INTERIM_RESPONSES:
+                    raise httpcore2.RemoteProtocolError(f"the app sent over {MAX_INTERIM_RESPONSES} interim responses")
+
+
+class SocketStream(httpcore2.AsyncNetworkStream):
+    """httpcore's view of the socket the sandbox's agent connected (asyncio streams over it). Until the app's final
+    response head has come (`ResponseHeads`), each read spends `PIECE_COST_BYTES` at least of the sandbox's
+    preview rate, if given (the body's pieces spend it in `ResponseRelay`)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, rate: ByteRate | None = None):
         self.reader = reader
         self.writer = writer
+        self.rate = rate
+        self.heads = ResponseHeads()
 
     async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:  # noqa: ASYNC109 - httpcore's interface
         try:
             async with asyncio.timeout(timeout):
-                return await self.reader.read(max_bytes)
+                data = await self.reader.read(max_bytes)
         except TimeoutError:
             raise httpcore2.ReadTimeout("the sandbox's app sent nothing in time") from None
         except OSError as exc:
             raise httpcore2.ReadError(str(exc)) from None
+        if not self.heads.done:
+            self.heads.feed(data)
+            wait = self.rate.owed_s(max(len(data), PIECE_COST_BYTES)) if self.rate is not None else 0.0
+            if wait > 0:
+                await asyncio.sleep(wait)
+        return data
 
     async def write(self, buffer: bytes, timeout: float | None = None) -> None:  # noqa: ASYNC109 - httpcore's interface
         try:
@@ -455,7 +500,7 @@ class PreviewApp:
             text = f"Bad Gateway: nothing accepts connections on port {preview.port} in the sandbox"
             return 502, await _plain(send, 502, text)
         reader, writer = await asyncio.open_connection(sock=sock)
-        stream = SocketStream(reader, writer)
+        stream = SocketStream(reader, writer, self.rates.of(preview.sandbox_id))
         origin = httpcore2.Origin(b"http", b"127.0.0.1", preview.port)
         connection = httpcore2.AsyncHTTP11Connection(origin, stream)
         try:
