@@ -19,7 +19,7 @@ import pytest
 from bastion.safety.errors import BastionError, Unavailable
 from bastion.sandbox._spawn import SANDBOX_PATH, SandboxSpec
 from bastion.sandbox.cgroups import CgroupLayout, Limits
-from bastion.sandbox.processes import PAST_CAP_BURST_BYTES, PAST_CAP_BYTES_PER_S, READ_CHUNK_BYTES
+from bastion.sandbox.processes import OUTPUT_BURST_BYTES, OUTPUT_BYTES_PER_S, READ_CHUNK_BYTES
 from bastion.sandbox.warm import MAX_HELD_PIPES, RunOutcome, WarmSandbox
 from tests.helpers import fds_left, open_fds
 
@@ -140,9 +140,34 @@ async def test_a_command_printing_past_its_cap_is_read_at_the_sandboxs_rate_not_
     assert outcome.timed_out
     assert len(outcome.stdout) == 4096
     assert set(outcome.stdout) == ({0} if "zero" in writer else {ord("x")})
-    reads_allowed = (PAST_CAP_BURST_BYTES + PAST_CAP_BYTES_PER_S * elapsed) / READ_CHUNK_BYTES + 2
+    reads_allowed = (OUTPUT_BURST_BYTES + OUTPUT_BYTES_PER_S * elapsed) / READ_CHUNK_BYTES + 2
     assert 4096 < outcome.stdout_total <= reads_allowed * READ_CHUNK_BYTES
     assert cores < 0.2, f"the server spent {cores:.2f} cores reading one command's output past its cap"
+
+
+async def test_a_command_writing_a_byte_at_a_time_within_its_cap_is_read_at_the_sandboxs_rate(
+    limited: WarmSandbox,
+) -> None:
+    """Found by review: reads within the cap were free, and commands writing a byte at a time up to their caps (the
+    server's reader then finds a byte at each wake-up) cost 0.46 cores of the server's CPU; the cap may be 16 MiB.
+    Invariant: each read spends at least `READ_COST_BYTES` of the sandbox's rate, the paced reader finds more at
+    each read, so the server's CPU stays a small share of a core, and every byte is kept."""
+    writer = "import os, time\nend = time.monotonic() + 2\nwhile time.monotonic() < end: os.write(1, b'x')"
+    cpu, began = os.times(), time.monotonic()
+    outcome = await limited.run(
+        "/usr/bin/python3",
+        ["python3", "-c", writer],
+        cwd="/workspace",
+        env=ENV,
+        timeout_s=20,
+        max_output_bytes=16 << 20,
+    )
+    spent, elapsed = os.times(), time.monotonic() - began
+    cores = (spent.user + spent.system - cpu.user - cpu.system) / elapsed
+    assert outcome.status == 0
+    assert len(outcome.stdout) == outcome.stdout_total > 0
+    assert set(outcome.stdout) == {ord("x")}
+    assert cores < 0.2, f"the server spent {cores:.2f} cores reading one command's output a byte at a time"
 
 
 async def test_a_command_printing_a_little_past_its_cap_still_ends_at_once(limited: WarmSandbox) -> None:

@@ -1,7 +1,7 @@
 """Host side of a sandbox's pipes: output capture, and the records of background processes.
 
-A foreground command's output is read to EOF into a capped buffer (`PipeCapture`); past the cap, each read
-is charged to the sandbox's byte rate, so a command printing without end waits on its full pipe rather than
+A foreground command's output is read to EOF into a capped buffer (`PipeCapture`); each read is charged to the
+sandbox's byte rate (more past the cap), so a command printing without end waits on its full pipe rather than
 costing the server's CPU (which is not the sandbox's cgroup) to read what is dropped. A
 background process outlives the call that started it: its output is read as it comes
 into a ring that keeps the newest bytes (`RingCapture`), so the host never holds more
@@ -32,13 +32,16 @@ READ_CHUNK_BYTES: Final = 65_536
 # closed. The writer waits on its full pipe instead (at most 1.3 MB/s gets through). A paced ring
 # (`RingCapture.pace`) reads so once the writer has outrun its reader.
 DRAIN_PAUSE_S: Final = 0.05
-PAST_CAP_BYTES_PER_S: Final = 64 * 1024 * 1024
-"""A sandbox's commands' output read past their caps, all together; each read counts as a whole chunk (a writer of
-one byte at a time costs a read a byte). Found by attack: `cat /dev/zero` in one `run_command` had the server read
-it at full speed for the command's whole timeout, 0.4 to 0.6 cores of the server's (0.8 with four commands),
-outside the sandbox's `cpu_cores`, and another sandbox's `run_command("true")` p50 went from 11.6 to 19.9 ms
-with a writer of one byte at a time. At this rate: at most 1,024 reads a second a sandbox."""
-PAST_CAP_BURST_BYTES: Final = 16 * 1024 * 1024
+OUTPUT_BYTES_PER_S: Final = 64 * 1024 * 1024
+"""A sandbox's commands' output read, all together. Found by attack: `cat /dev/zero` in one `run_command` had the
+server read it at full speed for the command's whole timeout, 0.4 to 0.6 cores of the server's (0.8 with four
+commands), outside the sandbox's `cpu_cores`, and another sandbox's `run_command("true")` p50 went from 11.6 to 19.9
+ms with a writer of one byte at a time. Past the cap a read counts as a whole chunk (at most 1,024 a second a
+sandbox); within it, as `READ_COST_BYTES` at least (review: commands writing a byte a read up to their caps cost
+0.46 cores, the cap being up to 16 MiB)."""
+OUTPUT_BURST_BYTES: Final = 16 * 1024 * 1024
+READ_COST_BYTES: Final = 16 * 1024
+"""At the default rate, at most 4,096 reads a second a sandbox: a paced reader finds more in the pipe at each read."""
 
 
 OutputSink = Callable[[bytes], None]
@@ -53,16 +56,17 @@ def readable(fd: int) -> bool:
 
 
 class PipeCapture:
-    """Reads one pipe to EOF, keeping at most `cap` bytes and counting the rest; past the cap, each read spends
-    `READ_CHUNK_BYTES` of `past_cap` (the sandbox's) and waits while it is in debt."""
+    """Reads one pipe to EOF, keeping at most `cap` bytes and counting the rest. Each read spends `rate` (the
+    sandbox's), `READ_COST_BYTES` at least, a whole `READ_CHUNK_BYTES` past the cap, and waits while it is in
+    debt."""
 
-    def __init__(self, fd: int, cap: int, on_chunk: OutputSink | None = None, past_cap: ByteRate | None = None) -> None:
+    def __init__(self, fd: int, cap: int, on_chunk: OutputSink | None = None, rate: ByteRate | None = None) -> None:
         # Held, so close() works from outside the loop too (e.g. at server shutdown).
         self._loop = asyncio.get_running_loop()
         self.fd = fd
         self.cap = cap
         self._on_chunk = on_chunk
-        self._past_cap = past_cap
+        self._rate = rate
         self.data = bytearray()
         self.total = 0
         self.closed = False
@@ -88,8 +92,8 @@ class PipeCapture:
             self._on_chunk(chunk)
         if self._pausing():
             self._pause(DRAIN_PAUSE_S)
-        elif self._past_cap is not None and self.total > self.cap:
-            wait = self._past_cap.owed_s(READ_CHUNK_BYTES)
+        elif self._rate is not None:
+            wait = self._rate.owed_s(READ_CHUNK_BYTES if self.total > self.cap else max(len(chunk), READ_COST_BYTES))
             if wait > 0:
                 self._pause(wait)
 

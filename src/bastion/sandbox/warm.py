@@ -60,8 +60,8 @@ from bastion.sandbox.cgroups import (
 from bastion.sandbox.command_groups import CommandGroups, Leftover, kill_pidfd
 from bastion.sandbox.netns import NamespaceUnusable, NetworkNamespace, is_foreign_netns
 from bastion.sandbox.processes import (
-    PAST_CAP_BURST_BYTES,
-    PAST_CAP_BYTES_PER_S,
+    OUTPUT_BURST_BYTES,
+    OUTPUT_BYTES_PER_S,
     BackgroundProcess,
     OutputSink,
     PipeCapture,
@@ -288,7 +288,7 @@ class WarmSandbox:
         self._reaping_tasks: set[asyncio.Task[None]] = set()
         # Pipes of returned commands still open (a process they left holds them), oldest first: an ordered set.
         self._held: dict[PipeCapture, None] = {}
-        self._past_cap = ByteRate(PAST_CAP_BYTES_PER_S, PAST_CAP_BURST_BYTES)  # commands' output read past its cap
+        self._output_rate = ByteRate(OUTPUT_BYTES_PER_S, OUTPUT_BURST_BYTES)  # what its commands' pipes give
         self._holding: _Holding | None = None  # a start begun by `hold`, waiting for `start`
         self._greeting: asyncio.Task[bytes] | None = None  # a start's wait for the agent's hello
 
@@ -952,8 +952,8 @@ class WarmSandbox:
             os.close(out_w)
             os.close(err_w)
         sinks = on_output or (None, None)
-        out = PipeCapture(out_r, max_output_bytes, sinks[0], self._past_cap)
-        err = PipeCapture(err_r, max_output_bytes, sinks[1], self._past_cap)
+        out = PipeCapture(out_r, max_output_bytes, sinks[0], self._output_rate)
+        err = PipeCapture(err_r, max_output_bytes, sinks[1], self._output_rate)
         timed_out = cancelled = False
         status: int | None = None
         try:
