@@ -1132,3 +1132,20 @@ def test_request_heads_fed_a_byte_at_a_time_cost_the_proxy_a_bounded_share_of_a_
             sock.close()
     assert answers == [b"HTTP/1.1 200"] * 32
     assert cores < 0.2, f"the proxy's thread spent {cores:.2f} cores on one sandbox's trickled heads"
+
+
+def test_heads_sent_whole_at_once_are_served_at_a_low_byte_rate(tmp_path: Path) -> None:
+    """Found by review: a head read spent 256 KiB whatever the rate, so at a rate the administrator set to 256 KiB/s,
+    16 connections opened at once (as pip does), each with a head in one write, waited a second a head and 6 were
+    refused 408 past the head timeout. Invariant: a head read spends at most a 256th of the rate; all are served."""
+    answers: list[bytes] = []
+    options: dict[str, object] = {"bytes_per_s": 256 * 1024, "byte_burst": 256 * 1024, "head_timeout_s": 5.0}
+    with egress_path(tmp_path, ["local.test:PORT"], blocked_ranges=OPEN_RANGES, **options) as path:
+        head = b"GET http://local.test:%d/x HTTP/1.1\r\nHost: local.test\r\nConnection: close\r\n\r\n" % path.port
+        socks = [socket.create_connection(("127.0.0.1", path.proxy_port), timeout=10) for _ in range(16)]
+        for sock in socks:
+            sock.sendall(head)
+        for sock in socks:
+            answers.append(sock.recv(12))
+            sock.close()
+    assert answers == [b"HTTP/1.1 200"] * 16

@@ -43,10 +43,11 @@ CHUNK_BYTES: Final = 1024 * 1024
 PIPE_BYTES: Final = 1024 * 1024
 GROW_AFTER_BYTES: Final = 1024 * 1024
 SOCKET_BUFFER_BYTES: Final = 4 * 1024 * 1024
+PASSES_PER_S: Final = 2048
 PASS_COST_BYTES: Final = 32 * 1024
 """What one pass of a direction (a wake-up, its reads and writes) spends of the sandbox's byte rate at least: found
-by review, 32 tunnels fed a byte at a time (0.3 MB/s, under 1% of the rate) cost the relay 0.75 cores. At the
-default rate, at most 2,048 passes a second a sandbox."""
+by review, 32 tunnels fed a byte at a time (0.3 MB/s, under 1% of the rate) cost the relay 0.75 cores. At most
+`PASSES_PER_S` passes a second a sandbox: at a rate set below the default, a pass costs that share of it."""
 USE_SPLICE = hasattr(os, "splice")  # Linux, Python >= 3.10; tests turn it off to cover the fallback
 LINGER_S: Final = 2.0
 LINGER_BYTES: Final = 1024 * 1024
@@ -127,10 +128,17 @@ class _Direction:
         """Count `count` bytes moved, then wait while the sandbox's byte budget is in debt. A pass costs at least
         `PASS_COST_BYTES` of it, and the wait counts as moving (the idle timeout starts after it)."""
         setattr(self.attempt, self.counter, getattr(self.attempt, self.counter) + count)
-        wait = self.budget.owed_s(max(count, PASS_COST_BYTES))
+        wait = self.budget.owed_s(max(count, least_cost(self.budget, PASS_COST_BYTES, PASSES_PER_S)))
         self.last[0] = self.loop.time() + wait
         if wait > 0:
             await asyncio.sleep(wait)
+
+
+def least_cost(budget: ByteRate, cost: int, per_s: int) -> int:
+    """`cost`, or the share of `budget`'s rate that allows `per_s` of them a second if that is less (a rate the
+    administrator set low must not make honest passes or heads wait seconds each: found by review, heads of 16
+    connections at 256 KiB/s timed out)."""
+    return min(cost, max(1, int(budget.rate_per_s) // per_s))
 
 
 async def _copy(way: _Direction) -> None:

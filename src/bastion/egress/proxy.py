@@ -100,7 +100,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 from bastion.config import DEFAULT_BLOCKED_RANGES, DEFAULT_BYTE_BURST, DEFAULT_BYTES_PER_S, AllowRule, normalize_host
-from bastion.egress._relay import answer_and_linger, carry, close_socket, grow_buffers, ready
+from bastion.egress._relay import answer_and_linger, carry, close_socket, grow_buffers, least_cost, ready
 from bastion.egress._request import (
     SOCKS_REPLY,
     Reader,
@@ -131,10 +131,11 @@ MAX_ADDRESSES_TRIED: Final = 4
 STOP_TIMEOUT_S: Final = 10.0
 _ACCEPTS_PER_PASS: Final = 32  # then the loop serves others before the listener again
 HEAD_READ_COST_BYTES: Final = 256 * 1024
-"""What a read of a request's head spends of the sandbox's byte rate at least: at the default rate, 256 reads a
-second a sandbox (a head comes in one read or two; attempts are 20 a second). More than a relay's pass: the kernel's
-work for a read grows with the writes it gathers (each a buffer of its own), and a client feeding heads a byte at a
-time on 32 connections cost the proxy's thread 0.6 cores at 2,048 reads a second (found by review)."""
+"""What a read of a request's head spends of the sandbox's byte rate at least (or a 256th of the rate, if that is
+less): 256 reads a second a sandbox (a head comes in one read or two; attempts are 20 a second). More than a
+relay's pass: the kernel's work for a read grows with the writes it gathers (each a buffer of its own), and a
+client feeding heads a byte at a time on 32 connections cost the proxy's thread 0.6 cores at 2,048 reads a second
+(found by review)."""
 HELD_PER_CAP: Final = 2
 """A sandbox's proxy holds at most this many times `max_connections` (open ones, and refused ones lingering
 for their answer to be read); the rest wait unaccepted in the listener's backlog."""
@@ -433,7 +434,7 @@ class EgressProxy:
             await self._append(attempt.record())
 
     async def _read_request(self, client: socket.socket, attempt: _Attempt, budget: ByteRate) -> Request:
-        reader = Reader(asyncio.get_running_loop(), client, budget, HEAD_READ_COST_BYTES)
+        reader = Reader(asyncio.get_running_loop(), client, budget, least_cost(budget, HEAD_READ_COST_BYTES, 256))
         try:
             async with asyncio.timeout(self._settings.head_timeout_s):
                 await reader.fill()

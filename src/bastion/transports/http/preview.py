@@ -261,6 +261,11 @@ def confine_cookie(header: str, token: str) -> str | None:
     return "; ".join([shown, *kept, f"Path=/preview/{token}/", "Priority=Low"])
 
 
+_HEAD_END: Final = re.compile(rb"\n\r?\n")
+"""Where h11 (httpcore's parser) ends a head: a blank line, CRLF or a bare LF (found by review: counting only
+CRLFCRLF, 5,000 heads ending in LFLF passed as one, and a final head ending so had its body taken for a head)."""
+
+
 class ResponseHeads:
     """Follows the heads an app sends before its final response, from the bytes as read: found by attack, an app
     answering with endless `100 Continue` had httpcore parse them for as long as it sent them (it skips interim
@@ -276,13 +281,13 @@ class ResponseHeads:
         """Raises httpcore2.RemoteProtocolError (a 502) past the caps."""
         while data and not self.done:
             joined = self._head + data
-            end = joined.find(b"\r\n\r\n", max(0, len(self._head) - 3))
-            if end < 0:
+            end = _HEAD_END.search(joined, max(0, len(self._head) - 2))
+            if end is None:
                 if len(joined) > MAX_HEAD_BYTES:
                     raise httpcore2.RemoteProtocolError(f"the app's response head is over {MAX_HEAD_BYTES} bytes")
                 self._head = joined
                 return
-            head, data = joined[: end + 4], joined[end + 4 :]
+            head, data = joined[: end.end()], joined[end.end() :]
             self._head = b""
             if head[9:10] != b"1":  # "HTTP/1.1 1xx": an interim response; any other status ends the heads
                 self.done = True
@@ -548,6 +553,9 @@ class PreviewApp:
             if await body.over_cap():
                 return 413, await _plain(send, 413, too_large)
             return 502, await _plain(send, 502, "Bad Gateway: the sandbox's app did not answer with HTTP")
+        network = response.extensions.get("network_stream")
+        if isinstance(network, SocketStream):
+            network.heads.done = True  # the answer's head is parsed: what follows is its body
         if response.status > MAX_STATUS:
             await response.aclose()
             return 502, await _plain(send, 502, "Bad Gateway: the sandbox's app answered with an invalid status")
