@@ -94,10 +94,11 @@ CHUNK_CHARGE_BYTES: Final = 1024
 then passed on): an app sending 1-byte chunks made one request cost 20 s of CPU per MiB. Bytes are counted
 apart and exactly: a body of ordinary pieces is cut at the cap to the byte."""
 PREVIEW_BYTES_PER_S: Final = 64 * 1024 * 1024
-"""What a sandbox's apps send its previews' browsers, every response body and WebSocket message together, on
-average; a piece (a read of a body, a message) counts at least `PIECE_COST_BYTES`. The relay is the server's CPU,
-not the sandbox's: found by attack, an app sending endless 1-byte WebSocket messages to an open tab cost the server
-half a core for as long as the tab stayed open (and a page's own script can keep its tab fetching)."""
+"""What a sandbox's apps send its previews' browsers, response heads and bodies and WebSocket frames together, on
+average; a piece (a read of a head, a piece of a body, a WebSocket event) counts at least `PIECE_COST_BYTES`. The
+relay is the server's CPU, not the sandbox's: found by attack, an app sending endless 1-byte WebSocket messages to
+an open tab cost the server half a core for as long as the tab stayed open (and a page's own script can keep its
+tab fetching)."""
 PREVIEW_BURST_BYTES: Final = 16 * 1024 * 1024
 MAX_INTERIM_RESPONSES: Final = 16
 """Interim (1xx) responses an app may send before its final one (RFC 9110 allows several: 100, 103...)."""
