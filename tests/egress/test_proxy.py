@@ -830,8 +830,10 @@ def test_an_upstream_sending_urgent_data_cannot_stall_or_spin_the_tunnel(
     assert attempt.bytes_down == len(b"beforeafter")
 
 
-def _budget() -> ByteRate:
-    return ByteRate(DEFAULT_BYTES_PER_S, DEFAULT_BYTE_BURST)
+def _budget() -> _relay.Budget:
+    return _relay.Budget(
+        ByteRate(DEFAULT_BYTES_PER_S, DEFAULT_BYTE_BURST), ByteRate(_relay.PASSES_PER_S, _relay.PASS_BURST)
+    )
 
 
 @dataclass
@@ -1047,17 +1049,22 @@ def _tunnel(sock_path: Path, target: str) -> socket.socket:
 TRICKLE_S = 3.0
 
 
-def test_tunnels_fed_a_byte_at_a_time_cost_the_relay_a_bounded_share_of_a_core(tmp_path: Path) -> None:
+@pytest.mark.parametrize("bytes_per_s", [DEFAULT_BYTES_PER_S, 64 * 1024], ids=["default rate", "64 KiB/s"])
+def test_tunnels_fed_a_byte_at_a_time_cost_the_relay_a_bounded_share_of_a_core(
+    tmp_path: Path, bytes_per_s: int
+) -> None:
     """Found by review: the byte budget counted bytes, not the relay's passes. 32 tunnels of one sandbox fed a byte
     at a time, round robin (0.3 MB/s, under 1% of the budget, so nothing waited), had the proxy's thread wake for
-    each: 0.75 cores of the server's, and another sandbox's fetches' p90 went from 4 to 8 ms to 11 to 112 ms.
-    Invariant: a pass spends at least `PASS_COST_BYTES` of the sandbox's rate, so the relay's thread stays under
-    a fifth of a core, and every byte still reaches the destination."""
+    each: 0.75 cores of the server's, and another sandbox's fetches' p90 went from 4 to 8 ms to 11 to 112 ms. A pass
+    then cost a share of the byte rate, which a low rate with the default burst made a million passes (review
+    again: 0.6 cores for 100 s at 64 KiB/s). Invariant: passes are counted apart (`PASSES_PER_S`, `PASS_BURST`), so
+    at any byte rate the relay's thread stays under a fifth of a core, and every byte still reaches the
+    destination."""
     sink = _Sink()
     threading.Thread(target=sink.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
     target = f"local.test:{sink.server_address[1]}"
     try:
-        with egress_path(tmp_path, [target], blocked_ranges=OPEN_RANGES) as path:
+        with egress_path(tmp_path, [target], blocked_ranges=OPEN_RANGES, bytes_per_s=bytes_per_s) as path:
             tunnels = [_tunnel(path.sock_path, target) for _ in range(32)]
             cpu, began = _thread_cpu_s("bastion-egress"), time.monotonic()
             sent = 0
@@ -1106,12 +1113,16 @@ def test_a_connection_waiting_for_the_byte_budget_is_not_ended_as_idle(tmp_path:
     assert sum(got) <= 64 * 1024 * (1 + 5 + 6)
 
 
-def test_request_heads_fed_a_byte_at_a_time_cost_the_proxy_a_bounded_share_of_a_core(tmp_path: Path) -> None:
+@pytest.mark.parametrize("bytes_per_s", [DEFAULT_BYTES_PER_S, 64 * 1024], ids=["default rate", "64 KiB/s"])
+def test_request_heads_fed_a_byte_at_a_time_cost_the_proxy_a_bounded_share_of_a_core(
+    tmp_path: Path, bytes_per_s: int
+) -> None:
     """Found by review: the relay's pass cost began only once a request was allowed. 32 connections sending a
     request head a byte at a time (reopened before the head cap or timeout) cost the proxy's thread 0.98 cores, and
-    another sandbox's fetches' p90 went from 3.9 to 17.6 ms. Invariant: each read of a head spends the sandbox's
-    byte rate as a relay's pass does, so the thread stays under a fifth of a core; the heads still complete."""
-    with egress_path(tmp_path, ["local.test:PORT"], blocked_ranges=OPEN_RANGES) as path:
+    another sandbox's fetches' p90 went from 3.9 to 17.6 ms. Invariant: each read of a head spends one of the
+    sandbox's head reads (`HEAD_READS_PER_S`), at any byte rate, so the thread stays under a fifth of a core; the
+    heads still complete."""
+    with egress_path(tmp_path, ["local.test:PORT"], blocked_ranges=OPEN_RANGES, bytes_per_s=bytes_per_s) as path:
         socks = []
         for _ in range(32):
             sock = socket.socket(socket.AF_UNIX)
@@ -1137,7 +1148,7 @@ def test_request_heads_fed_a_byte_at_a_time_cost_the_proxy_a_bounded_share_of_a_
 def test_heads_sent_whole_at_once_are_served_at_a_low_byte_rate(tmp_path: Path) -> None:
     """Found by review: a head read spent 256 KiB whatever the rate, so at a rate the administrator set to 256 KiB/s,
     16 connections opened at once (as pip does), each with a head in one write, waited a second a head and 6 were
-    refused 408 past the head timeout. Invariant: a head read spends at most a 256th of the rate; all are served."""
+    refused 408 past the head timeout. Invariant: a head read spends its bytes and one head read; all are served."""
     answers: list[bytes] = []
     options: dict[str, object] = {"bytes_per_s": 256 * 1024, "byte_burst": 256 * 1024, "head_timeout_s": 5.0}
     with egress_path(tmp_path, ["local.test:PORT"], blocked_ranges=OPEN_RANGES, **options) as path:

@@ -10,9 +10,9 @@ guarantees:
 - The connection ends when a direction fails, when no byte has moved for the idle timeout,
   and, for plain HTTP, as soon as the server's side ends: the client's next request must come
   on a new connection, to be checked. Cancelling `carry` ends both directions.
-- Every byte moved is spent from the sandbox's `ByteRate` (shared by its connections, both ways), and a pass
-  at least `PASS_COST_BYTES`: a direction in debt waits before it reads again, so the relay's CPU (the
-  server's) stays bounded per sandbox. A wait is not idleness: the idle timeout counts from its end.
+- Every byte moved, and every pass, is spent from the sandbox's `Budget` (shared by its connections, both
+  ways): a direction in debt waits before it reads again, so the relay's CPU (the server's) stays bounded
+  per sandbox. A wait is not idleness: the idle timeout counts from its end.
 - splice(2) through a pipe when the kernel allows it (the bytes never enter this process);
   otherwise reads and writes of `CHUNK_BYTES`. A pipe grows to `PIPE_BYTES` only after
   `GROW_AFTER_BYTES`, and stays small if the user's pipe budget refuses.
@@ -43,11 +43,12 @@ CHUNK_BYTES: Final = 1024 * 1024
 PIPE_BYTES: Final = 1024 * 1024
 GROW_AFTER_BYTES: Final = 1024 * 1024
 SOCKET_BUFFER_BYTES: Final = 4 * 1024 * 1024
-PASSES_PER_S: Final = 2048
-PASS_COST_BYTES: Final = 32 * 1024
-"""What one pass of a direction (a wake-up, its reads and writes) spends of the sandbox's byte rate at least: found
-by review, 32 tunnels fed a byte at a time (0.3 MB/s, under 1% of the rate) cost the relay 0.75 cores. At most
-`PASSES_PER_S` passes a second a sandbox: at a rate set below the default, a pass costs that share of it."""
+PASSES_PER_S: Final = 1024
+PASS_BURST: Final = 256
+"""A sandbox's relay passes (a wake-up of a direction, its reads and writes: costly whatever they move) a second, and
+at once: found by review, 32 tunnels fed a byte at a time (0.3 MB/s, under 1% of the byte rate) cost the relay 0.75
+cores. Counted apart from the bytes, so a byte rate set low neither slows honest passes nor, with a large byte
+burst, lets the burst hold a million of them."""
 USE_SPLICE = hasattr(os, "splice")  # Linux, Python >= 3.10; tests turn it off to cover the fallback
 LINGER_S: Final = 2.0
 LINGER_BYTES: Final = 1024 * 1024
@@ -67,7 +68,7 @@ async def carry(
     forward: bytes,
     attempt: _Tally,
     *,
-    budget: ByteRate,
+    budget: Budget,
     idle_timeout_s: float,
     one_response: bool,
 ) -> None:
@@ -75,7 +76,7 @@ async def carry(
 
     Args:
         forward: bytes already read from the client, for the server first.
-        budget: the sandbox's bytes a second, spent by every byte moved either way.
+        budget: the sandbox's bytes and passes a second, spent by every pass either way.
         one_response: plain HTTP: end when the server's side ends.
     """
     loop = asyncio.get_running_loop()
@@ -122,23 +123,29 @@ class _Direction:
     attempt: _Tally
     counter: str  # the attempt's field: "bytes_up" or "bytes_down"
     last: list[float]  # when a byte last moved either way (the idle timeout's clock), shared by both
-    budget: ByteRate
+    budget: Budget
 
     async def moved(self, count: int) -> None:
-        """Count `count` bytes moved, then wait while the sandbox's byte budget is in debt. A pass costs at least
-        `PASS_COST_BYTES` of it, and the wait counts as moving (the idle timeout starts after it)."""
+        """Count `count` bytes moved, then wait while the sandbox's budget is in debt; the wait counts as moving
+        (the idle timeout starts after it)."""
         setattr(self.attempt, self.counter, getattr(self.attempt, self.counter) + count)
-        wait = self.budget.owed_s(max(count, least_cost(self.budget, PASS_COST_BYTES, PASSES_PER_S)))
+        wait = self.budget.owed_s(count)
         self.last[0] = self.loop.time() + wait
         if wait > 0:
             await asyncio.sleep(wait)
 
 
-def least_cost(budget: ByteRate, cost: int, per_s: int) -> int:
-    """`cost`, or the share of `budget`'s rate that allows `per_s` of them a second if that is less (a rate the
-    administrator set low must not make honest passes or heads wait seconds each: found by review, heads of 16
-    connections at 256 KiB/s timed out)."""
-    return min(cost, max(1, int(budget.rate_per_s) // per_s))
+@dataclass(frozen=True)
+class Budget:
+    """What a sandbox's egress may spend: bytes a second, and reads a second (passes of the relay, or reads of
+    request heads), each read costing the server's CPU whatever it moves."""
+
+    bytes: ByteRate
+    reads: ByteRate
+
+    def owed_s(self, count: int) -> float:
+        """Spend one read of `count` bytes; the seconds to wait before the next."""
+        return max(self.bytes.owed_s(count), self.reads.owed_s(1))
 
 
 async def _copy(way: _Direction) -> None:

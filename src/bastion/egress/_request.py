@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from bastion.config import normalize_host
-from bastion.safety.rates import ByteRate
+from bastion.egress._relay import Budget
 
 MAX_HEAD_BYTES: Final = 64 * 1024
 MAX_METHOD_CHARS: Final = 32  # the longest registered HTTP method is 17 letters (UPDATEREDIRECTREF)
@@ -81,24 +81,23 @@ class Request:
 
 
 class Reader:
-    """Buffered reads from the client socket, for the request head only. Each read spends `pass_cost` bytes at least
-    of the sandbox's `budget` and waits while it is in debt (within the head timeout): found by review, heads fed a
-    byte at a time on 32 connections, reopened before the head cap or timeout, cost the proxy's thread a core, and
-    the relay's budget never saw them."""
+    """Buffered reads from the client socket, for the request head only. Each read spends the sandbox's `budget`
+    (its bytes, and one of its head reads) and waits while it is in debt (within the head timeout): found by review,
+    heads fed a byte at a time on 32 connections, reopened before the head cap or timeout, cost the proxy's thread
+    a core, and the relay's budget never saw them."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, budget: ByteRate, pass_cost: int) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, budget: Budget) -> None:
         self.loop = loop
         self.sock = sock
         self.buf = bytearray()
         self.budget = budget
-        self.pass_cost = pass_cost
 
     async def fill(self) -> None:
         data = await self.loop.sock_recv(self.sock, 65536)
         if not data:
             raise refused_error(400, "the client closed the connection before its request was complete")
         self.buf += data
-        wait = self.budget.owed_s(max(len(data), self.pass_cost))
+        wait = self.budget.owed_s(len(data))
         if wait > 0:
             await asyncio.sleep(wait)
 

@@ -100,7 +100,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 from bastion.config import DEFAULT_BLOCKED_RANGES, DEFAULT_BYTE_BURST, DEFAULT_BYTES_PER_S, AllowRule, normalize_host
-from bastion.egress._relay import answer_and_linger, carry, close_socket, grow_buffers, least_cost, ready
+from bastion.egress._relay import (
+    PASS_BURST,
+    PASSES_PER_S,
+    Budget,
+    answer_and_linger,
+    carry,
+    close_socket,
+    grow_buffers,
+    ready,
+)
 from bastion.egress._request import (
     SOCKS_REPLY,
     Reader,
@@ -130,11 +139,11 @@ HEAD_TIMEOUT_S: Final = 30.0
 MAX_ADDRESSES_TRIED: Final = 4
 STOP_TIMEOUT_S: Final = 10.0
 _ACCEPTS_PER_PASS: Final = 32  # then the loop serves others before the listener again
-HEAD_READ_COST_BYTES: Final = 256 * 1024
-"""What a read of a request's head spends of the sandbox's byte rate at least (or a 256th of the rate, if that is
-less): 256 reads a second a sandbox (a head comes in one read or two; attempts are 20 a second). More than a
-relay's pass: the kernel's work for a read grows with the writes it gathers (each a buffer of its own), and a
-client feeding heads a byte at a time on 32 connections cost the proxy's thread 0.6 cores at 2,048 reads a second
+HEAD_READS_PER_S: Final = 256
+HEAD_READ_BURST: Final = 64
+"""Reads of request heads a second a sandbox, and at once (a head comes in one read or two; attempts are 20 a
+second). Fewer than a relay's passes: the kernel's work for a read grows with the writes it gathers (each a buffer
+of its own), and a client feeding heads a byte at a time on 32 connections cost the proxy's thread 0.98 cores
 (found by review)."""
 HELD_PER_CAP: Final = 2
 """A sandbox's proxy holds at most this many times `max_connections` (open ones, and refused ones lingering
@@ -224,7 +233,8 @@ class _SandboxProxy:
     inode: tuple[int, int]
     throttle: AttemptThrottle
     lookups: NameLookups
-    budget: ByteRate
+    budget: Budget  # its bytes, and the relay's passes
+    heads: Budget  # the same bytes, and its reads of request heads
     accept_task: asyncio.Task[None] | None = None
     connections: set[asyncio.Task[None]] = field(default_factory=set)
     report: asyncio.TimerHandle | None = None  # the pending egress_throttled record
@@ -296,8 +306,10 @@ class EgressProxy:
         listener, inode = _listen(path, owner)
         throttle = AttemptThrottle(self._settings.attempts_per_s, self._settings.attempt_burst)
         lookups = NameLookups(self._settings.max_lookups, f"egress-lookup-{sandbox_id}")
-        budget = ByteRate(self._settings.bytes_per_s, self._settings.byte_burst)
-        proxy = _SandboxProxy(sandbox_id, tuple(rules), listener, path, inode, throttle, lookups, budget)
+        sent = ByteRate(self._settings.bytes_per_s, self._settings.byte_burst)
+        budget = Budget(sent, ByteRate(PASSES_PER_S, PASS_BURST))
+        heads = Budget(sent, ByteRate(HEAD_READS_PER_S, HEAD_READ_BURST))
+        proxy = _SandboxProxy(sandbox_id, tuple(rules), listener, path, inode, throttle, lookups, budget, heads)
         self._proxies[sandbox_id] = proxy
         proxy.accept_task = asyncio.get_running_loop().create_task(self._accept(proxy))
 
@@ -396,7 +408,7 @@ class EgressProxy:
         try:
             if len(proxy.connections) > self._settings.max_connections:
                 raise Refused(503, f"more than {self._settings.max_connections} open connections: close some first")
-            request = await self._read_request(client, attempt, proxy.budget)
+            request = await self._read_request(client, attempt, proxy.heads)
             socks = request.protocol == "socks5"
             upstream = await self._open(proxy, request, attempt)
             if not _allows(proxy.rules, request.host, request.port):  # narrowed while it connected
@@ -433,8 +445,8 @@ class EgressProxy:
                 self._metrics.egress_attempt(verdict, attempt.bytes_up, attempt.bytes_down)
             await self._append(attempt.record())
 
-    async def _read_request(self, client: socket.socket, attempt: _Attempt, budget: ByteRate) -> Request:
-        reader = Reader(asyncio.get_running_loop(), client, budget, least_cost(budget, HEAD_READ_COST_BYTES, 256))
+    async def _read_request(self, client: socket.socket, attempt: _Attempt, budget: Budget) -> Request:
+        reader = Reader(asyncio.get_running_loop(), client, budget)
         try:
             async with asyncio.timeout(self._settings.head_timeout_s):
                 await reader.fill()
@@ -555,7 +567,7 @@ class EgressProxy:
         raise failure
 
     async def _relay(
-        self, client: socket.socket, upstream: socket.socket, request: Request, attempt: _Attempt, budget: ByteRate
+        self, client: socket.socket, upstream: socket.socket, request: Request, attempt: _Attempt, budget: Budget
     ) -> None:
         loop = asyncio.get_running_loop()
         attempt.decision, attempt.reason = "allow", "allowed"
