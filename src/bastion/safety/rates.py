@@ -1,9 +1,10 @@
 """Token buckets: how fast something a sandbox drives may go, on the server's CPU.
 
 `TokenBucket` holds `burst` tokens, refilled at `rate_per_s`. `ByteRate` never refuses: a spender takes the
-bytes it already moved, and waits out the debt it is told (`owed_s`). Used where a sandbox's
-traffic costs the server's CPU rather than its own cgroup's: the egress relay (`bastion.egress`), a command's
-output read past its cap (`bastion.sandbox.processes`).
+bytes it already moved (or reads: the egress relay counts its passes in one of its own), and waits out the debt it
+is told (`owed_s`). Used where a sandbox's traffic costs the server's CPU rather than its own cgroup's: the egress
+relay and its request heads (`bastion.egress`), a command's pipes (`bastion.sandbox.processes`), what its apps send
+through previews (`bastion.transports.http.preview`).
 """
 
 from __future__ import annotations
