@@ -429,3 +429,13 @@ def write_cheap_hash(path: Path, password: str) -> None:
         os.write(fd, CHEAP_HASHER.hash(password).encode() + b"\n")
     finally:
         os.close(fd)
+
+
+class FakeClock:
+    """A clock for code that takes one (`time.monotonic`'s shape): it stands still until a test moves `now`."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now

@@ -7,18 +7,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from bastion.egress._throttle import AttemptThrottle
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.helpers import FakeClock
 
 
 def test_burst_then_the_rate_and_the_refused_count() -> None:
-    clock = Clock()
+    clock = FakeClock(100.0)
     throttle = AttemptThrottle(2.0, 3, clock)
     assert [throttle.take() for _ in range(5)] == [True, True, True, False, False]
     clock.now += 0.5  # one token back
@@ -42,7 +35,7 @@ def test_nonsense_settings_are_refused(rate: float, burst: int) -> None:
 )
 def test_never_more_than_the_burst_plus_the_rate_allows(rate: float, burst: int, gaps: list[float]) -> None:
     """Invariant: over any run, allowed <= burst + rate * elapsed, and allowed + refused == tries."""
-    clock = Clock()
+    clock = FakeClock(100.0)
     throttle = AttemptThrottle(rate, burst, clock)
     allowed = 0
     for gap in gaps:

@@ -13,19 +13,12 @@ import pytest
 
 from bastion.safety.approvals import KEEP_DECIDED_S, MAX_PENDING_PER_REQUESTER, ApprovalQueue
 from bastion.safety.errors import ApprovalDenied, Conflict, InvalidRequest, NeedsApproval, NotFound, ResourceLimit
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.helpers import FakeClock
 
 
 @pytest.fixture
 def clock() -> FakeClock:
-    return FakeClock()
+    return FakeClock(1_000_000.0)
 
 
 @pytest.fixture

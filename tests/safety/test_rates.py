@@ -7,18 +7,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from bastion.safety.rates import ByteRate
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.helpers import FakeClock
 
 
 def test_byte_rate_owes_nothing_within_the_burst_then_the_debt_at_the_rate() -> None:
-    clock = Clock()
+    clock = FakeClock(100.0)
     rate = ByteRate(1000.0, 500, clock)
     assert rate.owed_s(300) == 0.0
     assert rate.owed_s(200) == 0.0
@@ -35,7 +28,7 @@ def test_byte_rate_owes_nothing_within_the_burst_then_the_debt_at_the_rate() -> 
 def test_byte_rate_never_lets_more_than_the_burst_plus_the_rate_through(spends: list[tuple[int, float]]) -> None:
     """Whatever the spenders do, each waiting what it is told: the bytes moved by the time each may move again
     never exceed the burst plus the rate times the time gone."""
-    clock = Clock()
+    clock = FakeClock(100.0)
     start = clock.now
     rate = ByteRate(4096.0, 65536, clock)
     moved = 0

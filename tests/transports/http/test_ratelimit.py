@@ -24,19 +24,12 @@ from bastion.transports.http.ratelimit import (
     address_key,
     network_key,
 )
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.helpers import FakeClock
 
 
 @pytest.fixture
-def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
-    fake = Clock()
+def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    fake = FakeClock(1000.0)
     monkeypatch.setattr("bastion.transports.http.ratelimit.time.monotonic", fake)
     return fake
 
@@ -45,7 +38,7 @@ def fail(limiter: LoginLimiter, ip: str, device: str | None = None) -> None:
     limiter.finish(limiter.begin(ip, device=device), ok=False)
 
 
-def test_back_off_doubles_then_caps_and_clears(clock: Clock) -> None:
+def test_back_off_doubles_then_caps_and_clears(clock: FakeClock) -> None:
     limiter = LoginLimiter(free=3, max_s=5.0, global_per_minute=1000)
     for _ in range(2):
         fail(limiter, "a")
@@ -71,7 +64,7 @@ def test_back_off_doubles_then_caps_and_clears(clock: Clock) -> None:
     assert limiter.retry_after("a") == 0
 
 
-def test_an_address_that_keeps_guessing_for_days_stays_backed_off(clock: Clock) -> None:
+def test_an_address_that_keeps_guessing_for_days_stays_backed_off(clock: FakeClock) -> None:
     """Attack: keep guessing at the back-off's pace. Past 1,024 failures over the free ones the back-off's
     2.0 ** n overflowed: the failure answered 500 and the address was never backed off again.
     Invariant: the thousandth-and-more failure still backs the address off by max_s."""
@@ -84,7 +77,7 @@ def test_an_address_that_keeps_guessing_for_days_stays_backed_off(clock: Clock) 
         limiter.begin("a")
 
 
-def test_concurrent_burst_from_one_address_is_refused_before_any_check(clock: Clock) -> None:
+def test_concurrent_burst_from_one_address_is_refused_before_any_check(clock: FakeClock) -> None:
     """The attempt is counted at `begin`: a second one from the same address while the first is being
     checked is refused, so 60 parallel guesses cost one argon2 check, not 60."""
     limiter = LoginLimiter(free=5, max_s=900.0, global_per_minute=1000)
@@ -105,7 +98,7 @@ def test_concurrent_burst_from_one_address_is_refused_before_any_check(clock: Cl
     limiter.finish(limiter.begin("198.51.100.7"), ok=False)  # the next one, after the answer
 
 
-def test_server_wide_checks_are_capped_and_refused_not_queued(clock: Clock) -> None:
+def test_server_wide_checks_are_capped_and_refused_not_queued(clock: FakeClock) -> None:
     """Two checks at most; one of them is kept for browsers with a device cookie, so addresses without
     one share the other: a flood never takes the slot the administrator's browser would use."""
     limiter = LoginLimiter(free=5, max_s=900.0, global_per_minute=1000, max_checks=2)
@@ -124,7 +117,7 @@ def test_server_wide_checks_are_capped_and_refused_not_queued(clock: Clock) -> N
     assert limiter._running == limiter._running_untrusted == 0
 
 
-def test_same_host_flood_does_not_lock_out_a_browser_with_a_device_cookie(clock: Clock) -> None:
+def test_same_host_flood_does_not_lock_out_a_browser_with_a_device_cookie(clock: FakeClock) -> None:
     """The attacker and the administrator share 127.0.0.1: the attacker's failures back the address off
     and its check in flight refuses the next from that address, but an attempt with a device cookie is
     counted against that browser, and the device's own failures back it off as an address's would."""
@@ -150,7 +143,7 @@ def test_same_host_flood_does_not_lock_out_a_browser_with_a_device_cookie(clock:
     assert info.value.status == 429
 
 
-def test_ipv6_is_counted_per_64(clock: Clock) -> None:
+def test_ipv6_is_counted_per_64(clock: FakeClock) -> None:
     assert address_key("2001:db8:1:2:aaaa::1") == address_key("2001:db8:1:2:bbbb::9") == "2001:db8:1:2::/64"
     assert address_key("2001:db8:1:3::1") != address_key("2001:db8:1:2::1")
     assert address_key("::ffff:192.0.2.5") == "192.0.2.5"
@@ -163,7 +156,7 @@ def test_ipv6_is_counted_per_64(clock: Clock) -> None:
     limiter.finish(limiter.begin("2001:db8:1:3::1"), ok=True)
 
 
-def test_global_limit_stops_failed_addresses_never_a_fresh_one(clock: Clock) -> None:
+def test_global_limit_stops_failed_addresses_never_a_fresh_one(clock: FakeClock) -> None:
     limiter = LoginLimiter(free=100, max_s=900.0, global_per_minute=5)
     for n in range(5):
         fail(limiter, f"10.0.0.{n}")
@@ -178,7 +171,7 @@ def test_global_limit_stops_failed_addresses_never_a_fresh_one(clock: Clock) -> 
     assert limiter.retry_after("10.0.0.0") == 0
 
 
-def test_tracked_addresses_stay_bounded(clock: Clock, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tracked_addresses_stay_bounded(clock: FakeClock, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ratelimit, "_MAX_TRACKED", 50)
     limiter = LoginLimiter(free=1, max_s=900.0, global_per_minute=100_000)
     held = limiter.begin("192.0.2.1", device="browser")  # in flight: never forgotten
@@ -191,7 +184,7 @@ def test_tracked_addresses_stay_bounded(clock: Clock, monkeypatch: pytest.Monkey
     limiter.finish(held, ok=True)
 
 
-def test_window_limiter(clock: Clock) -> None:
+def test_window_limiter(clock: FakeClock) -> None:
     window = WindowLimiter(limit=2, window_s=3600.0)
     assert window.allow("a")
     clock.now += 10
@@ -203,7 +196,7 @@ def test_window_limiter(clock: Clock) -> None:
     assert window.allow("a")
 
 
-def test_a_window_sprayed_with_keys_stays_bounded_and_fast(clock: Clock, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_window_sprayed_with_keys_stays_bounded_and_fast(clock: FakeClock, monkeypatch: pytest.MonkeyPatch) -> None:
     """Attack: one request from each of many addresses (an IPv6 /64 holds plenty) at a preview. Its old
     table forgot only keys with no recent event, so past 100,000 it forgot none and rebuilt itself at
     every request. Invariant: the table keeps at most its cap, the key counted the longest forgotten first."""
@@ -320,7 +313,7 @@ async def test_flooding_the_line_from_many_fresh_networks_still_refuses_a_fresh_
 
 
 def test_networks_are_ipv4_24s_and_ipv6_48s_bounded_and_cleared_by_a_success(
-    clock: Clock, monkeypatch: pytest.MonkeyPatch
+    clock: FakeClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A network's record is bounded like the addresses' (the longest ago counted forgotten first), and a
     right password clears it: the administrator's own typos do not rank their network behind others."""

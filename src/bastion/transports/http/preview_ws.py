@@ -287,8 +287,7 @@ async def _app_to_browser(browser: _Browser, link: _Link, sent: list[int], rate:
             for event in await link.events():
                 # Every event spends, control frames and fragments too (found by review: endless Pongs, or messages
                 # of 4,000 one-byte fragments, cost 0.9 cores and other callers' p90 6 s, charged nothing or once).
-                data = getattr(event, "data", b"")
-                wait = rate.owed_s(max(len(data) if isinstance(data, bytes | str) else 0, PIECE_COST_BYTES))
+                wait = rate.owed_s(max(len(event.data) if isinstance(event, Message) else 0, PIECE_COST_BYTES))
                 if wait > 0:
                     await asyncio.sleep(wait)
                 if isinstance(event, Ping):

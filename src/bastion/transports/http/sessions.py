@@ -161,7 +161,7 @@ class SessionCap:
         if self._own_session(session, grant) is None:
             await self.app(scope, receive, send)  # the SDK answers 404 and serves no stream
             return
-        if (session in self.streaming or session in self.waiting) and not await self._handed_over(session):
+        if (session in self.streaming or session in self.waiting) and not await self._handed_over(session, grant):
             if self._own_session(session, grant) is None:  # ended meanwhile (a DELETE): 404, as it now is
                 await self.app(scope, receive, send)
             else:
@@ -178,7 +178,7 @@ class SessionCap:
             if waiter is not None:
                 waiter.wake.set()
 
-    async def _handed_over(self, session: bytes) -> bool:
+    async def _handed_over(self, session: bytes, grant: str) -> bool:
         """End `session`'s stream and wait for it to end; False if a newer GET came meanwhile, or time ran out."""
         previous = self.waiting.get(session)
         if previous is not None:
@@ -188,7 +188,7 @@ class SessionCap:
         deadline = anyio.current_time() + STREAM_HANDOVER_S
         try:
             while session in self.streaming:
-                transport = self.manager._server_instances.get(session.decode("latin-1"))  # private: module docstring
+                transport = self._own_session(session, grant)
                 left = deadline - anyio.current_time()
                 if transport is None or left <= 0:
                     return False
