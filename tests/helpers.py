@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import gc
 import json
 import os
+import random
 import resource
 import shutil
 import socket
@@ -181,6 +183,43 @@ async def create(client: Client, **args: object) -> str:
 async def sh(client: Client, sandbox_id: str, command: str, **args: object) -> Payload:
     """run_command in a sandbox."""
     return await call(client, "run_command", command=command, sandbox_id=sandbox_id, **args)
+
+
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_FIXED_PORTS_FROM = 10_000
+_PORT_STRIDE = 7_919  # a prime: successive picks of one process spread over the whole range
+_port_cursor = random.SystemRandom().randrange(1 << 30)
+
+
+def free_port() -> int:
+    """A loopback TCP port free now (on 127.0.0.1, and on ::1 where there is one), for a server a test starts.
+
+    Below the kernel's ephemeral range, so no client's connect(2) anywhere on the machine is given it as its
+    source port between this check and the server's bind: a port from bind(0) comes from that range, and the
+    suite's side-by-side passes open thousands of loopback connections (found as `Address already in use` in
+    a preview test under `-n 2`, and as sshd losing its port in the gateway lab). Each process starts at a
+    random place and steps by a prime, so two workers rarely try the same port and one never reuses its own
+    soon. Checked without SO_REUSEADDR: a port some connection still holds in TIME_WAIT is passed over.
+    """
+    global _port_cursor
+    low = int(_EPHEMERAL_RANGE.read_text().split()[0]) if _EPHEMERAL_RANGE.exists() else 32768
+    span = low - _FIXED_PORTS_FROM
+    for _ in range(256):
+        _port_cursor += _PORT_STRIDE
+        port = _FIXED_PORTS_FROM + _port_cursor % span
+        if _bindable(socket.AF_INET, "127.0.0.1", port) and _bindable(socket.AF_INET6, "::1", port):
+            return port
+    raise RuntimeError(f"no free loopback port in {_FIXED_PORTS_FROM}..{low - 1} after 256 tries")
+
+
+def _bindable(family: socket.AddressFamily, host: str, port: int) -> bool:
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            # No ::1 on this machine: only the IPv4 check counts.
+            return family == socket.AF_INET6 and exc.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT)
+    return True
 
 
 def registry_reachable(host: str = "pypi.org") -> bool:

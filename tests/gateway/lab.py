@@ -32,7 +32,7 @@ from typing import Any
 
 from bastion.cli import main
 from bastion.config import load_config
-from tests.helpers import processes_with
+from tests.helpers import free_port, processes_with
 
 SSHD = "/usr/sbin/sshd"
 USER = pwd.getpwuid(os.geteuid()).pw_name
@@ -89,12 +89,6 @@ elif verb == "noisy":
     sys.stderr.flush()
     time.sleep(30)
 """
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _bastion(*args: str) -> str:
@@ -198,9 +192,7 @@ class GatewayLab:
 
     def probe_local_forward(self) -> tuple[bytes, str]:
         """Run `ssh -N -L` to the sshd itself, connect through it; return what came back and ssh's stderr."""
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            local = probe.getsockname()[1]
+        local = free_port()
         forward = subprocess.Popen(
             self.ssh_argv("-N", "-L", f"{local}:127.0.0.1:{self.port}"), stderr=subprocess.PIPE, text=True
         )
@@ -273,7 +265,7 @@ class GatewayLab:
             ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(root / "host_ed25519")], check=True, timeout=30
         )
         host_key_line = " ".join((root / "host_ed25519.pub").read_text().split()[:2])
-        port = _free_port()
+        port = free_port()
 
         program = target / "bin" / "action"
         program.write_text(ACTION_PROGRAM)
@@ -315,7 +307,7 @@ class GatewayLab:
                 except PortTaken:
                     if attempt == PORT_ATTEMPTS - 1:
                         raise
-                    lab.port = _free_port()  # and every file that names it
+                    lab.port = free_port()  # and every file that names it
                     config_path.write_text(_bastion_toml(lab.port, host_key_line, target))
                     (root / "known_hosts").write_text(f"[127.0.0.1]:{lab.port} {host_key_line}\n")
                     (root / "sshd_config").write_text(_sshd_config(root, lab.port, authorized))
@@ -337,7 +329,7 @@ class GatewayLab:
 
         `host_keys` replaces the lab's host key; `authorized` replaces its authorized_keys file.
         """
-        port = _free_port()
+        port = free_port()
         config = self.root / f"sshd_config.{name}"
         text = (self.root / "sshd_config").read_text()
         text = text.replace(f"Port {self.port}\n", f"Port {port}\n").replace(
@@ -386,7 +378,7 @@ PORT_ATTEMPTS = 3
 
 
 class PortTaken(RuntimeError):
-    """sshd could not bind its port: another test's socket took it after `_free_port` let it go."""
+    """sshd could not bind its port: another test's socket took it after `free_port` found it free."""
 
 
 def _start_sshd(config: Path, log: Path, port: int) -> subprocess.Popen[bytes]:

@@ -14,7 +14,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import time
 from collections import Counter
@@ -31,17 +30,11 @@ from mcp.client.streamable_http import streamable_http_client
 
 from bastion.demo import init_demo
 from bastion.safety.results import OperationResult
-from tests.helpers import BASTION, Payload, mounts_under
+from tests.helpers import BASTION, Payload, free_port, mounts_under
 
 READY_S: Final = 30.0
 STOP_S: Final = 30.0
 CALL_TIMEOUT_S: Final = 60.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 AUDIT_RESERVE_BYTES = 65536

@@ -25,8 +25,9 @@ from mcp import Client
 
 from bastion.safety.audit import verify
 from tests.gateway.lab import GatewayLab, variant
+from tests.helpers import free_port
 
-from .fault_server import Load, Served, answered_calls_are_logged, descendants, free_port, internal_errors, until
+from .fault_server import Load, Served, answered_calls_are_logged, descendants, internal_errors, until
 
 pytestmark = [pytest.mark.anyio]
 

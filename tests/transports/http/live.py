@@ -17,7 +17,6 @@ import re
 import resource
 import secrets
 import signal
-import socket
 import sqlite3
 import ssl
 import subprocess
@@ -37,6 +36,7 @@ from mcp.client.streamable_http import streamable_http_client
 
 from bastion.demo import init_demo
 from bastion.transports.http.password import write_hash
+from tests.helpers import free_port as free_port  # the HTTP tests take it from here
 from tests.helpers import write_cheap_hash
 
 from .tls import self_signed
@@ -46,12 +46,6 @@ BASTION = Path(sys.executable).with_name("bastion")
 PASSWORD = "correct horse battery staple"
 START_TIMEOUT_S = 30.0
 LOOPBACK_CB_FOR_TESTS = "http://127.0.0.1/callback"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def pkce() -> tuple[str, str]:
