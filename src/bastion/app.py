@@ -487,7 +487,14 @@ async def _reap_forever(services: Services) -> None:
 
 
 def build_server(services: Services, *, caller: str) -> BastionServer:
-    runner = CallRunner(services.audit, caller=caller, metrics=services.metrics)
+    audit = services.config.audit
+    runner = CallRunner(
+        services.audit,
+        caller=caller,
+        metrics=services.metrics,
+        caller_bytes_per_s=audit.caller_bytes_per_s,
+        caller_burst_bytes=audit.caller_burst_bytes,
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(_: object) -> AsyncIterator[None]:

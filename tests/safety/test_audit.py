@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import enum
 import errno
+import functools
 import json
 import logging
 import math
@@ -1285,3 +1286,22 @@ def test_a_rotation_with_exactly_one_fd_left_finishes(log_path: Path) -> None:
     files, _ = audit_mod.chain_files(log_path)
     ids = [json.loads(line)["id"] for path in files for line in _lines(path)]
     assert ids == accepted  # every record accepted, in order, and nothing else
+
+
+@pytest.mark.parametrize("alone", [True, False], ids=["inline", "batched"])
+def test_on_written_gets_the_bytes_each_record_took_in_the_file(log: AuditLog, log_path: Path, alone: bool) -> None:
+    """What a caller's audit budget is charged (`CallRunner`): each record's own line, escapes and newline
+    included, for records written together in one batch as for one written alone; nothing for one refused."""
+    sizes: list[int] = []
+
+    async def main() -> None:
+        async with anyio.create_task_group() as tasks:
+            for text in ("a", "\x01" * 100, "é" * 50):
+                tasks.start_soon(functools.partial(log.append_async, {"v": text}, alone=alone, on_written=sizes.append))
+        with pytest.raises(ValueError, match="reserved keys"):
+            await log.append_async({"seq": 1}, on_written=sizes.append)
+
+    anyio.run(main)
+    lines = log_path.read_bytes().splitlines(keepends=True)
+    assert sorted(sizes) == sorted(map(len, lines))
+    assert sum(sizes) == log_path.stat().st_size

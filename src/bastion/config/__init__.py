@@ -133,6 +133,10 @@ class AuditConfig(Model):
     rotate_bytes: Annotated[int, Field(ge=4096)] = 64 * 1024 * 1024
     reserve_bytes: Annotated[int, Field(ge=0)] = 8 * 1024 * 1024
     """Kept allocated past the log's end: records have room for a while after the state filesystem fills."""
+    caller_bytes_per_s: Annotated[int, Field(ge=1024)] = 256 * 1024
+    """What one caller's tool calls may add to the log a second (stdio's client; over HTTP, each OAuth client)."""
+    caller_burst_bytes: Annotated[int, Field(ge=128 * 1024)] = 64 * 1024 * 1024
+    """What one caller may add at once, before `caller_bytes_per_s` holds it back."""
 
 
 class RedactionConfig(Model):

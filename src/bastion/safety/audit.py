@@ -164,6 +164,8 @@ class _Pending:
     id: str = field(default_factory=_record_id)
     done: bool = False
     error: str | None = None
+    size: int = 0
+    """The line's bytes in the file, its newline included, once written."""
 
 
 @dataclass(slots=True, eq=False)
@@ -288,7 +290,14 @@ class AuditLog:
         if hop is not None:
             hop.shutdown(wait=False)  # idle: `_writing` is over, and a batch left waiting finds the log closed
 
-    def append(self, record: Mapping[str, object], *, ran: bool = False, durable: bool = True) -> str:
+    def append(
+        self,
+        record: Mapping[str, object],
+        *,
+        ran: bool = False,
+        durable: bool = True,
+        on_written: Callable[[int], object] | None = None,
+    ) -> str:
         """Write one record durably and return its id.
 
         String values are redacted and capped at `MAX_ARG_CHARS`; values of keys naming a
@@ -300,28 +309,38 @@ class AuditLog:
                 failure then says so, instead of "nothing was done".
             durable: False returns once the record is written, not synced (module docstring):
                 only for a record that follows a durable one of the same call.
+            on_written: called with the bytes the record took in the file, once it is written (never
+                for a record that failed), in the caller's thread: what a caller's budget is charged.
 
         Raises:
             AuditUnavailable: the record is not on disk; the caller must not act.
             ValueError: the record uses a reserved key (id, seq, ts, prev).
         """
         if self._metrics is None:
-            return self._append(record, ran=ran, durable=durable)
+            return self._append(record, ran=ran, durable=durable, on_written=on_written)
         started = time.perf_counter()
         try:
-            return self._append(record, ran=ran, durable=durable)
+            return self._append(record, ran=ran, durable=durable, on_written=on_written)
         finally:
             self._metrics.audit_append(started)
 
-    def _append(self, record: Mapping[str, object], *, ran: bool, durable: bool) -> str:
+    def _append(
+        self, record: Mapping[str, object], *, ran: bool, durable: bool, on_written: Callable[[int], object] | None
+    ) -> str:
         pending = self._prepare(record, durable)
         self._commit([pending])
-        return pending.id if pending.error is None else self._result(pending, ran=ran)
+        return self._result(pending, ran=ran, on_written=on_written)
 
     async def append_async(
-        self, record: Mapping[str, object], *, alone: bool = False, ran: bool = False, durable: bool = True
+        self,
+        record: Mapping[str, object],
+        *,
+        alone: bool = False,
+        ran: bool = False,
+        durable: bool = True,
+        on_written: Callable[[int], object] | None = None,
     ) -> str:
-        """`append` off the event loop, with group commit (``ran`` and ``durable`` as for `append`).
+        """`append` off the event loop, with group commit (``ran``, ``durable`` and ``on_written`` as for `append`).
 
         With ``alone=True`` (the caller knows no other call is in flight), no batch
         being written and a disk whose last fdatasync took under `INLINE_SYNC_MAX_S`, the
@@ -337,14 +356,22 @@ class AuditLog:
         """
         started = time.perf_counter()
         try:
-            return await self._append_async(record, alone=alone, ran=ran, durable=durable)
+            return await self._append_async(record, alone=alone, ran=ran, durable=durable, on_written=on_written)
         finally:
             if self._metrics is not None:
                 self._metrics.audit_append(started)
 
-    async def _append_async(self, record: Mapping[str, object], *, alone: bool, ran: bool, durable: bool) -> str:
+    async def _append_async(
+        self,
+        record: Mapping[str, object],
+        *,
+        alone: bool,
+        ran: bool,
+        durable: bool,
+        on_written: Callable[[int], object] | None,
+    ) -> str:
         if alone and not self._async_leading and self._last_sync_s < INLINE_SYNC_MAX_S:
-            return self._append(record, ran=ran, durable=durable)
+            return self._append(record, ran=ran, durable=durable, on_written=on_written)
         # Cleaned here, on the loop: on the worker, each record's uuid4 (getrandom releases the GIL) made
         # the worker take the GIL back once more, and every such hand-over stalls the loop (convoy effect).
         waiter = _AsyncPending(self._prepare(record, durable))
@@ -370,7 +397,7 @@ class AuditLog:
         if waiter.cause is not None:
             self._count_failure()
             raise AuditUnavailable(_failure(waiter.cause, ran=ran))
-        return self._result(waiter.pending, ran=ran)
+        return self._result(waiter.pending, ran=ran, on_written=on_written)
 
     async def _lead_async(self) -> None:
         batch, self._async_queue = self._async_queue, []
@@ -403,8 +430,10 @@ class AuditLog:
             raise ValueError(f"audit record uses reserved keys {reserved}: rename them")
         return _Pending(self._clean_mapping(record, 0, [MAX_CLEANED_CHARS]), durable)
 
-    def _result(self, pending: _Pending, *, ran: bool) -> str:
+    def _result(self, pending: _Pending, *, ran: bool, on_written: Callable[[int], object] | None = None) -> str:
         if pending.error is None:
+            if on_written is not None:
+                on_written(pending.size)
             return pending.id
         self._count_failure()
         if self._fail_closed:
@@ -638,6 +667,7 @@ class AuditLog:
                 if size + len(line) + 1 > room and self._offset + size > 0:
                     break
                 lines.append(line)
+                p.size = len(line) + 1
                 sync = sync or p.durable
                 prev, seq, size = hashlib.sha256(line).hexdigest(), seq + 1, size + len(line) + 1
             if len(lines) == len(todo):

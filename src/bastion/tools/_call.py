@@ -15,10 +15,19 @@ incident id: the traceback goes to the server log, never to the client.
 A call cancelled mid-operation (graceful shutdown past its bound, a client
 gone) still writes its end record, shielded, with UNAVAILABLE and
 `CANCELLED_REASON`, then lets the cancellation go on.
+
+Each caller (`identity`: the transport, and over HTTP the OAuth client) has a budget of audit bytes
+(`[audit] caller_bytes_per_s`, `caller_burst_bytes`), charged with what each of its records took in the
+file. Found by attack: one HTTP client sending calls to a tool that does not exist, each with three
+arguments of 4,096 control characters (6 bytes each once escaped), grew the log by 14.5 MB/s, and a full
+state filesystem stops every call of every client (fail-closed). A caller in debt is refused
+(RESOURCE_LIMIT) before anything runs or is recorded; what it was refused is counted, one
+``calls_throttled`` record a second, so the log grows by a bounded amount however hard a caller tries.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import time
@@ -30,9 +39,11 @@ import anyio
 from mcp.server.auth.middleware.auth_context import get_access_token
 from mcp_types import ImageContent
 
+from bastion.config import AuditConfig
 from bastion.metrics import Metrics
 from bastion.safety.audit import AuditLog, Verbatim
 from bastion.safety.errors import AuditUnavailable, BastionError
+from bastion.safety.rates import ByteRate
 from bastion.safety.results import OperationResult, ResultCode
 
 logger = logging.getLogger("bastion.tools")
@@ -52,18 +63,40 @@ CANCELLED_REASON: Final = (
     "cancelled before it finished (the server is stopping, the client went away or its grant was revoked)"
 )
 UNNAMED: Final = ""
+"""The action of a result built inside a tool's body: `CallRunner` sets it to the tool's name."""
 UNKNOWN_TOOL: Final = "(unknown)"
 """The metrics label of a call to a tool this server does not have: a client's name never becomes a label."""
-"""The action of a result built inside a tool's body: `CallRunner` sets it to the tool's name."""
+_AUDIT_DEFAULTS: Final = AuditConfig()
+"""A caller's audit budget by default (`[audit] caller_bytes_per_s`, 256 KiB: calls of a few hundred bytes each
+way, 200 a second, all day, 22 GB a day at most where an unbounded client wrote 52 GB an hour; and
+`caller_burst_bytes`, 64 MiB: some 50,000 ordinary calls at once)."""
+THROTTLE_REPORT_S: Final = 1.0
+"""At most one ``calls_throttled`` record a caller this often."""
+MAX_CALLER_BUDGETS: Final = 4096
+"""Callers' budgets kept; past it, those not in debt are forgotten (a full budget is what a new one is)."""
 
 
 class CallRunner:
     """Runs one tool operation under the audit log."""
 
-    def __init__(self, audit: AuditLog, *, caller: str, metrics: Metrics | None = None) -> None:
+    def __init__(
+        self,
+        audit: AuditLog,
+        *,
+        caller: str,
+        metrics: Metrics | None = None,
+        caller_bytes_per_s: int = _AUDIT_DEFAULTS.caller_bytes_per_s,
+        caller_burst_bytes: int = _AUDIT_DEFAULTS.caller_burst_bytes,
+    ) -> None:
         self.audit = audit
         self.caller = caller
         self.metrics = metrics
+        self.caller_bytes_per_s = caller_bytes_per_s
+        self.caller_burst_bytes = caller_burst_bytes
+        self._budgets: dict[str, ByteRate] = {}
+        self._refused: dict[str, int] = {}
+        """Callers' calls refused since their last ``calls_throttled`` record (one is pending for each)."""
+        self._reports: set[asyncio.Task[None]] = set()
         self.tools: set[str] = set()
         """The registered tools' names (`BastionServer.tool` adds them): only these are metric labels."""
         self._in_flight = 0
@@ -77,10 +110,52 @@ class CallRunner:
         token = get_access_token()
         return f"{self.caller}:{token.client_id}" if token is not None else self.caller
 
-    async def _record(self, record: Mapping[str, object], *, ran: bool = False, durable: bool = True) -> str:
+    async def _record(
+        self, record: Mapping[str, object], budget: ByteRate, *, ran: bool = False, durable: bool = True
+    ) -> str:
         # Alone, the record is written inline; with company, group commit shares the fdatasync.
         alone = self._in_flight == 1 and self.requests_in_flight <= 1
-        return await self.audit.append_async(record, alone=alone, ran=ran, durable=durable)
+        return await self.audit.append_async(record, alone=alone, ran=ran, durable=durable, on_written=budget.owed_s)
+
+    def _budget(self, identity: str) -> ByteRate:
+        budget = self._budgets.get(identity)
+        if budget is None:
+            if len(self._budgets) >= MAX_CALLER_BUDGETS:
+                self._budgets = {who: kept for who, kept in self._budgets.items() if kept.owed_s(0) > 0}
+            budget = self._budgets[identity] = ByteRate(self.caller_bytes_per_s, self.caller_burst_bytes)
+        return budget
+
+    def _throttled(self, action: str, identity: str, wait_s: float, started: float) -> OperationResult:
+        """The answer to a call of a caller in debt: nothing ran, and it is counted for `_report`."""
+        if identity not in self._refused:
+            self._refused[identity] = 0
+            asyncio.get_running_loop().call_later(THROTTLE_REPORT_S, self._start_report, identity)
+        self._refused[identity] += 1
+        reason = (
+            f"this client's calls wrote more to the audit log than its budget ({self.caller_bytes_per_s} bytes a "
+            f"second, {self.caller_burst_bytes} at once): nothing was done; calls are refused for {wait_s:.1f} s"
+        )
+        return self._finish(OperationResult.failure(action, ResultCode.RESOURCE_LIMIT, reason), started, None)
+
+    def _start_report(self, identity: str) -> None:
+        task = asyncio.get_running_loop().create_task(self._report(identity))
+        self._reports.add(task)
+        task.add_done_callback(self._reports.discard)
+
+    async def _report(self, identity: str) -> None:
+        record = {
+            "event": "calls_throttled",
+            "caller": identity,
+            "refused": self._refused.pop(identity, 0),
+            "bytes_per_s": self.caller_bytes_per_s,
+            "burst_bytes": self.caller_burst_bytes,
+        }
+        try:
+            await self.audit.append_async(record)
+        except AuditUnavailable as exc:
+            logger.error(
+                "%d calls of %s refused by its audit budget, not recorded: %s", record["refused"], identity, exc.reason
+            )
 
     async def run(
         self,
@@ -91,12 +166,17 @@ class CallRunner:
         mutating: bool,
         workspace: str | None = None,
     ) -> OperationResult:
-        self._in_flight += 1
         started = time.perf_counter()
-        try:
-            result = await self._run(action, arguments, operation, mutating=mutating, workspace=workspace)
-        finally:
-            self._in_flight -= 1
+        identity = self.identity()
+        budget = self._budget(identity)
+        if (wait_s := budget.owed_s(0)) > 0:
+            result = self._throttled(action, identity, wait_s, started)
+        else:
+            self._in_flight += 1
+            try:
+                result = await self._run(action, arguments, operation, identity, budget, mutating, workspace)
+            finally:
+                self._in_flight -= 1
         if self.metrics is not None:
             tool = action if action in self.tools else UNKNOWN_TOOL
             self.metrics.tool_call(tool, result.code.value, time.perf_counter() - started)
@@ -107,7 +187,8 @@ class CallRunner:
         action: str,
         arguments: Mapping[str, object],
         operation: Operation,
-        *,
+        identity: str,
+        budget: ByteRate,
         mutating: bool,
         workspace: str | None,
     ) -> OperationResult:
@@ -115,20 +196,20 @@ class CallRunner:
         call_id = Verbatim(secrets.token_hex(16))
         base: dict[str, object] = {
             "call": call_id,
-            "caller": self.identity(),
+            "caller": identity,
             "tool": action,
             "workspace": workspace,
             "args": dict(arguments),
         }
         if mutating:
             try:
-                await self._record({**base, "event": "start"})
+                await self._record({**base, "event": "start"}, budget)
             except AuditUnavailable as exc:
                 return self._finish(OperationResult.failure(action, exc.code, exc.reason), started, None)
         try:
             result, files, internal = await self._execute(action, operation)
         except anyio.get_cancelled_exc_class():
-            await self._record_cancelled(base, started, mutating=mutating)
+            await self._record_cancelled(base, budget, started, mutating=mutating)
             raise
         end: dict[str, object] = {
             **base,
@@ -142,12 +223,14 @@ class CallRunner:
             end["internal"] = internal
         try:
             # A mutating call has acted by now: a failure must say so, never "nothing was done".
-            audit_id = await self._record(end, ran=mutating, durable=not mutating)
+            audit_id = await self._record(end, budget, ran=mutating, durable=not mutating)
         except AuditUnavailable as exc:
             return self._finish(OperationResult.failure(action, exc.code, exc.reason), started, None)
         return self._finish(result, started, audit_id)
 
-    async def _record_cancelled(self, base: Mapping[str, object], started: float, *, mutating: bool) -> None:
+    async def _record_cancelled(
+        self, base: Mapping[str, object], budget: ByteRate, started: float, *, mutating: bool
+    ) -> None:
         """A call cancelled mid-operation (the server stopping, or its client gone) still gets its end
         record: without it the log would show a start and never say how the call ended."""
         end = {
@@ -160,7 +243,7 @@ class CallRunner:
         }
         with anyio.CancelScope(shield=True):
             try:
-                await self._record(end, ran=mutating, durable=not mutating)
+                await self._record(end, budget, ran=mutating, durable=not mutating)
             except AuditUnavailable as exc:
                 logger.error("the end record of a cancelled %s call was not written: %s", base["tool"], exc.reason)
 
