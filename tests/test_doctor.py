@@ -7,6 +7,7 @@ import ctypes
 import json
 import os
 import re
+import shutil
 import stat
 import subprocess
 import tempfile
@@ -294,19 +295,28 @@ def test_a_sandbox_another_server_makes_during_the_probe_is_not_a_leftover(tmp_p
 def test_sandbox_disks_that_overcommit_the_state_filesystem_are_a_warning(
     capsys: pytest.CaptureFixture[str], demo_config_path: Path
 ) -> None:
-    """Invariant: when max_sandboxes x disk_bytes cannot fit on the state filesystem (the images are
-    sparse), the doctor warns that one agent filling its disk can stop every call, and says how to fix
-    it; with room enough it says so. Seen by the fault tests (issue 19): SECURITY.md, "Limits"."""
+    """Invariant: when max_sandboxes x disk_bytes, the snapshots allowed and the reserve cannot fit on the state
+    filesystem (the images are sparse), the doctor warns that one agent filling its disk can stop every call,
+    and says how to fix it; with room enough it says so. Seen by the fault tests (issue 19): SECURITY.md,
+    "Limits". Attack (twenty-sixth session): the snapshots were left out of the sum, and a filesystem the
+    doctor called large enough was filled by two snapshots and two full disks."""
     text = demo_config_path.read_text()
+    small = "max_sandboxes = 1\nmax_snapshot_bytes = 1073741824"
     demo_config_path.write_text(text.replace("max_sandboxes = 16", "max_sandboxes = 10000"))
     code, checks, _ = _doctor(capsys, "--config", str(demo_config_path))
     status, detail = checks["state-room"]
     assert (code, status) == (0, "warn"), detail
-    assert detail.startswith("10001 sandboxes x 2 GiB + the 256 MiB reserve = "), detail
+    assert detail.startswith("10001 sandboxes x 2 GiB + 16 GiB of snapshots + the 256 MiB reserve = "), detail
     assert "holds the audit log too: one agent filling its disk can stop every call" in detail
-    demo_config_path.write_text(text.replace("max_sandboxes = 16", "max_sandboxes = 1"))
+    demo_config_path.write_text(text.replace("max_sandboxes = 16", small))
     _, checks, _ = _doctor(capsys, "--config", str(demo_config_path))
     assert checks["state-room"][0] == "ok", checks["state-room"]
+    free = shutil.disk_usage(demo_config_path.parent).free
+    demo_config_path.write_text(text.replace("max_sandboxes = 16", f"max_sandboxes = 1\nmax_snapshot_bytes = {free}"))
+    _, checks, _ = _doctor(capsys, "--config", str(demo_config_path))
+    status, detail = checks["state-room"]
+    assert status == "warn", detail  # the disks and the reserve fit; with the snapshots allowed they do not
+    assert "max_snapshot_bytes" in detail, detail
 
 
 def test_sandboxes_that_could_fill_the_hosts_file_table_are_a_warning(

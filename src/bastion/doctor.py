@@ -287,11 +287,14 @@ def _file_table_check(config: Config) -> Check | None:
 
 
 def _state_room_check(config: Config) -> Check:
-    """Whether every sandbox's disk fits on the state filesystem. The images are sparse: disks that do
-    not fit let one agent fill that filesystem, and the audit log too if it is there (SECURITY.md)."""
+    """Whether every sandbox's disk and the snapshots allowed fit on the state filesystem. The images are
+    sparse: disks that do not fit let one agent fill that filesystem, and the audit log too if it is there
+    (SECURITY.md). Snapshots count: each passes the reserve when it is taken, and the disks filled after it
+    then found the room gone (found by attack: sized for the disks and the reserve alone, two snapshots and
+    two full disks left the state filesystem with 0 bytes free and every call AUDIT_UNAVAILABLE)."""
     sandboxes = config.sandboxes
     count = sandboxes.max_sandboxes + sandboxes.warm_pool
-    needed = count * sandboxes.limits.disk_bytes + sandboxes.state_reserve_bytes
+    needed = count * sandboxes.limits.disk_bytes + sandboxes.snapshot_bytes + sandboxes.state_reserve_bytes
     folder = _existing_ancestor(config.sandboxes_dir)
     try:
         st = os.statvfs(folder)
@@ -300,8 +303,8 @@ def _state_room_check(config: Config) -> Check:
         return Check("state-room", "warn", f"{folder} cannot be examined: {exc.strerror or exc}")
     free = st.f_bavail * st.f_frsize
     summary = (
-        f"{count} sandboxes x {_size(sandboxes.limits.disk_bytes)} + the {_size(sandboxes.state_reserve_bytes)} "
-        f"reserve = {_size(needed)}"
+        f"{count} sandboxes x {_size(sandboxes.limits.disk_bytes)} + {_size(sandboxes.snapshot_bytes)} of "
+        f"snapshots + the {_size(sandboxes.state_reserve_bytes)} reserve = {_size(needed)}"
     )
     if needed <= free:
         return Check("state-room", "ok", f"{summary}: fits in the {_size(free)} free under {folder}")
@@ -310,7 +313,10 @@ def _state_room_check(config: Config) -> Check:
         if shared
         else "so one agent filling its disk can stop the others' disk writes"
     )
-    fix = "give it more room, lower disk_bytes or max_sandboxes, or move [audit] path to another filesystem"
+    fix = (
+        "give it more room, lower disk_bytes, max_sandboxes or max_snapshot_bytes, or move [audit] path to "
+        "another filesystem"
+    )
     return Check("state-room", "warn", f"{summary}, more than the {_size(free)} free under {folder}, {harm}: {fix}")
 
 

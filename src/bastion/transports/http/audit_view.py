@@ -43,7 +43,7 @@ _KIND_OF: Final[Mapping[str, Kind]] = {"all": "all", "calls": "calls", "egress":
 _NAME: Final = re.compile(r"[A-Za-z0-9_.:-]{1,100}")
 _CODES: Final = frozenset(code.value for code in ResultCode)
 _EVENTS: Final[Mapping[str, frozenset[str]]] = {
-    "calls": frozenset({"start", "end"}),
+    "calls": frozenset({"start", "end", "calls_throttled"}),  # calls_throttled: a caller's refusals, counted
     # egress_open: an allowed connection as it is made; its "egress" record comes when it ends, hours later for
     # a tunnel kept open. Without it, a connection open now was on no page but the whole log.
     "egress": frozenset({"egress", "egress_open", "egress_throttled"}),
