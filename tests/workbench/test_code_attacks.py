@@ -327,3 +327,31 @@ async def test_svg_images_of_secret_shaped_text_are_redacted_off_the_loop_and_ca
     dropped = MAX_IMAGES - len(images)
     assert result["detail"]["images_note"].startswith(f"{dropped} image(s) dropped: a cell returns at most"), result
     await assert_sandbox_lives(client, a)
+
+
+ONE_SHARE = 0.35
+"""A quarter of the loop's time (`pacing.PACE_FACTOR`) and the loop's own turns around it."""
+PRINTS_FOREVER = "import sys\nwhile True:\n    sys.stdout.write('y' * 4000 + '\\n')\n"
+
+
+async def test_one_sandbox_flooding_a_terminal_and_a_code_cell_at_once_takes_one_share_of_the_loop(
+    client: Client,
+) -> None:
+    """Attack (found by attack, 2026-12-07): one sandbox runs `yes` in a 100x250 terminal nobody reads and a code
+    cell that prints without end. Terminals and code contexts each had a quarter of the loop, on timelines of
+    their own: one sandbox using both had the server spend 0.42 to 0.69 cores (0.32 for the cell alone, its
+    reads booked after the read). Invariant: both share one timeline, the reads included: the loop's thread is
+    busy at most about a quarter of the time it could run, and both floods are still read (the terminal shows
+    `y`, the cell's output is kept)."""
+    box = await create(client)
+    terminal = (await call(client, "open_terminal", sandbox_id=box, command="yes", rows=100, cols=250))["detail"]
+    read = await call(client, "terminal_read", terminal_id=terminal["terminal_id"], wait_for="(?m)^y$", timeout_s=15)
+    assert read["detail"]["matched"], read
+    cpu_before, wall_before, waited_before = time.thread_time(), time.perf_counter(), run_queue_wait_s()
+    cell = await run(client, box, PRINTS_FOREVER, timeout_s=6)
+    cpu = time.thread_time() - cpu_before
+    runnable = time.perf_counter() - wall_before - (run_queue_wait_s() - waited_before)
+    assert cell["code"] == "TIMEOUT", cell
+    assert cell["detail"]["stdout"].startswith("y" * 4000), cell["detail"]["stdout"][:100]
+    assert cpu / runnable < ONE_SHARE, f"the loop's thread was busy {cpu:.2f} s of {runnable:.2f} s it could run"
+    assert (await call(client, "close_terminal", terminal_id=terminal["terminal_id"]))["ok"]

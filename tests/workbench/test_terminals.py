@@ -25,7 +25,7 @@ from bastion.config import Config, TerminalsConfig
 from bastion.safety.redact import sanitize_terminal
 from bastion.workbench import screen
 from bastion.workbench import terminals as terminals_module
-from bastion.workbench.pacing import Pacer
+from bastion.workbench.pacing import OUTPUT, Pacer
 from bastion.workbench.screen import FEED_SLICE_BYTES, MAX_CELL_CHARS, Scrollback, Terminal
 from bastion.workbench.terminals import KEYS, MAX_SEND_BYTES, MAX_WAITING_READS, Terminals
 from bastion.workbench.workers import INLINE_CLEAN_CHARS
@@ -906,7 +906,7 @@ async def test_one_terminals_charged_debt_does_not_hold_back_the_others(client: 
     other = await open_term(client, second, "cat")
     terminal = services.registry.find_terminal(debtor).workspace.terminals._get(debtor)
     loop = asyncio.get_running_loop()
-    pacer = Pacer.of(loop, "terminals")
+    pacer = Pacer.of(loop, OUTPUT)
     terminal.charge(10.0)  # what 20 s of resizes under waiting reads ran up
     await send(client, debtor, "owed", "Enter")
     await until(client, debtor, "(?m)^owed$")  # rendered: pacing delays its next read, not this one

@@ -10,7 +10,7 @@ JSON), payloads are bounded per kind and handled as they arrive, output past the
 counted, never cleaned, and every text is cleaned and redacted like command output. A
 kernel that breaks the protocol is killed; the call says why. No step costs the event loop
 more than one read's worth of work, and all contexts together handle messages for at most a share of the
-loop's time (`Pacer`, the "code" timeline), so flooding contexts cannot stall other sandboxes.
+loop's time (`Pacer`, the `OUTPUT` timeline, terminals' too), so flooding contexts cannot stall other sandboxes.
 
 A timeout first interrupts the code (KeyboardInterrupt inside, the context lives on);
 if the code does not stop within a grace period, the kernel is killed and the
@@ -40,7 +40,7 @@ from bastion.sandbox import KERNEL_PATH, REPL_PATH, SANDBOX_PATH, SANDBOX_WORKSP
 from bastion.sandbox.backend import Process
 from bastion.sandbox.processes import RingCapture
 from bastion.workbench.media import ImageLease
-from bastion.workbench.pacing import PACE_FACTOR, Pacer
+from bastion.workbench.pacing import OUTPUT, PACE_FACTOR, Pacer
 from bastion.workbench.workers import InThread, any_thread
 from bastion.workbench.workspace import OWN_VENV, SYSTEM_PYTHON, HostWorkspace
 
@@ -89,7 +89,7 @@ _CLEAN_SLACK_BYTES: Final = 256  # an escape sequence or a character split at th
 # (up to 16 Ki characters) at every feed, so cleaning each of a flood of 1-byte messages on its
 # own cost ~2 ms apiece, seconds of event loop per read.
 _CLEAN_BATCH_BYTES: Final = 65_536
-# Headers handled in one step; the rest of a read waits for the step's slot in the loop's `Pacer` ("code" timeline)
+# Headers handled in one step; the rest of a read waits for the step's slot in the loop's `Pacer` (`OUTPUT` timeline)
 # (the pipe is not read meanwhile). 64 KiB of 18-byte headers took 15 ms in one callback; 64 take ~0.3 ms.
 MAX_HEADERS_PER_TURN: Final = 64
 PACE_FREE_S: Final = 0.0015  # a slot ending within this from now does not pause reading: real output never waits
@@ -282,8 +282,9 @@ class _MessageCapture(RingCapture):
     kept for diagnosis. Closing it (EOF, or the context killed) calls `on_eof` once.
 
     Each step (a read, or the part of one that MAX_HEADERS_PER_TURN headers allow) is paced by the
-    loop's `Pacer` ("code" timeline): when its slot ends later than PACE_FREE_S from now, the pipe is left unread
-    until then (the kernel waits on a full pipe), and the rest of the read is handled then."""
+    loop's `Pacer` (`OUTPUT` timeline), from before the read: when its slot ends later than PACE_FREE_S from now,
+    the pipe is left unread until then (the kernel waits on a full pipe), and the rest of the read is handled then.
+    Booked from `_keep` on, after the read, a flooding context took a third of the loop, not a quarter."""
 
     def __init__(self, fd: int, reader: _ProtocolReader, on_eof: Callable[[], None]) -> None:
         self._reader = reader
@@ -291,11 +292,16 @@ class _MessageCapture(RingCapture):
         self._rest = b""
         self._rest_at = 0
         self._timer: asyncio.TimerHandle | None = None
+        self._read_began = (0.0, 0.0)  # (loop time, perf_counter) at the start of the read being kept
         super().__init__(fd, 4096)
-        self._pacer = Pacer.of(self._loop, "code")
+        self._pacer = Pacer.of(self._loop, OUTPUT)
+
+    def _on_readable(self) -> None:
+        self._read_began = (self._loop.time(), time.perf_counter())
+        super()._on_readable()
 
     def _keep(self, chunk: bytes) -> None:
-        booked, started = self._loop.time(), time.perf_counter()
+        booked, started = self._read_began
         super()._keep(chunk)
         self._step(chunk, 0, booked, started)
 

@@ -5,8 +5,10 @@ send on the server's event loop. Each step of such work, whichever sandbox's, ta
 `PACE_FACTOR` + 1 times its cost after the slots booked before it on its timeline, and its reader reads
 again only when the slot ends: together the readers of one timeline take at most a quarter of the loop,
 in turn. Paced each on its own, 16 flooded terminals took the whole loop (a tool call waited 0.2 s), and
-eight flooding code contexts made other sandboxes' calls 16 to 35 times slower. Not a bound on the
-programs' own CPU time (their cgroup's).
+eight flooding code contexts made other sandboxes' calls 16 to 35 times slower. Terminals and code
+contexts share one timeline, `OUTPUT`: on two, one sandbox flooding a terminal and a code context at once
+had the server spend 0.42 to 0.69 cores (found by attack). Not a bound on the programs' own CPU time (their
+cgroup's).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from typing import Final
 
 PACE_FACTOR: Final = 3.0
 """After work of t, its reader waits 3t: at most a quarter of the loop for one timeline."""
+OUTPUT: Final = "output"
+"""The timeline of every terminal's and code context's reader: what sandboxes print, rendered or parsed."""
 
 
 class Pacer:
@@ -27,7 +31,7 @@ class Pacer:
 
     @classmethod
     def of(cls, loop: asyncio.AbstractEventLoop, timeline: str) -> Pacer:
-        """The pacer every reader of `timeline` ("terminals", "code") on `loop` shares."""
+        """The pacer every reader of `timeline` (`OUTPUT`) on `loop` shares."""
         pacers = _PACERS.setdefault(loop, {})
         pacer = pacers.get(timeline)
         if pacer is None:

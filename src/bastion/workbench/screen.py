@@ -7,8 +7,8 @@ unanswered: its `write_process_input` is left a no-op), so nothing reaches the p
 caller did not send.
 
 pyte is pure Python (about 0.3 MB/s on this machine for a scrolling 80x24 screen): reading is
-paced so rendering (pyte's, and what waiting reads spend on each change: `charge`) of all terminals
-together takes at most a quarter of the event loop's time (`PACE_FACTOR`, one `Pacer` per loop). A
+paced so rendering (pyte's, and what waiting reads spend on each change: `charge`) of all terminals and
+code contexts together takes at most a quarter of the event loop's time (`PACE_FACTOR`, the `OUTPUT` timeline). A
 program that writes faster waits on its full terminal, as on a slow real one (a flood such as `yes`
 holds only the kernel's terminal buffer); `paced` in a read says it happened. pyte and wcwidth are
 a twelfth of the server's imports: `Terminals` loads this module at the first terminal.
@@ -39,7 +39,7 @@ import pyte
 
 from bastion.safety.errors import Conflict
 from bastion.sandbox.processes import PtyProcess, readable
-from bastion.workbench.pacing import PACE_FACTOR, Pacer
+from bastion.workbench.pacing import OUTPUT, PACE_FACTOR, Pacer
 
 logger = logging.getLogger("bastion.terminals")
 
@@ -296,7 +296,7 @@ class Terminal:
         self.reads = 0  # terminal_read calls waiting on it: in use however long they wait
         self.output_open = True
         self._loop = asyncio.get_running_loop()
-        self._pacer = Pacer.of(self._loop, "terminals")
+        self._pacer = Pacer.of(self._loop, OUTPUT)
         self._screen = TerminalScreen(cols, rows, Scrollback(scrollback_chars))
         self._stream = pyte.ByteStream(self._screen)
         self._in_sequence = 0  # bytes fed since the parser left its ground state
@@ -325,6 +325,7 @@ class Terminal:
         return DECCKM in self._screen.mode
 
     def _on_readable(self) -> None:
+        booked, started = self._loop.time(), time.perf_counter()  # the read's own cost is the step's too
         try:
             data = os.read(self.pty.fd, READ_CHUNK_BYTES)
         except BlockingIOError:
@@ -335,14 +336,15 @@ class Terminal:
             self._end_output()
             return
         self._pending = data
-        self._render()
+        self._render(booked, started)
 
-    def _render(self) -> None:
+    def _render(self, booked: float | None = None, started: float | None = None) -> None:
         """Feed what was read to pyte a slice at a time for at most `STEP_BUDGET_S`, then pace: reading
-        (or the rest of this read) waits for the end of the slot that this step and what the reads
-        charged take in the loop's `Pacer` (alone, `PACE_FACTOR` times their cost)."""
-        booked = self._loop.time()
-        started = time.perf_counter()
+        (or the rest of this read) waits for the end of the slot that this step (from `booked`, loop
+        time, and `started`, `time.perf_counter`: now if not given) and what the reads charged take in
+        the loop's `Pacer` (alone, `PACE_FACTOR` times their cost)."""
+        booked = self._loop.time() if booked is None else booked
+        started = time.perf_counter() if started is None else started
         fed = 0
         while fed < len(self._pending):
             self._feed(self._pending[fed : fed + FEED_SLICE_BYTES])
