@@ -43,3 +43,17 @@ def test_byte_rate_refuses_a_rate_or_burst_that_is_not_positive() -> None:
     for bad in ((0.0, 1), (-1.0, 1), (1.0, 0)):
         with pytest.raises(ValueError, match="positive"):
             ByteRate(*bad)
+
+
+def test_a_bucket_is_full_again_only_once_the_rate_has_refilled_its_whole_burst() -> None:
+    """`full` is what lets a keeper forget a bucket (a caller's audit budget): a new one would start full, so
+    forgetting one that is not would hand its spender a fresh burst."""
+    clock = FakeClock(100.0)
+    rate = ByteRate(1000.0, 500, clock)
+    assert rate.full()
+    rate.owed_s(1)
+    assert not rate.full()
+    clock.now += 0.0009
+    assert not rate.full()
+    clock.now += 0.0002
+    assert rate.full()

@@ -4,7 +4,8 @@
 bytes it already moved (or reads: the egress relay counts its passes in one of its own), and waits out the debt it
 is told (`owed_s`). Used where a sandbox's traffic costs the server's CPU rather than its own cgroup's: the egress
 relay and its request heads (`bastion.egress`), a command's pipes (`bastion.sandbox.processes`), what its apps send
-through previews (`bastion.transports.http.preview`).
+through previews (`bastion.transports.http.preview`); and what a caller's tool calls write to the audit log
+(`bastion.tools._call`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,11 @@ class TokenBucket:
         now = self._clock()
         self._tokens = min(float(self.burst), self._tokens + (now - self._refilled) * self.rate_per_s)
         self._refilled = now
+
+    def full(self) -> bool:
+        """Whether it holds its whole burst again: it is then what a new one would be."""
+        self._refill()
+        return self._tokens >= self.burst
 
 
 class ByteRate(TokenBucket):

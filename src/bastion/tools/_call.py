@@ -73,7 +73,7 @@ way, 200 a second, all day, 22 GB a day at most where an unbounded client wrote 
 THROTTLE_REPORT_S: Final = 1.0
 """At most one ``calls_throttled`` record a caller this often."""
 MAX_CALLER_BUDGETS: Final = 4096
-"""Callers' budgets kept; past it, those not in debt are forgotten (a full budget is what a new one is)."""
+"""Callers' budgets kept; past it, those full again are forgotten (a full budget is what a new one is)."""
 
 
 class CallRunner:
@@ -121,7 +121,7 @@ class CallRunner:
         budget = self._budgets.get(identity)
         if budget is None:
             if len(self._budgets) >= MAX_CALLER_BUDGETS:
-                self._budgets = {who: kept for who, kept in self._budgets.items() if kept.owed_s(0) > 0}
+                self._budgets = {who: kept for who, kept in self._budgets.items() if not kept.full()}
             budget = self._budgets[identity] = ByteRate(self.caller_bytes_per_s, self.caller_burst_bytes)
         return budget
 
