@@ -643,3 +643,24 @@ def approvals_cli(lab: GatewayLab, config: Path, *args: str) -> str:
     )
     assert done.returncode == 0, done.stderr
     return done.stdout
+
+
+def point_demo_at_lab(config: Path, lab: GatewayLab) -> None:
+    """The demo's `biscuit` gateway, aimed at the lab's sshd, key and dispatch.py."""
+    target = lab.root / "target"
+    text = config.read_text()
+    for old, new in (
+        ("port = 22\n", f"port = {lab.port}\n"),
+        ('user = "bastion-gw"', f'user = "{USER}"'),
+        ('key_path = "state/gateway/biscuit_ed25519"', f'key_path = "{lab.key_path}"'),
+        ('# host_key = "ssh-ed25519 AAAA..."', f'host_key = "{lab.host_key_line}"'),
+        ('dispatch_path = "/opt/bastion-gateway/dispatch.py"', f'dispatch_path = "{target / "dispatch.py"}"'),
+        (
+            'dispatch_config = "/etc/bastion-gateway/dispatch.toml"',
+            f'dispatch_config = "{target / "dispatch.toml"}"',
+        ),
+        ("wait_s = 60", "wait_s = 0"),
+    ):
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    config.write_text(text)

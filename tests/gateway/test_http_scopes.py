@@ -27,7 +27,7 @@ from bastion.transports.http.password import write_hash
 from tests.helpers import MCP_HEADERS, call
 from tests.transports.http.live import PASSWORD, LiveServer, free_port, get_tokens, serve_config, write_config
 
-from .lab import USER, GatewayLab
+from .lab import GatewayLab, point_demo_at_lab
 
 pytestmark = pytest.mark.anyio
 
@@ -35,32 +35,11 @@ READ_TOOLS = {"biscuit_actions", "biscuit_status", "biscuit_logs"}
 DEPLOY_TOOLS = {"biscuit_deploy", "biscuit_restart", "biscuit_rollback"}
 
 
-def _point_demo_at_lab(config: Path, lab: GatewayLab) -> None:
-    """The demo's `biscuit` gateway, aimed at the lab's sshd, key and dispatch.py."""
-    target = lab.root / "target"
-    text = config.read_text()
-    for old, new in (
-        ("port = 22\n", f"port = {lab.port}\n"),
-        ('user = "bastion-gw"', f'user = "{USER}"'),
-        ('key_path = "state/gateway/biscuit_ed25519"', f'key_path = "{lab.key_path}"'),
-        ('# host_key = "ssh-ed25519 AAAA..."', f'host_key = "{lab.host_key_line}"'),
-        ('dispatch_path = "/opt/bastion-gateway/dispatch.py"', f'dispatch_path = "{target / "dispatch.py"}"'),
-        (
-            'dispatch_config = "/etc/bastion-gateway/dispatch.toml"',
-            f'dispatch_config = "{target / "dispatch.toml"}"',
-        ),
-        ("wait_s = 60", "wait_s = 0"),
-    ):
-        assert text.count(old) == 1, old
-        text = text.replace(old, new)
-    config.write_text(text)
-
-
 @contextlib.contextmanager
 def gateway_server(root: Path, lab: GatewayLab) -> Iterator[LiveServer]:
     port = free_port()
     config = write_config(root, port, http_extra="registrations_per_ip_per_hour = 10000")
-    _point_demo_at_lab(config, lab)
+    point_demo_at_lab(config, lab)
     write_hash(root / "state" / "admin-password.argon2", PASSWORD)
     with serve_config(root, config, port) as server:
         yield server

@@ -57,3 +57,39 @@ def test_a_bucket_is_full_again_only_once_the_rate_has_refilled_its_whole_burst(
     assert not rate.full()
     clock.now += 0.0002
     assert rate.full()
+
+
+def test_hold_takes_all_or_nothing_and_give_back_never_passes_the_burst() -> None:
+    clock = FakeClock(100.0)
+    rate = ByteRate(1000.0, 500, clock)
+    assert rate.hold(400) == 0.0
+    assert rate.hold(200) == pytest.approx(0.1)  # 100 short: nothing taken
+    assert rate.hold(100) == 0.0  # what the refused hold did not take is still there
+    clock.now += 60  # refilled up to the burst, the holds' 500 counted as spent
+    rate.give_back(500)
+    assert rate.full()
+    assert rate.hold(501) == pytest.approx(0.001)  # never more than the burst
+
+
+@given(st.lists(st.tuples(st.integers(1, 1 << 17), st.integers(0, 1 << 17), st.floats(0, 2)), max_size=200))
+def test_calls_that_hold_their_most_before_spending_never_pass_the_burst_plus_the_rate(
+    calls: list[tuple[int, int, float]],
+) -> None:
+    """A caller's audit budget (`CallRunner`): each call holds `most`, writes `used` (no more than it held), then
+    gives the hold back; calls overlap freely. What is written never exceeds the burst plus the rate times the
+    time gone, however the calls interleave."""
+    clock = FakeClock(100.0)
+    start = clock.now
+    rate = ByteRate(4096.0, 1 << 18, clock)
+    held: list[tuple[int, int]] = []
+    written = 0
+    for most, used, pause in calls:
+        clock.now += pause
+        if rate.hold(most) == 0.0:
+            held.append((most, min(used, most)))
+        if held and pause > 1:  # the oldest call in flight writes its records and ends
+            hold, spent = held.pop(0)
+            rate.owed_s(spent)
+            written += spent
+            rate.give_back(hold)
+        assert written <= (1 << 18) + 4096.0 * (clock.now - start)

@@ -135,8 +135,9 @@ class AuditConfig(Model):
     """Kept allocated past the log's end: records have room for a while after the state filesystem fills."""
     caller_bytes_per_s: Annotated[int, Field(ge=1024)] = 256 * 1024
     """What one caller's tool calls may add to the log a second (stdio's client; over HTTP, each OAuth client)."""
-    caller_burst_bytes: Annotated[int, Field(ge=128 * 1024)] = 64 * 1024 * 1024
-    """What one caller may add at once, before `caller_bytes_per_s` holds it back."""
+    caller_burst_bytes: Annotated[int, Field(ge=256 * 1024)] = 64 * 1024 * 1024
+    """What one caller may add at once, before `caller_bytes_per_s` holds it back (a mutating call holds two
+    records' most, 128 KiB, while it runs)."""
 
 
 class RedactionConfig(Model):

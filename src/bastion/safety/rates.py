@@ -36,6 +36,20 @@ class TokenBucket:
         self._refill()
         return self._tokens >= self.burst
 
+    def hold(self, count: int) -> float:
+        """Take `count` tokens if the bucket holds them and return 0; else take nothing and return the seconds
+        until it would hold them."""
+        self._refill()
+        if self._tokens >= count:
+            self._tokens -= count
+            return 0.0
+        return (count - self._tokens) / self.rate_per_s
+
+    def give_back(self, count: int) -> None:
+        """Return `count` tokens held (`hold`) and not used, never past the burst."""
+        self._refill()
+        self._tokens = min(float(self.burst), self._tokens + count)
+
 
 class ByteRate(TokenBucket):
     """`burst` bytes at once, refilled at `rate_per_s`, shared by what one sandbox drives (all its connections,

@@ -20,9 +20,13 @@ Each caller (`identity`: the transport, and over HTTP the OAuth client) has a bu
 (`[audit] caller_bytes_per_s`, `caller_burst_bytes`), charged with what each of its records took in the
 file. Found by attack: one HTTP client sending calls to a tool that does not exist, each with three
 arguments of 4,096 control characters (6 bytes each once escaped), grew the log by 14.5 MB/s, and a full
-state filesystem stops every call of every client (fail-closed). A caller in debt is refused
-(RESOURCE_LIMIT) before anything runs or is recorded; what it was refused is counted, one
-``calls_throttled`` record a second, so the log grows by a bounded amount however hard a caller tries.
+state filesystem stops every call of every client (fail-closed). A call first takes the most its records
+can take (`RECORD_RESERVE` each) from its caller's budget, and gives back at its end what they did not use:
+calls made at once cannot pass the check together before any is charged (found by review: 200 at once
+wrote 15 times a 128 KiB burst). A caller whose budget does not hold that is refused (RESOURCE_LIMIT)
+before anything runs or is recorded; what it was refused is counted, one ``calls_throttled`` record a
+second, so the log grows by a bounded amount however hard a caller tries. The gateway's approval requests,
+written before a call reaches the runner, are charged the same way (`record_outside`).
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from mcp_types import ImageContent
 
 from bastion.config import AuditConfig
 from bastion.metrics import Metrics
-from bastion.safety.audit import AuditLog, Verbatim
+from bastion.safety.audit import MAX_RECORD_BYTES, AuditLog, Verbatim
 from bastion.safety.errors import AuditUnavailable, BastionError
 from bastion.safety.rates import ByteRate
 from bastion.safety.results import OperationResult, ResultCode
@@ -70,6 +74,8 @@ _AUDIT_DEFAULTS: Final = AuditConfig()
 """A caller's audit budget by default (`[audit] caller_bytes_per_s`, 256 KiB: calls of a few hundred bytes each
 way, 200 a second, all day, 22 GB a day at most where an unbounded client wrote 52 GB an hour; and
 `caller_burst_bytes`, 64 MiB: some 50,000 ordinary calls at once)."""
+RECORD_RESERVE: Final = MAX_RECORD_BYTES + 1
+"""The most one record takes in the file (its newline included): what a call holds of its caller's budget a record."""
 THROTTLE_REPORT_S: Final = 1.0
 """At most one ``calls_throttled`` record a caller this often."""
 MAX_CALLER_BUDGETS: Final = 4096
@@ -125,6 +131,22 @@ class CallRunner:
             budget = self._budgets[identity] = ByteRate(self.caller_bytes_per_s, self.caller_burst_bytes)
         return budget
 
+    async def record_outside(self, record: Mapping[str, object]) -> str | None:
+        """Write `record` for the calling client outside a call (the gateway's approval request, asked before
+        its call reaches the runner), charged to its budget: None, with nothing written, if the budget does not
+        hold it (the call then reaches the runner, which refuses it).
+
+        Raises:
+            AuditUnavailable: the record could not be written.
+        """
+        budget = self._budget(self.identity())
+        if budget.hold(RECORD_RESERVE) > 0:
+            return None
+        try:
+            return await self.audit.append_async(record, on_written=budget.owed_s)
+        finally:
+            budget.give_back(RECORD_RESERVE)
+
     def _throttled(self, action: str, identity: str, wait_s: float, started: float) -> OperationResult:
         """The answer to a call of a caller in debt: nothing ran, and it is counted for `_report`."""
         if identity not in self._refused:
@@ -169,7 +191,8 @@ class CallRunner:
         started = time.perf_counter()
         identity = self.identity()
         budget = self._budget(identity)
-        if (wait_s := budget.owed_s(0)) > 0:
+        held = RECORD_RESERVE * (2 if mutating else 1)
+        if (wait_s := budget.hold(held)) > 0:
             result = self._throttled(action, identity, wait_s, started)
         else:
             self._in_flight += 1
@@ -177,6 +200,7 @@ class CallRunner:
                 result = await self._run(action, arguments, operation, identity, budget, mutating, workspace)
             finally:
                 self._in_flight -= 1
+                budget.give_back(held)
         if self.metrics is not None:
             tool = action if action in self.tools else UNKNOWN_TOOL
             self.metrics.tool_call(tool, result.code.value, time.perf_counter() - started)

@@ -42,7 +42,13 @@ from pydantic import BaseModel, Field
 
 from bastion.config import ApprovalsConfig, GatewayActionConfig, GatewayConfig
 from bastion.gateway.actions import GatewayCommand, build_command
-from bastion.safety.approvals import Approval, ApprovalQueue, new_approval_id, raise_for_state
+from bastion.safety.approvals import (
+    MAX_PENDING_PER_REQUESTER,
+    Approval,
+    ApprovalQueue,
+    new_approval_id,
+    raise_for_state,
+)
 from bastion.safety.errors import BastionError, ConfigError, Conflict, InvalidRequest
 from bastion.safety.results import OperationResult, ResultCode
 from bastion.tools._call import CallRunner
@@ -279,13 +285,23 @@ class _ActionTool:
         # Found by review: with the audit awaited between finding none pending and queueing one, two identical
         # calls at once each queued a request, and the user's two yeses deployed twice.
         async with _asking(self.queue):
+            waiting = 0
             for pending in self.queue.pending():
                 if (pending.action, pending.literal, pending.requested_by) == (self.name, command.literal, requester):
                     return pending
+                waiting += pending.requested_by == requester
+            if waiting >= MAX_PENDING_PER_REQUESTER:
+                return None  # found by review: the record was written before the queue refused; the body refuses
             new_id = new_approval_id()
             record = {"event": "approval_requested", "tool": self.name, "approval": new_id, "literal": command.literal}
             try:
-                await self.runner.audit.append_async({**record, "requested_by": requester, "channel": "elicitation"})
+                # Charged to the caller's audit budget (found by review: a client out of budget flooded these at
+                # 95 times its rate); a caller out of budget is refused by the runner, through the call body.
+                written = await self.runner.record_outside(
+                    {**record, "requested_by": requester, "channel": "elicitation"}
+                )
+                if written is None:
+                    return None
                 approval = self.queue.request(
                     self.name, command.literal, requester, self.approvals.ttl_s, approval_id=new_id
                 )
