@@ -355,3 +355,42 @@ async def test_one_sandbox_flooding_a_terminal_and_a_code_cell_at_once_takes_one
     assert cell["detail"]["stdout"].startswith("y" * 4000), cell["detail"]["stdout"][:100]
     assert cpu / runnable < ONE_SHARE, f"the loop's thread was busy {cpu:.2f} s of {runnable:.2f} s it could run"
     assert (await call(client, "close_terminal", terminal_id=terminal["terminal_id"]))["ok"]
+
+
+PRINTS_1MB = "import sys\nfor _ in range(1000):\n    sys.stdout.write('z' * 1023 + '\\n')\n"
+
+
+async def _one_mb_cell_s(client: Client, box: str) -> float:
+    """The median time of three cells printing 1 MB, each whole."""
+    times = []
+    for _ in range(3):
+        started = time.perf_counter()
+        result = await run(client, box, PRINTS_1MB, timeout_s=120)
+        times.append(time.perf_counter() - started)
+        assert result["ok"], result
+        assert result["detail"]["stdout"].startswith("z" * 1023 + "\n"), result["detail"]["stdout"][:80]
+    return statistics.median(times)
+
+
+async def test_flooded_terminals_in_one_sandbox_do_not_queue_another_sandboxs_code_cells(client: Client) -> None:
+    """Attack (found by review of the shared timeline, 2026-12-07): sandbox A runs `yes` in four 100x250 terminals
+    nobody reads; sandbox B prints 1 MB from a cell. With every step queued after the others' in one timeline,
+    each of B's cheap reads waited a round of A's 20 ms terminal steps: 1.45 to 1.6 s against 0.03 s quiet.
+    Invariant: a reader waits for its own cost times the readers waiting, so B's cell is at most a few times
+    slower under A's flood, and A's terminals are still read."""
+    a, b = await create(client), await create(client)
+    assert (await run(client, b, "1"))["ok"]
+    quiet = await _one_mb_cell_s(client, b)
+    terminals = []
+    for _ in range(4):
+        opened = await call(client, "open_terminal", sandbox_id=a, command="yes", rows=100, cols=250)
+        assert opened["ok"], opened
+        terminals.append(opened["detail"]["terminal_id"])
+    read = await call(client, "terminal_read", terminal_id=terminals[0], wait_for="(?m)^y$", timeout_s=15)
+    assert read["detail"]["matched"], read
+    flooded = await _one_mb_cell_s(client, b)
+    assert flooded < 10 * quiet + 0.2, f"B's 1 MB cell took {flooded:.3f} s under A's flood, {quiet:.3f} s without"
+    read = await call(client, "terminal_read", terminal_id=terminals[-1], wait_for="(?m)^y$", timeout_s=15)
+    assert read["detail"]["matched"], read  # the flood is still read, only paced
+    for terminal in terminals:
+        assert (await call(client, "close_terminal", terminal_id=terminal))["ok"]

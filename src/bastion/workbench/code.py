@@ -286,8 +286,9 @@ class _MessageCapture(RingCapture):
     the pipe is left unread until then (the kernel waits on a full pipe), and the rest of the read is handled then.
     Booked from `_keep` on, after the read, a flooding context took a third of the loop, not a quarter."""
 
-    def __init__(self, fd: int, reader: _ProtocolReader, on_eof: Callable[[], None]) -> None:
+    def __init__(self, fd: int, reader: _ProtocolReader, on_eof: Callable[[], None], group: object) -> None:
         self._reader = reader
+        self._group = group  # its sandbox: whose share of the `OUTPUT` timeline its reading takes
         self._on_eof = on_eof
         self._rest = b""
         self._rest_at = 0
@@ -311,7 +312,7 @@ class _MessageCapture(RingCapture):
         spent = time.perf_counter() - started
         shared = min(spent, MAX_SHARED_SLOT_S)
         now = self._loop.time()
-        resume_at = max(self._pacer.slot(booked, shared), now + (spent - shared) * PACE_FACTOR)
+        resume_at = max(self._pacer.slot(self, self._group, booked, shared), now + (spent - shared) * PACE_FACTOR)
         if self.closed or (stopped == len(data) and resume_at - now <= PACE_FREE_S):
             return
         self._rest, self._rest_at = data, stopped
@@ -610,7 +611,9 @@ class CodeContext:
             cwd=SANDBOX_WORKSPACE,
             env=env,
             ring_bytes=16_384,
-            stdout=lambda fd: _MessageCapture(fd, _ProtocolReader(self._on_header, self._on_broken), self._on_eof),
+            stdout=lambda fd: _MessageCapture(
+                fd, _ProtocolReader(self._on_header, self._on_broken), self._on_eof, self._workspace.sandbox
+            ),
         )
         self._watching = loop.create_task(self._end_with_kernel(self._process))
         try:

@@ -284,12 +284,22 @@ def _line_text(line: pyte.screens.StaticDefaultDict[int, pyte.screens.Char], col
 
 
 class Terminal:
-    """One program on a terminal: its master fd read on the loop into a pyte screen."""
+    """One program on a terminal: its master fd read on the loop into a pyte screen; `group` (its sandbox) is
+    whose share of the `OUTPUT` timeline its reading takes."""
 
     def __init__(
-        self, terminal_id: str, pty: PtyProcess, argv: tuple[str, ...], rows: int, cols: int, scrollback_chars: int
+        self,
+        terminal_id: str,
+        pty: PtyProcess,
+        argv: tuple[str, ...],
+        rows: int,
+        cols: int,
+        scrollback_chars: int,
+        *,
+        group: object,
     ) -> None:
         self.id = terminal_id
+        self._group = group
         self.pty = pty
         self.argv = argv  # redacted
         self.used = time.monotonic()
@@ -356,7 +366,9 @@ class Terminal:
         shared = min(spent, MAX_SHARED_SLOT_S)
         # What the reads charged past that is this terminal's own debt, paid on its own clock: booked in the
         # shared timeline, 10 s of `wait_for` re-matching run up by resizing froze every terminal for 11 s.
-        resume_at = max(self._pacer.slot(booked, shared), self._loop.time() + (spent - shared) * PACE_FACTOR)
+        resume_at = max(
+            self._pacer.slot(self, self._group, booked, shared), self._loop.time() + (spent - shared) * PACE_FACTOR
+        )
         self._charged = 0.0
         self._notify()
         if self._pending or resume_at - self._loop.time() > PACE_FREE_S * PACE_FACTOR:

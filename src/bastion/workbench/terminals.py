@@ -198,7 +198,9 @@ class Terminals:
             self._starting -= 1
         from bastion.workbench.screen import Terminal  # pyte: loaded at the first terminal, not at every start
 
-        terminal = Terminal(f"term-{secrets.token_hex(8)}", pty, shown, rows, cols, self._config.scrollback_bytes)
+        terminal = Terminal(
+            f"term-{secrets.token_hex(8)}", pty, shown, rows, cols, self._config.scrollback_bytes, group=self._sandbox
+        )
         self._open[terminal.id] = terminal
         self._arm(terminal.id, self._config.idle_close_s)
         return {**self._summary(terminal), "cwd": cwd}
