@@ -898,3 +898,56 @@ async def test_delete_snapshot_is_not_held_behind_long_restores(client: Client, 
             manager._snapshot_threads.release_on_behalf_of(holder)
     assert deleted["ok"], deleted
     assert listed["detail"]["snapshots"] == []
+
+
+async def test_calls_on_a_sandbox_being_restored_are_refused_not_given_a_torn_workspace(
+    client: Client, services: Services, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Attack (found by attack, 2026-12-07): restore_sandbox lists the new sandbox before its files are written,
+    from a worker thread of the server. A snapshot of it taken then answered OK with a torn copy (none of 2,000
+    files, a 1 MiB prefix of a 16 MiB file: freezing the sandbox does not stop the server's thread), a command
+    saw an empty workspace, a read said NOT_FOUND, and a write made the restore fail. Invariant: while the
+    restore writes (held here after its first file), every call on that sandbox but close_sandbox is CONFLICT
+    and takes nothing; the restore then ends OK with the whole workspace, and no torn snapshot exists."""
+    box = await create(client)
+    await sh(client, box, "mkdir d && for i in 1 2 3 4 5 6 7 8; do echo $i > d/f$i; done")
+    snapshot_id = str((await call(client, "snapshot_sandbox", sandbox_id=box))["detail"]["snapshot_id"])
+    assert (await call(client, "close_sandbox", sandbox_id=box))["ok"]
+    paused, go = threading.Event(), threading.Event()
+    add = _extract._Extractor.add
+
+    def add_then_hold(extractor: Any, member: Any, reader: Any) -> None:
+        add(extractor, member, reader)
+        if not paused.is_set():
+            paused.set()
+            assert go.wait(30)
+
+    monkeypatch.setattr(_extract._Extractor, "add", add_then_hold)
+    restored: dict[str, Any] = {}
+
+    async def restore_it() -> None:
+        restored.update(await call(client, "restore_sandbox", snapshot_id=snapshot_id))
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(restore_it)
+        assert await anyio.to_thread.run_sync(paused.wait, 30)
+        (restoring,) = services.sandboxes.all()
+        target = {"sandbox_id": restoring.id}
+        try:
+            answers = {
+                "snapshot_sandbox": await call(client, "snapshot_sandbox", **target),
+                "run_command": await call(client, "run_command", command="ls d | wc -l", **target),
+                "read_file": await call(client, "read_file", path="d/f8", **target),
+                "write_file": await call(client, "write_file", path="d/f9", content="mine", **target),
+                "execute_code": await call(client, "execute_code", code="1", **target),
+                "open_terminal": await call(client, "open_terminal", **target),
+                "pause_sandbox": await call(client, "pause_sandbox", **target),
+            }
+        finally:
+            go.set()
+    for tool, answer in answers.items():
+        assert answer["code"] == "CONFLICT", (tool, answer)
+        assert "being restored" in str(answer["reason"]), (tool, answer)
+    assert restored["ok"], restored
+    assert (await sh(client, restoring.id, "ls d | wc -l"))["detail"]["stdout"] == "8\n"
+    assert [info.id for info in services.sandboxes.snapshots()] == [snapshot_id]  # no torn one

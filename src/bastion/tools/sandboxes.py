@@ -180,9 +180,9 @@ def register_sandboxes(
     # A command of a sandbox reaches the network only through the administrator's allowlist.
     runs = ToolAnnotations(read_only_hint=False, destructive_hint=False, idempotent_hint=False, open_world_hint=network)
 
-    def agent_owned(sandbox_id: str, what: str) -> None:
+    def agent_owned(sandbox_id: str, what: str, *, while_restoring: bool = False) -> None:
         # FORBIDDEN for a host workspace: the one decision, `HostWorkspace.require_sandbox`.
-        registry.resolve(sandbox_id).workspace.require_sandbox(what)
+        registry.resolve(sandbox_id, while_restoring=while_restoring).workspace.require_sandbox(what)
 
     @audited_tool(
         server,
@@ -312,7 +312,7 @@ def register_sandboxes(
         description="End a sandbox: every process is killed and its files are deleted (snapshots are kept).",
     )
     async def close_sandbox(sandbox_id: SandboxIdArg) -> dict[str, object]:
-        agent_owned(sandbox_id, "close_sandbox")
+        agent_owned(sandbox_id, "close_sandbox", while_restoring=True)  # a restore under way ends first (close)
         await manager.close(sandbox_id)  # the waits run in worker threads: other calls go on
         return {"sandbox_id": sandbox_id, "state": "closed"}
 

@@ -53,12 +53,13 @@ class WorkspaceRegistry:
         self._sandboxes = sandboxes
         self._default = default
 
-    def resolve(self, workspace_id: str | None) -> Target:
-        """The workspace `workspace_id` names, once per call.
+    def resolve(self, workspace_id: str | None, *, while_restoring: bool = False) -> Target:
+        """The workspace `workspace_id` names, once per call (a sandbox being restored only `while_restoring`).
 
         Raises:
             SandboxNotFound: no host workspace or live sandbox has that id.
             Unavailable: the host workspace's folder was deleted or replaced (`HostWorkspace.check_folder`).
+            Conflict: the sandbox is being restored (and not `while_restoring`).
         """
         key = workspace_id or self._default
         host = self._hosts.get(key)
@@ -66,7 +67,7 @@ class WorkspaceRegistry:
             host.check_folder()
             return Target(key, host)
         if self._sandboxes.owns(key):
-            box = self._sandboxes.get(key)
+            box = self._sandboxes.get(key, while_restoring=while_restoring)
             return Target(key, box.workspace, box)
         raise SandboxNotFound(f"no workspace or sandbox named {shown(key)}: see list_sandboxes or the config")
 
