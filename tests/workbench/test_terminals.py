@@ -6,12 +6,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import gc
 import logging
 import os
 import resource
 import threading
 import time
 import unicodedata
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
@@ -29,7 +31,7 @@ from bastion.workbench.pacing import OUTPUT, Pacer
 from bastion.workbench.screen import FEED_SLICE_BYTES, MAX_CELL_CHARS, Scrollback, Terminal
 from bastion.workbench.terminals import KEYS, MAX_SEND_BYTES, MAX_WAITING_READS, Terminals
 from bastion.workbench.workers import INLINE_CLEAN_CHARS
-from tests.helpers import Hold, LoopLag, Payload, audit_record, call, create, processes_with
+from tests.helpers import Hold, LoopLag, Payload, audit_record, call, create, processes_with, sh
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
 
@@ -970,3 +972,66 @@ async def test_a_long_scrollback_is_cleaned_off_the_event_loop(client: Client, m
     assert detail["matched"], detail
     assert "\n1\n2\n3\n" in f"\n{detail['scrolled_off']}"
     assert detail["scrolled_off_dropped_lines"] == 0
+
+
+async def test_a_closed_sandboxs_flooded_terminals_are_not_kept_alive_by_the_pacer(
+    client: Client, services: Services
+) -> None:
+    """Attack (found by review, 2026-12-07): the shared pacer kept each reader it had booked (a terminal, with its
+    screen and scrollback) until some later step anywhere on the server: 16 closed terminals' screens, 55 MiB,
+    held on a quiet server. Invariant: once its sandbox is closed, nothing holds a terminal that flooded."""
+    box = await create(client)
+    opened = await open_term(client, box, "yes")
+    await until(client, opened, "(?m)^y$")
+    terminal = services.registry.find_terminal(opened).workspace.terminals._get(opened)
+    gone = weakref.ref(terminal)
+    del terminal
+    assert (await call(client, "close_sandbox", sandbox_id=box))["ok"]
+    gc.collect()
+    assert gone() is None, [type(ref).__name__ for ref in gc.get_referrers(gone())]
+
+
+HEAVY_PATTERN = "|".join(f"(?:a[ab]{{{i}}}c)" for i in range(1, 60))
+"""875 characters whose automaton does not fit RE2's DFA cache: its slower matcher, 0.5 s or more on 75 KB."""
+PRINTS_AB_FOREVER = (
+    "import random, sys, time\n"
+    "while True:\n"
+    "    sys.stdout.write(''.join(random.choice('ab') for _ in range(249)) + '\\n'); sys.stdout.flush()\n"
+    "    time.sleep(0.002)\n"
+)
+
+
+async def test_wait_for_patterns_slow_to_match_do_not_stall_the_loop(client: Client) -> None:
+    """Attack (found by review, 2026-12-07): a terminal prints lines of random a and b; four terminal_read calls
+    wait on it with a pattern RE2 can only run on its slower matcher (0.5 to 1.8 s a match on the 75 KB a wait
+    looks at). Each change re-matched on the loop: stalls of 2.4 to 4.9 s, another sandbox's command up to 9.7 s,
+    the loop's thread 0.78 to 0.92 busy. Invariant: a match of that much text runs in a worker thread, charged to
+    the terminal's pacing: the loop never stalls, and another sandbox's commands go on."""
+    box, other = await create(client), await create(client)
+    await sh(client, box, f"cat > ab.py <<'PYEOF'\n{PRINTS_AB_FOREVER}PYEOF")
+    terminal = await open_term(client, box, "python3 ab.py", rows=100, cols=250)
+    await until(client, terminal, "(?m)^[ab]{249}$")
+    times: list[float] = []
+
+    async def waiter() -> None:
+        result = await call(client, "terminal_read", terminal_id=terminal, wait_for=HEAVY_PATTERN, timeout_s=6)
+        assert result["ok"], result
+        assert result["detail"]["matched"] is False
+
+    async def other_calls(done: anyio.Event) -> None:
+        while not done.is_set():
+            started = time.monotonic()
+            assert (await sh(client, other, "true"))["ok"]
+            times.append(time.monotonic() - started)
+
+    done = anyio.Event()
+    with LoopLag() as lag:
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(other_calls, done)
+            async with anyio.create_task_group() as waiters:
+                for _ in range(MAX_WAITING_READS):
+                    waiters.start_soon(waiter)
+            done.set()
+    assert (await call(client, "close_terminal", terminal_id=terminal))["ok"]
+    assert lag.cpu_worst < 0.1, f"the loop was held {lag.cpu_worst:.2f} s"  # 0.14 to 0.42 s matched on the loop
+    assert max(times) < 2.0, max(times)

@@ -40,7 +40,7 @@ from bastion.sandbox import KERNEL_PATH, REPL_PATH, SANDBOX_PATH, SANDBOX_WORKSP
 from bastion.sandbox.backend import Process
 from bastion.sandbox.processes import RingCapture
 from bastion.workbench.media import ImageLease
-from bastion.workbench.pacing import OUTPUT, PACE_FACTOR, Pacer
+from bastion.workbench.pacing import OUTPUT, PACE_FACTOR, Pacer, new_reader
 from bastion.workbench.workers import InThread, any_thread
 from bastion.workbench.workspace import OWN_VENV, SYSTEM_PYTHON, HostWorkspace
 
@@ -286,9 +286,10 @@ class _MessageCapture(RingCapture):
     the pipe is left unread until then (the kernel waits on a full pipe), and the rest of the read is handled then.
     Booked from `_keep` on, after the read, a flooding context took a third of the loop, not a quarter."""
 
-    def __init__(self, fd: int, reader: _ProtocolReader, on_eof: Callable[[], None], group: object) -> None:
+    def __init__(self, fd: int, reader: _ProtocolReader, on_eof: Callable[[], None], group: str) -> None:
         self._reader = reader
-        self._group = group  # its sandbox: whose share of the `OUTPUT` timeline its reading takes
+        self._group = group  # its sandbox's id: whose share of the `OUTPUT` timeline its reading takes
+        self._pace_key = new_reader()
         self._on_eof = on_eof
         self._rest = b""
         self._rest_at = 0
@@ -312,7 +313,9 @@ class _MessageCapture(RingCapture):
         spent = time.perf_counter() - started
         shared = min(spent, MAX_SHARED_SLOT_S)
         now = self._loop.time()
-        resume_at = max(self._pacer.slot(self, self._group, booked, shared), now + (spent - shared) * PACE_FACTOR)
+        resume_at = max(
+            self._pacer.slot(self._pace_key, self._group, booked, shared), now + (spent - shared) * PACE_FACTOR
+        )
         if self.closed or (stopped == len(data) and resume_at - now <= PACE_FREE_S):
             return
         self._rest, self._rest_at = data, stopped
@@ -612,7 +615,7 @@ class CodeContext:
             env=env,
             ring_bytes=16_384,
             stdout=lambda fd: _MessageCapture(
-                fd, _ProtocolReader(self._on_header, self._on_broken), self._on_eof, self._workspace.sandbox
+                fd, _ProtocolReader(self._on_header, self._on_broken), self._on_eof, self._workspace.id
             ),
         )
         self._watching = loop.create_task(self._end_with_kernel(self._process))

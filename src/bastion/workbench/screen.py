@@ -39,7 +39,7 @@ import pyte
 
 from bastion.safety.errors import Conflict
 from bastion.sandbox.processes import PtyProcess, readable
-from bastion.workbench.pacing import OUTPUT, PACE_FACTOR, Pacer
+from bastion.workbench.pacing import OUTPUT, PACE_FACTOR, Pacer, new_reader
 
 logger = logging.getLogger("bastion.terminals")
 
@@ -284,8 +284,8 @@ def _line_text(line: pyte.screens.StaticDefaultDict[int, pyte.screens.Char], col
 
 
 class Terminal:
-    """One program on a terminal: its master fd read on the loop into a pyte screen; `group` (its sandbox) is
-    whose share of the `OUTPUT` timeline its reading takes."""
+    """One program on a terminal: its master fd read on the loop into a pyte screen; `group` (its sandbox's or
+    workspace's id) is whose share of the `OUTPUT` timeline its reading takes."""
 
     def __init__(
         self,
@@ -296,10 +296,11 @@ class Terminal:
         cols: int,
         scrollback_chars: int,
         *,
-        group: object,
+        group: str,
     ) -> None:
         self.id = terminal_id
         self._group = group
+        self._pace_key = new_reader()
         self.pty = pty
         self.argv = argv  # redacted
         self.used = time.monotonic()
@@ -367,7 +368,8 @@ class Terminal:
         # What the reads charged past that is this terminal's own debt, paid on its own clock: booked in the
         # shared timeline, 10 s of `wait_for` re-matching run up by resizing froze every terminal for 11 s.
         resume_at = max(
-            self._pacer.slot(self, self._group, booked, shared), self._loop.time() + (spent - shared) * PACE_FACTOR
+            self._pacer.slot(self._pace_key, self._group, booked, shared),
+            self._loop.time() + (spent - shared) * PACE_FACTOR,
         )
         self._charged = 0.0
         self._notify()

@@ -15,7 +15,7 @@ import logging
 import re
 import secrets
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
@@ -45,6 +45,12 @@ MAX_SEND_BYTES: Final = 65_536  # per terminal_send
 MAX_WAIT_S: Final = 60.0  # terminal_read's timeout_s
 DEFAULT_WAIT_S: Final = 10.0  # with wait_for and no timeout_s
 MAX_PATTERN_CHARS: Final = 1000
+INLINE_MATCH_WORK: Final = 64 * 1024
+"""A wait_for whose text's length times the pattern's is over this is cleaned and matched in a worker thread
+(RE2 lets go of the GIL): RE2's slower matcher costs about that product. Found by review: an 875-character
+alternation whose automaton does not fit RE2's DFA cache runs on that matcher, 0.5 to 1.8 s for the 75 KB a
+wait looks at (20 to 35 ms for 2 KB); four waiters matching on the loop stalled it 2.4 to 4.9 s. Cleaning that
+text (redaction) took the loop 0.1 to 0.2 s more for each new version of the screen."""
 # terminal_read calls waiting on one terminal at once: each looks at every change of its screen.
 MAX_WAITING_READS: Final = 4
 TERM: Final = "xterm-256color"
@@ -114,6 +120,23 @@ class _ByLine:
         return any(self.pattern.found_in(line) for line in text.splitlines())
 
 
+def _timed_match(matcher: Matcher, text: str) -> tuple[bool, float]:
+    """Whether `matcher` is found in `text`, and the CPU seconds that took (its thread's: in a worker, the time it
+    waited for a CPU or the GIL is not the terminal's to pay)."""
+    started = time.thread_time()
+    return matcher.found_in(text), time.thread_time() - started
+
+
+def _retrieved(task: asyncio.Task[tuple[str, float]]) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
+def _timed_clean(clean: Callable[[str], str], text: str) -> tuple[str, float]:
+    started = time.thread_time()
+    return clean(text), time.thread_time() - started
+
+
 def wait_pattern(pattern: str) -> Matcher:
     """Compile terminal_read's `wait_for`: RE2 (linear time) if installed, else `search_pattern`'s bounded `re`.
 
@@ -152,8 +175,9 @@ class Terminals:
         self._starting = 0  # opens waiting for their pty (a sleeping sandbox wakes first): they hold a slot
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self._closing: set[asyncio.Task[None]] = set()
-        # Per terminal: what wait_for looks at, cleaned, and the terminal's version it was made at.
-        self._seen: dict[str, tuple[int, str]] = {}
+        # Per terminal: what wait_for looks at, cleaned, and the terminal's version it was made at; or, while it
+        # is cleaned (in a thread when long), the task cleaning it, which every waiter on that version awaits.
+        self._seen: dict[str, tuple[int, str | asyncio.Task[tuple[str, float]]]] = {}
 
     def has(self, terminal_id: str) -> bool:
         return terminal_id in self._open
@@ -199,7 +223,7 @@ class Terminals:
         from bastion.workbench.screen import Terminal  # pyte: loaded at the first terminal, not at every start
 
         terminal = Terminal(
-            f"term-{secrets.token_hex(8)}", pty, shown, rows, cols, self._config.scrollback_bytes, group=self._sandbox
+            f"term-{secrets.token_hex(8)}", pty, shown, rows, cols, self._config.scrollback_bytes, group=self._owner
         )
         self._open[terminal.id] = terminal
         self._arm(terminal.id, self._config.idle_close_s)
@@ -251,7 +275,8 @@ class Terminals:
         try:
             if wait_for is not None:
                 matcher = wait_pattern(wait_for)
-                matched = await self._wait(terminal, matcher, DEFAULT_WAIT_S if timeout_s is None else timeout_s)
+                wait_s = DEFAULT_WAIT_S if timeout_s is None else timeout_s
+                matched = await self._wait(terminal, matcher, len(wait_for), wait_s, in_thread)
             elif timeout_s:
                 await terminal.changed(timeout_s)  # without a pattern: until any new output
         finally:
@@ -276,30 +301,54 @@ class Terminals:
             detail["matched"] = matched
         return detail
 
-    async def _wait(self, terminal: Terminal, matcher: Matcher, timeout_s: float) -> bool:
+    async def _wait(
+        self, terminal: Terminal, matcher: Matcher, weight: int, timeout_s: float, in_thread: InThread
+    ) -> bool:
+        """Whether `matcher` (of a pattern of `weight` characters) matched before `timeout_s`."""
         deadline = time.monotonic() + timeout_s
         while True:
-            started = time.perf_counter()
-            found = matcher.found_in(self._seen_text(terminal))
-            # Rendering and matching for a wait is work on the loop per change of the output, like pyte's:
-            # counted in the terminal's pacing, so waiters cannot make its output cost more than its share.
-            terminal.charge(time.perf_counter() - started)
+            text, cleaning = await self._seen_text(terminal, in_thread)
+            look = functools.partial(_timed_match, matcher, text)
+            found, matching = await in_thread(look) if len(text) * weight > INLINE_MATCH_WORK else look()
+            # Rendering, cleaning and matching for a wait is work per change of the output, like pyte's (in a
+            # thread or not): counted in the terminal's pacing, so waiters cannot make its output cost more than
+            # its share.
+            terminal.charge(cleaning + matching)
             if found:
                 return True
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not await terminal.changed(remaining):
                 return False
 
-    def _seen_text(self, terminal: Terminal) -> str:
-        """The newest scrolled lines and the screen, cleaned: what wait_for looks at. Made once per
-        version of the terminal and shared by every read that waits on it."""
-        cached = self._seen.get(terminal.id)
-        if cached is not None and cached[0] == terminal.version:
-            return cached[1]
-        version, tail, screen = terminal.version, terminal.scrolled_tail(), terminal.screen_text()
-        seen = self._clean(f"{tail}\n{screen}" if tail else screen)
-        self._seen[terminal.id] = (version, seen)
-        return seen
+    async def _seen_text(self, terminal: Terminal, in_thread: InThread) -> tuple[str, float]:
+        """The newest scrolled lines and the screen, cleaned: what wait_for looks at, and the seconds this call
+        spent on it. Made once per version of the terminal, by a task every read waiting on it awaits (cleaned
+        in a thread when long: 75 KB took the loop 0.1 to 0.2 s)."""
+        version = terminal.version
+        seen = self._seen.get(terminal.id)
+        if seen is not None and seen[0] == version:
+            made = seen[1]
+            return (made, 0.0) if isinstance(made, str) else ((await asyncio.shield(made))[0], 0.0)
+        started = time.perf_counter()
+        tail, screen = terminal.scrolled_tail(), terminal.screen_text()
+        raw = f"{tail}\n{screen}" if tail else screen
+        rendering = time.perf_counter() - started
+        if len(raw) <= INLINE_CLEAN_CHARS:
+            text = self._clean(raw)
+            self._seen[terminal.id] = (version, text)
+            return text, time.perf_counter() - started
+        task = asyncio.get_running_loop().create_task(self._clean_seen(terminal, version, raw, in_thread))
+        task.add_done_callback(_retrieved)  # every waiter may have gone: its failure is then not reported twice
+        self._seen[terminal.id] = (version, task)
+        text, cleaning = await asyncio.shield(task)
+        return text, rendering + cleaning
+
+    async def _clean_seen(self, terminal: Terminal, version: int, raw: str, in_thread: InThread) -> tuple[str, float]:
+        text, cleaning = await in_thread(functools.partial(_timed_clean, self._clean, raw))
+        seen = self._seen.get(terminal.id)
+        if seen is not None and seen[0] == version:  # still this version's, and the terminal still open
+            self._seen[terminal.id] = (version, text)
+        return text, cleaning
 
     def _clean(self, text: str) -> str:
         return self._redactor.redact_keeping_lines(sanitize_terminal(text))
