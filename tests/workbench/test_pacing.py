@@ -28,7 +28,7 @@ def run(readers: list[Reader], seconds: float) -> dict[int, float]:
     return spent
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(
     st.lists(
         st.tuples(st.sampled_from("abc"), st.floats(1e-5, 0.02), st.sampled_from([0.0, 0.0, 0.003, 0.03, 0.2])),

@@ -9,6 +9,7 @@ import contextlib
 import gc
 import logging
 import os
+import random
 import resource
 import threading
 import time
@@ -1035,3 +1036,74 @@ async def test_wait_for_patterns_slow_to_match_do_not_stall_the_loop(client: Cli
     assert (await call(client, "close_terminal", terminal_id=terminal))["ok"]
     assert lag.cpu_worst < 0.1, f"the loop was held {lag.cpu_worst:.2f} s"  # 0.14 to 0.42 s matched on the loop
     assert max(times) < 2.0, max(times)
+
+
+async def test_slow_waits_on_a_host_workspaces_terminals_leave_its_threads_to_other_tools(client: Client) -> None:
+    """Attack (found by review, 2026-12-07): terminals of a host workspace fed lines of a and b, four reads waiting
+    on each with a pattern RE2 runs on its slower matcher. Each match (0.5 s or more) held one of the workspace's
+    4 threads, and read_file there waited 5.5 to 8.9 s; a read with timeout_s 8 returned after up to 18.8 s.
+    Invariant: a caller's waits take one thread at a time, before the workspace's share: read_file stays quick,
+    and a wait gives up at its timeout (one match late at most)."""
+    assert (await call(client, "write_file", path="small.txt", content="hello\n" * 2000))["ok"]
+    terminals = [await open_term(client, None, "cat", rows=100, cols=250) for _ in range(2)]
+    feeding = anyio.Event()
+
+    async def feed(terminal: str) -> None:
+        rng = random.Random(terminal)
+        while not feeding.is_set():
+            text = "\n".join("".join(rng.choice("ab") for _ in range(249)) for _ in range(8))
+            await send(client, terminal, text, "Enter")
+            await anyio.sleep(0.05)
+
+    waited: list[float] = []
+
+    async def wait(terminal: str) -> None:
+        began = time.monotonic()
+        result = await call(client, "terminal_read", terminal_id=terminal, wait_for=HEAVY_PATTERN, timeout_s=4)
+        assert result["ok"], result
+        waited.append(time.monotonic() - began)
+
+    reads: list[float] = []
+    async with anyio.create_task_group() as feeders:
+        for terminal in terminals:
+            feeders.start_soon(feed, terminal)
+        await until(client, terminals[0], "(?m)^[ab]{249}$")
+        async with anyio.create_task_group() as waiters:
+            for terminal in terminals:
+                for _ in range(MAX_WAITING_READS):
+                    waiters.start_soon(wait, terminal)
+            await anyio.sleep(1)  # the waits under way: what read_file meets
+            for _ in range(10):
+                started = time.monotonic()
+                assert (await call(client, "read_file", path="small.txt"))["ok"]
+                reads.append(time.monotonic() - started)
+        feeding.set()
+    for terminal in terminals:
+        assert (await call(client, "close_terminal", terminal_id=terminal))["ok"]
+    assert max(reads) < 1.0, f"read_file on the workspace waited {max(reads):.1f} s behind the waits"
+    assert max(waited) < 4 + 2.5, f"a read with timeout_s 4 returned after {max(waited):.1f} s"
+
+
+async def test_closing_a_terminal_reads_wait_on_leaves_nothing_of_it_cached(
+    client: Client, services: Services, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Attack (found by review, 2026-12-07): close a full 100x250 terminal while four reads wait on it, again and
+    again. Each waiter woken by the close put the closed terminal's text back in its sandbox's cache (22 KB a
+    close, kept for the sandbox's life). Invariant: a closed terminal leaves nothing cached."""
+    waits = Waits(monkeypatch)
+    box = await create(client)
+    terminals = services.registry.resolve(box).workspace.terminals
+    for _ in range(5):
+        terminal = await open_term(client, box, "seq 1 400 && sleep 600", rows=100, cols=250)
+        await until(client, terminal, "(?m)^400$")
+
+        async def wait(terminal: str = terminal) -> None:
+            result = await call(client, "terminal_read", terminal_id=terminal, wait_for="never-printed", timeout_s=20)
+            assert result["ok"] or result["code"] == "NOT_FOUND", result
+
+        async with anyio.create_task_group() as waiters:
+            for _ in range(MAX_WAITING_READS):
+                waiters.start_soon(wait)
+            await waits.reach(MAX_WAITING_READS)
+            assert (await call(client, "close_terminal", terminal_id=terminal))["ok"]
+    assert terminals._seen == {}

@@ -51,11 +51,11 @@ class ThreadShares:
             await held.enter_async_context(self._caller())
             return await anyio.to_thread.run_sync(work)
 
-    def binding(self, place: object) -> InThread:
-        """`run` for `place`, as workbench code takes it (`InThread`)."""
+    def binding(self, place: object, *, limiter: anyio.CapacityLimiter | None = None) -> InThread:
+        """`run` for `place` (under `limiter` too, if given), as workbench code takes it (`InThread`)."""
 
         def in_thread(work: Callable[[], T]) -> Awaitable[T]:
-            return self.run(place, work)
+            return self.run(place, work, limiter=limiter)
 
         return in_thread
 

@@ -459,8 +459,11 @@ class Terminal:
             return 0
 
     def resize(self, rows: int, cols: int) -> None:
-        """New size: the screen's, and the terminal's (the kernel sends SIGWINCH to its foreground)."""
+        """New size: the screen's, and the terminal's (the kernel sends SIGWINCH to its foreground). The same size
+        changes nothing (found by review: each resize made a new version for every waiting read to look at)."""
         self.used = time.monotonic()
+        if (rows, cols) == (self.rows, self.cols):
+            return
         self._screen.resize(rows, cols)
         self._lines = [""] * rows
         self._screen.dirty.update(range(rows))

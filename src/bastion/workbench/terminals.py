@@ -19,11 +19,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
+import anyio
+
 from bastion.config import TerminalsConfig
 from bastion.safety.errors import BastionError, Conflict, InvalidRequest, NotFound, PolicyDenied, ResourceLimit
 from bastion.safety.redact import Redactor, sanitize_terminal
 from bastion.safety.search import search_pattern
 from bastion.sandbox.backend import Sandbox
+from bastion.workbench.pacing import PACE_FACTOR
 from bastion.workbench.workers import INLINE_CLEAN_CHARS, InThread, any_thread
 
 if TYPE_CHECKING:
@@ -256,12 +259,19 @@ class Terminals:
         return {"terminal_id": terminal_id, "bytes": len(data), "bytes_written": written}
 
     async def read(
-        self, terminal_id: str, *, wait_for: str | None, timeout_s: float | None, in_thread: InThread = any_thread
+        self,
+        terminal_id: str,
+        *,
+        wait_for: str | None,
+        timeout_s: float | None,
+        in_thread: InThread = any_thread,
+        wait_in_thread: InThread | None = None,
     ) -> dict[str, object]:
         """The screen and what scrolled off since the last read; with `wait_for`, first wait until it
         matches the screen or the newest scrolled lines (redacted), the program's output ends, or the timeout.
         What scrolled off is cleaned by `in_thread` (the calling tool's thread shares) when it is long: found
-        by attack, 256 KiB of scrollback (the default; up to 16 MiB) took 100 ms of the event loop."""
+        by attack, 256 KiB of scrollback (the default; up to 16 MiB) took 100 ms of the event loop. A wait's
+        own work goes to `wait_in_thread` (default `in_thread`): the tools bound it to a thread per caller."""
         terminal = self._get(terminal_id)
         terminal.used = time.monotonic()
         if timeout_s is not None and not 0 <= timeout_s <= MAX_WAIT_S:
@@ -276,7 +286,7 @@ class Terminals:
             if wait_for is not None:
                 matcher = wait_pattern(wait_for)
                 wait_s = DEFAULT_WAIT_S if timeout_s is None else timeout_s
-                matched = await self._wait(terminal, matcher, len(wait_for), wait_s, in_thread)
+                matched = await self._wait(terminal, matcher, len(wait_for), wait_s, wait_in_thread or in_thread)
             elif timeout_s:
                 await terminal.changed(timeout_s)  # without a pattern: until any new output
         finally:
@@ -304,20 +314,33 @@ class Terminals:
     async def _wait(
         self, terminal: Terminal, matcher: Matcher, weight: int, timeout_s: float, in_thread: InThread
     ) -> bool:
-        """Whether `matcher` (of a pattern of `weight` characters) matched before `timeout_s`."""
+        """Whether `matcher` (of a pattern of `weight` characters) matched before `timeout_s`: past it, a wait
+        waiting for a thread gives up at once, one whose match runs when that match ends."""
         deadline = time.monotonic() + timeout_s
+        looked_at: str | None = None
         while True:
-            text, cleaning = await self._seen_text(terminal, in_thread)
-            look = functools.partial(_timed_match, matcher, text)
-            found, matching = await in_thread(look) if len(text) * weight > INLINE_MATCH_WORK else look()
-            # Rendering, cleaning and matching for a wait is work per change of the output, like pyte's (in a
-            # thread or not): counted in the terminal's pacing, so waiters cannot make its output cost more than
-            # its share.
-            terminal.charge(cleaning + matching)
-            if found:
-                return True
+            version = terminal.version
+            with anyio.move_on_after(max(0.0, deadline - time.monotonic())):
+                text, cleaning = await self._seen_text(terminal, in_thread)
+                found, matching = False, 0.0
+                if text != looked_at:  # a resize, say, made a new version of the same text (found by review)
+                    look = functools.partial(_timed_match, matcher, text)
+                    found, matching = await in_thread(look) if len(text) * weight > INLINE_MATCH_WORK else look()
+                    looked_at = text
+                # Rendering, cleaning and matching for a wait is work per change of the output, like pyte's (in a
+                # thread or not): counted in the terminal's pacing, so waiters cannot make its output cost more
+                # than its share; and the waiter itself waits three times what it spent before it looks again,
+                # as idle output would never pace it (found by review: resizes every 50 ms had waiters re-match
+                # 75 KB without end, 1.3 cores).
+                terminal.charge(cleaning + matching)
+                if found:
+                    return True
+                await anyio.sleep((cleaning + matching) * PACE_FACTOR)
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not await terminal.changed(remaining):
+            if remaining <= 0:
+                return False
+            # A change while this wait looked (in a thread) or slept is not waited for again: it is looked at now.
+            if terminal.version == version and not await terminal.changed(remaining):
                 return False
 
     async def _seen_text(self, terminal: Terminal, in_thread: InThread) -> tuple[str, float]:
@@ -333,13 +356,18 @@ class Terminals:
         tail, screen = terminal.scrolled_tail(), terminal.screen_text()
         raw = f"{tail}\n{screen}" if tail else screen
         rendering = time.perf_counter() - started
+        # Kept only for an open terminal: a waiter woken by its close would keep a closed one's text for the
+        # sandbox's life (found by review: 22 KB a close).
+        is_open = self._open.get(terminal.id) is terminal
         if len(raw) <= INLINE_CLEAN_CHARS:
             text = self._clean(raw)
-            self._seen[terminal.id] = (version, text)
+            if is_open:
+                self._seen[terminal.id] = (version, text)
             return text, time.perf_counter() - started
         task = asyncio.get_running_loop().create_task(self._clean_seen(terminal, version, raw, in_thread))
         task.add_done_callback(_retrieved)  # every waiter may have gone: its failure is then not reported twice
-        self._seen[terminal.id] = (version, task)
+        if is_open:
+            self._seen[terminal.id] = (version, task)
         text, cleaning = await asyncio.shield(task)
         return text, rendering + cleaning
 
