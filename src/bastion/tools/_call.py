@@ -148,7 +148,7 @@ class CallRunner:
             budget.give_back(RECORD_RESERVE)
 
     def _throttled(self, action: str, identity: str, wait_s: float, started: float) -> OperationResult:
-        """The answer to a call of a caller in debt: nothing ran, and it is counted for `_report`."""
+        """The answer to a call its caller's budget cannot hold: nothing ran, and it is counted for `_report`."""
         if identity not in self._refused:
             self._refused[identity] = 0
             asyncio.get_running_loop().call_later(THROTTLE_REPORT_S, self._start_report, identity)
