@@ -17,7 +17,7 @@ import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol, TypeVar
 
 import anyio
 
@@ -39,6 +39,7 @@ except ImportError:  # pragma: no cover - depends on the environment
     RE2 = None
 
 logger = logging.getLogger("bastion.terminals")
+T = TypeVar("T")
 
 MIN_ROWS: Final = 2
 MAX_ROWS: Final = 100  # with MAX_COLS: pyte keeps an object per cell written (~0.2 KiB), and renders in pure Python
@@ -123,21 +124,16 @@ class _ByLine:
         return any(self.pattern.found_in(line) for line in text.splitlines())
 
 
-def _timed_match(matcher: Matcher, text: str) -> tuple[bool, float]:
-    """Whether `matcher` is found in `text`, and the CPU seconds that took (its thread's: in a worker, the time it
-    waited for a CPU or the GIL is not the terminal's to pay)."""
+def _timed(work: Callable[[str], T], text: str) -> tuple[T, float]:
+    """`work(text)`, and the CPU seconds it took (its thread's: in a worker, the time it waited for a CPU or the
+    GIL is not the terminal's to pay)."""
     started = time.thread_time()
-    return matcher.found_in(text), time.thread_time() - started
+    return work(text), time.thread_time() - started
 
 
 def _retrieved(task: asyncio.Task[tuple[str, float]]) -> None:
     if not task.cancelled():
         task.exception()
-
-
-def _timed_clean(clean: Callable[[str], str], text: str) -> tuple[str, float]:
-    started = time.thread_time()
-    return clean(text), time.thread_time() - started
 
 
 def wait_pattern(pattern: str) -> Matcher:
@@ -324,7 +320,7 @@ class Terminals:
                 text, cleaning = await self._seen_text(terminal, in_thread)
                 found, matching = False, 0.0
                 if text != looked_at:  # a resize, say, made a new version of the same text (found by review)
-                    look = functools.partial(_timed_match, matcher, text)
+                    look = functools.partial(_timed, matcher.found_in, text)
                     found, matching = await in_thread(look) if len(text) * weight > INLINE_MATCH_WORK else look()
                     looked_at = text
                 # Rendering, cleaning and matching for a wait is work per change of the output, like pyte's (in a
@@ -372,7 +368,7 @@ class Terminals:
         return text, rendering + cleaning
 
     async def _clean_seen(self, terminal: Terminal, version: int, raw: str, in_thread: InThread) -> tuple[str, float]:
-        text, cleaning = await in_thread(functools.partial(_timed_clean, self._clean, raw))
+        text, cleaning = await in_thread(functools.partial(_timed, self._clean, raw))
         seen = self._seen.get(terminal.id)
         if seen is not None and seen[0] == version:  # still this version's, and the terminal still open
             self._seen[terminal.id] = (version, text)
