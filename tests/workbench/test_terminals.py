@@ -1002,6 +1002,20 @@ PRINTS_AB_FOREVER = (
 )
 
 
+def test_a_wait_for_pattern_too_big_for_the_dfa_writes_nothing_to_the_servers_stderr(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """Left alone by the twenty-sixth session, then fixed: RE2 wrote "DFA out of memory: pattern length 875, ..."
+    to the server's stderr for each match of a pattern its DFA cache could not hold, so one agent's waits wrote a
+    line to the server's log at every change of its terminal's screen. Invariant: the match still runs, silently."""
+    matcher = terminals_module.wait_pattern(HEAVY_PATTERN)
+    rng = random.Random(0)
+    text = "\n".join("".join(rng.choice("ab") for _ in range(249)) for _ in range(300))
+    assert not matcher.found_in(text)
+    assert matcher.found_in(text + "\naabc")
+    assert "DFA out of memory" not in capfd.readouterr().err
+
+
 async def test_wait_for_patterns_slow_to_match_do_not_stall_the_loop(client: Client) -> None:
     """Attack (found by review, 2026-12-07): a terminal prints lines of random a and b; four terminal_read calls
     wait on it with a pattern RE2 can only run on its slower matcher (0.5 to 1.8 s a match on the 75 KB a wait

@@ -157,6 +157,7 @@ def wait_pattern(pattern: str) -> Matcher:
 
 def _re2_options() -> Any:
     options = RE2.Options()
+    options.log_errors = False  # else a match whose automaton outgrows the DFA cache writes a line to stderr, each time
     options.never_nl = False
     options.max_mem = 8 << 20  # a pattern whose automaton needs more is refused, not run
     return options
