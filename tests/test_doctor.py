@@ -319,6 +319,25 @@ def test_sandbox_disks_that_overcommit_the_state_filesystem_are_a_warning(
     assert "max_snapshot_bytes" in detail, detail
 
 
+def test_an_audit_burst_the_audit_filesystem_cannot_hold_a_few_times_is_a_warning(
+    capsys: pytest.CaptureFixture[str], demo_config_path: Path
+) -> None:
+    """Left alone by the twenty-sixth session, then checked: its attack spent the default 64 MiB audit burst on a
+    48 MiB audit filesystem in 5 s, and every client's calls were then AUDIT_UNAVAILABLE; nothing told the
+    administrator the burst did not fit. Invariant: a burst that fits fewer than four times in the free space
+    is a warning naming the key to lower; the default on a roomy filesystem is ok."""
+    text = demo_config_path.read_text()
+    code, checks, _ = _doctor(capsys, "--config", str(demo_config_path))
+    assert checks["audit-room"][0] == "ok", checks["audit-room"]
+    free = shutil.disk_usage(demo_config_path.parent).free
+    demo_config_path.write_text(text.replace("[audit]\n", f"[audit]\ncaller_burst_bytes = {free // 2}\n"))
+    code, checks, _ = _doctor(capsys, "--config", str(demo_config_path))
+    status, detail = checks["audit-room"]
+    assert (code, status) == (0, "warn"), detail
+    assert "one client can fill it in seconds" in detail, detail
+    assert "lower caller_burst_bytes" in detail, detail
+
+
 def test_sandboxes_that_could_fill_the_hosts_file_table_are_a_warning(
     capsys: pytest.CaptureFixture[str], demo_config_path: Path
 ) -> None:
