@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from bastion.logs import MAX_MESSAGE_CHARS, LogFormat, configure_logging
+from bastion.logs import MAX_MESSAGE_CHARS, LogFormat, announce, configure_logging
+from bastion.serve import http_connect_help
 from tests.helpers import BASTION, least_cpu_s
 from tests.transports.http.live import free_port, live_server, write_config
 
@@ -163,4 +164,25 @@ def test_a_strangers_client_id_padded_with_spaces_shows_its_padding_in_the_log(t
             assert answer.status_code in (400, 401)
         log = server.log()
     assert "https:// " + "\\x20" * 74 + "2026-12-07T10:53:01+0000 WARNING" in log
-    assert BLANK_RUN.search(log) is None
+    forged = [line for line in log.splitlines() if "x.example/fix" in line]
+    assert forged, log
+    assert all(BLANK_RUN.search(line) is None for line in forged), forged
+    # The server's own connect help keeps its blanks: its `claude mcp add` line is copied as a command.
+    assert f"  Claude Code:    claude mcp add --transport http bastion {server.mcp_url}" in log, log
+
+
+@pytest.mark.usefixtures("restore_logging")
+def test_the_connect_help_is_printed_as_written_and_control_characters_in_it_are_still_escaped() -> None:
+    """Found by review (twenty-seventh session): the blank-run escaping above also rewrote the server's own
+    start-up text, and `serve --http` printed `\\x20\\x20Claude Code: \\x20\\x20\\x20claude mcp add ...`: a copied
+    command failed. Invariant: `announce` keeps the server's blanks, and still escapes control characters."""
+    stream = io.StringIO()
+    configure_logging("INFO", stream, log_format="text")
+    url = "http://127.0.0.1:8765/mcp"
+    announce(http_connect_help(url))
+    announce("bastion: serving from /srv/a\x1b[2J\x7fb")
+    lines = stream.getvalue().splitlines()
+    assert all(TEXT_LINE.match(line) for line in lines), lines
+    assert lines[2].endswith(f"bastion.serve:   Claude Code:    claude mcp add --transport http bastion {url}")
+    assert "\\x20" not in stream.getvalue()
+    assert lines[-1].endswith("/srv/a\\x1b[2J\\x7fb"), lines[-1]

@@ -36,6 +36,7 @@ _ESCAPES.update({0x2028: "\\u2028", 0x2029: "\\u2029"})
 # 75 spaces and a forged line, logged at WARNING for any stranger). All but a run's first plain space are written
 # as escapes, so padding shows; a value can still pad with visible characters (see SECURITY.md).
 _BLANK_RUN: Final = re.compile("[ \u00a0\u1680\u2000-\u200a\u202f\u205f\u3000]{2,}")
+_OWN_TEXT: Final = "bastion_own_text"  # a record attribute: `announce`'s lines, whose blanks are the server's
 MAX_MESSAGE_CHARS: Final = 4096
 """A record's message, and its exception's text, are cut to this before they are escaped: the SDK logs a client's
 strings whole (an unknown prompt's name, a resource's URI), and a 4 MB name of hidden characters cost 1 s of the
@@ -76,6 +77,8 @@ class OneLineFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         _cut_args(record)
+        if getattr(record, _OWN_TEXT, False):  # `announce`: the server's own lines keep their indentation
+            return escape_hidden(super().format(record).translate(_ESCAPES))
         return escape(super().format(record))
 
     def formatMessage(self, record: logging.LogRecord) -> str:
@@ -125,9 +128,11 @@ def configure_logging(level: str, stream: TextIO | None = None, log_format: LogF
 def announce(text: str) -> None:
     """Tell the operator something at start-up, whatever the log level: each line of `text` as an INFO
     record of `bastion.serve`, through the root's handlers (so it has a time, a level and a logger, in
-    the log's format)."""
+    the log's format). `text` is the server's and the administrator's (the config's paths and URLs), never a
+    client's: its runs of blanks are kept (found by review: the connect help's `claude mcp add` line was printed
+    with `\x20` escapes, and a copied command failed); control characters are still escaped."""
     logger = logging.getLogger("bastion.serve")
     for line in text.splitlines():
-        record = logger.makeRecord(logger.name, logging.INFO, __file__, 0, "%s", (line,), None)
+        record = logger.makeRecord(logger.name, logging.INFO, __file__, 0, "%s", (line,), None, extra={_OWN_TEXT: True})
         for handler in logging.getLogger().handlers:
             handler.handle(record)
