@@ -148,12 +148,26 @@ def test_audit_verify_of_what_is_not_a_log_is_one_line_exit_1(target: str, tmp_p
 
 
 @pytest.mark.parametrize(
-    "args", [("admin", "revoke", "nope"), ("approvals", "approve", "ap-nope"), ("gateway", "authorized-keys", "nope")]
+    "args",
+    [
+        ("admin", "revoke", "nope"),
+        ("approvals", "approve", "ap-nope"),
+        ("gateway", "authorized-keys", "nope"),
+        ("policy", "explain", "--workspace", "nope", "--", "ls"),  # found by review: exited 78
+    ],
 )
 def test_what_does_not_exist_exits_1_not_78(args: tuple[str, ...], demo_config_path: Path) -> None:
-    done = run_cli(*args, "--config", str(demo_config_path))
+    done = run_cli("--config", str(demo_config_path), *args)
     assert done.returncode == 1, (done.returncode, done.stderr)
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_install_service_refuses_a_user_and_as_root_together() -> None:
+    """Found by review (twenty-seventh session): `--user foo --as-root` was taken, and the unit ran as root with
+    no word that --user was dropped. Invariant: the two are refused together, as usage (exit 2)."""
+    done = run_cli("install-service", "--user", "foo", "--as-root", "--dry-run")
+    assert done.returncode == 2, (done.returncode, done.stdout, done.stderr)
+    assert "not allowed with argument" in done.stderr, done.stderr
 
 
 def test_a_bad_value_is_usage_and_a_bad_config_is_78(demo_config_path: Path, tmp_path: Path) -> None:

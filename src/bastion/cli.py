@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Final
 
 from bastion.config import CONFIG_ENV, add_config_option, load_config, resolve_config_path
-from bastion.safety.errors import BastionError, ConfigError, InvalidRequest
+from bastion.safety.errors import BastionError, ConfigError, InvalidRequest, NotFound
 
 EXIT_FAILED: Final = 1
 EXIT_USAGE: Final = 2
@@ -104,8 +104,10 @@ def _add_install_service(sub: argparse._SubParsersAction[argparse.ArgumentParser
     service = sub.add_parser(
         "install-service", help="create the systemd unit, its user, folders and config (as root; idempotent)"
     )
-    service.add_argument("--user", default="bastion", help="the account the service runs as (default: bastion)")
-    service.add_argument(
+    # One or the other (found by review: both were taken, and --user was dropped without a word).
+    account = service.add_mutually_exclusive_group()
+    account.add_argument("--user", default="bastion", help="the account the service runs as (default: bastion)")
+    account.add_argument(
         "--as-root",
         action="store_true",
         help="run the service as root (bastion.service.d/root.conf), as [sandboxes] disk_quota = true needs",
@@ -175,7 +177,7 @@ def _cmd_policy_explain(args: argparse.Namespace) -> int:
     config = load_config(resolve_config_path(args.config))
     workspace = config.workspace_by_id(args.workspace or config.default_workspace)
     if workspace is None:
-        raise ConfigError(f"no workspace {args.workspace!r} in the config: use one of its [[workspace]] ids")
+        raise NotFound(f"no workspace {args.workspace!r} in the config: use one of its [[workspace]] ids")
     # One word is a command line as an agent would send it ("ls; id"); several are argv.
     text = argv[0] if len(argv) == 1 else shlex.join(argv)
     decision = CommandPolicy(workspace.policy).explain(text)

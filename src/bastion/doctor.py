@@ -381,7 +381,7 @@ def _idmap_check(workspace_id: str, path: Path) -> Check:
 
 
 def _size(count: int) -> str:
-    return f"{count / 1024**3:g} GiB" if count >= 1024**3 else f"{count / 1024**2:g} MiB"
+    return f"{count / 1024**3:.4g} GiB" if count >= 1024**3 else f"{count / 1024**2:.4g} MiB"
 
 
 # -- state folder and audit log --------------------------------------------------------------
