@@ -668,6 +668,31 @@ def test_a_huge_unknown_prompt_name_does_not_flood_the_server_log(server: LiveSe
     assert grown < 3 * 64 * 1024, f"the log grew {grown} bytes for 3 requests"
 
 
+def test_an_unknown_tools_huge_name_is_cut_in_the_http_answer_and_its_record(server: LiveServer) -> None:
+    """Found by attack (twenty-seventh session): `tools/call` with a name of 1.3 M zero-width spaces (a 3.9 MB
+    body, under the 4 MiB cap) on a 2025-11-25 session. The HTTP scope check refuses an unknown tool before the
+    server's own check (which cut the name), and quoted it whole (`{name!r}`: six characters each, then
+    JSON-escaped) and as the answer's action: a 28.6 MB answer, the event loop held ~0.45 s a request, another
+    grant's ping up to 624 ms with two such clients. Invariant: the answer is small, names the tool cut, and
+    its one audit record's tool is at most MCP's bound on a name; the server logs no traceback."""
+    token = get_tokens(server, server.register()["client_id"])["access_token"]
+    name = "\u200b" * 1_300_000
+    with server.http() as http:
+        headers = _initialized(http, token)
+        request = {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {"name": name, "arguments": {}}}
+        body = json.dumps(request, ensure_ascii=False).encode()
+        answer = http.post("/mcp", content=body, headers=headers, timeout=60)
+    assert answer.status_code == 200
+    assert "unknown tool" in answer.text
+    assert len(answer.content) < 16 * 1024, f"a {len(body)} B request got a {len(answer.content)} B answer"
+    audit = (server.root / "state" / "audit.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in audit]
+    refused = [r for r in records if str(r.get("tool", "")).startswith("\u200b")]
+    assert len(refused) == 1, len(refused)
+    assert refused[0]["tool"] == name[:128]
+    assert "Traceback" not in server.log()
+
+
 @contextlib.contextmanager
 def _get_streams(server: LiveServer, headers: dict[str, str], count: int) -> Iterator[list[socket.socket]]:
     """`count` GETs of a session's event stream, sent at once on as many connections; yields those answered 200."""

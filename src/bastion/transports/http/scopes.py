@@ -19,7 +19,7 @@ from mcp.server.context import CallNext, HandlerResult, ServerRequestContext
 from mcp_types import ListToolsResult
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from bastion.safety.errors import BastionError, Forbidden, InvalidRequest
+from bastion.safety.errors import Forbidden
 from bastion.tools.server import BastionServer, to_call_result
 from bastion.transports.http.bodies import BodyBudget, body_or_refusal, replay, send_json
 from bastion.transports.http.sessions import body_facts, send_rpc_error
@@ -134,18 +134,17 @@ class ScopeMiddleware:
         if ctx.method == "tools/call":
             params = ctx.params or {}
             name = params.get("name")
-            needed = self.server.tool_scopes.get(name) if isinstance(name, str) else None
+            name = name if isinstance(name, str) else ""
+            needed = self.server.tool_scopes.get(name)
             granted = token_scopes(ctx) or set()
-            error: BastionError | None = None
+            arguments = params.get("arguments")
+            arguments = arguments if isinstance(arguments, dict) else {}
             if needed is None:
                 # A tool without a toolset (or no tool at all) is hidden from tools/list: never callable.
-                error = InvalidRequest(f"unknown tool {name!r}: list the tools to see what this server offers")
-            elif needed not in granted:
+                unknown = await self.server.refuse_unknown_tool(name, arguments)
+                return unknown.model_dump(by_alias=True, mode="json", exclude_none=True)
+            if needed not in granted:
                 error = Forbidden(f"this token does not have the {needed} scope: ask the administrator to grant it")
-            if error is not None:
-                arguments = params.get("arguments")
-                refused = await self.server.runner.refuse(
-                    name if isinstance(name, str) else "", arguments if isinstance(arguments, dict) else {}, error
-                )
+                refused = await self.server.runner.refuse(name, arguments, error)
                 return to_call_result(refused).model_dump(by_alias=True, mode="json", exclude_none=True)
         return await call_next(ctx)
