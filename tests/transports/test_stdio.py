@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from contextlib import suppress
 from pathlib import Path
 from typing import IO, Any
@@ -238,6 +239,68 @@ def test_a_call_cancelled_by_its_id_spelled_otherwise_does_not_keep_the_server(
     second = Raw(demo_config_path)
     second.initialize()
     assert second.finish()[0] == 0
+
+
+def _run_records(config: Path, command: str) -> list[dict[str, Any]]:
+    """The audit records of `run_command(command)`."""
+    audit = config.parent / "state" / "audit.jsonl"
+    whole = audit.read_text().split("\n")[:-1] if audit.exists() else []  # a line being written is left out
+    entries: list[dict[str, Any]] = [json.loads(entry) for entry in whole]
+    return [e for e in entries if e.get("tool") == "run_command" and (e.get("args") or {}).get("command") == command]
+
+
+def _exit_of(raw: Raw) -> tuple[int, str]:
+    status = raw.process.wait(timeout=60)
+    err = raw.stderr.read().decode()
+    raw.stderr.close()
+    return status, err
+
+
+def test_a_client_that_quits_with_a_call_in_flight_ends_the_server_cleanly(demo_config_path: Path) -> None:
+    """Found by attack (twenty-seventh session): the MCP host app quits (or is killed) while a call runs, both
+    pipes closing. Writing the call's answer raised ConnectionResetError, which the SDK (dropping only anyio's
+    broken and closed stream errors) raised again writing the error answer: the server died with status 1 and
+    about 8 KB of tracebacks, 5 runs of 5. Turned into anyio's error alone, the end of input would have waited
+    up to an hour for answers that can go nowhere, holding the state folder. Invariant: the server ends as at
+    any end of input, status 0, no traceback, the call recorded once (start and end)."""
+    command = "sleep 1.5"
+    raw = Raw(demo_config_path)
+    raw.initialize()
+    raw.send(call(2, "run_command", command=command))
+    while not _run_records(demo_config_path, command):  # its start record: the call is in flight
+        assert raw.process.poll() is None, "the server ended before the call started"
+        time.sleep(0.005)  # polling the log, not timing
+    assert raw.stdin is not None
+    raw.stdin.close()
+    raw.stdout.close()  # the client is gone: nobody reads the answers any more
+    status, err = _exit_of(raw)
+    assert "Traceback" not in err, err[-3000:]
+    assert status == 0, err[-3000:]
+    assert [entry["event"] for entry in _run_records(demo_config_path, command)] == ["start", "end"]
+
+
+def test_a_client_that_stops_reading_but_still_writes_is_served_and_the_server_ends_with_its_input(
+    demo_config_path: Path, workspace: Path
+) -> None:
+    """The same attack with stdin left open: the client closes its reading end, then pings and calls. The
+    answers have nowhere to go and are dropped; the calls run and are recorded, and the end of input ends the
+    server at once, status 0, no traceback."""
+    raw = Raw(demo_config_path)
+    raw.initialize()
+    raw.stdout.close()
+    raw.send(line({"jsonrpc": "2.0", "id": 2, "method": "ping"}))
+    command = "touch after.txt"
+    raw.send(call(3, "run_command", command=command))
+    while len(records := _run_records(demo_config_path, command)) < 2:  # start and end: run, its answer dropped
+        assert raw.process.poll() is None, "the server ended before the call ran"
+        time.sleep(0.005)  # polling the log, not timing
+    assert records[1]["code"] == "OK", records[1]
+    assert raw.stdin is not None
+    raw.stdin.close()
+    status, err = _exit_of(raw)
+    assert "Traceback" not in err, err[-3000:]
+    assert status == 0, err[-3000:]
+    assert (workspace / "after.txt").is_file()
 
 
 @pytest.mark.bwrap

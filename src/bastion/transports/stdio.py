@@ -148,6 +148,11 @@ class _Unanswered:
         if isinstance(message, types.JSONRPCResponse | types.JSONRPCError) and message.id is not None:
             self._forget(coerce_request_id(message.id))
 
+    def gone(self) -> None:
+        """The client stopped reading: no answer can reach it, so the end of input waits for none."""
+        self._ids.clear()
+        self._none_left.set()
+
     def _forget(self, request: int | str) -> None:
         if self._ids[request] > 1:
             self._ids[request] -= 1
@@ -224,9 +229,14 @@ class _LineWriter(_Stream):
             await self._writer.drain()
 
     async def send(self, item: SessionMessage, /) -> None:
+        if self._writer.is_closing():  # the pipe's reading end closed (asyncio watches it), or our own close
+            raise _client_gone(self._unanswered)
         # One write call per message: concurrent senders can never interleave their lines.
         self._writer.write(_line(item))
-        await self._writer.drain()
+        try:
+            await self._writer.drain()
+        except ConnectionError:
+            raise _client_gone(self._unanswered) from None
         self._unanswered.answered(item.message)
 
     async def aclose(self) -> None:
@@ -240,12 +250,29 @@ class _FdWriter(_Stream):
     def __init__(self, fd: int, unanswered: _Unanswered) -> None:
         self._fd = fd
         self._unanswered = unanswered
+        self._broken = False
 
     async def send(self, item: SessionMessage, /) -> None:
+        if self._broken:
+            raise anyio.BrokenResourceError
         view = memoryview(_line(item))
-        while view:
-            view = view[os.write(self._fd, view) :]
+        try:
+            while view:
+                view = view[os.write(self._fd, view) :]
+        except OSError:  # a terminal hung up, a file's disk full or gone
+            self._broken = True
+            raise _client_gone(self._unanswered) from None
         self._unanswered.answered(item.message)
+
+
+def _client_gone(unanswered: _Unanswered) -> anyio.BrokenResourceError:
+    """What a send raises once the client's end of stdout is gone (found by attack: a client that quit with a call
+    in flight made the answer's write raise ConnectionResetError, which the SDK, dropping only anyio's broken and
+    closed stream errors, raised again writing the error answer: the server died, status 1, with 8 KB of
+    tracebacks). The calls still in flight are not waited for at the end of input (`_Unanswered.gone`): their
+    answers have nowhere to go, and the wait would hold the state folder's lock up to `EOF_DRAIN_S`."""
+    unanswered.gone()
+    return anyio.BrokenResourceError()
 
 
 @asynccontextmanager
