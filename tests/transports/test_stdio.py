@@ -7,9 +7,11 @@ a well-behaved client never does (garbage, huge or oversized lines) and the wire
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -42,14 +44,15 @@ def call(request_id: int, tool: str, **arguments: object) -> bytes:
 class Raw:
     """`bastion serve --stdio` in a subprocess, spoken to line by line."""
 
-    def __init__(self, config: Path, *, command: tuple[str, ...] = (str(BASTION),), stdin: Any = None) -> None:
+    def __init__(
+        self, config: Path, *, command: tuple[str, ...] = (str(BASTION),), stdin: Any = None, stdout: Any = None
+    ) -> None:
         argv = [*command, "serve", "--config", str(config), "--stdio"]
         self.process = subprocess.Popen(
-            argv, stdin=stdin or subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+            argv, stdin=stdin or subprocess.PIPE, stdout=stdout or subprocess.PIPE, stderr=subprocess.PIPE
         )
-        assert self.process.stdout is not None
         assert self.process.stderr is not None
-        self.stdout: IO[bytes] = self.process.stdout
+        self.stdout: IO[bytes] = self.process.stdout or io.BytesIO()  # stdout given: nothing to read here
         self.stderr: IO[bytes] = self.process.stderr
         self.stdin: IO[bytes] | None = self.process.stdin
 
@@ -249,8 +252,15 @@ def _run_records(config: Path, command: str) -> list[dict[str, Any]]:
     return [e for e in entries if e.get("tool") == "run_command" and (e.get("args") or {}).get("command") == command]
 
 
-def _exit_of(raw: Raw) -> tuple[int, str]:
-    status = raw.process.wait(timeout=60)
+def _exit_of(raw: Raw, within_s: float = 60) -> tuple[int, str]:
+    """The server's exit status and stderr; it is killed if it has not ended within `within_s` (the test fails)."""
+    try:
+        status = raw.process.wait(timeout=within_s)
+    except subprocess.TimeoutExpired:
+        raw.process.terminate()
+        raw.process.wait(timeout=60)
+        raw.stderr.close()
+        raise
     err = raw.stderr.read().decode()
     raw.stderr.close()
     return status, err
@@ -277,6 +287,89 @@ def test_a_client_that_quits_with_a_call_in_flight_ends_the_server_cleanly(demo_
     assert "Traceback" not in err, err[-3000:]
     assert status == 0, err[-3000:]
     assert [entry["event"] for entry in _run_records(demo_config_path, command)] == ["start", "end"]
+
+
+def test_a_client_that_quits_with_a_long_call_in_flight_frees_the_state_folder_at_once(demo_config_path: Path) -> None:
+    """Found by review of the fix above: the end of input still waited for the call's answer, up to the call's
+    own end (30.08 s for `sleep 30`, up to an hour), holding the state folder: the restarted client's server was
+    refused. asyncio sees the pipe's reading end close; that now tells the end of input to wait for nothing.
+    Invariant: the server ends long before the call would, the call recorded cut, and a new server starts."""
+    command = "sleep 30"
+    raw = Raw(demo_config_path)
+    raw.initialize()
+    raw.send(call(2, "run_command", command=command, timeout_s=60))
+    while not _run_records(demo_config_path, command):
+        assert raw.process.poll() is None, "the server ended before the call started"
+        time.sleep(0.005)  # polling the log, not timing
+    assert raw.stdin is not None
+    raw.stdin.close()
+    raw.stdout.close()
+    status, err = _exit_of(raw, within_s=20)  # the call would run 30 s
+    assert status == 0, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    records = _run_records(demo_config_path, command)
+    assert [(entry["event"], entry.get("code")) for entry in records] == [("start", None), ("end", "UNAVAILABLE")]
+    second = Raw(demo_config_path)
+    second.initialize()
+    assert second.finish()[0] == 0
+
+
+def test_a_call_read_after_stdout_broke_does_not_hold_the_end_of_input(demo_config_path: Path) -> None:
+    """Found by review: stdout on a full device (/dev/full; a file on a full filesystem alike). The first answer's
+    write failed and the end of input was told to wait for nothing; a call read after that was counted again, and
+    its answer's send (refused at once) never uncounted it: the end of input waited an hour, the state folder
+    held. Invariant: the server ends at the end of its input, the later call cut and recorded once."""
+    with open("/dev/full", "wb") as full:
+        raw = Raw(demo_config_path, stdout=full)
+    raw.send(line(INITIALIZE_REQUEST) + line(INITIALIZED) + call(2, "run_command", command="true"))
+    while len(_run_records(demo_config_path, "true")) < 2:  # run, its answer's write failed or about to
+        assert raw.process.poll() is None, "the server ended before the call ran"
+        time.sleep(0.005)  # polling the log, not timing
+    command = "sleep 30"
+    raw.send(call(3, "run_command", command=command, timeout_s=60))
+    while not _run_records(demo_config_path, command):
+        assert raw.process.poll() is None, "the server ended before the call started"
+        time.sleep(0.005)  # polling the log, not timing
+    assert raw.stdin is not None
+    raw.stdin.close()
+    status, err = _exit_of(raw, within_s=20)
+    assert status == 0, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert [entry["event"] for entry in _run_records(demo_config_path, command)] == ["start", "end"]
+
+
+def test_a_client_on_one_socket_for_stdin_and_stdout_gets_every_answer_whole(
+    demo_config_path: Path, workspace: Path
+) -> None:
+    """Found by review: stdin and stdout one socket (inetd, socat's EXEC, systemd's Accept=yes). asyncio's
+    pipe transport watches a socket for reading and closed itself at the client's next request: every answer
+    after the first was dropped (before today's fix, a crash). Invariant: every answer arrives, a 1 MiB one
+    whole (the socket takes it in pieces), and the server ends with the client's half-close, status 0."""
+    (workspace / "big.txt").write_text("0123456789abcdef" * (64 * 1024))
+    mine, theirs = socket.socketpair()
+    raw = Raw(demo_config_path, stdin=theirs, stdout=theirs)
+    theirs.close()
+    mine.settimeout(30)
+    wire = mine.makefile("rwb")
+    try:
+        wire.write(line(INITIALIZE_REQUEST))
+        wire.flush()
+        assert json.loads(wire.readline())["id"] == 1
+        wire.write(line(INITIALIZED) + line({"jsonrpc": "2.0", "id": 2, "method": "ping"}))
+        wire.write(call(3, "read_file", path="big.txt"))
+        wire.flush()
+        answers = {answer["id"]: answer for answer in (json.loads(wire.readline()) for _ in range(2))}
+        mine.shutdown(socket.SHUT_WR)
+        assert answers[2]["result"] == {}
+        content = answers[3]["result"]["structuredContent"]["detail"]["content"]
+        assert content == "0123456789abcdef" * (64 * 1024)
+        assert wire.read() == b""
+    finally:
+        wire.close()
+        mine.close()
+    status, err = _exit_of(raw)
+    assert status == 0, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
 
 
 def test_a_client_that_stops_reading_but_still_writes_is_served_and_the_server_ends_with_its_input(

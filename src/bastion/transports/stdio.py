@@ -4,9 +4,11 @@ The SDK's `stdio_server` reads and writes through anyio worker threads: three th
 hops per message, which on a two-core machine cost more CPU than a whole tool call, and
 at end of input it can exit before the last reply is written (measured: 2 runs in 30
 lost it). When stdin and stdout are pipes or sockets (the way every MCP client spawns a
-server), bastion reads and writes them on the event loop. A terminal or a file is read
-in a worker thread and written directly, since making it non-blocking would change it
-for the shell that shares it. Either way every reply is written whole before exit.
+server, or inetd and socat connect one), bastion reads and writes them on the event loop.
+A terminal or a file is read in a worker thread and written directly, since making it
+non-blocking would change it for the shell that shares it. Either way every reply is
+written whole before exit, unless the client is gone: then the answers are dropped and
+the end of input waits for none.
 
 As in the SDK, the wire is served from private duplicates while fd 0 reads the null
 device and fd 1 points at stderr, so a child process's stray output never corrupts it.
@@ -49,6 +51,13 @@ def _is_pipe(fd: int) -> bool:
     except OSError:
         return False
     return stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)
+
+
+def _is_fifo(fd: int) -> bool:
+    try:
+        return stat.S_ISFIFO(os.fstat(fd).st_mode)
+    except OSError:
+        return False
 
 
 @contextmanager
@@ -133,8 +142,11 @@ class _Unanswered:
         self._ids: collections.Counter[int | str] = collections.Counter()
         self._none_left = asyncio.Event()
         self._none_left.set()
+        self._gone = False
 
     def read(self, message: object) -> None:
+        if self._gone:  # found by review: a request read after that was waited for, its answer going nowhere
+            return
         if isinstance(message, types.JSONRPCRequest):
             self._ids[coerce_request_id(message.id)] += 1
             self._none_left.clear()
@@ -150,6 +162,7 @@ class _Unanswered:
 
     def gone(self) -> None:
         """The client stopped reading: no answer can reach it, so the end of input waits for none."""
+        self._gone = True
         self._ids.clear()
         self._none_left.set()
 
@@ -218,6 +231,16 @@ class _LineWriter(_Stream):
         self, transport: asyncio.WriteTransport, protocol: asyncio.streams.FlowControlMixin, unanswered: _Unanswered
     ) -> None:
         self._unanswered = unanswered
+        # asyncio watches the pipe and closes the transport when its reading end closes: from then on no answer
+        # can reach the client (found by review: the end of input waited for a 30 s call's answer, holding the
+        # state folder, when the client had quit at its start).
+        lost = protocol.connection_lost
+
+        def connection_lost(exc: Exception | None) -> None:
+            unanswered.gone()
+            lost(exc)
+
+        protocol.connection_lost = connection_lost  # type: ignore[method-assign]
         # drain() then waits until the pipe took every byte, as the SDK's write-and-flush does:
         # a reply is on the wire when send returns, and nothing is left behind at exit.
         transport.set_write_buffer_limits(high=0)
@@ -245,24 +268,70 @@ class _LineWriter(_Stream):
 
 
 class _FdWriter(_Stream):
-    """The server's write stream on a terminal or a file: blocking writes, each line whole."""
+    """The server's write stream on a terminal, a file or a socket: each line written whole and in turn.
+
+    A socket is not given to asyncio's pipe transport, which watches it for reading and closes itself when it
+    becomes readable: with stdin and stdout one socket (inetd, socat, systemd's Accept=yes), at the client's
+    next request (found by review: every answer after the first was dropped). A terminal or a file is written
+    blocking, as it is shared with the shell; a socket, non-blocking, waits for room on the loop. A line is
+    written by a task of its own, which a cancelled send does not stop: a line cut off would corrupt the next.
+    """
 
     def __init__(self, fd: int, unanswered: _Unanswered) -> None:
         self._fd = fd
         self._unanswered = unanswered
         self._broken = False
+        self._turn = asyncio.Lock()
+        self._writing: set[asyncio.Task[None]] = set()
 
     async def send(self, item: SessionMessage, /) -> None:
         if self._broken:
-            raise anyio.BrokenResourceError
-        view = memoryview(_line(item))
+            raise _client_gone(self._unanswered)
+        task = asyncio.get_running_loop().create_task(self._write(_line(item)))
+        self._writing.add(task)
+        task.add_done_callback(self._written)
         try:
-            while view:
-                view = view[os.write(self._fd, view) :]
-        except OSError:  # a terminal hung up, a file's disk full or gone
+            await asyncio.shield(task)
+        except OSError:  # a terminal hung up, a file's disk full, a socket's peer gone
             self._broken = True
             raise _client_gone(self._unanswered) from None
         self._unanswered.answered(item.message)
+
+    async def _write(self, line: bytes) -> None:
+        async with self._turn:
+            view = memoryview(line)
+            while view:
+                try:
+                    view = view[os.write(self._fd, view) :]
+                except BlockingIOError:
+                    await _writable(self._fd)
+
+    def _written(self, task: asyncio.Task[None]) -> None:
+        self._writing.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self._broken = True
+
+    async def flush(self, timeout_s: float) -> None:
+        """Wait (bounded) for the lines whose sends were cancelled."""
+        if self._writing:
+            with anyio.move_on_after(timeout_s, shield=True):
+                await asyncio.wait(set(self._writing))
+
+
+async def _writable(fd: int) -> None:
+    """Until `fd` (non-blocking) can take bytes again."""
+    loop = asyncio.get_running_loop()
+    ready: asyncio.Future[None] = loop.create_future()
+
+    def room() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    loop.add_writer(fd, room)
+    try:
+        await ready
+    finally:
+        loop.remove_writer(fd)
 
 
 def _client_gone(unanswered: _Unanswered) -> anyio.BrokenResourceError:
@@ -292,13 +361,15 @@ async def stdio_streams() -> AsyncIterator[tuple[ReadStream[SessionMessage | Exc
             else:
                 read_line = _file_lines(wire_in)
             writer: _LineWriter | _FdWriter
-            if _is_pipe(wire_out):
+            if _is_fifo(wire_out):
                 out_transport, out_protocol = await loop.connect_write_pipe(
                     asyncio.streams.FlowControlMixin, os.fdopen(wire_out, "wb", buffering=0, closefd=False)
                 )
                 cleanup.callback(out_transport.close)
                 writer = _LineWriter(out_transport, out_protocol, unanswered)
-                cleanup.push_async_callback(writer.flush, 5)
             else:
+                if _is_pipe(wire_out):  # a socket: never written blocking on the loop (`_claimed` restores it)
+                    os.set_blocking(wire_out, False)
                 writer = _FdWriter(wire_out, unanswered)
+            cleanup.push_async_callback(writer.flush, 5)
             yield _LineReader(read_line, unanswered), writer
