@@ -97,6 +97,16 @@ async def test_conflict_and_unknown_inbox_are_typed_refusals(client: Client, ser
     assert nothing["code"] == "NOT_FOUND"
 
 
+@pytest.mark.parametrize("tool", ["list_files", "plan_organize", "undo_last_action"])
+async def test_an_unknown_inboxs_huge_id_is_cut_in_the_answer_and_its_record(client: Client, tool: str) -> None:
+    """Found by review (twenty-seventh session): the refusal quoted the inbox id whole (`{inbox!r}`): a 1.3 M
+    zero-width-space id (3.9 MB) came back as a 20.8 MB answer over HTTP, and two such clients held another
+    grant's ping up to 747 ms. Invariant: the refusal is typed and small."""
+    refused = await call(client, tool, inbox="\u200b" * 200_000)
+    assert refused["code"] == "SANDBOX_NOT_FOUND", refused
+    assert len(json.dumps(refused)) < 2048, len(json.dumps(refused))
+
+
 def test_demo_inbox_has_the_default_categories_and_rules(services: Services) -> None:
     from bastion.config import DEFAULT_CATEGORIES, DEFAULT_SKIP_RULES
 

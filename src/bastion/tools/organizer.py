@@ -15,7 +15,7 @@ from mcp_types import ToolAnnotations
 from pydantic import Field
 
 from bastion.organizer import Organizer
-from bastion.safety.errors import SandboxNotFound, Unavailable
+from bastion.safety.errors import SandboxNotFound, Unavailable, shown
 from bastion.safety.results import OperationResult
 from bastion.tools._call import UNNAMED, Outcome
 from bastion.tools.audited import audited_tool
@@ -42,7 +42,10 @@ class Inboxes:
             return next(iter(self._by_id.values()))
         found = self._by_id.get(inbox)
         if found is None:
-            raise SandboxNotFound(f"no inbox {inbox!r}: the configured inboxes are {', '.join(sorted(self._by_id))}")
+            # Cut (found by review: a 1.3 M-character id came back as a 20.8 MB answer over HTTP).
+            raise SandboxNotFound(
+                f"no inbox {shown(inbox)}: the configured inboxes are {', '.join(sorted(self._by_id))}"
+            )
         return found
 
     def id_of(self, inbox: str | None) -> str | None:
