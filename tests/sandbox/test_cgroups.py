@@ -8,8 +8,10 @@ process attached before it starts work, not that the server attaches in time.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import errno
+import mmap
 import os
 import subprocess
 import sys
@@ -650,3 +652,59 @@ def test_a_freeze_that_fails_midway_leaves_nothing_frozen(
         group.freeze()
     states = [Path(path, "cgroup.freeze").read_text().strip() for path in (parent, *(c.path for c in children))]
     assert states == ["0"] * 4
+
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def _resident_pages(path: Path) -> int:
+    """How many of `path`'s pages are in the page cache: mincore(2) on a private mapping, which faults none in."""
+    size = path.stat().st_size
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    vector = (ctypes.c_ubyte * ((size + PAGE - 1) // PAGE))()
+    with path.open("rb") as file, mmap.mmap(file.fileno(), size, access=mmap.ACCESS_COPY) as mapped:
+        view = (ctypes.c_char * size).from_buffer(mapped)
+        try:
+            assert libc.mincore(ctypes.addressof(view), size, vector) == 0, os.strerror(ctypes.get_errno())
+        finally:
+            del view
+    return sum(byte & 1 for byte in vector)
+
+
+def _fstype_of(path: Path) -> str:
+    """The type of the filesystem `path` is on (the longest mount point above it, proc(5)'s mountinfo)."""
+    best, fstype = "", ""
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        left, _, right = line.partition(" - ")
+        point = left.split(" ")[4]
+        if f"{path}/".startswith(point.rstrip("/") + "/") and len(point) >= len(best):
+            best, fstype = point, right.split(" ")[0]
+    return fstype
+
+
+def test_page_cache_a_destroyed_group_read_is_released_not_left_pinning_a_dying_memory_cgroup(
+    make_group: MakeGroup, spawn: Spawn, tmp_path: Path
+) -> None:
+    """Found by attack (twenty-seventh session): an agent's create_sandbox, a read of host files nobody had
+    cached, close_sandbox. The pages it read are charged to its memory cgroup, and a removed memory cgroup stays
+    in the kernel ("dying": out of the tree, still in /proc/cgroups) as long as they stay cached: one a cycle
+    (200 for 200), with no bound until memory pressure, and the kernel's reclaim walks them all; a sandbox put to
+    sleep and woken left one too (its disk image's pages). Invariant: what a group's processes read is no longer
+    cached, so charged to nothing, once the group is destroyed (v1's memory.force_empty, v2's memory.reclaim)."""
+    if _fstype_of(tmp_path) == "tmpfs":
+        pytest.skip("tmp_path is on a tmpfs, whose pages are not reclaimed without swap")
+    data = tmp_path / "never-cached.bin"
+    with data.open("wb") as out:
+        out.write(os.urandom(4 * MIB))
+        out.flush()
+        os.fsync(out.fileno())
+        os.posix_fadvise(out.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    assert _resident_pages(data) == 0
+    group = make_group()
+    reader = spawn(group, python(f"open({str(data)!r}, 'rb').read()"))
+    assert reader.wait(timeout=30) == 0
+    pages = _resident_pages(data)
+    assert pages == 4 * MIB // PAGE  # read into the cache, charged to the group
+    group.destroy()
+    assert _resident_pages(data) == 0, "the group's page cache outlived it, pinning its memory cgroup"
