@@ -308,8 +308,9 @@ class _FdWriter(_Stream):
 
     def _written(self, task: asyncio.Task[None]) -> None:
         self._writing.discard(task)
-        if not task.cancelled() and task.exception() is not None:
+        if not task.cancelled() and task.exception() is not None:  # also a line whose send was cancelled
             self._broken = True
+            self._unanswered.gone()
 
     async def flush(self, timeout_s: float) -> None:
         """Wait (bounded) for the lines whose sends were cancelled."""
