@@ -104,6 +104,29 @@ async def test_a_huge_unknown_name_is_not_echoed_whole(client: Client, huge: str
     assert len(_text(result)) < 1500
 
 
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        {"limits": {"\u200b" * 300_000: 1}},
+        {"network_allow": ["\u200b" * 300_000]},
+        {"limits": {f"k{i}": 1 for i in range(5000)}},
+    ],
+    ids=["limits-key", "network-rule", "many-bad-items"],
+)
+async def test_a_huge_argument_is_not_echoed_whole_in_create_sandboxs_refusal(
+    client: Client, arguments: dict[str, object]
+) -> None:
+    """Found by review (twenty-seventh session): over HTTP a `create_sandbox` whose `limits` key or
+    `network_allow` rule was 1.3 M zero-width spaces (3.9 MB) came back as a 7.8 MB or 20.8 MB answer: pydantic's
+    path of the bad field was joined whole (a dict key is part of it), and the rule's parse error quoted it
+    (`{text!r}`). Invariant: the refusal is typed and small, each path cut, at most a few listed."""
+    result = await client.call_tool("create_sandbox", arguments)
+    payload = result.structured_content
+    assert payload is not None
+    assert payload["code"] == "INVALID_REQUEST", payload
+    assert len(_text(result)) < 4096, len(_text(result))
+
+
 async def test_a_huge_secret_dense_argument_holds_the_event_loop_no_longer_than_a_plain_one(client: Client) -> None:
     """Found by attack: the audit record's cleaning redacted each string argument whole before cutting it to 4,096
     characters, on the event loop: one 4 MiB argument of `key=` lines (the redactor's costliest text) to a tool

@@ -15,7 +15,7 @@ from typing import Annotated, Final
 from pydantic import Field, field_validator
 
 from bastion.config.base import Model
-from bastion.safety.errors import InvalidRequest, PolicyDenied
+from bastion.safety.errors import InvalidRequest, PolicyDenied, shown
 
 DEFAULT_BYTES_PER_S: Final = 64 * 1024 * 1024
 """A sandbox's egress, both ways together: 64 MiB/s (more than most links), about 4% of a core of the relay's."""
@@ -70,15 +70,15 @@ def normalize_host(text: str) -> str:
             pass
         else:
             if bracketed and address.version == 4:
-                raise ValueError(f"{text!r}: only IPv6 literals go in brackets")
+                raise ValueError(f"{shown(text)}: only IPv6 literals go in brackets")
             return str(address)
     name = host.lower().removesuffix(".")
     labels = name.split(".")
     # isascii first: str.lower() maps some non-ASCII letters (the Kelvin sign) to ASCII ones.
     if bracketed or not host.isascii() or len(name) > 253 or not all(_LABEL.fullmatch(label) for label in labels):
-        raise ValueError(f"{text!r} is not a host name or IP address (use punycode for non-ASCII names)")
+        raise ValueError(f"{shown(text)} is not a host name or IP address (use punycode for non-ASCII names)")
     if labels[-1].isdigit():
-        raise ValueError(f"{text!r} looks like an IP address in another notation: write it as a.b.c.d")
+        raise ValueError(f"{shown(text)} looks like an IP address in another notation: write it as a.b.c.d")
     return name
 
 
@@ -142,17 +142,17 @@ def parse_allow_rule(text: str) -> AllowRule:
         end = text.find("]")
         host_part, rest = (text[: end + 1], text[end + 1 :]) if end != -1 else (text, "")
         if rest and not rest.startswith(":"):
-            raise ValueError(f"allow rule {text!r}: write an IPv6 rule as [address]:port")
+            raise ValueError(f"allow rule {shown(text)}: write an IPv6 rule as [address]:port")
         port_part = rest[1:] if rest else None
     elif text.count(":") > 1:
-        raise ValueError(f"allow rule {text!r}: put an IPv6 address in brackets, as [2001:db8::1]:443")
+        raise ValueError(f"allow rule {shown(text)}: put an IPv6 address in brackets, as [2001:db8::1]:443")
     else:
         host_part, colon, port_text = text.partition(":")
         port_part = port_text if colon else None
     wildcard = host_part.startswith("*.")
     host = normalize_host(host_part[2:] if wildcard else host_part)
     if wildcard and (_is_ip(host) or "." not in host):
-        raise ValueError(f"allow rule {text!r}: a wildcard needs a domain of two labels or more, as *.example.com")
+        raise ValueError(f"allow rule {shown(text)}: a wildcard needs a domain of two labels or more, as *.example.com")
     if port_part is None:
         ports: frozenset[int] | None = DEFAULT_PORTS
     elif port_part == "*":
@@ -160,7 +160,7 @@ def parse_allow_rule(text: str) -> AllowRule:
     elif port_part.isascii() and port_part.isdigit() and 0 < int(port_part) < 65536 and port_part[0] != "0":
         ports = frozenset({int(port_part)})
     else:
-        raise ValueError(f"allow rule {text!r}: the port must be 1 to 65535 or *")
+        raise ValueError(f"allow rule {shown(text)}: the port must be 1 to 65535 or *")
     return AllowRule("*." + host if wildcard else host, ports)
 
 
@@ -237,7 +237,7 @@ class NetworkConfig(Model):
             try:
                 ipaddress.ip_network(text)
             except ValueError as exc:
-                raise ValueError(f"blocked range {text!r} is not a network such as 10.0.0.0/8: {exc}") from None
+                raise ValueError(f"blocked range {shown(text)} is not a network such as 10.0.0.0/8: {exc}") from None
         return ranges
 
     @field_validator("hosts")

@@ -19,7 +19,7 @@ from mcp_types import CallToolResult, ImageContent, InputRequiredResult, TextCon
 from pydantic import ValidationError
 from pydantic_core import PydanticSerializationError
 
-from bastion.safety.errors import BastionError, InvalidRequest, shown
+from bastion.safety.errors import MAX_SHOWN_CHARS, BastionError, InvalidRequest, shown
 from bastion.safety.results import OperationResult, ResultCode
 from bastion.tools._call import CallRunner
 from bastion.transports.stdio import stdio_streams
@@ -58,6 +58,23 @@ def to_call_result(result: OperationResult, *, extra: Sequence[ImageContent] = (
         text = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
     content: list[TextContent | ImageContent] = [TextContent(type="text", text=text), *extra]
     return CallToolResult(content=content, structured_content=payload, is_error=not result.ok)
+
+
+MAX_FIELDS_SHOWN: Final = 8
+
+
+def _fields(error: ValidationError) -> str:
+    """The arguments pydantic refused, by path, each part cut (`shown`) and at most `MAX_FIELDS_SHOWN` of them:
+    a path holds the client's dict keys (found by review: a `limits` key of 1.3 M characters came back whole,
+    a 7.8 MB answer), and a list of 10,000 bad items is 10,000 paths."""
+    paths = sorted(
+        {
+            ".".join(str(p) if len(str(p)) <= MAX_SHOWN_CHARS else shown(str(p)) for p in err["loc"])
+            for err in error.errors()
+        }
+    )
+    more = len(paths) - MAX_FIELDS_SHOWN
+    return ", ".join(paths[:MAX_FIELDS_SHOWN]) + (f" and {more} more" if more > 0 else "")
 
 
 def default_title(name: str) -> str:
@@ -165,11 +182,11 @@ class BastionServer(MCPServer[Any]):
         except ToolError as exc:
             cause = exc.__cause__
             if isinstance(cause, ValidationError):
-                fields = sorted({".".join(str(p) for p in err["loc"]) for err in cause.errors()})
+                fields = _fields(cause)
                 # A closed vocabulary says what it takes (pydantic's message names the choices, not the input).
                 choices = sorted({str(err["msg"]) for err in cause.errors() if err["type"] == "literal_error"})
                 hint = f" ({'; '.join(choices)})" if choices else ""
-                error = InvalidRequest(f"invalid arguments: {', '.join(fields)}{hint}: check their types and limits")
+                error = InvalidRequest(f"invalid arguments: {fields}{hint}: check their types and limits")
             else:
                 error = InvalidRequest("the tool refused the call")
             return to_call_result(await self.runner.refuse(name, self._recorded(name, arguments), error))
