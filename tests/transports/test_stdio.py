@@ -10,11 +10,14 @@ from __future__ import annotations
 import io
 import json
 import os
+import pty
+import select
 import signal
 import socket
 import subprocess
 import sys
 import time
+import tty
 from contextlib import suppress
 from pathlib import Path
 from typing import IO, Any
@@ -370,6 +373,84 @@ def test_a_client_on_one_socket_for_stdin_and_stdout_gets_every_answer_whole(
     status, err = _exit_of(raw)
     assert status == 0, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
+
+
+def _over_a_socket(config: Path) -> tuple[Raw, socket.socket]:
+    """A server whose stdin and stdout are one socket (inetd, socat, systemd's Accept=yes), initialized."""
+    mine, theirs = socket.socketpair()
+    raw = Raw(config, stdin=theirs, stdout=theirs)
+    theirs.close()
+    mine.settimeout(30)
+    mine.sendall(line(INITIALIZE_REQUEST) + line(INITIALIZED))
+    answer = b""
+    while not answer.endswith(b"\n"):
+        answer += mine.recv(1)
+    assert json.loads(answer)["id"] == 1
+    return raw, mine
+
+
+def test_a_socket_client_gone_with_an_answer_unread_ends_the_server_cleanly(demo_config_path: Path) -> None:
+    """Found by review (twenty-seventh session): a client on a socket closes it with an answer unread in its
+    queue (any abrupt quit): the kernel resets the connection, and the server's next read raised
+    ConnectionResetError: status 1 and 6 KB of tracebacks (5 runs of 5; TCP alike). Invariant: status 0, no
+    traceback, the call in flight recorded start and end."""
+    raw, mine = _over_a_socket(demo_config_path)
+    mine.sendall(call(2, "explain_command", command="true") + call(3, "run_command", command="sleep 5"))
+    while not _run_records(demo_config_path, "sleep 5"):
+        assert raw.process.poll() is None, "the server ended before the call started"
+        time.sleep(0.005)  # polling the log, not timing
+    assert mine.recv(1, socket.MSG_PEEK)  # explain_command's answer is in the client's queue, unread
+    mine.close()
+    status, err = _exit_of(raw, within_s=30)
+    assert "Traceback" not in err, err[-3000:]
+    assert "Fatal read error" not in err, err[-3000:]
+    assert status == 0, err[-3000:]
+    assert [entry["event"] for entry in _run_records(demo_config_path, "sleep 5")] == ["start", "end"]
+
+
+def test_a_socket_client_gone_with_a_long_call_in_flight_frees_the_state_folder_at_once(
+    demo_config_path: Path,
+) -> None:
+    """Found by review: the FIFO variant above ends at once, but on a socket nothing watched the client go, and
+    the end of input waited for the call's own end (30.1 s for `sleep 30`, 2 of 2), the state folder held.
+    Invariant: the server ends long before the call would (a unix socket's close is seen: POLLHUP)."""
+    raw, mine = _over_a_socket(demo_config_path)
+    mine.sendall(call(2, "run_command", command="sleep 30", timeout_s=60))
+    while not _run_records(demo_config_path, "sleep 30"):
+        assert raw.process.poll() is None, "the server ended before the call started"
+        time.sleep(0.005)  # polling the log, not timing
+    mine.close()
+    status, err = _exit_of(raw, within_s=20)  # the call would run 30 s
+    assert status == 0, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    second = Raw(demo_config_path)
+    second.initialize()
+    assert second.finish()[0] == 0
+
+
+def test_a_terminal_that_hangs_up_mid_answer_ends_the_server_cleanly(demo_config_path: Path, workspace: Path) -> None:
+    """Found by review (older than the session's fixes): stdin and stdout a terminal whose other side closes (its
+    window closed) while a 1 MiB answer fills it: the read in its worker thread raised EIO and the server died,
+    status 1, with a traceback (2 of 2). Invariant: status 0, no traceback."""
+    master, slave = pty.openpty()
+    tty.setraw(slave)
+    raw = Raw(demo_config_path, stdin=slave, stdout=slave)
+    os.close(slave)
+    try:
+        os.write(master, line(INITIALIZE_REQUEST) + line(INITIALIZED))
+        answer = b""
+        while b"\n" not in answer:
+            assert select.select([master], [], [], 30)[0], "no answer to initialize"
+            answer += os.read(master, 65536)
+        assert json.loads(answer.splitlines()[0])["id"] == 1
+        (workspace / "big.txt").write_text("z" * (1 << 20))
+        os.write(master, call(2, "read_file", path="big.txt"))
+        assert select.select([master], [], [], 30)[0], "the answer never started"  # it fills the terminal, unread
+    finally:
+        os.close(master)
+    status, err = _exit_of(raw, within_s=30)
+    assert "Traceback" not in err, err[-3000:]
+    assert status == 0, err[-3000:]
 
 
 def test_a_client_that_stops_reading_but_still_writes_is_served_and_the_server_ends_with_its_input(

@@ -21,8 +21,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import fcntl
+import functools
 import logging
 import os
+import select
+import socket
 import stat
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager, suppress
@@ -43,6 +46,7 @@ logger = logging.getLogger("bastion.stdio")
 # sends 64 MiB in one message is broken or hostile, and buffering it whole is the cost).
 MAX_LINE_BYTES: Final = 64 * 1024 * 1024
 EOF_DRAIN_S: Final = 3600.0  # the longest a call may run (a sandbox command's timeout_s ceiling)
+HANG_UP_POLL_S: Final = 0.25  # how often that wait asks whether a socket's client has closed it
 
 
 def _is_pipe(fd: int) -> bool:
@@ -58,6 +62,28 @@ def _is_fifo(fd: int) -> bool:
         return stat.S_ISFIFO(os.fstat(fd).st_mode)
     except OSError:
         return False
+
+
+def _stream_socket(fd: int) -> socket.socket | None:
+    """A socket of its own on a duplicate of `fd`, if `fd` is a stream socket."""
+    try:
+        if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+            return None
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return None
+    if sock.type != socket.SOCK_STREAM:
+        sock.close()
+        return None
+    return sock
+
+
+def _hung_up(fd: int) -> bool:
+    """Whether a socket's peer closed it for good (POLLHUP: a unix socket's peer closed; POLLERR). A TCP peer's
+    close cannot be told from its half-close (SHUT_WR, still reading) without writing to it."""
+    poller = select.poll()
+    poller.register(fd, 0)  # POLLHUP and POLLERR are reported whatever is asked
+    return any(events & (select.POLLHUP | select.POLLERR) for _, events in poller.poll(0))
 
 
 @contextmanager
@@ -143,6 +169,9 @@ class _Unanswered:
         self._none_left = asyncio.Event()
         self._none_left.set()
         self._gone = False
+        # Whether the client's end of stdout is closed for good, asked while the end of input waits (a socket's
+        # POLLHUP: nothing else tells a socket's writer before a write fails).
+        self.hung_up: Callable[[], bool] = lambda: False
 
     def read(self, message: object) -> None:
         if self._gone:  # found by review: a request read after that was waited for, its answer going nowhere
@@ -177,7 +206,11 @@ class _Unanswered:
     async def drain(self) -> None:
         if self._ids:
             with anyio.move_on_after(EOF_DRAIN_S) as scope:
-                await self._none_left.wait()
+                while not self._none_left.is_set():
+                    with anyio.move_on_after(HANG_UP_POLL_S):
+                        await self._none_left.wait()
+                    if self.hung_up():
+                        self.gone()
             if scope.cancelled_caught:
                 logger.error("bastion: stdin closed; %d calls still unanswered after %g s", len(self._ids), EOF_DRAIN_S)
 
@@ -198,6 +231,11 @@ class _LineReader(_Stream):
                     "bastion: a message longer than %d bytes arrived on stdin: ending the session", MAX_LINE_BYTES
                 )
                 raise anyio.EndOfStream from None
+            except OSError:
+                # A socket its peer reset (it quit with an answer unread), a terminal hung up (EIO): found by
+                # review, each ended the server with status 1 and a traceback. Nobody is left to answer.
+                self._unanswered.gone()
+                line = b""
             if not line:
                 await self._unanswered.drain()
                 raise anyio.EndOfStream
@@ -354,9 +392,17 @@ async def stdio_streams() -> AsyncIterator[tuple[ReadStream[SessionMessage | Exc
         async with AsyncExitStack() as cleanup:
             if _is_pipe(wire_in):
                 reader = asyncio.StreamReader(limit=MAX_LINE_BYTES)
-                in_transport, _ = await loop.connect_read_pipe(
-                    lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(wire_in, "rb", buffering=0, closefd=False)
-                )
+                in_transport: asyncio.BaseTransport
+                sock = _stream_socket(wire_in)
+                if sock is not None:  # a socket transport: a peer's reset is an error it raises, not one it logs
+                    in_transport, _ = await loop.connect_accepted_socket(
+                        lambda: asyncio.StreamReaderProtocol(reader), sock
+                    )
+                else:
+                    in_transport, _ = await loop.connect_read_pipe(
+                        lambda: asyncio.StreamReaderProtocol(reader),
+                        os.fdopen(wire_in, "rb", buffering=0, closefd=False),
+                    )
                 cleanup.callback(in_transport.close)
                 read_line = _pipe_lines(reader)
             else:
@@ -371,6 +417,7 @@ async def stdio_streams() -> AsyncIterator[tuple[ReadStream[SessionMessage | Exc
             else:
                 if _is_pipe(wire_out):  # a socket: never written blocking on the loop (`_claimed` restores it)
                     os.set_blocking(wire_out, False)
+                    unanswered.hung_up = functools.partial(_hung_up, wire_out)
                 writer = _FdWriter(wire_out, unanswered)
             cleanup.push_async_callback(writer.flush, 5)
             yield _LineReader(read_line, unanswered), writer
