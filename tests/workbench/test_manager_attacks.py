@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -505,3 +506,71 @@ async def test_a_snapshot_during_a_wake_up_start_waits_for_the_start(client: Cli
     assert not warm.paused
     assert (await sh(client, box, "true"))["ok"]
     assert (await call(client, "close_sandbox", sandbox_id=box))["ok"]
+
+
+async def _until_started(client: Client, box: str) -> None:
+    """Until the command in flight in `box` has made its `started` file."""
+    with anyio.fail_after(_WAIT_S):
+        while not (await sh(client, box, "test -e started"))["ok"]:
+            await anyio.sleep(0.01)  # polling, not timing
+
+
+async def test_a_sandbox_with_a_call_in_flight_is_not_reaped_as_idle(client: Client, services: Services) -> None:
+    """Found by attack (twenty-seventh session, a stalled server): the reaper asked only when a call last looked
+    the sandbox up, and closed it as idle under a command running past `idle_timeout_s` (or under a server
+    stalled that long mid-call): `sleep 7; echo done` with idle_timeout_s 4 answered UNAVAILABLE, the sandbox
+    gone. Invariant: a sandbox with a call in flight is in use; the command answers; the reaper closes it once
+    the call has ended and it has been idle since."""
+    box = await create(client)
+    answers: list[Payload] = []
+
+    async def long_call() -> None:
+        answers.append(await sh(client, box, "touch started; while [ ! -e go ]; do sleep 0.01; done; echo done"))
+
+    idle = services.config.sandboxes.idle_timeout_s
+    async with anyio.create_task_group() as group:
+        group.start_soon(long_call)
+        await _until_started(client, box)
+        await anyio.sleep(0.05)  # the polling calls' own ends are behind us; only the long call is in flight
+        services.sandboxes.get(box).last_used -= 10 * idle  # idle for ten times its timeout, but for the call
+        assert await services.sandboxes.reap() == []
+        assert services.sandboxes.sleep_idle(0) == 0
+        assert (await sh(client, box, "touch go"))["ok"]
+    assert answers[0]["code"] == "OK", answers[0]
+    assert answers[0]["detail"]["stdout"] == "done\n"
+    services.sandboxes.get(box).last_used -= 10 * idle
+    assert await services.sandboxes.reap() == [box]
+
+
+@pytest.mark.parametrize("tool", ["run_command", "execute_code"])
+async def test_work_that_ended_while_the_server_stalled_past_its_deadline_is_answered_as_it_ran(
+    client: Client, tool: str
+) -> None:
+    """Found by attack (twenty-seventh session): the server's process stalled (SIGSTOP: a loaded host, a paused
+    VM) past a call's deadline while the command ran 1 s of its 5; its exit was waiting in the agent's socket, but
+    the deadline came first: `sleep 1; echo done` was answered TIMEOUT, "killed", with exit status 0 and its
+    output, and recorded so; a code cell alike, "interrupted", though it ran (a retry would run it twice).
+    Here the stall is the event loop blocked in this very process. Invariant: the answer is the work's own."""
+    box = await create(client)
+    if tool == "run_command":
+        request = call(client, "run_command", sandbox_id=box, command="touch started; echo done", timeout_s=1)
+    else:
+        assert (await call(client, "execute_code", sandbox_id=box, code="kept = 41"))["ok"]
+        code = "open('started', 'w').close(); kept += 1; print('py', kept)"
+        request = call(client, "execute_code", sandbox_id=box, code=code, timeout_s=2)
+    answers: list[Payload] = []
+
+    async def work() -> None:
+        answers.append(await request)
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(work)
+        await _until_started(client, box)
+        time.sleep(3.5)  # the stall: the loop is held past the call's deadline, after the work has ended
+    assert answers[0]["code"] == "OK", answers[0]
+    if tool == "run_command":
+        assert answers[0]["detail"]["stdout"] == "done\n"
+    else:
+        assert "py 42" in answers[0]["detail"]["stdout"], answers[0]
+        after = await call(client, "execute_code", sandbox_id=box, code="print('after', kept)")
+        assert "after 42" in after["detail"]["stdout"], after

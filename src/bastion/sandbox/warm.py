@@ -961,7 +961,15 @@ class WarmSandbox:
                 status = await asyncio.shield(waiter)
             await self._output_after_exit(out, err)
         except TimeoutError:
-            timed_out = True
+            # Found by attack: after a stall of the server (a loaded host, a paused VM) the deadline had passed
+            # with the command's exit already in the agent's socket, and the timeout came first: a command that
+            # exited 0 in 1 s of its 5 was answered TIMEOUT, "killed". An exit waiting there counts.
+            self._read_waiting()
+            if waiter.done() and not waiter.cancelled():
+                status = waiter.result()
+                await self._output_after_exit(out, err)
+            else:
+                timed_out = True
         except asyncio.CancelledError:
             cancelled = True
             self._kill_tree(command_id)

@@ -49,6 +49,7 @@ from bastion.safety.audit import MAX_RECORD_BYTES, AuditLog, Verbatim
 from bastion.safety.errors import AuditUnavailable, BastionError
 from bastion.safety.rates import ByteRate
 from bastion.safety.results import OperationResult, ResultCode
+from bastion.safety.span import call_span
 
 logger = logging.getLogger("bastion.tools")
 
@@ -197,7 +198,8 @@ class CallRunner:
         else:
             self._in_flight += 1
             try:
-                result = await self._run(action, arguments, operation, identity, budget, mutating, workspace)
+                with call_span():  # what the call uses (a sandbox) is in use until it ends
+                    result = await self._run(action, arguments, operation, identity, budget, mutating, workspace)
             finally:
                 self._in_flight -= 1
                 budget.give_back(held)

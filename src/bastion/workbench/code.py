@@ -108,6 +108,7 @@ T = TypeVar("T")
 START_TIMEOUT_S: Final = 30.0  # a cold interpreter on a busy machine
 GRACE_S: Final = 5.0
 PROGRESS_EVERY_S: Final = 1.0
+LATE_ANSWER_S: Final = 0.05  # at its deadline, how long a cell waits for an answer already sent (a stalled server)
 PROGRESS_TAIL_CHARS: Final = 2000
 _CONTEXT_NAME_MAX: Final = 32
 
@@ -747,6 +748,13 @@ class CodeContext:
         while message is None:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                # Found by attack: after a stall of the server past the deadline, the cell's "done" was already
+                # in the pipe, unread, and the cell was answered TIMEOUT though it ran (a retry would run it
+                # twice). What the loop reads at its next turn counts.
+                with anyio.move_on_after(LATE_ANSWER_S):
+                    message = await asyncio.shield(cell.done)
+                if message is not None:
+                    break
                 timed_out = True
                 message = await self._interrupt(cell)
                 break

@@ -52,6 +52,7 @@ from bastion.safety.errors import (
     shown,
 )
 from bastion.safety.redact import Redactor
+from bastion.safety.span import at_end
 from bastion.safety.trees import remove_tree, tree_bytes
 from bastion.sandbox import DeviceFolder, SandboxSpec, backend
 from bastion.sandbox._disk import (
@@ -135,6 +136,13 @@ class Sandbox:
     last_used: float = field(default_factory=time.monotonic)
     freezing: anyio.Lock = field(default_factory=anyio.Lock)
     """Held while its sandbox is frozen or thawed (`SandboxManager._set_frozen`): one at a time."""
+    calls: int = 0
+    """Tool calls on it in flight: it is in use until they end (found by attack: a command running past
+    `idle_timeout_s`, or a server stalled that long mid-call, had its sandbox closed under it as idle)."""
+
+    def call_ended(self) -> None:
+        self.calls -= 1
+        self.last_used = time.monotonic()
 
     def summary(self) -> dict[str, object]:
         now = time.monotonic()
@@ -287,6 +295,9 @@ class SandboxManager:
                 f"sandbox {box.id} is being restored from a snapshot: call again once restore_sandbox has returned"
             )
         box.last_used = time.monotonic()
+        box.calls += 1
+        if not at_end(box.call_ended):
+            box.calls -= 1
         return box
 
     def all(self) -> list[Sandbox]:
@@ -1175,7 +1186,9 @@ class SandboxManager:
         again (tens of ms). Returns how many went to sleep."""
         now = time.monotonic()
         return sum(
-            1 for box in self._boxes.values() if now - box.last_used >= sleep_after_s and box.workspace.sandbox.sleep()
+            1
+            for box in self._boxes.values()
+            if not box.calls and now - box.last_used >= sleep_after_s and box.workspace.sandbox.sleep()
         )
 
     async def reap(self) -> list[str]:
@@ -1186,7 +1199,8 @@ class SandboxManager:
         expired = [
             box.id
             for box in self._boxes.values()
-            if now - box.last_used > self._config.idle_timeout_s or now - box.created > self._config.lifetime_s
+            if (not box.calls and now - box.last_used > self._config.idle_timeout_s)
+            or now - box.created > self._config.lifetime_s
         ]
         closed = []
         for sandbox_id in expired:
