@@ -75,6 +75,11 @@ def client_snippet(config_path: str) -> str:
 
 def serve_stdio(config: Config, config_path: str) -> int:
     """Serve MCP over stdio; with `[http] preview_listen`, the HTTP front (login, admin, previews) too."""
+    from bastion.transports.stdio import wire_problem  # late, as the server's own imports below
+
+    problem = wire_problem()
+    if problem is not None:
+        raise ConfigError(problem)
     check_boot_files(config)
     listeners = None if config.http.preview_listen is None else _Listeners(config, config_path, None)
     configure_logging(config.log_level, log_format=config.log_format)

@@ -453,6 +453,38 @@ def test_a_terminal_that_hangs_up_mid_answer_ends_the_server_cleanly(demo_config
     assert status == 0, err[-3000:]
 
 
+@pytest.mark.parametrize("kind", ["SOCK_SEQPACKET", "SOCK_DGRAM", "listening"])
+def test_a_socket_the_stdio_transport_cannot_use_is_refused_at_start_in_one_line(
+    demo_config_path: Path, tmp_path: Path, kind: str
+) -> None:
+    """Found by review (twenty-seventh session): stdio on a SOCK_SEQPACKET socket (systemd's
+    ListenSequentialPacket= with Accept=yes) lost every answer past the send buffer's size (EMSGSIZE), silently;
+    on a datagram socket a client that quit was never seen, and the state folder stayed held; on a listening
+    socket (Accept=no) the server ended, status 0 and no word, at the first connection. Invariant: the server
+    refuses to start, exit 78, one line naming the socket and what to use."""
+    if kind == "listening":
+        theirs = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        theirs.bind(str(tmp_path / "listening.sock"))
+        theirs.listen()
+        mine = None
+    else:
+        mine, theirs = socket.socketpair(socket.AF_UNIX, getattr(socket, kind))
+    with theirs:
+        done = subprocess.run(
+            [str(BASTION), "serve", "--config", str(demo_config_path), "--stdio"],
+            stdin=theirs.fileno(),
+            stdout=theirs.fileno(),
+            stderr=subprocess.PIPE,
+            timeout=60,
+        )
+    if mine is not None:
+        mine.close()
+    lines = done.stderr.decode().strip().splitlines()
+    assert done.returncode == 78, lines
+    assert len(lines) == 1, lines
+    assert ("listening socket" if kind == "listening" else f"{kind} socket") in lines[0], lines
+
+
 def test_a_client_that_stops_reading_but_still_writes_is_served_and_the_server_ends_with_its_input(
     demo_config_path: Path, workspace: Path
 ) -> None:

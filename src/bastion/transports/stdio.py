@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import errno
 import fcntl
 import functools
 import logging
@@ -46,6 +47,7 @@ logger = logging.getLogger("bastion.stdio")
 # sends 64 MiB in one message is broken or hostile, and buffering it whole is the cost).
 MAX_LINE_BYTES: Final = 64 * 1024 * 1024
 EOF_DRAIN_S: Final = 3600.0  # the longest a call may run (a sandbox command's timeout_s ceiling)
+_CLIENT_GONE_ERRNOS: Final = frozenset({errno.ECONNRESET, errno.EPIPE, errno.EIO})
 HANG_UP_POLL_S: Final = 0.25  # how often that wait asks whether a socket's client has closed it
 
 
@@ -76,6 +78,25 @@ def _stream_socket(fd: int) -> socket.socket | None:
         sock.close()
         return None
     return sock
+
+
+def wire_problem() -> str | None:
+    """Why stdin or stdout cannot carry the stdio transport, when one is a socket it cannot use; else None. Found
+    by review: a SOCK_SEQPACKET socket lost every answer past its send buffer's size, silently; a datagram one never
+    saw its client go, and held the state folder; a listening one ended the server at the first connection."""
+    for fd, name in ((0, "stdin"), (1, "stdout")):
+        try:
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                continue
+            with socket.socket(fileno=os.dup(fd)) as sock:
+                kind, listening = sock.type, sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+        except OSError:
+            continue
+        if kind != socket.SOCK_STREAM:
+            return f"{name} is a {kind.name} socket: the stdio transport needs a byte stream (systemd: ListenStream=)"
+        if listening:
+            return f"{name} is a listening socket: give the server a connection (systemd: Accept=yes; inetd: nowait)"
+    return None
 
 
 def _hung_up(fd: int) -> bool:
@@ -231,9 +252,11 @@ class _LineReader(_Stream):
                     "bastion: a message longer than %d bytes arrived on stdin: ending the session", MAX_LINE_BYTES
                 )
                 raise anyio.EndOfStream from None
-            except OSError:
+            except OSError as exc:
                 # A socket its peer reset (it quit with an answer unread), a terminal hung up (EIO): found by
                 # review, each ended the server with status 1 and a traceback. Nobody is left to answer.
+                if exc.errno not in _CLIENT_GONE_ERRNOS:
+                    logger.warning("bastion: reading stdin failed (%s): ending the session", exc.strerror or exc)
                 self._unanswered.gone()
                 line = b""
             if not line:
