@@ -127,6 +127,18 @@ async def test_a_huge_argument_is_not_echoed_whole_in_create_sandboxs_refusal(
     assert len(_text(result)) < 4096, len(_text(result))
 
 
+async def test_a_refused_keys_control_characters_are_quoted_in_the_reason(client: Client) -> None:
+    """Found by review: a short `limits` key was written raw into the reason, a newline or an escape sequence
+    with it. Invariant: such a part of the path is quoted (escaped), and an ordinary one is left as it is."""
+    result = await client.call_tool("create_sandbox", {"limits": {"a\n\x1b[2Jb": 1, "memory_bytes": "x"}})
+    payload = result.structured_content
+    assert payload is not None
+    assert payload["code"] == "INVALID_REQUEST", payload
+    assert "limits.'a\\n\\x1b[2Jb'" in payload["reason"], payload["reason"]
+    assert "limits.memory_bytes" in payload["reason"], payload["reason"]
+    assert "\n" not in payload["reason"], payload["reason"]
+
+
 async def test_a_huge_secret_dense_argument_holds_the_event_loop_no_longer_than_a_plain_one(client: Client) -> None:
     """Found by attack: the audit record's cleaning redacted each string argument whole before cutting it to 4,096
     characters, on the event loop: one 4 MiB argument of `key=` lines (the redactor's costliest text) to a tool

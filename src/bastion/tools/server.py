@@ -67,14 +67,15 @@ def _fields(error: ValidationError) -> str:
     """The arguments pydantic refused, by path, each part cut (`shown`) and at most `MAX_FIELDS_SHOWN` of them:
     a path holds the client's dict keys (found by review: a `limits` key of 1.3 M characters came back whole,
     a 7.8 MB answer), and a list of 10,000 bad items is 10,000 paths."""
-    paths = sorted(
-        {
-            ".".join(str(p) if len(str(p)) <= MAX_SHOWN_CHARS else shown(str(p)) for p in err["loc"])
-            for err in error.errors()
-        }
-    )
+    paths = sorted({".".join(_part(str(p)) for p in err["loc"]) for err in error.errors()})
     more = len(paths) - MAX_FIELDS_SHOWN
     return ", ".join(paths[:MAX_FIELDS_SHOWN]) + (f" and {more} more" if more > 0 else "")
+
+
+def _part(text: str) -> str:
+    """One part of a refused argument's path: as it is when short and printable, else quoted and cut (a key with
+    a newline or an escape sequence would otherwise be written raw into the reason)."""
+    return text if len(text) <= MAX_SHOWN_CHARS and text.isprintable() else shown(text)
 
 
 def default_title(name: str) -> str:
