@@ -255,6 +255,14 @@ def _run_records(config: Path, command: str) -> list[dict[str, Any]]:
     return [e for e in entries if e.get("tool") == "run_command" and (e.get("args") or {}).get("command") == command]
 
 
+def _until_recorded(raw: Raw, config: Path, command: str, records: int = 1) -> list[dict[str, Any]]:
+    """Until `run_command(command)` has `records` audit records (1: it started); they, then."""
+    while len(found := _run_records(config, command)) < records:
+        assert raw.process.poll() is None, "the server ended before the call was recorded"
+        time.sleep(0.005)  # polling the log, not timing
+    return found
+
+
 def _exit_of(raw: Raw, within_s: float = 60) -> tuple[int, str]:
     """The server's exit status and stderr; it is killed if it has not ended within `within_s` (the test fails)."""
     try:
@@ -280,9 +288,7 @@ def test_a_client_that_quits_with_a_call_in_flight_ends_the_server_cleanly(demo_
     raw = Raw(demo_config_path)
     raw.initialize()
     raw.send(call(2, "run_command", command=command))
-    while not _run_records(demo_config_path, command):  # its start record: the call is in flight
-        assert raw.process.poll() is None, "the server ended before the call started"
-        time.sleep(0.005)  # polling the log, not timing
+    _until_recorded(raw, demo_config_path, command)
     assert raw.stdin is not None
     raw.stdin.close()
     raw.stdout.close()  # the client is gone: nobody reads the answers any more
@@ -301,9 +307,7 @@ def test_a_client_that_quits_with_a_long_call_in_flight_frees_the_state_folder_a
     raw = Raw(demo_config_path)
     raw.initialize()
     raw.send(call(2, "run_command", command=command, timeout_s=60))
-    while not _run_records(demo_config_path, command):
-        assert raw.process.poll() is None, "the server ended before the call started"
-        time.sleep(0.005)  # polling the log, not timing
+    _until_recorded(raw, demo_config_path, command)
     assert raw.stdin is not None
     raw.stdin.close()
     raw.stdout.close()
@@ -325,14 +329,10 @@ def test_a_call_read_after_stdout_broke_does_not_hold_the_end_of_input(demo_conf
     with open("/dev/full", "wb") as full:
         raw = Raw(demo_config_path, stdout=full)
     raw.send(line(INITIALIZE_REQUEST) + line(INITIALIZED) + call(2, "run_command", command="true"))
-    while len(_run_records(demo_config_path, "true")) < 2:  # run, its answer's write failed or about to
-        assert raw.process.poll() is None, "the server ended before the call ran"
-        time.sleep(0.005)  # polling the log, not timing
+    _until_recorded(raw, demo_config_path, "true", records=2)  # run, its answer's write failed or about to
     command = "sleep 30"
     raw.send(call(3, "run_command", command=command, timeout_s=60))
-    while not _run_records(demo_config_path, command):
-        assert raw.process.poll() is None, "the server ended before the call started"
-        time.sleep(0.005)  # polling the log, not timing
+    _until_recorded(raw, demo_config_path, command)
     assert raw.stdin is not None
     raw.stdin.close()
     status, err = _exit_of(raw, within_s=20)
@@ -396,9 +396,7 @@ def test_a_socket_client_gone_with_an_answer_unread_ends_the_server_cleanly(demo
     traceback, the call in flight recorded start and end."""
     raw, mine = _over_a_socket(demo_config_path)
     mine.sendall(call(2, "explain_command", command="true") + call(3, "run_command", command="sleep 5"))
-    while not _run_records(demo_config_path, "sleep 5"):
-        assert raw.process.poll() is None, "the server ended before the call started"
-        time.sleep(0.005)  # polling the log, not timing
+    _until_recorded(raw, demo_config_path, "sleep 5")
     assert mine.recv(1, socket.MSG_PEEK)  # explain_command's answer is in the client's queue, unread
     mine.close()
     status, err = _exit_of(raw, within_s=30)
@@ -416,9 +414,7 @@ def test_a_socket_client_gone_with_a_long_call_in_flight_frees_the_state_folder_
     Invariant: the server ends long before the call would (a unix socket's close is seen: POLLHUP)."""
     raw, mine = _over_a_socket(demo_config_path)
     mine.sendall(call(2, "run_command", command="sleep 30", timeout_s=60))
-    while not _run_records(demo_config_path, "sleep 30"):
-        assert raw.process.poll() is None, "the server ended before the call started"
-        time.sleep(0.005)  # polling the log, not timing
+    _until_recorded(raw, demo_config_path, "sleep 30")
     mine.close()
     status, err = _exit_of(raw, within_s=20)  # the call would run 30 s
     assert status == 0, err[-3000:]
@@ -497,9 +493,7 @@ def test_a_client_that_stops_reading_but_still_writes_is_served_and_the_server_e
     raw.send(line({"jsonrpc": "2.0", "id": 2, "method": "ping"}))
     command = "touch after.txt"
     raw.send(call(3, "run_command", command=command))
-    while len(records := _run_records(demo_config_path, command)) < 2:  # start and end: run, its answer dropped
-        assert raw.process.poll() is None, "the server ended before the call ran"
-        time.sleep(0.005)  # polling the log, not timing
+    records = _until_recorded(raw, demo_config_path, command, records=2)  # run, its answer dropped
     assert records[1]["code"] == "OK", records[1]
     assert raw.stdin is not None
     raw.stdin.close()
