@@ -84,6 +84,26 @@ async def test_a_token_dies_when_the_reaper_closes_its_sandbox(client: Client, s
     assert previews.lookup(token) is None
 
 
+async def test_preview_traffic_and_other_sandboxes_previews_are_not_a_use_of_a_sandbox(
+    client: Client, services: Services
+) -> None:
+    """Found by review (twenty-seventh session): a preview's liveness was checked with the manager's `get`, which
+    counts as a use: each request through a preview URL, and each expose_port or list_exposed_ports of any other
+    sandbox (they look at every preview), reset each previewed sandbox's idle time, so the reaper never closed
+    them, against docs/configuration.md ("a sandbox no tool call has used"). Invariant: the reaper closes an idle
+    sandbox whatever its previews see; its token dies with it."""
+    previews = served(services).previews
+    assert previews is not None
+    idle, other = await create(client), await create(client)
+    token = token_of((await call(client, "expose_port", sandbox_id=idle, port=8000))["detail"]["url"])
+    services.sandboxes.get(idle).last_used = -1e9  # idle for ages
+    assert previews.lookup(token) is not None  # a request through its preview URL
+    assert (await call(client, "expose_port", sandbox_id=other, port=8001))["ok"]
+    assert (await call(client, "list_exposed_ports", sandbox_id=other))["ok"]
+    assert idle in await services.sandboxes.reap()
+    assert previews.lookup(token) is None
+
+
 async def test_a_token_dies_at_its_lifetimes_end(client: Client, services: Services) -> None:
     previews = served(services).previews
     assert previews is not None

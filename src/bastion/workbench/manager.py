@@ -277,6 +277,11 @@ class SandboxManager:
     def owns(self, sandbox_id: str) -> bool:
         return sandbox_id in self._boxes
 
+    def peek(self, sandbox_id: str) -> Sandbox | None:
+        """The live sandbox `sandbox_id` or None, for a look that is not a use of it (a preview's liveness): unlike
+        `get`, it neither counts as use for the idle reaper nor refuses a sandbox being restored."""
+        return self._boxes.get(sandbox_id)
+
     def get(self, sandbox_id: str, *, while_restoring: bool = False) -> Sandbox:
         """The live sandbox `sandbox_id`, for a call on it.
 

@@ -121,9 +121,10 @@ class PreviewRegistry:
         return preview
 
     def _alive(self, preview: Preview) -> bool:
-        if time.monotonic() >= preview.expires or not self.manager.owns(preview.sandbox_id):
-            return False
-        return self.manager.get(preview.sandbox_id) is preview.box
+        # `peek`, not `get` (found by review): every preview request, and every expose_port of any sandbox (which
+        # looks at all previews), counted as a use of each sandbox with a preview, so the idle reaper never
+        # closed them; and a sandbox being restored made the look raise Conflict.
+        return time.monotonic() < preview.expires and self.manager.peek(preview.sandbox_id) is preview.box
 
     def _forget_dead(self) -> None:
         self._drop(lambda p: not self._alive(p))
