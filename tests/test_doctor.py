@@ -327,7 +327,7 @@ def test_an_audit_burst_the_audit_filesystem_cannot_hold_a_few_times_is_a_warnin
     administrator the burst did not fit. Invariant: a burst that fits fewer than four times in the free space
     is a warning naming the key to lower; the default on a roomy filesystem is ok."""
     text = demo_config_path.read_text()
-    code, checks, _ = _doctor(capsys, "--config", str(demo_config_path))
+    _, checks, _ = _doctor(capsys, "--config", str(demo_config_path))
     assert checks["audit-room"][0] == "ok", checks["audit-room"]
     free = shutil.disk_usage(demo_config_path.parent).free
     demo_config_path.write_text(text.replace("[audit]\n", f"[audit]\ncaller_burst_bytes = {free // 2}\n"))
