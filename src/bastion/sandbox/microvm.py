@@ -91,6 +91,7 @@ _RELAY: Final = Path(__file__).parent / "inside" / "relay.py"
 _RELAY_SOURCE: Final = _RELAY.read_text(encoding="utf-8")  # read once: a boot at the fd limit opens no file for it
 _HEADER: Final = struct.Struct(">IcI")
 _KILL_WAIT_S: Final = 5.0
+_LATE_EXIT_S: Final = 0.05  # at a run's deadline: for an exit already in the channel to be read
 _SEND_TIMEOUT_S: Final = 60.0  # a frame the guest's relay has not taken by then: the guest is stuck
 _READ_BYTES: Final = 65_536  # also the relay's READ_BYTES: the most output one frame of it carries
 # The most payload the relay sends in a frame of each kind (inside/relay.py): an agent event is a few
@@ -1090,7 +1091,7 @@ class MicroVMSandbox:
                 await command.wait_exit()
                 await command.wait_output(timeout_s)
         except TimeoutError:
-            timed_out = True
+            timed_out = not await self._ended_unread(command)
         except asyncio.CancelledError:
             cancelled = True
             await asyncio.shield(self._kill_command(vm, command))
@@ -1103,6 +1104,21 @@ class MicroVMSandbox:
         if self.oom_kills() > ooms_before:  # the guest's kernel killed in the commands' group
             return dataclasses.replace(outcome, oom_killed=True, memory_note=self.memory_note())
         return outcome
+
+    @staticmethod
+    async def _ended_unread(command: MicroVMProcess) -> bool:
+        """At a run's deadline: whether the command had ended, its exit and output in the channel, not yet read.
+
+        Found by attack (a stalled server: a loaded host, a paused VM): the channel's reader is a task, so after a
+        stall the deadline's timer ran before it, and `echo done` with 1.5 s of its limit left was answered timed
+        out, killed, with exit status 0 and its output."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(_LATE_EXIT_S):
+                await command.wait_exit()
+                await command.out.ended.wait()
+                await command.err.ended.wait()
+                return command.status is not None
+        return False
 
     def _outcome(self, vm: _Guest, command: MicroVMProcess, *, timed_out: bool, cancelled: bool) -> RunOutcome:
         if command.status is None and not timed_out:
