@@ -52,7 +52,7 @@ tests=(tests/sandbox/test_connect.py tests/sandbox/test_warm.py tests/sandbox/in
        tests/sandbox/test_cgroups.py tests/workbench/test_manager.py tests/workbench/test_isolation.py
        tests/workbench/test_processes.py tests/workbench/test_templates.py tests/workbench/test_workspace.py
        tests/workbench/test_code.py tests/workbench/test_network.py
-       tests/test_doctor.py)
+       tests/test_doctor.py tests/attacks/test_host_workspace_git_attacks.py)
 echo "running the sandbox tests as $user in cgroup $group"
 runuser -u "$user" -- env HOME="$home" PATH="$PATH" \
   "$venv/bin/pytest" -q -p no:cacheprovider --basetemp="$home/pytest" "${tests[@]}"

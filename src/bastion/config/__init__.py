@@ -178,6 +178,9 @@ class WorkspaceConfig(Model):
     limits: LimitsConfig = LimitsConfig()
     use_cgroups: bool = True
     """Dangerous when false: commands then run without memory, pids and CPU limits."""
+    protect_git: bool = True
+    """The folder's `.git` is read-only to its commands and refused to the file tools. Dangerous when false: git
+    runs the hooks and config programs an agent writes there as whoever next runs git in the folder."""
     terminals: TerminalsConfig = TerminalsConfig()
 
     @field_validator("env")

@@ -62,7 +62,7 @@ import struct
 import threading
 import time
 import unicodedata
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Concatenate, Final, Literal, ParamSpec, TypeVar, final
@@ -735,6 +735,13 @@ class _NotAFolder(NotFound):
     """ENOTDIR: a component that should be a folder is not; callers may re-word it."""
 
 
+def _checked_names(names: Mapping[str, str]) -> dict[str, str]:
+    for name in names:
+        if not name or "/" in name or name in (".", ".."):
+            raise ConfigError(f"protected name {name!r} must be one path component: fix the entry")
+    return dict(names)
+
+
 def _compile_secret_patterns(patterns: Sequence[str]) -> tuple[tuple[str, re.Pattern[str]], ...]:
     if isinstance(patterns, str):
         raise ConfigError("secret_patterns is a single string: give a list of patterns")
@@ -1000,6 +1007,7 @@ class Jail:
         owner: tuple[int, int] | None = None,
         view_root: str | None = None,
         act_as_owner: bool = False,
+        protected_names: Mapping[str, str] | None = None,
     ) -> None:
         """Open the workspace root and keep its fd.
 
@@ -1017,6 +1025,8 @@ class Jail:
             act_as_owner: a root server's operations run with `owner` as the thread's filesystem ids,
                 so the kernel refuses what that user could not do (another user's 0600 file, a file
                 made read-only, a folder that is not theirs), as it does for the workspace's commands.
+            protected_names: names (exact) refused like secret files, anywhere in a path and judged by
+                real path alike, each with the reason given (a host workspace's ``.git``).
 
         Raises:
             InvalidRequest: the root is not absolute, not a folder, or reached through a symbolic link.
@@ -1029,6 +1039,7 @@ class Jail:
         self._users = 0
         self._closing = False
         self._secret = _compile_secret_patterns(secret_patterns)
+        self._protected = _checked_names(protected_names or {})
         self._allow_hardlinks = allow_hardlinks
         self._owner = owner
         self._acts_as = owner_identity(owner) if act_as_owner and owner is not None else None
@@ -1052,7 +1063,7 @@ class Jail:
         self._fd = fd
         self._root = real
         self._root_parts: tuple[str, ...] = tuple(part for part in real.split("/") if part)
-        if self._secret:
+        if self._secret or self._protected:
             self._probe_real_paths(real)
 
     def _probe_real_paths(self, real: str) -> None:
@@ -1666,6 +1677,8 @@ class Jail:
         if rel == ".":
             return
         for name in rel.split("/"):
+            if name in self._protected:
+                raise PolicyDenied(f"'{name}' {self._protected[name]}")
             for pattern, regex in self._secret:
                 if regex.match(name):
                     raise PolicyDenied(f"'{name}' matches the secret-file rule '{pattern}': ask the administrator")
@@ -1676,7 +1689,7 @@ class Jail:
         It differs from `rel` when a component of `rel` (a parent or the last) is a symlink:
         ``keys -> .ssh`` makes ``keys/authorized_keys`` really ``.ssh/authorized_keys``.
         """
-        if not self._secret:
+        if not self._secret and not self._protected:
             return
         real = self._real_relative(fd, rel)
         if real != rel:

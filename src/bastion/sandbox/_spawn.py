@@ -130,6 +130,10 @@ class SandboxSpec:
     """`workspace` is a host workspace's folder, which other local users can reach: its processes start
     with a umask withholding others' write permission and may neither drop it nor chmod o+w
     (`seccomp.HOST_WORKSPACE_DENIED`). False: an agent sandbox's own folder, no one else's to reach."""
+    read_only_names: tuple[str, ...] = ()
+    """Entries at the top of `workspace` shown read-only to its commands, each where it exists (not a
+    symlink) when the sandbox starts, and pinned there (a mount point is neither moved nor removed):
+    a host workspace's `.git`, whose hooks and config the folder's owner runs (`protect_git`)."""
 
 
 # Joins the cgroups (none: "0"), then becomes bwrap (same pid; through setpriv when it drops to the
@@ -323,6 +327,7 @@ def build_bwrap_argv(
     seccomp_fd: int,
     data_fds: Mapping[str, int] | None = None,
     etc_fds: Mapping[str, int] | None = None,
+    read_only_fds: Mapping[str, int] | None = None,
 ) -> list[str]:
     """The bubblewrap command line of a warm sandbox running the agent.
 
@@ -358,6 +363,9 @@ def build_bwrap_argv(
         argv += ["--size", str(spec.tmp_size_bytes), "--tmpfs", TMP_DIR]
         argv += ["--size", str(spec.shm_size_bytes), "--tmpfs", SHM_DIR]
     argv += ["--bind", spec.workspace, SANDBOX_WORKSPACE]
+    for name, fd in (read_only_fds or {}).items():
+        # By fd (`workspace_entry_fds`): a path would be resolved again by bwrap, following a link made meanwhile.
+        argv += ["--ro-bind-fd", str(fd), f"{SANDBOX_WORKSPACE}/{name}"]
     for source, dest in spec.read_only_binds:
         argv += ["--ro-bind", source, dest]
     # Last of the mounts: bwrap's root tmpfs (/etc, /opt/bastion and the mount points) read-only, not
@@ -432,6 +440,7 @@ def _spawn_sandbox(spec: SandboxSpec, go: int | None) -> tuple[SandboxProcess, s
     seccomp_fd = write_filter_fd(HOST_WORKSPACE_DENIED if spec.host_folder else DENIED)
     data_fds: dict[str, int] = {}
     etc_fds: dict[str, int] = {}
+    read_only_fds: dict[str, int] = {}
     args_fd = -1
     host_end, agent_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
@@ -442,7 +451,8 @@ def _spawn_sandbox(spec: SandboxSpec, go: int | None) -> tuple[SandboxProcess, s
         images = {dest: program_image(python, dest) for dest in (AGENT_PATH, FORWARDER_PATH)}
         data_fds |= inside_fds(images=images)
         etc_fds = host_etc_fds()
-        full = build_bwrap_argv(spec, agent_end.fileno(), python, seccomp_fd, data_fds, etc_fds)
+        read_only_fds = workspace_entry_fds(spec.workspace, spec.read_only_names)
+        full = build_bwrap_argv(spec, agent_end.fileno(), python, seccomp_fd, data_fds, etc_fds, read_only_fds)
         # bwrap is PID 1 inside, and /proc/1/cmdline is readable there: its options (host paths
         # of the workspace, the state folder, binds) go through a memfd, not the command line.
         # The command after "--" must stay on the real command line (bwrap takes it from there).
@@ -466,7 +476,14 @@ def _spawn_sandbox(spec: SandboxSpec, go: int | None) -> tuple[SandboxProcess, s
             stdin=subprocess.DEVNULL if go is None else go,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
-            pass_fds=(agent_end.fileno(), seccomp_fd, args_fd, *data_fds.values(), *etc_fds.values()),
+            pass_fds=(
+                agent_end.fileno(),
+                seccomp_fd,
+                args_fd,
+                *data_fds.values(),
+                *etc_fds.values(),
+                *read_only_fds.values(),
+            ),
             close_fds=True,
             start_new_session=True,
             env=BWRAP_ENV,
@@ -480,11 +497,44 @@ def _spawn_sandbox(spec: SandboxSpec, go: int | None) -> tuple[SandboxProcess, s
         raise
     finally:
         agent_end.close()
-        for fd in (seccomp_fd, *data_fds.values(), *etc_fds.values()):
+        for fd in (seccomp_fd, *data_fds.values(), *etc_fds.values(), *read_only_fds.values()):
             os.close(fd)
         if args_fd >= 0:
             os.close(args_fd)
     return proc, host_end
+
+
+def workspace_entry_fds(workspace: str, names: Sequence[str]) -> dict[str, int]:
+    """O_PATH fds of the entries `names` (single names) at the top of `workspace` that exist and are not
+    symlinks, by name; the caller closes them. A link is left alone: bwrap would bind what it leads to.
+
+    Raises:
+        Unavailable: the workspace folder cannot be opened.
+    """
+    fds: dict[str, int] = {}
+    if not names:
+        return fds
+    try:
+        root = os.open(workspace, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise Unavailable(f"cannot open the workspace folder {workspace}: {exc.strerror}") from None
+    try:
+        for name in names:
+            try:
+                fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=root)
+            except OSError:  # missing, or unreadable to the server: nothing there to show read-only
+                continue
+            if stat.S_ISLNK(os.fstat(fd).st_mode):
+                os.close(fd)
+                continue
+            fds[name] = fd
+    except BaseException:
+        for fd in fds.values():
+            os.close(fd)
+        raise
+    finally:
+        os.close(root)
+    return fds
 
 
 def inside_fds(*, images: Mapping[str, str | bytes] | None = None) -> dict[str, int]:

@@ -76,6 +76,11 @@ Encoding = Literal["utf-8", "base64"]
 IDMAP_DIR: Final = "idmap"  # in state_dir: one folder per host workspace, holding its idmapped mount
 IDMAP_MOUNT: Final = "root"  # in idmap/<id>: the mount point, while the server runs
 LANG: Final = "C.UTF-8"
+GIT_METADATA: Final = ".git"
+PROTECTED_REASON: Final = (
+    "is the repository's metadata, whose hooks and config the folder's owner runs with git: read-only to agents "
+    "in this workspace (protect_git); use git commands, or ask the administrator"
+)
 SYSTEM_PYTHON: Final = "/usr/bin/python3"
 OWN_VENV: Final = f"{SANDBOX_WORKSPACE}/.venv"  # a sandbox's own environment (install_package)
 
@@ -210,6 +215,8 @@ class HostWorkspace:
         self.identity = identity
         self._bind_source = bind_source
         self._unmount_on_close = unmount_on_close
+        # The folder owner's git runs what `.git` names: an agent's program, were it writable (`protect_git`).
+        self._protected = (GIT_METADATA,) if config.protect_git and not sandboxed else ()
         # A sandbox's file tools see paths as its commands do: /workspace/x is x (`Jail` view_root).
         self.jail = Jail(
             config.path,
@@ -218,6 +225,7 @@ class HostWorkspace:
             owner=owner,
             view_root=SANDBOX_WORKSPACE if sandboxed else None,
             act_as_owner=not sandboxed,
+            protected_names=dict.fromkeys(self._protected, PROTECTED_REASON),
         )
         self.redactor = redactor
         try:
@@ -228,7 +236,11 @@ class HostWorkspace:
             if sandbox is None:
                 ids = None if identity is None or not identity.switch else (identity.uid, identity.gid)
                 spec = SandboxSpec(
-                    workspace=bind_source or self.jail.root, identity=ids, devices=devices, host_folder=not sandboxed
+                    workspace=bind_source or self.jail.root,
+                    identity=ids,
+                    devices=devices,
+                    host_folder=not sandboxed,
+                    read_only_names=self._protected,
                 )
                 sandbox = BubblewrapBackend(cgroups).sandbox(spec, limits=limits)
             elif limits is not None:

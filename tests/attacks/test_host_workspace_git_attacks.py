@@ -1,0 +1,149 @@
+"""An agent plants code in a host workspace's git repository, for the folder's owner to run at their next git command.
+
+A host workspace is a real folder of the host, and what its commands and file tools write there is the owner's, as
+if the owner had written it (a root server's idmapped mount; an unprivileged server's own files). git runs the
+programs `.git/config` names (`core.fsmonitor`, `core.pager`, aliases, filters) and the hooks in `.git/hooks`, and
+follows `.git/commondir` to another folder's config. So the first `git status` the owner typed on the host after
+an agent had worked there ran the agent's program as the owner (root, for the demo's folder), outside any sandbox:
+found by attack (twenty-eighth session) through `cp`, `tar -xpf` and `write_file`, all allowed in the demo.
+
+What this proves, against a real server, real bubblewrap, the real MCP client and the host's real git: the
+repository's metadata (`.git`) is read-only to the workspace's commands and refused to its file tools, cannot be
+moved away or replaced, and the owner's `git status` afterwards runs nothing the agent wrote; the agent's git
+commands that only read still work, and so do its other writes.
+What it does not prove: anything about a repository the agent makes itself (its `git init` there is the agent's,
+SECURITY.md "A repository in a host workspace"), nor `protect_git = false`, which gives the agent `.git`.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import shutil
+import subprocess
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from tests.attacks.demo import Demo
+from tests.helpers import call
+
+pytestmark = [pytest.mark.anyio, pytest.mark.bwrap, pytest.mark.skipif(shutil.which("git") is None, reason="no git")]
+
+GIT_ENV = {
+    "PATH": "/usr/bin:/bin",
+    "HOME": "/nonexistent",
+    "GIT_CONFIG_NOSYSTEM": "1",
+    "GIT_AUTHOR_NAME": "owner",
+    "GIT_AUTHOR_EMAIL": "owner@example.com",
+    "GIT_COMMITTER_NAME": "owner",
+    "GIT_COMMITTER_EMAIL": "owner@example.com",
+}
+
+
+def owners_git(workspace: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """git as the folder's owner types it on the host, outside any sandbox."""
+    return subprocess.run(
+        ["git", "-C", str(workspace), *args], env=GIT_ENV, capture_output=True, text=True, timeout=30, check=False
+    )
+
+
+def make_repository(workspace: Path) -> None:
+    (workspace / "README.md").write_text("the owner's project\n")
+    for args in (("init", "-q"), ("add", "README.md"), ("commit", "-q", "-m", "first")):
+        assert owners_git(workspace, *args).returncode == 0
+
+
+def planted(marker: Path) -> str:
+    """A git config that runs a program at the owner's next `git status`."""
+    return f"[core]\n\tfsmonitor = \"touch '{marker}'; echo\"\n\thooksPath = .git/hooks\n"
+
+
+def hook_archive(marker: Path, config: str) -> bytes:
+    """A tar of `.git/config` and an executable `.git/hooks/post-index-change`, modes kept by `tar -xp`."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as archive:
+        for name, text, mode in (
+            (".git/config", config, 0o644),
+            (".git/hooks/post-index-change", f"#!/bin/sh\ntouch '{marker}'\n", 0o755),
+        ):
+            data = text.encode()
+            entry = tarfile.TarInfo(name)
+            entry.mode, entry.size = mode, len(data)
+            archive.addfile(entry, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+def metadata(workspace: Path) -> dict[str, bytes]:
+    """What the owner's git reads and runs: every file of `.git` but the objects, as bytes."""
+    git = workspace / ".git"
+    return {
+        str(path.relative_to(git)): path.read_bytes()
+        for path in sorted(git.rglob("*"))
+        if path.is_file() and "objects" not in path.relative_to(git).parts
+    }
+
+
+async def test_an_agent_cannot_plant_code_in_the_repository_the_owner_runs_git_in(demo: Demo) -> None:
+    """Attack: in a host workspace that is the owner's git repository, the agent writes a `.git/config` naming
+    `core.fsmonitor` (cp, write_file, edit_file, upload_file), an executable hook (`tar -xpf`), a `commondir`
+    pointing at a config of its own, and moves `.git` away to put its own in its place. Invariant: each is
+    refused, `.git` is byte for byte what it was, and the owner's `git status` runs nothing."""
+    workspace = demo.workspace
+    make_repository(workspace)
+    marker = demo.outside / "ran-as-the-owner"
+    before = metadata(workspace)
+    config = planted(marker)
+    async with demo.client() as client:
+        for name, text in (("evil.cfg", config), ("commondir", "own\n"), ("own/config", config)):
+            assert (await call(client, "write_file", path=name, content=text))["ok"]
+        tar = base64.b64encode(hook_archive(marker, config)).decode("ascii")
+        assert (await call(client, "upload_file", path="evil.tar", content_base64=tar))["ok"]
+        attempts = [
+            await call(client, "run_command", command="cp evil.cfg .git/config"),
+            await call(client, "run_command", command="tar -xpf evil.tar"),
+            await call(client, "run_command", command="cp commondir .git/commondir"),
+            await call(client, "run_command", command="mkdir .git/hooks/new"),
+            await call(client, "run_command", command="mv .git moved"),
+            await call(client, "write_file", path=".git/config", content=config),
+            await call(client, "write_file", path=".git/hooks/pre-commit", content="#!/bin/sh\n"),
+            await call(client, "edit_file", path=".git/config", old="[core]", new=config),
+            await call(client, "upload_file", path=".git/commondir", content_base64="b3duCg==", overwrite=True),
+        ]
+        commands = [attempt for attempt in attempts if attempt["action"] == "run_command"]
+        for command in commands:  # each ran, and failed: "Read-only file system", "Device or resource busy"
+            assert command["ok"], command
+            assert command["detail"]["exit_status"] != 0, command["detail"]
+            assert "Read-only" in command["detail"]["stderr"] or "busy" in command["detail"]["stderr"], command
+        refused = [attempt for attempt in attempts if attempt["action"] != "run_command"]
+        assert all(attempt["code"] == "POLICY_DENIED" for attempt in refused), refused
+        assert all(".git" in attempt["reason"] for attempt in refused), refused
+        # What still works: git that reads, and the agent's other files.
+        status = await call(client, "run_command", command="git status --porcelain")
+        assert status["ok"], status
+        log = await call(client, "run_command", command="git log --oneline")
+        assert "first" in log["detail"]["stdout"], log
+        assert (await call(client, "write_file", path="notes.txt", content="kept\n"))["ok"]
+    assert metadata(workspace) == before
+    assert not (workspace / "moved").exists()
+    assert owners_git(workspace, "status", "--porcelain").returncode == 0
+    assert not marker.exists(), "the owner's git status ran the agent's program"
+    assert (workspace / "notes.txt").read_text() == "kept\n"
+
+
+async def test_a_link_to_the_repository_does_not_reach_it_for_the_file_tools(demo: Demo) -> None:
+    """Attack: a symlink to `.git` (the owner's `ln -s .git meta`, or one an agent found) used as the path of a
+    write: `meta/config`. Invariant: judged by where it leads, refused, the config unchanged."""
+    workspace = demo.workspace
+    make_repository(workspace)
+    os.symlink(".git", workspace / "meta")
+    before = metadata(workspace)
+    async with demo.client() as client:
+        written = await call(client, "write_file", path="meta/config", content="[core]\n\tpager = id\n")
+        made = await call(client, "write_file", path="meta/hooks/new/pre-commit", content="#!/bin/sh\n")
+    assert written["code"] == "POLICY_DENIED", written
+    assert made["code"] == "POLICY_DENIED", made
+    assert metadata(workspace) == before
+    assert not (workspace / ".git" / "hooks" / "new").exists()
