@@ -44,6 +44,7 @@ from bastion.transports.http.store import AuthStore
 SESSION_COOKIE: Final = "__Host-bastion-admin"
 _DECIDE_STATUS: Final = {ResultCode.NOT_FOUND: 404, ResultCode.CONFLICT: 409, ResultCode.AUDIT_UNAVAILABLE: 503}
 WEB_DECIDER: Final = "administrator (web)"
+PASSWORD_CHANGED: Final = "The password changed during this login: log in with the new one."  # noqa: S105 - a message, not a password
 
 
 class AdminPages:
@@ -124,12 +125,17 @@ class AdminPages:
         if form is None or not browser or not same_token(form.get("csrf", ""), self._login_csrf(browser)):
             return pages.error_page(CSRF_FAILED, status=403)
         try:
-            ok = await check_password(self.limiter, self.credential, request, form.get("password", ""))
+            checked = await check_password(self.limiter, self.credential, request, form.get("password", ""))
         except LoginRefused as exc:
             return pages.too_many(exc.retry_after_s, exc.reason, status=exc.status)
-        if not ok:
+        if checked is None:
             return self._login_page(browser, message=LOGIN_FAILED, status=401)
         session, _ = self.store.new_admin_session(self.config.http.admin_session_lifetime_s)
+        if not self.credential.is_current(checked):
+            # Found by attack: set-password (which ends every session) ran during the check; asked once the
+            # session exists, so a revocation just before its insert is seen too.
+            self.store.end_admin_session(session)
+            return self._login_page(browser, message=PASSWORD_CHANGED, status=403)
         response = pages.see_other("/admin")
         response.set_cookie(
             SESSION_COOKIE,

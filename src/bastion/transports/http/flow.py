@@ -60,6 +60,7 @@ LOGIN_FAILED: Final = "Login failed."
 EXPIRED: Final = "This request expired or was already decided: start again from the app."
 TOO_MANY_TRIES: Final = "Too many wrong passwords for this request: start again from the app."
 CLIENT_GONE: Final = "This app's registration was removed while you were deciding: start again from the app."
+PASSWORD_CHANGED: Final = "The administrator password has changed. Start again from the app."  # noqa: S105 - a message, not a password
 OTHER_BROWSER: Final = "This request was started in another browser: start again from the app in this one."
 CSRF_FAILED: Final = "This form is not valid for this browser (CSRF check failed)."
 NOT_OUR_FORM: Final = "This form was sent by another site's page, not by bastion's: submit it from bastion's own page."
@@ -124,22 +125,24 @@ def same_token(given: str, expected: str) -> bool:
     return hmac.compare_digest(given.encode(), expected.encode())
 
 
-async def check_password(limiter: LoginLimiter, credential: AdminCredential, request: Request, password: str) -> bool:
+async def check_password(
+    limiter: LoginLimiter, credential: AdminCredential, request: Request, password: str
+) -> str | None:
     """The argon2 check behind the limiter: reserved first (waiting for a turn if the shared slot is busy),
     released whatever happens. A valid device cookie counts the attempt against that browser rather than its
-    address (`devices.py`).
+    address (`devices.py`). Returns the version of the password matched (`AdminCredential.verify`), or None.
 
     Raises:
         LoginRefused: the attempt is refused before any argon2 work (429 or 503).
     """
     device = TrustedDevices(credential).device(request.cookies.get(DEVICE_COOKIE, ""))
     attempt = await limiter.acquire(client_ip(request), device=device)
-    ok = False
+    checked: str | None = None
     try:
-        ok = await anyio.to_thread.run_sync(credential.verify, password)
+        checked = await anyio.to_thread.run_sync(credential.verify, password)
     finally:
-        limiter.finish(attempt, ok)
-    return ok
+        limiter.finish(attempt, checked is not None)
+    return checked
 
 
 def offered_scopes(asked: str, registered: str | None) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
@@ -351,19 +354,22 @@ class AuthorizationFlow:
         # Reserved before the check: one request's form posted from many addresses at once gets its tries, no more.
         txn.login_tries += 1
         try:
-            ok = await check_password(self.limiter, self.credential, request, form.get("password", ""))
+            checked = await check_password(self.limiter, self.credential, request, form.get("password", ""))
         except LoginRefused as exc:
             txn.login_tries -= 1  # refused before any check
             return pages.too_many(exc.retry_after_s, exc.reason, status=exc.status)
-        if not ok and txn.login_tries >= MAX_LOGIN_TRIES:
+        if checked is None and txn.login_tries >= MAX_LOGIN_TRIES:
             self.provider.finish_transaction(txn.txn_id)
             return pages.error_page(TOO_MANY_TRIES, status=401)
-        if not ok:
+        if checked is None:
             return self._login_page(txn, message=LOGIN_FAILED, status=401)
         if self.provider.transaction(txn.txn_id) is not txn:
             return pages.error_page(EXPIRED, status=403)  # it expired during the check
+        if not self.credential.is_current(checked):
+            self.provider.finish_transaction(txn.txn_id)
+            return pages.error_page(PASSWORD_CHANGED, status=403)  # set-password ran during the check
         txn.authenticated = True
-        txn.credential_version = self.credential.version()
+        txn.credential_version = checked
         txn.csrf = secrets.token_urlsafe(32)  # a new token for the next step
         fresh = secrets.token_urlsafe(32)
         self.provider.rebind_browser(txn.browser_digest, browser_digest(fresh))
@@ -409,9 +415,9 @@ class AuthorizationFlow:
         if not self._bound(request, txn, single) or not txn.authenticated:
             return pages.error_page(CSRF_FAILED, status=403)
         self.provider.finish_transaction(txn.txn_id)
-        if not hmac.compare_digest(txn.credential_version, self.credential.version()):
+        if not self.credential.is_current(txn.credential_version):
             # The password changed (which revokes everything) after this login: the login no longer counts.
-            return pages.error_page("The administrator password has changed. Start again from the app.", status=403)
+            return pages.error_page(PASSWORD_CHANGED, status=403)
         issuer = self.provider.endpoints.issuer
         granted = tuple(s for s in txn.scopes if s in chosen)
         if single.get("decision") != "approve" or not granted:
@@ -420,6 +426,10 @@ class AuthorizationFlow:
             code = self.provider.issue_code(txn, granted)
         except NotFound:
             return pages.error_page(CLIENT_GONE, status=403)
+        if not self.credential.is_current(txn.credential_version):
+            # Asked again once the grant exists: set-password's revocation may have run just before it was made.
+            self.provider.revoke_code_grant(code, "admin password changed")
+            return pages.error_page(PASSWORD_CHANGED, status=403)
         self.approved_redirects.add(txn.redirect_uri)
         return pages.see_other(_redirect(txn.redirect_uri, code=code, state=txn.state, iss=issuer))
 

@@ -7,6 +7,7 @@ admin session (the caller does that through the store), so a leaked password or 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import logging
 import os
 import secrets
@@ -38,13 +39,18 @@ def check_new_password(password: str) -> None:
 
 
 def write_hash(path: Path, password: str) -> None:
-    """Store the argon2id hash of `password`, replacing any previous one atomically (mode 0600)."""
+    """Store the argon2id hash of `password`, replacing any previous one atomically (mode 0600), owned by
+    the owner of its folder: found by attack, root's `set-password` on a service user's state left a file
+    the server could not read, and every login answered 500 until a `chown` by hand."""
     check_new_password(password)
     encoded = _HASHER.hash(password)
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    folder = os.stat(path.parent, follow_symlinks=False)
     temp = path.with_name(path.name + ".tmp")
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
+        if os.geteuid() == 0 and folder.st_uid != 0:
+            os.fchown(fd, folder.st_uid, folder.st_gid)
         os.write(fd, encoded.encode() + b"\n")
         os.fsync(fd)
     finally:
@@ -57,20 +63,35 @@ class AdminCredential:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._cached: tuple[float, str] | None = None
+        self._cached: tuple[tuple[int, int, int], str] | None = None
+        self._unreadable = ""
 
     def _hash(self) -> str | None:
+        """The stored hash; None when unset, or unreadable (said once in the log: no login can pass then)."""
         try:
             stat = os.stat(self.path, follow_symlinks=False)
+            # A new file is a new inode: two changes within one tick of the file clock keep one mtime.
+            key = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
+            if self._cached is None or self._cached[0] != key:
+                fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                try:
+                    text = os.read(fd, 4096).decode(errors="replace").strip()
+                finally:
+                    os.close(fd)
+                self._cached = (key, text)
         except FileNotFoundError:
             return None
-        if self._cached is None or self._cached[0] != stat.st_mtime_ns:
-            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            try:
-                text = os.read(fd, 4096).decode().strip()
-            finally:
-                os.close(fd)
-            self._cached = (stat.st_mtime_ns, text)
+        except OSError as exc:
+            if exc.strerror != self._unreadable:
+                self._unreadable = exc.strerror or type(exc).__name__
+                logger.error(
+                    "the admin password file %s cannot be read (%s): no login can pass; give it to the server's "
+                    "user (run 'bastion admin set-password' as that user)",
+                    self.path,
+                    self._unreadable,
+                )
+            return None
+        self._unreadable = ""
         return self._cached[1]
 
     @property
@@ -80,22 +101,33 @@ class AdminCredential:
     def version(self) -> str:
         """Changes whenever the password does: a login made with an older password no longer counts."""
         encoded = self._hash()
-        return "" if encoded is None else hashlib.sha256(encoded.encode()).hexdigest()
+        return "" if encoded is None else _version_of(encoded)
 
-    def verify(self, password: str) -> bool:
-        """True if `password` is the administrator's; the argon2 work is done even for an unset hash."""
+    def verify(self, password: str) -> str | None:
+        """The version (`version`) of the hash `password` matched, or None; the argon2 work is done even for
+        an unset hash. A login counts for that version only: found by attack, a login checked against the
+        old hash while `set-password` replaced it read the version again afterwards, got the new one, and
+        its session outlived the change."""
         encoded = self._hash()
         if encoded is None or len(password) > MAX_PASSWORD_CHARS:
             # Same cost as a real check, so timing does not say whether a password is set.
             _HASHER.hash("x" * MIN_PASSWORD_CHARS)
-            return False
+            return None
         try:
-            return _HASHER.verify(encoded, password)
+            return _version_of(encoded) if _HASHER.verify(encoded, password) else None
         except VerifyMismatchError:
-            return False
+            return None
         except (VerificationError, InvalidHashError) as exc:
             # Not a wrong password: the check itself failed (argon2's memory or threads, a damaged hash).
             logger.error(
                 "admin password check failed: %s", str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             )
-            return False
+            return None
+
+    def is_current(self, version: str) -> bool:
+        """Whether `version` (from `verify`) is still the password's: asked after what a login made exists."""
+        return hmac.compare_digest(version.encode(), self.version().encode())
+
+
+def _version_of(encoded: str) -> str:
+    return hashlib.sha256(encoded.encode()).hexdigest()

@@ -258,6 +258,12 @@ class BastionAuthProvider:
             registered=not is_url_client_id(txn.client_id),
         )
 
+    def revoke_code_grant(self, code: str, reason: str) -> None:
+        """Revoke the grant a code just issued belongs to (the code with it)."""
+        record = self.store.code(code)
+        if record is not None:
+            self.store.revoke_grant(record.grant_id, reason)
+
     # -- tokens ------------------------------------------------------------------------------------------
 
     def redeem_code(self, code: str) -> IssuedTokens | None:
