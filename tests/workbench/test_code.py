@@ -132,6 +132,27 @@ async def test_code_that_ignores_the_interrupt_is_killed_then_restarted(client: 
     assert fresh["detail"]["execution_count"] == 1
 
 
+async def test_a_cell_whose_call_is_cancelled_stops_before_the_next_one(client: Client) -> None:
+    """Found by attack (twenty-eighth session, a client cut off mid-call): a cancelled `execute_code` (its client
+    gone, or `notifications/cancelled`) left the cell running in the kernel, unseen: the context was listed as
+    idle, and the next cell waited behind it and was answered TIMEOUT. Invariant: the cancelled cell is
+    interrupted (KeyboardInterrupt, as at its time limit), its state is kept, and the next cell runs at once."""
+    sandbox = await create(client)
+    await run(client, sandbox, "import time\nkept = 1")
+    long_cell = "open('started', 'w').close()\ntime.sleep(120)\nkept = 2"
+    async with anyio.create_task_group() as calls:
+        calls.start_soon(run, client, sandbox, long_cell)
+        with anyio.fail_after(30):
+            while not (await sh(client, sandbox, "test -e started"))["ok"]:
+                await anyio.sleep(0.01)  # polling, not timing
+        calls.cancel_scope.cancel()  # the SDK's client tells the server (notifications/cancelled)
+    listed = await call(client, "list_code_contexts", sandbox_id=sandbox)
+    assert listed["ok"], listed
+    after = await run(client, sandbox, "kept", timeout_s=10)
+    assert after["ok"], after
+    assert after["detail"]["value"] == "1"
+
+
 async def running_in_sandbox(client: Client, sandbox_id: str, pids: list[int]) -> list[int]:
     """Which of `pids` (the sandbox's own numbers) are processes running in the sandbox now: not zombies
     waiting for the agent, their parent once orphaned, to reap them."""

@@ -728,9 +728,18 @@ class CodeContext:
                 lease=images,
             )
             self._cell = cell
+            sent = False
             try:
                 await self._send({"op": "exec", "id": cell.id, "code": code})
+                sent = True
                 return await self._await_cell(cell, timeout_s, progress, in_thread)
+            except asyncio.CancelledError:
+                # Found by attack: a call cancelled (its client gone, `notifications/cancelled`) left the cell
+                # running unseen; the context was listed idle, and the next cell waited behind it until its own
+                # time limit. It is interrupted as at its time limit (killed if it does not stop).
+                if sent and not cell.done.done():
+                    await asyncio.shield(self._interrupt(cell))
+                raise
             finally:
                 self._cell = None
 
