@@ -338,6 +338,28 @@ def test_an_audit_burst_the_audit_filesystem_cannot_hold_a_few_times_is_a_warnin
     assert "lower caller_burst_bytes" in detail, detail
 
 
+def test_a_repository_workspace_whose_git_is_the_agents_is_a_warning(
+    capsys: pytest.CaptureFixture[str], demo_config_path: Path
+) -> None:
+    """A host workspace's `.git` written by an agent runs as whoever next types git there (SECURITY.md, "A
+    repository in a host workspace"). Invariant: no check without a repository; ok with `protect_git` on; a
+    warning naming the workspace with it off."""
+    _, checks, _ = _doctor(capsys, "--config", str(demo_config_path))
+    assert "git" not in checks
+    workspace = load_config(demo_config_path).workspace[0]
+    (workspace.path / ".git").mkdir()
+    _, checks, _ = _doctor(capsys, "--config", str(demo_config_path))
+    assert checks["git"][0] == "ok", checks["git"]
+    text = demo_config_path.read_text()
+    assert text.count("protect_git = true") == 1
+    demo_config_path.write_text(text.replace("protect_git = true", "protect_git = false"))
+    code, checks, _ = _doctor(capsys, "--config", str(demo_config_path))
+    status, detail = checks["git"]
+    assert (code, status) == (0, "warn"), detail
+    assert f"workspace {workspace.id}" in detail, detail
+    assert "protect_git = false" in detail, detail
+
+
 def test_sandboxes_that_could_fill_the_hosts_file_table_are_a_warning(
     capsys: pytest.CaptureFixture[str], demo_config_path: Path
 ) -> None:

@@ -182,6 +182,9 @@ timeout_s = 30
 max_output_bytes = 65536
 # Extra environment for commands (PATH, HOME and LANG are fixed). Values are redacted from output.
 env = {{}}
+# The folder's .git is read-only to the agent: git runs the hooks and config programs written there as
+# whoever next types `git status` in the folder. false is dangerous (docs/configuration.md).
+protect_git = true
 
 [workspace.limits]
 # cgroup limits of this workspace's sandbox, all its commands together.

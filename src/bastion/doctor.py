@@ -110,6 +110,9 @@ def run_checks(config_arg: str | None) -> list[Check]:
     if file_table is not None:
         checks.append(file_table)
     checks += _identity_checks(config)
+    git = _git_check(config)
+    if git is not None:
+        checks.append(git)
     state = _state_check(config)
     checks.append(state)
     if state.status == "ok":  # no test file is written where someone else could swap the folder
@@ -236,6 +239,25 @@ def _cgroup_check(config: Config) -> tuple[CgroupLayout | None, Check]:
             "cgroups", "warn", f"{detail}; but NOT for workspace {', '.join(unlimited)} (use_cgroups = false)"
         )
     return layout, Check("cgroups", "ok", detail)
+
+
+def _git_check(config: Config) -> Check | None:
+    """Which host workspaces are git repositories, and whether their `.git` is the agent's to write
+    (`protect_git`): git runs the hooks and config programs there as whoever next runs git in the folder."""
+    repos = [ws for ws in config.workspace if os.path.lexists(os.path.join(ws.path, ".git"))]
+    if not repos:
+        return None
+    open_to_agent = [ws.id for ws in repos if not ws.protect_git]
+    linked = [ws.id for ws in repos if ws.protect_git and os.path.islink(os.path.join(ws.path, ".git"))]
+    if open_to_agent or linked:
+        parts = []
+        if open_to_agent:
+            parts.append(f"workspace {', '.join(open_to_agent)}: .git is the agent's to write (protect_git = false)")
+        if linked:
+            parts.append(f"workspace {', '.join(linked)}: .git is a symbolic link, which is not protected")
+        return Check("git", "warn", "; ".join(parts) + ": git there runs the hooks and config programs it writes")
+    names = ", ".join(ws.id for ws in repos)
+    return Check("git", "ok", f"the .git of workspace {names} is read-only to agents (protect_git)")
 
 
 def _quota_checks(config: Config) -> list[Check]:
