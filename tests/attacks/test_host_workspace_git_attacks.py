@@ -27,6 +27,8 @@ from pathlib import Path
 
 import pytest
 
+from bastion.app import build_services
+from bastion.safety.errors import ConfigError
 from tests.attacks.demo import Demo
 from tests.helpers import call
 
@@ -147,3 +149,91 @@ async def test_a_link_to_the_repository_does_not_reach_it_for_the_file_tools(dem
     assert made["code"] == "POLICY_DENIED", made
     assert metadata(workspace) == before
     assert not (workspace / ".git" / "hooks" / "new").exists()
+
+
+async def test_a_git_file_naming_a_folder_in_the_workspace_keeps_that_folder_from_the_agent(demo: Demo) -> None:
+    """Attack (found by review): the owner's `.git` is a file, `gitdir: ./.bare` (a bare repository beside its
+    worktrees, or `git init --separate-git-dir`); only the name `.git` was kept from the agent, and `cp evil.cfg
+    .bare/config` ran the agent's program at the owner's next `git status`. Invariant: the folder the file names
+    is read-only to commands and refused to the file tools; git there runs nothing the agent wrote."""
+    workspace = demo.workspace
+    (workspace / "README.md").write_text("the owner's project\n")
+    assert owners_git(workspace, "init", "-q", "--separate-git-dir", str(workspace / ".bare")).returncode == 0
+    (workspace / ".git").write_text("gitdir: ./.bare\n")
+    for args in (("add", "README.md"), ("commit", "-q", "-m", "first")):
+        assert owners_git(workspace, *args).returncode == 0
+    before = (workspace / ".bare" / "config").read_bytes()
+    marker = demo.outside / "ran-as-the-owner"
+    async with demo.client() as client:
+        assert (await call(client, "write_file", path="evil.cfg", content=planted(marker)))["ok"]
+        copied = await call(client, "run_command", command="cp evil.cfg .bare/config")
+        moved = await call(client, "run_command", command="mv .bare elsewhere")
+        written = await call(client, "write_file", path=".bare/hooks/post-index-change", content="#!/bin/sh\n")
+        status = await call(client, "run_command", command="git status --porcelain")
+    assert copied["detail"]["exit_status"] != 0, copied["detail"]
+    assert moved["detail"]["exit_status"] != 0, moved["detail"]
+    assert written["code"] == "POLICY_DENIED", written
+    assert status["detail"]["exit_status"] == 0, status["detail"]
+    assert (workspace / ".bare" / "config").read_bytes() == before
+    assert owners_git(workspace, "status", "--porcelain").returncode == 0
+    assert not marker.exists(), "the owner's git status ran the agent's program"
+
+
+@pytest.mark.parametrize("checked_out", [False, True], ids=["folder-missing", "folder-empty"])
+async def test_a_submodule_folder_cannot_become_the_agents_repository(demo: Demo, checked_out: bool) -> None:
+    """Attack (found by review): the owner's repository has a submodule not checked out; the agent makes its
+    folder a repository of its own (`git init` there, a config naming core.fsmonitor), and the owner's `git
+    status` at the top, whose `.git` is protected, ran a status in the submodule and so the agent's program.
+    Invariant: the submodule's folder is an empty read-only one to the agent (made empty on the host when
+    missing, as git makes it), and the owner's status runs nothing."""
+    workspace = demo.workspace
+    make_repository(workspace)
+    library = demo.root / "library"
+    library.mkdir()
+    (library / "x").write_text("x\n")
+    for args in (("init", "-q"), ("add", "x"), ("commit", "-q", "-m", "library")):
+        assert owners_git(library, *args).returncode == 0
+    head = owners_git(library, "rev-parse", "HEAD").stdout.strip()
+    (workspace / ".gitmodules").write_text('[submodule "sub"]\n\tpath = sub\n\turl = https://example.invalid/lib\n')
+    assert owners_git(workspace, "update-index", "--add", "--cacheinfo", f"160000,{head},sub").returncode == 0
+    assert owners_git(workspace, "add", ".gitmodules").returncode == 0
+    assert owners_git(workspace, "commit", "-q", "-m", "submodule").returncode == 0
+    if checked_out:
+        (workspace / "sub").mkdir()  # what a clone without --recurse-submodules leaves
+    marker = demo.outside / "ran-as-the-owner"
+    async with demo.client() as client:
+        assert (await call(client, "write_file", path="evil.cfg", content=planted(marker)))["ok"]
+        made = await call(client, "run_command", command="mkdir -p sub")
+        attempts = [
+            await call(client, "run_command", command="git init -q sub"),
+            await call(client, "run_command", command="git init -q", cwd="sub"),
+            await call(client, "run_command", command="cp evil.cfg sub/.git/config"),
+        ]
+        written = await call(client, "write_file", path="sub/.git/config", content=planted(marker))
+    assert made["detail"]["exit_status"] == 0, made["detail"]  # the folder is there
+    for attempt in attempts:  # refused (a cwd there), or failed: "Read-only file system"
+        assert not attempt["ok"] or attempt["detail"]["exit_status"] != 0, attempt
+    assert written["code"] == "POLICY_DENIED", written
+    assert sorted(os.listdir(workspace / "sub")) == []
+    assert owners_git(workspace, "status", "--porcelain").returncode == 0
+    assert not marker.exists(), "the owner's git status at the top ran the agent's program"
+
+
+def test_a_git_link_is_refused_at_start_as_protect_git_cannot_pin_it(demo: Demo) -> None:
+    """Attack (found by review): the owner's `.git` is a symbolic link to `.repo`; the link was left alone, and
+    `write_file .repo/config` ran the agent's program at the owner's next `git status`. A link cannot be bound
+    over itself, so the agent could rename it and make its own. Invariant: the server refuses to start, saying
+    why and what to do, and nothing was written."""
+    workspace = demo.workspace
+    make_repository(workspace)
+    (workspace / ".git").rename(workspace / ".repo")
+    os.symlink(".repo", workspace / ".git")
+    before = metadata_of(workspace / ".repo")
+    with pytest.raises(ConfigError, match="symbolic link") as refused:
+        build_services(demo.load()).close()  # closed if it starts after all: its mounts would outlive the test
+    assert "protect_git = false" in str(refused.value)
+    assert metadata_of(workspace / ".repo") == before
+
+
+def metadata_of(folder: Path) -> dict[str, bytes]:
+    return {str(path.relative_to(folder)): path.read_bytes() for path in sorted(folder.rglob("*")) if path.is_file()}

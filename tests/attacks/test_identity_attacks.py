@@ -818,12 +818,13 @@ async def test_every_call_and_program_that_sets_a_setuid_or_setgid_mode_is_refus
         assert refused["code"] == "POLICY_DENIED", (command, refused)
     out = ran(await sh(client, DEFAULT, "mkdir -m 6777 md"))
     assert (out["exit_status"], EPERM_TEXT in out["stderr"]) == (1, True), out
-    # git runs core.fsmonitor through sh whenever it reads the index: the probe runs after all.
-    ran(await sh(client, DEFAULT, "git init -q"))
+    # git runs core.fsmonitor through sh whenever it reads the index: the probe runs after all. The repository is
+    # one the agent makes after the start, in a folder of another name (`.git` is refused to the file tools).
+    ran(await sh(client, DEFAULT, "git init -q --separate-git-dir=meta"))
     ran(await sh(client, DEFAULT, "git add README.md"))
     hook = "test -e probe || python3 -I -S probe.py nr.json probe >fsmonitor.out 2>&1; exit 1"  # git may ask twice
     config = f"[core]\n\trepositoryformatversion = 0\n\tbare = false\n\tfsmonitor = {json.dumps(hook)}\n"
-    written = await call(client, "write_file", path=".git/config", content=config, sandbox_id=DEFAULT)
+    written = await call(client, "write_file", path="meta/config", content=config, sandbox_id=DEFAULT)
     assert written["ok"], written
     ran(await sh(client, DEFAULT, "git status --short"))
     check_mode_probe(

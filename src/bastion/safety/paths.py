@@ -1008,6 +1008,7 @@ class Jail:
         view_root: str | None = None,
         act_as_owner: bool = False,
         protected_names: Mapping[str, str] | None = None,
+        protected_paths: Mapping[str, str] | None = None,
     ) -> None:
         """Open the workspace root and keep its fd.
 
@@ -1027,6 +1028,8 @@ class Jail:
                 made read-only, a folder that is not theirs), as it does for the workspace's commands.
             protected_names: names (exact) refused like secret files, anywhere in a path and judged by
                 real path alike, each with the reason given (a host workspace's ``.git``).
+            protected_paths: paths relative to the root refused so, with all beneath them (a host workspace's
+                repository folder that a ``.git`` file names, its submodules' folders).
 
         Raises:
             InvalidRequest: the root is not absolute, not a folder, or reached through a symbolic link.
@@ -1040,6 +1043,7 @@ class Jail:
         self._closing = False
         self._secret = _compile_secret_patterns(secret_patterns)
         self._protected = _checked_names(protected_names or {})
+        self._protected_paths = dict(protected_paths or {})
         self._allow_hardlinks = allow_hardlinks
         self._owner = owner
         self._acts_as = owner_identity(owner) if act_as_owner and owner is not None else None
@@ -1063,7 +1067,7 @@ class Jail:
         self._fd = fd
         self._root = real
         self._root_parts: tuple[str, ...] = tuple(part for part in real.split("/") if part)
-        if self._secret or self._protected:
+        if self._secret or self._protected or self._protected_paths:
             self._probe_real_paths(real)
 
     def _probe_real_paths(self, real: str) -> None:
@@ -1676,6 +1680,9 @@ class Jail:
     def _check_secret(self, rel: str) -> None:
         if rel == ".":
             return
+        for path, reason in self._protected_paths.items():
+            if rel == path or rel.startswith(path + "/"):
+                raise PolicyDenied(f"'{path}' {reason}")
         for name in rel.split("/"):
             if name in self._protected:
                 raise PolicyDenied(f"'{name}' {self._protected[name]}")
@@ -1689,7 +1696,7 @@ class Jail:
         It differs from `rel` when a component of `rel` (a parent or the last) is a symlink:
         ``keys -> .ssh`` makes ``keys/authorized_keys`` really ``.ssh/authorized_keys``.
         """
-        if not self._secret and not self._protected:
+        if not self._secret and not self._protected and not self._protected_paths:
             return
         real = self._real_relative(fd, rel)
         if real != rel:

@@ -17,7 +17,9 @@ from bastion.sandbox._spawn import (
     SANDBOX_NODE_OPTIONS,
     SANDBOX_PATH,
     SANDBOX_WORKSPACE,
+    LinkOnPath,
     SandboxSpec,
+    open_beneath,
     sandbox_python,
 )
 from bastion.sandbox.backend import Backend, Process, RunOutcome, Sandbox
@@ -39,6 +41,7 @@ __all__ = [
     "Backend",
     "BubblewrapBackend",
     "DeviceFolder",
+    "LinkOnPath",
     "Process",
     "RunOutcome",
     "Sandbox",
@@ -48,6 +51,7 @@ __all__ = [
     "idmap_supported",
     "idmapped_mount",
     "is_mounted",
+    "open_beneath",
     "quota_available",
     "sandbox_python",
     "unmount",

@@ -130,10 +130,13 @@ class SandboxSpec:
     """`workspace` is a host workspace's folder, which other local users can reach: its processes start
     with a umask withholding others' write permission and may neither drop it nor chmod o+w
     (`seccomp.HOST_WORKSPACE_DENIED`). False: an agent sandbox's own folder, no one else's to reach."""
-    read_only_names: tuple[str, ...] = ()
-    """Entries at the top of `workspace` shown read-only to its commands, each where it exists (not a
-    symlink) when the sandbox starts, and pinned there (a mount point is neither moved nor removed):
-    a host workspace's `.git`, whose hooks and config the folder's owner runs (`protect_git`)."""
+    read_only_paths: tuple[str, ...] = ()
+    """Entries of `workspace` (relative, parents first) shown read-only to its commands where they exist with
+    no link on the way when the sandbox starts, and pinned there (a mount point is neither moved nor removed):
+    a host workspace's repository, which the folder's owner runs with git (`protect_git`, `repository`)."""
+    sealed_paths: tuple[str, ...] = ()
+    """Folders of `workspace` shown as empty read-only folders (made empty on the host if missing): a host
+    workspace's submodule folders that do not exist, where the agent would make a repository of its own."""
 
 
 # Joins the cgroups (none: "0"), then becomes bwrap (same pid; through setpriv when it drops to the
@@ -363,9 +366,11 @@ def build_bwrap_argv(
         argv += ["--size", str(spec.tmp_size_bytes), "--tmpfs", TMP_DIR]
         argv += ["--size", str(spec.shm_size_bytes), "--tmpfs", SHM_DIR]
     argv += ["--bind", spec.workspace, SANDBOX_WORKSPACE]
-    for name, fd in (read_only_fds or {}).items():
+    for path, fd in (read_only_fds or {}).items():
         # By fd (`workspace_entry_fds`): a path would be resolved again by bwrap, following a link made meanwhile.
-        argv += ["--ro-bind-fd", str(fd), f"{SANDBOX_WORKSPACE}/{name}"]
+        argv += ["--ro-bind-fd", str(fd), f"{SANDBOX_WORKSPACE}/{path}"]
+    for path in spec.sealed_paths:
+        argv += ["--tmpfs", f"{SANDBOX_WORKSPACE}/{path}", "--remount-ro", f"{SANDBOX_WORKSPACE}/{path}"]
     for source, dest in spec.read_only_binds:
         argv += ["--ro-bind", source, dest]
     # Last of the mounts: bwrap's root tmpfs (/etc, /opt/bastion and the mount points) read-only, not
@@ -451,7 +456,7 @@ def _spawn_sandbox(spec: SandboxSpec, go: int | None) -> tuple[SandboxProcess, s
         images = {dest: program_image(python, dest) for dest in (AGENT_PATH, FORWARDER_PATH)}
         data_fds |= inside_fds(images=images)
         etc_fds = host_etc_fds()
-        read_only_fds = workspace_entry_fds(spec.workspace, spec.read_only_names)
+        read_only_fds = workspace_entry_fds(spec.workspace, spec.read_only_paths)
         full = build_bwrap_argv(spec, agent_end.fileno(), python, seccomp_fd, data_fds, etc_fds, read_only_fds)
         # bwrap is PID 1 inside, and /proc/1/cmdline is readable there: its options (host paths
         # of the workspace, the state folder, binds) go through a memfd, not the command line.
@@ -504,30 +509,58 @@ def _spawn_sandbox(spec: SandboxSpec, go: int | None) -> tuple[SandboxProcess, s
     return proc, host_end
 
 
-def workspace_entry_fds(workspace: str, names: Sequence[str]) -> dict[str, int]:
-    """O_PATH fds of the entries `names` (single names) at the top of `workspace` that exist and are not
-    symlinks, by name; the caller closes them. A link is left alone: bwrap would bind what it leads to.
+class LinkOnPath(Exception):
+    """A component of a path is a symbolic link (its message: the path)."""
+
+
+def open_beneath(root_fd: int, rel: str) -> int | None:
+    """An O_PATH fd of `rel` (plain components, no '..') beneath `root_fd`, following no link; None if it does
+    not exist. The caller closes it.
+
+    Raises:
+        LinkOnPath: a component of `rel` is a symbolic link.
+    """
+    fd = os.dup(root_fd)
+    try:
+        for part in rel.split("/"):
+            try:
+                child = os.open(part, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            except (FileNotFoundError, NotADirectoryError):
+                return None
+            os.close(fd)
+            fd = child
+            if stat.S_ISLNK(os.fstat(fd).st_mode):
+                raise LinkOnPath(rel)
+        found, fd = fd, -1
+        return found
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def workspace_entry_fds(workspace: str, paths: Sequence[str]) -> dict[str, int]:
+    """O_PATH fds of the entries `paths` (relative, plain components) of `workspace` that exist with no
+    symbolic link on the way, by path; the caller closes them. A link is left alone: bwrap would bind what
+    it leads to.
 
     Raises:
         Unavailable: the workspace folder cannot be opened.
     """
     fds: dict[str, int] = {}
-    if not names:
+    if not paths:
         return fds
     try:
         root = os.open(workspace, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as exc:
         raise Unavailable(f"cannot open the workspace folder {workspace}: {exc.strerror}") from None
     try:
-        for name in names:
+        for path in paths:
             try:
-                fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=root)
-            except OSError:  # missing, or unreadable to the server: nothing there to show read-only
+                fd = open_beneath(root, path)
+            except (LinkOnPath, OSError):  # a link, or unreadable to the server: nothing to show read-only
                 continue
-            if stat.S_ISLNK(os.fstat(fd).st_mode):
-                os.close(fd)
-                continue
-            fds[name] = fd
+            if fd is not None:
+                fds[path] = fd
     except BaseException:
         for fd in fds.values():
             os.close(fd)

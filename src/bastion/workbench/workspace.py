@@ -66,6 +66,7 @@ from bastion.sandbox.warm import BubblewrapBackend
 from bastion.workbench.background import RING_BYTES, BackgroundProcesses
 from bastion.workbench.edit import edit_text
 from bastion.workbench.media import MAX_IMAGE_BYTES, Image, image_type
+from bastion.workbench.repository import GIT, Protection, repository_protection
 from bastion.workbench.search import search_tree
 from bastion.workbench.terminals import TERM, Terminals
 from bastion.workbench.workers import INLINE_CLEAN_CHARS, InThread, any_thread
@@ -76,9 +77,8 @@ Encoding = Literal["utf-8", "base64"]
 IDMAP_DIR: Final = "idmap"  # in state_dir: one folder per host workspace, holding its idmapped mount
 IDMAP_MOUNT: Final = "root"  # in idmap/<id>: the mount point, while the server runs
 LANG: Final = "C.UTF-8"
-GIT_METADATA: Final = ".git"
 PROTECTED_REASON: Final = (
-    "is the repository's metadata, whose hooks and config the folder's owner runs with git: read-only to agents "
+    "is the repository's, whose hooks and config the folder's owner runs with git: read-only to agents "
     "in this workspace (protect_git); use git commands, or ask the administrator"
 )
 SYSTEM_PYTHON: Final = "/usr/bin/python3"
@@ -215,8 +215,9 @@ class HostWorkspace:
         self.identity = identity
         self._bind_source = bind_source
         self._unmount_on_close = unmount_on_close
-        # The folder owner's git runs what `.git` names: an agent's program, were it writable (`protect_git`).
-        self._protected = (GIT_METADATA,) if config.protect_git and not sandboxed else ()
+        # The folder owner's git runs what the repository names: an agent's program, were it writable.
+        guarded = config.protect_git and not sandboxed
+        self._repository = repository_protection(str(config.path), config.id) if guarded else Protection()
         # A sandbox's file tools see paths as its commands do: /workspace/x is x (`Jail` view_root).
         self.jail = Jail(
             config.path,
@@ -225,7 +226,8 @@ class HostWorkspace:
             owner=owner,
             view_root=SANDBOX_WORKSPACE if sandboxed else None,
             act_as_owner=not sandboxed,
-            protected_names=dict.fromkeys(self._protected, PROTECTED_REASON),
+            protected_names=dict.fromkeys((GIT,) if guarded else (), PROTECTED_REASON),
+            protected_paths=dict.fromkeys(self._repository.paths, PROTECTED_REASON),
         )
         self.redactor = redactor
         try:
@@ -240,7 +242,8 @@ class HostWorkspace:
                     identity=ids,
                     devices=devices,
                     host_folder=not sandboxed,
-                    read_only_names=self._protected,
+                    read_only_paths=self._repository.read_only,
+                    sealed_paths=self._repository.sealed,
                 )
                 sandbox = BubblewrapBackend(cgroups).sandbox(spec, limits=limits)
             elif limits is not None:
