@@ -265,16 +265,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return handlers[args.command](args)
     except ConfigError as exc:
-        print(f"bastion: {exc}", file=sys.stderr)
+        _say(exc)
         return EXIT_CONFIG
     except InvalidRequest as exc:
-        print(f"bastion: {exc}", file=sys.stderr)
+        _say(exc)
         return EXIT_USAGE
     except BastionError as exc:  # not found, refused, failed: the config itself is fine
-        print(f"bastion: {exc}", file=sys.stderr)
+        _say(exc)
         return EXIT_FAILED
     except KeyboardInterrupt:
         return 130
+
+
+def _say(exc: Exception) -> None:
+    """The refusal on stderr, its control characters escaped: a message may quote a name an agent chose, whose
+    terminal escapes would rewrite the administrator's screen (found by attack)."""
+    from bastion.logs import terminal_text
+
+    print(f"bastion: {terminal_text(str(exc))}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -64,6 +64,15 @@ def escape(text: str) -> str:
     return _BLANK_RUN.sub(_escape_blanks, escape_hidden(text.translate(_ESCAPES)))
 
 
+def terminal_text(text: str) -> str:
+    """`text` safe to print on the administrator's terminal: as `escape`, but its newlines kept (a message of the
+    server's own may have several lines) and blanks left alone."""
+    return escape_hidden(text.translate(_TERMINAL_ESCAPES))
+
+
+_TERMINAL_ESCAPES: Final = {code: text for code, text in _ESCAPES.items() if code not in (ord("\n"), ord("\\"))}
+
+
 def _escape_blanks(match: re.Match[str]) -> str:
     run = match.group()
     first = " " if run[0] == " " else f"\\u{ord(run[0]):04x}"

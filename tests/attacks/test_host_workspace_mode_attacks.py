@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from tests.attacks.demo import Demo
-from tests.helpers import call, create, sh
+from tests.helpers import call, create, refused_stdio_start, sh
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
 
@@ -103,3 +103,42 @@ async def test_agent_sandbox_may_still_chmod_777_its_own_workspace(demo: Demo) -
         made = await sh(client, box, "mkdir d && chmod 777 d && umask 0 && mkdir e && stat -c '%a %n' d e")
     assert made["ok"], made
     assert made["detail"]["stdout"] == "777 d\n777 e\n", made
+
+
+ESCAPING_NAME = "x\x1b]2;PWNED\x07\x1b[2J\x1b[Hy"
+"""An OSC window title and a CSI clear-screen, as a file name."""
+
+
+def link_archive(name: str, target: str) -> str:
+    """A tar of one hard link member `name` to `target`, base64: no command line carries a control character."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as archive:
+        member = tarfile.TarInfo(name)
+        member.type, member.linkname = tarfile.LNKTYPE, target
+        archive.addfile(member)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="the setuid walk at start is a root server's")
+async def test_the_start_refusal_shows_an_agents_file_name_escaped(demo: Demo) -> None:
+    """Attack (found by attack, twenty-eighth session): the host leaves a setuid file in the workspace while the
+    server runs (not covered, SECURITY.md); the agent gives it a name of terminal escapes (a hard link from a tar,
+    then `mv` of the first name). At the next start the refusal printed that name raw on the administrator's
+    terminal: its title set, its screen cleared. Invariant: the line names the file, its escapes written as text."""
+    async with demo.client() as client:
+        planted = demo.workspace / "tool"
+        planted.write_bytes(b"#!/bin/true\n")
+        planted.chmod(0o4755)  # the host's mistake, while the server runs; gone with the test's folder
+        uploaded = await call(client, "upload_file", path="l.tar", content_base64=link_archive(ESCAPING_NAME, "tool"))
+        assert uploaded["ok"], uploaded
+        for command in ("tar -xf l.tar", "mkdir sub", "mv tool sub/tool"):
+            done = await call(client, "run_command", command=command)
+            assert done["ok"], done
+            assert done["detail"]["exit_status"] == 0, done["detail"]
+    assert (demo.workspace / ESCAPING_NAME).exists()
+    line = refused_stdio_start(demo.config_path)
+    assert "runs with privileges" in line, line
+    assert "\x1b" not in line, repr(line)
+    assert "\x07" not in line, repr(line)
+    assert "PWNED" in line, line

@@ -832,7 +832,8 @@ def _refuse_privileged_files(config: WorkspaceConfig) -> None:
     found, cut = privileged_file(config.path)
     if found is not None:
         raise ConfigError(
-            f"workspace {config.id!r}: {config.path / found} runs with privileges (setuid, setgid or file "
+            # Quoted: an agent chose the name (found by attack: one of terminal escapes cleared the screen).
+            f"workspace {config.id!r}: {str(config.path / found)!r} runs with privileges (setuid, setgid or file "
             "capabilities), and a command could rewrite it keeping them: remove them (chmod u-s,g-s; "
             "setcap -r) or move the file out of the workspace"
         )
