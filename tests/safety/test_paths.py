@@ -17,6 +17,7 @@ import struct
 import subprocess
 import threading
 import time
+import tracemalloc
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -857,6 +858,46 @@ def test_privileged_file_finds_setuid_setgid_exec_and_capabilities_but_follows_n
     assert privileged_file(tmp_path) == ("a/b/plain", False)
     plain.chmod(0o755)
     assert privileged_file(tmp_path, max_entries=2) == (None, True)
+
+
+def _deep_folder(root: int, levels: int) -> tuple[int, str]:
+    """A chain of `levels` folders of 250-character names in the folder `root` (an fd), made by fd (it may pass
+    PATH_MAX); an fd of the last one, and its path relative to `root`."""
+    name = "d" * 250
+    fd = os.dup(root)
+    for _ in range(levels):
+        os.mkdir(name, dir_fd=fd)
+        child = os.open(name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+        os.close(fd)
+        fd = child
+    return fd, "/".join([name] * levels)
+
+
+def test_privileged_file_scans_a_large_deep_folder_in_little_memory(tmp_path: Path) -> None:
+    """Attack (found by attack, twenty-eighth session): an agent left a folder 15 names of 250 characters deep
+    holding 100,000 files; the start-time scan listed it whole, each entry with its full path, and every later
+    start took 470 MiB more. Invariant: the scan's memory does not grow with the folder (here 20,000 files: 94
+    MB before), and a folder past PATH_MAX is scanned too (it was skipped unchecked)."""
+    top = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    crowded, crowded_path = _deep_folder(top, 15)  # 3,765 bytes: under PATH_MAX
+    deepest, deepest_path = _deep_folder(crowded, 3)  # past it
+    try:
+        for n in range(20_000):
+            os.close(os.open(f"f{n:05}", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=crowded))
+        os.close(os.open("late", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=deepest))
+        tracemalloc.start()
+        try:
+            assert privileged_file(tmp_path) == (None, False)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert peak < 4 << 20, f"the scan held {peak >> 20} MiB"
+        os.chmod("late", 0o2755, dir_fd=deepest)  # setgid with group exec; reset below, gone with tmp_path
+        assert privileged_file(tmp_path) == (f"{crowded_path}/{deepest_path}/late", False)
+        os.chmod("late", 0o644, dir_fd=deepest)
+    finally:
+        for fd in (top, crowded, deepest):
+            os.close(fd)
 
 
 @pytest.mark.root

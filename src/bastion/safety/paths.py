@@ -80,6 +80,7 @@ from bastion.safety.errors import (
     ResourceLimit,
     Unavailable,
 )
+from bastion.safety.trees import MAX_WALK_DEPTH
 
 MAX_PATH_CHARS: Final = 4096
 CLOSED_REASON: Final = "the workspace was closed (its sandbox ended, or the server is stopping): nothing was done"
@@ -147,32 +148,68 @@ def privileged_file(root: str | os.PathLike[str], *, max_entries: int = MAX_SCAN
     these bits on write(2) but not on a write through a mapping; so a setuid-root file the host
     left in a workspace could be given any bytes and keep its bit.
 
+    Walked by fd, one entry at a time, each folder opened beneath its parent: found by attack, a listing
+    kept whole with each entry's full path made a folder an agent left (100,000 names 3,800 bytes deep)
+    cost every later start 470 MiB, and a folder deeper than PATH_MAX was skipped unchecked.
+
     Returns:
-        (its path relative to `root`, or None; whether the walk stopped at `max_entries` first).
+        (its path relative to `root`, or None; whether the walk stopped first: past `max_entries`
+        entries, or a folder deeper than `MAX_WALK_DEPTH` left unchecked).
     """
-    seen = 0
-    device = os.stat(root).st_dev
-    stack = [""]
-    while stack:
-        folder = stack.pop()
-        try:
-            entries = list(os.scandir(os.path.join(root, folder) if folder else root))
-        except OSError:
-            continue
-        for entry in entries:
+    top = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    device = os.fstat(top).st_dev
+    try:
+        levels = [(top, os.scandir(top))]
+    except OSError:
+        os.close(top)
+        return None, False
+    names: list[str] = []  # the folders walked into below `root`, one per level past the first
+    seen, cut = 0, False
+    try:
+        while levels:
+            fd, entries = levels[-1]
+            entry = next(entries, None)
+            if entry is None:
+                entries.close()
+                os.close(fd)
+                levels.pop()
+                if names:
+                    names.pop()
+                continue
             seen += 1
             if seen > max_entries:
                 return None, True
-            rel = f"{folder}/{entry.name}" if folder else entry.name
             try:
                 info = entry.stat(follow_symlinks=False)
             except OSError:
                 continue
-            if stat.S_ISDIR(info.st_mode) and info.st_dev == device:
-                stack.append(rel)
-            elif stat.S_ISREG(info.st_mode) and _runs_privileged(entry.path, info.st_mode):
-                return rel, False
-    return None, False
+            if stat.S_ISREG(info.st_mode) and _runs_privileged(f"/proc/self/fd/{fd}/{entry.name}", info.st_mode):
+                return "/".join((*names, entry.name)), False
+            if not stat.S_ISDIR(info.st_mode) or info.st_dev != device:
+                continue
+            if len(levels) > MAX_WALK_DEPTH:
+                cut = True
+                continue
+            child = _subfolder(fd, entry.name)
+            if child is not None:
+                try:
+                    levels.append((child, os.scandir(child)))
+                    names.append(entry.name)
+                except OSError:
+                    os.close(child)
+    finally:
+        for fd, entries in levels:
+            entries.close()
+            os.close(fd)
+    return None, cut
+
+
+def _subfolder(parent: int, name: str) -> int | None:
+    """The folder `name` of `parent`, opened following no link, or None if it is not one (any more)."""
+    try:
+        return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
+    except OSError:
+        return None
 
 
 def open_real_folder(path: str, *, what: str = "the folder") -> int:

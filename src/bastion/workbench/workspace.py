@@ -47,6 +47,7 @@ from bastion.safety.paths import (
 )
 from bastion.safety.redact import SLICE_CONTEXT_BYTES, Redactor, sanitize_name
 from bastion.safety.search import search_pattern
+from bastion.safety.trees import MAX_WALK_DEPTH
 from bastion.sandbox import (
     SANDBOX_NODE_OPTIONS,
     SANDBOX_PATH,
@@ -839,7 +840,10 @@ def _refuse_privileged_files(config: WorkspaceConfig) -> None:
         )
     if cut:
         logger.warning(
-            "workspace %s: over %d entries, not all checked for setuid or setgid files", config.id, MAX_SCAN_ENTRIES
+            "workspace %s: over %d entries or %d folders deep, not all checked for setuid or setgid files",
+            config.id,
+            MAX_SCAN_ENTRIES,
+            MAX_WALK_DEPTH,
         )
 
 
