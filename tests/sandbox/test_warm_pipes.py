@@ -170,6 +170,36 @@ async def test_a_command_writing_a_byte_at_a_time_within_its_cap_is_read_at_the_
     assert cores < 0.2, f"the server spent {cores:.2f} cores reading one command's output a byte at a time"
 
 
+async def test_background_processes_writing_a_byte_at_a_time_are_read_at_the_sandboxs_rate(
+    limited: WarmSandbox,
+) -> None:
+    """Found by attack (twenty-eighth session): background processes' pipes were read with no rate, and a ring is
+    paced only once it has dropped unread bytes; 16 processes writing a byte at a time each (the ring never full)
+    cost 0.46 to 0.58 cores of the server's CPU, and another caller's `run_command` p50 went from 4.4 to 8.3 ms.
+    Invariant: each read spends at least `READ_COST_BYTES` of the sandbox's rate, as a command's pipes do, so the
+    server's CPU stays a small share of a core, and every byte is kept."""
+    writer = (
+        "import os, time\nn = 0\nend = time.monotonic() + 2\n"
+        "while time.monotonic() < end:\n    os.write(1, b'x'); n += 1\nos.write(2, str(n).encode())"
+    )
+    cpu, began = os.times(), time.monotonic()
+    processes = [
+        await limited.spawn(
+            "/usr/bin/python3", ["python3", "-c", writer], cwd="/workspace", env=ENV, ring_bytes=16 << 20
+        )
+        for _ in range(8)
+    ]
+    for process in processes:
+        await process.wait_exit()
+        await process.wait_output(20)
+    spent, elapsed = os.times(), time.monotonic() - began
+    cores = (spent.user + spent.system - cpu.user - cpu.system) / elapsed
+    for process in processes:
+        _, written = process.stderr.read(0, 64)
+        assert process.stdout.total == int(written) > 0
+    assert cores < 0.2, f"the server spent {cores:.2f} cores reading background output a byte at a time"
+
+
 async def test_a_command_printing_a_little_past_its_cap_still_ends_at_once(limited: WarmSandbox) -> None:
     """What the rate must not cost: a command whose output passes its cap by less than the burst ends as before,
     its bytes counted."""

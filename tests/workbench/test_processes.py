@@ -755,3 +755,40 @@ async def test_listing_processes_with_long_command_lines_holds_no_other_call(
     commands = [p for p in listed["detail"]["processes"] if p["started_by"] == "command"]
     assert len(commands) == 8
     assert all(sum(len(arg) for arg in p["argv"]) <= MAX_ARGV_CHARS + 3 for p in commands)
+
+
+async def test_reading_much_background_output_holds_no_other_call(
+    client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by attack (twenty-eighth session): read_process_output cleaned new output on the event loop, up to
+    max_output_bytes a stream: 64 KiB of control characters (each shown as an escape) took 115 ms a read, and
+    another sandbox's `run_command` p99 went from 8 to 730 ms while an agent read in a loop. Here the cleaning
+    of a long read is held in its worker until the test releases it. Invariant: another call is answered
+    meanwhile, and the read then returns the output, cleaned."""
+    box = await create(client)
+    flood = (
+        "python3 -c 'import os, time; c = bytes(range(1, 32)) * 1024; os.write(1, c); os.write(2, c); time.sleep(600)'"
+    )
+    started = await call(client, "run_command", sandbox_id=box, command=flood, background=True)
+    assert started["ok"], started
+    pid = started["detail"]["pid"]
+    with anyio.fail_after(30):
+        while (await call(client, "list_processes", sandbox_id=box))["detail"]["processes"][0][
+            "output_bytes"
+        ] < 2 * 31 * 1024:
+            await anyio.sleep(0.01)  # polling, not timing
+    hold = Hold()
+    real = background._clean
+
+    def held(record: background.Background, pieces: list[tuple[bytes, bool]]) -> None:
+        hold.wait()
+        real(record, pieces)
+
+    monkeypatch.setattr(background, "_clean", held)
+    read = await hold.call(client, "read_process_output", sandbox_id=box, pid=pid)
+    assert read["ok"], read
+    text = str(read["detail"]["stdout"]) + str(read["detail"]["stderr"])
+    assert "\x01" not in text, text[:40]  # shown as text, never raw
+    assert text.startswith("\\x01\\x02"), text[:80]
+    assert read["detail"]["more"], read["detail"]  # past one read's cap: the rest comes with detail.next
+    assert (await call(client, "kill_process", sandbox_id=box, pid=pid))["ok"]

@@ -93,9 +93,13 @@ class PipeCapture:
         if self._pausing():
             self._pause(DRAIN_PAUSE_S)
         elif self._rate is not None:
-            wait = self._rate.owed_s(READ_CHUNK_BYTES if self.total > self.cap else max(len(chunk), READ_COST_BYTES))
+            wait = self._rate.owed_s(self._cost(chunk))
             if wait > 0:
                 self._pause(wait)
+
+    def _cost(self, chunk: bytes) -> int:
+        """What a read spends of the rate: a whole chunk past the cap (what is read there is thrown away)."""
+        return READ_CHUNK_BYTES if self.total > self.cap else max(len(chunk), READ_COST_BYTES)
 
     def _pause(self, seconds: float) -> None:
         self._loop.remove_reader(self.fd)
@@ -145,11 +149,17 @@ class RingCapture(PipeCapture):
     byte still kept, `total` the offset just past the newest.
     """
 
-    def __init__(self, fd: int, cap: int) -> None:
+    def __init__(self, fd: int, cap: int, rate: ByteRate | None = None) -> None:
         self._ring = bytearray()
         self._paced = False
         self._read_to = 0  # the end of what `read` has given
-        super().__init__(fd, cap)
+        super().__init__(fd, cap, rate=rate)
+
+    def _cost(self, chunk: bytes) -> int:
+        # A ring past its cap is a process that has printed a lot, not output thrown away: each read costs its
+        # bytes, `READ_COST_BYTES` at least (found by attack: 16 background processes writing a byte at a time
+        # were read free, half a core of the server's CPU, the ring never full so never paced).
+        return max(len(chunk), READ_COST_BYTES)
 
     def pace(self) -> None:
         """Read one chunk per DRAIN_PAUSE_S while the ring has dropped bytes nobody read: a `yes` read

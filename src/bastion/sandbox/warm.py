@@ -1182,8 +1182,9 @@ class WarmSandbox:
             for fd in (out_w, err_w, in_r):
                 os.close(fd)
         # No await since the send: its exit message cannot have been handled yet.
-        out = stdout(out_r) if stdout is not None else RingCapture(out_r, ring_bytes)
-        process = BackgroundProcess(command_id, argv, in_w, out, RingCapture(err_r, ring_bytes))
+        # Read at the sandbox's output rate, as its commands' pipes are (a code context's kernel: its own pacing).
+        out = stdout(out_r) if stdout is not None else RingCapture(out_r, ring_bytes, self._output_rate)
+        process = BackgroundProcess(command_id, argv, in_w, out, RingCapture(err_r, ring_bytes, self._output_rate))
         self._background[command_id] = process
         return process
 

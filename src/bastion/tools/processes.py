@@ -85,7 +85,8 @@ def register_processes(server: BastionServer, registry: WorkspaceRegistry, threa
         ] = None,
         sandbox_id: SandboxId = None,
     ) -> dict[str, object]:
-        return await registry.get(sandbox_id).read_process(pid, since=since)
+        ws = registry.get(sandbox_id)
+        return await ws.read_process(pid, since=since, in_thread=threads.binding(ws))
 
     @audited_tool(
         server,

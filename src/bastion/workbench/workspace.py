@@ -571,9 +571,9 @@ class HostWorkspace:
         when long)."""
         return [*self.processes.summaries(), *await self.processes.leftovers(in_thread)]
 
-    async def read_process(self, pid: int, *, since: int | None) -> dict[str, object]:
+    async def read_process(self, pid: int, *, since: int | None, in_thread: InThread = any_thread) -> dict[str, object]:
         """Cleaned output from offset `since` (see `BackgroundProcesses.read`)."""
-        return await self.processes.read(pid, since=since)
+        return await self.processes.read(pid, since=since, in_thread=in_thread)
 
     async def send_input(self, pid: int, data: str, *, eof: bool) -> dict[str, object]:
         """Write `data` to the process's stdin; with `eof`, close it afterwards."""
