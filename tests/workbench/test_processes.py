@@ -792,3 +792,30 @@ async def test_reading_much_background_output_holds_no_other_call(
     assert text.startswith("\\x01\\x02"), text[:80]
     assert read["detail"]["more"], read["detail"]  # past one read's cap: the rest comes with detail.next
     assert (await call(client, "kill_process", sandbox_id=box, pid=pid))["ok"]
+
+
+async def test_a_start_that_forgets_an_exited_process_says_which_and_what_was_unread(client: Client) -> None:
+    """Found by attack (twenty-eighth session): the table keeps 16 processes, and a 17th start forgot the oldest
+    exited one, and the output nobody had read of it, without a word; a read of it then said only NOT_FOUND.
+    Invariant: the start's answer names the process it forgot, its exit status and how many bytes were unread."""
+    box = await create(client)
+    pids = []
+    for n in range(MAX_PROCESSES):
+        started = await call(client, "run_command", sandbox_id=box, command=f"echo line {n}", background=True)
+        assert started["ok"], started
+        assert "forgotten" not in started["detail"]
+        pids.append(started["detail"]["pid"])
+    with anyio.fail_after(30):
+        while any(
+            p["state"] != "exited"
+            for p in (await call(client, "list_processes", sandbox_id=box))["detail"]["processes"]
+        ):
+            await anyio.sleep(0.01)  # polling, not timing
+    assert (await call(client, "read_process_output", sandbox_id=box, pid=pids[1]))["ok"]  # read: nothing unread
+    one_more = await call(client, "run_command", sandbox_id=box, command="true", background=True)
+    assert one_more["ok"], one_more
+    assert one_more["detail"]["forgotten"] == {"pid": pids[0], "exit_status": 0, "unread_bytes": len("line 0\n")}
+    again = await call(client, "run_command", sandbox_id=box, command="true", background=True)
+    assert again["detail"]["forgotten"] == {"pid": pids[1], "exit_status": 0, "unread_bytes": 0}
+    gone = await call(client, "read_process_output", sandbox_id=box, pid=pids[0])
+    assert gone["code"] == "NOT_FOUND", gone

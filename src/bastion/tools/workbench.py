@@ -20,6 +20,7 @@ from bastion.tools._call import UNNAMED, Outcome
 from bastion.tools.audited import Audit, audited_tool, workspace_of
 from bastion.tools.server import BastionServer
 from bastion.tools.threads import CallerBound, ThreadShares
+from bastion.workbench.background import MAX_PROCESSES
 from bastion.workbench.media import MAX_IMAGE_BYTES
 from bastion.workbench.registry import WorkspaceRegistry
 from bastion.workbench.search import DEFAULT_SEARCH_RESULTS, MAX_SEARCH_RESULTS
@@ -140,7 +141,9 @@ def register_workbench(
             bool,
             Field(
                 description="Sandboxes only: start it and return at once with its pid; no time limit applies "
-                "(it ends when it exits, on kill_process, or when the sandbox closes). Its stdin is a pipe."
+                "(it ends when it exits, on kill_process, or when the sandbox closes). Its stdin is a pipe. "
+                f"{MAX_PROCESSES} are kept: a start past that forgets the oldest that has exited, and its output "
+                "(detail.forgotten)."
             ),
         ] = False,
         sandbox_id: SandboxId = None,

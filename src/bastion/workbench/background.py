@@ -129,35 +129,40 @@ class BackgroundProcesses:
         self._next_id = 1
 
     @contextlib.contextmanager
-    def reserved(self) -> Iterator[None]:
+    def reserved(self) -> Iterator[dict[str, object]]:
         """Hold a slot of the table while a process starts (`add` it inside): the start awaits the
         sandbox, and concurrent starts counted only the added ones, so 300 got past a table of 16.
+        Yields what the start made room by forgetting (empty if nothing), for its answer.
 
         Raises:
             ResourceLimit: every slot is running or starting.
         """
-        self._make_room()
+        forgotten = self._make_room()
         self._starting += 1
         try:
-            yield
+            yield forgotten
         finally:
             self._starting -= 1
 
-    def _make_room(self) -> None:
-        """Forget the oldest exited process when the table (with the starts under way) is full.
+    def _make_room(self) -> dict[str, object]:
+        """Forget the oldest exited process when the table (with the starts under way) is full; say which, and
+        how much of its output was never read (found by attack: it went without a word, its output with it).
 
         Raises:
             ResourceLimit: all of them are running or starting.
         """
         if len(self._records) + self._starting < MAX_PROCESSES:
-            return
+            return {}
         exited = [pid for pid, record in self._records.items() if record.process.exited]
         if not exited:
             raise ResourceLimit(f"{MAX_PROCESSES} background processes are running: kill_process one first")
         # Let go of its output too: a child it left running may hold the pipes open for ever.
         dropped = self._records.pop(exited[0])
         SHARES.leave(dropped)
+        process = dropped.process
+        unread = process.stdout.total + process.stderr.total - sum(dropped.consumed)
         dropped.process.close()
+        return {"forgotten": {"pid": dropped.id, "exit_status": process.status, "unread_bytes": unread}}
 
     def add(self, process: Process, argv: tuple[str, ...]) -> Background:
         """Keep a started process (`argv` already redacted) under the next pid."""

@@ -559,12 +559,12 @@ class HostWorkspace:
         self.require_shell("background processes")
         approved = self.policy.check_script(command)
         sandbox_cwd = await self._checked_cwd(cwd)
-        with self.processes.reserved():
+        with self.processes.reserved() as forgotten:
             process = await self.sandbox.spawn(
                 approved.executable, approved.argv, cwd=sandbox_cwd, env=self.environment(), ring_bytes=RING_BYTES
             )
             record = self.processes.add(process, self._redact_argv(approved.argv))
-        return {**record.summary(), "cwd": sandbox_cwd}
+        return {**record.summary(), "cwd": sandbox_cwd, **forgotten}
 
     async def list_processes(self, in_thread: InThread = any_thread) -> list[dict[str, object]]:
         """Background processes, then what commands left running (their command lines cleaned by `in_thread`
