@@ -151,7 +151,7 @@ class AdminPages:
         response.set_cookie(BROWSER_COOKIE, fresh, path="/", secure=True, httponly=True, samesite="strict")
         if self.rebind is not None:
             self.rebind(browser_digest(browser), browser_digest(fresh))
-        TrustedDevices(self.credential).set_cookie(response)
+        TrustedDevices(self.credential).set_cookie(response, version=checked)
         return response
 
     async def logout(self, request: Request, form: dict[str, str], csrf: str) -> Response:

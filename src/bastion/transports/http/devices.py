@@ -38,15 +38,16 @@ class TrustedDevices:
     def __init__(self, credential: AdminCredential) -> None:
         self.credential = credential
 
-    def _mac(self, payload: str) -> str:
-        key = hashlib.sha256(b"bastion device cookie\0" + self.credential.version().encode()).digest()
+    def _mac(self, payload: str, version: str | None = None) -> str:
+        known = self.credential.version() if version is None else version
+        key = hashlib.sha256(b"bastion device cookie\0" + known.encode()).digest()
         digest = hmac.new(key, payload.encode(), hashlib.sha256).digest()
         return base64.urlsafe_b64encode(digest).decode().rstrip("=")
 
-    def issue(self) -> str:
-        """A new cookie value: `<id>.<issued at>.<mac>`."""
+    def issue(self, version: str | None = None) -> str:
+        """A new cookie value: `<id>.<issued at>.<mac>`, for the password `version` (default: the current one)."""
         payload = f"{secrets.token_urlsafe(16)}.{int(time.time())}"
-        return f"{payload}.{self._mac(payload)}"
+        return f"{payload}.{self._mac(payload, version)}"
 
     def device(self, value: str) -> str | None:
         """The device id a cookie value proves, or None (absent, forged, expired, or an older password's)."""
@@ -60,11 +61,12 @@ class TrustedDevices:
             return None
         return device_id
 
-    def set_cookie(self, response: Response, *, secure: bool = True) -> None:
-        """Give the browser a fresh device cookie (after a successful login)."""
+    def set_cookie(self, response: Response, *, version: str, secure: bool = True) -> None:
+        """Give the browser a fresh device cookie after a login checked against password `version`: signed for
+        that one, so a login that overlapped a password change gets no cookie the new password honours."""
         response.set_cookie(
             DEVICE_COOKIE,
-            self.issue(),
+            self.issue(version),
             max_age=DEVICE_LIFETIME_S,
             path="/",
             secure=secure,

@@ -375,7 +375,7 @@ class AuthorizationFlow:
         self.provider.rebind_browser(txn.browser_digest, browser_digest(fresh))
         response = pages.see_other(f"/oauth/consent?{urlencode({'txn': txn.txn_id})}")
         self._set_browser_cookie(response, fresh)
-        TrustedDevices(self.credential).set_cookie(response, secure=self.secure_cookie)
+        TrustedDevices(self.credential).set_cookie(response, version=checked, secure=self.secure_cookie)
         return response
 
     async def consent_get(self, request: Request) -> Response:
