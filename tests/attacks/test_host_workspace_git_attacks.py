@@ -151,15 +151,19 @@ async def test_a_link_to_the_repository_does_not_reach_it_for_the_file_tools(dem
     assert not (workspace / ".git" / "hooks" / "new").exists()
 
 
-async def test_a_git_file_naming_a_folder_in_the_workspace_keeps_that_folder_from_the_agent(demo: Demo) -> None:
+@pytest.mark.parametrize("spelling", ["./.bare", "../{name}/.bare"], ids=["beside", "through-the-parent"])
+async def test_a_git_file_naming_a_folder_in_the_workspace_keeps_that_folder_from_the_agent(
+    demo: Demo, spelling: str
+) -> None:
     """Attack (found by review): the owner's `.git` is a file, `gitdir: ./.bare` (a bare repository beside its
     worktrees, or `git init --separate-git-dir`); only the name `.git` was kept from the agent, and `cp evil.cfg
-    .bare/config` ran the agent's program at the owner's next `git status`. Invariant: the folder the file names
-    is read-only to commands and refused to the file tools; git there runs nothing the agent wrote."""
+    .bare/config` ran the agent's program at the owner's next `git status`; a second review found the same with
+    the path spelled through the workspace's parent. Invariant: the folder the file names is read-only to
+    commands and refused to the file tools; git there runs nothing the agent wrote."""
     workspace = demo.workspace
     (workspace / "README.md").write_text("the owner's project\n")
     assert owners_git(workspace, "init", "-q", "--separate-git-dir", str(workspace / ".bare")).returncode == 0
-    (workspace / ".git").write_text("gitdir: ./.bare\n")
+    (workspace / ".git").write_text(f"gitdir: {spelling.format(name=workspace.name)}\n")
     for args in (("add", "README.md"), ("commit", "-q", "-m", "first")):
         assert owners_git(workspace, *args).returncode == 0
     before = (workspace / ".bare" / "config").read_bytes()
@@ -177,6 +181,60 @@ async def test_a_git_file_naming_a_folder_in_the_workspace_keeps_that_folder_fro
     assert (workspace / ".bare" / "config").read_bytes() == before
     assert owners_git(workspace, "status", "--porcelain").returncode == 0
     assert not marker.exists(), "the owner's git status ran the agent's program"
+
+
+def library_at(folder: Path) -> None:
+    """A repository of its own at `folder`, with one commit."""
+    folder.mkdir()
+    (folder / "x").write_text("x\n")
+    for args in (("init", "-q"), ("add", "x"), ("commit", "-q", "-m", "library")):
+        assert owners_git(folder, *args).returncode == 0
+
+
+async def test_a_repository_the_owner_added_without_gitmodules_is_kept_from_the_agent(demo: Demo) -> None:
+    """Attack (found by review): the owner's repository holds a repository of its own added with `git add lib`
+    (a gitlink in the index, in no `.gitmodules`); submodules were found from `.gitmodules`, so `cp evil.cfg
+    lib/.git/config` ran the agent's program at the owner's `git status` at the top. Invariant: the gitlinks of
+    the (protected) index are what count; refused, and the owner's status runs nothing."""
+    workspace = demo.workspace
+    make_repository(workspace)
+    library_at(workspace / "lib")
+    assert owners_git(workspace, "add", "lib").returncode == 0
+    assert owners_git(workspace, "commit", "-q", "-m", "vendored").returncode == 0
+    before = (workspace / "lib" / ".git" / "config").read_bytes()
+    marker = demo.outside / "ran-as-the-owner"
+    async with demo.client() as client:
+        assert (await call(client, "write_file", path="evil.cfg", content=planted(marker)))["ok"]
+        copied = await call(client, "run_command", command="cp evil.cfg lib/.git/config")
+    assert copied["detail"]["exit_status"] != 0, copied["detail"]
+    assert (workspace / "lib" / ".git" / "config").read_bytes() == before
+    assert owners_git(workspace, "status", "--porcelain").returncode == 0
+    assert not marker.exists(), "the owner's git status at the top ran the agent's program"
+
+
+async def test_the_agents_gitmodules_changes_nothing_that_is_kept_from_it(demo: Demo) -> None:
+    """Attack (found by review): `.gitmodules` is a file the agent writes, and the server read it at each start:
+    256 entries of the agent's own before the owner's used up the cap, the next start left the owner's submodule
+    writable, and made 256 folders the agent chose. Invariant: after the restart the submodule is still kept
+    from the agent, the owner's status runs nothing, and no folder the agent named is made."""
+    workspace = demo.workspace
+    make_repository(workspace)
+    library_at(workspace / "lib")
+    assert owners_git(workspace, "add", "lib").returncode == 0
+    (workspace / ".gitmodules").write_text('[submodule "lib"]\n\tpath = lib\n\turl = https://example.invalid/lib\n')
+    assert owners_git(workspace, "add", ".gitmodules").returncode == 0
+    assert owners_git(workspace, "commit", "-q", "-m", "submodule").returncode == 0
+    marker = demo.outside / "ran-as-the-owner"
+    junk = "".join(f'[submodule "j{i}"]\n\tpath = lib/j{i}\n' for i in range(300))
+    async with demo.client() as client:
+        assert (await call(client, "write_file", path=".gitmodules", content=junk))["ok"]
+    async with demo.client() as client:  # the next start
+        assert (await call(client, "write_file", path="evil.cfg", content=planted(marker)))["ok"]
+        copied = await call(client, "run_command", command="cp evil.cfg lib/.git/config")
+    assert copied["detail"]["exit_status"] != 0, copied["detail"]
+    assert not any(name.startswith("j") for name in os.listdir(workspace / "lib"))
+    assert owners_git(workspace, "status", "--porcelain").returncode == 0
+    assert not marker.exists(), "the owner's git status at the top ran the agent's program"
 
 
 @pytest.mark.parametrize("checked_out", [False, True], ids=["folder-missing", "folder-empty"])

@@ -11,10 +11,12 @@ import ctypes
 import fnmatch
 import json
 import os
+import resource
 import signal
 import stat
 import struct
 import subprocess
+import sys
 import threading
 import time
 import tracemalloc
@@ -898,6 +900,39 @@ def test_privileged_file_scans_a_large_deep_folder_in_little_memory(tmp_path: Pa
     finally:
         for fd in (top, crowded, deepest):
             os.close(fd)
+
+
+_SCAN = (
+    "import json, sys\nfrom bastion.safety.paths import privileged_file\n"
+    "print(json.dumps(privileged_file(sys.argv[1])))"
+)
+
+
+def _scan_with_fds(root: Path, soft_limit: int) -> list[object]:
+    """`privileged_file(root)` in an interpreter of its own whose soft open-file limit is `soft_limit`."""
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft_limit, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+
+    done = subprocess.run(
+        [sys.executable, "-c", _SCAN, str(root)], preexec_fn=limit, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    found: list[object] = json.loads(done.stdout)
+    return found
+
+
+def test_privileged_file_says_it_stopped_short_when_out_of_fds(tmp_path: Path) -> None:
+    """Found by review (twenty-eighth session): the scan by fd holds two fds a level, and under a soft limit of
+    400 a setgid program 200 folders deep was skipped as a folder gone, the walk saying all was checked.
+    Invariant: found, or the walk says it stopped short (the start then warns)."""
+    deep = tmp_path.joinpath(*["d"] * 200)
+    deep.mkdir(parents=True)
+    (deep / "tool").write_text("x")
+    (deep / "tool").chmod(0o2755)  # setgid with group exec; gone with tmp_path
+    assert _scan_with_fds(tmp_path, 20_000) == ["/".join(["d"] * 200) + "/tool", False]
+    found, cut = _scan_with_fds(tmp_path, 200)
+    assert found is not None or cut is True, "a privileged file was skipped and the walk said all was checked"
 
 
 @pytest.mark.root

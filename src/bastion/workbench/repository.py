@@ -21,6 +21,7 @@ import os
 import posixpath
 import re
 import stat
+import struct
 from dataclasses import dataclass
 from typing import Final
 
@@ -33,7 +34,10 @@ GIT: Final = ".git"
 MAX_SUBMODULES: Final = 256
 _MAX_READ_BYTES: Final = 1 << 20  # a `.git` file, `commondir`, `.gitmodules`
 _GITDIR: Final = re.compile(rb"\Agitdir: *(.+?)\s*\Z", re.DOTALL)
-_PATH_LINE: Final = re.compile(r'^\s*path\s*=\s*"?(.*?)"?\s*$', re.MULTILINE)
+_MAX_INDEX_BYTES: Final = 256 << 20
+_SHA256: Final = re.compile(rb"objectformat\s*=\s*sha256")
+_GITLINK: Final = 0o160000
+_EXTENDED: Final = 0x4000
 
 
 @dataclass(frozen=True)
@@ -76,21 +80,22 @@ def _protection(root_fd: int, root: str) -> Protection:
     if stat.S_ISLNK(top.st_mode):
         raise LinkOnPath(GIT)
     read_only = [GIT]
-    gitdir: str | None = GIT
+    gitdir: str | None = GIT  # relative: in the workspace; absolute: outside it
     if stat.S_ISREG(top.st_mode):
         named = _GITDIR.match(_read(root_fd, GIT) or b"")
         gitdir = _inside(root, "", os.fsdecode(named[1])) if named else None
-        if gitdir is not None:
+        if gitdir is not None and not posixpath.isabs(gitdir):
             _require_real(root_fd, gitdir)
             read_only.append(gitdir)
-    if gitdir is not None:
-        common = _read(root_fd, f"{gitdir}/commondir")
-        shared = _inside(root, gitdir, os.fsdecode(common.strip())) if common else None
-        if shared is not None:
+    shared: str | None = None
+    common = _read_repository_file(root_fd, root, gitdir, "commondir", _MAX_READ_BYTES)
+    if gitdir is not None and common:
+        shared = _inside(root, gitdir, os.fsdecode(common.strip()))
+        if shared is not None and not posixpath.isabs(shared):
             _require_real(root_fd, shared)
             read_only.append(shared)
     sealed: list[str] = []
-    for path in _submodule_paths(_read(root_fd, ".gitmodules") or b""):
+    for path in _submodule_paths(root_fd, root, gitdir, shared):
         try:
             folder = _lstat(root_fd, path)
             inner = _lstat(root_fd, f"{path}/{GIT}") if folder is not None and stat.S_ISDIR(folder.st_mode) else None
@@ -104,34 +109,105 @@ def _protection(root_fd: int, root: str) -> Protection:
     return Protection(read_only=kept, sealed=tuple(path for path in _outermost(sealed) if not _under(path, kept)))
 
 
-def _submodule_paths(text: bytes) -> list[str]:
-    """The `path =` values of the owner's `.gitmodules`, each one a plain relative path, at most MAX_SUBMODULES."""
+def _submodule_paths(root_fd: int, root: str, gitdir: str | None, shared: str | None) -> list[str]:
+    """The submodules git would run a status in: the gitlinks of the repository's index (found by review:
+    `.gitmodules` is a file the agent writes, and a repository added with `git add` is in no `.gitmodules`).
+    The index is read from the folder kept from the agent, or from outside the workspace."""
+    index = _read_repository_file(root_fd, root, gitdir, "index", _MAX_INDEX_BYTES)
+    if index is None:
+        return []
+    config = (_read_repository_file(root_fd, root, shared or gitdir, "config", _MAX_READ_BYTES) or b"").lower()
+    hash_size = 32 if _SHA256.search(config) else 20
     paths: list[str] = []
-    for raw in _PATH_LINE.findall(text.decode("utf-8", "replace")):
-        parts = raw.split("/")
-        if not raw or "\x00" in raw or any(part in ("", ".", "..", GIT) for part in parts):
+    for raw in _gitlinks(index, hash_size):
+        path = os.fsdecode(raw)
+        if not path or "\x00" in path or any(part in ("", ".", "..", GIT) for part in path.split("/")):
             continue
         if len(paths) == MAX_SUBMODULES:
             logger.warning("more than %d submodules: only the first are kept from the agent", MAX_SUBMODULES)
             break
-        paths.append(raw)
+        paths.append(path)
     return paths
 
 
+def _read_repository_file(root_fd: int, root: str, folder: str | None, name: str, limit: int) -> bytes | None:
+    """`name` in the repository folder `folder` (relative to the workspace, or absolute outside it)."""
+    if folder is None:
+        return None
+    if not posixpath.isabs(folder):
+        return _read(root_fd, f"{folder}/{name}", limit)
+    try:
+        fd = os.open(posixpath.join(folder, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as file:
+        return file.read(limit) if stat.S_ISREG(os.fstat(fd).st_mode) else None
+
+
+def _gitlinks(index: bytes, hash_size: int) -> list[bytes]:
+    """The paths of the gitlink entries (mode 160000) of a git index, versions 2 to 4 (git's
+    Documentation/gitformat-index.txt). Written here: no maintained library reads the index without git itself,
+    which would run the repository's own config. A damaged index gives what was read before the damage."""
+    if len(index) < 12 or index[:4] != b"DIRC":
+        return []
+    version, count = struct.unpack(">II", index[4:12])
+    if version not in (2, 3, 4):
+        return []
+    found: list[bytes] = []
+    position, previous = 12, b""
+    try:
+        for _ in range(count):
+            start = position
+            mode = int.from_bytes(index[start + 24 : start + 28], "big")
+            flags = int.from_bytes(index[start + 40 + hash_size : start + 42 + hash_size], "big")
+            position = start + 42 + hash_size + (2 if version >= 3 and flags & _EXTENDED else 0)
+            if version == 4:
+                strip, position = _varint(index, position)
+                end = index.index(b"\0", position)
+                if strip > len(previous):
+                    break
+                name = previous[: len(previous) - strip] + index[position:end]
+                position = end + 1
+            else:
+                end = index.index(b"\0", position)
+                name = index[position:end]
+                position = start + ((end - start + 8) & ~7)  # padded with 1 to 8 NULs
+            if end > len(index) or position > len(index):
+                break
+            previous = name
+            if mode == _GITLINK:
+                found.append(name)
+    except (ValueError, IndexError):  # no NUL, or past the end: a damaged or cut index
+        pass
+    return found
+
+
+def _varint(data: bytes, position: int) -> tuple[int, int]:
+    """git's offset varint (varint.c): each continuation adds one before the shift."""
+    byte = data[position]
+    position += 1
+    value = byte & 0x7F
+    while byte & 0x80:
+        byte = data[position]
+        position += 1
+        value = ((value + 1) << 7) | (byte & 0x7F)
+    return value, position
+
+
 def _inside(root: str, base: str, target: str) -> str | None:
-    """`target` (absolute, or relative to `base` in the workspace) relative to the workspace, or None outside it."""
+    """`target` (absolute, or relative to `base` in the workspace) relative to the workspace; None outside it.
+
+    Joined to the workspace's own path before it is normalised (found by review: `gitdir: ../workspace/.bare`
+    was taken for outside); a path outside that leads inside through a link of the host's counts as inside."""
     if "\x00" in target:
         return None
-    if posixpath.isabs(target):
-        joined = posixpath.normpath(target)
-        if not joined.startswith(root.rstrip("/") + "/"):
-            return None
-        relative = joined[len(root.rstrip("/")) + 1 :]
-    else:
-        relative = posixpath.normpath(posixpath.join(base, target))
-    if relative in ("", ".") or relative == ".." or relative.startswith("../"):
-        return None  # the workspace itself, or outside it: out of the agent's reach either way
-    return relative
+    top = root.rstrip("/")
+    joined = posixpath.normpath(posixpath.join(top, base, target))
+    if not joined.startswith(top + "/"):
+        joined = os.path.realpath(joined)
+        if not joined.startswith(top + "/"):
+            return joined if posixpath.isabs(joined) else None  # outside: out of the agent's reach
+    return joined[len(top) + 1 :]
 
 
 def _lstat(root_fd: int, rel: str) -> os.stat_result | None:
@@ -156,7 +232,7 @@ def _require_real(root_fd: int, rel: str) -> None:
         os.close(fd)
 
 
-def _read(root_fd: int, rel: str) -> bytes | None:
+def _read(root_fd: int, rel: str, limit: int = _MAX_READ_BYTES) -> bytes | None:
     """The start of the regular file `rel` (no link on the way), or None."""
     try:
         fd = open_beneath(root_fd, rel)
@@ -168,7 +244,7 @@ def _read(root_fd: int, rel: str) -> bytes | None:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             return None
         with open(f"/proc/self/fd/{fd}", "rb") as file:
-            return file.read(_MAX_READ_BYTES)
+            return file.read(limit)
     except OSError:
         return None
     finally:
