@@ -3,8 +3,9 @@
 A host workspace's files are its owner's, and git, run by the owner in the folder, runs what the repository
 names: the hooks and the config's programs (`core.fsmonitor`, `core.pager`, aliases, filters) of the folder
 that `.git` is, or that a `.git` file (`gitdir: X`) and its `commondir` name, and a status in each submodule's
-folder, whose own `.git` it reads (found by attack and by review: an agent's config in each of those ran as the
-owner at the owner's next `git status` at the top). What is found here is read when the server starts, from the
+folder the index names (its gitlinks), whose own `.git` it reads (found by attack and by review: an agent's
+config in each ran as the owner at the owner's next `git status` at the top). What is found here is read when
+the server starts, from the
 owner's files as they are then: the repository folders are shown read-only to the workspace's commands (bound
 over themselves: a mount point is neither renamed nor removed), a submodule's folder that has no `.git` of its
 own is shown read-only whole, and one that does not exist is made as git itself makes it for a submodule not
@@ -32,7 +33,7 @@ logger = logging.getLogger("bastion.workbench.repository")
 
 GIT: Final = ".git"
 MAX_SUBMODULES: Final = 256
-_MAX_READ_BYTES: Final = 1 << 20  # a `.git` file, `commondir`, `.gitmodules`
+_MAX_READ_BYTES: Final = 1 << 20  # a `.git` file, `commondir`, `config`
 _GITDIR: Final = re.compile(rb"\Agitdir: *(.+?)\s*\Z", re.DOTALL)
 _MAX_INDEX_BYTES: Final = 256 << 20
 _SHA256: Final = re.compile(rb"objectformat\s*=\s*sha256")
