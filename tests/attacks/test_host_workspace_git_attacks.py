@@ -295,3 +295,89 @@ def test_a_git_link_is_refused_at_start_as_protect_git_cannot_pin_it(demo: Demo)
 
 def metadata_of(folder: Path) -> dict[str, bytes]:
     return {str(path.relative_to(folder)): path.read_bytes() for path in sorted(folder.rglob("*")) if path.is_file()}
+
+
+async def test_a_submodule_listed_only_in_the_shared_index_of_a_split_index_is_kept_from_the_agent(
+    demo: Demo,
+) -> None:
+    """Attack (found by review): the owner's repository uses a split index (`core.splitIndex = true`, or `git
+    update-index --split-index`): `.git/index` holds a `link` extension and only the changed entries, the others, the
+    gitlink `lib` among them, are in `.git/sharedindex.<sha>`. `_gitlinks` reads `.git/index` alone, finds no
+    gitlink, and `lib/.git` is left writable: `cp evil.cfg lib/.git/config` ran the agent's program at the
+    owner's `git status` at the top. Invariant: refused, config unchanged, the owner's status runs nothing."""
+    workspace = demo.workspace
+    make_repository(workspace)
+    library_at(workspace / "lib")
+    assert owners_git(workspace, "add", "lib").returncode == 0
+    assert owners_git(workspace, "commit", "-q", "-m", "vendored").returncode == 0
+    assert owners_git(workspace, "config", "core.splitIndex", "true").returncode == 0
+    assert owners_git(workspace, "update-index", "--split-index").returncode == 0
+    assert list((workspace / ".git").glob("sharedindex.*")), "git wrote no shared index"
+    before = (workspace / "lib" / ".git" / "config").read_bytes()
+    marker = demo.outside / "ran-as-the-owner"
+    async with demo.client() as client:
+        assert (await call(client, "write_file", path="evil.cfg", content=planted(marker)))["ok"]
+        copied = await call(client, "run_command", command="cp evil.cfg lib/.git/config")
+        written = await call(client, "write_file", path="lib/.git/hooks/x", content="#!/bin/sh\n")
+    status = owners_git(workspace, "status", "--porcelain")
+    assert not marker.exists(), "the owner's git status at the top ran the agent's program"
+    assert copied["detail"]["exit_status"] != 0, copied["detail"]
+    assert written["code"] == "POLICY_DENIED", written
+    assert (workspace / "lib" / ".git" / "config").read_bytes() == before
+    assert status.returncode == 0
+
+
+async def test_the_git_file_of_the_owners_worktree_in_the_workspace_is_kept_from_the_agent(demo: Demo) -> None:
+    """Attack (found by review): the owner keeps a linked worktree in the workspace (`git worktree add wt`):
+    `wt/.git` is a file,
+    `gitdir: <workspace>/.git/worktrees/wt`. Only the top `.git` is kept; the agent makes a repository of its
+    own (`git init evil`, a config naming core.fsmonitor) and points `wt/.git` at it (write_file). The owner's
+    next `git status` in their worktree ran the agent's program. Invariant: `wt/.git` is read-only to
+    commands and refused to the file tools (as a submodule's `.git` is), and the owner's status runs nothing."""
+    workspace = demo.workspace
+    make_repository(workspace)
+    assert owners_git(workspace, "worktree", "add", "-q", "wt").returncode == 0
+    before = (workspace / "wt" / ".git").read_bytes()
+    marker = demo.outside / "ran-as-the-owner"
+    async with demo.client() as client:
+        assert (await call(client, "write_file", path="evil.cfg", content=planted(marker)))["ok"]
+        assert (await call(client, "write_file", path="evil.gitfile", content="gitdir: ../evil/.git\n"))["ok"]
+        for command in ("git init -q evil", "cp evil.cfg evil/.git/config"):
+            made = await call(client, "run_command", command=command)
+            assert made["ok"], made
+            assert made["detail"]["exit_status"] == 0, made["detail"]
+        copied = await call(client, "run_command", command="cp evil.gitfile wt/.git")
+        rewritten = await call(client, "write_file", path="wt/.git", content="gitdir: ../evil/.git\n")
+    status = owners_git(workspace / "wt", "status", "--porcelain")
+    assert not marker.exists(), "the owner's git status in their worktree ran the agent's program"
+    assert rewritten["code"] == "POLICY_DENIED", rewritten
+    assert copied["detail"]["exit_status"] != 0, copied["detail"]
+    assert (workspace / "wt" / ".git").read_bytes() == before
+    assert status.returncode == 0
+
+
+async def test_a_submodule_of_the_repository_the_workspace_is_part_of_is_kept_from_the_agent(demo: Demo) -> None:
+    """Attack (found by review): the workspace is a folder of the owner's repository (a package of a monorepo: git
+    finds the
+    repository by walking up from the folder), and holds one of its submodules, `lib` (a gitlink of the
+    enclosing repository's index). The start looks only for `<workspace>/.git`, finds none, keeps nothing;
+    `cp evil.cfg lib/.git/config` ran the agent's program at the owner's `git status`, in the workspace folder
+    (the suite's own harm) and at the repository's top. Invariant: refused, the owner's status runs nothing."""
+    workspace = demo.workspace
+    top = demo.root  # the owner's repository; the workspace is its folder `workspace`
+    (workspace / "README.md").write_text("a package of the owner's monorepo\n")
+    for args in (("init", "-q"), ("add", "workspace/README.md"), ("commit", "-q", "-m", "first")):
+        assert owners_git(top, *args).returncode == 0
+    library_at(workspace / "lib")
+    assert owners_git(top, "add", "workspace/lib").returncode == 0
+    assert owners_git(top, "commit", "-q", "-m", "vendored").returncode == 0
+    before = (workspace / "lib" / ".git" / "config").read_bytes()
+    marker = demo.outside / "ran-as-the-owner"
+    async with demo.client() as client:
+        assert (await call(client, "write_file", path="evil.cfg", content=planted(marker)))["ok"]
+        copied = await call(client, "run_command", command="cp evil.cfg lib/.git/config")
+    status = owners_git(workspace, "status", "--porcelain")
+    assert not marker.exists(), "the owner's git status in the workspace ran the agent's program"
+    assert copied["detail"]["exit_status"] != 0, copied["detail"]
+    assert (workspace / "lib" / ".git" / "config").read_bytes() == before
+    assert status.returncode == 0

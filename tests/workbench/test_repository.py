@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -112,3 +113,39 @@ def test_the_forms_of_dot_git(tmp_path: Path) -> None:
     os.symlink(outside / ".git", linked / ".git")
     with pytest.raises(ConfigError, match="symbolic link"):
         repository_protection(str(linked), "ws")
+
+
+def test_a_crafted_index_costs_the_start_little(tmp_path: Path) -> None:
+    """Found by review: a version 4 index whose names each grow a byte (strip nothing, add one) made the start
+    hold every name, 805 MiB for 2.5 MiB of index. Only the owner writes the index, but a start must not die of
+    it. Invariant: the gitlinks read are bounded, and so is the memory."""
+    folder = tmp_path / "repo"
+    (folder / ".git").mkdir(parents=True)
+    entry = bytes(24) + (0o160000).to_bytes(4, "big") + bytes(12) + bytes(20) + (1).to_bytes(2, "big")
+    count = 40_000
+    body = b"".join(entry + b"\x00a\x00" for _ in range(count))  # varint 0 (strip nothing), then "a"
+    (folder / ".git" / "index").write_bytes(b"DIRC" + (4).to_bytes(4, "big") + count.to_bytes(4, "big") + body)
+    tracemalloc.start()
+    try:
+        found = repository_protection(str(folder), "ws")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 << 20, f"the start held {peak >> 20} MiB for a {len(body) >> 20} MiB index"
+    assert len(found.sealed) <= 256
+
+
+def test_a_split_index_names_its_submodules_in_its_shared_part(tmp_path: Path) -> None:
+    folder = repository(tmp_path / "repo")
+    git(folder, "config", "core.splitIndex", "true")
+    git(folder, "update-index", "--split-index")
+    assert list((folder / ".git").glob("sharedindex.*"))
+    assert repository_protection(str(folder), "ws").sealed == (LINKS[2],)
+
+
+def test_a_folder_of_a_larger_repository_keeps_the_submodules_beneath_it(tmp_path: Path) -> None:
+    """The workspace is a package of a monorepo: git finds the repository above it."""
+    folder = repository(tmp_path / "repo")
+    found = repository_protection(str(folder / "vendor"), "ws")
+    assert set(found.read_only) == {"a-library-with-a-longer-name", "a-library-with-a-long-name/.git"}
+    assert found.sealed == ()

@@ -24,7 +24,7 @@ import re
 import stat
 import struct
 from dataclasses import dataclass
-from typing import Final
+from typing import BinaryIO, Final
 
 from bastion.safety.errors import ConfigError
 from bastion.sandbox import LinkOnPath, open_beneath
@@ -38,6 +38,8 @@ _GITDIR: Final = re.compile(rb"\Agitdir: *(.+?)\s*\Z", re.DOTALL)
 _MAX_INDEX_BYTES: Final = 256 << 20
 _SHA256: Final = re.compile(rb"objectformat\s*=\s*sha256")
 _GITLINK: Final = 0o160000
+_MAX_LINKS: Final = 4 * MAX_SUBMODULES  # read from an index: those under the workspace are kept, MAX_SUBMODULES
+_PATH_MAX: Final = 4096
 _EXTENDED: Final = 0x4000
 
 
@@ -76,18 +78,28 @@ def repository_protection(root: str, workspace_id: str) -> Protection:
 
 def _protection(root_fd: int, root: str) -> Protection:
     top = _lstat(root_fd, GIT)
+    read_only: list[str] = []
+    prefix = ""  # the workspace's path in the repository's worktree, when the repository is above it
+    gitdir: str | None  # relative: in the workspace; absolute: outside it
     if top is None:
-        return Protection()
-    if stat.S_ISLNK(top.st_mode):
+        # Found by review: a workspace that is a folder of a larger repository (a package of a monorepo) holds
+        # that repository's submodules, which git runs a status in from the top or from the workspace.
+        enclosing = _enclosing_repository(root)
+        if enclosing is None:
+            return Protection()
+        worktree, gitdir = enclosing
+        prefix = posixpath.relpath(root, worktree) + "/"
+    elif stat.S_ISLNK(top.st_mode):
         raise LinkOnPath(GIT)
-    read_only = [GIT]
-    gitdir: str | None = GIT  # relative: in the workspace; absolute: outside it
-    if stat.S_ISREG(top.st_mode):
-        named = _GITDIR.match(_read(root_fd, GIT) or b"")
-        gitdir = _inside(root, "", os.fsdecode(named[1])) if named else None
-        if gitdir is not None and not posixpath.isabs(gitdir):
-            _require_real(root_fd, gitdir)
-            read_only.append(gitdir)
+    else:
+        read_only.append(GIT)
+        gitdir = GIT
+        if stat.S_ISREG(top.st_mode):
+            named = _GITDIR.match(_read(root_fd, GIT) or b"")
+            gitdir = _inside(root, "", os.fsdecode(named[1])) if named else None
+            if gitdir is not None and not posixpath.isabs(gitdir):
+                _require_real(root_fd, gitdir)
+                read_only.append(gitdir)
     shared: str | None = None
     common = _read_repository_file(root_fd, root, gitdir, "commondir", _MAX_READ_BYTES)
     if gitdir is not None and common:
@@ -95,13 +107,14 @@ def _protection(root_fd: int, root: str) -> Protection:
         if shared is not None and not posixpath.isabs(shared):
             _require_real(root_fd, shared)
             read_only.append(shared)
+    read_only += _worktree_files(root_fd, root, shared or gitdir)
     sealed: list[str] = []
-    for path in _submodule_paths(root_fd, root, gitdir, shared):
+    for path in _submodule_paths(root_fd, root, gitdir, shared, prefix):
         try:
             folder = _lstat(root_fd, path)
             inner = _lstat(root_fd, f"{path}/{GIT}") if folder is not None and stat.S_ISDIR(folder.st_mode) else None
-        except LinkOnPath:
-            continue  # git does not look for a submodule through a link
+        except (LinkOnPath, OSError):
+            continue  # git does not look for a submodule through a link; nor can a name past NAME_MAX be one
         if folder is None:
             sealed.append(path)
         elif stat.S_ISDIR(folder.st_mode):
@@ -110,18 +123,77 @@ def _protection(root_fd: int, root: str) -> Protection:
     return Protection(read_only=kept, sealed=tuple(path for path in _outermost(sealed) if not _under(path, kept)))
 
 
-def _submodule_paths(root_fd: int, root: str, gitdir: str | None, shared: str | None) -> list[str]:
+def _enclosing_repository(root: str) -> tuple[str, str] | None:
+    """The repository git finds above `root` (its worktree's top, its gitdir; both absolute), as git's discovery
+    walks up: to a filesystem boundary or `/`. None if there is none."""
+    device = os.stat(root).st_dev
+    folder = posixpath.dirname(root.rstrip("/"))
+    while True:
+        try:
+            if os.stat(folder).st_dev != device:
+                return None
+            found = os.stat(posixpath.join(folder, GIT))
+        except FileNotFoundError:
+            found = None
+        except OSError:
+            return None
+        if found is not None and stat.S_ISDIR(found.st_mode):
+            return folder, posixpath.join(folder, GIT)
+        if found is not None and stat.S_ISREG(found.st_mode):
+            try:
+                with open(posixpath.join(folder, GIT), "rb") as file:
+                    named = _GITDIR.match(file.read(_MAX_READ_BYTES))
+            except OSError:
+                return None
+            return (folder, posixpath.normpath(posixpath.join(folder, os.fsdecode(named[1])))) if named else None
+        if folder == "/":
+            return None
+        folder = posixpath.dirname(folder)
+
+
+def _worktree_files(root_fd: int, root: str, common: str | None) -> list[str]:
+    """The `.git` files of the repository's linked worktrees that are in the workspace (found by review: the
+    agent pointed the owner's worktree at a repository of its own). Each is named in `worktrees/<name>/gitdir`."""
+    if common is None:
+        return []
+    listing = f"{common}/worktrees" if posixpath.isabs(common) else f"{root}/{common}/worktrees"
+    try:
+        names = sorted(os.listdir(listing))[:MAX_SUBMODULES]
+    except OSError:
+        return []
+    found: list[str] = []
+    for name in names:
+        named = _read_repository_file(root_fd, root, f"{common}/worktrees/{name}", "gitdir", _MAX_READ_BYTES)
+        place = _inside(root, "", os.fsdecode(named.strip())) if named else None
+        try:
+            if place is not None and not posixpath.isabs(place) and _lstat(root_fd, place) is not None:
+                found.append(place)
+        except (LinkOnPath, OSError):
+            continue  # reached through a link (git's own worktree list names a real path), or no such name
+    return found
+
+
+def _submodule_paths(root_fd: int, root: str, gitdir: str | None, shared: str | None, prefix: str) -> list[str]:
     """The submodules git would run a status in: the gitlinks of the repository's index (found by review:
-    `.gitmodules` is a file the agent writes, and a repository added with `git add` is in no `.gitmodules`).
-    The index is read from the folder kept from the agent, or from outside the workspace."""
+    `.gitmodules` is a file the agent writes, and a repository added with `git add` is in no `.gitmodules`),
+    a split index's shared part included. The index is read from the folder kept from the agent, or from outside
+    the workspace. With `prefix` (the workspace is a folder of the repository), those beneath it, relative to it."""
     index = _read_repository_file(root_fd, root, gitdir, "index", _MAX_INDEX_BYTES)
     if index is None:
         return []
     config = (_read_repository_file(root_fd, root, shared or gitdir, "config", _MAX_READ_BYTES) or b"").lower()
     hash_size = 32 if _SHA256.search(config) else 20
+    links, base = _gitlinks(index, hash_size)
+    if base is not None:  # a split index: the entries not changed since are in the shared index it names
+        shared_index = _read_repository_file(root_fd, root, gitdir, f"sharedindex.{base}", _MAX_INDEX_BYTES)
+        links += _gitlinks(shared_index or b"", hash_size)[0]
     paths: list[str] = []
-    for raw in _gitlinks(index, hash_size):
+    for raw in links:
         path = os.fsdecode(raw)
+        if prefix:
+            if not path.startswith(prefix):
+                continue
+            path = path[len(prefix) :]
         if not path or "\x00" in path or any(part in ("", ".", "..", GIT) for part in path.split("/")):
             continue
         if len(paths) == MAX_SUBMODULES:
@@ -142,18 +214,21 @@ def _read_repository_file(root_fd: int, root: str, folder: str | None, name: str
     except OSError:
         return None
     with os.fdopen(fd, "rb") as file:
-        return file.read(limit) if stat.S_ISREG(os.fstat(fd).st_mode) else None
+        return _start_of(file, posixpath.join(folder, name), limit) if stat.S_ISREG(os.fstat(fd).st_mode) else None
 
 
-def _gitlinks(index: bytes, hash_size: int) -> list[bytes]:
+def _gitlinks(index: bytes, hash_size: int) -> tuple[list[bytes], str | None]:
     """The paths of the gitlink entries (mode 160000) of a git index, versions 2 to 4 (git's
-    Documentation/gitformat-index.txt). Written here: no maintained library reads the index without git itself,
-    which would run the repository's own config. A damaged index gives what was read before the damage."""
+    Documentation/gitformat-index.txt), and the shared index a split index names (its `link` extension), if
+    any. Written here: no maintained library reads the index without git itself, which would run the
+    repository's own config. A damaged index gives what was read before the damage; at most `_MAX_LINKS`
+    gitlinks, and no name past PATH_MAX (found by review: a crafted v4 index grew its names a byte an entry,
+    805 MiB for 2.5 MiB of index)."""
     if len(index) < 12 or index[:4] != b"DIRC":
-        return []
+        return [], None
     version, count = struct.unpack(">II", index[4:12])
     if version not in (2, 3, 4):
-        return []
+        return [], None
     found: list[bytes] = []
     position, previous = 12, b""
     try:
@@ -166,21 +241,35 @@ def _gitlinks(index: bytes, hash_size: int) -> list[bytes]:
                 strip, position = _varint(index, position)
                 end = index.index(b"\0", position)
                 if strip > len(previous):
-                    break
+                    return found, None
                 name = previous[: len(previous) - strip] + index[position:end]
                 position = end + 1
             else:
                 end = index.index(b"\0", position)
                 name = index[position:end]
                 position = start + ((end - start + 8) & ~7)  # padded with 1 to 8 NULs
-            if end > len(index) or position > len(index):
-                break
+            if position > len(index) or len(name) > _PATH_MAX:
+                return found, None
             previous = name
             if mode == _GITLINK:
                 found.append(name)
+                if len(found) > _MAX_LINKS:
+                    return found, None
+        return found, _shared_index(index, position, hash_size)
     except (ValueError, IndexError):  # no NUL, or past the end: a damaged or cut index
-        pass
-    return found
+        return found, None
+
+
+def _shared_index(index: bytes, position: int, hash_size: int) -> str | None:
+    """The hex name of the shared index a split index's `link` extension names, from the extensions that
+    follow the entries at `position` (each a 4-byte signature and a 4-byte size); None without one."""
+    end = len(index) - hash_size  # the index's own checksum ends it
+    while position + 8 <= end:
+        signature, size = index[position : position + 4], int.from_bytes(index[position + 4 : position + 8], "big")
+        if signature == b"link" and size >= hash_size:
+            return index[position + 8 : position + 8 + hash_size].hex()
+        position += 8 + size
+    return None
 
 
 def _varint(data: bytes, position: int) -> tuple[int, int]:
@@ -245,11 +334,20 @@ def _read(root_fd: int, rel: str, limit: int = _MAX_READ_BYTES) -> bytes | None:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             return None
         with open(f"/proc/self/fd/{fd}", "rb") as file:
-            return file.read(limit)
+            return _start_of(file, rel, limit)
     except OSError:
         return None
     finally:
         os.close(fd)
+
+
+def _start_of(file: BinaryIO, name: str, limit: int) -> bytes:
+    """At most `limit` bytes of `file`, read in the size it has (a read of `limit` allocates all of it first:
+    256 MiB at every start for an index's bound); past `limit`, a warning."""
+    size = os.fstat(file.fileno()).st_size
+    if size > limit:
+        logger.warning("%s is over %d bytes: only its start is read for protect_git", name, limit)
+    return file.read(min(size, limit))
 
 
 def _under(path: str, parents: list[str] | tuple[str, ...]) -> bool:
