@@ -381,3 +381,51 @@ async def test_a_submodule_of_the_repository_the_workspace_is_part_of_is_kept_fr
     assert copied["detail"]["exit_status"] != 0, copied["detail"]
     assert (workspace / "lib" / ".git" / "config").read_bytes() == before
     assert status.returncode == 0
+
+
+async def test_the_hooks_folder_the_owners_config_names_in_the_workspace_is_kept_from_the_agent(demo: Demo) -> None:
+    """Attack: the owner's repository keeps its hooks in the workspace, as husky does (`core.hooksPath =
+    .husky/_`); the agent rewrites the pre-commit hook (cp, write_file), and the owner's next `git commit` would
+    run it as the owner. Invariant: the folder `core.hooksPath` names is read-only to commands and refused to the
+    file tools; the owner's commit runs the owner's hook only."""
+    workspace = demo.workspace
+    make_repository(workspace)
+    hooks = workspace / ".husky" / "_"
+    hooks.mkdir(parents=True)
+    (hooks / "pre-commit").write_text("#!/bin/sh\nexit 0\n")
+    (hooks / "pre-commit").chmod(0o755)
+    assert owners_git(workspace, "config", "core.hooksPath", ".husky/_").returncode == 0
+    marker = demo.outside / "ran-as-the-owner"
+    evil = f"#!/bin/sh\ntouch '{marker}'\n"
+    async with demo.client() as client:
+        assert (await call(client, "write_file", path="evil.sh", content=evil))["ok"]
+        copied = await call(client, "run_command", command="cp evil.sh .husky/_/pre-commit")
+        written = await call(client, "write_file", path=".husky/_/pre-commit", content=evil)
+    assert copied["detail"]["exit_status"] != 0, copied["detail"]
+    assert written["code"] == "POLICY_DENIED", written
+    assert owners_git(workspace, "commit", "-q", "--allow-empty", "-m", "after the agent").returncode == 0
+    assert not marker.exists(), "the owner's git commit ran the agent's hook"
+
+
+async def test_the_owners_repositories_in_a_folder_of_projects_are_kept_from_the_agent(demo: Demo) -> None:
+    """Attack: the workspace is a folder of the owner's projects, each a repository of its own (no repository at
+    the top); the agent writes a project's `.git/config`, and the owner's next `git status` in that project would
+    run its program. Invariant: each repository found beneath the top at start is kept like the top's."""
+    workspace = demo.workspace
+    for project in ("alpha", "nested/beta"):
+        (workspace / project).mkdir(parents=True)
+        make_repository(workspace / project)
+    marker = demo.outside / "ran-as-the-owner"
+    async with demo.client() as client:
+        assert (await call(client, "write_file", path="evil.cfg", content=planted(marker)))["ok"]
+        copies = [
+            await call(client, "run_command", command=f"cp evil.cfg {project}/.git/config")
+            for project in ("alpha", "nested/beta")
+        ]
+        mine = await call(client, "run_command", command="mkdir notes")  # the rest of the folder is the agent's
+    for copied in copies:
+        assert copied["detail"]["exit_status"] != 0, copied["detail"]
+    assert mine["detail"]["exit_status"] == 0, mine["detail"]
+    for project in ("alpha", "nested/beta"):
+        assert owners_git(workspace / project, "status", "--porcelain").returncode == 0
+    assert not marker.exists(), "the owner's git status in a project ran the agent's program"

@@ -33,11 +33,15 @@ logger = logging.getLogger("bastion.workbench.repository")
 
 GIT: Final = ".git"
 MAX_SUBMODULES: Final = 256
+MAX_NESTED: Final = 64  # the owner's repositories beneath the top that are kept
+_DISCOVERY_ENTRIES: Final = 200_000  # entries walked to find them
+_DISCOVERY_DEPTH: Final = 16
 _MAX_READ_BYTES: Final = 1 << 20  # a `.git` file, `commondir`, `config`
 _GITDIR: Final = re.compile(rb"\Agitdir: *(.+?)\s*\Z", re.DOTALL)
 _MAX_INDEX_BYTES: Final = 256 << 20
 _SHA256: Final = re.compile(rb"objectformat\s*=\s*sha256")
 _GITLINK: Final = 0o160000
+_HOOKS_PATH: Final = re.compile(r"(?im)^\s*hookspath\s*=\s*(.+?)\s*$")
 _MAX_LINKS: Final = 4 * MAX_SUBMODULES  # read from an index: those under the workspace are kept, MAX_SUBMODULES
 _PATH_MAX: Final = 4096
 _EXTENDED: Final = 0x4000
@@ -65,7 +69,21 @@ def repository_protection(root: str, workspace_id: str) -> Protection:
     """
     root_fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        return _protection(root_fd, root)
+        found = _protection(root_fd, root)
+        read_only, sealed = list(found.read_only), list(found.sealed)
+        for folder in _nested_repositories(root, found.paths):
+            # The owner's other repositories beneath the top (a folder of projects): the owner runs git there.
+            inner_fd = open_beneath(root_fd, folder)
+            if inner_fd is None:
+                continue
+            try:
+                inner = _protection(inner_fd, f"{root.rstrip('/')}/{folder}")
+            finally:
+                os.close(inner_fd)
+            read_only += [f"{folder}/{path}" for path in inner.read_only]
+            sealed += [f"{folder}/{path}" for path in inner.sealed]
+        kept = _outermost(read_only)
+        return Protection(read_only=kept, sealed=tuple(path for path in _outermost(sealed) if not _under(path, kept)))
     except LinkOnPath as exc:
         raise ConfigError(
             f"workspace {workspace_id!r}: {exc} is a symbolic link (or under one), which protect_git cannot pin: "
@@ -108,6 +126,9 @@ def _protection(root_fd: int, root: str) -> Protection:
             _require_real(root_fd, shared)
             read_only.append(shared)
     read_only += _worktree_files(root_fd, root, shared or gitdir)
+    hooks = _hooks_path(root_fd, root, shared or gitdir, prefix)
+    if hooks is not None:
+        read_only.append(hooks)
     sealed: list[str] = []
     for path in _submodule_paths(root_fd, root, gitdir, shared, prefix):
         try:
@@ -121,6 +142,60 @@ def _protection(root_fd: int, root: str) -> Protection:
             read_only.append(f"{path}/{GIT}" if inner is not None and not stat.S_ISLNK(inner.st_mode) else path)
     kept = _outermost(read_only)
     return Protection(read_only=kept, sealed=tuple(path for path in _outermost(sealed) if not _under(path, kept)))
+
+
+def _nested_repositories(root: str, known: tuple[str, ...]) -> list[str]:
+    """Folders beneath the top of `root` that hold a `.git` of their own, found by a walk by fd that follows no
+    link, stays on the filesystem, skips what `known` already keeps and every `.git` itself, and stops at
+    `_DISCOVERY_ENTRIES` entries or `MAX_NESTED` repositories (saying so)."""
+    top = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    device = os.fstat(top).st_dev
+    levels = [(top, os.scandir(top))]
+    names: list[str] = []
+    found: list[str] = []
+    seen = 0
+    try:
+        while levels:
+            fd, entries = levels[-1]
+            entry = next(entries, None)
+            if entry is None:
+                entries.close()
+                os.close(fd)
+                levels.pop()
+                if names:
+                    names.pop()
+                continue
+            seen += 1
+            if seen > _DISCOVERY_ENTRIES or len(found) >= MAX_NESTED:
+                logger.warning("%s: not all of it was searched for git repositories to keep from its agent", root)
+                break
+            rel = "/".join((*names, entry.name))
+            if entry.name == GIT:
+                if names and not _under(rel, known):
+                    found.append("/".join(names))
+                continue
+            try:
+                info = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if not stat.S_ISDIR(info.st_mode) or info.st_dev != device or _under(rel, known):
+                continue
+            if len(levels) > _DISCOVERY_DEPTH:
+                continue
+            try:
+                child = os.open(entry.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            except OSError:
+                continue
+            try:
+                levels.append((child, os.scandir(child)))
+                names.append(entry.name)
+            except OSError:
+                os.close(child)
+    finally:
+        for fd, entries in levels:
+            entries.close()
+            os.close(fd)
+    return found
 
 
 def _enclosing_repository(root: str) -> tuple[str, str] | None:
@@ -149,6 +224,24 @@ def _enclosing_repository(root: str) -> tuple[str, str] | None:
         if folder == "/":
             return None
         folder = posixpath.dirname(folder)
+
+
+def _hooks_path(root_fd: int, root: str, common: str | None, prefix: str) -> str | None:
+    """The folder `core.hooksPath` names, when it is in the workspace and exists (husky's `.husky/_`): the owner's
+    git runs its hooks. Relative paths are from the worktree's top (the workspace, or the repository above it)."""
+    config = _read_repository_file(root_fd, root, common, "config", _MAX_READ_BYTES) or b""
+    named = _HOOKS_PATH.findall(config.decode("utf-8", "replace"))
+    if not named:
+        return None
+    value = named[-1].strip().strip('"')  # the last one set wins
+    top = root if not prefix else posixpath.normpath(posixpath.join(root, "/".join([".."] * prefix.count("/"))))
+    place = _inside(root, "", posixpath.join(top, value) if not posixpath.isabs(value) else value)
+    try:
+        if place is not None and not posixpath.isabs(place) and _lstat(root_fd, place) is not None:
+            return place
+    except (LinkOnPath, OSError):
+        return None
+    return None
 
 
 def _worktree_files(root_fd: int, root: str, common: str | None) -> list[str]:
