@@ -407,25 +407,78 @@ async def test_the_hooks_folder_the_owners_config_names_in_the_workspace_is_kept
     assert not marker.exists(), "the owner's git commit ran the agent's hook"
 
 
-async def test_the_owners_repositories_in_a_folder_of_projects_are_kept_from_the_agent(demo: Demo) -> None:
-    """Attack: the workspace is a folder of the owner's projects, each a repository of its own (no repository at
-    the top); the agent writes a project's `.git/config`, and the owner's next `git status` in that project would
-    run its program. Invariant: each repository found beneath the top at start is kept like the top's."""
+def gitlink(workspace: Path, library: Path, path: str) -> None:
+    """A submodule `path` in the owner's index (and .gitmodules), committed."""
+    head = owners_git(library, "rev-parse", "HEAD").stdout.strip()
+    (workspace / ".gitmodules").write_text(
+        f'[submodule "{path}"]\n\tpath = {path}\n\turl = https://example.invalid/l\n'
+    )
+    assert owners_git(workspace, "update-index", "--add", "--cacheinfo", f"160000,{head},{path}").returncode == 0
+    assert owners_git(workspace, "add", ".gitmodules").returncode == 0
+    assert owners_git(workspace, "commit", "-q", "-m", "submodule").returncode == 0
+
+
+async def test_the_folder_a_submodules_git_file_names_in_the_workspace_is_kept_from_the_agent(demo: Demo) -> None:
+    """Attack (found by review): the owner's submodule `lib` has a `.git` file naming a folder of the workspace
+    outside `.git/modules`
+    (`gitdir: ../.lib-git`: `git clone --separate-git-dir`, or a layout kept from before absorbgitdirs). Only
+    `lib/.git` (the file) is kept; the agent writes `.lib-git/config`, and the owner's `git status` at the top runs a
+    status in `lib`, which reads that config. Invariant: refused, and the owner's status runs nothing."""
     workspace = demo.workspace
-    for project in ("alpha", "nested/beta"):
-        (workspace / project).mkdir(parents=True)
-        make_repository(workspace / project)
+    make_repository(workspace)
+    library_at(workspace / "lib")
+    (workspace / "lib" / ".git").rename(workspace / ".lib-git")
+    (workspace / "lib" / ".git").write_text("gitdir: ../.lib-git\n")
+    assert owners_git(workspace / "lib", "config", "core.worktree", str(workspace / "lib")).returncode == 0
+    assert owners_git(workspace / "lib", "status", "--porcelain").stdout == ""
+    assert owners_git(workspace, "add", "lib").returncode == 0
+    assert owners_git(workspace, "commit", "-q", "-m", "vendored").returncode == 0
+    before = (workspace / ".lib-git" / "config").read_bytes()
     marker = demo.outside / "ran-as-the-owner"
     async with demo.client() as client:
         assert (await call(client, "write_file", path="evil.cfg", content=planted(marker)))["ok"]
-        copies = [
-            await call(client, "run_command", command=f"cp evil.cfg {project}/.git/config")
-            for project in ("alpha", "nested/beta")
+        copied = await call(client, "run_command", command="cp evil.cfg .lib-git/config")
+    status = owners_git(workspace, "status", "--porcelain")
+    assert not marker.exists(), "the owner's git status at the top ran the agent's program"
+    assert copied["detail"]["exit_status"] != 0, copied["detail"]
+    assert (workspace / ".lib-git" / "config").read_bytes() == before
+    assert status.returncode == 0
+
+
+async def test_a_submodule_of_the_owners_worktree_in_the_workspace_is_kept_from_the_agent(demo: Demo) -> None:
+    """Attack (found by review): the owner keeps a linked worktree in the workspace (`git worktree add wt`) of a
+    repository with a
+    submodule `sub`; `wt/sub` is an empty folder (a worktree's submodules are not checked out). Submodules are read
+    from the main index only, not from the worktree's (`.git/worktrees/wt/index`), so `wt/sub` is the agent's: its
+    `git init` there with core.fsmonitor runs at the owner's `git status` in wt. Invariant: runs nothing."""
+    workspace = demo.workspace
+    make_repository(workspace)
+    library = demo.root / "library"
+    library_at(library)
+    gitlink(workspace, library, "sub")
+    assert owners_git(workspace, "worktree", "add", "-q", "wt").returncode == 0
+    assert (workspace / "wt" / "sub").is_dir()
+    marker = demo.outside / "ran-as-the-owner"
+    async with demo.client() as client:
+        assert (await call(client, "write_file", path="evil.cfg", content=planted(marker)))["ok"]
+        made = [
+            await call(client, "run_command", command="git init -q wt/sub"),
+            await call(client, "run_command", command="cp evil.cfg wt/sub/.git/config"),
         ]
-        mine = await call(client, "run_command", command="mkdir notes")  # the rest of the folder is the agent's
-    for copied in copies:
-        assert copied["detail"]["exit_status"] != 0, copied["detail"]
-    assert mine["detail"]["exit_status"] == 0, mine["detail"]
-    for project in ("alpha", "nested/beta"):
-        assert owners_git(workspace / project, "status", "--porcelain").returncode == 0
-    assert not marker.exists(), "the owner's git status in a project ran the agent's program"
+    status = owners_git(workspace / "wt", "status", "--porcelain")
+    assert not marker.exists(), f"the owner's git status in the worktree ran the agent's program ({made})"
+    assert status.returncode == 0
+
+
+def link_archive(links: dict[str, str]) -> str:
+    """A tar (base64) of folders and symbolic links, as `tar -xpf` makes them."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as archive:
+        for name, target in links.items():
+            entry = tarfile.TarInfo(name)
+            if target:
+                entry.type, entry.linkname = tarfile.SYMTYPE, target
+            else:
+                entry.type, entry.mode = tarfile.DIRTYPE, 0o755
+            archive.addfile(entry)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")

@@ -81,8 +81,7 @@ def test_a_damaged_index_gives_what_was_read_before_the_damage(tmp_path: Path) -
         index.write_bytes(whole[:cut])
         assert repository_protection(str(folder), "ws").read_only[0] == ".git"
     index.write_bytes(b"DIRC" + (99).to_bytes(4, "big") + whole[8:])  # a version git never wrote: not read
-    # No gitlink read; the folder with a `.git` of its own is still found by the walk for nested repositories.
-    assert repository_protection(str(folder), "ws") == Protection(read_only=(".git", f"{LINKS[0]}/.git"))
+    assert repository_protection(str(folder), "ws") == Protection(read_only=(".git",))
 
 
 def test_gitmodules_alone_neither_seals_nor_unseals(tmp_path: Path) -> None:
@@ -150,22 +149,3 @@ def test_a_folder_of_a_larger_repository_keeps_the_submodules_beneath_it(tmp_pat
     found = repository_protection(str(folder / "vendor"), "ws")
     assert set(found.read_only) == {"a-library-with-a-longer-name", "a-library-with-a-long-name/.git"}
     assert found.sealed == ()
-
-
-def test_repositories_beneath_the_top_are_found_by_a_bounded_walk(tmp_path: Path) -> None:
-    """A folder of projects: each repository beneath the top is kept, its own submodules too."""
-    projects = tmp_path / "projects"
-    projects.mkdir()
-    repository(projects / "alpha")
-    (projects / "deeper").mkdir()
-    repository(projects / "deeper" / "beta")
-    found = repository_protection(str(projects), "ws")
-    assert set(found.read_only) == {
-        "alpha/.git",
-        f"alpha/{LINKS[1]}",
-        f"alpha/{LINKS[0]}/.git",
-        "deeper/beta/.git",
-        f"deeper/beta/{LINKS[1]}",
-        f"deeper/beta/{LINKS[0]}/.git",
-    }
-    assert set(found.sealed) == {f"alpha/{LINKS[2]}", f"deeper/beta/{LINKS[2]}"}

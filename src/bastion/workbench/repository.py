@@ -33,9 +33,6 @@ logger = logging.getLogger("bastion.workbench.repository")
 
 GIT: Final = ".git"
 MAX_SUBMODULES: Final = 256
-MAX_NESTED: Final = 64  # the owner's repositories beneath the top that are kept
-_DISCOVERY_ENTRIES: Final = 200_000  # entries walked to find them
-_DISCOVERY_DEPTH: Final = 16
 _MAX_READ_BYTES: Final = 1 << 20  # a `.git` file, `commondir`, `config`
 _GITDIR: Final = re.compile(rb"\Agitdir: *(.+?)\s*\Z", re.DOTALL)
 _MAX_INDEX_BYTES: Final = 256 << 20
@@ -69,21 +66,7 @@ def repository_protection(root: str, workspace_id: str) -> Protection:
     """
     root_fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        found = _protection(root_fd, root)
-        read_only, sealed = list(found.read_only), list(found.sealed)
-        for folder in _nested_repositories(root, found.paths):
-            # The owner's other repositories beneath the top (a folder of projects): the owner runs git there.
-            inner_fd = open_beneath(root_fd, folder)
-            if inner_fd is None:
-                continue
-            try:
-                inner = _protection(inner_fd, f"{root.rstrip('/')}/{folder}")
-            finally:
-                os.close(inner_fd)
-            read_only += [f"{folder}/{path}" for path in inner.read_only]
-            sealed += [f"{folder}/{path}" for path in inner.sealed]
-        kept = _outermost(read_only)
-        return Protection(read_only=kept, sealed=tuple(path for path in _outermost(sealed) if not _under(path, kept)))
+        return _protection(root_fd, root)
     except LinkOnPath as exc:
         raise ConfigError(
             f"workspace {workspace_id!r}: {exc} is a symbolic link (or under one), which protect_git cannot pin: "
@@ -125,12 +108,18 @@ def _protection(root_fd: int, root: str) -> Protection:
         if shared is not None and not posixpath.isabs(shared):
             _require_real(root_fd, shared)
             read_only.append(shared)
-    read_only += _worktree_files(root_fd, root, shared or gitdir)
     hooks = _hooks_path(root_fd, root, shared or gitdir, prefix)
     if hooks is not None:
         read_only.append(hooks)
+    submodules = _submodule_paths(root_fd, root, gitdir, shared, prefix)
+    for worktree_file, worktree_gitdir in _worktrees(root_fd, root, shared or gitdir):
+        # Found by review: a linked worktree in the workspace has its own index, and so its own submodules.
+        read_only.append(worktree_file)
+        worktree = posixpath.dirname(worktree_file)
+        own = _submodule_paths(root_fd, root, worktree_gitdir, shared or gitdir, "")
+        submodules += [f"{worktree}/{path}" if worktree else path for path in own]
     sealed: list[str] = []
-    for path in _submodule_paths(root_fd, root, gitdir, shared, prefix):
+    for path in submodules:
         try:
             folder = _lstat(root_fd, path)
             inner = _lstat(root_fd, f"{path}/{GIT}") if folder is not None and stat.S_ISDIR(folder.st_mode) else None
@@ -140,62 +129,10 @@ def _protection(root_fd: int, root: str) -> Protection:
             sealed.append(path)
         elif stat.S_ISDIR(folder.st_mode):
             read_only.append(f"{path}/{GIT}" if inner is not None and not stat.S_ISLNK(inner.st_mode) else path)
+            if inner is not None and stat.S_ISREG(inner.st_mode):
+                read_only += _named_folder(root_fd, root, path)
     kept = _outermost(read_only)
     return Protection(read_only=kept, sealed=tuple(path for path in _outermost(sealed) if not _under(path, kept)))
-
-
-def _nested_repositories(root: str, known: tuple[str, ...]) -> list[str]:
-    """Folders beneath the top of `root` that hold a `.git` of their own, found by a walk by fd that follows no
-    link, stays on the filesystem, skips what `known` already keeps and every `.git` itself, and stops at
-    `_DISCOVERY_ENTRIES` entries or `MAX_NESTED` repositories (saying so)."""
-    top = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    device = os.fstat(top).st_dev
-    levels = [(top, os.scandir(top))]
-    names: list[str] = []
-    found: list[str] = []
-    seen = 0
-    try:
-        while levels:
-            fd, entries = levels[-1]
-            entry = next(entries, None)
-            if entry is None:
-                entries.close()
-                os.close(fd)
-                levels.pop()
-                if names:
-                    names.pop()
-                continue
-            seen += 1
-            if seen > _DISCOVERY_ENTRIES or len(found) >= MAX_NESTED:
-                logger.warning("%s: not all of it was searched for git repositories to keep from its agent", root)
-                break
-            rel = "/".join((*names, entry.name))
-            if entry.name == GIT:
-                if names and not _under(rel, known):
-                    found.append("/".join(names))
-                continue
-            try:
-                info = entry.stat(follow_symlinks=False)
-            except OSError:
-                continue
-            if not stat.S_ISDIR(info.st_mode) or info.st_dev != device or _under(rel, known):
-                continue
-            if len(levels) > _DISCOVERY_DEPTH:
-                continue
-            try:
-                child = os.open(entry.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
-            except OSError:
-                continue
-            try:
-                levels.append((child, os.scandir(child)))
-                names.append(entry.name)
-            except OSError:
-                os.close(child)
-    finally:
-        for fd, entries in levels:
-            entries.close()
-            os.close(fd)
-    return found
 
 
 def _enclosing_repository(root: str) -> tuple[str, str] | None:
@@ -244,9 +181,30 @@ def _hooks_path(root_fd: int, root: str, common: str | None, prefix: str) -> str
     return None
 
 
-def _worktree_files(root_fd: int, root: str, common: str | None) -> list[str]:
-    """The `.git` files of the repository's linked worktrees that are in the workspace (found by review: the
-    agent pointed the owner's worktree at a repository of its own). Each is named in `worktrees/<name>/gitdir`."""
+def _named_folder(root_fd: int, root: str, path: str) -> list[str]:
+    """The repository folder a submodule's `.git` file names, when it is in the workspace (found by review: a
+    submodule cloned with `--separate-git-dir` named `../.lib-git`, whose config was the agent's to write). One
+    reached through a link is skipped with a warning: the submodule is the owner's, the link perhaps not."""
+    named = _GITDIR.match(_read(root_fd, f"{path}/{GIT}") or b"")
+    place = _inside(root, path, os.fsdecode(named[1])) if named else None
+    if place is None or posixpath.isabs(place):
+        return []
+    try:
+        _require_real(root_fd, place)
+    except LinkOnPath:
+        logger.warning("%s: the repository of submodule %s is reached through a link: not kept", root, path)
+        return []
+    return [place]
+
+
+def _worktrees(root_fd: int, root: str, common: str | None) -> list[tuple[str, str]]:
+    """The repository's linked worktrees in the workspace: each one's `.git` file (found by review: the agent
+    pointed the owner's worktree at a repository of its own) and its gitdir, `worktrees/<name>`."""
+    return [(place, f"{common}/worktrees/{name}") for name, place in _worktree_places(root_fd, root, common)]
+
+
+def _worktree_places(root_fd: int, root: str, common: str | None) -> list[tuple[str, str]]:
+    """(name, the worktree's `.git` file in the workspace) for each `worktrees/<name>/gitdir` naming one."""
     if common is None:
         return []
     listing = f"{common}/worktrees" if posixpath.isabs(common) else f"{root}/{common}/worktrees"
@@ -254,13 +212,13 @@ def _worktree_files(root_fd: int, root: str, common: str | None) -> list[str]:
         names = sorted(os.listdir(listing))[:MAX_SUBMODULES]
     except OSError:
         return []
-    found: list[str] = []
+    found: list[tuple[str, str]] = []
     for name in names:
         named = _read_repository_file(root_fd, root, f"{common}/worktrees/{name}", "gitdir", _MAX_READ_BYTES)
         place = _inside(root, "", os.fsdecode(named.strip())) if named else None
         try:
             if place is not None and not posixpath.isabs(place) and _lstat(root_fd, place) is not None:
-                found.append(place)
+                found.append((name, place))
         except (LinkOnPath, OSError):
             continue  # reached through a link (git's own worktree list names a real path), or no such name
     return found
