@@ -27,8 +27,6 @@ from pathlib import Path
 
 import pytest
 
-from bastion.app import build_services
-from bastion.safety.errors import ConfigError
 from tests.attacks.demo import Demo
 from tests.helpers import call
 
@@ -277,19 +275,26 @@ async def test_a_submodule_folder_cannot_become_the_agents_repository(demo: Demo
     assert not marker.exists(), "the owner's git status at the top ran the agent's program"
 
 
-def test_a_git_link_is_refused_at_start_as_protect_git_cannot_pin_it(demo: Demo) -> None:
-    """Attack (found by review): the owner's `.git` is a symbolic link to `.repo`; the link was left alone, and
-    `write_file .repo/config` ran the agent's program at the owner's next `git status`. A link cannot be bound
-    over itself, so the agent could rename it and make its own. Invariant: the server refuses to start, saying
-    why and what to do, and nothing was written."""
+async def test_a_git_link_is_said_at_start_and_stops_nothing(demo: Demo, caplog: pytest.LogCaptureFixture) -> None:
+    """Attack (found by review): a `.git` that is a symbolic link (the owner's to `.repo`, or one an agent made where
+    no repository was) cannot be bound over itself, so the agent could rename it and make its own. First it was
+    left alone silently; then it stopped the start, which an agent's own link could do to the whole server.
+    Invariant: the start says so in one error line naming the workspace, and serves; the file tools still refuse
+    `.git`, and nothing of the owner's was written by the start."""
     workspace = demo.workspace
     make_repository(workspace)
     (workspace / ".git").rename(workspace / ".repo")
     os.symlink(".repo", workspace / ".git")
     before = metadata_of(workspace / ".repo")
-    with pytest.raises(ConfigError, match="symbolic link") as refused:
-        build_services(demo.load()).close()  # closed if it starts after all: its mounts would outlive the test
-    assert "protect_git = false" in str(refused.value)
+    with caplog.at_level("ERROR", logger="bastion.workbench.repository"):
+        async with demo.client() as client:
+            written = await call(client, "write_file", path=".git/config", content="[core]\n")
+            listed = await call(client, "list_directory")
+    lines = [record.getMessage() for record in caplog.records if "symbolic link" in record.getMessage()]
+    assert len(lines) == 1, lines
+    assert "workspace default" in lines[0], lines
+    assert written["code"] == "POLICY_DENIED", written
+    assert listed["ok"], listed
     assert metadata_of(workspace / ".repo") == before
 
 

@@ -26,7 +26,6 @@ import struct
 from dataclasses import dataclass
 from typing import BinaryIO, Final
 
-from bastion.safety.errors import ConfigError
 from bastion.sandbox import LinkOnPath, open_beneath
 
 logger = logging.getLogger("bastion.workbench.repository")
@@ -61,18 +60,21 @@ class Protection:
 def repository_protection(root: str, workspace_id: str) -> Protection:
     """What of the repository in `root` (a real path, no link on it) to keep from the agent.
 
-    Raises:
-        ConfigError: a part git follows is a symbolic link (the agent could rename it and make its own).
+    A part git follows that is a symbolic link cannot be pinned (the agent could rename it and make its own): it
+    is left out, with an error line. It does not stop the start: an agent can make such a link where no
+    repository was, and would then stop the server (found by review, for a link in a subfolder).
     """
     root_fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         return _protection(root_fd, root)
     except LinkOnPath as exc:
-        raise ConfigError(
-            f"workspace {workspace_id!r}: {exc} is a symbolic link (or under one), which protect_git cannot pin: "
-            "the agent could rename it and make its own, and git would run that as whoever next runs git there; "
-            "make it a folder (or `.git` a file 'gitdir: <folder>'), or set protect_git = false knowingly"
-        ) from None
+        logger.error(
+            "workspace %s: %s is a symbolic link (or under one), which protect_git cannot pin: git there runs what "
+            "the agent writes; make it a folder (or `.git` a file 'gitdir: <folder>')",
+            workspace_id,
+            exc,
+        )
+        return Protection()
     finally:
         os.close(root_fd)
 
