@@ -1,18 +1,20 @@
 """What of a host workspace's git repository its agent must not write (`protect_git`).
 
 A host workspace's files are its owner's, and git, run by the owner in the folder, runs what the repository
-names: the hooks and the config's programs (`core.fsmonitor`, `core.pager`, aliases, filters) of the folder
-that `.git` is, or that a `.git` file (`gitdir: X`) and its `commondir` name, and a status in each submodule's
-folder the index names (its gitlinks), whose own `.git` it reads (found by attack and by review: an agent's
-config in each ran as the owner at the owner's next `git status` at the top). What is found here is read when
-the server starts, from the
-owner's files as they are then: the repository folders are shown read-only to the workspace's commands (bound
-over themselves: a mount point is neither renamed nor removed), a submodule's folder that has no `.git` of its
-own is shown read-only whole, and one that does not exist is made as git itself makes it for a submodule not
-checked out, an empty folder, shown as an empty read-only one. The file tools refuse all of them.
+names: the hooks (in `.git/hooks`, or where `core.hooksPath` says) and the config's programs (`core.fsmonitor`,
+`core.pager`, aliases, filters) of the folder that `.git` is, or that a `.git` file (`gitdir: X`) and its
+`commondir` name; and a status in each submodule's folder the index names (its gitlinks), whose own `.git` it
+reads. Found by attack and by four reviews: an agent's config in each of those ran as the owner at the owner's
+next `git status`. What is found here is read when the server starts, from the owner's files as they are then
+(the index by bastion itself, never by running git, which would run the repository's own config): the
+repository folders are shown read-only to the workspace's commands (bound over themselves: a mount point is
+neither renamed nor removed), a submodule's folder that has no `.git` of its own is shown read-only whole, and
+one that does not exist is made as git itself makes it for a submodule not checked out, an empty folder, shown
+as an empty read-only one. The file tools refuse all of them.
 
-Not covered (SECURITY.md, "A repository in a host workspace"): a repository made after the start, a submodule's
-own submodules, a bare repository the agent makes, and files other than git's whose programs the owner runs.
+Not covered (SECURITY.md, "A repository in a host workspace"): a repository made after the start, the owner's
+other repositories beneath the top, a submodule's own submodules, a bare repository the agent makes, and files
+other than git's whose programs the owner runs.
 """
 
 from __future__ import annotations
