@@ -13,18 +13,10 @@ from pathlib import Path
 import pytest
 
 from bastion.workbench.repository import Protection, repository_protection
+from tests.attacks.test_host_workspace_git_attacks import GIT_ENV
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="no git")
 
-GIT_ENV = {
-    "PATH": "/usr/bin:/bin",
-    "HOME": "/nonexistent",
-    "GIT_CONFIG_NOSYSTEM": "1",
-    "GIT_AUTHOR_NAME": "owner",
-    "GIT_AUTHOR_EMAIL": "owner@example.com",
-    "GIT_COMMITTER_NAME": "owner",
-    "GIT_COMMITTER_EMAIL": "owner@example.com",
-}
 LINKS = ("vendor/a-library-with-a-long-name", "vendor/a-library-with-a-longer-name", "missing")
 
 
