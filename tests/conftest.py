@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+import stat
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -90,6 +91,28 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     for base in _cgroup_bases() - BASES_BEFORE:
         with contextlib.suppress(OSError):
             os.rmdir(base)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_privileged_file_outlives_the_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Tests make setuid and setgid files in their temp folders (to see that sandboxes cannot run or keep them),
+    and pytest keeps the last three runs' folders: at the end of the run their bits are cleared, so no
+    privileged program is left on the machine (found in the twenty-eighth session: dozens were)."""
+    yield
+    clear_privilege_bits(tmp_path_factory.getbasetemp())
+
+
+def clear_privilege_bits(root: Path) -> None:
+    """Clear S_ISUID and S_ISGID on every regular file beneath `root`, following no link, on its filesystem."""
+    device = root.stat().st_dev
+    # By fd (os.fwalk): some tests make folders deeper than PATH_MAX.
+    for _, folders, files, fd in os.fwalk(root):
+        folders[:] = [name for name in folders if os.stat(name, dir_fd=fd, follow_symlinks=False).st_dev == device]
+        for name in files:
+            with contextlib.suppress(OSError):
+                mode = os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode
+                if stat.S_ISREG(mode) and mode & (stat.S_ISUID | stat.S_ISGID):
+                    os.chmod(name, stat.S_IMODE(mode) & ~(stat.S_ISUID | stat.S_ISGID), dir_fd=fd)
 
 
 LONG_FIRST = ("tests/load/test_soak.py", "tests/load/test_load.py")
