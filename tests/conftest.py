@@ -105,9 +105,16 @@ def _no_privileged_file_outlives_the_run(tmp_path_factory: pytest.TempPathFactor
 def clear_privilege_bits(root: Path) -> None:
     """Clear S_ISUID and S_ISGID on every regular file beneath `root`, following no link, on its filesystem."""
     device = root.stat().st_dev
-    # By fd (os.fwalk): some tests make folders deeper than PATH_MAX.
+
+    def same_filesystem(name: str, fd: int) -> bool:
+        try:
+            return os.stat(name, dir_fd=fd, follow_symlinks=False).st_dev == device
+        except OSError:  # gone meanwhile, or not ours to look at (the unprivileged pass)
+            return False
+
+    # By fd (os.fwalk, which skips what it cannot read): some tests make folders deeper than PATH_MAX.
     for _, folders, files, fd in os.fwalk(root):
-        folders[:] = [name for name in folders if os.stat(name, dir_fd=fd, follow_symlinks=False).st_dev == device]
+        folders[:] = [name for name in folders if same_filesystem(name, fd)]
         for name in files:
             with contextlib.suppress(OSError):
                 mode = os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode
