@@ -158,7 +158,7 @@ def _enclosing_repository(root: str) -> tuple[str, str] | None:
         if found is not None and stat.S_ISREG(found.st_mode):
             try:
                 with open(posixpath.join(folder, GIT), "rb") as file:
-                    named = _GITDIR.match(file.read(_MAX_READ_BYTES))
+                    named = _GITDIR.match(_start_of(file, posixpath.join(folder, GIT), _MAX_READ_BYTES))
             except OSError:
                 return None
             return (folder, posixpath.normpath(posixpath.join(folder, os.fsdecode(named[1])))) if named else None
