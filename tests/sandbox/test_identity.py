@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import fcntl
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -210,6 +212,51 @@ def test_lock_folder_removed_by_another_server_closing_between_mkdir_and_open(tm
     with pytest.raises(ResourceLimit):
         other.acquire()
     pool.close()
+
+
+def test_lock_folder_removed_and_remade_by_other_servers_all_along_never_fails_a_start(tmp_path: Path) -> None:
+    """Race, found by a parallel test run: another server's close removed the lock folder between this
+    server's mkdir (which found it there) and its check that it was a folder, and the start failed with a
+    FileExistsError traceback. Here a second process removes and remakes the folder without pause while
+    this server takes and gives back ids. Invariant: every take gives an id or a typed Unavailable (after
+    the retries), never another exception, and every id taken is locked."""
+    folder = tmp_path / "ids"
+    script = (
+        "import os, sys\n"
+        "path, stop = sys.argv[1], sys.argv[2]\n"
+        "while not os.path.exists(stop):\n"
+        "    try:\n"
+        "        os.rmdir(path)\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "    try:\n"
+        "        os.mkdir(path)\n"
+        "    except OSError:\n"
+        "        pass\n"
+    )
+    stop = tmp_path / "stop"
+    remover = subprocess.Popen([sys.executable, "-c", script, str(folder), str(stop)])
+    pool = IdentityPool(100_000, 1, server_uid=0, server_gid=0, lock_dir=folder)
+    taken = refused = 0
+    try:
+        for _ in range(3000):
+            try:
+                identity = pool.acquire()
+            except Unavailable:
+                refused += 1
+                continue
+            taken += 1
+            fd = os.open(folder / str(identity.uid), os.O_RDWR)
+            try:
+                with pytest.raises(BlockingIOError):
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            finally:
+                os.close(fd)
+            pool.release(identity)
+    finally:
+        stop.touch()
+        remover.wait(10)
+    assert taken > 0, f"no id was taken in 3000 tries ({refused} refused)"
 
 
 def test_lock_folder_removed_every_time_gives_a_typed_refusal_not_a_traceback(tmp_path: Path) -> None:

@@ -157,7 +157,7 @@ class IdentityPool:
         if not self.switches:
             return HostIdentity(self._uid, self._gid, switch=False)
         with self._lock:
-            self._lock_dir.mkdir(mode=0o700, exist_ok=True)
+            _make_folder(self._lock_dir)
             for step in range(self._count):
                 offset = (self._next + step) % self._count
                 if offset in self._held:
@@ -181,7 +181,7 @@ class IdentityPool:
             except FileNotFoundError:
                 # Another server, closing as the last one, removed the (then empty) folder after our
                 # mkdir: make it again (seen under a parallel test run, as a traceback at start).
-                self._lock_dir.mkdir(mode=0o700, exist_ok=True)
+                _make_folder(self._lock_dir)
         else:
             raise Unavailable(
                 f"{self._lock_dir} was removed {_LOCK_DIR_ATTEMPTS} times while taking an id "
@@ -248,6 +248,14 @@ class IdentityPool:
                 pass
             finally:
                 os.close(fd)
+
+
+def _make_folder(path: Path) -> None:
+    """The lock folder, made if missing. Not `Path.mkdir(exist_ok=True)`: after EEXIST it checks `is_dir()`,
+    and raised FileExistsError when another server, closing, removed the folder in between (seen under a
+    parallel test run). A folder removed after this returns is met by `_take`'s retries."""
+    with contextlib.suppress(FileExistsError):
+        path.mkdir(mode=0o700)
 
 
 def unreachable_folder(path: Path) -> Path | None:
