@@ -30,7 +30,7 @@ from mcp.client.streamable_http import streamable_http_client
 
 from bastion.demo import init_demo
 from bastion.safety.results import OperationResult
-from tests.helpers import BASTION, Payload, free_port, mounts_under
+from tests.helpers import BASTION, Payload, client_tls, free_port, mounts_under
 
 READY_S: Final = 30.0
 STOP_S: Final = 30.0
@@ -112,15 +112,15 @@ class Served:
         """Until the server answers, or its start failed."""
         assert self.process is not None
         deadline = time.monotonic() + READY_S
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"server exited {self.process.returncode}: {self.log()}")
-            try:
-                with httpx2.Client(timeout=5) as client:
+        with httpx2.Client(timeout=5, verify=client_tls()) as client:
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"server exited {self.process.returncode}: {self.log()}")
+                try:
                     client.get(f"http://127.0.0.1:{self.port}/.well-known/oauth-protected-resource")
-                return
-            except httpx2.TransportError:
-                time.sleep(0.05)
+                    return
+                except httpx2.TransportError:
+                    time.sleep(0.05)
         raise RuntimeError(f"server did not start: {self.log()}")
 
     def signal(self, signum: int) -> None:
@@ -158,7 +158,7 @@ class Load:
     @contextlib.asynccontextmanager
     async def session(self) -> AsyncIterator[Client]:
         async with (
-            httpx2.AsyncClient(timeout=CALL_TIMEOUT_S) as http,
+            httpx2.AsyncClient(timeout=CALL_TIMEOUT_S, verify=client_tls()) as http,
             Client(streamable_http_client(self.url, http_client=http)) as client,
         ):
             yield client

@@ -36,8 +36,8 @@ from mcp.client.streamable_http import streamable_http_client
 
 from bastion.demo import init_demo
 from bastion.transports.http.password import write_hash
+from tests.helpers import client_tls, write_cheap_hash
 from tests.helpers import free_port as free_port  # the HTTP tests take it from here
-from tests.helpers import write_cheap_hash
 
 from .tls import self_signed
 
@@ -99,8 +99,7 @@ class LiveServer:
         return self.log_path.read_text(errors="replace")
 
     def http(self, **kwargs: Any) -> httpx2.Client:
-        if self.tls is not None:
-            kwargs.setdefault("verify", self.tls)
+        kwargs.setdefault("verify", self.tls or client_tls())
         return httpx2.Client(base_url=self.base, timeout=30, **kwargs)
 
     def register(self, **metadata: Any) -> dict[str, Any]:
@@ -222,15 +221,15 @@ def refused_start(config: Path, *extra: str) -> subprocess.CompletedProcess[str]
 
 def _wait_ready(server: LiveServer) -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if server.process.poll() is not None:
-            raise RuntimeError(f"server exited: {server.log()}")
-        try:
-            with httpx2.Client(timeout=1, verify=server.tls or True) as client:
+    with httpx2.Client(timeout=1, verify=server.tls or client_tls()) as client:
+        while time.monotonic() < deadline:
+            if server.process.poll() is not None:
+                raise RuntimeError(f"server exited: {server.log()}")
+            try:
                 client.get(f"{server.base}/.well-known/oauth-protected-resource")
-            return
-        except httpx2.TransportError:
-            time.sleep(0.05)
+                return
+            except httpx2.TransportError:
+                time.sleep(0.05)
     raise RuntimeError(f"server did not start: {server.log()}")
 
 
@@ -397,7 +396,7 @@ def call_tool(mcp_url: str, token: str, name: str, arguments: dict[str, object])
 
 async def _call_tool(mcp_url: str, token: str, name: str, arguments: dict[str, object]) -> dict[str, Any]:
     async with (
-        httpx2.AsyncClient(headers={"Authorization": f"Bearer {token}"}, timeout=60) as http,
+        httpx2.AsyncClient(headers={"Authorization": f"Bearer {token}"}, timeout=60, verify=client_tls()) as http,
         Client(streamable_http_client(mcp_url, http_client=http)) as client,
     ):
         result = await client.call_tool(name, arguments)
