@@ -4,6 +4,7 @@ and no private name used across modules. Read from the source with ast, and from
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import subprocess
 import sys
@@ -76,14 +77,25 @@ def _is_module(dotted: str) -> bool:
     return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
 
 
+@functools.cache
+def _parsed(path: Path) -> ast.Module:
+    """A source file's tree, parsed once per test process (the checks below walk every file of src, tests
+    and bench; parsing them again for each took ~25 s of the suite's CPU)."""
+    return ast.parse(path.read_text(encoding="utf-8"))
+
+
 def _imports(path: Path) -> Iterator[tuple[int, str]]:
-    return _imports_in(path.read_text(encoding="utf-8"), _package_of(path))
+    return _imports_of(_parsed(path), _package_of(path))
 
 
 def _imports_in(source: str, package: str) -> Iterator[tuple[int, str]]:
+    return _imports_of(ast.parse(source), package)
+
+
+def _imports_of(tree: ast.Module, package: str) -> Iterator[tuple[int, str]]:
     """Every module a source imports, in any form: `import a.b`, `from a import b`, `from . import b`,
     and `__import__("a")` or `importlib.import_module("a")` with a literal name."""
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             yield from ((node.lineno, alias.name) for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -168,7 +180,7 @@ def test_no_private_name_is_imported_across_modules(root: str) -> None:
     # A private module (`_x.py`) has public names; a public module's `_names` stay inside it.
     wrong = []
     for path in _source_files(REPO / root):
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        for node in ast.walk(_parsed(path)):
             if not (isinstance(node, ast.ImportFrom) and (node.module or "").startswith("bastion")):
                 continue
             names = [alias.name for alias in node.names if _is_private(alias.name)]
@@ -194,7 +206,7 @@ def test_what_other_modules_import_from_a_package_is_in_its_all() -> None:
     wrong = []
     for root in ("src", "tests", "bench"):
         for path in _source_files(REPO / root):
-            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            for node in ast.walk(_parsed(path)):
                 if not (isinstance(node, ast.ImportFrom) and node.module in packages):
                     continue
                 exported = importlib.import_module(node.module).__all__
