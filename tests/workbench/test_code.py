@@ -19,6 +19,7 @@ from mcp import Client
 from mcp_types import ImageContent
 
 from bastion.app import Services
+from bastion.workbench.code import GRACE_S
 from tests.helpers import DATA_ENV, call, create, processes_with, sh
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bwrap]
@@ -151,6 +152,39 @@ async def test_a_cell_whose_call_is_cancelled_stops_before_the_next_one(client: 
     after = await run(client, sandbox, "kept", timeout_s=10)
     assert after["ok"], after
     assert after["detail"]["value"] == "1"
+
+
+async def test_a_cancelled_cell_slow_to_stop_is_seen_to_its_end_not_killed_with_the_next(client: Client) -> None:
+    """Found by a full run (twenty-ninth session): anyio cancels a cancelled call again at each of its awaits, so
+    the wait for the interrupted cell's end was itself cut; the end came unread, the context was killed at the
+    grace period, and the next cell with it ("the context ended while running the code"). Here the cell takes
+    a second to stop after its KeyboardInterrupt. Invariant: its end is read, the context lives and keeps what
+    the cell did while stopping, and the next cell, sent once the context is idle, runs past the grace period."""
+    sandbox = await create(client)
+    await run(client, sandbox, "import time\nkept = 1")
+    slow_to_stop = (
+        "open('started', 'w').close()\n"
+        "try:\n    time.sleep(120)\nexcept KeyboardInterrupt:\n    time.sleep(1)\n    kept = 2\n    raise\n"
+    )
+    async with anyio.create_task_group() as calls:
+        calls.start_soon(run, client, sandbox, slow_to_stop)
+        with anyio.fail_after(30):
+            while not (await sh(client, sandbox, "test -e started"))["ok"]:
+                await anyio.sleep(0.01)  # polling, not timing
+        calls.cancel_scope.cancel()
+    with anyio.fail_after(30):
+        while True:
+            listed = await call(client, "list_code_contexts", sandbox_id=sandbox)
+            assert listed["ok"], listed
+            (context,) = listed["detail"]["contexts"]
+            assert context["state"] != "dead", context
+            if context["state"] == "idle":
+                break
+            await anyio.sleep(0.05)  # polling, not timing
+    # Longer than the grace period: a context killed at its end, as before, is killed under this cell.
+    after = await run(client, sandbox, f"time.sleep({GRACE_S})\nkept", timeout_s=GRACE_S + 30)
+    assert after["ok"], after
+    assert after["detail"]["value"] == "2"
 
 
 async def running_in_sandbox(client: Client, sandbox_id: str, pids: list[int]) -> list[int]:

@@ -736,9 +736,12 @@ class CodeContext:
             except asyncio.CancelledError:
                 # Found by attack: a call cancelled (its client gone, `notifications/cancelled`) left the cell
                 # running unseen; the context was listed idle, and the next cell waited behind it until its own
-                # time limit. It is interrupted as at its time limit (killed if it does not stop).
+                # time limit. It is interrupted as at its time limit (killed if it does not stop). In a shielded
+                # scope: anyio cancels again at each await of a cancelled scope, and a cell slow to stop was then
+                # left mid-interrupt, its end unread, and killed with the next cell (found by a full run).
                 if sent and not cell.done.done():
-                    await asyncio.shield(self._interrupt(cell))
+                    with anyio.CancelScope(shield=True):
+                        await self._interrupt(cell)
                 raise
             finally:
                 self._cell = None
