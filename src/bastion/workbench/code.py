@@ -738,10 +738,11 @@ class CodeContext:
                 # running unseen; the context was listed idle, and the next cell waited behind it until its own
                 # time limit. It is interrupted as at its time limit (killed if it does not stop). In a shielded
                 # scope: anyio cancels again at each await of a cancelled scope, and a cell slow to stop was then
-                # left mid-interrupt, its end unread, and killed with the next cell (found by a full run).
+                # left mid-interrupt, its end unread, and killed with the next cell (found by a full run). Also
+                # shielded from a plain asyncio cancel, which an anyio scope does not hold back.
                 if sent and not cell.done.done():
                     with anyio.CancelScope(shield=True):
-                        await self._interrupt(cell)
+                        await asyncio.shield(self._interrupt(cell))
                 raise
             finally:
                 self._cell = None
