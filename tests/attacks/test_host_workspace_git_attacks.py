@@ -24,6 +24,7 @@ import shutil
 import subprocess
 import tarfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -59,6 +60,16 @@ def make_repository(workspace: Path) -> None:
 def planted(marker: Path) -> str:
     """A git config that runs a program at the owner's next `git status`."""
     return f"[core]\n\tfsmonitor = \"touch '{marker}'; echo\"\n\thooksPath = .git/hooks\n"
+
+
+async def copy_planted(demo: Demo, target: str) -> tuple[Path, dict[str, Any]]:
+    """The agent writes a config naming its own program and copies it over `target` with `cp` (allowed by the
+    demo's policy), in one start of the server: the file that program would leave, and the copy's answer."""
+    marker = demo.outside / "ran-as-the-owner"
+    async with demo.client() as client:
+        assert (await call(client, "write_file", path="evil.cfg", content=planted(marker)))["ok"]
+        copied = await call(client, "run_command", command=f"cp evil.cfg {target}")
+    return marker, copied
 
 
 def hook_archive(marker: Path, config: str) -> bytes:
@@ -200,10 +211,7 @@ async def test_a_repository_the_owner_added_without_gitmodules_is_kept_from_the_
     assert owners_git(workspace, "add", "lib").returncode == 0
     assert owners_git(workspace, "commit", "-q", "-m", "vendored").returncode == 0
     before = (workspace / "lib" / ".git" / "config").read_bytes()
-    marker = demo.outside / "ran-as-the-owner"
-    async with demo.client() as client:
-        assert (await call(client, "write_file", path="evil.cfg", content=planted(marker)))["ok"]
-        copied = await call(client, "run_command", command="cp evil.cfg lib/.git/config")
+    marker, copied = await copy_planted(demo, "lib/.git/config")
     assert copied["detail"]["exit_status"] != 0, copied["detail"]
     assert (workspace / "lib" / ".git" / "config").read_bytes() == before
     assert owners_git(workspace, "status", "--porcelain").returncode == 0
@@ -377,10 +385,7 @@ async def test_a_submodule_of_the_repository_the_workspace_is_part_of_is_kept_fr
     assert owners_git(top, "add", "workspace/lib").returncode == 0
     assert owners_git(top, "commit", "-q", "-m", "vendored").returncode == 0
     before = (workspace / "lib" / ".git" / "config").read_bytes()
-    marker = demo.outside / "ran-as-the-owner"
-    async with demo.client() as client:
-        assert (await call(client, "write_file", path="evil.cfg", content=planted(marker)))["ok"]
-        copied = await call(client, "run_command", command="cp evil.cfg lib/.git/config")
+    marker, copied = await copy_planted(demo, "lib/.git/config")
     status = owners_git(workspace, "status", "--porcelain")
     assert not marker.exists(), "the owner's git status in the workspace ran the agent's program"
     assert copied["detail"]["exit_status"] != 0, copied["detail"]
@@ -439,10 +444,7 @@ async def test_the_folder_a_submodules_git_file_names_in_the_workspace_is_kept_f
     assert owners_git(workspace, "add", "lib").returncode == 0
     assert owners_git(workspace, "commit", "-q", "-m", "vendored").returncode == 0
     before = (workspace / ".lib-git" / "config").read_bytes()
-    marker = demo.outside / "ran-as-the-owner"
-    async with demo.client() as client:
-        assert (await call(client, "write_file", path="evil.cfg", content=planted(marker)))["ok"]
-        copied = await call(client, "run_command", command="cp evil.cfg .lib-git/config")
+    marker, copied = await copy_planted(demo, ".lib-git/config")
     status = owners_git(workspace, "status", "--porcelain")
     assert not marker.exists(), "the owner's git status at the top ran the agent's program"
     assert copied["detail"]["exit_status"] != 0, copied["detail"]
