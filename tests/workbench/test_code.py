@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
+import functools
+import os
 import secrets
+import signal
 import struct
 import time
 import zlib
@@ -19,6 +23,8 @@ from mcp import Client
 from mcp_types import ImageContent
 
 from bastion.app import Services
+from bastion.safety.errors import Conflict, Unavailable
+from bastion.sandbox.processes import BackgroundProcess
 from bastion.workbench.code import GRACE_S
 from tests.helpers import DATA_ENV, call, create, processes_with, sh
 
@@ -402,6 +408,78 @@ async def test_a_context_start_cancelled_before_its_kernel_is_ready_leaves_no_ke
         assert again.value == "2"
     finally:
         await services.sandboxes.close(box.id)
+
+
+async def test_a_cell_cancelled_while_its_code_is_still_being_sent_leaves_the_context_whole(services: Services) -> None:
+    """Left alone by the twenty-eighth session, found by reading: a call cancelled while its cell's code was still
+    going into the kernel's pipe (code over the pipe's 64 KiB, a kernel slow to read) left half a request line
+    there. The next cell's request completed that line, the kernel's reader failed on it and read nothing more:
+    the next cell waited out its whole time limit, then the context was killed. Here the kernel is stopped
+    (SIGSTOP) so the pipe fills, the call is cancelled mid-send, and the kernel resumed. Invariant: the request
+    goes in whole (or the context is ended), and the next cell runs at once in a live context."""
+    box = await services.sandboxes.create(owner="test")
+    marker = f"held-{secrets.token_hex(8)}"
+    run = functools.partial(box.code.run, language="python", context="cut", restart=False, progress=_quiet)
+    try:
+        await run(f"held = open('/tmp/{marker}', 'w')\nkept = 1", timeout_s=None)
+        (kernel,) = processes_holding(marker)
+        process = box.code._contexts[("python", "cut")]._process
+        assert isinstance(process, BackgroundProcess)
+        os.kill(kernel, signal.SIGSTOP)
+        try:
+            sending = asyncio.ensure_future(run("#" * (512 * 1024) + "\nkept = 2", timeout_s=None))
+            with anyio.fail_after(30):
+                while process._writable is None:  # the pipe is full: the send waits for room
+                    await asyncio.sleep(0.001)  # polling, not timing
+            sending.cancel()
+        finally:
+            os.kill(kernel, signal.SIGCONT)
+        with pytest.raises(asyncio.CancelledError):
+            await sending
+        with anyio.fail_after(GRACE_S + 20):
+            after = await run("kept + 1", timeout_s=GRACE_S + 10)
+        assert not after.timed_out, after
+        assert after.value in ("2", "3"), after  # the cancelled cell was interrupted, or ran to its end
+    finally:
+        await services.sandboxes.close(box.id)
+
+
+async def test_a_cell_whose_code_cannot_go_in_whole_ends_its_context_not_the_next_cell(services: Services) -> None:
+    """The other half of the test above: the kernel takes no input for the whole grace period, and half a request
+    line is in its pipe. Invariant: the context is ended (listed dead, its kernel gone) and says so; a restart
+    gives a working context, instead of a next cell sent into a garbled pipe."""
+    box = await services.sandboxes.create(owner="test")
+    marker = f"held-{secrets.token_hex(8)}"
+    run = functools.partial(box.code.run, language="python", context="cut", progress=_quiet, timeout_s=None)
+    try:
+        await run(f"held = open('/tmp/{marker}', 'w')", restart=False)
+        (kernel,) = processes_holding(marker)
+        os.kill(kernel, signal.SIGSTOP)
+        try:
+            with pytest.raises(Unavailable, match="not taking input"):
+                await run("#" * (512 * 1024), restart=False)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(kernel, signal.SIGCONT)
+        assert processes_holding(marker) == []
+        with pytest.raises(Conflict, match="dead"):
+            await run("1", restart=False)
+        assert (await run("1 + 1", restart=True)).value == "2"
+    finally:
+        await services.sandboxes.close(box.id)
+
+
+def processes_holding(marker: str) -> list[int]:
+    """Host pids with an open file whose path contains `marker`."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+        except OSError:
+            continue
+        if any(marker in link for link in links):
+            found.append(int(pid))
+    return found
 
 
 async def _quiet(message: str) -> None:

@@ -728,10 +728,10 @@ class CodeContext:
                 lease=images,
             )
             self._cell = cell
-            sent = False
+            # A task of its own: a cancel must not cut the request line in half (below).
+            send = asyncio.ensure_future(self._send({"op": "exec", "id": cell.id, "code": code}))
             try:
-                await self._send({"op": "exec", "id": cell.id, "code": code})
-                sent = True
+                await asyncio.shield(send)
                 return await self._await_cell(cell, timeout_s, progress, in_thread)
             except asyncio.CancelledError:
                 # Found by attack: a call cancelled (its client gone, `notifications/cancelled`) left the cell
@@ -740,18 +740,34 @@ class CodeContext:
                 # scope: anyio cancels again at each await of a cancelled scope, and a cell slow to stop was then
                 # left mid-interrupt, its end unread, and killed with the next cell (found by a full run). Also
                 # shielded from a plain asyncio cancel, which an anyio scope does not hold back.
-                if sent and not cell.done.done():
-                    with anyio.CancelScope(shield=True):
-                        await asyncio.shield(self._interrupt(cell))
+                with anyio.CancelScope(shield=True):
+                    await asyncio.shield(self._stop_cancelled(cell, send))
                 raise
             finally:
                 self._cell = None
+
+    async def _stop_cancelled(self, cell: _Cell, send: asyncio.Future[None]) -> None:
+        """The request of a cancelled cell goes in whole, then the cell is interrupted.
+
+        Found by reading (left alone, then shown by a test): a cancel while code over the pipe's 64 KiB was
+        still going in left half a request line in the kernel's input; the next cell's request completed it,
+        the kernel's reader failed on the line and read nothing more, and the next cell waited out its whole
+        time limit before the context was killed.
+        """
+        try:
+            await send  # bounded by `GRACE_S`; a request cut short there ends the context (`_send`)
+        except (Unavailable, Conflict):
+            return
+        if not cell.done.done():
+            await self._interrupt(cell)
 
     async def _send(self, request: dict[str, object]) -> None:
         assert self._process is not None
         data = (json.dumps(request) + "\n").encode()
         written = await self._process.write(data, timeout_s=GRACE_S)
         if written != len(data):
+            if written:
+                await self.kill()  # half a request line is in its input: whatever comes next is garbled
             raise Unavailable(f"the {NAMES[self.language]} context is not taking input")
 
     async def _await_cell(self, cell: _Cell, timeout_s: float, progress: Progress, in_thread: InThread) -> CellResult:
