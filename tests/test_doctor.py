@@ -16,9 +16,13 @@ from pathlib import Path
 
 import pytest
 
+from bastion.app import build_services
 from bastion.cli import main
-from bastion.config import load_config
+from bastion.config import Config, load_config
 from bastion.doctor import CANARY, CANARY_FILE, Check, canary_check, child_pids, leftovers, userns_check
+from bastion.safety.audit import AuditLog
+from bastion.safety.errors import ConfigError
+from bastion.safety.redact import Redactor
 from bastion.sandbox._spawn import probe_bwrap, system_binds
 from bastion.sandbox.cgroups import CgroupLayout, Limits
 from tests.helpers import passable_folder, temp_socket_folders
@@ -400,6 +404,73 @@ def test_a_workspace_another_user_could_replace_fails_as_serve_refuses_it(
     assert "could be replaced by another folder by uid 12345" in checks["idmap:default"][1]
     assert checks["inbox:inbox"][0] == "FAIL"  # the demo's inbox beside it, root's too
     assert "could be replaced by another folder by uid 12345" in checks["inbox:inbox"][1]
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="a root server's check")
+def test_setuid_files_an_older_bastions_agent_left_in_a_host_workspace_fail_as_serve_refuses_them(
+    capsys: pytest.CaptureFixture[str], demo_config: Config, demo_config_path: Path
+) -> None:
+    """Found by attack (an upgrade from the first wave, whose commands ran as the host's root: an agent's
+    `cp -p /usr/bin/su su-x` left a setuid-root file in the host workspace): serve refused to start, naming one
+    file per start, and the doctor said "no FAIL". Invariant: the doctor fails the workspace with serve's own
+    line, and both name every such file."""
+    planted = [demo_config.workspace[0].path / name for name in ("su-x", "newgrp-x")]
+    for path in planted:
+        path.write_bytes(b"x")
+        path.chmod(0o4755)
+    try:
+        with pytest.raises(ConfigError) as refused:
+            build_services(demo_config)
+        code, checks, _ = _doctor(capsys, "--config", str(demo_config_path))
+        assert code == 1
+        assert checks["idmap:default"] == ("FAIL", str(refused.value))
+        assert all(repr(str(path)) in str(refused.value) for path in planted), str(refused.value)
+    finally:
+        for path in planted:
+            path.chmod(0o644)
+
+
+def test_an_audit_log_whose_last_record_a_crash_tore_fails_as_serve_refuses_it(
+    capsys: pytest.CaptureFixture[str], demo_config: Config, demo_config_path: Path
+) -> None:
+    """Found by attack (an upgrade after a crash): a server killed mid-record leaves a last line without its
+    newline; serve refused it ("audit log X: audit log X ends in a torn record", the path said twice) and the
+    doctor said ok. Invariant: the doctor fails `audit` with serve's own line, which names the log once."""
+    log = demo_config.audit_path
+    log.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    log.write_bytes(b'{"seq": 0, "event": "sta')
+    log.chmod(0o600)
+    with pytest.raises(ConfigError) as refused:
+        build_services(demo_config)
+    assert str(refused.value).count(str(log)) == 2  # "... a torn record: run `bastion audit verify LOG` ..."
+    assert str(refused.value).startswith(f"audit log {log} ends in a torn record")
+    code, checks, _ = _doctor(capsys, "--config", str(demo_config_path))
+    assert code == 1
+    assert checks["audit"] == ("FAIL", str(refused.value))
+
+
+def test_an_audit_log_left_mid_rotation_is_ok_as_serve_finishes_the_rotation(
+    capsys: pytest.CaptureFixture[str], demo_config: Config, demo_config_path: Path
+) -> None:
+    """The doctor's tail check reads what serve's start reads: a crash between a rotation's link and unlink
+    leaves the log also linked as its newest rotated file, two links, which serve's start finishes. Invariant:
+    the doctor says ok (it said "has 2 hard links: remove the other links"), and the log is left as it was."""
+    log = demo_config.audit_path
+    log.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    audit = AuditLog(log, redactor=Redactor())
+    audit.open()
+    audit.append({"event": "before the crash"})
+    audit.close()
+    os.link(log, log.with_name(f"{log.name}.1"))
+    _, checks, _ = _doctor(capsys, "--config", str(demo_config_path))
+    assert checks["audit"][0] == "ok", checks["audit"]
+    assert os.stat(log).st_nlink == 2
+    services = build_services(demo_config)
+    try:
+        assert os.stat(log.with_name(f"{log.name}.1")).st_nlink == 1  # serve finished it
+    finally:
+        services.close()
 
 
 def _moved_to_a_root_folder(demo_config_path: Path) -> Path:

@@ -376,7 +376,9 @@ def open_audit(
     try:
         audit.open()
     except AuditUnavailable as exc:
-        raise ConfigError(f"audit log {config.audit_path}: {exc.reason}") from None
+        # Each reason names its file, the log's or a rotated one's (`<log>.N`): not twice.
+        reason = exc.reason if str(config.audit_path) in exc.reason else f"audit log {config.audit_path}: {exc.reason}"
+        raise ConfigError(reason) from None
     opened.callback(audit.close)
     return audit
 

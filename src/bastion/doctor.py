@@ -20,7 +20,6 @@ import dataclasses
 import json
 import logging
 import os
-import stat
 import tempfile
 import time
 import tomllib
@@ -31,11 +30,11 @@ from typing import Final, Literal
 from urllib.parse import urlsplit
 
 from bastion.app import check_disk_quota, detect_cgroups, identity_problem, state_problem
-from bastion.config import Config, GatewayConfig, load_config, resolve_config_path
+from bastion.config import Config, GatewayConfig, WorkspaceConfig, load_config, resolve_config_path
 from bastion.organizer.folder import Folder
-from bastion.safety.audit import file_problem
+from bastion.safety.audit import open_problem
 from bastion.safety.errors import BastionError, ConfigError
-from bastion.safety.paths import replaceable_by, secret_file_problem
+from bastion.safety.paths import secret_file_problem
 from bastion.safety.redact import Redactor
 from bastion.sandbox import idmap_supported
 from bastion.sandbox._spawn import SANDBOX_WORKSPACE, bwrap_path, probe_bwrap, sandbox_python, system_binds
@@ -46,7 +45,7 @@ from bastion.sandbox.seccomp import DENIED, write_filter_fd
 from bastion.serve import is_loopback, tls_cert_problem, tls_key_problem
 from bastion.transports.http.observe import scrape_token_problem
 from bastion.workbench.manager import SandboxManager
-from bastion.workbench.workspace import HostWorkspace
+from bastion.workbench.workspace import HostWorkspace, host_workspace_problem
 
 Status = Literal["ok", "warn", "FAIL"]
 
@@ -360,7 +359,7 @@ def _identity_checks(config: Config) -> list[Check]:
     )
     return [
         Check("identity", "ok", detail),
-        *(_idmap_check(ws.id, ws.path) for ws in config.workspace),
+        *(_idmap_check(ws) for ws in config.workspace),
         *(_inbox_check(inbox.id, inbox.path) for inbox in config.inbox),
     ]
 
@@ -376,20 +375,13 @@ def _inbox_check(inbox_id: str, path: Path) -> Check:
     return Check(name, "ok", f"{path}: only root and its owner can replace it; the organizer acts as its owner")
 
 
-def _idmap_check(workspace_id: str, path: Path) -> Check:
-    """How a root server will bind a host workspace (as `workspaces._open_host`); probed with a real idmapped mount."""
-    name = f"idmap:{workspace_id}"
-    try:
-        info = path.stat()
-        who = replaceable_by(str(path), (info.st_uid, info.st_gid))
-    except OSError as exc:
-        return Check(name, "FAIL", f"{path} cannot be examined: {exc.strerror}")
-    if who is not None:
-        return Check(
-            name,
-            "FAIL",
-            f"{path} could be replaced by another folder by {who}: move it where only root or its owner writes",
-        )
+def _idmap_check(workspace: WorkspaceConfig) -> Check:
+    """How a root server will bind a host workspace (as `workspaces._open_host`, whose folder checks it runs);
+    probed with a real idmapped mount."""
+    name, path = f"idmap:{workspace.id}", workspace.path
+    problem = host_workspace_problem(workspace)
+    if problem is not None:
+        return Check(name, "FAIL", problem)
     reason = idmap_supported(path)
     if reason is None:
         return Check(name, "ok", f"{path} is bound through an idmapped mount: commands' files are its owner's")
@@ -431,7 +423,7 @@ def _audit_check(config: Config) -> Check:
         _write_and_fsync(folder)
     except OSError as exc:
         return Check("audit", "FAIL", f"cannot write and fsync a file in {folder}: {exc.strerror or exc}")
-    problem = _log_problem(path)
+    problem = open_problem(path)
     if problem is not None:
         return Check("audit", "FAIL", problem)
     if not config.audit.fail_closed:
@@ -479,18 +471,6 @@ def _write_and_fsync(folder: Path) -> None:
     finally:
         os.close(fd)
         os.unlink(name)
-
-
-def _log_problem(path: Path) -> str | None:
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        return f"audit log {path} cannot be examined: {exc.strerror}"
-    if stat.S_ISLNK(st.st_mode):
-        return f"audit log {path} is a symlink: point the config at the real file"
-    return file_problem(path, st)
 
 
 def _microvm_check(config: Config) -> Check:

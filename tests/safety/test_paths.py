@@ -52,7 +52,7 @@ from bastion.safety.paths import (
     file_replaceable_by,
     folder_changeable_by,
     folder_replaceable_by,
-    privileged_file,
+    privileged_files,
     replaceable_by,
     secret_file_problem,
 )
@@ -832,34 +832,51 @@ def test_write_read_round_trip(jail: Jail, name: str, data: bytes) -> None:
     assert result.size == len(data)
 
 
-def test_privileged_file_finds_setuid_setgid_exec_and_capabilities_but_follows_no_link(tmp_path: Path) -> None:
+def test_privileged_files_finds_setuid_setgid_exec_and_capabilities_but_follows_no_link(tmp_path: Path) -> None:
     """Invariant: the start-time scan of a host workspace names a file that runs with privileges
     (setuid; setgid with group exec; a security.capability attribute), without following symlinks
     or leaving the filesystem, and says when it stopped early."""
     (tmp_path / "a" / "b").mkdir(parents=True)
     plain = tmp_path / "a" / "b" / "plain"
     plain.write_bytes(b"x")
-    assert privileged_file(tmp_path) == (None, False)
+    assert privileged_files(tmp_path) == ([], False)
     marker = tmp_path / "a" / "b" / "marker"
     marker.write_bytes(b"x")
     marker.chmod(0o2644)  # setgid without group exec: a locking marker, not a privilege
-    assert privileged_file(tmp_path) == (None, False)
+    assert privileged_files(tmp_path) == ([], False)
     outside = tmp_path.parent / f"{tmp_path.name}-outside"
     outside.mkdir()
     try:
         (outside / "suid").write_bytes(b"x")
         (outside / "suid").chmod(0o4755)
         (tmp_path / "link").symlink_to(outside)
-        assert privileged_file(tmp_path) == (None, False)  # the link is not followed
+        assert privileged_files(tmp_path) == ([], False)  # the link is not followed
     finally:
         (outside / "suid").unlink()
         outside.rmdir()
     plain.chmod(0o2755)
-    assert privileged_file(tmp_path) == ("a/b/plain", False)
+    assert privileged_files(tmp_path) == (["a/b/plain"], False)
     plain.chmod(0o4700)
-    assert privileged_file(tmp_path) == ("a/b/plain", False)
+    assert privileged_files(tmp_path) == (["a/b/plain"], False)
     plain.chmod(0o755)
-    assert privileged_file(tmp_path, max_entries=2) == (None, True)
+    assert privileged_files(tmp_path, max_entries=2) == ([], True)
+
+
+def test_privileged_files_names_several_at_once_up_to_its_bound(tmp_path: Path) -> None:
+    """Found by attack (an upgrade from a bastion whose agents were root on the host): a workspace held four
+    setuid files, and each start named one, so the administrator fixed and restarted four times. Invariant:
+    every one is named, up to `most`."""
+    names = ("a", "b", "c")
+    for name in names:
+        (tmp_path / name).write_bytes(b"x")
+        (tmp_path / name).chmod(0o4755)
+    try:
+        found, cut = privileged_files(tmp_path)
+        assert sorted(found) == list(names) and not cut
+        assert len(privileged_files(tmp_path, most=2)[0]) == 2
+    finally:
+        for name in names:
+            (tmp_path / name).chmod(0o644)
 
 
 def _deep_folder(root: int, levels: int) -> tuple[int, str]:
@@ -889,13 +906,13 @@ def test_privileged_file_scans_a_large_deep_folder_in_little_memory(tmp_path: Pa
         os.close(os.open("late", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=deepest))
         tracemalloc.start()
         try:
-            assert privileged_file(tmp_path) == (None, False)
+            assert privileged_files(tmp_path) == ([], False)
             _, peak = tracemalloc.get_traced_memory()
         finally:
             tracemalloc.stop()
         assert peak < 4 << 20, f"the scan held {peak >> 20} MiB"
         os.chmod("late", 0o2755, dir_fd=deepest)  # setgid with group exec; reset below, gone with tmp_path
-        assert privileged_file(tmp_path) == (f"{crowded_path}/{deepest_path}/late", False)
+        assert privileged_files(tmp_path) == ([f"{crowded_path}/{deepest_path}/late"], False)
         os.chmod("late", 0o644, dir_fd=deepest)
     finally:
         for fd in (top, crowded, deepest):
@@ -903,13 +920,13 @@ def test_privileged_file_scans_a_large_deep_folder_in_little_memory(tmp_path: Pa
 
 
 _SCAN = (
-    "import json, sys\nfrom bastion.safety.paths import privileged_file\n"
-    "print(json.dumps(privileged_file(sys.argv[1])))"
+    "import json, sys\nfrom bastion.safety.paths import privileged_files\n"
+    "print(json.dumps(privileged_files(sys.argv[1])))"
 )
 
 
 def _scan_with_fds(root: Path, soft_limit: int) -> list[object]:
-    """`privileged_file(root)` in an interpreter of its own whose soft open-file limit is `soft_limit`."""
+    """`privileged_files(root)` in an interpreter of its own whose soft open-file limit is `soft_limit`."""
 
     def limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft_limit, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
@@ -922,7 +939,7 @@ def _scan_with_fds(root: Path, soft_limit: int) -> list[object]:
     return found
 
 
-def test_privileged_file_says_it_stopped_short_when_out_of_fds(tmp_path: Path) -> None:
+def test_privileged_files_says_it_stopped_short_when_out_of_fds(tmp_path: Path) -> None:
     """Found by review (twenty-eighth session): the scan by fd holds two fds a level, and under a soft limit of
     400 a setgid program 200 folders deep was skipped as a folder gone, the walk saying all was checked.
     Invariant: found, or the walk says it stopped short (the start then warns)."""
@@ -930,19 +947,19 @@ def test_privileged_file_says_it_stopped_short_when_out_of_fds(tmp_path: Path) -
     deep.mkdir(parents=True)
     (deep / "tool").write_text("x")
     (deep / "tool").chmod(0o2755)  # setgid with group exec; gone with tmp_path
-    assert _scan_with_fds(tmp_path, 20_000) == ["/".join(["d"] * 200) + "/tool", False]
+    assert _scan_with_fds(tmp_path, 20_000) == [["/".join(["d"] * 200) + "/tool"], False]
     found, cut = _scan_with_fds(tmp_path, 200)
-    assert found is not None or cut is True, "a privileged file was skipped and the walk said all was checked"
+    assert found or cut is True, "a privileged file was skipped and the walk said all was checked"
 
 
 @pytest.mark.root
 @pytest.mark.skipif(os.geteuid() != 0, reason="setting security.capability needs CAP_SETFCAP")
-def test_privileged_file_finds_file_capabilities(tmp_path: Path) -> None:
+def test_privileged_files_finds_file_capabilities(tmp_path: Path) -> None:
     capable = tmp_path / "capable"
     capable.write_bytes(b"x")
     # struct vfs_cap_data, revision 2, CAP_NET_RAW (13) permitted and effective.
     os.setxattr(capable, "security.capability", struct.pack("<IIIII", 0x02000001, 1 << 13, 0, 0, 0))
-    assert privileged_file(tmp_path) == ("capable", False)
+    assert privileged_files(tmp_path) == (["capable"], False)
 
 
 # --- the secret-file rule on the real path (issue 13, finding 5) ------------------------------

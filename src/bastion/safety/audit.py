@@ -1087,16 +1087,58 @@ def file_problem(path: Path, st: os.stat_result) -> str | None:
     return None
 
 
+def open_problem(path: Path) -> str | None:
+    """Why `AuditLog.open` would refuse the log at `path` now, or None; reads only (for `bastion doctor`).
+
+    The same checks, the end of the chain included: found by attack (an upgrade after a crash), the doctor
+    said "no FAIL" of a log whose last record a crash had torn, which the server then refused to start on.
+    """
+    try:
+        st = os.lstat(path)
+        if stat.S_ISLNK(st.st_mode):
+            return f"audit log {path} is a symlink: point the config at the real file"
+        if not stat.S_ISREG(st.st_mode):
+            return file_problem(path, st)  # never opened: a FIFO or a device
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None  # made at start
+    except OSError as exc:
+        return f"audit log {path} cannot be opened: {exc.strerror or exc}"
+    try:
+        st = os.fstat(fd)
+        problem = file_problem(path, st)
+        rotated = _rotated_as(path, st) if problem is not None and st.st_nlink == 2 else None
+        if rotated is not None:  # a start finishes that rotation (`_open_log`) and goes on from that file
+            problem = chain_file_problem(rotated, st, frozenset({os.geteuid()}), one_link=False)
+        if problem is not None:
+            return problem
+        _chain_head(path, fd, st.st_size)
+    except AuditUnavailable as exc:
+        return exc.reason
+    except OSError as exc:
+        return f"audit log {path} cannot be read: {exc.strerror or exc}"
+    finally:
+        os.close(fd)
+    return None
+
+
+def _rotated_as(path: Path, st: os.stat_result) -> Path | None:
+    """The newest rotated file, if the log `st` is also linked there: a crash between a rotation's link() and
+    unlink() leaves it so."""
+    newest = max(_rotated(path), default=0)
+    if not newest or not stat.S_ISREG(st.st_mode):
+        return None
+    rotated = path.with_name(f"{path.name}.{newest}")
+    try:
+        rst = os.lstat(rotated)
+    except OSError:
+        return None
+    return rotated if (rst.st_dev, rst.st_ino) == (st.st_dev, st.st_ino) else None
+
+
 def _finish_rotation(path: Path, st: os.stat_result) -> bool:
     """A crash between link() and unlink() leaves the log also linked as the newest rotated file."""
-    newest = max(_rotated(path), default=0)
-    if not newest:
-        return False
-    try:
-        rst = os.lstat(path.with_name(f"{path.name}.{newest}"))
-    except OSError:
-        return False
-    if (rst.st_dev, rst.st_ino) != (st.st_dev, st.st_ino):
+    if _rotated_as(path, st) is None:
         return False
     try:
         os.unlink(path)

@@ -91,7 +91,8 @@ MAX_LIST_ENTRIES: Final = 10_000
 MAX_WALK_ENTRIES: Final = 100_000  # Jail.walk (search_files)
 _AT_FDCWD: Final = -100  # include/uapi/linux/fcntl.h
 _DEADLINE_EVERY: Final = 256  # names a folder's listing reads between two looks at the walk's deadline
-MAX_SCAN_ENTRIES: Final = 1_000_000  # privileged_file's walk of a host workspace at start
+MAX_SCAN_ENTRIES: Final = 1_000_000  # privileged_files' walk of a host workspace at start
+MAX_PRIVILEGED_NAMED: Final = 10  # privileged files one refusal names
 
 DEFAULT_SECRET_PATTERNS: Final[tuple[str, ...]] = (
     ".env",
@@ -140,30 +141,37 @@ _CAPABILITY_XATTR: Final = "security.capability"
 _DELETED: Final = " (deleted)"
 
 
-def privileged_file(root: str | os.PathLike[str], *, max_entries: int = MAX_SCAN_ENTRIES) -> tuple[str | None, bool]:
-    """The first regular file beneath `root` that runs with privileges: setuid, setgid with group
-    exec, or carrying file capabilities. Never follows a symlink; stays on `root`'s filesystem.
+def privileged_files(
+    root: str | os.PathLike[str], *, most: int = MAX_PRIVILEGED_NAMED, max_entries: int = MAX_SCAN_ENTRIES
+) -> tuple[list[str], bool]:
+    """Regular files beneath `root` that run with privileges (setuid, setgid with group exec, or carrying
+    file capabilities), at most `most` of them, in walk order. Never follows a symlink; stays on `root`'s
+    filesystem.
 
     Why: a command may write into a file it owns through a shared mapping, and Linux clears
     these bits on write(2) but not on a write through a mapping; so a setuid-root file the host
-    left in a workspace could be given any bytes and keep its bit.
+    left in a workspace could be given any bytes and keep its bit. Several are named at once: an
+    upgrade found one per start, and each took the administrator a fix and a restart.
 
     Walked by fd, one entry at a time, each folder opened beneath its parent: found by attack, a listing
     kept whole with each entry's full path made a folder an agent left (100,000 names 3,800 bytes deep)
     cost every later start 470 MiB, and a folder deeper than PATH_MAX was skipped unchecked.
 
     Returns:
-        (its path relative to `root`, or None; whether the walk stopped first: past `max_entries`
-        entries, or a folder deeper than `MAX_WALK_DEPTH` left unchecked).
+        (their paths relative to `root`; whether the walk stopped first: past `max_entries` entries, or a
+        folder deeper than `MAX_WALK_DEPTH` left unchecked).
     """
+    found: list[str] = []
     top = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     with Walk(top, device=os.fstat(top).st_dev) as walk:
         for seen, (fd, folders, entry, info) in enumerate(walk, start=1):
             if seen > max_entries:
-                return None, True
+                return found, True
             if stat.S_ISREG(info.st_mode) and _runs_privileged(f"/proc/self/fd/{fd}/{entry.name}", info.st_mode):
-                return "/".join((*folders, entry.name)), False
-        return None, walk.cut
+                found.append("/".join((*folders, entry.name)))
+                if len(found) >= most:
+                    return found, False
+        return found, walk.cut
 
 
 def open_real_folder(path: str, *, what: str = "the folder") -> int:

@@ -37,11 +37,12 @@ from bastion.safety.errors import (
 )
 from bastion.safety.output import clean_output
 from bastion.safety.paths import (
+    MAX_PRIVILEGED_NAMED,
     MAX_READ_BYTES,
     MAX_SCAN_ENTRIES,
     Jail,
     open_real_folder,
-    privileged_file,
+    privileged_files,
     replaceable_by,
     writers_besides,
 )
@@ -694,9 +695,7 @@ def _open_host(
         return HostWorkspace(config, redactor, cgroups)
     info = _stat_folder(str(config.path))
     owner = (info.st_uid, info.st_gid)
-    _refuse_replaceable(config, owner)
-    _refuse_open_to_others(config, owner)  # before the setuid scan: an open folder is how one gets planted
-    _refuse_privileged_files(config)
+    _refuse_unsafe_folder(config, owner)
     reason = idmap_supported(config.path)
     if reason is not None:
         if owner[0] == 0:
@@ -766,6 +765,29 @@ def _make_passable_only_by(folder: Path, gid: int) -> None:
         os.close(fd)
 
 
+def host_workspace_problem(config: WorkspaceConfig) -> str | None:
+    """Why a root server would refuse to open this host workspace at start, or None (for `bastion doctor`:
+    found by attack, it said "no FAIL" of a workspace holding a setuid-root file that an older bastion's
+    agent had left, which the server then refused to start on)."""
+    try:
+        info = _stat_folder(str(config.path))
+        _refuse_unsafe_folder(config, (info.st_uid, info.st_gid))
+    except ConfigError as exc:
+        return str(exc)
+    except BastionError as exc:
+        return exc.reason
+    except OSError as exc:
+        return f"workspace {config.id!r}: {config.path} cannot be examined ({exc.strerror or exc})"
+    return None
+
+
+def _refuse_unsafe_folder(config: WorkspaceConfig, owner: tuple[int, int]) -> None:
+    """The folder checks of a root server's host workspace, each a `ConfigError` (`_open_host`)."""
+    _refuse_replaceable(config, owner)
+    _refuse_open_to_others(config, owner)  # before the setuid scan: an open folder is how one gets planted
+    _refuse_privileged_files(config)
+
+
 def _refuse_replaceable(config: WorkspaceConfig, owner: tuple[int, int]) -> None:
     try:
         who = replaceable_by(str(config.path), owner)
@@ -825,18 +847,21 @@ def _refuse_privileged_files(config: WorkspaceConfig) -> None:
     """A setuid, setgid or capability-carrying file in a root server's host workspace stops the start.
 
     Its commands act as the folder's owner on disk: one could rewrite such a file through a
-    shared mapping, which keeps the bit (see `privileged_file`).
+    shared mapping, which keeps the bit (see `privileged_files`).
 
     Raises:
         ConfigError: one is there.
     """
-    found, cut = privileged_file(config.path)
-    if found is not None:
+    found, cut = privileged_files(config.path)
+    if found:
+        # Quoted: an agent chose the names (found by attack: one of terminal escapes cleared the screen).
+        names = ", ".join(repr(str(config.path / name)) for name in found)
+        which = f"{names} run" if len(found) > 1 else f"{names} runs"
+        more = " (and maybe more: the first few are named)" if len(found) >= MAX_PRIVILEGED_NAMED else ""
         raise ConfigError(
-            # Quoted: an agent chose the name (found by attack: one of terminal escapes cleared the screen).
-            f"workspace {config.id!r}: {str(config.path / found)!r} runs with privileges (setuid, setgid or file "
-            "capabilities), and a command could rewrite it keeping them: remove them (chmod u-s,g-s; "
-            "setcap -r) or move the file out of the workspace"
+            f"workspace {config.id!r}: {which} with privileges (setuid, setgid or file capabilities){more}, and a "
+            "command could rewrite them keeping those: remove them (chmod u-s,g-s; setcap -r) or move the files "
+            "out of the workspace"
         )
     if cut:
         logger.warning(
