@@ -365,6 +365,32 @@ async def test_a_long_state_path_keeps_its_sockets_in_a_temp_folder_that_recover
     assert not link.is_symlink()
 
 
+async def test_a_server_on_a_copy_of_a_live_ones_state_folder_leaves_its_temp_socket_folder(tmp_path: Path) -> None:
+    """Found by attack (two servers on one host): a server started on a copy of a live server's state folder (a
+    backup restored beside it, a second config made from a copy) followed the copied `.net-temp` link at its
+    start and removed the live server's temp socket folder: the live server's warm pool stopped refilling and
+    its new sandboxes failed. Invariant: a folder a live server holds is left to it, the copy's own link is
+    dropped, and the live server's sandboxes, old and new, keep their sockets."""
+    config = load_config(demo_config_at(tmp_path / ("deep-" + "x" * 80) / "d"))
+    copy = load_config(demo_config_at(tmp_path / ("deep-" + "y" * 80) / "d"))
+    services = build_services(config)
+    try:
+        async with Client(build_server(services, caller="test")) as client:
+            box = await create(client)
+            temp = Path(os.readlink(config.sandboxes_dir / ".net-temp"))
+            copy.sandboxes_dir.mkdir(parents=True)
+            (copy.sandboxes_dir / ".net-temp").symlink_to(temp)  # as the copy of the state folder holds it
+            build_services(copy).close()
+            assert (temp / box).is_dir()
+            assert not (copy.sandboxes_dir / ".net-temp").is_symlink()
+            other = await create(client)
+            assert (temp / other).is_dir()
+            assert (await call(client, "run_command", command="true", sandbox_id=other))["ok"]
+    finally:
+        services.close()
+    assert not temp.exists()
+
+
 MANY_FILES = 700_000
 MAKE_FILES = (
     "import os\nos.makedirs('/tmp/many')\nfor i in range({count}):\n"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import functools
 import logging
 import os
@@ -221,6 +222,8 @@ class SandboxManager:
         # The proxies' sockets: <sandboxes_dir>/.net/<id>/, or a temp folder where that path is
         # too long for a unix socket (108 bytes); made on first use.
         self._net_dir: Path | None = None
+        self._net_hold: int | None = None
+        """An fd of the temp socket folder (`NET_TEMP_LINK`), flock'd: the folder is this live server's."""
         self._templates = {t.name: t for t in config.template}
         default = config.sandboxes.default_template
         self._default_template = self._templates.get(default, TemplateConfig(name="default"))
@@ -477,7 +480,12 @@ class SandboxManager:
                 mount_tmpfs(preferred, _NET_TMPFS_BYTES, _NET_TMPFS_INODES, self._dir_mode)
             return preferred
         temp = Path(tempfile.mkdtemp(prefix=NET_TEMP_PREFIX))
-        os.chmod(temp, self._dir_mode)
+        try:
+            os.chmod(temp, self._dir_mode)
+            self._net_hold = _hold(temp)
+        except OSError:
+            _remove_tree(temp)
+            raise
         link = self._dir / NET_TEMP_LINK
         try:
             with contextlib.suppress(FileNotFoundError):
@@ -1143,7 +1151,7 @@ class SandboxManager:
             if target == self._net_dir:
                 return
             if _is_own_temp_net_dir(target):
-                _remove_tree(target)
+                _remove_unheld(target)
             link.unlink()
         except OSError as exc:
             logger.warning("cannot remove a previous server's egress socket folder (%s): %s", link, exc)
@@ -1255,6 +1263,9 @@ class SandboxManager:
                 drop_disk(self._net_dir)
             _remove_tree(self._net_dir)
             self._net_dir = None
+            if self._net_hold is not None:
+                os.close(self._net_hold)
+                self._net_hold = None
             # Closing goes on even on a failed state filesystem (EIO): the folder is gone already.
             with contextlib.suppress(OSError):
                 (self._dir / NET_TEMP_LINK).unlink()
@@ -1381,6 +1392,31 @@ def _is_own_temp_net_dir(path: Path) -> bool:
     except OSError:
         return False
     return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
+
+
+def _hold(folder: Path) -> int:
+    """An fd of `folder` holding an exclusive flock on it, kept while the folder is in use."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return fd
+
+
+def _remove_unheld(folder: Path) -> None:
+    """Remove a crashed server's temp socket folder: not one a live server holds (`_hold`).
+
+    Found by attack (two servers on one host): a server started on a copy of a live server's state folder (a
+    backup restored beside it, a second config made from a copy) followed the copied `NET_TEMP_LINK` and
+    removed the live server's sockets; its warm pool stopped refilling, and its new sandboxes failed.
+    """
+    try:
+        fd = _hold(folder)
+    except BlockingIOError:
+        logger.info("egress socket folder %s is a live server's: left as it is", folder)
+        return
+    try:
+        _remove_tree(folder)
+    finally:
+        os.close(fd)
 
 
 def _remove_tree(root: Path) -> None:
