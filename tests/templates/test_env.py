@@ -5,10 +5,12 @@ The refusals run offline; the builds reach PyPI (marked `network`) and install o
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Final
 
@@ -17,6 +19,7 @@ import pytest
 import bastion
 from bastion.cli import EXIT_CONFIG, EXIT_FAILED, main
 from bastion.config import TemplateConfig, load_config
+from bastion.config.sandboxes import UNFINISHED_MARK
 from bastion.safety.errors import ConfigError
 from bastion.templates import builtin_lock_names, check_lock, template_lock
 from tests.helpers import BASTION, demo_config_at, registry_reachable
@@ -445,22 +448,56 @@ def test_template_build_still_builds_in_a_folder_of_roots_inside_tmp(
 def _build_killed_in_pip(config: Path, env: Path, index: socket.socket) -> None:
     """`bastion template build small`, killed (SIGKILL, pip included) once pip has reached the index,
     which never answers: a build stopped part-way, its venv made and its packages not."""
+    with _building_in_pip(config, env, index):
+        pass
+
+
+@contextlib.contextmanager
+def _building_in_pip(config: Path, env: Path, index: socket.socket) -> Iterator[None]:
+    """`bastion template build small` under way: pip has reached the index, which never answers; killed after."""
     argv = [str(BASTION), "template", "build", "small", "--config", str(config)]
-    # A temp folder of its own: the kill leaves the lock's copy and pip's build folders there.
-    temp = config.parent / "build-tmp"
-    temp.mkdir(exist_ok=True)
-    environment = {**os.environ, "TMPDIR": str(temp)}
     build = subprocess.Popen(
-        argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=environment
+        argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=_build_env(config)
     )
     try:
         index.settimeout(120)
         reached, _ = index.accept()  # pip connects: the venv is made, the lock not installed
         reached.close()
         assert (env / "pyvenv.cfg").is_file()
+        yield
     finally:
         os.killpg(build.pid, signal.SIGKILL)
         build.wait()
+
+
+def _build_env(config: Path) -> dict[str, str]:
+    # A temp folder of its own: a kill leaves the lock's copy and pip's build folders there.
+    temp = config.parent / "build-tmp"
+    temp.mkdir(exist_ok=True)
+    return {**os.environ, "TMPDIR": str(temp)}
+
+
+def test_a_second_build_of_an_env_being_built_is_refused_in_one_line_and_touches_nothing(tmp_path: Path) -> None:
+    """Found by attack (two configs naming one python_env): `template build` took no lock, so a second build
+    started while the first made the venv ran pip before ensurepip had put it in (pip's own error and
+    bastion's line), and the first to finish unmarked the folder while the other still installed. Invariant:
+    the second is refused at once with one line, and the folder stays marked unfinished for the first."""
+    with socket.create_server(("127.0.0.1", 0)) as index:
+        lock = tmp_path / "six.lock"
+        lock.write_text(SIX_LOCK)
+        config = config_with(tmp_path, f'name = "small"\npython_env = "envs/small"\npython_lock = "{lock}"\n')
+        index_url = f'pip_index_url = "https://127.0.0.1:{index.getsockname()[1]}/simple"'
+        config.write_text(config.read_text().replace("[sandboxes]\n", f"[sandboxes]\n{index_url}\n", 1))
+        env = config.parent / "envs" / "small"
+        with _building_in_pip(config, env, index):
+            argv = [str(BASTION), "template", "build", "small", "--config", str(config)]
+            second = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=_build_env(config))
+            assert second.returncode == EXIT_FAILED
+            assert second.stderr == (
+                f"bastion: template 'small' python_env {env} is being built by another 'bastion template build': "
+                "let it finish (run this one again after it if the lock changed)\n"
+            )
+            assert (env / UNFINISHED_MARK).is_file()
 
 
 def test_a_build_killed_part_way_leaves_an_env_the_server_refuses_and_a_build_finishes(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ are package data, read through importlib.resources: an installed wheel needs no 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import importlib.resources
 import os
 import re
@@ -18,7 +19,7 @@ from typing import Final
 
 from bastion.config import TemplateConfig
 from bastion.config.sandboxes import UNFINISHED_MARK, python_env_problem
-from bastion.safety.errors import ConfigError
+from bastion.safety.errors import ConfigError, Conflict
 from bastion.safety.paths import file_replaceable_by, folder_to_make_changeable_by, owners_phrase
 from bastion.templates._pip import install_lock, make_venv
 
@@ -182,6 +183,31 @@ def _private_lock(name: str, lock: Path) -> Iterator[Path]:
         yield copy
 
 
+@contextlib.contextmanager
+def _building(name: str, target: Path) -> Iterator[None]:
+    """An exclusive flock on the venv's folder for the whole build; a second build is refused at once.
+
+    Found by attack (two configs naming one python_env): a build started while another made the venv ran
+    pip before ensurepip had put it in (pip's own error, then bastion's), and the first to finish unmarked
+    the folder (`UNFINISHED_MARK`) while the other still installed.
+
+    Raises:
+        Conflict: another build holds it.
+    """
+    fd = os.open(target, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise Conflict(
+                f"template {name!r} python_env {target} is being built by another 'bastion template build': "
+                "let it finish (run this one again after it if the lock changed)"
+            ) from None
+        yield
+    finally:
+        os.close(fd)
+
+
 @dataclass(frozen=True)
 class BuiltEnv:
     """A template environment `build_template_env` made or brought up to its lock."""
@@ -198,6 +224,7 @@ def build_template_env(template: TemplateConfig, *, index_url: str) -> BuiltEnv:
 
     Raises:
         ConfigError: no python_env, no lock, or the folder holds something else.
+        Conflict: another build of the same folder is under way.
         Unavailable: the system Python cannot make a venv.
         OperationFailed: pip failed.
     """
@@ -207,15 +234,17 @@ def build_template_env(template: TemplateConfig, *, index_url: str) -> BuiltEnv:
     target = Path(os.path.abspath(template.python_env))
     _check_target(template.name, target)
     with template_lock(template) as lock, _private_lock(template.name, lock) as copy:
-        created = not _is_venv(target)
-        # Marked before the venv is made in it or the lock installed, unmarked once the lock is in: a build that
-        # fails or is killed part-way (a rebuild too: found by review) leaves a folder the server refuses
-        # (`unfinished_env_problem`), not one it serves.
         target.mkdir(mode=0o755, parents=True, exist_ok=True)
-        (target / UNFINISHED_MARK).touch(mode=0o644)
-        if created:
-            make_venv(target)
-        install_lock(target, copy, index_url)
-        (target / UNFINISHED_MARK).unlink(missing_ok=True)
+        with _building(template.name, target):
+            _check_target(template.name, target)  # again, held: it was judged while another build could run
+            created = not _is_venv(target)
+            # Marked before the venv is made in it or the lock installed, unmarked once the lock is in: a build
+            # that fails or is killed part-way (a rebuild too: found by review) leaves a folder the server refuses
+            # (`unfinished_env_problem`), not one it serves.
+            (target / UNFINISHED_MARK).touch(mode=0o644)
+            if created:
+                make_venv(target)
+            install_lock(target, copy, index_url)
+            (target / UNFINISHED_MARK).unlink(missing_ok=True)
     shipped = template.python_lock is None
     return BuiltEnv(target, f"bastion's {template.name}{_LOCK_SUFFIX}" if shipped else str(lock), created)
