@@ -469,6 +469,87 @@ async def test_a_cell_whose_code_cannot_go_in_whole_ends_its_context_not_the_nex
         await services.sandboxes.close(box.id)
 
 
+@pytest.mark.parametrize("cancelled", [False, True], ids=["call-waits", "call-cancelled"])
+async def test_a_pause_mid_send_ends_the_context_though_its_kernel_cannot_be_killed_yet(
+    services: Services, cancelled: bool
+) -> None:
+    """Found by review of the fix above: a sandbox paused (pause_sandbox, or a snapshot's freeze) while a cell's
+    code was still going in refused the kill of the cut-short context (`Conflict`), which stayed listed alive and
+    idle with half a request in its input; after resume the next cell waited out its whole time limit.
+    Invariant: the context is dead from then on, and says so; a restart after resume gives a working one."""
+    box = await services.sandboxes.create(owner="test")
+    marker = f"held-{secrets.token_hex(8)}"
+    run = functools.partial(box.code.run, language="python", context="cut", progress=_quiet)
+    paused = False
+    try:
+        await run(f"held = open('/tmp/{marker}', 'w')", restart=False, timeout_s=None)
+        (kernel,) = processes_holding(marker)
+        process = box.code._contexts[("python", "cut")]._process
+        assert isinstance(process, BackgroundProcess)
+        os.kill(kernel, signal.SIGSTOP)  # only to fill the pipe before the pause lands
+        try:
+            sending = asyncio.ensure_future(run("#" * (512 * 1024), restart=False, timeout_s=None))
+            with anyio.fail_after(30):
+                while process._writable is None:
+                    await asyncio.sleep(0.001)  # polling, not timing
+            await services.sandboxes.pause(box.id)
+            paused = True
+        finally:
+            os.kill(kernel, signal.SIGCONT)  # still frozen by the pause
+        if cancelled:
+            sending.cancel()
+        with pytest.raises((Unavailable, asyncio.CancelledError)):
+            await sending
+        (listed,) = box.code.contexts()
+        assert listed["state"] == "dead", listed
+        await services.sandboxes.resume(box.id)
+        paused = False
+        with pytest.raises(Conflict, match="dead"):
+            await run("1", restart=False, timeout_s=10)
+        assert (await run("1 + 1", restart=True, timeout_s=30)).value == "2"
+    finally:
+        if paused:
+            await services.sandboxes.resume(box.id)
+        await services.sandboxes.close(box.id)
+
+
+async def test_a_cell_cancelled_twice_mid_send_is_stopped_before_the_next_cell_runs(services: Services) -> None:
+    """Found by review: a second plain asyncio cancel (a timeout's, a shutdown's) cut `execute`'s wait for the
+    cancelled cell's stop; the context was let go while the cell was still going in, the next cell was sent
+    meanwhile, and the old cell's interrupt waited out the grace period and killed the context under it.
+    Invariant: the context stays busy until the cancelled cell has stopped; the next cell runs in it, alive."""
+    box = await services.sandboxes.create(owner="test")
+    marker = f"held-{secrets.token_hex(8)}"
+    run = functools.partial(box.code.run, language="python", context="cut", restart=False, progress=_quiet)
+    try:
+        await run(f"held = open('/tmp/{marker}', 'w')\nkept = 1", timeout_s=None)
+        (kernel,) = processes_holding(marker)
+        process = box.code._contexts[("python", "cut")]._process
+        assert isinstance(process, BackgroundProcess)
+        os.kill(kernel, signal.SIGSTOP)
+        try:
+            sending = asyncio.ensure_future(run("#" * (512 * 1024) + "\nkept = 2", timeout_s=None))
+            with anyio.fail_after(30):
+                while process._writable is None:
+                    await asyncio.sleep(0.001)  # polling, not timing
+            sending.cancel()
+            with anyio.fail_after(30):
+                while not any("_stop_cancelled" in repr(t.get_coro()) for t in asyncio.all_tasks()):
+                    await asyncio.sleep(0)  # until the first cancel has reached the stop
+            sending.cancel()
+        finally:
+            os.kill(kernel, signal.SIGCONT)
+        with pytest.raises(asyncio.CancelledError):
+            await sending
+        with anyio.fail_after(GRACE_S + 30):
+            after = await run(f"import time\ntime.sleep({GRACE_S + 1})\nkept + 1", timeout_s=GRACE_S + 20)
+        assert after.context_alive, after
+        assert not after.timed_out, after
+        assert after.value in ("2", "3"), after  # the cancelled cell was interrupted, or ran to its end
+    finally:
+        await services.sandboxes.close(box.id)
+
+
 def processes_holding(marker: str) -> list[int]:
     """Host pids with an open file whose path contains `marker`."""
     found = []

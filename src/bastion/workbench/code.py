@@ -21,6 +21,7 @@ started with it (`CodeContext.kill`, `CodeContext._end_with_kernel`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
@@ -533,6 +534,9 @@ class CodeContext:
         self._ready: asyncio.Future[dict[str, Any]] | None = None
         self._cell: _Cell | None = None
         self._count = 0
+        self._unusable = False
+        """The kernel is out of step with the server (half a request in its input, `_send`; a cancelled cell that
+        could not be stopped, `_stop_cancelled`): listed dead until restarted, though its kill may wait."""
         self._lock = asyncio.Lock()
         self._killing: asyncio.Task[None] | None = None  # held: a task nobody references may vanish
         self._watching: asyncio.Task[None] | None = None  # `_end_with_kernel`'s, held likewise
@@ -544,7 +548,7 @@ class CodeContext:
 
     @property
     def alive(self) -> bool:
-        return self._process is not None and not self._process.exited
+        return self._process is not None and not self._process.exited and not self._unusable
 
     @property
     def busy(self) -> bool:
@@ -740,8 +744,13 @@ class CodeContext:
                 # scope: anyio cancels again at each await of a cancelled scope, and a cell slow to stop was then
                 # left mid-interrupt, its end unread, and killed with the next cell (found by a full run). Also
                 # shielded from a plain asyncio cancel, which an anyio scope does not hold back.
+                stop = asyncio.ensure_future(self._stop_cancelled(cell, send))
                 with anyio.CancelScope(shield=True):
-                    await asyncio.shield(self._stop_cancelled(cell, send))
+                    while not stop.done():
+                        # Found by review: a second plain cancel cut this wait, and the next cell was sent
+                        # while this one was still going in, then killed with it. It is waited for to its end.
+                        with contextlib.suppress(asyncio.CancelledError):
+                            await asyncio.shield(stop)
                 raise
             finally:
                 self._cell = None
@@ -759,7 +768,10 @@ class CodeContext:
         except (Unavailable, Conflict):
             return
         if not cell.done.done():
-            await self._interrupt(cell)
+            try:
+                await self._interrupt(cell)
+            except Conflict:  # not stopped, nor killed (the sandbox was paused): nobody would see its end
+                self._unusable = True
 
     async def _send(self, request: dict[str, object]) -> None:
         assert self._process is not None
@@ -767,7 +779,11 @@ class CodeContext:
         written = await self._process.write(data, timeout_s=GRACE_S)
         if written != len(data):
             if written:
-                await self.kill()  # half a request line is in its input: whatever comes next is garbled
+                # Half a request line is in its input: it is dead whether or not the kill can run now (found by
+                # review: a sandbox paused mid-send refuses it, and the context was listed alive and idle).
+                self._unusable = True
+                with contextlib.suppress(Conflict):
+                    await self.kill()
             raise Unavailable(f"the {NAMES[self.language]} context is not taking input")
 
     async def _await_cell(self, cell: _Cell, timeout_s: float, progress: Progress, in_thread: InThread) -> CellResult:
