@@ -132,7 +132,7 @@ def test_setuid_file_in_a_host_workspace(demo_config: Config, demo_config_path: 
     planted.write_bytes(b"")
     planted.chmod(0o4755)
     threads = set(threading.enumerate())
-    refused(demo_config, "runs with privileges")
+    refused(demo_config, r"run with privileges .*: 'su'; ")
     assert_nothing_open(demo_config, demo_config_path.parent, threads)
 
 

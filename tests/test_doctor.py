@@ -25,6 +25,7 @@ from bastion.safety.errors import ConfigError
 from bastion.safety.redact import Redactor
 from bastion.sandbox._spawn import probe_bwrap, system_binds
 from bastion.sandbox.cgroups import CgroupLayout, Limits
+from tests.conftest import clear_privilege_bits
 from tests.helpers import passable_folder, temp_socket_folders
 
 STATUSES = {"ok", "warn", "FAIL"}
@@ -425,7 +426,7 @@ def test_setuid_files_an_older_bastions_agent_left_in_a_host_workspace_fail_as_s
         code, checks, _ = _doctor(capsys, "--config", str(demo_config_path))
         assert code == 1
         assert checks["idmap:default"] == ("FAIL", str(refused.value))
-        assert all(repr(str(path)) in str(refused.value) for path in planted), str(refused.value)
+        assert all(repr(path.name) in str(refused.value) for path in planted), str(refused.value)
     finally:
         for path in planted:
             path.chmod(0o644)
@@ -471,6 +472,82 @@ def test_an_audit_log_left_mid_rotation_is_ok_as_serve_finishes_the_rotation(
         assert os.stat(log.with_name(f"{log.name}.1")).st_nlink == 1  # serve finished it
     finally:
         services.close()
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="a root server's check")
+def test_the_refusal_of_deep_agent_named_privileged_files_stays_one_short_line(demo_config: Config) -> None:
+    """Found by review: the start's refusal named up to ten files by their whole paths, and ten setuid files 12
+    folders of 250 non-UTF-8 bytes deep (as an older bastion's root agent could leave them) made a line of 195,876
+    characters for the terminal, the journal and the doctor. Invariant: one line, each name cut to its end."""
+    root = demo_config.workspace[0].path
+    name = b"\xff" * 250
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(12):
+            os.mkdir(name, 0o755, dir_fd=fd)
+            child = os.open(name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = child
+        for index in range(12):
+            leaf = os.open(b"tool-%02d" % index, os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd)
+            os.fchmod(leaf, 0o4755)
+            os.close(leaf)
+    finally:
+        os.close(fd)
+    try:
+        with pytest.raises(ConfigError) as refused:
+            build_services(demo_config)
+        line = str(refused.value)
+        assert "\n" not in line
+        assert len(line) < 4096, f"a refusal of {len(line):,} characters"
+        assert line.count("tool-") == 10, line
+        assert "(the first 10; there may be more)" in line
+    finally:
+        clear_privilege_bits(root)
+
+
+def test_a_missing_log_beside_a_rotated_file_serve_refuses_fails_in_the_doctor(
+    capsys: pytest.CaptureFixture[str], demo_config: Config, demo_config_path: Path
+) -> None:
+    """Found by review: a crash between a rotation's unlink and the new log's open leaves only `<log>.N`, which a
+    start goes on from and judges; here group-writable. The doctor said ok ("made at start"), serve refused.
+    Invariant: the doctor fails with serve's line."""
+    log = demo_config.audit_path
+    log.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    audit = AuditLog(log, redactor=Redactor())
+    audit.open()
+    audit.append({"event": "before the crash"})
+    audit.close()
+    rotated = log.with_name(f"{log.name}.1")
+    os.rename(log, rotated)
+    rotated.chmod(0o660)
+    _, checks, _ = _doctor(capsys, "--config", str(demo_config_path))
+    assert not log.exists()  # the doctor made nothing
+    with pytest.raises(ConfigError) as refused:
+        build_services(demo_config)
+    assert checks["audit"] == ("FAIL", str(refused.value))
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="chattr +i needs root")
+def test_an_immutable_audit_log_fails_in_the_doctor_as_serve_refuses_it(
+    capsys: pytest.CaptureFixture[str], demo_config: Config, demo_config_path: Path
+) -> None:
+    """Found by review: serve opens the log for appending, the doctor's check read it; an immutable log (`chattr
+    +i`, an administrator "protecting" it) passed the doctor and stopped serve. Invariant: the doctor fails it."""
+    log = demo_config.audit_path
+    log.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    log.write_bytes(b"")
+    log.chmod(0o600)
+    subprocess.run(["chattr", "+i", str(log)], check=True)
+    try:
+        with pytest.raises(ConfigError) as refused:
+            build_services(demo_config)
+        _, checks, _ = _doctor(capsys, "--config", str(demo_config_path))
+        assert checks["audit"] == ("FAIL", str(refused.value))
+    finally:
+        subprocess.run(["chattr", "-i", str(log)], check=True)
 
 
 def _moved_to_a_root_folder(demo_config_path: Path) -> Path:

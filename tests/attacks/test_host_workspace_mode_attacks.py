@@ -139,7 +139,7 @@ async def test_the_start_refusal_shows_an_agents_file_name_escaped(demo: Demo) -
     assert (demo.workspace / ESCAPING_NAME).exists()
     (demo.workspace / "sub" / "tool").unlink()  # the same file's other name: the scan must meet the agent's
     line = refused_stdio_start(demo.config_path)
-    assert "runs with privileges" in line, line
+    assert "run with privileges" in line, line
     assert "\x1b" not in line, repr(line)
     assert "\x07" not in line, repr(line)
     assert "PWNED" in line, line

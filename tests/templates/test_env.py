@@ -238,6 +238,25 @@ def six_version(env: Path) -> str:
     return imported.stdout.decode().strip()
 
 
+def test_a_second_build_after_the_env_is_moved_aside_mid_build_is_refused(tmp_path: Path) -> None:
+    """Found by review of the lock above: it was on the folder, but a build goes by path; with the half-made folder
+    moved aside while a build ran, a second build made a new one there, locked it and ran beside the first.
+    Invariant: one build at a time per python_env path, whatever folder is there."""
+    with socket.create_server(("127.0.0.1", 0)) as index:
+        lock = tmp_path / "six.lock"
+        lock.write_text(SIX_LOCK)
+        config = config_with(tmp_path, f'name = "small"\npython_env = "envs/small"\npython_lock = "{lock}"\n')
+        index_url = f'pip_index_url = "https://127.0.0.1:{index.getsockname()[1]}/simple"'
+        config.write_text(config.read_text().replace("[sandboxes]\n", f"[sandboxes]\n{index_url}\n", 1))
+        env = config.parent / "envs" / "small"
+        with _building_in_pip(config, env, index):
+            env.rename(env.with_name("small.aside"))
+            second = _another_build(config)
+            assert second.returncode == EXIT_FAILED, second.stderr
+            assert "is being built by another 'bastion template build'" in second.stderr
+            assert not env.exists()
+
+
 @pytest.mark.parametrize(
     "line",
     [
@@ -470,6 +489,21 @@ def _building_in_pip(config: Path, env: Path, index: socket.socket) -> Iterator[
         build.wait()
 
 
+def _another_build(config: Path) -> subprocess.CompletedProcess[str]:
+    """`bastion template build small` beside one under way; killed, pip included, if it does not end in a minute."""
+    argv = [str(BASTION), "template", "build", "small", "--config", str(config)]
+    build = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, env=_build_env(config)
+    )
+    try:
+        out, err = build.communicate(timeout=60)
+    finally:
+        if build.poll() is None:
+            os.killpg(build.pid, signal.SIGKILL)
+            build.wait()
+    return subprocess.CompletedProcess(argv, build.returncode, out, err)
+
+
 def _build_env(config: Path) -> dict[str, str]:
     # A temp folder of its own: a kill leaves the lock's copy and pip's build folders there.
     temp = config.parent / "build-tmp"
@@ -490,8 +524,7 @@ def test_a_second_build_of_an_env_being_built_is_refused_in_one_line_and_touches
         config.write_text(config.read_text().replace("[sandboxes]\n", f"[sandboxes]\n{index_url}\n", 1))
         env = config.parent / "envs" / "small"
         with _building_in_pip(config, env, index):
-            argv = [str(BASTION), "template", "build", "small", "--config", str(config)]
-            second = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=_build_env(config))
+            second = _another_build(config)
             assert second.returncode == EXIT_FAILED
             assert second.stderr == (
                 f"bastion: template 'small' python_env {env} is being built by another 'bastion template build': "

@@ -1099,9 +1099,18 @@ def open_problem(path: Path) -> str | None:
             return f"audit log {path} is a symlink: point the config at the real file"
         if not stat.S_ISREG(st.st_mode):
             return file_problem(path, st)  # never opened: a FIFO or a device
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        # For writing, as the start opens it (found by review: an immutable log passed a read-only open).
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
-        return None  # made at start
+        # Made at start, going on from the newest rotated file (found by review: a crash between a rotation's
+        # unlink and the new file's open leaves only that one, and the start judges it).
+        try:
+            _chain_head(path, -1, 0)
+        except AuditUnavailable as exc:
+            return exc.reason
+        except OSError as exc:
+            return f"audit log {path} cannot be examined: {exc.strerror or exc}"
+        return None
     except OSError as exc:
         return f"audit log {path} cannot be opened: {exc.strerror or exc}"
     try:

@@ -19,7 +19,7 @@ from typing import Final
 
 from bastion.config import TemplateConfig
 from bastion.config.sandboxes import UNFINISHED_MARK, python_env_problem
-from bastion.safety.errors import ConfigError, Conflict
+from bastion.safety.errors import ConfigError, Conflict, Unavailable
 from bastion.safety.paths import file_replaceable_by, folder_to_make_changeable_by, owners_phrase
 from bastion.templates._pip import install_lock, make_venv
 
@@ -185,16 +185,25 @@ def _private_lock(name: str, lock: Path) -> Iterator[Path]:
 
 @contextlib.contextmanager
 def _building(name: str, target: Path) -> Iterator[None]:
-    """An exclusive flock on the venv's folder for the whole build; a second build is refused at once.
+    """An exclusive flock for the whole build on a file named after the venv's path, beside it (left there); a
+    second build of the path is refused at once.
 
     Found by attack (two configs naming one python_env): a build started while another made the venv ran
     pip before ensurepip had put it in (pip's own error, then bastion's), and the first to finish unmarked
-    the folder (`UNFINISHED_MARK`) while the other still installed.
+    the folder (`UNFINISHED_MARK`) while the other still installed. By path, not the folder (found by review):
+    every step of a build goes by path, and with the folder moved aside a second build locked a new one.
 
     Raises:
+        ConfigError: the lock file cannot be opened.
         Conflict: another build holds it.
+        Unavailable: its filesystem has no file locks.
     """
-    fd = os.open(target, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    # Beside the venv, in the folder `_check_folders` found only root or this user can change.
+    lock = target.with_name(f".{target.name}{BUILD_LOCK_SUFFIX}")
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise ConfigError(f"template {name!r} python_env {target}: {lock} cannot be opened ({exc.strerror})") from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -203,9 +212,18 @@ def _building(name: str, target: Path) -> Iterator[None]:
                 f"template {name!r} python_env {target} is being built by another 'bastion template build': "
                 "let it finish (run this one again after it if the lock changed)"
             ) from None
+        except OSError as exc:
+            raise Unavailable(
+                f"template {name!r} python_env {target}: {lock} cannot be locked ({exc.strerror}): build it on a "
+                "filesystem with file locks"
+            ) from None
         yield
     finally:
         os.close(fd)
+
+
+BUILD_LOCK_SUFFIX: Final = ".bastion-build"
+"""`.<venv folder's name>.bastion-build`, beside it: held by the build under way (`_building`)."""
 
 
 @dataclass(frozen=True)
@@ -234,9 +252,10 @@ def build_template_env(template: TemplateConfig, *, index_url: str) -> BuiltEnv:
     target = Path(os.path.abspath(template.python_env))
     _check_target(template.name, target)
     with template_lock(template) as lock, _private_lock(template.name, lock) as copy:
-        target.mkdir(mode=0o755, parents=True, exist_ok=True)
+        target.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
         with _building(template.name, target):
             _check_target(template.name, target)  # again, held: it was judged while another build could run
+            target.mkdir(mode=0o755, exist_ok=True)
             created = not _is_venv(target)
             # Marked before the venv is made in it or the lock installed, unmarked once the lock is in: a build
             # that fails or is killed part-way (a rebuild too: found by review) leaves a folder the server refuses

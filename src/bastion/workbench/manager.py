@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import fcntl
 import functools
 import logging
@@ -483,9 +484,15 @@ class SandboxManager:
         try:
             os.chmod(temp, self._dir_mode)
             self._net_hold = _hold(temp)
-        except OSError:
-            _remove_tree(temp)
-            raise
+        except OSError as exc:
+            if exc.errno not in (errno.ENOLCK, errno.EBADF):  # no flock on this filesystem (NFS): held by nobody
+                _remove_tree(temp)
+                raise
+            logger.warning(
+                "egress socket folder %s cannot be locked (%s): a copy of this state folder could remove it",
+                temp,
+                exc.strerror,
+            )
         link = self._dir / NET_TEMP_LINK
         try:
             with contextlib.suppress(FileNotFoundError):
@@ -1412,6 +1419,9 @@ def _remove_unheld(folder: Path) -> None:
         fd = _hold(folder)
     except BlockingIOError:
         logger.info("egress socket folder %s is a live server's: left as it is", folder)
+        return
+    except OSError as exc:  # no flock there (NFS): whose it is cannot be told
+        logger.warning("egress socket folder %s left as it is: it cannot be locked (%s)", folder, exc.strerror)
         return
     try:
         _remove_tree(folder)

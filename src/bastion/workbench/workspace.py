@@ -74,6 +74,8 @@ from bastion.workbench.terminals import TERM, Terminals
 from bastion.workbench.workers import INLINE_CLEAN_CHARS, InThread, any_thread
 
 logger = logging.getLogger("bastion.workspaces")
+MAX_SHOWN_NAME_CHARS: Final = 160
+"""Of a file's path in the workspace, in a refusal at start (`_shown_name`): its end."""
 
 Encoding = Literal["utf-8", "base64"]
 IDMAP_DIR: Final = "idmap"  # in state_dir: one folder per host workspace, holding its idmapped mount
@@ -854,14 +856,12 @@ def _refuse_privileged_files(config: WorkspaceConfig) -> None:
     """
     found, cut = privileged_files(config.path)
     if found:
-        # Quoted: an agent chose the names (found by attack: one of terminal escapes cleared the screen).
-        names = ", ".join(repr(str(config.path / name)) for name in found)
-        which = f"{names} run" if len(found) > 1 else f"{names} runs"
-        more = " (and maybe more: the first few are named)" if len(found) >= MAX_PRIVILEGED_NAMED else ""
+        names = ", ".join(_shown_name(name) for name in found)
+        more = f" (the first {len(found)}; there may be more)" if len(found) >= MAX_PRIVILEGED_NAMED else ""
         raise ConfigError(
-            f"workspace {config.id!r}: {which} with privileges (setuid, setgid or file capabilities){more}, and a "
-            "command could rewrite them keeping those: remove them (chmod u-s,g-s; setcap -r) or move the files "
-            "out of the workspace"
+            f"workspace {config.id!r}: files in {config.path} run with privileges (setuid, setgid or file "
+            f"capabilities): {names}{more}; a command could rewrite them keeping those: remove them (chmod "
+            "u-s,g-s; setcap -r) or move them out of the workspace"
         )
     if cut:
         logger.warning(
@@ -870,6 +870,21 @@ def _refuse_privileged_files(config: WorkspaceConfig) -> None:
             MAX_SCAN_ENTRIES,
             MAX_WALK_DEPTH,
         )
+
+
+def _shown_name(name: str) -> str:
+    """A name an agent chose, quoted (found by attack: one of terminal escapes cleared the administrator's screen)
+    and cut to the end that fits in `MAX_SHOWN_NAME_CHARS` quoted (found by review: ten names 3,000 characters deep
+    made a line of 195,876), where the file's own name is."""
+    if len(shown := repr(name)) <= MAX_SHOWN_NAME_CHARS:
+        return shown
+    kept, size = [], 0
+    for char in reversed(name):  # by what each character takes quoted: a byte that is not UTF-8 takes 6
+        size += len(repr(char)) - 2
+        if size > MAX_SHOWN_NAME_CHARS:
+            break
+        kept.append(char)
+    return f"{'…' + ''.join(reversed(kept))!r} (cut, {len(name)} characters)"
 
 
 def _drop_stale_mounts(mounts: Path) -> None:
