@@ -59,6 +59,7 @@ test-deps:
 	command -v systemd-analyze >/dev/null && command -v systemd-sysusers >/dev/null || missing="$$missing systemd"; \
 	command -v chromium >/dev/null || missing="$$missing chromium"; \
 	command -v npm >/dev/null || missing="$$missing npm"; \
+	command -v strace >/dev/null || missing="$$missing strace"; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing test packages:$$missing"; \
 	  if [ "$$(id -u)" != 0 ]; then echo "run as root, or install:$$missing" >&2; exit 1; fi; \

@@ -19,6 +19,8 @@ by reading).
 from __future__ import annotations
 
 import os
+import shutil
+import signal
 import subprocess
 import threading
 import time
@@ -32,8 +34,9 @@ from argon2 import PasswordHasher
 
 from bastion.config import load_config
 from bastion.transports.http.password import AdminCredential, write_hash
+from tests.helpers import INITIALIZE_REQUEST, MCP_HEADERS
 
-from .live import BASTION, PASSWORD, Browser, LiveServer, pkce
+from .live import BASTION, PASSWORD, Browser, LiveServer, pkce, serve_config
 from .test_negative import public_client
 
 NEW_PASSWORD = "a brand new password after a leak"
@@ -171,6 +174,40 @@ def test_an_oauth_login_checked_against_the_old_password_during_set_password_min
         finally:
             attacker.close()
         assert live_grants(server) == 0
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="kills the CLI at a system call (make test-deps)")
+def test_set_password_killed_between_its_hash_and_its_revocation_is_finished_before_any_token_is_served(
+    start_server: Callable[..., AbstractContextManager[LiveServer]],
+) -> None:
+    """Found by attack (crash points): `set-password` wrote the new hash, then revoked every grant; killed in
+    between (here by strace at its revocation's first write to the database), the new password was in force and
+    a token issued before it still opened /mcp after a restart, listed by `admin tokens`. Invariant: the change
+    is marked before its hash is written, and the next start (or `bastion admin` command) revokes every grant."""
+    with start_server(cheap_hash=True) as server:
+        token = server.admin("token", "--client", "ops", "--scope", "workbench").stdout.strip()
+        cut = subprocess.run(
+            [
+                *("strace", "-f", "-qq", "-o", "/dev/null", "-P", f"{server.db_path}-wal"),
+                *("-e", "trace=pwrite64", "-e", "inject=pwrite64:signal=KILL:when=1"),
+                *(str(BASTION), "admin", "set-password", "--config", str(server.config_path)),
+            ],
+            input=NEW_PASSWORD + "\n",
+            capture_output=True,
+            text=True,
+            timeout=WAIT_S,
+            check=False,
+        )
+        assert cut.returncode in (-signal.SIGKILL, 128 + signal.SIGKILL), cut
+        config = load_config(server.config_path)
+        assert AdminCredential(config.admin_hash_path).verify(NEW_PASSWORD) is not None  # the new one is in force
+        assert live_grants(server) == 1  # not revoked: the CLI died first
+    with serve_config(server.root, server.config_path, server.port) as again, again.http() as raw:
+        bearer = {**MCP_HEADERS, "Authorization": f"Bearer {token}"}
+        answered = raw.post("/mcp", json=INITIALIZE_REQUEST, headers=bearer)
+        assert answered.status_code == 401, answered.status_code
+        assert live_grants(again) == 0
+        assert "password change was cut short before its revocation: 1 grant(s) revoked now" in again.log()
 
 
 @pytest.mark.root

@@ -21,7 +21,14 @@ from typing import Any, Final
 
 from bastion.config import Config, add_config_option, load_config, resolve_config_path, split_listen
 from bastion.safety.errors import InvalidRequest, NotFound
-from bastion.transports.http.password import check_new_password, generate_password, write_hash
+from bastion.transports.http.password import (
+    begin_change,
+    check_new_password,
+    end_change,
+    finish_cut_short_change,
+    generate_password,
+    write_hash,
+)
 from bastion.transports.http.store import AuthStore
 
 
@@ -93,7 +100,13 @@ def _read_password(generate: bool) -> str:
 
 def _store(config: Config) -> AuthStore:
     config.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    return AuthStore(config.db_path)
+    store = AuthStore(config.db_path)
+    try:
+        finish_cut_short_change(config.admin_hash_path, store)
+    except BaseException:
+        store.close()
+        raise
+    return store
 
 
 def set_password(config: Config, *, generate: bool, if_unset: bool) -> int:
@@ -103,10 +116,14 @@ def set_password(config: Config, *, generate: bool, if_unset: bool) -> int:
     password = _read_password(generate)
     check_new_password(password)
     config.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    write_hash(config.admin_hash_path, password)
     store = _store(config)
     try:
+        # The hash first, then the revocation: a login checked against the old hash meanwhile is refused by its
+        # version. A change killed in between is finished by the next run or start (`finish_cut_short_change`).
+        begin_change(config.admin_hash_path)
+        write_hash(config.admin_hash_path, password)
         revoked = store.revoke_everything("admin password changed")
+        end_change(config.admin_hash_path)
     finally:
         store.close()
     if generate:

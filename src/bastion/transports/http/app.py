@@ -77,7 +77,7 @@ from bastion.transports.http.flow import (
 )
 from bastion.transports.http.lane import McpLane
 from bastion.transports.http.observe import Observe, read_scrape_token
-from bastion.transports.http.password import AdminCredential
+from bastion.transports.http.password import AdminCredential, finish_cut_short_change
 from bastion.transports.http.preview import PreviewApp
 from bastion.transports.http.provider import BastionAuthProvider, Endpoints
 from bastion.transports.http.ratelimit import LoginLimiter
@@ -419,6 +419,7 @@ def build_http_app(services: Services, server: BastionServer, *, listen: str | N
     backend: BearerAuthBackend | None = None
     if config.http.auth:
         store = AuthStore(config.db_path)
+        finish_cut_short_change(config.admin_hash_path, store)
         provider = BastionAuthProvider(store, config.http, endpoints)
         credential = AdminCredential(config.admin_hash_path)
         limiter = LoginLimiter(

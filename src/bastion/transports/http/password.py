@@ -12,12 +12,15 @@ import logging
 import os
 import secrets
 from pathlib import Path
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from argon2 import PasswordHasher
 from argon2.exceptions import InvalidHashError, VerificationError, VerifyMismatchError
 
 from bastion.safety.errors import ConfigError
+
+if TYPE_CHECKING:
+    from bastion.transports.http.store import AuthStore
 
 logger = logging.getLogger("bastion.http.password")
 
@@ -56,6 +59,49 @@ def write_hash(path: Path, password: str) -> None:
     finally:
         os.close(fd)
     os.replace(temp, path)
+
+
+CHANGING_SUFFIX: Final = ".changing"
+"""`<hash file>.changing`: made before a password change writes its hash, removed once every grant is revoked."""
+
+
+def begin_change(hash_path: Path) -> None:
+    """Mark a password change under way, durably, before its hash is written (`finish_change`)."""
+    mark = hash_path.with_name(hash_path.name + CHANGING_SUFFIX)
+    fd = os.open(mark, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    _sync_folder(hash_path.parent)
+
+
+def end_change(hash_path: Path) -> None:
+    """The change's grants are revoked: its mark goes."""
+    hash_path.with_name(hash_path.name + CHANGING_SUFFIX).unlink(missing_ok=True)
+    _sync_folder(hash_path.parent)
+
+
+def finish_cut_short_change(hash_path: Path, store: AuthStore) -> int:
+    """Revoke every grant if a password change stopped between its hash and its revocation; how many.
+
+    Found by attack: `set-password` killed there left the new password in force and every earlier token
+    working, after a restart too. Run by the server's start and by every `bastion admin` command.
+    """
+    if not hash_path.with_name(hash_path.name + CHANGING_SUFFIX).exists():
+        return 0
+    revoked = store.revoke_everything("admin password changed (a change cut short, finished now)")
+    end_change(hash_path)
+    logger.warning("an admin password change was cut short before its revocation: %d grant(s) revoked now", revoked)
+    return revoked
+
+
+def _sync_folder(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class AdminCredential:
