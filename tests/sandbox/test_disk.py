@@ -8,6 +8,7 @@ file under tmp_path: the kernel detaches an autoclear device once its last user 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -174,6 +175,35 @@ def test_image_name_that_is_a_symlink_is_refused(tmp_path: Path, formatted: Form
     with pytest.raises(Unavailable, match="File exists"):
         make_disk(tmp_path / "evil.img", tmp_path / "evil", formatted)
     assert victim.read_text() == "host file\n"
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="kills the writer at a system call (make test-deps)")
+def test_a_disk_image_cut_short_while_written_leaves_nothing_under_its_name(tmp_path: Path) -> None:
+    """Found by attack (crash points): a server killed while it copied the formatted image into a new sandbox's
+    disk left an image of zeros under its name; every later start failed to mount it and kept the sandbox's
+    folder as "left by a crash", with an error line each time. Invariant: killed at its first write, the image
+    has no name, and nothing is left in its folder."""
+    folder = tmp_path / "sandbox"
+    folder.mkdir()
+    script = (
+        "import sys\nfrom pathlib import Path\nfrom bastion.sandbox._disk import format_image, make_disk\n"
+        "folder = Path(sys.argv[1])\nmake_disk(folder / 'disk.img', folder / 'workspace', format_image(folder, "
+        f"{SIZE}))\n"
+    )
+    (folder / "workspace").mkdir()
+    # Not -f: mkfs.ext4, a child, writes the format itself; the writer's first pwrite is the copy's.
+    cut = subprocess.run(
+        [
+            *("strace", "-qq", "-o", "/dev/null", "-e", "trace=pwrite64", "-e", "inject=pwrite64:signal=KILL:when=1"),
+            *(sys.executable, "-c", script, str(folder)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert cut.returncode in (-9, 137), cut.stderr
+    assert sorted(p.name for p in folder.iterdir()) == ["workspace"]
 
 
 def test_devpts_is_made_in_a_mount_namespace_of_its_own_and_attached_here(tmp_path: Path, mounts: list[Path]) -> None:

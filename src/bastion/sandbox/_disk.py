@@ -148,6 +148,30 @@ def _unnamed_file(directory: Path) -> int:
     return fd
 
 
+def _new_image(image: Path) -> tuple[int, bool]:
+    """A new file for `image`: nameless (O_TMPFILE) in its folder, or where the filesystem lacks it, made under its
+    name (O_EXCL, no link followed); whether it is named."""
+    try:
+        return os.open(image.parent, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600), False
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+            raise
+    return os.open(image, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600), True
+
+
+def _name(fd: int, image: Path) -> int:
+    """Give the nameless file `fd` the name `image` (an entry there already: EEXIST, never replaced), and open it
+    again by that name, which a loop device then records as its backing file (the nameless fd's path stays
+    "/#<inode> (deleted)", and recovery finds a crashed server's devices by path)."""
+    folder = os.open(image.parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        # With a dir fd, os.link is linkat(AT_SYMLINK_FOLLOW): plain link() would link /proc's symlink itself.
+        os.link(f"/proc/self/fd/{fd}", image.name, dst_dir_fd=folder)
+        return os.open(image.name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=folder)
+    finally:
+        os.close(folder)
+
+
 def _extents(fd: int, size: int) -> list[tuple[int, bytes]]:
     found = []
     offset = 0
@@ -187,9 +211,13 @@ class ImageFormats:
 
 
 def make_disk(image: Path, mountpoint: Path, formatted: FormattedImage) -> None:
-    """Create `image` as a copy of `formatted` (sparse), and mount it at `mountpoint` (empty)."""
+    """Create `image` as a copy of `formatted` (sparse), and mount it at `mountpoint` (empty).
+
+    Named only once whole (found by attack: a server killed while it wrote the copy left an image of zeros under
+    its name, which every later start failed to mount and kept, with its sandbox's folder, as left by a crash).
+    """
     try:
-        fd = os.open(image, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        fd, named = _new_image(image)
     except OSError as exc:
         raise _disk_error(image, exc) from None
     try:
@@ -198,6 +226,9 @@ def make_disk(image: Path, mountpoint: Path, formatted: FormattedImage) -> None:
             view = memoryview(data)
             while view:
                 view = view[os.pwrite(fd, view, offset + len(data) - len(view)) :]
+        if not named:
+            nameless, fd = fd, _name(fd, image)
+            os.close(nameless)
         _mount_image(fd, image, mountpoint)
     except OSError as exc:  # e.g. the state filesystem is full: typed, as mkfs failing was
         raise _disk_error(image, exc) from None
