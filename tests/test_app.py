@@ -20,9 +20,10 @@ import textwrap
 import threading
 from pathlib import Path
 
+import anyio
 import pytest
 
-from bastion.app import build_services
+from bastion.app import build_services, reap_forever
 from bastion.config import Config, load_config
 from bastion.organizer import Organizer
 from bastion.organizer.folder import Folder
@@ -327,3 +328,39 @@ def test_a_crash_between_a_rollback_and_its_record_leaves_the_recovery_in_the_ch
     services.close()
     assert [record["phase"] for record in _recoveries(demo_config)] == ["start", "start", "end"]
     assert sorted(path.name for path in inbox.path.glob("*.pdf")) == [f"file {n}.pdf" for n in range(8)]
+
+
+@pytest.mark.anyio
+async def test_a_reaper_tick_that_fails_is_logged_once_and_the_next_tick_runs(
+    demo_config_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by attack (the server's cgroup at its pids limit): a reaper tick that could not start a thread raised
+    out of the reaper's task, which cancelled the server's task group: the whole server ended. Invariant: a tick
+    that fails is logged (the same failure once) and the next one runs."""
+    text = demo_config_path.read_text().replace(
+        "[sandboxes]\nenabled = true\n", "[sandboxes]\nenabled = true\nreap_interval_s = 0.01\n", 1
+    )
+    demo_config_path.write_text(text)
+    services = build_services(load_config(demo_config_path))
+    ticks: list[int] = []
+    done = anyio.Event()
+
+    async def reap() -> list[str]:
+        ticks.append(len(ticks))
+        if len(ticks) <= 3:
+            raise RuntimeError("can't start new thread")
+        done.set()
+        return []
+
+    monkeypatch.setattr(services.sandboxes, "reap", reap)
+    try:
+        with caplog.at_level("ERROR", logger="bastion.app"), anyio.fail_after(30):
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(reap_forever, services)
+                await done.wait()
+                tasks.cancel_scope.cancel()
+    finally:
+        services.close()
+    failures = [r for r in caplog.records if "reaper failed" in r.getMessage()]
+    assert len(failures) == 1, [r.getMessage() for r in failures]
+    assert "can't start new thread" in failures[0].getMessage()

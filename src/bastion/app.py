@@ -481,10 +481,25 @@ def open_organizers(config: Config, audit: AuditLog) -> dict[str, Organizer]:
     return organizers
 
 
-async def _reap_forever(services: Services) -> None:
+async def reap_forever(services: Services) -> None:
+    failed = ""
     while True:
         await anyio.sleep(services.config.sandboxes.reap_interval_s)
-        for sandbox_id in await services.sandboxes.reap():
+        try:
+            reaped = await services.sandboxes.reap()
+        except Exception as exc:
+            # Found by attack (the server's cgroup at its pids limit): a tick that could not start a thread ended
+            # the whole server, its task group cancelled. The next tick tries again; the same failure is said once.
+            if str(exc) != failed:
+                logger.error(
+                    "the idle sandbox reaper failed, tried again in %s s: %s",
+                    services.config.sandboxes.reap_interval_s,
+                    exc,
+                )
+            failed = str(exc)
+            continue
+        failed = ""
+        for sandbox_id in reaped:
             logger.info("closed idle sandbox %s", sandbox_id)
 
 
@@ -503,7 +518,7 @@ def build_server(services: Services, *, caller: str) -> BastionServer:
         # The idle reaper lives as long as the server does.
         async with anyio.create_task_group() as tasks:
             services.sandboxes.refill_pool()
-            tasks.start_soon(_reap_forever, services)
+            tasks.start_soon(reap_forever, services)
             try:
                 yield None
             finally:

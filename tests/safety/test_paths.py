@@ -872,7 +872,8 @@ def test_privileged_files_names_several_at_once_up_to_its_bound(tmp_path: Path) 
         (tmp_path / name).chmod(0o4755)
     try:
         found, cut = privileged_files(tmp_path)
-        assert sorted(found) == list(names) and not cut
+        assert sorted(found) == list(names)
+        assert not cut
         assert len(privileged_files(tmp_path, most=2)[0]) == 2
     finally:
         for name in names:

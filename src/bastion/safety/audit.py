@@ -97,6 +97,7 @@ that long: 32 HTTP clients then got ~70 calls/s, each call "alone" because the o
 waiting in their sockets while the loop was blocked."""
 
 _log = logging.getLogger("bastion.audit")
+_HOP_THREAD: Final = "bastion-audit"
 
 
 class Verbatim(str):
@@ -266,6 +267,7 @@ class AuditLog:
                 st = os.fstat(self._fd)
                 size, self._ident = st.st_size, (st.st_dev, st.st_ino)
                 self._prev, self._seq = _chain_head(self._path, self._fd, size)
+                self._start_threads()
             except BaseException:
                 self._close_fd()
                 raise
@@ -274,6 +276,35 @@ class AuditLog:
             self._moved_away = False
             self._reserve.forget()
             self._reserve.top_up(self._fd, size)
+
+    def _start_threads(self) -> None:
+        """Start the writer's thread (`_hop`) and the flusher's with the log, `_cond` held (the flusher waits for it
+        before it looks at `_flusher`).
+
+        Found by attack (the server's cgroup at its pids limit): started at their first use, a host out of threads
+        then broke the log for good (every later call AUDIT_UNAVAILABLE, after the limit was lifted too), or left
+        a batch queued in an executor with no thread, written a second later for calls answered as failed.
+
+        Raises:
+            AuditUnavailable: a thread cannot be started.
+        """
+        try:
+            if self._hop is None:
+                hop = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=_HOP_THREAD)
+                try:
+                    hop.submit(_nothing)  # its one thread, started now and kept for every batch
+                except RuntimeError:
+                    hop.shutdown(wait=False)
+                    raise
+                self._hop = hop
+            if self._flusher is None:
+                flusher = threading.Thread(target=self._flush_forever, name="bastion-audit-flush", daemon=True)
+                flusher.start()
+                self._flusher = flusher
+        except RuntimeError as exc:
+            raise AuditUnavailable(
+                f"audit log {self._path}: its threads cannot be started ({exc}): the host is out of threads"
+            ) from None
 
     def close(self) -> None:
         """Close the file (after syncing what was written); later appends raise until `open` is called again."""
@@ -288,7 +319,8 @@ class AuditLog:
         if flusher is not None and flusher is not threading.current_thread():
             flusher.join()
         if hop is not None:
-            hop.shutdown(wait=False)  # idle: `_writing` is over, and a batch left waiting finds the log closed
+            # Idle (`_writing` is over): its thread ends now, and a batch queued meanwhile finds the log closed.
+            hop.shutdown(wait=not threading.current_thread().name.startswith(_HOP_THREAD))
 
     def append(
         self,
@@ -401,13 +433,14 @@ class AuditLog:
 
     async def _lead_async(self) -> None:
         batch, self._async_queue = self._async_queue, []
-        if self._hop is None:
-            self._hop = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="bastion-audit")
         try:
-            # A thread of the log's own, not anyio's worker pool: its capacity limiter and queue, shared with
-            # every other to_thread call, cost 0.07x to 0.18x of HTTP throughput in the SSE era (CHANGELOG).
-            loop = asyncio.get_running_loop()
-            await loop.run_in_executor(self._hop, self._commit, [waiter.pending for waiter in batch])
+            # A thread of the log's own (`_start_threads`), not anyio's worker pool: its capacity limiter and
+            # queue, shared with every other to_thread call, cost 0.07x to 0.18x of HTTP throughput in the SSE era.
+            if self._hop is not None:
+                loop = asyncio.get_running_loop()
+                await loop.run_in_executor(self._hop, self._commit, [waiter.pending for waiter in batch])
+        except RuntimeError:  # shut down by a `close` meanwhile: the batch is refused below
+            pass
         finally:
             for waiter in batch:
                 if not waiter.pending.done:
@@ -732,11 +765,9 @@ class AuditLog:
         self._owed = False
 
     def _owe(self) -> None:
-        """Records are written but not synced: the flusher syncs them now (called with `_writing` held)."""
+        """Records are written but not synced: the flusher (`_start_threads`) syncs them once `_writing` is over
+        (called with it held; its end wakes the flusher)."""
         self._owed = True
-        if self._flusher is None:
-            self._flusher = threading.Thread(target=self._flush_forever, name="bastion-audit-flush", daemon=True)
-            self._flusher.start()
 
     def _flush_forever(self) -> None:
         """The flusher: syncs written records as soon as no batch is being written, until `close`."""
@@ -876,6 +907,10 @@ class AuditLog:
             if self._owed:
                 self._flush(fd)
             os.close(fd)
+
+
+def _nothing() -> None:
+    """A task that starts an executor's thread."""
 
 
 def _write_rest(fd: int, view: memoryview, written: int) -> None:

@@ -210,7 +210,14 @@ class _Reaping:
         self.done: concurrent.futures.Future[None] = concurrent.futures.Future()
         self.done.set_running_or_notify_cancel()  # an awaiting call cancelled cannot cancel the reap
         thread = threading.Thread(target=self._run, args=(proc, group, workspace), name="bastion-reap", daemon=True)
-        thread.start()
+        try:
+            thread.start()
+        except RuntimeError:
+            # No thread to be had (found by attack: the server's cgroup at its pids limit): a close answered
+            # INTERNAL_ERROR, its sandbox already forgotten, and its disk, loop device and cgroups outlived the
+            # server. Reaped here, the caller's thread waiting: the host is at its limit, and this is rare.
+            logger.warning("no thread for a sandbox's reap (the host is out of threads): reaped in the caller's")
+            self._run(proc, group, workspace)
 
     def _run(self, proc: SandboxProcess | None, group: SandboxCgroup | None, workspace: str) -> None:
         try:

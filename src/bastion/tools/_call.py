@@ -79,6 +79,12 @@ RECORD_RESERVE: Final = MAX_RECORD_BYTES + 1
 """The most one record takes in the file (its newline included): what a call holds of its caller's budget a record."""
 THROTTLE_REPORT_S: Final = 1.0
 """At most one ``calls_throttled`` record a caller this often."""
+NO_THREAD: Final = "can't start new thread"
+"""`threading.Thread.start`'s RuntimeError when the host (or the server's cgroup) has no thread left."""
+NO_THREAD_REASON: Final = (
+    "the server cannot start a thread now (the host's or its cgroup's process limit is reached): the call stopped "
+    "there; try again once the host has room"
+)
 MAX_CALLER_BUDGETS: Final = 4096
 """Callers' budgets kept; past it, those full again are forgotten (a full budget is what a new one is)."""
 
@@ -287,19 +293,29 @@ class CallRunner:
         except BastionError as exc:
             # The client gets the code and one line; the detail is for the audit log only.
             return OperationResult.failure(action, exc.code, exc.reason), (), exc.detail or None
+        except RuntimeError as exc:
+            if str(exc) != NO_THREAD:
+                return self._internal_error(action, exc)
+            # Found by attack (the server's cgroup at its pids limit): a tool's worker thread could not be started,
+            # and the client got INTERNAL_ERROR with a traceback in the log.
+            return OperationResult.failure(action, ResultCode.UNAVAILABLE, NO_THREAD_REASON), (), NO_THREAD
         except Exception as exc:
-            incident = secrets.token_hex(6)
-            logger.exception("internal error in %s (incident %s)", action, incident)
-            reason = f"internal error (incident {incident}); the server log has the details"
-            return (
-                OperationResult.failure(action, ResultCode.INTERNAL_ERROR, reason),
-                (),
-                f"{type(exc).__name__}: {exc}",
-            )
+            return self._internal_error(action, exc)
         result, files = (done.result, done.files) if isinstance(done, Outcome) else (done, ())
         if result.action != action:  # a body names no action: the runner names it, once
             result = result.model_copy(update={"action": action})
         return result, files, None
+
+    @staticmethod
+    def _internal_error(action: str, exc: Exception) -> tuple[OperationResult, Sequence[str], str | None]:
+        incident = secrets.token_hex(6)
+        logger.error("internal error in %s (incident %s)", action, incident, exc_info=exc)
+        reason = f"internal error (incident {incident}); the server log has the details"
+        return (
+            OperationResult.failure(action, ResultCode.INTERNAL_ERROR, reason),
+            (),
+            f"{type(exc).__name__}: {exc}",
+        )
 
     @staticmethod
     def _finish(result: OperationResult, started: float, audit_id: str | None) -> OperationResult:

@@ -312,7 +312,8 @@ def register_sandboxes(
         description="End a sandbox: every process is killed and its files are deleted (snapshots are kept).",
     )
     async def close_sandbox(sandbox_id: SandboxIdArg) -> dict[str, object]:
-        agent_owned(sandbox_id, "close_sandbox", while_restoring=True)  # a restore under way ends first (close)
+        if not manager.close_unfinished(sandbox_id):  # a close cut short before is tried again as asked
+            agent_owned(sandbox_id, "close_sandbox", while_restoring=True)  # a restore under way ends first (close)
         await manager.close(sandbox_id)  # the waits run in worker threads: other calls go on
         return {"sandbox_id": sandbox_id, "state": "closed"}
 

@@ -252,6 +252,9 @@ class SandboxManager:
         self._boxes: dict[str, Sandbox] = {}
         self._opening = 0  # creates past `_check_room` and not yet registered or failed (`_slot`)
         self._closing = 0  # closes whose sandbox is out of `_boxes` but whose files are not yet removed
+        self._unfinished: dict[str, Sandbox] = {}
+        """Closes that failed part-way (no thread to be had, say): tried again by the next `close` of the same
+        id, the reaper's tick, and `close_all`."""
         self._pool: list[_Prepared] = []
         self._vm_pools: dict[str, list[_Prepared]] = {}  # booted guests by microvm template name
         self._starting: dict[str, _Prepared] = {}  # so close_all can end one mid-start
@@ -1178,6 +1181,11 @@ class SandboxManager:
         with anyio.CancelScope(shield=True):
             try:
                 await self._end(box)
+            except BaseException:
+                # Found by attack (the server's cgroup at its pids limit): a close that failed part-way had its
+                # sandbox forgotten, and its disk, loop device, cgroups and host id outlived the server.
+                self._unfinished[box.id] = box
+                raise
             finally:
                 self._closing -= 1
 
@@ -1194,8 +1202,12 @@ class SandboxManager:
         await asyncio.wrap_future(self._workers.submit(self._discard_files, box.id, box.root))
         self._release_identity(box.id)
 
+    def close_unfinished(self, sandbox_id: str) -> bool:
+        """Whether `sandbox_id`'s close was cut short part-way (`close` tries it again)."""
+        return sandbox_id in self._unfinished
+
     def _take(self, sandbox_id: str) -> Sandbox:
-        box = self._boxes.pop(sandbox_id, None)
+        box = self._boxes.pop(sandbox_id, None) or self._unfinished.pop(sandbox_id, None)
         if box is None:
             raise SandboxNotFound(f"no sandbox {shown(sandbox_id)}: it was closed, or never existed (list_sandboxes)")
         return box
@@ -1227,6 +1239,10 @@ class SandboxManager:
             with contextlib.suppress(SandboxNotFound):  # a call closed it while an earlier one was closing
                 await self.close(sandbox_id)
                 closed.append(sandbox_id)
+        for sandbox_id in list(self._unfinished):
+            with contextlib.suppress(SandboxNotFound):  # a call finished it meanwhile
+                await self.close(sandbox_id)
+                logger.info("sandbox %s: its close, cut short before, is finished", sandbox_id)
         await self._expire_snapshots_logged()
         if self._cgroups is not None:
             await anyio.to_thread.run_sync(destroy_left_groups)
@@ -1254,7 +1270,7 @@ class SandboxManager:
         for sandbox_id, root in list(self._building.items()):
             self._discard_prepared(sandbox_id, root)
         self._building.clear()
-        for sandbox_id in list(self._boxes):
+        for sandbox_id in [*self._boxes, *self._unfinished]:
             box = self._take(sandbox_id)
             box.network.close(stop_proxy=False)  # the egress service then stops every proxy at once
             box.workspace.close()
