@@ -100,3 +100,27 @@ async def test_a_close_whose_reap_thread_cannot_start_still_closes_and_leaves_no
         assert box not in listed
     assert mounts_under(tmp_path / "demo") == []
     assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
+
+
+async def test_a_create_refused_for_want_of_a_thread_builds_nothing_later(tmp_path: Path) -> None:
+    """Found by review: a create whose builder thread could not start was answered UNAVAILABLE, but its task stayed
+    queued in the pool and ran at the next create: a sandbox folder, disk image and mount nobody tracked, past
+    max_sandboxes. Invariant: the pools' threads are started with the server; a create under the limit is one
+    sandbox or a refusal, and after it exactly the sandboxes listed are on disk."""
+    config = demo_config_at(tmp_path / "demo")
+    text = config.read_text()
+    config.write_text(text.replace("[sandboxes]\nenabled = true\n", "[sandboxes]\nenabled = true\nwarm_pool = 0\n", 1))
+    pid_file, log = tmp_path / "pid", tmp_path / "server.log"
+    sandboxes = tmp_path / "demo" / "state" / "sandboxes"
+    async with Client(serving(config, pid_file, log)) as client:
+        assert (await call(client, "run_command", command="echo warm"))["ok"]
+        with no_new_task(int(pid_file.read_text()), f"bastion-test-{os.getpid()}-create"):
+            limited = await call(client, "create_sandbox")
+        assert limited["code"] in ("OK", "UNAVAILABLE"), limited
+        await call(client, "create_sandbox")
+        listed = [entry["sandbox_id"] for entry in (await call(client, "list_sandboxes"))["detail"]["sandboxes"]]
+        on_disk = sorted(p.name for p in sandboxes.iterdir() if p.name.startswith("sb-"))
+        assert on_disk == sorted(listed)
+        assert len([m for m in mounts_under(sandboxes) if m.endswith("/workspace")]) == len(listed)
+    assert mounts_under(tmp_path / "demo") == []
+    assert "Traceback" not in log.read_text(), log.read_text()[-3000:]

@@ -1570,3 +1570,37 @@ def test_a_server_killed_while_it_writes_an_edit_leaves_no_file_in_the_folder(ja
     jail.replace("notes.txt", b"goodbye world\n", version=version)  # the next edit is whole
     assert (ws / "notes.txt").read_text() == "goodbye world\n"
     assert sorted(path.name for path in ws.iterdir()) == ["notes.txt"]
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="a root server acting as the folder's owner")
+@pytest.mark.parametrize(
+    ("ids", "mode"),
+    [((12345, 777), 0o664), ((23456, 23456), 0o666)],
+    ids=["a-shared-group", "another-users-file"],
+)
+def test_write_over_a_file_the_owner_cannot_give_its_ids_keeps_them_and_its_mode(
+    tmp_path: Path, ids: tuple[int, int], mode: int
+) -> None:
+    """Found by review of the atomic write (a new file renamed over the old): acting as the owner, the new file
+    could not take a shared group's id (the thread has no supplementary group, no CAP_CHOWN), and the group lost
+    the file and its rights (0664 became 0604); another user's writable file became the owner's. Invariant: such
+    a file is written in place, keeping its owner, group and mode; an own file is still replaced whole."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    os.chown(ws, 12345, 12345)
+    target, own = ws / "site.conf", ws / "mine.txt"
+    for path, (uid, gid), bits in ((target, ids, mode), (own, (12345, 12345), 0o640)):
+        path.write_text("old\n")
+        os.chown(path, uid, gid)
+        path.chmod(bits)
+    inode = own.stat().st_ino
+    with Jail(str(ws), owner=(12345, 12345), act_as_owner=True) as jail:
+        jail.write("site.conf", b"new\n")
+        jail.write("mine.txt", b"new\n")
+    info = target.stat()
+    assert target.read_bytes() == b"new\n"
+    assert (info.st_uid, info.st_gid, stat.S_IMODE(info.st_mode)) == (*ids, mode)
+    mine = own.stat()
+    assert (mine.st_uid, mine.st_gid, stat.S_IMODE(mine.st_mode), own.read_text()) == (12345, 12345, 0o640, "new\n")
+    assert mine.st_ino != inode  # replaced whole

@@ -83,7 +83,6 @@ too many name lookups in progress or audit unavailable, 504 lookup or connect ti
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import functools
 import ipaddress
@@ -124,8 +123,16 @@ from bastion.egress._request import (
 # Re-exported: `Refused` is raised by the request parsing too, so it is defined there.
 from bastion.egress._request import Refused as Refused
 from bastion.egress._throttle import MAX_IN_RESOLVER, AttemptThrottle, LookupsBusy, NameLookups, ResolverFull
+from bastion.executors import started_pool
 from bastion.metrics import EgressVerdict, Metrics
-from bastion.safety.errors import AuditUnavailable, Conflict, InvalidRequest, OperationFailed, SandboxNotFound
+from bastion.safety.errors import (
+    AuditUnavailable,
+    ConfigError,
+    Conflict,
+    InvalidRequest,
+    OperationFailed,
+    SandboxNotFound,
+)
 from bastion.safety.rates import ByteRate
 
 if TYPE_CHECKING:
@@ -138,6 +145,7 @@ IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 HEAD_TIMEOUT_S: Final = 30.0
 MAX_ADDRESSES_TRIED: Final = 4
 STOP_TIMEOUT_S: Final = 10.0
+RECORD_WRITERS: Final = 4  # threads writing connection records (`EgressService._writer`)
 _ACCEPTS_PER_PASS: Final = 32  # then the loop serves others before the listener again
 HEAD_READS_PER_S: Final = 256
 HEAD_READ_BURST: Final = 64
@@ -284,7 +292,12 @@ class EgressProxy:
         self._proxies: dict[str, _SandboxProxy] = {}
         # AuditLog.append_async serves one event loop (the server's): this loop writes
         # with the thread-safe `append`, off the loop, on its own small pool.
-        self._writer = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="egress-audit")
+        # Started up front (`started_pool`): a record queued in a pool that could not start a thread was written
+        # later, after the attempt had been counted unrecorded (found by review, a host out of threads).
+        try:
+            self._writer = started_pool(RECORD_WRITERS, "egress-audit")
+        except RuntimeError as exc:
+            raise ConfigError(f"egress: the threads that record connections cannot start ({exc})") from None
 
     async def start(
         self,

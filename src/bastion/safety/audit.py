@@ -57,6 +57,7 @@ from typing import Any, Final, TypeAlias, cast
 
 import anyio
 
+from bastion.executors import started_pool
 from bastion.metrics import Metrics
 from bastion.safety.errors import AuditUnavailable
 from bastion.safety.redact import Redactor, escape_hidden
@@ -290,13 +291,7 @@ class AuditLog:
         """
         try:
             if self._hop is None:
-                hop = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=_HOP_THREAD)
-                try:
-                    hop.submit(_nothing)  # its one thread, started now and kept for every batch
-                except RuntimeError:
-                    hop.shutdown(wait=False)
-                    raise
-                self._hop = hop
+                self._hop = started_pool(1, _HOP_THREAD)
             if self._flusher is None:
                 flusher = threading.Thread(target=self._flush_forever, name="bastion-audit-flush", daemon=True)
                 flusher.start()
@@ -907,10 +902,6 @@ class AuditLog:
             if self._owed:
                 self._flush(fd)
             os.close(fd)
-
-
-def _nothing() -> None:
-    """A task that starts an executor's thread."""
 
 
 def _write_rest(fd: int, view: memoryview, written: int) -> None:

@@ -1274,20 +1274,29 @@ class Jail:
                     _remove_made(parent_fd, name, fd, is_dir=False)
                 os.close(fd)
                 raise
-            if not append and not created:
-                # Replaced whole, never truncated and rewritten in place: found by attack, a server killed while
-                # it wrote left the file empty or part-written, its old content lost (7 of 20 random kills).
-                try:
-                    old = os.fstat(fd)
-                finally:
-                    os.close(fd)
-                self._rename_new(parent_fd, name, rel, data, old)
-                return WriteResult(path=rel, bytes_written=len(data), created=False)
+            # Replaced whole, never truncated and rewritten in place: found by attack, a server killed while it
+            # wrote left the file empty or part-written, its old content lost (7 of 20 random kills). In place
+            # only where the new file could not keep the old one's owner and group (found by review: acting as
+            # the owner, a file of a shared group lost the group, and its rights with it).
+            try:
+                replaced = (
+                    not append
+                    and not created
+                    and self._rename_new(parent_fd, name, rel, data, os.fstat(fd), same_ids=True)
+                )
+            except BaseException:
+                os.close(fd)
+                raise
         finally:
             os.close(parent_fd)
+        if replaced:
+            os.close(fd)
+            return WriteResult(path=rel, bytes_written=len(data), created=False)
         written = 0
         try:
             self._settle(fd, created)
+            if not append and not created:
+                os.ftruncate(fd, 0)
             view = memoryview(data)
             while written < len(data):
                 written += os.write(fd, view[written:])
@@ -1460,24 +1469,40 @@ class Jail:
             os.close(parent_fd)
         return WriteResult(path=rel, bytes_written=len(data), created=False)
 
-    def _rename_new(self, parent_fd: int, name: str, rel: str, data: bytes, old: os.stat_result) -> None:
-        """Write `data` to a new file in `parent_fd` and rename it over `name`.
+    def _rename_new(
+        self, parent_fd: int, name: str, rel: str, data: bytes, old: os.stat_result, *, same_ids: bool = False
+    ) -> bool:
+        """Write `data` to a new file in `parent_fd` and rename it over `name`; whether it was.
 
         Found by attack: a server killed while it wrote or synced the new file left it in the user's folder
         (`.bastion-edit-*.tmp`, with the edit's content) for good. The file is now nameless (O_TMPFILE) until
         it is whole: it gets its temporary name only for the moment before the rename.
+
+        `same_ids`: only if the new file can have the old one's owner and group (else False, nothing done), and
+        can be made in the folder at all (a folder the owner may not write: False).
         """
         temp = f".bastion-edit-{os.urandom(6).hex()}.tmp"  # fixed length: any name fits NAME_MAX
-        fd = self._nameless(parent_fd, rel)
-        named = fd is None
-        if fd is None:  # a filesystem without O_TMPFILE
-            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-            fd = self._open(parent_fd, temp, rel, flags, mode=0o600, resolve=_NO_LINKS)
+        try:
+            fd = self._nameless(parent_fd, rel)
+            named = fd is None
+            if fd is None:  # a filesystem without O_TMPFILE
+                flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                fd = self._open(parent_fd, temp, rel, flags, mode=0o600, resolve=_NO_LINKS)
+        except (PolicyDenied, OperationFailed):  # EACCES, EPERM, EROFS: not a file the folder takes from us
+            if same_ids:
+                return False
+            raise
         try:
             with contextlib.suppress(PermissionError):  # a server not root, or acting as a user, keeps its own ids
                 os.fchown(fd, old.st_uid, old.st_gid)
+            made = os.fstat(fd)
+            if same_ids and (made.st_uid, made.st_gid) != (old.st_uid, old.st_gid):
+                if named:
+                    with contextlib.suppress(OSError):
+                        os.unlink(temp, dir_fd=parent_fd)
+                return False
             mode = stat.S_IMODE(old.st_mode) & ~_PRIVILEGE_BITS
-            if os.fstat(fd).st_gid != old.st_gid:
+            if made.st_gid != old.st_gid:
                 mode &= ~0o070  # the old group's rights must not pass to the group the new file got instead
             os.fchmod(fd, mode)
             view = memoryview(data)
@@ -1489,6 +1514,7 @@ class Jail:
                 os.link(f"/proc/self/fd/{fd}", temp, dst_dir_fd=parent_fd)  # linkat(AT_SYMLINK_FOLLOW)
                 named = True
             os.rename(temp, name, src_dir_fd=parent_fd, dst_dir_fd=parent_fd)
+            return True
         except OSError as exc:
             if named:
                 with contextlib.suppress(OSError):

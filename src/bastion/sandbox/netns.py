@@ -24,6 +24,8 @@ import socket
 import threading
 from typing import Final
 
+from bastion.executors import started_pool
+
 __all__ = ["NamespaceUnusable", "NetworkNamespace", "is_foreign_netns"]
 
 CLONE_NEWNET: Final = 0x40000000
@@ -79,7 +81,8 @@ def _executor() -> concurrent.futures.ThreadPoolExecutor:
     global _thread
     with _lock:
         if _thread is None:
-            _thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="bastion-netns")
+            # Its thread started now: a task queued where the start failed would run later, unasked (`started_pool`).
+            _thread = started_pool(1, "bastion-netns")
         return _thread
 
 
@@ -135,10 +138,11 @@ class NetworkNamespace:
     def _refill(self) -> None:
         if self._refilling or self._closed or len(self._spares) >= SPARES:
             return
+        executor = _executor()  # first: a thread that cannot start leaves the next call to try again
         self._refilling = True
         # Its end is handled on the thread, not the loop: a loop closed meanwhile (the server's end)
         # would never run a callback, and the sockets made would be dropped unclosed.
-        job = _executor().submit(_sockets_in, os.dup(self._fd), SPARES - len(self._spares))
+        job = executor.submit(_sockets_in, os.dup(self._fd), SPARES - len(self._spares))
         job.add_done_callback(self._refilled)
 
     def _refilled(self, job: concurrent.futures.Future[list[socket.socket]]) -> None:

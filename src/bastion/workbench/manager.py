@@ -41,9 +41,11 @@ from bastion.config import (
     parse_allow_rules,
 )
 from bastion.egress.proxy import UNIX_PATH_MAX, EgressService
+from bastion.executors import started_pool
 from bastion.safety.commands import CommandPolicyConfig
 from bastion.safety.errors import (
     BastionError,
+    ConfigError,
     Conflict,
     InvalidRequest,
     NotFound,
@@ -367,9 +369,11 @@ class SandboxManager:
         return box
 
     def _check_room(self) -> None:
-        """Refuse a sandbox past `max_sandboxes`, counting those being made or closed: each holds its disk
-        image, mounts and host id until it is registered or its files are gone."""
-        if len(self._boxes) + self._opening + self._closing >= self._config.max_sandboxes:
+        """Refuse a sandbox past `max_sandboxes`, counting those being made or closed (a close cut short too:
+        found by review): each holds its disk image, mounts and host id until it is registered or its files
+        are gone."""
+        held = len(self._boxes) + self._opening + self._closing + len(self._unfinished)
+        if held >= self._config.max_sandboxes:
             raise ResourceLimit(
                 f"{self._config.max_sandboxes} sandboxes are open (or being made or closed): close one first"
             )
@@ -1240,9 +1244,14 @@ class SandboxManager:
                 await self.close(sandbox_id)
                 closed.append(sandbox_id)
         for sandbox_id in list(self._unfinished):
-            with contextlib.suppress(SandboxNotFound):  # a call finished it meanwhile
+            try:
                 await self.close(sandbox_id)
-                logger.info("sandbox %s: its close, cut short before, is finished", sandbox_id)
+            except SandboxNotFound:  # a call finished it meanwhile
+                continue
+            except Exception as exc:  # still failing: the next tick tries again; the rest of this one goes on
+                logger.warning("sandbox %s: its close, cut short before, failed again: %s", sandbox_id, exc)
+                continue
+            logger.info("sandbox %s: its close, cut short before, is finished", sandbox_id)
         await self._expire_snapshots_logged()
         if self._cgroups is not None:
             await anyio.to_thread.run_sync(destroy_left_groups)
@@ -1265,8 +1274,8 @@ class SandboxManager:
         # loop will never hand back to _prepare is removed here.
         for workers in (self._builders, self._workers):
             workers.shutdown(wait=True)
-        self._workers = _folder_workers()
-        self._builders = _folder_workers(background=False)
+        self._workers = _folder_workers(ending=True)
+        self._builders = _folder_workers(background=False, ending=True)
         for sandbox_id, root in list(self._building.items()):
             self._discard_prepared(sandbox_id, root)
         self._building.clear()
@@ -1333,13 +1342,21 @@ def _path(template: TemplateConfig) -> tuple[str, ...]:
     return (*own, f"{ENV_DEST}/bin") if template.python_env is not None else own
 
 
-def _folder_workers(*, background: bool = True) -> ThreadPoolExecutor:
-    """Threads for folder work; `background` ones at a lower priority (`_lower_priority`)."""
-    return ThreadPoolExecutor(
-        max_workers=_FOLDER_WORKERS,
-        thread_name_prefix="bastion-folders" if background else "bastion-builders",
-        initializer=_lower_priority if background else None,
-    )
+def _folder_workers(*, background: bool = True, ending: bool = False) -> ThreadPoolExecutor:
+    """Threads for folder work, all started now (`started_pool`); `background` ones at a lower priority
+    (`_lower_priority`). `ending`: for a manager that has closed everything, started on demand.
+
+    Raises:
+        ConfigError: a thread cannot be started (the host is out of threads).
+    """
+    name = "bastion-folders" if background else "bastion-builders"
+    initializer = _lower_priority if background else None
+    if ending:
+        return ThreadPoolExecutor(max_workers=_FOLDER_WORKERS, thread_name_prefix=name, initializer=initializer)
+    try:
+        return started_pool(_FOLDER_WORKERS, name, initializer=initializer)
+    except RuntimeError as exc:
+        raise ConfigError(f"sandboxes: the threads that make and remove their folders cannot start ({exc})") from None
 
 
 def _lower_priority() -> None:

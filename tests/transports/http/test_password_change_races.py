@@ -210,6 +210,67 @@ def test_set_password_killed_between_its_hash_and_its_revocation_is_finished_bef
         assert "password change was cut short before its revocation: 1 grant(s) revoked now" in again.log()
 
 
+@pytest.mark.skipif(shutil.which("strace") is None, reason="pauses and kills the CLI at system calls (make test-deps)")
+def test_an_admin_command_during_set_password_leaves_its_mark_to_it(
+    start_server: Callable[..., AbstractContextManager[LiveServer]],
+) -> None:
+    """Found by review of the mark above: any `bastion admin` command (or a server's start) run while
+    `set-password` was between its mark and its hash took the mark for a change cut short, revoked early and
+    removed it; `set-password` killed after its hash then left no mark, and a token made meanwhile outlived the
+    change. Invariant: a change under way holds its mark (flock); others leave it; a second `set-password` is
+    refused in one line; the change cut short is finished at the next start, the meanwhile token revoked too."""
+    with start_server(cheap_hash=True) as server:
+        config = load_config(server.config_path)
+        mark = config.admin_hash_path.with_name(config.admin_hash_path.name + ".changing")
+        temp = config.admin_hash_path.with_name(config.admin_hash_path.name + ".tmp")
+        # Paused 5 s at the rename of its new hash, then killed at its revocation's first write.
+        cut = subprocess.Popen(
+            [
+                *("strace", "-f", "-qq", "-o", "/dev/null", "-P", str(temp), "-P", f"{server.db_path}-wal"),
+                *("-e", "trace=rename,renameat,renameat2,pwrite64"),
+                *("-e", "inject=rename,renameat,renameat2:delay_enter=5000000"),
+                *("-e", "inject=pwrite64:signal=KILL:when=1"),
+                *(str(BASTION), "admin", "set-password", "--config", str(server.config_path)),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        try:
+            assert cut.stdin is not None
+            cut.stdin.write(NEW_PASSWORD + "\n")
+            cut.stdin.close()
+            deadline = time.monotonic() + WAIT_S
+            while not (mark.exists() and temp.exists()):  # polling, not timing: the CLI is at its rename
+                assert time.monotonic() < deadline, "set-password never reached its hash's rename"
+                time.sleep(0.02)
+            token = server.admin("token", "--client", "ops", "--scope", "workbench").stdout.strip()
+            second = subprocess.run(
+                [str(BASTION), "admin", "set-password", "--config", str(server.config_path)],
+                input="yet another password for the test\n",
+                capture_output=True,
+                text=True,
+                timeout=WAIT_S,
+                check=False,
+            )
+            assert second.returncode == 1, second.stderr
+            assert second.stderr == "bastion: another 'bastion admin set-password' is under way: let it finish\n"
+            assert mark.exists()
+            cut.wait(timeout=WAIT_S)
+        finally:
+            if cut.poll() is None:
+                cut.kill()
+                cut.wait()
+        assert cut.returncode in (-signal.SIGKILL, 128 + signal.SIGKILL)
+        assert AdminCredential(config.admin_hash_path).verify(NEW_PASSWORD) is not None
+    with serve_config(server.root, server.config_path, server.port) as again, again.http() as raw:
+        bearer = {**MCP_HEADERS, "Authorization": f"Bearer {token}"}
+        assert raw.post("/mcp", json=INITIALIZE_REQUEST, headers=bearer).status_code == 401
+        assert live_grants(again) == 0
+        assert not mark.exists()
+
+
 @pytest.mark.root
 @pytest.mark.skipif(os.geteuid() != 0, reason="root's CLI over another user's state folder")
 def test_root_set_password_on_a_service_users_state_leaves_a_file_the_server_reads(tmp_path: Path) -> None:

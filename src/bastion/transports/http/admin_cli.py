@@ -120,10 +120,14 @@ def set_password(config: Config, *, generate: bool, if_unset: bool) -> int:
     try:
         # The hash first, then the revocation: a login checked against the old hash meanwhile is refused by its
         # version. A change killed in between is finished by the next run or start (`finish_cut_short_change`).
-        begin_change(config.admin_hash_path)
-        write_hash(config.admin_hash_path, password)
+        held = begin_change(config.admin_hash_path)
+        try:
+            write_hash(config.admin_hash_path, password)
+        except BaseException:
+            end_change(config.admin_hash_path, held)  # the password did not change: nothing to revoke
+            raise
         revoked = store.revoke_everything("admin password changed")
-        end_change(config.admin_hash_path)
+        end_change(config.admin_hash_path, held)
     finally:
         store.close()
     if generate:

@@ -6,6 +6,7 @@ admin session (the caller does that through the store), so a leaked password or 
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import hmac
 import logging
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING, Final
 from argon2 import PasswordHasher
 from argon2.exceptions import InvalidHashError, VerificationError, VerifyMismatchError
 
-from bastion.safety.errors import ConfigError
+from bastion.safety.errors import ConfigError, Conflict
 
 if TYPE_CHECKING:
     from bastion.transports.http.store import AuthStore
@@ -62,38 +63,90 @@ def write_hash(path: Path, password: str) -> None:
 
 
 CHANGING_SUFFIX: Final = ".changing"
-"""`<hash file>.changing`: made before a password change writes its hash, removed once every grant is revoked."""
+"""`<hash file>.changing`: made before a password change writes its hash, removed once every grant is revoked;
+flock'd by the change while it runs."""
 
 
-def begin_change(hash_path: Path) -> None:
-    """Mark a password change under way, durably, before its hash is written (`finish_change`)."""
-    mark = hash_path.with_name(hash_path.name + CHANGING_SUFFIX)
-    fd = os.open(mark, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+def _mark(hash_path: Path) -> Path:
+    return hash_path.with_name(hash_path.name + CHANGING_SUFFIX)
+
+
+def begin_change(hash_path: Path) -> int:
+    """Mark a password change under way, durably, before its hash is written; the mark stays locked (flock) by
+    the returned fd until `end_change`, so `finish_cut_short_change` leaves a change that runs alone (found by
+    review: any `bastion admin` command, or a server's start, during a change revoked early and took its mark).
+
+    Raises:
+        Conflict: another change holds the mark.
+    """
+    mark = _mark(hash_path)
+    while True:
+        fd = os.open(mark, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise Conflict("another 'bastion admin set-password' is under way: let it finish") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        if _is(fd, mark):  # not a mark a finisher removed between our open and our lock
+            break
+        os.close(fd)
     try:
         os.fsync(fd)
-    finally:
+        _sync_folder(hash_path.parent)
+    except BaseException:
         os.close(fd)
-    _sync_folder(hash_path.parent)
+        raise
+    return fd
 
 
-def end_change(hash_path: Path) -> None:
-    """The change's grants are revoked: its mark goes."""
-    hash_path.with_name(hash_path.name + CHANGING_SUFFIX).unlink(missing_ok=True)
-    _sync_folder(hash_path.parent)
+def end_change(hash_path: Path, held: int) -> None:
+    """The change is over (its grants revoked, or its hash never written): its mark goes, then its lock."""
+    try:
+        _mark(hash_path).unlink(missing_ok=True)
+        _sync_folder(hash_path.parent)
+    finally:
+        os.close(held)
 
 
 def finish_cut_short_change(hash_path: Path, store: AuthStore) -> int:
     """Revoke every grant if a password change stopped between its hash and its revocation; how many.
 
     Found by attack: `set-password` killed there left the new password in force and every earlier token
-    working, after a restart too. Run by the server's start and by every `bastion admin` command.
+    working, after a restart too. Run by the server's start and by every `bastion admin` command; a change
+    still running (its mark locked) is left to finish itself.
     """
-    if not hash_path.with_name(hash_path.name + CHANGING_SUFFIX).exists():
+    mark = _mark(hash_path)
+    try:
+        fd = os.open(mark, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
         return 0
-    revoked = store.revoke_everything("admin password changed (a change cut short, finished now)")
-    end_change(hash_path)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return 0
+        if not _is(fd, mark):  # finished meanwhile
+            return 0
+        revoked = store.revoke_everything("admin password changed (a change cut short, finished now)")
+        mark.unlink(missing_ok=True)
+        _sync_folder(hash_path.parent)
+    finally:
+        os.close(fd)
     logger.warning("an admin password change was cut short before its revocation: %d grant(s) revoked now", revoked)
     return revoked
+
+
+def _is(fd: int, path: Path) -> bool:
+    """Whether `path` names the file open as `fd`."""
+    try:
+        named = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
 
 
 def _sync_folder(folder: Path) -> None:
