@@ -484,7 +484,7 @@ class Run:
 async def run_checked(root: Path, plan: Plan, *, sample_every_s: float = 5.0) -> Run:
     """Serve, set up, run the mix while sampling the server, close everything, and read what is left."""
     with load_server(root, plan) as server:
-        probe = ServerProbe(server.process.pid, root)
+        probe = ServerProbe(server.process.pid, root, disks=load_config(server.config_path).sandboxes.disk_quota)
         before = await probe.settled()
         sampler = Sampler(probe, sample_every_s)
         async with anyio.create_task_group() as group:

@@ -112,9 +112,11 @@ class Sample:
 class ServerProbe:
     """Reads /proc and /sys for one server process and its folder `root`."""
 
-    def __init__(self, pid: int, root: Path) -> None:
+    def __init__(self, pid: int, root: Path, *, disks: bool) -> None:
         self.pid = pid
         self.root = str(root.resolve())
+        self.disks = disks
+        """Sandboxes have a disk each (`disk_quota`): a pool sandbox is made only once its disk is there."""
 
     def sample(self) -> Sample:
         status = Path(f"/proc/{self.pid}/status").read_text()
@@ -162,14 +164,19 @@ class ServerProbe:
         return found
 
     async def settled(self, expected: Holdings | None = None) -> Holdings:
-        """The holdings once two reads a moment apart agree (and equal `expected`, if given), or the last
-        read at the deadline: closes and the warm pool's refill finish in the background."""
+        """The holdings once two reads a moment apart agree, the warm pool is made (and they equal `expected`, if
+        given), or the last read at the deadline: closes and the warm pool's refill finish in the background.
+
+        The pool's sandbox has its cgroup while its folders and disk are still being made (the two overlap): a
+        full run on a loaded machine once read that moment twice as "before", and no "after" could equal it.
+        """
         deadline = time.monotonic() + SETTLE_TIMEOUT_S
         last = self.holdings()
         while time.monotonic() < deadline:
             await anyio.sleep(0.25)
             now = self.holdings()
-            if now == last and (expected is None or now == expected) and now.cgroups >= WARM_POOL:
+            made = now.cgroups >= WARM_POOL and (not self.disks or now.loops >= now.cgroups)
+            if now == last and made and (expected is None or now == expected):
                 return now
             last = now
         return last
