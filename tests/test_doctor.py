@@ -457,12 +457,7 @@ def test_an_audit_log_left_mid_rotation_is_ok_as_serve_finishes_the_rotation(
     """The doctor's tail check reads what serve's start reads: a crash between a rotation's link and unlink
     leaves the log also linked as its newest rotated file, two links, which serve's start finishes. Invariant:
     the doctor says ok (it said "has 2 hard links: remove the other links"), and the log is left as it was."""
-    log = demo_config.audit_path
-    log.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    audit = AuditLog(log, redactor=Redactor())
-    audit.open()
-    audit.append({"event": "before the crash"})
-    audit.close()
+    log = _log_of_one_record(demo_config)
     os.link(log, log.with_name(f"{log.name}.1"))
     _, checks, _ = _doctor(capsys, "--config", str(demo_config_path))
     assert checks["audit"][0] == "ok", checks["audit"]
@@ -513,12 +508,7 @@ def test_a_missing_log_beside_a_rotated_file_serve_refuses_fails_in_the_doctor(
     """Found by review: a crash between a rotation's unlink and the new log's open leaves only `<log>.N`, which a
     start goes on from and judges; here group-writable. The doctor said ok ("made at start"), serve refused.
     Invariant: the doctor fails with serve's line."""
-    log = demo_config.audit_path
-    log.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    audit = AuditLog(log, redactor=Redactor())
-    audit.open()
-    audit.append({"event": "before the crash"})
-    audit.close()
+    log = _log_of_one_record(demo_config)
     rotated = log.with_name(f"{log.name}.1")
     os.rename(log, rotated)
     rotated.chmod(0o660)
@@ -548,6 +538,17 @@ def test_an_immutable_audit_log_fails_in_the_doctor_as_serve_refuses_it(
         assert checks["audit"] == ("FAIL", str(refused.value))
     finally:
         subprocess.run(["chattr", "-i", str(log)], check=True)
+
+
+def _log_of_one_record(config: Config) -> Path:
+    """The config's audit log, made by `AuditLog` with one record in it."""
+    log = config.audit_path
+    log.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    audit = AuditLog(log, redactor=Redactor())
+    audit.open()
+    audit.append({"event": "before the crash"})
+    audit.close()
+    return log
 
 
 def _moved_to_a_root_folder(demo_config_path: Path) -> Path:

@@ -243,12 +243,7 @@ def test_a_second_build_after_the_env_is_moved_aside_mid_build_is_refused(tmp_pa
     moved aside while a build ran, a second build made a new one there, locked it and ran beside the first.
     Invariant: one build at a time per python_env path, whatever folder is there."""
     with socket.create_server(("127.0.0.1", 0)) as index:
-        lock = tmp_path / "six.lock"
-        lock.write_text(SIX_LOCK)
-        config = config_with(tmp_path, f'name = "small"\npython_env = "envs/small"\npython_lock = "{lock}"\n')
-        index_url = f'pip_index_url = "https://127.0.0.1:{index.getsockname()[1]}/simple"'
-        config.write_text(config.read_text().replace("[sandboxes]\n", f"[sandboxes]\n{index_url}\n", 1))
-        env = config.parent / "envs" / "small"
+        config, env = _small_env_config(tmp_path, index)
         with _building_in_pip(config, env, index):
             env.rename(env.with_name("small.aside"))
             second = _another_build(config)
@@ -489,6 +484,17 @@ def _building_in_pip(config: Path, env: Path, index: socket.socket) -> Iterator[
         build.wait()
 
 
+def _small_env_config(tmp_path: Path, index: socket.socket) -> tuple[Path, Path]:
+    """The demo config with template "small" (six from SIX_LOCK) and `index` as its package index: the config's
+    path and the env's."""
+    lock = tmp_path / "six.lock"
+    lock.write_text(SIX_LOCK)
+    config = config_with(tmp_path, f'name = "small"\npython_env = "envs/small"\npython_lock = "{lock}"\n')
+    index_url = f'pip_index_url = "https://127.0.0.1:{index.getsockname()[1]}/simple"'
+    config.write_text(config.read_text().replace("[sandboxes]\n", f"[sandboxes]\n{index_url}\n", 1))
+    return config, config.parent / "envs" / "small"
+
+
 def _another_build(config: Path) -> subprocess.CompletedProcess[str]:
     """`bastion template build small` beside one under way; killed, pip included, if it does not end in a minute."""
     argv = [str(BASTION), "template", "build", "small", "--config", str(config)]
@@ -517,12 +523,7 @@ def test_a_second_build_of_an_env_being_built_is_refused_in_one_line_and_touches
     bastion's line), and the first to finish unmarked the folder while the other still installed. Invariant:
     the second is refused at once with one line, and the folder stays marked unfinished for the first."""
     with socket.create_server(("127.0.0.1", 0)) as index:
-        lock = tmp_path / "six.lock"
-        lock.write_text(SIX_LOCK)
-        config = config_with(tmp_path, f'name = "small"\npython_env = "envs/small"\npython_lock = "{lock}"\n')
-        index_url = f'pip_index_url = "https://127.0.0.1:{index.getsockname()[1]}/simple"'
-        config.write_text(config.read_text().replace("[sandboxes]\n", f"[sandboxes]\n{index_url}\n", 1))
-        env = config.parent / "envs" / "small"
+        config, env = _small_env_config(tmp_path, index)
         with _building_in_pip(config, env, index):
             second = _another_build(config)
             assert second.returncode == EXIT_FAILED

@@ -15,6 +15,7 @@ import signal
 import struct
 import time
 import zlib
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -418,19 +419,10 @@ async def test_a_cell_cancelled_while_its_code_is_still_being_sent_leaves_the_co
     (SIGSTOP) so the pipe fills, the call is cancelled mid-send, and the kernel resumed. Invariant: the request
     goes in whole (or the context is ended), and the next cell runs at once in a live context."""
     box = await services.sandboxes.create(owner="test")
-    marker = f"held-{secrets.token_hex(8)}"
     run = functools.partial(box.code.run, language="python", context="cut", restart=False, progress=_quiet)
     try:
-        await run(f"held = open('/tmp/{marker}', 'w')\nkept = 1", timeout_s=None)
-        (kernel,) = processes_holding(marker)
-        process = box.code._contexts[("python", "cut")]._process
-        assert isinstance(process, BackgroundProcess)
-        os.kill(kernel, signal.SIGSTOP)
+        kernel, sending = await stopped_mid_send(box, run)
         try:
-            sending = asyncio.ensure_future(run("#" * (512 * 1024) + "\nkept = 2", timeout_s=None))
-            with anyio.fail_after(30):
-                while process._writable is None:  # the pipe is full: the send waits for room
-                    await asyncio.sleep(0.001)  # polling, not timing
             sending.cancel()
         finally:
             os.kill(kernel, signal.SIGCONT)
@@ -461,7 +453,9 @@ async def test_a_cell_whose_code_cannot_go_in_whole_ends_its_context_not_the_nex
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(kernel, signal.SIGCONT)
-        assert processes_holding(marker) == []
+        with anyio.fail_after(30):
+            while processes_holding(marker):  # killed: gone once the kernel has reaped it
+                await asyncio.sleep(0.01)  # polling, not timing
         with pytest.raises(Conflict, match="dead"):
             await run("1", restart=False)
         assert (await run("1 + 1", restart=True)).value == "2"
@@ -478,20 +472,11 @@ async def test_a_pause_mid_send_ends_the_context_though_its_kernel_cannot_be_kil
     idle with half a request in its input; after resume the next cell waited out its whole time limit.
     Invariant: the context is dead from then on, and says so; a restart after resume gives a working one."""
     box = await services.sandboxes.create(owner="test")
-    marker = f"held-{secrets.token_hex(8)}"
     run = functools.partial(box.code.run, language="python", context="cut", progress=_quiet)
     paused = False
     try:
-        await run(f"held = open('/tmp/{marker}', 'w')", restart=False, timeout_s=None)
-        (kernel,) = processes_holding(marker)
-        process = box.code._contexts[("python", "cut")]._process
-        assert isinstance(process, BackgroundProcess)
-        os.kill(kernel, signal.SIGSTOP)  # only to fill the pipe before the pause lands
+        kernel, sending = await stopped_mid_send(box, functools.partial(run, restart=False))
         try:
-            sending = asyncio.ensure_future(run("#" * (512 * 1024), restart=False, timeout_s=None))
-            with anyio.fail_after(30):
-                while process._writable is None:
-                    await asyncio.sleep(0.001)  # polling, not timing
             await services.sandboxes.pause(box.id)
             paused = True
         finally:
@@ -519,19 +504,10 @@ async def test_a_cell_cancelled_twice_mid_send_is_stopped_before_the_next_cell_r
     meanwhile, and the old cell's interrupt waited out the grace period and killed the context under it.
     Invariant: the context stays busy until the cancelled cell has stopped; the next cell runs in it, alive."""
     box = await services.sandboxes.create(owner="test")
-    marker = f"held-{secrets.token_hex(8)}"
     run = functools.partial(box.code.run, language="python", context="cut", restart=False, progress=_quiet)
     try:
-        await run(f"held = open('/tmp/{marker}', 'w')\nkept = 1", timeout_s=None)
-        (kernel,) = processes_holding(marker)
-        process = box.code._contexts[("python", "cut")]._process
-        assert isinstance(process, BackgroundProcess)
-        os.kill(kernel, signal.SIGSTOP)
+        kernel, sending = await stopped_mid_send(box, run)
         try:
-            sending = asyncio.ensure_future(run("#" * (512 * 1024) + "\nkept = 2", timeout_s=None))
-            with anyio.fail_after(30):
-                while process._writable is None:
-                    await asyncio.sleep(0.001)  # polling, not timing
             sending.cancel()
             with anyio.fail_after(30):
                 while not any("_stop_cancelled" in repr(t.get_coro()) for t in asyncio.all_tasks()):
@@ -548,6 +524,27 @@ async def test_a_cell_cancelled_twice_mid_send_is_stopped_before_the_next_cell_r
         assert after.value in ("2", "3"), after  # the cancelled cell was interrupted, or ran to its end
     finally:
         await services.sandboxes.close(box.id)
+
+
+async def stopped_mid_send(box: Any, run: Callable[..., Awaitable[Any]]) -> tuple[int, asyncio.Future[Any]]:
+    """Context "cut" started (`kept = 1`), its kernel stopped (SIGSTOP), and a cell of code over the pipe's 64 KiB
+    (`kept = 2` at its end) sent as a task: the kernel's pid and the task, once the send waits for room in the
+    pipe. The caller sends SIGCONT."""
+    marker = f"held-{secrets.token_hex(8)}"
+    await run(f"held = open('/tmp/{marker}', 'w')\nkept = 1", timeout_s=None)
+    (kernel,) = processes_holding(marker)
+    process = box.code._contexts[("python", "cut")]._process
+    assert isinstance(process, BackgroundProcess)
+    os.kill(kernel, signal.SIGSTOP)
+    try:
+        sending = asyncio.ensure_future(run("#" * (512 * 1024) + "\nkept = 2", timeout_s=None))
+        with anyio.fail_after(30):
+            while process._writable is None:  # the pipe is full: the send waits for room
+                await asyncio.sleep(0.001)  # polling, not timing
+    except BaseException:
+        os.kill(kernel, signal.SIGCONT)
+        raise
+    return kernel, sending
 
 
 def processes_holding(marker: str) -> list[int]:
