@@ -179,10 +179,12 @@ async def test_delete_snapshot_frees_its_files_and_refuses_unknown_ids(tmp_path:
 
 
 def age(services: Services, snapshot_id: str, seconds: float) -> None:
-    """Make a snapshot look `seconds` old (its record is where its age is kept)."""
+    """Make a snapshot look `seconds` old (its record is where its age is kept: on the wall clock and, within the
+    boot it was taken in, on the boot's clock)."""
     path = services.config.state_dir / "snapshots" / f"{snapshot_id}.json"
     record = json.loads(path.read_text())
     record["created"] = time.time() - seconds
+    record["boot_time"] = time.clock_gettime(time.CLOCK_BOOTTIME) - seconds
     path.write_text(json.dumps(record))
 
 
@@ -205,6 +207,29 @@ async def test_agent_snapshot_retention_expires_at_reap_and_at_start(tmp_path: P
         remaining = [s["snapshot_id"] for s in detail(await call(client, "list_snapshots"))["snapshots"]]
         assert remaining == ids[2:]
         assert snapshot_files(services) == sorted([f"{ids[2]}.json", f"{ids[2]}.tar.gz"])
+
+
+async def test_an_agent_snapshot_outlives_a_step_of_the_wall_clock_forward(tmp_path: Path) -> None:
+    """Found by attack (wall-clock jumps, a real server under a clock shim): a host that booted with its clock a
+    month behind (no RTC, before NTP) stamped an agent's fresh snapshot in the past; the sync's step forward had
+    the next reap delete it, the closed sandbox's only copy. Invariant: within the boot it was taken in, a
+    snapshot is young while the boot's clock says so, at the next reap and at the next start."""
+    config_path = configure(tmp_path / "demo", snapshot_retention_s=3600)
+    async with serve(config_path) as (client, services):
+        box = await create(client)
+        await sh(client, box, "echo only copy > f")
+        snapshot = str(detail(await call(client, "snapshot_sandbox", sandbox_id=box))["snapshot_id"])
+        assert (await call(client, "close_sandbox", sandbox_id=box))["ok"]
+        path = services.config.state_dir / "snapshots" / f"{snapshot}.json"
+        record = json.loads(path.read_text())
+        record["created"] -= 30 * 86_400  # stamped a month back: the clock has stepped forward since
+        path.write_text(json.dumps(record))
+        await services.sandboxes.reap()
+        listed = [s["snapshot_id"] for s in detail(await call(client, "list_snapshots"))["snapshots"]]
+        assert listed == [snapshot]
+    async with serve(config_path) as (client, _):
+        listed = [s["snapshot_id"] for s in detail(await call(client, "list_snapshots"))["snapshots"]]
+        assert listed == [snapshot]
 
 
 @pytest.mark.root

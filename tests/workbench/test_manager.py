@@ -677,11 +677,12 @@ def test_recovery_makes_no_snapshot_of_a_disk_caught_before_lost_found_was_remov
     assert not orphan.parent.exists()
 
 
-def test_a_recovered_snapshot_outlives_a_clock_step_forward_in_the_start_that_made_it(demo_config_path: Path) -> None:
+def test_a_recovered_snapshot_outlives_a_clock_step_forward_in_the_boot_that_made_it(demo_config_path: Path) -> None:
     """Attack (the host's clock, not an agent): a host booting with its clock far behind (no RTC, before NTP)
     stamps the snapshots recovered at start in the past, and the sync's step forward made the next reap delete
-    them, a crashed sandbox's only copy. Within the start that made it, a recovered snapshot is also aged on the
-    monotonic clock; a later start, with no such memory, expires it by its record as before."""
+    them, a crashed sandbox's only copy. It was aged on the monotonic clock within the start that made it, and
+    the next start deleted it (found by attack on wall-clock jumps). Invariant: within the boot it was taken
+    in, a snapshot is aged on the boot's clock too, by every start; one truly that old on both goes."""
     config = load_config(demo_config_path)
     orphan = config.sandboxes_dir / "sb-0123456789ab" / "workspace"
     orphan.mkdir(parents=True)
@@ -699,7 +700,10 @@ def test_a_recovered_snapshot_outlives_a_clock_step_forward_in_the_start_that_ma
         services.close()
     services = build_services(config)
     try:
-        assert services.sandboxes.snapshots() == []
+        assert [s.id for s in services.sandboxes.snapshots()] == [info.id]  # the next start keeps it too
+        stamped["boot_time"] = time.clock_gettime(time.CLOCK_BOOTTIME) - 10 * config.sandboxes.orphan_retention_s
+        record.write_text(json.dumps(stamped))
+        assert services.sandboxes.expire_snapshots() == [info.id]
     finally:
         services.close()
 

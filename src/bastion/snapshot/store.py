@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import hashlib
 import json
 import os
@@ -103,6 +104,8 @@ class SnapshotInfo:
             records older than this field).
         entries: files, folders and symlinks stored, each an inode and up to a block when
             restored; hard links excluded (``files`` in records older than this field).
+        boot: the host's boot id and its CLOCK_BOOTTIME (seconds) when it was taken: its age within that boot,
+            which a step of the wall clock does not move (`age_s`); ("", 0.0) in older records.
     """
 
     id: str
@@ -115,6 +118,31 @@ class SnapshotInfo:
     metadata: dict[str, str] = field(default_factory=dict)
     data_bytes: int = 0
     entries: int = 0
+    boot: tuple[str, float] = ("", 0.0)
+
+    def age_s(self, now: float, boot: tuple[str, float]) -> float:
+        """Its age at wall time `now` and `boot` (`boot_clock`): within the boot it was taken in, the younger
+        of the wall clock's and the boot clock's. Found by attack: a host that booted with its clock a month
+        behind (no RTC, before NTP) stamped an agent's fresh snapshot in the past, and the sync's step forward
+        had the next reap delete it, the closed sandbox's only copy; the start after it did the same to a
+        crashed sandbox's recovered snapshot."""
+        age = now - self.created
+        if self.boot[0] and self.boot[0] == boot[0]:
+            age = min(age, boot[1] - self.boot[1])
+        return age
+
+
+def boot_clock() -> tuple[str, float]:
+    """This host's boot id and its CLOCK_BOOTTIME now (("", 0.0) where there is no boot id)."""
+    return _boot_id(), time.clock_gettime(time.CLOCK_BOOTTIME)
+
+
+@functools.cache
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text(encoding="ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        return ""
 
 
 @final
@@ -199,6 +227,7 @@ def create_snapshot(
                     metadata={**extra, "skipped": str(tally.skipped)},
                     data_bytes=tally.data_bytes,
                     entries=tally.entries - tally.links,
+                    boot=boot_clock(),
                 )
                 payload = _info_to_json(info)
                 if len(payload) > MAX_INFO_BYTES:
@@ -550,6 +579,8 @@ def _info_to_json(info: SnapshotInfo) -> bytes:
         "metadata": info.metadata,
         "data_bytes": info.data_bytes,
         "entries": info.entries,
+        "boot_id": info.boot[0],
+        "boot_time": info.boot[1],
     }
     return json.dumps(record, indent=2, sort_keys=True, ensure_ascii=False).encode("utf-8") + b"\n"
 
@@ -601,6 +632,9 @@ def _info_from_json(data: object) -> SnapshotInfo | None:
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             return None
         numbers.append(count)
+    boot_id, boot_time = record.get("boot_id", ""), record.get("boot_time", 0.0)  # absent in older records
+    if not isinstance(boot_id, str) or isinstance(boot_time, bool) or not isinstance(boot_time, int | float):
+        return None
     pairs: dict[object, object] = metadata
     strings: dict[str, str] = {}
     for key, value in pairs.items():
@@ -618,4 +652,5 @@ def _info_from_json(data: object) -> SnapshotInfo | None:
         metadata=strings,
         data_bytes=numbers[3],
         entries=numbers[4],
+        boot=(boot_id, float(boot_time)),
     )

@@ -77,6 +77,7 @@ from bastion.snapshot.store import (
     OverBound,
     SnapshotInfo,
     SnapshotLimits,
+    boot_clock,
     create_snapshot,
     delete_snapshot,
     list_snapshots,
@@ -245,7 +246,6 @@ class SandboxManager:
         self._archiving: dict[str, anyio.Event] = {}
         # Sandboxes a snapshot froze and will thaw at its end: a user's pause is apart (`pause`, `resume`).
         self._frozen_for_snapshot: set[str] = set()
-        self._made_at: dict[str, float] = {}
         """Snapshot id -> `time.monotonic()` when this process recovered it (`expire_snapshots`)."""
         # Sandboxes a restore is writing (as their host id): closing one removes the files, and frees the id, after.
         self._restoring: dict[str, anyio.Event] = {}
@@ -1036,20 +1036,15 @@ class SandboxManager:
     def expire_snapshots(self) -> list[str]:
         """Delete the snapshots past their retention (see `snapshot_expires`); return their ids. Blocking (unlinks).
 
-        A snapshot this process recovered at its start is also aged on the monotonic clock, and
-        kept while either clock says it is young: a host that boots with its clock far behind (no
-        RTC, before NTP) stamps them in the past, and the sync's step forward would otherwise delete
-        them, a crashed sandbox's only copy, at the next reap.
+        A snapshot taken in this boot is aged on the boot's own clock too, and kept while either clock says it
+        is young (`SnapshotInfo.age_s`): a host that boots with its clock far behind (no RTC, before NTP) stamps
+        them in the past, and the sync's step forward would otherwise delete them at the next reap.
         """
-        now, ticks = time.time(), time.monotonic()
-        found = list_snapshots(self._snapshots)
-        self._made_at = {info.id: self._made_at[info.id] for info in found if info.id in self._made_at}
+        now, boot = time.time(), boot_clock()
         expired = []
-        for info in found:
+        for info in list_snapshots(self._snapshots):
             retention = self.snapshot_expires(info) - info.created
-            made = self._made_at.get(info.id)
-            age = now - info.created if made is None else min(now - info.created, ticks - made)
-            if age > retention:
+            if info.age_s(now, boot) > retention:
                 with contextlib.suppress(NotFound):  # deleted meanwhile by a call
                     delete_snapshot(self._snapshots, info.id)
                     expired.append(info.id)
@@ -1142,7 +1137,6 @@ class SandboxManager:
                 logger.error("sandbox %s left by a crash kept as is, for the next start: %s", root.name, exc.reason)
                 return []
             else:
-                self._made_at[info.id] = time.monotonic()
                 made.append(info.id)
         _discard(root)
         return made
