@@ -95,6 +95,30 @@ def test_registration_flood_evicts_unused_clients_so_claude_still_registers(
         assert_no_traceback(server)
 
 
+def test_a_table_filled_while_the_clock_ran_a_year_ahead_refuses_for_minutes_not_a_year(
+    start_proxied_server: Callable[..., AbstractContextManager[LiveServer]],
+) -> None:
+    """Found by attack (wall-clock jumps, a real server under a clock shim): never-used clients registered while
+    the clock ran a year ahead were stamped in the future; once it stepped back, none could be expired, evicted
+    or pruned, and every registration, claude.ai's included, got 429 with a Retry-After of a year. Invariant: a
+    stamp after now is taken as now, so the refusal says minutes (`unused_client_min_age_s`), and once that has
+    passed the flood is evicted as any other."""
+    extra = "max_clients = 4\nregistrations_per_ip_per_hour = 10\nunused_client_min_age_s = 60"
+    with start_proxied_server(http_extra=extra) as server, server.http() as raw:
+        flood = [raw.post("/register", json=LOOPBACK, headers=from_address(f"192.0.2.{n}")) for n in range(1, 5)]
+        assert [r.status_code for r in flood] == [201] * 4
+        with server.db() as db:  # registered while the clock ran a year ahead
+            db.execute("UPDATE oauth_clients SET created_at = created_at + 365 * 86400")
+        refused = raw.post("/register", json=CLAUDE_AI, headers=from_address("198.51.100.1"))
+        assert refused.status_code == 429
+        assert 1 <= int(refused.headers["retry-after"]) <= 60
+        with server.db() as db:  # the flood is now two minutes old, on the stepped-back clock
+            db.execute("UPDATE oauth_clients SET created_at = created_at - 120")
+        claude_ai = raw.post("/register", json=CLAUDE_AI, headers=from_address("198.51.100.1"))
+        assert claude_ai.status_code == 201, claude_ai.text
+        assert_no_traceback(server)
+
+
 def test_registration_flood_from_one_ipv6_64_counts_as_one_address(
     start_proxied_server: Callable[..., AbstractContextManager[LiveServer]],
 ) -> None:

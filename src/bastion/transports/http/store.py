@@ -204,10 +204,19 @@ class AuthStore:
     def client_count(self) -> int:
         return int(self._db.execute("SELECT count(*) FROM oauth_clients").fetchone()[0])
 
+    def _unstamp_future(self, now: float) -> None:
+        """Clients stamped after `now` were stamped before a step of the wall clock back: they are taken as made
+        now. Found by attack (wall-clock jumps): with the clock a year ahead, a full table of never-used clients
+        could be neither expired, evicted nor pruned once it stepped back, and every registration, claude.ai's
+        included, was refused with a Retry-After of a year."""
+        self._db.execute("UPDATE oauth_clients SET created_at = ? WHERE created_at > ?", (now, now))
+        self._db.execute("UPDATE oauth_clients SET authorizing_at = ? WHERE authorizing_at > ?", (now, now))
+
     def expire_unused_clients(self, older_than_s: float) -> int:
         """Forget clients registered more than `older_than_s` ago that never got a grant, but not one whose
         authorization started in the last `AUTHORIZATION_KEPT_S` (its approval may be a click away)."""
         now = time.time()
+        self._unstamp_future(now)
         cursor = self._db.execute(
             "DELETE FROM oauth_clients WHERE last_used_at IS NULL AND created_at < ? "
             "AND (authorizing_at IS NULL OR authorizing_at < ?) "
@@ -223,6 +232,7 @@ class AuthStore:
         flood leaves behind is unused; the youngest and those whose authorization started recently stay.
         """
         now = time.time()
+        self._unstamp_future(now)
         cursor = self._db.execute(
             "DELETE FROM oauth_clients WHERE client_id IN (SELECT client_id FROM oauth_clients "
             "WHERE last_used_at IS NULL AND created_at < ? AND (authorizing_at IS NULL OR authorizing_at < ?) "
