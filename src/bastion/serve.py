@@ -37,19 +37,28 @@ if TYPE_CHECKING:
     from bastion.transports.http.connections import FdLimits, UnsentWatch
 
 
-_STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+"""Stop the server cleanly. SIGQUIT (Ctrl-\\ in a terminal) among them: found by attack, its default action ended
+the process on the spot, 14 mounts, 2 loop devices and 20 cgroups left until the next start."""
 _CLEANUP_SIGNALS = (*_STOP_SIGNALS, signal.SIGINT)
 """Ignored while the services close, and after: Ctrl-C too (found by review: pressed again during the HTTP
 server's cleanup, it ended the process with every sandbox mounted). SIGKILL still ends a cleanup that hangs."""
+_UNUSED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
+"""Do nothing (the log is stderr: there is nothing to reopen). Found by attack: a logrotate habit's `kill -USR1`
+ended the server as SIGQUIT did. A handler, not SIG_IGN, which sandboxed programs would inherit across exec."""
 
 
 class Stopped(SystemExit):
-    """SIGTERM or SIGHUP arrived: unwind, so `finally` closes the services (mounts, sandboxes, audit)."""
+    """SIGTERM, SIGHUP or SIGQUIT arrived: unwind, so `finally` closes the services (mounts, sandboxes, audit)."""
 
 
 def _stop(signum: int, _frame: FrameType | None) -> None:
     # The default action ends the process on the spot: every mount and sandbox disk would stay behind.
     raise Stopped(0)
+
+
+def _unused(signum: int, _frame: FrameType | None) -> None:
+    """Nothing (`_UNUSED_SIGNALS`); not even a log line: a handler may run in the middle of one."""
 
 
 @contextlib.contextmanager
@@ -59,6 +68,8 @@ def stop_signals() -> Iterator[None]:
     end: what follows is the process's exit, which a repeated `systemctl stop` would turn into a kill."""
     for sig in _STOP_SIGNALS:
         signal.signal(sig, _stop)
+    for sig in _UNUSED_SIGNALS:
+        signal.signal(sig, _unused)
     try:
         yield
     finally:
@@ -286,9 +297,10 @@ def clean_stop_server(notifier: Notifier, status: str) -> type[uvicorn.Server]:
 
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:
-            # uvicorn stops on SIGINT and SIGTERM only: SIGHUP (a closed terminal) stops it as they do.
+            # uvicorn stops on SIGINT and SIGTERM only: SIGHUP (a closed terminal) and SIGQUIT stop it as they do.
             main = threading.current_thread() is threading.main_thread()
-            previous = signal.signal(signal.SIGHUP, self.handle_exit) if main else None
+            extra = (signal.SIGHUP, signal.SIGQUIT)
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in extra} if main else {}
             try:
                 with super().capture_signals():
                     try:
@@ -296,8 +308,8 @@ def clean_stop_server(notifier: Notifier, status: str) -> type[uvicorn.Server]:
                     finally:
                         self._captured_signals.clear()
             finally:
-                if previous is not None:
-                    signal.signal(signal.SIGHUP, previous)
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
                 if main:
                     # uvicorn gave SIGINT back Python's handler: a Ctrl-C while asyncio.run cancels what is left
                     # (the lifespan) raised KeyboardInterrupt inside it, a traceback in the log (found by the
@@ -332,6 +344,11 @@ async def _cancelled_requests_finish(server: uvicorn.Server) -> None:
     for them, and once `serve` returns asyncio.run cancels what is left again, natively, through any
     anyio shield: a cancelled call writing its end record lost it (a start record without its end)."""
     running = [task for task in server.server_state.tasks if not task.done()]
+    if running and server.force_exit:
+        # A second Ctrl-C: uvicorn cancelled nothing, and this waited out the whole bound for requests still
+        # running (found by attack: 10.3 s against 2 s for one Ctrl-C). They are cancelled, and unwind.
+        for task in running:
+            task.cancel()
     if running:
         await asyncio.wait(running, timeout=CANCELLED_CLEANUP_S)
 

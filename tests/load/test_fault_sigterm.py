@@ -16,6 +16,7 @@ import os
 import secrets
 import signal
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ import pytest
 from mcp import Client
 
 from bastion.safety.audit import verify
+from bastion.serve import CANCELLED_CLEANUP_S
 from bastion.tools._call import CANCELLED_REASON
 from bastion.transports.http.connections import CANCELLED_AT_SHUTDOWN
 from tests.helpers import BASTION, INITIALIZE_REQUEST, mounts_under, processes_with
@@ -40,6 +42,7 @@ from .fault_server import (
     fault_config,
     internal_errors,
     loops_under,
+    open_starts,
     settled_leftovers,
     unmount_all,
     until,
@@ -149,9 +152,12 @@ class _Wire:
                 self.answers[message["id"]] = message
 
 
-async def test_sigterm_over_stdio_cuts_calls_with_their_end_records(root: Path) -> None:
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGQUIT], ids=["sigterm", "sigquit"])
+async def test_sigterm_over_stdio_cuts_calls_with_their_end_records(root: Path, signum: signal.Signals) -> None:
     """Invariant: over stdio a SIGTERM cancels the calls in flight at once (no grace period); each
-    still gets its end record, the server exits 0, and nothing is left behind."""
+    still gets its end record, the server exits 0, and nothing is left behind. SIGQUIT (Ctrl-\\) the same:
+    found by attack, its default action ended the server on the spot, its mounts, loop devices and cgroups
+    left until the next start and its calls without their end records."""
     config_path = fault_config(root)
     argv = [str(BASTION), "serve", "--config", str(config_path), "--stdio"]
     async with await anyio.open_process(argv, stderr=subprocess.DEVNULL) as process:
@@ -167,7 +173,7 @@ async def test_sigterm_over_stdio_cuts_calls_with_their_end_records(root: Path) 
             await wire.call(call_id, "run_command", command=f"echo {call_id} >> n.txt", sandbox_id=box)
         await until(lambda: len(processes_with(LONG_SLEEP.replace(" ", "\0"))) == 1, what="the long call")
         pid, processes = process.pid, descendants(process.pid)
-        process.send_signal(signal.SIGTERM)
+        process.send_signal(signum)
         await wire.read_until(None)
         assert await process.wait() == 0
     assert settled_leftovers(root, pid, processes).none
@@ -178,6 +184,38 @@ async def test_sigterm_over_stdio_cuts_calls_with_their_end_records(root: Path) 
     )
     (cut,) = [r for r in audit_records(audit) if r["event"] == "end" and r["args"].get("command") == LONG_SLEEP]
     assert (cut["code"], cut["reason"]) == ("UNAVAILABLE", CANCELLED_REASON), cut
+
+
+async def test_sigusr1_and_sigusr2_mid_call_change_nothing(root: Path) -> None:
+    """Found by attack: SIGUSR1 (a logrotate habit's `kill -USR1`) and SIGUSR2 kept their default action and
+    ended the server on the spot, mid-call, leaving its mounts, loop devices and cgroups. Invariant: they do
+    nothing; the call in flight ends as it would have, the next one runs, and the server still stops cleanly."""
+    config_path = fault_config(root)
+    argv = [str(BASTION), "serve", "--config", str(config_path), "--stdio"]
+    async with await anyio.open_process(argv, stderr=subprocess.DEVNULL) as process:
+        wire = _Wire(process)
+        await wire.send(INITIALIZE_REQUEST)
+        await wire.read_until(1)
+        await wire.send({"jsonrpc": "2.0", "method": "notifications/initialized"})
+        await wire.call(2, "create_sandbox")
+        await wire.read_until(2)
+        box = wire.answers[2]["result"]["structuredContent"]["detail"]["sandbox_id"]
+        marker = f"sleep 1.{secrets.randbelow(10**9):09d}"
+        await wire.call(3, "run_command", command=f"{marker}; echo done", sandbox_id=box)
+        await until(lambda: len(processes_with(marker.replace(" ", "\0"))) == 1, what="the call in flight")
+        pid, processes = process.pid, descendants(process.pid)
+        for signum in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGUSR1):
+            process.send_signal(signum)
+        await wire.read_until(3)
+        assert wire.answers[3]["result"]["structuredContent"]["detail"]["stdout"] == "done\n"
+        await wire.call(4, "run_command", command="echo after", sandbox_id=box)
+        await wire.read_until(4)
+        assert wire.answers[4]["result"]["structuredContent"]["detail"]["stdout"] == "after\n"
+        process.send_signal(signal.SIGTERM)
+        await wire.read_until(None)
+        assert await process.wait() == 0
+    assert settled_leftovers(root, pid, processes).none
+    assert verify(root / "state" / "audit.jsonl").ok
 
 
 def _signal_until_gone(server: Served, signum: int) -> int:
@@ -196,7 +234,11 @@ async def _three_sandboxes(load: Load, client: Client, index: int) -> None:
         await load.call(client, "write_file", path="kept.txt", content=f"{n}", sandbox_id=box)
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT], ids=["sigterm", "sighup", "sigint"])
+@pytest.mark.parametrize(
+    "signum",
+    [signal.SIGTERM, signal.SIGHUP, signal.SIGINT, signal.SIGQUIT],
+    ids=["sigterm", "sighup", "sigint", "sigquit"],
+)
 async def test_stop_signals_repeated_through_the_http_servers_cleanup_exit_0_and_leave_nothing(
     root: Path, signum: int
 ) -> None:
@@ -218,6 +260,30 @@ async def test_stop_signals_repeated_through_the_http_servers_cleanup_exit_0_and
         server.stop()
     assert verify(root / "state" / "audit.jsonl").ok
     assert "Traceback" not in server.log()
+
+
+async def test_a_second_ctrl_c_with_a_call_in_flight_cuts_it_at_once(root: Path) -> None:
+    """Found by attack: uvicorn takes a second Ctrl-C as a forced stop and cancels nothing; bastion then waited its
+    whole bound (`CANCELLED_CLEANUP_S`) for the requests still running: 10.3 s, against 2 s for one Ctrl-C.
+    Invariant: they are cancelled, each still gets its end record, and the stop ends well within that bound."""
+    server = Served(fault_config(root))
+    server.start()
+    try:
+        load = Load(server.mcp_url)
+        async with anyio.create_task_group() as calls:
+            calls.start_soon(load.run, 1, _long_call)
+            await until(lambda: len(processes_with(LONG_SLEEP.replace(" ", "\0"))) == 1, what="the long call")
+            started = time.monotonic()
+            server.signal(signal.SIGINT)
+            await until(lambda: "Shutting down" in server.log(), what="the graceful stop under way")
+            server.signal(signal.SIGINT)
+            assert await anyio.to_thread.run_sync(server.wait) == 0, server.log()
+            took = time.monotonic() - started
+    finally:
+        server.stop()
+    assert took < CANCELLED_CLEANUP_S / 2, f"the forced stop took {took:.1f} s"
+    assert open_starts(root / "state" / "audit.jsonl") == []
+    assert verify(root / "state" / "audit.jsonl").ok
 
 
 async def test_sigterm_while_a_restarts_recovery_runs_exits_0_and_leaves_nothing(root: Path) -> None:
