@@ -640,7 +640,7 @@ def sanitize_terminal(text: str) -> str:
 _ESCAPED_NAME_CATEGORIES: Final = frozenset({"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp", "Zs"})
 # Shown as nothing, or as a space, though not in those categories: fillers, the blank braille cell, the
 # combining grapheme joiner and the variation selectors. Other combining marks are letters' accents.
-_INVISIBLE: Final = frozenset(
+INVISIBLE_CODEPOINTS: Final = frozenset(
     {0x034F, 0x115F, 0x1160, 0x2800, 0x3164, 0xFFA0, *range(0xFE00, 0xFE10), *range(0xE0100, 0xE01F0)}
 )
 
@@ -661,7 +661,7 @@ def sanitize_name(name: str) -> str:
             out.append(f"\\x{point - 0xDC00:02x}")
         elif char == "\\":
             out.append("\\\\")
-        elif char != " " and (unicodedata.category(char) in _ESCAPED_NAME_CATEGORIES or point in _INVISIBLE):
+        elif char != " " and (unicodedata.category(char) in _ESCAPED_NAME_CATEGORIES or point in INVISIBLE_CODEPOINTS):
             out.append(f"\\u{point:04x}" if point <= 0xFFFF else f"\\U{point:08x}")  # fixed width: one reading
         else:
             out.append(char)
