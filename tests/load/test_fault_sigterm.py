@@ -17,7 +17,7 @@ import secrets
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -152,14 +152,11 @@ class _Wire:
                 self.answers[message["id"]] = message
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGQUIT], ids=["sigterm", "sigquit"])
-async def test_sigterm_over_stdio_cuts_calls_with_their_end_records(root: Path, signum: signal.Signals) -> None:
-    """Invariant: over stdio a SIGTERM cancels the calls in flight at once (no grace period); each
-    still gets its end record, the server exits 0, and nothing is left behind. SIGQUIT (Ctrl-\\) the same:
-    found by attack, its default action ended the server on the spot, its mounts, loop devices and cgroups
-    left until the next start and its calls without their end records."""
-    config_path = fault_config(root)
-    argv = [str(BASTION), "serve", "--config", str(config_path), "--stdio"]
+@contextlib.asynccontextmanager
+async def _stdio_with_a_sandbox(root: Path) -> AsyncIterator[tuple[anyio.abc.Process, _Wire, str]]:
+    """`bastion serve --stdio` on the fault config in `root`, initialized, with one sandbox made (call id 2):
+    the process, its wire and the sandbox's id."""
+    argv = [str(BASTION), "serve", "--config", str(fault_config(root)), "--stdio"]
     async with await anyio.open_process(argv, stderr=subprocess.DEVNULL) as process:
         wire = _Wire(process)
         await wire.send(INITIALIZE_REQUEST)
@@ -167,7 +164,16 @@ async def test_sigterm_over_stdio_cuts_calls_with_their_end_records(root: Path, 
         await wire.send({"jsonrpc": "2.0", "method": "notifications/initialized"})
         await wire.call(2, "create_sandbox")
         await wire.read_until(2)
-        box = wire.answers[2]["result"]["structuredContent"]["detail"]["sandbox_id"]
+        yield process, wire, wire.answers[2]["result"]["structuredContent"]["detail"]["sandbox_id"]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGQUIT], ids=["sigterm", "sigquit"])
+async def test_sigterm_over_stdio_cuts_calls_with_their_end_records(root: Path, signum: signal.Signals) -> None:
+    """Invariant: over stdio a SIGTERM cancels the calls in flight at once (no grace period); each
+    still gets its end record, the server exits 0, and nothing is left behind. SIGQUIT (Ctrl-\\) the same:
+    found by attack, its default action ended the server on the spot, its mounts, loop devices and cgroups
+    left until the next start and its calls without their end records."""
+    async with _stdio_with_a_sandbox(root) as (process, wire, box):
         await wire.call(3, "run_command", command=LONG_SLEEP, sandbox_id=box)
         for call_id in range(4, 8):
             await wire.call(call_id, "run_command", command=f"echo {call_id} >> n.txt", sandbox_id=box)
@@ -190,16 +196,7 @@ async def test_sigusr1_and_sigusr2_mid_call_change_nothing(root: Path) -> None:
     """Found by attack: SIGUSR1 (a logrotate habit's `kill -USR1`) and SIGUSR2 kept their default action and
     ended the server on the spot, mid-call, leaving its mounts, loop devices and cgroups. Invariant: they do
     nothing; the call in flight ends as it would have, the next one runs, and the server still stops cleanly."""
-    config_path = fault_config(root)
-    argv = [str(BASTION), "serve", "--config", str(config_path), "--stdio"]
-    async with await anyio.open_process(argv, stderr=subprocess.DEVNULL) as process:
-        wire = _Wire(process)
-        await wire.send(INITIALIZE_REQUEST)
-        await wire.read_until(1)
-        await wire.send({"jsonrpc": "2.0", "method": "notifications/initialized"})
-        await wire.call(2, "create_sandbox")
-        await wire.read_until(2)
-        box = wire.answers[2]["result"]["structuredContent"]["detail"]["sandbox_id"]
+    async with _stdio_with_a_sandbox(root) as (process, wire, box):
         marker = f"sleep 1.{secrets.randbelow(10**9):09d}"
         await wire.call(3, "run_command", command=f"{marker}; echo done", sandbox_id=box)
         await until(lambda: len(processes_with(marker.replace(" ", "\0"))) == 1, what="the call in flight")

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Final, Literal
 
 from bastion.safety.errors import ConfigError
+from bastion.safety.paths import sync_folder
 
 Kind = Literal["apply", "move", "undo", "redo"]
 # Older actions than this many can no longer be undone; the journal is compacted at start-up.
@@ -173,14 +174,6 @@ def _line(record: dict[str, Any]) -> bytes:
     return b"%08x %s\n" % (zlib.crc32(body), body)
 
 
-def _sync_dir(path: Path) -> None:
-    dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
@@ -226,7 +219,7 @@ class Journal:
         new = not self.path.exists()
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         if new:
-            _sync_dir(self.path.parent)  # the journal's own name must survive a power cut too
+            sync_folder(self.path.parent)  # the journal's own name must survive a power cut too
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -311,7 +304,7 @@ class Journal:
         finally:
             os.close(fd)
         os.replace(temp, self.path)
-        _sync_dir(self.path.parent)
+        sync_folder(self.path.parent)
         self.close()
         self.open()
 

@@ -60,6 +60,7 @@ import anyio
 from bastion.executors import started_pool
 from bastion.metrics import Metrics
 from bastion.safety.errors import AuditUnavailable
+from bastion.safety.paths import sync_folder
 from bastion.safety.redact import Redactor, escape_hidden
 from bastion.safety.reserve import Reserve
 
@@ -885,7 +886,7 @@ class AuditLog:
             self._ident, self._offset = (new.st_dev, new.st_ino), 0
         try:
             if folder is None:
-                _sync_dir(self._path.parent)
+                sync_folder(self._path.parent)
             else:
                 os.fsync(folder)
         except OSError as exc:
@@ -1093,7 +1094,7 @@ def _open_log(path: Path, *, exclusive: bool) -> int:
         if problem is not None:
             raise AuditUnavailable(problem)
         if not exclusive and st.st_size == 0:
-            _sync_dir(path.parent)
+            sync_folder(path.parent)
     except BaseException:
         os.close(fd)
         raise
@@ -1180,15 +1181,6 @@ def _finish_rotation(path: Path, st: os.stat_result) -> bool:
     except OSError as exc:
         raise AuditUnavailable(f"audit log {path} cannot finish a rotation: {exc.strerror or exc}") from None
     return True
-
-
-def _sync_dir(directory: Path) -> None:
-    """Make a created or renamed entry durable (fsync(2): syncing the file is not enough)."""
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _chain_head(path: Path, fd: int, size: int) -> tuple[str, int]:

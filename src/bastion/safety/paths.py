@@ -174,6 +174,20 @@ def privileged_files(
         return found, walk.cut
 
 
+def sync_folder(folder: str | os.PathLike[str]) -> None:
+    """Make an entry created, renamed or removed in `folder` durable (fsync(2) of the folder: syncing the file
+    is not enough).
+
+    Raises:
+        OSError: the folder cannot be opened or synced.
+    """
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def open_real_folder(path: str, *, what: str = "the folder") -> int:
     """An ``O_PATH`` fd on the folder at the absolute `path`, refused if any component of it is a symlink.
 

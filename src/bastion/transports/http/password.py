@@ -19,6 +19,7 @@ from argon2 import PasswordHasher
 from argon2.exceptions import InvalidHashError, VerificationError, VerifyMismatchError
 
 from bastion.safety.errors import ConfigError, Conflict
+from bastion.safety.paths import sync_folder
 
 if TYPE_CHECKING:
     from bastion.transports.http.store import AuthStore
@@ -95,7 +96,7 @@ def begin_change(hash_path: Path) -> int:
         os.close(fd)
     try:
         os.fsync(fd)
-        _sync_folder(hash_path.parent)
+        sync_folder(hash_path.parent)
     except BaseException:
         os.close(fd)
         raise
@@ -106,7 +107,7 @@ def end_change(hash_path: Path, held: int) -> None:
     """The change is over (its grants revoked, or its hash never written): its mark goes, then its lock."""
     try:
         _mark(hash_path).unlink(missing_ok=True)
-        _sync_folder(hash_path.parent)
+        sync_folder(hash_path.parent)
     finally:
         os.close(held)
 
@@ -132,7 +133,7 @@ def finish_cut_short_change(hash_path: Path, store: AuthStore) -> int:
             return 0
         revoked = store.revoke_everything("admin password changed (a change cut short, finished now)")
         mark.unlink(missing_ok=True)
-        _sync_folder(hash_path.parent)
+        sync_folder(hash_path.parent)
     finally:
         os.close(fd)
     logger.warning("an admin password change was cut short before its revocation: %d grant(s) revoked now", revoked)
@@ -147,14 +148,6 @@ def _is(fd: int, path: Path) -> bool:
         return False
     held = os.fstat(fd)
     return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
-
-
-def _sync_folder(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class AdminCredential:
